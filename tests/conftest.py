@@ -1,0 +1,44 @@
+"""Shared fixtures: WebGPU adapters (every one present), and the rule that a missing adapter
+skips with a reason, or fails under WGPU_TRAIN_REQUIRE_DEVICE=1."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from wgpu_train.gpu import runtime
+
+
+def _adapters():
+    try:
+        return runtime.devices()
+    except Exception:  # noqa: BLE001 - no wgpu at all is the same as no adapter here
+        return []
+
+
+ADAPTERS = _adapters()
+REQUIRE_DEVICE = os.environ.get("WGPU_TRAIN_REQUIRE_DEVICE") == "1"
+
+
+def require_adapter():
+    """Skip (or fail under WGPU_TRAIN_REQUIRE_DEVICE=1) when no WebGPU adapter exists."""
+    if not ADAPTERS:
+        reason = "no WebGPU adapter found (install mesa-vulkan-drivers for lavapipe)"
+        if REQUIRE_DEVICE:
+            pytest.fail(reason + " and WGPU_TRAIN_REQUIRE_DEVICE=1")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session", params=[a.index for a in ADAPTERS] or [None],
+                ids=[f"{a.backend}" for a in ADAPTERS] or ["no-adapter"])
+def rt(request):
+    """A Runtime per adapter present, shared by the whole session (one device per adapter)."""
+    require_adapter()
+    return runtime.get_runtime(str(request.param))
+
+
+@pytest.fixture(scope="session")
+def default_rt():
+    """The Runtime of the adapter chosen by default (for tests that need only one)."""
+    require_adapter()
+    return runtime.get_runtime()

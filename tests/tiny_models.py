@@ -1,0 +1,68 @@
+"""Tiny randomly initialised transformers models (odd sizes), saved as Hugging Face folders for the tests."""
+from __future__ import annotations
+
+import json
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+# Sizes avoid multiples of 4, 16 and 64 where the architecture allows (head_dim must be even for RoPE).
+BASE = dict(vocab_size=83, hidden_size=30, intermediate_size=43, num_hidden_layers=2, num_attention_heads=3,
+            num_key_value_heads=1, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+def hf_config(arch: str, **overrides):
+    import transformers as tf
+
+    kw = dict(BASE)
+    if arch == "llama":
+        kw.update(rope_theta=5000.0, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        cls = tf.LlamaConfig
+    elif arch == "mistral":
+        kw.update(sliding_window=None, tie_word_embeddings=False, head_dim=10)
+        cls = tf.MistralConfig
+    elif arch == "qwen2":
+        kw.update(tie_word_embeddings=True, use_sliding_window=False)
+        cls = tf.Qwen2Config
+    elif arch == "qwen3":
+        kw.update(head_dim=14, tie_word_embeddings=True, use_sliding_window=False, num_key_value_heads=3)
+        cls = tf.Qwen3Config
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_model(arch: str, seed: int = 0, **overrides):
+    """A transformers CausalLM with random weights (norm weights randomised too, so they matter)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_model(model, folder, dtype=None):
+    """save_pretrained into folder (optionally converted to float16 / bfloat16)."""
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def edit_config(folder, **changes):
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))

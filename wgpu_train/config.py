@@ -1,0 +1,207 @@
+"""Model configuration read from a Hugging Face config.json, and the LoRA configuration."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, asdict
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError, ModelFileError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture hyper-parameters that the math needs, normalised across model families."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def linear_shape(self, module: str) -> tuple[int, int]:
+        """(out_features, in_features) of one of the seven linear modules of a layer."""
+        c, f = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (self.q_size, c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
+            "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
+        }[module]
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies (head_dim/2,), float64, with llama3 scaling when configured."""
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.rope_scaling is None:
+            return inv
+        s = self.rope_scaling
+        factor = float(s["factor"])
+        low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+        old_ctx = float(s.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("raw")
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Normalise a Hugging Face config dict; refuse what the math here does not implement."""
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{source}: field 'architectures' is {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key):
+            if key not in raw:
+                raise ConfigError(f"{source}: required field '{key}' is missing")
+            return raw[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        head_dim = raw.get("head_dim") or hidden // heads
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+        # transformers 5 writes a rope_parameters block; hub checkpoints use rope_theta / rope_scaling.
+        params = raw.get("rope_parameters")
+        if isinstance(params, dict) and params and not isinstance(next(iter(params.values())), dict):
+            theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            scaling = dict(params) if rope_type != "default" else None
+        elif isinstance(params, dict) and params:
+            raise ConfigError(f"{source}: field 'rope_parameters' holds per-layer-type RoPE, which is not supported")
+        else:
+            theta = raw.get("rope_theta", 10000.0)
+            scaling = raw.get("rope_scaling")
+            if scaling is not None:
+                rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+                scaling = dict(scaling) if rope_type != "default" else None
+        if scaling is not None:
+            rope_type = scaling.get("rope_type", scaling.get("type"))
+            if rope_type != "llama3":
+                raise ConfigError(f"{source}: field 'rope_scaling' has type {rope_type!r}; only 'llama3' is supported")
+            if "factor" not in scaling:
+                raise ConfigError(f"{source}: field 'rope_scaling' lacks 'factor'")
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0")
+        # A sliding window only matters when it is both enabled and shorter than the context.
+        window = raw.get("sliding_window")
+        use_window = raw.get("use_sliding_window", family == "mistral")
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        if window is not None and use_window and int(window) < max_pos:
+            raise ConfigError(f"{source}: field 'sliding_window' ({window}) is in effect; sliding-window attention is not supported")
+        if raw.get("mlp_bias"):
+            raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
+        attention_bias = bool(raw.get("attention_bias", family == "qwen2"))
+        if family == "qwen2":
+            attention_bias = True
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=family == "qwen3",
+            max_position_embeddings=max_pos,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+            raw=raw,
+        )
+
+    @classmethod
+    def from_folder(cls, path) -> "ModelConfig":
+        path = Path(path)
+        cfg = path / "config.json"
+        if not path.is_dir():
+            raise ModelFileError(f"model folder not found: {path}")
+        if not cfg.is_file():
+            raise ModelFileError(f"no config.json in model folder {path}")
+        try:
+            raw = json.loads(cfg.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{cfg}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ModelFileError(f"{cfg}: expected a JSON object")
+        return cls.from_dict(raw, str(cfg))
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters, with PEFT's meaning for every field."""
+
+    r: int = 8
+    alpha: float = 16
+    dropout: float = 0.0
+    target_modules: tuple = ("q_proj", "v_proj")
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = LINEAR_MODULES if targets == "all-linear" else tuple(
+                t.strip() for t in targets.split(",") if t.strip())
+        targets = tuple(targets)
+        unknown = [t for t in targets if t not in LINEAR_MODULES]
+        if unknown or not targets:
+            raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(LINEAR_MODULES)} or 'all-linear'")
+        object.__setattr__(self, "target_modules", tuple(t for t in LINEAR_MODULES if t in targets))
+        if int(self.r) < 1:
+            raise ConfigError(f"LoRA rank r must be >= 1, got {self.r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r

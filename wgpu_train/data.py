@@ -1,0 +1,619 @@
+"""Training data: JSONL files in five formats -> token ids with loss masks -> padded or packed batches,
+with a resumable batch stream for the trainer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence, Union
+
+import numpy as np
+
+from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.tokenizer import Tokenizer
+
+__all__ = [
+    "IGNORE_INDEX", "FORMATS", "Message", "Record", "DataSplits", "Example", "TokenizeStats", "Batch", "BatchStream",
+    "load_jsonl", "resolve_data", "raw_prompt_text", "tokenize_example", "tokenize_dataset", "make_batches",
+    "collate", "pack_examples",
+]
+
+IGNORE_INDEX = -100  # label of a position that carries no loss (transformers' convention)
+ROLES = ("system", "user", "assistant")
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+Record = Union[list, str]  # a conversation (list of Message) or, for the "text" format, a plain string
+
+# format name -> (required string fields, optional string fields); "chat" is checked separately
+FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "chat": (("messages",), ()),
+    "completions": (("prompt", "completion"), ("system",)),
+    "alpaca": (("instruction", "output"), ("input", "system")),
+    "instruction": (("instruction", "response"), ("system",)),
+    "text": (("text",), ()),
+}
+
+_SHAPES = {
+    "chat": '{"messages": [...]}',
+    "completions": '{"prompt", "completion"}',
+    "alpaca": '{"instruction", "input"?, "output"}',
+    "instruction": '{"instruction", "response", "system"?}',
+    "text": '{"text"}',
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSONL loading
+
+
+class _BadLine(Exception):
+    """A problem with one line; load_jsonl adds the file and line number."""
+
+
+def _detect_format(obj: Any) -> str:
+    if not isinstance(obj, dict):
+        raise _BadLine(f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        return "chat"
+    if "prompt" in obj or "completion" in obj:
+        return "completions"
+    if "instruction" in obj and "output" in obj:
+        return "alpaca"
+    if "instruction" in obj and "response" in obj:
+        return "instruction"
+    if "instruction" in obj:
+        return "alpaca" if "input" in obj else "instruction"  # reported below as a missing field
+    if "text" in obj:
+        return "text"
+    keys = ", ".join(sorted(obj)[:6]) or "none"
+    raise _BadLine(f"unknown record shape (keys: {keys}); expected one of " + ", ".join(_SHAPES.values()))
+
+
+def _string_field(obj: dict, key: str, where: str = "") -> str:
+    if key not in obj or obj[key] is None:
+        raise _BadLine(f'missing field "{key}"{where}')
+    value = obj[key]
+    if not isinstance(value, str):
+        raise _BadLine(f'field "{key}"{where} must be a string, got {type(value).__name__}')
+    if not value.strip():
+        raise _BadLine(f'field "{key}"{where} is empty')
+    return value
+
+
+def _optional_string(obj: dict, key: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _BadLine(f'field "{key}" must be a string, got {type(value).__name__}')
+    return value if value.strip() else None
+
+
+def _convert_chat(obj: dict) -> list[Message]:
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise _BadLine('"messages" must be a non-empty list')
+    out: list[Message] = []
+    for k, m in enumerate(messages):
+        where = f" in message {k}"
+        if not isinstance(m, dict):
+            raise _BadLine(f"message {k} must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _BadLine(f"message {k} has role {role!r}; roles must be system, user or assistant")
+        if role == "system" and k != 0:
+            raise _BadLine(f"message {k}: a system message may only come first")
+        out.append({"role": role, "content": _string_field(m, "content", where)})
+    first = 1 if out[0]["role"] == "system" else 0
+    if len(out) <= first or out[first]["role"] != "user":
+        raise _BadLine("the conversation must start with a user message (after an optional system message)")
+    if not any(m["role"] == "assistant" for m in out):
+        raise _BadLine("the conversation has no assistant message to train on")
+    return out
+
+
+def _convert(obj: Any, fmt: str) -> Record:
+    """Check `obj` against `fmt` and turn it into a message list (or the text, for the text format)."""
+    found = _detect_format(obj)
+    if found != fmt:
+        raise _BadLine(f"record looks like {found} format {_SHAPES[found]}, but the file is {fmt} format {_SHAPES[fmt]}")
+    if fmt == "chat":
+        return _convert_chat(obj)
+    if fmt == "text":
+        return _string_field(obj, "text")
+    required, _ = FORMATS[fmt]
+    prompt_key, response_key = required
+    user = _string_field(obj, prompt_key)
+    response = _string_field(obj, response_key)
+    if fmt == "alpaca":
+        extra = obj.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise _BadLine(f'field "input" must be a string, got {type(extra).__name__}')
+        if extra and extra.strip():
+            user = user + "\n\n" + extra
+    system = _optional_string(obj, "system")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+
+
+def load_jsonl(path: str | Path, skip_invalid: bool = False) -> tuple[list[Record], str, int]:
+    """Read a JSONL dataset: (records, format name, number of skipped lines).
+
+    The format is detected from the first valid line and every other line must match it. A bad line raises
+    DataError "file:line: problem", or is skipped and counted when `skip_invalid`. Blank lines are ignored.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
+        raw = raw[3:]
+
+    records: list[Record] = []
+    fmt: str | None = None
+    skipped = 0
+    n_lines = 0
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        n_lines += 1
+        try:
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _BadLine("not valid UTF-8") from None
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise _BadLine(f"invalid JSON ({e.msg} at column {e.colno})") from None
+            line_fmt = fmt if fmt is not None else _detect_format(obj)
+            record = _convert(obj, line_fmt)
+        except _BadLine as e:
+            if not skip_invalid:
+                raise DataError(f"{path}:{lineno}: {e}") from None
+            skipped += 1
+            continue
+        fmt = line_fmt
+        records.append(record)
+    if n_lines == 0:
+        raise DataError(f"{path}: empty file")
+    if not records:
+        raise DataError(f"{path}: no valid lines ({skipped} skipped)")
+    assert fmt is not None
+    return records, fmt, skipped
+
+
+@dataclass
+class DataSplits:
+    """Records of each split of a dataset and the format they were read in."""
+
+    train: list[Record]
+    valid: list[Record]
+    test: list[Record]
+    format: str
+    n_skipped: int = 0
+    files: dict[str, str] = field(default_factory=dict)  # split -> file it came from
+    valid_held_out: bool = False  # valid was carved out of train, not read from valid.jsonl
+
+
+def resolve_data(path: str | Path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False) -> DataSplits:
+    """Find the splits of a dataset: `path` is a JSONL file, or a folder with train.jsonl and optionally
+    valid.jsonl and test.jsonl. Without valid.jsonl a fraction `valid_split` of train, chosen with
+    np.random.default_rng(seed), is held out as valid (train keeps its file order)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if not 0.0 <= valid_split < 1.0:
+        raise ConfigError(f"valid_split must be in [0, 1), got {valid_split}")
+    if path.is_dir():
+        train_file = path / "train.jsonl"
+        if not train_file.is_file():
+            raise DataError(f"{path}: folder has no train.jsonl")
+        valid_file, test_file = path / "valid.jsonl", path / "test.jsonl"
+    else:
+        train_file, valid_file, test_file = path, None, None
+
+    train, fmt, skipped = load_jsonl(train_file, skip_invalid)
+    files = {"train": str(train_file)}
+    valid: list[Record] = []
+    test: list[Record] = []
+    held_out = False
+    for name, file in (("valid", valid_file), ("test", test_file)):
+        if file is not None and file.is_file():
+            records, other_fmt, n = load_jsonl(file, skip_invalid)
+            if (other_fmt == "text") != (fmt == "text"):
+                raise DataError(f"{file}: {other_fmt} format does not mix with {train_file.name}'s {fmt} format")
+            skipped += n
+            files[name] = str(file)
+            if name == "valid":
+                valid = records
+            else:
+                test = records
+    if "valid" not in files and valid_split > 0:
+        n = len(train)
+        n_valid = min(max(1, int(round(n * valid_split))), n - 1)
+        if n_valid > 0:
+            order = np.random.default_rng(seed).permutation(n)
+            held = set(order[:n_valid].tolist())
+            valid = [train[i] for i in sorted(held)]
+            train = [r for i, r in enumerate(train) if i not in held]
+            held_out = True
+    return DataSplits(train, valid, test, fmt, skipped, files, held_out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenization with loss masks
+
+
+@dataclass
+class Example:
+    """One tokenized sample. Labels are not shifted: the model's logits at t are scored against labels[t + 1]."""
+
+    input_ids: np.ndarray  # (T,) int32
+    labels: np.ndarray  # (T,) int64, IGNORE_INDEX where no loss
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def n_trained(self) -> int:
+        """Number of positions that carry loss after the shift."""
+        return int((self.labels[1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class TokenizeStats:
+    """What tokenize_dataset did to the records."""
+
+    n_records: int = 0
+    n_examples: int = 0
+    n_truncated: int = 0
+    n_dropped: int = 0  # nothing left to train on after truncation
+    n_tokens: int = 0
+    n_trained_tokens: int = 0
+
+
+def raw_prompt_text(messages: Sequence[Message]) -> str:
+    """The prompt text of raw (no chat template) mode: non-assistant contents joined by a blank line.
+    The response follows it directly, then the EOS token; generation should use this same prompt."""
+    return "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _assistant_span(tokenizer: Tokenizer, messages: Sequence[Message], i: int) -> tuple[str, int, int]:
+    """Render messages[:i + 1] (message i from the assistant); return the text and the char span [start, end) of
+    the assistant part: from the end of the generation prompt through the token that closes the turn."""
+    prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False)
+    # Templates that render a past assistant turn unlike a final one break the prefix; keep what they share.
+    start = len(prompt) if full.startswith(prompt) else _common_prefix_len(prompt, full)
+    content = messages[i]["content"]
+    at = full.find(content, start)
+    if at < 0:
+        at = full.find(content.strip(), start)
+        content = content.strip()
+    after = at + len(content) if at >= 0 else start
+    end = -1
+    for marker in tokenizer.end_of_turn_strings():
+        pos = full.find(marker, after)
+        if pos >= 0 and (end < 0 or pos + len(marker) < end):
+            end = pos + len(marker)
+    if end < 0:  # the template closes turns with nothing we know: train up to the last visible character
+        end = len(full.rstrip())
+    return full, start, max(end, start)
+
+
+def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message],
+                  train_on_last_turn: bool) -> tuple[list[int], list[int]]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if train_on_last_turn:
+        turns = turns[-1:]
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i in turns:
+        part, start, end = _assistant_span(tokenizer, messages, i)
+        if text.startswith(part[:end]):
+            span = (start, end)
+        else:
+            # Past turns render differently inside the whole conversation (e.g. thinking stripped): find the
+            # turn's text, or failing that its content through the end of turn, after the previous turn.
+            piece = part[start:end]
+            at = text.find(piece, cursor)
+            if at < 0:
+                inner = part.find(messages[i]["content"], start)
+                piece = part[inner:end] if 0 <= inner < end else ""
+                at = text.find(piece, cursor) if piece else -1
+            if at < 0:
+                raise DataError(f"cannot locate assistant turn {i} in the rendered chat template text")
+            span = (at, at + len(piece))
+        spans.append(span)
+        cursor = span[1]
+
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    labels = [IGNORE_INDEX] * len(ids)
+    k = 0
+    for j, (tok_start, _) in enumerate(offsets):
+        # a token belongs to the span its first character lies in; spans are sorted and disjoint
+        while k < len(spans) and tok_start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if spans[k][0] <= tok_start:
+            labels[j] = ids[j]
+    return ids, labels
+
+
+def _raw_example(tokenizer: Tokenizer, messages: Sequence[Message],
+                 train_on_last_turn: bool) -> tuple[list[int], list[int]]:
+    """Raw mode: per assistant turn, prompt text (raw_prompt_text of the turns since the last answer) directly
+    followed by the response, then the EOS id."""
+    eos = tokenizer.eos_token_id
+    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
+    ids: list[int] = list(bos)
+    labels: list[int] = [IGNORE_INDEX] * len(bos)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    pending: list[Message] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        prompt = raw_prompt_text(pending)
+        pending = []
+        chunk_ids, offsets = tokenizer.encode_with_offsets(prompt + m["content"])
+        train = not train_on_last_turn or i == last
+        ids += chunk_ids
+        labels += [t if train and s >= len(prompt) else IGNORE_INDEX for t, (s, _) in zip(chunk_ids, offsets)]
+        if eos is not None:
+            ids.append(eos)
+            labels.append(eos if train else IGNORE_INDEX)
+    return ids, labels
+
+
+def _text_example(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[int]]:
+    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    body = tokenizer.encode(text) + eos
+    return bos + body, [IGNORE_INDEX] * len(bos) + body
+
+
+def tokenize_example(tokenizer: Tokenizer, messages: Record, max_seq_len: int, use_chat_template: bool = True,
+                     train_on_last_turn: bool = False) -> Example | None:
+    """Tokenize one record and mark which tokens are trained.
+
+    Conversations: only assistant responses are trained (every assistant turn, or only the last with
+    `train_on_last_turn`), each with the token that closes it (e.g. <|im_end|>), found from character offsets of
+    the rendered chat template (ChatML when the tokenizer has none). With `use_chat_template=False`, raw text:
+    prompt (see raw_prompt_text) + response + EOS. Plain text records: every token plus an appended EOS.
+    Longer than `max_seq_len` is truncated; returns None when no trained token survives.
+    """
+    if max_seq_len < 2:
+        raise ConfigError(f"max_seq_len must be at least 2, got {max_seq_len}")
+    if isinstance(messages, str):
+        ids, labels = _text_example(tokenizer, messages)
+    else:
+        # turns after the last answer teach nothing; leave them out
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        if last < 0:
+            return None
+        messages = list(messages[:last + 1])
+        if use_chat_template:
+            ids, labels = _chat_example(tokenizer, messages, train_on_last_turn)
+        else:
+            ids, labels = _raw_example(tokenizer, messages, train_on_last_turn)
+    truncated = len(ids) > max_seq_len
+    input_ids = np.asarray(ids[:max_seq_len], dtype=np.int32)  # (T,)
+    label_arr = np.asarray(labels[:max_seq_len], dtype=np.int64)  # (T,)
+    if not (label_arr[1:] != IGNORE_INDEX).any():
+        return None
+    return Example(input_ids, label_arr, truncated)
+
+
+def tokenize_dataset(tokenizer: Tokenizer, records: Sequence[Record], max_seq_len: int, use_chat_template: bool = True,
+                     train_on_last_turn: bool = False) -> tuple[list[Example], TokenizeStats]:
+    """Tokenize every record (see tokenize_example); returns the kept examples and counts of what happened."""
+    stats = TokenizeStats(n_records=len(records))
+    examples: list[Example] = []
+    for k, record in enumerate(records):
+        try:
+            ex = tokenize_example(tokenizer, record, max_seq_len, use_chat_template, train_on_last_turn)
+        except DataError as e:
+            raise DataError(f"record {k}: {e}") from None
+        if ex is None:
+            stats.n_dropped += 1
+            continue
+        stats.n_truncated += int(ex.truncated)
+        stats.n_tokens += len(ex)
+        stats.n_trained_tokens += ex.n_trained
+        examples.append(ex)
+    stats.n_examples = len(examples)
+    return examples, stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batching and packing
+
+
+@dataclass
+class Batch:
+    """A padded (and possibly packed) batch. Attention is allowed only within one segment id; 0 is padding."""
+
+    input_ids: np.ndarray  # (B, T) int32
+    labels: np.ndarray  # (B, T) int64, IGNORE_INDEX where no loss; not shifted
+    attention_mask: np.ndarray  # (B, T) int32, 1 for real tokens
+    segment_ids: np.ndarray  # (B, T) int32, 0 for padding, 1..n for the samples packed in a row
+    position_ids: np.ndarray  # (B, T) int32, restarting at 0 for each sample
+    n_tokens: int  # positions that carry loss after the shift: (labels[:, 1:] != IGNORE_INDEX).sum()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def collate(rows: Sequence[Sequence[Example]], pad_id: int = 0, length: int | None = None,
+            pad_to_multiple: int = 1) -> Batch:
+    """Build a batch whose row r holds the examples rows[r] one after another, right-padded with `pad_id`
+    to `length` (default: the longest row, rounded up to `pad_to_multiple`)."""
+    used = [sum(len(e) for e in row) for row in rows]
+    T = length if length is not None else _round_up(max(used), max(1, pad_to_multiple))
+    if max(used) > T:
+        raise ValueError(f"a row of {max(used)} tokens does not fit length {T}")
+    B = len(rows)
+    input_ids = np.full((B, T), pad_id, dtype=np.int32)
+    labels = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
+    segment_ids = np.zeros((B, T), dtype=np.int32)
+    position_ids = np.zeros((B, T), dtype=np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, ex in enumerate(row):
+            n = len(ex)
+            input_ids[r, at:at + n] = ex.input_ids
+            labels[r, at:at + n] = ex.labels
+            if s > 0:
+                labels[r, at] = IGNORE_INDEX  # logits at at-1 belong to the previous sample
+            segment_ids[r, at:at + n] = s + 1
+            position_ids[r, at:at + n] = np.arange(n, dtype=np.int32)
+            at += n
+    attention_mask = (segment_ids > 0).astype(np.int32)
+    n_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return Batch(input_ids, labels, attention_mask, segment_ids, position_ids, n_tokens)
+
+
+def pack_examples(lengths: Sequence[int], max_seq_len: int, chunk: int = 4096) -> list[list[int]]:
+    """First-fit packing of samples (in the given order) into rows of `max_seq_len` tokens; returns the sample
+    indices of each row. Works on chunks of `chunk` samples so that the cost stays linear in the dataset."""
+    rows: list[list[int]] = []
+    for c0 in range(0, len(lengths), chunk):
+        room = np.zeros(0, dtype=np.int64)  # free tokens of each row of this chunk
+        chunk_rows: list[list[int]] = []
+        for i in range(c0, min(c0 + chunk, len(lengths))):
+            n = int(lengths[i])
+            if n > max_seq_len:
+                raise ValueError(f"sample {i} has {n} tokens, more than max_seq_len={max_seq_len}")
+            fits = np.flatnonzero(room >= n)
+            if fits.size:
+                r = int(fits[0])
+                room[r] -= n
+                chunk_rows[r].append(i)
+            else:
+                room = np.append(room, max_seq_len - n)
+                chunk_rows.append([i])
+        rows += chunk_rows
+    return rows
+
+
+def make_batches(examples: Sequence[Example], batch_size: int, rng: np.random.Generator, shuffle: bool = True,
+                 pack: bool = False, max_seq_len: int | None = None, bucket: bool = True, pad_id: int = 0,
+                 pad_to_multiple: int = 1) -> list[Batch]:
+    """One epoch of batches.
+
+    Samples are shuffled with `rng` (when `shuffle`); with `bucket`, sorted by length within chunks of
+    50 * batch_size so that a batch holds similar lengths, and the batch order is shuffled again. With `pack`,
+    samples are first-fit packed into rows of `max_seq_len` tokens (segment ids and positions per sample).
+    The last batch may hold fewer rows.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+    if not examples:
+        return []
+    n = len(examples)
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    lengths = np.array([len(e) for e in examples], dtype=np.int64)
+
+    if pack:
+        if max_seq_len is None:
+            raise ConfigError("packing needs max_seq_len")
+        rows = [[int(order[i]) for i in row] for row in pack_examples(lengths[order], max_seq_len)]
+        row_len = np.array([lengths[row].sum() for row in rows])
+    else:
+        rows = [[int(i)] for i in order]
+        row_len = lengths[order]
+
+    row_order = np.arange(len(rows))
+    if bucket:
+        chunk = 50 * batch_size
+        for c0 in range(0, len(rows), chunk):
+            part = row_order[c0:c0 + chunk]
+            row_order[c0:c0 + chunk] = part[np.argsort(-row_len[part], kind="stable")]
+    groups = [row_order[b:b + batch_size] for b in range(0, len(rows), batch_size)]
+    if bucket and shuffle:
+        groups = [groups[i] for i in rng.permutation(len(groups))]
+    return [collate([[examples[i] for i in rows[r]] for r in g], pad_id=pad_id, pad_to_multiple=pad_to_multiple)
+            for g in groups]
+
+
+class BatchStream:
+    """Endless, resumable stream of (epoch, index, Batch): epoch e's batches come from
+    make_batches(..., rng=np.random.default_rng([seed, e])), so state_dict() fully describes the position."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, seed: int, pack: bool = False,
+                 max_seq_len: int | None = None, shuffle: bool = True, bucket: bool = True, pad_id: int = 0,
+                 pad_to_multiple: int = 1) -> None:
+        if not examples:
+            raise DataError("no training examples left after tokenization")
+        self.examples = examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pack = pack
+        self.max_seq_len = max_seq_len
+        self.shuffle = shuffle
+        self.bucket = bucket
+        self.pad_id = pad_id
+        self.pad_to_multiple = pad_to_multiple
+        self.epoch = 0
+        self.position = 0  # index of the next batch within the epoch
+        self._cache: tuple[int, list[Batch]] | None = None
+
+    def epoch_batches(self, epoch: int) -> list[Batch]:
+        """All batches of `epoch` (deterministic in seed and epoch)."""
+        if self._cache is None or self._cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            batches = make_batches(self.examples, self.batch_size, rng, shuffle=self.shuffle, pack=self.pack,
+                                   max_seq_len=self.max_seq_len, bucket=self.bucket, pad_id=self.pad_id,
+                                   pad_to_multiple=self.pad_to_multiple)
+            self._cache = (epoch, batches)
+        return self._cache[1]
+
+    def __len__(self) -> int:
+        """Batches in the current epoch (with packing this can vary slightly between epochs)."""
+        return len(self.epoch_batches(self.epoch))
+
+    def __iter__(self) -> Iterator[tuple[int, int, Batch]]:
+        while True:
+            batches = self.epoch_batches(self.epoch)
+            while self.position < len(batches):
+                index = self.position
+                self.position += 1  # advanced before yielding so a state_dict taken now resumes after this batch
+                yield self.epoch, index, batches[index]
+            self.epoch += 1
+            self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position of the stream, JSON-serialisable."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "n_examples": len(self.examples), "batch_size": self.batch_size, "pack": self.pack}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a state_dict() of a stream over the same examples and settings."""
+        for key, now in (("n_examples", len(self.examples)), ("batch_size", self.batch_size), ("pack", self.pack)):
+            if key in state and state[key] != now:
+                raise DataError(f"cannot resume the data stream: it was saved with {key}={state[key]}, now {now}")
+        self.seed = int(state.get("seed", self.seed))
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

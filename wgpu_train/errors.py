@@ -1,0 +1,29 @@
+"""Errors a user can cause: each carries one clear line; the CLI prints it and exits 2."""
+
+
+class WgpuTrainError(Exception):
+    """Base class of every error caused by user input, files or device limits."""
+
+
+class ConfigError(WgpuTrainError):
+    """An unsupported or malformed model, LoRA or training configuration."""
+
+
+class ModelFileError(WgpuTrainError):
+    """A model folder or weights file that is missing, truncated or inconsistent."""
+
+
+class AdapterError(WgpuTrainError):
+    """A LoRA adapter whose files, names or shapes do not fit the model."""
+
+
+class DataError(WgpuTrainError):
+    """A dataset file or line that cannot be used."""
+
+
+class DeviceError(WgpuTrainError):
+    """No usable WebGPU adapter, a lost device, or a request beyond the device's limits."""
+
+
+class ShaderError(WgpuTrainError):
+    """A WGSL shader that failed to compile or validate (names the file and line)."""

@@ -1,0 +1,1 @@
+"""WebGPU backend: runtime (device, buffers, caches), kernel wrappers, the training engine."""

@@ -1,0 +1,328 @@
+"""The thin WebGPU runtime: adapter choice, one device per adapter, shader/pipeline/bind-group caches,
+buffers, and a recorder that puts many dispatches into one command encoder and one submit."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DeviceError, ShaderError
+
+log = logging.getLogger("wgpu_train")
+
+_TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3, "Unknown": 4}
+_BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
+_runtimes: dict = {}
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One WebGPU adapter as wgpu reports it."""
+
+    index: int
+    name: str
+    vendor: str
+    backend: str
+    adapter_type: str
+
+    def describe(self) -> str:
+        return f"[{self.index}] {self.name} ({self.backend}, {self.adapter_type})"
+
+
+def _enumerate():
+    try:
+        import wgpu
+    except ImportError as e:  # pragma: no cover - wgpu is a dependency
+        raise DeviceError(f"wgpu is not importable: {e}") from None
+    try:
+        return list(wgpu.gpu.enumerate_adapters_sync())
+    except Exception as e:  # noqa: BLE001 - native loader failures come in many types
+        log.debug("adapter enumeration failed: %s", e)
+        return []
+
+
+def devices() -> list[AdapterInfo]:
+    """Every WebGPU adapter wgpu finds, in enumeration order."""
+    out = []
+    for i, a in enumerate(_enumerate()):
+        info = a.info
+        out.append(AdapterInfo(i, info.get("device", "") or "unknown", info.get("vendor", ""),
+                               info.get("backend_type", ""), info.get("adapter_type", "Unknown")))
+    return out
+
+
+def _preference(info: AdapterInfo):
+    return (_TYPE_RANK.get(info.adapter_type, 4), _BACKEND_RANK.get(info.backend, 2), info.index)
+
+
+def choose_adapter(spec=None) -> AdapterInfo:
+    """Pick an adapter: `spec` (or WGPU_TRAIN_DEVICE) as an index or a case-insensitive substring of
+    the name or backend; otherwise a discrete GPU, then an integrated one, then a CPU adapter."""
+    found = devices()
+    if not found:
+        raise DeviceError("no WebGPU adapter found (on Linux install a Vulkan driver, e.g. Debian's "
+                          "mesa-vulkan-drivers, or use backend='numpy')")
+    spec = spec if spec is not None else os.environ.get("WGPU_TRAIN_DEVICE")
+    if spec is None or str(spec).strip() == "":
+        return min(found, key=_preference)
+    s = str(spec).strip()
+    if s.isdigit():
+        if int(s) >= len(found):
+            raise DeviceError(f"device index {s} out of range: {len(found)} adapter(s) found")
+        return found[int(s)]
+    matches = [a for a in found if s.lower() in a.name.lower() or s.lower() in a.backend.lower()]
+    if not matches:
+        names = "; ".join(a.describe() for a in found)
+        raise DeviceError(f"no adapter matches device spec {s!r}; found: {names}")
+    return min(matches, key=_preference)
+
+
+def shader_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent.parent
+    return [here / "_shaders", here.parent / "shaders"]
+
+
+def shader_path(name: str) -> Path:
+    for d in shader_dirs():
+        p = d / f"{name}.wgsl"
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"shader {name}.wgsl not found in {', '.join(map(str, shader_dirs()))}")
+
+
+def shader_error(path, source: str, err: Exception) -> ShaderError:
+    """A ShaderError naming the file and line of the first diagnostic in a wgpu/naga message."""
+    msg = str(err)
+    m = re.search(r"wgsl:(\d+):(\d+)", msg)
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    reason = next((ln for ln in lines if "error" in ln.lower() and "Validation Error" not in ln), lines[-1] if lines else msg)
+    where = f"{path}:{m.group(1)}:{m.group(2)}" if m else f"{path}"
+    return ShaderError(f"{where}: {reason}")
+
+
+class Runtime:
+    """One device on one adapter, with caches so that nothing is rebuilt per dispatch."""
+
+    def __init__(self, info: AdapterInfo):
+        import wgpu
+
+        self.wgpu = wgpu
+        self.info = info
+        self.adapter = _enumerate()[info.index]
+        feats = set(self.adapter.features)
+        self.features = {f for f in OPTIONAL_FEATURES if f in feats}
+        lim = self.adapter.limits
+        wanted = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
+                  "max-compute-invocations-per-workgroup", "max-compute-workgroup-size-x",
+                  "max-compute-workgroup-size-y", "max-storage-buffers-per-shader-stage",
+                  "max-compute-workgroups-per-dimension")
+        self.limits = {k: lim[k] for k in wanted if k in lim}
+        try:
+            self.device = self.adapter.request_device_sync(required_features=sorted(self.features),
+                                                           required_limits=self.limits)
+        except Exception as e:  # noqa: BLE001
+            raise DeviceError(f"could not open device on {info.describe()}: {e}") from None
+        self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
+        self.max_buffer = int(self.limits["max-buffer-size"])
+        self.queue = self.device.queue
+        self._modules: dict = {}
+        self._pipelines: dict = {}
+        self._bind_groups: dict = {}
+        self._uniforms: dict = {}
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0}
+        log.info("wgpu-train: using adapter %s", info.describe())
+
+    # ---- shaders and pipelines ----------------------------------------------------------------
+    @property
+    def has_timestamps(self) -> bool:
+        return "timestamp-query" in self.features
+
+    @property
+    def has_f16(self) -> bool:
+        return "shader-f16" in self.features
+
+    def module(self, name: str, source: str | None = None, path=None):
+        """A compiled shader module, by shader name (shaders/<name>.wgsl) or from given source."""
+        key = name if source is None else (name, source)
+        if key not in self._modules:
+            if source is None:
+                path = shader_path(name)
+                source = path.read_text()
+            path = path or f"{name}.wgsl"
+            try:
+                self._modules[key] = self.device.create_shader_module(label=name, code=source)
+            except self.wgpu.GPUError as e:
+                raise shader_error(path, source, e) from None
+        return self._modules[key]
+
+    def pipeline(self, name: str, entry_point: str, constants: dict | None = None, source: str | None = None):
+        """A compute pipeline (layout 'auto') for one entry point, cached with its override constants."""
+        key = (name, entry_point, tuple(sorted((constants or {}).items())), source)
+        if key not in self._pipelines:
+            module = self.module(name, source)
+            compute = {"module": module, "entry_point": entry_point}
+            if constants:
+                compute["constants"] = dict(constants)
+            try:
+                self._pipelines[key] = self.device.create_compute_pipeline(layout="auto", compute=compute,
+                                                                           label=f"{name}.{entry_point}")
+            except self.wgpu.GPUError as e:
+                raise shader_error(shader_path(name) if source is None else f"{name}.wgsl", "", e) from None
+        return self._pipelines[key]
+
+    # ---- buffers ------------------------------------------------------------------------------
+    def check_size(self, nbytes: int, what: str = "buffer"):
+        if nbytes > self.max_buffer:
+            raise DeviceError(f"{what} needs {nbytes} bytes, over this device's max-buffer-size of {self.max_buffer}")
+
+    def buffer(self, nbytes: int, label: str = "", usage=None):
+        """A storage buffer of at least 4 bytes, rounded up to a multiple of 4 (zero-initialised)."""
+        u = self.wgpu.BufferUsage
+        usage = usage if usage is not None else (u.STORAGE | u.COPY_SRC | u.COPY_DST)
+        nbytes = max(4, (int(nbytes) + 3) // 4 * 4)
+        self.check_size(nbytes, label or "buffer")
+        try:
+            return self.device.create_buffer(size=nbytes, usage=usage, label=label)
+        except self.wgpu.GPUError as e:
+            raise DeviceError(f"could not allocate {nbytes} bytes for {label or 'a buffer'}: {e}") from None
+
+    def upload(self, array: np.ndarray, label: str = ""):
+        """A new storage buffer holding `array` (cast to its own dtype's bytes)."""
+        data = np.ascontiguousarray(array)
+        buf = self.buffer(data.nbytes, label)
+        self.write(buf, data)
+        return buf
+
+    def write(self, buf, array: np.ndarray, offset: int = 0):
+        data = np.ascontiguousarray(array)
+        nbytes = data.nbytes
+        if nbytes % 4:
+            data = np.frombuffer(data.tobytes() + b"\0" * (4 - nbytes % 4), dtype=np.uint8)
+        if data.nbytes:
+            self.queue.write_buffer(buf, offset, data)
+            self.counters["bytes_uploaded"] += nbytes
+
+    def read(self, buf, dtype=np.float32, shape=None, offset: int = 0) -> np.ndarray:
+        """Copy a buffer (or its first prod(shape) elements from offset) back to the CPU."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape)) if shape is not None else (buf.size - offset) // dtype.itemsize
+        nbytes = count * dtype.itemsize
+        size = (nbytes + 3) // 4 * 4
+        try:
+            mem = self.queue.read_buffer(buf, offset, size)
+        except self.wgpu.GPUError as e:
+            raise DeviceError(f"device error while reading back results: {e}") from None
+        self.counters["readbacks"] += 1
+        self.counters["bytes_read"] += size
+        out = np.frombuffer(mem, dtype=np.uint8)[:nbytes].view(dtype).copy()
+        return out.reshape(shape) if shape is not None else out
+
+    def uniform(self, fmt: str, *values):
+        """A small uniform buffer with struct-packed values, shared by every dispatch with the same values."""
+        data = struct.pack(fmt, *values)
+        data += b"\0" * (-len(data) % 16)
+        buf = self._uniforms.get(data)
+        if buf is None:
+            u = self.wgpu.BufferUsage
+            buf = self.device.create_buffer_with_data(data=data, usage=u.UNIFORM | u.COPY_DST)
+            self._uniforms[data] = buf
+        return buf
+
+    def bind_group(self, pipeline, resources):
+        """A cached bind group for group 0; `resources` lists buffers or (buffer, offset, size) in binding order."""
+        entries, key = [], [id(pipeline)]
+        for i, r in enumerate(resources):
+            if isinstance(r, tuple):
+                buf, off, size = r
+            else:
+                buf, off, size = r, 0, r.size
+            entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
+            key.append((id(buf), off, size))
+        key = tuple(key)
+        bg = self._bind_groups.get(key)
+        if bg is None:
+            bg = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
+            self._bind_groups[key] = (bg, resources)  # keep the buffers alive while cached
+            return bg
+        return bg[0]
+
+    def release(self, *buffers):
+        """Forget cached bind groups that use these buffers (call before dropping them)."""
+        ids = {id(b) for b in buffers}
+        for k in [k for k in self._bind_groups if any(isinstance(e, tuple) and e[0] in ids for e in k[1:])]:
+            del self._bind_groups[k]
+        for b in buffers:
+            b.destroy()
+
+    # ---- recording ----------------------------------------------------------------------------
+    def recorder(self) -> "Recorder":
+        return Recorder(self)
+
+
+class Recorder:
+    """Records dispatches and copies into one command encoder; `submit()` sends them in one queue.submit."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.encoder = rt.device.create_command_encoder()
+        self._pass = None
+        self.dispatches = 0
+
+    def _compute_pass(self):
+        if self._pass is None:
+            self._pass = self.encoder.begin_compute_pass()
+        return self._pass
+
+    def end_pass(self):
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+
+    def dispatch(self, pipeline, resources, groups):
+        """One dispatch of `pipeline` with bind group 0 built from `resources`; groups (x[, y[, z]])."""
+        groups = tuple(int(g) for g in (groups if isinstance(groups, (tuple, list)) else (groups,)))
+        limit = self.rt.limits.get("max-compute-workgroups-per-dimension", 65535)
+        if any(g > limit for g in groups):
+            raise DeviceError(f"dispatch of {groups} workgroups exceeds max-compute-workgroups-per-dimension {limit}")
+        if any(g == 0 for g in groups):
+            return
+        p = self._compute_pass()
+        p.set_pipeline(pipeline)
+        p.set_bind_group(0, self.rt.bind_group(pipeline, resources))
+        p.dispatch_workgroups(*groups)
+        self.dispatches += 1
+
+    def copy(self, src, src_offset, dst, dst_offset, nbytes):
+        self.end_pass()
+        self.encoder.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
+
+    def clear(self, buf, offset=0, nbytes=None):
+        self.end_pass()
+        self.encoder.clear_buffer(buf, offset, buf.size - offset if nbytes is None else nbytes)
+
+    def submit(self):
+        self.end_pass()
+        try:
+            self.rt.queue.submit([self.encoder.finish()])
+        except self.rt.wgpu.GPUError as e:
+            raise DeviceError(f"device error on submit: {e}") from None
+        self.rt.counters["submits"] += 1
+
+
+def get_runtime(device=None) -> Runtime:
+    """The process-wide Runtime for the chosen adapter (created once per adapter, never rebuilt)."""
+    info = choose_adapter(device)
+    rt = _runtimes.get(info.index)
+    if rt is None:
+        rt = _runtimes[info.index] = Runtime(info)
+    return rt
+
+
+def has_adapter() -> bool:
+    return bool(devices())

@@ -1,0 +1,240 @@
+"""Hugging Face files: safetensors reading (sharded, f32/f16/bf16), weight-name checks, PEFT adapter
+files, and writing complete model folders."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .config import LINEAR_MODULES, ModelConfig
+from .errors import AdapterError, ModelFileError
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+           "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_safetensors(path, names=None) -> dict:
+    """Tensors of one .safetensors file as float32 (floats) or their own integer type.
+
+    Checks the header and every tensor's byte range against the file, so a file cut short
+    or with a bad header gives a ModelFileError instead of garbage.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelFileError(f"{path}: not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise ModelFileError(f"{path}: safetensors header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise ModelFileError(f"weights file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ModelFileError(f"{path}: safetensors header is not valid JSON") from None
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    out = {}
+    for name, meta in header.items():
+        if names is not None and name not in names:
+            continue
+        try:
+            dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(f"{path}: malformed header entry for tensor {name}") from None
+        if dtype not in _DTYPES:
+            raise ModelFileError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        np_dtype = np.dtype(_DTYPES[dtype])
+        count = int(np.prod(shape)) if shape else 1
+        if end > data.shape[0] or end - start != count * np_dtype.itemsize:
+            raise ModelFileError(f"{path}: tensor {name} lies outside the file (file cut short?)")
+        arr = np.frombuffer(data[start:end], dtype=np_dtype).reshape(shape)
+        if dtype == "BF16":
+            arr = _bf16_to_f32(arr)
+        elif np_dtype.kind == "f":
+            arr = arr.astype(np.float32)
+        else:
+            arr = np.array(arr)
+        out[name] = arr
+    return out
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None):
+    """Write float32 / integer NumPy arrays as a .safetensors file (atomically: temp file, then rename)."""
+    header, chunks, offset = {}, [], 0
+    rev = {np.dtype(v): k for k, v in _DTYPES.items() if k != "BF16"}
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        raw = arr.tobytes()
+        header[name] = {"dtype": rev[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for c in chunks:
+            f.write(c)
+    os.replace(tmp, path)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ModelFileError(f"{index}: not a valid safetensors index (needs 'weight_map')") from None
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    if single.is_file():
+        return [single]
+    raise ModelFileError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """Every tensor name the model needs mapped to its shape (biases and lm_head handled by the caller)."""
+    c, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c,)
+        shapes[p + "post_attention_layernorm.weight"] = (c,)
+        for m in LINEAR_MODULES:
+            shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, c)
+    return shapes
+
+
+def module_path(layer: int, module: str) -> str:
+    """The Hugging Face path of one linear module, e.g. model.layers.0.self_attn.q_proj."""
+    group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"model.layers.{layer}.{group}.{module}"
+
+
+def load_weights(folder, cfg: ModelConfig) -> dict:
+    """All weights of a model folder as float32, checked for presence and shape."""
+    folder = Path(folder)
+    tensors = {}
+    for f in weight_files(folder):
+        tensors.update(read_safetensors(f))
+    shapes = expected_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    # Biases: q/k/v (Qwen2, Llama attention_bias) and o_proj (Llama attention_bias).
+    for i in range(cfg.num_hidden_layers):
+        for m in LINEAR_MODULES:
+            name = module_path(i, m) + ".bias"
+            if name in tensors:
+                shapes[name] = (cfg.linear_shape(m)[0],)
+            elif cfg.attention_bias and m in ("q_proj", "k_proj", "v_proj"):
+                shapes[name] = (cfg.linear_shape(m)[0],)
+    missing = [k for k in shapes if k not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelFileError(f"{folder}: missing tensors {', '.join(missing[:3])}{more}")
+    for k, shape in shapes.items():
+        if tuple(tensors[k].shape) != tuple(shape):
+            raise ModelFileError(f"{folder}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(shape)}")
+    return {k: tensors[k] for k in shapes}
+
+
+def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
+    """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = dict(cfg.raw)
+    raw["torch_dtype"] = raw["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    write_safetensors(out / "model.safetensors", {k: v.astype(np.float32) for k, v in weights.items()},
+                      metadata={"format": "pt"})
+    if source_folder is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(source_folder) / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / name)
+
+
+# ---- PEFT adapters ---------------------------------------------------------------------------
+
+def peft_key(path: str, which: str) -> str:
+    """The PEFT tensor name of lora_A / lora_B for a module path."""
+    return f"base_model.model.{path}.lora_{which}.weight"
+
+
+def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
+    """Write adapter_config.json and adapter_model.safetensors in PEFT's format."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
+        "lora_dropout": float(lora_cfg.dropout), "target_modules": list(lora_cfg.target_modules),
+        "use_rslora": bool(lora_cfg.use_rslora), "use_dora": False, "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None,
+        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    write_safetensors(out / "adapter_model.safetensors", {k: v.astype(np.float32) for k, v in tensors.items()},
+                      metadata={"format": "pt"})
+
+
+def read_adapter(folder):
+    """(LoraConfig, tensors by PEFT key) from a PEFT adapter folder; refuses what this library cannot apply."""
+    from .config import LoraConfig
+    from .errors import ConfigError
+
+    folder = Path(folder)
+    cfg_path = folder / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise AdapterError(f"no adapter_config.json in {folder}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{cfg_path}: not valid JSON ({e})") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{cfg_path}: peft_type {raw.get('peft_type')!r} is not LORA")
+    for field, ok in (("use_dora", False), ("fan_in_fan_out", False)):
+        if raw.get(field, ok) != ok:
+            raise AdapterError(f"{cfg_path}: {field}={raw[field]!r} is not supported")
+    if raw.get("bias", "none") != "none":
+        raise AdapterError(f"{cfg_path}: bias={raw['bias']!r} is not supported (only 'none')")
+    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
+        raise AdapterError(f"{cfg_path}: rank_pattern / alpha_pattern are not supported")
+    targets = raw.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = "all-linear" if targets == "all-linear" else [targets]
+    try:
+        cfg = LoraConfig(r=int(raw["r"]), alpha=raw.get("lora_alpha", 8), dropout=float(raw.get("lora_dropout", 0.0)),
+                         target_modules=targets, use_rslora=bool(raw.get("use_rslora", False)))
+    except (KeyError, ConfigError) as e:
+        raise AdapterError(f"{cfg_path}: {e}") from None
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise AdapterError(f"no adapter_model.safetensors in {folder}")
+    try:
+        tensors = read_safetensors(weights)
+    except ModelFileError as e:
+        raise AdapterError(str(e)) from None
+    return cfg, tensors

@@ -1,0 +1,196 @@
+"""Model: the backend-agnostic facade users hold (load, logits, loss and gradients, LoRA, adapters, merge)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from .config import LoraConfig, ModelConfig
+from .errors import AdapterError, ConfigError
+from .hf import load_weights, module_path, peft_key, read_adapter, save_model_folder, write_adapter
+from .reference.ops import IGNORE_INDEX, shift_labels
+
+log = logging.getLogger("wgpu_train")
+BACKENDS = ("auto", "wgpu", "numpy")
+
+
+def kaiming_uniform_lora_a(rng: np.random.Generator, r: int, in_features: int) -> np.ndarray:
+    """PEFT's init of lora_A: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); (r, in)."""
+    bound = 1.0 / np.sqrt(in_features)
+    return rng.uniform(-bound, bound, size=(r, in_features)).astype(np.float32)
+
+
+def _as_batch(input_ids, attention_mask=None):
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise ConfigError(f"input_ids must be an integer array of shape (B, T), got {ids.dtype} {ids.shape}")
+    ids = ids.astype(np.int32)
+    if attention_mask is None:
+        seg = np.ones_like(ids)
+    else:
+        seg = (np.asarray(attention_mask).reshape(ids.shape) != 0).astype(np.int32)
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+    return ids, seg, pos
+
+
+class Model:
+    """A Llama-family causal LM on one engine ('numpy' or 'wgpu'), with optional LoRA."""
+
+    def __init__(self, config: ModelConfig, engine, path=None):
+        self.config = config
+        self.engine = engine
+        self.path = Path(path) if path is not None else None
+        self.lora_config: LoraConfig | None = None
+        self.method = "lora"
+
+    @property
+    def backend(self) -> str:
+        return self.engine.name
+
+    # ---- inference and gradients --------------------------------------------------------------
+    def logits(self, input_ids, attention_mask=None) -> np.ndarray:
+        """float32 logits (B, T, V) for integer input_ids (B, T); attention_mask marks real tokens (right padding)."""
+        ids, seg, pos = _as_batch(input_ids, attention_mask)
+        self._check_ids(ids)
+        return self.engine.logits(ids, seg, pos)
+
+    def loss_and_grads(self, input_ids, labels, attention_mask=None):
+        """(mean loss over counted tokens, gradients by PEFT key or, for full fine-tuning, by weight name).
+
+        labels (B, T) follow Hugging Face: logits at t predict labels[t + 1]; -100 is ignored.
+        """
+        ids, seg, pos = _as_batch(input_ids, attention_mask)
+        self._check_ids(ids)
+        targets = shift_labels(np.asarray(labels, dtype=np.int64).reshape(ids.shape))
+        count = int((targets != IGNORE_INDEX).sum())
+        if count == 0:
+            raise ConfigError("labels hold no token to train on (all -100)")
+        self.engine.zero_grads()
+        loss_sum, _ = self.engine.forward_backward(ids, targets, seg, pos, 1.0 / count)
+        grads = self.engine.gradients()
+        self.engine.zero_grads()
+        return loss_sum / count, self._public_grad_names(grads)
+
+    def _public_grad_names(self, grads: dict) -> dict:
+        if self.method == "full":
+            return grads
+        out = {}
+        for k, g in grads.items():
+            path, which = k.rsplit(".lora_", 1)
+            out[peft_key(path, which)] = g
+        return out
+
+    def _check_ids(self, ids):
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ConfigError(f"token ids must lie in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+
+    # ---- LoRA ---------------------------------------------------------------------------------
+    def add_lora(self, config: LoraConfig, seed: int = 0):
+        """Attach fresh LoRA modules: A kaiming-uniform from `seed`, B zeros (so the model is unchanged)."""
+        rng = np.random.default_rng(seed)
+        modules = {}
+        for i in range(self.config.num_hidden_layers):
+            for m in config.target_modules:
+                out_f, in_f = self.config.linear_shape(m)
+                a = kaiming_uniform_lora_a(rng, config.r, in_f)
+                modules[module_path(i, m)] = (a, np.zeros((out_f, config.r), np.float32))
+        self._set_lora(config, modules, seed)
+
+    def _set_lora(self, config: LoraConfig, modules: dict, seed: int = 0):
+        self.lora_config = config
+        self.method = "lora"
+        self.engine.set_full_finetune(False)
+        self.engine.dropout_rng = np.random.default_rng([seed, 1])
+        self.engine.set_lora({p: (a, b, config.scale, config.dropout) for p, (a, b) in modules.items()})
+
+    def set_full_finetune(self):
+        """Train every weight instead of LoRA (gradients keyed by Hugging Face tensor names)."""
+        if self.lora_config is not None:
+            raise ConfigError("full fine-tuning of a model with a LoRA adapter is not supported; merge it first")
+        self.method = "full"
+        self.engine.set_full_finetune(True)
+
+    def lora_state_dict(self) -> dict:
+        """LoRA tensors by PEFT key: lora_A (r, in) and lora_B (out, r), float32."""
+        out = {}
+        for path, (a, b) in self.engine.lora_tensors().items():
+            out[peft_key(path, "A")] = a.astype(np.float32)
+            out[peft_key(path, "B")] = b.astype(np.float32)
+        return out
+
+    def save_adapter(self, directory):
+        """Write the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)."""
+        if self.lora_config is None:
+            raise AdapterError("the model has no LoRA adapter to save (call add_lora first)")
+        write_adapter(directory, self.lora_config, self.lora_state_dict(),
+                      base_model=str(self.path) if self.path else "")
+
+    def load_adapter(self, directory):
+        """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed."""
+        config, tensors = read_adapter(directory)
+        expected = {}
+        for i in range(self.config.num_hidden_layers):
+            for m in config.target_modules:
+                out_f, in_f = self.config.linear_shape(m)
+                path = module_path(i, m)
+                expected[peft_key(path, "A")] = (config.r, in_f)
+                expected[peft_key(path, "B")] = (out_f, config.r)
+        # PEFT files may carry the adapter name (".lora_A.default.weight"); accept that spelling too.
+        tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
+        problems = [f"missing {k}" for k in expected if k not in tensors]
+        problems += [f"unexpected {k}" for k in tensors if k not in expected]
+        problems += [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"
+                     for k, s in expected.items() if k in tensors and tuple(tensors[k].shape) != s]
+        if problems:
+            more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+            raise AdapterError(f"adapter {directory} does not match the model: {'; '.join(problems[:4])}{more}")
+        modules = {}
+        for i in range(self.config.num_hidden_layers):
+            for m in config.target_modules:
+                path = module_path(i, m)
+                modules[path] = (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")])
+        self._set_lora(config, modules)
+
+    def merged_weights(self) -> dict:
+        """Base weights with every LoRA delta folded in: W + scale * B @ A (float32)."""
+        weights = {k: np.array(v, dtype=np.float32) for k, v in self.engine.weights().items()}
+        if self.lora_config is not None:
+            for path, (a, b) in self.engine.lora_tensors().items():
+                weights[path + ".weight"] += (self.lora_config.scale * (b.astype(np.float64) @ a)).astype(np.float32)
+        return weights
+
+    def merge_and_save(self, directory):
+        """Write a complete Hugging Face model folder with the adapter merged (tokenizer files copied)."""
+        save_model_folder(directory, self.config, self.merged_weights(), source_folder=self.path)
+
+    def save_pretrained(self, directory):
+        """Write the (possibly fully fine-tuned) model as a Hugging Face folder."""
+        save_model_folder(directory, self.config, self.merged_weights(), source_folder=self.path)
+
+
+def _make_engine(config, weights, backend: str, device=None, dtype=np.float32):
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend in ("auto", "wgpu"):
+        from .gpu import runtime
+
+        if backend == "auto" and not runtime.has_adapter():
+            log.warning("wgpu-train: no WebGPU adapter found; using the NumPy backend")
+            backend = "numpy"
+        else:
+            from .gpu.engine import WgpuEngine
+
+            return WgpuEngine(config, weights, runtime.get_runtime(device))
+    from .reference.model import NumpyEngine
+
+    return NumpyEngine(config, weights, dtype=dtype)
+
+
+def load_model(path, backend: str = "numpy", device=None, dtype=np.float32) -> Model:
+    """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend."""
+    config = ModelConfig.from_folder(path)
+    weights = load_weights(path, config)
+    return Model(config, _make_engine(config, weights, backend, device, dtype), path)

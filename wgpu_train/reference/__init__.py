@@ -1,0 +1,1 @@
+"""NumPy reference path: the one place where the math of every op is written down."""

@@ -1,0 +1,244 @@
+"""The NumPy engine: model forward and backward composed from reference/ops.py, LoRA and full
+fine-tuning gradients, AdamW. The oracle that the GPU engine is tested against."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..hf import module_path
+from . import ops
+from .optim import adamw_update, clip_scale, grad_norm
+
+
+class LoraModule:
+    """One LoRA pair on a linear module: A (r, in), B (out, r), and its dropout."""
+
+    def __init__(self, a, b, scale, dropout):
+        self.a, self.b, self.scale, self.dropout = a, b, scale, dropout
+
+
+class NumpyEngine:
+    """Forward and backward of a Llama-family model on the CPU in float32 (or float64)."""
+
+    name = "numpy"
+
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32):
+        self.cfg = cfg
+        self.dtype = np.dtype(dtype)
+        self.w = {k: v.astype(self.dtype) for k, v in weights.items()}
+        self.inv_freq = cfg.inv_freq()
+        self.lora: dict[str, LoraModule] = {}
+        self.full = False            # full fine-tuning: every weight trainable
+        self.grads: dict = {}
+        self.moments: dict = {}
+        self.dropout_rng = np.random.default_rng(0)
+        self.training = False
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
+
+    # ---- parameters ---------------------------------------------------------------------------
+    def lm_head(self):
+        return self.w["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings else self.w["lm_head.weight"]
+
+    def set_lora(self, modules: dict):
+        """modules: path -> (A, B, scale, dropout). Replaces every LoRA module and resets the optimizer."""
+        self.lora = {p: LoraModule(a.astype(self.dtype), b.astype(self.dtype), s, d) for p, (a, b, s, d) in modules.items()}
+        self.moments = {}
+        self.zero_grads()
+
+    def lora_tensors(self) -> dict:
+        return {p: (m.a.copy(), m.b.copy()) for p, m in self.lora.items()}
+
+    def set_full_finetune(self, enabled: bool = True):
+        self.full = enabled
+        self.moments = {}
+        self.zero_grads()
+
+    def trainable(self) -> dict:
+        """Trainable arrays by name: 'path.lora_A' / 'path.lora_B', or Hugging Face weight names."""
+        if self.full:
+            return dict(self.w)
+        out = {}
+        for p, m in self.lora.items():
+            out[p + ".lora_A"] = m.a
+            out[p + ".lora_B"] = m.b
+        return out
+
+    def zero_grads(self):
+        self.grads = {k: np.zeros_like(v) for k, v in self.trainable().items()}
+
+    def weights(self) -> dict:
+        return self.w
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _linear(self, x, layer, module, cache):
+        """Base linear plus LoRA (with dropout on the LoRA input while training); x (N, in) -> (N, out)."""
+        path = module_path(layer, module)
+        y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
+        lora = self.lora.get(path)
+        if lora is not None:
+            xl, mask = x, None
+            if self.training and lora.dropout > 0:
+                mask = (self.dropout_rng.random(x.shape) >= lora.dropout).astype(x.dtype) / (1.0 - lora.dropout)
+                xl = x * mask
+            yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)
+            y = y + yl
+            cache[module] = (x, xl, h, mask)
+        else:
+            cache[module] = (x, None, None, None)
+        return y
+
+    def _linear_backward(self, dy, layer, module, cache):
+        path = module_path(layer, module)
+        x, xl, h, mask = cache[module]
+        w = self.w[path + ".weight"]
+        dx, dw, db = ops.linear_backward(dy, x, w, need_weight_grad=self.full)
+        if self.full:
+            self.grads[path + ".weight"] += dw
+            if path + ".bias" in self.grads:
+                self.grads[path + ".bias"] += db
+        lora = self.lora.get(path)
+        if lora is not None:
+            dxl, da, db_ = ops.lora_backward(dy, xl, h, lora.a, lora.b, lora.scale)
+            if not self.full:
+                self.grads[path + ".lora_A"] += da
+                self.grads[path + ".lora_B"] += db_
+            dx = dx + (dxl * mask if mask is not None else dxl)
+        return dx
+
+    def forward(self, ids, segment_ids, position_ids):
+        """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
+        cfg = self.cfg
+        b, t = ids.shape
+        n = b * t
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        flat_ids = ids.reshape(-1)
+        x = ops.embedding_forward(flat_ids, self.w["model.embed_tokens.weight"])   # (N, C)
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            c = {"x_in": x}
+            h, c["rstd1"] = ops.rmsnorm_forward(x, self.w[p + "input_layernorm.weight"], eps)
+            q = self._linear(h, i, "q_proj", c).reshape(b, t, hq, d)
+            k = self._linear(h, i, "k_proj", c).reshape(b, t, hkv, d)
+            v = self._linear(h, i, "v_proj", c).reshape(b, t, hkv, d)
+            if cfg.qk_norm:
+                c["q_pre"], c["k_pre"] = q, k
+                q, c["rstd_q"] = ops.rmsnorm_forward(q.reshape(-1, d), self.w[p + "self_attn.q_norm.weight"], eps)
+                k, c["rstd_k"] = ops.rmsnorm_forward(k.reshape(-1, d), self.w[p + "self_attn.k_norm.weight"], eps)
+                q, k = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d)
+            q = ops.rope_forward(q, position_ids, self.inv_freq)
+            k = ops.rope_forward(k, position_ids, self.inv_freq)
+            att, lse = ops.attention_forward(q, k, v, segment_ids)             # (B, T, Hq, D)
+            c.update(q=q, k=k, v=v, att=att, lse=lse)
+            x = x + self._linear(att.reshape(n, hq * d), i, "o_proj", c)
+            c["x_mid"] = x
+            h2, c["rstd2"] = ops.rmsnorm_forward(x, self.w[p + "post_attention_layernorm.weight"], eps)
+            gate = self._linear(h2, i, "gate_proj", c)
+            up = self._linear(h2, i, "up_proj", c)
+            c["gate"], c["up"] = gate, up
+            x = x + self._linear(ops.swiglu_forward(gate, up), i, "down_proj", c)
+            layers.append(c)
+        xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], eps)
+        logits = ops.linear_forward(xf, self.lm_head())                         # (N, V)
+        cache = {"ids": flat_ids, "segment_ids": segment_ids, "position_ids": position_ids, "layers": layers,
+                 "x_final": x, "rstd_f": rstd_f, "xf": xf, "shape": (b, t)}
+        return logits.reshape(b, t, -1), cache
+
+    # ---- backward -----------------------------------------------------------------------------
+    def backward(self, dlogits, cache):
+        """Accumulate gradients of every trainable tensor from dlogits (N, V); ops in reverse order."""
+        cfg = self.cfg
+        b, t = cache["shape"]
+        n = b * t
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        tied = cfg.tie_word_embeddings
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(), need_weight_grad=self.full)
+        if self.full:
+            self.grads[head_name] += dhead
+        dx, dnorm = ops.rmsnorm_backward(dxf, cache["x_final"], self.w["model.norm.weight"], cache["rstd_f"])
+        if self.full:
+            self.grads["model.norm.weight"] += dnorm
+        for i in reversed(range(cfg.num_hidden_layers)):
+            p = f"model.layers.{i}."
+            c = cache["layers"][i]
+            dm = self._linear_backward(dx, i, "down_proj", c)
+            dgate, dup = ops.swiglu_backward(dm, c["gate"], c["up"])
+            dh2 = self._linear_backward(dup, i, "up_proj", c) + self._linear_backward(dgate, i, "gate_proj", c)
+            dmid, dw = ops.rmsnorm_backward(dh2, c["x_mid"], self.w[p + "post_attention_layernorm.weight"], c["rstd2"])
+            self._add_full(p + "post_attention_layernorm.weight", dw)
+            dx = dx + dmid
+            datt = self._linear_backward(dx, i, "o_proj", c).reshape(b, t, hq, d)
+            dq, dk, dv = ops.attention_backward(datt, c["q"], c["k"], c["v"], c["att"], c["lse"], cache["segment_ids"])
+            dq = ops.rope_backward(dq, cache["position_ids"], self.inv_freq)
+            dk = ops.rope_backward(dk, cache["position_ids"], self.inv_freq)
+            if cfg.qk_norm:
+                dq, dwq = ops.rmsnorm_backward(dq.reshape(-1, d), c["q_pre"].reshape(-1, d),
+                                               self.w[p + "self_attn.q_norm.weight"], c["rstd_q"])
+                dk, dwk = ops.rmsnorm_backward(dk.reshape(-1, d), c["k_pre"].reshape(-1, d),
+                                               self.w[p + "self_attn.k_norm.weight"], c["rstd_k"])
+                self._add_full(p + "self_attn.q_norm.weight", dwq)
+                self._add_full(p + "self_attn.k_norm.weight", dwk)
+            dh = (self._linear_backward(dv.reshape(n, -1), i, "v_proj", c)
+                  + self._linear_backward(dk.reshape(n, -1), i, "k_proj", c)
+                  + self._linear_backward(dq.reshape(n, -1), i, "q_proj", c))
+            din, dw = ops.rmsnorm_backward(dh, c["x_in"], self.w[p + "input_layernorm.weight"], c["rstd1"])
+            self._add_full(p + "input_layernorm.weight", dw)
+            dx = dx + din
+        if self.full:
+            self.grads["model.embed_tokens.weight"] += ops.embedding_backward(dx, cache["ids"], cfg.vocab_size)
+
+    def _add_full(self, name, g):
+        if self.full:
+            self.grads[name] += g
+
+    # ---- the engine protocol ------------------------------------------------------------------
+    def logits(self, ids, segment_ids, position_ids):
+        self.training = False
+        return self.forward(ids, segment_ids, position_ids)[0].astype(np.float32)
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        """Forward, loss and backward of one micro-batch; grads accumulate scaled by grad_scale per token.
+
+        Returns (loss_sum, token_count) of the micro-batch.
+        """
+        self.training = True
+        logits, cache = self.forward(ids, segment_ids, position_ids)
+        flat = logits.reshape(-1, logits.shape[-1])
+        loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
+        if count:
+            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, grad_scale), cache)
+        self.training = False
+        return loss_sum, count
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        logits = self.forward(ids, segment_ids, position_ids)[0]
+        loss_sum, count, _ = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss_sum, count
+
+    def gradients(self) -> dict:
+        return {k: v.astype(np.float32) for k, v in self.grads.items()}
+
+    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1):
+        """Clip by the global norm, then AdamW on every trainable tensor; returns (grad_norm, applied)."""
+        params = self.trainable()
+        norm = grad_norm(list(self.grads.values()))
+        if not np.isfinite(norm):
+            self.counters["nonfinite_skipped"] += 1
+            self.zero_grads()
+            return norm, False
+        scale = clip_scale(norm, max_grad_norm)
+        for k, p in params.items():
+            if k not in self.moments:
+                self.moments[k] = (np.zeros_like(p), np.zeros_like(p))
+            m, v = self.moments[k]
+            adamw_update(p, self.grads[k], m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale=scale)
+        self.zero_grads()
+        return norm, True
+
+    def optimizer_state(self) -> dict:
+        return {k: (m.copy(), v.copy()) for k, (m, v) in self.moments.items()}
+
+    def load_optimizer_state(self, state: dict):
+        self.moments = {k: (m.astype(self.dtype), v.astype(self.dtype)) for k, (m, v) in state.items()}

@@ -1,0 +1,212 @@
+"""NumPy op pairs: each `<op>_forward` returns its outputs, each `<op>_backward` the gradients of its inputs.
+
+Argument order mirrors shaders/<op>.wgsl and gpu/kernels.py, where the outputs come first
+(here they are returned instead): inputs and weights, then sizes. Arrays keep the dtype they
+are given (float32 by default, float64 for gradient checks).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+# ---- embedding -------------------------------------------------------------------------------
+
+def embedding_forward(ids, weight):
+    """ids (N,) int, weight (V, C) -> (N, C)."""
+    return weight[ids]
+
+
+def embedding_backward(dout, ids, vocab_size):
+    """dout (N, C) -> dweight (V, C): scatter-add of each row into its token's row."""
+    dweight = np.zeros((vocab_size, dout.shape[-1]), dtype=dout.dtype)
+    np.add.at(dweight, ids, dout)
+    return dweight
+
+
+# ---- rmsnorm ---------------------------------------------------------------------------------
+
+def rmsnorm_forward(x, weight, eps):
+    """x (N, C), weight (C,) -> y (N, C), rstd (N,)."""
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    return (x * rstd[:, None]) * weight, rstd.astype(x.dtype)
+
+
+def rmsnorm_backward(dy, x, weight, rstd):
+    """Gradients of rmsnorm_forward: dx (N, C), dweight (C,)."""
+    xhat = x * rstd[:, None]                                     # (N, C)
+    dweight = np.sum(dy * xhat, axis=0)
+    dxhat = dy * weight
+    c = x.shape[-1]
+    dx = rstd[:, None] * (dxhat - xhat * (np.sum(dxhat * xhat, axis=-1, keepdims=True) / c))
+    return dx, dweight
+
+
+# ---- linear and LoRA -------------------------------------------------------------------------
+
+def linear_forward(x, weight, bias=None):
+    """x (N, in), weight (out, in), bias (out,) or None -> (N, out)."""
+    y = x @ weight.T
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def linear_backward(dy, x, weight, need_weight_grad=True):
+    """dy (N, out) -> dx (N, in), dweight (out, in) or None, dbias (out,) or None."""
+    dx = dy @ weight
+    if not need_weight_grad:
+        return dx, None, None
+    return dx, dy.T @ x, dy.sum(axis=0)
+
+
+def lora_forward(x, lora_a, lora_b, scale):
+    """The low-rank branch: x (N, in), A (r, in), B (out, r) -> y (N, out) = scale * x A^T B^T, h (N, r)."""
+    h = x @ lora_a.T
+    return scale * (h @ lora_b.T), h
+
+
+def lora_backward(dy, x, h, lora_a, lora_b, scale):
+    """Gradients of lora_forward: dx (N, in), dA (r, in), dB (out, r)."""
+    dys = scale * dy                                             # (N, out)
+    dlora_b = dys.T @ h
+    dh = dys @ lora_b                                            # (N, r)
+    dlora_a = dh.T @ x
+    return dh @ lora_a, dlora_a, dlora_b
+
+
+# ---- rope ------------------------------------------------------------------------------------
+
+def _rope_cos_sin(positions, inv_freq, dtype):
+    angles = positions[..., None].astype(np.float64) * inv_freq  # (B, T, D/2)
+    return np.cos(angles).astype(dtype)[:, :, None, :], np.sin(angles).astype(dtype)[:, :, None, :]
+
+
+def rope_forward(x, positions, inv_freq):
+    """Hugging Face half-rotation RoPE: x (B, T, H, D), positions (B, T) int, inv_freq (D/2,) -> (B, T, H, D)."""
+    cos, sin = _rope_cos_sin(positions, inv_freq, x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rope_backward(dy, positions, inv_freq):
+    """The rotation is orthogonal: the gradient is the rotation by the opposite angle."""
+    cos, sin = _rope_cos_sin(positions, inv_freq, dy.dtype)
+    half = dy.shape[-1] // 2
+    d1, d2 = dy[..., :half], dy[..., half:]
+    return np.concatenate([d1 * cos + d2 * sin, d2 * cos - d1 * sin], axis=-1)
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+def attention_allowed(segment_ids):
+    """(B, T) segment ids (0 = padding) -> (B, T, T) bool: query i may see key j.
+
+    Causal, and never across segments (padding or packed samples). A padding query sees
+    only itself so that its row stays finite; its output is never used.
+    """
+    t = segment_ids.shape[1]
+    causal = np.tril(np.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real_key = (segment_ids != 0)[:, None, :]
+    allowed = causal & same & real_key
+    pad_query = (segment_ids == 0)[:, :, None]
+    return allowed | (pad_query & np.eye(t, dtype=bool))
+
+
+def _expand_kv(k, n_rep):
+    return np.repeat(k, n_rep, axis=2) if n_rep > 1 else k
+
+
+def attention_forward(q, k, v, segment_ids):
+    """Causal grouped-query attention.
+
+    q (B, T, Hq, D), k and v (B, T, Hkv, D), segment_ids (B, T) -> out (B, T, Hq, D), lse (B, Hq, T).
+    Query head h reads key/value head h // (Hq / Hkv), as in Hugging Face's repeat_kv.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = np.einsum("bihd,bjhd->bhij", q, ke) * scale        # (B, H, T, T)
+    allowed = attention_allowed(segment_ids)[:, None]
+    scores = np.where(allowed, scores, -np.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = p / denom
+    out = np.einsum("bhij,bjhd->bihd", p, ve)
+    lse = (m + np.log(denom))[..., 0]                             # (B, H, T)
+    return out.astype(q.dtype), lse.astype(q.dtype)
+
+
+def attention_backward(dout, q, k, v, out, lse, segment_ids):
+    """Gradients of attention_forward from the saved logsumexp: dq (B, T, Hq, D), dk, dv (B, T, Hkv, D)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    n_rep = hq // hkv
+    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    scale = 1.0 / np.sqrt(d)
+    scores = np.einsum("bihd,bjhd->bhij", q, ke) * scale
+    allowed = attention_allowed(segment_ids)[:, None]
+    p = np.where(allowed, np.exp(scores - lse[..., None]), 0.0)  # (B, H, T, T)
+    dve = np.einsum("bhij,bihd->bjhd", p, dout)
+    dp = np.einsum("bihd,bjhd->bhij", dout, ve)
+    delta = np.einsum("bihd,bihd->bhi", dout, out)               # rowsum(dout * out)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = np.einsum("bhij,bjhd->bihd", ds, ke)
+    dke = np.einsum("bhij,bihd->bjhd", ds, q)
+    dk = dke.reshape(b, t, hkv, n_rep, d).sum(axis=3)
+    dv = dve.reshape(b, t, hkv, n_rep, d).sum(axis=3)
+    return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+
+
+# ---- swiglu ----------------------------------------------------------------------------------
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def swiglu_forward(gate, up):
+    """silu(gate) * up, elementwise on (N, F)."""
+    return gate * _sigmoid(gate) * up
+
+
+def swiglu_backward(dh, gate, up):
+    """Gradients of swiglu_forward: dgate, dup (N, F)."""
+    s = _sigmoid(gate)
+    silu = gate * s
+    return dh * up * (s * (1.0 + gate * (1.0 - s))), dh * silu
+
+
+# ---- cross-entropy ---------------------------------------------------------------------------
+
+def cross_entropy_forward(logits, targets):
+    """logits (N, V), targets (N,) int with IGNORE_INDEX -> (loss_sum, count, lse (N,)).
+
+    The sum over counted rows of lse - logit[target]; the caller divides by the token count.
+    """
+    m = logits.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[:, 0]
+    valid = targets != IGNORE_INDEX
+    safe = np.where(valid, targets, 0)
+    picked = logits[np.arange(logits.shape[0]), safe]
+    loss_sum = float(np.sum(np.where(valid, lse - picked, 0.0)))
+    return loss_sum, int(valid.sum()), lse
+
+
+def cross_entropy_backward(logits, targets, lse, grad_scale):
+    """dlogits (N, V) = grad_scale * (softmax - onehot) on counted rows, zero elsewhere."""
+    valid = targets != IGNORE_INDEX
+    dlogits = np.exp(logits - lse[:, None])
+    dlogits[np.arange(logits.shape[0]), np.where(valid, targets, 0)] -= 1.0
+    dlogits *= np.where(valid, grad_scale, 0.0).astype(logits.dtype)[:, None]
+    return dlogits
+
+
+def shift_labels(labels):
+    """Hugging Face's convention: logits at t predict labels[t + 1]; (B, T) -> targets (B, T)."""
+    targets = np.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
