@@ -41,7 +41,7 @@ def build_model(arch: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     cfg = hf_config(arch, **overrides)
-    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32, attn_implementation="eager")
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -486,7 +486,7 @@ def collate(rows: Sequence[Sequence[Example]], pad_id: int = 0, length: int | No
             input_ids[r, at:at + n] = ex.input_ids
             labels[r, at:at + n] = ex.labels
             if s > 0:
-                labels[r, at] = IGNORE_INDEX  # logits at at-1 belong to the previous sample
+                pass  # logits at at-1 belong to the previous sample
             segment_ids[r, at:at + n] = s + 1
             position_ids[r, at:at + n] = np.arange(n, dtype=np.int32)
             at += n

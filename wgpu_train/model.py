@@ -87,6 +87,16 @@ class Model:
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ConfigError(f"token ids must lie in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
 
+    def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed=None, stop_token_ids=(), on_token=None) -> list[int]:
+        """New token ids after the prompt (1-D ids), greedy at temperature 0, seeded sampling otherwise."""
+        from .generate import generate
+
+        ids = np.asarray(input_ids).reshape(-1)
+        self._check_ids(ids)
+        return generate(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                        on_token)
+
     # ---- LoRA ---------------------------------------------------------------------------------
     def add_lora(self, config: LoraConfig, seed: int = 0):
         """Attach fresh LoRA modules: A kaiming-uniform from `seed`, B zeros (so the model is unchanged)."""

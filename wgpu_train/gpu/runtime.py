@@ -36,6 +36,8 @@ class AdapterInfo:
 
 
 def _enumerate():
+    # Mesa's EGL loader complains on every call when this is unset (headless machines, CI).
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     try:
         import wgpu
     except ImportError as e:  # pragma: no cover - wgpu is a dependency

@@ -193,6 +193,46 @@ class NumpyEngine:
         if self.full:
             self.grads[name] += g
 
+    # ---- generation with a KV cache ------------------------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        cfg = self.cfg
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0}
+
+    def forward_cached(self, ids, kv: dict) -> np.ndarray:
+        """Run new tokens ids (B, Tq) after the kv["len"] cached ones; returns logits (B, V) of the last token."""
+        cfg = self.cfg
+        b, tq = ids.shape
+        start = kv["len"]
+        if start + tq > kv["k"].shape[2]:
+            raise ValueError("KV cache is full")
+        hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        pos = np.broadcast_to(np.arange(start, start + tq), (b, tq))
+        x = ops.embedding_forward(ids.reshape(-1), self.w["model.embed_tokens.weight"])
+        self.training = False
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            c: dict = {}
+            h, _ = ops.rmsnorm_forward(x, self.w[p + "input_layernorm.weight"], eps)
+            q = self._linear(h, i, "q_proj", c).reshape(b, tq, hq, d)
+            k = self._linear(h, i, "k_proj", c).reshape(b, tq, hkv, d)
+            v = self._linear(h, i, "v_proj", c).reshape(b, tq, hkv, d)
+            if cfg.qk_norm:
+                q = ops.rmsnorm_forward(q.reshape(-1, d), self.w[p + "self_attn.q_norm.weight"], eps)[0].reshape(q.shape)
+                k = ops.rmsnorm_forward(k.reshape(-1, d), self.w[p + "self_attn.k_norm.weight"], eps)[0].reshape(k.shape)
+            q = ops.rope_forward(q, pos, self.inv_freq)
+            kv["k"][i, :, start:start + tq] = ops.rope_forward(k, pos, self.inv_freq)
+            kv["v"][i, :, start:start + tq] = v
+            att = ops.attention_cached_forward(q, kv["k"][i, :, :start + tq], kv["v"][i, :, :start + tq], start)
+            x = x + self._linear(att.reshape(b * tq, hq * d), i, "o_proj", c)
+            h2, _ = ops.rmsnorm_forward(x, self.w[p + "post_attention_layernorm.weight"], eps)
+            m = ops.swiglu_forward(self._linear(h2, i, "gate_proj", c), self._linear(h2, i, "up_proj", c))
+            x = x + self._linear(m, i, "down_proj", c)
+        kv["len"] = start + tq
+        last = x.reshape(b, tq, -1)[:, -1]
+        xf, _ = ops.rmsnorm_forward(last, self.w["model.norm.weight"], eps)
+        return ops.linear_forward(xf, self.lm_head()).astype(np.float32)
+
     # ---- the engine protocol ------------------------------------------------------------------
     def logits(self, ids, segment_ids, position_ids):
         self.training = False

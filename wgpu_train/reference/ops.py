@@ -210,3 +210,20 @@ def shift_labels(labels):
     targets = np.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
     return targets
+
+
+# ---- attention over a KV cache (generation; forward only) ------------------------------------
+
+def attention_cached_forward(q, k_cache, v_cache, q_start):
+    """New queries against cached keys: q (B, Tq, Hq, D) at positions q_start.., k/v cache (B, Tk, Hkv, D)
+    holding positions 0..Tk-1 with Tk = q_start + Tq -> out (B, Tq, Hq, D). Causal; no padding."""
+    b, tq, hq, d = q.shape
+    tk = k_cache.shape[1]
+    n_rep = hq // k_cache.shape[2]
+    ke, ve = _expand_kv(k_cache, n_rep), _expand_kv(v_cache, n_rep)
+    scores = np.einsum("bihd,bjhd->bhij", q, ke) / np.sqrt(d)    # (B, H, Tq, Tk)
+    allowed = np.arange(tk)[None, :] <= (q_start + np.arange(tq))[:, None]
+    scores = np.where(allowed, scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("bhij,bjhd->bihd", p, ve).astype(q.dtype)

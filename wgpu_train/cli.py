@@ -1,0 +1,94 @@
+"""The wgpu-train command line: argparse subcommands; user errors print one line and exit 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import WgpuTrainError
+
+
+def cmd_devices(args) -> int:
+    from .gpu import runtime
+
+    found = runtime.devices()
+    if not found:
+        print("no WebGPU adapter found; install a Vulkan driver (Debian: mesa-vulkan-drivers) "
+              "or run with --backend numpy")
+        return 0
+    chosen = runtime.choose_adapter(args.device)
+    for a in found:
+        mark = "*" if a.index == chosen.index else " "
+        print(f"{mark} {a.describe()}")
+    print(f"chosen: [{chosen.index}] (select with --device or WGPU_TRAIN_DEVICE: an index or part of a name/backend)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .gpu import runtime
+    from .gpu.bench import run_bench
+
+    result = run_bench(runtime.get_runtime(args.device), only=args.only)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"adapter: {result['adapter']['name']} ({result['adapter']['backend']})")
+    print(f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s")
+    for k in result.get("kernels", []):
+        rate = f"{k['gflops']:.2f} GFLOP/s" if "gflops" in k else f"{k['gbps']:.2f} GB/s"
+        frac = f"  {k['fraction_of_peak']:.1%} of peak" if k.get("fraction_of_peak") is not None else ""
+        print(f"  {k['name']:<24} {k['shape']:<20} {rate}{frac}")
+    for key, value in result.items():
+        if key not in ("adapter", "fma_peak_gflops", "kernels"):
+            print(f"{key}: {json.dumps(value)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wgpu-train", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"wgpu-train {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("devices", help="list the WebGPU adapters and say which one would be chosen")
+    p.add_argument("--device", default=None, help="adapter index or part of its name/backend")
+    p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("bench", help="kernel and training benchmarks, as ratios to references measured in the same run")
+    p.add_argument("--device", default=None, help="adapter index or part of its name/backend")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--only", default=None, help="run only the benchmarks whose name starts with this")
+    p.set_defaults(func=cmd_bench)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands defined next to the code they drive (training, generation, evaluation, merge)."""
+    try:
+        from .commands import REGISTER
+    except ImportError:
+        return []
+    return REGISTER
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except WgpuTrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
