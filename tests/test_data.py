@@ -250,8 +250,8 @@ def check_labels_against_spans(tok, ex, text, spans):
     ids, offsets = tok.encode_with_offsets(text)
     assert ex.input_ids.dtype == np.int32 and ex.labels.dtype == np.int64
     assert ex.input_ids.tolist() == ids
-    for j, (s, _) in enumerate(offsets):
-        inside = any(a <= s < b for a, b in spans)
+    for j, (s, e) in enumerate(offsets):
+        inside = any(s < b and e > a for a, b in spans)  # the token holds a character of an answer
         assert ex.labels[j] == (ids[j] if inside else IGNORE_INDEX), (j, text[offsets[j][0]:offsets[j][1]])
 
 
@@ -314,6 +314,36 @@ def test_template_with_text_around_end_token(tmp_path, backend):
     assert ex.labels[-1] == IGNORE_INDEX and ex.input_ids[0] == spacy.token_to_id("<|endoftext|>")
 
 
+# Like Qwen3: only the final assistant turn is rendered with an (empty) thinking block.
+THINKING = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and loop.last %}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_template_rendering_past_turns_differently(tmp_path, backend):
+    thinking = make_tokenizer(tmp_path / "think", backend, template=THINKING)
+    ex = tokenize_example(thinking, MULTI, max_seq_len=512)
+    text = thinking.apply_chat_template(MULTI)
+    spans = expected_spans(text, ["hello, the cat"]) + expected_spans(text, ["<think>\n\n</think>\n\nit is four."])
+    check_labels_against_spans(thinking, ex, text, spans)
+    assert trained_text(thinking, ex) == "hello, the cat<|im_end|><think>\n\n</think>\n\nit is four.<|im_end|>"
+
+
+def test_token_straddling_the_answer_start_is_trained(tmp_path, backend):
+    # the generation prompt ends in a space, so the answer's first token " the" starts inside the prompt
+    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
+                "{% if m['role'] == 'assistant' %}{{ '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    spaced = make_tokenizer(tmp_path / "spaced", backend, template=template)
+    ex = tokenize_example(spaced, [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the cat"}],
+                          max_seq_len=512)
+    assert trained_text(spaced, ex) == " the cat<|im_end|>"
+
+
 def test_mask_matches_transformers_generation_tags(tmp_path, backend):
     transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
     ours = make_tokenizer(tmp_path / "gen", backend, template=QWEN_GENERATION)
@@ -337,7 +367,7 @@ def test_raw_text_mode(tok):
     assert prompt == "answer briefly.\n\ntwo plus two?"
     ids, offsets = tok.encode_with_offsets(prompt + " it is four.")
     assert ex.input_ids.tolist() == ids + [tok.eos_token_id]
-    n_prompt = sum(1 for s, _ in offsets if s < len(prompt))
+    n_prompt = sum(1 for _, e in offsets if e <= len(prompt))
     assert (ex.labels[:n_prompt] == IGNORE_INDEX).all()
     assert ex.labels[n_prompt:].tolist() == ex.input_ids[n_prompt:].tolist()
     assert ex.labels[-1] == tok.eos_token_id == tok.token_to_id("<|endoftext|>")

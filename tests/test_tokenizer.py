@@ -160,13 +160,15 @@ def test_chatml_fallback_adds_bos_when_post_processor_does(tmp_path):
     backend = build_backend()
     backend.post_processor = processors.TemplateProcessing(
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", backend.token_to_id("<|endoftext|>"))])
-    tok = load_tokenizer(write_folder(tmp_path / "m", backend, {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
+    config = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
+    tok = load_tokenizer(write_folder(tmp_path / "m", backend, config))
     assert tok.add_bos_token
     assert tok.apply_chat_template([{"role": "user", "content": "U"}]) == "<|endoftext|><|im_start|>user\nU<|im_end|>\n"
 
 
 def test_template_errors_are_data_errors(tmp_path, backend):
-    tok = load_tokenizer(write_folder(tmp_path / "m", backend, {"chat_template": LLAMA_LIKE, "bos_token": "<|endoftext|>"}))
+    config = {"chat_template": LLAMA_LIKE, "bos_token": "<|endoftext|>"}
+    tok = load_tokenizer(write_folder(tmp_path / "m", backend, config))
     with pytest.raises(DataError, match="bad role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
     broken = load_tokenizer(write_folder(tmp_path / "b", backend, {"chat_template": "{% for x in %}"}))

@@ -205,3 +205,15 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+
+@dataclass(frozen=True)
+class OptimizerParams:
+    """AdamW hyper-parameters of one step (the learning rate comes from the schedule)."""
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0

@@ -117,7 +117,8 @@ def _convert(obj: Any, fmt: str) -> Record:
     """Check `obj` against `fmt` and turn it into a message list (or the text, for the text format)."""
     found = _detect_format(obj)
     if found != fmt:
-        raise _BadLine(f"record looks like {found} format {_SHAPES[found]}, but the file is {fmt} format {_SHAPES[fmt]}")
+        raise _BadLine(f"record looks like {found} format {_SHAPES[found]}, "
+                       f"but the file is {fmt} format {_SHAPES[fmt]}")
     if fmt == "chat":
         return _convert_chat(obj)
     if fmt == "text":
@@ -249,7 +250,7 @@ def resolve_data(path: str | Path, valid_split: float = 0.1, seed: int = 0, skip
 # Tokenization with loss masks
 
 
-@dataclass
+@dataclass(eq=False)
 class Example:
     """One tokenized sample. Labels are not shifted: the model's logits at t are scored against labels[t + 1]."""
 
@@ -290,6 +291,15 @@ def _common_prefix_len(a: str, b: str) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _in_span(tok_start: int, tok_end: int, start: int, end: int) -> bool:
+    """Whether a token is trained for the char span [start, end): it holds at least one character of it.
+    A token straddling the span start (a template whose prompt ends in a space, then " Hi") holds part of
+    the answer, so the model must learn to produce it."""
+    if tok_end > tok_start:
+        return tok_start < end and tok_end > start
+    return start <= tok_start < end
 
 
 def _assistant_span(tokenizer: Tokenizer, messages: Sequence[Message], i: int) -> tuple[str, int, int]:
@@ -345,13 +355,13 @@ def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message],
     ids, offsets = tokenizer.encode_with_offsets(text)
     labels = [IGNORE_INDEX] * len(ids)
     k = 0
-    for j, (tok_start, _) in enumerate(offsets):
-        # a token belongs to the span its first character lies in; spans are sorted and disjoint
+    for j, (tok_start, tok_end) in enumerate(offsets):
+        # spans are sorted and disjoint; offsets never decrease
         while k < len(spans) and tok_start >= spans[k][1]:
             k += 1
         if k == len(spans):
             break
-        if spans[k][0] <= tok_start:
+        if _in_span(tok_start, tok_end, spans[k][0], spans[k][1]):
             labels[j] = ids[j]
     return ids, labels
 
@@ -375,7 +385,9 @@ def _raw_example(tokenizer: Tokenizer, messages: Sequence[Message],
         chunk_ids, offsets = tokenizer.encode_with_offsets(prompt + m["content"])
         train = not train_on_last_turn or i == last
         ids += chunk_ids
-        labels += [t if train and s >= len(prompt) else IGNORE_INDEX for t, (s, _) in zip(chunk_ids, offsets)]
+        n = len(prompt + m["content"])
+        labels += [t if train and _in_span(s, e, len(prompt), n) else IGNORE_INDEX
+                   for t, (s, e) in zip(chunk_ids, offsets)]
         if eos is not None:
             ids.append(eos)
             labels.append(eos if train else IGNORE_INDEX)
@@ -446,7 +458,7 @@ def tokenize_dataset(tokenizer: Tokenizer, records: Sequence[Record], max_seq_le
 # Batching and packing
 
 
-@dataclass
+@dataclass(eq=False)
 class Batch:
     """A padded (and possibly packed) batch. Attention is allowed only within one segment id; 0 is padding."""
 
@@ -486,7 +498,7 @@ def collate(rows: Sequence[Sequence[Example]], pad_id: int = 0, length: int | No
             input_ids[r, at:at + n] = ex.input_ids
             labels[r, at:at + n] = ex.labels
             if s > 0:
-                pass  # logits at at-1 belong to the previous sample
+                labels[r, at] = IGNORE_INDEX  # logits at at-1 belong to the previous sample
             segment_ids[r, at:at + n] = s + 1
             position_ids[r, at:at + n] = np.arange(n, dtype=np.int32)
             at += n

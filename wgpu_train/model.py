@@ -113,7 +113,8 @@ class Model:
         self.lora_config = config
         self.method = "lora"
         self.engine.set_full_finetune(False)
-        self.engine.dropout_rng = np.random.default_rng([seed, 1])
+        self.engine.dropout_seed = int(seed) & 0xFFFFFFFF
+        self.engine.dropout_calls = 0
         self.engine.set_lora({p: (a, b, config.scale, config.dropout) for p, (a, b) in modules.items()})
 
     def set_full_finetune(self):

@@ -85,7 +85,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -223,7 +224,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
                             **kwargs: Any) -> str:
-        """Render `messages` ([{"role", "content"}, ...]) to text, as transformers' apply_chat_template(tokenize=False)."""
+        """Render `messages` ([{"role", "content"}, ...]) to text exactly as transformers'
+        apply_chat_template(messages, tokenize=False) does; extra keyword arguments become template variables."""
         if self._template is None:
             try:
                 self._template = _compile_template(self.chat_template)

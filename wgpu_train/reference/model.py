@@ -31,7 +31,8 @@ class NumpyEngine:
         self.full = False            # full fine-tuning: every weight trainable
         self.grads: dict = {}
         self.moments: dict = {}
-        self.dropout_rng = np.random.default_rng(0)
+        self.dropout_seed = 0        # LoRA dropout masks: hash of (seed, micro-batch counter, module)
+        self.dropout_calls = 0
         self.training = False
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
 
@@ -78,7 +79,7 @@ class NumpyEngine:
         if lora is not None:
             xl, mask = x, None
             if self.training and lora.dropout > 0:
-                mask = (self.dropout_rng.random(x.shape) >= lora.dropout).astype(x.dtype) / (1.0 - lora.dropout)
+                mask = ops.dropout_mask(self.dropout_module_seed(layer, module), x.shape, lora.dropout, x.dtype)
                 xl = x * mask
             yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)
             y = y + yl
@@ -86,6 +87,13 @@ class NumpyEngine:
         else:
             cache[module] = (x, None, None, None)
         return y
+
+    def dropout_module_seed(self, layer, module) -> int:
+        """The dropout seed of one LoRA module in the current micro-batch (shared with the GPU engine)."""
+        from ..config import LINEAR_MODULES
+
+        module_id = layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module)
+        return int(ops.pcg_hash(ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls)) ^ np.uint32(module_id)))
 
     def _linear_backward(self, dy, layer, module, cache):
         path = module_path(layer, module)
@@ -244,6 +252,7 @@ class NumpyEngine:
         Returns (loss_sum, token_count) of the micro-batch.
         """
         self.training = True
+        self.dropout_calls += 1
         logits, cache = self.forward(ids, segment_ids, position_ids)
         flat = logits.reshape(-1, logits.shape[-1])
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
@@ -259,6 +268,21 @@ class NumpyEngine:
 
     def gradients(self) -> dict:
         return {k: v.astype(np.float32) for k, v in self.grads.items()}
+
+    def train_step(self, micro_batches, hp, step: int):
+        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...].
+
+        Gradients are normalised by the total number of counted tokens of all micro-batches, so the
+        step equals the full-batch step. Returns (loss_sum, token_count, grad_norm, applied).
+        """
+        total = sum(int((t != ops.IGNORE_INDEX).sum()) for _, t, _, _ in micro_batches)
+        self.zero_grads()
+        loss_sum = 0.0
+        for ids, targets, seg, pos in micro_batches:
+            loss_sum += self.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+        norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
+                                            hp.max_grad_norm, step)
+        return loss_sum, total, norm, applied
 
     def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1):
         """Clip by the global norm, then AdamW on every trainable tensor; returns (grad_norm, applied)."""

@@ -76,6 +76,24 @@ def lora_backward(dy, x, h, lora_a, lora_b, scale):
     return dh @ lora_a, dlora_a, dlora_b
 
 
+def pcg_hash(v):
+    """The PCG output hash on uint32 (wrapping), identical to pcg_hash in shaders/lora_dropout.wgsl."""
+    v = np.asarray(v, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        s = v * np.uint32(747796405) + np.uint32(2891336453)
+        w = ((s >> ((s >> np.uint32(28)) + np.uint32(4))) ^ s) * np.uint32(277803737)
+    return (w >> np.uint32(22)) ^ w
+
+
+def dropout_mask(seed, shape, p, dtype=np.float32):
+    """Inverted-dropout mask of `shape`: 0 with probability p, else 1/(1-p), from a counter-based hash of
+    (seed, element index), so that the GPU draws exactly the same mask."""
+    n = int(np.prod(shape))
+    u = pcg_hash(np.arange(n, dtype=np.uint32) ^ pcg_hash(seed))
+    keep = (u >> np.uint32(8)) >= np.uint32(int(p * (1 << 24)))
+    return (keep.astype(dtype) / np.asarray(1.0 - p, dtype=dtype)).reshape(shape)
+
+
 # ---- rope ------------------------------------------------------------------------------------
 
 def _rope_cos_sin(positions, inv_freq, dtype):
