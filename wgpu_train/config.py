@@ -112,20 +112,22 @@ class ModelConfig:
             theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
             rope_type = params.get("rope_type", params.get("type", "default"))
             scaling = dict(params) if rope_type != "default" else None
+            rope_field = "rope_parameters"
         elif isinstance(params, dict) and params:
             raise ConfigError(f"{source}: field 'rope_parameters' holds per-layer-type RoPE, which is not supported")
         else:
             theta = raw.get("rope_theta", 10000.0)
             scaling = raw.get("rope_scaling")
+            rope_field = "rope_scaling"
             if scaling is not None:
                 rope_type = scaling.get("rope_type", scaling.get("type", "default"))
                 scaling = dict(scaling) if rope_type != "default" else None
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type"))
             if rope_type != "llama3":
-                raise ConfigError(f"{source}: field 'rope_scaling' has type {rope_type!r}; only 'llama3' is supported")
+                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; only 'llama3' is supported")
             if "factor" not in scaling:
-                raise ConfigError(f"{source}: field 'rope_scaling' lacks 'factor'")
+                raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0")
         # A sliding window only matters when it is both enabled and shorter than the context.

@@ -44,6 +44,8 @@ def read_safetensors(path, names=None) -> dict:
         raise ModelFileError(f"weights file not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ModelFileError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
@@ -225,6 +227,10 @@ def read_adapter(folder):
     targets = raw.get("target_modules") or []
     if isinstance(targets, str):
         targets = "all-linear" if targets == "all-linear" else [targets]
+    else:
+        # PEFT matches by suffix and itself writes full paths ("model.layers.0.self_attn.q_proj") for
+        # "all-linear"; the module name is the last component. load_adapter then checks every layer's tensors.
+        targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
     try:
         cfg = LoraConfig(r=int(raw["r"]), alpha=raw.get("lora_alpha", 8), dropout=float(raw.get("lora_dropout", 0.0)),
                          target_modules=targets, use_rslora=bool(raw.get("use_rslora", False)))

@@ -31,7 +31,10 @@ def _as_batch(input_ids, attention_mask=None):
     if attention_mask is None:
         seg = np.ones_like(ids)
     else:
-        seg = (np.asarray(attention_mask).reshape(ids.shape) != 0).astype(np.int32)
+        mask = np.asarray(attention_mask)
+        if mask.size != ids.size:
+            raise ConfigError(f"attention_mask must have the shape of input_ids {ids.shape}, got {mask.shape}")
+        seg = (mask.reshape(ids.shape) != 0).astype(np.int32)
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
     return ids, seg, pos
 
@@ -64,7 +67,14 @@ class Model:
         """
         ids, seg, pos = _as_batch(input_ids, attention_mask)
         self._check_ids(ids)
-        targets = shift_labels(np.asarray(labels, dtype=np.int64).reshape(ids.shape))
+        labels = np.asarray(labels, dtype=np.int64)
+        if labels.size != ids.size:
+            raise ConfigError(f"labels must have the shape of input_ids {ids.shape}, got {labels.shape}")
+        targets = shift_labels(labels.reshape(ids.shape))
+        # -1 would silently index the last vocabulary row, >= vocab_size would raise IndexError deep inside.
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= self.config.vocab_size))
+        if bad.any():
+            raise ConfigError(f"labels must be -100 or lie in [0, {self.config.vocab_size}), got {int(targets[bad][0])}")
         count = int((targets != IGNORE_INDEX).sum())
         if count == 0:
             raise ConfigError("labels hold no token to train on (all -100)")

@@ -1,0 +1,98 @@
+"""The one table of numerical tolerances used by the tests, each with the reason for its size,
+and assert_close, which reports the worst absolute and relative error when a comparison fails."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Tolerance(NamedTuple):
+    rtol: float
+    atol: float
+    reason: str
+
+
+# An element passes when |actual - expected| <= atol + rtol * |expected| (numpy.isclose's rule).
+# Add entries for new comparisons here rather than writing numbers into tests.
+TOLERANCES: dict[str, Tolerance] = {
+    "exact": Tolerance(0.0, 0.0,
+        "the same float32 numbers stored, copied or converted exactly (f16 and bf16 widen to f32 exactly); "
+        "any difference is a bug"),
+    "logits_f32": Tolerance(1e-4, 3e-5,
+        "float32 NumPy vs float32 torch on the tiny models: summation order (BLAS) and exp/log rounding "
+        "differ; observed <= 3.5e-6 on logits of magnitude ~3. A wrong mask, RoPE or norm moves logits by > 1e-2"),
+    "merged_logits": Tolerance(1e-4, 5e-5,
+        "a merged model rounds W + scale * B @ A to float32 once, the unmerged PEFT model adds the two products "
+        "at run time; one extra rounding per weight on top of logits_f32"),
+    "loss_f32": Tolerance(5e-6, 1e-6,
+        "mean cross-entropy (~4.5) in float32 from both sides; observed <= 5e-7 absolute"),
+    "grads_f32": Tolerance(1e-4, 2e-5,
+        "float32 backward through two layers vs torch autograd; observed <= 2e-6 absolute where each "
+        "gradient tensor's largest entry is 0.02..0.1, so a missing term or a wrong scale fails by orders of magnitude"),
+    "inv_freq": Tolerance(2e-6, 0.0,
+        "RoPE inverse frequencies: ours in float64, transformers' buffer in float32 (relative rounding ~6e-8, "
+        "plus float32 pow in torch)"),
+    "finite_difference_f64": Tolerance(1e-5, 1e-8,
+        "central difference of the float64 loss with step 1e-5 (truncation ~1e-10, cancellation ~1e-11) "
+        "against the analytic gradient, which loss_and_grads returns as float32 (relative 6e-8)"),
+    # ---- GPU kernels (tests/test_kernels.py): fp32 WGSL against the reference evaluated in float64 ----
+    "k_elementwise": Tolerance(1e-6, 1e-6,
+        "one or two float32 roundings per element"),
+    "k_swiglu": Tolerance(2e-6, 1e-6,
+        "float32 exp inside the sigmoid (GPU exp is a few ulp) and a handful of roundings"),
+    "k_rmsnorm": Tolerance(2e-5, 2e-6,
+        "float32 sum of squares over C (<= 300 here) in 64 strided partials, then 1/sqrt"),
+    "k_rmsnorm_dweight": Tolerance(5e-5, 1e-5,
+        "dweight sums N rows in float32, over 32-row blocks then over the blocks"),
+    "k_rope": Tolerance(1e-4, 2e-3,
+        "the angle pos * inv_freq is formed in float32 as in Hugging Face, the reference forms it in float64: "
+        "at positions up to 4096 half an ulp of the angle is 2.4e-4 rad, times |x| up to ~4"),
+    "k_rope_small": Tolerance(1e-5, 2e-6,
+        "positions < 64: float32 angle error ~4e-6 rad; GPU cos/sin after range reduction to [-pi, pi]"),
+    "k_attention": Tolerance(2e-5, 5e-6,
+        "online softmax in float32: rescaled sums of exp over <= 300 keys and dot products over D"),
+    "k_attention_lse": Tolerance(1e-5, 5e-6,
+        "float32 log of a sum of <= 300 exps"),
+    "k_attention_grad": Tolerance(1e-4, 1e-5,
+        "dq, dk, dv sum up to 300 products of recomputed float32 probabilities and dot products; dk and dv "
+        "also over the query heads of a group"),
+    "k_cross_entropy": Tolerance(1e-5, 2e-5,
+        "float32 per-invocation online logsumexp over V, then a 256-way tree combine"),
+    "k_cross_entropy_sum": Tolerance(1e-5, 1e-4,
+        "float32 tree sum of the per-row losses (<= 20 rows)"),
+    "k_cross_entropy_grad": Tolerance(1e-5, 1e-6,
+        "exp(logit - lse) in float32, times the scale"),
+    "k_embedding_grad": Tolerance(1e-6, 1e-6,
+        "float32 sum of <= 40 rows in token order (the reference adds in the same order)"),
+    "k_grad_norm": Tolerance(1e-5, 1e-6,
+        "float32 sums of squares over <= 1000 values per tensor (reference: float64), tree-summed"),
+    "k_adamw": Tolerance(1e-5, 1e-6,
+        "float32 update from float64-formed hyper-parameters (sqrt and divide a few ulp); the clip scale carries "
+        "the grad-norm tolerance into every element"),
+}
+
+
+def assert_close(actual, expected, name: str, what: str = ""):
+    """Assert actual ~ expected under TOLERANCES[name]; on failure report the worst errors and where."""
+    if name not in TOLERANCES:
+        raise KeyError(f"no tolerance named {name!r}: add it, with its reason, to TOLERANCES in tests/tolerances.py")
+    tol = TOLERANCES[name]
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    label = f"{what} " if what else ""
+    assert a.shape == e.shape, f"{label}shape {a.shape} != expected {e.shape}"
+    if not np.all(np.isfinite(a)) or not np.all(np.isfinite(e)):
+        bad_a, bad_e = int(np.sum(~np.isfinite(a))), int(np.sum(~np.isfinite(e)))
+        assert bad_a == 0 and bad_e == 0, f"{label}non-finite values: {bad_a} in actual, {bad_e} in expected"
+    err = np.abs(a - e)
+    ok = err <= tol.atol + tol.rtol * np.abs(e)
+    if np.all(ok):
+        return
+    rel = err / np.maximum(np.abs(e), np.finfo(np.float64).tiny)
+    worst = np.unravel_index(int(np.argmax(err - tol.rtol * np.abs(e))), err.shape) if err.ndim else ()
+    raise AssertionError(
+        f"{label}not close under '{name}' (rtol={tol.rtol:g}, atol={tol.atol:g}): "
+        f"{int(np.sum(~ok))}/{ok.size} elements fail; max abs error {err.max():.3g}, max rel error {rel.max():.3g}; "
+        f"worst at {tuple(int(i) for i in worst)}: actual {a[worst]:.9g}, expected {e[worst]:.9g}. "
+        f"Why this tolerance: {tol.reason}")
