@@ -2,13 +2,14 @@
 // reference/ops.py attention_cached_forward. One invocation per (query, head), online softmax over
 // the cached keys, so any cache length works without a score array.
 
+// The position of the first new query comes from positions[0] (written with the tokens), so the
+// uniform stays the same at every decoding step and nothing is created per token.
 struct Params {
     tq: u32,          // new queries
-    q_start: u32,     // position of the first new query; keys 0 .. q_start + tq - 1 are valid
+    max_len: u32,     // rows of the cache buffers
     hq: u32,
     hkv: u32,
     d: u32,
-    max_len: u32,     // rows of the cache buffers
     scale: f32,
 }
 
@@ -16,7 +17,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> q: array<f32>;             // (Tq, Hq, D)
 @group(0) @binding(2) var<storage, read> k_cache: array<f32>;       // (max_len, Hkv, D)
 @group(0) @binding(3) var<storage, read> v_cache: array<f32>;       // (max_len, Hkv, D)
-@group(0) @binding(4) var<uniform> params: Params;
+@group(0) @binding(4) var<storage, read> positions: array<i32>;    // (Tq,) positions of the new tokens
+@group(0) @binding(5) var<uniform> params: Params;
 
 const MAX_D: u32 = 256u;
 
@@ -33,7 +35,7 @@ fn attention_cached_forward(@builtin(global_invocation_id) gid: vec3<u32>) {
     for (var c = 0u; c < d; c++) { acc[c] = 0.0; }
     var m = -3.4e38;
     var l = 0.0;
-    let last = params.q_start + i;
+    let last = u32(positions[i]);
     for (var j = 0u; j <= last; j++) {
         let k_off = (j * params.hkv + kvh) * d;
         var s = 0.0;

@@ -1,0 +1,664 @@
+"""The WebGPU engine: persistent weights, activations per (batch, length) bucket, and a whole
+optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import LINEAR_MODULES, ModelConfig
+from ..errors import DeviceError
+from ..hf import module_path
+from ..reference import ops as ref_ops
+from . import kernels as K
+from .gemm import gemm, lora_backward, lora_forward, ones
+from .runtime import Runtime
+
+F32 = 4
+HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
+
+
+class Matrix:
+    """A (rows, cols) fp32 weight on the GPU, split by rows into buffers that each fit one binding."""
+
+    def __init__(self, rt: Runtime, rows: int, cols: int, label: str, data: np.ndarray | None = None):
+        self.rows, self.cols = rows, cols
+        per = max(1, min(rows, rt.max_binding // (cols * F32)))
+        self.chunks = []                                   # (buffer, first_row, n_rows)
+        for r0 in range(0, rows, per):
+            n = min(per, rows - r0)
+            buf = rt.buffer(n * cols * F32, f"{label}[{r0}:]")
+            if data is not None:
+                rt.write(buf, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
+            self.chunks.append((buf, r0, n))
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    def read(self, rt) -> np.ndarray:
+        return np.concatenate([rt.read(b, np.float32, (n, self.cols)) for b, _, n in self.chunks])
+
+    def write(self, rt, data):
+        for b, r0, n in self.chunks:
+            rt.write(b, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
+
+
+def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
+    """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
+    for buf, r0, n in w.chunks:
+        b = (bias, r0) if bias is not None else None
+        gemm(rec, _at(y, r0), x, buf, N, n, w.cols, "nt", bias=b, accumulate=accumulate, ldc=w.rows)
+
+
+def linear_backward(rec, dx, dweight, dbias, dy, x, w: Matrix, N, accumulate_dx=False):
+    """dx (N, in) (+)= dy @ w; dweight (+)= dy.T @ x and dbias (+)= sum(dy) when given (always accumulated)."""
+    for i, (buf, r0, n) in enumerate(w.chunks):
+        if dx is not None:
+            gemm(rec, dx, _at(dy, r0), buf, N, w.cols, n, "nn", lda=w.rows, accumulate=accumulate_dx or i > 0)
+        if dweight is not None:
+            gemm(rec, dweight.chunks[i][0], _at(dy, r0), x, n, w.cols, N, "tn", lda=w.rows, accumulate=True)
+    if dbias is not None:
+        gemm(rec, dbias, ones(rec.rt, N), dy, 1, w.rows, N, "nn", accumulate=True)
+
+
+def _at(t, offset):
+    """(buffer, element offset) of a tensor argument shifted by offset elements."""
+    if isinstance(t, tuple):
+        return (t[0], t[1] + offset)
+    return (t, offset) if offset else t
+
+
+class GpuLora:
+    """A LoRA pair on the GPU with its gradients and AdamW moments."""
+
+    def __init__(self, rt, path, a, b, scale, dropout, module_id):
+        self.path, self.scale, self.dropout, self.module_id = path, float(scale), float(dropout), module_id
+        self.r, self.in_f = a.shape
+        self.out_f = b.shape[0]
+        self.a, self.b = rt.upload(a.astype(np.float32), path + ".A"), rt.upload(b.astype(np.float32), path + ".B")
+        self.ga, self.gb = rt.buffer(a.size * F32), rt.buffer(b.size * F32)
+
+
+class Inputs:
+    """The uploaded batch of one micro-batch slot: ids, segment ids, positions, targets (all i32, (B*T,))."""
+
+    def __init__(self, rt: Runtime, n: int):
+        self.ids, self.segments, self.positions, self.targets = (rt.buffer(n * F32, name) for name in
+                                                                 ("ids", "segment_ids", "positions", "targets"))
+
+
+class Activations:
+    """Every buffer one (B, T) bucket needs for forward and backward, allocated once and reused."""
+
+    def __init__(self, rt: Runtime, cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict,
+                 train: bool):
+        n = b * t
+        self.b, self.t, self.n = b, t, n
+        c, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        q, kv, hq, hkv = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        buf = lambda elems, label: rt.buffer(max(1, elems) * F32, label)  # noqa: E731
+        self.ids = self.segments = self.positions = self.targets = None   # set from an Inputs per use
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            a = {"x_in": buf(n * c, "x_in"), "h1": buf(n * c, "h1"), "rstd1": buf(n, "rstd1"),
+                 "q": buf(n * q, "q"), "k": buf(n * kv, "k"), "v": buf(n * kv, "v"), "att": buf(n * q, "att"),
+                 "lse": buf(n * hq, "lse"), "x_mid": buf(n * c, "x_mid"), "h2": buf(n * c, "h2"),
+                 "rstd2": buf(n, "rstd2"), "gate": buf(n * f, "gate"), "up": buf(n * f, "up"), "m": buf(n * f, "m")}
+            if cfg.qk_norm:
+                a.update(q_pre=buf(n * q, "q_pre"), k_pre=buf(n * kv, "k_pre"), rstd_q=buf(n * hq, "rstd_q"),
+                         rstd_k=buf(n * hkv, "rstd_k"))
+            for module, r in lora_ranks.items():
+                a["lora_h." + module] = buf(n * r, "lora_h")
+            for module, in_f in dropout_inputs.items():
+                a["lora_x." + module] = buf(n * in_f, "lora_x")
+            self.layers.append(a)
+        self.x_final, self.xf, self.rstd_f = buf(n * c, "x_final"), buf(n * c, "xf"), buf(n, "rstd_f")
+        self.head_rows = max(1, min(n, HEAD_CHUNK_BYTES // (v * F32), 65535))
+        self.logits = buf(self.head_rows * v, "logits")
+        self.loss_rows, self.lse_rows, self.valid_rows = buf(n, "loss"), buf(n, "lse"), buf(n, "valid")
+        if not train:
+            return
+        widest = max([c, q, f] + list(dropout_inputs.values()))
+        self.d_res, self.d_tmp, self.dxf = buf(n * c, "d_res"), buf(n * widest, "d_tmp"), buf(n * c, "dxf")
+        self.d_att, self.dq, self.dk, self.dv = buf(n * q, "d_att"), buf(n * q, "dq"), buf(n * kv, "dk"), buf(n * kv, "dv")
+        self.dq2, self.dk2 = buf(n * q, "dq2"), buf(n * kv, "dk2")
+        self.d_m, self.d_gate, self.d_up = buf(n * f, "d_m"), buf(n * f, "d_gate"), buf(n * f, "d_up")
+        self.d_h = buf(n * c, "d_h")
+        self.d_lora_h = buf(n * max(list(lora_ranks.values()) + [1]), "d_lora_h")
+        self.d_lora_x = buf(n * widest, "d_lora_x")
+        self.scratch_norm = buf(K.rmsnorm_scratch_size(n * max(hq, 1), max(c, cfg.head_dim)), "norm_scratch")
+        self.scratch_att = buf(K.attention_scratch_size(b, t, hq), "att_scratch")
+        self.scratch_emb = buf(K.embedding_scratch_size(n), "emb_scratch")
+
+
+class WgpuEngine:
+    """The engine protocol of reference.model.NumpyEngine, on a WebGPU device."""
+
+    name = "wgpu"
+
+    def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        self.dtype = np.dtype(np.float32)
+        self.w: dict = {}          # HF name -> Matrix (2-D) or buffer (1-D)
+        for name, arr in weights.items():
+            if arr.ndim == 2:
+                self.w[name] = Matrix(rt, arr.shape[0], arr.shape[1], name, arr)
+            else:
+                self.w[name] = rt.upload(arr.astype(np.float32), name)
+        self.shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
+        self.lora: dict[str, GpuLora] = {}
+        self.full = False
+        self.grads: dict = {}      # trainable name -> gradient (Matrix or buffer)
+        self.moments: dict = {}    # trainable name -> (m, v), same kinds
+        self.dropout_seed, self.dropout_calls = 0, 0
+        self._acts: dict = {}
+        self._kv_acts: dict = {}
+        self._inputs: dict = {}    # (B, T, micro-batch slot) -> Inputs
+        self._micro = 0            # micro-batch slot being recorded (selects dropout seeds)
+        self.step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
+        self.results = rt.buffer(4 * F32, "results")       # loss_sum, count, (norm, clip, finite)
+        self.partials = None
+        self.n_modules = cfg.num_hidden_layers * len(LINEAR_MODULES)
+        self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
+        self.last_step: dict = {}
+
+    # ---- parameters ---------------------------------------------------------------------------
+    def _head(self) -> Matrix:
+        return self.w["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+
+    def set_lora(self, modules: dict):
+        """modules: path -> (A, B, scale, dropout); replaces every LoRA module and resets the optimizer."""
+        self._release_acts()
+        self.lora = {}
+        for path, (a, b, s, d) in modules.items():
+            layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
+            self.lora[path] = GpuLora(self.rt, path, a, b, s, d, layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module))
+        self._reset_training_state()
+
+    def set_full_finetune(self, enabled: bool = True):
+        self.full = bool(enabled)
+        self._release_acts()
+        self._reset_training_state()
+
+    def _reset_training_state(self):
+        self.moments = {}
+        if self.full:
+            self.grads = {name: self._like(p, name + ".grad") for name, p in self.w.items()}
+        else:
+            self.grads = {}
+            for path, m in self.lora.items():
+                self.grads[path + ".lora_A"], self.grads[path + ".lora_B"] = m.ga, m.gb
+        self._slots = list(self.grads)
+        self.partials = self.rt.buffer(F32 * max(1, sum(len(self._parts(g)) for g in self.grads.values())), "partials")
+
+    def _like(self, t, label):
+        if isinstance(t, Matrix):
+            return Matrix(self.rt, t.rows, t.cols, label)
+        return self.rt.buffer(t.size, label)
+
+    @staticmethod
+    def _parts(t):
+        """(buffer, elements) pieces of a tensor."""
+        if isinstance(t, Matrix):
+            return [(b, n * t.cols) for b, _, n in t.chunks]
+        return [(t, t.size // F32)]
+
+    def _trainable_tensors(self) -> dict:
+        if self.full:
+            return dict(self.w)
+        out = {}
+        for p, m in self.lora.items():
+            out[p + ".lora_A"] = m.a
+            out[p + ".lora_B"] = m.b
+        return out
+
+    def _read(self, t, shape):
+        if isinstance(t, Matrix):
+            return t.read(self.rt)
+        return self.rt.read(t, np.float32, shape)
+
+    def _shape_of(self, name):
+        if name.endswith(".lora_A") or name.endswith(".lora_B"):
+            m = self.lora[name.rsplit(".", 1)[0]]
+            return (m.r, m.in_f) if name.endswith("A") else (m.out_f, m.r)
+        return self.shapes[name]
+
+    def trainable(self) -> dict:
+        """Trainable arrays by name, read back from the device (copies)."""
+        return {k: self._read(t, self._shape_of(k)) for k, t in self._trainable_tensors().items()}
+
+    get_trainable = trainable
+
+    def set_trainable(self, arrays: dict):
+        tensors = self._trainable_tensors()
+        for k, arr in arrays.items():
+            self._write(tensors[k], arr)
+
+    def _write(self, t, arr):
+        if isinstance(t, Matrix):
+            t.write(self.rt, arr)
+        else:
+            self.rt.write(t, np.ascontiguousarray(arr, dtype=np.float32))
+
+    def lora_tensors(self) -> dict:
+        return {p: (self.rt.read(m.a, np.float32, (m.r, m.in_f)), self.rt.read(m.b, np.float32, (m.out_f, m.r)))
+                for p, m in self.lora.items()}
+
+    def weights(self) -> dict:
+        return {k: self._read(t, self.shapes[k]) for k, t in self.w.items()}
+
+    def zero_grads(self):
+        rec = self.rt.recorder()
+        self._record_zero_grads(rec)
+        self._submit(rec)
+
+    def _record_zero_grads(self, rec):
+        for g in self.grads.values():
+            for b, _ in self._parts(g):
+                rec.clear(b)
+
+    def gradients(self) -> dict:
+        return {k: self._read(g, self._shape_of(k)) for k, g in self.grads.items()}
+
+    def optimizer_state(self) -> dict:
+        return {k: (self._read(m, self._shape_of(k)), self._read(v, self._shape_of(k))) for k, (m, v) in self.moments.items()}
+
+    def load_optimizer_state(self, state: dict):
+        tensors = self._trainable_tensors()
+        self.moments = {}
+        for k, (m, v) in state.items():
+            mb, vb = self._like(tensors[k], k + ".m"), self._like(tensors[k], k + ".v")
+            self._write(mb, m)
+            self._write(vb, v)
+            self.moments[k] = (mb, vb)
+
+    # ---- buffers per bucket -------------------------------------------------------------------
+    def _activations(self, b, t, train=True) -> Activations:
+        key = (b, t, train)
+        acts = self._acts.get(key)
+        if acts is None:
+            ranks = {p: m.r for p, m in self.lora.items()}
+            drop = {p: m.in_f for p, m in self.lora.items() if m.dropout > 0}
+            # keys are per module name within a layer
+            ranks = {p.rsplit(".", 1)[1]: r for p, r in ranks.items()}
+            drop = {p.rsplit(".", 1)[1]: f for p, f in drop.items()}
+            acts = self._acts[key] = Activations(self.rt, self.cfg, b, t, ranks, drop, train)
+        return acts
+
+    def _release_acts(self):
+        self._acts.clear()
+        self._kv_acts.clear()
+        self._inputs.clear()
+
+    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0):
+        """Write one micro-batch into the input buffers of its slot and point acts at them."""
+        rt = self.rt
+        b, t = ids.shape
+        inp = self._inputs.get((b, t, slot))
+        if inp is None:
+            inp = self._inputs[(b, t, slot)] = Inputs(rt, b * t)
+        acts.ids, acts.segments, acts.positions, acts.targets = inp.ids, inp.segments, inp.positions, inp.targets
+        rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
+        rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
+        rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
+        if targets is not None:
+            rt.write(acts.targets, targets.astype(np.int32).reshape(-1))
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _embed(self, rec, out, ids, n):
+        emb = self.w["model.embed_tokens.weight"]
+        for buf, r0, rows in emb.chunks:
+            K.embedding_forward(rec, out, ids, buf, n, emb.cols, rows, r0)
+
+    def _linear(self, rec, y, x, layer, module, acts, a, accumulate=False):
+        """Base linear (+ LoRA, with dropout on its input while training) of one module."""
+        path = module_path(layer, module)
+        w = self.w[path + ".weight"]
+        n = acts.n
+        linear_forward(rec, y, x, w, self.w.get(path + ".bias"), n, accumulate)
+        lora = self.lora.get(path)
+        if lora is None:
+            return
+        xl = x
+        if lora.dropout > 0 and self._training:
+            xl = a["lora_x." + module]
+            K.lora_dropout_forward(rec, xl, x, self.seeds, self._seed_slot(lora), lora.dropout, n * lora.in_f)
+        lora_forward(rec, y, a["lora_h." + module], xl, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f, lora.r)
+
+    def _record_forward(self, rec, acts: Activations):
+        cfg = self.cfg
+        b, t, n = acts.b, acts.t, acts.n
+        c, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        eps = cfg.rms_norm_eps
+        self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
+        for i, a in enumerate(acts.layers):
+            p = f"model.layers.{i}."
+            K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
+            q_out = a["q_pre"] if cfg.qk_norm else a["q"]
+            k_out = a["k_pre"] if cfg.qk_norm else a["k"]
+            self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
+            self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
+            self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
+            if cfg.qk_norm:
+                K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
+                K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
+            K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
+            K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
+            K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
+            K.copy(rec, a["x_mid"], a["x_in"], n * c)
+            self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
+            K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
+            self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
+            self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
+            K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
+            x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
+            K.copy(rec, x_next, a["x_mid"], n * c)
+            self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
+        K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
+
+    def _record_head(self, rec, acts: Activations, backward: bool):
+        """Logits by row chunks; cross-entropy loss per row; with backward, dlogits and dxf (and dW_head)."""
+        cfg = self.cfg
+        head, v, c, n = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n
+        for r0 in range(0, n, acts.head_rows):
+            rows = min(acts.head_rows, n - r0)
+            linear_forward(rec, acts.logits, _at(acts.xf, r0 * c), head, None, rows)
+            K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits, acts.targets,
+                                    rows, v, r0)
+            if backward:
+                K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
+                                         rows, v, r0)
+                dhead = self.grads.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") \
+                    if self.full else None
+                linear_backward(rec, _at(acts.dxf, r0 * c), dhead, None, acts.logits, _at(acts.xf, r0 * c), head, rows)
+
+    # ---- backward -----------------------------------------------------------------------------
+    def _linear_backward(self, rec, dx, dy, layer, module, acts, a, x, accumulate_dx):
+        """dx (+)= gradient through one module (base and LoRA); weight gradients accumulate."""
+        path = module_path(layer, module)
+        w = self.w[path + ".weight"]
+        n = acts.n
+        dw = self.grads.get(path + ".weight") if self.full else None
+        db = self.grads.get(path + ".bias") if self.full else None
+        linear_backward(rec, dx, dw, db, dy, x, w, n, accumulate_dx)
+        lora = self.lora.get(path)
+        if lora is None:
+            return
+        h = a["lora_h." + module]
+        if lora.dropout > 0:
+            xl = a["lora_x." + module]
+            K.fill(rec, acts.d_lora_x, 0.0, n * lora.in_f)
+            lora_backward(rec, acts.d_lora_x, lora.ga, lora.gb, dy, xl, h, lora.a, lora.b, lora.scale, n, lora.in_f,
+                          lora.out_f, lora.r, acts.d_lora_h, accumulate_grads=True)
+            K.lora_dropout_backward(rec, dx, acts.d_lora_x, self.seeds, self._seed_slot(lora), lora.dropout, n * lora.in_f)
+        else:
+            lora_backward(rec, dx, lora.ga, lora.gb, dy, x, h, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f,
+                          lora.r, acts.d_lora_h, accumulate_grads=True)
+
+    def _norm_grad(self, name):
+        return self.grads.get(name) if self.full else None
+
+    def _record_backward(self, rec, acts: Activations):
+        cfg = self.cfg
+        b, t, n = acts.b, acts.t, acts.n
+        c, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self._record_head(rec, acts, backward=True)
+        K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
+                           self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True)
+        for i in reversed(range(cfg.num_hidden_layers)):
+            p = f"model.layers.{i}."
+            a = acts.layers[i]
+            self._linear_backward(rec, acts.d_m, acts.d_res, i, "down_proj", acts, a, a["m"], False)
+            K.swiglu_backward(rec, acts.d_gate, acts.d_up, acts.d_m, a["gate"], a["up"], n * f)
+            self._linear_backward(rec, acts.d_h, acts.d_gate, i, "gate_proj", acts, a, a["h2"], False)
+            self._linear_backward(rec, acts.d_h, acts.d_up, i, "up_proj", acts, a, a["h2"], True)
+            K.rmsnorm_backward(rec, acts.d_tmp, self._norm_grad(p + "post_attention_layernorm.weight"), acts.d_h,
+                               a["x_mid"], self.w[p + "post_attention_layernorm.weight"], a["rstd2"], n, c,
+                               acts.scratch_norm, accumulate=True)
+            K.add_inplace(rec, acts.d_res, acts.d_tmp, n * c)
+            self._linear_backward(rec, acts.d_att, acts.d_res, i, "o_proj", acts, a, a["att"], False)
+            K.attention_backward(rec, acts.dq, acts.dk, acts.dv, acts.d_att, a["q"], a["k"], a["v"], a["att"], a["lse"],
+                                 acts.segments, b, t, hq, hkv, d, acts.scratch_att)
+            K.rope_backward(rec, acts.dq, acts.dq, acts.positions, self.inv_freq, n, hq, d)
+            K.rope_backward(rec, acts.dk, acts.dk, acts.positions, self.inv_freq, n, hkv, d)
+            dq, dk = acts.dq, acts.dk
+            if cfg.qk_norm:
+                K.rmsnorm_backward(rec, acts.dq2, self._norm_grad(p + "self_attn.q_norm.weight"), acts.dq, a["q_pre"],
+                                   self.w[p + "self_attn.q_norm.weight"], a["rstd_q"], n * hq, d, acts.scratch_norm,
+                                   accumulate=True)
+                K.rmsnorm_backward(rec, acts.dk2, self._norm_grad(p + "self_attn.k_norm.weight"), acts.dk, a["k_pre"],
+                                   self.w[p + "self_attn.k_norm.weight"], a["rstd_k"], n * hkv, d, acts.scratch_norm,
+                                   accumulate=True)
+                dq, dk = acts.dq2, acts.dk2
+            self._linear_backward(rec, acts.d_h, acts.dv, i, "v_proj", acts, a, a["h1"], False)
+            self._linear_backward(rec, acts.d_h, dk, i, "k_proj", acts, a, a["h1"], True)
+            self._linear_backward(rec, acts.d_h, dq, i, "q_proj", acts, a, a["h1"], True)
+            K.rmsnorm_backward(rec, acts.d_tmp, self._norm_grad(p + "input_layernorm.weight"), acts.d_h, a["x_in"],
+                               self.w[p + "input_layernorm.weight"], a["rstd1"], n, c, acts.scratch_norm, accumulate=True)
+            K.add_inplace(rec, acts.d_res, acts.d_tmp, n * c)
+        if self.full:
+            emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]
+            for (gbuf, r0, rows) in g.chunks:
+                K.embedding_backward(rec, gbuf, acts.d_res, acts.ids, n, emb.cols, rows, acts.scratch_emb, r0,
+                                     accumulate=True)
+
+    # ---- the engine protocol ------------------------------------------------------------------
+    _training = False
+
+    def _submit(self, rec):
+        before = dict(self.rt.counters)
+        rec.submit()
+        self._count(before)
+
+    def _count(self, before):
+        for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read"):
+            self.counters[k] += self.rt.counters[k] - before[k]
+
+    def _seed_slot(self, lora: GpuLora) -> int:
+        return self._micro * self.n_modules + lora.module_id
+
+    def _write_seeds(self, slot: int):
+        """Dropout seeds of every module for micro-batch `slot`, as reference.model computes them."""
+        self.dropout_calls += 1
+        self._micro = slot
+        if not any(m.dropout > 0 for m in self.lora.values()):
+            return
+        if self.seeds.size < (slot + 1) * self.n_modules * F32:
+            old, self.seeds = self.seeds, self.rt.buffer(2 * (slot + 1) * self.n_modules * F32, "dropout_seeds")
+            self.rt.release(old)
+        seeds = np.zeros(self.n_modules, np.uint32)
+        base = ref_ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls))
+        for m in self.lora.values():
+            seeds[m.module_id] = ref_ops.pcg_hash(base ^ np.uint32(m.module_id))
+        self.rt.write(self.seeds, seeds, slot * self.n_modules * F32)
+
+    def logits(self, ids, segment_ids, position_ids):
+        b, t = ids.shape
+        acts = self._activations(b, t, train=False)
+        self._upload_batch(acts, ids, segment_ids, position_ids)
+        before = dict(self.rt.counters)
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts)
+        rec.submit()
+        v, c = self.cfg.vocab_size, self.cfg.hidden_size
+        out = np.empty((acts.n, v), np.float32)
+        for r0 in range(0, acts.n, acts.head_rows):
+            rows = min(acts.head_rows, acts.n - r0)
+            rec = self.rt.recorder()
+            linear_forward(rec, acts.logits, _at(acts.xf, r0 * c), self._head(), None, rows)
+            rec.submit()
+            out[r0:r0 + rows] = self.rt.read(acts.logits, np.float32, (rows, v))
+        self._count(before)
+        return out.reshape(b, t, v)
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        b, t = ids.shape
+        acts = self._activations(b, t, train=False)
+        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
+        before = dict(self.rt.counters)
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts)
+        self._record_head(rec, acts, backward=False)
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n)
+        rec.submit()
+        loss_sum, count = self.rt.read(self.results, np.float32, (2,))
+        self._count(before)
+        return float(loss_sum), int(round(count))
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        """Forward, loss and backward of one micro-batch (gradients accumulate); returns (loss_sum, count)."""
+        b, t = ids.shape
+        acts = self._activations(b, t, train=True)
+        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
+        self.rt.write(self.step_buf, np.array([grad_scale], np.float32))
+        self._write_seeds(0)
+        before = dict(self.rt.counters)
+        rec = self.rt.recorder()
+        self._training = True
+        self._record_forward(rec, acts)
+        self._record_backward(rec, acts)
+        self._training = False
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n)
+        rec.submit()
+        loss_sum, count = self.rt.read(self.results, np.float32, (2,))
+        self._count(before)
+        return float(loss_sum), int(round(count))
+
+    def train_step(self, micro_batches, hp, step: int):
+        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...] in one submit.
+
+        The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
+        finite flag. Returns (loss_sum, token_count, grad_norm, applied).
+        """
+        total = sum(int((tg != ref_ops.IGNORE_INDEX).sum()) for _, tg, _, _ in micro_batches)
+        rt = self.rt
+        before = dict(rt.counters)
+        n_micro = len(micro_batches)
+        if self.results.size < (2 * n_micro + 3) * F32:
+            self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
+        rt.write(self.step_buf, np.array([1.0 / max(total, 1)], np.float32))
+        rec = rt.recorder()
+        self._record_zero_grads(rec)
+        self._training = True
+        for j, (ids, targets, seg, pos) in enumerate(micro_batches):
+            # every micro-batch has its own input slot: queue writes all land before the submission runs
+            b, t = ids.shape
+            acts = self._activations(b, t, train=True)
+            self._upload_batch(acts, ids, seg, pos, targets, slot=j)
+            self._write_seeds(j)
+            self._record_forward(rec, acts)
+            self._record_backward(rec, acts)
+            K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n)
+        self._training = False
+        norm_at = (self.results, 2 * n_micro)
+        self._record_optimizer(rec, hp, step, norm_at)
+        rec.submit()
+        out = rt.read(self.results, np.float32, (2 * n_micro + 3,))
+        self._count(before)
+        loss_sum = float(out[0:2 * n_micro:2].sum())
+        norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
+        if not finite:
+            self.counters["nonfinite_skipped"] += 1
+        self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
+        return loss_sum, total, norm if finite else float("nan"), bool(finite)
+
+    def _record_optimizer(self, rec, hp, step, norm_at):
+        tensors = self._trainable_tensors()
+        slot = 0
+        for name in self._slots:
+            for buf, n in self._parts(self.grads[name]):
+                K.grad_norm_partial(rec, self.partials, slot, buf, n)
+                slot += 1
+        K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
+        for name in self._slots:
+            if name not in self.moments:
+                p = tensors[name]
+                self.moments[name] = (self._like(p, name + ".m"), self._like(p, name + ".v"))
+            m, v = self.moments[name]
+            for (pb, n), (gb, _), (mb, _), (vb, _) in zip(self._parts(tensors[name]), self._parts(self.grads[name]),
+                                                          self._parts(m), self._parts(v)):
+                K.adamw_update(rec, pb, gb, mb, vb, n, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
+                               scale_buf=norm_at)
+
+    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1):
+        """Clip and AdamW on the gradients accumulated so far (as NumpyEngine.optimizer_step)."""
+        from ..config import OptimizerParams
+
+        hp = OptimizerParams(lr, beta1, beta2, eps, weight_decay, max_grad_norm)
+        rec = self.rt.recorder()
+        norm_at = (self.results, 0)
+        self._record_optimizer(rec, hp, step, norm_at)
+        self._record_zero_grads(rec)
+        self._submit(rec)
+        norm, _, finite = self.rt.read(self.results, np.float32, (3,))
+        if finite < 0.5:
+            self.counters["nonfinite_skipped"] += 1
+            return float("nan"), False
+        return float(norm), True
+
+    # ---- generation with a KV cache -----------------------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        if batch != 1:
+            raise DeviceError("the wgpu engine generates one sequence at a time")
+        cfg = self.cfg
+        size = max_len * cfg.kv_size * F32
+        return {"k": [self.rt.buffer(size, "k_cache") for _ in range(cfg.num_hidden_layers)],
+                "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
+                "len": 0, "max_len": max_len}
+
+    def forward_cached(self, ids, kv: dict) -> np.ndarray:
+        """New tokens ids (1, Tq) after kv["len"] cached ones -> logits (1, V) of the last one."""
+        cfg = self.cfg
+        tq = ids.shape[1]
+        start = kv["len"]
+        if start + tq > kv["max_len"]:
+            raise ValueError("KV cache is full")
+        acts = self._kv_acts.get(tq)
+        if acts is None:
+            ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
+            acts = self._kv_acts[tq] = Activations(self.rt, cfg, 1, tq, ranks, {}, train=False)
+        pos = np.arange(start, start + tq, dtype=np.int32)[None]
+        self._upload_batch(acts, ids, np.ones_like(ids), pos)
+        n, c, d = tq, cfg.hidden_size, cfg.head_dim
+        hq, hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+        rec = self.rt.recorder()
+        self._training = False
+        self._embed(rec, acts.layers[0]["x_in"], acts.ids, n)
+        for i, a in enumerate(acts.layers):
+            p = f"model.layers.{i}."
+            K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
+            q_out = a["q_pre"] if cfg.qk_norm else a["q"]
+            k_out = a["k_pre"] if cfg.qk_norm else a["k"]
+            self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
+            self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
+            self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
+            if cfg.qk_norm:
+                K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
+                K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
+            K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
+            K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
+            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.positions, tq, kv["max_len"], hkv, d)
+            K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.positions, tq,
+                                       kv["max_len"], hq, hkv, d)
+            K.copy(rec, a["x_mid"], a["x_in"], n * c)
+            self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
+            K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
+            self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
+            self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
+            K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
+            x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
+            K.copy(rec, x_next, a["x_mid"], n * c)
+            self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
+        last = _at(acts.x_final, (n - 1) * c)
+        K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, last, self.w["model.norm.weight"], 1, c, eps)
+        linear_forward(rec, acts.logits, acts.xf, self._head(), None, 1)
+        before = dict(self.rt.counters)
+        rec.submit()
+        out = self.rt.read(acts.logits, np.float32, (1, cfg.vocab_size))
+        self._count(before)
+        kv["len"] = start + tq
+        return out
