@@ -2,18 +2,20 @@
 optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..config import LINEAR_MODULES, ModelConfig
 from ..errors import DeviceError
 from ..hf import module_path
+from ..memory import activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
 from . import kernels as K
 from .gemm import gemm, lora_backward, lora_forward, ones
 from .runtime import Runtime
 
 F32 = 4
-HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
 
 
 class Matrix:
@@ -91,43 +93,15 @@ class Activations:
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool):
-        n = b * t
-        self.b, self.t, self.n = b, t, n
-        c, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        q, kv, hq, hkv = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        buf = lambda elems, label: rt.buffer(max(1, elems) * F32, label)  # noqa: E731
+        self.b, self.t, self.n = b, t, b * t
+        self.head_rows = head_rows(cfg, self.n)
+        layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train)
+        check_fits(cfg, b, t, rt.max_binding, layer, shared)
         self.ids = self.segments = self.positions = self.targets = None   # set from an Inputs per use
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            a = {"x_in": buf(n * c, "x_in"), "h1": buf(n * c, "h1"), "rstd1": buf(n, "rstd1"),
-                 "q": buf(n * q, "q"), "k": buf(n * kv, "k"), "v": buf(n * kv, "v"), "att": buf(n * q, "att"),
-                 "lse": buf(n * hq, "lse"), "x_mid": buf(n * c, "x_mid"), "h2": buf(n * c, "h2"),
-                 "rstd2": buf(n, "rstd2"), "gate": buf(n * f, "gate"), "up": buf(n * f, "up"), "m": buf(n * f, "m")}
-            if cfg.qk_norm:
-                a.update(q_pre=buf(n * q, "q_pre"), k_pre=buf(n * kv, "k_pre"), rstd_q=buf(n * hq, "rstd_q"),
-                         rstd_k=buf(n * hkv, "rstd_k"))
-            for module, r in lora_ranks.items():
-                a["lora_h." + module] = buf(n * r, "lora_h")
-            for module, in_f in dropout_inputs.items():
-                a["lora_x." + module] = buf(n * in_f, "lora_x")
-            self.layers.append(a)
-        self.x_final, self.xf, self.rstd_f = buf(n * c, "x_final"), buf(n * c, "xf"), buf(n, "rstd_f")
-        self.head_rows = max(1, min(n, HEAD_CHUNK_BYTES // (v * F32), 65535))
-        self.logits = buf(self.head_rows * v, "logits")
-        self.loss_rows, self.lse_rows, self.valid_rows = buf(n, "loss"), buf(n, "lse"), buf(n, "valid")
-        if not train:
-            return
-        widest = max([c, q, f] + list(dropout_inputs.values()))
-        self.d_res, self.d_tmp, self.dxf = buf(n * c, "d_res"), buf(n * widest, "d_tmp"), buf(n * c, "dxf")
-        self.d_att, self.dq, self.dk, self.dv = buf(n * q, "d_att"), buf(n * q, "dq"), buf(n * kv, "dk"), buf(n * kv, "dv")
-        self.dq2, self.dk2 = buf(n * q, "dq2"), buf(n * kv, "dk2")
-        self.d_m, self.d_gate, self.d_up = buf(n * f, "d_m"), buf(n * f, "d_gate"), buf(n * f, "d_up")
-        self.d_h = buf(n * c, "d_h")
-        self.d_lora_h = buf(n * max(list(lora_ranks.values()) + [1]), "d_lora_h")
-        self.d_lora_x = buf(n * widest, "d_lora_x")
-        self.scratch_norm = buf(K.rmsnorm_scratch_size(n * max(hq, 1), max(c, cfg.head_dim)), "norm_scratch")
-        self.scratch_att = buf(K.attention_scratch_size(b, t, hq), "att_scratch")
-        self.scratch_emb = buf(K.embedding_scratch_size(n), "emb_scratch")
+        self.layers = [{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}
+                       for _ in range(cfg.num_hidden_layers)]
+        for name, e in shared.items():
+            setattr(self, name, rt.buffer(max(1, e) * F32, name))
 
 
 class WgpuEngine:
@@ -162,6 +136,7 @@ class WgpuEngine:
         self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
         self.last_step: dict = {}
+        self.last_profile: dict = {}
 
     # ---- parameters ---------------------------------------------------------------------------
     def _head(self) -> Matrix:
@@ -316,6 +291,7 @@ class WgpuEngine:
         path = module_path(layer, module)
         w = self.w[path + ".weight"]
         n = acts.n
+        rec.section(self._where + " gemm")
         linear_forward(rec, y, x, w, self.w.get(path + ".bias"), n, accumulate)
         lora = self.lora.get(path)
         if lora is None:
@@ -331,15 +307,20 @@ class WgpuEngine:
         b, t, n = acts.b, acts.t, acts.n
         c, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         eps = cfg.rms_norm_eps
+        self._where = "embedding forward"
+        rec.section(self._where)
         self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
         for i, a in enumerate(acts.layers):
             p = f"model.layers.{i}."
+            self._where = f"layer {i} forward"
+            rec.section(self._where + " norm")
             K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
             q_out = a["q_pre"] if cfg.qk_norm else a["q"]
             k_out = a["k_pre"] if cfg.qk_norm else a["k"]
             self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
             self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
             self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
+            rec.section(self._where + " attention")
             if cfg.qk_norm:
                 K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
                 K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
@@ -348,19 +329,23 @@ class WgpuEngine:
             K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
             K.copy(rec, a["x_mid"], a["x_in"], n * c)
             self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
+            rec.section(self._where + " norm")
             K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
             self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
             self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
+            rec.section(self._where + " swiglu")
             K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
             x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
             K.copy(rec, x_next, a["x_mid"], n * c)
             self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
+        rec.section("final norm forward")
         K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
         """Logits by row chunks; cross-entropy loss per row; with backward, dlogits and dxf (and dW_head)."""
         cfg = self.cfg
         head, v, c, n = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n
+        rec.section("loss head (lm_head, cross-entropy)")
         for r0 in range(0, n, acts.head_rows):
             rows = min(acts.head_rows, n - r0)
             linear_forward(rec, acts.logits, _at(acts.xf, r0 * c), head, None, rows)
@@ -379,6 +364,7 @@ class WgpuEngine:
         path = module_path(layer, module)
         w = self.w[path + ".weight"]
         n = acts.n
+        rec.section(f"layer {layer} backward gemm")
         dw = self.grads.get(path + ".weight") if self.full else None
         db = self.grads.get(path + ".bias") if self.full else None
         linear_backward(rec, dx, dw, db, dy, x, w, n, accumulate_dx)
@@ -405,20 +391,24 @@ class WgpuEngine:
         c, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self._record_head(rec, acts, backward=True)
+        rec.section("final norm backward")
         K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                            self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True)
         for i in reversed(range(cfg.num_hidden_layers)):
             p = f"model.layers.{i}."
             a = acts.layers[i]
             self._linear_backward(rec, acts.d_m, acts.d_res, i, "down_proj", acts, a, a["m"], False)
+            rec.section(f"layer {i} backward swiglu")
             K.swiglu_backward(rec, acts.d_gate, acts.d_up, acts.d_m, a["gate"], a["up"], n * f)
             self._linear_backward(rec, acts.d_h, acts.d_gate, i, "gate_proj", acts, a, a["h2"], False)
             self._linear_backward(rec, acts.d_h, acts.d_up, i, "up_proj", acts, a, a["h2"], True)
+            rec.section(f"layer {i} backward norm")
             K.rmsnorm_backward(rec, acts.d_tmp, self._norm_grad(p + "post_attention_layernorm.weight"), acts.d_h,
                                a["x_mid"], self.w[p + "post_attention_layernorm.weight"], a["rstd2"], n, c,
                                acts.scratch_norm, accumulate=True)
             K.add_inplace(rec, acts.d_res, acts.d_tmp, n * c)
             self._linear_backward(rec, acts.d_att, acts.d_res, i, "o_proj", acts, a, a["att"], False)
+            rec.section(f"layer {i} backward attention")
             K.attention_backward(rec, acts.dq, acts.dk, acts.dv, acts.d_att, a["q"], a["k"], a["v"], a["att"], a["lse"],
                                  acts.segments, b, t, hq, hkv, d, acts.scratch_att)
             K.rope_backward(rec, acts.dq, acts.dq, acts.positions, self.inv_freq, n, hq, d)
@@ -435,10 +425,12 @@ class WgpuEngine:
             self._linear_backward(rec, acts.d_h, acts.dv, i, "v_proj", acts, a, a["h1"], False)
             self._linear_backward(rec, acts.d_h, dk, i, "k_proj", acts, a, a["h1"], True)
             self._linear_backward(rec, acts.d_h, dq, i, "q_proj", acts, a, a["h1"], True)
+            rec.section(f"layer {i} backward norm")
             K.rmsnorm_backward(rec, acts.d_tmp, self._norm_grad(p + "input_layernorm.weight"), acts.d_h, a["x_in"],
                                self.w[p + "input_layernorm.weight"], a["rstd1"], n, c, acts.scratch_norm, accumulate=True)
             K.add_inplace(rec, acts.d_res, acts.d_tmp, n * c)
         if self.full:
+            rec.section("embedding backward")
             emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]
             for (gbuf, r0, rows) in g.chunks:
                 K.embedding_backward(rec, gbuf, acts.d_res, acts.ids, n, emb.cols, rows, acts.scratch_emb, r0,
@@ -446,6 +438,7 @@ class WgpuEngine:
 
     # ---- the engine protocol ------------------------------------------------------------------
     _training = False
+    _where = ""
 
     def _submit(self, rec):
         before = dict(self.rt.counters)
@@ -528,11 +521,13 @@ class WgpuEngine:
         self._count(before)
         return float(loss_sum), int(round(count))
 
-    def train_step(self, micro_batches, hp, step: int):
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...] in one submit.
 
         The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
-        finite flag. Returns (loss_sum, token_count, grad_norm, applied).
+        finite flag. Returns (loss_sum, token_count, grad_norm, applied). With profile=True,
+        `last_profile` holds GPU seconds per op group (timestamp queries), or the wall-clock time of
+        the submission where the adapter has no timestamp queries.
         """
         total = sum(int((tg != ref_ops.IGNORE_INDEX).sum()) for _, tg, _, _ in micro_batches)
         rt = self.rt
@@ -541,7 +536,7 @@ class WgpuEngine:
         if self.results.size < (2 * n_micro + 3) * F32:
             self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
         rt.write(self.step_buf, np.array([1.0 / max(total, 1)], np.float32))
-        rec = rt.recorder()
+        rec = rt.recorder(profile=profile)
         self._record_zero_grads(rec)
         self._training = True
         for j, (ids, targets, seg, pos) in enumerate(micro_batches):
@@ -556,8 +551,12 @@ class WgpuEngine:
         self._training = False
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
+        started = time.perf_counter()
         rec.submit()
         out = rt.read(self.results, np.float32, (2 * n_micro + 3,))
+        if profile:
+            self.last_profile = rec.timings() or {"whole step (wall clock: no timestamp-query)":
+                                                  time.perf_counter() - started}
         self._count(before)
         loss_sum = float(out[0:2 * n_micro:2].sum())
         norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
@@ -567,6 +566,7 @@ class WgpuEngine:
         return loss_sum, total, norm if finite else float("nan"), bool(finite)
 
     def _record_optimizer(self, rec, hp, step, norm_at):
+        rec.section("optimizer (grad norm, AdamW)")
         tensors = self._trainable_tensors()
         slot = 0
         for name in self._slots:

@@ -101,9 +101,13 @@ def shader_path(name: str) -> Path:
 def shader_error(path, source: str, err: Exception) -> ShaderError:
     """A ShaderError naming the file and line of the first diagnostic in a wgpu/naga message."""
     msg = str(err)
-    m = re.search(r"wgsl:(\d+):(\d+)", msg)
+    # naga marks the span "┌─ wgsl:L:C" for parse errors but "┌─ <label>:L:C" for validation errors
+    m = re.search(r"┌─\s*[^\s:]*:(\d+):(\d+)", msg) or re.search(r"wgsl:(\d+):(\d+)", msg)
     lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
     reason = next((ln for ln in lines if "error" in ln.lower() and "Validation Error" not in ln), lines[-1] if lines else msg)
+    details = [ln[1:].strip() for ln in lines if ln.startswith("= ")]
+    if "validation error" in reason.lower() and details:
+        reason = f"{reason}: {details[-1]}"  # the specific cause, e.g. "Operation Add can't work with ..."
     where = f"{path}:{m.group(1)}:{m.group(2)}" if m else f"{path}"
     return ShaderError(f"{where}: {reason}")
 
@@ -138,6 +142,7 @@ class Runtime:
         self._bind_groups: dict = {}
         self._uniforms: dict = {}
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0}
+        self._query_set = self._query_buffer = None
         log.info("wgpu-train: using adapter %s", info.describe())
 
     # ---- shaders and pipelines ----------------------------------------------------------------
@@ -263,22 +268,59 @@ class Runtime:
             b.destroy()
 
     # ---- recording ----------------------------------------------------------------------------
-    def recorder(self) -> "Recorder":
-        return Recorder(self)
+    def recorder(self, profile: bool = False) -> "Recorder":
+        return Recorder(self, profile)
+
+    def query_set(self):
+        """The timestamp query set shared by profiled recordings (created on first use)."""
+        if self._query_set is None:
+            self._query_set = self.device.create_query_set(type="timestamp", count=2 * Recorder.MAX_SECTIONS)
+        return self._query_set
+
+    def query_buffer(self):
+        if self._query_buffer is None:
+            u = self.wgpu.BufferUsage
+            self._query_buffer = self.buffer(16 * Recorder.MAX_SECTIONS, "timestamps",
+                                             usage=u.QUERY_RESOLVE | u.COPY_SRC | u.STORAGE)
+        return self._query_buffer
 
 
 class Recorder:
-    """Records dispatches and copies into one command encoder; `submit()` sends them in one queue.submit."""
+    """Records dispatches and copies into one command encoder; `submit()` sends them in one queue.submit.
 
-    def __init__(self, rt: Runtime):
+    With `profile=True`, `section(label)` starts a compute pass timed by timestamp queries (where
+    the adapter has them; consecutive sections with the same label share a pass), and `timings()`
+    after the submit returns seconds per label. Without profiling, `section` does nothing.
+    """
+
+    MAX_SECTIONS = 2048
+
+    def __init__(self, rt: Runtime, profile: bool = False):
         self.rt = rt
         self.encoder = rt.device.create_command_encoder()
         self._pass = None
         self.dispatches = 0
+        self.profile = profile and rt.has_timestamps
+        self._labels: list = []
+        self._label = None
+        self._submitted_at = None
+
+    def section(self, label):
+        """Attribute the following dispatches to `label` (profiling only)."""
+        if not self.profile or label == self._label:
+            return
+        self.end_pass()
+        self._label = label
 
     def _compute_pass(self):
         if self._pass is None:
-            self._pass = self.encoder.begin_compute_pass()
+            kw = {}
+            if self.profile and self._label is not None and len(self._labels) < self.MAX_SECTIONS:
+                i = 2 * len(self._labels)
+                kw["timestamp_writes"] = {"query_set": self.rt.query_set(), "beginning_of_pass_write_index": i,
+                                          "end_of_pass_write_index": i + 1}
+                self._labels.append(self._label)
+            self._pass = self.encoder.begin_compute_pass(**kw)
         return self._pass
 
     def end_pass(self):
@@ -310,11 +352,25 @@ class Recorder:
 
     def submit(self):
         self.end_pass()
+        if self._labels:
+            n = 2 * len(self._labels)
+            self.encoder.resolve_query_set(self.rt.query_set(), 0, n, self.rt.query_buffer(), 0)
         try:
             self.rt.queue.submit([self.encoder.finish()])
         except self.rt.wgpu.GPUError as e:
             raise DeviceError(f"device error on submit: {e}") from None
         self.rt.counters["submits"] += 1
+
+    def timings(self) -> dict:
+        """Seconds of GPU time per section label (after submit; reads the timestamps back)."""
+        if not self._labels:
+            return {}
+        ticks = self.rt.read(self.rt.query_buffer(), np.uint64, (2 * len(self._labels),))
+        out: dict = {}
+        for i, label in enumerate(self._labels):
+            dt = max(0, int(ticks[2 * i + 1]) - int(ticks[2 * i])) * 1e-9
+            out[label] = out.get(label, 0.0) + dt
+        return out
 
 
 def get_runtime(device=None) -> Runtime:

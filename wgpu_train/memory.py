@@ -1,0 +1,99 @@
+"""GPU memory planning: the buffers a model needs (weights, LoRA and optimizer state, activations,
+logits) in bytes, computed from the same plan the WebGPU engine allocates from."""
+from __future__ import annotations
+
+from .config import LINEAR_MODULES, LoraConfig, ModelConfig
+from .errors import DeviceError
+
+F32 = 4
+HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
+
+
+def head_rows(cfg: ModelConfig, n: int) -> int:
+    """Rows of logits the loss head holds at a time (at most HEAD_CHUNK_BYTES, at most 65535)."""
+    return max(1, min(n, HEAD_CHUNK_BYTES // (cfg.vocab_size * F32), 65535))
+
+
+def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool):
+    """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared).
+
+    lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
+    """
+    from .gpu import kernels as K
+
+    n = b * t
+    c, f, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv, hq, hkv = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    layer = {"x_in": n * c, "h1": n * c, "rstd1": n, "q": n * q, "k": n * kv, "v": n * kv, "att": n * q,
+             "lse": n * hq, "x_mid": n * c, "h2": n * c, "rstd2": n, "gate": n * f, "up": n * f, "m": n * f}
+    if cfg.qk_norm:
+        layer.update(q_pre=n * q, k_pre=n * kv, rstd_q=n * hq, rstd_k=n * hkv)
+    for module, r in lora_ranks.items():
+        layer["lora_h." + module] = n * r
+    for module, in_f in dropout_inputs.items():
+        layer["lora_x." + module] = n * in_f
+    rows = head_rows(cfg, n)
+    shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
+              "valid_rows": n}
+    if train:
+        widest = max([c, q, f] + list(dropout_inputs.values()))
+        shared.update(d_res=n * c, d_tmp=n * widest, dxf=n * c, d_att=n * q, dq=n * q, dk=n * kv, dv=n * kv,
+                      dq2=n * q, dk2=n * kv, d_m=n * f, d_gate=n * f, d_up=n * f, d_h=n * c,
+                      d_lora_h=n * max(list(lora_ranks.values()) + [1]), d_lora_x=n * widest,
+                      scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
+                      scratch_att=K.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
+    return layer, shared
+
+
+def _weight_elements(cfg: ModelConfig) -> int:
+    c = cfg.hidden_size
+    per_layer = sum(o * i for o, i in (cfg.linear_shape(m) for m in LINEAR_MODULES)) + 2 * c
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim
+    if cfg.attention_bias:
+        per_layer += cfg.q_size + 2 * cfg.kv_size
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * c
+    return cfg.vocab_size * c + head + c + cfg.num_hidden_layers * per_layer
+
+
+def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
+                    method: str = "lora") -> dict:
+    """GPU bytes by category for training at (batch_size, seq_len): weights, trainable state
+    (LoRA or full weights with gradients and AdamW moments), activations, logits, and total."""
+    if method not in ("lora", "full"):
+        raise ValueError("method must be 'lora' or 'full'")
+    weights = _weight_elements(config) * F32
+    ranks, drop = {}, {}
+    if method == "lora":
+        lora = lora or LoraConfig()
+        trainable = 0
+        for m in lora.target_modules:
+            out_f, in_f = config.linear_shape(m)
+            trainable += config.num_hidden_layers * lora.r * (in_f + out_f)
+            ranks[m] = lora.r
+            if lora.dropout > 0:
+                drop[m] = in_f
+        state = trainable * 4 * F32          # parameter, gradient, two moments
+    else:
+        state = weights * 3                  # gradient and two moments of every weight
+    layer, shared = activation_plan(config, batch_size, seq_len, ranks, drop, train=True)
+    logits = shared.pop("logits") * F32
+    activations = (config.num_hidden_layers * sum(layer.values()) + sum(shared.values())) * F32
+    out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}
+    out["total"] = sum(out.values())
+    return out
+
+
+def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: int, layer_plan: dict,
+               shared_plan: dict, memory_limit: int | None = None, estimate: dict | None = None):
+    """Refuse a bucket whose buffers cannot exist on the device, naming the limit and what to reduce."""
+    for name, elems in list(layer_plan.items()) + list(shared_plan.items()):
+        if elems * F32 > max_binding:
+            raise DeviceError(
+                f"activation '{name}' for batch {batch_size} x {seq_len} tokens needs {elems * F32 / 2**20:.0f} MiB, "
+                f"over the device's max storage binding of {max_binding / 2**20:.0f} MiB: reduce the batch size "
+                f"or --max-seq-len")
+    if memory_limit and estimate and estimate["total"] > memory_limit:
+        raise DeviceError(
+            f"training needs about {estimate['total'] / 2**30:.2f} GiB, over the memory limit of "
+            f"{memory_limit / 2**30:.2f} GiB: reduce the batch size or --max-seq-len, or the LoRA rank")
