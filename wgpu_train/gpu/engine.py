@@ -449,6 +449,12 @@ class WgpuEngine:
         for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read"):
             self.counters[k] += self.rt.counters[k] - before[k]
 
+    def _reserve_seed_slots(self, n_micro: int):
+        """Room for the dropout seeds of n_micro micro-batches (before anything of the step is recorded)."""
+        if self.seeds.size < n_micro * self.n_modules * F32:
+            old, self.seeds = self.seeds, self.rt.buffer(n_micro * self.n_modules * F32, "dropout_seeds")
+            self.rt.release(old)
+
     def _seed_slot(self, lora: GpuLora) -> int:
         return self._micro * self.n_modules + lora.module_id
 
@@ -458,9 +464,6 @@ class WgpuEngine:
         self._micro = slot
         if not any(m.dropout > 0 for m in self.lora.values()):
             return
-        if self.seeds.size < (slot + 1) * self.n_modules * F32:
-            old, self.seeds = self.seeds, self.rt.buffer(2 * (slot + 1) * self.n_modules * F32, "dropout_seeds")
-            self.rt.release(old)
         seeds = np.zeros(self.n_modules, np.uint32)
         base = ref_ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls))
         for m in self.lora.values():
@@ -536,6 +539,7 @@ class WgpuEngine:
         if self.results.size < (2 * n_micro + 3) * F32:
             self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
         rt.write(self.step_buf, np.array([1.0 / max(total, 1)], np.float32))
+        self._reserve_seed_slots(n_micro)
         rec = rt.recorder(profile=profile)
         self._record_zero_grads(rec)
         self._training = True

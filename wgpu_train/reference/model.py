@@ -64,6 +64,21 @@ class NumpyEngine:
             out[p + ".lora_B"] = m.b
         return out
 
+    def get_trainable(self) -> dict:
+        """Copies of the trainable tensors by the names of trainable() (for checkpoints)."""
+        return {k: np.array(v, copy=True) for k, v in self.trainable().items()}
+
+    def set_trainable(self, tensors: dict):
+        """Overwrite trainable tensors in place by name (names and shapes as trainable()); the optimizer
+        moments and the dropout counter are left alone. Unknown names or wrong shapes raise ValueError."""
+        current = self.trainable()
+        for k, v in tensors.items():
+            if k not in current:
+                raise ValueError(f"set_trainable: unknown tensor {k}")
+            if tuple(np.shape(v)) != current[k].shape:
+                raise ValueError(f"set_trainable: {k} has shape {tuple(np.shape(v))}, expected {current[k].shape}")
+            current[k][...] = v
+
     def zero_grads(self):
         self.grads = {k: np.zeros_like(v) for k, v in self.trainable().items()}
 

@@ -1,0 +1,60 @@
+"""A tiny model folder (random Llama + BPE tokenizer, ChatML) and a tiny instruction dataset, shared by
+tests/test_train.py and tests/test_cli.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tiny_models import build_model, save_model
+
+# ids 0, 1, 2 in this order: the tiny transformers config names bos_token_id=1 and eos_token_id=2.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+
+
+def records(n: int, offset: int = 0) -> list[dict]:
+    """Instruction records of a toy task: name the word after the given one in WORDS."""
+    out = []
+    for i in range(offset, offset + n):
+        a = WORDS[i % len(WORDS)]
+        b = WORDS[(i + 1) % len(WORDS)]
+        out.append({"prompt": f"after {a} {i}?", "completion": f"{b} {i}"})
+    return out
+
+
+def write_jsonl(path: Path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+
+
+def build_tokenizer(folder: Path):
+    """Train a byte-level BPE on the toy task's text and save it (ChatML fallback, eos <|im_end|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"user\n{r['prompt']}\nassistant\n{r['completion']}" for r in records(40)] + ["system user assistant"]
+    tok.train_from_iterator(corpus * 3, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+                                                              "pad_token": "<|endoftext|>"}))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def make_model_dir(folder: Path) -> Path:
+    """A random 2-layer Llama whose vocabulary is the tokenizer's, with the tokenizer files beside it."""
+    vocab = build_tokenizer(folder)
+    save_model(build_model("llama", vocab_size=vocab), folder)
+    return folder
+
+
+def make_data_dir(folder: Path, n_train: int = 12, n_valid: int = 4, n_test: int = 3) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / "train.jsonl", records(n_train))
+    write_jsonl(folder / "valid.jsonl", records(n_valid, offset=100))
+    if n_test:
+        write_jsonl(folder / "test.jsonl", records(n_test, offset=200))
+    return folder

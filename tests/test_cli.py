@@ -1,0 +1,216 @@
+"""Tests of the finetune / generate / eval / merge subcommands: options from TrainConfig, TOML resolution,
+one-line errors with exit code 2, and the commands end to end on the NumPy backend."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from finetune_helpers import make_data_dir, make_model_dir
+from wgpu_train.cli import build_parser, main
+from wgpu_train.commands import prompt_ids, resolve_train_config
+from wgpu_train.model import load_model
+from wgpu_train.tokenizer import load_tokenizer
+from wgpu_train.train import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return make_model_dir(root / "model"), make_data_dir(root / "data")
+
+
+@pytest.fixture(scope="module")
+def trained(workspace, tmp_path_factory):
+    """One finetune through the command line, with a TOML file and command-line overrides."""
+    model, data = workspace
+    root = tmp_path_factory.mktemp("trained")
+    toml = root / "run.toml"
+    toml.write_text('lr = 0.02\nmax-steps = 4\nbatch_size = 3\nlora_targets = ["q_proj", "o_proj"]\n'
+                    f'data = "{data}"\nno_progress = true\n')
+    out = root / "out"
+    code = main(["finetune", "--config", str(toml), "--model", str(model), "--out", str(out), "--backend", "numpy",
+                 "--max-steps", "3", "--eval-generate", "--max-new-tokens", "4", "--log-every", "1"])
+    assert code == 0
+    return out
+
+
+def one_line_error(capsys, argv, match):
+    """Run main(argv); the command must exit 2 with exactly one line on stderr and no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and match in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+# ---- help and options -----------------------------------------------------------------------------------
+
+def test_every_train_config_field_is_an_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["finetune", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "--config" in text and "--no-pack" in text and "--no-eval-generate" in text
+    assert "rank-stabilised LoRA" in text and "(default: 8)" in text
+
+
+@pytest.mark.parametrize("command, options", [
+    ("generate", ["--model", "--adapter-path", "--prompt", "--system", "--no-chat-template", "--max-new-tokens",
+                  "--temperature", "--top-k", "--top-p", "--seed", "--backend", "--device"]),
+    ("eval", ["--model", "--adapter-path", "--data", "--json", "--split", "--batch-size", "--backend"]),
+    ("merge", ["--model", "--adapter-path", "--out"]),
+])
+def test_subcommand_help(capsys, command, options):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for option in options:
+        assert option in text, option
+
+
+# ---- TOML resolution ------------------------------------------------------------------------------------
+
+def test_command_line_over_toml_over_defaults(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('lr = 0.5\nbatch-size = 3\npack = true\nlora_targets = "all-linear"\nmax_steps = 7\n')
+    args = build_parser().parse_args(["finetune", "--config", str(toml), "--lr", "0.1", "--no-pack"])
+    cfg = resolve_train_config(args)
+    assert cfg.lr == 0.1 and cfg.pack is False            # command line
+    assert cfg.batch_size == 3 and cfg.max_steps == 7     # TOML
+    assert cfg.lora_targets == "all-linear"
+    assert cfg.epochs == TrainConfig().epochs and cfg.out == "wgpu-train-out"   # defaults
+    cfg = resolve_train_config(build_parser().parse_args(["finetune", "--max-steps", "none", "--rslora"]))
+    assert cfg.max_steps is None and cfg.rslora is True
+
+
+def test_trained_via_cli(trained, workspace):
+    resolved = json.loads((trained / "train_config.json").read_text())
+    assert resolved["lr"] == 0.02 and resolved["batch_size"] == 3           # from TOML
+    assert resolved["max_steps"] == 3 and resolved["eval_generate"] is True  # the command line wins
+    assert resolved["lora_targets"] == "q_proj,o_proj"
+    summary = json.loads((trained / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["exact_match_after"] is not None
+    cfg = json.loads((trained / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["q_proj", "o_proj"] and cfg["peft_type"] == "LORA"
+
+
+# ---- one-line errors --------------------------------------------------------------------------------------
+
+def test_bad_toml(capsys, tmp_path, workspace):
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("learning_rate = 0.1\n")
+    one_line_error(capsys, ["finetune", "--config", str(unknown)], "unknown key 'learning_rate'")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("lr = = 1\n")
+    one_line_error(capsys, ["finetune", "--config", str(broken)], "invalid TOML")
+    typed = tmp_path / "typed.toml"
+    typed.write_text('batch_size = "four"\n')
+    one_line_error(capsys, ["finetune", "--config", str(typed)], "key 'batch_size' must be an int")
+    one_line_error(capsys, ["finetune", "--config", str(tmp_path / "none.toml")], "config file not found")
+
+
+def test_bad_options(capsys, tmp_path, workspace):
+    model, data = workspace
+    one_line_error(capsys, ["finetune", "--lr", "fast"], "invalid float value: 'fast'")
+    one_line_error(capsys, ["finetune", "--backend", "cuda"], "invalid choice: 'cuda'")
+    one_line_error(capsys, ["finetune", "--bogus"], "unrecognized arguments: --bogus")
+    one_line_error(capsys, ["finetune", "--batch-size", "0"], "batch_size must be at least 1")
+    one_line_error(capsys, ["finetune", "--lora-targets", "foo_proj"], "foo_proj")
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(tmp_path / "nope.jsonl"),
+                            "--out", str(tmp_path / "o"), "--backend", "numpy"], "no such file")
+    one_line_error(capsys, ["finetune", "--model", str(tmp_path / "nomodel"), "--data", str(data),
+                            "--out", str(tmp_path / "o"), "--backend", "numpy"], "nomodel")
+    one_line_error(capsys, ["generate", "--model", str(model), "--adapter-path", str(model), "--prompt", "hi"],
+                   "is a model folder, not an adapter")
+    one_line_error(capsys, ["generate", "--model", str(model), "--prompt", "hi", "--top-p", "0",
+                            "--backend", "numpy"], "top_p")
+    one_line_error(capsys, ["eval", "--model", str(model), "--data", str(data), "--split", "test2"], "invalid choice")
+    one_line_error(capsys, ["merge", "--model", str(model), "--out", str(tmp_path / "m")], "--adapter-path")
+
+
+def test_subprocess_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "wgpu_train.cli", "finetune", "--data", str(tmp_path / "x.jsonl"),
+                           "--model", str(tmp_path), "--backend", "numpy", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.strip()][-1].startswith("error: ")
+
+
+# ---- generate, eval, merge --------------------------------------------------------------------------------
+
+def test_generate_streams_the_adapted_models_answer(trained, workspace, capsys):
+    model_dir, _ = workspace
+    # --model is left out: the adapter's base model folder is used
+    code = main(["generate", "--adapter-path", str(trained), "--prompt", "after red 1?", "--max-new-tokens", "7",
+                 "--backend", "numpy"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir)
+    model.load_adapter(trained)
+    ids = model.generate(prompt_ids(tok, "after red 1?"), max_new_tokens=7, stop_token_ids=tok.stop_token_ids)
+    expected = tok.decode([i for i in ids if i not in tok.stop_token_ids])
+    assert printed == expected + "\n"
+
+
+def test_generate_streams_as_tokens_come(workspace, monkeypatch):
+    model_dir, _ = workspace
+    writes = []
+
+    class Out:
+        def write(self, s):
+            writes.append(s)
+
+        def flush(self):
+            writes.append(None)
+
+    monkeypatch.setattr(sys, "stdout", Out())
+    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--system", "be brief",
+                 "--max-new-tokens", "5", "--temperature", "0.8", "--top-k", "20", "--seed", "3",
+                 "--backend", "numpy"]) == 0
+    pieces = [w for w in writes if w]
+    assert len(pieces) >= 2                      # written piece by piece, each flushed
+    assert writes.count(None) >= len(pieces) - 1
+
+
+def test_eval_json(trained, workspace, capsys):
+    model_dir, data = workspace
+    code = main(["eval", "--model", str(model_dir), "--adapter-path", str(trained), "--data", str(data), "--json",
+                 "--max-new-tokens", "4", "--backend", "numpy"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["split"] == "test" and result["samples"] == 3
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert result["exact_match_n"] == 3 and 0 <= result["exact_match"] <= 1
+    summary = json.loads((trained / "summary.json").read_text())
+    assert result["exact_match"] == summary["exact_match_after"]
+    assert main(["eval", "--model", str(model_dir), "--data", str(data / "valid.jsonl"), "--no-generate",
+                 "--backend", "numpy"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("train (") and "perplexity" in line and "exact match" not in line
+
+
+def test_merge(trained, workspace, tmp_path, capsys):
+    model_dir, _ = workspace
+    out = tmp_path / "merged"
+    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(trained), "--out", str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    adapted = load_model(model_dir)
+    adapted.load_adapter(trained)
+    ids = np.array([[5, 40, 77, 12, 9]])
+    np.testing.assert_allclose(load_model(out).logits(ids), adapted.logits(ids), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,439 @@
+"""Tests of the trainer on the NumPy engine: learning, schedules, gradient accumulation, resume equality,
+atomic and rotated checkpoints, Ctrl-C, early stopping, output files and evaluation."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from finetune_helpers import make_data_dir, make_model_dir, write_jsonl
+from wgpu_train import checkpoint as checkpoint_mod
+from wgpu_train.errors import ConfigError, DataError, ModelFileError
+from wgpu_train.evaluate import exact_match, generation_prompt
+from wgpu_train.hf import read_adapter, read_safetensors
+from wgpu_train.schedule import LRSchedule
+from wgpu_train.tokenizer import load_tokenizer
+from wgpu_train.model import load_model
+from wgpu_train.train import (TrainConfig, Trainer, count_trainable, find_checkpoint, finetune, list_checkpoints,
+                               plot_losses, split_batch)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    return make_model_dir(root / "model"), make_data_dir(root / "data")
+
+
+def config(workspace, out, **kw) -> TrainConfig:
+    model, data = workspace
+    base = dict(model=str(model), data=str(data), out=str(out), backend="numpy", no_progress=True, lr=1e-2,
+                max_new_tokens=6, eval_generate=False, log_every=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def adapter_tensors(folder):
+    return read_adapter(folder)[1]
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---- schedules and configuration ----------------------------------------------------------------------
+
+def test_schedules():
+    const = LRSchedule(1.0, "constant", warmup_steps=4, total_steps=10)
+    assert [const.lr_at(s) for s in range(1, 6)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert const.lr_at(10) == 1.0
+    lin = LRSchedule(1.0, "linear", warmup_steps=2, total_steps=10)
+    assert lin.lr_at(1) == 0.5 and lin.lr_at(2) == 1.0
+    assert lin.lr_at(3) == 1.0                      # the first step after warmup trains at the peak
+    assert lin.lr_at(7) == pytest.approx(1.0 - 4 / 8)
+    assert lin.lr_at(10) == pytest.approx(1 / 8)    # the last step still learns
+    cos = LRSchedule(2.0, "cosine", warmup_steps=0, total_steps=5)
+    assert [cos.lr_at(s) for s in range(1, 6)] == pytest.approx(
+        [2.0 * 0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(5)])
+    assert cos.lr_at(3) == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 0.4)))
+    assert all(cos.lr_at(s) > cos.lr_at(s + 1) for s in range(1, 5))
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        LRSchedule(1.0, "step")
+
+
+def test_train_config_fields_have_help_and_validate():
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata.get("help"), f.name
+    assert TrainConfig().out == "wgpu-train-out" and TrainConfig().lora_targets == "q_proj,v_proj"
+    for bad in (dict(method="qlora"), dict(batch_size=0), dict(lr=0.0), dict(lora_targets="foo_proj"),
+                dict(lora_dropout=1.0), dict(valid_split=1.0), dict(max_steps=0), dict(backend="cuda"),
+                dict(lr_schedule="step")):
+        with pytest.raises(ConfigError):
+            TrainConfig(**bad)
+    assert TrainConfig(lora_targets="all-linear").lora_config().target_modules[-1] == "down_proj"
+
+
+# ---- one shared run ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shared_run(workspace, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "out"
+    summary = finetune(config(workspace, out, max_steps=8, eval_every=4, save_every=2, keep_checkpoints=2,
+                              eval_generate=True, lora_targets="all-linear", log_every=2))
+    return out, summary
+
+
+def test_loss_decreases(shared_run):
+    out, summary = shared_run
+    assert summary["valid_loss_after"] < summary["valid_loss_before"] - 0.1
+    assert summary["valid_perplexity_after"] == pytest.approx(math.exp(summary["valid_loss_after"]))
+    train = [r["loss"] for r in rows(out) if "split" not in r]
+    assert np.mean(train[-2:]) < np.mean(train[:2])
+
+
+def test_output_files(shared_run, workspace):
+    out, summary = shared_run
+    metrics = rows(out)
+    steps = [r for r in metrics if "split" not in r]
+    assert [r["step"] for r in steps] == [2, 3, 4, 6, 8]   # every 2 steps, and at the epoch end (step 3)
+    for r in steps:
+        assert set(r) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "submits",
+                          "readbacks", "nonfinite_skipped"}
+        assert r["loss"] > 0 and r["tokens"] > 0 and r["lr"] > 0
+    evals = [r for r in metrics if r.get("split") == "valid"]
+    assert [r["step"] for r in evals] == [0, 3, 4, 6, 8]   # before, epoch ends, every 4, end
+    assert all(r["perplexity"] == pytest.approx(math.exp(r["loss"])) for r in evals)
+    em = [r for r in metrics if r.get("split") == "test"]
+    assert [r["step"] for r in em] == [0, 8] and all(r["n"] == 3 for r in em)
+
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["stopped"] == "max_steps" and not summary["interrupted"]
+    assert summary["tokens"] == steps[-1]["tokens"] and summary["tokens_per_s"] > 0
+    assert summary["train_loss_first"] > 0 and summary["train_loss_last"] > 0
+    assert summary["backend"] == "numpy" and summary["device"]
+    assert set(summary["counters"]) >= {"submits", "readbacks", "nonfinite_skipped"}
+    assert summary["exact_match_split"] == "test" and summary["exact_match_n"] == 3
+    assert 0.0 <= summary["exact_match_before"] <= 1.0 and 0.0 <= summary["exact_match_after"] <= 1.0
+    assert (summary["n_train"], summary["n_valid"], summary["n_test"]) == (12, 4, 3)
+
+    resolved = json.loads((out / "train_config.json").read_text())
+    assert resolved["max_steps"] == 8 and resolved["lora_targets"] == "all-linear"
+    assert resolved["model"] == str(workspace[0]) and resolved["eval_generate"] is True
+    assert set(resolved) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+    # the final adapter is PEFT's format and equals the last checkpoint's
+    cfg, final = read_adapter(out)
+    assert cfg.r == 8 and len(cfg.target_modules) == 7
+    last = adapter_tensors(out / "checkpoints" / "step-000008" / "adapter")
+    assert final.keys() == last.keys() and all(np.array_equal(final[k], last[k]) for k in final)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (out / "loss.png").exists()
+    else:
+        assert (out / "loss.png").stat().st_size > 1000
+
+
+def test_loss_plot(shared_run, tmp_path, monkeypatch):
+    # matplotlib is optional: drive plot_losses with a stand-in that records what is drawn
+    import types
+
+    drawn = {}
+
+    class Axes:
+        def plot(self, xs, ys, *fmt, label):
+            drawn[label] = (list(xs), list(ys))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class Figure:
+        def __init__(self, **kw):
+            pass
+
+        def add_subplot(self):
+            return Axes()
+
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi):
+            drawn["file"] = path
+
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", types.SimpleNamespace(Figure=Figure))
+    out, _ = shared_run
+    assert plot_losses(out / "metrics.jsonl", tmp_path / "loss.png")
+    metrics = rows(out)
+    assert drawn["train"] == ([2, 3, 4, 6, 8], [r["loss"] for r in metrics if "split" not in r])
+    assert drawn["valid"][0] == [0, 3, 4, 6, 8]
+    assert drawn["file"] == tmp_path / "loss.png"
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert plot_losses(out / "metrics.jsonl", tmp_path / "none.png") is False
+
+
+def test_keep_checkpoints(shared_run):
+    out, _ = shared_run
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-000006", "step-000008"]
+    ckpt = root / "step-000006"
+    assert {p.name for p in ckpt.iterdir()} == {"adapter", "optimizer.safetensors", "trainer_state.json"}
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["data"]["epoch"] == 1 and state["data"]["position"] == 3
+    assert state["schedule"]["next_step"] == 7 and state["dropout_calls"] == 6
+    moments = read_safetensors(ckpt / "optimizer.safetensors")
+    assert len(moments) == 2 * 2 * 7 * 2     # (A, B) x 7 modules x 2 layers, each with exp_avg and exp_avg_sq
+    assert find_checkpoint(out) == root / "step-000008"
+
+
+# ---- gradient accumulation -----------------------------------------------------------------------------
+
+def test_grad_accum_equals_full_batch(workspace, tmp_path):
+    # Each step draws batch_size * grad_accum samples, so both runs see the same samples; the engine
+    # normalises by the trained tokens of the whole step. A large epsilon keeps Adam's update linear in the
+    # gradient, so summation-order rounding cannot flip the sign of a tiny component.
+    kw = dict(max_steps=3, adam_eps=1e-3, lr_schedule="constant", valid_split=0.0)
+    one = finetune(config(workspace, tmp_path / "one", batch_size=4, grad_accum=1, **kw))
+    two = finetune(config(workspace, tmp_path / "two", batch_size=2, grad_accum=2, **kw))
+    assert one["tokens"] == two["tokens"] and one["trained_tokens"] == two["trained_tokens"]
+    assert two["train_loss_first"] == pytest.approx(one["train_loss_first"], rel=1e-6)
+    a, b = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "two")
+    moved = [k for k in a if np.abs(a[k]).max() > 0]
+    assert moved
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-7)
+
+
+def test_split_batch_trims_padding(workspace):
+    trainer = Trainer(config(workspace, "unused", batch_size=2, grad_accum=2)).setup()
+    batch, _ = trainer.next_batch()
+    parts = split_batch(batch, 2)
+    assert [p.input_ids.shape[0] for p in parts] == [2, 2]
+    assert sum(p.n_tokens for p in parts) == batch.n_tokens
+    for p in parts:
+        t = p.input_ids.shape[1]
+        used = int(np.flatnonzero(p.attention_mask.any(axis=0))[-1]) + 1
+        assert t % 8 == 0 or t == batch.input_ids.shape[1]   # lengths come in multiples of 8
+        assert t - used < 8                                    # and no more padding than that
+    # the parameter count in the log comes from shapes; it matches the engine's tensors
+    n = sum(v.size for v in trainer.engine.trainable().values())
+    assert count_trainable(trainer.model.config, trainer.config.lora_config()) == n
+    full = load_model(workspace[0])
+    full.set_full_finetune()
+    assert count_trainable(full.config, None) == sum(v.size for v in full.engine.trainable().values())
+
+
+# ---- resume ------------------------------------------------------------------------------------------------
+
+def test_resume_equals_uninterrupted(workspace, tmp_path):
+    # dropout, warmup + cosine, weight decay, accumulation and an epoch boundary inside each half
+    kw = dict(max_steps=8, batch_size=2, grad_accum=2, lora_dropout=0.2, lr_schedule="cosine", warmup_steps=2,
+              weight_decay=0.05, keep_checkpoints=0)
+    full = finetune(config(workspace, tmp_path / "full", save_every=4, **kw))
+    ckpt = tmp_path / "full" / "checkpoints" / "step-000004"
+    resumed = finetune(config(workspace, tmp_path / "resumed", resume=str(ckpt), **kw))
+    assert resumed["resumed_from"] == str(ckpt) and resumed["steps"] == 8
+    assert resumed["tokens"] == full["tokens"]
+    a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    assert resumed["valid_loss_after"] == full["valid_loss_after"]
+    # the resumed run carried the history of the first half
+    assert resumed["valid_loss_before"] == full["valid_loss_before"]
+    assert resumed["train_loss_first"] == full["train_loss_first"]
+
+
+def test_n_steps_then_resume_n_more(workspace, tmp_path):
+    kw = dict(lr_schedule="constant", lora_dropout=0.1)
+    whole = tmp_path / "whole"
+    finetune(config(workspace, whole, max_steps=6, **kw))
+    finetune(config(workspace, tmp_path / "half", max_steps=3, **kw))
+    # resume from the output folder: its newest checkpoint
+    finetune(config(workspace, tmp_path / "half", max_steps=6, resume=str(tmp_path / "half"), **kw))
+    a, b = adapter_tensors(whole), adapter_tensors(tmp_path / "half")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert len([r for r in rows(tmp_path / "half") if "split" not in r]) == 6   # metrics appended
+
+
+def test_full_finetune_and_resume(workspace, tmp_path):
+    kw = dict(method="full", max_steps=2, lr=1e-3, valid_split=0.0)
+    a = finetune(config(workspace, tmp_path / "a", save_every=1, **kw))
+    assert a["method"] == "full"
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "a" / name).is_file()
+    assert (tmp_path / "a" / "checkpoints" / "step-000001" / "model" / "model.safetensors").is_file()
+    finetune(config(workspace, tmp_path / "b", resume=str(tmp_path / "a" / "checkpoints" / "step-000001"), **kw))
+    wa = read_safetensors(tmp_path / "a" / "model.safetensors")
+    wb = read_safetensors(tmp_path / "b" / "model.safetensors")
+    base = read_safetensors(workspace[0] / "model.safetensors")
+    assert not np.array_equal(wa["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_refuses_a_different_lora(workspace, tmp_path):
+    finetune(config(workspace, tmp_path / "a", max_steps=1))
+    with pytest.raises(ConfigError, match="LoRA r=8"):
+        finetune(config(workspace, tmp_path / "b", max_steps=2, lora_rank=4, resume=str(tmp_path / "a")))
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        finetune(config(workspace, tmp_path / "c", resume=str(tmp_path)))
+
+
+# ---- atomic checkpoints and Ctrl-C -------------------------------------------------------------------
+
+def test_checkpoint_is_atomic(workspace, tmp_path, monkeypatch):
+    calls = []
+    real = checkpoint_mod.write_optimizer_state
+
+    def crashing(path, state):
+        calls.append(path)
+        if len(calls) == 2:
+            (path.parent / "partial").write_text("half written")
+            raise RuntimeError("disk fell off")
+        real(path, state)
+
+    monkeypatch.setattr(checkpoint_mod, "write_optimizer_state", crashing)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="disk fell off"):
+        finetune(config(workspace, out, max_steps=6, save_every=2))
+    root = out / "checkpoints"
+    # the crashed step-4 write left nothing behind; step 2 is whole
+    assert [p.name for p in root.iterdir()] == ["step-000002"]
+    assert calls[1].parent.name.startswith(".step-000004.tmp")
+    survivor = root / "step-000002"
+    assert {p.name for p in survivor.iterdir()} == {"adapter", "optimizer.safetensors", "trainer_state.json"}
+
+    # a process killed mid-write leaves only a hidden temporary folder, which is never taken for a checkpoint
+    stale = root / ".step-000004.tmp-999"
+    stale.mkdir()
+    (stale / "trainer_state.json").write_text("{")
+    assert list_checkpoints(root) == [survivor] and find_checkpoint(out) == survivor
+    monkeypatch.setattr(checkpoint_mod, "write_optimizer_state", real)
+    summary = finetune(config(workspace, out, max_steps=6, save_every=2, resume=str(out)))
+    assert summary["steps"] == 6 and summary["resumed_from"] == str(survivor)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000004", "step-000006"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_stops(workspace, tmp_path):
+    trainer = Trainer(config(workspace, tmp_path / "out", max_steps=10)).setup()
+    real = trainer.engine.train_step
+    calls = []
+
+    def step(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)   # as if the user pressed Ctrl-C during step 3
+        return real(*args)
+
+    trainer.engine.train_step = step
+    summary = trainer.train()
+    assert summary["interrupted"] and summary["stopped"] == "interrupted" and summary["steps"] == 3
+    assert len(calls) == 3
+    assert summary["checkpoint"] == str(tmp_path / "out" / "checkpoints" / "step-000003")
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+    resumed = finetune(config(workspace, tmp_path / "out", max_steps=10, resume=str(tmp_path / "out")))
+    assert resumed["steps"] == 10 and not resumed["interrupted"]
+
+
+def test_nonfinite_step_is_reported(workspace, tmp_path):
+    trainer = Trainer(config(workspace, tmp_path / "out", max_steps=3)).setup()
+    real = trainer.engine.train_step
+    calls = []
+
+    def step(micro, hp, n):
+        calls.append(n)
+        if n == 2:   # as an engine does when the gradients overflow: no update, counted
+            trainer.engine.counters["nonfinite_skipped"] += 1
+            return float("nan"), sum(int((t != -100).sum()) for _, t, _, _ in micro), float("inf"), False
+        return real(micro, hp, n)
+
+    trainer.engine.train_step = step
+    summary = trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in metrics if "split" not in r]
+    assert [r["nonfinite_skipped"] for r in steps] == [0, 1, 1]
+    assert steps[1]["grad_norm"] is None and steps[1]["loss"] is None   # valid JSON, no NaN
+    assert summary["counters"]["nonfinite_skipped"] == 1 and summary["steps"] == 3
+
+
+# ---- early stopping ----------------------------------------------------------------------------------------
+
+def test_early_stopping(workspace, tmp_path):
+    trainer = Trainer(config(workspace, tmp_path / "out", max_steps=20, eval_every=1,
+                             early_stop_patience=2)).setup()
+    losses = iter([5.0, 4.0, 3.0, 3.5, 3.2, 1.0, 1.0])   # before, then one per step
+
+    def fake_eval():
+        v = next(losses)
+        return {"loss": v, "perplexity": math.exp(v), "tokens": 10}
+
+    trainer.evaluate = fake_eval
+    summary = trainer.train()
+    # best 3.0 at step 2; steps 3 and 4 do not improve on it -> stop after step 4
+    assert summary["stopped"] == "early_stop" and summary["steps"] == 4
+    assert summary["best_valid_loss"] == 3.0 and summary["valid_loss_after"] == 3.2
+
+
+def test_early_stopping_needs_validation(workspace, tmp_path):
+    model, data = workspace
+    with pytest.raises(ConfigError, match="validation"):
+        Trainer(config(workspace, tmp_path, data=str(data / "train.jsonl"), valid_split=0.0,
+                       early_stop_patience=1)).setup()
+
+
+# ---- user errors ------------------------------------------------------------------------------------------
+
+def test_user_errors(workspace, tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="no such file"):
+        Trainer(config(workspace, tmp_path / "o", data=str(tmp_path / "missing.jsonl"))).setup()
+    with pytest.raises(ModelFileError):
+        Trainer(config(workspace, tmp_path / "o", model=str(tmp_path))).setup()
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, [{"prompt": "a", "completion": "b"}, "{not json"])
+    with pytest.raises(DataError, match=r"bad.jsonl:2"):
+        Trainer(config(workspace, tmp_path / "o", data=str(bad))).setup()
+    # no embedded assets (or not yet built): a clear error, not an ImportError
+    monkeypatch.setitem(sys.modules, "wgpu_train.assets", None)
+    with pytest.raises(ConfigError, match="--model"):
+        Trainer(config(workspace, tmp_path / "o", model=None)).setup()
+    with pytest.raises(ConfigError, match="--data"):
+        Trainer(config(workspace, tmp_path / "o", data=None)).setup()
+    with pytest.raises(ConfigError, match="unknown TrainConfig field"):
+        finetune(config(workspace, tmp_path / "o"), learning_rate=1.0)
+
+
+# ---- evaluation -------------------------------------------------------------------------------------------
+
+class _Oracle:
+    """A stand-in model that answers each prompt with a fixed text (plus spaces and the stop token)."""
+
+    def __init__(self, tok, answers):
+        self.tok, self.answers = tok, answers
+
+    def generate(self, ids, max_new_tokens, temperature, stop_token_ids):
+        prompt = self.tok.decode(list(ids), skip_special_tokens=False)
+        for question, answer in self.answers.items():
+            if question in prompt:
+                return (self.tok.encode(f" {answer} \n") + [stop_token_ids[0]])[:max_new_tokens]
+        raise AssertionError(prompt)
+
+
+def test_exact_match_prompts_and_trimming(workspace):
+    tok = load_tokenizer(workspace[0])
+    records = [[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "right one"}],
+               [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "right two"}],
+               "plain text records are not asked"]
+    ids = generation_prompt(tok, records[1])
+    assert tok.decode(ids, skip_special_tokens=False).endswith("q2<|im_end|>\n<|im_start|>assistant\n")
+    raw = generation_prompt(tok, records[0], use_chat_template=False)
+    assert tok.decode(raw, skip_special_tokens=False) == "q1"
+    res = exact_match(_Oracle(tok, {"q1": "right one", "q2": "wrong"}), tok, records, max_new_tokens=32)
+    assert (res["correct"], res["n"], res["exact_match"]) == (1, 2, 0.5)
+    assert res["samples"][0] == {"prompt": "q1", "reference": "right one", "output": " right one \n", "match": True}
+    assert exact_match(_Oracle(tok, {}), tok, ["text only"])["exact_match"] is None

@@ -1,0 +1,163 @@
+"""Training checkpoints: checkpoints/step-NNNNNN folders (adapter or model, AdamW moments, trainer state)
+written atomically, rotated, found again, and restored into any engine."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+
+CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(root) -> list[Path]:
+    """Complete checkpoints under `root` (step-NNNNNN folders holding trainer_state.json), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := CHECKPOINT_RE.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(path) -> Path:
+    """A checkpoint folder, or the newest checkpoint of an output folder (or of a checkpoints/ folder)."""
+    p = Path(path)
+    if (p / STATE_FILE).is_file():
+        return p
+    if not p.is_dir():
+        raise ConfigError(f"resume: {p} does not exist")
+    found = list_checkpoints(p / "checkpoints") or list_checkpoints(p)
+    if not found:
+        raise ConfigError(f"resume: no checkpoint in {p} (expected {STATE_FILE} or checkpoints/step-NNNNNN)")
+    return found[-1]
+
+
+def write_optimizer_state(path, state: dict):
+    """AdamW moments {name: (m, v)} as one safetensors file (name.exp_avg, name.exp_avg_sq)."""
+    from .hf import write_safetensors
+
+    tensors = {}
+    for k, (m, v) in state.items():
+        tensors[k + ".exp_avg"] = np.asarray(m)
+        tensors[k + ".exp_avg_sq"] = np.asarray(v)
+    write_safetensors(path, tensors, metadata={"format": "wgpu-train-optimizer"})
+
+
+def read_optimizer_state(path) -> dict:
+    """The {name: (m, v)} that write_optimizer_state wrote."""
+    from .hf import read_safetensors
+
+    tensors = read_safetensors(path)
+    names = sorted(k[:-len(".exp_avg")] for k in tensors if k.endswith(".exp_avg"))
+    for n in names:
+        if n + ".exp_avg_sq" not in tensors:
+            raise ConfigError(f"{path}: optimizer state lacks {n}.exp_avg_sq")
+    return {n: (tensors[n + ".exp_avg"], tensors[n + ".exp_avg_sq"]) for n in names}
+
+
+def _write(folder: Path, model, state: dict):
+    if model.method == "lora":
+        model.save_adapter(folder / "adapter")
+    else:
+        model.save_pretrained(folder / "model")
+    write_optimizer_state(folder / OPTIMIZER_FILE, model.engine.optimizer_state())
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+def save_checkpoint(root, step: int, model, state: dict, keep: int = 0) -> Path:
+    """Write root/step-NNNNNN atomically: everything goes into a hidden temporary folder beside it, which is
+    renamed into place only when complete (and removed if writing fails). Then keep only the newest `keep`
+    checkpoints (0 keeps all) and clear leftovers of writes that a killed process never finished."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_name(step)
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        _write(tmp, model, state)
+        if final.exists():
+            old = root / f".{name}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for p in root.iterdir():
+        if p.name.startswith(".step-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+    if keep:
+        for p in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def read_state(ckpt) -> dict:
+    """The trainer_state.json of a checkpoint."""
+    path = Path(ckpt) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: unreadable checkpoint state ({e})") from None
+    return state
+
+
+def restore(ckpt, model, state: dict, lora_config=None):
+    """Put a checkpoint's trainable tensors, AdamW moments and dropout counter into `model`'s engine.
+
+    The model must already be set up the same way (add_lora with `lora_config`, or set_full_finetune);
+    a different method or LoRA setting raises ConfigError naming it.
+    """
+    from .hf import read_adapter, read_safetensors
+
+    ckpt = Path(ckpt)
+    engine = model.engine
+    if state.get("method") != model.method:
+        raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {model.method}")
+    if model.method == "lora":
+        now = dataclasses.asdict(lora_config)
+        then = state.get("lora") or {}
+        for key, value in now.items():
+            same = list(then[key]) == list(value) if key == "target_modules" and key in then else then.get(key) == value
+            if key in then and not same:
+                shown = ",".join(then[key]) if key == "target_modules" else then[key]
+                raise ConfigError(f"checkpoint {ckpt} has LoRA {key}={shown}, the config says "
+                                  f"{','.join(value) if key == 'target_modules' else value}")
+        tensors = {}
+        for k, v in read_adapter(ckpt / "adapter")[1].items():
+            k = k.replace(".default.weight", ".weight")
+            if k.startswith("base_model.model.") and k.endswith(".weight"):
+                k = k[len("base_model.model."):-len(".weight")]
+            tensors[k] = v
+    else:
+        tensors = read_safetensors(ckpt / "model" / "model.safetensors")
+    current = {k: tuple(v.shape) for k, v in engine.trainable().items()}
+    problems = [f"missing {k}" for k in current if k not in tensors]
+    problems += [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"
+                 for k, s in current.items() if k in tensors and tuple(tensors[k].shape) != s]
+    moments = read_optimizer_state(ckpt / OPTIMIZER_FILE)
+    problems += [f"optimizer state for unknown tensor {k}" for k in moments if k not in current]
+    if problems:
+        raise ConfigError(f"checkpoint {ckpt} does not fit the model: {'; '.join(problems[:3])}")
+    engine.set_trainable({k: tensors[k] for k in current})
+    engine.load_optimizer_state(moments)
+    engine.dropout_seed = int(state.get("dropout_seed", engine.dropout_seed))
+    engine.dropout_calls = int(state.get("dropout_calls", 0))

@@ -1,0 +1,101 @@
+"""Evaluation on any engine: token loss and perplexity over a dataset, and exact match of greedy answers."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .data import IGNORE_INDEX, Batch, Example, make_batches, tokenize_example
+from .reference.ops import shift_labels
+
+
+def engine_batch(batch: Batch) -> tuple:
+    """The engine's micro-batch tuple (ids int32, targets int64 shifted, segment_ids int32, position_ids int32)."""
+    return (np.ascontiguousarray(batch.input_ids, dtype=np.int32),
+            shift_labels(np.asarray(batch.labels, dtype=np.int64)),
+            np.ascontiguousarray(batch.segment_ids, dtype=np.int32),
+            np.ascontiguousarray(batch.position_ids, dtype=np.int32))
+
+
+def perplexity(mean_loss: float) -> float:
+    """exp(mean token loss), inf when it overflows."""
+    return math.exp(mean_loss) if mean_loss < 700 else math.inf
+
+
+def evaluate_loss(engine, examples: Sequence[Example], batch_size: int = 8, pad_id: int = 0,
+                  pad_to_multiple: int = 1) -> dict:
+    """Mean token loss and perplexity of `examples` (their trained tokens only) on an engine.
+
+    Returns {"loss", "perplexity", "tokens"}; loss is None when there is nothing to score.
+    """
+    if not examples:
+        return {"loss": None, "perplexity": None, "tokens": 0}
+    batches = make_batches(examples, batch_size, np.random.default_rng(0), shuffle=False, bucket=True,
+                           pad_id=pad_id, pad_to_multiple=pad_to_multiple)
+    loss_sum, count = 0.0, 0
+    for batch in batches:
+        ls, n = engine.loss(*engine_batch(batch))
+        loss_sum += float(ls)
+        count += int(n)
+    if count == 0:
+        return {"loss": None, "perplexity": None, "tokens": 0}
+    mean = loss_sum / count
+    return {"loss": mean, "perplexity": perplexity(mean), "tokens": count}
+
+
+def generation_prompt(tokenizer, messages: Sequence[dict], use_chat_template: bool = True) -> list[int] | None:
+    """Token ids that ask for the last assistant turn of `messages` (None when the record cannot be asked).
+
+    With the chat template: the conversation before that turn rendered with the generation prompt. Raw: the
+    same prefix the trainer saw in raw mode (prompt text, BOS when the tokenizer adds one).
+    """
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    if last < 0:
+        return None
+    if use_chat_template:
+        text = tokenizer.apply_chat_template(list(messages[:last]), add_generation_prompt=True)
+        return tokenizer.encode(text)
+    ex = tokenize_example(tokenizer, list(messages[:last + 1]), 1 << 30, use_chat_template=False,
+                          train_on_last_turn=True)
+    if ex is None:
+        return None
+    trained = np.flatnonzero(ex.labels != IGNORE_INDEX)
+    return ex.input_ids[:int(trained[0])].tolist() if trained.size and trained[0] > 0 else None
+
+
+def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = True, max_new_tokens: int = 64,
+                max_samples: int = 0, keep_samples: int = 5) -> dict:
+    """Greedy-generate the last assistant turn of each conversation and compare it with the reference after
+    trimming whitespace. Plain-text records are skipped.
+
+    Returns {"exact_match" (fraction, None when nothing was asked), "correct", "n", "samples"} where samples
+    holds the first `keep_samples` (prompt, reference, output) triples.
+    """
+    stops = set(tokenizer.stop_token_ids)
+    correct = n = 0
+    samples = []
+    for record in records:
+        if isinstance(record, str):
+            continue
+        if max_samples and n >= max_samples:
+            break
+        ids = generation_prompt(tokenizer, record, use_chat_template)
+        if not ids:
+            continue
+        last = max(i for i, m in enumerate(record) if m["role"] == "assistant")
+        reference = record[last]["content"]
+        # Exact match fails anyway once the answer is much longer than the reference.
+        budget = max(1, min(max_new_tokens, len(tokenizer.encode(reference)) + 16))
+        out = model.generate(np.asarray(ids), max_new_tokens=budget, temperature=0.0,
+                             stop_token_ids=tokenizer.stop_token_ids)
+        if out and out[-1] in stops:
+            out = out[:-1]
+        text = tokenizer.decode(out, skip_special_tokens=False)
+        ok = text.strip() == reference.strip()
+        correct += int(ok)
+        n += 1
+        if len(samples) < keep_samples:
+            prompt = record[last - 1]["content"] if last > 0 else ""
+            samples.append({"prompt": prompt, "reference": reference, "output": text, "match": ok})
+    return {"exact_match": (correct / n) if n else None, "correct": correct, "n": n, "samples": samples}

@@ -1,0 +1,669 @@
+"""Fine-tuning: TrainConfig, the Trainer (AdamW steps with gradient accumulation on any engine, evaluation,
+metrics, atomic checkpoints, resume, Ctrl-C) and finetune(config) -> summary."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import checkpoint
+from .checkpoint import find_checkpoint, list_checkpoints
+from .config import LoraConfig, ModelConfig, OptimizerParams
+from .errors import ConfigError
+from .evaluate import engine_batch, evaluate_loss, exact_match
+from .schedule import SCHEDULES, LRSchedule
+
+BACKEND_CHOICES = ("auto", "wgpu", "numpy")
+METHODS = ("lora", "full")
+PAD_MULTIPLE = 8   # sequence lengths are padded to a multiple of this
+
+
+def _opt(default, help_text: str, **extra):
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """Everything one fine-tuning run needs; each field is also a `wgpu-train finetune --option`."""
+
+    model: str | None = _opt(None, "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
+                                   "default: the embedded model")
+    data: str | None = _opt(None, "JSONL file, or a folder with train.jsonl and optional valid.jsonl and "
+                                  "test.jsonl; default: the embedded dataset")
+    out: str = _opt("wgpu-train-out", "output folder: adapter, metrics.jsonl, summary.json, checkpoints/")
+    backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
+                        choices=BACKEND_CHOICES)
+    device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
+    method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
+    lora_rank: int = _opt(8, "LoRA rank r")
+    lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
+    lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
+    lora_targets: str = _opt("q_proj,v_proj", "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
+                                              "gate_proj, up_proj, down_proj), or all-linear")
+    rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
+    epochs: int = _opt(3, "passes over the training set (ignored when --max-steps is given)")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    batch_size: int = _opt(4, "samples (rows) per micro-batch")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step; the loss is normalised by the trained tokens "
+                              "of all of them, so the step equals one batch of batch_size * grad_accum")
+    lr: float = _opt(1e-3, "peak learning rate")
+    lr_schedule: str = _opt("cosine", "learning-rate decay after warmup: constant, linear or cosine",
+                            choices=SCHEDULES)
+    warmup_steps: int = _opt(0, "steps of linear warmup up to --lr")
+    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.999, "AdamW beta2")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
+    max_seq_len: int = _opt(512, "longer samples are truncated, and dropped when no response token remains")
+    pack: bool = _opt(False, "pack several samples into each row (attention never crosses samples)")
+    valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when there is no valid.jsonl")
+    no_chat_template: bool = _opt(False, "train on raw prompt + response text instead of the chat template")
+    train_on_last_turn: bool = _opt(False, "in multi-turn chats, train only the last assistant turn")
+    skip_invalid: bool = _opt(False, "skip invalid JSONL lines (and report how many) instead of stopping")
+    eval_every: int = _opt(0, "validation loss every N steps (0: only at each epoch's end); always at the end")
+    save_every: int = _opt(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
+    keep_checkpoints: int = _opt(3, "keep only the newest K checkpoints (0: keep all)")
+    early_stop_patience: int = _opt(0, "stop after N evaluations without a lower validation loss (0: off)")
+    seed: int = _opt(0, "seed of the validation split, shuffling, LoRA initialisation and dropout")
+    resume: str | None = _opt(None, "continue a run from a checkpoint folder (or an output folder: its newest "
+                                    "checkpoint)")
+    no_progress: bool = _opt(False, "no progress bar; plain log lines instead (for logs and CI)")
+    eval_generate: bool | None = _opt(None, "exact match of greedy answers on the held-out set (test, else valid) "
+                                            "before and after training; default: on for the embedded dataset")
+    max_eval_samples: int = _opt(100, "at most this many held-out samples for exact match (0: all)")
+    max_new_tokens: int = _opt(64, "longest answer generated for exact match")
+    log_every: int = _opt(10, "one metrics.jsonl row (and log line) every N steps")
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("backend", "method", "lr_schedule"):
+            choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
+            need(getattr(self, name) in choices,
+                 f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        for name in ("lora_rank", "epochs", "batch_size", "grad_accum", "max_seq_len", "max_new_tokens",
+                     "log_every"):
+            need(getattr(self, name) >= (2 if name == "max_seq_len" else 1),
+                 f"{name} must be at least {2 if name == 'max_seq_len' else 1}, got {getattr(self, name)}")
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "save_every",
+                     "keep_checkpoints", "early_stop_patience", "max_eval_samples"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.max_steps is None or self.max_steps >= 1, f"max_steps must be at least 1, got {self.max_steps}")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
+        need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
+        need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
+        if self.method == "lora":
+            self.lora_config()  # validates rank, dropout and targets
+
+    def lora_config(self) -> LoraConfig:
+        """The LoraConfig these options describe."""
+        return LoraConfig(r=int(self.lora_rank), alpha=float(self.lora_alpha), dropout=float(self.lora_dropout),
+                          target_modules=self.lora_targets, use_rslora=bool(self.rslora))
+
+    def optimizer_params(self, lr: float) -> OptimizerParams:
+        """AdamW settings of one step at learning rate `lr`."""
+        return OptimizerParams(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.adam_eps,
+                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- helpers shared by the trainer and the command line ----------------------------------------------------
+
+def default_model_dir() -> Path:
+    """The embedded model folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
+    return _asset("default_model_dir", "model", "--model DIR")
+
+
+def default_data_dir() -> Path:
+    """The embedded dataset folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
+    return _asset("default_data_dir", "dataset", "--data PATH")
+
+
+def _asset(func: str, what: str, option: str) -> Path:
+    try:
+        from . import assets
+        path = Path(getattr(assets, func)())
+    except (ImportError, AttributeError, OSError):
+        raise ConfigError(f"the embedded default {what} is not installed; pass {option}") from None
+    if not path.exists():
+        raise ConfigError(f"the embedded default {what} is missing ({path}); pass {option}")
+    return path
+
+
+def describe_device(engine) -> str:
+    """A short description of where an engine computes."""
+    if engine.name == "numpy":
+        return "cpu (NumPy)"
+    desc = getattr(engine, "device_description", None)
+    if isinstance(desc, str):
+        return desc
+    rt = getattr(engine, "rt", None) or getattr(engine, "runtime", None)
+    info = getattr(rt, "info", None)
+    return info.describe() if info is not None else engine.name
+
+
+def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
+    """Trainable parameters of a model: the LoRA matrices, or every weight (from shapes, nothing read back)."""
+    from .hf import expected_shapes
+
+    if lora is not None:
+        return cfg.num_hidden_layers * sum(lora.r * sum(cfg.linear_shape(m)) for m in lora.target_modules)
+    n = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)
+
+
+def split_batch(batch, rows: int, multiple: int = PAD_MULTIPLE) -> list:
+    """Micro-batches of at most `rows` rows of `batch`, each trimmed to its longest row rounded up to
+    `multiple` (fewer distinct shapes for engines that cache buffers per shape; padding is masked)."""
+    from .data import IGNORE_INDEX, Batch
+
+    out = []
+    width = batch.input_ids.shape[1]
+    for r0 in range(0, batch.input_ids.shape[0], rows):
+        sl = slice(r0, r0 + rows)
+        used = np.flatnonzero(batch.attention_mask[sl].any(axis=0))
+        t = min(width, -(-(int(used[-1]) + 1 if used.size else 1) // multiple) * multiple)
+        labels = batch.labels[sl, :t]
+        out.append(Batch(batch.input_ids[sl, :t], labels, batch.attention_mask[sl, :t], batch.segment_ids[sl, :t],
+                         batch.position_ids[sl, :t], int((labels[:, 1:] != IGNORE_INDEX).sum())))
+    return out
+
+
+def _num(x):
+    """A float for JSON, None when missing or not finite."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _fmt(x, spec=".4f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+class _Window:
+    """Sums over the steps since the last logged row."""
+
+    def __init__(self):
+        self.loss = self.time = 0.0
+        self.count = self.tokens = 0
+        self.last_loss = None   # mean loss of the newest step
+
+    def add(self, loss_sum, count, tokens, seconds):
+        self.loss += float(loss_sum)
+        self.count += int(count)
+        self.tokens += tokens
+        self.time += seconds
+        self.last_loss = _num(float(loss_sum) / max(int(count), 1))
+
+    @property
+    def mean_loss(self):
+        return self.loss / self.count if self.count else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time if self.time > 0 else 0.0
+
+
+# ---- the trainer -----------------------------------------------------------------------------------------
+
+class Trainer:
+    """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
+
+    Each optimizer step draws one batch of batch_size * grad_accum samples from a seeded BatchStream and feeds
+    it to engine.train_step as grad_accum micro-batches of batch_size rows; the engine normalises gradients by
+    the trained tokens of the whole step, so accumulation changes memory use, not the result. The trainer uses
+    only the engine protocol, so it runs on every backend.
+    """
+
+    def __init__(self, config: TrainConfig, log=None):
+        if not isinstance(config, TrainConfig):
+            raise ConfigError("Trainer needs a TrainConfig")
+        self.config = config
+        self.out = Path(config.out)
+        self._log_fn = log
+        self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
+        self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
+        self.train_examples: list = []
+        self.valid_examples: list = []
+        self.step = 0
+        self.tokens = 0                 # input (non-padding) tokens processed, over every run of this job
+        self.trained_tokens = 0         # tokens that carried loss
+        self.counters_base: dict = {}   # engine counters of the runs before a resume
+        self.history = {"train_loss_first": None, "valid_loss_before": None, "valid_perplexity_before": None,
+                        "exact_match_before": None, "best_valid_loss": None, "evals_without_improvement": 0}
+        self.last_saved_step = 0
+        self.resumed_from: Path | None = None
+        self._stop_requested = False
+        self._metrics = None
+
+    def log(self, msg: str):
+        """One line of progress for the user (stderr, above the progress bar)."""
+        if self._log_fn is not None:
+            self._log_fn(msg)
+            return
+        from tqdm import tqdm
+
+        tqdm.write(msg, file=sys.stderr)
+
+    # ---- setup --------------------------------------------------------------------------------------
+    def setup(self) -> "Trainer":
+        """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
+        from .data import BatchStream
+        from .model import load_model
+
+        cfg = self.config
+        self.model_dir = Path(cfg.model) if cfg.model else default_model_dir()
+        self.data_path = Path(cfg.data) if cfg.data else default_data_dir()
+        self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
+        model_cfg = ModelConfig.from_folder(self.model_dir)
+        self._read_data(model_cfg)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.stream = BatchStream(self.train_examples, cfg.batch_size * cfg.grad_accum, cfg.seed, pack=cfg.pack,
+                                  max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE)
+        self.steps_per_epoch = len(self.stream)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
+
+        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device)
+        lora = cfg.lora_config() if cfg.method == "lora" else None
+        if lora:
+            self.model.add_lora(lora, seed=cfg.seed)
+        else:
+            self.model.set_full_finetune()
+        self.engine = self.model.engine
+        n_params = count_trainable(model_cfg, lora)
+        self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
+                 f"{describe_device(self.engine)}; "
+                 + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
+                    else "full fine-tuning") + f", {n_params:,} trainable parameters")
+        self._prepare_out()
+        if cfg.resume:
+            self.load_checkpoint(find_checkpoint(cfg.resume))
+        self.log(f"training: {self.total_steps} steps"
+                 + ("" if cfg.max_steps else f" ({cfg.epochs} epochs of {self.steps_per_epoch})")
+                 + f", {cfg.batch_size * cfg.grad_accum} samples per step"
+                 + (f" ({cfg.grad_accum} micro-batches of {cfg.batch_size})" if cfg.grad_accum > 1 else "")
+                 + (f", resuming at step {self.step} from {self.resumed_from}" if self.resumed_from else ""))
+        return self
+
+    def _read_data(self, model_cfg: ModelConfig):
+        from .data import resolve_data, tokenize_dataset
+        from .tokenizer import load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.splits = s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid)
+        self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
+        if self.max_seq_len < cfg.max_seq_len:
+            self.log(f"max_seq_len: using the model's {self.max_seq_len} positions ({cfg.max_seq_len} asked)")
+        args = (self.max_seq_len, not cfg.no_chat_template, cfg.train_on_last_turn)
+        self.train_examples, train_stats = tokenize_dataset(self.tokenizer, s.train, *args)
+        self.valid_examples, valid_stats = tokenize_dataset(self.tokenizer, s.valid, *args)
+        self.truncated = train_stats.n_truncated + valid_stats.n_truncated
+        self.dropped = train_stats.n_dropped + valid_stats.n_dropped
+        top = max((int(e.input_ids.max()) for e in self.train_examples + self.valid_examples), default=0)
+        if top >= model_cfg.vocab_size:
+            raise ConfigError(f"the tokenizer produces token id {top} but the model has vocab_size "
+                              f"{model_cfg.vocab_size}: tokenizer and model do not belong together")
+        if cfg.early_stop_patience and not self.valid_examples:
+            raise ConfigError("early_stop_patience needs validation data (valid.jsonl or valid_split > 0)")
+        self.log(f"data: {s.files.get('train')} ({s.format} format): {len(self.train_examples)} train, "
+                 f"{len(self.valid_examples)} valid{' (held out)' if s.valid_held_out else ''}, {len(s.test)} test"
+                 + (f"; {s.n_skipped} invalid lines skipped" if s.n_skipped else "")
+                 + (f"; {self.truncated} truncated to {self.max_seq_len} tokens" if self.truncated else "")
+                 + (f"; {self.dropped} dropped (no response token left)" if self.dropped else ""))
+
+    def _prepare_out(self):
+        cfg = self.config
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            resolved = cfg.to_dict()
+            resolved.update(model=str(self.model_dir), data=str(self.data_path), eval_generate=self.eval_generate)
+            (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
+        if not cfg.resume:
+            stale = list_checkpoints(self.out / "checkpoints")
+            if stale:
+                self.log(f"removing {len(stale)} checkpoint(s) of an earlier run in {self.out / 'checkpoints'}")
+                for p in stale:
+                    shutil.rmtree(p, ignore_errors=True)
+
+    # ---- batches ------------------------------------------------------------------------------------
+    def epochs_completed(self) -> int:
+        st = self.stream
+        return st.epoch + (1 if st.position >= len(st.epoch_batches(st.epoch)) else 0)
+
+    def epoch_float(self) -> float:
+        """Epochs done, with the fraction of the current one."""
+        st = self.stream
+        n = len(st.epoch_batches(st.epoch))
+        return round(st.epoch + (st.position / n if n else 0.0), 4)
+
+    def next_batch(self):
+        """(the batch of the next step, whether it ends an epoch); a step never spans two epochs."""
+        st = self.stream
+        if st.position >= len(st.epoch_batches(st.epoch)):
+            st.epoch += 1
+            st.position = 0
+        batches = st.epoch_batches(st.epoch)
+        batch = batches[st.position]
+        st.position += 1
+        return batch, st.position >= len(batches)
+
+    def done(self) -> bool:
+        if self.config.max_steps:
+            return self.step >= self.config.max_steps
+        return self.epochs_completed() >= self.config.epochs
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self) -> dict | None:
+        """Validation loss and perplexity now (None without validation data)."""
+        if not self.valid_examples:
+            return None
+        return evaluate_loss(self.engine, self.valid_examples, self.config.batch_size, self.pad_id, PAD_MULTIPLE)
+
+    def held_out(self) -> tuple[str, list]:
+        """The split exact match is measured on: test when present, else valid."""
+        return ("test", self.splits.test) if self.splits.test else ("valid", self.splits.valid)
+
+    def exact_match(self) -> dict:
+        name, records = self.held_out()
+        result = exact_match(self.model, self.tokenizer, records, not self.config.no_chat_template,
+                             self.config.max_new_tokens, self.config.max_eval_samples)
+        result["split"] = name
+        return result
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """The engine's counters, added to those of the runs before a resume."""
+        now = dict(getattr(self.engine, "counters", {}))
+        return {k: int(now.get(k, 0)) + int(self.counters_base.get(k, 0))
+                for k in sorted(set(now) | set(self.counters_base))}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs beyond tensors: step, data position, schedule, dropout counter, history."""
+        cfg = self.config
+        return {
+            "version": 1, "step": self.step, "epoch": self.epoch_float(), "data": self.stream.state_dict(),
+            "schedule": dict(self.schedule.state_dict(), next_step=self.step + 1,
+                             next_lr=self.schedule.lr_at(self.step + 1)),
+            "dropout_seed": int(self.engine.dropout_seed), "dropout_calls": int(self.engine.dropout_calls),
+            "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
+            "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
+            "history": self.history, "seed": cfg.seed,
+        }
+
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-NNNNNN, written atomically; only the newest keep_checkpoints are kept."""
+        path = checkpoint.save_checkpoint(self.out / "checkpoints", self.step, self.model, self.state_dict(),
+                                          self.config.keep_checkpoints)
+        self.last_saved_step = self.step
+        return path
+
+    def load_checkpoint(self, ckpt: Path):
+        """Continue from a checkpoint: tensors, moments, dropout counter, data position, step and history."""
+        cfg = self.config
+        state = checkpoint.read_state(ckpt)
+        checkpoint.restore(ckpt, self.model, state, cfg.lora_config() if cfg.method == "lora" else None)
+        self.stream.load_state_dict(state["data"])
+        self.step = self.last_saved_step = int(state["step"])
+        self.tokens = int(state.get("tokens", 0))
+        self.trained_tokens = int(state.get("trained_tokens", 0))
+        self.counters_base = dict(state.get("counters", {}))
+        self.history.update(state.get("history", {}))
+        self.resumed_from = Path(ckpt)
+        if self.done():
+            self.log(f"checkpoint {ckpt} (step {self.step}) has already reached the end of training")
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Run the optimizer steps; write the adapter (or model), metrics.jsonl, summary.json and loss.png;
+        return the summary. Ctrl-C finishes the current step, saves a checkpoint and returns."""
+        if self.model is None:
+            self.setup()
+        t_start = time.perf_counter()
+        self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
+        previous = self._install_sigint()
+        try:
+            if not self.resumed_from:
+                self._evaluate_before()
+            stopped, last_eval, run = self._loop()
+            return self._finish(stopped, last_eval, run, time.perf_counter() - t_start)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            self._metrics.close()
+
+    def run(self) -> dict:
+        """setup() then train()."""
+        return self.setup().train()
+
+    def _install_sigint(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            self.log("interrupted: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+
+        return signal.signal(signal.SIGINT, handler)
+
+    def _write_row(self, row: dict):
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+
+    def _valid_row(self, result: dict):
+        self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
+                         "loss": _num(result["loss"]), "perplexity": _num(result["perplexity"]),
+                         "tokens": result["tokens"]})
+        self.log(f"step {self.step}: valid loss {_fmt(result['loss'])}, "
+                 f"perplexity {_fmt(result['perplexity'], '.3f')}")
+
+    def _exact_match_row(self, em: dict, when: str):
+        self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": em["split"],
+                         "exact_match": em["exact_match"], "n": em["n"]})
+        self.log(f"exact match {when} training: {_fmt(em['exact_match'], '.1%')} of {em['n']} {em['split']} samples")
+
+    def _evaluate_before(self):
+        h = self.history
+        before = self.evaluate()
+        if before is not None:
+            h["valid_loss_before"], h["valid_perplexity_before"] = _num(before["loss"]), _num(before["perplexity"])
+            self._valid_row(before)
+        if self.eval_generate:
+            em = self.exact_match()
+            h["exact_match_before"] = em["exact_match"]
+            self._exact_match_row(em, "before")
+
+    def _step(self):
+        """One optimizer step; returns (batch, ends an epoch, lr, loss_sum, count, grad_norm, seconds)."""
+        cfg = self.config
+        batch, epoch_done = self.next_batch()
+        micro = [engine_batch(b) for b in split_batch(batch, cfg.batch_size)]
+        lr = self.schedule.lr_at(self.step + 1)
+        t0 = time.perf_counter()
+        loss_sum, count, grad_norm, applied = self.engine.train_step(micro, cfg.optimizer_params(lr), self.step + 1)
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        if not applied:
+            self.log(f"step {self.step}: non-finite gradients, update skipped")
+        return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
+
+    def _loop(self):
+        from tqdm import tqdm
+
+        cfg = self.config
+        stopped = "max_steps" if cfg.max_steps else "epochs"
+        last_eval, last_eval_step = None, -1
+        window, run = _Window(), _Window()
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=cfg.no_progress, unit="step",
+                   dynamic_ncols=True, file=sys.stderr, desc="finetune")
+        try:
+            while not self.done():
+                if self._stop_requested:
+                    stopped = "interrupted"
+                    break
+                batch, epoch_done, lr, loss_sum, count, grad_norm, seconds = self._step()
+                n_in = int(batch.attention_mask.sum())
+                self.tokens += n_in
+                self.trained_tokens += int(count)
+                window.add(loss_sum, count, n_in, seconds)
+                run.add(loss_sum, count, n_in, seconds)
+                if self.history["train_loss_first"] is None:
+                    self.history["train_loss_first"] = run.last_loss
+                bar.set_postfix(loss=_fmt(run.last_loss), lr=f"{lr:.2e}", tok_s=f"{window.tokens_per_s:.0f}",
+                                refresh=False)
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or epoch_done or self.done():
+                    self._log_step(window, lr, grad_norm)
+                    window = _Window()
+                if epoch_done or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    last_eval, last_eval_step = self.evaluate(), self.step
+                    if last_eval is not None:
+                        self._valid_row(last_eval)
+                        if self._early_stop(last_eval["loss"]):
+                            stopped = "early_stop"
+                            self.log(f"early stop: no lower validation loss in {cfg.early_stop_patience} evaluations")
+                            break
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+        if stopped != "interrupted" and last_eval_step != self.step:
+            last_eval = self.evaluate()
+            if last_eval is not None:
+                self._valid_row(last_eval)
+        return stopped, last_eval, run
+
+    def _log_step(self, window: _Window, lr: float, grad_norm):
+        c = self.counters()
+        row = {"step": self.step, "epoch": self.epoch_float(), "loss": _num(window.mean_loss), "lr": lr,
+               "grad_norm": _num(grad_norm), "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+               "tokens_per_s": round(window.tokens_per_s, 2), "submits": c.get("submits", 0),
+               "readbacks": c.get("readbacks", 0), "nonfinite_skipped": c.get("nonfinite_skipped", 0)}
+        self._write_row(row)
+        if self.config.no_progress:
+            self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {_fmt(row['loss'])} "
+                     f"lr {lr:.2e} grad_norm {_fmt(row['grad_norm'], '.3f')} {window.tokens_per_s:.0f} tok/s")
+
+    def _early_stop(self, loss) -> bool:
+        h = self.history
+        if loss is None:
+            return False
+        if h["best_valid_loss"] is None or loss < h["best_valid_loss"]:
+            h["best_valid_loss"] = float(loss)
+            h["evals_without_improvement"] = 0
+            return False
+        h["evals_without_improvement"] += 1
+        patience = self.config.early_stop_patience
+        return bool(patience) and h["evals_without_improvement"] >= patience
+
+    def _finish(self, stopped: str, last_eval, run: _Window, wall: float) -> dict:
+        cfg = self.config
+        h = self.history
+        interrupted = stopped == "interrupted"
+        em_after = None
+        if self.eval_generate and not interrupted:
+            em_after = self.exact_match()
+            self._exact_match_row(em_after, "after")
+        ckpt = None
+        if self.step > 0:
+            ckpt = (self.save_checkpoint() if self.last_saved_step != self.step
+                    else self.out / "checkpoints" / checkpoint.checkpoint_name(self.step))
+            if cfg.method == "lora":
+                self.model.save_adapter(self.out)
+            else:
+                self.model.save_pretrained(self.out)
+        summary = {
+            "steps": self.step, "epochs": self.epoch_float(), "stopped": stopped, "interrupted": interrupted,
+            "tokens": self.tokens, "trained_tokens": self.trained_tokens, "wall_time_s": round(wall, 3),
+            "train_time_s": round(run.time, 3), "tokens_per_s": round(run.tokens_per_s, 2) if run.time else None,
+            "train_loss_first": h["train_loss_first"], "train_loss_last": run.last_loss,
+            "valid_loss_before": h["valid_loss_before"], "valid_perplexity_before": h["valid_perplexity_before"],
+            "valid_loss_after": _num(last_eval["loss"]) if last_eval else None,
+            "valid_perplexity_after": _num(last_eval["perplexity"]) if last_eval else None,
+            "best_valid_loss": h["best_valid_loss"],
+            "exact_match_before": h["exact_match_before"],
+            "exact_match_after": em_after["exact_match"] if em_after else None,
+            "exact_match_split": self.held_out()[0] if self.eval_generate else None,
+            "exact_match_n": em_after["n"] if em_after else None,
+            "exact_match_samples": em_after["samples"] if em_after else [],
+            "backend": self.engine.name, "device": describe_device(self.engine), "method": cfg.method,
+            "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
+            "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
+            "skipped_lines": self.splits.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
+            "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self._metrics.flush()
+        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        if interrupted:
+            self.log(f"stopped at step {self.step}" + (f"; resume with --resume {ckpt}" if ckpt else ""))
+        return summary
+
+
+def plot_losses(metrics_path, png_path) -> bool:
+    """Draw train and validation loss from metrics.jsonl into a PNG; False when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    train, valid = [], []
+    for line in Path(metrics_path).read_text().splitlines():
+        row = json.loads(line)
+        if row.get("loss") is None:
+            continue
+        if "split" not in row:
+            train.append((row["step"], row["loss"]))
+        elif row["split"] == "valid":
+            valid.append((row["step"], row["loss"]))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="valid")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean per token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    return True
+
+
+def finetune(config: TrainConfig | None = None, **overrides) -> dict:
+    """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
+    that is also written to summary.json in the output folder."""
+    config = config or TrainConfig()
+    if overrides:
+        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
+        config = dataclasses.replace(config, **overrides)
+    return Trainer(config).run()
+
+
+__all__ = ["TrainConfig", "Trainer", "finetune", "split_batch", "count_trainable", "list_checkpoints",
+           "find_checkpoint", "plot_losses", "default_model_dir", "default_data_dir", "describe_device"]
