@@ -208,8 +208,8 @@ def test_grad_accum_equals_full_batch(workspace, tmp_path):
         np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-7)
 
 
-def test_split_batch_trims_padding(workspace):
-    trainer = Trainer(config(workspace, "unused", batch_size=2, grad_accum=2)).setup()
+def test_split_batch_trims_padding(workspace, tmp_path):
+    trainer = Trainer(config(workspace, tmp_path / "unused", batch_size=2, grad_accum=2)).setup()
     batch, _ = trainer.next_batch()
     parts = split_batch(batch, 2)
     assert [p.input_ids.shape[0] for p in parts] == [2, 2]
