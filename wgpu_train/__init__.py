@@ -3,9 +3,13 @@ from .config import LoraConfig, ModelConfig
 from .errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, ShaderError,
                      WgpuTrainError)
 from .gpu.runtime import devices
+from .memory import estimate_memory
 from .model import Model, load_model
+from .tokenizer import load_tokenizer
+from .train import TrainConfig, Trainer, finetune
 
 __version__ = "0.1.0"
 
 __all__ = ["AdapterError", "ConfigError", "DataError", "DeviceError", "LoraConfig", "Model", "ModelConfig",
-           "ModelFileError", "ShaderError", "WgpuTrainError", "devices", "load_model", "__version__"]
+           "ModelFileError", "ShaderError", "TrainConfig", "Trainer", "WgpuTrainError", "devices",
+           "estimate_memory", "finetune", "load_model", "load_tokenizer", "__version__"]

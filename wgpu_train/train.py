@@ -83,6 +83,8 @@ class TrainConfig:
     max_eval_samples: int = _opt(100, "at most this many held-out samples for exact match (0: all)")
     max_new_tokens: int = _opt(64, "longest answer generated for exact match")
     log_every: int = _opt(10, "one metrics.jsonl row (and log line) every N steps")
+    profile_interval: int = _opt(0, "every N steps, GPU time per op group (timestamp queries) as a table and a "
+                                    "metrics.jsonl row (0: off)")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -500,10 +502,15 @@ class Trainer:
         batch, epoch_done = self.next_batch()
         micro = [engine_batch(b) for b in split_batch(batch, cfg.batch_size)]
         lr = self.schedule.lr_at(self.step + 1)
+        profile = bool(cfg.profile_interval) and (self.step + 1) % cfg.profile_interval == 0
         t0 = time.perf_counter()
-        loss_sum, count, grad_norm, applied = self.engine.train_step(micro, cfg.optimizer_params(lr), self.step + 1)
+        extra = {"profile": True} if profile else {}
+        loss_sum, count, grad_norm, applied = self.engine.train_step(micro, cfg.optimizer_params(lr), self.step + 1,
+                                                                     **extra)
         seconds = time.perf_counter() - t0
         self.step += 1
+        if profile:
+            self._profile_row(seconds)
         if not applied:
             self.log(f"step {self.step}: non-finite gradients, update skipped")
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
@@ -553,6 +560,17 @@ class Trainer:
             if last_eval is not None:
                 self._valid_row(last_eval)
         return stopped, last_eval, run
+
+    def _profile_row(self, step_seconds: float):
+        """Print the last step's time per op group and record it in metrics.jsonl."""
+        prof = dict(self.engine.last_profile)
+        total = sum(prof.values())
+        lines = [f"profile of step {self.step}: {total * 1e3:.1f} ms measured of {step_seconds * 1e3:.1f} ms wall"]
+        for name, sec in sorted(prof.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {name:<44} {sec * 1e3:9.2f} ms {sec / max(total, 1e-12):6.1%}")
+        self.log("\n".join(lines))
+        self._write_row({"step": self.step, "profile_ms": {k: round(v * 1e3, 4) for k, v in prof.items()},
+                         "step_wall_ms": round(step_seconds * 1e3, 3)})
 
     def _log_step(self, window: _Window, lr: float, grad_norm):
         c = self.counters()

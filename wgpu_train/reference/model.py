@@ -2,6 +2,8 @@
 fine-tuning gradients, AdamW. The oracle that the GPU engine is tested against."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..config import ModelConfig
@@ -34,6 +36,7 @@ class NumpyEngine:
         self.dropout_seed = 0        # LoRA dropout masks: hash of (seed, micro-batch counter, module)
         self.dropout_calls = 0
         self.training = False
+        self.last_profile: dict = {}
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
 
     # ---- parameters ---------------------------------------------------------------------------
@@ -284,12 +287,13 @@ class NumpyEngine:
     def gradients(self) -> dict:
         return {k: v.astype(np.float32) for k, v in self.grads.items()}
 
-    def train_step(self, micro_batches, hp, step: int):
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...].
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
         step equals the full-batch step. Returns (loss_sum, token_count, grad_norm, applied).
         """
+        started = time.perf_counter()
         total = sum(int((t != ops.IGNORE_INDEX).sum()) for _, t, _, _ in micro_batches)
         self.zero_grads()
         loss_sum = 0.0
@@ -297,6 +301,8 @@ class NumpyEngine:
             loss_sum += self.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
         norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
                                             hp.max_grad_norm, step)
+        if profile:
+            self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied
 
     def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1):
