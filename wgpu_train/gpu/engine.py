@@ -137,6 +137,7 @@ class WgpuEngine:
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
         self.last_step: dict = {}
         self.last_profile: dict = {}
+        self.last_timing: dict = {}
 
     # ---- parameters ---------------------------------------------------------------------------
     def _head(self) -> Matrix:
@@ -530,8 +531,10 @@ class WgpuEngine:
         The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
         finite flag. Returns (loss_sum, token_count, grad_norm, applied). With profile=True,
         `last_profile` holds GPU seconds per op group (timestamp queries), or the wall-clock time of
-        the submission where the adapter has no timestamp queries.
+        the submission where the adapter has no timestamp queries; profile="total" gives the GPU's
+        busy time as one figure. `last_timing` holds the Python recording time and the step's wall time.
         """
+        started = time.perf_counter()
         total = sum(int((tg != ref_ops.IGNORE_INDEX).sum()) for _, tg, _, _ in micro_batches)
         rt = self.rt
         before = dict(rt.counters)
@@ -555,12 +558,13 @@ class WgpuEngine:
         self._training = False
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
-        started = time.perf_counter()
+        submitted = time.perf_counter()
         rec.submit()
         out = rt.read(self.results, np.float32, (2 * n_micro + 3,))
+        done = time.perf_counter()
+        self.last_timing = {"record_s": submitted - started, "wall_s": done - started}
         if profile:
-            self.last_profile = rec.timings() or {"whole step (wall clock: no timestamp-query)":
-                                                  time.perf_counter() - started}
+            self.last_profile = rec.timings() or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
         loss_sum = float(out[0:2 * n_micro:2].sum())
         norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5

@@ -290,7 +290,8 @@ class Recorder:
 
     With `profile=True`, `section(label)` starts a compute pass timed by timestamp queries (where
     the adapter has them; consecutive sections with the same label share a pass), and `timings()`
-    after the submit returns seconds per label. Without profiling, `section` does nothing.
+    after the submit returns seconds per label. `profile="total"` times every pass under one label
+    (the GPU's busy time, with fewer passes). Without profiling, `section` does nothing.
     """
 
     MAX_SECTIONS = 2048
@@ -300,14 +301,15 @@ class Recorder:
         self.encoder = rt.device.create_command_encoder()
         self._pass = None
         self.dispatches = 0
-        self.profile = profile and rt.has_timestamps
+        self.profile = bool(profile) and rt.has_timestamps
+        self._total = profile == "total"
         self._labels: list = []
-        self._label = None
+        self._label = "GPU busy" if self._total else None
         self._submitted_at = None
 
     def section(self, label):
         """Attribute the following dispatches to `label` (profiling only)."""
-        if not self.profile or label == self._label:
+        if not self.profile or self._total or label == self._label:
             return
         self.end_pass()
         self._label = label

@@ -1,0 +1,127 @@
+"""Training-throughput benchmark: tokens/s of LoRA steps on the wgpu engine, the NumPy engine and
+PyTorch CPU + PEFT (when installed) on the same small model and batch, measured side by side."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..config import LoraConfig, ModelConfig, OptimizerParams
+from ..hf import expected_shapes
+from ..reference.ops import shift_labels
+
+BENCH_MODEL = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128, intermediate_size=344,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                   max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0)
+BATCH, SEQ = 8, 64
+
+
+def _random_model(rng):
+    cfg = ModelConfig.from_dict(dict(BENCH_MODEL), "bench model")
+    weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        weights[name] = (np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.02, shape)).astype(np.float32)
+    return cfg, weights
+
+
+def _batch(cfg, rng):
+    ids = rng.integers(0, cfg.vocab_size, (BATCH, SEQ)).astype(np.int32)
+    seg = np.ones_like(ids)
+    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), ids.shape).copy()
+    return [(ids, shift_labels(ids.astype(np.int64)), seg, pos)]
+
+
+def _lora_modules(cfg, lora, rng):
+    from ..hf import module_path
+
+    mods = {}
+    for i in range(cfg.num_hidden_layers):
+        for m in lora.target_modules:
+            out_f, in_f = cfg.linear_shape(m)
+            mods[module_path(i, m)] = (rng.uniform(-0.1, 0.1, (lora.r, in_f)).astype(np.float32),
+                                       np.zeros((out_f, lora.r), np.float32), lora.scale, 0.0)
+    return mods
+
+
+def _time_engine(engine, micro, hp, steps):
+    engine.train_step(micro, hp, 1)                    # warm-up: pipelines, buffers, JIT
+    walls, records = [], []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        engine.train_step(micro, hp, s + 2)
+        walls.append(time.perf_counter() - t0)
+        records.append(getattr(engine, "last_timing", {}).get("record_s", 0.0))
+    return float(np.median(walls)), float(np.median(records))
+
+
+def _torch_tokens_per_s(cfg_raw, weights, lora, micro, steps):
+    try:
+        import torch
+        import transformers
+        import peft
+    except ImportError:
+        return None
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg_raw.items() if k != "architectures"})
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                                       target_modules=list(lora.target_modules), lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.from_numpy(micro[0][0].astype(np.int64))
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - t0)
+    return BATCH * SEQ / float(np.median(walls))
+
+
+def bench_training(rt, steps: int = 5) -> dict:
+    """LoRA (all linear layers, r=8) training steps of a 4-layer, 128-wide Llama on a batch of 8 x 64 tokens."""
+    from ..reference.model import NumpyEngine
+    from .engine import WgpuEngine
+
+    rng = np.random.default_rng(0)
+    cfg, weights = _random_model(rng)
+    lora = LoraConfig(r=8, alpha=16, target_modules="all-linear")
+    modules = _lora_modules(cfg, lora, rng)
+    micro = _batch(cfg, rng)
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=1.0)
+    tokens = BATCH * SEQ
+
+    gpu = WgpuEngine(cfg, weights, rt)
+    gpu.set_lora(modules)
+    wall, record = _time_engine(gpu, micro, hp, steps)
+    per_step = dict(gpu.last_step)
+    gpu.train_step(micro, hp, steps + 2, profile="total")
+    busy = sum(gpu.last_profile.values()) if rt.has_timestamps else None
+
+    cpu = NumpyEngine(cfg, weights)
+    cpu.set_lora(modules)
+    cpu_wall, _ = _time_engine(cpu, micro, hp, max(2, steps // 2))
+    torch_tps = _torch_tokens_per_s(BENCH_MODEL, weights, lora, micro, max(2, steps // 2))
+
+    out = {
+        "model": "Llama 4 layers, hidden 128, vocab 512, LoRA r=8 all-linear",
+        "batch": f"{BATCH}x{SEQ}",
+        "tokens_per_s": {"wgpu": tokens / wall, "numpy": tokens / cpu_wall, "torch_cpu_peft": torch_tps},
+        "wgpu_vs_numpy": cpu_wall / wall,
+        "wgpu_vs_torch_cpu_peft": (tokens / wall) / torch_tps if torch_tps else None,
+        "step_wall_ms": wall * 1e3,
+        "python_record_ms": record * 1e3,
+        "python_record_fraction": record / wall,
+        "gpu_busy_ms": busy * 1e3 if busy is not None else None,
+        "gpu_busy_fraction": min(1.0, busy / wall) if busy is not None else None,
+        "submits_per_step": per_step["submits"],
+        "readbacks_per_step": per_step["readbacks"],
+    }
+    return out
