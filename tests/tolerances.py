@@ -70,6 +70,14 @@ TOLERANCES: dict[str, Tolerance] = {
     "k_adamw": Tolerance(1e-5, 1e-6,
         "float32 update from float64-formed hyper-parameters (sqrt and divide a few ulp); the clip scale carries "
         "the grad-norm tolerance into every element"),
+    # WebGPU engine vs NumPy engine (and vs transformers/PEFT): whole-model compositions of the kernels above
+    "gpu_logits": Tolerance(1e-4, 3e-5,
+                            "fp32 GEMMs with another summation order than BLAS, through every layer; seen <= 3e-6"),
+    "gpu_loss": Tolerance(1e-5, 1e-6, "fp32 mean of the token losses (and grad norm); seen <= 2e-7 relative"),
+    "gpu_grads": Tolerance(1e-4, 2e-5,
+                           "fp32 backward through every layer, reductions in another order; seen <= 3e-6 relative"),
+    "gpu_params_after_steps": Tolerance(1e-4, 2e-6,
+                                        "10 AdamW steps compound fp32 differences of the gradients; seen <= 2e-6"),
 }
 
 

@@ -1,0 +1,248 @@
+"""The WebGPU engine against the NumPy engine (and transformers + PEFT): logits, loss, gradients,
+AdamW steps, one submission per step, generation, full fine-tuning, non-finite steps."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from wgpu_train.config import OptimizerParams
+from wgpu_train.reference.ops import shift_labels
+
+from tiny_models import build_model, save_model
+from tolerances import assert_close
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def folder(request, tmp_path_factory):
+    """A saved tiny model per architecture (llama: untied, llama3 RoPE; qwen3: tied, q/k norms)."""
+    hf = build_model(request.param, seed=1)
+    path = tmp_path_factory.mktemp(request.param)
+    save_model(hf, path)
+    return path, hf
+
+
+def _batch(seed=0, vocab=83):
+    """Two rows, the second right-padded; labels mask a prompt and the padding."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (2, 13))
+    mask = np.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.copy()
+    labels[:, :3] = -100
+    labels[mask == 0] = -100
+    return ids, labels, mask
+
+
+def _pair(path, rt, lora=None, b_seed=None):
+    """The same model on both engines, with the same LoRA (B random when b_seed is given)."""
+    ref = wt.load_model(path, backend="numpy")
+    gpu = wt.load_model(path, backend="wgpu", device=str(rt.info.index))
+    if lora is not None:
+        ref.add_lora(lora, seed=5)
+        if b_seed is not None:
+            rng = np.random.default_rng(b_seed)
+            modules = {}
+            for p, (a, b) in ref.engine.lora_tensors().items():
+                modules[p] = (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
+            ref._set_lora(lora, modules, seed=5)
+        gpu._set_lora(lora, ref.engine.lora_tensors(), seed=5)
+    return ref, gpu
+
+
+def _micro_batches(ids, labels, mask, rows_per_micro):
+    out = []
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    for r in range(0, ids.shape[0], rows_per_micro):
+        s = slice(r, r + rows_per_micro)
+        out.append((ids[s].astype(np.int32), shift_labels(labels[s]), mask[s].astype(np.int32), pos[s].copy()))
+    return out
+
+
+def test_logits_match_numpy_and_transformers(folder, rt):
+    path, hf = folder
+    ref, gpu = _pair(path, rt)
+    ids, _, mask = _batch()
+    ours = gpu.logits(ids, mask)
+    real = mask.astype(bool)
+    assert_close(ours[real], ref.logits(ids, mask)[real], "gpu_logits")
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert_close(ours[real], expected[real], "gpu_logits")
+
+
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
+def test_lora_loss_and_gradients_match_numpy(folder, rt, targets):
+    path, _ = folder
+    lora = wt.LoraConfig(r=3, alpha=7, target_modules=targets, use_rslora=targets == "all-linear")
+    ref, gpu = _pair(path, rt, lora, b_seed=2)
+    ids, labels, mask = _batch()
+    loss_ref, grads_ref = ref.loss_and_grads(ids, labels, mask)
+    loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss")
+    assert set(grads_gpu) == set(grads_ref) and len(grads_ref) == 2 * len(lora.target_modules) * 2
+    for k in grads_ref:
+        assert np.abs(grads_ref[k]).max() > 1e-4, k
+        assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
+
+
+def test_lora_gradients_match_peft_autograd(folder, rt, tmp_path):
+    """The GPU gradients against torch autograd on the PEFT model (the oracle itself)."""
+    peft = pytest.importorskip("peft")
+    path, hf = folder
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    ref, gpu = _pair(path, rt, lora, b_seed=3)
+    ref.save_adapter(tmp_path / "adapter")
+    peft_model = peft.PeftModel.from_pretrained(build_model(gpu.config.family, seed=1), tmp_path / "adapter",
+                                                is_trainable=True)
+    ids, labels, mask = _batch(1)
+    out = peft_model(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default", ""): p.grad.numpy() for n, p in peft_model.named_parameters() if p.requires_grad}
+    loss, grads = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss), np.float64(out.loss.item()), "gpu_loss")
+    assert set(grads) == set(expected)
+    for k, g in expected.items():
+        assert_close(grads[k], g, "gpu_grads", k)
+
+
+def test_adamw_steps_with_clipping_match_numpy(folder, rt):
+    """10 optimizer steps (2 micro-batches each, clipping active) give the same LoRA parameters."""
+    path, _ = folder
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    ref, gpu = _pair(path, rt, lora)
+    ids, labels, mask = _batch(2)
+    micro = _micro_batches(ids, labels, mask, 1)
+    hp = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=0.3)
+    for step in range(1, 11):
+        loss_r, count_r, norm_r, _ = ref.engine.train_step(micro, hp, step)
+        loss_g, count_g, norm_g, applied = gpu.engine.train_step(micro, hp, step)
+        assert applied and count_r == count_g
+        assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", f"step {step}")
+        assert_close(np.float64(norm_g), np.float64(norm_r), "gpu_loss", f"grad norm, step {step}")
+    assert norm_r > 0.3, "clipping should have been active"
+    after_ref, after_gpu = ref.lora_state_dict(), gpu.lora_state_dict()
+    for k in after_ref:
+        assert_close(after_gpu[k], after_ref[k], "gpu_params_after_steps", k)
+    state_r, state_g = ref.engine.optimizer_state(), gpu.engine.optimizer_state()
+    for k in state_r:
+        assert_close(state_g[k][0], state_r[k][0], "gpu_params_after_steps", k + " m")
+
+
+def test_one_submit_per_step_and_uploads_only_the_batch(folder, rt):
+    path, _ = folder
+    _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))
+    ids, labels, mask = _batch(3)
+    micro = _micro_batches(ids, labels, mask, 1)
+    hp = OptimizerParams(lr=1e-3)
+    gpu.engine.train_step(micro, hp, 1)        # warm-up: pipelines, buffers, moments
+    gpu.engine.train_step(micro, hp, 2)
+    last = gpu.engine.last_step
+    batch_bytes = sum(ids.nbytes // ids.itemsize * 4 for ids, *_ in micro) * 4   # four i32 arrays per micro-batch
+    # beyond the batch: the 4-byte gradient scale and one 32-byte AdamW hyper-parameter row (new step number)
+    assert last["submits"] == 1 and last["readbacks"] == 1
+    assert last["bytes_uploaded"] == batch_bytes + 4 + 32
+    assert last["bytes_read"] <= 64
+
+
+def test_gradient_accumulation_equals_full_batch(folder, rt):
+    path, _ = folder
+    lora = wt.LoraConfig(r=4, alpha=8)
+    _, one = _pair(path, rt, lora, b_seed=4)
+    _, two = _pair(path, rt, lora, b_seed=4)
+    ids, labels, mask = _batch(4)
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=None)
+    r1 = one.engine.train_step(_micro_batches(ids, labels, mask, 2), hp, 1)
+    r2 = two.engine.train_step(_micro_batches(ids, labels, mask, 1), hp, 1)
+    assert r1[1] == r2[1]
+    assert_close(np.float64(r2[0]), np.float64(r1[0]), "gpu_loss")
+    assert_close(np.float64(r2[2]), np.float64(r1[2]), "gpu_loss")
+    a, b = one.lora_state_dict(), two.lora_state_dict()
+    for k in a:
+        assert_close(b[k], a[k], "gpu_params_after_steps", k)
+
+
+def test_full_finetune_gradients_match_numpy(folder, rt, tmp_path):
+    path, hf = folder
+    ref, gpu = _pair(path, rt)
+    ref.set_full_finetune()
+    gpu.set_full_finetune()
+    ids, labels, mask = _batch(5)
+    loss_ref, grads_ref = ref.loss_and_grads(ids, labels, mask)
+    loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss")
+    assert set(grads_gpu) == set(grads_ref) == set(ref.engine.weights())
+    for k in grads_ref:
+        assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
+    gpu.engine.train_step(_micro_batches(ids, labels, mask, 2), OptimizerParams(lr=1e-3), 1)
+    gpu.save_pretrained(tmp_path / "full")
+    reloaded = wt.load_model(tmp_path / "full", backend="numpy")
+    assert_close(reloaded.logits(ids, mask)[mask.astype(bool)], gpu.logits(ids, mask)[mask.astype(bool)], "gpu_logits")
+
+
+def test_nonfinite_step_is_skipped_and_counted(folder, rt):
+    path, _ = folder
+    lora = wt.LoraConfig(r=2, alpha=4)
+    _, gpu = _pair(path, rt, lora, b_seed=6)
+    params = gpu.engine.trainable()
+    bad = dict(params)
+    name = next(iter(bad))
+    bad[name] = bad[name].copy()
+    bad[name][0, 0] = np.inf
+    gpu.engine.set_trainable(bad)
+    ids, labels, mask = _batch(6)
+    loss, _, norm, applied = gpu.engine.train_step(_micro_batches(ids, labels, mask, 2), OptimizerParams(lr=1e-2), 1)
+    assert not applied and gpu.engine.counters["nonfinite_skipped"] == 1
+    after = gpu.engine.trainable()
+    for k in params:
+        np.testing.assert_array_equal(after[k], bad[k])
+
+
+def test_lora_dropout_matches_numpy(folder, rt):
+    path, _ = folder
+    lora = wt.LoraConfig(r=3, alpha=6, dropout=0.3, target_modules="q_proj,v_proj,down_proj")
+    ref, gpu = _pair(path, rt, lora, b_seed=7)
+    ids, labels, mask = _batch(7)
+    for _ in range(2):   # the mask changes with each call, identically on both engines
+        loss_ref, grads_ref = ref.loss_and_grads(ids, labels, mask)
+        loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels, mask)
+        assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss")
+        for k in grads_ref:
+            assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
+
+
+def test_greedy_generation_matches_transformers(folder, rt, tmp_path):
+    path, hf = folder
+    ref, gpu = _pair(path, rt)
+    prompt = np.random.default_rng(8).integers(0, 83, 6)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor(prompt)[None], max_new_tokens=10, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
+    assert gpu.generate(prompt, max_new_tokens=10) == expected
+    # with an adapter: the PEFT model's greedy output
+    peft = pytest.importorskip("peft")
+    lora = wt.LoraConfig(r=4, alpha=16, target_modules="all-linear")
+    ref, gpu = _pair(path, rt, lora, b_seed=9)
+    ref.save_adapter(tmp_path / "a")
+    pm = peft.PeftModel.from_pretrained(build_model(gpu.config.family, seed=1), tmp_path / "a")
+    with torch.no_grad():
+        expected = pm.generate(input_ids=torch.tensor(prompt)[None], max_new_tokens=10, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
+    assert gpu.generate(prompt, max_new_tokens=10) == expected
+
+
+def test_seeded_sampling_is_reproducible(folder, rt):
+    path, _ = folder
+    ref, gpu = _pair(path, rt)
+    prompt = [1, 2, 3]
+    kw = dict(max_new_tokens=8, temperature=1.3, top_k=20, top_p=0.9)
+    a = gpu.generate(prompt, seed=11, **kw)
+    assert a == gpu.generate(prompt, seed=11, **kw) == ref.generate(prompt, seed=11, **kw)
+    assert any(gpu.generate(prompt, seed=s, **kw) != a for s in range(12, 16))
+
+
+def test_auto_backend_takes_wgpu(folder, rt):
+    path, _ = folder
+    assert wt.load_model(path, backend="auto").backend == "wgpu"

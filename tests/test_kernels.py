@@ -1,0 +1,411 @@
+"""Every WGSL op kernel, forward and backward, against the NumPy reference evaluated in float64, on
+every adapter present: odd sizes, GQA, padding and packed segments, element offsets and row chunks."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tolerances import assert_close
+from wgpu_train.gpu import kernels as K
+from wgpu_train.reference import ops, optim
+
+F32 = np.float32
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def run(rt, record):
+    """Record with a fresh Recorder and submit once."""
+    rec = rt.recorder()
+    record(rec)
+    rec.submit()
+
+
+def padded(rt, a, lead=0, tail=5, dtype=None):
+    """A buffer holding `lead` junk elements, then a, then `tail` junk: (buffer, element offset)."""
+    a = np.ascontiguousarray(a, dtype=dtype or a.dtype).ravel()
+    junk = np.full(lead + a.size + tail, 7, dtype=a.dtype)
+    junk[lead:lead + a.size] = a
+    return (rt.upload(junk), lead)
+
+
+def read(rt, t, n, dtype=np.float32):
+    buf, off = t if isinstance(t, tuple) else (t, 0)
+    return rt.read(buf, dtype, (n,), offset=off * 4)
+
+
+# ---- elementwise ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 17, 1000])
+def test_elementwise(rt, n):
+    g = rng(n)
+    a, b = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)
+    ta, tb = padded(rt, a, 3), padded(rt, b, 11)
+    y, y2 = (rt.buffer(4 * (n + 9)), 9), rt.buffer(4 * n)
+    acc = padded(rt, b, 1)
+    run(rt, lambda r: (K.add(r, y, ta, tb, n), K.add_inplace(r, acc, ta, n, alpha=-0.5),
+                       K.scale(r, y2, ta, 3.0, n)))
+    assert_close(read(rt, y, n), a.astype(np.float64) + b, "k_elementwise", "add")
+    assert_close(read(rt, acc, n), b - 0.5 * a.astype(np.float64), "k_elementwise", "add_inplace")
+    assert_close(read(rt, y2, n), 3.0 * a.astype(np.float64), "k_elementwise", "scale")
+    run(rt, lambda r: (K.add(r, y, y, tb, n), K.scale(r, y2, y2, -2.0, n)))       # in-place forms
+    assert_close(read(rt, y, n), a.astype(np.float64) + 2 * b.astype(np.float64), "k_elementwise", "y += b")
+    assert_close(read(rt, y2, n), -6.0 * a.astype(np.float64), "k_elementwise", "y *= s")
+    c, f = rt.buffer(4 * (n + 2)), rt.buffer(4 * n)
+    run(rt, lambda r: (K.copy(r, (c, 2), ta, n), K.fill(r, f, -1.25, n)))
+    assert_close(read(rt, (c, 2), n), a, "exact", "copy")
+    assert_close(read(rt, f, n), np.full(n, -1.25), "exact", "fill")
+    with pytest.raises(ValueError, match="shares its buffer"):
+        K.add(rt.recorder(), (ta[0], 0), ta, tb, 1)
+
+
+# ---- swiglu ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 17, 1003])
+def test_swiglu(rt, n):
+    g = rng(100 + n)
+    gate = (g.standard_normal(n) * 4).astype(F32)
+    gate[:3] = [-100.0, 100.0, 0.0][: min(3, n)]             # saturated sigmoid both ways
+    up, dh = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)
+    tg, tu, tdh = padded(rt, gate, 1), padded(rt, up, 2), padded(rt, dh, 0)
+    h, dgate, dup = rt.buffer(4 * n), rt.buffer(4 * n), rt.buffer(4 * n)
+    run(rt, lambda r: (K.swiglu_forward(r, h, tg, tu, n), K.swiglu_backward(r, dgate, dup, tdh, tg, tu, n)))
+    g64, u64, d64 = gate.astype(np.float64), up.astype(np.float64), dh.astype(np.float64)
+    assert_close(rt.read(h, F32, (n,)), ops.swiglu_forward(g64, u64), "k_swiglu", "h")
+    want_dg, want_du = ops.swiglu_backward(d64, g64, u64)
+    assert_close(rt.read(dgate, F32, (n,)), want_dg, "k_swiglu", "dgate")
+    assert_close(rt.read(dup, F32, (n,)), want_du, "k_swiglu", "dup")
+    run(rt, lambda r: K.swiglu_backward(r, tg, tu, tdh, tg, tu, n))             # in place
+    assert_close(read(rt, tg, n), want_dg, "k_swiglu", "dgate in place")
+    assert_close(read(rt, tu, n), want_du, "k_swiglu", "dup in place")
+
+
+# ---- rmsnorm --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,C", [(1, 8), (3, 17), (65, 127), (40, 300), (70000, 3)])
+def test_rmsnorm(rt, N, C):
+    g = rng(N * 1000 + C)
+    x = (g.standard_normal((N, C)) * 2).astype(F32)
+    w = (1 + 0.3 * g.standard_normal(C)).astype(F32)
+    dy = g.standard_normal((N, C)).astype(F32)
+    eps = 1e-6
+    tx, tw, tdy = padded(rt, x, 5), padded(rt, w, 1), padded(rt, dy, 3)
+    y, rstd, dx = rt.buffer(4 * N * C), (rt.buffer(4 * (N + 2)), 2), rt.buffer(4 * N * C)
+    dw = (rt.upload(np.full(C + 4, 0.5, F32)), 4)
+    scratch = rt.buffer(4 * K.rmsnorm_scratch_size(N, C))
+    run(rt, lambda r: (K.rmsnorm_forward(r, y, rstd, tx, tw, N, C, eps),
+                       K.rmsnorm_backward(r, dx, dw, tdy, tx, tw, rstd, N, C, scratch)))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want_y, want_rstd = ops.rmsnorm_forward(x64, w64, eps)
+    assert_close(rt.read(y, F32, (N, C)), want_y, "k_rmsnorm", "y")
+    assert_close(read(rt, rstd, N), want_rstd, "k_rmsnorm", "rstd")
+    want_dx, want_dw = ops.rmsnorm_backward(dy.astype(np.float64), x64, w64, want_rstd)
+    assert_close(rt.read(dx, F32, (N, C)), want_dx, "k_rmsnorm", "dx")
+    assert_close(read(rt, dw, C), want_dw, "k_rmsnorm_dweight", "dweight")
+    if N < 100:   # accumulate adds to dweight; dweight=None skips it
+        run(rt, lambda r: (K.rmsnorm_backward(r, dx, dw, tdy, tx, tw, rstd, N, C, scratch, accumulate=True),
+                           K.rmsnorm_backward(r, dx, None, tdy, tx, tw, rstd, N, C, None)))
+        assert_close(read(rt, dw, C), 2 * want_dw, "k_rmsnorm_dweight", "accumulated dweight")
+
+
+# ---- rope -----------------------------------------------------------------------------------
+
+def _inv_freq(D, theta=10000.0):
+    return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(F32)
+
+
+@pytest.mark.parametrize("B,T,H,D,max_pos", [(1, 1, 1, 2, 1), (2, 17, 3, 8, 64), (1, 33, 2, 10, 4096)])
+def test_rope(rt, B, T, H, D, max_pos):
+    g = rng(T * D)
+    N = B * T
+    x = (g.standard_normal((B, T, H, D)) * 2).astype(F32)
+    pos = g.integers(0, max_pos, (B, T)).astype(np.int32)
+    pos.flat[-1] = max_pos - 1
+    inv = _inv_freq(D)
+    tx, tp, tf = padded(rt, x, 1), padded(rt, pos, 3), padded(rt, inv, 2)
+    y, dx = rt.buffer(4 * x.size), rt.buffer(4 * x.size)
+    run(rt, lambda r: (K.rope_forward(r, y, tx, tp, tf, N, H, D), K.rope_backward(r, dx, tx, tp, tf, N, H, D)))
+    x64, inv64 = x.astype(np.float64), inv.astype(np.float64)
+    tol = "k_rope" if max_pos > 64 else "k_rope_small"
+    want_y, want_dx = ops.rope_forward(x64, pos, inv64), ops.rope_backward(x64, pos, inv64)
+    assert_close(rt.read(y, F32, x.shape), want_y, tol, "forward")
+    assert_close(rt.read(dx, F32, x.shape), want_dx, tol, "backward")
+    run(rt, lambda r: K.rope_forward(r, tx, tx, tp, tf, N, H, D))                # in place
+    assert_close(read(rt, tx, x.size).reshape(x.shape), want_y, tol, "forward in place")
+    run(rt, lambda r: K.rope_backward(r, tx, tx, tp, tf, N, H, D))               # and back
+    assert_close(read(rt, tx, x.size).reshape(x.shape), x, tol, "backward undoes forward")
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def _segments(kind, B, T, g):
+    seg = np.ones((B, T), np.int32)
+    if kind == "padded":          # right padding of different lengths, one row fully real
+        for b in range(1, B):
+            seg[b, max(1, T - 5 * b):] = 0
+    elif kind == "packed":        # several samples per row, then padding; one row starts padded
+        for b in range(B):
+            cuts = np.sort(g.choice(np.arange(1, T), size=min(3, T - 1), replace=False))
+            ids = np.searchsorted(cuts, np.arange(T), side="right") + 1
+            seg[b] = ids
+            seg[b, T - T // 6:] = 0
+        if B > 1:
+            seg[1, :2] = 0
+    return seg
+
+
+ATT_CASES = [  # B, T, Hq, Hkv, D, segments, offsets: "aligned" (multiples of 4: vec4 path when D % 4 == 0) or "odd"
+    (1, 1, 2, 2, 8, "none", "aligned"),
+    (2, 3, 4, 2, 8, "none", "odd"),
+    (2, 17, 3, 1, 6, "padded", "aligned"),
+    (2, 65, 4, 2, 8, "packed", "aligned"),
+    (2, 65, 4, 2, 8, "packed", "odd"),
+    (1, 300, 3, 1, 4, "packed", "aligned"),
+    (1, 5, 2, 1, 128, "padded", "aligned"),
+    (1, 5, 2, 1, 128, "padded", "odd"),
+]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,kind,offsets", ATT_CASES,
+                         ids=[f"T{c[1]}-{c[2]}x{c[3]}-D{c[4]}-{c[5]}-{c[6]}" for c in ATT_CASES])
+def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets):
+    g = rng(T * 7 + D)
+    q = g.standard_normal((B, T, Hq, D)).astype(F32)
+    k = g.standard_normal((B, T, Hkv, D)).astype(F32)
+    v = g.standard_normal((B, T, Hkv, D)).astype(F32)
+    dout = g.standard_normal((B, T, Hq, D)).astype(F32)
+    seg = _segments(kind, B, T, g)
+    q64, k64, v64 = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+    want_out, want_lse = ops.attention_forward(q64, k64, v64, seg)
+    want_dq, want_dk, want_dv = ops.attention_backward(dout.astype(np.float64), q64, k64, v64, want_out, want_lse, seg)
+
+    lead = [4, 8, 0, 4, 12] if offsets == "aligned" else [3, 1, 0, 2, 5]
+    tq, tk, tv, ts, tdo = (padded(rt, a, n) for a, n in zip((q, k, v, seg, dout), lead))
+    out, lse = (rt.buffer(4 * (q.size + 8)), lead[1]), rt.buffer(4 * B * Hq * T)
+    assert (K._vec4(D, out, tq, tk, tv, tdo) == "_vec4") == (D % 4 == 0 and offsets == "aligned")
+    dq, dkv = rt.buffer(4 * q.size), rt.buffer(4 * 2 * k.size)       # dk and dv share one buffer
+    dk, dv = (dkv, 0), (dkv, k.size)
+    scratch = rt.buffer(4 * K.attention_scratch_size(B, T, Hq))
+    run(rt, lambda r: (K.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D),
+                       K.attention_backward(r, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch)))
+    assert_close(read(rt, out, q.size).reshape(q.shape), want_out, "k_attention", "out")
+    assert_close(rt.read(lse, F32, (B, Hq, T)), want_lse, "k_attention_lse", "lse")
+    assert_close(rt.read(dq, F32, q.shape), want_dq, "k_attention_grad", "dq")
+    assert_close(read(rt, dk, k.size).reshape(k.shape), want_dk, "k_attention_grad", "dk")
+    assert_close(read(rt, dv, k.size).reshape(k.shape), want_dv, "k_attention_grad", "dv")
+
+
+# ---- cross-entropy --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,V", [(1, 3), (7, 65), (20, 1000)])
+def test_cross_entropy(rt, N, V):
+    g = rng(N + V)
+    logits = (g.standard_normal((N, V)) * 3).astype(F32)
+    logits[0, :] += 40.0                                    # large logits must not overflow
+    tgt = g.integers(0, V, N).astype(np.int32)
+    tgt[1::3] = ops.IGNORE_INDEX
+    l64 = logits.astype(np.float64)
+    want_sum, want_count, want_lse = ops.cross_entropy_forward(l64, tgt)
+    scale = 1.0 / max(1, want_count)
+    want_dl = ops.cross_entropy_backward(l64, tgt, want_lse, scale)
+
+    # rows in two chunks, each in its own buffer (the second at an element offset), as the engine does
+    split = N // 2
+    chunks = [(0, split, padded(rt, logits[:split], 0)), (split, N - split, padded(rt, logits[split:], 5))]
+    tt = padded(rt, tgt, 1)
+    loss, lse, valid = rt.buffer(4 * N), (rt.buffer(4 * (N + 3)), 3), rt.buffer(4 * N)
+    result = (rt.buffer(4 * 10), 8)
+    sbuf = padded(rt, np.array([scale], F32), 2)
+    douts = [rt.buffer(4 * max(1, n) * V) for _, n, _ in chunks]
+
+    def record(r):
+        for (r0, n, tl), d in zip(chunks, douts):
+            K.cross_entropy_forward(r, loss, lse, valid, tl, tt, n, V, row_offset=r0)
+        K.cross_entropy_reduce(r, result, loss, valid, N)
+        for (r0, n, tl), d in zip(chunks, douts):
+            K.cross_entropy_backward(r, d, tl, tt, lse, sbuf, n, V, row_offset=r0)
+    run(rt, record)
+    valid_rows = tgt != ops.IGNORE_INDEX
+    picked = l64[np.arange(N), np.where(valid_rows, tgt, 0)]
+    assert_close(rt.read(loss, F32, (N,)), np.where(valid_rows, want_lse - picked, 0.0), "k_cross_entropy", "row loss")
+    assert_close(read(rt, lse, N), want_lse, "k_cross_entropy", "lse")
+    assert_close(rt.read(valid, F32, (N,)), valid_rows.astype(np.float64), "exact", "valid")
+    s, c = read(rt, result, 2)
+    assert_close(s, want_sum, "k_cross_entropy_sum", "loss sum")
+    assert c == want_count
+    got_dl = np.concatenate([rt.read(d, F32, (n, V)) for (_, n, _), d in zip(chunks, douts) if n])
+    assert_close(got_dl, want_dl, "k_cross_entropy_grad", "dlogits")
+
+    # a Python float scale, in place over the logits chunk
+    r0, n, tl = chunks[1]
+    run(rt, lambda r: K.cross_entropy_backward(r, tl, tl, tt, lse, 2.0, n, V, row_offset=r0))
+    want2 = ops.cross_entropy_backward(l64[r0:], tgt[r0:], want_lse[r0:], 2.0)
+    assert_close(read(rt, tl, n * V).reshape(n, V), want2, "k_cross_entropy_grad", "dlogits in place")
+
+
+# ---- embedding ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,V,C", [(1, 3, 1), (40, 50, 17)])
+def test_embedding(rt, N, V, C):
+    g = rng(N * V)
+    w = g.standard_normal((V, C)).astype(F32)
+    ids = g.integers(0, V, N).astype(np.int32)
+    ids[: N // 2] = ids[N // 2:][: N // 2]                  # many repeated ids
+    dout = g.standard_normal((N, C)).astype(F32)
+    want_out = ops.embedding_forward(ids, w)
+    want_dw = ops.embedding_backward(dout.astype(np.float64), ids, V)
+    tids, tdo = padded(rt, ids, 1), padded(rt, dout, 2)
+    scratch = rt.buffer(4 * K.embedding_scratch_size(N))
+
+    # the vocabulary split into two chunks in separate buffers, the second at an element offset
+    cut = V // 2 + (V > 1)
+    chunks = [(0, cut, padded(rt, w[:cut], 0)), (cut, V - cut, padded(rt, w[cut:], 3))]
+    out = (rt.buffer(4 * (N * C + 1)), 1)
+    dws = [(rt.upload(np.full(max(1, n) * C + 5, 9.0, F32)), 5) for _, n, _ in chunks]
+
+    def record(r):
+        for (r0, n, tw), dw in zip(chunks, dws):
+            if n:
+                K.embedding_forward(r, out, tids, tw, N, C, n, row_offset=r0)
+                K.embedding_backward(r, dw, tdo, tids, N, C, n, scratch, row_offset=r0)
+    run(rt, record)
+    assert_close(read(rt, out, N * C).reshape(N, C), want_out, "exact", "forward")
+    for (r0, n, _), dw in zip(chunks, dws):
+        if n:
+            assert_close(read(rt, dw, n * C).reshape(n, C), want_dw[r0:r0 + n], "k_embedding_grad", f"dweight rows {r0}..")
+    r0, n, _ = chunks[0]
+    run(rt, lambda r: K.embedding_backward(r, dws[0], tdo, tids, N, C, n, scratch, row_offset=r0, accumulate=True))
+    assert_close(read(rt, dws[0], n * C).reshape(n, C), 2 * want_dw[:n], "k_embedding_grad", "accumulated")
+
+
+# ---- optimizer ------------------------------------------------------------------------------
+
+def test_grad_norm_and_adamw(rt):
+    g = rng(5)
+    sizes = [1, 17, 1000]
+    grads = [(g.standard_normal(n) * 0.7).astype(F32) for n in sizes]
+    params = [g.standard_normal(n).astype(F32) for n in sizes]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    max_norm = 1.0
+
+    # all parameters and moments in one flat buffer each, tensors at element offsets
+    offs = np.cumsum([0] + sizes[:-1]) + 3
+    total = int(offs[-1] + sizes[-1])
+    flat_p = np.zeros(total, F32)
+    for o, p in zip(offs, params):
+        flat_p[o:o + p.size] = p
+    pbuf, mbuf, vbuf = rt.upload(flat_p), rt.buffer(4 * total), rt.buffer(4 * total)
+    gbufs = [padded(rt, gr, i) for i, gr in enumerate(grads)]
+    partials, result = (rt.buffer(4 * 12), 7), (rt.buffer(4 * 12), 8)
+
+    ref_p = [p.astype(np.float64) for p in params]
+    ref_m = [np.zeros(n) for n in sizes]
+    ref_v = [np.zeros(n) for n in sizes]
+    for step in (1, 2, 3):
+        scale = 1.0 if step == 2 else 1.7 * step            # clipping active on steps 1 and 3
+        gs = [gr * np.float32(scale) for gr in grads]
+        for gb, gr in zip(gbufs, gs):
+            rt.write(gb[0], gr, gb[1] * 4)
+
+        def record(r):
+            for i, (gb, n) in enumerate(zip(gbufs, sizes)):
+                K.grad_norm_partial(r, partials, i, gb, n)
+            K.grad_norm_finalize(r, result, partials, len(sizes), max_norm)
+            for o, gb, n in zip(offs, gbufs, sizes):
+                K.adamw_update(r, (pbuf, int(o)), gb, (mbuf, int(o)), (vbuf, int(o)), n, step=step,
+                               scale_buf=result, **hp)
+        run(rt, record)
+        norm = optim.grad_norm([x.astype(np.float64) for x in gs])
+        clip = optim.clip_scale(norm, max_norm)
+        got = read(rt, result, 3)
+        assert_close(got[0], norm, "k_grad_norm", f"norm step {step}")
+        assert_close(got[1], clip, "k_grad_norm", f"clip scale step {step}")
+        assert got[2] == 1.0
+        for i in range(len(sizes)):
+            optim.adamw_update(ref_p[i], gs[i].astype(np.float64), ref_m[i], ref_v[i], step=step, grad_scale=clip, **hp)
+        got_p = rt.read(pbuf, F32, (total,))
+        for o, n, want in zip(offs, sizes, ref_p):
+            assert_close(got_p[o:o + n], want, "k_adamw", f"param step {step}")
+        assert_close(rt.read(mbuf, F32, (total,))[offs[-1]:], ref_m[-1], "k_adamw", f"m step {step}")
+
+    # a non-finite norm flags the step and leaves params and moments untouched
+    before = [rt.read(b, F32, (total,)) for b in (pbuf, mbuf, vbuf)]
+    bad = grads[1].copy()
+    bad[3] = np.nan
+    rt.write(gbufs[1][0], bad, gbufs[1][1] * 4)
+
+    def record_bad(r):
+        for i, (gb, n) in enumerate(zip(gbufs, sizes)):
+            K.grad_norm_partial(r, partials, i, gb, n)
+        K.grad_norm_finalize(r, result, partials, len(sizes), 0.0)
+        for o, gb, n in zip(offs, gbufs, sizes):
+            K.adamw_update(r, (pbuf, int(o)), gb, (mbuf, int(o)), (vbuf, int(o)), n, step=4, scale_buf=result, **hp)
+    run(rt, record_bad)
+    assert read(rt, result, 3)[2] == 0.0
+    for b, want in zip((pbuf, mbuf, vbuf), before):
+        assert_close(rt.read(b, F32, (total,)), want, "exact", "unchanged after a non-finite norm")
+
+    # max_norm <= 0 means no clipping; accumulate adds into a slot; scale_buf=None means scale 1
+    for gb, gr in zip(gbufs, grads):
+        rt.write(gb[0], gr, gb[1] * 4)
+    run(rt, lambda r: (K.grad_norm_partial(r, partials, 0, gbufs[2], sizes[2]),
+                       K.grad_norm_partial(r, partials, 0, gbufs[1], sizes[1], accumulate=True),
+                       K.grad_norm_finalize(r, result, partials, 1, -1.0)))
+    norm = optim.grad_norm([grads[2], grads[1]])
+    got = read(rt, result, 3)
+    assert_close(got[0], norm, "k_grad_norm", "accumulated slot")
+    assert got[1] == 1.0 and got[2] == 1.0
+    p1 = rt.upload(params[2])
+    m1, v1 = rt.buffer(4 * sizes[2]), rt.buffer(4 * sizes[2])
+    run(rt, lambda r: K.adamw_update(r, p1, gbufs[2], m1, v1, sizes[2], step=1, **hp))
+    want = params[2].astype(np.float64)
+    optim.adamw_update(want, grads[2].astype(np.float64), np.zeros(sizes[2]), np.zeros(sizes[2]), step=1, **hp)
+    assert_close(rt.read(p1, F32, (sizes[2],)), want, "k_adamw", "without scale_buf")
+
+
+def test_adamw_hyperparameter_ring_overflow(rt):
+    """More distinct AdamW hyper-parameter sets in one recording than the ring holds is refused,
+    rather than silently overwriting a row that recording still reads."""
+    p, gr, m, v = (rt.buffer(16) for _ in range(4))
+    rec = rt.recorder()
+    with pytest.raises(RuntimeError, match="hyper-parameter sets"):
+        for s in range(K.HPARAM_ROWS + 1):
+            K.adamw_update(rec, p, gr, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, step=1000 + s)
+
+
+# ---- the engine's helper shaders --------------------------------------------------------------
+
+@pytest.mark.parametrize("n,p", [(1, 0.5), (1000, 0.1), (3001, 0.9)])
+def test_lora_dropout(rt, n, p):
+    g = rng(n)
+    x, dy = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)
+    seeds = np.array([7, 123456789, 42], np.uint32)
+    dx0 = g.standard_normal(n).astype(F32)
+    tx, tdy, ts, tdx = rt.upload(x), rt.upload(dy), rt.upload(seeds), rt.upload(dx0)
+    y = rt.buffer(4 * n)
+    run(rt, lambda r: (K.lora_dropout_forward(r, y, tx, ts, 1, p, n), K.lora_dropout_backward(r, tdx, tdy, ts, 1, p, n)))
+    mask = ops.dropout_mask(int(seeds[1]), (n,), p)
+    assert_close(rt.read(y, F32, (n,)), x.astype(np.float64) * mask, "k_elementwise", "dropout forward")
+    assert_close(rt.read(tdx, F32, (n,)), dx0 + dy.astype(np.float64) * mask, "k_elementwise", "dropout backward")
+    if n > 100:
+        assert abs((mask == 0).mean() - p) < 0.05
+
+
+@pytest.mark.parametrize("tq,q_start,hq,hkv,d", [(1, 0, 2, 1, 8), (1, 40, 4, 2, 6), (5, 17, 3, 3, 16)])
+def test_attention_cached(rt, tq, q_start, hq, hkv, d):
+    g = rng(tq + q_start)
+    max_len = q_start + tq + 3
+    q = g.standard_normal((1, tq, hq, d)).astype(F32)
+    kc = g.standard_normal((1, max_len, hkv, d)).astype(F32)
+    vc = g.standard_normal((1, max_len, hkv, d)).astype(F32)
+    pos = np.arange(q_start, q_start + tq, dtype=np.int32)
+    want = ops.attention_cached_forward(q.astype(np.float64), kc[:, :q_start + tq].astype(np.float64),
+                                        vc[:, :q_start + tq].astype(np.float64), q_start)
+    out = rt.buffer(4 * q.size)
+    tq_, tk, tv, tp = rt.upload(q), rt.upload(kc), rt.upload(vc), rt.upload(pos)
+    run(rt, lambda r: K.attention_cached_forward(r, out, tq_, tk, tv, tp, tq, max_len, hq, hkv, d))
+    assert_close(rt.read(out, F32, q.shape), want, "k_attention", "cached")

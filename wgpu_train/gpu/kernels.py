@@ -1,0 +1,532 @@
+"""Python wrappers for the WGSL op kernels: one function per op (same names and argument order as
+reference/ops.py and reference/optim.py), recording dispatches into a Recorder; nothing is read back.
+
+Conventions shared by every wrapper:
+- The Recorder comes first, then the output buffers, then the inputs and weights, then the sizes.
+- A tensor argument is a GPUBuffer (data from byte 0) or a tuple (buffer, element_offset), the offset
+  counted in 4-byte elements (f32 or i32). Any offset works: the wrapper binds the smallest range
+  that starts at an offset aligned to min-storage-buffer-offset-alignment and covers the tensor,
+  and passes the remainder (< alignment / 4 elements) to the shader in the uniform. So a per-layer
+  slice of a large buffer (over max-storage-buffer-binding-size in total) is fine as long as the
+  tensor itself fits one binding.
+- All data is fp32; ids, positions, targets and segment ids are i32 (u32 values below 2^31 read the same).
+- An output may not share a buffer with an input of the same dispatch (WebGPU forbids a read-write
+  binding next to a read-only one of the same buffer; the wrappers raise ValueError at record time),
+  except where a wrapper documents in-place use: then pass the very same tensor (same buffer, same
+  offset) as output and input. Outputs may share a buffer with each other (non-overlapping ranges).
+- Sizes and offsets go into one 96-byte uniform per distinct content (rt.uniform caches them), and
+  pipelines and bind groups are cached, so a recorded step creates nothing new after warm-up.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from ..errors import DeviceError
+
+WG = 256                 # workgroup size of the elementwise-style kernels
+RMS_WG = 64              # rmsnorm row workgroup (shaders/rmsnorm.wgsl WG)
+RMS_ROWS_PER_BLOCK = 32  # rows summed by one invocation of the dweight partial pass
+ATT_WG = 64              # queries (or keys) per attention workgroup
+ATT_DMAX = 128           # register arrays in shaders/attention.wgsl
+HPARAM_ROWS = 16         # AdamW hyper-parameter sets that may be live between submits
+_FMT = "<8I12I4f"        # Params in every shader: s0..s7 sizes, o1..o12 offsets, f0..f3 scalars
+
+
+# ---- plumbing --------------------------------------------------------------------------------
+
+class _State:
+    """Per-runtime constants: offset alignment, small constant buffers, the AdamW hyper-parameter ring."""
+
+    def __init__(self, rt):
+        self.align = int(rt.adapter.limits.get("min-storage-buffer-offset-alignment", 256))
+        self.one = rt.upload(np.ones(1, np.float32), "kernels.one")                      # grad scale 1
+        self.no_clip = rt.upload(np.array([0.0, 1.0, 1.0], np.float32), "kernels.no_clip")  # norm, clip, finite
+        self.hp_stride = max(32, self.align)
+        self.hp = rt.buffer(HPARAM_ROWS * self.hp_stride, "kernels.adamw_hparams")
+        self.hp_rows: dict = {}              # content bytes -> row
+        self.hp_owner = [None] * HPARAM_ROWS  # weak reference to the recorder that last used a row
+        self.hp_next = 0
+        self.hp_written = weakref.WeakKeyDictionary()  # recorder -> hyper-parameter sets it wrote
+
+
+_states: dict = {}
+
+
+def _state(rt) -> _State:
+    st = _states.get(id(rt))
+    if st is None:
+        st = _states[id(rt)] = _State(rt)
+        st.rt = rt  # keep the key's runtime alive as long as the state
+    return st
+
+
+def _split(t):
+    if isinstance(t, tuple):
+        buf, off = t
+        return buf, int(off)
+    return t, 0
+
+
+def _bind(rt, t, n: int, what: str):
+    """The aligned (buffer, byte_offset, size) covering n elements of t, and the residual element offset."""
+    buf, off = _split(t)
+    if off < 0:
+        raise ValueError(f"{what}: negative element offset {off}")
+    align = _state(rt).align
+    start = off * 4
+    base = start - start % align
+    end = start + max(1, int(n)) * 4
+    if end > buf.size:
+        raise ValueError(f"{what}: needs elements [{off}, {off + n}) but its buffer holds {buf.size // 4}")
+    if end - base > rt.max_binding:
+        raise DeviceError(f"{what} spans {end - base} bytes, over this device's storage binding limit "
+                          f"of {rt.max_binding}; split it into chunks")
+    return (buf, base, end - base), (start - base) // 4
+
+
+def _grid(nwg: int):
+    """Workgroup counts for nwg workgroups in a flat index space (folded into y beyond 65535)."""
+    nwg = max(0, int(nwg))
+    if nwg <= 65535:
+        return (nwg, 1)
+    gy = -(-nwg // 65535)
+    return (-(-nwg // gy), gy)
+
+
+def _run(rec, shader, entry, groups, tensors, sizes=(), floats=(), constants=None):
+    """One dispatch. tensors: (tensor, n_elements, name, writable) for bindings 1.. in order."""
+    rt = rec.rt
+    resources, offsets = [], []
+    for t, n, name, _ in tensors:
+        r, o = _bind(rt, t, n, name)
+        resources.append(r)
+        offsets.append(o)
+    for t, _, name, writable in tensors:
+        if writable:
+            buf = _split(t)[0]
+            for t2, _, name2, writable2 in tensors:
+                if not writable2 and _split(t2)[0] is buf:
+                    raise ValueError(f"{shader}.{entry}: output {name} shares its buffer with {name2}; "
+                                     "WebGPU forbids that within one dispatch")
+    sizes = [int(s) for s in sizes] + [0] * (8 - len(sizes))
+    offsets += [0] * (12 - len(offsets))
+    floats = [float(f) for f in floats] + [0.0] * (4 - len(floats))
+    uni = rt.uniform(_FMT, *sizes, *offsets, *floats)
+    rec.dispatch(rt.pipeline(shader, entry, constants), [uni] + resources, groups)
+
+
+def _same(a, b) -> bool:
+    ba, oa = _split(a)
+    bb, ob = _split(b)
+    return ba is bb and oa == ob
+
+
+def _elems(rec, shader, entry, n, tensors, sizes=(), floats=()):
+    if n > 0:
+        _run(rec, shader, entry, _grid(-(-n // WG)), tensors, sizes, floats)
+
+
+# ---- elementwise ----------------------------------------------------------------------------
+
+def add(rec, y, a, b, n):
+    """y = a + b over n elements; in place (y += other) when y is a or b."""
+    if _same(y, a):
+        return add_inplace(rec, y, b, n)
+    if _same(y, b):
+        return add_inplace(rec, y, a, n)
+    _elems(rec, "elementwise", "add", n, [(y, n, "y", True), (a, n, "a", False), (b, n, "b", False)], (n,))
+
+
+def add_inplace(rec, y, a, n, alpha=1.0):
+    """y += alpha * a over n elements."""
+    _elems(rec, "elementwise", "add_inplace", n, [(y, n, "y", True), (a, n, "a", False)], (n,), (alpha,))
+
+
+def scale(rec, y, x, s, n):
+    """y = s * x over n elements; in place when y is x."""
+    if _same(y, x):
+        _elems(rec, "elementwise", "scale_inplace", n, [(y, n, "y", True)], (n,), (s,))
+    else:
+        _elems(rec, "elementwise", "scale", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (s,))
+
+
+def copy(rec, y, x, n):
+    """y = x over n elements, inside the compute pass (Recorder.copy would end it)."""
+    _elems(rec, "elementwise", "copy", n, [(y, n, "y", True), (x, n, "x", False)], (n,))
+
+
+def fill(rec, y, value, n):
+    """y = value over n elements."""
+    _elems(rec, "elementwise", "fill", n, [(y, n, "y", True)], (n,), (value,))
+
+
+# ---- embedding ------------------------------------------------------------------------------
+
+def embedding_forward(rec, out, ids, weight, N, C, vocab_rows, row_offset=0):
+    """out (N, C) = weight[ids - row_offset] for ids in [row_offset, row_offset + vocab_rows).
+
+    weight holds vocabulary rows row_offset.. (vocab_rows, C); rows of out whose id lies outside
+    that range are left untouched, so a vocabulary split across buffers takes one call per chunk.
+    """
+    _elems(rec, "embedding", "embedding_forward", N * C,
+           [(out, N * C, "out", True), (ids, N, "ids", False), (weight, vocab_rows * C, "weight", False)],
+           (N, C, row_offset, vocab_rows))
+
+
+def embedding_scratch_size(N):
+    """Elements (i32) of scratch embedding_backward needs."""
+    return 2 * N
+
+
+def embedding_backward(rec, dweight, dout, ids, N, C, vocab_rows, scratch, row_offset=0, accumulate=False):
+    """dweight (vocab_rows, C) = scatter-add of dout (N, C) rows into their ids' rows, for the ids in
+    [row_offset, row_offset + vocab_rows); deterministic, no atomics.
+
+    Rows no token hits are zeroed, unless accumulate=True, which adds into dweight instead.
+    scratch: at least embedding_scratch_size(N) elements (token links; finding them costs O(N^2)
+    id comparisons, cheap for the N of one step).
+    """
+    if not accumulate:
+        fill(rec, dweight, 0.0, vocab_rows * C)
+    if N <= 0:
+        return
+    _elems(rec, "embedding", "embedding_backward_links", N,
+           [(scratch, 2 * N, "scratch", True), (ids, N, "ids", False)], (N, C, row_offset, vocab_rows))
+    _elems(rec, "embedding", "embedding_backward", N * C,
+           [(dweight, vocab_rows * C, "dweight", True), (dout, N * C, "dout", False), (ids, N, "ids", False),
+            (scratch, 2 * N, "scratch", False)],
+           (N, C, row_offset, vocab_rows, 1))
+
+
+# ---- rmsnorm --------------------------------------------------------------------------------
+
+def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps):
+    """y (N, C) = x * rstd * weight, rstd (N,) = 1 / sqrt(mean(x^2) + eps); one workgroup per row."""
+    if N <= 0:
+        return
+    _run(rec, "rmsnorm", "rmsnorm_forward", _grid(N),
+         [(y, N * C, "y", True), (rstd, N, "rstd", True), (x, N * C, "x", False), (weight, C, "weight", False)],
+         (N, C), (eps,))
+
+
+def rmsnorm_scratch_size(N, C):
+    """Elements of scratch rmsnorm_backward needs for dweight's partial sums."""
+    return -(-N // RMS_ROWS_PER_BLOCK) * C
+
+
+def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False):
+    """dx (N, C) and dweight (C,) of rmsnorm_forward.
+
+    dweight is summed in two passes (per 32-row block into scratch, then over blocks); pass
+    dweight=None to skip it (scratch is then unused and may be None). accumulate=True adds into dweight.
+    scratch: at least rmsnorm_scratch_size(N, C) elements.
+    """
+    if N <= 0:
+        return
+    _run(rec, "rmsnorm", "rmsnorm_backward", _grid(N),
+         [(dx, N * C, "dx", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
+          (weight, C, "weight", False), (rstd, N, "rstd", False)], (N, C))
+    if dweight is None:
+        return
+    nblk = -(-N // RMS_ROWS_PER_BLOCK)
+    if nblk > 65535:
+        raise DeviceError(f"rmsnorm_backward: {N} rows exceed {65535 * RMS_ROWS_PER_BLOCK}")
+    sizes = (N, C, RMS_ROWS_PER_BLOCK, nblk, int(bool(accumulate)))
+    _run(rec, "rmsnorm", "rmsnorm_backward_partial", (-(-C // RMS_WG), nblk),
+         [(scratch, nblk * C, "scratch", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
+          (rstd, N, "rstd", False)], sizes)
+    _run(rec, "rmsnorm", "rmsnorm_backward_weight", (-(-C // RMS_WG),),
+         [(dweight, C, "dweight", True), (scratch, nblk * C, "scratch", False)], sizes)
+
+
+# ---- rope -----------------------------------------------------------------------------------
+
+def _rope(rec, y, x, positions, inv_freq, N, H, D, direction):
+    if D % 2:
+        raise ValueError(f"rope needs an even head dim, got {D}")
+    n = N * H * (D // 2)
+    if n <= 0:
+        return
+    sizes = (N, H, D)
+    if _same(y, x):
+        _elems(rec, "rope", f"rope_{direction}_inplace", n,
+               [(y, N * H * D, "x", True), (positions, N, "positions", False),
+                (inv_freq, D // 2, "inv_freq", False)], sizes)
+    else:
+        _elems(rec, "rope", f"rope_{direction}", n,
+               [(y, N * H * D, "y", True), (x, N * H * D, "x", False), (positions, N, "positions", False),
+                (inv_freq, D // 2, "inv_freq", False)], sizes)
+
+
+def rope_forward(rec, y, x, positions, inv_freq, N, H, D):
+    """Half-rotation RoPE: x, y (N = B*T, H, D), positions (N,) i32, inv_freq (D/2,). In place when y is x."""
+    _rope(rec, y, x, positions, inv_freq, N, H, D, "forward")
+
+
+def rope_backward(rec, dx, dy, positions, inv_freq, N, H, D):
+    """The rotation by the opposite angle: dx, dy (N, H, D). In place when dx is dy."""
+    _rope(rec, dx, dy, positions, inv_freq, N, H, D, "backward")
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def _att_check(T, Hq, Hkv, D):
+    if D > ATT_DMAX or D <= 0:
+        raise ValueError(f"attention supports head dims 1..{ATT_DMAX}, got {D}")
+    if Hkv <= 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+
+
+def _vec4(D, *tensors):
+    """'_vec4' when the vec4 entry points apply: D and every (B, T, H, D) tensor's offset divisible by 4."""
+    return "_vec4" if D % 4 == 0 and all(_split(t)[1] % 4 == 0 for t in tensors) else ""
+
+
+def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D):
+    """Causal GQA attention with segments: q, out (B, T, Hq, D); k, v (B, T, Hkv, D);
+    segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward."""
+    _att_check(T, Hq, Hkv, D)
+    if B * T <= 0:
+        return
+    nq, nkv = B * T * Hq * D, B * T * Hkv * D
+    entry = "attention_forward" + _vec4(D, out, q, k, v)
+    _run(rec, "attention", entry, (-(-T // ATT_WG), Hq, B),
+         [(out, nq, "out", True), (lse, B * Hq * T, "lse", True), (q, nq, "q", False), (k, nkv, "k", False),
+          (v, nkv, "v", False), (segment_ids, B * T, "segment_ids", False)],
+         (B, T, Hq, Hkv), (1.0 / math.sqrt(D),), {"D": D})
+
+
+def attention_scratch_size(B, T, Hq):
+    """Elements of scratch attention_backward needs (delta = rowsum(dout * out), (B, Hq, T))."""
+    return B * Hq * T
+
+
+def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch):
+    """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse.
+
+    Three dispatches: delta into scratch (at least attention_scratch_size(B, T, Hq) elements), dq per
+    query row, then dk and dv per key row summing over the query heads of its group (no atomics).
+    """
+    _att_check(T, Hq, Hkv, D)
+    if B * T <= 0:
+        return
+    nq, nkv, nl = B * T * Hq * D, B * T * Hkv * D, B * Hq * T
+    scale_, const = (1.0 / math.sqrt(D),), {"D": D}
+    sizes = (B, T, Hq, Hkv)
+    tq = -(-T // ATT_WG)
+    _run(rec, "attention", "attention_backward_delta", (tq, Hq, B),
+         [(scratch, nl, "scratch", True), (dout, nq, "dout", False), (out, nq, "out", False)], sizes, scale_, const)
+    v4 = _vec4(D, dq, dk, dv, dout, q, k, v)
+    _run(rec, "attention", "attention_backward" + v4, (tq, Hq, B),
+         [(dq, nq, "dq", True), (dout, nq, "dout", False), (q, nq, "q", False), (k, nkv, "k", False),
+          (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
+          (segment_ids, B * T, "segment_ids", False)], sizes, scale_, const)
+    _run(rec, "attention", "attention_backward_dkv" + v4, (tq, Hkv, B),
+         [(dk, nkv, "dk", True), (dv, nkv, "dv", True), (dout, nq, "dout", False), (q, nq, "q", False),
+          (k, nkv, "k", False), (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
+          (segment_ids, B * T, "segment_ids", False)], sizes, scale_, const)
+
+
+# ---- swiglu ---------------------------------------------------------------------------------
+
+def swiglu_forward(rec, h, gate, up, n):
+    """h = silu(gate) * up over n elements."""
+    _elems(rec, "swiglu", "swiglu_forward", n,
+           [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,))
+
+
+def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
+    """dgate, dup of swiglu_forward over n elements; in place when dgate is gate and dup is up."""
+    if _same(dgate, gate) and _same(dup, up):
+        _elems(rec, "swiglu", "swiglu_backward_inplace", n,
+               [(gate, n, "gate", True), (up, n, "up", True), (dh, n, "dh", False)], (n,))
+    else:
+        _elems(rec, "swiglu", "swiglu_backward", n,
+               [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
+                (up, n, "up", False)], (n,))
+
+
+# ---- cross-entropy --------------------------------------------------------------------------
+
+def _offset(t, k):
+    buf, off = _split(t)
+    return (buf, off + int(k))
+
+
+def cross_entropy_forward(rec, loss, lse, valid, logits, targets, n_rows, V, row_offset=0):
+    """One chunk of rows: logits (n_rows, V) holds global rows [row_offset, row_offset + n_rows);
+    loss, lse, valid (N,) and targets (N,) i32 are indexed by global row.
+
+    Writes loss = lse - logit[target] (0 on ignored rows), lse, valid = 1.0 / 0.0. A target is
+    counted when 0 <= target < V (IGNORE_INDEX -100 and anything out of range are ignored).
+    """
+    if n_rows <= 0:
+        return
+    _run(rec, "cross_entropy", "cross_entropy_forward", _grid(n_rows),
+         [(_offset(loss, row_offset), n_rows, "loss", True), (_offset(lse, row_offset), n_rows, "lse", True),
+          (_offset(valid, row_offset), n_rows, "valid", True), (logits, n_rows * V, "logits", False),
+          (_offset(targets, row_offset), n_rows, "targets", False)], (n_rows, V))
+
+
+def cross_entropy_reduce(rec, result, loss, valid, N):
+    """result[0:2] = [sum of loss, number of counted rows] over N rows (one workgroup): 8 bytes to read."""
+    _run(rec, "cross_entropy", "cross_entropy_reduce", (1,),
+         [(result, 2, "result", True), (loss, max(1, N), "loss", False), (valid, max(1, N), "valid", False)],
+         (0, 0, 0, N))
+
+
+def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_rows, V, row_offset=0):
+    """dlogits (n_rows, V) = grad_scale * (softmax - onehot) on counted rows, 0 on ignored rows, for
+    the chunk of global rows [row_offset, row_offset + n_rows) (targets and lse by global row).
+
+    grad_scale: a tensor whose first element is the scale (computed on the GPU, e.g. 1/count), or a
+    Python float (baked into the uniform: prefer a buffer for values that change every step).
+    In place when dlogits is logits.
+    """
+    if n_rows <= 0:
+        return
+    if n_rows > 65535:
+        raise ValueError(f"cross_entropy_backward: chunks of at most 65535 rows, got {n_rows}")
+    if isinstance(grad_scale, (int, float, np.floating)):
+        scale_t, mult = _state(rec.rt).one, float(grad_scale)
+    else:
+        scale_t, mult = grad_scale, 1.0
+    groups = (-(-V // WG), n_rows)
+    tg, ls = _offset(targets, row_offset), _offset(lse, row_offset)
+    if _same(dlogits, logits):
+        _run(rec, "cross_entropy", "cross_entropy_backward_inplace", groups,
+             [(logits, n_rows * V, "logits", True), (tg, n_rows, "targets", False), (ls, n_rows, "lse", False),
+              (scale_t, 1, "grad_scale", False)], (n_rows, V), (mult,))
+    else:
+        _run(rec, "cross_entropy", "cross_entropy_backward", groups,
+             [(dlogits, n_rows * V, "dlogits", True), (logits, n_rows * V, "logits", False),
+              (tg, n_rows, "targets", False), (ls, n_rows, "lse", False), (scale_t, 1, "grad_scale", False)],
+             (n_rows, V), (mult,))
+
+
+# ---- optimizer ------------------------------------------------------------------------------
+
+def grad_norm_partial(rec, partials, slot, grad, n, accumulate=False):
+    """partials[slot] = sum(grad[:n]^2) (one workgroup); accumulate=True adds to the slot instead,
+    e.g. for a tensor split across buffers."""
+    _run(rec, "adamw", "grad_norm_partial", (1,),
+         [(partials, slot + 1, "partials", True), (grad, max(1, n), "grad", False)],
+         (n, slot, int(bool(accumulate))))
+
+
+def grad_norm_finalize(rec, result, partials, n_slots, max_norm):
+    """result[0:3] = [norm, clip_scale, finite_flag] from partials[:n_slots]: clip_scale is
+    min(1, max_norm / (norm + 1e-6)) (1 when max_norm <= 0); finite_flag is 0.0 (and clip_scale 0)
+    when the norm is inf or nan, 1.0 otherwise."""
+    _run(rec, "adamw", "grad_norm_finalize", (1,),
+         [(result, 3, "result", True), (partials, max(1, n_slots), "partials", False)], (n_slots,),
+         (max_norm if max_norm is not None else 0.0,))
+
+
+def _hparams_row(rec, values):
+    """The row of the AdamW hyper-parameter ring holding `values`.
+
+    Per-step values live in a storage ring rather than in uniforms so that a changing lr or step
+    does not create a uniform and a bind group per tensor per step. A set is written (32 bytes)
+    the first time each recording uses it, so uploads per step do not depend on history; a row is
+    overwritten only after HPARAM_ROWS newer sets: record and submit one step at a time.
+    """
+    st = _state(rec.rt)
+    data = np.asarray(values, np.float32)
+    key = data.tobytes()
+    written = st.hp_written.setdefault(rec, set())
+    row = st.hp_rows.get(key)
+    if row is None:
+        row = st.hp_next
+        owner = st.hp_owner[row]
+        if owner is not None and owner() is rec:
+            raise RuntimeError(f"more than {HPARAM_ROWS} distinct AdamW hyper-parameter sets in one recording")
+        st.hp_next = (row + 1) % HPARAM_ROWS
+        st.hp_rows = {k: r for k, r in st.hp_rows.items() if r != row}
+        st.hp_rows[key] = row
+    if key not in written:
+        rec.rt.write(st.hp, data, row * st.hp_stride)
+        written.add(key)
+    st.hp_owner[row] = weakref.ref(rec)
+    return (st.hp, row * st.hp_stride // 4)
+
+
+def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, scale_buf=None):
+    """One AdamW step in place on param, m, v (n elements), as reference.optim.adamw_update with
+    grad_scale = scale_buf[1]; no change at all when scale_buf[2] (the finite flag) is 0.
+
+    scale_buf: the [norm, clip_scale, finite_flag] tensor grad_norm_finalize writes, or None for
+    scale 1 without the check. step counts from 1; bias corrections are formed in float64 here.
+    """
+    if n <= 0:
+        return
+    lr, b1, b2, wd = float(lr), float(beta1), float(beta2), float(weight_decay)
+    hp = [1.0 - lr * wd, b1, 1.0 - b1, b2, 1.0 - b2, lr / (1.0 - b1 ** step), 1.0 / (1.0 - b2 ** step), float(eps)]
+    row = _hparams_row(rec, hp)
+    scale_t = scale_buf if scale_buf is not None else _state(rec.rt).no_clip
+    _elems(rec, "adamw", "adamw_update", n,
+           [(param, n, "param", True), (m, n, "m", True), (v, n, "v", True), (grad, n, "grad", False),
+            (row, 8, "hparams", False), (scale_t, 3, "scale_buf", False)], (n,))
+
+
+# ---- wrappers of the engine's helper shaders (lora_dropout.wgsl, attention_cached.wgsl) ---------
+# Those shaders take no offsets (uniform last, whole-tensor bindings): a (buffer, element_offset)
+# tensor is bound as a range, so its byte offset must be a multiple of the offset alignment.
+
+def _bind_whole(rt, t, n, what):
+    r, rest = _bind(rt, t, n, what)
+    if rest:
+        raise ValueError(f"{what}: element offset {_split(t)[1]} is not a multiple of "
+                         f"{_state(rt).align // 4} elements, which this shader needs")
+    return r
+
+
+def _lora_dropout(rec, entry, y, x, seeds, seed_slot, p, n):
+    if n <= 0:
+        return
+    rt = rec.rt
+    inv_keep = float(np.float32(1.0) / np.float32(1.0 - p))  # as reference.ops.dropout_mask scales
+    uni = rt.uniform("<IIIf", int(n), int(seed_slot), int(p * (1 << 24)), inv_keep)
+    res = [_bind_whole(rt, y, n, "y"), _bind_whole(rt, x, n, "x"), _bind_whole(rt, seeds, seed_slot + 1, "seeds"), uni]
+    rec.dispatch(rt.pipeline("lora_dropout", entry), res, _grid(-(-n // WG)))
+
+
+def lora_dropout_forward(rec, y, x, seeds, seed_slot, p, n):
+    """y = x * dropout_mask(seeds[seed_slot], n, p) (reference.ops.dropout_mask), over n elements."""
+    _lora_dropout(rec, "lora_dropout_forward", y, x, seeds, seed_slot, p, n)
+
+
+def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
+    """dx += dy * the same mask, over n elements."""
+    _lora_dropout(rec, "lora_dropout_backward", dx, dy, seeds, seed_slot, p, n)
+
+
+def attention_cached_forward(rec, out, q, k_cache, v_cache, positions, tq, max_len, hq, hkv, d):
+    """New queries against a KV cache (one sequence): q, out (tq, hq, d); caches (max_len, hkv, d)
+    holding positions 0..; positions (tq,) i32; query i sees cache rows 0..positions[i]."""
+    if tq <= 0:
+        return
+    if d > 256 or hkv <= 0 or hq % hkv:
+        raise ValueError(f"attention_cached_forward: head dim {d} (<= 256), heads {hq}/{hkv}")
+    rt = rec.rt
+    uni = rt.uniform("<5If", int(tq), int(max_len), int(hq), int(hkv), int(d), 1.0 / math.sqrt(d))
+    res = [_bind_whole(rt, out, tq * hq * d, "out"), _bind_whole(rt, q, tq * hq * d, "q"),
+           _bind_whole(rt, k_cache, max_len * hkv * d, "k_cache"), _bind_whole(rt, v_cache, max_len * hkv * d, "v_cache"),
+           _bind_whole(rt, positions, tq, "positions"), uni]
+    rec.dispatch(rt.pipeline("attention_cached", "attention_cached_forward"), res, (-(-(tq * hq) // 64),))
+
+
+def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, positions, tq, max_len, hkv, d):
+    """Rows positions[i] of k_cache / v_cache (max_len, hkv, d) = k_new[i] / v_new[i] (tq, hkv, d):
+    appends the new tokens to one layer's cache; rows at or past max_len are skipped."""
+    if tq <= 0:
+        return
+    rt = rec.rt
+    uni = rt.uniform("<3I", int(tq), int(hkv * d), int(max_len))
+    res = [_bind_whole(rt, k_cache, max_len * hkv * d, "k_cache"), _bind_whole(rt, v_cache, max_len * hkv * d, "v_cache"),
+           _bind_whole(rt, k_new, tq * hkv * d, "k_new"), _bind_whole(rt, v_new, tq * hkv * d, "v_new"),
+           _bind_whole(rt, positions, tq, "positions"), uni]
+    rec.dispatch(rt.pipeline("kv_cache", "kv_cache_write"), res, (-(-(tq * hkv * d) // 64),))
