@@ -112,6 +112,22 @@ def shader_error(path, source: str, err: Exception) -> ShaderError:
     return ShaderError(f"{where}: {reason}")
 
 
+class _CallerThreadPoller:
+    """Stands in for wgpu-py's per-device poll thread. That thread calls wgpuDevicePoll while the main
+    thread goes on recording, which aborts the process on the OpenGL backend (GL contexts are bound
+    to one thread); here every wait polls on the thread that waits (Runtime.read)."""
+
+    class _Token:
+        def set_done(self):
+            pass
+
+    def get_token(self):
+        return self._Token()
+
+    def stop(self):
+        pass
+
+
 class Runtime:
     """One device on one adapter, with caches so that nothing is rebuilt per dispatch."""
 
@@ -134,6 +150,11 @@ class Runtime:
                                                            required_limits=self.limits)
         except Exception as e:  # noqa: BLE001
             raise DeviceError(f"could not open device on {info.describe()}: {e}") from None
+        poller = getattr(self.device, "_poller", None)
+        if poller is not None:
+            poller.stop()
+            self.device._poller = _CallerThreadPoller()
+        self._staging = None
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_buffer = int(self.limits["max-buffer-size"])
         self.queue = self.device.queue
@@ -215,18 +236,37 @@ class Runtime:
             self.queue.write_buffer(buf, offset, data)
             self.counters["bytes_uploaded"] += nbytes
 
+    def read_bytes(self, buf, offset: int, size: int) -> memoryview:
+        """Copy `size` bytes of a buffer into a reused staging buffer, map it and wait on this thread."""
+        u = self.wgpu.BufferUsage
+        if self._staging is None or self._staging.size < size:
+            if self._staging is not None:
+                self._staging.destroy()
+            self._staging = self.device.create_buffer(size=max(size, 256), usage=u.MAP_READ | u.COPY_DST,
+                                                      label="staging")
+        try:
+            enc = self.device.create_command_encoder()
+            enc.copy_buffer_to_buffer(buf, offset, self._staging, 0, size)
+            self.queue.submit([enc.finish()])
+            promise = self._staging.map_async("READ_NOSYNC", 0, size)
+            while promise._state == "pending":   # wgpu 0.32: the map callback fires inside a device poll
+                self.device._poll(True)
+            promise.sync_wait()                  # resolves now (raises if the map failed)
+            data = self._staging.read_mapped(0, size, copy=True)
+            self._staging.unmap()
+        except self.wgpu.GPUError as e:
+            raise DeviceError(f"device error while reading back results: {e}") from None
+        self.counters["readbacks"] += 1
+        self.counters["bytes_read"] += size
+        return data
+
     def read(self, buf, dtype=np.float32, shape=None, offset: int = 0) -> np.ndarray:
         """Copy a buffer (or its first prod(shape) elements from offset) back to the CPU."""
         dtype = np.dtype(dtype)
         count = int(np.prod(shape)) if shape is not None else (buf.size - offset) // dtype.itemsize
         nbytes = count * dtype.itemsize
         size = (nbytes + 3) // 4 * 4
-        try:
-            mem = self.queue.read_buffer(buf, offset, size)
-        except self.wgpu.GPUError as e:
-            raise DeviceError(f"device error while reading back results: {e}") from None
-        self.counters["readbacks"] += 1
-        self.counters["bytes_read"] += size
+        mem = self.read_bytes(buf, offset, size)
         out = np.frombuffer(mem, dtype=np.uint8)[:nbytes].view(dtype).copy()
         return out.reshape(shape) if shape is not None else out
 
