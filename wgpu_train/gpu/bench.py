@@ -1,9 +1,10 @@
 """Kernel benchmarks for `wgpu-train bench`: each figure is reported next to the adapter's own fp32 FMA
 peak measured in the same run (and GEMM also next to a naive shared-memory kernel), never alone.
 
-Kernel families register a function in BENCHES: `fn(rt, ctx) -> list[dict]`, where each dict has at least
-"name", "shape" and "gflops" (or "gbps"); `run_bench` adds "fraction_of_peak". `ctx` carries the
-measured peak ("fma_peak_gflops") and anything one bench wants to share with a later one.
+Kernel families register a function in BENCHES (with @register("name")): `fn(rt, ctx) -> list[dict]`,
+where each dict has at least "name", "shape" and "gflops" (or "gbps"); `run_bench` adds
+"fraction_of_peak". `ctx` holds the shared Timer ("timer") and "sample_peak", a function to call between
+long measurements so that the peak is sampled throughout the run.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class Timer:
         self._sync = rt.buffer(4, "bench.sync")
         if self.use_ts:
             self.qs = rt.device.create_query_set(type="timestamp", count=2)
-            self.resolve = rt.device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+            usage = wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
+            self.resolve = rt.device.create_buffer(size=16, usage=usage)
 
     def _run_once(self, dispatches) -> float:
         rt = self.rt
@@ -59,20 +61,21 @@ class Timer:
         t0 = time.perf_counter()
         rt.queue.submit([enc.finish()])
         if self.use_ts:
-            ts = np.frombuffer(rt.queue.read_buffer(self.resolve), dtype=np.uint64)
+            ts = rt.read(self.resolve, np.uint64, (2,))
             dt = (int(ts[1]) - int(ts[0])) * 1e-9
             if dt > 0:
                 return dt
-        rt.queue.read_buffer(self._sync)  # waits for the submitted work
+        rt.read(self._sync, np.float32, (1,))  # waits for the submitted work
         return time.perf_counter() - t0
 
-    def time(self, dispatches, repeats: int = 3, budget_s: float = 2.0) -> float:
+    def time(self, dispatches, repeats: int = 3, budget_s: float = 2.0, warmup=None) -> float:
         """Best seconds for one run of `dispatches` [(pipeline, resources, (gx, gy, gz))], after a warm-up
-        run (which also pays shader JIT compilation on software adapters). The machines are shared
-        and noisy, so the minimum is the fairest estimate of what the kernel can do."""
+        run of `warmup` (default: the same dispatches), which also pays the shader JIT compilation of
+        software adapters. The machines are shared and noisy, so the minimum is the fairest estimate
+        of what the kernel can do."""
         start = time.perf_counter()
         best = float("inf")
-        self._run_once(dispatches)
+        self._run_once(dispatches if warmup is None else warmup)
         for _ in range(repeats):
             best = min(best, self._run_once(dispatches))
             if time.perf_counter() - start > budget_s:
@@ -97,88 +100,134 @@ def fma_peak(rt, timer: Timer | None = None, invocations: int = 64 * 1024) -> fl
     p = rt.pipeline("bench_fma", "fma_peak")
     out = rt.buffer(invocations * 16, "bench.fma_out")
     params = rt.uniform("<I", FMA_ITERS)
-    t = timer.time([(p, [params, out], _groups(invocations // 64))], repeats=3)
+    t = timer.time([(p, [params, out], _groups(invocations // 64))], repeats=5, budget_s=0.5)
     flops = invocations * FMA_ITERS * FMA_CHAINS * 4 * 2
     return flops / t / 1e9
 
 
 # ---- GEMM --------------------------------------------------------------------------------------
 
-GEMM_SHAPES = [(1024, 1024, 1024), (512, 576, 64), (512, 64, 576), (512, 1536, 576)]  # (M, N, K)
+GEMM_SHAPES = [(1024, 1024, 1024), (512, 576, 64), (512, 1536, 576), (512, 576, 1536)]  # (M, N, K)
+
+# The yardstick for GEMM: the textbook 16 x 16 tile kernel with both operand tiles in workgroup memory
+# and one output per invocation (C = A @ B, row-major, any size).
+NAIVE16_SRC = """
+struct Params { M: u32, N: u32, K: u32, pad: u32 };
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read> A: array<f32>;
+@group(0) @binding(2) var<storage, read> B: array<f32>;
+@group(0) @binding(3) var<storage, read_write> C: array<f32>;
+var<workgroup> As: array<f32, 256>;
+var<workgroup> Bs: array<f32, 256>;
+
+@compute @workgroup_size(16, 16)
+fn gemm_naive16(@builtin(local_invocation_id) l: vec3<u32>, @builtin(workgroup_id) w: vec3<u32>) {
+    let row = w.y * 16u + l.y;
+    let col = w.x * 16u + l.x;
+    var acc = 0.0;
+    for (var k0 = 0u; k0 < P.K; k0 += 16u) {
+        let ka = k0 + l.x;
+        let kb = k0 + l.y;
+        As[l.y * 16u + l.x] = select(0.0, A[min(row, P.M - 1u) * P.K + min(ka, P.K - 1u)], row < P.M && ka < P.K);
+        Bs[l.y * 16u + l.x] = select(0.0, B[min(kb, P.K - 1u) * P.N + min(col, P.N - 1u)], kb < P.K && col < P.N);
+        workgroupBarrier();
+        for (var kk = 0u; kk < 16u; kk++) {
+            acc = fma(As[l.y * 16u + kk], Bs[kk * 16u + l.x], acc);
+        }
+        workgroupBarrier();
+    }
+    if (row < P.M && col < P.N) {
+        C[row * P.N + col] = acc;
+    }
+}
+"""
 
 
-def _gemm_case(rt, timer, layout, m, n, k, rng):
-    a_shape = (m, k) if layout[0] == "n" else (k, m)
-    b_shape = (k, n) if layout[1] == "n" else (n, k)
-    a = rng.standard_normal(a_shape, dtype=np.float32)
-    b = rng.standard_normal(b_shape, dtype=np.float32)
-    ab, bb, cb = rt.upload(a), rt.upload(b), rt.buffer(m * n * 4)
-    plan = _gemm.plan(rt, m, n, k, layout=layout)
-    dispatches = [(plan.pipeline, plan.resources(cb, ab, bb, None), plan.groups)]
-    t = timer.time(dispatches)
-    # check after timing so the result is that of the timed kernel
-    got = rt.read(cb, np.float32, (m, n))
-    want = (a if layout[0] == "n" else a.T) @ (b if layout[1] == "n" else b.T)
-    err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-    rt.release(ab, bb, cb)
-    return t, err
+def naive16_dispatch(rt, c, a, b, M, N, K):
+    """(pipeline, resources, groups) of the naive kernel on whole buffers: C (M, N) = A (M, K) @ B (K, N)."""
+    p = rt.pipeline("bench_gemm_naive16", "gemm_naive16", source=NAIVE16_SRC)
+    return p, [rt.uniform("<4I", M, N, K, 0), a, b, c], (-(-N // 16), -(-M // 16), 1)
 
 
-def _naive_case(rt, timer, m, n, k, rng):
-    a = rng.standard_normal((m, k), dtype=np.float32)
-    b = rng.standard_normal((k, n), dtype=np.float32)
-    ab, bb, cb = rt.upload(a), rt.upload(b), rt.buffer(m * n * 4)
-    p = rt.pipeline("bench_gemm_naive", "gemm_naive16")
-    params = rt.uniform("<4I", m, n, k, 0)
-    t = timer.time([(p, [params, ab, bb, cb], ((n + 15) // 16, (m + 15) // 16, 1))], repeats=1)
-    got = rt.read(cb, np.float32, (m, n))
-    want = a @ b
-    err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-    rt.release(ab, bb, cb)
+def _max_rel_err(got, want):
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+
+def _time_checked(rt, timer, dispatch, c_buf, want, repeats=3, warmup=None):
+    """Seconds per run of one dispatch, then the relative error of what it wrote (a wrong kernel must
+    not report a speed)."""
+    t = timer.time([dispatch], repeats=repeats, warmup=warmup)
+    err = _max_rel_err(rt.read(c_buf, np.float32, want.shape), want)
+    if not err < 1e-4:
+        raise AssertionError(f"benchmark kernel {dispatch[0]} gave a wrong result (max rel err {err:.2e})")
     return t, err
 
 
 @register("gemm")
 def bench_gemm(rt, ctx) -> list[dict]:
+    """gemm_nn/nt/tn (gpu/gemm.py's default kernel choice) and gemm_naive16 on each of GEMM_SHAPES."""
     timer = ctx["timer"]
     rng = np.random.default_rng(0)
     out = []
-    naive = {}
     for (m, n, k) in GEMM_SHAPES:
         flops = 2.0 * m * n * k
-        t, err = _naive_case(rt, timer, m, n, k, rng)
-        naive[(m, n, k)] = flops / t / 1e9
-        out.append({"name": "gemm_naive16", "shape": f"{m}x{n}x{k}", "gflops": naive[(m, n, k)],
-                    "ms": t * 1e3, "max_rel_err": err})
-        for layout in ("nn", "nt", "tn"):
-            t, err = _gemm_case(rt, timer, layout, m, n, k, rng)
-            g = flops / t / 1e9
-            out.append({"name": f"gemm_{layout}", "shape": f"{m}x{n}x{k}", "gflops": g, "ms": t * 1e3,
-                        "vs_naive": g / naive[(m, n, k)], "max_rel_err": err})
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        want = a @ b
+        at, bt = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+        bufs = [rt.upload(a), rt.upload(b), rt.upload(at), rt.upload(bt), rt.buffer(m * n * 4)]
+        ab, bb, atb, btb, cb = bufs
+        try:
+            # the naive kernel is slow on CPU adapters (seconds at 1024^3): one timed run, warmed up
+            # (compiled) on a 16 x 16 x 16 corner of the same buffers
+            nd = naive16_dispatch(rt, cb, ab, bb, m, n, k)
+            warm = (nd[0], [rt.uniform("<4I", 16, 16, 16, 0)] + nd[1][1:], (1, 1, 1))
+            t, err = _time_checked(rt, timer, nd, cb, want, repeats=1, warmup=[warm])
+            naive = flops / t / 1e9
+            out.append({"name": "gemm_naive16", "shape": f"{m}x{n}x{k}", "gflops": naive, "ms": t * 1e3,
+                        "max_rel_err": err})
+            for layout, a_op, b_op in (("nn", ab, bb), ("nt", ab, btb), ("tn", atb, bb)):
+                rec = rt.recorder()
+                rec.clear(cb)   # so a kernel that writes nothing cannot pass on the previous result
+                rec.submit()
+                d = _gemm.gemm_dispatch(rt, cb, a_op, b_op, m, n, k, layout)
+                t, err = _time_checked(rt, timer, d, cb, want)
+                g = flops / t / 1e9
+                out.append({"name": f"gemm_{layout}", "shape": f"{m}x{n}x{k}", "gflops": g, "ms": t * 1e3,
+                            "vs_naive": g / naive, "kernel": d[0].label.split(".")[-1], "max_rel_err": err})
+        finally:
+            rt.release(*bufs)
+        ctx["sample_peak"]()
     return out
 
 
 # ---- driver ------------------------------------------------------------------------------------
 
 def run_bench(rt, only: str | None = None) -> dict:
-    """Measure the FMA peak, then every registered bench whose name starts with `only` (all if None).
+    """Measure the FMA peak, then every registered bench whose name starts with `only` (or that `only`
+    starts with; all if None), then the peak again.
 
     Returns {"adapter": {"name", "backend"}, "fma_peak_gflops", "timing", "kernels": [...]}, each kernel
-    entry with "fraction_of_peak" (gflops / peak) where it reports gflops.
+    entry with "fraction_of_peak" (gflops / peak) where it reports gflops. The peak is the best of
+    the measurements taken between the benches (each bench may take more through ctx["sample_peak"]()),
+    so that a busy moment on a shared machine cannot make a kernel look closer to the peak than it is.
     """
     timer = Timer(rt)
-    peak = fma_peak(rt, timer)
-    ctx = {"timer": timer, "fma_peak_gflops": peak}
+    peaks = [fma_peak(rt, timer)]
+    ctx = {"timer": timer, "sample_peak": lambda: peaks.append(fma_peak(rt, timer))}
     kernels = []
     for name, fn in BENCHES.items():
-        if only and not name.startswith(only) and not only.startswith(name):
+        if only and not (name.startswith(only) or only.startswith(name)):
             continue
         for entry in fn(rt, ctx):
-            if only and not entry["name"].startswith(only) and not name.startswith(only):
+            if only and not (entry["name"].startswith(only) or name.startswith(only)):
                 continue
-            if "gflops" in entry:
-                entry["fraction_of_peak"] = entry["gflops"] / peak
             kernels.append(entry)
+        peaks.append(fma_peak(rt, timer))
+    peak = max(peaks)
+    for entry in kernels:
+        if "gflops" in entry:
+            entry["fraction_of_peak"] = entry["gflops"] / peak
     return {"adapter": {"name": rt.info.name, "backend": rt.info.backend},
             "fma_peak_gflops": peak,
             "timing": "timestamp-query" if timer.use_ts else "wall-clock",
@@ -187,7 +236,8 @@ def run_bench(rt, only: str | None = None) -> dict:
 
 def format_table(result: dict) -> str:
     """A plain-text table of a run_bench result (for the CLI without --json)."""
-    lines = [f"adapter: {result['adapter']['name']} ({result['adapter']['backend']}), timing: {result.get('timing', '?')}",
+    adapter = result["adapter"]
+    lines = [f"adapter: {adapter['name']} ({adapter['backend']}), timing: {result.get('timing', '?')}",
              f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s",
              f"{'kernel':<16} {'shape':<16} {'GFLOP/s':>9} {'of peak':>8} {'vs naive':>9}"]
     for e in result["kernels"]:
