@@ -45,8 +45,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line and exit 2 (unknown arguments included); the
+    subcommand parsers inherit it."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wgpu-train", description=__doc__)
+    parser = OneLineParser(prog="wgpu-train",
+                           description="LoRA fine-tuning of Llama-family language models on any GPU through WebGPU.")
     parser.add_argument("--version", action="version", version=f"wgpu-train {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

@@ -13,28 +13,8 @@ from .errors import AdapterError, ConfigError
 BACKENDS = ("auto", "wgpu", "numpy")
 
 
-class _Parser(argparse.ArgumentParser):
-    """A subcommand parser whose usage errors are one line (exit 2), unknown arguments included."""
-
-    def error(self, message):
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-    def parse_known_args(self, args=None, namespace=None):
-        ns, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
-
-
 def _add_parser(sub, name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
-    previous = getattr(sub, "_parser_class", None)
-    if previous is not None:
-        sub._parser_class = _Parser
-    try:
-        return sub.add_parser(name, help=help_text, description=description or help_text)
-    finally:
-        if previous is not None:
-            sub._parser_class = previous
+    return sub.add_parser(name, help=help_text, description=description or help_text)
 
 
 def _model_options(p, need_adapter: bool = False):
