@@ -246,3 +246,24 @@ def test_seeded_sampling_is_reproducible(folder, rt):
 def test_auto_backend_takes_wgpu(folder, rt):
     path, _ = folder
     assert wt.load_model(path, backend="auto").backend == "wgpu"
+
+
+def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
+    path, _ = folder
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    _, gpu = _pair(path, rt, lora)
+    ids, labels, mask = _batch(9)
+    gpu.loss_and_grads(ids, labels, mask)
+    acts = gpu.engine._activations(*ids.shape, train=True)
+    allocated = sum(b.size for layer in acts.layers for b in layer.values())
+    batch_inputs = ("ids", "segments", "positions", "targets")   # the uploaded batch, not activations
+    allocated += sum(v.size for k, v in vars(acts).items() if hasattr(v, "size") and k not in batch_inputs)
+    est = wt.estimate_memory(gpu.config, ids.shape[0], ids.shape[1], lora=lora)
+    assert est["activations"] + est["logits"] == allocated
+    assert est["total"] == est["weights"] + est["trainable_state"] + est["activations"] + est["logits"]
+    # a bucket whose activations cannot fit one storage binding is refused before anything is allocated
+    tokens = rt.max_binding // (4 * gpu.config.intermediate_size) + 1
+    with pytest.raises(wt.DeviceError, match="max storage binding.*reduce the batch size"):
+        gpu.logits(np.zeros((1, tokens), dtype=np.int64))
+    with pytest.raises(wt.DeviceError, match="max-buffer-size"):
+        rt.buffer(rt.max_buffer + 4)
