@@ -108,6 +108,7 @@ class WgpuEngine:
     """The engine protocol of reference.model.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
+    MAX_BUCKETS = 4     # activation buckets kept allocated at once
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime):
         self.cfg, self.rt = cfg, rt
@@ -250,19 +251,34 @@ class WgpuEngine:
             self.moments[k] = (mb, vb)
 
     # ---- buffers per bucket -------------------------------------------------------------------
-    def _activations(self, b, t, train=True) -> Activations:
+    def _activations(self, b, t, train=True, keep=()) -> Activations:
+        """The bucket for (b, t), allocated on first use. Beyond MAX_BUCKETS, the least recently used
+        bucket not in `keep` (buckets already recorded into the open encoder) is freed."""
         key = (b, t, train)
-        acts = self._acts.get(key)
+        acts = self._acts.pop(key, None)
         if acts is None:
-            ranks = {p: m.r for p, m in self.lora.items()}
-            drop = {p: m.in_f for p, m in self.lora.items() if m.dropout > 0}
-            # keys are per module name within a layer
-            ranks = {p.rsplit(".", 1)[1]: r for p, r in ranks.items()}
-            drop = {p.rsplit(".", 1)[1]: f for p, f in drop.items()}
-            acts = self._acts[key] = Activations(self.rt, self.cfg, b, t, ranks, drop, train)
+            while len(self._acts) >= self.MAX_BUCKETS:
+                old = next((k for k in self._acts if k not in keep), None)
+                if old is None:
+                    break
+                self._free(self._acts.pop(old))
+            # LoRA ranks and dropout inputs per module name (the same in every layer)
+            ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
+            drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0}
+            acts = Activations(self.rt, self.cfg, b, t, ranks, drop, train)
+        self._acts[key] = acts          # most recently used last
         return acts
 
+    def _free(self, acts: Activations):
+        bufs = [b for layer in acts.layers for b in layer.values()]
+        bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
+                 ("ids", "segments", "positions", "targets")]
+        self.rt.release(*bufs)
+
     def _release_acts(self):
+        for acts in list(self._acts.values()) + list(self._kv_acts.values()):
+            self._free(acts)
+        self.rt.release(*[b for inp in self._inputs.values() for b in vars(inp).values()])
         self._acts.clear()
         self._kv_acts.clear()
         self._inputs.clear()
@@ -546,10 +562,12 @@ class WgpuEngine:
         rec = rt.recorder(profile=profile)
         self._record_zero_grads(rec)
         self._training = True
+        used = []
         for j, (ids, targets, seg, pos) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
-            acts = self._activations(b, t, train=True)
+            acts = self._activations(b, t, train=True, keep=used)
+            used.append((b, t, True))
             self._upload_batch(acts, ids, seg, pos, targets, slot=j)
             self._write_seeds(j)
             self._record_forward(rec, acts)
