@@ -15,9 +15,11 @@
 // The *_sg entry points spread that A slice over the first 8 lanes of each subgroup (4 vec4 each) and
 // hand it out with subgroupBroadcast (a register extract on llvmpipe); the others load it directly.
 //
-// Entry points: gemm / gemm_sg take any strides and sizes (scalar loads); gemm_v4 / gemm_v4_sg need
-// the vectorised dimension of each operand contiguous and 4-aligned (see gemm.py) and load vec4s,
-// with A_KVEC (op(A) contiguous along k, else along m) and B_NVEC (op(B) contiguous along n, else k).
+// Entry points: gemm / gemm_sg take any strides and sizes (scalar loads and stores); gemm_v4 /
+// gemm_v4_sg need each matrix contiguous and 4-aligned along one dimension (see gemm.py) and move
+// vec4s, with A_KVEC (op(A) contiguous along k, else along m), B_NVEC (op(B) along n, else k) and
+// C_NVEC (C along n, else m). Override constants: WG (invocations per workgroup), TM (32 or 8).
+// Workgroups are numbered (row tile, column tile, batch) so consecutive ones share a panel of B.
 // Bounds: out-of-range rows/columns are clamped on load (always valid memory) and skipped on store;
 // steps of k past K read A as zero. So any M, N, K >= 1 works.
 

@@ -13,7 +13,13 @@ Matrices are row-major fp32. Layout letters follow BLAS: layout[0] is op(A), lay
     tt: A (K, M), B (N, K)
 C is (M, N). lda/ldb/ldc are row pitches in elements (default: packed); stride_a/b/c are the element
 distances between consecutive matrices of a batch (default: packed), 0 to reuse one matrix for all.
-`c` must not alias `a`, `b` or `bias` (WebGPU forbids a buffer bound writable and readable at once).
+`c` must live in a different buffer from `a`, `b` and `bias`: WebGPU rejects a dispatch that binds one
+buffer both writable and read-only, even at disjoint ranges.
+
+Kernel choice (a few microseconds per call; pipelines are cached): see shaders/gemm.wgsl. The vec4 kernels need each matrix
+contiguous and 4-aligned along one of its dimensions (size, pitch, offset and batch stride multiples of
+4); everything else runs the scalar kernels, which take any strides. The *_sg kernels need the
+subgroup feature with subgroups of at least 8 lanes (probed once per device).
 
 All functions only record dispatches into a Recorder (`rt.recorder()`); nothing is submitted here.
 """
