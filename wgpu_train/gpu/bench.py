@@ -16,6 +16,16 @@ import numpy as np
 from . import gemm as _gemm
 
 BENCHES: dict[str, Callable] = {}
+# Benchmarks that add a key of their own to the result: name -> fn(rt) -> dict
+SECTIONS: dict[str, Callable] = {}
+
+
+def _training(rt):
+    from .bench_train import bench_training
+    return bench_training(rt)
+
+
+SECTIONS["training"] = _training
 
 
 def register(name: str):
@@ -216,7 +226,8 @@ def run_bench(rt, only: str | None = None) -> dict:
     """Measure the FMA peak, then every registered bench whose name starts with `only` (or that `only`
     starts with; all if None), then the peak again.
 
-    Returns {"adapter": {"name", "backend"}, "fma_peak_gflops", "timing", "kernels": [...]}, each kernel
+    Returns {"adapter": {"name", "backend"}, "fma_peak_gflops", "timing", "kernels": [...]} plus one key
+    per selected SECTIONS entry (e.g. "training": tokens/s side by side), each kernel
     entry with "fraction_of_peak" (gflops / peak) where it reports gflops. The peak is the best of
     the measurements taken between the benches (each bench may take more through ctx["sample_peak"]()),
     so that a busy moment on a shared machine cannot make a kernel look closer to the peak than it is.
@@ -237,10 +248,14 @@ def run_bench(rt, only: str | None = None) -> dict:
     for entry in kernels:
         if "gflops" in entry:
             entry["fraction_of_peak"] = entry["gflops"] / peak
-    return {"adapter": {"name": rt.info.name, "backend": rt.info.backend},
-            "fma_peak_gflops": peak,
-            "timing": "timestamp-query" if timer.use_ts else "wall-clock",
-            "kernels": kernels}
+    result = {"adapter": {"name": rt.info.name, "backend": rt.info.backend},
+              "fma_peak_gflops": peak,
+              "timing": "timestamp-query" if timer.use_ts else "wall-clock",
+              "kernels": kernels}
+    for key, fn in SECTIONS.items():
+        if not only or key.startswith(only) or only.startswith(key):
+            result[key] = fn(rt)
+    return result
 
 
 def format_table(result: dict) -> str:
