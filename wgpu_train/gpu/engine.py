@@ -127,7 +127,6 @@ class WgpuEngine:
         self.moments: dict = {}    # trainable name -> (m, v), same kinds
         self.dropout_seed, self.dropout_calls = 0, 0
         self._acts: dict = {}
-        self._kv_acts: dict = {}
         self._inputs: dict = {}    # (B, T, micro-batch slot) -> Inputs
         self._micro = 0            # micro-batch slot being recorded (selects dropout seeds)
         self.step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
@@ -262,6 +261,9 @@ class WgpuEngine:
                 if old is None:
                     break
                 self._free(self._acts.pop(old))
+                if not any(k[:2] == old[:2] for k in self._acts):   # its batch inputs too
+                    for key in [k for k in self._inputs if k[:2] == old[:2]]:
+                        self.rt.release(*vars(self._inputs.pop(key)).values())
             # LoRA ranks and dropout inputs per module name (the same in every layer)
             ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0}
@@ -276,11 +278,10 @@ class WgpuEngine:
         self.rt.release(*bufs)
 
     def _release_acts(self):
-        for acts in list(self._acts.values()) + list(self._kv_acts.values()):
+        for acts in self._acts.values():
             self._free(acts)
         self.rt.release(*[b for inp in self._inputs.values() for b in vars(inp).values()])
         self._acts.clear()
-        self._kv_acts.clear()
         self._inputs.clear()
 
     def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0):
@@ -319,7 +320,9 @@ class WgpuEngine:
             K.lora_dropout_forward(rec, xl, x, self.seeds, self._seed_slot(lora), lora.dropout, n * lora.in_f)
         lora_forward(rec, y, a["lora_h." + module], xl, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f, lora.r)
 
-    def _record_forward(self, rec, acts: Activations):
+    def _record_forward(self, rec, acts: Activations, kv: dict | None = None):
+        """The layers and the final norm. With a KV cache `kv` (generation), keys and values are
+        appended to it, attention reads it, and only the last token is normed."""
         cfg = self.cfg
         b, t, n = acts.b, acts.t, acts.n
         c, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -343,7 +346,12 @@ class WgpuEngine:
                 K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
             K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
             K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
-            K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
+            if kv is None:
+                K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
+            else:
+                K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.positions, n, kv["max_len"], hkv, d)
+                K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.positions, n,
+                                           kv["max_len"], hq, hkv, d)
             K.copy(rec, a["x_mid"], a["x_in"], n * c)
             self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
             rec.section(self._where + " norm")
@@ -356,7 +364,11 @@ class WgpuEngine:
             K.copy(rec, x_next, a["x_mid"], n * c)
             self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
         rec.section("final norm forward")
-        K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
+        if kv is None:
+            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
+        else:
+            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, _at(acts.x_final, (n - 1) * c), self.w["model.norm.weight"],
+                              1, c, eps)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
         """Logits by row chunks; cross-entropy loss per row; with backward, dlogits and dxf (and dW_head)."""
@@ -643,44 +655,12 @@ class WgpuEngine:
         start = kv["len"]
         if start + tq > kv["max_len"]:
             raise ValueError("KV cache is full")
-        acts = self._kv_acts.get(tq)
-        if acts is None:
-            ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
-            acts = self._kv_acts[tq] = Activations(self.rt, cfg, 1, tq, ranks, {}, train=False)
+        acts = self._activations(1, tq, train=False)
         pos = np.arange(start, start + tq, dtype=np.int32)[None]
         self._upload_batch(acts, ids, np.ones_like(ids), pos)
-        n, c, d = tq, cfg.hidden_size, cfg.head_dim
-        hq, hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         rec = self.rt.recorder()
         self._training = False
-        self._embed(rec, acts.layers[0]["x_in"], acts.ids, n)
-        for i, a in enumerate(acts.layers):
-            p = f"model.layers.{i}."
-            K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
-            q_out = a["q_pre"] if cfg.qk_norm else a["q"]
-            k_out = a["k_pre"] if cfg.qk_norm else a["k"]
-            self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
-            self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
-            self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
-            if cfg.qk_norm:
-                K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
-                K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
-            K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
-            K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
-            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.positions, tq, kv["max_len"], hkv, d)
-            K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.positions, tq,
-                                       kv["max_len"], hq, hkv, d)
-            K.copy(rec, a["x_mid"], a["x_in"], n * c)
-            self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
-            K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
-            self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
-            self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
-            K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
-            x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
-            K.copy(rec, x_next, a["x_mid"], n * c)
-            self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
-        last = _at(acts.x_final, (n - 1) * c)
-        K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, last, self.w["model.norm.weight"], 1, c, eps)
+        self._record_forward(rec, acts, kv)
         linear_forward(rec, acts.logits, acts.xf, self._head(), None, 1)
         before = dict(self.rt.counters)
         rec.submit()
