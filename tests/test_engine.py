@@ -267,3 +267,25 @@ def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
         gpu.logits(np.zeros((1, tokens), dtype=np.int64))
     with pytest.raises(wt.DeviceError, match="max-buffer-size"):
         rt.buffer(rt.max_buffer + 4)
+
+
+def test_profile_reports_gpu_time_per_op_group(folder, rt):
+    path, _ = folder
+    _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))
+    ids, labels, mask = _batch(10)
+    micro = _micro_batches(ids, labels, mask, 2)
+    hp = OptimizerParams(lr=1e-3)
+    loss_plain = gpu.engine.train_step(micro, hp, 1)[0]
+    assert gpu.engine.last_profile == {}                       # nothing measured when off
+    gpu.engine.train_step(micro, hp, 2, profile=True)
+    prof = gpu.engine.last_profile
+    if not rt.has_timestamps:
+        assert len(prof) == 1 and "wall clock" in next(iter(prof))
+        return
+    n_layers = gpu.config.num_hidden_layers
+    for i in range(n_layers):
+        for part in ("forward gemm", "forward attention", "forward norm", "backward gemm", "backward attention"):
+            assert f"layer {i} {part}" in prof
+    assert "loss head (lm_head, cross-entropy)" in prof and "optimizer (grad norm, AdamW)" in prof
+    assert all(v >= 0 for v in prof.values()) and sum(prof.values()) > 0
+    assert np.isfinite(loss_plain)
