@@ -16,8 +16,9 @@ def main():
     parser.add_argument("--backend", default="auto", help="auto, wgpu or numpy")
     args = parser.parse_args()
 
-    summary = wt.finetune(wt.TrainConfig(out=args.out, max_steps=args.max_steps, backend=args.backend,
-                                         no_progress=True))
+    overrides = {"max_steps": args.max_steps} if args.max_steps else {}
+    # the embedded model, dataset and LoRA recipe: what `wgpu-train finetune` with no option runs
+    summary = wt.finetune(wt.default_run_config(out=args.out, backend=args.backend, no_progress=True, **overrides))
     print(f"validation perplexity {summary['valid_perplexity_before']:.2f} -> {summary['valid_perplexity_after']:.2f}")
     if summary.get("exact_match_after") is not None:
         print(f"exact match {summary['exact_match_before']:.0%} -> {summary['exact_match_after']:.0%}")

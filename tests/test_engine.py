@@ -289,3 +289,18 @@ def test_profile_reports_gpu_time_per_op_group(folder, rt):
     assert "loss head (lm_head, cross-entropy)" in prof and "optimizer (grad norm, AdamW)" in prof
     assert all(v >= 0 for v in prof.values()) and sum(prof.values()) > 0
     assert np.isfinite(loss_plain)
+
+
+def test_activation_buckets_are_evicted_and_reused_correctly(folder, rt):
+    """More (batch, length) shapes than buckets kept, visited twice, in training and evaluation."""
+    path, _ = folder
+    ref, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4), b_seed=11)
+    rng = np.random.default_rng(12)
+    shapes = [(b, t) for b in (1, 3) for t in (5, 8, 13)]
+    for _ in range(2):
+        for b, t in shapes:
+            ids = rng.integers(0, gpu.config.vocab_size, (b, t))
+            assert_close(np.float64(gpu.loss_and_grads(ids, ids)[0]), np.float64(ref.loss_and_grads(ids, ids)[0]),
+                         "gpu_loss", f"{b}x{t}")
+            assert_close(gpu.logits(ids), ref.logits(ids), "gpu_logits", f"{b}x{t}")
+    assert len(gpu.engine._acts) <= gpu.engine.MAX_BUCKETS

@@ -6,10 +6,10 @@ from .gpu.runtime import devices
 from .memory import estimate_memory
 from .model import Model, load_model
 from .tokenizer import load_tokenizer
-from .train import TrainConfig, Trainer, finetune
+from .train import TrainConfig, Trainer, default_run_config, finetune
 
 __version__ = "0.1.0"
 
 __all__ = ["AdapterError", "ConfigError", "DataError", "DeviceError", "LoraConfig", "Model", "ModelConfig",
-           "ModelFileError", "ShaderError", "TrainConfig", "Trainer", "WgpuTrainError", "devices",
+           "ModelFileError", "ShaderError", "TrainConfig", "Trainer", "WgpuTrainError", "default_run_config", "devices",
            "estimate_memory", "finetune", "load_model", "load_tokenizer", "__version__"]

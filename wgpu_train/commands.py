@@ -117,10 +117,14 @@ def load_toml_config(path) -> dict:
 
 
 def resolve_train_config(args: argparse.Namespace):
-    """TrainConfig from command line > TOML file (--config) > defaults."""
-    from .train import TrainConfig
+    """TrainConfig from command line > TOML file (--config) > the embedded recipe (only for the default
+    run: no --model and no --data anywhere) > defaults."""
+    from .train import TrainConfig, default_run_values
 
     values = load_toml_config(args.config) if getattr(args, "config", None) else {}
+    if getattr(args, "model", None) is None and getattr(args, "data", None) is None and \
+            values.get("model") is None and values.get("data") is None:
+        values = {**default_run_values(), **values}
     for f in dataclasses.fields(TrainConfig):
         if hasattr(args, f.name):
             values[f.name] = getattr(args, f.name)

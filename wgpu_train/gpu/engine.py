@@ -262,8 +262,8 @@ class WgpuEngine:
                     break
                 self._free(self._acts.pop(old))
                 if not any(k[:2] == old[:2] for k in self._acts):   # its batch inputs too
-                    for key in [k for k in self._inputs if k[:2] == old[:2]]:
-                        self.rt.release(*vars(self._inputs.pop(key)).values())
+                    for stale in [k for k in self._inputs if k[:2] == old[:2]]:
+                        self.rt.release(*vars(self._inputs.pop(stale)).values())
             # LoRA ranks and dropout inputs per module name (the same in every layer)
             ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0}
