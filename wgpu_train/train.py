@@ -126,6 +126,21 @@ class TrainConfig:
 
 # ---- helpers shared by the trainer and the command line ----------------------------------------------------
 
+def default_run_values() -> dict:
+    """The embedded recipe (wgpu_train/assets/recipe.toml) that `wgpu-train finetune` with no --model and no
+    --data uses below the command line and --config."""
+    try:
+        from .assets import default_recipe
+    except ImportError:
+        return {}
+    return default_recipe()
+
+
+def default_run_config(**overrides) -> "TrainConfig":
+    """The TrainConfig of the default run (embedded model, dataset and recipe), with overrides."""
+    return TrainConfig(**{**default_run_values(), **overrides})
+
+
 def default_model_dir() -> Path:
     """The embedded model folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
     return _asset("default_model_dir", "model", "--model DIR")
