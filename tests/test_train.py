@@ -9,7 +9,10 @@ import signal
 import sys
 
 import numpy as np
+
 import pytest
+
+import wgpu_train
 
 from finetune_helpers import make_data_dir, make_model_dir, write_jsonl
 from wgpu_train import checkpoint as checkpoint_mod
@@ -399,6 +402,7 @@ def test_user_errors(workspace, tmp_path, monkeypatch):
         Trainer(config(workspace, tmp_path / "o", data=str(bad))).setup()
     # no embedded assets (or not yet built): a clear error, not an ImportError
     monkeypatch.setitem(sys.modules, "wgpu_train.assets", None)
+    monkeypatch.delattr(wgpu_train, "assets", raising=False)   # `from . import assets` looks here first
     with pytest.raises(ConfigError, match="--model"):
         Trainer(config(workspace, tmp_path / "o", model=None)).setup()
     with pytest.raises(ConfigError, match="--data"):
