@@ -9,7 +9,6 @@ import signal
 import sys
 
 import numpy as np
-
 import pytest
 
 import wgpu_train
