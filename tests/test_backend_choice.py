@@ -1,0 +1,24 @@
+"""backend="auto": the wgpu engine where an adapter exists, else the NumPy engine, said in one line."""
+import logging
+
+import wgpu_train as wt
+from wgpu_train.assets import default_model_dir
+from wgpu_train.gpu import runtime
+
+
+def test_auto_without_adapter_falls_back_to_numpy_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(runtime, "has_adapter", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="wgpu_train"):
+        model = wt.load_model(default_model_dir(), backend="auto")
+    assert model.backend == "numpy"
+    assert any("no WebGPU adapter found; using the NumPy backend" in r.getMessage() for r in caplog.records)
+
+
+def test_explicit_wgpu_without_adapter_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(runtime, "devices", lambda: [])
+    try:
+        runtime.choose_adapter()
+    except wt.DeviceError as e:
+        assert "no WebGPU adapter found" in str(e) and "\n" not in str(e)
+    else:
+        raise AssertionError("expected a DeviceError")
