@@ -1,6 +1,8 @@
 """backend="auto": the wgpu engine where an adapter exists, else the NumPy engine, said in one line."""
 import logging
 
+import pytest
+
 import wgpu_train as wt
 from wgpu_train.assets import default_model_dir
 from wgpu_train.gpu import runtime
@@ -16,9 +18,6 @@ def test_auto_without_adapter_falls_back_to_numpy_and_says_so(monkeypatch, caplo
 
 def test_explicit_wgpu_without_adapter_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(runtime, "devices", lambda: [])
-    try:
+    with pytest.raises(wt.DeviceError, match="no WebGPU adapter found") as err:
         runtime.choose_adapter()
-    except wt.DeviceError as e:
-        assert "no WebGPU adapter found" in str(e) and "\n" not in str(e)
-    else:
-        raise AssertionError("expected a DeviceError")
+    assert "\n" not in str(err.value)
