@@ -2,7 +2,7 @@
 logits) in bytes, computed from the same plan the WebGPU engine allocates from."""
 from __future__ import annotations
 
-from .config import LINEAR_MODULES, LoraConfig, ModelConfig
+from .config import LoraConfig, ModelConfig
 from .errors import DeviceError
 
 F32 = 4
@@ -45,24 +45,49 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     return layer, shared
 
 
-def _weight_elements(cfg: ModelConfig) -> int:
-    c = cfg.hidden_size
-    per_layer = sum(o * i for o, i in (cfg.linear_shape(m) for m in LINEAR_MODULES)) + 2 * c
-    if cfg.qk_norm:
-        per_layer += 2 * cfg.head_dim
+def weight_shapes(cfg: ModelConfig) -> dict:
+    """Every base tensor the engines hold (biases and lm_head included), name -> shape."""
+    from .hf import expected_shapes, module_path
+
+    shapes = expected_shapes(cfg)
     if cfg.attention_bias:
-        per_layer += cfg.q_size + 2 * cfg.kv_size
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * c
-    return cfg.vocab_size * c + head + c + cfg.num_hidden_layers * per_layer
+        for i in range(cfg.num_hidden_layers):
+            for m in ("q_proj", "k_proj", "v_proj"):
+                shapes[module_path(i, m) + ".bias"] = (cfg.linear_shape(m)[0],)
+    return shapes
+
+
+def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype: str = "float32",
+                      max_binding: int | None = None) -> dict:
+    """GPU bytes of the base weights stored as base_dtype (the linear layers) and embed_dtype (embedding,
+    lm_head), from the chunk plan the WebGPU engine allocates by: {"linear", "embedding", "other", "total"}.
+    max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB."""
+    from .gpu.quant import DEFAULT_MAX_BINDING, stored_bytes
+    from .reference.quant import check_dtypes, is_linear_weight, storage_dtype
+
+    check_dtypes(base_dtype, embed_dtype)
+    out = {"linear": 0, "embedding": 0, "other": 0}
+    for name, shape in weight_shapes(cfg).items():
+        dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
+        if len(shape) == 2:
+            n = stored_bytes(shape[0], shape[1], dtype, max_binding or DEFAULT_MAX_BINDING)
+        else:
+            n = max(1, shape[0]) * F32
+        out["linear" if is_linear_weight(name) else "embedding" if len(shape) == 2 else "other"] += n
+    out["total"] = sum(out.values())
+    return out
 
 
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
-                    method: str = "lora") -> dict:
-    """GPU bytes by category for training at (batch_size, seq_len): weights, trainable state
-    (LoRA or full weights with gradients and AdamW moments), activations, logits, and total."""
+                    method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "float32") -> dict:
+    """GPU bytes by category for training at (batch_size, seq_len): weights (the base weights as stored:
+    see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
+    activations, logits, and total."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
-    weights = _weight_elements(config) * F32
+    if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
+        raise ValueError("full fine-tuning needs float32 base weights")
+    weights = base_weight_bytes(config, base_dtype, embed_dtype)["total"]
     ranks, drop = {}, {}
     if method == "lora":
         lora = lora or LoraConfig()

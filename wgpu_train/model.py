@@ -10,6 +10,7 @@ from .config import LoraConfig, ModelConfig
 from .errors import AdapterError, ConfigError
 from .hf import load_weights, module_path, peft_key, read_adapter, save_model_folder, write_adapter
 from .reference.ops import IGNORE_INDEX, shift_labels
+from .reference.quant import check_dtypes
 
 log = logging.getLogger("wgpu_train")
 BACKENDS = ("auto", "wgpu", "numpy")
@@ -131,6 +132,10 @@ class Model:
         """Train every weight instead of LoRA (gradients keyed by Hugging Face tensor names)."""
         if self.lora_config is not None:
             raise ConfigError("full fine-tuning of a model with a LoRA adapter is not supported; merge it first")
+        stored = (getattr(self.engine, "base_dtype", "float32"), getattr(self.engine, "embed_dtype", "float32"))
+        if stored != ("float32", "float32"):
+            raise ConfigError(f"full fine-tuning needs float32 weights, but this model stores them as base_dtype "
+                              f"{stored[0]}, embed_dtype {stored[1]} (frozen); use LoRA or load it with float32")
         self.method = "full"
         self.engine.set_full_finetune(True)
 
@@ -192,9 +197,11 @@ class Model:
         save_model_folder(directory, self.config, self.merged_weights(), source_folder=self.path)
 
 
-def _make_engine(config, weights, backend: str, device=None, dtype=np.float32):
+def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
+                 embed_dtype="float32"):
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_dtypes(base_dtype, embed_dtype)
     if backend in ("auto", "wgpu"):
         from .gpu import runtime
 
@@ -204,14 +211,22 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32):
         else:
             from .gpu.engine import WgpuEngine
 
-            return WgpuEngine(config, weights, runtime.get_runtime(device))
+            return WgpuEngine(config, weights, runtime.get_runtime(device), base_dtype, embed_dtype)
     from .reference.model import NumpyEngine
 
-    return NumpyEngine(config, weights, dtype=dtype)
+    return NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype)
 
 
-def load_model(path, backend: str = "numpy", device=None, dtype=np.float32) -> Model:
-    """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend."""
+def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
+               embed_dtype: str = "float32") -> Model:
+    """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
+
+    base_dtype stores the frozen weights of the seven linear modules of every layer as "float32", "float16"
+    (the wgpu backend needs the adapter's shader-f16 feature) or "nf4" (4-bit NormalFloat, blocks of 64, as
+    bitsandbytes/QLoRA); embed_dtype stores the embedding and lm_head as "float32" or "float16". Norms,
+    biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with the
+    same rounded weights. Anything but float32 freezes the base (LoRA only)."""
     config = ModelConfig.from_folder(path)
+    check_dtypes(base_dtype, embed_dtype)
     weights = load_weights(path, config)
-    return Model(config, _make_engine(config, weights, backend, device, dtype), path)
+    return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype), path)

@@ -20,6 +20,8 @@ from .checkpoint import find_checkpoint, list_checkpoints
 from .config import LoraConfig, ModelConfig, OptimizerParams
 from .errors import ConfigError
 from .evaluate import engine_batch, evaluate_loss, exact_match
+from .memory import base_weight_bytes
+from .reference.quant import BASE_DTYPES, EMBED_DTYPES
 from .schedule import SCHEDULES, LRSchedule
 
 BACKEND_CHOICES = ("auto", "wgpu", "numpy")
@@ -44,6 +46,11 @@ class TrainConfig:
                         choices=BACKEND_CHOICES)
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
+    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16 (wgpu "
+                                      "needs shader-f16) or nf4 (4-bit NormalFloat blocks of 64, QLoRA); anything "
+                                      "but float32 is LoRA only", choices=BASE_DTYPES)
+    embed_dtype: str = _opt("float32", "storage of the embedding and lm_head: float32 or float16; LoRA only "
+                                       "unless float32", choices=EMBED_DTYPES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
@@ -91,7 +98,7 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
-        for name in ("backend", "method", "lr_schedule"):
+        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -107,6 +114,9 @@ class TrainConfig:
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
+        need(self.method == "lora" or (self.base_dtype, self.embed_dtype) == ("float32", "float32"),
+             f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "
+             f"(got {self.base_dtype}, {self.embed_dtype})")
         if self.method == "lora":
             self.lora_config()  # validates rank, dropout and targets
 
@@ -297,18 +307,23 @@ class Trainer:
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
 
-        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device)
+        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
+                                base_dtype=cfg.base_dtype, embed_dtype=cfg.embed_dtype)
         lora = cfg.lora_config() if cfg.method == "lora" else None
         if lora:
             self.model.add_lora(lora, seed=cfg.seed)
         else:
             self.model.set_full_finetune()
         self.engine = self.model.engine
+        # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
+        self.base_weight_bytes = int(getattr(self.engine, "base_weight_bytes", 0)
+                                     or base_weight_bytes(model_cfg, cfg.base_dtype, cfg.embed_dtype)["total"])
         n_params = count_trainable(model_cfg, lora)
         self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
                  f"{describe_device(self.engine)}; "
                  + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
-                    else "full fine-tuning") + f", {n_params:,} trainable parameters")
+                    else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
+                 f"{cfg.base_dtype} (embedding {cfg.embed_dtype}), {self.base_weight_bytes:,} bytes")
         self._prepare_out()
         if cfg.resume:
             self.load_checkpoint(find_checkpoint(cfg.resume))
@@ -641,6 +656,7 @@ class Trainer:
             "exact_match_n": em_after["n"] if em_after else None,
             "exact_match_samples": em_after["samples"] if em_after else [],
             "backend": self.engine.name, "device": describe_device(self.engine), "method": cfg.method,
+            "base_dtype": cfg.base_dtype, "embed_dtype": cfg.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
             "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
             "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
             "skipped_lines": self.splits.n_skipped, "truncated": self.truncated, "dropped": self.dropped,

@@ -28,6 +28,13 @@ def _training(rt):
 SECTIONS["training"] = _training
 
 
+def _base_weights(rt):
+    return bench_base_weights(rt)
+
+
+SECTIONS["base_weights"] = _base_weights
+
+
 def register(name: str):
     """Decorator: add a bench function under `name` (run in registration order; `only` filters by prefix)."""
     def deco(fn):
@@ -217,6 +224,106 @@ def bench_gemm(rt, ctx) -> list[dict]:
         finally:
             rt.release(*bufs)
         ctx["sample_peak"]()
+    return out
+
+
+# ---- GEMM with float16 / NF4 weights (gpu/quant.py) -----------------------------------------------
+
+@register("gemm_quant")
+def bench_gemm_quant(rt, ctx) -> list[dict]:
+    """gemm_{f16,nf4}_{nt,nn} (the frozen-weight GEMMs: x @ W.T and dy @ W) on GEMM_SHAPES, each checked
+    against the dequantised weight, timed in interleaved rounds with gemm_nt / gemm_nn (fp32) on the same
+    shape; "vs_float32" is the ratio of their speeds in this run. float16 needs shader-f16."""
+    from .quant import QuantMatrix, qgemm_dispatch
+    from ..reference.quant import round_to
+
+    timer = ctx["timer"]
+    rng = np.random.default_rng(1)
+    formats = [f for f in ("float16", "nf4") if f != "float16" or rt.has_f16]
+    out = []
+    for (m, n, k) in GEMM_SHAPES:
+        flops = 2.0 * m * n * k
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        w_nt = rng.standard_normal((n, k), dtype=np.float32)     # nt: the (out, in) weight of x @ W.T
+        w_nn = rng.standard_normal((k, n), dtype=np.float32)     # nn: dy @ W, W (out, in) = (k, n)
+        bufs = [rt.upload(a), rt.upload(w_nt), rt.upload(w_nn), rt.buffer(m * n * 4)]
+        ab, wntb, wnnb, cb = bufs
+        mats = []
+        try:
+            cases = [("gemm_nt", "float32", _gemm.gemm_dispatch(rt, cb, ab, wntb, m, n, k, "nt"), a @ w_nt.T),
+                     ("gemm_nn", "float32", _gemm.gemm_dispatch(rt, cb, ab, wnnb, m, n, k, "nn"), a @ w_nn)]
+            for fmt in formats:
+                for layout, w in (("nt", w_nt), ("nn", w_nn)):
+                    q = QuantMatrix(rt, w, fmt, f"bench.{fmt}")
+                    mats.append(q)
+                    wq = round_to(w, fmt).astype(np.float64)
+                    want = a @ (wq.T if layout == "nt" else wq)
+                    name = f"gemm_{'f16' if fmt == 'float16' else fmt}_{layout}"
+                    cases.append((name, fmt, qgemm_dispatch(rt, cb, ab, q, 0, layout, m), want))
+            errs = {name: _check(rt, d, cb, want.astype(np.float32)) for name, _, d, want in cases}
+            best = {name: float("inf") for name, *_ in cases}
+            for _ in range(GEMM_ROUNDS):
+                for name, _, d, _ in cases:
+                    best[name] = min(best[name], timer.time([d], repeats=2, budget_s=1.0, warmup=[]))
+            for name, fmt, d, _ in cases[2:]:
+                ref = "gemm_" + name[-2:]
+                out.append({"name": name, "shape": f"{m}x{n}x{k}", "gflops": flops / best[name] / 1e9,
+                            "ms": best[name] * 1e3, "vs_float32": best[ref] / best[name],
+                            "float32_gflops": flops / best[ref] / 1e9, "kernel": d[0].label.split(".")[-1],
+                            "max_rel_err": errs[name]})
+        finally:
+            rt.release(*bufs)
+            for q in mats:
+                q.release(rt)
+        ctx["sample_peak"]()
+    return out
+
+
+# The base-weight memory of a 0.5B-parameter model (Qwen2.5-0.5B's dimensions), counted by the chunk plan
+# the engine allocates from; one layer is really allocated per dtype to check the plan.
+QWEN05 = dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+              tie_word_embeddings=True, attention_bias=True)
+BASE_WEIGHT_CASES = (("float32", "float32"), ("float16", "float16"), ("nf4", "float32"), ("nf4", "float16"))
+
+
+def bench_base_weights(rt) -> list[dict]:
+    """[{base_dtype, embed_dtype, bytes, bytes_vs_float32, ...}] for the QWEN05 configuration (tied
+    embedding): totals from memory.base_weight_bytes, and layer 0's seven linear weights (random values)
+    allocated on this device, whose buffer sizes must equal the plan (checked where the dtype can run)."""
+    from ..config import LINEAR_MODULES, ModelConfig
+    from ..memory import base_weight_bytes, weight_shapes
+    from .engine import Matrix
+    from .quant import QuantMatrix, stored_bytes
+
+    cfg = ModelConfig(**QWEN05)
+    params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
+    f32 = base_weight_bytes(cfg, "float32", "float32", rt.max_binding)["total"]
+    rng = np.random.default_rng(0)
+    layer = {m: (0.02 * rng.standard_normal(cfg.linear_shape(m), dtype=np.float32)) for m in LINEAR_MODULES}
+    out = []
+    for base, emb in BASE_WEIGHT_CASES:
+        b = base_weight_bytes(cfg, base, emb, rt.max_binding)
+        entry = {"base_dtype": base, "embed_dtype": emb, "bytes": b["total"], "bytes_vs_float32": b["total"] / f32,
+                 "linear_bytes": b["linear"], "embedding_bytes": b["embedding"], "other_bytes": b["other"],
+                 "parameters": params}
+        planned = sum(stored_bytes(*w.shape, base, rt.max_binding) for w in layer.values())
+        if base == "float16" and not rt.has_f16:
+            entry["layer0_check"] = "skipped: no shader-f16"
+        elif (base, emb) == ("nf4", "float16"):
+            entry["layer0_check"] = "as nf4 / float32"
+        else:
+            allocated, mats = 0, []
+            for m, w in layer.items():
+                t = Matrix(rt, *w.shape, m, w) if base == "float32" else QuantMatrix(rt, w, base, m)
+                mats.append(t)
+                allocated += sum(buf.size for buf, _, _ in t.chunks) + sum(s.size for s in getattr(t, "absmax", []))
+            for t in mats:
+                rt.release(*[buf for buf, _, _ in t.chunks], *getattr(t, "absmax", []))
+            if allocated != planned:
+                raise AssertionError(f"{base}: layer 0 allocated {allocated} bytes, the plan says {planned}")
+            entry["layer0_check"] = f"allocated {allocated} bytes = planned"
+        out.append(entry)
     return out
 
 

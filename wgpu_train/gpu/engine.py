@@ -11,8 +11,11 @@ from ..errors import DeviceError
 from ..hf import module_path
 from ..memory import activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
+from ..reference.quant import check_dtypes, storage_dtype
 from . import kernels as K
+from . import quant
 from .gemm import gemm, lora_backward, lora_forward, ones
+from .quant import QuantMatrix
 from .runtime import Runtime
 
 F32 = 4
@@ -46,6 +49,8 @@ class Matrix:
 
 def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
     """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
+    if isinstance(w, QuantMatrix):
+        return quant.linear_forward(rec, y, x, w, bias, N, accumulate)
     for buf, r0, n in w.chunks:
         b = (bias, r0) if bias is not None else None
         gemm(rec, _at(y, r0), x, buf, N, n, w.cols, "nt", bias=b, accumulate=accumulate, ldc=w.rows)
@@ -53,6 +58,12 @@ def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
 
 def linear_backward(rec, dx, dweight, dbias, dy, x, w: Matrix, N, accumulate_dx=False):
     """dx (N, in) (+)= dy @ w; dweight (+)= dy.T @ x and dbias (+)= sum(dy) when given (always accumulated)."""
+    if isinstance(w, QuantMatrix):   # a frozen float16 / NF4 weight: only dx
+        if dweight is not None or dbias is not None:
+            raise ValueError(f"a {w.dtype} base weight is frozen: it has no weight or bias gradient")
+        if dx is not None:
+            quant.linear_backward(rec, dx, dy, w, N, accumulate_dx)
+        return
     for i, (buf, r0, n) in enumerate(w.chunks):
         if dx is not None:
             gemm(rec, dx, _at(dy, r0), buf, N, w.cols, n, "nn", lda=w.rows, accumulate=accumulate_dx or i > 0)
@@ -110,15 +121,28 @@ class WgpuEngine:
     name = "wgpu"
     MAX_BUCKETS = 4     # activation buckets kept allocated at once
 
-    def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime):
+    def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
+                 embed_dtype: str = "float32"):
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
-        self.w: dict = {}          # HF name -> Matrix (2-D) or buffer (1-D)
+        check_dtypes(base_dtype, embed_dtype)
+        halves = [f"{k}=float16" for k, v in (("base_dtype", base_dtype), ("embed_dtype", embed_dtype)) if v == "float16"]
+        if halves:
+            quant.require_f16(rt, " and ".join(halves))
+        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype
+        self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)
         for name, arr in weights.items():
-            if arr.ndim == 2:
+            stored = storage_dtype(name, arr.ndim, base_dtype, embed_dtype)
+            if stored != "float32":
+                self.w[name] = QuantMatrix(rt, arr, stored, name)
+            elif arr.ndim == 2:
                 self.w[name] = Matrix(rt, arr.shape[0], arr.shape[1], name, arr)
             else:
                 self.w[name] = rt.upload(arr.astype(np.float32), name)
+        # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
+        self.base_weight_bytes = sum(t.nbytes if isinstance(t, QuantMatrix) else
+                                     sum(b.size for b, _, _ in t.chunks) if isinstance(t, Matrix) else t.size
+                                     for t in self.w.values())
         self.shapes = {k: tuple(v.shape) for k, v in weights.items()}
         self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
         self.lora: dict[str, GpuLora] = {}
@@ -222,7 +246,9 @@ class WgpuEngine:
                 for p, m in self.lora.items()}
 
     def weights(self) -> dict:
-        return {k: self._read(t, self.shapes[k]) for k, t in self.w.items()}
+        """Base weights as float32 (float16 / NF4 ones dequantised)."""
+        return {k: t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[k])
+                for k, t in self.w.items()}
 
     def zero_grads(self):
         rec = self.rt.recorder()
@@ -301,6 +327,8 @@ class WgpuEngine:
     # ---- forward ------------------------------------------------------------------------------
     def _embed(self, rec, out, ids, n):
         emb = self.w["model.embed_tokens.weight"]
+        if isinstance(emb, QuantMatrix):
+            return quant.embedding_forward(rec, out, ids, emb, n)
         for buf, r0, rows in emb.chunks:
             K.embedding_forward(rec, out, ids, buf, n, emb.cols, rows, r0)
 

@@ -9,6 +9,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..hf import module_path
 from . import ops
+from .quant import round_weights
 from .optim import adamw_update, clip_scale, grad_norm
 
 
@@ -20,14 +21,20 @@ class LoraModule:
 
 
 class NumpyEngine:
-    """Forward and backward of a Llama-family model on the CPU in float32 (or float64)."""
+    """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
+
+    base_dtype / embed_dtype ("float32", "float16", "nf4" / "float32", "float16"): the base weights are
+    rounded through that storage at load (reference/quant.py) and kept dequantised, so the math equals
+    the GPU engine's, which stores them in that format, up to summation order."""
 
     name = "numpy"
 
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32):
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32, base_dtype: str = "float32",
+                 embed_dtype: str = "float32"):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
-        self.w = {k: v.astype(self.dtype) for k, v in weights.items()}
+        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype
+        self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         self.inv_freq = cfg.inv_freq()
         self.lora: dict[str, LoraModule] = {}
         self.full = False            # full fine-tuning: every weight trainable

@@ -1,0 +1,404 @@
+enable f16;
+// GEMM with a frozen weight stored as float16 or as 4-bit NF4 codes, accumulated in f32:
+//   C (+)= A @ op(W) (+ bias),  A (M, K) f32 row-major (pitch lda),  C (M, N) f32 (pitch ldc),
+//   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = its rows) or W ("nn", the backward
+//   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
+//   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
+//
+// The file has one section per weight format; gpu/quant.py builds each pipeline's source by blanking
+// the other format's section (and `enable f16;` for NF4, so NF4 runs without shader-f16), and the
+// subgroup kernels on devices without subgroups. Each format defines binding 2 (the weights), Raw8 with
+// raw8(e) (what one load brings: elements e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as
+// f32) and w4(e0, e1, e2, e3) (any 4 elements).
+//   float16: binding 2 holds the f16 values.
+//   nf4:     binding 2 holds the bitsandbytes byte stream as u32 words (little-endian: byte j of a word
+//            holds elements 2j (high nibble) and 2j + 1 (low nibble) of its 8); binding 5 the f32
+//            absmax of each 64-element block of the flattened weight (blocks cross rows).
+//
+// Tiling as in gemm.wgsl (a workgroup owns TM rows x 8 * WG columns of C, no workgroup memory; the
+// *_sg kernel hands the A slice out by subgroupBroadcast), except that an invocation's 8 columns are
+// adjacent: one NF4 word (or 16 bytes of f16) holds 8 weights along n in the nn layout and 8 along k in
+// the nt layout, so each load feeds 8 weights. Each weight is decoded once per workgroup (row tile) and
+// used in TM FMAs: on llvmpipe the NF4 select tree costs ~25% of the FMA work at TM = 32.
+// qgemm_fast needs A 4-aligned (a_off, lda % 4 == 0) and, for nt, K % 8 == 0, for nn, N % 8 == 0 (any K);
+// qgemm takes any shape (a weight load per element: for odd test shapes, not for speed).
+
+struct Params {
+    M: u32, N: u32, K: u32, flags: u32,          // flags: 1 = accumulate into C, 2 = add bias
+    a_off: u32, lda: u32, c_off: u32, ldc: u32,  // A (m, k) at a_off + m * lda + k; C (m, n) at c_off + m * ldc + n
+    bias_off: u32, cols: u32, row0: u32, rows: u32, // cols: row length of W; row0/rows: embed_gather only
+};
+
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read> A: array<f32>;
+@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> BIAS: array<f32>;
+@group(0) @binding(4) var<storage, read_write> C: array<f32>;
+
+override WG: u32 = 32u;          // invocations per workgroup
+override TM: u32 = 32u;          // rows of C per workgroup: 32, or 8 for skinny products
+override NT: bool = true;        // op(W) = W^T (else W)
+
+alias Acc = array<vec4<f32>, 64>;  // acc[2 * row + j]: row `row`, columns n0 + 4j .. n0 + 4j + 3
+
+var<private> m0: u32;            // first row of this workgroup
+var<private> n0: u32;            // first of this invocation's 8 adjacent columns
+
+fn setup(wid: vec3<u32>, lid: u32) {
+    m0 = wid.x * TM;
+    n0 = (wid.y * WG + lid) * 8u;
+}
+
+// ---- the FMA core (as gemm.wgsl) --------------------------------------------------------------
+
+fn rank4(c: vec4<f32>, a: vec4<f32>, b: mat4x4<f32>) -> vec4<f32> {
+    let c1 = fma(b[0], vec4<f32>(a.x), c);
+    let c2 = fma(b[1], vec4<f32>(a.y), c1);
+    let c3 = fma(b[2], vec4<f32>(a.z), c2);
+    return fma(b[3], vec4<f32>(a.w), c3);
+}
+
+fn update_row(acc: ptr<function, Acc>, row: u32, a: vec4<f32>, b0: mat4x4<f32>, b1: mat4x4<f32>) {
+    (*acc)[2u * row] = rank4((*acc)[2u * row], a, b0);
+    (*acc)[2u * row + 1u] = rank4((*acc)[2u * row + 1u], a, b1);
+}
+
+// Element index in the chunk of op(W) (k, n).
+fn w_at(k: u32, n: u32) -> u32 {
+    if (NT) {
+        return n * P.cols + k;
+    }
+    return k * P.cols + n;
+}
+
+// ---- qgemm: any shape -------------------------------------------------------------------------
+
+// Row m of A at k..k+3, zero past K.
+fn a_row(m: u32, k: u32) -> vec4<f32> {
+    let r = P.a_off + min(m, P.M - 1u) * P.lda;
+    let kl = P.K - 1u;
+    return vec4<f32>(select(0.0, A[r + min(k, kl)], k < P.K),
+                     select(0.0, A[r + min(k + 1u, kl)], k + 1u < P.K),
+                     select(0.0, A[r + min(k + 2u, kl)], k + 2u < P.K),
+                     select(0.0, A[r + min(k + 3u, kl)], k + 3u < P.K));
+}
+
+// op(W) row k (clamped) at columns c..c+3 (clamped).
+fn w_row4(k: u32, c: u32) -> vec4<f32> {
+    let kk = min(k, P.K - 1u);
+    let nl = P.N - 1u;
+    return w4(w_at(kk, min(c, nl)), w_at(kk, min(c + 1u, nl)), w_at(kk, min(c + 2u, nl)), w_at(kk, min(c + 3u, nl)));
+}
+
+fn update8_generic(acc: ptr<function, Acc>, r0: u32, k: u32, b0: mat4x4<f32>, b1: mat4x4<f32>) {
+    let m = m0 + r0;
+    update_row(acc, r0, a_row(m, k), b0, b1);
+    update_row(acc, r0 + 1u, a_row(m + 1u, k), b0, b1);
+    update_row(acc, r0 + 2u, a_row(m + 2u, k), b0, b1);
+    update_row(acc, r0 + 3u, a_row(m + 3u, k), b0, b1);
+    update_row(acc, r0 + 4u, a_row(m + 4u, k), b0, b1);
+    update_row(acc, r0 + 5u, a_row(m + 5u, k), b0, b1);
+    update_row(acc, r0 + 6u, a_row(m + 6u, k), b0, b1);
+    update_row(acc, r0 + 7u, a_row(m + 7u, k), b0, b1);
+}
+
+@compute @workgroup_size(WG)
+fn qgemm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    setup(wid, lid);
+    var acc: Acc;
+    for (var k = 0u; k < P.K; k += 4u) {
+        let b0 = mat4x4<f32>(w_row4(k, n0), w_row4(k + 1u, n0), w_row4(k + 2u, n0), w_row4(k + 3u, n0));
+        let c1 = n0 + 4u;
+        let b1 = mat4x4<f32>(w_row4(k, c1), w_row4(k + 1u, c1), w_row4(k + 2u, c1), w_row4(k + 3u, c1));
+        update8_generic(&acc, 0u, k, b0, b1);
+        if (TM > 8u) {
+            update8_generic(&acc, 8u, k, b0, b1);
+            update8_generic(&acc, 16u, k, b0, b1);
+            update8_generic(&acc, 24u, k, b0, b1);
+        }
+    }
+    store_all(&acc);
+}
+
+// ---- qgemm_fast: 8 weights per load, used in two halves of 4 steps of k ---------------------------
+
+// nt: column c's values at k..k+7 are 8 consecutive elements of row c of W, loaded once per 8 steps of k
+// (raw_nt) and decoded by halves (half_nt: rows k + 4h .. k + 4h + 3 of op(W) at columns 0..3 in b0 and
+// 4..7 in b1; column i of each matrix is one row of op(W)).
+struct Raw8x8 { r0: Raw8, r1: Raw8, r2: Raw8, r3: Raw8, r4: Raw8, r5: Raw8, r6: Raw8, r7: Raw8 };
+
+fn raw_nt(k: u32) -> Raw8x8 {
+    let nl = P.N - 1u;
+    return Raw8x8(raw8(min(n0, nl) * P.cols + k), raw8(min(n0 + 1u, nl) * P.cols + k),
+                  raw8(min(n0 + 2u, nl) * P.cols + k), raw8(min(n0 + 3u, nl) * P.cols + k),
+                  raw8(min(n0 + 4u, nl) * P.cols + k), raw8(min(n0 + 5u, nl) * P.cols + k),
+                  raw8(min(n0 + 6u, nl) * P.cols + k), raw8(min(n0 + 7u, nl) * P.cols + k));
+}
+
+struct B4 { b0: mat4x4<f32>, b1: mat4x4<f32> };
+
+fn half_nt(r: Raw8x8, h: bool) -> B4 {
+    return B4(transpose(mat4x4<f32>(dec4(r.r0, h), dec4(r.r1, h), dec4(r.r2, h), dec4(r.r3, h))),
+              transpose(mat4x4<f32>(dec4(r.r4, h), dec4(r.r5, h), dec4(r.r6, h), dec4(r.r7, h))));
+}
+
+// nn: row k + i of op(W) at the 8 columns is 8 consecutive elements of row k + i of W (rows past K clamped).
+fn quad_nn(k: u32) -> B4 {
+    let kl = P.K - 1u;
+    let n = min(n0, P.N - 8u);
+    let r0 = raw8(min(k, kl) * P.cols + n);
+    let r1 = raw8(min(k + 1u, kl) * P.cols + n);
+    let r2 = raw8(min(k + 2u, kl) * P.cols + n);
+    let r3 = raw8(min(k + 3u, kl) * P.cols + n);
+    return B4(mat4x4<f32>(dec4(r0, false), dec4(r1, false), dec4(r2, false), dec4(r3, false)),
+              mat4x4<f32>(dec4(r0, true), dec4(r1, true), dec4(r2, true), dec4(r3, true)));
+}
+
+// Row m0 + r of A at k..k+3, zero past K (the vec4 load stays inside the binding: robust access).
+fn a4(r: u32, k: u32) -> vec4<f32> {
+    let v = A4[(P.a_off + min(m0 + r, P.M - 1u) * P.lda + k) >> 2u];
+    return select(vec4<f32>(0.0), v, vec4<u32>(k, k + 1u, k + 2u, k + 3u) < vec4<u32>(P.K));
+}
+
+// Rows r0..r0+7, unrolled: indexing the accumulators with a loop variable would move them to memory.
+fn update8_fast(acc: ptr<function, Acc>, r0: u32, k: u32, b: B4) {
+    update_row(acc, r0, a4(r0, k), b.b0, b.b1);
+    update_row(acc, r0 + 1u, a4(r0 + 1u, k), b.b0, b.b1);
+    update_row(acc, r0 + 2u, a4(r0 + 2u, k), b.b0, b.b1);
+    update_row(acc, r0 + 3u, a4(r0 + 3u, k), b.b0, b.b1);
+    update_row(acc, r0 + 4u, a4(r0 + 4u, k), b.b0, b.b1);
+    update_row(acc, r0 + 5u, a4(r0 + 5u, k), b.b0, b.b1);
+    update_row(acc, r0 + 6u, a4(r0 + 6u, k), b.b0, b.b1);
+    update_row(acc, r0 + 7u, a4(r0 + 7u, k), b.b0, b.b1);
+}
+
+fn step_fast(acc: ptr<function, Acc>, k: u32, b: B4) {
+    update8_fast(acc, 0u, k, b);
+    if (TM > 8u) {
+        update8_fast(acc, 8u, k, b);
+        update8_fast(acc, 16u, k, b);
+        update8_fast(acc, 24u, k, b);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn qgemm_fast(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    setup(wid, lid);
+    var acc: Acc;
+    if (NT) {   // K % 8 == 0
+        for (var k = 0u; k < P.K; k += 8u) {
+            let r = raw_nt(k);
+            step_fast(&acc, k, half_nt(r, false));
+            step_fast(&acc, k + 4u, half_nt(r, true));
+        }
+    } else {
+        for (var k = 0u; k < P.K; k += 4u) {
+            step_fast(&acc, k, quad_nn(k));
+        }
+    }
+    store_all(&acc);
+}
+
+// ---- epilogue (as gemm.wgsl: the row's accumulators through a tree of selects) ------------------
+
+fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
+    let s0_0 = select((*acc)[0u + j], (*acc)[2u + j], (r & 1u) != 0u);
+    let s0_1 = select((*acc)[4u + j], (*acc)[6u + j], (r & 1u) != 0u);
+    let s0_2 = select((*acc)[8u + j], (*acc)[10u + j], (r & 1u) != 0u);
+    let s0_3 = select((*acc)[12u + j], (*acc)[14u + j], (r & 1u) != 0u);
+    let s0_4 = select((*acc)[16u + j], (*acc)[18u + j], (r & 1u) != 0u);
+    let s0_5 = select((*acc)[20u + j], (*acc)[22u + j], (r & 1u) != 0u);
+    let s0_6 = select((*acc)[24u + j], (*acc)[26u + j], (r & 1u) != 0u);
+    let s0_7 = select((*acc)[28u + j], (*acc)[30u + j], (r & 1u) != 0u);
+    let s0_8 = select((*acc)[32u + j], (*acc)[34u + j], (r & 1u) != 0u);
+    let s0_9 = select((*acc)[36u + j], (*acc)[38u + j], (r & 1u) != 0u);
+    let s0_10 = select((*acc)[40u + j], (*acc)[42u + j], (r & 1u) != 0u);
+    let s0_11 = select((*acc)[44u + j], (*acc)[46u + j], (r & 1u) != 0u);
+    let s0_12 = select((*acc)[48u + j], (*acc)[50u + j], (r & 1u) != 0u);
+    let s0_13 = select((*acc)[52u + j], (*acc)[54u + j], (r & 1u) != 0u);
+    let s0_14 = select((*acc)[56u + j], (*acc)[58u + j], (r & 1u) != 0u);
+    let s0_15 = select((*acc)[60u + j], (*acc)[62u + j], (r & 1u) != 0u);
+    let s1_0 = select(s0_0, s0_1, (r & 2u) != 0u);
+    let s1_1 = select(s0_2, s0_3, (r & 2u) != 0u);
+    let s1_2 = select(s0_4, s0_5, (r & 2u) != 0u);
+    let s1_3 = select(s0_6, s0_7, (r & 2u) != 0u);
+    let s1_4 = select(s0_8, s0_9, (r & 2u) != 0u);
+    let s1_5 = select(s0_10, s0_11, (r & 2u) != 0u);
+    let s1_6 = select(s0_12, s0_13, (r & 2u) != 0u);
+    let s1_7 = select(s0_14, s0_15, (r & 2u) != 0u);
+    let s2_0 = select(s1_0, s1_1, (r & 4u) != 0u);
+    let s2_1 = select(s1_2, s1_3, (r & 4u) != 0u);
+    let s2_2 = select(s1_4, s1_5, (r & 4u) != 0u);
+    let s2_3 = select(s1_6, s1_7, (r & 4u) != 0u);
+    let s3_0 = select(s2_0, s2_1, (r & 8u) != 0u);
+    let s3_1 = select(s2_2, s2_3, (r & 8u) != 0u);
+    return select(s3_0, s3_1, (r & 16u) != 0u);
+}
+
+fn store1(c_row: u32, n: u32, v: f32) {
+    if (n >= P.N) {
+        return;
+    }
+    var out = v;
+    if ((P.flags & 2u) != 0u) {
+        out += BIAS[P.bias_off + n];
+    }
+    let i = c_row + n;
+    if ((P.flags & 1u) != 0u) {
+        out += C[i];
+    }
+    C[i] = out;
+}
+
+fn store_all(acc: ptr<function, Acc>) {
+    for (var r = 0u; r < TM; r++) {
+        let m = m0 + r;
+        if (m >= P.M) {
+            break;
+        }
+        let c_row = P.c_off + m * P.ldc;
+        let v0 = pick(acc, r, 0u);
+        let v1 = pick(acc, r, 1u);
+        store1(c_row, n0, v0.x);
+        store1(c_row, n0 + 1u, v0.y);
+        store1(c_row, n0 + 2u, v0.z);
+        store1(c_row, n0 + 3u, v0.w);
+        store1(c_row, n0 + 4u, v1.x);
+        store1(c_row, n0 + 5u, v1.y);
+        store1(c_row, n0 + 6u, v1.z);
+        store1(c_row, n0 + 7u, v1.w);
+    }
+}
+
+// ---- subgroup kernels (blanked by gpu/quant.py when the device lacks the subgroup feature) ------
+// As gemm.wgsl's *_sg kernels: lane i < 8 of each subgroup loads row r0 + i of the A slice, every lane
+// reads it back with subgroupBroadcast (8x fewer A loads per invocation).
+
+fn update8_sg(acc: ptr<function, Acc>, r0: u32, a: vec4<f32>, b: B4) {
+    update_row(acc, r0, subgroupBroadcast(a, 0u), b.b0, b.b1);
+    update_row(acc, r0 + 1u, subgroupBroadcast(a, 1u), b.b0, b.b1);
+    update_row(acc, r0 + 2u, subgroupBroadcast(a, 2u), b.b0, b.b1);
+    update_row(acc, r0 + 3u, subgroupBroadcast(a, 3u), b.b0, b.b1);
+    update_row(acc, r0 + 4u, subgroupBroadcast(a, 4u), b.b0, b.b1);
+    update_row(acc, r0 + 5u, subgroupBroadcast(a, 5u), b.b0, b.b1);
+    update_row(acc, r0 + 6u, subgroupBroadcast(a, 6u), b.b0, b.b1);
+    update_row(acc, r0 + 7u, subgroupBroadcast(a, 7u), b.b0, b.b1);
+}
+
+fn step_sg(acc: ptr<function, Acc>, lane: u32, k: u32, b: B4) {
+    update8_sg(acc, 0u, a4(lane, k), b);
+    if (TM > 8u) {
+        let a1 = a4(8u + lane, k);
+        let a2 = a4(16u + lane, k);
+        let a3 = a4(24u + lane, k);
+        update8_sg(acc, 8u, a1, b);
+        update8_sg(acc, 16u, a2, b);
+        update8_sg(acc, 24u, a3, b);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn qgemm_fast_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+                 @builtin(subgroup_invocation_id) sid: u32) {
+    setup(wid, lid);
+    let lane = sid & 7u;
+    var acc: Acc;
+    if (NT) {
+        for (var k = 0u; k < P.K; k += 8u) {
+            let r = raw_nt(k);
+            step_sg(&acc, lane, k, half_nt(r, false));
+            step_sg(&acc, lane, k + 4u, half_nt(r, true));
+        }
+    } else {
+        for (var k = 0u; k < P.K; k += 4u) {
+            step_sg(&acc, lane, k, quad_nn(k));
+        }
+    }
+    store_all(&acc);
+}
+// ---- end of subgroup kernels
+
+// ---- format: nf4 ------------------------------------------------------------------------------
+@group(0) @binding(2) var<storage, read> Q: array<u32>;
+@group(0) @binding(5) var<storage, read> S: array<f32>;
+
+// NF4_CODE[q] for 4 indices, through a tree of selects on their bits (no memory access).
+fn nf4(q: vec4<u32>) -> vec4<f32> {
+    let b0 = (q & vec4<u32>(1u)) != vec4<u32>(0u);
+    let b1 = (q & vec4<u32>(2u)) != vec4<u32>(0u);
+    let b2 = (q & vec4<u32>(4u)) != vec4<u32>(0u);
+    let b3 = (q & vec4<u32>(8u)) != vec4<u32>(0u);
+    let s0 = select(vec4<f32>(-1.0), vec4<f32>(-0.6961928009986877), b0);
+    let s1 = select(vec4<f32>(-0.5250730514526367), vec4<f32>(-0.39491748809814453), b0);
+    let s2 = select(vec4<f32>(-0.28444138169288635), vec4<f32>(-0.18477343022823334), b0);
+    let s3 = select(vec4<f32>(-0.09105003625154495), vec4<f32>(0.0), b0);
+    let s4 = select(vec4<f32>(0.07958029955625534), vec4<f32>(0.16093020141124725), b0);
+    let s5 = select(vec4<f32>(0.24611230194568634), vec4<f32>(0.33791524171829224), b0);
+    let s6 = select(vec4<f32>(0.44070982933044434), vec4<f32>(0.5626170039176941), b0);
+    let s7 = select(vec4<f32>(0.7229568362236023), vec4<f32>(1.0), b0);
+    let t0 = select(s0, s1, b1);
+    let t1 = select(s2, s3, b1);
+    let t2 = select(s4, s5, b1);
+    let t3 = select(s6, s7, b1);
+    return select(select(t0, t1, b2), select(t2, t3, b2), b3);
+}
+
+// Elements e..e+7 (e % 8 == 0: one word, one block): the word and the block's absmax, decoded by halves.
+alias Raw8 = vec2<u32>;
+
+fn raw8(e: u32) -> Raw8 {
+    return vec2<u32>(Q[e >> 3u], bitcast<u32>(S[e >> 6u]));
+}
+
+// Elements 0..3 (h false) or 4..7 (h true) of a raw8.
+fn dec4(r: Raw8, h: bool) -> vec4<f32> {
+    let shifts = select(vec4<u32>(4u, 0u, 12u, 8u), vec4<u32>(20u, 16u, 28u, 24u), h);
+    return nf4((vec4<u32>(r.x) >> shifts) & vec4<u32>(15u)) * bitcast<f32>(r.y);
+}
+
+fn nibble(e: u32) -> u32 {
+    return (Q[e >> 3u] >> (((e >> 1u) & 3u) * 8u + 4u - (e & 1u) * 4u)) & 15u;
+}
+
+fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
+    let q = vec4<u32>(nibble(e0), nibble(e1), nibble(e2), nibble(e3));
+    return nf4(q) * vec4<f32>(S[e0 >> 6u], S[e1 >> 6u], S[e2 >> 6u], S[e3 >> 6u]);
+}
+
+// ---- format: float16 --------------------------------------------------------------------------
+@group(0) @binding(2) var<storage, read> H: array<f16>;
+@group(0) @binding(2) var<storage, read> H8: array<mat2x4<f16>>;
+@group(0) @binding(1) var<storage, read> IDS: array<i32>;
+@group(0) @binding(3) var<storage, read_write> OUT: array<f32>;   // embed_gather (bindings 0..3)
+
+// Elements e..e+7 (e % 8 == 0), decoded by halves.
+alias Raw8 = mat2x4<f16>;
+
+fn raw8(e: u32) -> Raw8 {
+    return H8[e >> 3u];
+}
+
+fn dec4(r: Raw8, h: bool) -> vec4<f32> {
+    return vec4<f32>(select(r[0], r[1], h));
+}
+
+fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
+    return vec4<f32>(f32(H[e0]), f32(H[e1]), f32(H[e2]), f32(H[e3]));
+}
+
+// Embedding rows from an f16 vocabulary chunk: OUT[c_off + t * cols + c] = W[ids[a_off + t] - row0, c] for
+// ids in [row0, row0 + rows); M = tokens; other tokens are left untouched (one call per chunk).
+@compute @workgroup_size(64)
+fn embed_gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.y * nwg.x * 64u + gid.x;
+    if (i >= P.M * P.cols) {
+        return;
+    }
+    let t = i / P.cols;
+    let r = IDS[P.a_off + t] - i32(P.row0);
+    if (r < 0 || u32(r) >= P.rows) {
+        return;
+    }
+    OUT[P.c_off + i] = f32(H[u32(r) * P.cols + i % P.cols]);
+}
+// ---- end of formats

@@ -1,0 +1,257 @@
+"""Frozen base weights stored as float16 or 4-bit NF4 on the GPU (QuantMatrix), and the GEMMs that read
+them and accumulate in f32 (shaders/gemm_quant.wgsl): the forward x @ W.T ("nt") and the backward
+dy @ W ("nn"); a frozen weight never needs its own gradient. Also the f16 embedding gather.
+
+Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same function):
+- float16: the values, row chunks of a multiple of 8 rows that fit one storage binding;
+- nf4: reference/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
+  padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
+  A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
+  contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation.
+Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm.py.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from ..errors import DeviceError
+from ..reference.quant import NF4_BLOCK, nf4_dequantize, nf4_quantize
+from . import gemm as _gemm
+
+SHADER = "gemm_quant"
+FORMATS = ("float16", "nf4")
+NF4_BLOCK_BYTES = NF4_BLOCK // 2
+DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGPU's default limit)
+_PARAMS = struct.Struct("<12I")
+_F32 = 4
+_FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"
+_SG_MARK, _SG_END = "// ---- subgroup kernels", "// ---- end of subgroup kernels"
+_sources: dict = {}                  # (format, subgroups) -> shader source with the rest blanked
+
+
+def _round16(n: int) -> int:
+    return (int(n) + 15) // 16 * 16
+
+
+def _nf4_blocks(elements: int) -> int:
+    return -(-int(elements) // NF4_BLOCK)
+
+
+def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> list:
+    """(first_row, n_rows, weight_bytes, absmax_bytes) of each buffer pair a (rows, cols) weight stored as
+    `dtype` occupies on the GPU (float32: engine.Matrix's chunks; the others: QuantMatrix's). float16 and
+    NF4 chunks start on a multiple of 8 rows (aligned offsets of y and dy); NF4 ones on a block boundary."""
+    if dtype == "float32":
+        per = max(1, min(rows, max_binding // (cols * _F32)))
+        return [(r0, min(per, rows - r0), min(per, rows - r0) * cols * _F32, 0) for r0 in range(0, rows, per)]
+    if dtype == "float16":
+        unit, fit = 8, max_binding // (cols * 2)
+    elif dtype == "nf4":
+        unit = math.lcm(8, NF4_BLOCK // math.gcd(cols, NF4_BLOCK))
+        fit = (max_binding // NF4_BLOCK_BYTES) * NF4_BLOCK // cols
+    else:
+        raise ValueError(f"unknown weight dtype {dtype!r}")
+    per = rows if rows <= fit else fit // unit * unit
+    if per < 1:
+        raise DeviceError(f"a {dtype} weight with rows of {cols} elements cannot be split into chunks that fit "
+                          f"the device's max storage binding of {max_binding} bytes")
+    out = []
+    for r0 in range(0, rows, per):
+        n = min(per, rows - r0)
+        if dtype == "float16":
+            out.append((r0, n, _round16(n * cols * 2), 0))
+        else:
+            blocks = _nf4_blocks(n * cols)
+            out.append((r0, n, _round16(blocks * NF4_BLOCK_BYTES), _round16(blocks * _F32)))
+    return out
+
+
+def stored_bytes(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> int:
+    """GPU bytes of a (rows, cols) weight stored as dtype."""
+    return sum(w + s for _, _, w, s in chunk_plan(rows, cols, dtype, max_binding))
+
+
+def require_f16(rt, what: str = "base_dtype=float16"):
+    """DeviceError unless the device has shader-f16."""
+    if not rt.has_f16:
+        raise DeviceError(f"{what} needs the WebGPU feature 'shader-f16', which {rt.info.describe()} lacks; "
+                          f"store the weights as float32 (or the base weights as nf4, which needs no f16)")
+
+
+class QuantMatrix:
+    """A frozen (rows, cols) weight stored as float16 or NF4 on the GPU, in row chunks that each fit one
+    storage binding. Attributes as engine.Matrix: rows, cols, chunks [(buffer, first_row, n_rows)], size,
+    read(rt); plus dtype, absmax (NF4: one f32 absmax buffer per chunk) and nbytes (all its buffers)."""
+
+    def __init__(self, rt, data: np.ndarray, dtype: str, label: str = ""):
+        if dtype not in FORMATS:
+            raise ValueError(f"QuantMatrix dtype must be one of {FORMATS}, got {dtype!r}")
+        if dtype == "float16":
+            require_f16(rt)
+        data = np.asarray(data, dtype=np.float32)
+        self.rows, self.cols = data.shape
+        self.dtype = dtype
+        self.chunks: list = []     # (buffer, first_row, n_rows)
+        self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks
+        self.nbytes = 0
+        if dtype == "nf4":
+            packed, absmax = nf4_quantize(data)
+        for r0, n, wbytes, sbytes in chunk_plan(self.rows, self.cols, dtype, rt.max_binding):
+            buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
+            if dtype == "float16":
+                rt.write(buf, data[r0:r0 + n].astype(np.float16).reshape(-1))
+            else:
+                b0, b1 = r0 * self.cols // NF4_BLOCK, _nf4_blocks((r0 + n) * self.cols)
+                rt.write(buf, packed[b0 * NF4_BLOCK_BYTES:b1 * NF4_BLOCK_BYTES])
+                sbuf = rt.buffer(sbytes, f"{label}[{r0}:] absmax")
+                rt.write(sbuf, absmax[b0:b1])
+                self.absmax.append(sbuf)
+            self.chunks.append((buf, r0, n))
+            self.nbytes += wbytes + sbytes
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    def read(self, rt) -> np.ndarray:
+        """The dequantised float32 weight (rows, cols), from the bytes on the device."""
+        if self.dtype == "float16":
+            parts = [rt.read(b, np.float16, (n, self.cols)) for b, _, n in self.chunks]
+            return np.concatenate(parts).astype(np.float32)
+        packed, absmax = [], []
+        for (b, r0, n), s in zip(self.chunks, self.absmax):
+            blocks = _nf4_blocks((r0 + n) * self.cols) - r0 * self.cols // NF4_BLOCK
+            packed.append(rt.read(b, np.uint8, (blocks * NF4_BLOCK_BYTES,)))
+            absmax.append(rt.read(s, np.float32, (blocks,)))
+        return nf4_dequantize(np.concatenate(packed), np.concatenate(absmax), (self.rows, self.cols))
+
+    def release(self, rt):
+        rt.release(*[b for b, _, _ in self.chunks], *self.absmax)
+
+
+# ---- pipelines ----------------------------------------------------------------------------------
+
+def _source(fmt: str, subgroups: bool) -> str:
+    """gemm_quant.wgsl with the other format's section, `enable f16;` (NF4) and the subgroup kernels
+    (devices without the feature) blanked; line numbers are kept so that shader errors point at the file."""
+    key = (fmt, bool(subgroups))
+    if key not in _sources:
+        from .runtime import shader_path
+
+        out, section, in_sg = [], None, False
+        for line in shader_path(SHADER).read_text().split("\n"):
+            if line.startswith(_FORMAT_MARK):
+                section = line[len(_FORMAT_MARK):].split()[0]
+            elif line.startswith(_END_MARK):
+                section = None
+            elif line.startswith(_SG_END):
+                in_sg = False
+            elif line.startswith(_SG_MARK):
+                in_sg = True
+            drop = ((section is not None and section != fmt) or (in_sg and not subgroups)
+                    or (fmt != "float16" and line.strip() == "enable f16;"))
+            out.append("" if drop else line)
+        _sources[key] = "\n".join(out)
+    return _sources[key]
+
+
+def _pipeline(rt, fmt: str, entry: str, constants: dict, subgroups: bool = False):
+    return rt.pipeline(SHADER, entry, constants, source=_source(fmt, subgroups))
+
+
+def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
+    """(tm, wg): rows of C per workgroup (8 or 32; an 8-row tile costs twice per row, as in gemm.py) and
+    invocations per workgroup (8 * wg columns): least padded work, then up to 16 workgroups (to feed
+    every core), then the widest workgroup."""
+    best = None
+    for tm in (8, 32):
+        for wg in _gemm.WG_CHOICES:
+            if wg < min_wg and wg != _gemm.WG_CHOICES[-1]:
+                continue
+            tiles_m, tiles_n = -(-M // tm), -(-N // (8 * wg))
+            cost = tiles_m * tm * (32 // tm) ** 0.5 * tiles_n * 8 * wg
+            key = (cost, -min(tiles_m * tiles_n, 16), -tm, -wg)
+            if best is None or key < best[0]:
+                best = (key, tm, wg)
+    return best[1], best[2]
+
+
+def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None, accumulate=False,
+                   lda=None, ldc=None, fast=None, subgroups=None):
+    """(pipeline, resources, groups) of C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)).
+    layout "nt": op = transpose (K = w.cols, N = the chunk's rows); "nn": K = the chunk's rows, N = w.cols.
+    fast=None takes qgemm_fast where the shapes allow it (qgemm_fast_sg where the device has subgroups of 8+
+    lanes, as gemm.py decides); fast=False forces the any-shape kernel, subgroups=False the portable one."""
+    if layout not in ("nt", "nn"):
+        raise ValueError(f"quantised GEMM layouts are nt and nn, not {layout!r}")
+    buf, _, n = w.chunks[chunk]
+    nt = layout == "nt"
+    N, K = (n, w.cols) if nt else (w.cols, n)
+    M = int(M)
+    lda = int(lda if lda is not None else K)
+    ldc = int(ldc if ldc is not None else N)
+    if lda < K or ldc < N:
+        raise ValueError(f"qgemm: lda={lda} / ldc={ldc} shorter than a row ({K} / {N})")
+    a_res, a_off = _gemm._bind(rt, a, (M - 1) * lda + K, "A")
+    c_res, c_off = _gemm._bind(rt, c, (M - 1) * ldc + N, "C")
+    bias_res, bias_off = _gemm._bind(rt, bias, N, "bias") if bias is not None else (a_res, 0)
+    can_fast = a_off % 4 == 0 and lda % 4 == 0 and (K % 8 == 0 if nt else N % 8 == 0)
+    if fast and not can_fast:
+        raise ValueError(f"qgemm_fast cannot run {layout} M={M} N={N} K={K} lda={lda} a_off={a_off}")
+    use_fast = can_fast if fast is None else bool(fast)
+    tm, wg = choose_tiling(M, N, _gemm.min_workgroup(rt))
+    sg = use_fast and (_gemm.use_subgroups(rt) if subgroups is None else bool(subgroups))
+    entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if use_fast else "qgemm"
+    pipeline = _pipeline(rt, w.dtype, entry, {"WG": wg, "TM": tm, "NT": nt}, sg)
+    flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
+    params = rt.uniform(_PARAMS.format, M, N, K, flags, a_off, lda, c_off, ldc, bias_off, w.cols, 0, 0)
+    resources = [params, a_res, buf, bias_res, c_res] + ([w.absmax[chunk]] if w.dtype == "nf4" else [])
+    return pipeline, resources, (-(-M // tm), -(-N // (8 * wg)), 1)
+
+
+def qgemm(rec, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None, accumulate=False, lda=None,
+          ldc=None):
+    """Record one quantised GEMM (see qgemm_dispatch)."""
+    if M <= 0:
+        return
+    rec.dispatch(*qgemm_dispatch(rec.rt, c, a, w, chunk, layout, M, bias, accumulate, lda, ldc))
+
+
+def _at(t, offset):
+    if isinstance(t, tuple):
+        return (t[0], t[1] + offset)
+    return (t, offset) if offset else t
+
+
+# ---- the linear op pair with a frozen quantised weight ---------------------------------------------
+
+def linear_forward(rec, y, x, w: QuantMatrix, bias, N, accumulate=False):
+    """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
+    for i, (_, r0, _) in enumerate(w.chunks):
+        qgemm(rec, _at(y, r0), x, w, i, "nt", N, bias=_at(bias, r0) if bias is not None else None,
+              accumulate=accumulate, ldc=w.rows)
+
+
+def linear_backward(rec, dx, dy, w: QuantMatrix, N, accumulate_dx=False):
+    """dx (N, in) (+)= dy (N, out) @ w: the input gradient only (the weight is frozen)."""
+    for i, (_, r0, _) in enumerate(w.chunks):
+        qgemm(rec, dx, _at(dy, r0), w, i, "nn", N, lda=w.rows, accumulate=accumulate_dx or i > 0)
+
+
+def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):
+    """out (n, cols) = w[ids] for an f16 embedding, one dispatch per vocabulary chunk."""
+    if w.dtype != "float16":
+        raise ValueError(f"embeddings are stored as float32 or float16, not {w.dtype}")
+    rt = rec.rt
+    total = n * w.cols
+    groups = -(-total // 64)
+    gx = min(groups, 65535)
+    ids_res, ids_off = _gemm._bind(rt, ids, n, "ids")
+    out_res, out_off = _gemm._bind(rt, out, total, "out")
+    pipeline = _pipeline(rt, "float16", "embed_gather", {})
+    for buf, r0, rows in w.chunks:
+        params = rt.uniform(_PARAMS.format, n, 0, 0, 0, ids_off, 0, out_off, 0, 0, w.cols, r0, rows)
+        rec.dispatch(pipeline, [params, ids_res, buf, out_res], (gx, -(-groups // gx), 1))

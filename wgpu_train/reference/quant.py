@@ -1,0 +1,182 @@
+"""Frozen base weights in float16 or 4-bit NF4 (QLoRA), as bitsandbytes stores them: quantise, dequantise,
+and the rounding the NumPy engine applies at load so that its math equals the GPU's up to summation order.
+
+NF4 (Dettmers et al. 2023, "QLoRA", appendix E; bitsandbytes `quantize_4bit(quant_type="nf4")`):
+- the weight is flattened in row-major order and cut into blocks of 64 elements; the last block is padded
+  with zeros, so blocks cross rows when the row length is not a multiple of 64;
+- each block stores absmax = max |w| (float32) and, per element, the index of the NF4 code nearest to
+  w * (1 / absmax) (ties at a midpoint go to the lower code, like bitsandbytes' decision tree);
+- two 4-bit indices per byte, the FIRST element of each pair in the HIGH nibble (bitsandbytes:
+  `packed = q[2i] << 4 | q[2i + 1]`);
+- dequantised value = NF4_CODE[index] * absmax, one float32 multiply.
+Double quantisation (bitsandbytes `compress_statistics=True`) stores the absmax values themselves in 8 bits:
+their mean is subtracted (the offset), then they are quantised blockwise (blocks of 256) to the nearest value
+of bitsandbytes' signed dynamic 8-bit map with one float32 absmax per block; absmax = code8[q] * absmax2 + offset.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+BASE_DTYPES = ("float32", "float16", "nf4")
+EMBED_DTYPES = ("float32", "float16")
+NF4_BLOCK = 64          # weights per absmax
+DQ_BLOCK = 256          # absmax values per second-level absmax (double quantisation)
+
+# The 16 NF4 values as published (QLoRA appendix E, and bitsandbytes' NF4 table), in index order 0..15.
+NF4_CODE = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=np.float32)
+# The decision thresholds (midpoints of adjacent codes): index = number of midpoints strictly below x.
+NF4_MIDPOINTS = ((NF4_CODE[:-1].astype(np.float64) + NF4_CODE[1:]) / 2).astype(np.float32)
+# The largest rounding error of a normalised value in [-1, 1]: half the widest gap (between 0.723 and 1).
+NF4_MAX_HALF_GAP = float(np.max(np.diff(NF4_CODE.astype(np.float64))) / 2)
+
+
+class DoubleQuant(NamedTuple):
+    """Double-quantised absmax values: absmax[b] = code[q[b]] * absmax2[b // 256] + offset (all float32)."""
+
+    q: np.ndarray          # (n_blocks,) uint8 indices into code
+    absmax2: np.ndarray    # (ceil(n_blocks / 256),) float32
+    offset: np.float32     # the mean of the absmax values
+    code: np.ndarray       # (256,) float32, sorted: bitsandbytes' signed dynamic map
+
+
+def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
+    """bitsandbytes' `create_dynamic_map` (dynamic tree quantisation, Dettmers 2015): a decimal exponent
+    10^-6 .. 10^0 with a linear fraction whose resolution grows with the exponent; plus 0 and 1; sorted.
+    A few entries may differ from bitsandbytes' table in the last bit: torch.linspace rounds its float32
+    steps differently from NumPy's (seen: 22 of 256 entries, each by 1 ulp)."""
+    data: list = []
+    non_sign_bits = total_bits - 1
+    additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        items = 2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed else \
+            2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        bounds = np.linspace(0.1, 1, items, dtype=np.float32)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+        scale = np.float32(10.0 ** (-(max_exponent_bits - 1) + i))
+        data += list(scale * means)
+        if signed:
+            data += list(-scale * means)
+    if additional_items > 0:
+        bounds = np.linspace(0.1, 1, additional_items + 1, dtype=np.float32)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+        scale = np.float32(10.0 ** (-(max_exponent_bits - 1) + max_exponent_bits - 1))
+        data += list(scale * means)
+        if signed:
+            data += list(-scale * means)
+    data += [0.0, 1.0]
+    data += [0.0] * (2 ** total_bits - len(data))
+    return np.sort(np.array(data, dtype=np.float32))
+
+
+def _nearest(x: np.ndarray, code: np.ndarray) -> np.ndarray:
+    """Index of the nearest value of a sorted code for each x (ties to the lower one)."""
+    mids = ((code[:-1].astype(np.float64) + code[1:]) / 2).astype(np.float32)
+    return np.searchsorted(mids, x, side="left")
+
+
+def _blocks(flat: np.ndarray, block: int) -> np.ndarray:
+    """(n_blocks, block) view of a flat float32 array, the last block padded with zeros."""
+    pad = -flat.size % block
+    if pad:
+        flat = np.concatenate([flat, np.zeros(pad, np.float32)])
+    return flat.reshape(-1, block)
+
+
+def _absmax_quantize(blocks: np.ndarray, code: np.ndarray):
+    """Blockwise absmax quantisation of (n_blocks, block) float32 values: (indices, absmax)."""
+    absmax = np.max(np.abs(blocks), axis=1)                                    # (n_blocks,)
+    with np.errstate(divide="ignore"):
+        inv = np.where(absmax > 0, np.float32(1) / absmax, np.float32(0)).astype(np.float32)
+    return _nearest(blocks * inv[:, None], code), absmax.astype(np.float32)
+
+
+def nf4_quantize(w: np.ndarray, double_quant: bool = False):
+    """w (any shape) -> (packed, absmax): packed (ceil(w.size / 64) * 32,) uint8 with two codes per byte
+    (first element in the high nibble), absmax (n_blocks,) float32 or a DoubleQuant."""
+    flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1)
+    idx, absmax = _absmax_quantize(_blocks(flat, NF4_BLOCK), NF4_CODE)
+    idx = idx.reshape(-1).astype(np.uint8)
+    packed = (idx[0::2] << 4) | idx[1::2]
+    if not double_quant:
+        return packed, absmax
+    offset = np.float32(np.mean(absmax, dtype=np.float64))
+    code = dynamic_map(signed=True)
+    centred = (absmax - offset).astype(np.float32)
+    q, absmax2 = _absmax_quantize(_blocks(centred, DQ_BLOCK), code)
+    return packed, DoubleQuant(q.reshape(-1)[:absmax.size].astype(np.uint8), absmax2, offset, code)
+
+
+def dequantize_absmax(absmax) -> np.ndarray:
+    """The float32 absmax values of a quantised weight (plain, or rebuilt from a DoubleQuant)."""
+    if isinstance(absmax, DoubleQuant):
+        scale = absmax.code[absmax.q] * absmax.absmax2[np.arange(absmax.q.size) // DQ_BLOCK]
+        return (scale.astype(np.float32) + absmax.offset).astype(np.float32)
+    return np.asarray(absmax, dtype=np.float32)
+
+
+def nf4_unpack(packed: np.ndarray) -> np.ndarray:
+    """The 4-bit indices of packed bytes, in element order: (2 * packed.size,) uint8."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    out = np.empty(packed.size * 2, np.uint8)
+    out[0::2] = packed >> 4
+    out[1::2] = packed & 0x0F
+    return out
+
+
+def nf4_dequantize(packed: np.ndarray, absmax, shape) -> np.ndarray:
+    """float32 weights of `shape` from nf4_quantize's (packed, absmax)."""
+    n = int(np.prod(shape))
+    scale = dequantize_absmax(absmax)
+    idx = nf4_unpack(packed)[:n]
+    return (NF4_CODE[idx] * scale[np.arange(n) // NF4_BLOCK]).astype(np.float32).reshape(shape)
+
+
+def round_to(w: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of w as stored in `dtype` (float32: unchanged, float16: rounded, nf4: quantised)."""
+    if dtype == "float32":
+        return np.asarray(w, dtype=np.float32)
+    if dtype == "float16":
+        return np.asarray(w, dtype=np.float32).astype(np.float16).astype(np.float32)
+    if dtype == "nf4":
+        packed, absmax = nf4_quantize(w)
+        return nf4_dequantize(packed, absmax, np.shape(w))
+    raise ValueError(f"unknown weight dtype {dtype!r}")
+
+
+def is_linear_weight(name: str) -> bool:
+    """Whether a Hugging Face tensor name is the weight of one of the seven linear modules of a layer."""
+    from ..config import LINEAR_MODULES
+
+    return name.startswith("model.layers.") and name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_MODULES
+
+
+def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> str:
+    """How one tensor is stored: the linear layers' weights in base_dtype, the embedding and lm_head in
+    embed_dtype, everything else (norms, biases) in float32."""
+    if ndim == 2 and is_linear_weight(name):
+        return base_dtype
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return embed_dtype
+    return "float32"
+
+
+def check_dtypes(base_dtype: str, embed_dtype: str):
+    """ConfigError unless both are supported storage dtypes."""
+    from ..errors import ConfigError
+
+    if base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}")
+    if embed_dtype not in EMBED_DTYPES:
+        raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_DTYPES)}, got {embed_dtype!r}")
+
+
+def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "float32") -> dict:
+    """The weights a model computes with when stored as base_dtype / embed_dtype (float32 arrays)."""
+    check_dtypes(base_dtype, embed_dtype)
+    return {k: round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype)) for k, v in weights.items()}
