@@ -1,5 +1,9 @@
-// RMSNorm over the last axis of x (N, C): forward y, rstd; backward dx (one workgroup per row) and
-// dweight by a two-pass reduction (per-row-block partial sums, then a sum over blocks; no atomics).
+// RMSNorm over the last axis of x (N, C): forward y, rstd; backward dx; dweight by a two-pass
+// reduction (per-row-block partial sums, then a sum over blocks; no atomics, deterministic).
+// Two layouts for the row kernels, chosen by the wrapper from C (gpu/kernels.py):
+// - *_row / *_row4: one invocation per row, no workgroup memory and no barriers (barriers are
+//   expensive on llvmpipe); _row4 reads vec4s and needs C % 4 == 0 and 4-aligned offsets.
+// - rmsnorm_forward / rmsnorm_backward: one 64-wide workgroup per row, for large C.
 // Uniform: s0 = N rows, s1 = C, s2 = rows per block, s3 = number of row blocks, s4 = accumulate dweight;
 // o1..o5 = element offsets of bindings 1..5; f0 = eps.
 
@@ -89,26 +93,11 @@ fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
 }
 
 // ---- dweight pass 1: 1 partials (blocks, C) out, 2 dy (N, C), 3 x (N, C), 4 rstd (N,) ----
-// One invocation per (column, row block): coalesced over columns, s2 rows each.
+// Entry points rmsnorm_backward_partial4 / _partial4v, below the row kernels.
 @group(0) @binding(1) var<storage, read_write> w_part: array<f32>;
 @group(0) @binding(2) var<storage, read> w_dy: array<f32>;
 @group(0) @binding(3) var<storage, read> w_x: array<f32>;
 @group(0) @binding(4) var<storage, read> w_rstd: array<f32>;
-
-@compute @workgroup_size(WG)
-fn rmsnorm_backward_partial(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let col = gid.x;
-    let c = p.s1;
-    if (col >= c) { return; }
-    let blk = wid.y;
-    let r0 = blk * p.s2;
-    let r1 = min(p.s0, r0 + p.s2);
-    var s = 0.0;
-    for (var r = r0; r < r1; r++) {
-        s += w_dy[p.o2 + r * c + col] * (w_x[p.o3 + r * c + col] * w_rstd[p.o4 + r]);
-    }
-    w_part[p.o1 + blk * c + col] = s;
-}
 
 // ---- dweight pass 2: 1 dweight (C,) out (or +=, s4 = 1), 2 partials (blocks, C) ----
 @group(0) @binding(1) var<storage, read_write> s_dw: array<f32>;
@@ -127,4 +116,181 @@ fn rmsnorm_backward_weight(@builtin(global_invocation_id) gid: vec3<u32>) {
         s += s_dw[p.o1 + col];
     }
     s_dw[p.o1 + col] = s;
+}
+
+// ---- one invocation per row (small C): same bindings as the workgroup versions ----
+// Row index over a flat dispatch folded into y beyond 65535 workgroups (kernels._grid).
+fn row_index(gid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return gid.y * (nwg.x * WG) + gid.x;
+}
+
+fn sum4(v: vec4<f32>) -> f32 {
+    return (v.x + v.y) + (v.z + v.w);
+}
+
+// Scalar loads; four interleaved partial sums keep the rounding close to the vec4 version.
+@compute @workgroup_size(WG)
+fn rmsnorm_forward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c = p.s1;
+    let xb = p.o3 + row * c;
+    var ss = vec4<f32>(0.0);
+    var j = 0u;
+    for (; j + 4u <= c; j += 4u) {
+        let v = vec4<f32>(f_x[xb + j], f_x[xb + j + 1u], f_x[xb + j + 2u], f_x[xb + j + 3u]);
+        ss += v * v;
+    }
+    for (; j < c; j++) {
+        let v = f_x[xb + j];
+        ss.x += v * v;
+    }
+    let r = 1.0 / sqrt(sum4(ss) / f32(c) + p.f0);
+    let yb = p.o1 + row * c;
+    for (var k = 0u; k < c; k++) {
+        f_y[yb + k] = (f_x[xb + k] * r) * f_w[p.o4 + k];
+    }
+    f_rstd[p.o2 + row] = r;
+}
+
+@compute @workgroup_size(WG)
+fn rmsnorm_backward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c = p.s1;
+    let r = b_rstd[p.o5 + row];
+    let xb = p.o3 + row * c;
+    let db = p.o2 + row * c;
+    var dot = vec4<f32>(0.0);
+    var j = 0u;
+    for (; j + 4u <= c; j += 4u) {
+        let w = vec4<f32>(b_w[p.o4 + j], b_w[p.o4 + j + 1u], b_w[p.o4 + j + 2u], b_w[p.o4 + j + 3u]);
+        let g = vec4<f32>(b_dy[db + j], b_dy[db + j + 1u], b_dy[db + j + 2u], b_dy[db + j + 3u]);
+        let x = vec4<f32>(b_x[xb + j], b_x[xb + j + 1u], b_x[xb + j + 2u], b_x[xb + j + 3u]);
+        dot += (g * w) * x;
+    }
+    for (; j < c; j++) {
+        dot.x += (b_dy[db + j] * b_w[p.o4 + j]) * b_x[xb + j];
+    }
+    let k = sum4(dot) * r / f32(c);
+    let ob = p.o1 + row * c;
+    for (var i = 0u; i < c; i++) {
+        let xhat = b_x[xb + i] * r;
+        b_dx[ob + i] = r * (b_dy[db + i] * b_w[p.o4 + i] - xhat * k);
+    }
+}
+
+// vec4 versions: C % 4 == 0 and every residual offset (o1..o4; rstd's is scalar) a multiple of 4.
+@group(0) @binding(1) var<storage, read_write> f4_y: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> f4_x: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> f4_w: array<vec4<f32>>;
+
+@compute @workgroup_size(WG)
+fn rmsnorm_forward_row4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c4 = p.s1 / 4u;
+    let xb = p.o3 / 4u + row * c4;
+    var ss = vec4<f32>(0.0);
+    for (var j = 0u; j < c4; j++) {
+        let v = f4_x[xb + j];
+        ss += v * v;
+    }
+    let r = 1.0 / sqrt(sum4(ss) / f32(p.s1) + p.f0);
+    let yb = p.o1 / 4u + row * c4;
+    let wb = p.o4 / 4u;
+    for (var j = 0u; j < c4; j++) {
+        f4_y[yb + j] = (f4_x[xb + j] * r) * f4_w[wb + j];
+    }
+    f_rstd[p.o2 + row] = r;
+}
+
+@group(0) @binding(1) var<storage, read_write> b4_dx: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> b4_dy: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> b4_x: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> b4_w: array<vec4<f32>>;
+
+@compute @workgroup_size(WG)
+fn rmsnorm_backward_row4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c4 = p.s1 / 4u;
+    let r = b_rstd[p.o5 + row];
+    let xb = p.o3 / 4u + row * c4;
+    let db = p.o2 / 4u + row * c4;
+    let wb = p.o4 / 4u;
+    var dot = vec4<f32>(0.0);
+    for (var j = 0u; j < c4; j++) {
+        dot += (b4_dy[db + j] * b4_w[wb + j]) * b4_x[xb + j];
+    }
+    let k = sum4(dot) * r / f32(p.s1);
+    let ob = p.o1 / 4u + row * c4;
+    for (var j = 0u; j < c4; j++) {
+        let xhat = b4_x[xb + j] * r;
+        b4_dx[ob + j] = r * (b4_dy[db + j] * b4_w[wb + j] - xhat * k);
+    }
+}
+
+// ---- dweight pass 1, cheap form: 1 partials (blocks, C) out, 2 dy (N, C), 3 x (N, C), 4 rstd (N,) ----
+// One invocation per (row block, 4 consecutive columns), flat index = blk * ceil(C / 4) + quad,
+// summing s2 rows: four columns per rstd load and per loop trip. Scalar loads (any C, any offset).
+@compute @workgroup_size(WG)
+fn rmsnorm_backward_partial4(@builtin(global_invocation_id) gid: vec3<u32>,
+                             @builtin(num_workgroups) nwg: vec3<u32>) {
+    let c = p.s1;
+    let nq = (c + 3u) / 4u;
+    let idx = row_index(gid, nwg);
+    if (idx >= nq * p.s3) { return; }
+    let blk = idx / nq;
+    let col = (idx - blk * nq) * 4u;
+    let r0 = blk * p.s2;
+    let r1 = min(p.s0, r0 + p.s2);
+    var s = vec4<f32>(0.0);
+    if (col + 4u <= c) {
+        for (var r = r0; r < r1; r++) {
+            let b = r * c + col;
+            let g = vec4<f32>(w_dy[p.o2 + b], w_dy[p.o2 + b + 1u], w_dy[p.o2 + b + 2u], w_dy[p.o2 + b + 3u]);
+            let x = vec4<f32>(w_x[p.o3 + b], w_x[p.o3 + b + 1u], w_x[p.o3 + b + 2u], w_x[p.o3 + b + 3u]);
+            s += g * (x * w_rstd[p.o4 + r]);
+        }
+    } else {
+        for (var r = r0; r < r1; r++) {
+            let rs = w_rstd[p.o4 + r];
+            for (var k = 0u; col + k < c; k++) {
+                let b = r * c + col + k;
+                s[k] += w_dy[p.o2 + b] * (w_x[p.o3 + b] * rs);
+            }
+        }
+    }
+    let ob = p.o1 + blk * c + col;
+    for (var k = 0u; k < 4u && col + k < c; k++) {
+        w_part[ob + k] = s[k];
+    }
+}
+
+// The same with vec4 loads of dy and x (C % 4 == 0, offsets o2, o3 multiples of 4).
+@group(0) @binding(2) var<storage, read> w4_dy: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> w4_x: array<vec4<f32>>;
+
+@compute @workgroup_size(WG)
+fn rmsnorm_backward_partial4v(@builtin(global_invocation_id) gid: vec3<u32>,
+                              @builtin(num_workgroups) nwg: vec3<u32>) {
+    let c = p.s1;
+    let nq = c / 4u;
+    let idx = row_index(gid, nwg);
+    if (idx >= nq * p.s3) { return; }
+    let blk = idx / nq;
+    let q = idx - blk * nq;
+    let r0 = blk * p.s2;
+    let r1 = min(p.s0, r0 + p.s2);
+    var s = vec4<f32>(0.0);
+    for (var r = r0; r < r1; r++) {
+        let b = r * nq + q;
+        s += w4_dy[p.o2 / 4u + b] * (w4_x[p.o3 / 4u + b] * w_rstd[p.o4 + r]);
+    }
+    let ob = p.o1 + blk * c + q * 4u;
+    w_part[ob] = s.x;
+    w_part[ob + 1u] = s.y;
+    w_part[ob + 2u] = s.z;
+    w_part[ob + 3u] = s.w;
 }

@@ -86,25 +86,39 @@ def test_swiglu(rt, n):
 
 # ---- rmsnorm --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("N,C", [(1, 8), (3, 17), (65, 127), (40, 300), (70000, 3)])
-def test_rmsnorm(rt, N, C):
+@pytest.fixture(params=["auto", "workgroup"])
+def rms_layout(request, monkeypatch):
+    """The adapter's own choice (one invocation per row on CPU adapters), then one workgroup per
+    row forced: GPUs take that path for large C, so it is checked here too."""
+    if request.param == "workgroup":
+        monkeypatch.setattr(K, "RMS_ROW_MAX_C", 0)
+        monkeypatch.setattr(K, "RMS_ROW_MAX_C_CPU", 0)
+    return request.param
+
+
+# lead: element offsets of x, weight, dy, rstd, dweight, y, dx; multiples of 4 allow the vec4 entry points.
+@pytest.mark.parametrize("N,C,lead", [(1, 8, "odd"), (3, 17, "odd"), (65, 127, "odd"), (40, 300, "odd"),
+                                      (70000, 3, "odd"), (700, 8, "four"), (300, 17, "four"),
+                                      (70, 128, "four"), (70, 128, "odd"), (33, 896, "four"), (5, 8192, "four")])
+def test_rmsnorm(rt, rms_layout, N, C, lead):
     g = rng(N * 1000 + C)
     x = (g.standard_normal((N, C)) * 2).astype(F32)
     w = (1 + 0.3 * g.standard_normal(C)).astype(F32)
     dy = g.standard_normal((N, C)).astype(F32)
     eps = 1e-6
-    tx, tw, tdy = padded(rt, x, 5), padded(rt, w, 1), padded(rt, dy, 3)
-    y, rstd, dx = rt.buffer(4 * N * C), (rt.buffer(4 * (N + 2)), 2), rt.buffer(4 * N * C)
-    dw = (rt.upload(np.full(C + 4, 0.5, F32)), 4)
+    lx, lw, ldy, lr, ldw, ly, ldx = (5, 1, 3, 2, 4, 0, 0) if lead == "odd" else (4, 8, 12, 1, 3, 4, 8)
+    tx, tw, tdy = padded(rt, x, lx), padded(rt, w, lw), padded(rt, dy, ldy)
+    y, rstd, dx = (rt.buffer(4 * (N * C + ly)), ly), (rt.buffer(4 * (N + lr)), lr), (rt.buffer(4 * (N * C + ldx)), ldx)
+    dw = (rt.upload(np.full(C + ldw, 0.5, F32)), ldw)
     scratch = rt.buffer(4 * K.rmsnorm_scratch_size(N, C))
     run(rt, lambda r: (K.rmsnorm_forward(r, y, rstd, tx, tw, N, C, eps),
                        K.rmsnorm_backward(r, dx, dw, tdy, tx, tw, rstd, N, C, scratch)))
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     want_y, want_rstd = ops.rmsnorm_forward(x64, w64, eps)
-    assert_close(rt.read(y, F32, (N, C)), want_y, "k_rmsnorm", "y")
+    assert_close(read(rt, y, N * C).reshape(N, C), want_y, "k_rmsnorm", "y")
     assert_close(read(rt, rstd, N), want_rstd, "k_rmsnorm", "rstd")
     want_dx, want_dw = ops.rmsnorm_backward(dy.astype(np.float64), x64, w64, want_rstd)
-    assert_close(rt.read(dx, F32, (N, C)), want_dx, "k_rmsnorm", "dx")
+    assert_close(read(rt, dx, N * C).reshape(N, C), want_dx, "k_rmsnorm", "dx")
     assert_close(read(rt, dw, C), want_dw, "k_rmsnorm_dweight", "dweight")
     if N < 100:   # accumulate adds to dweight; dweight=None skips it
         run(rt, lambda r: (K.rmsnorm_backward(r, dx, dw, tdy, tx, tw, rstd, N, C, scratch, accumulate=True),

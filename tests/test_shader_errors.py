@@ -48,7 +48,9 @@ def test_missing_entry_point_names_the_file(rt):
 OP_SHADERS = {
     "elementwise": ["add", "add_inplace", "scale", "scale_inplace", "copy", "fill"],
     "swiglu": ["swiglu_forward", "swiglu_backward", "swiglu_backward_inplace"],
-    "rmsnorm": ["rmsnorm_forward", "rmsnorm_backward", "rmsnorm_backward_partial", "rmsnorm_backward_weight"],
+    "rmsnorm": ["rmsnorm_forward", "rmsnorm_backward", "rmsnorm_forward_row", "rmsnorm_backward_row",
+                "rmsnorm_forward_row4", "rmsnorm_backward_row4", "rmsnorm_backward_partial4",
+                "rmsnorm_backward_partial4v", "rmsnorm_backward_weight"],
     "rope": ["rope_forward", "rope_backward", "rope_forward_inplace", "rope_backward_inplace"],
     "attention": ["attention_forward", "attention_backward_delta", "attention_backward", "attention_backward_dkv",
                   "attention_forward_vec4", "attention_backward_vec4", "attention_backward_dkv_vec4"],

@@ -29,6 +29,8 @@ from ..errors import DeviceError
 WG = 256                 # workgroup size of the elementwise-style kernels
 RMS_WG = 64              # rmsnorm row workgroup (shaders/rmsnorm.wgsl WG)
 RMS_ROWS_PER_BLOCK = 32  # rows summed by one invocation of the dweight partial pass
+RMS_ROW_MAX_C = 256      # GPUs: one invocation per rmsnorm row up to this C, a workgroup per row above
+RMS_ROW_MAX_C_CPU = 1 << 30  # CPU adapters: always one invocation per row (barriers cost more there)
 ATT_WG = 64              # queries (or keys) per attention workgroup
 ATT_DMAX = 128           # register arrays in shaders/attention.wgsl
 HPARAM_ROWS = 16         # AdamW hyper-parameter sets that may be live between submits
@@ -203,13 +205,34 @@ def embedding_backward(rec, dweight, dout, ids, N, C, vocab_rows, scratch, row_o
 
 # ---- rmsnorm --------------------------------------------------------------------------------
 
+def _rms_row_max_c(rt):
+    """Largest C given one invocation per row (no barriers). On CPU adapters (llvmpipe) a row per
+    invocation beats a workgroup per row at every C measured (8 to 8192: 4x to 200x); on GPUs it
+    keeps small rows (Qwen3's per-head q/k norms, small hidden sizes) off the barrier path, while
+    long rows keep a workgroup each for coalesced loads and enough parallelism."""
+    return RMS_ROW_MAX_C_CPU if getattr(rt.info, "adapter_type", "") == "CPU" else RMS_ROW_MAX_C
+
+
+def _rms_vec4(rt, C, tensors):
+    """Whether the vec4 entry points may read these (tensor, n_elements, name) bindings."""
+    return C % 4 == 0 and all(_bind(rt, t, n, name)[1] % 4 == 0 for t, n, name in tensors)
+
+
 def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps):
-    """y (N, C) = x * rstd * weight, rstd (N,) = 1 / sqrt(mean(x^2) + eps); one workgroup per row."""
+    """y (N, C) = x * rstd * weight, rstd (N,) = 1 / sqrt(mean(x^2) + eps).
+
+    One invocation per row for C <= the row threshold (vec4 loads when C % 4 == 0 and the offsets
+    allow), else one workgroup per row."""
     if N <= 0:
         return
-    _run(rec, "rmsnorm", "rmsnorm_forward", _grid(N),
-         [(y, N * C, "y", True), (rstd, N, "rstd", True), (x, N * C, "x", False), (weight, C, "weight", False)],
-         (N, C), (eps,))
+    tensors = [(y, N * C, "y", True), (rstd, N, "rstd", True), (x, N * C, "x", False),
+               (weight, C, "weight", False)]
+    if C <= _rms_row_max_c(rec.rt):
+        vec = _rms_vec4(rec.rt, C, [(y, N * C, "y"), (x, N * C, "x"), (weight, C, "weight")])
+        _run(rec, "rmsnorm", "rmsnorm_forward_row4" if vec else "rmsnorm_forward_row",
+             _grid(-(-N // RMS_WG)), tensors, (N, C), (eps,))
+    else:
+        _run(rec, "rmsnorm", "rmsnorm_forward", _grid(N), tensors, (N, C), (eps,))
 
 
 def rmsnorm_scratch_size(N, C):
@@ -220,22 +243,32 @@ def rmsnorm_scratch_size(N, C):
 def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False):
     """dx (N, C) and dweight (C,) of rmsnorm_forward.
 
-    dweight is summed in two passes (per 32-row block into scratch, then over blocks); pass
-    dweight=None to skip it (scratch is then unused and may be None). accumulate=True adds into dweight.
+    dweight is summed in two passes (per 32-row block into scratch, each invocation taking 4
+    consecutive columns of one block; then over blocks); pass dweight=None to skip it (scratch is
+    then unused and may be None). accumulate=True adds into dweight.
     scratch: at least rmsnorm_scratch_size(N, C) elements.
     """
     if N <= 0:
         return
-    _run(rec, "rmsnorm", "rmsnorm_backward", _grid(N),
-         [(dx, N * C, "dx", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
-          (weight, C, "weight", False), (rstd, N, "rstd", False)], (N, C))
+    rt = rec.rt
+    tensors = [(dx, N * C, "dx", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
+               (weight, C, "weight", False), (rstd, N, "rstd", False)]
+    if C <= _rms_row_max_c(rt):
+        vec = _rms_vec4(rt, C, [(dx, N * C, "dx"), (dy, N * C, "dy"), (x, N * C, "x"), (weight, C, "weight")])
+        _run(rec, "rmsnorm", "rmsnorm_backward_row4" if vec else "rmsnorm_backward_row",
+             _grid(-(-N // RMS_WG)), tensors, (N, C))
+    else:
+        _run(rec, "rmsnorm", "rmsnorm_backward", _grid(N), tensors, (N, C))
     if dweight is None:
         return
     nblk = -(-N // RMS_ROWS_PER_BLOCK)
-    if nblk > 65535:
-        raise DeviceError(f"rmsnorm_backward: {N} rows exceed {65535 * RMS_ROWS_PER_BLOCK}")
+    nq = -(-C // 4)
+    if nblk * nq > 65535 * 65535:
+        raise DeviceError(f"rmsnorm_backward: {N} rows x {C} columns are too many for one dispatch")
     sizes = (N, C, RMS_ROWS_PER_BLOCK, nblk, int(bool(accumulate)))
-    _run(rec, "rmsnorm", "rmsnorm_backward_partial", (-(-C // RMS_WG), nblk),
+    vec = _rms_vec4(rt, C, [(dy, N * C, "dy"), (x, N * C, "x")])
+    _run(rec, "rmsnorm", "rmsnorm_backward_partial4v" if vec else "rmsnorm_backward_partial4",
+         _grid(-(-nblk * nq // RMS_WG)),
          [(scratch, nblk * C, "scratch", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
           (rstd, N, "rstd", False)], sizes)
     _run(rec, "rmsnorm", "rmsnorm_backward_weight", (-(-C // RMS_WG),),
