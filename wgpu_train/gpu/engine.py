@@ -650,22 +650,6 @@ class WgpuEngine:
                 K.adamw_update(rec, pb, gb, mb, vb, n, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
                                scale_buf=norm_at)
 
-    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1):
-        """Clip and AdamW on the gradients accumulated so far (as NumpyEngine.optimizer_step)."""
-        from ..config import OptimizerParams
-
-        hp = OptimizerParams(lr, beta1, beta2, eps, weight_decay, max_grad_norm)
-        rec = self.rt.recorder()
-        norm_at = (self.results, 0)
-        self._record_optimizer(rec, hp, step, norm_at)
-        self._record_zero_grads(rec)
-        self._submit(rec)
-        norm, _, finite = self.rt.read(self.results, np.float32, (3,))
-        if finite < 0.5:
-            self.counters["nonfinite_skipped"] += 1
-            return float("nan"), False
-        return float(norm), True
-
     # ---- generation with a KV cache -----------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         if batch != 1:
