@@ -80,15 +80,30 @@ def _at(t, offset):
     return (t, offset) if offset else t
 
 
-class GpuLora:
-    """A LoRA pair on the GPU with its gradients and AdamW moments."""
+class Packed:
+    """Named fp32 tensors stored back to back in one buffer, so that one dispatch can update them all.
+    `view(name)` is the (buffer, element offset) operand the kernels take."""
 
-    def __init__(self, rt, path, a, b, scale, dropout, module_id):
+    def __init__(self, rt: Runtime, shapes: dict, label: str):
+        self.shapes, self.offsets, n = dict(shapes), {}, 0
+        for name, shape in shapes.items():
+            self.offsets[name] = n
+            n += int(np.prod(shape))
+        self.n = n
+        self.buf = rt.buffer(max(1, n) * F32, label)
+
+    def view(self, name):
+        return (self.buf, self.offsets[name])
+
+
+class GpuLora:
+    """A LoRA pair on the GPU: views of A (r, in) and B (out, r) and of their gradients."""
+
+    def __init__(self, path, a, b, ga, gb, shape_a, shape_b, scale, dropout, module_id):
         self.path, self.scale, self.dropout, self.module_id = path, float(scale), float(dropout), module_id
-        self.r, self.in_f = a.shape
-        self.out_f = b.shape[0]
-        self.a, self.b = rt.upload(a.astype(np.float32), path + ".A"), rt.upload(b.astype(np.float32), path + ".B")
-        self.ga, self.gb = rt.buffer(a.size * F32), rt.buffer(b.size * F32)
+        self.a, self.b, self.ga, self.gb = a, b, ga, gb
+        self.r, self.in_f = shape_a
+        self.out_f = shape_b[0]
 
 
 class Inputs:
@@ -147,8 +162,12 @@ class WgpuEngine:
         self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
         self.lora: dict[str, GpuLora] = {}
         self.full = False
-        self.grads: dict = {}      # trainable name -> gradient (Matrix or buffer)
-        self.moments: dict = {}    # trainable name -> (m, v), same kinds
+        self.params: dict = {}     # trainable name -> tensor: Matrix, buffer or (buffer, offset) view
+        self.grads: dict = {}      # trainable name -> its gradient, the same kind
+        self.moments: dict = {}    # trainable name -> (m, v), the same kind
+        self._groups: list = []    # optimizer pieces: (param, grad, m, v, n elements)
+        self._state_buffers: list = []
+        self._lora_packed = None
         self.dropout_seed, self.dropout_calls = 0, 0
         self._acts: dict = {}
         self._inputs: dict = {}    # (B, T, micro-batch slot) -> Inputs
@@ -168,12 +187,24 @@ class WgpuEngine:
         return self.w["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
 
     def set_lora(self, modules: dict):
-        """modules: path -> (A, B, scale, dropout); replaces every LoRA module and resets the optimizer."""
+        """modules: path -> (A, B, scale, dropout); replaces every LoRA module and resets the optimizer.
+
+        All LoRA tensors live in one packed buffer (their gradients and AdamW moments in three more),
+        so zeroing, the gradient norm and AdamW take a dispatch per buffer rather than per tensor."""
         self._release_acts()
+        shapes = {}
+        for path, (a, b, _, _) in modules.items():
+            shapes[path + ".lora_A"], shapes[path + ".lora_B"] = a.shape, b.shape
         self.lora = {}
+        self._lora_packed = Packed(self.rt, shapes, "lora_params"), Packed(self.rt, shapes, "lora_grads")
+        params, grads = self._lora_packed
         for path, (a, b, s, d) in modules.items():
             layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
-            self.lora[path] = GpuLora(self.rt, path, a, b, s, d, layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module))
+            na, nb = path + ".lora_A", path + ".lora_B"
+            self._write(params.view(na), a)
+            self._write(params.view(nb), b)
+            self.lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
+                                      a.shape, b.shape, s, d, layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module))
         self._reset_training_state()
 
     def set_full_finetune(self, enabled: bool = True):
@@ -182,15 +213,33 @@ class WgpuEngine:
         self._reset_training_state()
 
     def _reset_training_state(self):
-        self.moments = {}
+        """Gradients and zeroed AdamW moments of the trainable tensors, and the optimizer's groups:
+        (param, grad, m, v, n) pieces that each fit one binding, one norm slot each."""
+        rt = self.rt
+        if self._state_buffers:
+            rt.release(*self._state_buffers)
         if self.full:
-            self.grads = {name: self._like(p, name + ".grad") for name, p in self.w.items()}
+            self.params = dict(self.w)
+            self.grads = {k: self._like(p, k + ".grad") for k, p in self.params.items()}
+            self.moments = {k: (self._like(p, k + ".m"), self._like(p, k + ".v")) for k, p in self.params.items()}
+            self._groups = []
+            for k, p in self.params.items():
+                parts = [self._parts(t) for t in (p, self.grads[k], *self.moments[k])]
+                self._groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*parts)]
+            self._state_buffers = [t for g in self.grads.values() for t, _ in self._parts(g)]
+            self._state_buffers += [t for mv in self.moments.values() for m in mv for t, _ in self._parts(m)]
         else:
-            self.grads = {}
-            for path, m in self.lora.items():
-                self.grads[path + ".lora_A"], self.grads[path + ".lora_B"] = m.ga, m.gb
-        self._slots = list(self.grads)
-        self.partials = self.rt.buffer(F32 * max(1, sum(len(self._parts(g)) for g in self.grads.values())), "partials")
+            params, grads = self._lora_packed or (Packed(rt, {}, "lora_params"), Packed(rt, {}, "lora_grads"))
+            m, v = Packed(rt, params.shapes, "lora_m"), Packed(rt, params.shapes, "lora_v")
+            self.params = {k: params.view(k) for k in params.shapes}
+            self.grads = {k: grads.view(k) for k in params.shapes}
+            self.moments = {k: (m.view(k), v.view(k)) for k in params.shapes}
+            step = max(1, (rt.max_binding - 256) // F32)
+            self._groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), min(step, params.n - o))
+                            for o in range(0, params.n, step)]
+            self._state_buffers = [params.buf, grads.buf, m.buf, v.buf]
+        self.partials = rt.buffer(F32 * max(1, len(self._groups)), "partials")
+        self._state_buffers.append(self.partials)
 
     def _like(self, t, label):
         if isinstance(t, Matrix):
@@ -199,51 +248,42 @@ class WgpuEngine:
 
     @staticmethod
     def _parts(t):
-        """(buffer, elements) pieces of a tensor."""
+        """(buffer, elements) pieces of a weight or its gradient."""
         if isinstance(t, Matrix):
             return [(b, n * t.cols) for b, _, n in t.chunks]
         return [(t, t.size // F32)]
 
-    def _trainable_tensors(self) -> dict:
-        if self.full:
-            return dict(self.w)
-        out = {}
-        for p, m in self.lora.items():
-            out[p + ".lora_A"] = m.a
-            out[p + ".lora_B"] = m.b
-        return out
-
     def _read(self, t, shape):
+        """A tensor (Matrix, buffer, or (buffer, element offset) view) back as an array of `shape`."""
         if isinstance(t, Matrix):
             return t.read(self.rt)
+        if isinstance(t, tuple):
+            return self.rt.read(t[0], np.float32, shape, offset=t[1] * F32)
         return self.rt.read(t, np.float32, shape)
-
-    def _shape_of(self, name):
-        if name.endswith(".lora_A") or name.endswith(".lora_B"):
-            m = self.lora[name.rsplit(".", 1)[0]]
-            return (m.r, m.in_f) if name.endswith("A") else (m.out_f, m.r)
-        return self.shapes[name]
-
-    def trainable(self) -> dict:
-        """Trainable arrays by name, read back from the device (copies)."""
-        return {k: self._read(t, self._shape_of(k)) for k, t in self._trainable_tensors().items()}
-
-    get_trainable = trainable
-
-    def set_trainable(self, arrays: dict):
-        tensors = self._trainable_tensors()
-        for k, arr in arrays.items():
-            self._write(tensors[k], arr)
 
     def _write(self, t, arr):
         if isinstance(t, Matrix):
             t.write(self.rt, arr)
+        elif isinstance(t, tuple):
+            self.rt.write(t[0], np.ascontiguousarray(arr, dtype=np.float32).reshape(-1), t[1] * F32)
         else:
             self.rt.write(t, np.ascontiguousarray(arr, dtype=np.float32))
 
+    def _shape_of(self, name):
+        return self.shapes[name] if self.full else self._lora_packed[0].shapes[name]
+
+    def trainable(self) -> dict:
+        """Trainable arrays by name ('path.lora_A' / 'path.lora_B', or weight names), read back (copies)."""
+        return {k: self._read(t, self._shape_of(k)) for k, t in self.params.items()}
+
+    get_trainable = trainable
+
+    def set_trainable(self, arrays: dict):
+        for k, arr in arrays.items():
+            self._write(self.params[k], arr)
+
     def lora_tensors(self) -> dict:
-        return {p: (self.rt.read(m.a, np.float32, (m.r, m.in_f)), self.rt.read(m.b, np.float32, (m.out_f, m.r)))
-                for p, m in self.lora.items()}
+        return {p: (self._read(m.a, (m.r, m.in_f)), self._read(m.b, (m.out_f, m.r))) for p, m in self.lora.items()}
 
     def weights(self) -> dict:
         """Base weights as float32 (float16 / NF4 ones dequantised)."""
@@ -256,24 +296,21 @@ class WgpuEngine:
         self._submit(rec)
 
     def _record_zero_grads(self, rec):
-        for g in self.grads.values():
-            for b, _ in self._parts(g):
-                rec.clear(b)
+        for _, grad, _, _, n in self._groups:
+            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
+            rec.clear(buf, off * F32, n * F32)
 
     def gradients(self) -> dict:
         return {k: self._read(g, self._shape_of(k)) for k, g in self.grads.items()}
 
     def optimizer_state(self) -> dict:
-        return {k: (self._read(m, self._shape_of(k)), self._read(v, self._shape_of(k))) for k, (m, v) in self.moments.items()}
+        return {k: (self._read(m, self._shape_of(k)), self._read(v, self._shape_of(k)))
+                for k, (m, v) in self.moments.items()}
 
     def load_optimizer_state(self, state: dict):
-        tensors = self._trainable_tensors()
-        self.moments = {}
         for k, (m, v) in state.items():
-            mb, vb = self._like(tensors[k], k + ".m"), self._like(tensors[k], k + ".v")
-            self._write(mb, m)
-            self._write(vb, v)
-            self.moments[k] = (mb, vb)
+            self._write(self.moments[k][0], m)
+            self._write(self.moments[k][1], v)
 
     # ---- buffers per bucket -------------------------------------------------------------------
     def _activations(self, b, t, train=True, keep=()) -> Activations:
@@ -633,22 +670,12 @@ class WgpuEngine:
 
     def _record_optimizer(self, rec, hp, step, norm_at):
         rec.section("optimizer (grad norm, AdamW)")
-        tensors = self._trainable_tensors()
-        slot = 0
-        for name in self._slots:
-            for buf, n in self._parts(self.grads[name]):
-                K.grad_norm_partial(rec, self.partials, slot, buf, n)
-                slot += 1
-        K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
-        for name in self._slots:
-            if name not in self.moments:
-                p = tensors[name]
-                self.moments[name] = (self._like(p, name + ".m"), self._like(p, name + ".v"))
-            m, v = self.moments[name]
-            for (pb, n), (gb, _), (mb, _), (vb, _) in zip(self._parts(tensors[name]), self._parts(self.grads[name]),
-                                                          self._parts(m), self._parts(v)):
-                K.adamw_update(rec, pb, gb, mb, vb, n, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
-                               scale_buf=norm_at)
+        for slot, (_, grad, _, _, n) in enumerate(self._groups):
+            K.grad_norm_partial(rec, self.partials, slot, grad, n)
+        K.grad_norm_finalize(rec, norm_at, self.partials, len(self._groups), hp.max_grad_norm or 0.0)
+        for param, grad, m, v, n in self._groups:
+            K.adamw_update(rec, param, grad, m, v, n, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
+                           scale_buf=norm_at)
 
     # ---- generation with a KV cache -----------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
