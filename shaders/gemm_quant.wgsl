@@ -1,4 +1,3 @@
-enable f16;
 // GEMM with a frozen weight stored as float16 or as 4-bit NF4 codes, accumulated in f32:
 //   C (+)= A @ op(W) (+ bias),  A (M, K) f32 row-major (pitch lda),  C (M, N) f32 (pitch ldc),
 //   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = its rows) or W ("nn", the backward
@@ -6,11 +5,11 @@ enable f16;
 //   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
 //
 // The file has one section per weight format; gpu/quant.py builds each pipeline's source by blanking
-// the other format's section (and `enable f16;` for NF4, so NF4 runs without shader-f16), and the
-// subgroup kernels on devices without subgroups. Each format defines binding 2 (the weights), Raw8 with
-// raw8(e) (what one load brings: elements e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as
-// f32) and w4(e0, e1, e2, e3) (any 4 elements).
-//   float16: binding 2 holds the f16 values.
+// the other format's section, and the subgroup kernels on devices without subgroups. No format needs
+// shader-f16: float16 values are read as u32 words of two and decoded with unpack2x16float (core WGSL).
+// Each format defines binding 2 (the weights), Raw8 with raw8(e) (what one load brings: elements
+// e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as f32) and w4(e0, e1, e2, e3) (any 4).
+//   float16: binding 2 holds the f16 values (IEEE binary16, little-endian), read as u32 words of two.
 //   nf4:     binding 2 holds the bitsandbytes byte stream as u32 words (little-endian: byte j of a word
 //            holds elements 2j (high nibble) and 2j + 1 (low nibble) of its 8); binding 5 the f32
 //            absmax of each 64-element block of the flattened weight (blocks cross rows).
@@ -366,24 +365,32 @@ fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
 }
 
 // ---- format: float16 --------------------------------------------------------------------------
-@group(0) @binding(2) var<storage, read> H: array<f16>;
-@group(0) @binding(2) var<storage, read> H8: array<mat2x4<f16>>;
+// The f16 values packed two per u32 (element 2i in the low half, as little-endian f16 bytes), decoded by
+// unpack2x16float: core WGSL, so float16 weights need no shader-f16.
+@group(0) @binding(2) var<storage, read> H2: array<u32>;
+@group(0) @binding(2) var<storage, read> H8: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> IDS: array<i32>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<f32>;   // embed_gather (bindings 0..3)
 
 // Elements e..e+7 (e % 8 == 0), decoded by halves.
-alias Raw8 = mat2x4<f16>;
+alias Raw8 = vec4<u32>;
 
 fn raw8(e: u32) -> Raw8 {
     return H8[e >> 3u];
 }
 
 fn dec4(r: Raw8, h: bool) -> vec4<f32> {
-    return vec4<f32>(select(r[0], r[1], h));
+    let p = select(r.xy, r.zw, h);
+    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));
+}
+
+fn h1(e: u32) -> f32 {
+    let v = unpack2x16float(H2[e >> 1u]);
+    return select(v.x, v.y, (e & 1u) != 0u);
 }
 
 fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
-    return vec4<f32>(f32(H[e0]), f32(H[e1]), f32(H[e2]), f32(H[e3]));
+    return vec4<f32>(h1(e0), h1(e1), h1(e2), h1(e3));
 }
 
 // Embedding rows from an f16 vocabulary chunk: OUT[c_off + t * cols + c] = W[ids[a_off + t] - row0, c] for
@@ -399,6 +406,6 @@ fn embed_gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
     if (r < 0 || u32(r) >= P.rows) {
         return;
     }
-    OUT[P.c_off + i] = f32(H[u32(r) * P.cols + i % P.cols]);
+    OUT[P.c_off + i] = h1(u32(r) * P.cols + i % P.cols);
 }
 // ---- end of formats

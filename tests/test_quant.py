@@ -25,12 +25,6 @@ PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098
                  0.7229568362236023, 1.0]
 
 
-def _skip_f16(rt, fmt):
-    if fmt == "float16" and not rt.has_f16:
-        pytest.skip(f"{rt.info.describe()} has no shader-f16: float16 weights are refused there "
-                    f"(test_float16_refused_without_shader_f16)")
-
-
 # ---- the NumPy reference ------------------------------------------------------------------------
 
 def test_nf4_codes_and_nibble_order():
@@ -153,7 +147,6 @@ def _kernels(rt):
 def test_quant_gemm_matches_numpy(rt, fmt, layout):
     """C = A @ op(W) with W stored as fmt equals float64 NumPy on the dequantised W, for every kernel that
     can run each shape (accumulate on, and a padded A pitch where listed)."""
-    _skip_f16(rt, fmt)
     rng = np.random.default_rng(4)
     cases, ran_fast = [], 0
     for M, rows, cols, padded in GEMM_CASES:
@@ -189,7 +182,6 @@ def test_quant_gemm_matches_numpy(rt, fmt, layout):
 def test_quant_linear_over_several_chunks(rt, fmt):
     """engine.linear_forward / linear_backward with a QuantMatrix split into row chunks (a small max storage
     binding): bias and output columns per chunk, dx summed over chunks; the chunk plan is what is allocated."""
-    _skip_f16(rt, fmt)
     rng = np.random.default_rng(5)
     rows, cols, n = 300, 72, 3
     saved = rt.max_binding
@@ -220,7 +212,6 @@ def test_quant_linear_over_several_chunks(rt, fmt):
 
 
 def test_float16_embedding_gather(rt):
-    _skip_f16(rt, "float16")
     rng = np.random.default_rng(6)
     vocab, c = 40, 6
     w = rng.standard_normal((vocab, c)).astype(np.float32)
@@ -239,14 +230,28 @@ def test_float16_embedding_gather(rt):
     assert_close(rt.read(out, np.float32, (ids.size, c)), R.round_to(w, "float16")[ids], "exact")
 
 
-def test_float16_refused_without_shader_f16(rt, tmp_path):
-    if rt.has_f16:
-        pytest.skip(f"{rt.info.describe()} has shader-f16 (the refusal is tested on adapters without it)")
-    with pytest.raises(wt.DeviceError, match="shader-f16"):
-        Q.QuantMatrix(rt, np.ones((2, 2), np.float32), "float16")
+def test_float16_needs_no_shader_f16(rt, tmp_path):
+    """float16 weights are read as u32 pairs (unpack2x16float, core WGSL): no shader enables f16, and a
+    float16 base and embedding load and run on every adapter, shader-f16 or not (the OpenGL one has none)."""
+    for fmt in Q.FORMATS:
+        for sg in (False, True):
+            assert "enable f16" not in Q._source(fmt, sg)
+    w = np.array([[1.0, -2.5, 65504.0], [6.1e-5, -0.0, 3.0e-8]], np.float32)   # max, subnormal, -0
+    qm = Q.QuantMatrix(rt, w, "float16", "w")
+    want = w.astype(np.float16).astype(np.float32)
+    assert qm.nbytes == 16 and qm.read(rt).tobytes() == want.tobytes()
+    out = rt.buffer(want.size * 4)                         # the shader's decode of the same bytes
+    rec = rt.recorder()
+    Q.embedding_forward(rec, out, rt.upload(np.array([1, 0], np.int32)), qm, 2)
+    rec.submit()
+    np.testing.assert_array_equal(rt.read(out, np.float32, want.shape), want[[1, 0]])
     folder = _tiny_model(tmp_path, "llama")
-    with pytest.raises(wt.DeviceError, match="embed_dtype=float16 needs the WebGPU feature 'shader-f16'"):
-        wt.load_model(folder, backend="wgpu", device=str(rt.info.index), base_dtype="nf4", embed_dtype="float16")
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), base_dtype="float16",
+                        embed_dtype="float16")
+    ref = wt.load_model(folder, backend="numpy", base_dtype="float16", embed_dtype="float16")
+    assert all(isinstance(gpu.engine.w[k], Q.QuantMatrix) for k in ("model.embed_tokens.weight", "lm_head.weight"))
+    ids = np.random.default_rng(0).integers(0, 83, (1, 9))
+    assert_close(gpu.logits(ids), ref.logits(ids), "gpu_logits")
 
 
 # ---- the engines --------------------------------------------------------------------------------
@@ -270,8 +275,6 @@ def folder(request, tmp_path_factory):
 def test_engines_agree_with_quantised_base(folder, rt, base, embed):
     """wgpu vs NumPy with the same stored weights: dequantised weights equal exactly; logits, loss and
     every LoRA gradient as close as with float32 weights; memory as planned."""
-    if "float16" in (base, embed):
-        _skip_f16(rt, "float16")
     pytest.importorskip("torch")
     ref = wt.load_model(folder, backend="numpy", base_dtype=base, embed_dtype=embed)
     gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), base_dtype=base, embed_dtype=embed)
@@ -357,9 +360,8 @@ def test_training_loss_with_float16_and_nf4_close_to_float32(train_setup, tmp_pa
 
     model, data, _ = train_setup
     backend = "wgpu" if ADAPTERS else "numpy"
-    base_dtypes = ["float32", "float16", "nf4"] if backend == "numpy" or _default_has_f16() else ["float32", "nf4"]
     runs = {}
-    for bd in base_dtypes:
+    for bd in ("float32", "float16", "nf4"):
         out = tmp_path / bd
         summary = wt.finetune(wt.TrainConfig(
             model=str(model), data=str(data), out=str(out), backend=backend, base_dtype=bd, max_steps=20, lr=2e-3,
@@ -378,9 +380,3 @@ def test_training_loss_with_float16_and_nf4_close_to_float32(train_setup, tmp_pa
             assert_close(losses[-1], ref_losses[-1], tol, f"{bd}: training loss of step 20")
     assert runs["nf4"][1][0] != ref_losses[0], "NF4 did not change the base weights"
     assert runs["nf4"][0]["base_weight_bytes"] < ref["base_weight_bytes"]
-
-
-def _default_has_f16() -> bool:
-    from wgpu_train.gpu import runtime
-
-    return runtime.get_runtime().has_f16

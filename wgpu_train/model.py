@@ -222,7 +222,7 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
 
     base_dtype stores the frozen weights of the seven linear modules of every layer as "float32", "float16"
-    (the wgpu backend needs the adapter's shader-f16 feature) or "nf4" (4-bit NormalFloat, blocks of 64, as
+    or "nf4" (4-bit NormalFloat, blocks of 64, as
     bitsandbytes/QLoRA); embed_dtype stores the embedding and lm_head as "float32" or "float16". Norms,
     biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with the
     same rounded weights. Anything but float32 freezes the base (LoRA only)."""

@@ -233,13 +233,13 @@ def bench_gemm(rt, ctx) -> list[dict]:
 def bench_gemm_quant(rt, ctx) -> list[dict]:
     """gemm_{f16,nf4}_{nt,nn} (the frozen-weight GEMMs: x @ W.T and dy @ W) on GEMM_SHAPES, each checked
     against the dequantised weight, timed in interleaved rounds with gemm_nt / gemm_nn (fp32) on the same
-    shape; "vs_float32" is the ratio of their speeds in this run. float16 needs shader-f16."""
+    shape; "vs_float32" is the ratio of their speeds in this run."""
     from .quant import QuantMatrix, qgemm_dispatch
     from ..reference.quant import round_to
 
     timer = ctx["timer"]
     rng = np.random.default_rng(1)
-    formats = [f for f in ("float16", "nf4") if f != "float16" or rt.has_f16]
+    formats = ["float16", "nf4"]
     out = []
     for (m, n, k) in GEMM_SHAPES:
         flops = 2.0 * m * n * k
@@ -308,9 +308,7 @@ def bench_base_weights(rt) -> list[dict]:
                  "linear_bytes": b["linear"], "embedding_bytes": b["embedding"], "other_bytes": b["other"],
                  "parameters": params}
         planned = sum(stored_bytes(*w.shape, base, rt.max_binding) for w in layer.values())
-        if base == "float16" and not rt.has_f16:
-            entry["layer0_check"] = "skipped: no shader-f16"
-        elif (base, emb) == ("nf4", "float16"):
+        if (base, emb) == ("nf4", "float16"):
             entry["layer0_check"] = "as nf4 / float32"
         else:
             allocated, mats = 0, []

@@ -141,9 +141,6 @@ class WgpuEngine:
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
         check_dtypes(base_dtype, embed_dtype)
-        halves = [f"{k}=float16" for k, v in (("base_dtype", base_dtype), ("embed_dtype", embed_dtype)) if v == "float16"]
-        if halves:
-            quant.require_f16(rt, " and ".join(halves))
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype
         self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)
         for name, arr in weights.items():

@@ -3,7 +3,8 @@ them and accumulate in f32 (shaders/gemm_quant.wgsl): the forward x @ W.T ("nt")
 dy @ W ("nn"); a frozen weight never needs its own gradient. Also the f16 embedding gather.
 
 Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same function):
-- float16: the values, row chunks of a multiple of 8 rows that fit one storage binding;
+- float16: the values (2 bytes each), row chunks of a multiple of 8 rows that fit one storage binding; the
+  shaders read them as u32 words of two and decode with unpack2x16float, so no adapter needs shader-f16;
 - nf4: reference/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
   padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
@@ -74,13 +75,6 @@ def stored_bytes(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MA
     return sum(w + s for _, _, w, s in chunk_plan(rows, cols, dtype, max_binding))
 
 
-def require_f16(rt, what: str = "base_dtype=float16"):
-    """DeviceError unless the device has shader-f16."""
-    if not rt.has_f16:
-        raise DeviceError(f"{what} needs the WebGPU feature 'shader-f16', which {rt.info.describe()} lacks; "
-                          f"store the weights as float32 (or the base weights as nf4, which needs no f16)")
-
-
 class QuantMatrix:
     """A frozen (rows, cols) weight stored as float16 or NF4 on the GPU, in row chunks that each fit one
     storage binding. Attributes as engine.Matrix: rows, cols, chunks [(buffer, first_row, n_rows)], size,
@@ -89,8 +83,6 @@ class QuantMatrix:
     def __init__(self, rt, data: np.ndarray, dtype: str, label: str = ""):
         if dtype not in FORMATS:
             raise ValueError(f"QuantMatrix dtype must be one of {FORMATS}, got {dtype!r}")
-        if dtype == "float16":
-            require_f16(rt)
         data = np.asarray(data, dtype=np.float32)
         self.rows, self.cols = data.shape
         self.dtype = dtype
@@ -135,8 +127,8 @@ class QuantMatrix:
 # ---- pipelines ----------------------------------------------------------------------------------
 
 def _source(fmt: str, subgroups: bool) -> str:
-    """gemm_quant.wgsl with the other format's section, `enable f16;` (NF4) and the subgroup kernels
-    (devices without the feature) blanked; line numbers are kept so that shader errors point at the file."""
+    """gemm_quant.wgsl with the other format's section and the subgroup kernels (devices without the
+    feature) blanked; line numbers are kept so that shader errors point at the file."""
     key = (fmt, bool(subgroups))
     if key not in _sources:
         from .runtime import shader_path
@@ -151,8 +143,7 @@ def _source(fmt: str, subgroups: bool) -> str:
                 in_sg = False
             elif line.startswith(_SG_MARK):
                 in_sg = True
-            drop = ((section is not None and section != fmt) or (in_sg and not subgroups)
-                    or (fmt != "float16" and line.strip() == "enable f16;"))
+            drop = (section is not None and section != fmt) or (in_sg and not subgroups)
             out.append("" if drop else line)
         _sources[key] = "\n".join(out)
     return _sources[key]

@@ -171,10 +171,6 @@ class Runtime:
     def has_timestamps(self) -> bool:
         return "timestamp-query" in self.features
 
-    @property
-    def has_f16(self) -> bool:
-        return "shader-f16" in self.features
-
     def module(self, name: str, source: str | None = None, path=None):
         """A compiled shader module, by shader name (shaders/<name>.wgsl) or from given source."""
         key = name if source is None else (name, source)
