@@ -12,7 +12,7 @@ import wgpu_train as wt
 from wgpu_train.config import ModelConfig
 from wgpu_train.gpu import gemm as G
 from wgpu_train.gpu import quant as Q
-from wgpu_train.gpu.engine import linear_backward, linear_forward
+from wgpu_train.gpu.tensors import linear_backward, linear_forward
 from wgpu_train.memory import base_weight_bytes
 from wgpu_train.reference import quant as R
 

@@ -293,7 +293,7 @@ def bench_base_weights(rt) -> list[dict]:
     allocated on this device, whose buffer sizes must equal the plan (checked where the dtype can run)."""
     from ..config import LINEAR_MODULES, ModelConfig
     from ..memory import base_weight_bytes, weight_shapes
-    from .engine import Matrix
+    from .tensors import Matrix
     from .quant import QuantMatrix, stored_bytes
 
     cfg = ModelConfig(**QWEN05)

@@ -14,86 +14,10 @@ from ..reference import ops as ref_ops
 from ..reference.quant import check_dtypes, storage_dtype
 from . import kernels as K
 from . import quant
-from .gemm import gemm, lora_backward, lora_forward, ones
+from .gemm import lora_backward, lora_forward
 from .quant import QuantMatrix
 from .runtime import Runtime
-
-F32 = 4
-
-
-class Matrix:
-    """A (rows, cols) fp32 weight on the GPU, split by rows into buffers that each fit one binding."""
-
-    def __init__(self, rt: Runtime, rows: int, cols: int, label: str, data: np.ndarray | None = None):
-        self.rows, self.cols = rows, cols
-        per = max(1, min(rows, rt.max_binding // (cols * F32)))
-        self.chunks = []                                   # (buffer, first_row, n_rows)
-        for r0 in range(0, rows, per):
-            n = min(per, rows - r0)
-            buf = rt.buffer(n * cols * F32, f"{label}[{r0}:]")
-            if data is not None:
-                rt.write(buf, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
-            self.chunks.append((buf, r0, n))
-
-    @property
-    def size(self) -> int:
-        return self.rows * self.cols
-
-    def read(self, rt) -> np.ndarray:
-        return np.concatenate([rt.read(b, np.float32, (n, self.cols)) for b, _, n in self.chunks])
-
-    def write(self, rt, data):
-        for b, r0, n in self.chunks:
-            rt.write(b, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
-
-
-def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
-    """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
-    if isinstance(w, QuantMatrix):
-        return quant.linear_forward(rec, y, x, w, bias, N, accumulate)
-    for buf, r0, n in w.chunks:
-        b = (bias, r0) if bias is not None else None
-        gemm(rec, _at(y, r0), x, buf, N, n, w.cols, "nt", bias=b, accumulate=accumulate, ldc=w.rows)
-
-
-def linear_backward(rec, dx, dweight, dbias, dy, x, w: Matrix, N, accumulate_dx=False):
-    """dx (N, in) (+)= dy @ w; dweight (+)= dy.T @ x and dbias (+)= sum(dy) when given (always accumulated)."""
-    if isinstance(w, QuantMatrix):   # a frozen float16 / NF4 weight: only dx
-        if dweight is not None or dbias is not None:
-            raise ValueError(f"a {w.dtype} base weight is frozen: it has no weight or bias gradient")
-        if dx is not None:
-            quant.linear_backward(rec, dx, dy, w, N, accumulate_dx)
-        return
-    for i, (buf, r0, n) in enumerate(w.chunks):
-        if dx is not None:
-            gemm(rec, dx, _at(dy, r0), buf, N, w.cols, n, "nn", lda=w.rows, accumulate=accumulate_dx or i > 0)
-        if dweight is not None:
-            gemm(rec, dweight.chunks[i][0], _at(dy, r0), x, n, w.cols, N, "tn", lda=w.rows, accumulate=True)
-    if dbias is not None:
-        gemm(rec, dbias, ones(rec.rt, N), dy, 1, w.rows, N, "nn", accumulate=True)
-
-
-def _at(t, offset):
-    """(buffer, element offset) of a tensor argument shifted by offset elements."""
-    if isinstance(t, tuple):
-        return (t[0], t[1] + offset)
-    return (t, offset) if offset else t
-
-
-class Packed:
-    """Named fp32 tensors stored back to back in one buffer, so that one dispatch can update them all.
-    `view(name)` is the (buffer, element offset) operand the kernels take."""
-
-    def __init__(self, rt: Runtime, shapes: dict, label: str):
-        self.shapes, self.offsets, n = dict(shapes), {}, 0
-        for name, shape in shapes.items():
-            self.offsets[name] = n
-            n += int(np.prod(shape))
-        self.n = n
-        self.buf = rt.buffer(max(1, n) * F32, label)
-
-    def view(self, name):
-        return (self.buf, self.offsets[name])
+from .tensors import F32, Matrix, Packed, at, linear_backward, linear_forward
 
 
 class GpuLora:
@@ -429,7 +353,7 @@ class WgpuEngine:
         if kv is None:
             K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
         else:
-            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, _at(acts.x_final, (n - 1) * c), self.w["model.norm.weight"],
+            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, at(acts.x_final, (n - 1) * c), self.w["model.norm.weight"],
                               1, c, eps)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
@@ -439,7 +363,7 @@ class WgpuEngine:
         rec.section("loss head (lm_head, cross-entropy)")
         for r0 in range(0, n, acts.head_rows):
             rows = min(acts.head_rows, n - r0)
-            linear_forward(rec, acts.logits, _at(acts.xf, r0 * c), head, None, rows)
+            linear_forward(rec, acts.logits, at(acts.xf, r0 * c), head, None, rows)
             K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits, acts.targets,
                                     rows, v, r0)
             if backward:
@@ -447,7 +371,7 @@ class WgpuEngine:
                                          rows, v, r0)
                 dhead = self.grads.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") \
                     if self.full else None
-                linear_backward(rec, _at(acts.dxf, r0 * c), dhead, None, acts.logits, _at(acts.xf, r0 * c), head, rows)
+                linear_backward(rec, at(acts.dxf, r0 * c), dhead, None, acts.logits, at(acts.xf, r0 * c), head, rows)
 
     # ---- backward -----------------------------------------------------------------------------
     def _linear_backward(self, rec, dx, dy, layer, module, acts, a, x, accumulate_dx):
@@ -575,7 +499,7 @@ class WgpuEngine:
         for r0 in range(0, acts.n, acts.head_rows):
             rows = min(acts.head_rows, acts.n - r0)
             rec = self.rt.recorder()
-            linear_forward(rec, acts.logits, _at(acts.xf, r0 * c), self._head(), None, rows)
+            linear_forward(rec, acts.logits, at(acts.xf, r0 * c), self._head(), None, rows)
             rec.submit()
             out[r0:r0 + rows] = self.rt.read(acts.logits, np.float32, (rows, v))
         self._count(before)

@@ -43,7 +43,7 @@ def _nf4_blocks(elements: int) -> int:
 
 def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> list:
     """(first_row, n_rows, weight_bytes, absmax_bytes) of each buffer pair a (rows, cols) weight stored as
-    `dtype` occupies on the GPU (float32: engine.Matrix's chunks; the others: QuantMatrix's). float16 and
+    `dtype` occupies on the GPU (float32: tensors.Matrix's chunks; the others: QuantMatrix's). float16 and
     NF4 chunks start on a multiple of 8 rows (aligned offsets of y and dy); NF4 ones on a block boundary."""
     if dtype == "float32":
         per = max(1, min(rows, max_binding // (cols * _F32)))
@@ -77,7 +77,7 @@ def stored_bytes(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MA
 
 class QuantMatrix:
     """A frozen (rows, cols) weight stored as float16 or NF4 on the GPU, in row chunks that each fit one
-    storage binding. Attributes as engine.Matrix: rows, cols, chunks [(buffer, first_row, n_rows)], size,
+    storage binding. Attributes as tensors.Matrix: rows, cols, chunks [(buffer, first_row, n_rows)], size,
     read(rt); plus dtype, absmax (NF4: one f32 absmax buffer per chunk) and nbytes (all its buffers)."""
 
     def __init__(self, rt, data: np.ndarray, dtype: str, label: str = ""):

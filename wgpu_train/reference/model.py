@@ -184,7 +184,7 @@ class NumpyEngine:
         cfg = self.cfg
         b, t = cache["shape"]
         n = b * t
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hq, d = cfg.num_attention_heads, cfg.head_dim
         tied = cfg.tie_word_embeddings
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(), need_weight_grad=self.full)

@@ -1,0 +1,87 @@
+"""GPU tensors of the engine: row-chunked weight matrices, packed tensor sets, and the linear op pair
+over chunked (or float16 / NF4) weights."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import quant
+from .gemm import gemm, ones
+from .quant import QuantMatrix
+from .runtime import Runtime
+
+F32 = 4
+
+
+class Matrix:
+    """A (rows, cols) fp32 weight on the GPU, split by rows into buffers that each fit one binding."""
+
+    def __init__(self, rt: Runtime, rows: int, cols: int, label: str, data: np.ndarray | None = None):
+        self.rows, self.cols = rows, cols
+        per = max(1, min(rows, rt.max_binding // (cols * F32)))
+        self.chunks = []                                   # (buffer, first_row, n_rows)
+        for r0 in range(0, rows, per):
+            n = min(per, rows - r0)
+            buf = rt.buffer(n * cols * F32, f"{label}[{r0}:]")
+            if data is not None:
+                rt.write(buf, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
+            self.chunks.append((buf, r0, n))
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    def read(self, rt) -> np.ndarray:
+        return np.concatenate([rt.read(b, np.float32, (n, self.cols)) for b, _, n in self.chunks])
+
+    def write(self, rt, data):
+        for b, r0, n in self.chunks:
+            rt.write(b, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
+
+
+def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
+    """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
+    if isinstance(w, QuantMatrix):
+        return quant.linear_forward(rec, y, x, w, bias, N, accumulate)
+    for buf, r0, n in w.chunks:
+        b = (bias, r0) if bias is not None else None
+        gemm(rec, at(y, r0), x, buf, N, n, w.cols, "nt", bias=b, accumulate=accumulate, ldc=w.rows)
+
+
+def linear_backward(rec, dx, dweight, dbias, dy, x, w: Matrix, N, accumulate_dx=False):
+    """dx (N, in) (+)= dy @ w; dweight (+)= dy.T @ x and dbias (+)= sum(dy) when given (always accumulated)."""
+    if isinstance(w, QuantMatrix):   # a frozen float16 / NF4 weight: only dx
+        if dweight is not None or dbias is not None:
+            raise ValueError(f"a {w.dtype} base weight is frozen: it has no weight or bias gradient")
+        if dx is not None:
+            quant.linear_backward(rec, dx, dy, w, N, accumulate_dx)
+        return
+    for i, (buf, r0, n) in enumerate(w.chunks):
+        if dx is not None:
+            gemm(rec, dx, at(dy, r0), buf, N, w.cols, n, "nn", lda=w.rows, accumulate=accumulate_dx or i > 0)
+        if dweight is not None:
+            gemm(rec, dweight.chunks[i][0], at(dy, r0), x, n, w.cols, N, "tn", lda=w.rows, accumulate=True)
+    if dbias is not None:
+        gemm(rec, dbias, ones(rec.rt, N), dy, 1, w.rows, N, "nn", accumulate=True)
+
+
+def at(t, offset):
+    """(buffer, element offset) of a tensor argument shifted by offset elements."""
+    if isinstance(t, tuple):
+        return (t[0], t[1] + offset)
+    return (t, offset) if offset else t
+
+
+class Packed:
+    """Named fp32 tensors stored back to back in one buffer, so that one dispatch can update them all.
+    `view(name)` is the (buffer, element offset) operand the kernels take."""
+
+    def __init__(self, rt: Runtime, shapes: dict, label: str):
+        self.shapes, self.offsets, n = dict(shapes), {}, 0
+        for name, shape in shapes.items():
+            self.offsets[name] = n
+            n += int(np.prod(shape))
+        self.n = n
+        self.buf = rt.buffer(max(1, n) * F32, label)
+
+    def view(self, name):
+        return (self.buf, self.offsets[name])
