@@ -190,7 +190,7 @@ def main(argv=None):
           f"{'timestamp-query' if timer.use_ts else 'wall-clock'}; best of {args.rounds} rounds")
     print(f"FMA peak: {peak:.1f} GFLOP/s")
     naive = best.get("v1")
-    print(f"| variant | GFLOP/s | of peak | vs v1 | description |\n|---|---|---|---|---|")
+    print("| variant | GFLOP/s | of peak | vs v1 | description |\n|---|---|---|---|---|")
     for v, _ in ready:
         g = best[v.name]
         vs = f"{g / naive:.1f}x" if naive else "-"
