@@ -1,0 +1,28 @@
+"""`wgpu-train bench --json`: one JSON object with the adapter, its FMA peak and each figure next to its
+reference. Only the structure and the correctness checks are asserted here: speeds are for the
+benchmark to report, never for a test to time."""
+from __future__ import annotations
+
+import json
+
+from conftest import require_adapter
+
+from wgpu_train.cli import main
+
+
+def test_bench_json_gemm_and_training(capsys):
+    require_adapter()
+    assert main(["bench", "--json", "--only", "gemm_nt"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"adapter", "fma_peak_gflops", "kernels"} and result["fma_peak_gflops"] > 0
+    names = {k["name"] for k in result["kernels"]}
+    assert "gemm_nt" in names
+    for k in result["kernels"]:
+        assert k["gflops"] > 0 and 0 < k["fraction_of_peak"] and k["max_rel_err"] < 1e-4
+        assert k["shape"].count("x") == 2
+
+    assert main(["bench", "--json", "--only", "training"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert training["submits_per_step"] == 1 and training["readbacks_per_step"] == 1
+    assert set(training["tokens_per_s"]) == {"wgpu", "numpy", "torch_cpu_peft"}
+    assert 0 < training["python_record_fraction"] < 1
