@@ -12,6 +12,12 @@
 // f0 = softmax scale (1/sqrt(D)). Override D = head dim (<= DMAX).
 // Each entry point has a *_vec4 twin that reads and writes the (B, T, H, D) tensors as vec4 (2.5x
 // faster on llvmpipe); the wrapper uses it when D and those tensors' element offsets are multiples of 4.
+// The vec4 kernels give each invocation QPI = 4 consecutive queries (forward, dq) or keys (dk/dv), so
+// every k/v (or q/dout) row loaded serves four rows: llvmpipe loads a storage element lane by lane,
+// and those loads, not the FMAs, bound the scalar design (2x faster at T=64, D=32). The four rows are
+// separate arrays (qv0..qv3, ...) indexed only by the d loop: one array indexed by row and d measured
+// no faster than the one-row design (likely left in scratch memory rather than registers). The vec4
+// dq pass also computes delta itself, so the vec4 backward is two dispatches.
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -24,6 +30,8 @@ override D: u32 = 64u;
 const DMAX: u32 = 128u;
 const D4MAX: u32 = 32u;
 const WG: u32 = 64u;
+const QPI: u32 = 4u;           // queries (or keys) per invocation in the vec4 kernels
+const WGA: u32 = WG / QPI;
 
 @group(0) @binding(0) var<uniform> p: Params;
 
@@ -228,106 +236,241 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 @group(0) @binding(4) var<storage, read> fv_k: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> fv_v: array<vec4<f32>>;
 
-@compute @workgroup_size(WG)
+// Online-softmax step for one query: (m, l) and score s -> (new m, new l, rescale of acc, weight of v).
+fn softmax_step(m: f32, l: f32, s: f32, ok: bool) -> vec4<f32> {
+    let sm = select(-3.0e38, s, ok);
+    let mn = max(m, sm);
+    let corr = exp(m - mn);
+    let e = select(0.0, exp(sm - mn), ok);
+    return vec4<f32>(mn, l * corr + e, corr, e);
+}
+
+fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }
+
+// Query i sees key j (sj = segment of j, si of i).
+fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool { return j <= i && sj == si && (si != 0 || j == i); }
+
+@compute @workgroup_size(WGA)
 fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let t = p.s1;
-    let i = wid.x * WG + lid.x;
-    if (i >= t) { return; }
+    let ia = wid.x * WG + lid.x * QPI;
+    if (ia >= t) { return; }
+    let il = min(ia + QPI - 1u, t - 1u);
     let h = wid.y;
     let b = wid.z;
     let hq = p.s2;
     let hkv = p.s3;
     let g = h / (hq / hkv);
     let n4 = D / 4u;
-    let si = f_seg[p.o6 + b * t + i];
-    let qb = p.o3 / 4u + ((b * t + i) * hq + h) * n4;
-    var qv: array<vec4<f32>, D4MAX>;
-    var acc: array<vec4<f32>, D4MAX>;
+    let sb = p.o6 + b * t;
+    let s0 = f_seg[sb + ia];
+    let s1 = f_seg[sb + min(ia + 1u, il)];
+    let s2 = f_seg[sb + min(ia + 2u, il)];
+    let s3 = f_seg[sb + il];
+    let rs = hq * n4;
+    let qb = p.o3 / 4u + ((b * t + ia) * hq + h) * n4;
+    let q1 = select(qb, qb + rs, ia + 1u <= il);
+    let q2 = select(qb, qb + 2u * rs, ia + 2u <= il);
+    let q3 = select(qb, qb + 3u * rs, ia + 3u <= il);
+    var qv0: array<vec4<f32>, D4MAX>;
+    var qv1: array<vec4<f32>, D4MAX>;
+    var qv2: array<vec4<f32>, D4MAX>;
+    var qv3: array<vec4<f32>, D4MAX>;
+    var ac0: array<vec4<f32>, D4MAX>;
+    var ac1: array<vec4<f32>, D4MAX>;
+    var ac2: array<vec4<f32>, D4MAX>;
+    var ac3: array<vec4<f32>, D4MAX>;
     for (var d = 0u; d < n4; d++) {
-        qv[d] = fv_q[qb + d] * p.f0;
-        acc[d] = vec4<f32>(0.0);
+        qv0[d] = fv_q[qb + d] * p.f0;
+        qv1[d] = fv_q[q1 + d] * p.f0;
+        qv2[d] = fv_q[q2 + d] * p.f0;
+        qv3[d] = fv_q[q3 + d] * p.f0;
+        ac0[d] = vec4<f32>(0.0);
+        ac1[d] = vec4<f32>(0.0);
+        ac2[d] = vec4<f32>(0.0);
+        ac3[d] = vec4<f32>(0.0);
     }
-    var m = -3.0e38;
-    var l = 0.0;
-    var j0 = 0u;
-    if (si == 0) { j0 = i; }
-    for (var j = j0; j <= i; j++) {
-        if (f_seg[p.o6 + b * t + j] != si) { continue; }
-        let kb = ((b * t + j) * hkv + g) * n4;
-        var s4 = vec4<f32>(0.0);
+    var st0 = vec4<f32>(-3.0e38, 0.0, 0.0, 0.0);
+    var st1 = st0;
+    var st2 = st0;
+    var st3 = st0;
+    // Padding queries see only themselves: start at the first query unless one of them is real.
+    let jstart = select(0u, ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
+    for (var j = jstart; j <= il; j++) {
+        let sj = f_seg[sb + j];
+        let kb = p.o4 / 4u + ((b * t + j) * hkv + g) * n4;
+        let vb = p.o5 / 4u + ((b * t + j) * hkv + g) * n4;
+        var a0 = vec4<f32>(0.0);
+        var a1 = vec4<f32>(0.0);
+        var a2 = vec4<f32>(0.0);
+        var a3 = vec4<f32>(0.0);
         for (var d = 0u; d < n4; d++) {
-            s4 += qv[d] * fv_k[p.o4 / 4u + kb + d];
+            let kk = fv_k[kb + d];
+            a0 += qv0[d] * kk;
+            a1 += qv1[d] * kk;
+            a2 += qv2[d] * kk;
+            a3 += qv3[d] * kk;
         }
-        let s = (s4.x + s4.y) + (s4.z + s4.w);
-        let mn = max(m, s);
-        let corr = exp(m - mn);
-        let e = exp(s - mn);
-        l = l * corr + e;
+        st0 = softmax_step(st0.x, st0.y, hsum(a0), sees(ia, j, s0, sj));
+        st1 = softmax_step(st1.x, st1.y, hsum(a1), sees(ia + 1u, j, s1, sj));
+        st2 = softmax_step(st2.x, st2.y, hsum(a2), sees(ia + 2u, j, s2, sj));
+        st3 = softmax_step(st3.x, st3.y, hsum(a3), sees(ia + 3u, j, s3, sj));
         for (var d = 0u; d < n4; d++) {
-            acc[d] = acc[d] * corr + e * fv_v[p.o5 / 4u + kb + d];
+            let vv = fv_v[vb + d];
+            ac0[d] = ac0[d] * st0.z + st0.w * vv;
+            ac1[d] = ac1[d] * st1.z + st1.w * vv;
+            ac2[d] = ac2[d] * st2.z + st2.w * vv;
+            ac3[d] = ac3[d] * st3.z + st3.w * vv;
         }
-        m = mn;
     }
-    let inv = 1.0 / l;
-    let ob = p.o1 / 4u + ((b * t + i) * hq + h) * n4;
-    for (var d = 0u; d < n4; d++) {
-        fv_out[ob + d] = acc[d] * inv;
+    let ob = p.o1 / 4u + ((b * t + ia) * hq + h) * n4;
+    let lb = p.o2 + (b * hq + h) * t + ia;
+    for (var d = 0u; d < n4; d++) { fv_out[ob + d] = ac0[d] / st0.y; }
+    f_lse[lb] = st0.x + log(st0.y);
+    if (ia + 1u <= il) {
+        for (var d = 0u; d < n4; d++) { fv_out[ob + rs + d] = ac1[d] / st1.y; }
+        f_lse[lb + 1u] = st1.x + log(st1.y);
     }
-    f_lse[p.o2 + (b * hq + h) * t + i] = m + log(l);
+    if (ia + 2u <= il) {
+        for (var d = 0u; d < n4; d++) { fv_out[ob + 2u * rs + d] = ac2[d] / st2.y; }
+        f_lse[lb + 2u] = st2.x + log(st2.y);
+    }
+    if (ia + 3u <= il) {
+        for (var d = 0u; d < n4; d++) { fv_out[ob + 3u * rs + d] = ac3[d] / st3.y; }
+        f_lse[lb + 3u] = st3.x + log(st3.y);
+    }
 }
 
+// dq with the delta pre-pass fused in: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids,
+// 9 out. Four consecutive queries per invocation share each loaded k and v row.
 @group(0) @binding(1) var<storage, read_write> qv_dq: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> qv_dout: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> qv_q: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> qv_k: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> qv_v: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> qv_delta: array<f32>;
+@group(0) @binding(9) var<storage, read> qv_out: array<vec4<f32>>;
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(WGA)
 fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let t = p.s1;
-    let i = wid.x * WG + lid.x;
-    if (i >= t) { return; }
+    let ia = wid.x * WG + lid.x * QPI;
+    if (ia >= t) { return; }
+    let il = min(ia + QPI - 1u, t - 1u);
     let h = wid.y;
     let b = wid.z;
     let hq = p.s2;
     let hkv = p.s3;
     let g = h / (hq / hkv);
     let n4 = D / 4u;
-    let si = q_seg[p.o8 + b * t + i];
-    let rb = ((b * t + i) * hq + h) * n4;
-    let lse = q_lse[p.o6 + (b * hq + h) * t + i];
-    let delta = q_delta[p.o7 + (b * hq + h) * t + i];
-    var qv: array<vec4<f32>, D4MAX>;
-    var dov: array<vec4<f32>, D4MAX>;
-    var dq: array<vec4<f32>, D4MAX>;
+    let sb = p.o8 + b * t;
+    let s0 = q_seg[sb + ia];
+    let s1 = q_seg[sb + min(ia + 1u, il)];
+    let s2 = q_seg[sb + min(ia + 2u, il)];
+    let s3 = q_seg[sb + il];
+    let rs = hq * n4;
+    let r0 = ((b * t + ia) * hq + h) * n4;
+    let r1 = select(r0, r0 + rs, ia + 1u <= il);
+    let r2 = select(r0, r0 + 2u * rs, ia + 2u <= il);
+    let r3 = select(r0, r0 + 3u * rs, ia + 3u <= il);
+    let lb = (b * hq + h) * t;
+    let lse0 = q_lse[p.o6 + lb + ia];
+    let lse1 = q_lse[p.o6 + lb + min(ia + 1u, il)];
+    let lse2 = q_lse[p.o6 + lb + min(ia + 2u, il)];
+    let lse3 = q_lse[p.o6 + lb + il];
+    var qv0: array<vec4<f32>, D4MAX>;
+    var qv1: array<vec4<f32>, D4MAX>;
+    var qv2: array<vec4<f32>, D4MAX>;
+    var qv3: array<vec4<f32>, D4MAX>;
+    var do0: array<vec4<f32>, D4MAX>;
+    var do1: array<vec4<f32>, D4MAX>;
+    var do2: array<vec4<f32>, D4MAX>;
+    var do3: array<vec4<f32>, D4MAX>;
+    var dq0: array<vec4<f32>, D4MAX>;
+    var dq1: array<vec4<f32>, D4MAX>;
+    var dq2: array<vec4<f32>, D4MAX>;
+    var dq3: array<vec4<f32>, D4MAX>;
+    var kr: array<vec4<f32>, D4MAX>;
+    var e0 = vec4<f32>(0.0);
+    var e1 = vec4<f32>(0.0);
+    var e2 = vec4<f32>(0.0);
+    var e3 = vec4<f32>(0.0);
+    let qo = p.o3 / 4u;
+    let go = p.o2 / 4u;
+    let oo = p.o9 / 4u;
     for (var d = 0u; d < n4; d++) {
-        qv[d] = qv_q[p.o3 / 4u + rb + d] * p.f0;
-        dov[d] = qv_dout[p.o2 / 4u + rb + d];
-        dq[d] = vec4<f32>(0.0);
+        qv0[d] = qv_q[qo + r0 + d] * p.f0;
+        qv1[d] = qv_q[qo + r1 + d] * p.f0;
+        qv2[d] = qv_q[qo + r2 + d] * p.f0;
+        qv3[d] = qv_q[qo + r3 + d] * p.f0;
+        do0[d] = qv_dout[go + r0 + d];
+        do1[d] = qv_dout[go + r1 + d];
+        do2[d] = qv_dout[go + r2 + d];
+        do3[d] = qv_dout[go + r3 + d];
+        e0 += do0[d] * qv_out[oo + r0 + d];
+        e1 += do1[d] * qv_out[oo + r1 + d];
+        e2 += do2[d] * qv_out[oo + r2 + d];
+        e3 += do3[d] * qv_out[oo + r3 + d];
+        dq0[d] = vec4<f32>(0.0);
+        dq1[d] = vec4<f32>(0.0);
+        dq2[d] = vec4<f32>(0.0);
+        dq3[d] = vec4<f32>(0.0);
     }
-    var j0 = 0u;
-    if (si == 0) { j0 = i; }
-    for (var j = j0; j <= i; j++) {
-        if (q_seg[p.o8 + b * t + j] != si) { continue; }
-        let kb = ((b * t + j) * hkv + g) * n4;
-        var s4 = vec4<f32>(0.0);
-        var dp4 = vec4<f32>(0.0);
+    // delta = rowsum(dout * out), also saved for the dk/dv pass.
+    let dl0 = hsum(e0);
+    let dl1 = hsum(e1);
+    let dl2 = hsum(e2);
+    let dl3 = hsum(e3);
+    qv_delta[p.o7 + lb + ia] = dl0;
+    if (ia + 1u <= il) { qv_delta[p.o7 + lb + ia + 1u] = dl1; }
+    if (ia + 2u <= il) { qv_delta[p.o7 + lb + ia + 2u] = dl2; }
+    if (ia + 3u <= il) { qv_delta[p.o7 + lb + ia + 3u] = dl3; }
+    let jstart = select(0u, ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
+    for (var j = jstart; j <= il; j++) {
+        let sj = q_seg[sb + j];
+        let kb = p.o4 / 4u + ((b * t + j) * hkv + g) * n4;
+        let vb = p.o5 / 4u + ((b * t + j) * hkv + g) * n4;
+        var a0 = vec4<f32>(0.0);
+        var a1 = vec4<f32>(0.0);
+        var a2 = vec4<f32>(0.0);
+        var a3 = vec4<f32>(0.0);
+        var c0 = vec4<f32>(0.0);
+        var c1 = vec4<f32>(0.0);
+        var c2 = vec4<f32>(0.0);
+        var c3 = vec4<f32>(0.0);
         for (var d = 0u; d < n4; d++) {
-            s4 += qv[d] * qv_k[p.o4 / 4u + kb + d];
-            dp4 += dov[d] * qv_v[p.o5 / 4u + kb + d];
+            let kk = qv_k[kb + d];
+            let vv = qv_v[vb + d];
+            kr[d] = kk;
+            a0 += qv0[d] * kk;
+            a1 += qv1[d] * kk;
+            a2 += qv2[d] * kk;
+            a3 += qv3[d] * kk;
+            c0 += do0[d] * vv;
+            c1 += do1[d] * vv;
+            c2 += do2[d] * vv;
+            c3 += do3[d] * vv;
         }
-        let s = (s4.x + s4.y) + (s4.z + s4.w);
-        let dp = (dp4.x + dp4.y) + (dp4.z + dp4.w);
-        let ds = exp(s - lse) * (dp - delta);
+        let ds0 = select(0.0, exp(hsum(a0) - lse0) * (hsum(c0) - dl0), sees(ia, j, s0, sj));
+        let ds1 = select(0.0, exp(hsum(a1) - lse1) * (hsum(c1) - dl1), sees(ia + 1u, j, s1, sj));
+        let ds2 = select(0.0, exp(hsum(a2) - lse2) * (hsum(c2) - dl2), sees(ia + 2u, j, s2, sj));
+        let ds3 = select(0.0, exp(hsum(a3) - lse3) * (hsum(c3) - dl3), sees(ia + 3u, j, s3, sj));
         for (var d = 0u; d < n4; d++) {
-            dq[d] += ds * qv_k[p.o4 / 4u + kb + d];
+            let kk = kr[d];
+            dq0[d] += ds0 * kk;
+            dq1[d] += ds1 * kk;
+            dq2[d] += ds2 * kk;
+            dq3[d] += ds3 * kk;
         }
     }
-    for (var d = 0u; d < n4; d++) {
-        qv_dq[p.o1 / 4u + rb + d] = dq[d] * p.f0;
-    }
+    let qd = p.o1 / 4u;
+    for (var d = 0u; d < n4; d++) { qv_dq[qd + r0 + d] = dq0[d] * p.f0; }
+    if (ia + 1u <= il) { for (var d = 0u; d < n4; d++) { qv_dq[qd + r1 + d] = dq1[d] * p.f0; } }
+    if (ia + 2u <= il) { for (var d = 0u; d < n4; d++) { qv_dq[qd + r2 + d] = dq2[d] * p.f0; } }
+    if (ia + 3u <= il) { for (var d = 0u; d < n4; d++) { qv_dq[qd + r3 + d] = dq3[d] * p.f0; } }
 }
 
+// dk, dv: four consecutive keys per invocation share each loaded q and dout row.
 @group(0) @binding(1) var<storage, read_write> kv_dk: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> kv_dv: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> kv_dout: array<vec4<f32>>;
@@ -335,55 +478,129 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
 @group(0) @binding(5) var<storage, read> kv_k: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> kv_v: array<vec4<f32>>;
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(WGA)
 fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let t = p.s1;
-    let j = wid.x * WG + lid.x;
-    if (j >= t) { return; }
+    let ja = wid.x * WG + lid.x * QPI;
+    if (ja >= t) { return; }
+    let jl = min(ja + QPI - 1u, t - 1u);
     let g = wid.y;
     let b = wid.z;
     let hq = p.s2;
     let hkv = p.s3;
     let rep = hq / hkv;
     let n4 = D / 4u;
-    let sj = k_seg[p.o9 + b * t + j];
-    let kb = ((b * t + j) * hkv + g) * n4;
-    var kv: array<vec4<f32>, D4MAX>;
-    var vv: array<vec4<f32>, D4MAX>;
-    var dk: array<vec4<f32>, D4MAX>;
-    var dv: array<vec4<f32>, D4MAX>;
+    let sb = p.o9 + b * t;
+    let s0 = k_seg[sb + ja];
+    let s1 = k_seg[sb + min(ja + 1u, jl)];
+    let s2 = k_seg[sb + min(ja + 2u, jl)];
+    let s3 = k_seg[sb + jl];
+    let rs = hkv * n4;
+    let r0 = ((b * t + ja) * hkv + g) * n4;
+    let r1 = select(r0, r0 + rs, ja + 1u <= jl);
+    let r2 = select(r0, r0 + 2u * rs, ja + 2u <= jl);
+    let r3 = select(r0, r0 + 3u * rs, ja + 3u <= jl);
+    var k0: array<vec4<f32>, D4MAX>;
+    var k1: array<vec4<f32>, D4MAX>;
+    var k2: array<vec4<f32>, D4MAX>;
+    var k3: array<vec4<f32>, D4MAX>;
+    var v0: array<vec4<f32>, D4MAX>;
+    var v1: array<vec4<f32>, D4MAX>;
+    var v2: array<vec4<f32>, D4MAX>;
+    var v3: array<vec4<f32>, D4MAX>;
+    var dk0: array<vec4<f32>, D4MAX>;
+    var dk1: array<vec4<f32>, D4MAX>;
+    var dk2: array<vec4<f32>, D4MAX>;
+    var dk3: array<vec4<f32>, D4MAX>;
+    var dv0: array<vec4<f32>, D4MAX>;
+    var dv1: array<vec4<f32>, D4MAX>;
+    var dv2: array<vec4<f32>, D4MAX>;
+    var dv3: array<vec4<f32>, D4MAX>;
+    var qr: array<vec4<f32>, D4MAX>;
+    var dr: array<vec4<f32>, D4MAX>;
+    let ko = p.o5 / 4u;
+    let vo = p.o6 / 4u;
     for (var d = 0u; d < n4; d++) {
-        kv[d] = kv_k[p.o5 / 4u + kb + d] * p.f0;
-        vv[d] = kv_v[p.o6 / 4u + kb + d];
-        dk[d] = vec4<f32>(0.0);
-        dv[d] = vec4<f32>(0.0);
+        k0[d] = kv_k[ko + r0 + d] * p.f0;
+        k1[d] = kv_k[ko + r1 + d] * p.f0;
+        k2[d] = kv_k[ko + r2 + d] * p.f0;
+        k3[d] = kv_k[ko + r3 + d] * p.f0;
+        v0[d] = kv_v[vo + r0 + d];
+        v1[d] = kv_v[vo + r1 + d];
+        v2[d] = kv_v[vo + r2 + d];
+        v3[d] = kv_v[vo + r3 + d];
+        dk0[d] = vec4<f32>(0.0);
+        dk1[d] = vec4<f32>(0.0);
+        dk2[d] = vec4<f32>(0.0);
+        dk3[d] = vec4<f32>(0.0);
+        dv0[d] = vec4<f32>(0.0);
+        dv1[d] = vec4<f32>(0.0);
+        dv2[d] = vec4<f32>(0.0);
+        dv3[d] = vec4<f32>(0.0);
     }
-    var i1 = t;
-    if (sj == 0) { i1 = j + 1u; }
-    for (var i = j; i < i1; i++) {
-        if (k_seg[p.o9 + b * t + i] != sj) { continue; }
+    // Padding keys are seen only by their own query.
+    let iend = select(t, jl + 1u, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
+    for (var i = ja; i < iend; i++) {
+        let si = k_seg[sb + i];
+        let m0 = sees(i, ja, si, s0);
+        let m1 = sees(i, ja + 1u, si, s1) && ja + 1u <= jl;
+        let m2 = sees(i, ja + 2u, si, s2) && ja + 2u <= jl;
+        let m3 = sees(i, ja + 3u, si, s3) && ja + 3u <= jl;
+        if (!(m0 || m1 || m2 || m3)) { continue; }
         for (var r = 0u; r < rep; r++) {
             let h = g * rep + r;
             let rb = ((b * t + i) * hq + h) * n4;
             let li = (b * hq + h) * t + i;
-            var s4 = vec4<f32>(0.0);
-            var dp4 = vec4<f32>(0.0);
+            var a0 = vec4<f32>(0.0);
+            var a1 = vec4<f32>(0.0);
+            var a2 = vec4<f32>(0.0);
+            var a3 = vec4<f32>(0.0);
+            var c0 = vec4<f32>(0.0);
+            var c1 = vec4<f32>(0.0);
+            var c2 = vec4<f32>(0.0);
+            var c3 = vec4<f32>(0.0);
             for (var d = 0u; d < n4; d++) {
-                s4 += kv_q[p.o4 / 4u + rb + d] * kv[d];
-                dp4 += kv_dout[p.o3 / 4u + rb + d] * vv[d];
+                let qq = kv_q[p.o4 / 4u + rb + d];
+                let oo = kv_dout[p.o3 / 4u + rb + d];
+                qr[d] = qq;
+                dr[d] = oo;
+                a0 += qq * k0[d];
+                a1 += qq * k1[d];
+                a2 += qq * k2[d];
+                a3 += qq * k3[d];
+                c0 += oo * v0[d];
+                c1 += oo * v1[d];
+                c2 += oo * v2[d];
+                c3 += oo * v3[d];
             }
-            let s = (s4.x + s4.y) + (s4.z + s4.w);
-            let dp = (dp4.x + dp4.y) + (dp4.z + dp4.w);
-            let pr = exp(s - k_lse[p.o7 + li]);
-            let ds = pr * (dp - k_delta[p.o8 + li]);
+            let lse = k_lse[p.o7 + li];
+            let dl = k_delta[p.o8 + li];
+            let p0 = select(0.0, exp(hsum(a0) - lse), m0);
+            let p1 = select(0.0, exp(hsum(a1) - lse), m1);
+            let p2 = select(0.0, exp(hsum(a2) - lse), m2);
+            let p3 = select(0.0, exp(hsum(a3) - lse), m3);
+            let ds0 = p0 * (hsum(c0) - dl);
+            let ds1 = p1 * (hsum(c1) - dl);
+            let ds2 = p2 * (hsum(c2) - dl);
+            let ds3 = p3 * (hsum(c3) - dl);
             for (var d = 0u; d < n4; d++) {
-                dv[d] += pr * kv_dout[p.o3 / 4u + rb + d];
-                dk[d] += ds * kv_q[p.o4 / 4u + rb + d];
+                let qq = qr[d];
+                let oo = dr[d];
+                dv0[d] += p0 * oo;
+                dv1[d] += p1 * oo;
+                dv2[d] += p2 * oo;
+                dv3[d] += p3 * oo;
+                dk0[d] += ds0 * qq;
+                dk1[d] += ds1 * qq;
+                dk2[d] += ds2 * qq;
+                dk3[d] += ds3 * qq;
             }
         }
     }
-    for (var d = 0u; d < n4; d++) {
-        kv_dk[p.o1 / 4u + kb + d] = dk[d] * p.f0;
-        kv_dv[p.o2 / 4u + kb + d] = dv[d];
-    }
+    let kd = p.o1 / 4u;
+    let vd = p.o2 / 4u;
+    for (var d = 0u; d < n4; d++) { kv_dk[kd + r0 + d] = dk0[d] * p.f0; kv_dv[vd + r0 + d] = dv0[d]; }
+    if (ja + 1u <= jl) { for (var d = 0u; d < n4; d++) { kv_dk[kd + r1 + d] = dk1[d] * p.f0; kv_dv[vd + r1 + d] = dv1[d]; } }
+    if (ja + 2u <= jl) { for (var d = 0u; d < n4; d++) { kv_dk[kd + r2 + d] = dk2[d] * p.f0; kv_dv[vd + r2 + d] = dv2[d]; } }
+    if (ja + 3u <= jl) { for (var d = 0u; d < n4; d++) { kv_dk[kd + r3 + d] = dk3[d] * p.f0; kv_dv[vd + r3 + d] = dv3[d]; } }
 }

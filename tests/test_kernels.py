@@ -179,6 +179,7 @@ ATT_CASES = [  # B, T, Hq, Hkv, D, segments, offsets: "aligned" (multiples of 4:
     (2, 65, 4, 2, 8, "packed", "aligned"),
     (2, 65, 4, 2, 8, "packed", "odd"),
     (1, 300, 3, 1, 4, "packed", "aligned"),
+    (3, 70, 4, 2, 12, "padded", "aligned"),   # vec4: whole groups of 4 padding queries/keys, T % 4 == 2
     (1, 5, 2, 1, 128, "padded", "aligned"),
     (1, 5, 2, 1, 128, "padded", "odd"),
 ]

@@ -31,7 +31,7 @@ RMS_WG = 64              # rmsnorm row workgroup (shaders/rmsnorm.wgsl WG)
 RMS_ROWS_PER_BLOCK = 32  # rows summed by one invocation of the dweight partial pass
 RMS_ROW_MAX_C = 256      # GPUs: one invocation per rmsnorm row up to this C, a workgroup per row above
 RMS_ROW_MAX_C_CPU = 1 << 30  # CPU adapters: always one invocation per row (barriers cost more there)
-ATT_WG = 64              # queries (or keys) per attention workgroup
+ATT_WG = 64              # queries (or keys) per attention workgroup (16 invocations x 4 in vec4)
 ATT_DMAX = 128           # register arrays in shaders/attention.wgsl
 HPARAM_ROWS = 16         # AdamW hyper-parameter sets that may be live between submits
 _FMT = "<8I12I4f"        # Params in every shader: s0..s7 sizes, o1..o12 offsets, f0..f3 scalars
@@ -342,6 +342,7 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
 
     Three dispatches: delta into scratch (at least attention_scratch_size(B, T, Hq) elements), dq per
     query row, then dk and dv per key row summing over the query heads of its group (no atomics).
+    On the vec4 path the dq pass computes delta itself and writes it to scratch: two dispatches.
     """
     _att_check(T, Hq, Hkv, D)
     if B * T <= 0:
@@ -350,13 +351,20 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
     scale_, const = (1.0 / math.sqrt(D),), {"D": D}
     sizes = (B, T, Hq, Hkv)
     tq = -(-T // ATT_WG)
-    _run(rec, "attention", "attention_backward_delta", (tq, Hq, B),
-         [(scratch, nl, "scratch", True), (dout, nq, "dout", False), (out, nq, "out", False)], sizes, scale_, const)
-    v4 = _vec4(D, dq, dk, dv, dout, q, k, v)
-    _run(rec, "attention", "attention_backward" + v4, (tq, Hq, B),
-         [(dq, nq, "dq", True), (dout, nq, "dout", False), (q, nq, "q", False), (k, nkv, "k", False),
-          (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
-          (segment_ids, B * T, "segment_ids", False)], sizes, scale_, const)
+    v4 = _vec4(D, dq, dk, dv, dout, q, k, v, out)
+    if v4:  # the vec4 dq pass computes delta itself and saves it for the dk/dv pass
+        _run(rec, "attention", "attention_backward_vec4", (tq, Hq, B),
+             [(dq, nq, "dq", True), (dout, nq, "dout", False), (q, nq, "q", False), (k, nkv, "k", False),
+              (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", True),
+              (segment_ids, B * T, "segment_ids", False), (out, nq, "out", False)], sizes, scale_, const)
+    else:
+        _run(rec, "attention", "attention_backward_delta", (tq, Hq, B),
+             [(scratch, nl, "scratch", True), (dout, nq, "dout", False), (out, nq, "out", False)],
+             sizes, scale_, const)
+        _run(rec, "attention", "attention_backward", (tq, Hq, B),
+             [(dq, nq, "dq", True), (dout, nq, "dout", False), (q, nq, "q", False), (k, nkv, "k", False),
+              (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
+              (segment_ids, B * T, "segment_ids", False)], sizes, scale_, const)
     _run(rec, "attention", "attention_backward_dkv" + v4, (tq, Hkv, B),
          [(dk, nkv, "dk", True), (dv, nkv, "dv", True), (dout, nq, "dout", False), (q, nq, "q", False),
           (k, nkv, "k", False), (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
