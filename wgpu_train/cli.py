@@ -27,21 +27,10 @@ def cmd_devices(args) -> int:
 
 def cmd_bench(args) -> int:
     from .gpu import runtime
-    from .gpu.bench import run_bench
+    from .gpu.bench import format_table, run_bench
 
     result = run_bench(runtime.get_runtime(args.device), only=args.only)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"adapter: {result['adapter']['name']} ({result['adapter']['backend']})")
-    print(f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s")
-    for k in result.get("kernels", []):
-        rate = f"{k['gflops']:.2f} GFLOP/s" if "gflops" in k else f"{k['gbps']:.2f} GB/s"
-        frac = f"  {k['fraction_of_peak']:.1%} of peak" if k.get("fraction_of_peak") is not None else ""
-        print(f"  {k['name']:<24} {k['shape']:<20} {rate}{frac}")
-    for key, value in result.items():
-        if key not in ("adapter", "fma_peak_gflops", "kernels"):
-            print(f"{key}: {json.dumps(value)}")
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
 

@@ -8,6 +8,7 @@ long measurements so that the peak is sampled throughout the run.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable
 
@@ -375,4 +376,7 @@ def format_table(result: dict) -> str:
         vs = e.get("vs_naive")
         lines.append(f"{e['name']:<16} {e['shape']:<16} {rate:>9.2f} "
                      f"{'' if frac is None else f'{100 * frac:.0f}%':>8} {'' if vs is None else f'{vs:.1f}x':>9}")
+    for key, value in result.items():
+        if key not in ("adapter", "fma_peak_gflops", "timing", "kernels"):
+            lines.append(f"{key}: {json.dumps(value, indent=2)}")
     return "\n".join(lines)
