@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bpe import train_bpe
 from tiny_models import build_model, save_model
 
-# ids 0, 1, 2 in this order: the tiny transformers config names bos_token_id=1 and eos_token_id=2.
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
 
 
@@ -28,15 +27,8 @@ def write_jsonl(path: Path, rows):
 
 def build_tokenizer(folder: Path):
     """Train a byte-level BPE on the toy task's text and save it (ChatML fallback, eos <|im_end|>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [f"user\n{r['prompt']}\nassistant\n{r['completion']}" for r in records(40)] + ["system user assistant"]
-    tok.train_from_iterator(corpus * 3, trainer)
+    tok = train_bpe(corpus, vocab_size=300)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",

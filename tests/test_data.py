@@ -5,9 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
+from bpe import train_bpe
 from wgpu_train.data import (
     IGNORE_INDEX, BatchStream, Example, load_jsonl, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
     tokenize_example,
@@ -15,7 +13,6 @@ from wgpu_train.data import (
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.tokenizer import load_tokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "hello world, the cat sat on the mat.",
     "what is two plus two? it is four.",
@@ -47,13 +44,7 @@ SPACY = (
 
 
 def build_backend():
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=340, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 3, trainer)
-    return tok
+    return train_bpe(CORPUS, vocab_size=340)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from bpe import train_bpe
 from wgpu_train.errors import DataError, ModelFileError
 from wgpu_train.tokenizer import CHATML_TEMPLATE, StreamDecoder, load_tokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "hello world, the cat sat on the mat.",
     "what is two plus two? it is four.",
@@ -50,13 +50,7 @@ LLAMA_LIKE = """{{ bos_token }}
 
 
 def build_backend(seed_text=CORPUS, vocab_size=360):
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(seed_text * 3, trainer)
-    return tok
+    return train_bpe(seed_text, vocab_size)
 
 
 @pytest.fixture(scope="module")

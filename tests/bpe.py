@@ -1,0 +1,18 @@
+"""A byte-level BPE trained in the test itself (nothing downloaded), with the ChatML special tokens."""
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# ids 0, 1, 2 in this order: the tiny transformers configs name bos_token_id=1 and eos_token_id=2.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_bpe(corpus, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (offsets stay meaningful) trained on corpus (repeated three times)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus) * 3, trainer)
+    return tok
