@@ -2,8 +2,6 @@
 every adapter present: odd sizes, GQA, padding and packed segments, element offsets and row chunks."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
