@@ -119,25 +119,18 @@ def vec4_modes(M, N, K, batch, a_off, a_sm, a_sk, a_sz, b_off, b_sk, b_sn, b_sz,
     k or m, op(B) along n or k, C along n or m), else None (the scalar kernel)."""
     def ok(vec_len, pitch, off, sz):
         return vec_len % 4 == 0 and pitch % 4 == 0 and off % 4 == 0 and (batch == 1 or sz % 4 == 0)
-    if a_sk == 1 and ok(K, a_sm, a_off, a_sz):
-        a_mode = True
-    elif a_sm == 1 and ok(M, a_sk, a_off, a_sz):
-        a_mode = False
-    else:
+
+    def mode(s_first, len_first, s_second, len_second, off, sz):
+        """True: vec4s along the first axis (stride 1 there); False: along the second; None: neither."""
+        if s_first == 1 and ok(len_first, s_second, off, sz):
+            return True
+        if s_second == 1 and ok(len_second, s_first, off, sz):
+            return False
         return None
-    if b_sn == 1 and ok(N, b_sk, b_off, b_sz):
-        b_mode = True
-    elif b_sk == 1 and ok(K, b_sn, b_off, b_sz):
-        b_mode = False
-    else:
-        return None
-    if c_sn == 1 and ok(N, c_sm, c_off, c_sz):
-        c_mode = True
-    elif c_sm == 1 and ok(M, c_sn, c_off, c_sz):
-        c_mode = False
-    else:
-        return None
-    return a_mode, b_mode, c_mode
+
+    modes = (mode(a_sk, K, a_sm, M, a_off, a_sz), mode(b_sn, N, b_sk, K, b_off, b_sz),
+             mode(c_sn, N, c_sm, M, c_off, c_sz))
+    return None if None in modes else modes
 
 
 L2_PANEL_BYTES = 256 * 1024   # the slice of B one workgroup streams should stay in a core's L2 (llvmpipe)
