@@ -4,8 +4,9 @@
 //   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
 //   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
 //
-// The file has one section per weight format; gpu/quant.py builds each pipeline's source by blanking
-// the other format's section, and the subgroup kernels on devices without subgroups. No format needs
+// The file has sections per weight format (a section names the formats it serves); gpu/quant.py builds
+// each pipeline's source by blanking the sections of other formats, and the subgroup kernels on devices
+// without subgroups. No format needs
 // shader-f16: float16 values are read as u32 words of two and decoded with unpack2x16float (core WGSL).
 // Each format defines binding 2 (the weights), Raw8 with raw8(e) (what one load brings: elements
 // e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as f32) and w4(e0, e1, e2, e3) (any 4).
@@ -13,6 +14,8 @@
 //   nf4:     binding 2 holds the bitsandbytes byte stream as u32 words (little-endian: byte j of a word
 //            holds elements 2j (high nibble) and 2j + 1 (low nibble) of its 8); binding 5 the f32
 //            absmax of each 64-element block of the flattened weight (blocks cross rows).
+//   nf4-dq:  the same codes; binding 5 the absmax values double-quantised (8-bit indices into a code
+//            table, a second-level absmax per 256 blocks, an offset), rebuilt by absmax(block).
 //
 // Tiling as in gemm.wgsl (a workgroup owns TM rows x 8 * WG columns of C, no workgroup memory; the
 // *_sg kernel hands the A slice out by subgroupBroadcast), except that an invocation's 8 columns are
@@ -317,9 +320,8 @@ fn qgemm_fast_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
 }
 // ---- end of subgroup kernels
 
-// ---- format: nf4 ------------------------------------------------------------------------------
+// ---- format: nf4 nf4-dq -----------------------------------------------------------------------
 @group(0) @binding(2) var<storage, read> Q: array<u32>;
-@group(0) @binding(5) var<storage, read> S: array<f32>;
 
 // NF4_CODE[q] for 4 indices, through a tree of selects on their bits (no memory access).
 fn nf4(q: vec4<u32>) -> vec4<f32> {
@@ -346,7 +348,7 @@ fn nf4(q: vec4<u32>) -> vec4<f32> {
 alias Raw8 = vec2<u32>;
 
 fn raw8(e: u32) -> Raw8 {
-    return vec2<u32>(Q[e >> 3u], bitcast<u32>(S[e >> 6u]));
+    return vec2<u32>(Q[e >> 3u], bitcast<u32>(absmax(e >> 6u)));
 }
 
 // Elements 0..3 (h false) or 4..7 (h true) of a raw8.
@@ -361,7 +363,26 @@ fn nibble(e: u32) -> u32 {
 
 fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
     let q = vec4<u32>(nibble(e0), nibble(e1), nibble(e2), nibble(e3));
-    return nf4(q) * vec4<f32>(S[e0 >> 6u], S[e1 >> 6u], S[e2 >> 6u], S[e3 >> 6u]);
+    return nf4(q) * vec4<f32>(absmax(e0 >> 6u), absmax(e1 >> 6u), absmax(e2 >> 6u), absmax(e3 >> 6u));
+}
+
+// ---- format: nf4 ------------------------------------------------------------------------------
+@group(0) @binding(5) var<storage, read> S: array<f32>;
+
+fn absmax(b: u32) -> f32 {
+    return S[b];
+}
+
+// ---- format: nf4-dq ---------------------------------------------------------------------------
+// Binding 5 holds the chunk's double-quantised absmax values as u32 words (gpu/quant.py's layout): the
+// 256-value code table, the offset, the chunk's first block modulo 256, the word where the 8-bit indices
+// start, a spare word, the second-level absmax of each 256-block group, then the indices, four per word.
+@group(0) @binding(5) var<storage, read> D: array<u32>;
+
+fn absmax(b: u32) -> f32 {
+    let q = (D[D[258u] + (b >> 2u)] >> ((b & 3u) * 8u)) & 255u;
+    let group = (D[257u] + b) >> 8u;
+    return bitcast<f32>(D[q]) * bitcast<f32>(D[260u + group]) + bitcast<f32>(D[256u]);
 }
 
 // ---- format: float16 --------------------------------------------------------------------------

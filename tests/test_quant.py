@@ -62,6 +62,34 @@ def test_nf4_against_bitsandbytes():
                                   R.nf4_dequantize(packed, absmax, w.shape))
 
 
+def test_nf4_double_quant_against_bitsandbytes():
+    """Double quantisation as bitsandbytes' quantize_4bit(compress_statistics=True) does it: the same codes,
+    the same 8-bit table bit for bit, offset and second-level absmax within float32 rounding of a mean;
+    the 8-bit indices equal but where bitsandbytes' quantiser is not exactly nearest (a neighbour)."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed: test_nf4_double_quant checks "
+                                                     "the format's own bounds")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((300, 130)) * rng.uniform(0.01, 2, (300, 1))).astype(np.float32)
+    try:
+        q, state = bnb.functional.quantize_4bit(torch.from_numpy(w), blocksize=64, quant_type="nf4",
+                                                compress_statistics=True)
+    except Exception as e:  # noqa: BLE001 - bitsandbytes builds without a CPU backend raise various errors
+        pytest.skip(f"bitsandbytes cannot quantise on this machine: {e}")
+    packed, dq = R.nf4_quantize(w, double_quant=True)
+    q = q.numpy().reshape(-1)                       # bitsandbytes does not pad the last block's bytes
+    np.testing.assert_array_equal(q, packed[:q.size])
+    np.testing.assert_array_equal(state.state2.code.numpy(), dq.code)
+    assert state.state2.blocksize == R.DQ_BLOCK
+    np.testing.assert_allclose(state.offset.item(), dq.offset, rtol=1e-6)
+    np.testing.assert_allclose(state.state2.absmax.numpy(), dq.absmax2, rtol=1e-6)
+    theirs = state.absmax.numpy().astype(np.int64)
+    assert np.mean(theirs == dq.q) > 0.99 and np.all(np.abs(theirs - dq.q) <= 1)
+    same = np.repeat(theirs == dq.q, 64)[:w.size].reshape(w.shape)
+    np.testing.assert_allclose(bnb.functional.dequantize_4bit(torch.from_numpy(q), state).numpy()[same],
+                               R.nf4_dequantize(packed, dq, w.shape)[same], rtol=1e-5, atol=1e-6)
+
+
 def test_nf4_round_trip_error_bound():
     """Every element rounds to the nearest code of its block: |w - deq| <= absmax * NF4_MAX_HALF_GAP, on a
     shape whose blocks cross rows and whose last block is padded; zero blocks stay zero."""
@@ -271,7 +299,7 @@ def folder(request, tmp_path_factory):
     return _tiny_model(tmp_path_factory.mktemp("q"), request.param)
 
 
-@pytest.mark.parametrize("base,embed", [("float16", "float32"), ("nf4", "float32"), ("nf4", "float16")])
+@pytest.mark.parametrize("base,embed", [("float16", "float32"), ("nf4", "float32"), ("nf4-dq", "float16")])
 def test_engines_agree_with_quantised_base(folder, rt, base, embed):
     """wgpu vs NumPy with the same stored weights: dequantised weights equal exactly; logits, loss and
     every LoRA gradient as close as with float32 weights; memory as planned."""
@@ -330,6 +358,9 @@ def test_base_weight_bytes_of_a_half_billion_parameter_model():
     assert nf4["linear"] == pytest.approx(linear_params * (0.5 + 4 / 64), rel=1e-4)
     assert nf4["total"] / f32["total"] <= 0.3
     assert 0.3 < base_weight_bytes(cfg, "nf4", "float32")["total"] / f32["total"] < 0.4
+    dq = base_weight_bytes(cfg, "nf4-dq", "float16")     # absmax in 8 bits, + 4 bytes per 256 blocks, + headers
+    assert dq["linear"] == pytest.approx(linear_params * (0.5 + 1 / 64 + 4 / 64 / 256), rel=1e-3)
+    assert dq["embedding"] == nf4["embedding"] and dq["total"] < nf4["total"]
     est = wt.estimate_memory(cfg, 1, 64, base_dtype="nf4", embed_dtype="float16")
     assert est["weights"] == nf4["total"]
     with pytest.raises(ValueError, match="float32"):

@@ -285,7 +285,8 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
 QWEN05 = dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
               tie_word_embeddings=True, attention_bias=True)
-BASE_WEIGHT_CASES = (("float32", "float32"), ("float16", "float16"), ("nf4", "float32"), ("nf4", "float16"))
+BASE_WEIGHT_CASES = (("float32", "float32"), ("float16", "float16"), ("nf4", "float32"), ("nf4", "float16"),
+                     ("nf4-dq", "float16"))
 
 
 def bench_base_weights(rt) -> list[dict]:
@@ -309,8 +310,8 @@ def bench_base_weights(rt) -> list[dict]:
                  "linear_bytes": b["linear"], "embedding_bytes": b["embedding"], "other_bytes": b["other"],
                  "parameters": params}
         planned = sum(stored_bytes(*w.shape, base, rt.max_binding) for w in layer.values())
-        if (base, emb) == ("nf4", "float16"):
-            entry["layer0_check"] = "as nf4 / float32"
+        if emb != "float32" and (base, "float32") in BASE_WEIGHT_CASES:
+            entry["layer0_check"] = f"as {base} / float32"
         else:
             allocated, mats = 0, []
             for m, w in layer.items():

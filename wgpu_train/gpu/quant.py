@@ -8,7 +8,11 @@ Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same fun
 - nf4: reference/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
   padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
-  contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation.
+  contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation;
+- nf4-dq: the same codes; the absmax values double-quantised (reference/quant.py's DoubleQuant). Each chunk's
+  second buffer holds, as u32 words: the 256-value code table (f32), the offset (f32), the chunk's first
+  block modulo 256, the word where its 8-bit indices start, one spare word, the f32 second-level absmax of
+  every 256-block group the chunk touches, then the 8-bit index of each of its blocks, four per word.
 Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm.py.
 """
 from __future__ import annotations
@@ -19,11 +23,12 @@ import struct
 import numpy as np
 
 from ..errors import DeviceError
-from ..reference.quant import NF4_BLOCK, nf4_dequantize, nf4_quantize
+from ..reference.quant import DQ_BLOCK, NF4_BLOCK, nf4_dequantize, nf4_quantize
 from . import gemm as _gemm
 
 SHADER = "gemm_quant"
-FORMATS = ("float16", "nf4")
+FORMATS = ("float16", "nf4", "nf4-dq")
+DQ_HEADER_WORDS = 260                # code table (256), offset, first block % 256, index word, spare
 NF4_BLOCK_BYTES = NF4_BLOCK // 2
 DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGPU's default limit)
 _PARAMS = struct.Struct("<12I")
@@ -41,6 +46,35 @@ def _nf4_blocks(elements: int) -> int:
     return -(-int(elements) // NF4_BLOCK)
 
 
+def _dq_groups(b0: int, blocks: int) -> int:
+    """How many 256-block groups of second-level absmax values blocks b0 .. b0 + blocks - 1 touch."""
+    return (b0 + blocks - 1) // DQ_BLOCK - b0 // DQ_BLOCK + 1
+
+
+def _dq_stats(dq, b0: int, b1: int) -> np.ndarray:
+    """The stats words (uint32) of the chunk holding blocks b0 .. b1 - 1 of a DoubleQuant (layout above)."""
+    g0, g1 = b0 // DQ_BLOCK, (b1 - 1) // DQ_BLOCK + 1
+    index_word = DQ_HEADER_WORDS + g1 - g0
+    head = np.zeros(DQ_HEADER_WORDS, np.uint32)
+    head[:256] = dq.code.view(np.uint32)
+    head[256] = np.float32(dq.offset).view(np.uint32)
+    head[257], head[258] = b0 % DQ_BLOCK, index_word
+    q = np.zeros(-(-(b1 - b0) // 4) * 4, np.uint8)
+    q[:b1 - b0] = dq.q[b0:b1]
+    return np.concatenate([head, dq.absmax2[g0:g1].view(np.uint32), q.view(np.uint32)])
+
+
+def _dq_absmax(words: np.ndarray, blocks: int) -> np.ndarray:
+    """The float32 absmax values of a chunk's `blocks` blocks from its stats words, as the shader and
+    reference/quant.py's dequantize_absmax rebuild them."""
+    code, offset = words[:256].view(np.float32), words[256:257].view(np.float32)[0]
+    phase, index_word = int(words[257]), int(words[258])
+    absmax2 = words[DQ_HEADER_WORDS:index_word].view(np.float32)
+    q = words[index_word:].view(np.uint8)[:blocks]
+    scale = code[q] * absmax2[(phase + np.arange(blocks)) // DQ_BLOCK]
+    return (scale.astype(np.float32) + offset).astype(np.float32)
+
+
 def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> list:
     """(first_row, n_rows, weight_bytes, absmax_bytes) of each buffer pair a (rows, cols) weight stored as
     `dtype` occupies on the GPU (float32: tensors.Matrix's chunks; the others: QuantMatrix's). float16 and
@@ -50,7 +84,7 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
         return [(r0, min(per, rows - r0), min(per, rows - r0) * cols * _F32, 0) for r0 in range(0, rows, per)]
     if dtype == "float16":
         unit, fit = 8, max_binding // (cols * 2)
-    elif dtype == "nf4":
+    elif dtype in ("nf4", "nf4-dq"):
         unit = math.lcm(8, NF4_BLOCK // math.gcd(cols, NF4_BLOCK))
         fit = (max_binding // NF4_BLOCK_BYTES) * NF4_BLOCK // cols
     else:
@@ -64,9 +98,14 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
         n = min(per, rows - r0)
         if dtype == "float16":
             out.append((r0, n, _round16(n * cols * 2), 0))
+            continue
+        blocks = _nf4_blocks(n * cols)
+        if dtype == "nf4":
+            stats = blocks * _F32
         else:
-            blocks = _nf4_blocks(n * cols)
-            out.append((r0, n, _round16(blocks * NF4_BLOCK_BYTES), _round16(blocks * _F32)))
+            b0 = r0 * cols // NF4_BLOCK
+            stats = (DQ_HEADER_WORDS + _dq_groups(b0, blocks)) * _F32 + blocks
+        out.append((r0, n, _round16(blocks * NF4_BLOCK_BYTES), _round16(stats)))
     return out
 
 
@@ -87,10 +126,10 @@ class QuantMatrix:
         self.rows, self.cols = data.shape
         self.dtype = dtype
         self.chunks: list = []     # (buffer, first_row, n_rows)
-        self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks
+        self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks; nf4-dq: the chunk's stats words
         self.nbytes = 0
-        if dtype == "nf4":
-            packed, absmax = nf4_quantize(data)
+        if dtype != "float16":
+            packed, absmax = nf4_quantize(data, double_quant=dtype == "nf4-dq")
         for r0, n, wbytes, sbytes in chunk_plan(self.rows, self.cols, dtype, rt.max_binding):
             buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
             if dtype == "float16":
@@ -99,7 +138,7 @@ class QuantMatrix:
                 b0, b1 = r0 * self.cols // NF4_BLOCK, _nf4_blocks((r0 + n) * self.cols)
                 rt.write(buf, packed[b0 * NF4_BLOCK_BYTES:b1 * NF4_BLOCK_BYTES])
                 sbuf = rt.buffer(sbytes, f"{label}[{r0}:] absmax")
-                rt.write(sbuf, absmax[b0:b1])
+                rt.write(sbuf, absmax[b0:b1] if dtype == "nf4" else _dq_stats(absmax, b0, b1))
                 self.absmax.append(sbuf)
             self.chunks.append((buf, r0, n))
             self.nbytes += wbytes + sbytes
@@ -117,7 +156,10 @@ class QuantMatrix:
         for (b, r0, n), s in zip(self.chunks, self.absmax):
             blocks = _nf4_blocks((r0 + n) * self.cols) - r0 * self.cols // NF4_BLOCK
             packed.append(rt.read(b, np.uint8, (blocks * NF4_BLOCK_BYTES,)))
-            absmax.append(rt.read(s, np.float32, (blocks,)))
+            if self.dtype == "nf4":
+                absmax.append(rt.read(s, np.float32, (blocks,)))
+            else:
+                absmax.append(_dq_absmax(rt.read(s, np.uint32), blocks))
         return nf4_dequantize(np.concatenate(packed), np.concatenate(absmax), (self.rows, self.cols))
 
     def release(self, rt):
@@ -127,7 +169,7 @@ class QuantMatrix:
 # ---- pipelines ----------------------------------------------------------------------------------
 
 def _source(fmt: str, subgroups: bool) -> str:
-    """gemm_quant.wgsl with the other format's section and the subgroup kernels (devices without the
+    """gemm_quant.wgsl with the sections of other formats and the subgroup kernels (devices without the
     feature) blanked; line numbers are kept so that shader errors point at the file."""
     key = (fmt, bool(subgroups))
     if key not in _sources:
@@ -136,14 +178,14 @@ def _source(fmt: str, subgroups: bool) -> str:
         out, section, in_sg = [], None, False
         for line in shader_path(SHADER).read_text().split("\n"):
             if line.startswith(_FORMAT_MARK):
-                section = line[len(_FORMAT_MARK):].split()[0]
+                section = {w for w in line[len(_FORMAT_MARK):].split() if not w.startswith("-")}
             elif line.startswith(_END_MARK):
                 section = None
             elif line.startswith(_SG_END):
                 in_sg = False
             elif line.startswith(_SG_MARK):
                 in_sg = True
-            drop = (section is not None and section != fmt) or (in_sg and not subgroups)
+            drop = (section is not None and fmt not in section) or (in_sg and not subgroups)
             out.append("" if drop else line)
         _sources[key] = "\n".join(out)
     return _sources[key]
@@ -199,7 +241,7 @@ def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bi
     pipeline = _pipeline(rt, w.dtype, entry, {"WG": wg, "TM": tm, "NT": nt}, sg)
     flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
     params = rt.uniform(_PARAMS.format, M, N, K, flags, a_off, lda, c_off, ldc, bias_off, w.cols, 0, 0)
-    resources = [params, a_res, buf, bias_res, c_res] + ([w.absmax[chunk]] if w.dtype == "nf4" else [])
+    resources = [params, a_res, buf, bias_res, c_res] + ([w.absmax[chunk]] if w.absmax else [])
     return pipeline, resources, (-(-M // tm), -(-N // (8 * wg)), 1)
 
 

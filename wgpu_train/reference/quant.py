@@ -12,6 +12,8 @@ NF4 (Dettmers et al. 2023, "QLoRA", appendix E; bitsandbytes `quantize_4bit(quan
 Double quantisation (bitsandbytes `compress_statistics=True`) stores the absmax values themselves in 8 bits:
 their mean is subtracted (the offset), then they are quantised blockwise (blocks of 256) to the nearest value
 of bitsandbytes' signed dynamic 8-bit map with one float32 absmax per block; absmax = code8[q] * absmax2 + offset.
+The base dtype "nf4-dq" stores weights so (bitsandbytes' `bnb_4bit_use_double_quant`): ~4.13 bits per weight
+instead of 4.5.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-BASE_DTYPES = ("float32", "float16", "nf4")
+BASE_DTYPES = ("float32", "float16", "nf4", "nf4-dq")     # nf4-dq: NF4 with double-quantised absmax values
 EMBED_DTYPES = ("float32", "float16")
 NF4_BLOCK = 64          # weights per absmax
 DQ_BLOCK = 256          # absmax values per second-level absmax (double quantisation)
@@ -45,25 +47,36 @@ class DoubleQuant(NamedTuple):
     code: np.ndarray       # (256,) float32, sorted: bitsandbytes' signed dynamic map
 
 
+def _torch_linspace(start: float, end: float, steps: int) -> np.ndarray:
+    """float32 values of torch.linspace(start, end, steps): a float32 step, the first half counted up from
+    start and the second half down from end, each value one fused multiply-add (exact in float64, then
+    rounded once)."""
+    i = np.arange(steps, dtype=np.float64)
+    a, b = np.float32(start), np.float32(end)
+    step = np.float64(np.float32((b - a) / np.float32(max(steps - 1, 1))))
+    up = (np.float64(a) + step * i).astype(np.float32)
+    down = (np.float64(b) - step * (steps - 1 - i)).astype(np.float32)
+    return np.where(i < steps // 2, up, down)
+
+
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
     """bitsandbytes' `create_dynamic_map` (dynamic tree quantisation, Dettmers 2015): a decimal exponent
     10^-6 .. 10^0 with a linear fraction whose resolution grows with the exponent; plus 0 and 1; sorted.
-    A few entries may differ from bitsandbytes' table in the last bit: torch.linspace rounds its float32
-    steps differently from NumPy's (seen: 22 of 256 entries, each by 1 ulp)."""
+    Equal to bitsandbytes' table bit for bit: the fractions are spaced as torch.linspace spaces them."""
     data: list = []
     non_sign_bits = total_bits - 1
     additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
     for i in range(max_exponent_bits):
         items = 2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed else \
             2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
-        bounds = np.linspace(0.1, 1, items, dtype=np.float32)
+        bounds = _torch_linspace(0.1, 1.0, items)
         means = (bounds[:-1] + bounds[1:]) / np.float32(2)
         scale = np.float32(10.0 ** (-(max_exponent_bits - 1) + i))
         data += list(scale * means)
         if signed:
             data += list(-scale * means)
     if additional_items > 0:
-        bounds = np.linspace(0.1, 1, additional_items + 1, dtype=np.float32)
+        bounds = _torch_linspace(0.1, 1.0, additional_items + 1)
         means = (bounds[:-1] + bounds[1:]) / np.float32(2)
         scale = np.float32(10.0 ** (-(max_exponent_bits - 1) + max_exponent_bits - 1))
         data += list(scale * means)
@@ -138,13 +151,14 @@ def nf4_dequantize(packed: np.ndarray, absmax, shape) -> np.ndarray:
 
 
 def round_to(w: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values of w as stored in `dtype` (float32: unchanged, float16: rounded, nf4: quantised)."""
+    """float32 values of w as stored in `dtype` (float32: unchanged, float16: rounded, nf4 and nf4-dq:
+    quantised, the latter with double-quantised absmax values)."""
     if dtype == "float32":
         return np.asarray(w, dtype=np.float32)
     if dtype == "float16":
         return np.asarray(w, dtype=np.float32).astype(np.float16).astype(np.float32)
-    if dtype == "nf4":
-        packed, absmax = nf4_quantize(w)
+    if dtype in ("nf4", "nf4-dq"):
+        packed, absmax = nf4_quantize(w, double_quant=dtype == "nf4-dq")
         return nf4_dequantize(packed, absmax, np.shape(w))
     raise ValueError(f"unknown weight dtype {dtype!r}")
 
