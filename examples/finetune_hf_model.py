@@ -16,11 +16,12 @@ def main():
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     args = parser.parse_args()
 
     config = wt.TrainConfig(
         model=args.model, data=args.data, out=args.out, backend=args.backend, max_steps=args.max_steps,
-        max_seq_len=args.max_seq_len,
+        max_seq_len=args.max_seq_len, overwrite=args.overwrite,
         lora_rank=16, lora_alpha=32, lora_targets="all-linear",   # adapt every linear layer
         lr=2e-4, lr_schedule="cosine", warmup_steps=10,
         batch_size=2, grad_accum=4,                               # 8 samples per optimizer step

@@ -2,6 +2,7 @@
 
     python examples/quickstart.py                 # the full default run (a few minutes on a software GPU)
     python examples/quickstart.py --max-steps 5   # a smoke test
+    python examples/quickstart.py --overwrite     # again into the same folder, replacing the earlier run
 """
 import argparse
 
@@ -14,11 +15,13 @@ def main():
     parser.add_argument("--out", default="wgpu-train-out", help="output folder")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     parser.add_argument("--backend", default="auto", help="auto, wgpu or numpy")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     args = parser.parse_args()
 
     overrides = {"max_steps": args.max_steps} if args.max_steps else {}
     # the embedded model, dataset and LoRA recipe: what `wgpu-train finetune` with no option runs
-    summary = wt.finetune(wt.default_run_config(out=args.out, backend=args.backend, no_progress=True, **overrides))
+    summary = wt.finetune(wt.default_run_config(out=args.out, backend=args.backend, no_progress=True,
+                                                overwrite=args.overwrite, **overrides))
     print(f"validation perplexity {summary['valid_perplexity_before']:.2f} -> {summary['valid_perplexity_after']:.2f}")
     if summary.get("exact_match_after") is not None:
         print(f"exact match {summary['exact_match_before']:.0%} -> {summary['exact_match_after']:.0%}")

@@ -1,5 +1,5 @@
-"""A tiny model folder (random Llama + BPE tokenizer, ChatML) and a tiny instruction dataset, shared by
-tests/test_train.py and tests/test_cli.py."""
+"""A tiny model folder (random Llama + BPE tokenizer, ChatML), a tiny instruction dataset and a snapshot of a
+folder's files, shared by tests/test_train.py and tests/test_cli.py."""
 from __future__ import annotations
 
 import json
@@ -50,3 +50,10 @@ def make_data_dir(folder: Path, n_train: int = 12, n_valid: int = 4, n_test: int
     if n_test:
         write_jsonl(folder / "test.jsonl", records(n_test, offset=200))
     return folder
+
+
+def folder_state(folder: Path) -> dict:
+    """{relative path: (bytes, mtime_ns)} of every file under `folder` (None for folders): equal before and
+    after an operation when it changed nothing there."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(Path(folder).rglob("*"))}

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from finetune_helpers import make_data_dir, make_model_dir
+from finetune_helpers import folder_state, make_data_dir, make_model_dir
 from wgpu_train.cli import build_parser, main
 from wgpu_train.commands import prompt_ids, resolve_train_config
 from wgpu_train.model import load_model
@@ -149,6 +150,30 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.strip()][-1].startswith("error: ")
+
+
+def test_finetune_into_an_earlier_run(capsys, trained, workspace, tmp_path):
+    model, data = workspace
+    run = ["finetune", "--model", str(model), "--data", str(data), "--backend", "numpy", "--no-progress"]
+    before = folder_state(trained)
+    one_line_error(capsys, run + ["--out", str(trained)],
+                   f"the output folder {trained} already holds a run (adapter_config.json, adapter_model.safetensors, "
+                   f"checkpoints/, metrics.jsonl, summary.json, train_config.json); pass --overwrite to replace it, "
+                   f"--resume {trained} to continue it, or choose another --out")
+    assert folder_state(trained) == before
+
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    assert main(run + ["--out", str(out), "--max-steps", "2", "--overwrite"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["resumed_from"] is None
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+    assert main(run + ["--out", str(out), "--max-steps", "3", "--resume", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+    (tmp_path / "empty").mkdir()
+    assert main(run + ["--out", str(tmp_path / "empty"), "--max-steps", "1"]) == 0
+    assert (tmp_path / "empty" / "adapter_model.safetensors").is_file()
 
 
 # ---- generate, eval, merge --------------------------------------------------------------------------------

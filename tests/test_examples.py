@@ -63,7 +63,11 @@ def test_merge_example_matches_adapter(default_run, tmp_path):
 def test_finetune_hf_model_example(tmp_path):
     from wgpu_train.assets import default_data_dir, default_model_dir
 
-    text = run([EXAMPLES / "finetune_hf_model.py", "--model", default_model_dir(), "--data", default_data_dir(),
-                "--out", tmp_path / "adapter", "--max-steps", "2", "--backend", "numpy", "--max-seq-len", "64"],
-               cwd=tmp_path)
+    args = [EXAMPLES / "finetune_hf_model.py", "--model", default_model_dir(), "--data", default_data_dir(),
+            "--out", tmp_path / "adapter", "--max-steps", "2", "--backend", "numpy", "--max-seq-len", "64"]
+    text = run(args, cwd=tmp_path)
     assert "2 steps" in text and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    # a second run into the same folder is refused, unless asked to replace the first
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr
+    assert "2 steps" in run(args + ["--overwrite"], cwd=tmp_path)

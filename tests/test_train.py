@@ -13,7 +13,7 @@ import pytest
 
 import wgpu_train
 
-from finetune_helpers import make_data_dir, make_model_dir, write_jsonl
+from finetune_helpers import folder_state, make_data_dir, make_model_dir, write_jsonl
 from wgpu_train import checkpoint as checkpoint_mod
 from wgpu_train.errors import ConfigError, DataError, ModelFileError
 from wgpu_train.evaluate import exact_match, generation_prompt
@@ -21,8 +21,8 @@ from wgpu_train.hf import read_adapter, read_safetensors
 from wgpu_train.schedule import LRSchedule
 from wgpu_train.tokenizer import load_tokenizer
 from wgpu_train.model import load_model
-from wgpu_train.train import (TrainConfig, Trainer, count_trainable, find_checkpoint, finetune, list_checkpoints,
-                               plot_losses, split_batch)
+from wgpu_train.train import (RUN_FILES, TrainConfig, Trainer, count_trainable, find_checkpoint, finetune,
+                               list_checkpoints, plot_losses, split_batch)
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +283,66 @@ def test_resume_refuses_a_different_lora(workspace, tmp_path):
         finetune(config(workspace, tmp_path / "b", max_steps=2, lora_rank=4, resume=str(tmp_path / "a")))
     with pytest.raises(ConfigError, match="no checkpoint"):
         finetune(config(workspace, tmp_path / "c", resume=str(tmp_path)))
+
+
+# ---- an output folder that holds an earlier run ---------------------------------------------------------
+
+def test_new_run_refuses_an_earlier_run_then_overwrite_and_resume(workspace, tmp_path):
+    out = tmp_path / "out"
+    finetune(config(workspace, out, max_steps=3, save_every=1, keep_checkpoints=0))
+    (out / "notes.txt").write_text("mine")
+    before = folder_state(out)
+    # refused as the Trainer is built: before the model (here a folder that does not exist) is read
+    with pytest.raises(ConfigError) as e:
+        Trainer(config(workspace, out, max_steps=2, model=str(tmp_path / "no-model")))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg == (f"the output folder {out} already holds a run (adapter_config.json, adapter_model.safetensors, "
+                   f"checkpoints/, metrics.jsonl, summary.json, train_config.json); pass --overwrite to replace "
+                   f"it, --resume {out} to continue it, or choose another --out")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        finetune(config(workspace, out, max_steps=2))
+    assert folder_state(out) == before
+
+    # resume continues it
+    summary = finetune(config(workspace, out, max_steps=4, save_every=1, keep_checkpoints=0, resume=str(out)))
+    assert summary["steps"] == 4 and summary["resumed_from"] == str(out / "checkpoints" / "step-000003")
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-00000{i}" for i in range(1, 5)]
+
+    # overwrite replaces it: the old checkpoints go (and the log says so), unrelated files stay
+    lines = []
+    summary = Trainer(config(workspace, out, max_steps=2, overwrite=True), log=lines.append).run()
+    assert summary["steps"] == 2 and summary["resumed_from"] is None
+    assert any("removing 4 checkpoint(s) of an earlier run" in line for line in lines)
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-000002"]
+    assert [r["step"] for r in rows(out) if "split" not in r] == [1, 2]
+    assert json.loads((out / "train_config.json").read_text())["overwrite"] is True
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", [*RUN_FILES, "checkpoints/step-000001/trainer_state.json"])
+def test_any_trace_of_a_run_counts(workspace, tmp_path, name):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text("{}")
+    before = folder_state(tmp_path)
+    with pytest.raises(ConfigError, match="already holds a run") as e:
+        Trainer(config(workspace, tmp_path))
+    shown = name.split("/")[0] + ("/" if "/" in name else "")
+    assert f"({shown})" in str(e.value)
+    assert ("--resume" in str(e.value)) == (shown == "checkpoints/")   # offered only with a checkpoint to resume
+    assert folder_state(tmp_path) == before
+
+
+def test_empty_or_unrelated_output_folder_is_used(workspace, tmp_path):
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    assert finetune(config(workspace, tmp_path / "empty", max_steps=1))["steps"] == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (other / "loss.csv").write_text("1,2\n")
+    assert finetune(config(workspace, other, max_steps=1))["steps"] == 1
+    assert (other / "notes.txt").read_text() == "mine" and (other / "loss.csv").read_text() == "1,2\n"
+    assert (other / "summary.json").is_file()
 
 
 # ---- atomic checkpoints and Ctrl-C -------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import shutil
 import signal
 import sys
@@ -84,6 +85,8 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the validation split, shuffling, LoRA initialisation and dropout")
     resume: str | None = _opt(None, "continue a run from a checkpoint folder (or an output folder: its newest "
                                     "checkpoint)")
+    overwrite: bool = _opt(False, "replace an earlier run in --out (its checkpoints are deleted); without it a new "
+                                  "run refuses an output folder that already holds one")
     no_progress: bool = _opt(False, "no progress bar; plain log lines instead (for logs and CI)")
     eval_generate: bool | None = _opt(None, "exact match of greedy answers on the held-out set (test, else valid) "
                                             "before and after training; default: on for the embedded dataset")
@@ -172,6 +175,23 @@ def _asset(func: str, what: str, option: str) -> Path:
     return path
 
 
+RUN_FILES = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "model.safetensors",
+             "summary.json", "train_config.json")
+
+
+def earlier_run(out) -> list[str]:
+    """What shows that the folder `out` holds a run: the RUN_FILES present, and "checkpoints/" when that
+    folder is not empty; sorted, empty when there is none (unrelated files do not count)."""
+    out = Path(out)
+    try:
+        found = [name for name in RUN_FILES if (out / name).exists()]
+        if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+            found.append("checkpoints/")
+    except OSError as e:
+        raise ConfigError(f"cannot read the output folder {out}: {e.strerror or e}") from None
+    return sorted(found)
+
+
 def describe_device(engine) -> str:
     """A short description of where an engine computes."""
     if engine.name == "numpy":
@@ -252,6 +272,9 @@ class _Window:
 class Trainer:
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
+    A new run (no resume) refuses, as it is constructed, an output folder that holds an earlier run
+    (see earlier_run) unless config.overwrite is set; then that run's checkpoints are deleted.
+
     Each optimizer step draws one batch of batch_size * grad_accum samples from a seeded BatchStream and feeds
     it to engine.train_step as grad_accum micro-batches of batch_size rows; the engine normalises gradients by
     the trained tokens of the whole step, so accumulation changes memory use, not the result. The trainer uses
@@ -263,6 +286,12 @@ class Trainer:
             raise ConfigError("Trainer needs a TrainConfig")
         self.config = config
         self.out = Path(config.out)
+        found = [] if config.resume or config.overwrite else earlier_run(self.out)
+        if found:
+            resume = (f", --resume {shlex.quote(str(self.out))} to continue it"
+                      if list_checkpoints(self.out / "checkpoints") else "")
+            raise ConfigError(f"the output folder {self.out} already holds a run ({', '.join(found)}); pass "
+                              f"--overwrite to replace it{resume}, or choose another --out")
         self._log_fn = log
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
