@@ -47,9 +47,10 @@ class TrainConfig:
                         choices=BACKEND_CHOICES)
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
-    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16 "
-                                      "or nf4 (4-bit NormalFloat blocks of 64, QLoRA); anything "
-                                      "but float32 is LoRA only", choices=BASE_DTYPES)
+    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16, "
+                                      "nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
+                                      "double-quantised absmax values); anything but float32 is LoRA only",
+                           choices=BASE_DTYPES)
     embed_dtype: str = _opt("float32", "storage of the embedding and lm_head: float32 or float16; LoRA only "
                                        "unless float32", choices=EMBED_DTYPES)
     lora_rank: int = _opt(8, "LoRA rank r")

@@ -232,7 +232,7 @@ def bench_gemm(rt, ctx) -> list[dict]:
 
 @register("gemm_quant")
 def bench_gemm_quant(rt, ctx) -> list[dict]:
-    """gemm_{f16,nf4}_{nt,nn} (the frozen-weight GEMMs: x @ W.T and dy @ W) on GEMM_SHAPES, each checked
+    """gemm_{f16,nf4,nf4-dq}_{nt,nn} (the frozen-weight GEMMs: x @ W.T and dy @ W) on GEMM_SHAPES, each checked
     against the dequantised weight, timed in interleaved rounds with gemm_nt / gemm_nn (fp32) on the same
     shape; "vs_float32" is the ratio of their speeds in this run."""
     from .quant import QuantMatrix, qgemm_dispatch
@@ -240,7 +240,7 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
 
     timer = ctx["timer"]
     rng = np.random.default_rng(1)
-    formats = ["float16", "nf4"]
+    formats = ["float16", "nf4", "nf4-dq"]
     out = []
     for (m, n, k) in GEMM_SHAPES:
         flops = 2.0 * m * n * k
