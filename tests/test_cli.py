@@ -70,8 +70,10 @@ def test_every_train_config_field_is_an_option(capsys):
 
 @pytest.mark.parametrize("command, options", [
     ("generate", ["--model", "--adapter-path", "--prompt", "--system", "--no-chat-template", "--max-new-tokens",
-                  "--temperature", "--top-k", "--top-p", "--seed", "--backend", "--device"]),
-    ("eval", ["--model", "--adapter-path", "--data", "--json", "--split", "--batch-size", "--backend"]),
+                  "--temperature", "--top-k", "--top-p", "--seed", "--backend", "--device", "--base-dtype",
+                  "--embed-dtype"]),
+    ("eval", ["--model", "--adapter-path", "--data", "--json", "--split", "--batch-size", "--backend",
+              "--base-dtype", "--embed-dtype"]),
     ("merge", ["--model", "--adapter-path", "--out"]),
 ])
 def test_subcommand_help(capsys, command, options):
@@ -228,6 +230,35 @@ def test_eval_json(trained, workspace, capsys):
                  "--backend", "numpy"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("train (") and "perplexity" in line and "exact match" not in line
+
+
+def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, tmp_path, capsys):
+    """An adapter trained over NF4 base weights is evaluated and used over NF4 weights unless --base-dtype
+    says otherwise; the choice is said on stderr and reported by eval --json."""
+    model_dir, data = workspace
+    out = tmp_path / "qlora"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--backend", "numpy",
+                 "--max-steps", "2", "--base-dtype", "nf4", "--embed-dtype", "float16", "--no-progress"]) == 0
+    capsys.readouterr()
+    common = ["--model", str(model_dir), "--adapter-path", str(out), "--backend", "numpy"]
+    assert main(["eval", *common, "--data", str(data), "--json", "--no-generate"]) == 0
+    captured = capsys.readouterr()
+    inherited = json.loads(captured.out)
+    assert (inherited["base_dtype"], inherited["embed_dtype"]) == ("nf4", "float16")
+    assert "base_dtype nf4, embed_dtype float16" in captured.err
+    assert main(["eval", *common, "--data", str(data), "--json", "--no-generate", "--base-dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    chosen = json.loads(captured.out)
+    assert (chosen["base_dtype"], chosen["embed_dtype"]) == ("float32", "float16")
+    assert "embed_dtype float16" in captured.err and "nf4" not in captured.err
+    assert chosen["loss"] != inherited["loss"]
+    assert main(["generate", *common, "--prompt", "after red 1?", "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, base_dtype="nf4", embed_dtype="float16")
+    model.load_adapter(out)
+    ids = model.generate(prompt_ids(tok, "after red 1?"), max_new_tokens=6, stop_token_ids=tok.stop_token_ids)
+    assert printed == tok.decode([i for i in ids if i not in tok.stop_token_ids]) + "\n"
 
 
 def test_merge(trained, workspace, tmp_path, capsys):

@@ -25,10 +25,18 @@ def _model_options(p, need_adapter: bool = False):
                    help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)")
 
 
-def _device_options(p):
+def _device_options(p, storage: bool = False):
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
+    if storage:
+        from .reference.quant import BASE_DTYPES, EMBED_DTYPES
+
+        p.add_argument("--base-dtype", default=None, choices=BASE_DTYPES,
+                       help="storage of the linear layers' weights; default: as the run that wrote the adapter "
+                            "(its train_config.json), else float32")
+        p.add_argument("--embed-dtype", default=None, choices=EMBED_DTYPES,
+                       help="storage of the embedding and lm_head; default: as --base-dtype's default")
 
 
 # ---- finetune ---------------------------------------------------------------------------------------------
@@ -175,8 +183,22 @@ def _adapter_base(adapter_path) -> Path | None:
     return base if str(base) not in ("", ".") and (base / "config.json").is_file() else None
 
 
-def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=None, tokenizer=True):
-    """(model folder, Model with the adapter loaded, Tokenizer or None) for generate / eval / merge."""
+def _trained_dtypes(adapter_path) -> dict:
+    """{base_dtype, embed_dtype} of the run that wrote an adapter folder (its train_config.json), or {}."""
+    try:
+        raw = json.loads((Path(adapter_path) / "train_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {k: raw[k] for k in ("base_dtype", "embed_dtype") if isinstance(raw.get(k), str)}
+
+
+def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=None, tokenizer=True,
+                             base_dtype=None, embed_dtype=None):
+    """(model folder, Model with the adapter loaded, Tokenizer or None) for generate / eval / merge.
+    base_dtype / embed_dtype None: as the run that wrote the adapter stored them (else float32), said on
+    stderr when that is not float32."""
     from .model import load_model
     from .tokenizer import load_tokenizer
     from .train import default_model_dir
@@ -189,7 +211,13 @@ def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=Non
             raise AdapterError(f"{adapter} is a model folder, not an adapter: pass it as --model")
     model_dir = Path(model_arg) if model_arg else (adapter_path and _adapter_base(adapter_path)) or default_model_dir()
     tokenizer = load_tokenizer(model_dir) if tokenizer else None
-    model = load_model(model_dir, backend=backend, device=device)
+    trained = _trained_dtypes(adapter_path) if adapter_path is not None else {}
+    given = {"base_dtype": base_dtype, "embed_dtype": embed_dtype}
+    dtypes = {k: v or trained.get(k, "float32") for k, v in given.items()}
+    inherited = [f"{k} {dtypes[k]}" for k in dtypes if given[k] is None and dtypes[k] != "float32"]
+    if inherited:
+        print(f"base weights stored as the adapter was trained: {', '.join(inherited)}", file=sys.stderr)
+    model = load_model(model_dir, backend=backend, device=device, **dtypes)
     if adapter_path is not None:
         model.load_adapter(adapter_path)
     return model_dir, model, tokenizer
@@ -214,7 +242,8 @@ def cmd_generate(args) -> int:
 
     if not args.prompt:
         raise ConfigError("--prompt is empty")
-    _, model, tok = load_model_and_tokenizer(args.model, args.adapter_path, args.backend, args.device)
+    _, model, tok = load_model_and_tokenizer(args.model, args.adapter_path, args.backend, args.device,
+                                             base_dtype=args.base_dtype, embed_dtype=args.embed_dtype)
     ids = prompt_ids(tok, args.prompt, args.system, not args.no_chat_template)
     stops = set(tok.stop_token_ids)
     decoder = StreamDecoder(tok)
@@ -246,7 +275,7 @@ def _register_generate(sub):
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    _device_options(p)
+    _device_options(p, storage=True)
     p.set_defaults(func=cmd_generate)
 
 
@@ -264,7 +293,8 @@ def cmd_eval(args) -> int:
     records = getattr(splits, split)
     if not records:
         raise DataError(f"{data_path}: no {split} split")
-    _, model, tok = load_model_and_tokenizer(args.model, args.adapter_path, args.backend, args.device)
+    _, model, tok = load_model_and_tokenizer(args.model, args.adapter_path, args.backend, args.device,
+                                             base_dtype=args.base_dtype, embed_dtype=args.embed_dtype)
     use_template = not args.no_chat_template
     max_len = min(args.max_seq_len, model.config.max_position_embeddings)
     examples, stats = tokenize_dataset(tok, records, max_len, use_template)
@@ -275,7 +305,7 @@ def cmd_eval(args) -> int:
     if not args.no_generate:
         em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples)
         result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"])
-    result["backend"] = model.backend
+    result.update(backend=model.backend, base_dtype=model.engine.base_dtype, embed_dtype=model.engine.embed_dtype)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -303,7 +333,7 @@ def _register_eval(sub):
     p.add_argument("--no-generate", action="store_true", help="skip the exact-match generation")
     p.add_argument("--max-samples", type=int, default=0, help="exact match on at most this many samples (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest generated answer (default: 64)")
-    _device_options(p)
+    _device_options(p, storage=True)
     p.set_defaults(func=cmd_eval)
 
 
