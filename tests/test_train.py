@@ -320,6 +320,25 @@ def test_new_run_refuses_an_earlier_run_then_overwrite_and_resume(workspace, tmp
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_resume_into_a_folder_of_another_run_is_refused(workspace, tmp_path):
+    """--resume A --out B continues A's run in B only when B holds no other run (or with overwrite)."""
+    finetune(config(workspace, tmp_path / "a", max_steps=2, save_every=1))
+    finetune(config(workspace, tmp_path / "b", max_steps=1))
+    before = folder_state(tmp_path / "b")
+    ckpt = tmp_path / "a" / "checkpoints" / "step-000001"
+    for resume in (ckpt, tmp_path / "a"):
+        with pytest.raises(ConfigError, match="already holds a run") as e:
+            Trainer(config(workspace, tmp_path / "b", max_steps=3, resume=str(resume)))
+        assert "--resume" not in str(e.value)
+    assert folder_state(tmp_path / "b") == before
+    # its own checkpoint, given as a checkpoint folder, continues the run in place
+    summary = finetune(config(workspace, tmp_path / "a", max_steps=3, resume=str(ckpt)))
+    assert summary["steps"] == 3
+    summary = finetune(config(workspace, tmp_path / "b", max_steps=3, resume=str(ckpt), overwrite=True))
+    assert summary["steps"] == 3 and summary["resumed_from"] == str(ckpt)
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "checkpoints")] == ["step-000003"]
+
+
 @pytest.mark.parametrize("name", [*RUN_FILES, "checkpoints/step-000001/trainer_state.json"])
 def test_any_trace_of_a_run_counts(workspace, tmp_path, name):
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

@@ -270,11 +270,25 @@ class _Window:
 
 # ---- the trainer -----------------------------------------------------------------------------------------
 
+def _run_folder(resume) -> Path:
+    """The output folder of the run a --resume path belongs to (a checkpoint folder's run, or itself)."""
+    path = Path(resume)
+    return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
 class Trainer:
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
-    A new run (no resume) refuses, as it is constructed, an output folder that holds an earlier run
-    (see earlier_run) unless config.overwrite is set; then that run's checkpoints are deleted.
+    A new run refuses, as it is constructed, an output folder that holds an earlier run (see earlier_run)
+    unless config.overwrite is set; then that run's checkpoints are deleted. A resumed run writes into the
+    folder it resumes from, or into one that holds no other run (or with overwrite).
 
     Each optimizer step draws one batch of batch_size * grad_accum samples from a seeded BatchStream and feeds
     it to engine.train_step as grad_accum micro-batches of batch_size rows; the engine normalises gradients by
@@ -287,10 +301,11 @@ class Trainer:
             raise ConfigError("Trainer needs a TrainConfig")
         self.config = config
         self.out = Path(config.out)
-        found = [] if config.resume or config.overwrite else earlier_run(self.out)
+        self.continues_in_place = bool(config.resume) and _same_folder(self.out, _run_folder(config.resume))
+        found = [] if self.continues_in_place or config.overwrite else earlier_run(self.out)
         if found:
             resume = (f", --resume {shlex.quote(str(self.out))} to continue it"
-                      if list_checkpoints(self.out / "checkpoints") else "")
+                      if not config.resume and list_checkpoints(self.out / "checkpoints") else "")
             raise ConfigError(f"the output folder {self.out} already holds a run ({', '.join(found)}); pass "
                               f"--overwrite to replace it{resume}, or choose another --out")
         self._log_fn = log
@@ -400,7 +415,7 @@ class Trainer:
             (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         except OSError as e:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
-        if not cfg.resume:
+        if not self.continues_in_place:
             stale = list_checkpoints(self.out / "checkpoints")
             if stale:
                 self.log(f"removing {len(stale)} checkpoint(s) of an earlier run in {self.out / 'checkpoints'}")
