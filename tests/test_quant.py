@@ -392,7 +392,7 @@ def test_training_loss_with_float16_and_nf4_close_to_float32(train_setup, tmp_pa
     model, data, _ = train_setup
     backend = "wgpu" if ADAPTERS else "numpy"
     runs = {}
-    for bd in ("float32", "float16", "nf4"):
+    for bd in ("float32", "float16", "nf4", "nf4-dq"):
         out = tmp_path / bd
         summary = wt.finetune(wt.TrainConfig(
             model=str(model), data=str(data), out=str(out), backend=backend, base_dtype=bd, max_steps=20, lr=2e-3,
@@ -405,9 +405,10 @@ def test_training_loss_with_float16_and_nf4_close_to_float32(train_setup, tmp_pa
     ref, ref_losses = runs["float32"]
     assert ref_losses[-5:].mean() < 0.8 * ref_losses[:5].mean(), "float32 did not learn"
     for bd, (summary, losses) in runs.items():
-        tol = "quant_train_loss_nf4" if bd == "nf4" else "quant_train_loss_f16"
+        tol = "quant_train_loss_nf4" if bd.startswith("nf4") else "quant_train_loss_f16"
         assert_close(losses.mean(), ref_losses.mean(), tol, f"{bd}: mean training loss over 20 steps")
-        if bd != "nf4":
+        if bd == "float16":
             assert_close(losses[-1], ref_losses[-1], tol, f"{bd}: training loss of step 20")
     assert runs["nf4"][1][0] != ref_losses[0], "NF4 did not change the base weights"
-    assert runs["nf4"][0]["base_weight_bytes"] < ref["base_weight_bytes"]
+    assert runs["nf4-dq"][1][0] != runs["nf4"][1][0], "double quantisation did not change the absmax values"
+    assert runs["nf4-dq"][0]["base_weight_bytes"] < runs["nf4"][0]["base_weight_bytes"] < ref["base_weight_bytes"]

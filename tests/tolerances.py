@@ -88,11 +88,13 @@ TOLERANCES: dict[str, Tolerance] = {
         "2% of float32's; seen +0.02% (mean over the steps) and +0.2% (step 20) on the embedded model (float16 "
         "rounds each weight by <= 2^-11 relative; with a chaotic lr of 5e-3 even that grows to 5-15%)"),
     "quant_train_loss_nf4": Tolerance(0.10, 0.0,
-        "wider than the issue's 2%, which NF4 meets only in some settings on the embedded 0.9M-parameter model "
-        "(hidden 128): NF4's ~9% relative weight error (measured: the same as on Gaussian weights, so the format, "
-        "not a bug) moves the 20-step trajectory. This test's setting: mean -1.0%, last step -2.8%; other "
-        "settings: mean +3.2% (warmup 15, batch 4), -6.6% (batch 16, NumPy); a wrong code, nibble or "
-        "block breaks the base model (loss off by > 50%)"),
+        "wider than the issue's 2% because one run cannot show 2% here: NF4's ~9% relative weight error (the "
+        "same as on Gaussian weights, so the format, not a bug) moves the base model's loss by up to 6% on the "
+        "embedded 0.9M-parameter model and with it the whole trajectory. This test's 20-step mean over seeds "
+        "0-4: nf4 -1.0, +0.5, -3.6, +5.7, -7.1%; nf4-dq -0.6, +0.7, -2.6, +5.2, -7.3% (seed 0 is the test's). "
+        "Over the full default run the last-20-step loss is within 2% of float32's in the mean over seeds "
+        "(benchmarks/quant_training.py), not per seed. A wrong code, nibble or block breaks the base model "
+        "(loss off by > 50%)"),
 }
 
 

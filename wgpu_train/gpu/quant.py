@@ -10,9 +10,10 @@ Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same fun
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
   contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation;
 - nf4-dq: the same codes; the absmax values double-quantised (reference/quant.py's DoubleQuant). Each chunk's
-  second buffer holds, as u32 words: the 256-value code table (f32), the offset (f32), the chunk's first
-  block modulo 256, the word where its 8-bit indices start, one spare word, the f32 second-level absmax of
-  every 256-block group the chunk touches, then the 8-bit index of each of its blocks, four per word.
+  second buffer holds, as u32 words: the offset (f32), the chunk's first block modulo 256, the word where
+  its 8-bit indices start, a spare word, the f32 second-level absmax of every 256-block group the chunk
+  touches, then the 8-bit index of each of its blocks, four per word. The 256-value code table is the
+  same for every weight: one uniform buffer (runtime.uniform caches it by value).
 Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm.py.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from . import gemm as _gemm
 
 SHADER = "gemm_quant"
 FORMATS = ("float16", "nf4", "nf4-dq")
-DQ_HEADER_WORDS = 260                # code table (256), offset, first block % 256, index word, spare
+DQ_HEADER_WORDS = 4                  # offset, first block % 256, index word, spare
 NF4_BLOCK_BYTES = NF4_BLOCK // 2
 DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGPU's default limit)
 _PARAMS = struct.Struct("<12I")
@@ -56,19 +57,18 @@ def _dq_stats(dq, b0: int, b1: int) -> np.ndarray:
     g0, g1 = b0 // DQ_BLOCK, (b1 - 1) // DQ_BLOCK + 1
     index_word = DQ_HEADER_WORDS + g1 - g0
     head = np.zeros(DQ_HEADER_WORDS, np.uint32)
-    head[:256] = dq.code.view(np.uint32)
-    head[256] = np.float32(dq.offset).view(np.uint32)
-    head[257], head[258] = b0 % DQ_BLOCK, index_word
+    head[0] = np.float32(dq.offset).view(np.uint32)
+    head[1], head[2] = b0 % DQ_BLOCK, index_word
     q = np.zeros(-(-(b1 - b0) // 4) * 4, np.uint8)
     q[:b1 - b0] = dq.q[b0:b1]
     return np.concatenate([head, dq.absmax2[g0:g1].view(np.uint32), q.view(np.uint32)])
 
 
-def _dq_absmax(words: np.ndarray, blocks: int) -> np.ndarray:
-    """The float32 absmax values of a chunk's `blocks` blocks from its stats words, as the shader and
-    reference/quant.py's dequantize_absmax rebuild them."""
-    code, offset = words[:256].view(np.float32), words[256:257].view(np.float32)[0]
-    phase, index_word = int(words[257]), int(words[258])
+def _dq_absmax(words: np.ndarray, code: np.ndarray, blocks: int) -> np.ndarray:
+    """The float32 absmax values of a chunk's `blocks` blocks from its stats words and the code table, as
+    the shader and reference/quant.py's dequantize_absmax rebuild them."""
+    offset = words[0:1].view(np.float32)[0]
+    phase, index_word = int(words[1]), int(words[2])
     absmax2 = words[DQ_HEADER_WORDS:index_word].view(np.float32)
     q = words[index_word:].view(np.uint8)[:blocks]
     scale = code[q] * absmax2[(phase + np.arange(blocks)) // DQ_BLOCK]
@@ -127,9 +127,13 @@ class QuantMatrix:
         self.dtype = dtype
         self.chunks: list = []     # (buffer, first_row, n_rows)
         self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks; nf4-dq: the chunk's stats words
+        self.code = self.code_uniform = None   # nf4-dq: the 8-bit code table (256,) and its uniform buffer
         self.nbytes = 0
         if dtype != "float16":
             packed, absmax = nf4_quantize(data, double_quant=dtype == "nf4-dq")
+        if dtype == "nf4-dq":
+            self.code = absmax.code
+            self.code_uniform = rt.uniform(f"<{self.code.size}f", *self.code.tolist())
         for r0, n, wbytes, sbytes in chunk_plan(self.rows, self.cols, dtype, rt.max_binding):
             buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
             if dtype == "float16":
@@ -159,7 +163,7 @@ class QuantMatrix:
             if self.dtype == "nf4":
                 absmax.append(rt.read(s, np.float32, (blocks,)))
             else:
-                absmax.append(_dq_absmax(rt.read(s, np.uint32), blocks))
+                absmax.append(_dq_absmax(rt.read(s, np.uint32), self.code, blocks))
         return nf4_dequantize(np.concatenate(packed), np.concatenate(absmax), (self.rows, self.cols))
 
     def release(self, rt):
@@ -242,6 +246,8 @@ def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bi
     flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
     params = rt.uniform(_PARAMS.format, M, N, K, flags, a_off, lda, c_off, ldc, bias_off, w.cols, 0, 0)
     resources = [params, a_res, buf, bias_res, c_res] + ([w.absmax[chunk]] if w.absmax else [])
+    if w.code_uniform is not None:
+        resources.append(w.code_uniform)
     return pipeline, resources, (-(-M // tm), -(-N // (8 * wg)), 1)
 
 
