@@ -2,6 +2,9 @@
 downloaded beforehand with `huggingface-cli download`) on a JSONL chat dataset, and save a PEFT adapter.
 
     python examples/finetune_hf_model.py --model ~/models/Qwen2.5-0.5B-Instruct --data my_chats.jsonl
+
+With --base-dtype nf4 (or nf4-dq) and --embed-dtype float16 it is QLoRA: the frozen weights take about a
+quarter of their float32 memory on the GPU.
 """
 import argparse
 
@@ -16,12 +19,17 @@ def main():
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--base-dtype", default="float32", choices=wt.BASE_DTYPES,
+                        help="storage of the frozen linear weights")
+    parser.add_argument("--embed-dtype", default="float32", choices=wt.EMBED_DTYPES,
+                        help="storage of the embedding and lm_head")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     args = parser.parse_args()
 
     config = wt.TrainConfig(
         model=args.model, data=args.data, out=args.out, backend=args.backend, max_steps=args.max_steps,
         max_seq_len=args.max_seq_len, overwrite=args.overwrite,
+        base_dtype=args.base_dtype, embed_dtype=args.embed_dtype,
         lora_rank=16, lora_alpha=32, lora_targets="all-linear",   # adapt every linear layer
         lr=2e-4, lr_schedule="cosine", warmup_steps=10,
         batch_size=2, grad_accum=4,                               # 8 samples per optimizer step

@@ -70,4 +70,7 @@ def test_finetune_hf_model_example(tmp_path):
     # a second run into the same folder is refused, unless asked to replace the first
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "already holds a run" in proc.stderr
-    assert "2 steps" in run(args + ["--overwrite"], cwd=tmp_path)
+    # ... and QLoRA: the base stored as nf4-dq
+    assert "2 steps" in run(args + ["--overwrite", "--base-dtype", "nf4-dq", "--embed-dtype", "float16"], cwd=tmp_path)
+    summary = json.loads((tmp_path / "adapter" / "summary.json").read_text())
+    assert (summary["base_dtype"], summary["embed_dtype"]) == ("nf4-dq", "float16")
