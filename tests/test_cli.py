@@ -96,8 +96,9 @@ def test_command_line_over_toml_over_defaults(tmp_path):
     assert cfg.batch_size == 3 and cfg.max_steps == 7     # TOML
     assert cfg.lora_targets == "all-linear"
     assert cfg.epochs == TrainConfig().epochs and cfg.out == "wgpu-train-out"   # defaults
-    cfg = resolve_train_config(build_parser().parse_args(["finetune", "--max-steps", "none", "--rslora"]))
-    assert cfg.max_steps is None and cfg.rslora is True
+    cfg = resolve_train_config(build_parser().parse_args(["finetune", "--max-steps", "none", "--rslora",
+                                                          "--gradient-checkpointing"]))
+    assert cfg.max_steps is None and cfg.rslora is True and cfg.gradient_checkpointing is True
 
 
 def test_trained_via_cli(trained, workspace):

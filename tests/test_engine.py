@@ -1,5 +1,5 @@
 """The WebGPU engine against the NumPy engine (and transformers + PEFT): logits, loss, gradients,
-AdamW steps, one submission per step, generation, full fine-tuning, non-finite steps."""
+AdamW steps, one submission per step, generation, full fine-tuning, non-finite steps, gradient checkpointing."""
 from __future__ import annotations
 
 import numpy as np
@@ -248,19 +248,34 @@ def test_auto_backend_takes_wgpu(folder, rt):
     assert wt.load_model(path, backend="auto").backend == "wgpu"
 
 
+def _allocated(acts) -> int:
+    """Bytes of a bucket's activation buffers, each counted once (checkpointed layers share most of theirs)."""
+    bufs = {id(b): b for layer in acts.layers for b in layer.values()}
+    batch_inputs = ("ids", "segments", "positions", "targets")   # the uploaded batch, not activations
+    bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in batch_inputs})
+    return sum(b.size for b in bufs.values())
+
+
 def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
     path, _ = folder
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    lora = wt.LoraConfig(r=4, alpha=8, dropout=0.1, target_modules="all-linear")
     _, gpu = _pair(path, rt, lora)
     ids, labels, mask = _batch(9)
     gpu.loss_and_grads(ids, labels, mask)
-    acts = gpu.engine._activations(*ids.shape, train=True)
-    allocated = sum(b.size for layer in acts.layers for b in layer.values())
-    batch_inputs = ("ids", "segments", "positions", "targets")   # the uploaded batch, not activations
-    allocated += sum(v.size for k, v in vars(acts).items() if hasattr(v, "size") and k not in batch_inputs)
     est = wt.estimate_memory(gpu.config, ids.shape[0], ids.shape[1], lora=lora)
-    assert est["activations"] + est["logits"] == allocated
+    assert est["activations"] + est["logits"] == _allocated(gpu.engine._activations(*ids.shape, train=True))
     assert est["total"] == est["weights"] + est["trainable_state"] + est["activations"] + est["logits"]
+    # with gradient checkpointing: every layer's input, and one set of the other buffers for all layers
+    gpu.set_gradient_checkpointing(True)
+    gpu.loss_and_grads(ids, labels, mask)
+    acts = gpu.engine._activations(*ids.shape, train=True)
+    assert acts.checkpoint and len(gpu.engine._acts) == 1   # the plain bucket was released
+    first, last = acts.layers[0], acts.layers[-1]
+    assert first["x_in"] is not last["x_in"] and all(first[k] is last[k] for k in first if k != "x_in")
+    ckpt = wt.estimate_memory(gpu.config, ids.shape[0], ids.shape[1], lora=lora, gradient_checkpointing=True)
+    assert ckpt["activations"] + ckpt["logits"] == _allocated(acts)
+    assert gpu.config.num_hidden_layers >= 2 and ckpt["activations"] < est["activations"]
+    assert ckpt.keys() == est.keys() and ckpt["weights"] == est["weights"]
     # a bucket whose activations cannot fit one storage binding is refused before anything is allocated
     tokens = rt.max_binding // (4 * gpu.config.intermediate_size) + 1
     with pytest.raises(wt.DeviceError, match="max storage binding.*reduce the batch size"):
@@ -289,6 +304,58 @@ def test_profile_reports_gpu_time_per_op_group(folder, rt):
     assert "loss head (lm_head, cross-entropy)" in prof and "optimizer (grad norm, AdamW)" in prof
     assert all(v >= 0 for v in prof.values()) and sum(prof.values()) > 0
     assert np.isfinite(loss_plain)
+    assert not any("recompute" in k for k in prof)
+    # checkpointed: every layer but the last (whose activations the forward leaves in place) is recomputed
+    gpu.set_gradient_checkpointing(True)
+    gpu.engine.train_step(micro, hp, 3, profile=True)
+    prof = gpu.engine.last_profile
+    for i in range(n_layers - 1):
+        for part in ("norm", "gemm", "attention", "swiglu"):
+            assert f"layer {i} recompute {part}" in prof
+    assert not any(k.startswith(f"layer {n_layers - 1} recompute") for k in prof)
+
+
+def test_gradient_checkpointing_is_bit_identical(folder, rt):
+    """Recomputed activations come from the same kernels on the same inputs, dropout masks included: the
+    loss and every gradient equal those without checkpointing bit for bit, also through accumulated steps."""
+    path, _ = folder
+    lora = wt.LoraConfig(r=3, alpha=6, dropout=0.25, target_modules="all-linear")
+    _, plain = _pair(path, rt, lora, b_seed=13)
+    _, ckpt = _pair(path, rt, lora, b_seed=13)
+    ckpt.set_gradient_checkpointing(True)
+    ids, labels, mask = _batch(13)                 # the second row is padded
+    for _ in range(2):                             # a new dropout mask per call
+        loss_p, grads_p = plain.loss_and_grads(ids, labels, mask)
+        loss_c, grads_c = ckpt.loss_and_grads(ids, labels, mask)
+        assert loss_c == loss_p and grads_c.keys() == grads_p.keys()
+        for k in grads_p:
+            assert np.abs(grads_p[k]).max() > 0, k
+            np.testing.assert_array_equal(grads_c[k], grads_p[k], err_msg=k)
+    micro = _micro_batches(ids, labels, mask, 1)   # two micro-batches per step
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5)
+    for step in (1, 2):
+        assert ckpt.engine.train_step(micro, hp, step) == plain.engine.train_step(micro, hp, step)
+        assert ckpt.engine.last_step["submits"] == 1
+    after_p, after_c = plain.lora_state_dict(), ckpt.lora_state_dict()
+    for k in after_p:
+        np.testing.assert_array_equal(after_c[k], after_p[k], err_msg=k)
+    # evaluation does not checkpoint: the same numbers from the forward-only bucket
+    assert ckpt.logits(ids, mask).tobytes() == plain.logits(ids, mask).tobytes()
+
+
+def test_gradient_checkpointing_full_finetune_is_bit_identical(folder, rt):
+    path, _ = folder
+    _, plain = _pair(path, rt)
+    _, ckpt = _pair(path, rt)
+    for m in (plain, ckpt):
+        m.set_full_finetune()
+    ckpt.set_gradient_checkpointing(True)
+    ids, labels, mask = _batch(14)
+    loss_p, grads_p = plain.loss_and_grads(ids, labels, mask)
+    loss_c, grads_c = ckpt.loss_and_grads(ids, labels, mask)
+    assert loss_c == loss_p and grads_c.keys() == grads_p.keys()
+    for k in grads_p:                              # norm weights, embedding and lm_head included
+        np.testing.assert_array_equal(grads_c[k], grads_p[k], err_msg=k)
 
 
 def test_activation_buckets_are_evicted_and_reused_correctly(folder, rt):

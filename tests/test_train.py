@@ -1,5 +1,6 @@
 """Tests of the trainer on the NumPy engine: learning, schedules, gradient accumulation, resume equality,
-atomic and rotated checkpoints, Ctrl-C, early stopping, output files and evaluation."""
+atomic and rotated checkpoints, Ctrl-C, early stopping, output files and evaluation; gradient checkpointing
+on the wgpu engine."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import pytest
 
 import wgpu_train
 
+from conftest import require_adapter
 from finetune_helpers import folder_state, make_data_dir, make_model_dir, write_jsonl
 from wgpu_train import checkpoint as checkpoint_mod
 from wgpu_train.errors import ConfigError, DataError, ModelFileError
@@ -227,6 +229,23 @@ def test_split_batch_trims_padding(workspace, tmp_path):
     full = load_model(workspace[0])
     full.set_full_finetune()
     assert count_trainable(full.config, None) == sum(v.size for v in full.engine.trainable().values())
+
+
+def test_gradient_checkpointing_gives_the_same_adapter(workspace, tmp_path):
+    """On the wgpu engine the recomputed activations are bit-identical, so is the trained adapter."""
+    require_adapter()
+    kw = dict(backend="wgpu", max_steps=2, batch_size=2, grad_accum=2, lora_dropout=0.1, lora_targets="all-linear",
+              valid_split=0.0)
+    plain = Trainer(config(workspace, tmp_path / "plain", **kw))
+    ckpt = Trainer(config(workspace, tmp_path / "ckpt", gradient_checkpointing=True, **kw))
+    summaries = plain.run(), ckpt.run()
+    assert ckpt.engine.gradient_checkpointing and not plain.engine.gradient_checkpointing
+    assert summaries[1]["train_loss_last"] == summaries[0]["train_loss_last"]
+    a, b = adapter_tensors(tmp_path / "plain"), adapter_tensors(tmp_path / "ckpt")
+    assert a.keys() == b.keys() and any(np.abs(a[k]).max() > 0 for k in a if "lora_B" in k)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    assert json.loads((tmp_path / "ckpt" / "train_config.json").read_text())["gradient_checkpointing"] is True
 
 
 # ---- resume ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from .errors import DeviceError
 
 F32 = 4
 HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
+RECOMPUTED = "layer."         # prefix, in a checkpointed plan's shared part, of the one set of layer buffers
 
 
 def head_rows(cfg: ModelConfig, n: int) -> int:
@@ -14,10 +15,13 @@ def head_rows(cfg: ModelConfig, n: int) -> int:
     return max(1, min(n, HEAD_CHUNK_BYTES // (cfg.vocab_size * F32), 65535))
 
 
-def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool):
+def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
+                    checkpoint: bool = False):
     """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared).
 
     lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
+    checkpoint (gradient checkpointing, training only): each layer keeps only its input x_in; its other
+    buffers exist once, in `shared` under the prefix RECOMPUTED, and the backward recomputes them per layer.
     """
     from .gpu import kernels as K
 
@@ -42,6 +46,9 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
                       d_lora_h=n * max(list(lora_ranks.values()) + [1]), d_lora_x=n * widest,
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
                       scratch_att=K.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
+        if checkpoint:
+            shared.update({RECOMPUTED + name: e for name, e in layer.items() if name != "x_in"})
+            layer = {"x_in": layer["x_in"]}
     return layer, shared
 
 
@@ -79,10 +86,11 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
 
 
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
-                    method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "float32") -> dict:
+                    method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "float32",
+                    gradient_checkpointing: bool = False) -> dict:
     """GPU bytes by category for training at (batch_size, seq_len): weights (the base weights as stored:
     see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
-    activations, logits, and total."""
+    activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
@@ -101,7 +109,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
         state = trainable * 4 * F32          # parameter, gradient, two moments
     else:
         state = weights * 3                  # gradient and two moments of every weight
-    layer, shared = activation_plan(config, batch_size, seq_len, ranks, drop, train=True)
+    layer, shared = activation_plan(config, batch_size, seq_len, ranks, drop, train=True,
+                                    checkpoint=gradient_checkpointing)
     logits = shared.pop("logits") * F32
     activations = (config.num_hidden_layers * sum(layer.values()) + sum(shared.values())) * F32
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}
@@ -111,7 +120,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
 
 def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: int, layer_plan: dict,
                shared_plan: dict, memory_limit: int | None = None, estimate: dict | None = None):
-    """Refuse a bucket whose buffers cannot exist on the device, naming the limit and what to reduce."""
+    """Refuse a bucket whose buffers cannot exist on the device, naming the limit and what to reduce
+    (gradient checkpointing too, unless the plans are already checkpointed)."""
     for name, elems in list(layer_plan.items()) + list(shared_plan.items()):
         if elems * F32 > max_binding:
             raise DeviceError(
@@ -121,4 +131,5 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: 
     if memory_limit and estimate and estimate["total"] > memory_limit:
         raise DeviceError(
             f"training needs about {estimate['total'] / 2**30:.2f} GiB, over the memory limit of "
-            f"{memory_limit / 2**30:.2f} GiB: reduce the batch size or --max-seq-len, or the LoRA rank")
+            f"{memory_limit / 2**30:.2f} GiB: reduce the batch size or --max-seq-len, or the LoRA rank"
+            + ("" if any(k.startswith(RECOMPUTED) for k in shared_plan) else ", or pass --gradient-checkpointing"))

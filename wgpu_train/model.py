@@ -139,6 +139,12 @@ class Model:
         self.method = "full"
         self.engine.set_full_finetune(True)
 
+    def set_gradient_checkpointing(self, enabled: bool = True):
+        """Recompute each layer's activations in the backward instead of keeping them (HF's
+        gradient_checkpointing): less GPU memory for about one more forward per step, the same gradients.
+        The NumPy engine keeps everything and only records the setting."""
+        self.engine.set_gradient_checkpointing(enabled)
+
     def lora_state_dict(self) -> dict:
         """LoRA tensors by PEFT key: lora_A (r, in) and lora_B (out, r), float32."""
         out = {}

@@ -73,6 +73,8 @@ class TrainConfig:
     beta2: float = _opt(0.999, "AdamW beta2")
     adam_eps: float = _opt(1e-8, "AdamW epsilon")
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
+    gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in the backward: less GPU "
+                                               "memory, about one more forward per step")
     max_seq_len: int = _opt(512, "longer samples are truncated, and dropped when no response token remains")
     pack: bool = _opt(False, "pack several samples into each row (attention never crosses samples)")
     valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when there is no valid.jsonl")
@@ -359,6 +361,7 @@ class Trainer:
             self.model.add_lora(lora, seed=cfg.seed)
         else:
             self.model.set_full_finetune()
+        self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
         # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
         self.base_weight_bytes = int(getattr(self.engine, "base_weight_bytes", 0)
@@ -376,6 +379,7 @@ class Trainer:
                  + ("" if cfg.max_steps else f" ({cfg.epochs} epochs of {self.steps_per_epoch})")
                  + f", {cfg.batch_size * cfg.grad_accum} samples per step"
                  + (f" ({cfg.grad_accum} micro-batches of {cfg.batch_size})" if cfg.grad_accum > 1 else "")
+                 + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
                  + (f", resuming at step {self.step} from {self.resumed_from}" if self.resumed_from else ""))
         return self
 

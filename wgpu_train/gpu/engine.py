@@ -9,12 +9,12 @@ import numpy as np
 from ..config import LINEAR_MODULES, ModelConfig
 from ..errors import DeviceError
 from ..hf import module_path
-from ..memory import activation_plan, check_fits, head_rows
+from ..memory import RECOMPUTED, activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
 from ..reference.quant import check_dtypes, storage_dtype
 from . import kernels as K
 from . import quant
-from .gemm import lora_backward, lora_forward
+from .gemm import lora_a_forward, lora_backward, lora_forward
 from .quant import QuantMatrix
 from .runtime import Runtime
 from .tensors import F32, Matrix, Packed, at, linear_backward, linear_forward
@@ -39,19 +39,27 @@ class Inputs:
 
 
 class Activations:
-    """Every buffer one (B, T) bucket needs for forward and backward, allocated once and reused."""
+    """Every buffer one (B, T) bucket needs for forward and backward, allocated once and reused.
+
+    layers[i] maps a name to layer i's buffer. With checkpoint (gradient checkpointing, training only)
+    only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
+    the backward refills by recomputing each layer's forward."""
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict,
-                 train: bool):
+                 train: bool, checkpoint: bool = False):
         self.b, self.t, self.n = b, t, b * t
+        self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, self.n)
-        layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train)
+        layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train, self.checkpoint)
         check_fits(cfg, b, t, rt.max_binding, layer, shared)
         self.ids = self.segments = self.positions = self.targets = None   # set from an Inputs per use
-        self.layers = [{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}
+        recomputed = {name[len(RECOMPUTED):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
+                      if name.startswith(RECOMPUTED)}
+        self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **recomputed}
                        for _ in range(cfg.num_hidden_layers)]
         for name, e in shared.items():
-            setattr(self, name, rt.buffer(max(1, e) * F32, name))
+            if not name.startswith(RECOMPUTED):
+                setattr(self, name, rt.buffer(max(1, e) * F32, name))
 
 
 class WgpuEngine:
@@ -90,7 +98,8 @@ class WgpuEngine:
         self._state_buffers: list = []
         self._lora_packed = None
         self.dropout_seed, self.dropout_calls = 0, 0
-        self._acts: dict = {}
+        self.gradient_checkpointing = False
+        self._acts: dict = {}      # (B, T, train, checkpointed) -> Activations
         self._inputs: dict = {}    # (B, T, micro-batch slot) -> Inputs
         self._micro = 0            # micro-batch slot being recorded (selects dropout seeds)
         self.step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
@@ -132,6 +141,16 @@ class WgpuEngine:
         self.full = bool(enabled)
         self._release_acts()
         self._reset_training_state()
+
+    def set_gradient_checkpointing(self, on: bool = True):
+        """Gradient (activation) checkpointing of training steps: each layer keeps only its input, and the
+        backward recomputes the layer's forward (the same kernels on the same inputs, LoRA dropout masks
+        included, so the gradients are bit-identical) before its backward. Activation memory drops from
+        every layer's buffers to one layer's plus every layer's input, for about one more forward per step.
+        Evaluation and generation are unaffected."""
+        if bool(on) != self.gradient_checkpointing:
+            self.gradient_checkpointing = bool(on)
+            self._release_acts()
 
     def _reset_training_state(self):
         """Gradients and zeroed AdamW moments of the trainable tensors, and the optimizer's groups:
@@ -234,10 +253,14 @@ class WgpuEngine:
             self._write(self.moments[k][1], v)
 
     # ---- buffers per bucket -------------------------------------------------------------------
+    def _bucket_key(self, b, t, train) -> tuple:
+        return b, t, train, train and self.gradient_checkpointing
+
     def _activations(self, b, t, train=True, keep=()) -> Activations:
-        """The bucket for (b, t), allocated on first use. Beyond MAX_BUCKETS, the least recently used
-        bucket not in `keep` (buckets already recorded into the open encoder) is freed."""
-        key = (b, t, train)
+        """The bucket for (b, t), allocated on first use (checkpointed when training with gradient
+        checkpointing). Beyond MAX_BUCKETS, the least recently used bucket not in `keep` (keys of
+        buckets already recorded into the open encoder) is freed."""
+        key = self._bucket_key(b, t, train)
         acts = self._acts.pop(key, None)
         if acts is None:
             while len(self._acts) >= self.MAX_BUCKETS:
@@ -251,12 +274,13 @@ class WgpuEngine:
             # LoRA ranks and dropout inputs per module name (the same in every layer)
             ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0}
-            acts = Activations(self.rt, self.cfg, b, t, ranks, drop, train)
+            acts = Activations(self.rt, self.cfg, b, t, ranks, drop, train, key[3])
         self._acts[key] = acts          # most recently used last
         return acts
 
     def _free(self, acts: Activations):
-        bufs = [b for layer in acts.layers for b in layer.values()]
+        # a checkpointed bucket's recomputed buffers appear in every layer: each is released once
+        bufs = list({id(b): b for layer in acts.layers for b in layer.values()}.values())
         bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
                  ("ids", "segments", "positions", "targets")]
         self.rt.release(*bufs)
@@ -300,61 +324,83 @@ class WgpuEngine:
         lora = self.lora.get(path)
         if lora is None:
             return
-        xl = x
+        xl = self._lora_input(rec, x, lora, module, a, n)
+        lora_forward(rec, y, a["lora_h." + module], xl, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f, lora.r)
+
+    def _lora_input(self, rec, x, lora: GpuLora, module, a, n):
+        """The LoRA module's input: x, or while training with dropout x times the micro-batch's mask
+        (saved in the layer's lora_x buffer; the mask is a hash of the seed slot, so recomputing it repeats it)."""
         if lora.dropout > 0 and self._training:
             xl = a["lora_x." + module]
             K.lora_dropout_forward(rec, xl, x, self.seeds, self._seed_slot(lora), lora.dropout, n * lora.in_f)
-        lora_forward(rec, y, a["lora_h." + module], xl, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f, lora.r)
+            return xl
+        return x
 
     def _record_forward(self, rec, acts: Activations, kv: dict | None = None):
         """The layers and the final norm. With a KV cache `kv` (generation), keys and values are
         appended to it, attention reads it, and only the last token is normed."""
-        cfg = self.cfg
-        b, t, n = acts.b, acts.t, acts.n
-        c, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        eps = cfg.rms_norm_eps
+        n, c, eps = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps
         self._where = "embedding forward"
         rec.section(self._where)
         self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
-        for i, a in enumerate(acts.layers):
-            p = f"model.layers.{i}."
-            self._where = f"layer {i} forward"
-            rec.section(self._where + " norm")
-            K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
-            q_out = a["q_pre"] if cfg.qk_norm else a["q"]
-            k_out = a["k_pre"] if cfg.qk_norm else a["k"]
-            self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
-            self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
-            self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
-            rec.section(self._where + " attention")
-            if cfg.qk_norm:
-                K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
-                K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
-            K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
-            K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
-            if kv is None:
-                K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
-            else:
-                K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.positions, n, kv["max_len"], hkv, d)
-                K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.positions, n,
-                                           kv["max_len"], hq, hkv, d)
-            K.copy(rec, a["x_mid"], a["x_in"], n * c)
-            self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
-            rec.section(self._where + " norm")
-            K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
-            self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
-            self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
-            rec.section(self._where + " swiglu")
-            K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
-            x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
-            K.copy(rec, x_next, a["x_mid"], n * c)
-            self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
+        for i in range(len(acts.layers)):
+            self._record_layer_forward(rec, acts, i, kv)
         rec.section("final norm forward")
         if kv is None:
             K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
         else:
             K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, at(acts.x_final, (n - 1) * c), self.w["model.norm.weight"],
                               1, c, eps)
+
+    def _record_layer_forward(self, rec, acts: Activations, i: int, kv: dict | None = None, recompute=False):
+        """Layer i's forward from its input x_in, writing the next layer's input (x_final after the last).
+        recompute=True (gradient checkpointing, in the backward) refills the layer's buffers for its backward
+        and leaves the next layer's input alone: of down_proj only the LoRA input and h are recomputed, since
+        its backward needs its input m (and those) but not its output."""
+        cfg = self.cfg
+        b, t, n = acts.b, acts.t, acts.n
+        c, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        eps = cfg.rms_norm_eps
+        a = acts.layers[i]
+        p = f"model.layers.{i}."
+        self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
+        rec.section(self._where + " norm")
+        K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
+        q_out = a["q_pre"] if cfg.qk_norm else a["q"]
+        k_out = a["k_pre"] if cfg.qk_norm else a["k"]
+        self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
+        self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
+        self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
+        rec.section(self._where + " attention")
+        if cfg.qk_norm:
+            K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
+            K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
+        K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
+        K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
+        if kv is None:
+            K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
+        else:
+            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.positions, n, kv["max_len"], hkv, d)
+            K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.positions, n,
+                                       kv["max_len"], hq, hkv, d)
+        K.copy(rec, a["x_mid"], a["x_in"], n * c)
+        self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
+        rec.section(self._where + " norm")
+        K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
+        self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
+        self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
+        rec.section(self._where + " swiglu")
+        K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
+        if recompute:
+            lora = self.lora.get(module_path(i, "down_proj"))
+            if lora is not None:
+                rec.section(self._where + " gemm")
+                lora_a_forward(rec, a["lora_h.down_proj"], self._lora_input(rec, a["m"], lora, "down_proj", a, n),
+                               lora.a, n, lora.in_f, lora.r)
+            return
+        x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
+        K.copy(rec, x_next, a["x_mid"], n * c)
+        self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
         """Logits by row chunks; cross-entropy loss per row; with backward, dlogits and dxf (and dW_head)."""
@@ -412,6 +458,10 @@ class WgpuEngine:
         for i in reversed(range(cfg.num_hidden_layers)):
             p = f"model.layers.{i}."
             a = acts.layers[i]
+            # checkpointed: the forward left the last layer's activations in the shared buffers; the
+            # others are recomputed (self._training and the micro-batch's seed slot still hold)
+            if acts.checkpoint and i < cfg.num_hidden_layers - 1:
+                self._record_layer_forward(rec, acts, i, recompute=True)
             self._linear_backward(rec, acts.d_m, acts.d_res, i, "down_proj", acts, a, a["m"], False)
             rec.section(f"layer {i} backward swiglu")
             K.swiglu_backward(rec, acts.d_gate, acts.d_up, acts.d_m, a["gate"], a["up"], n * f)
@@ -565,7 +615,7 @@ class WgpuEngine:
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
             acts = self._activations(b, t, train=True, keep=used)
-            used.append((b, t, True))
+            used.append(self._bucket_key(b, t, True))
             self._upload_batch(acts, ids, seg, pos, targets, slot=j)
             self._write_seeds(j)
             self._record_forward(rec, acts)

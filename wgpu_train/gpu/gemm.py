@@ -306,10 +306,16 @@ def linear_backward(rec, dx, dweight, dbias, dy, x, weight, N, in_features, out_
 
 # ---- LoRA: y += scale * (x A^T) B^T -----------------------------------------------------------
 
+def lora_a_forward(rec, h, x, lora_a, N, in_features, r):
+    """h (N, r) = x (N, in) @ lora_a (r, in).T: the half of lora_forward whose result the backward needs
+    (gradient checkpointing recomputes only this where the module's output is not needed again)."""
+    gemm(rec, h, x, lora_a, N, r, in_features, "nt")
+
+
 def lora_forward(rec, y, h, x, lora_a, lora_b, scale, N, in_features, out_features, r):
     """h (N, r) = x (N, in) @ lora_a (r, in).T, saved for the backward; then
     y (N, out) += scale * h @ lora_b (out, r).T, on top of the base layer's output already in y."""
-    gemm(rec, h, x, lora_a, N, r, in_features, "nt")
+    lora_a_forward(rec, h, x, lora_a, N, in_features, r)
     gemm(rec, y, h, lora_b, N, out_features, r, "nt", alpha=scale, accumulate=True)
 
 

@@ -43,6 +43,7 @@ class NumpyEngine:
         self.dropout_seed = 0        # LoRA dropout masks: hash of (seed, micro-batch counter, module)
         self.dropout_calls = 0
         self.training = False
+        self.gradient_checkpointing = False
         self.last_profile: dict = {}
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
 
@@ -63,6 +64,11 @@ class NumpyEngine:
         self.full = enabled
         self.moments = {}
         self.zero_grads()
+
+    def set_gradient_checkpointing(self, on: bool = True):
+        """Only stores the flag: the CPU reference keeps every activation (memory is not its concern), and
+        recomputing them would give the same numbers, so it stays the oracle either way."""
+        self.gradient_checkpointing = bool(on)
 
     def trainable(self) -> dict:
         """Trainable arrays by name: 'path.lora_A' / 'path.lora_B', or Hugging Face weight names."""
