@@ -24,5 +24,6 @@ def test_bench_json_gemm_and_training(capsys):
     assert main(["bench", "--json", "--only", "training"]) == 0
     training = json.loads(capsys.readouterr().out)["training"]
     assert training["submits_per_step"] == 1 and training["readbacks_per_step"] == 1
-    assert set(training["tokens_per_s"]) == {"wgpu", "numpy", "torch_cpu_peft"}
+    assert set(training["tokens_per_s"]) == {"wgpu", "wgpu_gradient_checkpointing", "numpy", "torch_cpu_peft"}
+    assert training["gradient_checkpointing_step_time_ratio"] > 0
     assert 0 < training["python_record_fraction"] < 1

@@ -1,5 +1,6 @@
-"""Training-throughput benchmark: tokens/s of LoRA steps on the wgpu engine, the NumPy engine and
-PyTorch CPU + PEFT (when installed) on the same small model and batch, measured side by side."""
+"""Training-throughput benchmark: tokens/s of LoRA steps on the wgpu engine (also with gradient
+checkpointing), the NumPy engine and PyTorch CPU + PEFT (when installed) on the same small model and batch,
+measured side by side."""
 from __future__ import annotations
 
 import time
@@ -107,6 +108,8 @@ def bench_training(rt, steps: int = 5) -> dict:
     gpu.train_step(micro, hp, steps + 2, profile="total")
     busy = sum(gpu.last_profile.values()) if rt.has_timestamps else None
     profiled_wall = gpu.last_timing["wall_s"]
+    gpu.set_gradient_checkpointing(True)
+    ckpt_wall, _ = _time_engine(gpu, micro, hp, steps)
 
     cpu = NumpyEngine(cfg, weights)
     cpu.set_lora(modules)
@@ -116,7 +119,9 @@ def bench_training(rt, steps: int = 5) -> dict:
     out = {
         "model": "Llama 4 layers, hidden 128, vocab 512, LoRA r=8 all-linear",
         "batch": f"{BATCH}x{SEQ}",
-        "tokens_per_s": {"wgpu": tokens / wall, "numpy": tokens / cpu_wall, "torch_cpu_peft": torch_tps},
+        "tokens_per_s": {"wgpu": tokens / wall, "wgpu_gradient_checkpointing": tokens / ckpt_wall,
+                         "numpy": tokens / cpu_wall, "torch_cpu_peft": torch_tps},
+        "gradient_checkpointing_step_time_ratio": ckpt_wall / wall,
         "wgpu_vs_numpy": cpu_wall / wall,
         "wgpu_vs_torch_cpu_peft": (tokens / wall) / torch_tps if torch_tps else None,
         "step_wall_ms": wall * 1e3,
