@@ -284,6 +284,28 @@ def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
         rt.buffer(rt.max_buffer + 4)
 
 
+def test_activation_allocation_failure_names_what_to_reduce(folder, rt, monkeypatch):
+    """A device that runs out of memory for a training bucket's activations: one DeviceError saying what
+    to reduce, gradient checkpointing included until it is on."""
+    path, _ = folder
+    _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))
+    ids, labels, mask = _batch(11)
+    real = rt.buffer
+
+    def buffer(nbytes, label="", usage=None):
+        if label.endswith("gate"):           # "layer.gate" when checkpointed
+            raise wt.DeviceError(f"could not allocate {nbytes} bytes for gate: out of memory")
+        return real(nbytes, label, usage)
+
+    monkeypatch.setattr(rt, "buffer", buffer)
+    with pytest.raises(wt.DeviceError, match=r"out of memory, for the activations of batch 2 x \d+ tokens: reduce "
+                                             r"the batch size or --max-seq-len, or pass --gradient-checkpointing$"):
+        gpu.loss_and_grads(ids, labels, mask)
+    gpu.set_gradient_checkpointing(True)
+    with pytest.raises(wt.DeviceError, match="--max-seq-len$"):
+        gpu.loss_and_grads(ids, labels, mask)
+
+
 def test_profile_reports_gpu_time_per_op_group(folder, rt):
     path, _ = folder
     _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))

@@ -119,17 +119,11 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
 
 
 def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: int, layer_plan: dict,
-               shared_plan: dict, memory_limit: int | None = None, estimate: dict | None = None):
-    """Refuse a bucket whose buffers cannot exist on the device, naming the limit and what to reduce
-    (gradient checkpointing too, unless the plans are already checkpointed)."""
+               shared_plan: dict):
+    """Refuse a bucket with a buffer over the device's max storage binding, naming it and what to reduce."""
     for name, elems in list(layer_plan.items()) + list(shared_plan.items()):
         if elems * F32 > max_binding:
             raise DeviceError(
                 f"activation '{name}' for batch {batch_size} x {seq_len} tokens needs {elems * F32 / 2**20:.0f} MiB, "
                 f"over the device's max storage binding of {max_binding / 2**20:.0f} MiB: reduce the batch size "
                 f"or --max-seq-len")
-    if memory_limit and estimate and estimate["total"] > memory_limit:
-        raise DeviceError(
-            f"training needs about {estimate['total'] / 2**30:.2f} GiB, over the memory limit of "
-            f"{memory_limit / 2**30:.2f} GiB: reduce the batch size or --max-seq-len, or the LoRA rank"
-            + ("" if any(k.startswith(RECOMPUTED) for k in shared_plan) else ", or pass --gradient-checkpointing"))

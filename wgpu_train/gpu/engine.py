@@ -53,13 +53,18 @@ class Activations:
         layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train, self.checkpoint)
         check_fits(cfg, b, t, rt.max_binding, layer, shared)
         self.ids = self.segments = self.positions = self.targets = None   # set from an Inputs per use
-        recomputed = {name[len(RECOMPUTED):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
-                      if name.startswith(RECOMPUTED)}
-        self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **recomputed}
-                       for _ in range(cfg.num_hidden_layers)]
-        for name, e in shared.items():
-            if not name.startswith(RECOMPUTED):
-                setattr(self, name, rt.buffer(max(1, e) * F32, name))
+        try:
+            recomputed = {name[len(RECOMPUTED):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
+                          if name.startswith(RECOMPUTED)}
+            self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **recomputed}
+                           for _ in range(cfg.num_hidden_layers)]
+            for name, e in shared.items():
+                if not name.startswith(RECOMPUTED):
+                    setattr(self, name, rt.buffer(max(1, e) * F32, name))
+        except DeviceError as e:
+            hint = "" if self.checkpoint or not train else ", or pass --gradient-checkpointing"
+            raise DeviceError(f"{e}, for the activations of batch {b} x {t} tokens: reduce the batch size or "
+                              f"--max-seq-len{hint}") from None
 
 
 class WgpuEngine:
