@@ -304,6 +304,24 @@ def test_resume_refuses_a_different_lora(workspace, tmp_path):
         finetune(config(workspace, tmp_path / "c", resume=str(tmp_path)))
 
 
+def test_resume_refuses_other_base_dtypes_and_leaves_the_run_alone(workspace, tmp_path):
+    """A checkpoint trained over NF4 base weights continues only over NF4 ones; a refused resume, here into
+    its own folder, changes nothing there."""
+    run = tmp_path / "a"
+    finetune(config(workspace, run, max_steps=1, base_dtype="nf4", embed_dtype="float16"))
+    before = folder_state(run)
+    with pytest.raises(ConfigError, match="trained over base_dtype nf4, not float32: pass --base-dtype nf4"):
+        finetune(config(workspace, run, max_steps=2, embed_dtype="float16", resume=str(run)))
+    with pytest.raises(ConfigError, match="trained over embed_dtype float16, not float32"):
+        finetune(config(workspace, run, max_steps=2, base_dtype="nf4", resume=str(run)))
+    with pytest.raises(ConfigError, match="LoRA r=8"):
+        finetune(config(workspace, run, max_steps=2, base_dtype="nf4", embed_dtype="float16", lora_rank=4,
+                        resume=str(run)))
+    assert folder_state(run) == before
+    summary = finetune(config(workspace, run, max_steps=2, base_dtype="nf4", embed_dtype="float16", resume=str(run)))
+    assert summary["steps"] == 2 and summary["base_dtype"] == "nf4"
+
+
 # ---- an output folder that holds an earlier run ---------------------------------------------------------
 
 def test_new_run_refuses_an_earlier_run_then_overwrite_and_resume(workspace, tmp_path):
@@ -516,7 +534,10 @@ class _Oracle:
     def __init__(self, tok, answers):
         self.tok, self.answers = tok, answers
 
-    def generate(self, ids, max_new_tokens, temperature, stop_token_ids):
+    def generate_batch(self, prompts, max_new_tokens, temperature, stop_token_ids):
+        return [self._answer(ids, budget, stop_token_ids) for ids, budget in zip(prompts, max_new_tokens)]
+
+    def _answer(self, ids, max_new_tokens, stop_token_ids):
         prompt = self.tok.decode(list(ids), skip_special_tokens=False)
         for question, answer in self.answers.items():
             if question in prompt:

@@ -123,8 +123,9 @@ def read_state(ckpt) -> dict:
 def restore(ckpt, model, state: dict, lora_config=None):
     """Put a checkpoint's trainable tensors, AdamW moments and dropout counter into `model`'s engine.
 
-    The model must already be set up the same way (add_lora with `lora_config`, or set_full_finetune);
-    a different method or LoRA setting raises ConfigError naming it.
+    The model must already be set up the same way (add_lora with `lora_config`, or set_full_finetune, and
+    the base weights stored as in the run that saved it); a different method, LoRA setting or storage
+    dtype raises ConfigError naming it.
     """
     from .hf import read_adapter, read_safetensors
 
@@ -132,6 +133,11 @@ def restore(ckpt, model, state: dict, lora_config=None):
     engine = model.engine
     if state.get("method") != model.method:
         raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {model.method}")
+    for key in ("base_dtype", "embed_dtype"):
+        now = getattr(engine, key, "float32")
+        if key in state and state[key] != now:
+            raise ConfigError(f"checkpoint {ckpt} was trained over {key} {state[key]}, not {now}: pass "
+                              f"--{key.replace('_', '-')} {state[key]}")
     if model.method == "lora":
         now = dataclasses.asdict(lora_config)
         then = state.get("lora") or {}

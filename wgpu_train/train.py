@@ -372,9 +372,9 @@ class Trainer:
                  + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
                  f"{cfg.base_dtype} (embedding {cfg.embed_dtype}), {self.base_weight_bytes:,} bytes")
-        self._prepare_out()
-        if cfg.resume:
+        if cfg.resume:                  # before anything is written: a checkpoint that does not fit is refused
             self.load_checkpoint(find_checkpoint(cfg.resume))
+        self._prepare_out()
         self.log(f"training: {self.total_steps} steps"
                  + ("" if cfg.max_steps else f" ({cfg.epochs} epochs of {self.steps_per_epoch})")
                  + f", {cfg.batch_size * cfg.grad_accum} samples per step"
@@ -467,7 +467,8 @@ class Trainer:
     def exact_match(self) -> dict:
         name, records = self.held_out()
         result = exact_match(self.model, self.tokenizer, records, not self.config.no_chat_template,
-                             self.config.max_new_tokens, self.config.max_eval_samples)
+                             self.config.max_new_tokens, self.config.max_eval_samples,
+                             batch_size=self.config.batch_size)
         result["split"] = name
         return result
 
@@ -487,6 +488,7 @@ class Trainer:
                              next_lr=self.schedule.lr_at(self.step + 1)),
             "dropout_seed": int(self.engine.dropout_seed), "dropout_calls": int(self.engine.dropout_calls),
             "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
+            "base_dtype": cfg.base_dtype, "embed_dtype": cfg.embed_dtype,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
             "history": self.history, "seed": cfg.seed,
         }
