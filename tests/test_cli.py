@@ -15,6 +15,7 @@ import pytest
 from finetune_helpers import folder_state, make_data_dir, make_model_dir
 from wgpu_train.cli import build_parser, main
 from wgpu_train.commands import prompt_ids, resolve_train_config
+from wgpu_train.hf import read_safetensors
 from wgpu_train.model import load_model
 from wgpu_train.tokenizer import load_tokenizer
 from wgpu_train.train import TrainConfig
@@ -260,6 +261,14 @@ def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, 
     model.load_adapter(out)
     ids = model.generate(prompt_ids(tok, "after red 1?"), max_new_tokens=6, stop_token_ids=tok.stop_token_ids)
     assert printed == tok.decode([i for i in ids if i not in tok.stop_token_ids]) + "\n"
+    # merge adds the update to the original float32 weights, not to the NF4-rounded ones
+    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(out), "--out", str(tmp_path / "m")]) == 0
+    assert "base weights stored" not in capsys.readouterr().err
+    merged = read_safetensors(tmp_path / "m" / "model.safetensors")
+    base = read_safetensors(model_dir / "model.safetensors")
+    assert all(np.array_equal(merged[k], base[k]) for k in base if "q_proj" not in k and "v_proj" not in k)
+    assert not np.array_equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                              base["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_merge(trained, workspace, tmp_path, capsys):

@@ -303,7 +303,8 @@ def cmd_eval(args) -> int:
               "samples": len(examples), "dropped": stats.n_dropped, "truncated": stats.n_truncated}
     result.update(evaluate_loss(model.engine, examples, args.batch_size, pad, PAD_MULTIPLE))
     if not args.no_generate:
-        em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples)
+        em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples,
+                         batch_size=args.batch_size)
         result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"])
     result.update(backend=model.backend, base_dtype=model.engine.base_dtype, embed_dtype=model.engine.embed_dtype)
     if args.json:
@@ -340,9 +341,11 @@ def _register_eval(sub):
 # ---- merge ------------------------------------------------------------------------------------------------
 
 def cmd_merge(args) -> int:
-    # Merging is weight arithmetic: the NumPy engine does it without a device.
+    # Merging is weight arithmetic: the NumPy engine does it without a device. The update goes onto the
+    # original weights, also for an adapter trained over float16 / NF4 ones (as PEFT merges a QLoRA
+    # adapter into a 16-bit base): the merged folder carries no rounding of the base.
     model_dir, model, _ = load_model_and_tokenizer(args.model, args.adapter_path, backend="numpy",
-                                                  tokenizer=False)
+                                                  tokenizer=False, base_dtype="float32", embed_dtype="float32")
     out = Path(args.out)
     if out.resolve() == Path(model_dir).resolve():
         raise ConfigError("--out must differ from the base model folder")
@@ -355,7 +358,8 @@ def cmd_merge(args) -> int:
 
 
 def _register_merge(sub):
-    p = _add_parser(sub, "merge", "fold a LoRA adapter into its base model and write a Hugging Face folder")
+    p = _add_parser(sub, "merge", "fold a LoRA adapter into its base model's original weights and write a Hugging "
+                                  "Face folder")
     _model_options(p, need_adapter=True)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the merged model")
     p.set_defaults(func=cmd_merge)
