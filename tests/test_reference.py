@@ -200,6 +200,25 @@ def test_sharded_checkpoint(case, tmp_path):
     assert_close(sharded, hf_logits(case.hf, ids), "logits_f32")
 
 
+def test_weights_are_converted_one_at_a_time(case, tmp_path):
+    """load_weights hands out each tensor as float32 only when it is read (from a memory map of bfloat16
+    bytes here), a fresh array each time: an engine that stores tensors one by one never holds the whole
+    model as float32."""
+    from wgpu_train.config import ModelConfig
+    from wgpu_train.hf import LazyWeights, load_weights, read_safetensors
+
+    copy.deepcopy(case.hf).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+    weights = load_weights(tmp_path, ModelConfig.from_folder(tmp_path))
+    assert isinstance(weights, LazyWeights)
+    eager = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        eager.update(read_safetensors(f))
+    for name in weights:
+        a, b = weights[name], weights[name]
+        assert a is not b and a.dtype == np.float32 and weights.shape(name) == a.shape
+        np.testing.assert_array_equal(a, eager[name])
+
+
 # ---- configuration ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

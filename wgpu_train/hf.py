@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +24,47 @@ def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
+def _as_array(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """A tensor's stored values (a view of the file) as float32 (floats) or their own integer type (a copy)."""
+    if dtype == "BF16":
+        return _bf16_to_f32(raw)
+    if raw.dtype.kind == "f":
+        return raw.astype(np.float32)
+    return np.array(raw)
+
+
+class LazyWeights(Mapping):
+    """name -> array of a model's tensors, each converted from its memory-mapped file bytes when it is read
+    (and not kept), so that an engine that stores tensors one at a time (the WebGPU one, quantising them
+    as it goes) never holds the whole model as float32 in host memory."""
+
+    def __init__(self, raw: dict):
+        self._raw = raw                  # name -> (view of the file's bytes, safetensors dtype)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return _as_array(*self._raw[name])
+
+    def __iter__(self):
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._raw[name][0].shape)
+
+
 def read_safetensors(path, names=None) -> dict:
     """Tensors of one .safetensors file as float32 (floats) or their own integer type.
 
     Checks the header and every tensor's byte range against the file, so a file cut short
     or with a bad header gives a ModelFileError instead of garbage.
     """
+    return {k: _as_array(*v) for k, v in _read_raw(path, names).items()}
+
+
+def _read_raw(path, names=None) -> dict:
+    """name -> (view of the tensor's bytes in a memory map of the file, safetensors dtype), checked."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -62,14 +98,7 @@ def read_safetensors(path, names=None) -> dict:
         count = int(np.prod(shape)) if shape else 1
         if end > data.shape[0] or end - start != count * np_dtype.itemsize:
             raise ModelFileError(f"{path}: tensor {name} lies outside the file (file cut short?)")
-        arr = np.frombuffer(data[start:end], dtype=np_dtype).reshape(shape)
-        if dtype == "BF16":
-            arr = _bf16_to_f32(arr)
-        elif np_dtype.kind == "f":
-            arr = arr.astype(np.float32)
-        else:
-            arr = np.array(arr)
-        out[name] = arr
+        out[name] = (np.frombuffer(data[start:end], dtype=np_dtype).reshape(shape), dtype)
     return out
 
 
@@ -135,12 +164,12 @@ def module_path(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{group}.{module}"
 
 
-def load_weights(folder, cfg: ModelConfig) -> dict:
-    """All weights of a model folder as float32, checked for presence and shape."""
+def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
+    """All weights of a model folder, checked for presence and shape, as a LazyWeights (float32 on reading)."""
     folder = Path(folder)
     tensors = {}
     for f in weight_files(folder):
-        tensors.update(read_safetensors(f))
+        tensors.update(_read_raw(f))
     shapes = expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -157,9 +186,9 @@ def load_weights(folder, cfg: ModelConfig) -> dict:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelFileError(f"{folder}: missing tensors {', '.join(missing[:3])}{more}")
     for k, shape in shapes.items():
-        if tuple(tensors[k].shape) != tuple(shape):
-            raise ModelFileError(f"{folder}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {tuple(shape)}")
-    return {k: tensors[k] for k in shapes}
+        if tuple(tensors[k][0].shape) != tuple(shape):
+            raise ModelFileError(f"{folder}: tensor {k} has shape {tuple(tensors[k][0].shape)}, expected {tuple(shape)}")
+    return LazyWeights({k: tensors[k] for k in shapes})
 
 
 def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):

@@ -11,6 +11,7 @@ from ..errors import DeviceError
 from ..hf import module_path
 from ..memory import RECOMPUTED, activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
+from ..reference.model import check_rows, forward_cached
 from ..reference.quant import check_dtypes, storage_dtype
 from . import kernels as K
 from . import quant
@@ -80,7 +81,10 @@ class WgpuEngine:
         check_dtypes(base_dtype, embed_dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype
         self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)
-        for name, arr in weights.items():
+        self.shapes: dict = {}
+        for name in weights:       # one tensor at a time: `weights` may convert each as it is read
+            arr = weights[name]
+            self.shapes[name] = tuple(arr.shape)
             stored = storage_dtype(name, arr.ndim, base_dtype, embed_dtype)
             if stored != "float32":
                 self.w[name] = QuantMatrix(rt, arr, stored, name)
@@ -92,7 +96,6 @@ class WgpuEngine:
         self.base_weight_bytes = sum(t.nbytes if isinstance(t, QuantMatrix) else
                                      sum(b.size for b, _, _ in t.chunks) if isinstance(t, Matrix) else t.size
                                      for t in self.w.values())
-        self.shapes = {k: tuple(v.shape) for k, v in weights.items()}
         self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
         self.lora: dict[str, GpuLora] = {}
         self.full = False
@@ -341,9 +344,10 @@ class WgpuEngine:
             return xl
         return x
 
-    def _record_forward(self, rec, acts: Activations, kv: dict | None = None):
-        """The layers and the final norm. With a KV cache `kv` (generation), keys and values are
-        appended to it, attention reads it, and only the last token is normed."""
+    def _record_forward(self, rec, acts: Activations, kv: dict | None = None, n_last: int = 0):
+        """The layers and the final norm. With a KV cache `kv` (generation, forward_rows), acts.segments
+        holds each token's cache row: keys and values are written into the cache, attention reads it, and
+        only the n_last tokens whose indices acts.targets holds are normed, into x_final's first rows."""
         n, c, eps = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps
         self._where = "embedding forward"
         rec.section(self._where)
@@ -353,9 +357,9 @@ class WgpuEngine:
         rec.section("final norm forward")
         if kv is None:
             K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
-        else:
-            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, at(acts.x_final, (n - 1) * c), self.w["model.norm.weight"],
-                              1, c, eps)
+        else:   # gather the wanted rows into xf, then norm them back into x_final, whose rows are all read by then
+            K.embedding_forward(rec, acts.xf, acts.targets, acts.x_final, n_last, c, n)
+            K.rmsnorm_forward(rec, acts.x_final, acts.rstd_f, acts.xf, self.w["model.norm.weight"], n_last, c, eps)
 
     def _record_layer_forward(self, rec, acts: Activations, i: int, kv: dict | None = None, recompute=False):
         """Layer i's forward from its input x_in, writing the next layer's input (x_final after the last).
@@ -385,9 +389,10 @@ class WgpuEngine:
         if kv is None:
             K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
         else:
-            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.positions, n, kv["max_len"], hkv, d)
-            K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.positions, n,
-                                       kv["max_len"], hq, hkv, d)
+            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.segments, acts.positions, n,
+                             kv["batch"], kv["max_len"], hkv, d)
+            K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.segments, acts.positions,
+                                       n, kv["batch"], kv["max_len"], hq, hkv, d)
         K.copy(rec, a["x_mid"], a["x_in"], n * c)
         self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
         rec.section(self._where + " norm")
@@ -655,31 +660,52 @@ class WgpuEngine:
 
     # ---- generation with a KV cache -----------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
-        if batch != 1:
-            raise DeviceError("the wgpu engine generates one sequence at a time")
+        """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
+        buffer (batch, max_len, Hkv, D)."""
         cfg = self.cfg
-        size = max_len * cfg.kv_size * F32
+        size = batch * max_len * cfg.kv_size * F32
+        if size > self.rt.max_binding:
+            raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "
+                              f"over the device's max storage binding of {self.rt.max_binding / 2**20:.0f} MiB: "
+                              f"generate fewer sequences at once or fewer tokens")
         return {"k": [self.rt.buffer(size, "k_cache") for _ in range(cfg.num_hidden_layers)],
                 "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
-                "len": 0, "max_len": max_len}
+                "len": 0, "batch": batch, "max_len": max_len}
 
     def forward_cached(self, ids, kv: dict) -> np.ndarray:
-        """New tokens ids (1, Tq) after kv["len"] cached ones -> logits (1, V) of the last one."""
-        cfg = self.cfg
-        tq = ids.shape[1]
-        start = kv["len"]
-        if start + tq > kv["max_len"]:
-            raise ValueError("KV cache is full")
-        acts = self._activations(1, tq, train=False)
-        pos = np.arange(start, start + tq, dtype=np.int32)[None]
-        self._upload_batch(acts, ids, np.ones_like(ids), pos)
-        rec = self.rt.recorder()
-        self._training = False
-        self._record_forward(rec, acts, kv)
-        linear_forward(rec, acts.logits, acts.xf, self._head(), None, 1)
+        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
+        return forward_cached(self, ids, kv)
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last) -> np.ndarray:
+        """n new tokens, each with its own cache row and position (reference.model.NumpyEngine.forward_rows):
+        keys and values written first, then causal attention within each row; logits (m, V) of the tokens
+        at indices last (m,). One submission and one readback while the m rows of logits fit the head's
+        chunk. The tokens are padded to a power of two (padding has row -1, which writes nothing) so that
+        calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets."""
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv)
+        n, m = ids.shape[0], last.shape[0]
+        if n == 0:
+            return np.zeros((m, self.cfg.vocab_size), np.float32)
+        size = 1 << (n - 1).bit_length()
+        pad = size - n
         before = dict(self.rt.counters)
-        rec.submit()
-        out = self.rt.read(acts.logits, np.float32, (1, cfg.vocab_size))
+        acts = self._activations(1, size, train=False)
+        # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
+        self._upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
+                           np.pad(positions, (0, pad))[None], np.pad(last, (0, size - m))[None])
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts, kv, m)
+        v, c = self.cfg.vocab_size, self.cfg.hidden_size
+        out = np.empty((m, v), np.float32)
+        if m == 0:   # keys and values only
+            rec.submit()
+        for r0 in range(0, m, acts.head_rows):
+            if r0:
+                rec = self.rt.recorder()
+            count = min(acts.head_rows, m - r0)
+            linear_forward(rec, acts.logits, at(acts.x_final, r0 * c), self._head(), None, count)
+            rec.submit()
+            out[r0:r0 + count] = self.rt.read(acts.logits, np.float32, (count, v))
         self._count(before)
-        kv["len"] = start + tq
         return out

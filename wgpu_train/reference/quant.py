@@ -88,9 +88,18 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
 
 
 def _nearest(x: np.ndarray, code: np.ndarray) -> np.ndarray:
-    """Index of the nearest value of a sorted code for each x (ties to the lower one)."""
+    """Index (uint8) of the nearest value of a sorted code of 2^k <= 256 values for each x (ties to the lower
+    one): the number of midpoints below x, by a branch-free binary search (twice as fast as searchsorted)."""
+    if code.size & (code.size - 1) or code.size > 256:
+        raise ValueError("the code must have a power of two values, at most 256")
     mids = ((code[:-1].astype(np.float64) + code[1:]) / 2).astype(np.float32)
-    return np.searchsorted(mids, x, side="left")
+    table = np.append(mids, np.float32(np.inf))
+    pos = np.zeros(x.shape, np.uint8)
+    step = code.size // 2
+    while step:
+        pos += np.uint8(step) * (table[pos + np.uint8(step - 1)] < x)
+        step //= 2
+    return pos
 
 
 def _blocks(flat: np.ndarray, block: int) -> np.ndarray:
