@@ -342,6 +342,23 @@ def test_full_finetune_refused_with_frozen_base(folder):
         wt.load_model(folder, backend="numpy", base_dtype="int4")
 
 
+def test_weights_beyond_float16_range_are_refused(rt, tmp_path):
+    """A weight with a value float16 cannot hold (it would become inf) is refused at load, naming it, on
+    both engines; NF4 stores it (its absmax is float32)."""
+    from wgpu_train.hf import read_safetensors, write_safetensors
+
+    folder = _tiny_model(tmp_path, "llama")
+    tensors = read_safetensors(folder / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][2, 3] = 7.0e4
+    write_safetensors(folder / "model.safetensors", tensors)
+    for backend, device in (("numpy", None), ("wgpu", str(rt.info.index))):
+        with pytest.raises(wt.ConfigError, match=f"{name} has values up to 70000, beyond float16's range"):
+            wt.load_model(folder, backend=backend, device=device, base_dtype="float16")
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), base_dtype="nf4", embed_dtype="float16")
+    assert gpu.engine.weights()[name][2, 3] == np.float32(7.0e4)
+
+
 # ---- memory -------------------------------------------------------------------------------------
 
 def test_base_weight_bytes_of_a_half_billion_parameter_model():

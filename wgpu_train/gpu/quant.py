@@ -24,7 +24,7 @@ import struct
 import numpy as np
 
 from ..errors import DeviceError
-from ..reference.quant import DQ_BLOCK, NF4_BLOCK, nf4_dequantize, nf4_quantize
+from ..reference.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
 from . import gemm as _gemm
 
 SHADER = "gemm_quant"
@@ -137,7 +137,7 @@ class QuantMatrix:
         for r0, n, wbytes, sbytes in chunk_plan(self.rows, self.cols, dtype, rt.max_binding):
             buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
             if dtype == "float16":
-                rt.write(buf, data[r0:r0 + n].astype(np.float16).reshape(-1))
+                rt.write(buf, float16_values(data[r0:r0 + n], label or "a weight").reshape(-1))
             else:
                 b0, b1 = r0 * self.cols // NF4_BLOCK, _nf4_blocks((r0 + n) * self.cols)
                 rt.write(buf, packed[b0 * NF4_BLOCK_BYTES:b1 * NF4_BLOCK_BYTES])

@@ -24,6 +24,7 @@ import numpy as np
 BASE_DTYPES = ("float32", "float16", "nf4", "nf4-dq")     # nf4-dq: NF4 with double-quantised absmax values
 EMBED_DTYPES = ("float32", "float16")
 NF4_BLOCK = 64          # weights per absmax
+F16_MAX = 65504.0       # the largest finite float16
 DQ_BLOCK = 256          # absmax values per second-level absmax (double quantisation)
 
 # The 16 NF4 values as published (QLoRA appendix E, and bitsandbytes' NF4 table), in index order 0..15.
@@ -159,13 +160,25 @@ def nf4_dequantize(packed: np.ndarray, absmax, shape) -> np.ndarray:
     return (NF4_CODE[idx] * scale[np.arange(n) // NF4_BLOCK]).astype(np.float32).reshape(shape)
 
 
-def round_to(w: np.ndarray, dtype: str) -> np.ndarray:
+def float16_values(w: np.ndarray, name: str = "a weight") -> np.ndarray:
+    """w rounded to float16; ConfigError when a value lies beyond float16's range (it would become inf)."""
+    from ..errors import ConfigError
+
+    w = np.asarray(w, dtype=np.float32)
+    largest = float(np.max(np.abs(w))) if w.size else 0.0
+    if not largest <= F16_MAX:
+        raise ConfigError(f"{name} has values up to {largest:.6g}, beyond float16's range ({F16_MAX:g}): store it "
+                          f"in another dtype (--base-dtype / --embed-dtype)")
+    return w.astype(np.float16)
+
+
+def round_to(w: np.ndarray, dtype: str, name: str = "a weight") -> np.ndarray:
     """float32 values of w as stored in `dtype` (float32: unchanged, float16: rounded, nf4 and nf4-dq:
-    quantised, the latter with double-quantised absmax values)."""
+    quantised, the latter with double-quantised absmax values); `name` labels errors."""
     if dtype == "float32":
         return np.asarray(w, dtype=np.float32)
     if dtype == "float16":
-        return np.asarray(w, dtype=np.float32).astype(np.float16).astype(np.float32)
+        return float16_values(w, name).astype(np.float32)
     if dtype in ("nf4", "nf4-dq"):
         packed, absmax = nf4_quantize(w, double_quant=dtype == "nf4-dq")
         return nf4_dequantize(packed, absmax, np.shape(w))
@@ -202,4 +215,4 @@ def check_dtypes(base_dtype: str, embed_dtype: str):
 def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "float32") -> dict:
     """The weights a model computes with when stored as base_dtype / embed_dtype (float32 arrays)."""
     check_dtypes(base_dtype, embed_dtype)
-    return {k: round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype)) for k, v in weights.items()}
+    return {k: round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k) for k, v in weights.items()}
