@@ -254,6 +254,12 @@ def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, 
     assert (chosen["base_dtype"], chosen["embed_dtype"]) == ("float32", "float16")
     assert "embed_dtype float16" in captured.err and "nf4" not in captured.err
     assert chosen["loss"] != inherited["loss"]
+    # a checkpoint (its folder, or the adapter inside it) is read the same way, from its trainer_state.json
+    ckpt = out / "checkpoints" / "step-000002"
+    for path in (ckpt, ckpt / "adapter"):
+        assert main(["eval", "--model", str(model_dir), "--adapter-path", str(path), "--backend", "numpy",
+                     "--data", str(data), "--json", "--no-generate"]) == 0
+        assert json.loads(capsys.readouterr().out)["loss"] == inherited["loss"]
     assert main(["generate", *common, "--prompt", "after red 1?", "--max-new-tokens", "6"]) == 0
     printed = capsys.readouterr().out
     tok = load_tokenizer(model_dir)

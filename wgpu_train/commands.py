@@ -184,14 +184,17 @@ def _adapter_base(adapter_path) -> Path | None:
 
 
 def _trained_dtypes(adapter_path) -> dict:
-    """{base_dtype, embed_dtype} of the run that wrote an adapter folder (its train_config.json), or {}."""
-    try:
-        raw = json.loads((Path(adapter_path) / "train_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {k: raw[k] for k in ("base_dtype", "embed_dtype") if isinstance(raw.get(k), str)}
+    """{base_dtype, embed_dtype} of the run that wrote an adapter folder: its train_config.json (an output
+    folder), or the trainer_state.json beside it (a checkpoint's adapter/); {} when neither says."""
+    adapter = Path(adapter_path)
+    for path in (adapter / "train_config.json", adapter.parent / "trainer_state.json"):
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and isinstance(raw.get("base_dtype"), str):
+            return {k: raw[k] for k in ("base_dtype", "embed_dtype") if isinstance(raw.get(k), str)}
+    return {}
 
 
 def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=None, tokenizer=True,
@@ -209,6 +212,8 @@ def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=Non
             raise AdapterError(f"adapter folder not found: {adapter}")
         if not (adapter / "adapter_config.json").is_file() and (adapter / "config.json").is_file():
             raise AdapterError(f"{adapter} is a model folder, not an adapter: pass it as --model")
+        if not (adapter / "adapter_config.json").is_file() and (adapter / "adapter" / "adapter_config.json").is_file():
+            adapter_path = adapter / "adapter"          # a checkpoint folder: its adapter
     model_dir = Path(model_arg) if model_arg else (adapter_path and _adapter_base(adapter_path)) or default_model_dir()
     tokenizer = load_tokenizer(model_dir) if tokenizer else None
     trained = _trained_dtypes(adapter_path) if adapter_path is not None else {}
