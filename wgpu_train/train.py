@@ -371,7 +371,8 @@ class Trainer:
                  f"{describe_device(self.engine)}; "
                  + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
-                 f"{cfg.base_dtype} (embedding {cfg.embed_dtype}), {self.base_weight_bytes:,} bytes")
+                 f"{cfg.base_dtype} (embedding {cfg.embed_dtype}), {self.base_weight_bytes:,} bytes"
+                 + (" on a GPU (the NumPy engine holds float32 copies)" if self.engine.name == "numpy" else ""))
         if cfg.resume:                  # before anything is written: a checkpoint that does not fit is refused
             self.load_checkpoint(find_checkpoint(cfg.resume))
         self._prepare_out()
