@@ -1,43 +1,54 @@
-// Generation-time attention of new queries against a KV cache (forward only): the mirror of
-// reference/ops.py attention_cached_forward. One invocation per (query, head), online softmax over
-// the cached keys, so any cache length works without a score array.
+// Generation-time attention of new queries against a KV cache of B sequences (forward only): the mirror
+// of reference/ops.py attention_cached_forward. Each query names its cache row and position and sees
+// keys 0..position of its own row (causal), so queries of several ragged prompts, or one per row of a
+// decoding step, run in one dispatch. One invocation per (query, head), online softmax over the cached
+// keys, so any cache length works without a score array.
 
-// The position of the first new query comes from positions[0] (written with the tokens), so the
-// uniform stays the same at every decoding step and nothing is created per token.
+// Rows and positions come from buffers written with the tokens, so the uniform stays the same at every
+// decoding step and nothing is created per token.
 struct Params {
-    tq: u32,          // new queries
-    max_len: u32,     // rows of the cache buffers
+    n: u32,           // new queries
+    max_len: u32,     // positions per cache row
+    batch: u32,       // cache rows
     hq: u32,
     hkv: u32,
     d: u32,
     scale: f32,
 }
 
-@group(0) @binding(0) var<storage, read_write> out: array<f32>;     // (Tq, Hq, D)
-@group(0) @binding(1) var<storage, read> q: array<f32>;             // (Tq, Hq, D)
-@group(0) @binding(2) var<storage, read> k_cache: array<f32>;       // (max_len, Hkv, D)
-@group(0) @binding(3) var<storage, read> v_cache: array<f32>;       // (max_len, Hkv, D)
-@group(0) @binding(4) var<storage, read> positions: array<i32>;    // (Tq,) positions of the new tokens
-@group(0) @binding(5) var<uniform> params: Params;
+@group(0) @binding(0) var<storage, read_write> out: array<f32>;     // (N, Hq, D)
+@group(0) @binding(1) var<storage, read> q: array<f32>;             // (N, Hq, D)
+@group(0) @binding(2) var<storage, read> k_cache: array<f32>;       // (B, max_len, Hkv, D)
+@group(0) @binding(3) var<storage, read> v_cache: array<f32>;       // (B, max_len, Hkv, D)
+@group(0) @binding(4) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
+@group(0) @binding(5) var<storage, read> positions: array<i32>;    // (N,) position within the row
+@group(0) @binding(6) var<uniform> params: Params;
 
 const MAX_D: u32 = 256u;
 
 @compute @workgroup_size(64)
-fn attention_cached_forward(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let idx = gid.x;
-    if (idx >= params.tq * params.hq) { return; }
+fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let idx = (wid.y * nwg.x + wid.x) * 64u + lid.x;   // the flat grid folds into y beyond 65535 workgroups
+    if (idx >= params.n * params.hq) { return; }
     let i = idx / params.hq;
     let h = idx % params.hq;
     let kvh = h / (params.hq / params.hkv);
     let d = params.d;
     let q_off = (i * params.hq + h) * d;
+    let row = rows[i];
+    if (row < 0 || u32(row) >= params.batch) {   // a padding query: zero output, as the reference gives
+        for (var c = 0u; c < d; c++) { out[q_off + c] = 0.0; }
+        return;
+    }
     var acc: array<f32, MAX_D>;
     for (var c = 0u; c < d; c++) { acc[c] = 0.0; }
     var m = -3.4e38;
     var l = 0.0;
-    let last = u32(positions[i]);
+    let last = min(u32(positions[i]), params.max_len - 1u);
+    let base = u32(row) * params.max_len;
     for (var j = 0u; j <= last; j++) {
-        let k_off = (j * params.hkv + kvh) * d;
+        let k_off = ((base + j) * params.hkv + kvh) * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) { s += q[q_off + c] * k_cache[k_off + c]; }
         s *= params.scale;

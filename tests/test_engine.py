@@ -1,5 +1,6 @@
 """The WebGPU engine against the NumPy engine (and transformers + PEFT): logits, loss, gradients,
-AdamW steps, one submission per step, generation, full fine-tuning, non-finite steps, gradient checkpointing."""
+AdamW steps, one submission per step, generation (ragged batches too), full fine-tuning, non-finite steps,
+gradient checkpointing."""
 from __future__ import annotations
 
 import numpy as np
@@ -241,6 +242,61 @@ def test_seeded_sampling_is_reproducible(folder, rt):
     a = gpu.generate(prompt, seed=11, **kw)
     assert a == gpu.generate(prompt, seed=11, **kw) == ref.generate(prompt, seed=11, **kw)
     assert any(gpu.generate(prompt, seed=s, **kw) != a for s in range(12, 16))
+
+
+def test_forward_rows_packs_ragged_prompts(folder, rt):
+    """Ragged prompts packed into one forward_rows call (tokens shuffled: every key is written before any query
+    reads) give each prompt's forward_cached logits; then one call advances every row by a token."""
+    path, _ = folder
+    ref, gpu = _pair(path, rt, wt.LoraConfig(r=4, alpha=16, target_modules="all-linear"), b_seed=3)
+    rng = np.random.default_rng(4)
+    lengths = np.array([5, 1, 8])
+    prompts = [rng.integers(0, 83, n) for n in lengths]
+    nxt = rng.integers(0, 83, 3)                                          # one more token per row
+    ids, pos = np.concatenate(prompts), np.concatenate([np.arange(n) for n in lengths])
+    rows = np.repeat(np.arange(3), lengths)
+    perm = rng.permutation(ids.size)
+    last = np.argsort(perm)[np.cumsum(lengths) - 1]                       # where each prompt's last token went
+    order = np.array([2, 0, 1])                                           # the decoding step's rows, in any order
+    alone = {}
+    for m in (ref, gpu):
+        e = m.engine
+        per_prompt = []
+        for p, t in zip(prompts, nxt):
+            kv = e.new_kv_cache(1, 12)
+            per_prompt.append(np.concatenate([e.forward_cached(p[None], kv), e.forward_cached(np.array([[t]]), kv)]))
+        alone[m.backend] = np.stack(per_prompt, axis=1)                   # (2 calls, 3 prompts, V)
+        kv = e.new_kv_cache(3, 12)
+        packed = e.forward_rows(ids[perm], rows[perm], pos[perm], kv, last)
+        step = e.forward_rows(nxt[order], order, lengths[order], kv, np.argsort(order))
+        tol = "batched_logits_f32" if m is ref else "gpu_logits"
+        assert_close(packed, alone[m.backend][0], tol, f"{m.backend} packed prefill")
+        assert_close(step, alone[m.backend][1], tol, f"{m.backend} decoding step")
+        assert e.forward_rows(ids[:0], rows[:0], pos[:0], kv, last[:0]).shape == (0, gpu.config.vocab_size)
+    assert_close(alone["wgpu"], alone["numpy"], "gpu_logits")
+    assert np.abs(alone["numpy"][0, 0] - alone["numpy"][0, 2]).max() > 1e-2   # the prompts' logits differ
+
+
+def test_generate_batch_equals_generate_per_prompt(folder, rt, monkeypatch):
+    """Greedy generate_batch over ragged prompts with per-row budgets gives generate()'s tokens for each prompt,
+    also when the prefill cuts prompts across calls; both engines agree."""
+    from wgpu_train import generate as gen
+
+    path, _ = folder
+    ref, gpu = _pair(path, rt, wt.LoraConfig(r=4, alpha=16, target_modules="all-linear"), b_seed=9)
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(0, 83, n) for n in (6, 1, 9, 3)]
+    budgets = [7, 10, 3, 0]
+    outs = {}
+    for m in (ref, gpu):
+        alone = [m.generate(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+        assert [len(a) for a in alone] == budgets
+        outs[m.backend] = m.generate_batch(prompts, max_new_tokens=budgets)
+        assert outs[m.backend] == alone
+        monkeypatch.setattr(gen, "PREFILL_TOKENS", 4)
+        assert m.generate_batch(prompts, max_new_tokens=budgets) == alone
+        monkeypatch.undo()
+    assert outs["wgpu"] == outs["numpy"]
 
 
 def test_auto_backend_takes_wgpu(folder, rt):

@@ -408,17 +408,33 @@ def test_lora_dropout(rt, n, p):
         assert abs((mask == 0).mean() - p) < 0.05
 
 
-@pytest.mark.parametrize("tq,q_start,hq,hkv,d", [(1, 0, 2, 1, 8), (1, 40, 4, 2, 6), (5, 17, 3, 3, 16)])
-def test_attention_cached(rt, tq, q_start, hq, hkv, d):
-    g = rng(tq + q_start)
-    max_len = q_start + tq + 3
-    q = g.standard_normal((1, tq, hq, d)).astype(F32)
-    kc = g.standard_normal((1, max_len, hkv, d)).astype(F32)
-    vc = g.standard_normal((1, max_len, hkv, d)).astype(F32)
-    pos = np.arange(q_start, q_start + tq, dtype=np.int32)
-    want = ops.attention_cached_forward(q.astype(np.float64), kc[:, :q_start + tq].astype(np.float64),
-                                        vc[:, :q_start + tq].astype(np.float64), q_start)
+# a KV cache of `batch` rows; tokens as (row, position); row -1 is a padding token
+CACHED_CASES = {
+    "one row, one query": (1, 9, [(0, 0)], 2, 1, 8),
+    "decode step, GQA": (3, 45, [(2, 40), (0, 7), (1, 44)], 4, 2, 6),
+    "ragged prefill with padding": (3, 12, [(1, p) for p in range(5)] + [(0, p) for p in range(9)] + [(-1, 0)],
+                                    3, 3, 16),
+}
+
+
+@pytest.mark.parametrize("case", list(CACHED_CASES))
+def test_kv_cache_write_and_attention_cached(rt, case):
+    batch, max_len, tokens, hq, hkv, d = CACHED_CASES[case]
+    n = len(tokens)
+    g = rng(n)
+    rows, pos = (np.array(c, np.int32) for c in zip(*tokens))
+    q = g.standard_normal((n, hq, d)).astype(F32)
+    k_new, v_new = g.standard_normal((2, n, hkv, d)).astype(F32)
+    kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)   # earlier keys and values
+    want_k, want_v = kc.astype(np.float64), vc.astype(np.float64)
+    ops.kv_cache_write(want_k, want_v, k_new.astype(np.float64), v_new.astype(np.float64), rows, pos)
+    want = ops.attention_cached_forward(q.astype(np.float64), want_k, want_v, rows, pos)
     out = rt.buffer(4 * q.size)
-    tq_, tk, tv, tp = rt.upload(q), rt.upload(kc), rt.upload(vc), rt.upload(pos)
-    run(rt, lambda r: K.attention_cached_forward(r, out, tq_, tk, tv, tp, tq, max_len, hq, hkv, d))
+    tk, tv, tq, tkn, tvn, tr, tp = (rt.upload(a) for a in (kc, vc, q, k_new, v_new, rows, pos))
+    run(rt, lambda r: (K.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d),
+                       K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d)))
+    assert_close(rt.read(tk, F32, kc.shape), want_k, "exact", "k_cache")
+    assert_close(rt.read(tv, F32, vc.shape), want_v, "exact", "v_cache")
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", "cached")
+    if rows[-1] < 0:
+        assert not want[-1].any()

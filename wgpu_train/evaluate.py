@@ -7,6 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from .data import IGNORE_INDEX, Batch, Example, make_batches, tokenize_example
+from .errors import ConfigError
 from .reference.ops import shift_labels
 
 
@@ -65,20 +66,21 @@ def generation_prompt(tokenizer, messages: Sequence[dict], use_chat_template: bo
 
 
 def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = True, max_new_tokens: int = 64,
-                max_samples: int = 0, keep_samples: int = 5) -> dict:
+                max_samples: int = 0, keep_samples: int = 5, batch_size: int = 16) -> dict:
     """Greedy-generate the last assistant turn of each conversation and compare it with the reference after
-    trimming whitespace. Plain-text records are skipped.
+    trimming whitespace. Plain-text records are skipped. Answers are generated batch_size at a time
+    (Model.generate_batch: one engine call per decoding step for the whole batch), each with its own budget.
 
     Returns {"exact_match" (fraction, None when nothing was asked), "correct", "n", "samples"} where samples
     holds the first `keep_samples` (prompt, reference, output) triples.
     """
-    stops = set(tokenizer.stop_token_ids)
-    correct = n = 0
-    samples = []
+    if batch_size < 1:
+        raise ConfigError(f"exact match needs a batch size of at least 1, got {batch_size}")
+    asked = []                                  # (prompt ids, reference, budget, user prompt) per sample
     for record in records:
         if isinstance(record, str):
             continue
-        if max_samples and n >= max_samples:
+        if max_samples and len(asked) >= max_samples:
             break
         ids = generation_prompt(tokenizer, record, use_chat_template)
         if not ids:
@@ -87,15 +89,21 @@ def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = T
         reference = record[last]["content"]
         # Exact match fails anyway once the answer is much longer than the reference.
         budget = max(1, min(max_new_tokens, len(tokenizer.encode(reference)) + 16))
-        out = model.generate(np.asarray(ids), max_new_tokens=budget, temperature=0.0,
-                             stop_token_ids=tokenizer.stop_token_ids)
-        if out and out[-1] in stops:
-            out = out[:-1]
-        text = tokenizer.decode(out, skip_special_tokens=False)
-        ok = text.strip() == reference.strip()
-        correct += int(ok)
-        n += 1
-        if len(samples) < keep_samples:
-            prompt = record[last - 1]["content"] if last > 0 else ""
-            samples.append({"prompt": prompt, "reference": reference, "output": text, "match": ok})
+        asked.append((ids, reference, budget, record[last - 1]["content"] if last > 0 else ""))
+    stops = set(tokenizer.stop_token_ids)
+    correct = 0
+    samples = []
+    for b0 in range(0, len(asked), batch_size):
+        batch = asked[b0:b0 + batch_size]
+        outs = model.generate_batch([np.asarray(a[0]) for a in batch], max_new_tokens=[a[2] for a in batch],
+                                    temperature=0.0, stop_token_ids=tokenizer.stop_token_ids)
+        for (_, reference, _, prompt), out in zip(batch, outs):
+            if out and out[-1] in stops:
+                out = out[:-1]
+            text = tokenizer.decode(out, skip_special_tokens=False)
+            ok = text.strip() == reference.strip()
+            correct += int(ok)
+            if len(samples) < keep_samples:
+                samples.append({"prompt": prompt, "reference": reference, "output": text, "match": ok})
+    n = len(asked)
     return {"exact_match": (correct / n) if n else None, "correct": correct, "n": n, "samples": samples}

@@ -27,30 +27,105 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     return int(rng.choice(p.shape[0], p=p))
 
 
+# Prompt tokens per prefill call: the engine's activations grow with the tokens of one call, and ragged
+# prompts may be cut anywhere, since each chunk's keys land in the cache before the next chunk reads them.
+PREFILL_TOKENS = 256
+
+
+def _check_sampling(temperature: float, top_k: int, top_p: float):
+    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ConfigError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+
+
 def generate(engine, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed=None, stop_token_ids=(), on_token=None, max_len=None) -> list[int]:
     """New token ids after the prompt input_ids (T,) (prefill, then one token per step on the KV cache).
 
     Stops after max_new_tokens or at a token in stop_token_ids (which is included); `on_token(id)`
-    is called as each token is chosen, for streaming.
+    is called as each token is chosen, for streaming. generate_batch with this one prompt.
     """
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
     if ids.size == 0:
         raise ConfigError("generate needs a prompt of at least one token")
-    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
-        raise ConfigError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
-    limit = max_len or ids.size + max_new_tokens
-    cache = engine.new_kv_cache(1, limit)
-    rng = np.random.default_rng(seed)
+    stream = None if on_token is None else (lambda _, tok: on_token(tok))
+    return generate_batch(engine, [ids], max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, max_len,
+                          stream)[0]
+
+
+def _per_row(value, n: int, what: str) -> list:
+    """One value per prompt: a list, tuple or array of n, or one value for all."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != n:
+            raise ConfigError(f"{what}: {len(value)} values for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None, on_token=None) -> list[list[int]]:
+    """New token ids after each of `prompts` (1-D id arrays of any lengths), generated together on one KV
+    cache with a row per prompt: the prompts are prefilled packed together (PREFILL_TOKENS tokens per
+    call), then each step advances every row still running by one token in one engine call.
+
+    max_new_tokens and seed: one value for all prompts or a list with one per prompt. A row stops at its
+    budget, at a token in stop_token_ids (included), or when its cache row is full (max_len positions;
+    by default room for the longest prompt plus its budget). Row i samples from
+    np.random.default_rng(seed_i) exactly as generate() does, so it gives generate(prompts[i], seed=seed_i)'s
+    tokens whenever its logits come out the same; they can differ in the last bits where the engine sums
+    a batch in another order than one row, which matters only at a near-tie (pass distinct seeds to draw
+    independent samples of one prompt). `on_token(i, id)` is called as each token of prompt i is chosen.
+    """
+    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    if not prompts:
+        raise ConfigError("generate_batch needs at least one prompt")
+    if any(p.size == 0 for p in prompts):
+        raise ConfigError("generate_batch needs prompts of at least one token each")
+    _check_sampling(temperature, top_k, top_p)
+    b = len(prompts)
+    budgets = _per_row(max_new_tokens, b, "max_new_tokens")
+    if any(int(n) != n or n < 0 for n in budgets):
+        raise ConfigError("max_new_tokens must be whole numbers >= 0")
+    rngs = [np.random.default_rng(s) for s in _per_row(seed, b, "seed")]
+    lengths = [p.size for p in prompts]
+    running = [i for i in range(b) if budgets[i] > 0]
+    out: list[list[int]] = [[] for _ in range(b)]
+    if not running:
+        return out
+    limit = max_len or max(lengths[i] + budgets[i] for i in running)
+    too_long = [i for i in running if lengths[i] > limit]
+    if too_long:
+        raise ConfigError(f"prompt {too_long[0]} has {lengths[too_long[0]]} tokens, more than max_len {limit}")
+    cache = engine.new_kv_cache(b, limit)
+    logits = _prefill(engine, cache, prompts, running)
     stops = set(int(s) for s in (stop_token_ids or ()))
-    logits = engine.forward_cached(ids[None].astype(np.int32), cache)[0]
-    out: list[int] = []
-    for i in range(max_new_tokens):
-        tok = sample_next(logits, temperature, top_k, top_p, rng)
-        out.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if tok in stops or i == max_new_tokens - 1 or cache["len"] + 1 > limit:
-            break
-        logits = engine.forward_cached(np.array([[tok]], dtype=np.int32), cache)[0]
+    while running:
+        feed = []                      # rows whose new token goes into the cache for another step
+        for i in running:
+            tok = sample_next(logits[i], temperature, top_k, top_p, rngs[i])
+            out[i].append(tok)
+            if on_token is not None:
+                on_token(i, tok)
+            if tok not in stops and len(out[i]) < budgets[i] and lengths[i] + len(out[i]) <= limit:
+                feed.append(i)
+        if feed:
+            step = engine.forward_rows(np.array([out[i][-1] for i in feed]), np.array(feed),
+                                       np.array([lengths[i] + len(out[i]) - 1 for i in feed]), cache,
+                                       np.arange(len(feed)))               # (len(feed), V)
+            logits = dict(zip(feed, step))
+        running = feed
     return out
+
+
+def _prefill(engine, cache, prompts, rows) -> dict:
+    """Write the prompts of `rows` into their cache rows; returns row -> logits (V,) of its last prompt token."""
+    ids = np.concatenate([prompts[i] for i in rows])                           # (N,) every prompt token
+    token_rows = np.concatenate([np.full(prompts[i].size, i) for i in rows])
+    positions = np.concatenate([np.arange(prompts[i].size) for i in rows])
+    ends = np.cumsum([prompts[i].size for i in rows]) - 1                     # each row's last token
+    logits = {}
+    for s in range(0, ids.size, PREFILL_TOKENS):
+        e = min(s + PREFILL_TOKENS, ids.size)
+        done = np.flatnonzero((ends >= s) & (ends < e))                        # rows whose prompt ends here
+        chunk = engine.forward_rows(ids[s:e], token_rows[s:e], positions[s:e], cache, ends[done] - s)
+        logits.update((rows[k], lg) for k, lg in zip(done, chunk))
+    return logits

@@ -108,6 +108,19 @@ class Model:
         return generate(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                         on_token)
 
+    def generate_batch(self, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None) -> list[list[int]]:
+        """New token ids after each prompt (a list of 1-D id arrays of any lengths), generated together:
+        one KV cache row per prompt, one engine call per decoding step. max_new_tokens and seed may be
+        lists with one value per prompt; see generate.generate_batch for what row i shares with generate()."""
+        from .generate import generate_batch
+
+        ids = [np.asarray(p).reshape(-1) for p in prompts]
+        for p in ids:
+            self._check_ids(p)
+        return generate_batch(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                              max_len)
+
     # ---- LoRA ---------------------------------------------------------------------------------
     def add_lora(self, config: LoraConfig, seed: int = 0):
         """Attach fresh LoRA modules: A kaiming-uniform from `seed`, B zeros (so the model is unchanged)."""

@@ -513,7 +513,7 @@ def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay,
             (row, 8, "hparams", False), (scale_t, 3, "scale_buf", False)], (n,))
 
 
-# ---- wrappers of the engine's helper shaders (lora_dropout.wgsl, attention_cached.wgsl) ---------
+# ---- wrappers of the engine's helper shaders (lora_dropout, attention_cached, kv_cache) ---------
 # Those shaders take no offsets (uniform last, whole-tensor bindings): a (buffer, element_offset)
 # tensor is bound as a range, so its byte offset must be a multiple of the offset alignment.
 
@@ -545,29 +545,33 @@ def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
     _lora_dropout(rec, "lora_dropout_backward", dx, dy, seeds, seed_slot, p, n)
 
 
-def attention_cached_forward(rec, out, q, k_cache, v_cache, positions, tq, max_len, hq, hkv, d):
-    """New queries against a KV cache (one sequence): q, out (tq, hq, d); caches (max_len, hkv, d)
-    holding positions 0..; positions (tq,) i32; query i sees cache rows 0..positions[i]."""
-    if tq <= 0:
+def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d):
+    """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d);
+    rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
+    marks padding: its output is zero)."""
+    if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
         raise ValueError(f"attention_cached_forward: head dim {d} (<= 256), heads {hq}/{hkv}")
     rt = rec.rt
-    uni = rt.uniform("<5If", int(tq), int(max_len), int(hq), int(hkv), int(d), 1.0 / math.sqrt(d))
-    res = [_bind_whole(rt, out, tq * hq * d, "out"), _bind_whole(rt, q, tq * hq * d, "q"),
-           _bind_whole(rt, k_cache, max_len * hkv * d, "k_cache"), _bind_whole(rt, v_cache, max_len * hkv * d, "v_cache"),
-           _bind_whole(rt, positions, tq, "positions"), uni]
-    rec.dispatch(rt.pipeline("attention_cached", "attention_cached_forward"), res, (-(-(tq * hq) // 64),))
+    cache = batch * max_len * hkv * d
+    uni = rt.uniform("<6If", int(n), int(max_len), int(batch), int(hq), int(hkv), int(d), 1.0 / math.sqrt(d))
+    res = [_bind_whole(rt, out, n * hq * d, "out"), _bind_whole(rt, q, n * hq * d, "q"),
+           _bind_whole(rt, k_cache, cache, "k_cache"), _bind_whole(rt, v_cache, cache, "v_cache"),
+           _bind_whole(rt, rows, n, "rows"), _bind_whole(rt, positions, n, "positions"), uni]
+    rec.dispatch(rt.pipeline("attention_cached", "attention_cached_forward"), res, _grid(-(-(n * hq) // 64)))
 
 
-def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, positions, tq, max_len, hkv, d):
-    """Rows positions[i] of k_cache / v_cache (max_len, hkv, d) = k_new[i] / v_new[i] (tq, hkv, d):
-    appends the new tokens to one layer's cache; rows at or past max_len are skipped."""
-    if tq <= 0:
+def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d):
+    """k_cache / v_cache (batch, max_len, hkv, d) at [rows[i], positions[i]] = k_new[i] / v_new[i] (n, hkv, d):
+    writes one layer's new keys and values; tokens whose row or position lies outside the cache (a
+    negative row marks padding) write nothing."""
+    if n <= 0:
         return
     rt = rec.rt
-    uni = rt.uniform("<3I", int(tq), int(hkv * d), int(max_len))
-    res = [_bind_whole(rt, k_cache, max_len * hkv * d, "k_cache"), _bind_whole(rt, v_cache, max_len * hkv * d, "v_cache"),
-           _bind_whole(rt, k_new, tq * hkv * d, "k_new"), _bind_whole(rt, v_new, tq * hkv * d, "v_new"),
-           _bind_whole(rt, positions, tq, "positions"), uni]
-    rec.dispatch(rt.pipeline("kv_cache", "kv_cache_write"), res, (-(-(tq * hkv * d) // 64),))
+    cache = batch * max_len * hkv * d
+    uni = rt.uniform("<4I", int(n), int(hkv * d), int(max_len), int(batch))
+    res = [_bind_whole(rt, k_cache, cache, "k_cache"), _bind_whole(rt, v_cache, cache, "v_cache"),
+           _bind_whole(rt, k_new, n * hkv * d, "k_new"), _bind_whole(rt, v_new, n * hkv * d, "v_new"),
+           _bind_whole(rt, rows, n, "rows"), _bind_whole(rt, positions, n, "positions"), uni]
+    rec.dispatch(rt.pipeline("kv_cache", "kv_cache_write"), res, _grid(-(-(n * hkv * d) // 64)))

@@ -20,6 +20,33 @@ class LoraModule:
         self.a, self.b, self.scale, self.dropout = a, b, scale, dropout
 
 
+def check_rows(ids, rows, positions, last, kv: dict) -> tuple:
+    """The arguments of an engine's forward_rows as int arrays, after checking that they fit the cache."""
+    ids, rows, positions, last = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (ids, rows, positions, last))
+    n = ids.shape[0]
+    if rows.shape[0] != n or positions.shape[0] != n:
+        raise ValueError(f"forward_rows: {n} ids but {rows.shape[0]} rows and {positions.shape[0]} positions")
+    if n and (rows.min() < 0 or rows.max() >= kv["batch"] or positions.min() < 0 or positions.max() >= kv["max_len"]):
+        raise ValueError(f"forward_rows: rows must lie in [0, {kv['batch']}) and positions in [0, {kv['max_len']})")
+    if last.size and (last.min() < 0 or last.max() >= n or last.size > n):
+        raise ValueError(f"forward_rows: need at most {n} indices `last` in [0, {n})")
+    return ids, rows, positions, last
+
+
+def forward_cached(engine, ids, kv: dict) -> np.ndarray:
+    """Every row b of the cache takes tokens ids[b] (B, Tq) after its kv["len"] cached ones (forward_rows with
+    all rows at the same length); returns logits (B, V) of each row's last token."""
+    b, tq = ids.shape
+    start = kv["len"]
+    if b > kv["batch"] or start + tq > kv["max_len"]:
+        raise ValueError("KV cache is full")
+    rows = np.repeat(np.arange(b), tq)
+    positions = np.tile(np.arange(start, start + tq), b)
+    logits = engine.forward_rows(ids.reshape(-1), rows, positions, kv, np.arange(1, b + 1) * tq - 1)
+    kv["len"] = start + tq
+    return logits
+
+
 class NumpyEngine:
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
@@ -234,42 +261,49 @@ class NumpyEngine:
 
     # ---- generation with a KV cache ------------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """A KV cache of `batch` rows (sequences) of up to max_len positions each."""
         cfg = self.cfg
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0}
+        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
+                "batch": batch, "max_len": max_len}
 
     def forward_cached(self, ids, kv: dict) -> np.ndarray:
-        """Run new tokens ids (B, Tq) after the kv["len"] cached ones; returns logits (B, V) of the last token."""
+        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
+        return forward_cached(self, ids, kv)
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last) -> np.ndarray:
+        """n new tokens, each with its own cache row and position: ids, rows, positions (n,) int.
+
+        Every token's key and value is written into kv first; then token i attends to keys 0..positions[i]
+        of row rows[i], so one call prefills several ragged prompts packed together, or advances every row
+        by one token. Returns logits (m, V) float32 of the tokens at indices last (m,): only those go
+        through the final norm and lm_head.
+        """
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv)
         cfg = self.cfg
-        b, tq = ids.shape
-        start = kv["len"]
-        if start + tq > kv["k"].shape[2]:
-            raise ValueError("KV cache is full")
+        n = ids.shape[0]
         hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-        pos = np.broadcast_to(np.arange(start, start + tq), (b, tq))
-        x = ops.embedding_forward(ids.reshape(-1), self.w["model.embed_tokens.weight"])
+        x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])       # (n, C)
         self.training = False
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             c: dict = {}
             h, _ = ops.rmsnorm_forward(x, self.w[p + "input_layernorm.weight"], eps)
-            q = self._linear(h, i, "q_proj", c).reshape(b, tq, hq, d)
-            k = self._linear(h, i, "k_proj", c).reshape(b, tq, hkv, d)
-            v = self._linear(h, i, "v_proj", c).reshape(b, tq, hkv, d)
+            q = self._linear(h, i, "q_proj", c).reshape(n, hq, d)
+            k = self._linear(h, i, "k_proj", c).reshape(n, hkv, d)
+            v = self._linear(h, i, "v_proj", c).reshape(n, hkv, d)
             if cfg.qk_norm:
                 q = ops.rmsnorm_forward(q.reshape(-1, d), self.w[p + "self_attn.q_norm.weight"], eps)[0].reshape(q.shape)
                 k = ops.rmsnorm_forward(k.reshape(-1, d), self.w[p + "self_attn.k_norm.weight"], eps)[0].reshape(k.shape)
-            q = ops.rope_forward(q, pos, self.inv_freq)
-            kv["k"][i, :, start:start + tq] = ops.rope_forward(k, pos, self.inv_freq)
-            kv["v"][i, :, start:start + tq] = v
-            att = ops.attention_cached_forward(q, kv["k"][i, :, :start + tq], kv["v"][i, :, :start + tq], start)
-            x = x + self._linear(att.reshape(b * tq, hq * d), i, "o_proj", c)
+            q = ops.rope_forward(q[None], positions[None], self.inv_freq)[0]
+            k = ops.rope_forward(k[None], positions[None], self.inv_freq)[0]
+            ops.kv_cache_write(kv["k"][i], kv["v"][i], k, v, rows, positions)
+            att = ops.attention_cached_forward(q, kv["k"][i], kv["v"][i], rows, positions)   # (n, Hq, D)
+            x = x + self._linear(att.reshape(n, hq * d), i, "o_proj", c)
             h2, _ = ops.rmsnorm_forward(x, self.w[p + "post_attention_layernorm.weight"], eps)
             m = ops.swiglu_forward(self._linear(h2, i, "gate_proj", c), self._linear(h2, i, "up_proj", c))
             x = x + self._linear(m, i, "down_proj", c)
-        kv["len"] = start + tq
-        last = x.reshape(b, tq, -1)[:, -1]
-        xf, _ = ops.rmsnorm_forward(last, self.w["model.norm.weight"], eps)
+        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], eps)    # (m, C)
         return ops.linear_forward(xf, self.lm_head()).astype(np.float32)
 
     # ---- the engine protocol ------------------------------------------------------------------

@@ -230,18 +230,33 @@ def shift_labels(labels):
     return targets
 
 
-# ---- attention over a KV cache (generation; forward only) ------------------------------------
+# ---- KV cache and attention over it (generation; forward only) -------------------------------
+# A cache holds B sequences (its rows) of up to L positions; every new token names its row and its
+# position, so one call can prefill several ragged prompts packed together or advance every row by one
+# token. A negative row marks a padding token: it writes nothing and its attention output is zero.
 
-def attention_cached_forward(q, k_cache, v_cache, q_start):
-    """New queries against cached keys: q (B, Tq, Hq, D) at positions q_start.., k/v cache (B, Tk, Hkv, D)
-    holding positions 0..Tk-1 with Tk = q_start + Tq -> out (B, Tq, Hq, D). Causal; no padding."""
-    b, tq, hq, d = q.shape
-    tk = k_cache.shape[1]
+def kv_cache_write(k_cache, v_cache, k_new, v_new, rows, positions):
+    """k_cache[rows[i], positions[i]] = k_new[i], v_cache likewise, in place: caches (B, L, Hkv, D),
+    new keys and values (N, Hkv, D), rows and positions (N,) int."""
+    keep = rows >= 0
+    k_cache[rows[keep], positions[keep]] = k_new[keep]
+    v_cache[rows[keep], positions[keep]] = v_new[keep]
+
+
+def attention_cached_forward(q, k_cache, v_cache, rows, positions):
+    """New queries against a KV cache: q (N, Hq, D), query i in cache row rows[i] at position positions[i];
+    k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal)."""
+    n, hq, d = q.shape
     n_rep = hq // k_cache.shape[2]
-    ke, ve = _expand_kv(k_cache, n_rep), _expand_kv(v_cache, n_rep)
-    scores = np.einsum("bihd,bjhd->bhij", q, ke) / np.sqrt(d)    # (B, H, Tq, Tk)
-    allowed = np.arange(tk)[None, :] <= (q_start + np.arange(tq))[:, None]
-    scores = np.where(allowed, scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("bhij,bjhd->bihd", p, ve).astype(q.dtype)
+    out = np.zeros_like(q)
+    for r in np.unique(rows[rows >= 0]):
+        sel = np.flatnonzero(rows == r)                               # this row's queries
+        pos = positions[sel]
+        tk = int(pos.max()) + 1
+        ke, ve = _expand_kv(k_cache[r:r + 1, :tk], n_rep)[0], _expand_kv(v_cache[r:r + 1, :tk], n_rep)[0]
+        scores = np.einsum("ihd,jhd->hij", q[sel], ke) / np.sqrt(d)  # (Hq, Ni, Tk)
+        scores = np.where(np.arange(tk)[None, :] <= pos[:, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[sel] = np.einsum("hij,jhd->ihd", p, ve)
+    return out

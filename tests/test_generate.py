@@ -1,0 +1,122 @@
+"""Batched generation (generate_batch) on both engines: rows stop independently, seeded sampling per row,
+one-line errors, and exact match giving the same result whatever its batch size."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from wgpu_train.data import load_jsonl
+from wgpu_train.errors import ConfigError, DeviceError
+from wgpu_train.evaluate import exact_match, generation_prompt
+from wgpu_train.generate import generate, generate_batch
+from wgpu_train.tokenizer import load_tokenizer
+from wgpu_train.train import default_data_dir, default_model_dir
+
+from tiny_models import build_model, save_model
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny random Llama (vocabulary 83)."""
+    return save_model(build_model("llama", seed=1), tmp_path_factory.mktemp("llama"))
+
+
+def _models(path, rt):
+    """The tiny model on the NumPy engine and on the adapter rt, with the same random LoRA (B nonzero)."""
+    lora = wt.LoraConfig(r=4, alpha=16, target_modules="all-linear")
+    ref = wt.load_model(path, backend="numpy")
+    ref.add_lora(lora, seed=2)
+    rng = np.random.default_rng(3)
+    ref._set_lora(lora, {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
+                         for p, (a, b) in ref.engine.lora_tensors().items()}, seed=2)
+    gpu = wt.load_model(path, backend="wgpu", device=str(rt.info.index))
+    gpu._set_lora(lora, ref.engine.lora_tensors(), seed=2)
+    return ref, gpu
+
+
+def _prompts(seed=6, lengths=(4, 7, 2)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 83, n) for n in lengths]
+
+
+def test_rows_stop_independently(tiny, rt):
+    """One row ends at a stop token (included), another at its budget, a third runs on; each row gives what
+    generate() gives for its prompt alone."""
+    ref, gpu = _models(tiny, rt)
+    prompts = _prompts()
+    free = [ref.generate(p, max_new_tokens=10) for p in prompts]
+    # a stop token that row 0 meets before its budget and rows 1 and 2 never produce
+    stop = next(t for t in free[0][1:] if t not in free[1] + free[2])
+    budgets = [10, 4, 10]
+    expected = [ref.generate(p, max_new_tokens=b, stop_token_ids=[stop]) for p, b in zip(prompts, budgets)]
+    assert expected[0][-1] == stop and len(expected[0]) < 10
+    assert len(expected[1]) == 4 and stop not in expected[1] and len(expected[2]) == 10
+    for m in (ref, gpu):
+        assert m.generate_batch(prompts, max_new_tokens=budgets, stop_token_ids=[stop]) == expected, m.backend
+    # a shared max_len ends every row whose cache row fills first, as it does for generate()
+    short = [generate(ref.engine, p, max_new_tokens=10, max_len=9) for p in prompts]
+    assert [len(s) for s in short] == [10 - p.size for p in prompts]
+    assert generate_batch(gpu.engine, prompts, max_new_tokens=10, max_len=9) == short
+
+
+def test_seeded_sampling_per_row(tiny, rt):
+    """Row i samples from default_rng(seed_i): the batch repeats itself, gives generate()'s tokens with the same
+    seed, agrees across engines, and distinct seeds give distinct samples of one prompt."""
+    ref, gpu = _models(tiny, rt)
+    prompts = _prompts(seed=8)
+    kw = dict(max_new_tokens=8, temperature=1.3, top_k=20, top_p=0.9)
+    batch = gpu.generate_batch(prompts, seed=11, **kw)
+    assert batch == gpu.generate_batch(prompts, seed=11, **kw) == ref.generate_batch(prompts, seed=11, **kw)
+    assert batch == [gpu.generate(p, seed=11, **kw) for p in prompts]
+    seeds = [11, 12, 13, 14]
+    same_prompt = ref.generate_batch([prompts[0]] * 4, seed=seeds, **kw)
+    assert same_prompt == [ref.generate(prompts[0], seed=s, **kw) for s in seeds]
+    assert len({tuple(s) for s in same_prompt}) > 1
+
+
+def test_generate_batch_refuses_bad_input_in_one_line(tiny):
+    model = wt.load_model(tiny, backend="numpy")
+    cases = [(dict(prompts=[]), "at least one prompt"),
+             (dict(prompts=[[1, 2], []]), "at least one token"),
+             (dict(prompts=[[1, 2]], max_new_tokens=[3, 4]), "2 values for 1 prompts"),
+             (dict(prompts=[[1, 2]], max_new_tokens=[-1]), ">= 0"),
+             (dict(prompts=[[1, 2]], seed=[1, 2]), "seed"),
+             (dict(prompts=[[1, 2, 3, 4]], max_len=3), "prompt 0 has 4 tokens, more than max_len 3"),
+             (dict(prompts=[[1, 2]], top_p=0.0), "top_p"),
+             (dict(prompts=[[1, 83]]), r"token ids must lie in \[0, 83\)")]
+    for kw, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            model.generate_batch(**kw)
+        assert "\n" not in str(info.value)
+    assert model.generate_batch([[1, 2], [3]], max_new_tokens=0) == [[], []]
+
+
+def test_kv_cache_over_the_binding_limit_is_refused(tiny, rt):
+    gpu = wt.load_model(tiny, backend="wgpu", device=str(rt.info.index))
+    with pytest.raises(DeviceError, match="KV cache of 100000 x 4096 positions"):
+        gpu.engine.new_kv_cache(100000, 4096)
+
+
+def test_exact_match_is_the_same_at_any_batch_size(rt):
+    """Exact match over held-out records of the embedded model with batch sizes 1 and 8 (ragged prompts, a last
+    partial batch): the same outputs, on both engines. Six references are set to the model's own greedy answer
+    (generate(), one prompt at a time), so those six must match."""
+    tok = load_tokenizer(default_model_dir())
+    records = [list(r) for r in load_jsonl(default_data_dir() / "test.jsonl")[0][:11]]
+    ref = wt.load_model(default_model_dir(), backend="numpy")
+    stops = set(tok.stop_token_ids)
+    for r in records[:6]:
+        out = ref.generate(generation_prompt(tok, r), max_new_tokens=8, stop_token_ids=tok.stop_token_ids)
+        r[-1] = {"role": "assistant", "content": tok.decode([t for t in out if t not in stops],
+                                                            skip_special_tokens=False)}
+    gpu = wt.load_model(default_model_dir(), backend="wgpu", device=str(rt.info.index))
+    results = [exact_match(m, tok, records, max_new_tokens=8, keep_samples=len(records), batch_size=bs)
+               for m in (ref, gpu) for bs in (1, 8)]
+    assert all(r == results[0] for r in results[1:])
+    assert results[0]["n"] == 11 and results[0]["correct"] >= 6
+    assert all(s["match"] for s in results[0]["samples"][:6])
+    with pytest.raises(ConfigError, match="batch size"):
+        exact_match(ref, tok, records, batch_size=0)
