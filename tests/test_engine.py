@@ -332,6 +332,11 @@ def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
     assert ckpt["activations"] + ckpt["logits"] == _allocated(acts)
     assert gpu.config.num_hidden_layers >= 2 and ckpt["activations"] < est["activations"]
     assert ckpt.keys() == est.keys() and ckpt["weights"] == est["weights"]
+    # forward only (logits, loss, generation): one set of layer buffers, the input included, for all layers
+    gpu.logits(ids)
+    fwd = gpu.engine._activations(*ids.shape, train=False)
+    assert all(fwd.layers[0][k] is fwd.layers[-1][k] for k in fwd.layers[0]) and "x_in" in fwd.layers[0]
+    assert _allocated(fwd) < _allocated(acts)
     # a bucket whose activations cannot fit one storage binding is refused before anything is allocated
     tokens = rt.max_binding // (4 * gpu.config.intermediate_size) + 1
     with pytest.raises(wt.DeviceError, match="max storage binding.*reduce the batch size"):

@@ -7,7 +7,7 @@ from .errors import DeviceError
 
 F32 = 4
 HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
-RECOMPUTED = "layer."         # prefix, in a checkpointed plan's shared part, of the one set of layer buffers
+SHARED_LAYER = "layer."       # prefix, in a plan's shared part, of the one set of layer buffers all layers use
 
 
 def head_rows(cfg: ModelConfig, n: int) -> int:
@@ -21,7 +21,9 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
 
     lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
     checkpoint (gradient checkpointing, training only): each layer keeps only its input x_in; its other
-    buffers exist once, in `shared` under the prefix RECOMPUTED, and the backward recomputes them per layer.
+    buffers exist once, in `shared` under the prefix SHARED_LAYER, and the backward recomputes them per layer.
+    Forward-only buckets (train=False) keep nothing for a backward, so all their layer buffers, x_in
+    included, exist once under SHARED_LAYER: a layer reads its input only before it writes the next one's.
     """
     from .gpu import kernels as K
 
@@ -47,8 +49,11 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
                       scratch_att=K.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
         if checkpoint:
-            shared.update({RECOMPUTED + name: e for name, e in layer.items() if name != "x_in"})
+            shared.update({SHARED_LAYER + name: e for name, e in layer.items() if name != "x_in"})
             layer = {"x_in": layer["x_in"]}
+    else:
+        shared.update({SHARED_LAYER + name: e for name, e in layer.items()})
+        layer = {}
     return layer, shared
 
 

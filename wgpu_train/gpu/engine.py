@@ -9,7 +9,7 @@ import numpy as np
 from ..config import LINEAR_MODULES, ModelConfig
 from ..errors import DeviceError
 from ..hf import module_path
-from ..memory import RECOMPUTED, activation_plan, check_fits, head_rows
+from ..memory import SHARED_LAYER, activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
 from ..reference.model import check_rows, forward_cached
 from ..reference.quant import check_dtypes, storage_dtype
@@ -44,7 +44,8 @@ class Activations:
 
     layers[i] maps a name to layer i's buffer. With checkpoint (gradient checkpointing, training only)
     only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
-    the backward refills by recomputing each layer's forward."""
+    the backward refills by recomputing each layer's forward. A forward-only bucket (train=False) has
+    one set for all layers, x_in included (memory.activation_plan)."""
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool, checkpoint: bool = False):
@@ -55,12 +56,12 @@ class Activations:
         check_fits(cfg, b, t, rt.max_binding, layer, shared)
         self.ids = self.segments = self.positions = self.targets = None   # set from an Inputs per use
         try:
-            recomputed = {name[len(RECOMPUTED):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
-                          if name.startswith(RECOMPUTED)}
-            self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **recomputed}
+            one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
+                       if name.startswith(SHARED_LAYER)}
+            self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **one_set}
                            for _ in range(cfg.num_hidden_layers)]
             for name, e in shared.items():
-                if not name.startswith(RECOMPUTED):
+                if not name.startswith(SHARED_LAYER):
                     setattr(self, name, rt.buffer(max(1, e) * F32, name))
         except DeviceError as e:
             hint = "" if self.checkpoint or not train else ", or pass --gradient-checkpointing"
@@ -287,7 +288,7 @@ class WgpuEngine:
         return acts
 
     def _free(self, acts: Activations):
-        # a checkpointed bucket's recomputed buffers appear in every layer: each is released once
+        # buffers shared by all layers (forward-only and checkpointed buckets) are released once
         bufs = list({id(b): b for layer in acts.layers for b in layer.values()}.values())
         bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
                  ("ids", "segments", "positions", "targets")]
