@@ -27,10 +27,11 @@ LAST = 20          # training loss: mean of the last LAST steps
 
 
 def one_run(base_dtype: str, seed: int, backend: str, root: Path) -> dict:
-    """Final figures of the default run with `base_dtype` base weights and `seed`."""
+    """Final figures of the default run with `base_dtype` base weights and `seed` (the embedding and lm_head
+    stay float32, so that only the base dtype differs between the runs)."""
     out = root / f"{base_dtype}-{seed}"
-    summary = wt.finetune(default_run_config(base_dtype=base_dtype, seed=seed, backend=backend, out=str(out),
-                                             no_progress=True, log_every=1))
+    summary = wt.finetune(default_run_config(base_dtype=base_dtype, embed_dtype="float32", seed=seed,
+                                             backend=backend, out=str(out), no_progress=True, log_every=1))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "split" not in r and r.get("loss") is not None]
     return {"train_loss": float(np.mean(losses[-LAST:])), "valid_loss": summary["valid_loss_after"],

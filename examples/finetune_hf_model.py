@@ -3,8 +3,8 @@ downloaded beforehand with `huggingface-cli download`) on a JSONL chat dataset, 
 
     python examples/finetune_hf_model.py --model ~/models/Qwen2.5-0.5B-Instruct --data my_chats.jsonl
 
-With --base-dtype nf4 (or nf4-dq) and --embed-dtype float16 it is QLoRA: the frozen weights take about a
-quarter of their float32 memory on the GPU.
+With --base-dtype nf4 (or nf4-dq) it is QLoRA: the frozen weights (the embedding and lm_head then in
+float16) take about a quarter of their float32 memory on the GPU.
 """
 import argparse
 
@@ -21,8 +21,8 @@ def main():
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--base-dtype", default="float32", choices=wt.BASE_DTYPES,
                         help="storage of the frozen linear weights")
-    parser.add_argument("--embed-dtype", default="float32", choices=wt.EMBED_DTYPES,
-                        help="storage of the embedding and lm_head")
+    parser.add_argument("--embed-dtype", default="auto", choices=wt.EMBED_CHOICES,
+                        help="storage of the embedding and lm_head (auto: float16 unless the base is float32)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     args = parser.parse_args()
 

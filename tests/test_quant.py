@@ -332,6 +332,23 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
     assert gpu.generate([1, 2, 3], max_new_tokens=4) == ref.generate([1, 2, 3], max_new_tokens=4)
 
 
+def test_embedding_dtype_auto_follows_the_base(folder):
+    """embed_dtype "auto" (the default everywhere): float32 over a float32 base, float16 over the others."""
+    from wgpu_train.reference.quant import check_dtypes
+
+    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "float16", "float16", "float16"]
+    assert check_dtypes("nf4", "float32") == ("nf4", "float32")
+    model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
+    assert (model.engine.base_dtype, model.engine.embed_dtype) == ("nf4", "float16")
+    assert wt.TrainConfig(base_dtype="nf4").storage_dtypes() == ("nf4", "float16")
+    assert wt.TrainConfig().storage_dtypes() == ("float32", "float32")
+    cfg = model.config
+    assert wt.estimate_memory(cfg, 1, 8, base_dtype="nf4")["weights"] == \
+        base_weight_bytes(cfg, "nf4", "float16")["total"] < base_weight_bytes(cfg, "nf4", "float32")["total"]
+    with pytest.raises(wt.ConfigError, match="embed_dtype must be one of auto, float32, float16"):
+        wt.load_model(folder, backend="numpy", embed_dtype="nf4")
+
+
 def test_full_finetune_refused_with_frozen_base(folder):
     model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
     with pytest.raises(wt.ConfigError, match="full fine-tuning needs float32 weights"):
@@ -412,7 +429,8 @@ def test_training_loss_with_float16_and_nf4_close_to_float32(train_setup, tmp_pa
     for bd in ("float32", "float16", "nf4", "nf4-dq"):
         out = tmp_path / bd
         summary = wt.finetune(wt.TrainConfig(
-            model=str(model), data=str(data), out=str(out), backend=backend, base_dtype=bd, max_steps=20, lr=2e-3,
+            model=str(model), data=str(data), out=str(out), backend=backend, base_dtype=bd, embed_dtype="float32",
+            max_steps=20, lr=2e-3,
             warmup_steps=5, batch_size=4, max_seq_len=48, lora_rank=8, lora_alpha=16, lora_targets="all-linear",
             eval_generate=False, no_progress=True, log_every=1, seed=0))
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

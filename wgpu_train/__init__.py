@@ -5,12 +5,13 @@ from .errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFil
 from .gpu.runtime import devices
 from .memory import estimate_memory
 from .model import Model, load_model
-from .reference.quant import BASE_DTYPES, EMBED_DTYPES
+from .reference.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
 from .tokenizer import load_tokenizer
 from .train import TrainConfig, Trainer, default_run_config, finetune
 
 __version__ = "0.1.0"
 
-__all__ = ["BASE_DTYPES", "EMBED_DTYPES", "AdapterError", "ConfigError", "DataError", "DeviceError", "LoraConfig", "Model", "ModelConfig",
-           "ModelFileError", "ShaderError", "TrainConfig", "Trainer", "WgpuTrainError", "default_run_config", "devices",
-           "estimate_memory", "finetune", "load_model", "load_tokenizer", "__version__"]
+__all__ = ["BASE_DTYPES", "EMBED_CHOICES", "EMBED_DTYPES", "AdapterError", "ConfigError", "DataError",
+           "DeviceError", "LoraConfig", "Model", "ModelConfig", "ModelFileError", "ShaderError", "TrainConfig",
+           "Trainer", "WgpuTrainError", "default_run_config", "devices", "estimate_memory", "finetune", "load_model",
+           "load_tokenizer", "__version__"]

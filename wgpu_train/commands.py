@@ -30,13 +30,14 @@ def _device_options(p, storage: bool = False):
                    help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
     if storage:
-        from .reference.quant import BASE_DTYPES, EMBED_DTYPES
+        from .reference.quant import BASE_DTYPES, EMBED_CHOICES
 
         p.add_argument("--base-dtype", default=None, choices=BASE_DTYPES,
                        help="storage of the linear layers' weights; default: as the run that wrote the adapter "
                             "(its train_config.json), else float32")
-        p.add_argument("--embed-dtype", default=None, choices=EMBED_DTYPES,
-                       help="storage of the embedding and lm_head; default: as --base-dtype's default")
+        p.add_argument("--embed-dtype", default=None, choices=EMBED_CHOICES,
+                       help="storage of the embedding and lm_head; default: as the run that wrote the adapter, "
+                            "else auto (float16 unless the base is float32)")
 
 
 # ---- finetune ---------------------------------------------------------------------------------------------
@@ -200,8 +201,8 @@ def _trained_dtypes(adapter_path) -> dict:
 def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=None, tokenizer=True,
                              base_dtype=None, embed_dtype=None):
     """(model folder, Model with the adapter loaded, Tokenizer or None) for generate / eval / merge.
-    base_dtype / embed_dtype None: as the run that wrote the adapter stored them (else float32), said on
-    stderr when that is not float32."""
+    base_dtype / embed_dtype None: as the run that wrote the adapter stored them (said on stderr when that is
+    not float32), else float32 and "auto"."""
     from .model import load_model
     from .tokenizer import load_tokenizer
     from .train import default_model_dir
@@ -218,11 +219,11 @@ def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=Non
     tokenizer = load_tokenizer(model_dir) if tokenizer else None
     trained = _trained_dtypes(adapter_path) if adapter_path is not None else {}
     given = {"base_dtype": base_dtype, "embed_dtype": embed_dtype}
-    dtypes = {k: v or trained.get(k, "float32") for k, v in given.items()}
-    inherited = [f"{k} {dtypes[k]}" for k in dtypes if given[k] is None and dtypes[k] != "float32"]
+    chosen = {k: v or trained.get(k) or {"base_dtype": "float32", "embed_dtype": "auto"}[k] for k, v in given.items()}
+    inherited = [f"{k} {chosen[k]}" for k in chosen if given[k] is None and k in trained and chosen[k] != "float32"]
     if inherited:
         print(f"base weights stored as the adapter was trained: {', '.join(inherited)}", file=sys.stderr)
-    model = load_model(model_dir, backend=backend, device=device, **dtypes)
+    model = load_model(model_dir, backend=backend, device=device, **chosen)
     if adapter_path is not None:
         model.load_adapter(adapter_path)
     return model_dir, model, tokenizer

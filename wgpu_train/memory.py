@@ -69,15 +69,16 @@ def weight_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype: str = "float32",
+def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype: str = "auto",
                       max_binding: int | None = None) -> dict:
     """GPU bytes of the base weights stored as base_dtype (the linear layers) and embed_dtype (embedding,
-    lm_head), from the chunk plan the WebGPU engine allocates by: {"linear", "embedding", "other", "total"}.
+    lm_head; "auto": float16 unless the base is float32), from the chunk plan the WebGPU engine allocates
+    by: {"linear", "embedding", "other", "total"}.
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB."""
     from .gpu.quant import DEFAULT_MAX_BINDING, stored_bytes
     from .reference.quant import check_dtypes, is_linear_weight, storage_dtype
 
-    check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
     for name, shape in weight_shapes(cfg).items():
         dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
@@ -91,13 +92,16 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
 
 
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
-                    method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "float32",
+                    method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
                     gradient_checkpointing: bool = False) -> dict:
     """GPU bytes by category for training at (batch_size, seq_len): weights (the base weights as stored:
     see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
     activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
+    from .reference.quant import check_dtypes
+
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
         raise ValueError("full fine-tuning needs float32 base weights")
     weights = base_weight_bytes(config, base_dtype, embed_dtype)["total"]

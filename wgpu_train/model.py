@@ -217,10 +217,10 @@ class Model:
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
-                 embed_dtype="float32"):
+                 embed_dtype="auto"):
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     if backend in ("auto", "wgpu"):
         from .gpu import runtime
 
@@ -237,15 +237,16 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
 
 
 def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
-               embed_dtype: str = "float32") -> Model:
+               embed_dtype: str = "auto") -> Model:
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
 
     base_dtype stores the frozen weights of the seven linear modules of every layer as "float32", "float16",
     "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA) or "nf4-dq" (nf4 whose absmax values are
-    double-quantised, bitsandbytes' bnb_4bit_use_double_quant); embed_dtype stores the embedding and lm_head as "float32" or "float16". Norms,
-    biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with the
-    same rounded weights. Anything but float32 freezes the base (LoRA only)."""
+    double-quantised, bitsandbytes' bnb_4bit_use_double_quant); embed_dtype stores the embedding and lm_head
+    as "float32" or "float16" ("auto": float16 unless the base is float32, as QLoRA keeps them in 16 bits).
+    Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
+    the same rounded weights. Anything but float32 freezes the base (LoRA only)."""
     config = ModelConfig.from_folder(path)
-    check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     weights = load_weights(path, config)
     return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype), path)

@@ -22,7 +22,7 @@ from .config import LoraConfig, ModelConfig, OptimizerParams
 from .errors import ConfigError
 from .evaluate import engine_batch, evaluate_loss, exact_match
 from .memory import base_weight_bytes
-from .reference.quant import BASE_DTYPES, EMBED_DTYPES
+from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
 from .schedule import SCHEDULES, LRSchedule
 
 BACKEND_CHOICES = ("auto", "wgpu", "numpy")
@@ -51,8 +51,9 @@ class TrainConfig:
                                       "nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
                                       "double-quantised absmax values); anything but float32 is LoRA only",
                            choices=BASE_DTYPES)
-    embed_dtype: str = _opt("float32", "storage of the embedding and lm_head: float32 or float16; LoRA only "
-                                       "unless float32", choices=EMBED_DTYPES)
+    embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, float16, or auto (float16 "
+                                    "unless the base is float32, as in QLoRA); LoRA only unless float32",
+                            choices=EMBED_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
@@ -120,11 +121,15 @@ class TrainConfig:
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
-        need(self.method == "lora" or (self.base_dtype, self.embed_dtype) == ("float32", "float32"),
+        need(self.method == "lora" or self.storage_dtypes() == ("float32", "float32"),
              f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "
-             f"(got {self.base_dtype}, {self.embed_dtype})")
+             f"(got {', '.join(self.storage_dtypes())})")
         if self.method == "lora":
             self.lora_config()  # validates rank, dropout and targets
+
+    def storage_dtypes(self) -> tuple[str, str]:
+        """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
+        return check_dtypes(self.base_dtype, self.embed_dtype)
 
     def lora_config(self) -> LoraConfig:
         """The LoraConfig these options describe."""
@@ -312,6 +317,7 @@ class Trainer:
                               f"--overwrite to replace it{resume}, or choose another --out")
         self._log_fn = log
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
+        self.base_dtype, self.embed_dtype = config.storage_dtypes()   # as the base weights are stored
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.train_examples: list = []
         self.valid_examples: list = []
@@ -355,7 +361,7 @@ class Trainer:
         self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
-                                base_dtype=cfg.base_dtype, embed_dtype=cfg.embed_dtype)
+                                base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
         lora = cfg.lora_config() if cfg.method == "lora" else None
         if lora:
             self.model.add_lora(lora, seed=cfg.seed)
@@ -365,13 +371,13 @@ class Trainer:
         self.engine = self.model.engine
         # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
         self.base_weight_bytes = int(getattr(self.engine, "base_weight_bytes", 0)
-                                     or base_weight_bytes(model_cfg, cfg.base_dtype, cfg.embed_dtype)["total"])
+                                     or base_weight_bytes(model_cfg, self.base_dtype, self.embed_dtype)["total"])
         n_params = count_trainable(model_cfg, lora)
         self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
                  f"{describe_device(self.engine)}; "
                  + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
-                 f"{cfg.base_dtype} (embedding {cfg.embed_dtype}), {self.base_weight_bytes:,} bytes"
+                 f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"
                  + (" on a GPU (the NumPy engine holds float32 copies)" if self.engine.name == "numpy" else ""))
         if cfg.resume:                  # before anything is written: a checkpoint that does not fit is refused
             self.load_checkpoint(find_checkpoint(cfg.resume))
@@ -416,7 +422,8 @@ class Trainer:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             resolved = cfg.to_dict()
-            resolved.update(model=str(self.model_dir), data=str(self.data_path), eval_generate=self.eval_generate)
+            resolved.update(model=str(self.model_dir), data=str(self.data_path), eval_generate=self.eval_generate,
+                            embed_dtype=self.embed_dtype)
             (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         except OSError as e:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
@@ -489,7 +496,7 @@ class Trainer:
                              next_lr=self.schedule.lr_at(self.step + 1)),
             "dropout_seed": int(self.engine.dropout_seed), "dropout_calls": int(self.engine.dropout_calls),
             "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
-            "base_dtype": cfg.base_dtype, "embed_dtype": cfg.embed_dtype,
+            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
             "history": self.history, "seed": cfg.seed,
         }
@@ -708,7 +715,7 @@ class Trainer:
             "exact_match_n": em_after["n"] if em_after else None,
             "exact_match_samples": em_after["samples"] if em_after else [],
             "backend": self.engine.name, "device": describe_device(self.engine), "method": cfg.method,
-            "base_dtype": cfg.base_dtype, "embed_dtype": cfg.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
+            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
             "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
             "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
             "skipped_lines": self.splits.n_skipped, "truncated": self.truncated, "dropped": self.dropped,

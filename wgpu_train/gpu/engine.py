@@ -76,11 +76,10 @@ class WgpuEngine:
     MAX_BUCKETS = 4     # activation buckets kept allocated at once
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "float32"):
+                 embed_dtype: str = "auto"):
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
-        check_dtypes(base_dtype, embed_dtype)
-        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype
+        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
         self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)
         self.shapes: dict = {}
         for name in weights:       # one tensor at a time: `weights` may convert each as it is read

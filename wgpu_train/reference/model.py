@@ -9,7 +9,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..hf import module_path
 from . import ops
-from .quant import round_weights
+from .quant import check_dtypes, round_weights
 from .optim import adamw_update, clip_scale, grad_norm
 
 
@@ -57,10 +57,10 @@ class NumpyEngine:
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32, base_dtype: str = "float32",
-                 embed_dtype: str = "float32"):
+                 embed_dtype: str = "auto"):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
-        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype
+        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         self.inv_freq = cfg.inv_freq()
         self.lora: dict[str, LoraModule] = {}

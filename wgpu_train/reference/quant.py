@@ -23,6 +23,7 @@ import numpy as np
 
 BASE_DTYPES = ("float32", "float16", "nf4", "nf4-dq")     # nf4-dq: NF4 with double-quantised absmax values
 EMBED_DTYPES = ("float32", "float16")
+EMBED_CHOICES = ("auto",) + EMBED_DTYPES    # auto: float16 over a float16 / NF4 base (QLoRA's 16-bit embedding)
 NF4_BLOCK = 64          # weights per absmax
 F16_MAX = 65504.0       # the largest finite float16
 DQ_BLOCK = 256          # absmax values per second-level absmax (double quantisation)
@@ -202,17 +203,21 @@ def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> st
     return "float32"
 
 
-def check_dtypes(base_dtype: str, embed_dtype: str):
-    """ConfigError unless both are supported storage dtypes."""
+def check_dtypes(base_dtype: str, embed_dtype: str = "auto") -> tuple[str, str]:
+    """(base_dtype, embed_dtype) with embed_dtype "auto" resolved (float32 over a float32 base, else float16);
+    ConfigError unless both are supported storage dtypes."""
     from ..errors import ConfigError
 
     if base_dtype not in BASE_DTYPES:
         raise ConfigError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}")
-    if embed_dtype not in EMBED_DTYPES:
-        raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_DTYPES)}, got {embed_dtype!r}")
+    if embed_dtype not in EMBED_CHOICES:
+        raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_CHOICES)}, got {embed_dtype!r}")
+    if embed_dtype == "auto":
+        embed_dtype = "float32" if base_dtype == "float32" else "float16"
+    return base_dtype, embed_dtype
 
 
-def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "float32") -> dict:
+def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto") -> dict:
     """The weights a model computes with when stored as base_dtype / embed_dtype (float32 arrays)."""
-    check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     return {k: round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k) for k, v in weights.items()}
