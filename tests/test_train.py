@@ -1,13 +1,15 @@
 """Tests of the trainer on the NumPy engine: learning, schedules, gradient accumulation, resume equality,
-atomic and rotated checkpoints, Ctrl-C, early stopping, output files and evaluation; gradient checkpointing
-on the wgpu engine."""
+atomic and rotated checkpoints, Ctrl-C, early stopping, output files, configuration errors and evaluation;
+gradient checkpointing on the wgpu engine."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import signal
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from wgpu_train.schedule import LRSchedule
 from wgpu_train.tokenizer import load_tokenizer
 from wgpu_train.model import load_model
 from wgpu_train.train import (RUN_FILES, TrainConfig, Trainer, count_trainable, find_checkpoint, finetune,
-                               list_checkpoints, plot_losses, split_batch)
+                               list_checkpoints, plot_losses, run_folder, run_settings, split_batch)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,8 @@ def workspace(tmp_path_factory):
 
 def config(workspace, out, **kw) -> TrainConfig:
     model, data = workspace
-    base = dict(model=str(model), data=str(data), out=str(out), backend="numpy", no_progress=True, lr=1e-2,
-                max_new_tokens=6, eval_generate=False, log_every=1)
+    base = dict(model=str(model), data=str(data), out=None if out is None else str(out), backend="numpy",
+                no_progress=True, lr=1e-2, max_new_tokens=6, eval_generate=False, log_every=1)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -72,13 +74,41 @@ def test_schedules():
 def test_train_config_fields_have_help_and_validate():
     for f in dataclasses.fields(TrainConfig):
         assert f.metadata.get("help"), f.name
-    assert TrainConfig().out == "wgpu-train-out" and TrainConfig().lora_targets == "q_proj,v_proj"
+    assert TrainConfig().out is None and TrainConfig().lora_targets == "q_proj,v_proj"
     for bad in (dict(method="qlora"), dict(batch_size=0), dict(lr=0.0), dict(lora_targets="foo_proj"),
                 dict(lora_dropout=1.0), dict(valid_split=1.0), dict(max_steps=0), dict(backend="cuda"),
                 dict(lr_schedule="step")):
         with pytest.raises(ConfigError):
             TrainConfig(**bad)
     assert TrainConfig(lora_targets="all-linear").lora_config().target_modules[-1] == "down_proj"
+
+
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "max_grad_norm", "adam_eps", "lora_alpha", "lora_dropout",
+                                   "beta1", "beta2", "valid_split"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_numbers_are_refused(field, value):
+    with pytest.raises(ConfigError, match=f"^{field} must be a finite number, got"):
+        TrainConfig(**{field: value})
+
+
+def test_lora_alpha_must_be_positive():
+    for alpha in (0.0, -16.0):
+        with pytest.raises(ConfigError, match="^lora_alpha must be > 0"):
+            TrainConfig(lora_alpha=alpha)
+
+
+def test_warmup_must_end_before_the_last_step(workspace, tmp_path):
+    assert LRSchedule(1.0, "cosine", warmup_steps=9, total_steps=10).lr_at(9) == 1.0
+    assert LRSchedule(1.0, "cosine", warmup_steps=0, total_steps=1).lr_at(1) == 1.0
+    for warmup in (10, 11):
+        with pytest.raises(ConfigError, match=rf"^warmup_steps \({warmup}\) must be below the run's 10 optimizer"):
+            LRSchedule(1.0, "cosine", warmup_steps=warmup, total_steps=10)
+    # the total comes from the data when only epochs are given (12 samples, 4 per step: 3 steps): refused
+    # before the model is loaded or anything is written
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"warmup_steps \(3\) must be below the run's 3 optimizer steps"):
+        Trainer(config(workspace, out, epochs=1, warmup_steps=3)).setup()
+    assert not out.exists()
 
 
 # ---- one shared run ----------------------------------------------------------------------------------------
@@ -322,6 +352,105 @@ def test_resume_refuses_other_base_dtypes_and_leaves_the_run_alone(workspace, tm
     assert summary["steps"] == 2 and (summary["base_dtype"], summary["embed_dtype"]) == ("nf4", "float16")
 
 
+def test_resume_without_out_continues_in_the_run_folder(workspace, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # where a default ./wgpu-train-out would appear
+    assert TrainConfig().output_dir() == Path("wgpu-train-out")
+    assert TrainConfig(resume="r/checkpoints/step-000002").output_dir() == Path("r")
+    assert TrainConfig(out="o", resume="r").output_dir() == Path("o")
+    run = tmp_path / "my run"
+    finetune(config(workspace, run, max_steps=2, save_every=1, keep_checkpoints=0))
+    for steps, resume in ((3, run), (4, run / "checkpoints"), (5, run / "checkpoints" / "step-000004")):
+        summary = finetune(config(workspace, None, max_steps=steps, resume=str(resume)))
+        assert summary["steps"] == steps and summary["output"] == str(run)
+        assert json.loads((run / "train_config.json").read_text())["out"] == str(run)   # recorded resolved
+    assert not (tmp_path / "wgpu-train-out").exists()
+    assert [r["step"] for r in rows(run) if "split" not in r] == [1, 2, 3, 4, 5]
+    # a checkpoints/ folder given with --out of its run continues in place too
+    summary = finetune(config(workspace, run, max_steps=6, resume=str(run / "checkpoints")))
+    assert summary["steps"] == 6 and summary["resumed_from"] == str(run / "checkpoints" / "step-000005")
+
+
+def test_run_folder_of_each_resume_path(workspace, tmp_path):
+    assert run_folder("a/checkpoints/step-000003") == Path("a")
+    assert run_folder("a/checkpoints") == Path("a") and run_folder("a") == Path("a")
+    # a run whose folder is itself named checkpoints
+    run = tmp_path / "checkpoints"
+    finetune(config(workspace, run, max_steps=1))
+    assert run_folder(run) == run and run_folder(run / "checkpoints") == run
+    assert finetune(config(workspace, None, max_steps=2, resume=str(run)))["output"] == str(run)
+    # a checkpoint folder outside a run has no run folder to continue in: --out is asked for
+    loose = tmp_path / "loose"
+    (run / "checkpoints" / "step-000002").rename(loose)
+    with pytest.raises(ConfigError, match="outside a run's checkpoints/ folder; pass --out"):
+        Trainer(config(workspace, None, max_steps=3, resume=str(loose)))
+    assert finetune(config(workspace, tmp_path / "new", max_steps=3, resume=str(loose)))["steps"] == 3
+
+
+def test_resuming_a_finished_run_is_refused(workspace, tmp_path):
+    """A run that reached its end is left as it is: its summary, metrics and adapter stay those of the run."""
+    for kw in (dict(max_steps=2), dict(epochs=1)):
+        run = tmp_path / f"run-{len(kw)}-{next(iter(kw))}"
+        done = finetune(config(workspace, run, **kw))
+        before = folder_state(run)
+        for resume in (run, run / "checkpoints"):
+            with pytest.raises(ConfigError) as e:
+                Trainer(config(workspace, None, resume=str(resume), **kw)).setup()
+            assert str(e.value) == (f"the run in {run} already finished at step {done['steps']}; raise --max-steps "
+                                    f"or --epochs to train further")
+        with pytest.raises(ConfigError, match="already finished"):
+            finetune(config(workspace, tmp_path / "elsewhere", resume=str(run), **kw))
+        assert folder_state(run) == before and not (tmp_path / "elsewhere").exists()
+
+
+def test_run_settings(workspace, tmp_path):
+    """What `wgpu-train finetune --resume DIR` fills unset options from: the run's resolved settings."""
+    run = tmp_path / "run"
+    finetune(config(workspace, run, max_steps=2, save_every=1, lora_rank=4, lora_targets="all-linear",
+                    overwrite=True))
+    recorded = json.loads((run / "train_config.json").read_text())
+    settings = run_settings(run)
+    assert settings == {k: v for k, v in recorded.items() if k not in ("out", "resume", "overwrite", "no_progress")}
+    assert settings["lora_rank"] == 4 and settings["model"] == str(workspace[0])
+    assert settings["embed_dtype"] == "float32"   # as resolved
+    for path in (run / "checkpoints", run / "checkpoints" / "step-000001"):
+        assert run_settings(path) == settings
+    assert run_settings(tmp_path / "nothing") == {}
+    # the settings continue the run: LoRA r=4 on all linear layers, as trained
+    summary = finetune(TrainConfig(**{**settings, "max_steps": 3, "resume": str(run), "no_progress": True}))
+    assert summary["steps"] == 3 and summary["output"] == str(run)
+    (run / "train_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="train_config.json: unreadable run settings"):
+        run_settings(run)
+
+
+def test_config_errors_are_found_before_loading(workspace, tmp_path):
+    """Refused as the Trainer is built, before the model (here a folder that does not exist) is read, with one
+    line and nothing written."""
+    run = tmp_path / "run"
+    finetune(config(workspace, run, max_steps=1))
+    (tmp_path / "afile").write_text("mine")
+    before = folder_state(tmp_path)
+    model = str(tmp_path / "no-model")
+    cases = [
+        (dict(out=tmp_path / "afile"), "is a file"),
+        (dict(out=None, resume=str(tmp_path / "missing")), "does not exist"),
+        (dict(out=tmp_path / "o", resume=str(tmp_path / "afile")), "does not exist"),
+        (dict(out=tmp_path / "o", resume=str(workspace[1])), "no checkpoint"),
+        (dict(out=None, resume=str(run), lora_rank=4), "has LoRA r=8, the config says 4"),
+        (dict(out=None, resume=str(run), lora_targets="all-linear"), "has LoRA target_modules=q_proj,v_proj"),
+        (dict(out=None, resume=str(run), method="full"), "was trained with method=lora, not full"),
+        (dict(out=None, resume=str(run), base_dtype="float16"), "over base_dtype float32, not float16"),
+        (dict(out=tmp_path / "o", data=str(workspace[1] / "train.jsonl"), valid_split=0.0, early_stop_patience=1),
+         "early_stop_patience needs validation data"),
+    ]
+    for kw, message in cases:
+        out = kw.pop("out")
+        with pytest.raises(ConfigError, match=message) as e:
+            Trainer(config(workspace, out, model=model, max_steps=3, **kw))
+        assert "\n" not in str(e.value)
+    assert folder_state(tmp_path) == before
+
+
 # ---- an output folder that holds an earlier run ---------------------------------------------------------
 
 def test_new_run_refuses_an_earlier_run_then_overwrite_and_resume(workspace, tmp_path):
@@ -436,8 +565,52 @@ def test_checkpoint_is_atomic(workspace, tmp_path, monkeypatch):
     assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000004", "step-000006"]
 
 
+def test_failed_checkpoint_write_is_one_line(workspace, tmp_path, monkeypatch):
+    """A full disk while writing a checkpoint: one line naming the last good checkpoint, which is intact."""
+    real = checkpoint_mod.write_optimizer_state
+    calls = []
+
+    def full_disk(path, state):
+        calls.append(path)
+        if len(calls) == 2:
+            path.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, state)
+
+    monkeypatch.setattr(checkpoint_mod, "write_optimizer_state", full_disk)
+    out = tmp_path / "my out"
+    with pytest.raises(ConfigError) as e:
+        finetune(config(workspace, out, max_steps=6, save_every=2))
+    good = out / "checkpoints" / "step-000002"
+    assert str(e.value) == (f"cannot write the checkpoint of step 4 in {out / 'checkpoints'}: No space left on "
+                            f"device; the last good checkpoint is {good} (resume with --resume '{good}')")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]
+    monkeypatch.setattr(checkpoint_mod, "write_optimizer_state", real)
+    assert finetune(config(workspace, None, max_steps=6, save_every=2, resume=str(good)))["steps"] == 6
+
+
+def test_failed_rewrite_keeps_the_earlier_checkpoint(workspace, tmp_path, monkeypatch):
+    trainer = Trainer(config(workspace, tmp_path / "out", max_steps=1)).setup()
+    trainer.train()
+    root = tmp_path / "out" / "checkpoints"
+    before = folder_state(root)
+    real = checkpoint_mod.os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".step-000001.tmp"):
+            raise OSError(errno.EIO, "I/O error")
+        real(src, dst)
+
+    monkeypatch.setattr(checkpoint_mod.os, "rename", rename)
+    with pytest.raises(ConfigError, match="I/O error; the last good checkpoint is .*step-000001"):
+        trainer.save_checkpoint()    # the same step again: the old one is moved aside, then put back
+    assert folder_state(root) == before
+
+
 def test_ctrl_c_saves_a_checkpoint_and_stops(workspace, tmp_path):
-    trainer = Trainer(config(workspace, tmp_path / "out", max_steps=10)).setup()
+    lines = []
+    out = tmp_path / "my out"
+    trainer = Trainer(config(workspace, out, max_steps=10, batch_size=2, eval_every=2), log=lines.append).setup()
     real = trainer.engine.train_step
     calls = []
 
@@ -451,11 +624,52 @@ def test_ctrl_c_saves_a_checkpoint_and_stops(workspace, tmp_path):
     summary = trainer.train()
     assert summary["interrupted"] and summary["stopped"] == "interrupted" and summary["steps"] == 3
     assert len(calls) == 3
-    assert summary["checkpoint"] == str(tmp_path / "out" / "checkpoints" / "step-000003")
-    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    ckpt = out / "checkpoints" / "step-000003"
+    assert summary["checkpoint"] == str(ckpt) and summary["adapter_step"] == 3
+    assert "interrupted: finishing this step, then saving a checkpoint (Ctrl-C again to abort)" in lines
+    assert lines[-1] == f"stopped at step 3; resume with --resume '{ckpt}'"
+    # the last evaluation (step 2) is not of the adapter written at step 3
+    assert summary["valid_loss_after"] is None and summary["valid_perplexity_after"] is None
+    assert (out / "adapter_model.safetensors").is_file()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
-    resumed = finetune(config(workspace, tmp_path / "out", max_steps=10, resume=str(tmp_path / "out")))
+    resumed = finetune(config(workspace, out, max_steps=10, batch_size=2, resume=str(out)))
     assert resumed["steps"] == 10 and not resumed["interrupted"]
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_ctrl_c_before_the_first_step_leaves_the_folder_as_it_was(workspace, tmp_path, second):
+    """Ctrl-C during the evaluation before training (twice: abort) trains nothing and removes what the run
+    wrote, so the same command runs again."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    before = folder_state(tmp_path)
+    for out in (tmp_path / "out", tmp_path / "new"):
+        lines = []
+        trainer = Trainer(config(workspace, out, max_steps=2, eval_generate=True), log=lines.append).setup()
+        real = trainer.evaluate
+
+        def evaluate():
+            signal.raise_signal(signal.SIGINT)
+            if second:
+                signal.raise_signal(signal.SIGINT)
+            return real()
+
+        trainer.evaluate = evaluate
+        trainer.exact_match = lambda: pytest.fail("exact match after Ctrl-C")
+        if second:
+            with pytest.raises(KeyboardInterrupt):
+                trainer.train()
+        else:
+            summary = trainer.train()
+            assert summary["steps"] == 0 and summary["interrupted"] and summary["checkpoint"] is None
+            assert summary["adapter_step"] is None and summary["valid_loss_after"] is None
+            assert lines[-1] == "interrupted before the first step: nothing trained"
+        assert "interrupted: stopping before the first step (Ctrl-C again to abort)" in lines
+        assert not any("finishing this step" in line for line in lines)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert folder_state(tmp_path) == before
+    for out in (tmp_path / "out", tmp_path / "new"):
+        assert finetune(config(workspace, out, max_steps=1))["steps"] == 1
 
 
 def test_nonfinite_step_is_reported(workspace, tmp_path):
@@ -481,27 +695,71 @@ def test_nonfinite_step_is_reported(workspace, tmp_path):
 
 # ---- early stopping ----------------------------------------------------------------------------------------
 
-def test_early_stopping(workspace, tmp_path):
-    trainer = Trainer(config(workspace, tmp_path / "out", max_steps=20, eval_every=1,
-                             early_stop_patience=2)).setup()
-    losses = iter([5.0, 4.0, 3.0, 3.5, 3.2, 1.0, 1.0])   # before, then one per step
+def _fake_evaluations(trainer, losses):
+    losses = iter(losses)
 
     def fake_eval():
         v = next(losses)
         return {"loss": v, "perplexity": math.exp(v), "tokens": 10}
 
     trainer.evaluate = fake_eval
+
+
+def test_early_stopping(workspace, tmp_path):
+    out = tmp_path / "out"
+    trainer = Trainer(config(workspace, out, max_steps=20, eval_every=1, early_stop_patience=2, save_every=1,
+                             keep_checkpoints=1)).setup()
+    _fake_evaluations(trainer, [5.0, 4.0, 3.0, 3.5, 3.2, 1.0, 1.0])   # before, then one per step
     summary = trainer.train()
     # best 3.0 at step 2; steps 3 and 4 do not improve on it -> stop after step 4
     assert summary["stopped"] == "early_stop" and summary["steps"] == 4
-    assert summary["best_valid_loss"] == 3.0 and summary["valid_loss_after"] == 3.2
+    assert summary["best_valid_loss"] == 3.0 and summary["best_step"] == 2
+    # the adapter written is the best one, and its checkpoint outlives the rotation
+    assert summary["adapter_step"] == 2 and summary["valid_loss_after"] == 3.0
+    assert summary["valid_perplexity_after"] == pytest.approx(math.exp(3.0))
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-000002", "step-000004"]
+    best, last = (adapter_tensors(out / "checkpoints" / f"step-00000{i}" / "adapter") for i in (2, 4))
+    written = adapter_tensors(out)
+    assert all(np.array_equal(written[k], best[k]) for k in written)
+    assert not all(np.array_equal(written[k], last[k]) for k in written)
+
+
+def test_early_stopping_counts_the_last_evaluation_and_resumes_with_the_best(workspace, tmp_path):
+    out = tmp_path / "out"
+    kw = dict(eval_every=1, early_stop_patience=3, save_every=1, keep_checkpoints=1)
+    # the evaluation at the end (step 3) is the best: its adapter is written
+    trainer = Trainer(config(workspace, tmp_path / "last", max_steps=3, eval_every=2, early_stop_patience=3)).setup()
+    _fake_evaluations(trainer, [5.0, 3.0, 2.0])
+    summary = trainer.train()
+    assert summary["best_step"] == summary["adapter_step"] == 3 and summary["valid_loss_after"] == 2.0
+
+    # best at step 1; the run ends at max_steps before patience runs out: step 1's adapter is written
+    trainer = Trainer(config(workspace, out, max_steps=3, **kw)).setup()
+    _fake_evaluations(trainer, [5.0, 3.0, 4.0, 4.5])
+    summary = trainer.train()
+    assert summary["stopped"] == "max_steps" and summary["adapter_step"] == 1
+    best = adapter_tensors(out / "checkpoints" / "step-000001" / "adapter")
+    assert all(np.array_equal(v, best[k]) for k, v in adapter_tensors(out).items())
+    # resumed, the third evaluation without improvement stops it; the best weights come from their checkpoint
+    trainer = Trainer(config(workspace, out, max_steps=6, resume=str(out), **kw)).setup()
+    _fake_evaluations(trainer, [4.6])
+    summary = trainer.train()
+    assert summary["stopped"] == "early_stop" and summary["steps"] == 4 and summary["adapter_step"] == 1
+    assert all(np.array_equal(v, best[k]) for k, v in adapter_tensors(out).items())
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-000001", "step-000004"]
 
 
 def test_early_stopping_needs_validation(workspace, tmp_path):
     model, data = workspace
     with pytest.raises(ConfigError, match="validation"):
         Trainer(config(workspace, tmp_path, data=str(data / "train.jsonl"), valid_split=0.0,
-                       early_stop_patience=1)).setup()
+                       early_stop_patience=1))
+    # a folder without a validation file: found as the data is read, before the weights are loaded
+    only = make_data_dir(tmp_path / "only")
+    (only / "valid.jsonl").unlink()
+    with pytest.raises(ConfigError, match="validation"):
+        Trainer(config(workspace, tmp_path / "o", data=str(only), valid_split=0.0, early_stop_patience=1)).setup()
+    assert not (tmp_path / "o").exists()
 
 
 # ---- user errors ------------------------------------------------------------------------------------------

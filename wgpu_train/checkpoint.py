@@ -77,35 +77,36 @@ def _write(folder: Path, model, state: dict):
     (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
 
-def save_checkpoint(root, step: int, model, state: dict, keep: int = 0) -> Path:
+def save_checkpoint(root, step: int, model, state: dict, keep: int = 0, protect=()) -> Path:
     """Write root/step-NNNNNN atomically: everything goes into a hidden temporary folder beside it, which is
-    renamed into place only when complete (and removed if writing fails). Then keep only the newest `keep`
-    checkpoints (0 keeps all) and clear leftovers of writes that a killed process never finished."""
+    renamed into place only when complete (and removed if writing fails, leaving any earlier checkpoint of
+    that step as it was). Then keep only the newest `keep` checkpoints (0 keeps all) besides those named in
+    `protect`, and clear leftovers of writes that a killed process never finished."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(step)
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
+    old = root / f".{name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         _write(tmp, model, state)
         if final.exists():
-            old = root / f".{name}.old-{os.getpid()}"
             os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            os.rename(old, final)
         raise
     for p in root.iterdir():
         if p.name.startswith(".step-") and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
     if keep:
         for p in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(p, ignore_errors=True)
+            if p.name not in protect:
+                shutil.rmtree(p, ignore_errors=True)
     return final
 
 
@@ -120,41 +121,58 @@ def read_state(ckpt) -> dict:
     return state
 
 
+def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, embed_dtype: str):
+    """Refuse (ConfigError naming the setting) to continue a checkpoint, given its trainer_state.json, with
+    another method, LoRA setting (`lora_config`, None for full fine-tuning) or storage dtype of the base
+    weights; runs on the state alone, before any model is loaded."""
+    if state.get("method") != method:
+        raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {method}")
+    for key, now in (("base_dtype", base_dtype), ("embed_dtype", embed_dtype)):
+        if key in state and state[key] != now:
+            raise ConfigError(f"checkpoint {ckpt} was trained over {key} {state[key]}, not {now}: pass "
+                              f"--{key.replace('_', '-')} {state[key]}")
+    if method != "lora":
+        return
+    then = state.get("lora") or {}
+    for key, value in dataclasses.asdict(lora_config).items():
+        if key not in then:
+            continue
+        if key == "target_modules":
+            same, shown, wanted = list(then[key]) == list(value), ",".join(then[key]), ",".join(value)
+        else:
+            same, shown, wanted = then[key] == value, then[key], value
+        if not same:
+            raise ConfigError(f"checkpoint {ckpt} has LoRA {key}={shown}, the config says {wanted}")
+
+
+def read_trainable(ckpt, method: str) -> dict:
+    """A checkpoint's trainable tensors, keyed as engine.trainable() keys them."""
+    from .hf import read_adapter, read_safetensors
+
+    ckpt = Path(ckpt)
+    if method != "lora":
+        return read_safetensors(ckpt / "model" / "model.safetensors")
+    tensors = {}
+    for k, v in read_adapter(ckpt / "adapter")[1].items():
+        k = k.replace(".default.weight", ".weight")
+        if k.startswith("base_model.model.") and k.endswith(".weight"):
+            k = k[len("base_model.model."):-len(".weight")]
+        tensors[k] = v
+    return tensors
+
+
 def restore(ckpt, model, state: dict, lora_config=None):
     """Put a checkpoint's trainable tensors, AdamW moments and dropout counter into `model`'s engine.
 
     The model must already be set up the same way (add_lora with `lora_config`, or set_full_finetune, and
     the base weights stored as in the run that saved it); a different method, LoRA setting or storage
-    dtype raises ConfigError naming it.
+    dtype raises ConfigError naming it (see check_state).
     """
-    from .hf import read_adapter, read_safetensors
-
     ckpt = Path(ckpt)
     engine = model.engine
-    if state.get("method") != model.method:
-        raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {model.method}")
-    for key in ("base_dtype", "embed_dtype"):
-        now = getattr(engine, key, "float32")
-        if key in state and state[key] != now:
-            raise ConfigError(f"checkpoint {ckpt} was trained over {key} {state[key]}, not {now}: pass "
-                              f"--{key.replace('_', '-')} {state[key]}")
-    if model.method == "lora":
-        now = dataclasses.asdict(lora_config)
-        then = state.get("lora") or {}
-        for key, value in now.items():
-            same = list(then[key]) == list(value) if key == "target_modules" and key in then else then.get(key) == value
-            if key in then and not same:
-                shown = ",".join(then[key]) if key == "target_modules" else then[key]
-                raise ConfigError(f"checkpoint {ckpt} has LoRA {key}={shown}, the config says "
-                                  f"{','.join(value) if key == 'target_modules' else value}")
-        tensors = {}
-        for k, v in read_adapter(ckpt / "adapter")[1].items():
-            k = k.replace(".default.weight", ".weight")
-            if k.startswith("base_model.model.") and k.endswith(".weight"):
-                k = k[len("base_model.model."):-len(".weight")]
-            tensors[k] = v
-    else:
-        tensors = read_safetensors(ckpt / "model" / "model.safetensors")
+    check_state(ckpt, state, model.method, lora_config, getattr(engine, "base_dtype", "float32"),
+                getattr(engine, "embed_dtype", "float32"))
+    tensors = read_trainable(ckpt, model.method)
     current = {k: tuple(v.shape) for k, v in engine.trainable().items()}
     problems = [f"missing {k}" for k in current if k not in tensors]
     problems += [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"

@@ -16,7 +16,8 @@ class LRSchedule:
     Warmup: step s <= warmup_steps gets base_lr * s / warmup_steps (so no step is wasted at lr 0).
     Afterwards, with p = (s - warmup_steps - 1) / (total_steps - warmup_steps) in [0, 1):
     constant keeps base_lr, linear gives base_lr * (1 - p), cosine base_lr * (1 + cos(pi p)) / 2.
-    The first step after warmup trains at base_lr and the last one still at a small positive rate.
+    The first step after warmup trains at base_lr and the last one still at a small positive rate; warmup
+    must end before the last step (warmup_steps < total_steps), so that the run trains at base_lr.
     """
 
     base_lr: float
@@ -31,6 +32,9 @@ class LRSchedule:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.base_lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.base_lr}")
+        if self.warmup_steps and self.warmup_steps >= self.total_steps:
+            raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be below the run's {self.total_steps} "
+                              f"optimizer steps, or warmup takes the whole run")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (1-based)."""

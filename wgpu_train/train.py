@@ -28,6 +28,7 @@ from .schedule import SCHEDULES, LRSchedule
 BACKEND_CHOICES = ("auto", "wgpu", "numpy")
 METHODS = ("lora", "full")
 PAD_MULTIPLE = 8   # sequence lengths are padded to a multiple of this
+DEFAULT_OUT = "wgpu-train-out"
 
 
 def _opt(default, help_text: str, **extra):
@@ -42,7 +43,8 @@ class TrainConfig:
                                    "default: the embedded model")
     data: str | None = _opt(None, "JSONL file, or a folder with train.jsonl and optional valid.jsonl and "
                                   "test.jsonl; default: the embedded dataset")
-    out: str = _opt("wgpu-train-out", "output folder: adapter, metrics.jsonl, summary.json, checkpoints/")
+    out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
+                                 f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
     backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
                         choices=BACKEND_CHOICES)
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
@@ -85,7 +87,8 @@ class TrainConfig:
     eval_every: int = _opt(0, "validation loss every N steps (0: only at each epoch's end); always at the end")
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
     keep_checkpoints: int = _opt(3, "keep only the newest K checkpoints (0: keep all)")
-    early_stop_patience: int = _opt(0, "stop after N evaluations without a lower validation loss (0: off)")
+    early_stop_patience: int = _opt(0, "stop after N evaluations without a lower validation loss (0: off); the "
+                                       "adapter written is then the best evaluation's (kept in memory)")
     seed: int = _opt(0, "seed of the validation split, shuffling, LoRA initialisation and dropout")
     resume: str | None = _opt(None, "continue a run from a checkpoint folder (or an output folder: its newest "
                                     "checkpoint)")
@@ -109,6 +112,11 @@ class TrainConfig:
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
+                     "max_grad_norm", "valid_split"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{name} must be a finite number, got {value!r}")
         for name in ("lora_rank", "epochs", "batch_size", "grad_accum", "max_seq_len", "max_new_tokens",
                      "log_every"):
             need(getattr(self, name) >= (2 if name == "max_seq_len" else 1),
@@ -118,6 +126,7 @@ class TrainConfig:
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps must be at least 1, got {self.max_steps}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
@@ -126,6 +135,13 @@ class TrainConfig:
              f"(got {', '.join(self.storage_dtypes())})")
         if self.method == "lora":
             self.lora_config()  # validates rank, dropout and targets
+
+    def output_dir(self) -> Path:
+        """The output folder: `out`, else the folder of the run that `resume` continues (see run_folder), else
+        wgpu-train-out."""
+        if self.out is not None:
+            return Path(self.out)
+        return run_folder(self.resume) if self.resume else Path(DEFAULT_OUT)
 
     def storage_dtypes(self) -> tuple[str, str]:
         """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
@@ -142,6 +158,7 @@ class TrainConfig:
                                weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None)
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-serialisable dict."""
         return dataclasses.asdict(self)
 
 
@@ -277,10 +294,34 @@ class _Window:
 
 # ---- the trainer -----------------------------------------------------------------------------------------
 
-def _run_folder(resume) -> Path:
-    """The output folder of the run a --resume path belongs to (a checkpoint folder's run, or itself)."""
+def run_folder(resume) -> Path:
+    """The output folder of the run a --resume path belongs to: RUN for RUN, RUN/checkpoints and
+    RUN/checkpoints/step-NNNNNN (a path named checkpoints that holds a checkpoints/ folder is a run folder)."""
     path = Path(resume)
+    if path.name == "checkpoints" and not list_checkpoints(path / "checkpoints"):
+        return path.parent
     return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
+INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress")   # say how a run is started, not what it is
+
+
+def run_settings(resume) -> dict:
+    """The settings of the run that a --resume path continues, for the command line to fill the options it
+    was not given: the run folder's train_config.json as that run resolved it (model and data folders,
+    recipe values, dtypes), restricted to TrainConfig fields and without INVOCATION_FIELDS. {} when there
+    is no such file; ConfigError when it cannot be read."""
+    path = run_folder(resume) / "train_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable run settings ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: unreadable run settings (not a JSON object)")
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(INVOCATION_FIELDS)
+    return {k: v for k, v in raw.items() if k in names}
 
 
 def _same_folder(a: Path, b: Path) -> bool:
@@ -293,9 +334,13 @@ def _same_folder(a: Path, b: Path) -> bool:
 class Trainer:
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
-    A new run refuses, as it is constructed, an output folder that holds an earlier run (see earlier_run)
-    unless config.overwrite is set; then that run's checkpoints are deleted. A resumed run writes into the
-    folder it resumes from, or into one that holds no other run (or with overwrite).
+    As it is constructed, before anything is loaded or written, it refuses an output folder that is a file or
+    holds an earlier run (see earlier_run; config.overwrite replaces that run, whose checkpoints are then
+    deleted), a --resume path without a checkpoint or whose checkpoint was trained with another method, LoRA
+    setting or storage dtype, and early stopping on a single data file without valid_split. A resumed run
+    writes into the folder it resumes from (the default), or into one that holds no other run (or with
+    overwrite); setup() refuses, before loading the model, a run that already reached its end. A run
+    interrupted (or failing) before its first step removes what it wrote, so the folder can be used again.
 
     Each optimizer step draws one batch of batch_size * grad_accum samples from a seeded BatchStream and feeds
     it to engine.train_step as grad_accum micro-batches of batch_size rows; the engine normalises gradients by
@@ -307,17 +352,23 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise ConfigError("Trainer needs a TrainConfig")
         self.config = config
-        self.out = Path(config.out)
-        self.continues_in_place = bool(config.resume) and _same_folder(self.out, _run_folder(config.resume))
+        self.out = config.output_dir()
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"the output folder {self.out} is a file; choose another --out")
+        self.base_dtype, self.embed_dtype = config.storage_dtypes()   # as the base weights are stored
+        self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
+        self.continues_in_place = bool(config.resume) and _same_folder(self.out, run_folder(config.resume))
         found = [] if self.continues_in_place or config.overwrite else earlier_run(self.out)
         if found:
             resume = (f", --resume {shlex.quote(str(self.out))} to continue it"
                       if not config.resume and list_checkpoints(self.out / "checkpoints") else "")
             raise ConfigError(f"the output folder {self.out} already holds a run ({', '.join(found)}); pass "
                               f"--overwrite to replace it{resume}, or choose another --out")
+        if config.early_stop_patience and config.valid_split == 0 and config.data and Path(config.data).is_file():
+            # a single file has no validation file beside it (a folder's is looked for as the data is read)
+            raise ConfigError("early_stop_patience needs validation data (valid.jsonl or valid_split > 0)")
         self._log_fn = log
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
-        self.base_dtype, self.embed_dtype = config.storage_dtypes()   # as the base weights are stored
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.train_examples: list = []
         self.valid_examples: list = []
@@ -326,11 +377,29 @@ class Trainer:
         self.trained_tokens = 0         # tokens that carried loss
         self.counters_base: dict = {}   # engine counters of the runs before a resume
         self.history = {"train_loss_first": None, "valid_loss_before": None, "valid_perplexity_before": None,
-                        "exact_match_before": None, "best_valid_loss": None, "evals_without_improvement": 0}
+                        "exact_match_before": None, "best_valid_loss": None, "best_valid_perplexity": None,
+                        "best_step": None, "evals_without_improvement": 0}
         self.last_saved_step = 0
         self.resumed_from: Path | None = None
+        self._best = None            # early stopping: (step, trainable tensors) of the best evaluation
+        self._start_step = 0         # the step this invocation started at
+        self._written: list = []     # files this invocation wrote that a run which trained nothing removes
+        self._made_out = False       # whether this invocation created the output folder
+        self._stepping = False
         self._stop_requested = False
         self._metrics = None
+
+    def _check_resume(self) -> tuple[Path, dict]:
+        """The checkpoint that config.resume names and its state, refused unless it fits the config."""
+        cfg = self.config
+        ckpt = find_checkpoint(cfg.resume)
+        if cfg.out is None and (self.out / checkpoint.STATE_FILE).is_file():
+            raise ConfigError(f"resume: {self.out} is a checkpoint outside a run's checkpoints/ folder; pass --out "
+                              f"DIR to say where the run continues")
+        state = checkpoint.read_state(ckpt)
+        checkpoint.check_state(ckpt, state, cfg.method, cfg.lora_config() if cfg.method == "lora" else None,
+                               self.base_dtype, self.embed_dtype)
+        return ckpt, state
 
     def log(self, msg: str):
         """One line of progress for the user (stderr, above the progress bar)."""
@@ -359,6 +428,11 @@ class Trainer:
         self.steps_per_epoch = len(self.stream)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
+        if self._resume:
+            self._resume_progress(self._resume[1])
+            if self.done():
+                raise ConfigError(f"the run in {run_folder(cfg.resume)} already finished at step {self.step}; "
+                                  f"raise --max-steps or --epochs to train further")
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
@@ -379,8 +453,8 @@ class Trainer:
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
                  f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"
                  + (" on a GPU (the NumPy engine holds float32 copies)" if self.engine.name == "numpy" else ""))
-        if cfg.resume:                  # before anything is written: a checkpoint that does not fit is refused
-            self.load_checkpoint(find_checkpoint(cfg.resume))
+        if self._resume:                # before anything is written: a checkpoint that does not fit is refused
+            self._resume_tensors(*self._resume)
         self._prepare_out()
         self.log(f"training: {self.total_steps} steps"
                  + ("" if cfg.max_steps else f" ({cfg.epochs} epochs of {self.steps_per_epoch})")
@@ -419,11 +493,15 @@ class Trainer:
 
     def _prepare_out(self):
         cfg = self.config
+        # a new run's files replace an earlier run's (with overwrite); a resumed run keeps those it finds
+        self._written = [self.out / name for name in ("train_config.json", "metrics.jsonl")
+                         if not self.resumed_from or not (self.out / name).exists()]
+        self._made_out = not self.out.exists()
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             resolved = cfg.to_dict()
-            resolved.update(model=str(self.model_dir), data=str(self.data_path), eval_generate=self.eval_generate,
-                            embed_dtype=self.embed_dtype)
+            resolved.update(out=str(self.out), model=str(self.model_dir), data=str(self.data_path),
+                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype)
             (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         except OSError as e:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
@@ -502,45 +580,71 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
-        """checkpoints/step-NNNNNN, written atomically; only the newest keep_checkpoints are kept."""
-        path = checkpoint.save_checkpoint(self.out / "checkpoints", self.step, self.model, self.state_dict(),
-                                          self.config.keep_checkpoints)
+        """checkpoints/step-NNNNNN, written atomically; only the newest keep_checkpoints are kept, and with
+        early stopping the best evaluation's. A failed write (disk full) is a ConfigError naming the last
+        good checkpoint, which the atomic write leaves intact."""
+        root = self.out / "checkpoints"
+        best = self.history["best_step"] if self.config.early_stop_patience else None
+        try:
+            path = checkpoint.save_checkpoint(root, self.step, self.model, self.state_dict(),
+                                              self.config.keep_checkpoints,
+                                              protect=() if best is None else (checkpoint.checkpoint_name(best),))
+        except OSError as e:
+            kept = list_checkpoints(root)
+            good = (f"the last good checkpoint is {kept[-1]} (resume with --resume {shlex.quote(str(kept[-1]))})"
+                    if kept else "no checkpoint of this run was written")
+            raise ConfigError(f"cannot write the checkpoint of step {self.step} in {root}: {e.strerror or e}; "
+                              f"{good}") from None
         self.last_saved_step = self.step
         return path
 
-    def load_checkpoint(self, ckpt: Path):
-        """Continue from a checkpoint: tensors, moments, dropout counter, data position, step and history."""
-        cfg = self.config
-        state = checkpoint.read_state(ckpt)
-        checkpoint.restore(ckpt, self.model, state, cfg.lora_config() if cfg.method == "lora" else None)
+    def _resume_progress(self, state: dict):
+        """Continue a checkpoint's progress: data position, step, token counts, counters and history."""
         self.stream.load_state_dict(state["data"])
         self.step = self.last_saved_step = int(state["step"])
         self.tokens = int(state.get("tokens", 0))
         self.trained_tokens = int(state.get("trained_tokens", 0))
         self.counters_base = dict(state.get("counters", {}))
         self.history.update(state.get("history", {}))
+
+    def _resume_tensors(self, ckpt: Path, state: dict):
+        """Put a checkpoint's tensors, moments and dropout counter into the engine; with early stopping, also
+        take up the best evaluation's tensors when its checkpoint is still there."""
+        cfg = self.config
+        checkpoint.restore(ckpt, self.model, state, cfg.lora_config() if cfg.method == "lora" else None)
         self.resumed_from = Path(ckpt)
-        if self.done():
-            self.log(f"checkpoint {ckpt} (step {self.step}) has already reached the end of training")
+        best = self.history.get("best_step")
+        if cfg.early_stop_patience and best is not None:
+            found = ckpt if best == self.step else ckpt.parent / checkpoint.checkpoint_name(best)
+            if (found / checkpoint.STATE_FILE).is_file():
+                self._best = (best, checkpoint.read_trainable(found, cfg.method))
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict:
         """Run the optimizer steps; write the adapter (or model), metrics.jsonl, summary.json and loss.png;
-        return the summary. Ctrl-C finishes the current step, saves a checkpoint and returns."""
+        return the summary. Ctrl-C finishes the current step (or evaluation), saves a checkpoint and returns;
+        before the first step it returns a summary of no steps and removes what the run wrote (as does an
+        error before the first step), so the output folder is as it was."""
         if self.model is None:
             self.setup()
         t_start = time.perf_counter()
-        self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
+        self._start_step = self.step
         previous = self._install_sigint()
         try:
+            self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
             if not self.resumed_from:
                 self._evaluate_before()
-            stopped, last_eval, run = self._loop()
-            return self._finish(stopped, last_eval, run, time.perf_counter() - t_start)
+            stopped, last_eval, last_eval_step, run = self._loop()
+            return self._finish(stopped, last_eval, last_eval_step, run, time.perf_counter() - t_start)
+        except BaseException:
+            if self.step == self._start_step:
+                self._discard()
+            raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
-            self._metrics.close()
+            if self._metrics is not None:
+                self._metrics.close()
 
     def run(self) -> dict:
         """setup() then train()."""
@@ -554,7 +658,13 @@ class Trainer:
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            self.log("interrupted: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+            if self._stepping:
+                then = "finishing this step, then saving a checkpoint"
+            elif self.step == self._start_step:
+                then = "stopping before the first step"
+            else:
+                then = "stopping, then saving a checkpoint"
+            self.log(f"interrupted: {then} (Ctrl-C again to abort)")
 
         return signal.signal(signal.SIGINT, handler)
 
@@ -569,8 +679,8 @@ class Trainer:
         self.log(f"step {self.step}: valid loss {_fmt(result['loss'])}, "
                  f"perplexity {_fmt(result['perplexity'], '.3f')}")
 
-    def _exact_match_row(self, em: dict, when: str):
-        self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": em["split"],
+    def _exact_match_row(self, em: dict, when: str, step: int):
+        self._write_row({"step": step, "epoch": self.epoch_float(), "split": em["split"],
                          "exact_match": em["exact_match"], "n": em["n"]})
         self.log(f"exact match {when} training: {_fmt(em['exact_match'], '.1%')} of {em['n']} {em['split']} samples")
 
@@ -580,10 +690,10 @@ class Trainer:
         if before is not None:
             h["valid_loss_before"], h["valid_perplexity_before"] = _num(before["loss"]), _num(before["perplexity"])
             self._valid_row(before)
-        if self.eval_generate:
+        if self.eval_generate and not self._stop_requested:
             em = self.exact_match()
             h["exact_match_before"] = em["exact_match"]
-            self._exact_match_row(em, "before")
+            self._exact_match_row(em, "before", self.step)
 
     def _step(self):
         """One optimizer step; returns (batch, ends an epoch, lr, loss_sum, count, grad_norm, seconds)."""
@@ -594,8 +704,12 @@ class Trainer:
         profile = bool(cfg.profile_interval) and (self.step + 1) % cfg.profile_interval == 0
         t0 = time.perf_counter()
         extra = {"profile": True} if profile else {}
-        loss_sum, count, grad_norm, applied = self.engine.train_step(micro, cfg.optimizer_params(lr), self.step + 1,
-                                                                     **extra)
+        self._stepping = True
+        try:
+            loss_sum, count, grad_norm, applied = self.engine.train_step(micro, cfg.optimizer_params(lr),
+                                                                         self.step + 1, **extra)
+        finally:
+            self._stepping = False
         seconds = time.perf_counter() - t0
         self.step += 1
         if profile:
@@ -605,6 +719,8 @@ class Trainer:
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
 
     def _loop(self):
+        """The optimizer steps with their logging, evaluations and checkpoints; returns (how it stopped, the
+        last evaluation, its step, the run's _Window)."""
         from tqdm import tqdm
 
         cfg = self.config
@@ -636,7 +752,7 @@ class Trainer:
                     last_eval, last_eval_step = self.evaluate(), self.step
                     if last_eval is not None:
                         self._valid_row(last_eval)
-                        if self._early_stop(last_eval["loss"]):
+                        if self._early_stop(last_eval):
                             stopped = "early_stop"
                             self.log(f"early stop: no lower validation loss in {cfg.early_stop_patience} evaluations")
                             break
@@ -645,10 +761,11 @@ class Trainer:
         finally:
             bar.close()
         if stopped != "interrupted" and last_eval_step != self.step:
-            last_eval = self.evaluate()
+            last_eval, last_eval_step = self.evaluate(), self.step
             if last_eval is not None:
                 self._valid_row(last_eval)
-        return stopped, last_eval, run
+                self._early_stop(last_eval)   # the last evaluation may be the best
+        return stopped, last_eval, last_eval_step, run
 
     def _profile_row(self, step_seconds: float):
         """Print the last step's time per op group and record it in metrics.jsonl."""
@@ -672,43 +789,83 @@ class Trainer:
             self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {_fmt(row['loss'])} "
                      f"lr {lr:.2e} grad_norm {_fmt(row['grad_norm'], '.3f')} {window.tokens_per_s:.0f} tok/s")
 
-    def _early_stop(self, loss) -> bool:
+    def _early_stop(self, result: dict) -> bool:
+        """Track the best validation loss (with early stopping, also its trainable tensors, in memory); True
+        when early_stop_patience evaluations in a row did not improve on it."""
         h = self.history
+        loss = result["loss"]
         if loss is None:
             return False
         if h["best_valid_loss"] is None or loss < h["best_valid_loss"]:
-            h["best_valid_loss"] = float(loss)
-            h["evals_without_improvement"] = 0
+            h.update(best_valid_loss=float(loss), best_valid_perplexity=_num(result["perplexity"]), best_step=self.step,
+                     evals_without_improvement=0)
+            if self.config.early_stop_patience:
+                self._best = (self.step, {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()})
             return False
         h["evals_without_improvement"] += 1
         patience = self.config.early_stop_patience
         return bool(patience) and h["evals_without_improvement"] >= patience
 
-    def _finish(self, stopped: str, last_eval, run: _Window, wall: float) -> dict:
+    def _finish(self, stopped: str, last_eval, last_eval_step: int, run: _Window, wall: float) -> dict:
         cfg = self.config
         h = self.history
         interrupted = stopped == "interrupted"
+        if interrupted and self.step == self._start_step:
+            self._discard()
+            ckpt = self.resumed_from
+            self.log("interrupted before the first step: nothing trained"
+                     + (f"; resume with --resume {shlex.quote(str(ckpt))}" if ckpt else ""))
+            return self._summary(stopped, None, None, None, ckpt, run, wall)
+        ckpt = (self.save_checkpoint() if self.last_saved_step != self.step
+                else self.out / "checkpoints" / checkpoint.checkpoint_name(self.step))
+        adapter_step = self.step
+        after = last_eval if last_eval_step == self.step else None   # only an evaluation of what is written
+        best = h["best_step"]
+        if cfg.early_stop_patience and not interrupted and best is not None and best != self.step:
+            if self._best is not None and self._best[0] == best:
+                adapter_step = best
+                self.engine.set_trainable(self._best[1])
+                after = {"loss": h["best_valid_loss"], "perplexity": h["best_valid_perplexity"]}
+                self.log(f"writing the weights of step {best}, the best validation loss "
+                         f"({_fmt(h['best_valid_loss'])}); the checkpoint of step {self.step} holds the last ones")
+            else:
+                self.log(f"the best validation loss was at step {best}, whose weights were not kept across the "
+                         f"resume; writing those of step {self.step}")
         em_after = None
-        if self.eval_generate and not interrupted:
+        if self.eval_generate and not interrupted and not self._stop_requested:
             em_after = self.exact_match()
-            self._exact_match_row(em_after, "after")
-        ckpt = None
-        if self.step > 0:
-            ckpt = (self.save_checkpoint() if self.last_saved_step != self.step
-                    else self.out / "checkpoints" / checkpoint.checkpoint_name(self.step))
+            self._exact_match_row(em_after, "after", adapter_step)
+        summary = self._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
+        try:
             if cfg.method == "lora":
                 self.model.save_adapter(self.out)
             else:
                 self.model.save_pretrained(self.out)
-        summary = {
-            "steps": self.step, "epochs": self.epoch_float(), "stopped": stopped, "interrupted": interrupted,
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}; the checkpoint "
+                              f"{ckpt} holds the run") from None
+        self._metrics.flush()
+        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        if interrupted:
+            self.log(f"stopped at step {self.step}; resume with --resume {shlex.quote(str(ckpt))}")
+        return summary
+
+    def _summary(self, stopped: str, adapter_step, after, em_after, ckpt, run: _Window, wall: float) -> dict:
+        """The run's summary; `after` and `em_after` are the evaluation and exact match of the weights written
+        (those of adapter_step; None when nothing was written)."""
+        cfg = self.config
+        h = self.history
+        return {
+            "steps": self.step, "epochs": self.epoch_float(), "stopped": stopped,
+            "interrupted": stopped == "interrupted", "adapter_step": adapter_step,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "wall_time_s": round(wall, 3),
             "train_time_s": round(run.time, 3), "tokens_per_s": round(run.tokens_per_s, 2) if run.time else None,
             "train_loss_first": h["train_loss_first"], "train_loss_last": run.last_loss,
             "valid_loss_before": h["valid_loss_before"], "valid_perplexity_before": h["valid_perplexity_before"],
-            "valid_loss_after": _num(last_eval["loss"]) if last_eval else None,
-            "valid_perplexity_after": _num(last_eval["perplexity"]) if last_eval else None,
-            "best_valid_loss": h["best_valid_loss"],
+            "valid_loss_after": _num(after["loss"]) if after else None,
+            "valid_perplexity_after": _num(after["perplexity"]) if after else None,
+            "best_valid_loss": h["best_valid_loss"], "best_step": h["best_step"],
             "exact_match_before": h["exact_match_before"],
             "exact_match_after": em_after["exact_match"] if em_after else None,
             "exact_match_split": self.held_out()[0] if self.eval_generate else None,
@@ -722,12 +879,19 @@ class Trainer:
             "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self._metrics.flush()
-        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
-        if interrupted:
-            self.log(f"stopped at step {self.step}" + (f"; resume with --resume {ckpt}" if ckpt else ""))
-        return summary
+
+    def _discard(self):
+        """Remove what this invocation wrote (see _prepare_out) when it trained nothing, and the output folder
+        when it made it and nothing else is there."""
+        if self._metrics is not None:
+            self._metrics.close()
+        for path in self._written:
+            path.unlink(missing_ok=True)
+        if self._made_out:
+            try:
+                self.out.rmdir()
+            except OSError:
+                pass
 
 
 def plot_losses(metrics_path, png_path) -> bool:
@@ -774,4 +938,5 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
 
 
 __all__ = ["TrainConfig", "Trainer", "finetune", "split_batch", "count_trainable", "list_checkpoints",
-           "find_checkpoint", "plot_losses", "default_model_dir", "default_data_dir", "describe_device"]
+           "find_checkpoint", "plot_losses", "default_model_dir", "default_data_dir", "describe_device",
+           "run_folder", "run_settings"]
