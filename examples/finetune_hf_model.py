@@ -31,7 +31,7 @@ def main():
         max_seq_len=args.max_seq_len, overwrite=args.overwrite,
         base_dtype=args.base_dtype, embed_dtype=args.embed_dtype,
         lora_rank=16, lora_alpha=32, lora_targets="all-linear",   # adapt every linear layer
-        lr=2e-4, lr_schedule="cosine", warmup_steps=10,
+        lr=2e-4, lr_schedule="cosine", warmup_steps=min(10, args.max_steps - 1) if args.max_steps else 10,
         batch_size=2, grad_accum=4,                               # 8 samples per optimizer step
         eval_generate=False, no_progress=True,
     )
