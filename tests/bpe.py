@@ -7,12 +7,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def train_bpe(corpus, vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (offsets stay meaningful) trained on corpus (repeated three times)."""
+def train_bpe(corpus, vocab_size: int, specials=SPECIALS) -> Tokenizer:
+    """A byte-level BPE (offsets stay meaningful) trained on corpus (repeated three times), whose first ids are
+    the `specials` (default: ChatML's; Llama/Mistral-like vocabularies pass ["<unk>", "<s>", "</s>", ...])."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(corpus) * 3, trainer)
     return tok

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 from bpe import train_bpe
+from chat_templates import MISTRAL_NEMO, MISTRAL_V3, QWEN3
 from wgpu_train.data import (
     IGNORE_INDEX, BatchStream, Example, load_jsonl, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
     tokenize_example,
@@ -79,10 +80,26 @@ FORMAT_CASES = [
     ("chat", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                            {"role": "assistant", "content": "A"}]},
      [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]),
+    ("chat", {"messages": [{"role": "system", "content": " "}, {"role": "user", "content": "U"},
+                           {"role": "assistant", "content": "A"}]},  # an empty system message is no system message
+     [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "U1"},
+                                                        {"type": "text", "text": " U2"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "A"}]}]},  # OpenAI content parts
+     [{"role": "user", "content": "U1 U2"}, {"role": "assistant", "content": "A"}]),
+    ("chat", {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "U"},
+                                {"from": "gpt", "value": "A"}]},  # ShareGPT
+     [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]),
     ("completions", {"prompt": "P", "completion": "C"},
-     [{"role": "user", "content": "P"}, {"role": "assistant", "content": "C"}]),
+     [{"role": "user", "content": "P", "raw_separator": ""}, {"role": "assistant", "content": "C"}]),
     ("alpaca", {"instruction": "I", "input": "X", "output": "O"},
      [{"role": "user", "content": "I\n\nX"}, {"role": "assistant", "content": "O"}]),
+    ("alpaca", {"instruction": "I", "input": "X", "output": "O", "prompt": "Below is an instruction. I X", "text": "T"},
+     [{"role": "user", "content": "I\n\nX"}, {"role": "assistant", "content": "O"}]),  # a rendered prompt beside it
+    ("instruction", {"instruction": "I", "input": "X", "response": "R"},
+     [{"role": "user", "content": "I\n\nX"}, {"role": "assistant", "content": "R"}]),
+    ("instruction", {"instruction": "I", "context": "C", "response": "R", "category": "closed_qa"},  # Dolly
+     [{"role": "user", "content": "I\n\nC"}, {"role": "assistant", "content": "R"}]),
     ("alpaca", {"instruction": "I", "input": "", "output": "O"},
      [{"role": "user", "content": "I"}, {"role": "assistant", "content": "O"}]),
     ("instruction", {"instruction": "I", "response": "R", "system": "S"},
@@ -123,6 +140,9 @@ BAD_LINES = [
     ({"messages": [{"role": "assistant", "content": "A"}]}, "must start with a user message"),
     ({"messages": [{"role": "user", "content": "U"}, {"role": "system", "content": "S"},
                    {"role": "assistant", "content": "A"}]}, "system message may only come first"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                   {"role": "assistant", "content": "A"}]}, "content part of type 'image_url'; only text parts"),
+    ({"conversations": [{"from": "human", "value": "U"}, {"from": "bot", "value": "A"}]}, "is from 'bot'"),
     ({"prompt": "P", "completion": "C"}, "looks like completions format"),
     ({"text": "T"}, "looks like text format"),
 ]
@@ -169,6 +189,15 @@ def test_skip_invalid_detects_format_after_bad_first_lines(tmp_path):
     assert (records, fmt, skipped) == (["a", "b"], "text", 3)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"])
+def test_utf16_file_is_named(tmp_path, encoding):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "caf\u00e9"}) + "\n", encoding=encoding)
+    with pytest.raises(DataError) as e:
+        load_jsonl(path)
+    assert str(e.value) == f"{path}: the file is UTF-16 encoded; save it as UTF-8"
+
+
 def test_empty_missing_and_all_invalid_files(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load_jsonl(tmp_path / "missing.jsonl")
@@ -211,6 +240,29 @@ def test_held_out_valid_is_deterministic_by_seed(tmp_path):
     write_jsonl(folder / "train.jsonl", rows)
     assert resolve_data(folder, valid_split=0.25, seed=3).valid == a.valid
     assert resolve_data(path, valid_split=0.0, seed=3).valid == []
+
+
+def test_records_keep_their_file_and_line_through_the_split(tmp_path):
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(10)]
+    path = write_jsonl(tmp_path / "all.jsonl", ["", *rows])  # the blank first line counts
+    splits = resolve_data(path, valid_split=0.3, seed=2)
+    assert splits.valid_held_out
+    for record in splits.train + splits.valid:
+        assert record.source == f"{path}:{int(record[0]['content'][1:]) + 2}"
+    texts, _, _ = load_jsonl(write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}, {"text": "b"}]))
+    assert texts == ["a", "b"] and [t.source for t in texts] == [f"{tmp_path / 't.jsonl'}:{i}" for i in (1, 2)]
+
+
+@pytest.mark.parametrize("name", ["validation.jsonl", "val.jsonl", "dev.jsonl"])
+def test_other_validation_file_names(tmp_path, name):
+    write_jsonl(tmp_path / "train.jsonl", [{"text": f"t{i}"} for i in range(5)])
+    write_jsonl(tmp_path / name, [{"text": "v"}])
+    splits = resolve_data(tmp_path, valid_split=0.5)
+    assert splits.valid == ["v"] and not splits.valid_held_out and splits.files["valid"] == str(tmp_path / name)
+    write_jsonl(tmp_path / "valid.jsonl", [{"text": "w"}])
+    with pytest.raises(DataError) as e:
+        resolve_data(tmp_path)
+    assert str(e.value) == f"{tmp_path}: found valid.jsonl and {name}; keep one validation file"
 
 
 def test_resolve_errors(tmp_path):
@@ -324,6 +376,114 @@ def test_template_rendering_past_turns_differently(tmp_path, backend):
     assert trained_text(thinking, ex) == "hello, the cat<|im_end|><think>\n\n</think>\n\nit is four.<|im_end|>"
 
 
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+MISTRAL_CHATS = [
+    [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is the capital of france"},
+     {"role": "assistant", "content": "paris"}],
+    # answers that the questions also hold, and a question asked twice
+    [{"role": "system", "content": "answer the question briefly."}, {"role": "user", "content": "say hello world"},
+     {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "say hello world"},
+     {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "what is two plus two?"},
+     {"role": "assistant", "content": " it is four. "}],
+    SINGLE,
+]
+
+
+@pytest.mark.parametrize("template,assistant", [
+    (MISTRAL_V3, '{{- " " + message["content"]|trim + eos_token}}'),
+    (MISTRAL_NEMO, '{{- message["content"] + eos_token}}'),
+], ids=["v3", "nemo"])
+def test_mistral_templates_train_only_answers(tmp_path, template, assistant):
+    """Mistral's system message goes into the last user turn only, so no rendered prompt is a prefix of the
+    conversation: still only each answer and its </s> are trained, as transformers' assistant mask says of the same
+    template with {% generation %} around the answer."""
+    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    backend = train_bpe(CORPUS + ["what is the capital of france? paris. say hello world"], 400,
+                        specials=MISTRAL_SPECIALS)
+    ours = make_tokenizer(tmp_path / "m", backend, template=template, bos_token="<s>", eos_token="</s>")
+    tagged = template.replace(assistant, "{%- generation %}" + assistant + "{%- endgeneration %}")
+    assert tagged != template
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token="<s>",
+                                              eos_token="</s>")
+    for messages in MISTRAL_CHATS:
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ex = tokenize_example(ours, messages, max_seq_len=512)
+        assert ex.input_ids.tolist() == list(out["input_ids"])
+        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+    ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
+    assert trained_text(ours, ex).strip() == "paris</s>"
+
+
+def test_qwen3_reasoning_turns(tmp_path, backend):
+    """Qwen3 renders past answers without their thinking: those train the answer after </think>, one that held only
+    thinking is not trained, and the last keeps its thinking, which is trained."""
+    transformers = pytest.importorskip("transformers", reason="transformers renders the oracle text")
+    qwen = make_tokenizer(tmp_path / "q", backend, template=QWEN3, eos_token="<|im_end|>")
+    messages = [
+        {"role": "user", "content": "what is two plus two?"},
+        {"role": "assistant", "content": "<think>two and two</think>it is four."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "<think>\nonly thinking\n</think>\n\n"},
+        {"role": "user", "content": "the cat"},
+        {"role": "assistant", "content": "<think>a cat</think>the cat sat on the mat."},
+    ]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=QWEN3, eos_token="<|im_end|>")
+    text = hf.apply_chat_template(messages, tokenize=False)
+    assert "two and two" not in text and "only thinking" not in text
+    ex = tokenize_example(qwen, messages, max_seq_len=512)
+    assert ex.input_ids.tolist() == qwen.encode(text)
+    assert trained_text(qwen, ex) == (
+        "it is four.<|im_end|><think>\na cat\n</think>\n\nthe cat sat on the mat.<|im_end|>")
+    last = tokenize_example(qwen, messages, max_seq_len=512, train_on_last_turn=True)
+    assert trained_text(qwen, last) == "<think>\na cat\n</think>\n\nthe cat sat on the mat.<|im_end|>"
+
+
+def test_generation_prompt_that_past_answers_lack(tmp_path, backend):
+    """Like DeepSeek-R1's template: asking for an answer adds "<think>\n", which rendered answers do not have; the
+    answer starts right after the shared beginning, also when the question holds the answer's text."""
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|im_start|>' + m['content'] }}"
+                "{% else %}{{ '<|im_start|>assistant:\n' + m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant:\n<think>\n' }}{% endif %}")
+    r1 = make_tokenizer(tmp_path / "r1", backend, template=template)
+    messages = [{"role": "user", "content": "say\nhello world"}, {"role": "assistant", "content": "hello world"},
+                {"role": "user", "content": "the cat\n"}, {"role": "assistant", "content": "the cat sat."}]
+    ex = tokenize_example(r1, messages, max_seq_len=512)
+    assert trained_text(r1, ex) == "hello world<|im_end|>the cat sat.<|im_end|>"
+
+
+def test_fallback_for_base_vocabularies_ends_answers_with_eos(tmp_path):
+    """A base model (Llama-2, Mistral-7B-v0.1) has no template and no <|im_end|> token: answers end with its EOS."""
+    backend = train_bpe(CORPUS, 340, specials=["<unk>", "<s>", "</s>"])
+    base = make_tokenizer(tmp_path / "base", backend, template=None, bos_token="<s>", eos_token="</s>")
+    eos = base.token_to_id("</s>")
+    ex = tokenize_example(base, MULTI, max_seq_len=512)
+    trained = ex.labels[ex.labels != IGNORE_INDEX]
+    assert trained[-1] == eos and (trained == eos).sum() == 2
+    assert trained_text(base, ex) == "hello, the cat</s>it is four.</s>"
+    assert eos in base.stop_token_ids
+
+
+def test_template_refusal_names_file_and_line(tmp_path):
+    backend = train_bpe(CORPUS, 340, specials=MISTRAL_SPECIALS)
+    mistral = make_tokenizer(tmp_path / "m", backend, template=MISTRAL_V3, bos_token="<s>", eos_token="</s>")
+    rows = [{"messages": SINGLE}] * 9
+    rows[3] = {"messages": [{"role": "user", "content": "hello"}] + SINGLE}  # two user turns in a row
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    splits = resolve_data(path, valid_split=0.3, seed=0)
+    errors = []
+    for records in (splits.train, splits.valid):  # wherever the split put line 4
+        try:
+            tokenize_dataset(mistral, records, 64)
+        except DataError as e:
+            errors.append(str(e))
+    assert errors == [f"{path}:4: chat template refused the conversation: After the optional system message, "
+                      "conversation roles must alternate user/assistant/user/assistant/..."]
+    stats = [tokenize_dataset(mistral, records, 64, skip_invalid=True)[1] for records in (splits.train, splits.valid)]
+    assert sum(st.n_skipped for st in stats) == 1 and sum(st.n_examples for st in stats) == 8
+    with pytest.raises(DataError, match=r"^record 1: chat template refused"):  # records built in code
+        tokenize_dataset(mistral, [SINGLE, rows[3]["messages"]], 64)
+
+
 def test_token_straddling_the_answer_start_is_trained(tmp_path, backend):
     # the generation prompt ends in a space, so the answer's first token " the" starts inside the prompt
     template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
@@ -355,7 +515,7 @@ def test_raw_text_mode(tok):
                 {"role": "assistant", "content": " it is four."}]
     ex = tokenize_example(tok, messages, max_seq_len=512, use_chat_template=False)
     prompt = raw_prompt_text(messages)
-    assert prompt == "answer briefly.\n\ntwo plus two?"
+    assert prompt == "answer briefly.\n\ntwo plus two?\n\n"
     ids, offsets = tok.encode_with_offsets(prompt + " it is four.")
     assert ex.input_ids.tolist() == ids + [tok.eos_token_id]
     n_prompt = sum(1 for _, e in offsets if e <= len(prompt))
@@ -370,8 +530,33 @@ def test_raw_text_multi_turn(tok):
     eos = tok.eos_token_id
     assert (ex.input_ids == eos).sum() == 2 and ex.input_ids[-1] == eos
     assert trained_text(tok, ex) == "hello, the cat<|endoftext|>it is four.<|endoftext|>"
+    assert tok.decode(ex.input_ids, skip_special_tokens=False) == (
+        "answer briefly.\n\nhello world\n\nhello, the cat<|endoftext|>"
+        "what is two plus two?\n\nit is four.<|endoftext|>")
     last = tokenize_example(tok, MULTI, max_seq_len=512, use_chat_template=False, train_on_last_turn=True)
     assert trained_text(tok, last) == "it is four.<|endoftext|>"
+
+
+def test_raw_mode_separator_and_generation_prompt(tmp_path, tok):
+    from wgpu_train.commands import prompt_ids
+    from wgpu_train.evaluate import generation_prompt
+
+    # chat (and Alpaca, instruction) data: a blank line between the prompt and the answer, in the prompt we generate
+    # from as well: evaluation's and the generate command's prompts are the untrained prefix
+    ex = tokenize_example(tok, SINGLE, max_seq_len=512, use_chat_template=False)
+    assert tok.decode(ex.input_ids, skip_special_tokens=False) == "what is two plus two?\n\nit is four.<|endoftext|>"
+    assert trained_text(tok, ex) == "it is four.<|endoftext|>"
+    prefix = ex.input_ids[:int(np.argmax(ex.labels != IGNORE_INDEX))].tolist()
+    assert generation_prompt(tok, SINGLE, use_chat_template=False) == prefix
+    assert prompt_ids(tok, "what is two plus two?", chat_template=False) == prefix
+    # completions data: prompt and completion concatenated as given
+    rows = [{"prompt": "the cat sat on the", "completion": " mat"}]
+    (record,), _, _ = load_jsonl(write_jsonl(tmp_path / "c.jsonl", rows))
+    ex = tokenize_example(tok, record, max_seq_len=512, use_chat_template=False)
+    assert ex.input_ids.tolist() == tok.encode("the cat sat on the mat") + [tok.eos_token_id]
+    assert trained_text(tok, ex) == " mat<|endoftext|>"
+    assert raw_prompt_text(record) == "the cat sat on the"
+    assert generation_prompt(tok, record, use_chat_template=False) == tok.encode("the cat sat on the")
 
 
 def test_plain_text_all_trained(tok):
@@ -528,5 +713,21 @@ def test_batch_stream_resume():
         first = [x.input_ids.tolist() for _, _, x in taken[:per_epoch]]
         second = [x.input_ids.tolist() for x in stream.epoch_batches(1)]
         assert first != second
-    with pytest.raises(DataError, match="n_examples"):
+    with pytest.raises(ConfigError) as e:
         BatchStream(examples[:5], 3, seed=9).load_state_dict(state)
+    assert str(e.value).startswith("the training data changed since the checkpoint (13 examples then, 5 now)")
+
+
+def test_batch_stream_refuses_changed_data():
+    examples = fake_examples([3 + (i * 7) % 11 for i in range(13)])
+    state = json.loads(json.dumps(BatchStream(examples, 3, seed=9).state_dict()))
+    same = fake_examples([3 + (i * 7) % 11 for i in range(13)])
+    BatchStream(same, 3, seed=9).load_state_dict(state)  # equal data, other objects
+    changed = fake_examples([3 + (i * 7) % 11 for i in range(13)])
+    changed[6].labels[-1] = IGNORE_INDEX  # one label
+    with pytest.raises(ConfigError) as e:
+        BatchStream(changed, 3, seed=9).load_state_dict(state)
+    assert str(e.value).startswith("the training data changed since the checkpoint") and "\n" not in str(e.value)
+    # a state saved before fingerprints existed is only checked by its number of examples
+    old = {k: v for k, v in state.items() if k != "fingerprint"}
+    BatchStream(changed, 3, seed=9).load_state_dict(old)

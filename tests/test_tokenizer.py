@@ -8,7 +8,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from bpe import train_bpe
 from wgpu_train.errors import DataError, ModelFileError
-from wgpu_train.tokenizer import CHATML_TEMPLATE, StreamDecoder, load_tokenizer
+from wgpu_train.tokenizer import CHATML_EOS_TEMPLATE, CHATML_TEMPLATE, StreamDecoder, load_tokenizer
 
 CORPUS = [
     "hello world, the cat sat on the mat.",
@@ -97,6 +97,20 @@ def test_special_tokens_as_dicts_and_pad_fallback(tmp_path, backend):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "DEF"
 
 
+def test_template_list_without_default_is_refused(tmp_path, backend):
+    templates = [{"name": "tool_use", "template": "TOOLS"}, {"name": "rag", "template": "RAG"}]
+    folder = write_folder(tmp_path / "m", backend, {"eos_token": "<|endoftext|>", "chat_template": templates})
+    with pytest.raises(ModelFileError) as e:
+        load_tokenizer(folder)
+    assert str(e.value) == (f'{folder / "tokenizer_config.json"}: chat_template lists the templates rag, tool_use '
+                            'but none named "default"')
+    transformers = pytest.importorskip("transformers", reason="transformers' refusal is the reference")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
+                                              chat_template={t["name"]: t["template"] for t in templates})
+    with pytest.raises(ValueError, match="no default"):
+        hf.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+
+
 def test_eos_from_generation_config_and_jinja_file_precedence(tmp_path, backend):
     im_end, eot = backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")
     folder = write_folder(tmp_path / "m", backend, {"chat_template": "OLD"},
@@ -150,6 +164,20 @@ def test_chatml_fallback(tmp_path, backend):
     assert tok.token_to_id("<|im_end|>") in tok.stop_token_ids
 
 
+def test_fallback_for_vocabularies_without_chatml_closes_answers_with_eos(tmp_path, caplog):
+    backend = train_bpe(CORPUS, 300, specials=["<unk>", "<s>", "</s>"])
+    tok = load_tokenizer(write_folder(tmp_path / "m", backend, {"bos_token": "<s>", "eos_token": "</s>"}))
+    assert tok.chat_template == CHATML_EOS_TEMPLATE and tok.token_to_id("<|im_end|>") is None
+    assert tok.stop_token_ids == [backend.token_to_id("</s>")]
+    msgs = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    with caplog.at_level("WARNING", logger="wgpu_train"):
+        text = tok.apply_chat_template(msgs)
+        tok.apply_chat_template(msgs[:1], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA</s>\n"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["the tokenizer has no chat template: using ChatML, each answer closed by the EOS token </s>"]
+
+
 def test_chatml_fallback_adds_bos_when_post_processor_does(tmp_path):
     backend = build_backend()
     backend.post_processor = processors.TemplateProcessing(
@@ -196,6 +224,17 @@ def test_matches_transformers(tmp_path, backend, template):
         for gen in (False, True):
             expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
             assert ours.apply_chat_template(messages, add_generation_prompt=gen) == expected
+
+
+def test_tools_and_documents_are_none_as_in_transformers(tmp_path, backend):
+    transformers = pytest.importorskip("transformers", reason="transformers is the oracle for chat templates")
+    template = ("{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template)
+    ours = load_tokenizer(write_folder(tmp_path / "m", backend, {"chat_template": template}))
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False) == "user: hi\n"
+    assert ours.apply_chat_template(messages, tools=[{"name": "f"}]) == "[TOOLS]user: hi\n"
 
 
 def test_reads_folder_saved_by_transformers(tmp_path, backend):

@@ -3,10 +3,11 @@ with a resumable batch stream for the trainer."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -14,33 +15,58 @@ from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.tokenizer import Tokenizer
 
 __all__ = [
-    "IGNORE_INDEX", "FORMATS", "Message", "Record", "DataSplits", "Example", "TokenizeStats", "Batch", "BatchStream",
-    "load_jsonl", "resolve_data", "raw_prompt_text", "tokenize_example", "tokenize_dataset", "make_batches",
-    "collate", "pack_examples",
+    "IGNORE_INDEX", "FORMATS", "RAW_SEPARATOR", "VALID_FILES", "Message", "Record", "Conversation", "Text",
+    "DataSplits", "Example", "TokenizeStats", "Batch", "BatchStream", "load_jsonl", "resolve_data", "raw_prompt_text",
+    "tokenize_example", "tokenize_dataset", "make_batches", "collate", "pack_examples",
 ]
 
 IGNORE_INDEX = -100  # label of a position that carries no loss (transformers' convention)
 ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+RAW_SEPARATOR = "\n\n"  # between prompt and response in raw (no chat template) mode, except for completions data
+VALID_FILES = ("valid.jsonl", "validation.jsonl", "val.jsonl", "dev.jsonl")  # names of a folder's validation split
 
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+# {"role": "system" | "user" | "assistant", "content": str}; the user message of completions data also holds
+# "raw_separator": "" (raw mode continues its prompt directly, see raw_prompt_text)
+Message = dict
 Record = Union[list, str]  # a conversation (list of Message) or, for the "text" format, a plain string
 
-# format name -> (required string fields, optional string fields); "chat" is checked separately
+# format name -> (required string fields, optional string fields); "chat" is checked separately. The optional
+# "input" (Alpaca) and "context" (Dolly) are more prompt text: they follow the instruction after a blank line.
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "chat": (("messages",), ()),
     "completions": (("prompt", "completion"), ("system",)),
-    "alpaca": (("instruction", "output"), ("input", "system")),
-    "instruction": (("instruction", "response"), ("system",)),
+    "alpaca": (("instruction", "output"), ("input", "context", "system")),
+    "instruction": (("instruction", "response"), ("input", "context", "system")),
     "text": (("text",), ()),
 }
 
 _SHAPES = {
-    "chat": '{"messages": [...]}',
+    "chat": '{"messages": [...]} or {"conversations": [...]}',
     "completions": '{"prompt", "completion"}',
     "alpaca": '{"instruction", "input"?, "output"}',
     "instruction": '{"instruction", "response", "system"?}',
     "text": '{"text"}',
 }
+
+
+class Conversation(list):
+    """A record's messages that remember where they were read: `source` is "file:line" ("" when built in code)."""
+
+    def __init__(self, messages: Iterable[Message] = (), source: str = "") -> None:
+        super().__init__(messages)
+        self.source = source
+
+
+class Text(str):
+    """A plain-text record that remembers where it was read: `source` is "file:line"."""
+
+    source: str
+
+    def __new__(cls, text: str, source: str = "") -> "Text":
+        obj = super().__new__(cls, text)
+        obj.source = source
+        return obj
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,14 +80,15 @@ class _BadLine(Exception):
 def _detect_format(obj: Any) -> str:
     if not isinstance(obj, dict):
         raise _BadLine(f"expected a JSON object, got {type(obj).__name__}")
-    if "messages" in obj:
+    if "messages" in obj or "conversations" in obj:
         return "chat"
-    if "prompt" in obj or "completion" in obj:
-        return "completions"
+    # before "prompt": Alpaca-style rows may carry a pre-rendered prompt of the same instruction
     if "instruction" in obj and "output" in obj:
         return "alpaca"
     if "instruction" in obj and "response" in obj:
         return "instruction"
+    if "prompt" in obj or "completion" in obj:
+        return "completions"
     if "instruction" in obj:
         return "alpaca" if "input" in obj else "instruction"  # reported below as a missing field
     if "text" in obj:
@@ -90,22 +117,56 @@ def _optional_string(obj: dict, key: str) -> str | None:
     return value if value.strip() else None
 
 
+def _message_content(m: dict, key: str, k: int) -> str:
+    """Message k's content: a string, or OpenAI-style parts [{"type": "text", "text": ...}] whose texts are joined."""
+    value = m.get(key)
+    if value is None:
+        raise _BadLine(f'missing field "{key}" in message {k}')
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _BadLine(f'field "{key}" in message {k} must be a string or a list of text parts, '
+                       f"got {type(value).__name__}")
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"type {kind!r}" if kind is not None else "no type"
+            raise _BadLine(f"message {k} has a content part of {what}; only text parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise _BadLine(f'a text part of message {k} has no string "text"')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _convert_chat(obj: dict) -> list[Message]:
-    messages = obj["messages"]
+    key = "messages" if "messages" in obj else "conversations"
+    messages = obj[key]
     if not isinstance(messages, list) or not messages:
-        raise _BadLine('"messages" must be a non-empty list')
+        raise _BadLine(f'"{key}" must be a non-empty list')
     out: list[Message] = []
     for k, m in enumerate(messages):
-        where = f" in message {k}"
         if not isinstance(m, dict):
             raise _BadLine(f"message {k} must be an object with role and content")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _BadLine(f"message {k} has role {role!r}; roles must be system, user or assistant")
-        if role == "system" and k != 0:
+        if "role" not in m and "from" in m:  # ShareGPT: {"from": "human" | "gpt" | "system", "value": ...}
+            role = SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None
+            content_key = "value"
+            if role is None:
+                raise _BadLine(f"message {k} is from {m['from']!r}; ShareGPT messages must be from human, gpt "
+                               "or system")
+        else:
+            role, content_key = m.get("role"), "content"
+            if role not in ROLES:
+                raise _BadLine(f"message {k} has role {role!r}; roles must be system, user or assistant")
+        content = _message_content(m, content_key, k)
+        if not content.strip():
+            if role == "system":
+                continue  # an empty system message is no system message
+            raise _BadLine(f'field "{content_key}" in message {k} is empty')
+        if role == "system" and out:
             raise _BadLine(f"message {k}: a system message may only come first")
-        out.append({"role": role, "content": _string_field(m, "content", where)})
-    first = 1 if out[0]["role"] == "system" else 0
+        out.append({"role": role, "content": content})
+    first = 1 if out and out[0]["role"] == "system" else 0
     if len(out) <= first or out[first]["role"] != "user":
         raise _BadLine("the conversation must start with a user message (after an optional system message)")
     if not any(m["role"] == "assistant" for m in out):
@@ -123,19 +184,24 @@ def _convert(obj: Any, fmt: str) -> Record:
         return _convert_chat(obj)
     if fmt == "text":
         return _string_field(obj, "text")
-    required, _ = FORMATS[fmt]
-    prompt_key, response_key = required
+    (prompt_key, response_key), optional = FORMATS[fmt]
     user = _string_field(obj, prompt_key)
     response = _string_field(obj, response_key)
-    if fmt == "alpaca":
-        extra = obj.get("input")
-        if extra is not None and not isinstance(extra, str):
-            raise _BadLine(f'field "input" must be a string, got {type(extra).__name__}')
-        if extra and extra.strip():
-            user = user + "\n\n" + extra
+    extras = [_optional_string(obj, key) for key in optional if key != "system"]
+    user = "\n\n".join([user] + [extra for extra in extras if extra is not None])
     system = _optional_string(obj, "system")
     messages = [{"role": "system", "content": system}] if system is not None else []
-    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+    prompt = {"role": "user", "content": user}
+    if fmt == "completions":
+        prompt["raw_separator"] = ""  # a completion continues its prompt as given
+    return messages + [prompt, {"role": "assistant", "content": response}]
+
+
+def _is_utf16(raw: bytes) -> bool:
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return True
+    head = raw[:64]  # without a byte order mark: ASCII JSON has a zero byte before or after every character
+    return len(head) >= 4 and (not head[0::2].strip(b"\x00") or not head[1::2].strip(b"\x00"))
 
 
 def load_jsonl(path: str | Path, skip_invalid: bool = False) -> tuple[list[Record], str, int]:
@@ -143,6 +209,7 @@ def load_jsonl(path: str | Path, skip_invalid: bool = False) -> tuple[list[Recor
 
     The format is detected from the first valid line and every other line must match it. A bad line raises
     DataError "file:line: problem", or is skipped and counted when `skip_invalid`. Blank lines are ignored.
+    Records are Conversation or Text objects whose `source` is their "file:line".
     """
     path = Path(path)
     if not path.is_file():
@@ -153,6 +220,8 @@ def load_jsonl(path: str | Path, skip_invalid: bool = False) -> tuple[list[Recor
         raise DataError(f"{path}: cannot read ({e.strerror})") from None
     if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
         raw = raw[3:]
+    elif _is_utf16(raw):
+        raise DataError(f"{path}: the file is UTF-16 encoded; save it as UTF-8")
 
     records: list[Record] = []
     fmt: str | None = None
@@ -179,7 +248,8 @@ def load_jsonl(path: str | Path, skip_invalid: bool = False) -> tuple[list[Recor
             skipped += 1
             continue
         fmt = line_fmt
-        records.append(record)
+        source = f"{path}:{lineno}"
+        records.append(Text(record, source) if isinstance(record, str) else Conversation(record, source))
     if n_lines == 0:
         raise DataError(f"{path}: empty file")
     if not records:
@@ -198,13 +268,14 @@ class DataSplits:
     format: str
     n_skipped: int = 0
     files: dict[str, str] = field(default_factory=dict)  # split -> file it came from
-    valid_held_out: bool = False  # valid was carved out of train, not read from valid.jsonl
+    valid_held_out: bool = False  # valid was carved out of train, not read from a validation file
 
 
 def resolve_data(path: str | Path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False) -> DataSplits:
-    """Find the splits of a dataset: `path` is a JSONL file, or a folder with train.jsonl and optionally
-    valid.jsonl and test.jsonl. Without valid.jsonl a fraction `valid_split` of train, chosen with
-    np.random.default_rng(seed), is held out as valid (train keeps its file order)."""
+    """Find the splits of a dataset: `path` is a JSONL file, or a folder with train.jsonl, optionally one
+    validation file (valid.jsonl, validation.jsonl, val.jsonl or dev.jsonl) and test.jsonl. Without a validation
+    file a fraction `valid_split` of train, chosen with np.random.default_rng(seed), is held out as valid (train
+    keeps its file order). Every record keeps its "file:line" source through the split."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
@@ -214,7 +285,10 @@ def resolve_data(path: str | Path, valid_split: float = 0.1, seed: int = 0, skip
         train_file = path / "train.jsonl"
         if not train_file.is_file():
             raise DataError(f"{path}: folder has no train.jsonl")
-        valid_file, test_file = path / "valid.jsonl", path / "test.jsonl"
+        found = [path / name for name in VALID_FILES if (path / name).is_file()]
+        if len(found) > 1:
+            raise DataError(f"{path}: found {' and '.join(f.name for f in found)}; keep one validation file")
+        valid_file, test_file = (found[0] if found else None), path / "test.jsonl"
     else:
         train_file, valid_file, test_file = path, None, None
 
@@ -275,22 +349,20 @@ class TokenizeStats:
     n_examples: int = 0
     n_truncated: int = 0
     n_dropped: int = 0  # nothing left to train on after truncation
+    n_skipped: int = 0  # refused by the chat template, with skip_invalid
     n_tokens: int = 0
     n_trained_tokens: int = 0
 
 
 def raw_prompt_text(messages: Sequence[Message]) -> str:
-    """The prompt text of raw (no chat template) mode: non-assistant contents joined by a blank line.
-    The response follows it directly, then the EOS token; generation should use this same prompt."""
-    return "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """The prompt text of raw (no chat template) mode: the non-assistant contents joined by blank lines, then the
+    separator the response follows, RAW_SEPARATOR (a blank line), or none when the last of them says
+    "raw_separator": "" (completions data: prompt and completion are concatenated as given). The trainer appends
+    the response and the EOS token; generation uses this same prompt."""
+    prompts = [m for m in messages if m["role"] != "assistant"]
+    if not prompts:
+        return ""
+    return "\n\n".join(m["content"] for m in prompts) + prompts[-1].get("raw_separator", RAW_SEPARATOR)
 
 
 def _in_span(tok_start: int, tok_end: int, start: int, end: int) -> bool:
@@ -302,56 +374,86 @@ def _in_span(tok_start: int, tok_end: int, start: int, end: int) -> bool:
     return start <= tok_start < end
 
 
-def _assistant_span(tokenizer: Tokenizer, messages: Sequence[Message], i: int) -> tuple[str, int, int]:
-    """Render messages[:i + 1] (message i from the assistant); return the text and the char span [start, end) of
-    the assistant part: from the end of the generation prompt through the token that closes the turn."""
-    prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False)
-    # Templates that render a past assistant turn unlike a final one break the prefix; keep what they share.
-    start = len(prompt) if full.startswith(prompt) else _common_prefix_len(prompt, full)
-    content = messages[i]["content"]
-    at = full.find(content, start)
-    if at < 0:
-        at = full.find(content.strip(), start)
-        content = content.strip()
-    after = at + len(content) if at >= 0 else start
-    end = -1
-    for marker in tokenizer.end_of_turn_strings():
-        pos = full.find(marker, after)
-        if pos >= 0 and (end < 0 or pos + len(marker) < end):
-            end = pos + len(marker)
-    if end < 0:  # the template closes turns with nothing we know: train up to the last visible character
-        end = len(full.rstrip())
-    return full, start, max(end, start)
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _prompt_end(prompt: str, text: str) -> int:
+    """Where the generation prompt `prompt` ends in `text`, the rendered conversation. Usually the prompt is a
+    prefix of it, but some templates render the context differently once an answer follows: Mistral v3 writes the
+    system message into the last user turn only, DeepSeek-R1 opens the answer with <think> only when asking for
+    one. Then the answer starts after the beginning both share and the longest ending of the prompt that the
+    text continues with there (Mistral: the last user message and [/INST]; DeepSeek-R1: nothing)."""
+    if text.startswith(prompt):
+        return len(prompt)
+    c = _common_prefix_len(prompt, text)
+    rest = prompt[c:]
+    k = text.rfind(rest[-1], c, c + len(rest))  # the overlap text[c:k + 1] ends with the prompt's last character
+    while k >= c:
+        if rest.endswith(text[c:k + 1]):
+            return k + 1
+        k = text.rfind(rest[-1], c, k)
+    return c
+
+
+def _find_content(text: str, content: str, start: int) -> tuple[int, int] | None:
+    """Where, from `start` on, the text holds an assistant content as templates render it: as given, stripped,
+    or (reasoning models drop past thinking) only the answer after </think>, stripped."""
+    variants = [content, content.strip()]
+    if "</think>" in content:
+        variants.append(content.rsplit("</think>", 1)[1].strip())
+    for v in variants:
+        at = text.find(v, start) if v else -1
+        if at >= 0:
+            return at, at + len(v)
+    return None
+
+
+def _first_marker(text: str, markers: Sequence[str], start: int) -> tuple[int, int] | None:
+    """The char span of the first end-of-turn marker from `start` on."""
+    best = None
+    for marker in markers:
+        pos = text.find(marker, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, pos + len(marker))
+    return best
+
+
+def _assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: str) -> list[tuple[int, int, int]]:
+    """(message index, start, end) of each assistant turn: the char span in `text` (the rendered conversation)
+    from where the generation prompt ends through the token that closes the turn. A turn whose content the
+    template drops entirely (a past reasoning turn that held only thinking) has no span."""
+    markers = tokenizer.end_of_turn_strings()
+    spans: list[tuple[int, int, int]] = []
+    cursor = 0
+    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
+        start = _prompt_end(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True), text)
+        if start < cursor:
+            raise DataError(f"cannot locate assistant turn {i} in the rendered chat template text")
+        found = _find_content(text, messages[i]["content"], start)
+        first = _first_marker(text, markers, start)
+        if found is not None and first is not None and found[0] > first[0]:
+            found = None  # that text belongs to a later turn
+        closing = _first_marker(text, markers, found[1]) if found is not None else first
+        if found is None and not text[start:closing[0] if closing else len(text)].strip():
+            continue  # dropped by the template: nothing of it to learn
+        # through the closing token; without one, through the content (or all that is left when it was reformatted)
+        end = closing[1] if closing else found[1] if found else len(text.rstrip())
+        spans.append((i, start, end))
+        cursor = end
+    return spans
 
 
 def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message],
                   train_on_last_turn: bool) -> tuple[list[int], list[int]]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if train_on_last_turn:
-        turns = turns[-1:]
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for i in turns:
-        part, start, end = _assistant_span(tokenizer, messages, i)
-        if text.startswith(part[:end]):
-            span = (start, end)
-        else:
-            # Past turns render differently inside the whole conversation (e.g. thinking stripped): find the
-            # turn's text, or failing that its content through the end of turn, after the previous turn.
-            piece = part[start:end]
-            at = text.find(piece, cursor)
-            if at < 0:
-                inner = part.find(messages[i]["content"], start)
-                piece = part[inner:end] if 0 <= inner < end else ""
-                at = text.find(piece, cursor) if piece else -1
-            if at < 0:
-                raise DataError(f"cannot locate assistant turn {i} in the rendered chat template text")
-            span = (at, at + len(piece))
-        spans.append(span)
-        cursor = span[1]
-
+    last = len(messages) - 1  # the conversation ends with its last answer
+    spans = [(start, end) for i, start, end in _assistant_spans(tokenizer, messages, text)
+             if i == last or not train_on_last_turn]
     ids, offsets = tokenizer.encode_with_offsets(text)
     labels = [IGNORE_INDEX] * len(ids)
     k = 0
@@ -368,8 +470,8 @@ def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message],
 
 def _raw_example(tokenizer: Tokenizer, messages: Sequence[Message],
                  train_on_last_turn: bool) -> tuple[list[int], list[int]]:
-    """Raw mode: per assistant turn, prompt text (raw_prompt_text of the turns since the last answer) directly
-    followed by the response, then the EOS id."""
+    """Raw mode: per assistant turn, the prompt text (raw_prompt_text of the turns since the last answer, which
+    ends with the separator) directly followed by the response, then the EOS id."""
     eos = tokenizer.eos_token_id
     bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
     ids: list[int] = list(bos)
@@ -407,9 +509,11 @@ def tokenize_example(tokenizer: Tokenizer, messages: Record, max_seq_len: int, u
 
     Conversations: only assistant responses are trained (every assistant turn, or only the last with
     `train_on_last_turn`), each with the token that closes it (e.g. <|im_end|>), found from character offsets of
-    the rendered chat template (ChatML when the tokenizer has none). With `use_chat_template=False`, raw text:
-    prompt (see raw_prompt_text) + response + EOS. Plain text records: every token plus an appended EOS.
-    Longer than `max_seq_len` is truncated; returns None when no trained token survives.
+    the rendered chat template (a ChatML fallback when the tokenizer has none). A turn the template drops
+    entirely (Qwen3 keeps only the answer after </think> of past turns: one that held only thinking) is not
+    trained. With `use_chat_template=False`, raw text: prompt (see raw_prompt_text) + response + EOS. Plain text
+    records: every token plus an appended EOS. Longer than `max_seq_len` is truncated; returns None when no
+    trained token survives. A conversation the chat template refuses raises DataError.
     """
     if max_seq_len < 2:
         raise ConfigError(f"max_seq_len must be at least 2, got {max_seq_len}")
@@ -434,15 +538,22 @@ def tokenize_example(tokenizer: Tokenizer, messages: Record, max_seq_len: int, u
 
 
 def tokenize_dataset(tokenizer: Tokenizer, records: Sequence[Record], max_seq_len: int, use_chat_template: bool = True,
-                     train_on_last_turn: bool = False) -> tuple[list[Example], TokenizeStats]:
-    """Tokenize every record (see tokenize_example); returns the kept examples and counts of what happened."""
+                     train_on_last_turn: bool = False,
+                     skip_invalid: bool = False) -> tuple[list[Example], TokenizeStats]:
+    """Tokenize every record (see tokenize_example); returns the kept examples and counts of what happened.
+
+    A record the chat template refuses raises DataError "file:line: ..." (its source; "record k" for records
+    built in code), or is skipped and counted in n_skipped when `skip_invalid`."""
     stats = TokenizeStats(n_records=len(records))
     examples: list[Example] = []
     for k, record in enumerate(records):
         try:
             ex = tokenize_example(tokenizer, record, max_seq_len, use_chat_template, train_on_last_turn)
         except DataError as e:
-            raise DataError(f"record {k}: {e}") from None
+            if skip_invalid:
+                stats.n_skipped += 1
+                continue
+            raise DataError(f"{getattr(record, 'source', '') or f'record {k}'}: {e}") from None
         if ex is None:
             stats.n_dropped += 1
             continue
@@ -591,6 +702,7 @@ class BatchStream:
         self.epoch = 0
         self.position = 0  # index of the next batch within the epoch
         self._cache: tuple[int, list[Batch]] | None = None
+        self._fingerprint: str | None = None
 
     def epoch_batches(self, epoch: int) -> list[Batch]:
         """All batches of `epoch` (deterministic in seed and epoch)."""
@@ -616,14 +728,33 @@ class BatchStream:
             self.epoch += 1
             self.position = 0
 
+    def fingerprint(self) -> str:
+        """A hash of every example's token ids and labels, in order: equal only for the same training data."""
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            for ex in self.examples:
+                h.update(np.int64(len(ex)).tobytes())
+                h.update(np.ascontiguousarray(ex.input_ids, dtype=np.int32).tobytes())
+                h.update(np.ascontiguousarray(ex.labels, dtype=np.int64).tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
     def state_dict(self) -> dict[str, Any]:
-        """Position of the stream, JSON-serialisable."""
+        """Position of the stream and the fingerprint of its data, JSON-serialisable."""
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "n_examples": len(self.examples), "batch_size": self.batch_size, "pack": self.pack}
+                "n_examples": len(self.examples), "batch_size": self.batch_size, "pack": self.pack,
+                "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a state_dict() of a stream over the same examples and settings."""
-        for key, now in (("n_examples", len(self.examples)), ("batch_size", self.batch_size), ("pack", self.pack)):
+        """Continue from a state_dict() of a stream over the same examples and settings; ConfigError when the
+        data differ (states saved before fingerprints existed are checked by their number of examples)."""
+        n, now = state.get("n_examples", len(self.examples)), len(self.examples)
+        if n != now or state.get("fingerprint", self.fingerprint()) != self.fingerprint():
+            detail = (f"{n} examples then, {now} now" if n != now else
+                      "other token ids or labels: the records, tokenizer, chat template or max_seq_len differ")
+            raise ConfigError(f"the training data changed since the checkpoint ({detail}); "
+                              "resume with the data it was trained on")
+        for key, now in (("batch_size", self.batch_size), ("pack", self.pack)):
             if key in state and state[key] != now:
                 raise DataError(f"cannot resume the data stream: it was saved with {key}={state[key]}, now {now}")
         self.seed = int(state.get("seed", self.seed))

@@ -4,6 +4,7 @@ rendered the way transformers renders them (sandboxed jinja2), plus an increment
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -17,7 +18,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from wgpu_train.errors import DataError, ModelFileError
 
-__all__ = ["CHATML_TEMPLATE", "END_OF_TURN_TOKENS", "StreamDecoder", "Tokenizer", "load_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "CHATML_EOS_TEMPLATE", "END_OF_TURN_TOKENS", "StreamDecoder", "Tokenizer",
+           "load_tokenizer"]
+
+log = logging.getLogger("wgpu_train")
 
 # Used when the tokenizer ships no template. The BOS line only fires for tokenizers whose post-processor
 # adds a BOS (Llama-style), so that such models still see the token they were pretrained with.
@@ -25,6 +29,17 @@ CHATML_TEMPLATE = (
     "{% if add_bos_token and bos_token %}{{ bos_token }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The fallback for vocabularies without a <|im_end|> token (base models such as Llama-2 or Mistral-7B-v0.1): the
+# same layout as plain text, but each answer closed by the EOS token, so that the model learns to stop.
+CHATML_EOS_TEMPLATE = (
+    "{% if add_bos_token and bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{{ (eos_token if message['role'] == 'assistant' else '<|im_end|>') + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -125,18 +140,19 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 def _pick_template(value: Any, path: Path) -> str | None:
-    """tokenizer_config's chat_template: a string, or a list of {name, template} where "default" wins."""
+    """tokenizer_config's chat_template: a string, or a list of {name, template} whose "default" is used (a list
+    without one is refused, as transformers refuses it)."""
     if value is None:
         return None
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        chosen = named.get("default")
-        if chosen is None and named:
-            chosen = next(iter(named.values()))
-        if isinstance(chosen, str):
-            return chosen
+        if "default" not in named and named:
+            names = ", ".join(sorted(str(n) for n in named))
+            raise ModelFileError(f"{path}: chat_template lists the templates {names} but none named \"default\"")
+        if isinstance(named.get("default"), str):
+            return named["default"]
     raise ModelFileError(f"{path}: chat_template must be a string or a list of {{name, template}}")
 
 
@@ -171,6 +187,8 @@ class Tokenizer:
                 stops.append(i)
         self.stop_token_ids: list[int] = stops
         self.add_bos_token: bool = self._post_processor_adds_bos()
+        # ChatML's end of turn is no token of base vocabularies: their fallback closes answers with EOS instead
+        self._chatml_native = len(self._tok.encode("<|im_end|>", add_special_tokens=False).ids) == 1
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -219,19 +237,27 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str:
-        """The template `apply_chat_template` renders: the folder's own, or the ChatML fallback."""
-        return self._template_source if self._template_source is not None else CHATML_TEMPLATE
+        """The template `apply_chat_template` renders: the folder's own, or a ChatML fallback (CHATML_TEMPLATE
+        when <|im_end|> is a token of the vocabulary, else CHATML_EOS_TEMPLATE, whose answers end with EOS)."""
+        if self._template_source is not None:
+            return self._template_source
+        return CHATML_TEMPLATE if self._chatml_native or self.eos_token is None else CHATML_EOS_TEMPLATE
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
                             **kwargs: Any) -> str:
         """Render `messages` ([{"role", "content"}, ...]) to text exactly as transformers'
-        apply_chat_template(messages, tokenize=False) does; extra keyword arguments become template variables."""
+        apply_chat_template(messages, tokenize=False) does; extra keyword arguments become template variables.
+        The first render with a fallback template logs a warning."""
         if self._template is None:
             try:
                 self._template = _compile_template(self.chat_template)
             except jinja2.TemplateSyntaxError as e:
                 raise ModelFileError(f"chat template does not compile: {e.message} (line {e.lineno})") from None
-        variables: dict[str, Any] = {}
+            if self._template_source is None:
+                log.warning("the tokenizer has no chat template: using ChatML"
+                            + ("" if self.chat_template == CHATML_TEMPLATE
+                               else f", each answer closed by the EOS token {self.eos_token}"))
+        variables: dict[str, Any] = {"tools": None, "documents": None}  # as transformers passes them
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             value = getattr(self, name)
             if value is not None:
@@ -246,9 +272,10 @@ class Tokenizer:
             raise DataError(f"chat template refused the conversation: {e}") from None
 
     def end_of_turn_strings(self) -> list[str]:
-        """Strings that may close an assistant turn in rendered chat text: the EOS and known end-of-turn tokens."""
+        """Strings that may close an assistant turn in rendered chat text: the EOS and the stop tokens (which hold
+        the known end-of-turn tokens of this vocabulary)."""
         out: list[str] = []
-        for t in [self.eos_token, *(self._tok.id_to_token(i) for i in self.stop_token_ids), *END_OF_TURN_TOKENS]:
+        for t in [self.eos_token, *(self._tok.id_to_token(i) for i in self.stop_token_ids)]:
             if t and t not in out:
                 out.append(t)
         return out
