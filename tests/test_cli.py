@@ -8,6 +8,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,7 +97,7 @@ def test_command_line_over_toml_over_defaults(tmp_path):
     assert cfg.lr == 0.1 and cfg.pack is False            # command line
     assert cfg.batch_size == 3 and cfg.max_steps == 7     # TOML
     assert cfg.lora_targets == "all-linear"
-    assert cfg.epochs == TrainConfig().epochs and cfg.out == "wgpu-train-out"   # defaults
+    assert cfg.epochs == TrainConfig().epochs and cfg.output_dir() == Path("wgpu-train-out")   # defaults
     cfg = resolve_train_config(build_parser().parse_args(["finetune", "--max-steps", "none", "--rslora",
                                                           "--gradient-checkpointing"]))
     assert cfg.max_steps is None and cfg.rslora is True and cfg.gradient_checkpointing is True
@@ -247,12 +248,12 @@ def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, 
     captured = capsys.readouterr()
     inherited = json.loads(captured.out)
     assert (inherited["base_dtype"], inherited["embed_dtype"]) == ("nf4", "float16")
-    assert "base_dtype nf4, embed_dtype float16" in captured.err
+    assert "--base-dtype nf4, --embed-dtype float16" in captured.err
     assert main(["eval", *common, "--data", str(data), "--json", "--no-generate", "--base-dtype", "float32"]) == 0
     captured = capsys.readouterr()
     chosen = json.loads(captured.out)
     assert (chosen["base_dtype"], chosen["embed_dtype"]) == ("float32", "float16")
-    assert "embed_dtype float16" in captured.err and "nf4" not in captured.err
+    assert "--embed-dtype float16" in captured.err and "nf4" not in captured.err
     assert chosen["loss"] != inherited["loss"]
     # a checkpoint (its folder, or the adapter inside it) is read the same way, from its trainer_state.json
     ckpt = out / "checkpoints" / "step-000002"
@@ -269,7 +270,7 @@ def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, 
     assert printed == tok.decode([i for i in ids if i not in tok.stop_token_ids]) + "\n"
     # merge adds the update to the original float32 weights, not to the NF4-rounded ones
     assert main(["merge", "--model", str(model_dir), "--adapter-path", str(out), "--out", str(tmp_path / "m")]) == 0
-    assert "base weights stored" not in capsys.readouterr().err
+    assert "settings of the run" not in capsys.readouterr().err
     merged = read_safetensors(tmp_path / "m" / "model.safetensors")
     base = read_safetensors(model_dir / "model.safetensors")
     assert all(np.array_equal(merged[k], base[k]) for k in base if "q_proj" not in k and "v_proj" not in k)
@@ -286,3 +287,156 @@ def test_merge(trained, workspace, tmp_path, capsys):
     adapted.load_adapter(trained)
     ids = np.array([[5, 40, 77, 12, 9]])
     np.testing.assert_allclose(load_model(out).logits(ids), adapted.logits(ids), rtol=1e-4, atol=1e-4)
+
+
+# ---- run settings: epochs against a recipe's max_steps, resume, the adapter's prompt settings ---------------
+
+def test_epochs_given_drop_the_recipes_max_steps(capsys, tmp_path):
+    """The default run's recipe sets max_steps, which would silently win over --epochs; --epochs alone drops
+    it, and both given keep max_steps (TrainConfig's meaning) with a note."""
+    cfg = resolve_train_config(build_parser().parse_args(["finetune", "--epochs", "2"]))
+    assert (cfg.epochs, cfg.max_steps) == (2, None) and cfg.lora_targets == "all-linear"   # the rest of the recipe
+    assert resolve_train_config(build_parser().parse_args(["finetune"])).max_steps == 150
+    toml = tmp_path / "e.toml"
+    toml.write_text("epochs = 1\n")
+    assert resolve_train_config(build_parser().parse_args(["finetune", "--config", str(toml)])).max_steps is None
+    capsys.readouterr()
+    cfg = resolve_train_config(build_parser().parse_args(["finetune", "--config", str(toml), "--max-steps", "5"]))
+    assert (cfg.epochs, cfg.max_steps) == (1, 5)
+    assert capsys.readouterr().err == "note: max_steps 5 overrides epochs 1 (both given; epochs is ignored when " \
+                                      "max_steps is set)\n"
+
+
+def test_toml_key_in_both_spellings(capsys, tmp_path):
+    toml = tmp_path / "twice.toml"
+    toml.write_text("lora-rank = 4\nlora_rank = 8\n")
+    one_line_error(capsys, ["finetune", "--config", str(toml)], "'lora-rank' and 'lora_rank' are the same key")
+
+
+def test_resume_takes_the_runs_settings(trained, workspace, tmp_path, capsys):
+    """--resume alone continues the run as it was configured (model, data, LoRA, lr, batch) in its folder;
+    options given win, and --epochs given replaces the run's max_steps."""
+    model_dir, data = workspace
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    for path in (run, run / "checkpoints", run / "checkpoints" / "step-000003"):
+        cfg = resolve_train_config(build_parser().parse_args(["finetune", "--resume", str(path), "--lr", "0.05"]))
+        assert (cfg.model, cfg.data) == (str(model_dir), str(data))
+        assert (cfg.lr, cfg.batch_size, cfg.lora_targets, cfg.max_steps) == (0.05, 3, "q_proj,o_proj", 3)
+        assert cfg.output_dir() == run and cfg.resume == str(path)
+    cfg = resolve_train_config(build_parser().parse_args(["finetune", "--resume", str(run), "--epochs", "2"]))
+    assert (cfg.epochs, cfg.max_steps) == (2, None)
+    assert main(["finetune", "--resume", str(run), "--max-steps", "4", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("step-000003")
+    assert json.loads((run / "train_config.json").read_text())["lora_targets"] == "q_proj,o_proj"
+
+
+def test_generate_and_eval_follow_the_runs_prompt_settings(workspace, tmp_path, capsys):
+    """An adapter trained on raw text (--no-chat-template) with --train-on-last-turn and --max-seq-len is
+    evaluated and asked the same way, said in one line on stderr; --chat-template etc. choose otherwise."""
+    model_dir, data = workspace
+    out = tmp_path / "raw"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--backend", "numpy",
+                 "--max-steps", "2", "--no-chat-template", "--train-on-last-turn", "--max-seq-len", "24",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    common = ["--model", str(model_dir), "--backend", "numpy", "--data", str(data), "--json", "--max-new-tokens", "4"]
+    for path in (out, out / "checkpoints" / "step-000002"):
+        assert main(["eval", *common, "--adapter-path", str(path)]) == 0
+        captured = capsys.readouterr()
+        result = json.loads(captured.out)
+        assert (result["chat_template"], result["train_on_last_turn"], result["max_seq_len"]) == (False, True, 24)
+        assert [line for line in captured.err.splitlines() if "settings" in line] == [
+            "settings of the run that trained the adapter (options given here win): --no-chat-template, "
+            "--train-on-last-turn, --max-seq-len 24"]
+    assert main(["eval", *common, "--adapter-path", str(out), "--chat-template", "--no-train-on-last-turn",
+                 "--max-seq-len", "64"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert (result["chat_template"], result["train_on_last_turn"], result["max_seq_len"]) == (True, False, 64)
+    assert "settings of the run" not in captured.err
+
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir)
+    model.load_adapter(out)
+    answers = {chat: tok.decode([i for i in model.generate(prompt_ids(tok, "after red 1?", chat_template=chat),
+                                                             max_new_tokens=6, stop_token_ids=tok.stop_token_ids)
+                                 if i not in tok.stop_token_ids]) for chat in (False, True)}
+    assert answers[False] != answers[True]           # so that the prompt's form shows in the answer
+    for option, chat in ((), False), (("--chat-template",), True):
+        assert main(["generate", "--model", str(model_dir), "--adapter-path", str(out), "--backend", "numpy",
+                     "--prompt", "after red 1?", "--max-new-tokens", "6", *option]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == answers[chat] + "\n"
+        assert ("--no-chat-template" in captured.err) == (not chat)
+
+
+# ---- positions, merge into an existing folder, bad numbers --------------------------------------------------
+
+def test_generate_within_the_models_positions(workspace, capsys):
+    """The answer shares the model's max_position_embeddings (128) with the prompt: an explicit
+    --max-new-tokens beyond what fits is capped with a note, the default silently, and a prompt that fills
+    the positions by itself is refused in one line."""
+    model_dir, _ = workspace
+    tok = load_tokenizer(model_dir)
+    prompt = "red " * 40
+    room = 128 - len(prompt_ids(tok, prompt))
+    assert 0 < room < 100
+    base = ["generate", "--model", str(model_dir), "--backend", "numpy", "--prompt", prompt, "--temperature", "1",
+            "--top-k", "5"]
+    assert main(base + ["--max-new-tokens", "100"]) == 0
+    assert capsys.readouterr().err == (f"note: --max-new-tokens 100 capped to {room}: the prompt's {128 - room} "
+                                       f"tokens and the answer share the model's 128 positions\n")
+    assert main(base) == 0
+    assert capsys.readouterr().err == ""
+    one_line_error(capsys, ["generate", "--model", str(model_dir), "--backend", "numpy", "--prompt", "red " * 200],
+                   "the model takes at most 128 (max_position_embeddings)")
+
+
+def test_merge_refuses_an_existing_model_folder(trained, workspace, tmp_path, capsys):
+    """merge --out refuses a folder holding a model, an adapter or a run, unchanged; --overwrite removes the
+    stale shards, their index, config, adapter and tokenizer files first, so the folder holds exactly the
+    merged model (and files of its own); --out may not be the adapter itself."""
+    model_dir, _ = workspace
+    merge = ["merge", "--model", str(model_dir), "--adapter-path", str(trained)]
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for name in ("model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "config.json", "adapter_config.json", "chat_template.jinja"):
+        (out / name).write_text("{}")
+    before = folder_state(out)
+    one_line_error(capsys, merge + ["--out", str(out)],
+                   f"--out {out} already holds adapter_config.json, config.json, model-00001-of-00002.safetensors, "
+                   f"model-00002-of-00002.safetensors, model.safetensors.index.json; pass --overwrite")
+    assert folder_state(out) == before
+    assert main(merge + ["--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "notes.txt", "tokenizer.json", "tokenizer_config.json"]
+    adapted = load_model(model_dir)
+    adapted.load_adapter(trained)
+    ids = np.array([[5, 40, 77, 12, 9]])
+    np.testing.assert_allclose(load_model(out).logits(ids), adapted.logits(ids), rtol=1e-4, atol=1e-4)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000001").mkdir(parents=True)
+    one_line_error(capsys, merge + ["--out", str(run)], "already holds checkpoints/")
+    before = folder_state(trained)
+    one_line_error(capsys, merge + ["--out", str(trained), "--overwrite"], "--out must differ from the adapter folder")
+    assert folder_state(trained) == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--max-samples", "-1"], "argument --max-samples: must be at least 0, got -1"),
+    (["eval", "--max-new-tokens", "-1"], "argument --max-new-tokens: must be at least 1, got -1"),
+    (["eval", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["eval", "--max-seq-len", "1"], "argument --max-seq-len: must be at least 2, got 1"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "-3"], "must be at least 1, got -3"),
+    (["generate", "--prompt", "hi", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
+    (["eval", "--batch-size", "two"], "invalid int value: 'two'"),
+    (["bench", "--only", "nosuch"], "--only 'nosuch' selects no benchmark; the names are gemm, gemm_quant, "
+                                    "training, base_weights"),
+])
+def test_bad_numbers_and_names(capsys, argv, message):
+    one_line_error(capsys, argv, message)

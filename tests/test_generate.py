@@ -1,5 +1,6 @@
 """Batched generation (generate_batch) on both engines: rows stop independently, seeded sampling per row,
-one-line errors, and exact match giving the same result whatever its batch size."""
+one-line errors, the model's positions respected, and exact match (the same whatever its batch size, reasoning
+blocks left out of the comparison, prompts too long for the positions skipped and counted)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import wgpu_train as wt
 from wgpu_train.data import load_jsonl
 from wgpu_train.errors import ConfigError, DeviceError
-from wgpu_train.evaluate import exact_match, generation_prompt
+from wgpu_train.evaluate import answer_text, exact_match, generation_prompt
 from wgpu_train.generate import generate, generate_batch
 from wgpu_train.tokenizer import load_tokenizer
 from wgpu_train.train import default_data_dir, default_model_dir
@@ -120,3 +121,85 @@ def test_exact_match_is_the_same_at_any_batch_size(rt):
     assert all(s["match"] for s in results[0]["samples"][:6])
     with pytest.raises(ConfigError, match="batch size"):
         exact_match(ref, tok, records, batch_size=0)
+
+
+def test_generate_refuses_a_batch_of_prompts(tiny):
+    """Model.generate answers one prompt: a (1, T) array is that prompt, several rows are refused (pointing to
+    generate_batch) instead of being read as one long prompt."""
+    model = wt.load_model(tiny, backend="numpy")
+    prompt = _prompts(lengths=(5,))[0]
+    assert model.generate(prompt[None], max_new_tokens=4) == model.generate(prompt, max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"one prompt of shape \(T,\), got shape \(2, 5\); use generate_batch"):
+        model.generate(np.stack([prompt, prompt]), max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"prompt 1 has shape \(1, 5\)"):
+        model.generate_batch([prompt, prompt[None]], max_new_tokens=4)
+
+
+def test_generation_stays_within_max_position_embeddings(tiny):
+    """The tiny model has 128 positions: a prompt whose length plus max_new_tokens exceeds them is refused in
+    one line (generate and generate_batch); exactly 128 is fine, and so is a max_len that ends the row in time."""
+    model = wt.load_model(tiny, backend="numpy")
+    prompt = np.arange(120) % 83
+    assert len(model.generate(prompt, max_new_tokens=8)) == 8
+    with pytest.raises(ConfigError, match=r"^the prompt has 120 tokens and max_new_tokens 9: more than the model's "
+                                          r"max_position_embeddings 128 \(at most 8 new tokens fit\)$"):
+        model.generate(prompt, max_new_tokens=9)
+    with pytest.raises(ConfigError, match="prompt 1 has 120 tokens and max_new_tokens 30"):
+        model.generate_batch([prompt[:3], prompt], max_new_tokens=30)
+    with pytest.raises(ConfigError, match=r"\(the prompt alone fills them\)"):
+        model.generate(np.arange(130) % 83, max_new_tokens=1)
+    # a full cache row ends a row with max_len - length + 1 tokens (the last one is never fed back)
+    assert [len(o) for o in model.generate_batch([prompt[:3], prompt], max_new_tokens=30, max_len=127)] == [30, 8]
+    with pytest.raises(ConfigError, match="max_position_embeddings 128"):
+        model.generate_batch([prompt[:3], prompt], max_new_tokens=30, max_len=128)
+
+
+class _Answers:
+    """A stand-in model that answers every prompt with the same text, then the stop token."""
+
+    def __init__(self, tok, text):
+        self.ids = tok.encode(text) + [tok.stop_token_ids[0]]
+
+    def generate_batch(self, prompts, max_new_tokens, temperature, stop_token_ids):
+        return [self.ids[:budget] for budget in max_new_tokens]
+
+
+def test_exact_match_leaves_a_reasoning_block_out():
+    """Qwen3's template trains an empty <think> block before every answer; the comparison leaves a leading
+    one out of the output and of the reference (and the whitespace around it), nothing else."""
+    tok = load_tokenizer(default_model_dir())
+    question = {"role": "user", "content": "Reverse the order of these words: red fox moon"}
+    records = [[question, {"role": "assistant", "content": "moon fox red"}],
+               [question, {"role": "assistant", "content": "<think>three words</think> moon fox red"}]]
+    for output in ("<think>\n\n</think>\n\nmoon fox red", " moon fox red\n", "<think>x\ny</think>moon fox red"):
+        result = exact_match(_Answers(tok, output), tok, records)
+        assert (result["correct"], result["n"]) == (2, 2), output
+        assert result["samples"][0]["output"] == output
+    for output in ("moon fox red <think></think>", "<think>moon fox red", "fox <think></think> moon fox red"):
+        assert exact_match(_Answers(tok, output), tok, records)["correct"] == 0, output
+    assert answer_text("  <think>\n</think>\n\n a b \n") == "a b" and answer_text("a <think></think>") == \
+        "a <think></think>"
+
+
+def test_exact_match_skips_prompts_too_long_for_the_positions():
+    """A prompt that leaves no room for its reference (and an end token) within max_seq_len or the model's
+    max_position_embeddings is not asked but counted in skipped_too_long; one that leaves some room is asked
+    with its budget cut to fit (here the embedded model, 256 positions, answers the short prompts right)."""
+    tok = load_tokenizer(default_model_dir())
+    model = wt.load_model(default_model_dir(), backend="numpy")
+    records = [list(r) for r in load_jsonl(default_data_dir() / "test.jsonl")[0][:3]]
+    for r in records:
+        out = model.generate(generation_prompt(tok, r), max_new_tokens=12, stop_token_ids=tok.stop_token_ids)
+        r[-1] = {"role": "assistant", "content": tok.decode([t for t in out if t not in tok.stop_token_ids])}
+    long = [{"role": "user", "content": "Reverse the order of these words: " + "red " * 300},
+            {"role": "assistant", "content": "red"}]
+    result = exact_match(model, tok, records + [long], max_new_tokens=12)
+    assert (result["n"], result["skipped_too_long"], result["correct"]) == (3, 1, 3)
+    lengths = [len(generation_prompt(tok, r)) for r in records]
+    wanted = [len(tok.encode(r[-1]["content"])) for r in records]
+    tight = max(lengths) + max(wanted) + 1          # every prompt fits with room for its answer and end token
+    result = exact_match(model, tok, records + [long], max_new_tokens=12, max_seq_len=tight)
+    assert (result["n"], result["skipped_too_long"], result["correct"]) == (3, 1, 3)
+    result = exact_match(model, tok, records, max_new_tokens=12, max_seq_len=min(lengths) + 1)
+    assert (result["n"], result["skipped_too_long"]) == (0, 3) and result["exact_match"] is None
+    assert exact_match(model, tok, records + [long], max_new_tokens=12, max_samples=2)["n"] == 2

@@ -713,3 +713,59 @@ def test_adapter_files_missing_or_cut(llama_folder, saved_adapter, tmp_path):
     _refused_adapter(llama_folder, d, "adapter_model.safetensors")
     (d / "adapter_config.json").write_text("{not json")
     _refused_adapter(llama_folder, d, "adapter_config.json")
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"r": None}, ("key 'r' must be a whole number >= 1, got null",)),
+    ({"r": "4"}, ("key 'r'", 'got "4"')),
+    ({"r": 0}, ("key 'r'", "got 0")),
+    ({"lora_alpha": "16"}, ("key 'lora_alpha' must be a number, got \"16\"",)),
+    ({"lora_dropout": None}, ("key 'lora_dropout' must be a number, got null",)),
+    ({"use_rslora": "yes"}, ("key 'use_rslora' must be true or false",)),
+    ({"bias": None}, ("key 'bias' must be a string",)),
+    ({"target_modules": None}, ("key 'target_modules' must be a list of module names or a regular expression",)),
+    ({"target_modules": ["q_proj", 3]}, ("key 'target_modules'", "got [\"q_proj\", 3]")),
+    ({"target_modules": "q_proj("}, ("target_modules 'q_proj(' is not a valid regular expression",)),
+    ([], ("must hold a JSON object, got list",)),
+])
+def test_adapter_config_values_are_checked(llama_folder, saved_adapter, tmp_path, edit, words):
+    """A value of the wrong type in adapter_config.json is refused in one line naming the key."""
+    d = copy_folder(saved_adapter, tmp_path / "a")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, **edit} if isinstance(edit, dict) else edit))
+    _refused_adapter(llama_folder, d, "adapter_config.json", *words)
+
+
+def test_peft_regex_and_path_targets_load_here(case, tmp_path):
+    """target_modules as PEFT's regular expression (re.fullmatch on module paths) or as full module paths
+    selects the same modules here as in PEFT."""
+    paths = [f"model.layers.{i}.mlp.up_proj" for i in range(case.hf.config.num_hidden_layers)]
+    for name, targets in (("regex", r".*\.(q_proj|down_proj)"), ("paths", paths)):
+        pm = peft_lora(case.hf, targets, r=2, alpha=5)
+        pm.save_pretrained(tmp_path / name)
+        model = load_model(case.folder)
+        model.load_adapter(tmp_path / name)
+        assert model.lora_config.target_modules == (("q_proj", "down_proj") if name == "regex" else ("up_proj",))
+        ids, _, _ = batch("prompt")
+        assert_close(model.logits(ids), hf_logits(pm, ids), "logits_f32", name)
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(layers_to_transform=[0]), ("not supported: layers_to_transform=[0]",)),
+    (dict(exclude_modules=["model.layers.1.self_attn.q_proj"]), ("not supported: exclude_modules",)),
+    (dict(modules_to_save=["lm_head"]), ("not supported: modules_to_save=[\"lm_head\"]",)),
+    (dict(lora_bias=True), ("not supported: lora_bias=true",)),
+    (dict(use_dora=True), ("not supported: use_dora=true",)),
+    (dict(bias="lora_only"), ("not supported: bias=\"lora_only\"",)),
+    (dict(rank_pattern={"q_proj": 2}), ("not supported: rank_pattern",)),
+    (dict(target_modules=["q_proj", "embed_tokens"]), ("not supported: target_modules", "selects model.embed_tokens")),
+    (dict(target_modules=r"model\.layers\.0\.self_attn\.(q|v)_proj"),
+     ("not supported: target_modules", "selects q_proj in layer(s) 0 of 2 only")),
+])
+@pytest.mark.filterwarnings("ignore::UserWarning")   # PEFT warns about the very settings made here on purpose
+def test_unsupported_peft_settings_refused(llama_folder, tmp_path, settings, words):
+    """Valid PEFT adapters that compute something this library does not are refused by the field's name."""
+    hf = tf.AutoModelForCausalLM.from_pretrained(llama_folder)
+    cfg = peft.LoraConfig(**{"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], **settings})
+    peft.get_peft_model(hf, cfg).save_pretrained(tmp_path)
+    _refused_adapter(llama_folder, tmp_path, "adapter_config.json", *words)

@@ -27,8 +27,9 @@ def cmd_devices(args) -> int:
 
 def cmd_bench(args) -> int:
     from .gpu import runtime
-    from .gpu.bench import format_table, run_bench
+    from .gpu.bench import check_only, format_table, run_bench
 
+    check_only(args.only)
     result = run_bench(runtime.get_runtime(args.device), only=args.only)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0

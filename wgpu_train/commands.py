@@ -40,6 +40,20 @@ def _device_options(p, storage: bool = False):
                             "else auto (float16 unless the base is float32)")
 
 
+def _whole(minimum: int):
+    """An argparse type: an int of at least `minimum` (a usage error, one line, otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
 # ---- finetune ---------------------------------------------------------------------------------------------
 
 def _unwrap(tp):
@@ -107,10 +121,14 @@ def load_toml_config(path) -> dict:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
     hints = typing.get_type_hints(TrainConfig)
     out = {}
+    spelled = {}                                  # field name -> the key that gave it
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in hints:
             raise ConfigError(f"{path}: unknown key '{key}' (the keys are the options of wgpu-train finetune)")
+        if name in spelled:
+            raise ConfigError(f"{path}: '{spelled[name]}' and '{key}' are the same key; give it once")
+        spelled[name] = key
         base, _ = _unwrap(hints[name])
         if name == "lora_targets" and isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = ",".join(value)
@@ -126,18 +144,27 @@ def load_toml_config(path) -> dict:
 
 
 def resolve_train_config(args: argparse.Namespace):
-    """TrainConfig from command line > TOML file (--config) > the embedded recipe (only for the default
-    run: no --model and no --data anywhere) > defaults."""
-    from .train import TrainConfig, default_run_values
+    """TrainConfig from the command line > TOML file (--config) > with --resume, the resumed run's settings
+    (train.run_settings: its train_config.json but how it was started; --out then defaults to the run's
+    folder) > the embedded recipe (only for the default run: no --model and no --data anywhere) > defaults.
 
-    values = load_toml_config(args.config) if getattr(args, "config", None) else {}
-    if getattr(args, "model", None) is None and getattr(args, "data", None) is None and \
-            values.get("model") is None and values.get("data") is None:
-        values = {**default_run_values(), **values}
-    for f in dataclasses.fields(TrainConfig):
-        if hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
-    return TrainConfig(**values)
+    --epochs given (command line or TOML) without --max-steps drops a max_steps that comes from the run or the
+    recipe, since max_steps would override it; when both are given, max_steps wins (TrainConfig's meaning)
+    and a note on stderr says so."""
+    from .train import TrainConfig, default_run_values, run_settings
+
+    given = load_toml_config(args.config) if getattr(args, "config", None) else {}
+    given.update((f.name, getattr(args, f.name)) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name))
+    run = run_settings(given["resume"]) if given.get("resume") else {}
+    default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data"))
+    lower = {**(default_run_values() if default_run else {}), **run}
+    if "epochs" in given:
+        if "max_steps" not in given:
+            lower.pop("max_steps", None)
+        elif given["max_steps"] is not None:
+            print(f"note: max_steps {given['max_steps']} overrides epochs {given['epochs']} (both given; "
+                  f"epochs is ignored when max_steps is set)", file=sys.stderr)
+    return TrainConfig(**{**lower, **given})
 
 
 def cmd_finetune(args) -> int:
@@ -184,49 +211,101 @@ def _adapter_base(adapter_path) -> Path | None:
     return base if str(base) not in ("", ".") and (base / "config.json").is_file() else None
 
 
-def _trained_dtypes(adapter_path) -> dict:
-    """{base_dtype, embed_dtype} of the run that wrote an adapter folder: its train_config.json (an output
-    folder), or the trainer_state.json beside it (a checkpoint's adapter/); {} when neither says."""
+# What generate / eval use for a setting that neither the command line nor the adapter's run decides.
+FALLBACKS = {"base_dtype": "float32", "embed_dtype": "auto", "no_chat_template": False, "train_on_last_turn": False,
+             "max_seq_len": 512}
+_SETTING_TYPES = {"base_dtype": str, "embed_dtype": str, "no_chat_template": bool, "train_on_last_turn": bool,
+                  "max_seq_len": int}
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def trained_settings(adapter_path) -> dict:
+    """The settings in FALLBACKS that the run which wrote an adapter folder used: its train_config.json (an
+    output folder), or for a checkpoint's adapter/ the checkpoint's trainer_state.json (the storage dtypes)
+    over its run's train_config.json; only those recorded with the right type."""
     adapter = Path(adapter_path)
-    for path in (adapter / "train_config.json", adapter.parent / "trainer_state.json"):
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(raw, dict) and isinstance(raw.get("base_dtype"), str):
-            return {k: raw[k] for k in ("base_dtype", "embed_dtype") if isinstance(raw.get(k), str)}
-    return {}
+    checkpoint = adapter.parent
+    sources = [adapter / "train_config.json"]
+    if (checkpoint / "trainer_state.json").is_file():
+        from .train import run_folder
+
+        sources = [run_folder(checkpoint) / "train_config.json", checkpoint / "trainer_state.json"]
+    found = {}
+    for path in sources:
+        found.update(_read_json_object(path))
+    return {k: found[k] for k, kind in _SETTING_TYPES.items()
+            if isinstance(found.get(k), kind) and (kind is not int or not isinstance(found[k], bool))}
 
 
-def load_model_and_tokenizer(model_arg, adapter_path, backend="auto", device=None, tokenizer=True,
-                             base_dtype=None, embed_dtype=None):
-    """(model folder, Model with the adapter loaded, Tokenizer or None) for generate / eval / merge.
-    base_dtype / embed_dtype None: as the run that wrote the adapter stored them (said on stderr when that is
-    not float32), else float32 and "auto"."""
-    from .model import load_model
-    from .tokenizer import load_tokenizer
+def _option(name: str, value) -> str:
+    """How the command line spells a setting's value (e.g. --base-dtype nf4, --no-chat-template)."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+def _as_used(settings: dict) -> dict:
+    """settings with embed_dtype "auto" resolved as the engines resolve it."""
+    from .reference.quant import check_dtypes
+
+    base, embed = check_dtypes(settings["base_dtype"], settings["embed_dtype"])
+    return {**settings, "base_dtype": base, "embed_dtype": embed}
+
+
+def choose_settings(given: dict, adapter_path) -> dict:
+    """`given` (setting -> its command-line value, None when not given; base_dtype and embed_dtype among them)
+    with each missing value taken from the run that trained the adapter (trained_settings), else from
+    FALLBACKS. One line on stderr names what the run decided where that differs from what would apply
+    without it."""
+    trained = trained_settings(adapter_path) if adapter_path is not None else {}
+    chosen = {k: v if v is not None else trained.get(k, FALLBACKS[k]) for k, v in given.items()}
+    used = _as_used(chosen)
+    plain = _as_used({k: v if v is not None else FALLBACKS[k] for k, v in given.items()})
+    taken = [_option(k, chosen[k]) for k in given if given[k] is None and k in trained and used[k] != plain[k]]
+    if taken:
+        print(f"settings of the run that trained the adapter (options given here win): {', '.join(taken)}",
+              file=sys.stderr)
+    return chosen
+
+
+def adapter_folder(adapter_path) -> Path | None:
+    """The adapter folder of --adapter-path (a checkpoint folder gives its adapter/), checked to be one."""
+    if adapter_path is None:
+        return None
+    adapter = Path(adapter_path)
+    if not adapter.is_dir():
+        raise AdapterError(f"adapter folder not found: {adapter}")
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "config.json").is_file():
+        raise AdapterError(f"{adapter} is a model folder, not an adapter: pass it as --model")
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "adapter" / "adapter_config.json").is_file():
+        return adapter / "adapter"                      # a checkpoint folder: its adapter
+    return adapter
+
+
+def model_folder(model_arg, adapter: Path | None) -> Path:
+    """--model, else the adapter's base model folder when it is on this machine, else the embedded model."""
     from .train import default_model_dir
 
-    if adapter_path is not None:
-        adapter = Path(adapter_path)
-        if not adapter.is_dir():
-            raise AdapterError(f"adapter folder not found: {adapter}")
-        if not (adapter / "adapter_config.json").is_file() and (adapter / "config.json").is_file():
-            raise AdapterError(f"{adapter} is a model folder, not an adapter: pass it as --model")
-        if not (adapter / "adapter_config.json").is_file() and (adapter / "adapter" / "adapter_config.json").is_file():
-            adapter_path = adapter / "adapter"          # a checkpoint folder: its adapter
-    model_dir = Path(model_arg) if model_arg else (adapter_path and _adapter_base(adapter_path)) or default_model_dir()
-    tokenizer = load_tokenizer(model_dir) if tokenizer else None
-    trained = _trained_dtypes(adapter_path) if adapter_path is not None else {}
-    given = {"base_dtype": base_dtype, "embed_dtype": embed_dtype}
-    chosen = {k: v or trained.get(k) or {"base_dtype": "float32", "embed_dtype": "auto"}[k] for k, v in given.items()}
-    inherited = [f"{k} {chosen[k]}" for k in chosen if given[k] is None and k in trained and chosen[k] != "float32"]
-    if inherited:
-        print(f"base weights stored as the adapter was trained: {', '.join(inherited)}", file=sys.stderr)
-    model = load_model(model_dir, backend=backend, device=device, **chosen)
-    if adapter_path is not None:
-        model.load_adapter(adapter_path)
-    return model_dir, model, tokenizer
+    return Path(model_arg) if model_arg else (adapter and _adapter_base(adapter)) or default_model_dir()
+
+
+def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
+                             base_dtype="float32", embed_dtype="auto"):
+    """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge."""
+    from .model import load_model
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir) if tokenizer else None
+    model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype, embed_dtype=embed_dtype)
+    if adapter is not None:
+        model.load_adapter(adapter)
+    return model, tok
 
 
 # ---- generate ---------------------------------------------------------------------------------------------
@@ -243,14 +322,42 @@ def prompt_ids(tokenizer, prompt: str, system: str | None = None, chat_template:
     return bos + tokenizer.encode(raw_prompt_text(messages))
 
 
+GENERATE_TOKENS = 256   # generate's --max-new-tokens default, within the model's positions
+
+
+def _chat_template_option(p, what: str):
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"{what} with the model's chat template, or (--no-chat-template) from the raw prompt text as "
+                        f"finetune --no-chat-template trains; default: as the run that wrote the adapter, else on")
+
+
+def _given_no_chat_template(args):
+    return None if args.chat_template is None else not args.chat_template
+
+
 def cmd_generate(args) -> int:
     from .tokenizer import StreamDecoder
 
     if not args.prompt:
         raise ConfigError("--prompt is empty")
-    _, model, tok = load_model_and_tokenizer(args.model, args.adapter_path, args.backend, args.device,
-                                             base_dtype=args.base_dtype, embed_dtype=args.embed_dtype)
-    ids = prompt_ids(tok, args.prompt, args.system, not args.no_chat_template)
+    adapter = adapter_folder(args.adapter_path)
+    model_dir = model_folder(args.model, adapter)
+    settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
+                                "no_chat_template": _given_no_chat_template(args)}, adapter)
+    model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
+    ids = prompt_ids(tok, args.prompt, args.system, not settings["no_chat_template"])
+    positions = model.config.max_position_embeddings
+    room = positions - len(ids)
+    if room < 1:
+        raise ConfigError(f"the prompt has {len(ids)} tokens, and the model takes at most {positions} "
+                          f"(max_position_embeddings): no room for an answer")
+    max_new = args.max_new_tokens or GENERATE_TOKENS
+    if max_new > room:
+        if args.max_new_tokens is not None:
+            print(f"note: --max-new-tokens {max_new} capped to {room}: the prompt's {len(ids)} tokens and the answer "
+                  f"share the model's {positions} positions", file=sys.stderr)
+        max_new = room
     stops = set(tok.stop_token_ids)
     decoder = StreamDecoder(tok)
 
@@ -262,7 +369,7 @@ def cmd_generate(args) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-    model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    model.generate(ids, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids, on_token=on_token)
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
@@ -274,11 +381,13 @@ def _register_generate(sub):
     _model_options(p)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="a system message before the prompt")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="use the raw prompt text instead of the chat template (as finetune --no-chat-template)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    _chat_template_option(p, "ask")
+    p.add_argument("--max-new-tokens", type=_whole(1), default=None,
+                   help=f"most tokens to generate, capped (with a note) to the positions the prompt leaves in the "
+                        f"model's max_position_embeddings (default: {GENERATE_TOKENS}, or what fits)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all (default: 0)")
+    p.add_argument("--top-k", type=_whole(0), default=0,
+                   help="sample among the k likeliest tokens; 0: all (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     _device_options(p, storage=True)
@@ -299,19 +408,28 @@ def cmd_eval(args) -> int:
     records = getattr(splits, split)
     if not records:
         raise DataError(f"{data_path}: no {split} split")
-    _, model, tok = load_model_and_tokenizer(args.model, args.adapter_path, args.backend, args.device,
-                                             base_dtype=args.base_dtype, embed_dtype=args.embed_dtype)
-    use_template = not args.no_chat_template
-    max_len = min(args.max_seq_len, model.config.max_position_embeddings)
-    examples, stats = tokenize_dataset(tok, records, max_len, use_template)
+    adapter = adapter_folder(args.adapter_path)
+    model_dir = model_folder(args.model, adapter)
+    settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
+                                "no_chat_template": _given_no_chat_template(args),
+                                "train_on_last_turn": args.train_on_last_turn, "max_seq_len": args.max_seq_len},
+                               adapter)
+    model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
+    use_template = not settings["no_chat_template"]
+    max_len = min(settings["max_seq_len"], model.config.max_position_embeddings)
+    examples, stats = tokenize_dataset(tok, records, max_len, use_template, settings["train_on_last_turn"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     result = {"data": splits.files.get(split, str(data_path)), "split": split, "format": splits.format,
-              "samples": len(examples), "dropped": stats.n_dropped, "truncated": stats.n_truncated}
+              "samples": len(examples), "dropped": stats.n_dropped, "truncated": stats.n_truncated,
+              "max_seq_len": max_len, "chat_template": use_template,
+              "train_on_last_turn": settings["train_on_last_turn"]}
     result.update(evaluate_loss(model.engine, examples, args.batch_size, pad, PAD_MULTIPLE))
     if not args.no_generate:
         em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples,
-                         batch_size=args.batch_size)
-        result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"])
+                         batch_size=args.batch_size, max_seq_len=max_len)
+        result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"],
+                      exact_match_skipped_too_long=em["skipped_too_long"])
     result.update(backend=model.backend, base_dtype=model.engine.base_dtype, embed_dtype=model.engine.embed_dtype)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -321,6 +439,8 @@ def cmd_eval(args) -> int:
     line = f"{split} ({result['data']}, {result['samples']} samples): loss {loss}, perplexity {ppl}"
     if result.get("exact_match") is not None:
         line += f", exact match {result['exact_match']:.1%} ({result['exact_match_correct']}/{result['exact_match_n']})"
+    if result.get("exact_match_skipped_too_long"):
+        line += f", {result['exact_match_skipped_too_long']} prompts too long for {max_len} positions not asked"
     print(line)
     return 0
 
@@ -333,29 +453,76 @@ def _register_eval(sub):
     p.add_argument("--split", default=None, choices=("train", "valid", "test"),
                    help="split of a dataset folder (default: test, else valid, else train; a file is one split)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per evaluation batch (default: 8)")
-    p.add_argument("--max-seq-len", type=int, default=512, help="truncate samples to this many tokens (default: 512)")
-    p.add_argument("--no-chat-template", action="store_true", help="raw prompt + response text (as in training)")
+    p.add_argument("--batch-size", type=_whole(1), default=8, help="rows per evaluation batch (default: 8)")
+    p.add_argument("--max-seq-len", type=_whole(2), default=None,
+                   help="truncate samples to this many tokens, and ask exact match only of prompts that leave room "
+                        f"for the answer within it; default: as the run that wrote the adapter, else "
+                        f"{FALLBACKS['max_seq_len']}")
+    _chat_template_option(p, "score and ask")
+    p.add_argument("--train-on-last-turn", action=argparse.BooleanOptionalAction, default=None,
+                   help="score only the last assistant turn of a multi-turn chat; default: as the run that wrote "
+                        "the adapter, else off")
     p.add_argument("--skip-invalid", action="store_true", help="skip invalid JSONL lines instead of stopping")
     p.add_argument("--no-generate", action="store_true", help="skip the exact-match generation")
-    p.add_argument("--max-samples", type=int, default=0, help="exact match on at most this many samples (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="longest generated answer (default: 64)")
+    p.add_argument("--max-samples", type=_whole(0), default=0,
+                   help="exact match on at most this many samples (0: all)")
+    p.add_argument("--max-new-tokens", type=_whole(1), default=64, help="longest generated answer (default: 64)")
     _device_options(p, storage=True)
     p.set_defaults(func=cmd_eval)
 
 
 # ---- merge ------------------------------------------------------------------------------------------------
 
+def _model_files(folder: Path) -> list[str]:
+    """The files of a model or adapter folder (config.json, *.safetensors, their index, adapter_config.json)
+    and of a run (see train.earlier_run) that `folder` holds, sorted."""
+    from .train import earlier_run
+
+    if not folder.is_dir():
+        return []
+    try:
+        found = [p.name for p in folder.iterdir()
+                 if p.name in ("config.json", "adapter_config.json") or p.name.endswith((".safetensors",
+                                                                                        ".safetensors.index.json"))]
+    except OSError as e:
+        raise ConfigError(f"cannot read {folder}: {e.strerror or e}") from None
+    return sorted(set(found) | set(earlier_run(folder)))
+
+
+def _remove_model_files(folder: Path):
+    """Remove what a loader could take for part of the merged model: its weights (model.safetensors, the
+    model-*.safetensors shards and their index), config.json, an adapter and tokenizer files (the base
+    model's are copied again). Other files stay."""
+    from .hf import TOKENIZER_FILES
+
+    names = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json",
+             "adapter_model.safetensors", *TOKENIZER_FILES)
+    for p in folder.iterdir():
+        if p.is_file() and (p.name in names or p.name.startswith("model-") and p.name.endswith(".safetensors")):
+            p.unlink()
+
+
 def cmd_merge(args) -> int:
     # Merging is weight arithmetic: the NumPy engine does it without a device. The update goes onto the
     # original weights, also for an adapter trained over float16 / NF4 ones (as PEFT merges a QLoRA
     # adapter into a 16-bit base): the merged folder carries no rounding of the base.
-    model_dir, model, _ = load_model_and_tokenizer(args.model, args.adapter_path, backend="numpy",
-                                                  tokenizer=False, base_dtype="float32", embed_dtype="float32")
+    adapter = adapter_folder(args.adapter_path)
+    model_dir = model_folder(args.model, adapter)
     out = Path(args.out)
-    if out.resolve() == Path(model_dir).resolve():
-        raise ConfigError("--out must differ from the base model folder")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    for what, folder in (("base model", model_dir), ("adapter", adapter)):
+        if out.resolve() == folder.resolve():
+            raise ConfigError(f"--out must differ from the {what} folder {folder}")
+    found = _model_files(out)
+    if found and not args.overwrite:
+        raise ConfigError(f"--out {out} already holds {', '.join(found)}; pass --overwrite to replace the model "
+                          f"files in it, or choose another --out")
+    model, _ = load_model_and_tokenizer(model_dir, adapter, backend="numpy", tokenizer=False,
+                                        base_dtype="float32", embed_dtype="float32")
     try:
+        if found:
+            _remove_model_files(out)
         model.merge_and_save(out)
     except OSError as e:
         raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
@@ -367,7 +534,13 @@ def _register_merge(sub):
     p = _add_parser(sub, "merge", "fold a LoRA adapter into its base model's original weights and write a Hugging "
                                   "Face folder")
     _model_options(p, need_adapter=True)
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for the merged model")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for the merged model; one that holds a model, an adapter or a run is refused "
+                        "unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an --out that holds a model, an adapter or a run: its model weights (shards "
+                        "and index included), config.json, adapter and tokenizer files are removed first, so that "
+                        "the model in it is exactly the merged one; other files stay")
     p.set_defaults(func=cmd_merge)
 
 

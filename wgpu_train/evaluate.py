@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 import numpy as np
@@ -65,30 +66,61 @@ def generation_prompt(tokenizer, messages: Sequence[dict], use_chat_template: bo
     return ex.input_ids[:int(trained[0])].tolist() if trained.size and trained[0] > 0 else None
 
 
-def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = True, max_new_tokens: int = 64,
-                max_samples: int = 0, keep_samples: int = 5, batch_size: int = 16) -> dict:
-    """Greedy-generate the last assistant turn of each conversation and compare it with the reference after
-    trimming whitespace. Plain-text records are skipped. Answers are generated batch_size at a time
-    (Model.generate_batch: one engine call per decoding step for the whole batch), each with its own budget.
+# A reasoning block before the answer (Qwen3's template trains an empty "<think>\n\n</think>\n\n").
+_THINK = re.compile(r"\s*<think>.*?</think>\s*", re.DOTALL)
 
-    Returns {"exact_match" (fraction, None when nothing was asked), "correct", "n", "samples"} where samples
-    holds the first `keep_samples` (prompt, reference, output) triples.
+
+def answer_text(text: str) -> str:
+    """The answer that exact match compares: `text` without a leading <think>...</think> block, trimmed."""
+    m = _THINK.match(text)
+    return (text[m.end():] if m else text).strip()
+
+
+def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = True, max_new_tokens: int = 64,
+                max_samples: int = 0, keep_samples: int = 5, batch_size: int = 16, max_seq_len: int | None = None
+                ) -> dict:
+    """Greedy-generate the last assistant turn of each conversation and compare it with the reference.
+
+    Output and reference are compared after removing a leading <think>...</think> block (a reasoning
+    template such as Qwen3's trains an empty one before every answer) and the whitespace around the answer
+    (answer_text). Plain-text records are skipped. At most `max_samples` records (0: all) are considered.
+    Answers are generated batch_size at a time (Model.generate_batch: one engine call per decoding step for
+    the whole batch), each with its own budget: max_new_tokens, at most the reference's tokens + 16, and
+    within the positions left by the prompt. The positions are max_seq_len (when given) and the model's
+    max_position_embeddings (when it has a config); a prompt that leaves no room for the reference's tokens
+    and an end token is skipped and counted in "skipped_too_long", not asked.
+
+    Returns {"exact_match" (fraction, None when nothing was asked), "correct", "n" (asked), "skipped_too_long",
+    "samples"} where samples holds the first `keep_samples` (prompt, reference, output) triples.
     """
     if batch_size < 1:
         raise ConfigError(f"exact match needs a batch size of at least 1, got {batch_size}")
+    if max_new_tokens < 1 or max_samples < 0:
+        raise ConfigError(f"exact match needs max_new_tokens >= 1 and max_samples >= 0, got {max_new_tokens} "
+                          f"and {max_samples}")
+    limits = [max_seq_len, getattr(getattr(model, "config", None), "max_position_embeddings", None)]
+    positions = min((n for n in limits if n), default=None)
     asked = []                                  # (prompt ids, reference, budget, user prompt) per sample
+    skipped = 0
     for record in records:
         if isinstance(record, str):
             continue
-        if max_samples and len(asked) >= max_samples:
+        if max_samples and len(asked) + skipped >= max_samples:
             break
         ids = generation_prompt(tokenizer, record, use_chat_template)
         if not ids:
             continue
         last = max(i for i, m in enumerate(record) if m["role"] == "assistant")
         reference = record[last]["content"]
+        wanted = len(tokenizer.encode(reference))
         # Exact match fails anyway once the answer is much longer than the reference.
-        budget = max(1, min(max_new_tokens, len(tokenizer.encode(reference)) + 16))
+        budget = min(max_new_tokens, wanted + 16)
+        if positions is not None:
+            room = positions - len(ids)
+            if room < min(max_new_tokens, wanted + 1):
+                skipped += 1
+                continue
+            budget = min(budget, room)
         asked.append((ids, reference, budget, record[last - 1]["content"] if last > 0 else ""))
     stops = set(tokenizer.stop_token_ids)
     correct = 0
@@ -101,9 +133,10 @@ def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = T
             if out and out[-1] in stops:
                 out = out[:-1]
             text = tokenizer.decode(out, skip_special_tokens=False)
-            ok = text.strip() == reference.strip()
+            ok = answer_text(text) == answer_text(reference)
             correct += int(ok)
             if len(samples) < keep_samples:
                 samples.append({"prompt": prompt, "reference": reference, "output": text, "match": ok})
     n = len(asked)
-    return {"exact_match": (correct / n) if n else None, "correct": correct, "n": n, "samples": samples}
+    return {"exact_match": (correct / n) if n else None, "correct": correct, "n": n, "skipped_too_long": skipped,
+            "samples": samples}

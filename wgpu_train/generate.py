@@ -42,14 +42,27 @@ def generate(engine, input_ids, max_new_tokens: int = 64, temperature: float = 0
     """New token ids after the prompt input_ids (T,) (prefill, then one token per step on the KV cache).
 
     Stops after max_new_tokens or at a token in stop_token_ids (which is included); `on_token(id)`
-    is called as each token is chosen, for streaming. generate_batch with this one prompt.
+    is called as each token is chosen, for streaming. generate_batch with this one prompt (a (1, T) array
+    is that prompt too; several rows are refused: generate_batch answers them).
     """
-    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        raise ConfigError("generate needs a prompt of at least one token")
+    ids = one_prompt(input_ids)
     stream = None if on_token is None else (lambda _, tok: on_token(tok))
     return generate_batch(engine, [ids], max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, max_len,
                           stream)[0]
+
+
+def one_prompt(input_ids) -> np.ndarray:
+    """The token ids (T,) of one prompt given as (T,) or (1, T); a batch of several or an empty prompt is
+    refused (generate_batch takes several)."""
+    ids = np.asarray(input_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ConfigError(f"generate takes one prompt of shape (T,), got shape {ids.shape}; use generate_batch "
+                          f"for several prompts")
+    if ids.size == 0:
+        raise ConfigError("generate needs a prompt of at least one token")
+    return ids.astype(np.int64)
 
 
 def _per_row(value, n: int, what: str) -> list:
@@ -69,17 +82,23 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
 
     max_new_tokens and seed: one value for all prompts or a list with one per prompt. A row stops at its
     budget, at a token in stop_token_ids (included), or when its cache row is full (max_len positions;
-    by default room for the longest prompt plus its budget). Row i samples from
+    by default room for the longest prompt plus its budget). A row that could reach beyond the model's
+    max_position_embeddings (its prompt plus its budget, within max_len) is refused. Row i samples from
     np.random.default_rng(seed_i) exactly as generate() does, so it gives generate(prompts[i], seed=seed_i)'s
     tokens whenever its logits come out the same; they can differ in the last bits where the engine sums
     a batch in another order than one row, which matters only at a near-tie (pass distinct seeds to draw
     independent samples of one prompt). `on_token(i, id)` is called as each token of prompt i is chosen.
     """
-    prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    prompts = [np.asarray(p) for p in prompts]
     if not prompts:
         raise ConfigError("generate_batch needs at least one prompt")
+    flat = [i for i, p in enumerate(prompts) if p.ndim != 1]
+    if flat:
+        raise ConfigError(f"generate_batch takes prompts of shape (T,) each; prompt {flat[0]} has shape "
+                          f"{prompts[flat[0]].shape}")
     if any(p.size == 0 for p in prompts):
         raise ConfigError("generate_batch needs prompts of at least one token each")
+    prompts = [p.astype(np.int64) for p in prompts]
     _check_sampling(temperature, top_k, top_p)
     b = len(prompts)
     budgets = _per_row(max_new_tokens, b, "max_new_tokens")
@@ -95,6 +114,16 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
     too_long = [i for i in running if lengths[i] > limit]
     if too_long:
         raise ConfigError(f"prompt {too_long[0]} has {lengths[too_long[0]]} tokens, more than max_len {limit}")
+    positions = engine.cfg.max_position_embeddings
+    # a row ends at its budget, or with max_len - length + 1 tokens when its cache row fills first
+    beyond = [i for i in running if min(lengths[i] + budgets[i], limit + 1) > positions]
+    if beyond:
+        i = beyond[0]
+        room = (f"at most {positions - lengths[i]} new tokens fit" if lengths[i] < positions else
+                "the prompt alone fills them")
+        raise ConfigError(f"{'the prompt' if b == 1 else f'prompt {i}'} has {lengths[i]} tokens and max_new_tokens "
+                          f"{budgets[i]}: more than the "
+                          f"model's max_position_embeddings {positions} ({room})")
     cache = engine.new_kv_cache(b, limit)
     logits = _prefill(engine, cache, prompts, running)
     stops = set(int(s) for s in (stop_token_ids or ()))

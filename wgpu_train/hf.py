@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Mapping
@@ -231,8 +232,74 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
                       metadata={"format": "pt"})
 
 
-def read_adapter(folder):
-    """(LoraConfig, tensors by PEFT key) from a PEFT adapter folder; refuses what this library cannot apply."""
+# adapter_config.json fields for what this library does not compute (DoRA, LoRA on some layers only, extra
+# trained modules, per-module ranks, ...): an adapter that sets one (to anything but null, false or empty) is
+# refused by name. init-only settings (init_lora_weights, loftq_config, eva_config, ...) do not matter here.
+UNSUPPORTED_ADAPTER_FIELDS = (
+    "use_dora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern", "layers_to_transform",
+    "layers_pattern", "exclude_modules", "modules_to_save", "target_parameters", "trainable_token_indices",
+    "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config", "kasa_config",
+    "monteclora_config", "use_bdlora")
+
+
+def _adapter_field(raw: dict, key: str, kind: str, default, cfg_path):
+    """raw[key] (default when absent) checked against kind: "int" (>= 1), "number", "bool" or "str"."""
+    value = raw.get(key, default)
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool),
+          "str": lambda v: isinstance(v, str)}[kind](value)
+    if not ok:
+        want = {"int": "a whole number >= 1", "number": "a number", "bool": "true or false", "str": "a string"}[kind]
+        got = "missing" if key not in raw else f"got {json.dumps(value)}"
+        raise AdapterError(f"{cfg_path}: key '{key}' must be {want}, {got}")
+    return value
+
+
+def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json") -> tuple[str, ...]:
+    """The module names (q_proj, ...) that PEFT's target_modules `spec` selects in a model of
+    num_hidden_layers layers, matched as PEFT matches: "all-linear"; a string is a regular expression that
+    must match a module path (model.layers.0.self_attn.q_proj) with re.fullmatch; a list entry matches a path
+    that equals it or ends with "." + entry. LoRA on the embedding or lm_head, or on a module in some layers
+    only, is refused naming it, as is a spec that selects no linear module."""
+    if spec == "all-linear":
+        return LINEAR_MODULES
+    if isinstance(spec, str):
+        try:
+            pattern = re.compile(spec)
+        except re.error as e:
+            raise AdapterError(f"{where}: target_modules {spec!r} is not a valid regular expression ({e})") from None
+
+    def selects(path: str) -> bool:
+        if isinstance(spec, str):
+            return pattern.fullmatch(path) is not None
+        return path in spec or any(path.endswith("." + t) for t in spec)
+
+    for other in ("model.embed_tokens", "lm_head"):
+        if selects(other):
+            raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
+                               f"linear layers {', '.join(LINEAR_MODULES)} only)")
+    chosen = []
+    for m in LINEAR_MODULES:
+        layers = [i for i in range(num_hidden_layers) if selects(module_path(i, m))]
+        if layers and len(layers) < num_hidden_layers:
+            raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {m} in layer(s) "
+                               f"{', '.join(map(str, layers))} of {num_hidden_layers} only (LoRA on every layer only)")
+        if layers:
+            chosen.append(m)
+    if not chosen:
+        raise AdapterError(f"{where}: target_modules {spec!r} selects none of the linear layers "
+                           f"({', '.join(LINEAR_MODULES)})")
+    return tuple(chosen)
+
+
+def read_adapter(folder, num_hidden_layers: int | None = None):
+    """(LoraConfig, tensors by PEFT key) from a PEFT adapter folder; refuses what this library cannot apply.
+
+    Every value of adapter_config.json that matters is checked for its type; a wrong one, or a setting this
+    library does not compute (UNSUPPORTED_ADAPTER_FIELDS, a bias other than "none"), raises AdapterError
+    naming the key. target_modules is resolved with adapter_targets against num_hidden_layers layers (the
+    model's; by default the layers the adapter's tensors cover)."""
     from .config import LoraConfig
     from .errors import ConfigError
 
@@ -242,29 +309,28 @@ def read_adapter(folder):
         raise AdapterError(f"no adapter_config.json in {folder}")
     try:
         raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{cfg_path}: must hold a JSON object, got {type(raw).__name__}")
     if raw.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{cfg_path}: peft_type {raw.get('peft_type')!r} is not LORA")
-    for field, ok in (("use_dora", False), ("fan_in_fan_out", False)):
-        if raw.get(field, ok) != ok:
-            raise AdapterError(f"{cfg_path}: {field}={raw[field]!r} is not supported")
-    if raw.get("bias", "none") != "none":
-        raise AdapterError(f"{cfg_path}: bias={raw['bias']!r} is not supported (only 'none')")
-    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
-        raise AdapterError(f"{cfg_path}: rank_pattern / alpha_pattern are not supported")
-    targets = raw.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = "all-linear" if targets == "all-linear" else [targets]
-    else:
-        # PEFT matches by suffix and itself writes full paths ("model.layers.0.self_attn.q_proj") for
-        # "all-linear"; the module name is the last component. load_adapter then checks every layer's tensors.
-        targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
-    try:
-        cfg = LoraConfig(r=int(raw["r"]), alpha=raw.get("lora_alpha", 8), dropout=float(raw.get("lora_dropout", 0.0)),
-                         target_modules=targets, use_rslora=bool(raw.get("use_rslora", False)))
-    except (KeyError, ConfigError) as e:
-        raise AdapterError(f"{cfg_path}: {e}") from None
+        raise AdapterError(f"{cfg_path}: peft_type {json.dumps(raw.get('peft_type'))} is not LORA")
+    for field in UNSUPPORTED_ADAPTER_FIELDS:
+        if raw.get(field) not in (None, False, [], {}, ""):
+            raise AdapterError(f"{cfg_path}: not supported: {field}={json.dumps(raw[field])}")
+    bias = _adapter_field(raw, "bias", "str", "none", cfg_path)
+    if bias != "none":
+        raise AdapterError(f"{cfg_path}: not supported: bias={json.dumps(bias)} (only \"none\")")
+    r = _adapter_field(raw, "r", "int", None, cfg_path)
+    alpha = _adapter_field(raw, "lora_alpha", "number", 8, cfg_path)
+    dropout = _adapter_field(raw, "lora_dropout", "number", 0.0, cfg_path)
+    rslora = _adapter_field(raw, "use_rslora", "bool", False, cfg_path)
+    spec = raw.get("target_modules")
+    if not (isinstance(spec, str) and spec or
+            isinstance(spec, list) and spec and all(isinstance(t, str) and t for t in spec)):
+        got = "missing" if "target_modules" not in raw else f"got {json.dumps(spec)}"
+        raise AdapterError(f"{cfg_path}: key 'target_modules' must be a list of module names or a regular "
+                           f"expression, {got}")
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise AdapterError(f"no adapter_model.safetensors in {folder}")
@@ -272,4 +338,12 @@ def read_adapter(folder):
         tensors = read_safetensors(weights)
     except ModelFileError as e:
         raise AdapterError(str(e)) from None
+    if num_hidden_layers is None:
+        layers = [int(m.group(1)) for k in tensors if (m := re.search(r"\.layers\.(\d+)\.", k))]
+        num_hidden_layers = max(layers, default=0) + 1
+    try:
+        cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout),
+                         target_modules=adapter_targets(spec, num_hidden_layers, cfg_path), use_rslora=rslora)
+    except ConfigError as e:
+        raise AdapterError(f"{cfg_path}: {e}") from None
     return cfg, tensors

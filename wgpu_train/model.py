@@ -100,10 +100,12 @@ class Model:
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed=None, stop_token_ids=(), on_token=None) -> list[int]:
-        """New token ids after the prompt (1-D ids), greedy at temperature 0, seeded sampling otherwise."""
-        from .generate import generate
+        """New token ids after one prompt (ids (T,), or (1, T)), greedy at temperature 0, seeded sampling
+        otherwise. Several prompts are refused (generate_batch answers them), and so is a prompt whose length
+        plus max_new_tokens exceeds the model's max_position_embeddings."""
+        from .generate import generate, one_prompt
 
-        ids = np.asarray(input_ids).reshape(-1)
+        ids = one_prompt(input_ids)
         self._check_ids(ids)
         return generate(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                         on_token)
@@ -112,10 +114,11 @@ class Model:
                        top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None) -> list[list[int]]:
         """New token ids after each prompt (a list of 1-D id arrays of any lengths), generated together:
         one KV cache row per prompt, one engine call per decoding step. max_new_tokens and seed may be
-        lists with one value per prompt; see generate.generate_batch for what row i shares with generate()."""
+        lists with one value per prompt; see generate.generate_batch for what row i shares with generate().
+        A prompt whose length plus its max_new_tokens exceeds the model's max_position_embeddings is refused."""
         from .generate import generate_batch
 
-        ids = [np.asarray(p).reshape(-1) for p in prompts]
+        ids = [np.asarray(p) for p in prompts]
         for p in ids:
             self._check_ids(p)
         return generate_batch(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
@@ -175,7 +178,7 @@ class Model:
 
     def load_adapter(self, directory):
         """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed."""
-        config, tensors = read_adapter(directory)
+        config, tensors = read_adapter(directory, self.config.num_hidden_layers)
         expected = {}
         for i in range(self.config.num_hidden_layers):
             for m in config.target_modules:

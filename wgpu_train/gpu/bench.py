@@ -336,6 +336,20 @@ def bench_base_weights(rt) -> list[dict]:
 
 # ---- driver ------------------------------------------------------------------------------------
 
+def bench_names() -> list[str]:
+    """The names --only selects among: kernel families and sections, in the order they run."""
+    return [*BENCHES, *SECTIONS]
+
+
+def check_only(only: str | None):
+    """Refuse an `only` that selects no bench (a ConfigError listing the names), before anything runs."""
+    from ..errors import ConfigError
+
+    if only is not None and not any(name.startswith(only) or only.startswith(name) for name in bench_names()):
+        raise ConfigError(f"--only {only!r} selects no benchmark; the names are {', '.join(bench_names())} "
+                          f"(a prefix of one, or a kernel such as gemm_nt)")
+
+
 def run_bench(rt, only: str | None = None) -> dict:
     """Measure the FMA peak, then every registered bench whose name starts with `only` (or that `only`
     starts with; all if None), then the peak again.
@@ -346,6 +360,7 @@ def run_bench(rt, only: str | None = None) -> dict:
     the measurements taken between the benches (each bench may take more through ctx["sample_peak"]()),
     so that a busy moment on a shared machine cannot make a kernel look closer to the peak than it is.
     """
+    check_only(only)
     timer = Timer(rt)
     peaks = [fma_peak(rt, timer)]
     ctx = {"timer": timer, "sample_peak": lambda: peaks.append(fma_peak(rt, timer))}
