@@ -19,7 +19,7 @@ import wgpu_train
 from conftest import require_adapter
 from finetune_helpers import folder_state, make_data_dir, make_model_dir, write_jsonl
 from wgpu_train import checkpoint as checkpoint_mod
-from wgpu_train.errors import ConfigError, DataError, ModelFileError
+from wgpu_train.errors import ConfigError, DataError, ModelFileError, WgpuTrainError
 from wgpu_train.evaluate import exact_match, generation_prompt
 from wgpu_train.hf import read_adapter, read_safetensors
 from wgpu_train.schedule import LRSchedule
@@ -803,6 +803,31 @@ class _Oracle:
         raise AssertionError(prompt)
 
 
+def test_lines_the_chat_template_refuses_name_their_line_or_are_skipped(workspace, tmp_path):
+    """A chat template that raises for some conversations: the run stops at file:line, or with skip_invalid
+    trains on the others and counts the refused ones among the skipped lines."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(workspace[0], model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('no system role') }}{% endif %}"
+                            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "data"
+    rows = [{"prompt": f"after red {i}?", "completion": f"blue {i}"} for i in range(6)]
+    rows[3] = {"system": "be brief", "prompt": "after red 3?", "completion": "blue 3"}
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", rows)
+    write_jsonl(data / "valid.jsonl", rows[:2])
+    with pytest.raises(WgpuTrainError, match=r"train.jsonl:4: chat template refused the conversation: no system role"):
+        finetune(config((model, data), tmp_path / "a", max_steps=1))
+    summary = finetune(config((model, data), tmp_path / "b", max_steps=1, skip_invalid=True))
+    assert summary["skipped_lines"] == 1 and summary["n_train"] == 5
+
+
 def test_exact_match_prompts_and_trimming(workspace):
     tok = load_tokenizer(workspace[0])
     records = [[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "right one"}],
@@ -812,7 +837,7 @@ def test_exact_match_prompts_and_trimming(workspace):
     ids = generation_prompt(tok, records[1])
     assert tok.decode(ids, skip_special_tokens=False).endswith("q2<|im_end|>\n<|im_start|>assistant\n")
     raw = generation_prompt(tok, records[0], use_chat_template=False)
-    assert tok.decode(raw, skip_special_tokens=False) == "q1"
+    assert tok.decode(raw, skip_special_tokens=False) == "q1\n\n"          # raw mode: prompt, blank line
     res = exact_match(_Oracle(tok, {"q1": "right one", "q2": "wrong"}), tok, records, max_new_tokens=32)
     assert (res["correct"], res["n"], res["exact_match"]) == (1, 2, 0.5)
     assert res["samples"][0] == {"prompt": "q1", "reference": "right one", "output": " right one \n", "match": True}

@@ -475,8 +475,9 @@ class Trainer:
         if self.max_seq_len < cfg.max_seq_len:
             self.log(f"max_seq_len: using the model's {self.max_seq_len} positions ({cfg.max_seq_len} asked)")
         args = (self.max_seq_len, not cfg.no_chat_template, cfg.train_on_last_turn)
-        self.train_examples, train_stats = tokenize_dataset(self.tokenizer, s.train, *args)
-        self.valid_examples, valid_stats = tokenize_dataset(self.tokenizer, s.valid, *args)
+        self.train_examples, train_stats = tokenize_dataset(self.tokenizer, s.train, *args, skip_invalid=cfg.skip_invalid)
+        self.valid_examples, valid_stats = tokenize_dataset(self.tokenizer, s.valid, *args, skip_invalid=cfg.skip_invalid)
+        self.n_skipped = s.n_skipped + train_stats.n_skipped + valid_stats.n_skipped   # lines, then refused chats
         self.truncated = train_stats.n_truncated + valid_stats.n_truncated
         self.dropped = train_stats.n_dropped + valid_stats.n_dropped
         top = max((int(e.input_ids.max()) for e in self.train_examples + self.valid_examples), default=0)
@@ -487,7 +488,7 @@ class Trainer:
             raise ConfigError("early_stop_patience needs validation data (valid.jsonl or valid_split > 0)")
         self.log(f"data: {s.files.get('train')} ({s.format} format): {len(self.train_examples)} train, "
                  f"{len(self.valid_examples)} valid{' (held out)' if s.valid_held_out else ''}, {len(s.test)} test"
-                 + (f"; {s.n_skipped} invalid lines skipped" if s.n_skipped else "")
+                 + (f"; {self.n_skipped} invalid lines skipped" if self.n_skipped else "")
                  + (f"; {self.truncated} truncated to {self.max_seq_len} tokens" if self.truncated else "")
                  + (f"; {self.dropped} dropped (no response token left)" if self.dropped else ""))
 
@@ -875,7 +876,7 @@ class Trainer:
             "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
             "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
             "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
-            "skipped_lines": self.splits.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
+            "skipped_lines": self.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
             "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
