@@ -157,6 +157,28 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.strip()][-1].startswith("error: ")
 
 
+def test_ctrl_c_before_the_first_step(workspace, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the evaluation before training: exit 130, no "wrote adapter" claim, no folder left."""
+    import os
+    import signal
+
+    from wgpu_train import train
+
+    before = train.Trainer._evaluate_before
+
+    def interrupted(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        before(self)
+
+    monkeypatch.setattr(train.Trainer, "_evaluate_before", interrupted)
+    model, data = workspace
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(model), "--data", str(data), "--out", str(out), "--backend", "numpy",
+                 "--no-progress"]) == 130
+    captured = capsys.readouterr()
+    assert "wrote" not in captured.out and "nothing trained" in captured.err and not out.exists()
+
+
 def test_finetune_into_an_earlier_run(capsys, trained, workspace, tmp_path):
     model, data = workspace
     run = ["finetune", "--model", str(model), "--data", str(data), "--backend", "numpy", "--no-progress"]

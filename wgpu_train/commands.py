@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -172,6 +173,8 @@ def cmd_finetune(args) -> int:
 
     summary = Trainer(resolve_train_config(args)).run()
     out = summary["output"]
+    if summary.get("adapter_step") is None and summary.get("interrupted"):
+        return 130                      # the trainer said that nothing was trained
     line = f"wrote {'adapter' if summary['method'] == 'lora' else 'model'} to {out} after {summary['steps']} steps"
     if summary.get("valid_loss_after") is not None:
         before = summary.get("valid_perplexity_before")
@@ -183,7 +186,7 @@ def cmd_finetune(args) -> int:
             f"{summary['exact_match_after']:.1%} ({summary['exact_match_split']})"
     print(line)
     if summary.get("interrupted"):
-        print(f"interrupted; resume with: wgpu-train finetune --resume {summary['checkpoint']} ...")
+        print(f"interrupted; resume with: wgpu-train finetune --resume {shlex.quote(str(summary['checkpoint']))}")
         return 130
     return 0
 
@@ -418,16 +421,18 @@ def cmd_eval(args) -> int:
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
     use_template = not settings["no_chat_template"]
     max_len = min(settings["max_seq_len"], model.config.max_position_embeddings)
-    examples, stats = tokenize_dataset(tok, records, max_len, use_template, settings["train_on_last_turn"])
+    examples, stats = tokenize_dataset(tok, records, max_len, use_template, settings["train_on_last_turn"],
+                                       skip_invalid=args.skip_invalid)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     result = {"data": splits.files.get(split, str(data_path)), "split": split, "format": splits.format,
               "samples": len(examples), "dropped": stats.n_dropped, "truncated": stats.n_truncated,
+              "skipped": splits.n_skipped + stats.n_skipped,
               "max_seq_len": max_len, "chat_template": use_template,
               "train_on_last_turn": settings["train_on_last_turn"]}
     result.update(evaluate_loss(model.engine, examples, args.batch_size, pad, PAD_MULTIPLE))
     if not args.no_generate:
         em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples,
-                         batch_size=args.batch_size, max_seq_len=max_len)
+                         batch_size=args.batch_size, max_seq_len=max_len, skip_invalid=args.skip_invalid)
         result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"],
                       exact_match_skipped_too_long=em["skipped_too_long"])
     result.update(backend=model.backend, base_dtype=model.engine.base_dtype, embed_dtype=model.engine.embed_dtype)

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .data import IGNORE_INDEX, Batch, Example, make_batches, tokenize_example
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .reference.ops import shift_labels
 
 
@@ -77,8 +77,8 @@ def answer_text(text: str) -> str:
 
 
 def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = True, max_new_tokens: int = 64,
-                max_samples: int = 0, keep_samples: int = 5, batch_size: int = 16, max_seq_len: int | None = None
-                ) -> dict:
+                max_samples: int = 0, keep_samples: int = 5, batch_size: int = 16, max_seq_len: int | None = None,
+                skip_invalid: bool = False) -> dict:
     """Greedy-generate the last assistant turn of each conversation and compare it with the reference.
 
     Output and reference are compared after removing a leading <think>...</think> block (a reasoning
@@ -88,10 +88,12 @@ def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = T
     the whole batch), each with its own budget: max_new_tokens, at most the reference's tokens + 16, and
     within the positions left by the prompt. The positions are max_seq_len (when given) and the model's
     max_position_embeddings (when it has a config); a prompt that leaves no room for the reference's tokens
-    and an end token is skipped and counted in "skipped_too_long", not asked.
+    and an end token is skipped and counted in "skipped_too_long", not asked. A conversation the chat
+    template refuses raises its DataError, or with skip_invalid is skipped and counted in "skipped_invalid".
 
     Returns {"exact_match" (fraction, None when nothing was asked), "correct", "n" (asked), "skipped_too_long",
-    "samples"} where samples holds the first `keep_samples` (prompt, reference, output) triples.
+    "skipped_invalid", "samples"} where samples holds the first `keep_samples` (prompt, reference, output)
+    triples.
     """
     if batch_size < 1:
         raise ConfigError(f"exact match needs a batch size of at least 1, got {batch_size}")
@@ -101,13 +103,19 @@ def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = T
     limits = [max_seq_len, getattr(getattr(model, "config", None), "max_position_embeddings", None)]
     positions = min((n for n in limits if n), default=None)
     asked = []                                  # (prompt ids, reference, budget, user prompt) per sample
-    skipped = 0
+    skipped = invalid = 0
     for record in records:
         if isinstance(record, str):
             continue
-        if max_samples and len(asked) + skipped >= max_samples:
+        if max_samples and len(asked) + skipped + invalid >= max_samples:
             break
-        ids = generation_prompt(tokenizer, record, use_chat_template)
+        try:
+            ids = generation_prompt(tokenizer, record, use_chat_template)
+        except DataError:
+            if not skip_invalid:
+                raise
+            invalid += 1
+            continue
         if not ids:
             continue
         last = max(i for i, m in enumerate(record) if m["role"] == "assistant")
@@ -139,4 +147,4 @@ def exact_match(model, tokenizer, records: Sequence, use_chat_template: bool = T
                 samples.append({"prompt": prompt, "reference": reference, "output": text, "match": ok})
     n = len(asked)
     return {"exact_match": (correct / n) if n else None, "correct": correct, "n": n, "skipped_too_long": skipped,
-            "samples": samples}
+            "skipped_invalid": invalid, "samples": samples}

@@ -555,7 +555,8 @@ class Trainer:
         name, records = self.held_out()
         result = exact_match(self.model, self.tokenizer, records, not self.config.no_chat_template,
                              self.config.max_new_tokens, self.config.max_eval_samples,
-                             batch_size=self.config.batch_size)
+                             batch_size=self.config.batch_size, max_seq_len=self.max_seq_len,
+                             skip_invalid=self.config.skip_invalid)
         result["split"] = name
         return result
 
