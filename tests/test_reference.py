@@ -769,3 +769,14 @@ def test_unsupported_peft_settings_refused(llama_folder, tmp_path, settings, wor
     cfg = peft.LoraConfig(**{"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], **settings})
     peft.get_peft_model(hf, cfg).save_pretrained(tmp_path)
     _refused_adapter(llama_folder, tmp_path, "adapter_config.json", *words)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(r=0), "rank r must be >= 1"), (dict(dropout=1.0), "dropout must be in [0, 1)"),
+    (dict(alpha=0), "alpha must be a finite number > 0"), (dict(alpha=float("inf")), "alpha must be a finite"),
+    (dict(target_modules="lm_head"), "not in q_proj"),
+])
+def test_bad_lora_settings_are_one_line_errors(kw, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace(")", r"\)")) as e:
+        LoraConfig(**kw)
+    assert "\n" not in str(e.value)

@@ -203,6 +203,8 @@ class LoraConfig:
             raise ConfigError(f"LoRA rank r must be >= 1, got {self.r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if not (math.isfinite(float(self.alpha)) and float(self.alpha) > 0):
+            raise ConfigError(f"LoRA alpha must be a finite number > 0, got {self.alpha}")
 
     @property
     def scale(self) -> float:
