@@ -101,6 +101,33 @@ def test_kv_cache_over_the_binding_limit_is_refused(tiny, rt):
         gpu.engine.new_kv_cache(100000, 4096)
 
 
+def test_kv_caches_are_freed_and_calls_checked(tiny, rt, monkeypatch):
+    """Each generate_batch frees its KV cache when it returns (also when it fails); forward_rows refuses ids
+    outside the vocabulary and two tokens writing one cache slot, on both engines."""
+    ref, gpu = _models(tiny, rt)
+    released = []
+    real = rt.release
+    monkeypatch.setattr(rt, "release", lambda *bufs: (released.extend(bufs), real(*bufs))[1])
+    for _ in range(2):
+        gpu.generate_batch(_prompts(), max_new_tokens=3)
+    caches = [b for b in released if b.label in ("k_cache", "v_cache")]
+    assert len(caches) == 2 * 2 * gpu.config.num_hidden_layers            # 2 calls x (k, v) x layers
+    for model in (ref, gpu):
+        kv = model.engine.new_kv_cache(2, 8)
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            model.engine.forward_rows(np.array([5, 83]), np.array([0, 1]), np.array([0, 0]), kv, np.array([1]))
+        with pytest.raises(ValueError, match="same cache row and position"):
+            model.engine.forward_rows(np.array([5, 6]), np.array([1, 1]), np.array([3, 3]), kv, np.array([1]))
+        model.engine.free_kv_cache(kv)
+
+
+def test_full_finetune_of_stored_weights_is_refused_by_the_engine(tiny, rt):
+    gpu = wt.load_model(tiny, backend="wgpu", device=str(rt.info.index), base_dtype="nf4")
+    with pytest.raises(ConfigError, match="full fine-tuning needs float32 weights, but lm_head.weight is stored as "
+                                          "float16"):
+        gpu.engine.set_full_finetune(True)
+
+
 def test_exact_match_is_the_same_at_any_batch_size(rt):
     """Exact match over held-out records of the embedded model with batch sizes 1 and 8 (ragged prompts, a last
     partial batch): the same outputs, on both engines. Six references are set to the model's own greedy answer

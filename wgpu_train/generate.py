@@ -125,23 +125,26 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
                           f"{budgets[i]}: more than the "
                           f"model's max_position_embeddings {positions} ({room})")
     cache = engine.new_kv_cache(b, limit)
-    logits = _prefill(engine, cache, prompts, running)
-    stops = set(int(s) for s in (stop_token_ids or ()))
-    while running:
-        feed = []                      # rows whose new token goes into the cache for another step
-        for i in running:
-            tok = sample_next(logits[i], temperature, top_k, top_p, rngs[i])
-            out[i].append(tok)
-            if on_token is not None:
-                on_token(i, tok)
-            if tok not in stops and len(out[i]) < budgets[i] and lengths[i] + len(out[i]) <= limit:
-                feed.append(i)
-        if feed:
-            step = engine.forward_rows(np.array([out[i][-1] for i in feed]), np.array(feed),
-                                       np.array([lengths[i] + len(out[i]) - 1 for i in feed]), cache,
-                                       np.arange(len(feed)))               # (len(feed), V)
-            logits = dict(zip(feed, step))
-        running = feed
+    try:
+        logits = _prefill(engine, cache, prompts, running)
+        stops = set(int(s) for s in (stop_token_ids or ()))
+        while running:
+            feed = []                      # rows whose new token goes into the cache for another step
+            for i in running:
+                tok = sample_next(logits[i], temperature, top_k, top_p, rngs[i])
+                out[i].append(tok)
+                if on_token is not None:
+                    on_token(i, tok)
+                if tok not in stops and len(out[i]) < budgets[i] and lengths[i] + len(out[i]) <= limit:
+                    feed.append(i)
+            if feed:
+                step = engine.forward_rows(np.array([out[i][-1] for i in feed]), np.array(feed),
+                                           np.array([lengths[i] + len(out[i]) - 1 for i in feed]), cache,
+                                           np.arange(len(feed)))               # (len(feed), V)
+                logits = dict(zip(feed, step))
+            running = feed
+    finally:
+        engine.free_kv_cache(cache)       # now, not when the garbage collector gets to it
     return out
 
 

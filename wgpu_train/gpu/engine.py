@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from ..config import LINEAR_MODULES, ModelConfig
-from ..errors import DeviceError
+from ..errors import ConfigError, DeviceError
 from ..hf import module_path
 from ..memory import SHARED_LAYER, activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
@@ -73,7 +73,8 @@ class WgpuEngine:
     """The engine protocol of reference.model.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
-    MAX_BUCKETS = 4     # activation buckets kept allocated at once
+    MAX_BUCKETS = 4             # training activation buckets kept allocated at once
+    MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
                  embed_dtype: str = "auto"):
@@ -146,6 +147,10 @@ class WgpuEngine:
         self._reset_training_state()
 
     def set_full_finetune(self, enabled: bool = True):
+        frozen = sorted(k for k, t in self.w.items() if isinstance(t, QuantMatrix))
+        if enabled and frozen:
+            raise ConfigError(f"full fine-tuning needs float32 weights, but {frozen[0]} is stored as "
+                              f"{self.w[frozen[0]].dtype}; use LoRA or load the model with float32")
         self.full = bool(enabled)
         self._release_acts()
         self._reset_training_state()
@@ -271,8 +276,9 @@ class WgpuEngine:
         key = self._bucket_key(b, t, train)
         acts = self._acts.pop(key, None)
         if acts is None:
-            while len(self._acts) >= self.MAX_BUCKETS:
-                old = next((k for k in self._acts if k not in keep), None)
+            limit = self.MAX_BUCKETS if train else self.MAX_FORWARD_BUCKETS
+            while sum(k[2] == train for k in self._acts) >= limit:
+                old = next((k for k in self._acts if k[2] == train and k not in keep), None)
                 if old is None:
                     break
                 self._free(self._acts.pop(old))
@@ -281,7 +287,7 @@ class WgpuEngine:
                         self.rt.release(*vars(self._inputs.pop(stale)).values())
             # LoRA ranks and dropout inputs per module name (the same in every layer)
             ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
-            drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0}
+            drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
             acts = Activations(self.rt, self.cfg, b, t, ranks, drop, train, key[3])
         self._acts[key] = acts          # most recently used last
         return acts
@@ -672,6 +678,11 @@ class WgpuEngine:
                 "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
                 "len": 0, "batch": batch, "max_len": max_len}
 
+    def free_kv_cache(self, kv: dict):
+        """Free a KV cache's buffers now (and the cached bind groups that hold them)."""
+        self.rt.release(*kv["k"], *kv["v"])
+        kv["k"] = kv["v"] = []
+
     def forward_cached(self, ids, kv: dict) -> np.ndarray:
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
         return forward_cached(self, ids, kv)
@@ -682,7 +693,7 @@ class WgpuEngine:
         at indices last (m,). One submission and one readback while the m rows of logits fit the head's
         chunk. The tokens are padded to a power of two (padding has row -1, which writes nothing) so that
         calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets."""
-        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv)
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         n, m = ids.shape[0], last.shape[0]
         if n == 0:
             return np.zeros((m, self.cfg.vocab_size), np.float32)

@@ -20,12 +20,17 @@ class LoraModule:
         self.a, self.b, self.scale, self.dropout = a, b, scale, dropout
 
 
-def check_rows(ids, rows, positions, last, kv: dict) -> tuple:
-    """The arguments of an engine's forward_rows as int arrays, after checking that they fit the cache."""
+def check_rows(ids, rows, positions, last, kv: dict, vocab_size: int) -> tuple:
+    """The arguments of an engine's forward_rows as int arrays, after checking that they fit the cache and
+    the vocabulary, and that no two tokens of the call write the same cache slot (row, position)."""
     ids, rows, positions, last = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (ids, rows, positions, last))
     n = ids.shape[0]
     if rows.shape[0] != n or positions.shape[0] != n:
         raise ValueError(f"forward_rows: {n} ids but {rows.shape[0]} rows and {positions.shape[0]} positions")
+    if n and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"forward_rows: token ids must lie in [0, {vocab_size})")
+    if np.unique(rows * kv["max_len"] + positions).size < n:
+        raise ValueError("forward_rows: two tokens of one call write the same cache row and position")
     if n and (rows.min() < 0 or rows.max() >= kv["batch"] or positions.min() < 0 or positions.max() >= kv["max_len"]):
         raise ValueError(f"forward_rows: rows must lie in [0, {kv['batch']}) and positions in [0, {kv['max_len']})")
     if last.size and (last.min() < 0 or last.max() >= n or last.size > n):
@@ -267,6 +272,10 @@ class NumpyEngine:
         return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
                 "batch": batch, "max_len": max_len}
 
+    def free_kv_cache(self, kv: dict):
+        """Drop a KV cache's arrays (the engine protocol: the GPU engine frees its buffers)."""
+        kv["k"] = kv["v"] = None
+
     def forward_cached(self, ids, kv: dict) -> np.ndarray:
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
         return forward_cached(self, ids, kv)
@@ -279,7 +288,7 @@ class NumpyEngine:
         by one token. Returns logits (m, V) float32 of the tokens at indices last (m,): only those go
         through the final norm and lm_head.
         """
-        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv)
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         cfg = self.cfg
         n = ids.shape[0]
         hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
