@@ -382,7 +382,9 @@ def test_generate_and_eval_follow_the_runs_prompt_settings(workspace, tmp_path, 
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     model.load_adapter(out)
-    answers = {chat: tok.decode([i for i in model.generate(prompt_ids(tok, "after red 1?", chat_template=chat),
+    # trained on completions data: the raw prompt is the prompt as given, with no blank line after it
+    answers = {chat: tok.decode([i for i in model.generate(prompt_ids(tok, "after red 1?", chat_template=chat,
+                                                                      completions=not chat),
                                                              max_new_tokens=6, stop_token_ids=tok.stop_token_ids)
                                  if i not in tok.stop_token_ids]) for chat in (False, True)}
     assert answers[False] != answers[True]           # so that the prompt's form shows in the answer

@@ -157,7 +157,8 @@ def test_output_files(shared_run, workspace):
     resolved = json.loads((out / "train_config.json").read_text())
     assert resolved["max_steps"] == 8 and resolved["lora_targets"] == "all-linear"
     assert resolved["model"] == str(workspace[0]) and resolved["eval_generate"] is True
-    assert set(resolved) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(resolved) == {f.name for f in dataclasses.fields(TrainConfig)} | {"data_format"}
+    assert resolved["data_format"] == "completions"
 
     # the final adapter is PEFT's format and equals the last checkpoint's
     cfg, final = read_adapter(out)
@@ -409,7 +410,8 @@ def test_run_settings(workspace, tmp_path):
                     overwrite=True))
     recorded = json.loads((run / "train_config.json").read_text())
     settings = run_settings(run)
-    assert settings == {k: v for k, v in recorded.items() if k not in ("out", "resume", "overwrite", "no_progress")}
+    assert settings == {k: v for k, v in recorded.items()
+                        if k not in ("out", "resume", "overwrite", "no_progress", "data_format")}
     assert settings["lora_rank"] == 4 and settings["model"] == str(workspace[0])
     assert settings["embed_dtype"] == "float32"   # as resolved
     for path in (run / "checkpoints", run / "checkpoints" / "step-000001"):

@@ -229,17 +229,26 @@ def _read_json_object(path: Path) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
+def run_config_path(adapter_path) -> Path:
+    """The train_config.json of the run that wrote an adapter folder (an output folder's own, or for a
+    checkpoint's adapter/ its run's)."""
+    adapter = Path(adapter_path)
+    if (adapter.parent / "trainer_state.json").is_file():
+        from .train import run_folder
+
+        return run_folder(adapter.parent) / "train_config.json"
+    return adapter / "train_config.json"
+
+
 def trained_settings(adapter_path) -> dict:
     """The settings in FALLBACKS that the run which wrote an adapter folder used: its train_config.json (an
     output folder), or for a checkpoint's adapter/ the checkpoint's trainer_state.json (the storage dtypes)
     over its run's train_config.json; only those recorded with the right type."""
     adapter = Path(adapter_path)
     checkpoint = adapter.parent
-    sources = [adapter / "train_config.json"]
+    sources = [run_config_path(adapter)]
     if (checkpoint / "trainer_state.json").is_file():
-        from .train import run_folder
-
-        sources = [run_folder(checkpoint) / "train_config.json", checkpoint / "trainer_state.json"]
+        sources.append(checkpoint / "trainer_state.json")
     found = {}
     for path in sources:
         found.update(_read_json_object(path))
@@ -313,12 +322,16 @@ def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="aut
 
 # ---- generate ---------------------------------------------------------------------------------------------
 
-def prompt_ids(tokenizer, prompt: str, system: str | None = None, chat_template: bool = True) -> list[int]:
+def prompt_ids(tokenizer, prompt: str, system: str | None = None, chat_template: bool = True,
+               completions: bool = False) -> list[int]:
     """Token ids that ask the model to answer `prompt`: the chat template with its generation prompt, or the
-    raw prompt text as the trainer's --no-chat-template mode builds it."""
+    raw prompt text as the trainer's --no-chat-template mode builds it (for an adapter trained on completions
+    data, the prompt without the blank line other formats put before the response)."""
     from .data import raw_prompt_text
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    if completions:
+        messages[-1]["raw_separator"] = ""
     if chat_template:
         return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
@@ -349,7 +362,8 @@ def cmd_generate(args) -> int:
                                 "no_chat_template": _given_no_chat_template(args)}, adapter)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
-    ids = prompt_ids(tok, args.prompt, args.system, not settings["no_chat_template"])
+    trained_on = _read_json_object(run_config_path(adapter)).get("data_format") if adapter else None
+    ids = prompt_ids(tok, args.prompt, args.system, not settings["no_chat_template"], trained_on == "completions")
     positions = model.config.max_position_embeddings
     room = positions - len(ids)
     if room < 1:

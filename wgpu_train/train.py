@@ -502,7 +502,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             resolved = cfg.to_dict()
             resolved.update(out=str(self.out), model=str(self.model_dir), data=str(self.data_path),
-                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype)
+                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,
+                            data_format=self.splits.format)   # for generate: how raw-mode prompts end
             (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         except OSError as e:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
