@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from bpe import train_bpe
-from chat_templates import MISTRAL_NEMO, MISTRAL_V3, QWEN3
+from chat_templates import LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, REASONING
 from wgpu_train.data import (
     IGNORE_INDEX, BatchStream, Example, load_jsonl, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
     tokenize_example,
@@ -390,13 +390,13 @@ MISTRAL_CHATS = [
 
 
 @pytest.mark.parametrize("template,assistant", [
-    (MISTRAL_V3, '{{- " " + message["content"]|trim + eos_token}}'),
-    (MISTRAL_NEMO, '{{- message["content"] + eos_token}}'),
-], ids=["v3", "nemo"])
-def test_mistral_templates_train_only_answers(tmp_path, template, assistant):
-    """Mistral's system message goes into the last user turn only, so no rendered prompt is a prefix of the
-    conversation: still only each answer and its </s> are trained, as transformers' assistant mask says of the same
-    template with {% generation %} around the answer."""
+    (LAST_USER_SYSTEM, '{{- " " ~ m.content | trim ~ eos_token }}'),
+    (LAST_USER_SYSTEM_TIGHT, '{{- m.content ~ eos_token }}'),
+], ids=["spaced", "tight"])
+def test_last_user_system_templates_train_only_answers(tmp_path, template, assistant):
+    """The system message goes into the last user turn only (as in Mistral's templates), so the prompt of an
+    earlier answer is not a prefix of the conversation: still only each answer and its </s> are trained, as
+    transformers' assistant mask says of the same template with {% generation %} around the answer."""
     transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
     backend = train_bpe(CORPUS + ["what is the capital of france? paris. say hello world"], 400,
                         specials=MISTRAL_SPECIALS)
@@ -412,13 +412,17 @@ def test_mistral_templates_train_only_answers(tmp_path, template, assistant):
         assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex).strip() == "paris</s>"
+    # the case under test: the first answer's prompt holds the system text, which the whole render has only later
+    chat = MISTRAL_CHATS[1]
+    assert not ours.apply_chat_template(chat).startswith(ours.apply_chat_template(chat[:2], add_generation_prompt=True))
+    assert ours.apply_chat_template(chat).count("answer the question briefly.") == 1
 
 
-def test_qwen3_reasoning_turns(tmp_path, backend):
-    """Qwen3 renders past answers without their thinking: those train the answer after </think>, one that held only
-    thinking is not trained, and the last keeps its thinking, which is trained."""
+def test_reasoning_template_turns(tmp_path, backend):
+    """A reasoning template (like Qwen3's) renders past answers without their thinking: those train the answer after
+    </think>, one that held only thinking is not trained, and the last keeps its thinking, which is trained."""
     transformers = pytest.importorskip("transformers", reason="transformers renders the oracle text")
-    qwen = make_tokenizer(tmp_path / "q", backend, template=QWEN3, eos_token="<|im_end|>")
+    qwen = make_tokenizer(tmp_path / "q", backend, template=REASONING, eos_token="<|im_end|>")
     messages = [
         {"role": "user", "content": "what is two plus two?"},
         {"role": "assistant", "content": "<think>two and two</think>it is four."},
@@ -427,9 +431,15 @@ def test_qwen3_reasoning_turns(tmp_path, backend):
         {"role": "user", "content": "the cat"},
         {"role": "assistant", "content": "<think>a cat</think>the cat sat on the mat."},
     ]
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=QWEN3, eos_token="<|im_end|>")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=REASONING,
+                                              eos_token="<|im_end|>")
     text = hf.apply_chat_template(messages, tokenize=False)
     assert "two and two" not in text and "only thinking" not in text
+    assert qwen.apply_chat_template(messages) == text  # tools=None: no system turn, as in transformers
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with_tools = hf.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert with_tools.startswith("<|im_start|>system\n")
+    assert qwen.apply_chat_template(messages, tools=tools) == with_tools
     ex = tokenize_example(qwen, messages, max_seq_len=512)
     assert ex.input_ids.tolist() == qwen.encode(text)
     assert trained_text(qwen, ex) == (
@@ -465,7 +475,7 @@ def test_fallback_for_base_vocabularies_ends_answers_with_eos(tmp_path):
 
 def test_template_refusal_names_file_and_line(tmp_path):
     backend = train_bpe(CORPUS, 340, specials=MISTRAL_SPECIALS)
-    mistral = make_tokenizer(tmp_path / "m", backend, template=MISTRAL_V3, bos_token="<s>", eos_token="</s>")
+    mistral = make_tokenizer(tmp_path / "m", backend, template=LAST_USER_SYSTEM, bos_token="<s>", eos_token="</s>")
     rows = [{"messages": SINGLE}] * 9
     rows[3] = {"messages": [{"role": "user", "content": "hello"}] + SINGLE}  # two user turns in a row
     path = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -476,8 +486,8 @@ def test_template_refusal_names_file_and_line(tmp_path):
             tokenize_dataset(mistral, records, 64)
         except DataError as e:
             errors.append(str(e))
-    assert errors == [f"{path}:4: chat template refused the conversation: After the optional system message, "
-                      "conversation roles must alternate user/assistant/user/assistant/..."]
+    assert errors == [f"{path}:4: chat template refused the conversation: expected alternating user and assistant "
+                      "messages after the system message"]
     stats = [tokenize_dataset(mistral, records, 64, skip_invalid=True)[1] for records in (splits.train, splits.valid)]
     assert sum(st.n_skipped for st in stats) == 1 and sum(st.n_examples for st in stats) == 8
     with pytest.raises(DataError, match=r"^record 1: chat template refused"):  # records built in code
