@@ -98,17 +98,18 @@ def test_lora_alpha_must_be_positive():
 
 
 def test_warmup_must_end_before_the_last_step(workspace, tmp_path):
+    """The schedule refuses a warmup that takes the whole run; the trainer shortens one (a recipe's warmup in a
+    run cut short by --max-steps, or one longer than the epochs make) and says so."""
     assert LRSchedule(1.0, "cosine", warmup_steps=9, total_steps=10).lr_at(9) == 1.0
     assert LRSchedule(1.0, "cosine", warmup_steps=0, total_steps=1).lr_at(1) == 1.0
     for warmup in (10, 11):
         with pytest.raises(ConfigError, match=rf"^warmup_steps \({warmup}\) must be below the run's 10 optimizer"):
             LRSchedule(1.0, "cosine", warmup_steps=warmup, total_steps=10)
-    # the total comes from the data when only epochs are given (12 samples, 4 per step: 3 steps): refused
-    # before the model is loaded or anything is written
-    out = tmp_path / "out"
-    with pytest.raises(ConfigError, match=r"warmup_steps \(3\) must be below the run's 3 optimizer steps"):
-        Trainer(config(workspace, out, epochs=1, warmup_steps=3)).setup()
-    assert not out.exists()
+    # the total comes from the data when only epochs are given (12 samples, 4 per step: 3 steps)
+    lines = []
+    trainer = Trainer(config(workspace, tmp_path / "out", epochs=1, warmup_steps=3), log=lines.append).setup()
+    assert trainer.schedule.warmup_steps == 2 and trainer.schedule.lr_at(3) == pytest.approx(trainer.config.lr)
+    assert any("warmup_steps 3 is not below the run's 3 steps: warming up over 2" in line for line in lines)
 
 
 # ---- one shared run ----------------------------------------------------------------------------------------
@@ -153,6 +154,13 @@ def test_output_files(shared_run, workspace):
     assert summary["exact_match_split"] == "test" and summary["exact_match_n"] == 3
     assert 0.0 <= summary["exact_match_before"] <= 1.0 and 0.0 <= summary["exact_match_after"] <= 1.0
     assert (summary["n_train"], summary["n_valid"], summary["n_test"]) == (12, 4, 3)
+    # the memory estimate of the largest micro-batch: batch_size rows of the longest example, padded to 8
+    est = summary["memory_estimate"]
+    cfg = load_model(workspace[0]).config
+    lora = wgpu_train.LoraConfig(r=8, alpha=16, target_modules="all-linear")
+    assert est["batch"] == 4 and est["length"] % 8 == 0
+    assert {k: v for k, v in est.items() if k not in ("batch", "length")} == \
+        wgpu_train.estimate_memory(cfg, est["batch"], est["length"], lora)
 
     resolved = json.loads((out / "train_config.json").read_text())
     assert resolved["max_steps"] == 8 and resolved["lora_targets"] == "all-linear"

@@ -10,6 +10,11 @@ HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
 SHARED_LAYER = "layer."       # prefix, in a plan's shared part, of the one set of layer buffers all layers use
 
 
+def format_bytes(n: int) -> str:
+    """A byte count for people: GiB from 1 GiB on, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def head_rows(cfg: ModelConfig, n: int) -> int:
     """Rows of logits the loss head holds at a time (at most HEAD_CHUNK_BYTES, at most 65535)."""
     return max(1, min(n, HEAD_CHUNK_BYTES // (cfg.vocab_size * F32), 65535))

@@ -21,7 +21,7 @@ from .checkpoint import find_checkpoint, list_checkpoints
 from .config import LoraConfig, ModelConfig, OptimizerParams
 from .errors import ConfigError
 from .evaluate import engine_batch, evaluate_loss, exact_match
-from .memory import base_weight_bytes
+from .memory import base_weight_bytes, estimate_memory, format_bytes
 from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
 from .schedule import SCHEDULES, LRSchedule
 
@@ -427,7 +427,12 @@ class Trainer:
                                   max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE)
         self.steps_per_epoch = len(self.stream)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
+        warmup = cfg.warmup_steps
+        if warmup and warmup >= self.total_steps:      # e.g. the recipe's warmup in a run cut short by --max-steps
+            warmup = self.total_steps - 1
+            self.log(f"warmup_steps {cfg.warmup_steps} is not below the run's {self.total_steps} steps: warming up "
+                     f"over {warmup}, so that the last step trains at --lr")
+        self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, warmup, self.total_steps)
         if self._resume:
             self._resume_progress(self._resume[1])
             if self.done():
@@ -462,7 +467,23 @@ class Trainer:
                  + (f" ({cfg.grad_accum} micro-batches of {cfg.batch_size})" if cfg.grad_accum > 1 else "")
                  + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
                  + (f", resuming at step {self.step} from {self.resumed_from}" if self.resumed_from else ""))
+        self.memory_estimate = self._estimate_memory(model_cfg, lora)
+        est = self.memory_estimate
+        self.log(f"GPU memory of training (estimate, largest micro-batch {est['batch']} x {est['length']}): "
+                 f"{format_bytes(est['total'])}: base weights {format_bytes(est['weights'])}, trainable state "
+                 f"{format_bytes(est['trainable_state'])}, activations {format_bytes(est['activations'])}, logits "
+                 f"{format_bytes(est['logits'])}")
         return self
+
+    def _estimate_memory(self, model_cfg: ModelConfig, lora) -> dict:
+        """memory.estimate_memory for the largest micro-batch this run forms: batch_size rows of the longest
+        example (max_seq_len when packing), padded to PAD_MULTIPLE; plus that batch and length."""
+        cfg = self.config
+        longest = max((e.input_ids.size for e in self.train_examples + self.valid_examples), default=1)
+        length = self.max_seq_len if cfg.pack else min(self.max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+        est = estimate_memory(model_cfg, cfg.batch_size, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
+                              cfg.gradient_checkpointing)
+        return {**est, "batch": cfg.batch_size, "length": length}
 
     def _read_data(self, model_cfg: ModelConfig):
         from .data import resolve_data, tokenize_dataset
@@ -876,6 +897,7 @@ class Trainer:
             "exact_match_samples": em_after["samples"] if em_after else [],
             "backend": self.engine.name, "device": describe_device(self.engine), "method": cfg.method,
             "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
+            "memory_estimate": self.memory_estimate,
             "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
             "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
             "skipped_lines": self.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
