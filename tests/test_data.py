@@ -92,6 +92,8 @@ FORMAT_CASES = [
      [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]),
     ("completions", {"prompt": "P", "completion": "C"},
      [{"role": "user", "content": "P", "raw_separator": ""}, {"role": "assistant", "content": "C"}]),
+    ("completions", {"instruction": "I", "prompt": "P", "completion": "C"},  # the instruction is kept, first
+     [{"role": "user", "content": "I\n\nP", "raw_separator": ""}, {"role": "assistant", "content": "C"}]),
     ("alpaca", {"instruction": "I", "input": "X", "output": "O"},
      [{"role": "user", "content": "I\n\nX"}, {"role": "assistant", "content": "O"}]),
     ("alpaca", {"instruction": "I", "input": "X", "output": "O", "prompt": "Below is an instruction. I X", "text": "T"},

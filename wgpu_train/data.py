@@ -32,10 +32,11 @@ Message = dict
 Record = Union[list, str]  # a conversation (list of Message) or, for the "text" format, a plain string
 
 # format name -> (required string fields, optional string fields); "chat" is checked separately. The optional
-# "input" (Alpaca) and "context" (Dolly) are more prompt text: they follow the instruction after a blank line.
+# "input" (Alpaca) and "context" (Dolly) are more prompt text: they follow the instruction after a blank line;
+# an "instruction" beside a prompt and a completion goes before the prompt, after a blank line.
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "chat": (("messages",), ()),
-    "completions": (("prompt", "completion"), ("system",)),
+    "completions": (("prompt", "completion"), ("instruction", "system")),
     "alpaca": (("instruction", "output"), ("input", "context", "system")),
     "instruction": (("instruction", "response"), ("input", "context", "system")),
     "text": (("text",), ()),
@@ -188,7 +189,8 @@ def _convert(obj: Any, fmt: str) -> Record:
     user = _string_field(obj, prompt_key)
     response = _string_field(obj, response_key)
     extras = [_optional_string(obj, key) for key in optional if key != "system"]
-    user = "\n\n".join([user] + [extra for extra in extras if extra is not None])
+    parts = extras + [user] if fmt == "completions" else [user] + extras
+    user = "\n\n".join(part for part in parts if part is not None)
     system = _optional_string(obj, "system")
     messages = [{"role": "system", "content": system}] if system is not None else []
     prompt = {"role": "user", "content": user}
