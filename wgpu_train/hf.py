@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LINEAR_MODULES, ModelConfig
+from .config import ATTENTION_MODULES, LINEAR_MODULES, ModelConfig
 from .errors import AdapterError, ModelFileError
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
@@ -161,7 +161,7 @@ def expected_shapes(cfg: ModelConfig) -> dict:
 
 def module_path(layer: int, module: str) -> str:
     """The Hugging Face path of one linear module, e.g. model.layers.0.self_attn.q_proj."""
-    group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    group = "self_attn" if module in ATTENTION_MODULES else "mlp"
     return f"model.layers.{layer}.{group}.{module}"
 
 

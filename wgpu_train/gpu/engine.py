@@ -229,8 +229,6 @@ class WgpuEngine:
         """Trainable arrays by name ('path.lora_A' / 'path.lora_B', or weight names), read back (copies)."""
         return {k: self._read(t, self._shape_of(k)) for k, t in self.params.items()}
 
-    get_trainable = trainable
-
     def set_trainable(self, arrays: dict):
         for k, arr in arrays.items():
             self._write(self.params[k], arr)

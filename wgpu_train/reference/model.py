@@ -112,10 +112,6 @@ class NumpyEngine:
             out[p + ".lora_B"] = m.b
         return out
 
-    def get_trainable(self) -> dict:
-        """Copies of the trainable tensors by the names of trainable() (for checkpoints)."""
-        return {k: np.array(v, copy=True) for k, v in self.trainable().items()}
-
     def set_trainable(self, tensors: dict):
         """Overwrite trainable tensors in place by name (names and shapes as trainable()); the optimizer
         moments and the dropout counter are left alone. Unknown names or wrong shapes raise ValueError."""

@@ -34,8 +34,6 @@ NF4_CODE = np.array([
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=np.float32)
-# The decision thresholds (midpoints of adjacent codes): index = number of midpoints strictly below x.
-NF4_MIDPOINTS = ((NF4_CODE[:-1].astype(np.float64) + NF4_CODE[1:]) / 2).astype(np.float32)
 # The largest rounding error of a normalised value in [-1, 1]: half the widest gap (between 0.723 and 1).
 NF4_MAX_HALF_GAP = float(np.max(np.diff(NF4_CODE.astype(np.float64))) / 2)
 
