@@ -300,6 +300,32 @@ def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, 
                               base["model.layers.0.self_attn.q_proj.weight"])
 
 
+def test_memory_estimate_from_config_alone(workspace, tmp_path, capsys):
+    """`wgpu-train memory` reads only config.json: its figures are estimate_memory's, e.g. Llama-2-7B's shape with
+    NF4, LoRA r=16 on all linear layers and gradient checkpointing at 1 x 512 tokens."""
+    from wgpu_train.config import LoraConfig, ModelConfig
+    from wgpu_train.memory import estimate_memory
+
+    folder = tmp_path / "llama7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}))
+    argv = ["memory", "--model", str(folder), "--batch-size", "1", "--max-seq-len", "512", "--base-dtype", "nf4",
+            "--lora-rank", "16", "--lora-targets", "all-linear", "--gradient-checkpointing"]
+    assert main(argv + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    want = estimate_memory(ModelConfig.from_folder(folder), 1, 512, LoraConfig(r=16, target_modules="all-linear"),
+                           "lora", "nf4", "float16", True)
+    assert {k: result[k] for k in want} == want and result["embed_dtype"] == "float16"
+    assert result["parameters"] == 6_738_415_616 and round(want["total"] / 2**30, 2) == 5.08
+    assert main(argv) == 0
+    assert "total                5.08 GiB" in capsys.readouterr().out
+    one_line_error(capsys, ["memory", "--model", str(tmp_path / "nope")], "not found")
+    one_line_error(capsys, ["memory", "--model", str(folder), "--method", "full", "--base-dtype", "nf4"], "float32")
+
+
 def test_merge(trained, workspace, tmp_path, capsys):
     model_dir, _ = workspace
     out = tmp_path / "merged"

@@ -1,9 +1,11 @@
-"""The finetune, generate, eval and merge subcommands, registered into cli.py's parser through REGISTER."""
+"""The finetune, generate, eval, merge and memory subcommands, registered into cli.py's parser through
+REGISTER."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import shlex
 import sys
 import typing
@@ -563,4 +565,66 @@ def _register_merge(sub):
     p.set_defaults(func=cmd_merge)
 
 
-REGISTER = [_register_finetune, _register_generate, _register_eval, _register_merge]
+# ---- memory -----------------------------------------------------------------------------------------------
+
+def cmd_memory(args) -> int:
+    from .config import LoraConfig, ModelConfig
+    from .memory import activation_plan, estimate_memory, format_bytes, weight_shapes
+    from .reference.quant import check_dtypes
+    from .train import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    cfg = ModelConfig.from_folder(model_dir)
+    if args.batch_size < 1 or args.max_seq_len < 1:
+        raise ConfigError("--batch-size and --max-seq-len must be at least 1")
+    base, embed = check_dtypes(args.base_dtype, args.embed_dtype)
+    if args.method == "full" and (base, embed) != ("float32", "float32"):
+        raise ConfigError("method full trains every weight, so it needs float32 base and embedding dtypes")
+    length = min(args.max_seq_len, cfg.max_position_embeddings)
+    lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets) if args.method == "lora" else None
+    est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
+    ranks = {m: lora.r for m in lora.target_modules} if lora else {}
+    layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing)
+    largest = max(list(layer.values()) + list(shared.values())) * 4
+    result = {"model": str(model_dir), "architecture": cfg.architecture,
+              "parameters": sum(math.prod(s) for s in weight_shapes(cfg).values()), "batch_size": args.batch_size,
+              "seq_len": length, "method": args.method, "base_dtype": base, "embed_dtype": embed,
+              "gradient_checkpointing": args.gradient_checkpointing, **est, "largest_activation_buffer": largest}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    what = (f"LoRA r={lora.r} on {','.join(lora.target_modules)}" if lora else "full fine-tuning")
+    n = result["parameters"]
+    print(f"{model_dir} ({cfg.architecture}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
+          f"training batch "
+          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed})"
+          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
+    for key in ("weights", "trainable_state", "activations", "logits", "total"):
+        print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}")
+    print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "
+          f"WebGPU does not report a GPU's memory size: compare the total with yours.")
+    return 0
+
+
+def _register_memory(sub):
+    from .reference.quant import BASE_DTYPES, EMBED_CHOICES
+    from .train import TrainConfig
+
+    d = TrainConfig()
+    p = _add_parser(sub, "memory", "estimate the GPU memory a fine-tuning run needs, from the model's config.json "
+                                   "alone (no weights are read)")
+    p.add_argument("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: the embedded model)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"rows per micro-batch (default: {d.batch_size})")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
+                   help=f"tokens per row, at most the model's positions (default: {d.max_seq_len})")
+    p.add_argument("--method", default=d.method, choices=("lora", "full"), help=f"(default: {d.method})")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"(default: {d.lora_rank})")
+    p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
+    p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES, help=f"(default: {d.base_dtype})")
+    p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_memory)
+
+
+REGISTER = [_register_finetune, _register_generate, _register_eval, _register_merge, _register_memory]
