@@ -21,3 +21,18 @@ def test_explicit_wgpu_without_adapter_is_a_clear_error(monkeypatch):
     with pytest.raises(wt.DeviceError, match="no WebGPU adapter found") as err:
         runtime.choose_adapter()
     assert "\n" not in str(err.value)
+
+
+def test_devices_lists_limits_and_features(capsys):
+    """`wgpu-train devices`: each adapter with its max storage binding and the features used here."""
+    from conftest import ADAPTERS, require_adapter
+    from wgpu_train.cli import main
+
+    require_adapter()
+    assert main(["devices"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for a in ADAPTERS:
+        line = next(x for x in lines if f"[{a.index}] " in x)
+        assert f"max storage binding {a.max_storage_binding // 2**20} MiB" in line and a.max_storage_binding >= 2**20
+        assert all(f in line for f in a.features)
+    assert lines[-1].startswith("chosen: [")

@@ -20,7 +20,7 @@ def cmd_devices(args) -> int:
     chosen = runtime.choose_adapter(args.device)
     for a in found:
         mark = "*" if a.index == chosen.index else " "
-        print(f"{mark} {a.describe()}")
+        print(f"{mark} {a.describe()}: {a.details()}")
     print(f"chosen: [{chosen.index}] (select with --device or WGPU_TRAIN_DEVICE: an index or part of a name/backend)")
     return 0
 

@@ -30,9 +30,16 @@ class AdapterInfo:
     vendor: str
     backend: str
     adapter_type: str
+    max_storage_binding: int = 0     # bytes one storage binding may hold (0: not reported)
+    features: tuple = ()             # of those this project uses: subgroup, timestamp-query
 
     def describe(self) -> str:
         return f"[{self.index}] {self.name} ({self.backend}, {self.adapter_type})"
+
+    def details(self) -> str:
+        """The limits and features that matter here, for `wgpu-train devices`."""
+        used = ", ".join(self.features) or "neither subgroup nor timestamp-query"
+        return f"max storage binding {self.max_storage_binding / 2**20:.0f} MiB; features: {used}"
 
 
 def _enumerate():
@@ -54,8 +61,13 @@ def devices() -> list[AdapterInfo]:
     out = []
     for i, a in enumerate(_enumerate()):
         info = a.info
+        try:
+            binding = int(a.limits.get("max-storage-buffer-binding-size", 0))
+            features = tuple(f for f in ("subgroup", "timestamp-query") if f in a.features)
+        except Exception:  # noqa: BLE001 - an adapter that cannot report them is still listed
+            binding, features = 0, ()
         out.append(AdapterInfo(i, info.get("device", "") or "unknown", info.get("vendor", ""),
-                               info.get("backend_type", ""), info.get("adapter_type", "Unknown")))
+                               info.get("backend_type", ""), info.get("adapter_type", "Unknown"), binding, features))
     return out
 
 
