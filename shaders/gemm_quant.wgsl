@@ -377,14 +377,14 @@ fn absmax(b: u32) -> f32 {
 // Binding 5 holds the chunk's double-quantised absmax values as u32 words (gpu/quant.py's layout): the
 // offset, the chunk's first block modulo 256, the word where the 8-bit indices start, a spare word, the
 // second-level absmax of each 256-block group, then the indices, four per word. Binding 6 is the 8-bit
-// code table (256 values, four per vec4 as uniform arrays need).
+// code table (256 f32 values, shared by every weight).
 @group(0) @binding(5) var<storage, read> D: array<u32>;
-@group(0) @binding(6) var<uniform> CODE8: array<vec4<f32>, 64>;
+@group(0) @binding(6) var<storage, read> CODE8: array<f32>;
 
 fn absmax(b: u32) -> f32 {
     let q = (D[D[2u] + (b >> 2u)] >> ((b & 3u) * 8u)) & 255u;
     let group = (D[1u] + b) >> 8u;
-    return CODE8[q >> 2u][q & 3u] * bitcast<f32>(D[4u + group]) + bitcast<f32>(D[0u]);
+    return CODE8[q] * bitcast<f32>(D[4u + group]) + bitcast<f32>(D[0u]);
 }
 
 // ---- format: float16 --------------------------------------------------------------------------

@@ -13,7 +13,9 @@ Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same fun
   second buffer holds, as u32 words: the offset (f32), the chunk's first block modulo 256, the word where
   its 8-bit indices start, a spare word, the f32 second-level absmax of every 256-block group the chunk
   touches, then the 8-bit index of each of its blocks, four per word. The 256-value code table is the
-  same for every weight: one uniform buffer (runtime.uniform caches it by value).
+  same for every weight: one read-only storage buffer (runtime.shared_storage). Not a uniform buffer:
+  each invocation indexes it with its own block's code, which GPUs serve from a constant cache one
+  address at a time.
 Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm.py.
 """
 from __future__ import annotations
@@ -127,13 +129,13 @@ class QuantMatrix:
         self.dtype = dtype
         self.chunks: list = []     # (buffer, first_row, n_rows)
         self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks; nf4-dq: the chunk's stats words
-        self.code = self.code_uniform = None   # nf4-dq: the 8-bit code table (256,) and its uniform buffer
+        self.code = self.code_buffer = None    # nf4-dq: the 8-bit code table (256,) and its shared buffer
         self.nbytes = 0
         if dtype != "float16":
             packed, absmax = nf4_quantize(data, double_quant=dtype == "nf4-dq")
         if dtype == "nf4-dq":
             self.code = absmax.code
-            self.code_uniform = rt.uniform(f"<{self.code.size}f", *self.code.tolist())
+            self.code_buffer = rt.shared_storage(self.code)
         for r0, n, wbytes, sbytes in chunk_plan(self.rows, self.cols, dtype, rt.max_binding):
             buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
             if dtype == "float16":
@@ -246,8 +248,8 @@ def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bi
     flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
     params = rt.uniform(_PARAMS.format, M, N, K, flags, a_off, lda, c_off, ldc, bias_off, w.cols, 0, 0)
     resources = [params, a_res, buf, bias_res, c_res] + ([w.absmax[chunk]] if w.absmax else [])
-    if w.code_uniform is not None:
-        resources.append(w.code_uniform)
+    if w.code_buffer is not None:
+        resources.append(w.code_buffer)
     return pipeline, resources, (-(-M // tm), -(-N // (8 * wg)), 1)
 
 

@@ -174,6 +174,7 @@ class Runtime:
         self._pipelines: dict = {}
         self._bind_groups: dict = {}
         self._uniforms: dict = {}
+        self._shared: dict = {}        # bytes -> read-only storage buffer (shared_storage)
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0}
         self._query_set = self._query_buffer = None
         log.info("wgpu-train: using adapter %s", info.describe())
@@ -287,6 +288,15 @@ class Runtime:
             u = self.wgpu.BufferUsage
             buf = self.device.create_buffer_with_data(data=data, usage=u.UNIFORM | u.COPY_DST)
             self._uniforms[data] = buf
+        return buf
+
+    def shared_storage(self, array: np.ndarray):
+        """A read-only storage buffer holding `array`, shared by every caller with the same bytes (a table
+        that many dispatches read at per-invocation indices, where a uniform buffer would serialise them)."""
+        data = np.ascontiguousarray(array).tobytes()
+        buf = self._shared.get(data)
+        if buf is None:
+            buf = self._shared[data] = self.upload(np.frombuffer(data, np.uint8), "shared table")
         return buf
 
     def bind_group(self, pipeline, resources):
