@@ -296,9 +296,7 @@ def bench_base_weights(rt) -> list[dict]:
     is what was allocated, and must equal memory.base_weight_bytes, the plan the engine allocates by."""
     from ..config import ModelConfig
     from ..memory import base_weight_bytes, weight_shapes
-    from ..reference.quant import storage_dtype
-    from .quant import QuantMatrix
-    from .tensors import Matrix
+    from .tensors import store_weight, weight_buffers
 
     cfg = ModelConfig(**QWEN05)
     shapes = weight_shapes(cfg)
@@ -310,19 +308,9 @@ def bench_base_weights(rt) -> list[dict]:
         started = time.perf_counter()
         allocated = 0
         for name, shape in shapes.items():
-            w, stored = values[shape], storage_dtype(name, len(shape), base, emb)
-            if stored != "float32":
-                t = QuantMatrix(rt, w, stored, name)
-                allocated += t.nbytes
-                t.release(rt)
-            elif len(shape) == 2:
-                t = Matrix(rt, *shape, name, w)
-                allocated += sum(buf.size for buf, _, _ in t.chunks)
-                rt.release(*[buf for buf, _, _ in t.chunks])
-            else:
-                buf = rt.upload(w, name)
-                allocated += buf.size
-                rt.release(buf)
+            bufs = weight_buffers(store_weight(rt, name, values[shape], base, emb))
+            allocated += sum(b.size for b in bufs)
+            rt.release(*bufs)
         plan = base_weight_bytes(cfg, base, emb, rt.max_binding)
         if allocated != plan["total"]:
             raise AssertionError(f"{base} / {emb}: allocated {allocated} bytes, the plan says {plan['total']}")

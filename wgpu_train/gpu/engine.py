@@ -12,13 +12,14 @@ from ..hf import module_path
 from ..memory import SHARED_LAYER, activation_plan, check_fits, head_rows
 from ..reference import ops as ref_ops
 from ..reference.model import check_rows, forward_cached
-from ..reference.quant import check_dtypes, storage_dtype
+from ..reference.quant import check_dtypes
 from . import kernels as K
 from . import quant
 from .gemm import lora_a_forward, lora_backward, lora_forward
 from .quant import QuantMatrix
 from .runtime import Runtime
-from .tensors import F32, Matrix, Packed, at, linear_backward, linear_forward
+from .operands import at
+from .tensors import F32, Matrix, Packed, linear_backward, linear_forward, store_weight, weight_buffers
 
 
 class GpuLora:
@@ -86,17 +87,9 @@ class WgpuEngine:
         for name in weights:       # one tensor at a time: `weights` may convert each as it is read
             arr = weights[name]
             self.shapes[name] = tuple(arr.shape)
-            stored = storage_dtype(name, arr.ndim, base_dtype, embed_dtype)
-            if stored != "float32":
-                self.w[name] = QuantMatrix(rt, arr, stored, name)
-            elif arr.ndim == 2:
-                self.w[name] = Matrix(rt, arr.shape[0], arr.shape[1], name, arr)
-            else:
-                self.w[name] = rt.upload(arr.astype(np.float32), name)
+            self.w[name] = store_weight(rt, name, arr, base_dtype, embed_dtype)
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
-        self.base_weight_bytes = sum(t.nbytes if isinstance(t, QuantMatrix) else
-                                     sum(b.size for b, _, _ in t.chunks) if isinstance(t, Matrix) else t.size
-                                     for t in self.w.values())
+        self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
         self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
         self.lora: dict[str, GpuLora] = {}
         self.full = False

@@ -31,6 +31,7 @@ import struct
 import numpy as np
 
 from ..errors import DeviceError
+from .operands import split
 
 SHADER = "gemm"
 TM = 32                    # rows of C per workgroup (shaders/gemm.wgsl), TM_CHOICES for skinny products
@@ -169,18 +170,10 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
 
 # ---- operands ---------------------------------------------------------------------------------
 
-def _split(operand):
-    """(buffer, element_offset) from a buffer or a (buffer, offset) pair."""
-    if isinstance(operand, tuple):
-        buf, off = operand
-        return buf, int(off)
-    return operand, 0
-
-
 def _bind(rt, operand, extent: int, what: str):
     """(binding resource, element offset inside it) for an operand whose elements lie in
     [offset, offset + extent) of its buffer."""
-    buf, off = _split(operand)
+    buf, off = split(operand)
     end = (off + extent) * _F32
     if off < 0 or end > buf.size:
         raise ValueError(f"gemm: {what} needs elements [{off}, {off + extent}) "

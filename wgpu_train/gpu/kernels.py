@@ -25,6 +25,7 @@ import weakref
 import numpy as np
 
 from ..errors import DeviceError
+from .operands import split
 
 WG = 256                 # workgroup size of the elementwise-style kernels
 RMS_WG = 64              # rmsnorm row workgroup (shaders/rmsnorm.wgsl WG)
@@ -65,16 +66,9 @@ def _state(rt) -> _State:
     return st
 
 
-def _split(t):
-    if isinstance(t, tuple):
-        buf, off = t
-        return buf, int(off)
-    return t, 0
-
-
 def _bind(rt, t, n: int, what: str):
     """The aligned (buffer, byte_offset, size) covering n elements of t, and the residual element offset."""
-    buf, off = _split(t)
+    buf, off = split(t)
     if off < 0:
         raise ValueError(f"{what}: negative element offset {off}")
     align = _state(rt).align
@@ -108,9 +102,9 @@ def _run(rec, shader, entry, groups, tensors, sizes=(), floats=(), constants=Non
         offsets.append(o)
     for t, _, name, writable in tensors:
         if writable:
-            buf = _split(t)[0]
+            buf = split(t)[0]
             for t2, _, name2, writable2 in tensors:
-                if not writable2 and _split(t2)[0] is buf:
+                if not writable2 and split(t2)[0] is buf:
                     raise ValueError(f"{shader}.{entry}: output {name} shares its buffer with {name2}; "
                                      "WebGPU forbids that within one dispatch")
     sizes = [int(s) for s in sizes] + [0] * (8 - len(sizes))
@@ -121,8 +115,8 @@ def _run(rec, shader, entry, groups, tensors, sizes=(), floats=(), constants=Non
 
 
 def _same(a, b) -> bool:
-    ba, oa = _split(a)
-    bb, ob = _split(b)
+    ba, oa = split(a)
+    bb, ob = split(b)
     return ba is bb and oa == ob
 
 
@@ -315,7 +309,7 @@ def _att_check(T, Hq, Hkv, D):
 
 def _vec4(D, *tensors):
     """'_vec4' when the vec4 entry points apply: D and every (B, T, H, D) tensor's offset divisible by 4."""
-    return "_vec4" if D % 4 == 0 and all(_split(t)[1] % 4 == 0 for t in tensors) else ""
+    return "_vec4" if D % 4 == 0 and all(split(t)[1] % 4 == 0 for t in tensors) else ""
 
 
 def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D):
@@ -393,7 +387,7 @@ def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
 # ---- cross-entropy --------------------------------------------------------------------------
 
 def _offset(t, k):
-    buf, off = _split(t)
+    buf, off = split(t)
     return (buf, off + int(k))
 
 
@@ -520,7 +514,7 @@ def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay,
 def _bind_whole(rt, t, n, what):
     r, rest = _bind(rt, t, n, what)
     if rest:
-        raise ValueError(f"{what}: element offset {_split(t)[1]} is not a multiple of "
+        raise ValueError(f"{what}: element offset {split(t)[1]} is not a multiple of "
                          f"{_state(rt).align // 4} elements, which this shader needs")
     return r
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import DeviceError
 from ..reference.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
 from . import gemm as _gemm
+from .operands import at
 
 SHADER = "gemm_quant"
 FORMATS = ("float16", "nf4", "nf4-dq")
@@ -261,25 +262,19 @@ def qgemm(rec, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None,
     rec.dispatch(*qgemm_dispatch(rec.rt, c, a, w, chunk, layout, M, bias, accumulate, lda, ldc))
 
 
-def _at(t, offset):
-    if isinstance(t, tuple):
-        return (t[0], t[1] + offset)
-    return (t, offset) if offset else t
-
-
 # ---- the linear op pair with a frozen quantised weight ---------------------------------------------
 
 def linear_forward(rec, y, x, w: QuantMatrix, bias, N, accumulate=False):
     """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
     for i, (_, r0, _) in enumerate(w.chunks):
-        qgemm(rec, _at(y, r0), x, w, i, "nt", N, bias=_at(bias, r0) if bias is not None else None,
+        qgemm(rec, at(y, r0), x, w, i, "nt", N, bias=at(bias, r0) if bias is not None else None,
               accumulate=accumulate, ldc=w.rows)
 
 
 def linear_backward(rec, dx, dy, w: QuantMatrix, N, accumulate_dx=False):
     """dx (N, in) (+)= dy (N, out) @ w: the input gradient only (the weight is frozen)."""
     for i, (_, r0, _) in enumerate(w.chunks):
-        qgemm(rec, dx, _at(dy, r0), w, i, "nn", N, lda=w.rows, accumulate=accumulate_dx or i > 0)
+        qgemm(rec, dx, at(dy, r0), w, i, "nn", N, lda=w.rows, accumulate=accumulate_dx or i > 0)
 
 
 def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):

@@ -6,6 +6,8 @@ import numpy as np
 
 from . import quant
 from .gemm import gemm, ones
+from ..reference.quant import storage_dtype
+from .operands import at
 from .quant import QuantMatrix
 from .runtime import Runtime
 
@@ -38,6 +40,26 @@ class Matrix:
             rt.write(b, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
 
 
+def store_weight(rt: Runtime, name: str, arr: np.ndarray, base_dtype: str, embed_dtype: str):
+    """A base tensor on the GPU as the engine holds it (reference/quant.storage_dtype decides): a QuantMatrix
+    (float16 / NF4 storage), a Matrix (2-D float32) or a buffer (1-D)."""
+    stored = storage_dtype(name, arr.ndim, base_dtype, embed_dtype)
+    if stored != "float32":
+        return QuantMatrix(rt, arr, stored, name)
+    if arr.ndim == 2:
+        return Matrix(rt, arr.shape[0], arr.shape[1], name, arr)
+    return rt.upload(arr.astype(np.float32), name)
+
+
+def weight_buffers(t) -> list:
+    """Every GPU buffer of a tensor store_weight made (their sizes are its bytes)."""
+    if isinstance(t, QuantMatrix):
+        return [b for b, _, _ in t.chunks] + t.absmax
+    if isinstance(t, Matrix):
+        return [b for b, _, _ in t.chunks]
+    return [t]
+
+
 def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
     """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
     if isinstance(w, QuantMatrix):
@@ -62,13 +84,6 @@ def linear_backward(rec, dx, dweight, dbias, dy, x, w: Matrix, N, accumulate_dx=
             gemm(rec, dweight.chunks[i][0], at(dy, r0), x, n, w.cols, N, "tn", lda=w.rows, accumulate=True)
     if dbias is not None:
         gemm(rec, dbias, ones(rec.rt, N), dy, 1, w.rows, N, "nn", accumulate=True)
-
-
-def at(t, offset):
-    """(buffer, element offset) of a tensor argument shifted by offset elements."""
-    if isinstance(t, tuple):
-        return (t[0], t[1] + offset)
-    return (t, offset) if offset else t
 
 
 class Packed:
