@@ -18,6 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from wgpu_train.gpu import gemm as G  # noqa: E402
+from wgpu_train.gpu import gemm_kernels as GK  # noqa: E402
 from wgpu_train.gpu.bench import NAIVE16_SRC, Timer, fma_peak  # noqa: E402
 from wgpu_train.gpu.runtime import get_runtime  # noqa: E402
 
@@ -98,6 +99,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """
 
 
+def _register(rt, c, a, b, M, N, K, subgroups, vec4):
+    """The register kernel of shaders/gemm.wgsl that the llvmpipe tiling picks for C = A @ B, forced."""
+    p = G.gemm_problem(rt, c, a, b, M, N, K, "nn")
+    swap, wg, tm = GK.choose_tiling(M, N, K, 1, GK.min_workgroup(rt), (p.b_sk == 1, p.a_sk == 1))
+    return GK.Register(swap, wg, tm, subgroups, vec4).dispatches(p)[0]
+
+
 class Variant:
     def __init__(self, name, doc, make, needs_subgroups=False):
         self.name, self.doc, self.make, self.needs_subgroups = name, doc, make, needs_subgroups
@@ -127,17 +135,17 @@ def variants(rt):
                             lambda M, N: (N // 256, M // 32, 1)),
                 needs_subgroups=True),
         Variant("v5", "shaders/gemm.wgsl gemm (any strides: scalar loads, A direct)",
-                lambda c, a, b, M, N, K: G.gemm_dispatch(rt, c, a, b, M, N, K, "nn", subgroups=False, vec4=False)),
+                lambda c, a, b, M, N, K: _register(rt, c, a, b, M, N, K, False, False)),
         Variant("v6", "shaders/gemm.wgsl gemm_sg (any strides: scalar loads, A by subgroup broadcast)",
-                lambda c, a, b, M, N, K: G.gemm_dispatch(rt, c, a, b, M, N, K, "nn", subgroups=True, vec4=False),
+                lambda c, a, b, M, N, K: _register(rt, c, a, b, M, N, K, True, False),
                 needs_subgroups=True),
         Variant("v7", "shaders/gemm.wgsl gemm_v4 (vec4 loads and stores, A direct)",
-                lambda c, a, b, M, N, K: G.gemm_dispatch(rt, c, a, b, M, N, K, "nn", subgroups=False)),
+                lambda c, a, b, M, N, K: _register(rt, c, a, b, M, N, K, False, True)),
         Variant("v8", "shaders/gemm.wgsl gemm_v4_sg (vec4, A by subgroup broadcast): the default on lavapipe",
-                lambda c, a, b, M, N, K: G.gemm_dispatch(rt, c, a, b, M, N, K, "nn", subgroups=True),
+                lambda c, a, b, M, N, K: _register(rt, c, a, b, M, N, K, True, True),
                 needs_subgroups=True),
     ]
-    return [v for v in out if not v.needs_subgroups or G.use_subgroups(rt)]
+    return [v for v in out if not v.needs_subgroups or GK.use_subgroups(rt)]
 
 
 def main(argv=None):

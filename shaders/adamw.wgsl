@@ -66,25 +66,29 @@ fn adamw_update(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     u_param[p.o1 + i] = x - u_hp[hp + 5u] * m / (sqrt(v * u_hp[hp + 6u]) + u_hp[hp + 7u]);
 }
 
-// ---- partial: 1 partials (slots,) out, 2 grad (n,); one workgroup ----
+// ---- partial: 1 partials (slots,) out, 2 grad (n,); one slot per workgroup, s1 the first ----
+// Workgroup w of the dispatch sums elements w * WG + lid, stepping by the whole grid, so any number of
+// workgroups covers the tensor and the sum is the same for the same n (deterministic, no atomics).
 @group(0) @binding(1) var<storage, read_write> n_part: array<f32>;
 @group(0) @binding(2) var<storage, read> n_grad: array<f32>;
 
 @compute @workgroup_size(WG)
-fn grad_norm_partial(@builtin(local_invocation_id) lid3: vec3<u32>) {
+fn grad_norm_partial(@builtin(local_invocation_id) lid3: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+                     @builtin(num_workgroups) nwg: vec3<u32>) {
     let lid = lid3.x;
     var s = 0.0;
-    for (var i = lid; i < p.s0; i += WG) {
+    for (var i = wid.x * WG + lid; i < p.s0; i += nwg.x * WG) {
         let g = n_grad[p.o2 + i];
         s += g * g;
     }
     let total = tree_sum(s, lid);
     if (lid == 0u) {
+        let slot = p.o1 + p.s1 + wid.x;
         var out = total;
         if (p.s2 != 0u) {
-            out += n_part[p.o1 + p.s1];
+            out += n_part[slot];
         }
-        n_part[p.o1 + p.s1] = out;
+        n_part[slot] = out;
     }
 }
 

@@ -16,13 +16,13 @@ struct Params {
     scale: f32,
 }
 
-@group(0) @binding(0) var<storage, read_write> out: array<f32>;     // (N, Hq, D)
-@group(0) @binding(1) var<storage, read> q: array<f32>;             // (N, Hq, D)
-@group(0) @binding(2) var<storage, read> k_cache: array<f32>;       // (B, max_len, Hkv, D)
-@group(0) @binding(3) var<storage, read> v_cache: array<f32>;       // (B, max_len, Hkv, D)
-@group(0) @binding(4) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
-@group(0) @binding(5) var<storage, read> positions: array<i32>;    // (N,) position within the row
-@group(0) @binding(6) var<uniform> params: Params;
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;     // (N, Hq, D)
+@group(0) @binding(2) var<storage, read> q: array<f32>;             // (N, Hq, D)
+@group(0) @binding(3) var<storage, read> k_cache: array<f32>;       // (B, max_len, Hkv, D)
+@group(0) @binding(4) var<storage, read> v_cache: array<f32>;       // (B, max_len, Hkv, D)
+@group(0) @binding(5) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
+@group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row
 
 const MAX_D: u32 = 256u;
 

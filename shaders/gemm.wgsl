@@ -23,12 +23,13 @@
 // Bounds: out-of-range rows/columns are clamped on load (always valid memory) and skipped on store;
 // steps of k past K read A as zero. So any M, N, K >= 1 works.
 
+// o1..o4: element offsets of bindings 1..4 (A, B, BIAS, C), as gpu/launch.py's uniform ABI names them.
 struct Params {
     M: u32, N: u32, K: u32, flags: u32,          // flags: 1 = accumulate into C, 2 = add bias
-    a_off: u32, a_sm: u32, a_sk: u32, a_sz: u32, // op(A) element (m, k) of batch z: a_off + m*a_sm + k*a_sk + z*a_sz
-    b_off: u32, b_sk: u32, b_sn: u32, b_sz: u32, // op(B) element (k, n)
-    c_off: u32, c_sm: u32, c_sn: u32, c_sz: u32, // C element (m, n)
-    bias_off: u32, bias_sm: u32, bias_sn: u32, alpha: f32, // bias element for C (m, n): bias_off + m*sm + n*sn
+    o1: u32, a_sm: u32, a_sk: u32, a_sz: u32,    // op(A) element (m, k) of batch z: o1 + m*a_sm + k*a_sk + z*a_sz
+    o2: u32, b_sk: u32, b_sn: u32, b_sz: u32,    // op(B) element (k, n)
+    o4: u32, c_sm: u32, c_sn: u32, c_sz: u32,    // C element (m, n)
+    o3: u32, bias_sm: u32, bias_sn: u32, alpha: f32, // bias element for C (m, n): o3 + m*sm + n*sn
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -49,7 +50,7 @@ override TM: u32 = 32u;          // rows of C per workgroup: 32, or 8 for skinny
 
 alias Acc = array<vec4<f32>, 64>;  // acc[2 * row + j]: row `row`, column group j of this invocation
 
-var<private> a_base: u32;        // a_off of this batch
+var<private> a_base: u32;        // o1 of this batch
 var<private> b_base: u32;
 var<private> m0: u32;            // first row of this workgroup
 var<private> n0: u32;            // first column of this invocation: n0 + c and n0 + 4 * WG + c
@@ -57,8 +58,8 @@ var<private> b_col: array<u32, 8>; // gemm, gemm_v4 (B along k): b_base + n * b_
 
 // Workgroup (x, y, z) = (row tile, column tile, batch): consecutive workgroups share a panel of B.
 fn setup(wid: vec3<u32>, lid: u32) {
-    a_base = P.a_off + wid.z * P.a_sz;
-    b_base = P.b_off + wid.z * P.b_sz;
+    a_base = P.o1 + wid.z * P.a_sz;
+    b_base = P.o2 + wid.z * P.b_sz;
     m0 = wid.x * TM;
     n0 = wid.y * WG * 8u + 4u * lid;
     let nl = P.N - 1u;
@@ -237,7 +238,7 @@ fn store1(c_row: u32, m: u32, n: u32, v: f32) {
     }
     var out = P.alpha * v;
     if ((P.flags & 2u) != 0u) {
-        out += BIAS[P.bias_off + m * P.bias_sm + n * P.bias_sn];
+        out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
     }
     let i = c_row + n * P.c_sn;
     if ((P.flags & 1u) != 0u) {
@@ -253,7 +254,7 @@ fn store_all(acc: ptr<function, Acc>, z: u32) {
         if (m >= P.M) {
             break;
         }
-        let c_row = P.c_off + z * P.c_sz + m * P.c_sm;
+        let c_row = P.o4 + z * P.c_sz + m * P.c_sm;
         let v0 = pick(acc, r, 0u);
         let v1 = pick(acc, r, 1u);
         store1(c_row, m, n0, v0.x);
@@ -275,7 +276,7 @@ fn bias4(m: u32, n: u32, along_m: bool) -> vec4<f32> {
         return vec4<f32>(0.0);
     }
     let s = select(P.bias_sn, P.bias_sm, along_m);
-    let i = P.bias_off + m * P.bias_sm + n * P.bias_sn;
+    let i = P.o3 + m * P.bias_sm + n * P.bias_sn;
     return vec4<f32>(BIAS[i], BIAS[i + s], BIAS[i + 2u * s], BIAS[i + 3u * s]);
 }
 
@@ -297,7 +298,7 @@ fn store_col4(c_col: u32, m: u32, n: u32, v: vec4<f32>) {
 
 fn store_all_v4(acc: ptr<function, Acc>, z: u32) {
     let n1 = n0 + 4u * WG;
-    let c_base = P.c_off + z * P.c_sz;
+    let c_base = P.o4 + z * P.c_sz;
     if (C_NVEC) {
         for (var r = 0u; r < TM; r++) {
             let m = m0 + r;

@@ -22,13 +22,13 @@
 // adjacent: one NF4 word (or 16 bytes of f16) holds 8 weights along n in the nn layout and 8 along k in
 // the nt layout, so each load feeds 8 weights. Each weight is decoded once per workgroup (row tile) and
 // used in TM FMAs: on llvmpipe the NF4 select tree costs ~25% of the FMA work at TM = 32.
-// qgemm_fast needs A 4-aligned (a_off, lda % 4 == 0) and, for nt, K % 8 == 0, for nn, N % 8 == 0 (any K);
+// qgemm_fast needs A 4-aligned (o1, lda % 4 == 0) and, for nt, K % 8 == 0, for nn, N % 8 == 0 (any K);
 // qgemm takes any shape (a weight load per element: for odd test shapes, not for speed).
 
 struct Params {
     M: u32, N: u32, K: u32, flags: u32,          // flags: 1 = accumulate into C, 2 = add bias
-    a_off: u32, lda: u32, c_off: u32, ldc: u32,  // A (m, k) at a_off + m * lda + k; C (m, n) at c_off + m * ldc + n
-    bias_off: u32, cols: u32, row0: u32, rows: u32, // cols: row length of W; row0/rows: embed_gather only
+    o1: u32, lda: u32, o4: u32, ldc: u32,        // A (m, k) at o1 + m * lda + k; C (m, n) at o4 + m * ldc + n
+    o3: u32, cols: u32, row0: u32, rows: u32,    // o3: bias offset; cols: row length of W; row0/rows: embed_gather only
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -77,7 +77,7 @@ fn w_at(k: u32, n: u32) -> u32 {
 
 // Row m of A at k..k+3, zero past K.
 fn a_row(m: u32, k: u32) -> vec4<f32> {
-    let r = P.a_off + min(m, P.M - 1u) * P.lda;
+    let r = P.o1 + min(m, P.M - 1u) * P.lda;
     let kl = P.K - 1u;
     return vec4<f32>(select(0.0, A[r + min(k, kl)], k < P.K),
                      select(0.0, A[r + min(k + 1u, kl)], k + 1u < P.K),
@@ -158,7 +158,7 @@ fn quad_nn(k: u32) -> B4 {
 
 // Row m0 + r of A at k..k+3, zero past K (the vec4 load stays inside the binding: robust access).
 fn a4(r: u32, k: u32) -> vec4<f32> {
-    let v = A4[(P.a_off + min(m0 + r, P.M - 1u) * P.lda + k) >> 2u];
+    let v = A4[(P.o1 + min(m0 + r, P.M - 1u) * P.lda + k) >> 2u];
     return select(vec4<f32>(0.0), v, vec4<u32>(k, k + 1u, k + 2u, k + 3u) < vec4<u32>(P.K));
 }
 
@@ -243,7 +243,7 @@ fn store1(c_row: u32, n: u32, v: f32) {
     }
     var out = v;
     if ((P.flags & 2u) != 0u) {
-        out += BIAS[P.bias_off + n];
+        out += BIAS[P.o3 + n];
     }
     let i = c_row + n;
     if ((P.flags & 1u) != 0u) {
@@ -258,7 +258,7 @@ fn store_all(acc: ptr<function, Acc>) {
         if (m >= P.M) {
             break;
         }
-        let c_row = P.c_off + m * P.ldc;
+        let c_row = P.o4 + m * P.ldc;
         let v0 = pick(acc, r, 0u);
         let v1 = pick(acc, r, 1u);
         store1(c_row, n0, v0.x);
@@ -416,7 +416,7 @@ fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
     return vec4<f32>(h1(e0), h1(e1), h1(e2), h1(e3));
 }
 
-// Embedding rows from an f16 vocabulary chunk: OUT[c_off + t * cols + c] = W[ids[a_off + t] - row0, c] for
+// Embedding rows from an f16 vocabulary chunk: OUT[o3 + t * cols + c] = W[ids[o1 + t] - row0, c] for
 // ids in [row0, row0 + rows); M = tokens; other tokens are left untouched (one call per chunk).
 @compute @workgroup_size(64)
 fn embed_gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
@@ -425,10 +425,10 @@ fn embed_gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
         return;
     }
     let t = i / P.cols;
-    let r = IDS[P.a_off + t] - i32(P.row0);
+    let r = IDS[P.o1 + t] - i32(P.row0);
     if (r < 0 || u32(r) >= P.rows) {
         return;
     }
-    OUT[P.c_off + i] = h1(u32(r) * P.cols + i % P.cols);
+    OUT[P.o3 + i] = h1(u32(r) * P.cols + i % P.cols);
 }
 // ---- end of formats

@@ -10,13 +10,13 @@ struct Params {
     batch: u32,       // cache rows
 }
 
-@group(0) @binding(0) var<storage, read_write> k_cache: array<f32>;   // (B, max_len, Hkv, D)
-@group(0) @binding(1) var<storage, read_write> v_cache: array<f32>;   // (B, max_len, Hkv, D)
-@group(0) @binding(2) var<storage, read> k_new: array<f32>;         // (N, Hkv, D)
-@group(0) @binding(3) var<storage, read> v_new: array<f32>;         // (N, Hkv, D)
-@group(0) @binding(4) var<storage, read> rows: array<i32>;          // (N,) cache row; negative: padding, not written
-@group(0) @binding(5) var<storage, read> positions: array<i32>;     // (N,) position within the row
-@group(0) @binding(6) var<uniform> params: Params;
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> k_cache: array<f32>;   // (B, max_len, Hkv, D)
+@group(0) @binding(2) var<storage, read_write> v_cache: array<f32>;   // (B, max_len, Hkv, D)
+@group(0) @binding(3) var<storage, read> k_new: array<f32>;         // (N, Hkv, D)
+@group(0) @binding(4) var<storage, read> v_new: array<f32>;         // (N, Hkv, D)
+@group(0) @binding(5) var<storage, read> rows: array<i32>;          // (N,) cache row; negative: padding, not written
+@group(0) @binding(6) var<storage, read> positions: array<i32>;     // (N,) position within the row
 
 // k_cache[rows[i], positions[i]] = k_new[i], v_cache likewise; rows or positions out of range are skipped
 @compute @workgroup_size(64)

@@ -9,10 +9,10 @@ struct Params {
     inv_keep: f32,     // 1 / (1 - p)
 }
 
-@group(0) @binding(0) var<storage, read_write> y: array<f32>;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> seeds: array<u32>;
-@group(0) @binding(3) var<uniform> params: Params;
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read> seeds: array<u32>;
 
 fn pcg_hash(v: u32) -> u32 {
     let s = v * 747796405u + 2891336453u;

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from wgpu_train.gpu import gemm as G
-from wgpu_train.gpu.gemm import linear_backward, linear_forward, lora_backward, lora_forward
+from wgpu_train.gpu import gemm_kernels as GK
+from wgpu_train.gpu import tune
+from wgpu_train.gpu.gemm import lora_backward, lora_forward
+from wgpu_train.gpu.tensors import Matrix, linear_backward, linear_forward
 from wgpu_train.reference import ops
 
 # fp32 products summed over K: the rounding error of one output grows like eps * sqrt(K) * |a||b| for
@@ -38,9 +41,17 @@ def _operands(rng, M, N, K, layout, dtype=np.float32):
 
 
 def _variants(rt):
-    """(subgroups, vec4) pairs to force: every kernel this device can run."""
-    sg = [False, True] if G.use_subgroups(rt) else [False]
+    """(subgroups, vec4) pairs to force: every register kernel this device can run."""
+    sg = [False, True] if GK.use_subgroups(rt) else [False]
     return [(s, v) for s in sg for v in (False, True)]
+
+
+def _register(rt, c, a, b, M, N, K, layout, subgroups=None, vec4=True, **kw):
+    """The (pipeline, resources, groups) of the register kernel choose_tiling picks, with subgroups / vec4 forced."""
+    p = G.gemm_problem(rt, c, a, b, M, N, K, layout, **kw)
+    swap, wg, tm = GK.choose_tiling(p.M, p.N, p.K, p.batch, GK.min_workgroup(rt), (p.b_sk == 1, p.a_sk == 1))
+    sg = GK.use_subgroups(rt) if subgroups is None else subgroups
+    return GK.Register(swap, wg, tm, sg, vec4).dispatches(p)[0]
 
 
 def _run(rt, dispatches):
@@ -62,7 +73,7 @@ def test_gemm_layouts_odd_sizes(rt, layout):
         for sg, v4 in _variants(rt):
             cb = rt.buffer(M * N * 4)
             cases.append((cb, want, K, (M, N, K, sg, v4),
-                          G.gemm_dispatch(rt, cb, ab, bb, M, N, K, layout, subgroups=sg, vec4=v4)))
+                          _register(rt, cb, ab, bb, M, N, K, layout, subgroups=sg, vec4=v4)))
     _run(rt, [c[-1] for c in cases])
     for cb, want, K, what, _ in cases:
         got = rt.read(cb, np.float32, want.shape)
@@ -77,9 +88,9 @@ def test_gemm_default_path_picks_vec4(rt):
     buf = rt.buffer(64 * 64 * 4)
     c = rt.buffer(64 * 64 * 4)
     for layout in ("nn", "nt", "tn"):
-        pipeline, _, _ = G.gemm_dispatch(rt, c, buf, buf, 64, 64, 64, layout)
+        pipeline, _, _ = _register(rt, c, buf, buf, 64, 64, 64, layout)
         assert "gemm_v4" in pipeline.label
-    pipeline, _, _ = G.gemm_dispatch(rt, c, buf, buf, 63, 64, 63, "nn")
+    pipeline, _, _ = _register(rt, c, buf, buf, 63, 64, 63, "nn")
     assert "gemm_v4" not in pipeline.label
 
 
@@ -173,11 +184,11 @@ def test_gemm_operand_past_max_binding(default_rt):
     big = rt.buffer(n_elems * 4, "test.big")
     bb = rt.upload(b)
     try:
-        for off, kernel in ((n_elems - M * K - 3, "gemm_sg" if G.use_subgroups(rt) else "gemm"),
+        for off, kernel in ((n_elems - M * K - 3, "gemm_sg" if GK.use_subgroups(rt) else "gemm"),
                             (n_elems - M * K - 64, "gemm_v4")):
             rt.write(big, a, offset=off * 4)
             cb = rt.buffer(M * N * 4)
-            pipeline, resources, groups = G.gemm_dispatch(rt, cb, (big, off), bb, M, N, K, "nt")
+            pipeline, resources, groups = _register(rt, cb, (big, off), bb, M, N, K, "nt")
             assert pipeline.label.split(".")[1].startswith(kernel)
             assert any(isinstance(r, tuple) and r[0] is big for r in resources), "expected a range binding"
             _run(rt, [(pipeline, resources, groups)])
@@ -190,19 +201,19 @@ def test_gemm_rejects_operand_outside_buffer(default_rt):
     rt = default_rt
     small = rt.buffer(10 * 4)
     rec = rt.recorder()
-    with pytest.raises(ValueError, match="A needs elements"):
+    with pytest.raises(ValueError, match="gemm A: needs elements"):
         G.gemm(rec, small, small, small, 4, 4, 4)
 
 
 def test_choose_tiling():
     """Skinny products are computed transposed so the small side is not padded to a wide tile; the
     operand each invocation streams is kept contiguous along k, or its panel small enough for L2."""
-    assert G.choose_tiling(512, 8, 576) == (True, 8, 8)       # x @ lora_a.T: N = r, computed as (r, N)
-    assert G.choose_tiling(8, 512, 576)[::2] == (False, 8)    # dlora_a: M = r, an 8-row tile
-    assert G.choose_tiling(1024, 1024, 1024, b_along_k=(True, True)) == (False, 64, 32)    # nt
-    assert G.choose_tiling(1024, 1024, 1024, b_along_k=(False, True))[0] is True           # nn: swap
-    swap, wg, tm = G.choose_tiling(1024, 1024, 1024, b_along_k=(False, False))            # tn
-    assert 1024 * G.TN * wg * 4 <= G.L2_PANEL_BYTES and tm == 32
+    assert GK.choose_tiling(512, 8, 576) == (True, 8, 8)       # x @ lora_a.T: N = r, computed as (r, N)
+    assert GK.choose_tiling(8, 512, 576)[::2] == (False, 8)    # dlora_a: M = r, an 8-row tile
+    assert GK.choose_tiling(1024, 1024, 1024, b_along_k=(True, True)) == (False, 64, 32)    # nt
+    assert GK.choose_tiling(1024, 1024, 1024, b_along_k=(False, True))[0] is True           # nn: swap
+    swap, wg, tm = GK.choose_tiling(1024, 1024, 1024, b_along_k=(False, False))            # tn
+    assert 1024 * GK.TN * wg * 4 <= GK.L2_PANEL_BYTES and tm == 32
 
 
 # ---- linear and LoRA vs wgpu_train.reference.ops ----------------------------------------------
@@ -212,25 +223,27 @@ LINEAR_SHAPES = [(13, 17, 9), (32, 64, 48), (5, 1, 3)]    # (N, in, out)
 
 @pytest.mark.parametrize("n,fin,fout", LINEAR_SHAPES)
 def test_linear_forward_backward(rt, n, fin, fout):
+    """tensors.linear_forward / linear_backward (the engine's path) over a float32 Matrix."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((n, fin)).astype(np.float32)
     w = rng.standard_normal((fout, fin)).astype(np.float32)
     bias = rng.standard_normal(fout).astype(np.float32)
     dy = rng.standard_normal((n, fout)).astype(np.float32)
     dx0 = rng.standard_normal((n, fin)).astype(np.float32)
-    xb, wb, biasb, dyb = rt.upload(x), rt.upload(w), rt.upload(bias), rt.upload(dy)
-    yb, dxb, dwb, dbb = rt.buffer(n * fout * 4), rt.buffer(n * fin * 4), rt.buffer(fout * fin * 4), rt.buffer(fout * 4)
+    xb, biasb, dyb = rt.upload(x), rt.upload(bias), rt.upload(dy)
+    wm, dwm = Matrix(rt, fout, fin, "test.w", w), Matrix(rt, fout, fin, "test.dw", np.zeros_like(w))
+    yb, dxb, dbb = rt.buffer(n * fout * 4), rt.buffer(n * fin * 4), rt.buffer(fout * 4)
     dxacc = rt.upload(dx0)
     rec = rt.recorder()
-    linear_forward(rec, yb, xb, wb, biasb, n, fin, fout)
-    linear_backward(rec, dxb, dwb, dbb, dyb, xb, wb, n, fin, fout)
-    linear_backward(rec, dxacc, None, None, dyb, xb, wb, n, fin, fout, accumulate_dx=True)
+    linear_forward(rec, yb, xb, wm, biasb, n)
+    linear_backward(rec, dxb, dwm, dbb, dyb, xb, wm, n)
+    linear_backward(rec, dxacc, None, None, dyb, xb, wm, n, accumulate_dx=True)
     rec.submit()
     x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
     _close(rt.read(yb, np.float32, (n, fout)), ops.linear_forward(x64, w64, bias.astype(np.float64)), fin)
     dx, dw, db = ops.linear_backward(dy64, x64, w64)
     _close(rt.read(dxb, np.float32, (n, fin)), dx, fout)
-    _close(rt.read(dwb, np.float32, (fout, fin)), dw, n)
+    _close(dwm.read(rt), dw, n)
     _close(rt.read(dbb, np.float32, (fout,)), db, n)
     _close(rt.read(dxacc, np.float32, (n, fin)), dx0 + dx, fout)
 
@@ -270,23 +283,23 @@ def test_lora_forward_backward(rt, n, fin, fout, r):
 
 def test_subgroup_probe(rt):
     """The subgroup kernels are used exactly when the device has subgroups of at least 8 lanes."""
-    size = G.subgroup_size(rt)
+    size = GK.subgroup_size(rt)
     assert size == 0 or size & (size - 1) == 0
     if os.environ.get("WGPU_TRAIN_GEMM_SUBGROUPS", "1") != "0":
-        assert G.use_subgroups(rt) == (size >= 8)
+        assert GK.use_subgroups(rt) == (size >= 8)
 
 
 @pytest.mark.parametrize("wg", [16, 32, 64])
 def test_gemm_workgroup_sizes(rt, wg, monkeypatch):
     """Each workgroup width the tiling may choose (the other tests mostly get 8), on ragged edges."""
-    monkeypatch.setattr(G, "WG_CHOICES", (wg,))
+    monkeypatch.setattr(GK, "WG_CHOICES", (wg,))
     rng = np.random.default_rng(8)
     cases = []
     for (M, N, K, layout) in [(40, 8 * wg + 12, 20, "nn"), (33, 8 * wg + 5, 9, "tn")]:
         a, b = _operands(rng, M, N, K, layout)
         want = _op(a.astype(np.float64), layout[0]) @ _op(b.astype(np.float64), layout[1])
         cb = rt.buffer(M * N * 4)
-        d = G.gemm_dispatch(rt, cb, rt.upload(a), rt.upload(b), M, N, K, layout)
+        d = _register(rt, cb, rt.upload(a), rt.upload(b), M, N, K, layout)
         assert d[2][0] == 2, "the test shape should span two workgroups of columns"
         cases.append((cb, want, K, d))
     _run(rt, [c[-1] for c in cases])

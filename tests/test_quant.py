@@ -10,7 +10,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.config import ModelConfig
-from wgpu_train.gpu import gemm as G
+from wgpu_train.gpu import gemm_kernels as GK
 from wgpu_train.gpu import quant as Q
 from wgpu_train.gpu.tensors import linear_backward, linear_forward
 from wgpu_train.memory import base_weight_bytes
@@ -167,7 +167,7 @@ GEMM_CASES = [(1, 1, 1, 0), (3, 17, 65, 0), (17, 3, 127, 0), (65, 127, 3, 0), (5
 
 def _kernels(rt):
     """(fast, subgroups) pairs to force: every quantised kernel this device can run."""
-    return [(False, False), (True, False)] + ([(True, True)] if G.use_subgroups(rt) else [])
+    return [(False, False), (True, False)] + ([(True, True)] if GK.use_subgroups(rt) else [])
 
 
 @pytest.mark.parametrize("fmt", Q.FORMATS)

@@ -172,16 +172,17 @@ def _max_rel_err(got, want):
     return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
 
 
-def _check(rt, dispatch, c_buf, want) -> float:
-    """Run one dispatch on a cleared C and return its max relative error; a wrong kernel must not
+def _check(rt, dispatches, c_buf, want) -> float:
+    """Run the dispatches on a cleared C and return its max relative error; a wrong kernel must not
     report a speed (and one that writes nothing cannot pass on an earlier kernel's result)."""
     rec = rt.recorder()
     rec.clear(c_buf)
-    rec.dispatch(*dispatch)
+    for d in dispatches:
+        rec.dispatch(*d)
     rec.submit()
     err = _max_rel_err(rt.read(c_buf, np.float32, want.shape), want)
     if not err < 1e-4:
-        raise AssertionError(f"benchmark kernel {dispatch[0]} gave a wrong result (max rel err {err:.2e})")
+        raise AssertionError(f"benchmark kernel {dispatches[0][0]} gave a wrong result (max rel err {err:.2e})")
     return err
 
 
@@ -207,21 +208,21 @@ def bench_gemm(rt, ctx) -> list[dict]:
             # the naive kernel is slow on CPU adapters (seconds at 1024^3): checked (and compiled) on
             # the whole problem, then timed once
             nd = naive16_dispatch(rt, cb, ab, bb, m, n, k)
-            naive_err = _check(rt, nd, cb, want)
+            naive_err = _check(rt, [nd], cb, want)
             naive = flops / timer.time([nd], repeats=1, warmup=[]) / 1e9
             out.append({"name": "gemm_naive16", "shape": shape, "gflops": naive, "max_rel_err": naive_err})
             cases = []
             for layout, a_op, b_op in (("nn", ab, bb), ("nt", ab, btb), ("tn", atb, bb)):
-                d = _gemm.gemm_dispatch(rt, cb, a_op, b_op, m, n, k, layout)
+                d = _gemm.gemm_dispatches(rt, cb, a_op, b_op, m, n, k, layout)
                 cases.append((layout, d, _check(rt, d, cb, want)))
             best = {layout: float("inf") for layout, _, _ in cases}
             for _ in range(GEMM_ROUNDS):
                 for layout, d, _ in cases:
-                    best[layout] = min(best[layout], timer.time([d], repeats=2, budget_s=1.0, warmup=[]))
+                    best[layout] = min(best[layout], timer.time(d, repeats=2, budget_s=1.0, warmup=[]))
             for layout, d, err in cases:
                 g = flops / best[layout] / 1e9
                 out.append({"name": f"gemm_{layout}", "shape": shape, "gflops": g, "ms": best[layout] * 1e3,
-                            "vs_naive": g / naive, "kernel": d[0].label.split(".")[-1], "max_rel_err": err})
+                            "vs_naive": g / naive, "kernel": d[0][0].label.split(".")[-1], "max_rel_err": err})
         finally:
             rt.release(*bufs)
         ctx["sample_peak"]()
@@ -251,8 +252,8 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
         ab, wntb, wnnb, cb = bufs
         mats = []
         try:
-            cases = [("gemm_nt", "float32", _gemm.gemm_dispatch(rt, cb, ab, wntb, m, n, k, "nt"), a @ w_nt.T),
-                     ("gemm_nn", "float32", _gemm.gemm_dispatch(rt, cb, ab, wnnb, m, n, k, "nn"), a @ w_nn)]
+            cases = [("gemm_nt", "float32", _gemm.gemm_dispatches(rt, cb, ab, wntb, m, n, k, "nt"), a @ w_nt.T),
+                     ("gemm_nn", "float32", _gemm.gemm_dispatches(rt, cb, ab, wnnb, m, n, k, "nn"), a @ w_nn)]
             for fmt in formats:
                 for layout, w in (("nt", w_nt), ("nn", w_nn)):
                     q = QuantMatrix(rt, w, fmt, f"bench.{fmt}")
@@ -260,17 +261,17 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
                     wq = round_to(w, fmt).astype(np.float64)
                     want = a @ (wq.T if layout == "nt" else wq)
                     name = f"gemm_{'f16' if fmt == 'float16' else fmt}_{layout}"
-                    cases.append((name, fmt, qgemm_dispatch(rt, cb, ab, q, 0, layout, m), want))
+                    cases.append((name, fmt, [qgemm_dispatch(rt, cb, ab, q, 0, layout, m)], want))
             errs = {name: _check(rt, d, cb, want.astype(np.float32)) for name, _, d, want in cases}
             best = {name: float("inf") for name, *_ in cases}
             for _ in range(GEMM_ROUNDS):
                 for name, _, d, _ in cases:
-                    best[name] = min(best[name], timer.time([d], repeats=2, budget_s=1.0, warmup=[]))
+                    best[name] = min(best[name], timer.time(d, repeats=2, budget_s=1.0, warmup=[]))
             for name, fmt, d, _ in cases[2:]:
                 ref = "gemm_" + name[-2:]
                 out.append({"name": name, "shape": f"{m}x{n}x{k}", "gflops": flops / best[name] / 1e9,
                             "ms": best[name] * 1e3, "vs_float32": best[ref] / best[name],
-                            "float32_gflops": flops / best[ref] / 1e9, "kernel": d[0].label.split(".")[-1],
+                            "float32_gflops": flops / best[ref] / 1e9, "kernel": d[0][0].label.split(".")[-1],
                             "max_rel_err": errs[name]})
         finally:
             rt.release(*bufs)

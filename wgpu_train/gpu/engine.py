@@ -2,6 +2,7 @@
 optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -111,6 +112,10 @@ class WgpuEngine:
         self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
         self.last_step: dict = {}
+        # GPU seconds one submission may hold (WGPU_TRAIN_MAX_SUBMIT_S), and the dispatches per submission
+        # that keep a step under it (0: the whole step in one), measured from the previous step
+        self.max_submit_s = float(os.environ.get("WGPU_TRAIN_MAX_SUBMIT_S", "1.0"))
+        self._dispatch_budget = 0
         self.last_profile: dict = {}
         self.last_timing: dict = {}
 
@@ -184,7 +189,8 @@ class WgpuEngine:
             self._groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), min(step, params.n - o))
                             for o in range(0, params.n, step)]
             self._state_buffers = [params.buf, grads.buf, m.buf, v.buf]
-        self.partials = rt.buffer(F32 * max(1, len(self._groups)), "partials")
+        self._norm_slots = [K.grad_norm_slots(g[4]) for g in self._groups]
+        self.partials = rt.buffer(F32 * max(1, sum(self._norm_slots)), "partials")
         self._state_buffers.append(self.partials)
 
     def _like(self, t, label):
@@ -350,6 +356,7 @@ class WgpuEngine:
         rec.section(self._where)
         self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
         for i in range(len(acts.layers)):
+            rec.split_point()
             self._record_layer_forward(rec, acts, i, kv)
         rec.section("final norm forward")
         if kv is None:
@@ -463,6 +470,7 @@ class WgpuEngine:
         K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                            self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True)
         for i in reversed(range(cfg.num_hidden_layers)):
+            rec.split_point()
             p = f"model.layers.{i}."
             a = acts.layers[i]
             # checkpointed: the forward left the last layer's activations in the shared buffers; the
@@ -572,8 +580,9 @@ class WgpuEngine:
         self._record_forward(rec, acts)
         self._record_head(rec, acts, backward=False)
         K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n)
+        rec.read_back(self.results, np.float32, (2,))
         rec.submit()
-        loss_sum, count = self.rt.read(self.results, np.float32, (2,))
+        loss_sum, count = rec.result()
         self._count(before)
         return float(loss_sum), int(round(count))
 
@@ -591,8 +600,9 @@ class WgpuEngine:
         self._record_backward(rec, acts)
         self._training = False
         K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n)
+        rec.read_back(self.results, np.float32, (2,))
         rec.submit()
-        loss_sum, count = self.rt.read(self.results, np.float32, (2,))
+        loss_sum, count = rec.result()
         self._count(before)
         return float(loss_sum), int(round(count))
 
@@ -614,7 +624,7 @@ class WgpuEngine:
             self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
         rt.write(self.step_buf, np.array([1.0 / max(total, 1)], np.float32))
         self._reserve_seed_slots(n_micro)
-        rec = rt.recorder(profile=profile)
+        rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
         self._record_zero_grads(rec)
         self._training = True
         used = []
@@ -631,11 +641,13 @@ class WgpuEngine:
         self._training = False
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
+        rec.read_back(self.results, np.float32, (2 * n_micro + 3,))
         submitted = time.perf_counter()
         rec.submit()
-        out = rt.read(self.results, np.float32, (2 * n_micro + 3,))
+        out = rec.result()
         done = time.perf_counter()
         self.last_timing = {"record_s": submitted - started, "wall_s": done - started}
+        self._plan_submissions(rec.dispatches, done - (rec.first_submit_at or submitted))
         if profile:
             self.last_profile = rec.timings() or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
@@ -646,11 +658,21 @@ class WgpuEngine:
         self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
         return loss_sum, total, norm if finite else float("nan"), bool(finite)
 
+    def _plan_submissions(self, dispatches: int, gpu_s: float):
+        """Split the next steps into submissions of about max_submit_s of GPU work each when this one took
+        longer (Windows resets a device whose command buffer runs for 2 s, macOS has a watchdog too)."""
+        if gpu_s > self.max_submit_s and dispatches > 1:
+            self._dispatch_budget = max(1, int(dispatches * self.max_submit_s / gpu_s))
+        elif self._dispatch_budget and gpu_s < 0.5 * self.max_submit_s:
+            self._dispatch_budget = 0
+
     def _record_optimizer(self, rec, hp, step, norm_at):
         rec.section("optimizer (grad norm, AdamW)")
-        for slot, (_, grad, _, _, n) in enumerate(self._groups):
+        slot = 0
+        for (_, grad, _, _, n), slots in zip(self._groups, self._norm_slots):
             K.grad_norm_partial(rec, self.partials, slot, grad, n)
-        K.grad_norm_finalize(rec, norm_at, self.partials, len(self._groups), hp.max_grad_norm or 0.0)
+            slot += slots
+        K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
         for param, grad, m, v, n in self._groups:
             K.adamw_update(rec, param, grad, m, v, n, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
                            scale_buf=norm_at)

@@ -19,12 +19,14 @@ Conventions shared by every wrapper:
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
 import numpy as np
 
 from ..errors import DeviceError
+from .launch import Kernel, bind, flat_grid, launch
 from .operands import split
 
 WG = 256                 # workgroup size of the elementwise-style kernels
@@ -34,20 +36,25 @@ RMS_ROW_MAX_C = 256      # GPUs: one invocation per rmsnorm row up to this C, a 
 RMS_ROW_MAX_C_CPU = 1 << 30  # CPU adapters: always one invocation per row (barriers cost more there)
 ATT_WG = 64              # queries (or keys) per attention workgroup (16 invocations x 4 in vec4)
 ATT_DMAX = 128           # register arrays in shaders/attention.wgsl
+NORM_ELEMS_PER_WORKGROUP = 4096  # gradient elements per workgroup of the norm's partial sums
+NORM_MAX_WORKGROUPS = 1024
 HPARAM_ROWS = 16         # AdamW hyper-parameter sets that may be live between submits
-_FMT = "<8I12I4f"        # Params in every shader: s0..s7 sizes, o1..o12 offsets, f0..f3 scalars
 
 
 # ---- plumbing --------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _kernel(shader: str, entry: str, bindings: str, constants: tuple = ()) -> Kernel:
+    return Kernel(shader, entry, bindings, constants)
+
+
 class _State:
-    """Per-runtime constants: offset alignment, small constant buffers, the AdamW hyper-parameter ring."""
+    """Per-runtime constants: small constant buffers and the AdamW hyper-parameter ring (Runtime.memo)."""
 
     def __init__(self, rt):
-        self.align = int(rt.adapter.limits.get("min-storage-buffer-offset-alignment", 256))
         self.one = rt.upload(np.ones(1, np.float32), "kernels.one")                      # grad scale 1
         self.no_clip = rt.upload(np.array([0.0, 1.0, 1.0], np.float32), "kernels.no_clip")  # norm, clip, finite
-        self.hp_stride = max(32, self.align)
+        self.hp_stride = max(32, rt.offset_alignment)
         self.hp = rt.buffer(HPARAM_ROWS * self.hp_stride, "kernels.adamw_hparams")
         self.hp_rows: dict = {}              # content bytes -> row
         self.hp_owner = [None] * HPARAM_ROWS  # weak reference to the recorder that last used a row
@@ -55,63 +62,18 @@ class _State:
         self.hp_written = weakref.WeakKeyDictionary()  # recorder -> hyper-parameter sets it wrote
 
 
-_states: dict = {}
-
-
 def _state(rt) -> _State:
-    st = _states.get(id(rt))
-    if st is None:
-        st = _states[id(rt)] = _State(rt)
-        st.rt = rt  # keep the key's runtime alive as long as the state
-    return st
-
-
-def _bind(rt, t, n: int, what: str):
-    """The aligned (buffer, byte_offset, size) covering n elements of t, and the residual element offset."""
-    buf, off = split(t)
-    if off < 0:
-        raise ValueError(f"{what}: negative element offset {off}")
-    align = _state(rt).align
-    start = off * 4
-    base = start - start % align
-    end = start + max(1, int(n)) * 4
-    if end > buf.size:
-        raise ValueError(f"{what}: needs elements [{off}, {off + n}) but its buffer holds {buf.size // 4}")
-    if end - base > rt.max_binding:
-        raise DeviceError(f"{what} spans {end - base} bytes, over this device's storage binding limit "
-                          f"of {rt.max_binding}; split it into chunks")
-    return (buf, base, end - base), (start - base) // 4
-
-
-def _grid(nwg: int):
-    """Workgroup counts for nwg workgroups in a flat index space (folded into y beyond 65535)."""
-    nwg = max(0, int(nwg))
-    if nwg <= 65535:
-        return (nwg, 1)
-    gy = -(-nwg // 65535)
-    return (-(-nwg // gy), gy)
+    return rt.memo("kernels.state", _State)
 
 
 def _run(rec, shader, entry, groups, tensors, sizes=(), floats=(), constants=None):
-    """One dispatch. tensors: (tensor, n_elements, name, writable) for bindings 1.. in order."""
-    rt = rec.rt
-    resources, offsets = [], []
-    for t, n, name, _ in tensors:
-        r, o = _bind(rt, t, n, name)
-        resources.append(r)
-        offsets.append(o)
-    for t, _, name, writable in tensors:
-        if writable:
-            buf = split(t)[0]
-            for t2, _, name2, writable2 in tensors:
-                if not writable2 and split(t2)[0] is buf:
-                    raise ValueError(f"{shader}.{entry}: output {name} shares its buffer with {name2}; "
-                                     "WebGPU forbids that within one dispatch")
-    sizes = [int(s) for s in sizes] + [0] * (8 - len(sizes))
-    offsets += [0] * (12 - len(offsets))
-    floats = [float(f) for f in floats] + [0.0] * (4 - len(floats))
-    uni = rt.uniform(_FMT, *sizes, *offsets, *floats)
-    rec.dispatch(rt.pipeline(shader, entry, constants), [uni] + resources, groups)
+    """One dispatch of shader.entry, whose Params are the generic s0..s7 sizes, o1..o12 offsets and f0..f3
+    scalars. tensors: (tensor, n_elements, name, writable) for bindings 1.. in order."""
+    bindings = " ".join(name + ("!" if w else "") for _, _, name, w in tensors)
+    k = _kernel(shader, entry, bindings, tuple(sorted((constants or {}).items())))
+    params = {f"s{i}": int(v) for i, v in enumerate(sizes)}
+    params.update({f"f{i}": float(v) for i, v in enumerate(floats)})
+    launch(rec, k, groups, [(t, n) for t, n, _, _ in tensors], **params)
 
 
 def _same(a, b) -> bool:
@@ -122,7 +84,7 @@ def _same(a, b) -> bool:
 
 def _elems(rec, shader, entry, n, tensors, sizes=(), floats=()):
     if n > 0:
-        _run(rec, shader, entry, _grid(-(-n // WG)), tensors, sizes, floats)
+        _run(rec, shader, entry, flat_grid(-(-n // WG)), tensors, sizes, floats)
 
 
 # ---- elementwise ----------------------------------------------------------------------------
@@ -209,7 +171,7 @@ def _rms_row_max_c(rt):
 
 def _rms_vec4(rt, C, tensors):
     """Whether the vec4 entry points may read these (tensor, n_elements, name) bindings."""
-    return C % 4 == 0 and all(_bind(rt, t, n, name)[1] % 4 == 0 for t, n, name in tensors)
+    return C % 4 == 0 and all(bind(rt, t, n, name, True)[1] % 4 == 0 for t, n, name in tensors)
 
 
 def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps):
@@ -224,9 +186,9 @@ def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps):
     if C <= _rms_row_max_c(rec.rt):
         vec = _rms_vec4(rec.rt, C, [(y, N * C, "y"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_forward_row4" if vec else "rmsnorm_forward_row",
-             _grid(-(-N // RMS_WG)), tensors, (N, C), (eps,))
+             flat_grid(-(-N // RMS_WG)), tensors, (N, C), (eps,))
     else:
-        _run(rec, "rmsnorm", "rmsnorm_forward", _grid(N), tensors, (N, C), (eps,))
+        _run(rec, "rmsnorm", "rmsnorm_forward", flat_grid(N), tensors, (N, C), (eps,))
 
 
 def rmsnorm_scratch_size(N, C):
@@ -250,9 +212,9 @@ def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accum
     if C <= _rms_row_max_c(rt):
         vec = _rms_vec4(rt, C, [(dx, N * C, "dx"), (dy, N * C, "dy"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_backward_row4" if vec else "rmsnorm_backward_row",
-             _grid(-(-N // RMS_WG)), tensors, (N, C))
+             flat_grid(-(-N // RMS_WG)), tensors, (N, C))
     else:
-        _run(rec, "rmsnorm", "rmsnorm_backward", _grid(N), tensors, (N, C))
+        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, (N, C))
     if dweight is None:
         return
     nblk = -(-N // RMS_ROWS_PER_BLOCK)
@@ -262,7 +224,7 @@ def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accum
     sizes = (N, C, RMS_ROWS_PER_BLOCK, nblk, int(bool(accumulate)))
     vec = _rms_vec4(rt, C, [(dy, N * C, "dy"), (x, N * C, "x")])
     _run(rec, "rmsnorm", "rmsnorm_backward_partial4v" if vec else "rmsnorm_backward_partial4",
-         _grid(-(-nblk * nq // RMS_WG)),
+         flat_grid(-(-nblk * nq // RMS_WG)),
          [(scratch, nblk * C, "scratch", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
           (rstd, N, "rstd", False)], sizes)
     _run(rec, "rmsnorm", "rmsnorm_backward_weight", (-(-C // RMS_WG),),
@@ -400,7 +362,7 @@ def cross_entropy_forward(rec, loss, lse, valid, logits, targets, n_rows, V, row
     """
     if n_rows <= 0:
         return
-    _run(rec, "cross_entropy", "cross_entropy_forward", _grid(n_rows),
+    _run(rec, "cross_entropy", "cross_entropy_forward", flat_grid(n_rows),
          [(_offset(loss, row_offset), n_rows, "loss", True), (_offset(lse, row_offset), n_rows, "lse", True),
           (_offset(valid, row_offset), n_rows, "valid", True), (logits, n_rows * V, "logits", False),
           (_offset(targets, row_offset), n_rows, "targets", False)], (n_rows, V))
@@ -444,11 +406,17 @@ def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_row
 
 # ---- optimizer ------------------------------------------------------------------------------
 
+def grad_norm_slots(n: int) -> int:
+    """Partial-sum slots (workgroups) grad_norm_partial uses for n elements: one per 4096, 1 to 1024."""
+    return max(1, min(NORM_MAX_WORKGROUPS, -(-int(n) // NORM_ELEMS_PER_WORKGROUP)))
+
+
 def grad_norm_partial(rec, partials, slot, grad, n, accumulate=False):
-    """partials[slot] = sum(grad[:n]^2) (one workgroup); accumulate=True adds to the slot instead,
-    e.g. for a tensor split across buffers."""
-    _run(rec, "adamw", "grad_norm_partial", (1,),
-         [(partials, slot + 1, "partials", True), (grad, max(1, n), "grad", False)],
+    """partials[slot : slot + grad_norm_slots(n)] = sums of grad[:n]^2 over parts of it (one workgroup
+    each); accumulate=True adds to the slots instead, e.g. for a tensor split across buffers."""
+    slots = grad_norm_slots(n)
+    _run(rec, "adamw", "grad_norm_partial", (slots,),
+         [(partials, slot + slots, "partials", True), (grad, max(1, n), "grad", False)],
          (n, slot, int(bool(accumulate))))
 
 
@@ -508,35 +476,29 @@ def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay,
 
 
 # ---- wrappers of the engine's helper shaders (lora_dropout, attention_cached, kv_cache) ---------
-# Those shaders take no offsets (uniform last, whole-tensor bindings): a (buffer, element_offset)
-# tensor is bound as a range, so its byte offset must be a multiple of the offset alignment.
+# Their Params have named fields and no offsets: each tensor must start on an aligned offset.
 
-def _bind_whole(rt, t, n, what):
-    r, rest = _bind(rt, t, n, what)
-    if rest:
-        raise ValueError(f"{what}: element offset {split(t)[1]} is not a multiple of "
-                         f"{_state(rt).align // 4} elements, which this shader needs")
-    return r
+LORA_DROPOUT = {d: Kernel("lora_dropout", f"lora_dropout_{d}", "y! x seeds") for d in ("forward", "backward")}
+ATTENTION_CACHED = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
+KV_CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions")
 
 
-def _lora_dropout(rec, entry, y, x, seeds, seed_slot, p, n):
+def _lora_dropout(rec, direction, y, x, seeds, seed_slot, p, n):
     if n <= 0:
         return
-    rt = rec.rt
     inv_keep = float(np.float32(1.0) / np.float32(1.0 - p))  # as reference.ops.dropout_mask scales
-    uni = rt.uniform("<IIIf", int(n), int(seed_slot), int(p * (1 << 24)), inv_keep)
-    res = [_bind_whole(rt, y, n, "y"), _bind_whole(rt, x, n, "x"), _bind_whole(rt, seeds, seed_slot + 1, "seeds"), uni]
-    rec.dispatch(rt.pipeline("lora_dropout", entry), res, _grid(-(-n // WG)))
+    launch(rec, LORA_DROPOUT[direction], flat_grid(-(-n // WG)), [(y, n), (x, n), (seeds, seed_slot + 1)],
+           n=int(n), seed_slot=int(seed_slot), threshold=int(p * (1 << 24)), inv_keep=inv_keep)
 
 
 def lora_dropout_forward(rec, y, x, seeds, seed_slot, p, n):
     """y = x * dropout_mask(seeds[seed_slot], n, p) (reference.ops.dropout_mask), over n elements."""
-    _lora_dropout(rec, "lora_dropout_forward", y, x, seeds, seed_slot, p, n)
+    _lora_dropout(rec, "forward", y, x, seeds, seed_slot, p, n)
 
 
 def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
     """dx += dy * the same mask, over n elements."""
-    _lora_dropout(rec, "lora_dropout_backward", dx, dy, seeds, seed_slot, p, n)
+    _lora_dropout(rec, "backward", dx, dy, seeds, seed_slot, p, n)
 
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d):
@@ -547,13 +509,11 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
         return
     if d > 256 or hkv <= 0 or hq % hkv:
         raise ValueError(f"attention_cached_forward: head dim {d} (<= 256), heads {hq}/{hkv}")
-    rt = rec.rt
     cache = batch * max_len * hkv * d
-    uni = rt.uniform("<6If", int(n), int(max_len), int(batch), int(hq), int(hkv), int(d), 1.0 / math.sqrt(d))
-    res = [_bind_whole(rt, out, n * hq * d, "out"), _bind_whole(rt, q, n * hq * d, "q"),
-           _bind_whole(rt, k_cache, cache, "k_cache"), _bind_whole(rt, v_cache, cache, "v_cache"),
-           _bind_whole(rt, rows, n, "rows"), _bind_whole(rt, positions, n, "positions"), uni]
-    rec.dispatch(rt.pipeline("attention_cached", "attention_cached_forward"), res, _grid(-(-(n * hq) // 64)))
+    launch(rec, ATTENTION_CACHED, flat_grid(-(-(n * hq) // 64)),
+           [(out, n * hq * d), (q, n * hq * d), (k_cache, cache), (v_cache, cache), (rows, n), (positions, n)],
+           n=int(n), max_len=int(max_len), batch=int(batch), hq=int(hq), hkv=int(hkv), d=int(d),
+           scale=1.0 / math.sqrt(d))
 
 
 def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d):
@@ -562,10 +522,7 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
     negative row marks padding) write nothing."""
     if n <= 0:
         return
-    rt = rec.rt
     cache = batch * max_len * hkv * d
-    uni = rt.uniform("<4I", int(n), int(hkv * d), int(max_len), int(batch))
-    res = [_bind_whole(rt, k_cache, cache, "k_cache"), _bind_whole(rt, v_cache, cache, "v_cache"),
-           _bind_whole(rt, k_new, n * hkv * d, "k_new"), _bind_whole(rt, v_new, n * hkv * d, "v_new"),
-           _bind_whole(rt, rows, n, "rows"), _bind_whole(rt, positions, n, "positions"), uni]
-    rec.dispatch(rt.pipeline("kv_cache", "kv_cache_write"), res, _grid(-(-(n * hkv * d) // 64)))
+    launch(rec, KV_CACHE_WRITE, flat_grid(-(-(n * hkv * d) // 64)),
+           [(k_cache, cache), (v_cache, cache), (k_new, n * hkv * d), (v_new, n * hkv * d), (rows, n), (positions, n)],
+           n=int(n), stride=int(hkv * d), max_len=int(max_len), batch=int(batch))

@@ -21,13 +21,13 @@ Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm
 from __future__ import annotations
 
 import math
-import struct
 
 import numpy as np
 
 from ..errors import DeviceError
 from ..reference.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
-from . import gemm as _gemm
+from .gemm_kernels import WG_CHOICES, min_workgroup, use_subgroups
+from .launch import Kernel, bind, launch, prepare
 from .operands import at
 
 SHADER = "gemm_quant"
@@ -35,7 +35,6 @@ FORMATS = ("float16", "nf4", "nf4-dq")
 DQ_HEADER_WORDS = 4                  # offset, first block % 256, index word, spare
 NF4_BLOCK_BYTES = NF4_BLOCK // 2
 DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGPU's default limit)
-_PARAMS = struct.Struct("<12I")
 _F32 = 4
 _FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"
 _SG_MARK, _SG_END = "// ---- subgroup kernels", "// ---- end of subgroup kernels"
@@ -198,18 +197,26 @@ def _source(fmt: str, subgroups: bool) -> str:
     return _sources[key]
 
 
-def _pipeline(rt, fmt: str, entry: str, constants: dict, subgroups: bool = False):
-    return rt.pipeline(SHADER, entry, constants, source=_source(fmt, subgroups))
+_BINDINGS = {"float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX", "nf4-dq": "A W BIAS C! STATS CODE"}
+
+
+def qgemm_kernel(fmt: str, entry: str, constants: dict, subgroups: bool = False) -> Kernel:
+    """The kernel of one quantised-GEMM entry point for weights stored as fmt."""
+    return Kernel(SHADER, entry, _BINDINGS[fmt], tuple(sorted(constants.items())), source=(_source, fmt, subgroups),
+                  invocations=constants.get("WG", 64), features=("subgroup",) if subgroups else ())
+
+
+EMBED_GATHER = Kernel(SHADER, "embed_gather", "IDS W OUT!", source=(_source, "float16", False), invocations=64)
 
 
 def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
-    """(tm, wg): rows of C per workgroup (8 or 32; an 8-row tile costs twice per row, as in gemm.py) and
-    invocations per workgroup (8 * wg columns): least padded work, then up to 16 workgroups (to feed
+    """(tm, wg): rows of C per workgroup (8 or 32; an 8-row tile costs twice per row, as in gemm_kernels.py)
+    and invocations per workgroup (8 * wg columns): least padded work, then up to 16 workgroups (to feed
     every core), then the widest workgroup."""
     best = None
     for tm in (8, 32):
-        for wg in _gemm.WG_CHOICES:
-            if wg < min_wg and wg != _gemm.WG_CHOICES[-1]:
+        for wg in WG_CHOICES:
+            if wg < min_wg and wg != WG_CHOICES[-1]:
                 continue
             tiles_m, tiles_n = -(-M // tm), -(-N // (8 * wg))
             cost = tiles_m * tm * (32 // tm) ** 0.5 * tiles_n * 8 * wg
@@ -224,7 +231,7 @@ def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bi
     """(pipeline, resources, groups) of C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)).
     layout "nt": op = transpose (K = w.cols, N = the chunk's rows); "nn": K = the chunk's rows, N = w.cols.
     fast=None takes qgemm_fast where the shapes allow it (qgemm_fast_sg where the device has subgroups of 8+
-    lanes, as gemm.py decides); fast=False forces the any-shape kernel, subgroups=False the portable one."""
+    lanes, as the register GEMM decides); fast=False forces the any-shape kernel, subgroups=False the portable one."""
     if layout not in ("nt", "nn"):
         raise ValueError(f"quantised GEMM layouts are nt and nn, not {layout!r}")
     buf, _, n = w.chunks[chunk]
@@ -235,22 +242,23 @@ def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bi
     ldc = int(ldc if ldc is not None else N)
     if lda < K or ldc < N:
         raise ValueError(f"qgemm: lda={lda} / ldc={ldc} shorter than a row ({K} / {N})")
-    a_res, a_off = _gemm._bind(rt, a, (M - 1) * lda + K, "A")
-    c_res, c_off = _gemm._bind(rt, c, (M - 1) * ldc + N, "C")
-    bias_res, bias_off = _gemm._bind(rt, bias, N, "bias") if bias is not None else (a_res, 0)
+    a_ext, c_ext = (M - 1) * lda + K, (M - 1) * ldc + N
+    a_off = bind(rt, a, a_ext, "qgemm A", True)[1]
     can_fast = a_off % 4 == 0 and lda % 4 == 0 and (K % 8 == 0 if nt else N % 8 == 0)
     if fast and not can_fast:
         raise ValueError(f"qgemm_fast cannot run {layout} M={M} N={N} K={K} lda={lda} a_off={a_off}")
     use_fast = can_fast if fast is None else bool(fast)
-    tm, wg = choose_tiling(M, N, _gemm.min_workgroup(rt))
-    sg = use_fast and (_gemm.use_subgroups(rt) if subgroups is None else bool(subgroups))
+    tm, wg = choose_tiling(M, N, min_workgroup(rt))
+    sg = use_fast and (use_subgroups(rt) if subgroups is None else bool(subgroups))
     entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if use_fast else "qgemm"
-    pipeline = _pipeline(rt, w.dtype, entry, {"WG": wg, "TM": tm, "NT": nt}, sg)
-    flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
-    params = rt.uniform(_PARAMS.format, M, N, K, flags, a_off, lda, c_off, ldc, bias_off, w.cols, 0, 0)
-    resources = [params, a_res, buf, bias_res, c_res] + ([w.absmax[chunk]] if w.absmax else [])
+    tensors = [(a, a_ext), (buf, buf.size // _F32), (bias, N) if bias is not None else (a, 1), (c, c_ext)]
+    if w.absmax:
+        tensors.append((w.absmax[chunk], w.absmax[chunk].size // _F32))
     if w.code_buffer is not None:
-        resources.append(w.code_buffer)
+        tensors.append((w.code_buffer, 256))
+    flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
+    pipeline, resources = prepare(rt, qgemm_kernel(w.dtype, entry, {"WG": wg, "TM": tm, "NT": nt}, sg), tensors,
+                                  M=M, N=N, K=K, flags=flags, lda=lda, ldc=ldc, cols=w.cols)
     return pipeline, resources, (-(-M // tm), -(-N // (8 * wg)), 1)
 
 
@@ -281,13 +289,8 @@ def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):
     """out (n, cols) = w[ids] for an f16 embedding, one dispatch per vocabulary chunk."""
     if w.dtype != "float16":
         raise ValueError(f"embeddings are stored as float32 or float16, not {w.dtype}")
-    rt = rec.rt
-    total = n * w.cols
-    groups = -(-total // 64)
+    groups = -(-(n * w.cols) // 64)
     gx = min(groups, 65535)
-    ids_res, ids_off = _gemm._bind(rt, ids, n, "ids")
-    out_res, out_off = _gemm._bind(rt, out, total, "out")
-    pipeline = _pipeline(rt, "float16", "embed_gather", {})
     for buf, r0, rows in w.chunks:
-        params = rt.uniform(_PARAMS.format, n, 0, 0, 0, ids_off, 0, out_off, 0, 0, w.cols, r0, rows)
-        rec.dispatch(pipeline, [params, ids_res, buf, out_res], (gx, -(-groups // gx), 1))
+        launch(rec, EMBED_GATHER, (gx, -(-groups // gx), 1), [(ids, n), (buf, buf.size // _F32), (out, n * w.cols)],
+               M=n, cols=w.cols, row0=r0, rows=rows)

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,20 @@ def shader_error(path, source: str, err: Exception) -> ShaderError:
     return ShaderError(f"{where}: {reason}")
 
 
+class _CountingQueue:
+    """The device queue with its submissions counted where they happen (counters["submits"])."""
+
+    def __init__(self, queue, counters: dict):
+        self._queue, self._counters = queue, counters
+
+    def submit(self, command_buffers):
+        self._queue.submit(command_buffers)
+        self._counters["submits"] += 1
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
 class _CallerThreadPoller:
     """Stands in for wgpu-py's per-device poll thread. That thread calls wgpuDevicePoll while the main
     thread goes on recording, which aborts the process on the OpenGL backend (GL contexts are bound
@@ -169,13 +184,16 @@ class Runtime:
         self._staging = None
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_buffer = int(self.limits["max-buffer-size"])
-        self.queue = self.device.queue
+        self.offset_alignment = int(lim.get("min-storage-buffer-offset-alignment", 256))
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0}
+        self.queue = _CountingQueue(self.device.queue, self.counters)
         self._modules: dict = {}
         self._pipelines: dict = {}
+        self._compiled: dict = {}      # Kernel -> launch._Compiled
         self._bind_groups: dict = {}
         self._uniforms: dict = {}
         self._shared: dict = {}        # bytes -> read-only storage buffer (shared_storage)
-        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0}
+        self._memo: dict = {}          # per-device facts and constant buffers of the op modules (memo)
         self._query_set = self._query_buffer = None
         log.info("wgpu-train: using adapter %s", info.describe())
 
@@ -213,6 +231,25 @@ class Runtime:
                 raise shader_error(shader_path(name) if source is None else f"{name}.wgsl", "", e) from None
         return self._pipelines[key]
 
+    def compiled(self, kernel):
+        """A launch.Kernel's pipeline and uniform layout, compiled once."""
+        c = self._compiled.get(kernel)
+        if c is None:
+            from .launch import _Compiled
+            c = self._compiled[kernel] = _Compiled(self, kernel)
+        return c
+
+    def memo(self, key, factory):
+        """factory(self), computed once per runtime under `key`: the op modules keep their per-device state
+        (probed facts, constant buffers) here rather than in module-level dictionaries."""
+        if key not in self._memo:
+            self._memo[key] = factory(self)
+        return self._memo[key]
+
+    def forget(self, key):
+        """Drop what memo() holds under `key` (it is computed again on next use)."""
+        self._memo.pop(key, None)
+
     # ---- buffers ------------------------------------------------------------------------------
     def check_size(self, nbytes: int, what: str = "buffer"):
         if nbytes > self.max_buffer:
@@ -245,18 +282,19 @@ class Runtime:
             self.queue.write_buffer(buf, offset, data)
             self.counters["bytes_uploaded"] += nbytes
 
-    def read_bytes(self, buf, offset: int, size: int) -> memoryview:
-        """Copy `size` bytes of a buffer into a reused staging buffer, map it and wait on this thread."""
+    def staging(self, size: int):
+        """The reused MAP_READ buffer readbacks copy into, at least `size` bytes."""
         u = self.wgpu.BufferUsage
         if self._staging is None or self._staging.size < size:
             if self._staging is not None:
                 self._staging.destroy()
             self._staging = self.device.create_buffer(size=max(size, 256), usage=u.MAP_READ | u.COPY_DST,
                                                       label="staging")
+        return self._staging
+
+    def map_staging(self, size: int) -> memoryview:
+        """Wait on this thread for the submitted work, then copy the first `size` staged bytes out."""
         try:
-            enc = self.device.create_command_encoder()
-            enc.copy_buffer_to_buffer(buf, offset, self._staging, 0, size)
-            self.queue.submit([enc.finish()])
             promise = self._staging.map_async("READ_NOSYNC", 0, size)
             while promise._state == "pending":   # wgpu 0.32: the map callback fires inside a device poll
                 self.device._poll(True)
@@ -268,6 +306,16 @@ class Runtime:
         self.counters["readbacks"] += 1
         self.counters["bytes_read"] += size
         return data
+
+    def read_bytes(self, buf, offset: int, size: int) -> memoryview:
+        """Copy `size` bytes of a buffer into the staging buffer in a submission of its own, and map it."""
+        enc = self.device.create_command_encoder()
+        enc.copy_buffer_to_buffer(buf, offset, self.staging(size), 0, size)
+        try:
+            self.queue.submit([enc.finish()])
+        except self.wgpu.GPUError as e:
+            raise DeviceError(f"device error while reading back results: {e}") from None
+        return self.map_staging(size)
 
     def read(self, buf, dtype=np.float32, shape=None, offset: int = 0) -> np.ndarray:
         """Copy a buffer (or its first prod(shape) elements from offset) back to the CPU."""
@@ -282,7 +330,7 @@ class Runtime:
     def uniform(self, fmt: str, *values):
         """A small uniform buffer with struct-packed values, shared by every dispatch with the same values."""
         data = struct.pack(fmt, *values)
-        data += b"\0" * (-len(data) % 16)
+        data += b"\0" * (-len(data) % 16 or (16 if not data else 0))
         buf = self._uniforms.get(data)
         if buf is None:
             u = self.wgpu.BufferUsage
@@ -300,9 +348,12 @@ class Runtime:
         return buf
 
     def bind_group(self, pipeline, resources):
-        """A cached bind group for group 0; `resources` lists buffers or (buffer, offset, size) in binding order."""
+        """A cached bind group for group 0; `resources` lists buffers or (buffer, offset, size) in binding order
+        (None for a binding number the pipeline does not have)."""
         entries, key = [], [id(pipeline)]
         for i, r in enumerate(resources):
+            if r is None:          # a binding number the kernel does not use
+                continue
             if isinstance(r, tuple):
                 buf, off, size = r
             else:
@@ -326,8 +377,8 @@ class Runtime:
             b.destroy()
 
     # ---- recording ----------------------------------------------------------------------------
-    def recorder(self, profile: bool = False) -> "Recorder":
-        return Recorder(self, profile)
+    def recorder(self, profile: bool = False, max_dispatches: int = 0) -> "Recorder":
+        return Recorder(self, profile, max_dispatches)
 
     def query_set(self):
         """The timestamp query set shared by profiled recordings (created on first use)."""
@@ -345,6 +396,8 @@ class Runtime:
 
 class Recorder:
     """Records dispatches and copies into one command encoder; `submit()` sends them in one queue.submit.
+    With max_dispatches, each split_point() after that many dispatches since the last cut submits what is
+    recorded and goes on in a new encoder (a long step in several submissions).
 
     With `profile=True`, `section(label)` starts a compute pass timed by timestamp queries (where
     the adapter has them; consecutive sections with the same label share a pass), and `timings()`
@@ -354,11 +407,16 @@ class Recorder:
 
     MAX_SECTIONS = 2048
 
-    def __init__(self, rt: Runtime, profile: bool = False):
+    def __init__(self, rt: Runtime, profile: bool = False, max_dispatches: int = 0):
         self.rt = rt
         self.encoder = rt.device.create_command_encoder()
         self._pass = None
         self.dispatches = 0
+        self.max_dispatches = int(max_dispatches)   # split_point() submits after this many (0: never)
+        self._flushed_at = 0
+        self._readback = None
+        self._read_size = 0
+        self.first_submit_at = None                 # perf_counter() of the first submission (split_point)
         self.profile = bool(profile) and rt.has_timestamps
         self._total = profile == "total"
         self._labels: list = []
@@ -410,16 +468,49 @@ class Recorder:
         self.end_pass()
         self.encoder.clear_buffer(buf, offset, buf.size - offset if nbytes is None else nbytes)
 
-    def submit(self):
+    def read_back(self, buf, dtype=np.float32, shape=(1,), offset: int = 0):
+        """Copy prod(shape) elements of buf (from byte offset) to the staging buffer at the end of this
+        recording, in its own command buffer's last commands; `result()` after `submit()` returns them."""
+        self._readback = (buf, np.dtype(dtype), tuple(shape), int(offset))
+
+    def split_point(self):
+        """A place where a long recording may be cut into another submission (see max_dispatches)."""
+        if self.max_dispatches and self.dispatches - self._flushed_at >= self.max_dispatches:
+            self._flush()
+            self._flushed_at = self.dispatches
+
+    def _flush(self):
         self.end_pass()
-        if self._labels:
-            n = 2 * len(self._labels)
-            self.encoder.resolve_query_set(self.rt.query_set(), 0, n, self.rt.query_buffer(), 0)
+        if self.first_submit_at is None:
+            self.first_submit_at = time.perf_counter()
         try:
             self.rt.queue.submit([self.encoder.finish()])
         except self.rt.wgpu.GPUError as e:
             raise DeviceError(f"device error on submit: {e}") from None
-        self.rt.counters["submits"] += 1
+        self.encoder = self.rt.device.create_command_encoder()
+
+    def submit(self):
+        """Send what is recorded (with the timestamp resolve and the read_back copy, if any)."""
+        self.end_pass()
+        if self._labels:
+            n = 2 * len(self._labels)
+            self.encoder.resolve_query_set(self.rt.query_set(), 0, n, self.rt.query_buffer(), 0)
+        if self._readback is not None:
+            buf, dtype, shape, offset = self._readback
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            self._read_size = (nbytes + 3) // 4 * 4
+            self.encoder.copy_buffer_to_buffer(buf, offset, self.rt.staging(self._read_size), 0, self._read_size)
+        try:
+            self.rt.queue.submit([self.encoder.finish()])
+        except self.rt.wgpu.GPUError as e:
+            raise DeviceError(f"device error on submit: {e}") from None
+
+    def result(self) -> np.ndarray:
+        """The array read_back asked for (waits for the submitted work)."""
+        buf, dtype, shape, _ = self._readback
+        mem = self.rt.map_staging(self._read_size)
+        n = int(np.prod(shape)) * dtype.itemsize
+        return np.frombuffer(mem, dtype=np.uint8)[:n].view(dtype).reshape(shape).copy()
 
     def timings(self) -> dict:
         """Seconds of GPU time per section label (after submit; reads the timestamps back)."""

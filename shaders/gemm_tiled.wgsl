@@ -1,0 +1,397 @@
+// Workgroup-tiled fp32 GEMM for real GPUs: C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z] when
+// accumulating), with optional split-K for skinny products. One source serves every TileConfig:
+// wgpu_train/gpu/gemm_tiled_src.py rewrites the marked const block and picks the entry point.
+//
+// Layouts (NN, NT, TN, TT, C transposed) are element strides in the uniform, as in gemm.wgsl.
+// Workgroup (x, y, z) = (column tile, row tile, zb * splits + s): consecutive workgroups share a row panel
+// of op(A). Each step of k stages a BM x BK tile of op(A), stored transposed (As[k][m]), and a BK x BN tile
+// of op(B) (Bs[k][n]) in workgroup memory; an invocation then keeps a TM x TN block of C in registers.
+// Its rows are TM / 4 groups of 4 adjacent rows spaced 4 * BM / TM apart (columns likewise, 4 * TX
+// apart), so neighbouring invocations read neighbouring vec4s of As / Bs (no bank conflicts) and write
+// neighbouring columns of C.
+//
+// Entry points: gemm_tiled (scalar global loads, any strides), gemm_tiled_v4 (vec4 global loads along
+// each operand's stride-1 dimension; preconditions in vec4_ok of gemm_tiled_src.py), and
+// gemm_splitk_reduce. They are separate entry points because naga rejects one entry point that uses
+// both the scalar and the vec4 view of a binding.
+//
+// Split-K (P.splits > 1): workgroup z = zb * splits + s sums k in [s * k_split, min(K, (s + 1) * k_split))
+// and writes that partial raw to a packed scratch in C: element (m, n) of (zb, s) at
+// o4 + ((zb * splits + s) * M + m) * N + n. gemm_splitk_reduce then adds the splits in order s = 0, 1, ...
+// (deterministic, no atomics) and applies alpha, bias and accumulate with the real strides of C.
+//
+// Bounds: tile elements outside op(A) / op(B) or past the split's k range are staged as zero and stores
+// outside C are skipped, so any M, N, K >= 1 works.
+
+struct Params {
+    M: u32, N: u32, K: u32, flags: u32,            // flags: 1 = accumulate into C, 2 = add bias
+    o1: u32, a_sm: u32, a_sk: u32, a_sz: u32,      // op(A) element (m, k) of batch z: o1 + m*a_sm + k*a_sk + z*a_sz
+    o2: u32, b_sk: u32, b_sn: u32, b_sz: u32,      // op(B) element (k, n) of batch z
+    o4: u32, c_sm: u32, c_sn: u32, c_sz: u32,      // C element (m, n) of batch z
+    o3: u32, bias_sm: u32, bias_sn: u32, alpha: f32, // bias element for C (m, n): o3 + m*bias_sm + n*bias_sn
+    k_split: u32, splits: u32, batch: u32, pad0: u32, // split-K: k per split (a multiple of BK), splits
+};
+
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read> A: array<f32>;
+@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> PART: array<f32>;      // gemm_splitk_reduce: the partials
+@group(0) @binding(2) var<storage, read> B: array<f32>;
+@group(0) @binding(2) var<storage, read> B4: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> BIAS: array<f32>;
+@group(0) @binding(4) var<storage, read_write> C: array<f32>;
+
+// @tile-config begin: gemm_tiled_src.tiled_source() rewrites these lines in place (one per name)
+const BM: u32 = 64u;    // rows of C per workgroup
+const BN: u32 = 64u;    // columns of C per workgroup
+const BK: u32 = 8u;     // steps of k per staged tile (a multiple of 4)
+const TM: u32 = 4u;     // rows of C per invocation (a multiple of 4)
+const TN: u32 = 4u;     // columns of C per invocation (a multiple of 4)
+const NBUF: u32 = 1u;   // 2: double-buffered tiles
+// @tile-config end
+
+const TX: u32 = BN / TN;                 // invocations along n
+const WG: u32 = (BM / TM) * TX;          // invocations per workgroup
+const AV: u32 = BM * BK / 4u;            // vec4s per A tile
+const BV: u32 = BN * BK / 4u;
+const SA: u32 = (AV + WG - 1u) / WG;     // vec4 staging registers per invocation for the A tile
+const SB: u32 = (BV + WG - 1u) / WG;
+
+var<workgroup> As: array<vec4<f32>, NBUF * AV>;   // [buffer][k][m / 4]
+var<workgroup> Bs: array<vec4<f32>, NBUF * BV>;   // [buffer][k][n / 4]
+
+// The next tiles on their way from global memory to workgroup memory. Slot l of a scalar load holds
+// elements (4l + c) * WG + lid, c < 4, of the tile; of a vec4 load, vec4 l * WG + lid.
+struct Stage {
+    a: array<vec4<f32>, SA>,
+    b: array<vec4<f32>, SB>,
+};
+
+alias Acc = array<vec4<f32>, TM * TN / 4u>;   // acc[i * TN / 4 + h]: row i, column group h
+
+var<private> lid: u32;
+var<private> tx: u32;
+var<private> ty: u32;
+var<private> m0: u32;          // first row of this workgroup's tile
+var<private> n0: u32;          // first column
+var<private> a_base: u32;      // o1 of this batch
+var<private> b_base: u32;
+
+// The k range of this workgroup's split; workgroup_id only, so the loop around the barriers stays uniform.
+fn k_range(z: u32) -> vec2<u32> {
+    if (P.splits <= 1u) {
+        return vec2<u32>(0u, P.K);
+    }
+    let k0 = (z % P.splits) * P.k_split;
+    return vec2<u32>(k0, min(P.K, k0 + P.k_split));
+}
+
+fn setup(wid: vec3<u32>, local: u32) {
+    lid = local;
+    tx = local % TX;
+    ty = local / TX;
+    n0 = wid.x * BN;
+    m0 = wid.y * BM;
+    let zb = wid.z / max(P.splits, 1u);
+    a_base = P.o1 + zb * P.a_sz;
+    b_base = P.o2 + zb * P.b_sz;
+}
+
+// ---- scalar global loads: consecutive invocations take consecutive elements along the stride-1
+// dimension (k first when a_sk == 1, else m; n first when b_sn == 1, else k) -------------------
+
+// (m, k) in the A tile of tile element e.
+fn a_pos(e: u32) -> vec2<u32> {
+    if (P.a_sk == 1u) {
+        return vec2<u32>(e / BK, e % BK);
+    }
+    return vec2<u32>(e % BM, e / BM);
+}
+
+// (k, n) in the B tile of tile element e.
+fn b_pos(e: u32) -> vec2<u32> {
+    if (P.b_sn == 1u) {
+        return vec2<u32>(e / BN, e % BN);
+    }
+    return vec2<u32>(e % BK, e / BK);
+}
+
+fn load_s(st: ptr<function, Stage>, k0: u32, k_end: u32) {
+    for (var l = 0u; l < SA; l++) {
+        var v = vec4<f32>(0.0);
+        for (var c = 0u; c < 4u; c++) {
+            let e = (4u * l + c) * WG + lid;
+            let p = a_pos(e);
+            let m = m0 + p.x;
+            let k = k0 + p.y;
+            if (e < 4u * AV && m < P.M && k < k_end) {
+                v[c] = A[a_base + m * P.a_sm + k * P.a_sk];
+            }
+        }
+        (*st).a[l] = v;
+    }
+    for (var l = 0u; l < SB; l++) {
+        var v = vec4<f32>(0.0);
+        for (var c = 0u; c < 4u; c++) {
+            let e = (4u * l + c) * WG + lid;
+            let p = b_pos(e);
+            let k = k0 + p.x;
+            let n = n0 + p.y;
+            if (e < 4u * BV && n < P.N && k < k_end) {
+                v[c] = B[b_base + k * P.b_sk + n * P.b_sn];
+            }
+        }
+        (*st).b[l] = v;
+    }
+}
+
+fn put_s(st: ptr<function, Stage>, buf: u32) {
+    for (var l = 0u; l < SA; l++) {
+        for (var c = 0u; c < 4u; c++) {
+            let e = (4u * l + c) * WG + lid;
+            if (e < 4u * AV) {
+                let p = a_pos(e);
+                As[buf * AV + p.y * (BM / 4u) + p.x / 4u][p.x % 4u] = (*st).a[l][c];
+            }
+        }
+    }
+    for (var l = 0u; l < SB; l++) {
+        for (var c = 0u; c < 4u; c++) {
+            let e = (4u * l + c) * WG + lid;
+            if (e < 4u * BV) {
+                let p = b_pos(e);
+                Bs[buf * BV + p.x * (BN / 4u) + p.y / 4u][p.y % 4u] = (*st).b[l][c];
+            }
+        }
+    }
+}
+
+// ---- vec4 global loads: 4 consecutive elements along the stride-1 dimension, whose size, offset, pitch
+// and batch stride are multiples of 4 (so a vec4 is wholly inside or wholly outside the matrix) -------
+
+// (m, k) of the first element of A tile vec4 v: 4 k's when a_sk == 1, else 4 m's.
+fn a_pos4(v: u32) -> vec2<u32> {
+    if (P.a_sk == 1u) {
+        return vec2<u32>(v / (BK / 4u), 4u * (v % (BK / 4u)));
+    }
+    return vec2<u32>(4u * (v % (BM / 4u)), v / (BM / 4u));
+}
+
+// (k, n) of the first element of B tile vec4 v: 4 n's when b_sn == 1, else 4 k's.
+fn b_pos4(v: u32) -> vec2<u32> {
+    if (P.b_sn == 1u) {
+        return vec2<u32>(v / (BN / 4u), 4u * (v % (BN / 4u)));
+    }
+    return vec2<u32>(4u * (v % (BK / 4u)), v / (BK / 4u));
+}
+
+fn load_v(st: ptr<function, Stage>, k0: u32, k_end: u32) {
+    for (var l = 0u; l < SA; l++) {
+        let v = l * WG + lid;
+        let p = a_pos4(v);
+        let m = m0 + p.x;
+        let k = k0 + p.y;
+        var x = vec4<f32>(0.0);
+        if (v < AV && m < P.M && k < k_end) {
+            x = A4[(a_base + m * P.a_sm + k * P.a_sk) / 4u];
+        }
+        (*st).a[l] = x;
+    }
+    for (var l = 0u; l < SB; l++) {
+        let v = l * WG + lid;
+        let p = b_pos4(v);
+        let k = k0 + p.x;
+        let n = n0 + p.y;
+        var x = vec4<f32>(0.0);
+        if (v < BV && n < P.N && k < k_end) {
+            x = B4[(b_base + k * P.b_sk + n * P.b_sn) / 4u];
+        }
+        (*st).b[l] = x;
+    }
+}
+
+fn put_v(st: ptr<function, Stage>, buf: u32) {
+    for (var l = 0u; l < SA; l++) {
+        let v = l * WG + lid;
+        if (v < AV) {
+            let p = a_pos4(v);
+            let x = (*st).a[l];
+            if (P.a_sk == 1u) {
+                let i = buf * AV + p.y * (BM / 4u) + p.x / 4u;
+                As[i][p.x % 4u] = x.x;
+                As[i + BM / 4u][p.x % 4u] = x.y;
+                As[i + 2u * (BM / 4u)][p.x % 4u] = x.z;
+                As[i + 3u * (BM / 4u)][p.x % 4u] = x.w;
+            } else {
+                As[buf * AV + p.y * (BM / 4u) + p.x / 4u] = x;
+            }
+        }
+    }
+    for (var l = 0u; l < SB; l++) {
+        let v = l * WG + lid;
+        if (v < BV) {
+            let p = b_pos4(v);
+            let x = (*st).b[l];
+            if (P.b_sn == 1u) {
+                Bs[buf * BV + p.x * (BN / 4u) + p.y / 4u] = x;
+            } else {
+                let i = buf * BV + p.x * (BN / 4u) + p.y / 4u;
+                Bs[i][p.y % 4u] = x.x;
+                Bs[i + BN / 4u][p.y % 4u] = x.y;
+                Bs[i + 2u * (BN / 4u)][p.y % 4u] = x.z;
+                Bs[i + 3u * (BN / 4u)][p.y % 4u] = x.w;
+            }
+        }
+    }
+}
+
+// ---- the FMA core: loops with constant trip counts and constant indices once unrolled, so the
+// accumulators and the fragments of As / Bs stay in registers -------------------------------------
+
+fn multiply(acc: ptr<function, Acc>, buf: u32) {
+    let a0 = buf * AV + ty;
+    let b0 = buf * BV + tx;
+    for (var k = 0u; k < BK; k++) {
+        var a: array<vec4<f32>, TM / 4u>;
+        var b: array<vec4<f32>, TN / 4u>;
+        for (var g = 0u; g < TM / 4u; g++) {
+            a[g] = As[a0 + k * (BM / 4u) + g * (BM / TM)];
+        }
+        for (var h = 0u; h < TN / 4u; h++) {
+            b[h] = Bs[b0 + k * (BN / 4u) + h * TX];
+        }
+        for (var i = 0u; i < TM; i++) {
+            let ai = vec4<f32>(a[i / 4u][i % 4u]);
+            for (var h = 0u; h < TN / 4u; h++) {
+                (*acc)[i * (TN / 4u) + h] = fma(ai, b[h], (*acc)[i * (TN / 4u) + h]);
+            }
+        }
+    }
+}
+
+// ---- epilogue -----------------------------------------------------------------------------------
+
+// C (m, n) of batch zb = alpha * v (+ bias) (+ C), with C's own strides.
+fn finish(zb: u32, m: u32, n: u32, v: f32) {
+    var out = P.alpha * v;
+    if ((P.flags & 2u) != 0u) {
+        out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
+    }
+    let i = P.o4 + zb * P.c_sz + m * P.c_sm + n * P.c_sn;
+    if ((P.flags & 1u) != 0u) {
+        out += C[i];
+    }
+    C[i] = out;
+}
+
+fn store(acc: ptr<function, Acc>, z: u32) {
+    for (var i = 0u; i < TM; i++) {
+        let m = m0 + (i / 4u) * (4u * BM / TM) + 4u * ty + i % 4u;
+        if (m < P.M) {
+            for (var h = 0u; h < TN / 4u; h++) {
+                let v = (*acc)[i * (TN / 4u) + h];
+                for (var c = 0u; c < 4u; c++) {
+                    let n = n0 + h * (4u * TX) + 4u * tx + c;
+                    if (n < P.N) {
+                        if (P.splits > 1u) {
+                            C[P.o4 + (z * P.M + m) * P.N + n] = v[c];
+                        } else {
+                            finish(z, m, n, v[c]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---- entry points: the same loop around load_s / put_s or load_v / put_v. Single-buffered: two
+// barriers per tile. Double-buffered: the next tile's global loads are issued before the multiply and
+// land in the other buffer after it, whose last readers passed the previous barrier: one barrier. ------
+
+@compute @workgroup_size(WG)
+fn gemm_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) local: u32) {
+    setup(wid, local);
+    let kr = k_range(wid.z);
+    var acc: Acc;
+    var st: Stage;
+    load_s(&st, kr.x, kr.y);
+    put_s(&st, 0u);
+    workgroupBarrier();
+    var buf = 0u;
+    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
+        let more = k0 + BK < kr.y;
+        if (NBUF == 2u) {
+            if (more) {
+                load_s(&st, k0 + BK, kr.y);
+            }
+            multiply(&acc, buf);
+            buf ^= 1u;
+            if (more) {
+                put_s(&st, buf);
+            }
+        } else {
+            multiply(&acc, 0u);
+            workgroupBarrier();
+            if (more) {
+                load_s(&st, k0 + BK, kr.y);
+                put_s(&st, 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+    store(&acc, wid.z);
+}
+
+@compute @workgroup_size(WG)
+fn gemm_tiled_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) local: u32) {
+    setup(wid, local);
+    let kr = k_range(wid.z);
+    var acc: Acc;
+    var st: Stage;
+    load_v(&st, kr.x, kr.y);
+    put_v(&st, 0u);
+    workgroupBarrier();
+    var buf = 0u;
+    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
+        let more = k0 + BK < kr.y;
+        if (NBUF == 2u) {
+            if (more) {
+                load_v(&st, k0 + BK, kr.y);
+            }
+            multiply(&acc, buf);
+            buf ^= 1u;
+            if (more) {
+                put_v(&st, buf);
+            }
+        } else {
+            multiply(&acc, 0u);
+            workgroupBarrier();
+            if (more) {
+                load_v(&st, k0 + BK, kr.y);
+                put_v(&st, 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+    store(&acc, wid.z);
+}
+
+// One invocation per element of C; workgroups beyond 65535 fold into y (gemm_tiled_src.reduce_groups).
+@compute @workgroup_size(256)
+fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) local: u32) {
+    let i = (wid.y * nwg.x + wid.x) * 256u + local;
+    let mn = P.M * P.N;
+    if (i >= mn * P.batch) {
+        return;
+    }
+    let zb = i / mn;
+    let m = (i % mn) / P.N;
+    let n = i % P.N;
+    var sum = 0.0;
+    for (var s = 0u; s < P.splits; s++) {
+        sum += PART[P.o1 + ((zb * P.splits + s) * P.M + m) * P.N + n];
+    }
+    finish(zb, m, n, sum);
+}

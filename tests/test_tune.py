@@ -1,0 +1,158 @@
+"""The GEMM kernel families through the path the engine runs (gemm.gemm, each family pinned), and the
+autotuner: its choice, its per-adapter cache (written, read back, stale, corrupt) and its controls."""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from wgpu_train.errors import ConfigError
+from wgpu_train.gpu import gemm as G
+from wgpu_train.gpu import gemm_kernels as GK
+from wgpu_train.gpu import tune
+
+# (M, N, K, layout): odd and aligned shapes; a long K with a small output, where split-K applies
+SHAPES = [(33, 17, 1500, "tn"), (40, 64, 36, "nt"), (64, 96, 200, "nn"), (7, 130, 600, "tt"), (5, 9, 1100, "nt")]
+
+
+def _operands(rng, M, N, K, layout):
+    a = rng.standard_normal((K, M) if layout[0] == "t" else (M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K) if layout[1] == "t" else (K, N)).astype(np.float32)
+    want = (a.T if layout[0] == "t" else a).astype(np.float64) @ (b.T if layout[1] == "t" else b)
+    return a, b, want
+
+
+@pytest.fixture
+def fresh_tuner(rt, tmp_path, monkeypatch):
+    """The tuner with an empty cache folder and no in-process choices (restored afterwards)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tune.forget(rt)
+    yield tmp_path / "wgpu-train" / "tune"
+    tune.forget(rt)
+
+
+@pytest.mark.parametrize("family", ["register", "tiled", "splitk"])
+def test_each_family_through_gemm(rt, family):
+    """gemm.gemm with each family pinned equals NumPy, with bias, alpha and accumulation; the pinned family is
+    the one that runs wherever it applies (split-K only where the product is skinny)."""
+    rng = np.random.default_rng(3)
+    runs = []
+    rec = rt.recorder()
+    with tune.pinned(family):
+        for M, N, K, layout in SHAPES:
+            a, b, want = _operands(rng, M, N, K, layout)
+            bias = rng.standard_normal(N).astype(np.float32)
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            ab, bb, biasb, cb = rt.upload(a), rt.upload(b), rt.upload(bias), rt.upload(c0)
+            p = G.gemm_problem(rt, cb, ab, bb, M, N, K, layout)
+            chosen = tune.choose(rt, p).family
+            names = [c.family for c in GK.candidates(p)]
+            assert chosen == family or family not in names
+            G.gemm(rec, cb, ab, bb, M, N, K, layout, alpha=0.5, bias=biasb, accumulate=True)
+            runs.append((cb, 0.5 * want + bias + c0, K, chosen))
+    rec.submit()
+    assert any(chosen == family for *_, chosen in runs), f"no test shape ran the {family} family"
+    for cb, want, K, chosen in runs:
+        got = rt.read(cb, np.float32, want.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K), err_msg=chosen)
+
+
+def test_candidates_default_first(rt):
+    """On a CPU adapter the untuned choice is the register kernel measured there; on a GPU a tiled one."""
+    buf = rt.buffer(256 * 256 * 4)
+    p = G.gemm_problem(rt, rt.buffer(256 * 256 * 4), buf, buf, 256, 256, 256, "nt")
+    first = GK.candidates(p)[0]
+    assert first.family == ("register" if GK.is_cpu(rt) else "tiled")
+    assert all(c.applies(p) for c in GK.candidates(p) if c.family != "register")
+
+
+def test_tuner_chooses_caches_and_reuses(rt, fresh_tuner, monkeypatch):
+    """WGPU_TRAIN_TUNE=full times the candidates of a new shape, keeps the fastest that is correct, writes the
+    cache file, and a new process (a forgotten runtime state) reads the choice back without timing again."""
+    monkeypatch.setenv("WGPU_TRAIN_TUNE", "full")
+    monkeypatch.setattr(tune, "FAST_CANDIDATES", 3)
+    rng = np.random.default_rng(5)
+    a, b, want = _operands(rng, 24, 20, 40, "nt")
+    ab, bb, cb = rt.upload(a), rt.upload(b), rt.buffer(24 * 20 * 4)
+    p = G.gemm_problem(rt, cb, ab, bb, 24, 20, 40, "nt")
+    chosen = tune.choose(rt, p)
+    (key, name, gflops), = tune.tuned_log(rt)
+    assert name == chosen.name and key == tune.shape_key(p)
+    timed = {k: v for k, v in gflops.items() if v is not None}
+    assert timed and max(timed, key=timed.get) == name
+    files = list(fresh_tuner.glob("*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert data["entries"][key]["choice"] == name and data["checksum"] == tune.sources_checksum()
+    assert data["adapter"]["name"] == rt.info.name
+
+    tune.forget(rt)
+    monkeypatch.setattr(tune, "tune_shape", lambda *a, **k: pytest.fail("re-timed a cached shape"))
+    assert tune.choose(rt, p).name == name
+    rec = rt.recorder()
+    G.gemm(rec, cb, ab, bb, 24, 20, 40, "nt")
+    rec.submit()
+    np.testing.assert_allclose(rt.read(cb, np.float32, (24, 20)), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "stale"])
+def test_tuner_cache_corrupt_or_stale_is_retuned(rt, fresh_tuner, monkeypatch, caplog, damage):
+    """An unreadable cache file, or one made by other kernel sources, gives one warning and is re-tuned and
+    replaced (atomically) by a valid file."""
+    monkeypatch.setenv("WGPU_TRAIN_TUNE", "full")
+    monkeypatch.setattr(tune, "FAST_CANDIDATES", 2)
+    buf = rt.buffer(16 * 16 * 4)
+    p = G.gemm_problem(rt, rt.buffer(16 * 16 * 4), buf, buf, 16, 16, 16, "nn")
+    path = tune.TuneCache(rt).path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if damage == "corrupt":
+        path.write_text('{"entries": {"gemm nn m16')
+    else:
+        path.write_text(json.dumps({"version": tune.CACHE_VERSION, "checksum": "0" * 16, "peak_gflops": 1.0,
+                                    "entries": {tune.shape_key(p): {"choice": "register/x"}}}))
+    with caplog.at_level(logging.WARNING, logger="wgpu_train"):
+        name = tune.choose(rt, p).name
+    warnings = [r.getMessage() for r in caplog.records if "tune cache" in r.getMessage()]
+    assert warnings and "re-tuning" in warnings[0]
+    data = json.loads(path.read_text())
+    assert data["checksum"] == tune.sources_checksum() and data["entries"][tune.shape_key(p)]["choice"] == name
+    assert not list(path.parent.glob("*.tmp")), "a temporary file was left behind"
+
+
+def test_tuner_modes(rt, fresh_tuner, monkeypatch):
+    """off never tunes; an unknown mode is one clear error; fast keeps CPU adapters on the measured default."""
+    buf = rt.buffer(16 * 16 * 4)
+    p = G.gemm_problem(rt, rt.buffer(16 * 16 * 4), buf, buf, 16, 16, 16, "nt")
+    monkeypatch.setattr(tune, "tune_shape", lambda *a, **k: pytest.fail("tuned"))
+    monkeypatch.setenv("WGPU_TRAIN_TUNE", "off")
+    assert tune.choose(rt, p).name == GK.candidates(p)[0].name
+    if GK.is_cpu(rt):
+        monkeypatch.setenv("WGPU_TRAIN_TUNE", "fast")
+        assert tune.choose(rt, p).name == GK.candidates(p)[0].name
+    monkeypatch.setenv("WGPU_TRAIN_TUNE", "sometimes")
+    with pytest.raises(ConfigError, match="WGPU_TRAIN_TUNE='sometimes' is not one of off, fast, full"):
+        tune.choose(rt, p)
+
+
+def test_grad_norm_uses_many_workgroups(rt):
+    """The gradient norm's partial sums use one workgroup per 4096 elements (up to 1024) and agree with NumPy,
+    including a tensor given as an offset view and a second tensor accumulated into the same slots."""
+    from wgpu_train.gpu import kernels as K
+
+    rng = np.random.default_rng(9)
+    g = rng.standard_normal(50_001).astype(np.float32)
+    h = rng.standard_normal(3_000).astype(np.float32)
+    slots = K.grad_norm_slots(g.size)
+    assert slots == 13 and K.grad_norm_slots(10**9) == K.NORM_MAX_WORKGROUPS
+    gb = rt.upload(np.concatenate([np.zeros(7, np.float32), g]))
+    part, result = rt.buffer((slots + 1) * 4), rt.buffer(16)
+    rec = rt.recorder()
+    K.grad_norm_partial(rec, part, 1, (gb, 7), g.size)
+    K.grad_norm_partial(rec, part, 1, rt.upload(h), h.size, accumulate=True)
+    K.grad_norm_finalize(rec, result, part, slots + 1, 0.0)
+    rec.submit()
+    norm = rt.read(result, np.float32, (3,))[0]
+    want = np.sqrt(np.sum(g.astype(np.float64) ** 2) + np.sum(h.astype(np.float64) ** 2))
+    np.testing.assert_allclose(norm, want, rtol=1e-5)

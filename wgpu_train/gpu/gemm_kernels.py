@@ -1,0 +1,340 @@
+"""The GEMM kernel families and their candidates for one problem: register-blocked (shaders/gemm.wgsl, shaped
+for llvmpipe), workgroup-tiled (shaders/gemm_tiled.wgsl, shaped for GPUs) and split-K over the tiled kernel
+(skinny products). tune.py times the candidates; `candidates(p)` lists them best guess first."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import gemm_tiled_src as tiled
+from .launch import Kernel, bind, prepare
+
+TM = 32                    # rows of C per workgroup of the register kernels, TM_CHOICES for skinny products
+TM_CHOICES = (8, 32)
+TN = 8                     # columns of C per invocation of the register kernels
+WG_CHOICES = (8, 16, 32, 64)
+L2_PANEL_BYTES = 256 * 1024   # the slice of B one workgroup streams should stay in a core's L2 (llvmpipe)
+SPLITS = (4, 16)           # split-K factors tried for skinny products
+_SG_MARKER = "// ---- subgroup kernels"
+_F32 = 4
+
+_PROBE_SRC = """
+struct Params { lane: u32 };
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(32)
+fn probe(@builtin(subgroup_size) size: u32, @builtin(local_invocation_index) i: u32) {
+    if (i == P.lane) { out[0] = size; }
+}
+"""
+
+
+def _probe_source() -> str:
+    return _PROBE_SRC
+
+
+_PROBE = Kernel("gemm_probe", "probe", "out!", source=(_probe_source,), invocations=32, features=("subgroup",))
+
+
+# ---- what the device offers ----------------------------------------------------------------------
+
+def _probe(rt) -> dict:
+    size = 0
+    if "subgroup" in rt.features:
+        buf = rt.buffer(4, "gemm.probe")
+        rec = rt.recorder()
+        rec.dispatch(*prepare(rt, _PROBE, [(buf, 1)]), (1,))
+        rec.submit()
+        size = int(rt.read(buf, np.uint32, (1,))[0])
+        rt.release(buf)
+    use = size >= 8 and os.environ.get("WGPU_TRAIN_GEMM_SUBGROUPS", "1") != "0"
+    if use:
+        min_wg = max(8, size)
+    else:  # a GPU runs whole (>= 32-wide) waves anyway; llvmpipe's SIMD is 8 lanes wide
+        min_wg = 8 if rt.info.adapter_type == "CPU" else 32
+    return {"subgroup_size": size, "subgroups": use, "min_wg": min_wg}
+
+
+def _device(rt) -> dict:
+    return rt.memo("gemm.device", _probe)
+
+
+def subgroup_size(rt) -> int:
+    """The device's subgroup size as a compute shader sees it (0 without the subgroup feature)."""
+    return _device(rt)["subgroup_size"]
+
+
+def use_subgroups(rt) -> bool:
+    """Whether the *_sg register kernels run on this device: they need the subgroup feature and subgroups
+    of at least 8 lanes. WGPU_TRAIN_GEMM_SUBGROUPS=0 (read once per device) forces the portable kernels."""
+    return _device(rt)["subgroups"]
+
+
+def min_workgroup(rt) -> int:
+    """The narrowest workgroup worth using: one full subgroup (8 lanes on llvmpipe); without subgroups,
+    8 on CPU adapters and 32 elsewhere."""
+    return _device(rt)["min_wg"]
+
+
+def is_cpu(rt) -> bool:
+    return rt.info.adapter_type == "CPU"
+
+
+# ---- the problem ---------------------------------------------------------------------------------
+
+def _extent(batch, stride, rows, row_pitch, cols, col_pitch):
+    """Number of elements from the first to the last one touched, inclusive."""
+    return (batch - 1) * stride + (rows - 1) * row_pitch + (cols - 1) * col_pitch + 1
+
+
+class Problem:
+    """One GEMM as the kernels see it: op(A) (m, k) at a_sm, a_sk (a_sz per batch), op(B) (k, n) at b_sk,
+    b_sn, C (m, n) at c_sm, c_sn; the element offsets the kernels get (a_off, ...) once the operands are bound."""
+
+    def __init__(self, rt, M, N, K, batch, alpha, accumulate, layout, a, a_sm, a_sk, a_sz, b, b_sk, b_sn, b_sz,
+                 c, c_sm, c_sn, c_sz, bias):
+        self.rt, self.M, self.N, self.K, self.batch = rt, M, N, K, batch
+        self.alpha, self.accumulate, self.layout = alpha, accumulate, layout
+        self.a_sm, self.a_sk, self.a_sz = a_sm, a_sk, a_sz
+        self.b_sk, self.b_sn, self.b_sz = b_sk, b_sn, b_sz
+        self.c_sm, self.c_sn, self.c_sz = c_sm, c_sn, c_sz
+        ext_a = _extent(batch, a_sz, M, a_sm, K, a_sk)
+        ext_b = _extent(batch, b_sz, K, b_sk, N, b_sn)
+        ext_c = _extent(batch, c_sz, M, c_sm, N, c_sn)
+        self.a, self.b, self.c = (a, ext_a), (b, ext_b), (c, ext_c)
+        self.bias = (bias, N) if bias is not None else (a, 1)   # unread without the bias flag
+        self.has_bias = bias is not None
+        self.a_off = bind(rt, a, ext_a, "gemm A", True)[1]
+        self.b_off = bind(rt, b, ext_b, "gemm B", True)[1]
+        self.c_off = bind(rt, c, ext_c, "gemm C", True)[1]
+        if bias is not None:
+            bind(rt, bias, N, "gemm bias", True)
+
+    @property
+    def flags(self) -> int:
+        return (1 if self.accumulate else 0) | (2 if self.has_bias else 0)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.N * self.K * self.batch
+
+    def describe(self) -> str:
+        return f"{self.layout} {self.M}x{self.N}x{self.K}" + (f" x{self.batch}" if self.batch > 1 else "")
+
+    def params(self, swap: bool = False) -> dict:
+        """The Params fields of shaders/gemm*.wgsl (swap: for C^T = op(B)^T op(A)^T, operands exchanged)."""
+        if not swap:
+            return dict(M=self.M, N=self.N, K=self.K, flags=self.flags, a_sm=self.a_sm, a_sk=self.a_sk,
+                        a_sz=self.a_sz, b_sk=self.b_sk, b_sn=self.b_sn, b_sz=self.b_sz, c_sm=self.c_sm,
+                        c_sn=self.c_sn, c_sz=self.c_sz, bias_sm=0, bias_sn=1, alpha=self.alpha)
+        return dict(M=self.N, N=self.M, K=self.K, flags=self.flags, a_sm=self.b_sn, a_sk=self.b_sk,
+                    a_sz=self.b_sz, b_sk=self.a_sk, b_sn=self.a_sm, b_sz=self.a_sz, c_sm=self.c_sn,
+                    c_sn=self.c_sm, c_sz=self.c_sz, bias_sm=1, bias_sn=0, alpha=self.alpha)
+
+    def tensors(self, swap: bool = False) -> list:
+        return [self.b, self.a, self.bias, self.c] if swap else [self.a, self.b, self.bias, self.c]
+
+
+# ---- register-blocked family (shaders/gemm.wgsl) ---------------------------------------------------
+
+def vec4_modes(M, N, K, batch, a_off, a_sm, a_sk, a_sz, b_off, b_sk, b_sn, b_sz, c_off, c_sm, c_sn, c_sz):
+    """(a_kvec, b_nvec, c_nvec) when all three matrices can be accessed as aligned vec4s (op(A) along
+    k or m, op(B) along n or k, C along n or m), else None (the scalar kernel)."""
+    def ok(vec_len, pitch, off, sz):
+        return vec_len % 4 == 0 and pitch % 4 == 0 and off % 4 == 0 and (batch == 1 or sz % 4 == 0)
+
+    def mode(s_first, len_first, s_second, len_second, off, sz):
+        """True: vec4s along the first axis (stride 1 there); False: along the second; None: neither."""
+        if s_first == 1 and ok(len_first, s_second, off, sz):
+            return True
+        if s_second == 1 and ok(len_second, s_first, off, sz):
+            return False
+        return None
+
+    modes = (mode(a_sk, K, a_sm, M, a_off, a_sz), mode(b_sn, N, b_sk, K, b_off, b_sz),
+             mode(c_sn, N, c_sm, M, c_off, c_sz))
+    return None if None in modes else modes
+
+
+def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b_along_k=(False, False),
+                  swaps=(False, True)):
+    """(swap, wg, tm) of the register kernels: whether to compute C^T = op(B)^T op(A)^T instead, the
+    workgroup size (8 * wg columns) and the rows per workgroup (32, or 8 for products with a side of at
+    most 8, e.g. a rank). Measured on llvmpipe; `swaps` limits the orientations considered.
+
+    Workgroups are numbered row tile first, so consecutive workgroups (run at the same time on the
+    cores of a CPU adapter) stream the same K x 8*wg panel of B, each invocation its own columns.
+    b_along_k[swap] says whether that operand (op(B), or op(A)^T when swapped) is contiguous along k:
+    such streams are sequential; the other order reads 4 rows a step, which costs little while the
+    panel stays in L2 and halves the speed once it does not.
+
+    Cost: the padded work (so a skinny product is not padded to a wide tile of columns), a row of an
+    8-row tile counting sqrt(4) = 2 (it shares each load of B over fewer FMAs), times 1.2 for a B not
+    along k, 2 if its panel is also over L2_PANEL_BYTES. Ties go to more workgroups, up to 16 (to feed
+    every core), then no swap (C rows stay contiguous), then the widest workgroup (fewer, larger tasks)."""
+    best = None
+    for swap in swaps:
+        m, n = (N, M) if swap else (M, N)
+        for tm in TM_CHOICES:
+            for wg in WG_CHOICES:
+                if wg < min_wg and wg != WG_CHOICES[-1]:
+                    continue
+                tiles_m, tiles_n = -(-m // tm), -(-n // (TN * wg))
+                cost = tiles_m * tm * tiles_n * TN * wg * (TM // tm) ** 0.5
+                if not b_along_k[swap]:
+                    cost *= 1.2 if K * TN * wg * 4 <= L2_PANEL_BYTES else 2.0
+                key = (cost, -min(tiles_m * tiles_n * batch, 16), swap, -tm, -wg)
+                if best is None or key < best[0]:
+                    best = (key, swap, wg, tm)
+    return best[1:]
+
+
+_portable: dict = {}
+
+
+def portable_source() -> str:
+    """gemm.wgsl without its subgroup section (for devices without the feature)."""
+    if not _portable:
+        from .runtime import shader_path
+        text = shader_path("gemm").read_text()
+        _portable["text"] = text[:text.index(_SG_MARKER)]
+    return _portable["text"]
+
+
+def register_kernel(wg: int, tm: int, subgroups: bool, vec) -> Kernel:
+    """The register-blocked kernel: vec None for the scalar entry point, else (a_kvec, b_nvec, c_nvec)."""
+    entry = ("gemm_v4" if vec else "gemm") + ("_sg" if subgroups else "")
+    constants = {"WG": wg, "TM": tm}
+    if vec:
+        constants.update(A_KVEC=bool(vec[0]), B_NVEC=bool(vec[1]), C_NVEC=bool(vec[2]))
+    return Kernel("gemm", entry, "A B BIAS C!", tuple(sorted(constants.items())),
+                  source=() if subgroups else (portable_source,), invocations=wg,
+                  features=("subgroup",) if subgroups else ())
+
+
+class Register:
+    """A register-blocked candidate: C (or C^T when swap) in tiles of tm rows x 8 * wg columns."""
+
+    family = "register"
+
+    def __init__(self, swap: bool, wg: int, tm: int, subgroups: bool, vec4: bool = True):
+        self.swap, self.wg, self.tm, self.subgroups, self.vec4 = swap, wg, tm, subgroups, vec4
+        self.name = (f"register/{'sg' if subgroups else 'portable'}/wg{wg}_tm{tm}" + ("_swap" if swap else "")
+                     + ("" if vec4 else "_scalar"))
+
+    def kernel(self, p: Problem) -> Kernel:
+        q = p.params(self.swap)
+        offs = (p.b_off, p.a_off) if self.swap else (p.a_off, p.b_off)
+        vec = (vec4_modes(q["M"], q["N"], q["K"], p.batch, offs[0], q["a_sm"], q["a_sk"], q["a_sz"], offs[1],
+                          q["b_sk"], q["b_sn"], q["b_sz"], p.c_off, q["c_sm"], q["c_sn"], q["c_sz"])
+               if self.vec4 else None)
+        return register_kernel(self.wg, self.tm, self.subgroups, vec)
+
+    def dispatches(self, p: Problem) -> list:
+        q = p.params(self.swap)
+        pipeline, resources = prepare(p.rt, self.kernel(p), p.tensors(self.swap), **q)
+        return [(pipeline, resources, (-(-q["M"] // self.tm), -(-q["N"] // (TN * self.wg)), p.batch))]
+
+
+def register_candidates(p: Problem) -> list:
+    """The llvmpipe-measured choice (choose_tiling) first, then the best of the other orientation."""
+    rt = p.rt
+    sg, min_wg = use_subgroups(rt), min_workgroup(rt)
+    along_k = (p.b_sk == 1, p.a_sk == 1)
+    first = choose_tiling(p.M, p.N, p.K, p.batch, min_wg, along_k)
+    other = choose_tiling(p.M, p.N, p.K, p.batch, min_wg, along_k, swaps=(not first[0],))
+    return [Register(*first, sg), Register(*other, sg)]
+
+
+# ---- workgroup-tiled family and split-K (shaders/gemm_tiled.wgsl) ------------------------------------
+
+def tiled_kernel(cfg) -> Kernel:
+    return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg),
+                  invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg))
+
+
+def _reduce_kernel(cfg) -> Kernel:
+    return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg),
+                  invocations=tiled.REDUCE_WG)
+
+
+def _scratch(rt, elements: int):
+    """The split-K partials buffer, grown as needed (one at a time: dispatches in order reuse it)."""
+    holder = rt.memo("gemm.splitk_scratch", lambda r: {})
+    buf = holder.get("buf")
+    if buf is None or buf.size < elements * _F32:
+        holder["buf"] = buf = rt.buffer(max(elements, 1 << 16) * _F32, "gemm.splitk_partials")
+    return buf
+
+
+class Tiled:
+    """A workgroup-tiled candidate (one TileConfig), with `splits` > 1 for split-K plus a reduction pass."""
+
+    def __init__(self, cfg, splits: int = 1):
+        self.cfg, self.splits = cfg, splits
+        self.family = "splitk" if splits > 1 else "tiled"
+        self.name = f"splitk{splits}/{cfg.name}" if splits > 1 else f"tiled/{cfg.name}"
+
+    def applies(self, p: Problem) -> bool:
+        if not tiled.fits(self.cfg, p.rt.limits):
+            return False
+        if self.cfg.vec4 and not tiled.vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz,
+                                               p.b_off, p.b_sk, p.b_sn, p.b_sz):
+            return False
+        if self.splits > 1:
+            if p.K < 2 * self.splits * self.cfg.bk or self.splits * p.batch > 65535:
+                return False
+            if self.splits * p.batch * p.M * p.N * _F32 > p.rt.max_binding:
+                return False
+        try:
+            tiled.groups(self.cfg, p.M, p.N, p.batch, self.splits)
+        except ValueError:
+            return False
+        return True
+
+    def dispatches(self, p: Problem) -> list:
+        rt, q = p.rt, p.params()
+        groups = tiled.groups(self.cfg, p.M, p.N, p.batch, self.splits)
+        if self.splits == 1:
+            pipeline, resources = prepare(rt, tiled_kernel(self.cfg), p.tensors(), k_split=p.K, splits=1,
+                                          batch=p.batch, **q)
+            return [(pipeline, resources, groups)]
+        n_part = self.splits * p.batch * p.M * p.N
+        part = _scratch(rt, n_part)
+        ks = tiled.k_split(self.cfg, p.K, self.splits)
+        first = prepare(rt, tiled_kernel(self.cfg), [p.a, p.b, p.bias, (part, n_part)], k_split=ks,
+                        splits=self.splits, batch=p.batch, **q)
+        second = prepare(rt, _reduce_kernel(self.cfg), [(part, n_part), p.bias, p.c], k_split=ks,
+                         splits=self.splits, batch=p.batch, **q)
+        return [(*first, groups), (*second, tiled.reduce_groups(p.M, p.N, p.batch))]
+
+
+def tiled_candidates(p: Problem) -> list:
+    """Every tile configuration that fits, and split-K where the product is skinny (few output tiles for a
+    long K): the LoRA gradients (K = tokens) and the head's input gradient."""
+    out = [Tiled(cfg) for cfg in tiled.TILED_CONFIGS]
+    tiles64 = -(-p.M // 64) * -(-p.N // 64) * p.batch
+    if tiles64 < 64 and p.K >= 512:
+        small = [cfg for cfg in tiled.TILED_CONFIGS if not cfg.double_buffer and cfg.bm * cfg.bn <= 64 * 64]
+        out += [Tiled(cfg, s) for s in SPLITS for cfg in small]
+    return [c for c in out if c.applies(p)]
+
+
+def _gpu_rank(p: Problem, c) -> tuple:
+    """Best guess first on a GPU, before anything was measured (unmeasured: a guess from the usual shape of
+    GPU SGEMMs): enough output tiles to fill the device first, then the biggest tile and vec4 loads."""
+    cfg = c.cfg
+    tiles = -(-p.M // cfg.bm) * -(-p.N // cfg.bn) * p.batch * c.splits
+    return (tiles < 128, -(cfg.bm * cfg.bn) if tiles >= 128 else cfg.bm * cfg.bn, not cfg.vec4,
+            cfg.double_buffer, c.splits)
+
+
+def candidates(p: Problem) -> list:
+    """Every candidate that can run p on its device, the default (untuned) choice first: on CPU adapters the
+    register kernels measured there, on GPUs the tiled kernels (split-K for skinny products)."""
+    regs = register_candidates(p)
+    tiles = sorted(tiled_candidates(p), key=lambda c: _gpu_rank(p, c))
+    if is_cpu(p.rt):
+        return regs + tiles
+    return tiles + regs

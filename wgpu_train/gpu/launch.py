@@ -1,0 +1,184 @@
+"""One kernel descriptor (Kernel) and one launch path (launch) for every WGSL kernel of the project.
+
+The uniform ABI, the same in every shader: binding 0 is `var<uniform> ...: Params`, a struct of 4-byte
+scalars (u32, i32, f32) packed in declaration order; launch() fills its fields by name and zero-fills the
+rest. Bindings 1.. are the kernel's tensors, in the order Kernel.bindings names them. A tensor is a buffer
+or a (buffer, element offset) view (operands.py): a buffer that fits one storage binding is bound whole,
+with the element offset in the field `o<binding>`; a bigger one is bound as the aligned range that covers
+the tensor (min-storage-buffer-offset-alignment), with the remainder in `o<binding>`. A kernel whose
+Params has no `o<binding>` field needs that tensor to start on an aligned offset.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, replace
+
+from ..errors import DeviceError
+from .operands import split
+
+F32 = 4
+MAX_GROUPS = 65535           # WebGPU's default max-compute-workgroups-per-dimension
+_SCALARS = {"u32": "I", "i32": "i", "f32": "f"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One compute kernel: its WGSL source and entry point, how it is specialised, its bindings and what
+    the adapter must offer to run it.
+
+    bindings: names of bindings 1.. in order, a trailing "!" marking those the kernel writes ("y! a b"), "_" a
+    binding number it does not use (no tensor is given for it).
+    constants: sorted (name, value) override constants. source: () for shaders/<shader>.wgsl as it is, else
+    (function, *args) returning the specialised text (the function must be a module-level one).
+    invocations / workgroup_bytes: per workgroup, checked against the adapter's limits; features: the
+    optional WebGPU features the kernel needs ("subgroup", "shader-f16")."""
+
+    shader: str
+    entry: str
+    bindings: str
+    constants: tuple = ()
+    source: tuple = ()
+    invocations: int = 0
+    workgroup_bytes: int = 0
+    features: tuple = ()
+
+    @property
+    def slots(self) -> list[int]:
+        """The binding numbers the tensors go to, in order."""
+        return [i for i, b in enumerate(self.bindings.split(), start=1) if b != "_"]
+
+    @property
+    def names(self) -> list[str]:
+        return [b.rstrip("!") for b in self.bindings.split() if b != "_"]
+
+    @property
+    def written(self) -> list[bool]:
+        return [b.endswith("!") for b in self.bindings.split() if b != "_"]
+
+    @property
+    def label(self) -> str:
+        spec = ",".join(f"{k}={v}" for k, v in self.constants)
+        args = ",".join(map(str, self.source[1:]))
+        return f"{self.shader}.{self.entry}" + (f"[{args}]" if args else "") + (f"({spec})" if spec else "")
+
+    def with_constants(self, **constants) -> "Kernel":
+        """The same kernel with these override constants set (on top of those it has)."""
+        merged = dict(self.constants)
+        merged.update(constants)
+        return replace(self, constants=tuple(sorted(merged.items())))
+
+    def text(self) -> str:
+        """The WGSL source this kernel compiles."""
+        if self.source:
+            fn, *args = self.source
+            return fn(*args)
+        from .runtime import shader_path
+        return shader_path(self.shader).read_text()
+
+    def supported(self, rt) -> bool:
+        """Whether the adapter offers this kernel's features and per-workgroup limits."""
+        lim = rt.limits
+        return (all(f in rt.features for f in self.features)
+                and self.invocations <= lim.get("max-compute-invocations-per-workgroup", 256)
+                and self.workgroup_bytes <= lim.get("max-compute-workgroup-storage-size", 16384))
+
+
+def kernel(shader: str, entry: str, bindings: str, constants: dict | None = None, **kw) -> Kernel:
+    """A Kernel with its constants given as a dict."""
+    return Kernel(shader, entry, bindings, tuple(sorted((constants or {}).items())), **kw)
+
+
+def parse_params(source: str) -> list[tuple[str, str]]:
+    """(name, type) of the fields of `struct Params` in a WGSL source, in declaration order."""
+    text = re.sub(r"//[^\n]*", "", source)
+    m = re.search(r"struct\s+Params\s*\{([^}]*)\}", text)
+    if m is None:
+        return []
+    fields = re.findall(r"(\w+)\s*:\s*(\w+)", m.group(1))
+    for name, ty in fields:
+        if ty not in _SCALARS:
+            raise ValueError(f"Params.{name}: the uniform ABI takes u32, i32 and f32 fields, not {ty}")
+    return fields
+
+
+class _Compiled:
+    """A kernel's pipeline and uniform layout on one runtime (Runtime.compiled caches it)."""
+
+    def __init__(self, rt, k: Kernel):
+        source = k.text()
+        self.fields = parse_params(source)
+        self.index = {name: i for i, (name, _) in enumerate(self.fields)}
+        self.format = "<" + "".join(_SCALARS[ty] for _, ty in self.fields)
+        self.zero = [0.0 if ty == "f32" else 0 for _, ty in self.fields]
+        self.offset_field = [self.index.get(f"o{i}") for i in k.slots]
+        self.n_bindings = len(k.bindings.split())
+        name = k.shader + (f"[{','.join(map(str, k.source[1:]))}]" if k.source else "")
+        self.pipeline = rt.pipeline(name, k.entry, dict(k.constants), source=source if k.source else None)
+
+
+def bind(rt, t, n: int, what: str, whole_ok: bool):
+    """(binding resource, element offset within it) of n elements of tensor t. whole_ok: the kernel takes an
+    element offset, so a buffer that fits one binding is bound whole (one bind group for all its views)."""
+    buf, off = split(t)
+    end = (off + max(1, int(n))) * F32
+    if off < 0 or end > buf.size:
+        raise ValueError(f"{what}: needs elements [{off}, {off + n}) but its buffer holds {buf.size // F32}")
+    if whole_ok and buf.size <= rt.max_binding:
+        return buf, off
+    base = off * F32 // rt.offset_alignment * rt.offset_alignment
+    if end - base > rt.max_binding:
+        raise DeviceError(f"{what} spans {end - base} bytes, over this device's max storage binding of "
+                          f"{rt.max_binding}; split it into chunks")
+    return (buf, base, end - base), off - base // F32
+
+
+def prepare(rt, k: Kernel, tensors, **params) -> tuple:
+    """(pipeline, resources) of one dispatch of kernel k: tensors are (tensor, n_elements) pairs for bindings
+    1.. in order; params set fields of its Params by name (the o<i> offsets are filled here)."""
+    c = rt.compiled(k)
+    values = list(c.zero)
+    for name, v in params.items():
+        i = c.index.get(name)
+        if i is None:
+            raise TypeError(f"{k.label}: its Params has no field {name!r}")
+        values[i] = v
+    resources, names, written = [None] * c.n_bindings, k.names, k.written
+    if len(tensors) != len(names):
+        raise TypeError(f"{k.label} takes {len(names)} tensors ({k.bindings}), got {len(tensors)}")
+    for j, (t, n) in enumerate(tensors):
+        field = c.offset_field[j]
+        res, rest = bind(rt, t, n, f"{k.label} {names[j]}", field is not None)
+        if field is not None:
+            values[field] = rest
+        elif rest:
+            raise ValueError(f"{k.label} {names[j]}: element offset {split(t)[1]} is not a multiple of "
+                             f"{rt.offset_alignment // F32} elements, which this kernel needs")
+        resources[k.slots[j] - 1] = res
+    for j, w in enumerate(written):
+        if w:
+            buf = split(tensors[j][0])[0]
+            for i, (t, _) in enumerate(tensors):
+                if not written[i] and split(t)[0] is buf:
+                    raise ValueError(f"{k.label}: output {names[j]} shares its buffer with {names[i]}; "
+                                     "WebGPU forbids that within one dispatch")
+    try:
+        uni = rt.uniform(c.format, *values)
+    except struct.error as e:
+        raise ValueError(f"{k.label}: bad Params value ({e}): {dict(zip(c.index, values))}") from None
+    return c.pipeline, [uni] + resources
+
+
+def launch(rec, k: Kernel, groups, tensors, **params):
+    """Record one dispatch of kernel k over `groups` workgroups (see prepare)."""
+    pipeline, resources = prepare(rec.rt, k, tensors, **params)
+    rec.dispatch(pipeline, resources, groups)
+
+
+def flat_grid(n_workgroups: int) -> tuple:
+    """Workgroup counts for a flat index space of n workgroups (folded into y beyond 65535)."""
+    n = max(0, int(n_workgroups))
+    if n <= MAX_GROUPS:
+        return (n, 1)
+    gy = -(-n // MAX_GROUPS)
+    return (-(-n // gy), gy)

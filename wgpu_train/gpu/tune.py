@@ -1,0 +1,294 @@
+"""The GEMM autotuner: the first time a shape is needed on an adapter, time the candidates that fit it
+(each checked once against NumPy), keep the fastest, and remember the choice in a per-adapter cache file.
+
+Controls: WGPU_TRAIN_TUNE=off (the untuned default choice everywhere), fast (the default: tune on GPUs, a
+few candidates each; CPU adapters keep the choice measured on llvmpipe), full (every candidate, on every
+adapter). WGPU_TRAIN_GEMM_KERNEL=<name prefix> (or `pinned(...)`) forces the first candidate whose name
+starts with it wherever one applies, for tests. The cache: $XDG_CACHE_HOME/wgpu-train/tune/<adapter>.json,
+stale when a GEMM shader or candidate list changes (a checksum of their sources), written atomically.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .gemm_kernels import Problem, candidates, is_cpu
+
+log = logging.getLogger("wgpu_train")
+
+MODES = ("off", "fast", "full")
+FAST_CANDIDATES = 8          # candidates timed per shape in fast mode (the best guesses first)
+ROOFLINE_STOP = 0.85         # stop once a candidate reaches this fraction of the FMA peak
+DROP_SLOWER = 3.0            # a candidate whose first timed run is this much slower than the best is dropped
+CACHE_VERSION = 1
+_SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "wgpu_train/gpu/gemm_kernels.py",
+            "wgpu_train/gpu/gemm_tiled_src.py")
+_pins: list = []
+
+
+def mode() -> str:
+    """WGPU_TRAIN_TUNE, checked: off, fast (default) or full."""
+    value = os.environ.get("WGPU_TRAIN_TUNE", "fast").strip().lower() or "fast"
+    if value not in MODES:
+        raise ConfigError(f"WGPU_TRAIN_TUNE={value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+@contextlib.contextmanager
+def pinned(prefix: str):
+    """Within the block, every GEMM runs the first candidate whose name starts with `prefix` (when one applies)."""
+    _pins.append(prefix)
+    try:
+        yield
+    finally:
+        _pins.pop()
+
+
+def _pin() -> str | None:
+    return _pins[-1] if _pins else (os.environ.get("WGPU_TRAIN_GEMM_KERNEL") or None)
+
+
+def shape_key(p: Problem) -> str:
+    """The cache key of a GEMM: layout, M bucket (next power of two), N, K, batch, operand alignment."""
+    from .gemm_tiled_src import vec4_ok
+    bucket = 1 << max(0, (p.M - 1).bit_length())
+    aligned = vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz, p.b_off, p.b_sk, p.b_sn, p.b_sz)
+    return f"gemm {p.layout} m{bucket} n{p.N} k{p.K} b{p.batch} {'v4' if aligned else 'any'}"
+
+
+# ---- the cache file ------------------------------------------------------------------------------
+
+def sources_checksum() -> str:
+    """sha256 over the GEMM shaders and the modules that define the candidates."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for rel in _SOURCES:
+        p = root / rel
+        if not p.exists():    # an installed wheel keeps shaders in wgpu_train/_shaders
+            p = Path(__file__).resolve().parents[1] / "_shaders" / Path(rel).name
+        h.update(rel.encode() + b"\0" + (p.read_bytes() if p.exists() else b"") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def adapter_identity(rt) -> dict:
+    info = rt.adapter.info
+    return {"name": rt.info.name, "vendor": rt.info.vendor, "backend": rt.info.backend,
+            "type": rt.info.adapter_type, "driver": str(info.get("description", "") or "")}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "wgpu-train" / "tune"
+
+
+class TuneCache:
+    """The tuned choices of one adapter: {key: {"choice": name, "gflops": {candidate: GFLOP/s}}}."""
+
+    def __init__(self, rt):
+        ident = adapter_identity(rt)
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+        self.identity, self.checksum = ident, sources_checksum()
+        self.path = cache_dir() / f"{digest}.json"
+        self.entries: dict = {}
+        self.peak_gflops = 0.0
+        self._read()
+
+    def _load(self) -> dict | None:
+        """The file's valid content, or None (absent; unreadable or stale with a warning)."""
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("wgpu-train: tune cache %s is unreadable (%s); re-tuning", self.path, e)
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            log.warning("wgpu-train: tune cache %s is not a tune cache; re-tuning", self.path)
+            return None
+        if data.get("version") != CACHE_VERSION or data.get("checksum") != self.checksum:
+            log.warning("wgpu-train: tune cache %s was made by other GEMM kernels; re-tuning", self.path)
+            return None
+        return data
+
+    def _read(self):
+        data = self._load()
+        if data:
+            self.entries = {k: v for k, v in data["entries"].items() if isinstance(v, dict) and "choice" in v}
+            self.peak_gflops = float(data.get("peak_gflops") or 0.0)
+
+    def get(self, key: str) -> str | None:
+        e = self.entries.get(key)
+        return e["choice"] if e else None
+
+    def put(self, key: str, entry: dict):
+        """Record a choice and write the file: merged with what another process wrote meanwhile, under a
+        lock where the platform has one, and replaced atomically (a reader never sees half a file)."""
+        self.entries[key] = entry
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(self.path.with_suffix(".lock")):
+            on_disk = self._load() or {}
+            merged = dict(on_disk.get("entries", {}))
+            merged.update(self.entries)
+            self.entries = merged
+            data = {"version": CACHE_VERSION, "checksum": self.checksum, "adapter": self.identity,
+                    "peak_gflops": self.peak_gflops, "entries": merged}
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    try:
+        import fcntl
+    except ImportError:      # Windows: the atomic replace alone
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cache(rt) -> TuneCache:
+    return rt.memo("tune.cache", TuneCache)
+
+
+def forget(rt):
+    """Drop this runtime's tuner state (cache contents read, choices made, the log): as a new process."""
+    for key in ("tune.cache", "tune.choices", "tune.log"):
+        rt.forget(key)
+
+
+def tuned_log(rt) -> list:
+    """[(key, choice, {candidate: GFLOP/s})] of the shapes tuned in this process (for `wgpu-train tune`)."""
+    return rt.memo("tune.log", lambda r: [])
+
+
+# ---- choosing ----------------------------------------------------------------------------------------
+
+def choose(rt, p: Problem):
+    """The candidate that runs p: a pinned one, else the cached or freshly tuned choice, else the default."""
+    cands = candidates(p)
+    pin = _pin()
+    if pin:
+        for c in cands:
+            if c.name.startswith(pin):
+                return c
+    m = mode()
+    if m == "off" or (m == "fast" and is_cpu(rt)) or len(cands) == 1:
+        return cands[0]
+    key = shape_key(p)
+    by_name = {c.name: c for c in cands}
+    memo = rt.memo("tune.choices", lambda r: {})
+    name = memo.get(key) or _cache(rt).get(key)
+    if name not in by_name:
+        name = tune_shape(rt, p, cands if m == "full" else cands[:FAST_CANDIDATES], key)
+    memo[key] = name
+    return by_name[name]
+
+
+def _strided(flat: np.ndarray, off, batch, sz, rows, r_stride, cols, c_stride) -> np.ndarray:
+    """(batch, rows, cols) view of a flat array with element strides."""
+    return np.lib.stride_tricks.as_strided(flat[off:], (batch, rows, cols),
+                                           tuple(s * flat.itemsize for s in (sz, r_stride, c_stride)))
+
+
+def _reference(p: Problem, a, b, bias, c0) -> np.ndarray:
+    """C after p on these host copies of its operands (float64), as a flat array like c0."""
+    A = _strided(a.astype(np.float64), p.a_off, p.batch, p.a_sz, p.M, p.a_sm, p.K, p.a_sk)
+    B = _strided(b.astype(np.float64), p.b_off, p.batch, p.b_sz, p.K, p.b_sk, p.N, p.b_sn)
+    out = c0.astype(np.float64)
+    C = _strided(out, p.c_off, p.batch, p.c_sz, p.M, p.c_sm, p.N, p.c_sn)
+    val = p.alpha * np.matmul(A, B)
+    if p.has_bias:
+        val = val + bias.astype(np.float64)[:p.N]
+    if p.accumulate:
+        val = val + C
+    C[...] = val     # writes into `out` through the view (batches never overlap in C)
+    return out
+
+
+def _replica(rt, p: Problem, rng):
+    """A problem of p's geometry on fresh random operands (offsets kept modulo 64 elements, which keeps their
+    alignment), the host copies of its operands (a, b, bias, c0) and its buffers."""
+    host = [rng.standard_normal(off % 64 + extent).astype(np.float32)
+            for extent, off in ((p.a[1], p.a_off), (p.b[1], p.b_off), (p.N, 0), (p.c[1], p.c_off))]
+    bufs = [rt.upload(x, "tune operand") for x in host]
+    q = Problem(rt, p.M, p.N, p.K, p.batch, p.alpha, p.accumulate, p.layout,
+                (bufs[0], p.a_off % 64), p.a_sm, p.a_sk, p.a_sz, (bufs[1], p.b_off % 64), p.b_sk, p.b_sn, p.b_sz,
+                (bufs[3], p.c_off % 64), p.c_sm, p.c_sn, p.c_sz, bufs[2] if p.has_bias else None)
+    return q, host, bufs
+
+
+def tune_shape(rt, p: Problem, cands: list, key: str) -> str:
+    """Time `cands` on p's shape, each checked once against NumPy; cache and return the fastest one's name."""
+    from .bench import Timer, fma_peak
+
+    cache = _cache(rt)
+    timer = Timer(rt)
+    if not cache.peak_gflops:
+        cache.peak_gflops = fma_peak(rt, timer)
+    rng = np.random.default_rng(0)
+    q, (a, b, bias, c0), bufs = _replica(rt, p, rng)
+    c_buf = bufs[3]
+    want = _reference(q, a, b, bias, c0)
+    tol = 1e-5 * (1 + abs(q.alpha)) * q.K ** 0.5 * 4
+    results: dict = {}
+    best_name, best_t = None, float("inf")
+    try:
+        for cand in cands:
+            try:
+                dispatches = cand.dispatches(q)
+            except Exception as e:  # noqa: BLE001 - a candidate the driver rejects is skipped, not fatal
+                log.warning("wgpu-train: GEMM candidate %s failed to build on %s: %s", cand.name, rt.info.name, e)
+                continue
+            rt.write(c_buf, c0)
+            rec = rt.recorder()
+            for d in dispatches:
+                rec.dispatch(*d)
+            rec.submit()
+            got = rt.read(c_buf, np.float32, c0.shape)
+            err = float(np.max(np.abs(got - want))) if got.size else 0.0
+            if not err <= tol * (1 + float(np.max(np.abs(want)))):
+                log.warning("wgpu-train: GEMM candidate %s is wrong on %s for %s (max error %.3g); not used",
+                            cand.name, rt.info.name, p.describe(), err)
+                results[cand.name] = None
+                continue
+            first = timer.time(dispatches, repeats=1, budget_s=0.5, warmup=[])
+            t = first if first > DROP_SLOWER * best_t else min(first, timer.time(dispatches, repeats=3,
+                                                                                    budget_s=0.5, warmup=[]))
+            results[cand.name] = round(q.flops / t / 1e9, 2)
+            if t < best_t:
+                best_name, best_t = cand.name, t
+            if q.flops / best_t / 1e9 >= ROOFLINE_STOP * cache.peak_gflops:
+                break
+    finally:
+        rt.release(*bufs)
+    if best_name is None:
+        best_name = cands[0].name
+        log.warning("wgpu-train: no GEMM candidate passed its check for %s; using %s", p.describe(), best_name)
+    entry = {"choice": best_name, "gflops": results, "peak_gflops": round(cache.peak_gflops, 1),
+             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    cache.put(key, entry)
+    tuned_log(rt).append((key, best_name, results))
+    log.info("wgpu-train: tuned %s: %s (%s GFLOP/s)", key, best_name, results.get(best_name))
+    return best_name
+
