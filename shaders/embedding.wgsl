@@ -3,6 +3,8 @@
 // Forward gathers out[n] = weight[ids[n] - row0]. Backward sums dout rows into dweight without
 // atomics: a links pass gives each token the next token with the same id and marks the first
 // occurrence; then the first occurrence of each id walks its chain (token order, deterministic).
+// The row gather pair (gpu/kernels.py row_gather_*) reuses the forward on activations (ids = row indices,
+// row0 = 0); its backward is a plain scatter dx[rows[n]] = dout[n] of distinct rows.
 // Uniform: s0 = N tokens, s1 = C, s2 = row0 (first vocabulary id here), s3 = rows, s4 = accumulate;
 // o1..o4 = element offsets of bindings 1..4.
 
@@ -100,4 +102,25 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         s += b_dw[o];
     }
     b_dw[o] = s;
+}
+
+// ---- row gather backward: 1 dx (rows, C) out (or +=, s4 = 1), 2 dout (N, C), 3 rows (N,) i32, distinct ----
+@group(0) @binding(1) var<storage, read_write> g_dx: array<f32>;
+@group(0) @binding(2) var<storage, read> g_dout: array<f32>;
+@group(0) @binding(3) var<storage, read> g_rows: array<i32>;
+
+@compute @workgroup_size(256)
+fn row_gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    let c = p.s1;
+    if (i >= p.s0 * c) { return; }
+    let r = local_row(g_rows[p.o3 + i / c]);
+    if (r < 0) { return; }
+    let o = p.o1 + u32(r) * c + i % c;
+    var s = g_dout[p.o2 + i];
+    if (p.s4 != 0u) {
+        s += g_dx[o];
+    }
+    g_dx[o] = s;
 }

@@ -8,7 +8,8 @@
 // of op(B) (Bs[k][n]) in workgroup memory; an invocation then keeps a TM x TN block of C in registers.
 // Its rows are TM / 4 groups of 4 adjacent rows spaced 4 * BM / TM apart (columns likewise, 4 * TX
 // apart), so neighbouring invocations read neighbouring vec4s of As / Bs (no bank conflicts) and write
-// neighbouring columns of C.
+// neighbouring columns of C. Transposing a k-contiguous op(A) into As does conflict on the stores; padded
+// rows would not fit 128 x 128 double-buffered tiles in 16 KiB, and stores are few next to the reads.
 //
 // Entry points: gemm_tiled (scalar global loads, any strides), gemm_tiled_v4 (vec4 global loads along
 // each operand's stride-1 dimension; preconditions in vec4_ok of gemm_tiled_src.py), and
@@ -74,8 +75,8 @@ var<private> tx: u32;
 var<private> ty: u32;
 var<private> m0: u32;          // first row of this workgroup's tile
 var<private> n0: u32;          // first column
-var<private> a_base: u32;      // o1 of this batch
-var<private> b_base: u32;
+var<private> a_base: u32;      // o1 + zb * a_sz
+var<private> b_base: u32;      // o2 + zb * b_sz
 
 // The k range of this workgroup's split; workgroup_id only, so the loop around the barriers stays uniform.
 fn k_range(z: u32) -> vec2<u32> {
@@ -260,10 +261,14 @@ fn multiply(acc: ptr<function, Acc>, buf: u32) {
         for (var h = 0u; h < TN / 4u; h++) {
             b[h] = Bs[b0 + k * (BN / 4u) + h * TX];
         }
-        for (var i = 0u; i < TM; i++) {
-            let ai = vec4<f32>(a[i / 4u][i % 4u]);
+        // rows 4g .. 4g+3 times column group h: acc[(4g + r) * TN / 4 + h] for r < 4
+        for (var g = 0u; g < TM / 4u; g++) {
             for (var h = 0u; h < TN / 4u; h++) {
-                (*acc)[i * (TN / 4u) + h] = fma(ai, b[h], (*acc)[i * (TN / 4u) + h]);
+                let j = g * TN + h;
+                (*acc)[j] = fma(vec4<f32>(a[g].x), b[h], (*acc)[j]);
+                (*acc)[j + TN / 4u] = fma(vec4<f32>(a[g].y), b[h], (*acc)[j + TN / 4u]);
+                (*acc)[j + TN / 2u] = fma(vec4<f32>(a[g].z), b[h], (*acc)[j + TN / 2u]);
+                (*acc)[j + 3u * TN / 4u] = fma(vec4<f32>(a[g].w), b[h], (*acc)[j + 3u * TN / 4u]);
             }
         }
     }

@@ -8,6 +8,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.config import OptimizerParams
+from wgpu_train.gpu.engine import loss_head_size
 from wgpu_train.reference.ops import shift_labels
 
 from tiny_models import build_model, save_model
@@ -141,7 +142,13 @@ def test_one_submit_per_step_and_uploads_only_the_batch(folder, rt):
     gpu.engine.train_step(micro, hp, 1)        # warm-up: pipelines, buffers, moments
     gpu.engine.train_step(micro, hp, 2)
     last = gpu.engine.last_step
-    batch_bytes = sum(ids.nbytes // ids.itemsize * 4 for ids, *_ in micro) * 4   # four i32 arrays per micro-batch
+    # per micro-batch: ids, segment ids and positions (i32 each), then the loss head's rows: its targets and
+    # their row indices (i32 each), or only the targets when the head takes every row
+    batch_bytes = 0
+    for ids_m, targets, *_ in micro:
+        n = ids_m.size
+        head = loss_head_size(int((targets != -100).sum()), n)
+        batch_bytes += 3 * n * 4 + (n * 4 if head == n else 2 * head * 4)
     # beyond the batch: the 4-byte gradient scale and one 32-byte AdamW hyper-parameter row (new step number)
     assert last["submits"] == 1 and last["readbacks"] == 1
     assert last["bytes_uploaded"] == batch_bytes + 4 + 32
@@ -307,7 +314,7 @@ def test_auto_backend_takes_wgpu(folder, rt):
 def _allocated(acts) -> int:
     """Bytes of a bucket's activation buffers, each counted once (checkpointed layers share most of theirs)."""
     bufs = {id(b): b for layer in acts.layers for b in layer.values()}
-    batch_inputs = ("ids", "segments", "positions", "targets")   # the uploaded batch, not activations
+    batch_inputs = ("ids", "segments", "positions", "targets", "head_index")   # the uploaded batch, not activations
     bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in batch_inputs})
     return sum(b.size for b in bufs.values())
 
@@ -456,3 +463,24 @@ def test_activation_buckets_are_evicted_and_reused_correctly(folder, rt):
     kept = list(gpu.engine._acts)
     assert sum(k[2] for k in kept) <= gpu.engine.MAX_BUCKETS              # training buckets
     assert sum(not k[2] for k in kept) <= gpu.engine.MAX_FORWARD_BUCKETS   # forward-only ones
+
+
+def test_long_steps_split_across_submissions(folder, rt):
+    """A step whose GPU time exceeds max_submit_s is cut at layer boundaries into several submissions
+    (counted at queue.submit), with the same parameters afterwards as the step in one submission."""
+    path, _ = folder
+    lora = wt.LoraConfig(r=2, alpha=4)
+    _, one = _pair(path, rt, lora, b_seed=4)
+    _, split = _pair(path, rt, lora, b_seed=4)
+    ids, labels, mask = _batch(3)
+    micro = _micro_batches(ids, labels, mask, 1)
+    hp = OptimizerParams(lr=1e-2)
+    split.engine.max_submit_s = 1e-9            # every step "too long": the next ones are split
+    for step in (1, 2, 3):
+        one.engine.train_step(micro, hp, step)
+        split.engine.train_step(micro, hp, step)
+    assert one.engine.last_step["submits"] == 1
+    assert split.engine.last_step["submits"] > 2 and split.engine.last_step["readbacks"] == 1
+    a, b = one.lora_state_dict(), split.lora_state_dict()
+    for k in a:
+        assert_close(b[k], a[k], "exact", k)

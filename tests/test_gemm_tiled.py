@@ -202,7 +202,8 @@ def test_every_config(rt, cfg):
     """Several tiles with ragged edges (aligned to 4 for vec4), both vec4 directions of each operand
     (nt: A and B along k; tn: A along m, B along n)."""
     rng = np.random.default_rng(2)
-    M, N, K = 2 * cfg.bm + (4 if cfg.vec4 else 3), cfg.bn + (12 if cfg.vec4 else 5), 3 * cfg.bk + (4 if cfg.vec4 else 1)
+    ragged = (4, 12, 4) if cfg.vec4 else (3, 5, 1)
+    M, N, K = 2 * cfg.bm + ragged[0], cfg.bn + ragged[1], 3 * cfg.bk + ragged[2]
     _run(rt, cfg, [Case(rng, M, N, K, "nt"), Case(rng, N, M, K, "tn")])
 
 
@@ -226,31 +227,34 @@ def test_split_k(rt, cfg):
     """Split-K with 2 and 3 splits (K not a multiple of k_split; one case with an empty last split),
     then the reduce pass, equal to the unsplit kernel and to NumPy; the reduce grid folded into y."""
     rng = np.random.default_rng(4)
-    K = 3 * cfg.bk + 4 if cfg.vec4 else 3 * cfg.bk + 5
-    shapes = [(8, 24, K, "tn", 2, {}), (12, 20, K, "nt", 3, dict(alpha=-1.5, bias="row", accumulate=True)),
-              (5 if not cfg.vec4 else 4, 7 if not cfg.vec4 else 8, cfg.bk + 4, "nn", 3, dict(c_trans=True)),
-              (9 if not cfg.vec4 else 8, 40, K, "tt", 2, dict(batch=2, offs=(4, 8, 1, 4), bias="full"))]
+    long_k = 3 * cfg.bk + (4 if cfg.vec4 else 5)
+    m_small, n_small, m_batched = (4, 8, 8) if cfg.vec4 else (5, 7, 9)
+    shapes = [(8, 24, long_k, "tn", 2, {}),
+              (12, 20, long_k, "nt", 3, dict(alpha=-1.5, bias="row", accumulate=True)),
+              (m_small, n_small, cfg.bk + 4, "nn", 3, dict(c_trans=True)),   # the third split is empty
+              (m_batched, 40, long_k, "tt", 2, dict(batch=2, offs=(4, 8, 1, 4), bias="full"))]
     pipeline = _pipeline(rt, cfg)
     rec = rt.recorder()
     runs = []
-    for M, N, K_, layout, splits, kw in shapes:
-        case = Case(rng, M, N, K_, layout, **kw)
+    for M, N, K, layout, splits, kw in shapes:
+        case = Case(rng, M, N, K, layout, **kw)
         assert case.vec4_ok() or not cfg.vec4
         a, b, bias, c = case.upload(rt)
         unsplit = rt.upload(case.c)
         rec.dispatch(pipeline, [case.uniform(rt), a, b, bias, unsplit], T.groups(cfg, M, N, case.batch))
-        ks = T.k_split(cfg, K_, splits)
-        assert K_ % ks != 0
+        ks = T.k_split(cfg, K, splits)
+        assert K % ks != 0
         part_off = 5
         partials = rt.upload(np.full(part_off + case.batch * splits * M * N + 3, np.nan, np.float32))
         u1 = case.uniform(rt, k_split=ks, splits=splits, o4=part_off)
         rec.dispatch(pipeline, [u1, a, b, bias, partials], T.groups(cfg, M, N, case.batch, splits))
         runs.append((case, unsplit, partials, case.uniform(rt, k_split=ks, splits=splits, o1=part_off)))
     rec.submit()
-    for case, unsplit, partials, u2 in runs:
-        max_dim = 2 if case.M * case.N * case.batch > 256 else 65535
-        _reduce(rt, u2, partials, case.bufs[2], case.bufs[3], T.reduce_groups(case.M, case.N, case.batch, max_dim))
-    for case, unsplit, partials, _ in runs:
+    for case, _, partials, u2 in runs:
+        groups = T.reduce_groups(case.M, case.N, case.batch, max_dim=2 if case.batch > 1 else 65535)
+        assert case.batch == 1 or groups[1] > 1, "the batched case should fold the reduce grid into y"
+        _reduce(rt, u2, partials, case.bufs[2], case.bufs[3], groups)
+    for case, unsplit, _, _ in runs:
         what = f"{cfg.name} split {case.fields}"
         split = case.check(rt, what)
         whole = case.check(rt, what + " unsplit", unsplit)

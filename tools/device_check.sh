@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared check of wgpu-train on a lent GPU machine (run tools/device_prepare.sh here first): the
 # carried loaders and wgpu, the adapters found, the kernel / GEMM / quantisation / engine tests on every
-# adapter there, `wgpu-train bench --json`, and a training step at 0.5B scale (tools/smoke_large.py).
+# adapter there, `wgpu-train tune` of a 135M-shaped LoRA step, `wgpu-train bench --json`, a LoRA step of
+# that configuration next to PyTorch + PEFT on CUDA (tools/gpu_vs_torch.py), and a training step at 0.5B
+# scale (tools/smoke_large.py).
 # Each part has its own time limit and writes its output under $OUT, so one failure does not hide the rest.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,10 +24,19 @@ cli() { python3 -c 'import sys; from wgpu_train.cli import main; sys.exit(main(s
 
 { nvidia-smi -L; cli devices; } > "$OUT/devices.txt" 2>&1
 cat "$OUT/devices.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_quant.py \
-  tests/test_engine.py -k "not training_loss" > "$OUT/tests.txt" 2>&1
+export XDG_CACHE_HOME=$OUT/cache
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_gemm_tiled.py \
+  tests/test_tune.py tests/test_quant.py tests/test_engine.py -k "not training_loss" > "$OUT/tests.txt" 2>&1
 echo "tests: exit $?"; tail -3 "$OUT/tests.txt"
-timeout 150 bash -c "$(declare -f cli); cli bench --json" > "$OUT/bench.json" 2> "$OUT/bench.err"
+mkdir -p "$OUT/smol135"
+python3 -c 'import json, sys; from wgpu_train.gpu.pretune import SMOL135; json.dump(SMOL135, open(sys.argv[1], "w"))' \
+  "$OUT/smol135/config.json"
+timeout 90 bash -c "$(declare -f cli); cli tune --model $OUT/smol135 --batch-size 4 --max-seq-len 256" \
+  > "$OUT/tune.txt" 2> "$OUT/tune.err"
+echo "tune: exit $?"; head -40 "$OUT/tune.txt"
+timeout 90 bash -c "$(declare -f cli); cli bench --json" > "$OUT/bench.json" 2> "$OUT/bench.err"
 echo "bench: exit $?"
+timeout 90 python3 tools/gpu_vs_torch.py > "$OUT/vs_torch.json" 2> "$OUT/vs_torch.err"
+echo "vs torch: exit $?"; cat "$OUT/vs_torch.json"
 timeout 90 python3 tools/smoke_large.py > "$OUT/smoke.txt" 2>&1
 echo "smoke: exit $?"; cat "$OUT/smoke.txt"

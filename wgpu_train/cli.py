@@ -35,6 +35,37 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import logging
+
+    from .config import LoraConfig, ModelConfig
+    from .errors import ConfigError
+    from .gpu import runtime
+    from .gpu.pretune import format_rows, pretune
+    from .gpu import tune
+    from .train import default_model_dir
+
+    if args.batch_size < 1 or args.max_seq_len < 1 or args.lora_rank < 1:
+        raise ConfigError("--batch-size, --max-seq-len and --lora-rank must be at least 1")
+    model_dir = args.model or default_model_dir()
+    cfg = ModelConfig.from_folder(model_dir)
+    seq = min(args.max_seq_len, cfg.max_position_embeddings)
+    lora = LoraConfig(r=args.lora_rank, alpha=2 * args.lora_rank, target_modules=args.lora_targets)
+    rt = runtime.get_runtime(args.device)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"tuning the GEMMs of a LoRA step of {model_dir} at {args.batch_size} x {seq} tokens on "
+          f"{rt.info.describe()} (mode {args.mode}); each new shape is timed once and cached", file=sys.stderr)
+    rows = pretune(rt, cfg, lora, args.batch_size, seq, args.mode)
+    cache = tune.cache(rt)
+    if args.json:
+        print(json.dumps({"adapter": rt.info.describe(), "cache": str(cache.path), "fma_peak_gflops": cache.peak_gflops,
+                          "shapes": rows}, indent=2))
+    else:
+        print(format_rows(rows, cache.peak_gflops))
+        print(f"cache: {cache.path}")
+    return 0
+
+
 class OneLineParser(argparse.ArgumentParser):
     """A parser whose usage errors are one line and exit 2 (unknown arguments included); the
     subcommand parsers inherit it."""
@@ -64,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--only", default=None, help="run only the benchmarks whose name starts with this")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("tune", help="time the GEMM kernels of a model's LoRA training step on this adapter and "
+                                    "cache the fastest per shape (runs also tune on first use; this does it ahead)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="Hugging Face model folder: only its config.json is read (default: the embedded model)")
+    p.add_argument("--batch-size", type=int, default=4, help="rows per micro-batch (default: 4)")
+    p.add_argument("--max-seq-len", type=int, default=512, help="tokens per row (default: 512)")
+    p.add_argument("--lora-rank", type=int, default=8, help="(default: 8)")
+    p.add_argument("--lora-targets", default="all-linear", help="(default: all-linear)")
+    p.add_argument("--mode", default="full", choices=("fast", "full"),
+                   help="full: every candidate; fast: the likeliest few (default: full)")
+    p.add_argument("--device", default=None, help="adapter index or part of its name/backend")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_tune)
 
     for register in _extra_commands():
         register(sub)

@@ -6,7 +6,7 @@ from .config import LoraConfig, ModelConfig
 from .errors import DeviceError
 
 F32 = 4
-HEAD_CHUNK_BYTES = 32 << 20   # logits rows processed at a time by the loss head
+HEAD_CHUNK_BYTES = 32 << 20   # memory budget of the loss head's logits (rows held at a time), capped by the device
 SHARED_LAYER = "layer."       # prefix, in a plan's shared part, of the one set of layer buffers all layers use
 
 
@@ -15,13 +15,18 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def head_rows(cfg: ModelConfig, n: int) -> int:
-    """Rows of logits the loss head holds at a time (at most HEAD_CHUNK_BYTES, at most 65535)."""
-    return max(1, min(n, HEAD_CHUNK_BYTES // (cfg.vocab_size * F32), 65535))
+def head_rows(cfg: ModelConfig, n: int, max_binding: int | None = None, budget: int | None = None) -> int:
+    """Rows of float32 logits the loss head holds at a time for n rows: as many as `budget` bytes hold
+    (default HEAD_CHUNK_BYTES), never more than one storage binding of the device holds (max_binding;
+    default 128 MiB), at most 65535 (one workgroup row each) and at least 1."""
+    from .gpu.quant import DEFAULT_MAX_BINDING
+
+    limit = min(HEAD_CHUNK_BYTES if budget is None else budget, max_binding or DEFAULT_MAX_BINDING)
+    return max(1, min(n, limit // (cfg.vocab_size * F32), 65535))
 
 
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
-                    checkpoint: bool = False):
+                    checkpoint: bool = False, max_binding: int | None = None):
     """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared).
 
     lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
@@ -29,6 +34,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     buffers exist once, in `shared` under the prefix SHARED_LAYER, and the backward recomputes them per layer.
     Forward-only buckets (train=False) keep nothing for a backward, so all their layer buffers, x_in
     included, exist once under SHARED_LAYER: a layer reads its input only before it writes the next one's.
+    max_binding: the device's max storage binding, which caps the logits' rows (head_rows); default 128 MiB.
     """
     from .gpu import kernels as K
 
@@ -43,7 +49,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
         layer["lora_h." + module] = n * r
     for module, in_f in dropout_inputs.items():
         layer["lora_x." + module] = n * in_f
-    rows = head_rows(cfg, n)
+    rows = head_rows(cfg, n, max_binding)
     shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
               "valid_rows": n}
     if train:
@@ -98,10 +104,11 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
 
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
                     method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
-                    gradient_checkpointing: bool = False) -> dict:
+                    gradient_checkpointing: bool = False, max_binding: int | None = None) -> dict:
     """GPU bytes by category for training at (batch_size, seq_len): weights (the base weights as stored:
     see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
-    activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total."""
+    activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total.
+    max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
     from .reference.quant import check_dtypes
@@ -109,7 +116,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
         raise ValueError("full fine-tuning needs float32 base weights")
-    weights = base_weight_bytes(config, base_dtype, embed_dtype)["total"]
+    weights = base_weight_bytes(config, base_dtype, embed_dtype, max_binding)["total"]
     ranks, drop = {}, {}
     if method == "lora":
         lora = lora or LoraConfig()
@@ -124,7 +131,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     else:
         state = weights * 3                  # gradient and two moments of every weight
     layer, shared = activation_plan(config, batch_size, seq_len, ranks, drop, train=True,
-                                    checkpoint=gradient_checkpointing)
+                                    checkpoint=gradient_checkpointing, max_binding=max_binding)
     logits = shared.pop("logits") * F32
     activations = (config.num_hidden_layers * sum(layer.values()) + sum(shared.values())) * F32
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}

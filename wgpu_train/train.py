@@ -477,12 +477,14 @@ class Trainer:
 
     def _estimate_memory(self, model_cfg: ModelConfig, lora) -> dict:
         """memory.estimate_memory for the largest micro-batch this run forms: batch_size rows of the longest
-        example (max_seq_len when packing), padded to PAD_MULTIPLE; plus that batch and length."""
+        example (max_seq_len when packing), padded to PAD_MULTIPLE; plus that batch and length. On a WebGPU
+        device its max storage binding sizes the weight chunks and the loss head's logits, as the engine does."""
         cfg = self.config
         longest = max((e.input_ids.size for e in self.train_examples + self.valid_examples), default=1)
         length = self.max_seq_len if cfg.pack else min(self.max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+        max_binding = getattr(getattr(self.engine, "rt", None), "max_binding", None)
         est = estimate_memory(model_cfg, cfg.batch_size, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
-                              cfg.gradient_checkpointing)
+                              cfg.gradient_checkpointing, max_binding)
         return {**est, "batch": cfg.batch_size, "length": length}
 
     def _read_data(self, model_cfg: ModelConfig):

@@ -36,6 +36,14 @@ def _base_weights(rt):
 SECTIONS["base_weights"] = _base_weights
 
 
+def _mfu(rt):
+    from .pretune import training_mfu
+    return training_mfu(rt)
+
+
+SECTIONS["mfu"] = _mfu
+
+
 def register(name: str):
     """Decorator: add a bench function under `name` (run in registration order; `only` filters by prefix)."""
     def deco(fn):

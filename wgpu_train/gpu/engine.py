@@ -33,12 +33,24 @@ class GpuLora:
         self.out_f = shape_b[0]
 
 
+def loss_head_size(m: int, n: int) -> int:
+    """Rows the loss head computes for m trained rows out of n: m rounded up to a multiple of 8, or of
+    1/8 of m's power of two beyond 64 (at most 1/8 more rows), capped at n. The sizes of the head's
+    dispatches follow it, and their uniforms are cached by value: a run then meets a few dozen of them,
+    where every trained-token count would each add its own."""
+    if m <= 0:
+        return 0
+    unit = max(8, 1 << max(0, m.bit_length() - 4))
+    return min(n, -(-m // unit) * unit)
+
+
 class Inputs:
-    """The uploaded batch of one micro-batch slot: ids, segment ids, positions, targets (all i32, (B*T,))."""
+    """The uploaded batch of one micro-batch slot, all i32 (B*T,): ids, segment ids, positions, targets
+    (those of the loss head's rows, or generation's row indices) and head_index (the loss head's rows)."""
 
     def __init__(self, rt: Runtime, n: int):
-        self.ids, self.segments, self.positions, self.targets = (rt.buffer(n * F32, name) for name in
-                                                                 ("ids", "segment_ids", "positions", "targets"))
+        self.ids, self.segments, self.positions, self.targets, self.head_index = (
+            rt.buffer(n * F32, name) for name in ("ids", "segment_ids", "positions", "targets", "head_index"))
 
 
 class Activations:
@@ -53,10 +65,13 @@ class Activations:
                  train: bool, checkpoint: bool = False):
         self.b, self.t, self.n = b, t, b * t
         self.checkpoint = checkpoint and train
-        self.head_rows = head_rows(cfg, self.n)
-        layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train, self.checkpoint)
+        self.head_rows = head_rows(cfg, self.n, rt.max_binding)    # logits rows per chunk of the loss head
+        layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train, self.checkpoint,
+                                        rt.max_binding)
         check_fits(cfg, b, t, rt.max_binding, layer, shared)
-        self.ids = self.segments = self.positions = self.targets = None   # set from an Inputs per use
+        # set from an Inputs per use; n_head: rows of the loss head (gathered by head_index unless all n)
+        self.ids = self.segments = self.positions = self.targets = self.head_index = None
+        self.n_head = self.n
         try:
             one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
                        if name.startswith(SHARED_LAYER)}
@@ -293,7 +308,7 @@ class WgpuEngine:
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
         bufs = list({id(b): b for layer in acts.layers for b in layer.values()}.values())
         bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
-                 ("ids", "segments", "positions", "targets")]
+                 ("ids", "segments", "positions", "targets", "head_index")]
         self.rt.release(*bufs)
 
     def _release_acts(self):
@@ -303,19 +318,40 @@ class WgpuEngine:
         self._acts.clear()
         self._inputs.clear()
 
-    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0):
-        """Write one micro-batch into the input buffers of its slot and point acts at them."""
+    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None):
+        """Write one micro-batch into the input buffers of its slot and point acts at them.
+
+        targets (B, T) (training, evaluation): only the rows with a target (not IGNORE_INDEX) go through
+        the loss head. Their indices, padded with untrained rows to loss_head_size, go to head_index and
+        their targets, in that order, to targets; acts.n_head counts them. When that is every row, the
+        targets go as they are and head_index is unused (acts.head_index None).
+        last (generation, forward_rows): row indices, written to targets as they are."""
         rt = self.rt
         b, t = ids.shape
+        n = b * t
         inp = self._inputs.get((b, t, slot))
         if inp is None:
-            inp = self._inputs[(b, t, slot)] = Inputs(rt, b * t)
+            inp = self._inputs[(b, t, slot)] = Inputs(rt, n)
         acts.ids, acts.segments, acts.positions, acts.targets = inp.ids, inp.segments, inp.positions, inp.targets
         rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
-        if targets is not None:
-            rt.write(acts.targets, targets.astype(np.int32).reshape(-1))
+        acts.head_index, acts.n_head = None, n
+        if last is not None:
+            rt.write(acts.targets, last.astype(np.int32).reshape(-1))
+        if targets is None:
+            return
+        tg = targets.astype(np.int32).reshape(-1)                    # (B*T,)
+        trained = tg != ref_ops.IGNORE_INDEX
+        m = loss_head_size(int(trained.sum()), n)
+        if m == n:
+            rt.write(acts.targets, tg)
+            return
+        # padding rows are untrained ones (ignored targets: no loss, zero gradient), so indices stay distinct
+        rows = np.concatenate([np.flatnonzero(trained), np.flatnonzero(~trained)])[:m].astype(np.int32)  # (m,)
+        acts.head_index, acts.n_head = inp.head_index, m
+        rt.write(acts.head_index, rows)
+        rt.write(acts.targets, tg[rows])
 
     # ---- forward ------------------------------------------------------------------------------
     def _embed(self, rec, out, ids, n):
@@ -417,21 +453,33 @@ class WgpuEngine:
         self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
-        """Logits by row chunks; cross-entropy loss per row; with backward, dlogits and dxf (and dW_head)."""
+        """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, _upload_batch),
+        by chunks of acts.head_rows rows of logits: loss, lse and valid per head row (targets are in head
+        row order too). With backward, dlogits, then dxf (zero on the rows the head skipped) and dW_head."""
         cfg = self.cfg
-        head, v, c, n = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n
+        head, v, c, n, m = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n, acts.n_head
         rec.section("loss head (lm_head, cross-entropy)")
-        for r0 in range(0, n, acts.head_rows):
-            rows = min(acts.head_rows, n - r0)
-            linear_forward(rec, acts.logits, at(acts.xf, r0 * c), head, None, rows)
+        x, dx = acts.xf, acts.dxf if backward else None
+        compact = acts.head_index is not None
+        if compact:
+            # the gathered rows and their gradient live in buffers idle here: x_final when forward only
+            # (read by the final norm, before), else d_res and d_tmp (the final norm's backward and the
+            # layers' backward write them, after)
+            x, dx = (acts.d_res, acts.d_tmp) if backward else (acts.x_final, None)
+            K.row_gather_forward(rec, x, acts.xf, acts.head_index, m, c, n)
+        dhead = self.grads.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") \
+            if self.full else None
+        for r0 in range(0, m, acts.head_rows):
+            rows = min(acts.head_rows, m - r0)
+            linear_forward(rec, acts.logits, at(x, r0 * c), head, None, rows)
             K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits, acts.targets,
                                     rows, v, r0)
             if backward:
                 K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
                                          rows, v, r0)
-                dhead = self.grads.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") \
-                    if self.full else None
-                linear_backward(rec, at(acts.dxf, r0 * c), dhead, None, acts.logits, at(acts.xf, r0 * c), head, rows)
+                linear_backward(rec, at(dx, r0 * c), dhead, None, acts.logits, at(x, r0 * c), head, rows)
+        if backward and compact:
+            K.row_gather_backward(rec, acts.dxf, dx, acts.head_index, m, c, n)
 
     # ---- backward -----------------------------------------------------------------------------
     def _linear_backward(self, rec, dx, dy, layer, module, acts, a, x, accumulate_dx):
@@ -579,7 +627,7 @@ class WgpuEngine:
         rec = self.rt.recorder()
         self._record_forward(rec, acts)
         self._record_head(rec, acts, backward=False)
-        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n)
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
         rec.read_back(self.results, np.float32, (2,))
         rec.submit()
         loss_sum, count = rec.result()
@@ -599,7 +647,7 @@ class WgpuEngine:
         self._record_forward(rec, acts)
         self._record_backward(rec, acts)
         self._training = False
-        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n)
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
         rec.read_back(self.results, np.float32, (2,))
         rec.submit()
         loss_sum, count = rec.result()
@@ -637,7 +685,7 @@ class WgpuEngine:
             self._write_seeds(j)
             self._record_forward(rec, acts)
             self._record_backward(rec, acts)
-            K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n)
+            K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
         self._training = False
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
@@ -647,7 +695,7 @@ class WgpuEngine:
         out = rec.result()
         done = time.perf_counter()
         self.last_timing = {"record_s": submitted - started, "wall_s": done - started}
-        self._plan_submissions(rec.dispatches, done - (rec.first_submit_at or submitted))
+        self._plan_submissions(rec, done - submitted)
         if profile:
             self.last_profile = rec.timings() or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
@@ -658,13 +706,17 @@ class WgpuEngine:
         self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
         return loss_sum, total, norm if finite else float("nan"), bool(finite)
 
-    def _plan_submissions(self, dispatches: int, gpu_s: float):
-        """Split the next steps into submissions of about max_submit_s of GPU work each when this one took
-        longer (Windows resets a device whose command buffer runs for 2 s, macOS has a watchdog too)."""
-        if gpu_s > self.max_submit_s and dispatches > 1:
-            self._dispatch_budget = max(1, int(dispatches * self.max_submit_s / gpu_s))
-        elif self._dispatch_budget and gpu_s < 0.5 * self.max_submit_s:
-            self._dispatch_budget = 0
+    def _plan_submissions(self, rec, last_part_s: float):
+        """Split the next steps into submissions of at most about max_submit_s of GPU work each (Windows resets a
+        device whose command buffer runs for 2 s, macOS has a watchdog too), from the time the last submission
+        of this step took to finish: the earlier ones ran while the rest was recorded, so only the last one's
+        time is the GPU's alone."""
+        part = rec.dispatches - rec.flushed_at
+        if last_part_s > self.max_submit_s and part > 1:
+            self._dispatch_budget = max(1, int(part * self.max_submit_s / last_part_s))
+        elif self._dispatch_budget and last_part_s < 0.5 * self.max_submit_s:
+            grown = 2 * self._dispatch_budget
+            self._dispatch_budget = 0 if grown >= rec.dispatches else grown
 
     def _record_optimizer(self, rec, hp, step, norm_at):
         rec.section("optimizer (grad norm, AdamW)")
@@ -716,7 +768,7 @@ class WgpuEngine:
         acts = self._activations(1, size, train=False)
         # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
         self._upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
-                           np.pad(positions, (0, pad))[None], np.pad(last, (0, size - m))[None])
+                           np.pad(positions, (0, pad))[None], last=np.pad(last, (0, size - m))[None])
         self._training = False
         rec = self.rt.recorder()
         self._record_forward(rec, acts, kv, m)

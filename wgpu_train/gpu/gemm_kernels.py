@@ -15,7 +15,7 @@ TM_CHOICES = (8, 32)
 TN = 8                     # columns of C per invocation of the register kernels
 WG_CHOICES = (8, 16, 32, 64)
 L2_PANEL_BYTES = 256 * 1024   # the slice of B one workgroup streams should stay in a core's L2 (llvmpipe)
-SPLITS = (4, 16)           # split-K factors tried for skinny products
+SPLITS = (4, 16, 64)       # split-K factors tried for skinny products
 _SG_MARKER = "// ---- subgroup kernels"
 _F32 = 4
 
@@ -311,11 +311,12 @@ class Tiled:
 
 
 def tiled_candidates(p: Problem) -> list:
-    """Every tile configuration that fits, and split-K where the product is skinny (few output tiles for a
-    long K): the LoRA gradients (K = tokens) and the head's input gradient."""
+    """Every tile configuration that fits, and split-K where the product is skinny (few output tiles, or a K
+    much longer than the output's sides): the LoRA gradients (K = tokens) and the head's input gradient
+    (K = the vocabulary)."""
     out = [Tiled(cfg) for cfg in tiled.TILED_CONFIGS]
     tiles64 = -(-p.M // 64) * -(-p.N // 64) * p.batch
-    if tiles64 < 64 and p.K >= 512:
+    if (tiles64 < 64 and p.K >= 512) or (tiles64 < 1024 and p.K >= 16 * max(p.M, p.N)):
         small = [cfg for cfg in tiled.TILED_CONFIGS if not cfg.double_buffer and cfg.bm * cfg.bn <= 64 * 64]
         out += [Tiled(cfg, s) for s in SPLITS for cfg in small]
     return [c for c in out if c.applies(p)]

@@ -1,9 +1,10 @@
 """Configurations and source specialisation of the workgroup-tiled GEMM (shaders/gemm_tiled.wgsl).
 
-Each TileConfig is one candidate kernel for the autotuner. The shader's sizes size private (register)
-arrays, which WGSL allows only for const expressions, not override constants, so tiled_source() rewrites
-the marked const block of the .wgsl text in place (line numbers stay those of the file); cfg.vec4
-chooses the entry point (entry_point()). The uniform is PARAMS_FIELDS packed with PARAMS_FORMAT.
+Each TileConfig is one candidate kernel for the autotuner. The tile sizes also size private (register)
+arrays, whose lengths WGSL requires to be const expressions (override constants are rejected there), so
+tiled_source() rewrites the marked const block of the .wgsl text in place (line numbers stay those of the
+file); cfg.vec4 chooses the entry point (entry_point()). The uniform is PARAMS_FIELDS packed with
+PARAMS_FORMAT.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ FLAG_ACCUMULATE = 1
 FLAG_BIAS = 2
 # WebGPU's default limits, for a limits dict that lacks a key
 DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256,
-                  "max-compute-workgroup-size-x": 256, "max-compute-workgroups-per-dimension": 65535}
+                  "max-compute-workgroup-size-x": 256}
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
 
 

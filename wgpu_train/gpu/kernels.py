@@ -159,6 +159,21 @@ def embedding_backward(rec, dweight, dout, ids, N, C, vocab_rows, scratch, row_o
            (N, C, row_offset, vocab_rows, 1))
 
 
+def row_gather_forward(rec, out, x, rows, N, C, x_rows):
+    """out (N, C) = x[rows] for rows (N,) i32 in [0, x_rows): embedding_forward's gather, over activations."""
+    embedding_forward(rec, out, rows, x, N, C, x_rows)
+
+
+def row_gather_backward(rec, dx, dout, rows, N, C, x_rows, accumulate=False):
+    """dx (x_rows, C) = dout (N, C) rows written to rows (N,) i32, which must be distinct (a plain scatter,
+    no links pass); rows no index names are zeroed, unless accumulate=True, which adds into dx instead."""
+    if not accumulate:
+        fill(rec, dx, 0.0, x_rows * C)
+    _elems(rec, "embedding", "row_gather_backward", N * C,
+           [(dx, x_rows * C, "dx", True), (dout, N * C, "dout", False), (rows, N, "rows", False)],
+           (N, C, 0, x_rows, int(bool(accumulate))))
+
+
 # ---- rmsnorm --------------------------------------------------------------------------------
 
 def _rms_row_max_c(rt):

@@ -79,12 +79,12 @@ def _dq_absmax(words: np.ndarray, code: np.ndarray, blocks: int) -> np.ndarray:
 
 def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> list:
     """(first_row, n_rows, weight_bytes, absmax_bytes) of each buffer pair a (rows, cols) weight stored as
-    `dtype` occupies on the GPU (float32: tensors.Matrix's chunks; the others: QuantMatrix's). float16 and
-    NF4 chunks start on a multiple of 8 rows (aligned offsets of y and dy); NF4 ones on a block boundary."""
+    `dtype` occupies on the GPU (float32: tensors.Matrix's chunks; the others: QuantMatrix's). Chunks start
+    on a multiple of 8 rows, so that the GEMMs' column offsets into y and dy keep the vec4 paths; NF4 ones
+    also on a block boundary."""
     if dtype == "float32":
-        per = max(1, min(rows, max_binding // (cols * _F32)))
-        return [(r0, min(per, rows - r0), min(per, rows - r0) * cols * _F32, 0) for r0 in range(0, rows, per)]
-    if dtype == "float16":
+        unit, fit = 8, max_binding // (cols * _F32)
+    elif dtype == "float16":
         unit, fit = 8, max_binding // (cols * 2)
     elif dtype in ("nf4", "nf4-dq"):
         unit = math.lcm(8, NF4_BLOCK // math.gcd(cols, NF4_BLOCK))
@@ -98,6 +98,9 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
     out = []
     for r0 in range(0, rows, per):
         n = min(per, rows - r0)
+        if dtype == "float32":
+            out.append((r0, n, n * cols * _F32, 0))
+            continue
         if dtype == "float16":
             out.append((r0, n, _round16(n * cols * 2), 0))
             continue

@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -413,10 +412,9 @@ class Recorder:
         self._pass = None
         self.dispatches = 0
         self.max_dispatches = int(max_dispatches)   # split_point() submits after this many (0: never)
-        self._flushed_at = 0
+        self.flushed_at = 0                         # dispatches recorded before the last cut
         self._readback = None
         self._read_size = 0
-        self.first_submit_at = None                 # perf_counter() of the first submission (split_point)
         self.profile = bool(profile) and rt.has_timestamps
         self._total = profile == "total"
         self._labels: list = []
@@ -475,14 +473,12 @@ class Recorder:
 
     def split_point(self):
         """A place where a long recording may be cut into another submission (see max_dispatches)."""
-        if self.max_dispatches and self.dispatches - self._flushed_at >= self.max_dispatches:
+        if self.max_dispatches and self.dispatches - self.flushed_at >= self.max_dispatches:
             self._flush()
-            self._flushed_at = self.dispatches
+            self.flushed_at = self.dispatches
 
     def _flush(self):
         self.end_pass()
-        if self.first_submit_at is None:
-            self.first_submit_at = time.perf_counter()
         try:
             self.rt.queue.submit([self.encoder.finish()])
         except self.rt.wgpu.GPUError as e:

@@ -15,15 +15,14 @@ F32 = 4
 
 
 class Matrix:
-    """A (rows, cols) fp32 weight on the GPU, split by rows into buffers that each fit one binding."""
+    """A (rows, cols) fp32 weight on the GPU, split by rows into buffers that each fit one binding, as
+    quant.chunk_plan plans them (chunks of a multiple of 8 rows, which memory.base_weight_bytes counts)."""
 
     def __init__(self, rt: Runtime, rows: int, cols: int, label: str, data: np.ndarray | None = None):
         self.rows, self.cols = rows, cols
-        per = max(1, min(rows, rt.max_binding // (cols * F32)))
         self.chunks = []                                   # (buffer, first_row, n_rows)
-        for r0 in range(0, rows, per):
-            n = min(per, rows - r0)
-            buf = rt.buffer(n * cols * F32, f"{label}[{r0}:]")
+        for r0, n, nbytes, _ in quant.chunk_plan(rows, cols, "float32", rt.max_binding):
+            buf = rt.buffer(nbytes, f"{label}[{r0}:]")
             if data is not None:
                 rt.write(buf, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
             self.chunks.append((buf, r0, n))

@@ -2,9 +2,9 @@
 (each checked once against NumPy), keep the fastest, and remember the choice in a per-adapter cache file.
 
 Controls: WGPU_TRAIN_TUNE=off (the untuned default choice everywhere), fast (the default: tune on GPUs, a
-few candidates each; CPU adapters keep the choice measured on llvmpipe), full (every candidate, on every
-adapter). WGPU_TRAIN_GEMM_KERNEL=<name prefix> (or `pinned(...)`) forces the first candidate whose name
-starts with it wherever one applies, for tests. The cache: $XDG_CACHE_HOME/wgpu-train/tune/<adapter>.json,
+few candidates each; CPU adapters keep the choice measured on llvmpipe unless `wgpu-train tune` asks),
+full (every candidate, on every adapter). WGPU_TRAIN_GEMM_KERNEL=<name prefix>[,<another>...] (or `pinned(...)`) forces the first candidate
+whose name starts with the first prefix that any candidate has, for tests. The cache: $XDG_CACHE_HOME/wgpu-train/tune/<adapter>.json,
 stale when a GEMM shader or candidate list changes (a checksum of their sources), written atomically.
 """
 from __future__ import annotations
@@ -33,10 +33,13 @@ CACHE_VERSION = 1
 _SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "wgpu_train/gpu/gemm_kernels.py",
             "wgpu_train/gpu/gemm_tiled_src.py")
 _pins: list = []
+_modes: list = []
 
 
 def mode() -> str:
-    """WGPU_TRAIN_TUNE, checked: off, fast (default) or full."""
+    """The tuning mode: forced_mode's, else WGPU_TRAIN_TUNE, checked: off, fast (default) or full."""
+    if _modes:
+        return _modes[-1]
     value = os.environ.get("WGPU_TRAIN_TUNE", "fast").strip().lower() or "fast"
     if value not in MODES:
         raise ConfigError(f"WGPU_TRAIN_TUNE={value!r} is not one of {', '.join(MODES)}")
@@ -44,8 +47,21 @@ def mode() -> str:
 
 
 @contextlib.contextmanager
+def forced_mode(value: str):
+    """Within the block, tune in this mode whatever WGPU_TRAIN_TUNE says."""
+    if value not in MODES:
+        raise ConfigError(f"tuning mode {value!r} is not one of {', '.join(MODES)}")
+    _modes.append(value)
+    try:
+        yield
+    finally:
+        _modes.pop()
+
+
+@contextlib.contextmanager
 def pinned(prefix: str):
-    """Within the block, every GEMM runs the first candidate whose name starts with `prefix` (when one applies)."""
+    """Within the block, every GEMM runs the first candidate whose name starts with `prefix` (when one applies;
+    "a,b": with a, else with b)."""
     _pins.append(prefix)
     try:
         yield
@@ -167,7 +183,8 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _cache(rt) -> TuneCache:
+def cache(rt) -> TuneCache:
+    """This runtime's tune cache (read once)."""
     return rt.memo("tune.cache", TuneCache)
 
 
@@ -188,17 +205,18 @@ def choose(rt, p: Problem):
     """The candidate that runs p: a pinned one, else the cached or freshly tuned choice, else the default."""
     cands = candidates(p)
     pin = _pin()
-    if pin:
+    for prefix in (pin.split(",") if pin else ()):
         for c in cands:
-            if c.name.startswith(pin):
+            if c.name.startswith(prefix):
                 return c
     m = mode()
-    if m == "off" or (m == "fast" and is_cpu(rt)) or len(cands) == 1:
-        return cands[0]
     key = shape_key(p)
-    by_name = {c.name: c for c in cands}
     memo = rt.memo("tune.choices", lambda r: {})
-    name = memo.get(key) or _cache(rt).get(key)
+    if m == "off" or (m == "fast" and is_cpu(rt) and not _modes) or len(cands) == 1:
+        memo.setdefault(key, cands[0].name)
+        return cands[0]
+    by_name = {c.name: c for c in cands}
+    name = memo.get(key) or cache(rt).get(key)
     if name not in by_name:
         name = tune_shape(rt, p, cands if m == "full" else cands[:FAST_CANDIDATES], key)
     memo[key] = name
@@ -238,21 +256,21 @@ def _replica(rt, p: Problem, rng):
     return q, host, bufs
 
 
-def tune_shape(rt, p: Problem, cands: list, key: str) -> str:
-    """Time `cands` on p's shape, each checked once against NumPy; cache and return the fastest one's name."""
-    from .bench import Timer, fma_peak
+def measure(rt, p: Problem, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
+    """{candidate name: GFLOP/s, or None when its result is wrong} on p's geometry with fresh random operands,
+    each candidate checked once against NumPy before it is timed (timestamp queries where the adapter has
+    them). A candidate whose first run is DROP_SLOWER times slower than the best is timed only once; with a
+    peak, timing stops at the first one that reaches ROOFLINE_STOP of it."""
+    from .bench import Timer
 
-    cache = _cache(rt)
-    timer = Timer(rt)
-    if not cache.peak_gflops:
-        cache.peak_gflops = fma_peak(rt, timer)
+    timer = timer or Timer(rt)
     rng = np.random.default_rng(0)
     q, (a, b, bias, c0), bufs = _replica(rt, p, rng)
     c_buf = bufs[3]
     want = _reference(q, a, b, bias, c0)
-    tol = 1e-5 * (1 + abs(q.alpha)) * q.K ** 0.5 * 4
+    tol = 1e-5 * (1 + abs(q.alpha)) * q.K ** 0.5 * 4 * (1 + float(np.max(np.abs(want))))
     results: dict = {}
-    best_name, best_t = None, float("inf")
+    best_t = float("inf")
     try:
         for cand in cands:
             try:
@@ -267,7 +285,7 @@ def tune_shape(rt, p: Problem, cands: list, key: str) -> str:
             rec.submit()
             got = rt.read(c_buf, np.float32, c0.shape)
             err = float(np.max(np.abs(got - want))) if got.size else 0.0
-            if not err <= tol * (1 + float(np.max(np.abs(want)))):
+            if not err <= tol:
                 log.warning("wgpu-train: GEMM candidate %s is wrong on %s for %s (max error %.3g); not used",
                             cand.name, rt.info.name, p.describe(), err)
                 results[cand.name] = None
@@ -276,19 +294,32 @@ def tune_shape(rt, p: Problem, cands: list, key: str) -> str:
             t = first if first > DROP_SLOWER * best_t else min(first, timer.time(dispatches, repeats=3,
                                                                                     budget_s=0.5, warmup=[]))
             results[cand.name] = round(q.flops / t / 1e9, 2)
-            if t < best_t:
-                best_name, best_t = cand.name, t
-            if q.flops / best_t / 1e9 >= ROOFLINE_STOP * cache.peak_gflops:
+            best_t = min(best_t, t)
+            if peak_gflops and q.flops / best_t / 1e9 >= ROOFLINE_STOP * peak_gflops:
                 break
     finally:
         rt.release(*bufs)
-    if best_name is None:
+    return results
+
+
+def tune_shape(rt, p: Problem, cands: list, key: str) -> str:
+    """Measure `cands` on p's shape; cache and return the fastest correct one's name."""
+    from .bench import Timer, fma_peak
+
+    store = cache(rt)
+    timer = Timer(rt)
+    if not store.peak_gflops:
+        store.peak_gflops = fma_peak(rt, timer)
+    results = measure(rt, p, cands, store.peak_gflops, timer)
+    timed = {name: g for name, g in results.items() if g is not None}
+    if timed:
+        best_name = max(timed, key=timed.get)
+    else:
         best_name = cands[0].name
         log.warning("wgpu-train: no GEMM candidate passed its check for %s; using %s", p.describe(), best_name)
-    entry = {"choice": best_name, "gflops": results, "peak_gflops": round(cache.peak_gflops, 1),
+    entry = {"choice": best_name, "gflops": results, "peak_gflops": round(store.peak_gflops, 1),
              "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    cache.put(key, entry)
+    store.put(key, entry)
     tuned_log(rt).append((key, best_name, results))
     log.info("wgpu-train: tuned %s: %s (%s GFLOP/s)", key, best_name, results.get(best_name))
     return best_name
-

@@ -25,6 +25,18 @@ def embedding_backward(dout, ids, vocab_size):
     return dweight
 
 
+def row_gather_forward(x, rows):
+    """x (M, C), rows (N,) int distinct -> (N, C): the rows of x that rows names (the loss head's trained rows)."""
+    return x[rows]
+
+
+def row_gather_backward(dout, rows, m):
+    """dout (N, C) -> dx (m, C): each row written back to its index, zero elsewhere."""
+    dx = np.zeros((m, dout.shape[-1]), dtype=dout.dtype)
+    dx[rows] = dout
+    return dx
+
+
 # ---- rmsnorm ---------------------------------------------------------------------------------
 
 def rmsnorm_forward(x, weight, eps):

@@ -1,0 +1,118 @@
+"""Pre-tuning and model-FLOPs utilisation of a model's LoRA training step: one step of the model's shapes,
+built from its config.json with random weights, runs every GEMM it needs through the tuner (`wgpu-train
+tune`), and a timed step gives the step's model FLOPs per second next to the adapter's FMA peak (`bench`)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..config import LoraConfig, ModelConfig, OptimizerParams
+from ..memory import weight_shapes
+from ..reference.ops import shift_labels
+from . import tune
+
+# a SmolLM2-135M-shaped configuration (hidden 576, 30 layers, 9 / 3 heads, vocabulary 49,152)
+SMOL135 = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+               max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0)
+
+
+def random_engine(rt, cfg: ModelConfig, lora: LoraConfig, seed: int = 0):
+    """A WgpuEngine of cfg's shapes with random float32 weights and a random LoRA on lora's targets."""
+    from ..hf import module_path
+    from .engine import WgpuEngine
+
+    rng = np.random.default_rng(seed)
+    weights = {name: (np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.02, shape)).astype(np.float32)
+               for name, shape in weight_shapes(cfg).items()}
+    engine = WgpuEngine(cfg, weights, rt)
+    del weights
+    modules = {}
+    for i in range(cfg.num_hidden_layers):
+        for m in lora.target_modules:
+            out_f, in_f = cfg.linear_shape(m)
+            modules[module_path(i, m)] = (rng.uniform(-0.1, 0.1, (lora.r, in_f)).astype(np.float32),
+                                          rng.normal(0, 0.01, (out_f, lora.r)).astype(np.float32), lora.scale, 0.0)
+    engine.set_lora(modules)
+    return engine
+
+
+def random_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> list:
+    """One micro-batch of random tokens, every token trained."""
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(seq, dtype=np.int32), ids.shape).copy()
+    return [(ids, shift_labels(ids.astype(np.int64)), np.ones_like(ids), pos)]
+
+
+def lora_step_flops(cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int) -> float:
+    """Model FLOPs of one LoRA training step: every base linear layer and the head forward and backward to
+    their input (4 per weight per token), the LoRA pairs forward and backward with their weight gradients
+    (6 per weight per token), and causal attention (scores and values, half of T^2, three times for the
+    forward and the backward)."""
+    n = batch * seq
+    base = sum(int(np.prod(cfg.linear_shape(m))) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj")) * cfg.num_hidden_layers
+    head = cfg.vocab_size * cfg.hidden_size
+    adapters = sum(lora.r * sum(cfg.linear_shape(m)) for m in lora.target_modules) * cfg.num_hidden_layers
+    attention = 2 * 2 * batch * seq * seq / 2 * cfg.q_size * cfg.num_hidden_layers
+    return 4.0 * n * (base + head) + 6.0 * n * adapters + 3 * attention
+
+
+def pretune(rt, cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int, mode: str = "full") -> list[dict]:
+    """Tune every GEMM of one LoRA training step of cfg at batch x seq tokens on rt; one row per GEMM shape:
+    {"shape", "choice", "gflops": {candidate: GFLOP/s or None (wrong)}, "fraction_of_peak", "tuned"}."""
+    engine = random_engine(rt, cfg, lora)
+    hp = OptimizerParams(lr=1e-4)
+    with tune.forced_mode(mode):
+        engine.train_step(random_batch(cfg, batch, seq), hp, 1)
+    cache = tune.cache(rt)
+    tuned = {key for key, _, _ in tune.tuned_log(rt)}
+    peak = cache.peak_gflops or None
+    rows = []
+    for key, name in sorted(rt.memo("tune.choices", lambda r: {}).items()):
+        entry = cache.entries.get(key, {})
+        gflops = entry.get("gflops", {})
+        best = gflops.get(name)
+        rows.append({"shape": key, "choice": name, "gflops": gflops,
+                     "fraction_of_peak": best / peak if best and peak else None, "tuned": key in tuned})
+    return rows
+
+
+def format_rows(rows: list[dict], peak: float | None) -> str:
+    """The tune table: each shape, its candidates' GFLOP/s and share of the peak, the chosen one marked *."""
+    lines = [f"fp32 FMA peak: {peak:.1f} GFLOP/s" if peak else "fp32 FMA peak: not measured (nothing tuned)"]
+    for r in rows:
+        lines.append(f"{r['shape']}: {r['choice']}" + ("" if r["tuned"] else " (from the cache)"))
+        for name, g in sorted(r["gflops"].items(), key=lambda kv: -(kv[1] or 0)):
+            mark = "*" if name == r["choice"] else " "
+            rate = "wrong result" if g is None else f"{g:9.2f} GFLOP/s" + (f" {100 * g / peak:5.1f}%" if peak else "")
+            lines.append(f"  {mark} {name:<36} {rate}")
+    return "\n".join(lines)
+
+
+def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 128, steps: int = 2) -> dict:
+    """Model-FLOPs utilisation of LoRA (r=16, all linear layers) steps of cfg (default: the SmolLM2-135M shape)
+    with random weights: model FLOPs per second over the adapter's FMA peak, measured in the same run."""
+    from .bench import Timer, fma_peak
+
+    cfg = cfg or ModelConfig.from_dict(dict(SMOL135), "135M-shaped configuration")
+    lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
+    engine = random_engine(rt, cfg, lora)
+    micro = random_batch(cfg, batch, seq)
+    hp = OptimizerParams(lr=1e-4)
+    timer = Timer(rt)
+    peaks = [fma_peak(rt, timer)]
+    engine.train_step(micro, hp, 1)                 # warm-up: pipelines, buffers, tuning
+    walls = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        engine.train_step(micro, hp, s + 2)
+        walls.append(time.perf_counter() - t0)
+    peaks.append(fma_peak(rt, timer))
+    wall, peak = min(walls), max(peaks)
+    flops = lora_step_flops(cfg, lora, batch, seq)
+    return {"model": "SmolLM2-135M-shaped (hidden 576, 30 layers, vocab 49152), LoRA r=16 all-linear, random weights",
+            "batch": f"{batch}x{seq}", "step_s": wall, "tokens_per_s": batch * seq / wall,
+            "model_gflops_per_step": flops / 1e9, "model_gflops_per_s": flops / wall / 1e9,
+            "fma_peak_gflops": peak, "mfu": flops / wall / 1e9 / peak, "submits_per_step": engine.last_step["submits"]}
