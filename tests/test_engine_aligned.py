@@ -71,3 +71,22 @@ def test_aligned_training_step_matches_numpy(folder, rt, family, monkeypatch):
     assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss")
     for k in grads_ref:
         assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
+
+
+def test_lora_groups_share_one_a_gemm(folder, rt, monkeypatch):
+    """q/k/v and gate/up LoRA run their A matrices as one GEMM each (3 fewer GEMMs per layer forward with
+    LoRA on all linear layers); with dropout they do not (each module's input is its own mask)."""
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    gpu.add_lora(wt.LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=1)
+    engine = gpu.engine
+    assert engine._group_of["k_proj"] == ("q_proj", "k_proj", "v_proj")
+    assert engine._group_of["up_proj"] == ("gate_proj", "up_proj") and "o_proj" not in engine._group_of
+    calls = []
+    real = G.gemm_dispatches
+    monkeypatch.setattr(G, "gemm_dispatches", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = np.arange(16).reshape(1, 16) % 90
+    gpu.logits(ids)
+    layers = engine.cfg.num_hidden_layers
+    assert len(calls) == layers * (7 + 4 + 7) + 1          # base, A (2 groups, o, down), B; then the head
+    gpu.add_lora(wt.LoraConfig(r=4, alpha=8, target_modules="all-linear", dropout=0.1), seed=1)
+    assert gpu.engine._group_of == {}

@@ -10,7 +10,7 @@ import pytest
 from wgpu_train.gpu import gemm as G
 from wgpu_train.gpu import gemm_kernels as GK
 from wgpu_train.gpu import tune
-from wgpu_train.gpu.gemm import lora_backward, lora_forward
+from wgpu_train.gpu.lora import lora_backward, lora_forward
 from wgpu_train.gpu.tensors import Matrix, linear_backward, linear_forward
 from wgpu_train.reference import ops
 

@@ -16,11 +16,15 @@ from ..reference.model import check_rows, forward_cached
 from ..reference.quant import check_dtypes
 from . import kernels as K
 from . import quant
-from .gemm import lora_a_forward, lora_backward, lora_forward
+from .lora import lora_a_forward, lora_b_forward, lora_backward, lora_group_backward
 from .quant import QuantMatrix
 from .runtime import Runtime
 from .operands import at
 from .tensors import F32, Matrix, Packed, linear_backward, linear_forward, store_weight, weight_buffers
+
+
+# modules that read the same input: their LoRA A matrices are run as one GEMM (lora.py)
+LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class GpuLora:
@@ -108,6 +112,8 @@ class WgpuEngine:
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
         self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
         self.lora: dict[str, GpuLora] = {}
+        self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
+        self._pending: dict = {}   # member -> dy of a group whose LoRA backward waits for the others
         self.full = False
         self.params: dict = {}     # trainable name -> tensor: Matrix, buffer or (buffer, offset) view
         self.grads: dict = {}      # trainable name -> its gradient, the same kind
@@ -144,9 +150,10 @@ class WgpuEngine:
         All LoRA tensors live in one packed buffer (their gradients and AdamW moments in three more),
         so zeroing, the gradient norm and AdamW take a dispatch per buffer rather than per tensor."""
         self._release_acts()
-        shapes = {}
-        for path, (a, b, _, _) in modules.items():
-            shapes[path + ".lora_A"], shapes[path + ".lora_B"] = a.shape, b.shape
+        # every A first, layer by layer in module order, so that the A matrices of a group lie back to back
+        order = sorted(modules, key=lambda p: (int(p.split(".")[2]), LINEAR_MODULES.index(p.rsplit(".", 1)[1])))
+        shapes = {p + ".lora_A": modules[p][0].shape for p in order}
+        shapes.update({p + ".lora_B": modules[p][1].shape for p in order})
         self.lora = {}
         self._lora_packed = Packed(self.rt, shapes, "lora_params"), Packed(self.rt, shapes, "lora_grads")
         params, grads = self._lora_packed
@@ -157,7 +164,27 @@ class WgpuEngine:
             self._write(params.view(nb), b)
             self.lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
                                       a.shape, b.shape, s, d, layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module))
+        self._group_of = self._lora_groups()
         self._reset_training_state()
+
+    def _lora_groups(self) -> dict:
+        """module name -> the modules of its LORA_GROUPS entry that run as one (each with LoRA in every layer
+        that has any of them, no dropout, ranks summing to fewer than the input width)."""
+        out = {}
+        for group in LORA_GROUPS:
+            members = tuple(m for m in group if any(p.endswith("." + m) for p in self.lora))
+            if len(members) < 2:
+                continue
+            layers = {int(p.split(".")[2]) for p in self.lora if p.rsplit(".", 1)[1] in members}
+            mods = [[self.lora.get(module_path(i, m)) for m in members] for i in sorted(layers)]
+            if any(x is None or x.dropout > 0 for row in mods for x in row):
+                continue
+            if sum(x.r for x in mods[0]) >= mods[0][0].in_f:
+                continue
+            if any(row[j + 1].a[1] != row[j].a[1] + row[j].r * row[j].in_f for row in mods for j in range(len(row) - 1)):
+                continue     # not back to back (set_lora's packing order puts them so)
+            out.update({m: members for m in members})
+        return out
 
     def set_full_finetune(self, enabled: bool = True):
         frozen = sorted(k for k, t in self.w.items() if isinstance(t, QuantMatrix))
@@ -298,7 +325,12 @@ class WgpuEngine:
                     for stale in [k for k in self._inputs if k[:2] == old[:2]]:
                         self.rt.release(*vars(self._inputs.pop(stale)).values())
             # LoRA ranks and dropout inputs per module name (the same in every layer)
-            ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
+            ranks = {}
+            for p, m in self.lora.items():
+                module = p.rsplit(".", 1)[1]
+                group = self._group_of.get(module)
+                ranks["+".join(group) if group else module] = (
+                    sum(self.lora[p.rsplit(".", 1)[0] + "." + g].r for g in group) if group else m.r)
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
             acts = Activations(self.rt, self.cfg, b, t, ranks, drop, train, key[3])
         self._acts[key] = acts          # most recently used last
@@ -371,8 +403,20 @@ class WgpuEngine:
         lora = self.lora.get(path)
         if lora is None:
             return
-        xl = self._lora_input(rec, x, lora, module, a, n)
-        lora_forward(rec, y, a["lora_h." + module], xl, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f, lora.r)
+        group = self._group_of.get(module)
+        if group is None:
+            xl = self._lora_input(rec, x, lora, module, a, n)
+            h = a["lora_h." + module]
+            lora_a_forward(rec, h, xl, lora.a, n, lora.in_f, lora.r)
+            lora_b_forward(rec, y, h, lora.b, lora.scale, n, lora.out_f, lora.r)
+            return
+        # a group: its first module computes h of all of them in one GEMM; each adds its own columns' term
+        mods = [self.lora[module_path(layer, m)] for m in group]
+        h, total = a["lora_h." + "+".join(group)], sum(m.r for m in mods)
+        if module == group[0]:
+            lora_a_forward(rec, h, x, lora.a, n, lora.in_f, total)
+        off = sum(m.r for m in mods[:group.index(module)])
+        lora_b_forward(rec, y, at(h, off), lora.b, lora.scale, n, lora.out_f, lora.r, ldh=total)
 
     def _lora_input(self, rec, x, lora: GpuLora, module, a, n):
         """The LoRA module's input: x, or while training with dropout x times the micro-batch's mask
@@ -493,6 +537,16 @@ class WgpuEngine:
         linear_backward(rec, dx, dw, db, dy, x, w, n, accumulate_dx)
         lora = self.lora.get(path)
         if lora is None:
+            return
+        group = self._group_of.get(module)
+        if group is not None:    # the group's LoRA backward runs once every member's dy is there
+            self._pending[module] = dy
+            if len(self._pending) == len(group):
+                mods = [self.lora[module_path(layer, m)] for m in group]
+                lora_group_backward(rec, dx, mods[0].ga, [m.gb for m in mods], [self._pending.pop(m) for m in group],
+                                    x, a["lora_h." + "+".join(group)], mods[0].a, [m.b for m in mods],
+                                    [m.scale for m in mods], n, lora.in_f, [m.out_f for m in mods],
+                                    [m.r for m in mods], acts.d_lora_h, accumulate_grads=True)
             return
         h = a["lora_h." + module]
         if lora.dropout > 0:

@@ -1,5 +1,5 @@
-"""fp32 GEMM on the device and the LoRA op pair built on it. One op, C = alpha op(A) op(B) (+ bias) (+ C),
-served by kernel families (gemm_kernels.py) of which tune.py picks one per shape on each adapter.
+"""fp32 GEMM on the device: one op, C = alpha op(A) op(B) (+ bias) (+ C), served by kernel families
+(gemm_kernels.py) of which tune.py picks one per shape on each adapter.
 
 Operands: every buffer argument is either a wgpu buffer (the operand starts at element 0) or a pair
 `(buffer, element_offset)`, the offset counted in fp32 elements, so a slice of a larger buffer (one
@@ -87,32 +87,3 @@ def gemm(rec, c, a, b, M, N, K, layout="nn", alpha=1.0, bias=None, accumulate=Fa
     for d in gemm_dispatches(rec.rt, c, a, b, M, N, K, layout, alpha, bias, accumulate, batch,
                              lda, ldb, ldc, stride_a, stride_b, stride_c):
         rec.dispatch(*d)
-
-
-# ---- LoRA: y += scale * (x A^T) B^T -----------------------------------------------------------
-
-def lora_a_forward(rec, h, x, lora_a, N, in_features, r):
-    """h (N, r) = x (N, in) @ lora_a (r, in).T: the half of lora_forward whose result the backward needs
-    (gradient checkpointing recomputes only this where the module's output is not needed again)."""
-    gemm(rec, h, x, lora_a, N, r, in_features, "nt")
-
-
-def lora_forward(rec, y, h, x, lora_a, lora_b, scale, N, in_features, out_features, r):
-    """h (N, r) = x (N, in) @ lora_a (r, in).T, saved for the backward; then
-    y (N, out) += scale * h @ lora_b (out, r).T, on top of the base layer's output already in y."""
-    lora_a_forward(rec, h, x, lora_a, N, in_features, r)
-    gemm(rec, y, h, lora_b, N, out_features, r, "nt", alpha=scale, accumulate=True)
-
-
-def lora_backward(rec, dx, dlora_a, dlora_b, dy, x, h, lora_a, lora_b, scale, N, in_features, out_features, r,
-                  dh, accumulate_grads=False):
-    """Gradients of lora_forward from dy (N, out), with dh (N, r) a scratch buffer:
-    dlora_b (out, r) = scale * dy.T @ h;  dh = scale * dy @ lora_b;  dlora_a (r, in) = dh.T @ x;
-    dx (N, in) += dh @ lora_a (always added: the base layer's dx is already there).
-    With accumulate_grads the two weight gradients are added to what they hold (gradient accumulation).
-    dx may be None when the input needs no gradient."""
-    gemm(rec, dlora_b, dy, h, out_features, r, N, "tn", alpha=scale, accumulate=accumulate_grads)
-    gemm(rec, dh, dy, lora_b, N, r, out_features, "nn", alpha=scale)
-    gemm(rec, dlora_a, dh, x, r, in_features, N, "tn", accumulate=accumulate_grads)
-    if dx is not None:
-        gemm(rec, dx, dh, lora_a, N, in_features, r, "nn", accumulate=True)
