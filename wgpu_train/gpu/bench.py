@@ -237,6 +237,44 @@ def bench_gemm(rt, ctx) -> list[dict]:
     return out
 
 
+CPU_CANDIDATES = 3   # candidates per shape the candidates bench times on CPU adapters
+
+
+@register("gemm_candidates")
+def bench_gemm_candidates(rt, ctx) -> list[dict]:
+    """Every GEMM candidate (gemm_kernels.candidates) on the distinct GEMMs of a LoRA step (r=16) of the
+    SmolLM2-135M and Qwen2.5-0.5B shapes, each checked against NumPy, the fastest marked "chosen" (what the
+    tuner would keep). 512 tokens on GPUs; on CPU adapters 128 tokens and the 8 likeliest candidates (the
+    tiled kernels are an order of magnitude slower there, see benchmarks/README.md)."""
+    from ..config import ModelConfig
+    from .gemm_kernels import candidates, is_cpu
+    from .pretune import QWEN05, SMOL135, step_gemms
+    from .tune import measure
+
+    cpu = is_cpu(rt)
+    tokens = 128 if cpu else 512
+    out = []
+    for label, raw in (("135M", SMOL135), ("0.5B", QWEN05)):
+        cfg = ModelConfig.from_dict(dict(raw), label)
+        for what, m, n, k, layout in step_gemms(cfg, tokens, 16, rt.max_binding):
+            a_shape, b_shape = ((k, m) if layout[0] == "t" else (m, k)), ((n, k) if layout[1] == "t" else (k, n))
+            bufs = [rt.buffer(int(np.prod(a_shape)) * 4), rt.buffer(int(np.prod(b_shape)) * 4), rt.buffer(m * n * 4)]
+            try:
+                p = _gemm.gemm_problem(rt, bufs[2], bufs[0], bufs[1], m, n, k, layout)
+                cands = candidates(p)
+                results = measure(rt, p, cands[:CPU_CANDIDATES] if cpu else cands, timer=ctx["timer"])
+            finally:
+                rt.release(*bufs)
+            timed = {name: g for name, g in results.items() if g is not None}
+            best = max(timed, key=timed.get) if timed else None
+            for name, g in results.items():
+                out.append({"name": "gemm_candidate", "shape": f"{label} {what} {layout} {m}x{n}x{k}",
+                            "kernel": name, "gflops": g if g is not None else float("nan"),
+                            "correct": g is not None, "chosen": name == best})
+            ctx["sample_peak"]()
+    return out
+
+
 # ---- GEMM with float16 / NF4 weights (gpu/quant.py) -----------------------------------------------
 
 @register("gemm_quant")
@@ -394,8 +432,11 @@ def format_table(result: dict) -> str:
         rate = e.get("gflops", e.get("gbps", float("nan")))
         frac = e.get("fraction_of_peak")
         vs = e.get("vs_naive")
-        lines.append(f"{e['name']:<16} {e['shape']:<16} {rate:>9.2f} "
-                     f"{'' if frac is None else f'{100 * frac:.0f}%':>8} {'' if vs is None else f'{vs:.1f}x':>9}")
+        line = (f"{e['name']:<16} {e['shape']:<16} {rate:>9.2f} "
+                f"{'' if frac is None else f'{100 * frac:.0f}%':>8} {'' if vs is None else f'{vs:.1f}x':>9}")
+        if e["name"] == "gemm_candidate":
+            line += f"  {'*' if e['chosen'] else ' '} {e['kernel']}"
+        lines.append(line)
     for key, value in result.items():
         if key not in ("adapter", "fma_peak_gflops", "timing", "kernels"):
             lines.append(f"{key}: {json.dumps(value, indent=2)}")

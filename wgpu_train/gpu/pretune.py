@@ -18,6 +18,28 @@ SMOL135 = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size
                max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0)
 
 
+# a Qwen2.5-0.5B-shaped one (hidden 896, 24 layers, 14 / 2 heads, intermediate 4864, vocabulary 151,936)
+QWEN05 = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
+              max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0, attention_bias=True)
+
+
+def step_gemms(cfg: ModelConfig, tokens: int, r: int, max_binding: int) -> list[tuple]:
+    """(what, M, N, K, layout) of the distinct GEMMs of a LoRA step (all linear layers, rank r) at `tokens`
+    tokens: each projection forward and its input gradient, the LoRA A / B products and gradients, the head
+    (one float32 row chunk of it, as the engine splits a head bigger than a storage binding)."""
+    from .quant import chunk_plan
+
+    c, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_size
+    v = chunk_plan(cfg.vocab_size, c, "float32", max_binding)[0][1]
+    return [("q/o forward", tokens, c, c, "nt"), ("k/v forward", tokens, kv, c, "nt"),
+            ("gate/up forward", tokens, f, c, "nt"), ("down forward", tokens, c, f, "nt"),
+            ("gate/up dx", tokens, c, f, "nn"), ("down dx", tokens, f, c, "nn"),
+            ("LoRA A forward (q/k/v)", tokens, r * 3, c, "nt"), ("LoRA B forward", tokens, c, r, "nt"),
+            ("LoRA dA", 3 * r, c, tokens, "tn"), ("LoRA dB", c, r, tokens, "tn"),
+            ("head forward", tokens, v, c, "nt"), ("head dx", tokens, c, v, "nn")]
+
+
 def random_engine(rt, cfg: ModelConfig, lora: LoraConfig, seed: int = 0):
     """A WgpuEngine of cfg's shapes with random float32 weights and a random LoRA on lora's targets."""
     from ..hf import module_path
