@@ -156,3 +156,34 @@ def test_grad_norm_uses_many_workgroups(rt):
     norm = rt.read(result, np.float32, (3,))[0]
     want = np.sqrt(np.sum(g.astype(np.float64) ** 2) + np.sum(h.astype(np.float64) ** 2))
     np.testing.assert_allclose(norm, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["tiled", "splitk"])
+def test_family_operand_past_max_binding(default_rt, family):
+    """An operand near the end of a buffer larger than one storage binding (bound as an aligned range, the
+    rest of its offset in the uniform), for the tiled and split-K kernels; aligned and unaligned offsets."""
+    rt = default_rt
+    n_elems = rt.max_binding // 4 + 4000
+    if n_elems * 4 > rt.max_buffer:
+        pytest.skip("device cannot allocate a buffer larger than its max storage binding")
+    M, N, K = 12, 20, 600
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    big, bb = rt.buffer(n_elems * 4, "test.big"), rt.upload(b)
+    try:
+        for off in (n_elems - M * K - 3, n_elems - M * K - 64):
+            rt.write(big, a, offset=off * 4)
+            cb = rt.buffer(M * N * 4)
+            with tune.pinned(family):
+                dispatches = G.gemm_dispatches(rt, cb, (big, off), bb, M, N, K, "nt")
+            assert dispatches[0][0].label.split(".")[1].startswith("gemm_tiled")
+            assert any(isinstance(r, tuple) and r[0] is big for r in dispatches[0][1]), "expected a range binding"
+            rec = rt.recorder()
+            for d in dispatches:
+                rec.dispatch(*d)
+            rec.submit()
+            np.testing.assert_allclose(rt.read(cb, np.float32, (M, N)), a.astype(np.float64) @ b.T,
+                                       rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    finally:
+        rt.release(big)
