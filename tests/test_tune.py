@@ -187,3 +187,36 @@ def test_family_operand_past_max_binding(default_rt, family):
                                        rtol=1e-5, atol=1e-5 * np.sqrt(K))
     finally:
         rt.release(big)
+
+
+class _FakeAdapter:
+    """Just what TuneCache reads of a runtime (no device needed)."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+        self.info = SimpleNamespace(name="fake", vendor="none", backend="Vulkan", adapter_type="CPU")
+        self.adapter = SimpleNamespace(info={"description": "test driver"})
+
+
+def _put_many(prefix, n):
+    store = tune.TuneCache(_FakeAdapter())
+    for i in range(n):
+        store.put(f"{prefix} {i}", {"choice": f"register/{prefix}{i}", "gflops": {}})
+
+
+def test_tune_cache_two_writers(tmp_path, monkeypatch):
+    """Two processes writing the same adapter's cache at once: every choice of both survives, and the file
+    is whole JSON (merged under a lock, replaced atomically)."""
+    import multiprocessing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_put_many, args=(p, 25)) for p in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    store = tune.TuneCache(_FakeAdapter())
+    assert len(store.entries) == 50
+    assert store.get("a 24") == "register/a24" and store.get("b 0") == "register/b0"
