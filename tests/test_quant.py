@@ -11,6 +11,7 @@ import pytest
 import wgpu_train as wt
 from wgpu_train.config import ModelConfig
 from wgpu_train.gpu import gemm_kernels as GK
+from wgpu_train.gpu import quant_kernels as QK
 from wgpu_train.gpu import quant as Q
 from wgpu_train.gpu.tensors import linear_backward, linear_forward
 from wgpu_train.memory import base_weight_bytes
@@ -192,7 +193,8 @@ def test_quant_gemm_matches_numpy(rt, fmt, layout):
         for fast, sg in _kernels(rt):
             cb = rt.upload(c0)
             try:
-                d = Q.qgemm_dispatch(rt, cb, ab, qm, 0, layout, M, accumulate=True, lda=lda, fast=fast, subgroups=sg)
+                p = QK.QProblem(rt, cb, ab, qm, 0, layout, M, accumulate=True, lda=lda)
+                d = QK.register_candidate(p, fast=fast, subgroups=sg).dispatches(p)[0]
             except ValueError:       # qgemm_fast cannot run this shape
                 continue
             ran_fast += fast
@@ -263,7 +265,7 @@ def test_float16_needs_no_shader_f16(rt, tmp_path):
     float16 base and embedding load and run on every adapter, shader-f16 or not (the OpenGL one has none)."""
     for fmt in Q.FORMATS:
         for sg in (False, True):
-            assert "enable f16" not in Q._source(fmt, sg)
+            assert "enable f16" not in Q.shader_source(fmt, sg)
     w = np.array([[1.0, -2.5, 65504.0], [6.1e-5, -0.0, 3.0e-8]], np.float32)   # max, subnormal, -0
     qm = Q.QuantMatrix(rt, w, "float16", "w")
     want = w.astype(np.float16).astype(np.float32)

@@ -79,7 +79,7 @@ def test_tuner_chooses_caches_and_reuses(rt, fresh_tuner, monkeypatch):
     p = G.gemm_problem(rt, cb, ab, bb, 24, 20, 40, "nt")
     chosen = tune.choose(rt, p)
     (key, name, gflops), = tune.tuned_log(rt)
-    assert name == chosen.name and key == tune.shape_key(p)
+    assert name == chosen.name and key == p.key()
     timed = {k: v for k, v in gflops.items() if v is not None}
     assert timed and max(timed, key=timed.get) == name
     files = list(fresh_tuner.glob("*.json"))
@@ -111,13 +111,13 @@ def test_tuner_cache_corrupt_or_stale_is_retuned(rt, fresh_tuner, monkeypatch, c
         path.write_text('{"entries": {"gemm nn m16')
     else:
         path.write_text(json.dumps({"version": tune.CACHE_VERSION, "checksum": "0" * 16, "peak_gflops": 1.0,
-                                    "entries": {tune.shape_key(p): {"choice": "register/x"}}}))
+                                    "entries": {p.key(): {"choice": "register/x"}}}))
     with caplog.at_level(logging.WARNING, logger="wgpu_train"):
         name = tune.choose(rt, p).name
     warnings = [r.getMessage() for r in caplog.records if "tune cache" in r.getMessage()]
     assert warnings and "re-tuning" in warnings[0]
     data = json.loads(path.read_text())
-    assert data["checksum"] == tune.sources_checksum() and data["entries"][tune.shape_key(p)]["choice"] == name
+    assert data["checksum"] == tune.sources_checksum() and data["entries"][p.key()]["choice"] == name
     assert not list(path.parent.glob("*.tmp")), "a temporary file was left behind"
 
 
@@ -220,3 +220,29 @@ def test_tune_cache_two_writers(tmp_path, monkeypatch):
     store = tune.TuneCache(_FakeAdapter())
     assert len(store.entries) == 50
     assert store.get("a 24") == "register/a24" and store.get("b 0") == "register/b0"
+
+
+@pytest.mark.parametrize("family", ["qregister", "qtiled"])
+@pytest.mark.parametrize("fmt", ["float16", "nf4-dq"])
+def test_quant_families_through_linear(rt, family, fmt):
+    """quant.linear_forward / linear_backward (the engine's path for a frozen weight) with each quantised GEMM
+    family pinned, against the dequantised weight; the tuner's key names the weight format."""
+    from wgpu_train.gpu import quant as Q
+    from wgpu_train.gpu.quant_kernels import QProblem
+
+    rng = np.random.default_rng(11)
+    n, fin, fout = 37, 72, 56
+    qm = Q.QuantMatrix(rt, rng.standard_normal((fout, fin)).astype(np.float32), fmt, "test.w")
+    w = qm.read(rt).astype(np.float64)
+    x, dy = rng.standard_normal((n, fin)).astype(np.float32), rng.standard_normal((n, fout)).astype(np.float32)
+    y, dx = rt.buffer(n * fout * 4), rt.buffer(n * fin * 4)
+    p = QProblem(rt, y, rt.upload(x), qm, 0, "nt", n)
+    assert p.key().startswith(f"qgemm {fmt} nt m64 n{fout} k{fin}")
+    with tune.pinned(family):
+        assert tune.choose(rt, p).family == family
+        rec = rt.recorder()
+        Q.linear_forward(rec, y, rt.upload(x), qm, None, n)
+        Q.linear_backward(rec, dx, rt.upload(dy), qm, n)
+        rec.submit()
+    np.testing.assert_allclose(rt.read(y, np.float32, (n, fout)), x @ w.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(rt.read(dx, np.float32, (n, fin)), dy @ w, rtol=1e-5, atol=1e-4)

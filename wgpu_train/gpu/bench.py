@@ -282,7 +282,9 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
     """gemm_{f16,nf4,nf4-dq}_{nt,nn} (the frozen-weight GEMMs: x @ W.T and dy @ W) on GEMM_SHAPES, each checked
     against the dequantised weight, timed in interleaved rounds with gemm_nt / gemm_nn (fp32) on the same
     shape; "vs_float32" is the ratio of their speeds in this run."""
-    from .quant import QuantMatrix, qgemm_dispatch
+    from .quant import QuantMatrix
+    from .quant_kernels import QProblem
+    from .tune import choose
     from ..reference.quant import round_to
 
     timer = ctx["timer"]
@@ -307,7 +309,8 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
                     wq = round_to(w, fmt).astype(np.float64)
                     want = a @ (wq.T if layout == "nt" else wq)
                     name = f"gemm_{'f16' if fmt == 'float16' else fmt}_{layout}"
-                    cases.append((name, fmt, [qgemm_dispatch(rt, cb, ab, q, 0, layout, m)], want))
+                    p = QProblem(rt, cb, ab, q, 0, layout, m)
+                    cases.append((name, fmt, choose(rt, p).dispatches(p), want))
             errs = {name: _check(rt, d, cb, want.astype(np.float32)) for name, _, d, want in cases}
             best = {name: float("inf") for name, *_ in cases}
             for _ in range(GEMM_ROUNDS):

@@ -135,6 +135,42 @@ class Problem:
     def tensors(self, swap: bool = False) -> list:
         return [self.b, self.a, self.bias, self.c] if swap else [self.a, self.b, self.bias, self.c]
 
+    def candidates(self) -> list:
+        return candidates(self)
+
+    def key(self) -> str:
+        """The tuner's key: layout, M bucket (next power of two), N, K, batch, operand alignment."""
+        bucket = 1 << max(0, (self.M - 1).bit_length())
+        aligned = tiled.vec4_ok(self.M, self.N, self.K, self.batch, self.a_off, self.a_sm, self.a_sk, self.a_sz,
+                                self.b_off, self.b_sk, self.b_sn, self.b_sz)
+        return f"gemm {self.layout} m{bucket} n{self.N} k{self.K} b{self.batch} {'v4' if aligned else 'any'}"
+
+    def replica(self, rng):
+        """(problem, C buffer, C's initial host values, C's expected values, buffers to release): this
+        geometry on fresh random operands (offsets kept modulo 64 elements, which keeps their alignment)."""
+        host = [rng.standard_normal(off % 64 + extent).astype(np.float32)
+                for extent, off in ((self.a[1], self.a_off), (self.b[1], self.b_off), (self.N, 0),
+                                    (self.c[1], self.c_off))]
+        bufs = [self.rt.upload(x, "tune operand") for x in host]
+        q = Problem(self.rt, self.M, self.N, self.K, self.batch, self.alpha, self.accumulate, self.layout,
+                    (bufs[0], self.a_off % 64), self.a_sm, self.a_sk, self.a_sz, (bufs[1], self.b_off % 64),
+                    self.b_sk, self.b_sn, self.b_sz, (bufs[3], self.c_off % 64), self.c_sm, self.c_sn, self.c_sz,
+                    bufs[2] if self.has_bias else None)
+        a, b, bias, c0 = host
+        A = _strided(a.astype(np.float64), q.a_off, q.batch, q.a_sz, q.M, q.a_sm, q.K, q.a_sk)
+        B = _strided(b.astype(np.float64), q.b_off, q.batch, q.b_sz, q.K, q.b_sk, q.N, q.b_sn)
+        want = c0.astype(np.float64)
+        C = _strided(want, q.c_off, q.batch, q.c_sz, q.M, q.c_sm, q.N, q.c_sn)
+        val = q.alpha * np.matmul(A, B) + (bias.astype(np.float64)[:q.N] if q.has_bias else 0.0)
+        C[...] = val + C if q.accumulate else val    # writes into `want` through the view
+        return q, bufs[3], c0, want, bufs
+
+
+def _strided(flat: np.ndarray, off, batch, sz, rows, r_stride, cols, c_stride) -> np.ndarray:
+    """(batch, rows, cols) view of a flat array with element strides."""
+    return np.lib.stride_tricks.as_strided(flat[off:], (batch, rows, cols),
+                                           tuple(s * flat.itemsize for s in (sz, r_stride, c_stride)))
+
 
 # ---- register-blocked family (shaders/gemm.wgsl) ---------------------------------------------------
 

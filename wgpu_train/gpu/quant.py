@@ -26,8 +26,7 @@ import numpy as np
 
 from ..errors import DeviceError
 from ..reference.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
-from .gemm_kernels import WG_CHOICES, min_workgroup, use_subgroups
-from .launch import Kernel, bind, launch, prepare
+from .launch import Kernel, launch
 from .operands import at
 
 SHADER = "gemm_quant"
@@ -177,7 +176,7 @@ class QuantMatrix:
 
 # ---- pipelines ----------------------------------------------------------------------------------
 
-def _source(fmt: str, subgroups: bool) -> str:
+def shader_source(fmt: str, subgroups: bool) -> str:
     """gemm_quant.wgsl with the sections of other formats and the subgroup kernels (devices without the
     feature) blanked; line numbers are kept so that shader errors point at the file."""
     key = (fmt, bool(subgroups))
@@ -200,77 +199,21 @@ def _source(fmt: str, subgroups: bool) -> str:
     return _sources[key]
 
 
-_BINDINGS = {"float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX", "nf4-dq": "A W BIAS C! STATS CODE"}
-
-
-def qgemm_kernel(fmt: str, entry: str, constants: dict, subgroups: bool = False) -> Kernel:
-    """The kernel of one quantised-GEMM entry point for weights stored as fmt."""
-    return Kernel(SHADER, entry, _BINDINGS[fmt], tuple(sorted(constants.items())), source=(_source, fmt, subgroups),
-                  invocations=constants.get("WG", 64), features=("subgroup",) if subgroups else ())
-
-
-EMBED_GATHER = Kernel(SHADER, "embed_gather", "IDS W OUT!", source=(_source, "float16", False), invocations=64)
-
-
-def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
-    """(tm, wg): rows of C per workgroup (8 or 32; an 8-row tile costs twice per row, as in gemm_kernels.py)
-    and invocations per workgroup (8 * wg columns): least padded work, then up to 16 workgroups (to feed
-    every core), then the widest workgroup."""
-    best = None
-    for tm in (8, 32):
-        for wg in WG_CHOICES:
-            if wg < min_wg and wg != WG_CHOICES[-1]:
-                continue
-            tiles_m, tiles_n = -(-M // tm), -(-N // (8 * wg))
-            cost = tiles_m * tm * (32 // tm) ** 0.5 * tiles_n * 8 * wg
-            key = (cost, -min(tiles_m * tiles_n, 16), -tm, -wg)
-            if best is None or key < best[0]:
-                best = (key, tm, wg)
-    return best[1], best[2]
-
-
-def qgemm_dispatch(rt, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None, accumulate=False,
-                   lda=None, ldc=None, fast=None, subgroups=None):
-    """(pipeline, resources, groups) of C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)).
-    layout "nt": op = transpose (K = w.cols, N = the chunk's rows); "nn": K = the chunk's rows, N = w.cols.
-    fast=None takes qgemm_fast where the shapes allow it (qgemm_fast_sg where the device has subgroups of 8+
-    lanes, as the register GEMM decides); fast=False forces the any-shape kernel, subgroups=False the portable one."""
-    if layout not in ("nt", "nn"):
-        raise ValueError(f"quantised GEMM layouts are nt and nn, not {layout!r}")
-    buf, _, n = w.chunks[chunk]
-    nt = layout == "nt"
-    N, K = (n, w.cols) if nt else (w.cols, n)
-    M = int(M)
-    lda = int(lda if lda is not None else K)
-    ldc = int(ldc if ldc is not None else N)
-    if lda < K or ldc < N:
-        raise ValueError(f"qgemm: lda={lda} / ldc={ldc} shorter than a row ({K} / {N})")
-    a_ext, c_ext = (M - 1) * lda + K, (M - 1) * ldc + N
-    a_off = bind(rt, a, a_ext, "qgemm A", True)[1]
-    can_fast = a_off % 4 == 0 and lda % 4 == 0 and (K % 8 == 0 if nt else N % 8 == 0)
-    if fast and not can_fast:
-        raise ValueError(f"qgemm_fast cannot run {layout} M={M} N={N} K={K} lda={lda} a_off={a_off}")
-    use_fast = can_fast if fast is None else bool(fast)
-    tm, wg = choose_tiling(M, N, min_workgroup(rt))
-    sg = use_fast and (use_subgroups(rt) if subgroups is None else bool(subgroups))
-    entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if use_fast else "qgemm"
-    tensors = [(a, a_ext), (buf, buf.size // _F32), (bias, N) if bias is not None else (a, 1), (c, c_ext)]
-    if w.absmax:
-        tensors.append((w.absmax[chunk], w.absmax[chunk].size // _F32))
-    if w.code_buffer is not None:
-        tensors.append((w.code_buffer, 256))
-    flags = (1 if accumulate else 0) | (2 if bias is not None else 0)
-    pipeline, resources = prepare(rt, qgemm_kernel(w.dtype, entry, {"WG": wg, "TM": tm, "NT": nt}, sg), tensors,
-                                  M=M, N=N, K=K, flags=flags, lda=lda, ldc=ldc, cols=w.cols)
-    return pipeline, resources, (-(-M // tm), -(-N // (8 * wg)), 1)
+EMBED_GATHER = Kernel(SHADER, "embed_gather", "IDS W OUT!", source=(shader_source, "float16", False), invocations=64)
 
 
 def qgemm(rec, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None, accumulate=False, lda=None,
           ldc=None):
-    """Record one quantised GEMM (see qgemm_dispatch)."""
+    """Record C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)) with the kernel tune.choose picks: layout "nt"
+    (op = transpose: K = w.cols, N = the chunk's rows) or "nn" (K = the chunk's rows, N = w.cols)."""
+    from . import tune
+    from .quant_kernels import QProblem
+
     if M <= 0:
         return
-    rec.dispatch(*qgemm_dispatch(rec.rt, c, a, w, chunk, layout, M, bias, accumulate, lda, ldc))
+    p = QProblem(rec.rt, c, a, w, chunk, layout, M, bias, accumulate, lda, ldc)
+    for d in tune.choose(rec.rt, p).dispatches(p):
+        rec.dispatch(*d)
 
 
 # ---- the linear op pair with a frozen quantised weight ---------------------------------------------

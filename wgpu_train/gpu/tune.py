@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from .gemm_kernels import Problem, candidates, is_cpu
+from .gemm_kernels import is_cpu
 
 log = logging.getLogger("wgpu_train")
 
@@ -30,8 +30,9 @@ FAST_CANDIDATES = 8          # candidates timed per shape in fast mode (the best
 ROOFLINE_STOP = 0.85         # stop once a candidate reaches this fraction of the FMA peak
 DROP_SLOWER = 3.0            # a candidate whose first timed run is this much slower than the best is dropped
 CACHE_VERSION = 1
-_SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "wgpu_train/gpu/gemm_kernels.py",
-            "wgpu_train/gpu/gemm_tiled_src.py")
+_SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
+            "wgpu_train/gpu/gemm_kernels.py", "wgpu_train/gpu/gemm_tiled_src.py", "wgpu_train/gpu/quant_kernels.py",
+            "wgpu_train/gpu/quant_tiled.py")
 _pins: list = []
 _modes: list = []
 
@@ -71,14 +72,6 @@ def pinned(prefix: str):
 
 def _pin() -> str | None:
     return _pins[-1] if _pins else (os.environ.get("WGPU_TRAIN_GEMM_KERNEL") or None)
-
-
-def shape_key(p: Problem) -> str:
-    """The cache key of a GEMM: layout, M bucket (next power of two), N, K, batch, operand alignment."""
-    from .gemm_tiled_src import vec4_ok
-    bucket = 1 << max(0, (p.M - 1).bit_length())
-    aligned = vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz, p.b_off, p.b_sk, p.b_sn, p.b_sz)
-    return f"gemm {p.layout} m{bucket} n{p.N} k{p.K} b{p.batch} {'v4' if aligned else 'any'}"
 
 
 # ---- the cache file ------------------------------------------------------------------------------
@@ -201,16 +194,17 @@ def tuned_log(rt) -> list:
 
 # ---- choosing ----------------------------------------------------------------------------------------
 
-def choose(rt, p: Problem):
-    """The candidate that runs p: a pinned one, else the cached or freshly tuned choice, else the default."""
-    cands = candidates(p)
+def choose(rt, p):
+    """The candidate that runs p (a GEMM problem: gemm_kernels.Problem, quant_kernels.QProblem): a pinned one,
+    else the cached or freshly tuned choice, else the default (p.candidates()[0])."""
+    cands = p.candidates()
     pin = _pin()
     for prefix in (pin.split(",") if pin else ()):
         for c in cands:
             if c.name.startswith(prefix):
                 return c
     m = mode()
-    key = shape_key(p)
+    key = p.key()
     memo = rt.memo("tune.choices", lambda r: {})
     if m == "off" or (m == "fast" and is_cpu(rt) and not _modes) or len(cands) == 1:
         memo.setdefault(key, cands[0].name)
@@ -223,40 +217,7 @@ def choose(rt, p: Problem):
     return by_name[name]
 
 
-def _strided(flat: np.ndarray, off, batch, sz, rows, r_stride, cols, c_stride) -> np.ndarray:
-    """(batch, rows, cols) view of a flat array with element strides."""
-    return np.lib.stride_tricks.as_strided(flat[off:], (batch, rows, cols),
-                                           tuple(s * flat.itemsize for s in (sz, r_stride, c_stride)))
-
-
-def _reference(p: Problem, a, b, bias, c0) -> np.ndarray:
-    """C after p on these host copies of its operands (float64), as a flat array like c0."""
-    A = _strided(a.astype(np.float64), p.a_off, p.batch, p.a_sz, p.M, p.a_sm, p.K, p.a_sk)
-    B = _strided(b.astype(np.float64), p.b_off, p.batch, p.b_sz, p.K, p.b_sk, p.N, p.b_sn)
-    out = c0.astype(np.float64)
-    C = _strided(out, p.c_off, p.batch, p.c_sz, p.M, p.c_sm, p.N, p.c_sn)
-    val = p.alpha * np.matmul(A, B)
-    if p.has_bias:
-        val = val + bias.astype(np.float64)[:p.N]
-    if p.accumulate:
-        val = val + C
-    C[...] = val     # writes into `out` through the view (batches never overlap in C)
-    return out
-
-
-def _replica(rt, p: Problem, rng):
-    """A problem of p's geometry on fresh random operands (offsets kept modulo 64 elements, which keeps their
-    alignment), the host copies of its operands (a, b, bias, c0) and its buffers."""
-    host = [rng.standard_normal(off % 64 + extent).astype(np.float32)
-            for extent, off in ((p.a[1], p.a_off), (p.b[1], p.b_off), (p.N, 0), (p.c[1], p.c_off))]
-    bufs = [rt.upload(x, "tune operand") for x in host]
-    q = Problem(rt, p.M, p.N, p.K, p.batch, p.alpha, p.accumulate, p.layout,
-                (bufs[0], p.a_off % 64), p.a_sm, p.a_sk, p.a_sz, (bufs[1], p.b_off % 64), p.b_sk, p.b_sn, p.b_sz,
-                (bufs[3], p.c_off % 64), p.c_sm, p.c_sn, p.c_sz, bufs[2] if p.has_bias else None)
-    return q, host, bufs
-
-
-def measure(rt, p: Problem, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
+def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
     """{candidate name: GFLOP/s, or None when its result is wrong} on p's geometry with fresh random operands,
     each candidate checked once against NumPy before it is timed (timestamp queries where the adapter has
     them). A candidate whose first run is DROP_SLOWER times slower than the best is timed only once; with a
@@ -264,10 +225,7 @@ def measure(rt, p: Problem, cands: list, peak_gflops: float = 0.0, timer=None) -
     from .bench import Timer
 
     timer = timer or Timer(rt)
-    rng = np.random.default_rng(0)
-    q, (a, b, bias, c0), bufs = _replica(rt, p, rng)
-    c_buf = bufs[3]
-    want = _reference(q, a, b, bias, c0)
+    q, c_buf, c0, want, bufs = p.replica(np.random.default_rng(0))
     tol = 1e-5 * (1 + abs(q.alpha)) * q.K ** 0.5 * 4 * (1 + float(np.max(np.abs(want))))
     results: dict = {}
     best_t = float("inf")
@@ -302,7 +260,7 @@ def measure(rt, p: Problem, cands: list, peak_gflops: float = 0.0, timer=None) -
     return results
 
 
-def tune_shape(rt, p: Problem, cands: list, key: str) -> str:
+def tune_shape(rt, p, cands: list, key: str) -> str:
     """Measure `cands` on p's shape; cache and return the fastest correct one's name."""
     from .bench import Timer, fma_peak
 

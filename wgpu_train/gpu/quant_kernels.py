@@ -1,0 +1,169 @@
+"""The GEMM with a frozen float16 / NF4 weight as the tuner sees it: one product (QProblem) and its candidates,
+register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_tiled.py, shaped
+for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import quant as Q
+from . import quant_tiled as QT
+from .gemm_kernels import WG_CHOICES, is_cpu, min_workgroup, use_subgroups
+from .launch import Kernel, bind, prepare
+
+_F32 = 4
+
+
+def qgemm_kernel(fmt: str, entry: str, constants: dict, subgroups: bool = False) -> Kernel:
+    """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt."""
+    return Kernel(Q.SHADER, entry, QT.BINDINGS[fmt], tuple(sorted(constants.items())),
+                  source=(Q.shader_source, fmt, subgroups), invocations=constants.get("WG", 64),
+                  features=("subgroup",) if subgroups else ())
+
+
+def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
+    """(tm, wg) of the register kernels: rows of C per workgroup (8 or 32; an 8-row tile costs twice per row,
+    as in gemm_kernels.py) and invocations per workgroup (8 * wg columns): least padded work, then up to 16
+    workgroups (to feed every core), then the widest workgroup. Measured on llvmpipe."""
+    best = None
+    for tm in (8, 32):
+        for wg in WG_CHOICES:
+            if wg < min_wg and wg != WG_CHOICES[-1]:
+                continue
+            tiles_m, tiles_n = -(-M // tm), -(-N // (8 * wg))
+            cost = tiles_m * tm * (32 // tm) ** 0.5 * tiles_n * 8 * wg
+            key = (cost, -min(tiles_m * tiles_n, 16), -tm, -wg)
+            if best is None or key < best[0]:
+                best = (key, tm, wg)
+    return best[1], best[2]
+
+
+class QProblem:
+    """C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)): layout "nt" (op = transpose: K = w.cols, N = the
+    chunk's rows) or "nn" (K = the chunk's rows, N = w.cols); A and C row pitches lda, ldc."""
+
+    alpha = 1.0
+
+    def __init__(self, rt, c, a, w, chunk: int, layout: str, M: int, bias=None, accumulate=False, lda=None,
+                 ldc=None):
+        if layout not in QT.LAYOUTS:
+            raise ValueError(f"quantised GEMM layouts are nt and nn, not {layout!r}")
+        self.rt, self.c, self.a, self.w, self.chunk, self.layout = rt, c, a, w, chunk, layout
+        self.bias, self.accumulate, self.M = bias, bool(accumulate), int(M)
+        n = w.chunks[chunk][2]
+        self.N, self.K = (n, w.cols) if layout == "nt" else (w.cols, n)
+        self.lda = int(lda if lda is not None else self.K)
+        self.ldc = int(ldc if ldc is not None else self.N)
+        if self.lda < self.K or self.ldc < self.N:
+            raise ValueError(f"qgemm: lda={self.lda} / ldc={self.ldc} shorter than a row ({self.K} / {self.N})")
+        self.a_ext, self.c_ext = (self.M - 1) * self.lda + self.K, (self.M - 1) * self.ldc + self.N
+        self.a_off = bind(rt, a, self.a_ext, "qgemm A", True)[1]
+        self.c_off = bind(rt, c, self.c_ext, "qgemm C", True)[1]
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.N * self.K
+
+    def describe(self) -> str:
+        return f"{self.w.dtype} {self.layout} {self.M}x{self.N}x{self.K}"
+
+    def tensors(self) -> list:
+        buf = self.w.chunks[self.chunk][0]
+        out = [(self.a, self.a_ext), (buf, buf.size // _F32),
+               (self.bias, self.N) if self.bias is not None else (self.a, 1), (self.c, self.c_ext)]
+        if self.w.absmax:
+            out.append((self.w.absmax[self.chunk], self.w.absmax[self.chunk].size // _F32))
+        if self.w.code_buffer is not None:
+            out.append((self.w.code_buffer, 256))
+        return out
+
+    def params(self) -> dict:
+        flags = (1 if self.accumulate else 0) | (2 if self.bias is not None else 0)
+        return dict(M=self.M, N=self.N, K=self.K, flags=flags, lda=self.lda, ldc=self.ldc, cols=self.w.cols)
+
+    def candidates(self) -> list:
+        return qcandidates(self)
+
+    def key(self) -> str:
+        bucket = 1 << max(0, (self.M - 1).bit_length())
+        aligned = self.a_off % 4 == 0 and self.lda % 4 == 0
+        return f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
+
+    def replica(self, rng):
+        """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a
+        fresh random weight of the chunk's shape and random A and C (offsets kept modulo 64 elements)."""
+        rt, w = self.rt, self.w
+        rows = w.chunks[self.chunk][2]
+        wq = Q.QuantMatrix(rt, rng.standard_normal((rows, w.cols)).astype(np.float32), w.dtype, "tune weight")
+        a = rng.standard_normal(self.a_off % 64 + self.a_ext).astype(np.float32)
+        c0 = rng.standard_normal(self.c_off % 64 + self.c_ext).astype(np.float32)
+        bias = rng.standard_normal(self.N).astype(np.float32)
+        bufs = [rt.upload(x, "tune operand") for x in (a, c0, bias)]
+        q = QProblem(rt, (bufs[1], self.c_off % 64), (bufs[0], self.a_off % 64), wq, 0, self.layout, self.M,
+                     bufs[2] if self.bias is not None else None, self.accumulate, self.lda, self.ldc)
+        deq = wq.read(rt).astype(np.float64)
+        rows_a = a[q.a_off + np.arange(q.M)[:, None] * q.lda + np.arange(q.K)[None, :]].astype(np.float64)
+        val = rows_a @ (deq.T if self.layout == "nt" else deq)
+        if self.bias is not None:
+            val += bias
+        want = c0.astype(np.float64)
+        idx = q.c_off + np.arange(q.M)[:, None] * q.ldc + np.arange(q.N)[None, :]
+        want[idx] = val + (want[idx] if self.accumulate else 0.0)
+        return q, bufs[1], c0, want, bufs + [b for b, _, _ in wq.chunks] + wq.absmax
+
+
+class QRegister:
+    """A register-blocked candidate (gemm_quant.wgsl): qgemm_fast(_sg) where the shapes allow, else qgemm."""
+
+    family = "qregister"
+
+    def __init__(self, tm: int, wg: int, subgroups: bool, fast=None):
+        self.tm, self.wg, self.subgroups, self.fast = tm, wg, subgroups, fast
+        self.name = f"qregister/{'sg' if subgroups else 'portable'}/wg{wg}_tm{tm}" + (
+            "" if fast is None else ("_fast" if fast else "_any"))
+
+    def dispatches(self, p: QProblem) -> list:
+        nt = p.layout == "nt"
+        can_fast = p.a_off % 4 == 0 and p.lda % 4 == 0 and (p.K % 8 == 0 if nt else p.N % 8 == 0)
+        if self.fast and not can_fast:
+            raise ValueError(f"qgemm_fast cannot run {p.describe()} lda={p.lda} a_off={p.a_off}")
+        fast = can_fast if self.fast is None else self.fast
+        sg = fast and self.subgroups
+        entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if fast else "qgemm"
+        k = qgemm_kernel(p.w.dtype, entry, {"WG": self.wg, "TM": self.tm, "NT": nt}, sg)
+        pipeline, resources = prepare(p.rt, k, p.tensors(), **p.params())
+        return [(pipeline, resources, (-(-p.M // self.tm), -(-p.N // (8 * self.wg)), 1))]
+
+
+class QTiled:
+    """A workgroup-tiled candidate (quant_tiled.py): the weight decoded into workgroup memory tile by tile."""
+
+    family = "qtiled"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.name = f"qtiled/{cfg.name}"
+
+    def applies(self, p: QProblem) -> bool:
+        return QT.qtiled_applies(self.cfg, p.w.dtype, p.layout, p.M, p.N, p.K, p.lda, p.a_off, p.rt.limits)
+
+    def dispatches(self, p: QProblem) -> list:
+        k = QT.qtiled_kernel(p.w.dtype, self.cfg, p.layout == "nt")
+        pipeline, resources = prepare(p.rt, k, p.tensors(), **p.params())
+        return [(pipeline, resources, QT.qtiled_groups(self.cfg, p.M, p.N))]
+
+
+def register_candidate(p: QProblem, fast=None, subgroups=None) -> QRegister:
+    """The register kernel the llvmpipe-measured tiling picks (fast / subgroups forced when given)."""
+    tm, wg = choose_tiling(p.M, p.N, min_workgroup(p.rt))
+    return QRegister(tm, wg, use_subgroups(p.rt) if subgroups is None else bool(subgroups), fast)
+
+
+def qcandidates(p: QProblem) -> list:
+    """Every candidate for p, the default first: the register kernel on CPU adapters, on GPUs the tiled
+    kernel with the most output tiles per the biggest tile (an unmeasured guess)."""
+    tiles = [QTiled(cfg) for cfg in QT.QTILE_CONFIGS]
+    tiles = sorted((c for c in tiles if c.applies(p)),
+                   key=lambda c: (-(-p.M // c.cfg.bm) * -(-p.N // c.cfg.bn) < 128, -(c.cfg.bm * c.cfg.bn),
+                                  c.cfg.double_buffer))
+    reg = [register_candidate(p)]
+    return reg + tiles if is_cpu(p.rt) else tiles + reg
