@@ -246,3 +246,35 @@ def test_quant_families_through_linear(rt, family, fmt):
         rec.submit()
     np.testing.assert_allclose(rt.read(y, np.float32, (n, fout)), x @ w.T, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(rt.read(dx, np.float32, (n, fin)), dy @ w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["tiled", "splitk,tiled"])
+def test_tiled_linear_over_weight_chunks(rt, family):
+    """tensors.linear_forward / linear_backward over a float32 weight split into row chunks by a shrunk max
+    storage binding (each chunk's columns of y and dy at an offset, with the whole row pitch), the tiled
+    family pinned; split-K takes the weight gradient (K = 600 tokens)."""
+    from wgpu_train.gpu.tensors import Matrix, linear_backward, linear_forward
+
+    rng = np.random.default_rng(12)
+    n, fin, fout = 600, 20, 52
+    x = rng.standard_normal((n, fin)).astype(np.float32)
+    w = rng.standard_normal((fout, fin)).astype(np.float32)
+    dy = rng.standard_normal((n, fout)).astype(np.float32)
+    saved = rt.max_binding
+    rt.max_binding = 16 * fin * 4 + 256            # chunks of 16 rows
+    try:
+        wm, dwm = Matrix(rt, fout, fin, "test.w", w), Matrix(rt, fout, fin, "test.dw", np.zeros_like(w))
+        assert len(wm.chunks) == 4
+        rt.max_binding = saved                       # activations of full size; the weight stays chunked
+        y, dx = rt.buffer(n * fout * 4), rt.buffer(n * fin * 4)
+        with tune.pinned(family):
+            rec = rt.recorder()
+            linear_forward(rec, y, rt.upload(x), wm, None, n)
+            linear_backward(rec, dx, dwm, None, rt.upload(dy), rt.upload(x), wm, n)
+            rec.submit()
+    finally:
+        rt.max_binding = saved
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    np.testing.assert_allclose(rt.read(y, np.float32, (n, fout)), x64 @ w64.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(rt.read(dx, np.float32, (n, fin)), dy64 @ w64, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dwm.read(rt), dy64.T @ x64, rtol=1e-5, atol=1e-5 * np.sqrt(n) * 4)
