@@ -14,7 +14,8 @@
 // Entry points: gemm_tiled (scalar global loads, any strides), gemm_tiled_v4 (vec4 global loads along
 // each operand's stride-1 dimension; preconditions in vec4_ok of gemm_tiled_src.py), and
 // gemm_splitk_reduce. They are separate entry points because naga rejects one entry point that uses
-// both the scalar and the vec4 view of a binding.
+// both the scalar and the vec4 view of a binding. gemm_tiled_sg / gemm_tiled_v4_sg, in the subgroup
+// section at the end, are the same two with fragments of As / Bs shared by 2 x 2 quads of lanes.
 //
 // Split-K (P.splits > 1): workgroup z = zb * splits + s sums k in [s * k_split, min(K, (s + 1) * k_split))
 // and writes that partial raw to a packed scratch in C: element (m, n) of (zb, s) at
@@ -49,17 +50,22 @@ const BK: u32 = 8u;     // steps of k per staged tile (a multiple of 4)
 const TM: u32 = 4u;     // rows of C per invocation (a multiple of 4)
 const TN: u32 = 4u;     // columns of C per invocation (a multiple of 4)
 const NBUF: u32 = 1u;   // 2: double-buffered tiles
+const PAD: u32 = 0u;    // vec4s of padding after each k row of As and Bs (4 for the subgroup kernels)
 // @tile-config end
 
 const TX: u32 = BN / TN;                 // invocations along n
 const WG: u32 = (BM / TM) * TX;          // invocations per workgroup
 const AV: u32 = BM * BK / 4u;            // vec4s per A tile
 const BV: u32 = BN * BK / 4u;
+const AROW: u32 = BM / 4u + PAD;         // vec4 pitch of a k row of As
+const BROW: u32 = BN / 4u + PAD;
+const ABUF: u32 = AROW * BK;             // vec4s per buffer of As
+const BBUF: u32 = BROW * BK;
 const SA: u32 = (AV + WG - 1u) / WG;     // vec4 staging registers per invocation for the A tile
 const SB: u32 = (BV + WG - 1u) / WG;
 
-var<workgroup> As: array<vec4<f32>, NBUF * AV>;   // [buffer][k][m / 4]
-var<workgroup> Bs: array<vec4<f32>, NBUF * BV>;   // [buffer][k][n / 4]
+var<workgroup> As: array<vec4<f32>, NBUF * ABUF>;   // [buffer][k][m / 4], rows AROW apart
+var<workgroup> Bs: array<vec4<f32>, NBUF * BBUF>;   // [buffer][k][n / 4], rows BROW apart
 
 // The next tiles on their way from global memory to workgroup memory. Slot l of a scalar load holds
 // elements (4l + c) * WG + lid, c < 4, of the tile; of a vec4 load, vec4 l * WG + lid.
@@ -152,7 +158,7 @@ fn put_s(st: ptr<function, Stage>, buf: u32) {
             let e = (4u * l + c) * WG + lid;
             if (e < 4u * AV) {
                 let p = a_pos(e);
-                As[buf * AV + p.y * (BM / 4u) + p.x / 4u][p.x % 4u] = (*st).a[l][c];
+                As[buf * ABUF + p.y * AROW + p.x / 4u][p.x % 4u] = (*st).a[l][c];
             }
         }
     }
@@ -161,7 +167,7 @@ fn put_s(st: ptr<function, Stage>, buf: u32) {
             let e = (4u * l + c) * WG + lid;
             if (e < 4u * BV) {
                 let p = b_pos(e);
-                Bs[buf * BV + p.x * (BN / 4u) + p.y / 4u][p.y % 4u] = (*st).b[l][c];
+                Bs[buf * BBUF + p.x * BROW + p.y / 4u][p.y % 4u] = (*st).b[l][c];
             }
         }
     }
@@ -218,13 +224,13 @@ fn put_v(st: ptr<function, Stage>, buf: u32) {
             let p = a_pos4(v);
             let x = (*st).a[l];
             if (P.a_sk == 1u) {
-                let i = buf * AV + p.y * (BM / 4u) + p.x / 4u;
+                let i = buf * ABUF + p.y * AROW + p.x / 4u;
                 As[i][p.x % 4u] = x.x;
-                As[i + BM / 4u][p.x % 4u] = x.y;
-                As[i + 2u * (BM / 4u)][p.x % 4u] = x.z;
-                As[i + 3u * (BM / 4u)][p.x % 4u] = x.w;
+                As[i + AROW][p.x % 4u] = x.y;
+                As[i + 2u * AROW][p.x % 4u] = x.z;
+                As[i + 3u * AROW][p.x % 4u] = x.w;
             } else {
-                As[buf * AV + p.y * (BM / 4u) + p.x / 4u] = x;
+                As[buf * ABUF + p.y * AROW + p.x / 4u] = x;
             }
         }
     }
@@ -234,13 +240,13 @@ fn put_v(st: ptr<function, Stage>, buf: u32) {
             let p = b_pos4(v);
             let x = (*st).b[l];
             if (P.b_sn == 1u) {
-                Bs[buf * BV + p.x * (BN / 4u) + p.y / 4u] = x;
+                Bs[buf * BBUF + p.x * BROW + p.y / 4u] = x;
             } else {
-                let i = buf * BV + p.x * (BN / 4u) + p.y / 4u;
+                let i = buf * BBUF + p.x * BROW + p.y / 4u;
                 Bs[i][p.y % 4u] = x.x;
-                Bs[i + BN / 4u][p.y % 4u] = x.y;
-                Bs[i + 2u * (BN / 4u)][p.y % 4u] = x.z;
-                Bs[i + 3u * (BN / 4u)][p.y % 4u] = x.w;
+                Bs[i + BROW][p.y % 4u] = x.y;
+                Bs[i + 2u * BROW][p.y % 4u] = x.z;
+                Bs[i + 3u * BROW][p.y % 4u] = x.w;
             }
         }
     }
@@ -250,16 +256,16 @@ fn put_v(st: ptr<function, Stage>, buf: u32) {
 // accumulators and the fragments of As / Bs stay in registers -------------------------------------
 
 fn multiply(acc: ptr<function, Acc>, buf: u32) {
-    let a0 = buf * AV + ty;
-    let b0 = buf * BV + tx;
+    let a0 = buf * ABUF + ty;
+    let b0 = buf * BBUF + tx;
     for (var k = 0u; k < BK; k++) {
         var a: array<vec4<f32>, TM / 4u>;
         var b: array<vec4<f32>, TN / 4u>;
         for (var g = 0u; g < TM / 4u; g++) {
-            a[g] = As[a0 + k * (BM / 4u) + g * (BM / TM)];
+            a[g] = As[a0 + k * AROW + g * (BM / TM)];
         }
         for (var h = 0u; h < TN / 4u; h++) {
-            b[h] = Bs[b0 + k * (BN / 4u) + h * TX];
+            b[h] = Bs[b0 + k * BROW + h * TX];
         }
         // rows 4g .. 4g+3 times column group h: acc[(4g + r) * TN / 4 + h] for r < 4
         for (var g = 0u; g < TM / 4u; g++) {
@@ -400,3 +406,184 @@ fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
     finish(zb, m, n, sum);
 }
+
+// @subgroups begin: gemm_tiled_src.tiled_source() blanks this section for a config without subgroups (naga
+// rejects a whole module that uses a subgroup builtin on a device without the feature, even unused).
+//
+// gemm_tiled_sg / gemm_tiled_v4_sg: the same tiles, staging and epilogue, but each read of As / Bs in the
+// multiply serves two invocations. The invocations 4b .. 4b+3 form a 2 x 2 block of the TX x TY grid
+// (q = 0..3: x = q & 1 along n, y = q >> 1 along m). The x pair shares its rows of C, so its A fragment;
+// the y pair shares its columns, so its B fragment. For each pair of k rows (k, k+1), an invocation reads
+// its fragments of row k + d only, d = x ^ y, and receives those of row k + 1 - d from its x partner (A)
+// and its y partner (B) with subgroupShuffleXor by 1 and 2: half the workgroup-memory reads of gemm_tiled,
+// for TM + TN floats exchanged per invocation and pair of rows. Xor by 1 or 2 stays inside a quad, which
+// GPUs exchange cheaply (AMD: DPP quad permutes; Intel: register regions; Apple: quad shuffles; NVIDIA:
+// shfl, about the cost of a shared load, so about even there). Unmeasured on GPUs: the autotuner decides.
+// The two rows a quad reads lie BM (or BN) floats apart, a multiple of 32 banks of 4 bytes; PAD = 4 vec4s
+// puts odd rows 16 banks away so the quad's reads do not conflict.
+//
+// Width-free: only quads (subgroup lanes 4j .. 4j+3, present in every subgroup of 4 or more lanes) exchange
+// values, and an invocation's quad index q is its subgroup_invocation_id % 4. setup_sg checks that every
+// quad is complete and holds the four invocations 4b .. 4b+3 (in any order), which WebGPU does not promise
+// (subgroups may be partial; the mapping of local_invocation_index to lanes is unspecified). If any quad
+// of the workgroup fails, the whole workgroup takes the fallback: q = local % 4 and each invocation reads
+// both rows from workgroup memory itself; both paths compute the same products.
+
+const QUADS: bool = true;   // false forces the fallback (the tests run it on adapters whose quads pass)
+
+var<workgroup> quad_bad: atomic<u32>;
+var<workgroup> quad_fast: u32;
+var<private> qd: u32;           // d = x ^ y: which row of each pair of k rows this invocation reads
+
+// The index the kernel goes by; the tests substitute permutations (other mappings of invocations to lanes).
+fn lane_order(index: u32) -> u32 {
+    return index;
+}
+
+// Roles of the quad layout; true when every quad of the workgroup may exchange values (workgroup-uniform).
+fn setup_sg(wid: vec3<u32>, local: u32, sid: u32) -> bool {
+    if (local == 0u) {
+        atomicStore(&quad_bad, 0u);   // not zeroed on lavapipe (wgpu 0.32), whatever WebGPU says
+    }
+    workgroupBarrier();
+    let q0 = sid & ~3u;
+    let live = subgroupBallot(true);
+    let whole = ((live[q0 / 32u] >> (q0 % 32u)) & 15u) == 15u;
+    let lead = subgroupShuffle(local, q0);   // indeterminate when lane q0 is inactive, but then !whole
+    if (!QUADS || !whole || lead / 4u != local / 4u) {
+        atomicOr(&quad_bad, 1u);
+    }
+    workgroupBarrier();
+    if (local == 0u) {
+        quad_fast = select(0u, 1u, atomicLoad(&quad_bad) == 0u);
+    }
+    let fast = workgroupUniformLoad(&quad_fast) == 1u;
+    setup(wid, local);
+    let q = select(local, sid, fast) % 4u;
+    let b = local / 4u;
+    tx = 2u * (b % (TX / 2u)) + (q & 1u);
+    ty = 2u * (b / (TX / 2u)) + (q >> 1u);
+    qd = (q ^ (q >> 1u)) & 1u;
+    return fast;
+}
+
+fn update(acc: ptr<function, Acc>, a: array<vec4<f32>, TM / 4u>, b: array<vec4<f32>, TN / 4u>) {
+    for (var g = 0u; g < TM / 4u; g++) {
+        for (var h = 0u; h < TN / 4u; h++) {
+            let j = g * TN + h;
+            (*acc)[j] = fma(vec4<f32>(a[g].x), b[h], (*acc)[j]);
+            (*acc)[j + TN / 4u] = fma(vec4<f32>(a[g].y), b[h], (*acc)[j + TN / 4u]);
+            (*acc)[j + TN / 2u] = fma(vec4<f32>(a[g].z), b[h], (*acc)[j + TN / 2u]);
+            (*acc)[j + 3u * TN / 4u] = fma(vec4<f32>(a[g].w), b[h], (*acc)[j + 3u * TN / 4u]);
+        }
+    }
+}
+
+fn multiply_sg(acc: ptr<function, Acc>, buf: u32, fast: bool) {
+    let a0 = buf * ABUF + ty;
+    let b0 = buf * BBUF + tx;
+    for (var k = 0u; k < BK; k += 2u) {
+        let ka = (k + qd) * AROW;
+        let kb = (k + qd) * BROW;
+        var a: array<vec4<f32>, TM / 4u>;
+        var b: array<vec4<f32>, TN / 4u>;
+        var a2: array<vec4<f32>, TM / 4u>;   // row k + 1 - d
+        var b2: array<vec4<f32>, TN / 4u>;
+        for (var g = 0u; g < TM / 4u; g++) {
+            a[g] = As[a0 + ka + g * (BM / TM)];
+        }
+        for (var h = 0u; h < TN / 4u; h++) {
+            b[h] = Bs[b0 + kb + h * TX];
+        }
+        if (fast) {
+            for (var g = 0u; g < TM / 4u; g++) {
+                a2[g] = subgroupShuffleXor(a[g], 1u);
+            }
+            for (var h = 0u; h < TN / 4u; h++) {
+                b2[h] = subgroupShuffleXor(b[h], 2u);
+            }
+        } else {
+            let ka2 = (k + 1u - qd) * AROW;
+            let kb2 = (k + 1u - qd) * BROW;
+            for (var g = 0u; g < TM / 4u; g++) {
+                a2[g] = As[a0 + ka2 + g * (BM / TM)];
+            }
+            for (var h = 0u; h < TN / 4u; h++) {
+                b2[h] = Bs[b0 + kb2 + h * TX];
+            }
+        }
+        update(acc, a, b);
+        update(acc, a2, b2);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn gemm_tiled_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) index: u32,
+                 @builtin(subgroup_invocation_id) sid: u32) {
+    let fast = setup_sg(wid, lane_order(index), sid);
+    let kr = k_range(wid.z);
+    var acc: Acc;
+    var st: Stage;
+    load_s(&st, kr.x, kr.y);
+    put_s(&st, 0u);
+    workgroupBarrier();
+    var buf = 0u;
+    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
+        let more = k0 + BK < kr.y;
+        if (NBUF == 2u) {
+            if (more) {
+                load_s(&st, k0 + BK, kr.y);
+            }
+            multiply_sg(&acc, buf, fast);
+            buf ^= 1u;
+            if (more) {
+                put_s(&st, buf);
+            }
+        } else {
+            multiply_sg(&acc, 0u, fast);
+            workgroupBarrier();
+            if (more) {
+                load_s(&st, k0 + BK, kr.y);
+                put_s(&st, 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+    store(&acc, wid.z);
+}
+
+@compute @workgroup_size(WG)
+fn gemm_tiled_v4_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) index: u32,
+                    @builtin(subgroup_invocation_id) sid: u32) {
+    let fast = setup_sg(wid, lane_order(index), sid);
+    let kr = k_range(wid.z);
+    var acc: Acc;
+    var st: Stage;
+    load_v(&st, kr.x, kr.y);
+    put_v(&st, 0u);
+    workgroupBarrier();
+    var buf = 0u;
+    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
+        let more = k0 + BK < kr.y;
+        if (NBUF == 2u) {
+            if (more) {
+                load_v(&st, k0 + BK, kr.y);
+            }
+            multiply_sg(&acc, buf, fast);
+            buf ^= 1u;
+            if (more) {
+                put_v(&st, buf);
+            }
+        } else {
+            multiply_sg(&acc, 0u, fast);
+            workgroupBarrier();
+            if (more) {
+                load_v(&st, k0 + BK, kr.y);
+                put_v(&st, 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+    store(&acc, wid.z);
+}
+// @subgroups end

@@ -1,6 +1,8 @@
 """The workgroup-tiled GEMM (shaders/gemm_tiled.wgsl, specialised by wgpu_train.gpu.gemm_tiled_src)
 against NumPy in float64, on every adapter present: layouts, ragged edges, batches, epilogue options,
-offsets, every TileConfig, and split-K with its reduce pass."""
+offsets, every TileConfig, and split-K with its reduce pass. The subgroup configs run on every adapter
+with the `subgroup` feature, both through their lane exchanges and through their fallback; on the others
+the plain configs' source (subgroup section blanked) must compile."""
 from __future__ import annotations
 
 import re
@@ -18,6 +20,9 @@ ATOL_PER_SQRT_K = 1e-5
 SCALAR = T.TileConfig(32, 32, 16, 4, 4)                 # small tiles: cheap on llvmpipe
 VEC4 = T.TileConfig(32, 32, 16, 4, 4, vec4=True)
 DB = T.TileConfig(64, 64, 8, 4, 4, double_buffer=True)
+SG = T.TileConfig(32, 32, 16, 4, 4, subgroups=True)
+SG_V4 = T.TileConfig(32, 32, 16, 4, 4, vec4=True, subgroups=True)
+SG_DB = T.TileConfig(64, 64, 8, 4, 4, double_buffer=True, subgroups=True)
 ODD_SHAPES = [(1, 1, 1), (3, 17, 65), (17, 3, 127), (65, 127, 3), (127, 65, 17), (3, 127, 1), (127, 1, 65),
               (1, 65, 127), (65, 17, 17), (1, 17, 3)]   # every pair of 1, 3, 17, 65, 127 somewhere
 
@@ -105,13 +110,49 @@ class Case:
         return got[self.c_idx]
 
 
-def _pipeline(rt, cfg):
-    return rt.pipeline("gemm_tiled:" + cfg.name, T.entry_point(cfg), source=T.tiled_source(cfg))
+QUADS_ON = "const QUADS: bool = true;"
+FALLBACK_READS = ("a2[g] = As[a0 + ka2 + g * (BM / TM)];", "b2[h] = Bs[b0 + kb2 + h * TX];")
+LANE_ORDER = "    return index;\n"
+# index -> the index the kernel uses: other mappings of invocations to subgroup lanes than lavapipe's
+# (whose lane is index % 8). Bits 0 and 1 swapped: each quad holds a block 4b .. 4b+3 in another order
+# (not an xor of the lane's), so the exchange runs. Bits 1 and 2 swapped: quads hold {0, 1, 4, 5}, ...,
+# straddling blocks, so setup_sg must refuse the exchange, and the lane % 4 of a block repeats.
+ORDERS = {"swap01": "(index & ~3u) | ((index & 1u) << 1u) | ((index >> 1u) & 1u)",
+          "swap12": "(index & ~7u) | (index & 1u) | ((index & 2u) << 1u) | ((index >> 1u) & 2u)"}
 
 
-def _run(rt, cfg, cases):
-    """Dispatch every case with cfg in one submit, then check each."""
-    pipeline = _pipeline(rt, cfg)
+def _source(cfg, quads=True, sabotage_fallback=False, order=None):
+    """tiled_source(cfg); quads=False forces the subgroup kernels' fallback (no lane exchange);
+    sabotage_fallback makes that fallback read zeros, so only the lane exchange can give right results;
+    order: a key of ORDERS."""
+    src = T.tiled_source(cfg)
+    if order:
+        assert src.count(LANE_ORDER) == 1
+        src = src.replace(LANE_ORDER, f"    return {ORDERS[order]};\n")
+    if not quads:
+        assert src.count(QUADS_ON) == 1
+        src = src.replace(QUADS_ON, QUADS_ON.replace("true", "false"))
+    if sabotage_fallback:
+        for line in FALLBACK_READS:
+            assert src.count(line) == 1
+            src = src.replace(line, line.split(" = ")[0] + " = vec4<f32>(0.0);")
+    return src
+
+
+def _need_subgroups(rt, cfg=None):
+    if (cfg is None or cfg.subgroups) and "subgroup" not in rt.features:
+        pytest.skip(f"{rt.info.describe()} lacks the subgroup feature the *_sg kernels need")
+
+
+def _pipeline(rt, cfg, **variant):
+    tag = "".join(f":{k}={v}" for k, v in sorted(variant.items()))
+    return rt.pipeline("gemm_tiled:" + cfg.name + tag, T.entry_point(cfg), source=_source(cfg, **variant))
+
+
+def _run(rt, cfg, cases, **variant):
+    """Dispatch every case with cfg (variant: see _source) in one submit, then check each."""
+    _need_subgroups(rt, cfg)
+    pipeline = _pipeline(rt, cfg, **variant)
     rec = rt.recorder()
     for case in cases:
         if cfg.vec4:
@@ -120,13 +161,13 @@ def _run(rt, cfg, cases):
         rec.dispatch(pipeline, [case.uniform(rt), a, b, bias, c], T.groups(cfg, case.M, case.N, case.batch))
     rec.submit()
     for case in cases:
-        case.check(rt, f"{cfg.name} {case.fields}")
+        case.check(rt, f"{cfg.name} {variant} {case.fields}")
 
 
 def _reduce(rt, uniform, partials, bias, c, groups):
     """gemm_splitk_reduce binds 0, 1, 3, 4 (it never reads B), so its bind group is built here by
     binding number; Runtime.bind_group numbers resources consecutively."""
-    pipeline = rt.pipeline("gemm_tiled:reduce", T.REDUCE_ENTRY, source=T.tiled_source(SCALAR))
+    pipeline = rt.pipeline("gemm_tiled:reduce", T.REDUCE_ENTRY, source=_source(SCALAR))
     entries = [{"binding": i, "resource": {"buffer": buf, "offset": 0, "size": buf.size}}
                for i, buf in ((0, uniform), (1, partials), (3, bias), (4, c))]
     bg = rt.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
@@ -145,9 +186,15 @@ def test_configs_fit_default_limits():
     names = [c.name for c in T.TILED_CONFIGS]
     assert len(set(names)) == len(names)
     assert sum(c.double_buffer for c in T.TILED_CONFIGS) >= 2 and any(c.vec4 for c in T.TILED_CONFIGS)
+    sg = [c for c in T.TILED_CONFIGS if c.subgroups]
+    assert any(c.vec4 for c in sg) and not all(c.vec4 for c in sg)
     for cfg in T.TILED_CONFIGS:
-        assert T.fits(cfg, {}), cfg.name
+        assert T.fits(cfg, {}, features={"subgroup", "timestamp-query"}), cfg.name
+        assert T.fits(cfg, {}) == T.fits(cfg, {}, features=("timestamp-query",)) == (not cfg.subgroups)
         assert T.workgroup_size(cfg) == (cfg.bm // cfg.tm) * (cfg.bn // cfg.tn) <= 256
+        assert T.needs_subgroups(cfg) == cfg.subgroups == cfg.name.endswith("_sg")
+        assert T.kernel_features(cfg) == (("subgroup",) if cfg.subgroups else ())
+        assert T.entry_point(cfg) == "gemm_tiled" + "_v4" * cfg.vec4 + "_sg" * cfg.subgroups
     big = T.TileConfig(128, 128, 8, 8, 8, double_buffer=True)
     assert big.name == "t128x128x8_8x8_db" and T.workgroup_bytes(big) == 16384
     assert not T.fits(big, {"max-compute-workgroup-storage-size": 16383})
@@ -156,16 +203,35 @@ def test_configs_fit_default_limits():
     assert not T.fits(T.TileConfig(128, 64, 16, 8, 8, double_buffer=True), {})
     with pytest.raises(ValueError):
         T.TileConfig(64, 64, 8, 3, 4)
+    # the subgroup kernels pad each k row of As and Bs by 16 floats and pair invocations in 2 x 2 quads
+    assert T.workgroup_bytes(T.TileConfig(128, 128, 8, 8, 8, subgroups=True)) == 4 * (128 + 16) * 8 * 2
+    assert not T.fits(T.TileConfig(128, 128, 8, 8, 8, double_buffer=True, subgroups=True), {}, ("subgroup",))
+    T.TileConfig(32, 32, 8, 4, 8, subgroups=True)         # 8 x 4 invocations: pairs
+    with pytest.raises(ValueError):
+        T.TileConfig(32, 24, 8, 4, 8, subgroups=True)     # 3 along n: cannot pair
 
 
 def test_tiled_source_rewrites_only_the_config_block():
     text = shader_path(T.SHADER).read_text()
-    src = T.tiled_source(T.TileConfig(128, 64, 16, 8, 4, double_buffer=True))
-    assert src.count("\n") == text.count("\n")
-    consts = dict(re.findall(r"const (BM|BN|BK|TM|TN|NBUF): u32 = (\d+)u;", src))
-    assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "4", "NBUF": "2"}
-    changed = [i for i, (x, y) in enumerate(zip(text.splitlines(), src.splitlines())) if x != y]
-    assert len(changed) == 4   # BM, TN, BK and NBUF differ from the file's defaults
+    lines = text.splitlines()
+    sg_lines = [i for i, x in enumerate(lines) if "@subgroups begin" in x or "@subgroups end" in x]
+    assert len(sg_lines) == 2 and not re.search(r"subgroup[A-Z_]", "\n".join(lines[:sg_lines[0]]))
+    for subgroups in (False, True):
+        src = T.tiled_source(T.TileConfig(128, 64, 16, 8, 4, double_buffer=True, subgroups=subgroups))
+        assert src.count("\n") == text.count("\n")
+        consts = dict(re.findall(r"const (BM|BN|BK|TM|TN|NBUF|PAD): u32 = (\d+)u;", src))
+        assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "4", "NBUF": "2",
+                          "PAD": "4" if subgroups else "0"}
+        out = src.splitlines()
+        changed = [i for i, (x, y) in enumerate(zip(lines, out)) if x != y]
+        in_section = [i for i in changed if sg_lines[0] <= i <= sg_lines[1]]
+        # BM, TN, BK, NBUF (and PAD) differ from the file's defaults; without subgroups the section is blank
+        assert len(changed) - len(in_section) == 4 + subgroups
+        if subgroups:
+            assert not in_section
+        else:
+            assert all(not out[i] for i in range(sg_lines[0], sg_lines[1] + 1))
+            assert not re.search(r"subgroup[A-Z_]|quad[A-Z]", src)
 
 
 def test_vec4_ok_and_groups():
@@ -191,10 +257,19 @@ def test_vec4_ok_and_groups():
 
 # ---- the kernel -----------------------------------------------------------------------------------
 
+# (config, _source variant): the plain kernel, the subgroup kernel, and the subgroup kernel's fallback
+VARIANTS = [(SCALAR, {}), (SG, {}), (SG, {"quads": False})]
+
+
+def _vid(v):
+    return v.name if isinstance(v, T.TileConfig) else ("fallback" if v == {"quads": False} else "-")
+
+
+@pytest.mark.parametrize("cfg, variant", VARIANTS, ids=_vid)
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
-def test_layouts_odd_sizes(rt, layout):
+def test_layouts_odd_sizes(rt, layout, cfg, variant):
     rng = np.random.default_rng(1)
-    _run(rt, SCALAR, [Case(rng, M, N, K, layout) for M, N, K in ODD_SHAPES])
+    _run(rt, cfg, [Case(rng, M, N, K, layout) for M, N, K in ODD_SHAPES], **variant)
 
 
 @pytest.mark.parametrize("cfg", T.TILED_CONFIGS, ids=lambda c: c.name)
@@ -207,8 +282,9 @@ def test_every_config(rt, cfg):
     _run(rt, cfg, [Case(rng, M, N, K, "nt"), Case(rng, N, M, K, "tn")])
 
 
-@pytest.mark.parametrize("cfg", [SCALAR, VEC4, DB], ids=lambda c: c.name)
-def test_epilogue_offsets_batches(rt, cfg):
+@pytest.mark.parametrize("cfg, variant", [(SCALAR, {}), (VEC4, {}), (DB, {}), (SG, {}), (SG_V4, {}),
+                                          (SG_DB, {}), (SG_V4, {"quads": False})], ids=_vid)
+def test_epilogue_offsets_batches(rt, cfg, variant):
     """alpha, bias (a row vector and a full matrix), accumulate, C transposed, nonzero offsets, padded
     pitches, batch strides and a B shared by every batch (stride 0)."""
     rng = np.random.default_rng(3)
@@ -219,10 +295,10 @@ def test_epilogue_offsets_batches(rt, cfg):
              Case(rng, M, N, K, "tn", bias="full", c_trans=True, offs=offs),
              Case(rng, M, N, K, "nn", batch=3, pad=pad, b_bcast=True, accumulate=True, alpha=0.5),
              Case(rng, M, N, K, "tt", batch=2, pad=pad, offs=offs, c_trans=True, bias="row")]
-    _run(rt, cfg, cases)
+    _run(rt, cfg, cases, **variant)
 
 
-@pytest.mark.parametrize("cfg", [SCALAR, VEC4, DB], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [SCALAR, VEC4, DB, SG, SG_V4], ids=lambda c: c.name)
 def test_split_k(rt, cfg):
     """Split-K with 2 and 3 splits (K not a multiple of k_split; one case with an empty last split),
     then the reduce pass, equal to the unsplit kernel and to NumPy; the reduce grid folded into y."""
@@ -233,6 +309,7 @@ def test_split_k(rt, cfg):
               (12, 20, long_k, "nt", 3, dict(alpha=-1.5, bias="row", accumulate=True)),
               (m_small, n_small, cfg.bk + 4, "nn", 3, dict(c_trans=True)),   # the third split is empty
               (m_batched, 40, long_k, "tt", 2, dict(batch=2, offs=(4, 8, 1, 4), bias="full"))]
+    _need_subgroups(rt, cfg)
     pipeline = _pipeline(rt, cfg)
     rec = rt.recorder()
     runs = []
@@ -259,3 +336,41 @@ def test_split_k(rt, cfg):
         split = case.check(rt, what)
         whole = case.check(rt, what + " unsplit", unsplit)
         np.testing.assert_allclose(split, whole, rtol=RTOL, atol=ATOL_PER_SQRT_K * np.sqrt(case.K))
+
+
+# ---- the subgroup section -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [SG, SG_V4, SG_DB], ids=lambda c: c.name)
+def test_quads_exchange_here(rt, cfg):
+    """With the fallback's own reads of the second row replaced by zeros, the results can only be right if
+    every workgroup took the lane exchange: this adapter's quads pass setup_sg's check, and the exchanged
+    fragments are the right ones."""
+    rng = np.random.default_rng(5)
+    M, N, K = 2 * cfg.bm + 4, cfg.bn + 12, 3 * cfg.bk + 4
+    _run(rt, cfg, [Case(rng, M, N, K, "nt"), Case(rng, N, M, K, "tn")], sabotage_fallback=True)
+
+
+@pytest.mark.parametrize("cfg", [SG, SG_V4], ids=lambda c: c.name)
+def test_other_lane_mappings(rt, cfg):
+    """WebGPU leaves the mapping of invocations to lanes open (ORDERS): with each quad's invocations in
+    another order the exchange still runs and is right; with quads straddling blocks of 4, setup_sg must
+    refuse the exchange (a sabotaged fallback then gives wrong results) and the fallback is right."""
+    rng = np.random.default_rng(6)
+    M, N, K = 2 * cfg.bm + 4, cfg.bn + 12, 3 * cfg.bk + 4
+    _run(rt, cfg, [Case(rng, M, N, K, "nt"), Case(rng, N, M, K, "tn")], order="swap01", sabotage_fallback=True)
+    _run(rt, cfg, [Case(rng, M, N, K, "tn"), Case(rng, N, M, K, "nt")], order="swap12")
+    with pytest.raises(AssertionError, match="Mismatched"):
+        _run(rt, cfg, [Case(rng, M, N, K, "nt")], order="swap12", sabotage_fallback=True)
+
+
+def test_plain_source_compiles_without_subgroups(rt):
+    """On an adapter without `subgroup`, every plain config's module (its reduce pass too) compiles from the
+    file with the subgroup section blanked; the unblanked file does not (why tiled_source blanks it)."""
+    if "subgroup" in rt.features:
+        pytest.skip(f"{rt.info.describe()} has the subgroup feature; this checks adapters without it")
+    for cfg in T.TILED_CONFIGS:
+        if not cfg.subgroups:
+            rt.pipeline("gemm_tiled:" + cfg.name, T.entry_point(cfg), source=T.tiled_source(cfg))
+            rt.pipeline("gemm_tiled:" + cfg.name, T.REDUCE_ENTRY, source=T.tiled_source(cfg))
+    with pytest.raises(Exception, match="(?i)subgroup"):
+        rt.pipeline("gemm_tiled:unblanked", "gemm_tiled", source=T.tiled_source(SG))

@@ -287,12 +287,14 @@ def register_candidates(p: Problem) -> list:
 
 def tiled_kernel(cfg) -> Kernel:
     return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg),
-                  invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg))
+                  invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
+                  features=tiled.kernel_features(cfg))
 
 
 def _reduce_kernel(cfg) -> Kernel:
+    # from the same source as the pass it reduces (a subgroup config's source keeps its subgroup section)
     return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg),
-                  invocations=tiled.REDUCE_WG)
+                  invocations=tiled.REDUCE_WG, features=tiled.kernel_features(cfg))
 
 
 def _scratch(rt, elements: int):
@@ -313,7 +315,7 @@ class Tiled:
         self.name = f"splitk{splits}/{cfg.name}" if splits > 1 else f"tiled/{cfg.name}"
 
     def applies(self, p: Problem) -> bool:
-        if not tiled.fits(self.cfg, p.rt.limits):
+        if not tiled.fits(self.cfg, p.rt.limits, p.rt.features):
             return False
         if self.cfg.vec4 and not tiled.vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz,
                                                p.b_off, p.b_sk, p.b_sn, p.b_sz):
@@ -353,7 +355,8 @@ def tiled_candidates(p: Problem) -> list:
     out = [Tiled(cfg) for cfg in tiled.TILED_CONFIGS]
     tiles64 = -(-p.M // 64) * -(-p.N // 64) * p.batch
     if (tiles64 < 64 and p.K >= 512) or (tiles64 < 1024 and p.K >= 16 * max(p.M, p.N)):
-        small = [cfg for cfg in tiled.TILED_CONFIGS if not cfg.double_buffer and cfg.bm * cfg.bn <= 64 * 64]
+        small = [cfg for cfg in tiled.TILED_CONFIGS
+                 if not cfg.double_buffer and not cfg.subgroups and cfg.bm * cfg.bn <= 64 * 64]
         out += [Tiled(cfg, s) for s in SPLITS for cfg in small]
     return [c for c in out if c.applies(p)]
 

@@ -3,8 +3,10 @@
 Each TileConfig is one candidate kernel for the autotuner. The tile sizes also size private (register)
 arrays, whose lengths WGSL requires to be const expressions (override constants are rejected there), so
 tiled_source() rewrites the marked const block of the .wgsl text in place (line numbers stay those of the
-file); cfg.vec4 chooses the entry point (entry_point()). The uniform is PARAMS_FIELDS packed with
-PARAMS_FORMAT.
+file); cfg.vec4 and cfg.subgroups choose the entry point (entry_point()). The subgroup entry points sit
+in a marked section that tiled_source() blanks for a config without subgroups, so that module compiles on
+adapters without the `subgroup` feature (naga rejects a module using a subgroup builtin there, even in an
+unused entry point). The uniform is PARAMS_FIELDS packed with PARAMS_FORMAT.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ FLAG_BIAS = 2
 # WebGPU's default limits, for a limits dict that lacks a key
 DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256,
                   "max-compute-workgroup-size-x": 256}
+SUBGROUP_FEATURE = "subgroup"
+SG_PAD = 4                    # vec4s of padding per k row of As / Bs in the subgroup kernels (see the .wgsl)
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
+_SG_BEGIN, _SG_END = "// @subgroups begin", "// @subgroups end"
 
 
 @dataclass(frozen=True)
@@ -40,19 +45,23 @@ class TileConfig:
     tn: int
     vec4: bool = False            # vec4 global loads (gemm_tiled_v4; see vec4_ok)
     double_buffer: bool = False   # two sets of tiles, one barrier per step
+    subgroups: bool = False       # 2 x 2 quads of lanes share fragments (gemm_tiled*_sg; needs_subgroups)
 
     def __post_init__(self):
         if self.tm % 4 or self.tn % 4 or self.bk % 4 or self.bm % self.tm or self.bn % self.tn:
             raise ValueError(f"{self.name}: TM, TN and BK must be multiples of 4 dividing BM, BN")
+        if self.subgroups and ((self.bm // self.tm) % 2 or (self.bn // self.tn) % 2):
+            raise ValueError(f"{self.name}: the subgroup kernel needs an even number of invocations along "
+                             "m and n (BM / TM, BN / TN): it pairs them in 2 x 2 quads")
 
     @property
     def name(self) -> str:
         return (f"t{self.bm}x{self.bn}x{self.bk}_{self.tm}x{self.tn}" + ("_v4" if self.vec4 else "")
-                + ("_db" if self.double_buffer else ""))
+                + ("_db" if self.double_buffer else "") + ("_sg" if self.subgroups else ""))
 
 
-def _both(bm, bn, bk, tm, tn, double_buffer=False):
-    return [TileConfig(bm, bn, bk, tm, tn, v, double_buffer) for v in (False, True)]
+def _both(bm, bn, bk, tm, tn, double_buffer=False, subgroups=False):
+    return [TileConfig(bm, bn, bk, tm, tn, v, double_buffer, subgroups) for v in (False, True)]
 
 
 # All fit WebGPU's default limits (16 KiB of workgroup storage, 256 invocations).
@@ -66,6 +75,10 @@ TILED_CONFIGS = (
     + _both(64, 64, 16, 8, 8)                       # 64 invocations, 8 KiB
     + _both(64, 64, 16, 8, 8, double_buffer=True)   # 16 KiB
     + _both(32, 32, 16, 4, 4)                       # 64 invocations, 4 KiB: small products
+    # 2 x 2 quads share fragments through subgroup shuffles (only where the adapter has `subgroup`; fits())
+    + _both(128, 128, 8, 8, 8, subgroups=True)      # 256 invocations, 9 KiB
+    + _both(64, 64, 8, 4, 4, double_buffer=True, subgroups=True)   # 256 invocations, 10 KiB: 4x4 reads
+    + _both(64, 64, 16, 8, 8, subgroups=True)       # 64 invocations, 10 KiB
 )
 
 
@@ -74,21 +87,39 @@ def workgroup_size(cfg: TileConfig) -> int:
     return (cfg.bm // cfg.tm) * (cfg.bn // cfg.tn)
 
 
+def _pad(cfg: TileConfig) -> int:
+    return SG_PAD if cfg.subgroups else 0
+
+
 def workgroup_bytes(cfg: TileConfig) -> int:
-    """Workgroup storage: the A and B tiles, twice when double-buffered."""
-    return 4 * (cfg.bm + cfg.bn) * cfg.bk * (2 if cfg.double_buffer else 1)
+    """Workgroup storage: the A and B tiles (k rows padded for the subgroup kernels), twice when
+    double-buffered."""
+    return 4 * (cfg.bm + cfg.bn + 8 * _pad(cfg)) * cfg.bk * (2 if cfg.double_buffer else 1)
 
 
-def fits(cfg: TileConfig, limits: dict) -> bool:
-    """Whether the adapter's limits (wgpu's limit names; missing ones default to WebGPU's) allow cfg."""
+def needs_subgroups(cfg: TileConfig) -> bool:
+    """Whether cfg's kernel (and any module built from tiled_source(cfg)) needs the `subgroup` feature."""
+    return cfg.subgroups
+
+
+def kernel_features(cfg: TileConfig) -> tuple:
+    """The optional WebGPU features cfg's module needs, as launch.Kernel.features takes them."""
+    return (SUBGROUP_FEATURE,) if cfg.subgroups else ()
+
+
+def fits(cfg: TileConfig, limits: dict, features=()) -> bool:
+    """Whether the adapter's limits (wgpu's limit names; missing ones default to WebGPU's) and features
+    (e.g. Runtime.features) allow cfg. A subgroup config needs "subgroup" among the features given, so a
+    caller that passes none never gets one."""
     lim = {**DEFAULT_LIMITS, **(limits or {})}
     wg = workgroup_size(cfg)
-    return (workgroup_bytes(cfg) <= lim["max-compute-workgroup-storage-size"]
+    return ((not cfg.subgroups or SUBGROUP_FEATURE in (features or ()))
+            and workgroup_bytes(cfg) <= lim["max-compute-workgroup-storage-size"]
             and wg <= lim["max-compute-invocations-per-workgroup"] and wg <= lim["max-compute-workgroup-size-x"])
 
 
 def entry_point(cfg: TileConfig) -> str:
-    return "gemm_tiled_v4" if cfg.vec4 else "gemm_tiled"
+    return "gemm_tiled" + ("_v4" if cfg.vec4 else "") + ("_sg" if cfg.subgroups else "")
 
 
 @lru_cache(maxsize=1)
@@ -96,18 +127,27 @@ def _template() -> str:
     return shader_path(SHADER).read_text()
 
 
+def _blank(src: str, begin: str, end: str) -> str:
+    """src with the lines from the one holding `begin` through the one holding `end` left empty."""
+    start = src.rindex("\n", 0, src.index(begin)) + 1
+    stop = src.index("\n", src.index(end, start))
+    return src[:start] + "\n" * src.count("\n", start, stop) + src[stop:]
+
+
 def tiled_source(cfg: TileConfig) -> str:
-    """The WGSL text specialised for cfg (same line count as the file)."""
+    """The WGSL text specialised for cfg (same line count as the file). Without cfg.subgroups the
+    subgroup section is blanked, so the module compiles on any adapter (its gemm_splitk_reduce too)."""
     src = _template()
     start, end = src.index(_BEGIN), src.index(_END)
     block = src[start:end]
     values = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "TM": cfg.tm, "TN": cfg.tn,
-              "NBUF": 2 if cfg.double_buffer else 1}
+              "NBUF": 2 if cfg.double_buffer else 1, "PAD": _pad(cfg)}
     for name, value in values.items():
         block, n = re.subn(rf"(const {name}: u32 = )\d+u;", rf"\g<1>{value}u;", block)
         if n != 1:
             raise ValueError(f"{SHADER}.wgsl: expected one 'const {name}: u32' in the tile-config block")
-    return src[:start] + block + src[end:]
+    src = src[:start] + block + src[end:]
+    return src if cfg.subgroups else _blank(src, _SG_BEGIN, _SG_END)
 
 
 def _aligned(*values) -> bool:
