@@ -11,11 +11,11 @@
 // neighbouring columns of C. Transposing a k-contiguous op(A) into As does conflict on the stores; padded
 // rows would not fit 128 x 128 double-buffered tiles in 16 KiB, and stores are few next to the reads.
 //
-// Entry points: gemm_tiled (scalar global loads, any strides), gemm_tiled_v4 (vec4 global loads along
-// each operand's stride-1 dimension; preconditions in vec4_ok of gemm_tiled_src.py), and
-// gemm_splitk_reduce. They are separate entry points because naga rejects one entry point that uses
-// both the scalar and the vec4 view of a binding. gemm_tiled_sg / gemm_tiled_v4_sg, in the subgroup
-// section at the end, are the same two with fragments of As / Bs shared by 2 x 2 quads of lanes.
+// Entry points: gemm_tiled, gemm_tiled_sg (the subgroup section at the end: fragments of As / Bs shared by
+// 2 x 2 quads of lanes) and gemm_splitk_reduce. The global loads are scalar (any strides; the @scalar
+// section) or vec4 along each operand's stride-1 dimension (the @vec4 section; preconditions in vec4_ok of
+// gemm_tiled_src.py): tiled_source() keeps one of the two, because naga rejects an entry point that uses
+// both the scalar and the vec4 view of a binding.
 //
 // Split-K (P.splits > 1): workgroup z = zb * splits + s sums k in [s * k_split, min(K, (s + 1) * k_split))
 // and writes that partial raw to a packed scratch in C: element (m, n) of (zb, s) at
@@ -104,6 +104,7 @@ fn setup(wid: vec3<u32>, local: u32) {
     b_base = P.o2 + zb * P.b_sz;
 }
 
+// @scalar begin: tiled_source() keeps this section for a config without vec4 (else the @vec4 one)
 // ---- scalar global loads: consecutive invocations take consecutive elements along the stride-1
 // dimension (k first when a_sk == 1, else m; n first when b_sn == 1, else k) -------------------
 
@@ -123,7 +124,7 @@ fn b_pos(e: u32) -> vec2<u32> {
     return vec2<u32>(e % BK, e / BK);
 }
 
-fn load_s(st: ptr<function, Stage>, k0: u32, k_end: u32) {
+fn stage_load(st: ptr<function, Stage>, k0: u32, k_end: u32) {
     for (var l = 0u; l < SA; l++) {
         var v = vec4<f32>(0.0);
         for (var c = 0u; c < 4u; c++) {
@@ -152,7 +153,7 @@ fn load_s(st: ptr<function, Stage>, k0: u32, k_end: u32) {
     }
 }
 
-fn put_s(st: ptr<function, Stage>, buf: u32) {
+fn stage_put(st: ptr<function, Stage>, buf: u32) {
     for (var l = 0u; l < SA; l++) {
         for (var c = 0u; c < 4u; c++) {
             let e = (4u * l + c) * WG + lid;
@@ -173,6 +174,8 @@ fn put_s(st: ptr<function, Stage>, buf: u32) {
     }
 }
 
+// @scalar end
+// @vec4 begin
 // ---- vec4 global loads: 4 consecutive elements along the stride-1 dimension, whose size, offset, pitch
 // and batch stride are multiples of 4 (so a vec4 is wholly inside or wholly outside the matrix) -------
 
@@ -192,7 +195,7 @@ fn b_pos4(v: u32) -> vec2<u32> {
     return vec2<u32>(4u * (v % (BK / 4u)), v / (BK / 4u));
 }
 
-fn load_v(st: ptr<function, Stage>, k0: u32, k_end: u32) {
+fn stage_load(st: ptr<function, Stage>, k0: u32, k_end: u32) {
     for (var l = 0u; l < SA; l++) {
         let v = l * WG + lid;
         let p = a_pos4(v);
@@ -217,7 +220,7 @@ fn load_v(st: ptr<function, Stage>, k0: u32, k_end: u32) {
     }
 }
 
-fn put_v(st: ptr<function, Stage>, buf: u32) {
+fn stage_put(st: ptr<function, Stage>, buf: u32) {
     for (var l = 0u; l < SA; l++) {
         let v = l * WG + lid;
         if (v < AV) {
@@ -251,6 +254,8 @@ fn put_v(st: ptr<function, Stage>, buf: u32) {
         }
     }
 }
+
+// @vec4 end
 
 // ---- the FMA core: loops with constant trip counts and constant indices once unrolled, so the
 // accumulators and the fragments of As / Bs stay in registers -------------------------------------
@@ -316,77 +321,52 @@ fn store(acc: ptr<function, Acc>, z: u32) {
     }
 }
 
-// ---- entry points: the same loop around load_s / put_s or load_v / put_v. Single-buffered: two
-// barriers per tile. Double-buffered: the next tile's global loads are issued before the multiply and
-// land in the other buffer after it, whose last readers passed the previous barrier: one barrier. ------
+// ---- the main loop, shared by the entry points. Single-buffered: two barriers per tile. Double-buffered:
+// the next tile's global loads are issued before the multiply and land in the other buffer after it,
+// whose last readers passed the previous barrier: one barrier. ---------------------------------------
+
+fn tile_loop(acc: ptr<function, Acc>, kr: vec2<u32>, fast: bool) {
+    var st: Stage;
+    stage_load(&st, kr.x, kr.y);
+    stage_put(&st, 0u);
+    workgroupBarrier();
+    var buf = 0u;
+    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
+        let more = k0 + BK < kr.y;
+        if (NBUF == 2u) {
+            if (more) {
+                stage_load(&st, k0 + BK, kr.y);
+            }
+            stage_multiply(acc, buf, fast);
+            buf ^= 1u;
+            if (more) {
+                stage_put(&st, buf);
+            }
+        } else {
+            stage_multiply(acc, 0u, fast);
+            workgroupBarrier();
+            if (more) {
+                stage_load(&st, k0 + BK, kr.y);
+                stage_put(&st, 0u);
+            }
+        }
+        workgroupBarrier();
+    }
+}
+
+// @plain begin: tiled_source() keeps this section for a config without subgroups (else @subgroups)
+fn stage_multiply(acc: ptr<function, Acc>, buf: u32, fast: bool) {
+    multiply(acc, buf);
+}
 
 @compute @workgroup_size(WG)
 fn gemm_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) local: u32) {
     setup(wid, local);
-    let kr = k_range(wid.z);
     var acc: Acc;
-    var st: Stage;
-    load_s(&st, kr.x, kr.y);
-    put_s(&st, 0u);
-    workgroupBarrier();
-    var buf = 0u;
-    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
-        let more = k0 + BK < kr.y;
-        if (NBUF == 2u) {
-            if (more) {
-                load_s(&st, k0 + BK, kr.y);
-            }
-            multiply(&acc, buf);
-            buf ^= 1u;
-            if (more) {
-                put_s(&st, buf);
-            }
-        } else {
-            multiply(&acc, 0u);
-            workgroupBarrier();
-            if (more) {
-                load_s(&st, k0 + BK, kr.y);
-                put_s(&st, 0u);
-            }
-        }
-        workgroupBarrier();
-    }
+    tile_loop(&acc, k_range(wid.z), false);
     store(&acc, wid.z);
 }
-
-@compute @workgroup_size(WG)
-fn gemm_tiled_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) local: u32) {
-    setup(wid, local);
-    let kr = k_range(wid.z);
-    var acc: Acc;
-    var st: Stage;
-    load_v(&st, kr.x, kr.y);
-    put_v(&st, 0u);
-    workgroupBarrier();
-    var buf = 0u;
-    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
-        let more = k0 + BK < kr.y;
-        if (NBUF == 2u) {
-            if (more) {
-                load_v(&st, k0 + BK, kr.y);
-            }
-            multiply(&acc, buf);
-            buf ^= 1u;
-            if (more) {
-                put_v(&st, buf);
-            }
-        } else {
-            multiply(&acc, 0u);
-            workgroupBarrier();
-            if (more) {
-                load_v(&st, k0 + BK, kr.y);
-                put_v(&st, 0u);
-            }
-        }
-        workgroupBarrier();
-    }
-    store(&acc, wid.z);
-}
+// @plain end
 
 // One invocation per element of C; workgroups beyond 65535 fold into y (gemm_tiled_src.reduce_groups).
 @compute @workgroup_size(256)
@@ -410,7 +390,7 @@ fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 // @subgroups begin: gemm_tiled_src.tiled_source() blanks this section for a config without subgroups (naga
 // rejects a whole module that uses a subgroup builtin on a device without the feature, even unused).
 //
-// gemm_tiled_sg / gemm_tiled_v4_sg: the same tiles, staging and epilogue, but each read of As / Bs in the
+// gemm_tiled_sg: the same tiles, staging and epilogue, but each read of As / Bs in the
 // multiply serves two invocations. The invocations 4b .. 4b+3 form a 2 x 2 block of the TX x TY grid
 // (q = 0..3: x = q & 1 along n, y = q >> 1 along m). The x pair shares its rows of C, so its A fragment;
 // the y pair shares its columns, so its B fragment. For each pair of k rows (k, k+1), an invocation reads
@@ -517,73 +497,16 @@ fn multiply_sg(acc: ptr<function, Acc>, buf: u32, fast: bool) {
     }
 }
 
+fn stage_multiply(acc: ptr<function, Acc>, buf: u32, fast: bool) {
+    multiply_sg(acc, buf, fast);
+}
+
 @compute @workgroup_size(WG)
 fn gemm_tiled_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) index: u32,
                  @builtin(subgroup_invocation_id) sid: u32) {
     let fast = setup_sg(wid, lane_order(index), sid);
-    let kr = k_range(wid.z);
     var acc: Acc;
-    var st: Stage;
-    load_s(&st, kr.x, kr.y);
-    put_s(&st, 0u);
-    workgroupBarrier();
-    var buf = 0u;
-    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
-        let more = k0 + BK < kr.y;
-        if (NBUF == 2u) {
-            if (more) {
-                load_s(&st, k0 + BK, kr.y);
-            }
-            multiply_sg(&acc, buf, fast);
-            buf ^= 1u;
-            if (more) {
-                put_s(&st, buf);
-            }
-        } else {
-            multiply_sg(&acc, 0u, fast);
-            workgroupBarrier();
-            if (more) {
-                load_s(&st, k0 + BK, kr.y);
-                put_s(&st, 0u);
-            }
-        }
-        workgroupBarrier();
-    }
-    store(&acc, wid.z);
-}
-
-@compute @workgroup_size(WG)
-fn gemm_tiled_v4_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) index: u32,
-                    @builtin(subgroup_invocation_id) sid: u32) {
-    let fast = setup_sg(wid, lane_order(index), sid);
-    let kr = k_range(wid.z);
-    var acc: Acc;
-    var st: Stage;
-    load_v(&st, kr.x, kr.y);
-    put_v(&st, 0u);
-    workgroupBarrier();
-    var buf = 0u;
-    for (var k0 = kr.x; k0 < kr.y; k0 += BK) {
-        let more = k0 + BK < kr.y;
-        if (NBUF == 2u) {
-            if (more) {
-                load_v(&st, k0 + BK, kr.y);
-            }
-            multiply_sg(&acc, buf, fast);
-            buf ^= 1u;
-            if (more) {
-                put_v(&st, buf);
-            }
-        } else {
-            multiply_sg(&acc, 0u, fast);
-            workgroupBarrier();
-            if (more) {
-                load_v(&st, k0 + BK, kr.y);
-                put_v(&st, 0u);
-            }
-        }
-        workgroupBarrier();
-    }
+    tile_loop(&acc, k_range(wid.z), fast);
     store(&acc, wid.z);
 }
 // @subgroups end

@@ -194,7 +194,7 @@ def test_configs_fit_default_limits():
         assert T.workgroup_size(cfg) == (cfg.bm // cfg.tm) * (cfg.bn // cfg.tn) <= 256
         assert T.needs_subgroups(cfg) == cfg.subgroups == cfg.name.endswith("_sg")
         assert T.kernel_features(cfg) == (("subgroup",) if cfg.subgroups else ())
-        assert T.entry_point(cfg) == "gemm_tiled" + "_v4" * cfg.vec4 + "_sg" * cfg.subgroups
+        assert T.entry_point(cfg) == "gemm_tiled" + "_sg" * cfg.subgroups
     big = T.TileConfig(128, 128, 8, 8, 8, double_buffer=True)
     assert big.name == "t128x128x8_8x8_db" and T.workgroup_bytes(big) == 16384
     assert not T.fits(big, {"max-compute-workgroup-storage-size": 16383})
@@ -212,26 +212,36 @@ def test_configs_fit_default_limits():
 
 
 def test_tiled_source_rewrites_only_the_config_block():
+    """tiled_source keeps the line count, rewrites only the const block, and keeps exactly one of each pair
+    of sections (scalar / vec4 loads, plain / subgroup multiply) unchanged, blanking the other."""
     text = shader_path(T.SHADER).read_text()
     lines = text.splitlines()
-    sg_lines = [i for i, x in enumerate(lines) if "@subgroups begin" in x or "@subgroups end" in x]
-    assert len(sg_lines) == 2 and not re.search(r"subgroup[A-Z_]", "\n".join(lines[:sg_lines[0]]))
-    for subgroups in (False, True):
-        src = T.tiled_source(T.TileConfig(128, 64, 16, 8, 4, double_buffer=True, subgroups=subgroups))
-        assert src.count("\n") == text.count("\n")
-        consts = dict(re.findall(r"const (BM|BN|BK|TM|TN|NBUF|PAD): u32 = (\d+)u;", src))
-        assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "4", "NBUF": "2",
-                          "PAD": "4" if subgroups else "0"}
-        out = src.splitlines()
-        changed = [i for i, (x, y) in enumerate(zip(lines, out)) if x != y]
-        in_section = [i for i in changed if sg_lines[0] <= i <= sg_lines[1]]
-        # BM, TN, BK, NBUF (and PAD) differ from the file's defaults; without subgroups the section is blank
-        assert len(changed) - len(in_section) == 4 + subgroups
-        if subgroups:
-            assert not in_section
-        else:
-            assert all(not out[i] for i in range(sg_lines[0], sg_lines[1] + 1))
-            assert not re.search(r"subgroup[A-Z_]|quad[A-Z]", src)
+
+    def section(name):
+        at = [i for i, x in enumerate(lines) if f"@{name} begin" in x or f"@{name} end" in x]
+        assert len(at) == 2, name
+        return range(at[0], at[1] + 1)
+
+    sections = {name: section(name) for name in ("scalar", "vec4", "plain", "subgroups")}
+    assert not re.search(r"subgroup[A-Z_]", "\n".join(lines[:sections["subgroups"][0]]))
+    for vec4 in (False, True):
+        for subgroups in (False, True):
+            src = T.tiled_source(T.TileConfig(128, 64, 16, 8, 4, vec4, double_buffer=True, subgroups=subgroups))
+            assert src.count("\n") == text.count("\n")
+            consts = dict(re.findall(r"const (BM|BN|BK|TM|TN|NBUF|PAD): u32 = (\d+)u;", src))
+            assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "4", "NBUF": "2",
+                              "PAD": "4" if subgroups else "0"}
+            out = src.splitlines()
+            blanked = {"vec4" if not vec4 else "scalar", "subgroups" if not subgroups else "plain"}
+            for name, rows in sections.items():
+                want = [""] * len(rows) if name in blanked else [lines[i] for i in rows]
+                assert [out[i] for i in rows] == want, (name, vec4, subgroups)
+            inside = {i for rows in sections.values() for i in rows}
+            changed = [i for i, (x, y) in enumerate(zip(lines, out)) if x != y and i not in inside]
+            assert len(changed) == 4 + subgroups     # BM, TN, BK, NBUF (and PAD) differ from the file's defaults
+            if not subgroups:
+                assert not re.search(r"subgroup[A-Z_]|quad[A-Z]", src)
+
 
 
 def test_vec4_ok_and_groups():

@@ -3,10 +3,10 @@
 Each TileConfig is one candidate kernel for the autotuner. The tile sizes also size private (register)
 arrays, whose lengths WGSL requires to be const expressions (override constants are rejected there), so
 tiled_source() rewrites the marked const block of the .wgsl text in place (line numbers stay those of the
-file); cfg.vec4 and cfg.subgroups choose the entry point (entry_point()). The subgroup entry points sit
-in a marked section that tiled_source() blanks for a config without subgroups, so that module compiles on
-adapters without the `subgroup` feature (naga rejects a module using a subgroup builtin there, even in an
-unused entry point). The uniform is PARAMS_FIELDS packed with PARAMS_FORMAT.
+file), and keeps one of each pair of marked sections: the scalar or the vec4 global loads (cfg.vec4), and the
+plain or the subgroup multiply with its entry point (cfg.subgroups; entry_point()). Without subgroups the
+module then compiles on adapters without the `subgroup` feature (naga rejects a module using a subgroup
+builtin there, even in an unused entry point). The uniform is PARAMS_FIELDS packed with PARAMS_FORMAT.
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-compute-invo
 SUBGROUP_FEATURE = "subgroup"
 SG_PAD = 4                    # vec4s of padding per k row of As / Bs in the subgroup kernels (see the .wgsl)
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
-_SG_BEGIN, _SG_END = "// @subgroups begin", "// @subgroups end"
+# sections tiled_source() keeps or blanks: the subgroup or plain multiply and entry point, scalar or vec4 loads
+_SG, _PLAIN = ("// @subgroups begin", "// @subgroups end"), ("// @plain begin", "// @plain end")
+_SCALAR, _VEC4 = ("// @scalar begin", "// @scalar end"), ("// @vec4 begin", "// @vec4 end")
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,9 @@ class TileConfig:
     bk: int
     tm: int
     tn: int
-    vec4: bool = False            # vec4 global loads (gemm_tiled_v4; see vec4_ok)
+    vec4: bool = False            # vec4 global loads (the @vec4 section; see vec4_ok)
     double_buffer: bool = False   # two sets of tiles, one barrier per step
-    subgroups: bool = False       # 2 x 2 quads of lanes share fragments (gemm_tiled*_sg; needs_subgroups)
+    subgroups: bool = False       # 2 x 2 quads of lanes share fragments (gemm_tiled_sg; needs_subgroups)
 
     def __post_init__(self):
         if self.tm % 4 or self.tn % 4 or self.bk % 4 or self.bm % self.tm or self.bn % self.tn:
@@ -58,6 +60,9 @@ class TileConfig:
     def name(self) -> str:
         return (f"t{self.bm}x{self.bn}x{self.bk}_{self.tm}x{self.tn}" + ("_v4" if self.vec4 else "")
                 + ("_db" if self.double_buffer else "") + ("_sg" if self.subgroups else ""))
+
+    def __str__(self) -> str:     # kernel labels and module names
+        return self.name
 
 
 def _both(bm, bn, bk, tm, tn, double_buffer=False, subgroups=False):
@@ -119,7 +124,7 @@ def fits(cfg: TileConfig, limits: dict, features=()) -> bool:
 
 
 def entry_point(cfg: TileConfig) -> str:
-    return "gemm_tiled" + ("_v4" if cfg.vec4 else "") + ("_sg" if cfg.subgroups else "")
+    return "gemm_tiled" + ("_sg" if cfg.subgroups else "")
 
 
 @lru_cache(maxsize=1)
@@ -147,7 +152,8 @@ def tiled_source(cfg: TileConfig) -> str:
         if n != 1:
             raise ValueError(f"{SHADER}.wgsl: expected one 'const {name}: u32' in the tile-config block")
     src = src[:start] + block + src[end:]
-    return src if cfg.subgroups else _blank(src, _SG_BEGIN, _SG_END)
+    src = _blank(src, *(_PLAIN if cfg.subgroups else _SG))
+    return _blank(src, *(_SCALAR if cfg.vec4 else _VEC4))
 
 
 def _aligned(*values) -> bool:
@@ -155,7 +161,7 @@ def _aligned(*values) -> bool:
 
 
 def vec4_ok(M, N, K, batch, o1, a_sm, a_sk, a_sz, o2, b_sk, b_sn, b_sz) -> bool:
-    """Whether gemm_tiled_v4 applies: op(A) contiguous along k (preferred, as the kernel decides) or m,
+    """Whether the vec4 loads apply: op(A) contiguous along k (preferred, as the kernel decides) or m,
     op(B) along n (preferred) or k, with that dimension's size, the other stride, the offset and (for
     batch > 1) the batch stride all multiples of 4."""
     za, zb = (a_sz, b_sz) if batch > 1 else (0, 0)
