@@ -490,3 +490,11 @@ def test_merge_refuses_an_existing_model_folder(trained, workspace, tmp_path, ca
 ])
 def test_bad_numbers_and_names(capsys, argv, message):
     one_line_error(capsys, argv, message)
+
+
+def test_bad_tune_mode_is_refused_before_any_work(capsys, monkeypatch, tmp_path):
+    """An unknown WGPU_TRAIN_TUNE: one line, exit code 2, and the output folder is not created."""
+    monkeypatch.setenv("WGPU_TRAIN_TUNE", "sometimes")
+    one_line_error(capsys, ["finetune", "--max-steps", "1", "--out", str(tmp_path / "run")],
+                   "WGPU_TRAIN_TUNE='sometimes' is not one of off, fast, full")
+    assert not (tmp_path / "run").exists()

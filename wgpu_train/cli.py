@@ -131,6 +131,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        from .gpu.tune import mode
+        mode()                  # a bad WGPU_TRAIN_TUNE is refused before any work
         return int(args.func(args) or 0)
     except WgpuTrainError as e:
         print(f"error: {e}", file=sys.stderr)
