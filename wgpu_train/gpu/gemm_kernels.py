@@ -3,6 +3,7 @@ for llvmpipe), workgroup-tiled (shaders/gemm_tiled.wgsl, shaped for GPUs) and sp
 (skinny products). tune.py times the candidates; `candidates(p)` lists them best guess first."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -138,6 +139,12 @@ class Problem:
     def candidates(self) -> list:
         return candidates(self)
 
+    def signature(self) -> tuple:
+        """Everything the candidates and their kernels depend on (not the buffers)."""
+        return ("gemm", self.M, self.N, self.K, self.batch, self.a_sm, self.a_sk, self.a_sz, self.b_sk, self.b_sn,
+                self.b_sz, self.c_sm, self.c_sn, self.c_sz, self.a_off % 4, self.b_off % 4, self.c_off % 4,
+                self.layout)
+
     def key(self) -> str:
         """The tuner's key: layout, M bucket (next power of two), N, K, batch, operand alignment."""
         bucket = 1 << max(0, (self.M - 1).bit_length())
@@ -238,6 +245,7 @@ def portable_source() -> str:
     return _portable["text"]
 
 
+@functools.lru_cache(maxsize=None)
 def register_kernel(wg: int, tm: int, subgroups: bool, vec) -> Kernel:
     """The register-blocked kernel: vec None for the scalar entry point, else (a_kvec, b_nvec, c_nvec)."""
     entry = ("gemm_v4" if vec else "gemm") + ("_sg" if subgroups else "")
@@ -285,12 +293,14 @@ def register_candidates(p: Problem) -> list:
 
 # ---- workgroup-tiled family and split-K (shaders/gemm_tiled.wgsl) ------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def tiled_kernel(cfg) -> Kernel:
     return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg),
                   invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
                   features=tiled.kernel_features(cfg))
 
 
+@functools.lru_cache(maxsize=None)
 def _reduce_kernel(cfg) -> Kernel:
     # from the same source as the pass it reduces (a subgroup config's source keeps its subgroup section)
     return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg),

@@ -113,6 +113,8 @@ class _Compiled:
         self.zero = [0.0 if ty == "f32" else 0 for _, ty in self.fields]
         self.offset_field = [self.index.get(f"o{i}") for i in k.slots]
         self.n_bindings = len(k.bindings.split())
+        self.slots, self.names, self.written = k.slots, k.names, k.written
+        self.outputs = [j for j, w in enumerate(self.written) if w]
         name = k.shader + (f"[{','.join(map(str, k.source[1:]))}]" if k.source else "")
         self.pipeline = rt.pipeline(name, k.entry, dict(k.constants), source=source if k.source else None)
 
@@ -143,25 +145,27 @@ def prepare(rt, k: Kernel, tensors, **params) -> tuple:
         if i is None:
             raise TypeError(f"{k.label}: its Params has no field {name!r}")
         values[i] = v
-    resources, names, written = [None] * c.n_bindings, k.names, k.written
+    resources, names, written = [None] * c.n_bindings, c.names, c.written
     if len(tensors) != len(names):
         raise TypeError(f"{k.label} takes {len(names)} tensors ({k.bindings}), got {len(tensors)}")
     for j, (t, n) in enumerate(tensors):
         field = c.offset_field[j]
-        res, rest = bind(rt, t, n, f"{k.label} {names[j]}", field is not None)
+        try:
+            res, rest = bind(rt, t, n, names[j], field is not None)
+        except (ValueError, DeviceError) as e:
+            raise type(e)(f"{k.label} {e}") from None
         if field is not None:
             values[field] = rest
         elif rest:
             raise ValueError(f"{k.label} {names[j]}: element offset {split(t)[1]} is not a multiple of "
                              f"{rt.offset_alignment // F32} elements, which this kernel needs")
-        resources[k.slots[j] - 1] = res
-    for j, w in enumerate(written):
-        if w:
-            buf = split(tensors[j][0])[0]
-            for i, (t, _) in enumerate(tensors):
-                if not written[i] and split(t)[0] is buf:
-                    raise ValueError(f"{k.label}: output {names[j]} shares its buffer with {names[i]}; "
-                                     "WebGPU forbids that within one dispatch")
+        resources[c.slots[j] - 1] = res
+    for j in c.outputs:
+        buf = split(tensors[j][0])[0]
+        for i, (t, _) in enumerate(tensors):
+            if not written[i] and split(t)[0] is buf:
+                raise ValueError(f"{k.label}: output {names[j]} shares its buffer with {names[i]}; "
+                                 "WebGPU forbids that within one dispatch")
     try:
         uni = rt.uniform(c.format, *values)
     except struct.error as e:

@@ -3,6 +3,8 @@ register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-ti
 for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import quant as Q
@@ -13,10 +15,11 @@ from .launch import Kernel, bind, prepare
 _F32 = 4
 
 
-def qgemm_kernel(fmt: str, entry: str, constants: dict, subgroups: bool = False) -> Kernel:
+@functools.lru_cache(maxsize=None)
+def qgemm_kernel(fmt: str, entry: str, wg: int, tm: int, nt: bool, subgroups: bool = False) -> Kernel:
     """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt."""
-    return Kernel(Q.SHADER, entry, QT.BINDINGS[fmt], tuple(sorted(constants.items())),
-                  source=(Q.shader_source, fmt, subgroups), invocations=constants.get("WG", 64),
+    return Kernel(Q.SHADER, entry, QT.BINDINGS[fmt], (("NT", nt), ("TM", tm), ("WG", wg)),
+                  source=(Q.shader_source, fmt, subgroups), invocations=wg,
                   features=("subgroup",) if subgroups else ())
 
 
@@ -83,6 +86,11 @@ class QProblem:
     def candidates(self) -> list:
         return qcandidates(self)
 
+    def signature(self) -> tuple:
+        """Everything the candidates and their kernels depend on (not the buffers)."""
+        return ("qgemm", self.w.dtype, self.layout, self.M, self.N, self.K, self.lda, self.ldc, self.a_off % 4,
+                self.w.cols)
+
     def key(self) -> str:
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = self.a_off % 4 == 0 and self.lda % 4 == 0
@@ -129,7 +137,7 @@ class QRegister:
         fast = can_fast if self.fast is None else self.fast
         sg = fast and self.subgroups
         entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if fast else "qgemm"
-        k = qgemm_kernel(p.w.dtype, entry, {"WG": self.wg, "TM": self.tm, "NT": nt}, sg)
+        k = qgemm_kernel(p.w.dtype, entry, self.wg, self.tm, nt, sg)
         pipeline, resources = prepare(p.rt, k, p.tensors(), **p.params())
         return [(pipeline, resources, (-(-p.M // self.tm), -(-p.N // (8 * self.wg)), 1))]
 

@@ -183,7 +183,7 @@ def cache(rt) -> TuneCache:
 
 def forget(rt):
     """Drop this runtime's tuner state (cache contents read, choices made, the log): as a new process."""
-    for key in ("tune.cache", "tune.choices", "tune.log"):
+    for key in ("tune.cache", "tune.choices", "tune.by_shape", "tune.log"):
         rt.forget(key)
 
 
@@ -196,25 +196,34 @@ def tuned_log(rt) -> list:
 
 def choose(rt, p):
     """The candidate that runs p (a GEMM problem: gemm_kernels.Problem, quant_kernels.QProblem): a pinned one,
-    else the cached or freshly tuned choice, else the default (p.candidates()[0])."""
-    cands = p.candidates()
+    else the cached or freshly tuned choice, else the default (p.candidates()[0]). Remembered per exact shape
+    (p.signature()) for this runtime, so that recording a step looks each GEMM up in a dictionary."""
     pin = _pin()
-    for prefix in (pin.split(",") if pin else ()):
-        for c in cands:
-            if c.name.startswith(prefix):
-                return c
+    if pin:
+        cands = p.candidates()
+        for prefix in pin.split(","):
+            for c in cands:
+                if c.name.startswith(prefix):
+                    return c
     m = mode()
+    by_shape = rt.memo("tune.by_shape", lambda r: {})
+    chosen = by_shape.get((m, p.signature()))
+    if chosen is not None:
+        return chosen
+    cands = p.candidates()
     key = p.key()
-    memo = rt.memo("tune.choices", lambda r: {})
+    names = rt.memo("tune.choices", lambda r: {})
     if m == "off" or (m == "fast" and is_cpu(rt) and not _modes) or len(cands) == 1:
-        memo.setdefault(key, cands[0].name)
-        return cands[0]
-    by_name = {c.name: c for c in cands}
-    name = memo.get(key) or cache(rt).get(key)
-    if name not in by_name:
-        name = tune_shape(rt, p, cands if m == "full" else cands[:FAST_CANDIDATES], key)
-    memo[key] = name
-    return by_name[name]
+        chosen = cands[0]
+    else:
+        by_name = {c.name: c for c in cands}
+        name = names.get(key) or cache(rt).get(key)
+        if name not in by_name:
+            name = tune_shape(rt, p, cands if m == "full" else cands[:FAST_CANDIDATES], key)
+        chosen = by_name[name]
+    names.setdefault(key, chosen.name)
+    by_shape[(m, p.signature())] = chosen
+    return chosen
 
 
 def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
