@@ -12,7 +12,8 @@
 // rows would not fit 128 x 128 double-buffered tiles in 16 KiB, and stores are few next to the reads.
 //
 // Entry points: gemm_tiled, gemm_tiled_sg (the subgroup section at the end: fragments of As / Bs shared by
-// 2 x 2 quads of lanes) and gemm_splitk_reduce. The global loads are scalar (any strides; the @scalar
+// 2 x 2 quads of lanes), their LoRA variants gemm_tiled_lora / gemm_tiled_lora_sg (below) and
+// gemm_splitk_reduce. The global loads are scalar (any strides; the @scalar
 // section) or vec4 along each operand's stride-1 dimension (the @vec4 section; preconditions in vec4_ok of
 // gemm_tiled_src.py): tiled_source() keeps one of the two, because naga rejects an entry point that uses
 // both the scalar and the vec4 view of a binding.
@@ -24,6 +25,15 @@
 //
 // Bounds: tile elements outside op(A) / op(B) or past the split's k range are staged as zero and stores
 // outside C are skipped, so any M, N, K >= 1 works.
+//
+// LoRA term (gemm_tiled_lora*, splits == 1 and batch == 1 only): C = alpha * op(A) op(B) + alpha2 * H LB^T
+// (+ bias) (+ C), with H (M, r2) rows ldh apart from o5 in binding 5 and LB (N, r2) rows ldlb apart from o6 in
+// binding 6 (a LoRA module's h and B: the term y += scale * h B^T folded into the base GEMM's dispatch).
+// After the main k loop the accumulators are scaled by alpha, then a second loop over k2 < r2 stages
+// alpha2 * H and LB through the same tiles (scalar loads, single-buffered) into the same accumulators, and
+// the epilogue applies 1 instead of alpha: exact for any alpha (alpha = 0 included), one rounding more per
+// product of the second term than applying alpha2 to its sum. r2 = 0: no second loop, the same C as
+// gemm_tiled up to the order of the alpha multiply (alpha * v either way: bit-identical).
 
 struct Params {
     M: u32, N: u32, K: u32, flags: u32,            // flags: 1 = accumulate into C, 2 = add bias
@@ -32,6 +42,8 @@ struct Params {
     o4: u32, c_sm: u32, c_sn: u32, c_sz: u32,      // C element (m, n) of batch z
     o3: u32, bias_sm: u32, bias_sn: u32, alpha: f32, // bias element for C (m, n): o3 + m*bias_sm + n*bias_sn
     k_split: u32, splits: u32, batch: u32, pad0: u32, // split-K: k per split (a multiple of BK), splits
+    r2: u32, ldh: u32, ldlb: u32, alpha2: f32,     // gemm_tiled_lora*: rank of the second term, pitches, scale
+    o5: u32, o6: u32, pad1: u32, pad2: u32,        // H element (m, k2): o5 + m*ldh + k2; LB (n, k2): o6 + n*ldlb + k2
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -42,6 +54,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> B4: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> BIAS: array<f32>;
 @group(0) @binding(4) var<storage, read_write> C: array<f32>;
+@group(0) @binding(5) var<storage, read> H: array<f32>;        // gemm_tiled_lora*: H (M, r2)
+@group(0) @binding(6) var<storage, read> LB: array<f32>;       // gemm_tiled_lora*: LB (N, r2)
 
 // @tile-config begin: gemm_tiled_src.tiled_source() rewrites these lines in place (one per name)
 const BM: u32 = 64u;    // rows of C per workgroup
@@ -288,8 +302,8 @@ fn multiply(acc: ptr<function, Acc>, buf: u32) {
 // ---- epilogue -----------------------------------------------------------------------------------
 
 // C (m, n) of batch zb = alpha * v (+ bias) (+ C), with C's own strides.
-fn finish(zb: u32, m: u32, n: u32, v: f32) {
-    var out = P.alpha * v;
+fn finish(zb: u32, m: u32, n: u32, v: f32, alpha: f32) {
+    var out = alpha * v;
     if ((P.flags & 2u) != 0u) {
         out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
     }
@@ -300,7 +314,7 @@ fn finish(zb: u32, m: u32, n: u32, v: f32) {
     C[i] = out;
 }
 
-fn store(acc: ptr<function, Acc>, z: u32) {
+fn store(acc: ptr<function, Acc>, z: u32, alpha: f32) {
     for (var i = 0u; i < TM; i++) {
         let m = m0 + (i / 4u) * (4u * BM / TM) + 4u * ty + i % 4u;
         if (m < P.M) {
@@ -312,7 +326,7 @@ fn store(acc: ptr<function, Acc>, z: u32) {
                         if (P.splits > 1u) {
                             C[P.o4 + (z * P.M + m) * P.N + n] = v[c];
                         } else {
-                            finish(z, m, n, v[c]);
+                            finish(z, m, n, v[c], alpha);
                         }
                     }
                 }
@@ -354,6 +368,52 @@ fn tile_loop(acc: ptr<function, Acc>, kr: vec2<u32>, fast: bool) {
     }
 }
 
+// ---- the LoRA term of gemm_tiled_lora*: after the main loop (whose last barrier every invocation passed,
+// so buffer 0 is free) acc = alpha * acc, then k2 < r2 in steps of BK through buffer 0 of As / Bs: elements
+// of alpha2 * H (m, k2) as As[k2][m] and of LB (n, k2) as Bs[k2][n], k2 fastest over consecutive
+// invocations (both are k2-contiguous); zero outside M, N or r2. Two barriers a step: r2 is a LoRA rank. ----
+
+fn lora_put(k0: u32) {
+    for (var l = 0u; l < (BM * BK + WG - 1u) / WG; l++) {
+        let e = l * WG + lid;
+        if (e < BM * BK) {
+            let i = e / BK;
+            let k = e % BK;
+            let m = m0 + i;
+            var v = 0.0;
+            if (m < P.M && k0 + k < P.r2) {
+                v = P.alpha2 * H[P.o5 + m * P.ldh + k0 + k];
+            }
+            As[k * AROW + i / 4u][i % 4u] = v;
+        }
+    }
+    for (var l = 0u; l < (BN * BK + WG - 1u) / WG; l++) {
+        let e = l * WG + lid;
+        if (e < BN * BK) {
+            let j = e / BK;
+            let k = e % BK;
+            let n = n0 + j;
+            var v = 0.0;
+            if (n < P.N && k0 + k < P.r2) {
+                v = LB[P.o6 + n * P.ldlb + k0 + k];
+            }
+            Bs[k * BROW + j / 4u][j % 4u] = v;
+        }
+    }
+}
+
+fn lora_loop(acc: ptr<function, Acc>, fast: bool) {
+    for (var j = 0u; j < TM * TN / 4u; j++) {
+        (*acc)[j] = P.alpha * (*acc)[j];
+    }
+    for (var k0 = 0u; k0 < P.r2; k0 += BK) {
+        lora_put(k0);
+        workgroupBarrier();
+        stage_multiply(acc, 0u, fast);
+        workgroupBarrier();
+    }
+}
+
 // @plain begin: tiled_source() keeps this section for a config without subgroups (else @subgroups)
 fn stage_multiply(acc: ptr<function, Acc>, buf: u32, fast: bool) {
     multiply(acc, buf);
@@ -364,7 +424,17 @@ fn gemm_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     setup(wid, local);
     var acc: Acc;
     tile_loop(&acc, k_range(wid.z), false);
-    store(&acc, wid.z);
+    store(&acc, wid.z, P.alpha);
+}
+
+// C = alpha * op(A) op(B) + alpha2 * H LB^T (+ bias) (+ C): see "LoRA term" at the top.
+@compute @workgroup_size(WG)
+fn gemm_tiled_lora(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) local: u32) {
+    setup(wid, local);
+    var acc: Acc;
+    tile_loop(&acc, vec2<u32>(0u, P.K), false);
+    lora_loop(&acc, false);
+    store(&acc, 0u, 1.0);
 }
 // @plain end
 
@@ -384,7 +454,7 @@ fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     for (var s = 0u; s < P.splits; s++) {
         sum += PART[P.o1 + ((zb * P.splits + s) * P.M + m) * P.N + n];
     }
-    finish(zb, m, n, sum);
+    finish(zb, m, n, sum, P.alpha);
 }
 
 // @subgroups begin: gemm_tiled_src.tiled_source() blanks this section for a config without subgroups (naga
@@ -507,6 +577,16 @@ fn gemm_tiled_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     let fast = setup_sg(wid, lane_order(index), sid);
     var acc: Acc;
     tile_loop(&acc, k_range(wid.z), fast);
-    store(&acc, wid.z);
+    store(&acc, wid.z, P.alpha);
+}
+
+@compute @workgroup_size(WG)
+fn gemm_tiled_lora_sg(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) index: u32,
+                      @builtin(subgroup_invocation_id) sid: u32) {
+    let fast = setup_sg(wid, lane_order(index), sid);
+    var acc: Acc;
+    tile_loop(&acc, vec2<u32>(0u, P.K), fast);
+    lora_loop(&acc, fast);
+    store(&acc, 0u, 1.0);
 }
 // @subgroups end

@@ -74,7 +74,7 @@ class Case:
         self.fields = dict(M=M, N=N, K=K, flags=flags, o1=o1, a_sm=a_sm, a_sk=a_sk, a_sz=a_sz,
                            o2=o2, b_sk=b_sk, b_sn=b_sn, b_sz=b_sz, o4=o4, c_sm=c_sm, c_sn=c_sn, c_sz=c_sz,
                            o3=o3, bias_sm=bias_sm, bias_sn=bias_sn, alpha=alpha, k_split=0, splits=1,
-                           batch=batch, pad0=0)
+                           batch=batch, pad0=0, r2=0, ldh=0, ldlb=0, alpha2=0.0, o5=0, o6=0, pad1=0, pad2=0)
         opa, opb = self.a.astype(np.float64)[a_idx], self.b.astype(np.float64)[b_idx]
         out = alpha * (opa @ opb)
         if bias:

@@ -16,7 +16,7 @@ from ..reference.model import check_rows, forward_cached
 from ..reference.quant import check_dtypes
 from . import kernels as K
 from . import quant
-from .lora import lora_a_forward, lora_b_forward, lora_backward, lora_group_backward
+from .lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
 from .quant import QuantMatrix
 from .runtime import Runtime
 from .operands import at
@@ -394,29 +394,29 @@ class WgpuEngine:
             K.embedding_forward(rec, out, ids, buf, n, emb.cols, rows, r0)
 
     def _linear(self, rec, y, x, layer, module, acts, a, accumulate=False):
-        """Base linear (+ LoRA, with dropout on its input while training) of one module."""
+        """Base linear (+ LoRA, with dropout on its input while training) of one module. With LoRA, h = x A^T
+        comes first, so that the base GEMM can add the B term in the same dispatch (linear_lora_forward)."""
         path = module_path(layer, module)
-        w = self.w[path + ".weight"]
+        w, bias = self.w[path + ".weight"], self.w.get(path + ".bias")
         n = acts.n
         rec.section(self._where + " gemm")
-        linear_forward(rec, y, x, w, self.w.get(path + ".bias"), n, accumulate)
         lora = self.lora.get(path)
         if lora is None:
+            linear_forward(rec, y, x, w, bias, n, accumulate)
             return
         group = self._group_of.get(module)
         if group is None:
             xl = self._lora_input(rec, x, lora, module, a, n)
-            h = a["lora_h." + module]
+            h, ldh = a["lora_h." + module], lora.r
             lora_a_forward(rec, h, xl, lora.a, n, lora.in_f, lora.r)
-            lora_b_forward(rec, y, h, lora.b, lora.scale, n, lora.out_f, lora.r)
-            return
-        # a group: its first module computes h of all of them in one GEMM; each adds its own columns' term
-        mods = [self.lora[module_path(layer, m)] for m in group]
-        h, total = a["lora_h." + "+".join(group)], sum(m.r for m in mods)
-        if module == group[0]:
-            lora_a_forward(rec, h, x, lora.a, n, lora.in_f, total)
-        off = sum(m.r for m in mods[:group.index(module)])
-        lora_b_forward(rec, y, at(h, off), lora.b, lora.scale, n, lora.out_f, lora.r, ldh=total)
+        else:
+            # a group: its first module computes h of all of them in one GEMM; each adds its own columns' term
+            mods = [self.lora[module_path(layer, m)] for m in group]
+            h, ldh = a["lora_h." + "+".join(group)], sum(m.r for m in mods)
+            if module == group[0]:
+                lora_a_forward(rec, h, x, lora.a, n, lora.in_f, ldh)
+            h = at(h, sum(m.r for m in mods[:group.index(module)]))
+        linear_lora_forward(rec, y, x, w, bias, n, h, ldh, lora.b, lora.scale, lora.r, accumulate)
 
     def _lora_input(self, rec, x, lora: GpuLora, module, a, n):
         """The LoRA module's input: x, or while training with dropout x times the micro-batch's mask

@@ -301,6 +301,14 @@ def tiled_kernel(cfg) -> Kernel:
 
 
 @functools.lru_cache(maxsize=None)
+def tiled_lora_kernel(cfg) -> Kernel:
+    """gemm_tiled_lora*: the tiled kernel plus alpha2 * H LB^T after its k loop (H, LB: bindings 5, 6)."""
+    return Kernel("gemm_tiled", tiled.lora_entry_point(cfg), "A B BIAS C! H LB", source=(tiled.tiled_source, cfg),
+                  invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
+                  features=tiled.kernel_features(cfg))
+
+
+@functools.lru_cache(maxsize=None)
 def _reduce_kernel(cfg) -> Kernel:
     # from the same source as the pass it reduces (a subgroup config's source keeps its subgroup section)
     return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg),
@@ -356,6 +364,29 @@ class Tiled:
         second = prepare(rt, _reduce_kernel(self.cfg), [(part, n_part), p.bias, p.c], k_split=ks,
                          splits=self.splits, batch=p.batch, **q)
         return [(*first, groups), (*second, tiled.reduce_groups(p.M, p.N, p.batch))]
+
+    def lora_applies(self, p: Problem) -> bool:
+        """Whether dispatches_with_lora can run p: one pass (no split-K) over one matrix (no batch)."""
+        return self.splits == 1 and p.batch == 1
+
+    def dispatches_with_lora(self, p: Problem, h, ldh: int, lb, r2: int, alpha2: float, ldlb: int | None = None) -> list:
+        """[(pipeline, resources, groups)] of one dispatch computing C = p.alpha * op(A) op(B) + alpha2 * H LB^T
+        (+ bias) (+ C): H (p.M, r2) rows ldh apart and LB (p.N, r2) rows ldlb (default r2) apart, buffers or
+        (buffer, element offset) views (a LoRA module's h, possibly its columns of a group's h, and B).
+        r2 = 0: p alone, through the same entry point."""
+        if not self.lora_applies(p):
+            raise ValueError(f"{self.name}: the LoRA term needs splits == 1 and batch == 1, not "
+                             f"splits={self.splits}, batch={p.batch}")
+        r2, ldh = int(r2), int(ldh)
+        ldlb = r2 if ldlb is None else int(ldlb)
+        if ldh < r2 or ldlb < r2:
+            raise ValueError(f"{self.name}: LoRA pitches ldh={ldh}, ldlb={ldlb} are shorter than r2={r2}")
+        ext_h = (p.M - 1) * ldh + r2 if r2 else 1
+        ext_lb = (p.N - 1) * ldlb + r2 if r2 else 1
+        pipeline, resources = prepare(p.rt, tiled_lora_kernel(self.cfg), p.tensors() + [(h, ext_h), (lb, ext_lb)],
+                                      k_split=p.K, splits=1, batch=1, r2=r2, ldh=ldh, ldlb=ldlb,
+                                      alpha2=float(alpha2), **p.params())
+        return [(pipeline, resources, tiled.groups(self.cfg, p.M, p.N))]
 
 
 def tiled_candidates(p: Problem) -> list:

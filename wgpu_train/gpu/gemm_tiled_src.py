@@ -21,8 +21,8 @@ REDUCE_ENTRY = "gemm_splitk_reduce"
 REDUCE_WG = 256
 PARAMS_FIELDS = ("M", "N", "K", "flags", "o1", "a_sm", "a_sk", "a_sz", "o2", "b_sk", "b_sn", "b_sz",
                  "o4", "c_sm", "c_sn", "c_sz", "o3", "bias_sm", "bias_sn", "alpha",
-                 "k_split", "splits", "batch", "pad0")
-PARAMS_FORMAT = "<19If4I"     # every field 4 bytes; alpha the only f32
+                 "k_split", "splits", "batch", "pad0", "r2", "ldh", "ldlb", "alpha2", "o5", "o6", "pad1", "pad2")
+PARAMS_FORMAT = "<19If7If4I"  # every field 4 bytes; alpha and alpha2 the only f32s
 FLAG_ACCUMULATE = 1
 FLAG_BIAS = 2
 # WebGPU's default limits, for a limits dict that lacks a key
@@ -125,6 +125,11 @@ def fits(cfg: TileConfig, limits: dict, features=()) -> bool:
 
 def entry_point(cfg: TileConfig) -> str:
     return "gemm_tiled" + ("_sg" if cfg.subgroups else "")
+
+
+def lora_entry_point(cfg: TileConfig) -> str:
+    """The entry point adding the second term alpha2 * H LB^T (bindings 5 and 6; splits == 1, batch == 1)."""
+    return "gemm_tiled_lora" + ("_sg" if cfg.subgroups else "")
 
 
 @lru_cache(maxsize=1)

@@ -1,10 +1,14 @@
 """The LoRA op pairs on the device, y += scale * (x A^T) B^T, for one module and for a group of modules that
 share their input (q/k/v, gate/up): the group's A matrices lie back to back, so one GEMM computes every
-module's h and, in the backward, one GEMM each gives every dA and the input gradient."""
+module's h and, in the backward, one GEMM each gives every dA and the input gradient. linear_lora_forward
+runs a module's base linear and its B term as one dispatch where the tiled GEMM serves the base."""
 from __future__ import annotations
 
-from .gemm import gemm
+from . import tune
+from .gemm import gemm, gemm_problem
+from .gemm_kernels import Tiled
 from .operands import at
+from .tensors import Matrix, linear_forward
 
 
 def lora_a_forward(rec, h, x, lora_a, N, in_features, r, ldh=None):
@@ -17,6 +21,23 @@ def lora_a_forward(rec, h, x, lora_a, N, in_features, r, ldh=None):
 def lora_b_forward(rec, y, h, lora_b, scale, N, out_features, r, ldh=None):
     """y (N, out) += scale * h (N, r; row pitch ldh, default r) @ lora_b (out, r).T."""
     gemm(rec, y, h, lora_b, N, out_features, r, "nt", alpha=scale, accumulate=True, lda=ldh)
+
+
+def linear_lora_forward(rec, y, x, w, bias, N, h, ldh, lora_b, scale, r, accumulate=False):
+    """y (N, out) (+)= x (N, in) @ w.T (+ bias) + scale * h (N, r; row pitch ldh) @ lora_b (out, r).T: a
+    module's base linear and LoRA B term, h already computed (lora_a_forward). One dispatch
+    (Tiled.dispatches_with_lora) when w is a float32 Matrix of one chunk whose GEMM tune.choose gives to a
+    one-pass tiled candidate; otherwise linear_forward then lora_b_forward, as two steps. Its gradients are
+    those of the two steps: linear_backward and lora_backward (lora_group_backward for a group)."""
+    if isinstance(w, Matrix) and len(w.chunks) == 1 and N > 0:
+        p = gemm_problem(rec.rt, y, x, w.chunks[0][0], N, w.rows, w.cols, "nt", bias=bias, accumulate=accumulate)
+        cand = tune.choose(rec.rt, p)
+        if isinstance(cand, Tiled) and cand.lora_applies(p):
+            for d in cand.dispatches_with_lora(p, h, ldh, lora_b, r, scale):
+                rec.dispatch(*d)
+            return
+    linear_forward(rec, y, x, w, bias, N, accumulate)
+    lora_b_forward(rec, y, h, lora_b, scale, N, w.rows, r, ldh=ldh)
 
 
 def lora_forward(rec, y, h, x, lora_a, lora_b, scale, N, in_features, out_features, r):
