@@ -6,6 +6,10 @@ from .config import LoraConfig, ModelConfig
 from .errors import DeviceError
 
 F32 = 4
+MIN_BUCKET_TOKENS = 64        # the smallest activation bucket (tokens)
+# modules that read the same input: with LoRA on two or more of them and no dropout, the WebGPU engine runs
+# their A matrices as one GEMM into one h buffer (gpu/lora.py)
+LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 HEAD_CHUNK_BYTES = 32 << 20   # memory budget of the loss head's logits (rows held at a time), capped by the device
 SHARED_LAYER = "layer."       # prefix, in a plan's shared part, of the one set of layer buffers all layers use
 
@@ -23,6 +27,33 @@ def head_rows(cfg: ModelConfig, n: int, max_binding: int | None = None, budget: 
 
     limit = min(HEAD_CHUNK_BYTES if budget is None else budget, max_binding or DEFAULT_MAX_BINDING)
     return max(1, min(n, limit // (cfg.vocab_size * F32), 65535))
+
+
+def bucket_tokens(n: int) -> int:
+    """Tokens an activation bucket for n tokens holds: the next power of two, at least MIN_BUCKET_TOKENS. A
+    bucket runs any batch of up to that many tokens (the kernels take the sizes of each batch), so a run
+    over many lengths allocates a few buckets rather than one per shape."""
+    return max(MIN_BUCKET_TOKENS, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def lora_groups(cfg: ModelConfig, ranks: dict, dropout: bool) -> dict:
+    """module -> the modules of its LORA_GROUPS entry whose LoRA runs as one (ranks: module -> r of the
+    modules with LoRA): two or more members, no dropout, ranks summing to less than the input width."""
+    out = {}
+    for group in LORA_GROUPS if not dropout else ():
+        members = tuple(m for m in group if m in ranks)
+        if len(members) >= 2 and sum(ranks[m] for m in members) < cfg.linear_shape(members[0])[1]:
+            out.update({m: members for m in members})
+    return out
+
+
+def activation_ranks(ranks: dict, groups: dict) -> dict:
+    """The lora_h buffers' widths: a group's summed ranks under its joined name, other modules' own rank."""
+    out = {}
+    for m, r in ranks.items():
+        group = groups.get(m)
+        out["+".join(group) if group else m] = sum(ranks[g] for g in group) if group else r
+    return out
 
 
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
@@ -105,7 +136,8 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
                     method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
                     gradient_checkpointing: bool = False, max_binding: int | None = None) -> dict:
-    """GPU bytes by category for training at (batch_size, seq_len): weights (the base weights as stored:
+    """GPU bytes by category for training at (batch_size, seq_len), in the bucket the engine allocates for it
+    (bucket_tokens): weights (the base weights as stored:
     see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
     activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total.
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
@@ -130,7 +162,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
         state = trainable * 4 * F32          # parameter, gradient, two moments
     else:
         state = weights * 3                  # gradient and two moments of every weight
-    layer, shared = activation_plan(config, batch_size, seq_len, ranks, drop, train=True,
+    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop)))
+    layer, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
                                     checkpoint=gradient_checkpointing, max_binding=max_binding)
     logits = shared.pop("logits") * F32
     activations = (config.num_hidden_layers * sum(layer.values()) + sum(shared.values())) * F32

@@ -10,7 +10,7 @@ import numpy as np
 from ..config import LINEAR_MODULES, ModelConfig
 from ..errors import ConfigError, DeviceError
 from ..hf import module_path
-from ..memory import SHARED_LAYER, activation_plan, check_fits, head_rows
+from ..memory import SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens, check_fits, head_rows, lora_groups
 from ..reference import ops as ref_ops
 from ..reference.model import check_rows, forward_cached
 from ..reference.quant import check_dtypes
@@ -21,10 +21,6 @@ from .quant import QuantMatrix
 from .runtime import Runtime
 from .operands import at
 from .tensors import F32, Matrix, Packed, linear_backward, linear_forward, store_weight, weight_buffers
-
-
-# modules that read the same input: their LoRA A matrices are run as one GEMM (lora.py)
-LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class GpuLora:
@@ -58,24 +54,26 @@ class Inputs:
 
 
 class Activations:
-    """Every buffer one (B, T) bucket needs for forward and backward, allocated once and reused.
+    """Every buffer a bucket of `capacity` tokens needs for forward and backward, allocated once and reused by
+    every batch of up to that many tokens: the kernels take each batch's sizes (use(b, t)), and each buffer
+    holds its tensor for `capacity` rows.
 
     layers[i] maps a name to layer i's buffer. With checkpoint (gradient checkpointing, training only)
     only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
     the backward refills by recomputing each layer's forward. A forward-only bucket (train=False) has
     one set for all layers, x_in included (memory.activation_plan)."""
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict,
-                 train: bool, checkpoint: bool = False):
-        self.b, self.t, self.n = b, t, b * t
+    def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
+                 train: bool, checkpoint: bool = False, batch: tuple = (1, 0)):
+        self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
-        self.head_rows = head_rows(cfg, self.n, rt.max_binding)    # logits rows per chunk of the loss head
-        layer, shared = activation_plan(cfg, b, t, lora_ranks, dropout_inputs, train, self.checkpoint,
+        self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
+        layer, shared = activation_plan(cfg, 1, capacity, lora_ranks, dropout_inputs, train, self.checkpoint,
                                         rt.max_binding)
-        check_fits(cfg, b, t, rt.max_binding, layer, shared)
-        # set from an Inputs per use; n_head: rows of the loss head (gathered by head_index unless all n)
+        check_fits(cfg, batch[0], batch[1], rt.max_binding, layer, shared)    # named after the batch that asked
+        # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
+        self.b = self.t = self.n = self.n_head = 0
         self.ids = self.segments = self.positions = self.targets = self.head_index = None
-        self.n_head = self.n
         try:
             one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
                        if name.startswith(SHARED_LAYER)}
@@ -86,8 +84,17 @@ class Activations:
                     setattr(self, name, rt.buffer(max(1, e) * F32, name))
         except DeviceError as e:
             hint = "" if self.checkpoint or not train else ", or pass --gradient-checkpointing"
-            raise DeviceError(f"{e}, for the activations of batch {b} x {t} tokens: reduce the batch size or "
-                              f"--max-seq-len{hint}") from None
+            raise DeviceError(f"{e}, for the activations of batch {batch[0]} x {batch[1]} tokens: reduce the batch "
+                              f"size or --max-seq-len{hint}") from None
+
+    @property
+    def key(self) -> tuple:
+        return self.capacity, self.train, self.checkpoint
+
+    def use(self, b: int, t: int):
+        """Run the next recording with a batch of b rows of t tokens (b * t <= capacity); _upload_batch then
+        points the bucket at the batch's inputs and sets n_head."""
+        self.b, self.t, self.n = b, t, b * t
 
 
 class WgpuEngine:
@@ -123,15 +130,16 @@ class WgpuEngine:
         self._lora_packed = None
         self.dropout_seed, self.dropout_calls = 0, 0
         self.gradient_checkpointing = False
-        self._acts: dict = {}      # (B, T, train, checkpointed) -> Activations
-        self._inputs: dict = {}    # (B, T, micro-batch slot) -> Inputs
+        self._acts: dict = {}      # (capacity in tokens, train, checkpointed) -> Activations
+        self._inputs: dict = {}    # (bucket capacity, micro-batch slot) -> Inputs
         self._micro = 0            # micro-batch slot being recorded (selects dropout seeds)
         self.step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
         self.results = rt.buffer(4 * F32, "results")       # loss_sum, count, (norm, clip, finite)
         self.partials = None
         self.n_modules = cfg.num_hidden_layers * len(LINEAR_MODULES)
         self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
-        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
+                         "buckets_allocated": 0}
         self.last_step: dict = {}
         # GPU seconds one submission may hold (WGPU_TRAIN_MAX_SUBMIT_S), and the dispatches per submission
         # that keep a step under it (0: the whole step in one), measured from the previous step
@@ -168,22 +176,19 @@ class WgpuEngine:
         self._reset_training_state()
 
     def _lora_groups(self) -> dict:
-        """module name -> the modules of its LORA_GROUPS entry that run as one (each with LoRA in every layer
-        that has any of them, no dropout, ranks summing to fewer than the input width)."""
+        """module name -> the modules that run their LoRA as one (memory.lora_groups' rule: the same for
+        the memory estimate), each group with LoRA in every layer that has any of it, A matrices back to back."""
+        ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
+        dropout = any(m.dropout > 0 for m in self.lora.values())
         out = {}
-        for group in LORA_GROUPS:
-            members = tuple(m for m in group if any(p.endswith("." + m) for p in self.lora))
-            if len(members) < 2:
-                continue
+        for module, members in lora_groups(self.cfg, ranks, dropout).items():
             layers = {int(p.split(".")[2]) for p in self.lora if p.rsplit(".", 1)[1] in members}
             mods = [[self.lora.get(module_path(i, m)) for m in members] for i in sorted(layers)]
-            if any(x is None or x.dropout > 0 for row in mods for x in row):
-                continue
-            if sum(x.r for x in mods[0]) >= mods[0][0].in_f:
+            if any(x is None for row in mods for x in row):
                 continue
             if any(row[j + 1].a[1] != row[j].a[1] + row[j].r * row[j].in_f for row in mods for j in range(len(row) - 1)):
                 continue     # not back to back (set_lora's packing order puts them so)
-            out.update({m: members for m in members})
+            out[module] = members
         return out
 
     def set_full_finetune(self, enabled: bool = True):
@@ -305,36 +310,44 @@ class WgpuEngine:
             self._write(self.moments[k][1], v)
 
     # ---- buffers per bucket -------------------------------------------------------------------
-    def _bucket_key(self, b, t, train) -> tuple:
-        return b, t, train, train and self.gradient_checkpointing
-
     def _activations(self, b, t, train=True, keep=()) -> Activations:
-        """The bucket for (b, t), allocated on first use (checkpointed when training with gradient
-        checkpointing). Beyond MAX_BUCKETS, the least recently used bucket not in `keep` (keys of
-        buckets already recorded into the open encoder) is freed."""
-        key = self._bucket_key(b, t, train)
-        acts = self._acts.pop(key, None)
-        if acts is None:
+        """A bucket that holds b x t tokens, set to that shape: the smallest allocated one of its kind (training
+        or not, checkpointed or not) that is big enough, else a new one of memory.bucket_tokens(b * t) tokens
+        (the exact size when that one would not fit the device). Allocating one frees the smaller buckets of
+        its kind and, beyond MAX_BUCKETS, the least recently used; never those in `keep` (keys of buckets
+        already recorded into the open encoder)."""
+        n, checkpoint = b * t, train and self.gradient_checkpointing
+        fits = [k for k in self._acts if k[1:] == (train, checkpoint) and k[0] >= n]
+        if fits:
+            key = min(fits)
+            acts = self._acts.pop(key)
+        else:
+            for old in [k for k in self._acts if k[1:] == (train, checkpoint) and k not in keep]:
+                self._free_bucket(old)
             limit = self.MAX_BUCKETS if train else self.MAX_FORWARD_BUCKETS
-            while sum(k[2] == train for k in self._acts) >= limit:
-                old = next((k for k in self._acts if k[2] == train and k not in keep), None)
+            while sum(k[1] == train for k in self._acts) >= limit:
+                old = next((k for k in self._acts if k[1] == train and k not in keep), None)
                 if old is None:
                     break
-                self._free(self._acts.pop(old))
-                if not any(k[:2] == old[:2] for k in self._acts):   # its batch inputs too
-                    for stale in [k for k in self._inputs if k[:2] == old[:2]]:
-                        self.rt.release(*vars(self._inputs.pop(stale)).values())
-            # LoRA ranks and dropout inputs per module name (the same in every layer)
-            ranks = {}
-            for p, m in self.lora.items():
-                module = p.rsplit(".", 1)[1]
-                group = self._group_of.get(module)
-                ranks["+".join(group) if group else module] = (
-                    sum(self.lora[p.rsplit(".", 1)[0] + "." + g].r for g in group) if group else m.r)
+                self._free_bucket(old)
+            groups = self._group_of
+            ranks = activation_ranks({p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}, groups)
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
-            acts = Activations(self.rt, self.cfg, b, t, ranks, drop, train, key[3])
-        self._acts[key] = acts          # most recently used last
+            try:
+                acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t))
+            except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
+                acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t))
+            self.counters["buckets_allocated"] += 1
+        self._acts[acts.key] = acts          # most recently used last
+        acts.use(b, t)
         return acts
+
+    def _free_bucket(self, key):
+        """Free one bucket, and its batch inputs when no other bucket of its capacity remains."""
+        self._free(self._acts.pop(key))
+        if not any(k[0] == key[0] for k in self._acts):
+            for stale in [k for k in self._inputs if k[0] == key[0]]:
+                self.rt.release(*vars(self._inputs.pop(stale)).values())
 
     def _free(self, acts: Activations):
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
@@ -361,9 +374,9 @@ class WgpuEngine:
         rt = self.rt
         b, t = ids.shape
         n = b * t
-        inp = self._inputs.get((b, t, slot))
+        inp = self._inputs.get((acts.capacity, slot))
         if inp is None:
-            inp = self._inputs[(b, t, slot)] = Inputs(rt, n)
+            inp = self._inputs[(acts.capacity, slot)] = Inputs(rt, acts.capacity)
         acts.ids, acts.segments, acts.positions, acts.targets = inp.ids, inp.segments, inp.positions, inp.targets
         rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
@@ -734,7 +747,7 @@ class WgpuEngine:
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
             acts = self._activations(b, t, train=True, keep=used)
-            used.append(self._bucket_key(b, t, True))
+            used.append(acts.key)
             self._upload_batch(acts, ids, seg, pos, targets, slot=j)
             self._write_seeds(j)
             self._record_forward(rec, acts)

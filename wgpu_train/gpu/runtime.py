@@ -184,7 +184,7 @@ class Runtime:
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_buffer = int(self.limits["max-buffer-size"])
         self.offset_alignment = int(lim.get("min-storage-buffer-offset-alignment", 256))
-        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0}
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "buffers_created": 0}
         self.queue = _CountingQueue(self.device.queue, self.counters)
         self._modules: dict = {}
         self._pipelines: dict = {}
@@ -261,7 +261,9 @@ class Runtime:
         nbytes = max(4, (int(nbytes) + 3) // 4 * 4)
         self.check_size(nbytes, label or "buffer")
         try:
-            return self.device.create_buffer(size=nbytes, usage=usage, label=label)
+            buf = self.device.create_buffer(size=nbytes, usage=usage, label=label)
+            self.counters["buffers_created"] += 1
+            return buf
         except self.wgpu.GPUError as e:
             raise DeviceError(f"could not allocate {nbytes} bytes for {label or 'a buffer'}: {e}") from None
 
