@@ -29,6 +29,14 @@ def _training(rt):
 SECTIONS["training"] = _training
 
 
+def _variable_lengths(rt):
+    from .bench_train import bench_variable_lengths
+    return bench_variable_lengths(rt)
+
+
+SECTIONS["variable_lengths"] = _variable_lengths
+
+
 def _base_weights(rt):
     return bench_base_weights(rt)
 

@@ -133,3 +133,34 @@ def bench_training(rt, steps: int = 5) -> dict:
         "readbacks_per_step": per_step["readbacks"],
     }
     return out
+
+
+def bench_variable_lengths(rt, samples: int = 50, fixed: int = 128) -> dict:
+    """Evaluation (the engine's loss) of `samples` rows of distinct lengths (16..256 tokens) next to the same
+    number of tokens in rows of one length, on the bench model, each on a fresh engine: wall time of a first
+    pass (buckets, pipelines and uniforms made as they are needed) and of a second, the ratio of the second
+    passes, and the activation buckets and GPU buffers each pass created (Runtime.buffer's count)."""
+    from .engine import WgpuEngine
+
+    rng = np.random.default_rng(1)
+    cfg, weights = _random_model(rng)
+    lengths = [int(t) for t in rng.permutation(np.arange(16, 257))[:samples]]
+    rows = {"variable": lengths, "fixed": [fixed] * max(1, round(sum(lengths) / fixed))}
+    out = {"model": "Llama 4 layers, hidden 128, vocab 512", "tokens": {k: sum(v) for k, v in rows.items()}}
+    for name, ts in rows.items():
+        engine = WgpuEngine(cfg, weights, rt)
+        batches = []
+        for t in ts:
+            ids = rng.integers(0, cfg.vocab_size, (1, t)).astype(np.int32)
+            pos = np.arange(t, dtype=np.int32)[None]
+            batches.append((ids, shift_labels(ids.astype(np.int64)), np.ones_like(ids), pos))
+        for run in ("first", "second"):
+            before, t0 = dict(rt.counters), time.perf_counter()
+            for b in batches:
+                engine.loss(*b)
+            out[f"{name}_{run}_s"] = time.perf_counter() - t0
+            out[f"{name}_{run}_buffers_created"] = rt.counters["buffers_created"] - before["buffers_created"]
+        out[f"{name}_buckets_allocated"] = engine.counters["buckets_allocated"]
+        engine._release_acts()
+    out["variable_vs_fixed_time"] = out["variable_second_s"] / out["fixed_second_s"]
+    return out
