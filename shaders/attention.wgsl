@@ -6,9 +6,10 @@
 // kv head, looping over the query heads of its group and the queries that see it (no atomics).
 //
 // Layouts: q, out, dq (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
-// segment ids (B, T) i32 with 0 = padding. Query i sees key j when j <= i and both share a nonzero
-// segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
-// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv; o1..o9 = element offsets of bindings 1..9;
+// segment ids (B, T) i32 with 0 = padding. Query i sees key j when j <= i, i - j < s4 (the sliding
+// window; 0 = none) and both share a nonzero segment id; a padding query sees only itself. Query head h
+// reads kv head h / (Hq / Hkv). Key loops start (or end) at the window's edge.
+// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o1..o9 = element offsets of bindings 1..9;
 // f0 = softmax scale (1/sqrt(D)). Override D = head dim (<= DMAX).
 // Each entry point has a *_vec4 twin that reads and writes the (B, T, H, D) tensors as vec4 (2.5x
 // faster on llvmpipe); the wrapper uses it when D and those tensors' element offsets are multiples of 4.
@@ -34,6 +35,16 @@ const QPI: u32 = 4u;           // queries (or keys) per invocation in the vec4 k
 const WGA: u32 = WG / QPI;
 
 @group(0) @binding(0) var<uniform> p: Params;
+
+// The first key query i may see under the sliding window (0 without one).
+fn window_start(i: u32) -> u32 {
+    return select(0u, i + 1u - p.s4, p.s4 > 0u && i + 1u > p.s4);
+}
+
+// One past the last query that may see key j under the sliding window (t without one).
+fn window_end(j: u32, t: u32) -> u32 {
+    return select(t, min(t, j + p.s4), p.s4 > 0u);
+}
 
 // ---- forward: 1 out out, 2 lse out, 3 q, 4 k, 5 v, 6 segment ids ----
 @group(0) @binding(1) var<storage, read_write> f_out: array<f32>;
@@ -63,7 +74,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     }
     var m = -3.0e38;
     var l = 0.0;
-    var j0 = 0u;
+    var j0 = window_start(i);
     if (si == 0) { j0 = i; }
     for (var j = j0; j <= i; j++) {
         if (f_seg[p.o6 + b * t + j] != si) { continue; }
@@ -144,7 +155,7 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
         dov[d] = q_dout[p.o2 + rb + d];
         dq[d] = 0.0;
     }
-    var j0 = 0u;
+    var j0 = window_start(i);
     if (si == 0) { j0 = i; }
     for (var j = j0; j <= i; j++) {
         if (q_seg[p.o8 + b * t + j] != si) { continue; }
@@ -200,7 +211,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         dk[d] = 0.0;
         dv[d] = 0.0;
     }
-    var i1 = t;
+    var i1 = window_end(j, t);
     if (sj == 0) { i1 = j + 1u; }
     for (var i = j; i < i1; i++) {
         if (k_seg[p.o9 + b * t + i] != sj) { continue; }
@@ -248,7 +259,9 @@ fn softmax_step(m: f32, l: f32, s: f32, ok: bool) -> vec4<f32> {
 fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }
 
 // Query i sees key j (sj = segment of j, si of i).
-fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool { return j <= i && sj == si && (si != 0 || j == i); }
+fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool {
+    return j <= i && (p.s4 == 0u || i - j < p.s4) && sj == si && (si != 0 || j == i);
+}
 
 @compute @workgroup_size(WGA)
 fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -295,7 +308,7 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var st2 = st0;
     var st3 = st0;
     // Padding queries see only themselves: start at the first query unless one of them is real.
-    let jstart = select(0u, ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
+    let jstart = select(window_start(ia), ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
     for (var j = jstart; j <= il; j++) {
         let sj = f_seg[sb + j];
         let kb = p.o4 / 4u + ((b * t + j) * hkv + g) * n4;
@@ -425,7 +438,7 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     if (ia + 1u <= il) { qv_delta[p.o7 + lb + ia + 1u] = dl1; }
     if (ia + 2u <= il) { qv_delta[p.o7 + lb + ia + 2u] = dl2; }
     if (ia + 3u <= il) { qv_delta[p.o7 + lb + ia + 3u] = dl3; }
-    let jstart = select(0u, ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
+    let jstart = select(window_start(ia), ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
     for (var j = jstart; j <= il; j++) {
         let sj = q_seg[sb + j];
         let kb = p.o4 / 4u + ((b * t + j) * hkv + g) * n4;
@@ -539,7 +552,7 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
         dv3[d] = vec4<f32>(0.0);
     }
     // Padding keys are seen only by their own query.
-    let iend = select(t, jl + 1u, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
+    let iend = select(window_end(jl, t), jl + 1u, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
     for (var i = ja; i < iend; i++) {
         let si = k_seg[sb + i];
         let m0 = sees(i, ja, si, s0);

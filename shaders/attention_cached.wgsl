@@ -14,6 +14,7 @@ struct Params {
     hkv: u32,
     d: u32,
     scale: f32,
+    window: u32,      // sliding window: only the last `window` positions are seen (0 = all)
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -47,7 +48,8 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     var l = 0.0;
     let last = min(u32(positions[i]), params.max_len - 1u);
     let base = u32(row) * params.max_len;
-    for (var j = 0u; j <= last; j++) {
+    let first = select(0u, last + 1u - params.window, params.window > 0u && last + 1u > params.window);
+    for (var j = first; j <= last; j++) {
         let k_off = ((base + j) * params.hkv + kvh) * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) { s += q[q_off + c] * k_cache[k_off + c]; }

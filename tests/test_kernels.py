@@ -183,9 +183,16 @@ ATT_CASES = [  # B, T, Hq, Hkv, D, segments, offsets: "aligned" (multiples of 4:
 ]
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,kind,offsets", ATT_CASES,
-                         ids=[f"T{c[1]}-{c[2]}x{c[3]}-D{c[4]}-{c[5]}-{c[6]}" for c in ATT_CASES])
-def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets):
+# sliding windows (the window = 1 edge, one shorter than T, one longer than T) on scalar and vec4 paths
+ATT_WINDOW_CASES = [(2, 17, 3, 1, 6, "padded", "aligned", 5), (2, 65, 4, 2, 8, "packed", "aligned", 9),
+                    (2, 65, 4, 2, 8, "packed", "odd", 9), (3, 70, 4, 2, 12, "padded", "aligned", 1),
+                    (1, 33, 2, 2, 8, "none", "aligned", 64)]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,kind,offsets,window", [c + (0,) for c in ATT_CASES] + ATT_WINDOW_CASES,
+                         ids=[f"T{c[1]}-{c[2]}x{c[3]}-D{c[4]}-{c[5]}-{c[6]}" for c in ATT_CASES]
+                         + [f"T{c[1]}-D{c[4]}-{c[5]}-{c[6]}-window{c[7]}" for c in ATT_WINDOW_CASES])
+def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window):
     g = rng(T * 7 + D)
     q = g.standard_normal((B, T, Hq, D)).astype(F32)
     k = g.standard_normal((B, T, Hkv, D)).astype(F32)
@@ -193,8 +200,9 @@ def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets):
     dout = g.standard_normal((B, T, Hq, D)).astype(F32)
     seg = _segments(kind, B, T, g)
     q64, k64, v64 = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
-    want_out, want_lse = ops.attention_forward(q64, k64, v64, seg)
-    want_dq, want_dk, want_dv = ops.attention_backward(dout.astype(np.float64), q64, k64, v64, want_out, want_lse, seg)
+    want_out, want_lse = ops.attention_forward(q64, k64, v64, seg, window)
+    want_dq, want_dk, want_dv = ops.attention_backward(dout.astype(np.float64), q64, k64, v64, want_out, want_lse, seg,
+                                                       window)
 
     lead = [4, 8, 0, 4, 12] if offsets == "aligned" else [3, 1, 0, 2, 5]
     tq, tk, tv, ts, tdo = (padded(rt, a, n) for a, n in zip((q, k, v, seg, dout), lead))
@@ -203,8 +211,9 @@ def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets):
     dq, dkv = rt.buffer(4 * q.size), rt.buffer(4 * 2 * k.size)       # dk and dv share one buffer
     dk, dv = (dkv, 0), (dkv, k.size)
     scratch = rt.buffer(4 * K.attention_scratch_size(B, T, Hq))
-    run(rt, lambda r: (K.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D),
-                       K.attention_backward(r, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch)))
+    run(rt, lambda r: (K.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window),
+                       K.attention_backward(r, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch,
+                                            window)))
     assert_close(read(rt, out, q.size).reshape(q.shape), want_out, "k_attention", "out")
     assert_close(rt.read(lse, F32, (B, Hq, T)), want_lse, "k_attention_lse", "lse")
     assert_close(rt.read(dq, F32, q.shape), want_dq, "k_attention_grad", "dq")
@@ -417,8 +426,9 @@ CACHED_CASES = {
 }
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("case", list(CACHED_CASES))
-def test_kv_cache_write_and_attention_cached(rt, case):
+def test_kv_cache_write_and_attention_cached(rt, case, window):
     batch, max_len, tokens, hq, hkv, d = CACHED_CASES[case]
     n = len(tokens)
     g = rng(n)
@@ -428,11 +438,11 @@ def test_kv_cache_write_and_attention_cached(rt, case):
     kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)   # earlier keys and values
     want_k, want_v = kc.astype(np.float64), vc.astype(np.float64)
     ops.kv_cache_write(want_k, want_v, k_new.astype(np.float64), v_new.astype(np.float64), rows, pos)
-    want = ops.attention_cached_forward(q.astype(np.float64), want_k, want_v, rows, pos)
+    want = ops.attention_cached_forward(q.astype(np.float64), want_k, want_v, rows, pos, window)
     out = rt.buffer(4 * q.size)
     tk, tv, tq, tkn, tvn, tr, tp = (rt.upload(a) for a in (kc, vc, q, k_new, v_new, rows, pos))
     run(rt, lambda r: (K.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d),
-                       K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d)))
+                       K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d, window)))
     assert_close(rt.read(tk, F32, kc.shape), want_k, "exact", "k_cache")
     assert_close(rt.read(tv, F32, vc.shape), want_v, "exact", "v_cache")
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", "cached")

@@ -291,9 +291,10 @@ REFUSED = {
                        "rope_scaling"),
     "unknown_architecture": ("llama", lambda raw: {**raw, "architectures": ["GPT2LMHeadModel"]}, "architectures"),
     "no_architecture": ("llama", lambda raw: {k: v for k, v in raw.items() if k != "architectures"}, "architectures"),
-    "mistral_sliding_window": ("mistral", lambda raw: {**raw, "sliding_window": 16}, "sliding_window"),
-    "qwen2_sliding_window": ("qwen2", lambda raw: {**raw, "use_sliding_window": True, "sliding_window": 16},
-                             "sliding_window"),
+    "sliding_window_not_a_size": ("mistral", lambda raw: {**raw, "sliding_window": "16"}, "sliding_window"),
+    "sliding_window_zero": ("mistral", lambda raw: {**raw, "sliding_window": 0}, "sliding_window"),
+    "layer_types_mismatch": ("qwen2", lambda raw: {**raw, "use_sliding_window": True, "sliding_window": 16,
+                                                   "layer_types": ["sliding_attention"]}, "layer_types"),
     "per_layer_type_rope": ("qwen3", lambda raw: {**raw, "rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e4},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_parameters"),

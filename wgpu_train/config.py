@@ -20,6 +20,28 @@ LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: str) -> tuple:
+    """Each layer's sliding window as transformers applies it (0: full attention): Mistral's `sliding_window`
+    on every layer; Qwen2 / Qwen3's when `use_sliding_window`, on the layers from `max_window_layers` on
+    (or as `layer_types` says). A window of at least the context is no window."""
+    window = raw.get("sliding_window")
+    use_window = raw.get("use_sliding_window", family == "mistral")
+    if window is None or not use_window:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"{source}: field 'sliding_window' must be a positive integer, got {window!r}")
+    if window >= max_pos:
+        return ()
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
+                              f"for each of the {layers} layers")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    first = int(raw.get("max_window_layers", 0)) if family != "mistral" else 0
+    return tuple(window if i >= first else 0 for i in range(layers))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture hyper-parameters that the math needs, normalised across model families."""
@@ -41,11 +63,16 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
+    layer_windows: tuple = ()    # per layer: the sliding window (query i sees keys j with i - j < it), 0 for none
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding attention window in tokens, 0 for full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def q_size(self) -> int:
@@ -125,12 +152,8 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0")
-        # A sliding window only matters when it is both enabled and shorter than the context.
-        window = raw.get("sliding_window")
-        use_window = raw.get("use_sliding_window", family == "mistral")
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        if window is not None and use_window and int(window) < max_pos:
-            raise ConfigError(f"{source}: field 'sliding_window' ({window}) is in effect; sliding-window attention is not supported")
+        windows = _layer_windows(raw, family, int(need("num_hidden_layers")), max_pos, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
         attention_bias = bool(raw.get("attention_bias", family == "qwen2"))
@@ -154,6 +177,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            layer_windows=windows,
             raw=raw,
         )
 

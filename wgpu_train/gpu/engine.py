@@ -484,12 +484,13 @@ class WgpuEngine:
         K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
         K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
         if kv is None:
-            K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d)
+            K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d,
+                                cfg.window(i))
         else:
             K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.segments, acts.positions, n,
                              kv["batch"], kv["max_len"], hkv, d)
             K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.segments, acts.positions,
-                                       n, kv["batch"], kv["max_len"], hq, hkv, d)
+                                       n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i))
         K.copy(rec, a["x_mid"], a["x_in"], n * c)
         self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
         rec.section(self._where + " norm")
@@ -605,7 +606,7 @@ class WgpuEngine:
             self._linear_backward(rec, acts.d_att, acts.d_res, i, "o_proj", acts, a, a["att"], False)
             rec.section(f"layer {i} backward attention")
             K.attention_backward(rec, acts.dq, acts.dk, acts.dv, acts.d_att, a["q"], a["k"], a["v"], a["att"], a["lse"],
-                                 acts.segments, b, t, hq, hkv, d, acts.scratch_att)
+                                 acts.segments, b, t, hq, hkv, d, acts.scratch_att, cfg.window(i))
             K.rope_backward(rec, acts.dq, acts.dq, acts.positions, self.inv_freq, n, hq, d)
             K.rope_backward(rec, acts.dk, acts.dk, acts.positions, self.inv_freq, n, hkv, d)
             dq, dk = acts.dq, acts.dk

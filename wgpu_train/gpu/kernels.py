@@ -289,9 +289,10 @@ def _vec4(D, *tensors):
     return "_vec4" if D % 4 == 0 and all(split(t)[1] % 4 == 0 for t in tensors) else ""
 
 
-def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D):
+def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, window=0):
     """Causal GQA attention with segments: q, out (B, T, Hq, D); k, v (B, T, Hkv, D);
-    segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward."""
+    segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward. window > 0: query i sees
+    only keys j with i - j < window (sliding-window attention)."""
     _att_check(T, Hq, Hkv, D)
     if B * T <= 0:
         return
@@ -300,7 +301,7 @@ def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D):
     _run(rec, "attention", entry, (-(-T // ATT_WG), Hq, B),
          [(out, nq, "out", True), (lse, B * Hq * T, "lse", True), (q, nq, "q", False), (k, nkv, "k", False),
           (v, nkv, "v", False), (segment_ids, B * T, "segment_ids", False)],
-         (B, T, Hq, Hkv), (1.0 / math.sqrt(D),), {"D": D})
+         (B, T, Hq, Hkv, window), (1.0 / math.sqrt(D),), {"D": D})
 
 
 def attention_scratch_size(B, T, Hq):
@@ -308,7 +309,7 @@ def attention_scratch_size(B, T, Hq):
     return B * Hq * T
 
 
-def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch):
+def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch, window=0):
     """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse.
 
     Three dispatches: delta into scratch (at least attention_scratch_size(B, T, Hq) elements), dq per
@@ -320,7 +321,7 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
         return
     nq, nkv, nl = B * T * Hq * D, B * T * Hkv * D, B * Hq * T
     scale_, const = (1.0 / math.sqrt(D),), {"D": D}
-    sizes = (B, T, Hq, Hkv)
+    sizes = (B, T, Hq, Hkv, window)
     tq = -(-T // ATT_WG)
     v4 = _vec4(D, dq, dk, dv, dout, q, k, v, out)
     if v4:  # the vec4 dq pass computes delta itself and saves it for the dk/dv pass
@@ -516,10 +517,11 @@ def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
     _lora_dropout(rec, "backward", dx, dy, seeds, seed_slot, p, n)
 
 
-def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d):
+def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
+                             window=0):
     """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d);
     rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
-    marks padding: its output is zero)."""
+    marks padding: its output is zero), only the last `window` of them when window > 0."""
     if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
@@ -528,7 +530,7 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
     launch(rec, ATTENTION_CACHED, flat_grid(-(-(n * hq) // 64)),
            [(out, n * hq * d), (q, n * hq * d), (k_cache, cache), (v_cache, cache), (rows, n), (positions, n)],
            n=int(n), max_len=int(max_len), batch=int(batch), hq=int(hq), hkv=int(hkv), d=int(d),
-           scale=1.0 / math.sqrt(d))
+           scale=1.0 / math.sqrt(d), window=int(window))
 
 
 def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d):

@@ -196,7 +196,7 @@ class NumpyEngine:
                 q, k = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d)
             q = ops.rope_forward(q, position_ids, self.inv_freq)
             k = ops.rope_forward(k, position_ids, self.inv_freq)
-            att, lse = ops.attention_forward(q, k, v, segment_ids)             # (B, T, Hq, D)
+            att, lse = ops.attention_forward(q, k, v, segment_ids, cfg.window(i))   # (B, T, Hq, D)
             c.update(q=q, k=k, v=v, att=att, lse=lse)
             x = x + self._linear(att.reshape(n, hq * d), i, "o_proj", c)
             c["x_mid"] = x
@@ -237,7 +237,8 @@ class NumpyEngine:
             self._add_full(p + "post_attention_layernorm.weight", dw)
             dx = dx + dmid
             datt = self._linear_backward(dx, i, "o_proj", c).reshape(b, t, hq, d)
-            dq, dk, dv = ops.attention_backward(datt, c["q"], c["k"], c["v"], c["att"], c["lse"], cache["segment_ids"])
+            dq, dk, dv = ops.attention_backward(datt, c["q"], c["k"], c["v"], c["att"], c["lse"], cache["segment_ids"],
+                                                cfg.window(i))
             dq = ops.rope_backward(dq, cache["position_ids"], self.inv_freq)
             dk = ops.rope_backward(dk, cache["position_ids"], self.inv_freq)
             if cfg.qk_norm:
@@ -303,7 +304,7 @@ class NumpyEngine:
             q = ops.rope_forward(q[None], positions[None], self.inv_freq)[0]
             k = ops.rope_forward(k[None], positions[None], self.inv_freq)[0]
             ops.kv_cache_write(kv["k"][i], kv["v"][i], k, v, rows, positions)
-            att = ops.attention_cached_forward(q, kv["k"][i], kv["v"][i], rows, positions)   # (n, Hq, D)
+            att = ops.attention_cached_forward(q, kv["k"][i], kv["v"][i], rows, positions, cfg.window(i))  # (n, Hq, D)
             x = x + self._linear(att.reshape(n, hq * d), i, "o_proj", c)
             h2, _ = ops.rmsnorm_forward(x, self.w[p + "post_attention_layernorm.weight"], eps)
             m = ops.swiglu_forward(self._linear(h2, i, "gate_proj", c), self._linear(h2, i, "up_proj", c))

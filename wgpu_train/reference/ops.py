@@ -131,14 +131,17 @@ def rope_backward(dy, positions, inv_freq):
 
 # ---- attention -------------------------------------------------------------------------------
 
-def attention_allowed(segment_ids):
+def attention_allowed(segment_ids, window: int = 0):
     """(B, T) segment ids (0 = padding) -> (B, T, T) bool: query i may see key j.
 
-    Causal, and never across segments (padding or packed samples). A padding query sees
-    only itself so that its row stays finite; its output is never used.
+    Causal, within a sliding window when window > 0 (i - j < window), and never across segments (padding
+    or packed samples). A padding query sees only itself so that its row stays finite; its output is never
+    used.
     """
     t = segment_ids.shape[1]
     causal = np.tril(np.ones((t, t), dtype=bool))
+    if window > 0:
+        causal &= ~np.tril(np.ones((t, t), dtype=bool), -window)
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     real_key = (segment_ids != 0)[:, None, :]
     allowed = causal & same & real_key
@@ -150,8 +153,8 @@ def _expand_kv(k, n_rep):
     return np.repeat(k, n_rep, axis=2) if n_rep > 1 else k
 
 
-def attention_forward(q, k, v, segment_ids):
-    """Causal grouped-query attention.
+def attention_forward(q, k, v, segment_ids, window: int = 0):
+    """Causal grouped-query attention (within a sliding window of `window` keys when window > 0).
 
     q (B, T, Hq, D), k and v (B, T, Hkv, D), segment_ids (B, T) -> out (B, T, Hq, D), lse (B, Hq, T).
     Query head h reads key/value head h // (Hq / Hkv), as in Hugging Face's repeat_kv.
@@ -160,7 +163,7 @@ def attention_forward(q, k, v, segment_ids):
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     scale = 1.0 / np.sqrt(q.shape[-1])
     scores = np.einsum("bihd,bjhd->bhij", q, ke) * scale        # (B, H, T, T)
-    allowed = attention_allowed(segment_ids)[:, None]
+    allowed = attention_allowed(segment_ids, window)[:, None]
     scores = np.where(allowed, scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)
     p = np.exp(scores - m)
@@ -171,7 +174,7 @@ def attention_forward(q, k, v, segment_ids):
     return out.astype(q.dtype), lse.astype(q.dtype)
 
 
-def attention_backward(dout, q, k, v, out, lse, segment_ids):
+def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0):
     """Gradients of attention_forward from the saved logsumexp: dq (B, T, Hq, D), dk, dv (B, T, Hkv, D)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -179,7 +182,7 @@ def attention_backward(dout, q, k, v, out, lse, segment_ids):
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     scale = 1.0 / np.sqrt(d)
     scores = np.einsum("bihd,bjhd->bhij", q, ke) * scale
-    allowed = attention_allowed(segment_ids)[:, None]
+    allowed = attention_allowed(segment_ids, window)[:, None]
     p = np.where(allowed, np.exp(scores - lse[..., None]), 0.0)  # (B, H, T, T)
     dve = np.einsum("bhij,bihd->bjhd", p, dout)
     dp = np.einsum("bihd,bjhd->bhij", dout, ve)
@@ -255,9 +258,10 @@ def kv_cache_write(k_cache, v_cache, k_new, v_new, rows, positions):
     v_cache[rows[keep], positions[keep]] = v_new[keep]
 
 
-def attention_cached_forward(q, k_cache, v_cache, rows, positions):
+def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0):
     """New queries against a KV cache: q (N, Hq, D), query i in cache row rows[i] at position positions[i];
-    k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal)."""
+    k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal),
+    only the last `window` of them when window > 0."""
     n, hq, d = q.shape
     n_rep = hq // k_cache.shape[2]
     out = np.zeros_like(q)
@@ -267,7 +271,9 @@ def attention_cached_forward(q, k_cache, v_cache, rows, positions):
         tk = int(pos.max()) + 1
         ke, ve = _expand_kv(k_cache[r:r + 1, :tk], n_rep)[0], _expand_kv(v_cache[r:r + 1, :tk], n_rep)[0]
         scores = np.einsum("ihd,jhd->hij", q[sel], ke) / np.sqrt(d)  # (Hq, Ni, Tk)
-        scores = np.where(np.arange(tk)[None, :] <= pos[:, None], scores, -np.inf)
+        keys = np.arange(tk)[None, :]
+        seen = (keys <= pos[:, None]) & ((keys > pos[:, None] - window) if window > 0 else True)
+        scores = np.where(seen, scores, -np.inf)
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         out[sel] = np.einsum("hij,jhd->ihd", p, ve)
