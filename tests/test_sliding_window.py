@@ -89,3 +89,12 @@ def test_wgpu_engine_matches_numpy(case, rt):
         assert_close(grads_g[k], grads_r[k], "gpu_grads", k)
     prompt = ids[0, :6]
     assert gpu.generate(prompt, max_new_tokens=12) == ref.generate(prompt, max_new_tokens=12)
+
+
+def test_head_dim_beyond_the_attention_kernels_is_refused(rt, tmp_path):
+    """A head_dim over what the WebGPU attention kernels hold: one ConfigError naming the field."""
+    hf = build_model("qwen3", seed=1, head_dim=130, num_attention_heads=2, num_key_value_heads=1)
+    save_model(hf, tmp_path)
+    with pytest.raises(wt.ConfigError, match="field 'head_dim' \\(130\\)"):
+        wt.load_model(tmp_path, backend="wgpu", device=str(rt.info.index))
+    assert wt.load_model(tmp_path, backend="numpy").config.head_dim == 130

@@ -106,6 +106,9 @@ class WgpuEngine:
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
                  embed_dtype: str = "auto"):
+        if cfg.head_dim > K.ATT_DMAX:
+            raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is over the {K.ATT_DMAX} the WebGPU "
+                              f"attention kernels support; use backend='numpy'")
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
