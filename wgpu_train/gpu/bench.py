@@ -283,6 +283,72 @@ def bench_gemm_candidates(rt, ctx) -> list[dict]:
     return out
 
 
+# ---- attention (shaders/attention.wgsl) ----------------------------------------------------------------
+
+ATT_SHAPE = dict(B=1, Hq=9, Hkv=3, D=64)       # SmolLM2-135M's heads
+
+
+@register("attention")
+def bench_attention(rt, ctx) -> list[dict]:
+    """Causal attention forward + backward at T = 512 and 2048 (2048 on GPUs only: seconds per run on a CPU
+    adapter) for B = 1, 9 / 3 heads, D = 64: one row, and the same row packed with 8 equal segments, each
+    checked against the NumPy reference at T = 512 before it is timed. GFLOP/s count the causal
+    (unpacked) work, 6 T^2 D Hq (forward QK^T and PV, backward dQ, dK, dV and dP, each over half of T^2),
+    for both, so the packed row's figure shows how much of the masked work it skips."""
+    from ..reference import ops
+    from . import kernels as K
+
+    B, Hq, Hkv, D = ATT_SHAPE["B"], ATT_SHAPE["Hq"], ATT_SHAPE["Hkv"], ATT_SHAPE["D"]
+    rng = np.random.default_rng(3)
+    out = []
+    for T in (512,) if rt.info.adapter_type == "CPU" else (512, 2048):
+        q, dout = (rng.standard_normal((B, T, Hq, D), dtype=np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((B, T, Hkv, D), dtype=np.float32) for _ in range(2))
+        bufs = [rt.upload(x) for x in (q, k, v, dout)] + [rt.buffer(q.nbytes) for _ in range(2)]
+        bufs += [rt.buffer(k.nbytes) for _ in range(2)] + [rt.buffer(4 * B * Hq * T),
+                                                            rt.buffer(4 * K.attention_scratch_size(B, T, Hq))]
+        tq, tk, tv, tdo, o, dq, dk, dv, lse, scratch = bufs
+        flops = 6.0 * T * T * D * Hq
+        try:
+            for kind in ("causal", "packed8"):
+                seg = np.ones((B, T), np.int32) if kind == "causal" else (np.arange(T) // (T // 8) + 1)[None]
+                seg_buf = rt.upload(seg.astype(np.int32))
+                bufs.append(seg_buf)
+                rec = _Capture(rt)
+                K.attention_forward(rec, o, lse, tq, tk, tv, seg_buf, B, T, Hq, Hkv, D)
+                K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, o, lse, seg_buf, B, T, Hq, Hkv, D, scratch)
+                if T == 512:
+                    real = rt.recorder()
+                    for d in rec.dispatches:
+                        real.dispatch(*d)
+                    real.submit()
+                    want, want_lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg)
+                    want_dq = ops.attention_backward(dout.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)),
+                                                     want, want_lse, seg)[0]
+                    err = max(_max_rel_err(rt.read(o, np.float32, q.shape), want),
+                              _max_rel_err(rt.read(dq, np.float32, q.shape), want_dq))
+                    if not err < 1e-4:
+                        raise AssertionError(f"attention {kind} T={T} gave a wrong result (max rel err {err:.2e})")
+                t = ctx["timer"].time(rec.dispatches, repeats=2, budget_s=2.0)
+                out.append({"name": f"attention_{kind}", "shape": f"T{T}x{Hq}/{Hkv}xD{D}", "gflops": flops / t / 1e9,
+                            "ms": t * 1e3})
+        finally:
+            rt.release(*bufs)
+        ctx["sample_peak"]()
+    return out
+
+
+class _Capture:
+    """A stand-in Recorder that keeps (pipeline, resources, groups) instead of recording them (for Timer)."""
+
+    def __init__(self, rt):
+        self.rt, self.dispatches = rt, []
+
+    def dispatch(self, pipeline, resources, groups):
+        groups = tuple(int(g) for g in (groups if isinstance(groups, (tuple, list)) else (groups,)))
+        self.dispatches.append((pipeline, resources, groups + (1,) * (3 - len(groups))))
+
+
 # ---- GEMM with float16 / NF4 weights (gpu/quant.py) -----------------------------------------------
 
 @register("gemm_quant")
