@@ -278,3 +278,14 @@ def test_tiled_linear_over_weight_chunks(rt, family):
     np.testing.assert_allclose(rt.read(y, np.float32, (n, fout)), x64 @ w64.T, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(rt.read(dx, np.float32, (n, fin)), dy64 @ w64, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(dwm.read(rt), dy64.T @ x64, rtol=1e-5, atol=1e-5 * np.sqrt(n) * 4)
+
+
+def test_fast_mode_times_every_family(rt):
+    """fast mode's candidates hold each family's likeliest one, whatever the ranking puts last."""
+    buf = rt.buffer(4 * 64 * 1024)
+    p = G.gemm_problem(rt, rt.buffer(4 * 32 * 64), buf, buf, 32, 64, 1024, "tn")
+    cands = GK.candidates(p)
+    fast = tune.fast_set(cands)
+    assert len(fast) == min(tune.FAST_CANDIDATES, len(cands))
+    assert {c.family for c in fast} == {c.family for c in cands} == {"register", "tiled", "splitk"}
+    assert fast == sorted(fast, key=cands.index)

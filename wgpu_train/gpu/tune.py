@@ -219,11 +219,26 @@ def choose(rt, p):
         by_name = {c.name: c for c in cands}
         name = names.get(key) or cache(rt).get(key)
         if name not in by_name:
-            name = tune_shape(rt, p, cands if m == "full" else cands[:FAST_CANDIDATES], key)
+            name = tune_shape(rt, p, cands if m == "full" else fast_set(cands), key)
         chosen = by_name[name]
     names.setdefault(key, chosen.name)
     by_shape[(m, p.signature())] = chosen
     return chosen
+
+
+def fast_set(cands: list) -> list:
+    """The candidates fast mode times: each family's likeliest one, then the likeliest others, FAST_CANDIDATES
+    in all, in the candidates' order (so a family ranked last, e.g. the register kernels on a GPU, is tried)."""
+    out = []
+    for c in cands:
+        if all(o.family != c.family for o in out):
+            out.append(c)
+    for c in cands:
+        if len(out) >= FAST_CANDIDATES:
+            break
+        if c not in out:
+            out.append(c)
+    return sorted(out, key=cands.index)
 
 
 def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
