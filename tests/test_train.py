@@ -852,3 +852,38 @@ def test_exact_match_prompts_and_trimming(workspace):
     assert (res["correct"], res["n"], res["exact_match"]) == (1, 2, 0.5)
     assert res["samples"][0] == {"prompt": "q1", "reference": "right one", "output": " right one \n", "match": True}
     assert exact_match(_Oracle(tok, {}), tok, ["text only"])["exact_match"] is None
+
+
+def test_token_budget_batches(workspace, tmp_path):
+    """--max-tokens-per-batch: every micro-batch holds at most that many tokens (rows x its padded width),
+    each optimizer step takes grad_accum of them, every sample is trained once per epoch, and a resumed run
+    equals the uninterrupted one."""
+    from wgpu_train.data import BatchStream, token_groups
+    from wgpu_train.train import PAD_MULTIPLE, Trainer
+
+    assert token_groups([5, 5, 4, 9, 2], 12) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    kw = dict(max_steps=6, max_tokens_per_batch=64, grad_accum=2, lr_schedule="constant", keep_checkpoints=0)
+    trainer = Trainer(config(workspace, tmp_path / "probe", **kw)).setup()
+    stream = trainer.stream
+    assert isinstance(stream, BatchStream) and stream.max_tokens == 64
+    seen = []
+    for batch in stream.epoch_batches(0):
+        micro = split_batch(batch, 4, PAD_MULTIPLE, max_tokens=64)
+        assert 1 <= len(micro) <= 2
+        for m in micro:
+            assert m.input_ids.size <= 64 or m.input_ids.shape[0] == 1, m.input_ids.shape
+        seen += [tuple(r[r != trainer.pad_id]) for r in batch.input_ids]
+    assert len(seen) == len(trainer.train_examples)
+    full = finetune(config(workspace, tmp_path / "full", save_every=3, **kw))
+    ckpt = tmp_path / "full" / "checkpoints" / "step-000003"
+    resumed = finetune(config(workspace, tmp_path / "resumed", resume=str(ckpt), **kw))
+    assert resumed["tokens"] == full["tokens"]
+    a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "resumed")
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_token_budget_below_the_longest_sample_is_refused(workspace, tmp_path):
+    with pytest.raises(ConfigError, match="max_tokens_per_batch \\(4\\) is below the longest training sample"):
+        Trainer(config(workspace, tmp_path / "x", max_tokens_per_batch=4)).setup()
+    assert not (tmp_path / "x").exists()

@@ -643,15 +643,31 @@ def pack_examples(lengths: Sequence[int], max_seq_len: int, chunk: int = 4096) -
     return rows
 
 
+def token_groups(lengths: Sequence[int], max_tokens: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """(start, end) of consecutive runs of rows, in order, each as long as it stays within max_tokens once padded:
+    rows x its longest length rounded up to `multiple` (a row longer than that alone makes its own run)."""
+    out, start, width = [], 0, 0
+    for i, n in enumerate(lengths):
+        w = max(width, _round_up(int(n), max(1, multiple)))
+        if i > start and (i - start + 1) * w > max_tokens:
+            out.append((start, i))
+            start, w = i, _round_up(int(n), max(1, multiple))
+        width = w
+    if len(lengths):
+        out.append((start, len(lengths)))
+    return out
+
+
 def make_batches(examples: Sequence[Example], batch_size: int, rng: np.random.Generator, shuffle: bool = True,
                  pack: bool = False, max_seq_len: int | None = None, bucket: bool = True, pad_id: int = 0,
-                 pad_to_multiple: int = 1) -> list[Batch]:
+                 pad_to_multiple: int = 1, max_tokens: int | None = None, micro_batches: int = 1) -> list[Batch]:
     """One epoch of batches.
 
     Samples are shuffled with `rng` (when `shuffle`); with `bucket`, sorted by length within chunks of
     50 * batch_size so that a batch holds similar lengths, and the batch order is shuffled again. With `pack`,
     samples are first-fit packed into rows of `max_seq_len` tokens (segment ids and positions per sample).
-    The last batch may hold fewer rows.
+    The last batch may hold fewer rows. With max_tokens, a batch is `micro_batches` consecutive token_groups
+    of the (bucketed) rows instead of batch_size rows: split_batch(..., max_tokens=) cuts it back into them.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
@@ -676,7 +692,12 @@ def make_batches(examples: Sequence[Example], batch_size: int, rng: np.random.Ge
         for c0 in range(0, len(rows), chunk):
             part = row_order[c0:c0 + chunk]
             row_order[c0:c0 + chunk] = part[np.argsort(-row_len[part], kind="stable")]
-    groups = [row_order[b:b + batch_size] for b in range(0, len(rows), batch_size)]
+    if max_tokens:
+        runs = token_groups(row_len[row_order], max_tokens, pad_to_multiple)
+        groups = [row_order[runs[g][0]:runs[min(g + micro_batches, len(runs)) - 1][1]]
+                  for g in range(0, len(runs), micro_batches)]
+    else:
+        groups = [row_order[b:b + batch_size] for b in range(0, len(rows), batch_size)]
     if bucket and shuffle:
         groups = [groups[i] for i in rng.permutation(len(groups))]
     return [collate([[examples[i] for i in rows[r]] for r in g], pad_id=pad_id, pad_to_multiple=pad_to_multiple)
@@ -689,7 +710,7 @@ class BatchStream:
 
     def __init__(self, examples: Sequence[Example], batch_size: int, seed: int, pack: bool = False,
                  max_seq_len: int | None = None, shuffle: bool = True, bucket: bool = True, pad_id: int = 0,
-                 pad_to_multiple: int = 1) -> None:
+                 pad_to_multiple: int = 1, max_tokens: int | None = None, micro_batches: int = 1) -> None:
         if not examples:
             raise DataError("no training examples left after tokenization")
         self.examples = examples
@@ -701,6 +722,7 @@ class BatchStream:
         self.bucket = bucket
         self.pad_id = pad_id
         self.pad_to_multiple = pad_to_multiple
+        self.max_tokens, self.micro_batches = max_tokens, micro_batches
         self.epoch = 0
         self.position = 0  # index of the next batch within the epoch
         self._cache: tuple[int, list[Batch]] | None = None
@@ -712,7 +734,8 @@ class BatchStream:
             rng = np.random.default_rng([self.seed, epoch])
             batches = make_batches(self.examples, self.batch_size, rng, shuffle=self.shuffle, pack=self.pack,
                                    max_seq_len=self.max_seq_len, bucket=self.bucket, pad_id=self.pad_id,
-                                   pad_to_multiple=self.pad_to_multiple)
+                                   pad_to_multiple=self.pad_to_multiple, max_tokens=self.max_tokens,
+                                   micro_batches=self.micro_batches)
             self._cache = (epoch, batches)
         return self._cache[1]
 

@@ -65,6 +65,9 @@ class TrainConfig:
     epochs: int = _opt(3, "passes over the training set (ignored when --max-steps is given)")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
     batch_size: int = _opt(4, "samples (rows) per micro-batch")
+    max_tokens_per_batch: int | None = _opt(None, "form micro-batches of up to this many tokens (rows x their "
+                                                  "longest length) from rows of similar lengths, instead of "
+                                                  "--batch-size rows; at least the longest sample")
     grad_accum: int = _opt(1, "micro-batches per optimizer step; the loss is normalised by the trained tokens "
                               "of all of them, so the step equals one batch of batch_size * grad_accum")
     lr: float = _opt(1e-3, "peak learning rate")
@@ -125,6 +128,8 @@ class TrainConfig:
                      "keep_checkpoints", "early_stop_patience", "max_eval_samples"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps must be at least 1, got {self.max_steps}")
+        need(self.max_tokens_per_batch is None or self.max_tokens_per_batch >= 1,
+             f"max_tokens_per_batch must be at least 1, got {self.max_tokens_per_batch}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
@@ -239,15 +244,23 @@ def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
     return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)
 
 
-def split_batch(batch, rows: int, multiple: int = PAD_MULTIPLE) -> list:
-    """Micro-batches of at most `rows` rows of `batch`, each trimmed to its longest row rounded up to
-    `multiple` (fewer distinct shapes for engines that cache buffers per shape; padding is masked)."""
-    from .data import IGNORE_INDEX, Batch
+def split_batch(batch, rows: int, multiple: int = PAD_MULTIPLE, max_tokens: int | None = None) -> list:
+    """Micro-batches of at most `rows` rows of `batch` (with max_tokens: the runs of rows data.token_groups
+    forms, as make_batches formed them), each trimmed to its longest row rounded up to `multiple` (fewer
+    distinct shapes for engines that cache buffers per shape; padding is masked)."""
+    from .data import IGNORE_INDEX, Batch, token_groups
 
     out = []
     width = batch.input_ids.shape[1]
-    for r0 in range(0, batch.input_ids.shape[0], rows):
-        sl = slice(r0, r0 + rows)
+    n_rows = batch.input_ids.shape[0]
+    if max_tokens:
+        mask = batch.attention_mask
+        lengths = [int(np.flatnonzero(mask[r])[-1]) + 1 if mask[r].any() else 1 for r in range(n_rows)]
+        spans = token_groups(lengths, max_tokens, multiple)
+    else:
+        spans = [(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
+    for r0, r1 in spans:
+        sl = slice(r0, r1)
         used = np.flatnonzero(batch.attention_mask[sl].any(axis=0))
         t = min(width, -(-(int(used[-1]) + 1 if used.size else 1) // multiple) * multiple)
         labels = batch.labels[sl, :t]
@@ -423,8 +436,13 @@ class Trainer:
         model_cfg = ModelConfig.from_folder(self.model_dir)
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
+        if cfg.max_tokens_per_batch and cfg.max_tokens_per_batch < longest:
+            raise ConfigError(f"max_tokens_per_batch ({cfg.max_tokens_per_batch}) is below the longest training "
+                              f"{'row' if cfg.pack else 'sample'} ({longest} tokens): raise it or lower --max-seq-len")
         self.stream = BatchStream(self.train_examples, cfg.batch_size * cfg.grad_accum, cfg.seed, pack=cfg.pack,
-                                  max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE)
+                                  max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
+                                  max_tokens=cfg.max_tokens_per_batch, micro_batches=cfg.grad_accum)
         self.steps_per_epoch = len(self.stream)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         warmup = cfg.warmup_steps
@@ -463,8 +481,11 @@ class Trainer:
         self._prepare_out()
         self.log(f"training: {self.total_steps} steps"
                  + ("" if cfg.max_steps else f" ({cfg.epochs} epochs of {self.steps_per_epoch})")
-                 + f", {cfg.batch_size * cfg.grad_accum} samples per step"
-                 + (f" ({cfg.grad_accum} micro-batches of {cfg.batch_size})" if cfg.grad_accum > 1 else "")
+                 + (f", {cfg.batch_size * cfg.grad_accum} samples per step"
+                    + (f" ({cfg.grad_accum} micro-batches of {cfg.batch_size})" if cfg.grad_accum > 1 else "")
+                    if not cfg.max_tokens_per_batch else
+                    f", {cfg.grad_accum} micro-batch{'es' if cfg.grad_accum > 1 else ''} of up to "
+                    f"{cfg.max_tokens_per_batch} tokens per step")
                  + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
                  + (f", resuming at step {self.step} from {self.resumed_from}" if self.resumed_from else ""))
         self.memory_estimate = self._estimate_memory(model_cfg, lora)
@@ -483,9 +504,10 @@ class Trainer:
         longest = max((e.input_ids.size for e in self.train_examples + self.valid_examples), default=1)
         length = self.max_seq_len if cfg.pack else min(self.max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
         max_binding = getattr(getattr(self.engine, "rt", None), "max_binding", None)
-        est = estimate_memory(model_cfg, cfg.batch_size, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
+        rows = cfg.batch_size if not cfg.max_tokens_per_batch else max(1, cfg.max_tokens_per_batch // length)
+        est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
                               cfg.gradient_checkpointing, max_binding)
-        return {**est, "batch": cfg.batch_size, "length": length}
+        return {**est, "batch": rows, "length": length}
 
     def _read_data(self, model_cfg: ModelConfig):
         from .data import resolve_data, tokenize_dataset
@@ -725,7 +747,7 @@ class Trainer:
         """One optimizer step; returns (batch, ends an epoch, lr, loss_sum, count, grad_norm, seconds)."""
         cfg = self.config
         batch, epoch_done = self.next_batch()
-        micro = [engine_batch(b) for b in split_batch(batch, cfg.batch_size)]
+        micro = [engine_batch(b) for b in split_batch(batch, cfg.batch_size, max_tokens=cfg.max_tokens_per_batch)]
         lr = self.schedule.lr_at(self.step + 1)
         profile = bool(cfg.profile_interval) and (self.step + 1) % cfg.profile_interval == 0
         t0 = time.perf_counter()
