@@ -102,8 +102,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 def _register(rt, c, a, b, M, N, K, subgroups, vec4):
     """The register kernel of shaders/gemm.wgsl that the llvmpipe tiling picks for C = A @ B, forced."""
     p = G.gemm_problem(rt, c, a, b, M, N, K, "nn")
-    swap, wg, tm = GK.choose_tiling(M, N, K, 1, GK.min_workgroup(rt), (p.b_sk == 1, p.a_sk == 1))
-    return GK.Register(swap, wg, tm, subgroups, vec4).dispatches(p)[0]
+    return GK.register_candidate(p, subgroups, vec4).dispatches(p)[0]
 
 
 class Variant:

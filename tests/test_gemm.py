@@ -49,9 +49,7 @@ def _variants(rt):
 def _register(rt, c, a, b, M, N, K, layout, subgroups=None, vec4=True, **kw):
     """The (pipeline, resources, groups) of the register kernel choose_tiling picks, with subgroups / vec4 forced."""
     p = G.gemm_problem(rt, c, a, b, M, N, K, layout, **kw)
-    swap, wg, tm = GK.choose_tiling(p.M, p.N, p.K, p.batch, GK.min_workgroup(rt), (p.b_sk == 1, p.a_sk == 1))
-    sg = GK.use_subgroups(rt) if subgroups is None else subgroups
-    return GK.Register(swap, wg, tm, sg, vec4).dispatches(p)[0]
+    return GK.register_candidate(p, subgroups, vec4).dispatches(p)[0]
 
 
 def _run(rt, dispatches):

@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from wgpu_train.gpu import gemm_tiled_src as T
+from wgpu_train.gpu.launch import params_format, parse_params
 from wgpu_train.gpu.runtime import shader_path
 
 # As tests/test_gemm.py: fp32 rounding grows like eps * sqrt(K); a wrong or missing term is O(1).
+PARAMS = parse_params(shader_path(T.SHADER).read_text())   # the uniform's (name, type) fields, as launch packs them
+ACCUMULATE, BIAS = 1, 2                                       # Params.flags bits
 RTOL = 1e-5
 ATOL_PER_SQRT_K = 1e-5
 
@@ -70,11 +73,11 @@ class Case:
         self.b[b_idx] = rng.standard_normal(b_idx.shape)
         self.bias = rng.standard_normal(o3 + M * N + 3).astype(np.float32)
         self.c = rng.standard_normal(o4 + batch * c_sz + 5).astype(np.float32)
-        flags = (T.FLAG_ACCUMULATE if accumulate else 0) | (T.FLAG_BIAS if bias else 0)
+        flags = (ACCUMULATE if accumulate else 0) | (BIAS if bias else 0)
         self.fields = dict(M=M, N=N, K=K, flags=flags, o1=o1, a_sm=a_sm, a_sk=a_sk, a_sz=a_sz,
                            o2=o2, b_sk=b_sk, b_sn=b_sn, b_sz=b_sz, o4=o4, c_sm=c_sm, c_sn=c_sn, c_sz=c_sz,
                            o3=o3, bias_sm=bias_sm, bias_sn=bias_sn, alpha=alpha, k_split=0, splits=1,
-                           batch=batch, pad0=0, r2=0, ldh=0, ldlb=0, alpha2=0.0, o5=0, o6=0, pad1=0, pad2=0)
+                           batch=batch)
         opa, opb = self.a.astype(np.float64)[a_idx], self.b.astype(np.float64)[b_idx]
         out = alpha * (opa @ opb)
         if bias:
@@ -91,7 +94,7 @@ class Case:
 
     def uniform(self, rt, **changes):
         f = {**self.fields, **changes}
-        return rt.uniform(T.PARAMS_FORMAT, *(f[name] for name in T.PARAMS_FIELDS))
+        return rt.uniform(params_format(PARAMS), *(f.get(name, 0) for name, _ in PARAMS))
 
     def upload(self, rt):
         self.bufs = [rt.upload(x) for x in (self.a, self.b, self.bias, self.c)]

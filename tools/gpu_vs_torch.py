@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from wgpu_train.config import LoraConfig, ModelConfig  # noqa: E402
+from wgpu_train.gpu.bench_train import timed  # noqa: E402
 from wgpu_train.gpu.pretune import SMOL135, lora_step_flops, training_mfu  # noqa: E402
 from wgpu_train.gpu.runtime import get_runtime  # noqa: E402
 
@@ -40,7 +40,7 @@ def torch_step_s(device: str, dtype_name: str, batch: int, seq: int, steps: int)
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
 
-    def step():
+    def step(_):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -49,13 +49,7 @@ def torch_step_s(device: str, dtype_name: str, batch: int, seq: int, steps: int)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    step()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - t0)
-    return float(np.median(walls))
+    return float(np.median(timed(step, steps)))
 
 
 def main(argv=None):

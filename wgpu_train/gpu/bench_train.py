@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from ..config import LoraConfig, ModelConfig, OptimizerParams
-from ..hf import expected_shapes
+from ..memory import weight_shapes
 from ..reference.ops import shift_labels
 
 BENCH_MODEL = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128, intermediate_size=344,
@@ -17,42 +17,54 @@ BENCH_MODEL = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_si
 BATCH, SEQ = 8, 64
 
 
-def _random_model(rng):
-    cfg = ModelConfig.from_dict(dict(BENCH_MODEL), "bench model")
-    weights = {}
-    for name, shape in expected_shapes(cfg).items():
-        weights[name] = (np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.02, shape)).astype(np.float32)
-    return cfg, weights
+def random_weights(cfg: ModelConfig, rng) -> dict:
+    """Every base tensor of cfg: norms (1-D) ones, the rest N(0, 0.02), float32."""
+    return {name: (np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.02, shape)).astype(np.float32)
+            for name, shape in weight_shapes(cfg).items()}
 
 
-def _batch(cfg, rng):
-    ids = rng.integers(0, cfg.vocab_size, (BATCH, SEQ)).astype(np.int32)
-    seg = np.ones_like(ids)
-    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), ids.shape).copy()
-    return [(ids, shift_labels(ids.astype(np.int64)), seg, pos)]
-
-
-def _lora_modules(cfg, lora, rng):
+def random_lora(cfg: ModelConfig, lora: LoraConfig, rng, b_std: float = 0.0) -> dict:
+    """WgpuEngine.set_lora's modules for every layer and target: A uniform in +-0.1, B N(0, b_std) (0: zeros)."""
     from ..hf import module_path
 
     mods = {}
     for i in range(cfg.num_hidden_layers):
         for m in lora.target_modules:
             out_f, in_f = cfg.linear_shape(m)
+            b = rng.normal(0, b_std, (out_f, lora.r)) if b_std else np.zeros((out_f, lora.r))
             mods[module_path(i, m)] = (rng.uniform(-0.1, 0.1, (lora.r, in_f)).astype(np.float32),
-                                       np.zeros((out_f, lora.r), np.float32), lora.scale, 0.0)
+                                       b.astype(np.float32), lora.scale, 0.0)
     return mods
 
 
-def _time_engine(engine, micro, hp, steps):
-    engine.train_step(micro, hp, 1)                    # warm-up: pipelines, buffers, JIT
-    walls, records = [], []
-    for s in range(steps):
+def random_batch(cfg: ModelConfig, batch: int, seq: int, rng) -> list:
+    """One micro-batch of random tokens, every token trained."""
+    ids = rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(seq, dtype=np.int32), ids.shape).copy()
+    return [(ids, shift_labels(ids.astype(np.int64)), np.ones_like(ids), pos)]
+
+
+def timed(step, steps: int) -> list:
+    """Seconds of step(1) .. step(steps), after step(0) as a warm-up (pipelines, buffers, JIT)."""
+    step(0)
+    walls = []
+    for i in range(1, steps + 1):
         t0 = time.perf_counter()
-        engine.train_step(micro, hp, s + 2)
+        step(i)
         walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def _time_engine(engine, micro, hp, steps):
+    """(median step seconds, median Python recording seconds) of engine.train_step on micro."""
+    records = []
+
+    def step(i):
+        engine.train_step(micro, hp, i + 1)
         records.append(getattr(engine, "last_timing", {}).get("record_s", 0.0))
-    return float(np.median(walls)), float(np.median(records))
+
+    walls = timed(step, steps)
+    return float(np.median(walls)), float(np.median(records[1:]))
 
 
 def _torch_tokens_per_s(cfg_raw, weights, lora, micro, steps):
@@ -70,20 +82,14 @@ def _torch_tokens_per_s(cfg_raw, weights, lora, micro, steps):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.from_numpy(micro[0][0].astype(np.int64))
 
-    def step():
+    def step(_):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad()
 
-    step()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - t0)
-    return BATCH * SEQ / float(np.median(walls))
+    return BATCH * SEQ / float(np.median(timed(step, steps)))
 
 
 def bench_training(rt, steps: int = 5) -> dict:
@@ -92,10 +98,11 @@ def bench_training(rt, steps: int = 5) -> dict:
     from .engine import WgpuEngine
 
     rng = np.random.default_rng(0)
-    cfg, weights = _random_model(rng)
+    cfg = ModelConfig.from_dict(dict(BENCH_MODEL), "bench model")
+    weights = random_weights(cfg, rng)
     lora = LoraConfig(r=8, alpha=16, target_modules="all-linear")
-    modules = _lora_modules(cfg, lora, rng)
-    micro = _batch(cfg, rng)
+    modules = random_lora(cfg, lora, rng)
+    micro = random_batch(cfg, BATCH, SEQ, rng)
     hp = OptimizerParams(lr=1e-3, max_grad_norm=1.0)
     tokens = BATCH * SEQ
 
@@ -143,7 +150,8 @@ def bench_variable_lengths(rt, samples: int = 50, fixed: int = 128) -> dict:
     from .engine import WgpuEngine
 
     rng = np.random.default_rng(1)
-    cfg, weights = _random_model(rng)
+    cfg = ModelConfig.from_dict(dict(BENCH_MODEL), "bench model")
+    weights = random_weights(cfg, rng)
     lengths = [int(t) for t in rng.permutation(np.arange(16, 257))[:samples]]
     rows = {"variable": lengths, "fixed": [fixed] * max(1, round(sum(lengths) / fixed))}
     out = {"model": "Llama 4 layers, hidden 128, vocab 512", "tokens": {k: sum(v) for k, v in rows.items()}}

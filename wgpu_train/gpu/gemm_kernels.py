@@ -233,16 +233,12 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
     return best[1:]
 
 
-_portable: dict = {}
-
-
+@functools.lru_cache(maxsize=1)
 def portable_source() -> str:
     """gemm.wgsl without its subgroup section (for devices without the feature)."""
-    if not _portable:
-        from .runtime import shader_path
-        text = shader_path("gemm").read_text()
-        _portable["text"] = text[:text.index(_SG_MARKER)]
-    return _portable["text"]
+    from .runtime import shader_path
+    text = shader_path("gemm").read_text()
+    return text[:text.index(_SG_MARKER)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,14 +277,17 @@ class Register:
         return [(pipeline, resources, (-(-q["M"] // self.tm), -(-q["N"] // (TN * self.wg)), p.batch))]
 
 
+def register_candidate(p: Problem, subgroups=None, vec4: bool = True, swaps=(False, True)) -> Register:
+    """The register kernel choose_tiling picks for p (measured on llvmpipe), subgroups / vec4 forced when given."""
+    rt = p.rt
+    tiling = choose_tiling(p.M, p.N, p.K, p.batch, min_workgroup(rt), (p.b_sk == 1, p.a_sk == 1), swaps)
+    return Register(*tiling, use_subgroups(rt) if subgroups is None else subgroups, vec4)
+
+
 def register_candidates(p: Problem) -> list:
     """The llvmpipe-measured choice (choose_tiling) first, then the best of the other orientation."""
-    rt = p.rt
-    sg, min_wg = use_subgroups(rt), min_workgroup(rt)
-    along_k = (p.b_sk == 1, p.a_sk == 1)
-    first = choose_tiling(p.M, p.N, p.K, p.batch, min_wg, along_k)
-    other = choose_tiling(p.M, p.N, p.K, p.batch, min_wg, along_k, swaps=(not first[0],))
-    return [Register(*first, sg), Register(*other, sg)]
+    first = register_candidate(p)
+    return [first, register_candidate(p, swaps=(not first.swap,))]
 
 
 # ---- workgroup-tiled family and split-K (shaders/gemm_tiled.wgsl) ------------------------------------

@@ -6,7 +6,7 @@ tiled_source() rewrites the marked const block of the .wgsl text in place (line 
 file), and keeps one of each pair of marked sections: the scalar or the vec4 global loads (cfg.vec4), and the
 plain or the subgroup multiply with its entry point (cfg.subgroups; entry_point()). Without subgroups the
 module then compiles on adapters without the `subgroup` feature (naga rejects a module using a subgroup
-builtin there, even in an unused entry point). The uniform is PARAMS_FIELDS packed with PARAMS_FORMAT.
+builtin there, even in an unused entry point).
 """
 from __future__ import annotations
 
@@ -19,12 +19,6 @@ from .runtime import shader_path
 SHADER = "gemm_tiled"
 REDUCE_ENTRY = "gemm_splitk_reduce"
 REDUCE_WG = 256
-PARAMS_FIELDS = ("M", "N", "K", "flags", "o1", "a_sm", "a_sk", "a_sz", "o2", "b_sk", "b_sn", "b_sz",
-                 "o4", "c_sm", "c_sn", "c_sz", "o3", "bias_sm", "bias_sn", "alpha",
-                 "k_split", "splits", "batch", "pad0", "r2", "ldh", "ldlb", "alpha2", "o5", "o6", "pad1", "pad2")
-PARAMS_FORMAT = "<19If7If4I"  # every field 4 bytes; alpha and alpha2 the only f32s
-FLAG_ACCUMULATE = 1
-FLAG_BIAS = 2
 # WebGPU's default limits, for a limits dict that lacks a key
 DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256,
                   "max-compute-workgroup-size-x": 256}

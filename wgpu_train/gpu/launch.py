@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import DeviceError
 from .operands import split
@@ -62,12 +62,6 @@ class Kernel:
         args = ",".join(map(str, self.source[1:]))
         return f"{self.shader}.{self.entry}" + (f"[{args}]" if args else "") + (f"({spec})" if spec else "")
 
-    def with_constants(self, **constants) -> "Kernel":
-        """The same kernel with these override constants set (on top of those it has)."""
-        merged = dict(self.constants)
-        merged.update(constants)
-        return replace(self, constants=tuple(sorted(merged.items())))
-
     def text(self) -> str:
         """The WGSL source this kernel compiles."""
         if self.source:
@@ -84,11 +78,6 @@ class Kernel:
                 and self.workgroup_bytes <= lim.get("max-compute-workgroup-storage-size", 16384))
 
 
-def kernel(shader: str, entry: str, bindings: str, constants: dict | None = None, **kw) -> Kernel:
-    """A Kernel with its constants given as a dict."""
-    return Kernel(shader, entry, bindings, tuple(sorted((constants or {}).items())), **kw)
-
-
 def parse_params(source: str) -> list[tuple[str, str]]:
     """(name, type) of the fields of `struct Params` in a WGSL source, in declaration order."""
     text = re.sub(r"//[^\n]*", "", source)
@@ -102,6 +91,11 @@ def parse_params(source: str) -> list[tuple[str, str]]:
     return fields
 
 
+def params_format(fields) -> str:
+    """The struct format packing Params fields [(name, type)] in declaration order."""
+    return "<" + "".join(_SCALARS[ty] for _, ty in fields)
+
+
 class _Compiled:
     """A kernel's pipeline and uniform layout on one runtime (Runtime.compiled caches it)."""
 
@@ -109,7 +103,7 @@ class _Compiled:
         source = k.text()
         self.fields = parse_params(source)
         self.index = {name: i for i, (name, _) in enumerate(self.fields)}
-        self.format = "<" + "".join(_SCALARS[ty] for _, ty in self.fields)
+        self.format = params_format(self.fields)
         self.zero = [0.0 if ty == "f32" else 0 for _, ty in self.fields]
         self.offset_field = [self.index.get(f"o{i}") for i in k.slots]
         self.n_bindings = len(k.bindings.split())

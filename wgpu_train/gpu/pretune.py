@@ -3,14 +3,11 @@ built from its config.json with random weights, runs every GEMM it needs through
 tune`), and a timed step gives the step's model FLOPs per second next to the adapter's FMA peak (`bench`)."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ..config import LoraConfig, ModelConfig, OptimizerParams
-from ..memory import weight_shapes
-from ..reference.ops import shift_labels
 from . import tune
+from .bench_train import random_batch, random_lora, random_weights, timed
 
 # a SmolLM2-135M-shaped configuration (hidden 576, 30 layers, 9 / 3 heads, vocabulary 49,152)
 SMOL135 = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -42,29 +39,12 @@ def step_gemms(cfg: ModelConfig, tokens: int, r: int, max_binding: int) -> list[
 
 def random_engine(rt, cfg: ModelConfig, lora: LoraConfig, seed: int = 0):
     """A WgpuEngine of cfg's shapes with random float32 weights and a random LoRA on lora's targets."""
-    from ..hf import module_path
     from .engine import WgpuEngine
 
     rng = np.random.default_rng(seed)
-    weights = {name: (np.ones(shape) if len(shape) == 1 else rng.normal(0, 0.02, shape)).astype(np.float32)
-               for name, shape in weight_shapes(cfg).items()}
-    engine = WgpuEngine(cfg, weights, rt)
-    del weights
-    modules = {}
-    for i in range(cfg.num_hidden_layers):
-        for m in lora.target_modules:
-            out_f, in_f = cfg.linear_shape(m)
-            modules[module_path(i, m)] = (rng.uniform(-0.1, 0.1, (lora.r, in_f)).astype(np.float32),
-                                          rng.normal(0, 0.01, (out_f, lora.r)).astype(np.float32), lora.scale, 0.0)
-    engine.set_lora(modules)
+    engine = WgpuEngine(cfg, random_weights(cfg, rng), rt)
+    engine.set_lora(random_lora(cfg, lora, rng, b_std=0.01))
     return engine
-
-
-def random_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> list:
-    """One micro-batch of random tokens, every token trained."""
-    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
-    pos = np.broadcast_to(np.arange(seq, dtype=np.int32), ids.shape).copy()
-    return [(ids, shift_labels(ids.astype(np.int64)), np.ones_like(ids), pos)]
 
 
 def lora_step_flops(cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int) -> float:
@@ -87,7 +67,7 @@ def pretune(rt, cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int, mode: 
     engine = random_engine(rt, cfg, lora)
     hp = OptimizerParams(lr=1e-4)
     with tune.forced_mode(mode):
-        engine.train_step(random_batch(cfg, batch, seq), hp, 1)
+        engine.train_step(random_batch(cfg, batch, seq, np.random.default_rng(0)), hp, 1)
     cache = tune.cache(rt)
     tuned = {key for key, _, _ in tune.tuned_log(rt)}
     peak = cache.peak_gflops or None
@@ -121,17 +101,18 @@ def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 
     cfg = cfg or ModelConfig.from_dict(dict(SMOL135), "135M-shaped configuration")
     lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
     engine = random_engine(rt, cfg, lora)
-    micro = random_batch(cfg, batch, seq)
+    micro = random_batch(cfg, batch, seq, np.random.default_rng(0))
     hp = OptimizerParams(lr=1e-4)
     timer = Timer(rt)
     peaks = [fma_peak(rt, timer)]
-    engine.train_step(micro, hp, 1)                 # warm-up: pipelines, buffers, tuning
-    walls, records = [], []
-    for s in range(steps):
-        t0 = time.perf_counter()
-        engine.train_step(micro, hp, s + 2)
-        walls.append(time.perf_counter() - t0)
+    records = []
+
+    def step(i):                                    # step 0 warms up: pipelines, buffers, tuning
+        engine.train_step(micro, hp, i + 1)
         records.append(engine.last_timing["record_s"])
+
+    walls = timed(step, steps)
+    records = records[1:]
     peaks.append(fma_peak(rt, timer))
     wall, peak = min(walls), max(peaks)
     flops = lora_step_flops(cfg, lora, batch, seq)

@@ -23,8 +23,6 @@ FORMAT_SHADER = "gemm_quant"         # whose format sections are appended
 FORMATS = ("float16", "nf4", "nf4-dq")
 BINDINGS = {"float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX", "nf4-dq": "A W BIAS C! STATS CODE"}
 LAYOUTS = ("nt", "nn")
-FLAG_ACCUMULATE = 1
-FLAG_BIAS = 2
 # The format sections as gpu/quant.py's _source reads them: a section starts at a line beginning with
 # the format mark followed by the formats it serves, and ends at the next such line or the end mark.
 _FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"

@@ -479,12 +479,16 @@ class Recorder:
             self._flush()
             self.flushed_at = self.dispatches
 
-    def _flush(self):
+    def _send(self):
+        """Submit the encoder's commands so far."""
         self.end_pass()
         try:
             self.rt.queue.submit([self.encoder.finish()])
         except self.rt.wgpu.GPUError as e:
             raise DeviceError(f"device error on submit: {e}") from None
+
+    def _flush(self):
+        self._send()
         self.encoder = self.rt.device.create_command_encoder()
 
     def submit(self):
@@ -498,10 +502,7 @@ class Recorder:
             nbytes = int(np.prod(shape)) * dtype.itemsize
             self._read_size = (nbytes + 3) // 4 * 4
             self.encoder.copy_buffer_to_buffer(buf, offset, self.rt.staging(self._read_size), 0, self._read_size)
-        try:
-            self.rt.queue.submit([self.encoder.finish()])
-        except self.rt.wgpu.GPUError as e:
-            raise DeviceError(f"device error on submit: {e}") from None
+        self._send()
 
     def result(self) -> np.ndarray:
         """The array read_back asked for (waits for the submitted work)."""
