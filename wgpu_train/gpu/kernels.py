@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 
 from ..errors import DeviceError
+from . import attention_kernels, tune
 from .launch import Kernel, bind, flat_grid, launch
 from .operands import split
 
@@ -34,8 +35,6 @@ RMS_WG = 64              # rmsnorm row workgroup (shaders/rmsnorm.wgsl WG)
 RMS_ROWS_PER_BLOCK = 32  # rows summed by one invocation of the dweight partial pass
 RMS_ROW_MAX_C = 256      # GPUs: one invocation per rmsnorm row up to this C, a workgroup per row above
 RMS_ROW_MAX_C_CPU = 1 << 30  # CPU adapters: always one invocation per row (barriers cost more there)
-ATT_WG = 64              # queries (or keys) per attention workgroup (16 invocations x 4 in vec4)
-ATT_DMAX = 128           # register arrays in shaders/attention.wgsl
 NORM_ELEMS_PER_WORKGROUP = 4096  # gradient elements per workgroup of the norm's partial sums
 NORM_MAX_WORKGROUPS = 1024
 HPARAM_ROWS = 16         # AdamW hyper-parameter sets that may be live between submits
@@ -278,30 +277,28 @@ def rope_backward(rec, dx, dy, positions, inv_freq, N, H, D):
 # ---- attention ------------------------------------------------------------------------------
 
 def _att_check(T, Hq, Hkv, D):
-    if D > ATT_DMAX or D <= 0:
-        raise ValueError(f"attention supports head dims 1..{ATT_DMAX}, got {D}")
+    if not 0 < D <= attention_kernels.MAX_HEAD_DIM:
+        raise ValueError(f"attention supports head dims 1..{attention_kernels.MAX_HEAD_DIM}, got {D}")
     if Hkv <= 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
 
 
-def _vec4(D, *tensors):
-    """'_vec4' when the vec4 entry points apply: D and every (B, T, H, D) tensor's offset divisible by 4."""
-    return "_vec4" if D % 4 == 0 and all(split(t)[1] % 4 == 0 for t in tensors) else ""
+def _attention(rec, pass_, tensors, B, T, Hq, Hkv, D, window):
+    _att_check(T, Hq, Hkv, D)
+    if B * T <= 0:
+        return
+    p = attention_kernels.AttentionProblem(rec.rt, pass_, tensors, B, T, Hq, Hkv, D, window)
+    for d in tune.choose(rec.rt, p).dispatches(p):
+        rec.dispatch(*d)
 
 
 def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, window=0):
     """Causal GQA attention with segments: q, out (B, T, Hq, D); k, v (B, T, Hkv, D);
     segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward. window > 0: query i sees
-    only keys j with i - j < window (sliding-window attention)."""
-    _att_check(T, Hq, Hkv, D)
-    if B * T <= 0:
-        return
-    nq, nkv = B * T * Hq * D, B * T * Hkv * D
-    entry = "attention_forward" + _vec4(D, out, q, k, v)
-    _run(rec, "attention", entry, (-(-T // ATT_WG), Hq, B),
-         [(out, nq, "out", True), (lse, B * Hq * T, "lse", True), (q, nq, "q", False), (k, nkv, "k", False),
-          (v, nkv, "v", False), (segment_ids, B * T, "segment_ids", False)],
-         (B, T, Hq, Hkv, window), (1.0 / math.sqrt(D),), {"D": D})
+    only keys j with i - j < window (sliding-window attention). The kernel is the tuner's choice among
+    attention_kernels' candidates."""
+    _attention(rec, "forward", dict(out=out, lse=lse, q=q, k=k, v=v, segment_ids=segment_ids),
+               B, T, Hq, Hkv, D, window)
 
 
 def attention_scratch_size(B, T, Hq):
@@ -310,37 +307,11 @@ def attention_scratch_size(B, T, Hq):
 
 
 def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch, window=0):
-    """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse.
-
-    Three dispatches: delta into scratch (at least attention_scratch_size(B, T, Hq) elements), dq per
-    query row, then dk and dv per key row summing over the query heads of its group (no atomics).
-    On the vec4 path the dq pass computes delta itself and writes it to scratch: two dispatches.
-    """
-    _att_check(T, Hq, Hkv, D)
-    if B * T <= 0:
-        return
-    nq, nkv, nl = B * T * Hq * D, B * T * Hkv * D, B * Hq * T
-    scale_, const = (1.0 / math.sqrt(D),), {"D": D}
-    sizes = (B, T, Hq, Hkv, window)
-    tq = -(-T // ATT_WG)
-    v4 = _vec4(D, dq, dk, dv, dout, q, k, v, out)
-    if v4:  # the vec4 dq pass computes delta itself and saves it for the dk/dv pass
-        _run(rec, "attention", "attention_backward_vec4", (tq, Hq, B),
-             [(dq, nq, "dq", True), (dout, nq, "dout", False), (q, nq, "q", False), (k, nkv, "k", False),
-              (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", True),
-              (segment_ids, B * T, "segment_ids", False), (out, nq, "out", False)], sizes, scale_, const)
-    else:
-        _run(rec, "attention", "attention_backward_delta", (tq, Hq, B),
-             [(scratch, nl, "scratch", True), (dout, nq, "dout", False), (out, nq, "out", False)],
-             sizes, scale_, const)
-        _run(rec, "attention", "attention_backward", (tq, Hq, B),
-             [(dq, nq, "dq", True), (dout, nq, "dout", False), (q, nq, "q", False), (k, nkv, "k", False),
-              (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
-              (segment_ids, B * T, "segment_ids", False)], sizes, scale_, const)
-    _run(rec, "attention", "attention_backward_dkv" + v4, (tq, Hkv, B),
-         [(dk, nkv, "dk", True), (dv, nkv, "dv", True), (dout, nq, "dout", False), (q, nq, "q", False),
-          (k, nkv, "k", False), (v, nkv, "v", False), (lse, nl, "lse", False), (scratch, nl, "scratch", False),
-          (segment_ids, B * T, "segment_ids", False)], sizes, scale_, const)
+    """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse, with delta in
+    scratch (at least attention_scratch_size(B, T, Hq) elements): dq per query block, then dk and dv per key
+    block summing over the query heads of its group (no atomics)."""
+    _attention(rec, "backward", dict(dq=dq, dk=dk, dv=dv, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
+                                     segment_ids=segment_ids, scratch=scratch), B, T, Hq, Hkv, D, window)
 
 
 # ---- swiglu ---------------------------------------------------------------------------------

@@ -1,0 +1,254 @@
+// Register-blocked flash attention for CPU adapters (llvmpipe): causal grouped-query attention with segment
+// (packing) masks and sliding windows, forward and backward, without workgroup memory or barriers.
+//
+// An invocation owns R consecutive rows of one (batch, head) (queries in the forward and the dq pass, keys
+// of one kv head in the dk / dv pass), each kept whole in registers (D / 4 vec4 values, written out one by
+// one: WGSL arrays indexed by a loop variable end up in memory on llvmpipe, where every such access is a
+// loop over the SIMD lanes). The workgroup walks the other side in tiles of BT rows,
+// TK rows at a time, with the same bounds for every invocation, so each k / v (or q / dout) element it reads
+// is one address for the whole workgroup. A tile that no row of the block may see (before the window, or
+// without a segment id in common: packed rows) is skipped whole, so a packed row costs the sum of len^2.
+// Online softmax in f32; the forward saves logsumexp; the backward recomputes P (no T x T buffer).
+//
+// attention_src.source() rewrites the const block, keeps the @forward, @dq or @dkv sections, and writes
+// every line holding `$r` once per row of the invocation, `$k` once per row of a chunk and `$d` once per vec4
+// of the head dim (several markers: once per combination), the marker replaced by the index, on one line.
+//
+// Layouts: q, out, dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T); segment ids
+// (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both share a
+// nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
+// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
+// 4 for the vec4 bindings); f0 = softmax scale.
+
+struct Params {
+    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
+    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
+    o9: u32, o10: u32, o11: u32, o12: u32,
+    f0: f32, f1: f32, f2: f32, f3: f32,
+}
+
+// @flash-config begin
+const D4: u32 = 16u;    // head dim / 4
+const R: u32 = 8u;      // rows per invocation
+const NI: u32 = 8u;     // invocations per workgroup
+const TK: u32 = 4u;     // rows of the other side per step
+const BT: u32 = 32u;    // rows per tile (the skipping granularity; a multiple of TK)
+// @flash-config end
+const BR: u32 = R * NI; // rows per workgroup
+const NONE: i32 = 2147483647;
+
+@group(0) @binding(0) var<uniform> p: Params;
+
+// The first key query i may see under the sliding window (0 without one).
+fn window_start(i: u32) -> u32 {
+    return select(0u, i + 1u - p.s4, p.s4 > 0u && i + 1u > p.s4);
+}
+
+// One past the last query that may see key j under the sliding window (t without one).
+fn window_end(j: u32, t: u32) -> u32 {
+    return select(t, min(t, j + p.s4), p.s4 > 0u);
+}
+
+// Query i sees key j (si, sj: their segment ids).
+fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool {
+    return j <= i && (p.s4 == 0u || i - j < p.s4) && sj == si && (si != 0 || j == i);
+}
+
+fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }
+
+// (min, max) of the nonzero segment ids at positions [a, e) of batch row b, and 1 in z when one is 0
+// (padding). Every invocation reads the same ids: one address per load for the workgroup.
+fn seg_range(b: u32, a: u32, e: u32) -> vec3<i32> {
+    var lo = NONE;
+    var hi = -NONE;
+    var pad = 0;
+    let base = b * p.s1;
+    for (var x = a; x < e; x++) {
+        let s = seg_at(base + x);
+        if (s == 0) { pad = 1; } else { lo = min(lo, s); hi = max(hi, s); }
+    }
+    return vec3<i32>(lo, hi, pad);
+}
+
+// Whether the tile [a, e) holds rows that rows [r0, r1) of the block (segment ranges blk) may pair with: a
+// segment id in common, or the block's own rows when it has padding (a padding row sees only itself).
+fn tile_needed(b: u32, blk: vec3<i32>, r0: u32, r1: u32, a: u32, e: u32) -> bool {
+    let here = seg_range(b, a, e);
+    return max(blk.x, here.x) <= min(blk.y, here.y) || (blk.z != 0 && a < r1 && e > r0);
+}
+
+// ==== forward: 1 out, 2 lse, 3 q, 4 k, 5 v, 6 segment ids ====
+// @forward begin
+@group(0) @binding(1) var<storage, read_write> out_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> lse_: array<f32>;
+@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
+
+@compute @workgroup_size(NI)
+fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    let t = p.s1;
+    let h = wid.y;
+    let b = wid.z;
+    let g = h / (p.s2 / p.s3);
+    let q0 = wid.x * BR;
+    let qend = min(q0 + BR, t);
+    let i$r = min(q0 + lid * R + $ru, t - 1u);
+    let si$r = seg_at(b * t + i$r);
+    let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
+    let q$r_$d = q_[p.o3 / 4u + qb$r + $du] * p.f0;
+    var o$r_$d = vec4<f32>(0.0);
+    var m$r = -3.0e38;
+    var l$r = 0.0;
+    let blk = seg_range(b, q0, qend);
+    let kfirst = window_start(q0);
+    for (var kt = kfirst - kfirst % BT; kt < qend; kt += BT) {
+        let kend = min(kt + BT, qend);
+        if (!tile_needed(b, blk, q0, qend, kt, kend)) { continue; }
+        for (var j = kt; j < kend; j += TK) {
+            let jk$k = min(j + $ku, t - 1u);
+            let sk$k = seg_at(b * t + jk$k);
+            let kb$k = ((b * t + jk$k) * p.s3 + g) * D4;
+            let kk$k_$d = k_[p.o4 / 4u + kb$k + $du];
+            var s$r_$k = vec4<f32>(0.0);
+            s$r_$k += q$r_$d * kk$k_$d;
+            let sc$r_$k = select(-3.0e38, hsum(s$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            var mx$r = m$r;
+            mx$r = max(mx$r, sc$r_$k);
+            let cr$r = exp(m$r - mx$r);
+            let e$r_$k = select(0.0, exp(sc$r_$k - mx$r), sc$r_$k > -1.0e38);
+            l$r = l$r * cr$r;
+            l$r += e$r_$k;
+            m$r = mx$r;
+            let vv$k_$d = v_[p.o5 / 4u + kb$k + $du];
+            o$r_$d = o$r_$d * cr$r;
+            o$r_$d += e$r_$k * vv$k_$d;
+        }
+    }
+    if (q0 + lid * R + $ru < t) { out_[p.o1 / 4u + qb$r + $du] = o$r_$d / l$r; }
+    if (q0 + lid * R + $ru < t) { lse_[p.o2 + (b * p.s2 + h) * t + i$r] = m$r + log(l$r); }
+}
+// @forward end
+
+// ==== dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids, 9 out ====
+// @dq begin
+@group(0) @binding(1) var<storage, read_write> dq_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> dout_: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> lse_: array<f32>;
+@group(0) @binding(7) var<storage, read_write> delta_: array<f32>;
+@group(0) @binding(8) var<storage, read> seg_: array<i32>;
+@group(0) @binding(9) var<storage, read> out_: array<vec4<f32>>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
+
+// Also writes delta = rowsum(dout * out) for the dk / dv pass.
+@compute @workgroup_size(NI)
+fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    let t = p.s1;
+    let h = wid.y;
+    let b = wid.z;
+    let g = h / (p.s2 / p.s3);
+    let q0 = wid.x * BR;
+    let qend = min(q0 + BR, t);
+    let i$r = min(q0 + lid * R + $ru, t - 1u);
+    let si$r = seg_at(b * t + i$r);
+    let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
+    let li$r = (b * p.s2 + h) * t + i$r;
+    let lse$r = lse_[p.o6 + li$r];
+    let q$r_$d = q_[p.o3 / 4u + qb$r + $du] * p.f0;
+    let do$r_$d = dout_[p.o2 / 4u + qb$r + $du];
+    var e$r = vec4<f32>(0.0);
+    e$r += do$r_$d * out_[p.o9 / 4u + qb$r + $du];
+    let dl$r = hsum(e$r);
+    if (q0 + lid * R + $ru < t) { delta_[p.o7 + li$r] = dl$r; }
+    var dq$r_$d = vec4<f32>(0.0);
+    let blk = seg_range(b, q0, qend);
+    let kfirst = window_start(q0);
+    for (var kt = kfirst - kfirst % BT; kt < qend; kt += BT) {
+        let kend = min(kt + BT, qend);
+        if (!tile_needed(b, blk, q0, qend, kt, kend)) { continue; }
+        for (var j = kt; j < kend; j += TK) {
+            let jk$k = min(j + $ku, t - 1u);
+            let sk$k = seg_at(b * t + jk$k);
+            let kb$k = ((b * t + jk$k) * p.s3 + g) * D4;
+            let kk$k_$d = k_[p.o4 / 4u + kb$k + $du];
+            let vv$k_$d = v_[p.o5 / 4u + kb$k + $du];
+            var s$r_$k = vec4<f32>(0.0);
+            var c$r_$k = vec4<f32>(0.0);
+            s$r_$k += q$r_$d * kk$k_$d;
+            c$r_$k += do$r_$d * vv$k_$d;
+            let ds$r_$k = select(0.0, exp(hsum(s$r_$k) - lse$r) * (hsum(c$r_$k) - dl$r), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            dq$r_$d += ds$r_$k * kk$k_$d;
+        }
+    }
+    if (q0 + lid * R + $ru < t) { dq_[p.o1 / 4u + qb$r + $du] = dq$r_$d * p.f0; }
+}
+// @dq end
+
+// ==== dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 lse, 8 delta, 9 segment ids ====
+// One invocation per R keys of one kv head: sums over the query heads of its group and the queries that see
+// each key, so every dk / dv row has exactly one writer (no atomics).
+// @dkv begin
+@group(0) @binding(1) var<storage, read_write> dk_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dv_: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> dout_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read> lse_: array<f32>;
+@group(0) @binding(8) var<storage, read> delta_: array<f32>;
+@group(0) @binding(9) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o9 + x]; }
+
+@compute @workgroup_size(NI)
+fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    let t = p.s1;
+    let g = wid.y;
+    let b = wid.z;
+    let rep = p.s2 / p.s3;
+    let k0 = wid.x * BR;
+    let kend = min(k0 + BR, t);
+    let j$r = min(k0 + lid * R + $ru, t - 1u);
+    let sj$r = seg_at(b * t + j$r);
+    let kb$r = ((b * t + j$r) * p.s3 + g) * D4;
+    let k$r_$d = k_[p.o5 / 4u + kb$r + $du] * p.f0;
+    let v$r_$d = v_[p.o6 / 4u + kb$r + $du];
+    var dk$r_$d = vec4<f32>(0.0);
+    var dv$r_$d = vec4<f32>(0.0);
+    let blk = seg_range(b, k0, kend);
+    let iend = window_end(kend - 1u, t);
+    for (var it = k0 - k0 % BT; it < iend; it += BT) {
+        let ie = min(it + BT, iend);
+        if (!tile_needed(b, blk, k0, kend, it, ie)) { continue; }
+        for (var r = 0u; r < rep; r++) {
+            let h = g * rep + r;
+            let lb = (b * p.s2 + h) * t;
+            for (var i = it; i < ie; i += TK) {
+                let ik$k = min(i + $ku, t - 1u);
+                let si$k = seg_at(b * t + ik$k);
+                let qb$k = ((b * t + ik$k) * p.s2 + h) * D4;
+                let qq$k_$d = q_[p.o4 / 4u + qb$k + $du];
+                let oo$k_$d = dout_[p.o3 / 4u + qb$k + $du];
+                let lse$k = lse_[p.o7 + lb + ik$k];
+                let dl$k = delta_[p.o8 + lb + ik$k];
+                var s$r_$k = vec4<f32>(0.0);
+                var c$r_$k = vec4<f32>(0.0);
+                s$r_$k += k$r_$d * qq$k_$d;
+                c$r_$k += v$r_$d * oo$k_$d;
+                let p$r_$k = select(0.0, exp(hsum(s$r_$k) - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r));
+                let ds$r_$k = p$r_$k * (hsum(c$r_$k) - dl$k);
+                dv$r_$d += p$r_$k * oo$k_$d;
+                dk$r_$d += ds$r_$k * qq$k_$d;
+            }
+        }
+    }
+    if (k0 + lid * R + $ru < t) { dk_[p.o1 / 4u + kb$r + $du] = dk$r_$d * p.f0; dv_[p.o2 / 4u + kb$r + $du] = dv$r_$d; }
+}
+// @dkv end

@@ -1,0 +1,397 @@
+// Tiled flash attention: causal grouped-query attention with segment (packing) masks and sliding windows,
+// forward and backward, as two GEMM-shaped phases per tile (the shape of shaders/gemm.wgsl).
+//
+// A workgroup owns a block of TQ rows of one (batch, head): queries in the forward and the dq pass, keys of
+// one kv head in the dk / dv pass. It walks the other side in tiles of BT = 4 * NI rows; a tile that no row
+// of the block may see (before the window, or without a segment id in common: packed rows) is skipped
+// whole, so a packed row costs the sum of len^2, not T^2.
+//  1. Scores: invocation l owns 4 rows of the tile (keys, or queries in dk / dv) and computes their scores
+//     against all TQ block rows: the block rows are the same for the whole workgroup (one address per load),
+//     its own 4 rows come as one 4 x 4 matrix per 4 of the head dim, TQ x 4 accumulators in registers.
+//     The forward reduces the row maxima across invocations through workgroup memory (online softmax in f32).
+//     The probabilities (or dS) go to workgroup memory, a TQ x BT tile.
+//  2. Products: invocation l owns TQ / QG block rows x 4 * G4 columns of the output (QG x DG invocations) and
+//     adds P (or dS) x the tile's rows: the P tile entries are again one address per load when QG = 1.
+// No T x T buffer exists: the forward saves logsumexp, the backward recomputes P per tile. Nothing but the
+// P / dS tiles and a few per-row values lives in workgroup memory; llvmpipe pays for every invocation-
+// varying load, and these phases keep them to 4 per 4 x TQ x 4 FMAs.
+//
+// attention_src.source() specialises this text: it rewrites the const block, keeps the @forward, @dq
+// or @dkv sections, and writes every line holding `$q` once per block row (TQ), `$c` once per group of 4
+// own tile rows (KV), `$o` once per owned output row (TO) and `$g` once per owned column group (G4) (several markers: once per combination), with the
+// marker replaced by the index, all on the same line: line numbers stay those of this file.
+//
+// Layouts: q, out, dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T); segment ids
+// (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both share a
+// nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
+// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
+// 4 for the vec4 bindings); f0 = softmax scale.
+
+struct Params {
+    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
+    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
+    o9: u32, o10: u32, o11: u32, o12: u32,
+    f0: f32, f1: f32, f2: f32, f3: f32,
+}
+
+// @flash-config begin
+const D4: u32 = 16u;    // head dim / 4
+const TQ: u32 = 32u;    // block rows per workgroup
+const NI: u32 = 8u;     // invocations per workgroup (a multiple of 4)
+const KV: u32 = 2u;     // groups of 4 tile rows per invocation in the score phase
+const DG: u32 = 8u;     // column groups of the product phase (QG = NI / DG row groups)
+// @flash-config end
+const NK: u32 = NI * KV;      // groups of 4 rows per tile
+const BT: u32 = 4u * NK;      // tile rows
+const NI4: u32 = NI / 4u;
+const QG: u32 = NI / DG;      // row groups of the product phase
+const TO: u32 = TQ / QG;      // block rows per invocation in the product phase
+const G4: u32 = D4 / DG;      // vec4 columns per invocation in the product phase
+const NONE: i32 = 2147483647;
+
+@group(0) @binding(0) var<uniform> p: Params;
+
+// P (forward, dk / dv) or dS (dq): [buffer][block row][tile row / 4]. The backward passes alternate two
+// buffers, so one barrier per tile suffices; the forward's second barrier makes the first buffer enough.
+var<workgroup> tile_p: array<vec4<f32>, TQ * NK * BUFFERS>;
+var<workgroup> row_a: array<vec4<f32>, TQ * NI4>;   // per block row, one entry per invocation: maxima, sums
+var<workgroup> row_b: array<f32, TQ * 2u>;          // per block row: rescale and 1 / l (forward)
+var<workgroup> range_: vec2<u32>;                   // the first tile and the end of the tiles the block needs
+
+// The first key query i may see under the sliding window (0 without one).
+fn window_start(i: u32) -> u32 {
+    return select(0u, i + 1u - p.s4, p.s4 > 0u && i + 1u > p.s4);
+}
+
+// One past the last query that may see key j under the sliding window (t without one).
+fn window_end(j: u32, t: u32) -> u32 {
+    return select(t, min(t, j + p.s4), p.s4 > 0u);
+}
+
+// Query i sees key j (si, sj: their segment ids).
+fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool {
+    return j <= i && (p.s4 == 0u || i - j < p.s4) && sj == si && (si != 0 || j == i);
+}
+
+// Query i against keys j (4 of them, segment ids sj) of which those below `end` exist.
+fn sees4(i: u32, j: vec4<u32>, si: i32, sj: vec4<i32>, end: u32) -> vec4<bool> {
+    return vec4<bool>(j.x < end && sees(i, j.x, si, sj.x), j.y < end && sees(i, j.y, si, sj.y),
+                      j.z < end && sees(i, j.z, si, sj.z), j.w < end && sees(i, j.w, si, sj.w));
+}
+
+// Queries i (4 of them, segment ids si) of which those below `end` exist, against key j.
+fn seen4(i: vec4<u32>, j: u32, si: vec4<i32>, sj: i32, end: u32) -> vec4<bool> {
+    return vec4<bool>(i.x < end && sees(i.x, j, si.x, sj), i.y < end && sees(i.y, j, si.y, sj),
+                      i.z < end && sees(i.z, j, si.z, sj), i.w < end && sees(i.w, j, si.w, sj));
+}
+
+fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }
+
+fn hmax(a: vec4<f32>) -> f32 { return max(max(a.x, a.y), max(a.z, a.w)); }
+
+// acc + sum_i a[i] * m[i] (m's columns).
+fn rank4(acc: vec4<f32>, a: vec4<f32>, m: mat4x4<f32>) -> vec4<f32> {
+    return acc + a.x * m[0] + a.y * m[1] + a.z * m[2] + a.w * m[3];
+}
+
+// (min, max) of the nonzero segment ids at positions [a, e) of batch row b, and 1 in z when one is 0
+// (padding). Every invocation reads the same ids: one address per load for the workgroup.
+fn seg_range(b: u32, a: u32, e: u32) -> vec3<i32> {
+    var lo = NONE;
+    var hi = -NONE;
+    var pad = 0;
+    let base = b * p.s1;
+    for (var x = a; x < e; x++) {
+        let s = seg_at(base + x);
+        if (s == 0) { pad = 1; } else { lo = min(lo, s); hi = max(hi, s); }
+    }
+    return vec3<i32>(lo, hi, pad);
+}
+
+// Whether two blocks' nonzero segment ranges overlap (a segment id may be in both).
+fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
+    return max(a.x, c.x) <= min(a.y, c.y);
+}
+
+// [first, end) of the tiles (starts at a multiple of BT) that rows [r0, r1) of batch row b need, searched
+// from lo to hi: the first and the last tile that may share a segment id with the block (or, with padding
+// in the block, hold its own rows: a padding row sees only itself). Tiles between them are walked too (any
+// rows sharing an id, packed rows are contiguous) and masked. Made uniform for the workgroup's barriers.
+fn tile_range(lid: u32, b: u32, r0: u32, r1: u32, lo: u32, hi: u32) -> vec2<u32> {
+    if (lid == 0u) {
+        let blk = seg_range(b, r0, r1);
+        var first = hi;
+        var end = lo;
+        for (var x = lo - lo % BT; x < hi; x += BT) {
+            let e = min(x + BT, hi);
+            if (overlap(blk, seg_range(b, x, e)) || (blk.z != 0 && x < r1 && e > r0)) {
+                first = min(first, x);
+                end = e;
+            }
+        }
+        range_ = vec2<u32>(first, end);
+    }
+    return workgroupUniformLoad(&range_);
+}
+
+// The 4 tile rows of group c of invocation lid in the tile that starts at `start`.
+fn own_rows(start: u32, lid: u32, c: u32) -> vec4<u32> {
+    return vec4<u32>(start + 4u * (lid * KV + c)) + vec4<u32>(0u, 1u, 2u, 3u);
+}
+
+// ==== forward: 1 out, 2 lse, 3 q, 4 k, 5 v, 6 segment ids ====
+// @forward begin
+@group(0) @binding(1) var<storage, read_write> out_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> lse_: array<f32>;
+@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
+const BUFFERS: u32 = 1u;
+
+@compute @workgroup_size(NI)
+fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    let t = p.s1;
+    let h = wid.y;
+    let b = wid.z;
+    let g = h / (p.s2 / p.s3);
+    let last = vec4<u32>(t - 1u);
+    let q0 = wid.x * TQ;
+    let qend = min(q0 + TQ, t);
+    let iq$q = min(q0 + $qu, t - 1u);
+    let sq$q = seg_at(b * t + iq$q);
+    let qr$q = p.o3 / 4u + ((b * t + iq$q) * p.s2 + h) * D4;
+    var m$q = -3.0e38;
+    var l$q = 0.0;
+    let og = select(lid / DG, 0u, QG == 1u);   // a constant 0 with one row group: uniform loads of the tiles
+    let c0 = (lid % DG) * G4;
+    var acc$o_$g = vec4<f32>(0.0);
+    let tiles = tile_range(lid, b, q0, qend, window_start(q0), qend);
+    for (var kt = tiles.x; kt < tiles.y; kt += BT) {
+        let kend = min(kt + BT, qend);
+        // 1. scores of the block rows against this invocation's 4 * KV keys
+        let j$c = own_rows(kt, lid, $cu);
+        let jc$c = min(j$c, last);
+        let sk$c = vec4<i32>(seg_at(b * t + jc$c.x), seg_at(b * t + jc$c.y), seg_at(b * t + jc$c.z), seg_at(b * t + jc$c.w));
+        let kr$c = vec4<u32>(p.o4 / 4u) + ((vec4<u32>(b * t) + jc$c) * p.s3 + vec4<u32>(g)) * D4;
+        var sv$q_$c = vec4<f32>(0.0);
+        for (var d = 0u; d < D4; d++) {
+            let kt$c = transpose(mat4x4<f32>(k_[kr$c.x + d], k_[kr$c.y + d], k_[kr$c.z + d], k_[kr$c.w + d]));
+            let qq$q = q_[qr$q + d];
+            sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
+        }
+        let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
+        let sc$q_$c = select(vec4<f32>(-3.0e38), sv$q_$c * p.f0, ok$q_$c);
+        var pm$q = -3.0e38;
+        pm$q = max(pm$q, hmax(sc$q_$c));
+        row_a[$qu * NI4 + lid / 4u][lid % 4u] = pm$q;
+        workgroupBarrier();
+        // online softmax: the block rows' new maxima from every invocation's partial ones
+        var mx$q = m$q;
+        for (var l = 0u; l < NI4; l++) {
+            mx$q = max(mx$q, hmax(row_a[$qu * NI4 + l]));
+        }
+        let pv$q_$c = select(vec4<f32>(0.0), exp(sc$q_$c - vec4<f32>(mx$q)), ok$q_$c);
+        tile_p[$qu * NK + lid * KV + $cu] = pv$q_$c;
+        // l: this invocation's part of the row sums (its keys), all against the same maxima
+        let cr$q = exp(m$q - mx$q);
+        l$q = l$q * cr$q;
+        l$q += hsum(pv$q_$c);
+        m$q = mx$q;
+        if (lid == 0u && QG > 1u) { row_b[$qu] = cr$q; }
+        workgroupBarrier();
+        // 2. acc = acc * rescale + P V over this invocation's rows and columns (the barrier above also keeps
+        // the next tile from writing tile_p and row_a before every invocation is done with this one)
+        let co$o = select(row_b[og * TO + $ou], cr$o, QG == 1u);
+        acc$o_$g = acc$o_$g * co$o;
+        for (var n4 = 0u; n4 < NK; n4++) {
+            let kn = kt + 4u * n4;
+            if (kn >= kend) { break; }
+            let vr = vec4<u32>(p.o5 / 4u) + ((vec4<u32>(b * t) + min(vec4<u32>(kn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s3 + vec4<u32>(g)) * D4 + vec4<u32>(c0);
+            let vm$g = mat4x4<f32>(v_[vr.x + $gu], v_[vr.y + $gu], v_[vr.z + $gu], v_[vr.w + $gu]);
+            let pp$o = tile_p[(og * TO + $ou) * NK + n4];
+            acc$o_$g = rank4(acc$o_$g, pp$o, vm$g);
+        }
+    }
+    // the row sums from every invocation's part
+    workgroupBarrier();
+    row_a[$qu * NI4 + lid / 4u][lid % 4u] = l$q;
+    workgroupBarrier();
+    var sum$q = 0.0;
+    for (var l = 0u; l < NI4; l++) {
+        sum$q += hsum(row_a[$qu * NI4 + l]);
+    }
+    if (lid == 0u) { row_b[TQ + $qu] = 1.0 / sum$q; }
+    if (lid == 0u && q0 + $qu < t) { lse_[p.o2 + (b * p.s2 + h) * t + q0 + $qu] = m$q + log(sum$q); }
+    workgroupBarrier();
+    let io$o = og * TO + $ou;
+    if (q0 + io$o < t) { let inv = row_b[TQ + io$o]; let ob = p.o1 / 4u + ((b * t + q0 + io$o) * p.s2 + h) * D4 + c0; out_[ob + $gu] = acc$o_$g * inv; }
+}
+// @forward end
+
+// ==== dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids, 9 out ====
+// @dq begin
+@group(0) @binding(1) var<storage, read_write> dq_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> dout_: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> lse_: array<f32>;
+@group(0) @binding(7) var<storage, read_write> delta_: array<f32>;
+@group(0) @binding(8) var<storage, read> seg_: array<i32>;
+@group(0) @binding(9) var<storage, read> out_: array<vec4<f32>>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
+const BUFFERS: u32 = 2u;
+
+@compute @workgroup_size(NI)
+fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    let t = p.s1;
+    let h = wid.y;
+    let b = wid.z;
+    let g = h / (p.s2 / p.s3);
+    let last = vec4<u32>(t - 1u);
+    let q0 = wid.x * TQ;
+    let qend = min(q0 + TQ, t);
+    let iq$q = min(q0 + $qu, t - 1u);
+    let sq$q = seg_at(b * t + iq$q);
+    let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
+    let lse$q = lse_[p.o6 + (b * p.s2 + h) * t + iq$q];
+    // delta = rowsum(dout * out), also saved for the dk / dv pass
+    var e$q = vec4<f32>(0.0);
+    for (var d = 0u; d < D4; d++) {
+        e$q += dout_[p.o2 / 4u + qr$q + d] * out_[p.o9 / 4u + qr$q + d];
+    }
+    let dl$q = hsum(e$q);
+    if (lid == 0u && q0 + $qu < t) { delta_[p.o7 + (b * p.s2 + h) * t + q0 + $qu] = dl$q; }
+    let og = select(lid / DG, 0u, QG == 1u);
+    let c0 = (lid % DG) * G4;
+    let ko = p.o4 / 4u;
+    let vo = p.o5 / 4u;
+    var acc$o_$g = vec4<f32>(0.0);
+    var buf = 0u;
+    let tiles = tile_range(lid, b, q0, qend, window_start(q0), qend);
+    for (var kt = tiles.x; kt < tiles.y; kt += BT) {
+        let kend = min(kt + BT, qend);
+        // 1. dS = P * (dP - delta) of the block rows against this invocation's 4 * KV keys
+        let j$c = own_rows(kt, lid, $cu);
+        let jc$c = min(j$c, last);
+        let sk$c = vec4<i32>(seg_at(b * t + jc$c.x), seg_at(b * t + jc$c.y), seg_at(b * t + jc$c.z), seg_at(b * t + jc$c.w));
+        let kr$c = ((vec4<u32>(b * t) + jc$c) * p.s3 + vec4<u32>(g)) * D4;
+        var sv$q_$c = vec4<f32>(0.0);
+        var dp$q_$c = vec4<f32>(0.0);
+        for (var d = 0u; d < D4; d++) {
+            let kt$c = transpose(mat4x4<f32>(k_[ko + kr$c.x + d], k_[ko + kr$c.y + d], k_[ko + kr$c.z + d], k_[ko + kr$c.w + d]));
+            let vt$c = transpose(mat4x4<f32>(v_[vo + kr$c.x + d], v_[vo + kr$c.y + d], v_[vo + kr$c.z + d], v_[vo + kr$c.w + d]));
+            let qq$q = q_[p.o3 / 4u + qr$q + d];
+            let dd$q = dout_[p.o2 / 4u + qr$q + d];
+            sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
+            dp$q_$c = rank4(dp$q_$c, dd$q, vt$c);
+        }
+        let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
+        tile_p[buf + $qu * NK + lid * KV + $cu] = select(vec4<f32>(0.0), exp(sv$q_$c * p.f0 - vec4<f32>(lse$q)) * (dp$q_$c - vec4<f32>(dl$q)), ok$q_$c);
+        workgroupBarrier();
+        // 2. dq += dS K over this invocation's rows and columns
+        for (var n4 = 0u; n4 < NK; n4++) {
+            let kn = kt + 4u * n4;
+            if (kn >= kend) { break; }
+            let kr = vec4<u32>(ko) + ((vec4<u32>(b * t) + min(vec4<u32>(kn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s3 + vec4<u32>(g)) * D4 + vec4<u32>(c0);
+            let km$g = mat4x4<f32>(k_[kr.x + $gu], k_[kr.y + $gu], k_[kr.z + $gu], k_[kr.w + $gu]);
+            let ds$o = tile_p[buf + (og * TO + $ou) * NK + n4];
+            acc$o_$g = rank4(acc$o_$g, ds$o, km$g);
+        }
+        buf ^= TQ * NK;
+    }
+    let io$o = og * TO + $ou;
+    if (q0 + io$o < t) { let ob = p.o1 / 4u + ((b * t + q0 + io$o) * p.s2 + h) * D4 + c0; dq_[ob + $gu] = acc$o_$g * p.f0; }
+}
+// @dq end
+
+// ==== dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 lse, 8 delta, 9 segment ids ====
+// One workgroup per block of keys of one kv head: sums over the query heads of its group and the queries
+// that see each key, so every dk / dv row has exactly one writer (no atomics).
+// @dkv begin
+@group(0) @binding(1) var<storage, read_write> dk_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dv_: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> dout_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read> lse_: array<f32>;
+@group(0) @binding(8) var<storage, read> delta_: array<f32>;
+@group(0) @binding(9) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o9 + x]; }
+const BUFFERS: u32 = 2u;
+
+var<workgroup> tile_ds: array<vec4<f32>, TQ * NK * BUFFERS>;  // dS: [buffer][key][query / 4]
+
+@compute @workgroup_size(NI)
+fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    let t = p.s1;
+    let g = wid.y;
+    let b = wid.z;
+    let rep = p.s2 / p.s3;
+    let last = vec4<u32>(t - 1u);
+    let k0 = wid.x * TQ;
+    let kend = min(k0 + TQ, t);
+    let jq$q = min(k0 + $qu, t - 1u);
+    let sk$q = seg_at(b * t + jq$q);
+    let kr$q = ((b * t + jq$q) * p.s3 + g) * D4;
+    let og = select(lid / DG, 0u, QG == 1u);
+    let c0 = (lid % DG) * G4;
+    let qo = p.o4 / 4u;
+    let go = p.o3 / 4u;
+    var dka$o_$g = vec4<f32>(0.0);
+    var dva$o_$g = vec4<f32>(0.0);
+    let iend = window_end(kend - 1u, t);
+    let tiles = tile_range(lid, b, k0, kend, k0, iend);
+    var buf = 0u;
+    for (var it = tiles.x; it < tiles.y; it += BT) {
+        let ie = min(it + BT, iend);
+        let i$c = own_rows(it, lid, $cu);
+        let ic$c = min(i$c, last);
+        let si$c = vec4<i32>(seg_at(b * t + ic$c.x), seg_at(b * t + ic$c.y), seg_at(b * t + ic$c.z), seg_at(b * t + ic$c.w));
+        for (var r = 0u; r < rep; r++) {
+            let h = g * rep + r;
+            // 1. P and dS of the block's keys against this invocation's 4 * KV queries
+            let qr$c = ((vec4<u32>(b * t) + ic$c) * p.s2 + vec4<u32>(h)) * D4;
+            let lb = p.o7 + (b * p.s2 + h) * t;
+            let db = p.o8 + (b * p.s2 + h) * t;
+            let lse$c = vec4<f32>(lse_[lb + ic$c.x], lse_[lb + ic$c.y], lse_[lb + ic$c.z], lse_[lb + ic$c.w]);
+            let dl$c = vec4<f32>(delta_[db + ic$c.x], delta_[db + ic$c.y], delta_[db + ic$c.z], delta_[db + ic$c.w]);
+            var sv$q_$c = vec4<f32>(0.0);
+            var dp$q_$c = vec4<f32>(0.0);
+            for (var d = 0u; d < D4; d++) {
+                let qt$c = transpose(mat4x4<f32>(q_[qo + qr$c.x + d], q_[qo + qr$c.y + d], q_[qo + qr$c.z + d], q_[qo + qr$c.w + d]));
+                let ot$c = transpose(mat4x4<f32>(dout_[go + qr$c.x + d], dout_[go + qr$c.y + d], dout_[go + qr$c.z + d], dout_[go + qr$c.w + d]));
+                let kk$q = k_[p.o5 / 4u + kr$q + d];
+                let vv$q = v_[p.o6 / 4u + kr$q + d];
+                sv$q_$c = rank4(sv$q_$c, kk$q, qt$c);
+                dp$q_$c = rank4(dp$q_$c, vv$q, ot$c);
+            }
+            let pv$q_$c = select(vec4<f32>(0.0), exp(sv$q_$c * p.f0 - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie));
+            tile_p[buf + $qu * NK + lid * KV + $cu] = pv$q_$c;
+            tile_ds[buf + $qu * NK + lid * KV + $cu] = pv$q_$c * (dp$q_$c - dl$c);
+            workgroupBarrier();
+            // 2. dv += P^T dout, dk += dS^T q over this invocation's key rows and columns
+            for (var n4 = 0u; n4 < NK; n4++) {
+                let qn = it + 4u * n4;
+                if (qn >= ie) { break; }
+                let w = ((vec4<u32>(b * t) + min(vec4<u32>(qn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s2 + vec4<u32>(h)) * D4 + vec4<u32>(c0);
+                let qm$g = mat4x4<f32>(q_[qo + w.x + $gu], q_[qo + w.y + $gu], q_[qo + w.z + $gu], q_[qo + w.w + $gu]);
+                let om$g = mat4x4<f32>(dout_[go + w.x + $gu], dout_[go + w.y + $gu], dout_[go + w.z + $gu], dout_[go + w.w + $gu]);
+                let pp$o = tile_p[buf + (og * TO + $ou) * NK + n4];
+                let ds$o = tile_ds[buf + (og * TO + $ou) * NK + n4];
+                dva$o_$g = rank4(dva$o_$g, pp$o, om$g);
+                dka$o_$g = rank4(dka$o_$g, ds$o, qm$g);
+            }
+            buf ^= TQ * NK;
+        }
+    }
+    let jo$o = og * TO + $ou;
+    if (k0 + jo$o < t) { let kb = ((b * t + k0 + jo$o) * p.s3 + g) * D4 + c0; dk_[p.o1 / 4u + kb + $gu] = dka$o_$g * p.f0; dv_[p.o2 / 4u + kb + $gu] = dva$o_$g; }
+}
+// @dkv end

@@ -1,0 +1,225 @@
+"""The attention kernel families and their candidates for one problem, timed by the same tuner as the GEMMs
+(tune.choose): the flash kernels, register-blocked for CPU adapters (shaders/attention_regs.wgsl) and
+workgroup-tiled for GPUs (shaders/attention_tiles.wgsl), and the per-row kernels they replace
+(shaders/attention.wgsl: one to four queries per invocation, each with its own key range; the only ones for a
+head dim that is not a multiple of 4). `AttentionProblem.candidates()` lists them best guess first.
+
+llvmpipe (lavapipe, and llvmpipe through OpenGL) stops every loop of an invocation once all its loops
+together have run 65535 iterations (gallivm's LP_MAX_TGSI_LOOP_ITERATIONS), silently: a kernel past that
+budget gives wrong results. So on CPU adapters a candidate applies only while its loop count fits
+(`loop_iterations`); the per-row kernels exceed it at T = 2048 (and at a few hundred for scalar head dims
+of 60 and more with grouped heads).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import attention_src as src
+from .attention_src import RegsConfig, TilesConfig
+from ..errors import DeviceError
+from .gemm_kernels import is_cpu
+from .launch import Kernel, prepare
+from .operands import split
+
+ROWS_WG = 64             # queries (or keys) per workgroup of the per-row kernels
+ROWS_DMAX = 128          # their register arrays (shaders/attention.wgsl DMAX)
+
+# The flash configurations tried, best guess first. CPU adapters: the register-blocked kernels (measured on
+# llvmpipe, benchmarks/README.md; the first that fits a head dim is the untuned choice). GPUs: the
+# workgroup-tiled ones, a guess until a GPU measures them: 16 or 32 invocations, fewer than 100 accumulators
+# each at head dim 64, within 32 KiB of workgroup memory but for (16, 32, 1, 16).
+REGS_CONFIGS = (RegsConfig(8, 8, 2), RegsConfig(8, 8, 1), RegsConfig(4, 8, 2), RegsConfig(2, 8, 1))
+TILES_CONFIGS = (TilesConfig(8, 32, 1, 16), TilesConfig(16, 32, 1, 16), TilesConfig(8, 32, 1, 8),
+                 TilesConfig(16, 16, 1, 4))
+MAX_HEAD_DIM = src.MAX_HEAD_DIM
+CPU_LOOP_BUDGET = 65535  # llvmpipe's loop iterations per invocation (module docstring)
+
+
+def _aligned(D, *tensors) -> bool:
+    """Whether the vec4 kernels apply: D and every (B, T, H, D) tensor's element offset divisible by 4."""
+    return D % 4 == 0 and all(split(t)[1] % 4 == 0 for t in tensors)
+
+
+class AttentionProblem:
+    """One attention pass as the kernels see it: "forward" (out, lse from q, k, v) or "backward" (dq, dk, dv
+    and delta in scratch from dout, q, k, v, out, lse), with its tensors (kernels.attention_forward's and
+    attention_backward's arguments) and sizes."""
+
+    def __init__(self, rt, pass_: str, tensors: dict, B, T, Hq, Hkv, D, window=0):
+        self.rt, self.pass_, self.t = rt, pass_, tensors
+        self.B, self.T, self.Hq, self.Hkv, self.D, self.window = B, T, Hq, Hkv, D, int(window)
+        big = [n for n in ("out", "q", "k", "v", "dq", "dk", "dv", "dout") if n in tensors]
+        self.aligned = _aligned(D, *(tensors[n] for n in big))
+
+    @property
+    def flops(self) -> float:
+        """The causal work: 4 T^2 D Hq / 2 forward (QK^T, PV), 8 T^2 D Hq / 2 backward (QK^T, dP, dQ, dK, dV)."""
+        return (2.0 if self.pass_ == "forward" else 4.0) * self.T * self.T * self.D * self.Hq * self.B
+
+    def describe(self) -> str:
+        return (f"attention {self.pass_} B{self.B} T{self.T} H{self.Hq}/{self.Hkv} D{self.D}"
+                + (f" window {self.window}" if self.window else ""))
+
+    def signature(self) -> tuple:
+        return ("attention", self.pass_, self.B, self.T, self.Hq, self.Hkv, self.D, self.window, self.aligned)
+
+    def key(self) -> str:
+        """The tuner's key: pass, rows bucket (next power of two of B * T), heads, D, window or not, alignment."""
+        bucket = 1 << max(0, (self.B * self.T - 1).bit_length())
+        return (f"attention {self.pass_} bt{bucket} h{self.Hq}/{self.Hkv} d{self.D}"
+                f"{' window' if self.window else ''} {'v4' if self.aligned else 'any'}")
+
+    @property
+    def rep(self) -> int:
+        return self.Hq // self.Hkv
+
+    def candidates(self) -> list:
+        return candidates(self)
+
+    def tolerance(self, want: np.ndarray) -> float:
+        return 1e-5 * math.sqrt(self.T) * 4 * (1 + float(np.max(np.abs(want))))
+
+    def replica(self, rng):
+        """(problem, output buffer, its initial values, its expected values, buffers to release): this shape
+        on fresh random inputs, one segment per row, every output in one buffer."""
+        from ..reference import ops
+
+        B, T, Hq, Hkv, D = self.B, self.T, self.Hq, self.Hkv, self.D
+        q, k, v, dout = (rng.standard_normal((B, T, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv, Hq))
+        seg = np.ones((B, T), np.int32)
+        out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window)
+        nq, nkv, nl = q.size, k.size, B * Hq * T
+        if self.pass_ == "forward":
+            want = np.concatenate([out.ravel(), lse.ravel()])
+            bufs = [self.rt.upload(x, "tune operand") for x in (q, k, v, seg)]
+        else:
+            grads = ops.attention_backward(dout.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)),
+                                           out, lse, seg, self.window)
+            delta = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out)
+            want = np.concatenate([g.ravel() for g in grads] + [delta.ravel()])
+            bufs = [self.rt.upload(x.astype(np.float32), "tune operand") for x in (q, k, v, seg, dout, out, lse)]
+        c0 = np.zeros(want.size, np.float32)
+        res = self.rt.upload(c0, "tune result")
+        bufs.append(res)
+        if self.pass_ == "forward":
+            tensors = dict(q=bufs[0], k=bufs[1], v=bufs[2], segment_ids=bufs[3], out=(res, 0), lse=(res, nq))
+        else:
+            tensors = dict(q=bufs[0], k=bufs[1], v=bufs[2], segment_ids=bufs[3], dout=bufs[4], out=bufs[5],
+                           lse=bufs[6], dq=(res, 0), dk=(res, nq), dv=(res, nq + nkv),
+                           scratch=(res, nq + 2 * nkv))
+        assert want.size == (nq + nl if self.pass_ == "forward" else nq + 2 * nkv + nl)
+        rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window)
+        return rep, res, c0, want, bufs
+
+
+def _dispatch(p: AttentionProblem, k: Kernel, groups) -> tuple:
+    """(pipeline, resources, groups) of kernel k on p's tensors, bound by the kernel's binding names."""
+    big_q, big_kv, rows = p.B * p.T * p.Hq * p.D, p.B * p.T * p.Hkv * p.D, p.B * p.Hq * p.T
+    sizes = {"out": big_q, "q": big_q, "dq": big_q, "dout": big_q, "k": big_kv, "v": big_kv, "dk": big_kv,
+             "dv": big_kv, "lse": rows, "scratch": rows, "segment_ids": p.B * p.T}
+    tensors = [(p.t[n], sizes[n]) for n in k.names]
+    pipeline, resources = prepare(p.rt, k, tensors, s0=p.B, s1=p.T, s2=p.Hq, s3=p.Hkv, s4=p.window,
+                                  f0=1.0 / math.sqrt(p.D))
+    return pipeline, resources, groups
+
+
+# ---- the per-row family (shaders/attention.wgsl) ------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _rows_kernel(entry: str, bindings: str, D: int) -> Kernel:
+    return Kernel("attention", entry, bindings, (("D", D),))
+
+
+class Rows:
+    """The per-row kernels: each invocation streams the keys (or queries) its own rows may see."""
+
+    family = "rows"
+
+    def __init__(self, vec4: bool):
+        self.vec4 = vec4
+        self.name = "rows/vec4" if vec4 else "rows/scalar"
+
+    def applies(self, p: AttentionProblem) -> bool:
+        return (p.D <= ROWS_DMAX and (p.aligned or not self.vec4)
+                and (not is_cpu(p.rt) or self.loop_iterations(p) <= CPU_LOOP_BUDGET))
+
+    def loop_iterations(self, p: AttentionProblem) -> int:
+        """Per invocation at most, the dk / dv pass: every query of every head of the group, two loops over D."""
+        d = p.D // 4 if self.vec4 else p.D
+        return p.T * p.rep * (2 * d + 2) + 2 * d
+
+    def _one(self, p, entry, groups, names):
+        return _dispatch(p, _rows_kernel(entry, " ".join(names), p.D), groups)
+
+    def dispatches(self, p: AttentionProblem) -> list:
+        tq, v4 = -(-p.T // ROWS_WG), "_vec4" if self.vec4 else ""
+        if p.pass_ == "forward":
+            return [self._one(p, "attention_forward" + v4, (tq, p.Hq, p.B),
+                              "out! lse! q k v segment_ids".split())]
+        out = []
+        if self.vec4:
+            out.append(self._one(p, "attention_backward_vec4", (tq, p.Hq, p.B),
+                                 "dq! dout q k v lse scratch! segment_ids out".split()))
+        else:
+            out.append(self._one(p, "attention_backward_delta", (tq, p.Hq, p.B), "scratch! dout out".split()))
+            out.append(self._one(p, "attention_backward", (tq, p.Hq, p.B),
+                                 "dq! dout q k v lse scratch segment_ids".split()))
+        out.append(self._one(p, "attention_backward_dkv" + v4, (tq, p.Hkv, p.B),
+                             "dk! dv! dout q k v lse scratch segment_ids".split()))
+        return out
+
+
+# ---- the flash families (shaders/attention_regs.wgsl, shaders/attention_tiles.wgsl) --------------------
+
+_FLASH_BINDINGS = {"forward": "out! lse! q k v segment_ids",
+                   "dq": "dq! dout q k v lse scratch! segment_ids out",
+                   "dkv": "dk! dv! dout q k v lse scratch segment_ids"}
+
+
+@functools.lru_cache(maxsize=None)
+def flash_kernel(pass_: str, cfg, D: int) -> Kernel:
+    return Kernel(cfg.shader, src.ENTRIES[pass_], _FLASH_BINDINGS[pass_], source=(src.source, cfg, pass_, D),
+                  invocations=cfg.lanes, workgroup_bytes=cfg.workgroup_bytes(pass_))
+
+
+class Flash:
+    """A flash candidate (cfg: attention_src.RegsConfig or TilesConfig): cfg.block rows per workgroup, the
+    other side in whole tiles, fully masked tiles skipped."""
+
+    def __init__(self, cfg):
+        self.cfg, self.name, self.family = cfg, cfg.name, cfg.name.split("/")[0]
+
+    def applies(self, p: AttentionProblem) -> bool:
+        return (p.aligned and self.cfg.fits(p.D)
+                and (not is_cpu(p.rt) or self.cfg.loop_iterations(p.T, p.rep, p.D) <= CPU_LOOP_BUDGET)
+                and all(flash_kernel(x, self.cfg, p.D).supported(p.rt) for x in src.PASSES))
+
+    def _one(self, p, pass_, heads):
+        return _dispatch(p, flash_kernel(pass_, self.cfg, p.D), (-(-p.T // self.cfg.block), heads, p.B))
+
+    def dispatches(self, p: AttentionProblem) -> list:
+        if p.pass_ == "forward":
+            return [self._one(p, "forward", p.Hq)]
+        return [self._one(p, "dq", p.Hq), self._one(p, "dkv", p.Hkv)]
+
+
+def candidates(p: AttentionProblem) -> list:
+    """Every candidate that can run p on its device, the default (untuned) choice first: the flash kernels
+    (register-blocked first on CPU adapters, workgroup-tiled first on GPUs), then the per-row kernels."""
+    cpu, gpu = [Flash(c) for c in REGS_CONFIGS], [Flash(c) for c in TILES_CONFIGS]
+    flash = cpu + gpu if is_cpu(p.rt) else gpu + cpu
+    out = [c for c in flash + [Rows(True), Rows(False)] if c.applies(p)]
+    if not out:
+        raise DeviceError(f"no attention kernel runs {p.describe()} on {p.rt.info.name}: "
+                          + ("the head dim must be a multiple of 4 above 128" if p.D % 4 and p.D > ROWS_DMAX else
+                             "its sequences are too long for this CPU adapter's loop limit; use a shorter "
+                             "--max-seq-len or a GPU"))
+    return out
+
+
+def supported_head_dim(D: int) -> bool:
+    """Whether some attention kernel takes this head dim (on some device)."""
+    return 0 < D <= MAX_HEAD_DIM and (D % 4 == 0 or D <= ROWS_DMAX)
