@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tolerances import assert_close
+from wgpu_train.gpu import attention_kernels
 from wgpu_train.gpu import kernels as K
 from wgpu_train.reference import ops, optim
 
@@ -207,7 +208,9 @@ def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window):
     lead = [4, 8, 0, 4, 12] if offsets == "aligned" else [3, 1, 0, 2, 5]
     tq, tk, tv, ts, tdo = (padded(rt, a, n) for a, n in zip((q, k, v, seg, dout), lead))
     out, lse = (rt.buffer(4 * (q.size + 8)), lead[1]), rt.buffer(4 * B * Hq * T)
-    assert (K._vec4(D, out, tq, tk, tv, tdo) == "_vec4") == (D % 4 == 0 and offsets == "aligned")
+    problem = attention_kernels.AttentionProblem(rt, "forward", dict(out=out, lse=lse, q=tq, k=tk, v=tv,
+                                                                      segment_ids=ts), B, T, Hq, Hkv, D, window)
+    assert problem.aligned == (D % 4 == 0 and offsets == "aligned")
     dq, dkv = rt.buffer(4 * q.size), rt.buffer(4 * 2 * k.size)       # dk and dv share one buffer
     dk, dv = (dkv, 0), (dkv, k.size)
     scratch = rt.buffer(4 * K.attention_scratch_size(B, T, Hq))

@@ -31,7 +31,7 @@ ROWS_DMAX = 128          # their register arrays (shaders/attention.wgsl DMAX)
 # llvmpipe, benchmarks/README.md; the first that fits a head dim is the untuned choice). GPUs: the
 # workgroup-tiled ones, a guess until a GPU measures them: 16 or 32 invocations, fewer than 100 accumulators
 # each at head dim 64, within 32 KiB of workgroup memory but for (16, 32, 1, 16).
-REGS_CONFIGS = (RegsConfig(8, 8, 2), RegsConfig(8, 8, 1), RegsConfig(4, 8, 2), RegsConfig(2, 8, 1))
+REGS_CONFIGS = (RegsConfig(8, 8, 2), RegsConfig(8, 8, 1), RegsConfig(4, 8, 2), RegsConfig(2, 8, 1), RegsConfig(1, 8, 1))
 TILES_CONFIGS = (TilesConfig(8, 32, 1, 16), TilesConfig(16, 32, 1, 16), TilesConfig(8, 32, 1, 8),
                  TilesConfig(16, 16, 1, 4))
 MAX_HEAD_DIM = src.MAX_HEAD_DIM

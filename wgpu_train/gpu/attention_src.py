@@ -19,8 +19,8 @@ from .runtime import shader_path
 PASSES = ("forward", "dq", "dkv")
 ENTRIES = {"forward": "attention_forward", "dq": "attention_backward_dq", "dkv": "attention_backward_dkv"}
 MAX_HEAD_DIM = 256
-REGS_BUDGET = 2560       # f32 values an invocation of the register-blocked kernels may keep (compile time grows
-                         # steeply with it: about 30 s for all three passes of r8 at head dim 64 on llvmpipe)
+REGS_BUDGET = 2304       # f32 values an invocation of the register-blocked kernels may keep (llvmpipe's compile
+                         # time grows steeply with it: about 30 s for the three passes of r8 at head dim 64)
 TILES_BUDGET = 384       # f32 accumulators per invocation of the workgroup-tiled kernels (GPU registers)
 _BEGIN, _END = "// @flash-config begin", "// @flash-config end"
 

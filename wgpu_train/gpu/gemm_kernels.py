@@ -152,6 +152,10 @@ class Problem:
                                 self.b_off, self.b_sk, self.b_sn, self.b_sz)
         return f"gemm {self.layout} m{bucket} n{self.N} k{self.K} b{self.batch} {'v4' if aligned else 'any'}"
 
+    def tolerance(self, want: np.ndarray) -> float:
+        """The largest error a correct candidate may show on a replica whose exact result is `want`."""
+        return gemm_tolerance(self.alpha, self.K, want)
+
     def replica(self, rng):
         """(problem, C buffer, C's initial host values, C's expected values, buffers to release): this
         geometry on fresh random operands (offsets kept modulo 64 elements, which keeps their alignment)."""
@@ -171,6 +175,11 @@ class Problem:
         val = q.alpha * np.matmul(A, B) + (bias.astype(np.float64)[:q.N] if q.has_bias else 0.0)
         C[...] = val + C if q.accumulate else val    # writes into `want` through the view
         return q, bufs[3], c0, want, bufs
+
+
+def gemm_tolerance(alpha: float, K: int, want: np.ndarray) -> float:
+    """fp32 rounding over K products, with margin: what a correct GEMM candidate may be off by."""
+    return 1e-5 * (1 + abs(alpha)) * K ** 0.5 * 4 * (1 + float(np.max(np.abs(want))))
 
 
 def _strided(flat: np.ndarray, off, batch, sz, rows, r_stride, cols, c_stride) -> np.ndarray:

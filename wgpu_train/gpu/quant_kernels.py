@@ -9,7 +9,7 @@ import numpy as np
 
 from . import quant as Q
 from . import quant_tiled as QT
-from .gemm_kernels import WG_CHOICES, is_cpu, min_workgroup, use_subgroups
+from .gemm_kernels import WG_CHOICES, gemm_tolerance, is_cpu, min_workgroup, use_subgroups
 from .launch import Kernel, bind, prepare
 
 _F32 = 4
@@ -95,6 +95,9 @@ class QProblem:
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = self.a_off % 4 == 0 and self.lda % 4 == 0
         return f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
+
+    def tolerance(self, want: np.ndarray) -> float:
+        return gemm_tolerance(self.alpha, self.K, want)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a

@@ -1,5 +1,7 @@
-"""The GEMM autotuner: the first time a shape is needed on an adapter, time the candidates that fit it
-(each checked once against NumPy), keep the fastest, and remember the choice in a per-adapter cache file.
+"""The kernel autotuner (GEMMs and attention): the first time a shape is needed on an adapter, time the
+candidates that fit it (each checked once against NumPy), keep the fastest, and remember the choice in a
+per-adapter cache file. A problem (gemm_kernels.Problem, quant_kernels.QProblem,
+attention_kernels.AttentionProblem) gives its candidates, key, signature, flops, tolerance and a replica.
 
 Controls: WGPU_TRAIN_TUNE=off (the untuned default choice everywhere), fast (the default: tune on GPUs, a
 few candidates each; CPU adapters keep the choice measured on llvmpipe unless `wgpu-train tune` asks),
@@ -31,8 +33,9 @@ ROOFLINE_STOP = 0.85         # stop once a candidate reaches this fraction of th
 DROP_SLOWER = 3.0            # a candidate whose first timed run is this much slower than the best is dropped
 CACHE_VERSION = 1
 _SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
+            "shaders/attention.wgsl", "shaders/attention_regs.wgsl", "shaders/attention_tiles.wgsl",
             "wgpu_train/gpu/gemm_kernels.py", "wgpu_train/gpu/gemm_tiled_src.py", "wgpu_train/gpu/quant_kernels.py",
-            "wgpu_train/gpu/quant_tiled.py")
+            "wgpu_train/gpu/quant_tiled.py", "wgpu_train/gpu/attention_kernels.py", "wgpu_train/gpu/attention_src.py")
 _pins: list = []
 _modes: list = []
 
@@ -77,7 +80,7 @@ def _pin() -> str | None:
 # ---- the cache file ------------------------------------------------------------------------------
 
 def sources_checksum() -> str:
-    """sha256 over the GEMM shaders and the modules that define the candidates."""
+    """sha256 over the tuned kernels' shaders and the modules that define the candidates."""
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for rel in _SOURCES:
@@ -250,7 +253,7 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
 
     timer = timer or Timer(rt)
     q, c_buf, c0, want, bufs = p.replica(np.random.default_rng(0))
-    tol = 1e-5 * (1 + abs(q.alpha)) * q.K ** 0.5 * 4 * (1 + float(np.max(np.abs(want))))
+    tol = q.tolerance(want)
     results: dict = {}
     best_t = float("inf")
     try:
