@@ -14,6 +14,7 @@ from ..memory import SHARED_LAYER, activation_plan, activation_ranks, bucket_tok
 from ..reference import ops as ref_ops
 from ..reference.model import check_rows, forward_cached
 from ..reference.quant import check_dtypes
+from . import attention_kernels
 from . import kernels as K
 from . import quant
 from .lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
@@ -106,9 +107,10 @@ class WgpuEngine:
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
                  embed_dtype: str = "auto"):
-        if cfg.head_dim > K.ATT_DMAX:
-            raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is over the {K.ATT_DMAX} the WebGPU "
-                              f"attention kernels support; use backend='numpy'")
+        if not attention_kernels.supported_head_dim(cfg.head_dim):
+            raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
+                              f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
+                              f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
