@@ -283,25 +283,27 @@ def bench_gemm_candidates(rt, ctx) -> list[dict]:
     return out
 
 
-# ---- attention (shaders/attention.wgsl) ----------------------------------------------------------------
+# ---- attention (gpu/attention_kernels.py) --------------------------------------------------------------
 
 ATT_SHAPE = dict(B=1, Hq=9, Hkv=3, D=64)       # SmolLM2-135M's heads
 
 
 @register("attention")
 def bench_attention(rt, ctx) -> list[dict]:
-    """Causal attention forward + backward at T = 512 and 2048 (2048 on GPUs only: seconds per run on a CPU
-    adapter) for B = 1, 9 / 3 heads, D = 64: one row, and the same row packed with 8 equal segments, each
-    checked against the NumPy reference at T = 512 before it is timed. GFLOP/s count the causal
-    (unpacked) work, 6 T^2 D Hq (forward QK^T and PV, backward dQ, dK, dV and dP, each over half of T^2),
-    for both, so the packed row's figure shows how much of the masked work it skips."""
-    from ..reference import ops
+    """Causal attention forward + backward at T = 512 and 2048 for B = 1, 9 / 3 heads, D = 64: one row, and the
+    same row packed with 8 equal segments; the kernel the tuner picks on this adapter ("default") next to
+    the per-row kernels it replaced ("rows/vec4", where they run), each checked against the NumPy reference
+    at T = 512 first. GFLOP/s count the causal (unpacked) work 6 T^2 D Hq for both rows, so the packed row's
+    figure shows how much masked work it skips; "vs_rows" is the default's speed over rows/vec4's, and
+    "packed_vs_causal" the causal row's time over the packed one's, both from this run."""
+    from . import attention_kernels as AK
     from . import kernels as K
+    from . import tune
 
     B, Hq, Hkv, D = ATT_SHAPE["B"], ATT_SHAPE["Hq"], ATT_SHAPE["Hkv"], ATT_SHAPE["D"]
     rng = np.random.default_rng(3)
     out = []
-    for T in (512,) if rt.info.adapter_type == "CPU" else (512, 2048):
+    for T in (512, 2048):
         q, dout = (rng.standard_normal((B, T, Hq, D), dtype=np.float32) for _ in range(2))
         k, v = (rng.standard_normal((B, T, Hkv, D), dtype=np.float32) for _ in range(2))
         bufs = [rt.upload(x) for x in (q, k, v, dout)] + [rt.buffer(q.nbytes) for _ in range(2)]
@@ -309,33 +311,55 @@ def bench_attention(rt, ctx) -> list[dict]:
                                                             rt.buffer(4 * K.attention_scratch_size(B, T, Hq))]
         tq, tk, tv, tdo, o, dq, dk, dv, lse, scratch = bufs
         flops = 6.0 * T * T * D * Hq
+        ms: dict = {}
+        rows: dict = {}
         try:
             for kind in ("causal", "packed8"):
                 seg = np.ones((B, T), np.int32) if kind == "causal" else (np.arange(T) // (T // 8) + 1)[None]
                 seg_buf = rt.upload(seg.astype(np.int32))
                 bufs.append(seg_buf)
-                rec = _Capture(rt)
-                K.attention_forward(rec, o, lse, tq, tk, tv, seg_buf, B, T, Hq, Hkv, D)
-                K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, o, lse, seg_buf, B, T, Hq, Hkv, D, scratch)
-                if T == 512:
-                    real = rt.recorder()
-                    for d in rec.dispatches:
-                        real.dispatch(*d)
-                    real.submit()
-                    want, want_lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg)
-                    want_dq = ops.attention_backward(dout.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)),
-                                                     want, want_lse, seg)[0]
-                    err = max(_max_rel_err(rt.read(o, np.float32, q.shape), want),
-                              _max_rel_err(rt.read(dq, np.float32, q.shape), want_dq))
-                    if not err < 1e-4:
-                        raise AssertionError(f"attention {kind} T={T} gave a wrong result (max rel err {err:.2e})")
-                t = ctx["timer"].time(rec.dispatches, repeats=2, budget_s=2.0)
-                out.append({"name": f"attention_{kind}", "shape": f"T{T}x{Hq}/{Hkv}xD{D}", "gflops": flops / t / 1e9,
-                            "ms": t * 1e3})
+                probe = AK.AttentionProblem(rt, "forward", dict(out=o, lse=lse, q=tq, k=tk, v=tv, segment_ids=seg_buf),
+                                            B, T, Hq, Hkv, D)
+                names = [c.name for c in probe.candidates()]
+                for label, name in (("default", tune.choose(rt, probe).name), ("rows", "rows/vec4")):
+                    if name not in names:
+                        continue
+                    rec = _Capture(rt)
+                    with tune.pinned(name):
+                        K.attention_forward(rec, o, lse, tq, tk, tv, seg_buf, B, T, Hq, Hkv, D)
+                        K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, o, lse, seg_buf, B, T, Hq, Hkv, D,
+                                             scratch)
+                    if T == 512:
+                        _check_attention(rt, rec.dispatches, (q, k, v, dout), seg, (o, dq), f"{name} {kind} T={T}")
+                    t = ms[(label, kind)] = ctx["timer"].time(rec.dispatches, repeats=2, budget_s=2.0)
+                    rows[(label, kind)] = {"name": f"attention_{kind}", "shape": f"T{T}x{Hq}/{Hkv}xD{D}",
+                                           "kernel": name, "gflops": flops / t / 1e9, "ms": t * 1e3}
+            for kind in ("causal", "packed8"):
+                if ("rows", kind) in ms:
+                    rows[("default", kind)]["vs_rows"] = ms[("rows", kind)] / ms[("default", kind)]
+            rows[("default", "packed8")]["packed_vs_causal"] = ms[("default", "causal")] / ms[("default", "packed8")]
+            out += list(rows.values())
         finally:
             rt.release(*bufs)
         ctx["sample_peak"]()
     return out
+
+
+def _check_attention(rt, dispatches, inputs, seg, outputs, what):
+    """Run the dispatches once and compare out and dq with the float64 reference."""
+    from ..reference import ops
+
+    real = rt.recorder()
+    for d in dispatches:
+        real.dispatch(*d)
+    real.submit()
+    q, k, v, dout = (x.astype(np.float64) for x in inputs)
+    want, want_lse = ops.attention_forward(q, k, v, seg)
+    want_dq = ops.attention_backward(dout, q, k, v, want, want_lse, seg)[0]
+    o, dq = outputs
+    err = max(_max_rel_err(rt.read(o, np.float32, q.shape), want), _max_rel_err(rt.read(dq, np.float32, q.shape), want_dq))
+    if not err < 1e-4:
+        raise AssertionError(f"attention {what} gave a wrong result (max rel err {err:.2e})")
 
 
 class _Capture:
@@ -513,6 +537,9 @@ def format_table(result: dict) -> str:
                 f"{'' if frac is None else f'{100 * frac:.0f}%':>8} {'' if vs is None else f'{vs:.1f}x':>9}")
         if e["name"] == "gemm_candidate":
             line += f"  {'*' if e['chosen'] else ' '} {e['kernel']}"
+        elif e["name"].startswith("attention_"):
+            line += f"  {e['kernel']}" + "".join(f"  {k} {e[k]:.2f}x" for k in ("vs_rows", "packed_vs_causal")
+                                                  if k in e)
         lines.append(line)
     for key, value in result.items():
         if key not in ("adapter", "fma_peak_gflops", "timing", "kernels"):
