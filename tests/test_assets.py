@@ -9,7 +9,7 @@ import pytest
 
 from wgpu_train.assets import TASK_INSTRUCTION, WORDS, default_data_dir, default_model_dir
 from wgpu_train.config import ModelConfig
-from wgpu_train.data import load_jsonl
+from wgpu_train.data import load_records
 from wgpu_train.model import load_model
 from wgpu_train.tokenizer import load_tokenizer
 
@@ -28,7 +28,7 @@ def base_model():
 
 @pytest.fixture(scope="module")
 def splits():
-    return {name: load_jsonl(default_data_dir() / f"{name}.jsonl")[0] for name in SPLITS}
+    return {name: load_records(default_data_dir() / f"{name}.jsonl")[0] for name in SPLITS}
 
 
 def test_model_folder_is_a_small_llama():

@@ -8,7 +8,7 @@ import pytest
 from bpe import train_bpe
 from chat_templates import LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, REASONING
 from wgpu_train.data import (
-    IGNORE_INDEX, BatchStream, Example, load_jsonl, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
+    IGNORE_INDEX, BatchStream, Example, load_records, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
     tokenize_example,
 )
 from wgpu_train.errors import ConfigError, DataError
@@ -115,7 +115,7 @@ FORMAT_CASES = [
 @pytest.mark.parametrize("fmt,row,expected", FORMAT_CASES)
 def test_formats_detected_and_converted(tmp_path, fmt, row, expected):
     path = write_jsonl(tmp_path / "d.jsonl", [row, "", row])  # a blank line is ignored
-    records, found, skipped = load_jsonl(path)
+    records, found, skipped = load_records(path)
     assert found == fmt and skipped == 0
     assert records == [expected, expected]
 
@@ -123,7 +123,7 @@ def test_formats_detected_and_converted(tmp_path, fmt, row, expected):
 def test_chat_extra_keys_dropped(tmp_path):
     row = {"messages": [{"role": "user", "content": "U", "name": "x"}, {"role": "assistant", "content": "A"}],
            "id": 3}
-    records, _, _ = load_jsonl(write_jsonl(tmp_path / "d.jsonl", [row]))
+    records, _, _ = load_records(write_jsonl(tmp_path / "d.jsonl", [row]))
     assert records == [[{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]]
 
 
@@ -154,10 +154,10 @@ BAD_LINES = [
 def test_bad_line_names_file_and_line(tmp_path, bad, problem):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD_CHAT, "", bad, GOOD_CHAT])
     with pytest.raises(DataError) as e:
-        load_jsonl(path)
+        load_records(path)
     msg = str(e.value)
     assert msg.startswith(f"{path}:3: ") and problem in msg and "\n" not in msg
-    records, fmt, skipped = load_jsonl(path, skip_invalid=True)
+    records, fmt, skipped = load_records(path, skip_invalid=True)
     assert (len(records), fmt, skipped) == (2, "chat", 1)
 
 
@@ -173,7 +173,7 @@ def test_bad_line_names_file_and_line(tmp_path, bad, problem):
 def test_bad_fields_of_flat_formats(tmp_path, row, problem):
     path = write_jsonl(tmp_path / "d.jsonl", [row])
     with pytest.raises(DataError, match=problem) as e:
-        load_jsonl(path)
+        load_records(path)
     assert str(e.value).startswith(f"{path}:1: ")
 
 
@@ -181,13 +181,13 @@ def test_invalid_utf8_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "\xff\xfe"}\n')
     with pytest.raises(DataError, match=r":2: not valid UTF-8"):
-        load_jsonl(path)
+        load_records(path)
 
 
 def test_skip_invalid_detects_format_after_bad_first_lines(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ["garbage", {"x": 1}, {"text": "a"}, {"prompt": "p", "completion": "c"},
                                               {"text": "b"}])
-    records, fmt, skipped = load_jsonl(path, skip_invalid=True)
+    records, fmt, skipped = load_records(path, skip_invalid=True)
     assert (records, fmt, skipped) == (["a", "b"], "text", 3)
 
 
@@ -196,19 +196,19 @@ def test_utf16_file_is_named(tmp_path, encoding):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"text": "caf\u00e9"}) + "\n", encoding=encoding)
     with pytest.raises(DataError) as e:
-        load_jsonl(path)
+        load_records(path)
     assert str(e.value) == f"{path}: the file is UTF-16 encoded; save it as UTF-8"
 
 
 def test_empty_missing_and_all_invalid_files(tmp_path):
     with pytest.raises(DataError, match="no such file"):
-        load_jsonl(tmp_path / "missing.jsonl")
+        load_records(tmp_path / "missing.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     with pytest.raises(DataError, match="empty file"):
-        load_jsonl(tmp_path / "empty.jsonl")
+        load_records(tmp_path / "empty.jsonl")
     write_jsonl(tmp_path / "bad.jsonl", ["x", "y"])
     with pytest.raises(DataError, match=r"no valid lines \(2 skipped\)"):
-        load_jsonl(tmp_path / "bad.jsonl", skip_invalid=True)
+        load_records(tmp_path / "bad.jsonl", skip_invalid=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_records_keep_their_file_and_line_through_the_split(tmp_path):
     assert splits.valid_held_out
     for record in splits.train + splits.valid:
         assert record.source == f"{path}:{int(record[0]['content'][1:]) + 2}"
-    texts, _, _ = load_jsonl(write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}, {"text": "b"}]))
+    texts, _, _ = load_records(write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}, {"text": "b"}]))
     assert texts == ["a", "b"] and [t.source for t in texts] == [f"{tmp_path / 't.jsonl'}:{i}" for i in (1, 2)]
 
 
@@ -563,7 +563,7 @@ def test_raw_mode_separator_and_generation_prompt(tmp_path, tok):
     assert prompt_ids(tok, "what is two plus two?", chat_template=False) == prefix
     # completions data: prompt and completion concatenated as given
     rows = [{"prompt": "the cat sat on the", "completion": " mat"}]
-    (record,), _, _ = load_jsonl(write_jsonl(tmp_path / "c.jsonl", rows))
+    (record,), _, _ = load_records(write_jsonl(tmp_path / "c.jsonl", rows))
     ex = tokenize_example(tok, record, max_seq_len=512, use_chat_template=False)
     assert ex.input_ids.tolist() == tok.encode("the cat sat on the mat") + [tok.eos_token_id]
     assert trained_text(tok, ex) == " mat<|endoftext|>"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.data import load_jsonl
+from wgpu_train.data import load_records
 from wgpu_train.errors import ConfigError, DeviceError
 from wgpu_train.evaluate import answer_text, exact_match, generation_prompt
 from wgpu_train.generate import generate, generate_batch
@@ -133,7 +133,7 @@ def test_exact_match_is_the_same_at_any_batch_size(rt):
     partial batch): the same outputs, on both engines. Six references are set to the model's own greedy answer
     (generate(), one prompt at a time), so those six must match."""
     tok = load_tokenizer(default_model_dir())
-    records = [list(r) for r in load_jsonl(default_data_dir() / "test.jsonl")[0][:11]]
+    records = [list(r) for r in load_records(default_data_dir() / "test.jsonl")[0][:11]]
     ref = wt.load_model(default_model_dir(), backend="numpy")
     stops = set(tok.stop_token_ids)
     for r in records[:6]:
@@ -214,7 +214,7 @@ def test_exact_match_skips_prompts_too_long_for_the_positions():
     with its budget cut to fit (here the embedded model, 256 positions, answers the short prompts right)."""
     tok = load_tokenizer(default_model_dir())
     model = wt.load_model(default_model_dir(), backend="numpy")
-    records = [list(r) for r in load_jsonl(default_data_dir() / "test.jsonl")[0][:3]]
+    records = [list(r) for r in load_records(default_data_dir() / "test.jsonl")[0][:3]]
     for r in records:
         out = model.generate(generation_prompt(tok, r), max_new_tokens=12, stop_token_ids=tok.stop_token_ids)
         r[-1] = {"role": "assistant", "content": tok.decode([t for t in out if t not in tok.stop_token_ids])}

@@ -1,0 +1,180 @@
+"""Training records: the five record shapes (chat, completions, alpaca, instruction, text) checked and turned
+into message lists or plain text, each remembering where it was read."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Union
+
+IGNORE_INDEX = -100  # label of a position that carries no loss (transformers' convention)
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+RAW_SEPARATOR = "\n\n"  # between prompt and response in raw (no chat template) mode, except for completions data
+
+# {"role": "system" | "user" | "assistant", "content": str}; the user message of completions data also holds
+# "raw_separator": "" (raw mode continues its prompt directly, see raw_prompt_text)
+Message = dict
+Record = Union[list, str]  # a conversation (list of Message) or, for the "text" format, a plain string
+
+# format name -> (required string fields, optional string fields); "chat" is checked separately. The optional
+# "input" (Alpaca) and "context" (Dolly) are more prompt text: they follow the instruction after a blank line;
+# an "instruction" beside a prompt and a completion goes before the prompt, after a blank line.
+FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "chat": (("messages",), ()),
+    "completions": (("prompt", "completion"), ("instruction", "system")),
+    "alpaca": (("instruction", "output"), ("input", "context", "system")),
+    "instruction": (("instruction", "response"), ("input", "context", "system")),
+    "text": (("text",), ()),
+}
+
+_SHAPES = {
+    "chat": '{"messages": [...]} or {"conversations": [...]}',
+    "completions": '{"prompt", "completion"}',
+    "alpaca": '{"instruction", "input"?, "output"}',
+    "instruction": '{"instruction", "response", "system"?}',
+    "text": '{"text"}',
+}
+
+
+class Conversation(list):
+    """A record's messages that remember where they were read: `source` is "file:line" ("" when built in code)."""
+
+    def __init__(self, messages: Iterable[Message] = (), source: str = "") -> None:
+        super().__init__(messages)
+        self.source = source
+
+
+class Text(str):
+    """A plain-text record that remembers where it was read: `source` is "file:line"."""
+
+    source: str
+
+    def __new__(cls, text: str, source: str = "") -> "Text":
+        obj = super().__new__(cls, text)
+        obj.source = source
+        return obj
+
+
+class BadRecord(Exception):
+    """A problem with one record; the reader adds where the record was (file:line, file:row)."""
+
+
+def detect_format(obj: Any) -> str:
+    """The format name of one record object (BadRecord when it has none)."""
+    if not isinstance(obj, dict):
+        raise BadRecord(f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj or "conversations" in obj:
+        return "chat"
+    # before "prompt": Alpaca-style rows may carry a pre-rendered prompt of the same instruction
+    if "instruction" in obj and "output" in obj:
+        return "alpaca"
+    if "instruction" in obj and "response" in obj:
+        return "instruction"
+    if "prompt" in obj or "completion" in obj:
+        return "completions"
+    if "instruction" in obj:
+        return "alpaca" if "input" in obj else "instruction"  # reported below as a missing field
+    if "text" in obj:
+        return "text"
+    keys = ", ".join(sorted(obj)[:6]) or "none"
+    raise BadRecord(f"unknown record shape (keys: {keys}); expected one of " + ", ".join(_SHAPES.values()))
+
+
+def _string_field(obj: dict, key: str, where: str = "") -> str:
+    if key not in obj or obj[key] is None:
+        raise BadRecord(f'missing field "{key}"{where}')
+    value = obj[key]
+    if not isinstance(value, str):
+        raise BadRecord(f'field "{key}"{where} must be a string, got {type(value).__name__}')
+    if not value.strip():
+        raise BadRecord(f'field "{key}"{where} is empty')
+    return value
+
+
+def _optional_string(obj: dict, key: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRecord(f'field "{key}" must be a string, got {type(value).__name__}')
+    return value if value.strip() else None
+
+
+def _message_content(m: dict, key: str, k: int) -> str:
+    """Message k's content: a string, or OpenAI-style parts [{"type": "text", "text": ...}] whose texts are joined."""
+    value = m.get(key)
+    if value is None:
+        raise BadRecord(f'missing field "{key}" in message {k}')
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise BadRecord(f'field "{key}" in message {k} must be a string or a list of text parts, '
+                       f"got {type(value).__name__}")
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"type {kind!r}" if kind is not None else "no type"
+            raise BadRecord(f"message {k} has a content part of {what}; only text parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise BadRecord(f'a text part of message {k} has no string "text"')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _convert_chat(obj: dict) -> list[Message]:
+    key = "messages" if "messages" in obj else "conversations"
+    messages = obj[key]
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord(f'"{key}" must be a non-empty list')
+    out: list[Message] = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRecord(f"message {k} must be an object with role and content")
+        if "role" not in m and "from" in m:  # ShareGPT: {"from": "human" | "gpt" | "system", "value": ...}
+            role = SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None
+            content_key = "value"
+            if role is None:
+                raise BadRecord(f"message {k} is from {m['from']!r}; ShareGPT messages must be from human, gpt "
+                               "or system")
+        else:
+            role, content_key = m.get("role"), "content"
+            if role not in ROLES:
+                raise BadRecord(f"message {k} has role {role!r}; roles must be system, user or assistant")
+        content = _message_content(m, content_key, k)
+        if not content.strip():
+            if role == "system":
+                continue  # an empty system message is no system message
+            raise BadRecord(f'field "{content_key}" in message {k} is empty')
+        if role == "system" and out:
+            raise BadRecord(f"message {k}: a system message may only come first")
+        out.append({"role": role, "content": content})
+    first = 1 if out and out[0]["role"] == "system" else 0
+    if len(out) <= first or out[first]["role"] != "user":
+        raise BadRecord("the conversation must start with a user message (after an optional system message)")
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRecord("the conversation has no assistant message to train on")
+    return out
+
+
+def convert(obj: Any, fmt: str) -> Record:
+    """Check `obj` against `fmt` and turn it into a message list (or the text, for the text format)."""
+    found = detect_format(obj)
+    if found != fmt:
+        raise BadRecord(f"record looks like {found} format {_SHAPES[found]}, "
+                       f"but the file is {fmt} format {_SHAPES[fmt]}")
+    if fmt == "chat":
+        return _convert_chat(obj)
+    if fmt == "text":
+        return _string_field(obj, "text")
+    (prompt_key, response_key), optional = FORMATS[fmt]
+    user = _string_field(obj, prompt_key)
+    response = _string_field(obj, response_key)
+    extras = [_optional_string(obj, key) for key in optional if key != "system"]
+    parts = extras + [user] if fmt == "completions" else [user] + extras
+    user = "\n\n".join(part for part in parts if part is not None)
+    system = _optional_string(obj, "system")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    prompt = {"role": "user", "content": user}
+    if fmt == "completions":
+        prompt["raw_separator"] = ""  # a completion continues its prompt as given
+    return messages + [prompt, {"role": "assistant", "content": response}]

@@ -1,0 +1,328 @@
+"""Dataset files as users have them -> records (records.py) in splits: JSONL, JSON (an array of records, or an
+object of record arrays), Parquet (read row group by row group), folders with train / validation / test files
+(ours, or the hub's data/train-00000-of-00001.parquet layout), several sources mixed (repeated --data, globs),
+dataset ids from the Hugging Face hub, and other column names mapped onto ours (--columns)."""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .errors import ConfigError, DataError
+from .records import BadRecord, Conversation, Record, Text, convert, detect_format
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+VALID_NAMES = ("valid", "validation", "val", "dev")        # names of a folder's validation split
+VALID_FILES = tuple(f"{name}.jsonl" for name in VALID_NAMES)
+SPLIT_NAMES = {"train": ("train",), "valid": VALID_NAMES, "test": ("test",)}
+FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "response",
+          "context", "system", "text")                     # the record fields a column can be mapped onto
+PARQUET_BATCH = 1024                                       # rows converted to Python objects at a time
+
+
+# ---- column mapping ----------------------------------------------------------------------------------------
+
+def parse_columns(spec: str | None) -> dict[str, str]:
+    """'prompt=question,completion=answer' -> {"prompt": "question", "completion": "answer"} (our field -> the
+    file's column); ConfigError naming the problem for anything else."""
+    if not spec:
+        return {}
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        ours, eq, theirs = (part.strip() for part in item.partition("="))
+        if not eq or not ours or not theirs:
+            raise ConfigError(f"--columns: {item.strip()!r} is not FIELD=COLUMN (e.g. prompt=question)")
+        if ours not in FIELDS:
+            raise ConfigError(f"--columns: unknown field {ours!r}; the fields are {', '.join(FIELDS)}")
+        if ours in out:
+            raise ConfigError(f"--columns: field {ours!r} is mapped twice")
+        out[ours] = theirs
+    return out
+
+
+def _mapped(obj: Any, columns: dict[str, str]) -> Any:
+    """The record with the mapped columns renamed to our fields (BadRecord when one is missing)."""
+    if not columns or not isinstance(obj, dict):
+        return obj
+    out = {k: v for k, v in obj.items() if k not in columns.values()}
+    for ours, theirs in columns.items():
+        if theirs not in obj:
+            raise BadRecord(f"no column {theirs!r} (--columns {ours}={theirs}); it has "
+                            f"{', '.join(sorted(map(str, obj))[:8]) or 'none'}")
+        out[ours] = obj[theirs]
+    return out
+
+
+# ---- reading one file ----------------------------------------------------------------------------------------
+
+def _is_utf16(raw: bytes) -> bool:
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return True
+    head = raw[:64]  # without a byte order mark: ASCII JSON has a zero byte before or after every character
+    return len(head) >= 4 and (not head[0::2].strip(b"\x00") or not head[1::2].strip(b"\x00"))
+
+
+def _read_bytes(path: Path) -> bytes:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
+        raw = raw[3:]
+    elif _is_utf16(raw):
+        raise DataError(f"{path}: the file is UTF-16 encoded; save it as UTF-8")
+    return raw
+
+
+def _jsonl_objects(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, object or BadRecord) of each non-blank line."""
+    for lineno, line in enumerate(_read_bytes(path).split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            yield lineno, BadRecord("not valid UTF-8")
+        except json.JSONDecodeError as e:
+            yield lineno, BadRecord(f"invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _json_document(path: Path) -> Any:
+    """The parsed file, or None when it holds one JSON value per line (JSONL named .json)."""
+    try:
+        return json.loads(_read_bytes(path).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and e.colno == 1:
+            return None
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _json_arrays(path: Path, doc: Any) -> dict[str, list]:
+    """An array -> {"": it}; an object whose values are all arrays -> itself; else DataError."""
+    if isinstance(doc, list):
+        return {"": doc}
+    if isinstance(doc, dict) and doc and all(isinstance(v, list) for v in doc.values()):
+        return doc
+    raise DataError(f"{path}: a JSON data file must hold an array of records or an object of record arrays "
+                    f"(e.g. {{\"train\": [...]}}), not {'an empty object' if doc == {} else type(doc).__name__}")
+
+
+def json_splits(path: Path) -> dict[str, list] | None:
+    """A .json file's arrays by split (train / valid / test) when its top-level keys name splits, else None."""
+    doc = _json_document(path)
+    if doc is None:
+        return None
+    arrays = _json_arrays(path, doc)
+    found = {split: key for split, names in SPLIT_NAMES.items() for key in arrays if key in names}
+    if "train" not in found:
+        return None
+    return {split: arrays[key] for split, key in found.items()}
+
+
+def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
+    """(row number, record dict) of a Parquet file, one batch of rows at a time (never the whole file)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path}: reading Parquet needs pyarrow: pip install 'wgpu-train[parquet]'") from None
+    try:
+        reader = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    row = 0
+    for batch in reader.iter_batches(batch_size=PARQUET_BATCH):
+        for obj in batch.to_pylist():
+            row += 1
+            yield row, obj
+
+
+def _objects(path: Path, split: str | None = None, doc: dict | None = None) -> Iterator[tuple[str, Any]]:
+    """("file:line" or "file:row", object or BadRecord) of every record of a file (of one split of a JSON
+    object of split arrays when `doc` gives them)."""
+    if doc is not None:
+        for i, obj in enumerate(doc[split], start=1):
+            yield f"{path}:{split}[{i}]", obj
+    elif path.suffix == ".parquet":
+        for row, obj in _parquet_objects(path):
+            yield f"{path}:{row}", obj
+    elif path.suffix == ".json" and (whole := _json_document(path)) is not None:
+        n = 0
+        for key, items in _json_arrays(path, whole).items():
+            for obj in items:
+                n += 1
+                yield f"{path}:{n}", obj
+    else:
+        for lineno, obj in _jsonl_objects(path):
+            yield f"{path}:{lineno}", obj
+
+
+def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str, str] | None = None,
+                 split: str | None = None, doc: dict | None = None) -> tuple[list[Record], str, int]:
+    """Read one data file (JSONL, JSON or Parquet, by suffix): (records, format name, number skipped).
+
+    The format is detected from the first valid record and every other record must match it. A bad record
+    raises DataError "file:line: problem" ("file:row" for JSON and Parquet), or is skipped and counted when
+    `skip_invalid`. Records are Conversation or Text objects whose `source` is where they were read.
+    """
+    path = Path(path)
+    records: list[Record] = []
+    fmt: str | None = None
+    skipped = n = 0
+    for where, obj in _objects(path, split, doc):
+        n += 1
+        try:
+            if isinstance(obj, BadRecord):
+                raise obj
+            obj = _mapped(obj, columns or {})
+            line_fmt = fmt if fmt is not None else detect_format(obj)
+            record = convert(obj, line_fmt)
+        except BadRecord as e:
+            if not skip_invalid:
+                raise DataError(f"{where}: {e}") from None
+            skipped += 1
+            continue
+        fmt = line_fmt
+        records.append(Text(record, where) if isinstance(record, str) else Conversation(record, where))
+    if n == 0:
+        raise DataError(f"{path}: empty file" if doc is None else f"{path}: split {split!r} is empty")
+    if not records:
+        raise DataError(f"{path}: no valid {'lines' if path.suffix not in ('.json', '.parquet') else 'records'} "
+                        f"({skipped} skipped)")
+    assert fmt is not None
+    return records, fmt, skipped
+
+
+# ---- finding the splits --------------------------------------------------------------------------------------
+
+@dataclass
+class DataSplits:
+    """Records of each split of a dataset and the format they were read in."""
+
+    train: list[Record]
+    valid: list[Record]
+    test: list[Record]
+    format: str
+    n_skipped: int = 0
+    files: dict[str, str] = field(default_factory=dict)  # split -> the file(s) it came from
+    valid_held_out: bool = False  # valid was carved out of train, not read from a validation file
+
+
+def _split_files(folder: Path) -> dict[str, list[Path]]:
+    """split -> its files in a folder: <split>.<suffix> or shards <split>-*.<suffix>, in the folder or its data/
+    subfolder (the hub's layout); the first of the two that has a train split."""
+    for base in (folder, folder / "data"):
+        found: dict[str, list[Path]] = {}
+        for split, names in SPLIT_NAMES.items():
+            files = [f for name in names for suffix in SUFFIXES
+                     for f in [base / f"{name}{suffix}"] + sorted(base.glob(f"{name}-*{suffix}")) if f.is_file()]
+            if files:
+                found[split] = files
+        if "train" in found:
+            first: dict[str, Path] = {}
+            for f in found.get("valid", []):
+                first.setdefault(f.name.split("-")[0].split(".")[0], f)
+            if len(first) > 1:
+                raise DataError(f"{base}: found {' and '.join(f.name for f in first.values())}; keep one "
+                                "validation file")
+            return found
+    raise DataError(f"{folder}: folder has no train.jsonl (nor train.json, train.parquet or "
+                    "data/train-*.parquet)")
+
+
+def _merge(parts: list[tuple[str, list, str, int]], what: str) -> tuple[list[Record], str, int, str]:
+    """(records, format, skipped, files) of several files' records of one split; formats must mix."""
+    records: list[Record] = []
+    formats: list[str] = []
+    for file, recs, fmt, _ in parts:
+        if formats and (fmt == "text") != (formats[0] == "text"):
+            raise DataError(f"{file}: {fmt} format does not mix with {what}'s {formats[0]} format")
+        records += recs
+        if fmt not in formats:
+            formats.append(fmt)
+    return records, "+".join(formats), sum(p[3] for p in parts), ", ".join(p[0] for p in parts)
+
+
+def _sources(path) -> list[Path]:
+    """The sources of --data: a list, or a string of comma-separated entries (an existing path is one entry);
+    glob patterns expanded; hub dataset ids resolved to their snapshot folders."""
+    from . import hub
+
+    entries = list(path) if isinstance(path, (list, tuple)) else (
+        [str(path)] if Path(str(path)).exists() else [e.strip() for e in str(path).split(",") if e.strip()])
+    out: list[Path] = []
+    for entry in entries:
+        entry = str(entry)
+        if any(ch in entry for ch in "*?[") and not Path(entry).exists():
+            matches = sorted(glob.glob(entry, recursive=True))
+            if not matches:
+                raise DataError(f"{entry}: no file matches this pattern")
+            out += [Path(m) for m in matches]
+        elif hub.is_hub_id(entry):
+            out.append(hub.resolve(entry, "dataset"))
+        else:
+            out.append(Path(entry))
+    if not out:
+        raise DataError(f"{path!r}: no data file given")
+    return out
+
+
+def _read_source(path: Path, skip_invalid: bool, columns: dict) -> dict[str, list]:
+    """split -> [(file, records, format, skipped)] of one file or folder."""
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return {split: [(str(f),) + load_records(f, skip_invalid, columns) for f in files]
+                for split, files in _split_files(path).items()}
+    if path.suffix == ".json":
+        doc = json_splits(path)
+        if doc is not None:
+            return {split: [(f"{path}:{split}",) + load_records(path, skip_invalid, columns, split, doc)]
+                    for split in doc}
+    return {"train": [(str(path),) + load_records(path, skip_invalid, columns)]}
+
+
+def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False,
+                 columns: str | dict | None = None) -> DataSplits:
+    """Find the splits of a dataset. `path`: a data file (JSONL, JSON or Parquet); a folder with a train split
+    and optionally one validation split (valid, validation, val or dev) and a test split, in any of those
+    formats, at its top or under data/; a hub dataset id; several of these (a list, or comma-separated) or a
+    glob, whose splits are concatenated. Without validation data a fraction `valid_split` of train, chosen with
+    np.random.default_rng(seed), is held out as valid (train keeps its order). `columns` maps our field names
+    to other column names (parse_columns). Every record keeps its source through the split."""
+    if not 0.0 <= valid_split < 1.0:
+        raise ConfigError(f"valid_split must be in [0, 1), got {valid_split}")
+    columns = parse_columns(columns) if isinstance(columns, str) or columns is None else columns
+    by_split: dict[str, list] = {"train": [], "valid": [], "test": []}
+    for source in _sources(path):
+        for split, parts in _read_source(source, skip_invalid, columns).items():
+            by_split[split] += parts
+    train, fmt, skipped, train_files = _merge(by_split["train"], "train")
+    files = {"train": train_files}
+    splits = {"train": train, "valid": [], "test": []}
+    for split in ("valid", "test"):
+        if by_split[split]:
+            recs, other, n, names = _merge(by_split[split], split)
+            if (other == "text") != (fmt == "text"):
+                raise DataError(f"{names}: {other} format does not mix with train's {fmt} format")
+            splits[split], files[split] = recs, names
+            skipped += n
+    held_out = False
+    if "valid" not in files and valid_split > 0:
+        n = len(train)
+        n_valid = min(max(1, int(round(n * valid_split))), n - 1)
+        if n_valid > 0:
+            order = np.random.default_rng(seed).permutation(n)
+            held = set(order[:n_valid].tolist())
+            splits["valid"] = [train[i] for i in sorted(held)]
+            splits["train"] = [r for i, r in enumerate(train) if i not in held]
+            held_out = True
+    return DataSplits(splits["train"], splits["valid"], splits["test"], fmt, skipped, files, held_out)
