@@ -22,10 +22,10 @@ def _add_parser(sub, name: str, help_text: str, description: str | None = None) 
 
 def _model_options(p, need_adapter: bool = False):
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face model folder; default: the adapter's base model when it exists, "
-                        "else the embedded model")
+                   help="Hugging Face model folder or hub id org/name[@revision]; default: the adapter's base "
+                        "model when it exists (folder or hub id), else the embedded model")
     p.add_argument("--adapter-path", default=None, metavar="DIR", required=need_adapter,
-                   help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors)")
+                   help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) or hub id")
 
 
 def _device_options(p, storage: bool = False):
@@ -101,7 +101,16 @@ def add_train_config_options(p):
         metavar = None if choices else {"model": "DIR", "data": "PATH", "out": "DIR", "resume": "DIR"}.get(
             f.name, base.__name__.upper())
         p.add_argument(flag, type=_parse_value(base, optional, f.name), default=argparse.SUPPRESS,
-                       choices=choices, metavar=metavar, help=text)
+                       choices=choices, metavar=metavar, help=text,
+                       **({"action": _JoinRepeated} if f.name == "data" else {}))
+
+
+class _JoinRepeated(argparse.Action):
+    """A repeated option's values joined with commas (--data a --data b -> "a,b")."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
 
 
 def load_toml_config(path) -> dict:
@@ -133,7 +142,7 @@ def load_toml_config(path) -> dict:
             raise ConfigError(f"{path}: '{spelled[name]}' and '{key}' are the same key; give it once")
         spelled[name] = key
         base, _ = _unwrap(hints[name])
-        if name == "lora_targets" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        if name in ("lora_targets", "data") and isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = ",".join(value)
         ok = (isinstance(value, bool) if base is bool else
               isinstance(value, int) and not isinstance(value, bool) if base is int else
@@ -207,13 +216,19 @@ def _register_finetune(sub):
 # ---- loading a model with an optional adapter -----------------------------------------------------------
 
 def _adapter_base(adapter_path) -> Path | None:
-    """The adapter's base_model_name_or_path when it is a model folder on this machine."""
+    """The adapter's base_model_name_or_path when it is a model folder on this machine or a hub id (from the
+    cache, else downloaded)."""
+    from . import hub
+
     try:
         raw = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
-        base = Path(raw.get("base_model_name_or_path") or "")
+        name = str(raw.get("base_model_name_or_path") or "")
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-    return base if str(base) not in ("", ".") and (base / "config.json").is_file() else None
+    if hub.is_hub_id(name):
+        return hub.resolve(name, "model")
+    base = Path(name)
+    return base if name not in ("", ".") and (base / "config.json").is_file() else None
 
 
 # What generate / eval use for a setting that neither the command line nor the adapter's run decides.
@@ -290,9 +305,11 @@ def choose_settings(given: dict, adapter_path) -> dict:
 
 def adapter_folder(adapter_path) -> Path | None:
     """The adapter folder of --adapter-path (a checkpoint folder gives its adapter/), checked to be one."""
+    from . import hub
+
     if adapter_path is None:
         return None
-    adapter = Path(adapter_path)
+    adapter = hub.resolve(adapter_path, "adapter")
     if not adapter.is_dir():
         raise AdapterError(f"adapter folder not found: {adapter}")
     if not (adapter / "adapter_config.json").is_file() and (adapter / "config.json").is_file():
@@ -303,10 +320,12 @@ def adapter_folder(adapter_path) -> Path | None:
 
 
 def model_folder(model_arg, adapter: Path | None) -> Path:
-    """--model, else the adapter's base model folder when it is on this machine, else the embedded model."""
+    """--model (a folder or hub id), else the adapter's base model (a folder on this machine or a hub id), else
+    the embedded model."""
+    from . import hub
     from .train import default_model_dir
 
-    return Path(model_arg) if model_arg else (adapter and _adapter_base(adapter)) or default_model_dir()
+    return hub.resolve(model_arg, "model") if model_arg else (adapter and _adapter_base(adapter)) or default_model_dir()
 
 
 def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
@@ -421,8 +440,8 @@ def cmd_eval(args) -> int:
     from .evaluate import evaluate_loss, exact_match
     from .train import PAD_MULTIPLE, default_data_dir
 
-    data_path = Path(args.data) if args.data else default_data_dir()
-    splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid)
+    data_path = args.data if args.data else default_data_dir()
+    splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns)
     split = args.split or ("test" if splits.test else "valid" if splits.valid else "train")
     records = getattr(splits, split)
     if not records:
@@ -469,8 +488,11 @@ def cmd_eval(args) -> int:
 def _register_eval(sub):
     p = _add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset")
     _model_options(p)
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="JSONL file, or folder with train/valid/test.jsonl; default: the embedded dataset")
+    p.add_argument("--data", default=None, metavar="PATH", action=_JoinRepeated,
+                   help="data file (JSONL, JSON, Parquet), folder with train/valid/test splits, hub dataset id or "
+                        "glob (repeat to mix); default: the embedded dataset")
+    p.add_argument("--columns", default=None, metavar="FIELD=COLUMN[,...]",
+                   help="other column names of the data (as finetune --columns)")
     p.add_argument("--split", default=None, choices=("train", "valid", "test"),
                    help="split of a dataset folder (default: test, else valid, else train; a file is one split)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -568,12 +590,13 @@ def _register_merge(sub):
 # ---- memory -----------------------------------------------------------------------------------------------
 
 def cmd_memory(args) -> int:
+    from . import hub
     from .config import LoraConfig, ModelConfig
     from .memory import activation_plan, estimate_memory, format_bytes, weight_shapes
     from .reference.quant import check_dtypes
     from .train import default_model_dir
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
     cfg = ModelConfig.from_folder(model_dir)
     if args.batch_size < 1 or args.max_seq_len < 1:
         raise ConfigError("--batch-size and --max-seq-len must be at least 1")

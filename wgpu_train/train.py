@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, hub
 from .checkpoint import find_checkpoint, list_checkpoints
 from .config import LoraConfig, ModelConfig, OptimizerParams
 from .errors import ConfigError
@@ -39,10 +39,16 @@ def _opt(default, help_text: str, **extra):
 class TrainConfig:
     """Everything one fine-tuning run needs; each field is also a `wgpu-train finetune --option`."""
 
-    model: str | None = _opt(None, "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
-                                   "default: the embedded model")
-    data: str | None = _opt(None, "JSONL file, or a folder with train.jsonl and optional valid.jsonl and "
-                                  "test.jsonl; default: the embedded dataset")
+    model: str | None = _opt(None, "Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or hub "
+                                   "id org/name[@revision] (from the hub cache, else downloaded); default: the "
+                                   "embedded model")
+    data: str | None = _opt(None, "data file (JSONL, JSON array, Parquet), folder with a train split and optional "
+                                  "validation and test splits (ours or the hub's data/ layout), hub dataset id, "
+                                  "or a glob; repeat the option (or separate with commas) to mix several; "
+                                  "default: the embedded dataset")
+    columns: str | None = _opt(None, "other column names of the data, FIELD=COLUMN[,...] (fields: messages, "
+                                     "prompt, completion, instruction, input, output, response, context, system, "
+                                     "text), e.g. prompt=question,completion=answer")
     out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
                                  f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
     backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
@@ -86,7 +92,7 @@ class TrainConfig:
     valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when there is no valid.jsonl")
     no_chat_template: bool = _opt(False, "train on raw prompt + response text instead of the chat template")
     train_on_last_turn: bool = _opt(False, "in multi-turn chats, train only the last assistant turn")
-    skip_invalid: bool = _opt(False, "skip invalid JSONL lines (and report how many) instead of stopping")
+    skip_invalid: bool = _opt(False, "skip invalid records (and report how many) instead of stopping")
     eval_every: int = _opt(0, "validation loss every N steps (0: only at each epoch's end); always at the end")
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
     keep_checkpoints: int = _opt(3, "keep only the newest K checkpoints (0: keep all)")
@@ -377,7 +383,8 @@ class Trainer:
                       if not config.resume and list_checkpoints(self.out / "checkpoints") else "")
             raise ConfigError(f"the output folder {self.out} already holds a run ({', '.join(found)}); pass "
                               f"--overwrite to replace it{resume}, or choose another --out")
-        if config.early_stop_patience and config.valid_split == 0 and config.data and Path(config.data).is_file():
+        if (config.early_stop_patience and config.valid_split == 0 and config.data and Path(config.data).is_file()
+                and Path(config.data).suffix != ".json"):
             # a single file has no validation file beside it (a folder's is looked for as the data is read)
             raise ConfigError("early_stop_patience needs validation data (valid.jsonl or valid_split > 0)")
         self._log_fn = log
@@ -430,8 +437,8 @@ class Trainer:
         from .model import load_model
 
         cfg = self.config
-        self.model_dir = Path(cfg.model) if cfg.model else default_model_dir()
-        self.data_path = Path(cfg.data) if cfg.data else default_data_dir()
+        self.model_dir = hub.resolve(cfg.model, "model") if cfg.model else default_model_dir()
+        self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
         self._read_data(model_cfg)
@@ -515,7 +522,7 @@ class Trainer:
 
         cfg = self.config
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.splits = s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid)
+        self.splits = s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         if self.max_seq_len < cfg.max_seq_len:
             self.log(f"max_seq_len: using the model's {self.max_seq_len} positions ({cfg.max_seq_len} asked)")
