@@ -11,7 +11,8 @@ import sys
 import typing
 from pathlib import Path
 
-from .errors import AdapterError, ConfigError
+from .errors import ConfigError
+from .hf import adapter_folder
 
 BACKENDS = ("auto", "wgpu", "numpy")
 
@@ -301,22 +302,6 @@ def choose_settings(given: dict, adapter_path) -> dict:
         print(f"settings of the run that trained the adapter (options given here win): {', '.join(taken)}",
               file=sys.stderr)
     return chosen
-
-
-def adapter_folder(adapter_path) -> Path | None:
-    """The adapter folder of --adapter-path (a checkpoint folder gives its adapter/), checked to be one."""
-    from . import hub
-
-    if adapter_path is None:
-        return None
-    adapter = hub.resolve(adapter_path, "adapter")
-    if not adapter.is_dir():
-        raise AdapterError(f"adapter folder not found: {adapter}")
-    if not (adapter / "adapter_config.json").is_file() and (adapter / "config.json").is_file():
-        raise AdapterError(f"{adapter} is a model folder, not an adapter: pass it as --model")
-    if not (adapter / "adapter_config.json").is_file() and (adapter / "adapter" / "adapter_config.json").is_file():
-        return adapter / "adapter"                      # a checkpoint folder: its adapter
-    return adapter
 
 
 def model_folder(model_arg, adapter: Path | None) -> Path:

@@ -293,6 +293,22 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json") -
     return tuple(chosen)
 
 
+def adapter_folder(adapter_path) -> Path | None:
+    """The adapter folder of --adapter-path (a checkpoint folder gives its adapter/), checked to be one."""
+    from . import hub
+
+    if adapter_path is None:
+        return None
+    adapter = hub.resolve(adapter_path, "adapter")
+    if not adapter.is_dir():
+        raise AdapterError(f"adapter folder not found: {adapter}")
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "config.json").is_file():
+        raise AdapterError(f"{adapter} is a model folder, not an adapter: pass it as --model")
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "adapter" / "adapter_config.json").is_file():
+        return adapter / "adapter"                      # a checkpoint folder: its adapter
+    return adapter
+
+
 def read_adapter(folder, num_hidden_layers: int | None = None):
     """(LoraConfig, tensors by PEFT key) from a PEFT adapter folder; refuses what this library cannot apply.
 

@@ -1,6 +1,7 @@
 """Model: the backend-agnostic facade users hold (load, logits, loss and gradients, LoRA, adapters, merge)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -176,8 +177,9 @@ class Model:
         write_adapter(directory, self.lora_config, self.lora_state_dict(),
                       base_model=str(self.path) if self.path else "")
 
-    def load_adapter(self, directory):
-        """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed."""
+    def load_adapter(self, directory, dropout: float | None = None, seed: int = 0):
+        """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed. To train
+        it further: `dropout` replaces the adapter's lora_dropout, `seed` seeds the dropout masks."""
         config, tensors = read_adapter(directory, self.config.num_hidden_layers)
         expected = {}
         for i in range(self.config.num_hidden_layers):
@@ -200,7 +202,9 @@ class Model:
             for m in config.target_modules:
                 path = module_path(i, m)
                 modules[path] = (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")])
-        self._set_lora(config, modules)
+        if dropout is not None:
+            config = dataclasses.replace(config, dropout=float(dropout))
+        self._set_lora(config, modules, seed)
 
     def merged_weights(self) -> dict:
         """Base weights with every LoRA delta folded in: W + scale * B @ A (float32)."""

@@ -68,6 +68,10 @@ class TrainConfig:
     lora_targets: str = _opt("q_proj,v_proj", "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
                                               "gate_proj, up_proj, down_proj), or all-linear")
     rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
+    adapter_path: str | None = _opt(None, "start from this PEFT LoRA adapter (folder or hub id) instead of a fresh "
+                                          "one: its weights, rank, alpha, targets and rsLoRA (LoRA options left at "
+                                          "their defaults take the adapter's, others must agree); the optimizer "
+                                          "starts fresh: not a resume")
     epochs: int = _opt(3, "passes over the training set (ignored when --max-steps is given)")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
     batch_size: int = _opt(4, "samples (rows) per micro-batch")
@@ -146,6 +150,26 @@ class TrainConfig:
              f"(got {', '.join(self.storage_dtypes())})")
         if self.method == "lora":
             self.lora_config()  # validates rank, dropout and targets
+        need(not (self.adapter_path and self.resume),
+             "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
+        need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
+
+    def continued_lora(self, adapter: LoraConfig) -> LoraConfig:
+        """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets
+        and rsLoRA where these options keep their defaults, refused (one line) where they say otherwise; the
+        dropout is this run's when given, else the adapter's."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        mine = self.lora_config()
+        pairs = (("lora_rank", "r", mine.r, adapter.r), ("lora_alpha", "lora_alpha", mine.alpha, adapter.alpha),
+                 ("lora_targets", "target_modules", mine.target_modules, adapter.target_modules),
+                 ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora))
+        for name, key, given, theirs in pairs:
+            if getattr(self, name) != defaults[name] and given != theirs:
+                shown = ",".join(theirs) if isinstance(theirs, tuple) else theirs
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} contradicts the adapter's "
+                                  f"{key}={shown} ({self.adapter_path}); leave it out to continue with the adapter's")
+        dropout = mine.dropout if self.lora_dropout != defaults["lora_dropout"] else adapter.dropout
+        return dataclasses.replace(adapter, dropout=dropout)
 
     def output_dir(self) -> Path:
         """The output folder: `out`, else the folder of the run that `resume` continues (see run_folder), else
@@ -322,7 +346,8 @@ def run_folder(resume) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
-INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress")   # say how a run is started, not what it is
+# say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
+INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path")
 
 
 def run_settings(resume) -> dict:
@@ -390,6 +415,7 @@ class Trainer:
         self._log_fn = log
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
+        self.continued_from = None               # the adapter folder a run started from (adapter_path)
         self.train_examples: list = []
         self.valid_examples: list = []
         self.step = 0
@@ -441,6 +467,15 @@ class Trainer:
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
+        lora = cfg.lora_config() if cfg.method == "lora" else None
+        if lora and cfg.adapter_path:   # before anything is read: options that contradict it are refused
+            from .hf import adapter_folder, read_adapter
+
+            self.continued_from = adapter_folder(cfg.adapter_path)
+            lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg.num_hidden_layers)[0])
+            self.config = cfg = dataclasses.replace(     # recorded as trained: a resume rebuilds this adapter
+                cfg, lora_rank=lora.r, lora_alpha=float(lora.alpha), lora_targets=",".join(lora.target_modules),
+                rslora=lora.use_rslora, lora_dropout=lora.dropout)
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
@@ -466,8 +501,10 @@ class Trainer:
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
-        lora = cfg.lora_config() if cfg.method == "lora" else None
-        if lora:
+        if self.continued_from:
+            self.model.load_adapter(self.continued_from, dropout=lora.dropout, seed=cfg.seed)
+            self.log(f"adapter: continuing {self.continued_from} (fresh optimizer state)")
+        elif lora:
             self.model.add_lora(lora, seed=cfg.seed)
         else:
             self.model.set_full_finetune()
@@ -934,6 +971,7 @@ class Trainer:
             "skipped_lines": self.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
             "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "continued_from": str(self.continued_from) if self.continued_from else None,
         }
 
     def _discard(self):
