@@ -320,6 +320,18 @@ def test_n_steps_then_resume_n_more(workspace, tmp_path):
     assert len([r for r in rows(tmp_path / "half") if "split" not in r]) == 6   # metrics appended
 
 
+def test_resume_keeps_one_metrics_row_per_step(workspace, tmp_path):
+    """Rows written after the checkpoint a run resumes from (and a torn line of a killed run) are dropped."""
+    out = tmp_path / "run"
+    kw = dict(lr_schedule="constant", log_every=1, keep_checkpoints=0)
+    finetune(config(workspace, out, max_steps=6, save_every=2, **kw))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "split"')
+    finetune(config(workspace, out, max_steps=6, resume=str(out / "checkpoints" / "step-000004"), **kw))
+    steps = [r["step"] for r in rows(out) if "split" not in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_full_finetune_and_resume(workspace, tmp_path):
     kw = dict(method="full", max_steps=2, lr=1e-3, valid_split=0.0)
     a = finetune(config(workspace, tmp_path / "a", save_every=1, **kw))
@@ -618,6 +630,7 @@ def test_failed_rewrite_keeps_the_earlier_checkpoint(workspace, tmp_path, monkey
 
 
 def test_ctrl_c_saves_a_checkpoint_and_stops(workspace, tmp_path):
+    outside = signal.getsignal(signal.SIGINT)
     lines = []
     out = tmp_path / "my out"
     trainer = Trainer(config(workspace, out, max_steps=10, batch_size=2, eval_every=2), log=lines.append).setup()
@@ -641,7 +654,7 @@ def test_ctrl_c_saves_a_checkpoint_and_stops(workspace, tmp_path):
     # the last evaluation (step 2) is not of the adapter written at step 3
     assert summary["valid_loss_after"] is None and summary["valid_perplexity_after"] is None
     assert (out / "adapter_model.safetensors").is_file()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+    assert signal.getsignal(signal.SIGINT) is outside   # restored
     resumed = finetune(config(workspace, out, max_steps=10, batch_size=2, resume=str(out)))
     assert resumed["steps"] == 10 and not resumed["interrupted"]
 
@@ -653,6 +666,7 @@ def test_ctrl_c_before_the_first_step_leaves_the_folder_as_it_was(workspace, tmp
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
     before = folder_state(tmp_path)
+    outside = signal.getsignal(signal.SIGINT)
     for out in (tmp_path / "out", tmp_path / "new"):
         lines = []
         trainer = Trainer(config(workspace, out, max_steps=2, eval_generate=True), log=lines.append).setup()
@@ -676,10 +690,20 @@ def test_ctrl_c_before_the_first_step_leaves_the_folder_as_it_was(workspace, tmp
             assert lines[-1] == "interrupted before the first step: nothing trained"
         assert "interrupted: stopping before the first step (Ctrl-C again to abort)" in lines
         assert not any("finishing this step" in line for line in lines)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is outside
         assert folder_state(tmp_path) == before
     for out in (tmp_path / "out", tmp_path / "new"):
         assert finetune(config(workspace, out, max_steps=1))["steps"] == 1
+
+
+def test_ignored_sigint_stays_ignored(workspace, tmp_path):
+    """Started with SIGINT ignored (a background job, nohup), the trainer leaves it so, and finds it so after."""
+    outside = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert finetune(config(workspace, tmp_path / "run", max_steps=1))["steps"] == 1
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outside)
 
 
 def test_nonfinite_step_is_reported(workspace, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import shlex
 import shutil
@@ -721,8 +722,10 @@ class Trainer:
             self.setup()
         t_start = time.perf_counter()
         self._start_step = self.step
-        previous = self._install_sigint()
+        installed, previous = self._install_sigint()
         try:
+            if self.resumed_from:
+                keep_metrics_until(self.out / "metrics.jsonl", self.step)
             self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
             if not self.resumed_from:
                 self._evaluate_before()
@@ -733,8 +736,8 @@ class Trainer:
                 self._discard()
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            if installed:       # whatever was there before, also a handler set outside Python (None)
+                signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
             if self._metrics is not None:
                 self._metrics.close()
 
@@ -742,9 +745,13 @@ class Trainer:
         """setup() then train()."""
         return self.setup().train()
 
-    def _install_sigint(self):
+    def _install_sigint(self) -> tuple[bool, object]:
+        """(installed, the handler before): the Ctrl-C handler, unless this is not the main thread or SIGINT is
+        ignored (a background job, nohup): then Ctrl-C keeps meaning what it meant."""
         if threading.current_thread() is not threading.main_thread():
-            return None
+            return False, None
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return False, signal.SIG_IGN
 
         def handler(signum, frame):
             if self._stop_requested:
@@ -758,7 +765,7 @@ class Trainer:
                 then = "stopping, then saving a checkpoint"
             self.log(f"interrupted: {then} (Ctrl-C again to abort)")
 
-        return signal.signal(signal.SIGINT, handler)
+        return True, signal.signal(signal.SIGINT, handler)
 
     def _write_row(self, row: dict):
         self._metrics.write(json.dumps(row) + "\n")
@@ -986,6 +993,24 @@ class Trainer:
                 self.out.rmdir()
             except OSError:
                 pass
+
+
+def keep_metrics_until(path: Path, step: int):
+    """Drop the rows of metrics.jsonl after `step` (written after the checkpoint a run resumes from, before it
+    was stopped) and a torn last line, so that each step appears once; replaced atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def plot_losses(metrics_path, png_path) -> bool:
