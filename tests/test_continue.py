@@ -70,6 +70,14 @@ def test_contradictions_are_refused(first, tmp_path, capsys, extra, match):
     assert not (tmp_path / "x").exists()
 
 
+def test_the_adapters_base_model_without_model(first, tmp_path):
+    start, model, data = first
+    out = tmp_path / "nomodel"
+    assert main(["finetune", "--data", str(data), "--adapter-path", str(start), "--out", str(out), "--max-steps", "1",
+                 "--backend", "numpy", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["model"] == str(model)
+
+
 def test_resume_beside_adapter_path_is_refused(first, tmp_path, capsys):
     start, model, data = first
     code = main(["finetune", "--adapter-path", str(start), "--resume", str(start), "--backend", "numpy"])

@@ -178,6 +178,9 @@ def test_finetune_and_eval_by_hub_ids(tmp_path, offline_cache, capsys):
     assert code == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"].endswith("snapshots/" + "0" * 40) and summary["data_format"] == "completions"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/tiny-llama"
+    assert main(["generate", "--adapter-path", str(out), "--prompt", "after red 1?", "--max-new-tokens", "3",
+                 "--backend", "numpy"]) == 0     # the base model found from the adapter's hub id, offline
     assert main(["eval", "--model", "org/tiny-llama", "--adapter-path", str(out), "--data", "org/toy",
                  "--columns", "prompt=q,completion=a", "--split", "train", "--backend", "numpy", "--json"]) == 0
     printed = capsys.readouterr().out

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from .errors import ConfigError
-from .hf import adapter_folder
+from .hf import adapter_base_model, adapter_folder
 
 BACKENDS = ("auto", "wgpu", "numpy")
 
@@ -216,22 +216,6 @@ def _register_finetune(sub):
 
 # ---- loading a model with an optional adapter -----------------------------------------------------------
 
-def _adapter_base(adapter_path) -> Path | None:
-    """The adapter's base_model_name_or_path when it is a model folder on this machine or a hub id (from the
-    cache, else downloaded)."""
-    from . import hub
-
-    try:
-        raw = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
-        name = str(raw.get("base_model_name_or_path") or "")
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    if hub.is_hub_id(name):
-        return hub.resolve(name, "model")
-    base = Path(name)
-    return base if name not in ("", ".") and (base / "config.json").is_file() else None
-
-
 # What generate / eval use for a setting that neither the command line nor the adapter's run decides.
 FALLBACKS = {"base_dtype": "float32", "embed_dtype": "auto", "no_chat_template": False, "train_on_last_turn": False,
              "max_seq_len": 512}
@@ -310,7 +294,7 @@ def model_folder(model_arg, adapter: Path | None) -> Path:
     from . import hub
     from .train import default_model_dir
 
-    return hub.resolve(model_arg, "model") if model_arg else (adapter and _adapter_base(adapter)) or default_model_dir()
+    return hub.resolve(model_arg, "model") if model_arg else (adapter and adapter_base_model(adapter)) or default_model_dir()
 
 
 def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,

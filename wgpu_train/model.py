@@ -48,6 +48,8 @@ class Model:
         self.config = config
         self.engine = engine
         self.path = Path(path) if path is not None else None
+        # what a saved adapter names as its base (base_model_name_or_path): the folder, or the hub id it came from
+        self.name_or_path = str(self.path) if self.path else ""
         self.lora_config: LoraConfig | None = None
         self.method = "lora"
 
@@ -175,7 +177,7 @@ class Model:
         if self.lora_config is None:
             raise AdapterError("the model has no LoRA adapter to save (call add_lora first)")
         write_adapter(directory, self.lora_config, self.lora_state_dict(),
-                      base_model=str(self.path) if self.path else "")
+                      base_model=self.name_or_path)
 
     def load_adapter(self, directory, dropout: float | None = None, seed: int = 0):
         """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed. To train

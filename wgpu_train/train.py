@@ -464,7 +464,8 @@ class Trainer:
         from .model import load_model
 
         cfg = self.config
-        self.model_dir = hub.resolve(cfg.model, "model") if cfg.model else default_model_dir()
+        self.model_dir = (hub.resolve(cfg.model, "model") if cfg.model else
+                          self._continued_base() or default_model_dir())
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
@@ -502,6 +503,8 @@ class Trainer:
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
+        if hub.is_hub_id(cfg.model):     # adapters name the hub id as their base, as PEFT writes them
+            self.model.name_or_path = cfg.model
         if self.continued_from:
             self.model.load_adapter(self.continued_from, dropout=lora.dropout, seed=cfg.seed)
             self.log(f"adapter: continuing {self.continued_from} (fresh optimizer state)")
@@ -553,6 +556,12 @@ class Trainer:
         est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
                               cfg.gradient_checkpointing, max_binding)
         return {**est, "batch": rows, "length": length}
+
+    def _continued_base(self) -> Path | None:
+        """Without --model, the base model of the adapter a run continues (its base_model_name_or_path)."""
+        from .hf import adapter_base_model, adapter_folder
+
+        return adapter_base_model(adapter_folder(self.config.adapter_path)) if self.config.adapter_path else None
 
     def _read_data(self, model_cfg: ModelConfig):
         from .data import resolve_data, tokenize_dataset
