@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, hub
+from . import checkpoint, hub, tracking
 from .checkpoint import find_checkpoint, list_checkpoints
 from .config import LoraConfig, ModelConfig, OptimizerParams
 from .errors import ConfigError
@@ -116,6 +116,8 @@ class TrainConfig:
     log_every: int = _opt(10, "one metrics.jsonl row (and log line) every N steps")
     profile_interval: int = _opt(0, "every N steps, GPU time per op group (timestamp queries) as a table and a "
                                     "metrics.jsonl row (0: off)")
+    report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
+                                  "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -154,6 +156,7 @@ class TrainConfig:
         need(not (self.adapter_path and self.resume),
              "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
         need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
+        tracking.parse_report_to(self.report_to)
 
     def continued_lora(self, adapter: LoraConfig) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets
@@ -435,6 +438,7 @@ class Trainer:
         self._stepping = False
         self._stop_requested = False
         self._metrics = None
+        self._trackers = None
 
     def _check_resume(self) -> tuple[Path, dict]:
         """The checkpoint that config.resume names and its state, refused unless it fits the config."""
@@ -464,6 +468,7 @@ class Trainer:
         from .model import load_model
 
         cfg = self.config
+        tracking.require(tracking.parse_report_to(cfg.report_to))
         self.model_dir = (hub.resolve(cfg.model, "model") if cfg.model else
                           self._continued_base() or default_model_dir())
         self.data_path = cfg.data if cfg.data else default_data_dir()
@@ -736,6 +741,8 @@ class Trainer:
             if self.resumed_from:
                 keep_metrics_until(self.out / "metrics.jsonl", self.step)
             self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
+            self._trackers = tracking.Trackers(tracking.parse_report_to(self.config.report_to), self.out,
+                                               self.config.to_dict())
             if not self.resumed_from:
                 self._evaluate_before()
             stopped, last_eval, last_eval_step, run = self._loop()
@@ -749,6 +756,8 @@ class Trainer:
                 signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
             if self._metrics is not None:
                 self._metrics.close()
+            if self._trackers is not None:
+                self._trackers.close()
 
     def run(self) -> dict:
         """setup() then train()."""
@@ -779,6 +788,7 @@ class Trainer:
     def _write_row(self, row: dict):
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        self._trackers.log(row)
 
     def _valid_row(self, result: dict):
         self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
