@@ -530,15 +530,26 @@ def cmd_merge(args) -> int:
     if found and not args.overwrite:
         raise ConfigError(f"--out {out} already holds {', '.join(found)}; pass --overwrite to replace the model "
                           f"files in it, or choose another --out")
+    gguf_file = Path(args.gguf) if args.gguf else None
+    if gguf_file is not None:               # everything a GGUF needs is checked before anything is written
+        from . import gguf_export
+        from .config import ModelConfig
+
+        if gguf_file.exists() and not args.overwrite:
+            raise ConfigError(f"--gguf {gguf_file} exists; pass --overwrite to replace it, or choose another file")
+        gguf_export.check(ModelConfig.from_folder(model_dir), args.gguf_type)
+        gguf_export.tokenizer_fields(model_dir)
     model, _ = load_model_and_tokenizer(model_dir, adapter, backend="numpy", tokenizer=False,
                                         base_dtype="float32", embed_dtype="float32")
     try:
         if found:
             _remove_model_files(out)
         model.merge_and_save(out)
+        if gguf_file is not None:
+            gguf_export.write_gguf(gguf_file, model.config, model.merged_weights(), out, args.gguf_type)
     except OSError as e:
         raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
-    print(f"wrote the merged model to {out}")
+    print(f"wrote the merged model to {out}" + (f" and {gguf_file} ({args.gguf_type})" if gguf_file else ""))
     return 0
 
 
@@ -553,6 +564,11 @@ def _register_merge(sub):
                    help="write into an --out that holds a model, an adapter or a run: its model weights (shards "
                         "and index included), config.json, adapter and tokenizer files are removed first, so that "
                         "the model in it is exactly the merged one; other files stay")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="also write the merged model as one GGUF file for llama.cpp / Ollama (Llama, Mistral, Qwen2, "
+                        "Qwen3; byte-level BPE tokenizers), tokenizer and chat template included")
+    p.add_argument("--gguf-type", default="f16", choices=("f32", "f16", "q8_0"),
+                   help="storage of the GGUF's matrices (default: f16; norms and biases stay f32)")
     p.set_defaults(func=cmd_merge)
 
 

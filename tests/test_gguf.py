@@ -1,0 +1,98 @@
+"""merge --gguf: the gguf package reads the file back with the merged weights (q8_0 within its quantisation
+error), and transformers' GGUF loader gives the merged folder's logits (f32 / f16), for Llama, Mistral, Qwen2
+and Qwen3; what is not exported is one line before anything is written."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from finetune_helpers import build_tokenizer, folder_state
+from tiny_models import build_model, save_model
+from wgpu_train.cli import main
+from wgpu_train.config import LINEAR_MODULES, LoraConfig, ModelConfig
+from wgpu_train.gguf_export import rotary_rows
+from wgpu_train.hf import module_path, peft_key, read_safetensors, write_adapter
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+
+# 64 wide, so that most rows split into q8_0 blocks of 32 (the others are kept in f16); Llama without llama3
+# rope scaling; Mistral with tiny_models' head dim of 10 (written as attention.key_length). Qwen3's head dim
+# is 128, as in every Qwen3 model: transformers' GGUF loader reads no head dim for qwen3 and takes
+# Qwen3Config's default of 128 (llama.cpp reads attention.key_length).
+OVERRIDES = {"llama": dict(rope_scaling=None), "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=128)}
+SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model_and_adapter(root, arch):
+    folder = root / arch
+    vocab = build_tokenizer(folder)
+    save_model(build_model(arch, seed=3, vocab_size=vocab, **SIZES, **OVERRIDES[arch]), folder)
+    cfg = ModelConfig.from_folder(folder)
+    lora = LoraConfig(r=2, alpha=4, target_modules=LINEAR_MODULES)
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for m in LINEAR_MODULES:
+            out_f, in_f = cfg.linear_shape(m)
+            path = module_path(i, m)
+            tensors[peft_key(path, "A")] = (0.3 * rng.standard_normal((2, in_f))).astype(np.float32)
+            tensors[peft_key(path, "B")] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+    write_adapter(root / f"{arch}-adapter", lora, tensors, base_model=str(folder))
+    return folder, root / f"{arch}-adapter", cfg
+
+
+@pytest.mark.parametrize("arch", list(OVERRIDES))
+def test_gguf_round_trip(tmp_path, arch):
+    import transformers as tf
+
+    folder, adapter, cfg = _model_and_adapter(tmp_path, arch)
+    merged = tmp_path / "merged"
+    ids = torch.tensor([[1, 5, 9, 2, 7, 11, 3]])
+    for dtype in ("f32", "f16", "q8_0"):
+        out = tmp_path / f"{arch}-{dtype}.gguf"
+        assert main(["merge", "--adapter-path", str(adapter), "--out", str(merged), "--overwrite", "--gguf", str(out),
+                     "--gguf-type", dtype]) == 0
+        want = read_safetensors(merged / "model.safetensors")
+        reader = gguf.GGUFReader(str(out))
+        got = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+               for t in reader.tensors}
+        names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, {"mistral": "llama"}.get(arch, arch).upper()),
+                                         cfg.num_hidden_layers)
+        for name, w in want.items():
+            w = w.astype(np.float32)
+            q8 = dtype == "q8_0" and w.shape[-1] % 32 == 0
+            tol = {"f32": 0, "f16": 1e-3, "q8_0": 1e-2 if q8 else 1e-3}[dtype]
+            if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = rotary_rows(w, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+            g = got[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+            scale = tol * max(1.0, float(np.abs(w).max())) if w.ndim > 1 else 0
+            assert g.shape == w.shape and np.max(np.abs(g - w)) <= scale, (name, dtype)
+        fields = {f.name for f in reader.fields.values()}
+        assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template"} <= fields or \
+            {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= fields
+        if dtype != "q8_0":
+            hf = tf.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+            from_gguf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
+                                                                dtype=torch.float32).eval()
+            with torch.no_grad():
+                a, b = hf(ids).logits, from_gguf(ids).logits
+            assert torch.allclose(a, b, atol=1e-4 if dtype == "f32" else 3e-2), (dtype, (a - b).abs().max())
+
+
+def test_gguf_refusals_write_nothing(tmp_path, capsys):
+    folder, adapter, _ = _model_and_adapter(tmp_path, "llama")
+    scaled = tmp_path / "scaled"
+    vocab = build_tokenizer(scaled)
+    save_model(build_model("llama", vocab_size=vocab), scaled)              # llama3 rope scaling
+    before = folder_state(tmp_path)
+    capsys.readouterr()
+    (tmp_path / "taken.gguf").write_bytes(b"mine")
+    before = folder_state(tmp_path)
+    for argv, match in ((["--model", str(scaled)], "rope_scaling llama3 is not exported"),
+                        (["--gguf", str(tmp_path / "taken.gguf")], "taken.gguf exists; pass --overwrite")):
+        code = main(["merge", "--adapter-path", str(adapter), "--out", str(tmp_path / "m"), "--gguf",
+                     str(tmp_path / "x.gguf"), *argv])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and len(err) == 1 and match in err[0], err
+    assert folder_state(tmp_path) == before

@@ -1,0 +1,154 @@
+"""A (merged) model as one GGUF file for llama.cpp and Ollama, written with the `gguf` package (the llama.cpp
+project's own Python writer): llama.cpp's tensor names and layout (q / k rows of Llama and Mistral in its
+rotary order), the model's hyper-parameters, its byte-level BPE tokenizer and chat template; weights in f32,
+f16 or q8_0 (1-D tensors stay f32, and q8_0 keeps rows that are no whole number of blocks in f16, as
+llama.cpp's converter does)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ConfigError
+
+TYPES = ("f32", "f16", "q8_0")
+# Hugging Face architecture -> llama.cpp's (Mistral runs as llama there)
+ARCHES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3"}
+_TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3           # gguf.TokenType values
+Q8_BLOCK = 32                                  # values per q8_0 block (along a row)
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("--gguf needs the gguf package: pip install 'wgpu-train[gguf]'") from None
+    return gguf
+
+
+def rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """q / k projection rows from Hugging Face's rotary order (each head's first half, then its second) to
+    llama.cpp's (the two halves interleaved), as its converter writes llama-arch models. w (n_head * D, in)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def check(config: ModelConfig, dtype: str):
+    """One line (ConfigError) for what this writer does not export."""
+    if config.architecture not in ARCHES:
+        raise ConfigError(f"--gguf: architecture {config.architecture} is not exported (only "
+                          f"{', '.join(sorted(ARCHES))})")
+    if dtype not in TYPES:
+        raise ConfigError(f"--gguf-type {dtype!r}: choose from {', '.join(TYPES)}")
+    if config.rope_scaling:
+        raise ConfigError(f"--gguf: rope_scaling {config.rope_scaling.get('rope_type', config.rope_scaling)} is "
+                          "not exported")
+
+
+def tokenizer_fields(folder) -> dict:
+    """tokens, token types, merges and special ids of a byte-level BPE tokenizer.json, the chat template."""
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--gguf: cannot read {folder / 'tokenizer.json'} ({e})") from None
+    model = raw.get("model") or {}
+    if model.get("type") != "BPE" or not any(
+            (p or {}).get("type") == "ByteLevel" for p in [raw.get("pre_tokenizer") or {}]
+            + list((raw.get("pre_tokenizer") or {}).get("pretokenizers") or [])):
+        raise ConfigError("--gguf: only byte-level BPE tokenizers (GPT-2 style: Llama 3, Qwen, SmolLM) are "
+                          f"exported; this one is {model.get('type')}")
+    vocab = dict(model["vocab"])
+    added = {t["content"]: (t["id"], t.get("special", False)) for t in raw.get("added_tokens", [])}
+    size = max([*vocab.values(), *(i for i, _ in added.values())]) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [_TOKEN_NORMAL] * size
+    for text, i in vocab.items():
+        tokens[i] = text
+    for text, (i, special) in added.items():
+        tokens[i] = text
+        types[i] = _TOKEN_CONTROL if special else _TOKEN_NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    cfg = {}
+    if (folder / "tokenizer_config.json").is_file():
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = cfg.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    by_text = {t: i for i, t in enumerate(tokens)}
+
+    def token_id(key):
+        value = cfg.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return by_text.get(value) if isinstance(value, str) else None
+
+    return {"tokens": tokens, "types": types, "merges": merges, "template": template,
+            "eos": token_id("eos_token"), "bos": token_id("bos_token"), "pad": token_id("pad_token")}
+
+
+def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype: str = "f16",
+               name: str = "") -> Path:
+    """Write `weights` (Hugging Face names -> float32 arrays, e.g. Model.merged_weights()) of `config` with the
+    tokenizer in `tokenizer_folder` as a GGUF file at `path`; returns the path."""
+    gguf = _gguf()
+    check(config, dtype)
+    arch = ARCHES[config.architecture]
+    tok = tokenizer_fields(tokenizer_folder)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name or path.stem)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    for key, adder in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                       ("pad", writer.add_pad_token_id)):
+        if tok[key] is not None:
+            adder(tok[key])
+    if tok["template"]:
+        writer.add_chat_template(tok["template"])
+
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
+    tensors = dict(weights)
+    if "lm_head.weight" not in tensors:            # tied: llama.cpp and transformers' loader both read output.weight
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    for hf_name, value in tensors.items():
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ConfigError(f"--gguf: no llama.cpp name for tensor {hf_name}")
+        w = np.asarray(value, dtype=np.float32)
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            w = rotary_rows(w, config.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            w = rotary_rows(w, config.num_key_value_heads)
+        if w.ndim == 1 or dtype == "f32":
+            writer.add_tensor(gname, w)
+        elif dtype == "f16" or w.shape[-1] % Q8_BLOCK:   # rows that do not split into q8_0 blocks: f16, as
+            writer.add_tensor(gname, w.astype(np.float16))  # llama.cpp's converter does
+        else:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
