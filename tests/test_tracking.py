@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import uuid
 
 import pytest
 
@@ -91,13 +92,15 @@ def test_trackio_local(workspace, tmp_path, monkeypatch):
 
     from trackio.utils import TRACKIO_DIR
 
-    project = f"wgpu-train-test-{tmp_path.name}"
+    project = f"wgpu-train-test-{uuid.uuid4().hex[:12]}"      # trackio keeps its store in the user's cache
     monkeypatch.setenv("TRACKIO_PROJECT", project)
     out = tmp_path / "run"
     assert _run(workspace, out, "--report-to", "trackio") == 0
     db = sqlite3.connect(TRACKIO_DIR / f"{project}.db")
     steps = sorted(step for (step,) in db.execute("select step from metrics"))
     db.close()
+    for leftover in TRACKIO_DIR.glob(f"{project}.*"):
+        leftover.unlink()
     assert steps == [0, 1, 2, 2, 3, 3]      # valid before, train 1..3, valid at 2 and 3
 
 
