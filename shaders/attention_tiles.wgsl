@@ -27,13 +27,6 @@
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
 // 4 for the vec4 bindings); f0 = softmax scale.
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
-
 // @flash-config begin
 const D4: u32 = 16u;    // head dim / 4
 const TQ: u32 = 32u;    // block rows per workgroup
@@ -47,9 +40,6 @@ const NI4: u32 = NI / 4u;
 const QG: u32 = NI / DG;      // row groups of the product phase
 const TO: u32 = TQ / QG;      // block rows per invocation in the product phase
 const G4: u32 = D4 / DG;      // vec4 columns per invocation in the product phase
-const NONE: i32 = 2147483647;
-
-@group(0) @binding(0) var<uniform> p: Params;
 
 // P (forward, dk / dv) or dS (dq): [buffer][block row][tile row / 4]. The backward passes alternate two
 // buffers, so one barrier per tile suffices; the forward's second barrier makes the first buffer enough.
@@ -57,21 +47,6 @@ var<workgroup> tile_p: array<vec4<f32>, TQ * NK * BUFFERS>;
 var<workgroup> row_a: array<vec4<f32>, TQ * NI4>;   // per block row, one entry per invocation: maxima, sums
 var<workgroup> row_b: array<f32, TQ * 2u>;          // per block row: rescale and 1 / l (forward)
 var<workgroup> range_: vec2<u32>;                   // the first tile and the end of the tiles the block needs
-
-// The first key query i may see under the sliding window (0 without one).
-fn window_start(i: u32) -> u32 {
-    return select(0u, i + 1u - p.s4, p.s4 > 0u && i + 1u > p.s4);
-}
-
-// One past the last query that may see key j under the sliding window (t without one).
-fn window_end(j: u32, t: u32) -> u32 {
-    return select(t, min(t, j + p.s4), p.s4 > 0u);
-}
-
-// Query i sees key j (si, sj: their segment ids).
-fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool {
-    return j <= i && (p.s4 == 0u || i - j < p.s4) && sj == si && (si != 0 || j == i);
-}
 
 // Query i against keys j (4 of them, segment ids sj) of which those below `end` exist.
 fn sees4(i: u32, j: vec4<u32>, si: i32, sj: vec4<i32>, end: u32) -> vec4<bool> {
@@ -85,32 +60,11 @@ fn seen4(i: vec4<u32>, j: u32, si: vec4<i32>, sj: i32, end: u32) -> vec4<bool> {
                       i.z < end && sees(i.z, j, si.z, sj), i.w < end && sees(i.w, j, si.w, sj));
 }
 
-fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }
-
 fn hmax(a: vec4<f32>) -> f32 { return max(max(a.x, a.y), max(a.z, a.w)); }
 
 // acc + sum_i a[i] * m[i] (m's columns).
 fn rank4(acc: vec4<f32>, a: vec4<f32>, m: mat4x4<f32>) -> vec4<f32> {
     return acc + a.x * m[0] + a.y * m[1] + a.z * m[2] + a.w * m[3];
-}
-
-// (min, max) of the nonzero segment ids at positions [a, e) of batch row b, and 1 in z when one is 0
-// (padding). Every invocation reads the same ids: one address per load for the workgroup.
-fn seg_range(b: u32, a: u32, e: u32) -> vec3<i32> {
-    var lo = NONE;
-    var hi = -NONE;
-    var pad = 0;
-    let base = b * p.s1;
-    for (var x = a; x < e; x++) {
-        let s = seg_at(base + x);
-        if (s == 0) { pad = 1; } else { lo = min(lo, s); hi = max(hi, s); }
-    }
-    return vec3<i32>(lo, hi, pad);
-}
-
-// Whether two blocks' nonzero segment ranges overlap (a segment id may be in both).
-fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
-    return max(a.x, c.x) <= min(a.y, c.y);
 }
 
 // [first, end) of the tiles (starts at a multiple of BT) that rows [r0, r1) of batch row b need, searched

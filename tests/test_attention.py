@@ -124,10 +124,12 @@ def test_no_kernel_is_one_clear_error(rt):
 
 
 def test_sources_expand_every_marker():
-    """The specialised sources hold no marker, one line per template line, and the config block rewritten."""
+    """The specialised sources hold no marker, one line per template line (then the common helpers), and the
+    config block rewritten."""
     for cfg in AK.REGS_CONFIGS[:1] + AK.TILES_CONFIGS[:1]:
         for pass_ in src.PASSES:
             text = src.source(cfg, pass_, 64)
             assert "$" not in text
-            assert text.count("\n") == src.shader_path(cfg.shader).read_text().count("\n")
+            own, common = (src.shader_path(name).read_text() for name in (cfg.shader, src.COMMON))
+            assert text.count("\n") == own.count("\n") + 1 + common.count("\n") and text.endswith(common)
             assert "const D4: u32 = 16u;" in text and src.ENTRIES[pass_] in text

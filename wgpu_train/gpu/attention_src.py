@@ -6,7 +6,8 @@ Their sizes also size the kernels' register blocks, which WGSL cannot index by a
 ending up in memory, so source() writes the blocks out: it rewrites the marked const block of the .wgsl text,
 keeps the sections of one pass (forward, dq or dkv), and writes each line holding a marker ($r, $k, $d, ...)
 once per index of that marker (once per combination when a line holds several), with the marker replaced by
-the index, on the same line, so that line numbers stay those of the file.
+the index, on the same line, so that line numbers stay those of the file; shaders/attention_common.wgsl's
+helpers follow the file's last line.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ MAX_HEAD_DIM = 256
 REGS_BUDGET = 2304       # f32 values an invocation of the register-blocked kernels may keep (llvmpipe's compile
                          # time grows steeply with it: about 30 s for the three passes of r8 at head dim 64)
 TILES_BUDGET = 384       # f32 accumulators per invocation of the workgroup-tiled kernels (GPU registers)
+COMMON = "attention_common"   # helpers appended to both kernels' text
 _BEGIN, _END = "// @flash-config begin", "// @flash-config end"
 
 
@@ -170,4 +172,4 @@ def source(cfg, pass_: str, head_dim: int) -> str:
             lines[n] = ""
         elif not keep:
             lines[n] = ""
-    return "\n".join(expand(lines, cfg.counts(head_dim)))
+    return "\n".join(expand(lines, cfg.counts(head_dim)) + [shader_path(COMMON).read_text()])
