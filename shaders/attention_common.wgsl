@@ -2,7 +2,8 @@
 // attention_src.source() appends this text to each of them (WGSL declarations may come in any order, so the
 // kernel file keeps its own line numbers; a compiler message past its last line points into this file).
 // The uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = the
-// softmax scale. Each kernel defines seg_at(x): segment id x of its segment ids binding.
+// softmax scale. The bindings of each pass are in its section below (source() keeps the pass's own), the
+// same in both kernels, so one Kernel binding list serves both.
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -50,3 +51,41 @@ fn seg_range(b: u32, a: u32, e: u32) -> vec3<i32> {
 fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
     return max(a.x, c.x) <= min(a.y, c.y);
 }
+
+// ---- the bindings of each pass (seg_at(x): segment id x) ----
+// forward: 1 out, 2 lse, 3 q, 4 k, 5 v, 6 segment ids
+// @forward begin
+@group(0) @binding(1) var<storage, read_write> out_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> lse_: array<f32>;
+@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
+// @forward end
+// dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids, 9 out
+// @dq begin
+@group(0) @binding(1) var<storage, read_write> dq_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> dout_: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> lse_: array<f32>;
+@group(0) @binding(7) var<storage, read_write> delta_: array<f32>;
+@group(0) @binding(8) var<storage, read> seg_: array<i32>;
+@group(0) @binding(9) var<storage, read> out_: array<vec4<f32>>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
+// @dq end
+// dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 lse, 8 delta, 9 segment ids
+// @dkv begin
+@group(0) @binding(1) var<storage, read_write> dk_: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dv_: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> dout_: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> q_: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> k_: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> v_: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read> lse_: array<f32>;
+@group(0) @binding(8) var<storage, read> delta_: array<f32>;
+@group(0) @binding(9) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o9 + x]; }
+// @dkv end

@@ -35,15 +35,8 @@ fn tile_needed(b: u32, blk: vec3<i32>, r0: u32, r1: u32, a: u32, e: u32) -> bool
     return overlap(blk, seg_range(b, a, e)) || (blk.z != 0 && a < r1 && e > r0);
 }
 
-// ==== forward: 1 out, 2 lse, 3 q, 4 k, 5 v, 6 segment ids ====
+// ==== forward (its bindings: shaders/attention_common.wgsl) ====
 // @forward begin
-@group(0) @binding(1) var<storage, read_write> out_: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> lse_: array<f32>;
-@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
-@group(0) @binding(6) var<storage, read> seg_: array<i32>;
-fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
 
 @compute @workgroup_size(NI)
 fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
@@ -91,18 +84,8 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
 }
 // @forward end
 
-// ==== dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids, 9 out ====
+// ==== dq, delta fused (its bindings: shaders/attention_common.wgsl) ====
 // @dq begin
-@group(0) @binding(1) var<storage, read_write> dq_: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> dout_: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
-@group(0) @binding(6) var<storage, read> lse_: array<f32>;
-@group(0) @binding(7) var<storage, read_write> delta_: array<f32>;
-@group(0) @binding(8) var<storage, read> seg_: array<i32>;
-@group(0) @binding(9) var<storage, read> out_: array<vec4<f32>>;
-fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
 
 // Also writes delta = rowsum(dout * out) for the dk / dv pass.
 @compute @workgroup_size(NI)
@@ -149,20 +132,10 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
 }
 // @dq end
 
-// ==== dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 lse, 8 delta, 9 segment ids ====
+// ==== dk, dv (their bindings: shaders/attention_common.wgsl) ====
 // One invocation per R keys of one kv head: sums over the query heads of its group and the queries that see
 // each key, so every dk / dv row has exactly one writer (no atomics).
 // @dkv begin
-@group(0) @binding(1) var<storage, read_write> dk_: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> dv_: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> dout_: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> q_: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> k_: array<vec4<f32>>;
-@group(0) @binding(6) var<storage, read> v_: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read> lse_: array<f32>;
-@group(0) @binding(8) var<storage, read> delta_: array<f32>;
-@group(0) @binding(9) var<storage, read> seg_: array<i32>;
-fn seg_at(x: u32) -> i32 { return seg_[p.o9 + x]; }
 
 @compute @workgroup_size(NI)
 fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {

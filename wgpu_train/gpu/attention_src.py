@@ -7,7 +7,7 @@ ending up in memory, so source() writes the blocks out: it rewrites the marked c
 keeps the sections of one pass (forward, dq or dkv), and writes each line holding a marker ($r, $k, $d, ...)
 once per index of that marker (once per combination when a line holds several), with the marker replaced by
 the index, on the same line, so that line numbers stay those of the file; shaders/attention_common.wgsl's
-helpers follow the file's last line.
+helpers and the pass's bindings follow the file's last line.
 """
 from __future__ import annotations
 
@@ -163,13 +163,19 @@ def source(cfg, pass_: str, head_dim: int) -> str:
     lines = shader_path(cfg.shader).read_text().split("\n")
     i, j = lines.index(_BEGIN), lines.index(_END)
     lines[i:j + 1] = [cfg.consts(head_dim)] + [""] * (j - i)
-    keep = True
-    for n, line in enumerate(lines):
+    own = expand(_one_pass(lines, pass_), cfg.counts(head_dim))
+    return "\n".join(own + _one_pass(shader_path(COMMON).read_text().split("\n"), pass_))
+
+
+def _one_pass(lines: list[str], pass_: str) -> list[str]:
+    """The lines with every @forward / @dq / @dkv section but pass_'s blanked (the markers too)."""
+    out, keep = [], True
+    for line in lines:
         s = line.strip()
         words = s[4:].rsplit(" ", 1) if s.startswith("// @") else []
         if len(words) == 2 and words[0] in PASSES and words[1] in ("begin", "end"):
             keep = words[1] == "end" or words[0] == pass_
-            lines[n] = ""
-        elif not keep:
-            lines[n] = ""
-    return "\n".join(expand(lines, cfg.counts(head_dim)) + [shader_path(COMMON).read_text()])
+            out.append("")
+        else:
+            out.append(line if keep else "")
+    return out
