@@ -227,7 +227,7 @@ def test_keep_checkpoints(shared_run):
     assert {p.name for p in ckpt.iterdir()} == {"adapter", "optimizer.safetensors", "trainer_state.json"}
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["data"]["epoch"] == 1 and state["data"]["position"] == 3
-    assert state["schedule"]["next_step"] == 7 and state["dropout_calls"] == 6
+    assert state["schedule"]["next_step"] == 7 and state["engine"]["dropout_calls"] == 6
     moments = read_safetensors(ckpt / "optimizer.safetensors")
     assert len(moments) == 2 * 2 * 7 * 2     # (A, B) x 7 modules x 2 layers, each with exp_avg and exp_avg_sq
     assert find_checkpoint(out) == root / "step-000008"

@@ -170,8 +170,7 @@ def restore(ckpt, model, state: dict, lora_config=None):
     """
     ckpt = Path(ckpt)
     engine = model.engine
-    check_state(ckpt, state, model.method, lora_config, getattr(engine, "base_dtype", "float32"),
-                getattr(engine, "embed_dtype", "float32"))
+    check_state(ckpt, state, model.method, lora_config, engine.base_dtype, engine.embed_dtype)
     tensors = read_trainable(ckpt, model.method)
     current = {k: tuple(v.shape) for k, v in engine.trainable().items()}
     problems = [f"missing {k}" for k in current if k not in tensors]
@@ -183,5 +182,4 @@ def restore(ckpt, model, state: dict, lora_config=None):
         raise ConfigError(f"checkpoint {ckpt} does not fit the model: {'; '.join(problems[:3])}")
     engine.set_trainable({k: tensors[k] for k in current})
     engine.load_optimizer_state(moments)
-    engine.dropout_seed = int(state.get("dropout_seed", engine.dropout_seed))
-    engine.dropout_calls = int(state.get("dropout_calls", 0))
+    engine.load_state_dict(state.get("engine", state))   # older checkpoints kept the dropout state at the top

@@ -143,15 +143,14 @@ class Model:
         self.lora_config = config
         self.method = "lora"
         self.engine.set_full_finetune(False)
-        self.engine.dropout_seed = int(seed) & 0xFFFFFFFF
-        self.engine.dropout_calls = 0
+        self.engine.seed_dropout(seed)
         self.engine.set_lora({p: (a, b, config.scale, config.dropout) for p, (a, b) in modules.items()})
 
     def set_full_finetune(self):
         """Train every weight instead of LoRA (gradients keyed by Hugging Face tensor names)."""
         if self.lora_config is not None:
             raise ConfigError("full fine-tuning of a model with a LoRA adapter is not supported; merge it first")
-        stored = (getattr(self.engine, "base_dtype", "float32"), getattr(self.engine, "embed_dtype", "float32"))
+        stored = (self.engine.base_dtype, self.engine.embed_dtype)
         if stored != ("float32", "float32"):
             raise ConfigError(f"full fine-tuning needs float32 weights, but this model stores them as base_dtype "
                               f"{stored[0]}, embed_dtype {stored[1]} (frozen); use LoRA or load it with float32")

@@ -256,18 +256,6 @@ def earlier_run(out) -> list[str]:
     return sorted(found)
 
 
-def describe_device(engine) -> str:
-    """A short description of where an engine computes."""
-    if engine.name == "numpy":
-        return "cpu (NumPy)"
-    desc = getattr(engine, "device_description", None)
-    if isinstance(desc, str):
-        return desc
-    rt = getattr(engine, "rt", None) or getattr(engine, "runtime", None)
-    info = getattr(rt, "info", None)
-    return info.describe() if info is not None else engine.name
-
-
 def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
     """Trainable parameters of a model: the LoRA matrices, or every weight (from shapes, nothing read back)."""
     from .hf import expected_shapes
@@ -520,11 +508,11 @@ class Trainer:
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
         # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
-        self.base_weight_bytes = int(getattr(self.engine, "base_weight_bytes", 0)
+        self.base_weight_bytes = int(self.engine.base_weight_bytes
                                      or base_weight_bytes(model_cfg, self.base_dtype, self.embed_dtype)["total"])
         n_params = count_trainable(model_cfg, lora)
         self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
-                 f"{describe_device(self.engine)}; "
+                 f"{self.engine.device_description}; "
                  + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
                  f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"
@@ -556,7 +544,7 @@ class Trainer:
         cfg = self.config
         longest = max((e.input_ids.size for e in self.train_examples + self.valid_examples), default=1)
         length = self.max_seq_len if cfg.pack else min(self.max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
-        max_binding = getattr(getattr(self.engine, "rt", None), "max_binding", None)
+        max_binding = self.engine.max_binding
         rows = cfg.batch_size if not cfg.max_tokens_per_batch else max(1, cfg.max_tokens_per_batch // length)
         est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
                               cfg.gradient_checkpointing, max_binding)
@@ -668,7 +656,7 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------------
     def counters(self) -> dict:
         """The engine's counters, added to those of the runs before a resume."""
-        now = dict(getattr(self.engine, "counters", {}))
+        now = dict(self.engine.counters)
         return {k: int(now.get(k, 0)) + int(self.counters_base.get(k, 0))
                 for k in sorted(set(now) | set(self.counters_base))}
 
@@ -679,7 +667,7 @@ class Trainer:
             "version": 1, "step": self.step, "epoch": self.epoch_float(), "data": self.stream.state_dict(),
             "schedule": dict(self.schedule.state_dict(), next_step=self.step + 1,
                              next_lr=self.schedule.lr_at(self.step + 1)),
-            "dropout_seed": int(self.engine.dropout_seed), "dropout_calls": int(self.engine.dropout_calls),
+            "engine": self.engine.state_dict(),
             "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
             "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
@@ -989,7 +977,7 @@ class Trainer:
             "exact_match_split": self.held_out()[0] if self.eval_generate else None,
             "exact_match_n": em_after["n"] if em_after else None,
             "exact_match_samples": em_after["samples"] if em_after else [],
-            "backend": self.engine.name, "device": describe_device(self.engine), "method": cfg.method,
+            "backend": self.engine.name, "device": self.engine.device_description, "method": cfg.method,
             "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
             "memory_estimate": self.memory_estimate,
             "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
@@ -1076,5 +1064,5 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
 
 
 __all__ = ["TrainConfig", "Trainer", "finetune", "split_batch", "count_trainable", "list_checkpoints",
-           "find_checkpoint", "plot_losses", "default_model_dir", "default_data_dir", "describe_device",
+           "find_checkpoint", "plot_losses", "default_model_dir", "default_data_dir",
            "run_folder", "run_settings"]

@@ -196,6 +196,24 @@ class WgpuEngine:
             out[module] = members
         return out
 
+    def seed_dropout(self, seed: int):
+        self.dropout_seed, self.dropout_calls = int(seed) & 0xFFFFFFFF, 0
+
+    def state_dict(self) -> dict:
+        return {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
+
+    def load_state_dict(self, state: dict):
+        self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
+        self.dropout_calls = int(state.get("dropout_calls", 0))
+
+    @property
+    def max_binding(self) -> int:
+        return self.rt.max_binding
+
+    @property
+    def device_description(self) -> str:
+        return self.rt.info.describe()
+
     def set_full_finetune(self, enabled: bool = True):
         frozen = sorted(k for k, t in self.w.items() if isinstance(t, QuantMatrix))
         if enabled and frozen:

@@ -78,6 +78,9 @@ class NumpyEngine:
         self.gradient_checkpointing = False
         self.last_profile: dict = {}
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
+        self.base_weight_bytes = 0   # no device copy
+        self.max_binding = None
+        self.device_description = "cpu (NumPy)"
 
     # ---- parameters ---------------------------------------------------------------------------
     def lm_head(self):
@@ -91,6 +94,16 @@ class NumpyEngine:
 
     def lora_tensors(self) -> dict:
         return {p: (m.a.copy(), m.b.copy()) for p, m in self.lora.items()}
+
+    def seed_dropout(self, seed: int):
+        self.dropout_seed, self.dropout_calls = int(seed) & 0xFFFFFFFF, 0
+
+    def state_dict(self) -> dict:
+        return {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
+
+    def load_state_dict(self, state: dict):
+        self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
+        self.dropout_calls = int(state.get("dropout_calls", 0))
 
     def set_full_finetune(self, enabled: bool = True):
         self.full = enabled

@@ -1,0 +1,84 @@
+"""The one protocol between an engine (the NumPy reference engine, reference/model.py; the WebGPU engine,
+gpu/engine.py) and what drives it (model.py, train.py, checkpoint.py, evaluate.py, generate.py): everything
+those may read or call on an engine, and nothing else (tests/test_engine_protocol.py holds them to it)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from .config import ModelConfig
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Arrays cross this boundary as NumPy arrays; tensors are keyed by Hugging Face names (weights) or module
+    paths (LoRA). Step inputs are the data.Batch fields (ids, targets, segment ids, position ids)."""
+
+    name: str                   # "numpy" or "wgpu"
+    cfg: ModelConfig
+    base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head
+    embed_dtype: str
+    counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped
+    last_profile: dict          # op group -> GPU seconds of the last profiled step ({} without one)
+    base_weight_bytes: int      # bytes the frozen weights take on the device (0: no device copy)
+    max_binding: int | None     # largest storage binding of the device (None: no device)
+    device_description: str     # where it computes, for the log
+
+    # ---- what is trained ----
+    def set_lora(self, modules: dict) -> None:
+        """{module path: (A (r, in), B (out, r), scale, dropout)}: attach LoRA there (replacing any)."""
+
+    def lora_tensors(self) -> dict:
+        """{module path: (A, B)} as float32 arrays."""
+
+    def set_full_finetune(self, enabled: bool = True) -> None: ...
+
+    def set_gradient_checkpointing(self, on: bool = True) -> None: ...
+
+    def seed_dropout(self, seed: int) -> None:
+        """Restart the LoRA dropout masks from `seed` (they hash seed, micro-batch count and module)."""
+
+    def trainable(self) -> dict:
+        """The trainable tensors by name (LoRA: path + ".lora_A" / ".lora_B"; full: HF names)."""
+
+    def set_trainable(self, tensors: dict) -> None: ...
+
+    def weights(self) -> dict:
+        """The base weights as float32 (dequantised where stored in float16 / NF4)."""
+
+    # ---- computing ----
+    def logits(self, ids, segment_ids, position_ids): ...
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        """(summed loss, trained tokens) of one batch, no gradients."""
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        """Accumulate grad_scale * d(summed loss) into the gradients; (summed loss, trained tokens)."""
+
+    def zero_grads(self) -> None: ...
+
+    def gradients(self) -> dict: ...
+
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
+        """One optimizer step over micro-batches (gradients accumulated, clipped, AdamW with hp at `step`)."""
+
+    # ---- state a checkpoint keeps ----
+    def optimizer_state(self) -> dict: ...
+
+    def load_optimizer_state(self, state: dict) -> None: ...
+
+    def state_dict(self) -> dict:
+        """Plain-JSON state beyond tensors that a resumed run must restore (the dropout position)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    # ---- generation ----
+    def new_kv_cache(self, batch: int, max_len: int) -> dict: ...
+
+    def free_kv_cache(self, kv: dict) -> None: ...
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last): ...
+
+
+# the protocol's attributes and methods by name
+MEMBERS = frozenset(list(Engine.__annotations__) + [k for k in vars(Engine) if not k.startswith("_")])
