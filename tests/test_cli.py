@@ -19,7 +19,7 @@ from wgpu_train.commands import prompt_ids, resolve_train_config
 from wgpu_train.hf import read_safetensors
 from wgpu_train.model import load_model
 from wgpu_train.tokenizer import load_tokenizer
-from wgpu_train.train import TrainConfig
+from wgpu_train.train_config import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import pytest
 from finetune_helpers import make_data_dir, make_model_dir
 from wgpu_train import model as model_module
 from wgpu_train.engine_protocol import MEMBERS, Engine
-from wgpu_train.train import TrainConfig, finetune
+from wgpu_train.train import finetune
+from wgpu_train.train_config import TrainConfig
 
 
 class StrictEngine:

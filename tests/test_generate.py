@@ -12,7 +12,7 @@ from wgpu_train.errors import ConfigError, DeviceError
 from wgpu_train.evaluate import answer_text, exact_match, generation_prompt
 from wgpu_train.generate import generate, generate_batch
 from wgpu_train.tokenizer import load_tokenizer
-from wgpu_train.train import default_data_dir, default_model_dir
+from wgpu_train.train_config import default_data_dir, default_model_dir
 
 from tiny_models import build_model, save_model
 

@@ -408,7 +408,7 @@ def test_base_weight_bytes_of_a_half_billion_parameter_model():
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory):
     """The embedded model and dataset when installed, else the tiny model and toy task of the trainer tests."""
-    from wgpu_train.train import default_data_dir, default_model_dir
+    from wgpu_train.train_config import default_data_dir, default_model_dir
 
     try:
         return default_model_dir(), default_data_dir(), "embedded"

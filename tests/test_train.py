@@ -25,8 +25,11 @@ from wgpu_train.hf import read_adapter, read_safetensors
 from wgpu_train.schedule import LRSchedule
 from wgpu_train.tokenizer import load_tokenizer
 from wgpu_train.model import load_model
-from wgpu_train.train import (RUN_FILES, TrainConfig, Trainer, count_trainable, find_checkpoint, finetune,
-                               list_checkpoints, plot_losses, run_folder, run_settings, split_batch)
+from wgpu_train.checkpoint import find_checkpoint, list_checkpoints
+from wgpu_train.metrics import plot_losses
+from wgpu_train.run_folder import RUN_FILES, run_folder, run_settings
+from wgpu_train.train import Trainer, count_trainable, finetune, split_batch
+from wgpu_train.train_config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -883,7 +886,8 @@ def test_token_budget_batches(workspace, tmp_path):
     each optimizer step takes grad_accum of them, every sample is trained once per epoch, and a resumed run
     equals the uninterrupted one."""
     from wgpu_train.data import BatchStream, token_groups
-    from wgpu_train.train import PAD_MULTIPLE, Trainer
+    from wgpu_train.train import Trainer
+    from wgpu_train.train_config import PAD_MULTIPLE
 
     assert token_groups([5, 5, 4, 9, 2], 12) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     kw = dict(max_steps=6, max_tokens_per_batch=64, grad_accum=2, lr_schedule="constant", keep_checkpoints=0)

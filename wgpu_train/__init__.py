@@ -7,7 +7,8 @@ from .memory import estimate_memory
 from .model import Model, load_model
 from .reference.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
 from .tokenizer import load_tokenizer
-from .train import TrainConfig, Trainer, default_run_config, finetune
+from .train import Trainer, finetune
+from .train_config import TrainConfig, default_run_config
 
 __version__ = "0.1.0"
 

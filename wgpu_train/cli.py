@@ -43,7 +43,7 @@ def cmd_tune(args) -> int:
     from .gpu import runtime
     from .gpu.pretune import format_rows, pretune
     from .gpu import tune
-    from .train import default_model_dir
+    from .train_config import default_model_dir
 
     if args.batch_size < 1 or args.max_seq_len < 1 or args.lora_rank < 1:
         raise ConfigError("--batch-size, --max-seq-len and --lora-rank must be at least 1")

@@ -83,7 +83,7 @@ def _parse_value(base, optional: bool, name: str):
 
 def add_train_config_options(p):
     """One option per TrainConfig field, with its help text; unset options stay out of the namespace."""
-    from .train import TrainConfig
+    from .train_config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -121,7 +121,7 @@ def load_toml_config(path) -> dict:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib
-    from .train import TrainConfig
+    from .train_config import TrainConfig
 
     path = Path(path)
     if not path.is_file():
@@ -158,13 +158,14 @@ def load_toml_config(path) -> dict:
 
 def resolve_train_config(args: argparse.Namespace):
     """TrainConfig from the command line > TOML file (--config) > with --resume, the resumed run's settings
-    (train.run_settings: its train_config.json but how it was started; --out then defaults to the run's
+    (run_folder.run_settings: its train_config.json but how it was started; --out then defaults to the run's
     folder) > the embedded recipe (only for the default run: no --model and no --data anywhere) > defaults.
 
     --epochs given (command line or TOML) without --max-steps drops a max_steps that comes from the run or the
     recipe, since max_steps would override it; when both are given, max_steps wins (TrainConfig's meaning)
     and a note on stderr says so."""
-    from .train import TrainConfig, default_run_values, run_settings
+    from .run_folder import run_settings
+    from .train_config import TrainConfig, default_run_values
 
     given = load_toml_config(args.config) if getattr(args, "config", None) else {}
     given.update((f.name, getattr(args, f.name)) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name))
@@ -204,7 +205,7 @@ def cmd_finetune(args) -> int:
 
 
 def _register_finetune(sub):
-    from .train import TrainConfig
+    from .train_config import TrainConfig
 
     p = _add_parser(sub, "finetune", "fine-tune a model (LoRA or full) on a JSONL dataset",
                     TrainConfig.__doc__ + " Values come from the command line, then --config, then defaults.")
@@ -236,7 +237,7 @@ def run_config_path(adapter_path) -> Path:
     checkpoint's adapter/ its run's)."""
     adapter = Path(adapter_path)
     if (adapter.parent / "trainer_state.json").is_file():
-        from .train import run_folder
+        from .run_folder import run_folder
 
         return run_folder(adapter.parent) / "train_config.json"
     return adapter / "train_config.json"
@@ -292,7 +293,7 @@ def model_folder(model_arg, adapter: Path | None) -> Path:
     """--model (a folder or hub id), else the adapter's base model (a folder on this machine or a hub id), else
     the embedded model."""
     from . import hub
-    from .train import default_model_dir
+    from .train_config import default_model_dir
 
     return hub.resolve(model_arg, "model") if model_arg else (adapter and adapter_base_model(adapter)) or default_model_dir()
 
@@ -407,7 +408,7 @@ def cmd_eval(args) -> int:
     from .data import resolve_data, tokenize_dataset
     from .errors import DataError
     from .evaluate import evaluate_loss, exact_match
-    from .train import PAD_MULTIPLE, default_data_dir
+    from .train_config import PAD_MULTIPLE, default_data_dir
 
     data_path = args.data if args.data else default_data_dir()
     splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns)
@@ -487,8 +488,8 @@ def _register_eval(sub):
 
 def _model_files(folder: Path) -> list[str]:
     """The files of a model or adapter folder (config.json, *.safetensors, their index, adapter_config.json)
-    and of a run (see train.earlier_run) that `folder` holds, sorted."""
-    from .train import earlier_run
+    and of a run (see run_folder.earlier_run) that `folder` holds, sorted."""
+    from .run_folder import earlier_run
 
     if not folder.is_dir():
         return []
@@ -579,7 +580,7 @@ def cmd_memory(args) -> int:
     from .config import LoraConfig, ModelConfig
     from .memory import activation_plan, estimate_memory, format_bytes, weight_shapes
     from .reference.quant import check_dtypes
-    from .train import default_model_dir
+    from .train_config import default_model_dir
 
     model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
     cfg = ModelConfig.from_folder(model_dir)
@@ -616,7 +617,7 @@ def cmd_memory(args) -> int:
 
 def _register_memory(sub):
     from .reference.quant import BASE_DTYPES, EMBED_CHOICES
-    from .train import TrainConfig
+    from .train_config import TrainConfig
 
     d = TrainConfig()
     p = _add_parser(sub, "memory", "estimate the GPU memory a fine-tuning run needs, from the model's config.json "

@@ -1,10 +1,10 @@
-"""Fine-tuning: TrainConfig, the Trainer (AdamW steps with gradient accumulation on any engine, evaluation,
-metrics, atomic checkpoints, resume, Ctrl-C) and finetune(config) -> summary."""
+"""Fine-tuning: the Trainer (AdamW steps with gradient accumulation on any engine, evaluation, metrics,
+atomic checkpoints, resume, Ctrl-C) and finetune(config) -> summary. The settings are train_config.py's, the
+run folder policy run_folder.py's, the metrics metrics.py's."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import math
 import shlex
 import shutil
@@ -12,249 +12,20 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import checkpoint, hub, tracking
 from .checkpoint import find_checkpoint, list_checkpoints
-from .config import LoraConfig, ModelConfig, OptimizerParams
+from .config import LoraConfig, ModelConfig
 from .errors import ConfigError
 from .evaluate import engine_batch, evaluate_loss, exact_match
 from .memory import base_weight_bytes, estimate_memory, format_bytes
-from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
-from .schedule import SCHEDULES, LRSchedule
-
-BACKEND_CHOICES = ("auto", "wgpu", "numpy")
-METHODS = ("lora", "full")
-PAD_MULTIPLE = 8   # sequence lengths are padded to a multiple of this
-DEFAULT_OUT = "wgpu-train-out"
-
-
-def _opt(default, help_text: str, **extra):
-    return field(default=default, metadata={"help": help_text, **extra})
-
-
-@dataclass
-class TrainConfig:
-    """Everything one fine-tuning run needs; each field is also a `wgpu-train finetune --option`."""
-
-    model: str | None = _opt(None, "Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or hub "
-                                   "id org/name[@revision] (from the hub cache, else downloaded); default: the "
-                                   "embedded model")
-    data: str | None = _opt(None, "data file (JSONL, JSON array, Parquet), folder with a train split and optional "
-                                  "validation and test splits (ours or the hub's data/ layout), hub dataset id, "
-                                  "or a glob; repeat the option (or separate with commas) to mix several; "
-                                  "default: the embedded dataset")
-    columns: str | None = _opt(None, "other column names of the data, FIELD=COLUMN[,...] (fields: messages, "
-                                     "prompt, completion, instruction, input, output, response, context, system, "
-                                     "text), e.g. prompt=question,completion=answer")
-    out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
-                                 f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
-    backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
-                        choices=BACKEND_CHOICES)
-    device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
-    method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
-    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16, "
-                                      "nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
-                                      "double-quantised absmax values); anything but float32 is LoRA only",
-                           choices=BASE_DTYPES)
-    embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, float16, or auto (float16 "
-                                    "unless the base is float32, as in QLoRA); LoRA only unless float32",
-                            choices=EMBED_CHOICES)
-    lora_rank: int = _opt(8, "LoRA rank r")
-    lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
-    lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
-    lora_targets: str = _opt("q_proj,v_proj", "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
-                                              "gate_proj, up_proj, down_proj), or all-linear")
-    rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
-    adapter_path: str | None = _opt(None, "start from this PEFT LoRA adapter (folder or hub id) instead of a fresh "
-                                          "one: its weights, rank, alpha, targets and rsLoRA (LoRA options left at "
-                                          "their defaults take the adapter's, others must agree); the optimizer "
-                                          "starts fresh: not a resume")
-    epochs: int = _opt(3, "passes over the training set (ignored when --max-steps is given)")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
-    batch_size: int = _opt(4, "samples (rows) per micro-batch")
-    max_tokens_per_batch: int | None = _opt(None, "form micro-batches of up to this many tokens (rows x their "
-                                                  "longest length) from rows of similar lengths, instead of "
-                                                  "--batch-size rows; at least the longest sample")
-    grad_accum: int = _opt(1, "micro-batches per optimizer step; the loss is normalised by the trained tokens "
-                              "of all of them, so the step equals one batch of batch_size * grad_accum")
-    lr: float = _opt(1e-3, "peak learning rate")
-    lr_schedule: str = _opt("cosine", "learning-rate decay after warmup: constant, linear or cosine",
-                            choices=SCHEDULES)
-    warmup_steps: int = _opt(0, "steps of linear warmup up to --lr")
-    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay")
-    beta1: float = _opt(0.9, "AdamW beta1")
-    beta2: float = _opt(0.999, "AdamW beta2")
-    adam_eps: float = _opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
-    gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in the backward: less GPU "
-                                               "memory, about one more forward per step")
-    max_seq_len: int = _opt(512, "longer samples are truncated, and dropped when no response token remains")
-    pack: bool = _opt(False, "pack several samples into each row (attention never crosses samples)")
-    valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when there is no valid.jsonl")
-    no_chat_template: bool = _opt(False, "train on raw prompt + response text instead of the chat template")
-    train_on_last_turn: bool = _opt(False, "in multi-turn chats, train only the last assistant turn")
-    skip_invalid: bool = _opt(False, "skip invalid records (and report how many) instead of stopping")
-    eval_every: int = _opt(0, "validation loss every N steps (0: only at each epoch's end); always at the end")
-    save_every: int = _opt(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
-    keep_checkpoints: int = _opt(3, "keep only the newest K checkpoints (0: keep all)")
-    early_stop_patience: int = _opt(0, "stop after N evaluations without a lower validation loss (0: off); the "
-                                       "adapter written is then the best evaluation's (kept in memory)")
-    seed: int = _opt(0, "seed of the validation split, shuffling, LoRA initialisation and dropout")
-    resume: str | None = _opt(None, "continue a run from a checkpoint folder (or an output folder: its newest "
-                                    "checkpoint)")
-    overwrite: bool = _opt(False, "replace an earlier run in --out (its checkpoints are deleted); without it a new "
-                                  "run refuses an output folder that already holds one")
-    no_progress: bool = _opt(False, "no progress bar; plain log lines instead (for logs and CI)")
-    eval_generate: bool | None = _opt(None, "exact match of greedy answers on the held-out set (test, else valid) "
-                                            "before and after training; default: on for the embedded dataset")
-    max_eval_samples: int = _opt(100, "at most this many held-out samples for exact match (0: all)")
-    max_new_tokens: int = _opt(64, "longest answer generated for exact match")
-    log_every: int = _opt(10, "one metrics.jsonl row (and log line) every N steps")
-    profile_interval: int = _opt(0, "every N steps, GPU time per op group (timestamp queries) as a table and a "
-                                    "metrics.jsonl row (0: off)")
-    report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
-                                  "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
-
-    def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ConfigError(msg)
-
-        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype"):
-            choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
-            need(getattr(self, name) in choices,
-                 f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
-                     "max_grad_norm", "valid_split"):
-            value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                 f"{name} must be a finite number, got {value!r}")
-        for name in ("lora_rank", "epochs", "batch_size", "grad_accum", "max_seq_len", "max_new_tokens",
-                     "log_every"):
-            need(getattr(self, name) >= (2 if name == "max_seq_len" else 1),
-                 f"{name} must be at least {2 if name == 'max_seq_len' else 1}, got {getattr(self, name)}")
-        for name in ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "save_every",
-                     "keep_checkpoints", "early_stop_patience", "max_eval_samples"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(self.max_steps is None or self.max_steps >= 1, f"max_steps must be at least 1, got {self.max_steps}")
-        need(self.max_tokens_per_batch is None or self.max_tokens_per_batch >= 1,
-             f"max_tokens_per_batch must be at least 1, got {self.max_tokens_per_batch}")
-        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
-        need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
-        need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
-        need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
-        need(self.method == "lora" or self.storage_dtypes() == ("float32", "float32"),
-             f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "
-             f"(got {', '.join(self.storage_dtypes())})")
-        if self.method == "lora":
-            self.lora_config()  # validates rank, dropout and targets
-        need(not (self.adapter_path and self.resume),
-             "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
-        need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
-        tracking.parse_report_to(self.report_to)
-
-    def continued_lora(self, adapter: LoraConfig) -> LoraConfig:
-        """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets
-        and rsLoRA where these options keep their defaults, refused (one line) where they say otherwise; the
-        dropout is this run's when given, else the adapter's."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        mine = self.lora_config()
-        pairs = (("lora_rank", "r", mine.r, adapter.r), ("lora_alpha", "lora_alpha", mine.alpha, adapter.alpha),
-                 ("lora_targets", "target_modules", mine.target_modules, adapter.target_modules),
-                 ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora))
-        for name, key, given, theirs in pairs:
-            if getattr(self, name) != defaults[name] and given != theirs:
-                shown = ",".join(theirs) if isinstance(theirs, tuple) else theirs
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} contradicts the adapter's "
-                                  f"{key}={shown} ({self.adapter_path}); leave it out to continue with the adapter's")
-        dropout = mine.dropout if self.lora_dropout != defaults["lora_dropout"] else adapter.dropout
-        return dataclasses.replace(adapter, dropout=dropout)
-
-    def output_dir(self) -> Path:
-        """The output folder: `out`, else the folder of the run that `resume` continues (see run_folder), else
-        wgpu-train-out."""
-        if self.out is not None:
-            return Path(self.out)
-        return run_folder(self.resume) if self.resume else Path(DEFAULT_OUT)
-
-    def storage_dtypes(self) -> tuple[str, str]:
-        """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
-        return check_dtypes(self.base_dtype, self.embed_dtype)
-
-    def lora_config(self) -> LoraConfig:
-        """The LoraConfig these options describe."""
-        return LoraConfig(r=int(self.lora_rank), alpha=float(self.lora_alpha), dropout=float(self.lora_dropout),
-                          target_modules=self.lora_targets, use_rslora=bool(self.rslora))
-
-    def optimizer_params(self, lr: float) -> OptimizerParams:
-        """AdamW settings of one step at learning rate `lr`."""
-        return OptimizerParams(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.adam_eps,
-                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None)
-
-    def to_dict(self) -> dict:
-        """The fields as a JSON-serialisable dict."""
-        return dataclasses.asdict(self)
-
-
-# ---- helpers shared by the trainer and the command line ----------------------------------------------------
-
-def default_run_values() -> dict:
-    """The embedded recipe (wgpu_train/assets/recipe.toml) that `wgpu-train finetune` with no --model and no
-    --data uses below the command line and --config."""
-    try:
-        from .assets import default_recipe
-    except ImportError:
-        return {}
-    return default_recipe()
-
-
-def default_run_config(**overrides) -> "TrainConfig":
-    """The TrainConfig of the default run (embedded model, dataset and recipe), with overrides."""
-    return TrainConfig(**{**default_run_values(), **overrides})
-
-
-def default_model_dir() -> Path:
-    """The embedded model folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
-    return _asset("default_model_dir", "model", "--model DIR")
-
-
-def default_data_dir() -> Path:
-    """The embedded dataset folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
-    return _asset("default_data_dir", "dataset", "--data PATH")
-
-
-def _asset(func: str, what: str, option: str) -> Path:
-    try:
-        from . import assets
-        path = Path(getattr(assets, func)())
-    except (ImportError, AttributeError, OSError):
-        raise ConfigError(f"the embedded default {what} is not installed; pass {option}") from None
-    if not path.exists():
-        raise ConfigError(f"the embedded default {what} is missing ({path}); pass {option}")
-    return path
-
-
-RUN_FILES = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "model.safetensors",
-             "summary.json", "train_config.json")
-
-
-def earlier_run(out) -> list[str]:
-    """What shows that the folder `out` holds a run: the RUN_FILES present, and "checkpoints/" when that
-    folder is not empty; sorted, empty when there is none (unrelated files do not count)."""
-    out = Path(out)
-    try:
-        found = [name for name in RUN_FILES if (out / name).exists()]
-        if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-            found.append("checkpoints/")
-    except OSError as e:
-        raise ConfigError(f"cannot read the output folder {out}: {e.strerror or e}") from None
-    return sorted(found)
-
+from .metrics import Window, fmt, keep_metrics_until, num, plot_losses
+from .run_folder import earlier_run, run_folder, same_folder
+from .schedule import LRSchedule
+from .train_config import PAD_MULTIPLE, TrainConfig, default_data_dir, default_model_dir
 
 def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
     """Trainable parameters of a model: the LoRA matrices, or every weight (from shapes, nothing read back)."""
@@ -291,82 +62,6 @@ def split_batch(batch, rows: int, multiple: int = PAD_MULTIPLE, max_tokens: int 
     return out
 
 
-def _num(x):
-    """A float for JSON, None when missing or not finite."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def _fmt(x, spec=".4f"):
-    return "n/a" if x is None else format(x, spec)
-
-
-class _Window:
-    """Sums over the steps since the last logged row."""
-
-    def __init__(self):
-        self.loss = self.time = 0.0
-        self.count = self.tokens = 0
-        self.last_loss = None   # mean loss of the newest step
-
-    def add(self, loss_sum, count, tokens, seconds):
-        self.loss += float(loss_sum)
-        self.count += int(count)
-        self.tokens += tokens
-        self.time += seconds
-        self.last_loss = _num(float(loss_sum) / max(int(count), 1))
-
-    @property
-    def mean_loss(self):
-        return self.loss / self.count if self.count else None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.time if self.time > 0 else 0.0
-
-
-# ---- the trainer -----------------------------------------------------------------------------------------
-
-def run_folder(resume) -> Path:
-    """The output folder of the run a --resume path belongs to: RUN for RUN, RUN/checkpoints and
-    RUN/checkpoints/step-NNNNNN (a path named checkpoints that holds a checkpoints/ folder is a run folder)."""
-    path = Path(resume)
-    if path.name == "checkpoints" and not list_checkpoints(path / "checkpoints"):
-        return path.parent
-    return path.parent.parent if path.parent.name == "checkpoints" else path
-
-
-# say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
-INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path")
-
-
-def run_settings(resume) -> dict:
-    """The settings of the run that a --resume path continues, for the command line to fill the options it
-    was not given: the run folder's train_config.json as that run resolved it (model and data folders,
-    recipe values, dtypes), restricted to TrainConfig fields and without INVOCATION_FIELDS. {} when there
-    is no such file; ConfigError when it cannot be read."""
-    path = run_folder(resume) / "train_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable run settings ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: unreadable run settings (not a JSON object)")
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(INVOCATION_FIELDS)
-    return {k: v for k, v in raw.items() if k in names}
-
-
-def _same_folder(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
-
-
 class Trainer:
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
@@ -393,7 +88,7 @@ class Trainer:
             raise ConfigError(f"the output folder {self.out} is a file; choose another --out")
         self.base_dtype, self.embed_dtype = config.storage_dtypes()   # as the base weights are stored
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
-        self.continues_in_place = bool(config.resume) and _same_folder(self.out, run_folder(config.resume))
+        self.continues_in_place = bool(config.resume) and same_folder(self.out, run_folder(config.resume))
         found = [] if self.continues_in_place or config.overwrite else earlier_run(self.out)
         if found:
             resume = (f", --resume {shlex.quote(str(self.out))} to continue it"
@@ -780,21 +475,21 @@ class Trainer:
 
     def _valid_row(self, result: dict):
         self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
-                         "loss": _num(result["loss"]), "perplexity": _num(result["perplexity"]),
+                         "loss": num(result["loss"]), "perplexity": num(result["perplexity"]),
                          "tokens": result["tokens"]})
-        self.log(f"step {self.step}: valid loss {_fmt(result['loss'])}, "
-                 f"perplexity {_fmt(result['perplexity'], '.3f')}")
+        self.log(f"step {self.step}: valid loss {fmt(result['loss'])}, "
+                 f"perplexity {fmt(result['perplexity'], '.3f')}")
 
     def _exact_match_row(self, em: dict, when: str, step: int):
         self._write_row({"step": step, "epoch": self.epoch_float(), "split": em["split"],
                          "exact_match": em["exact_match"], "n": em["n"]})
-        self.log(f"exact match {when} training: {_fmt(em['exact_match'], '.1%')} of {em['n']} {em['split']} samples")
+        self.log(f"exact match {when} training: {fmt(em['exact_match'], '.1%')} of {em['n']} {em['split']} samples")
 
     def _evaluate_before(self):
         h = self.history
         before = self.evaluate()
         if before is not None:
-            h["valid_loss_before"], h["valid_perplexity_before"] = _num(before["loss"]), _num(before["perplexity"])
+            h["valid_loss_before"], h["valid_perplexity_before"] = num(before["loss"]), num(before["perplexity"])
             self._valid_row(before)
         if self.eval_generate and not self._stop_requested:
             em = self.exact_match()
@@ -826,13 +521,13 @@ class Trainer:
 
     def _loop(self):
         """The optimizer steps with their logging, evaluations and checkpoints; returns (how it stopped, the
-        last evaluation, its step, the run's _Window)."""
+        last evaluation, its step, the run's Window)."""
         from tqdm import tqdm
 
         cfg = self.config
         stopped = "max_steps" if cfg.max_steps else "epochs"
         last_eval, last_eval_step = None, -1
-        window, run = _Window(), _Window()
+        window, run = Window(), Window()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=cfg.no_progress, unit="step",
                    dynamic_ncols=True, file=sys.stderr, desc="finetune")
         try:
@@ -848,12 +543,12 @@ class Trainer:
                 run.add(loss_sum, count, n_in, seconds)
                 if self.history["train_loss_first"] is None:
                     self.history["train_loss_first"] = run.last_loss
-                bar.set_postfix(loss=_fmt(run.last_loss), lr=f"{lr:.2e}", tok_s=f"{window.tokens_per_s:.0f}",
+                bar.set_postfix(loss=fmt(run.last_loss), lr=f"{lr:.2e}", tok_s=f"{window.tokens_per_s:.0f}",
                                 refresh=False)
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or epoch_done or self.done():
                     self._log_step(window, lr, grad_norm)
-                    window = _Window()
+                    window = Window()
                 if epoch_done or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     last_eval, last_eval_step = self.evaluate(), self.step
                     if last_eval is not None:
@@ -884,16 +579,16 @@ class Trainer:
         self._write_row({"step": self.step, "profile_ms": {k: round(v * 1e3, 4) for k, v in prof.items()},
                          "step_wall_ms": round(step_seconds * 1e3, 3)})
 
-    def _log_step(self, window: _Window, lr: float, grad_norm):
+    def _log_step(self, window: Window, lr: float, grad_norm):
         c = self.counters()
-        row = {"step": self.step, "epoch": self.epoch_float(), "loss": _num(window.mean_loss), "lr": lr,
-               "grad_norm": _num(grad_norm), "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+        row = {"step": self.step, "epoch": self.epoch_float(), "loss": num(window.mean_loss), "lr": lr,
+               "grad_norm": num(grad_norm), "tokens": self.tokens, "trained_tokens": self.trained_tokens,
                "tokens_per_s": round(window.tokens_per_s, 2), "submits": c.get("submits", 0),
                "readbacks": c.get("readbacks", 0), "nonfinite_skipped": c.get("nonfinite_skipped", 0)}
         self._write_row(row)
         if self.config.no_progress:
-            self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {_fmt(row['loss'])} "
-                     f"lr {lr:.2e} grad_norm {_fmt(row['grad_norm'], '.3f')} {window.tokens_per_s:.0f} tok/s")
+            self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {fmt(row['loss'])} "
+                     f"lr {lr:.2e} grad_norm {fmt(row['grad_norm'], '.3f')} {window.tokens_per_s:.0f} tok/s")
 
     def _early_stop(self, result: dict) -> bool:
         """Track the best validation loss (with early stopping, also its trainable tensors, in memory); True
@@ -903,7 +598,7 @@ class Trainer:
         if loss is None:
             return False
         if h["best_valid_loss"] is None or loss < h["best_valid_loss"]:
-            h.update(best_valid_loss=float(loss), best_valid_perplexity=_num(result["perplexity"]), best_step=self.step,
+            h.update(best_valid_loss=float(loss), best_valid_perplexity=num(result["perplexity"]), best_step=self.step,
                      evals_without_improvement=0)
             if self.config.early_stop_patience:
                 self._best = (self.step, {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()})
@@ -912,7 +607,7 @@ class Trainer:
         patience = self.config.early_stop_patience
         return bool(patience) and h["evals_without_improvement"] >= patience
 
-    def _finish(self, stopped: str, last_eval, last_eval_step: int, run: _Window, wall: float) -> dict:
+    def _finish(self, stopped: str, last_eval, last_eval_step: int, run: Window, wall: float) -> dict:
         cfg = self.config
         h = self.history
         interrupted = stopped == "interrupted"
@@ -933,7 +628,7 @@ class Trainer:
                 self.engine.set_trainable(self._best[1])
                 after = {"loss": h["best_valid_loss"], "perplexity": h["best_valid_perplexity"]}
                 self.log(f"writing the weights of step {best}, the best validation loss "
-                         f"({_fmt(h['best_valid_loss'])}); the checkpoint of step {self.step} holds the last ones")
+                         f"({fmt(h['best_valid_loss'])}); the checkpoint of step {self.step} holds the last ones")
             else:
                 self.log(f"the best validation loss was at step {best}, whose weights were not kept across the "
                          f"resume; writing those of step {self.step}")
@@ -957,7 +652,7 @@ class Trainer:
             self.log(f"stopped at step {self.step}; resume with --resume {shlex.quote(str(ckpt))}")
         return summary
 
-    def _summary(self, stopped: str, adapter_step, after, em_after, ckpt, run: _Window, wall: float) -> dict:
+    def _summary(self, stopped: str, adapter_step, after, em_after, ckpt, run: Window, wall: float) -> dict:
         """The run's summary; `after` and `em_after` are the evaluation and exact match of the weights written
         (those of adapter_step; None when nothing was written)."""
         cfg = self.config
@@ -969,8 +664,8 @@ class Trainer:
             "train_time_s": round(run.time, 3), "tokens_per_s": round(run.tokens_per_s, 2) if run.time else None,
             "train_loss_first": h["train_loss_first"], "train_loss_last": run.last_loss,
             "valid_loss_before": h["valid_loss_before"], "valid_perplexity_before": h["valid_perplexity_before"],
-            "valid_loss_after": _num(after["loss"]) if after else None,
-            "valid_perplexity_after": _num(after["perplexity"]) if after else None,
+            "valid_loss_after": num(after["loss"]) if after else None,
+            "valid_perplexity_after": num(after["perplexity"]) if after else None,
             "best_valid_loss": h["best_valid_loss"], "best_step": h["best_step"],
             "exact_match_before": h["exact_match_before"],
             "exact_match_after": em_after["exact_match"] if em_after else None,
@@ -1002,54 +697,6 @@ class Trainer:
                 pass
 
 
-def keep_metrics_until(path: Path, step: int):
-    """Drop the rows of metrics.jsonl after `step` (written after the checkpoint a run resumes from, before it
-    was stopped) and a torn last line, so that each step appears once; replaced atomically."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def plot_losses(metrics_path, png_path) -> bool:
-    """Draw train and validation loss from metrics.jsonl into a PNG; False when matplotlib is not installed."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    train, valid = [], []
-    for line in Path(metrics_path).read_text().splitlines():
-        row = json.loads(line)
-        if row.get("loss") is None:
-            continue
-        if "split" not in row:
-            train.append((row["step"], row["loss"]))
-        elif row["split"] == "valid":
-            valid.append((row["step"], row["loss"]))
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="valid")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean per token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    return True
-
-
 def finetune(config: TrainConfig | None = None, **overrides) -> dict:
     """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
     that is also written to summary.json in the output folder."""
@@ -1063,6 +710,4 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
     return Trainer(config).run()
 
 
-__all__ = ["TrainConfig", "Trainer", "finetune", "split_batch", "count_trainable", "list_checkpoints",
-           "find_checkpoint", "plot_losses", "default_model_dir", "default_data_dir",
-           "run_folder", "run_settings"]
+__all__ = ["Trainer", "finetune", "split_batch", "count_trainable"]

@@ -1,0 +1,228 @@
+"""TrainConfig: every setting of one fine-tuning run, each also a `wgpu-train finetune --option` (its help text,
+choices and checks), and the embedded default run's recipe, model and dataset."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import tracking
+from .config import LoraConfig, OptimizerParams
+from .errors import ConfigError
+from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
+from .schedule import SCHEDULES
+
+BACKEND_CHOICES = ("auto", "wgpu", "numpy")
+METHODS = ("lora", "full")
+PAD_MULTIPLE = 8   # sequence lengths are padded to a multiple of this
+DEFAULT_OUT = "wgpu-train-out"
+
+
+def _opt(default, help_text: str, **extra):
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """Everything one fine-tuning run needs; each field is also a `wgpu-train finetune --option`."""
+
+    model: str | None = _opt(None, "Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or hub "
+                                   "id org/name[@revision] (from the hub cache, else downloaded); default: the "
+                                   "embedded model")
+    data: str | None = _opt(None, "data file (JSONL, JSON array, Parquet), folder with a train split and optional "
+                                  "validation and test splits (ours or the hub's data/ layout), hub dataset id, "
+                                  "or a glob; repeat the option (or separate with commas) to mix several; "
+                                  "default: the embedded dataset")
+    columns: str | None = _opt(None, "other column names of the data, FIELD=COLUMN[,...] (fields: messages, "
+                                     "prompt, completion, instruction, input, output, response, context, system, "
+                                     "text), e.g. prompt=question,completion=answer")
+    out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
+                                 f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
+    backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
+                        choices=BACKEND_CHOICES)
+    device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
+    method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
+    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16, "
+                                      "nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
+                                      "double-quantised absmax values); anything but float32 is LoRA only",
+                           choices=BASE_DTYPES)
+    embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, float16, or auto (float16 "
+                                    "unless the base is float32, as in QLoRA); LoRA only unless float32",
+                            choices=EMBED_CHOICES)
+    lora_rank: int = _opt(8, "LoRA rank r")
+    lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
+    lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
+    lora_targets: str = _opt("q_proj,v_proj", "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
+                                              "gate_proj, up_proj, down_proj), or all-linear")
+    rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
+    adapter_path: str | None = _opt(None, "start from this PEFT LoRA adapter (folder or hub id) instead of a fresh "
+                                          "one: its weights, rank, alpha, targets and rsLoRA (LoRA options left at "
+                                          "their defaults take the adapter's, others must agree); the optimizer "
+                                          "starts fresh: not a resume")
+    epochs: int = _opt(3, "passes over the training set (ignored when --max-steps is given)")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    batch_size: int = _opt(4, "samples (rows) per micro-batch")
+    max_tokens_per_batch: int | None = _opt(None, "form micro-batches of up to this many tokens (rows x their "
+                                                  "longest length) from rows of similar lengths, instead of "
+                                                  "--batch-size rows; at least the longest sample")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step; the loss is normalised by the trained tokens "
+                              "of all of them, so the step equals one batch of batch_size * grad_accum")
+    lr: float = _opt(1e-3, "peak learning rate")
+    lr_schedule: str = _opt("cosine", "learning-rate decay after warmup: constant, linear or cosine",
+                            choices=SCHEDULES)
+    warmup_steps: int = _opt(0, "steps of linear warmup up to --lr")
+    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.999, "AdamW beta2")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
+    gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in the backward: less GPU "
+                                               "memory, about one more forward per step")
+    max_seq_len: int = _opt(512, "longer samples are truncated, and dropped when no response token remains")
+    pack: bool = _opt(False, "pack several samples into each row (attention never crosses samples)")
+    valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when there is no valid.jsonl")
+    no_chat_template: bool = _opt(False, "train on raw prompt + response text instead of the chat template")
+    train_on_last_turn: bool = _opt(False, "in multi-turn chats, train only the last assistant turn")
+    skip_invalid: bool = _opt(False, "skip invalid records (and report how many) instead of stopping")
+    eval_every: int = _opt(0, "validation loss every N steps (0: only at each epoch's end); always at the end")
+    save_every: int = _opt(0, "checkpoint every N steps (0: only at the end and on Ctrl-C)")
+    keep_checkpoints: int = _opt(3, "keep only the newest K checkpoints (0: keep all)")
+    early_stop_patience: int = _opt(0, "stop after N evaluations without a lower validation loss (0: off); the "
+                                       "adapter written is then the best evaluation's (kept in memory)")
+    seed: int = _opt(0, "seed of the validation split, shuffling, LoRA initialisation and dropout")
+    resume: str | None = _opt(None, "continue a run from a checkpoint folder (or an output folder: its newest "
+                                    "checkpoint)")
+    overwrite: bool = _opt(False, "replace an earlier run in --out (its checkpoints are deleted); without it a new "
+                                  "run refuses an output folder that already holds one")
+    no_progress: bool = _opt(False, "no progress bar; plain log lines instead (for logs and CI)")
+    eval_generate: bool | None = _opt(None, "exact match of greedy answers on the held-out set (test, else valid) "
+                                            "before and after training; default: on for the embedded dataset")
+    max_eval_samples: int = _opt(100, "at most this many held-out samples for exact match (0: all)")
+    max_new_tokens: int = _opt(64, "longest answer generated for exact match")
+    log_every: int = _opt(10, "one metrics.jsonl row (and log line) every N steps")
+    profile_interval: int = _opt(0, "every N steps, GPU time per op group (timestamp queries) as a table and a "
+                                    "metrics.jsonl row (0: off)")
+    report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
+                                  "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype"):
+            choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
+            need(getattr(self, name) in choices,
+                 f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
+                     "max_grad_norm", "valid_split"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{name} must be a finite number, got {value!r}")
+        for name in ("lora_rank", "epochs", "batch_size", "grad_accum", "max_seq_len", "max_new_tokens",
+                     "log_every"):
+            need(getattr(self, name) >= (2 if name == "max_seq_len" else 1),
+                 f"{name} must be at least {2 if name == 'max_seq_len' else 1}, got {getattr(self, name)}")
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm", "eval_every", "save_every",
+                     "keep_checkpoints", "early_stop_patience", "max_eval_samples"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.max_steps is None or self.max_steps >= 1, f"max_steps must be at least 1, got {self.max_steps}")
+        need(self.max_tokens_per_batch is None or self.max_tokens_per_batch >= 1,
+             f"max_tokens_per_batch must be at least 1, got {self.max_tokens_per_batch}")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
+        need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
+        need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
+        need(self.method == "lora" or self.storage_dtypes() == ("float32", "float32"),
+             f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "
+             f"(got {', '.join(self.storage_dtypes())})")
+        if self.method == "lora":
+            self.lora_config()  # validates rank, dropout and targets
+        need(not (self.adapter_path and self.resume),
+             "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
+        need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
+        tracking.parse_report_to(self.report_to)
+
+    def continued_lora(self, adapter: LoraConfig) -> LoraConfig:
+        """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets
+        and rsLoRA where these options keep their defaults, refused (one line) where they say otherwise; the
+        dropout is this run's when given, else the adapter's."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        mine = self.lora_config()
+        pairs = (("lora_rank", "r", mine.r, adapter.r), ("lora_alpha", "lora_alpha", mine.alpha, adapter.alpha),
+                 ("lora_targets", "target_modules", mine.target_modules, adapter.target_modules),
+                 ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora))
+        for name, key, given, theirs in pairs:
+            if getattr(self, name) != defaults[name] and given != theirs:
+                shown = ",".join(theirs) if isinstance(theirs, tuple) else theirs
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} contradicts the adapter's "
+                                  f"{key}={shown} ({self.adapter_path}); leave it out to continue with the adapter's")
+        dropout = mine.dropout if self.lora_dropout != defaults["lora_dropout"] else adapter.dropout
+        return dataclasses.replace(adapter, dropout=dropout)
+
+    def output_dir(self) -> Path:
+        """The output folder: `out`, else the folder of the run that `resume` continues (see run_folder), else
+        wgpu-train-out."""
+        if self.out is not None:
+            return Path(self.out)
+        from .run_folder import run_folder
+
+        return run_folder(self.resume) if self.resume else Path(DEFAULT_OUT)
+
+    def storage_dtypes(self) -> tuple[str, str]:
+        """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
+        return check_dtypes(self.base_dtype, self.embed_dtype)
+
+    def lora_config(self) -> LoraConfig:
+        """The LoraConfig these options describe."""
+        return LoraConfig(r=int(self.lora_rank), alpha=float(self.lora_alpha), dropout=float(self.lora_dropout),
+                          target_modules=self.lora_targets, use_rslora=bool(self.rslora))
+
+    def optimizer_params(self, lr: float) -> OptimizerParams:
+        """AdamW settings of one step at learning rate `lr`."""
+        return OptimizerParams(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.adam_eps,
+                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None)
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+
+# ---- the embedded default run ---------------------------------------------------------------------
+
+def default_run_values() -> dict:
+    """The embedded recipe (wgpu_train/assets/recipe.toml) that `wgpu-train finetune` with no --model and no
+    --data uses below the command line and --config."""
+    try:
+        from .assets import default_recipe
+    except ImportError:
+        return {}
+    return default_recipe()
+
+
+def default_run_config(**overrides) -> "TrainConfig":
+    """The TrainConfig of the default run (embedded model, dataset and recipe), with overrides."""
+    return TrainConfig(**{**default_run_values(), **overrides})
+
+
+def default_model_dir() -> Path:
+    """The embedded model folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
+    return _asset("default_model_dir", "model", "--model DIR")
+
+
+def default_data_dir() -> Path:
+    """The embedded dataset folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
+    return _asset("default_data_dir", "dataset", "--data PATH")
+
+
+def _asset(func: str, what: str, option: str) -> Path:
+    try:
+        from . import assets
+        path = Path(getattr(assets, func)())
+    except (ImportError, AttributeError, OSError):
+        raise ConfigError(f"the embedded default {what} is not installed; pass {option}") from None
+    if not path.exists():
+        raise ConfigError(f"the embedded default {what} is missing ({path}); pass {option}")
+    return path
