@@ -9,7 +9,7 @@ import pytest
 import wgpu_train as wt
 from wgpu_train import memory
 from wgpu_train.config import OptimizerParams
-from wgpu_train.gpu import engine as E
+from wgpu_train.gpu import buffers as E
 from wgpu_train.reference.ops import shift_labels
 
 from tiny_models import build_model, save_model

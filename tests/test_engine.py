@@ -8,7 +8,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.config import OptimizerParams
-from wgpu_train.gpu.engine import loss_head_size
+from wgpu_train.gpu.buffers import loss_head_size
 from wgpu_train.reference.ops import shift_labels
 
 from tiny_models import build_model, save_model

@@ -14,7 +14,7 @@ import wgpu_train as wt
 from wgpu_train import memory
 from wgpu_train.config import OptimizerParams
 from wgpu_train.gpu import kernels as K
-from wgpu_train.gpu.engine import loss_head_size
+from wgpu_train.gpu.buffers import loss_head_size
 from wgpu_train.gpu.tensors import Matrix
 from wgpu_train.memory import base_weight_bytes, head_rows
 from wgpu_train.reference import ops

@@ -1,0 +1,180 @@
+"""The WebGPU engine's device buffers: a LoRA module's tensors (GpuLora), a batch's inputs, a bucket's
+activations; and the bucket cache (BucketCache, a part of WgpuEngine): one growing capacity bucket per kind,
+freed least recently used."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import DeviceError
+from ..memory import SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens, check_fits, head_rows
+from ..reference import ops as ref_ops
+from .runtime import Runtime
+from .tensors import F32
+
+
+class GpuLora:
+    """A LoRA pair on the GPU: views of A (r, in) and B (out, r) and of their gradients."""
+
+    def __init__(self, path, a, b, ga, gb, shape_a, shape_b, scale, dropout, module_id):
+        self.path, self.scale, self.dropout, self.module_id = path, float(scale), float(dropout), module_id
+        self.a, self.b, self.ga, self.gb = a, b, ga, gb
+        self.r, self.in_f = shape_a
+        self.out_f = shape_b[0]
+
+
+def loss_head_size(m: int, n: int) -> int:
+    """Rows the loss head computes for m trained rows out of n: m rounded up to a multiple of 8, or of
+    1/8 of m's power of two beyond 64 (at most 1/8 more rows), capped at n. The sizes of the head's
+    dispatches follow it, and their uniforms are cached by value: a run then meets a few dozen of them,
+    where every trained-token count would each add its own."""
+    if m <= 0:
+        return 0
+    unit = max(8, 1 << max(0, m.bit_length() - 4))
+    return min(n, -(-m // unit) * unit)
+
+
+class Inputs:
+    """The uploaded batch of one micro-batch slot, all i32 (B*T,): ids, segment ids, positions, targets
+    (those of the loss head's rows, or generation's row indices) and head_index (the loss head's rows)."""
+
+    def __init__(self, rt: Runtime, n: int):
+        self.ids, self.segments, self.positions, self.targets, self.head_index = (
+            rt.buffer(n * F32, name) for name in ("ids", "segment_ids", "positions", "targets", "head_index"))
+
+
+class Activations:
+    """Every buffer a bucket of `capacity` tokens needs for forward and backward, allocated once and reused by
+    every batch of up to that many tokens: the kernels take each batch's sizes (use(b, t)), and each buffer
+    holds its tensor for `capacity` rows.
+
+    layers[i] maps a name to layer i's buffer. With checkpoint (gradient checkpointing, training only)
+    only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
+    the backward refills by recomputing each layer's forward. A forward-only bucket (train=False) has
+    one set for all layers, x_in included (memory.activation_plan)."""
+
+    def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
+                 train: bool, checkpoint: bool = False, batch: tuple = (1, 0)):
+        self.capacity, self.train = capacity, train
+        self.checkpoint = checkpoint and train
+        self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
+        layer, shared = activation_plan(cfg, 1, capacity, lora_ranks, dropout_inputs, train, self.checkpoint,
+                                        rt.max_binding)
+        check_fits(cfg, batch[0], batch[1], rt.max_binding, layer, shared)    # named after the batch that asked
+        # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
+        self.b = self.t = self.n = self.n_head = 0
+        self.ids = self.segments = self.positions = self.targets = self.head_index = None
+        try:
+            one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
+                       if name.startswith(SHARED_LAYER)}
+            self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **one_set}
+                           for _ in range(cfg.num_hidden_layers)]
+            for name, e in shared.items():
+                if not name.startswith(SHARED_LAYER):
+                    setattr(self, name, rt.buffer(max(1, e) * F32, name))
+        except DeviceError as e:
+            hint = "" if self.checkpoint or not train else ", or pass --gradient-checkpointing"
+            raise DeviceError(f"{e}, for the activations of batch {batch[0]} x {batch[1]} tokens: reduce the batch "
+                              f"size or --max-seq-len{hint}") from None
+
+    @property
+    def key(self) -> tuple:
+        return self.capacity, self.train, self.checkpoint
+
+    def use(self, b: int, t: int):
+        """Run the next recording with a batch of b rows of t tokens (b * t <= capacity); _upload_batch then
+        points the bucket at the batch's inputs and sets n_head."""
+        self.b, self.t, self.n = b, t, b * t
+
+
+class BucketCache:
+    """WgpuEngine's activation buckets (a mixin: it uses the engine's rt, cfg, LoRA and bucket state)."""
+
+    # ---- buffers per bucket -------------------------------------------------------------------
+    def _activations(self, b, t, train=True, keep=()) -> Activations:
+        """A bucket that holds b x t tokens, set to that shape: the smallest allocated one of its kind (training
+        or not, checkpointed or not) that is big enough, else a new one of memory.bucket_tokens(b * t) tokens
+        (the exact size when that one would not fit the device). Allocating one frees the smaller buckets of
+        its kind and, beyond MAX_BUCKETS, the least recently used; never those in `keep` (keys of buckets
+        already recorded into the open encoder)."""
+        n, checkpoint = b * t, train and self.gradient_checkpointing
+        fits = [k for k in self._acts if k[1:] == (train, checkpoint) and k[0] >= n]
+        if fits:
+            key = min(fits)
+            acts = self._acts.pop(key)
+        else:
+            for old in [k for k in self._acts if k[1:] == (train, checkpoint) and k not in keep]:
+                self._free_bucket(old)
+            limit = self.MAX_BUCKETS if train else self.MAX_FORWARD_BUCKETS
+            while sum(k[1] == train for k in self._acts) >= limit:
+                old = next((k for k in self._acts if k[1] == train and k not in keep), None)
+                if old is None:
+                    break
+                self._free_bucket(old)
+            groups = self._group_of
+            ranks = activation_ranks({p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}, groups)
+            drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
+            try:
+                acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t))
+            except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
+                acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t))
+            self.counters["buckets_allocated"] += 1
+        self._acts[acts.key] = acts          # most recently used last
+        acts.use(b, t)
+        return acts
+
+    def _free_bucket(self, key):
+        """Free one bucket, and its batch inputs when no other bucket of its capacity remains."""
+        self._free(self._acts.pop(key))
+        if not any(k[0] == key[0] for k in self._acts):
+            for stale in [k for k in self._inputs if k[0] == key[0]]:
+                self.rt.release(*vars(self._inputs.pop(stale)).values())
+
+    def _free(self, acts: Activations):
+        # buffers shared by all layers (forward-only and checkpointed buckets) are released once
+        bufs = list({id(b): b for layer in acts.layers for b in layer.values()}.values())
+        bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
+                 ("ids", "segments", "positions", "targets", "head_index")]
+        self.rt.release(*bufs)
+
+    def _release_acts(self):
+        for acts in self._acts.values():
+            self._free(acts)
+        self.rt.release(*[b for inp in self._inputs.values() for b in vars(inp).values()])
+        self._acts.clear()
+        self._inputs.clear()
+
+    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None):
+        """Write one micro-batch into the input buffers of its slot and point acts at them.
+
+        targets (B, T) (training, evaluation): only the rows with a target (not IGNORE_INDEX) go through
+        the loss head. Their indices, padded with untrained rows to loss_head_size, go to head_index and
+        their targets, in that order, to targets; acts.n_head counts them. When that is every row, the
+        targets go as they are and head_index is unused (acts.head_index None).
+        last (generation, forward_rows): row indices, written to targets as they are."""
+        rt = self.rt
+        b, t = ids.shape
+        n = b * t
+        inp = self._inputs.get((acts.capacity, slot))
+        if inp is None:
+            inp = self._inputs[(acts.capacity, slot)] = Inputs(rt, acts.capacity)
+        acts.ids, acts.segments, acts.positions, acts.targets = inp.ids, inp.segments, inp.positions, inp.targets
+        rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
+        rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
+        rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
+        acts.head_index, acts.n_head = None, n
+        if last is not None:
+            rt.write(acts.targets, last.astype(np.int32).reshape(-1))
+        if targets is None:
+            return
+        tg = targets.astype(np.int32).reshape(-1)                    # (B*T,)
+        trained = tg != ref_ops.IGNORE_INDEX
+        m = loss_head_size(int(trained.sum()), n)
+        if m == n:
+            rt.write(acts.targets, tg)
+            return
+        # padding rows are untrained ones (ignored targets: no loss, zero gradient), so indices stay distinct
+        rows = np.concatenate([np.flatnonzero(trained), np.flatnonzero(~trained)])[:m].astype(np.int32)  # (m,)
+        acts.head_index, acts.n_head = inp.head_index, m
+        rt.write(acts.head_index, rows)
+        rt.write(acts.targets, tg[rows])

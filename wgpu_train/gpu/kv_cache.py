@@ -1,0 +1,71 @@
+"""Generation with a KV cache on the WebGPU engine (KvCacheGeneration, a part of WgpuEngine): per layer a key
+and a value buffer, rows of several sequences decoded together."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import DeviceError
+from ..reference.model import check_rows, forward_cached
+from .operands import at
+from .tensors import F32, linear_forward
+
+
+class KvCacheGeneration:
+    """WgpuEngine's KV-cache generation (a mixin: it records layers with the engine's LayerRecorder)."""
+
+    # ---- generation with a KV cache -----------------------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
+        buffer (batch, max_len, Hkv, D)."""
+        cfg = self.cfg
+        size = batch * max_len * cfg.kv_size * F32
+        if size > self.rt.max_binding:
+            raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "
+                              f"over the device's max storage binding of {self.rt.max_binding / 2**20:.0f} MiB: "
+                              f"generate fewer sequences at once or fewer tokens")
+        return {"k": [self.rt.buffer(size, "k_cache") for _ in range(cfg.num_hidden_layers)],
+                "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
+                "len": 0, "batch": batch, "max_len": max_len}
+
+    def free_kv_cache(self, kv: dict):
+        """Free a KV cache's buffers now (and the cached bind groups that hold them)."""
+        self.rt.release(*kv["k"], *kv["v"])
+        kv["k"] = kv["v"] = []
+
+    def forward_cached(self, ids, kv: dict) -> np.ndarray:
+        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
+        return forward_cached(self, ids, kv)
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last) -> np.ndarray:
+        """n new tokens, each with its own cache row and position (reference.model.NumpyEngine.forward_rows):
+        keys and values written first, then causal attention within each row; logits (m, V) of the tokens
+        at indices last (m,). One submission and one readback while the m rows of logits fit the head's
+        chunk. The tokens are padded to a power of two (padding has row -1, which writes nothing) so that
+        calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets."""
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
+        n, m = ids.shape[0], last.shape[0]
+        if n == 0:
+            return np.zeros((m, self.cfg.vocab_size), np.float32)
+        size = 1 << (n - 1).bit_length()
+        pad = size - n
+        before = dict(self.rt.counters)
+        acts = self._activations(1, size, train=False)
+        # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
+        self._upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
+                           np.pad(positions, (0, pad))[None], last=np.pad(last, (0, size - m))[None])
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts, kv, m)
+        v, c = self.cfg.vocab_size, self.cfg.hidden_size
+        out = np.empty((m, v), np.float32)
+        if m == 0:   # keys and values only
+            rec.submit()
+        for r0 in range(0, m, acts.head_rows):
+            if r0:
+                rec = self.rt.recorder()
+            count = min(acts.head_rows, m - r0)
+            linear_forward(rec, acts.logits, at(acts.x_final, r0 * c), self._head(), None, count)
+            rec.submit()
+            out[r0:r0 + count] = self.rt.read(acts.logits, np.float32, (count, v))
+        self._count(before)
+        return out
