@@ -1,0 +1,108 @@
+"""What generate, eval and merge take from the run that trained an adapter: the settings the command line
+leaves out (its train_config.json, or a checkpoint's trainer_state.json), and the base model it implies; and
+loading that model with the adapter."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .hf import adapter_base_model
+
+# What generate / eval use for a setting that neither the command line nor the adapter's run decides.
+FALLBACKS = {"base_dtype": "float32", "embed_dtype": "auto", "no_chat_template": False, "train_on_last_turn": False,
+             "max_seq_len": 512}
+_SETTING_TYPES = {"base_dtype": str, "embed_dtype": str, "no_chat_template": bool, "train_on_last_turn": bool,
+                  "max_seq_len": int}
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def run_config_path(adapter_path) -> Path:
+    """The train_config.json of the run that wrote an adapter folder (an output folder's own, or for a
+    checkpoint's adapter/ its run's)."""
+    adapter = Path(adapter_path)
+    if (adapter.parent / "trainer_state.json").is_file():
+        from .run_folder import run_folder
+
+        return run_folder(adapter.parent) / "train_config.json"
+    return adapter / "train_config.json"
+
+
+def trained_settings(adapter_path) -> dict:
+    """The settings in FALLBACKS that the run which wrote an adapter folder used: its train_config.json (an
+    output folder), or for a checkpoint's adapter/ the checkpoint's trainer_state.json (the storage dtypes)
+    over its run's train_config.json; only those recorded with the right type."""
+    adapter = Path(adapter_path)
+    checkpoint = adapter.parent
+    sources = [run_config_path(adapter)]
+    if (checkpoint / "trainer_state.json").is_file():
+        sources.append(checkpoint / "trainer_state.json")
+    found = {}
+    for path in sources:
+        found.update(_read_json_object(path))
+    return {k: found[k] for k, kind in _SETTING_TYPES.items()
+            if isinstance(found.get(k), kind) and (kind is not int or not isinstance(found[k], bool))}
+
+
+def trained_data_format(adapter_path) -> str | None:
+    """The data format the run that wrote an adapter folder trained on ("completions", "chat", ...), if known."""
+    return _read_json_object(run_config_path(adapter_path)).get("data_format")
+
+
+def _option(name: str, value) -> str:
+    """How the command line spells a setting's value (e.g. --base-dtype nf4, --no-chat-template)."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+def _as_used(settings: dict) -> dict:
+    """settings with embed_dtype "auto" resolved as the engines resolve it."""
+    from .reference.quant import check_dtypes
+
+    base, embed = check_dtypes(settings["base_dtype"], settings["embed_dtype"])
+    return {**settings, "base_dtype": base, "embed_dtype": embed}
+
+
+def choose_settings(given: dict, adapter_path) -> dict:
+    """`given` (setting -> its command-line value, None when not given; base_dtype and embed_dtype among them)
+    with each missing value taken from the run that trained the adapter (trained_settings), else from
+    FALLBACKS. One line on stderr names what the run decided where that differs from what would apply
+    without it."""
+    trained = trained_settings(adapter_path) if adapter_path is not None else {}
+    chosen = {k: v if v is not None else trained.get(k, FALLBACKS[k]) for k, v in given.items()}
+    used = _as_used(chosen)
+    plain = _as_used({k: v if v is not None else FALLBACKS[k] for k, v in given.items()})
+    taken = [_option(k, chosen[k]) for k in given if given[k] is None and k in trained and used[k] != plain[k]]
+    if taken:
+        print(f"settings of the run that trained the adapter (options given here win): {', '.join(taken)}",
+              file=sys.stderr)
+    return chosen
+
+
+def model_folder(model_arg, adapter: Path | None) -> Path:
+    """--model (a folder or hub id), else the adapter's base model (a folder on this machine or a hub id), else
+    the embedded model."""
+    from . import hub
+    from .train_config import default_model_dir
+
+    return hub.resolve(model_arg, "model") if model_arg else (adapter and adapter_base_model(adapter)) or default_model_dir()
+
+
+def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
+                             base_dtype="float32", embed_dtype="auto"):
+    """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge."""
+    from .model import load_model
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir) if tokenizer else None
+    model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype, embed_dtype=embed_dtype)
+    if adapter is not None:
+        model.load_adapter(adapter)
+    return model, tok
