@@ -80,5 +80,22 @@ class Engine(Protocol):
     def forward_rows(self, ids, rows, positions, kv: dict, last): ...
 
 
+class DropoutState:
+    """The LoRA dropout position both engines keep (seed, micro-batches drawn), with the protocol's methods."""
+
+    dropout_seed = 0
+    dropout_calls = 0
+
+    def seed_dropout(self, seed: int):
+        self.dropout_seed, self.dropout_calls = int(seed) & 0xFFFFFFFF, 0
+
+    def state_dict(self) -> dict:
+        return {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
+
+    def load_state_dict(self, state: dict):
+        self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
+        self.dropout_calls = int(state.get("dropout_calls", 0))
+
+
 # the protocol's attributes and methods by name
 MEMBERS = frozenset(list(Engine.__annotations__) + [k for k in vars(Engine) if not k.startswith("_")])

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from ..config import LINEAR_MODULES, ModelConfig
+from ..engine_protocol import DropoutState
 from ..errors import ConfigError
 from ..hf import module_path
 from ..memory import lora_groups
@@ -25,7 +26,7 @@ from .kv_cache import KvCacheGeneration
 from .layers import LayerRecorder
 
 
-class WgpuEngine(BucketCache, LayerRecorder, KvCacheGeneration):
+class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
     """The engine protocol of reference.model.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
@@ -122,16 +123,6 @@ class WgpuEngine(BucketCache, LayerRecorder, KvCacheGeneration):
                 continue     # not back to back (set_lora's packing order puts them so)
             out[module] = members
         return out
-
-    def seed_dropout(self, seed: int):
-        self.dropout_seed, self.dropout_calls = int(seed) & 0xFFFFFFFF, 0
-
-    def state_dict(self) -> dict:
-        return {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
-
-    def load_state_dict(self, state: dict):
-        self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
-        self.dropout_calls = int(state.get("dropout_calls", 0))
 
     @property
     def max_binding(self) -> int:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from ..config import ModelConfig
+from ..engine_protocol import DropoutState
 from ..hf import module_path
 from . import ops
 from .quant import check_dtypes, round_weights
@@ -52,7 +53,7 @@ def forward_cached(engine, ids, kv: dict) -> np.ndarray:
     return logits
 
 
-class NumpyEngine:
+class NumpyEngine(DropoutState):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype ("float32", "float16", "nf4", "nf4-dq" / "float32", "float16"): the base weights are
@@ -94,16 +95,6 @@ class NumpyEngine:
 
     def lora_tensors(self) -> dict:
         return {p: (m.a.copy(), m.b.copy()) for p, m in self.lora.items()}
-
-    def seed_dropout(self, seed: int):
-        self.dropout_seed, self.dropout_calls = int(seed) & 0xFFFFFFFF, 0
-
-    def state_dict(self) -> dict:
-        return {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
-
-    def load_state_dict(self, state: dict):
-        self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
-        self.dropout_calls = int(state.get("dropout_calls", 0))
 
     def set_full_finetune(self, enabled: bool = True):
         self.full = enabled
