@@ -110,6 +110,42 @@ def test_lora_gradients_match_peft_autograd(folder, rt, tmp_path):
         assert_close(grads[k], g, "gpu_grads", k)
 
 
+def test_loraplus_steps_match_peft_optimizer(folder, rt, tmp_path):
+    """LoRA+ (B at 4x the learning rate): two AdamW steps on both engines against PEFT's
+    create_loraplus_optimizer with torch AdamW on the PEFT model."""
+    peft = pytest.importorskip("peft")
+    from peft.optimizers import create_loraplus_optimizer
+
+    path, _ = folder
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    ref, gpu = _pair(path, rt, lora, b_seed=3)
+    ref.save_adapter(tmp_path / "adapter")
+    peft_model = peft.PeftModel.from_pretrained(build_model(gpu.config.family, seed=1), tmp_path / "adapter",
+                                                is_trainable=True)
+    opt = create_loraplus_optimizer(peft_model, torch.optim.AdamW, lr=1e-2, loraplus_lr_ratio=4.0,
+                                    loraplus_weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+    ids, labels, mask = _batch(4)
+    micro = _micro_batches(ids, labels, mask, 2)
+    hp = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=None, lora_b_lr_ratio=4.0)
+    for step in (1, 2):
+        opt.zero_grad()
+        peft_model(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)).loss.backward()
+        opt.step()
+        ref.engine.train_step(micro, hp, step)
+        gpu.engine.train_step(micro, hp, step)
+    want = {n.replace(".default", ""): p.detach().numpy() for n, p in peft_model.named_parameters() if p.requires_grad}
+    for model in (ref, gpu):
+        got = model.lora_state_dict()
+        assert set(got) == set(want)
+        for k, w in want.items():
+            assert_close(got[k], w, "params_vs_torch_adamw", k)
+    plain = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=None)
+    ref2, _ = _pair(path, rt, lora, b_seed=3)
+    ref2.engine.train_step(micro, plain, 1)
+    b_key = next(k for k in want if "lora_B" in k)
+    assert not np.allclose(ref2.lora_state_dict()[b_key], ref.lora_state_dict()[b_key])   # the ratio mattered
+
+
 def test_adamw_steps_with_clipping_match_numpy(folder, rt):
     """10 optimizer steps (2 micro-batches each, clipping active) give the same LoRA parameters."""
     path, _ = folder

@@ -335,6 +335,20 @@ def test_resume_keeps_one_metrics_row_per_step(workspace, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_loraplus_option(workspace, tmp_path):
+    """--loraplus-lr-ratio trains B faster (the engines' LoRA+ is checked against PEFT in test_engine.py); a
+    ratio that is not positive, or one with full fine-tuning, is refused."""
+    a = finetune(config(workspace, tmp_path / "a", max_steps=2))
+    b = finetune(config(workspace, tmp_path / "b", max_steps=2, loraplus_lr_ratio=16.0))
+    ta, tb = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b")
+    key = next(k for k in ta if "lora_B" in k)
+    assert a["steps"] == b["steps"] == 2 and np.abs(tb[key]).max() > 2 * np.abs(ta[key]).max()
+    with pytest.raises(ConfigError, match="loraplus_lr_ratio must be > 0"):
+        TrainConfig(loraplus_lr_ratio=0.0)
+    with pytest.raises(ConfigError, match="loraplus_lr_ratio sets the LoRA B matrices' learning rate"):
+        TrainConfig(method="full", loraplus_lr_ratio=4.0)
+
+
 def test_full_finetune_and_resume(workspace, tmp_path):
     kw = dict(method="full", max_steps=2, lr=1e-3, valid_split=0.0)
     a = finetune(config(workspace, tmp_path / "a", save_every=1, **kw))

@@ -240,3 +240,4 @@ class OptimizerParams:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
+    lora_b_lr_ratio: float = 1.0     # LoRA+: the learning rate of the LoRA B matrices over lr (the A matrices')

@@ -56,6 +56,8 @@ class TrainConfig:
     lora_targets: str = _opt("q_proj,v_proj", "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
                                               "gate_proj, up_proj, down_proj), or all-linear")
     rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
+    loraplus_lr_ratio: float = _opt(1.0, "LoRA+: the learning rate of the LoRA B matrices over lr (PEFT's "
+                                         "loraplus_lr_ratio; the LoRA+ paper suggests 16; 1: plain LoRA)")
     adapter_path: str | None = _opt(None, "start from this PEFT LoRA adapter (folder or hub id) instead of a fresh "
                                           "one: its weights, rank, alpha, targets and rsLoRA (LoRA options left at "
                                           "their defaults take the adapter's, others must agree); the optimizer "
@@ -116,7 +118,7 @@ class TrainConfig:
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
-                     "max_grad_norm", "valid_split"):
+                     "max_grad_norm", "valid_split", "loraplus_lr_ratio"):
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                  f"{name} must be a finite number, got {value!r}")
@@ -132,6 +134,9 @@ class TrainConfig:
              f"max_tokens_per_batch must be at least 1, got {self.max_tokens_per_batch}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        need(self.loraplus_lr_ratio > 0, f"loraplus_lr_ratio must be > 0, got {self.loraplus_lr_ratio}")
+        need(self.method == "lora" or self.loraplus_lr_ratio == 1,
+             "loraplus_lr_ratio sets the LoRA B matrices' learning rate: method lora")
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
@@ -183,7 +188,8 @@ class TrainConfig:
     def optimizer_params(self, lr: float) -> OptimizerParams:
         """AdamW settings of one step at learning rate `lr`."""
         return OptimizerParams(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.adam_eps,
-                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None)
+                               weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm or None,
+                               lora_b_lr_ratio=float(self.loraplus_lr_ratio))
 
     def to_dict(self) -> dict:
         """The fields as a JSON-serialisable dict."""

@@ -59,6 +59,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         self.grads: dict = {}      # trainable name -> its gradient, the same kind
         self.moments: dict = {}    # trainable name -> (m, v), the same kind
         self._groups: list = []    # optimizer pieces: (param, grad, m, v, n elements)
+        self._b_groups: list = []  # per piece: whether it holds LoRA B matrices (their lr: LoRA+)
         self._state_buffers: list = []
         self._lora_packed = None
         self.dropout_seed, self.dropout_calls = 0, 0
@@ -162,9 +163,11 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             self.grads = {k: self._like(p, k + ".grad") for k, p in self.params.items()}
             self.moments = {k: (self._like(p, k + ".m"), self._like(p, k + ".v")) for k, p in self.params.items()}
             self._groups = []
+            self._b_groups = []
             for k, p in self.params.items():
                 parts = [self._parts(t) for t in (p, self.grads[k], *self.moments[k])]
                 self._groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*parts)]
+            self._b_groups = [False] * len(self._groups)
             self._state_buffers = [t for g in self.grads.values() for t, _ in self._parts(g)]
             self._state_buffers += [t for mv in self.moments.values() for m in mv for t, _ in self._parts(m)]
         else:
@@ -174,8 +177,12 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             self.grads = {k: grads.view(k) for k in params.shapes}
             self.moments = {k: (m.view(k), v.view(k)) for k in params.shapes}
             step = max(1, (rt.max_binding - 256) // F32)
-            self._groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), min(step, params.n - o))
-                            for o in range(0, params.n, step)]
+            # every A lies before every B (set_lora): pieces end at that boundary, so B's may take another lr
+            b0 = min((params.view(k)[1] for k in params.shapes if k.endswith(".lora_B")), default=params.n)
+            spans = [(o, min(step, end - o), start == b0) for start, end in ((0, b0), (b0, params.n))
+                     for o in range(start, end, step)]
+            self._groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), n) for o, n, _ in spans]
+            self._b_groups = [is_b for _, _, is_b in spans]
             self._state_buffers = [params.buf, grads.buf, m.buf, v.buf]
         self._norm_slots = [K.grad_norm_slots(g[4]) for g in self._groups]
         self.partials = rt.buffer(F32 * max(1, sum(self._norm_slots)), "partials")
@@ -411,7 +418,8 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             K.grad_norm_partial(rec, self.partials, slot, grad, n)
             slot += slots
         K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
-        for param, grad, m, v, n in self._groups:
-            K.adamw_update(rec, param, grad, m, v, n, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
+        for (param, grad, m, v, n), is_b in zip(self._groups, self._b_groups):
+            lr = hp.lr * hp.lora_b_lr_ratio if is_b else hp.lr
+            K.adamw_update(rec, param, grad, m, v, n, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
                            scale_buf=norm_at)
 

@@ -1,6 +1,6 @@
 """Pre-tuning and model-FLOPs utilisation of a model's LoRA training step: one step of the model's shapes,
-built from its config.json with random weights, runs every GEMM it needs through the tuner (`wgpu-train
-tune`), and a timed step gives the step's model FLOPs per second next to the adapter's FMA peak (`bench`)."""
+built from its config.json with random weights, runs every GEMM and attention pass it needs through the
+tuner (`wgpu-train tune`), and a timed step gives the step's model FLOPs per second next to the adapter's FMA peak (`bench`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,7 +62,8 @@ def lora_step_flops(cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int) ->
 
 
 def pretune(rt, cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int, mode: str = "full") -> list[dict]:
-    """Tune every GEMM of one LoRA training step of cfg at batch x seq tokens on rt; one row per GEMM shape:
+    """Tune every GEMM and attention pass of one LoRA training step of cfg at batch x seq tokens on rt; one row
+    per shape:
     {"shape", "choice", "gflops": {candidate: GFLOP/s or None (wrong)}, "fraction_of_peak", "tuned"}."""
     engine = random_engine(rt, cfg, lora)
     hp = OptimizerParams(lr=1e-4)

@@ -357,13 +357,15 @@ class NumpyEngine(DropoutState):
         for ids, targets, seg, pos in micro_batches:
             loss_sum += self.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
         norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
-                                            hp.max_grad_norm, step)
+                                            hp.max_grad_norm, step, hp.lora_b_lr_ratio)
         if profile:
             self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied
 
-    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1):
-        """Clip by the global norm, then AdamW on every trainable tensor; returns (grad_norm, applied)."""
+    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
+                       lora_b_lr_ratio=1.0):
+        """Clip by the global norm, then AdamW on every trainable tensor (the LoRA B matrices at lr times
+        lora_b_lr_ratio: LoRA+); returns (grad_norm, applied)."""
         params = self.trainable()
         norm = grad_norm(list(self.grads.values()))
         if not np.isfinite(norm):
@@ -375,7 +377,8 @@ class NumpyEngine(DropoutState):
             if k not in self.moments:
                 self.moments[k] = (np.zeros_like(p), np.zeros_like(p))
             m, v = self.moments[k]
-            adamw_update(p, self.grads[k], m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale=scale)
+            rate = lr * lora_b_lr_ratio if k.endswith(".lora_B") else lr
+            adamw_update(p, self.grads[k], m, v, rate, beta1, beta2, eps, weight_decay, step, grad_scale=scale)
         self.zero_grads()
         return norm, True
 
