@@ -24,10 +24,10 @@ OVERRIDES = {"llama": dict(rope_scaling=None), "mistral": {}, "qwen2": {}, "qwen
 SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 
 
-def _model_and_adapter(root, arch):
+def _model_and_adapter(root, arch, extra_vocab=0):
     folder = root / arch
     vocab = build_tokenizer(folder)
-    save_model(build_model(arch, seed=3, vocab_size=vocab, **SIZES, **OVERRIDES[arch]), folder)
+    save_model(build_model(arch, seed=3, vocab_size=vocab + extra_vocab, **SIZES, **OVERRIDES[arch]), folder)
     cfg = ModelConfig.from_folder(folder)
     lora = LoraConfig(r=2, alpha=4, target_modules=LINEAR_MODULES)
     rng = np.random.default_rng(0)
@@ -78,6 +78,18 @@ def test_gguf_round_trip(tmp_path, arch):
             with torch.no_grad():
                 a, b = hf(ids).logits, from_gguf(ids).logits
             assert torch.allclose(a, b, atol=1e-4 if dtype == "f32" else 3e-2), (dtype, (a - b).abs().max())
+
+
+def test_token_list_has_a_token_per_embedding_row(tmp_path):
+    """Models whose embedding has more rows than the tokenizer has tokens (Qwen's 151,936 for 151,665) get
+    padding tokens, so that llama.cpp finds one token per row."""
+    _, adapter, cfg = _model_and_adapter(tmp_path, "qwen2", extra_vocab=7)
+    out = tmp_path / "wide.gguf"
+    assert main(["merge", "--adapter-path", str(adapter), "--out", str(tmp_path / "m"), "--gguf", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == cfg.vocab_size
+    assert bytes(tokens.parts[tokens.data[-1]]).decode() == f"[PAD{cfg.vocab_size - 1}]"
 
 
 def test_gguf_refusals_write_nothing(tmp_path, capsys):

@@ -70,6 +70,29 @@ def test_json_objects_of_arrays(tmp_path):
                                                                         or tmp_path / "l.jsonl")[0])
 
 
+def test_split_objects_and_duplicate_split_files_are_refused(tmp_path):
+    (tmp_path / "heldout.json").write_text(json.dumps({"validation": records(2), "test": records(1)}))
+    with pytest.raises(DataError, match="but no \"train\" array"):
+        resolve_data(tmp_path / "heldout.json")
+    (tmp_path / "two.json").write_text(json.dumps({"train": records(2), "valid": records(1),
+                                                   "validation": records(1)}))
+    with pytest.raises(DataError, match="are both the valid split"):
+        resolve_data(tmp_path / "two.json")
+    folder = tmp_path / "f"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", records(4))
+    (folder / "train.json").write_text(json.dumps(records(4)))
+    with pytest.raises(DataError, match="found train.jsonl and train.json; keep one train file"):
+        resolve_data(folder)
+    (folder / "train.json").unlink()
+    (folder / "test.json").write_text(json.dumps({"train": records(1), "test": records(1)}))
+    with pytest.raises(DataError, match="give this file itself as --data"):
+        resolve_data(folder)
+    (folder / "test.json").unlink()
+    write_jsonl(folder / "train-old.jsonl", records(9))                  # not a shard name: ignored
+    assert len(resolve_data(folder, valid_split=0).train) == 4
+
+
 def test_hub_layout_folder_with_shards(tmp_path):
     data = tmp_path / "ds" / "data"
     data.mkdir(parents=True)
@@ -152,16 +175,22 @@ def offline_cache(tmp_path, monkeypatch):
 def test_hub_ids_resolve_from_the_cache_offline(tmp_path, offline_cache, monkeypatch):
     snap = _cache_repo(offline_cache, "model", "org/tiny")
     assert hub.resolve("org/tiny", "model") == snap
-    local = tmp_path / "org" / "tiny"
-    local.mkdir(parents=True)
-    monkeypatch.chdir(tmp_path)
-    assert hub.resolve("org/tiny", "model") == hub.Path("org/tiny")      # a local folder of the same name wins
-    with pytest.raises(ConfigError, match=r"org/absent is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
-                                          r"download it first with: hf download org/absent$"):
+    with pytest.raises(ConfigError, match=r"org/absent is no local file or folder, nor in the Hugging Face cache, "
+                                          r"and HF_HUB_OFFLINE is set; if it is a hub id, download it first with: "
+                                          r"hf download org/absent$"):
         hub.resolve("org/absent", "model")
     with pytest.raises(ConfigError, match="--repo-type dataset --revision v9"):
         hub.resolve("org/absent@v9", "dataset")
     assert not hub.is_hub_id("just-a-name") and not hub.is_hub_id("a/b/c") and hub.is_hub_id("Qwen/Qwen3-0.6B@main")
+    assert not hub.is_hub_id("data/trian.jsonl")                        # a mistyped file, not an id
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert not hub.is_hub_id("models/x")                                # under a local folder: a path
+    with pytest.raises(ConfigError, match="not a valid Hugging Face hub id"):
+        hub.resolve("acme/model--v2", "model")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    assert hub.resolve("org/tiny", "model") == hub.Path("org/tiny")      # a local folder of the same name wins
 
 
 def test_finetune_and_eval_by_hub_ids(tmp_path, offline_cache, capsys):
@@ -188,5 +217,5 @@ def test_finetune_and_eval_by_hub_ids(tmp_path, offline_cache, capsys):
     assert np.isfinite(result["loss"])
     assert main(["finetune", "--model", "org/missing", "--out", str(tmp_path / "x"), "--backend", "numpy"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: org/missing is not in the Hugging Face cache and HF_HUB_OFFLINE is set; download it "
-                   "first with: hf download org/missing"]
+    assert err == ["error: org/missing is no local file or folder, nor in the Hugging Face cache, and HF_HUB_OFFLINE "
+                   "is set; if it is a hub id, download it first with: hf download org/missing"]

@@ -161,7 +161,7 @@ def load_toml_config(path) -> dict:
 def resolve_train_config(args: argparse.Namespace):
     """TrainConfig from the command line > TOML file (--config) > with --resume, the resumed run's settings
     (run_folder.run_settings: its train_config.json but how it was started; --out then defaults to the run's
-    folder) > the embedded recipe (only for the default run: no --model and no --data anywhere) > defaults.
+    folder) > the embedded recipe (only for the default run: no --model, --data or --adapter-path) > defaults.
 
     --epochs given (command line or TOML) without --max-steps drops a max_steps that comes from the run or the
     recipe, since max_steps would override it; when both are given, max_steps wins (TrainConfig's meaning)
@@ -172,7 +172,7 @@ def resolve_train_config(args: argparse.Namespace):
     given = load_toml_config(args.config) if getattr(args, "config", None) else {}
     given.update((f.name, getattr(args, f.name)) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name))
     run = run_settings(given["resume"]) if given.get("resume") else {}
-    default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data"))
+    default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data", "adapter_path"))
     lower = {**(default_run_values() if default_run else {}), **run}
     if "epochs" in given:
         if "max_steps" not in given:

@@ -11,11 +11,11 @@ import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.records import FORMATS, IGNORE_INDEX, RAW_SEPARATOR, Conversation, Message, Record, Text
-from wgpu_train.sources import VALID_FILES, DataSplits, load_records, resolve_data
+from wgpu_train.sources import DataSplits, load_records, resolve_data
 from wgpu_train.tokenizer import Tokenizer
 
 __all__ = [
-    "IGNORE_INDEX", "FORMATS", "RAW_SEPARATOR", "VALID_FILES", "Message", "Record", "Conversation", "Text",
+    "IGNORE_INDEX", "FORMATS", "RAW_SEPARATOR", "Message", "Record", "Conversation", "Text",
     "DataSplits", "Example", "TokenizeStats", "Batch", "BatchStream", "load_records", "resolve_data", "raw_prompt_text",
     "tokenize_example", "tokenize_dataset", "make_batches", "collate", "pack_examples",
 ]

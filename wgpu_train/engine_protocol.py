@@ -81,7 +81,8 @@ class Engine(Protocol):
 
 
 class DropoutState:
-    """The LoRA dropout position both engines keep (seed, micro-batches drawn), with the protocol's methods."""
+    """The LoRA dropout position both engines keep, with the protocol's methods: the masks hash (seed,
+    micro-batches drawn so far, module)."""
 
     dropout_seed = 0
     dropout_calls = 0

@@ -49,8 +49,9 @@ def check(config: ModelConfig, dtype: str):
                           "not exported")
 
 
-def tokenizer_fields(folder) -> dict:
-    """tokens, token types, merges and special ids of a byte-level BPE tokenizer.json, the chat template."""
+def tokenizer_fields(folder, vocab_size: int | None = None) -> dict:
+    """tokens, token types, merges and special ids of a byte-level BPE tokenizer.json, the chat template; the
+    token list padded to vocab_size (the embedding's rows: llama.cpp wants one token per row)."""
     folder = Path(folder)
     try:
         raw = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
@@ -65,6 +66,11 @@ def tokenizer_fields(folder) -> dict:
     vocab = dict(model["vocab"])
     added = {t["content"]: (t["id"], t.get("special", False)) for t in raw.get("added_tokens", [])}
     size = max([*vocab.values(), *(i for i, _ in added.values())]) + 1
+    if vocab_size is not None:
+        if size > vocab_size:
+            raise ConfigError(f"--gguf: the tokenizer has token id {size - 1}, beyond the model's vocab_size "
+                              f"{vocab_size}")
+        size = vocab_size
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [_TOKEN_NORMAL] * size
     for text, i in vocab.items():
@@ -97,7 +103,7 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     gguf = _gguf()
     check(config, dtype)
     arch = ARCHES[config.architecture]
-    tok = tokenizer_fields(tokenizer_folder)
+    tok = tokenizer_fields(tokenizer_folder, config.vocab_size)
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name or path.stem)

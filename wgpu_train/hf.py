@@ -293,16 +293,21 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json") -
     return tuple(chosen)
 
 
+def adapter_base_name(adapter_path) -> str:
+    """The adapter's base_model_name_or_path as written ("" when it has none or it cannot be read)."""
+    try:
+        raw = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
+        return str(raw.get("base_model_name_or_path") or "")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ""
+
+
 def adapter_base_model(adapter_path) -> Path | None:
     """The adapter's base_model_name_or_path when it is a model folder on this machine or a hub id (from the
     cache, else downloaded)."""
     from . import hub
 
-    try:
-        raw = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
-        name = str(raw.get("base_model_name_or_path") or "")
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
+    name = adapter_base_name(adapter_path)
     if hub.is_hub_id(name):
         return hub.resolve(name, "model")
     base = Path(name)

@@ -16,7 +16,7 @@ log = logging.getLogger("wgpu_train")
 _ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 # what each kind of repository needs on this machine (huggingface_hub allow_patterns)
 PATTERNS = {
-    "model": ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json",
+    "model": ["config.json", "generation_config.json", "model*.safetensors", "*.safetensors.index.json", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "chat_template.json", "chat_template.jinja",
               "tokenizer.model", "vocab.json", "merges.txt"],
     "adapter": ["adapter_config.json", "adapter_model.safetensors", "tokenizer*", "special_tokens_map.json",
@@ -26,9 +26,15 @@ PATTERNS = {
 _TRUE = ("1", "true", "yes", "on")
 
 
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".safetensors", ".gguf")
+
+
 def is_hub_id(text) -> bool:
-    """Whether `text` has the shape of a hub id (org/name, optionally @revision) and names no local path."""
-    return isinstance(text, str) and bool(_ID.match(text)) and not Path(text).exists()
+    """Whether `text` has the shape of a hub id (org/name, optionally @revision) and reads as no local path:
+    nothing of that name exists, its first part is no local folder, and it does not end like a data file."""
+    if not (isinstance(text, str) and _ID.match(text)) or Path(text).exists():
+        return False
+    return not Path(text.split("/")[0]).is_dir() and not text.split("@")[0].lower().endswith(_FILE_SUFFIXES)
 
 
 def split_id(text: str) -> tuple[str, str | None]:
@@ -70,13 +76,15 @@ def resolve(text, kind: str = "model") -> Path:
         f" --revision {revision}" if revision else "")
     try:
         return Path(snapshot_download(local_files_only=True, **kw))
+    except hf_errors.HFValidationError as e:
+        raise ConfigError(f"{text}: not a valid Hugging Face hub id, and no local file or folder ({e})") from None
     except (hf_errors.LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
     if offline():
-        raise ConfigError(f"{text} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
-                          f"download it first with: {command}")
-    log.info("wgpu-train: downloading %s %s from the Hugging Face hub (%s)", kind, text,
-             "config, weights and tokenizer" if kind == "model" else "its files")
+        raise ConfigError(f"{text} is no local file or folder, nor in the Hugging Face cache, and HF_HUB_OFFLINE "
+                          f"is set; if it is a hub id, download it first with: {command}")
+    log.warning("wgpu-train: downloading %s %s from the Hugging Face hub (%s)", kind, text,
+                "config, weights and tokenizer" if kind == "model" else "its files")
     try:
         return Path(snapshot_download(**kw))
     except hf_errors.RevisionNotFoundError:
@@ -85,5 +93,5 @@ def resolve(text, kind: str = "model") -> Path:
         raise ConfigError(f"{text}: no such {repo_type} on the Hugging Face hub (or it is private: "
                           "log in with `hf auth login`)") from None
     except (hf_errors.HfHubHTTPError, hf_errors.OfflineModeIsEnabled, OSError) as e:
-        raise ConfigError(f"{text} is not in the Hugging Face cache and the hub cannot be reached "
-                          f"({type(e).__name__}); download it with: {command}") from None
+        raise ConfigError(f"{text} is no local file or folder, nor in the Hugging Face cache, and the hub cannot "
+                          f"be reached ({type(e).__name__}); if it is a hub id, download it with: {command}") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,11 +19,11 @@ from .records import BadRecord, Conversation, Record, Text, convert, detect_form
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALID_NAMES = ("valid", "validation", "val", "dev")        # names of a folder's validation split
-VALID_FILES = tuple(f"{name}.jsonl" for name in VALID_NAMES)
 SPLIT_NAMES = {"train": ("train",), "valid": VALID_NAMES, "test": ("test",)}
 FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "response",
           "context", "system", "text")                     # the record fields a column can be mapped onto
 PARQUET_BATCH = 1024                                       # rows converted to Python objects at a time
+_SHARD = re.compile(r"-\d+-of-\d+\.\w+")                      # the hub's shard names: train-00000-of-00002.parquet
 
 
 # ---- column mapping ----------------------------------------------------------------------------------------
@@ -116,16 +117,29 @@ def _json_arrays(path: Path, doc: Any) -> dict[str, list]:
                     f"(e.g. {{\"train\": [...]}}), not {'an empty object' if doc == {} else type(doc).__name__}")
 
 
+def _split_keys(path: Path, arrays: dict) -> dict[str, str]:
+    """split -> the key of a JSON object's arrays that holds it (train / valid / test); DataError for two keys
+    of one split, or for split keys without a train split (held-out records must not become training data)."""
+    found: dict[str, str] = {}
+    for split, names in SPLIT_NAMES.items():
+        keys = [key for key in arrays if key in names]
+        if len(keys) > 1:
+            raise DataError(f"{path}: keys {' and '.join(map(repr, keys))} are both the {split} split; keep one")
+        if keys:
+            found[split] = keys[0]
+    if found and "train" not in found:
+        raise DataError(f"{path}: the object holds {', '.join(map(repr, found.values()))} but no \"train\" array")
+    return found
+
+
 def json_splits(path: Path) -> dict[str, list] | None:
     """A .json file's arrays by split (train / valid / test) when its top-level keys name splits, else None."""
     doc = _json_document(path)
     if doc is None:
         return None
     arrays = _json_arrays(path, doc)
-    found = {split: key for split, names in SPLIT_NAMES.items() for key in arrays if key in names}
-    if "train" not in found:
-        return None
-    return {split: arrays[key] for split, key in found.items()}
+    found = _split_keys(path, arrays)
+    return {split: arrays[key] for split, key in found.items()} if found else None
 
 
 def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
@@ -155,8 +169,12 @@ def _objects(path: Path, split: str | None = None, doc: dict | None = None) -> I
         for row, obj in _parquet_objects(path):
             yield f"{path}:{row}", obj
     elif path.suffix == ".json" and (whole := _json_document(path)) is not None:
+        arrays = _json_arrays(path, whole)
+        if _split_keys(path, arrays):
+            raise DataError(f"{path}: holds train / validation / test arrays; give this file itself as --data "
+                            "(not inside a folder's split files)")
         n = 0
-        for key, items in _json_arrays(path, whole).items():
+        for key, items in arrays.items():
             for obj in items:
                 n += 1
                 yield f"{path}:{n}", obj
@@ -222,17 +240,22 @@ def _split_files(folder: Path) -> dict[str, list[Path]]:
     for base in (folder, folder / "data"):
         found: dict[str, list[Path]] = {}
         for split, names in SPLIT_NAMES.items():
-            files = [f for name in names for suffix in SUFFIXES
-                     for f in [base / f"{name}{suffix}"] + sorted(base.glob(f"{name}-*{suffix}")) if f.is_file()]
-            if files:
-                found[split] = files
+            # one family per split: <name><suffix>, or shards <name>-NNNNN-of-NNNNN<suffix> (the hub's naming)
+            families = {}
+            for name in names:
+                for suffix in SUFFIXES:
+                    whole = base / f"{name}{suffix}"
+                    shards = sorted(f for f in base.glob(f"{name}-*{suffix}") if _SHARD.fullmatch(f.name[len(name):]))
+                    if whole.is_file():
+                        families[whole.name] = [whole]
+                    if shards:
+                        families[f"{name}-*{suffix}"] = shards
+            if len(families) > 1:
+                what = "validation" if split == "valid" else split
+                raise DataError(f"{base}: found {' and '.join(families)}; keep one {what} file")
+            if families:
+                found[split] = next(iter(families.values()))
         if "train" in found:
-            first: dict[str, Path] = {}
-            for f in found.get("valid", []):
-                first.setdefault(f.name.split("-")[0].split(".")[0], f)
-            if len(first) > 1:
-                raise DataError(f"{base}: found {' and '.join(f.name for f in first.values())}; keep one "
-                                "validation file")
             return found
     raise DataError(f"{folder}: folder has no train.jsonl (nor train.json, train.parquet or "
                     "data/train-*.parquet)")

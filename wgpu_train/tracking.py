@@ -3,10 +3,13 @@ to TensorBoard, Weights & Biases, trackio or MLflow as well, each an optional ex
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from .errors import ConfigError
+
+log = logging.getLogger("wgpu_train")
 
 TOOLS = ("tensorboard", "wandb", "trackio", "mlflow")
 EXTRAS = {"tensorboard": "tensorboardX", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
@@ -54,12 +57,13 @@ def _missing(tool: str):
 
 
 class _TensorBoard:
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, start_step: int = 0):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
             _missing("tensorboard")
-        self.writer = SummaryWriter(logdir=str(out / "runs"))
+        # a resumed run first drops what the earlier one logged after its checkpoint (as metrics.jsonl does)
+        self.writer = SummaryWriter(logdir=str(out / "runs"), purge_step=start_step + 1 if start_step else None)
         self.writer.add_text("config", "\n".join(f"{k}: {v}" for k, v in sorted(config.items())), 0)
 
     def log(self, step: int, values: dict):
@@ -72,7 +76,7 @@ class _TensorBoard:
 
 
 class _Wandb:
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, start_step: int = 0):
         try:
             import wandb
         except ImportError:
@@ -89,7 +93,7 @@ class _Wandb:
 
 
 class _Trackio:
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, start_step: int = 0):
         try:
             import trackio
         except ImportError:
@@ -105,7 +109,7 @@ class _Trackio:
 
 
 class _MLflow:
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, start_step: int = 0):
         try:
             import mlflow
         except ImportError:
@@ -133,13 +137,21 @@ _CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio, "
 
 
 class Trackers:
-    """The tools a run reports to; `log(row)` sends one metrics.jsonl row to each."""
+    """The tools a run reports to; `log(row)` sends one metrics.jsonl row to each. A tool that cannot start is
+    one ConfigError line; one that fails later is dropped with a warning (the run goes on: metrics.jsonl has
+    every row)."""
 
-    def __init__(self, names, out: Path, config: dict):
+    def __init__(self, names, out: Path, config: dict, start_step: int = 0):
         self.tools = []
         try:
             for name in names:
-                self.tools.append(_CLASSES[name](Path(out), config, Path(out).name))
+                try:
+                    self.tools.append((name, _CLASSES[name](Path(out), config, Path(out).name, start_step)))
+                except ConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the tool's own errors (bad URI, login, ...)
+                    raise ConfigError(f"--report-to {name}: it could not start ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
         except BaseException:
             self.close()
             raise
@@ -147,10 +159,18 @@ class Trackers:
     def log(self, row: dict):
         if self.tools:
             step, values = scalars(row)
-            for tool in self.tools:
-                tool.log(step, values)
+            for name, tool in list(self.tools):
+                try:
+                    tool.log(step, values)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("wgpu-train: --report-to %s failed (%s: %s); no more rows go there", name,
+                                type(e).__name__, e)
+                    self.tools.remove((name, tool))
 
     def close(self):
-        for tool in self.tools:
-            tool.close()
+        for name, tool in self.tools:
+            try:
+                tool.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("wgpu-train: --report-to %s did not close cleanly (%s)", name, e)
         self.tools = []

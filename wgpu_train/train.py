@@ -98,11 +98,12 @@ class Trainer:
         if (config.early_stop_patience and config.valid_split == 0 and config.data and Path(config.data).is_file()
                 and Path(config.data).suffix != ".json"):
             # a single file has no validation file beside it (a folder's is looked for as the data is read)
-            raise ConfigError("early_stop_patience needs validation data (valid.jsonl or valid_split > 0)")
+            raise ConfigError("early_stop_patience needs validation data (a validation split, or valid_split > 0)")
         self._log_fn = log
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.continued_from = None               # the adapter folder a run started from (adapter_path)
+        self.model_name = None                   # the model as given: a folder or a hub id
         self.train_examples: list = []
         self.valid_examples: list = []
         self.step = 0
@@ -152,6 +153,7 @@ class Trainer:
 
         cfg = self.config
         tracking.require(tracking.parse_report_to(cfg.report_to))
+        self.model_name = cfg.model       # as given (a folder or hub id); None: the adapter's base or embedded
         self.model_dir = (hub.resolve(cfg.model, "model") if cfg.model else
                           self._continued_base() or default_model_dir())
         self.data_path = cfg.data if cfg.data else default_data_dir()
@@ -191,8 +193,8 @@ class Trainer:
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
-        if hub.is_hub_id(cfg.model):     # adapters name the hub id as their base, as PEFT writes them
-            self.model.name_or_path = cfg.model
+        if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
+            self.model.name_or_path = self.model_name
         if self.continued_from:
             self.model.load_adapter(self.continued_from, dropout=lora.dropout, seed=cfg.seed)
             self.log(f"adapter: continuing {self.continued_from} (fresh optimizer state)")
@@ -247,9 +249,13 @@ class Trainer:
 
     def _continued_base(self) -> Path | None:
         """Without --model, the base model of the adapter a run continues (its base_model_name_or_path)."""
-        from .hf import adapter_base_model, adapter_folder
+        from .hf import adapter_base_model, adapter_base_name, adapter_folder
 
-        return adapter_base_model(adapter_folder(self.config.adapter_path)) if self.config.adapter_path else None
+        if not self.config.adapter_path:
+            return None
+        folder = adapter_folder(self.config.adapter_path)
+        self.model_name = adapter_base_name(folder) or None
+        return adapter_base_model(folder)
 
     def _read_data(self, model_cfg: ModelConfig):
         from .data import resolve_data, tokenize_dataset
@@ -272,7 +278,7 @@ class Trainer:
             raise ConfigError(f"the tokenizer produces token id {top} but the model has vocab_size "
                               f"{model_cfg.vocab_size}: tokenizer and model do not belong together")
         if cfg.early_stop_patience and not self.valid_examples:
-            raise ConfigError("early_stop_patience needs validation data (valid.jsonl or valid_split > 0)")
+            raise ConfigError("early_stop_patience needs validation data (a validation split, or valid_split > 0)")
         self.log(f"data: {s.files.get('train')} ({s.format} format): {len(self.train_examples)} train, "
                  f"{len(self.valid_examples)} valid{' (held out)' if s.valid_held_out else ''}, {len(s.test)} test"
                  + (f"; {self.n_skipped} invalid lines skipped" if self.n_skipped else "")
@@ -288,7 +294,8 @@ class Trainer:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             resolved = cfg.to_dict()
-            resolved.update(out=str(self.out), model=str(self.model_dir), data=str(self.data_path),
+            model = self.model_name if hub.is_hub_id(self.model_name) else str(self.model_dir)   # a resume
+            resolved.update(out=str(self.out), model=model, data=str(self.data_path),       # re-resolves an id
                             eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,
                             data_format=self.splits.format)   # for generate: how raw-mode prompts end
             (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
@@ -425,7 +432,7 @@ class Trainer:
                 keep_metrics_until(self.out / "metrics.jsonl", self.step)
             self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
             self._trackers = tracking.Trackers(tracking.parse_report_to(self.config.report_to), self.out,
-                                               self.config.to_dict())
+                                               self.config.to_dict(), self.step if self.resumed_from else 0)
             if not self.resumed_from:
                 self._evaluate_before()
             stopped, last_eval, last_eval_step, run = self._loop()
@@ -435,7 +442,8 @@ class Trainer:
                 self._discard()
             raise
         finally:
-            if installed:       # whatever was there before, also a handler set outside Python (None)
+            if installed:       # whatever was there before (a handler set outside Python reads as None: then
+                                # Python's default, as the handler cannot be put back)
                 signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
             if self._metrics is not None:
                 self._metrics.close()

@@ -83,7 +83,7 @@ class TrainConfig:
                                                "memory, about one more forward per step")
     max_seq_len: int = _opt(512, "longer samples are truncated, and dropped when no response token remains")
     pack: bool = _opt(False, "pack several samples into each row (attention never crosses samples)")
-    valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when there is no valid.jsonl")
+    valid_split: float = _opt(0.1, "fraction of train held out (seeded) for validation when the data has no validation split")
     no_chat_template: bool = _opt(False, "train on raw prompt + response text instead of the chat template")
     train_on_last_turn: bool = _opt(False, "in multi-turn chats, train only the last assistant turn")
     skip_invalid: bool = _opt(False, "skip invalid records (and report how many) instead of stopping")

@@ -213,10 +213,13 @@ def candidates(p: AttentionProblem) -> list:
     flash = cpu + gpu if is_cpu(p.rt) else gpu + cpu
     out = [c for c in flash + [Rows(True), Rows(False)] if c.applies(p)]
     if not out:
-        raise DeviceError(f"no attention kernel runs {p.describe()} on {p.rt.info.name}: "
-                          + ("the head dim must be a multiple of 4 above 128" if p.D % 4 and p.D > ROWS_DMAX else
-                             "its sequences are too long for this CPU adapter's loop limit; use a shorter "
-                             "--max-seq-len or a GPU"))
+        if p.D % 4 and p.D > ROWS_DMAX:
+            why = "the head dim must be a multiple of 4 above 128"
+        elif is_cpu(p.rt):
+            why = "its sequences are too long for this CPU adapter's loop limit; use a shorter --max-seq-len or a GPU"
+        else:
+            why = "its tensors are not 4-aligned and the head dim is over 128"
+        raise DeviceError(f"no attention kernel runs {p.describe()} on {p.rt.info.name}: {why}")
     return out
 
 

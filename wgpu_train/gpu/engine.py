@@ -62,7 +62,6 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         self._b_groups: list = []  # per piece: whether it holds LoRA B matrices (their lr: LoRA+)
         self._state_buffers: list = []
         self._lora_packed = None
-        self.dropout_seed, self.dropout_calls = 0, 0
         self.gradient_checkpointing = False
         self._acts: dict = {}      # (capacity in tokens, train, checkpointed) -> Activations
         self._inputs: dict = {}    # (bucket capacity, micro-batch slot) -> Inputs

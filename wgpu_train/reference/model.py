@@ -73,8 +73,6 @@ class NumpyEngine(DropoutState):
         self.full = False            # full fine-tuning: every weight trainable
         self.grads: dict = {}
         self.moments: dict = {}
-        self.dropout_seed = 0        # LoRA dropout masks: hash of (seed, micro-batch counter, module)
-        self.dropout_calls = 0
         self.training = False
         self.gradient_checkpointing = False
         self.last_profile: dict = {}
