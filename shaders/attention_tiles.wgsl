@@ -44,7 +44,10 @@ const G4: u32 = D4 / DG;      // vec4 columns per invocation in the product phas
 // P (forward, dk / dv) or dS (dq): [buffer][block row][tile row / 4]. The backward passes alternate two
 // buffers, so one barrier per tile suffices; the forward's second barrier makes the first buffer enough.
 var<workgroup> tile_p: array<vec4<f32>, TQ * NK * BUFFERS>;
-var<workgroup> row_a: array<vec4<f32>, TQ * NI4>;   // per block row, one entry per invocation: maxima, sums
+// per block row, one f32 per invocation (maxima, then sums), read back 4 at a time. Scalars, not vec4
+// components: a store to one component of a shared vec4 may compile to a read-modify-write of the whole
+// vector (HLSL, MSL), which would lose the other invocations' values.
+var<workgroup> row_a: array<f32, TQ * NI>;
 var<workgroup> row_b: array<f32, TQ * 2u>;          // per block row: rescale and 1 / l (forward)
 var<workgroup> range_: vec2<u32>;                   // the first tile and the end of the tiles the block needs
 
@@ -86,6 +89,11 @@ fn tile_range(lid: u32, b: u32, r0: u32, r1: u32, lo: u32, hi: u32) -> vec2<u32>
         range_ = vec2<u32>(first, end);
     }
     return workgroupUniformLoad(&range_);
+}
+
+// Four consecutive entries of row_a, from x.
+fn row4(x: u32) -> vec4<f32> {
+    return vec4<f32>(row_a[x], row_a[x + 1u], row_a[x + 2u], row_a[x + 3u]);
 }
 
 // The 4 tile rows of group c of invocation lid in the tile that starts at `start`.
@@ -133,12 +141,12 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         let sc$q_$c = select(vec4<f32>(-3.0e38), sv$q_$c * p.f0, ok$q_$c);
         var pm$q = -3.0e38;
         pm$q = max(pm$q, hmax(sc$q_$c));
-        row_a[$qu * NI4 + lid / 4u][lid % 4u] = pm$q;
+        row_a[$qu * NI + lid] = pm$q;
         workgroupBarrier();
         // online softmax: the block rows' new maxima from every invocation's partial ones
         var mx$q = m$q;
         for (var l = 0u; l < NI4; l++) {
-            mx$q = max(mx$q, hmax(row_a[$qu * NI4 + l]));
+            mx$q = max(mx$q, hmax(row4($qu * NI + 4u * l)));
         }
         let pv$q_$c = select(vec4<f32>(0.0), exp(sc$q_$c - vec4<f32>(mx$q)), ok$q_$c);
         tile_p[$qu * NK + lid * KV + $cu] = pv$q_$c;
@@ -164,11 +172,11 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     }
     // the row sums from every invocation's part
     workgroupBarrier();
-    row_a[$qu * NI4 + lid / 4u][lid % 4u] = l$q;
+    row_a[$qu * NI + lid] = l$q;
     workgroupBarrier();
     var sum$q = 0.0;
     for (var l = 0u; l < NI4; l++) {
-        sum$q += hsum(row_a[$qu * NI4 + l]);
+        sum$q += hsum(row4($qu * NI + 4u * l));
     }
     if (lid == 0u) { row_b[TQ + $qu] = 1.0 / sum$q; }
     if (lid == 0u && q0 + $qu < t) { lse_[p.o2 + (b * p.s2 + h) * t + q0 + $qu] = m$q + log(sum$q); }
