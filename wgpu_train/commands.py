@@ -451,9 +451,9 @@ def cmd_merge(args) -> int:
     try:
         if found:
             _remove_model_files(out)
-        model.merge_and_save(out)
+        merged = model.merge_and_save(out)
         if gguf_file is not None:
-            gguf_export.write_gguf(gguf_file, model.config, model.merged_weights(), out, args.gguf_type)
+            gguf_export.write_gguf(gguf_file, model.config, merged, out, args.gguf_type)
     except OSError as e:
         raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote the merged model to {out}" + (f" and {gguf_file} ({args.gguf_type})" if gguf_file else ""))

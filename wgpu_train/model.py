@@ -215,9 +215,12 @@ class Model:
                 weights[path + ".weight"] += (self.lora_config.scale * (b.astype(np.float64) @ a)).astype(np.float32)
         return weights
 
-    def merge_and_save(self, directory):
-        """Write a complete Hugging Face model folder with the adapter merged (tokenizer files copied)."""
-        save_model_folder(directory, self.config, self.merged_weights(), source_folder=self.path)
+    def merge_and_save(self, directory) -> dict:
+        """Write a complete Hugging Face model folder with the adapter merged (tokenizer files copied); returns
+        the merged weights it wrote."""
+        weights = self.merged_weights()
+        save_model_folder(directory, self.config, weights, source_folder=self.path)
+        return weights
 
     def save_pretrained(self, directory):
         """Write the (possibly fully fine-tuned) model as a Hugging Face folder."""

@@ -132,16 +132,6 @@ def _split_keys(path: Path, arrays: dict) -> dict[str, str]:
     return found
 
 
-def json_splits(path: Path) -> dict[str, list] | None:
-    """A .json file's arrays by split (train / valid / test) when its top-level keys name splits, else None."""
-    doc = _json_document(path)
-    if doc is None:
-        return None
-    arrays = _json_arrays(path, doc)
-    found = _split_keys(path, arrays)
-    return {split: arrays[key] for split, key in found.items()} if found else None
-
-
 def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
     """(row number, record dict) of a Parquet file, one batch of rows at a time (never the whole file)."""
     try:
@@ -159,32 +149,33 @@ def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
             yield row, obj
 
 
-def _objects(path: Path, split: str | None = None, doc: dict | None = None) -> Iterator[tuple[str, Any]]:
-    """("file:line" or "file:row", object or BadRecord) of every record of a file (of one split of a JSON
-    object of split arrays when `doc` gives them)."""
-    if doc is not None:
-        for i, obj in enumerate(doc[split], start=1):
-            yield f"{path}:{split}[{i}]", obj
-    elif path.suffix == ".parquet":
-        for row, obj in _parquet_objects(path):
-            yield f"{path}:{row}", obj
-    elif path.suffix == ".json" and (whole := _json_document(path)) is not None:
+def _objects(path: Path, split: str | None = None, arrays: dict | None = None) -> Iterator[tuple[str, Any]]:
+    """("file:line", "file:row" or "file:split[row]", object or BadRecord) of every record of a file: of its
+    JSON arrays when `arrays` gives them already parsed (of one of them when `split` names it)."""
+    if arrays is None and path.suffix == ".json" and (whole := _json_document(path)) is not None:
         arrays = _json_arrays(path, whole)
         if _split_keys(path, arrays):
             raise DataError(f"{path}: holds train / validation / test arrays; give this file itself as --data "
                             "(not inside a folder's split files)")
+    if arrays is not None and split is not None:
+        for i, obj in enumerate(arrays[split], start=1):
+            yield f"{path}:{split}[{i}]", obj
+    elif arrays is not None:
         n = 0
-        for key, items in arrays.items():
+        for items in arrays.values():
             for obj in items:
                 n += 1
                 yield f"{path}:{n}", obj
+    elif path.suffix == ".parquet":
+        for row, obj in _parquet_objects(path):
+            yield f"{path}:{row}", obj
     else:
         for lineno, obj in _jsonl_objects(path):
             yield f"{path}:{lineno}", obj
 
 
 def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str, str] | None = None,
-                 split: str | None = None, doc: dict | None = None) -> tuple[list[Record], str, int]:
+                 split: str | None = None, arrays: dict | None = None) -> tuple[list[Record], str, int]:
     """Read one data file (JSONL, JSON or Parquet, by suffix): (records, format name, number skipped).
 
     The format is detected from the first valid record and every other record must match it. A bad record
@@ -195,7 +186,7 @@ def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str
     records: list[Record] = []
     fmt: str | None = None
     skipped = n = 0
-    for where, obj in _objects(path, split, doc):
+    for where, obj in _objects(path, split, arrays):
         n += 1
         try:
             if isinstance(obj, BadRecord):
@@ -211,7 +202,7 @@ def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str
         fmt = line_fmt
         records.append(Text(record, where) if isinstance(record, str) else Conversation(record, where))
     if n == 0:
-        raise DataError(f"{path}: empty file" if doc is None else f"{path}: split {split!r} is empty")
+        raise DataError(f"{path}: split {split!r} is empty" if split else f"{path}: empty file")
     if not records:
         raise DataError(f"{path}: no valid {'lines' if path.suffix not in ('.json', '.parquet') else 'records'} "
                         f"({skipped} skipped)")
@@ -305,11 +296,13 @@ def _read_source(path: Path, skip_invalid: bool, columns: dict) -> dict[str, lis
     if path.is_dir():
         return {split: [(str(f),) + load_records(f, skip_invalid, columns) for f in files]
                 for split, files in _split_files(path).items()}
-    if path.suffix == ".json":
-        doc = json_splits(path)
-        if doc is not None:
-            return {split: [(f"{path}:{split}",) + load_records(path, skip_invalid, columns, split, doc)]
-                    for split in doc}
+    if path.suffix == ".json" and (whole := _json_document(path)) is not None:     # parsed once
+        arrays = _json_arrays(path, whole)
+        keys = _split_keys(path, arrays)
+        if keys:
+            return {split: [(f"{path}:{split}",) + load_records(path, skip_invalid, columns, split,
+                                                               {split: arrays[key]})] for split, key in keys.items()}
+        return {"train": [(str(path),) + load_records(path, skip_invalid, columns, arrays=arrays)]}
     return {"train": [(str(path),) + load_records(path, skip_invalid, columns)]}
 
 

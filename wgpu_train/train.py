@@ -151,19 +151,20 @@ class Trainer:
         from .data import BatchStream
         from .model import load_model
 
+        from .hf import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
+
         cfg = self.config
         tracking.require(tracking.parse_report_to(cfg.report_to))
-        self.model_name = cfg.model       # as given (a folder or hub id); None: the adapter's base or embedded
+        self.continued_from = adapter_folder(cfg.adapter_path)      # None without adapter_path
+        # the model as given (a folder or hub id), else the continued adapter's base, else the embedded one
+        self.model_name = cfg.model or (adapter_base_name(self.continued_from) if self.continued_from else None)
         self.model_dir = (hub.resolve(cfg.model, "model") if cfg.model else
-                          self._continued_base() or default_model_dir())
+                          (self.continued_from and adapter_base_model(self.continued_from)) or default_model_dir())
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
         lora = cfg.lora_config() if cfg.method == "lora" else None
-        if lora and cfg.adapter_path:   # before anything is read: options that contradict it are refused
-            from .hf import adapter_folder, read_adapter
-
-            self.continued_from = adapter_folder(cfg.adapter_path)
+        if self.continued_from:         # before anything is read: options that contradict it are refused
             lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg.num_hidden_layers)[0])
             self.config = cfg = dataclasses.replace(     # recorded as trained: a resume rebuilds this adapter
                 cfg, lora_rank=lora.r, lora_alpha=float(lora.alpha), lora_targets=",".join(lora.target_modules),
@@ -246,16 +247,6 @@ class Trainer:
         est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
                               cfg.gradient_checkpointing, max_binding)
         return {**est, "batch": rows, "length": length}
-
-    def _continued_base(self) -> Path | None:
-        """Without --model, the base model of the adapter a run continues (its base_model_name_or_path)."""
-        from .hf import adapter_base_model, adapter_base_name, adapter_folder
-
-        if not self.config.adapter_path:
-            return None
-        folder = adapter_folder(self.config.adapter_path)
-        self.model_name = adapter_base_name(folder) or None
-        return adapter_base_model(folder)
 
     def _read_data(self, model_cfg: ModelConfig):
         from .data import resolve_data, tokenize_dataset
