@@ -10,7 +10,7 @@
 // window; 0 = none) and both share a nonzero segment id; a padding query sees only itself. Query head h
 // reads kv head h / (Hq / Hkv). Key loops start (or end) at the window's edge.
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o1..o9 = element offsets of bindings 1..9;
-// f0 = softmax scale (1/sqrt(D)). Override D = head dim (<= DMAX).
+// f0 = softmax scale (1/sqrt(D)); f1 = the scores' soft-cap (0: none). Override D = head dim (<= DMAX).
 // Each entry point has a *_vec4 twin that reads and writes the (B, T, H, D) tensors as vec4 (2.5x
 // faster on llvmpipe); the wrapper uses it when D and those tensors' element offsets are multiples of 4.
 // The vec4 kernels give each invocation QPI = 4 consecutive queries (forward, dq) or keys (dk/dv), so
@@ -19,6 +19,7 @@
 // separate arrays (qv0..qv3, ...) indexed only by the d loop: one array indexed by row and d measured
 // no faster than the one-row design (likely left in scratch memory rather than registers). The vec4
 // dq pass also computes delta itself, so the vec4 backward is two dispatches.
+// @include tanh
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -44,6 +45,19 @@ fn window_start(i: u32) -> u32 {
 // One past the last query that may see key j under the sliding window (t without one).
 fn window_end(j: u32, t: u32) -> u32 {
     return select(t, min(t, j + p.s4), p.s4 > 0u);
+}
+
+// Soft-capping of the scaled scores (Gemma 2), cap = f1, 0 for none: cap * tanh(s / cap), and its
+// derivative.
+fn cap_score(s: f32) -> f32 {
+    if (p.f1 == 0.0) { return s; }
+    return p.f1 * tanh_f32(s / p.f1);
+}
+
+fn cap_grad(s: f32) -> f32 {
+    if (p.f1 == 0.0) { return 1.0; }
+    let th = tanh_f32(s / p.f1);
+    return 1.0 - th * th;
 }
 
 // ---- forward: 1 out out, 2 lse out, 3 q, 4 k, 5 v, 6 segment ids ----
@@ -83,6 +97,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         for (var d = 0u; d < D; d++) {
             s += qv[d] * f_k[p.o4 + kb + d];
         }
+        s = cap_score(s);
         // Branch-free online softmax: neighbouring invocations run in SIMD lanes, where a branch
         // on s > m would execute both sides.
         let mn = max(m, s);
@@ -166,7 +181,7 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
             s += qv[d] * q_k[p.o4 + kb + d];
             dp += dov[d] * q_v[p.o5 + kb + d];
         }
-        let ds = exp(s - lse) * (dp - delta);
+        let ds = exp(cap_score(s) - lse) * (dp - delta) * cap_grad(s);
         for (var d = 0u; d < D; d++) {
             dq[d] += ds * q_k[p.o4 + kb + d];
         }
@@ -225,8 +240,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 s += k_q[p.o4 + rb + d] * kv[d];
                 dp += k_dout[p.o3 + rb + d] * vv[d];
             }
-            let pr = exp(s - k_lse[p.o7 + li]);
-            let ds = pr * (dp - k_delta[p.o8 + li]);
+            let pr = exp(cap_score(s) - k_lse[p.o7 + li]);
+            let ds = pr * (dp - k_delta[p.o8 + li]) * cap_grad(s);
             for (var d = 0u; d < D; d++) {
                 dv[d] += pr * k_dout[p.o3 + rb + d];
                 dk[d] += ds * k_q[p.o4 + rb + d];
@@ -249,7 +264,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 
 // Online-softmax step for one query: (m, l) and score s -> (new m, new l, rescale of acc, weight of v).
 fn softmax_step(m: f32, l: f32, s: f32, ok: bool) -> vec4<f32> {
-    let sm = select(-3.0e38, s, ok);
+    let sm = select(-3.0e38, cap_score(s), ok);
     let mn = max(m, sm);
     let corr = exp(m - mn);
     let e = select(0.0, exp(sm - mn), ok);
@@ -464,10 +479,10 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
             c2 += do2[d] * vv;
             c3 += do3[d] * vv;
         }
-        let ds0 = select(0.0, exp(hsum(a0) - lse0) * (hsum(c0) - dl0), sees(ia, j, s0, sj));
-        let ds1 = select(0.0, exp(hsum(a1) - lse1) * (hsum(c1) - dl1), sees(ia + 1u, j, s1, sj));
-        let ds2 = select(0.0, exp(hsum(a2) - lse2) * (hsum(c2) - dl2), sees(ia + 2u, j, s2, sj));
-        let ds3 = select(0.0, exp(hsum(a3) - lse3) * (hsum(c3) - dl3), sees(ia + 3u, j, s3, sj));
+        let ds0 = select(0.0, exp(cap_score(hsum(a0)) - lse0) * (hsum(c0) - dl0) * cap_grad(hsum(a0)), sees(ia, j, s0, sj));
+        let ds1 = select(0.0, exp(cap_score(hsum(a1)) - lse1) * (hsum(c1) - dl1) * cap_grad(hsum(a1)), sees(ia + 1u, j, s1, sj));
+        let ds2 = select(0.0, exp(cap_score(hsum(a2)) - lse2) * (hsum(c2) - dl2) * cap_grad(hsum(a2)), sees(ia + 2u, j, s2, sj));
+        let ds3 = select(0.0, exp(cap_score(hsum(a3)) - lse3) * (hsum(c3) - dl3) * cap_grad(hsum(a3)), sees(ia + 3u, j, s3, sj));
         for (var d = 0u; d < n4; d++) {
             let kk = kr[d];
             dq0[d] += ds0 * kk;
@@ -588,14 +603,14 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
             }
             let lse = k_lse[p.o7 + li];
             let dl = k_delta[p.o8 + li];
-            let p0 = select(0.0, exp(hsum(a0) - lse), m0);
-            let p1 = select(0.0, exp(hsum(a1) - lse), m1);
-            let p2 = select(0.0, exp(hsum(a2) - lse), m2);
-            let p3 = select(0.0, exp(hsum(a3) - lse), m3);
-            let ds0 = p0 * (hsum(c0) - dl);
-            let ds1 = p1 * (hsum(c1) - dl);
-            let ds2 = p2 * (hsum(c2) - dl);
-            let ds3 = p3 * (hsum(c3) - dl);
+            let p0 = select(0.0, exp(cap_score(hsum(a0)) - lse), m0);
+            let p1 = select(0.0, exp(cap_score(hsum(a1)) - lse), m1);
+            let p2 = select(0.0, exp(cap_score(hsum(a2)) - lse), m2);
+            let p3 = select(0.0, exp(cap_score(hsum(a3)) - lse), m3);
+            let ds0 = p0 * (hsum(c0) - dl) * cap_grad(hsum(a0));
+            let ds1 = p1 * (hsum(c1) - dl) * cap_grad(hsum(a1));
+            let ds2 = p2 * (hsum(c2) - dl) * cap_grad(hsum(a2));
+            let ds3 = p3 * (hsum(c3) - dl) * cap_grad(hsum(a3));
             for (var d = 0u; d < n4; d++) {
                 let qq = qr[d];
                 let oo = dr[d];

@@ -3,6 +3,7 @@
 // keys 0..position of its own row (causal), so queries of several ragged prompts, or one per row of a
 // decoding step, run in one dispatch. One invocation per (query, head), online softmax over the cached
 // keys, so any cache length works without a score array.
+// @include tanh
 
 // Rows and positions come from buffers written with the tokens, so the uniform stays the same at every
 // decoding step and nothing is created per token.
@@ -15,6 +16,7 @@ struct Params {
     d: u32,
     scale: f32,
     window: u32,      // sliding window: only the last `window` positions are seen (0 = all)
+    softcap: f32,     // the scaled scores' soft-cap (Gemma 2): softcap * tanh(s / softcap); 0 = none
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -54,6 +56,7 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         var s = 0.0;
         for (var c = 0u; c < d; c++) { s += q[q_off + c] * k_cache[k_off + c]; }
         s *= params.scale;
+        if (params.softcap != 0.0) { s = params.softcap * tanh_f32(s / params.softcap); }
         let m_new = max(m, s);
         let corr = exp(m - m_new);
         let p = exp(s - m_new);

@@ -18,7 +18,7 @@
 // (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both share a
 // nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
-// 4 for the vec4 bindings); f0 = softmax scale.
+// 4 for the vec4 bindings); f0 = softmax scale; f1 = the scores' soft-cap (0: none).
 
 // @flash-config begin
 const D4: u32 = 16u;    // head dim / 4
@@ -66,7 +66,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             let kk$k_$d = k_[p.o4 / 4u + kb$k + $du];
             var s$r_$k = vec4<f32>(0.0);
             s$r_$k += q$r_$d * kk$k_$d;
-            let sc$r_$k = select(-3.0e38, hsum(s$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            let sc$r_$k = select(-3.0e38, cap_score(hsum(s$r_$k)), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
             var mx$r = m$r;
             mx$r = max(mx$r, sc$r_$k);
             let cr$r = exp(m$r - mx$r);
@@ -124,7 +124,8 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             var c$r_$k = vec4<f32>(0.0);
             s$r_$k += q$r_$d * kk$k_$d;
             c$r_$k += do$r_$d * vv$k_$d;
-            let ds$r_$k = select(0.0, exp(hsum(s$r_$k) - lse$r) * (hsum(c$r_$k) - dl$r), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            let sr$r_$k = hsum(s$r_$k);
+            let ds$r_$k = select(0.0, exp(cap_score(sr$r_$k) - lse$r) * (hsum(c$r_$k) - dl$r) * cap_grad(sr$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
             dq$r_$d += ds$r_$k * kk$k_$d;
         }
     }
@@ -173,8 +174,9 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 var c$r_$k = vec4<f32>(0.0);
                 s$r_$k += k$r_$d * qq$k_$d;
                 c$r_$k += v$r_$d * oo$k_$d;
-                let p$r_$k = select(0.0, exp(hsum(s$r_$k) - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r));
-                let ds$r_$k = p$r_$k * (hsum(c$r_$k) - dl$k);
+                let sr$r_$k = hsum(s$r_$k);
+                let p$r_$k = select(0.0, exp(cap_score(sr$r_$k) - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r));
+                let ds$r_$k = p$r_$k * (hsum(c$r_$k) - dl$k) * cap_grad(sr$r_$k);
                 dv$r_$d += p$r_$k * oo$k_$d;
                 dk$r_$d += ds$r_$k * qq$k_$d;
             }

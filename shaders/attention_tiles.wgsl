@@ -25,7 +25,7 @@
 // (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both share a
 // nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
-// 4 for the vec4 bindings); f0 = softmax scale.
+// 4 for the vec4 bindings); f0 = softmax scale; f1 = the scores' soft-cap (0: none).
 
 // @flash-config begin
 const D4: u32 = 16u;    // head dim / 4
@@ -138,7 +138,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
         }
         let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
-        let sc$q_$c = select(vec4<f32>(-3.0e38), sv$q_$c * p.f0, ok$q_$c);
+        let sc$q_$c = select(vec4<f32>(-3.0e38), cap_score4(sv$q_$c * p.f0), ok$q_$c);
         var pm$q = -3.0e38;
         pm$q = max(pm$q, hmax(sc$q_$c));
         row_a[$qu * NI + lid] = pm$q;
@@ -236,7 +236,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             dp$q_$c = rank4(dp$q_$c, dd$q, vt$c);
         }
         let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
-        tile_p[buf + $qu * NK + lid * KV + $cu] = select(vec4<f32>(0.0), exp(sv$q_$c * p.f0 - vec4<f32>(lse$q)) * (dp$q_$c - vec4<f32>(dl$q)), ok$q_$c);
+        tile_p[buf + $qu * NK + lid * KV + $cu] = select(vec4<f32>(0.0), exp(cap_score4(sv$q_$c * p.f0) - vec4<f32>(lse$q)) * (dp$q_$c - vec4<f32>(dl$q)) * cap_grad4(sv$q_$c * p.f0), ok$q_$c);
         workgroupBarrier();
         // 2. dq += dS K over this invocation's rows and columns
         for (var n4 = 0u; n4 < NK; n4++) {
@@ -307,9 +307,9 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 sv$q_$c = rank4(sv$q_$c, kk$q, qt$c);
                 dp$q_$c = rank4(dp$q_$c, vv$q, ot$c);
             }
-            let pv$q_$c = select(vec4<f32>(0.0), exp(sv$q_$c * p.f0 - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie));
+            let pv$q_$c = select(vec4<f32>(0.0), exp(cap_score4(sv$q_$c * p.f0) - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie));
             tile_p[buf + $qu * NK + lid * KV + $cu] = pv$q_$c;
-            tile_ds[buf + $qu * NK + lid * KV + $cu] = pv$q_$c * (dp$q_$c - dl$c);
+            tile_ds[buf + $qu * NK + lid * KV + $cu] = pv$q_$c * (dp$q_$c - dl$c) * cap_grad4(sv$q_$c * p.f0);
             workgroupBarrier();
             // 2. dv += P^T dout, dk += dS^T q over this invocation's key rows and columns
             for (var n4 = 0u; n4 < NK; n4++) {

@@ -4,7 +4,8 @@
 // dlogits = grad_scale * (softmax - onehot) on counted rows and 0 on ignored rows.
 // A target is counted when 0 <= target < V (IGNORE_INDEX -100 and anything out of range are ignored).
 // Uniform: s0 = rows in this chunk, s1 = V, s3 = rows to reduce; o1..o5 = element offsets of
-// bindings 1..5 (the wrapper folds the chunk's row offset into them); f0 = grad scale multiplier.
+// bindings 1..5 (the wrapper folds the chunk's row offset into them); f0 = grad scale multiplier; f1 = the
+// logits' soft-cap (their backward's factor; 0: none).
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -23,6 +24,14 @@ var<workgroup> red_s: array<f32, WG>;
 
 fn counted(t: i32) -> bool {
     return t >= 0 && u32(t) < p.s1;
+}
+
+// The backward's factor for logits soft-capped at f1 (Gemma 2's final_logit_softcapping; 0: none), from
+// the capped logit y: d(cap tanh(x / cap)) / dx = 1 - (y / cap)^2.
+fn cap_grad(y: f32) -> f32 {
+    if (p.f1 == 0.0) { return 1.0; }
+    let r = y / p.f1;
+    return 1.0 - r * r;
 }
 
 // ---- forward: 1 loss (rows,) out, 2 lse (rows,) out, 3 valid (rows,) out, 4 logits (rows, V), 5 targets i32 ----
@@ -128,9 +137,10 @@ fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     let t = b_tgt[p.o3 + row];
     var g = 0.0;
     if (counted(t)) {
-        g = exp(b_logits[p.o2 + row * v + j] - b_lse[p.o4 + row]);
+        let y = b_logits[p.o2 + row * v + j];
+        g = exp(y - b_lse[p.o4 + row]);
         if (u32(t) == j) { g -= 1.0; }
-        g *= b_scale[p.o5] * p.f0;
+        g *= b_scale[p.o5] * p.f0 * cap_grad(y);
     }
     b_dl[p.o1 + row * v + j] = g;
 }
@@ -150,9 +160,10 @@ fn cross_entropy_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builti
     let t = i_tgt[p.o2 + row];
     var g = 0.0;
     if (counted(t)) {
-        g = exp(i_dl[p.o1 + row * v + j] - i_lse[p.o3 + row]);
+        let y = i_dl[p.o1 + row * v + j];
+        g = exp(y - i_lse[p.o3 + row]);
         if (u32(t) == j) { g -= 1.0; }
-        g *= i_scale[p.o4] * p.f0;
+        g *= i_scale[p.o4] * p.f0 * cap_grad(y);
     }
     i_dl[p.o1 + row * v + j] = g;
 }

@@ -1,5 +1,6 @@
 // Elementwise helpers over flat fp32 ranges (one invocation per element, 256 per workgroup).
 // Uniform: s0 = n elements; o1..o3 = element offsets of bindings 1..3; f0 = the scalar (alpha, s or value).
+// @include tanh
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -52,6 +53,24 @@ fn scale_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let i = flat(wid, nwg, lid);
     if (i >= p.s0) { return; }
     y[p.o1 + i] = p.f0 * y[p.o1 + i];
+}
+
+// y = s * tanh(a / s): soft-capping (Gemma 2's logits)
+@compute @workgroup_size(256)
+fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    y[p.o1 + i] = p.f0 * tanh_f32(a[p.o2 + i] / p.f0);
+}
+
+// y = s * tanh(y / s)
+@compute @workgroup_size(256)
+fn softcap_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    y[p.o1 + i] = p.f0 * tanh_f32(y[p.o1 + i] / p.f0);
 }
 
 // y = a (a compute-pass copy: unlike copy_buffer_to_buffer it does not end the pass)

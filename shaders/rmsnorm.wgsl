@@ -5,7 +5,7 @@
 //   expensive on llvmpipe); _row4 reads vec4s and needs C % 4 == 0 and 4-aligned offsets.
 // - rmsnorm_forward / rmsnorm_backward: one 64-wide workgroup per row, for large C.
 // Uniform: s0 = N rows, s1 = C, s2 = rows per block, s3 = number of row blocks, s4 = accumulate dweight;
-// o1..o5 = element offsets of bindings 1..5; f0 = eps.
+// o1..o5 = element offsets of bindings 1..5; f0 = eps; f1 = offset added to the weight (Gemma's 1 + w).
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -56,7 +56,7 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let r = 1.0 / sqrt(wg_sum(ss, lid) / f32(c) + p.f0);
     let yb = p.o1 + row * c;
     for (var j = lid; j < c; j += WG) {
-        f_y[yb + j] = (f_x[xb + j] * r) * f_w[p.o4 + j];
+        f_y[yb + j] = (f_x[xb + j] * r) * (f_w[p.o4 + j] + p.f1);
     }
     if (lid == 0u) {
         f_rstd[p.o2 + row] = r;
@@ -82,13 +82,13 @@ fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let db = p.o2 + row * c;
     var dot = 0.0;
     for (var j = lid; j < c; j += WG) {
-        dot += (b_dy[db + j] * b_w[p.o4 + j]) * (b_x[xb + j] * r);
+        dot += (b_dy[db + j] * (b_w[p.o4 + j] + p.f1)) * (b_x[xb + j] * r);
     }
     let k = wg_sum(dot, lid) / f32(c);
     let ob = p.o1 + row * c;
     for (var j = lid; j < c; j += WG) {
         let xhat = b_x[xb + j] * r;
-        b_dx[ob + j] = r * (b_dy[db + j] * b_w[p.o4 + j] - xhat * k);
+        b_dx[ob + j] = r * (b_dy[db + j] * (b_w[p.o4 + j] + p.f1) - xhat * k);
     }
 }
 
@@ -148,7 +148,7 @@ fn rmsnorm_forward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(n
     let r = 1.0 / sqrt(sum4(ss) / f32(c) + p.f0);
     let yb = p.o1 + row * c;
     for (var k = 0u; k < c; k++) {
-        f_y[yb + k] = (f_x[xb + k] * r) * f_w[p.o4 + k];
+        f_y[yb + k] = (f_x[xb + k] * r) * (f_w[p.o4 + k] + p.f1);
     }
     f_rstd[p.o2 + row] = r;
 }
@@ -164,19 +164,19 @@ fn rmsnorm_backward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(
     var dot = vec4<f32>(0.0);
     var j = 0u;
     for (; j + 4u <= c; j += 4u) {
-        let w = vec4<f32>(b_w[p.o4 + j], b_w[p.o4 + j + 1u], b_w[p.o4 + j + 2u], b_w[p.o4 + j + 3u]);
+        let w = vec4<f32>(b_w[p.o4 + j], b_w[p.o4 + j + 1u], b_w[p.o4 + j + 2u], b_w[p.o4 + j + 3u]) + vec4<f32>(p.f1);
         let g = vec4<f32>(b_dy[db + j], b_dy[db + j + 1u], b_dy[db + j + 2u], b_dy[db + j + 3u]);
         let x = vec4<f32>(b_x[xb + j], b_x[xb + j + 1u], b_x[xb + j + 2u], b_x[xb + j + 3u]);
         dot += (g * w) * x;
     }
     for (; j < c; j++) {
-        dot.x += (b_dy[db + j] * b_w[p.o4 + j]) * b_x[xb + j];
+        dot.x += (b_dy[db + j] * (b_w[p.o4 + j] + p.f1)) * b_x[xb + j];
     }
     let k = sum4(dot) * r / f32(c);
     let ob = p.o1 + row * c;
     for (var i = 0u; i < c; i++) {
         let xhat = b_x[xb + i] * r;
-        b_dx[ob + i] = r * (b_dy[db + i] * b_w[p.o4 + i] - xhat * k);
+        b_dx[ob + i] = r * (b_dy[db + i] * (b_w[p.o4 + i] + p.f1) - xhat * k);
     }
 }
 
@@ -200,7 +200,7 @@ fn rmsnorm_forward_row4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(
     let yb = p.o1 / 4u + row * c4;
     let wb = p.o4 / 4u;
     for (var j = 0u; j < c4; j++) {
-        f4_y[yb + j] = (f4_x[xb + j] * r) * f4_w[wb + j];
+        f4_y[yb + j] = (f4_x[xb + j] * r) * (f4_w[wb + j] + vec4<f32>(p.f1));
     }
     f_rstd[p.o2 + row] = r;
 }
@@ -221,13 +221,13 @@ fn rmsnorm_backward_row4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin
     let wb = p.o4 / 4u;
     var dot = vec4<f32>(0.0);
     for (var j = 0u; j < c4; j++) {
-        dot += (b4_dy[db + j] * b4_w[wb + j]) * b4_x[xb + j];
+        dot += (b4_dy[db + j] * (b4_w[wb + j] + vec4<f32>(p.f1))) * b4_x[xb + j];
     }
     let k = sum4(dot) * r / f32(p.s1);
     let ob = p.o1 / 4u + row * c4;
     for (var j = 0u; j < c4; j++) {
         let xhat = b4_x[xb + j] * r;
-        b4_dx[ob + j] = r * (b4_dy[db + j] * b4_w[wb + j] - xhat * k);
+        b4_dx[ob + j] = r * (b4_dy[db + j] * (b4_w[wb + j] + vec4<f32>(p.f1)) - xhat * k);
     }
 }
 

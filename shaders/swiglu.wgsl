@@ -1,4 +1,5 @@
-// SwiGLU activation: h = silu(gate) * up and its gradients, elementwise over N*F values.
+// The gated MLP activations, elementwise over N*F values: SwiGLU h = silu(gate) * up and GeGLU
+// h = gelu_tanh(gate) * up (transformers' gelu_pytorch_tanh), and their gradients.
 // Uniform: s0 = number of elements; o1..o5 = element offsets of bindings 1..5.
 
 struct Params {
@@ -68,4 +69,34 @@ fn swiglu_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     let d = grads(i_dh[p.o3 + i], i_gate[p.o1 + i], i_up[p.o2 + i]);
     i_gate[p.o1 + i] = d.x;
     i_up[p.o2 + i] = d.y;
+}
+
+// ---- GeGLU: forward 1 h (out), 2 gate, 3 up; backward 1 dgate (out), 2 dup (out), 3 dh, 4 gate, 5 up ----
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3); its derivative
+// sigmoid(2u) + 2 x sigmoid(2u) sigmoid(-2u) u'. The sigmoid forms keep their relative precision in the
+// tails, where 1 - tanh(u)^2 in float32 rounds to 0.
+const GELU_C: f32 = 0.7978845608028654;   // sqrt(2 / pi)
+
+@compute @workgroup_size(256)
+fn geglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    let g = f_gate[p.o2 + i];
+    let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
+    f_h[p.o1 + i] = g * sigmoid(u2) * f_up[p.o3 + i];
+}
+
+@compute @workgroup_size(256)
+fn geglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    let g = b_gate[p.o4 + i];
+    let dh = b_dh[p.o3 + i];
+    let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
+    let s = sigmoid(u2);
+    let dgelu = s + 2.0 * g * s * sigmoid(-u2) * GELU_C * (1.0 + 3.0 * 0.044715 * g * g);
+    b_dgate[p.o1 + i] = dh * b_up[p.o5 + i] * dgelu;
+    b_dup[p.o2 + i] = dh * (g * s);
 }

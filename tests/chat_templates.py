@@ -1,6 +1,7 @@
 """Chat templates written for these tests, modelled on behaviours of real model families: a system message folded
-into the last user message (as Mistral's instruct templates do), in two spacing styles, and reasoning that is
-kept only in the answer to the last question (as Qwen3's template does)."""
+into the last user message (as Mistral's instruct templates do), in two spacing styles, reasoning that is
+kept only in the answer to the last question (as Qwen3's template does), and Gemma's turns (the system text
+opening the first user turn, the assistant's role rendered as "model")."""
 
 # [INST]-style turns without a system turn: the system text opens the last user message, so the render of a
 # conversation cut before an earlier answer (where that earlier question was the last) is not a prefix of the
@@ -95,4 +96,24 @@ REASONING = r"""{%- set has_system = messages[0].role == "system" %}
 {%- if add_generation_prompt %}
     {{- "<|im_start|>assistant\n" }}
 {%- endif %}
+"""
+
+
+# Gemma-style turns: <start_of_turn>user / model ... <end_of_turn>, the system message prepended to the first
+# user turn. The answer line (up to the turn's end, without the newline after it) is the one tests wrap in
+# {% generation %}.
+GEMMA = r"""{{- bos_token }}
+{%- set first = namespace(user=true) %}
+{%- set system = messages[0].content ~ "\n\n" if messages[0].role == "system" else "" %}
+{%- for m in (messages[1:] if system else messages) %}
+    {%- if m.role == "assistant" %}
+        {{- "<start_of_turn>model\n" }}
+        {{- m.content | trim ~ "<end_of_turn>" }}
+        {{- "\n" }}
+    {%- else %}
+        {{- "<start_of_turn>user\n" ~ (system if first.user else "") ~ m.content | trim ~ "<end_of_turn>\n" }}
+        {%- set first.user = false %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<start_of_turn>model\n" }}{%- endif %}
 """

@@ -28,20 +28,20 @@ def _packed(B, T, rng):
     return seg
 
 
-def _case(B, T, Hq, Hkv, D, seg, window, seed=0):
+def _case(B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0):
     g = np.random.default_rng(seed)
     q, dout = (g.standard_normal((B, T, Hq, D)).astype(F32) for _ in range(2))
     k, v = (g.standard_normal((B, T, Hkv, D)).astype(F32) for _ in range(2))
     x64 = [x.astype(np.float64) for x in (q, k, v)]
-    out, lse = ops.attention_forward(*x64, seg, window)
-    grads = ops.attention_backward(dout.astype(np.float64), *x64, out, lse, seg, window)
+    out, lse = ops.attention_forward(*x64, seg, window, softcap)
+    grads = ops.attention_backward(dout.astype(np.float64), *x64, out, lse, seg, window, softcap)
     return (q, k, v, dout), (out, lse) + tuple(grads)
 
 
-def _run(rt, name, B, T, Hq, Hkv, D, seg, window, seed=0):
+def _run(rt, name, B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0):
     """Forward and backward through kernels.attention_* with the candidate `name` pinned; the largest error
     relative to each output's magnitude."""
-    (q, k, v, dout), want = _case(B, T, Hq, Hkv, D, seg, window, seed)
+    (q, k, v, dout), want = _case(B, T, Hq, Hkv, D, seg, window, seed, softcap)
     tq, tk, tv, tdo = (rt.upload(x) for x in (q, k, v, dout))
     ts = rt.upload(seg.astype(np.int32))
     out, dq = rt.buffer(q.nbytes), rt.buffer(q.nbytes)
@@ -50,8 +50,9 @@ def _run(rt, name, B, T, Hq, Hkv, D, seg, window, seed=0):
     dk, dv = (dkv, 0), (dkv, k.size)
     with tune.pinned(name):
         rec = rt.recorder()
-        K.attention_forward(rec, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window)
-        K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch, window)
+        K.attention_forward(rec, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap)
+        K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch, window,
+                             softcap)
         rec.submit()
     got = [rt.read(out, F32, q.shape), rt.read(lse, F32, (B, Hq, T)), rt.read(dq, F32, q.shape),
            rt.read(dkv, F32, (2,) + k.shape)[0], rt.read(dkv, F32, (2,) + k.shape)[1]]
@@ -72,8 +73,9 @@ ALL = [c.name for c in AK.REGS_CONFIGS + AK.TILES_CONFIGS] + ["rows/vec4", "rows
 
 @pytest.mark.parametrize("name", ALL)
 def test_every_candidate(default_rt, name):
-    """Each candidate, where it applies, on packed rows with padding (GQA 4 / 2), then with a window (on one
-    adapter: both software adapters compile WGSL with the same llvmpipe; test_long_sequences runs both)."""
+    """Each candidate, where it applies, on packed rows with padding (GQA 4 / 2), then with a window, then with
+    the scores soft-capped (Gemma 2; a cap of 1.5 bends most of these scores) (on one adapter: both software
+    adapters compile WGSL with the same llvmpipe; test_long_sequences runs both)."""
     rt = default_rt
     D = 32 if name.startswith("regs/") or name.startswith("tiles/q16l16") else 64
     if name not in _names(rt, D):
@@ -83,6 +85,7 @@ def test_every_candidate(default_rt, name):
         pytest.skip("covered by test_kernels.py's odd-offset cases")
     assert _run(rt, name, 2, 150, 4, 2, D, seg, 0) < 2e-5
     assert _run(rt, name, 2, 150, 4, 2, D, seg, 37, seed=1) < 2e-5
+    assert _run(rt, name, 2, 150, 4, 2, D, seg, 37, seed=2, softcap=1.5) < 2e-5
 
 
 @pytest.mark.parametrize("D", [64, 80, 128, 256])

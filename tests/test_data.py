@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from bpe import train_bpe
-from chat_templates import LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, REASONING
+from chat_templates import GEMMA, LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, REASONING
 from wgpu_train.data import (
     IGNORE_INDEX, BatchStream, Example, load_records, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
     tokenize_example,
@@ -473,6 +473,28 @@ def test_fallback_for_base_vocabularies_ends_answers_with_eos(tmp_path):
     assert trained[-1] == eos and (trained == eos).sum() == 2
     assert trained_text(base, ex) == "hello, the cat</s>it is four.</s>"
     assert eos in base.stop_token_ids
+
+
+def test_gemma_template_trains_model_turns(tmp_path):
+    """Gemma's turns: only each model answer and its <end_of_turn> are trained, as transformers' assistant
+    mask says of the same template with {% generation %} around the answer; the system text is in the first turn."""
+    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    backend = train_bpe(CORPUS + ["what is the capital of france? paris. user model"], 400, specials=specials)
+    ours = make_tokenizer(tmp_path / "g", backend, template=GEMMA, bos_token="<bos>", eos_token="<eos>")
+    answer = '{{- m.content | trim ~ "<end_of_turn>" }}'
+    tagged = GEMMA.replace(answer, "{%- generation %}" + answer + "{%- endgeneration %}")
+    assert tagged != GEMMA
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token="<bos>",
+                                              eos_token="<eos>")
+    for messages in MISTRAL_CHATS:
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ex = tokenize_example(ours, messages, max_seq_len=512)
+        assert ex.input_ids.tolist() == list(out["input_ids"])
+        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+    ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
+    assert trained_text(ours, ex) == "paris<end_of_turn>"
+    assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<bos><start_of_turn>user\nbe brief.\n\n")
 
 
 def test_template_refusal_names_file_and_line(tmp_path):

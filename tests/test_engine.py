@@ -17,9 +17,11 @@ from tolerances import assert_close
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2", "gemma3"])
 def folder(request, tmp_path_factory):
-    """A saved tiny model per architecture (llama: untied, llama3 RoPE; qwen3: tied, q/k norms)."""
+    """A saved tiny model per architecture (llama: untied, llama3 RoPE; qwen3: tied, q/k norms; gemma3: the
+    sandwich-norm layer plan, GeGLU, a sliding and a global layer, a padding row; gemma2: that plan without q/k
+    norms, with soft-capped attention scores and logits)."""
     hf = build_model(request.param, seed=1)
     path = tmp_path_factory.mktemp(request.param)
     save_model(hf, path)

@@ -83,6 +83,33 @@ def test_swiglu(rt, n):
     assert_close(read(rt, tu, n), want_du, "k_swiglu", "dup in place")
 
 
+@pytest.mark.parametrize("n", [1, 17, 1003])
+def test_geglu(rt, n):
+    g = rng(200 + n)
+    gate = (g.standard_normal(n) * 4).astype(F32)
+    gate[:3] = [-100.0, 100.0, 0.0][: min(3, n)]             # saturated tanh both ways
+    up, dh = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)
+    tg, tu, tdh = padded(rt, gate, 1), padded(rt, up, 2), padded(rt, dh, 0)
+    h, dgate, dup = rt.buffer(4 * n), rt.buffer(4 * n), rt.buffer(4 * n)
+    run(rt, lambda r: (K.geglu_forward(r, h, tg, tu, n), K.geglu_backward(r, dgate, dup, tdh, tg, tu, n)))
+    g64, u64, d64 = gate.astype(np.float64), up.astype(np.float64), dh.astype(np.float64)
+    assert_close(rt.read(h, F32, (n,)), ops.geglu_forward(g64, u64), "k_swiglu", "h")
+    want_dg, want_du = ops.geglu_backward(d64, g64, u64)
+    assert_close(rt.read(dgate, F32, (n,)), want_dg, "k_swiglu", "dgate")
+    assert_close(rt.read(dup, F32, (n,)), want_du, "k_swiglu", "dup")
+
+
+def test_softcap(rt):
+    x = (rng(7).standard_normal(1001) * 20).astype(F32)
+    x[:2] = [-1e4, 1e4]                                    # far past the clamp: exactly -cap / cap
+    tx, y = padded(rt, x, 3), rt.buffer(4 * x.size)
+    run(rt, lambda r: K.softcap_forward(r, y, tx, 30.0, x.size))
+    want = ops.softcap_forward(x.astype(np.float64), 30.0)
+    assert_close(rt.read(y, F32, x.shape), want, "k_swiglu", "softcap")
+    run(rt, lambda r: K.softcap_forward(r, tx, tx, 30.0, x.size))                  # in place
+    assert_close(read(rt, tx, x.size), want, "k_swiglu", "softcap in place")
+
+
 # ---- rmsnorm --------------------------------------------------------------------------------
 
 @pytest.fixture(params=["auto", "workgroup"])
@@ -123,6 +150,27 @@ def test_rmsnorm(rt, rms_layout, N, C, lead):
         run(rt, lambda r: (K.rmsnorm_backward(r, dx, dw, tdy, tx, tw, rstd, N, C, scratch, accumulate=True),
                            K.rmsnorm_backward(r, dx, None, tdy, tx, tw, rstd, N, C, None)))
         assert_close(read(rt, dw, C), 2 * want_dw, "k_rmsnorm_dweight", "accumulated dweight")
+
+
+@pytest.mark.parametrize("N,C,lead", [(3, 17, "odd"), (70, 128, "four")])
+def test_rmsnorm_offset(rt, rms_layout, N, C, lead):
+    """Gemma's norms scale by 1 + weight: the offset in the forward and in dx; dweight is the same."""
+    g = rng(N + C)
+    x, dy = (g.standard_normal((N, C)) * 2).astype(F32), g.standard_normal((N, C)).astype(F32)
+    w = (0.3 * g.standard_normal(C)).astype(F32)
+    lx = 5 if lead == "odd" else 4
+    tx, tw, tdy = padded(rt, x, lx), padded(rt, w, 1 if lead == "odd" else 8), padded(rt, dy, lx)
+    y, rstd, dx = rt.buffer(4 * N * C), rt.buffer(4 * N), rt.buffer(4 * N * C)
+    dw = rt.buffer(4 * C)
+    scratch = rt.buffer(4 * K.rmsnorm_scratch_size(N, C))
+    run(rt, lambda r: (K.rmsnorm_forward(r, y, rstd, tx, tw, N, C, 1e-6, offset=1.0),
+                       K.rmsnorm_backward(r, dx, dw, tdy, tx, tw, rstd, N, C, scratch, offset=1.0)))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want_y, want_rstd = ops.rmsnorm_forward(x64, w64, 1e-6, 1.0)
+    assert_close(rt.read(y, F32, (N, C)), want_y, "k_rmsnorm", "y")
+    want_dx, want_dw = ops.rmsnorm_backward(dy.astype(np.float64), x64, w64, want_rstd, 1.0)
+    assert_close(rt.read(dx, F32, (N, C)), want_dx, "k_rmsnorm", "dx")
+    assert_close(rt.read(dw, F32, (C,)), want_dw, "k_rmsnorm_dweight", "dweight")
 
 
 # ---- rope -----------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ T = 11                # sequence length: short, and not a multiple of anything
 PROMPT = 3            # labels of the first PROMPT tokens are -100
 PAD_FROM = 7          # row 1 of the padded batch is padding from here on
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+           "gemma3": "Gemma3ForCausalLM"}
 
 
 # ---- fixtures and helpers --------------------------------------------------------------------
@@ -250,6 +251,24 @@ def rotary_inv_freq(raw: dict) -> np.ndarray:
     return cls(config).model.rotary_emb.inv_freq.numpy()
 
 
+def test_gemma3_rope_per_layer_type(raw_configs):
+    """Gemma 3's sliding layers take the local base unscaled, its global ones rope_theta with linear scaling:
+    as transformers' rotary buffers, from both spellings (rope_parameters per layer type; the hub's
+    rope_theta, rope_local_base_freq and rope_scaling)."""
+    raw = raw_configs["gemma3"]
+    params = raw["rope_parameters"]
+    hub = {k: v for k, v in raw.items() if k != "rope_parameters"}
+    hub.update(rope_theta=params["full_attention"]["rope_theta"],
+               rope_local_base_freq=params["sliding_attention"]["rope_theta"],
+               rope_scaling={k: v for k, v in params["full_attention"].items() if k != "rope_theta"})
+    rotary = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig.from_dict(raw)).model.rotary_emb
+    for cfg in (ModelConfig.from_dict(raw), ModelConfig.from_dict(hub)):
+        assert cfg.local_rope == (True, False) and cfg.layer_windows == (5, 0)
+        assert_close(cfg.inv_freq(0), rotary.sliding_attention_inv_freq.numpy(), "inv_freq", "sliding layer")
+        assert_close(cfg.inv_freq(1), rotary.full_attention_inv_freq.numpy(), "inv_freq", "global layer")
+    assert not np.allclose(cfg.inv_freq(0), cfg.inv_freq(1))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_rope_spellings_agree(raw_configs, arch):
     raw = raw_configs[arch]
@@ -287,8 +306,13 @@ def _yarn(raw, where):
 REFUSED = {
     "yarn_hub": ("llama", lambda raw: _yarn(raw, "rope_scaling"), "rope_scaling"),
     "yarn_rope_parameters": ("llama", lambda raw: _yarn(raw, "rope_parameters"), "rope_parameters"),
-    "linear_scaling": ("qwen2", lambda raw: {**hub_style(raw), "rope_scaling": {"type": "linear", "factor": 2.0}},
-                       "rope_scaling"),
+    "dynamic_scaling": ("qwen2", lambda raw: {**hub_style(raw), "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+                        "rope_scaling"),
+    "softcap_not_a_number": ("gemma2", lambda raw: {**raw, "attn_logit_softcapping": "50"}, "attn_logit_softcapping"),
+    "softcap_negative": ("gemma2", lambda raw: {**raw, "final_logit_softcapping": -30.0}, "final_logit_softcapping"),
+    "gemma_exact_gelu": ("gemma3", lambda raw: {**raw, "hidden_activation": "gelu"}, "hidden_activation"),
+    "gemma_bidirectional": ("gemma3", lambda raw: {**raw, "use_bidirectional_attention": True},
+                            "use_bidirectional_attention"),
     "unknown_architecture": ("llama", lambda raw: {**raw, "architectures": ["GPT2LMHeadModel"]}, "architectures"),
     "no_architecture": ("llama", lambda raw: {k: v for k, v in raw.items() if k != "architectures"}, "architectures"),
     "sliding_window_not_a_size": ("mistral", lambda raw: {**raw, "sliding_window": "16"}, "sliding_window"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # Sizes avoid multiples of 4, 16 and 64 where the architecture allows (head_dim must be even for RoPE).
 BASE = dict(vocab_size=83, hidden_size=30, intermediate_size=43, num_hidden_layers=2, num_attention_heads=3,
@@ -28,6 +28,19 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3":
         kw.update(head_dim=14, tie_word_embeddings=True, use_sliding_window=False, num_key_value_heads=3)
         cls = tf.Qwen3Config
+    elif arch == "gemma2":
+        # soft-caps low enough to bend these tiny models' scores and logits
+        kw.update(head_dim=14, tie_word_embeddings=True, sliding_window=5, query_pre_attn_scalar=20,
+                  attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+        cls = tf.Gemma2Config
+    elif arch == "gemma3":
+        # a sliding layer (local RoPE base, a 5-token window) and a global one (linear RoPE scaling), a query
+        # scale that is not 1 / sqrt(head_dim)
+        kw.update(head_dim=14, tie_word_embeddings=True, sliding_window=5, query_pre_attn_scalar=20,
+                  layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}})
+        cls = tf.Gemma3TextConfig
     else:
         raise ValueError(arch)
     kw.update(overrides)
@@ -44,8 +57,8 @@ def build_model(arch: str, seed: int = 0, **overrides):
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            if "norm" in name:     # Gemma's norms scale by 1 + w
+                p.copy_((0.0 if arch.startswith("gemma") else 1.0) + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:

@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -23,16 +25,16 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: str) -> tuple:
     """Each layer's sliding window as transformers applies it (0: full attention): Mistral's `sliding_window`
     on every layer; Qwen2 / Qwen3's when `use_sliding_window`, on the layers from `max_window_layers` on
-    (or as `layer_types` says). A window of at least the context is no window."""
+    (or as `layer_types` says); Gemma 3's on its sliding layers. A window of at least the context is no window."""
     window = raw.get("sliding_window")
-    use_window = raw.get("use_sliding_window", family == "mistral")
+    use_window = raw.get("use_sliding_window", family in ("mistral", "gemma2", "gemma3"))
     if window is None or not use_window:
         return ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"{source}: field 'sliding_window' must be a positive integer, got {window!r}")
     if window >= max_pos:
         return ()
-    types = raw.get("layer_types")
+    types = _gemma_layer_types(raw, layers, family) if family.startswith("gemma") else raw.get("layer_types")
     if types is not None:
         if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
             raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
@@ -40,6 +42,56 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     first = int(raw.get("max_window_layers", 0)) if family != "mistral" else 0
     return tuple(window if i >= first else 0 for i in range(layers))
+
+
+def _pad_row(pad, vocab: int) -> int | None:
+    """The embedding row transformers builds with padding_idx (no gradient), if config.json names one."""
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None
+
+
+def _gemma_layer_types(raw: dict, layers: int, family: str) -> list:
+    """Gemma's layer types: its layer_types, or every sliding_window_pattern-th layer global (Gemma 3's
+    default 6; Gemma 2 alternates)."""
+    if raw.get("layer_types") is not None:
+        return list(raw["layer_types"])
+    default = 2 if family == "gemma2" else 6
+    pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", default)))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def _gemma_fields(raw: dict, source: str, family: str, layers: int, hidden: int, head_dim: int) -> dict:
+    """The ModelConfig fields of Gemma 2 and Gemma 3 (text) beyond Llama's, and the (global layers') RoPE
+    parameters as a flat rope_parameters dict. Gemma 2's soft-caps default as transformers' config does."""
+    caps = {}
+    for key, field_name, default in (("attn_logit_softcapping", "attn_softcap", 50.0),
+                                     ("final_logit_softcapping", "logit_softcap", 30.0)):
+        cap = raw.get(key, default if family == "gemma2" else None)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ConfigError(f"{source}: field '{key}' must be a positive number or null, got {cap!r}")
+        caps[field_name] = float(cap or 0.0)
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: field 'use_bidirectional_attention' is true; only causal attention is supported")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"{source}: field 'hidden_activation' is {act!r}; only 'gelu_pytorch_tanh' is supported")
+    types = _gemma_layer_types(raw, layers, family)
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: field 'rope_parameters' scales the sliding layers' RoPE; not supported")
+        local_theta, params = local.get("rope_theta", 10000.0), params["full_attention"]
+    elif family == "gemma2":     # one RoPE for every layer
+        local_theta, params = None, params or {"rope_theta": raw.get("rope_theta", 10000.0),
+                                               **(raw.get("rope_scaling") or {})}
+    else:
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+        params = {"rope_theta": raw.get("rope_theta", 1000000.0), **(raw.get("rope_scaling") or {})}
+    scalar = float(raw.get("query_pre_attn_scalar", 256))
+    return {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "embed_scale": float(np.float32(hidden ** 0.5)),
+            "query_scale": math.sqrt(head_dim / scalar), "sandwich_norms": True,
+            "local_rope": tuple(t == "sliding_attention" for t in types) if local_theta is not None else (),
+            "local_rope_theta": float(local_theta or 10000.0), "rope_parameters": params, **caps}
 
 
 @dataclass(frozen=True)
@@ -62,8 +114,18 @@ class ModelConfig:
     qk_norm: bool = False
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
+    pad_token_id: int | None = None   # transformers' embedding padding_idx: that row's gradient is zero
     eos_token_id: int | list | None = None
     layer_windows: tuple = ()    # per layer: the sliding window (query i sees keys j with i - j < it), 0 for none
+    hidden_act: str = "silu"     # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    norm_offset: float = 0.0     # every RMSNorm scales by (norm_offset + weight): Gemma's 1 + w
+    embed_scale: float = 1.0     # the embedding's rows times this (Gemma: sqrt(hidden_size), rounded to float32)
+    query_scale: float = 1.0     # queries times this after RoPE: scores scale by query_scale / sqrt(head_dim)
+    sandwich_norms: bool = False   # Gemma: RMSNorms on the attention's and the MLP's outputs before the residual adds
+    local_rope: tuple = ()       # per layer: whether it uses local_rope_theta, unscaled (Gemma's sliding layers)
+    local_rope_theta: float = 10000.0
+    attn_softcap: float = 0.0    # Gemma 2: scaled attention scores become cap * tanh(s / cap); 0 for none
+    logit_softcap: float = 0.0   # Gemma 2: logits likewise (final_logit_softcapping)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -90,14 +152,18 @@ class ModelConfig:
             "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
         }[module]
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies (head_dim/2,), float64, with llama3 scaling when configured."""
+    def inv_freq(self, layer: int = 0) -> np.ndarray:
+        """Layer `layer`'s RoPE inverse frequencies (head_dim/2,), float64: the local base unscaled where the
+        layer uses it, else rope_theta with the configured scaling (llama3, linear)."""
         d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        if self.rope_scaling is None:
+        local = bool(self.local_rope) and self.local_rope[layer]
+        inv = 1.0 / ((self.local_rope_theta if local else self.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.rope_scaling is None or local:
             return inv
         s = self.rope_scaling
         factor = float(s["factor"])
+        if s.get("rope_type", s.get("type")) == "linear":
+            return inv / factor
         low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
         old_ctx = float(s.get("original_max_position_embeddings", 8192))
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
@@ -125,11 +191,13 @@ class ModelConfig:
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         head_dim = raw.get("head_dim") or hidden // heads
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        layers = int(need("num_hidden_layers"))
+        gemma = _gemma_fields(raw, source, family, layers, hidden, int(head_dim)) if family.startswith("gemma") else {}
+        act = gemma.get("hidden_act") or raw.get("hidden_act", "silu")
+        if act not in (("gelu_tanh",) if gemma else ("silu", "swish")):
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
         # transformers 5 writes a rope_parameters block; hub checkpoints use rope_theta / rope_scaling.
-        params = raw.get("rope_parameters")
+        params = gemma.pop("rope_parameters", None) or raw.get("rope_parameters")
         if isinstance(params, dict) and params and not isinstance(next(iter(params.values())), dict):
             theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
             rope_type = params.get("rope_type", params.get("type", "default"))
@@ -146,14 +214,15 @@ class ModelConfig:
                 scaling = dict(scaling) if rope_type != "default" else None
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type"))
-            if rope_type != "llama3":
-                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; only 'llama3' is supported")
+            if rope_type not in ("llama3", "linear"):
+                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; only 'llama3' and 'linear' "
+                                  f"are supported")
             if "factor" not in scaling:
                 raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0")
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        windows = _layer_windows(raw, family, int(need("num_hidden_layers")), max_pos, source)
+        windows = _layer_windows(raw, family, layers, max_pos, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
         attention_bias = bool(raw.get("attention_bias", family == "qwen2"))
@@ -171,13 +240,16 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
             attention_bias=attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             max_position_embeddings=max_pos,
             bos_token_id=raw.get("bos_token_id"),
+            pad_token_id=_pad_row(raw.get("pad_token_id"), int(need("vocab_size"))),
             eos_token_id=raw.get("eos_token_id"),
             layer_windows=windows,
+            **{k: v for k, v in gemma.items() if k != "hidden_act"},
+            hidden_act="gelu_tanh" if act == "gelu_tanh" else "silu",
             raw=raw,
         )
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import ATTENTION_MODULES, LINEAR_MODULES, ModelConfig
 from .errors import AdapterError, ModelFileError
+from .layer_plan import layer_plan
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -142,18 +143,15 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict:
-    """Every tensor name the model needs mapped to its shape (biases and lm_head handled by the caller)."""
+    """Every tensor name the model needs mapped to its shape (biases and lm_head handled by the caller); a
+    layer's norms are its layer plan's."""
     c, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
+    norms = {op.param: (d if op.heads else c,) for op in layer_plan(cfg).ops if op.kind == "rmsnorm"}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c,)
-        shapes[p + "post_attention_layernorm.weight"] = (c,)
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in norms.items()})
         for m in LINEAR_MODULES:
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, c)
     return shapes

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 
 from .config import ModelConfig
 
 INPUT = "x_in"       # the layer's input activation (the residual stream)
 OUTPUT = "x_out"     # its output: the next layer's INPUT, or the final norm's input after the last layer
 CARRY = "d_res"      # the gradient buffer of the residual stream: the layer's OUTPUT's, then its INPUT's
-KINDS = ("rmsnorm", "linear", "rope", "attention", "swiglu")
+KINDS = ("rmsnorm", "linear", "rope", "attention", "swiglu", "geglu", "add", "scale")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,11 @@ class Op:
     the inputs it writes, one per input. param: the module of a linear op ("q_proj"), the weight of an
     rmsnorm under the layer ("input_layernorm.weight"). residual: an activation a linear op's output adds
     (y = residual + x W^T); the residual's gradient is the output's, so grads_out[0] carries on past it.
-    heads: "q" or "kv" where the op works per head (rope, a per-head rmsnorm): Hq or Hkv heads of head_dim."""
+    heads: "q" or "kv" where the op works per head (rope, a per-head rmsnorm): Hq or Hkv heads of head_dim.
+    factor: a scale op's constant.
+
+    The kinds: rmsnorm (y, rstd of x), linear (base + LoRA), rope (in place), attention (out, lse of q, k,
+    v), swiglu / geglu (m of gate, up), add (y = residual + x), scale (y = factor x)."""
 
     kind: str
     inputs: tuple
@@ -34,6 +39,7 @@ class Op:
     param: str = ""
     residual: str = ""
     heads: str = ""
+    factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,12 @@ class LayerPlan:
     widths: dict
     grad_widths: dict
     accumulate: tuple
+
+    @property
+    def saved(self) -> set:
+        """The activations some op's backward reads: a layer keeps these for its backward; the others
+        (memory.activation_plan) share one buffer across layers."""
+        return {INPUT} | {x for op in self.ops for x in _BACKWARD_READS[op.kind](op)}
 
     @classmethod
     def build(cls, ops, widths: dict, grad_widths: dict) -> "LayerPlan":
@@ -66,6 +78,18 @@ class LayerPlan:
     def head_count(self, cfg: ModelConfig, op: Op) -> int:
         """Heads of a per-head op (Hq or Hkv); 1 for an op over whole token rows."""
         return {"q": cfg.num_attention_heads, "kv": cfg.num_key_value_heads, "": 1}[op.heads]
+
+
+_BACKWARD_READS = {          # the activations each kind's backward reads
+    "rmsnorm": lambda op: (op.inputs[0], op.outputs[1]),
+    "linear": lambda op: op.inputs,
+    "rope": lambda op: (),
+    "attention": lambda op: op.inputs + op.outputs,
+    "swiglu": lambda op: op.inputs,
+    "geglu": lambda op: op.inputs,
+    "add": lambda op: (),
+    "scale": lambda op: (),
+}
 
 
 def _accumulate_flags(ops: tuple) -> tuple:
@@ -94,38 +118,64 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
     return Op("rmsnorm", (x,), (y, rstd), (dy,), (dx,), param=weight, heads=heads)
 
 
+_PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "qk_norm", "query_scale", "hidden_act", "sandwich_norms")
+
+
 @lru_cache(maxsize=None)
-def _plan(qk_norm: bool, c: int, q: int, kv: int, f: int, hq: int, hkv: int) -> LayerPlan:
-    q_proj, k_proj = ("q_pre", "k_pre") if qk_norm else ("q", "k")
-    dq_proj, dk_proj = ("dq2", "dk2") if qk_norm else ("dq", "dk")
+def _plan(fields: tuple) -> LayerPlan:
+    cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
+    c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    q_proj, k_proj = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
+    dq_proj, dk_proj = ("dq2", "dk2") if cfg.qk_norm else ("dq", "dk")
     ops = [_rmsnorm("input_layernorm.weight", INPUT, "h1", "rstd1", "d_h", CARRY),
            _linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
            _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
            _linear("v_proj", "h1", "v", "dv", "d_h")]
-    if qk_norm:
+    if cfg.qk_norm:
         ops += [_rmsnorm("self_attn.q_norm.weight", "q_pre", "q", "rstd_q", "dq", "dq2", heads="q"),
                 _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2", heads="kv")]
     ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
-            Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv"),
-            Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv")),
-            _linear("o_proj", "att", "x_mid", CARRY, "d_att", residual=INPUT),
-            _rmsnorm("post_attention_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
-            _linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
-            _linear("up_proj", "h2", "up", "d_up", "d_h"),
-            Op("swiglu", ("gate", "up"), ("m",), ("d_m",), ("d_gate", "d_up")),
-            _linear("down_proj", "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
+            Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
+    if cfg.query_scale != 1.0:
+        ops.append(Op("scale", ("q",), ("q",), ("dq",), ("dq",), factor=cfg.query_scale))
+    ops.append(Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv")))
+    glu = Op("geglu" if cfg.hidden_act == "gelu_tanh" else "swiglu", ("gate", "up"), ("m",), ("d_m",),
+             ("d_gate", "d_up"))
     widths = {INPUT: c, "h1": c, "rstd1": 1, "q": q, "k": kv, "v": kv, "att": q, "lse": hq, "x_mid": c, "h2": c,
               "rstd2": 1, "gate": f, "up": f, "m": f}
     grad_widths = {CARRY: c, "d_h": c, "d_att": q, "dq": q, "dk": kv, "dv": kv, "d_gate": f, "d_up": f, "d_m": f}
-    if qk_norm:
+    if cfg.sandwich_norms:
+        # Gemma: each branch's output is normed before the residual add; the branch's pre-norm output and
+        # its gradient, and the normed one's, use d_pre / d_post (the attention's, then the MLP's)
+        ops += [_linear("o_proj", "att", "o", "d_pre", "d_att"),
+                _rmsnorm("post_attention_layernorm.weight", "o", "o_n", "rstd_o", "d_post", "d_pre"),
+                Op("add", ("o_n",), ("x_mid",), (CARRY,), ("d_post",), residual=INPUT),
+                _rmsnorm("pre_feedforward_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
+                _linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
+                _linear("up_proj", "h2", "up", "d_up", "d_h"),
+                glu,
+                _linear("down_proj", "m", "mlp", "d_pre", "d_m"),
+                _rmsnorm("post_feedforward_layernorm.weight", "mlp", "mlp_n", "rstd_mlp", "d_post", "d_pre"),
+                Op("add", ("mlp_n",), (OUTPUT,), (CARRY,), ("d_post",), residual="x_mid")]
+        widths.update(o=c, o_n=c, rstd_o=1, mlp=c, mlp_n=c, rstd_mlp=1)
+        grad_widths.update(d_pre=c, d_post=c)
+    else:
+        ops += [_linear("o_proj", "att", "x_mid", CARRY, "d_att", residual=INPUT),
+                _rmsnorm("post_attention_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
+                _linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
+                _linear("up_proj", "h2", "up", "d_up", "d_h"),
+                glu,
+                _linear("down_proj", "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
+    if cfg.qk_norm:
         widths.update(q_pre=q, k_pre=kv, rstd_q=hq, rstd_k=hkv)
         grad_widths.update(dq2=q, dk2=kv)
     return LayerPlan.build(ops, widths, grad_widths)
 
 
 def layer_plan(cfg: ModelConfig) -> LayerPlan:
-    """The decoder layer of a Llama-family model (Llama, Mistral, Qwen2; Qwen3's per-head q/k norms):
-    pre-norm attention with RoPE and grouped-query heads, then a pre-norm SwiGLU MLP, each added to the
-    residual stream."""
-    return _plan(cfg.qk_norm, cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size,
-                 cfg.num_attention_heads, cfg.num_key_value_heads)
+    """The decoder layer of a Llama-family model: pre-norm attention with RoPE and grouped-query heads, then
+    a pre-norm gated MLP, each added to the residual stream. Variants: Qwen3's and Gemma 3's per-head q / k
+    norms; Gemma's query scale, GeGLU and norms on each branch's output (sandwich norms)."""
+    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS))

@@ -60,7 +60,8 @@ def activation_ranks(ranks: dict, groups: dict) -> dict:
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
                     checkpoint: bool = False, max_binding: int | None = None):
     """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared). The layer's
-    activations and gradient buffers are those of its layer_plan.
+    activations and gradient buffers are those of its layer_plan; the activations no backward reads (the
+    plan's unsaved ones) exist once, under SHARED_LAYER.
 
     lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
     checkpoint (gradient checkpointing, training only): each layer keeps only its input x_in; its other
@@ -82,6 +83,8 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     rows = head_rows(cfg, n, max_binding)
     shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
               "valid_rows": n}
+    # activations no backward reads are written and read within a layer: one buffer for all layers
+    shared.update({SHARED_LAYER + name: layer.pop(name) for name in plan.widths if name not in plan.saved})
     if train:
         # d_tmp: the dx of a norm whose backward adds into a gradient (the kernel writes it), and the loss
         # head's gathered rows' dx; d_lora_x: the LoRA dx of a module with dropout, before its mask

@@ -48,9 +48,10 @@ class AttentionProblem:
     and delta in scratch from dout, q, k, v, out, lse), with its tensors (kernels.attention_forward's and
     attention_backward's arguments) and sizes."""
 
-    def __init__(self, rt, pass_: str, tensors: dict, B, T, Hq, Hkv, D, window=0):
+    def __init__(self, rt, pass_: str, tensors: dict, B, T, Hq, Hkv, D, window=0, softcap=0.0):
         self.rt, self.pass_, self.t = rt, pass_, tensors
         self.B, self.T, self.Hq, self.Hkv, self.D, self.window = B, T, Hq, Hkv, D, int(window)
+        self.softcap = float(softcap)      # the scores' soft-cap (Gemma 2), 0 for none
         big = [n for n in ("out", "q", "k", "v", "dq", "dk", "dv", "dout") if n in tensors]
         self.aligned = _aligned(D, *(tensors[n] for n in big))
 
@@ -61,10 +62,11 @@ class AttentionProblem:
 
     def describe(self) -> str:
         return (f"attention {self.pass_} B{self.B} T{self.T} H{self.Hq}/{self.Hkv} D{self.D}"
-                + (f" window {self.window}" if self.window else ""))
+                + (f" window {self.window}" if self.window else "") + (f" softcap {self.softcap:g}" if self.softcap else ""))
 
     def signature(self) -> tuple:
-        return ("attention", self.pass_, self.B, self.T, self.Hq, self.Hkv, self.D, self.window, self.aligned)
+        return ("attention", self.pass_, self.B, self.T, self.Hq, self.Hkv, self.D, self.window, self.softcap,
+                self.aligned)
 
     def key(self) -> str:
         """The tuner's key: pass, rows bucket (next power of two of B * T), heads, D, window or not, alignment."""
@@ -90,14 +92,14 @@ class AttentionProblem:
         B, T, Hq, Hkv, D = self.B, self.T, self.Hq, self.Hkv, self.D
         q, k, v, dout = (rng.standard_normal((B, T, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv, Hq))
         seg = np.ones((B, T), np.int32)
-        out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window)
+        out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window, self.softcap)
         nq, nkv, nl = q.size, k.size, B * Hq * T
         if self.pass_ == "forward":
             want = np.concatenate([out.ravel(), lse.ravel()])
             bufs = [self.rt.upload(x, "tune operand") for x in (q, k, v, seg)]
         else:
             grads = ops.attention_backward(dout.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)),
-                                           out, lse, seg, self.window)
+                                           out, lse, seg, self.window, self.softcap)
             delta = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out)
             want = np.concatenate([g.ravel() for g in grads] + [delta.ravel()])
             bufs = [self.rt.upload(x.astype(np.float32), "tune operand") for x in (q, k, v, seg, dout, out, lse)]
@@ -111,7 +113,7 @@ class AttentionProblem:
                            lse=bufs[6], dq=(res, 0), dk=(res, nq), dv=(res, nq + nkv),
                            scratch=(res, nq + 2 * nkv))
         assert want.size == (nq + nl if self.pass_ == "forward" else nq + 2 * nkv + nl)
-        rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window)
+        rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window, self.softcap)
         return rep, res, c0, want, bufs
 
 
@@ -122,7 +124,7 @@ def _dispatch(p: AttentionProblem, k: Kernel, groups) -> tuple:
              "dv": big_kv, "lse": rows, "scratch": rows, "segment_ids": p.B * p.T}
     tensors = [(p.t[n], sizes[n]) for n in k.names]
     pipeline, resources = prepare(p.rt, k, tensors, s0=p.B, s1=p.T, s2=p.Hq, s3=p.Hkv, s4=p.window,
-                                  f0=1.0 / math.sqrt(p.D))
+                                  f0=1.0 / math.sqrt(p.D), f1=p.softcap)
     return pipeline, resources, groups
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
-from .runtime import shader_path
+from .runtime import shader_text
 
 PASSES = ("forward", "dq", "dkv")
 ENTRIES = {"forward": "attention_forward", "dq": "attention_backward_dq", "dkv": "attention_backward_dkv"}
@@ -160,11 +160,11 @@ def source(cfg, pass_: str, head_dim: int) -> str:
     """The WGSL of one pass of cfg's kernels for this head dim."""
     if pass_ not in PASSES or not cfg.fits(head_dim):
         raise ValueError(f"flash attention {cfg.name}: pass {pass_!r}, head dim {head_dim}")
-    lines = shader_path(cfg.shader).read_text().split("\n")
+    lines = shader_text(cfg.shader).split("\n")
     i, j = lines.index(_BEGIN), lines.index(_END)
     lines[i:j + 1] = [cfg.consts(head_dim)] + [""] * (j - i)
     own = expand(_one_pass(lines, pass_), cfg.counts(head_dim))
-    return "\n".join(own + _one_pass(shader_path(COMMON).read_text().split("\n"), pass_))
+    return "\n".join(own + _one_pass(shader_text(COMMON).split("\n"), pass_))
 
 
 def _one_pass(lines: list[str], pass_: str) -> list[str]:

@@ -21,7 +21,7 @@ from . import kernels as K
 from .quant import QuantMatrix
 from .runtime import Runtime
 from .operands import at
-from .tensors import F32, Matrix, Packed, linear_forward, store_weight, weight_buffers
+from .tensors import F32, Matrix, Packed, store_weight, weight_buffers
 from .buffers import BucketCache, GpuLora
 from .kv_cache import KvCacheGeneration
 from .layers import LayerRecorder
@@ -51,7 +51,13 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             self.w[name] = store_weight(rt, name, arr, base_dtype, embed_dtype)
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
-        self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
+        # per layer (D/2,): one buffer per distinct set of frequencies (Gemma: local and global layers)
+        freqs = {}
+        for i in range(cfg.num_hidden_layers):
+            f = cfg.inv_freq(i).astype(np.float32)
+            freqs.setdefault(f.tobytes(), f)
+        uploaded = {key: rt.upload(f, "inv_freq") for key, f in freqs.items()}
+        self.inv_freqs = [uploaded[cfg.inv_freq(i).astype(np.float32).tobytes()] for i in range(cfg.num_hidden_layers)]
         self.plan = layer_plan(cfg)
         self.lora: dict[str, GpuLora] = {}
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
@@ -306,7 +312,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         for r0 in range(0, acts.n, acts.head_rows):
             rows = min(acts.head_rows, acts.n - r0)
             rec = self.rt.recorder()
-            linear_forward(rec, acts.logits, at(acts.xf, r0 * c), self._head(), None, rows)
+            self._head_logits(rec, acts, at(acts.xf, r0 * c), rows)
             rec.submit()
             out[r0:r0 + rows] = self.rt.read(acts.logits, np.float32, (rows, v))
         self._count(before)

@@ -110,6 +110,14 @@ def scale(rec, y, x, s, n):
         _elems(rec, "elementwise", "scale", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (s,))
 
 
+def softcap_forward(rec, y, x, cap, n):
+    """y = cap * tanh(x / cap) over n elements (logit soft-capping); in place when y is x."""
+    if _same(y, x):
+        _elems(rec, "elementwise", "softcap_inplace", n, [(y, n, "y", True)], (n,), (cap,))
+    else:
+        _elems(rec, "elementwise", "softcap", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (cap,))
+
+
 def copy(rec, y, x, n):
     """y = x over n elements, inside the compute pass (Recorder.copy would end it)."""
     _elems(rec, "elementwise", "copy", n, [(y, n, "y", True), (x, n, "x", False)], (n,))
@@ -188,8 +196,8 @@ def _rms_vec4(rt, C, tensors):
     return C % 4 == 0 and all(bind(rt, t, n, name, True)[1] % 4 == 0 for t, n, name in tensors)
 
 
-def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps):
-    """y (N, C) = x * rstd * weight, rstd (N,) = 1 / sqrt(mean(x^2) + eps).
+def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps, offset=0.0):
+    """y (N, C) = x * rstd * (weight + offset), rstd (N,) = 1 / sqrt(mean(x^2) + eps).
 
     One invocation per row for C <= the row threshold (vec4 loads when C % 4 == 0 and the offsets
     allow), else one workgroup per row."""
@@ -200,9 +208,9 @@ def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps):
     if C <= _rms_row_max_c(rec.rt):
         vec = _rms_vec4(rec.rt, C, [(y, N * C, "y"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_forward_row4" if vec else "rmsnorm_forward_row",
-             flat_grid(-(-N // RMS_WG)), tensors, (N, C), (eps,))
+             flat_grid(-(-N // RMS_WG)), tensors, (N, C), (eps, offset))
     else:
-        _run(rec, "rmsnorm", "rmsnorm_forward", flat_grid(N), tensors, (N, C), (eps,))
+        _run(rec, "rmsnorm", "rmsnorm_forward", flat_grid(N), tensors, (N, C), (eps, offset))
 
 
 def rmsnorm_scratch_size(N, C):
@@ -210,8 +218,8 @@ def rmsnorm_scratch_size(N, C):
     return -(-N // RMS_ROWS_PER_BLOCK) * C
 
 
-def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False):
-    """dx (N, C) and dweight (C,) of rmsnorm_forward.
+def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False, offset=0.0):
+    """dx (N, C) and dweight (C,) of rmsnorm_forward (with its offset).
 
     dweight is summed in two passes (per 32-row block into scratch, each invocation taking 4
     consecutive columns of one block; then over blocks); pass dweight=None to skip it (scratch is
@@ -226,9 +234,9 @@ def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accum
     if C <= _rms_row_max_c(rt):
         vec = _rms_vec4(rt, C, [(dx, N * C, "dx"), (dy, N * C, "dy"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_backward_row4" if vec else "rmsnorm_backward_row",
-             flat_grid(-(-N // RMS_WG)), tensors, (N, C))
+             flat_grid(-(-N // RMS_WG)), tensors, (N, C), (0.0, offset))
     else:
-        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, (N, C))
+        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, (N, C), (0.0, offset))
     if dweight is None:
         return
     nblk = -(-N // RMS_ROWS_PER_BLOCK)
@@ -283,22 +291,23 @@ def _att_check(T, Hq, Hkv, D):
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
 
 
-def _attention(rec, pass_, tensors, B, T, Hq, Hkv, D, window):
+def _attention(rec, pass_, tensors, B, T, Hq, Hkv, D, window, softcap):
     _att_check(T, Hq, Hkv, D)
     if B * T <= 0:
         return
-    p = attention_kernels.AttentionProblem(rec.rt, pass_, tensors, B, T, Hq, Hkv, D, window)
+    p = attention_kernels.AttentionProblem(rec.rt, pass_, tensors, B, T, Hq, Hkv, D, window, softcap)
     for d in tune.choose(rec.rt, p).dispatches(p):
         rec.dispatch(*d)
 
 
-def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, window=0):
+def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, window=0, softcap=0.0):
     """Causal GQA attention with segments: q, out (B, T, Hq, D); k, v (B, T, Hkv, D);
     segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward. window > 0: query i sees
-    only keys j with i - j < window (sliding-window attention). The kernel is the tuner's choice among
-    attention_kernels' candidates."""
+    only keys j with i - j < window (sliding-window attention); softcap > 0: the scaled scores become
+    softcap * tanh(s / softcap) (Gemma 2). The kernel is the tuner's choice among attention_kernels'
+    candidates."""
     _attention(rec, "forward", dict(out=out, lse=lse, q=q, k=k, v=v, segment_ids=segment_ids),
-               B, T, Hq, Hkv, D, window)
+               B, T, Hq, Hkv, D, window, softcap)
 
 
 def attention_scratch_size(B, T, Hq):
@@ -306,15 +315,16 @@ def attention_scratch_size(B, T, Hq):
     return B * Hq * T
 
 
-def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch, window=0):
+def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch, window=0,
+                       softcap=0.0):
     """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse, with delta in
     scratch (at least attention_scratch_size(B, T, Hq) elements): dq per query block, then dk and dv per key
     block summing over the query heads of its group (no atomics)."""
     _attention(rec, "backward", dict(dq=dq, dk=dk, dv=dv, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
-                                     segment_ids=segment_ids, scratch=scratch), B, T, Hq, Hkv, D, window)
+                                     segment_ids=segment_ids, scratch=scratch), B, T, Hq, Hkv, D, window, softcap)
 
 
-# ---- swiglu ---------------------------------------------------------------------------------
+# ---- swiglu, geglu --------------------------------------------------------------------------
 
 def swiglu_forward(rec, h, gate, up, n):
     """h = silu(gate) * up over n elements."""
@@ -331,6 +341,19 @@ def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
         _elems(rec, "swiglu", "swiglu_backward", n,
                [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
                 (up, n, "up", False)], (n,))
+
+
+def geglu_forward(rec, h, gate, up, n):
+    """h = gelu_tanh(gate) * up over n elements."""
+    _elems(rec, "swiglu", "geglu_forward", n,
+           [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,))
+
+
+def geglu_backward(rec, dgate, dup, dh, gate, up, n):
+    """dgate, dup of geglu_forward over n elements (not in place)."""
+    _elems(rec, "swiglu", "geglu_backward", n,
+           [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
+            (up, n, "up", False)], (n,))
 
 
 # ---- cross-entropy --------------------------------------------------------------------------
@@ -362,9 +385,10 @@ def cross_entropy_reduce(rec, result, loss, valid, N):
          (0, 0, 0, N))
 
 
-def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_rows, V, row_offset=0):
+def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_rows, V, row_offset=0, softcap=0.0):
     """dlogits (n_rows, V) = grad_scale * (softmax - onehot) on counted rows, 0 on ignored rows, for
-    the chunk of global rows [row_offset, row_offset + n_rows) (targets and lse by global row).
+    the chunk of global rows [row_offset, row_offset + n_rows) (targets and lse by global row). softcap > 0:
+    the logits are soft-capped ones (softcap_forward) and dlogits is with respect to the uncapped ones.
 
     grad_scale: a tensor whose first element is the scale (computed on the GPU, e.g. 1/count), or a
     Python float (baked into the uniform: prefer a buffer for values that change every step).
@@ -383,12 +407,12 @@ def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_row
     if _same(dlogits, logits):
         _run(rec, "cross_entropy", "cross_entropy_backward_inplace", groups,
              [(logits, n_rows * V, "logits", True), (tg, n_rows, "targets", False), (ls, n_rows, "lse", False),
-              (scale_t, 1, "grad_scale", False)], (n_rows, V), (mult,))
+              (scale_t, 1, "grad_scale", False)], (n_rows, V), (mult, softcap))
     else:
         _run(rec, "cross_entropy", "cross_entropy_backward", groups,
              [(dlogits, n_rows * V, "dlogits", True), (logits, n_rows * V, "logits", False),
               (tg, n_rows, "targets", False), (ls, n_rows, "lse", False), (scale_t, 1, "grad_scale", False)],
-             (n_rows, V), (mult,))
+             (n_rows, V), (mult, softcap))
 
 
 # ---- optimizer ------------------------------------------------------------------------------
@@ -489,10 +513,11 @@ def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
 
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
-                             window=0):
+                             window=0, softcap=0.0):
     """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d);
     rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
-    marks padding: its output is zero), only the last `window` of them when window > 0."""
+    marks padding: its output is zero), only the last `window` of them when window > 0; scores soft-capped
+    at softcap when it is not 0."""
     if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
@@ -501,7 +526,7 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
     launch(rec, ATTENTION_CACHED, flat_grid(-(-(n * hq) // 64)),
            [(out, n * hq * d), (q, n * hq * d), (k_cache, cache), (v_cache, cache), (rows, n), (positions, n)],
            n=int(n), max_len=int(max_len), batch=int(batch), hq=int(hq), hkv=int(hkv), d=int(d),
-           scale=1.0 / math.sqrt(d), window=int(window))
+           scale=1.0 / math.sqrt(d), window=int(window), softcap=float(softcap))
 
 
 def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d):

@@ -7,7 +7,7 @@ import numpy as np
 from ..errors import DeviceError
 from ..reference.model import check_rows, forward_cached
 from .operands import at
-from .tensors import F32, linear_forward
+from .tensors import F32
 
 
 class KvCacheGeneration:
@@ -64,7 +64,7 @@ class KvCacheGeneration:
             if r0:
                 rec = self.rt.recorder()
             count = min(acts.head_rows, m - r0)
-            linear_forward(rec, acts.logits, at(acts.x_final, r0 * c), self._head(), None, count)
+            self._head_logits(rec, acts, at(acts.x_final, r0 * c), count)
             rec.submit()
             out[r0:r0 + count] = self.rt.read(acts.logits, np.float32, (count, v))
         self._count(before)

@@ -67,8 +67,8 @@ class Kernel:
         if self.source:
             fn, *args = self.source
             return fn(*args)
-        from .runtime import shader_path
-        return shader_path(self.shader).read_text()
+        from .runtime import shader_text
+        return shader_text(self.shader)
 
     def supported(self, rt) -> bool:
         """Whether the adapter offers this kernel's features and per-workgroup limits."""

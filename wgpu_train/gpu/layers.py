@@ -18,11 +18,15 @@ class LayerRecorder:
 
     # ---- forward ------------------------------------------------------------------------------
     def _embed(self, rec, out, ids, n):
+        """out (n, C) = the embedding rows of ids, times the model's embed_scale (Gemma)."""
         emb = self.w["model.embed_tokens.weight"]
         if isinstance(emb, QuantMatrix):
-            return quant.embedding_forward(rec, out, ids, emb, n)
-        for buf, r0, rows in emb.chunks:
-            K.embedding_forward(rec, out, ids, buf, n, emb.cols, rows, r0)
+            quant.embedding_forward(rec, out, ids, emb, n)
+        else:
+            for buf, r0, rows in emb.chunks:
+                K.embedding_forward(rec, out, ids, buf, n, emb.cols, rows, r0)
+        if self.cfg.embed_scale != 1.0:
+            K.scale(rec, out, out, self.cfg.embed_scale, n * self.cfg.hidden_size)
 
     def _linear(self, rec, y, x, layer, module, acts, a, accumulate=False):
         """Base linear (+ LoRA, with dropout on its input while training) of one module. With LoRA, h = x A^T
@@ -66,7 +70,7 @@ class LayerRecorder:
         """The layers and the final norm. With a KV cache `kv` (generation, forward_rows), acts.segments
         holds each token's cache row: keys and values are written into the cache, attention reads it, and
         only the n_last tokens whose indices acts.targets holds are normed, into x_final's first rows."""
-        n, c, eps = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps
+        n, c, eps, offset = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps, self.cfg.norm_offset
         self._where = "embedding forward"
         rec.section(self._where)
         self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
@@ -75,10 +79,11 @@ class LayerRecorder:
             self._record_layer_forward(rec, acts, i, kv)
         rec.section("final norm forward")
         if kv is None:
-            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps)
+            K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps, offset)
         else:   # gather the wanted rows into xf, then norm them back into x_final, whose rows are all read by then
             K.embedding_forward(rec, acts.xf, acts.targets, acts.x_final, n_last, c, n)
-            K.rmsnorm_forward(rec, acts.x_final, acts.rstd_f, acts.xf, self.w["model.norm.weight"], n_last, c, eps)
+            K.rmsnorm_forward(rec, acts.x_final, acts.rstd_f, acts.xf, self.w["model.norm.weight"], n_last, c, eps,
+                              offset)
 
     def _record_layer_forward(self, rec, acts: Activations, i: int, kv: dict | None = None, recompute=False):
         """Layer i's forward (the plan's ops in order) from its input, writing the next layer's input
@@ -91,7 +96,7 @@ class LayerRecorder:
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
         for op in self.plan.ops:
             if recompute and OUTPUT in op.outputs:
-                if self.lora.get(module_path(i, op.param)) is not None:
+                if op.kind == "linear" and self.lora.get(module_path(i, op.param)) is not None:
                     rec.section(self._where + " gemm")
                     self._lora_h(rec, buf[op.inputs[0]], i, op.param, acts, a)
                 continue
@@ -107,7 +112,8 @@ class LayerRecorder:
         rec.section(self._where + (" attention" if op.heads else " norm"))
         rows, width = self._rows(op, acts)
         K.rmsnorm_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]],
-                          self.w[f"model.layers.{i}.{op.param}"], rows, width, self.cfg.rms_norm_eps)
+                          self.w[f"model.layers.{i}.{op.param}"], rows, width, self.cfg.rms_norm_eps,
+                          self.cfg.norm_offset)
 
     def _forward_linear(self, rec, op, i, acts, buf, kv):
         y = buf[op.outputs[0]]
@@ -117,7 +123,7 @@ class LayerRecorder:
 
     def _forward_rope(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " attention")
-        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.positions, self.inv_freq, acts.n,
+        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.positions, self.inv_freqs[i], acts.n,
                        self.plan.head_count(self.cfg, op), self.cfg.head_dim)
 
     def _forward_attention(self, rec, op, i, acts, buf, kv):
@@ -126,17 +132,37 @@ class LayerRecorder:
         (q, k, v), (att, lse) = (buf[x] for x in op.inputs), (buf[x] for x in op.outputs)
         rec.section(self._where + " attention")
         if kv is None:
-            K.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i))
+            K.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i),
+                                cfg.attn_softcap)
         else:   # generation: acts.segments holds each token's cache row
             K.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d)
             K.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
-                                       acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i))
+                                       acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap)
 
     def _forward_swiglu(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " swiglu")
         K.swiglu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
-                         acts.n * self.cfg.intermediate_size)
+                         acts.n * self.plan.widths[op.inputs[0]])
+
+    def _forward_geglu(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " swiglu")
+        K.geglu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
+                        acts.n * self.plan.widths[op.inputs[0]])
+
+    def _forward_add(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " norm")
+        K.add(rec, buf[op.outputs[0]], buf[op.residual], buf[op.inputs[0]], acts.n * self.plan.widths[op.residual])
+
+    def _forward_scale(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " attention")
+        K.scale(rec, buf[op.outputs[0]], buf[op.inputs[0]], op.factor, acts.n * self.plan.widths[op.inputs[0]])
+
+    def _head_logits(self, rec, acts: Activations, x, rows: int):
+        """acts.logits (rows, V) = x (rows, C) lm_head^T, soft-capped where the model caps them (Gemma 2)."""
+        linear_forward(rec, acts.logits, x, self._head(), None, rows)
+        if self.cfg.logit_softcap:
+            K.softcap_forward(rec, acts.logits, acts.logits, self.cfg.logit_softcap, rows * self.cfg.vocab_size)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
         """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, _upload_batch),
@@ -157,12 +183,12 @@ class LayerRecorder:
             if self.full else None
         for r0 in range(0, m, acts.head_rows):
             rows = min(acts.head_rows, m - r0)
-            linear_forward(rec, acts.logits, at(x, r0 * c), head, None, rows)
+            self._head_logits(rec, acts, at(x, r0 * c), rows)
             K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits, acts.targets,
                                     rows, v, r0)
             if backward:
                 K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
-                                         rows, v, r0)
+                                         rows, v, r0, cfg.logit_softcap)
                 linear_backward(rec, at(dx, r0 * c), dhead, None, acts.logits, at(x, r0 * c), head, rows)
         if backward and compact:
             K.row_gather_backward(rec, acts.dxf, dx, acts.head_index, m, c, n)
@@ -211,7 +237,7 @@ class LayerRecorder:
         name = f"model.layers.{i}.{op.param}"
         dx = acts.d_tmp if accumulate[0] else dxs[0]
         K.rmsnorm_backward(rec, dx, self._norm_grad(name), dys[0], a[op.inputs[0]], self.w[name], a[op.outputs[1]],
-                           rows, width, acts.scratch_norm, accumulate=True)
+                           rows, width, acts.scratch_norm, accumulate=True, offset=self.cfg.norm_offset)
         if accumulate[0]:
             K.add_inplace(rec, dxs[0], acts.d_tmp, rows * width)
 
@@ -221,7 +247,7 @@ class LayerRecorder:
     def _backward_rope(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "rope's backward writes its gradient"
         rec.section(self._where + " attention")
-        K.rope_backward(rec, dxs[0], dys[0], acts.positions, self.inv_freq, acts.n, self.plan.head_count(self.cfg, op),
+        K.rope_backward(rec, dxs[0], dys[0], acts.positions, self.inv_freqs[i], acts.n, self.plan.head_count(self.cfg, op),
                         self.cfg.head_dim)
 
     def _backward_attention(self, rec, op, i, acts, a, dys, dxs, accumulate):
@@ -230,12 +256,31 @@ class LayerRecorder:
         rec.section(self._where + " attention")
         K.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
                              acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, acts.scratch_att, cfg.window(i))
+                             cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap)
 
     def _backward_swiglu(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "swiglu's backward writes its gradients"
         rec.section(self._where + " swiglu")
-        K.swiglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.cfg.intermediate_size)
+        K.swiglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.plan.widths[op.inputs[0]])
+
+    def _backward_geglu(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "geglu's backward writes its gradients"
+        rec.section(self._where + " swiglu")
+        K.geglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.plan.widths[op.inputs[0]])
+
+    def _backward_add(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        """The input's gradient is the output's (the residual's passes through in the same buffer)."""
+        rec.section(self._where + " norm")
+        n = acts.n * self.plan.widths[op.inputs[0]]
+        if accumulate[0]:
+            K.add_inplace(rec, dxs[0], dys[0], n)
+        else:
+            K.copy(rec, dxs[0], dys[0], n)
+
+    def _backward_scale(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not accumulate[0], "scale's backward writes its gradient"
+        rec.section(self._where + " attention")
+        K.scale(rec, dxs[0], dys[0], op.factor, acts.n * self.plan.widths[op.inputs[0]])
 
     def _record_backward(self, rec, acts: Activations):
         """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the
@@ -245,7 +290,8 @@ class LayerRecorder:
         self._record_head(rec, acts, backward=True)
         rec.section("final norm backward")
         K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
-                           self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True)
+                           self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,
+                           offset=cfg.norm_offset)
         for i in reversed(range(cfg.num_hidden_layers)):
             rec.split_point()
             # checkpointed: the forward left the last layer's activations in the shared buffers; the
@@ -260,6 +306,14 @@ class LayerRecorder:
         if self.full:
             rec.section("embedding backward")
             emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]
+            if cfg.embed_scale != 1.0:    # the layers' input gradient, read only here from now on
+                K.scale(rec, acts.d_res, acts.d_res, cfg.embed_scale, n * c)
+            pad = cfg.pad_token_id
             for (gbuf, r0, rows) in g.chunks:
-                K.embedding_backward(rec, gbuf, acts.d_res, acts.ids, n, emb.cols, rows, acts.scratch_emb, r0,
-                                     accumulate=True)
+                # torch's padding_idx: the padding row takes no gradient from the lookup (a tied head's stays)
+                spans = [(r0, rows)] if pad is None or not r0 <= pad < r0 + rows else \
+                    [(r0, pad - r0), (pad + 1, r0 + rows - pad - 1)]
+                for start, count in spans:
+                    if count:
+                        K.embedding_backward(rec, at(gbuf, (start - r0) * emb.cols), acts.d_res, acts.ids, n,
+                                             emb.cols, count, acts.scratch_emb, start, accumulate=True)

@@ -110,6 +110,17 @@ def shader_path(name: str) -> Path:
     raise FileNotFoundError(f"shader {name}.wgsl not found in {', '.join(map(str, shader_dirs()))}")
 
 
+INCLUDE = "// @include "
+
+
+def shader_text(name: str) -> str:
+    """A shader's WGSL, with the shaders its `// @include <name>` lines name appended after its own text
+    (WGSL declarations may come in any order, so a compiler message keeps the shader's own line numbers)."""
+    text = shader_path(name).read_text()
+    extra = [shader_text(line[len(INCLUDE):].strip()) for line in text.split("\n") if line.startswith(INCLUDE)]
+    return "\n".join([text] + extra)
+
+
 def shader_error(path, source: str, err: Exception) -> ShaderError:
     """A ShaderError naming the file and line of the first diagnostic in a wgpu/naga message."""
     msg = str(err)
@@ -207,7 +218,7 @@ class Runtime:
         if key not in self._modules:
             if source is None:
                 path = shader_path(name)
-                source = path.read_text()
+                source = shader_text(name)
             path = path or f"{name}.wgsl"
             try:
                 self._modules[key] = self.device.create_shader_module(label=name, code=source)

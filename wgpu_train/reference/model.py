@@ -81,7 +81,7 @@ class NumpyEngine(DropoutState):
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
-        self.inv_freq = cfg.inv_freq()
+        self.inv_freqs = [cfg.inv_freq(i) for i in range(cfg.num_hidden_layers)]   # per layer (D/2,)
         self.plan = layer_plan(cfg)
         self.lora: dict[str, LoraModule] = {}
         self.full = False            # full fine-tuning: every weight trainable
@@ -192,17 +192,24 @@ class NumpyEngine(DropoutState):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
         b, t = ids.shape
         flat_ids = ids.reshape(-1)
-        x = ops.embedding_forward(flat_ids, self.w["model.embed_tokens.weight"])   # (N, C)
+        x = self._embed(flat_ids)                                                 # (N, C)
         walk = _Walk(b, t, position_ids, segment_ids)
         layers = []
         for i in range(self.cfg.num_hidden_layers):
             a = self._layer_forward(i, x, walk)
             x = a.pop(OUTPUT)
             layers.append(a)
-        xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps)
-        logits = ops.linear_forward(xf, self.lm_head())                         # (N, V)
-        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf}
+        xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        raw = ops.linear_forward(xf, self.lm_head())                            # (N, V)
+        logits = ops.softcap_forward(raw, self.cfg.logit_softcap)
+        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf,
+                 "raw_logits": raw}
         return logits.reshape(b, t, -1), cache
+
+    def _embed(self, ids):
+        """The embedding rows of ids (N,), times the model's embed_scale (Gemma)."""
+        x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])        # (N, C)
+        return x * self.dtype.type(self.cfg.embed_scale) if self.cfg.embed_scale != 1.0 else x
 
     def _layer_forward(self, i: int, x, walk: "_Walk") -> dict:
         """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
@@ -217,7 +224,7 @@ class NumpyEngine(DropoutState):
     def _forward_rmsnorm(self, op, i, a, walk):
         x = a[op.inputs[0]]
         w = self.w[self._norm_weight(i, op)]
-        y, rstd = ops.rmsnorm_forward(x.reshape(-1, w.shape[0]), w, self.cfg.rms_norm_eps)
+        y, rstd = ops.rmsnorm_forward(x.reshape(-1, w.shape[0]), w, self.cfg.rms_norm_eps, self.cfg.norm_offset)
         a[op.outputs[0]], a[op.outputs[1]] = y.reshape(x.shape), rstd
 
     def _forward_linear(self, op, i, a, walk):
@@ -226,22 +233,32 @@ class NumpyEngine(DropoutState):
 
     def _forward_rope(self, op, i, a, walk):
         x = a[op.inputs[0]]
-        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freq).reshape(x.shape)
+        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freqs[i]).reshape(x.shape)
 
     def _forward_attention(self, op, i, a, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
         window = self.cfg.window(i)
         if walk.kv is None:
-            att, lse = ops.attention_forward(q, k, v, walk.segments, window)      # (B, T, Hq, D), (B, Hq, T)
+            att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap)      # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
             ops.kv_cache_write(kv["k"][i], kv["v"][i], k[0], v[0], walk.rows, walk.positions[0])
-            att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window)
+            att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
+                                               self.cfg.attn_softcap)
             lse = None
         a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
 
     def _forward_swiglu(self, op, i, a, walk):
         a[op.outputs[0]] = ops.swiglu_forward(a[op.inputs[0]], a[op.inputs[1]])
+
+    def _forward_geglu(self, op, i, a, walk):
+        a[op.outputs[0]] = ops.geglu_forward(a[op.inputs[0]], a[op.inputs[1]])
+
+    def _forward_add(self, op, i, a, walk):
+        a[op.outputs[0]] = a[op.residual] + a[op.inputs[0]]
+
+    def _forward_scale(self, op, i, a, walk):
+        a[op.outputs[0]] = a[op.inputs[0]] * self.dtype.type(op.factor)
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, dlogits, cache):
@@ -249,15 +266,21 @@ class NumpyEngine(DropoutState):
         cfg = self.cfg
         tied = cfg.tie_word_embeddings
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        dlogits = ops.softcap_backward(dlogits, cache["raw_logits"], cfg.logit_softcap)
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(), need_weight_grad=self.full)
         if self.full:
             self.grads[head_name] += dhead
-        dx, dnorm = ops.rmsnorm_backward(dxf, cache["x_final"], self.w["model.norm.weight"], cache["rstd_f"])
+        dx, dnorm = ops.rmsnorm_backward(dxf, cache["x_final"], self.w["model.norm.weight"], cache["rstd_f"],
+                                         cfg.norm_offset)
         self._add_full("model.norm.weight", dnorm)
         for i in reversed(range(cfg.num_hidden_layers)):
             dx = self._layer_backward(i, cache["layers"][i], dx, cache["walk"])
         if self.full:
-            self.grads["model.embed_tokens.weight"] += ops.embedding_backward(dx, cache["ids"], cfg.vocab_size)
+            dx = dx * self.dtype.type(cfg.embed_scale) if cfg.embed_scale != 1.0 else dx
+            demb = ops.embedding_backward(dx, cache["ids"], cfg.vocab_size)       # (V, C)
+            if cfg.pad_token_id is not None:      # torch's padding_idx: the padding row gets no gradient
+                demb[cfg.pad_token_id] = 0
+            self.grads["model.embed_tokens.weight"] += demb
 
     def _layer_backward(self, i: int, a: dict, dx, walk: "_Walk"):
         """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
@@ -275,7 +298,8 @@ class NumpyEngine(DropoutState):
     def _backward_rmsnorm(self, op, i, a, dys, walk):
         name = self._norm_weight(i, op)
         x, width = a[op.inputs[0]], self.w[name].shape[0]
-        dx, dw = ops.rmsnorm_backward(dys[0].reshape(-1, width), x.reshape(-1, width), self.w[name], a[op.outputs[1]])
+        dx, dw = ops.rmsnorm_backward(dys[0].reshape(-1, width), x.reshape(-1, width), self.w[name], a[op.outputs[1]],
+                                      self.cfg.norm_offset)
         self._add_full(name, dw)
         return [dx.reshape(x.shape)]
 
@@ -284,17 +308,26 @@ class NumpyEngine(DropoutState):
 
     def _backward_rope(self, op, i, a, dys, walk):
         dy = dys[0]
-        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self.inv_freq).reshape(dy.shape)]
+        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self.inv_freqs[i]).reshape(dy.shape)]
 
     def _backward_attention(self, op, i, a, dys, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)
         att, lse = walk.heads(a[op.outputs[0]], self.cfg), a[op.outputs[1]]
         grads = ops.attention_backward(walk.heads(dys[0], self.cfg), q, k, v, att, lse, walk.segments,
-                                       self.cfg.window(i))
+                                       self.cfg.window(i), self.cfg.attn_softcap)
         return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]
 
     def _backward_swiglu(self, op, i, a, dys, walk):
         return list(ops.swiglu_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+
+    def _backward_geglu(self, op, i, a, dys, walk):
+        return list(ops.geglu_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+
+    def _backward_add(self, op, i, a, dys, walk):
+        return [dys[0]]
+
+    def _backward_scale(self, op, i, a, dys, walk):
+        return [dys[0] * self.dtype.type(op.factor)]
 
     def _add_full(self, name, g):
         if self.full:
@@ -325,13 +358,14 @@ class NumpyEngine(DropoutState):
         through the final norm and lm_head.
         """
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
-        x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])       # (n, C)
+        x = self._embed(ids)                                                      # (n, C)
         self.training = False
         walk = _Walk(1, ids.shape[0], positions[None], None, kv, rows)
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer_forward(i, x, walk)[OUTPUT]
-        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps)    # (m, C)
-        return ops.linear_forward(xf, self.lm_head()).astype(np.float32)
+        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps,
+                                    self.cfg.norm_offset)                        # (m, C)
+        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)
 
     # ---- the engine protocol ------------------------------------------------------------------
     def logits(self, ids, segment_ids, position_ids):

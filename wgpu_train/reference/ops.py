@@ -39,17 +39,17 @@ def row_gather_backward(dout, rows, m):
 
 # ---- rmsnorm ---------------------------------------------------------------------------------
 
-def rmsnorm_forward(x, weight, eps):
-    """x (N, C), weight (C,) -> y (N, C), rstd (N,)."""
+def rmsnorm_forward(x, weight, eps, offset=0.0):
+    """x (N, C), weight (C,) -> y (N, C) = x * rstd * (weight + offset), rstd (N,)."""
     rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
-    return (x * rstd[:, None]) * weight, rstd.astype(x.dtype)
+    return (x * rstd[:, None]) * (weight + offset), rstd.astype(x.dtype)
 
 
-def rmsnorm_backward(dy, x, weight, rstd):
+def rmsnorm_backward(dy, x, weight, rstd, offset=0.0):
     """Gradients of rmsnorm_forward: dx (N, C), dweight (C,)."""
     xhat = x * rstd[:, None]                                     # (N, C)
     dweight = np.sum(dy * xhat, axis=0)
-    dxhat = dy * weight
+    dxhat = dy * (weight + offset)
     c = x.shape[-1]
     dx = rstd[:, None] * (dxhat - xhat * (np.sum(dxhat * xhat, axis=-1, keepdims=True) / c))
     return dx, dweight
@@ -153,8 +153,19 @@ def _expand_kv(k, n_rep):
     return np.repeat(k, n_rep, axis=2) if n_rep > 1 else k
 
 
-def attention_forward(q, k, v, segment_ids, window: int = 0):
-    """Causal grouped-query attention (within a sliding window of `window` keys when window > 0).
+def softcap_forward(x, cap: float):
+    """Logit soft-capping: cap * tanh(x / cap) (Gemma 2), x itself when cap is 0."""
+    return cap * np.tanh(x / cap) if cap else x
+
+
+def softcap_backward(dy, x, cap: float):
+    """Gradient of softcap_forward at x."""
+    return dy * (1.0 - np.tanh(x / cap) ** 2) if cap else dy
+
+
+def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.0):
+    """Causal grouped-query attention (within a sliding window of `window` keys when window > 0; the scaled
+    scores soft-capped at `softcap` when it is not 0).
 
     q (B, T, Hq, D), k and v (B, T, Hkv, D), segment_ids (B, T) -> out (B, T, Hq, D), lse (B, Hq, T).
     Query head h reads key/value head h // (Hq / Hkv), as in Hugging Face's repeat_kv.
@@ -162,7 +173,7 @@ def attention_forward(q, k, v, segment_ids, window: int = 0):
     n_rep = q.shape[2] // k.shape[2]
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     scale = 1.0 / np.sqrt(q.shape[-1])
-    scores = np.einsum("bihd,bjhd->bhij", q, ke) * scale        # (B, H, T, T)
+    scores = softcap_forward(np.einsum("bihd,bjhd->bhij", q, ke) * scale, softcap)   # (B, H, T, T)
     allowed = attention_allowed(segment_ids, window)[:, None]
     scores = np.where(allowed, scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)
@@ -174,20 +185,20 @@ def attention_forward(q, k, v, segment_ids, window: int = 0):
     return out.astype(q.dtype), lse.astype(q.dtype)
 
 
-def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0):
+def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, softcap: float = 0.0):
     """Gradients of attention_forward from the saved logsumexp: dq (B, T, Hq, D), dk, dv (B, T, Hkv, D)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     n_rep = hq // hkv
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     scale = 1.0 / np.sqrt(d)
-    scores = np.einsum("bihd,bjhd->bhij", q, ke) * scale
+    raw = np.einsum("bihd,bjhd->bhij", q, ke) * scale
     allowed = attention_allowed(segment_ids, window)[:, None]
-    p = np.where(allowed, np.exp(scores - lse[..., None]), 0.0)  # (B, H, T, T)
+    p = np.where(allowed, np.exp(softcap_forward(raw, softcap) - lse[..., None]), 0.0)  # (B, H, T, T)
     dve = np.einsum("bhij,bihd->bjhd", p, dout)
     dp = np.einsum("bihd,bjhd->bhij", dout, ve)
     delta = np.einsum("bihd,bihd->bhi", dout, out)               # rowsum(dout * out)
-    ds = p * (dp - delta[..., None]) * scale
+    ds = softcap_backward(p * (dp - delta[..., None]), raw, softcap) * scale
     dq = np.einsum("bhij,bjhd->bihd", ds, ke)
     dke = np.einsum("bhij,bihd->bjhd", ds, q)
     dk = dke.reshape(b, t, hkv, n_rep, d).sum(axis=3)
@@ -211,6 +222,25 @@ def swiglu_backward(dh, gate, up):
     s = _sigmoid(gate)
     silu = gate * s
     return dh * up * (s * (1.0 + gate * (1.0 - s))), dh * silu
+
+
+# ---- geglu -----------------------------------------------------------------------------------
+
+GELU_C = np.sqrt(2.0 / np.pi)       # gelu's tanh approximation: 0.5 x (1 + tanh(GELU_C (x + 0.044715 x^3)))
+
+
+def geglu_forward(gate, up):
+    """gelu_tanh(gate) * up, elementwise on (N, F) (transformers' gelu_pytorch_tanh)."""
+    t = np.tanh(GELU_C * (gate + 0.044715 * gate ** 3))
+    return 0.5 * gate * (1.0 + t) * up
+
+
+def geglu_backward(dh, gate, up):
+    """Gradients of geglu_forward: dgate, dup (N, F)."""
+    t = np.tanh(GELU_C * (gate + 0.044715 * gate ** 3))
+    gelu = 0.5 * gate * (1.0 + t)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * gate ** 2)
+    return dh * up * dgelu, dh * gelu
 
 
 # ---- cross-entropy ---------------------------------------------------------------------------
@@ -258,7 +288,7 @@ def kv_cache_write(k_cache, v_cache, k_new, v_new, rows, positions):
     v_cache[rows[keep], positions[keep]] = v_new[keep]
 
 
-def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0):
+def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0, softcap: float = 0.0):
     """New queries against a KV cache: q (N, Hq, D), query i in cache row rows[i] at position positions[i];
     k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal),
     only the last `window` of them when window > 0."""
@@ -270,7 +300,7 @@ def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int =
         pos = positions[sel]
         tk = int(pos.max()) + 1
         ke, ve = _expand_kv(k_cache[r:r + 1, :tk], n_rep)[0], _expand_kv(v_cache[r:r + 1, :tk], n_rep)[0]
-        scores = np.einsum("ihd,jhd->hij", q[sel], ke) / np.sqrt(d)  # (Hq, Ni, Tk)
+        scores = softcap_forward(np.einsum("ihd,jhd->hij", q[sel], ke) / np.sqrt(d), softcap)  # (Hq, Ni, Tk)
         keys = np.arange(tk)[None, :]
         seen = (keys <= pos[:, None]) & ((keys > pos[:, None] - window) if window > 0 else True)
         scores = np.where(seen, scores, -np.inf)
