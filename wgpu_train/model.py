@@ -142,7 +142,7 @@ class Model:
             for path, (r, _) in settings.items():
                 out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
                 modules[path] = fresh_pair(rng, config.init, r, out_f, in_f)
-        self._set_lora(config, modules, scales, seed, residual, modules if residual else None)
+        self._set_lora(config, modules, seed, residual, modules if residual else None)
 
     def _decomposed(self, config: LoraConfig, settings: dict, scales: dict, rng) -> tuple:
         """PiSSA / OLoRA of every module: ({path: (A0, B0)}, {weight name: residual})."""
@@ -165,11 +165,12 @@ class Model:
         stored = self.engine.weights() if rest else {}
         return {n: self._kept[n] if n in self._kept else stored[n] for n in names}
 
-    def _set_lora(self, config: LoraConfig, modules: dict, scales: dict, seed: int = 0, residual: dict | None = None,
+    def _set_lora(self, config: LoraConfig, modules: dict, seed: int = 0, residual: dict | None = None,
                   init_pairs: dict | None = None):
-        """Attach `modules` ({path: (A, B)}) with their scales. PiSSA / OLoRA: `residual` ({weight name: array})
-        replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights that an
-        earlier residual replaced get their original values back."""
+        """Attach `modules` ({path: (A, B)}) with config's scales. PiSSA / OLoRA: `residual` ({weight name:
+        array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
+        that an earlier residual replaced get their original values back."""
+        scales = config.module_scales(self.config.num_hidden_layers)
         residual = residual or {}
         restore = [p + ".weight" for p in self._init_pairs if p + ".weight" not in residual]
         if self.path is None:      # no files to read the originals from again: keep them
@@ -265,7 +266,7 @@ class Model:
             config = dataclasses.replace(config, dropout=float(dropout))
         scales = config.module_scales(self.config.num_hidden_layers)
         init_pairs, residual = self._decomposed(config, settings, scales, None) if changes_base(config.init) else ({}, {})
-        self._set_lora(config, modules, scales, seed, residual, init_pairs)
+        self._set_lora(config, modules, seed, residual, init_pairs)
 
     def merged_weights(self) -> dict:
         """Base weights with every LoRA delta folded in: W + scale * B @ A (float32; W the residual base of a
