@@ -34,6 +34,19 @@ TOLERANCES: dict[str, Tolerance] = {
         "the NumPy engine on the same tokens packed with other sequences vs alone: BLAS sums products of other "
         "shapes in another order; observed <= 1.7e-6 on logits of magnitude ~3. A token reading another row's keys "
         "or a wrong position moves logits by > 1e-2"),
+    "init_factors": Tolerance(1e-4, 2e-5,
+        "PiSSA / OLoRA's A and B: PEFT's float32 SVD / QR (torch's LAPACK) against ours in float64 rounded to "
+        "float32; singular vectors of nearby singular values move most: observed <= 9e-6 absolute (PiSSA), "
+        "<= 2e-7 (OLoRA) on entries up to ~1. A wrong scale, a transposed factor or a missing sqrt is off by > 1e-1"),
+    "init_residual": Tolerance(1e-4, 1e-5,
+        "the residual base W - scale * B A: PEFT forms it in float32 from its float32 factors, ours in float64; "
+        "observed <= 6.3e-6 absolute on weights ~0.15"),
+    "init_logits": Tolerance(1e-4, 3e-5,
+        "logits of a model whose base became residual + scale * B A: one float32 rounding of the residual on "
+        "top of logits_f32"),
+    "init_niter": Tolerance(1e-4, 1e-5,
+        "randomised SVD (4 subspace iterations) against the exact top-3 SVD of a weight whose top singular values "
+        "(9, 6, 4) stand far above the rest (<= 0.05): the subspace error shrinks by (0.05 / 4)^8; float32 results"),
     "inv_freq": Tolerance(2e-6, 0.0,
         "RoPE inverse frequencies: ours in float64, transformers' buffer in float32 (relative rounding ~6e-8, "
         "plus float32 pow in torch)"),
