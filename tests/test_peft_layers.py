@@ -264,3 +264,29 @@ def test_wgpu_trains_per_layer_ranks_as_numpy(tiny, rt):
     bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
                  ("ids", "segments", "positions", "targets", "head_index")})     # the batch, not activations
     assert est["activations"] + est["logits"] == sum(b.size for b in bufs.values())
+
+
+def test_option_spellings_and_memory_command(tiny, capsys):
+    """--lora-layers and the pattern options as the command line and TOML spell them; `wgpu-train memory`
+    with them reports estimate_memory of the same LoraConfig."""
+    from wgpu_train.cli import main
+    from wgpu_train.lora_layout import parse_layers, parse_pattern
+    from wgpu_train.train_config import TrainConfig
+
+    assert parse_layers("2") == 2 and parse_layers("0,2") == (0, 2) and parse_layers("3-5,1") == (1, 3, 4, 5)
+    assert parse_layers("4,") == (4,) and parse_layers("all") is None and parse_layers(None) is None
+    assert parse_pattern("q_proj=16,layers.0.mlp.down_proj=4", "p") == {"q_proj": 16, "layers.0.mlp.down_proj": 4}
+    assert parse_pattern('{"layers\\\\.[0-9]{1,2}\\\\.mlp": 2.5}', "p") == {r"layers\.[0-9]{1,2}\.mlp": 2.5}
+    cfg = TrainConfig(lora_layers="2", lora_rank_pattern="v_proj=5", lora_alpha_pattern="v_proj=1.5").lora_config(3)
+    assert (cfg.layers_to_transform, cfg.rank_pattern, cfg.alpha_pattern) == ((1, 2), {"v_proj": 5}, {"v_proj": 1.5})
+    for bad in ("x", "3-1", "0"):
+        with pytest.raises(ConfigError, match="--lora-layers"):
+            parse_layers(bad)
+    _, folder = tiny
+    assert main(["memory", "--model", str(folder), "--batch-size", "2", "--max-seq-len", "16", "--lora-layers", "2",
+                 "--lora-rank-pattern", "v_proj=5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    lora = LoraConfig(r=8, target_modules=("q_proj", "v_proj"), layers_to_transform=(1, 2), rank_pattern={"v_proj": 5})
+    want = estimate_memory(wt.ModelConfig.from_folder(folder), 2, 16, lora)
+    assert {k: result[k] for k in want} == want
+    assert want["trainable_state"] == 16 * 2 * (8 * (30 + 30) + 5 * (30 + 10))

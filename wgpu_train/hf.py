@@ -261,50 +261,6 @@ def _adapter_field(raw: dict, key: str, kind: str, default, cfg_path):
     return value
 
 
-def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", layers_to_transform=None,
-                    layers_pattern=None) -> tuple[tuple, tuple | None]:
-    """(module names, layer indices or None for every layer) that PEFT's target_modules `spec` selects in a
-    model of num_hidden_layers layers, matched as PEFT matches (check_target_module_exists): "all-linear"; a
-    string is a regular expression that must match a module path (model.layers.0.self_attn.q_proj) with
-    re.fullmatch; a list entry matches a path that equals it or, in the layers_to_transform (as read by
-    lora_layout.layer_index with layers_pattern), ends with "." + entry. LoRA on the embedding or lm_head, a
-    selection whose modules lie in different layers, or one of no linear module is refused naming it."""
-    from .lora_layout import layer_index
-
-    if spec == "all-linear":
-        spec = list(LINEAR_MODULES)
-    if isinstance(spec, str):
-        try:
-            pattern = re.compile(spec)
-        except re.error as e:
-            raise AdapterError(f"{where}: target_modules {spec!r} is not a valid regular expression ({e})") from None
-    layers = layers_to_transform
-
-    def selects(path: str) -> bool:
-        if isinstance(spec, str):
-            return pattern.fullmatch(path) is not None
-        if path in spec:
-            return True
-        found = any(path.endswith("." + t) for t in spec)
-        return found and (layers is None or layer_index(path, layers_pattern) in layers)
-
-    for other in ("model.embed_tokens", "lm_head"):
-        if selects(other):
-            raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
-                               f"linear layers {', '.join(LINEAR_MODULES)} only)")
-    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(module_path(i, m))) for m in LINEAR_MODULES}
-    chosen = {m: found for m, found in chosen.items() if found}
-    if not chosen:
-        raise AdapterError(f"{where}: target_modules {spec!r} selects none of the linear layers "
-                           f"({', '.join(LINEAR_MODULES)})" + (f" in layers_to_transform {list(layers)}" if layers else ""))
-    if len(set(chosen.values())) > 1:
-        shown = "; ".join(f"{m} in layers {','.join(map(str, found))}" for m, found in chosen.items())
-        raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {shown} (LoRA on the same "
-                           f"layers for every module only)")
-    found = next(iter(chosen.values()))
-    return tuple(chosen), (None if len(found) == num_hidden_layers and layers is None else found)
-
-
 def adapter_base_name(adapter_path) -> str:
     """The adapter's base_model_name_or_path as written ("" when it has none or it cannot be read)."""
     try:
@@ -351,6 +307,7 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
     model's; by default the layers the adapter's tensors cover)."""
     from .config import LoraConfig
     from .errors import ConfigError
+    from .lora_layout import adapter_layout, adapter_targets
 
     folder = Path(folder)
     cfg_path = folder / "adapter_config.json"
@@ -390,7 +347,7 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
     if num_hidden_layers is None:
         layers = [int(m.group(1)) for k in tensors if (m := re.search(r"\.layers\.(\d+)\.", k))]
         num_hidden_layers = max(layers, default=0) + 1
-    layout = _adapter_layout(raw, spec, cfg_path)
+    layout = adapter_layout(raw, spec, cfg_path)
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
                                       layout["layers_pattern"])
     try:
@@ -400,41 +357,3 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
         raise AdapterError(f"{cfg_path}: {e}") from None
     return cfg, tensors
 
-
-def _adapter_layout(raw: dict, spec, cfg_path) -> dict:
-    """adapter_config.json's per-layer fields and init as LoraConfig arguments, each checked for its type
-    (AdapterError naming the key); as PEFT, layers_to_transform / layers_pattern only with a list of targets."""
-    from .lora_init import from_peft
-
-    def bad(key, want):
-        return AdapterError(f"{cfg_path}: key '{key}' must be {want}, got {json.dumps(raw[key])}")
-
-    def whole(v):
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    layers, pattern = raw.get("layers_to_transform"), raw.get("layers_pattern")
-    if layers is not None and not (whole(layers) or isinstance(layers, list) and all(whole(i) for i in layers)):
-        raise bad("layers_to_transform", "a layer index or a list of them")
-    if isinstance(layers, list) and not layers:
-        layers = None                 # PEFT: an empty list is every layer
-    if pattern is not None and not (isinstance(pattern, str) or isinstance(pattern, list) and
-                                    all(isinstance(p, str) for p in pattern)):
-        raise bad("layers_pattern", "a name or a list of names")
-    pattern = pattern or None
-    if (layers is not None or pattern) and isinstance(spec, str):
-        raise AdapterError(f"{cfg_path}: layers_to_transform / layers_pattern need target_modules as a list "
-                           f"(PEFT refuses them with a regular expression)")
-    if pattern and layers is None:
-        raise AdapterError(f"{cfg_path}: layers_pattern needs layers_to_transform (as in PEFT)")
-    out = {"layers_to_transform": (layers,) if whole(layers) else tuple(layers) if layers is not None else None,
-           "layers_pattern": (pattern,) if isinstance(pattern, str) else tuple(pattern) if pattern else None}
-    for key, ok, want in (("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                           "whole numbers >= 1"),
-                          ("alpha_pattern", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                           "numbers")):
-        value = raw.get(key) or {}
-        if not isinstance(value, dict) or not all(ok(v) for v in value.values()):
-            raise bad(key, f"an object of module-path patterns to {want}")
-        out[key] = value
-    out["init"] = from_peft(raw.get("init_lora_weights", True), cfg_path)
-    return out

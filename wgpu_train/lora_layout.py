@@ -1,12 +1,16 @@
-"""Where LoRA goes and with which rank: PEFT's layers_to_transform / layers_pattern (which layers) and
-rank_pattern / alpha_pattern (per-module r and alpha), checked and matched on module paths exactly as PEFT
-matches them (peft.tuners.tuners_utils.check_target_module_exists, peft.utils.other.get_pattern_key)."""
+"""Where LoRA goes and with which rank: PEFT's target_modules, layers_to_transform / layers_pattern (which
+layers) and rank_pattern / alpha_pattern (per-module r and alpha), checked and matched on module paths exactly
+as PEFT matches them (peft.tuners.tuners_utils.check_target_module_exists, peft.utils.other.get_pattern_key);
+read from adapter_config.json and from the command line (--lora-layers, --lora-rank-pattern, ...)."""
 from __future__ import annotations
 
+import json
 import math
 import re
 
-from .errors import ConfigError
+from .config import LINEAR_MODULES
+from .errors import AdapterError, ConfigError
+from .hf import module_path
 
 
 def _whole(v) -> bool:
@@ -93,9 +97,6 @@ def module_settings(cfg, num_hidden_layers: int) -> dict:
     """{module path: (r, alpha)} of every LoRA module of `cfg` (a LoraConfig) in a model of num_hidden_layers
     layers, layer by layer in LINEAR_MODULES order. A layers_to_transform index the model lacks, or a
     selection that leaves no module, is refused naming it."""
-    from .config import LINEAR_MODULES
-    from .hf import module_path
-
     layers = cfg.layers_to_transform
     missing = [i for i in layers or () if i >= num_hidden_layers]
     if missing:
@@ -112,11 +113,96 @@ def module_settings(cfg, num_hidden_layers: int) -> dict:
             r_key, a_key = pattern_key(cfg.rank_pattern, path), pattern_key(cfg.alpha_pattern, path)
             out[path] = (int(cfg.rank_pattern[r_key]) if r_key is not None else int(cfg.r),
                          cfg.alpha_pattern[a_key] if a_key is not None else cfg.alpha)
-    if not out:
+    if not out:     # every index is a layer of the model: only a layers_pattern can miss them all
         raise ConfigError(f"LoRA layers_pattern {list(cfg.layers_pattern)!r} names no layer of the model's module "
-                          f"paths (model.layers.N...)" if cfg.layers_pattern else "LoRA selects no module")
+                          f"paths (model.layers.N...)")
     return out
 
+
+# ---- adapter_config.json ---------------------------------------------------------------------------------
+
+def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", layers_to_transform=None,
+                    layers_pattern=None) -> tuple[tuple, tuple | None]:
+    """(module names, layer indices or None for every layer) that PEFT's target_modules `spec` selects in a
+    model of num_hidden_layers layers, matched as PEFT matches (check_target_module_exists): "all-linear"; a
+    string is a regular expression that must match a module path (model.layers.0.self_attn.q_proj) with
+    re.fullmatch; a list entry matches a path that equals it or, in the layers_to_transform (as read by
+    lora_layout.layer_index with layers_pattern), ends with "." + entry. LoRA on the embedding or lm_head, a
+    selection whose modules lie in different layers, or one of no linear module is refused naming it."""
+    if spec == "all-linear":
+        spec = list(LINEAR_MODULES)
+    if isinstance(spec, str):
+        try:
+            pattern = re.compile(spec)
+        except re.error as e:
+            raise AdapterError(f"{where}: target_modules {spec!r} is not a valid regular expression ({e})") from None
+    layers = layers_to_transform
+
+    def selects(path: str) -> bool:
+        if isinstance(spec, str):
+            return pattern.fullmatch(path) is not None
+        if path in spec:
+            return True
+        found = any(path.endswith("." + t) for t in spec)
+        return found and (layers is None or layer_index(path, layers_pattern) in layers)
+
+    for other in ("model.embed_tokens", "lm_head"):
+        if selects(other):
+            raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
+                               f"linear layers {', '.join(LINEAR_MODULES)} only)")
+    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(module_path(i, m))) for m in LINEAR_MODULES}
+    chosen = {m: found for m, found in chosen.items() if found}
+    if not chosen:
+        raise AdapterError(f"{where}: target_modules {spec!r} selects none of the linear layers "
+                           f"({', '.join(LINEAR_MODULES)})" + (f" in layers_to_transform {list(layers)}" if layers else ""))
+    if len(set(chosen.values())) > 1:
+        shown = "; ".join(f"{m} in layers {','.join(map(str, found))}" for m, found in chosen.items())
+        raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {shown} (LoRA on the same "
+                           f"layers for every module only)")
+    found = next(iter(chosen.values()))
+    return tuple(chosen), (None if len(found) == num_hidden_layers and layers is None else found)
+
+
+def adapter_layout(raw: dict, spec, cfg_path) -> dict:
+    """adapter_config.json's per-layer fields and init as LoraConfig arguments, each checked for its type
+    (AdapterError naming the key); as PEFT, layers_to_transform / layers_pattern only with a list of targets."""
+    from .lora_init import from_peft
+
+    def bad(key, want):
+        return AdapterError(f"{cfg_path}: key '{key}' must be {want}, got {json.dumps(raw[key])}")
+
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    layers, pattern = raw.get("layers_to_transform"), raw.get("layers_pattern")
+    if layers is not None and not (whole(layers) or isinstance(layers, list) and all(whole(i) for i in layers)):
+        raise bad("layers_to_transform", "a layer index or a list of them")
+    if isinstance(layers, list) and not layers:
+        layers = None                 # PEFT: an empty list is every layer
+    if pattern is not None and not (isinstance(pattern, str) or isinstance(pattern, list) and
+                                    all(isinstance(p, str) for p in pattern)):
+        raise bad("layers_pattern", "a name or a list of names")
+    pattern = pattern or None
+    if (layers is not None or pattern) and isinstance(spec, str):
+        raise AdapterError(f"{cfg_path}: layers_to_transform / layers_pattern need target_modules as a list "
+                           f"(PEFT refuses them with a regular expression)")
+    if pattern and layers is None:
+        raise AdapterError(f"{cfg_path}: layers_pattern needs layers_to_transform (as in PEFT)")
+    out = {"layers_to_transform": (layers,) if whole(layers) else tuple(layers) if layers is not None else None,
+           "layers_pattern": (pattern,) if isinstance(pattern, str) else tuple(pattern) if pattern else None}
+    for key, ok, want in (("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                           "whole numbers >= 1"),
+                          ("alpha_pattern", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                           "numbers")):
+        value = raw.get(key) or {}
+        if not isinstance(value, dict) or not all(ok(v) for v in value.values()):
+            raise bad(key, f"an object of module-path patterns to {want}")
+        out[key] = value
+    out["init"] = from_peft(raw.get("init_lora_weights", True), cfg_path)
+    return out
+
+
+# ---- the command line -------------------------------------------------------------------------------------
 
 def parse_layers(text) -> int | tuple | None:
     """--lora-layers: "N" the last N layers (an int, for last_layers; mlx-lm's --num-layers), layer indices
@@ -149,8 +235,6 @@ def last_layers(n: int, num_hidden_layers: int) -> tuple:
 def parse_pattern(text, what: str) -> dict:
     """--lora-rank-pattern / --lora-alpha-pattern: "PATTERN=VALUE[,...]" (e.g. q_proj=16,layers.0.mlp.down_proj=4)
     or a JSON object (for patterns that hold commas); the order is kept (the first matching key wins)."""
-    import json
-
     if isinstance(text, dict):
         return dict(text)
     text = str(text or "").strip()
@@ -166,13 +250,11 @@ def parse_pattern(text, what: str) -> dict:
         return value
     out = {}
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        key, eq, value = part.rpartition("=")
-        try:
-            out[key.strip()] = float(value) if "." in value or "e" in value.lower() else int(value)
-        except ValueError:
-            eq = ""
-        if not eq or not key.strip():
+        key, _, value = part.rpartition("=")
+        if not key.strip() or not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()):
             raise ConfigError(f"{what} {part!r}: expected PATTERN=NUMBER, e.g. q_proj=16")
+        number = float(value)
+        out[key.strip()] = int(number) if re.fullmatch(r"[-+]?\d+", value.strip()) else number
     return out
 
 
@@ -185,8 +267,6 @@ def format_layers(layers) -> str | None:
 
 def lora_options(lora) -> dict:
     """The TrainConfig LoRA options that describe a LoraConfig (to record the adapter a run trains)."""
-    import json
-
     return {"lora_rank": lora.r, "lora_alpha": float(lora.alpha), "lora_targets": ",".join(lora.target_modules),
             "rslora": lora.use_rslora, "lora_dropout": lora.dropout, "lora_init": lora.init,
             "lora_layers": format_layers(lora.layers_to_transform),
