@@ -296,3 +296,28 @@ def test_finetune_resume_and_merge_pissa(workspace, tmp_path, capsys):
                          (["--lora-init", "pissa", "--rslora", "--lora-alpha-pattern", "q_proj=3"], "PEFT cannot")):
         one_line_error(capsys, ["finetune", "--model", str(model_dir), "--data", str(data), "--backend", "numpy",
                                 "--max-steps", "1", "--out", str(tmp_path / "d")] + extra, words)
+
+
+def test_finetune_continues_an_unconverted_olora_adapter(workspace, tmp_path):
+    """--adapter-path on an adapter saved as trained from OLoRA (init_lora_weights "olora", as PEFT's plain
+    save_pretrained writes it): its residual is rebuilt, training goes on over it, and the adapter written is
+    the converted one, whose logits on the original base are those of the last checkpoint (residual rebuilt)."""
+    model_dir, data = workspace
+    start = load_model(model_dir)
+    start.add_lora(LoraConfig(r=4, alpha=8, target_modules=("q_proj", "o_proj"), init="olora"), seed=1)
+    train_steps(start, 1)
+    start.save_adapter(tmp_path / "start", convert=False)
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--backend", "numpy", "--max-steps", "2",
+                 "--adapter-path", str(tmp_path / "start"), "--lora-init", "olora", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert json.loads((out / "train_config.json").read_text())["lora_init"] == "olora"
+    final = json.loads((out / "adapter_config.json").read_text())
+    assert (final["r"], final["lora_alpha"], final["init_lora_weights"]) == (8, 16, True)
+    trained = load_model(model_dir)
+    trained.load_adapter(out / "checkpoints" / "step-000002" / "adapter")
+    converted = load_model(model_dir)
+    converted.load_adapter(out)
+    ids = np.arange(12).reshape(1, 12)
+    assert_close(converted.logits(ids), trained.logits(ids), "logits_f32")
+    assert not np.allclose(trained.logits(ids), start.logits(ids), atol=1e-4), "training should have moved it"

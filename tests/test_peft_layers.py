@@ -26,11 +26,12 @@ from wgpu_train.train import count_trainable
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 LAYERS = 3
-# q/k/v with per-layer ranks (a fused group whose width differs by layer), o_proj left out, down_proj with its
-# own alpha, on layers 0 and 2 only
+# q/k/v with per-layer ranks (a fused group whose width differs by layer), o_proj left out, down_proj (no
+# group) with per-layer ranks and its own alpha, on layers 0 and 2 only
 LAYOUT = dict(r=3, target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "gate_proj", "down_proj"],
               layers_to_transform=[0, 2], layers_pattern="layers",
-              rank_pattern={r"layers\.2\.self_attn\.k_proj": 5, "v_proj": 2, "gate_proj": 4},
+              rank_pattern={r"layers\.2\.self_attn\.k_proj": 5, "v_proj": 2, "gate_proj": 4,
+                            r"layers\.0\.mlp\.down_proj": 6},
               alpha_pattern={"down_proj": 11, r"model\.layers\.0\.self_attn\.q_proj": 2})
 
 
@@ -259,6 +260,7 @@ def test_wgpu_trains_per_layer_ranks_as_numpy(tiny, rt):
         assert not np.array_equal(b, tensors[p][1]), p
     acts = engine._activations(*ids.shape, train=True)
     assert acts.layers[0]["lora_h.q_proj+k_proj+v_proj"].size == 4 * acts.capacity * 10    # layer 2: 3 + 5 + 2
+    assert acts.layers[2]["lora_h.down_proj"].size == 4 * acts.capacity * 6                # layer 0's rank
     est = wt.estimate_memory(gpu.config, *ids.shape, lora=lora)
     bufs = {id(b): b for layer in acts.layers for b in layer.values()}
     bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in

@@ -185,7 +185,7 @@ def adapter_layout(raw: dict, spec, cfg_path) -> dict:
     pattern = pattern or None
     if (layers is not None or pattern) and isinstance(spec, str):
         raise AdapterError(f"{cfg_path}: layers_to_transform / layers_pattern need target_modules as a list "
-                           f"(PEFT refuses them with a regular expression)")
+                           f"(PEFT refuses them with a string: a regular expression or all-linear)")
     if pattern and layers is None:
         raise AdapterError(f"{cfg_path}: layers_pattern needs layers_to_transform (as in PEFT)")
     out = {"layers_to_transform": (layers,) if whole(layers) else tuple(layers) if layers is not None else None,
