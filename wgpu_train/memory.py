@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .config import LoraConfig, ModelConfig
 from .errors import DeviceError
+from .layer_plan import INPUT, layer_plan
 
 F32 = 4
 MIN_BUCKET_TOKENS = 64        # the smallest activation bucket (tokens)
@@ -74,7 +75,8 @@ def activation_ranks(ranks: dict, groups: dict) -> dict:
 
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
                     checkpoint: bool = False, max_binding: int | None = None):
-    """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared).
+    """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared). The layer's
+    activations and gradient buffers are those of its layer_plan.
 
     lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
     checkpoint (gradient checkpointing, training only): each layer keeps only its input x_in; its other
@@ -86,12 +88,9 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     from .gpu import kernels as K
 
     n = b * t
-    c, f, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    q, kv, hq, hkv = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    layer = {"x_in": n * c, "h1": n * c, "rstd1": n, "q": n * q, "k": n * kv, "v": n * kv, "att": n * q,
-             "lse": n * hq, "x_mid": n * c, "h2": n * c, "rstd2": n, "gate": n * f, "up": n * f, "m": n * f}
-    if cfg.qk_norm:
-        layer.update(q_pre=n * q, k_pre=n * kv, rstd_q=n * hq, rstd_k=n * hkv)
+    c, v, d, hq = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
+    plan = layer_plan(cfg)
+    layer = {name: n * width for name, width in plan.widths.items()}
     for module, r in lora_ranks.items():
         layer["lora_h." + module] = n * r
     for module, in_f in dropout_inputs.items():
@@ -100,15 +99,18 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
               "valid_rows": n}
     if train:
-        widest = max([c, q, f] + list(dropout_inputs.values()))
-        shared.update(d_res=n * c, d_tmp=n * widest, dxf=n * c, d_att=n * q, dq=n * q, dk=n * kv, dv=n * kv,
-                      dq2=n * q, dk2=n * kv, d_m=n * f, d_gate=n * f, d_up=n * f, d_h=n * c,
-                      d_lora_h=n * max(list(lora_ranks.values()) + [1]), d_lora_x=n * widest,
+        # d_tmp: the dx of a norm whose backward adds into a gradient (the kernel writes it), and the loss
+        # head's gathered rows' dx; d_lora_x: the LoRA dx of a module with dropout, before its mask
+        added = [plan.grad_widths[op.grads_in[0]] for op, acc in zip(plan.ops, plan.accumulate)
+                 if op.kind == "rmsnorm" and acc[0]]
+        shared.update({name: n * width for name, width in plan.grad_widths.items()})
+        shared.update(d_tmp=n * max([c] + added), dxf=n * c, d_lora_h=n * max(list(lora_ranks.values()) + [1]),
+                      d_lora_x=n * max(list(dropout_inputs.values()) + [1]),
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
                       scratch_att=K.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
         if checkpoint:
-            shared.update({SHARED_LAYER + name: e for name, e in layer.items() if name != "x_in"})
-            layer = {"x_in": layer["x_in"]}
+            shared.update({SHARED_LAYER + name: e for name, e in layer.items() if name != INPUT})
+            layer = {INPUT: layer[INPUT]}
     else:
         shared.update({SHARED_LAYER + name: e for name, e in layer.items()})
         layer = {}

@@ -12,6 +12,7 @@ from ..config import LINEAR_MODULES, ModelConfig
 from ..engine_protocol import DropoutState
 from ..errors import ConfigError
 from ..hf import module_path
+from ..layer_plan import layer_plan
 from ..memory import layer_ranks, lora_groups
 from ..reference import ops as ref_ops
 from ..reference.quant import check_dtypes
@@ -51,6 +52,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
         self.inv_freq = rt.upload(cfg.inv_freq().astype(np.float32), "inv_freq")
+        self.plan = layer_plan(cfg)
         self.lora: dict[str, GpuLora] = {}
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
         self._pending: dict = {}   # member -> dy of a group whose LoRA backward waits for the others

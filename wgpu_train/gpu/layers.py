@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..hf import module_path
+from ..layer_plan import INPUT, OUTPUT
 from . import kernels as K
 from . import quant
 from .lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
@@ -28,25 +29,29 @@ class LayerRecorder:
         comes first, so that the base GEMM can add the B term in the same dispatch (linear_lora_forward)."""
         path = module_path(layer, module)
         w, bias = self.w[path + ".weight"], self.w.get(path + ".bias")
-        n = acts.n
         rec.section(self._where + " gemm")
         lora = self.lora.get(path)
         if lora is None:
-            linear_forward(rec, y, x, w, bias, n, accumulate)
+            linear_forward(rec, y, x, w, bias, acts.n, accumulate)
             return
+        h, ldh = self._lora_h(rec, x, layer, module, acts, a)
+        linear_lora_forward(rec, y, x, w, bias, acts.n, h, ldh, lora.b, lora.scale, lora.r, accumulate)
+
+    def _lora_h(self, rec, x, layer, module, acts, a):
+        """h = x A^T (N, r) of the module's LoRA, its dropout mask applied to x while training, saved in the
+        layer's lora_h buffer; returns (h, its row stride). A group's first module computes h of all of
+        them in one GEMM (its columns side by side); each member gets its own columns."""
+        lora, n = self.lora[module_path(layer, module)], acts.n
         group = self._group_of.get(module)
         if group is None:
             xl = self._lora_input(rec, x, lora, module, a, n)
-            h, ldh = a["lora_h." + module], lora.r
-            lora_a_forward(rec, h, xl, lora.a, n, lora.in_f, lora.r)
-        else:
-            # a group: its first module computes h of all of them in one GEMM; each adds its own columns' term
-            mods = [self.lora[module_path(layer, m)] for m in group]
-            h, ldh = a["lora_h." + "+".join(group)], sum(m.r for m in mods)
-            if module == group[0]:
-                lora_a_forward(rec, h, x, lora.a, n, lora.in_f, ldh)
-            h = at(h, sum(m.r for m in mods[:group.index(module)]))
-        linear_lora_forward(rec, y, x, w, bias, n, h, ldh, lora.b, lora.scale, lora.r, accumulate)
+            lora_a_forward(rec, a["lora_h." + module], xl, lora.a, n, lora.in_f, lora.r)
+            return a["lora_h." + module], lora.r
+        mods = [self.lora[module_path(layer, m)] for m in group]
+        h, ldh = a["lora_h." + "+".join(group)], sum(m.r for m in mods)
+        if module == group[0]:
+            lora_a_forward(rec, h, x, lora.a, n, lora.in_f, ldh)
+        return at(h, sum(m.r for m in mods[:group.index(module)])), ldh
 
     def _lora_input(self, rec, x, lora: GpuLora, module, a, n):
         """The LoRA module's input: x, or while training with dropout x times the micro-batch's mask
@@ -76,56 +81,62 @@ class LayerRecorder:
             K.rmsnorm_forward(rec, acts.x_final, acts.rstd_f, acts.xf, self.w["model.norm.weight"], n_last, c, eps)
 
     def _record_layer_forward(self, rec, acts: Activations, i: int, kv: dict | None = None, recompute=False):
-        """Layer i's forward from its input x_in, writing the next layer's input (x_final after the last).
-        recompute=True (gradient checkpointing, in the backward) refills the layer's buffers for its backward
-        and leaves the next layer's input alone: of down_proj only the LoRA input and h are recomputed, since
-        its backward needs its input m (and those) but not its output."""
-        cfg = self.cfg
-        b, t, n = acts.b, acts.t, acts.n
-        c, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        eps = cfg.rms_norm_eps
+        """Layer i's forward (the plan's ops in order) from its input, writing the next layer's input
+        (x_final after the last). recompute=True (gradient checkpointing, in the backward) refills the layer's
+        buffers for its backward and leaves the next layer's input alone: of the op that writes it only the
+        LoRA input and h are recomputed, since its backward needs its input (and those) but not its output."""
         a = acts.layers[i]
-        p = f"model.layers.{i}."
+        x_next = acts.layers[i + 1][INPUT] if i + 1 < len(acts.layers) else acts.x_final
+        buf = {**a, OUTPUT: x_next}
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
-        rec.section(self._where + " norm")
-        K.rmsnorm_forward(rec, a["h1"], a["rstd1"], a["x_in"], self.w[p + "input_layernorm.weight"], n, c, eps)
-        q_out = a["q_pre"] if cfg.qk_norm else a["q"]
-        k_out = a["k_pre"] if cfg.qk_norm else a["k"]
-        self._linear(rec, q_out, a["h1"], i, "q_proj", acts, a)
-        self._linear(rec, k_out, a["h1"], i, "k_proj", acts, a)
-        self._linear(rec, a["v"], a["h1"], i, "v_proj", acts, a)
+        for op in self.plan.ops:
+            if recompute and OUTPUT in op.outputs:
+                if self.lora.get(module_path(i, op.param)) is not None:
+                    rec.section(self._where + " gemm")
+                    self._lora_h(rec, buf[op.inputs[0]], i, op.param, acts, a)
+                continue
+            getattr(self, "_forward_" + op.kind)(rec, op, i, acts, buf, kv)
+
+    def _rows(self, op, acts) -> tuple:
+        """(rows, width) of an op over token rows or, per head, over head rows of head_dim."""
+        if op.heads:
+            return acts.n * self.plan.head_count(self.cfg, op), self.cfg.head_dim
+        return acts.n, self.cfg.hidden_size
+
+    def _forward_rmsnorm(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + (" attention" if op.heads else " norm"))
+        rows, width = self._rows(op, acts)
+        K.rmsnorm_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]],
+                          self.w[f"model.layers.{i}.{op.param}"], rows, width, self.cfg.rms_norm_eps)
+
+    def _forward_linear(self, rec, op, i, acts, buf, kv):
+        y = buf[op.outputs[0]]
+        if op.residual:
+            K.copy(rec, y, buf[op.residual], acts.n * self.plan.widths[op.residual])
+        self._linear(rec, y, buf[op.inputs[0]], i, op.param, acts, buf, accumulate=bool(op.residual))
+
+    def _forward_rope(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " attention")
-        if cfg.qk_norm:
-            K.rmsnorm_forward(rec, a["q"], a["rstd_q"], a["q_pre"], self.w[p + "self_attn.q_norm.weight"], n * hq, d, eps)
-            K.rmsnorm_forward(rec, a["k"], a["rstd_k"], a["k_pre"], self.w[p + "self_attn.k_norm.weight"], n * hkv, d, eps)
-        K.rope_forward(rec, a["q"], a["q"], acts.positions, self.inv_freq, n, hq, d)
-        K.rope_forward(rec, a["k"], a["k"], acts.positions, self.inv_freq, n, hkv, d)
+        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.positions, self.inv_freq, acts.n,
+                       self.plan.head_count(self.cfg, op), self.cfg.head_dim)
+
+    def _forward_attention(self, rec, op, i, acts, buf, kv):
+        cfg = self.cfg
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        (q, k, v), (att, lse) = (buf[x] for x in op.inputs), (buf[x] for x in op.outputs)
+        rec.section(self._where + " attention")
         if kv is None:
-            K.attention_forward(rec, a["att"], a["lse"], a["q"], a["k"], a["v"], acts.segments, b, t, hq, hkv, d,
-                                cfg.window(i))
-        else:
-            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], a["k"], a["v"], acts.segments, acts.positions, n,
+            K.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i))
+        else:   # generation: acts.segments holds each token's cache row
+            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d)
-            K.attention_cached_forward(rec, a["att"], a["q"], kv["k"][i], kv["v"][i], acts.segments, acts.positions,
-                                       n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i))
-        K.copy(rec, a["x_mid"], a["x_in"], n * c)
-        self._linear(rec, a["x_mid"], a["att"], i, "o_proj", acts, a, accumulate=True)
-        rec.section(self._where + " norm")
-        K.rmsnorm_forward(rec, a["h2"], a["rstd2"], a["x_mid"], self.w[p + "post_attention_layernorm.weight"], n, c, eps)
-        self._linear(rec, a["gate"], a["h2"], i, "gate_proj", acts, a)
-        self._linear(rec, a["up"], a["h2"], i, "up_proj", acts, a)
+            K.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
+                                       acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i))
+
+    def _forward_swiglu(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " swiglu")
-        K.swiglu_forward(rec, a["m"], a["gate"], a["up"], n * cfg.intermediate_size)
-        if recompute:
-            lora = self.lora.get(module_path(i, "down_proj"))
-            if lora is not None:
-                rec.section(self._where + " gemm")
-                lora_a_forward(rec, a["lora_h.down_proj"], self._lora_input(rec, a["m"], lora, "down_proj", a, n),
-                               lora.a, n, lora.in_f, lora.r)
-            return
-        x_next = acts.layers[i + 1]["x_in"] if i + 1 < len(acts.layers) else acts.x_final
-        K.copy(rec, x_next, a["x_mid"], n * c)
-        self._linear(rec, x_next, a["m"], i, "down_proj", acts, a, accumulate=True)
+        K.swiglu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
+                         acts.n * self.cfg.intermediate_size)
 
     def _record_head(self, rec, acts: Activations, backward: bool):
         """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, _upload_batch),
@@ -193,55 +204,59 @@ class LayerRecorder:
     def _norm_grad(self, name):
         return self.grads.get(name) if self.full else None
 
-    def _record_backward(self, rec, acts: Activations):
+    def _backward_rmsnorm(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        """Into dx, or (accumulate) through d_tmp added to it: the norm kernel writes its dx."""
+        rec.section(self._where + (" attention" if op.heads else " norm"))
+        rows, width = self._rows(op, acts)
+        name = f"model.layers.{i}.{op.param}"
+        dx = acts.d_tmp if accumulate[0] else dxs[0]
+        K.rmsnorm_backward(rec, dx, self._norm_grad(name), dys[0], a[op.inputs[0]], self.w[name], a[op.outputs[1]],
+                           rows, width, acts.scratch_norm, accumulate=True)
+        if accumulate[0]:
+            K.add_inplace(rec, dxs[0], acts.d_tmp, rows * width)
+
+    def _backward_linear(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        self._linear_backward(rec, dxs[0], dys[0], i, op.param, acts, a, a[op.inputs[0]], accumulate[0])
+
+    def _backward_rope(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not accumulate[0], "rope's backward writes its gradient"
+        rec.section(self._where + " attention")
+        K.rope_backward(rec, dxs[0], dys[0], acts.positions, self.inv_freq, acts.n, self.plan.head_count(self.cfg, op),
+                        self.cfg.head_dim)
+
+    def _backward_attention(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "attention's backward writes its gradients"
         cfg = self.cfg
-        b, t, n = acts.b, acts.t, acts.n
-        c, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        rec.section(self._where + " attention")
+        K.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
+                             acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             cfg.head_dim, acts.scratch_att, cfg.window(i))
+
+    def _backward_swiglu(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "swiglu's backward writes its gradients"
+        rec.section(self._where + " swiglu")
+        K.swiglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.cfg.intermediate_size)
+
+    def _record_backward(self, rec, acts: Activations):
+        """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the
+        embedding's (full fine-tuning)."""
+        cfg = self.cfg
+        n, c = acts.n, cfg.hidden_size
         self._record_head(rec, acts, backward=True)
         rec.section("final norm backward")
         K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                            self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True)
         for i in reversed(range(cfg.num_hidden_layers)):
             rec.split_point()
-            p = f"model.layers.{i}."
-            a = acts.layers[i]
             # checkpointed: the forward left the last layer's activations in the shared buffers; the
             # others are recomputed (self._training and the micro-batch's seed slot still hold)
             if acts.checkpoint and i < cfg.num_hidden_layers - 1:
                 self._record_layer_forward(rec, acts, i, recompute=True)
-            self._linear_backward(rec, acts.d_m, acts.d_res, i, "down_proj", acts, a, a["m"], False)
-            rec.section(f"layer {i} backward swiglu")
-            K.swiglu_backward(rec, acts.d_gate, acts.d_up, acts.d_m, a["gate"], a["up"], n * f)
-            self._linear_backward(rec, acts.d_h, acts.d_gate, i, "gate_proj", acts, a, a["h2"], False)
-            self._linear_backward(rec, acts.d_h, acts.d_up, i, "up_proj", acts, a, a["h2"], True)
-            rec.section(f"layer {i} backward norm")
-            K.rmsnorm_backward(rec, acts.d_tmp, self._norm_grad(p + "post_attention_layernorm.weight"), acts.d_h,
-                               a["x_mid"], self.w[p + "post_attention_layernorm.weight"], a["rstd2"], n, c,
-                               acts.scratch_norm, accumulate=True)
-            K.add_inplace(rec, acts.d_res, acts.d_tmp, n * c)
-            self._linear_backward(rec, acts.d_att, acts.d_res, i, "o_proj", acts, a, a["att"], False)
-            rec.section(f"layer {i} backward attention")
-            K.attention_backward(rec, acts.dq, acts.dk, acts.dv, acts.d_att, a["q"], a["k"], a["v"], a["att"], a["lse"],
-                                 acts.segments, b, t, hq, hkv, d, acts.scratch_att, cfg.window(i))
-            K.rope_backward(rec, acts.dq, acts.dq, acts.positions, self.inv_freq, n, hq, d)
-            K.rope_backward(rec, acts.dk, acts.dk, acts.positions, self.inv_freq, n, hkv, d)
-            dq, dk = acts.dq, acts.dk
-            if cfg.qk_norm:
-                K.rmsnorm_backward(rec, acts.dq2, self._norm_grad(p + "self_attn.q_norm.weight"), acts.dq, a["q_pre"],
-                                   self.w[p + "self_attn.q_norm.weight"], a["rstd_q"], n * hq, d, acts.scratch_norm,
-                                   accumulate=True)
-                K.rmsnorm_backward(rec, acts.dk2, self._norm_grad(p + "self_attn.k_norm.weight"), acts.dk, a["k_pre"],
-                                   self.w[p + "self_attn.k_norm.weight"], a["rstd_k"], n * hkv, d, acts.scratch_norm,
-                                   accumulate=True)
-                dq, dk = acts.dq2, acts.dk2
-            self._linear_backward(rec, acts.d_h, acts.dv, i, "v_proj", acts, a, a["h1"], False)
-            self._linear_backward(rec, acts.d_h, dk, i, "k_proj", acts, a, a["h1"], True)
-            self._linear_backward(rec, acts.d_h, dq, i, "q_proj", acts, a, a["h1"], True)
-            rec.section(f"layer {i} backward norm")
-            K.rmsnorm_backward(rec, acts.d_tmp, self._norm_grad(p + "input_layernorm.weight"), acts.d_h, a["x_in"],
-                               self.w[p + "input_layernorm.weight"], a["rstd1"], n, c, acts.scratch_norm, accumulate=True)
-            K.add_inplace(rec, acts.d_res, acts.d_tmp, n * c)
+            self._where = f"layer {i} backward"
+            for op, accumulate in self.plan.backward_steps():
+                dys = [getattr(acts, name) for name in op.grads_out]
+                dxs = [getattr(acts, name) for name in op.grads_in]
+                getattr(self, "_backward_" + op.kind)(rec, op, i, acts, acts.layers[i], dys, dxs, accumulate)
         if self.full:
             rec.section("embedding backward")
             emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]

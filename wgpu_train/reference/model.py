@@ -9,6 +9,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..engine_protocol import DropoutState
 from ..hf import module_path
+from ..layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from . import ops
 from .quant import check_dtypes, round_weights
 from .optim import adamw_update, clip_scale, grad_norm
@@ -53,6 +54,18 @@ def forward_cached(engine, ids, kv: dict) -> np.ndarray:
     return logits
 
 
+class _Walk:
+    """What a walk over the layer plan needs besides the activations: the batch's shape (B, T), positions
+    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,)."""
+
+    def __init__(self, b, t, positions, segments, kv=None, rows=None):
+        self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
+
+    def heads(self, x, cfg: ModelConfig):
+        """x (B*T, H*D) as (B, T, H, D)."""
+        return x.reshape(self.b, self.t, x.shape[-1] // cfg.head_dim, cfg.head_dim)
+
+
 class NumpyEngine(DropoutState):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
@@ -69,6 +82,7 @@ class NumpyEngine(DropoutState):
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         self.inv_freq = cfg.inv_freq()
+        self.plan = layer_plan(cfg)
         self.lora: dict[str, LoraModule] = {}
         self.full = False            # full fine-tuning: every weight trainable
         self.grads: dict = {}
@@ -183,88 +197,111 @@ class NumpyEngine(DropoutState):
 
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
-        cfg = self.cfg
         b, t = ids.shape
-        n = b * t
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
         flat_ids = ids.reshape(-1)
         x = ops.embedding_forward(flat_ids, self.w["model.embed_tokens.weight"])   # (N, C)
+        walk = _Walk(b, t, position_ids, segment_ids)
         layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            c = {"x_in": x}
-            h, c["rstd1"] = ops.rmsnorm_forward(x, self.w[p + "input_layernorm.weight"], eps)
-            q = self._linear(h, i, "q_proj", c).reshape(b, t, hq, d)
-            k = self._linear(h, i, "k_proj", c).reshape(b, t, hkv, d)
-            v = self._linear(h, i, "v_proj", c).reshape(b, t, hkv, d)
-            if cfg.qk_norm:
-                c["q_pre"], c["k_pre"] = q, k
-                q, c["rstd_q"] = ops.rmsnorm_forward(q.reshape(-1, d), self.w[p + "self_attn.q_norm.weight"], eps)
-                k, c["rstd_k"] = ops.rmsnorm_forward(k.reshape(-1, d), self.w[p + "self_attn.k_norm.weight"], eps)
-                q, k = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d)
-            q = ops.rope_forward(q, position_ids, self.inv_freq)
-            k = ops.rope_forward(k, position_ids, self.inv_freq)
-            att, lse = ops.attention_forward(q, k, v, segment_ids, cfg.window(i))   # (B, T, Hq, D)
-            c.update(q=q, k=k, v=v, att=att, lse=lse)
-            x = x + self._linear(att.reshape(n, hq * d), i, "o_proj", c)
-            c["x_mid"] = x
-            h2, c["rstd2"] = ops.rmsnorm_forward(x, self.w[p + "post_attention_layernorm.weight"], eps)
-            gate = self._linear(h2, i, "gate_proj", c)
-            up = self._linear(h2, i, "up_proj", c)
-            c["gate"], c["up"] = gate, up
-            x = x + self._linear(ops.swiglu_forward(gate, up), i, "down_proj", c)
-            layers.append(c)
-        xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], eps)
+        for i in range(self.cfg.num_hidden_layers):
+            a = self._layer_forward(i, x, walk)
+            x = a.pop(OUTPUT)
+            layers.append(a)
+        xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps)
         logits = ops.linear_forward(xf, self.lm_head())                         # (N, V)
-        cache = {"ids": flat_ids, "segment_ids": segment_ids, "position_ids": position_ids, "layers": layers,
-                 "x_final": x, "rstd_f": rstd_f, "xf": xf, "shape": (b, t)}
+        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf}
         return logits.reshape(b, t, -1), cache
+
+    def _layer_forward(self, i: int, x, walk: "_Walk") -> dict:
+        """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
+        a = {INPUT: x}
+        for op in self.plan.ops:
+            getattr(self, "_forward_" + op.kind)(op, i, a, walk)
+        return a
+
+    def _norm_weight(self, layer, op):
+        return f"model.layers.{layer}.{op.param}"
+
+    def _forward_rmsnorm(self, op, i, a, walk):
+        x = a[op.inputs[0]]
+        w = self.w[self._norm_weight(i, op)]
+        y, rstd = ops.rmsnorm_forward(x.reshape(-1, w.shape[0]), w, self.cfg.rms_norm_eps)
+        a[op.outputs[0]], a[op.outputs[1]] = y.reshape(x.shape), rstd
+
+    def _forward_linear(self, op, i, a, walk):
+        y = self._linear(a[op.inputs[0]], i, op.param, a)
+        a[op.outputs[0]] = a[op.residual] + y if op.residual else y
+
+    def _forward_rope(self, op, i, a, walk):
+        x = a[op.inputs[0]]
+        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freq).reshape(x.shape)
+
+    def _forward_attention(self, op, i, a, walk):
+        q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
+        window = self.cfg.window(i)
+        if walk.kv is None:
+            att, lse = ops.attention_forward(q, k, v, walk.segments, window)      # (B, T, Hq, D), (B, Hq, T)
+        else:   # generation: one row of n tokens, each with its own cache row and position
+            kv = walk.kv
+            ops.kv_cache_write(kv["k"][i], kv["v"][i], k[0], v[0], walk.rows, walk.positions[0])
+            att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window)
+            lse = None
+        a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
+
+    def _forward_swiglu(self, op, i, a, walk):
+        a[op.outputs[0]] = ops.swiglu_forward(a[op.inputs[0]], a[op.inputs[1]])
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, dlogits, cache):
         """Accumulate gradients of every trainable tensor from dlogits (N, V); ops in reverse order."""
         cfg = self.cfg
-        b, t = cache["shape"]
-        n = b * t
-        hq, d = cfg.num_attention_heads, cfg.head_dim
         tied = cfg.tie_word_embeddings
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(), need_weight_grad=self.full)
         if self.full:
             self.grads[head_name] += dhead
         dx, dnorm = ops.rmsnorm_backward(dxf, cache["x_final"], self.w["model.norm.weight"], cache["rstd_f"])
-        if self.full:
-            self.grads["model.norm.weight"] += dnorm
+        self._add_full("model.norm.weight", dnorm)
         for i in reversed(range(cfg.num_hidden_layers)):
-            p = f"model.layers.{i}."
-            c = cache["layers"][i]
-            dm = self._linear_backward(dx, i, "down_proj", c)
-            dgate, dup = ops.swiglu_backward(dm, c["gate"], c["up"])
-            dh2 = self._linear_backward(dup, i, "up_proj", c) + self._linear_backward(dgate, i, "gate_proj", c)
-            dmid, dw = ops.rmsnorm_backward(dh2, c["x_mid"], self.w[p + "post_attention_layernorm.weight"], c["rstd2"])
-            self._add_full(p + "post_attention_layernorm.weight", dw)
-            dx = dx + dmid
-            datt = self._linear_backward(dx, i, "o_proj", c).reshape(b, t, hq, d)
-            dq, dk, dv = ops.attention_backward(datt, c["q"], c["k"], c["v"], c["att"], c["lse"], cache["segment_ids"],
-                                                cfg.window(i))
-            dq = ops.rope_backward(dq, cache["position_ids"], self.inv_freq)
-            dk = ops.rope_backward(dk, cache["position_ids"], self.inv_freq)
-            if cfg.qk_norm:
-                dq, dwq = ops.rmsnorm_backward(dq.reshape(-1, d), c["q_pre"].reshape(-1, d),
-                                               self.w[p + "self_attn.q_norm.weight"], c["rstd_q"])
-                dk, dwk = ops.rmsnorm_backward(dk.reshape(-1, d), c["k_pre"].reshape(-1, d),
-                                               self.w[p + "self_attn.k_norm.weight"], c["rstd_k"])
-                self._add_full(p + "self_attn.q_norm.weight", dwq)
-                self._add_full(p + "self_attn.k_norm.weight", dwk)
-            dh = (self._linear_backward(dv.reshape(n, -1), i, "v_proj", c)
-                  + self._linear_backward(dk.reshape(n, -1), i, "k_proj", c)
-                  + self._linear_backward(dq.reshape(n, -1), i, "q_proj", c))
-            din, dw = ops.rmsnorm_backward(dh, c["x_in"], self.w[p + "input_layernorm.weight"], c["rstd1"])
-            self._add_full(p + "input_layernorm.weight", dw)
-            dx = dx + din
+            dx = self._layer_backward(i, cache["layers"][i], dx, cache["walk"])
         if self.full:
             self.grads["model.embed_tokens.weight"] += ops.embedding_backward(dx, cache["ids"], cfg.vocab_size)
+
+    def _layer_backward(self, i: int, a: dict, dx, walk: "_Walk"):
+        """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
+        reading its outputs' gradients and writing (or adding into) its inputs'."""
+        g = {CARRY: dx}
+        for op, accumulate in self.plan.backward_steps():
+            dys = [g[name] for name in op.grads_out]
+            for name in op.grads_out[1:] if op.residual else op.grads_out:
+                del g[name]
+            dxs = getattr(self, "_backward_" + op.kind)(op, i, a, dys, walk)
+            for name, d, add in zip(op.grads_in, dxs, accumulate):
+                g[name] = g[name] + d if add else d
+        return g[CARRY]
+
+    def _backward_rmsnorm(self, op, i, a, dys, walk):
+        name = self._norm_weight(i, op)
+        x, width = a[op.inputs[0]], self.w[name].shape[0]
+        dx, dw = ops.rmsnorm_backward(dys[0].reshape(-1, width), x.reshape(-1, width), self.w[name], a[op.outputs[1]])
+        self._add_full(name, dw)
+        return [dx.reshape(x.shape)]
+
+    def _backward_linear(self, op, i, a, dys, walk):
+        return [self._linear_backward(dys[0], i, op.param, a)]
+
+    def _backward_rope(self, op, i, a, dys, walk):
+        dy = dys[0]
+        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self.inv_freq).reshape(dy.shape)]
+
+    def _backward_attention(self, op, i, a, dys, walk):
+        q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)
+        att, lse = walk.heads(a[op.outputs[0]], self.cfg), a[op.outputs[1]]
+        grads = ops.attention_backward(walk.heads(dys[0], self.cfg), q, k, v, att, lse, walk.segments,
+                                       self.cfg.window(i))
+        return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]
+
+    def _backward_swiglu(self, op, i, a, dys, walk):
+        return list(ops.swiglu_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
 
     def _add_full(self, name, g):
         if self.full:
@@ -295,30 +332,12 @@ class NumpyEngine(DropoutState):
         through the final norm and lm_head.
         """
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
-        cfg = self.cfg
-        n = ids.shape[0]
-        hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])       # (n, C)
         self.training = False
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            c: dict = {}
-            h, _ = ops.rmsnorm_forward(x, self.w[p + "input_layernorm.weight"], eps)
-            q = self._linear(h, i, "q_proj", c).reshape(n, hq, d)
-            k = self._linear(h, i, "k_proj", c).reshape(n, hkv, d)
-            v = self._linear(h, i, "v_proj", c).reshape(n, hkv, d)
-            if cfg.qk_norm:
-                q = ops.rmsnorm_forward(q.reshape(-1, d), self.w[p + "self_attn.q_norm.weight"], eps)[0].reshape(q.shape)
-                k = ops.rmsnorm_forward(k.reshape(-1, d), self.w[p + "self_attn.k_norm.weight"], eps)[0].reshape(k.shape)
-            q = ops.rope_forward(q[None], positions[None], self.inv_freq)[0]
-            k = ops.rope_forward(k[None], positions[None], self.inv_freq)[0]
-            ops.kv_cache_write(kv["k"][i], kv["v"][i], k, v, rows, positions)
-            att = ops.attention_cached_forward(q, kv["k"][i], kv["v"][i], rows, positions, cfg.window(i))  # (n, Hq, D)
-            x = x + self._linear(att.reshape(n, hq * d), i, "o_proj", c)
-            h2, _ = ops.rmsnorm_forward(x, self.w[p + "post_attention_layernorm.weight"], eps)
-            m = ops.swiglu_forward(self._linear(h2, i, "gate_proj", c), self._linear(h2, i, "up_proj", c))
-            x = x + self._linear(m, i, "down_proj", c)
-        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], eps)    # (m, C)
+        walk = _Walk(1, ids.shape[0], positions[None], None, kv, rows)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self._layer_forward(i, x, walk)[OUTPUT]
+        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps)    # (m, C)
         return ops.linear_forward(xf, self.lm_head()).astype(np.float32)
 
     # ---- the engine protocol ------------------------------------------------------------------
