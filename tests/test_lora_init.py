@@ -227,7 +227,8 @@ def test_residual_is_rounded_like_the_base(tiny):
 
 def test_refused_inits(tiny):
     _, folder = tiny
-    for kw, words in ((dict(init="svd"), "LoRA init must be one of"), (dict(init="pissa_niter_0"), "got 'pissa_niter_0'"),
+    for kw, words in ((dict(init="svd"), "LoRA init must be one of"),
+                      (dict(init="pissa_niter_0"), "got 'pissa_niter_0'"),
                       (dict(init="pissa", use_rslora=True, rank_pattern={"q_proj": 2}), "PEFT cannot convert")):
         with pytest.raises(ConfigError, match=words) as e:
             LoraConfig(**kw)

@@ -152,7 +152,8 @@ def test_our_layout_adapter_loads_in_peft(tiny, tmp_path):
     merged = model.merged_weights()
     with torch.no_grad():
         pm.merge_adapter()
-        for path in ("model.layers.0.self_attn.q_proj", "model.layers.2.mlp.down_proj", "model.layers.2.self_attn.k_proj"):
+        for path in ("model.layers.0.self_attn.q_proj", "model.layers.2.mlp.down_proj",
+                     "model.layers.2.self_attn.k_proj"):
             w = pm.base_model.model.get_submodule(path).base_layer.weight.numpy()
             assert_close(merged[path + ".weight"], w, "merged_logits", path)
     untouched = "model.layers.1.mlp.up_proj.weight"       # layer 1 has no LoRA

@@ -37,7 +37,8 @@ TOLERANCES: dict[str, Tolerance] = {
     "init_factors": Tolerance(1e-4, 2e-5,
         "PiSSA / OLoRA's A and B: PEFT's float32 SVD / QR (torch's LAPACK) against ours in float64 rounded to "
         "float32; singular vectors of nearby singular values move most: observed <= 3.9e-6 absolute (PiSSA; 9e-6 "
-        "on another seed's 3-layer model), <= 1.5e-7 (OLoRA) on entries up to ~1. A wrong scale, a transposed factor or a missing sqrt is off by > 1e-1"),
+        "on another seed's 3-layer model), <= 1.5e-7 (OLoRA) on entries up to ~1. A wrong scale, a transposed "
+        "factor or a missing sqrt is off by > 1e-1"),
     "init_residual": Tolerance(1e-4, 1e-5,
         "the residual base W - scale * B A: PEFT forms it in float32 from its float32 factors, ours in float64; "
         "observed <= 2.2e-6 absolute (PiSSA; 6.3e-6 on another seed), 2e-7 (OLoRA) on weights ~0.15"),

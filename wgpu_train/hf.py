@@ -242,9 +242,9 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
 # adapter that sets one (to anything but null, false or empty) is refused by name. init_lora_weights is read
 # by lora_init.from_peft; the other init-only settings (loftq_config, eva_config, ...) do not matter here.
 UNSUPPORTED_ADAPTER_FIELDS = (
-    "use_dora", "fan_in_fan_out", "lora_bias", "exclude_modules", "modules_to_save", "target_parameters", "trainable_token_indices",
-    "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config", "kasa_config",
-    "monteclora_config", "use_bdlora")
+    "use_dora", "fan_in_fan_out", "lora_bias", "exclude_modules", "modules_to_save", "target_parameters",
+    "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config",
+    "kasa_config", "monteclora_config", "use_bdlora")
 
 
 def _adapter_field(raw: dict, key: str, kind: str, default, cfg_path):

@@ -47,7 +47,8 @@ def from_peft(value, where) -> str:
     ("gaussian" kept, for the record). Other inits change the base in ways not computed here: refused."""
     if value in (None, True, False, "orthogonal", "eva", "mica"):
         return "default"
-    if isinstance(value, str) and (value in ("gaussian", "pissa", "olora") or re.fullmatch(r"pissa_niter_[1-9]\d*", value)):
+    if isinstance(value, str) and (value in ("gaussian", "pissa", "olora") or
+                                   re.fullmatch(r"pissa_niter_[1-9]\d*", value)):
         return value
     raise AdapterError(f"{where}: not supported: init_lora_weights={json.dumps(value)} (an init that changes the "
                        f"base weights; supported: true, gaussian, pissa, pissa_niter_K, olora)")

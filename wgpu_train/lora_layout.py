@@ -153,8 +153,9 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
     chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(module_path(i, m))) for m in LINEAR_MODULES}
     chosen = {m: found for m, found in chosen.items() if found}
     if not chosen:
+        where_layers = f" in layers_to_transform {list(layers)}" if layers else ""
         raise AdapterError(f"{where}: target_modules {spec!r} selects none of the linear layers "
-                           f"({', '.join(LINEAR_MODULES)})" + (f" in layers_to_transform {list(layers)}" if layers else ""))
+                           f"({', '.join(LINEAR_MODULES)}){where_layers}")
     if len(set(chosen.values())) > 1:
         shown = "; ".join(f"{m} in layers {','.join(map(str, found))}" for m, found in chosen.items())
         raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {shown} (LoRA on the same "

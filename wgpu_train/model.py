@@ -265,7 +265,8 @@ class Model:
         if dropout is not None:
             config = dataclasses.replace(config, dropout=float(dropout))
         scales = config.module_scales(self.config.num_hidden_layers)
-        init_pairs, residual = self._decomposed(config, settings, scales, None) if changes_base(config.init) else ({}, {})
+        init_pairs, residual = ({}, {}) if not changes_base(config.init) else self._decomposed(config, settings,
+                                                                                              scales, None)
         self._set_lora(config, modules, seed, residual, init_pairs)
 
     def merged_weights(self) -> dict:
