@@ -210,10 +210,13 @@ def test_peft_adapters_load_here(tiny, tmp_path, init):
     assert_close(logits(theirs, ids), want, "logits_f32", "ours unconverted in PEFT")
 
 
-def test_residual_is_rounded_like_the_base(tiny):
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_residual_is_rounded_like_the_base(tiny, backend):
     """With an NF4 base, the residual is computed from the float32 weights, then stored as NF4."""
+    if backend == "wgpu":
+        require_adapter()
     _, folder = tiny
-    model = load_model(folder, base_dtype="nf4")
+    model = load_model(folder, base_dtype="nf4", backend=backend)
     model.add_lora(LoraConfig(r=R, alpha=ALPHA, target_modules=("q_proj",), init="pissa"))
     full = load_model(folder)
     full.add_lora(LoraConfig(r=R, alpha=ALPHA, target_modules=("q_proj",), init="pissa"))
