@@ -70,7 +70,7 @@ def read_optimizer_state(path) -> dict:
 
 def _write(folder: Path, model, state: dict):
     if model.method == "lora":
-        model.save_adapter(folder / "adapter")
+        model.save_adapter(folder / "adapter", convert=False)   # as trained: a resume rebuilds a PiSSA residual
     else:
         model.save_pretrained(folder / "model")
     write_optimizer_state(folder / OPTIMIZER_FILE, model.engine.optimizer_state())
@@ -123,7 +123,7 @@ def read_state(ckpt) -> dict:
 
 def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, embed_dtype: str):
     """Refuse (ConfigError naming the setting) to continue a checkpoint, given its trainer_state.json, with
-    another method, LoRA setting (`lora_config`, None for full fine-tuning) or storage dtype of the base
+    another method, LoRA setting (`lora_config`; None: not checked) or storage dtype of the base
     weights; runs on the state alone, before any model is loaded."""
     if state.get("method") != method:
         raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {method}")
@@ -131,7 +131,7 @@ def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, em
         if key in state and state[key] != now:
             raise ConfigError(f"checkpoint {ckpt} was trained over {key} {state[key]}, not {now}: pass "
                               f"--{key.replace('_', '-')} {state[key]}")
-    if method != "lora":
+    if method != "lora" or lora_config is None:
         return
     then = state.get("lora") or {}
     for key, value in dataclasses.asdict(lora_config).items():
@@ -139,8 +139,8 @@ def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, em
             continue
         if key == "target_modules":
             same, shown, wanted = list(then[key]) == list(value), ",".join(then[key]), ",".join(value)
-        else:
-            same, shown, wanted = then[key] == value, then[key], value
+        else:   # as JSON holds it (tuples are lists there)
+            same, shown, wanted = then[key] == json.loads(json.dumps(value)), then[key], value
         if not same:
             raise ConfigError(f"checkpoint {ckpt} has LoRA {key}={shown}, the config says {wanted}")
 

@@ -147,6 +147,11 @@ def load_toml_config(path) -> dict:
         base, _ = _unwrap(hints[name])
         if name in ("lora_targets", "data") and isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = ",".join(value)
+        if name == "lora_layers" and (isinstance(value, int) and not isinstance(value, bool) or
+                                      isinstance(value, list) and all(isinstance(v, int) for v in value)):
+            value = str(value) if isinstance(value, int) else ",".join(map(str, value)) + ","   # a list: indices
+        if name in ("lora_rank_pattern", "lora_alpha_pattern") and isinstance(value, dict):
+            value = json.dumps(value)      # a TOML table: pattern = value
         ok = (isinstance(value, bool) if base is bool else
               isinstance(value, int) and not isinstance(value, bool) if base is int else
               isinstance(value, (int, float)) and not isinstance(value, bool) if base is float else
@@ -484,7 +489,9 @@ def _register_merge(sub):
 def cmd_memory(args) -> int:
     from . import hub
     from .config import LoraConfig, ModelConfig
-    from .memory import activation_plan, estimate_memory, format_bytes, weight_shapes
+    from .lora_layout import describe_layout, last_layers, parse_layers, parse_pattern
+    from .memory import (activation_plan, activation_ranks, estimate_memory, format_bytes, layer_ranks, lora_groups,
+                         weight_shapes)
     from .reference.quant import check_dtypes
     from .train_config import default_model_dir
 
@@ -496,9 +503,15 @@ def cmd_memory(args) -> int:
     if args.method == "full" and (base, embed) != ("float32", "float32"):
         raise ConfigError("method full trains every weight, so it needs float32 base and embedding dtypes")
     length = min(args.max_seq_len, cfg.max_position_embeddings)
-    lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets) if args.method == "lora" else None
+    lora = None
+    if args.method == "lora":
+        layers = parse_layers(args.lora_layers)
+        lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets,
+                          layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
+                          else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"))
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
-    ranks = {m: lora.r for m in lora.target_modules} if lora else {}
+    ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg.num_hidden_layers).items()}) if lora else {}
+    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, False))
     layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing)
     largest = max(list(layer.values()) + list(shared.values())) * 4
     result = {"model": str(model_dir), "architecture": cfg.architecture,
@@ -508,7 +521,8 @@ def cmd_memory(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    what = (f"LoRA r={lora.r} on {','.join(lora.target_modules)}" if lora else "full fine-tuning")
+    what = (f"LoRA r={lora.r} on {','.join(lora.target_modules)}{describe_layout(lora)}" if lora
+            else "full fine-tuning")
     n = result["parameters"]
     print(f"{model_dir} ({cfg.architecture}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
           f"training batch "
@@ -535,6 +549,8 @@ def _register_memory(sub):
     p.add_argument("--method", default=d.method, choices=("lora", "full"), help=f"(default: {d.method})")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"(default: {d.lora_rank})")
     p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
+    p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
+    p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")
     p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES, help=f"(default: {d.base_dtype})")
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")

@@ -272,15 +272,26 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA hyper-parameters, with PEFT's meaning for every field."""
+    """LoRA hyper-parameters, with PEFT's meaning for every field (lora_layout.py resolves the per-layer ones:
+    layers_to_transform / layers_pattern choose the layers, rank_pattern / alpha_pattern map a module-path
+    pattern to its r / alpha; lora_init.py computes `init`: "default" (PEFT's True), "gaussian", "pissa",
+    "pissa_niter_K" or "olora")."""
 
     r: int = 8
     alpha: float = 16
     dropout: float = 0.0
     target_modules: tuple = ("q_proj", "v_proj")
     use_rslora: bool = False
+    layers_to_transform: tuple | None = None     # layer indices (None: every layer)
+    layers_pattern: tuple | None = None          # names of the layer list in module paths (None: any)
+    rank_pattern: dict = field(default_factory=dict)     # module-path pattern -> r
+    alpha_pattern: dict = field(default_factory=dict)    # module-path pattern -> alpha
+    init: str = "default"
 
     def __post_init__(self):
+        from .lora_init import check_init
+        from .lora_layout import check_layout
+
         targets = self.target_modules
         if isinstance(targets, str):
             targets = LINEAR_MODULES if targets == "all-linear" else tuple(
@@ -296,10 +307,26 @@ class LoraConfig:
             raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(float(self.alpha)) and float(self.alpha) > 0):
             raise ConfigError(f"LoRA alpha must be a finite number > 0, got {self.alpha}")
+        for name, value in check_layout(self).items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "init", check_init(self))
 
     @property
     def scale(self) -> float:
+        """The update's scale of a module with the config's own r and alpha (see module_scales for all)."""
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    def modules(self, num_hidden_layers: int) -> dict:
+        """{module path: (r, alpha)} of every module this config puts LoRA on, layer by layer in
+        LINEAR_MODULES order (PEFT's selection and pattern rules: lora_layout.module_settings)."""
+        from .lora_layout import module_settings
+
+        return module_settings(self, num_hidden_layers)
+
+    def module_scales(self, num_hidden_layers: int) -> dict:
+        """{module path: scale} (alpha / r, or alpha / sqrt(r) with rsLoRA, of each module's own r, alpha)."""
+        root = math.sqrt if self.use_rslora else float
+        return {p: a / root(r) for p, (r, a) in self.modules(num_hidden_layers).items()}
 
 
 @dataclass(frozen=True)

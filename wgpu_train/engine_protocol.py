@@ -46,6 +46,10 @@ class Engine(Protocol):
     def weights(self) -> dict:
         """The base weights as float32 (dequantised where stored in float16 / NF4)."""
 
+    def set_base_weights(self, weights: dict) -> None:
+        """Replace some base weights ({HF name: float32 array} of their shapes), stored as the engine stores
+        them (rounded to float16 / NF4 where it keeps that storage): PiSSA / OLoRA's residual base."""
+
     # ---- computing ----
     def logits(self, ids, segment_ids, position_ids): ...
 

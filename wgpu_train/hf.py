@@ -214,30 +214,35 @@ def peft_key(path: str, which: str) -> str:
 
 
 def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
-    """Write adapter_config.json and adapter_model.safetensors in PEFT's format."""
+    """Write adapter_config.json and adapter_model.safetensors in PEFT's format (its per-layer fields and
+    init_lora_weights included)."""
+    from .lora_init import peft_value
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    layers, pattern = lora_cfg.layers_to_transform, lora_cfg.layers_pattern
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
         "lora_dropout": float(lora_cfg.dropout), "target_modules": list(lora_cfg.target_modules),
         "use_rslora": bool(lora_cfg.use_rslora), "use_dora": False, "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None,
-        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
+        "init_lora_weights": peft_value(lora_cfg.init),
+        "layers_to_transform": list(layers) if layers is not None else None,
+        "layers_pattern": (pattern[0] if len(pattern) == 1 else list(pattern)) if pattern else None,
+        "rank_pattern": dict(lora_cfg.rank_pattern), "alpha_pattern": dict(lora_cfg.alpha_pattern),
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     write_safetensors(out / "adapter_model.safetensors", {k: v.astype(np.float32) for k, v in tensors.items()},
                       metadata={"format": "pt"})
 
 
-# adapter_config.json fields for what this library does not compute (DoRA, LoRA on some layers only, extra
-# trained modules, per-module ranks, ...): an adapter that sets one (to anything but null, false or empty) is
-# refused by name. init-only settings (init_lora_weights, loftq_config, eva_config, ...) do not matter here.
+# adapter_config.json fields for what this library does not compute (DoRA, extra trained modules, ...): an
+# adapter that sets one (to anything but null, false or empty) is refused by name. init_lora_weights is read
+# by lora_init.from_peft; the other init-only settings (loftq_config, eva_config, ...) do not matter here.
 UNSUPPORTED_ADAPTER_FIELDS = (
-    "use_dora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern", "layers_to_transform",
-    "layers_pattern", "exclude_modules", "modules_to_save", "target_parameters", "trainable_token_indices",
-    "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config", "kasa_config",
-    "monteclora_config", "use_bdlora")
+    "use_dora", "fan_in_fan_out", "lora_bias", "exclude_modules", "modules_to_save", "target_parameters",
+    "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config",
+    "kasa_config", "monteclora_config", "use_bdlora")
 
 
 def _adapter_field(raw: dict, key: str, kind: str, default, cfg_path):
@@ -252,43 +257,6 @@ def _adapter_field(raw: dict, key: str, kind: str, default, cfg_path):
         got = "missing" if key not in raw else f"got {json.dumps(value)}"
         raise AdapterError(f"{cfg_path}: key '{key}' must be {want}, {got}")
     return value
-
-
-def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json") -> tuple[str, ...]:
-    """The module names (q_proj, ...) that PEFT's target_modules `spec` selects in a model of
-    num_hidden_layers layers, matched as PEFT matches: "all-linear"; a string is a regular expression that
-    must match a module path (model.layers.0.self_attn.q_proj) with re.fullmatch; a list entry matches a path
-    that equals it or ends with "." + entry. LoRA on the embedding or lm_head, or on a module in some layers
-    only, is refused naming it, as is a spec that selects no linear module."""
-    if spec == "all-linear":
-        return LINEAR_MODULES
-    if isinstance(spec, str):
-        try:
-            pattern = re.compile(spec)
-        except re.error as e:
-            raise AdapterError(f"{where}: target_modules {spec!r} is not a valid regular expression ({e})") from None
-
-    def selects(path: str) -> bool:
-        if isinstance(spec, str):
-            return pattern.fullmatch(path) is not None
-        return path in spec or any(path.endswith("." + t) for t in spec)
-
-    for other in ("model.embed_tokens", "lm_head"):
-        if selects(other):
-            raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
-                               f"linear layers {', '.join(LINEAR_MODULES)} only)")
-    chosen = []
-    for m in LINEAR_MODULES:
-        layers = [i for i in range(num_hidden_layers) if selects(module_path(i, m))]
-        if layers and len(layers) < num_hidden_layers:
-            raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {m} in layer(s) "
-                               f"{', '.join(map(str, layers))} of {num_hidden_layers} only (LoRA on every layer only)")
-        if layers:
-            chosen.append(m)
-    if not chosen:
-        raise AdapterError(f"{where}: target_modules {spec!r} selects none of the linear layers "
-                           f"({', '.join(LINEAR_MODULES)})")
-    return tuple(chosen)
 
 
 def adapter_base_name(adapter_path) -> str:
@@ -337,6 +305,7 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
     model's; by default the layers the adapter's tensors cover)."""
     from .config import LoraConfig
     from .errors import ConfigError
+    from .lora_layout import adapter_layout, adapter_targets
 
     folder = Path(folder)
     cfg_path = folder / "adapter_config.json"
@@ -376,9 +345,13 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
     if num_hidden_layers is None:
         layers = [int(m.group(1)) for k in tensors if (m := re.search(r"\.layers\.(\d+)\.", k))]
         num_hidden_layers = max(layers, default=0) + 1
+    layout = adapter_layout(raw, spec, cfg_path)
+    modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
+                                      layout["layers_pattern"])
     try:
-        cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout),
-                         target_modules=adapter_targets(spec, num_hidden_layers, cfg_path), use_rslora=rslora)
+        cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
+                         **{**layout, "layers_to_transform": layers})
     except ConfigError as e:
         raise AdapterError(f"{cfg_path}: {e}") from None
     return cfg, tensors
+

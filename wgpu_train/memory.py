@@ -37,23 +37,39 @@ def bucket_tokens(n: int) -> int:
     return max(MIN_BUCKET_TOKENS, 1 << max(0, (int(n) - 1).bit_length()))
 
 
+def layer_ranks(module_ranks: dict) -> dict:
+    """{module path: r} -> {module name: {layer: r}}: the ranks lora_groups and activation_ranks take."""
+    out: dict = {}
+    for path, r in module_ranks.items():
+        out.setdefault(path.rsplit(".", 1)[1], {})[int(path.split(".")[2])] = int(r)
+    return out
+
+
 def lora_groups(cfg: ModelConfig, ranks: dict, dropout: bool) -> dict:
-    """module -> the modules of its LORA_GROUPS entry whose LoRA runs as one (ranks: module -> r of the
-    modules with LoRA): two or more members, no dropout, ranks summing to less than the input width."""
+    """module -> the modules of its LORA_GROUPS entry whose LoRA runs as one (ranks: module -> {layer: r} of
+    the modules with LoRA, layer_ranks): two or more members, no dropout, LoRA on every member in the same
+    layers, and in each of them ranks summing to less than the input width."""
     out = {}
     for group in LORA_GROUPS if not dropout else ():
         members = tuple(m for m in group if m in ranks)
-        if len(members) >= 2 and sum(ranks[m] for m in members) < cfg.linear_shape(members[0])[1]:
+        if len(members) < 2 or len({frozenset(ranks[m]) for m in members}) > 1:
+            continue
+        width = cfg.linear_shape(members[0])[1]
+        if all(sum(ranks[m][i] for m in members) < width for i in ranks[members[0]]):
             out.update({m: members for m in members})
     return out
 
 
 def activation_ranks(ranks: dict, groups: dict) -> dict:
-    """The lora_h buffers' widths: a group's summed ranks under its joined name, other modules' own rank."""
+    """The lora_h buffers' widths (ranks: module -> {layer: r}): a group's summed ranks under its joined name,
+    other modules' own rank, each the largest of any layer (every layer has buffers of that width)."""
     out = {}
-    for m, r in ranks.items():
+    for m, per_layer in ranks.items():
         group = groups.get(m)
-        out["+".join(group) if group else m] = sum(ranks[g] for g in group) if group else r
+        if group:
+            out["+".join(group)] = max(sum(ranks[g][i] for g in group) for i in per_layer)
+        else:
+            out[m] = max(per_layer.values())
     return out
 
 
@@ -158,12 +174,14 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     if method == "lora":
         lora = lora or LoraConfig()
         trainable = 0
-        for m in lora.target_modules:
+        modules = lora.modules(config.num_hidden_layers)          # path -> (r, alpha), each module's own r
+        for path, (r, _) in modules.items():
+            m = path.rsplit(".", 1)[1]
             out_f, in_f = config.linear_shape(m)
-            trainable += config.num_hidden_layers * lora.r * (in_f + out_f)
-            ranks[m] = lora.r
+            trainable += r * (in_f + out_f)
             if lora.dropout > 0:
                 drop[m] = in_f
+        ranks = layer_ranks({p: r for p, (r, _) in modules.items()})
         state = trainable * 4 * F32          # parameter, gradient, two moments
     else:
         state = weights * 3                  # gradient and two moments of every weight

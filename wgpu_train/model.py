@@ -9,18 +9,13 @@ import numpy as np
 
 from .config import LoraConfig, ModelConfig
 from .errors import AdapterError, ConfigError
-from .hf import load_weights, module_path, peft_key, read_adapter, save_model_folder, write_adapter
+from .hf import load_weights, peft_key, read_adapter, save_model_folder, write_adapter
+from .lora_init import changes_base, converted, converted_config, decompose, fresh_pair
 from .reference.ops import IGNORE_INDEX, shift_labels
 from .reference.quant import check_dtypes
 
 log = logging.getLogger("wgpu_train")
 BACKENDS = ("auto", "wgpu", "numpy")
-
-
-def kaiming_uniform_lora_a(rng: np.random.Generator, r: int, in_features: int) -> np.ndarray:
-    """PEFT's init of lora_A: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); (r, in)."""
-    bound = 1.0 / np.sqrt(in_features)
-    return rng.uniform(-bound, bound, size=(r, in_features)).astype(np.float32)
 
 
 def _as_batch(input_ids, attention_mask=None):
@@ -52,6 +47,9 @@ class Model:
         self.name_or_path = str(self.path) if self.path else ""
         self.lora_config: LoraConfig | None = None
         self.method = "lora"
+        self._scales: dict = {}       # module path -> its LoRA scale
+        self._init_pairs: dict = {}   # PiSSA / OLoRA: module path -> (A0, B0) the residual base subtracts
+        self._kept: dict = {}         # a model without a folder: original weights a residual replaced
 
     @property
     def backend(self) -> str:
@@ -129,22 +127,65 @@ class Model:
 
     # ---- LoRA ---------------------------------------------------------------------------------
     def add_lora(self, config: LoraConfig, seed: int = 0):
-        """Attach fresh LoRA modules: A kaiming-uniform from `seed`, B zeros (so the model is unchanged)."""
+        """Attach fresh LoRA modules (config.modules: which layers and modules, with their ranks) initialised
+        as config.init says, from `seed`: "default" (PEFT's: A kaiming-uniform, B zeros) or "gaussian" (A normal
+        with std 1/r) leave the model unchanged; "pissa" / "pissa_niter_K" / "olora" take A, B from the SVD /
+        QR of the original base weights (before any float16 / NF4 rounding) and replace those by the residual
+        W - scale * B A, which the engine then stores as it stores the base."""
         rng = np.random.default_rng(seed)
-        modules = {}
-        for i in range(self.config.num_hidden_layers):
-            for m in config.target_modules:
-                out_f, in_f = self.config.linear_shape(m)
-                a = kaiming_uniform_lora_a(rng, config.r, in_f)
-                modules[module_path(i, m)] = (a, np.zeros((out_f, config.r), np.float32))
-        self._set_lora(config, modules, seed)
+        settings = config.modules(self.config.num_hidden_layers)
+        scales = config.module_scales(self.config.num_hidden_layers)
+        if changes_base(config.init):
+            modules, residual = self._decomposed(config, settings, scales, rng)
+        else:
+            modules, residual = {}, {}
+            for path, (r, _) in settings.items():
+                out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
+                modules[path] = fresh_pair(rng, config.init, r, out_f, in_f)
+        self._set_lora(config, modules, seed, residual, modules if residual else None)
 
-    def _set_lora(self, config: LoraConfig, modules: dict, seed: int = 0):
+    def _decomposed(self, config: LoraConfig, settings: dict, scales: dict, rng) -> tuple:
+        """PiSSA / OLoRA of every module: ({path: (A0, B0)}, {weight name: residual})."""
+        originals = self._original_weights([p + ".weight" for p in settings])
+        modules, residual = {}, {}
+        for path, (r, _) in settings.items():
+            a, b, residual[path + ".weight"] = decompose(originals[path + ".weight"], r, scales[path], config.init, rng)
+            modules[path] = (a, b)
+        return modules, residual
+
+    def _original_weights(self, names: list) -> dict:
+        """The base weights as in the model's files (float32), whatever the engine stores now."""
+        if self.path is not None:
+            weights = load_weights(self.path, self.config)
+            return {n: weights[n] for n in names}
+        rest = [n for n in names if n not in self._kept]
+        if rest and self.engine.base_dtype != "float32":
+            raise ConfigError(f"PiSSA / OLoRA need the base weights before their {self.engine.base_dtype} rounding: "
+                              f"load the model from its folder")
+        stored = self.engine.weights() if rest else {}
+        return {n: self._kept[n] if n in self._kept else stored[n] for n in names}
+
+    def _set_lora(self, config: LoraConfig, modules: dict, seed: int = 0, residual: dict | None = None,
+                  init_pairs: dict | None = None):
+        """Attach `modules` ({path: (A, B)}) with config's scales. PiSSA / OLoRA: `residual` ({weight name:
+        array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
+        that an earlier residual replaced get their original values back."""
+        scales = config.module_scales(self.config.num_hidden_layers)
+        residual = residual or {}
+        restore = [p + ".weight" for p in self._init_pairs if p + ".weight" not in residual]
+        if self.path is None:      # no files to read the originals from again: keep them
+            self._kept.update(self._original_weights([n for n in residual if n not in self._kept]))
+        if restore or residual:
+            self.engine.set_base_weights({**self._original_weights(restore), **residual})
+        for n in restore:
+            self._kept.pop(n, None)
         self.lora_config = config
         self.method = "lora"
+        self._scales = scales
+        self._init_pairs = {p: (a.copy(), b.copy()) for p, (a, b) in (init_pairs or {}).items()}
         self.engine.set_full_finetune(False)
         self.engine.seed_dropout(seed)
-        self.engine.set_lora({p: (a, b, config.scale, config.dropout) for p, (a, b) in modules.items()})
+        self.engine.set_lora({p: (a, b, scales[p], config.dropout) for p, (a, b) in modules.items()})
 
     def set_full_finetune(self):
         """Train every weight instead of LoRA (gradients keyed by Hugging Face tensor names)."""
@@ -171,24 +212,42 @@ class Model:
             out[peft_key(path, "B")] = b.astype(np.float32)
         return out
 
-    def save_adapter(self, directory):
-        """Write the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)."""
+    def save_adapter(self, directory, convert: bool = True):
+        """Write the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors). A PiSSA / OLoRA
+        adapter is written as PEFT's save_pretrained(path_initial_model_for_weight_conversion=...) writes it:
+        converted to a plain LoRA of rank 2r on the original base (lora_init.converted), which loads on the
+        untouched base model anywhere. convert=False writes it as trained, over the residual base, with its
+        init recorded (PEFT's save_pretrained without conversion; loading it rebuilds the residual)."""
         if self.lora_config is None:
             raise AdapterError("the model has no LoRA adapter to save (call add_lora first)")
-        write_adapter(directory, self.lora_config, self.lora_state_dict(),
-                      base_model=self.name_or_path)
+        config, tensors = self.lora_config, self.lora_state_dict()
+        if convert and self._init_pairs:
+            config = converted_config(config)
+            for path, (a0, b0) in self._init_pairs.items():
+                ka, kb = peft_key(path, "A"), peft_key(path, "B")
+                tensors[ka], tensors[kb] = converted(tensors[ka], tensors[kb], a0, b0)
+            if self.engine.base_dtype != "float32":
+                log.warning("wgpu-train: the %s adapter was trained over the %s-rounded residual base; converted "
+                            "to a LoRA on the original base, it adds to the unrounded weights (as in PEFT, "
+                            "Quant(W_res) + BA differs slightly from W + dW)", self.lora_config.init,
+                            self.engine.base_dtype)
+        write_adapter(directory, config, tensors, base_model=self.name_or_path)
 
     def load_adapter(self, directory, dropout: float | None = None, seed: int = 0):
-        """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed. To train
-        it further: `dropout` replaces the adapter's lora_dropout, `seed` seeds the dropout masks."""
+        """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed. An
+        adapter saved unconverted from a PiSSA / OLoRA init (init_lora_weights "pissa" / "olora") gets its
+        residual base rebuilt from this model's weights, as PEFT does when loading it. To train it further:
+        `dropout` replaces the adapter's lora_dropout, `seed` seeds the dropout masks."""
         config, tensors = read_adapter(directory, self.config.num_hidden_layers)
+        try:
+            settings = config.modules(self.config.num_hidden_layers)
+        except ConfigError as e:
+            raise AdapterError(f"adapter {directory}: {e}") from None
         expected = {}
-        for i in range(self.config.num_hidden_layers):
-            for m in config.target_modules:
-                out_f, in_f = self.config.linear_shape(m)
-                path = module_path(i, m)
-                expected[peft_key(path, "A")] = (config.r, in_f)
-                expected[peft_key(path, "B")] = (out_f, config.r)
+        for path, (r, _) in settings.items():
+            out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
+            expected[peft_key(path, "A")] = (r, in_f)
+            expected[peft_key(path, "B")] = (out_f, r)
         # PEFT files may carry the adapter name (".lora_A.default.weight"); accept that spelling too.
         tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
         problems = [f"missing {k}" for k in expected if k not in tensors]
@@ -198,21 +257,24 @@ class Model:
         if problems:
             more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
             raise AdapterError(f"adapter {directory} does not match the model: {'; '.join(problems[:4])}{more}")
-        modules = {}
-        for i in range(self.config.num_hidden_layers):
-            for m in config.target_modules:
-                path = module_path(i, m)
-                modules[path] = (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")])
+        if config.init.startswith("pissa_niter_"):
+            raise AdapterError(f"adapter {directory}: not supported: init_lora_weights={config.init} saved "
+                               f"unconverted (its residual base comes from a random SVD that cannot be repeated); "
+                               f"save it with path_initial_model_for_weight_conversion")
+        modules = {path: (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")]) for path in settings}
         if dropout is not None:
             config = dataclasses.replace(config, dropout=float(dropout))
-        self._set_lora(config, modules, seed)
+        scales = config.module_scales(self.config.num_hidden_layers)
+        init_pairs, residual = ({}, {}) if not changes_base(config.init) else self._decomposed(config, settings,
+                                                                                              scales, None)
+        self._set_lora(config, modules, seed, residual, init_pairs)
 
     def merged_weights(self) -> dict:
-        """Base weights with every LoRA delta folded in: W + scale * B @ A (float32)."""
+        """Base weights with every LoRA delta folded in: W + scale * B @ A (float32; W the residual base of a
+        PiSSA / OLoRA adapter, so the sum is the original base plus the trained change)."""
         weights = {k: np.array(v, dtype=np.float32) for k, v in self.engine.weights().items()}
-        if self.lora_config is not None:
-            for path, (a, b) in self.engine.lora_tensors().items():
-                weights[path + ".weight"] += (self.lora_config.scale * (b.astype(np.float64) @ a)).astype(np.float32)
+        for path, (a, b) in self.engine.lora_tensors().items():
+            weights[path + ".weight"] += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)
         return weights
 
     def merge_and_save(self, directory) -> dict:

@@ -20,6 +20,7 @@ from . import checkpoint, hub, tracking
 from .checkpoint import find_checkpoint, list_checkpoints
 from .config import LoraConfig, ModelConfig
 from .errors import ConfigError
+from .lora_layout import describe_layout, lora_options
 from .evaluate import engine_batch, evaluate_loss, exact_match
 from .memory import base_weight_bytes, estimate_memory, format_bytes
 from .metrics import Window, fmt, keep_metrics_until, num, plot_losses
@@ -32,7 +33,8 @@ def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
     from .hf import expected_shapes
 
     if lora is not None:
-        return cfg.num_hidden_layers * sum(lora.r * sum(cfg.linear_shape(m)) for m in lora.target_modules)
+        return sum(r * sum(cfg.linear_shape(p.rsplit(".", 1)[1])) for p, (r, _) in
+                   lora.modules(cfg.num_hidden_layers).items())
     n = sum(math.prod(s) for s in expected_shapes(cfg).values())
     return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)
 
@@ -132,8 +134,9 @@ class Trainer:
             raise ConfigError(f"resume: {self.out} is a checkpoint outside a run's checkpoints/ folder; pass --out "
                               f"DIR to say where the run continues")
         state = checkpoint.read_state(ckpt)
-        checkpoint.check_state(ckpt, state, cfg.method, cfg.lora_config() if cfg.method == "lora" else None,
-                               self.base_dtype, self.embed_dtype)
+        # lora_layers "N" needs the model's layer count: its LoRA setting is checked by restore() in setup
+        lora = cfg.lora_config() if cfg.method == "lora" and not cfg.lora_layers_last() else None
+        checkpoint.check_state(ckpt, state, cfg.method, lora, self.base_dtype, self.embed_dtype)
         return ckpt, state
 
     def log(self, msg: str):
@@ -163,12 +166,14 @@ class Trainer:
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
-        lora = cfg.lora_config() if cfg.method == "lora" else None
+        lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
         if self.continued_from:         # before anything is read: options that contradict it are refused
-            lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg.num_hidden_layers)[0])
+            lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg.num_hidden_layers)[0],
+                                      model_cfg.num_hidden_layers)
             self.config = cfg = dataclasses.replace(     # recorded as trained: a resume rebuilds this adapter
-                cfg, lora_rank=lora.r, lora_alpha=float(lora.alpha), lora_targets=",".join(lora.target_modules),
-                rslora=lora.use_rslora, lora_dropout=lora.dropout)
+                cfg, **lora_options(lora))
+        elif lora and cfg.lora_layers_last():          # recorded as the layers it chose, for a resume
+            self.config = cfg = dataclasses.replace(cfg, lora_layers=lora_options(lora)["lora_layers"])
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
@@ -211,7 +216,8 @@ class Trainer:
         n_params = count_trainable(model_cfg, lora)
         self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
                  f"{self.engine.device_description}; "
-                 + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}" if lora
+                 + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}"
+                    + describe_layout(lora) if lora
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
                  f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"
                  + (" on a GPU (the NumPy engine holds float32 copies)" if self.engine.name == "numpy" else ""))

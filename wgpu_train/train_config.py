@@ -10,6 +10,7 @@ from pathlib import Path
 from . import tracking
 from .config import LoraConfig, OptimizerParams
 from .errors import ConfigError
+from .lora_layout import last_layers, parse_layers, parse_pattern
 from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
 from .schedule import SCHEDULES
 
@@ -58,6 +59,19 @@ class TrainConfig:
     rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
     loraplus_lr_ratio: float = _opt(1.0, "LoRA+: the learning rate of the LoRA B matrices over lr (PEFT's "
                                          "loraplus_lr_ratio; the LoRA+ paper suggests 16; 1: plain LoRA)")
+    # ---- PEFT's per-layer choices and initialisations (lora_layout.py, lora_init.py) ----
+    lora_layers: str | None = _opt(None, "layers that get LoRA: N, the last N (mlx-lm's --num-layers), or indices "
+                                         "such as 0,2,5 or 3-5 (one layer i: i,); default: every layer "
+                                         "(PEFT's layers_to_transform)")
+    lora_rank_pattern: str | None = _opt(None, "per-module ranks, PATTERN=R[,...] (PEFT's rank_pattern: the first "
+                                               "pattern matching the end of a module path wins, e.g. "
+                                               "q_proj=16,layers.0.mlp.down_proj=4), or a JSON object")
+    lora_alpha_pattern: str | None = _opt(None, "per-module alphas, PATTERN=ALPHA[,...] as --lora-rank-pattern "
+                                                "(PEFT's alpha_pattern)")
+    lora_init: str = _opt("default", "initialisation of a new adapter (PEFT's init_lora_weights): default (A "
+                                     "kaiming-uniform, B zeros), gaussian, pissa, pissa_niter_K (K subspace "
+                                     "iterations), olora; pissa and olora train over the residual base and save "
+                                     "the adapter converted to rank 2r for the original base")
     adapter_path: str | None = _opt(None, "start from this PEFT LoRA adapter (folder or hub id) instead of a fresh "
                                           "one: its weights, rank, alpha, targets and rsLoRA (LoRA options left at "
                                           "their defaults take the adapter's, others must agree); the optimizer "
@@ -145,25 +159,34 @@ class TrainConfig:
              f"(got {', '.join(self.storage_dtypes())})")
         if self.method == "lora":
             self.lora_config()  # validates rank, dropout and targets
+        need(self.method == "lora" or (self.lora_init, self.lora_layers, self.lora_rank_pattern,
+                                       self.lora_alpha_pattern) == ("default", None, None, None),
+             "lora_init, lora_layers and the LoRA patterns set up LoRA matrices: method lora")
         need(not (self.adapter_path and self.resume),
              "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
         need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
         tracking.parse_report_to(self.report_to)
 
-    def continued_lora(self, adapter: LoraConfig) -> LoraConfig:
-        """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets
-        and rsLoRA where these options keep their defaults, refused (one line) where they say otherwise; the
-        dropout is this run's when given, else the adapter's."""
+    def continued_lora(self, adapter: LoraConfig, num_hidden_layers: int) -> LoraConfig:
+        """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,
+        rsLoRA, layers and patterns where these options keep their defaults, refused (one line) where they say
+        otherwise; the dropout is this run's when given, else the adapter's."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        mine = self.lora_config()
+        mine = self.lora_config(num_hidden_layers)
         pairs = (("lora_rank", "r", mine.r, adapter.r), ("lora_alpha", "lora_alpha", mine.alpha, adapter.alpha),
                  ("lora_targets", "target_modules", mine.target_modules, adapter.target_modules),
-                 ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora))
+                 ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora),
+                 ("lora_layers", "layers_to_transform", mine.layers_to_transform, adapter.layers_to_transform),
+                 ("lora_rank_pattern", "rank_pattern", mine.rank_pattern, adapter.rank_pattern),
+                 ("lora_alpha_pattern", "alpha_pattern", mine.alpha_pattern, adapter.alpha_pattern))
         for name, key, given, theirs in pairs:
             if getattr(self, name) != defaults[name] and given != theirs:
-                shown = ",".join(theirs) if isinstance(theirs, tuple) else theirs
+                shown = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} contradicts the adapter's "
                                   f"{key}={shown} ({self.adapter_path}); leave it out to continue with the adapter's")
+        if self.lora_init != defaults["lora_init"] and self.lora_init != adapter.init:
+            raise ConfigError(f"--lora-init {self.lora_init} initialises a new adapter, but adapter_path continues "
+                              f"{self.adapter_path} (init {adapter.init}): leave it out")
         dropout = mine.dropout if self.lora_dropout != defaults["lora_dropout"] else adapter.dropout
         return dataclasses.replace(adapter, dropout=dropout)
 
@@ -180,10 +203,21 @@ class TrainConfig:
         """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
         return check_dtypes(self.base_dtype, self.embed_dtype)
 
-    def lora_config(self) -> LoraConfig:
-        """The LoraConfig these options describe."""
+    def lora_config(self, num_hidden_layers: int | None = None) -> LoraConfig:
+        """The LoraConfig these options describe; lora_layers "N" (the last N) needs the model's num_hidden_layers
+        (without it, only checked: every layer)."""
+        layers = parse_layers(self.lora_layers)
+        if isinstance(layers, int):
+            layers = last_layers(layers, num_hidden_layers) if num_hidden_layers else None
         return LoraConfig(r=int(self.lora_rank), alpha=float(self.lora_alpha), dropout=float(self.lora_dropout),
-                          target_modules=self.lora_targets, use_rslora=bool(self.rslora))
+                          target_modules=self.lora_targets, use_rslora=bool(self.rslora), layers_to_transform=layers,
+                          rank_pattern=parse_pattern(self.lora_rank_pattern, "lora_rank_pattern"),
+                          alpha_pattern=parse_pattern(self.lora_alpha_pattern, "lora_alpha_pattern"),
+                          init=self.lora_init)
+
+    def lora_layers_last(self) -> bool:
+        """Whether lora_layers says "the last N" (resolved with the model's layer count)."""
+        return isinstance(parse_layers(self.lora_layers), int)
 
     def optimizer_params(self, lr: float) -> OptimizerParams:
         """AdamW settings of one step at learning rate `lr`."""

@@ -7,7 +7,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import DeviceError
-from ..memory import SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens, check_fits, head_rows
+from ..memory import (SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens, check_fits, head_rows,
+                      layer_ranks)
 from ..reference import ops as ref_ops
 from .runtime import Runtime
 from .tensors import F32
@@ -112,7 +113,7 @@ class BucketCache:
                     break
                 self._free_bucket(old)
             groups = self._group_of
-            ranks = activation_ranks({p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}, groups)
+            ranks = activation_ranks(layer_ranks({p: m.r for p, m in self.lora.items()}), groups)
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
             try:
                 acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t))

@@ -13,7 +13,7 @@ from ..engine_protocol import DropoutState
 from ..errors import ConfigError
 from ..hf import module_path
 from ..layer_plan import layer_plan
-from ..memory import lora_groups
+from ..memory import layer_ranks, lora_groups
 from ..reference import ops as ref_ops
 from ..reference.quant import check_dtypes
 from . import attention_kernels
@@ -118,15 +118,13 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
 
     def _lora_groups(self) -> dict:
         """module name -> the modules that run their LoRA as one (memory.lora_groups' rule: the same for
-        the memory estimate), each group with LoRA in every layer that has any of it, A matrices back to back."""
-        ranks = {p.rsplit(".", 1)[1]: m.r for p, m in self.lora.items()}
+        the memory estimate), each group's A matrices back to back in every layer with LoRA on it."""
+        ranks = layer_ranks({p: m.r for p, m in self.lora.items()})
         dropout = any(m.dropout > 0 for m in self.lora.values())
         out = {}
         for module, members in lora_groups(self.cfg, ranks, dropout).items():
-            layers = {int(p.split(".")[2]) for p in self.lora if p.rsplit(".", 1)[1] in members}
-            mods = [[self.lora.get(module_path(i, m)) for m in members] for i in sorted(layers)]
-            if any(x is None for row in mods for x in row):
-                continue
+            # lora_groups: every member has LoRA in the same layers
+            mods = [[self.lora[module_path(i, m)] for m in members] for i in sorted(ranks[module])]
             if any(row[j + 1].a[1] != row[j].a[1] + row[j].r * row[j].in_f for row in mods for j in range(len(row) - 1)):
                 continue     # not back to back (set_lora's packing order puts them so)
             out[module] = members
@@ -241,6 +239,15 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         """Base weights as float32 (float16 / NF4 ones dequantised)."""
         return {k: t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[k])
                 for k, t in self.w.items()}
+
+    def set_base_weights(self, weights: dict):
+        """Replace base weights by name: each stored anew as at load (its old buffers released)."""
+        for name, arr in weights.items():
+            if self.shapes[name] != tuple(arr.shape):
+                raise ValueError(f"set_base_weights: {name} has shape {arr.shape}, expected {self.shapes[name]}")
+            self.rt.release(*weight_buffers(self.w[name]))
+            self.w[name] = store_weight(self.rt, name, np.asarray(arr, np.float32), self.base_dtype, self.embed_dtype)
+        self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
 
     def zero_grads(self):
         rec = self.rt.recorder()

@@ -108,6 +108,13 @@ class NumpyEngine(DropoutState):
     def lora_tensors(self) -> dict:
         return {p: (m.a.copy(), m.b.copy()) for p, m in self.lora.items()}
 
+    def set_base_weights(self, weights: dict):
+        """Replace base weights by name, rounded through the storage dtypes as at load."""
+        for k, v in round_weights(weights, self.base_dtype, self.embed_dtype).items():
+            if self.w[k].shape != v.shape:
+                raise ValueError(f"set_base_weights: {k} has shape {v.shape}, expected {self.w[k].shape}")
+            self.w[k] = v.astype(self.dtype)
+
     def set_full_finetune(self, enabled: bool = True):
         self.full = enabled
         self.moments = {}
