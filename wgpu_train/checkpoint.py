@@ -157,6 +157,8 @@ def read_trainable(ckpt, method: str) -> dict:
         k = k.replace(".default.weight", ".weight")
         if k.startswith("base_model.model.") and k.endswith(".weight"):
             k = k[len("base_model.model."):-len(".weight")]
+        elif k.startswith("base_model.model.") and k.endswith(".lora_magnitude_vector"):   # DoRA's, no ".weight"
+            k = k[len("base_model.model."):]
         tensors[k] = v
     return tensors
 

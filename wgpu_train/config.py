@@ -272,7 +272,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA hyper-parameters, with PEFT's meaning for every field (lora_layout.py resolves the per-layer ones:
+    """LoRA hyper-parameters (use_dora: DoRA), with PEFT's meaning for every field (lora_layout.py resolves the per-layer ones:
     layers_to_transform / layers_pattern choose the layers, rank_pattern / alpha_pattern map a module-path
     pattern to its r / alpha; lora_init.py computes `init`: "default" (PEFT's True), "gaussian", "pissa",
     "pissa_niter_K" or "olora")."""
@@ -287,6 +287,7 @@ class LoraConfig:
     rank_pattern: dict = field(default_factory=dict)     # module-path pattern -> r
     alpha_pattern: dict = field(default_factory=dict)    # module-path pattern -> alpha
     init: str = "default"
+    use_dora: bool = False        # DoRA: a trained magnitude per output row (PEFT's use_dora; dora.py)
 
     def __post_init__(self):
         from .lora_init import check_init
@@ -310,6 +311,9 @@ class LoraConfig:
         for name, value in check_layout(self).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "init", check_init(self))
+        if self.use_dora and self.init not in ("default", "gaussian"):
+            raise ConfigError(f"DoRA with LoRA init {self.init} is not supported (its residual base and the "
+                              f"conversion on save are not computed for DoRA); use init default or gaussian")
 
     @property
     def scale(self) -> float:

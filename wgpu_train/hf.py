@@ -224,7 +224,8 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
         "lora_dropout": float(lora_cfg.dropout), "target_modules": list(lora_cfg.target_modules),
-        "use_rslora": bool(lora_cfg.use_rslora), "use_dora": False, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": bool(lora_cfg.use_rslora), "use_dora": bool(lora_cfg.use_dora), "bias": "none",
+        "fan_in_fan_out": False,
         "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None,
         "init_lora_weights": peft_value(lora_cfg.init),
         "layers_to_transform": list(layers) if layers is not None else None,
@@ -236,11 +237,11 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
                       metadata={"format": "pt"})
 
 
-# adapter_config.json fields for what this library does not compute (DoRA, extra trained modules, ...): an
+# adapter_config.json fields for what this library does not compute (extra trained modules, ...): an
 # adapter that sets one (to anything but null, false or empty) is refused by name. init_lora_weights is read
 # by lora_init.from_peft; the other init-only settings (loftq_config, eva_config, ...) do not matter here.
 UNSUPPORTED_ADAPTER_FIELDS = (
-    "use_dora", "fan_in_fan_out", "lora_bias", "exclude_modules", "modules_to_save", "target_parameters",
+    "fan_in_fan_out", "lora_bias", "exclude_modules", "modules_to_save", "target_parameters",
     "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config",
     "kasa_config", "monteclora_config", "use_bdlora")
 
@@ -329,6 +330,7 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
     alpha = _adapter_field(raw, "lora_alpha", "number", 8, cfg_path)
     dropout = _adapter_field(raw, "lora_dropout", "number", 0.0, cfg_path)
     rslora = _adapter_field(raw, "use_rslora", "bool", False, cfg_path)
+    dora = raw.get("use_dora") is not None and _adapter_field(raw, "use_dora", "bool", False, cfg_path)
     spec = raw.get("target_modules")
     if not (isinstance(spec, str) and spec or
             isinstance(spec, list) and spec and all(isinstance(t, str) and t for t in spec)):
@@ -350,7 +352,7 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
                                       layout["layers_pattern"])
     try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
-                         **{**layout, "layers_to_transform": layers})
+                         use_dora=dora, **{**layout, "layers_to_transform": layers})
     except ConfigError as e:
         raise AdapterError(f"{cfg_path}: {e}") from None
     return cfg, tensors

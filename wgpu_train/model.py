@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import LoraConfig, ModelConfig
+from .dora import MAGNITUDE, magnitude_key, merged, weight_norm
 from .errors import AdapterError, ConfigError
 from .hf import load_weights, peft_key, read_adapter, save_model_folder, write_adapter
 from .lora_init import changes_base, converted, converted_config, decompose, fresh_pair
@@ -92,7 +93,7 @@ class Model:
         out = {}
         for k, g in grads.items():
             path, which = k.rsplit(".lora_", 1)
-            out[peft_key(path, which)] = g
+            out[magnitude_key(path) if k.endswith(MAGNITUDE) else peft_key(path, which)] = g
         return out
 
     def _check_ids(self, ids):
@@ -131,7 +132,8 @@ class Model:
         as config.init says, from `seed`: "default" (PEFT's: A kaiming-uniform, B zeros) or "gaussian" (A normal
         with std 1/r) leave the model unchanged; "pissa" / "pissa_niter_K" / "olora" take A, B from the SVD /
         QR of the original base weights (before any float16 / NF4 rounding) and replace those by the residual
-        W - scale * B A, which the engine then stores as it stores the base."""
+        W - scale * B A, which the engine then stores as it stores the base. With config.use_dora every
+        module's magnitude starts at ||W + scale * B A|| (= ||W||: B is zero), W as the engine stores it."""
         rng = np.random.default_rng(seed)
         settings = config.modules(self.config.num_hidden_layers)
         scales = config.module_scales(self.config.num_hidden_layers)
@@ -142,6 +144,10 @@ class Model:
             for path, (r, _) in settings.items():
                 out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
                 modules[path] = fresh_pair(rng, config.init, r, out_f, in_f)
+        if config.use_dora:
+            weights = self.engine.weights()
+            modules = {p: (a, b, weight_norm(weights[p + ".weight"], a, b, scales[p]).astype(np.float32))
+                       for p, (a, b) in modules.items()}
         self._set_lora(config, modules, seed, residual, modules if residual else None)
 
     def _decomposed(self, config: LoraConfig, settings: dict, scales: dict, rng) -> tuple:
@@ -167,7 +173,7 @@ class Model:
 
     def _set_lora(self, config: LoraConfig, modules: dict, seed: int = 0, residual: dict | None = None,
                   init_pairs: dict | None = None):
-        """Attach `modules` ({path: (A, B)}) with config's scales. PiSSA / OLoRA: `residual` ({weight name:
+        """Attach `modules` ({path: (A, B)}, or (A, B, magnitude) with DoRA) with config's scales. PiSSA / OLoRA: `residual` ({weight name:
         array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
         that an earlier residual replaced get their original values back."""
         scales = config.module_scales(self.config.num_hidden_layers)
@@ -185,7 +191,7 @@ class Model:
         self._init_pairs = {p: (a.copy(), b.copy()) for p, (a, b) in (init_pairs or {}).items()}
         self.engine.set_full_finetune(False)
         self.engine.seed_dropout(seed)
-        self.engine.set_lora({p: (a, b, scales[p], config.dropout) for p, (a, b) in modules.items()})
+        self.engine.set_lora({p: (t[0], t[1], scales[p], config.dropout, *t[2:]) for p, t in modules.items()})
 
     def set_full_finetune(self):
         """Train every weight instead of LoRA (gradients keyed by Hugging Face tensor names)."""
@@ -205,12 +211,22 @@ class Model:
         self.engine.set_gradient_checkpointing(enabled)
 
     def lora_state_dict(self) -> dict:
-        """LoRA tensors by PEFT key: lora_A (r, in) and lora_B (out, r), float32."""
+        """LoRA tensors by PEFT key: lora_A (r, in) and lora_B (out, r), and DoRA's lora_magnitude_vector (out,),
+        float32."""
         out = {}
         for path, (a, b) in self.engine.lora_tensors().items():
             out[peft_key(path, "A")] = a.astype(np.float32)
             out[peft_key(path, "B")] = b.astype(np.float32)
+        out.update({magnitude_key(path): m for path, m in self._magnitudes().items()})
         return out
+
+    def _magnitudes(self) -> dict:
+        """{module path: DoRA magnitude (out,) float32} ({} without DoRA)."""
+        if self.lora_config is None or not self.lora_config.use_dora:
+            return {}
+        suffix = "." + MAGNITUDE
+        return {k[:-len(suffix)]: v.astype(np.float32) for k, v in self.engine.trainable().items()
+                if k.endswith(suffix)}
 
     def save_adapter(self, directory, convert: bool = True):
         """Write the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors). A PiSSA / OLoRA
@@ -248,6 +264,8 @@ class Model:
             out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
             expected[peft_key(path, "A")] = (r, in_f)
             expected[peft_key(path, "B")] = (out_f, r)
+            if config.use_dora:
+                expected[magnitude_key(path)] = (out_f,)
         # PEFT files may carry the adapter name (".lora_A.default.weight"); accept that spelling too.
         tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
         problems = [f"missing {k}" for k in expected if k not in tensors]
@@ -261,7 +279,8 @@ class Model:
             raise AdapterError(f"adapter {directory}: not supported: init_lora_weights={config.init} saved "
                                f"unconverted (its residual base comes from a random SVD that cannot be repeated); "
                                f"save it with path_initial_model_for_weight_conversion")
-        modules = {path: (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")]) for path in settings}
+        modules = {path: (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")],
+                          *([tensors[magnitude_key(path)]] if config.use_dora else [])) for path in settings}
         if dropout is not None:
             config = dataclasses.replace(config, dropout=float(dropout))
         scales = config.module_scales(self.config.num_hidden_layers)
@@ -271,10 +290,16 @@ class Model:
 
     def merged_weights(self) -> dict:
         """Base weights with every LoRA delta folded in: W + scale * B @ A (float32; W the residual base of a
-        PiSSA / OLoRA adapter, so the sum is the original base plus the trained change)."""
+        PiSSA / OLoRA adapter, so the sum is the original base plus the trained change); with DoRA PEFT's
+        (m / ||W + scale * B A||) * (W + scale * B A) (dora.merged)."""
         weights = {k: np.array(v, dtype=np.float32) for k, v in self.engine.weights().items()}
+        magnitudes = self._magnitudes()
         for path, (a, b) in self.engine.lora_tensors().items():
-            weights[path + ".weight"] += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)
+            name = path + ".weight"
+            if path in magnitudes:
+                weights[name] = merged(weights[name], a, b, self._scales[path], magnitudes[path])
+            else:
+                weights[name] += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)
         return weights
 
     def merge_and_save(self, directory) -> dict:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from ..config import ModelConfig
+from ..dora import MAGNITUDE, split_entry, weight_norm
 from ..engine_protocol import DropoutState
 from ..hf import module_path
 from ..layer_plan import CARRY, INPUT, OUTPUT, layer_plan
@@ -16,10 +17,11 @@ from .optim import adamw_update, clip_scale, grad_norm
 
 
 class LoraModule:
-    """One LoRA pair on a linear module: A (r, in), B (out, r), and its dropout."""
+    """One LoRA pair on a linear module: A (r, in), B (out, r), its dropout, and with DoRA its magnitude m (out,)
+    (None: plain LoRA)."""
 
-    def __init__(self, a, b, scale, dropout):
-        self.a, self.b, self.scale, self.dropout = a, b, scale, dropout
+    def __init__(self, a, b, scale, dropout, m=None):
+        self.a, self.b, self.scale, self.dropout, self.m = a, b, scale, dropout, m
 
 
 def check_rows(ids, rows, positions, last, kv: dict, vocab_size: int) -> tuple:
@@ -100,8 +102,13 @@ class NumpyEngine(DropoutState):
         return self.w["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings else self.w["lm_head.weight"]
 
     def set_lora(self, modules: dict):
-        """modules: path -> (A, B, scale, dropout). Replaces every LoRA module and resets the optimizer."""
-        self.lora = {p: LoraModule(a.astype(self.dtype), b.astype(self.dtype), s, d) for p, (a, b, s, d) in modules.items()}
+        """modules: path -> (A, B, scale, dropout[, magnitude]) (dora.split_entry). Replaces every LoRA module
+        and resets the optimizer."""
+        self.lora = {}
+        for p, entry in modules.items():
+            a, b, s, d, m = split_entry(entry)
+            self.lora[p] = LoraModule(a.astype(self.dtype), b.astype(self.dtype), s, d,
+                                      None if m is None else np.array(m, dtype=self.dtype))
         self.moments = {}
         self.zero_grads()
 
@@ -126,13 +133,15 @@ class NumpyEngine(DropoutState):
         self.gradient_checkpointing = bool(on)
 
     def trainable(self) -> dict:
-        """Trainable arrays by name: 'path.lora_A' / 'path.lora_B', or Hugging Face weight names."""
+        """Trainable arrays by name: 'path.lora_A' / 'path.lora_B' (and 'path.lora_magnitude_vector' with DoRA),
+        or Hugging Face weight names."""
         if self.full:
             return dict(self.w)
         out = {}
         for p, m in self.lora.items():
             out[p + ".lora_A"] = m.a
             out[p + ".lora_B"] = m.b
+        out.update({f"{p}.{MAGNITUDE}": m.m for p, m in self.lora.items() if m.m is not None})
         return out
 
     def set_trainable(self, tensors: dict):
@@ -158,17 +167,60 @@ class NumpyEngine(DropoutState):
         path = module_path(layer, module)
         y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
         lora = self.lora.get(path)
+        if lora is not None and lora.m is not None:
+            return self._dora_linear(x, y, layer, module, lora, cache)
         if lora is not None:
-            xl, mask = x, None
-            if self.training and lora.dropout > 0:
-                mask = ops.dropout_mask(self.dropout_module_seed(layer, module), x.shape, lora.dropout, x.dtype)
-                xl = x * mask
+            xl, mask = self._dropout_input(x, layer, module, lora)
             yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)
             y = y + yl
             cache[module] = (x, xl, h, mask)
         else:
             cache[module] = (x, None, None, None)
         return y
+
+    def _dropout_input(self, x, layer, module, lora):
+        """(the LoRA input, its dropout mask or None)."""
+        if self.training and lora.dropout > 0:
+            mask = ops.dropout_mask(self.dropout_module_seed(layer, module), x.shape, lora.dropout, x.dtype)
+            return x * mask, mask
+        return x, None
+
+    def _dora_linear(self, x, y, layer, module, lora, cache):
+        """PEFT's DoRA on a module whose base output (bias included) is y: c = m / ||W + s B A|| (detached),
+        y = c * (W x + s B A x) + bias, or with dropout's x_d: y + (c - 1) * W x_d + c * s B A x_d."""
+        path = module_path(layer, module)
+        w, bias = self.w[path + ".weight"], self.w.get(path + ".bias")
+        rn = (1 / weight_norm(w, lora.a, lora.b, lora.scale)).astype(self.dtype)   # (out,)
+        xl, mask = self._dropout_input(x, layer, module, lora)
+        yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)                  # (N, out), (N, r)
+        if mask is None:
+            z = ops.linear_forward(x, w) + yl                                     # (N, out)
+            y = ops.dora_forward(z, lora.m, rn, bias)
+        else:
+            z = ops.linear_forward(xl, w) + yl
+            y = y + ops.dora_forward(z, lora.m, rn, None, 1.0) + yl
+        cache[module] = (x, xl, h, mask, z, rn)
+        return y
+
+    def _dora_linear_backward(self, dy, layer, module, lora, cache):
+        path = module_path(layer, module)
+        x, xl, h, mask, z, rn = cache[module]
+        w = self.w[path + ".weight"]
+        if mask is None:
+            dz, dm = ops.dora_backward(dy, z, lora.m, rn)
+            dx = ops.linear_backward(dz, x, w, need_weight_grad=False)[0]
+            dxl, da, db = ops.lora_backward(dz, x, h, lora.a, lora.b, lora.scale)
+            dx = dx + dxl
+        else:
+            dx = ops.linear_backward(dy, x, w, need_weight_grad=False)[0]
+            dz, dm = ops.dora_backward(dy, z, lora.m, rn, 1.0)                   # (c - 1) dy
+            dxd = ops.linear_backward(dz, xl, w, need_weight_grad=False)[0]
+            dxl, da, db = ops.lora_backward(dz + dy, xl, h, lora.a, lora.b, lora.scale)
+            dx = dx + (dxd + dxl) * mask
+        self.grads[path + ".lora_A"] += da
+        self.grads[path + ".lora_B"] += db
+        self.grads[f"{path}.{MAGNITUDE}"] += dm
+        return dx
 
     def dropout_module_seed(self, layer, module) -> int:
         """The dropout seed of one LoRA module in the current micro-batch (shared with the GPU engine)."""
@@ -179,6 +231,9 @@ class NumpyEngine(DropoutState):
 
     def _linear_backward(self, dy, layer, module, cache):
         path = module_path(layer, module)
+        lora = self.lora.get(path)
+        if lora is not None and lora.m is not None:
+            return self._dora_linear_backward(dy, layer, module, lora, cache)
         x, xl, h, mask = cache[module]
         w = self.w[path + ".weight"]
         dx, dw, db = ops.linear_backward(dy, x, w, need_weight_grad=self.full)
@@ -186,7 +241,6 @@ class NumpyEngine(DropoutState):
             self.grads[path + ".weight"] += dw
             if path + ".bias" in self.grads:
                 self.grads[path + ".bias"] += db
-        lora = self.lora.get(path)
         if lora is not None:
             dxl, da, db_ = ops.lora_backward(dy, xl, h, lora.a, lora.b, lora.scale)
             if not self.full:
@@ -435,7 +489,8 @@ class NumpyEngine(DropoutState):
             if k not in self.moments:
                 self.moments[k] = (np.zeros_like(p), np.zeros_like(p))
             m, v = self.moments[k]
-            rate = lr * lora_b_lr_ratio if k.endswith(".lora_B") else lr
+            # LoRA+: PEFT's create_loraplus_optimizer gives B and every 1-D parameter (DoRA's magnitudes) B's lr
+            rate = lr * lora_b_lr_ratio if k.endswith((".lora_B", MAGNITUDE)) else lr
             adamw_update(p, self.grads[k], m, v, rate, beta1, beta2, eps, weight_decay, step, grad_scale=scale)
         self.zero_grads()
         return norm, True

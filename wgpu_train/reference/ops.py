@@ -88,6 +88,28 @@ def lora_backward(dy, x, h, lora_a, lora_b, scale):
     return dh @ lora_a, dlora_a, dlora_b
 
 
+# ---- DoRA (weight-decomposed LoRA, PEFT's formulation) ----------------------------------------
+
+def dora_norm(weight_sq, pt, g, lora_b, scale):
+    """1 / ||W + scale * B A|| per output row, from ||W||^2 (out,), P^T = A W^T (r, out), G = A A^T (r, r) and
+    B (out, r): ||W_j + s (BA)_j||^2 = ||W_j||^2 + 2 s B_j . P_j + s^2 B_j G B_j^T. Forward only: PEFT detaches
+    the norm, so it has no backward."""
+    sq = weight_sq + 2 * scale * np.sum(lora_b * pt.T, axis=1) + scale * scale * np.sum((lora_b @ g) * lora_b, axis=1)
+    return 1 / np.sqrt(sq)
+
+
+def dora_forward(z, magnitude, rnorm, bias=None, offset=0.0):
+    """y (N, out) = (magnitude * rnorm - offset) * z + bias: z (N, out) the module's W x + scale B A x (of the
+    dropped-out x while training with dropout), magnitude m and rnorm = 1 / ||W + scale B A|| (out,)."""
+    y = (magnitude * rnorm - offset) * z
+    return y + bias if bias is not None else y
+
+
+def dora_backward(dy, z, magnitude, rnorm, offset=0.0):
+    """Gradients of dora_forward: dz (N, out) and dmagnitude (out,) (rnorm is detached)."""
+    return (magnitude * rnorm - offset) * dy, rnorm * np.sum(dy * z, axis=0)
+
+
 def pcg_hash(v):
     """The PCG output hash on uint32 (wrapping), identical to pcg_hash in shaders/lora_dropout.wgsl."""
     v = np.asarray(v, dtype=np.uint32)
