@@ -157,3 +157,126 @@ def test_magnitude_starts_at_the_weight_norm(tiny):
 def test_refused_combinations(init):
     with pytest.raises(ConfigError, match="DoRA"):
         LoraConfig(use_dora=True, init=init)
+
+
+# ---- the kernels (shaders/dora.wgsl) against reference/ops.py in float64: odd sizes, element offsets ----
+
+def _padded(rt, a, lead):
+    """(buffer, element offset) holding `lead` junk elements, then a, then junk."""
+    a = np.ascontiguousarray(a, np.float32).ravel()
+    junk = np.full(lead + a.size + 5, 7, np.float32)
+    junk[lead:lead + a.size] = a
+    return rt.upload(junk), lead
+
+
+def _read(rt, t, shape):
+    return rt.read(t[0], np.float32, shape, offset=t[1] * 4)
+
+
+@pytest.mark.parametrize("n,out_f,r", [(1, 1, 1), (37, 45, 3), (130, 67, 7)])
+def test_dora_kernels(rt, n, out_f, r):
+    from wgpu_train.gpu import kernels as K
+
+    g = np.random.default_rng(n + out_f)
+    f32 = lambda *s: g.standard_normal(s).astype(np.float32)      # noqa: E731
+    w, a, b = f32(out_f, 11), 0.3 * f32(r, 11), 0.3 * f32(out_f, r)
+    wsq = (w.astype(np.float64) ** 2).sum(1)
+    pt, gg = a.astype(np.float64) @ w.T, a.astype(np.float64) @ a.T
+    z, dy, m, bias, dm0 = f32(n, out_f), f32(n, out_f), 1 + 0.1 * f32(out_f), f32(out_f), f32(out_f)
+    t = {k: _padded(rt, v, lead) for lead, (k, v) in enumerate(
+        {"wsq": wsq, "pt": pt, "g": gg, "b": b, "z": z, "dy": dy, "m": m, "bias": bias, "dm": dm0}.items(), 3)}
+    rn, y, y2, dz = ((rt.buffer(4 * (size + 6)), 6) for size in (out_f, n * out_f, n * out_f, n * out_f))
+    y0 = f32(n, out_f)
+    y2 = _padded(rt, y0, 2)
+    rec = rt.recorder()
+    K.dora_norm(rec, rn, t["wsq"], t["pt"], t["g"], t["b"], 0.7, out_f, r)
+    K.dora_forward(rec, y, t["z"], t["m"], rn, t["bias"], n, out_f)
+    K.dora_forward(rec, y2, t["z"], t["m"], rn, None, n, out_f, offset=1.0, accumulate=True)
+    K.dora_backward(rec, dz, t["dm"], t["dy"], t["z"], t["m"], rn, n, out_f, offset=1.0)
+    rec.submit()
+    want_rn = ops.dora_norm(wsq, pt, gg, b.astype(np.float64), 0.7)
+    assert_close(want_rn, 1 / np.linalg.norm(w + 0.7 * (b.astype(np.float64) @ a), axis=1), "k_elementwise",
+                 "the reference's norm")
+    assert_close(_read(rt, rn, (out_f,)), want_rn, "k_dora", "dora_norm")
+    rn64 = _read(rt, rn, (out_f,)).astype(np.float64)
+    m64, z64, dy64 = m.astype(np.float64), z.astype(np.float64), dy.astype(np.float64)
+    assert_close(_read(rt, y, (n, out_f)), ops.dora_forward(z64, m64, rn64, bias.astype(np.float64)), "k_dora",
+                 "dora_forward")
+    assert_close(_read(rt, y2, (n, out_f)), y0 + ops.dora_forward(z64, m64, rn64, None, 1.0), "k_dora",
+                 "dora_forward, accumulated, offset 1")
+    want_dz, want_dm = ops.dora_backward(dy64, z64, m64, rn64, 1.0)
+    assert_close(_read(rt, dz, (n, out_f)), want_dz, "k_dora", "dora_backward dz")
+    assert_close(_read(rt, t["dm"], (out_f,)), dm0 + want_dm, "k_dora_sum", "dora_backward dm (added)")
+
+
+# ---- the WebGPU engine against the NumPy engine ----------------------------------------------------
+
+def _dora_pair(folder, rt, base_dtype="float32", dropout=0.0, targets="all-linear"):
+    """The same DoRA model on both engines (B random, magnitudes moved off their initial norms)."""
+    lora = LoraConfig(r=3, alpha=5, dropout=dropout, target_modules=targets, use_dora=True)
+    pair = []
+    for backend in ("numpy", "wgpu"):
+        model = load_model(folder, backend=backend, base_dtype=base_dtype, **(
+            {"device": str(rt.info.index)} if backend == "wgpu" else {}))
+        model.add_lora(lora, seed=5)
+        pair.append(model)
+    rng = np.random.default_rng(7)
+    state = {k: (0.2 * rng.standard_normal(v.shape) if k.endswith("lora_B") else
+                 v * (1 + 0.2 * rng.standard_normal(v.shape)) if "magnitude" in k else v).astype(np.float32)
+             for k, v in pair[0].engine.trainable().items()}
+    for model in pair:
+        model.engine.set_trainable(state)
+    return pair
+
+
+def _steps(model, micro, hp, n=3):
+    return [model.engine.train_step(micro, hp, step) for step in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("base_dtype,dropout", [("float32", 0.0), ("nf4", 0.0), ("float32", 0.3)])
+def test_wgpu_matches_numpy(tiny, rt, base_dtype, dropout):
+    """Loss and the gradients of A, B and m, then three AdamW steps (LoRA+ ratio 2, the magnitudes at B's
+    rate), on both engines: the GPU recomputes the norms from the moved A, B before every step's forward."""
+    require_adapter()
+    _, folder = tiny
+    ref, gpu = _dora_pair(folder, rt, base_dtype, dropout)
+    ids, labels, mask = batch()
+    for _ in range(2 if dropout else 1):     # with dropout: a new mask per call, the same on both engines
+        loss_ref, grads_ref = ref.loss_and_grads(ids, labels, mask)
+        loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels, mask)
+        assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss", "loss")
+        assert len(grads_ref) == 3 * 7 * 2
+        for k, g in grads_ref.items():
+            assert np.abs(g).max() > 1e-5, k
+            assert_close(grads_gpu[k], g, "gpu_grads", k)
+    assert_close(gpu.logits(ids, mask), ref.logits(ids, mask), "gpu_logits", "logits")
+    hp = OptimizerParams(lr=1e-2, weight_decay=0.01, lora_b_lr_ratio=2.0)
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+    micro = [(ids[:1].astype(np.int32), ops.shift_labels(labels[:1]), mask[:1].astype(np.int32), pos[:1]),
+             (ids[1:].astype(np.int32), ops.shift_labels(labels[1:]), mask[1:].astype(np.int32), pos[1:])]
+    for (l_ref, _, n_ref, _), (l_gpu, _, n_gpu, _) in zip(_steps(ref, micro, hp), _steps(gpu, micro, hp)):
+        assert_close(np.float64(l_gpu), np.float64(l_ref), "gpu_loss", "step loss")
+        assert_close(np.float64(n_gpu), np.float64(n_ref), "gpu_loss", "grad norm")
+    after_ref, after_gpu = ref.engine.trainable(), gpu.engine.trainable()
+    for k, v in after_ref.items():
+        assert_close(after_gpu[k], v, "gpu_params_after_steps", k)
+    assert gpu.engine.last_step["submits"] == 1
+    assert_close(gpu.logits(ids, mask), ref.logits(ids, mask), "gpu_logits", "logits after the steps")
+
+
+def test_wgpu_checkpointing_is_bit_identical(tiny, rt):
+    """Gradient checkpointing recomputes z = W x_d + s B A x_d of the layer's last module too: the same bits."""
+    require_adapter()
+    _, folder = tiny
+    runs = []
+    for checkpointing in (False, True):
+        _, gpu = _dora_pair(folder, rt, dropout=0.2, targets="q_proj,v_proj,o_proj,down_proj")
+        gpu.set_gradient_checkpointing(checkpointing)
+        ids, labels, mask = batch()
+        pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+        micro = [(ids.astype(np.int32), ops.shift_labels(labels), mask.astype(np.int32), pos)]
+        losses = [s[0] for s in _steps(gpu, micro, OptimizerParams(lr=2e-2))]
+        runs.append((losses, gpu.engine.trainable()))
+    assert runs[0][0] == runs[1][0]
+    for k, v in runs[0][1].items():
+        assert_close(runs[1][1][k], v, "exact", k)

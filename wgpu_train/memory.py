@@ -74,7 +74,7 @@ def activation_ranks(ranks: dict, groups: dict) -> dict:
 
 
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
-                    checkpoint: bool = False, max_binding: int | None = None):
+                    checkpoint: bool = False, max_binding: int | None = None, dora_outputs: dict | None = None):
     """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared). The layer's
     activations and gradient buffers are those of its layer_plan; the activations no backward reads (the
     plan's unsaved ones) exist once, under SHARED_LAYER.
@@ -85,6 +85,8 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     Forward-only buckets (train=False) keep nothing for a backward, so all their layer buffers, x_in
     included, exist once under SHARED_LAYER: a layer reads its input only before it writes the next one's.
     max_binding: the device's max storage binding, which caps the logits' rows (head_rows); default 128 MiB.
+    dora_outputs: module name -> out_features of the DoRA modules (their z = W x + s B A x, dora_z, and the
+    backward's scaled dy, d_dora).
     """
     from .gpu import kernels as K
 
@@ -96,6 +98,8 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
         layer["lora_h." + module] = n * r
     for module, in_f in dropout_inputs.items():
         layer["lora_x." + module] = n * in_f
+    for module, out_f in (dora_outputs or {}).items():
+        layer["dora_z." + module] = n * out_f
     rows = head_rows(cfg, n, max_binding)
     shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
               "valid_rows": n}
@@ -109,6 +113,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
         shared.update({name: n * width for name, width in plan.grad_widths.items()})
         shared.update(d_tmp=n * max([c] + added), dxf=n * c, d_lora_h=n * max(list(lora_ranks.values()) + [1]),
                       d_lora_x=n * max(list(dropout_inputs.values()) + [1]),
+                      d_dora=n * max(list((dora_outputs or {}).values()) + [1]),
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
                       scratch_att=K.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
         if checkpoint:

@@ -15,11 +15,13 @@ from .tensors import F32
 
 
 class GpuLora:
-    """A LoRA pair on the GPU: views of A (r, in) and B (out, r) and of their gradients."""
+    """A LoRA pair on the GPU: views of A (r, in) and B (out, r) and of their gradients; with DoRA (gpu/dora.py)
+    views of the magnitude m (out,), its gradient gm, ||W||^2 wsq and 1 / ||W + s B A|| rn (None without)."""
 
     def __init__(self, path, a, b, ga, gb, shape_a, shape_b, scale, dropout, module_id):
         self.path, self.scale, self.dropout, self.module_id = path, float(scale), float(dropout), module_id
         self.a, self.b, self.ga, self.gb = a, b, ga, gb
+        self.m = self.gm = self.wsq = self.rn = None
         self.r, self.in_f = shape_a
         self.out_f = shape_b[0]
 
@@ -55,12 +57,12 @@ class Activations:
     one set for all layers, x_in included (memory.activation_plan)."""
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
-                 train: bool, checkpoint: bool = False, batch: tuple = (1, 0)):
+                 train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
         layer, shared = activation_plan(cfg, 1, capacity, lora_ranks, dropout_inputs, train, self.checkpoint,
-                                        rt.max_binding)
+                                        rt.max_binding, dora_outputs)
         check_fits(cfg, batch[0], batch[1], rt.max_binding, layer, shared)    # named after the batch that asked
         # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
         self.b = self.t = self.n = self.n_head = 0
@@ -115,10 +117,11 @@ class BucketCache:
             groups = self._group_of
             ranks = activation_ranks(layer_ranks({p: m.r for p, m in self.lora.items()}), groups)
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
+            dora = {p.rsplit(".", 1)[1]: m.out_f for p, m in self.lora.items() if m.m is not None}
             try:
-                acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t))
+                acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t), dora)
             except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
-                acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t))
+                acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora)
             self.counters["buckets_allocated"] += 1
         self._acts[acts.key] = acts          # most recently used last
         acts.use(b, t)

@@ -25,9 +25,11 @@ from .tensors import F32, Matrix, Packed, store_weight, weight_buffers
 from .buffers import BucketCache, GpuLora
 from .kv_cache import KvCacheGeneration
 from .layers import LayerRecorder
+from .dora import DoraRecorder
+from ..dora import MAGNITUDE, split_entry
 
 
-class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
+class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, KvCacheGeneration):
     """The engine protocol of reference.model.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
@@ -94,25 +96,33 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         return self.w["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
 
     def set_lora(self, modules: dict):
-        """modules: path -> (A, B, scale, dropout); replaces every LoRA module and resets the optimizer.
+        """modules: path -> (A, B, scale, dropout[, DoRA magnitude]) (dora.split_entry); replaces every LoRA
+        module and resets the optimizer.
 
         All LoRA tensors live in one packed buffer (their gradients and AdamW moments in three more),
-        so zeroing, the gradient norm and AdamW take a dispatch per buffer rather than per tensor."""
+        so zeroing, the gradient norm and AdamW take a dispatch per buffer rather than per tensor: every A,
+        then every B, then DoRA's magnitudes (with B's learning rate under LoRA+, as PEFT groups them)."""
         self._release_acts()
+        modules = {p: split_entry(e) for p, e in modules.items()}
         # every A first, layer by layer in module order, so that the A matrices of a group lie back to back
         order = sorted(modules, key=lambda p: (int(p.split(".")[2]), LINEAR_MODULES.index(p.rsplit(".", 1)[1])))
         shapes = {p + ".lora_A": modules[p][0].shape for p in order}
         shapes.update({p + ".lora_B": modules[p][1].shape for p in order})
+        shapes.update({f"{p}.{MAGNITUDE}": (modules[p][1].shape[0],) for p in order if modules[p][4] is not None})
         self.lora = {}
         self._lora_packed = Packed(self.rt, shapes, "lora_params"), Packed(self.rt, shapes, "lora_grads")
         params, grads = self._lora_packed
-        for path, (a, b, s, d) in modules.items():
+        for path, (a, b, s, d, mag) in modules.items():
             layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
-            na, nb = path + ".lora_A", path + ".lora_B"
+            na, nb, nm = path + ".lora_A", path + ".lora_B", f"{path}.{MAGNITUDE}"
             self._write(params.view(na), a)
             self._write(params.view(nb), b)
             self.lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
                                       a.shape, b.shape, s, d, layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module))
+            if mag is not None:
+                self._write(params.view(nm), mag)
+                self.lora[path].m, self.lora[path].gm = params.view(nm), grads.view(nm)
+        self._setup_dora()
         self._group_of = self._lora_groups()
         self._reset_training_state()
 
@@ -120,7 +130,8 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         """module name -> the modules that run their LoRA as one (memory.lora_groups' rule: the same for
         the memory estimate), each group's A matrices back to back in every layer with LoRA on it."""
         ranks = layer_ranks({p: m.r for p, m in self.lora.items()})
-        dropout = any(m.dropout > 0 for m in self.lora.values())
+        # DoRA scales each module's dy by its own c: no shared LoRA backward
+        dropout = any(m.dropout > 0 or m.m is not None for m in self.lora.values())
         out = {}
         for module, members in lora_groups(self.cfg, ranks, dropout).items():
             # lora_groups: every member has LoRA in the same layers
@@ -231,6 +242,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
     def set_trainable(self, arrays: dict):
         for k, arr in arrays.items():
             self._write(self.params[k], arr)
+        self._dora_stale = True
 
     def lora_tensors(self) -> dict:
         return {p: (self._read(m.a, (m.r, m.in_f)), self._read(m.b, (m.out_f, m.r))) for p, m in self.lora.items()}
@@ -247,6 +259,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
                 raise ValueError(f"set_base_weights: {name} has shape {arr.shape}, expected {self.shapes[name]}")
             self.rt.release(*weight_buffers(self.w[name]))
             self.w[name] = store_weight(self.rt, name, np.asarray(arr, np.float32), self.base_dtype, self.embed_dtype)
+        self._dora_weight_norms()
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
 
     def zero_grads(self):
@@ -396,6 +409,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         self._training = False
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
+        self._dora_stale = True          # A and B moved: the next forward recomputes DoRA's norms
         rec.read_back(self.results, np.float32, (2 * n_micro + 3,))
         submitted = time.perf_counter()
         rec.submit()

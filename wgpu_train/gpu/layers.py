@@ -38,6 +38,9 @@ class LayerRecorder:
         if lora is None:
             linear_forward(rec, y, x, w, bias, acts.n, accumulate)
             return
+        if lora.m is not None:
+            self._dora_linear(rec, y, x, layer, module, acts, a, accumulate)
+            return
         h, ldh = self._lora_h(rec, x, layer, module, acts, a)
         linear_lora_forward(rec, y, x, w, bias, acts.n, h, ldh, lora.b, lora.scale, lora.r, accumulate)
 
@@ -71,6 +74,8 @@ class LayerRecorder:
         holds each token's cache row: keys and values are written into the cache, attention reads it, and
         only the n_last tokens whose indices acts.targets holds are normed, into x_final's first rows."""
         n, c, eps, offset = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps, self.cfg.norm_offset
+        if self._dora_stale:
+            self._record_dora_norms(rec)
         self._where = "embedding forward"
         rec.section(self._where)
         self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
@@ -96,9 +101,13 @@ class LayerRecorder:
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
         for op in self.plan.ops:
             if recompute and OUTPUT in op.outputs:
-                if op.kind == "linear" and self.lora.get(module_path(i, op.param)) is not None:
+                lora = self.lora.get(module_path(i, op.param)) if op.kind == "linear" else None
+                if lora is not None:
                     rec.section(self._where + " gemm")
-                    self._lora_h(rec, buf[op.inputs[0]], i, op.param, acts, a)
+                    if lora.m is not None:     # DoRA's backward reads z too
+                        self._dora_linear(rec, None, buf[op.inputs[0]], i, op.param, acts, a, recompute=True)
+                    else:
+                        self._lora_h(rec, buf[op.inputs[0]], i, op.param, acts, a)
                 continue
             getattr(self, "_forward_" + op.kind)(rec, op, i, acts, buf, kv)
 
@@ -200,10 +209,13 @@ class LayerRecorder:
         w = self.w[path + ".weight"]
         n = acts.n
         rec.section(f"layer {layer} backward gemm")
+        lora = self.lora.get(path)
+        if lora is not None and lora.m is not None:
+            self._dora_linear_backward(rec, dx, dy, layer, module, acts, a, x, accumulate_dx)
+            return
         dw = self.grads.get(path + ".weight") if self.full else None
         db = self.grads.get(path + ".bias") if self.full else None
         linear_backward(rec, dx, dw, db, dy, x, w, n, accumulate_dx)
-        lora = self.lora.get(path)
         if lora is None:
             return
         group = self._group_of.get(module)
