@@ -211,22 +211,26 @@ def test_dora_kernels(rt, n, out_f, r):
 
 # ---- the WebGPU engine against the NumPy engine ----------------------------------------------------
 
-def _dora_pair(folder, rt, base_dtype="float32", dropout=0.0, targets="all-linear"):
-    """The same DoRA model on both engines (B random, magnitudes moved off their initial norms)."""
+def _dora_model(folder, backend="numpy", rt=None, base_dtype="float32", dropout=0.0, targets="all-linear"):
+    """A DoRA model (B random, the magnitudes moved off their initial norms; the same on both engines)."""
     lora = LoraConfig(r=3, alpha=5, dropout=dropout, target_modules=targets, use_dora=True)
-    pair = []
-    for backend in ("numpy", "wgpu"):
-        model = load_model(folder, backend=backend, base_dtype=base_dtype, **(
-            {"device": str(rt.info.index)} if backend == "wgpu" else {}))
-        model.add_lora(lora, seed=5)
-        pair.append(model)
+    model = load_model(folder, backend=backend, base_dtype=base_dtype,
+                       **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
+    model.add_lora(lora, seed=5)
     rng = np.random.default_rng(7)
-    state = {k: (0.2 * rng.standard_normal(v.shape) if k.endswith("lora_B") else
-                 v * (1 + 0.2 * rng.standard_normal(v.shape)) if "magnitude" in k else v).astype(np.float32)
-             for k, v in pair[0].engine.trainable().items()}
-    for model in pair:
-        model.engine.set_trainable(state)
-    return pair
+    model.engine.set_trainable({
+        k: (0.2 * rng.standard_normal(v.shape) if k.endswith("lora_B") else
+            v * (1 + 0.2 * rng.standard_normal(v.shape)) if "magnitude" in k else v).astype(np.float32)
+        for k, v in model.engine.trainable().items()})
+    return model
+
+
+def _dora_pair(folder, rt, base_dtype="float32", dropout=0.0, targets="all-linear"):
+    """The same DoRA model on the NumPy and the WebGPU engine."""
+    ref = _dora_model(folder, "numpy", None, base_dtype, dropout, targets)
+    gpu = _dora_model(folder, "wgpu", rt, base_dtype, dropout, targets)
+    gpu.engine.set_trainable(ref.engine.trainable())
+    return ref, gpu
 
 
 def _steps(model, micro, hp, n=3):
@@ -270,7 +274,7 @@ def test_wgpu_checkpointing_is_bit_identical(tiny, rt):
     _, folder = tiny
     runs = []
     for checkpointing in (False, True):
-        _, gpu = _dora_pair(folder, rt, dropout=0.2, targets="q_proj,v_proj,o_proj,down_proj")
+        gpu = _dora_model(folder, "wgpu", rt, dropout=0.2, targets="q_proj,v_proj,o_proj,down_proj")
         gpu.set_gradient_checkpointing(checkpointing)
         ids, labels, mask = batch()
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
@@ -280,3 +284,31 @@ def test_wgpu_checkpointing_is_bit_identical(tiny, rt):
     assert runs[0][0] == runs[1][0]
     for k, v in runs[0][1].items():
         assert_close(runs[1][1][k], v, "exact", k)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_loraplus_steps_match_peft_optimizer(tiny, tmp_path, request, backend):
+    """Two AdamW steps with LoRA+ (ratio 4) against torch AdamW under PEFT's create_loraplus_optimizer on
+    the PEFT DoRA model, which gives the magnitudes (1-D) B's learning rate."""
+    from peft.optimizers import create_loraplus_optimizer
+
+    hf, folder = tiny
+    model = _dora_model(folder, backend, request.getfixturevalue("default_rt") if backend == "wgpu" else None)
+    model.save_adapter(tmp_path)
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path, is_trainable=True)
+    opt = create_loraplus_optimizer(pm, torch.optim.AdamW, lr=1e-2, loraplus_lr_ratio=4.0,
+                                    loraplus_weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+    ids, labels, mask = batch()
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+    micro = [(ids.astype(np.int32), ops.shift_labels(labels), mask.astype(np.int32), pos)]
+    hp = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=None, lora_b_lr_ratio=4.0)
+    for step in (1, 2):
+        opt.zero_grad()
+        pm(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)).loss.backward()
+        opt.step()
+        model.engine.train_step(micro, hp, step)
+    got = model.lora_state_dict()
+    want = {k: v.numpy() for k, v in peft.get_peft_model_state_dict(pm).items()}
+    assert set(got) == set(want) and any("magnitude" in k for k in want)
+    for k, w in want.items():
+        assert_close(got[k], w, "params_vs_torch_adamw", k)
