@@ -312,3 +312,114 @@ def test_loraplus_steps_match_peft_optimizer(tiny, tmp_path, request, backend):
     assert set(got) == set(want) and any("magnitude" in k for k in want)
     for k, w in want.items():
         assert_close(got[k], w, "params_vs_torch_adamw", k)
+
+
+# ---- training runs: finetune --dora, resume, --adapter-path, memory estimate, the command line ----------
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from finetune_helpers import make_data_dir, make_model_dir
+
+    root = tmp_path_factory.mktemp("ft_dora")
+    return make_model_dir(root / "model"), make_data_dir(root / "data")
+
+
+def _config(workspace, out, **kw):
+    from wgpu_train.train_config import TrainConfig
+
+    model, data = workspace
+    base = dict(model=str(model), data=str(data), out=str(out), backend="numpy", no_progress=True, lr=1e-2,
+                eval_generate=False, dora=True, lora_targets="q_proj,v_proj,down_proj")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_finetune_resume_and_continue(workspace, tmp_path):
+    """finetune with dora trains the magnitudes, writes use_dora and lora_magnitude_vector; a resume from
+    the middle (optimizer state with the magnitudes' moments, dropout) equals the uninterrupted run; an
+    adapter continues with --adapter-path; --dora against a plain adapter is refused."""
+    import json
+
+    from wgpu_train.hf import read_adapter
+    from wgpu_train.train import finetune
+
+    kw = dict(max_steps=4, batch_size=2, grad_accum=2, lora_dropout=0.2, weight_decay=0.05, keep_checkpoints=0)
+    full = finetune(_config(workspace, tmp_path / "full", save_every=2, **kw))
+    assert json.loads((tmp_path / "full" / "adapter_config.json").read_text())["use_dora"] is True
+    cfg, tensors = read_adapter(tmp_path / "full")
+    assert cfg.use_dora and sum(k.endswith("lora_magnitude_vector") for k in tensors) == 3 * 2
+    base = load_model(workspace[0])
+    w = base.engine.weights()
+    key = magnitude_key("model.layers.0.mlp.down_proj")
+    assert not np.allclose(tensors[key], np.linalg.norm(w["model.layers.0.mlp.down_proj.weight"], axis=1)), \
+        "the magnitudes moved"
+    ckpt = tmp_path / "full" / "checkpoints" / "step-000002"
+    resumed = finetune(_config(workspace, tmp_path / "resumed", resume=str(ckpt), **kw))
+    assert resumed["steps"] == full["steps"] == 4
+    again = read_adapter(tmp_path / "resumed")[1]
+    for k in tensors:
+        assert np.array_equal(tensors[k], again[k]), k
+    cont = finetune(_config(workspace, tmp_path / "cont", max_steps=1, adapter_path=str(tmp_path / "full"),
+                            dora=False, lora_targets="q_proj,v_proj"))
+    assert cont["steps"] == 1 and read_adapter(tmp_path / "cont")[0].use_dora
+    finetune(_config(workspace, tmp_path / "plain", max_steps=1, dora=False))
+    with pytest.raises(ConfigError, match="--dora True contradicts the adapter's use_dora=False"):
+        finetune(_config(workspace, tmp_path / "bad", max_steps=1, adapter_path=str(tmp_path / "plain")))
+
+
+def test_memory_and_trainable_count(tiny):
+    """The magnitudes (and their gradient, moments, norm buffers, z activations) are counted."""
+    from wgpu_train.config import ModelConfig
+    from wgpu_train.memory import estimate_memory
+    from wgpu_train.train import count_trainable
+
+    _, folder = tiny
+    cfg = ModelConfig.from_folder(folder)
+    plain, dora = (LoraConfig(r=3, target_modules="q_proj,down_proj", use_dora=d) for d in (False, True))
+    outs = cfg.linear_shape("q_proj")[0] + cfg.linear_shape("down_proj")[0]
+    assert count_trainable(cfg, dora) - count_trainable(cfg, plain) == cfg.num_hidden_layers * outs
+    model = load_model(folder)
+    model.add_lora(dora)
+    assert count_trainable(cfg, dora) == sum(v.size for v in model.engine.trainable().values())
+    a, b = (estimate_memory(cfg, 2, 9, lora) for lora in (plain, dora))
+    norms = 2 * cfg.num_hidden_layers * outs + 3 * cfg.linear_shape("q_proj")[0] + 9
+    assert b["trainable_state"] - a["trainable_state"] == 4 * (4 * cfg.num_hidden_layers * outs + norms)
+    assert b["activations"] > a["activations"]
+
+
+def test_memory_estimate_is_what_the_engine_allocates(tiny, rt):
+    """The WebGPU engine's DoRA buffers and activations are the sizes estimate_memory counts."""
+    require_adapter()
+    from wgpu_train.config import ModelConfig
+    from wgpu_train.memory import estimate_memory
+
+    _, folder = tiny
+    cfg = ModelConfig.from_folder(folder)
+    for dropout in (0.0, 0.2):
+        lora = LoraConfig(r=3, dropout=dropout, target_modules="q_proj,k_proj,v_proj,down_proj", use_dora=True)
+        model = load_model(folder, backend="wgpu", device=str(rt.info.index))
+        model.add_lora(lora)
+        eng = model.engine
+        state = sum(b.size for b in eng._state_buffers if b is not eng.partials) + sum(
+            b.size for b in eng._dora_buffers)
+        acts = eng._activations(1, 64, train=True)
+        allocated = sum({id(b): b.size for layer in acts.layers for b in layer.values()}.values())
+        allocated += sum(v.size for k, v in vars(acts).items() if hasattr(v, "destroy") and k != "logits" and k
+                         not in ("ids", "segments", "positions", "targets", "head_index"))
+        est = estimate_memory(cfg, 1, 64, lora)
+        assert est["trainable_state"] == state
+        assert est["activations"] == allocated
+
+
+def test_cli_dora_and_refusals(workspace, tmp_path, capsys):
+    """--dora on the command line; --dora with --lora-init pissa is one line, exit 2."""
+    from wgpu_train.cli import main
+
+    model, data = workspace
+    common = ["finetune", "--model", str(model), "--data", str(data), "--backend", "numpy", "--max-steps", "1",
+              "--no-progress", "--no-eval-generate"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--dora"]) == 0
+    assert (tmp_path / "a" / "adapter_model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(common + ["--out", str(tmp_path / "b"), "--dora", "--lora-init", "pissa"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DoRA with LoRA init pissa" in err[0]

@@ -508,11 +508,14 @@ def cmd_memory(args) -> int:
         layers = parse_layers(args.lora_layers)
         lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets,
                           layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
-                          else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"))
+                          else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
+                          use_dora=args.dora)
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
     ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg.num_hidden_layers).items()}) if lora else {}
-    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, False))
-    layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing)
+    dora = {m: cfg.linear_shape(m)[0] for m in lora.target_modules} if lora and lora.use_dora else {}
+    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora)))
+    layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing,
+                                    dora_outputs=dora)
     largest = max(list(layer.values()) + list(shared.values())) * 4
     result = {"model": str(model_dir), "architecture": cfg.architecture,
               "parameters": sum(math.prod(s) for s in weight_shapes(cfg).values()), "batch_size": args.batch_size,
@@ -551,6 +554,7 @@ def _register_memory(sub):
     p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
     p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
     p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")
+    p.add_argument("--dora", action="store_true", help="plan for DoRA (its magnitudes and their buffers)")
     p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES, help=f"(default: {d.base_dtype})")
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")

@@ -175,24 +175,29 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
         raise ValueError("full fine-tuning needs float32 base weights")
     weights = base_weight_bytes(config, base_dtype, embed_dtype, max_binding)["total"]
-    ranks, drop = {}, {}
+    ranks, drop, dora = {}, {}, {}
     if method == "lora":
         lora = lora or LoraConfig()
         trainable = 0
         modules = lora.modules(config.num_hidden_layers)          # path -> (r, alpha), each module's own r
+        dora_norms = dora_scratch = 0
         for path, (r, _) in modules.items():
             m = path.rsplit(".", 1)[1]
             out_f, in_f = config.linear_shape(m)
-            trainable += r * (in_f + out_f)
+            trainable += r * (in_f + out_f) + (out_f if lora.use_dora else 0)     # DoRA: the magnitude
             if lora.dropout > 0:
                 drop[m] = in_f
+            if lora.use_dora:    # gpu/dora.py: ||W||^2 and 1 / ||W + s B A||, and the scratch of P^T and G
+                dora[m] = out_f
+                dora_norms += 2 * out_f
+                dora_scratch = max(dora_scratch, r * out_f + r * r)
         ranks = layer_ranks({p: r for p, (r, _) in modules.items()})
-        state = trainable * 4 * F32          # parameter, gradient, two moments
+        state = trainable * 4 * F32 + (dora_norms + dora_scratch) * F32     # parameter, gradient, two moments
     else:
         state = weights * 3                  # gradient and two moments of every weight
-    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop)))
+    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora)))
     layer, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
-                                    checkpoint=gradient_checkpointing, max_binding=max_binding)
+                                    checkpoint=gradient_checkpointing, max_binding=max_binding, dora_outputs=dora)
     logits = shared.pop("logits") * F32
     activations = (config.num_hidden_layers * sum(layer.values()) + sum(shared.values())) * F32
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}

@@ -59,6 +59,8 @@ class TrainConfig:
     rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
     loraplus_lr_ratio: float = _opt(1.0, "LoRA+: the learning rate of the LoRA B matrices over lr (PEFT's "
                                          "loraplus_lr_ratio; the LoRA+ paper suggests 16; 1: plain LoRA)")
+    dora: bool = _opt(False, "DoRA: weight-decomposed LoRA, a trained magnitude per output row scaling W + "
+                             "scale * B A by m / ||W + scale * B A|| (PEFT's use_dora)")
     # ---- PEFT's per-layer choices and initialisations (lora_layout.py, lora_init.py) ----
     lora_layers: str | None = _opt(None, "layers that get LoRA: N, the last N (mlx-lm's --num-layers), or indices "
                                          "such as 0,2,5 or 3-5 (one layer i: i,); default: every layer "
@@ -178,7 +180,8 @@ class TrainConfig:
                  ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora),
                  ("lora_layers", "layers_to_transform", mine.layers_to_transform, adapter.layers_to_transform),
                  ("lora_rank_pattern", "rank_pattern", mine.rank_pattern, adapter.rank_pattern),
-                 ("lora_alpha_pattern", "alpha_pattern", mine.alpha_pattern, adapter.alpha_pattern))
+                 ("lora_alpha_pattern", "alpha_pattern", mine.alpha_pattern, adapter.alpha_pattern),
+                 ("dora", "use_dora", mine.use_dora, adapter.use_dora))
         for name, key, given, theirs in pairs:
             if getattr(self, name) != defaults[name] and given != theirs:
                 shown = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
@@ -213,7 +216,7 @@ class TrainConfig:
                           target_modules=self.lora_targets, use_rslora=bool(self.rslora), layers_to_transform=layers,
                           rank_pattern=parse_pattern(self.lora_rank_pattern, "lora_rank_pattern"),
                           alpha_pattern=parse_pattern(self.lora_alpha_pattern, "lora_alpha_pattern"),
-                          init=self.lora_init)
+                          init=self.lora_init, use_dora=bool(self.dora))
 
     def lora_layers_last(self) -> bool:
         """Whether lora_layers says "the last N" (resolved with the model's layer count)."""
