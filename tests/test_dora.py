@@ -268,6 +268,27 @@ def test_wgpu_matches_numpy(tiny, rt, base_dtype, dropout):
     assert_close(gpu.logits(ids, mask), ref.logits(ids, mask), "gpu_logits", "logits after the steps")
 
 
+def test_wgpu_loads_peft_adapter_and_generates(tiny, rt, tmp_path):
+    """A PEFT DoRA adapter on the WebGPU engine: PEFT's logits and loss; greedy generation (the KV-cache path)
+    equals PEFT's."""
+    require_adapter()
+    hf, folder = tiny
+    pm = peft_dora(hf, seed=3)
+    pm.save_pretrained(tmp_path)
+    model = load_model(folder, backend="wgpu", device=str(rt.info.index))
+    model.load_adapter(tmp_path)
+    ids, labels, mask = batch()
+    real = mask.astype(bool)
+    with torch.no_grad():
+        out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+        prompt = ids[0, :5]
+        want = pm.generate(input_ids=torch.tensor(prompt)[None], max_new_tokens=8, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    assert_close(model.logits(ids, mask)[real], out.logits.numpy()[real], "gpu_logits")
+    assert_close(np.float64(model.loss_and_grads(ids, labels, mask)[0]), np.float64(out.loss.item()), "gpu_loss")
+    assert model.generate(prompt, max_new_tokens=8) == want
+
+
 def test_wgpu_checkpointing_is_bit_identical(tiny, rt):
     """Gradient checkpointing recomputes z = W x_d + s B A x_d of the layer's last module too: the same bits."""
     require_adapter()

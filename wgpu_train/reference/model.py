@@ -7,11 +7,12 @@ import time
 import numpy as np
 
 from ..config import ModelConfig
-from ..dora import MAGNITUDE, split_entry, weight_norm
+from ..dora import MAGNITUDE, split_entry
 from ..engine_protocol import DropoutState
 from ..hf import module_path
 from ..layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from . import ops
+from .dora_linear import DoraLinear
 from .quant import check_dtypes, round_weights
 from .optim import adamw_update, clip_scale, grad_norm
 
@@ -68,7 +69,7 @@ class _Walk:
         return x.reshape(self.b, self.t, x.shape[-1] // cfg.head_dim, cfg.head_dim)
 
 
-class NumpyEngine(DropoutState):
+class NumpyEngine(DropoutState, DoraLinear):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype ("float32", "float16", "nf4", "nf4-dq" / "float32", "float16"): the base weights are
@@ -165,10 +166,10 @@ class NumpyEngine(DropoutState):
     def _linear(self, x, layer, module, cache):
         """Base linear plus LoRA (with dropout on the LoRA input while training); x (N, in) -> (N, out)."""
         path = module_path(layer, module)
-        y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
         lora = self.lora.get(path)
         if lora is not None and lora.m is not None:
-            return self._dora_linear(x, y, layer, module, lora, cache)
+            return self._dora_linear(x, layer, module, lora, cache)
+        y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
         if lora is not None:
             xl, mask = self._dropout_input(x, layer, module, lora)
             yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)
@@ -184,43 +185,6 @@ class NumpyEngine(DropoutState):
             mask = ops.dropout_mask(self.dropout_module_seed(layer, module), x.shape, lora.dropout, x.dtype)
             return x * mask, mask
         return x, None
-
-    def _dora_linear(self, x, y, layer, module, lora, cache):
-        """PEFT's DoRA on a module whose base output (bias included) is y: c = m / ||W + s B A|| (detached),
-        y = c * (W x + s B A x) + bias, or with dropout's x_d: y + (c - 1) * W x_d + c * s B A x_d."""
-        path = module_path(layer, module)
-        w, bias = self.w[path + ".weight"], self.w.get(path + ".bias")
-        rn = (1 / weight_norm(w, lora.a, lora.b, lora.scale)).astype(self.dtype)   # (out,)
-        xl, mask = self._dropout_input(x, layer, module, lora)
-        yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)                  # (N, out), (N, r)
-        if mask is None:
-            z = ops.linear_forward(x, w) + yl                                     # (N, out)
-            y = ops.dora_forward(z, lora.m, rn, bias)
-        else:
-            z = ops.linear_forward(xl, w) + yl
-            y = y + ops.dora_forward(z, lora.m, rn, None, 1.0) + yl
-        cache[module] = (x, xl, h, mask, z, rn)
-        return y
-
-    def _dora_linear_backward(self, dy, layer, module, lora, cache):
-        path = module_path(layer, module)
-        x, xl, h, mask, z, rn = cache[module]
-        w = self.w[path + ".weight"]
-        if mask is None:
-            dz, dm = ops.dora_backward(dy, z, lora.m, rn)
-            dx = ops.linear_backward(dz, x, w, need_weight_grad=False)[0]
-            dxl, da, db = ops.lora_backward(dz, x, h, lora.a, lora.b, lora.scale)
-            dx = dx + dxl
-        else:
-            dx = ops.linear_backward(dy, x, w, need_weight_grad=False)[0]
-            dz, dm = ops.dora_backward(dy, z, lora.m, rn, 1.0)                   # (c - 1) dy
-            dxd = ops.linear_backward(dz, xl, w, need_weight_grad=False)[0]
-            dxl, da, db = ops.lora_backward(dz + dy, xl, h, lora.a, lora.b, lora.scale)
-            dx = dx + (dxd + dxl) * mask
-        self.grads[path + ".lora_A"] += da
-        self.grads[path + ".lora_B"] += db
-        self.grads[f"{path}.{MAGNITUDE}"] += dm
-        return dx
 
     def dropout_module_seed(self, layer, module) -> int:
         """The dropout seed of one LoRA module in the current micro-batch (shared with the GPU engine)."""
