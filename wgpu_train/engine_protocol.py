@@ -26,7 +26,8 @@ class Engine(Protocol):
 
     # ---- what is trained ----
     def set_lora(self, modules: dict) -> None:
-        """{module path: (A (r, in), B (out, r), scale, dropout)}: attach LoRA there (replacing any)."""
+        """{module path: (A (r, in), B (out, r), scale, dropout)}, or with DoRA (..., dropout, magnitude (out,))
+        (dora.split_entry): attach LoRA there (replacing any)."""
 
     def lora_tensors(self) -> dict:
         """{module path: (A, B)} as float32 arrays."""
@@ -39,7 +40,8 @@ class Engine(Protocol):
         """Restart the LoRA dropout masks from `seed` (they hash seed, micro-batch count and module)."""
 
     def trainable(self) -> dict:
-        """The trainable tensors by name (LoRA: path + ".lora_A" / ".lora_B"; full: HF names)."""
+        """The trainable tensors by name (LoRA: path + ".lora_A" / ".lora_B", DoRA's path +
+        ".lora_magnitude_vector"; full: HF names)."""
 
     def set_trainable(self, tensors: dict) -> None: ...
 
