@@ -779,7 +779,7 @@ def test_peft_regex_and_path_targets_load_here(case, tmp_path):
     (dict(exclude_modules=["model.layers.1.self_attn.q_proj"]), ("not supported: exclude_modules",)),
     (dict(modules_to_save=["lm_head"]), ("not supported: modules_to_save=[\"lm_head\"]",)),
     (dict(lora_bias=True), ("not supported: lora_bias=true",)),
-    (dict(use_dora=True), ("not supported: use_dora=true",)),
+    (dict(use_dora=True, init_lora_weights="pissa"), ("DoRA with LoRA init pissa is not supported",)),
     (dict(bias="lora_only"), ("not supported: bias=\"lora_only\"",)),
     (dict(target_modules=["q_proj", "embed_tokens"]), ("not supported: target_modules", "selects model.embed_tokens")),
     (dict(target_modules=r"model\.layers\.0\.self_attn\.q_proj|model\.layers\.1\.self_attn\.v_proj"),
