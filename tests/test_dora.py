@@ -440,7 +440,23 @@ def test_cli_dora_and_refusals(workspace, tmp_path, capsys):
               "--no-progress", "--no-eval-generate"]
     assert main(common + ["--out", str(tmp_path / "a"), "--dora"]) == 0
     assert (tmp_path / "a" / "adapter_model.safetensors").is_file()
+    # merge folds it in: (m / ||W + s B A||) (W + s B A)
+    assert main(["merge", "--adapter-path", str(tmp_path / "a"), "--out", str(tmp_path / "m"), "--model",
+                 str(model)]) == 0
+    from wgpu_train.dora import merged
+    from wgpu_train.hf import read_adapter, read_safetensors
+
+    cfg, tensors = read_adapter(tmp_path / "a")
+    base, out = read_safetensors(model / "model.safetensors"), read_safetensors(tmp_path / "m" / "model.safetensors")
+    path = "model.layers.1.self_attn.v_proj"
+    want = merged(base[path + ".weight"], tensors[f"base_model.model.{path}.lora_A.weight"],
+                  tensors[f"base_model.model.{path}.lora_B.weight"], cfg.scale, tensors[magnitude_key(path)])
+    assert_close(out[path + ".weight"], want, "exact", "merged v_proj")
+    assert not np.array_equal(want, base[path + ".weight"])
     capsys.readouterr()
     assert main(common + ["--out", str(tmp_path / "b"), "--dora", "--lora-init", "pissa"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "DoRA with LoRA init pissa" in err[0]
+    assert main(common + ["--out", str(tmp_path / "c"), "--dora", "--method", "full"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dora trains a LoRA adapter's magnitudes: method lora" in err[0]

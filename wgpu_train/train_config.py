@@ -153,6 +153,7 @@ class TrainConfig:
         need(self.loraplus_lr_ratio > 0, f"loraplus_lr_ratio must be > 0, got {self.loraplus_lr_ratio}")
         need(self.method == "lora" or self.loraplus_lr_ratio == 1,
              "loraplus_lr_ratio sets the LoRA B matrices' learning rate: method lora")
+        need(self.method == "lora" or not self.dora, "dora trains a LoRA adapter's magnitudes: method lora")
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
