@@ -52,12 +52,12 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
         # per layer (D/2,): one buffer per distinct set of frequencies (Gemma: local and global layers)
-        freqs = {}
-        for i in range(cfg.num_hidden_layers):
-            f = cfg.inv_freq(i).astype(np.float32)
-            freqs.setdefault(f.tobytes(), f)
-        uploaded = {key: rt.upload(f, "inv_freq") for key, f in freqs.items()}
-        self.inv_freqs = [uploaded[cfg.inv_freq(i).astype(np.float32).tobytes()] for i in range(cfg.num_hidden_layers)]
+        freqs = [cfg.inv_freq(i).astype(np.float32) for i in range(cfg.num_hidden_layers)]
+        uploaded: dict = {}
+        for f in freqs:
+            if f.tobytes() not in uploaded:
+                uploaded[f.tobytes()] = rt.upload(f, "inv_freq")
+        self.inv_freqs = [uploaded[f.tobytes()] for f in freqs]
         self.plan = layer_plan(cfg)
         self.lora: dict[str, GpuLora] = {}
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)

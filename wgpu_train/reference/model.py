@@ -207,10 +207,8 @@ class NumpyEngine(DropoutState):
             x = a.pop(OUTPUT)
             layers.append(a)
         xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
-        raw = ops.linear_forward(xf, self.lm_head())                            # (N, V)
-        logits = ops.softcap_forward(raw, self.cfg.logit_softcap)
-        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf,
-                 "raw_logits": raw}
+        logits = ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap)   # (N, V)
+        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf}
         return logits.reshape(b, t, -1), cache
 
     def _embed(self, ids):
@@ -269,11 +267,11 @@ class NumpyEngine(DropoutState):
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, dlogits, cache):
-        """Accumulate gradients of every trainable tensor from dlogits (N, V); ops in reverse order."""
+        """Accumulate gradients of every trainable tensor from dlogits (N, V) (with respect to the uncapped
+        logits); ops in reverse order."""
         cfg = self.cfg
         tied = cfg.tie_word_embeddings
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        dlogits = ops.softcap_backward(dlogits, cache["raw_logits"], cfg.logit_softcap)
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(), need_weight_grad=self.full)
         if self.full:
             self.grads[head_name] += dhead
@@ -390,7 +388,8 @@ class NumpyEngine(DropoutState):
         flat = logits.reshape(-1, logits.shape[-1])
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         if count:
-            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, grad_scale), cache)
+            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, grad_scale, self.cfg.logit_softcap),
+                          cache)
         self.training = False
         return loss_sum, count
 
