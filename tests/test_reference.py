@@ -16,6 +16,7 @@ import torch
 import transformers as tf
 from safetensors.numpy import load_file, save_file
 
+from finetune_helpers import peft_random_b
 from tiny_models import ARCHS, build_model, edit_config, hf_config, save_model
 from tolerances import assert_close
 from wgpu_train.config import LoraConfig, ModelConfig
@@ -78,12 +79,7 @@ def peft_lora(hf, targets, r=3, alpha=5, use_rslora=False, seed=0):
     """A PEFT LoRA model on a copy of hf, with every lora_B set to random nonzero values."""
     cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=use_rslora)
     pm = peft.get_peft_model(copy.deepcopy(hf), cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return pm.eval()
+    return peft_random_b(pm, seed)
 
 
 def peft_lora_tensors(pm) -> dict:
