@@ -83,11 +83,14 @@ class DataParallelTrainer(Trainer):
 
     def setup(self) -> "DataParallelTrainer":
         super().setup()
-        fewest = min(b.input_ids.shape[0] for b in self.stream.epoch_batches(self.stream.epoch))
-        if fewest < self.world:
-            raise ConfigError(f"a step of this run holds {fewest} sample row(s), fewer than the {self.world} "
-                              f"workers that share it: lower --num-workers, or raise --batch-size or --grad-accum")
+        self._quiet = self.rank > 0     # from here on rank 0 says what every worker would
         return self
+
+    _quiet = False
+
+    def log(self, msg: str):
+        if not self._quiet:
+            super().log(msg)
 
     # ---- the step -------------------------------------------------------------------------------
     def _train_step(self, micro, hp, step: int, **extra):
@@ -128,6 +131,11 @@ class DataParallelTrainer(Trainer):
 
     # ---- files: rank 0's ----------------------------------------------------------------------------
     def _prepare_out(self):
+        # (setup calls it once the data stream is formed, before anything is written)
+        fewest = min(b.input_ids.shape[0] for b in self.stream.epoch_batches(self.stream.epoch))
+        if fewest < self.world:
+            raise ConfigError(f"a step of this run holds {fewest} sample row(s), fewer than the {self.world} "
+                              f"workers that share it: lower --num-workers, or raise --batch-size or --grad-accum")
         if self.rank == 0:
             super()._prepare_out()
 

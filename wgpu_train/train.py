@@ -101,6 +101,7 @@ class Trainer:
             raise ConfigError("early_stop_patience needs validation data (a validation split, or valid_split > 0)")
         self._log_fn = log
         self.workers = config.num_workers or 1   # data-parallel workers sharing each step (data_parallel.py)
+        self.device = config.device              # the adapter to train on (a data-parallel worker's own)
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.continued_from = None               # the adapter folder a run started from (adapter_path)
@@ -197,7 +198,7 @@ class Trainer:
                 raise ConfigError(f"the run in {run_folder(cfg.resume)} already finished at step {self.step}; "
                                   f"raise --max-steps or --epochs to train further")
 
-        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
+        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name

@@ -400,7 +400,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             prof = dict(first.get("profile", {}))
             for k, v in rec.timings().items():
                 prof[k] = prof.get(k, 0.0) + v
-            self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - started}
+            self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
         loss_sum = float(out[0:2 * n_micro:2].sum())
         norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
