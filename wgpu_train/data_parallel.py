@@ -159,12 +159,16 @@ class DataParallelTrainer(Trainer):
             super()._write_outputs(summary, ckpt)
 
     def _summary(self, *args) -> dict:
+        """The summary, with this worker's step and all-reduce times (medians, past the first step of this
+        invocation where there are more: it compiles and tunes)."""
         summary = super()._summary(*args)
-        steps = np.array(self.step_times or [(0.0, 0.0)])
+        times = np.array(self.step_times or [(0.0, 0.0)])
+        times = times[1:] if len(times) > 2 else times
         summary["data_parallel"] = {
             "workers": self.world, "micro_batches_per_step": self.micro_per_step,
-            "step_s_mean": round(float(steps[:, 0].mean()), 6), "allreduce_s_mean": round(float(steps[:, 1].mean()), 6),
-            "allreduce_share": round(float(steps[:, 1].sum() / max(steps[:, 0].sum(), 1e-12)), 4)}
+            "step_s_median": round(float(np.median(times[:, 0])), 6),
+            "allreduce_s_median": round(float(np.median(times[:, 1])), 6),
+            "allreduce_share": round(float(times[:, 1].sum() / max(times[:, 0].sum(), 1e-12)), 4)}
         return summary
 
     def _progress_bar(self):
