@@ -14,7 +14,7 @@ from wgpu_train import model as model_module
 from wgpu_train.config import LoraConfig, OptimizerParams
 from wgpu_train.data_parallel import DataParallelTrainer, partition, split_rows
 from wgpu_train.errors import ConfigError
-from wgpu_train.hf import read_adapter
+from wgpu_train.hf import read_adapter, read_safetensors
 from wgpu_train.model import load_model
 from wgpu_train.train import Trainer
 from wgpu_train.train_config import TrainConfig
@@ -195,3 +195,52 @@ def test_two_workers_equal_one_process_with_the_whole_batch(workspace, tmp_path,
                              resume=str(tmp_path / "two" / "checkpoints" / "step-000004"))).run()
     assert resumed["steps"] == 8
     assert_same_adapter(tmp_path / "resumed", tmp_path / "two", 1e-6)
+
+
+def test_full_fine_tuning_on_two_workers(workspace, tmp_path):
+    kw = dict(method="full", max_steps=4, lr=1e-3, lora_dropout=0.0)
+    Trainer(config(workspace, tmp_path / "one", grad_accum=2, **kw)).run()
+    run_threads(config(workspace, tmp_path / "two", num_workers=2, **kw), 2)
+    a = read_safetensors(tmp_path / "one" / "model.safetensors")
+    b = read_safetensors(tmp_path / "two" / "model.safetensors")
+    base = read_safetensors(workspace[0] / "model.safetensors")
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-6
+    assert max(float(np.abs(a[k] - base[k]).max()) for k in a) > 1e-4      # every weight trained
+
+
+class StopAt:
+    """A sink whose driver asks to stop once rank 0 has trained `step` steps; it keeps what it is told."""
+
+    def __init__(self, step: int):
+        self.step, self.asked, self.lines, self.saved = step, 0, [], []
+
+    def log(self, line):
+        self.lines.append(line)
+
+    def progress(self, n, total, postfix):
+        self.n = n
+
+    def stop_requested(self):
+        self.asked += 1
+        return self.asked >= self.step
+
+    def checkpointed(self, path):
+        self.saved.append(path)
+
+
+def test_a_stop_from_the_driver_is_agreed_on_by_every_worker(workspace, tmp_path):
+    cfg = config(workspace, tmp_path / "run", num_workers=2, max_steps=50)
+    slots, barrier = [None] * 2, threading.Barrier(2, timeout=120)
+    sink, out = StopAt(3), [None, None]
+
+    def work(rank):
+        out[rank] = DataParallelTrainer(cfg, ThreadCollective(slots, barrier, rank), sink if rank == 0 else None).run()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s["steps"] for s in out] == [3, 3] and out[0]["interrupted"] and out[1]["interrupted"]
+    assert sink.saved == [str(tmp_path / "run" / "checkpoints" / "step-000003")] and sink.n == 3
+    assert any("interrupted on the driver" in line for line in sink.lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import threading
@@ -193,8 +194,16 @@ def _connect(ray, address: str | None, workers: int) -> bool:
     if address is None:
         here = str(Path(__file__).resolve().parent.parent)    # the workers import this wgpu_train
         path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-        ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        # Ray's processes inherit an ignored SIGINT: Ctrl-C in the terminal reaches the whole process group, and
+        # only the driver should act on it (it stops the workers after their step)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": path}})
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         return True
     try:
         ray.init(address=address, log_to_driver=False)
@@ -234,21 +243,23 @@ def _run(ray, config, log) -> dict:
         run_config=RunConfig(name=f"wgpu-train-{uuid.uuid4().hex[:8]}",
                              failure_config=FailureConfig(max_failures=config.max_failures)))
     box: dict = {}
+    done = threading.Event()    # (not Thread.join: a Ctrl-C inside it can make is_alive() lie before 3.13)
 
     def fit():
         try:
             trainer.fit()
         except BaseException as e:  # noqa: BLE001 - raised again on the driver's thread
             box["error"] = e
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     view = _DriverView(ray, control, log, config.no_progress)
-    thread.start()
+    threading.Thread(target=fit, name="ray-train-fit", daemon=True).start()
     interrupts = 0
     try:
-        while thread.is_alive():
+        while not done.is_set():
             try:
-                thread.join(0.25)
+                done.wait(0.25)
                 view.drain()
             except KeyboardInterrupt:
                 interrupts += 1
@@ -266,7 +277,10 @@ def _run(ray, config, log) -> dict:
         raise (error if isinstance(error, type) and issubclass(error, WgpuTrainError) else ConfigError)(message)
     if "error" in box:
         raise box["error"]
-    return ray.get(control.summary.remote())
+    summary = ray.get(control.summary.remote())
+    if summary is None:
+        raise RuntimeError("the Ray Train workers ended without rank 0's summary")
+    return summary
 
 
 class _DriverView:
