@@ -14,7 +14,8 @@ def _side(summary: dict) -> dict:
     dp = summary["data_parallel"]
     tokens_per_step = summary["tokens"] / max(summary["steps"], 1)
     return {"workers": dp["workers"], "step_s": dp["step_s_median"], "allreduce_s": dp["allreduce_s_median"],
-            "allreduce_share": dp["allreduce_share"], "tokens_per_step": round(tokens_per_step, 1),
+            "wait_s": dp["wait_s_median"], "allreduce_share": dp["allreduce_share"],
+            "tokens_per_step": round(tokens_per_step, 1),
             "tokens_per_s": round(tokens_per_step / max(dp["step_s_median"], 1e-12), 1)}
 
 
@@ -52,7 +53,12 @@ def bench_data_parallel(steps: int = 10, batch_size: int = 8) -> dict:
                 f"the efficiency is bounded by the cores, not by the all-reduce")
     else:
         note = "both workers share one GPU: the efficiency is bounded by that GPU"
-    return {"adapter": adapter.describe(), "workers_per_adapter": sharing, "steps": steps,
+    from .config import ModelConfig
+    from .train import count_trainable
+    from .train_config import default_model_dir
+
+    grads = 4 * count_trainable(ModelConfig.from_folder(default_model_dir()), base.lora_config())
+    return {"adapter": adapter.describe(), "workers_per_adapter": sharing, "steps": steps, "gradient_bytes": grads,
             "batch_per_worker": batch_size, "one_worker": one, "two_workers": two,
             "allreduce_share": two["allreduce_share"],
             "scaling_efficiency": round(two["tokens_per_s"] / max(2 * one["tokens_per_s"], 1e-12), 3),

@@ -77,9 +77,9 @@ class DataParallelTrainer(Trainer):
         # only rank 0 writes: the others would find its files and take them for an earlier run
         super().__init__(config if self.rank == 0 else dataclasses.replace(config, overwrite=True),
                          log=None if sink is None else sink.log)
-        self.step_times: list = []     # (step seconds, all-reduce seconds) of this worker's steps
+        self.step_times: list = []     # (step, all-reduce, wait for the other workers) seconds of each step
         self._step_tokens = 0
-        self._reduce_s = 0.0
+        self._reduce_s = self._wait_s = 0.0
 
     def setup(self) -> "DataParallelTrainer":
         super().setup()
@@ -99,7 +99,7 @@ class DataParallelTrainer(Trainer):
         micro = split_rows(micro, self.world, step)
         j0, j1 = partition([m[0].size for m in micro], self.world)[self.rank]
         self._step_tokens = sum(int((m[1] != IGNORE_INDEX).sum()) for m in micro)
-        self._reduce_s = 0.0
+        self._reduce_s = self._wait_s = 0.0
         state = self.engine.state_dict()
         calls = int(state["dropout_calls"])
         self.engine.load_state_dict({**state, "dropout_calls": calls + j0})
@@ -111,15 +111,19 @@ class DataParallelTrainer(Trainer):
         if totals[2] > 0 and not self._stop_requested:
             self._stop_requested = True
             self.log("interrupted on the driver: finishing this step, then saving a checkpoint")
-        self.step_times.append((time.perf_counter() - started, self._reduce_s))
+        self.step_times.append((time.perf_counter() - started, self._reduce_s, self._wait_s))
         return float(totals[0]), int(round(totals[1])), norm, applied
 
     def _reduce(self, grads: np.ndarray, tokens: int) -> np.ndarray:
         """The engine's reduce: this worker's gradients (normalised by its tokens) weighted by its share of the
-        step's trained tokens, summed over the workers."""
+        step's trained tokens, summed over the workers. A one-number all-reduce first brings the workers
+        together, so that the gradients' own is timed apart from the wait for the slowest worker."""
         t0 = time.perf_counter()
+        self.collective.all_reduce(np.zeros(1, np.float32))
+        t1 = time.perf_counter()
         out = self.collective.all_reduce(grads * np.float32(tokens / max(self._step_tokens, 1)))
-        self._reduce_s += time.perf_counter() - t0
+        self._wait_s += t1 - t0
+        self._reduce_s += time.perf_counter() - t1
         return out
 
     # ---- evaluation: rank 0's, broadcast ----------------------------------------------------------
@@ -159,15 +163,15 @@ class DataParallelTrainer(Trainer):
             super()._write_outputs(summary, ckpt)
 
     def _summary(self, *args) -> dict:
-        """The summary, with this worker's step and all-reduce times (medians, past the first step of this
-        invocation where there are more: it compiles and tunes)."""
+        """The summary, with this worker's step, gradient all-reduce and wait times (medians, past the first
+        step of this invocation where there are more: it compiles and tunes) and the all-reduce's share."""
         summary = super()._summary(*args)
-        times = np.array(self.step_times or [(0.0, 0.0)])
+        times = np.array(self.step_times or [(0.0, 0.0, 0.0)])
         times = times[1:] if len(times) > 2 else times
+        med = [round(float(np.median(times[:, i])), 6) for i in range(3)]
         summary["data_parallel"] = {
-            "workers": self.world, "micro_batches_per_step": self.micro_per_step,
-            "step_s_median": round(float(np.median(times[:, 0])), 6),
-            "allreduce_s_median": round(float(np.median(times[:, 1])), 6),
+            "workers": self.world, "micro_batches_per_step": self.micro_per_step, "step_s_median": med[0],
+            "allreduce_s_median": med[1], "wait_s_median": med[2],
             "allreduce_share": round(float(times[:, 1].sum() / max(times[:, 0].sum(), 1e-12)), 4)}
         return summary
 
