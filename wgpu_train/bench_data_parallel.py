@@ -21,9 +21,10 @@ def _side(summary: dict) -> dict:
 
 def bench_data_parallel(steps: int = 10, batch_size: int = 8) -> dict:
     """Each side trains `steps` steps of batch_size rows per worker (medians past the first step) on the
-    adapters the workers choose by default (distributed.adapter_for); {"skipped": why} without Ray Train."""
+    adapters the workers choose by default (ray_worker.adapter_for); {"skipped": why} without Ray Train."""
     from . import distributed
     from .gpu import runtime
+    from .ray_worker import adapter_for
     from .train_config import default_run_config
 
     try:
@@ -44,7 +45,7 @@ def bench_data_parallel(steps: int = 10, batch_size: int = 8) -> dict:
         if started:
             ray.shutdown()
     one, two = sides
-    spec, sharing = distributed.adapter_for(None, 0, 2)     # what the workers took (as _worker chooses)
+    spec, sharing = adapter_for(None, 0, 2)     # what the workers took (as ray_worker.worker chooses)
     adapter = next(a for a in runtime.devices() if str(a.index) == spec)
     if sharing < 2:
         note = "one adapter per worker"

@@ -1,7 +1,6 @@
-"""Data-parallel fine-tuning on Ray Train: the driver (Ray started or joined, the workers' log lines and one
-progress bar, Ctrl-C, restarts from the last checkpoint, user errors as one line) and the function every
-worker runs (data_parallel.DataParallelTrainer over torch.distributed's gloo group). Imported only with
---num-workers: nothing else in wgpu_train imports Ray."""
+"""Data-parallel fine-tuning on Ray Train, the driver: Ray started or joined, the RunControl actor it shares with
+the workers (ray_worker.py), their log lines and one progress bar, Ctrl-C, restarts from the last checkpoint,
+user errors as one line. Imported only with --num-workers: nothing else in wgpu_train imports Ray."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +11,6 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-
-import numpy as np
 
 from . import errors
 from .errors import ConfigError, WgpuTrainError
@@ -26,8 +23,13 @@ class RunControl:
     the progress, the stop request, the last checkpoint written, a user error and the summary."""
 
     def __init__(self):
-        self.lines, self.state = [], None
+        self.lines, self.state, self.starts = [], None, {}
         self.stop, self.checkpoint, self.error, self.result = False, None, None, None
+
+    def start(self, rank: int) -> int:
+        """How many times the worker of `rank` has started, this time included."""
+        self.starts[rank] = self.starts.get(rank, 0) + 1
+        return self.starts[rank]
 
     def log(self, rank: int, line: str):
         self.lines.append((rank, line))
@@ -64,106 +66,6 @@ class RunControl:
 
     def summary(self):
         return self.result
-
-
-class TorchCollective:
-    """The workers' torch.distributed process group (gloo on CPU tensors), which Ray Train's TorchTrainer
-    sets up: data_parallel's all_reduce (a sum) and broadcast (rank 0's object)."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.rank, self.world = dist, dist.get_rank(), dist.get_world_size()
-
-    def all_reduce(self, array: np.ndarray) -> np.ndarray:
-        import torch
-
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        self.dist.all_reduce(tensor)
-        return tensor.numpy()
-
-    def broadcast(self, obj):
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-class _Sink:
-    """A worker's side of the RunControl actor (data_parallel.DataParallelTrainer's sink)."""
-
-    def __init__(self, ray, control, rank: int):
-        self.ray, self.control, self.rank = ray, control, rank
-
-    def log(self, line: str):
-        self.control.log.remote(self.rank, line)
-
-    def progress(self, n: int, total, postfix: dict):
-        self.control.progress.remote(n, total, {k: str(v) for k, v in postfix.items()})
-
-    def stop_requested(self) -> bool:
-        return self.ray.get(self.control.stop_requested.remote())
-
-    def checkpointed(self, path: str):
-        self.ray.get(self.control.checkpointed.remote(path))
-
-
-def adapter_for(device: str | None, local_rank: int, local_workers: int) -> tuple[str | None, int]:
-    """(the --device spec of worker `local_rank` of a node, how many of the node's workers use that adapter).
-    A list (0,1,...) gives worker i the i-th; one spec is shared by every worker; without one, worker i takes
-    the i-th adapter of the kind and backend the default choice has, shared round-robin when there are fewer."""
-    specs = [s.strip() for s in device.split(",") if s.strip()] if device else []
-    if len(specs) > 1:
-        if local_rank >= len(specs):
-            raise ConfigError(f"--device lists {len(specs)} adapters for {local_workers} workers on a node: list "
-                              f"one per worker, or give one adapter for the workers to share")
-        return specs[local_rank], 1
-    if specs:
-        return specs[0], local_workers
-    from .gpu import runtime
-
-    found = runtime.devices()
-    if not found:
-        return None, local_workers
-    best = runtime.choose_adapter(None)
-    same = [a for a in found if (a.adapter_type, a.backend) == (best.adapter_type, best.backend)]
-    mine = same[local_rank % len(same)]
-    return str(mine.index), len(range(local_rank % len(same), local_workers, len(same)))
-
-
-def _worker(loop_config: dict):
-    """The function each Ray Train worker runs: one DataParallelTrainer; a restarted worker group resumes from
-    the last checkpoint rank 0 wrote, and a user error is kept for the driver to print."""
-    import ray
-    import ray.train
-
-    from .data_parallel import DataParallelTrainer
-    from .train_config import TrainConfig
-
-    control = loop_config["control"]
-    if ray.get(control.failure.remote()) is not None:
-        return                          # an earlier attempt met a user error: the driver reports it
-    ctx = ray.train.get_context()
-    rank, local_rank, local_workers = ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_local_world_size()
-    if os.path.isdir(loop_config["cwd"]):
-        os.chdir(loop_config["cwd"])    # relative paths mean what they meant on the driver
-    sink = _Sink(ray, control, rank)
-    try:
-        cfg = TrainConfig(**loop_config["config"])
-        last = ray.get(control.last_checkpoint.remote())
-        if last is not None:            # a restart: continue the run from its last checkpoint
-            cfg = dataclasses.replace(cfg, resume=last, adapter_path=None)
-        trainer = DataParallelTrainer(cfg, TorchCollective(), sink)
-        if cfg.backend != "numpy":
-            trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
-            if sharing > 1:
-                sink.log(f"{sharing} workers of this node share adapter {trainer.device} (each its own device)")
-        summary = trainer.run()
-        if rank == 0:
-            ray.get(control.finish.remote(summary))
-    except WgpuTrainError as e:
-        ray.get(control.fail.remote(type(e).__name__, str(e)))
-        raise
-
 
 # ---- the driver ----------------------------------------------------------------------------------------
 
@@ -215,6 +117,7 @@ def _connect(ray, address: str | None, workers: int) -> bool:
 def finetune_on_ray(config, log=None) -> dict:
     """finetune(config) on config.num_workers Ray Train workers; rank 0's summary (written to summary.json
     as in one process). Ray is started locally, or joined at config.ray_address."""
+    from .ray_worker import adapter_for
     from .train import Trainer
 
     ray = _import_ray()
@@ -235,9 +138,11 @@ def _run(ray, config, log) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from .ray_worker import worker
+
     control = ray.remote(num_cpus=0)(RunControl).remote()
     trainer = TorchTrainer(
-        _worker, train_loop_config={"config": config.to_dict(), "control": control, "cwd": os.getcwd()},
+        worker, train_loop_config={"config": config.to_dict(), "control": control, "cwd": os.getcwd()},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=False),
         run_config=RunConfig(name=f"wgpu-train-{uuid.uuid4().hex[:8]}",
@@ -276,6 +181,9 @@ def _run(ray, config, log) -> dict:
         error = getattr(errors, kind, ConfigError)
         raise (error if isinstance(error, type) and issubclass(error, WgpuTrainError) else ConfigError)(message)
     if "error" in box:
+        last = ray.get(control.last_checkpoint.remote())
+        if last is not None:
+            view.log(f"the workers failed; the run's last checkpoint is {last} (--resume it to continue)")
         raise box["error"]
     summary = ray.get(control.summary.remote())
     if summary is None:
