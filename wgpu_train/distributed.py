@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -126,15 +127,21 @@ def finetune_on_ray(config, log=None) -> dict:
     if config.ray_address is None and config.backend != "numpy" and 1 < len(specs) < config.num_workers:
         adapter_for(config.device, config.num_workers - 1, config.num_workers)    # one line: too few listed
     config = dataclasses.replace(config, out=str(out))
+    existed = out.exists()
+    # Ray Train's own run folder (it checks that every worker sees it): inside --out, which a cluster shares
+    storage = out / ".ray_train"
     started = _connect(ray, config.ray_address, config.num_workers)
     try:
-        return _run(ray, config, log)
+        return _run(ray, config, log, storage)
     finally:
         if started:
             ray.shutdown()
+        shutil.rmtree(storage, ignore_errors=True)
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()            # a run that wrote nothing leaves no folder, as in one process
 
 
-def _run(ray, config, log) -> dict:
+def _run(ray, config, log, storage: Path) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -145,7 +152,7 @@ def _run(ray, config, log) -> dict:
         worker, train_loop_config={"config": config.to_dict(), "control": control, "cwd": os.getcwd()},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=False),
-        run_config=RunConfig(name=f"wgpu-train-{uuid.uuid4().hex[:8]}",
+        run_config=RunConfig(name=f"wgpu-train-{uuid.uuid4().hex[:8]}", storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=config.max_failures)))
     box: dict = {}
     done = threading.Event()    # (not Thread.join: a Ctrl-C inside it can make is_alive() lie before 3.13)
