@@ -180,7 +180,7 @@ def test_reduce_sees_the_gradients_once_and_its_result_is_used(workspace, backen
 def test_two_workers_equal_one_process_with_the_whole_batch(workspace, tmp_path, monkeypatch):
     made = model_module._make_engine
     monkeypatch.setattr(model_module, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
-    one = Trainer(config(workspace, tmp_path / "one", grad_accum=4)).run()
+    one = Trainer(config(workspace, tmp_path / "one", grad_accum=4, save_every=4)).run()
     two = run_threads(config(workspace, tmp_path / "two", grad_accum=2, num_workers=2, eval_every=4,
                              save_every=4), 2)
     assert two[0]["steps"] == one["steps"] == 8
@@ -195,6 +195,10 @@ def test_two_workers_equal_one_process_with_the_whole_batch(workspace, tmp_path,
                              resume=str(tmp_path / "two" / "checkpoints" / "step-000004"))).run()
     assert resumed["steps"] == 8
     assert_same_adapter(tmp_path / "resumed", tmp_path / "two", 1e-6)
+    # and a checkpoint of one process resumes on two workers
+    run_threads(config(workspace, tmp_path / "resumed2", num_workers=2,
+                       resume=str(tmp_path / "one" / "checkpoints" / "step-000004")), 2)
+    assert_same_adapter(tmp_path / "resumed2", tmp_path / "one", 1e-6)
 
 
 def test_full_fine_tuning_on_two_workers(workspace, tmp_path):
