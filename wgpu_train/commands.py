@@ -62,9 +62,9 @@ def _whole(minimum: int):
 # ---- finetune ---------------------------------------------------------------------------------------------
 
 def cmd_finetune(args) -> int:
-    from .train import Trainer
+    from .train import finetune
 
-    summary = Trainer(resolve_train_config(args)).run()
+    summary = finetune(resolve_train_config(args))
     out = summary["output"]
     if summary.get("adapter_step") is None and summary.get("interrupted"):
         return 130                      # the trainer said that nothing was trained

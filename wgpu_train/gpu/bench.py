@@ -54,6 +54,14 @@ def _mfu(rt):
 SECTIONS["mfu"] = _mfu
 
 
+def _data_parallel(rt):
+    from ..bench_data_parallel import bench_data_parallel
+    return bench_data_parallel()
+
+
+SECTIONS["data_parallel"] = _data_parallel
+
+
 def register(name: str):
     """Decorator: add a bench function under `name` (run in registration order; `only` filters by prefix)."""
     def deco(fn):

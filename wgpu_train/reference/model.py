@@ -401,11 +401,12 @@ class NumpyEngine(DropoutState):
     def gradients(self) -> dict:
         return {k: v.astype(np.float32) for k, v in self.grads.items()}
 
-    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...].
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
-        step equals the full-batch step. Returns (loss_sum, token_count, grad_norm, applied).
+        step equals the full-batch step; `reduce` (the engine protocol's) may replace them before the
+        update. Returns (loss_sum, token_count, grad_norm, applied).
         """
         started = time.perf_counter()
         total = sum(int((t != ops.IGNORE_INDEX).sum()) for _, t, _, _ in micro_batches)
@@ -413,11 +414,27 @@ class NumpyEngine(DropoutState):
         loss_sum = 0.0
         for ids, targets, seg, pos in micro_batches:
             loss_sum += self.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+        if reduce is not None:
+            self._reduce_grads(reduce, total)
         norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
                                             hp.max_grad_norm, step, hp.lora_b_lr_ratio)
         if profile:
             self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied
+
+    def _reduce_grads(self, reduce, total: int):
+        """Pass the gradients through `reduce` as one flat float32 array (self.grads' order) and take its result."""
+        names = list(self.grads)
+        flat = np.concatenate([self.grads[k].astype(np.float32).reshape(-1) for k in names]) if names else \
+            np.zeros(0, np.float32)
+        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+        if out.shape != flat.shape:
+            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+        at = 0
+        for k in names:
+            g = self.grads[k]
+            g[...] = out[at:at + g.size].reshape(g.shape)
+            at += g.size
 
     def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
                        lora_b_lr_ratio=1.0):
