@@ -448,7 +448,8 @@ def test_run_settings(workspace, tmp_path):
     recorded = json.loads((run / "train_config.json").read_text())
     settings = run_settings(run)
     assert settings == {k: v for k, v in recorded.items()
-                        if k not in ("out", "resume", "overwrite", "no_progress", "adapter_path", "data_format")}
+                        if k not in ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address",
+                                     "data_format")}
     assert settings["lora_rank"] == 4 and settings["model"] == str(workspace[0])
     assert settings["embed_dtype"] == "float32"   # as resolved
     for path in (run / "checkpoints", run / "checkpoints" / "step-000001"):

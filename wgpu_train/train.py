@@ -106,6 +106,8 @@ class Trainer:
             # a single file has no validation file beside it (a folder's is looked for as the data is read)
             raise ConfigError("early_stop_patience needs validation data (a validation split, or valid_split > 0)")
         self._log_fn = log
+        self.workers = config.num_workers or 1   # data-parallel workers sharing each step (data_parallel.py)
+        self.device = config.device              # the adapter to train on (a data-parallel worker's own)
         self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.continued_from = None               # the adapter folder a run started from (adapter_path)
@@ -184,9 +186,13 @@ class Trainer:
         if cfg.max_tokens_per_batch and cfg.max_tokens_per_batch < longest:
             raise ConfigError(f"max_tokens_per_batch ({cfg.max_tokens_per_batch}) is below the longest training "
                               f"{'row' if cfg.pack else 'sample'} ({longest} tokens): raise it or lower --max-seq-len")
-        self.stream = BatchStream(self.train_examples, cfg.batch_size * cfg.grad_accum, cfg.seed, pack=cfg.pack,
+        # micro-batches per step: grad_accum on each of num_workers; a resumed run keeps its checkpoint's (the
+        # same global batch, whatever number of workers made it or continues it)
+        accum = self.micro_per_step = int(self._resume[1].get("micro_batches", cfg.grad_accum * self.workers)
+                                          if self._resume else cfg.grad_accum * self.workers)
+        self.stream = BatchStream(self.train_examples, cfg.batch_size * accum, cfg.seed, pack=cfg.pack,
                                   max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
-                                  max_tokens=cfg.max_tokens_per_batch, micro_batches=cfg.grad_accum)
+                                  max_tokens=cfg.max_tokens_per_batch, micro_batches=accum)
         self.steps_per_epoch = len(self.stream)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         warmup = cfg.warmup_steps
@@ -201,7 +207,7 @@ class Trainer:
                 raise ConfigError(f"the run in {run_folder(cfg.resume)} already finished at step {self.step}; "
                                   f"raise --max-steps or --epochs to train further")
 
-        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=cfg.device,
+        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
@@ -230,11 +236,12 @@ class Trainer:
         self._prepare_out()
         self.log(f"training: {self.total_steps} steps"
                  + ("" if cfg.max_steps else f" ({cfg.epochs} epochs of {self.steps_per_epoch})")
-                 + (f", {cfg.batch_size * cfg.grad_accum} samples per step"
-                    + (f" ({cfg.grad_accum} micro-batches of {cfg.batch_size})" if cfg.grad_accum > 1 else "")
+                 + (f", {cfg.batch_size * accum} samples per step"
+                    + (f" ({accum} micro-batches of {cfg.batch_size})" if accum > 1 else "")
                     if not cfg.max_tokens_per_batch else
-                    f", {cfg.grad_accum} micro-batch{'es' if cfg.grad_accum > 1 else ''} of up to "
+                    f", {accum} micro-batch{'es' if accum > 1 else ''} of up to "
                     f"{cfg.max_tokens_per_batch} tokens per step")
+                 + (f" over {self.workers} workers" if self.workers > 1 else "")
                  + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
                  + (f", resuming at step {self.step} from {self.resumed_from}" if self.resumed_from else ""))
         self.memory_estimate = self._estimate_memory(model_cfg, lora)
@@ -374,7 +381,7 @@ class Trainer:
             "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
             "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
-            "history": self.history, "seed": cfg.seed,
+            "history": self.history, "seed": cfg.seed, "micro_batches": self.micro_per_step,
         }
 
     def save_checkpoint(self) -> Path:
@@ -429,11 +436,7 @@ class Trainer:
         self._start_step = self.step
         installed, previous = self._install_sigint()
         try:
-            if self.resumed_from:
-                keep_metrics_until(self.out / "metrics.jsonl", self.step)
-            self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
-            self._trackers = tracking.Trackers(tracking.parse_report_to(self.config.report_to), self.out,
-                                               self.config.to_dict(), self.step if self.resumed_from else 0)
+            self._open_outputs()
             if not self.resumed_from:
                 self._evaluate_before()
             stopped, last_eval, last_eval_step, run = self._loop()
@@ -454,6 +457,14 @@ class Trainer:
     def run(self) -> dict:
         """setup() then train()."""
         return self.setup().train()
+
+    def _open_outputs(self):
+        """metrics.jsonl (cut back to the resumed step) and the trackers."""
+        if self.resumed_from:
+            keep_metrics_until(self.out / "metrics.jsonl", self.step)
+        self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
+        self._trackers = tracking.Trackers(tracking.parse_report_to(self.config.report_to), self.out,
+                                           self.config.to_dict(), self.step if self.resumed_from else 0)
 
     def _install_sigint(self) -> tuple[bool, object]:
         """(installed, the handler before): the Ctrl-C handler, unless this is not the main thread or SIGINT is
@@ -516,8 +527,8 @@ class Trainer:
         extra = {"profile": True} if profile else {}
         self._stepping = True
         try:
-            loss_sum, count, grad_norm, applied = self.engine.train_step(micro, cfg.optimizer_params(lr),
-                                                                         self.step + 1, **extra)
+            loss_sum, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1,
+                                                                   **extra)
         finally:
             self._stepping = False
         seconds = time.perf_counter() - t0
@@ -528,17 +539,24 @@ class Trainer:
             self.log(f"step {self.step}: non-finite gradients, update skipped")
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
 
+    def _train_step(self, micro, hp, step: int, **extra):
+        """The engine's optimizer step over a step's micro-batches: (loss_sum, count, grad_norm, applied)."""
+        return self.engine.train_step(micro, hp, step, **extra)
+
+    def _progress_bar(self):
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, disable=self.config.no_progress, unit="step",
+                    dynamic_ncols=True, file=sys.stderr, desc="finetune")
+
     def _loop(self):
         """The optimizer steps with their logging, evaluations and checkpoints; returns (how it stopped, the
         last evaluation, its step, the run's Window)."""
-        from tqdm import tqdm
-
         cfg = self.config
         stopped = "max_steps" if cfg.max_steps else "epochs"
         last_eval, last_eval_step = None, -1
         window, run = Window(), Window()
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=cfg.no_progress, unit="step",
-                   dynamic_ncols=True, file=sys.stderr, desc="finetune")
+        bar = self._progress_bar()
         try:
             while not self.done():
                 if self._stop_requested:
@@ -646,8 +664,15 @@ class Trainer:
             em_after = self.exact_match()
             self._exact_match_row(em_after, "after", adapter_step)
         summary = self._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
+        self._write_outputs(summary, ckpt)
+        if interrupted:
+            self.log(f"stopped at step {self.step}; resume with --resume {shlex.quote(str(ckpt))}")
+        return summary
+
+    def _write_outputs(self, summary: dict, ckpt):
+        """The adapter (or model), summary.json and loss.png."""
         try:
-            if cfg.method == "lora":
+            if self.config.method == "lora":
                 self.model.save_adapter(self.out)
             else:
                 self.model.save_pretrained(self.out)
@@ -657,9 +682,6 @@ class Trainer:
                               f"{ckpt} holds the run") from None
         self._metrics.flush()
         plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
-        if interrupted:
-            self.log(f"stopped at step {self.step}; resume with --resume {shlex.quote(str(ckpt))}")
-        return summary
 
     def _summary(self, stopped: str, adapter_step, after, em_after, ckpt, run: Window, wall: float) -> dict:
         """The run's summary; `after` and `em_after` are the evaluation and exact match of the weights written
@@ -716,6 +738,10 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
         if unknown:
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
+    if config.num_workers:
+        from .distributed import finetune_on_ray
+
+        return finetune_on_ray(config)
     return Trainer(config).run()
 
 
