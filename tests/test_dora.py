@@ -460,3 +460,27 @@ def test_cli_dora_and_refusals(workspace, tmp_path, capsys):
     assert main(common + ["--out", str(tmp_path / "c"), "--dora", "--method", "full"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dora trains a LoRA adapter's magnitudes: method lora" in err[0]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_data_parallel_reduce_covers_the_magnitudes(tiny, request, backend):
+    """train_step's `reduce` (data parallelism) gets the magnitudes' gradients with A's and B's: an identity
+    reduce gives the plain step, a zero one leaves every tensor, magnitudes included, where it was."""
+    _, folder = tiny
+    rt = request.getfixturevalue("default_rt") if backend == "wgpu" else None
+    ids, labels, mask = batch()
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+    micro = [(ids.astype(np.int32), ops.shift_labels(labels), mask.astype(np.int32), pos)]
+    hp = OptimizerParams(lr=1e-2)
+    results, seen = [], []
+    for reduce in (None, lambda g, total: (seen.append(g.size), g)[1], lambda g, total: 0 * g):
+        model = _dora_model(folder, backend, rt, targets="q_proj,down_proj")
+        before = {k: v.copy() for k, v in model.engine.trainable().items()}    # the NumPy engine's are live
+        model.engine.train_step(micro, hp, 1, reduce=reduce)
+        results.append((before, model.engine.trainable()))
+    assert seen == [sum(v.size for v in results[0][0].values())]
+    for k, v in results[0][1].items():
+        assert_close(results[1][1][k], v, "exact", f"{k} through an identity reduce")
+        assert_close(results[2][1][k], results[2][0][k], "exact", f"{k} after a zero reduce")
+        if "magnitude" in k:
+            assert not np.array_equal(v, results[0][0][k]), k
