@@ -391,7 +391,7 @@ def test_memory_and_trainable_count(tiny):
     """The magnitudes (and their gradient, moments, norm buffers, z activations) are counted."""
     from wgpu_train.config import ModelConfig
     from wgpu_train.memory import estimate_memory
-    from wgpu_train.train import count_trainable
+    from wgpu_train.memory import count_trainable
 
     _, folder = tiny
     cfg = ModelConfig.from_folder(folder)

@@ -22,7 +22,7 @@ from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.memory import estimate_memory
 from wgpu_train.model import load_model
 from wgpu_train.reference.ops import shift_labels
-from wgpu_train.train import count_trainable
+from wgpu_train.memory import count_trainable
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 

@@ -244,3 +244,26 @@ class BatchStream:
         self.seed = int(state.get("seed", self.seed))
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+def split_batch(batch: Batch, rows: int, multiple: int = 1, max_tokens: int | None = None) -> list:
+    """Micro-batches of at most `rows` rows of `batch` (with max_tokens: the runs of rows token_groups
+    forms, as make_batches formed them), each trimmed to its longest row rounded up to `multiple` (fewer
+    distinct shapes for engines that cache buffers per shape; padding is masked)."""
+    out = []
+    width = batch.input_ids.shape[1]
+    n_rows = batch.input_ids.shape[0]
+    if max_tokens:
+        mask = batch.attention_mask
+        lengths = [int(np.flatnonzero(mask[r])[-1]) + 1 if mask[r].any() else 1 for r in range(n_rows)]
+        spans = token_groups(lengths, max_tokens, multiple)
+    else:
+        spans = [(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
+    for r0, r1 in spans:
+        sl = slice(r0, r1)
+        used = np.flatnonzero(batch.attention_mask[sl].any(axis=0))
+        t = min(width, -(-(int(used[-1]) + 1 if used.size else 1) // multiple) * multiple)
+        labels = batch.labels[sl, :t]
+        out.append(Batch(batch.input_ids[sl, :t], labels, batch.attention_mask[sl, :t], batch.segment_ids[sl, :t],
+                         batch.position_ids[sl, :t], int((labels[:, 1:] != IGNORE_INDEX).sum())))
+    return out

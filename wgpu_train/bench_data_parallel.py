@@ -55,7 +55,7 @@ def bench_data_parallel(steps: int = 10, batch_size: int = 8) -> dict:
     else:
         note = "both workers share one GPU: the efficiency is bounded by that GPU"
     from .config import ModelConfig
-    from .train import count_trainable
+    from .memory import count_trainable
     from .train_config import default_model_dir
 
     grads = 4 * count_trainable(ModelConfig.from_folder(default_model_dir()), base.lora_config())

@@ -2,6 +2,8 @@
 logits) in bytes, computed from the same plan the WebGPU engine allocates from."""
 from __future__ import annotations
 
+import math
+
 from .config import LoraConfig, ModelConfig
 from .errors import DeviceError
 from .layer_plan import INPUT, layer_plan
@@ -214,3 +216,18 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: 
                 f"activation '{name}' for batch {batch_size} x {seq_len} tokens needs {elems * F32 / 2**20:.0f} MiB, "
                 f"over the device's max storage binding of {max_binding / 2**20:.0f} MiB: reduce the batch size "
                 f"or --max-seq-len")
+
+
+def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
+    """Trainable parameters of a model: the LoRA matrices (and DoRA's magnitudes), or every weight (from shapes,
+    nothing read back)."""
+    from .hf import expected_shapes
+
+    if lora is not None:
+        total = 0
+        for path, (r, _) in lora.modules(cfg.num_hidden_layers).items():
+            out_f, in_f = cfg.linear_shape(path.rsplit(".", 1)[1])
+            total += r * (out_f + in_f) + (out_f if lora.use_dora else 0)
+        return total
+    n = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)
