@@ -4,6 +4,7 @@ and WebGPU engines), a worker killed mid-run is restarted from the last checkpoi
 uninterrupted one, a 2-worker checkpoint resumes in 1 process; the bad inputs are one line and exit code 2."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,9 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(faults, workspace, tw
     assert summary["resumed_from"] == str(out / "checkpoints" / "step-000004")
     assert any("resuming at step 4" in line for line in lines), lines
     assert_same_adapter(out, two_workers[0], 1e-6)
+    # metrics.jsonl was cut back to the checkpoint: one training row per step
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "grad_norm" in r] == list(range(1, 9))
 
 
 def test_a_restarted_worker_continues_an_adapter_as_recorded(faults, workspace, tmp_path):
