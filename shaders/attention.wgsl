@@ -168,7 +168,8 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
             s += qv[d] * q_k[p.o4 + kb + d];
             dp += dov[d] * q_v[p.o5 + kb + d];
         }
-        let ds = exp(cap_score(s) - lse) * (dp - delta) * cap_grad(s);
+        let cs = cap_score(s);
+        let ds = exp(cs - lse) * (dp - delta) * cap_slope(cs);
         for (var d = 0u; d < D; d++) {
             dq[d] += ds * q_k[p.o4 + kb + d];
         }
@@ -227,8 +228,9 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 s += k_q[p.o4 + rb + d] * kv[d];
                 dp += k_dout[p.o3 + rb + d] * vv[d];
             }
-            let pr = exp(cap_score(s) - k_lse[p.o7 + li]);
-            let ds = pr * (dp - k_delta[p.o8 + li]) * cap_grad(s);
+            let cs = cap_score(s);
+            let pr = exp(cs - k_lse[p.o7 + li]);
+            let ds = pr * (dp - k_delta[p.o8 + li]) * cap_slope(cs);
             for (var d = 0u; d < D; d++) {
                 dv[d] += pr * k_dout[p.o3 + rb + d];
                 dk[d] += ds * k_q[p.o4 + rb + d];
@@ -466,10 +468,14 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
             c2 += do2[d] * vv;
             c3 += do3[d] * vv;
         }
-        let ds0 = select(0.0, exp(cap_score(hsum(a0)) - lse0) * (hsum(c0) - dl0) * cap_grad(hsum(a0)), sees(ia, j, s0, sj));
-        let ds1 = select(0.0, exp(cap_score(hsum(a1)) - lse1) * (hsum(c1) - dl1) * cap_grad(hsum(a1)), sees(ia + 1u, j, s1, sj));
-        let ds2 = select(0.0, exp(cap_score(hsum(a2)) - lse2) * (hsum(c2) - dl2) * cap_grad(hsum(a2)), sees(ia + 2u, j, s2, sj));
-        let ds3 = select(0.0, exp(cap_score(hsum(a3)) - lse3) * (hsum(c3) - dl3) * cap_grad(hsum(a3)), sees(ia + 3u, j, s3, sj));
+        let cs0 = cap_score(hsum(a0));
+        let ds0 = select(0.0, exp(cs0 - lse0) * (hsum(c0) - dl0) * cap_slope(cs0), sees(ia, j, s0, sj));
+        let cs1 = cap_score(hsum(a1));
+        let ds1 = select(0.0, exp(cs1 - lse1) * (hsum(c1) - dl1) * cap_slope(cs1), sees(ia + 1u, j, s1, sj));
+        let cs2 = cap_score(hsum(a2));
+        let ds2 = select(0.0, exp(cs2 - lse2) * (hsum(c2) - dl2) * cap_slope(cs2), sees(ia + 2u, j, s2, sj));
+        let cs3 = cap_score(hsum(a3));
+        let ds3 = select(0.0, exp(cs3 - lse3) * (hsum(c3) - dl3) * cap_slope(cs3), sees(ia + 3u, j, s3, sj));
         for (var d = 0u; d < n4; d++) {
             let kk = kr[d];
             dq0[d] += ds0 * kk;
@@ -590,14 +596,18 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
             }
             let lse = k_lse[p.o7 + li];
             let dl = k_delta[p.o8 + li];
-            let p0 = select(0.0, exp(cap_score(hsum(a0)) - lse), m0);
-            let p1 = select(0.0, exp(cap_score(hsum(a1)) - lse), m1);
-            let p2 = select(0.0, exp(cap_score(hsum(a2)) - lse), m2);
-            let p3 = select(0.0, exp(cap_score(hsum(a3)) - lse), m3);
-            let ds0 = p0 * (hsum(c0) - dl) * cap_grad(hsum(a0));
-            let ds1 = p1 * (hsum(c1) - dl) * cap_grad(hsum(a1));
-            let ds2 = p2 * (hsum(c2) - dl) * cap_grad(hsum(a2));
-            let ds3 = p3 * (hsum(c3) - dl) * cap_grad(hsum(a3));
+            let cs0 = cap_score(hsum(a0));
+            let p0 = select(0.0, exp(cs0 - lse), m0);
+            let cs1 = cap_score(hsum(a1));
+            let p1 = select(0.0, exp(cs1 - lse), m1);
+            let cs2 = cap_score(hsum(a2));
+            let p2 = select(0.0, exp(cs2 - lse), m2);
+            let cs3 = cap_score(hsum(a3));
+            let p3 = select(0.0, exp(cs3 - lse), m3);
+            let ds0 = p0 * (hsum(c0) - dl) * cap_slope(cs0);
+            let ds1 = p1 * (hsum(c1) - dl) * cap_slope(cs1);
+            let ds2 = p2 * (hsum(c2) - dl) * cap_slope(cs2);
+            let ds3 = p3 * (hsum(c3) - dl) * cap_slope(cs3);
             for (var d = 0u; d < n4; d++) {
                 let qq = qr[d];
                 let oo = dr[d];

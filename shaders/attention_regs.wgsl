@@ -125,7 +125,8 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             s$r_$k += q$r_$d * kk$k_$d;
             c$r_$k += do$r_$d * vv$k_$d;
             let sr$r_$k = hsum(s$r_$k);
-            let ds$r_$k = select(0.0, exp(cap_score(sr$r_$k) - lse$r) * (hsum(c$r_$k) - dl$r) * cap_grad(sr$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            let cs$r_$k = cap_score(sr$r_$k);
+            let ds$r_$k = select(0.0, exp(cs$r_$k - lse$r) * (hsum(c$r_$k) - dl$r) * cap_slope(cs$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
             dq$r_$d += ds$r_$k * kk$k_$d;
         }
     }
@@ -175,8 +176,9 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 s$r_$k += k$r_$d * qq$k_$d;
                 c$r_$k += v$r_$d * oo$k_$d;
                 let sr$r_$k = hsum(s$r_$k);
-                let p$r_$k = select(0.0, exp(cap_score(sr$r_$k) - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r));
-                let ds$r_$k = p$r_$k * (hsum(c$r_$k) - dl$k) * cap_grad(sr$r_$k);
+                let cs$r_$k = cap_score(sr$r_$k);
+                let p$r_$k = select(0.0, exp(cs$r_$k - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r));
+                let ds$r_$k = p$r_$k * (hsum(c$r_$k) - dl$k) * cap_slope(cs$r_$k);
                 dv$r_$d += p$r_$k * oo$k_$d;
                 dk$r_$d += ds$r_$k * qq$k_$d;
             }

@@ -236,7 +236,8 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             dp$q_$c = rank4(dp$q_$c, dd$q, vt$c);
         }
         let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
-        tile_p[buf + $qu * NK + lid * KV + $cu] = select(vec4<f32>(0.0), exp(cap_score4(sv$q_$c * p.f0) - vec4<f32>(lse$q)) * (dp$q_$c - vec4<f32>(dl$q)) * cap_grad4(sv$q_$c * p.f0), ok$q_$c);
+        let cs$q_$c = cap_score4(sv$q_$c * p.f0);
+        tile_p[buf + $qu * NK + lid * KV + $cu] = select(vec4<f32>(0.0), exp(cs$q_$c - vec4<f32>(lse$q)) * (dp$q_$c - vec4<f32>(dl$q)) * cap_slope4(cs$q_$c), ok$q_$c);
         workgroupBarrier();
         // 2. dq += dS K over this invocation's rows and columns
         for (var n4 = 0u; n4 < NK; n4++) {
@@ -307,9 +308,10 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 sv$q_$c = rank4(sv$q_$c, kk$q, qt$c);
                 dp$q_$c = rank4(dp$q_$c, vv$q, ot$c);
             }
-            let pv$q_$c = select(vec4<f32>(0.0), exp(cap_score4(sv$q_$c * p.f0) - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie));
+            let cs$q_$c = cap_score4(sv$q_$c * p.f0);
+            let pv$q_$c = select(vec4<f32>(0.0), exp(cs$q_$c - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie));
             tile_p[buf + $qu * NK + lid * KV + $cu] = pv$q_$c;
-            tile_ds[buf + $qu * NK + lid * KV + $cu] = pv$q_$c * (dp$q_$c - dl$c) * cap_grad4(sv$q_$c * p.f0);
+            tile_ds[buf + $qu * NK + lid * KV + $cu] = pv$q_$c * (dp$q_$c - dl$c) * cap_slope4(cs$q_$c);
             workgroupBarrier();
             // 2. dv += P^T dout, dk += dS^T q over this invocation's key rows and columns
             for (var n4 = 0u; n4 < NK; n4++) {

@@ -28,7 +28,7 @@ fn counted(t: i32) -> bool {
 
 // The backward's factor for logits soft-capped at f1 (Gemma 2's final_logit_softcapping; 0: none), from
 // the capped logit y: d(cap tanh(x / cap)) / dx = 1 - (y / cap)^2.
-fn cap_grad(y: f32) -> f32 {
+fn cap_slope(y: f32) -> f32 {
     if (p.f1 == 0.0) { return 1.0; }
     let r = y / p.f1;
     return 1.0 - r * r;
@@ -140,7 +140,7 @@ fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         let y = b_logits[p.o2 + row * v + j];
         g = exp(y - b_lse[p.o4 + row]);
         if (u32(t) == j) { g -= 1.0; }
-        g *= b_scale[p.o5] * p.f0 * cap_grad(y);
+        g *= b_scale[p.o5] * p.f0 * cap_slope(y);
     }
     b_dl[p.o1 + row * v + j] = g;
 }
@@ -163,7 +163,7 @@ fn cross_entropy_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builti
         let y = i_dl[p.o1 + row * v + j];
         g = exp(y - i_lse[p.o3 + row]);
         if (u32(t) == j) { g -= 1.0; }
-        g *= i_scale[p.o4] * p.f0 * cap_grad(y);
+        g *= i_scale[p.o4] * p.f0 * cap_slope(y);
     }
     i_dl[p.o1 + row * v + j] = g;
 }

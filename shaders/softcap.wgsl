@@ -7,10 +7,11 @@ fn cap_score(s: f32) -> f32 {
     return p.f1 * tanh_f32(s / p.f1);
 }
 
-fn cap_grad(s: f32) -> f32 {
+// The cap's derivative at the score whose capped value is c: 1 - tanh^2 = 1 - (c / cap)^2 (no second tanh).
+fn cap_slope(c: f32) -> f32 {
     if (p.f1 == 0.0) { return 1.0; }
-    let th = tanh_f32(s / p.f1);
-    return 1.0 - th * th;
+    let r = c / p.f1;
+    return 1.0 - r * r;
 }
 
 fn cap_score4(s: vec4<f32>) -> vec4<f32> {
@@ -18,8 +19,8 @@ fn cap_score4(s: vec4<f32>) -> vec4<f32> {
     return p.f1 * tanh4(s / p.f1);
 }
 
-fn cap_grad4(s: vec4<f32>) -> vec4<f32> {
+fn cap_slope4(c: vec4<f32>) -> vec4<f32> {
     if (p.f1 == 0.0) { return vec4<f32>(1.0); }
-    let th = tanh4(s / p.f1);
-    return 1.0 - th * th;
+    let r = c / p.f1;
+    return 1.0 - r * r;
 }
