@@ -275,7 +275,7 @@ class LoraConfig:
     """LoRA hyper-parameters, with PEFT's meaning for every field (lora_layout.py resolves the per-layer ones:
     layers_to_transform / layers_pattern choose the layers, rank_pattern / alpha_pattern map a module-path
     pattern to its r / alpha; lora_init.py computes `init`: "default" (PEFT's True), "gaussian", "pissa",
-    "pissa_niter_K" or "olora")."""
+    "pissa_niter_K" or "olora"; saved_modules.py resolves modules_to_save with ensure_weight_tying)."""
 
     r: int = 8
     alpha: float = 16
@@ -287,10 +287,13 @@ class LoraConfig:
     rank_pattern: dict = field(default_factory=dict)     # module-path pattern -> r
     alpha_pattern: dict = field(default_factory=dict)    # module-path pattern -> alpha
     init: str = "default"
+    modules_to_save: tuple = ()      # "embed_tokens" / "lm_head": full copies trained beside LoRA (saved_modules.py)
+    ensure_weight_tying: bool = False   # a tied model: one copy serves the embedding and lm_head (PEFT's)
 
     def __post_init__(self):
         from .lora_init import check_init
         from .lora_layout import check_layout
+        from .saved_modules import check_modules
 
         targets = self.target_modules
         if isinstance(targets, str):
@@ -310,6 +313,8 @@ class LoraConfig:
         for name, value in check_layout(self).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "init", check_init(self))
+        object.__setattr__(self, "modules_to_save", check_modules(self.modules_to_save))
+        object.__setattr__(self, "ensure_weight_tying", bool(self.ensure_weight_tying))
 
     @property
     def scale(self) -> float:

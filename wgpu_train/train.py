@@ -29,12 +29,14 @@ from .schedule import LRSchedule
 from .train_config import PAD_MULTIPLE, TrainConfig, default_data_dir, default_model_dir
 
 def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
-    """Trainable parameters of a model: the LoRA matrices, or every weight (from shapes, nothing read back)."""
+    """Trainable parameters of a model: the LoRA matrices and modules_to_save copies, or every weight (from
+    shapes, nothing read back)."""
     from .hf import expected_shapes
+    from .saved_modules import count
 
     if lora is not None:
         return sum(r * sum(cfg.linear_shape(p.rsplit(".", 1)[1])) for p, (r, _) in
-                   lora.modules(cfg.num_hidden_layers).items())
+                   lora.modules(cfg.num_hidden_layers).items()) + count(cfg, lora)
     n = sum(math.prod(s) for s in expected_shapes(cfg).values())
     return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)
 
