@@ -145,7 +145,7 @@ def load_toml_config(path) -> dict:
             raise ConfigError(f"{path}: '{spelled[name]}' and '{key}' are the same key; give it once")
         spelled[name] = key
         base, _ = _unwrap(hints[name])
-        if name in ("lora_targets", "data") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        if name in ("lora_targets", "data", "modules_to_save") and isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = ",".join(value)
         if name == "lora_layers" and (isinstance(value, int) and not isinstance(value, bool) or
                                       isinstance(value, list) and all(isinstance(v, int) for v in value)):
@@ -508,7 +508,10 @@ def cmd_memory(args) -> int:
         layers = parse_layers(args.lora_layers)
         lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets,
                           layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
-                          else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"))
+                          else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
+                          modules_to_save=args.modules_to_save, ensure_weight_tying=args.ensure_weight_tying)
+    elif args.modules_to_save:
+        raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
     ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg.num_hidden_layers).items()}) if lora else {}
     ranks = activation_ranks(ranks, lora_groups(cfg, ranks, False))
@@ -551,6 +554,8 @@ def _register_memory(sub):
     p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
     p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
     p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")
+    p.add_argument("--modules-to-save", default=None, help="modules trained in full beside LoRA, as in finetune")
+    p.add_argument("--ensure-weight-tying", action="store_true", help="one tied copy, as in finetune")
     p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES, help=f"(default: {d.base_dtype})")
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")

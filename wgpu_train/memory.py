@@ -154,12 +154,27 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     return out
 
 
+def copy_bytes(cfg: ModelConfig, lora: LoraConfig, embed_dtype: str, max_binding: int | None = None) -> tuple:
+    """(bytes the modules_to_save copies add to the stored base weights, bytes of the copies in float32) for
+    an embedding stored as embed_dtype: a trained weight is stored in float32, and a tied model whose head
+    PEFT unties holds the head as a tensor of its own."""
+    from .gpu.quant import DEFAULT_MAX_BINDING, stored_bytes
+    from .saved_modules import trained_weights
+
+    names, untie = trained_weights(cfg.tie_word_embeddings, lora.modules_to_save, lora.ensure_weight_tying)
+    binding = max_binding or DEFAULT_MAX_BINDING
+    f32 = stored_bytes(cfg.vocab_size, cfg.hidden_size, "float32", binding)
+    stored = stored_bytes(cfg.vocab_size, cfg.hidden_size, embed_dtype, binding)
+    return (f32 - stored) * len(names) + (stored if untie else 0), f32 * len(names)
+
+
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
                     method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
                     gradient_checkpointing: bool = False, max_binding: int | None = None) -> dict:
     """GPU bytes by category for training at (batch_size, seq_len), in the bucket the engine allocates for it
     (bucket_tokens): weights (the base weights as stored:
-    see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
+    see base_weight_bytes; modules_to_save copies in float32), trainable state (LoRA or full weights with
+    gradients and AdamW moments; the copies' gradients and moments),
     activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total.
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
@@ -182,7 +197,9 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
             if lora.dropout > 0:
                 drop[m] = in_f
         ranks = layer_ranks({p: r for p, (r, _) in modules.items()})
-        state = trainable * 4 * F32          # parameter, gradient, two moments
+        extra, copies = copy_bytes(config, lora, embed_dtype, max_binding)
+        weights += extra
+        state = trainable * 4 * F32 + copies * 3   # LoRA's parameter, gradient, two moments; the copies' last three
     else:
         state = weights * 3                  # gradient and two moments of every weight
     ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop)))
