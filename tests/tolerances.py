@@ -25,6 +25,9 @@ TOLERANCES: dict[str, Tolerance] = {
     "merged_logits": Tolerance(1e-4, 5e-5,
         "a merged model rounds W + scale * B @ A to float32 once, the unmerged PEFT model adds the two products "
         "at run time; one extra rounding per weight on top of logits_f32; observed <= 2.2e-6"),
+    "merged_weights": Tolerance(1e-6, 1e-7,
+        "W + scale * B @ A: ours formed in float64 and rounded once, PEFT's in float32 (a product and an add); "
+        "about one float32 ulp of weights ~0.15 (1.5e-8); a wrong scale or a transposed factor is off by > 1e-3"),
     "loss_f32": Tolerance(5e-6, 1e-6,
         "mean cross-entropy (~4.5) in float32 from both sides; observed <= 5e-7 absolute"),
     "grads_f32": Tolerance(1e-4, 2e-5,
