@@ -339,3 +339,22 @@ def test_bad_modules_to_save(models, tmp_path, capsys):
                  str(tmp_path / "merged")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "classifier" in err[0], err
+
+
+@pytest.mark.parametrize("case", ["untied", "tied_embed"])
+def test_a_new_adapter_gets_the_original_weights_back(models, case):
+    """Trained copies replace their weights only while their adapter is attached: a plain LoRA attached after
+    them computes with the original embedding and head again (a tied model's head tied again)."""
+    arch, _, _ = CASES[case]
+    hf, folder = models(arch)
+    model = wt.load_model(folder)
+    before = {k: np.array(v) for k, v in model.engine.weights().items()}
+    model.add_lora(ours(case))
+    ids, labels, mask = batch(4)
+    model.engine.train_step(micro_batches(ids, labels, mask, 2), OptimizerParams(lr=1e-1), 1)
+    assert not np.array_equal(model.engine.weights()[EMBED], before[EMBED])
+    model.add_lora(ours(case, modules_to_save=()))
+    after = model.engine.weights()
+    assert set(after) == set(before) and model.engine.trained == ()
+    for k in before:
+        assert_close(after[k], before[k], "exact", k)

@@ -199,8 +199,8 @@ class Model:
         model's head untied where PEFT unties it), starting from `copies` ({weight name: array}) or from the
         weights as the engine holds them (float16 ones as rounded there, then trained in float32). Copies an
         earlier adapter trained are first replaced by the original weights."""
+        # _set_lora's set_full_finetune(False) froze them and tied a tied model's head again
         stale = [n for n in self._copies if n != HEAD or not self.config.tie_word_embeddings]
-        self.engine.set_trained_base((), untie=False)
         if stale:
             self.engine.set_base_weights(self._original_weights(stale))
         for n in stale:

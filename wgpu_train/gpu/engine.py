@@ -159,7 +159,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         ties them again. Resets the optimizer."""
         if self.cfg.tie_word_embeddings:
             if untie and HEAD not in self.w:
-                self.w[HEAD] = store_weight(self.rt, HEAD, self.weights()[EMBED], self.base_dtype, self.embed_dtype)
+                self.w[HEAD] = store_weight(self.rt, HEAD, self._weight(EMBED), self.base_dtype, self.embed_dtype)
                 self.shapes[HEAD] = self.shapes[EMBED]
             elif not untie and HEAD in self.w:
                 self.rt.release(*weight_buffers(self.w.pop(HEAD)))
@@ -169,7 +169,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             raise ValueError(f"set_trained_base: no base weight {unknown[0]}")
         for name in names:
             if isinstance(self.w[name], QuantMatrix):
-                arr = self.w[name].read(self.rt)
+                arr = self._weight(name)
                 self.rt.release(*weight_buffers(self.w[name]))
                 self.w[name] = store_weight(self.rt, name, arr, "float32", "float32")
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
@@ -265,8 +265,12 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
 
     def weights(self) -> dict:
         """Base weights as float32 (float16 / NF4 ones dequantised)."""
-        return {k: t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[k])
-                for k, t in self.w.items()}
+        return {k: self._weight(k) for k in self.w}
+
+    def _weight(self, name) -> np.ndarray:
+        """One base weight as float32 (dequantised)."""
+        t = self.w[name]
+        return t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[name])
 
     def set_base_weights(self, weights: dict):
         """Replace base weights by name: each stored anew as at load (its old buffers released)."""
