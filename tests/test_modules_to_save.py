@@ -259,9 +259,9 @@ def workspace(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ensure", [False, True])
-def test_resume_equals_uninterrupted(workspace, tmp_path, ensure):
+def test_resume_equals_uninterrupted(workspace, tmp_path, capsys, ensure):
     """Four steps in one run, or two then a resume from the checkpoint: the same copies, LoRA and loss (the
-    copies' AdamW moments are in the checkpoint)."""
+    copies' AdamW moments are in the checkpoint); eval and merge of the adapter on the command line."""
     model, data = workspace
     kw = dict(model=str(model), data=str(data), backend="numpy", no_progress=True, lr=1e-2, eval_generate=False,
               max_steps=4, batch_size=2, grad_accum=2, weight_decay=0.05, keep_checkpoints=0, loraplus_lr_ratio=2.0,
@@ -277,6 +277,17 @@ def test_resume_equals_uninterrupted(workspace, tmp_path, ensure):
     for k in a:
         assert np.array_equal(a[k], b[k]), k
     assert resumed["valid_loss_after"] == full["valid_loss_after"]
+    # eval and merge on the command line use the copies: the validation loss of the run, the merged model's logits
+    argv = ["--model", str(model), "--adapter-path", str(tmp_path / "full"), "--backend", "numpy"]
+    assert main(["eval", *argv, "--data", str(data), "--split", "valid", "--no-generate", "--json"]) == 0
+    assert_close(json.loads(capsys.readouterr().out)["loss"], full["valid_loss_after"], "loss_f32", "eval")
+    assert main(["merge", *argv[:4], "--out", str(tmp_path / "merged")]) == 0
+    merged = wt.load_model(tmp_path / "merged")
+    assert merged.config.tie_word_embeddings == ensure
+    trained = wt.load_model(model)
+    trained.load_adapter(tmp_path / "full")
+    ids, _, mask = batch(5)
+    assert_close(merged.logits(ids, mask), trained.logits(ids, mask), "merged_logits")
     changes = wt.TrainConfig(out=str(tmp_path / "other"), resume=str(ckpt), **{**kw, "modules_to_save": "lm_head"})
     with pytest.raises(ConfigError, match="modules_to_save"):
         finetune(changes)
@@ -328,7 +339,10 @@ def test_bad_modules_to_save(models, tmp_path, capsys):
         code = main(argv)
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert code == 2 and len(err) == 1 and match in err[0], err
+    assert main(["memory", "--model", str(folder), "--modules-to-save", "embed_tokens,lm_head", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
     model = wt.load_model(folder)
+    assert shown["total"] == estimate_memory(model.config, 4, 128, ours("untied", r=8, alpha=16), "lora")["total"]
     model.add_lora(ours("untied"))
     model.save_adapter(tmp_path / "a")
     raw = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
