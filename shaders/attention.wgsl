@@ -19,7 +19,7 @@
 // separate arrays (qv0..qv3, ...) indexed only by the d loop: one array indexed by row and d measured
 // no faster than the one-row design (likely left in scratch memory rather than registers). The vec4
 // dq pass also computes delta itself, so the vec4 backward is two dispatches.
-// @include tanh
+// @include softcap
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -45,19 +45,6 @@ fn window_start(i: u32) -> u32 {
 // One past the last query that may see key j under the sliding window (t without one).
 fn window_end(j: u32, t: u32) -> u32 {
     return select(t, min(t, j + p.s4), p.s4 > 0u);
-}
-
-// Soft-capping of the scaled scores (Gemma 2), cap = f1, 0 for none: cap * tanh(s / cap), and its
-// derivative.
-fn cap_score(s: f32) -> f32 {
-    if (p.f1 == 0.0) { return s; }
-    return p.f1 * tanh_f32(s / p.f1);
-}
-
-fn cap_grad(s: f32) -> f32 {
-    if (p.f1 == 0.0) { return 1.0; }
-    let th = tanh_f32(s / p.f1);
-    return 1.0 - th * th;
 }
 
 // ---- forward: 1 out out, 2 lse out, 3 q, 4 k, 5 v, 6 segment ids ----

@@ -1,10 +1,10 @@
 // Helpers shared by the flash attention kernels (shaders/attention_regs.wgsl, shaders/attention_tiles.wgsl):
 // attention_src.source() appends this text to each of them (WGSL declarations may come in any order, so the
-// kernel file keeps its own line numbers; a compiler message past its last line points into this file).
+// kernel file keeps its own line numbers).
 // The uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = the
 // softmax scale; f1 = the scores' soft-cap (0: none). The bindings of each pass are in its section below (source() keeps the pass's own), the
 // same in both kernels, so one Kernel binding list serves both.
-// @include tanh
+// @include softcap
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -33,34 +33,6 @@ fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool {
 }
 
 fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }
-
-fn tanh4(x: vec4<f32>) -> vec4<f32> {
-    return vec4<f32>(tanh_f32(x.x), tanh_f32(x.y), tanh_f32(x.z), tanh_f32(x.w));
-}
-
-// Soft-capping of the scaled scores (Gemma 2), cap = f1, 0 for none: cap * tanh(s / cap), and its
-// derivative.
-fn cap_score(s: f32) -> f32 {
-    if (p.f1 == 0.0) { return s; }
-    return p.f1 * tanh_f32(s / p.f1);
-}
-
-fn cap_grad(s: f32) -> f32 {
-    if (p.f1 == 0.0) { return 1.0; }
-    let th = tanh_f32(s / p.f1);
-    return 1.0 - th * th;
-}
-
-fn cap_score4(s: vec4<f32>) -> vec4<f32> {
-    if (p.f1 == 0.0) { return s; }
-    return p.f1 * tanh4(s / p.f1);
-}
-
-fn cap_grad4(s: vec4<f32>) -> vec4<f32> {
-    if (p.f1 == 0.0) { return vec4<f32>(1.0); }
-    let th = tanh4(s / p.f1);
-    return 1.0 - th * th;
-}
 
 // (min, max) of the nonzero segment ids at positions [a, e) of batch row b, and 1 in z when one is 0
 // (padding). Every invocation reads the same ids: one address per load for the workgroup.

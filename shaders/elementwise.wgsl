@@ -57,7 +57,7 @@ fn scale_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 
 // y = s * tanh(a / s): soft-capping (Gemma 2's logits)
 @compute @workgroup_size(256)
-fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+fn softcap_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = flat(wid, nwg, lid);
     if (i >= p.s0) { return; }
@@ -66,7 +66,7 @@ fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 
 // y = s * tanh(y / s)
 @compute @workgroup_size(256)
-fn softcap_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+fn softcap_forward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = flat(wid, nwg, lid);
     if (i >= p.s0) { return; }

@@ -11,3 +11,7 @@ fn tanh_f32(x: f32) -> f32 {
     let e = exp(-2.0 * a);
     return sign(x) * (1.0 - e) / (1.0 + e);
 }
+
+fn tanh4(x: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(tanh_f32(x.x), tanh_f32(x.y), tanh_f32(x.z), tanh_f32(x.w));
+}

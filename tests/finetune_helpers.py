@@ -57,3 +57,30 @@ def folder_state(folder: Path) -> dict:
     after an operation when it changed nothing there."""
     return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
             for p in sorted(Path(folder).rglob("*"))}
+
+
+def one_line_error(capsys, argv, match):
+    """Run the CLI's main(argv); it must exit 2 with exactly one line on stderr, holding `match`, and no traceback."""
+    from wgpu_train.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and match in lines[0], lines[0]
+
+
+def peft_random_b(pm, seed=0):
+    """Every lora_B of a PEFT model set to random nonzero values (B = 0 would hide most bugs); returns it in eval mode."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return pm.eval()
+

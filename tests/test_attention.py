@@ -11,6 +11,7 @@ from wgpu_train.gpu import attention_kernels as AK
 from wgpu_train.gpu import attention_src as src
 from wgpu_train.gpu import kernels as K
 from wgpu_train.gpu import tune
+from wgpu_train.gpu.runtime import shader_text
 from wgpu_train.reference import ops
 
 F32 = np.float32
@@ -133,7 +134,7 @@ def test_sources_expand_every_marker():
         for pass_ in src.PASSES:
             text = src.source(cfg, pass_, 64)
             assert "$" not in text
-            own, common = (src.shader_path(name).read_text() for name in (cfg.shader, src.COMMON))
+            own, common = (shader_text(name) for name in (cfg.shader, src.COMMON))
             assert text.count("\n") == own.count("\n") + 1 + common.count("\n")
             assert text.count("@binding(1)") == 1 and text.count("fn seg_at") == 1
             assert "const D4: u32 = 16u;" in text and src.ENTRIES[pass_] in text

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from finetune_helpers import folder_state, make_data_dir, make_model_dir
+from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_line_error
 from wgpu_train.cli import build_parser, main
 from wgpu_train.commands import prompt_ids, resolve_train_config
 from wgpu_train.hf import read_safetensors
@@ -41,20 +41,6 @@ def trained(workspace, tmp_path_factory):
                  "--max-steps", "3", "--eval-generate", "--max-new-tokens", "4", "--log-every", "1"])
     assert code == 0
     return out
-
-
-def one_line_error(capsys, argv, match):
-    """Run main(argv); the command must exit 2 with exactly one line on stderr and no traceback."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ") and match in lines[0], lines[0]
-    assert "Traceback" not in err
 
 
 # ---- help and options -----------------------------------------------------------------------------------

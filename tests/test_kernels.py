@@ -238,10 +238,16 @@ ATT_WINDOW_CASES = [(2, 17, 3, 1, 6, "padded", "aligned", 5), (2, 65, 4, 2, 8, "
                     (1, 33, 2, 2, 8, "none", "aligned", 64)]
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,kind,offsets,window", [c + (0,) for c in ATT_CASES] + ATT_WINDOW_CASES,
+# soft-capped scores (Gemma 2): the per-row scalar kernels (odd offsets, head dim 6) and the vec4 ones
+ATT_SOFTCAP_CASES = [(2, 17, 3, 1, 6, "padded", "odd", 5, 1.5), (2, 65, 4, 2, 8, "packed", "aligned", 0, 1.5)]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,kind,offsets,window,softcap",
+                         [c + (0, 0.0) for c in ATT_CASES] + [c + (0.0,) for c in ATT_WINDOW_CASES] + ATT_SOFTCAP_CASES,
                          ids=[f"T{c[1]}-{c[2]}x{c[3]}-D{c[4]}-{c[5]}-{c[6]}" for c in ATT_CASES]
-                         + [f"T{c[1]}-D{c[4]}-{c[5]}-{c[6]}-window{c[7]}" for c in ATT_WINDOW_CASES])
-def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window):
+                         + [f"T{c[1]}-D{c[4]}-{c[5]}-{c[6]}-window{c[7]}" for c in ATT_WINDOW_CASES]
+                         + [f"T{c[1]}-D{c[4]}-{c[5]}-{c[6]}-softcap" for c in ATT_SOFTCAP_CASES])
+def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window, softcap):
     g = rng(T * 7 + D)
     q = g.standard_normal((B, T, Hq, D)).astype(F32)
     k = g.standard_normal((B, T, Hkv, D)).astype(F32)
@@ -249,9 +255,9 @@ def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window):
     dout = g.standard_normal((B, T, Hq, D)).astype(F32)
     seg = _segments(kind, B, T, g)
     q64, k64, v64 = q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
-    want_out, want_lse = ops.attention_forward(q64, k64, v64, seg, window)
+    want_out, want_lse = ops.attention_forward(q64, k64, v64, seg, window, softcap)
     want_dq, want_dk, want_dv = ops.attention_backward(dout.astype(np.float64), q64, k64, v64, want_out, want_lse, seg,
-                                                       window)
+                                                       window, softcap)
 
     lead = [4, 8, 0, 4, 12] if offsets == "aligned" else [3, 1, 0, 2, 5]
     tq, tk, tv, ts, tdo = (padded(rt, a, n) for a, n in zip((q, k, v, seg, dout), lead))
@@ -262,9 +268,9 @@ def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window):
     dq, dkv = rt.buffer(4 * q.size), rt.buffer(4 * 2 * k.size)       # dk and dv share one buffer
     dk, dv = (dkv, 0), (dkv, k.size)
     scratch = rt.buffer(4 * K.attention_scratch_size(B, T, Hq))
-    run(rt, lambda r: (K.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window),
+    run(rt, lambda r: (K.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap),
                        K.attention_backward(r, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch,
-                                            window)))
+                                            window, softcap)))
     assert_close(read(rt, out, q.size).reshape(q.shape), want_out, "k_attention", "out")
     assert_close(rt.read(lse, F32, (B, Hq, T)), want_lse, "k_attention_lse", "lse")
     assert_close(rt.read(dq, F32, q.shape), want_dq, "k_attention_grad", "dq")
@@ -313,6 +319,13 @@ def test_cross_entropy(rt, N, V):
     got_dl = np.concatenate([rt.read(d, F32, (n, V)) for (_, n, _), d in zip(chunks, douts) if n])
     assert_close(got_dl, want_dl, "k_cross_entropy_grad", "dlogits")
 
+    # soft-capped logits (Gemma 2): dlogits with respect to the uncapped ones
+    for (r0, n, tl), d in zip(chunks, douts):
+        run(rt, lambda r: K.cross_entropy_backward(r, d, tl, tt, lse, sbuf, n, V, row_offset=r0, softcap=45.0))
+    got_capped = np.concatenate([rt.read(d, F32, (n, V)) for (_, n, _), d in zip(chunks, douts) if n])
+    assert_close(got_capped, ops.cross_entropy_backward(l64, tgt, want_lse, scale, 45.0), "k_cross_entropy_grad",
+                 "dlogits, soft-capped")
+    assert not np.allclose(got_capped, want_dl)      # row 0's logits near 40 make the cap's factor matter
     # a Python float scale, in place over the logits chunk
     r0, n, tl = chunks[1]
     run(rt, lambda r: K.cross_entropy_backward(r, tl, tl, tt, lse, 2.0, n, V, row_offset=r0))

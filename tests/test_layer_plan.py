@@ -60,21 +60,34 @@ def test_memory_plan_is_the_layer_plan(qwen3):
 
 def test_plans_that_cannot_run_are_refused():
     widths, grads = {INPUT: 4, "h": 4}, {CARRY: 4, "d_h": 4}
-    read_unwritten = [Op("linear", (INPUT,), (OUTPUT,), ("d_h",), (CARRY,), param="o_proj")]
+    read_unwritten = [Op("rmsnorm", (INPUT,), ("h", "r"), ("d_h",), (CARRY,), param="w"),
+                      Op("linear", ("h",), (OUTPUT,), ("d_h",), ("d_h",), param="o_proj")]
     with pytest.raises(ValueError, match="reads gradient"):
-        LayerPlan.build(read_unwritten, widths, grads)
+        LayerPlan.build(read_unwritten, {**widths, "r": 1}, grads)
     never_read = [Op("rmsnorm", (INPUT,), ("h", "r"), ("d_h",), (CARRY,), param="w"),
                   Op("linear", ("h",), (OUTPUT,), (CARRY,), ("d_h",), param="o_proj")]
     with pytest.raises(ValueError, match="unknown"):
         LayerPlan.build(never_read, widths, grads)      # "r" has no width
     with pytest.raises(ValueError, match="never read"):
-        LayerPlan.build([Op("linear", (INPUT,), (OUTPUT,), (CARRY,), ("d_h",), param="o_proj")], widths, grads)
+        LayerPlan.build([Op("linear", ("h",), (OUTPUT,), (CARRY,), ("d_h",), param="o_proj")], widths, grads)
+    # what the engines' shared buffers cannot run: the output's writer reading the input (forward-only
+    # buckets keep both in one buffer), or needing its own outputs in its backward (checkpointing skips it)
+    with pytest.raises(ValueError, match="may not read its input"):
+        LayerPlan.build([Op("linear", ("h",), (OUTPUT,), (CARRY,), ("d_h",), param="o_proj", residual=INPUT)],
+                        widths, grads)
+    with pytest.raises(ValueError, match="own outputs"):
+        LayerPlan.build([Op("rmsnorm", ("h",), (OUTPUT, "r"), (CARRY,), ("d_h",), param="w")],
+                        {**widths, "r": 1}, grads)
+    with pytest.raises(ValueError, match="overwrites h"):
+        LayerPlan.build([Op("rmsnorm", (INPUT,), ("h", "r"), ("d_h",), (CARRY,), param="w"),
+                         Op("linear", ("h",), ("h",), ("d_h",), ("d_h",), param="q_proj"),
+                         Op("scale", ("h",), (OUTPUT,), (CARRY,), ("d_h",))], {**widths, "r": 1}, grads)
 
 
 def _attention_only(plan) -> LayerPlan:
-    """The plan without its MLP: o_proj's output (plus the input) is the layer's output."""
+    """The plan without its MLP: o_proj's output (plus the input), halved, is the layer's output."""
     cut = next(j for j, op in enumerate(plan.ops) if op.param == "o_proj")
-    ops = list(plan.ops[:cut]) + [dataclasses.replace(plan.ops[cut], outputs=(OUTPUT,))]
+    ops = list(plan.ops[:cut + 1]) + [Op("scale", ("x_mid",), (OUTPUT,), (CARRY,), (CARRY,), factor=0.5)]
     used = {x for op in ops for x in op.inputs + op.outputs}
     grads = {g for op in ops for g in op.grads_in + op.grads_out}
     return LayerPlan.build(ops, {k: w for k, w in plan.widths.items() if k in used},
@@ -105,6 +118,7 @@ def test_a_plan_variant_runs_on_both_engines(qwen3, rt, monkeypatch):
     assert abs(loss_ref - full.loss_and_grads(ids, labels)[0]) > 1e-3    # the variant is another function
     loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels)
     assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss")
+    assert_close(gpu.logits(ids), ref.logits(ids), "gpu_logits")          # forward-only buckets
     for k in grads_ref:
         assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
     # central differences of the float64 loss along one LoRA B entry per module

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import require_adapter
-from finetune_helpers import make_data_dir, make_model_dir
+from finetune_helpers import make_data_dir, make_model_dir, one_line_error
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.cli import main
@@ -246,16 +246,6 @@ def test_refused_inits(tiny):
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("init_cli")
     return make_model_dir(root / "model"), make_data_dir(root / "data")
-
-
-def one_line_error(capsys, argv, match):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and match in lines[0] and "Traceback" not in err, err
 
 
 def test_finetune_resume_and_merge_pissa(workspace, tmp_path, capsys):

@@ -14,6 +14,7 @@ import torch
 
 import wgpu_train as wt
 from conftest import require_adapter
+from finetune_helpers import peft_random_b
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.config import LoraConfig, OptimizerParams
@@ -21,7 +22,7 @@ from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.memory import estimate_memory
 from wgpu_train.model import load_model
 from wgpu_train.reference.ops import shift_labels
-from wgpu_train.train import count_trainable
+from wgpu_train.memory import count_trainable
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -46,12 +47,7 @@ def peft_model(hf, seed=0, **changes):
     """A PEFT model with LAYOUT (and changes), every lora_B random (B = 0 would hide most bugs)."""
     cfg = peft.LoraConfig(**{"lora_alpha": 7, "lora_dropout": 0.0, **LAYOUT, **changes})
     pm = peft.get_peft_model(copy.deepcopy(hf), cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return pm.eval()
+    return peft_random_b(pm, seed)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import torch
 import transformers as tf
 from safetensors.numpy import load_file, save_file
 
+from finetune_helpers import peft_random_b
 from tiny_models import ARCHS, build_model, edit_config, hf_config, save_model
 from tolerances import assert_close
 from wgpu_train.config import LoraConfig, ModelConfig
@@ -78,12 +79,7 @@ def peft_lora(hf, targets, r=3, alpha=5, use_rslora=False, seed=0):
     """A PEFT LoRA model on a copy of hf, with every lora_B set to random nonzero values."""
     cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=use_rslora)
     pm = peft.get_peft_model(copy.deepcopy(hf), cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return pm.eval()
+    return peft_random_b(pm, seed)
 
 
 def peft_lora_tensors(pm) -> dict:
@@ -269,6 +265,21 @@ def test_gemma3_rope_per_layer_type(raw_configs):
     assert not np.allclose(cfg.inv_freq(0), cfg.inv_freq(1))
 
 
+def test_gemma2_hub_spelling(raw_configs):
+    """A Gemma 2 config.json as the hub has them (top-level rope_theta, no layer_types, fields left to
+    transformers' defaults): the layers alternate sliding / global, one RoPE for all, as transformers reads it."""
+    raw = {k: v for k, v in raw_configs["gemma2"].items() if k not in ("rope_parameters", "layer_types", "head_dim",
+                                                                      "pad_token_id")}
+    raw.update(rope_theta=20000.0, num_hidden_layers=4)
+    ours = ModelConfig.from_dict(raw)
+    theirs = tf.Gemma2Config.from_dict(raw)
+    assert ours.layer_windows == tuple(5 if t == "sliding_attention" else 0 for t in theirs.layer_types)
+    assert ours.head_dim == theirs.head_dim == 256 and ours.pad_token_id == theirs.pad_token_id == 0
+    assert ours.local_rope == () and ours.attn_softcap == 2.0 and ours.logit_softcap == 3.0
+    rotary = tf.Gemma2ForCausalLM(theirs).model.rotary_emb
+    assert_close(ours.inv_freq(0), rotary.inv_freq.numpy(), "inv_freq", "gemma2 hub spelling")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_rope_spellings_agree(raw_configs, arch):
     raw = raw_configs[arch]
@@ -311,6 +322,9 @@ REFUSED = {
     "softcap_not_a_number": ("gemma2", lambda raw: {**raw, "attn_logit_softcapping": "50"}, "attn_logit_softcapping"),
     "softcap_negative": ("gemma2", lambda raw: {**raw, "final_logit_softcapping": -30.0}, "final_logit_softcapping"),
     "gemma_exact_gelu": ("gemma3", lambda raw: {**raw, "hidden_activation": "gelu"}, "hidden_activation"),
+    "gemma_query_scalar_zero": ("gemma2", lambda raw: {**raw, "query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+    "gemma_pattern_null": ("gemma3", lambda raw: {k: v for k, v in {**raw, "sliding_window_pattern": None}.items()
+                                                 if k != "layer_types"}, "sliding_window_pattern"),
     "gemma_bidirectional": ("gemma3", lambda raw: {**raw, "use_bidirectional_attention": True},
                             "use_bidirectional_attention"),
     "unknown_architecture": ("llama", lambda raw: {**raw, "architectures": ["GPT2LMHeadModel"]}, "architectures"),

@@ -28,8 +28,10 @@ from wgpu_train.model import load_model
 from wgpu_train.checkpoint import find_checkpoint, list_checkpoints
 from wgpu_train.metrics import plot_losses
 from wgpu_train.run_folder import RUN_FILES, run_folder, run_settings
-from wgpu_train.train import Trainer, count_trainable, finetune, split_batch
-from wgpu_train.train_config import TrainConfig
+from wgpu_train.batching import split_batch
+from wgpu_train.memory import count_trainable
+from wgpu_train.train import Trainer, finetune
+from wgpu_train.train_config import PAD_MULTIPLE, TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +259,7 @@ def test_grad_accum_equals_full_batch(workspace, tmp_path):
 def test_split_batch_trims_padding(workspace, tmp_path):
     trainer = Trainer(config(workspace, tmp_path / "unused", batch_size=2, grad_accum=2)).setup()
     batch, _ = trainer.next_batch()
-    parts = split_batch(batch, 2)
+    parts = split_batch(batch, 2, PAD_MULTIPLE)
     assert [p.input_ids.shape[0] for p in parts] == [2, 2]
     assert sum(p.n_tokens for p in parts) == batch.n_tokens
     for p in parts:
@@ -448,7 +450,8 @@ def test_run_settings(workspace, tmp_path):
     recorded = json.loads((run / "train_config.json").read_text())
     settings = run_settings(run)
     assert settings == {k: v for k, v in recorded.items()
-                        if k not in ("out", "resume", "overwrite", "no_progress", "adapter_path", "data_format")}
+                        if k not in ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address",
+                                     "data_format")}
     assert settings["lora_rank"] == 4 and settings["model"] == str(workspace[0])
     assert settings["embed_dtype"] == "float32"   # as resolved
     for path in (run / "checkpoints", run / "checkpoints" / "step-000001"):
@@ -901,7 +904,6 @@ def test_token_budget_batches(workspace, tmp_path):
     equals the uninterrupted one."""
     from wgpu_train.data import BatchStream, token_groups
     from wgpu_train.train import Trainer
-    from wgpu_train.train_config import PAD_MULTIPLE
 
     assert token_groups([5, 5, 4, 9, 2], 12) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     kw = dict(max_steps=6, max_tokens_per_batch=64, grad_accum=2, lr_schedule="constant", keep_checkpoints=0)

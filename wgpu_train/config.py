@@ -44,6 +44,22 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     return tuple(window if i >= first else 0 for i in range(layers))
 
 
+# what transformers' Gemma configs default where config.json lacks a field (the Llama-family defaults differ)
+GEMMA_DEFAULTS = {
+    "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "pad_token_id": 0, "sliding_window": 4096,
+               "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "gemma3": {"head_dim": 256, "max_position_embeddings": 131072, "pad_token_id": 0, "sliding_window": 4096,
+               "rms_norm_eps": 1e-6},
+}
+
+
+def _positive(raw: dict, key: str, source: str) -> float:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
+    return value
+
+
 def _pad_row(pad, vocab: int) -> int | None:
     """The embedding row transformers builds with padding_idx (no gradient), if config.json names one."""
     return pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None
@@ -54,8 +70,11 @@ def _gemma_layer_types(raw: dict, layers: int, family: str) -> list:
     default 6; Gemma 2 alternates)."""
     if raw.get("layer_types") is not None:
         return list(raw["layer_types"])
-    default = 2 if family == "gemma2" else 6
-    pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", default)))
+    key = "sliding_window_pattern" if "sliding_window_pattern" in raw else "_sliding_window_pattern"
+    if family == "gemma2" or key not in raw:     # transformers' Gemma 2 always alternates
+        pattern = 2 if family == "gemma2" else 6
+    else:
+        pattern = int(_positive(raw, key, "config.json"))
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
@@ -71,7 +90,7 @@ def _gemma_fields(raw: dict, source: str, family: str, layers: int, hidden: int,
         caps[field_name] = float(cap or 0.0)
     if raw.get("use_bidirectional_attention"):
         raise ConfigError(f"{source}: field 'use_bidirectional_attention' is true; only causal attention is supported")
-    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{source}: field 'hidden_activation' is {act!r}; only 'gelu_pytorch_tanh' is supported")
     types = _gemma_layer_types(raw, layers, family)
@@ -87,7 +106,7 @@ def _gemma_fields(raw: dict, source: str, family: str, layers: int, hidden: int,
     else:
         local_theta = raw.get("rope_local_base_freq", 10000.0)
         params = {"rope_theta": raw.get("rope_theta", 1000000.0), **(raw.get("rope_scaling") or {})}
-    scalar = float(raw.get("query_pre_attn_scalar", 256))
+    scalar = float(_positive({"query_pre_attn_scalar": 256, **raw}, "query_pre_attn_scalar", source))
     return {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "embed_scale": float(np.float32(hidden ** 0.5)),
             "query_scale": math.sqrt(head_dim / scalar), "sandwich_norms": True,
             "local_rope": tuple(t == "sliding_attention" for t in types) if local_theta is not None else (),
@@ -183,6 +202,7 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: field 'architectures' is {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
+        given, raw = raw, {**GEMMA_DEFAULTS.get(family, {}), **raw}
 
         def need(key):
             if key not in raw:
@@ -250,7 +270,7 @@ class ModelConfig:
             layer_windows=windows,
             **{k: v for k, v in gemma.items() if k != "hidden_act"},
             hidden_act="gelu_tanh" if act == "gelu_tanh" else "silu",
-            raw=raw,
+            raw=given,
         )
 
     @classmethod

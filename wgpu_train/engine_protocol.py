@@ -69,8 +69,15 @@ class Engine(Protocol):
 
     def gradients(self) -> dict: ...
 
-    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
-        """One optimizer step over micro-batches (gradients accumulated, clipped, AdamW with hp at `step`)."""
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+        """One optimizer step over micro-batches (gradients accumulated, clipped, AdamW with hp at `step`);
+        (loss_sum, trained tokens, grad_norm, applied) of these micro-batches.
+
+        reduce (data parallelism): None, or a callable (gradients, tokens) -> gradients. After the backward of
+        every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as
+        one flat float32 array in an order fixed by the engine, with that token count; the array it returns
+        (same size) replaces them before the clipping and AdamW. Without it a step reads nothing back but
+        its losses and norm."""
 
     # ---- state a checkpoint keeps ----
     def optimizer_state(self) -> dict: ...

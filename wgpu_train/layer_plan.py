@@ -13,7 +13,6 @@ from .config import ModelConfig
 INPUT = "x_in"       # the layer's input activation (the residual stream)
 OUTPUT = "x_out"     # its output: the next layer's INPUT, or the final norm's input after the last layer
 CARRY = "d_res"      # the gradient buffer of the residual stream: the layer's OUTPUT's, then its INPUT's
-KINDS = ("rmsnorm", "linear", "rope", "attention", "swiglu", "geglu", "add", "scale")
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,7 @@ class LayerPlan:
         unknown += [g for op in ops for g in op.grads_in + op.grads_out if g not in grad_widths]
         if unknown or any(op.kind not in KINDS for op in ops):
             raise ValueError(f"layer plan: unknown op kinds or buffers {sorted(set(unknown))}")
+        _check_buffers(ops)
         return cls(ops, dict(widths), dict(grad_widths), _accumulate_flags(ops))
 
     def backward_steps(self):
@@ -80,7 +80,7 @@ class LayerPlan:
         return {"q": cfg.num_attention_heads, "kv": cfg.num_key_value_heads, "": 1}[op.heads]
 
 
-_BACKWARD_READS = {          # the activations each kind's backward reads
+_BACKWARD_READS = {          # the op kinds, and the activations each one's backward reads
     "rmsnorm": lambda op: (op.inputs[0], op.outputs[1]),
     "linear": lambda op: op.inputs,
     "rope": lambda op: (),
@@ -90,6 +90,26 @@ _BACKWARD_READS = {          # the activations each kind's backward reads
     "add": lambda op: (),
     "scale": lambda op: (),
 }
+KINDS = tuple(_BACKWARD_READS)
+
+
+def _check_buffers(ops: tuple):
+    """Refuse plans the engines' buffer sharing cannot run: only the last op writes OUTPUT, and it neither
+    reads INPUT (forward-only buckets hold every layer's input and output in one buffer) nor needs its own
+    outputs in its backward (gradient checkpointing does not recompute it); an op writing in place does not
+    overwrite what an earlier op's backward reads."""
+    last = ops[-1]
+    if any(OUTPUT in op.outputs for op in ops[:-1]) or OUTPUT not in last.outputs:
+        raise ValueError("layer plan: the last op, and only it, writes the layer's output")
+    if INPUT in last.inputs or last.residual == INPUT:
+        raise ValueError("layer plan: the op that writes the layer's output may not read its input")
+    if set(_BACKWARD_READS[last.kind](last)) & set(last.outputs):
+        raise ValueError(f"layer plan: the last op ({last.kind}) may not need its own outputs in its backward")
+    for i, op in enumerate(ops):
+        for x in set(op.inputs) & set(op.outputs):
+            if any(x in _BACKWARD_READS[o.kind](o) for o in ops[:i + 1]):
+                raise ValueError(f"layer plan: {op.kind} overwrites {x}, which its own or an earlier op's backward "
+                                 f"reads")
 
 
 def _accumulate_flags(ops: tuple) -> tuple:

@@ -2,6 +2,8 @@
 logits) in bytes, computed from the same plan the WebGPU engine allocates from."""
 from __future__ import annotations
 
+import math
+
 from .config import LoraConfig, ModelConfig
 from .errors import DeviceError
 from .layer_plan import INPUT, layer_plan
@@ -221,3 +223,16 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: 
                 f"activation '{name}' for batch {batch_size} x {seq_len} tokens needs {elems * F32 / 2**20:.0f} MiB, "
                 f"over the device's max storage binding of {max_binding / 2**20:.0f} MiB: reduce the batch size "
                 f"or --max-seq-len")
+
+
+def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
+    """Trainable parameters of a model: the LoRA matrices and modules_to_save copies, or every weight (from
+    shapes, nothing read back)."""
+    from .hf import expected_shapes
+    from .saved_modules import count
+
+    if lora is not None:
+        return sum(r * sum(cfg.linear_shape(p.rsplit(".", 1)[1])) for p, (r, _) in
+                   lora.modules(cfg.num_hidden_layers).items()) + count(cfg, lora)
+    n = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)

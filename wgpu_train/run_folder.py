@@ -36,7 +36,7 @@ def run_folder(resume) -> Path:
 
 
 # say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
-INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path")
+INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")
 
 
 def run_settings(resume) -> dict:

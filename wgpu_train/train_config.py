@@ -42,7 +42,8 @@ class TrainConfig:
                                  f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
     backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
                         choices=BACKEND_CHOICES)
-    device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`)")
+    device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
+                                    "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
     base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16, "
                                       "nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
@@ -128,6 +129,16 @@ class TrainConfig:
                                     "metrics.jsonl row (0: off)")
     report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
                                   "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
+    # ---- data parallelism on Ray Train (distributed.py, data_parallel.py) ----
+    num_workers: int | None = _opt(None, "train on this many Ray Train workers, each on its own WebGPU adapter "
+                                         "(--device may list one per worker; workers may share one): a step's "
+                                         "batch is batch_size x grad_accum x num_workers, its gradients averaged "
+                                         "over all of them; needs pip install 'wgpu-train[ray]'; default: one "
+                                         "process, no Ray")
+    ray_address: str | None = _opt(None, "with --num-workers: the Ray cluster to join (auto, or HOST:PORT of its "
+                                         "head); default: start a local Ray instance")
+    max_failures: int = _opt(1, "with --num-workers: restart the workers this many times after a failure, from "
+                                "the last checkpoint (see --save-every)")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -175,6 +186,9 @@ class TrainConfig:
              "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
         need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
         tracking.parse_report_to(self.report_to)
+        need(self.num_workers is None or self.num_workers >= 1, f"num_workers must be at least 1, got {self.num_workers}")
+        need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
+        need(self.ray_address is None or self.num_workers, "ray_address joins a Ray cluster for --num-workers: give both")
 
     def continued_lora(self, adapter: LoraConfig, num_hidden_layers: int) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,

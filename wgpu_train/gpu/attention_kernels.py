@@ -69,10 +69,12 @@ class AttentionProblem:
                 self.aligned)
 
     def key(self) -> str:
-        """The tuner's key: pass, rows bucket (next power of two of B * T), heads, D, window or not, alignment."""
+        """The tuner's key: pass, rows bucket (next power of two of B * T), heads, D, window or not, soft-cap or
+        not, alignment."""
         bucket = 1 << max(0, (self.B * self.T - 1).bit_length())
         return (f"attention {self.pass_} bt{bucket} h{self.Hq}/{self.Hkv} d{self.D}"
-                f"{' window' if self.window else ''} {'v4' if self.aligned else 'any'}")
+                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} "
+                f"{'v4' if self.aligned else 'any'}")
 
     @property
     def rep(self) -> int:

@@ -1,5 +1,7 @@
 """Kernel benchmarks for `wgpu-train bench`: each figure is reported next to the adapter's own fp32 FMA
 peak measured in the same run (and GEMM also next to a naive shared-memory kernel), never alone.
+(Over 450 lines on purpose: every kernel family's benchmark is a short registered function sharing this
+file's timer, FMA peak, correctness checks and table, which a split would scatter.)
 
 Kernel families register a function in BENCHES (with @register("name")): `fn(rt, ctx) -> list[dict]`,
 where each dict has at least "name", "shape" and "gflops" (or "gbps"); `run_bench` adds
@@ -50,6 +52,14 @@ def _mfu(rt):
 
 
 SECTIONS["mfu"] = _mfu
+
+
+def _data_parallel(rt):
+    from ..bench_data_parallel import bench_data_parallel
+    return bench_data_parallel()
+
+
+SECTIONS["data_parallel"] = _data_parallel
 
 
 def register(name: str):

@@ -53,12 +53,12 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
         # per layer (D/2,): one buffer per distinct set of frequencies (Gemma: local and global layers)
-        freqs = {}
-        for i in range(cfg.num_hidden_layers):
-            f = cfg.inv_freq(i).astype(np.float32)
-            freqs.setdefault(f.tobytes(), f)
-        uploaded = {key: rt.upload(f, "inv_freq") for key, f in freqs.items()}
-        self.inv_freqs = [uploaded[cfg.inv_freq(i).astype(np.float32).tobytes()] for i in range(cfg.num_hidden_layers)]
+        freqs = [cfg.inv_freq(i).astype(np.float32) for i in range(cfg.num_hidden_layers)]
+        uploaded: dict = {}
+        for f in freqs:
+            if f.tobytes() not in uploaded:
+                uploaded[f.tobytes()] = rt.upload(f, "inv_freq")
+        self.inv_freqs = [uploaded[f.tobytes()] for f in freqs]
         self.plan = layer_plan(cfg)
         self.lora: dict[str, GpuLora] = {}
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
@@ -396,11 +396,14 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         self._count(before)
         return float(loss_sum), int(round(count))
 
-    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...] in one submit.
 
         The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
-        finite flag. Returns (loss_sum, token_count, grad_norm, applied). With profile=True,
+        finite flag. Returns (loss_sum, token_count, grad_norm, applied). With `reduce` (the engine
+        protocol's), the step is two submits: the first ends by reading the gradients back (the packed LoRA
+        gradient buffer in one readback; with full fine-tuning, one per gradient buffer), `reduce`'s result is
+        uploaded in one write per buffer, and the second clips and updates. With profile=True,
         `last_profile` holds GPU seconds per op group (timestamp queries), or the wall-clock time of
         the submission where the adapter has no timestamp queries; profile="total" gives the GPU's
         busy time as one figure. `last_timing` holds the Python recording time and the step's wall time.
@@ -429,6 +432,10 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             self._record_backward(rec, acts)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
         self._training = False
+        first = {}
+        if reduce is not None:
+            first = self._reduce_gradients(rec, reduce, total, profile)
+            rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
         rec.read_back(self.results, np.float32, (2 * n_micro + 3,))
@@ -436,10 +443,14 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
         rec.submit()
         out = rec.result()
         done = time.perf_counter()
-        self.last_timing = {"record_s": submitted - started, "wall_s": done - started}
+        self.last_timing = {"record_s": submitted - started, "wall_s": done - started,
+                            **({"reduce_s": first["reduce_s"]} if first else {})}
         self._plan_submissions(rec, done - submitted)
         if profile:
-            self.last_profile = rec.timings() or {"whole step (wall clock: no timestamp-query)": done - submitted}
+            prof = dict(first.get("profile", {}))
+            for k, v in rec.timings().items():
+                prof[k] = prof.get(k, 0.0) + v
+            self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
         loss_sum = float(out[0:2 * n_micro:2].sum())
         norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
@@ -447,6 +458,41 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, KvCacheGeneration):
             self.counters["nonfinite_skipped"] += 1
         self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
         return loss_sum, total, norm if finite else float("nan"), bool(finite)
+
+    def _grad_spans(self) -> list:
+        """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
+        span (the packed buffer) with LoRA, one per gradient buffer with full fine-tuning."""
+        spans: list = []
+        for _, grad, _, _, n in self._groups:
+            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
+            if spans and spans[-1][0] is buf and spans[-1][1] + spans[-1][2] == off:
+                spans[-1][2] += n
+            else:
+                spans.append([buf, off, n])
+        return spans
+
+    def _reduce_gradients(self, rec, reduce, total: int, profile) -> dict:
+        """Submit what `rec` holds, reading the gradients back (the first span with it), pass them through
+        `reduce` and upload its result; {"reduce_s": seconds in reduce, "profile": GPU seconds per op group}."""
+        spans = self._grad_spans()
+        if spans:
+            buf, off, n = spans[0]
+            rec.read_back(buf, np.float32, (n,), off * F32)
+        rec.submit()
+        parts = [rec.result()] if spans else []
+        prof = rec.timings() if profile else {}
+        parts += [self.rt.read(buf, np.float32, (n,), offset=off * F32) for buf, off, n in spans[1:]]
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        t0 = time.perf_counter()
+        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+        reduce_s = time.perf_counter() - t0
+        if out.shape != flat.shape:
+            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+        at = 0
+        for buf, off, n in spans:
+            self.rt.write(buf, out[at:at + n], off * F32)
+            at += n
+        return {"reduce_s": reduce_s, "profile": prof}
 
     def _plan_submissions(self, rec, last_part_s: float):
         """Split the next steps into submissions of at most about max_submit_s of GPU work each (Windows resets a

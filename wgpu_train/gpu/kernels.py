@@ -1,5 +1,7 @@
 """Python wrappers for the WGSL op kernels: one function per op (same names and argument order as
 reference/ops.py and reference/optim.py), recording dispatches into a Recorder; nothing is read back.
+(Over 450 lines on purpose: the one catalogue of op wrappers, mirroring reference/ops.py, that every
+recording imports as K; the tuned families' wrappers live in gemm.py, quant.py and attention_kernels.py.)
 
 Conventions shared by every wrapper:
 - The Recorder comes first, then the output buffers, then the inputs and weights, then the sizes.
@@ -111,11 +113,12 @@ def scale(rec, y, x, s, n):
 
 
 def softcap_forward(rec, y, x, cap, n):
-    """y = cap * tanh(x / cap) over n elements (logit soft-capping); in place when y is x."""
+    """y = cap * tanh(x / cap) over n elements (logit soft-capping); in place when y is x. Its backward is
+    cross_entropy_backward's softcap factor (and the attention kernels' own)."""
     if _same(y, x):
-        _elems(rec, "elementwise", "softcap_inplace", n, [(y, n, "y", True)], (n,), (cap,))
+        _elems(rec, "elementwise", "softcap_forward_inplace", n, [(y, n, "y", True)], (n,), (cap,))
     else:
-        _elems(rec, "elementwise", "softcap", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (cap,))
+        _elems(rec, "elementwise", "softcap_forward", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (cap,))
 
 
 def copy(rec, y, x, n):

@@ -146,7 +146,7 @@ class LayerRecorder:
                          acts.n * self.plan.widths[op.inputs[0]])
 
     def _forward_geglu(self, rec, op, i, acts, buf, kv):
-        rec.section(self._where + " swiglu")
+        rec.section(self._where + " swiglu")     # the gated activation's section, either kind
         K.geglu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
                         acts.n * self.plan.widths[op.inputs[0]])
 
@@ -263,7 +263,7 @@ class LayerRecorder:
 
     def _backward_geglu(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "geglu's backward writes its gradients"
-        rec.section(self._where + " swiglu")
+        rec.section(self._where + " swiglu")     # the gated activation's section, either kind
         K.geglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.plan.widths[op.inputs[0]])
 
     def _backward_add(self, rec, op, i, acts, a, dys, dxs, accumulate):

@@ -227,10 +227,8 @@ class NumpyEngine(DropoutState):
             x = a.pop(OUTPUT)
             layers.append(a)
         xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
-        raw = ops.linear_forward(xf, self.lm_head())                            # (N, V)
-        logits = ops.softcap_forward(raw, self.cfg.logit_softcap)
-        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf,
-                 "raw_logits": raw}
+        logits = ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap)   # (N, V)
+        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf}
         return logits.reshape(b, t, -1), cache
 
     def _embed(self, ids):
@@ -289,10 +287,10 @@ class NumpyEngine(DropoutState):
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, dlogits, cache):
-        """Accumulate gradients of every trainable tensor from dlogits (N, V); ops in reverse order."""
+        """Accumulate gradients of every trainable tensor from dlogits (N, V) (with respect to the uncapped
+        logits); ops in reverse order."""
         cfg = self.cfg
         head_name = self._head_name()
-        dlogits = ops.softcap_backward(dlogits, cache["raw_logits"], cfg.logit_softcap)
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(),
                                             need_weight_grad=head_name in self.grads)
         self._add_trained(head_name, dhead)
@@ -409,7 +407,8 @@ class NumpyEngine(DropoutState):
         flat = logits.reshape(-1, logits.shape[-1])
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         if count:
-            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, grad_scale), cache)
+            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, grad_scale, self.cfg.logit_softcap),
+                          cache)
         self.training = False
         return loss_sum, count
 
@@ -421,11 +420,12 @@ class NumpyEngine(DropoutState):
     def gradients(self) -> dict:
         return {k: v.astype(np.float32) for k, v in self.grads.items()}
 
-    def train_step(self, micro_batches, hp, step: int, profile: bool = False):
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...].
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
-        step equals the full-batch step. Returns (loss_sum, token_count, grad_norm, applied).
+        step equals the full-batch step; `reduce` (the engine protocol's) may replace them before the
+        update. Returns (loss_sum, token_count, grad_norm, applied).
         """
         started = time.perf_counter()
         total = sum(int((t != ops.IGNORE_INDEX).sum()) for _, t, _, _ in micro_batches)
@@ -433,11 +433,27 @@ class NumpyEngine(DropoutState):
         loss_sum = 0.0
         for ids, targets, seg, pos in micro_batches:
             loss_sum += self.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+        if reduce is not None:
+            self._reduce_grads(reduce, total)
         norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
                                             hp.max_grad_norm, step, hp.lora_b_lr_ratio)
         if profile:
             self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied
+
+    def _reduce_grads(self, reduce, total: int):
+        """Pass the gradients through `reduce` as one flat float32 array (self.grads' order) and take its result."""
+        names = list(self.grads)
+        flat = np.concatenate([self.grads[k].astype(np.float32).reshape(-1) for k in names]) if names else \
+            np.zeros(0, np.float32)
+        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+        if out.shape != flat.shape:
+            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+        at = 0
+        for k in names:
+            g = self.grads[k]
+            g[...] = out[at:at + g.size].reshape(g.shape)
+            at += g.size
 
     def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
                        lora_b_lr_ratio=1.0):

@@ -259,13 +259,15 @@ def cross_entropy_forward(logits, targets):
     return loss_sum, int(valid.sum()), lse
 
 
-def cross_entropy_backward(logits, targets, lse, grad_scale):
-    """dlogits (N, V) = grad_scale * (softmax - onehot) on counted rows, zero elsewhere."""
+def cross_entropy_backward(logits, targets, lse, grad_scale, softcap: float = 0.0):
+    """dlogits (N, V) = grad_scale * (softmax - onehot) on counted rows, zero elsewhere. softcap > 0: the
+    logits are soft-capped ones (softcap_forward) and dlogits is with respect to the uncapped logits, the
+    cap's derivative 1 - (logits / softcap)^2 taken from the capped values."""
     valid = targets != IGNORE_INDEX
     dlogits = np.exp(logits - lse[:, None])
     dlogits[np.arange(logits.shape[0]), np.where(valid, targets, 0)] -= 1.0
     dlogits *= np.where(valid, grad_scale, 0.0).astype(logits.dtype)[:, None]
-    return dlogits
+    return dlogits * (1.0 - (logits / softcap) ** 2) if softcap else dlogits
 
 
 def shift_labels(labels):

@@ -1,0 +1,25 @@
+"""A Ray worker-process setup hook for tests/test_distributed.py: a worker kills its own process when asked
+(a file kill-rank<R>-step<S> in $WGPU_TRAIN_TEST_FAULTS, removed first so that a restarted worker goes on)."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def install():
+    folder = os.environ.get("WGPU_TRAIN_TEST_FAULTS")
+    if not folder:
+        return
+    from wgpu_train.data_parallel import DataParallelTrainer
+
+    train_step = DataParallelTrainer._train_step
+
+    def killing_train_step(self, micro, hp, step, **extra):
+        order = Path(folder) / f"kill-rank{self.rank}-step{step}"
+        if order.exists():
+            order.unlink()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return train_step(self, micro, hp, step, **extra)
+
+    DataParallelTrainer._train_step = killing_train_step
