@@ -36,10 +36,11 @@ def build_tokenizer(folder: Path):
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def make_model_dir(folder: Path) -> Path:
-    """A random 2-layer Llama whose vocabulary is the tokenizer's, with the tokenizer files beside it."""
+def make_model_dir(folder: Path, arch: str = "llama") -> Path:
+    """A random 2-layer model (Llama unless `arch` says otherwise) whose vocabulary is the tokenizer's, with the
+    tokenizer files beside it."""
     vocab = build_tokenizer(folder)
-    save_model(build_model("llama", vocab_size=vocab), folder)
+    save_model(build_model(arch, vocab_size=vocab), folder)
     return folder
 
 

@@ -323,6 +323,32 @@ def test_merge(trained, workspace, tmp_path, capsys):
     np.testing.assert_allclose(load_model(out).logits(ids), adapted.logits(ids), rtol=1e-4, atol=1e-4)
 
 
+def test_gemma2_finetune_generate_merge(workspace, tmp_path, capsys):
+    """A Gemma 2 folder through the command line on the WebGPU engine: finetune, generate, then merge, whose
+    folder transformers loads to our merged logits (soft-caps, sandwich norms and GeGLU included)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, data = workspace
+    model_dir = make_model_dir(tmp_path / "gemma2", arch="gemma2")
+    run = tmp_path / "run"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "wgpu",
+                 "--max-steps", "3", "--lora-targets", "all-linear", "--lr", "0.01", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and math.isfinite(summary["train_loss_last"])
+    assert main(["generate", "--model", str(model_dir), "--adapter-path", str(run), "--prompt", "hello",
+                 "--max-new-tokens", "3", "--backend", "wgpu"]) == 0
+    merged = tmp_path / "merged"
+    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(merged)]) == 0
+    ids = np.array([[5, 40, 77, 12, 9, 3]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    adapted = load_model(model_dir)
+    adapted.load_adapter(run)
+    np.testing.assert_allclose(theirs, adapted.logits(ids), rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+
+
 # ---- run settings: epochs against a recipe's max_steps, resume, the adapter's prompt settings ---------------
 
 def test_epochs_given_drop_the_recipes_max_steps(capsys, tmp_path):

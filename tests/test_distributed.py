@@ -4,6 +4,7 @@ and WebGPU engines), a worker killed mid-run is restarted from the last checkpoi
 uninterrupted one, a 2-worker checkpoint resumes in 1 process; the bad inputs are one line and exit code 2."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,23 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(faults, workspace, tw
     assert summary["resumed_from"] == str(out / "checkpoints" / "step-000004")
     assert any("resuming at step 4" in line for line in lines), lines
     assert_same_adapter(out, two_workers[0], 1e-6)
+    # metrics.jsonl was cut back to the checkpoint: one training row per step
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "grad_norm" in r] == list(range(1, 9))
+
+
+def test_a_restarted_worker_continues_an_adapter_as_recorded(faults, workspace, tmp_path):
+    """--adapter-path with the adapter's base as the model and its rank (4, not the default): the restarted
+    workers take both from the run's record, as the first ones took them from the adapter."""
+    Trainer(config(workspace, tmp_path / "adapter", max_steps=2, lora_rank=4)).run()
+    kw = dict(model=None, adapter_path=str(tmp_path / "adapter"), max_steps=6)
+    Trainer(config(workspace, tmp_path / "one", grad_accum=2, **kw)).run()
+    (faults / "kill-rank0-step3").touch()
+    summary = finetune_on_ray(config(workspace, tmp_path / "two", num_workers=2, **kw), log=lambda line: None)
+    assert not (faults / "kill-rank0-step3").exists()
+    assert summary["resumed_from"] == str(tmp_path / "two" / "checkpoints" / "step-000002")
+    assert read_adapter(tmp_path / "two")[0].r == 4
+    assert_same_adapter(tmp_path / "two", tmp_path / "one", 1e-6)
 
 
 def test_two_workers_equal_one_process_wgpu(faults, workspace, default_rt):

@@ -110,7 +110,7 @@ class DataParallelTrainer(Trainer):
         totals = self.collective.all_reduce(np.array([loss_sum, count, float(stop)], np.float64))
         if totals[2] > 0 and not self._stop_requested:
             self._stop_requested = True
-            self.log("interrupted on the driver: finishing this step, then saving a checkpoint")
+            self.log("interrupted on the driver: saving a checkpoint after this step")
         self.step_times.append((time.perf_counter() - started, self._reduce_s, self._wait_s))
         return float(totals[0]), int(round(totals[1])), norm, applied
 

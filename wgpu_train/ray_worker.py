@@ -75,6 +75,10 @@ def adapter_for(device: str | None, local_rank: int, local_workers: int) -> tupl
     return str(mine.index), len(range(local_rank % len(same), local_workers, len(same)))
 
 
+# what a run resolves from --adapter-path as it starts, and records in train_config.json
+RECORDED = ("model", "lora_rank", "lora_alpha", "lora_targets", "rslora", "lora_dropout")
+
+
 def worker(loop_config: dict):
     """The function each Ray Train worker runs: one DataParallelTrainer; a restarted worker group resumes from
     the last checkpoint rank 0 wrote, and a user error is kept for the driver to print."""
@@ -82,6 +86,7 @@ def worker(loop_config: dict):
     import ray.train
 
     from .data_parallel import DataParallelTrainer
+    from .run_folder import run_settings
     from .train_config import TrainConfig
 
     control = loop_config["control"]
@@ -96,8 +101,11 @@ def worker(loop_config: dict):
         cfg = TrainConfig(**loop_config["config"])
         restarted = ray.get(control.start.remote(rank)) > 1
         last = ray.get(control.last_checkpoint.remote())
-        if last is not None:            # a restart: continue the run from its last checkpoint
-            cfg = dataclasses.replace(cfg, resume=last, adapter_path=None)
+        if last is not None:            # a restart: continue the run from its last checkpoint, with the model
+            # and LoRA settings it recorded (those of an --adapter-path it continues)
+            recorded = run_settings(last)
+            cfg = dataclasses.replace(cfg, resume=last, adapter_path=None,
+                                      **{k: recorded[k] for k in RECORDED if k in recorded})
         elif restarted:                 # a restart before any checkpoint: what is in --out is this run's
             cfg = dataclasses.replace(cfg, overwrite=True)
         trainer = DataParallelTrainer(cfg, TorchCollective(), sink)

@@ -38,7 +38,9 @@ class Trainer(TrainerSetup, TrainerRecords):
 
     Each optimizer step draws one batch of batch_size * grad_accum samples from a seeded BatchStream and feeds
     it to engine.train_step as grad_accum micro-batches of batch_size rows; the engine normalises gradients by
-    the trained tokens of the whole step, so accumulation changes memory use, not the result. The trainer uses
+    the trained tokens of the whole step, so accumulation changes memory use, not the result. With num_workers
+    the step is grad_accum * num_workers micro-batches (data_parallel.py shares them out; this class alone
+    trains them all, to the same result), and a resumed run keeps its checkpoint's number. The trainer uses
     only the engine protocol, so it runs on every backend.
     """
 

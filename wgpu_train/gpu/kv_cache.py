@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DeviceError
-from ..reference.model import check_rows, forward_cached
+from ..reference.kv_cache import check_rows, forward_cached
 from .operands import at
 from .tensors import F32
 

@@ -34,7 +34,7 @@ DROP_SLOWER = 3.0            # a candidate whose first timed run is this much sl
 CACHE_VERSION = 1
 _SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
             "shaders/attention.wgsl", "shaders/attention_regs.wgsl", "shaders/attention_tiles.wgsl",
-            "shaders/attention_common.wgsl", "shaders/tanh.wgsl",
+            "shaders/attention_common.wgsl",
             "wgpu_train/gpu/gemm_kernels.py", "wgpu_train/gpu/gemm_tiled_src.py", "wgpu_train/gpu/quant_kernels.py",
             "wgpu_train/gpu/quant_tiled.py", "wgpu_train/gpu/attention_kernels.py", "wgpu_train/gpu/attention_src.py")
 _pins: list = []
@@ -81,14 +81,19 @@ def _pin() -> str | None:
 # ---- the cache file ------------------------------------------------------------------------------
 
 def sources_checksum() -> str:
-    """sha256 over the tuned kernels' shaders and the modules that define the candidates."""
-    root = Path(__file__).resolve().parents[2]
+    """sha256 over the tuned kernels' shaders (as compiled: with the files they include) and the modules that
+    define the candidates."""
+    from .runtime import shader_text
+
+    here = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for rel in _SOURCES:
-        p = root / rel
-        if not p.exists():    # an installed wheel keeps shaders in wgpu_train/_shaders
-            p = Path(__file__).resolve().parents[1] / "_shaders" / Path(rel).name
-        h.update(rel.encode() + b"\0" + (p.read_bytes() if p.exists() else b"") + b"\0")
+        if rel.endswith(".wgsl"):
+            text = shader_text(Path(rel).stem).encode()
+        else:
+            p = here / Path(rel).name
+            text = p.read_bytes() if p.exists() else b""
+        h.update(rel.encode() + b"\0" + text + b"\0")
     return h.hexdigest()[:16]
 
 

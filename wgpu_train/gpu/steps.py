@@ -1,0 +1,219 @@
+"""The WebGPU engine's steps (StepRecording, a part of WgpuEngine): logits, loss, forward-backward and the whole
+optimizer step recorded into one command encoder (or several submissions, planned from the last step's time),
+the dropout seeds of each micro-batch, a data-parallel gradient reduction, and the counted submissions."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..reference import ops as ref_ops
+from . import kernels as K
+from .buffers import GpuLora
+from .operands import at
+from .tensors import F32
+
+
+class StepRecording:
+    """WgpuEngine's steps (a mixin: it records with the engine's layers, buckets and optimizer)."""
+
+    _training = False
+    _where = ""
+
+    def _submit(self, rec):
+        before = dict(self.rt.counters)
+        rec.submit()
+        self._count(before)
+
+    def _count(self, before):
+        for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read"):
+            self.counters[k] += self.rt.counters[k] - before[k]
+
+    def _reserve_seed_slots(self, n_micro: int):
+        """Room for the dropout seeds of n_micro micro-batches (before anything of the step is recorded)."""
+        if self.seeds.size < n_micro * self.n_modules * F32:
+            old, self.seeds = self.seeds, self.rt.buffer(n_micro * self.n_modules * F32, "dropout_seeds")
+            self.rt.release(old)
+
+    def _seed_slot(self, lora: GpuLora) -> int:
+        return self._micro * self.n_modules + lora.module_id
+
+    def _write_seeds(self, slot: int):
+        """Dropout seeds of every module for micro-batch `slot`, as reference.model computes them."""
+        self.dropout_calls += 1
+        self._micro = slot
+        if not any(m.dropout > 0 for m in self.lora.values()):
+            return
+        seeds = np.zeros(self.n_modules, np.uint32)
+        base = ref_ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls))
+        for m in self.lora.values():
+            seeds[m.module_id] = ref_ops.pcg_hash(base ^ np.uint32(m.module_id))
+        self.rt.write(self.seeds, seeds, slot * self.n_modules * F32)
+
+    def logits(self, ids, segment_ids, position_ids):
+        b, t = ids.shape
+        acts = self._activations(b, t, train=False)
+        self._upload_batch(acts, ids, segment_ids, position_ids)
+        before = dict(self.rt.counters)
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts)
+        rec.submit()
+        v, c = self.cfg.vocab_size, self.cfg.hidden_size
+        out = np.empty((acts.n, v), np.float32)
+        for r0 in range(0, acts.n, acts.head_rows):
+            rows = min(acts.head_rows, acts.n - r0)
+            rec = self.rt.recorder()
+            self._head_logits(rec, acts, at(acts.xf, r0 * c), rows)
+            rec.submit()
+            out[r0:r0 + rows] = self.rt.read(acts.logits, np.float32, (rows, v))
+        self._count(before)
+        return out.reshape(b, t, v)
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        b, t = ids.shape
+        acts = self._activations(b, t, train=False)
+        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
+        before = dict(self.rt.counters)
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts)
+        self._record_head(rec, acts, backward=False)
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
+        rec.read_back(self.results, np.float32, (2,))
+        rec.submit()
+        loss_sum, count = rec.result()
+        self._count(before)
+        return float(loss_sum), int(round(count))
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        """Forward, loss and backward of one micro-batch (gradients accumulate); returns (loss_sum, count)."""
+        b, t = ids.shape
+        acts = self._activations(b, t, train=True)
+        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
+        self.rt.write(self.step_buf, np.array([grad_scale], np.float32))
+        self._write_seeds(0)
+        before = dict(self.rt.counters)
+        rec = self.rt.recorder()
+        self._training = True
+        self._record_forward(rec, acts)
+        self._record_backward(rec, acts)
+        self._training = False
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
+        rec.read_back(self.results, np.float32, (2,))
+        rec.submit()
+        loss_sum, count = rec.result()
+        self._count(before)
+        return float(loss_sum), int(round(count))
+
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...] in one submit.
+
+        The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
+        finite flag. Returns (loss_sum, token_count, grad_norm, applied). With `reduce` (the engine
+        protocol's), the step is two submits: the first ends by reading the gradients back (the packed LoRA
+        gradient buffer in one readback; with full fine-tuning, one per gradient buffer), `reduce`'s result is
+        uploaded in one write per buffer, and the second clips and updates. With profile=True,
+        `last_profile` holds GPU seconds per op group (timestamp queries), or the wall-clock time of
+        the submission where the adapter has no timestamp queries; profile="total" gives the GPU's
+        busy time as one figure. `last_timing` holds the Python recording time and the step's wall time.
+        """
+        started = time.perf_counter()
+        total = sum(int((tg != ref_ops.IGNORE_INDEX).sum()) for _, tg, _, _ in micro_batches)
+        rt = self.rt
+        before = dict(rt.counters)
+        n_micro = len(micro_batches)
+        if self.results.size < (2 * n_micro + 3) * F32:
+            self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
+        rt.write(self.step_buf, np.array([1.0 / max(total, 1)], np.float32))
+        self._reserve_seed_slots(n_micro)
+        rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
+        self._record_zero_grads(rec)
+        self._training = True
+        used = []
+        for j, (ids, targets, seg, pos) in enumerate(micro_batches):
+            # every micro-batch has its own input slot: queue writes all land before the submission runs
+            b, t = ids.shape
+            acts = self._activations(b, t, train=True, keep=used)
+            used.append(acts.key)
+            self._upload_batch(acts, ids, seg, pos, targets, slot=j)
+            self._write_seeds(j)
+            self._record_forward(rec, acts)
+            self._record_backward(rec, acts)
+            K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
+        self._training = False
+        first = {}
+        if reduce is not None:
+            first = self._reduce_gradients(rec, reduce, total, profile)
+            rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
+        norm_at = (self.results, 2 * n_micro)
+        self._record_optimizer(rec, hp, step, norm_at)
+        rec.read_back(self.results, np.float32, (2 * n_micro + 3,))
+        submitted = time.perf_counter()
+        rec.submit()
+        out = rec.result()
+        done = time.perf_counter()
+        self.last_timing = {"record_s": submitted - started, "wall_s": done - started,
+                            **({"reduce_s": first["reduce_s"]} if first else {})}
+        self._plan_submissions(rec, done - submitted)
+        if profile:
+            prof = dict(first.get("profile", {}))
+            for k, v in rec.timings().items():
+                prof[k] = prof.get(k, 0.0) + v
+            self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
+        self._count(before)
+        loss_sum = float(out[0:2 * n_micro:2].sum())
+        norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
+        if not finite:
+            self.counters["nonfinite_skipped"] += 1
+        self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
+        return loss_sum, total, norm if finite else float("nan"), bool(finite)
+
+    def _grad_spans(self) -> list:
+        """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
+        span (the packed buffer) with LoRA, one per gradient buffer of a trained base weight (full fine-tuning,
+        modules_to_save)."""
+        spans: list = []
+        for _, grad, _, _, n in self._groups:
+            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
+            if spans and spans[-1][0] is buf and spans[-1][1] + spans[-1][2] == off:
+                spans[-1][2] += n
+            else:
+                spans.append([buf, off, n])
+        return spans
+
+    def _reduce_gradients(self, rec, reduce, total: int, profile) -> dict:
+        """Submit what `rec` holds, reading the gradients back (the first span with it), pass them through
+        `reduce` and upload its result; {"reduce_s": seconds in reduce, "profile": GPU seconds per op group}."""
+        spans = self._grad_spans()
+        if spans:
+            buf, off, n = spans[0]
+            rec.read_back(buf, np.float32, (n,), off * F32)
+        rec.submit()
+        parts = [rec.result()] if spans else []
+        prof = rec.timings() if profile else {}
+        parts += [self.rt.read(buf, np.float32, (n,), offset=off * F32) for buf, off, n in spans[1:]]
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        t0 = time.perf_counter()
+        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+        reduce_s = time.perf_counter() - t0
+        if out.shape != flat.shape:
+            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+        at = 0
+        for buf, off, n in spans:
+            self.rt.write(buf, out[at:at + n], off * F32)
+            at += n
+        return {"reduce_s": reduce_s, "profile": prof}
+
+    def _plan_submissions(self, rec, last_part_s: float):
+        """Split the next steps into submissions of at most about max_submit_s of GPU work each (Windows resets a
+        device whose command buffer runs for 2 s, macOS has a watchdog too), from the time the last submission
+        of this step took to finish: the earlier ones ran while the rest was recorded, so only the last one's
+        time is the GPU's alone."""
+        part = rec.dispatches - rec.flushed_at
+        if last_part_s > self.max_submit_s and part > 1:
+            self._dispatch_budget = max(1, int(part * self.max_submit_s / last_part_s))
+        elif self._dispatch_budget and last_part_s < 0.5 * self.max_submit_s:
+            grown = 2 * self._dispatch_budget
+            self._dispatch_budget = 0 if grown >= rec.dispatches else grown
+

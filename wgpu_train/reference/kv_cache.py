@@ -1,0 +1,79 @@
+"""Generation with a KV cache on the NumPy engine (NumpyKvCache, a part of NumpyEngine): a key and a value
+array per layer, rows of several sequences decoded together; the argument checks both engines share."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..layer_plan import OUTPUT
+from . import ops
+
+
+def check_rows(ids, rows, positions, last, kv: dict, vocab_size: int) -> tuple:
+    """The arguments of an engine's forward_rows as int arrays, after checking that they fit the cache and
+    the vocabulary, and that no two tokens of the call write the same cache slot (row, position)."""
+    ids, rows, positions, last = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (ids, rows, positions, last))
+    n = ids.shape[0]
+    if rows.shape[0] != n or positions.shape[0] != n:
+        raise ValueError(f"forward_rows: {n} ids but {rows.shape[0]} rows and {positions.shape[0]} positions")
+    if n and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"forward_rows: token ids must lie in [0, {vocab_size})")
+    if np.unique(rows * kv["max_len"] + positions).size < n:
+        raise ValueError("forward_rows: two tokens of one call write the same cache row and position")
+    if n and (rows.min() < 0 or rows.max() >= kv["batch"] or positions.min() < 0 or positions.max() >= kv["max_len"]):
+        raise ValueError(f"forward_rows: rows must lie in [0, {kv['batch']}) and positions in [0, {kv['max_len']})")
+    if last.size and (last.min() < 0 or last.max() >= n or last.size > n):
+        raise ValueError(f"forward_rows: need at most {n} indices `last` in [0, {n})")
+    return ids, rows, positions, last
+
+
+def forward_cached(engine, ids, kv: dict) -> np.ndarray:
+    """Every row b of the cache takes tokens ids[b] (B, Tq) after its kv["len"] cached ones (forward_rows with
+    all rows at the same length); returns logits (B, V) of each row's last token."""
+    b, tq = ids.shape
+    start = kv["len"]
+    if b > kv["batch"] or start + tq > kv["max_len"]:
+        raise ValueError("KV cache is full")
+    rows = np.repeat(np.arange(b), tq)
+    positions = np.tile(np.arange(start, start + tq), b)
+    logits = engine.forward_rows(ids.reshape(-1), rows, positions, kv, np.arange(1, b + 1) * tq - 1)
+    kv["len"] = start + tq
+    return logits
+
+
+class NumpyKvCache:
+    """NumpyEngine's KV-cache generation (a mixin: it walks the engine's layer plan)."""
+
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """A KV cache of `batch` rows (sequences) of up to max_len positions each."""
+        cfg = self.cfg
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
+                "batch": batch, "max_len": max_len}
+
+    def free_kv_cache(self, kv: dict):
+        """Drop a KV cache's arrays (the engine protocol: the GPU engine frees its buffers)."""
+        kv["k"] = kv["v"] = None
+
+    def forward_cached(self, ids, kv: dict) -> np.ndarray:
+        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
+        return forward_cached(self, ids, kv)
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last) -> np.ndarray:
+        """n new tokens, each with its own cache row and position: ids, rows, positions (n,) int.
+
+        Every token's key and value is written into kv first; then token i attends to keys 0..positions[i]
+        of row rows[i], so one call prefills several ragged prompts packed together, or advances every row
+        by one token. Returns logits (m, V) float32 of the tokens at indices last (m,): only those go
+        through the final norm and lm_head.
+        """
+        from .model import _Walk
+
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
+        x = self._embed(ids)                                                      # (n, C)
+        self.training = False
+        walk = _Walk(1, ids.shape[0], positions[None], None, kv, rows)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self._layer_forward(i, x, walk)[OUTPUT]
+        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps,
+                                    self.cfg.norm_offset)                        # (m, C)
+        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)
