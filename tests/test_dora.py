@@ -137,7 +137,7 @@ def test_our_adapter_loads_in_peft_and_merges(tiny, tmp_path):
     merged = pm.merge_and_unload().state_dict()
     for name, w in model.merged_weights().items():
         if name.endswith("_proj.weight"):
-            assert_close(w, merged[name].numpy(), "merged_weights", name)
+            assert_close(w, merged[name].numpy(), "merged_dora_weights", name)
 
 
 def test_magnitude_starts_at_the_weight_norm(tiny):
@@ -420,8 +420,9 @@ def test_memory_estimate_is_what_the_engine_allocates(tiny, rt):
         model = load_model(folder, backend="wgpu", device=str(rt.info.index))
         model.add_lora(lora)
         eng = model.engine
-        state = sum(b.size for b in eng._state_buffers if b is not eng.partials) + sum(
-            b.size for b in eng._dora_buffers)
+        state = (sum(b.size for b in eng._state_buffers if b is not eng.partials)      # moments
+                 + sum(p.buf.size for p in eng._lora_packed)                             # parameters, gradients
+                 + sum(b.size for b in eng._dora_buffers))
         acts = eng._activations(1, 64, train=True)
         allocated = sum({id(b): b.size for layer in acts.layers for b in layer.values()}.values())
         allocated += sum(v.size for k, v in vars(acts).items() if hasattr(v, "destroy") and k != "logits" and k

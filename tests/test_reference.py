@@ -791,7 +791,7 @@ def test_peft_regex_and_path_targets_load_here(case, tmp_path):
 
 @pytest.mark.parametrize("settings, words", [
     (dict(exclude_modules=["model.layers.1.self_attn.q_proj"]), ("not supported: exclude_modules",)),
-    (dict(modules_to_save=["lm_head"]), ("not supported: modules_to_save=[\"lm_head\"]",)),
+    (dict(modules_to_save=["norm"]), ("modules_to_save 'norm' is not supported: only embed_tokens and lm_head",)),
     (dict(lora_bias=True), ("not supported: lora_bias=true",)),
     (dict(use_dora=True, init_lora_weights="pissa"), ("DoRA with LoRA init pissa is not supported",)),
     (dict(bias="lora_only"), ("not supported: bias=\"lora_only\"",)),

@@ -154,11 +154,9 @@ def read_trainable(ckpt, method: str) -> dict:
         return read_safetensors(ckpt / "model" / "model.safetensors")
     tensors = {}
     for k, v in read_adapter(ckpt / "adapter")[1].items():
-        k = k.replace(".default.weight", ".weight")
-        if k.startswith("base_model.model.") and k.endswith(".weight"):
-            k = k[len("base_model.model."):-len(".weight")]
-        elif k.startswith("base_model.model.") and k.endswith(".lora_magnitude_vector"):   # DoRA's, no ".weight"
-            k = k[len("base_model.model."):]
+        k = k.replace(".default.weight", ".weight").removeprefix("base_model.model.")
+        if ".lora_" in k:          # path.lora_A, path.lora_B; a modules_to_save copy keeps its weight name
+            k = k.removesuffix(".weight")
         tensors[k] = v
     return tensors
 

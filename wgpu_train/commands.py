@@ -382,7 +382,10 @@ def cmd_memory(args) -> int:
         lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets,
                           layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
                           else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
-                          use_dora=args.dora)
+                          use_dora=args.dora, modules_to_save=args.modules_to_save,
+                          ensure_weight_tying=args.ensure_weight_tying)
+    elif args.modules_to_save:
+        raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
     ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg.num_hidden_layers).items()}) if lora else {}
     dora = {m: cfg.linear_shape(m)[0] for m in lora.target_modules} if lora and lora.use_dora else {}
@@ -428,6 +431,8 @@ def _register_memory(sub):
     p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
     p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")
     p.add_argument("--dora", action="store_true", help="plan for DoRA (its magnitudes and their buffers)")
+    p.add_argument("--modules-to-save", default=None, help="modules trained in full beside LoRA, as in finetune")
+    p.add_argument("--ensure-weight-tying", action="store_true", help="one tied copy, as in finetune")
     p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES, help=f"(default: {d.base_dtype})")
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")

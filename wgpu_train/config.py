@@ -295,7 +295,7 @@ class LoraConfig:
     """LoRA hyper-parameters (use_dora: DoRA), with PEFT's meaning for every field (lora_layout.py resolves the per-layer ones:
     layers_to_transform / layers_pattern choose the layers, rank_pattern / alpha_pattern map a module-path
     pattern to its r / alpha; lora_init.py computes `init`: "default" (PEFT's True), "gaussian", "pissa",
-    "pissa_niter_K" or "olora")."""
+    "pissa_niter_K" or "olora"; saved_modules.py resolves modules_to_save with ensure_weight_tying)."""
 
     r: int = 8
     alpha: float = 16
@@ -308,10 +308,13 @@ class LoraConfig:
     alpha_pattern: dict = field(default_factory=dict)    # module-path pattern -> alpha
     init: str = "default"
     use_dora: bool = False        # DoRA: a trained magnitude per output row (PEFT's use_dora; dora.py)
+    modules_to_save: tuple = ()      # "embed_tokens" / "lm_head": full copies trained beside LoRA (saved_modules.py)
+    ensure_weight_tying: bool = False   # a tied model: one copy serves the embedding and lm_head (PEFT's)
 
     def __post_init__(self):
         from .lora_init import check_init
         from .lora_layout import check_layout
+        from .saved_modules import check_modules
 
         targets = self.target_modules
         if isinstance(targets, str):
@@ -334,6 +337,8 @@ class LoraConfig:
         if self.use_dora and self.init not in ("default", "gaussian"):
             raise ConfigError(f"DoRA with LoRA init {self.init} is not supported (its residual base and the "
                               f"conversion on save are not computed for DoRA); use init default or gaussian")
+        object.__setattr__(self, "modules_to_save", check_modules(self.modules_to_save))
+        object.__setattr__(self, "ensure_weight_tying", bool(self.ensure_weight_tying))
 
     @property
     def scale(self) -> float:

@@ -32,7 +32,13 @@ class Engine(Protocol):
     def lora_tensors(self) -> dict:
         """{module path: (A, B)} as float32 arrays."""
 
-    def set_full_finetune(self, enabled: bool = True) -> None: ...
+    def set_full_finetune(self, enabled: bool = True) -> None:
+        """Train every base weight (set_trained_base of all of them), or none."""
+
+    def set_trained_base(self, names, untie: bool = False) -> None:
+        """Train these base weights (HF names, stored in float32 from now on) beside any LoRA; the others are
+        frozen. untie (a tied model): lm_head.weight becomes a tensor of its own, a copy of the embedding;
+        False ties them again (modules_to_save, saved_modules.py)."""
 
     def set_gradient_checkpointing(self, on: bool = True) -> None: ...
 
@@ -41,7 +47,7 @@ class Engine(Protocol):
 
     def trainable(self) -> dict:
         """The trainable tensors by name (LoRA: path + ".lora_A" / ".lora_B", DoRA's path +
-        ".lora_magnitude_vector"; full: HF names)."""
+        ".lora_magnitude_vector"; trained base weights: HF names)."""
 
     def set_trainable(self, tensors: dict) -> None: ...
 

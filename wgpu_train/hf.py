@@ -196,6 +196,8 @@ def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
     raw["torch_dtype"] = raw["dtype"] = "float32"
+    if cfg.tie_word_embeddings and "lm_head.weight" in weights:   # a tied model's head trained apart (modules_to_save)
+        raw["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     write_safetensors(out / "model.safetensors", {k: v.astype(np.float32) for k, v in weights.items()},
                       metadata={"format": "pt"})
@@ -214,8 +216,8 @@ def peft_key(path: str, which: str) -> str:
 
 
 def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
-    """Write adapter_config.json and adapter_model.safetensors in PEFT's format (its per-layer fields and
-    init_lora_weights included)."""
+    """Write adapter_config.json and adapter_model.safetensors in PEFT's format (its per-layer fields,
+    init_lora_weights and modules_to_save included)."""
     from .lora_init import peft_value
 
     out = Path(out)
@@ -225,8 +227,9 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
         "lora_dropout": float(lora_cfg.dropout), "target_modules": list(lora_cfg.target_modules),
         "use_rslora": bool(lora_cfg.use_rslora), "use_dora": bool(lora_cfg.use_dora), "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None,
+        "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
+        "modules_to_save": list(lora_cfg.modules_to_save) or None,
+        "ensure_weight_tying": bool(lora_cfg.ensure_weight_tying),
         "init_lora_weights": peft_value(lora_cfg.init),
         "layers_to_transform": list(layers) if layers is not None else None,
         "layers_pattern": (pattern[0] if len(pattern) == 1 else list(pattern)) if pattern else None,
@@ -241,7 +244,7 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
 # adapter that sets one (to anything but null, false or empty) is refused by name. init_lora_weights is read
 # by lora_init.from_peft; the other init-only settings (loftq_config, eva_config, ...) do not matter here.
 UNSUPPORTED_ADAPTER_FIELDS = (
-    "fan_in_fan_out", "lora_bias", "exclude_modules", "modules_to_save", "target_parameters",
+    "fan_in_fan_out", "lora_bias", "exclude_modules", "target_parameters",
     "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config",
     "kasa_config", "monteclora_config", "use_bdlora")
 
@@ -348,11 +351,17 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
         layers = [int(m.group(1)) for k in tensors if (m := re.search(r"\.layers\.(\d+)\.", k))]
         num_hidden_layers = max(layers, default=0) + 1
     layout = adapter_layout(raw, spec, cfg_path)
+    saved = raw.get("modules_to_save")
+    if saved is not None and not (isinstance(saved, list) and all(isinstance(m, str) for m in saved)):
+        raise AdapterError(f"{cfg_path}: key 'modules_to_save' must be a list of module names or null, "
+                           f"got {json.dumps(saved)}")
+    tying = _adapter_field(raw, "ensure_weight_tying", "bool", False, cfg_path)
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
                                       layout["layers_pattern"])
     try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
-                         use_dora=dora, **{**layout, "layers_to_transform": layers})
+                         use_dora=dora, **{**layout, "layers_to_transform": layers}, modules_to_save=saved,
+                         ensure_weight_tying=tying)
     except ConfigError as e:
         raise AdapterError(f"{cfg_path}: {e}") from None
     return cfg, tensors

@@ -273,7 +273,8 @@ def lora_options(lora) -> dict:
             "lora_layers": format_layers(lora.layers_to_transform),
             "lora_rank_pattern": json.dumps(lora.rank_pattern) if lora.rank_pattern else None,
             "lora_alpha_pattern": json.dumps(lora.alpha_pattern) if lora.alpha_pattern else None,
-            "dora": lora.use_dora}
+            "dora": lora.use_dora,
+            "modules_to_save": ",".join(lora.modules_to_save) or None, "ensure_weight_tying": lora.ensure_weight_tying}
 
 
 def describe_layout(lora) -> str:
@@ -288,4 +289,6 @@ def describe_layout(lora) -> str:
         parts.append(f"init {lora.init}")
     if lora.use_dora:
         parts.append("DoRA")
+    if lora.modules_to_save:
+        parts.append(f"modules_to_save {','.join(lora.modules_to_save)}" + (" (tied)" if lora.ensure_weight_tying else ""))
     return f" ({'; '.join(parts)})" if parts else ""

@@ -161,12 +161,27 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     return out
 
 
+def copy_bytes(cfg: ModelConfig, lora: LoraConfig, embed_dtype: str, max_binding: int | None = None) -> tuple:
+    """(bytes the modules_to_save copies add to the stored base weights, bytes of the copies in float32) for
+    an embedding stored as embed_dtype: a trained weight is stored in float32, and a tied model whose head
+    PEFT unties holds the head as a tensor of its own."""
+    from .gpu.quant import DEFAULT_MAX_BINDING, stored_bytes
+    from .saved_modules import trained_weights
+
+    names, untie = trained_weights(cfg.tie_word_embeddings, lora.modules_to_save, lora.ensure_weight_tying)
+    binding = max_binding or DEFAULT_MAX_BINDING
+    f32 = stored_bytes(cfg.vocab_size, cfg.hidden_size, "float32", binding)
+    stored = stored_bytes(cfg.vocab_size, cfg.hidden_size, embed_dtype, binding)
+    return (f32 - stored) * len(names) + (stored if untie else 0), f32 * len(names)
+
+
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
                     method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
                     gradient_checkpointing: bool = False, max_binding: int | None = None) -> dict:
     """GPU bytes by category for training at (batch_size, seq_len), in the bucket the engine allocates for it
     (bucket_tokens): weights (the base weights as stored:
-    see base_weight_bytes), trainable state (LoRA or full weights with gradients and AdamW moments),
+    see base_weight_bytes; modules_to_save copies in float32), trainable state (LoRA or full weights with
+    gradients and AdamW moments; the copies' gradients and moments),
     activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total.
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
@@ -194,7 +209,10 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
                 dora_norms += 2 * out_f
                 dora_scratch = max(dora_scratch, r * out_f + r * r)
         ranks = layer_ranks({p: r for p, (r, _) in modules.items()})
-        state = trainable * 4 * F32 + (dora_norms + dora_scratch) * F32     # parameter, gradient, two moments
+        extra, copies = copy_bytes(config, lora, embed_dtype, max_binding)
+        weights += extra
+        # LoRA's parameter, gradient, two moments; DoRA's norm buffers and scratch; the copies' last three
+        state = trainable * 4 * F32 + (dora_norms + dora_scratch) * F32 + copies * 3
     else:
         state = weights * 3                  # gradient and two moments of every weight
     ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora)))
@@ -219,12 +237,13 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: 
 
 
 def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
-    """Trainable parameters of a model: the LoRA matrices (and DoRA's magnitudes), or every weight (from shapes,
-    nothing read back)."""
+    """Trainable parameters of a model: the LoRA matrices (and DoRA's magnitudes) and modules_to_save copies, or
+    every weight (from shapes, nothing read back)."""
     from .hf import expected_shapes
+    from .saved_modules import count
 
     if lora is not None:
-        total = 0
+        total = count(cfg, lora)
         for path, (r, _) in lora.modules(cfg.num_hidden_layers).items():
             out_f, in_f = cfg.linear_shape(path.rsplit(".", 1)[1])
             total += r * (out_f + in_f) + (out_f if lora.use_dora else 0)

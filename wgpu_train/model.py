@@ -14,6 +14,7 @@ from .hf import load_weights, peft_key, read_adapter, save_model_folder, write_a
 from .lora_init import changes_base, converted, converted_config, decompose, fresh_pair
 from .reference.ops import IGNORE_INDEX, shift_labels
 from .reference.quant import check_dtypes
+from .saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 
 log = logging.getLogger("wgpu_train")
 BACKENDS = ("auto", "wgpu", "numpy")
@@ -50,7 +51,8 @@ class Model:
         self.method = "lora"
         self._scales: dict = {}       # module path -> its LoRA scale
         self._init_pairs: dict = {}   # PiSSA / OLoRA: module path -> (A0, B0) the residual base subtracts
-        self._kept: dict = {}         # a model without a folder: original weights a residual replaced
+        self._kept: dict = {}         # a model without a folder: original weights a residual or a copy replaced
+        self._copies: tuple = ()      # modules_to_save: the base weights the adapter trains (saved_modules)
 
     @property
     def backend(self) -> str:
@@ -92,6 +94,9 @@ class Model:
             return grads
         out = {}
         for k, g in grads.items():
+            if ".lora_" not in k:             # a trained copy (modules_to_save)
+                out[copy_key(k)] = g
+                continue
             path, which = k.rsplit(".lora_", 1)
             out[magnitude_key(path) if k.endswith(MAGNITUDE) else peft_key(path, which)] = g
         return out
@@ -172,10 +177,11 @@ class Model:
         return {n: self._kept[n] if n in self._kept else stored[n] for n in names}
 
     def _set_lora(self, config: LoraConfig, modules: dict, seed: int = 0, residual: dict | None = None,
-                  init_pairs: dict | None = None):
-        """Attach `modules` ({path: (A, B)}, or (A, B, magnitude) with DoRA) with config's scales. PiSSA / OLoRA: `residual` ({weight name:
-        array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
-        that an earlier residual replaced get their original values back."""
+                  init_pairs: dict | None = None, copies: dict | None = None):
+        """Attach `modules` ({path: (A, B)}, or (A, B, magnitude) with DoRA) with config's scales. PiSSA / OLoRA:
+        `residual` ({weight name: array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
+        that an earlier residual replaced get their original values back. config.modules_to_save: see
+        _attach_copies (`copies`: a loaded adapter's)."""
         scales = config.module_scales(self.config.num_hidden_layers)
         residual = residual or {}
         restore = [p + ".weight" for p in self._init_pairs if p + ".weight" not in residual]
@@ -192,6 +198,28 @@ class Model:
         self.engine.set_full_finetune(False)
         self.engine.seed_dropout(seed)
         self.engine.set_lora({p: (t[0], t[1], scales[p], config.dropout, *t[2:]) for p, t in modules.items()})
+        self._attach_copies(config, copies)
+
+    def _attach_copies(self, config: LoraConfig, copies: dict | None):
+        """Train the base weights that config.modules_to_save copies (saved_modules.trained_weights; a tied
+        model's head untied where PEFT unties it), starting from `copies` ({weight name: array}) or from the
+        weights as the engine holds them (float16 ones as rounded there, then trained in float32). Copies an
+        earlier adapter trained are first replaced by the original weights."""
+        # _set_lora's set_full_finetune(False) froze them and tied a tied model's head again
+        stale = [n for n in self._copies if n != HEAD or not self.config.tie_word_embeddings]
+        if stale:
+            self.engine.set_base_weights(self._original_weights(stale))
+        for n in stale:
+            self._kept.pop(n, None)
+        names, untie = trained_weights(self.config.tie_word_embeddings, config.modules_to_save,
+                                       config.ensure_weight_tying)
+        if self.path is None and names:     # no files to read the originals from again: keep them
+            stored = self.engine.weights()
+            self._kept.update({n: np.array(stored[n]) for n in names if n in stored and n not in self._kept})
+        self.engine.set_trained_base(names, untie)
+        if copies:
+            self.engine.set_trainable(copies)
+        self._copies = names
 
     def set_full_finetune(self):
         """Train every weight instead of LoRA (gradients keyed by Hugging Face tensor names)."""
@@ -211,13 +239,18 @@ class Model:
         self.engine.set_gradient_checkpointing(enabled)
 
     def lora_state_dict(self) -> dict:
-        """LoRA tensors by PEFT key: lora_A (r, in) and lora_B (out, r), and DoRA's lora_magnitude_vector (out,),
+        """LoRA tensors by PEFT key: lora_A (r, in) and lora_B (out, r), DoRA's lora_magnitude_vector (out,), and the
+        modules_to_save copies (V, C),
         float32."""
         out = {}
         for path, (a, b) in self.engine.lora_tensors().items():
             out[peft_key(path, "A")] = a.astype(np.float32)
             out[peft_key(path, "B")] = b.astype(np.float32)
         out.update({magnitude_key(path): m for path, m in self._magnitudes().items()})
+        if self._copies:        # modules_to_save, keyed as PEFT saves them
+            trained = self.engine.trainable()
+            for key, name in self._copy_keys(self.lora_config).items():
+                out[key] = np.asarray(trained[name], np.float32)
         return out
 
     def _magnitudes(self) -> dict:
@@ -227,6 +260,9 @@ class Model:
         suffix = "." + MAGNITUDE
         return {k[:-len(suffix)]: v.astype(np.float32) for k, v in self.engine.trainable().items()
                 if k.endswith(suffix)}
+
+    def _copy_keys(self, config: LoraConfig) -> dict:
+        return adapter_keys(self.config.tie_word_embeddings, config.modules_to_save, config.ensure_weight_tying)
 
     def save_adapter(self, directory, convert: bool = True):
         """Write the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors). A PiSSA / OLoRA
@@ -266,6 +302,8 @@ class Model:
             expected[peft_key(path, "B")] = (out_f, r)
             if config.use_dora:
                 expected[magnitude_key(path)] = (out_f,)
+        copy_keys = self._copy_keys(config)
+        expected.update({k: (self.config.vocab_size, self.config.hidden_size) for k in copy_keys})
         # PEFT files may carry the adapter name (".lora_A.default.weight"); accept that spelling too.
         tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
         problems = [f"missing {k}" for k in expected if k not in tensors]
@@ -281,17 +319,19 @@ class Model:
                                f"save it with path_initial_model_for_weight_conversion")
         modules = {path: (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")],
                           *([tensors[magnitude_key(path)]] if config.use_dora else [])) for path in settings}
+        copies = {name: tensors[key] for key, name in copy_keys.items()}   # a tied copy: the embedding's key last
         if dropout is not None:
             config = dataclasses.replace(config, dropout=float(dropout))
         scales = config.module_scales(self.config.num_hidden_layers)
         init_pairs, residual = ({}, {}) if not changes_base(config.init) else self._decomposed(config, settings,
                                                                                               scales, None)
-        self._set_lora(config, modules, seed, residual, init_pairs)
+        self._set_lora(config, modules, seed, residual, init_pairs, copies)
 
     def merged_weights(self) -> dict:
         """Base weights with every LoRA delta folded in: W + scale * B @ A (float32; W the residual base of a
         PiSSA / OLoRA adapter, so the sum is the original base plus the trained change); with DoRA PEFT's
-        (m / ||W + scale * B A||) * (W + scale * B A) (dora.merged)."""
+        (m / ||W + scale * B A||) * (W + scale * B A) (dora.merged); the modules_to_save copies in place of their
+        weights (a tied model whose head was untied gets its own lm_head.weight)."""
         weights = {k: np.array(v, dtype=np.float32) for k, v in self.engine.weights().items()}
         magnitudes = self._magnitudes()
         for path, (a, b) in self.engine.lora_tensors().items():

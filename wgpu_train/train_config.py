@@ -75,6 +75,13 @@ class TrainConfig:
                                      "kaiming-uniform, B zeros), gaussian, pissa, pissa_niter_K (K subspace "
                                      "iterations), olora; pissa and olora train over the residual base and save "
                                      "the adapter converted to rank 2r for the original base")
+    # ---- PEFT's modules_to_save (saved_modules.py) ----
+    modules_to_save: str | None = _opt(None, "also train full float32 copies of these modules beside LoRA, saved in "
+                                             "the adapter (PEFT's modules_to_save, e.g. after adding tokens): "
+                                             "embed_tokens, lm_head or both, comma-separated")
+    ensure_weight_tying: bool = _opt(False, "with --modules-to-save on a model with tied embeddings: one copy serves "
+                                            "the embedding and lm_head (PEFT's ensure_weight_tying); without it each "
+                                            "named module trains its own copy and the other keeps the original")
     adapter_path: str | None = _opt(None, "start from this PEFT LoRA adapter (folder or hub id) instead of a fresh "
                                           "one: its weights, rank, alpha, targets and rsLoRA (LoRA options left at "
                                           "their defaults take the adapter's, others must agree); the optimizer "
@@ -176,6 +183,8 @@ class TrainConfig:
         need(self.method == "lora" or (self.lora_init, self.lora_layers, self.lora_rank_pattern,
                                        self.lora_alpha_pattern) == ("default", None, None, None),
              "lora_init, lora_layers and the LoRA patterns set up LoRA matrices: method lora")
+        need(self.method == "lora" or not (self.modules_to_save or self.ensure_weight_tying),
+             "modules_to_save trains copies beside LoRA: method lora (method full trains every weight)")
         need(not (self.adapter_path and self.resume),
              "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
         need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
@@ -196,7 +205,9 @@ class TrainConfig:
                  ("lora_layers", "layers_to_transform", mine.layers_to_transform, adapter.layers_to_transform),
                  ("lora_rank_pattern", "rank_pattern", mine.rank_pattern, adapter.rank_pattern),
                  ("lora_alpha_pattern", "alpha_pattern", mine.alpha_pattern, adapter.alpha_pattern),
-                 ("dora", "use_dora", mine.use_dora, adapter.use_dora))
+                 ("dora", "use_dora", mine.use_dora, adapter.use_dora),
+                 ("modules_to_save", "modules_to_save", mine.modules_to_save, adapter.modules_to_save),
+                 ("ensure_weight_tying", "ensure_weight_tying", mine.ensure_weight_tying, adapter.ensure_weight_tying))
         for name, key, given, theirs in pairs:
             if getattr(self, name) != defaults[name] and given != theirs:
                 shown = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
@@ -231,7 +242,8 @@ class TrainConfig:
                           target_modules=self.lora_targets, use_rslora=bool(self.rslora), layers_to_transform=layers,
                           rank_pattern=parse_pattern(self.lora_rank_pattern, "lora_rank_pattern"),
                           alpha_pattern=parse_pattern(self.lora_alpha_pattern, "lora_alpha_pattern"),
-                          init=self.lora_init, use_dora=bool(self.dora))
+                          init=self.lora_init, use_dora=bool(self.dora), modules_to_save=self.modules_to_save,
+                          ensure_weight_tying=self.ensure_weight_tying)
 
     def lora_layers_last(self) -> bool:
         """Whether lora_layers says "the last N" (resolved with the model's layer count)."""

@@ -95,7 +95,8 @@ def load_toml_config(path) -> dict:
             raise ConfigError(f"{path}: '{spelled[name]}' and '{key}' are the same key; give it once")
         spelled[name] = key
         base, _ = _unwrap(hints[name])
-        if name in ("lora_targets", "data") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        if name in ("lora_targets", "data", "modules_to_save") and isinstance(value, list) and \
+                all(isinstance(v, str) for v in value):
             value = ",".join(value)
         if name == "lora_layers" and (isinstance(value, int) and not isinstance(value, bool) or
                                       isinstance(value, list) and all(isinstance(v, int) for v in value)):

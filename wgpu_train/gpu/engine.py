@@ -14,6 +14,7 @@ from ..hf import module_path
 from ..layer_plan import layer_plan
 from ..memory import layer_ranks, lora_groups
 from ..reference.quant import check_dtypes
+from ..saved_modules import EMBED, HEAD
 from . import attention_kernels
 from . import kernels as K
 from .quant import QuantMatrix
@@ -62,7 +63,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         self.lora: dict[str, GpuLora] = {}
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
         self._pending: dict = {}   # member -> dy of a group whose LoRA backward waits for the others
-        self.full = False
+        self.trained: tuple = ()   # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.params: dict = {}     # trainable name -> tensor: Matrix, buffer or (buffer, offset) view
         self.grads: dict = {}      # trainable name -> its gradient, the same kind
         self.moments: dict = {}    # trainable name -> (m, v), the same kind
@@ -91,7 +92,11 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
 
     # ---- parameters ---------------------------------------------------------------------------
     def _head(self) -> Matrix:
-        return self.w["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+        return self.w[self._head_name()]
+
+    def _head_name(self) -> str:
+        """The head's weight: lm_head's, or a tied model's embedding unless set_trained_base untied them."""
+        return HEAD if HEAD in self.w else EMBED
 
     def set_lora(self, modules: dict):
         """modules: path -> (A, B, scale, dropout[, DoRA magnitude]) (dora.split_entry); replaces every LoRA
@@ -102,6 +107,8 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         then every B, then DoRA's magnitudes (with B's learning rate under LoRA+, as PEFT groups them)."""
         self._release_acts()
         modules = {p: split_entry(e) for p, e in modules.items()}
+        if self._lora_packed:
+            self.rt.release(self._lora_packed[0].buf, self._lora_packed[1].buf)
         # every A first, layer by layer in module order, so that the A matrices of a group lie back to back
         order = sorted(modules, key=lambda p: (int(p.split(".")[2]), LINEAR_MODULES.index(p.rsplit(".", 1)[1])))
         shapes = {p + ".lora_A": modules[p][0].shape for p in order}
@@ -152,7 +159,30 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         if enabled and frozen:
             raise ConfigError(f"full fine-tuning needs float32 weights, but {frozen[0]} is stored as "
                               f"{self.w[frozen[0]].dtype}; use LoRA or load the model with float32")
-        self.full = bool(enabled)
+        self.set_trained_base(tuple(self.w) if enabled else ())
+
+    def set_trained_base(self, names, untie: bool = False):
+        """Train base weights `names` beside any LoRA, each stored as a float32 Matrix (or buffer) from its value
+        now (a float16 embedding is converted); the others are frozen. untie (a tied model): lm_head gets its
+        own tensor, a copy of the embedding as it is now, so that the two train or stay frozen apart; False
+        ties them again. Resets the optimizer."""
+        if self.cfg.tie_word_embeddings:
+            if untie and HEAD not in self.w:
+                self.w[HEAD] = store_weight(self.rt, HEAD, self._weight(EMBED), self.base_dtype, self.embed_dtype)
+                self.shapes[HEAD] = self.shapes[EMBED]
+            elif not untie and HEAD in self.w:
+                self.rt.release(*weight_buffers(self.w.pop(HEAD)))
+                self.shapes.pop(HEAD)
+        unknown = [n for n in names if n not in self.w]
+        if unknown:
+            raise ValueError(f"set_trained_base: no base weight {unknown[0]}")
+        for name in names:
+            if isinstance(self.w[name], QuantMatrix):
+                arr = self._weight(name)
+                self.rt.release(*weight_buffers(self.w[name]))
+                self.w[name] = store_weight(self.rt, name, arr, "float32", "float32")
+        self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
+        self.trained = tuple(names)
         self._release_acts()
         self._reset_training_state()
 
@@ -172,20 +202,10 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         rt = self.rt
         if self._state_buffers:
             rt.release(*self._state_buffers)
-        if self.full:
-            self.params = dict(self.w)
-            self.grads = {k: self._like(p, k + ".grad") for k, p in self.params.items()}
-            self.moments = {k: (self._like(p, k + ".m"), self._like(p, k + ".v")) for k, p in self.params.items()}
-            self._groups = []
-            self._b_groups = []
-            for k, p in self.params.items():
-                parts = [self._parts(t) for t in (p, self.grads[k], *self.moments[k])]
-                self._groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*parts)]
-            self._b_groups = [False] * len(self._groups)
-            self._state_buffers = [t for g in self.grads.values() for t, _ in self._parts(g)]
-            self._state_buffers += [t for mv in self.moments.values() for m in mv for t, _ in self._parts(m)]
-        else:
-            params, grads = self._lora_packed or (Packed(rt, {}, "lora_params"), Packed(rt, {}, "lora_grads"))
+        self.params, self.grads, self.moments = {}, {}, {}
+        self._groups, self._b_groups, self._state_buffers = [], [], []
+        if self._lora_packed:                  # the LoRA tensors: packed, a few pieces (set_lora owns params, grads)
+            params, grads = self._lora_packed
             m, v = Packed(rt, params.shapes, "lora_m"), Packed(rt, params.shapes, "lora_v")
             self.params = {k: params.view(k) for k in params.shapes}
             self.grads = {k: grads.view(k) for k in params.shapes}
@@ -197,7 +217,15 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
                      for o in range(start, end, step)]
             self._groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), n) for o, n, _ in spans]
             self._b_groups = [is_b for _, _, is_b in spans]
-            self._state_buffers = [params.buf, grads.buf, m.buf, v.buf]
+            self._state_buffers = [m.buf, v.buf]
+        for k in self.trained:                 # trained base weights: a piece per row chunk, at lr (PEFT's LoRA+ too)
+            p = self.params[k] = self.w[k]
+            self.grads[k] = self._like(p, k + ".grad")
+            self.moments[k] = (self._like(p, k + ".m"), self._like(p, k + ".v"))
+            parts = [self._parts(t) for t in (p, self.grads[k], *self.moments[k])]
+            self._groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*parts)]
+            self._b_groups += [False] * len(parts[0])
+            self._state_buffers += [t for g in (self.grads[k], *self.moments[k]) for t, _ in self._parts(g)]
         self._norm_slots = [K.grad_norm_slots(g[4]) for g in self._groups]
         self.partials = rt.buffer(F32 * max(1, sum(self._norm_slots)), "partials")
         self._state_buffers.append(self.partials)
@@ -231,7 +259,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
             self.rt.write(t, np.ascontiguousarray(arr, dtype=np.float32))
 
     def _shape_of(self, name):
-        return self.shapes[name] if self.full else self._lora_packed[0].shapes[name]
+        return self.shapes[name] if name in self.trained else self._lora_packed[0].shapes[name]
 
     def trainable(self) -> dict:
         """Trainable arrays by name ('path.lora_A' / 'path.lora_B', or weight names), read back (copies)."""
@@ -247,14 +275,21 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
 
     def weights(self) -> dict:
         """Base weights as float32 (float16 / NF4 ones dequantised)."""
-        return {k: t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[k])
-                for k, t in self.w.items()}
+        return {k: self._weight(k) for k in self.w}
+
+    def _weight(self, name) -> np.ndarray:
+        """One base weight as float32 (dequantised)."""
+        t = self.w[name]
+        return t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[name])
 
     def set_base_weights(self, weights: dict):
         """Replace base weights by name: each stored anew as at load (its old buffers released)."""
         for name, arr in weights.items():
             if self.shapes[name] != tuple(arr.shape):
                 raise ValueError(f"set_base_weights: {name} has shape {arr.shape}, expected {self.shapes[name]}")
+            if name in self.trained:      # stays the float32 tensor the optimizer updates
+                self._write(self.w[name], arr)
+                continue
             self.rt.release(*weight_buffers(self.w[name]))
             self.w[name] = store_weight(self.rt, name, np.asarray(arr, np.float32), self.base_dtype, self.embed_dtype)
         self._dora_weight_norms()

@@ -188,8 +188,7 @@ class LayerRecorder:
             # layers' backward write them, after)
             x, dx = (acts.d_res, acts.d_tmp) if backward else (acts.x_final, None)
             K.row_gather_forward(rec, x, acts.xf, acts.head_index, m, c, n)
-        dhead = self.grads.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") \
-            if self.full else None
+        dhead = self.grads.get(self._head_name())       # None unless the head's weight is trained
         for r0 in range(0, m, acts.head_rows):
             rows = min(acts.head_rows, m - r0)
             self._head_logits(rec, acts, at(x, r0 * c), rows)
@@ -213,8 +212,7 @@ class LayerRecorder:
         if lora is not None and lora.m is not None:
             self._dora_linear_backward(rec, dx, dy, layer, module, acts, a, x, accumulate_dx)
             return
-        dw = self.grads.get(path + ".weight") if self.full else None
-        db = self.grads.get(path + ".bias") if self.full else None
+        dw, db = self.grads.get(path + ".weight"), self.grads.get(path + ".bias")   # trained base weights only
         linear_backward(rec, dx, dw, db, dy, x, w, n, accumulate_dx)
         if lora is None:
             return
@@ -240,7 +238,7 @@ class LayerRecorder:
                           lora.r, acts.d_lora_h, accumulate_grads=True)
 
     def _norm_grad(self, name):
-        return self.grads.get(name) if self.full else None
+        return self.grads.get(name)
 
     def _backward_rmsnorm(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """Into dx, or (accumulate) through d_tmp added to it: the norm kernel writes its dx."""
@@ -296,7 +294,7 @@ class LayerRecorder:
 
     def _record_backward(self, rec, acts: Activations):
         """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the
-        embedding's (full fine-tuning)."""
+        embedding's (when the embedding is trained: full fine-tuning, modules_to_save)."""
         cfg = self.cfg
         n, c = acts.n, cfg.hidden_size
         self._record_head(rec, acts, backward=True)
@@ -315,7 +313,7 @@ class LayerRecorder:
                 dys = [getattr(acts, name) for name in op.grads_out]
                 dxs = [getattr(acts, name) for name in op.grads_in]
                 getattr(self, "_backward_" + op.kind)(rec, op, i, acts, acts.layers[i], dys, dxs, accumulate)
-        if self.full:
+        if "model.embed_tokens.weight" in self.grads:
             rec.section("embedding backward")
             emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]
             if cfg.embed_scale != 1.0:    # the layers' input gradient, read only here from now on

@@ -172,7 +172,8 @@ class StepRecording:
 
     def _grad_spans(self) -> list:
         """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
-        span (the packed buffer) with LoRA, one per gradient buffer with full fine-tuning."""
+        span (the packed buffer) with LoRA, one per gradient buffer of a trained base weight (full fine-tuning,
+        modules_to_save)."""
         spans: list = []
         for _, grad, _, _, n in self._groups:
             buf, off = grad if isinstance(grad, tuple) else (grad, 0)

@@ -1,5 +1,5 @@
-"""The NumPy engine: model forward and backward composed from reference/ops.py, LoRA and full
-fine-tuning gradients, AdamW. The oracle that the GPU engine is tested against."""
+"""The NumPy engine: model forward and backward composed from reference/ops.py, gradients of LoRA and of
+trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against."""
 from __future__ import annotations
 
 import time
@@ -11,6 +11,7 @@ from ..dora import MAGNITUDE, split_entry
 from ..engine_protocol import DropoutState
 from ..hf import module_path
 from ..layer_plan import CARRY, INPUT, OUTPUT, layer_plan
+from ..saved_modules import EMBED, HEAD
 from . import ops
 from .dora_linear import DoraLinear
 from .kv_cache import NumpyKvCache
@@ -56,7 +57,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         self.inv_freqs = [cfg.inv_freq(i) for i in range(cfg.num_hidden_layers)]   # per layer (D/2,)
         self.plan = layer_plan(cfg)
         self.lora: dict[str, LoraModule] = {}
-        self.full = False            # full fine-tuning: every weight trainable
+        self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.grads: dict = {}
         self.moments: dict = {}
         self.training = False
@@ -69,7 +70,11 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     # ---- parameters ---------------------------------------------------------------------------
     def lm_head(self):
-        return self.w["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings else self.w["lm_head.weight"]
+        return self.w[self._head_name()]
+
+    def _head_name(self) -> str:
+        """The head's weight: lm_head's, or a tied model's embedding unless set_trained_base untied them."""
+        return HEAD if HEAD in self.w else EMBED
 
     def set_lora(self, modules: dict):
         """modules: path -> (A, B, scale, dropout[, magnitude]) (dora.split_entry). Replaces every LoRA module
@@ -87,13 +92,29 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def set_base_weights(self, weights: dict):
         """Replace base weights by name, rounded through the storage dtypes as at load."""
-        for k, v in round_weights(weights, self.base_dtype, self.embed_dtype).items():
+        for k, v in weights.items():
+            v = np.asarray(v, np.float32) if k in self.trained else round_weights({k: v}, self.base_dtype,
+                                                                                    self.embed_dtype)[k]
             if self.w[k].shape != v.shape:
                 raise ValueError(f"set_base_weights: {k} has shape {v.shape}, expected {self.w[k].shape}")
             self.w[k] = v.astype(self.dtype)
 
     def set_full_finetune(self, enabled: bool = True):
-        self.full = enabled
+        self.set_trained_base(tuple(self.w) if enabled else ())
+
+    def set_trained_base(self, names, untie: bool = False):
+        """Train base weights `names` beside any LoRA (float32, as they are now); the others are frozen.
+        untie (a tied model): lm_head gets its own tensor, a copy of the embedding as it is now, so that
+        the two train or stay frozen apart; False ties them again. Resets the optimizer."""
+        if self.cfg.tie_word_embeddings:
+            if untie and HEAD not in self.w:
+                self.w[HEAD] = self.w[EMBED].copy()
+            elif not untie:
+                self.w.pop(HEAD, None)
+        unknown = [n for n in names if n not in self.w]
+        if unknown:
+            raise ValueError(f"set_trained_base: no base weight {unknown[0]}")
+        self.trained = tuple(names)
         self.moments = {}
         self.zero_grads()
 
@@ -104,14 +125,13 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def trainable(self) -> dict:
         """Trainable arrays by name: 'path.lora_A' / 'path.lora_B' (and 'path.lora_magnitude_vector' with DoRA),
-        or Hugging Face weight names."""
-        if self.full:
-            return dict(self.w)
+        and trained base weights by their Hugging Face names."""
         out = {}
         for p, m in self.lora.items():
             out[p + ".lora_A"] = m.a
             out[p + ".lora_B"] = m.b
         out.update({f"{p}.{MAGNITUDE}": m.m for p, m in self.lora.items() if m.m is not None})
+        out.update((k, self.w[k]) for k in self.trained)
         return out
 
     def set_trainable(self, tensors: dict):
@@ -169,16 +189,15 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
             return self._dora_linear_backward(dy, layer, module, lora, cache)
         x, xl, h, mask = cache[module]
         w = self.w[path + ".weight"]
-        dx, dw, db = ops.linear_backward(dy, x, w, need_weight_grad=self.full)
-        if self.full:
+        dx, dw, db = ops.linear_backward(dy, x, w, need_weight_grad=path + ".weight" in self.grads)
+        if path + ".weight" in self.grads:
             self.grads[path + ".weight"] += dw
             if path + ".bias" in self.grads:
                 self.grads[path + ".bias"] += db
         if lora is not None:
             dxl, da, db_ = ops.lora_backward(dy, xl, h, lora.a, lora.b, lora.scale)
-            if not self.full:
-                self.grads[path + ".lora_A"] += da
-                self.grads[path + ".lora_B"] += db_
+            self.grads[path + ".lora_A"] += da
+            self.grads[path + ".lora_B"] += db_
             dx = dx + (dxl * mask if mask is not None else dxl)
         return dx
 
@@ -257,22 +276,21 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         """Accumulate gradients of every trainable tensor from dlogits (N, V) (with respect to the uncapped
         logits); ops in reverse order."""
         cfg = self.cfg
-        tied = cfg.tie_word_embeddings
-        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(), need_weight_grad=self.full)
-        if self.full:
-            self.grads[head_name] += dhead
+        head_name = self._head_name()
+        dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(),
+                                            need_weight_grad=head_name in self.grads)
+        self._add_trained(head_name, dhead)
         dx, dnorm = ops.rmsnorm_backward(dxf, cache["x_final"], self.w["model.norm.weight"], cache["rstd_f"],
                                          cfg.norm_offset)
-        self._add_full("model.norm.weight", dnorm)
+        self._add_trained("model.norm.weight", dnorm)
         for i in reversed(range(cfg.num_hidden_layers)):
             dx = self._layer_backward(i, cache["layers"][i], dx, cache["walk"])
-        if self.full:
+        if EMBED in self.grads:
             dx = dx * self.dtype.type(cfg.embed_scale) if cfg.embed_scale != 1.0 else dx
             demb = ops.embedding_backward(dx, cache["ids"], cfg.vocab_size)       # (V, C)
             if cfg.pad_token_id is not None:      # torch's padding_idx: the padding row gets no gradient
                 demb[cfg.pad_token_id] = 0
-            self.grads["model.embed_tokens.weight"] += demb
+            self.grads[EMBED] += demb
 
     def _layer_backward(self, i: int, a: dict, dx, walk: "_Walk"):
         """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
@@ -292,7 +310,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         x, width = a[op.inputs[0]], self.w[name].shape[0]
         dx, dw = ops.rmsnorm_backward(dys[0].reshape(-1, width), x.reshape(-1, width), self.w[name], a[op.outputs[1]],
                                       self.cfg.norm_offset)
-        self._add_full(name, dw)
+        self._add_trained(name, dw)
         return [dx.reshape(x.shape)]
 
     def _backward_linear(self, op, i, a, dys, walk):
@@ -321,8 +339,8 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
     def _backward_scale(self, op, i, a, dys, walk):
         return [dys[0] * self.dtype.type(op.factor)]
 
-    def _add_full(self, name, g):
-        if self.full:
+    def _add_trained(self, name, g):
+        if name in self.grads:
             self.grads[name] += g
 
     # ---- the engine protocol ------------------------------------------------------------------
