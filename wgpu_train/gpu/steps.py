@@ -79,6 +79,10 @@ class StepRecording:
         rec = self.rt.recorder()
         self._record_forward(rec, acts)
         self._record_head(rec, acts, backward=False)
+        return self._submit_loss(rec, acts, before)
+
+    def _submit_loss(self, rec, acts, before) -> tuple:
+        """Sum the recorded micro-batch's loss rows, submit, and read back (loss_sum, trained tokens)."""
         K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
         rec.read_back(self.results, np.float32, (2,))
         rec.submit()
@@ -99,12 +103,7 @@ class StepRecording:
         self._record_forward(rec, acts)
         self._record_backward(rec, acts)
         self._training = False
-        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
-        rec.read_back(self.results, np.float32, (2,))
-        rec.submit()
-        loss_sum, count = rec.result()
-        self._count(before)
-        return float(loss_sum), int(round(count))
+        return self._submit_loss(rec, acts, before)
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...] in one submit.
