@@ -105,16 +105,19 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(faults, workspace, tw
 
 
 def test_a_restarted_worker_continues_an_adapter_as_recorded(faults, workspace, tmp_path):
-    """--adapter-path with the adapter's base as the model and its rank (4, not the default): the restarted
-    workers take both from the run's record, as the first ones took them from the adapter."""
-    Trainer(config(workspace, tmp_path / "adapter", max_steps=2, lora_rank=4)).run()
+    """--adapter-path with the adapter's base as the model and its settings (rank 4, not the default; DoRA, one
+    layer, an lm_head copy): the restarted workers take them all from the run's record, as the first ones took
+    them from the adapter."""
+    Trainer(config(workspace, tmp_path / "adapter", max_steps=2, lora_rank=4, dora=True, lora_layers="1,",
+                   modules_to_save="lm_head")).run()
     kw = dict(model=None, adapter_path=str(tmp_path / "adapter"), max_steps=6)
     Trainer(config(workspace, tmp_path / "one", grad_accum=2, **kw)).run()
     (faults / "kill-rank0-step3").touch()
     summary = finetune_on_ray(config(workspace, tmp_path / "two", num_workers=2, **kw), log=lambda line: None)
     assert not (faults / "kill-rank0-step3").exists()
     assert summary["resumed_from"] == str(tmp_path / "two" / "checkpoints" / "step-000002")
-    assert read_adapter(tmp_path / "two")[0].r == 4
+    lora = read_adapter(tmp_path / "two")[0]
+    assert (lora.r, lora.use_dora, lora.layers_to_transform, lora.modules_to_save) == (4, True, (1,), ("lm_head",))
     assert_same_adapter(tmp_path / "two", tmp_path / "one", 1e-6)
 
 

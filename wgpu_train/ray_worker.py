@@ -8,7 +8,9 @@ import os
 
 import numpy as np
 
+from .config import LoraConfig
 from .errors import ConfigError, WgpuTrainError
+from .lora_layout import lora_options
 
 
 class TorchCollective:
@@ -75,8 +77,9 @@ def adapter_for(device: str | None, local_rank: int, local_workers: int) -> tupl
     return str(mine.index), len(range(local_rank % len(same), local_workers, len(same)))
 
 
-# what a run resolves from --adapter-path as it starts, and records in train_config.json
-RECORDED = ("model", "lora_rank", "lora_alpha", "lora_targets", "rslora", "lora_dropout")
+# what a run resolves from --adapter-path as it starts, and records in train_config.json: the model and every
+# LoRA option (lora_layout.lora_options), so a restart rebuilds the adapter as the run trained it
+RECORDED = ("model",) + tuple(lora_options(LoraConfig()))
 
 
 def worker(loop_config: dict):
