@@ -213,8 +213,8 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         layers = int(need("num_hidden_layers"))
         gemma = _gemma_fields(raw, source, family, layers, hidden, int(head_dim)) if family.startswith("gemma") else {}
-        act = gemma.get("hidden_act") or raw.get("hidden_act", "silu")
-        if act not in (("gelu_tanh",) if gemma else ("silu", "swish")):
+        act = raw.get("hidden_act", "silu")
+        if not gemma and act not in ("silu", "swish"):   # Gemma's is its hidden_activation (_gemma_fields)
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
         # transformers 5 writes a rope_parameters block; hub checkpoints use rope_theta / rope_scaling.
         params = gemma.pop("rope_parameters", None) or raw.get("rope_parameters")
@@ -268,8 +268,7 @@ class ModelConfig:
             pad_token_id=_pad_row(raw.get("pad_token_id"), int(need("vocab_size"))),
             eos_token_id=raw.get("eos_token_id"),
             layer_windows=windows,
-            **{k: v for k, v in gemma.items() if k != "hidden_act"},
-            hidden_act="gelu_tanh" if act == "gelu_tanh" else "silu",
+            **{"hidden_act": "silu", **gemma},
             raw=given,
         )
 

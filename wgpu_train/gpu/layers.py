@@ -149,15 +149,13 @@ class LayerRecorder:
             K.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
                                        acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap)
 
-    def _forward_swiglu(self, rec, op, i, acts, buf, kv):
-        rec.section(self._where + " swiglu")
-        K.swiglu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
-                         acts.n * self.plan.widths[op.inputs[0]])
-
-    def _forward_geglu(self, rec, op, i, acts, buf, kv):
+    def _forward_glu(self, rec, op, i, acts, buf, kv):
+        """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""
         rec.section(self._where + " swiglu")     # the gated activation's section, either kind
-        K.geglu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
-                        acts.n * self.plan.widths[op.inputs[0]])
+        getattr(K, op.kind + "_forward")(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
+                                         acts.n * self.plan.widths[op.inputs[0]])
+
+    _forward_swiglu = _forward_geglu = _forward_glu
 
     def _forward_add(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " norm")
@@ -268,15 +266,13 @@ class LayerRecorder:
                              acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap)
 
-    def _backward_swiglu(self, rec, op, i, acts, a, dys, dxs, accumulate):
-        assert not any(accumulate), "swiglu's backward writes its gradients"
-        rec.section(self._where + " swiglu")
-        K.swiglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.plan.widths[op.inputs[0]])
-
-    def _backward_geglu(self, rec, op, i, acts, a, dys, dxs, accumulate):
-        assert not any(accumulate), "geglu's backward writes its gradients"
+    def _backward_glu(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), f"{op.kind}'s backward writes its gradients"
         rec.section(self._where + " swiglu")     # the gated activation's section, either kind
-        K.geglu_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n * self.plan.widths[op.inputs[0]])
+        getattr(K, op.kind + "_backward")(rec, *dxs, dys[0], *(a[x] for x in op.inputs),
+                                          acts.n * self.plan.widths[op.inputs[0]])
+
+    _backward_swiglu = _backward_geglu = _backward_glu
 
     def _backward_add(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """The input's gradient is the output's (the residual's passes through in the same buffer)."""

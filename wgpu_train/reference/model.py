@@ -259,11 +259,11 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
             lse = None
         a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
 
-    def _forward_swiglu(self, op, i, a, walk):
-        a[op.outputs[0]] = ops.swiglu_forward(a[op.inputs[0]], a[op.inputs[1]])
+    def _forward_glu(self, op, i, a, walk):
+        """A gated activation, swiglu or geglu (the op's kind names the op pair)."""
+        a[op.outputs[0]] = getattr(ops, op.kind + "_forward")(a[op.inputs[0]], a[op.inputs[1]])
 
-    def _forward_geglu(self, op, i, a, walk):
-        a[op.outputs[0]] = ops.geglu_forward(a[op.inputs[0]], a[op.inputs[1]])
+    _forward_swiglu = _forward_geglu = _forward_glu
 
     def _forward_add(self, op, i, a, walk):
         a[op.outputs[0]] = a[op.residual] + a[op.inputs[0]]
@@ -327,11 +327,10 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
                                        self.cfg.window(i), self.cfg.attn_softcap)
         return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]
 
-    def _backward_swiglu(self, op, i, a, dys, walk):
-        return list(ops.swiglu_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+    def _backward_glu(self, op, i, a, dys, walk):
+        return list(getattr(ops, op.kind + "_backward")(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
 
-    def _backward_geglu(self, op, i, a, dys, walk):
-        return list(ops.geglu_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+    _backward_swiglu = _backward_geglu = _backward_glu
 
     def _backward_add(self, op, i, a, dys, walk):
         return [dys[0]]
