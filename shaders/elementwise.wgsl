@@ -19,6 +19,24 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid.x;
 }
 
+// y (rows, s1) = columns s3 .. s3 + s1 of a (rows, s2): a fused projection's part (s0 = rows * s1)
+@compute @workgroup_size(256)
+fn columns_get(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    y[p.o1 + i] = a[p.o2 + (i / p.s1) * p.s2 + p.s3 + i % p.s1];
+}
+
+// columns s3 .. s3 + s1 of y (rows, s2) = a (rows, s1): the part's gradient into the fused one's
+@compute @workgroup_size(256)
+fn columns_put(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    y[p.o1 + (i / p.s1) * p.s2 + p.s3 + i % p.s1] = a[p.o2 + i];
+}
+
 // y = a + b
 @compute @workgroup_size(256)
 fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

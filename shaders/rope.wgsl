@@ -1,7 +1,8 @@
-// Rotary position embedding in Hugging Face's half-rotation layout on x (N = B*T, H, D): the pair
-// (d, d + D/2) of each head rotates by positions[n] * inv_freq[d]. The backward is the rotation by
-// the opposite angle. One invocation per (row, head, pair); *_inplace variants overwrite binding 1.
-// Uniform: s0 = N rows, s1 = H, s2 = D; o1..o4 = element offsets of bindings 1..4.
+// Rotary position embedding in Hugging Face's half-rotation layout on x (N = B*T, H, D): of each head's
+// leading R dims the pair (d, d + R/2) rotates by positions[n] * inv_freq[d], times f0 (longrope's
+// attention factor); the other D - R dims pass through (partial rotary). The backward is the rotation
+// by the opposite angle. One invocation per (row, head, pair); *_inplace variants overwrite binding 1.
+// Uniform: s0 = N rows, s1 = H, s2 = D, s3 = R/2; o1..o4 = element offsets of bindings 1..4; f0 = scale.
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -23,20 +24,20 @@ fn cos_sin(pos: i32, inv_freq: f32) -> vec2<f32> {
     let a = f32(pos) * inv_freq;
     let k = round(a * 0.15915494309189535);
     let r = (a - k * 6.28125) - k * 0.0019353071795864769;
-    return vec2<f32>(cos(r), sin(r));
+    return vec2<f32>(cos(r), sin(r)) * p.f0;
 }
 
 struct Slot { row: u32, base: u32, d: u32, half: u32, ok: bool }
 
 fn slot(i: u32) -> Slot {
-    let half = p.s2 / 2u;
+    let half = p.s3;
     let d = i % half;
     let nh = i / half;
     let row = nh / p.s1;
     return Slot(row, nh * p.s2, d, half, row < p.s0);
 }
 
-// ---- out of place: 1 y (N, H, D) out, 2 x (N, H, D), 3 positions (N,) i32, 4 inv_freq (D/2,) ----
+// ---- out of place: 1 y (N, H, D) out, 2 x (N, H, D), 3 positions (N,) i32, 4 inv_freq (R/2,) ----
 @group(0) @binding(1) var<storage, read_write> o_y: array<f32>;
 @group(0) @binding(2) var<storage, read> o_x: array<f32>;
 @group(0) @binding(3) var<storage, read> o_pos: array<i32>;
@@ -51,6 +52,10 @@ fn rotate_out(i: u32, sign: f32) {
     let x2 = o_x[p.o2 + s.base + s.d + s.half];
     o_y[p.o1 + s.base + s.d] = x1 * cs.x - x2 * sn;
     o_y[p.o1 + s.base + s.d + s.half] = x2 * cs.x + x1 * sn;
+    // this pair's share of the dims that pass through: R + d, R + d + R/2, ...
+    for (var j = 2u * s.half + s.d; j < p.s2; j = j + s.half) {
+        o_y[p.o1 + s.base + j] = o_x[p.o2 + s.base + j];
+    }
 }
 
 @compute @workgroup_size(256)
@@ -65,7 +70,7 @@ fn rope_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     rotate_out(flat(wid, nwg, lid), -1.0);
 }
 
-// ---- in place: 1 x (N, H, D) in/out, 2 positions (N,) i32, 3 inv_freq (D/2,) ----
+// ---- in place: 1 x (N, H, D) in/out, 2 positions (N,) i32, 3 inv_freq (R/2,) ----
 @group(0) @binding(1) var<storage, read_write> i_x: array<f32>;
 @group(0) @binding(2) var<storage, read> i_pos: array<i32>;
 @group(0) @binding(3) var<storage, read> i_freq: array<f32>;

@@ -1,7 +1,8 @@
 """Chat templates written for these tests, modelled on behaviours of real model families: a system message folded
 into the last user message (as Mistral's instruct templates do), in two spacing styles, reasoning that is
-kept only in the answer to the last question (as Qwen3's template does), and Gemma's turns (the system text
-opening the first user turn, the assistant's role rendered as "model")."""
+kept only in the answer to the last question (as Qwen3's template does), Gemma's turns (the system text
+opening the first user turn, the assistant's role rendered as "model") and Phi-3's (every role its own turn,
+closed by <|end|>, and an end-of-text token after the whole conversation)."""
 
 # [INST]-style turns without a system turn: the system text opens the last user message, so the render of a
 # conversation cut before an earlier answer (where that earlier question was the last) is not a prefix of the
@@ -116,4 +117,20 @@ GEMMA = r"""{{- bos_token }}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- "<start_of_turn>model\n" }}{%- endif %}
+"""
+
+
+# Phi-3-style turns: <|system|>, <|user|>, <|assistant|>, each closed by <|end|> and a newline; the render of a
+# whole conversation (no generation prompt) ends with eos_token, outside every turn. The answer line (the
+# content and its <|end|>) is the one tests wrap in {% generation %}.
+PHI3 = r"""{%- for m in messages %}
+    {%- if m.role == "assistant" %}
+        {{- "<|assistant|>\n" }}
+        {{- m.content ~ "<|end|>" }}
+        {{- "\n" }}
+    {%- else %}
+        {{- "<|" ~ m.role ~ "|>\n" ~ m.content ~ "<|end|>\n" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|assistant|>\n" }}{%- else %}{{- eos_token }}{%- endif %}
 """

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from bpe import train_bpe
-from chat_templates import GEMMA, LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, REASONING
+from chat_templates import GEMMA, LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, PHI3, REASONING
 from wgpu_train.data import (
     IGNORE_INDEX, BatchStream, Example, load_records, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
     tokenize_example,
@@ -495,6 +495,29 @@ def test_gemma_template_trains_model_turns(tmp_path):
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex) == "paris<end_of_turn>"
     assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<bos><start_of_turn>user\nbe brief.\n\n")
+
+
+def test_phi3_template_trains_assistant_turns(tmp_path):
+    """Phi-3's turns: each answer and its <|end|> are trained, as transformers' assistant mask says of the same
+    template with {% generation %} around the answer; the end-of-text token after the conversation is not."""
+    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    backend = train_bpe(CORPUS + ["what is the capital of france? paris."], 400, specials=specials)
+    ours = make_tokenizer(tmp_path / "p", backend, template=PHI3, bos_token="<|endoftext|>",
+                          eos_token="<|endoftext|>")
+    answer = '{{- m.content ~ "<|end|>" }}'
+    tagged = PHI3.replace(answer, "{%- generation %}" + answer + "{%- endgeneration %}")
+    assert tagged != PHI3
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged,
+                                              bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    for messages in MISTRAL_CHATS:
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ex = tokenize_example(ours, messages, max_seq_len=512)
+        assert ex.input_ids.tolist() == list(out["input_ids"])
+        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+    ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
+    assert trained_text(ours, ex) == "paris<|end|>"
+    assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<|system|>\nbe brief.<|end|>\n<|user|>\n")
 
 
 def test_template_refusal_names_file_and_line(tmp_path):

@@ -11,21 +11,28 @@ from wgpu_train.config import OptimizerParams
 from wgpu_train.gpu.buffers import loss_head_size
 from wgpu_train.reference.ops import shift_labels
 
-from tiny_models import build_model, save_model
+from tiny_models import build_model, in_arch, save_model
 from tolerances import assert_close
 
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2", "gemma3", "phi3"])
 def folder(request, tmp_path_factory):
     """A saved tiny model per architecture (llama: untied, llama3 RoPE; qwen3: tied, q/k norms; gemma3: the
     sandwich-norm layer plan, GeGLU, a sliding and a global layer, a padding row; gemma2: that plan without q/k
-    norms, with soft-capped attention scores and logits)."""
+    norms, with soft-capped attention scores and logits; phi3: fused q/k/v and gate/up projections, a partial
+    rotary under longrope, whose long factors these 13-token batches take)."""
     hf = build_model(request.param, seed=1)
     path = tmp_path_factory.mktemp(request.param)
     save_model(hf, path)
     return path, hf
+
+
+def _lora(path, target_modules=("q_proj", "v_proj"), **kw):
+    """A LoraConfig whose targets (Llama's names) are spelled as the model at `path` names them."""
+    arch = wt.ModelConfig.from_folder(path).family
+    return wt.LoraConfig(target_modules=in_arch(arch, target_modules), **kw)
 
 
 def _batch(seed=0, vocab=83):
@@ -80,13 +87,13 @@ def test_logits_match_numpy_and_transformers(folder, rt):
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
 def test_lora_loss_and_gradients_match_numpy(folder, rt, targets):
     path, _ = folder
-    lora = wt.LoraConfig(r=3, alpha=7, target_modules=targets, use_rslora=targets == "all-linear")
+    lora = _lora(path, r=3, alpha=7, target_modules=targets, use_rslora=targets == "all-linear")
     ref, gpu = _pair(path, rt, lora, b_seed=2)
     ids, labels, mask = _batch()
     loss_ref, grads_ref = ref.loss_and_grads(ids, labels, mask)
     loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels, mask)
     assert_close(np.float64(loss_gpu), np.float64(loss_ref), "gpu_loss")
-    assert set(grads_gpu) == set(grads_ref) and len(grads_ref) == 2 * len(lora.target_modules) * 2
+    assert set(grads_gpu) == set(grads_ref) and len(grads_ref) == 2 * len(gpu.lora_config.target_modules) * 2
     for k in grads_ref:
         assert np.abs(grads_ref[k]).max() > 1e-4, k
         assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
@@ -96,7 +103,7 @@ def test_lora_gradients_match_peft_autograd(folder, rt, tmp_path):
     """The GPU gradients against torch autograd on the PEFT model (the oracle itself)."""
     peft = pytest.importorskip("peft")
     path, hf = folder
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    lora = _lora(path, r=4, alpha=8, target_modules="all-linear")
     ref, gpu = _pair(path, rt, lora, b_seed=3)
     ref.save_adapter(tmp_path / "adapter")
     peft_model = peft.PeftModel.from_pretrained(build_model(gpu.config.family, seed=1), tmp_path / "adapter",
@@ -119,7 +126,7 @@ def test_loraplus_steps_match_peft_optimizer(folder, rt, tmp_path):
     from peft.optimizers import create_loraplus_optimizer
 
     path, _ = folder
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    lora = _lora(path, r=4, alpha=8, target_modules="all-linear")
     ref, gpu = _pair(path, rt, lora, b_seed=3)
     ref.save_adapter(tmp_path / "adapter")
     peft_model = peft.PeftModel.from_pretrained(build_model(gpu.config.family, seed=1), tmp_path / "adapter",
@@ -151,7 +158,7 @@ def test_loraplus_steps_match_peft_optimizer(folder, rt, tmp_path):
 def test_adamw_steps_with_clipping_match_numpy(folder, rt):
     """10 optimizer steps (2 micro-batches each, clipping active) give the same LoRA parameters."""
     path, _ = folder
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    lora = _lora(path, r=4, alpha=8, target_modules="all-linear")
     ref, gpu = _pair(path, rt, lora)
     ids, labels, mask = _batch(2)
     micro = _micro_batches(ids, labels, mask, 1)
@@ -173,7 +180,7 @@ def test_adamw_steps_with_clipping_match_numpy(folder, rt):
 
 def test_one_submit_per_step_and_uploads_only_the_batch(folder, rt):
     path, _ = folder
-    _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))
+    _, gpu = _pair(path, rt, _lora(path, r=2, alpha=4))
     ids, labels, mask = _batch(3)
     micro = _micro_batches(ids, labels, mask, 1)
     hp = OptimizerParams(lr=1e-3)
@@ -195,7 +202,7 @@ def test_one_submit_per_step_and_uploads_only_the_batch(folder, rt):
 
 def test_gradient_accumulation_equals_full_batch(folder, rt):
     path, _ = folder
-    lora = wt.LoraConfig(r=4, alpha=8)
+    lora = _lora(path, r=4, alpha=8)
     _, one = _pair(path, rt, lora, b_seed=4)
     _, two = _pair(path, rt, lora, b_seed=4)
     ids, labels, mask = _batch(4)
@@ -230,7 +237,7 @@ def test_full_finetune_gradients_match_numpy(folder, rt, tmp_path):
 
 def test_nonfinite_step_is_skipped_and_counted(folder, rt):
     path, _ = folder
-    lora = wt.LoraConfig(r=2, alpha=4)
+    lora = _lora(path, r=2, alpha=4)
     _, gpu = _pair(path, rt, lora, b_seed=6)
     params = gpu.engine.trainable()
     bad = dict(params)
@@ -248,7 +255,7 @@ def test_nonfinite_step_is_skipped_and_counted(folder, rt):
 
 def test_lora_dropout_matches_numpy(folder, rt):
     path, _ = folder
-    lora = wt.LoraConfig(r=3, alpha=6, dropout=0.3, target_modules="q_proj,v_proj,down_proj")
+    lora = _lora(path, r=3, alpha=6, dropout=0.3, target_modules="q_proj,v_proj,down_proj")
     ref, gpu = _pair(path, rt, lora, b_seed=7)
     ids, labels, mask = _batch(7)
     for _ in range(2):   # the mask changes with each call, identically on both engines
@@ -269,7 +276,7 @@ def test_greedy_generation_matches_transformers(folder, rt, tmp_path):
     assert gpu.generate(prompt, max_new_tokens=10) == expected
     # with an adapter: the PEFT model's greedy output
     peft = pytest.importorskip("peft")
-    lora = wt.LoraConfig(r=4, alpha=16, target_modules="all-linear")
+    lora = _lora(path, r=4, alpha=16, target_modules="all-linear")
     ref, gpu = _pair(path, rt, lora, b_seed=9)
     ref.save_adapter(tmp_path / "a")
     pm = peft.PeftModel.from_pretrained(build_model(gpu.config.family, seed=1), tmp_path / "a")
@@ -293,9 +300,9 @@ def test_forward_rows_packs_ragged_prompts(folder, rt):
     """Ragged prompts packed into one forward_rows call (tokens shuffled: every key is written before any query
     reads) give each prompt's forward_cached logits; then one call advances every row by a token."""
     path, _ = folder
-    ref, gpu = _pair(path, rt, wt.LoraConfig(r=4, alpha=16, target_modules="all-linear"), b_seed=3)
+    ref, gpu = _pair(path, rt, _lora(path, r=4, alpha=16, target_modules="all-linear"), b_seed=3)
     rng = np.random.default_rng(4)
-    lengths = np.array([5, 1, 8])
+    lengths = np.array([5, 1, 7])    # all in one call: within longrope's short factors (phi3's 8 positions)
     prompts = [rng.integers(0, 83, n) for n in lengths]
     nxt = rng.integers(0, 83, 3)                                          # one more token per row
     ids, pos = np.concatenate(prompts), np.concatenate([np.arange(n) for n in lengths])
@@ -328,7 +335,7 @@ def test_generate_batch_equals_generate_per_prompt(folder, rt, monkeypatch):
     from wgpu_train import generate as gen
 
     path, _ = folder
-    ref, gpu = _pair(path, rt, wt.LoraConfig(r=4, alpha=16, target_modules="all-linear"), b_seed=9)
+    ref, gpu = _pair(path, rt, _lora(path, r=4, alpha=16, target_modules="all-linear"), b_seed=9)
     rng = np.random.default_rng(10)
     prompts = [rng.integers(0, 83, n) for n in (6, 1, 9, 3)]
     budgets = [7, 10, 3, 0]
@@ -359,7 +366,7 @@ def _allocated(acts) -> int:
 
 def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
     path, _ = folder
-    lora = wt.LoraConfig(r=4, alpha=8, dropout=0.1, target_modules="all-linear")
+    lora = _lora(path, r=4, alpha=8, dropout=0.1, target_modules="all-linear")
     _, gpu = _pair(path, rt, lora)
     ids, labels, mask = _batch(9)
     gpu.loss_and_grads(ids, labels, mask)
@@ -394,7 +401,7 @@ def test_activation_allocation_failure_names_what_to_reduce(folder, rt, monkeypa
     """A device that runs out of memory for a training bucket's activations: one DeviceError saying what
     to reduce, gradient checkpointing included until it is on."""
     path, _ = folder
-    _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))
+    _, gpu = _pair(path, rt, _lora(path, r=2, alpha=4))
     ids, labels, mask = _batch(11)
     real = rt.buffer
 
@@ -414,7 +421,7 @@ def test_activation_allocation_failure_names_what_to_reduce(folder, rt, monkeypa
 
 def test_profile_reports_gpu_time_per_op_group(folder, rt):
     path, _ = folder
-    _, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4))
+    _, gpu = _pair(path, rt, _lora(path, r=2, alpha=4))
     ids, labels, mask = _batch(10)
     micro = _micro_batches(ids, labels, mask, 2)
     hp = OptimizerParams(lr=1e-3)
@@ -447,7 +454,7 @@ def test_gradient_checkpointing_is_bit_identical(folder, rt):
     """Recomputed activations come from the same kernels on the same inputs, dropout masks included: the
     loss and every gradient equal those without checkpointing bit for bit, also through accumulated steps."""
     path, _ = folder
-    lora = wt.LoraConfig(r=3, alpha=6, dropout=0.25, target_modules="all-linear")
+    lora = _lora(path, r=3, alpha=6, dropout=0.25, target_modules="all-linear")
     _, plain = _pair(path, rt, lora, b_seed=13)
     _, ckpt = _pair(path, rt, lora, b_seed=13)
     ckpt.set_gradient_checkpointing(True)
@@ -489,7 +496,7 @@ def test_gradient_checkpointing_full_finetune_is_bit_identical(folder, rt):
 def test_activation_buckets_are_evicted_and_reused_correctly(folder, rt):
     """More (batch, length) shapes than buckets kept, visited twice, in training and evaluation."""
     path, _ = folder
-    ref, gpu = _pair(path, rt, wt.LoraConfig(r=2, alpha=4), b_seed=11)
+    ref, gpu = _pair(path, rt, _lora(path, r=2, alpha=4), b_seed=11)
     rng = np.random.default_rng(12)
     shapes = [(b, t) for b in (1, 2, 3) for t in (5, 8, 13)]   # 9 > both limits
     for _ in range(2):
@@ -507,7 +514,7 @@ def test_long_steps_split_across_submissions(folder, rt):
     """A step whose GPU time exceeds max_submit_s is cut at layer boundaries into several submissions
     (counted at queue.submit), with the same parameters afterwards as the step in one submission."""
     path, _ = folder
-    lora = wt.LoraConfig(r=2, alpha=4)
+    lora = _lora(path, r=2, alpha=4)
     _, one = _pair(path, rt, lora, b_seed=4)
     _, split = _pair(path, rt, lora, b_seed=4)
     ids, labels, mask = _batch(3)

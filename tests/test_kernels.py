@@ -179,26 +179,53 @@ def _inv_freq(D, theta=10000.0):
     return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(F32)
 
 
-@pytest.mark.parametrize("B,T,H,D,max_pos", [(1, 1, 1, 2, 1), (2, 17, 3, 8, 64), (1, 33, 2, 10, 4096)])
-def test_rope(rt, B, T, H, D, max_pos):
+@pytest.mark.parametrize("B,T,H,D,max_pos,rotary,scale", [
+    (1, 1, 1, 2, 1, 0, 1.0), (2, 17, 3, 8, 64, 0, 1.0), (1, 33, 2, 10, 4096, 0, 1.0),
+    (2, 9, 3, 10, 64, 6, 1.53), (1, 5, 2, 16, 4096, 12, 0.8)])     # partial rotary under a scale (longrope)
+def test_rope(rt, B, T, H, D, max_pos, rotary, scale):
     g = rng(T * D)
     N = B * T
     x = (g.standard_normal((B, T, H, D)) * 2).astype(F32)
     pos = g.integers(0, max_pos, (B, T)).astype(np.int32)
     pos.flat[-1] = max_pos - 1
-    inv = _inv_freq(D)
+    inv = _inv_freq(rotary or D)
     tx, tp, tf = padded(rt, x, 1), padded(rt, pos, 3), padded(rt, inv, 2)
     y, dx = rt.buffer(4 * x.size), rt.buffer(4 * x.size)
-    run(rt, lambda r: (K.rope_forward(r, y, tx, tp, tf, N, H, D), K.rope_backward(r, dx, tx, tp, tf, N, H, D)))
+    run(rt, lambda r: (K.rope_forward(r, y, tx, tp, tf, N, H, D, scale, rotary),
+                       K.rope_backward(r, dx, tx, tp, tf, N, H, D, scale, rotary)))
     x64, inv64 = x.astype(np.float64), inv.astype(np.float64)
     tol = "k_rope" if max_pos > 64 else "k_rope_small"
-    want_y, want_dx = ops.rope_forward(x64, pos, inv64), ops.rope_backward(x64, pos, inv64)
+    want_y, want_dx = ops.rope_forward(x64, pos, inv64, scale), ops.rope_backward(x64, pos, inv64, scale)
+    if rotary:
+        assert np.array_equal(want_y[..., rotary:], x64[..., rotary:])     # the dims past `rotary` pass through
     assert_close(rt.read(y, F32, x.shape), want_y, tol, "forward")
     assert_close(rt.read(dx, F32, x.shape), want_dx, tol, "backward")
-    run(rt, lambda r: K.rope_forward(r, tx, tx, tp, tf, N, H, D))                # in place
+    run(rt, lambda r: K.rope_forward(r, tx, tx, tp, tf, N, H, D, scale, rotary))                # in place
     assert_close(read(rt, tx, x.size).reshape(x.shape), want_y, tol, "forward in place")
-    run(rt, lambda r: K.rope_backward(r, tx, tx, tp, tf, N, H, D))               # and back
-    assert_close(read(rt, tx, x.size).reshape(x.shape), x, tol, "backward undoes forward")
+    run(rt, lambda r: K.rope_backward(r, tx, tx, tp, tf, N, H, D, scale, rotary))               # and back
+    assert_close(read(rt, tx, x.size).reshape(x.shape), ops.rope_backward(want_y, pos, inv64, scale), tol,
+                 "backward of forward (x, the rotated dims times scale^2)")
+
+
+# ---- split ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,widths", [(1, (3,)), (7, (12, 4, 4)), (33, (43, 43))])
+def test_split(rt, N, widths):
+    """split_forward gives each block of columns, split_backward puts the blocks back side by side; odd
+    offsets on every tensor."""
+    g = rng(N)
+    x = g.standard_normal((N, sum(widths))).astype(F32)
+    tx = padded(rt, x, 3)
+    parts = [padded(rt, np.zeros((N, w), F32), 1 + j) for j, w in enumerate(widths)]
+    run(rt, lambda r: K.split_forward(r, parts, tx, N, widths))
+    want = ops.split_forward(x, widths)
+    for j, (t, w) in enumerate(zip(parts, widths)):
+        assert np.array_equal(read(rt, t, N * w).reshape(N, w), want[j]), j
+    dys = [g.standard_normal((N, w)).astype(F32) for w in widths]
+    tdys = [padded(rt, d, 2 + j) for j, d in enumerate(dys)]
+    dx = padded(rt, np.zeros_like(x), 5)
+    run(rt, lambda r: K.split_backward(r, dx, tdys, N, widths))
+    assert np.array_equal(read(rt, dx, x.size).reshape(x.shape), ops.split_backward(dys))
 
 
 # ---- attention ------------------------------------------------------------------------------

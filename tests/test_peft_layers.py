@@ -78,17 +78,18 @@ def peft_modules(pm) -> dict:
 
 
 def test_selection_ranks_and_scales_match_peft(tiny):
-    hf, _ = tiny
+    hf, folder = tiny
+    model_cfg = wt.ModelConfig.from_folder(folder)
     for changes in ({}, {"layers_to_transform": 1, "layers_pattern": None}, {"layers_to_transform": [],
                                                                                 "layers_pattern": None}):
-        mine = ours(**changes).modules(LAYERS)
+        mine = ours(**changes).modules(model_cfg)
         theirs = peft_modules(peft_model(hf, **changes))
         assert list(mine) == sorted(theirs, key=list(mine).index) and set(mine) == set(theirs), changes
         for path, (r, alpha) in mine.items():
             assert r == theirs[path][0], path
             assert_close(np.float64(alpha / r), np.float64(theirs[path][1]), "exact", path)
-    assert ours().modules(LAYERS)["model.layers.2.self_attn.k_proj"] == (5, 7)
-    assert ours().modules(LAYERS)["model.layers.0.self_attn.q_proj"] == (3, 2)
+    assert ours().modules(model_cfg)["model.layers.2.self_attn.k_proj"] == (5, 7)
+    assert ours().modules(model_cfg)["model.layers.0.self_attn.q_proj"] == (3, 2)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "wgpu"])

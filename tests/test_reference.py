@@ -17,7 +17,7 @@ import transformers as tf
 from safetensors.numpy import load_file, save_file
 
 from finetune_helpers import peft_random_b
-from tiny_models import ARCHS, build_model, edit_config, hf_config, save_model
+from tiny_models import ARCHS, build_model, edit_config, hf_config, in_arch, save_model
 from tolerances import assert_close
 from wgpu_train.config import LoraConfig, ModelConfig
 from wgpu_train.errors import AdapterError, ConfigError, ModelFileError, WgpuTrainError
@@ -32,7 +32,7 @@ PROMPT = 3            # labels of the first PROMPT tokens are -100
 PAD_FROM = 7          # row 1 of the padded batch is padding from here on
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-           "gemma3": "Gemma3ForCausalLM"}
+           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 # ---- fixtures and helpers --------------------------------------------------------------------
@@ -42,6 +42,10 @@ class Case:
 
     def __init__(self, arch, hf, folder):
         self.arch, self.hf, self.folder = arch, hf, folder
+
+    def names(self, names):
+        """Llama's module names, paths or target regexes as this architecture spells them (tiny_models.in_arch)."""
+        return in_arch(self.arch, names)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -160,9 +164,14 @@ def test_logits_match_transformers(case):
     ours, theirs = model.logits(ids, mask), hf_logits(case.hf, ids, mask)
     real = mask.astype(bool)
     assert_close(ours[real], theirs[real], "logits_f32", "right-padded, real positions")
-    # Padding must not leak into the real tokens: the padded row equals that row run alone, unpadded.
+    # Padding must not leak into the real tokens: the padded row equals that row run alone, unpadded;
+    # unless (longrope, Phi-3) the padded batch's length takes the long factors and the row's the short ones,
+    # as in transformers: then the row alone is checked against transformers'
     alone = model.logits(ids[1:, :PAD_FROM])
-    assert_close(ours[1, :PAD_FROM], alone[0], "logits_f32", "padded row vs the row alone")
+    if model.config.rope_long(T - 1) == model.config.rope_long(PAD_FROM - 1):
+        assert_close(ours[1, :PAD_FROM], alone[0], "logits_f32", "padded row vs the row alone")
+    else:
+        assert_close(alone, hf_logits(case.hf, ids[1:, :PAD_FROM]), "logits_f32", "the row alone, short factors")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -280,7 +289,7 @@ def test_gemma2_hub_spelling(raw_configs):
     assert_close(ours.inv_freq(0), rotary.inv_freq.numpy(), "inv_freq", "gemma2 hub spelling")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 def test_rope_spellings_agree(raw_configs, arch):
     raw = raw_configs[arch]
     assert "rope_parameters" in raw and "rope_theta" not in raw, "transformers 5 should write rope_parameters"
@@ -299,6 +308,9 @@ def test_rope_spellings_agree(raw_configs, arch):
         old = dict(hub["rope_scaling"])
         old["type"] = old.pop("rope_type")
         assert_close(ModelConfig.from_dict({**hub, "rope_scaling": old}).inv_freq(), ours.inv_freq(), "exact")
+    elif arch == "phi3":     # partial rotary and longrope read alike from either block, both factor sets
+        assert from_hub.rotary_dim == ours.rotary_dim == 6 and from_hub.rope_scale == ours.rope_scale > 1
+        assert_close(from_hub.inv_freq(0, True), ours.inv_freq(0, True), "exact", "long factors")
     else:
         assert ours.rope_scaling is None and from_hub.rope_scaling is None
 
@@ -371,7 +383,7 @@ EXPECTED_MODULES = {"qv": ("q_proj", "v_proj"),
 @pytest.mark.parametrize("targets", list(TARGETS))
 @pytest.mark.parametrize("rslora, kind", [(False, "padded"), (True, "prompt")])
 def test_lora_loss_and_grads_match_peft(case, targets, rslora, kind, tmp_path):
-    pm = peft_lora(case.hf, TARGETS[targets], use_rslora=rslora, seed=len(targets))
+    pm = peft_lora(case.hf, case.names(TARGETS[targets]), use_rslora=rslora, seed=len(targets))
     pm.save_pretrained(tmp_path)
     ids, mask, labels = batch(kind)
     out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
@@ -380,12 +392,12 @@ def test_lora_loss_and_grads_match_peft(case, targets, rslora, kind, tmp_path):
 
     model = load_model(case.folder)
     model.load_adapter(tmp_path)
-    assert model.lora_config.target_modules == EXPECTED_MODULES[targets]
+    assert model.lora_config.target_modules == case.names(EXPECTED_MODULES[targets])
     assert model.lora_config.use_rslora is rslora
     loss, grads = model.loss_and_grads(ids, labels, mask)
     assert_close(loss, out.loss.item(), "loss_f32", "loss")
     assert set(grads) == set(expected), sorted(set(grads) ^ set(expected))
-    assert len(grads) == 2 * 2 * len(EXPECTED_MODULES[targets])
+    assert len(grads) == 2 * 2 * len(case.names(EXPECTED_MODULES[targets]))
     for name, g in expected.items():
         assert np.abs(g).max() > 1e-3, f"{name}: oracle gradient is ~0, the comparison would be empty"
         assert_close(grads[name], g, "grads_f32", name)
@@ -412,7 +424,7 @@ def test_full_finetune_grads_match_torch(case):
 # ---- adapters and merging --------------------------------------------------------------------
 
 def test_peft_adapter_loads_here(case, tmp_path):
-    pm = peft_lora(case.hf, ["q_proj", "k_proj", "o_proj", "up_proj"], r=2, alpha=7, use_rslora=True)
+    pm = peft_lora(case.hf, case.names(["q_proj", "k_proj", "o_proj", "up_proj"]), r=2, alpha=7, use_rslora=True)
     pm.save_pretrained(tmp_path)
     model = load_model(case.folder)
     model.load_adapter(tmp_path)
@@ -429,7 +441,8 @@ def test_peft_adapter_loads_here(case, tmp_path):
 
 def test_our_adapter_loads_in_peft(case, tmp_path):
     model = load_model(case.folder)
-    model.add_lora(LoraConfig(r=3, alpha=4, target_modules=("v_proj", "o_proj", "gate_proj"), use_rslora=True), seed=2)
+    model.add_lora(LoraConfig(r=3, alpha=4, target_modules=case.names(("v_proj", "o_proj", "gate_proj")),
+                              use_rslora=True), seed=2)
     randomise_b(model)
     model.save_adapter(tmp_path)
     with captured_messages() as messages:
@@ -437,7 +450,7 @@ def test_our_adapter_loads_in_peft(case, tmp_path):
     assert not key_complaints(messages), key_complaints(messages)
     config = pm.peft_config["default"]
     assert (config.r, config.lora_alpha, config.use_rslora) == (3, 4, True)
-    assert set(config.target_modules) == {"v_proj", "o_proj", "gate_proj"}
+    assert set(config.target_modules) == set(case.names(("v_proj", "o_proj", "gate_proj")))
     theirs = peft_lora_tensors(pm)
     ours = model.lora_state_dict()
     assert set(theirs) == set(ours)
@@ -549,13 +562,14 @@ def test_finite_differences_lora_f64(case):
     model = load_model(case.folder, dtype=np.float64)
     model.add_lora(LoraConfig(r=2, alpha=3, target_modules="all-linear"), seed=0)
     randomise_b(model)
-    assert model.engine.lora["model.layers.0.self_attn.q_proj"].a.dtype == np.float64
+    assert model.engine.lora[case.names("model.layers.0.self_attn.q_proj")].a.dtype == np.float64
     ids, mask, labels = batch("padded")
     _, grads = model.loss_and_grads(ids, labels, mask)
     rng = np.random.default_rng(1)
     for path, which in [("model.layers.0.self_attn.q_proj", "a"), ("model.layers.0.self_attn.k_proj", "b"),
                         ("model.layers.1.self_attn.v_proj", "a"), ("model.layers.0.mlp.down_proj", "b"),
                         ("model.layers.1.mlp.gate_proj", "a")]:
+        path = case.names(path)
         key = f"base_model.model.{path}.lora_{which.upper()}.weight"
         arr = getattr(model.engine.lora[path], which)
         for idx in _entries(grads[key], rng):
@@ -571,6 +585,7 @@ def test_finite_differences_full_f64(case):
     names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
              "model.layers.1.post_attention_layernorm.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.1.mlp.up_proj.weight"]
+    names = case.names(names)
     cfg = model.config
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -778,13 +793,13 @@ def test_adapter_config_values_are_checked(llama_folder, saved_adapter, tmp_path
 def test_peft_regex_and_path_targets_load_here(case, tmp_path):
     """target_modules as PEFT's regular expression (re.fullmatch on module paths) or as full module paths
     selects the same modules here as in PEFT."""
-    paths = [f"model.layers.{i}.mlp.up_proj" for i in range(case.hf.config.num_hidden_layers)]
-    for name, targets in (("regex", r".*\.(q_proj|down_proj)"), ("paths", paths)):
+    paths = case.names([f"model.layers.{i}.mlp.up_proj" for i in range(case.hf.config.num_hidden_layers)])
+    for name, targets in (("regex", case.names(r".*\.(q_proj|down_proj)")), ("paths", paths)):
         pm = peft_lora(case.hf, targets, r=2, alpha=5)
         pm.save_pretrained(tmp_path / name)
         model = load_model(case.folder)
         model.load_adapter(tmp_path / name)
-        assert model.lora_config.target_modules == (("q_proj", "down_proj") if name == "regex" else ("up_proj",))
+        assert model.lora_config.target_modules == case.names(("q_proj", "down_proj") if name == "regex" else ("up_proj",))
         ids, _, _ = batch("prompt")
         assert_close(model.logits(ids), hf_logits(pm, ids), "logits_f32", name)
 

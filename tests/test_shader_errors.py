@@ -46,7 +46,8 @@ def test_missing_entry_point_names_the_file(rt):
 
 # The op shaders of wgpu_train/gpu/kernels.py (others' shaders have their own tests).
 OP_SHADERS = {
-    "elementwise": ["add", "add_inplace", "scale", "scale_inplace", "softcap_forward", "softcap_forward_inplace", "copy", "fill"],
+    "elementwise": ["add", "add_inplace", "scale", "scale_inplace", "softcap_forward", "softcap_forward_inplace", "copy", "fill",
+                    "columns_get", "columns_put"],
     "swiglu": ["swiglu_forward", "swiglu_backward", "swiglu_backward_inplace", "geglu_forward", "geglu_backward"],
     "rmsnorm": ["rmsnorm_forward", "rmsnorm_backward", "rmsnorm_forward_row", "rmsnorm_backward_row",
                 "rmsnorm_forward_row4", "rmsnorm_backward_row4", "rmsnorm_backward_partial4",

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 # Sizes avoid multiples of 4, 16 and 64 where the architecture allows (head_dim must be even for RoPE).
 BASE = dict(vocab_size=83, hidden_size=30, intermediate_size=43, num_hidden_layers=2, num_attention_heads=3,
@@ -41,10 +42,31 @@ def hf_config(arch: str, **overrides):
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}})
         cls = tf.Gemma3TextConfig
+    elif arch == "phi3":
+        # Phi-4-mini's shape of RoPE: a partial rotary (6 of 10 dims) under longrope, whose long factors (and
+        # attention factor) take over past original_max_position_embeddings; a sliding window; a padding row
+        kw.update(tie_word_embeddings=True, sliding_window=9, pad_token_id=3, bos_token_id=1, eos_token_id=2,
+                  original_max_position_embeddings=8,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.6,
+                                   "short_factor": [1.0, 1.3, 2.1], "long_factor": [1.7, 3.9, 11.0]})
+        cls = tf.Phi3Config
     else:
         raise ValueError(arch)
     kw.update(overrides)
     return cls(**kw)
+
+
+def in_arch(arch: str, names):
+    """Module names, paths or target regexes written for Llama's seven modules, as `arch` names them: Phi-3
+    fuses q / k / v into qkv_proj and gate / up into gate_up_proj (a list or tuple keeps one of each)."""
+    if isinstance(names, (list, tuple)):
+        out = [in_arch(arch, n) for n in names]
+        return type(names)(dict.fromkeys(out))
+    if arch != "phi3":
+        return names
+    names = re.sub(r"\b[qkv]_proj\b", "qkv_proj", names)
+    names = re.sub(r"\b(gate|up)_proj\b", "gate_up_proj", names)
+    return names.replace("(qkv_proj|qkv_proj|qkv_proj)", "qkv_proj")
 
 
 def build_model(arch: str, seed: int = 0, **overrides):

@@ -387,8 +387,8 @@ def cmd_memory(args) -> int:
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
-    ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg.num_hidden_layers).items()}) if lora else {}
-    dora = {m: cfg.linear_shape(m)[0] for m in lora.target_modules} if lora and lora.use_dora else {}
+    ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()}) if lora else {}
+    dora = {m: cfg.linear_shape(m)[0] for m in lora.targets_in(cfg)} if lora and lora.use_dora else {}
     ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora)))
     layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing,
                                     dora_outputs=dora)
@@ -400,7 +400,7 @@ def cmd_memory(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    what = (f"LoRA r={lora.r} on {','.join(lora.target_modules)}{describe_layout(lora)}" if lora
+    what = (f"LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}{describe_layout(lora)}" if lora
             else "full fine-tuning")
     n = result["parameters"]
     print(f"{model_dir} ({cfg.architecture}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "

@@ -17,17 +17,22 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
+# every family's, for LoRA targets: each family's modules in its order
+KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                        "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: str) -> tuple:
-    """Each layer's sliding window as transformers applies it (0: full attention): Mistral's `sliding_window`
-    on every layer; Qwen2 / Qwen3's when `use_sliding_window`, on the layers from `max_window_layers` on
+    """Each layer's sliding window as transformers applies it (0: full attention): Mistral's and Phi-3's
+    `sliding_window` on every layer; Qwen2 / Qwen3's when `use_sliding_window`, on the layers from `max_window_layers` on
     (or as `layer_types` says); Gemma 3's on its sliding layers. A window of at least the context is no window."""
     window = raw.get("sliding_window")
-    use_window = raw.get("use_sliding_window", family in ("mistral", "gemma2", "gemma3"))
+    use_window = raw.get("use_sliding_window", family in ("mistral", "gemma2", "gemma3", "phi3"))
     if window is None or not use_window:
         return ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -40,7 +45,7 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
             raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
                               f"for each of the {layers} layers")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
-    first = int(raw.get("max_window_layers", 0)) if family != "mistral" else 0
+    first = int(raw.get("max_window_layers", 0)) if family not in ("mistral", "phi3") else 0
     return tuple(window if i >= first else 0 for i in range(layers))
 
 
@@ -113,6 +118,46 @@ def _gemma_fields(raw: dict, source: str, family: str, layers: int, hidden: int,
             "local_rope_theta": float(local_theta or 10000.0), "rope_parameters": params, **caps}
 
 
+def _rotary_dim(raw: dict, params: dict, family: str, head_dim: int, source: str) -> int:
+    """The rotated dims of each head under Phi-3's partial_rotary_factor (in the RoPE block, rope_parameters
+    or rope_scaling, or at the top level, as transformers reads it); 0 for the whole head. Other families
+    rotate the whole head."""
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if factor == 1.0:
+        return 0
+    if family != "phi3":
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0 for {family}")
+    dim = int(head_dim * float(_positive({"partial_rotary_factor": factor}, "partial_rotary_factor", source)))
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' {factor} rotates {dim} of {head_dim} dims per "
+                          f"head; it must be an even number from 2 to head_dim")
+    return dim
+
+
+def _longrope(scaling: dict, raw: dict, family: str, max_pos: int, pairs: int, rope_field: str, source: str) -> dict:
+    """longrope's parameters completed as transformers completes them: short_factor / long_factor (one per
+    rotated pair), original_max_position_embeddings (Phi-3's top-level field, default 4096, wins over the
+    one in the RoPE block; other families' is in the block, default max_position_embeddings), factor
+    (default max_position_embeddings over it) and the attention factor (default sqrt(1 + ln factor / ln
+    original), 1 for a factor up to 1)."""
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if not (isinstance(value, list) and len(value) == pairs and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)):
+            raise ConfigError(f"{source}: field '{rope_field}' needs '{key}': a list of {pairs} positive numbers")
+    original = raw.get("original_max_position_embeddings", 4096) if family == "phi3" else \
+        scaling.get("original_max_position_embeddings", max_pos)
+    if not isinstance(original, int) or isinstance(original, bool) or original < 2:
+        raise ConfigError(f"{source}: longrope needs 'original_max_position_embeddings' (a whole number >= 2), got "
+                          f"{original!r}")
+    factor = scaling.get("factor") or max_pos / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**scaling, "original_max_position_embeddings": original, "factor": float(factor),
+            "attention_factor": float(_positive({"attention_factor": attention}, "attention_factor", source))}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture hyper-parameters that the math needs, normalised across model families."""
@@ -145,6 +190,7 @@ class ModelConfig:
     local_rope_theta: float = 10000.0
     attn_softcap: float = 0.0    # Gemma 2: scaled attention scores become cap * tanh(s / cap); 0 for none
     logit_softcap: float = 0.0   # Gemma 2: logits likewise (final_logit_softcapping)
+    rotary_dim: int = 0          # the leading dims of each head that RoPE rotates (Phi-4-mini's partial rotary); 0: all
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -163,25 +209,55 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def fused_projections(self) -> bool:
+        """Phi-3: one qkv_proj for q / k / v and one gate_up_proj for gate / up."""
+        return self.family == "phi3"
+
+    @property
+    def linear_modules(self) -> tuple:
+        """A layer's linear modules in order: Llama's seven, or Phi-3's four with q/k/v and gate/up fused."""
+        return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
+
+    def module_id(self, layer: int, module: str) -> int:
+        """A linear module's index over the whole model (its LoRA dropout seed)."""
+        return layer * len(self.linear_modules) + self.linear_modules.index(module)
+
     def linear_shape(self, module: str) -> tuple[int, int]:
-        """(out_features, in_features) of one of the seven linear modules of a layer."""
+        """(out_features, in_features) of one of a layer's linear modules (fused ones included)."""
         c, f = self.hidden_size, self.intermediate_size
         return {
             "q_proj": (self.q_size, c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
             "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
+            "qkv_proj": (self.q_size + 2 * self.kv_size, c), "gate_up_proj": (2 * f, c),
         }[module]
 
-    def inv_freq(self, layer: int = 0) -> np.ndarray:
-        """Layer `layer`'s RoPE inverse frequencies (head_dim/2,), float64: the local base unscaled where the
-        layer uses it, else rope_theta with the configured scaling (llama3, linear)."""
-        d = self.head_dim
+    @property
+    def rope_scale(self) -> float:
+        """What RoPE multiplies the rotated dims by (longrope's attention factor; 1 otherwise)."""
+        s = self.rope_scaling
+        return float(s["attention_factor"]) if s and s["rope_type"] == "longrope" else 1.0
+
+    def rope_long(self, max_position: int) -> bool:
+        """Whether a forward whose largest position is max_position takes longrope's long factors: as
+        transformers does, when max_position + 1 exceeds original_max_position_embeddings."""
+        s = self.rope_scaling
+        return bool(s) and s["rope_type"] == "longrope" and max_position + 1 > s["original_max_position_embeddings"]
+
+    def inv_freq(self, layer: int = 0, long: bool = False) -> np.ndarray:
+        """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64: the local base unscaled where the
+        layer uses it, else rope_theta with the configured scaling (llama3, linear, longrope: its short
+        factors, or its long ones with `long`)."""
+        d = self.rotary_dim or self.head_dim
         local = bool(self.local_rope) and self.local_rope[layer]
         inv = 1.0 / ((self.local_rope_theta if local else self.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.rope_scaling is None or local:
             return inv
         s = self.rope_scaling
+        if s["rope_type"] == "longrope":
+            return inv / np.asarray(s["long_factor" if long else "short_factor"], np.float64)
         factor = float(s["factor"])
-        if s.get("rope_type", s.get("type")) == "linear":
+        if s["rope_type"] == "linear":
             return inv / factor
         low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
         old_ctx = float(s.get("original_max_position_embeddings", 8192))
@@ -232,20 +308,25 @@ class ModelConfig:
             if scaling is not None:
                 rope_type = scaling.get("rope_type", scaling.get("type", "default"))
                 scaling = dict(scaling) if rope_type != "default" else None
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        block = params if rope_field == "rope_parameters" else raw.get("rope_scaling") or {}
+        rotary_dim = _rotary_dim(raw, block, family, int(head_dim), source)
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type"))
-            if rope_type not in ("llama3", "linear"):
-                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; only 'llama3' and 'linear' "
-                                  f"are supported")
-            if "factor" not in scaling:
+            if family == "phi3" and rope_type in ("su", "yarn"):    # transformers' Phi-3: old names of longrope
+                rope_type = "longrope"
+            if rope_type not in ("llama3", "linear", "longrope"):
+                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; only 'llama3', 'linear' "
+                                  f"and 'longrope' are supported")
+            scaling = {**scaling, "rope_type": rope_type}
+            if rope_type == "longrope":
+                scaling = _longrope(scaling, raw, family, max_pos, (rotary_dim or int(head_dim)) // 2, rope_field, source)
+            elif "factor" not in scaling:
                 raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
-        if raw.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0")
-        max_pos = int(raw.get("max_position_embeddings", 4096))
         windows = _layer_windows(raw, family, layers, max_pos, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
-        attention_bias = bool(raw.get("attention_bias", family == "qwen2"))
+        attention_bias = bool(raw.get("attention_bias", family == "qwen2")) and family != "phi3"
         if family == "qwen2":
             attention_bias = True
         return cls(
@@ -268,6 +349,7 @@ class ModelConfig:
             pad_token_id=_pad_row(raw.get("pad_token_id"), int(need("vocab_size"))),
             eos_token_id=raw.get("eos_token_id"),
             layer_windows=windows,
+            rotary_dim=rotary_dim,
             **{"hidden_act": "silu", **gemma},
             raw=given,
         )
@@ -317,13 +399,14 @@ class LoraConfig:
 
         targets = self.target_modules
         if isinstance(targets, str):
-            targets = LINEAR_MODULES if targets == "all-linear" else tuple(
+            targets = KNOWN_LINEAR_MODULES if targets == "all-linear" else tuple(
                 t.strip() for t in targets.split(",") if t.strip())
         targets = tuple(targets)
-        unknown = [t for t in targets if t not in LINEAR_MODULES]
+        unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
         if unknown or not targets:
-            raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(LINEAR_MODULES)} or 'all-linear'")
-        object.__setattr__(self, "target_modules", tuple(t for t in LINEAR_MODULES if t in targets))
+            raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
+                              f"or 'all-linear'")
+        object.__setattr__(self, "target_modules", tuple(t for t in KNOWN_LINEAR_MODULES if t in targets))
         if int(self.r) < 1:
             raise ConfigError(f"LoRA rank r must be >= 1, got {self.r}")
         if not 0.0 <= float(self.dropout) < 1.0:
@@ -344,17 +427,26 @@ class LoraConfig:
         """The update's scale of a module with the config's own r and alpha (see module_scales for all)."""
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
-    def modules(self, num_hidden_layers: int) -> dict:
-        """{module path: (r, alpha)} of every module this config puts LoRA on, layer by layer in
-        LINEAR_MODULES order (PEFT's selection and pattern rules: lora_layout.module_settings)."""
+    def targets_in(self, model: ModelConfig) -> tuple:
+        """The target modules that `model`'s layers have, in their order (all-linear names every family's);
+        none of them is refused naming the model's modules."""
+        found = tuple(m for m in model.linear_modules if m in self.target_modules)
+        if not found:
+            raise ConfigError(f"LoRA target_modules {','.join(self.target_modules)}: {model.architecture} has the "
+                              f"linear modules {', '.join(model.linear_modules)} (or use all-linear)")
+        return found
+
+    def modules(self, model: ModelConfig) -> dict:
+        """{module path: (r, alpha)} of every module this config puts LoRA on in `model`, layer by layer in
+        its linear modules' order (PEFT's selection and pattern rules: lora_layout.module_settings)."""
         from .lora_layout import module_settings
 
-        return module_settings(self, num_hidden_layers)
+        return module_settings(self, model)
 
-    def module_scales(self, num_hidden_layers: int) -> dict:
+    def module_scales(self, model: ModelConfig) -> dict:
         """{module path: scale} (alpha / r, or alpha / sqrt(r) with rsLoRA, of each module's own r, alpha)."""
         root = math.sqrt if self.use_rslora else float
-        return {p: a / root(r) for p, (r, a) in self.modules(num_hidden_layers).items()}
+        return {p: a / root(r) for p, (r, a) in self.modules(model).items()}
 
 
 @dataclass(frozen=True)

@@ -138,26 +138,51 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
                 if tok not in stops and len(out[i]) < budgets[i] and lengths[i] + len(out[i]) <= limit:
                     feed.append(i)
             if feed:
-                step = engine.forward_rows(np.array([out[i][-1] for i in feed]), np.array(feed),
-                                           np.array([lengths[i] + len(out[i]) - 1 for i in feed]), cache,
-                                           np.arange(len(feed)))               # (len(feed), V)
-                logits = dict(zip(feed, step))
+                logits = _advance(engine, cache, prompts, out, feed)
             running = feed
     finally:
         engine.free_kv_cache(cache)       # now, not when the garbage collector gets to it
     return out
 
 
-def _prefill(engine, cache, prompts, rows) -> dict:
-    """Write the prompts of `rows` into their cache rows; returns row -> logits (V,) of its last prompt token."""
-    ids = np.concatenate([prompts[i] for i in rows])                           # (N,) every prompt token
-    token_rows = np.concatenate([np.full(prompts[i].size, i) for i in rows])
-    positions = np.concatenate([np.arange(prompts[i].size) for i in rows])
-    ends = np.cumsum([prompts[i].size for i in rows]) - 1                     # each row's last token
+def _prefill(engine, cache, seqs, rows) -> dict:
+    """Write the tokens seqs[i] of each row i of `rows` into its cache row; returns row -> logits (V,) of its
+    last token. Under longrope the rows whose length takes the long factors go in calls of their own."""
+    logits = {}
+    for long in (False, True):
+        group = [i for i in rows if engine.cfg.rope_long(seqs[i].size - 1) == long]
+        if group:
+            logits.update(_prefill_rows(engine, cache, seqs, group, long))
+    return logits
+
+
+def _prefill_rows(engine, cache, seqs, rows, long_rope: bool) -> dict:
+    ids = np.concatenate([seqs[i] for i in rows])                              # (N,) every token
+    token_rows = np.concatenate([np.full(seqs[i].size, i) for i in rows])
+    positions = np.concatenate([np.arange(seqs[i].size) for i in rows])
+    ends = np.cumsum([seqs[i].size for i in rows]) - 1                        # each row's last token
     logits = {}
     for s in range(0, ids.size, PREFILL_TOKENS):
         e = min(s + PREFILL_TOKENS, ids.size)
-        done = np.flatnonzero((ends >= s) & (ends < e))                        # rows whose prompt ends here
-        chunk = engine.forward_rows(ids[s:e], token_rows[s:e], positions[s:e], cache, ends[done] - s)
+        done = np.flatnonzero((ends >= s) & (ends < e))                        # rows whose tokens end here
+        chunk = engine.forward_rows(ids[s:e], token_rows[s:e], positions[s:e], cache, ends[done] - s, long_rope)
         logits.update((rows[k], lg) for k, lg in zip(done, chunk))
+    return logits
+
+
+def _advance(engine, cache, prompts, out, feed) -> dict:
+    """Each row of `feed` takes its newest token into the cache; returns row -> logits (V,) after it. Under
+    longrope a row's RoPE factors follow its length, as transformers' Phi-3 generation has them: a row whose
+    length first passes original_max_position_embeddings is prefilled again, whole, with the long factors
+    (its cached keys had the short ones), and rows of either set advance in calls of their own."""
+    cfg = engine.cfg
+    pos = {i: prompts[i].size + len(out[i]) - 1 for i in feed}                # the newest token's position
+    crossed = [i for i in feed if cfg.rope_long(pos[i]) and not cfg.rope_long(pos[i] - 1)]
+    logits = _prefill(engine, cache, {i: np.concatenate([prompts[i], out[i]]) for i in crossed}, crossed)
+    for long in (False, True):
+        rows = [i for i in feed if i not in crossed and cfg.rope_long(pos[i]) == long]
+        if rows:
+            step = engine.forward_rows(np.array([out[i][-1] for i in rows]), np.array(rows),
+                                       np.array([pos[i] for i in rows]), cache, np.arange(len(rows)), long)
+            logits.update(zip(rows, step))                                     # (len(rows), V)
     return logits

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ATTENTION_MODULES, LINEAR_MODULES, ModelConfig
+from .config import ATTENTION_MODULES, KNOWN_LINEAR_MODULES, ModelConfig
 from .errors import AdapterError, ModelFileError
 from .layer_plan import layer_plan
 
@@ -150,7 +150,7 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     norms = {op.param: (d if op.heads else c,) for op in layer_plan(cfg).ops if op.kind == "rmsnorm"}
     for i in range(cfg.num_hidden_layers):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in norms.items()})
-        for m in LINEAR_MODULES:
+        for m in cfg.linear_modules:
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, c)
@@ -174,7 +174,7 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
         tensors.pop("lm_head.weight", None)
     # Biases: q/k/v (Qwen2, Llama attention_bias) and o_proj (Llama attention_bias).
     for i in range(cfg.num_hidden_layers):
-        for m in LINEAR_MODULES:
+        for m in cfg.linear_modules:
             name = module_path(i, m) + ".bias"
             if name in tensors:
                 shapes[name] = (cfg.linear_shape(m)[0],)
@@ -300,13 +300,13 @@ def adapter_folder(adapter_path) -> Path | None:
     return adapter
 
 
-def read_adapter(folder, num_hidden_layers: int | None = None):
+def read_adapter(folder, model: ModelConfig | None = None):
     """(LoraConfig, tensors by PEFT key) from a PEFT adapter folder; refuses what this library cannot apply.
 
     Every value of adapter_config.json that matters is checked for its type; a wrong one, or a setting this
     library does not compute (UNSUPPORTED_ADAPTER_FIELDS, a bias other than "none"), raises AdapterError
-    naming the key. target_modules is resolved with adapter_targets against num_hidden_layers layers (the
-    model's; by default the layers the adapter's tensors cover)."""
+    naming the key. target_modules is resolved with adapter_targets against the layers and linear modules
+    of `model` (by default: the layers the adapter's tensors cover, any family's module names)."""
     from .config import LoraConfig
     from .errors import ConfigError
     from .lora_layout import adapter_layout, adapter_targets
@@ -347,9 +347,11 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
         tensors = read_safetensors(weights)
     except ModelFileError as e:
         raise AdapterError(str(e)) from None
-    if num_hidden_layers is None:
+    if model is None:
         layers = [int(m.group(1)) for k in tensors if (m := re.search(r"\.layers\.(\d+)\.", k))]
-        num_hidden_layers = max(layers, default=0) + 1
+        num_hidden_layers, linear_modules = max(layers, default=0) + 1, KNOWN_LINEAR_MODULES
+    else:
+        num_hidden_layers, linear_modules = model.num_hidden_layers, model.linear_modules
     layout = adapter_layout(raw, spec, cfg_path)
     saved = raw.get("modules_to_save")
     if saved is not None and not (isinstance(saved, list) and all(isinstance(m, str) for m in saved)):
@@ -357,7 +359,7 @@ def read_adapter(folder, num_hidden_layers: int | None = None):
                            f"got {json.dumps(saved)}")
     tying = _adapter_field(raw, "ensure_weight_tying", "bool", False, cfg_path)
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
-                                      layout["layers_pattern"])
+                                      layout["layers_pattern"], linear_modules)
     try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
                          use_dora=dora, **{**layout, "layers_to_transform": layers}, modules_to_save=saved,

@@ -28,7 +28,8 @@ class Op:
     factor: a scale op's constant.
 
     The kinds: rmsnorm (y, rstd of x), linear (base + LoRA), rope (in place), attention (out, lse of q, k,
-    v), swiglu / geglu (m of gate, up), add (y = residual + x), scale (y = factor x)."""
+    v), swiglu / geglu (m of gate, up), add (y = residual + x), scale (y = factor x), split (x's columns
+    into the outputs, side by side in their order: a fused projection's parts)."""
 
     kind: str
     inputs: tuple
@@ -89,6 +90,7 @@ _BACKWARD_READS = {          # the op kinds, and the activations each one's back
     "geglu": lambda op: op.inputs,
     "add": lambda op: (),
     "scale": lambda op: (),
+    "split": lambda op: (),
 }
 KINDS = tuple(_BACKWARD_READS)
 
@@ -139,7 +141,7 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
 
 
 _PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "qk_norm", "query_scale", "hidden_act", "sandwich_norms")
+                "qk_norm", "query_scale", "hidden_act", "sandwich_norms", "fused_projections")
 
 
 @lru_cache(maxsize=None)
@@ -149,10 +151,14 @@ def _plan(fields: tuple) -> LayerPlan:
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     q_proj, k_proj = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
     dq_proj, dk_proj = ("dq2", "dk2") if cfg.qk_norm else ("dq", "dk")
-    ops = [_rmsnorm("input_layernorm.weight", INPUT, "h1", "rstd1", "d_h", CARRY),
-           _linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
-           _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
-           _linear("v_proj", "h1", "v", "dv", "d_h")]
+    ops = [_rmsnorm("input_layernorm.weight", INPUT, "h1", "rstd1", "d_h", CARRY)]
+    if cfg.fused_projections:    # Phi-3: one GEMM, its output split into q, k, v
+        ops += [_linear("qkv_proj", "h1", "qkv", "d_qkv", "d_h"),
+                Op("split", ("qkv",), (q_proj, k_proj, "v"), (dq_proj, dk_proj, "dv"), ("d_qkv",))]
+    else:
+        ops += [_linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
+                _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
+                _linear("v_proj", "h1", "v", "dv", "d_h")]
     if cfg.qk_norm:
         ops += [_rmsnorm("self_attn.q_norm.weight", "q_pre", "q", "rstd_q", "dq", "dq2", heads="q"),
                 _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2", heads="kv")]
@@ -163,6 +169,10 @@ def _plan(fields: tuple) -> LayerPlan:
     ops.append(Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv")))
     glu = Op("geglu" if cfg.hidden_act == "gelu_tanh" else "swiglu", ("gate", "up"), ("m",), ("d_m",),
              ("d_gate", "d_up"))
+    gate_up = [_linear("gate_up_proj", "h2", "gate_up", "d_gate_up", "d_h"),
+               Op("split", ("gate_up",), ("gate", "up"), ("d_gate", "d_up"), ("d_gate_up",))] \
+        if cfg.fused_projections else [_linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
+                                       _linear("up_proj", "h2", "up", "d_up", "d_h")]
     widths = {INPUT: c, "h1": c, "rstd1": 1, "q": q, "k": kv, "v": kv, "att": q, "lse": hq, "x_mid": c, "h2": c,
               "rstd2": 1, "gate": f, "up": f, "m": f}
     grad_widths = {CARRY: c, "d_h": c, "d_att": q, "dq": q, "dk": kv, "dv": kv, "d_gate": f, "d_up": f, "d_m": f}
@@ -173,8 +183,7 @@ def _plan(fields: tuple) -> LayerPlan:
                 _rmsnorm("post_attention_layernorm.weight", "o", "o_n", "rstd_o", "d_post", "d_pre"),
                 Op("add", ("o_n",), ("x_mid",), (CARRY,), ("d_post",), residual=INPUT),
                 _rmsnorm("pre_feedforward_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
-                _linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
-                _linear("up_proj", "h2", "up", "d_up", "d_h"),
+                *gate_up,
                 glu,
                 _linear("down_proj", "m", "mlp", "d_pre", "d_m"),
                 _rmsnorm("post_feedforward_layernorm.weight", "mlp", "mlp_n", "rstd_mlp", "d_post", "d_pre"),
@@ -184,18 +193,21 @@ def _plan(fields: tuple) -> LayerPlan:
     else:
         ops += [_linear("o_proj", "att", "x_mid", CARRY, "d_att", residual=INPUT),
                 _rmsnorm("post_attention_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
-                _linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
-                _linear("up_proj", "h2", "up", "d_up", "d_h"),
+                *gate_up,
                 glu,
                 _linear("down_proj", "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
     if cfg.qk_norm:
         widths.update(q_pre=q, k_pre=kv, rstd_q=hq, rstd_k=hkv)
         grad_widths.update(dq2=q, dk2=kv)
+    if cfg.fused_projections:
+        widths.update(qkv=q + 2 * kv, gate_up=2 * f)
+        grad_widths.update(d_qkv=q + 2 * kv, d_gate_up=2 * f)
     return LayerPlan.build(ops, widths, grad_widths)
 
 
 def layer_plan(cfg: ModelConfig) -> LayerPlan:
     """The decoder layer of a Llama-family model: pre-norm attention with RoPE and grouped-query heads, then
     a pre-norm gated MLP, each added to the residual stream. Variants: Qwen3's and Gemma 3's per-head q / k
-    norms; Gemma's query scale, GeGLU and norms on each branch's output (sandwich norms)."""
+    norms; Gemma's query scale, GeGLU and norms on each branch's output (sandwich norms); Phi-3's fused
+    q / k / v and gate / up projections, each split after its GEMM."""
     return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS))

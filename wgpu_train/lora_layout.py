@@ -8,7 +8,7 @@ import json
 import math
 import re
 
-from .config import LINEAR_MODULES
+from .config import KNOWN_LINEAR_MODULES
 from .errors import AdapterError, ConfigError
 from .hf import module_path
 
@@ -93,10 +93,11 @@ def pattern_key(keys, path: str) -> str | None:
     return None
 
 
-def module_settings(cfg, num_hidden_layers: int) -> dict:
-    """{module path: (r, alpha)} of every LoRA module of `cfg` (a LoraConfig) in a model of num_hidden_layers
-    layers, layer by layer in LINEAR_MODULES order. A layers_to_transform index the model lacks, or a
-    selection that leaves no module, is refused naming it."""
+def module_settings(cfg, model) -> dict:
+    """{module path: (r, alpha)} of every LoRA module of `cfg` (a LoraConfig) in `model` (a ModelConfig), layer
+    by layer in the order of its linear modules. Targets the model lacks, a layers_to_transform index it
+    lacks, or a selection that leaves no module, are refused naming them."""
+    num_hidden_layers, targets = model.num_hidden_layers, cfg.targets_in(model)
     layers = cfg.layers_to_transform
     missing = [i for i in layers or () if i >= num_hidden_layers]
     if missing:
@@ -104,10 +105,8 @@ def module_settings(cfg, num_hidden_layers: int) -> dict:
                           f"{num_hidden_layers - 1}")
     out = {}
     for i in range(num_hidden_layers):
-        for m in LINEAR_MODULES:
+        for m in targets:
             path = module_path(i, m)
-            if m not in cfg.target_modules:
-                continue
             if layers is not None and layer_index(path, cfg.layers_pattern) not in layers:
                 continue
             r_key, a_key = pattern_key(cfg.rank_pattern, path), pattern_key(cfg.alpha_pattern, path)
@@ -122,15 +121,16 @@ def module_settings(cfg, num_hidden_layers: int) -> dict:
 # ---- adapter_config.json ---------------------------------------------------------------------------------
 
 def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", layers_to_transform=None,
-                    layers_pattern=None) -> tuple[tuple, tuple | None]:
+                    layers_pattern=None, linear_modules=KNOWN_LINEAR_MODULES) -> tuple[tuple, tuple | None]:
     """(module names, layer indices or None for every layer) that PEFT's target_modules `spec` selects in a
-    model of num_hidden_layers layers, matched as PEFT matches (check_target_module_exists): "all-linear"; a
+    model of num_hidden_layers layers with the linear modules `linear_modules` (by default any family's),
+    matched as PEFT matches (check_target_module_exists): "all-linear"; a
     string is a regular expression that must match a module path (model.layers.0.self_attn.q_proj) with
     re.fullmatch; a list entry matches a path that equals it or, in the layers_to_transform (as read by
     lora_layout.layer_index with layers_pattern), ends with "." + entry. LoRA on the embedding or lm_head, a
     selection whose modules lie in different layers, or one of no linear module is refused naming it."""
     if spec == "all-linear":
-        spec = list(LINEAR_MODULES)
+        spec = list(linear_modules)
     if isinstance(spec, str):
         try:
             pattern = re.compile(spec)
@@ -149,13 +149,13 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
     for other in ("model.embed_tokens", "lm_head"):
         if selects(other):
             raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
-                               f"linear layers {', '.join(LINEAR_MODULES)} only)")
-    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(module_path(i, m))) for m in LINEAR_MODULES}
+                               f"linear layers {', '.join(linear_modules)} only)")
+    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(module_path(i, m))) for m in linear_modules}
     chosen = {m: found for m, found in chosen.items() if found}
     if not chosen:
         where_layers = f" in layers_to_transform {list(layers)}" if layers else ""
         raise AdapterError(f"{where}: target_modules {spec!r} selects none of the linear layers "
-                           f"({', '.join(LINEAR_MODULES)}){where_layers}")
+                           f"({', '.join(linear_modules)}){where_layers}")
     if len(set(chosen.values())) > 1:
         shown = "; ".join(f"{m} in layers {','.join(map(str, found))}" for m, found in chosen.items())
         raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {shown} (LoRA on the same "

@@ -196,7 +196,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     if method == "lora":
         lora = lora or LoraConfig()
         trainable = 0
-        modules = lora.modules(config.num_hidden_layers)          # path -> (r, alpha), each module's own r
+        modules = lora.modules(config)          # path -> (r, alpha), each module's own r
         dora_norms = dora_scratch = 0
         for path, (r, _) in modules.items():
             m = path.rsplit(".", 1)[1]
@@ -244,7 +244,7 @@ def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
 
     if lora is not None:
         total = count(cfg, lora)
-        for path, (r, _) in lora.modules(cfg.num_hidden_layers).items():
+        for path, (r, _) in lora.modules(cfg).items():
             out_f, in_f = cfg.linear_shape(path.rsplit(".", 1)[1])
             total += r * (out_f + in_f) + (out_f if lora.use_dora else 0)
         return total

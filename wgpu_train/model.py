@@ -140,8 +140,8 @@ class Model:
         W - scale * B A, which the engine then stores as it stores the base. With config.use_dora every
         module's magnitude starts at ||W + scale * B A|| (= ||W||: B is zero), W as the engine stores it."""
         rng = np.random.default_rng(seed)
-        settings = config.modules(self.config.num_hidden_layers)
-        scales = config.module_scales(self.config.num_hidden_layers)
+        settings = config.modules(self.config)
+        scales = config.module_scales(self.config)
         if changes_base(config.init):
             modules, residual = self._decomposed(config, settings, scales, rng)
         else:
@@ -182,7 +182,8 @@ class Model:
         `residual` ({weight name: array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
         that an earlier residual replaced get their original values back. config.modules_to_save: see
         _attach_copies (`copies`: a loaded adapter's)."""
-        scales = config.module_scales(self.config.num_hidden_layers)
+        config = dataclasses.replace(config, target_modules=config.targets_in(self.config))   # as saved
+        scales = config.module_scales(self.config)
         residual = residual or {}
         restore = [p + ".weight" for p in self._init_pairs if p + ".weight" not in residual]
         if self.path is None:      # no files to read the originals from again: keep them
@@ -290,9 +291,9 @@ class Model:
         adapter saved unconverted from a PiSSA / OLoRA init (init_lora_weights "pissa" / "olora") gets its
         residual base rebuilt from this model's weights, as PEFT does when loading it. To train it further:
         `dropout` replaces the adapter's lora_dropout, `seed` seeds the dropout masks."""
-        config, tensors = read_adapter(directory, self.config.num_hidden_layers)
+        config, tensors = read_adapter(directory, self.config)
         try:
-            settings = config.modules(self.config.num_hidden_layers)
+            settings = config.modules(self.config)
         except ConfigError as e:
             raise AdapterError(f"adapter {directory}: {e}") from None
         expected = {}
@@ -322,7 +323,7 @@ class Model:
         copies = {name: tensors[key] for key, name in copy_keys.items()}   # a tied copy: the embedding's key last
         if dropout is not None:
             config = dataclasses.replace(config, dropout=float(dropout))
-        scales = config.module_scales(self.config.num_hidden_layers)
+        scales = config.module_scales(self.config)
         init_pairs, residual = ({}, {}) if not changes_base(config.init) else self._decomposed(config, settings,
                                                                                               scales, None)
         self._set_lora(config, modules, seed, residual, init_pairs, copies)

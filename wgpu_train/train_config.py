@@ -193,14 +193,14 @@ class TrainConfig:
         need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
         need(self.ray_address is None or self.num_workers, "ray_address joins a Ray cluster for --num-workers: give both")
 
-    def continued_lora(self, adapter: LoraConfig, num_hidden_layers: int) -> LoraConfig:
+    def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,
         rsLoRA, layers and patterns where these options keep their defaults, refused (one line) where they say
         otherwise; the dropout is this run's when given, else the adapter's."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        mine = self.lora_config(num_hidden_layers)
+        mine = self.lora_config(model.num_hidden_layers)
         pairs = (("lora_rank", "r", mine.r, adapter.r), ("lora_alpha", "lora_alpha", mine.alpha, adapter.alpha),
-                 ("lora_targets", "target_modules", mine.target_modules, adapter.target_modules),
+                 ("lora_targets", "target_modules", mine.targets_in(model), adapter.targets_in(model)),
                  ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora),
                  ("lora_layers", "layers_to_transform", mine.layers_to_transform, adapter.layers_to_transform),
                  ("lora_rank_pattern", "rank_pattern", mine.rank_pattern, adapter.rank_pattern),

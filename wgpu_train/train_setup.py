@@ -40,12 +40,13 @@ class TrainerSetup:
         model_cfg = ModelConfig.from_folder(self.model_dir)
         lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
         if self.continued_from:         # before anything is read: options that contradict it are refused
-            lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg.num_hidden_layers)[0],
-                                      model_cfg.num_hidden_layers)
+            lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg)[0], model_cfg)
             self.config = cfg = dataclasses.replace(     # recorded as trained: a resume rebuilds this adapter
                 cfg, **lora_options(lora))
         elif lora and cfg.lora_layers_last():          # recorded as the layers it chose, for a resume
             self.config = cfg = dataclasses.replace(cfg, lora_layers=lora_options(lora)["lora_layers"])
+        if lora:
+            lora.modules(model_cfg)      # targets or layers the model lacks: refused before it loads
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
@@ -92,7 +93,7 @@ class TrainerSetup:
         n_params = count_trainable(model_cfg, lora)
         self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
                  f"{self.engine.device_description}; "
-                 + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.target_modules)}"
+                 + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.targets_in(model_cfg))}"
                     + describe_layout(lora) if lora
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
                  f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"

@@ -29,7 +29,7 @@ def random_lora(cfg: ModelConfig, lora: LoraConfig, rng, b_std: float = 0.0) -> 
 
     mods = {}
     for i in range(cfg.num_hidden_layers):
-        for m in lora.target_modules:
+        for m in lora.targets_in(cfg):
             out_f, in_f = cfg.linear_shape(m)
             b = rng.normal(0, b_std, (out_f, lora.r)) if b_std else np.zeros((out_f, lora.r))
             mods[module_path(i, m)] = (rng.uniform(-0.1, 0.1, (lora.r, in_f)).astype(np.float32),
@@ -78,7 +78,8 @@ def _torch_tokens_per_s(cfg_raw, weights, lora, micro, steps):
     model = transformers.LlamaForCausalLM(hf_cfg)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha,
-                                                       target_modules=list(lora.target_modules), lora_dropout=0.0))
+                                                       target_modules=list(lora.targets_in(ModelConfig.from_dict(cfg_raw))),
+                                                       lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.from_numpy(micro[0][0].astype(np.int64))
 

@@ -66,6 +66,7 @@ class Activations:
         check_fits(cfg, batch[0], batch[1], rt.max_binding, layer, shared)    # named after the batch that asked
         # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
         self.b = self.t = self.n = self.n_head = 0
+        self.rope_long = False
         self.ids = self.segments = self.positions = self.targets = self.head_index = None
         try:
             one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
@@ -166,6 +167,7 @@ class BucketCache:
         rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
+        acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch
         acts.head_index, acts.n_head = None, n
         if last is not None:
             rt.write(acts.targets, last.astype(np.int32).reshape(-1))

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from ..config import LINEAR_MODULES, ModelConfig
+from ..config import ModelConfig
 from ..engine_protocol import DropoutState
 from ..errors import ConfigError
 from ..hf import module_path
@@ -52,13 +52,16 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
             self.w[name] = store_weight(rt, name, arr, base_dtype, embed_dtype)
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
-        # per layer (D/2,): one buffer per distinct set of frequencies (Gemma: local and global layers)
-        freqs = [cfg.inv_freq(i).astype(np.float32) for i in range(cfg.num_hidden_layers)]
+        # [long][layer] (R/2,): RoPE's frequencies (longrope: its short and long sets), one buffer per
+        # distinct set (Gemma: local and global layers)
         uploaded: dict = {}
-        for f in freqs:
-            if f.tobytes() not in uploaded:
-                uploaded[f.tobytes()] = rt.upload(f, "inv_freq")
-        self.inv_freqs = [uploaded[f.tobytes()] for f in freqs]
+        self.inv_freqs = []
+        for long in (False, True):
+            freqs = [cfg.inv_freq(i, long).astype(np.float32) for i in range(cfg.num_hidden_layers)]
+            for f in freqs:
+                if f.tobytes() not in uploaded:
+                    uploaded[f.tobytes()] = rt.upload(f, "inv_freq")
+            self.inv_freqs.append([uploaded[f.tobytes()] for f in freqs])
         self.plan = layer_plan(cfg)
         self.lora: dict[str, GpuLora] = {}
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
@@ -78,7 +81,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         self.step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
         self.results = rt.buffer(4 * F32, "results")       # loss_sum, count, (norm, clip, finite)
         self.partials = None
-        self.n_modules = cfg.num_hidden_layers * len(LINEAR_MODULES)
+        self.n_modules = cfg.num_hidden_layers * len(cfg.linear_modules)
         self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "buckets_allocated": 0}
@@ -110,7 +113,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         if self._lora_packed:
             self.rt.release(self._lora_packed[0].buf, self._lora_packed[1].buf)
         # every A first, layer by layer in module order, so that the A matrices of a group lie back to back
-        order = sorted(modules, key=lambda p: (int(p.split(".")[2]), LINEAR_MODULES.index(p.rsplit(".", 1)[1])))
+        order = sorted(modules, key=lambda p: (int(p.split(".")[2]), self.cfg.linear_modules.index(p.rsplit(".", 1)[1])))
         shapes = {p + ".lora_A": modules[p][0].shape for p in order}
         shapes.update({p + ".lora_B": modules[p][1].shape for p in order})
         shapes.update({f"{p}.{MAGNITUDE}": (modules[p][1].shape[0],) for p in order if modules[p][4] is not None})
@@ -123,7 +126,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
             self._write(params.view(na), a)
             self._write(params.view(nb), b)
             self.lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
-                                      a.shape, b.shape, s, d, layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module))
+                                      a.shape, b.shape, s, d, self.cfg.module_id(layer, module))
             if mag is not None:
                 self._write(params.view(nm), mag)
                 self.lora[path].m, self.lora[path].gm = params.view(nm), grads.view(nm)

@@ -258,31 +258,52 @@ def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accum
 
 # ---- rope -----------------------------------------------------------------------------------
 
-def _rope(rec, y, x, positions, inv_freq, N, H, D, direction):
-    if D % 2:
-        raise ValueError(f"rope needs an even head dim, got {D}")
-    n = N * H * (D // 2)
+def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
+    rotary = rotary or D
+    if rotary % 2 or not 0 < rotary <= D:
+        raise ValueError(f"rope rotates an even number of dims up to the head dim {D}, got {rotary}")
+    half = rotary // 2
+    n = N * H * half
     if n <= 0:
         return
-    sizes = (N, H, D)
+    sizes = (N, H, D, half)
     if _same(y, x):
         _elems(rec, "rope", f"rope_{direction}_inplace", n,
                [(y, N * H * D, "x", True), (positions, N, "positions", False),
-                (inv_freq, D // 2, "inv_freq", False)], sizes)
+                (inv_freq, half, "inv_freq", False)], sizes, (scale,))
     else:
         _elems(rec, "rope", f"rope_{direction}", n,
                [(y, N * H * D, "y", True), (x, N * H * D, "x", False), (positions, N, "positions", False),
-                (inv_freq, D // 2, "inv_freq", False)], sizes)
+                (inv_freq, half, "inv_freq", False)], sizes, (scale,))
 
 
-def rope_forward(rec, y, x, positions, inv_freq, N, H, D):
-    """Half-rotation RoPE: x, y (N = B*T, H, D), positions (N,) i32, inv_freq (D/2,). In place when y is x."""
-    _rope(rec, y, x, positions, inv_freq, N, H, D, "forward")
+def rope_forward(rec, y, x, positions, inv_freq, N, H, D, scale=1.0, rotary=0):
+    """Half-rotation RoPE: x, y (N = B*T, H, D), positions (N,) i32, inv_freq (rotary/2,); the leading
+    `rotary` dims of each head (0: all) rotate, times scale, the rest pass through. In place when y is x."""
+    _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, "forward")
 
 
-def rope_backward(rec, dx, dy, positions, inv_freq, N, H, D):
+def rope_backward(rec, dx, dy, positions, inv_freq, N, H, D, scale=1.0, rotary=0):
     """The rotation by the opposite angle: dx, dy (N, H, D). In place when dx is dy."""
-    _rope(rec, dx, dy, positions, inv_freq, N, H, D, "backward")
+    _rope(rec, dx, dy, positions, inv_freq, N, H, D, scale, rotary, "backward")
+
+
+# ---- split (a fused projection's output) ---------------------------------------------------
+
+def split_forward(rec, ys, x, N, widths):
+    """ys[j] (N, widths[j]) = x's j-th block of columns; x (N, sum(widths))."""
+    width = sum(widths)
+    for y, col, w in zip(ys, np.cumsum([0, *widths[:-1]]), widths):
+        _elems(rec, "elementwise", "columns_get", N * w, [(y, N * w, "y", True), (x, N * width, "a", False)],
+               (N * w, w, width, int(col)))
+
+
+def split_backward(rec, dx, dys, N, widths):
+    """dx (N, sum(widths)) = the blocks dys[j] (N, widths[j]) side by side."""
+    width = sum(widths)
+    for dy, col, w in zip(dys, np.cumsum([0, *widths[:-1]]), widths):
+        _elems(rec, "elementwise", "columns_put", N * w, [(dx, N * width, "y", True), (dy, N * w, "a", False)],
+               (N * w, w, width, int(col)))
 
 
 # ---- attention ------------------------------------------------------------------------------

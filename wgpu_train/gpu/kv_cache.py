@@ -36,7 +36,7 @@ class KvCacheGeneration:
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
         return forward_cached(self, ids, kv)
 
-    def forward_rows(self, ids, rows, positions, kv: dict, last) -> np.ndarray:
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
         """n new tokens, each with its own cache row and position (reference.model.NumpyEngine.forward_rows):
         keys and values written first, then causal attention within each row; logits (m, V) of the tokens
         at indices last (m,). One submission and one readback while the m rows of logits fit the head's
@@ -53,6 +53,8 @@ class KvCacheGeneration:
         # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
         self._upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
                            np.pad(positions, (0, pad))[None], last=np.pad(last, (0, size - m))[None])
+        if long_rope is not None:
+            acts.rope_long = bool(long_rope)
         self._training = False
         rec = self.rt.recorder()
         self._record_forward(rec, acts, kv, m)

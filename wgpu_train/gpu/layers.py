@@ -132,8 +132,9 @@ class LayerRecorder:
 
     def _forward_rope(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " attention")
-        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.positions, self.inv_freqs[i], acts.n,
-                       self.plan.head_count(self.cfg, op), self.cfg.head_dim)
+        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.positions, self.inv_freqs[acts.rope_long][i],
+                       acts.n, self.plan.head_count(self.cfg, op), self.cfg.head_dim, self.cfg.rope_scale,
+                       self.cfg.rotary_dim)
 
     def _forward_attention(self, rec, op, i, acts, buf, kv):
         cfg = self.cfg
@@ -164,6 +165,11 @@ class LayerRecorder:
     def _forward_scale(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " attention")
         K.scale(rec, buf[op.outputs[0]], buf[op.inputs[0]], op.factor, acts.n * self.plan.widths[op.inputs[0]])
+
+    def _forward_split(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " split")
+        K.split_forward(rec, [buf[y] for y in op.outputs], buf[op.inputs[0]], acts.n,
+                        [self.plan.widths[y] for y in op.outputs])
 
     def _head_logits(self, rec, acts: Activations, x, rows: int):
         """acts.logits (rows, V) = x (rows, C) lm_head^T, soft-capped where the model caps them (Gemma 2)."""
@@ -255,8 +261,8 @@ class LayerRecorder:
     def _backward_rope(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "rope's backward writes its gradient"
         rec.section(self._where + " attention")
-        K.rope_backward(rec, dxs[0], dys[0], acts.positions, self.inv_freqs[i], acts.n, self.plan.head_count(self.cfg, op),
-                        self.cfg.head_dim)
+        K.rope_backward(rec, dxs[0], dys[0], acts.positions, self.inv_freqs[acts.rope_long][i], acts.n,
+                        self.plan.head_count(self.cfg, op), self.cfg.head_dim, self.cfg.rope_scale, self.cfg.rotary_dim)
 
     def _backward_attention(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "attention's backward writes its gradients"
@@ -287,6 +293,11 @@ class LayerRecorder:
         assert not accumulate[0], "scale's backward writes its gradient"
         rec.section(self._where + " attention")
         K.scale(rec, dxs[0], dys[0], op.factor, acts.n * self.plan.widths[op.inputs[0]])
+
+    def _backward_split(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not accumulate[0], "split's backward writes its gradient"
+        rec.section(self._where + " split")
+        K.split_backward(rec, dxs[0], dys, acts.n, [self.plan.widths[y] for y in op.outputs])
 
     def _record_backward(self, rec, acts: Activations):
         """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the

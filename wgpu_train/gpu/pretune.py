@@ -53,10 +53,9 @@ def lora_step_flops(cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int) ->
     (6 per weight per token), and causal attention (scores and values, half of T^2, three times for the
     forward and the backward)."""
     n = batch * seq
-    base = sum(int(np.prod(cfg.linear_shape(m))) for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj")) * cfg.num_hidden_layers
+    base = sum(int(np.prod(cfg.linear_shape(m))) for m in cfg.linear_modules) * cfg.num_hidden_layers
     head = cfg.vocab_size * cfg.hidden_size
-    adapters = sum(lora.r * sum(cfg.linear_shape(m)) for m in lora.target_modules) * cfg.num_hidden_layers
+    adapters = sum(lora.r * sum(cfg.linear_shape(m)) for m in lora.targets_in(cfg)) * cfg.num_hidden_layers
     attention = 2 * 2 * batch * seq * seq / 2 * cfg.q_size * cfg.num_hidden_layers
     return 4.0 * n * (base + head) + 6.0 * n * adapters + 3 * attention
 

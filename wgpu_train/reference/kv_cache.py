@@ -58,20 +58,23 @@ class NumpyKvCache:
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
         return forward_cached(self, ids, kv)
 
-    def forward_rows(self, ids, rows, positions, kv: dict, last) -> np.ndarray:
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
         """n new tokens, each with its own cache row and position: ids, rows, positions (n,) int.
 
         Every token's key and value is written into kv first; then token i attends to keys 0..positions[i]
         of row rows[i], so one call prefills several ragged prompts packed together, or advances every row
         by one token. Returns logits (m, V) float32 of the tokens at indices last (m,): only those go
-        through the final norm and lm_head.
+        through the final norm and lm_head. long_rope: whether RoPE takes longrope's long factors (None: as
+        the call's largest position says, ModelConfig.rope_long).
         """
         from .model import _Walk
 
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         x = self._embed(ids)                                                      # (n, C)
         self.training = False
-        walk = _Walk(1, ids.shape[0], positions[None], None, kv, rows)
+        if long_rope is None:
+            long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
+        walk = _Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope))
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer_forward(i, x, walk)[OUTPUT]
         xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps,

@@ -29,10 +29,12 @@ class LoraModule:
 
 class _Walk:
     """What a walk over the layer plan needs besides the activations: the batch's shape (B, T), positions
-    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,)."""
+    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,); long_rope:
+    whether RoPE takes longrope's long factors."""
 
-    def __init__(self, b, t, positions, segments, kv=None, rows=None):
+    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False):
         self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
+        self.long_rope = long_rope
 
     def heads(self, x, cfg: ModelConfig):
         """x (B*T, H*D) as (B, T, H, D)."""
@@ -54,7 +56,8 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
-        self.inv_freqs = [cfg.inv_freq(i) for i in range(cfg.num_hidden_layers)]   # per layer (D/2,)
+        # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
+        self.inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         self.plan = layer_plan(cfg)
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
@@ -177,9 +180,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def dropout_module_seed(self, layer, module) -> int:
         """The dropout seed of one LoRA module in the current micro-batch (shared with the GPU engine)."""
-        from ..config import LINEAR_MODULES
-
-        module_id = layer * len(LINEAR_MODULES) + LINEAR_MODULES.index(module)
+        module_id = self.cfg.module_id(layer, module)
         return int(ops.pcg_hash(ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls)) ^ np.uint32(module_id)))
 
     def _linear_backward(self, dy, layer, module, cache):
@@ -206,7 +207,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         b, t = ids.shape
         flat_ids = ids.reshape(-1)
         x = self._embed(flat_ids)                                                 # (N, C)
-        walk = _Walk(b, t, position_ids, segment_ids)
+        walk = _Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))))
         layers = []
         for i in range(self.cfg.num_hidden_layers):
             a = self._layer_forward(i, x, walk)
@@ -242,9 +243,14 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         y = self._linear(a[op.inputs[0]], i, op.param, a)
         a[op.outputs[0]] = a[op.residual] + y if op.residual else y
 
+    def _inv_freq(self, i, walk):
+        """Layer i's frequencies for this forward (longrope: its short or long set)."""
+        return self.inv_freqs[walk.long_rope][i]
+
     def _forward_rope(self, op, i, a, walk):
         x = a[op.inputs[0]]
-        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freqs[i]).reshape(x.shape)
+        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self._inv_freq(i, walk),
+                                            self.cfg.rope_scale).reshape(x.shape)
 
     def _forward_attention(self, op, i, a, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
@@ -270,6 +276,10 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def _forward_scale(self, op, i, a, walk):
         a[op.outputs[0]] = a[op.inputs[0]] * self.dtype.type(op.factor)
+
+    def _forward_split(self, op, i, a, walk):
+        parts = ops.split_forward(a[op.inputs[0]], [self.plan.widths[y] for y in op.outputs])
+        a.update(zip(op.outputs, parts))
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, dlogits, cache):
@@ -318,7 +328,8 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def _backward_rope(self, op, i, a, dys, walk):
         dy = dys[0]
-        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self.inv_freqs[i]).reshape(dy.shape)]
+        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self._inv_freq(i, walk),
+                                  self.cfg.rope_scale).reshape(dy.shape)]
 
     def _backward_attention(self, op, i, a, dys, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)
@@ -337,6 +348,9 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def _backward_scale(self, op, i, a, dys, walk):
         return [dys[0] * self.dtype.type(op.factor)]
+
+    def _backward_split(self, op, i, a, dys, walk):
+        return [ops.split_backward(dys)]
 
     def _add_trained(self, name, g):
         if name in self.grads:

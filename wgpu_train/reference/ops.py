@@ -130,25 +130,40 @@ def dropout_mask(seed, shape, p, dtype=np.float32):
 
 # ---- rope ------------------------------------------------------------------------------------
 
-def _rope_cos_sin(positions, inv_freq, dtype):
-    angles = positions[..., None].astype(np.float64) * inv_freq  # (B, T, D/2)
-    return np.cos(angles).astype(dtype)[:, :, None, :], np.sin(angles).astype(dtype)[:, :, None, :]
+def _rope_cos_sin(positions, inv_freq, scale, dtype):
+    angles = positions[..., None].astype(np.float64) * inv_freq  # (B, T, R/2)
+    cos, sin = np.cos(angles) * scale, np.sin(angles) * scale
+    return cos.astype(dtype)[:, :, None, :], sin.astype(dtype)[:, :, None, :]
 
 
-def rope_forward(x, positions, inv_freq):
-    """Hugging Face half-rotation RoPE: x (B, T, H, D), positions (B, T) int, inv_freq (D/2,) -> (B, T, H, D)."""
-    cos, sin = _rope_cos_sin(positions, inv_freq, x.dtype)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def rope_forward(x, positions, inv_freq, scale=1.0):
+    """Hugging Face half-rotation RoPE: x (B, T, H, D), positions (B, T) int, inv_freq (R/2,) -> (B, T, H, D).
+    The leading R dims of each head rotate (pairs d, d + R/2), times scale (longrope's attention factor);
+    the other D - R pass through (partial rotary)."""
+    cos, sin = _rope_cos_sin(positions, inv_freq, scale, x.dtype)
+    half = inv_freq.shape[0]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def rope_backward(dy, positions, inv_freq):
-    """The rotation is orthogonal: the gradient is the rotation by the opposite angle."""
-    cos, sin = _rope_cos_sin(positions, inv_freq, dy.dtype)
-    half = dy.shape[-1] // 2
-    d1, d2 = dy[..., :half], dy[..., half:]
-    return np.concatenate([d1 * cos + d2 * sin, d2 * cos - d1 * sin], axis=-1)
+def rope_backward(dy, positions, inv_freq, scale=1.0):
+    """The rotation is orthogonal: the gradient is the rotation by the opposite angle (times scale)."""
+    cos, sin = _rope_cos_sin(positions, inv_freq, scale, dy.dtype)
+    half = inv_freq.shape[0]
+    d1, d2, rest = dy[..., :half], dy[..., half:2 * half], dy[..., 2 * half:]
+    return np.concatenate([d1 * cos + d2 * sin, d2 * cos - d1 * sin, rest], axis=-1)
+
+
+# ---- split (a fused projection's output) -----------------------------------------------------
+
+def split_forward(x, widths):
+    """x (N, sum(widths)) -> its column blocks [(N, w) for w in widths], in order."""
+    return np.split(x, np.cumsum(widths)[:-1], axis=-1)
+
+
+def split_backward(dys):
+    """The blocks' gradients [(N, w), ...] side by side: (N, sum(w))."""
+    return np.concatenate(dys, axis=-1)
 
 
 # ---- attention -------------------------------------------------------------------------------

@@ -185,10 +185,11 @@ def round_to(w: np.ndarray, dtype: str, name: str = "a weight") -> np.ndarray:
 
 
 def is_linear_weight(name: str) -> bool:
-    """Whether a Hugging Face tensor name is the weight of one of the seven linear modules of a layer."""
-    from ..config import LINEAR_MODULES
+    """Whether a Hugging Face tensor name is the weight of one of a layer's linear modules (any family's)."""
+    from ..config import KNOWN_LINEAR_MODULES
 
-    return name.startswith("model.layers.") and name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_MODULES
+    return (name.startswith("model.layers.") and name.endswith(".weight")
+            and name.rsplit(".", 2)[-2] in KNOWN_LINEAR_MODULES)
 
 
 def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> str:
