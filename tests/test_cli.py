@@ -349,6 +349,37 @@ def test_gemma2_finetune_generate_merge(workspace, tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_phi3_finetune_generate_merge(workspace, tmp_path, capsys):
+    """A Phi-3 folder (fused projections, partial rotary under longrope) through the command line on the WebGPU
+    engine: finetune with LoRA on the fused modules, generate, merge, whose folder transformers loads to our
+    merged logits; Llama's split target names get one line naming Phi-3's modules."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, data = workspace
+    model_dir = make_model_dir(tmp_path / "phi3", arch="phi3")
+    run = tmp_path / "run"
+    capsys.readouterr()
+    one_line_error(capsys, ["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run),
+                            "--lora-targets", "q_proj,v_proj", "--no-progress"], "gate_up_proj")
+    assert not run.exists()
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "wgpu",
+                 "--max-steps", "3", "--lora-targets", "qkv_proj,gate_up_proj", "--lr", "0.01", "--no-progress"]) == 0
+    assert json.loads((run / "adapter_config.json").read_text())["target_modules"] == \
+        ["qkv_proj", "gate_up_proj"]
+    assert main(["generate", "--model", str(model_dir), "--adapter-path", str(run), "--prompt", "hello",
+                 "--max-new-tokens", "3", "--backend", "wgpu"]) == 0
+    merged = tmp_path / "merged"
+    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(merged)]) == 0
+    ids = np.array([[5, 40, 77, 12, 9, 3, 8, 21, 30, 2]])     # 10 tokens: past the original 8, the long factors
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    adapted = load_model(model_dir)
+    adapted.load_adapter(run)
+    np.testing.assert_allclose(theirs, adapted.logits(ids), rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+
+
 # ---- run settings: epochs against a recipe's max_steps, resume, the adapter's prompt settings ---------------
 
 def test_epochs_given_drop_the_recipes_max_steps(capsys, tmp_path):

@@ -50,6 +50,25 @@ def test_backward_writes_then_adds(qwen3):
     assert len(plain.ops) == len(plan.ops) - 2 and "q_pre" not in plain.widths and "dq2" not in plain.grad_widths
 
 
+def test_fused_projections_are_split(qwen3):
+    """Phi-3's plan: one qkv_proj / gate_up_proj GEMM each, then a split op into the parts the rest of the layer
+    reads; the split's backward writes the fused gradient, the GEMM's writes d_h alone (nothing else reads h1 or
+    h2), and the fused outputs are not kept for the backward (no backward reads them)."""
+    cfg = dataclasses.replace(wt.load_model(qwen3).config, architecture="Phi3ForCausalLM", qk_norm=False)
+    plan = layer_plan(cfg)
+    assert [op.param for op in plan.ops if op.kind == "linear"] == list(cfg.linear_modules) == \
+        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    splits = [op for op in plan.ops if op.kind == "split"]
+    assert [(op.inputs, op.outputs, op.grads_in) for op in splits] == [
+        (("qkv",), ("q", "k", "v"), ("d_qkv",)), (("gate_up",), ("gate", "up"), ("d_gate_up",))]
+    assert plan.widths["qkv"] == cfg.q_size + 2 * cfg.kv_size == sum(plan.widths[x] for x in ("q", "k", "v"))
+    assert plan.widths["gate_up"] == 2 * cfg.intermediate_size
+    flags = _flags(plan)
+    assert flags[("linear", "qkv_proj")] == flags[("linear", "gate_up_proj")] == (False,)
+    assert flags[("split", "")] == (False,)
+    assert "qkv" not in plan.saved and "gate_up" not in plan.saved and {"q", "k", "v", "gate", "up"} <= plan.saved
+
+
 def test_memory_plan_is_the_layer_plan(qwen3):
     cfg = wt.load_model(qwen3).config
     plan = layer_plan(cfg)
