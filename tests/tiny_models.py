@@ -50,6 +50,12 @@ def hf_config(arch: str, **overrides):
                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.6,
                                    "short_factor": [1.0, 1.3, 2.1], "long_factor": [1.7, 3.9, 11.0]})
         cls = tf.Phi3Config
+    elif arch == "gemma3_mm":
+        # a multimodal Gemma 3 (gemma-3-4b's class): the gemma3 text model beside a one-layer SigLIP tower
+        vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=hf_config("gemma3", **overrides).to_dict(), vision_config=vision.to_dict(),
+                               mm_tokens_per_image=4)
     else:
         raise ValueError(arch)
     kw.update(overrides)

@@ -1,6 +1,7 @@
 """Model configuration read from a Hugging Face config.json, and the LoRA configuration."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, ModelFileError
+from .multimodal import WRAPPERS, text_config
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -49,12 +51,15 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     return tuple(window if i >= first else 0 for i in range(layers))
 
 
-# what transformers' Gemma configs default where config.json lacks a field (the Llama-family defaults differ)
+# what transformers' Gemma configs default where config.json lacks a field (the Llama-family defaults differ;
+# the hub's multimodal Gemma 3 checkpoints leave most of their text_config to these)
+_GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                "num_attention_heads": 8, "num_key_value_heads": 4}
 GEMMA_DEFAULTS = {
-    "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "pad_token_id": 0, "sliding_window": 4096,
-               "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-    "gemma3": {"head_dim": 256, "max_position_embeddings": 131072, "pad_token_id": 0, "sliding_window": 4096,
-               "rms_norm_eps": 1e-6},
+    "gemma2": {**_GEMMA_SIZES, "head_dim": 256, "max_position_embeddings": 8192, "pad_token_id": 0,
+               "sliding_window": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "gemma3": {**_GEMMA_SIZES, "vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072,
+               "pad_token_id": 0, "sliding_window": 4096, "rms_norm_eps": 1e-6},
 }
 
 
@@ -191,6 +196,7 @@ class ModelConfig:
     attn_softcap: float = 0.0    # Gemma 2: scaled attention scores become cap * tanh(s / cap); 0 for none
     logit_softcap: float = 0.0   # Gemma 2: logits likewise (final_logit_softcapping)
     rotary_dim: int = 0          # the leading dims of each head that RoPE rotates (Phi-4-mini's partial rotary); 0: all
+    wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -274,9 +280,12 @@ class ModelConfig:
         """Normalise a Hugging Face config dict; refuse what the math here does not implement."""
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in WRAPPERS:      # text-only fine-tuning of a multimodal checkpoint: its language model
+            cfg = cls.from_dict(text_config(raw, source), f"{source} (text_config)")
+            return dataclasses.replace(cfg, wrapper=arch, raw=raw)
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"{source}: field 'architectures' is {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ConfigError(f"{source}: field 'architectures' is {archs!r}; supported: "
+                              f"{', '.join([*SUPPORTED_ARCHITECTURES, *WRAPPERS])}")
         family = SUPPORTED_ARCHITECTURES[arch]
         given, raw = raw, {**GEMMA_DEFAULTS.get(family, {}), **raw}
 

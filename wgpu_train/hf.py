@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from .config import ATTENTION_MODULES, KNOWN_LINEAR_MODULES, ModelConfig
-from .errors import AdapterError, ModelFileError
+from .errors import AdapterError, ConfigError, ModelFileError
 from .layer_plan import layer_plan
+from .multimodal import adapter_key_out, language_keys, language_names, target_regex
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -163,12 +164,20 @@ def module_path(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{group}.{module}"
 
 
-def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
-    """All weights of a model folder, checked for presence and shape, as a LazyWeights (float32 on reading)."""
-    folder = Path(folder)
+def _folder_tensors(folder: Path) -> dict:
     tensors = {}
     for f in weight_files(folder):
         tensors.update(_read_raw(f))
+    return tensors
+
+
+def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
+    """All weights of a model folder, checked for presence and shape, as a LazyWeights (float32 on reading);
+    of a multimodal checkpoint, its language model's (multimodal.language_names)."""
+    folder = Path(folder)
+    tensors = _folder_tensors(folder)
+    if cfg.wrapper:
+        tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
     shapes = expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -191,8 +200,17 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
 
 
 def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
-    """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied."""
+    """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied. A
+    multimodal checkpoint's folder gets its language model's weights under the source's names and every other
+    tensor of the source (vision tower, projector) as it was (in float32, as all of them)."""
     out = Path(out)
+    if cfg.wrapper:
+        if source_folder is None:
+            raise ConfigError(f"saving a {cfg.wrapper} model needs the folder it was loaded from (its vision tower)")
+        source = _folder_tensors(Path(source_folder))
+        names = language_names(source, source_folder)
+        weights = {**{k: _as_array(*v) for k, v in source.items() if k not in names.values()},
+                   **{names.get(k, k.replace("model.", "language_model.model.", 1)): v for k, v in weights.items()}}
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
     raw["torch_dtype"] = raw["dtype"] = "float32"
@@ -215,17 +233,23 @@ def peft_key(path: str, which: str) -> str:
     return f"base_model.model.{path}.lora_{which}.weight"
 
 
-def write_adapter(out, lora_cfg, tensors: dict, base_model: str = ""):
+def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: ModelConfig | None = None):
     """Write adapter_config.json and adapter_model.safetensors in PEFT's format (its per-layer fields,
-    init_lora_weights and modules_to_save included)."""
+    init_lora_weights and modules_to_save included). For a multimodal checkpoint's language model (`model`'s
+    wrapper) the keys are PEFT's on the multimodal model and target_modules a regular expression selecting
+    the language model's modules and layers alone."""
     from .lora_init import peft_value
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     layers, pattern = lora_cfg.layers_to_transform, lora_cfg.layers_pattern
+    targets = list(lora_cfg.target_modules)
+    if model is not None and model.wrapper:
+        targets, layers, pattern = target_regex(lora_cfg.targets_in(model), layers), None, None
+        tensors = {adapter_key_out(k): v for k, v in tensors.items()}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
-        "lora_dropout": float(lora_cfg.dropout), "target_modules": list(lora_cfg.target_modules),
+        "lora_dropout": float(lora_cfg.dropout), "target_modules": targets,
         "use_rslora": bool(lora_cfg.use_rslora), "use_dora": bool(lora_cfg.use_dora), "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
         "modules_to_save": list(lora_cfg.modules_to_save) or None,
@@ -308,7 +332,6 @@ def read_adapter(folder, model: ModelConfig | None = None):
     naming the key. target_modules is resolved with adapter_targets against the layers and linear modules
     of `model` (by default: the layers the adapter's tensors cover, any family's module names)."""
     from .config import LoraConfig
-    from .errors import ConfigError
     from .lora_layout import adapter_layout, adapter_targets
 
     folder = Path(folder)
@@ -358,8 +381,10 @@ def read_adapter(folder, model: ModelConfig | None = None):
         raise AdapterError(f"{cfg_path}: key 'modules_to_save' must be a list of module names or null, "
                            f"got {json.dumps(saved)}")
     tying = _adapter_field(raw, "ensure_weight_tying", "bool", False, cfg_path)
+    renamed = language_keys(tensors, cfg_path)       # an adapter of a multimodal checkpoint's language model
+    tensors = tensors if renamed is None else renamed
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
-                                      layout["layers_pattern"], linear_modules)
+                                      layout["layers_pattern"], linear_modules, outer=renamed is not None)
     try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
                          use_dora=dora, **{**layout, "layers_to_transform": layers}, modules_to_save=saved,

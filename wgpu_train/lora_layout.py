@@ -11,6 +11,7 @@ import re
 from .config import KNOWN_LINEAR_MODULES
 from .errors import AdapterError, ConfigError
 from .hf import module_path
+from .multimodal import outer_path
 
 
 def _whole(v) -> bool:
@@ -98,6 +99,9 @@ def module_settings(cfg, model) -> dict:
     by layer in the order of its linear modules. Targets the model lacks, a layers_to_transform index it
     lacks, or a selection that leaves no module, are refused naming them."""
     num_hidden_layers, targets = model.num_hidden_layers, cfg.targets_in(model)
+    if model.wrapper and cfg.modules_to_save:
+        raise ConfigError(f"modules_to_save {','.join(cfg.modules_to_save)}: not supported on a {model.wrapper} "
+                          f"checkpoint (text-only fine-tuning trains LoRA on its language model)")
     layers = cfg.layers_to_transform
     missing = [i for i in layers or () if i >= num_hidden_layers]
     if missing:
@@ -121,12 +125,12 @@ def module_settings(cfg, model) -> dict:
 # ---- adapter_config.json ---------------------------------------------------------------------------------
 
 def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", layers_to_transform=None,
-                    layers_pattern=None, linear_modules=KNOWN_LINEAR_MODULES) -> tuple[tuple, tuple | None]:
+                    layers_pattern=None, linear_modules=KNOWN_LINEAR_MODULES, outer=False) -> tuple[tuple, tuple | None]:
     """(module names, layer indices or None for every layer) that PEFT's target_modules `spec` selects in a
     model of num_hidden_layers layers with the linear modules `linear_modules` (by default any family's),
     matched as PEFT matches (check_target_module_exists): "all-linear"; a
-    string is a regular expression that must match a module path (model.layers.0.self_attn.q_proj) with
-    re.fullmatch; a list entry matches a path that equals it or, in the layers_to_transform (as read by
+    string is a regular expression that must match a module path (model.layers.0.self_attn.q_proj; with
+    `outer`, a multimodal model's model.language_model.layers.0.self_attn.q_proj) with re.fullmatch; a list entry matches a path that equals it or, in the layers_to_transform (as read by
     lora_layout.layer_index with layers_pattern), ends with "." + entry. LoRA on the embedding or lm_head, a
     selection whose modules lie in different layers, or one of no linear module is refused naming it."""
     if spec == "all-linear":
@@ -146,11 +150,14 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
         found = any(path.endswith("." + t) for t in spec)
         return found and (layers is None or layer_index(path, layers_pattern) in layers)
 
-    for other in ("model.embed_tokens", "lm_head"):
+    def path(i, m):     # as PEFT saw it: under model.language_model in a multimodal model (`outer`)
+        return outer_path(module_path(i, m)) if outer else module_path(i, m)
+
+    for other in (outer_path("model.embed_tokens") if outer else "model.embed_tokens", "lm_head"):
         if selects(other):
             raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
                                f"linear layers {', '.join(linear_modules)} only)")
-    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(module_path(i, m))) for m in linear_modules}
+    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(path(i, m))) for m in linear_modules}
     chosen = {m: found for m, found in chosen.items() if found}
     if not chosen:
         where_layers = f" in layers_to_transform {list(layers)}" if layers else ""

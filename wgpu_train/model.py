@@ -284,7 +284,7 @@ class Model:
                             "to a LoRA on the original base, it adds to the unrounded weights (as in PEFT, "
                             "Quant(W_res) + BA differs slightly from W + dW)", self.lora_config.init,
                             self.engine.base_dtype)
-        write_adapter(directory, config, tensors, base_model=self.name_or_path)
+        write_adapter(directory, config, tensors, base_model=self.name_or_path, model=self.config)
 
     def load_adapter(self, directory, dropout: float | None = None, seed: int = 0):
         """Load a PEFT LoRA adapter; names or shapes that do not match the model are refused, listed. An

@@ -1,0 +1,183 @@
+"""Text-only fine-tuning of a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration, gemma-3-4b's
+class): its language model against transformers' multimodal model on text, PEFT adapters named as PEFT names
+them there (both ways), a merge that transformers loads with the vision tower untouched, and the refusals."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from wgpu_train.errors import AdapterError, ConfigError
+from wgpu_train.hf import read_safetensors, write_safetensors
+
+from finetune_helpers import build_tokenizer, make_data_dir, one_line_error, peft_random_b
+from tiny_models import build_model, save_model
+from tolerances import assert_close
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LANGUAGE = r".*language_model.*\.(q_proj|v_proj|down_proj)"    # how Gemma 3 PEFT recipes keep LoRA off the tower
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    hf = build_model("gemma3_mm", seed=6)
+    folder = tmp_path_factory.mktemp("gemma3_mm")
+    save_model(hf, folder)
+    return hf, folder
+
+
+def batch():
+    ids = np.random.default_rng(1).integers(0, 83, (2, 11))
+    mask = np.ones_like(ids)
+    mask[1, 8:] = 0
+    labels = np.where(mask == 1, ids, -100)
+    labels[:, :3] = -100
+    return ids, mask, labels
+
+
+def hf_logits(model, ids, mask=None):
+    with torch.no_grad():
+        kw = {} if mask is None else {"attention_mask": torch.tensor(mask)}
+        return model(input_ids=torch.tensor(ids), **kw).logits.numpy()
+
+
+def lora_model(hf, targets=LANGUAGE, seed=0):
+    return peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=targets, lora_dropout=0.0)), seed)
+
+
+@pytest.mark.parametrize("spelling", ["hub", "live"])
+def test_language_model_logits_match_transformers(mm, rt, tmp_path, spelling):
+    """Both engines' logits on text equal the multimodal model's, from the checkpoint as the hub (and transformers'
+    save_pretrained) writes it (language_model.model.*) and in transformers' live names (model.language_model.*)."""
+    hf, folder = mm
+    if spelling == "live":
+        tensors = read_safetensors(folder / "model.safetensors")
+        renamed = {("model." + k if not k.startswith("language_model.lm_head") else "lm_head.weight")
+                   .replace("model.language_model.model.", "model.language_model."): v for k, v in tensors.items()}
+        assert any(k.startswith("model.language_model.layers.") for k in renamed)
+        folder = tmp_path / "live"
+        folder.mkdir()
+        write_safetensors(folder / "model.safetensors", renamed)
+        (folder / "config.json").write_bytes((mm[1] / "config.json").read_bytes())
+    ids, mask, _ = batch()
+    real = mask.astype(bool)
+    want = hf_logits(hf, ids, mask)
+    for backend, tol in (("numpy", "logits_f32"), ("wgpu", "gpu_logits")):
+        model = wt.load_model(folder, backend=backend, **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
+        assert model.config.wrapper == "Gemma3ForConditionalGeneration" and model.config.family == "gemma3"
+        assert_close(model.logits(ids, mask)[real], want[real], tol, backend)
+
+
+def test_lora_loss_and_grads_match_peft(mm, rt, tmp_path):
+    """A PEFT adapter on the language model (its keys under model.language_model): loss and every gradient equal
+    PEFT's autograd on both engines."""
+    hf, folder = mm
+    pm = lora_model(hf)
+    ids, mask, labels = batch()
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default", "").replace("model.language_model.", "model."): p.grad.numpy()
+                for n, p in pm.named_parameters() if p.requires_grad}
+    assert len(expected) == 2 * 2 * 3
+    pm.save_pretrained(tmp_path)
+    for backend, loss_tol, grad_tol in (("numpy", "loss_f32", "grads_f32"), ("wgpu", "gpu_loss", "gpu_grads")):
+        model = wt.load_model(folder, backend=backend, **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
+        model.load_adapter(tmp_path)
+        assert model.lora_config.target_modules == ("q_proj", "v_proj", "down_proj")
+        loss, grads = model.loss_and_grads(ids, labels, mask)
+        assert_close(np.float64(loss), out.loss.item(), loss_tol, backend)
+        assert set(grads) == set(expected), sorted(set(grads) ^ set(expected))
+        for name, g in expected.items():
+            assert_close(grads[name], g, grad_tol, name)
+
+
+def test_our_adapter_loads_in_peft_and_merges(mm, tmp_path):
+    """Our adapter on the multimodal model: PEFT loads it without key complaints and with LoRA on the language
+    model only (its target_modules a regular expression on the language model's layers), to our logits; the
+    merged folder loads in transformers as the multimodal class, to PEFT's logits, with the vision tower and the
+    projector as they were."""
+    hf, folder = mm
+    model = wt.load_model(folder)
+    model.add_lora(wt.LoraConfig(r=3, alpha=4, target_modules="all-linear", layers_to_transform=(1,)), seed=2)
+    rng = np.random.default_rng(0)
+    model._set_lora(model.lora_config, {p: (a, rng.normal(0, 0.2, b.shape).astype(np.float32))
+                                       for p, (a, b) in model.engine.lora_tensors().items()})
+    model.save_adapter(tmp_path / "a")
+    saved = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert isinstance(saved["target_modules"], str) and saved["layers_to_transform"] is None
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "a")
+    lora_modules = [n for n, m in pm.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert len(lora_modules) == 7 and all(n.startswith("base_model.model.model.language_model.layers.1.")
+                                          for n in lora_modules), lora_modules
+    result = pm.load_adapter(tmp_path / "a", adapter_name="again")
+    assert not [k for k in result.missing_keys if "lora_" in k] and not result.unexpected_keys
+    ids, mask, _ = batch()
+    real = mask.astype(bool)
+    want = hf_logits(pm, ids, mask)
+    assert_close(model.logits(ids, mask)[real], want[real], "logits_f32", "ours vs PEFT")
+    again = wt.load_model(folder)
+    again.load_adapter(tmp_path / "a")       # our regular expression reads back as the same layout
+    assert again.lora_config.layers_to_transform == (1,) and len(again.lora_config.target_modules) == 7
+    model.merge_and_save(tmp_path / "merged")
+    merged = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert type(merged).__name__ == "Gemma3ForConditionalGeneration"
+    assert_close(hf_logits(merged, ids, mask)[real], want[real], "merged_logits", "transformers on merged")
+    before, after = (read_safetensors(f / "model.safetensors") for f in (folder, tmp_path / "merged"))
+    assert set(before) == set(after)
+    for k in before:
+        if not k.startswith("language_model."):
+            np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def test_greedy_generation_matches_transformers(mm, rt):
+    hf, folder = mm
+    ids = np.random.default_rng(3).integers(4, 83, 6)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(ids[None]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           pad_token_id=0)[0, 6:].tolist()
+    for backend in ("numpy", "wgpu"):
+        model = wt.load_model(folder, backend=backend, **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
+        assert model.generate(ids, max_new_tokens=8) == want, backend
+
+
+def test_refusals(mm, tmp_path):
+    """One line each: LoRA on the vision tower (a list of names in PEFT reaches it too), modules_to_save, a config
+    without its text_config."""
+    hf, folder = mm
+    lora_model(hf, ["q_proj", "v_proj"]).save_pretrained(tmp_path / "tower")
+    model = wt.load_model(folder)
+    with pytest.raises(AdapterError, match=r"vision_tower.* outside the language model") as info:
+        model.load_adapter(tmp_path / "tower")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="modules_to_save embed_tokens: not supported on a "
+                                          "Gemma3ForConditionalGeneration checkpoint"):
+        model.add_lora(wt.LoraConfig(modules_to_save=("embed_tokens",)))
+    raw = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ConfigError, match="needs a 'text_config' object"):
+        wt.ModelConfig.from_dict({k: v for k, v in raw.items() if k != "text_config"})
+
+
+def test_finetune_and_merge_on_the_command_line(tmp_path, capsys):
+    """finetune on the multimodal folder (the WebGPU engine), then merge: a folder of the multimodal class."""
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    save_model(build_model("gemma3_mm", vocab_size=vocab), model_dir)
+    data = make_data_dir(tmp_path / "data")
+    from wgpu_train.cli import main
+
+    run = tmp_path / "run"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "wgpu",
+                 "--max-steps", "2", "--lora-targets", "all-linear", "--no-progress"]) == 0
+    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [
+        "Gemma3ForConditionalGeneration"]
+    capsys.readouterr()
+    one_line_error(capsys, ["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "x"),
+                            "--modules-to-save", "lm_head", "--no-progress"], "not supported on a Gemma3")
