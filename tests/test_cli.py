@@ -360,8 +360,15 @@ def test_phi3_finetune_generate_merge(workspace, tmp_path, capsys):
     run = tmp_path / "run"
     capsys.readouterr()
     one_line_error(capsys, ["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run),
-                            "--lora-targets", "q_proj,v_proj", "--no-progress"], "gate_up_proj")
+                            "--lora-targets", "k_proj,v_proj", "--no-progress"], "k_proj,v_proj: Phi3ForCausalLM")
     assert not run.exists()
+    # the default targets (q_proj,v_proj) are Phi-3's qkv_proj; continuing that adapter needs no --lora-targets
+    first = tmp_path / "first"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(first), "--max-steps", "1",
+                 "--no-progress"]) == 0
+    assert json.loads((first / "adapter_config.json").read_text())["target_modules"] == ["qkv_proj"]
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "again"),
+                 "--max-steps", "1", "--adapter-path", str(first), "--no-progress"]) == 0
     assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "wgpu",
                  "--max-steps", "3", "--lora-targets", "qkv_proj,gate_up_proj", "--lr", "0.01", "--no-progress"]) == 0
     assert json.loads((run / "adapter_config.json").read_text())["target_modules"] == \

@@ -113,19 +113,21 @@ def test_greedy_generation_across_the_switch_matches_transformers(phi, backend, 
     pm.save_pretrained(adapter)
     model.load_adapter(adapter)
     assert model.generate(ids, max_new_tokens=9) == want
-    # several rows of one batch, each on its own side of the switch, give each row's own tokens
+    # a batch of two rows that cross the switch at different steps gives each row its own tokens
     other = np.random.default_rng(99).integers(4, 83, 3)
     rows = model.generate_batch([ids, other], max_new_tokens=9)
     assert rows[0] == want and rows[1] == model.generate(other, max_new_tokens=9)
 
 
-def test_lora_and_dora_on_fused_modules_match_peft_on_the_gpu(phi, rt, tmp_path):
-    """PEFT's LoRA and DoRA on qkv_proj / gate_up_proj: loss and every gradient (A, B, magnitude) on the WebGPU
-    engine equal PEFT's autograd, over a padded batch long enough for the long factors."""
+@pytest.mark.parametrize("length", [ORIGINAL, ORIGINAL + 5])     # longrope's short factors, then its long ones
+def test_lora_and_dora_on_fused_modules_match_peft(phi, rt, tmp_path, length):
+    """PEFT's LoRA and DoRA on qkv_proj / gate_up_proj: loss and every gradient (A, B, magnitude) on both engines
+    equal PEFT's autograd, over a padded batch within the original context (the short factors: fine-tuning's
+    usual case) and past it (the long ones)."""
     hf, folder = phi
-    ids = np.random.default_rng(2).integers(4, 83, (2, ORIGINAL + 5))
+    ids = np.random.default_rng(2).integers(4, 83, (2, length))
     mask = np.ones_like(ids)
-    mask[1, 7:] = 0
+    mask[1, 6:] = 0
     labels = np.where(mask == 1, ids, -100)
     labels[:, :2] = -100
     for dora in (False, True):
@@ -137,13 +139,15 @@ def test_lora_and_dora_on_fused_modules_match_peft_on_the_gpu(phi, rt, tmp_path)
         expected = {n.replace(".default", "").replace("vector.weight", "vector"): p.grad.numpy()
                     for n, p in pm.named_parameters() if p.requires_grad}      # our magnitude key: PEFT's file's
         pm.save_pretrained(tmp_path / str(dora))
-        model = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
-        model.load_adapter(tmp_path / str(dora))
-        loss, grads = model.loss_and_grads(ids, labels, mask)
-        assert_close(np.float64(loss), out.loss.item(), "gpu_loss", f"dora={dora}")
-        assert set(grads) == set(expected), sorted(set(grads) ^ set(expected))
-        for name, g in expected.items():
-            assert_close(grads[name], g, "gpu_grads", name)
+        for backend, loss_tol, grad_tol in (("numpy", "loss_f32", "grads_f32"), ("wgpu", "gpu_loss", "gpu_grads")):
+            model = wt.load_model(folder, backend=backend,
+                                  **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
+            model.load_adapter(tmp_path / str(dora))
+            loss, grads = model.loss_and_grads(ids, labels, mask)
+            assert_close(np.float64(loss), out.loss.item(), loss_tol, f"{backend} dora={dora}")
+            assert set(grads) == set(expected), sorted(set(grads) ^ set(expected))
+            for name, g in expected.items():
+                assert_close(grads[name], g, grad_tol, f"{backend} {name}")
 
 
 def test_targets_are_named_as_phi_names_them(phi, tmp_path):
@@ -151,8 +155,13 @@ def test_targets_are_named_as_phi_names_them(phi, tmp_path):
     an adapter saved here lists them as PEFT does."""
     _, folder = phi
     model = wt.load_model(folder, backend="numpy")
-    msg = one_line_error(lambda: model.add_lora(wt.LoraConfig(target_modules="q_proj,v_proj")), ConfigError)
-    assert "Phi3ForCausalLM has the linear modules qkv_proj, o_proj, gate_up_proj, down_proj" in msg
+    for targets in ("q_proj,v_proj", "qkv_proj,gate_proj"):      # a name the model lacks, beside others or not
+        msg = one_line_error(lambda: model.add_lora(wt.LoraConfig(target_modules=targets)), ConfigError)
+        assert "Phi3ForCausalLM has the linear modules qkv_proj, o_proj, gate_up_proj, down_proj" in msg, msg
+    llama = wt.ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=50, hidden_size=40,
+                                          intermediate_size=24, num_hidden_layers=1, num_attention_heads=4))
+    assert "gate_up_proj: LlamaForCausalLM has" in one_line_error(
+        lambda: wt.LoraConfig(target_modules="q_proj,gate_up_proj").modules(llama), ConfigError)
     model.add_lora(wt.LoraConfig(r=2, target_modules="all-linear"))
     assert model.lora_config.target_modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     model.save_adapter(tmp_path / "a")
@@ -169,13 +178,18 @@ def test_targets_are_named_as_phi_names_them(phi, tmp_path):
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 5,
                           "long_factor": [1.0] * 5}, "original_max_position_embeddings": None},
      ("original_max_position_embeddings",)),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 5,
+                          "long_factor": [1.0] * 5, "factor": "4"}}, ("'factor' must be a positive number",)),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0},
-      "architectures": ["LlamaForCausalLM"]}, ("'yarn'", "longrope")),
+      "architectures": ["LlamaForCausalLM"]}, ("'yarn'", "llama supports 'llama3' and 'linear'")),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 5,
+                          "long_factor": [1.0] * 5}, "architectures": ["LlamaForCausalLM"]}, ("'longrope'",)),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, ("phi3 supports 'longrope'",)),
 ])
 def test_bad_rope_configs_refused(phi, tmp_path, changes, words):
     """One line naming the field: partial rotary outside Phi-3, an odd rotated width, longrope factor lists of
-    the wrong length, longrope without its original context; yarn stays refused (Phi-3's old 'yarn' name of
-    longrope aside)."""
+    the wrong length or a factor that is not a number, yarn (Phi-3's old 'yarn' name of longrope aside),
+    longrope outside Phi-3 and other scalings on it (as transformers' configs allow them)."""
     _, folder = phi
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -199,11 +213,44 @@ def test_gguf_export_refused(phi, tmp_path):
     assert "Phi3ForCausalLM is not exported" in msg
 
 
-def test_config_dropouts_and_window_as_transformers_reads_them(phi):
-    """Phi-3's sliding_window applies to every layer (transformers' sliding-window mask); its attention_bias
-    field is not read (Phi-3's projections have none)."""
-    _, folder = phi
+def test_window_bias_and_defaults_as_transformers_reads_them(phi):
+    """Phi-3's sliding_window applies to every layer (transformers' sliding-window mask, checked on logits by the
+    shared tests); its attention_bias field is not read (Phi-3's projections have none); fields config.json
+    leaves out take Phi3Config's defaults."""
+    hf, folder = phi
     raw = json.loads((folder / "config.json").read_text())
     cfg = wt.ModelConfig.from_dict({**raw, "attention_bias": True})
-    assert cfg.layer_windows == (9, 9) and not cfg.attention_bias
+    assert cfg.layer_windows == (9, 9) == (hf.config.sliding_window,) * 2 and not cfg.attention_bias
     assert not wt.ModelConfig.from_dict({**raw, "sliding_window": None}).layer_windows
+    bare = {k: v for k, v in raw.items() if k not in ("rms_norm_eps", "pad_token_id", "max_position_embeddings",
+                                                      "vocab_size")}
+    theirs = tf.Phi3Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    ours = wt.ModelConfig.from_dict({**bare, "vocab_size": 40000})
+    assert (ours.rms_norm_eps, ours.pad_token_id, ours.max_position_embeddings) == (
+        theirs.rms_norm_eps, theirs.pad_token_id, theirs.max_position_embeddings) == (1e-5, 32000, 4096)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_padding_and_an_explicit_factor_set(phi, rt, backend):
+    """Within the original context, a padded row's logits equal the row's alone (padding leaks nothing);
+    forward_rows(long_rope=True) over a short prompt gives the long factors' logits, those of that prompt's
+    positions inside a longer sequence."""
+    _, folder = phi
+    model = wt.load_model(folder, backend=backend, **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
+    tol = "logits_f32" if backend == "numpy" else "gpu_logits"
+    ids = np.random.default_rng(5).integers(4, 83, (2, ORIGINAL))
+    mask = np.ones_like(ids)
+    mask[1, 5:] = 0
+    assert_close(model.logits(ids, mask)[1, :5], model.logits(ids[1:, :5])[0], tol, "padded row vs alone")
+    seq = np.random.default_rng(6).integers(4, 83, ORIGINAL + 4)
+    long = model.logits(seq[None])[0]                                     # (12, V): the long factors
+    engine = model.engine
+    kv = engine.new_kv_cache(1, 16)
+    try:
+        forced = engine.forward_rows(seq[:5], np.zeros(5, np.int64), np.arange(5), kv, np.arange(5), long_rope=True)
+        default = engine.forward_rows(seq[:5], np.zeros(5, np.int64), np.arange(5), kv, np.arange(5))
+    finally:
+        engine.free_kv_cache(kv)
+    assert_close(forced, long[:5], tol, "forced long factors")
+    assert_close(default, model.logits(seq[None, :5])[0], tol, "the call's own (short) factors")
+    assert np.abs(forced - default).max() > 1e-3

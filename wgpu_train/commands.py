@@ -362,7 +362,7 @@ def _register_merge(sub):
 def cmd_memory(args) -> int:
     from . import hub
     from .config import LoraConfig, ModelConfig
-    from .lora_layout import describe_layout, last_layers, parse_layers, parse_pattern
+    from .lora_layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
     from .memory import (activation_plan, activation_ranks, estimate_memory, format_bytes, layer_ranks, lora_groups,
                          weight_shapes)
     from .reference.quant import check_dtypes
@@ -379,7 +379,7 @@ def cmd_memory(args) -> int:
     lora = None
     if args.method == "lora":
         layers = parse_layers(args.lora_layers)
-        lora = LoraConfig(r=args.lora_rank, target_modules=args.lora_targets,
+        lora = LoraConfig(r=args.lora_rank, target_modules=model_targets(args.lora_targets, cfg),
                           layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
                           else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
                           use_dora=args.dora, modules_to_save=args.modules_to_save,

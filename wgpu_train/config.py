@@ -51,11 +51,13 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     return tuple(window if i >= first else 0 for i in range(layers))
 
 
-# what transformers' Gemma configs default where config.json lacks a field (the Llama-family defaults differ;
-# the hub's multimodal Gemma 3 checkpoints leave most of their text_config to these)
+# what transformers' Gemma and Phi-3 configs default where config.json lacks a field (the Llama-family
+# defaults differ; the hub's multimodal Gemma 3 checkpoints leave most of their text_config to these)
 _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                 "num_attention_heads": 8, "num_key_value_heads": 4}
-GEMMA_DEFAULTS = {
+FAMILY_DEFAULTS = {
+    "phi3": {"rms_norm_eps": 1e-5, "pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000,
+             "max_position_embeddings": 4096},
     "gemma2": {**_GEMMA_SIZES, "head_dim": 256, "max_position_embeddings": 8192, "pad_token_id": 0,
                "sliding_window": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     "gemma3": {**_GEMMA_SIZES, "vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072,
@@ -139,23 +141,22 @@ def _rotary_dim(raw: dict, params: dict, family: str, head_dim: int, source: str
     return dim
 
 
-def _longrope(scaling: dict, raw: dict, family: str, max_pos: int, pairs: int, rope_field: str, source: str) -> dict:
-    """longrope's parameters completed as transformers completes them: short_factor / long_factor (one per
-    rotated pair), original_max_position_embeddings (Phi-3's top-level field, default 4096, wins over the
-    one in the RoPE block; other families' is in the block, default max_position_embeddings), factor
-    (default max_position_embeddings over it) and the attention factor (default sqrt(1 + ln factor / ln
-    original), 1 for a factor up to 1)."""
+def _longrope(scaling: dict, raw: dict, max_pos: int, pairs: int, rope_field: str, source: str) -> dict:
+    """Phi-3's longrope parameters completed as transformers completes them: short_factor / long_factor (one
+    per rotated pair), original_max_position_embeddings (the top-level field, default 4096, wins over the
+    one in the RoPE block), factor (default max_position_embeddings over it) and the attention factor
+    (default sqrt(1 + ln factor / ln original), 1 for a factor up to 1)."""
     for key in ("short_factor", "long_factor"):
         value = scaling.get(key)
         if not (isinstance(value, list) and len(value) == pairs and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)):
             raise ConfigError(f"{source}: field '{rope_field}' needs '{key}': a list of {pairs} positive numbers")
-    original = raw.get("original_max_position_embeddings", 4096) if family == "phi3" else \
-        scaling.get("original_max_position_embeddings", max_pos)
+    original = raw.get("original_max_position_embeddings", 4096)
     if not isinstance(original, int) or isinstance(original, bool) or original < 2:
         raise ConfigError(f"{source}: longrope needs 'original_max_position_embeddings' (a whole number >= 2), got "
                           f"{original!r}")
-    factor = scaling.get("factor") or max_pos / original
+    factor = scaling.get("factor")
+    factor = max_pos / original if factor is None else _positive(scaling, "factor", source)
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -287,7 +288,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: field 'architectures' is {archs!r}; supported: "
                               f"{', '.join([*SUPPORTED_ARCHITECTURES, *WRAPPERS])}")
         family = SUPPORTED_ARCHITECTURES[arch]
-        given, raw = raw, {**GEMMA_DEFAULTS.get(family, {}), **raw}
+        given, raw = raw, {**FAMILY_DEFAULTS.get(family, {}), **raw}
 
         def need(key):
             if key not in raw:
@@ -324,12 +325,13 @@ class ModelConfig:
             rope_type = scaling.get("rope_type", scaling.get("type"))
             if family == "phi3" and rope_type in ("su", "yarn"):    # transformers' Phi-3: old names of longrope
                 rope_type = "longrope"
-            if rope_type not in ("llama3", "linear", "longrope"):
-                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; only 'llama3', 'linear' "
-                                  f"and 'longrope' are supported")
+            allowed = ("longrope",) if family == "phi3" else ("llama3", "linear")    # as transformers' configs
+            if rope_type not in allowed:
+                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; {family} supports "
+                                  f"{' and '.join(map(repr, allowed))}")
             scaling = {**scaling, "rope_type": rope_type}
             if rope_type == "longrope":
-                scaling = _longrope(scaling, raw, family, max_pos, (rotary_dim or int(head_dim)) // 2, rope_field, source)
+                scaling = _longrope(scaling, raw, max_pos, (rotary_dim or int(head_dim)) // 2, rope_field, source)
             elif "factor" not in scaling:
                 raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
         windows = _layer_windows(raw, family, layers, max_pos, source)
@@ -437,13 +439,13 @@ class LoraConfig:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
     def targets_in(self, model: ModelConfig) -> tuple:
-        """The target modules that `model`'s layers have, in their order (all-linear names every family's);
-        none of them is refused naming the model's modules."""
-        found = tuple(m for m in model.linear_modules if m in self.target_modules)
-        if not found:
-            raise ConfigError(f"LoRA target_modules {','.join(self.target_modules)}: {model.architecture} has the "
-                              f"linear modules {', '.join(model.linear_modules)} (or use all-linear)")
-        return found
+        """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
+        the model's own; a named module the model lacks is refused, naming the model's modules."""
+        missing = [m for m in self.target_modules if m not in model.linear_modules]
+        if missing and self.target_modules != KNOWN_LINEAR_MODULES:
+            raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture} has the linear modules "
+                              f"{', '.join(model.linear_modules)} (or use all-linear)")
+        return tuple(m for m in model.linear_modules if m in self.target_modules)
 
     def modules(self, model: ModelConfig) -> dict:
         """{module path: (r, alpha)} of every module this config puts LoRA on in `model`, layer by layer in

@@ -14,6 +14,15 @@ from .hf import module_path
 from .multimodal import outer_path
 
 
+DEFAULT_TARGETS = "q_proj,v_proj"      # the command line's --lora-targets default
+
+
+def model_targets(spec: str, model) -> str:
+    """--lora-targets for `model`: the default (Llama's q_proj,v_proj) means the fused qkv_proj that holds them
+    on a model with fused projections (Phi-3; mlx-lm's default there too)."""
+    return "qkv_proj" if spec == DEFAULT_TARGETS and model.fused_projections else spec
+
+
 def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

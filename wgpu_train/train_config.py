@@ -10,7 +10,7 @@ from pathlib import Path
 from . import tracking
 from .config import LoraConfig, OptimizerParams
 from .errors import ConfigError
-from .lora_layout import last_layers, parse_layers, parse_pattern
+from .lora_layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
 from .schedule import SCHEDULES
 
@@ -55,8 +55,9 @@ class TrainConfig:
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
-    lora_targets: str = _opt("q_proj,v_proj", "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
-                                              "gate_proj, up_proj, down_proj), or all-linear")
+    lora_targets: str = _opt(DEFAULT_TARGETS, "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
+                                              "gate_proj, up_proj, down_proj; Phi-3's qkv_proj, o_proj, gate_up_proj, "
+                                              "down_proj, where the default means qkv_proj), or all-linear")
     rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
     loraplus_lr_ratio: float = _opt(1.0, "LoRA+: the learning rate of the LoRA B matrices over lr (PEFT's "
                                          "loraplus_lr_ratio; the LoRA+ paper suggests 16; 1: plain LoRA)")
@@ -199,8 +200,9 @@ class TrainConfig:
         otherwise; the dropout is this run's when given, else the adapter's."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         mine = self.lora_config(model.num_hidden_layers)
+        targets = mine.targets_in(model) if self.lora_targets != defaults["lora_targets"] else None   # when given
         pairs = (("lora_rank", "r", mine.r, adapter.r), ("lora_alpha", "lora_alpha", mine.alpha, adapter.alpha),
-                 ("lora_targets", "target_modules", mine.targets_in(model), adapter.targets_in(model)),
+                 ("lora_targets", "target_modules", targets, adapter.targets_in(model)),
                  ("rslora", "use_rslora", mine.use_rslora, adapter.use_rslora),
                  ("lora_layers", "layers_to_transform", mine.layers_to_transform, adapter.layers_to_transform),
                  ("lora_rank_pattern", "rank_pattern", mine.rank_pattern, adapter.rank_pattern),

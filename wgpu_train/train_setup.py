@@ -11,7 +11,7 @@ from . import hub, tracking
 from .checkpoint import list_checkpoints
 from .config import ModelConfig
 from .errors import ConfigError
-from .lora_layout import describe_layout, lora_options
+from .lora_layout import describe_layout, lora_options, model_targets
 from .memory import base_weight_bytes, count_trainable, estimate_memory, format_bytes
 from .run_folder import run_folder
 from .schedule import LRSchedule
@@ -38,6 +38,9 @@ class TrainerSetup:
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
+        if not self.continued_from and cfg.lora_targets != model_targets(cfg.lora_targets, model_cfg):
+            self.config = cfg = dataclasses.replace(       # recorded as trained, for a resume
+                cfg, lora_targets=model_targets(cfg.lora_targets, model_cfg))
         lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
         if self.continued_from:         # before anything is read: options that contradict it are refused
             lora = cfg.continued_lora(read_adapter(self.continued_from, model_cfg)[0], model_cfg)

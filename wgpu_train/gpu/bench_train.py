@@ -67,7 +67,7 @@ def _time_engine(engine, micro, hp, steps):
     return float(np.median(walls)), float(np.median(records[1:]))
 
 
-def _torch_tokens_per_s(cfg_raw, weights, lora, micro, steps):
+def _torch_tokens_per_s(cfg_raw, cfg, weights, lora, micro, steps):
     try:
         import torch
         import transformers
@@ -78,8 +78,7 @@ def _torch_tokens_per_s(cfg_raw, weights, lora, micro, steps):
     model = transformers.LlamaForCausalLM(hf_cfg)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha,
-                                                       target_modules=list(lora.targets_in(ModelConfig.from_dict(cfg_raw))),
-                                                       lora_dropout=0.0))
+                                                       target_modules=list(lora.targets_in(cfg)), lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.from_numpy(micro[0][0].astype(np.int64))
 
@@ -122,7 +121,7 @@ def bench_training(rt, steps: int = 5) -> dict:
     cpu = NumpyEngine(cfg, weights)
     cpu.set_lora(modules)
     cpu_wall, _ = _time_engine(cpu, micro, hp, max(2, steps // 2))
-    torch_tps = _torch_tokens_per_s(BENCH_MODEL, weights, lora, micro, max(2, steps // 2))
+    torch_tps = _torch_tokens_per_s(BENCH_MODEL, cfg, weights, lora, micro, max(2, steps // 2))
 
     out = {
         "model": "Llama 4 layers, hidden 128, vocab 512, LoRA r=8 all-linear",
