@@ -323,11 +323,25 @@ def test_merge(trained, workspace, tmp_path, capsys):
     np.testing.assert_allclose(load_model(out).logits(ids), adapted.logits(ids), rtol=1e-4, atol=1e-4)
 
 
+def _merge_loads_in_transformers(model_dir, run, merged, ids):
+    """`merge` the run's adapter into `merged`; transformers' logits there equal ours with the adapter."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(merged)]) == 0
+    ids = np.array([ids])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    adapted = load_model(model_dir)
+    adapted.load_adapter(run)
+    np.testing.assert_allclose(theirs, adapted.logits(ids), rtol=1e-4, atol=1e-4)
+
+
 def test_gemma2_finetune_generate_merge(workspace, tmp_path, capsys):
     """A Gemma 2 folder through the command line on the WebGPU engine: finetune, generate, then merge, whose
     folder transformers loads to our merged logits (soft-caps, sandwich norms and GeGLU included)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     _, data = workspace
     model_dir = make_model_dir(tmp_path / "gemma2", arch="gemma2")
     run = tmp_path / "run"
@@ -337,15 +351,7 @@ def test_gemma2_finetune_generate_merge(workspace, tmp_path, capsys):
     assert summary["steps"] == 3 and math.isfinite(summary["train_loss_last"])
     assert main(["generate", "--model", str(model_dir), "--adapter-path", str(run), "--prompt", "hello",
                  "--max-new-tokens", "3", "--backend", "wgpu"]) == 0
-    merged = tmp_path / "merged"
-    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(merged)]) == 0
-    ids = np.array([[5, 40, 77, 12, 9, 3]])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
-    with torch.no_grad():
-        theirs = hf(torch.tensor(ids)).logits.numpy()
-    adapted = load_model(model_dir)
-    adapted.load_adapter(run)
-    np.testing.assert_allclose(theirs, adapted.logits(ids), rtol=1e-4, atol=1e-4)
+    _merge_loads_in_transformers(model_dir, run, tmp_path / "merged", [5, 40, 77, 12, 9, 3])
     capsys.readouterr()
 
 
@@ -353,8 +359,8 @@ def test_phi3_finetune_generate_merge(workspace, tmp_path, capsys):
     """A Phi-3 folder (fused projections, partial rotary under longrope) through the command line on the WebGPU
     engine: finetune with LoRA on the fused modules, generate, merge, whose folder transformers loads to our
     merged logits; Llama's split target names get one line naming Phi-3's modules."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     _, data = workspace
     model_dir = make_model_dir(tmp_path / "phi3", arch="phi3")
     run = tmp_path / "run"
@@ -375,15 +381,8 @@ def test_phi3_finetune_generate_merge(workspace, tmp_path, capsys):
         ["qkv_proj", "gate_up_proj"]
     assert main(["generate", "--model", str(model_dir), "--adapter-path", str(run), "--prompt", "hello",
                  "--max-new-tokens", "3", "--backend", "wgpu"]) == 0
-    merged = tmp_path / "merged"
-    assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(merged)]) == 0
-    ids = np.array([[5, 40, 77, 12, 9, 3, 8, 21, 30, 2]])     # 10 tokens: past the original 8, the long factors
-    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
-    with torch.no_grad():
-        theirs = hf(torch.tensor(ids)).logits.numpy()
-    adapted = load_model(model_dir)
-    adapted.load_adapter(run)
-    np.testing.assert_allclose(theirs, adapted.logits(ids), rtol=1e-4, atol=1e-4)
+    # 10 tokens: past the original 8, the long factors
+    _merge_loads_in_transformers(model_dir, run, tmp_path / "merged", [5, 40, 77, 12, 9, 3, 8, 21, 30, 2])
     capsys.readouterr()
 
 

@@ -391,6 +391,15 @@ MISTRAL_CHATS = [
 ]
 
 
+def _masks_match_transformers(ours, hf):
+    """Every MISTRAL_CHATS conversation: our ids and trained tokens equal transformers' ids and assistant mask."""
+    for messages in MISTRAL_CHATS:
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ex = tokenize_example(ours, messages, max_seq_len=512)
+        assert ex.input_ids.tolist() == list(out["input_ids"])
+        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+
+
 @pytest.mark.parametrize("template,assistant", [
     (LAST_USER_SYSTEM, '{{- " " ~ m.content | trim ~ eos_token }}'),
     (LAST_USER_SYSTEM_TIGHT, '{{- m.content ~ eos_token }}'),
@@ -407,11 +416,7 @@ def test_last_user_system_templates_train_only_answers(tmp_path, template, assis
     assert tagged != template
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token="<s>",
                                               eos_token="</s>")
-    for messages in MISTRAL_CHATS:
-        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ex = tokenize_example(ours, messages, max_seq_len=512)
-        assert ex.input_ids.tolist() == list(out["input_ids"])
-        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+    _masks_match_transformers(ours, hf)
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex).strip() == "paris</s>"
     # the case under test: the first answer's prompt holds the system text, which the whole render has only later
@@ -487,11 +492,7 @@ def test_gemma_template_trains_model_turns(tmp_path):
     assert tagged != GEMMA
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token="<bos>",
                                               eos_token="<eos>")
-    for messages in MISTRAL_CHATS:
-        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ex = tokenize_example(ours, messages, max_seq_len=512)
-        assert ex.input_ids.tolist() == list(out["input_ids"])
-        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+    _masks_match_transformers(ours, hf)
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex) == "paris<end_of_turn>"
     assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<bos><start_of_turn>user\nbe brief.\n\n")
@@ -510,11 +511,7 @@ def test_phi3_template_trains_assistant_turns(tmp_path):
     assert tagged != PHI3
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged,
                                               bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-    for messages in MISTRAL_CHATS:
-        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ex = tokenize_example(ours, messages, max_seq_len=512)
-        assert ex.input_ids.tolist() == list(out["input_ids"])
-        assert (ex.labels != IGNORE_INDEX).astype(int).tolist() == list(out["assistant_masks"])
+    _masks_match_transformers(ours, hf)
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex) == "paris<|end|>"
     assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<|system|>\nbe brief.<|end|>\n<|user|>\n")

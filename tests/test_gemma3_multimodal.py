@@ -102,10 +102,12 @@ def test_our_adapter_loads_in_peft_and_merges(mm, tmp_path):
     """Our adapter on the multimodal model: PEFT loads it without key complaints and with LoRA on the language
     model only (its target_modules a regular expression on the language model's layers), to our logits; the
     merged folder loads in transformers as the multimodal class, to PEFT's logits, with the vision tower and the
-    projector as they were."""
+    projector as they were. A rank_pattern key spelled on the multimodal path gives its rank on both sides."""
     hf, folder = mm
     model = wt.load_model(folder)
-    model.add_lora(wt.LoraConfig(r=3, alpha=4, target_modules="all-linear", layers_to_transform=(1,)), seed=2)
+    model.add_lora(wt.LoraConfig(r=3, alpha=4, target_modules="all-linear", layers_to_transform=(1,),
+                                 rank_pattern={"language_model.layers.1.mlp.down_proj": 5}), seed=2)
+    assert model.engine.lora["model.layers.1.mlp.down_proj"].a.shape[0] == 5    # matched on PEFT's path here
     rng = np.random.default_rng(0)
     model._set_lora(model.lora_config, {p: (a, rng.normal(0, 0.2, b.shape).astype(np.float32))
                                        for p, (a, b) in model.engine.lora_tensors().items()})
@@ -147,13 +149,106 @@ def test_greedy_generation_matches_transformers(mm, rt):
         assert model.generate(ids, max_new_tokens=8) == want, backend
 
 
+HUB_CONFIGS = {   # the hub's config.json of two gemma-3 sizes, vision_config cut to what transformers needs
+    "4b": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+    "27b": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+            "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+            "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024},
+}
+
+
+@pytest.mark.parametrize("size", list(HUB_CONFIGS))
+def test_sparse_hub_config_reads_as_transformers_reads_it(size):
+    """The hub's gemma-3 configs leave most of text_config to transformers' defaults: every field the math reads,
+    and each layer's RoPE frequencies, equal what transformers makes of the same file."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+           "text_config": HUB_CONFIGS[size], "vision_config": {"model_type": "siglip_vision_model"}}
+    ours = wt.ModelConfig.from_dict(raw)
+    full = tf.Gemma3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    theirs = full.text_config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "pad_token_id"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.tie_word_embeddings is full.tie_word_embeddings is True and ours.eos_token_id == [1, 106]
+    assert ours.query_scale == pytest.approx((theirs.head_dim / theirs.query_pre_attn_scalar) ** 0.5)
+    assert ours.layer_windows == tuple(theirs.sliding_window if t == "sliding_attention" else 0
+                                       for t in theirs.layer_types)
+    rotary = Gemma3RotaryEmbedding(theirs)
+    for i, kind in enumerate(theirs.layer_types):
+        assert_close(ours.inv_freq(i), getattr(rotary, f"{kind}_inv_freq").numpy(), "inv_freq", f"layer {i}")
+
+
+def test_untied_head_and_old_adapter_layout(tmp_path):
+    """An untied multimodal model (the top-level tie_word_embeddings, as transformers 5 ties this class) loads to
+    transformers' logits and merges with its head; an adapter in the layout of transformers before 4.52
+    (base_model.model.language_model.model.*, a target regex anchored there) loads to the same logits as now;
+    a rank_pattern spelled on the multimodal paths (as PEFT matches it) gives its rank."""
+    hf = build_model("gemma3_mm", seed=8, tie_word_embeddings=False)
+    folder = tmp_path / "untied"
+    save_model(hf, folder)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    ids, mask, _ = batch()
+    real = mask.astype(bool)
+    model = wt.load_model(folder)
+    assert not model.config.tie_word_embeddings
+    assert_close(model.logits(ids, mask)[real], hf_logits(hf, ids, mask)[real], "logits_f32", "untied")
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj)", lora_dropout=0.0,
+        rank_pattern={"model.language_model.layers.0.self_attn.q_proj": 4})), 1)
+    pm.save_pretrained(tmp_path / "new")
+    want = hf_logits(pm, ids, mask)
+    old = tmp_path / "old"
+    old.mkdir()
+    tensors = read_safetensors(tmp_path / "new" / "adapter_model.safetensors")
+    write_safetensors(old / "adapter_model.safetensors", {
+        k.replace("base_model.model.model.language_model.", "base_model.model.language_model.model."): v
+        for k, v in tensors.items()})
+    config = json.loads((tmp_path / "new" / "adapter_config.json").read_text())
+    config.update(target_modules=r"language_model\.model\.layers\.\d+\.self_attn\.(q_proj|v_proj)",
+                  rank_pattern={"language_model.model.layers.0.self_attn.q_proj": 4})
+    (old / "adapter_config.json").write_text(json.dumps(config))
+    for adapter in ("new", "old"):
+        model = wt.load_model(folder)
+        model.load_adapter(tmp_path / adapter)
+        assert model.engine.lora["model.layers.0.self_attn.q_proj"].a.shape[0] == 4, adapter
+        assert_close(model.logits(ids, mask)[real], want[real], "logits_f32", adapter)
+    model.merge_and_save(tmp_path / "merged")
+    merged = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert not merged.config.tie_word_embeddings
+    assert_close(hf_logits(merged, ids, mask)[real], want[real], "merged_logits", "merged, untied")
+
+
+def test_merge_needs_the_tower_and_copies_the_processor(mm, tmp_path):
+    """Merge copies the processor's files with the tokenizer's; a source folder holding only the language
+    model's tensors trains, but its merge is refused with one line (its folder would not load as the class)."""
+    hf, folder = mm
+    source = tmp_path / "src"
+    source.mkdir()
+    for f in folder.iterdir():
+        (source / f.name).write_bytes(f.read_bytes())
+    (source / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Gemma3ImageProcessor"}))
+    wt.load_model(source).merge_and_save(tmp_path / "merged")
+    assert (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    language = {k: v for k, v in read_safetensors(folder / "model.safetensors").items()
+                if k.startswith("language_model.")}
+    write_safetensors(source / "model.safetensors", language)
+    model = wt.load_model(source)
+    with pytest.raises(wt.ModelFileError, match="no vision tower or projector tensors") as info:
+        model.merge_and_save(tmp_path / "merged2")
+    assert "\n" not in str(info.value)
+
+
 def test_refusals(mm, tmp_path):
     """One line each: LoRA on the vision tower (a list of names in PEFT reaches it too), modules_to_save, a config
     without its text_config."""
     hf, folder = mm
     lora_model(hf, ["q_proj", "v_proj"]).save_pretrained(tmp_path / "tower")
     model = wt.load_model(folder)
-    with pytest.raises(AdapterError, match=r"vision_tower.* outside the language model") as info:
+    with pytest.raises(AdapterError, match=r"vision_tower.* outside the language model.*all-linear") as info:
         model.load_adapter(tmp_path / "tower")
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="modules_to_save embed_tokens: not supported on a "
@@ -176,8 +271,14 @@ def test_finetune_and_merge_on_the_command_line(tmp_path, capsys):
     assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "wgpu",
                  "--max-steps", "2", "--lora-targets", "all-linear", "--no-progress"]) == 0
     assert main(["merge", "--model", str(model_dir), "--adapter-path", str(run), "--out", str(tmp_path / "m")]) == 0
-    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [
-        "Gemma3ForConditionalGeneration"]
+    merged = tf.AutoModelForImageTextToText.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    assert type(merged).__name__ == "Gemma3ForConditionalGeneration"
+    assert set(read_safetensors(tmp_path / "m" / "model.safetensors")) == \
+        set(read_safetensors(model_dir / "model.safetensors"))
+    ids = np.array([[5, 40, 77, 12, 9, 3]])
+    adapted = wt.load_model(model_dir)
+    adapted.load_adapter(run)
+    assert_close(adapted.logits(ids), hf_logits(merged, ids), "merged_logits", "merged on the command line")
     capsys.readouterr()
     one_line_error(capsys, ["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "x"),
                             "--modules-to-save", "lm_head", "--no-progress"], "not supported on a Gemma3")

@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 ORIGINAL = 8      # the tiny model's original_max_position_embeddings: longer sequences take the long factors
 
 
-def one_line_error(fn, cls) -> str:
+def _one_line(fn, cls) -> str:
     """fn() raises cls with a message of one line; returns it."""
     with pytest.raises(cls) as info:
         fn()
@@ -156,11 +156,11 @@ def test_targets_are_named_as_phi_names_them(phi, tmp_path):
     _, folder = phi
     model = wt.load_model(folder, backend="numpy")
     for targets in ("q_proj,v_proj", "qkv_proj,gate_proj"):      # a name the model lacks, beside others or not
-        msg = one_line_error(lambda: model.add_lora(wt.LoraConfig(target_modules=targets)), ConfigError)
+        msg = _one_line(lambda: model.add_lora(wt.LoraConfig(target_modules=targets)), ConfigError)
         assert "Phi3ForCausalLM has the linear modules qkv_proj, o_proj, gate_up_proj, down_proj" in msg, msg
     llama = wt.ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=50, hidden_size=40,
                                           intermediate_size=24, num_hidden_layers=1, num_attention_heads=4))
-    assert "gate_up_proj: LlamaForCausalLM has" in one_line_error(
+    assert "gate_up_proj: LlamaForCausalLM has" in _one_line(
         lambda: wt.LoraConfig(target_modules="q_proj,gate_up_proj").modules(llama), ConfigError)
     model.add_lora(wt.LoraConfig(r=2, target_modules="all-linear"))
     assert model.lora_config.target_modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -200,7 +200,7 @@ def test_bad_rope_configs_refused(phi, tmp_path, changes, words):
     raw.update(dict(hidden_size=30, num_attention_heads=3, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
     raw.update(changes)
     (bad / "config.json").write_text(json.dumps(raw))
-    msg = one_line_error(lambda: wt.ModelConfig.from_folder(bad), ConfigError)
+    msg = _one_line(lambda: wt.ModelConfig.from_folder(bad), ConfigError)
     for w in words:
         assert w in msg, msg
 
@@ -209,7 +209,7 @@ def test_gguf_export_refused(phi, tmp_path):
     _, folder = phi
     from wgpu_train.gguf_export import check
 
-    msg = one_line_error(lambda: check(wt.ModelConfig.from_folder(folder), "f32"), ConfigError)
+    msg = _one_line(lambda: check(wt.ModelConfig.from_folder(folder), "f32"), ConfigError)
     assert "Phi3ForCausalLM is not exported" in msg
 
 

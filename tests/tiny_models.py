@@ -54,8 +54,9 @@ def hf_config(arch: str, **overrides):
         # a multimodal Gemma 3 (gemma-3-4b's class): the gemma3 text model beside a one-layer SigLIP tower
         vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                                        num_attention_heads=2, image_size=28, patch_size=14)
-        return tf.Gemma3Config(text_config=hf_config("gemma3", **overrides).to_dict(), vision_config=vision.to_dict(),
-                               mm_tokens_per_image=4)
+        tie = overrides.pop("tie_word_embeddings", True)     # the class ties by its own (top-level) field
+        return tf.Gemma3Config(text_config=hf_config("gemma3", tie_word_embeddings=tie, **overrides).to_dict(),
+                               vision_config=vision.to_dict(), mm_tokens_per_image=4, tie_word_embeddings=tie)
     else:
         raise ValueError(arch)
     kw.update(overrides)

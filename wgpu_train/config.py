@@ -1,7 +1,6 @@
 """Model configuration read from a Hugging Face config.json, and the LoRA configuration."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -10,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, ModelFileError
-from .multimodal import WRAPPERS, text_config
+from .multimodal import WRAPPERS, from_wrapper
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -282,8 +281,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         if arch in WRAPPERS:      # text-only fine-tuning of a multimodal checkpoint: its language model
-            cfg = cls.from_dict(text_config(raw, source), f"{source} (text_config)")
-            return dataclasses.replace(cfg, wrapper=arch, raw=raw)
+            return from_wrapper(cls, raw, source)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"{source}: field 'architectures' is {archs!r}; supported: "
                               f"{', '.join([*SUPPORTED_ARCHITECTURES, *WRAPPERS])}")

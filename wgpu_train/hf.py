@@ -15,7 +15,8 @@ import numpy as np
 from .config import ATTENTION_MODULES, KNOWN_LINEAR_MODULES, ModelConfig
 from .errors import AdapterError, ConfigError, ModelFileError
 from .layer_plan import layer_plan
-from .multimodal import adapter_key_out, language_keys, language_names, target_regex
+from .multimodal import (PROCESSOR_FILES, adapter_key_out, carried_tensors, language_keys, language_names,
+                         live_patterns, target_regex)
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -201,16 +202,19 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
 
 def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
     """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied. A
-    multimodal checkpoint's folder gets its language model's weights under the source's names and every other
-    tensor of the source (vision tower, projector) as it was (in float32, as all of them)."""
+    multimodal checkpoint's folder gets its language model's weights under the source's names beside the
+    source's other tensors (vision tower, projector: multimodal.carried_tensors), all in float32, and its
+    processor's files."""
     out = Path(out)
+    companions = TOKENIZER_FILES
     if cfg.wrapper:
         if source_folder is None:
             raise ConfigError(f"saving a {cfg.wrapper} model needs the folder it was loaded from (its vision tower)")
         source = _folder_tensors(Path(source_folder))
         names = language_names(source, source_folder)
-        weights = {**{k: _as_array(*v) for k, v in source.items() if k not in names.values()},
-                   **{names.get(k, k.replace("model.", "language_model.model.", 1)): v for k, v in weights.items()}}
+        carried = carried_tensors(source, names, source_folder)
+        weights = {**{k: _as_array(*v) for k, v in carried.items()}, **{names[k]: v for k, v in weights.items()}}
+        companions += PROCESSOR_FILES
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
     raw["torch_dtype"] = raw["dtype"] = "float32"
@@ -220,7 +224,7 @@ def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
     write_safetensors(out / "model.safetensors", {k: v.astype(np.float32) for k, v in weights.items()},
                       metadata={"format": "pt"})
     if source_folder is not None:
-        for name in TOKENIZER_FILES:
+        for name in companions:
             src = Path(source_folder) / name
             if src.is_file() and src.resolve() != (out / name).resolve():
                 shutil.copyfile(src, out / name)
@@ -381,10 +385,12 @@ def read_adapter(folder, model: ModelConfig | None = None):
         raise AdapterError(f"{cfg_path}: key 'modules_to_save' must be a list of module names or null, "
                            f"got {json.dumps(saved)}")
     tying = _adapter_field(raw, "ensure_weight_tying", "bool", False, cfg_path)
-    renamed = language_keys(tensors, cfg_path)       # an adapter of a multimodal checkpoint's language model
-    tensors = tensors if renamed is None else renamed
+    found = language_keys(tensors, cfg_path)       # an adapter of a multimodal checkpoint's language model
+    tensors, outer = found if found is not None else (tensors, None)
+    if outer is not None:      # patterns are matched on the multimodal model's current paths (module_settings)
+        layout.update({k: live_patterns(layout[k], outer) for k in ("rank_pattern", "alpha_pattern")})
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
-                                      layout["layers_pattern"], linear_modules, outer=renamed is not None)
+                                      layout["layers_pattern"], linear_modules, outer)
     try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
                          use_dora=dora, **{**layout, "layers_to_transform": layers}, modules_to_save=saved,

@@ -120,9 +120,10 @@ def module_settings(cfg, model) -> dict:
     for i in range(num_hidden_layers):
         for m in targets:
             path = module_path(i, m)
-            if layers is not None and layer_index(path, cfg.layers_pattern) not in layers:
+            seen = outer_path(path) if model.wrapper else path      # the path PEFT matches patterns on
+            if layers is not None and layer_index(seen, cfg.layers_pattern) not in layers:
                 continue
-            r_key, a_key = pattern_key(cfg.rank_pattern, path), pattern_key(cfg.alpha_pattern, path)
+            r_key, a_key = pattern_key(cfg.rank_pattern, seen), pattern_key(cfg.alpha_pattern, seen)
             out[path] = (int(cfg.rank_pattern[r_key]) if r_key is not None else int(cfg.r),
                          cfg.alpha_pattern[a_key] if a_key is not None else cfg.alpha)
     if not out:     # every index is a layer of the model: only a layers_pattern can miss them all
@@ -134,13 +135,14 @@ def module_settings(cfg, model) -> dict:
 # ---- adapter_config.json ---------------------------------------------------------------------------------
 
 def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", layers_to_transform=None,
-                    layers_pattern=None, linear_modules=KNOWN_LINEAR_MODULES, outer=False) -> tuple[tuple, tuple | None]:
+                    layers_pattern=None, linear_modules=KNOWN_LINEAR_MODULES, outer=None) -> tuple[tuple, tuple | None]:
     """(module names, layer indices or None for every layer) that PEFT's target_modules `spec` selects in a
     model of num_hidden_layers layers with the linear modules `linear_modules` (by default any family's),
-    matched as PEFT matches (check_target_module_exists): "all-linear"; a
-    string is a regular expression that must match a module path (model.layers.0.self_attn.q_proj; with
-    `outer`, a multimodal model's model.language_model.layers.0.self_attn.q_proj) with re.fullmatch; a list entry matches a path that equals it or, in the layers_to_transform (as read by
-    lora_layout.layer_index with layers_pattern), ends with "." + entry. LoRA on the embedding or lm_head, a
+    matched as PEFT matches (check_target_module_exists) on module paths (model.layers.0.self_attn.q_proj;
+    with `outer`, a multimodal.LAYOUTS entry, as that layout of a multimodal model spells them): "all-linear";
+    a string is a regular expression that must match a path with re.fullmatch; a list entry matches a path
+    that equals it or, in the layers_to_transform (as read by lora_layout.layer_index with layers_pattern),
+    ends with "." + entry. LoRA on the embedding or lm_head, a
     selection whose modules lie in different layers, or one of no linear module is refused naming it."""
     if spec == "all-linear":
         spec = list(linear_modules)
@@ -159,14 +161,15 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
         found = any(path.endswith("." + t) for t in spec)
         return found and (layers is None or layer_index(path, layers_pattern) in layers)
 
-    def path(i, m):     # as PEFT saw it: under model.language_model in a multimodal model (`outer`)
-        return outer_path(module_path(i, m)) if outer else module_path(i, m)
+    def spelled(path):     # as PEFT saw it: in the multimodal model's layout `outer`
+        return outer_path(path, outer) if outer else path
 
-    for other in (outer_path("model.embed_tokens") if outer else "model.embed_tokens", "lm_head"):
+    for other in (spelled("model.embed_tokens"), spelled("lm_head")):
         if selects(other):
             raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {other} (LoRA on the "
                                f"linear layers {', '.join(linear_modules)} only)")
-    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(path(i, m))) for m in linear_modules}
+    chosen = {m: tuple(i for i in range(num_hidden_layers) if selects(spelled(module_path(i, m))))
+              for m in linear_modules}
     chosen = {m: found for m, found in chosen.items() if found}
     if not chosen:
         where_layers = f" in layers_to_transform {list(layers)}" if layers else ""

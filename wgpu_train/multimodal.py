@@ -4,77 +4,110 @@ which put it under model.language_model. The engines see a plain text model (mod
 vision tower and the projector are carried through merge untouched."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
-from .errors import AdapterError, ConfigError
+from .errors import AdapterError, ConfigError, ModelFileError
 
 WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}    # multimodal class -> its text model's
-# the language model's tensor names in files: hub checkpoints (and transformers' save_pretrained) write
-# language_model.model.* and language_model.lm_head.*; transformers' live module names are model.language_model.*
-FILE_PREFIXES = ("language_model.model.", "model.language_model.")
-FILE_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
-OUTER = "model.language_model."      # the language model's module paths in the live model (PEFT's adapters)
+# Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
+# PEFT's adapters name now), and the older tree (language_model.model.*, with language_model.lm_head), which
+# hub checkpoints and transformers' save_pretrained still use for the files. Each: (body prefix, head path).
+LIVE = ("model.language_model.", "lm_head")
+OLD = ("language_model.model.", "language_model.lm_head")
+LAYOUTS = (OLD, LIVE)
 PEFT_ROOT = "base_model.model."
+# beside the tokenizer's: the files of the processor that feeds images (hub gemma-3-*-it folders have them)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
 
 
-def text_config(raw: dict, source: str) -> dict:
-    """The config dict of a multimodal checkpoint's language model: its text_config, named as the text
-    model's architecture, with the top-level token ids where the text config lacks them."""
+def from_wrapper(cls, raw: dict, source: str):
+    """The ModelConfig of a multimodal checkpoint's language model, read from its text_config (transformers'
+    Gemma 3 text defaults where the hub's file leaves fields out, the top-level eos / bos ids where it has
+    none) as the multimodal class runs it: tied by the top-level tie_word_embeddings (transformers 5 ties
+    this class by its own config, default true), and with no soft-cap on the logits (the class's forward
+    applies none, whatever final_logit_softcapping says)."""
+    arch = raw["architectures"][0]
     text = raw.get("text_config")
     if not isinstance(text, dict):
-        raise ConfigError(f"{source}: a {raw['architectures'][0]} config needs a 'text_config' object")
-    ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw and k not in text}
-    return {**text, **ids, "architectures": [WRAPPERS[raw["architectures"][0]]]}
+        raise ConfigError(f"{source}: a {arch} config needs a 'text_config' object")
+    ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw and k not in text}
+    cfg = cls.from_dict({**text, **ids, "architectures": [WRAPPERS[arch]]}, f"{source} (text_config)")
+    return dataclasses.replace(cfg, wrapper=arch, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+                               logit_softcap=0.0, raw=raw)
 
 
-def outer_path(path: str) -> str:
-    """A module path or weight name of ours (model.layers.0.self_attn.q_proj) as a multimodal model names it
-    (model.language_model.layers.0.self_attn.q_proj)."""
-    return OUTER + path[len("model."):] if path.startswith("model.") else path
+def outer_path(path: str, layout=LIVE) -> str:
+    """A module path or weight name of ours (model.layers.0.self_attn.q_proj, lm_head.weight) as a multimodal
+    model of `layout` names it (model.language_model.layers.0.self_attn.q_proj)."""
+    if path.startswith("model."):
+        return layout[0] + path[len("model."):]
+    return layout[1] + path[len("lm_head"):] if path.startswith("lm_head") else path
 
 
 def language_names(names, folder) -> dict:
-    """{our name: file name} of a multimodal checkpoint's language-model tensors (either spelling, FILE_PREFIXES);
-    the other tensors (vision tower, projector) are not listed."""
+    """{our name: file name} of a multimodal checkpoint's language-model tensors (either layout); the other
+    tensors (vision tower, projector) are not listed."""
     out = {}
     for name in names:
-        prefix = next((p for p in FILE_PREFIXES if name.startswith(p)), None)
-        ours = "model." + name[len(prefix):] if prefix else "lm_head.weight" if name in FILE_HEADS else None
+        ours = next((("model." + name[len(body):]) if name.startswith(body) else "lm_head.weight"
+                     for body, head in LAYOUTS if name.startswith(body) or name == head + ".weight"), None)
         if ours is not None:
             if ours in out:
-                raise ConfigError(f"{folder}: tensors {out[ours]} and {name} are both the language model's {ours}")
+                raise ModelFileError(f"{folder}: tensors {out[ours]} and {name} are both the language model's {ours}")
             out[ours] = name
     return out
 
 
-def language_keys(tensors: dict, where) -> dict | None:
-    """A PEFT adapter's tensors keyed as ours when it was saved on a multimodal model (keys under
-    base_model.model.model.language_model., or older PEFT's base_model.model.language_model.model.): ->
-    base_model.model.model.*; None for a text model's adapter. A tensor outside the language model (LoRA on
-    the vision tower) is refused with one line."""
-    roots = (PEFT_ROOT + OUTER, PEFT_ROOT + "language_model.model.")
-    if not any(k.startswith(roots) for k in tensors):
+def language_keys(tensors: dict, where) -> tuple[dict, tuple] | None:
+    """A PEFT adapter's tensors keyed as ours, and the layout its module paths had, when it was saved on a
+    multimodal model (keys under base_model.model.model.language_model., or base_model.model.language_model.model.
+    from transformers before 4.52); None for a text model's adapter. A tensor outside the language model
+    (LoRA on the vision tower, as PEFT's all-linear or a list of names puts it there) is refused."""
+    layout = next((lay for lay in (LIVE, OLD) if any(k.startswith(PEFT_ROOT + lay[0]) for k in tensors)), None)
+    if layout is None:
         return None
+    body, head = PEFT_ROOT + layout[0], PEFT_ROOT + layout[1] + "."
     out = {}
     for key, value in tensors.items():
-        root = next((r for r in roots if key.startswith(r)), None)
-        if root is not None:
-            out[PEFT_ROOT + "model." + key[len(root):]] = value
-        elif key.startswith((PEFT_ROOT + "lm_head.", PEFT_ROOT + "language_model.lm_head.")):
-            out[PEFT_ROOT + "lm_head." + key.split(".lm_head.", 1)[1]] = value
+        if key.startswith(body):
+            out[PEFT_ROOT + "model." + key[len(body):]] = value
+        elif key.startswith(head):
+            out[PEFT_ROOT + "lm_head." + key[len(head):]] = value
         else:
-            raise AdapterError(f"{where}: not supported: {key} is outside the language model (text-only fine-tuning "
-                               f"of a multimodal checkpoint applies LoRA to model.language_model only)")
-    return out
+            raise AdapterError(f"{where}: not supported: {key} is outside the language model; text-only fine-tuning "
+                               f"of a multimodal checkpoint takes LoRA on model.language_model only (PEFT's "
+                               f"all-linear or a list of names also reaches the vision tower: use a regular "
+                               f"expression on model.language_model)")
+    return out, layout
+
+
+def live_patterns(patterns: dict, layout) -> dict:
+    """An adapter's rank_pattern / alpha_pattern keys, written for the paths of `layout`, for the LIVE paths they
+    are matched on: the OLD layout's literal language_model.model. (plain or regex-escaped) becomes
+    model.language_model.; other keys (layers.0.self_attn.q_proj, q_proj) match either way."""
+    if layout is LIVE:
+        return patterns
+    return {k.replace(re.escape(OLD[0]), re.escape(LIVE[0])).replace(OLD[0], LIVE[0]): v for k, v in patterns.items()}
 
 
 def adapter_key_out(key: str) -> str:
-    """Our adapter key as PEFT names it on the multimodal model (language_keys' inverse)."""
-    return PEFT_ROOT + outer_path(key[len(PEFT_ROOT):]) if key.startswith(PEFT_ROOT) else key
+    """Our adapter key as PEFT names it on the multimodal model (language_keys' inverse, LIVE layout)."""
+    return PEFT_ROOT + outer_path(key[len(PEFT_ROOT):]) if key.startswith(PEFT_ROOT + "model.") else key
 
 
 def target_regex(modules: tuple, layers: tuple | None) -> str:
     """PEFT target_modules selecting `modules` in `layers` (None: all) of the language model only: a regular
     expression on module paths (a list of names would put LoRA on the vision tower's q_proj / v_proj too)."""
     which = r"\d+" if layers is None else "(?:" + "|".join(map(str, layers)) + ")"
-    return re.escape(OUTER) + rf"layers\.{which}\.(?:self_attn|mlp)\.(?:{'|'.join(modules)})"
+    return re.escape(LIVE[0]) + rf"layers\.{which}\.(?:self_attn|mlp)\.(?:{'|'.join(modules)})"
+
+
+def carried_tensors(source: dict, names: dict, folder) -> dict:
+    """The tensors of a multimodal checkpoint beside its language model's (`names`, language_names), for a
+    merged folder of the same class; refused when there are none (a folder without them would not load as it)."""
+    rest = {k: v for k, v in source.items() if k not in names.values()}
+    if not rest:
+        raise ModelFileError(f"{folder}: no vision tower or projector tensors beside the language model's; a merged "
+                             f"folder would not load as its multimodal class")
+    return rest
