@@ -1,8 +1,10 @@
 // Generation-time attention of new queries against a KV cache of B sequences (forward only): the mirror
 // of reference/ops.py attention_cached_forward. Each query names its cache row and position and sees
 // keys 0..position of its own row (causal), so queries of several ragged prompts, or one per row of a
-// decoding step, run in one dispatch. One invocation per (query, head), online softmax over the cached
-// keys, so any cache length works without a score array.
+// decoding step, run in one dispatch. attention_cached_forward: one invocation per (query, head), online
+// softmax over the cached keys, so any cache length works without a score array. The split pair (split-K,
+// for a decoding step's few queries): attention_cached_partial reduces each chunk of `chunk` positions of a
+// (query, head) to its unnormalised sum, max and sum of exponentials; attention_cached_combine merges them.
 // @include tanh
 
 // Rows and positions come from buffers written with the tokens, so the uniform stays the same at every
@@ -17,6 +19,8 @@ struct Params {
     scale: f32,
     window: u32,      // sliding window: only the last `window` positions are seen (0 = all)
     softcap: f32,     // the scaled scores' soft-cap (Gemma 2): softcap * tanh(s / softcap); 0 = none
+    chunk: u32,       // the split pair: positions per chunk
+    splits: u32,      // and chunks per row (ceil(max_len / chunk))
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -27,7 +31,30 @@ struct Params {
 @group(0) @binding(5) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
 @group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row
 
+// ---- the split pair: 1 part (N, Hq, splits, D + 2) out / 2 part_in in, the rest as above ----
+@group(0) @binding(1) var<storage, read_write> part: array<f32>;
+@group(0) @binding(2) var<storage, read> part_in: array<f32>;
+
 const MAX_D: u32 = 256u;
+
+// The positions query i sees, first..last (inclusive) of its row: causal, within the window.
+fn seen(i: u32) -> vec2<u32> {
+    let last = min(u32(positions[i]), params.max_len - 1u);
+    let first = select(0u, last + 1u - params.window, params.window > 0u && last + 1u > params.window);
+    return vec2<u32>(first, last);
+}
+
+fn padding(i: u32) -> bool {
+    return rows[i] < 0 || u32(rows[i]) >= params.batch;
+}
+
+fn score(q_off: u32, k_off: u32) -> f32 {
+    var s = 0.0;
+    for (var c = 0u; c < params.d; c++) { s += q[q_off + c] * k_cache[k_off + c]; }
+    s *= params.scale;
+    if (params.softcap != 0.0) { s = params.softcap * tanh_f32(s / params.softcap); }
+    return s;
+}
 
 @compute @workgroup_size(64)
 fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -39,8 +66,7 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     let kvh = h / (params.hq / params.hkv);
     let d = params.d;
     let q_off = (i * params.hq + h) * d;
-    let row = rows[i];
-    if (row < 0 || u32(row) >= params.batch) {   // a padding query: zero output, as the reference gives
+    if (padding(i)) {   // a padding query: zero output, as the reference gives
         for (var c = 0u; c < d; c++) { out[q_off + c] = 0.0; }
         return;
     }
@@ -48,15 +74,11 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     for (var c = 0u; c < d; c++) { acc[c] = 0.0; }
     var m = -3.4e38;
     var l = 0.0;
-    let last = min(u32(positions[i]), params.max_len - 1u);
-    let base = u32(row) * params.max_len;
-    let first = select(0u, last + 1u - params.window, params.window > 0u && last + 1u > params.window);
-    for (var j = first; j <= last; j++) {
+    let span = seen(i);
+    let base = u32(rows[i]) * params.max_len;
+    for (var j = span.x; j <= span.y; j++) {
         let k_off = ((base + j) * params.hkv + kvh) * d;
-        var s = 0.0;
-        for (var c = 0u; c < d; c++) { s += q[q_off + c] * k_cache[k_off + c]; }
-        s *= params.scale;
-        if (params.softcap != 0.0) { s = params.softcap * tanh_f32(s / params.softcap); }
+        let s = score(q_off, k_off);
         let m_new = max(m, s);
         let corr = exp(m - m_new);
         let p = exp(s - m_new);
@@ -65,4 +87,68 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         m = m_new;
     }
     for (var c = 0u; c < d; c++) { out[q_off + c] = acc[c] / l; }
+}
+
+@compute @workgroup_size(64)
+fn attention_cached_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let idx = (wid.y * nwg.x + wid.x) * 64u + lid.x;
+    if (idx >= params.n * params.hq * params.splits) { return; }
+    let split = idx % params.splits;
+    let ih = idx / params.splits;
+    let i = ih / params.hq;
+    let h = ih % params.hq;
+    if (padding(i)) { return; }
+    let span = seen(i);
+    let lo = max(span.x, split * params.chunk);
+    let hi = min(span.y, split * params.chunk + params.chunk - 1u);
+    if (lo > hi) { return; }     // a chunk the query does not see: the combine skips it
+    let kvh = h / (params.hq / params.hkv);
+    let d = params.d;
+    let q_off = ih * d;
+    let base = u32(rows[i]) * params.max_len;
+    var acc: array<f32, MAX_D>;
+    for (var c = 0u; c < d; c++) { acc[c] = 0.0; }
+    var m = -3.4e38;
+    var l = 0.0;
+    for (var j = lo; j <= hi; j++) {
+        let k_off = ((base + j) * params.hkv + kvh) * d;
+        let s = score(q_off, k_off);
+        let m_new = max(m, s);
+        let corr = exp(m - m_new);
+        let p = exp(s - m_new);
+        l = l * corr + p;
+        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_cache[k_off + c]; }
+        m = m_new;
+    }
+    let p_off = idx * (d + 2u);
+    for (var c = 0u; c < d; c++) { part[p_off + c] = acc[c]; }
+    part[p_off + d] = m;
+    part[p_off + d + 1u] = l;
+}
+
+@compute @workgroup_size(64)
+fn attention_cached_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let idx = (wid.y * nwg.x + wid.x) * 64u + lid.x;
+    if (idx >= params.n * params.hq * params.d) { return; }
+    let c = idx % params.d;
+    let ih = idx / params.d;
+    let i = ih / params.hq;
+    if (padding(i)) { out[idx] = 0.0; return; }
+    let span = seen(i);
+    let stride = params.d + 2u;
+    let first = span.x / params.chunk;
+    let last = span.y / params.chunk;
+    var m = -3.4e38;
+    for (var s = first; s <= last; s++) { m = max(m, part_in[(ih * params.splits + s) * stride + params.d]); }
+    var l = 0.0;
+    var acc = 0.0;
+    for (var s = first; s <= last; s++) {
+        let off = (ih * params.splits + s) * stride;
+        let w = exp(part_in[off + params.d] - m);
+        l += w * part_in[off + params.d + 1u];
+        acc += w * part_in[off + c];
+    }
+    out[idx] = acc / l;
 }

@@ -27,3 +27,17 @@ def test_bench_json_gemm_and_training(capsys):
     assert set(training["tokens_per_s"]) == {"wgpu", "wgpu_gradient_checkpointing", "numpy", "torch_cpu_peft"}
     assert training["gradient_checkpointing_step_time_ratio"] > 0
     assert 0 < training["python_record_fraction"] < 1
+
+
+def test_bench_json_decode(capsys):
+    """The cached-attention bench: every pass it times was checked against NumPy (a wrong one stops the bench),
+    the tuner's choice is marked once per shape, and "vs_single" is there where the single pass ran."""
+    require_adapter()
+    assert main(["bench", "--json", "--only", "decode"]) == 0
+    rows = json.loads(capsys.readouterr().out)["kernels"]
+    shapes = {r["shape"] for r in rows}
+    assert len(shapes) == 3 and all(r["name"] == "attention_decode" and r["ms"] > 0 for r in rows)
+    assert all(sum(bool(r.get("default")) for r in rows if r["shape"] == s) == 1 for s in shapes)
+    assert {r["kernel"].split("/")[0] for r in rows} == {"decode"}
+    small = [r for r in rows if r["shape"].startswith("n1 len480")]
+    assert any(r["kernel"] == "decode/single" for r in small) and all("vs_single" in r for r in small)

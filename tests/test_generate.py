@@ -63,6 +63,19 @@ def test_rows_stop_independently(tiny, rt):
     assert generate_batch(gpu.engine, prompts, max_new_tokens=10, max_len=9) == short
 
 
+@pytest.mark.parametrize("kernel", ["decode/single", "decode/split32"])
+def test_long_generation_on_either_cached_attention_pass(tiny, rt, kernel):
+    """Greedy tokens of rows that grow past several 32-position chunks of the cache equal the NumPy engine's,
+    with the cached attention's single pass and with its split one (attention_decode) forced."""
+    from wgpu_train.gpu import tune
+
+    ref, gpu = _models(tiny, rt)
+    prompts = _prompts(lengths=(40, 9, 23))
+    expected = ref.generate_batch(prompts, max_new_tokens=30)
+    with tune.pinned(kernel):
+        assert gpu.generate_batch(prompts, max_new_tokens=30) == expected
+
+
 def test_seeded_sampling_per_row(tiny, rt):
     """Row i samples from default_rng(seed_i): the batch repeats itself, gives generate()'s tokens with the same
     seed, agrees across engines, and distinct seeds give distinct samples of one prompt."""

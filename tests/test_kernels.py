@@ -539,3 +539,61 @@ def test_kv_cache_write_and_attention_cached(rt, case, window):
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", "cached")
     if rows[-1] < 0:
         assert not want[-1].any()
+
+
+# decoding steps over long rows (the split passes need 2 or more chunks of 32 positions): (batch, max_len,
+# tokens as (row, position), hq, hkv, d); row -1 is padding
+DECODE_CASES = {
+    "GQA, a padding row": (3, 300, [(0, 299), (2, 150), (1, 31), (-1, 0)], 4, 2, 16),
+    "head dim 10": (2, 97, [(1, 96), (0, 64)], 3, 1, 10),
+}
+
+
+@pytest.mark.parametrize("kernel", ["decode/single", "decode/split32", "decode/split64"])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (40, 0.0), (0, 2.0)])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_attention_cached_passes(rt, case, window, softcap, kernel):
+    """Each pass of attention_cached_forward (attention_decode: the single one, the split ones with their
+    chunks) against the NumPy op: windows, soft-caps, rows of any length, chunks a row only partly fills."""
+    from wgpu_train.gpu import attention_decode, tune
+
+    batch, max_len, tokens, hq, hkv, d = DECODE_CASES[case]
+    n = len(tokens)
+    g = rng(max_len + n)
+    rows, pos = (np.array(c, np.int32) for c in zip(*tokens))
+    q = g.standard_normal((n, hq, d)).astype(F32)
+    kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)
+    want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, window, softcap)
+    out, scratch = rt.buffer(4 * q.size), rt.buffer(4 * attention_decode.scratch_elements(batch, hq, d))
+    tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, kc, vc, rows, pos))
+    problem = attention_decode.DecodeProblem(rt, {}, n, batch, max_len, hq, hkv, d, window, softcap,
+                                             attention_decode.scratch_elements(batch, hq, d))
+    assert kernel in [c.name for c in problem.candidates()]
+    with tune.pinned(kernel):
+        run(rt, lambda r: K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
+                                                     window, softcap, scratch))
+    assert_close(rt.read(out, F32, q.shape), want, "k_attention", kernel)
+    assert not rt.read(out, F32, q.shape)[rows < 0].any()
+
+
+def test_cached_attention_passes_fit_the_cpu_loop_budget(rt, monkeypatch):
+    """On CPU adapters only passes within llvmpipe's loop budget are candidates (the single pass stops at a few
+    hundred positions of head dim 128: past the budget llvmpipe silently cuts its loops), and rows too long for
+    every pass get one line; on GPUs every pass is, the most chunks first."""
+    from wgpu_train.errors import DeviceError
+    from wgpu_train.gpu import attention_decode as AD
+    from wgpu_train.gpu.attention_kernels import CPU_LOOP_BUDGET
+
+    def problem(length):
+        return AD.DecodeProblem(rt, {}, 1, 1, length, 32, 8, 128, scratch_elems=AD.scratch_elements(1, 32, 128))
+
+    cands = problem(1024).candidates()
+    assert "decode/single" not in [c.name for c in cands] and cands[0].name == f"decode/split{AD.CPU_CHUNK}"
+    assert all(c.loop_iterations(problem(1024)) <= CPU_LOOP_BUDGET for c in cands)
+    assert [c.name for c in problem(200).candidates()][:2] == [f"decode/split{AD.CPU_CHUNK}", "decode/single"]
+    with pytest.raises(DeviceError, match="too long for this CPU adapter's loop limit") as info:
+        problem(64 * 256 + 1).candidates()
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(AD, "is_cpu", lambda rt: False)
+    names = [c.name for c in problem(1024).candidates()]
+    assert names[0] == "decode/split32" and names[-1] == "decode/single" and len(names) == 6

@@ -355,6 +355,38 @@ def bench_attention(rt, ctx) -> list[dict]:
     return out
 
 
+@register("decode")
+def bench_decode(rt, ctx) -> list[dict]:
+    """Cached attention of a decoding step (attention_decode): 1 and 8 rows of Llama-3-8B's heads (32 / 8, D 128)
+    over 4096 cached positions, and 1 row of SmolLM2-135M's (9 / 3, D 64) over 480 (where the single pass fits
+    llvmpipe's loop budget); every pass that runs here (the single one, the split ones by chunk) checked
+    against NumPy, then timed; "vs_single" is the single pass's time over each one's, from this run, where the
+    single pass runs, and "default" marks the tuner's choice on this adapter."""
+    from . import attention_decode as AD
+    from . import tune
+
+    out = []
+    for n, length, hq, hkv, d in ((1, 4096, 32, 8, 128), (8, 4096, 32, 8, 128), (1, 480, 9, 3, 64)):
+        shape = AD.DecodeProblem(rt, {}, n, n, length, hq, hkv, d, scratch_elems=AD.scratch_elements(n, hq, d))
+        rep, res, c0, want, bufs = shape.replica(np.random.default_rng(4))
+        try:
+            chosen, times, rows = tune.choose(rt, rep).name, {}, []
+            for cand in rep.candidates():
+                dispatches = cand.dispatches(rep)
+                _check(rt, dispatches, res, want)
+                t = times[cand.name] = ctx["timer"].time(dispatches, repeats=2, budget_s=2.0)
+                rows.append({"name": "attention_decode", "shape": f"n{n} len{length} {hq}/{hkv}xD{d}", "kernel": cand.name,
+                             "gflops": rep.flops / t / 1e9, "ms": t * 1e3,
+                             **({"default": True} if cand.name == chosen else {})})
+            for row in rows if "decode/single" in times else ():
+                row["vs_single"] = times["decode/single"] / times[row["kernel"]]
+            out += rows
+        finally:
+            rt.release(*bufs)
+        ctx["sample_peak"]()
+    return out
+
+
 def _check_attention(rt, dispatches, inputs, seg, outputs, what):
     """Run the dispatches once and compare out and dq with the float64 reference."""
     from ..reference import ops

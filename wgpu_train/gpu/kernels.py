@@ -22,13 +22,12 @@ Conventions shared by every wrapper:
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 
 import numpy as np
 
 from ..errors import DeviceError
-from . import attention_kernels, tune
+from . import attention_decode, attention_kernels, tune
 from .launch import Kernel, bind, flat_grid, launch
 from .operands import split
 
@@ -514,7 +513,6 @@ def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay,
 # Their Params have named fields and no offsets: each tensor must start on an aligned offset.
 
 LORA_DROPOUT = {d: Kernel("lora_dropout", f"lora_dropout_{d}", "y! x seeds") for d in ("forward", "backward")}
-ATTENTION_CACHED = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
 KV_CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions")
 
 
@@ -537,20 +535,23 @@ def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
 
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
-                             window=0, softcap=0.0):
+                             window=0, softcap=0.0, scratch=None):
     """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d);
     rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
     marks padding: its output is zero), only the last `window` of them when window > 0; scores soft-capped
-    at softcap when it is not 0."""
+    at softcap when it is not 0. scratch: a buffer of attention_decode.scratch_elements(queries, hq, d) floats
+    for the split passes of calls of up to `queries` queries (None: the single pass); the pass is the tuner's
+    choice (attention_decode.py)."""
     if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
         raise ValueError(f"attention_cached_forward: head dim {d} (<= 256), heads {hq}/{hkv}")
-    cache = batch * max_len * hkv * d
-    launch(rec, ATTENTION_CACHED, flat_grid(-(-(n * hq) // 64)),
-           [(out, n * hq * d), (q, n * hq * d), (k_cache, cache), (v_cache, cache), (rows, n), (positions, n)],
-           n=int(n), max_len=int(max_len), batch=int(batch), hq=int(hq), hkv=int(hkv), d=int(d),
-           scale=1.0 / math.sqrt(d), window=int(window), softcap=float(softcap))
+    room = scratch.size // 4 if scratch is not None else 0
+    tensors = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, rows=rows, positions=positions, part=scratch,
+                   part_in=scratch)
+    p = attention_decode.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room)
+    for dispatch in tune.choose(rec.rt, p).dispatches(p):
+        rec.dispatch(*dispatch)
 
 
 def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d):

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..errors import DeviceError
 from ..reference.kv_cache import check_rows, forward_cached
+from . import attention_decode
 from .operands import at
 from .tensors import F32
 
@@ -23,14 +24,18 @@ class KvCacheGeneration:
             raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "
                               f"over the device's max storage binding of {self.rt.max_binding / 2**20:.0f} MiB: "
                               f"generate fewer sequences at once or fewer tokens")
+        # the split passes' partials (attention_decode), where they fit one binding
+        scratch = attention_decode.scratch_bytes(self.rt, batch, max_len, cfg.num_attention_heads, cfg.head_dim)
         return {"k": [self.rt.buffer(size, "k_cache") for _ in range(cfg.num_hidden_layers)],
                 "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
+                "scratch": self.rt.buffer(scratch, "kv_scratch"),
                 "len": 0, "batch": batch, "max_len": max_len}
 
     def free_kv_cache(self, kv: dict):
         """Free a KV cache's buffers now (and the cached bind groups that hold them)."""
-        self.rt.release(*kv["k"], *kv["v"])
+        self.rt.release(*kv["k"], *kv["v"], *([kv["scratch"]] if kv["scratch"] is not None else []))
         kv["k"] = kv["v"] = []
+        kv["scratch"] = None
 
     def forward_cached(self, ids, kv: dict) -> np.ndarray:
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""

@@ -148,7 +148,8 @@ class LayerRecorder:
             K.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d)
             K.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
-                                       acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap)
+                                       acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap,
+                                       kv["scratch"])
 
     def _forward_glu(self, rec, op, i, acts, buf, kv):
         """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""

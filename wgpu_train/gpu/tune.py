@@ -34,7 +34,7 @@ DROP_SLOWER = 3.0            # a candidate whose first timed run is this much sl
 CACHE_VERSION = 1
 _SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
             "shaders/attention.wgsl", "shaders/attention_regs.wgsl", "shaders/attention_tiles.wgsl",
-            "shaders/attention_common.wgsl",
+            "shaders/attention_common.wgsl", "shaders/attention_cached.wgsl", "wgpu_train/gpu/attention_decode.py",
             "wgpu_train/gpu/gemm_kernels.py", "wgpu_train/gpu/gemm_tiled_src.py", "wgpu_train/gpu/quant_kernels.py",
             "wgpu_train/gpu/quant_tiled.py", "wgpu_train/gpu/attention_kernels.py", "wgpu_train/gpu/attention_src.py")
 _pins: list = []

@@ -1,0 +1,167 @@
+"""Attention of new queries against the KV cache (generation): one pass per (query, head) over its row, or
+split over the cache (split-K, as flash-decoding does) so that a decoding step's few queries still fill a GPU:
+each (query, head, chunk of positions) reduces its chunk to a partial softmax, and a second pass merges the
+chunks. The tuner (tune.py) picks the pass, and the chunk, by measurement on the adapter at hand.
+
+On CPU adapters a pass applies only while its loops fit llvmpipe's budget of iterations per invocation
+(attention_kernels.CPU_LOOP_BUDGET; past it llvmpipe silently stops the loops): the single pass covers a
+few hundred cached positions at head dim 128, the split ones up to MAX_SPLITS chunks of the largest chunk
+that fits."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import DeviceError
+from .attention_kernels import CPU_LOOP_BUDGET
+from .gemm_kernels import is_cpu
+from .launch import Kernel, flat_grid, prepare
+
+WG = 64                       # shaders/attention_cached.wgsl's workgroup size
+MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is sized for this many)
+CHUNKS = (32, 64, 128, 256, 512, 1024)
+CPU_CHUNK = 64                # the default chunk on CPU adapters (measured on llvmpipe: benchmarks/README.md)
+
+SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
+PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cache v_cache rows positions")
+COMBINE = Kernel("attention_cached", "attention_cached_combine", "out! part_in _ _ rows positions")
+
+
+PREFILL_QUERIES = 256         # generate.PREFILL_TOKENS: the queries of a prefill call
+
+
+def scratch_elements(queries: int, hq: int, d: int, max_len: int = CHUNKS[0] * MAX_SPLITS) -> int:
+    """float32 elements of the partials every split pass needs for calls of up to `queries` queries over rows
+    of max_len positions."""
+    return queries * hq * min(MAX_SPLITS, -(-max_len // CHUNKS[0])) * (d + 2)
+
+
+def scratch_bytes(rt, batch: int, max_len: int, hq: int, d: int) -> int:
+    """The bytes of a KV cache's scratch for the split passes: for a decoding step's `batch` queries on GPUs
+    (a prefill's many queries fill a GPU with the single pass), a prefill call's too on CPU adapters (whose
+    loop budget needs the split passes past a few hundred positions); at most one storage binding."""
+    queries = max(batch, PREFILL_QUERIES) if is_cpu(rt) else batch
+    return min(scratch_elements(queries, hq, d, max_len) * 4, rt.max_binding // 4 * 4)
+
+
+class DecodeProblem:
+    """One attention_cached_forward call: n queries (q, out (n, hq, d)) against caches (batch, max_len, hkv, d),
+    rows / positions (n,) i32, a scratch for the partials (None: the single pass only)."""
+
+    def __init__(self, rt, tensors: dict, n, batch, max_len, hq, hkv, d, window=0, softcap=0.0, scratch_elems=0):
+        self.rt, self.t = rt, tensors
+        self.n, self.batch, self.max_len, self.hq, self.hkv, self.d = n, batch, max_len, hq, hkv, d
+        self.window, self.softcap, self.scratch_elems = int(window), float(softcap), int(scratch_elems)
+
+    @property
+    def flops(self) -> float:
+        """QK^T and PV over every cached position (the longest case: rows full)."""
+        return 4.0 * self.n * self.hq * self.d * self.max_len
+
+    def describe(self) -> str:
+        return (f"cached attention n{self.n} len{self.max_len} H{self.hq}/{self.hkv} D{self.d}"
+                + (f" window {self.window}" if self.window else "") + (" softcap" if self.softcap else ""))
+
+    def signature(self) -> tuple:
+        return ("decode", self.n, self.batch, self.max_len, self.hq, self.hkv, self.d, self.window, self.softcap,
+                self.scratch_elems > 0)
+
+    def key(self) -> str:
+        """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap."""
+        def bucket(x):
+            return 1 << max(0, (x - 1).bit_length())
+        return (f"attention decode n{bucket(self.n)} len{bucket(self.max_len)} h{self.hq}/{self.hkv} d{self.d}"
+                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''}")
+
+    def candidates(self) -> list:
+        """The single pass and every chunk that splits the rows in 2..MAX_SPLITS parts with partials that fit the
+        scratch, those within the loop budget on CPU adapters; the default (untuned) first: on CPU adapters
+        chunks of CPU_CHUNK positions (the fastest on llvmpipe, `wgpu-train bench --only decode`), on GPUs
+        the most chunks (the most parallel work; a guess until the tuner measures)."""
+        cpu = is_cpu(self.rt)
+        cands = [c for c in [Single(), *(Split(k) for k in CHUNKS)] if c.applies(self)
+                 and (not cpu or c.loop_iterations(self) <= CPU_LOOP_BUDGET)]
+        if not cands:
+            raise DeviceError(f"no cached-attention pass runs {self.describe()} on {self.rt.info.name}: its rows are "
+                              f"too long for this CPU adapter's loop limit; generate fewer tokens or use a GPU")
+        if cpu:
+            return sorted(cands, key=lambda c: getattr(c, "chunk", 0) != CPU_CHUNK)
+        return [*(c for c in cands if isinstance(c, Split)), *(c for c in cands if isinstance(c, Single))]
+
+    def tolerance(self, want: np.ndarray) -> float:
+        return 1e-5 * math.sqrt(self.max_len) * 4 * (1 + float(np.max(np.abs(want))))
+
+    def replica(self, rng):
+        """(problem, output buffer, its initial values, its expected values, buffers to release): this shape on
+        fresh random inputs, every query's row full up to the cache's end."""
+        from ..reference import ops
+
+        n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
+        q = rng.standard_normal((n, hq, d)).astype(np.float32)
+        kc, vc = (rng.standard_normal((b, L, hkv, d)).astype(np.float32) for _ in range(2))
+        rows, pos = (np.arange(n) % b).astype(np.int32), np.full(n, L - 1, np.int32)
+        want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
+                                            self.softcap).ravel()
+        bufs = [self.rt.upload(x, "tune operand") for x in (q, kc, vc, rows, pos)]
+        bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
+        c0 = np.zeros(want.size, np.float32)
+        res = self.rt.upload(c0, "tune result")
+        bufs.append(res)
+        tensors = dict(q=bufs[0], k_cache=bufs[1], v_cache=bufs[2], rows=bufs[3], positions=bufs[4],
+                       part=bufs[5], part_in=bufs[5], out=res)
+        rep = DecodeProblem(self.rt, tensors, n, b, L, hq, hkv, d, self.window, self.softcap, self.scratch_elems)
+        return rep, res, c0, want, bufs
+
+
+def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
+    cache, big = p.batch * p.max_len * p.hkv * p.d, p.n * p.hq * p.d
+    sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": p.n,
+             "part": p.n * p.hq * max(1, splits) * (p.d + 2), "part_in": p.n * p.hq * max(1, splits) * (p.d + 2)}
+    pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names], n=p.n, max_len=p.max_len,
+                                  batch=p.batch, hq=p.hq, hkv=p.hkv, d=p.d, scale=1.0 / math.sqrt(p.d),
+                                  window=p.window, softcap=p.softcap, chunk=chunk, splits=splits)
+    return pipeline, resources, groups
+
+
+class Single:
+    """One invocation per (query, head): an online softmax over the query's whole row."""
+
+    name, family = "decode/single", "single"
+
+    def applies(self, p: DecodeProblem) -> bool:
+        return True
+
+    def loop_iterations(self, p: DecodeProblem) -> int:
+        """Per invocation at most: the positions a query sees, each a dot product and an update over D."""
+        seen = min(p.max_len, p.window) if p.window else p.max_len
+        return seen * (2 * p.d + 1) + 2 * p.d
+
+    def dispatches(self, p: DecodeProblem) -> list:
+        return [_dispatch(p, SINGLE, flat_grid(-(-(p.n * p.hq) // WG)))]
+
+
+class Split:
+    """One invocation per (query, head, chunk of `chunk` positions), then one per (query, head, dim) merging the
+    chunks' partial softmaxes."""
+
+    family = "split"
+
+    def __init__(self, chunk: int):
+        self.chunk, self.name = chunk, f"decode/split{chunk}"
+
+    def splits(self, p: DecodeProblem) -> int:
+        return -(-p.max_len // self.chunk)
+
+    def applies(self, p: DecodeProblem) -> bool:
+        s = self.splits(p)
+        return 2 <= s <= MAX_SPLITS and p.n * p.hq * s * (p.d + 2) <= p.scratch_elems
+
+    def loop_iterations(self, p: DecodeProblem) -> int:
+        """Per invocation at most: a chunk's positions (the partial pass), or two loops over the chunks."""
+        return max(self.chunk * (2 * p.d + 1) + 3 * p.d, 2 * self.splits(p))
+
+    def dispatches(self, p: DecodeProblem) -> list:
+        splits = self.splits(p)
+        return [_dispatch(p, PARTIAL, flat_grid(-(-(p.n * p.hq * splits) // WG)), self.chunk, splits),
+                _dispatch(p, COMBINE, flat_grid(-(-(p.n * p.hq * p.d) // WG)), self.chunk, splits)]
