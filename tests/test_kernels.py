@@ -564,7 +564,8 @@ def test_attention_cached_passes(rt, case, window, softcap, kernel):
     q = g.standard_normal((n, hq, d)).astype(F32)
     kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)
     want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, window, softcap)
-    out, scratch = rt.buffer(4 * q.size), rt.buffer(4 * attention_decode.scratch_elements(batch, hq, d))
+    out = rt.upload(np.full(q.shape, 7.0, F32))         # junk: padding rows must be written as zeros
+    scratch = rt.buffer(4 * attention_decode.scratch_elements(batch, hq, d))
     tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, kc, vc, rows, pos))
     problem = attention_decode.DecodeProblem(rt, {}, n, batch, max_len, hq, hkv, d, window, softcap,
                                              attention_decode.scratch_elements(batch, hq, d))
@@ -577,23 +578,45 @@ def test_attention_cached_passes(rt, case, window, softcap, kernel):
 
 
 def test_cached_attention_passes_fit_the_cpu_loop_budget(rt, monkeypatch):
-    """On CPU adapters only passes within llvmpipe's loop budget are candidates (the single pass stops at a few
-    hundred positions of head dim 128: past the budget llvmpipe silently cuts its loops), and rows too long for
-    every pass get one line; on GPUs every pass is, the most chunks first."""
+    """On CPU adapters only passes within llvmpipe's loop budget are candidates (past it llvmpipe silently cuts
+    the loops: the single pass stops at about 250 positions of head dim 128), the longest ones accepted still
+    give the right result here, and rows too long for every pass get one line; on GPUs every pass is a
+    candidate, the most chunks first."""
     from wgpu_train.errors import DeviceError
     from wgpu_train.gpu import attention_decode as AD
-    from wgpu_train.gpu.attention_kernels import CPU_LOOP_BUDGET
+    from wgpu_train.gpu import tune
+    from wgpu_train.gpu.gemm_kernels import is_cpu
 
-    def problem(length):
-        return AD.DecodeProblem(rt, {}, 1, 1, length, 32, 8, 128, scratch_elems=AD.scratch_elements(1, 32, 128))
+    on_cpu = is_cpu(rt)
+    monkeypatch.setattr(AD, "is_cpu", lambda rt: True)
 
-    cands = problem(1024).candidates()
-    assert "decode/single" not in [c.name for c in cands] and cands[0].name == f"decode/split{AD.CPU_CHUNK}"
-    assert all(c.loop_iterations(problem(1024)) <= CPU_LOOP_BUDGET for c in cands)
-    assert [c.name for c in problem(200).candidates()][:2] == [f"decode/split{AD.CPU_CHUNK}", "decode/single"]
+    def problem(length, d=128, n=2):     # n x 32 heads: a workgroup's worth of (query, head) pairs or more
+        return AD.DecodeProblem(rt, {}, n, n, length, 32, 8, d, scratch_elems=AD.scratch_elements(n, 32, d))
+
+    def names(p):
+        return [c.name for c in p.candidates()]
+
+    assert names(problem(1024))[0] == "decode/split128" and "decode/single" not in names(problem(1024))
+    assert names(problem(200))[0] == "decode/single"
+    assert names(problem(64 * 128))[0] == "decode/split128"
     with pytest.raises(DeviceError, match="too long for this CPU adapter's loop limit") as info:
-        problem(64 * 256 + 1).candidates()
+        problem(64 * 128 + 1).candidates()
     assert "\n" not in str(info.value)
+    longest = max(n for n in range(200, 300) if "decode/single" in names(problem(n)))
+    assert 240 < longest < 256
+    if on_cpu:     # the edges of the budget, run on this adapter: the single pass and a partial pass of 256
+        for p, kernel in ((problem(longest), "decode/single"), (problem(512, d=125), "decode/split256")):
+            assert kernel in names(p), kernel
+            rep, res, _, want, bufs = p.replica(np.random.default_rng(1))
+            with tune.pinned(kernel):
+                rec = rt.recorder()
+                for dispatch in tune.choose(rt, rep).dispatches(rep):
+                    rec.dispatch(*dispatch)
+                rec.submit()
+            assert_close(rt.read(res, F32, want.shape), want, "k_attention", f"{kernel} at the budget's edge")
+            rt.release(*bufs)
+    # a decoding step of fewer pairs than a workgroup: the most chunks first on CPU adapters too
+    assert names(problem(200, n=1))[0] == "decode/split32"
     monkeypatch.setattr(AD, "is_cpu", lambda rt: False)
-    names = [c.name for c in problem(1024).candidates()]
-    assert names[0] == "decode/split32" and names[-1] == "decode/single" and len(names) == 6
+    gpu = names(problem(1024))
+    assert gpu[0] == "decode/split32" and gpu[-1] == "decode/single" and len(gpu) == 6

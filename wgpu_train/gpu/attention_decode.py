@@ -21,7 +21,7 @@ from .launch import Kernel, flat_grid, prepare
 WG = 64                       # shaders/attention_cached.wgsl's workgroup size
 MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is sized for this many)
 CHUNKS = (32, 64, 128, 256, 512, 1024)
-CPU_CHUNK = 64                # the default chunk on CPU adapters (measured on llvmpipe: benchmarks/README.md)
+LOOP_MARGIN = 16              # iterations kept free of llvmpipe's budget (it already fails at 65534)
 
 SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
 PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cache v_cache rows positions")
@@ -39,9 +39,10 @@ def scratch_elements(queries: int, hq: int, d: int, max_len: int = CHUNKS[0] * M
 
 def scratch_bytes(rt, batch: int, max_len: int, hq: int, d: int) -> int:
     """The bytes of a KV cache's scratch for the split passes: for a decoding step's `batch` queries on GPUs
-    (a prefill's many queries fill a GPU with the single pass), a prefill call's too on CPU adapters (whose
-    loop budget needs the split passes past a few hundred positions); at most one storage binding."""
-    queries = max(batch, PREFILL_QUERIES) if is_cpu(rt) else batch
+    (padded to a power of two, as forward_rows pads them; a prefill's many queries fill a GPU with the single
+    pass), a prefill call's too on CPU adapters (whose loop budget needs the split passes past a few hundred
+    positions); at most one storage binding."""
+    queries = max(batch, PREFILL_QUERIES) if is_cpu(rt) else 1 << (batch - 1).bit_length()   # forward_rows pads
     return min(scratch_elements(queries, hq, d, max_len) * 4, rt.max_binding // 4 * 4)
 
 
@@ -65,28 +66,33 @@ class DecodeProblem:
 
     def signature(self) -> tuple:
         return ("decode", self.n, self.batch, self.max_len, self.hq, self.hkv, self.d, self.window, self.softcap,
-                self.scratch_elems > 0)
+                self.scratch_elems)
 
     def key(self) -> str:
-        """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap."""
+        """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap, and the
+        chunks the scratch holds (which decide the candidates)."""
         def bucket(x):
             return 1 << max(0, (x - 1).bit_length())
+        room = self.scratch_elems // max(1, self.n * self.hq * (self.d + 2))
         return (f"attention decode n{bucket(self.n)} len{bucket(self.max_len)} h{self.hq}/{self.hkv} d{self.d}"
-                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''}")
+                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} s{min(room, MAX_SPLITS)}")
 
     def candidates(self) -> list:
         """The single pass and every chunk that splits the rows in 2..MAX_SPLITS parts with partials that fit the
-        scratch, those within the loop budget on CPU adapters; the default (untuned) first: on CPU adapters
-        chunks of CPU_CHUNK positions (the fastest on llvmpipe, `wgpu-train bench --only decode`), on GPUs
-        the most chunks (the most parallel work; a guess until the tuner measures)."""
+        scratch, those within the loop budget on CPU adapters; the default (untuned) first: the most chunks
+        (the most parallel work) on GPUs (a guess until the tuner measures) and on CPU adapters for a call of
+        fewer (query, head) pairs than a workgroup holds (the single pass leaves llvmpipe's other cores idle);
+        else on CPU adapters the single pass where it fits, then the largest chunk (the fewest partials). On
+        llvmpipe these defaults are within 5% of the fastest pass of `wgpu-train bench --only decode`."""
         cpu = is_cpu(self.rt)
         cands = [c for c in [Single(), *(Split(k) for k in CHUNKS)] if c.applies(self)
-                 and (not cpu or c.loop_iterations(self) <= CPU_LOOP_BUDGET)]
+                 and (not cpu or c.loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN)]
         if not cands:
             raise DeviceError(f"no cached-attention pass runs {self.describe()} on {self.rt.info.name}: its rows are "
-                              f"too long for this CPU adapter's loop limit; generate fewer tokens or use a GPU")
-        if cpu:
-            return sorted(cands, key=lambda c: getattr(c, "chunk", 0) != CPU_CHUNK)
+                              f"too long for this CPU adapter's loop limit (and for the split passes' scratch at "
+                              f"this many queries); generate fewer tokens, fewer sequences at once, or use a GPU")
+        if cpu and self.n * self.hq >= WG:
+            return sorted(cands, key=lambda c: -getattr(c, "chunk", 1 << 30))
         return [*(c for c in cands if isinstance(c, Split)), *(c for c in cands if isinstance(c, Single))]
 
     def tolerance(self, want: np.ndarray) -> float:
@@ -133,9 +139,10 @@ class Single:
         return True
 
     def loop_iterations(self, p: DecodeProblem) -> int:
-        """Per invocation at most: the positions a query sees, each a dot product and an update over D."""
+        """Per invocation at most, as llvmpipe counts them (each loop its iterations and one more): zeroing the
+        accumulator, the positions a query sees (each a dot product and an update over D), the write."""
         seen = min(p.max_len, p.window) if p.window else p.max_len
-        return seen * (2 * p.d + 1) + 2 * p.d
+        return seen * (2 * p.d + 3) + 2 * p.d + 3
 
     def dispatches(self, p: DecodeProblem) -> list:
         return [_dispatch(p, SINGLE, flat_grid(-(-(p.n * p.hq) // WG)))]
@@ -158,8 +165,9 @@ class Split:
         return 2 <= s <= MAX_SPLITS and p.n * p.hq * s * (p.d + 2) <= p.scratch_elems
 
     def loop_iterations(self, p: DecodeProblem) -> int:
-        """Per invocation at most: a chunk's positions (the partial pass), or two loops over the chunks."""
-        return max(self.chunk * (2 * p.d + 1) + 3 * p.d, 2 * self.splits(p))
+        """Per invocation at most, as llvmpipe counts them (each loop its iterations and one more): a chunk's
+        positions as in the single pass (the partial), or the two loops over the chunks (the combine)."""
+        return max(self.chunk * (2 * p.d + 3) + 2 * p.d + 3, 2 * (self.splits(p) + 1))
 
     def dispatches(self, p: DecodeProblem) -> list:
         splits = self.splits(p)
