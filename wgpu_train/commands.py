@@ -403,7 +403,7 @@ def cmd_memory(args) -> int:
     what = (f"LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}{describe_layout(lora)}" if lora
             else "full fine-tuning")
     n = result["parameters"]
-    print(f"{model_dir} ({cfg.architecture}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
+    print(f"{model_dir} ({cfg.label}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
           f"training batch "
           f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed})"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))

@@ -216,6 +216,11 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def label(self) -> str:
+        """The architecture as the user's checkpoint names it (a multimodal one: its language model)."""
+        return f"{self.wrapper}'s language model" if self.wrapper else self.architecture
+
+    @property
     def fused_projections(self) -> bool:
         """Phi-3: one qkv_proj for q / k / v and one gate_up_proj for gate / up."""
         return self.family == "phi3"

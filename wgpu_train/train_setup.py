@@ -94,7 +94,7 @@ class TrainerSetup:
         self.base_weight_bytes = int(self.engine.base_weight_bytes
                                      or base_weight_bytes(model_cfg, self.base_dtype, self.embed_dtype)["total"])
         n_params = count_trainable(model_cfg, lora)
-        self.log(f"model: {self.model_dir} ({model_cfg.architecture}) on {self.engine.name}, "
+        self.log(f"model: {self.model_dir} ({model_cfg.label}) on {self.engine.name}, "
                  f"{self.engine.device_description}; "
                  + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.targets_in(model_cfg))}"
                     + describe_layout(lora) if lora
