@@ -15,8 +15,8 @@ import numpy as np
 from .config import ATTENTION_MODULES, KNOWN_LINEAR_MODULES, ModelConfig
 from .errors import AdapterError, ConfigError, ModelFileError
 from .layer_plan import layer_plan
-from .multimodal import (PROCESSOR_FILES, adapter_key_out, carried_tensors, language_keys, language_names,
-                         live_patterns, target_regex)
+from .multimodal import (PROCESSOR_FILES, adapter_key_out, carried_tensors, file_name, language_keys,
+                         language_names, live_patterns, target_regex)
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -213,13 +213,16 @@ def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
         source = _folder_tensors(Path(source_folder))
         names = language_names(source, source_folder)
         carried = carried_tensors(source, names, source_folder)
-        weights = {**{k: _as_array(*v) for k, v in carried.items()}, **{names[k]: v for k, v in weights.items()}}
+        weights = {**{k: _as_array(*v) for k, v in carried.items()},
+                   **{file_name(k, names): v for k, v in weights.items()}}
         companions += PROCESSOR_FILES
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
     raw["torch_dtype"] = raw["dtype"] = "float32"
-    if cfg.tie_word_embeddings and "lm_head.weight" in weights:   # a tied model's head trained apart (modules_to_save)
-        raw["tie_word_embeddings"] = False
+    if cfg.tie_word_embeddings and any(k.endswith("lm_head.weight") for k in weights):   # a head trained apart
+        raw["tie_word_embeddings"] = False                                                # (modules_to_save)
+        if cfg.wrapper:
+            raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": False}
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     write_safetensors(out / "model.safetensors", {k: v.astype(np.float32) for k, v in weights.items()},
                       metadata={"format": "pt"})

@@ -108,9 +108,6 @@ def module_settings(cfg, model) -> dict:
     by layer in the order of its linear modules. Targets the model lacks, a layers_to_transform index it
     lacks, or a selection that leaves no module, are refused naming them."""
     num_hidden_layers, targets = model.num_hidden_layers, cfg.targets_in(model)
-    if model.wrapper and cfg.modules_to_save:
-        raise ConfigError(f"modules_to_save {','.join(cfg.modules_to_save)}: not supported on a {model.wrapper} "
-                          f"checkpoint (text-only fine-tuning trains LoRA on its language model)")
     layers = cfg.layers_to_transform
     missing = [i for i in layers or () if i >= num_hidden_layers]
     if missing:

@@ -5,9 +5,14 @@ vision tower and the projector are carried through merge untouched."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
+import numpy as np
+
 from .errors import AdapterError, ConfigError, ModelFileError
+
+log = logging.getLogger("wgpu_train")
 
 WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}    # multimodal class -> its text model's
 # Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
@@ -59,26 +64,44 @@ def language_names(names, folder) -> dict:
     return out
 
 
+def file_name(ours: str, names: dict) -> str:
+    """The name a merged folder gives our tensor `ours`: the source's (`names`, language_names), or for one the
+    source lacks (a tied model's head trained apart) the name in the source's layout."""
+    if ours in names:
+        return names[ours]
+    return outer_path(ours, OLD if any(n.startswith(OLD[0]) for n in names.values()) else LIVE)
+
+
 def language_keys(tensors: dict, where) -> tuple[dict, tuple] | None:
     """A PEFT adapter's tensors keyed as ours, and the layout its module paths had, when it was saved on a
     multimodal model (keys under base_model.model.model.language_model., or base_model.model.language_model.model.
-    from transformers before 4.52); None for a text model's adapter. A tensor outside the language model
-    (LoRA on the vision tower, as PEFT's all-linear or a list of names puts it there) is refused."""
+    from transformers before 4.52); None for a text model's adapter.
+
+    LoRA outside the language model (PEFT's all-linear or a list of names puts it on the vision tower too) is
+    dropped, with a note, where every such module's B is zero: a text-only training leaves it so, and it
+    changes nothing. Any other tensor outside the language model is refused."""
     layout = next((lay for lay in (LIVE, OLD) if any(k.startswith(PEFT_ROOT + lay[0]) for k in tensors)), None)
     if layout is None:
         return None
     body, head = PEFT_ROOT + layout[0], PEFT_ROOT + layout[1] + "."
-    out = {}
+    out, dropped = {}, set()
     for key, value in tensors.items():
         if key.startswith(body):
             out[PEFT_ROOT + "model." + key[len(body):]] = value
         elif key.startswith(head):
             out[PEFT_ROOT + "lm_head." + key[len(head):]] = value
         else:
-            raise AdapterError(f"{where}: not supported: {key} is outside the language model; text-only fine-tuning "
-                               f"of a multimodal checkpoint takes LoRA on model.language_model only (PEFT's "
-                               f"all-linear or a list of names also reaches the vision tower: use a regular "
-                               f"expression on model.language_model)")
+            module = re.sub(r"\.lora_[AB](\.default)?\.weight$", "", key)
+            b = tensors.get(module + ".lora_B.weight", tensors.get(module + ".lora_B.default.weight"))
+            if module == key or b is None or np.any(b):
+                raise AdapterError(f"{where}: not supported: {key} is outside the language model and changes it "
+                                   f"(text-only fine-tuning of a multimodal checkpoint takes LoRA on "
+                                   f"model.language_model only; PEFT's all-linear or a list of names also reaches "
+                                   f"the vision tower: use a regular expression on model.language_model)")
+            dropped.add(module)
+    if dropped:
+        log.warning("wgpu-train: %s: dropped the LoRA of %d modules outside the language model (the vision "
+                    "tower's): their B is zero, so they change nothing", where, len(dropped))
     return out, layout
 
 
