@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError, ModelFileError
+from .errors import ConfigError, ModelFileError, positive_field
 from .multimodal import WRAPPERS, from_wrapper
+from .rope import inv_freq, rope_settings
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -64,13 +65,6 @@ FAMILY_DEFAULTS = {
 }
 
 
-def _positive(raw: dict, key: str, source: str) -> float:
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
-    return value
-
-
 def _pad_row(pad, vocab: int) -> int | None:
     """The embedding row transformers builds with padding_idx (no gradient), if config.json names one."""
     return pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None
@@ -85,7 +79,7 @@ def _gemma_layer_types(raw: dict, layers: int, family: str) -> list:
     if family == "gemma2" or key not in raw:     # transformers' Gemma 2 always alternates
         pattern = 2 if family == "gemma2" else 6
     else:
-        pattern = int(_positive(raw, key, "config.json"))
+        pattern = int(positive_field(raw, key, "config.json"))
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
@@ -117,50 +111,11 @@ def _gemma_fields(raw: dict, source: str, family: str, layers: int, hidden: int,
     else:
         local_theta = raw.get("rope_local_base_freq", 10000.0)
         params = {"rope_theta": raw.get("rope_theta", 1000000.0), **(raw.get("rope_scaling") or {})}
-    scalar = float(_positive({"query_pre_attn_scalar": 256, **raw}, "query_pre_attn_scalar", source))
+    scalar = float(positive_field({"query_pre_attn_scalar": 256, **raw}, "query_pre_attn_scalar", source))
     return {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "embed_scale": float(np.float32(hidden ** 0.5)),
             "query_scale": math.sqrt(head_dim / scalar), "sandwich_norms": True,
             "local_rope": tuple(t == "sliding_attention" for t in types) if local_theta is not None else (),
             "local_rope_theta": float(local_theta or 10000.0), "rope_parameters": params, **caps}
-
-
-def _rotary_dim(raw: dict, params: dict, family: str, head_dim: int, source: str) -> int:
-    """The rotated dims of each head under Phi-3's partial_rotary_factor (in the RoPE block, rope_parameters
-    or rope_scaling, or at the top level, as transformers reads it); 0 for the whole head. Other families
-    rotate the whole head."""
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if factor == 1.0:
-        return 0
-    if family != "phi3":
-        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0 for {family}")
-    dim = int(head_dim * float(_positive({"partial_rotary_factor": factor}, "partial_rotary_factor", source)))
-    if dim % 2 or not 0 < dim <= head_dim:
-        raise ConfigError(f"{source}: field 'partial_rotary_factor' {factor} rotates {dim} of {head_dim} dims per "
-                          f"head; it must be an even number from 2 to head_dim")
-    return dim
-
-
-def _longrope(scaling: dict, raw: dict, max_pos: int, pairs: int, rope_field: str, source: str) -> dict:
-    """Phi-3's longrope parameters completed as transformers completes them: short_factor / long_factor (one
-    per rotated pair), original_max_position_embeddings (the top-level field, default 4096, wins over the
-    one in the RoPE block), factor (default max_position_embeddings over it) and the attention factor
-    (default sqrt(1 + ln factor / ln original), 1 for a factor up to 1)."""
-    for key in ("short_factor", "long_factor"):
-        value = scaling.get(key)
-        if not (isinstance(value, list) and len(value) == pairs and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)):
-            raise ConfigError(f"{source}: field '{rope_field}' needs '{key}': a list of {pairs} positive numbers")
-    original = raw.get("original_max_position_embeddings", 4096)
-    if not isinstance(original, int) or isinstance(original, bool) or original < 2:
-        raise ConfigError(f"{source}: longrope needs 'original_max_position_embeddings' (a whole number >= 2), got "
-                          f"{original!r}")
-    factor = scaling.get("factor")
-    factor = max_pos / original if factor is None else _positive(scaling, "factor", source)
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {**scaling, "original_max_position_embeddings": original, "factor": float(factor),
-            "attention_factor": float(_positive({"attention_factor": attention}, "attention_factor", source))}
 
 
 @dataclass(frozen=True)
@@ -256,29 +211,8 @@ class ModelConfig:
         return bool(s) and s["rope_type"] == "longrope" and max_position + 1 > s["original_max_position_embeddings"]
 
     def inv_freq(self, layer: int = 0, long: bool = False) -> np.ndarray:
-        """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64: the local base unscaled where the
-        layer uses it, else rope_theta with the configured scaling (llama3, linear, longrope: its short
-        factors, or its long ones with `long`)."""
-        d = self.rotary_dim or self.head_dim
-        local = bool(self.local_rope) and self.local_rope[layer]
-        inv = 1.0 / ((self.local_rope_theta if local else self.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        if self.rope_scaling is None or local:
-            return inv
-        s = self.rope_scaling
-        if s["rope_type"] == "longrope":
-            return inv / np.asarray(s["long_factor" if long else "short_factor"], np.float64)
-        factor = float(s["factor"])
-        if s["rope_type"] == "linear":
-            return inv / factor
-        low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
-        old_ctx = float(s.get("original_max_position_embeddings", 8192))
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled)
+        """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64 (rope.inv_freq)."""
+        return inv_freq(self, layer, long)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -305,38 +239,9 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if not gemma and act not in ("silu", "swish"):   # Gemma's is its hidden_activation (_gemma_fields)
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-        # transformers 5 writes a rope_parameters block; hub checkpoints use rope_theta / rope_scaling.
-        params = gemma.pop("rope_parameters", None) or raw.get("rope_parameters")
-        if isinstance(params, dict) and params and not isinstance(next(iter(params.values())), dict):
-            theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-            rope_type = params.get("rope_type", params.get("type", "default"))
-            scaling = dict(params) if rope_type != "default" else None
-            rope_field = "rope_parameters"
-        elif isinstance(params, dict) and params:
-            raise ConfigError(f"{source}: field 'rope_parameters' holds per-layer-type RoPE, which is not supported")
-        else:
-            theta = raw.get("rope_theta", 10000.0)
-            scaling = raw.get("rope_scaling")
-            rope_field = "rope_scaling"
-            if scaling is not None:
-                rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-                scaling = dict(scaling) if rope_type != "default" else None
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        block = params if rope_field == "rope_parameters" else raw.get("rope_scaling") or {}
-        rotary_dim = _rotary_dim(raw, block, family, int(head_dim), source)
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type"))
-            if family == "phi3" and rope_type in ("su", "yarn"):    # transformers' Phi-3: old names of longrope
-                rope_type = "longrope"
-            allowed = ("longrope",) if family == "phi3" else ("llama3", "linear")    # as transformers' configs
-            if rope_type not in allowed:
-                raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; {family} supports "
-                                  f"{' and '.join(map(repr, allowed))}")
-            scaling = {**scaling, "rope_type": rope_type}
-            if rope_type == "longrope":
-                scaling = _longrope(scaling, raw, max_pos, (rotary_dim or int(head_dim)) // 2, rope_field, source)
-            elif "factor" not in scaling:
-                raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
+        theta, scaling, rotary_dim = rope_settings(raw, gemma.pop("rope_parameters", None), family, int(head_dim),
+                                                   max_pos, source)
         windows = _layer_windows(raw, family, layers, max_pos, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")

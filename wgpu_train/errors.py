@@ -1,4 +1,5 @@
-"""Errors a user can cause: each carries one clear line; the CLI prints it and exits 2."""
+"""Errors a user can cause: each carries one clear line; the CLI prints it and exits 2. (And positive_field,
+the config.json check that raises one.)"""
 
 
 class WgpuTrainError(Exception):
@@ -27,3 +28,11 @@ class DeviceError(WgpuTrainError):
 
 class ShaderError(WgpuTrainError):
     """A WGSL shader that failed to compile or validate (names the file and line)."""
+
+
+def positive_field(raw: dict, key: str, source: str) -> float:
+    """raw[key], a number > 0; else a ConfigError naming the field of `source` (a config.json)."""
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
+    return value
