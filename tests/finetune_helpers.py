@@ -74,6 +74,19 @@ def one_line_error(capsys, argv, match):
     assert lines[0].startswith("error: ") and match in lines[0], lines[0]
 
 
+def padded_batch(seed: int, length: int, pad_from: int, prompt: int, rows: int = 2):
+    """(ids, labels, mask), each (rows, length) over a vocabulary of 83: row 1 right-padded from pad_from; labels
+    mask the first `prompt` tokens and the padding with -100."""
+    import numpy as np
+
+    ids = np.random.default_rng(seed).integers(0, 83, (rows, length))
+    mask = np.ones_like(ids)
+    mask[1, pad_from:] = 0
+    labels = np.where(mask == 1, ids, -100)
+    labels[:, :prompt] = -100
+    return ids, labels, mask
+
+
 def peft_random_b(pm, seed=0):
     """Every lora_B of a PEFT model set to random nonzero values (B = 0 would hide most bugs); returns it in eval mode."""
     import torch

@@ -391,8 +391,14 @@ MISTRAL_CHATS = [
 ]
 
 
-def _masks_match_transformers(ours, hf):
-    """Every MISTRAL_CHATS conversation: our ids and trained tokens equal transformers' ids and assistant mask."""
+def _masks_match_transformers(ours, backend, template, answer, bos, eos):
+    """Every MISTRAL_CHATS conversation: our ids and trained tokens equal transformers' ids and assistant mask,
+    with transformers given the same template and {% generation %} around its answer line `answer`."""
+    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    tagged = template.replace(answer, "{%- generation %}" + answer + "{%- endgeneration %}")
+    assert tagged != template
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token=bos,
+                                              eos_token=eos)
     for messages in MISTRAL_CHATS:
         out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ex = tokenize_example(ours, messages, max_seq_len=512)
@@ -408,15 +414,11 @@ def test_last_user_system_templates_train_only_answers(tmp_path, template, assis
     """The system message goes into the last user turn only (as in Mistral's templates), so the prompt of an
     earlier answer is not a prefix of the conversation: still only each answer and its </s> are trained, as
     transformers' assistant mask says of the same template with {% generation %} around the answer."""
-    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
     backend = train_bpe(CORPUS + ["what is the capital of france? paris. say hello world"], 400,
                         specials=MISTRAL_SPECIALS)
     ours = make_tokenizer(tmp_path / "m", backend, template=template, bos_token="<s>", eos_token="</s>")
-    tagged = template.replace(assistant, "{%- generation %}" + assistant + "{%- endgeneration %}")
-    assert tagged != template
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token="<s>",
-                                              eos_token="</s>")
-    _masks_match_transformers(ours, hf)
+    _masks_match_transformers(ours, backend, template, assistant, "<s>", "</s>")
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex).strip() == "paris</s>"
     # the case under test: the first answer's prompt holds the system text, which the whole render has only later
@@ -483,16 +485,11 @@ def test_fallback_for_base_vocabularies_ends_answers_with_eos(tmp_path):
 def test_gemma_template_trains_model_turns(tmp_path):
     """Gemma's turns: only each model answer and its <end_of_turn> are trained, as transformers' assistant
     mask says of the same template with {% generation %} around the answer; the system text is in the first turn."""
-    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
     specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
     backend = train_bpe(CORPUS + ["what is the capital of france? paris. user model"], 400, specials=specials)
     ours = make_tokenizer(tmp_path / "g", backend, template=GEMMA, bos_token="<bos>", eos_token="<eos>")
-    answer = '{{- m.content | trim ~ "<end_of_turn>" }}'
-    tagged = GEMMA.replace(answer, "{%- generation %}" + answer + "{%- endgeneration %}")
-    assert tagged != GEMMA
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged, bos_token="<bos>",
-                                              eos_token="<eos>")
-    _masks_match_transformers(ours, hf)
+    _masks_match_transformers(ours, backend, GEMMA, '{{- m.content | trim ~ "<end_of_turn>" }}', "<bos>", "<eos>")
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex) == "paris<end_of_turn>"
     assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<bos><start_of_turn>user\nbe brief.\n\n")
@@ -501,17 +498,12 @@ def test_gemma_template_trains_model_turns(tmp_path):
 def test_phi3_template_trains_assistant_turns(tmp_path):
     """Phi-3's turns: each answer and its <|end|> are trained, as transformers' assistant mask says of the same
     template with {% generation %} around the answer; the end-of-text token after the conversation is not."""
-    transformers = pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
+    pytest.importorskip("transformers", reason="transformers' assistant mask is the oracle")
     specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     backend = train_bpe(CORPUS + ["what is the capital of france? paris."], 400, specials=specials)
     ours = make_tokenizer(tmp_path / "p", backend, template=PHI3, bos_token="<|endoftext|>",
                           eos_token="<|endoftext|>")
-    answer = '{{- m.content ~ "<|end|>" }}'
-    tagged = PHI3.replace(answer, "{%- generation %}" + answer + "{%- endgeneration %}")
-    assert tagged != PHI3
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tagged,
-                                              bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-    _masks_match_transformers(ours, hf)
+    _masks_match_transformers(ours, backend, PHI3, '{{- m.content ~ "<|end|>" }}', "<|endoftext|>", "<|endoftext|>")
     ex = tokenize_example(ours, MISTRAL_CHATS[0], max_seq_len=512)
     assert trained_text(ours, ex) == "paris<|end|>"
     assert ours.apply_chat_template(MISTRAL_CHATS[0]).startswith("<|system|>\nbe brief.<|end|>\n<|user|>\n")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import require_adapter
+from finetune_helpers import padded_batch
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.config import LoraConfig, OptimizerParams
@@ -48,13 +49,7 @@ def peft_dora(hf, seed=0, dropout=0.0):
 
 
 def batch():
-    rng = np.random.default_rng(3)
-    ids = rng.integers(0, 83, (2, 9))
-    mask = np.ones_like(ids)
-    mask[1, 6:] = 0
-    labels = np.where(mask == 1, ids, -100)
-    labels[:, :2] = -100
-    return ids, labels, mask
+    return padded_batch(3, 9, 6, 2)
 
 
 def peft_grads(pm, ids, labels, mask):

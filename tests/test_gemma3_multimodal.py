@@ -13,7 +13,7 @@ import wgpu_train as wt
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.hf import read_safetensors, write_safetensors
 
-from finetune_helpers import build_tokenizer, make_data_dir, peft_random_b
+from finetune_helpers import build_tokenizer, make_data_dir, padded_batch, peft_random_b
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 
@@ -33,11 +33,7 @@ def mm(tmp_path_factory):
 
 
 def batch():
-    ids = np.random.default_rng(1).integers(0, 83, (2, 11))
-    mask = np.ones_like(ids)
-    mask[1, 8:] = 0
-    labels = np.where(mask == 1, ids, -100)
-    labels[:, :3] = -100
+    ids, labels, mask = padded_batch(1, 11, 8, 3)
     return ids, mask, labels
 
 

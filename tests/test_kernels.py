@@ -64,39 +64,28 @@ def test_elementwise(rt, n):
 
 # ---- swiglu ---------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
 @pytest.mark.parametrize("n", [1, 17, 1003])
-def test_swiglu(rt, n):
-    g = rng(100 + n)
+def test_gated_activation(rt, kind, n):
+    """swiglu / geglu against the NumPy ops, with saturated gates both ways (sigmoid, tanh); swiglu's backward
+    in place too."""
+    g = rng((100 if kind == "swiglu" else 200) + n)
     gate = (g.standard_normal(n) * 4).astype(F32)
-    gate[:3] = [-100.0, 100.0, 0.0][: min(3, n)]             # saturated sigmoid both ways
+    gate[:3] = [-100.0, 100.0, 0.0][: min(3, n)]
     up, dh = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)
     tg, tu, tdh = padded(rt, gate, 1), padded(rt, up, 2), padded(rt, dh, 0)
     h, dgate, dup = rt.buffer(4 * n), rt.buffer(4 * n), rt.buffer(4 * n)
-    run(rt, lambda r: (K.swiglu_forward(r, h, tg, tu, n), K.swiglu_backward(r, dgate, dup, tdh, tg, tu, n)))
+    forward, backward = getattr(K, kind + "_forward"), getattr(K, kind + "_backward")
+    run(rt, lambda r: (forward(r, h, tg, tu, n), backward(r, dgate, dup, tdh, tg, tu, n)))
     g64, u64, d64 = gate.astype(np.float64), up.astype(np.float64), dh.astype(np.float64)
-    assert_close(rt.read(h, F32, (n,)), ops.swiglu_forward(g64, u64), "k_swiglu", "h")
-    want_dg, want_du = ops.swiglu_backward(d64, g64, u64)
+    assert_close(rt.read(h, F32, (n,)), getattr(ops, kind + "_forward")(g64, u64), "k_swiglu", "h")
+    want_dg, want_du = getattr(ops, kind + "_backward")(d64, g64, u64)
     assert_close(rt.read(dgate, F32, (n,)), want_dg, "k_swiglu", "dgate")
     assert_close(rt.read(dup, F32, (n,)), want_du, "k_swiglu", "dup")
-    run(rt, lambda r: K.swiglu_backward(r, tg, tu, tdh, tg, tu, n))             # in place
-    assert_close(read(rt, tg, n), want_dg, "k_swiglu", "dgate in place")
-    assert_close(read(rt, tu, n), want_du, "k_swiglu", "dup in place")
-
-
-@pytest.mark.parametrize("n", [1, 17, 1003])
-def test_geglu(rt, n):
-    g = rng(200 + n)
-    gate = (g.standard_normal(n) * 4).astype(F32)
-    gate[:3] = [-100.0, 100.0, 0.0][: min(3, n)]             # saturated tanh both ways
-    up, dh = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)
-    tg, tu, tdh = padded(rt, gate, 1), padded(rt, up, 2), padded(rt, dh, 0)
-    h, dgate, dup = rt.buffer(4 * n), rt.buffer(4 * n), rt.buffer(4 * n)
-    run(rt, lambda r: (K.geglu_forward(r, h, tg, tu, n), K.geglu_backward(r, dgate, dup, tdh, tg, tu, n)))
-    g64, u64, d64 = gate.astype(np.float64), up.astype(np.float64), dh.astype(np.float64)
-    assert_close(rt.read(h, F32, (n,)), ops.geglu_forward(g64, u64), "k_swiglu", "h")
-    want_dg, want_du = ops.geglu_backward(d64, g64, u64)
-    assert_close(rt.read(dgate, F32, (n,)), want_dg, "k_swiglu", "dgate")
-    assert_close(rt.read(dup, F32, (n,)), want_du, "k_swiglu", "dup")
+    if kind == "swiglu":
+        run(rt, lambda r: K.swiglu_backward(r, tg, tu, tdh, tg, tu, n))             # in place
+        assert_close(read(rt, tg, n), want_dg, "k_swiglu", "dgate in place")
+        assert_close(read(rt, tu, n), want_du, "k_swiglu", "dup in place")
 
 
 def test_softcap(rt):

@@ -15,7 +15,7 @@ import transformers as tf
 
 import wgpu_train as wt
 from conftest import require_adapter
-from finetune_helpers import build_tokenizer, make_data_dir, one_line_error
+from finetune_helpers import build_tokenizer, make_data_dir, one_line_error, padded_batch
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.cli import main
@@ -80,13 +80,7 @@ def peft_model(hf, case: str, seed=0):
 
 
 def batch(seed=0, rows=2):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 83, (rows, 11))
-    mask = np.ones_like(ids)
-    mask[1, 8:] = 0
-    labels = np.where(mask == 1, ids, -100)
-    labels[:, :2] = -100
-    return ids, labels, mask
+    return padded_batch(seed, 11, 8, 2, rows)
 
 
 def micro_batches(ids, labels, mask, rows):

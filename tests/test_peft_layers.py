@@ -14,7 +14,7 @@ import torch
 
 import wgpu_train as wt
 from conftest import require_adapter
-from finetune_helpers import peft_random_b
+from finetune_helpers import padded_batch, peft_random_b
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.config import LoraConfig, OptimizerParams
@@ -59,13 +59,7 @@ def tiny(tmp_path_factory):
 
 
 def batch():
-    rng = np.random.default_rng(3)
-    ids = rng.integers(0, 83, (2, 9))
-    mask = np.ones_like(ids)
-    mask[1, 6:] = 0
-    labels = np.where(mask == 1, ids, -100)
-    labels[:, :2] = -100
-    return ids, labels, mask
+    return padded_batch(3, 9, 6, 2)
 
 
 def peft_modules(pm) -> dict:

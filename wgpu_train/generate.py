@@ -29,7 +29,7 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float
 
 # Prompt tokens per prefill call: the engine's activations grow with the tokens of one call, and ragged
 # prompts may be cut anywhere, since each chunk's keys land in the cache before the next chunk reads them.
-PREFILL_TOKENS = 256      # gpu/attention_decode.PREFILL_QUERIES sizes its scratch for these
+PREFILL_TOKENS = 256      # gpu/attention_decode sizes its scratch for these on CPU adapters
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float):

@@ -50,13 +50,21 @@ def outer_path(path: str, layout=LIVE) -> str:
     return layout[1] + path[len("lm_head"):] if path.startswith("lm_head") else path
 
 
+def inner_path(name: str, layout) -> str | None:
+    """outer_path's inverse: a module path or tensor name of `layout`'s language model as ours; None for one
+    outside the language model."""
+    body, head = layout
+    if name.startswith(body):
+        return "model." + name[len(body):]
+    return "lm_head" + name[len(head):] if name == head or name.startswith(head + ".") else None
+
+
 def language_names(names, folder) -> dict:
     """{our name: file name} of a multimodal checkpoint's language-model tensors (either layout); the other
     tensors (vision tower, projector) are not listed."""
     out = {}
     for name in names:
-        ours = next((("model." + name[len(body):]) if name.startswith(body) else "lm_head.weight"
-                     for body, head in LAYOUTS if name.startswith(body) or name == head + ".weight"), None)
+        ours = next((p for layout in LAYOUTS if (p := inner_path(name, layout)) is not None), None)
         if ours is not None:
             if ours in out:
                 raise ModelFileError(f"{folder}: tensors {out[ours]} and {name} are both the language model's {ours}")
@@ -83,13 +91,11 @@ def language_keys(tensors: dict, where) -> tuple[dict, tuple] | None:
     layout = next((lay for lay in (LIVE, OLD) if any(k.startswith(PEFT_ROOT + lay[0]) for k in tensors)), None)
     if layout is None:
         return None
-    body, head = PEFT_ROOT + layout[0], PEFT_ROOT + layout[1] + "."
     out, dropped = {}, set()
     for key, value in tensors.items():
-        if key.startswith(body):
-            out[PEFT_ROOT + "model." + key[len(body):]] = value
-        elif key.startswith(head):
-            out[PEFT_ROOT + "lm_head." + key[len(head):]] = value
+        ours = inner_path(key[len(PEFT_ROOT):], layout) if key.startswith(PEFT_ROOT) else None
+        if ours is not None:
+            out[PEFT_ROOT + ours] = value
         else:
             module = re.sub(r"\.lora_[AB](\.default)?\.weight$", "", key)
             b = tensors.get(module + ".lora_B.weight", tensors.get(module + ".lora_B.default.weight"))

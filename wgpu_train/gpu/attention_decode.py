@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from ..errors import DeviceError
+from ..generate import PREFILL_TOKENS
 from .attention_kernels import CPU_LOOP_BUDGET
 from .gemm_kernels import is_cpu
 from .launch import Kernel, flat_grid, prepare
@@ -28,9 +29,6 @@ PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cach
 COMBINE = Kernel("attention_cached", "attention_cached_combine", "out! part_in _ _ rows positions")
 
 
-PREFILL_QUERIES = 256         # generate.PREFILL_TOKENS: the queries of a prefill call
-
-
 def scratch_elements(queries: int, hq: int, d: int, max_len: int = CHUNKS[0] * MAX_SPLITS) -> int:
     """float32 elements of the partials every split pass needs for calls of up to `queries` queries over rows
     of max_len positions."""
@@ -42,7 +40,7 @@ def scratch_bytes(rt, batch: int, max_len: int, hq: int, d: int) -> int:
     (padded to a power of two, as forward_rows pads them; a prefill's many queries fill a GPU with the single
     pass), a prefill call's too on CPU adapters (whose loop budget needs the split passes past a few hundred
     positions); at most one storage binding."""
-    queries = max(batch, PREFILL_QUERIES) if is_cpu(rt) else 1 << (batch - 1).bit_length()   # forward_rows pads
+    queries = max(batch, PREFILL_TOKENS) if is_cpu(rt) else 1 << (batch - 1).bit_length()   # forward_rows pads
     return min(scratch_elements(queries, hq, d, max_len) * 4, rt.max_binding // 4 * 4)
 
 
@@ -121,9 +119,9 @@ class DecodeProblem:
 
 
 def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
-    cache, big = p.batch * p.max_len * p.hkv * p.d, p.n * p.hq * p.d
+    cache, big, part = p.batch * p.max_len * p.hkv * p.d, p.n * p.hq * p.d, p.n * p.hq * max(1, splits) * (p.d + 2)
     sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": p.n,
-             "part": p.n * p.hq * max(1, splits) * (p.d + 2), "part_in": p.n * p.hq * max(1, splits) * (p.d + 2)}
+             "part": part, "part_in": part}
     pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names], n=p.n, max_len=p.max_len,
                                   batch=p.batch, hq=p.hq, hkv=p.hkv, d=p.d, scale=1.0 / math.sqrt(p.d),
                                   window=p.window, softcap=p.softcap, chunk=chunk, splits=splits)
