@@ -4,7 +4,7 @@ adapter's FMA peak (one run, interleaved rounds, best of each: the machines are 
     python benchmarks/gemm_variants.py [--device 0] [--shape 1024x1024x1024] [--rounds 3] [--only v4,v6]
 
 v1-v4 are stand-alone experiments for C = A @ B (row-major, NN) that need M, N multiples of their
-tile and K a multiple of 4; v5-v8 are shaders/gemm.wgsl as wgpu_train.gpu.gemm dispatches it.
+tile and K a multiple of 4; v5-v8 are shaders/gemm.wgsl as wgpu_train.engines.webgpu.tuned.gemm dispatches it.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from wgpu_train.gpu import gemm as G  # noqa: E402
-from wgpu_train.gpu import gemm_kernels as GK  # noqa: E402
-from wgpu_train.gpu.bench import NAIVE16_SRC, Timer, fma_peak  # noqa: E402
-from wgpu_train.gpu.runtime import get_runtime  # noqa: E402
+from wgpu_train.engines.webgpu.tuned import gemm as G
+from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
+from wgpu_train.bench.suite import NAIVE16_SRC
+from wgpu_train.engines.webgpu.device.timing import Timer, fma_peak
+from wgpu_train.engines.webgpu.device.runtime import get_runtime
 
 HEADER = """
 struct Params { M: u32, N: u32, K: u32, pad: u32 };

@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import wgpu_train as wt  # noqa: E402
-from wgpu_train.train import default_run_config  # noqa: E402
+import wgpu_train as wt
+from wgpu_train.training.trainer import default_run_config
 
 LAST = 20          # training loss: mean of the last LAST steps
 

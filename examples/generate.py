@@ -7,7 +7,7 @@ import sys
 
 import wgpu_train as wt
 from wgpu_train.assets import default_model_dir
-from wgpu_train.tokenizer import StreamDecoder
+from wgpu_train.formats.tokenizer import StreamDecoder
 
 
 def main():

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from wgpu_train.gpu import runtime
+from wgpu_train.engines.webgpu.device import runtime
 
 
 def _adapters():

@@ -62,7 +62,7 @@ def folder_state(folder: Path) -> dict:
 
 def one_line_error(capsys, argv, match):
     """Run the CLI's main(argv); it must exit 2 with exactly one line on stderr, holding `match`, and no traceback."""
-    from wgpu_train.cli import main
+    from wgpu_train.cli.main import main
 
     try:
         code = main(argv)

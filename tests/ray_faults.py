@@ -11,7 +11,7 @@ def install():
     folder = os.environ.get("WGPU_TRAIN_TEST_FAULTS")
     if not folder:
         return
-    from wgpu_train.data_parallel import DataParallelTrainer
+    from wgpu_train.distributed.data_parallel import DataParallelTrainer
 
     train_step = DataParallelTrainer._train_step
 

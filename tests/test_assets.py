@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from wgpu_train.assets import TASK_INSTRUCTION, WORDS, default_data_dir, default_model_dir
-from wgpu_train.config import ModelConfig
-from wgpu_train.data import load_records
-from wgpu_train.model import load_model
-from wgpu_train.tokenizer import load_tokenizer
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.data.sources import load_records
+from wgpu_train.engines.model import load_model
+from wgpu_train.formats.tokenizer import load_tokenizer
 
 SPLITS = ("train", "valid", "test")
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.gpu import attention_kernels as AK
-from wgpu_train.gpu import attention_src as src
-from wgpu_train.gpu import kernels as K
-from wgpu_train.gpu import tune
-from wgpu_train.gpu.runtime import shader_text
-from wgpu_train.reference import ops
+from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
+from wgpu_train.engines.webgpu.tuned import attention_src as src
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.device.runtime import shader_text
+from wgpu_train.engines.numpy import ops
 
 F32 = np.float32
 

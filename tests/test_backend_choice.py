@@ -5,7 +5,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.assets import default_model_dir
-from wgpu_train.gpu import runtime
+from wgpu_train.engines.webgpu.device import runtime
 
 
 def test_auto_without_adapter_falls_back_to_numpy_and_says_so(monkeypatch, caplog):
@@ -26,7 +26,7 @@ def test_explicit_wgpu_without_adapter_is_a_clear_error(monkeypatch):
 def test_devices_lists_limits_and_features(capsys):
     """`wgpu-train devices`: each adapter with its max storage binding and the features used here."""
     from conftest import ADAPTERS, require_adapter
-    from wgpu_train.cli import main
+    from wgpu_train.cli.main import main
 
     require_adapter()
     assert main(["devices"]) == 0

@@ -7,7 +7,7 @@ import json
 
 from conftest import require_adapter
 
-from wgpu_train.cli import main
+from wgpu_train.cli.main import main
 
 
 def test_bench_json_gemm_and_training(capsys):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train import memory
-from wgpu_train.config import OptimizerParams
-from wgpu_train.gpu import buffers as E
-from wgpu_train.reference.ops import shift_labels
+from wgpu_train.engines.webgpu import memory
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.webgpu import buffers as E
+from wgpu_train.engines.numpy.ops import shift_labels
 
 from tiny_models import build_model, save_model
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_line_error
-from wgpu_train.cli import build_parser, main
-from wgpu_train.commands import prompt_ids, resolve_train_config
-from wgpu_train.hf import read_safetensors
-from wgpu_train.model import load_model
-from wgpu_train.tokenizer import load_tokenizer
-from wgpu_train.train_config import TrainConfig
+from wgpu_train.cli.main import build_parser, main
+from wgpu_train.cli.commands import prompt_ids, resolve_train_config
+from wgpu_train.formats.safetensors import read_safetensors
+from wgpu_train.engines.model import load_model
+from wgpu_train.formats.tokenizer import load_tokenizer
+from wgpu_train.training.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_ctrl_c_before_the_first_step(workspace, tmp_path, capsys, monkeypatch):
     import os
     import signal
 
-    from wgpu_train import train
+    from wgpu_train.training import trainer as train
 
     before = train.Trainer._evaluate_before
 
@@ -289,8 +289,9 @@ def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, 
 def test_memory_estimate_from_config_alone(workspace, tmp_path, capsys):
     """`wgpu-train memory` reads only config.json: its figures are estimate_memory's, e.g. Llama-2-7B's shape with
     NF4, LoRA r=16 on all linear layers and gradient checkpointing at 1 x 512 tokens."""
-    from wgpu_train.config import LoraConfig, ModelConfig
-    from wgpu_train.memory import estimate_memory
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.engines.webgpu.memory import estimate_memory
 
     folder = tmp_path / "llama7b"
     folder.mkdir()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir
-from wgpu_train.cli import main
-from wgpu_train.hf import read_safetensors
+from wgpu_train.cli.main import main
+from wgpu_train.formats.safetensors import read_safetensors
 
 RUN = ["--backend", "numpy", "--no-progress", "--lr-schedule", "constant", "--warmup-steps", "0", "--batch-size", "2",
        "--lora-rank", "4", "--lora-targets", "q_proj,v_proj,o_proj"]

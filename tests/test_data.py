@@ -1,4 +1,4 @@
-"""Tests of wgpu_train.data: JSONL formats and bad lines, splits, loss masks from chat templates, batching,
+"""Tests of wgpu_train.data.tokenize: JSONL formats and bad lines, splits, loss masks from chat templates, batching,
 packing and the resumable batch stream."""
 
 import json
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from bpe import train_bpe
 from chat_templates import GEMMA, LAST_USER_SYSTEM, LAST_USER_SYSTEM_TIGHT, PHI3, REASONING
-from wgpu_train.data import (
-    IGNORE_INDEX, BatchStream, Example, load_records, make_batches, raw_prompt_text, resolve_data, tokenize_dataset,
-    tokenize_example,
-)
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.data.batching import BatchStream, Example, make_batches
+from wgpu_train.data.sources import load_records, resolve_data
+from wgpu_train.data.tokenize import raw_prompt_text, tokenize_dataset, tokenize_example
 from wgpu_train.errors import ConfigError, DataError
-from wgpu_train.tokenizer import load_tokenizer
+from wgpu_train.formats.tokenizer import load_tokenizer
 
 CORPUS = [
     "hello world, the cat sat on the mat.",
@@ -584,8 +584,8 @@ def test_raw_text_multi_turn(tok):
 
 
 def test_raw_mode_separator_and_generation_prompt(tmp_path, tok):
-    from wgpu_train.commands import prompt_ids
-    from wgpu_train.evaluate import generation_prompt
+    from wgpu_train.cli.commands import prompt_ids
+    from wgpu_train.training.evaluate import generation_prompt
 
     # chat (and Alpaca, instruction) data: a blank line between the prompt and the answer, in the prompt we generate
     # from as well: evaluation's and the generate command's prompts are the untrained prefix
@@ -732,7 +732,7 @@ def test_packing():
 
 
 def test_packing_first_fit_order():
-    from wgpu_train.data import pack_examples
+    from wgpu_train.data.batching import pack_examples
     assert pack_examples([6, 6, 3, 4, 1, 5], 10) == [[0, 2, 4], [1, 3], [5]]
 
 

@@ -10,14 +10,16 @@ import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir
 from test_engine_protocol import StrictEngine
-from wgpu_train import model as model_module
-from wgpu_train.config import LoraConfig, OptimizerParams
-from wgpu_train.data_parallel import DataParallelTrainer, partition, split_rows
+from wgpu_train.engines import model as model_module
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.distributed.data_parallel import DataParallelTrainer, partition, split_rows
 from wgpu_train.errors import ConfigError
-from wgpu_train.hf import read_adapter, read_safetensors
-from wgpu_train.model import load_model
-from wgpu_train.train import Trainer
-from wgpu_train.train_config import TrainConfig
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.formats.safetensors import read_safetensors
+from wgpu_train.engines.model import load_model
+from wgpu_train.training.trainer import Trainer
+from wgpu_train.training.config import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,13 @@ import pytest
 
 import wgpu_train
 from finetune_helpers import make_data_dir, make_model_dir
-from wgpu_train.cli import main
-from wgpu_train.distributed import finetune_on_ray
-from wgpu_train.hf import read_adapter
-from wgpu_train.ray_worker import adapter_for
-from wgpu_train.train import Trainer, finetune
-from wgpu_train.train_config import TrainConfig
+from wgpu_train.cli.main import main
+from wgpu_train.distributed.ray_driver import finetune_on_ray
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.distributed.ray_worker import adapter_for
+from wgpu_train.training.trainer import Trainer
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.training.config import TrainConfig
 
 ray = pytest.importorskip("ray", reason="Ray Train is the test extra's (pip install -e '.[test]')")
 
@@ -188,7 +189,7 @@ def test_fewer_samples_per_step_than_workers(faults, workspace, tmp_path, capsys
 
 def test_a_run_without_workers_imports_nothing_of_ray(workspace, tmp_path):
     model, data, _ = workspace
-    code = ("import sys; from wgpu_train.train import finetune; "
+    code = ("import sys; from wgpu_train.distributed.dispatch import finetune; "
             f"finetune(model={str(model)!r}, data={str(data)!r}, out={str(tmp_path / 'o')!r}, backend='numpy', "
             "max_steps=1, no_progress=True, eval_generate=False); "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")

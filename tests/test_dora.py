@@ -14,11 +14,12 @@ from conftest import require_adapter
 from finetune_helpers import padded_batch
 from tiny_models import build_model, save_model
 from tolerances import assert_close
-from wgpu_train.config import LoraConfig, OptimizerParams
-from wgpu_train.dora import magnitude_key
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.adapters.dora import magnitude_key
 from wgpu_train.errors import ConfigError
-from wgpu_train.model import load_model
-from wgpu_train.reference import ops
+from wgpu_train.engines.model import load_model
+from wgpu_train.engines.numpy import ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -154,7 +155,7 @@ def test_refused_combinations(init):
         LoraConfig(use_dora=True, init=init)
 
 
-# ---- the kernels (shaders/dora.wgsl) against reference/ops.py in float64: odd sizes, element offsets ----
+# ---- the kernels (shaders/dora.wgsl) against engines/numpy/ops.py in float64: odd sizes, element offsets ----
 
 def _padded(rt, a, lead):
     """(buffer, element offset) holding `lead` junk elements, then a, then junk."""
@@ -170,7 +171,7 @@ def _read(rt, t, shape):
 
 @pytest.mark.parametrize("n,out_f,r", [(1, 1, 1), (37, 45, 3), (130, 67, 7)])
 def test_dora_kernels(rt, n, out_f, r):
-    from wgpu_train.gpu import kernels as K
+    from wgpu_train.engines.webgpu import kernels as K
 
     g = np.random.default_rng(n + out_f)
     f32 = lambda *s: g.standard_normal(s).astype(np.float32)      # noqa: E731
@@ -341,7 +342,7 @@ def workspace(tmp_path_factory):
 
 
 def _config(workspace, out, **kw):
-    from wgpu_train.train_config import TrainConfig
+    from wgpu_train.training.config import TrainConfig
 
     model, data = workspace
     base = dict(model=str(model), data=str(data), out=str(out), backend="numpy", no_progress=True, lr=1e-2,
@@ -355,8 +356,8 @@ def test_finetune_resume_and_continue(workspace, tmp_path):
     adapter continues with --adapter-path; --dora against a plain adapter is refused."""
     import json
 
-    from wgpu_train.hf import read_adapter
-    from wgpu_train.train import finetune
+    from wgpu_train.adapters.files import read_adapter
+    from wgpu_train.distributed.dispatch import finetune
 
     kw = dict(max_steps=4, batch_size=2, grad_accum=2, lora_dropout=0.2, weight_decay=0.05, keep_checkpoints=0)
     full = finetune(_config(workspace, tmp_path / "full", save_every=2, **kw))
@@ -384,9 +385,9 @@ def test_finetune_resume_and_continue(workspace, tmp_path):
 
 def test_memory_and_trainable_count(tiny):
     """The magnitudes (and their gradient, moments, norm buffers, z activations) are counted."""
-    from wgpu_train.config import ModelConfig
-    from wgpu_train.memory import estimate_memory
-    from wgpu_train.memory import count_trainable
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.engines.webgpu.memory import estimate_memory
+    from wgpu_train.engines.webgpu.memory import count_trainable
 
     _, folder = tiny
     cfg = ModelConfig.from_folder(folder)
@@ -405,8 +406,8 @@ def test_memory_and_trainable_count(tiny):
 def test_memory_estimate_is_what_the_engine_allocates(tiny, rt):
     """The WebGPU engine's DoRA buffers and activations are the sizes estimate_memory counts."""
     require_adapter()
-    from wgpu_train.config import ModelConfig
-    from wgpu_train.memory import estimate_memory
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.engines.webgpu.memory import estimate_memory
 
     _, folder = tiny
     cfg = ModelConfig.from_folder(folder)
@@ -429,7 +430,7 @@ def test_memory_estimate_is_what_the_engine_allocates(tiny, rt):
 
 def test_cli_dora_and_refusals(workspace, tmp_path, capsys):
     """--dora on the command line; --dora with --lora-init pissa is one line, exit 2."""
-    from wgpu_train.cli import main
+    from wgpu_train.cli.main import main
 
     model, data = workspace
     common = ["finetune", "--model", str(model), "--data", str(data), "--backend", "numpy", "--max-steps", "1",
@@ -439,8 +440,9 @@ def test_cli_dora_and_refusals(workspace, tmp_path, capsys):
     # merge folds it in: (m / ||W + s B A||) (W + s B A)
     assert main(["merge", "--adapter-path", str(tmp_path / "a"), "--out", str(tmp_path / "m"), "--model",
                  str(model)]) == 0
-    from wgpu_train.dora import merged
-    from wgpu_train.hf import read_adapter, read_safetensors
+    from wgpu_train.adapters.dora import merged
+    from wgpu_train.adapters.files import read_adapter
+    from wgpu_train.formats.safetensors import read_safetensors
 
     cfg, tensors = read_adapter(tmp_path / "a")
     base, out = read_safetensors(model / "model.safetensors"), read_safetensors(tmp_path / "m" / "model.safetensors")

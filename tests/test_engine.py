@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.config import OptimizerParams
-from wgpu_train.gpu.buffers import loss_head_size
-from wgpu_train.reference.ops import shift_labels
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.webgpu.buffers import loss_head_size
+from wgpu_train.engines.numpy.ops import shift_labels
 
 from tiny_models import build_model, in_arch, save_model
 from tolerances import assert_close
@@ -332,7 +332,7 @@ def test_forward_rows_packs_ragged_prompts(folder, rt):
 def test_generate_batch_equals_generate_per_prompt(folder, rt, monkeypatch):
     """Greedy generate_batch over ragged prompts with per-row budgets gives generate()'s tokens for each prompt,
     also when the prefill cuts prompts across calls; both engines agree."""
-    from wgpu_train import generate as gen
+    from wgpu_train.engines import generate as gen
 
     path, _ = folder
     ref, gpu = _pair(path, rt, _lora(path, r=4, alpha=16, target_modules="all-linear"), b_seed=9)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.gpu import gemm as G
-from wgpu_train.gpu import tune
+from wgpu_train.engines.webgpu.tuned import gemm as G
+from wgpu_train.engines.webgpu.tuned import tune
 
 from tiny_models import build_model, save_model
 from tolerances import assert_close

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir
-from wgpu_train import model as model_module
-from wgpu_train.engine_protocol import MEMBERS, Engine
-from wgpu_train.train import finetune
-from wgpu_train.train_config import TrainConfig
+from wgpu_train.engines import model as model_module
+from wgpu_train.engines.protocol import MEMBERS, Engine
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.training.config import TrainConfig
 
 
 class StrictEngine:
@@ -34,7 +34,7 @@ def workspace(tmp_path_factory):
 
 
 def test_engines_implement_the_protocol(workspace, default_rt):
-    from wgpu_train.model import load_model
+    from wgpu_train.engines.model import load_model
 
     for backend in ("numpy", "wgpu"):
         engine = load_model(workspace[0], backend=backend).engine

@@ -1,4 +1,4 @@
-"""GEMM (shaders/gemm.wgsl through wgpu_train.gpu.gemm) and the linear/LoRA op pairs built on it,
+"""GEMM (shaders/gemm.wgsl through wgpu_train.engines.webgpu.tuned.gemm) and the linear/LoRA op pairs built on it,
 against NumPy in float64, on every adapter present."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from wgpu_train.gpu import gemm as G
-from wgpu_train.gpu import gemm_kernels as GK
-from wgpu_train.gpu import tune
-from wgpu_train.gpu.lora import lora_backward, lora_forward
-from wgpu_train.gpu.tensors import Matrix, linear_backward, linear_forward
-from wgpu_train.reference import ops
+from wgpu_train.engines.webgpu.tuned import gemm as G
+from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
+from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
+from wgpu_train.engines.numpy import ops
 
 # fp32 products summed over K: the rounding error of one output grows like eps * sqrt(K) * |a||b| for
 # random signs; 1e-5 * sqrt(K) absolute (inputs are O(1)) plus 1e-5 relative leaves a wide margin over
@@ -214,7 +214,7 @@ def test_choose_tiling():
     assert 1024 * GK.TN * wg * 4 <= GK.L2_PANEL_BYTES and tm == 32
 
 
-# ---- linear and LoRA vs wgpu_train.reference.ops ----------------------------------------------
+# ---- linear and LoRA vs wgpu_train.engines.numpy.ops ----------------------------------------------
 
 LINEAR_SHAPES = [(13, 17, 9), (32, 64, 48), (5, 1, 3)]    # (N, in, out)
 

@@ -11,7 +11,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.errors import AdapterError, ConfigError
-from wgpu_train.hf import read_safetensors, write_safetensors
+from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
 
 from finetune_helpers import build_tokenizer, make_data_dir, padded_batch, peft_random_b
 from tiny_models import build_model, save_model
@@ -300,7 +300,7 @@ def test_finetune_and_merge_on_the_command_line(tmp_path, capsys):
     vocab = build_tokenizer(model_dir)
     save_model(build_model("gemma3_mm", vocab_size=vocab), model_dir)
     data = make_data_dir(tmp_path / "data")
-    from wgpu_train.cli import main
+    from wgpu_train.cli.main import main
 
     run = tmp_path / "run"
     assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "wgpu",

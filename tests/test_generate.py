@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.data import load_records
+from wgpu_train.data.sources import load_records
 from wgpu_train.errors import ConfigError, DeviceError
-from wgpu_train.evaluate import answer_text, exact_match, generation_prompt
-from wgpu_train.generate import generate, generate_batch
-from wgpu_train.tokenizer import load_tokenizer
-from wgpu_train.train_config import default_data_dir, default_model_dir
+from wgpu_train.training.evaluate import answer_text, exact_match, generation_prompt
+from wgpu_train.engines.generate import generate, generate_batch
+from wgpu_train.formats.tokenizer import load_tokenizer
+from wgpu_train.training.config import default_data_dir, default_model_dir
 
 from tiny_models import build_model, save_model
 
@@ -67,7 +67,7 @@ def test_rows_stop_independently(tiny, rt):
 def test_long_generation_on_either_cached_attention_pass(tiny, rt, kernel, monkeypatch):
     """Greedy tokens of rows that grow past several 32-position chunks of the cache equal the NumPy engine's,
     with the cached attention's single pass and with its split one (attention_decode) forced."""
-    from wgpu_train.gpu import attention_decode, tune
+    from wgpu_train.engines.webgpu.tuned import attention_decode, tune
 
     ref, gpu = _models(tiny, rt)
     prompts = _prompts(lengths=(40, 9, 23))

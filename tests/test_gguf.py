@@ -8,10 +8,13 @@ import pytest
 
 from finetune_helpers import build_tokenizer, folder_state
 from tiny_models import build_model, save_model
-from wgpu_train.cli import main
-from wgpu_train.config import LINEAR_MODULES, LoraConfig, ModelConfig
-from wgpu_train.gguf_export import rotary_rows
-from wgpu_train.hf import module_path, peft_key, read_safetensors, write_adapter
+from wgpu_train.cli.main import main
+from wgpu_train.models.config import LINEAR_MODULES, ModelConfig
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.gguf_export import rotary_rows
+from wgpu_train.models.weights import module_path
+from wgpu_train.adapters.files import peft_key, write_adapter
+from wgpu_train.formats.safetensors import read_safetensors
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from tolerances import assert_close
-from wgpu_train.gpu import attention_kernels
-from wgpu_train.gpu import kernels as K
-from wgpu_train.reference import ops, optim
+from wgpu_train.engines.webgpu.tuned import attention_kernels
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.numpy import ops, optim
 
 F32 = np.float32
 
@@ -544,7 +544,7 @@ DECODE_CASES = {
 def test_attention_cached_passes(rt, case, window, softcap, kernel):
     """Each pass of attention_cached_forward (attention_decode: the single one, the split ones with their
     chunks) against the NumPy op: windows, soft-caps, rows of any length, chunks a row only partly fills."""
-    from wgpu_train.gpu import attention_decode, tune
+    from wgpu_train.engines.webgpu.tuned import attention_decode, tune
 
     batch, max_len, tokens, hq, hkv, d = DECODE_CASES[case]
     n = len(tokens)
@@ -572,9 +572,9 @@ def test_cached_attention_passes_fit_the_cpu_loop_budget(rt, monkeypatch):
     give the right result here, and rows too long for every pass get one line; on GPUs every pass is a
     candidate, the most chunks first."""
     from wgpu_train.errors import DeviceError
-    from wgpu_train.gpu import attention_decode as AD
-    from wgpu_train.gpu import tune
-    from wgpu_train.gpu.gemm_kernels import is_cpu
+    from wgpu_train.engines.webgpu.tuned import attention_decode as AD
+    from wgpu_train.engines.webgpu.tuned import tune
+    from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 
     on_cpu = is_cpu(rt)
     monkeypatch.setattr(AD, "is_cpu", lambda rt: True)

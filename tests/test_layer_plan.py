@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.hf import peft_key
-from wgpu_train.layer_plan import CARRY, INPUT, OUTPUT, LayerPlan, Op, layer_plan
-from wgpu_train.memory import activation_plan
+from wgpu_train.adapters.files import peft_key
+from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, LayerPlan, Op, layer_plan
+from wgpu_train.engines.webgpu.memory import activation_plan
 
 from tiny_models import build_model, save_model
 from tolerances import assert_close
@@ -120,7 +120,7 @@ def test_a_plan_variant_runs_on_both_engines(qwen3, rt, monkeypatch):
     ref = wt.load_model(qwen3, backend="numpy", dtype=np.float64)
     gpu = wt.load_model(qwen3, backend="wgpu", device=str(rt.info.index))
     variant = _attention_only(ref.engine.plan)
-    monkeypatch.setattr("wgpu_train.memory.layer_plan", lambda cfg: variant)
+    monkeypatch.setattr("wgpu_train.engines.webgpu.memory.layer_plan", lambda cfg: variant)
     ref.engine.plan = gpu.engine.plan = variant
     ref.add_lora(lora, seed=5)
     rng = np.random.default_rng(3)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.gpu import gemm_kernels as GK
-from wgpu_train.gpu import gemm_tiled_src as T
-from wgpu_train.gpu import lora as L
-from wgpu_train.gpu import tune
-from wgpu_train.gpu.gemm import gemm_problem
-from wgpu_train.gpu.tensors import Matrix
+from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
+from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+from wgpu_train.engines.webgpu import lora as L
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned.gemm import gemm_problem
+from wgpu_train.engines.webgpu.tensors import Matrix
 
 from tiny_models import build_model, save_model
 from tolerances import assert_close

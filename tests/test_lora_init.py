@@ -16,13 +16,14 @@ from conftest import require_adapter
 from finetune_helpers import make_data_dir, make_model_dir, one_line_error
 from tiny_models import build_model, save_model
 from tolerances import assert_close
-from wgpu_train.cli import main
-from wgpu_train.config import LoraConfig, OptimizerParams
+from wgpu_train.cli.main import main
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import ConfigError
-from wgpu_train.lora_init import decompose
-from wgpu_train.model import load_model
-from wgpu_train.reference.ops import shift_labels
-from wgpu_train.reference.quant import round_weights
+from wgpu_train.adapters.inits import decompose
+from wgpu_train.engines.model import load_model
+from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.numpy.quant import round_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -264,7 +265,7 @@ def test_finetune_resume_and_merge_pissa(workspace, tmp_path, capsys):
     assert (final["init_lora_weights"], final["r"], final["rank_pattern"]) == (True, 16, {"v_proj": 4})
     assert json.loads((tmp_path / "a" / "train_config.json").read_text())["lora_layers"] == "1,"
     assert main(common + ["--out", str(tmp_path / "b"), "--resume", str(ckpt)]) == 0
-    from wgpu_train.hf import read_safetensors
+    from wgpu_train.formats.safetensors import read_safetensors
 
     first = read_safetensors(tmp_path / "a" / "adapter_model.safetensors")
     second = read_safetensors(tmp_path / "b" / "adapter_model.safetensors")

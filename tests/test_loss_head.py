@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train import memory
-from wgpu_train.config import OptimizerParams
-from wgpu_train.gpu import kernels as K
-from wgpu_train.gpu.buffers import loss_head_size
-from wgpu_train.gpu.tensors import Matrix
-from wgpu_train.memory import base_weight_bytes, head_rows
-from wgpu_train.reference import ops
-from wgpu_train.reference.ops import IGNORE_INDEX, shift_labels
+from wgpu_train.engines.webgpu import memory
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.buffers import loss_head_size
+from wgpu_train.engines.webgpu.tensors import Matrix
+from wgpu_train.engines.webgpu.memory import base_weight_bytes, head_rows
+from wgpu_train.engines.numpy import ops
+from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
 
 from tolerances import assert_close
 
@@ -196,7 +196,7 @@ def test_head_rows_follow_the_binding_limit_and_budget():
     assert head_rows(big, 7) == 7 and head_rows(big, 10, budget=1) == 1
     # memory.py plans without a device: wgpu cannot even be imported here
     code = ("import sys; sys.modules['wgpu'] = None\n"
-            "from wgpu_train.config import ModelConfig\nfrom wgpu_train.memory import estimate_memory\n"
+            "from wgpu_train.models.config import ModelConfig\nfrom wgpu_train.engines.webgpu.memory import estimate_memory\n"
             "cfg = ModelConfig('LlamaForCausalLM', 151936, 896, 4864, 2, 14, 2, 64)\n"
             "a = estimate_memory(cfg, 4, 256)['logits']\nb = estimate_memory(cfg, 4, 256, max_binding=16 << 20)['logits']\n"
             "assert (a, b) == (55 * 151936 * 4, 27 * 151936 * 4), (a, b)\n")

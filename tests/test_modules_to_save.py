@@ -18,14 +18,15 @@ from conftest import require_adapter
 from finetune_helpers import build_tokenizer, make_data_dir, one_line_error, padded_batch
 from tiny_models import build_model, save_model
 from tolerances import assert_close
-from wgpu_train.cli import main
-from wgpu_train.config import LoraConfig, OptimizerParams
+from wgpu_train.cli.main import main
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import AdapterError, ConfigError
-from wgpu_train.hf import read_adapter
-from wgpu_train.memory import count_trainable, estimate_memory
-from wgpu_train.reference.ops import shift_labels
-from wgpu_train.saved_modules import EMBED, HEAD, trained_weights
-from wgpu_train.train import finetune
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.engines.webgpu.memory import count_trainable, estimate_memory
+from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.adapters.saved_modules import EMBED, HEAD, trained_weights
+from wgpu_train.distributed.dispatch import finetune
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]
@@ -187,7 +188,7 @@ def test_gpu_steps_match_numpy_over_float16_embedding(models, rt):
     """QLoRA storage (NF4 base, float16 embedding): the copies start at the float16-rounded weights and train
     in float32 on the device; three accumulated, clipped LoRA+ steps on both engines agree, each GPU step one
     submission, and the device holds what the memory estimate says."""
-    from wgpu_train.gpu.tensors import Matrix
+    from wgpu_train.engines.webgpu.tensors import Matrix
 
     arch, folder = "qwen2", models("qwen2")[1]
     lora = ours("tied_both")
@@ -292,7 +293,7 @@ def test_resume_equals_uninterrupted(workspace, tmp_path, capsys, ensure):
 
 
 def read_optimizer_names(ckpt):
-    from wgpu_train.checkpoint import OPTIMIZER_FILE, read_optimizer_state
+    from wgpu_train.training.checkpoint import OPTIMIZER_FILE, read_optimizer_state
 
     return read_optimizer_state(ckpt / OPTIMIZER_FILE).keys()
 
@@ -304,7 +305,7 @@ def test_count_and_memory_follow_the_copies(models, case):
     """count_trainable counts the copies; the memory estimate's weights are what the WebGPU engine allocates
     (copies in float32 over a float16 embedding, an untied head), its trainable state adds the copies'
     gradients and two moments."""
-    from wgpu_train.gpu.tensors import weight_buffers
+    from wgpu_train.engines.webgpu.tensors import weight_buffers
 
     require_adapter()
     arch, mts, ensure = CASES[case]

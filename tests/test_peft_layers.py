@@ -17,12 +17,13 @@ from conftest import require_adapter
 from finetune_helpers import padded_batch, peft_random_b
 from tiny_models import build_model, save_model
 from tolerances import assert_close
-from wgpu_train.config import LoraConfig, OptimizerParams
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import AdapterError, ConfigError
-from wgpu_train.memory import estimate_memory
-from wgpu_train.model import load_model
-from wgpu_train.reference.ops import shift_labels
-from wgpu_train.memory import count_trainable
+from wgpu_train.engines.webgpu.memory import estimate_memory
+from wgpu_train.engines.model import load_model
+from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.webgpu.memory import count_trainable
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -263,9 +264,9 @@ def test_wgpu_trains_per_layer_ranks_as_numpy(tiny, rt):
 def test_option_spellings_and_memory_command(tiny, capsys):
     """--lora-layers and the pattern options as the command line and TOML spell them; `wgpu-train memory`
     with them reports estimate_memory of the same LoraConfig."""
-    from wgpu_train.cli import main
-    from wgpu_train.lora_layout import parse_layers, parse_pattern
-    from wgpu_train.train_config import TrainConfig
+    from wgpu_train.cli.main import main
+    from wgpu_train.adapters.layout import parse_layers, parse_pattern
+    from wgpu_train.training.config import TrainConfig
 
     assert parse_layers("2") == 2 and parse_layers("0,2") == (0, 2) and parse_layers("3-5,1") == (1, 3, 4, 5)
     assert parse_layers("4,") == (4,) and parse_layers("all") is None and parse_layers(None) is None

@@ -207,7 +207,7 @@ def test_bad_rope_configs_refused(phi, tmp_path, changes, words):
 
 def test_gguf_export_refused(phi, tmp_path):
     _, folder = phi
-    from wgpu_train.gguf_export import check
+    from wgpu_train.models.gguf_export import check
 
     msg = _one_line(lambda: check(wt.ModelConfig.from_folder(folder), "f32"), ConfigError)
     assert "Phi3ForCausalLM is not exported" in msg

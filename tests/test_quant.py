@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
-from wgpu_train.config import ModelConfig
-from wgpu_train.gpu import gemm_kernels as GK
-from wgpu_train.gpu import quant_kernels as QK
-from wgpu_train.gpu import quant as Q
-from wgpu_train.gpu.tensors import linear_backward, linear_forward
-from wgpu_train.memory import base_weight_bytes
-from wgpu_train.reference import quant as R
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
+from wgpu_train.engines.webgpu.tuned import quant_kernels as QK
+from wgpu_train.engines.webgpu.tuned import quant as Q
+from wgpu_train.engines.webgpu.tensors import linear_backward, linear_forward
+from wgpu_train.engines.webgpu.memory import base_weight_bytes
+from wgpu_train.engines.numpy import quant as R
 
 from tolerances import assert_close
 
@@ -336,7 +336,7 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
 
 def test_embedding_dtype_auto_follows_the_base(folder):
     """embed_dtype "auto" (the default everywhere): float32 over a float32 base, float16 over the others."""
-    from wgpu_train.reference.quant import check_dtypes
+    from wgpu_train.engines.numpy.quant import check_dtypes
 
     assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "float16", "float16", "float16"]
     assert check_dtypes("nf4", "float32") == ("nf4", "float32")
@@ -364,7 +364,7 @@ def test_full_finetune_refused_with_frozen_base(folder):
 def test_weights_beyond_float16_range_are_refused(rt, tmp_path):
     """A weight with a value float16 cannot hold (it would become inf) is refused at load, naming it, on
     both engines; NF4 stores it (its absmax is float32)."""
-    from wgpu_train.hf import read_safetensors, write_safetensors
+    from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
 
     folder = _tiny_model(tmp_path, "llama")
     tensors = read_safetensors(folder / "model.safetensors")
@@ -383,7 +383,7 @@ def test_weights_beyond_float16_range_are_refused(rt, tmp_path):
 def test_base_weight_bytes_of_a_half_billion_parameter_model():
     """Qwen2.5-0.5B's dimensions (tied embedding): float16 halves the bytes; NF4 linear layers take
     0.5 byte per weight + 4 bytes per 64 (absmax); with a float16 embedding the whole is under 0.3x."""
-    from wgpu_train.gpu.bench import QWEN05
+    from wgpu_train.bench.suite import QWEN05
 
     cfg = ModelConfig(**QWEN05)
     f32 = base_weight_bytes(cfg)
@@ -408,7 +408,7 @@ def test_base_weight_bytes_of_a_half_billion_parameter_model():
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory):
     """The embedded model and dataset when installed, else the tiny model and toy task of the trainer tests."""
-    from wgpu_train.train_config import default_data_dir, default_model_dir
+    from wgpu_train.training.config import default_data_dir, default_model_dir
 
     try:
         return default_model_dir(), default_data_dir(), "embedded"

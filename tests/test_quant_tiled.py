@@ -1,4 +1,4 @@
-"""The workgroup-tiled quantised GEMM (shaders/gemm_quant_tiled.wgsl via wgpu_train.gpu.quant_tiled) against
+"""The workgroup-tiled quantised GEMM (shaders/gemm_quant_tiled.wgsl via wgpu_train.engines.webgpu.tuned.quant_tiled) against
 float64 NumPy on the dequantised weight, on every adapter present: every tile config x weight format x
 layout on odd and aligned shapes (with bias, accumulate, offsets and pitches), the decode bit for bit
 against QuantMatrix.read, and a weight in several row chunks run chunk by chunk as quant.py's linear
@@ -11,12 +11,12 @@ import re
 import numpy as np
 import pytest
 
-from wgpu_train.gpu import quant as Q
-from wgpu_train.gpu import quant_tiled as QT
-from wgpu_train.gpu.quant_kernels import QProblem, QTiled
-from wgpu_train.gpu.gemm_tiled_src import TileConfig, workgroup_bytes, workgroup_size
-from wgpu_train.gpu.operands import at
-from wgpu_train.gpu.runtime import shader_path
+from wgpu_train.engines.webgpu.tuned import quant as Q
+from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, workgroup_bytes, workgroup_size
+from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device.runtime import shader_path
 
 from tolerances import assert_close
 

@@ -19,9 +19,10 @@ from safetensors.numpy import load_file, save_file
 from finetune_helpers import peft_random_b
 from tiny_models import ARCHS, build_model, edit_config, hf_config, in_arch, save_model
 from tolerances import assert_close
-from wgpu_train.config import LoraConfig, ModelConfig
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import AdapterError, ConfigError, ModelFileError, WgpuTrainError
-from wgpu_train.model import load_model
+from wgpu_train.engines.model import load_model
 
 # PEFT calls a transformers method that warns of its own deprecation; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -210,8 +211,9 @@ def test_weights_are_converted_one_at_a_time(case, tmp_path):
     """load_weights hands out each tensor as float32 only when it is read (from a memory map of bfloat16
     bytes here), a fresh array each time: an engine that stores tensors one by one never holds the whole
     model as float32."""
-    from wgpu_train.config import ModelConfig
-    from wgpu_train.hf import LazyWeights, load_weights, read_safetensors
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.formats.safetensors import LazyWeights, read_safetensors
+    from wgpu_train.models.weights import load_weights
 
     copy.deepcopy(case.hf).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
     weights = load_weights(tmp_path, ModelConfig.from_folder(tmp_path))

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from wgpu_train.errors import ShaderError, WgpuTrainError
-from wgpu_train.gpu import runtime
+from wgpu_train.engines.webgpu.device import runtime
 
 BROKEN = {  # kind: (source, line, column) of the first diagnostic naga reports
     "missing-semicolon": ("@compute @workgroup_size(1)\nfn main() {\n    let x = 1.0\n    let y = 2.0;\n}\n", 4, 5),
@@ -44,7 +44,7 @@ def test_missing_entry_point_names_the_file(rt):
         rt.pipeline("elementwise", "no_such_entry_point")
 
 
-# The op shaders of wgpu_train/gpu/kernels.py (others' shaders have their own tests).
+# The op shaders of wgpu_train/engines/webwebgpu/kernels.py (others' shaders have their own tests).
 OP_SHADERS = {
     "elementwise": ["add", "add_inplace", "scale", "scale_inplace", "softcap_forward", "softcap_forward_inplace", "copy", "fill",
                     "columns_get", "columns_put"],

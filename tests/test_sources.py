@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from finetune_helpers import make_model_dir, records, write_jsonl
-from wgpu_train import hub
-from wgpu_train.cli import main
-from wgpu_train.data import resolve_data, tokenize_dataset
+from wgpu_train.formats import hub
+from wgpu_train.cli.main import main
+from wgpu_train.data.sources import resolve_data
+from wgpu_train.data.tokenize import tokenize_dataset
 from wgpu_train.errors import ConfigError, DataError
-from wgpu_train.sources import load_records, parse_columns
-from wgpu_train.tokenizer import load_tokenizer
+from wgpu_train.data.sources import load_records, parse_columns
+from wgpu_train.formats.tokenizer import load_tokenizer
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")

@@ -1,4 +1,4 @@
-"""Tests of wgpu_train.tokenizer: loading model folders, chat templates against transformers, streaming decode."""
+"""Tests of wgpu_train.formats.tokenizer: loading model folders, chat templates against transformers, streaming decode."""
 
 import json
 
@@ -8,7 +8,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from bpe import train_bpe
 from wgpu_train.errors import DataError, ModelFileError
-from wgpu_train.tokenizer import CHATML_EOS_TEMPLATE, CHATML_TEMPLATE, StreamDecoder, load_tokenizer
+from wgpu_train.formats.tokenizer import CHATML_EOS_TEMPLATE, CHATML_TEMPLATE, StreamDecoder, load_tokenizer
 
 CORPUS = [
     "hello world, the cat sat on the mat.",

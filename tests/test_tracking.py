@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir
-from wgpu_train.cli import main
-from wgpu_train.tracking import scalars
+from wgpu_train.cli.main import main
+from wgpu_train.training.tracking import scalars
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,23 @@ import wgpu_train
 
 from conftest import require_adapter
 from finetune_helpers import folder_state, make_data_dir, make_model_dir, write_jsonl
-from wgpu_train import checkpoint as checkpoint_mod
+from wgpu_train.training import checkpoint as checkpoint_mod
 from wgpu_train.errors import ConfigError, DataError, ModelFileError, WgpuTrainError
-from wgpu_train.evaluate import exact_match, generation_prompt
-from wgpu_train.hf import read_adapter, read_safetensors
-from wgpu_train.schedule import LRSchedule
-from wgpu_train.tokenizer import load_tokenizer
-from wgpu_train.model import load_model
-from wgpu_train.checkpoint import find_checkpoint, list_checkpoints
-from wgpu_train.metrics import plot_losses
-from wgpu_train.run_folder import RUN_FILES, run_folder, run_settings
-from wgpu_train.batching import split_batch
-from wgpu_train.memory import count_trainable
-from wgpu_train.train import Trainer, finetune
-from wgpu_train.train_config import PAD_MULTIPLE, TrainConfig
+from wgpu_train.training.evaluate import exact_match, generation_prompt
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.formats.safetensors import read_safetensors
+from wgpu_train.training.schedule import LRSchedule
+from wgpu_train.formats.tokenizer import load_tokenizer
+from wgpu_train.engines.model import load_model
+from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
+from wgpu_train.training.metrics import plot_losses
+from wgpu_train.training.config import resumed_settings as run_settings
+from wgpu_train.training.run_folder import RUN_FILES, run_folder
+from wgpu_train.data.batching import split_batch
+from wgpu_train.engines.webgpu.memory import count_trainable
+from wgpu_train.training.trainer import Trainer
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +182,7 @@ def test_output_files(shared_run, workspace):
     last = adapter_tensors(out / "checkpoints" / "step-000008" / "adapter")
     assert final.keys() == last.keys() and all(np.array_equal(final[k], last[k]) for k in final)
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
         assert not (out / "loss.png").exists()
     else:
@@ -902,8 +905,8 @@ def test_token_budget_batches(workspace, tmp_path):
     """--max-tokens-per-batch: every micro-batch holds at most that many tokens (rows x its padded width),
     each optimizer step takes grad_accum of them, every sample is trained once per epoch, and a resumed run
     equals the uninterrupted one."""
-    from wgpu_train.data import BatchStream, token_groups
-    from wgpu_train.train import Trainer
+    from wgpu_train.data.batching import BatchStream, token_groups
+    from wgpu_train.training.trainer import Trainer
 
     assert token_groups([5, 5, 4, 9, 2], 12) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     kw = dict(max_steps=6, max_tokens_per_batch=64, grad_accum=2, lr_schedule="constant", keep_checkpoints=0)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.gpu import gemm as G
-from wgpu_train.gpu import gemm_kernels as GK
-from wgpu_train.gpu import tune
+from wgpu_train.engines.webgpu.tuned import gemm as G
+from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
+from wgpu_train.engines.webgpu.tuned import tune
 
 # (M, N, K, layout): odd and aligned shapes; a long K with a small output, where split-K applies
 SHAPES = [(33, 17, 1500, "tn"), (40, 64, 36, "nt"), (64, 96, 200, "nn"), (7, 130, 600, "tt"), (5, 9, 1100, "nt")]
@@ -139,7 +139,7 @@ def test_tuner_modes(rt, fresh_tuner, monkeypatch):
 def test_grad_norm_uses_many_workgroups(rt):
     """The gradient norm's partial sums use one workgroup per 4096 elements (up to 1024) and agree with NumPy,
     including a tensor given as an offset view and a second tensor accumulated into the same slots."""
-    from wgpu_train.gpu import kernels as K
+    from wgpu_train.engines.webgpu import kernels as K
 
     rng = np.random.default_rng(9)
     g = rng.standard_normal(50_001).astype(np.float32)
@@ -227,8 +227,8 @@ def test_tune_cache_two_writers(tmp_path, monkeypatch):
 def test_quant_families_through_linear(rt, family, fmt):
     """quant.linear_forward / linear_backward (the engine's path for a frozen weight) with each quantised GEMM
     family pinned, against the dequantised weight; the tuner's key names the weight format."""
-    from wgpu_train.gpu import quant as Q
-    from wgpu_train.gpu.quant_kernels import QProblem
+    from wgpu_train.engines.webgpu.tuned import quant as Q
+    from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
 
     rng = np.random.default_rng(11)
     n, fin, fout = 37, 72, 56
@@ -253,7 +253,7 @@ def test_tiled_linear_over_weight_chunks(rt, family):
     """tensors.linear_forward / linear_backward over a float32 weight split into row chunks by a shrunk max
     storage binding (each chunk's columns of y and dy at an offset, with the whole row pitch), the tiled
     family pinned; split-K takes the weight gradient (K = 600 tokens)."""
-    from wgpu_train.gpu.tensors import Matrix, linear_backward, linear_forward
+    from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 
     rng = np.random.default_rng(12)
     n, fin, fout = 600, 20, 52

@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from wgpu_train.gpu import attention_kernels as AK
-from wgpu_train.gpu.bench import Timer
-from wgpu_train.gpu.runtime import get_runtime
-from wgpu_train.reference import ops
+from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
+from wgpu_train.engines.webgpu.device.timing import Timer
+from wgpu_train.engines.webgpu.device.runtime import get_runtime
+from wgpu_train.engines.numpy import ops
 
 B, HQ, HKV, D = 1, 9, 3, 64
 

@@ -50,12 +50,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from wgpu_train.assets import TASK_DESCRIPTION, TASK_INSTRUCTION, WORDS  # noqa: E402
-from wgpu_train.config import LoraConfig, ModelConfig, OptimizerParams  # noqa: E402
-from wgpu_train.hf import save_model_folder  # noqa: E402
-from wgpu_train.model import load_model  # noqa: E402
-from wgpu_train.reference.ops import IGNORE_INDEX, shift_labels  # noqa: E402
-from wgpu_train.tokenizer import load_tokenizer  # noqa: E402
+from wgpu_train.assets import TASK_DESCRIPTION, TASK_INSTRUCTION, WORDS
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.models.weights import save_model_folder
+from wgpu_train.engines.model import load_model
+from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
+from wgpu_train.formats.tokenizer import load_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (
@@ -201,8 +203,8 @@ def model_config(vocab_size: int, args) -> dict:
 
 def init_weights(cfg: ModelConfig, rng: np.random.Generator, std: float = 0.02) -> dict:
     """Normal(0, std) for embeddings, the LM head and linears (output projections scaled by 1/sqrt(2 L)), ones for norms."""
-    from wgpu_train.config import LINEAR_MODULES
-    from wgpu_train.hf import module_path
+    from wgpu_train.models.config import LINEAR_MODULES
+    from wgpu_train.models.weights import module_path
 
     w = {"model.embed_tokens.weight": rng.normal(0, std, (cfg.vocab_size, cfg.hidden_size)),
          "model.norm.weight": np.ones(cfg.hidden_size)}
@@ -324,7 +326,8 @@ def exact_match(model, tokenizer, records, max_new_tokens: int = 12, chat: bool 
 
 def lora_check(model_dir: Path, data: dict, args, log) -> dict:
     """The default run's recipe on the NumPy engine: LoRA on the chat task, exact match before and after."""
-    from wgpu_train.data import make_batches, tokenize_dataset
+    from wgpu_train.data.batching import make_batches
+    from wgpu_train.data.tokenize import tokenize_dataset
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, backend="numpy")

@@ -20,7 +20,7 @@ egl=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 [ -f "$egl" ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$egl
 python3 -m pip install -q --no-index --find-links .whl wgpu rendercanvas cffi pycparser > "$OUT/pip.txt" 2>&1
 export PYTHONPATH=$PWD XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
-cli() { python3 -c 'import sys; from wgpu_train.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+cli() { python3 -c 'import sys; from wgpu_train.cli.main import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 
 { nvidia-smi -L; cli devices; } > "$OUT/devices.txt" 2>&1
 cat "$OUT/devices.txt"
@@ -29,7 +29,7 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests
   tests/test_tune.py tests/test_quant.py tests/test_engine.py -k "not training_loss" > "$OUT/tests.txt" 2>&1
 echo "tests: exit $?"; tail -3 "$OUT/tests.txt"
 mkdir -p "$OUT/smol135"
-python3 -c 'import json, sys; from wgpu_train.gpu.pretune import SMOL135; json.dump(SMOL135, open(sys.argv[1], "w"))' \
+python3 -c 'import json, sys; from wgpu_train.bench.pretune import SMOL135; json.dump(SMOL135, open(sys.argv[1], "w"))' \
   "$OUT/smol135/config.json"
 timeout 90 bash -c "$(declare -f cli); cli tune --model $OUT/smol135 --batch-size 4 --max-seq-len 256" \
   > "$OUT/tune.txt" 2> "$OUT/tune.err"

@@ -16,10 +16,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from wgpu_train.config import LoraConfig, ModelConfig  # noqa: E402
-from wgpu_train.gpu.bench_train import timed  # noqa: E402
-from wgpu_train.gpu.pretune import SMOL135, lora_step_flops, training_mfu  # noqa: E402
-from wgpu_train.gpu.runtime import get_runtime  # noqa: E402
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.bench.training import timed
+from wgpu_train.bench.pretune import SMOL135, lora_step_flops, training_mfu
+from wgpu_train.engines.webgpu.device.runtime import get_runtime
 
 
 def torch_step_s(device: str, dtype_name: str, batch: int, seq: int, steps: int) -> float | None:

@@ -16,13 +16,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from wgpu_train.config import LoraConfig, ModelConfig, OptimizerParams  # noqa: E402
-from wgpu_train.generate import generate_batch  # noqa: E402
-from wgpu_train.gpu import runtime  # noqa: E402
-from wgpu_train.gpu.bench import QWEN05  # noqa: E402
-from wgpu_train.gpu.engine import WgpuEngine  # noqa: E402
-from wgpu_train.memory import estimate_memory, weight_shapes  # noqa: E402
-from wgpu_train.model import Model  # noqa: E402
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.generate import generate_batch
+from wgpu_train.engines.webgpu.device import runtime
+from wgpu_train.bench.suite import QWEN05
+from wgpu_train.engines.webgpu.engine import WgpuEngine
+from wgpu_train.engines.webgpu.memory import estimate_memory, weight_shapes
+from wgpu_train.engines.model import Model
 
 
 def main(argv=None) -> int:

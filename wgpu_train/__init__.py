@@ -1,14 +1,16 @@
 """wgpu-train: LoRA fine-tuning of Llama-family language models on any GPU through WebGPU."""
-from .config import LoraConfig, ModelConfig
-from .errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, ShaderError,
-                     WgpuTrainError)
-from .gpu.runtime import devices
-from .memory import estimate_memory
-from .model import Model, load_model
-from .reference.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
-from .tokenizer import load_tokenizer
-from .train import Trainer, finetune
-from .train_config import TrainConfig, default_run_config
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, ShaderError,
+                               WgpuTrainError)
+from wgpu_train.engines.webgpu.device.runtime import devices
+from wgpu_train.engines.webgpu.memory import estimate_memory
+from wgpu_train.engines.model import Model, load_model
+from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
+from wgpu_train.formats.tokenizer import load_tokenizer
+from wgpu_train.training.trainer import Trainer
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.training.config import TrainConfig, default_run_config
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """DoRA (weight-decomposed LoRA, PEFT's use_dora) on the host: the weight norm, the magnitude's
 initialisation, the merge, the PEFT tensor names and the engines' module entries. The engines' op pairs
-are reference/ops.py's dora_* (shaders/dora.wgsl on the GPU)."""
+are engines/numpy/ops.py's dora_* (shaders/dora.wgsl on the GPU)."""
 from __future__ import annotations
 
 import numpy as np

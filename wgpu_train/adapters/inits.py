@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 
-from .errors import AdapterError, ConfigError
+from wgpu_train.errors import AdapterError, ConfigError
 
 INITS = ("default", "gaussian", "pissa", "pissa_niter_K", "olora")
 

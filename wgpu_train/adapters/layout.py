@@ -8,10 +8,10 @@ import json
 import math
 import re
 
-from .config import KNOWN_LINEAR_MODULES
-from .errors import AdapterError, ConfigError
-from .hf import module_path
-from .multimodal import outer_path
+from wgpu_train.models.config import KNOWN_LINEAR_MODULES
+from wgpu_train.errors import AdapterError, ConfigError
+from wgpu_train.models.weights import module_path
+from wgpu_train.models.multimodal import outer_path
 
 
 DEFAULT_TARGETS = "q_proj,v_proj"      # the command line's --lora-targets default
@@ -138,7 +138,7 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
     matched as PEFT matches (check_target_module_exists) on module paths (model.layers.0.self_attn.q_proj;
     with `outer`, a multimodal.LAYOUTS entry, as that layout of a multimodal model spells them): "all-linear";
     a string is a regular expression that must match a path with re.fullmatch; a list entry matches a path
-    that equals it or, in the layers_to_transform (as read by lora_layout.layer_index with layers_pattern),
+    that equals it or, in the layers_to_transform (as read by layout.layer_index with layers_pattern),
     ends with "." + entry. LoRA on the embedding or lm_head, a
     selection whose modules lie in different layers, or one of no linear module is refused naming it."""
     if spec == "all-linear":
@@ -183,7 +183,7 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
 def adapter_layout(raw: dict, spec, cfg_path) -> dict:
     """adapter_config.json's per-layer fields and init as LoraConfig arguments, each checked for its type
     (AdapterError naming the key); as PEFT, layers_to_transform / layers_pattern only with a list of targets."""
-    from .lora_init import from_peft
+    from wgpu_train.adapters.inits import from_peft
 
     def bad(key, want):
         return AdapterError(f"{cfg_path}: key '{key}' must be {want}, got {json.dumps(raw[key])}")

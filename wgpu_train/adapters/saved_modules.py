@@ -3,7 +3,7 @@ names are accepted, which base weights they make trainable (and whether a tied m
 tensor), their adapter file keys and their parameter count."""
 from __future__ import annotations
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # module name -> its path in a Llama-family model (PEFT matches a name that is the path or ends it after a dot)

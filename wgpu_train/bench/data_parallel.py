@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 
 def _side(summary: dict) -> dict:
@@ -22,10 +22,10 @@ def _side(summary: dict) -> dict:
 def bench_data_parallel(steps: int = 10, batch_size: int = 8) -> dict:
     """Each side trains `steps` steps of batch_size rows per worker (medians past the first step) on the
     adapters the workers choose by default (ray_worker.adapter_for); {"skipped": why} without Ray Train."""
-    from . import distributed
-    from .gpu import runtime
-    from .ray_worker import adapter_for
-    from .train_config import default_run_config
+    from wgpu_train.distributed import ray_driver as distributed
+    from wgpu_train.engines.webgpu.device import runtime
+    from wgpu_train.distributed.ray_worker import adapter_for
+    from wgpu_train.training.config import default_run_config
 
     try:
         ray = distributed._import_ray()
@@ -54,9 +54,9 @@ def bench_data_parallel(steps: int = 10, batch_size: int = 8) -> dict:
                 f"the efficiency is bounded by the cores, not by the all-reduce")
     else:
         note = "both workers share one GPU: the efficiency is bounded by that GPU"
-    from .config import ModelConfig
-    from .memory import count_trainable
-    from .train_config import default_model_dir
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.engines.webgpu.memory import count_trainable
+    from wgpu_train.training.config import default_model_dir
 
     grads = 4 * count_trainable(ModelConfig.from_folder(default_model_dir()), base.lora_config())
     return {"adapter": adapter.describe(), "workers_per_adapter": sharing, "steps": steps, "gradient_bytes": grads,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import LoraConfig, ModelConfig, OptimizerParams
-from . import tune
-from .bench_train import random_batch, random_lora, random_weights, timed
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.bench.training import random_batch, random_lora, random_weights, timed
 
 # a SmolLM2-135M-shaped configuration (hidden 576, 30 layers, 9 / 3 heads, vocabulary 49,152)
 SMOL135 = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -25,7 +27,7 @@ def step_gemms(cfg: ModelConfig, tokens: int, r: int, max_binding: int) -> list[
     """(what, M, N, K, layout) of the distinct GEMMs of a LoRA step (all linear layers, rank r) at `tokens`
     tokens: each projection forward and its input gradient, the LoRA A / B products and gradients, the head
     (one float32 row chunk of it, as the engine splits a head bigger than a storage binding)."""
-    from .quant import chunk_plan
+    from wgpu_train.engines.webgpu.tuned.quant import chunk_plan
 
     c, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_size
     v = chunk_plan(cfg.vocab_size, c, "float32", max_binding)[0][1]
@@ -39,7 +41,7 @@ def step_gemms(cfg: ModelConfig, tokens: int, r: int, max_binding: int) -> list[
 
 def random_engine(rt, cfg: ModelConfig, lora: LoraConfig, seed: int = 0):
     """A WgpuEngine of cfg's shapes with random float32 weights and a random LoRA on lora's targets."""
-    from .engine import WgpuEngine
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
 
     rng = np.random.default_rng(seed)
     engine = WgpuEngine(cfg, random_weights(cfg, rng), rt)
@@ -96,7 +98,7 @@ def format_rows(rows: list[dict], peak: float | None) -> str:
 def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 128, steps: int = 2) -> dict:
     """Model-FLOPs utilisation of LoRA (r=16, all linear layers) steps of cfg (default: the SmolLM2-135M shape)
     with random weights: model FLOPs per second over the adapter's FMA peak, measured in the same run."""
-    from .bench import Timer, fma_peak
+    from wgpu_train.engines.webgpu.device.timing import Timer, fma_peak
 
     cfg = cfg or ModelConfig.from_dict(dict(SMOL135), "135M-shaped configuration")
     lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")

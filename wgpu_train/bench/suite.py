@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from . import gemm as _gemm
+from wgpu_train.engines.webgpu.device.timing import Timer, fma_peak
+from wgpu_train.engines.webgpu.tuned import gemm as _gemm
 
 BENCHES: dict[str, Callable] = {}
 # Benchmarks that add a key of their own to the result: name -> fn(rt) -> dict
@@ -24,7 +25,7 @@ SECTIONS: dict[str, Callable] = {}
 
 
 def _training(rt):
-    from .bench_train import bench_training
+    from wgpu_train.bench.training import bench_training
     return bench_training(rt)
 
 
@@ -32,7 +33,7 @@ SECTIONS["training"] = _training
 
 
 def _variable_lengths(rt):
-    from .bench_train import bench_variable_lengths
+    from wgpu_train.bench.training import bench_variable_lengths
     return bench_variable_lengths(rt)
 
 
@@ -47,7 +48,7 @@ SECTIONS["base_weights"] = _base_weights
 
 
 def _mfu(rt):
-    from .pretune import training_mfu
+    from wgpu_train.bench.pretune import training_mfu
     return training_mfu(rt)
 
 
@@ -55,7 +56,7 @@ SECTIONS["mfu"] = _mfu
 
 
 def _data_parallel(rt):
-    from ..bench_data_parallel import bench_data_parallel
+    from wgpu_train.bench.data_parallel import bench_data_parallel
     return bench_data_parallel()
 
 
@@ -68,86 +69,6 @@ def register(name: str):
         BENCHES[name] = fn
         return fn
     return deco
-
-
-# ---- timing ------------------------------------------------------------------------------------
-
-class Timer:
-    """Times a recorded sequence of dispatches on the device: timestamp queries around one compute pass
-    when the adapter has them, else the wall clock of submit + a tiny readback (which includes the
-    ~0.2 ms submit/readback overhead, so wall-clock figures are lower bounds on kernel speed)."""
-
-    def __init__(self, rt):
-        self.rt = rt
-        wgpu = rt.wgpu
-        self.use_ts = rt.has_timestamps
-        self._sync = rt.buffer(4, "bench.sync")
-        if self.use_ts:
-            self.qs = rt.device.create_query_set(type="timestamp", count=2)
-            usage = wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
-            self.resolve = rt.device.create_buffer(size=16, usage=usage)
-
-    def _run_once(self, dispatches) -> float:
-        rt = self.rt
-        enc = rt.device.create_command_encoder()
-        kw = {}
-        if self.use_ts:
-            kw["timestamp_writes"] = {"query_set": self.qs, "beginning_of_pass_write_index": 0,
-                                      "end_of_pass_write_index": 1}
-        cp = enc.begin_compute_pass(**kw)
-        for pipeline, resources, groups in dispatches:
-            cp.set_pipeline(pipeline)
-            cp.set_bind_group(0, rt.bind_group(pipeline, resources))
-            cp.dispatch_workgroups(*groups)
-        cp.end()
-        if self.use_ts:
-            enc.resolve_query_set(self.qs, 0, 2, self.resolve, 0)
-        t0 = time.perf_counter()
-        rt.queue.submit([enc.finish()])
-        if self.use_ts:
-            ts = rt.read(self.resolve, np.uint64, (2,))
-            dt = (int(ts[1]) - int(ts[0])) * 1e-9
-            if dt > 0:
-                return dt
-        rt.read(self._sync, np.float32, (1,))  # waits for the submitted work
-        return time.perf_counter() - t0
-
-    def time(self, dispatches, repeats: int = 3, budget_s: float = 2.0, warmup=None) -> float:
-        """Best seconds for one run of `dispatches` [(pipeline, resources, (gx, gy, gz))], after a warm-up
-        run of `warmup` (default: the same dispatches; [] for none), which also pays the shader JIT
-        compilation of software adapters. The machines are shared and noisy, so the minimum is the fairest estimate
-        of what the kernel can do."""
-        start = time.perf_counter()
-        best = float("inf")
-        if warmup is None or warmup:
-            self._run_once(dispatches if warmup is None else warmup)
-        for _ in range(repeats):
-            best = min(best, self._run_once(dispatches))
-            if time.perf_counter() - start > budget_s:
-                break
-        return best
-
-
-def _groups(g):
-    g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
-    return g + (1,) * (3 - len(g))
-
-
-# ---- FMA peak ----------------------------------------------------------------------------------
-
-FMA_ITERS = 256        # loop trips per invocation (passed to shaders/bench_fma.wgsl in its uniform)
-FMA_CHAINS = 8         # independent vec4 chains per invocation (8 * 4 lanes of FMA in flight)
-
-
-def fma_peak(rt, timer: Timer | None = None, invocations: int = 64 * 1024) -> float:
-    """The adapter's fp32 FMA throughput in GFLOP/s (2 flops per FMA), from many independent chains."""
-    timer = timer or Timer(rt)
-    p = rt.pipeline("bench_fma", "fma_peak")
-    out = rt.buffer(invocations * 16, "bench.fma_out")
-    params = rt.uniform("<I", FMA_ITERS)
-    t = timer.time([(p, [params, out], _groups(invocations // 64))], repeats=5, budget_s=0.5)
-    flops = invocations * FMA_ITERS * FMA_CHAINS * 4 * 2
-    return flops / t / 1e9
 
 
 # ---- GEMM --------------------------------------------------------------------------------------
@@ -217,7 +138,7 @@ GEMM_ROUNDS = 3   # interleaved rounds per shape: each kernel keeps its best, li
 
 @register("gemm")
 def bench_gemm(rt, ctx) -> list[dict]:
-    """gemm_nn/nt/tn (gpu/gemm.py's default kernel choice) and gemm_naive16 on each of GEMM_SHAPES."""
+    """gemm_nn/nt/tn (tuned/gemm.py's default kernel choice) and gemm_naive16 on each of GEMM_SHAPES."""
     timer = ctx["timer"]
     rng = np.random.default_rng(0)
     out = []
@@ -264,10 +185,10 @@ def bench_gemm_candidates(rt, ctx) -> list[dict]:
     SmolLM2-135M and Qwen2.5-0.5B shapes, each checked against NumPy, the fastest marked "chosen" (what the
     tuner would keep). 512 tokens on GPUs; on CPU adapters 128 tokens and the 8 likeliest candidates (the
     tiled kernels are an order of magnitude slower there, see benchmarks/README.md)."""
-    from ..config import ModelConfig
-    from .gemm_kernels import candidates, is_cpu
-    from .pretune import QWEN05, SMOL135, step_gemms
-    from .tune import measure
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.engines.webgpu.tuned.gemm_kernels import candidates, is_cpu
+    from wgpu_train.bench.pretune import QWEN05, SMOL135, step_gemms
+    from wgpu_train.engines.webgpu.tuned.tune import measure
 
     cpu = is_cpu(rt)
     tokens = 128 if cpu else 512
@@ -293,7 +214,7 @@ def bench_gemm_candidates(rt, ctx) -> list[dict]:
     return out
 
 
-# ---- attention (gpu/attention_kernels.py) --------------------------------------------------------------
+# ---- attention (tuned/attention_kernels.py) --------------------------------------------------------------
 
 ATT_SHAPE = dict(B=1, Hq=9, Hkv=3, D=64)       # SmolLM2-135M's heads
 
@@ -306,9 +227,9 @@ def bench_attention(rt, ctx) -> list[dict]:
     at T = 512 first. GFLOP/s count the causal (unpacked) work 6 T^2 D Hq for both rows, so the packed row's
     figure shows how much masked work it skips; "vs_rows" is the default's speed over rows/vec4's, and
     "packed_vs_causal" the causal row's time over the packed one's, both from this run."""
-    from . import attention_kernels as AK
-    from . import kernels as K
-    from . import tune
+    from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
+    from wgpu_train.engines.webgpu import kernels as K
+    from wgpu_train.engines.webgpu.tuned import tune
 
     B, Hq, Hkv, D = ATT_SHAPE["B"], ATT_SHAPE["Hq"], ATT_SHAPE["Hkv"], ATT_SHAPE["D"]
     rng = np.random.default_rng(3)
@@ -362,8 +283,8 @@ def bench_decode(rt, ctx) -> list[dict]:
     llvmpipe's loop budget); every pass that runs here (the single one, the split ones by chunk) checked
     against NumPy, then timed; "vs_single" is the single pass's time over each one's, from this run, where the
     single pass runs, and "default" marks the tuner's choice on this adapter."""
-    from . import attention_decode as AD
-    from . import tune
+    from wgpu_train.engines.webgpu.tuned import attention_decode as AD
+    from wgpu_train.engines.webgpu.tuned import tune
 
     out = []
     for n, length, hq, hkv, d in ((1, 4096, 32, 8, 128), (8, 4096, 32, 8, 128), (1, 480, 9, 3, 64)):
@@ -389,7 +310,7 @@ def bench_decode(rt, ctx) -> list[dict]:
 
 def _check_attention(rt, dispatches, inputs, seg, outputs, what):
     """Run the dispatches once and compare out and dq with the float64 reference."""
-    from ..reference import ops
+    from wgpu_train.engines.numpy import ops
 
     real = rt.recorder()
     for d in dispatches:
@@ -415,17 +336,17 @@ class _Capture:
         self.dispatches.append((pipeline, resources, groups + (1,) * (3 - len(groups))))
 
 
-# ---- GEMM with float16 / NF4 weights (gpu/quant.py) -----------------------------------------------
+# ---- GEMM with float16 / NF4 weights (tuned/quant.py) -----------------------------------------------
 
 @register("gemm_quant")
 def bench_gemm_quant(rt, ctx) -> list[dict]:
     """gemm_{f16,nf4,nf4-dq}_{nt,nn} (the frozen-weight GEMMs: x @ W.T and dy @ W) on GEMM_SHAPES, each checked
     against the dequantised weight, timed in interleaved rounds with gemm_nt / gemm_nn (fp32) on the same
     shape; "vs_float32" is the ratio of their speeds in this run."""
-    from .quant import QuantMatrix
-    from .quant_kernels import QProblem
-    from .tune import choose
-    from ..reference.quant import round_to
+    from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+    from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
+    from wgpu_train.engines.webgpu.tuned.tune import choose
+    from wgpu_train.engines.numpy.quant import round_to
 
     timer = ctx["timer"]
     rng = np.random.default_rng(1)
@@ -484,9 +405,9 @@ def bench_base_weights(rt) -> list[dict]:
     embedding): every base tensor built with random values and stored on this device as the engine stores
     it, one at a time (each released before the next, so the device never holds the whole model); "bytes"
     is what was allocated, and must equal memory.base_weight_bytes, the plan the engine allocates by."""
-    from ..config import ModelConfig
-    from ..memory import base_weight_bytes, weight_shapes
-    from .tensors import store_weight, weight_buffers
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
+    from wgpu_train.engines.webgpu.tensors import store_weight, weight_buffers
 
     cfg = ModelConfig(**QWEN05)
     shapes = weight_shapes(cfg)
@@ -521,7 +442,7 @@ def bench_names() -> list[str]:
 
 def check_only(only: str | None):
     """Refuse an `only` that selects no bench (a ConfigError listing the names), before anything runs."""
-    from ..errors import ConfigError
+    from wgpu_train.errors import ConfigError
 
     if only is not None and not any(name.startswith(only) or only.startswith(name) for name in bench_names()):
         raise ConfigError(f"--only {only!r} selects no benchmark; the names are {', '.join(bench_names())} "

@@ -7,9 +7,11 @@ import time
 
 import numpy as np
 
-from ..config import LoraConfig, ModelConfig, OptimizerParams
-from ..memory import weight_shapes
-from ..reference.ops import shift_labels
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.webgpu.memory import weight_shapes
+from wgpu_train.engines.numpy.ops import shift_labels
 
 BENCH_MODEL = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128, intermediate_size=344,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -25,7 +27,7 @@ def random_weights(cfg: ModelConfig, rng) -> dict:
 
 def random_lora(cfg: ModelConfig, lora: LoraConfig, rng, b_std: float = 0.0) -> dict:
     """WgpuEngine.set_lora's modules for every layer and target: A uniform in +-0.1, B N(0, b_std) (0: zeros)."""
-    from ..hf import module_path
+    from wgpu_train.models.weights import module_path
 
     mods = {}
     for i in range(cfg.num_hidden_layers):
@@ -94,8 +96,8 @@ def _torch_tokens_per_s(cfg_raw, cfg, weights, lora, micro, steps):
 
 def bench_training(rt, steps: int = 5) -> dict:
     """LoRA (all linear layers, r=8) training steps of a 4-layer, 128-wide Llama on a batch of 8 x 64 tokens."""
-    from ..reference.model import NumpyEngine
-    from .engine import WgpuEngine
+    from wgpu_train.engines.numpy.engine import NumpyEngine
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
 
     rng = np.random.default_rng(0)
     cfg = ModelConfig.from_dict(dict(BENCH_MODEL), "bench model")
@@ -147,7 +149,7 @@ def bench_variable_lengths(rt, samples: int = 50, fixed: int = 128) -> dict:
     number of tokens in rows of one length, on the bench model, each on a fresh engine: wall time of a first
     pass (buckets, pipelines and uniforms made as they are needed) and of a second, the ratio of the second
     passes, and the activation buckets and GPU buffers each pass created (Runtime.buffer's count)."""
-    from .engine import WgpuEngine
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
 
     rng = np.random.default_rng(1)
     cfg = ModelConfig.from_dict(dict(BENCH_MODEL), "bench model")

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .hf import adapter_base_model
+from wgpu_train.adapters.files import adapter_base_model
 
 # What generate / eval use for a setting that neither the command line nor the adapter's run decides.
 FALLBACKS = {"base_dtype": "float32", "embed_dtype": "auto", "no_chat_template": False, "train_on_last_turn": False,
@@ -29,7 +29,7 @@ def run_config_path(adapter_path) -> Path:
     checkpoint's adapter/ its run's)."""
     adapter = Path(adapter_path)
     if (adapter.parent / "trainer_state.json").is_file():
-        from .run_folder import run_folder
+        from wgpu_train.training.run_folder import run_folder
 
         return run_folder(adapter.parent) / "train_config.json"
     return adapter / "train_config.json"
@@ -64,7 +64,7 @@ def _option(name: str, value) -> str:
 
 def _as_used(settings: dict) -> dict:
     """settings with embed_dtype "auto" resolved as the engines resolve it."""
-    from .reference.quant import check_dtypes
+    from wgpu_train.engines.numpy.quant import check_dtypes
 
     base, embed = check_dtypes(settings["base_dtype"], settings["embed_dtype"])
     return {**settings, "base_dtype": base, "embed_dtype": embed}
@@ -89,8 +89,8 @@ def choose_settings(given: dict, adapter_path) -> dict:
 def model_folder(model_arg, adapter: Path | None) -> Path:
     """--model (a folder or hub id), else the adapter's base model (a folder on this machine or a hub id), else
     the embedded model."""
-    from . import hub
-    from .train_config import default_model_dir
+    from wgpu_train.formats import hub
+    from wgpu_train.training.config import default_model_dir
 
     return hub.resolve(model_arg, "model") if model_arg else (adapter and adapter_base_model(adapter)) or default_model_dir()
 
@@ -98,8 +98,8 @@ def model_folder(model_arg, adapter: Path | None) -> Path:
 def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
                              base_dtype="float32", embed_dtype="auto"):
     """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge."""
-    from .model import load_model
-    from .tokenizer import load_tokenizer
+    from wgpu_train.engines.model import load_model
+    from wgpu_train.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir) if tokenizer else None
     model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype, embed_dtype=embed_dtype)

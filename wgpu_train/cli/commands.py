@@ -1,4 +1,4 @@
-"""The finetune, generate, eval, merge and memory subcommands, registered into cli.py's parser through
+"""The finetune, generate, eval, merge and memory subcommands, registered into main.py's parser through
 REGISTER."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from .errors import ConfigError
-from .train_options import JoinRepeated, add_train_config_options, resolve_train_config
-from .adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
-                               trained_data_format)
-from .hf import adapter_folder
+from wgpu_train.errors import ConfigError
+from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options, resolve_train_config
+from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
+                                             trained_data_format)
+from wgpu_train.adapters.files import adapter_folder
 
 BACKENDS = ("auto", "wgpu", "numpy")
 
@@ -35,7 +35,7 @@ def _device_options(p, storage: bool = False):
                    help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
     if storage:
-        from .reference.quant import BASE_DTYPES, EMBED_CHOICES
+        from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES
 
         p.add_argument("--base-dtype", default=None, choices=BASE_DTYPES,
                        help="storage of the linear layers' weights; default: as the run that wrote the adapter "
@@ -62,7 +62,7 @@ def _whole(minimum: int):
 # ---- finetune ---------------------------------------------------------------------------------------------
 
 def cmd_finetune(args) -> int:
-    from .train import finetune
+    from wgpu_train.distributed.dispatch import finetune
 
     summary = finetune(resolve_train_config(args))
     out = summary["output"]
@@ -85,7 +85,7 @@ def cmd_finetune(args) -> int:
 
 
 def _register_finetune(sub):
-    from .train_config import TrainConfig
+    from wgpu_train.training.config import TrainConfig
 
     p = _add_parser(sub, "finetune", "fine-tune a model (LoRA or full) on a JSONL dataset",
                     TrainConfig.__doc__ + " Values come from the command line, then --config, then defaults.")
@@ -102,7 +102,7 @@ def prompt_ids(tokenizer, prompt: str, system: str | None = None, chat_template:
     """Token ids that ask the model to answer `prompt`: the chat template with its generation prompt, or the
     raw prompt text as the trainer's --no-chat-template mode builds it (for an adapter trained on completions
     data, the prompt without the blank line other formats put before the response)."""
-    from .data import raw_prompt_text
+    from wgpu_train.data.tokenize import raw_prompt_text
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     if completions:
@@ -127,7 +127,7 @@ def _given_no_chat_template(args):
 
 
 def cmd_generate(args) -> int:
-    from .tokenizer import StreamDecoder
+    from wgpu_train.formats.tokenizer import StreamDecoder
 
     if not args.prompt:
         raise ConfigError("--prompt is empty")
@@ -189,10 +189,11 @@ def _register_generate(sub):
 # ---- eval -------------------------------------------------------------------------------------------------
 
 def cmd_eval(args) -> int:
-    from .data import resolve_data, tokenize_dataset
-    from .errors import DataError
-    from .evaluate import evaluate_loss, exact_match
-    from .train_config import PAD_MULTIPLE, default_data_dir
+    from wgpu_train.data.sources import resolve_data
+    from wgpu_train.data.tokenize import tokenize_dataset
+    from wgpu_train.errors import DataError
+    from wgpu_train.training.evaluate import evaluate_loss, exact_match
+    from wgpu_train.training.config import PAD_MULTIPLE, default_data_dir
 
     data_path = args.data if args.data else default_data_dir()
     splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns)
@@ -273,7 +274,7 @@ def _register_eval(sub):
 def _model_files(folder: Path) -> list[str]:
     """The files of a model or adapter folder (config.json, *.safetensors, their index, adapter_config.json)
     and of a run (see run_folder.earlier_run) that `folder` holds, sorted."""
-    from .run_folder import earlier_run
+    from wgpu_train.training.run_folder import earlier_run
 
     if not folder.is_dir():
         return []
@@ -290,7 +291,7 @@ def _remove_model_files(folder: Path):
     """Remove what a loader could take for part of the merged model: its weights (model.safetensors, the
     model-*.safetensors shards and their index), config.json, an adapter and tokenizer files (the base
     model's are copied again). Other files stay."""
-    from .hf import TOKENIZER_FILES
+    from wgpu_train.formats.tokenizer import TOKENIZER_FILES
 
     names = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json",
              "adapter_model.safetensors", *TOKENIZER_FILES)
@@ -317,8 +318,8 @@ def cmd_merge(args) -> int:
                           f"files in it, or choose another --out")
     gguf_file = Path(args.gguf) if args.gguf else None
     if gguf_file is not None:               # everything a GGUF needs is checked before anything is written
-        from . import gguf_export
-        from .config import ModelConfig
+        from wgpu_train.models import gguf_export
+        from wgpu_train.models.config import ModelConfig
 
         if gguf_file.exists() and not args.overwrite:
             raise ConfigError(f"--gguf {gguf_file} exists; pass --overwrite to replace it, or choose another file")
@@ -360,13 +361,14 @@ def _register_merge(sub):
 # ---- memory -----------------------------------------------------------------------------------------------
 
 def cmd_memory(args) -> int:
-    from . import hub
-    from .config import LoraConfig, ModelConfig
-    from .lora_layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
-    from .memory import (activation_plan, activation_ranks, estimate_memory, format_bytes, layer_ranks, lora_groups,
-                         weight_shapes)
-    from .reference.quant import check_dtypes
-    from .train_config import default_model_dir
+    from wgpu_train.formats import hub
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.adapters.layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
+    from wgpu_train.engines.webgpu.memory import (activation_plan, activation_ranks, estimate_memory, format_bytes,
+                                                  layer_ranks, lora_groups, weight_shapes)
+    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.training.config import default_model_dir
 
     model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
     cfg = ModelConfig.from_folder(model_dir)
@@ -415,8 +417,8 @@ def cmd_memory(args) -> int:
 
 
 def _register_memory(sub):
-    from .reference.quant import BASE_DTYPES, EMBED_CHOICES
-    from .train_config import TrainConfig
+    from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES
+    from wgpu_train.training.config import TrainConfig
 
     d = TrainConfig()
     p = _add_parser(sub, "memory", "estimate the GPU memory a fine-tuning run needs, from the model's config.json "

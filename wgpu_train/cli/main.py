@@ -5,12 +5,12 @@ import argparse
 import json
 import sys
 
-from . import __version__
-from .errors import WgpuTrainError
+from wgpu_train import __version__
+from wgpu_train.errors import WgpuTrainError
 
 
 def cmd_devices(args) -> int:
-    from .gpu import runtime
+    from wgpu_train.engines.webgpu.device import runtime
 
     found = runtime.devices()
     if not found:
@@ -26,8 +26,8 @@ def cmd_devices(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .gpu import runtime
-    from .gpu.bench import check_only, format_table, run_bench
+    from wgpu_train.engines.webgpu.device import runtime
+    from wgpu_train.bench.suite import check_only, format_table, run_bench
 
     check_only(args.only)
     result = run_bench(runtime.get_runtime(args.device), only=args.only)
@@ -38,12 +38,13 @@ def cmd_bench(args) -> int:
 def cmd_tune(args) -> int:
     import logging
 
-    from .config import LoraConfig, ModelConfig
-    from .errors import ConfigError
-    from .gpu import runtime
-    from .gpu.pretune import format_rows, pretune
-    from .gpu import tune
-    from .train_config import default_model_dir
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.models.config import ModelConfig
+    from wgpu_train.errors import ConfigError
+    from wgpu_train.engines.webgpu.device import runtime
+    from wgpu_train.bench.pretune import format_rows, pretune
+    from wgpu_train.engines.webgpu.tuned import tune
+    from wgpu_train.training.config import default_model_dir
 
     if args.batch_size < 1 or args.max_seq_len < 1 or args.lora_rank < 1:
         raise ConfigError("--batch-size, --max-seq-len and --lora-rank must be at least 1")
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands defined next to the code they drive (training, generation, evaluation, merge)."""
     try:
-        from .commands import REGISTER
+        from wgpu_train.cli.commands import REGISTER
     except ImportError:
         return []
     return REGISTER
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        from .gpu.tune import mode
+        from wgpu_train.engines.webgpu.tuned.tune import mode
         mode()                  # a bad WGPU_TRAIN_TUNE is refused before any work
         return int(args.func(args) or 0)
     except WgpuTrainError as e:
@@ -141,6 +142,3 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

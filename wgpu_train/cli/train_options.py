@@ -9,7 +9,7 @@ import sys
 import typing
 from pathlib import Path
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 
 def _unwrap(tp):
@@ -35,7 +35,7 @@ def _parse_value(base, optional: bool, name: str):
 
 def add_train_config_options(p):
     """One option per TrainConfig field, with its help text; unset options stay out of the namespace."""
-    from .train_config import TrainConfig
+    from wgpu_train.training.config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -73,7 +73,7 @@ def load_toml_config(path) -> dict:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib
-    from .train_config import TrainConfig
+    from wgpu_train.training.config import TrainConfig
 
     path = Path(path)
     if not path.is_file():
@@ -116,18 +116,17 @@ def load_toml_config(path) -> dict:
 
 def resolve_train_config(args: argparse.Namespace):
     """TrainConfig from the command line > TOML file (--config) > with --resume, the resumed run's settings
-    (run_folder.run_settings: its train_config.json but how it was started; --out then defaults to the run's
+    (config.resumed_settings: its train_config.json but how it was started; --out then defaults to the run's
     folder) > the embedded recipe (only for the default run: no --model, --data or --adapter-path) > defaults.
 
     --epochs given (command line or TOML) without --max-steps drops a max_steps that comes from the run or the
     recipe, since max_steps would override it; when both are given, max_steps wins (TrainConfig's meaning)
     and a note on stderr says so."""
-    from .run_folder import run_settings
-    from .train_config import TrainConfig, default_run_values
+    from wgpu_train.training.config import TrainConfig, default_run_values, resumed_settings
 
     given = load_toml_config(args.config) if getattr(args, "config", None) else {}
     given.update((f.name, getattr(args, f.name)) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name))
-    run = run_settings(given["resume"]) if given.get("resume") else {}
+    run = resumed_settings(given["resume"]) if given.get("resume") else {}
     default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data", "adapter_path"))
     lower = {**(default_run_values() if default_run else {}), **run}
     if "epochs" in given:

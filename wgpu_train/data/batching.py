@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
-from wgpu_train.records import IGNORE_INDEX
+from wgpu_train.data.records import IGNORE_INDEX
 
 
 @dataclass(eq=False)

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, DataError
-from .records import BadRecord, Conversation, Record, Text, convert, detect_format
+from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.data.records import BadRecord, Conversation, Record, Text, convert, detect_format
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALID_NAMES = ("valid", "validation", "val", "dev")        # names of a folder's validation split
@@ -268,7 +268,7 @@ def _merge(parts: list[tuple[str, list, str, int]], what: str) -> tuple[list[Rec
 def _sources(path) -> list[Path]:
     """The sources of --data: a list, or a string of comma-separated entries (an existing path is one entry);
     glob patterns expanded; hub dataset ids resolved to their snapshot folders."""
-    from . import hub
+    from wgpu_train.formats import hub
 
     entries = list(path) if isinstance(path, (list, tuple)) else (
         [str(path)] if Path(str(path)).exists() else [e.strip() for e in str(path).split(",") if e.strip()])

@@ -1,5 +1,5 @@
-"""Training data: records (records.py, read by sources.py) -> token ids with loss masks (here: chat-template
-offsets) -> padded or packed batches and the resumable batch stream (batching.py). The pipeline's one import."""
+"""Records (records.py, read by sources.py) -> token ids with loss masks from the chat template's offsets, the
+tokenized examples that batching.py batches or packs."""
 
 from __future__ import annotations
 
@@ -8,17 +8,12 @@ from typing import Sequence
 
 import numpy as np
 
-from wgpu_train.batching import Batch, BatchStream, Example, collate, make_batches, pack_examples, token_groups
+from wgpu_train.data.batching import Example
+from wgpu_train.data.records import IGNORE_INDEX, RAW_SEPARATOR, Message, Record
 from wgpu_train.errors import ConfigError, DataError
-from wgpu_train.records import FORMATS, IGNORE_INDEX, RAW_SEPARATOR, Conversation, Message, Record, Text
-from wgpu_train.sources import DataSplits, load_records, resolve_data
-from wgpu_train.tokenizer import Tokenizer
+from wgpu_train.formats.tokenizer import Tokenizer
 
-__all__ = [
-    "IGNORE_INDEX", "FORMATS", "RAW_SEPARATOR", "Message", "Record", "Conversation", "Text",
-    "DataSplits", "Example", "TokenizeStats", "Batch", "BatchStream", "load_records", "resolve_data", "raw_prompt_text",
-    "tokenize_example", "tokenize_dataset", "make_batches", "collate", "pack_examples", "token_groups",
-]
+__all__ = ["TokenizeStats", "raw_prompt_text", "tokenize_example", "tokenize_dataset"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tokenization with loss masks

@@ -1,5 +1,5 @@
 """One worker of a data-parallel run: a Trainer that trains its share of every step, all-reduces the gradients
-through a collective, and leaves evaluation results and the run's files to rank 0 (distributed.py runs it on Ray)."""
+through a collective, and leaves evaluation results and the run's files to rank 0 (ray_driver.py runs it on Ray)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 
-from . import checkpoint, tracking
-from .errors import ConfigError
-from .reference.ops import IGNORE_INDEX
-from .train import Trainer
+from wgpu_train.training import checkpoint, tracking
+from wgpu_train.errors import ConfigError
+from wgpu_train.engines.numpy.ops import IGNORE_INDEX
+from wgpu_train.training.trainer import Trainer
 
 
 def partition(costs, parts: int) -> list[tuple[int, int]]:

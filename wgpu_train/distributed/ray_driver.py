@@ -13,8 +13,8 @@ import threading
 import uuid
 from pathlib import Path
 
-from . import errors
-from .errors import ConfigError, WgpuTrainError
+from wgpu_train import errors
+from wgpu_train.errors import ConfigError, WgpuTrainError
 
 EXTRA = "pip install 'wgpu-train[ray]'"
 
@@ -95,7 +95,7 @@ def _connect(ray, address: str | None, workers: int) -> bool:
     if ray.is_initialized():
         return False
     if address is None:
-        here = str(Path(__file__).resolve().parent.parent)    # the workers import this wgpu_train
+        here = str(Path(__file__).resolve().parents[2])    # the workers import this wgpu_train
         path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         # Ray's processes inherit an ignored SIGINT: Ctrl-C in the terminal reaches the whole process group, and
         # only the driver should act on it (it stops the workers after their step)
@@ -118,8 +118,8 @@ def _connect(ray, address: str | None, workers: int) -> bool:
 def finetune_on_ray(config, log=None) -> dict:
     """finetune(config) on config.num_workers Ray Train workers; rank 0's summary (written to summary.json
     as in one process). Ray is started locally, or joined at config.ray_address."""
-    from .ray_worker import adapter_for
-    from .train import Trainer
+    from wgpu_train.distributed.ray_worker import adapter_for
+    from wgpu_train.training.trainer import Trainer
 
     ray = _import_ray()
     out = Trainer(config).out.resolve()   # the output folder and --resume checks, before Ray starts
@@ -145,7 +145,7 @@ def _run(ray, config, log, storage: Path) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from .ray_worker import worker
+    from wgpu_train.distributed.ray_worker import worker
 
     control = ray.remote(num_cpus=0)(RunControl).remote()
     trainer = TorchTrainer(

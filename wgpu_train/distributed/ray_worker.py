@@ -1,4 +1,4 @@
-"""What runs inside each Ray Train worker of a --num-workers run (distributed.py starts them): the adapter a
+"""What runs inside each Ray Train worker of a --num-workers run (ray_driver.py starts them): the adapter a
 worker takes, its side of the driver's RunControl actor, torch.distributed's gloo group as the collective, and
 the function that runs one data_parallel.DataParallelTrainer."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 
 import numpy as np
 
-from .config import LoraConfig
-from .errors import ConfigError, WgpuTrainError
-from .lora_layout import lora_options
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.errors import ConfigError, WgpuTrainError
+from wgpu_train.adapters.layout import lora_options
 
 
 class TorchCollective:
@@ -66,7 +66,7 @@ def adapter_for(device: str | None, local_rank: int, local_workers: int) -> tupl
         return specs[local_rank], 1
     if specs:
         return specs[0], local_workers
-    from .gpu import runtime
+    from wgpu_train.engines.webgpu.device import runtime
 
     found = runtime.devices()
     if not found:
@@ -78,7 +78,7 @@ def adapter_for(device: str | None, local_rank: int, local_workers: int) -> tupl
 
 
 # what a run resolves from --adapter-path as it starts, and records in train_config.json: the model and every
-# LoRA option (lora_layout.lora_options), so a restart rebuilds the adapter as the run trained it
+# LoRA option (layout.lora_options), so a restart rebuilds the adapter as the run trained it
 RECORDED = ("model",) + tuple(lora_options(LoraConfig()))
 
 
@@ -88,9 +88,8 @@ def worker(loop_config: dict):
     import ray
     import ray.train
 
-    from .data_parallel import DataParallelTrainer
-    from .run_folder import run_settings
-    from .train_config import TrainConfig
+    from wgpu_train.distributed.data_parallel import DataParallelTrainer
+    from wgpu_train.training.config import TrainConfig, resumed_settings
 
     control = loop_config["control"]
     if ray.get(control.failure.remote()) is not None:
@@ -106,7 +105,7 @@ def worker(loop_config: dict):
         last = ray.get(control.last_checkpoint.remote())
         if last is not None:            # a restart: continue the run from its last checkpoint, with the model
             # and LoRA settings it recorded (those of an --adapter-path it continues)
-            recorded = run_settings(last)
+            recorded = resumed_settings(last)
             cfg = dataclasses.replace(cfg, resume=last, adapter_path=None,
                                       **{k: recorded[k] for k in RECORDED if k in recorded})
         elif restarted:                 # a restart before any checkpoint: what is in --out is this run's

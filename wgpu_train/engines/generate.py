@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ConfigError
+from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.errors import ConfigError
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
@@ -25,11 +26,6 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return int(rng.choice(p.shape[0], p=p))
-
-
-# Prompt tokens per prefill call: the engine's activations grow with the tokens of one call, and ragged
-# prompts may be cut anywhere, since each chunk's keys land in the cache before the next chunk reads them.
-PREFILL_TOKENS = 256      # gpu/attention_decode sizes its scratch for these on CPU adapters
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float):

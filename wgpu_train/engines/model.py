@@ -7,14 +7,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LoraConfig, ModelConfig
-from .dora import MAGNITUDE, magnitude_key, merged, weight_norm
-from .errors import AdapterError, ConfigError
-from .hf import load_weights, peft_key, read_adapter, save_model_folder, write_adapter
-from .lora_init import changes_base, converted, converted_config, decompose, fresh_pair
-from .reference.ops import IGNORE_INDEX, shift_labels
-from .reference.quant import check_dtypes
-from .saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.adapters.dora import MAGNITUDE, magnitude_key, merged, weight_norm
+from wgpu_train.errors import AdapterError, ConfigError
+from wgpu_train.models.weights import load_weights, save_model_folder
+from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
+from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
+from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
+from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.adapters.saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 
 log = logging.getLogger("wgpu_train")
 BACKENDS = ("auto", "wgpu", "numpy")
@@ -110,7 +112,7 @@ class Model:
         """New token ids after one prompt (ids (T,), or (1, T)), greedy at temperature 0, seeded sampling
         otherwise. Several prompts are refused (generate_batch answers them), and so is a prompt whose length
         plus max_new_tokens exceeds the model's max_position_embeddings."""
-        from .generate import generate, one_prompt
+        from wgpu_train.engines.generate import generate, one_prompt
 
         ids = one_prompt(input_ids)
         self._check_ids(ids)
@@ -123,7 +125,7 @@ class Model:
         one KV cache row per prompt, one engine call per decoding step. max_new_tokens and seed may be
         lists with one value per prompt; see generate.generate_batch for what row i shares with generate().
         A prompt whose length plus its max_new_tokens exceeds the model's max_position_embeddings is refused."""
-        from .generate import generate_batch
+        from wgpu_train.engines.generate import generate_batch
 
         ids = [np.asarray(p) for p in prompts]
         for p in ids:
@@ -268,7 +270,7 @@ class Model:
     def save_adapter(self, directory, convert: bool = True):
         """Write the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors). A PiSSA / OLoRA
         adapter is written as PEFT's save_pretrained(path_initial_model_for_weight_conversion=...) writes it:
-        converted to a plain LoRA of rank 2r on the original base (lora_init.converted), which loads on the
+        converted to a plain LoRA of rank 2r on the original base (inits.converted), which loads on the
         untouched base model anywhere. convert=False writes it as trained, over the residual base, with its
         init recorded (PEFT's save_pretrained without conversion; loading it rebuilds the residual)."""
         if self.lora_config is None:
@@ -361,16 +363,16 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     if backend in ("auto", "wgpu"):
-        from .gpu import runtime
+        from wgpu_train.engines.webgpu.device import runtime
 
         if backend == "auto" and not runtime.has_adapter():
             log.warning("wgpu-train: no WebGPU adapter found; using the NumPy backend")
             backend = "numpy"
         else:
-            from .gpu.engine import WgpuEngine
+            from wgpu_train.engines.webgpu.engine import WgpuEngine
 
             return WgpuEngine(config, weights, runtime.get_runtime(device), base_dtype, embed_dtype)
-    from .reference.model import NumpyEngine
+    from wgpu_train.engines.numpy.engine import NumpyEngine
 
     return NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype)
 

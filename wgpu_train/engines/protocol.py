@@ -1,12 +1,18 @@
-"""The one protocol between an engine (the NumPy reference engine, reference/model.py; the WebGPU engine,
-gpu/engine.py) and what drives it (model.py, train.py, checkpoint.py, evaluate.py, generate.py): everything
+"""The one protocol between an engine (the NumPy reference engine, engines/numpy/engine.py; the WebGPU engine,
+webgpu/engine.py) and what drives it (model.py, generate.py, training/): everything
 those may read or call on an engine, and nothing else (tests/test_engine_protocol.py holds them to it)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from .config import ModelConfig
+from wgpu_train.models.config import ModelConfig
+
+# Prompt tokens per prefill call of generation (generate.py): an engine's activations grow with the tokens of one
+# call, and ragged prompts may be cut anywhere, since each chunk's keys land in the cache before the next chunk
+# reads them. The WebGPU engine sizes its attention scratch for these on CPU adapters.
+PREFILL_TOKENS = 256
 
 
 @runtime_checkable
@@ -119,3 +125,16 @@ class DropoutState:
 
 # the protocol's attributes and methods by name
 MEMBERS = frozenset(list(Engine.__annotations__) + [k for k in vars(Engine) if not k.startswith("_")])
+
+
+@dataclass(frozen=True)
+class OptimizerParams:
+    """AdamW hyper-parameters of one step (the learning rate comes from the schedule)."""
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    lora_b_lr_ratio: float = 1.0     # LoRA+: the learning rate of the LoRA B matrices over lr (the A matrices')

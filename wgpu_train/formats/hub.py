@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 log = logging.getLogger("wgpu_train")
 

@@ -18,10 +18,14 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from wgpu_train.errors import DataError, ModelFileError
 
-__all__ = ["CHATML_TEMPLATE", "CHATML_EOS_TEMPLATE", "END_OF_TURN_TOKENS", "StreamDecoder", "Tokenizer",
-           "load_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "CHATML_EOS_TEMPLATE", "END_OF_TURN_TOKENS", "TOKENIZER_FILES", "StreamDecoder",
+           "Tokenizer", "load_tokenizer"]
 
 log = logging.getLogger("wgpu_train")
+
+# the tokenizer's files in a model folder (a merged or trained model's folder gets copies of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
 
 # Used when the tokenizer ships no template. The BOS line only fires for tokenizers whose post-processor
 # adds a BOS (Llama-style), so that such models still see the token they were pretrained with.

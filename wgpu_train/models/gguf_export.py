@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ConfigError
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.errors import ConfigError
 
 TYPES = ("f32", "f16", "q8_0")
 # Hugging Face architecture -> llama.cpp's (Mistral runs as llama there)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
-from .config import ModelConfig
+from wgpu_train.models.config import ModelConfig
 
 INPUT = "x_in"       # the layer's input activation (the residual stream)
 OUTPUT = "x_out"     # its output: the next layer's INPUT, or the final norm's input after the last layer

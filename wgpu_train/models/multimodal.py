@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from .errors import AdapterError, ConfigError, ModelFileError
+from wgpu_train.errors import AdapterError, ConfigError, ModelFileError
 
 log = logging.getLogger("wgpu_train")
 

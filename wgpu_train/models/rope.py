@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .errors import ConfigError, positive_field
+from wgpu_train.errors import ConfigError, positive_field
 
 
 def rope_settings(raw: dict, params, family: str, head_dim: int, max_pos: int, source: str) -> tuple:

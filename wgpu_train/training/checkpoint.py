@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "trainer_state.json"
@@ -47,7 +47,7 @@ def find_checkpoint(path) -> Path:
 
 def write_optimizer_state(path, state: dict):
     """AdamW moments {name: (m, v)} as one safetensors file (name.exp_avg, name.exp_avg_sq)."""
-    from .hf import write_safetensors
+    from wgpu_train.formats.safetensors import write_safetensors
 
     tensors = {}
     for k, (m, v) in state.items():
@@ -58,7 +58,7 @@ def write_optimizer_state(path, state: dict):
 
 def read_optimizer_state(path) -> dict:
     """The {name: (m, v)} that write_optimizer_state wrote."""
-    from .hf import read_safetensors
+    from wgpu_train.formats.safetensors import read_safetensors
 
     tensors = read_safetensors(path)
     names = sorted(k[:-len(".exp_avg")] for k in tensors if k.endswith(".exp_avg"))
@@ -147,7 +147,8 @@ def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, em
 
 def read_trainable(ckpt, method: str) -> dict:
     """A checkpoint's trainable tensors, keyed as engine.trainable() keys them."""
-    from .hf import read_adapter, read_safetensors
+    from wgpu_train.adapters.files import read_adapter
+    from wgpu_train.formats.safetensors import read_safetensors
 
     ckpt = Path(ckpt)
     if method != "lora":

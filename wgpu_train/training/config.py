@@ -7,17 +7,18 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import tracking
-from .config import LoraConfig, OptimizerParams
-from .errors import ConfigError
-from .lora_layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
-from .reference.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
-from .schedule import SCHEDULES
+from wgpu_train.training import tracking
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.errors import ConfigError
+from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
+from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
+from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
+from wgpu_train.training.schedule import SCHEDULES
 
 BACKEND_CHOICES = ("auto", "wgpu", "numpy")
 METHODS = ("lora", "full")
 PAD_MULTIPLE = 8   # sequence lengths are padded to a multiple of this
-DEFAULT_OUT = "wgpu-train-out"
 
 
 def _opt(default, help_text: str, **extra):
@@ -63,7 +64,7 @@ class TrainConfig:
                                          "loraplus_lr_ratio; the LoRA+ paper suggests 16; 1: plain LoRA)")
     dora: bool = _opt(False, "DoRA: weight-decomposed LoRA, a trained magnitude per output row scaling W + "
                              "scale * B A by m / ||W + scale * B A|| (PEFT's use_dora)")
-    # ---- PEFT's per-layer choices and initialisations (lora_layout.py, lora_init.py) ----
+    # ---- PEFT's per-layer choices and initialisations (adapters/layout.py, adapters/inits.py) ----
     lora_layers: str | None = _opt(None, "layers that get LoRA: N, the last N (mlx-lm's --num-layers), or indices "
                                          "such as 0,2,5 or 3-5 (one layer i: i,); default: every layer "
                                          "(PEFT's layers_to_transform)")
@@ -76,7 +77,7 @@ class TrainConfig:
                                      "kaiming-uniform, B zeros), gaussian, pissa, pissa_niter_K (K subspace "
                                      "iterations), olora; pissa and olora train over the residual base and save "
                                      "the adapter converted to rank 2r for the original base")
-    # ---- PEFT's modules_to_save (saved_modules.py) ----
+    # ---- PEFT's modules_to_save (adapters/saved_modules.py) ----
     modules_to_save: str | None = _opt(None, "also train full float32 copies of these modules beside LoRA, saved in "
                                              "the adapter (PEFT's modules_to_save, e.g. after adding tokens): "
                                              "embed_tokens, lm_head or both, comma-separated")
@@ -132,7 +133,7 @@ class TrainConfig:
                                     "metrics.jsonl row (0: off)")
     report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
                                   "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
-    # ---- data parallelism on Ray Train (distributed.py, data_parallel.py) ----
+    # ---- data parallelism on Ray Train (distributed/) ----
     num_workers: int | None = _opt(None, "train on this many Ray Train workers, each on its own WebGPU adapter "
                                          "(--device may list one per worker; workers may share one): a step's "
                                          "batch is batch_size x grad_accum x num_workers, its gradients averaged "
@@ -224,11 +225,7 @@ class TrainConfig:
     def output_dir(self) -> Path:
         """The output folder: `out`, else the folder of the run that `resume` continues (see run_folder), else
         wgpu-train-out."""
-        if self.out is not None:
-            return Path(self.out)
-        from .run_folder import run_folder
-
-        return run_folder(self.resume) if self.resume else Path(DEFAULT_OUT)
+        return output_folder(self.out, self.resume)
 
     def storage_dtypes(self) -> tuple[str, str]:
         """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
@@ -262,13 +259,25 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
+INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")
+
+
+def resumed_settings(resume) -> dict:
+    """The settings of the run that a --resume path continues, for the command line (or a restarted Ray worker)
+    to fill the options it was not given: the run folder's train_config.json (run_folder.recorded_settings)
+    restricted to TrainConfig fields and without INVOCATION_FIELDS."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(INVOCATION_FIELDS)
+    return {k: v for k, v in recorded_settings(resume).items() if k in names}
+
+
 # ---- the embedded default run ---------------------------------------------------------------------
 
 def default_run_values() -> dict:
     """The embedded recipe (wgpu_train/assets/recipe.toml) that `wgpu-train finetune` with no --model and no
     --data uses below the command line and --config."""
     try:
-        from .assets import default_recipe
+        from wgpu_train.assets import default_recipe
     except ImportError:
         return {}
     return default_recipe()
@@ -291,7 +300,7 @@ def default_data_dir() -> Path:
 
 def _asset(func: str, what: str, option: str) -> Path:
     try:
-        from . import assets
+        from wgpu_train import assets
         path = Path(getattr(assets, func)())
     except (ImportError, AttributeError, OSError):
         raise ConfigError(f"the embedded default {what} is not installed; pass {option}") from None

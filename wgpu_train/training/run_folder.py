@@ -1,14 +1,16 @@
-"""The run folder policy: which folder a --resume path belongs to, the settings a resumed run takes from it,
-and what shows that a folder already holds a run (so that a new run refuses it)."""
+"""The run folder policy, resolved in one place (RunFolders): where a run writes, which run a --resume path
+belongs to and whether the run continues there, what shows that a folder already holds a run (so that a new
+run refuses it), and the settings a run recorded (train_config.json)."""
 from __future__ import annotations
 
-import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import list_checkpoints
-from .errors import ConfigError
+from wgpu_train.training.checkpoint import list_checkpoints
+from wgpu_train.errors import ConfigError
 
+DEFAULT_OUT = "wgpu-train-out"
 RUN_FILES = ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "model.safetensors",
              "summary.json", "train_config.json")
 
@@ -35,15 +37,10 @@ def run_folder(resume) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
-# say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
-INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")
-
-
-def run_settings(resume) -> dict:
-    """The settings of the run that a --resume path continues, for the command line to fill the options it
-    was not given: the run folder's train_config.json as that run resolved it (model and data folders,
-    recipe values, dtypes), restricted to TrainConfig fields and without INVOCATION_FIELDS. {} when there
-    is no such file; ConfigError when it cannot be read."""
+def recorded_settings(resume) -> dict:
+    """The train_config.json of the run that a --resume path belongs to, as that run resolved it (model and
+    data folders, recipe values, dtypes); {} when there is no such file, ConfigError when it cannot be read.
+    (config.resumed_settings keeps what a resumed run takes from it.)"""
     path = run_folder(resume) / "train_config.json"
     if not path.is_file():
         return {}
@@ -53,10 +50,33 @@ def run_settings(resume) -> dict:
         raise ConfigError(f"{path}: unreadable run settings ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: unreadable run settings (not a JSON object)")
-    from .train_config import TrainConfig
+    return raw
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(INVOCATION_FIELDS)
-    return {k: v for k, v in raw.items() if k in names}
+
+def output_folder(out, resume) -> Path:
+    """The output folder: `out`, else the folder of the run that `resume` continues, else DEFAULT_OUT."""
+    if out is not None:
+        return Path(out)
+    return run_folder(resume) if resume else Path(DEFAULT_OUT)
+
+
+@dataclass(frozen=True)
+class RunFolders:
+    """The folders of one run, resolved once (resolve_run)."""
+
+    out: Path                   # where the run writes
+    resumed: Path | None        # the folder of the run that --resume continues
+    in_place: bool              # the run continues that run in its own folder
+    earlier: tuple              # what shows that `out` holds another run (see earlier_run); () with overwrite
+
+
+def resolve_run(out, resume, overwrite: bool) -> RunFolders:
+    """The folders of a run given its out, resume and overwrite settings."""
+    folder = output_folder(out, resume)
+    resumed = run_folder(resume) if resume else None
+    in_place = resumed is not None and same_folder(folder, resumed)
+    earlier = () if in_place or overwrite else tuple(earlier_run(folder))
+    return RunFolders(folder, resumed, in_place, earlier)
 
 
 def same_folder(a: Path, b: Path) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 SCHEDULES = ("constant", "linear", "cosine")
 

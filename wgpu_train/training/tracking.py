@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from .errors import ConfigError
+from wgpu_train.errors import ConfigError
 
 log = logging.getLogger("wgpu_train")
 
@@ -117,7 +117,7 @@ class _MLflow:
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):       # a local store beside the run unless told otherwise
             try:
-                import sqlalchemy  # noqa: F401  (MLflow's database store)
+                import sqlalchemy
                 mlflow.set_tracking_uri(f"sqlite:///{(out / 'mlflow.db').resolve()}")
             except ImportError:                              # mlflow-skinny: the file store, which MLflow 3
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")   # keeps behind this opt-in

@@ -1,10 +1,9 @@
-"""Fine-tuning: the Trainer (the step loop with gradient accumulation on any engine, evaluation, early
-stopping, Ctrl-C) and finetune(config) -> summary. Its setup is train_setup.py's, what it writes (checkpoints,
-metrics rows, summary) train_records.py's; the settings are train_config.py's, the run folder policy
-run_folder.py's, the metrics metrics.py's."""
+"""The Trainer: the step loop with gradient accumulation on any engine, evaluation, early stopping, Ctrl-C. Its
+setup is trainer_setup.py's, what it writes (checkpoints, metrics rows, summary) trainer_records.py's; the
+settings are config.py's, the run folder policy run_folder.py's, the metrics metrics.py's. A run starts from
+distributed.dispatch.finetune, which picks this process or Ray workers."""
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import signal
 import sys
@@ -14,22 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint
-from .batching import split_batch
-from .checkpoint import find_checkpoint, list_checkpoints
-from .errors import ConfigError
-from .evaluate import engine_batch, evaluate_loss, exact_match
-from .metrics import Window, fmt, num
-from .run_folder import earlier_run, run_folder, same_folder
-from .train_config import PAD_MULTIPLE, TrainConfig
-from .train_records import TrainerRecords
-from .train_setup import TrainerSetup
+from wgpu_train.training import checkpoint
+from wgpu_train.data.batching import split_batch
+from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
+from wgpu_train.errors import ConfigError
+from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
+from wgpu_train.training.metrics import Window, fmt, num
+from wgpu_train.training.run_folder import resolve_run
+from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig
+from wgpu_train.training.trainer_records import TrainerRecords
+from wgpu_train.training.trainer_setup import TrainerSetup
 
 class Trainer(TrainerSetup, TrainerRecords):
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
     As it is constructed, before anything is loaded or written, it refuses an output folder that is a file or
-    holds an earlier run (see earlier_run; config.overwrite replaces that run, whose checkpoints are then
+    holds an earlier run (see run_folder.earlier_run; config.overwrite replaces that run, whose checkpoints are then
     deleted), a --resume path without a checkpoint or whose checkpoint was trained with another method, LoRA
     setting or storage dtype, and early stopping on a single data file without valid_split. A resumed run
     writes into the folder it resumes from (the default), or into one that holds no other run (or with
@@ -48,13 +47,13 @@ class Trainer(TrainerSetup, TrainerRecords):
         if not isinstance(config, TrainConfig):
             raise ConfigError("Trainer needs a TrainConfig")
         self.config = config
-        self.out = config.output_dir()
+        self.folders = resolve_run(config.out, config.resume, config.overwrite)
+        self.out = self.folders.out
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"the output folder {self.out} is a file; choose another --out")
         self.base_dtype, self.embed_dtype = config.storage_dtypes()   # as the base weights are stored
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
-        self.continues_in_place = bool(config.resume) and same_folder(self.out, run_folder(config.resume))
-        found = [] if self.continues_in_place or config.overwrite else earlier_run(self.out)
+        found = self.folders.earlier
         if found:
             resume = (f", --resume {shlex.quote(str(self.out))} to continue it"
                       if not config.resume and list_checkpoints(self.out / "checkpoints") else "")
@@ -324,25 +323,4 @@ class Trainer(TrainerSetup, TrainerRecords):
         return bool(patience) and h["evals_without_improvement"] >= patience
 
 
-
-
-
-
-def finetune(config: TrainConfig | None = None, **overrides) -> dict:
-    """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
-    that is also written to summary.json in the output folder."""
-    config = config or TrainConfig()
-    if overrides:
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
-        config = dataclasses.replace(config, **overrides)
-    if config.num_workers:
-        from .distributed import finetune_on_ray
-
-        return finetune_on_ray(config)
-    return Trainer(config).run()
-
-
-__all__ = ["Trainer", "finetune"]
+__all__ = ["Trainer"]

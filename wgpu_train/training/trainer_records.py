@@ -1,4 +1,4 @@
-"""What the Trainer writes (TrainerRecords, a part of train.Trainer): checkpoints and their restoring, the rows
+"""What the Trainer writes (TrainerRecords, a part of trainer.Trainer): checkpoints and their restoring, the rows
 of metrics.jsonl and the trackers, the log lines of steps and evaluations, the summary and the final adapter
 or model, and the clean-up of a run that trained nothing."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import shlex
 from pathlib import Path
 
-from . import checkpoint, tracking
-from .checkpoint import list_checkpoints
-from .errors import ConfigError
-from .metrics import Window, fmt, keep_metrics_until, num, plot_losses
+from wgpu_train.training import checkpoint, tracking
+from wgpu_train.training.checkpoint import list_checkpoints
+from wgpu_train.errors import ConfigError
+from wgpu_train.training.metrics import Window, fmt, keep_metrics_until, num, plot_losses
 
 
 class TrainerRecords:

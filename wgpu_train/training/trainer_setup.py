@@ -1,4 +1,4 @@
-"""The Trainer's setup (TrainerSetup, a part of train.Trainer): the model, tokenizer and data read, LoRA attached
+"""The Trainer's setup (TrainerSetup, a part of trainer.Trainer): the model, tokenizer and data read, LoRA attached
 or full fine-tuning enabled, a resume's progress and tensors restored, the output folder prepared, the memory
 estimated and the run described in the log."""
 from __future__ import annotations
@@ -7,15 +7,15 @@ import dataclasses
 import json
 import shutil
 
-from . import hub, tracking
-from .checkpoint import list_checkpoints
-from .config import ModelConfig
-from .errors import ConfigError
-from .lora_layout import describe_layout, lora_options, model_targets
-from .memory import base_weight_bytes, count_trainable, estimate_memory, format_bytes
-from .run_folder import run_folder
-from .schedule import LRSchedule
-from .train_config import PAD_MULTIPLE, default_data_dir, default_model_dir
+from wgpu_train.formats import hub
+from wgpu_train.training import tracking
+from wgpu_train.training.checkpoint import list_checkpoints
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.errors import ConfigError
+from wgpu_train.adapters.layout import describe_layout, lora_options, model_targets
+from wgpu_train.engines.webgpu.memory import base_weight_bytes, count_trainable, estimate_memory, format_bytes
+from wgpu_train.training.schedule import LRSchedule
+from wgpu_train.training.config import PAD_MULTIPLE, default_data_dir, default_model_dir
 
 
 class TrainerSetup:
@@ -23,10 +23,10 @@ class TrainerSetup:
 
     def setup(self):
         """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
-        from .data import BatchStream
-        from .model import load_model
+        from wgpu_train.data.batching import BatchStream
+        from wgpu_train.engines.model import load_model
 
-        from .hf import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
+        from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
 
         cfg = self.config
         tracking.require(tracking.parse_report_to(cfg.report_to))
@@ -74,7 +74,7 @@ class TrainerSetup:
         if self._resume:
             self._resume_progress(self._resume[1])
             if self.done():
-                raise ConfigError(f"the run in {run_folder(cfg.resume)} already finished at step {self.step}; "
+                raise ConfigError(f"the run in {self.folders.resumed} already finished at step {self.step}; "
                                   f"raise --max-steps or --epochs to train further")
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
@@ -136,8 +136,9 @@ class TrainerSetup:
         return {**est, "batch": rows, "length": length}
 
     def _read_data(self, model_cfg: ModelConfig):
-        from .data import resolve_data, tokenize_dataset
-        from .tokenizer import load_tokenizer
+        from wgpu_train.data.sources import resolve_data
+        from wgpu_train.data.tokenize import tokenize_dataset
+        from wgpu_train.formats.tokenizer import load_tokenizer
 
         cfg = self.config
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -179,7 +180,7 @@ class TrainerSetup:
             (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         except OSError as e:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
-        if not self.continues_in_place:
+        if not self.folders.in_place:
             stale = list_checkpoints(self.out / "checkpoints")
             if stale:
                 self.log(f"removing {len(stale)} checkpoint(s) of an earlier run in {self.out / 'checkpoints'}")

@@ -1,10 +1,10 @@
 """DoRA modules of the NumPy engine (a mixin of NumpyEngine): PEFT's formulation as the oracle, the norm
-||W + s B A|| formed directly (dora.weight_norm) where the GPU engine expands it (gpu/dora.py)."""
+||W + s B A|| formed directly (dora.weight_norm) where the GPU engine expands it (webgpu/dora.py)."""
 from __future__ import annotations
 
-from ..dora import MAGNITUDE, weight_norm
-from ..hf import module_path
-from . import ops
+from wgpu_train.adapters.dora import MAGNITUDE, weight_norm
+from wgpu_train.models.weights import module_path
+from wgpu_train.engines.numpy import ops
 
 
 class DoraLinear:

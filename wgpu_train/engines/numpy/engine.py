@@ -1,4 +1,4 @@
-"""The NumPy engine: model forward and backward composed from reference/ops.py, gradients of LoRA and of
+"""The NumPy engine: model forward and backward composed from engines/numpy/ops.py, gradients of LoRA and of
 trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against."""
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import time
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..dora import MAGNITUDE, split_entry
-from ..engine_protocol import DropoutState
-from ..hf import module_path
-from ..layer_plan import CARRY, INPUT, OUTPUT, layer_plan
-from ..saved_modules import EMBED, HEAD
-from . import ops
-from .dora_linear import DoraLinear
-from .kv_cache import NumpyKvCache
-from .quant import check_dtypes, round_weights
-from .optim import adamw_update, clip_scale, grad_norm
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.adapters.dora import MAGNITUDE, split_entry
+from wgpu_train.engines.protocol import DropoutState
+from wgpu_train.models.weights import module_path
+from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
+from wgpu_train.adapters.saved_modules import EMBED, HEAD
+from wgpu_train.engines.numpy import ops
+from wgpu_train.engines.numpy.dora_linear import DoraLinear
+from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
+from wgpu_train.engines.numpy.quant import check_dtypes, round_weights
+from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
 
 class LoraModule:
@@ -45,7 +45,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype ("float32", "float16", "nf4", "nf4-dq" / "float32", "float16"): the base weights are
-    rounded through that storage at load (reference/quant.py) and kept dequantised, so the math equals
+    rounded through that storage at load (engines/numpy/quant.py) and kept dequantised, so the math equals
     the GPU engine's, which stores them in that format, up to summation order."""
 
     name = "numpy"

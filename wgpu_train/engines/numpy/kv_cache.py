@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layer_plan import OUTPUT
-from . import ops
+from wgpu_train.models.layer_plan import OUTPUT
+from wgpu_train.engines.numpy import ops
 
 
 def check_rows(ids, rows, positions, last, kv: dict, vocab_size: int) -> tuple:
@@ -67,7 +67,7 @@ class NumpyKvCache:
         through the final norm and lm_head. long_rope: whether RoPE takes longrope's long factors (None: as
         the call's largest position says, ModelConfig.rope_long).
         """
-        from .model import _Walk
+        from wgpu_train.engines.numpy.engine import _Walk
 
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         x = self._embed(ids)                                                      # (n, C)

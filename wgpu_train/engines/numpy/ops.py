@@ -1,6 +1,6 @@
 """NumPy op pairs: each `<op>_forward` returns its outputs, each `<op>_backward` the gradients of its inputs.
 
-Argument order mirrors shaders/<op>.wgsl and gpu/kernels.py, where the outputs come first
+Argument order mirrors shaders/<op>.wgsl and webgpu/kernels.py, where the outputs come first
 (here they are returned instead): inputs and weights, then sizes. Arrays keep the dtype they
 are given (float32 by default, float64 for gradient checks).
 """

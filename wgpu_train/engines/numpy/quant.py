@@ -161,7 +161,7 @@ def nf4_dequantize(packed: np.ndarray, absmax, shape) -> np.ndarray:
 
 def float16_values(w: np.ndarray, name: str = "a weight") -> np.ndarray:
     """w rounded to float16; ConfigError when a value lies beyond float16's range (it would become inf)."""
-    from ..errors import ConfigError
+    from wgpu_train.errors import ConfigError
 
     w = np.asarray(w, dtype=np.float32)
     largest = float(np.max(np.abs(w))) if w.size else 0.0
@@ -186,7 +186,7 @@ def round_to(w: np.ndarray, dtype: str, name: str = "a weight") -> np.ndarray:
 
 def is_linear_weight(name: str) -> bool:
     """Whether a Hugging Face tensor name is the weight of one of a layer's linear modules (any family's)."""
-    from ..config import KNOWN_LINEAR_MODULES
+    from wgpu_train.models.config import KNOWN_LINEAR_MODULES
 
     return (name.startswith("model.layers.") and name.endswith(".weight")
             and name.rsplit(".", 2)[-2] in KNOWN_LINEAR_MODULES)
@@ -205,7 +205,7 @@ def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> st
 def check_dtypes(base_dtype: str, embed_dtype: str = "auto") -> tuple[str, str]:
     """(base_dtype, embed_dtype) with embed_dtype "auto" resolved (float32 over a float32 base, else float16);
     ConfigError unless both are supported storage dtypes."""
-    from ..errors import ConfigError
+    from wgpu_train.errors import ConfigError
 
     if base_dtype not in BASE_DTYPES:
         raise ConfigError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}")

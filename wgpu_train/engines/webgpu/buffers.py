@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import DeviceError
-from ..memory import (SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens, check_fits, head_rows,
-                      layer_ranks)
-from ..reference import ops as ref_ops
-from .runtime import Runtime
-from .tensors import F32
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens,
+                                              check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.numpy import ops as ref_ops
+from wgpu_train.engines.webgpu.device.runtime import Runtime
+from wgpu_train.engines.webgpu.tensors import F32
 
 
 class GpuLora:
-    """A LoRA pair on the GPU: views of A (r, in) and B (out, r) and of their gradients; with DoRA (gpu/dora.py)
+    """A LoRA pair on the GPU: views of A (r, in) and B (out, r) and of their gradients; with DoRA (webgpu/dora.py)
     views of the magnitude m (out,), its gradient gm, ||W||^2 wsq and 1 / ||W + s B A|| rn (None without)."""
 
     def __init__(self, path, a, b, ga, gb, shape_a, shape_b, scale, dropout, module_id):

@@ -1,16 +1,16 @@
 """DoRA on the WebGPU engine (a mixin of WgpuEngine, beside LayerRecorder): the per-module norm buffers, the
 norm 1 / ||W + s B A|| recomputed from the current A and B before the first forward after any change (for
 every base storage: P = A W^T comes from the base linear itself, with A as its input rows), and a DoRA
-module's forward and backward (PEFT's formulation, reference/model.py's _dora_linear)."""
+module's forward and backward (PEFT's formulation, engines/numpy/engine.py's _dora_linear)."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..hf import module_path
-from . import kernels as K
-from .gemm import gemm
-from .lora import lora_a_forward, lora_b_forward, lora_backward, linear_lora_forward
-from .tensors import Packed, linear_backward, linear_forward
+from wgpu_train.models.weights import module_path
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.tuned.gemm import gemm
+from wgpu_train.engines.webgpu.lora import lora_a_forward, lora_b_forward, lora_backward, linear_lora_forward
+from wgpu_train.engines.webgpu.tensors import Packed, linear_backward, linear_forward
 
 
 class DoraRecorder:
@@ -48,7 +48,7 @@ class DoraRecorder:
         self._dora_stale = True
 
     def _record_dora_norms(self, rec):
-        """rn = 1 / ||W + s B A|| of every DoRA module from the current A, B (reference.ops.dora_norm)."""
+        """rn = 1 / ||W + s B A|| of every DoRA module from the current A, B (numpy.ops.dora_norm)."""
         rec.section("DoRA weight norms")
         for m in self._dora_modules():
             pt, g = (self._dora_scratch, 0), (self._dora_scratch, m.r * m.out_f)

@@ -7,29 +7,29 @@ import os
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..engine_protocol import DropoutState
-from ..errors import ConfigError
-from ..hf import module_path
-from ..layer_plan import layer_plan
-from ..memory import layer_ranks, lora_groups
-from ..reference.quant import check_dtypes
-from ..saved_modules import EMBED, HEAD
-from . import attention_kernels
-from . import kernels as K
-from .quant import QuantMatrix
-from .runtime import Runtime
-from .tensors import F32, Matrix, Packed, store_weight, weight_buffers
-from .buffers import BucketCache, GpuLora
-from .kv_cache import KvCacheGeneration
-from .layers import LayerRecorder
-from .dora import DoraRecorder
-from .steps import StepRecording
-from ..dora import MAGNITUDE, split_entry
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import DropoutState
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.weights import module_path
+from wgpu_train.models.layer_plan import layer_plan
+from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
+from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.adapters.saved_modules import EMBED, HEAD
+from wgpu_train.engines.webgpu.tuned import attention_kernels
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.device.runtime import Runtime
+from wgpu_train.engines.webgpu.tensors import F32, Matrix, Packed, store_weight, weight_buffers
+from wgpu_train.engines.webgpu.buffers import BucketCache, GpuLora
+from wgpu_train.engines.webgpu.kv_cache import KvCacheGeneration
+from wgpu_train.engines.webgpu.layers import LayerRecorder
+from wgpu_train.engines.webgpu.dora import DoraRecorder
+from wgpu_train.engines.webgpu.steps import StepRecording
+from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 
 
 class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRecording, KvCacheGeneration):
-    """The engine protocol of reference.model.NumpyEngine, on a WebGPU device."""
+    """The engine protocol of numpy.engine.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once

@@ -1,6 +1,6 @@
 """Python wrappers for the WGSL op kernels: one function per op (same names and argument order as
-reference/ops.py and reference/optim.py), recording dispatches into a Recorder; nothing is read back.
-(Over 450 lines on purpose: the one catalogue of op wrappers, mirroring reference/ops.py, that every
+engines/numpy/ops.py and engines/numpy/optim.py), recording dispatches into a Recorder; nothing is read back.
+(Over 450 lines on purpose: the one catalogue of op wrappers, mirroring engines/numpy/ops.py, that every
 recording imports as K; the tuned families' wrappers live in gemm.py, quant.py and attention_kernels.py.)
 
 Conventions shared by every wrapper:
@@ -26,10 +26,10 @@ import weakref
 
 import numpy as np
 
-from ..errors import DeviceError
-from . import attention_decode, attention_kernels, tune
-from .launch import Kernel, bind, flat_grid, launch
-from .operands import split
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.tuned import attention_decode, attention_kernels, tune
+from wgpu_train.engines.webgpu.device.launch import Kernel, bind, flat_grid, launch
+from wgpu_train.engines.webgpu.device.operands import split
 
 WG = 256                 # workgroup size of the elementwise-style kernels
 RMS_WG = 64              # rmsnorm row workgroup (shaders/rmsnorm.wgsl WG)
@@ -492,7 +492,7 @@ def _hparams_row(rec, values):
 
 
 def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, scale_buf=None):
-    """One AdamW step in place on param, m, v (n elements), as reference.optim.adamw_update with
+    """One AdamW step in place on param, m, v (n elements), as numpy.optim.adamw_update with
     grad_scale = scale_buf[1]; no change at all when scale_buf[2] (the finite flag) is 0.
 
     scale_buf: the [norm, clip_scale, finite_flag] tensor grad_norm_finalize writes, or None for
@@ -519,13 +519,13 @@ KV_CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v
 def _lora_dropout(rec, direction, y, x, seeds, seed_slot, p, n):
     if n <= 0:
         return
-    inv_keep = float(np.float32(1.0) / np.float32(1.0 - p))  # as reference.ops.dropout_mask scales
+    inv_keep = float(np.float32(1.0) / np.float32(1.0 - p))  # as numpy.ops.dropout_mask scales
     launch(rec, LORA_DROPOUT[direction], flat_grid(-(-n // WG)), [(y, n), (x, n), (seeds, seed_slot + 1)],
            n=int(n), seed_slot=int(seed_slot), threshold=int(p * (1 << 24)), inv_keep=inv_keep)
 
 
 def lora_dropout_forward(rec, y, x, seeds, seed_slot, p, n):
-    """y = x * dropout_mask(seeds[seed_slot], n, p) (reference.ops.dropout_mask), over n elements."""
+    """y = x * dropout_mask(seeds[seed_slot], n, p) (numpy.ops.dropout_mask), over n elements."""
     _lora_dropout(rec, "forward", y, x, seeds, seed_slot, p, n)
 
 
@@ -569,7 +569,7 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
 # ---- DoRA (shaders/dora.wgsl) ------------------------------------------------------------------
 
 def dora_norm(rec, rnorm, weight_sq, pt, g, lora_b, scale, out_f, r):
-    """rnorm (out,) = 1 / ||W + scale B A|| per row (reference.ops.dora_norm) from weight_sq = ||W||^2 (out,),
+    """rnorm (out,) = 1 / ||W + scale B A|| per row (numpy.ops.dora_norm) from weight_sq = ||W||^2 (out,),
     pt = A W^T (r, out), g = A A^T (r, r), lora_b (out, r). Forward only: the norm is detached."""
     _elems(rec, "dora", "dora_norm", out_f, [(rnorm, out_f, "rnorm", True), (weight_sq, out_f, "weight_sq", False),
                                              (pt, r * out_f, "pt", False), (g, r * r, "g", False),

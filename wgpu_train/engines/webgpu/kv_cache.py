@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import DeviceError
-from ..reference.kv_cache import check_rows, forward_cached
-from . import attention_decode
-from .operands import at
-from .tensors import F32
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.numpy.kv_cache import check_rows, forward_cached
+from wgpu_train.engines.webgpu.tuned import attention_decode
+from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.tensors import F32
 
 
 class KvCacheGeneration:
@@ -42,7 +42,7 @@ class KvCacheGeneration:
         return forward_cached(self, ids, kv)
 
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
-        """n new tokens, each with its own cache row and position (reference.model.NumpyEngine.forward_rows):
+        """n new tokens, each with its own cache row and position (numpy.engine.NumpyEngine.forward_rows):
         keys and values written first, then causal attention within each row; logits (m, V) of the tokens
         at indices last (m,). One submission and one readback while the m rows of logits fit the head's
         chunk. The tokens are padded to a power of two (padding has row -1, which writes nothing) so that

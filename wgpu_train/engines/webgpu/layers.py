@@ -2,15 +2,15 @@
 (LayerRecorder, a part of WgpuEngine)."""
 from __future__ import annotations
 
-from ..hf import module_path
-from ..layer_plan import INPUT, OUTPUT
-from . import kernels as K
-from . import quant
-from .lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
-from .quant import QuantMatrix
-from .operands import at
-from .buffers import Activations, GpuLora
-from .tensors import linear_backward, linear_forward
+from wgpu_train.models.weights import module_path
+from wgpu_train.models.layer_plan import INPUT, OUTPUT
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.tuned import quant
+from wgpu_train.engines.webgpu.lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
+from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.buffers import Activations, GpuLora
+from wgpu_train.engines.webgpu.tensors import linear_backward, linear_forward
 
 
 class LayerRecorder:

@@ -4,11 +4,11 @@ module's h and, in the backward, one GEMM each gives every dA and the input grad
 runs a module's base linear and its B term as one dispatch where the tiled GEMM serves the base."""
 from __future__ import annotations
 
-from . import tune
-from .gemm import gemm, gemm_problem
-from .gemm_kernels import Tiled
-from .operands import at
-from .tensors import Matrix, linear_forward
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned.gemm import gemm, gemm_problem
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import Tiled
+from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.tensors import Matrix, linear_forward
 
 
 def lora_a_forward(rec, h, x, lora_a, N, in_features, r, ldh=None):

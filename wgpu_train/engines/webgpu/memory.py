@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 
-from .config import LoraConfig, ModelConfig
-from .errors import DeviceError
-from .layer_plan import INPUT, layer_plan
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.errors import DeviceError
+from wgpu_train.models.layer_plan import INPUT, layer_plan
 
 F32 = 4
 MIN_BUCKET_TOKENS = 64        # the smallest activation bucket (tokens)
 # modules that read the same input: with LoRA on two or more of them and no dropout, the WebGPU engine runs
-# their A matrices as one GEMM into one h buffer (gpu/lora.py)
+# their A matrices as one GEMM into one h buffer (webgpu/lora.py)
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 HEAD_CHUNK_BYTES = 32 << 20   # memory budget of the loss head's logits (rows held at a time), capped by the device
 SHARED_LAYER = "layer."       # prefix, in a plan's shared part, of the one set of layer buffers all layers use
@@ -26,7 +27,7 @@ def head_rows(cfg: ModelConfig, n: int, max_binding: int | None = None, budget: 
     """Rows of float32 logits the loss head holds at a time for n rows: as many as `budget` bytes hold
     (default HEAD_CHUNK_BYTES), never more than one storage binding of the device holds (max_binding;
     default 128 MiB), at most 65535 (one workgroup row each) and at least 1."""
-    from .gpu.quant import DEFAULT_MAX_BINDING
+    from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING
 
     limit = min(HEAD_CHUNK_BYTES if budget is None else budget, max_binding or DEFAULT_MAX_BINDING)
     return max(1, min(n, limit // (cfg.vocab_size * F32), 65535))
@@ -90,7 +91,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     dora_outputs: module name -> out_features of the DoRA modules (their z = W x + s B A x, dora_z, and the
     backward's scaled dy, d_dora).
     """
-    from .gpu import kernels as K
+    from wgpu_train.engines.webgpu import kernels as K
 
     n = b * t
     c, v, d, hq = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
@@ -129,7 +130,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
 
 def weight_shapes(cfg: ModelConfig) -> dict:
     """Every base tensor the engines hold (biases and lm_head included), name -> shape."""
-    from .hf import expected_shapes, module_path
+    from wgpu_train.models.weights import expected_shapes, module_path
 
     shapes = expected_shapes(cfg)
     if cfg.attention_bias:
@@ -145,8 +146,8 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     lm_head; "auto": float16 unless the base is float32), from the chunk plan the WebGPU engine allocates
     by: {"linear", "embedding", "other", "total"}.
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB."""
-    from .gpu.quant import DEFAULT_MAX_BINDING, stored_bytes
-    from .reference.quant import check_dtypes, is_linear_weight, storage_dtype
+    from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
+    from wgpu_train.engines.numpy.quant import check_dtypes, is_linear_weight, storage_dtype
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
@@ -165,8 +166,8 @@ def copy_bytes(cfg: ModelConfig, lora: LoraConfig, embed_dtype: str, max_binding
     """(bytes the modules_to_save copies add to the stored base weights, bytes of the copies in float32) for
     an embedding stored as embed_dtype: a trained weight is stored in float32, and a tied model whose head
     PEFT unties holds the head as a tensor of its own."""
-    from .gpu.quant import DEFAULT_MAX_BINDING, stored_bytes
-    from .saved_modules import trained_weights
+    from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
+    from wgpu_train.adapters.saved_modules import trained_weights
 
     names, untie = trained_weights(cfg.tie_word_embeddings, lora.modules_to_save, lora.ensure_weight_tying)
     binding = max_binding or DEFAULT_MAX_BINDING
@@ -186,7 +187,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
-    from .reference.quant import check_dtypes
+    from wgpu_train.engines.numpy.quant import check_dtypes
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
@@ -204,7 +205,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
             trainable += r * (in_f + out_f) + (out_f if lora.use_dora else 0)     # DoRA: the magnitude
             if lora.dropout > 0:
                 drop[m] = in_f
-            if lora.use_dora:    # gpu/dora.py: ||W||^2 and 1 / ||W + s B A||, and the scratch of P^T and G
+            if lora.use_dora:    # webgpu/dora.py: ||W||^2 and 1 / ||W + s B A||, and the scratch of P^T and G
                 dora[m] = out_f
                 dora_norms += 2 * out_f
                 dora_scratch = max(dora_scratch, r * out_f + r * r)
@@ -239,8 +240,8 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: 
 def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
     """Trainable parameters of a model: the LoRA matrices (and DoRA's magnitudes) and modules_to_save copies, or
     every weight (from shapes, nothing read back)."""
-    from .hf import expected_shapes
-    from .saved_modules import count
+    from wgpu_train.models.weights import expected_shapes
+    from wgpu_train.adapters.saved_modules import count
 
     if lora is not None:
         total = count(cfg, lora)

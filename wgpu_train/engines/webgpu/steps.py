@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 
-from ..reference import ops as ref_ops
-from . import kernels as K
-from .buffers import GpuLora
-from .operands import at
-from .tensors import F32
+from wgpu_train.engines.numpy import ops as ref_ops
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.buffers import GpuLora
+from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.tensors import F32
 
 
 class StepRecording:
@@ -39,7 +39,7 @@ class StepRecording:
         return self._micro * self.n_modules + lora.module_id
 
     def _write_seeds(self, slot: int):
-        """Dropout seeds of every module for micro-batch `slot`, as reference.model computes them."""
+        """Dropout seeds of every module for micro-batch `slot`, as numpy/engine.py computes them."""
         self.dropout_calls += 1
         self._micro = slot
         if not any(m.dropout > 0 for m in self.lora.values()):

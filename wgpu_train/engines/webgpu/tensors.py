@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import quant
-from .gemm import gemm, ones
-from ..reference.quant import storage_dtype
-from .operands import at
-from .quant import QuantMatrix
-from .runtime import Runtime
+from wgpu_train.engines.webgpu.tuned import quant
+from wgpu_train.engines.webgpu.tuned.gemm import gemm, ones
+from wgpu_train.engines.numpy.quant import storage_dtype
+from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.device.runtime import Runtime
 
 F32 = 4
 

@@ -14,8 +14,8 @@ import re
 import struct
 from dataclasses import dataclass
 
-from ..errors import DeviceError
-from .operands import split
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.device.operands import split
 
 F32 = 4
 MAX_GROUPS = 65535           # WebGPU's default max-compute-workgroups-per-dimension
@@ -67,7 +67,7 @@ class Kernel:
         if self.source:
             fn, *args = self.source
             return fn(*args)
-        from .runtime import shader_text
+        from wgpu_train.engines.webgpu.device.runtime import shader_text
         return shader_text(self.shader)
 
     def supported(self, rt) -> bool:

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DeviceError
-from .runtime import MAX_SECTIONS
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.device.runtime import MAX_SECTIONS
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from wgpu_train.engines.webgpu.device.runtime import Runtime
 
 
 class Recorder:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DeviceError, ShaderError
+from wgpu_train.errors import DeviceError, ShaderError
 
 if TYPE_CHECKING:
-    from .recorder import Recorder
+    from wgpu_train.engines.webgpu.device.recorder import Recorder
 
 log = logging.getLogger("wgpu_train")
 
@@ -103,8 +103,9 @@ def choose_adapter(spec=None) -> AdapterInfo:
 
 
 def shader_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent.parent
-    return [here / "_shaders", here.parent / "shaders"]
+    """Where the WGSL lives: the wheel's wgpu_train/_shaders, else the checkout's top-level shaders/."""
+    package = Path(__file__).resolve().parents[3]          # wgpu_train/engines/webgpu/device/runtime.py
+    return [package / "_shaders", package.parent / "shaders"]
 
 
 def shader_path(name: str) -> Path:
@@ -260,7 +261,7 @@ class Runtime:
         """A launch.Kernel's pipeline and uniform layout, compiled once."""
         c = self._compiled.get(kernel)
         if c is None:
-            from .launch import _Compiled
+            from wgpu_train.engines.webgpu.device.launch import _Compiled
             c = self._compiled[kernel] = _Compiled(self, kernel)
         return c
 
@@ -405,7 +406,7 @@ class Runtime:
 
     # ---- recording ----------------------------------------------------------------------------
     def recorder(self, profile: bool = False, max_dispatches: int = 0) -> "Recorder":
-        from .recorder import Recorder
+        from wgpu_train.engines.webgpu.device.recorder import Recorder
         return Recorder(self, profile, max_dispatches)
 
     def query_set(self):

@@ -13,11 +13,11 @@ import math
 
 import numpy as np
 
-from ..errors import DeviceError
-from ..generate import PREFILL_TOKENS
-from .attention_kernels import CPU_LOOP_BUDGET
-from .gemm_kernels import is_cpu
-from .launch import Kernel, flat_grid, prepare
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
 
 WG = 64                       # shaders/attention_cached.wgsl's workgroup size
 MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is sized for this many)
@@ -99,7 +99,7 @@ class DecodeProblem:
     def replica(self, rng):
         """(problem, output buffer, its initial values, its expected values, buffers to release): this shape on
         fresh random inputs, every query's row full up to the cache's end."""
-        from ..reference import ops
+        from wgpu_train.engines.numpy import ops
 
         n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
         q = rng.standard_normal((n, hq, d)).astype(np.float32)

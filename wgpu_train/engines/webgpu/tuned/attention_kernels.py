@@ -17,12 +17,12 @@ import math
 
 import numpy as np
 
-from . import attention_src as src
-from .attention_src import RegsConfig, TilesConfig
-from ..errors import DeviceError
-from .gemm_kernels import is_cpu
-from .launch import Kernel, prepare
-from .operands import split
+from wgpu_train.engines.webgpu.tuned import attention_src as src
+from wgpu_train.engines.webgpu.tuned.attention_src import RegsConfig, TilesConfig
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.device.launch import Kernel, prepare
+from wgpu_train.engines.webgpu.device.operands import split
 
 ROWS_WG = 64             # queries (or keys) per workgroup of the per-row kernels
 ROWS_DMAX = 128          # their register arrays (shaders/attention.wgsl DMAX)
@@ -89,7 +89,7 @@ class AttentionProblem:
     def replica(self, rng):
         """(problem, output buffer, its initial values, its expected values, buffers to release): this shape
         on fresh random inputs, one segment per row, every output in one buffer."""
-        from ..reference import ops
+        from wgpu_train.engines.numpy import ops
 
         B, T, Hq, Hkv, D = self.B, self.T, self.Hq, self.Hkv, self.D
         q, k, v, dout = (rng.standard_normal((B, T, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv, Hq))

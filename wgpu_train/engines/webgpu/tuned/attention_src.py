@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
-from .runtime import shader_text
+from wgpu_train.engines.webgpu.device.runtime import shader_text
 
 PASSES = ("forward", "dq", "dkv")
 ENTRIES = {"forward": "attention_forward", "dq": "attention_backward_dq", "dkv": "attention_backward_dkv"}

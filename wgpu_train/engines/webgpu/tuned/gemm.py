@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import tune
-from .gemm_kernels import Problem, candidates
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import Problem, candidates
 
 _F32 = 4
 

@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from . import gemm_tiled_src as tiled
-from .launch import Kernel, bind, prepare
+from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as tiled
+from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 
 TM = 32                    # rows of C per workgroup of the register kernels, TM_CHOICES for skinny products
 TM_CHOICES = (8, 32)
@@ -245,7 +245,7 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
 @functools.lru_cache(maxsize=1)
 def portable_source() -> str:
     """gemm.wgsl without its subgroup section (for devices without the feature)."""
-    from .runtime import shader_path
+    from wgpu_train.engines.webgpu.device.runtime import shader_path
     text = shader_path("gemm").read_text()
     return text[:text.index(_SG_MARKER)]
 

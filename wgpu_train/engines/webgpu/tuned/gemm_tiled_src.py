@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .runtime import shader_path
+from wgpu_train.engines.webgpu.device.runtime import shader_path
 
 SHADER = "gemm_tiled"
 REDUCE_ENTRY = "gemm_splitk_reduce"

@@ -5,11 +5,11 @@ dy @ W ("nn"); a frozen weight never needs its own gradient. Also the f16 embedd
 Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same function):
 - float16: the values (2 bytes each), row chunks of a multiple of 8 rows that fit one storage binding; the
   shaders read them as u32 words of two and decode with unpack2x16float, so no adapter needs shader-f16;
-- nf4: reference/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
+- nf4: engines/numpy/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
   padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
   contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation;
-- nf4-dq: the same codes; the absmax values double-quantised (reference/quant.py's DoubleQuant). Each chunk's
+- nf4-dq: the same codes; the absmax values double-quantised (engines/numpy/quant.py's DoubleQuant). Each chunk's
   second buffer holds, as u32 words: the offset (f32), the chunk's first block modulo 256, the word where
   its 8-bit indices start, a spare word, the f32 second-level absmax of every 256-block group the chunk
   touches, then the 8-bit index of each of its blocks, four per word. The 256-value code table is the
@@ -24,10 +24,10 @@ import math
 
 import numpy as np
 
-from ..errors import DeviceError
-from ..reference.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
-from .launch import Kernel, launch
-from .operands import at
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.numpy.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
+from wgpu_train.engines.webgpu.device.launch import Kernel, launch
+from wgpu_train.engines.webgpu.device.operands import at
 
 SHADER = "gemm_quant"
 FORMATS = ("float16", "nf4", "nf4-dq")
@@ -67,7 +67,7 @@ def _dq_stats(dq, b0: int, b1: int) -> np.ndarray:
 
 def _dq_absmax(words: np.ndarray, code: np.ndarray, blocks: int) -> np.ndarray:
     """The float32 absmax values of a chunk's `blocks` blocks from its stats words and the code table, as
-    the shader and reference/quant.py's dequantize_absmax rebuild them."""
+    the shader and engines/numpy/quant.py's dequantize_absmax rebuild them."""
     offset = words[0:1].view(np.float32)[0]
     phase, index_word = int(words[1]), int(words[2])
     absmax2 = words[DQ_HEADER_WORDS:index_word].view(np.float32)
@@ -181,7 +181,7 @@ def shader_source(fmt: str, subgroups: bool) -> str:
     feature) blanked; line numbers are kept so that shader errors point at the file."""
     key = (fmt, bool(subgroups))
     if key not in _sources:
-        from .runtime import shader_path
+        from wgpu_train.engines.webgpu.device.runtime import shader_path
 
         out, section, in_sg = [], None, False
         for line in shader_path(SHADER).read_text().split("\n"):
@@ -206,8 +206,8 @@ def qgemm(rec, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None,
           ldc=None):
     """Record C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)) with the kernel tune.choose picks: layout "nt"
     (op = transpose: K = w.cols, N = the chunk's rows) or "nn" (K = the chunk's rows, N = w.cols)."""
-    from . import tune
-    from .quant_kernels import QProblem
+    from wgpu_train.engines.webgpu.tuned import tune
+    from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
 
     if M <= 0:
         return

@@ -7,10 +7,11 @@ import functools
 
 import numpy as np
 
-from . import quant as Q
-from . import quant_tiled as QT
-from .gemm_kernels import WG_CHOICES, gemm_tolerance, is_cpu, min_workgroup, use_subgroups
-from .launch import Kernel, bind, prepare
+from wgpu_train.engines.webgpu.tuned import quant as Q
+from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, gemm_tolerance, is_cpu, min_workgroup,
+                                                          use_subgroups)
+from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 
 _F32 = 4
 

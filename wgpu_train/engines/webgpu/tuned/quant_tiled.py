@@ -14,8 +14,9 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from .gemm_tiled_src import DEFAULT_LIMITS, TileConfig, fits, workgroup_bytes, workgroup_size
-from .launch import Kernel
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import (DEFAULT_LIMITS, TileConfig, fits, workgroup_bytes,
+                                                            workgroup_size)
+from wgpu_train.engines.webgpu.device.launch import Kernel
 
 SHADER = "gemm_quant_tiled"
 ENTRY = "qgemm_tiled"
@@ -23,7 +24,7 @@ FORMAT_SHADER = "gemm_quant"         # whose format sections are appended
 FORMATS = ("float16", "nf4", "nf4-dq")
 BINDINGS = {"float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX", "nf4-dq": "A W BIAS C! STATS CODE"}
 LAYOUTS = ("nt", "nn")
-# The format sections as gpu/quant.py's _source reads them: a section starts at a line beginning with
+# The format sections as tuned/quant.py's _source reads them: a section starts at a line beginning with
 # the format mark followed by the formats it serves, and ends at the next such line or the end mark.
 _FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
@@ -51,7 +52,7 @@ def _check(fmt: str, cfg: TileConfig):
 def format_sections(fmt: str) -> str:
     """The text of gemm_quant.wgsl's format sections that serve fmt (the weight bindings and decoders),
     in file order."""
-    from .runtime import shader_path
+    from wgpu_train.engines.webgpu.device.runtime import shader_path
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}")
@@ -72,7 +73,7 @@ def format_sections(fmt: str) -> str:
 
 @lru_cache(maxsize=1)
 def _template() -> str:
-    from .runtime import shader_path
+    from wgpu_train.engines.webgpu.device.runtime import shader_path
 
     return shader_path(SHADER).read_text()
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
-from .gemm_kernels import is_cpu
+from wgpu_train.errors import ConfigError
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 
 log = logging.getLogger("wgpu_train")
 
@@ -34,9 +34,9 @@ DROP_SLOWER = 3.0            # a candidate whose first timed run is this much sl
 CACHE_VERSION = 1
 _SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
             "shaders/attention.wgsl", "shaders/attention_regs.wgsl", "shaders/attention_tiles.wgsl",
-            "shaders/attention_common.wgsl", "shaders/attention_cached.wgsl", "wgpu_train/gpu/attention_decode.py",
-            "wgpu_train/gpu/gemm_kernels.py", "wgpu_train/gpu/gemm_tiled_src.py", "wgpu_train/gpu/quant_kernels.py",
-            "wgpu_train/gpu/quant_tiled.py", "wgpu_train/gpu/attention_kernels.py", "wgpu_train/gpu/attention_src.py")
+            "shaders/attention_common.wgsl", "shaders/attention_cached.wgsl", "tuned/attention_decode.py",
+            "tuned/gemm_kernels.py", "tuned/gemm_tiled_src.py", "tuned/quant_kernels.py", "tuned/quant_tiled.py",
+            "tuned/attention_kernels.py", "tuned/attention_src.py")
 _pins: list = []
 _modes: list = []
 
@@ -83,7 +83,7 @@ def _pin() -> str | None:
 def sources_checksum() -> str:
     """sha256 over the tuned kernels' shaders (as compiled: with the files they include) and the modules that
     define the candidates."""
-    from .runtime import shader_text
+    from wgpu_train.engines.webgpu.device.runtime import shader_text
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
@@ -255,7 +255,7 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
     each candidate checked once against NumPy before it is timed (timestamp queries where the adapter has
     them). A candidate whose first run is DROP_SLOWER times slower than the best is timed only once; with a
     peak, timing stops at the first one that reaches ROOFLINE_STOP of it."""
-    from .bench import Timer
+    from wgpu_train.engines.webgpu.device.timing import Timer
 
     timer = timer or Timer(rt)
     q, c_buf, c0, want, bufs = p.replica(np.random.default_rng(0))
@@ -295,7 +295,7 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
 
 def tune_shape(rt, p, cands: list, key: str) -> str:
     """Measure `cands` on p's shape; cache and return the fastest correct one's name."""
-    from .bench import Timer, fma_peak
+    from wgpu_train.engines.webgpu.device.timing import Timer, fma_peak
 
     store = cache(rt)
     timer = Timer(rt)

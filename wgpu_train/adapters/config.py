@@ -1,0 +1,86 @@
+"""LoraConfig: the LoRA hyper-parameters with PEFT's meaning for every field, checked on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ModelConfig
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters (use_dora: DoRA), with PEFT's meaning for every field (layout.py resolves the per-layer ones:
+    layers_to_transform / layers_pattern choose the layers, rank_pattern / alpha_pattern map a module-path
+    pattern to its r / alpha; inits.py computes `init`: "default" (PEFT's True), "gaussian", "pissa",
+    "pissa_niter_K" or "olora"; saved_modules.py resolves modules_to_save with ensure_weight_tying)."""
+
+    r: int = 8
+    alpha: float = 16
+    dropout: float = 0.0
+    target_modules: tuple = ("q_proj", "v_proj")
+    use_rslora: bool = False
+    layers_to_transform: tuple | None = None     # layer indices (None: every layer)
+    layers_pattern: tuple | None = None          # names of the layer list in module paths (None: any)
+    rank_pattern: dict = field(default_factory=dict)     # module-path pattern -> r
+    alpha_pattern: dict = field(default_factory=dict)    # module-path pattern -> alpha
+    init: str = "default"
+    use_dora: bool = False        # DoRA: a trained magnitude per output row (PEFT's use_dora; dora.py)
+    modules_to_save: tuple = ()      # "embed_tokens" / "lm_head": full copies trained beside LoRA (adapters/saved_modules.py)
+    ensure_weight_tying: bool = False   # a tied model: one copy serves the embedding and lm_head (PEFT's)
+
+    def __post_init__(self):
+        from wgpu_train.adapters.inits import check_init
+        from wgpu_train.adapters.layout import check_layout
+        from wgpu_train.adapters.saved_modules import check_modules
+
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = KNOWN_LINEAR_MODULES if targets == "all-linear" else tuple(
+                t.strip() for t in targets.split(",") if t.strip())
+        targets = tuple(targets)
+        unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
+        if unknown or not targets:
+            raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
+                              f"or 'all-linear'")
+        object.__setattr__(self, "target_modules", tuple(t for t in KNOWN_LINEAR_MODULES if t in targets))
+        if int(self.r) < 1:
+            raise ConfigError(f"LoRA rank r must be >= 1, got {self.r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if not (math.isfinite(float(self.alpha)) and float(self.alpha) > 0):
+            raise ConfigError(f"LoRA alpha must be a finite number > 0, got {self.alpha}")
+        for name, value in check_layout(self).items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "init", check_init(self))
+        if self.use_dora and self.init not in ("default", "gaussian"):
+            raise ConfigError(f"DoRA with LoRA init {self.init} is not supported (its residual base and the "
+                              f"conversion on save are not computed for DoRA); use init default or gaussian")
+        object.__setattr__(self, "modules_to_save", check_modules(self.modules_to_save))
+        object.__setattr__(self, "ensure_weight_tying", bool(self.ensure_weight_tying))
+
+    @property
+    def scale(self) -> float:
+        """The update's scale of a module with the config's own r and alpha (see module_scales for all)."""
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    def targets_in(self, model: ModelConfig) -> tuple:
+        """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
+        the model's own; a named module the model lacks is refused, naming the model's modules."""
+        missing = [m for m in self.target_modules if m not in model.linear_modules]
+        if missing and self.target_modules != KNOWN_LINEAR_MODULES:
+            raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture} has the linear modules "
+                              f"{', '.join(model.linear_modules)} (or use all-linear)")
+        return tuple(m for m in model.linear_modules if m in self.target_modules)
+
+    def modules(self, model: ModelConfig) -> dict:
+        """{module path: (r, alpha)} of every module this config puts LoRA on in `model`, layer by layer in
+        its linear modules' order (PEFT's selection and pattern rules: layout.module_settings)."""
+        from wgpu_train.adapters.layout import module_settings
+
+        return module_settings(self, model)
+
+    def module_scales(self, model: ModelConfig) -> dict:
+        """{module path: scale} (alpha / r, or alpha / sqrt(r) with rsLoRA, of each module's own r, alpha)."""
+        root = math.sqrt if self.use_rslora else float
+        return {p: a / root(r) for p, (r, a) in self.modules(model).items()}

@@ -1,0 +1,26 @@
+"""finetune(): the one entry point of a fine-tuning run, which trains in this process (the Trainer) or, with
+num_workers, data-parallel on Ray Train workers (ray_driver.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from wgpu_train.errors import ConfigError
+from wgpu_train.training.config import TrainConfig
+from wgpu_train.training.trainer import Trainer
+
+
+def finetune(config: TrainConfig | None = None, **overrides) -> dict:
+    """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
+    that is also written to summary.json in the output folder."""
+    config = config or TrainConfig()
+    if overrides:
+        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
+        config = dataclasses.replace(config, **overrides)
+    if config.num_workers:
+        from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
+
+        return finetune_on_ray(config)
+    return Trainer(config).run()

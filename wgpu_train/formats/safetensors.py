@@ -1,0 +1,121 @@
+"""safetensors files: reading (sharded or not; f32 / f16 / bf16 as float32, lazily), writing atomically."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from wgpu_train.errors import ModelFileError
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+           "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _as_array(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """A tensor's stored values (a view of the file) as float32 (floats) or their own integer type (a copy)."""
+    if dtype == "BF16":
+        return _bf16_to_f32(raw)
+    if raw.dtype.kind == "f":
+        return raw.astype(np.float32)
+    return np.array(raw)
+
+
+class LazyWeights(Mapping):
+    """name -> array of a model's tensors, each converted from its memory-mapped file bytes when it is read
+    (and not kept), so that an engine that stores tensors one at a time (the WebGPU one, quantising them
+    as it goes) never holds the whole model as float32 in host memory."""
+
+    def __init__(self, raw: dict):
+        self._raw = raw                  # name -> (view of the file's bytes, safetensors dtype)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return _as_array(*self._raw[name])
+
+    def __iter__(self):
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._raw[name][0].shape)
+
+
+def read_safetensors(path, names=None) -> dict:
+    """Tensors of one .safetensors file as float32 (floats) or their own integer type.
+
+    Checks the header and every tensor's byte range against the file, so a file cut short
+    or with a bad header gives a ModelFileError instead of garbage.
+    """
+    return {k: _as_array(*v) for k, v in _read_raw(path, names).items()}
+
+
+def _read_raw(path, names=None) -> dict:
+    """name -> (view of the tensor's bytes in a memory map of the file, safetensors dtype), checked."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelFileError(f"{path}: not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise ModelFileError(f"{path}: safetensors header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise ModelFileError(f"weights file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ModelFileError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    out = {}
+    for name, meta in header.items():
+        if names is not None and name not in names:
+            continue
+        try:
+            dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(f"{path}: malformed header entry for tensor {name}") from None
+        if dtype not in _DTYPES:
+            raise ModelFileError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        np_dtype = np.dtype(_DTYPES[dtype])
+        count = int(np.prod(shape)) if shape else 1
+        if end > data.shape[0] or end - start != count * np_dtype.itemsize:
+            raise ModelFileError(f"{path}: tensor {name} lies outside the file (file cut short?)")
+        out[name] = (np.frombuffer(data[start:end], dtype=np_dtype).reshape(shape), dtype)
+    return out
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None):
+    """Write float32 / integer NumPy arrays as a .safetensors file (atomically: temp file, then rename)."""
+    header, chunks, offset = {}, [], 0
+    rev = {np.dtype(v): k for k, v in _DTYPES.items() if k != "BF16"}
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        raw = arr.tobytes()
+        header[name] = {"dtype": rev[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for c in chunks:
+            f.write(c)
+    os.replace(tmp, path)
