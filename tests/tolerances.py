@@ -118,6 +118,12 @@ TOLERANCES: dict[str, Tolerance] = {
                            "fp32 backward through every layer, reductions in another order; seen <= 3e-6 relative"),
     "gpu_params_after_steps": Tolerance(1e-4, 2e-6,
                                         "10 AdamW steps compound fp32 differences of the gradients; seen <= 2e-6"),
+    "gpu_params_after_steps_lr1e-2": Tolerance(1e-4, 3e-5,
+        "3 AdamW steps at lr 1e-2: Adam divides each element's update by that element's own gradient scale, so an "
+        "element whose gradient cancels to near fp32 rounding (a token's head row fed only by small softmax "
+        "terms) moves by up to lr times its relative gradient error per step. Measured against the float64 NumPy "
+        "engine at the worst such element of an untied lm_head copy (NF4 base): NumPy fp32 1.6e-6, WebGPU 1.7e-5 "
+        "(its GEMM sums in another order); every other element within 2e-6"),
     "params_vs_torch_adamw": Tolerance(1e-4, 2e-6,
         "2 AdamW steps (LoRA+) of the NumPy / WebGPU engines vs torch AdamW on the PEFT model: fp32 gradient "
         "differences (see gpu_grads) pass through Adam's m / sqrt(v); seen <= 1.3e-6 absolute (llama, qwen3)"),
