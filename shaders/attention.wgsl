@@ -104,8 +104,12 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     f_lse[p.o2 + (b * hq + h) * t + i] = m + log(l);
 }
 
-// ---- backward pre-pass: 1 delta out, 2 dout, 3 out ----
-@group(0) @binding(1) var<storage, read_write> d_delta: array<f32>;
+// The backward's statistics share one binding (WebGPU's default limit is 8 storage buffers per stage): lse
+// (B, Hq, T) at its offset, then delta = rowsum(dout * out) (B, Hq, T).
+fn stats_rows() -> u32 { return p.s0 * p.s2 * p.s1; }
+
+// ---- backward pre-pass: 1 statistics (delta out), 2 dout, 3 out ----
+@group(0) @binding(1) var<storage, read_write> d_stats: array<f32>;
 @group(0) @binding(2) var<storage, read> d_dout: array<f32>;
 @group(0) @binding(3) var<storage, read> d_out: array<f32>;
 
@@ -122,18 +126,17 @@ fn attention_backward_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(loca
     for (var d = 0u; d < D; d++) {
         s += d_dout[p.o2 + rb + d] * d_out[p.o3 + rb + d];
     }
-    d_delta[p.o1 + (b * hq + h) * t + i] = s;
+    d_stats[p.o1 + stats_rows() + (b * hq + h) * t + i] = s;
 }
 
-// ---- backward dq: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta, 8 segment ids ----
+// ---- backward dq: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta), 7 segment ids ----
 @group(0) @binding(1) var<storage, read_write> q_dq: array<f32>;
 @group(0) @binding(2) var<storage, read> q_dout: array<f32>;
 @group(0) @binding(3) var<storage, read> q_q: array<f32>;
 @group(0) @binding(4) var<storage, read> q_k: array<f32>;
 @group(0) @binding(5) var<storage, read> q_v: array<f32>;
-@group(0) @binding(6) var<storage, read> q_lse: array<f32>;
-@group(0) @binding(7) var<storage, read> q_delta: array<f32>;
-@group(0) @binding(8) var<storage, read> q_seg: array<i32>;
+@group(0) @binding(6) var<storage, read> q_stats: array<f32>;
+@group(0) @binding(7) var<storage, read> q_seg: array<i32>;
 
 @compute @workgroup_size(WG)
 fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -145,10 +148,10 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     let hq = p.s2;
     let hkv = p.s3;
     let g = h / (hq / hkv);
-    let si = q_seg[p.o8 + b * t + i];
+    let si = q_seg[p.o7 + b * t + i];
     let rb = ((b * t + i) * hq + h) * D;
-    let lse = q_lse[p.o6 + (b * hq + h) * t + i];
-    let delta = q_delta[p.o7 + (b * hq + h) * t + i];
+    let lse = q_stats[p.o6 + (b * hq + h) * t + i];
+    let delta = q_stats[p.o6 + stats_rows() + (b * hq + h) * t + i];
     var qv: array<f32, DMAX>;
     var dov: array<f32, DMAX>;
     var dq: array<f32, DMAX>;
@@ -160,7 +163,7 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     var j0 = window_start(i);
     if (si == 0) { j0 = i; }
     for (var j = j0; j <= i; j++) {
-        if (q_seg[p.o8 + b * t + j] != si) { continue; }
+        if (q_seg[p.o7 + b * t + j] != si) { continue; }
         let kb = ((b * t + j) * hkv + g) * D;
         var s = 0.0;
         var dp = 0.0;
@@ -179,7 +182,7 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     }
 }
 
-// ---- backward dk, dv: 1 dk out, 2 dv out, 3 dout, 4 q, 5 k, 6 v, 7 lse, 8 delta, 9 segment ids ----
+// ---- backward dk, dv: 1 dk out, 2 dv out, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids ----
 // One invocation per (b, kv head, key j): sums over the Hq/Hkv query heads of the group and the
 // queries i >= j that see key j, so each dk/dv row has exactly one writer.
 @group(0) @binding(1) var<storage, read_write> k_dk: array<f32>;
@@ -188,9 +191,8 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
 @group(0) @binding(4) var<storage, read> k_q: array<f32>;
 @group(0) @binding(5) var<storage, read> k_k: array<f32>;
 @group(0) @binding(6) var<storage, read> k_v: array<f32>;
-@group(0) @binding(7) var<storage, read> k_lse: array<f32>;
-@group(0) @binding(8) var<storage, read> k_delta: array<f32>;
-@group(0) @binding(9) var<storage, read> k_seg: array<i32>;
+@group(0) @binding(7) var<storage, read> k_stats: array<f32>;
+@group(0) @binding(8) var<storage, read> k_seg: array<i32>;
 
 @compute @workgroup_size(WG)
 fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -202,7 +204,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     let hq = p.s2;
     let hkv = p.s3;
     let rep = hq / hkv;
-    let sj = k_seg[p.o9 + b * t + j];
+    let sj = k_seg[p.o8 + b * t + j];
     let kb = ((b * t + j) * hkv + g) * D;
     var kv: array<f32, DMAX>;
     var vv: array<f32, DMAX>;
@@ -217,7 +219,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var i1 = window_end(j, t);
     if (sj == 0) { i1 = j + 1u; }
     for (var i = j; i < i1; i++) {
-        if (k_seg[p.o9 + b * t + i] != sj) { continue; }
+        if (k_seg[p.o8 + b * t + i] != sj) { continue; }
         for (var r = 0u; r < rep; r++) {
             let h = g * rep + r;
             let rb = ((b * t + i) * hq + h) * D;
@@ -229,8 +231,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 dp += k_dout[p.o3 + rb + d] * vv[d];
             }
             let cs = cap_score(s);
-            let pr = exp(cs - k_lse[p.o7 + li]);
-            let ds = pr * (dp - k_delta[p.o8 + li]) * cap_slope(cs);
+            let pr = exp(cs - k_stats[p.o7 + li]);
+            let ds = pr * (dp - k_stats[p.o7 + stats_rows() + li]) * cap_slope(cs);
             for (var d = 0u; d < D; d++) {
                 dv[d] += pr * k_dout[p.o3 + rb + d];
                 dk[d] += ds * k_q[p.o4 + rb + d];
@@ -244,7 +246,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 }
 
 // ==== vec4 twins: D % 4 == 0 and offsets of the (B, T, H, D) bindings multiples of 4 elements ====
-// (lse, delta and segment ids reuse the scalar bindings above)
+// (the dk, dv pass reuses the scalar statistics and segment ids bindings; the dq pass writes delta, so it has its own)
 
 @group(0) @binding(1) var<storage, read_write> fv_out: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> fv_q: array<vec4<f32>>;
@@ -358,15 +360,15 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     }
 }
 
-// dq with the delta pre-pass fused in: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids,
-// 9 out. Four consecutive queries per invocation share each loaded k and v row.
+// dq with the delta pre-pass fused in: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out),
+// 7 segment ids, 8 out. Four consecutive queries per invocation share each loaded k and v row.
 @group(0) @binding(1) var<storage, read_write> qv_dq: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> qv_dout: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> qv_q: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> qv_k: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> qv_v: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read_write> qv_delta: array<f32>;
-@group(0) @binding(9) var<storage, read> qv_out: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> qv_stats: array<f32>;
+@group(0) @binding(8) var<storage, read> qv_out: array<vec4<f32>>;
 
 @compute @workgroup_size(WGA)
 fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -380,7 +382,7 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     let hkv = p.s3;
     let g = h / (hq / hkv);
     let n4 = D / 4u;
-    let sb = p.o8 + b * t;
+    let sb = p.o7 + b * t;
     let s0 = q_seg[sb + ia];
     let s1 = q_seg[sb + min(ia + 1u, il)];
     let s2 = q_seg[sb + min(ia + 2u, il)];
@@ -391,10 +393,11 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     let r2 = select(r0, r0 + 2u * rs, ia + 2u <= il);
     let r3 = select(r0, r0 + 3u * rs, ia + 3u <= il);
     let lb = (b * hq + h) * t;
-    let lse0 = q_lse[p.o6 + lb + ia];
-    let lse1 = q_lse[p.o6 + lb + min(ia + 1u, il)];
-    let lse2 = q_lse[p.o6 + lb + min(ia + 2u, il)];
-    let lse3 = q_lse[p.o6 + lb + il];
+    let lse0 = qv_stats[p.o6 + lb + ia];
+    let lse1 = qv_stats[p.o6 + lb + min(ia + 1u, il)];
+    let lse2 = qv_stats[p.o6 + lb + min(ia + 2u, il)];
+    let lse3 = qv_stats[p.o6 + lb + il];
+    let db = p.o6 + stats_rows() + lb;
     var qv0: array<vec4<f32>, D4MAX>;
     var qv1: array<vec4<f32>, D4MAX>;
     var qv2: array<vec4<f32>, D4MAX>;
@@ -414,7 +417,7 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     var e3 = vec4<f32>(0.0);
     let qo = p.o3 / 4u;
     let go = p.o2 / 4u;
-    let oo = p.o9 / 4u;
+    let oo = p.o8 / 4u;
     for (var d = 0u; d < n4; d++) {
         qv0[d] = qv_q[qo + r0 + d] * p.f0;
         qv1[d] = qv_q[qo + r1 + d] * p.f0;
@@ -438,10 +441,10 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     let dl1 = hsum(e1);
     let dl2 = hsum(e2);
     let dl3 = hsum(e3);
-    qv_delta[p.o7 + lb + ia] = dl0;
-    if (ia + 1u <= il) { qv_delta[p.o7 + lb + ia + 1u] = dl1; }
-    if (ia + 2u <= il) { qv_delta[p.o7 + lb + ia + 2u] = dl2; }
-    if (ia + 3u <= il) { qv_delta[p.o7 + lb + ia + 3u] = dl3; }
+    qv_stats[db + ia] = dl0;
+    if (ia + 1u <= il) { qv_stats[db + ia + 1u] = dl1; }
+    if (ia + 2u <= il) { qv_stats[db + ia + 2u] = dl2; }
+    if (ia + 3u <= il) { qv_stats[db + ia + 3u] = dl3; }
     let jstart = select(window_start(ia), ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
     for (var j = jstart; j <= il; j++) {
         let sj = q_seg[sb + j];
@@ -511,7 +514,7 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
     let hkv = p.s3;
     let rep = hq / hkv;
     let n4 = D / 4u;
-    let sb = p.o9 + b * t;
+    let sb = p.o8 + b * t;
     let s0 = k_seg[sb + ja];
     let s1 = k_seg[sb + min(ja + 1u, jl)];
     let s2 = k_seg[sb + min(ja + 2u, jl)];
@@ -594,8 +597,8 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
                 c2 += oo * v2[d];
                 c3 += oo * v3[d];
             }
-            let lse = k_lse[p.o7 + li];
-            let dl = k_delta[p.o8 + li];
+            let lse = k_stats[p.o7 + li];
+            let dl = k_stats[p.o7 + stats_rows() + li];
             let cs0 = cap_score(hsum(a0));
             let p0 = select(0.0, exp(cs0 - lse), m0);
             let cs1 = cap_score(hsum(a1));

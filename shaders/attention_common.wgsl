@@ -53,7 +53,11 @@ fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
     return max(a.x, c.x) <= min(a.y, c.y);
 }
 
-// ---- the bindings of each pass (seg_at(x): segment id x) ----
+// The backward's statistics share one binding (WebGPU's default limit is 8 storage buffers per stage): lse
+// (B, Hq, T) at the binding's offset, then delta = rowsum(dout * out) (B, Hq, T).
+fn stats_rows() -> u32 { return p.s0 * p.s2 * p.s1; }
+
+// ---- the bindings of each pass (seg_at(x): segment id x; lse_at, delta_at / delta_set: statistic x) ----
 // forward: 1 out, 2 lse, 3 q, 4 k, 5 v, 6 segment ids
 // @forward begin
 @group(0) @binding(1) var<storage, read_write> out_: array<vec4<f32>>;
@@ -64,20 +68,21 @@ fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
 @group(0) @binding(6) var<storage, read> seg_: array<i32>;
 fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
 // @forward end
-// dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 lse, 7 delta out, 8 segment ids, 9 out
+// dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out), 7 segment ids, 8 out
 // @dq begin
 @group(0) @binding(1) var<storage, read_write> dq_: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> dout_: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
-@group(0) @binding(6) var<storage, read> lse_: array<f32>;
-@group(0) @binding(7) var<storage, read_write> delta_: array<f32>;
-@group(0) @binding(8) var<storage, read> seg_: array<i32>;
-@group(0) @binding(9) var<storage, read> out_: array<vec4<f32>>;
-fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
+@group(0) @binding(6) var<storage, read_write> stats_: array<f32>;
+@group(0) @binding(7) var<storage, read> seg_: array<i32>;
+@group(0) @binding(8) var<storage, read> out_: array<vec4<f32>>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o7 + x]; }
+fn lse_at(x: u32) -> f32 { return stats_[p.o6 + x]; }
+fn delta_set(x: u32, value: f32) { stats_[p.o6 + stats_rows() + x] = value; }
 // @dq end
-// dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 lse, 8 delta, 9 segment ids
+// dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids
 // @dkv begin
 @group(0) @binding(1) var<storage, read_write> dk_: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dv_: array<vec4<f32>>;
@@ -85,8 +90,9 @@ fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
 @group(0) @binding(4) var<storage, read> q_: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> k_: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> v_: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read> lse_: array<f32>;
-@group(0) @binding(8) var<storage, read> delta_: array<f32>;
-@group(0) @binding(9) var<storage, read> seg_: array<i32>;
-fn seg_at(x: u32) -> i32 { return seg_[p.o9 + x]; }
+@group(0) @binding(7) var<storage, read> stats_: array<f32>;
+@group(0) @binding(8) var<storage, read> seg_: array<i32>;
+fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
+fn lse_at(x: u32) -> f32 { return stats_[p.o7 + x]; }
+fn delta_at(x: u32) -> f32 { return stats_[p.o7 + stats_rows() + x]; }
 // @dkv end

@@ -101,13 +101,13 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     let si$r = seg_at(b * t + i$r);
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
     let li$r = (b * p.s2 + h) * t + i$r;
-    let lse$r = lse_[p.o6 + li$r];
+    let lse$r = lse_at(li$r);
     let q$r_$d = q_[p.o3 / 4u + qb$r + $du] * p.f0;
     let do$r_$d = dout_[p.o2 / 4u + qb$r + $du];
     var e$r = vec4<f32>(0.0);
-    e$r += do$r_$d * out_[p.o9 / 4u + qb$r + $du];
+    e$r += do$r_$d * out_[p.o8 / 4u + qb$r + $du];
     let dl$r = hsum(e$r);
-    if (q0 + lid * R + $ru < t) { delta_[p.o7 + li$r] = dl$r; }
+    if (q0 + lid * R + $ru < t) { delta_set(li$r, dl$r); }
     var dq$r_$d = vec4<f32>(0.0);
     let blk = seg_range(b, q0, qend);
     let kfirst = window_start(q0);
@@ -169,8 +169,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 let qb$k = ((b * t + ik$k) * p.s2 + h) * D4;
                 let qq$k_$d = q_[p.o4 / 4u + qb$k + $du];
                 let oo$k_$d = dout_[p.o3 / 4u + qb$k + $du];
-                let lse$k = lse_[p.o7 + lb + ik$k];
-                let dl$k = delta_[p.o8 + lb + ik$k];
+                let lse$k = lse_at(lb + ik$k);
+                let dl$k = delta_at(lb + ik$k);
                 var s$r_$k = vec4<f32>(0.0);
                 var c$r_$k = vec4<f32>(0.0);
                 s$r_$k += k$r_$d * qq$k_$d;

@@ -203,14 +203,14 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     let iq$q = min(q0 + $qu, t - 1u);
     let sq$q = seg_at(b * t + iq$q);
     let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
-    let lse$q = lse_[p.o6 + (b * p.s2 + h) * t + iq$q];
+    let lse$q = lse_at((b * p.s2 + h) * t + iq$q);
     // delta = rowsum(dout * out), also saved for the dk / dv pass
     var e$q = vec4<f32>(0.0);
     for (var d = 0u; d < D4; d++) {
-        e$q += dout_[p.o2 / 4u + qr$q + d] * out_[p.o9 / 4u + qr$q + d];
+        e$q += dout_[p.o2 / 4u + qr$q + d] * out_[p.o8 / 4u + qr$q + d];
     }
     let dl$q = hsum(e$q);
-    if (lid == 0u && q0 + $qu < t) { delta_[p.o7 + (b * p.s2 + h) * t + q0 + $qu] = dl$q; }
+    if (lid == 0u && q0 + $qu < t) { delta_set((b * p.s2 + h) * t + q0 + $qu, dl$q); }
     let og = select(lid / DG, 0u, QG == 1u);
     let c0 = (lid % DG) * G4;
     let ko = p.o4 / 4u;
@@ -294,10 +294,10 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
             let h = g * rep + r;
             // 1. P and dS of the block's keys against this invocation's 4 * KV queries
             let qr$c = ((vec4<u32>(b * t) + ic$c) * p.s2 + vec4<u32>(h)) * D4;
-            let lb = p.o7 + (b * p.s2 + h) * t;
-            let db = p.o8 + (b * p.s2 + h) * t;
-            let lse$c = vec4<f32>(lse_[lb + ic$c.x], lse_[lb + ic$c.y], lse_[lb + ic$c.z], lse_[lb + ic$c.w]);
-            let dl$c = vec4<f32>(delta_[db + ic$c.x], delta_[db + ic$c.y], delta_[db + ic$c.z], delta_[db + ic$c.w]);
+            let lb = (b * p.s2 + h) * t;
+            let lse$c = vec4<f32>(lse_at(lb + ic$c.x), lse_at(lb + ic$c.y), lse_at(lb + ic$c.z), lse_at(lb + ic$c.w));
+            let dl$c = vec4<f32>(delta_at(lb + ic$c.x), delta_at(lb + ic$c.y), delta_at(lb + ic$c.z),
+                                 delta_at(lb + ic$c.w));
             var sv$q_$c = vec4<f32>(0.0);
             var dp$q_$c = vec4<f32>(0.0);
             for (var d = 0u; d < D4; d++) {

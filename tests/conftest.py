@@ -29,6 +29,12 @@ def require_adapter():
         pytest.skip(reason)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """test_portable_wgsl.py last: it checks every kernel the session compiled."""
+    items.sort(key=lambda item: item.path.name == "test_portable_wgsl.py")
+
+
 @pytest.fixture(scope="session", params=[a.index for a in ADAPTERS] or [None],
                 ids=[f"{a.backend}" for a in ADAPTERS] or ["no-adapter"])
 def rt(request):

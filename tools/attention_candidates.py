@@ -39,12 +39,12 @@ def main(argv):
     bufs = {name: rt.upload(x) for name, x in inputs.items()}
     bufs["segment_ids"] = rt.upload(seg)
     results = {name: rt.buffer(4 * w.size) for name, w in zip(("o", "l", "dq", "dk", "dv"), want)}
-    scratch = rt.buffer(4 * lse.size)
+    stats = rt.upload(np.concatenate([lse.ravel(), np.zeros(lse.size)]).astype(np.float32))   # lse, then delta
     fw = AK.AttentionProblem(rt, "forward", dict(q=bufs["q"], k=bufs["k"], v=bufs["v"],
                                                  segment_ids=bufs["segment_ids"], out=results["o"],
                                                  lse=results["l"]), B, T, HQ, HKV, D)
     bw = AK.AttentionProblem(rt, "backward", dict(bufs, dq=results["dq"], dk=results["dk"], dv=results["dv"],
-                                                  scratch=scratch), B, T, HQ, HKV, D)
+                                                  stats=stats), B, T, HQ, HKV, D)
     timer = Timer(rt)
     for c in fw.candidates():
         if only and only not in c.name:

@@ -17,10 +17,18 @@ def cmd_devices(args) -> int:
         print("no WebGPU adapter found; install a Vulkan driver (Debian: mesa-vulkan-drivers) "
               "or run with --backend numpy")
         return 0
+    from wgpu_train.engines.webgpu.tuned.catalogue import left_out, tuned_kernels
+
     chosen = runtime.choose_adapter(args.device)
+    total = len(tuned_kernels())
     for a in found:
         mark = "*" if a.index == chosen.index else " "
         print(f"{mark} {a.describe()}: {a.details()}")
+        out = left_out(dict(a.limits), a.features)
+        if out:
+            shaders = ", ".join(sorted({k.shader for k in out}))
+            print(f"    {len(out)} of {total} tuned kernels ({shaders}) need a limit or feature beyond it; the tuner "
+                  f"runs their twins within it")
     print(f"chosen: [{chosen.index}] (select with --device or WGPU_TRAIN_DEVICE: an index or part of a name/backend)")
     return 0
 

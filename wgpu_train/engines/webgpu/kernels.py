@@ -334,17 +334,20 @@ def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, win
 
 
 def attention_scratch_size(B, T, Hq):
-    """Elements of scratch attention_backward needs (delta = rowsum(dout * out), (B, Hq, T))."""
-    return B * Hq * T
+    """Elements of scratch attention_backward needs: the statistics lse and delta = rowsum(dout * out), each
+    (B, Hq, T), back to back (one binding: WebGPU's default limit is 8 storage buffers per stage)."""
+    return 2 * B * Hq * T
 
 
 def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch, window=0,
                        softcap=0.0):
-    """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse, with delta in
-    scratch (at least attention_scratch_size(B, T, Hq) elements): dq per query block, then dk and dv per key
-    block summing over the query heads of its group (no atomics)."""
-    _attention(rec, "backward", dict(dq=dq, dk=dk, dv=dv, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
-                                     segment_ids=segment_ids, scratch=scratch), B, T, Hq, Hkv, D, window, softcap)
+    """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse, with lse copied to
+    scratch and delta beside it (at least attention_scratch_size(B, T, Hq) elements): dq per query block, then
+    dk and dv per key block summing over the query heads of its group (no atomics)."""
+    if B * T > 0:
+        copy(rec, scratch, lse, B * Hq * T)
+    _attention(rec, "backward", dict(dq=dq, dk=dk, dv=dv, dout=dout, q=q, k=k, v=v, out=out,
+                                     segment_ids=segment_ids, stats=scratch), B, T, Hq, Hkv, D, window, softcap)
 
 
 # ---- swiglu, geglu --------------------------------------------------------------------------

@@ -19,6 +19,13 @@ from wgpu_train.engines.webgpu.device.operands import split
 
 F32 = 4
 MAX_GROUPS = 65535           # WebGPU's default max-compute-workgroups-per-dimension
+# WebGPU's default limits, which every adapter meets (browsers, GLES devices and many mobile drivers offer no
+# more): a kernel within them runs everywhere. A kernel needing more is a tuner candidate with a twin within.
+DEFAULT_LIMITS = {"max-storage-buffers-per-shader-stage": 8, "max-compute-invocations-per-workgroup": 256,
+                  "max-compute-workgroup-storage-size": 16384, "max-uniform-buffer-binding-size": 65536}
+# The WGSL extension each optional feature needs enabled (`enable f16;` always; `enable subgroups;` where the
+# compiler takes it: Runtime.wgsl_enables)
+EXTENSIONS = {"shader-f16": "f16", "subgroup": "subgroups"}
 _SCALARS = {"u32": "I", "i32": "i", "f32": "f"}
 
 
@@ -62,20 +69,34 @@ class Kernel:
         args = ",".join(map(str, self.source[1:]))
         return f"{self.shader}.{self.entry}" + (f"[{args}]" if args else "") + (f"({spec})" if spec else "")
 
-    def text(self) -> str:
-        """The WGSL source this kernel compiles."""
+    def text(self, enables=("f16", "subgroups")) -> str:
+        """The WGSL source this kernel compiles: its shader or source builder's text, after the `enable`
+        directives of its features among `enables` (the extensions the compiler takes a directive for)."""
         if self.source:
             fn, *args = self.source
-            return fn(*args)
-        from wgpu_train.engines.webgpu.device.runtime import shader_text
-        return shader_text(self.shader)
+            body = fn(*args)
+        else:
+            from wgpu_train.engines.webgpu.device.runtime import shader_text
+            body = shader_text(self.shader)
+        wanted = [EXTENSIONS[f] for f in self.features if f in EXTENSIONS and EXTENSIONS[f] in enables]
+        directives = "".join(f"enable {e};\n" for e in wanted if not re.search(rf"^\s*enable\s+{e}\s*;", body, re.M))
+        return directives + body
+
+    @property
+    def needs(self) -> dict:
+        """The limits this kernel needs ({limit name: value}), of those WebGPU sets a default for."""
+        return {"max-storage-buffers-per-shader-stage": len(self.slots),
+                "max-compute-invocations-per-workgroup": self.invocations,
+                "max-compute-workgroup-storage-size": self.workgroup_bytes}
+
+    def over_limits(self, limits: dict) -> list[str]:
+        """The limits this kernel needs more of than `limits` give (a missing limit counts as its default)."""
+        return [f"{name} {need} (has {limits.get(name, DEFAULT_LIMITS[name])})" for name, need in self.needs.items()
+                if need > limits.get(name, DEFAULT_LIMITS[name])]
 
     def supported(self, rt) -> bool:
-        """Whether the adapter offers this kernel's features and per-workgroup limits."""
-        lim = rt.limits
-        return (all(f in rt.features for f in self.features)
-                and self.invocations <= lim.get("max-compute-invocations-per-workgroup", 256)
-                and self.workgroup_bytes <= lim.get("max-compute-workgroup-storage-size", 16384))
+        """Whether the adapter offers this kernel's features and limits."""
+        return all(f in rt.features for f in self.features) and not self.over_limits(rt.limits)
 
 
 def parse_params(source: str) -> list[tuple[str, str]]:
@@ -100,7 +121,10 @@ class _Compiled:
     """A kernel's pipeline and uniform layout on one runtime (Runtime.compiled caches it)."""
 
     def __init__(self, rt, k: Kernel):
-        source = k.text()
+        over = k.over_limits(rt.limits)
+        if over:
+            raise DeviceError(f"kernel {k.label} needs more than {rt.info.name} offers: {'; '.join(over)}")
+        source = k.text(rt.wgsl_enables)
         self.fields = parse_params(source)
         self.index = {name: i for i, (name, _) in enumerate(self.fields)}
         self.format = params_format(self.fields)
@@ -110,7 +134,8 @@ class _Compiled:
         self.slots, self.names, self.written = k.slots, k.names, k.written
         self.outputs = [j for j, w in enumerate(self.written) if w]
         name = k.shader + (f"[{','.join(map(str, k.source[1:]))}]" if k.source else "")
-        self.pipeline = rt.pipeline(name, k.entry, dict(k.constants), source=source if k.source else None)
+        plain = not k.source and source == k.text(())        # the shader file as it is: cached by name
+        self.pipeline = rt.pipeline(name, k.entry, dict(k.constants), source=None if plain else source)
 
 
 def bind(rt, t, n: int, what: str, whole_ok: bool):

@@ -2,6 +2,7 @@
 buffers; its Recorder (recorder.py) puts many dispatches into one command encoder and one submit."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS
 from wgpu_train.errors import DeviceError, ShaderError
 
 if TYPE_CHECKING:
@@ -21,7 +23,7 @@ log = logging.getLogger("wgpu_train")
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3, "Unknown": 4}
 _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
-OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
+OPTIONAL_FEATURES = ("subgroup", "shader-f16", "timestamp-query")
 _runtimes: dict = {}
 MAX_SECTIONS = 2048      # timed sections of one profiled recording (timestamp query pairs)
 
@@ -36,15 +38,24 @@ class AdapterInfo:
     backend: str
     adapter_type: str
     max_storage_binding: int = 0     # bytes one storage binding may hold (0: not reported)
-    features: tuple = ()             # of those this project uses: subgroup, timestamp-query
+    features: tuple = ()             # of OPTIONAL_FEATURES, those it offers
+    limits: tuple = ()               # (name, value) of the launch.DEFAULT_LIMITS it reports
 
     def describe(self) -> str:
         return f"[{self.index}] {self.name} ({self.backend}, {self.adapter_type})"
 
     def details(self) -> str:
         """The limits and features that matter here, for `wgpu-train devices`."""
-        used = ", ".join(self.features) or "neither subgroup nor timestamp-query"
-        return f"max storage binding {self.max_storage_binding / 2**20:.0f} MiB; features: {used}"
+        used = ", ".join(self.features) or "none of " + ", ".join(OPTIONAL_FEATURES)
+        lim = dict(self.limits)
+        shown = "".join(f"; {label} {fmt(lim[name])}" for name, label, fmt in _SHOWN_LIMITS if name in lim)
+        return f"max storage binding {self.max_storage_binding / 2**20:.0f} MiB{shown}; features: {used}"
+
+
+# the kernel limits `wgpu-train devices` prints: (name, label, format)
+_SHOWN_LIMITS = (("max-storage-buffers-per-shader-stage", "storage buffers per stage", str),
+                 ("max-compute-workgroup-storage-size", "workgroup storage", lambda v: f"{v / 1024:g} KiB"),
+                 ("max-compute-invocations-per-workgroup", "invocations per workgroup", str))
 
 
 def _enumerate():
@@ -68,11 +79,13 @@ def devices() -> list[AdapterInfo]:
         info = a.info
         try:
             binding = int(a.limits.get("max-storage-buffer-binding-size", 0))
-            features = tuple(f for f in ("subgroup", "timestamp-query") if f in a.features)
+            features = tuple(f for f in OPTIONAL_FEATURES if f in a.features)
+            limits = tuple((name, int(a.limits[name])) for name in DEFAULT_LIMITS if name in a.limits)
         except Exception:  # noqa: BLE001 - an adapter that cannot report them is still listed
-            binding, features = 0, ()
+            binding, features, limits = 0, (), ()
         out.append(AdapterInfo(i, info.get("device", "") or "unknown", info.get("vendor", ""),
-                               info.get("backend_type", ""), info.get("adapter_type", "Unknown"), binding, features))
+                               info.get("backend_type", ""), info.get("adapter_type", "Unknown"), binding, features,
+                               limits))
     return out
 
 
@@ -100,6 +113,10 @@ def choose_adapter(spec=None) -> AdapterInfo:
         names = "; ".join(a.describe() for a in found)
         raise DeviceError(f"no adapter matches device spec {s!r}; found: {names}")
     return min(matches, key=_preference)
+
+
+_SUBGROUPS_PROBE = ("enable subgroups;\n@compute @workgroup_size(1)\n"
+                    "fn main(@builtin(subgroup_size) n: u32) { _ = n; }\n")
 
 
 def shader_dirs() -> list[Path]:
@@ -228,6 +245,20 @@ class Runtime:
     def has_timestamps(self) -> bool:
         return "timestamp-query" in self.features
 
+    @functools.cached_property
+    def wgsl_enables(self) -> tuple:
+        """The WGSL extensions this device's compiler takes an `enable` directive for: f16 (required with the
+        shader-f16 feature), and subgroups where a one-line probe compiles with it (the WGSL spec and Tint
+        require the directive; naga 29 rejects it and takes the builtins without)."""
+        enables = ["f16"]
+        if "subgroup" in self.features:
+            try:
+                self.device.create_shader_module(label="subgroups probe", code=_SUBGROUPS_PROBE)
+                enables.append("subgroups")
+            except self.wgpu.GPUError:
+                pass
+        return tuple(enables)
+
     def module(self, name: str, source: str | None = None, path=None):
         """A compiled shader module, by shader name (shaders/<name>.wgsl) or from given source."""
         key = name if source is None else (name, source)
@@ -264,6 +295,10 @@ class Runtime:
             from wgpu_train.engines.webgpu.device.launch import _Compiled
             c = self._compiled[kernel] = _Compiled(self, kernel)
         return c
+
+    def compiled_kernels(self) -> list:
+        """Every launch.Kernel compiled on this device so far."""
+        return list(self._compiled)
 
     def memo(self, key, factory):
         """factory(self), computed once per runtime under `key`: the op modules keep their per-device state

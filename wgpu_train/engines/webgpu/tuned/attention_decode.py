@@ -171,3 +171,8 @@ class Split:
         splits = self.splits(p)
         return [_dispatch(p, PARTIAL, flat_grid(-(-(p.n * p.hq * splits) // WG)), self.chunk, splits),
                 _dispatch(p, COMBINE, flat_grid(-(-(p.n * p.hq * p.d) // WG)), self.chunk, splits)]
+
+
+def all_kernels() -> list[Kernel]:
+    """Every kernel descriptor of the cached attention (the binding-limit and Tint checks go through them)."""
+    return [SINGLE, PARTIAL, COMBINE]

@@ -45,8 +45,8 @@ def _aligned(D, *tensors) -> bool:
 
 class AttentionProblem:
     """One attention pass as the kernels see it: "forward" (out, lse from q, k, v) or "backward" (dq, dk, dv
-    and delta in scratch from dout, q, k, v, out, lse), with its tensors (kernels.attention_forward's and
-    attention_backward's arguments) and sizes."""
+    from dout, q, k, v, out and the statistics: lse, then delta written by the first pass, back to back in one
+    buffer), with its tensors (kernels.attention_forward's and attention_backward's arguments) and sizes."""
 
     def __init__(self, rt, pass_: str, tensors: dict, B, T, Hq, Hkv, D, window=0, softcap=0.0):
         self.rt, self.pass_, self.t = rt, pass_, tensors
@@ -103,18 +103,19 @@ class AttentionProblem:
             grads = ops.attention_backward(dout.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)),
                                            out, lse, seg, self.window, self.softcap)
             delta = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out)
-            want = np.concatenate([g.ravel() for g in grads] + [delta.ravel()])
-            bufs = [self.rt.upload(x.astype(np.float32), "tune operand") for x in (q, k, v, seg, dout, out, lse)]
+            want = np.concatenate([g.ravel() for g in grads] + [lse.ravel(), delta.ravel()])
+            bufs = [self.rt.upload(x.astype(np.float32), "tune operand") for x in (q, k, v, seg, dout, out)]
         c0 = np.zeros(want.size, np.float32)
+        if self.pass_ == "backward":
+            c0[nq + 2 * nkv:nq + 2 * nkv + nl] = lse.ravel()        # the statistics' first half: lse
         res = self.rt.upload(c0, "tune result")
         bufs.append(res)
         if self.pass_ == "forward":
             tensors = dict(q=bufs[0], k=bufs[1], v=bufs[2], segment_ids=bufs[3], out=(res, 0), lse=(res, nq))
         else:
             tensors = dict(q=bufs[0], k=bufs[1], v=bufs[2], segment_ids=bufs[3], dout=bufs[4], out=bufs[5],
-                           lse=bufs[6], dq=(res, 0), dk=(res, nq), dv=(res, nq + nkv),
-                           scratch=(res, nq + 2 * nkv))
-        assert want.size == (nq + nl if self.pass_ == "forward" else nq + 2 * nkv + nl)
+                           dq=(res, 0), dk=(res, nq), dv=(res, nq + nkv), stats=(res, nq + 2 * nkv))
+        assert want.size == (nq + nl if self.pass_ == "forward" else nq + 2 * nkv + 2 * nl)
         rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window, self.softcap)
         return rep, res, c0, want, bufs
 
@@ -123,7 +124,7 @@ def _dispatch(p: AttentionProblem, k: Kernel, groups) -> tuple:
     """(pipeline, resources, groups) of kernel k on p's tensors, bound by the kernel's binding names."""
     big_q, big_kv, rows = p.B * p.T * p.Hq * p.D, p.B * p.T * p.Hkv * p.D, p.B * p.Hq * p.T
     sizes = {"out": big_q, "q": big_q, "dq": big_q, "dout": big_q, "k": big_kv, "v": big_kv, "dk": big_kv,
-             "dv": big_kv, "lse": rows, "scratch": rows, "segment_ids": p.B * p.T}
+             "dv": big_kv, "lse": rows, "stats": 2 * rows, "segment_ids": p.B * p.T}
     tensors = [(p.t[n], sizes[n]) for n in k.names]
     pipeline, resources = prepare(p.rt, k, tensors, s0=p.B, s1=p.T, s2=p.Hq, s3=p.Hkv, s4=p.window,
                                   f0=1.0 / math.sqrt(p.D), f1=p.softcap)
@@ -131,6 +132,18 @@ def _dispatch(p: AttentionProblem, k: Kernel, groups) -> tuple:
 
 
 # ---- the per-row family (shaders/attention.wgsl) ------------------------------------------------------
+
+# (pass, vec4) -> (entry, bindings, heads per workgroup row) of each dispatch of the per-row kernels
+_ROWS_PASSES = {
+    ("forward", False): [("attention_forward", "out! lse! q k v segment_ids", "q")],
+    ("forward", True): [("attention_forward_vec4", "out! lse! q k v segment_ids", "q")],
+    ("backward", False): [("attention_backward_delta", "stats! dout out", "q"),
+                          ("attention_backward", "dq! dout q k v stats segment_ids", "q"),
+                          ("attention_backward_dkv", "dk! dv! dout q k v stats segment_ids", "kv")],
+    ("backward", True): [("attention_backward_vec4", "dq! dout q k v stats! segment_ids out", "q"),
+                         ("attention_backward_dkv_vec4", "dk! dv! dout q k v stats segment_ids", "kv")],
+}
+
 
 @functools.lru_cache(maxsize=None)
 def _rows_kernel(entry: str, bindings: str, D: int) -> Kernel:
@@ -155,32 +168,20 @@ class Rows:
         d = p.D // 4 if self.vec4 else p.D
         return p.T * p.rep * (2 * d + 2) + 2 * d
 
-    def _one(self, p, entry, groups, names):
-        return _dispatch(p, _rows_kernel(entry, " ".join(names), p.D), groups)
+    def kernels(self, pass_: str, D: int) -> list:
+        """(kernel, heads: "q" or "kv") of each dispatch of a pass, in order."""
+        return [(_rows_kernel(entry, bindings, D), heads) for entry, bindings, heads in _ROWS_PASSES[pass_, self.vec4]]
 
     def dispatches(self, p: AttentionProblem) -> list:
-        tq, v4 = -(-p.T // ROWS_WG), "_vec4" if self.vec4 else ""
-        if p.pass_ == "forward":
-            return [self._one(p, "attention_forward" + v4, (tq, p.Hq, p.B),
-                              "out! lse! q k v segment_ids".split())]
-        out = []
-        if self.vec4:
-            out.append(self._one(p, "attention_backward_vec4", (tq, p.Hq, p.B),
-                                 "dq! dout q k v lse scratch! segment_ids out".split()))
-        else:
-            out.append(self._one(p, "attention_backward_delta", (tq, p.Hq, p.B), "scratch! dout out".split()))
-            out.append(self._one(p, "attention_backward", (tq, p.Hq, p.B),
-                                 "dq! dout q k v lse scratch segment_ids".split()))
-        out.append(self._one(p, "attention_backward_dkv" + v4, (tq, p.Hkv, p.B),
-                             "dk! dv! dout q k v lse scratch segment_ids".split()))
-        return out
+        tq = -(-p.T // ROWS_WG)
+        return [_dispatch(p, k, (tq, p.Hq if heads == "q" else p.Hkv, p.B)) for k, heads in self.kernels(p.pass_, p.D)]
 
 
 # ---- the flash families (shaders/attention_regs.wgsl, shaders/attention_tiles.wgsl) --------------------
 
 _FLASH_BINDINGS = {"forward": "out! lse! q k v segment_ids",
-                   "dq": "dq! dout q k v lse scratch! segment_ids out",
-                   "dkv": "dk! dv! dout q k v lse scratch segment_ids"}
+                   "dq": "dq! dout q k v stats! segment_ids out",
+                   "dkv": "dk! dv! dout q k v stats segment_ids"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,3 +231,16 @@ def candidates(p: AttentionProblem) -> list:
 def supported_head_dim(D: int) -> bool:
     """Whether some attention kernel takes this head dim (on some device)."""
     return 0 < D <= MAX_HEAD_DIM and (D % 4 == 0 or D <= ROWS_DMAX)
+
+
+def all_kernels(head_dims=(64, 60, 128, 256)) -> list[Kernel]:
+    """Every kernel descriptor of the attention families at these head dims (the binding-limit and Tint checks
+    go through them)."""
+    out = []
+    for D in head_dims:
+        for rows in (Rows(False), Rows(True)):
+            if D <= ROWS_DMAX and (D % 4 == 0 or not rows.vec4):
+                out += [k for pass_ in ("forward", "backward") for k, _ in rows.kernels(pass_, D)]
+        out += [flash_kernel(pass_, cfg, D) for cfg in REGS_CONFIGS + TILES_CONFIGS if cfg.fits(D)
+                for pass_ in src.PASSES]
+    return out

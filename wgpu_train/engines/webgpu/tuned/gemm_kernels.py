@@ -4,6 +4,7 @@ for llvmpipe), workgroup-tiled (shaders/gemm_tiled.wgsl, shaped for GPUs) and sp
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import numpy as np
@@ -427,3 +428,13 @@ def candidates(p: Problem) -> list:
     if is_cpu(p.rt):
         return regs + tiles
     return tiles + regs
+
+
+def all_kernels() -> list[Kernel]:
+    """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them)."""
+    vecs = [None] + list(itertools.product((False, True), repeat=3))
+    out = [register_kernel(wg, tm, sg, vec) for wg in WG_CHOICES for tm in TM_CHOICES for sg in (False, True)
+           for vec in vecs]
+    for cfg in tiled.TILED_CONFIGS:
+        out += [tiled_kernel(cfg), tiled_lora_kernel(cfg), _reduce_kernel(cfg)]
+    return out + [_PROBE]

@@ -15,6 +15,8 @@ from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 
 _F32 = 4
 
+TM_CHOICES = (8, 32)      # rows of C per workgroup of the register kernels
+
 
 @functools.lru_cache(maxsize=None)
 def qgemm_kernel(fmt: str, entry: str, wg: int, tm: int, nt: bool, subgroups: bool = False) -> Kernel:
@@ -29,7 +31,7 @@ def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
     as in gemm_kernels.py) and invocations per workgroup (8 * wg columns): least padded work, then up to 16
     workgroups (to feed every core), then the widest workgroup. Measured on llvmpipe."""
     best = None
-    for tm in (8, 32):
+    for tm in TM_CHOICES:
         for wg in WG_CHOICES:
             if wg < min_wg and wg != WG_CHOICES[-1]:
                 continue
@@ -179,3 +181,12 @@ def qcandidates(p: QProblem) -> list:
                                   c.cfg.double_buffer))
     reg = [register_candidate(p)]
     return reg + tiles if is_cpu(p.rt) else tiles + reg
+
+
+def all_kernels() -> list[Kernel]:
+    """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them)."""
+    entries = (("qgemm", False), ("qgemm_fast", False), ("qgemm_fast_sg", True))
+    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in Q.FORMATS for entry, sg in entries
+           for wg in WG_CHOICES for tm in TM_CHOICES for nt in (False, True)]
+    return out + [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS
+                  for nt in (False, True)]
