@@ -1,4 +1,4 @@
-// GEMM with a frozen weight stored as float16 or as 4-bit NF4 codes, accumulated in f32:
+// GEMM with a frozen weight stored as bfloat16, float16 or as 4-bit NF4 codes, accumulated in f32:
 //   C (+)= A @ op(W) (+ bias),  A (M, K) f32 row-major (pitch lda),  C (M, N) f32 (pitch ldc),
 //   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = its rows) or W ("nn", the backward
 //   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
@@ -11,6 +11,7 @@
 // Each format defines binding 2 (the weights), Raw8 with raw8(e) (what one load brings: elements
 // e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as f32) and w4(e0, e1, e2, e3) (any 4).
 //   float16: binding 2 holds the f16 values (IEEE binary16, little-endian), read as u32 words of two.
+//   bfloat16: the same with bfloat16 values (the top halves of f32s), decoded by a shift.
 //   nf4:     binding 2 holds the bitsandbytes byte stream as u32 words (little-endian: byte j of a word
 //            holds elements 2j (high nibble) and 2j + 1 (low nibble) of its 8); binding 5 the f32
 //            absmax of each 64-element block of the flattened weight (blocks cross rows).
@@ -387,9 +388,21 @@ fn absmax(b: u32) -> f32 {
     return CODE8[q] * bitcast<f32>(D[4u + group]) + bitcast<f32>(D[0u]);
 }
 
+// ---- format: bfloat16 -------------------------------------------------------------------------
+// A bfloat16 value is the top half of an f32: its bits shifted up.
+fn unpack2(u: u32) -> vec2<f32> {
+    return vec2<f32>(bitcast<f32>(u << 16u), bitcast<f32>(u & 0xffff0000u));
+}
+
 // ---- format: float16 --------------------------------------------------------------------------
-// The f16 values packed two per u32 (element 2i in the low half, as little-endian f16 bytes), decoded by
 // unpack2x16float: core WGSL, so float16 weights need no shader-f16.
+fn unpack2(u: u32) -> vec2<f32> {
+    return unpack2x16float(u);
+}
+
+// ---- format: float16 bfloat16 -----------------------------------------------------------------
+// The 16-bit values packed two per u32 (element 2i in the low half, as little-endian bytes), decoded by the
+// format's unpack2.
 @group(0) @binding(2) var<storage, read> H2: array<u32>;
 @group(0) @binding(2) var<storage, read> H8: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> IDS: array<i32>;
@@ -404,11 +417,11 @@ fn raw8(e: u32) -> Raw8 {
 
 fn dec4(r: Raw8, h: bool) -> vec4<f32> {
     let p = select(r.xy, r.zw, h);
-    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));
+    return vec4<f32>(unpack2(p.x), unpack2(p.y));
 }
 
 fn h1(e: u32) -> f32 {
-    let v = unpack2x16float(H2[e >> 1u]);
+    let v = unpack2(H2[e >> 1u]);
     return select(v.x, v.y, (e & 1u) != 0u);
 }
 
@@ -416,7 +429,7 @@ fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
     return vec4<f32>(h1(e0), h1(e1), h1(e2), h1(e3));
 }
 
-// Embedding rows from an f16 vocabulary chunk: OUT[o3 + t * cols + c] = W[ids[o1 + t] - row0, c] for
+// Embedding rows from a 16-bit vocabulary chunk: OUT[o3 + t * cols + c] = W[ids[o1 + t] - row0, c] for
 // ids in [row0, row0 + rows); M = tokens; other tokens are left untouched (one call per chunk).
 @compute @workgroup_size(64)
 fn embed_gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {

@@ -157,6 +157,22 @@ def test_float16_rounding_and_which_weights_are_stored_how():
         R.round_weights(weights, "nf4", "nf4")
 
 
+def test_bfloat16_rounding_matches_torch():
+    """bfloat16 storage rounds as torch's float32 -> bfloat16 conversion does (to nearest, ties to even), over
+    every exponent, the ties, subnormals, overflow to inf and NaN; a value already bfloat16 is kept."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal(20000) * 2.0 ** rng.integers(-140, 128, 20000)).astype(np.float32)
+    ties = ((rng.integers(0, 1 << 16, 64).astype(np.uint32) << 16) | 0x8000).view(np.float32)   # exact halves
+    special = np.array([np.inf, -np.inf, np.nan, 3.4e38, -3.39e38, 0.0, -0.0, 1e-40, -1e-45], np.float32)
+    w = np.concatenate([w, ties, special])
+    ours = R.round_to(w, "bfloat16")
+    theirs = torch.from_numpy(w).to(torch.bfloat16).to(torch.float32).numpy()
+    np.testing.assert_array_equal(ours.view(np.uint32)[~np.isnan(w)], theirs.view(np.uint32)[~np.isnan(w)])
+    assert np.isnan(ours[np.isnan(w)]).all()
+    np.testing.assert_array_equal(R.round_to(ours, "bfloat16"), ours)
+
+
 # ---- the GPU kernels ----------------------------------------------------------------------------
 
 # (M, rows, cols, padded) with W (rows, cols): odd sizes take the any-shape kernel; K % 8 == 0 (nt) or
@@ -301,7 +317,34 @@ def folder(request, tmp_path_factory):
     return _tiny_model(tmp_path_factory.mktemp("q"), request.param)
 
 
-@pytest.mark.parametrize("base,embed", [("float16", "float32"), ("nf4", "float32"), ("nf4-dq", "float16")])
+def test_a_bfloat16_checkpoint_is_stored_exactly(rt, tmp_path):
+    """A bf16 checkpoint under --base-dtype bfloat16: the device holds exactly the checkpoint's values (half the
+    bytes of float32), and the logits equal those of transformers' float32 model of the same weights."""
+    torch = pytest.importorskip("torch")
+    from tiny_models import build_model, save_model
+
+    import transformers as tf
+
+    folder = save_model(build_model("llama", seed=4), tmp_path / "bf16", dtype=torch.bfloat16)
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), base_dtype="bfloat16")
+    f32 = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
+    ours = gpu.engine.weights()
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, theirs[k], err_msg=k)
+    linear = [v.nbytes for k, v in ours.items() if R.is_linear_weight(k)]
+    saved = f32.engine.base_weight_bytes - gpu.engine.base_weight_bytes     # each buffer padded to 16 bytes
+    assert sum(linear) // 2 - 16 * len(linear) < saved <= sum(linear) // 2
+    assert gpu.engine.base_weight_bytes == base_weight_bytes(gpu.config, "bfloat16", "auto", rt.max_binding)["total"]
+    ids = np.random.default_rng(1).integers(0, hf.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits.numpy()
+    assert_close(gpu.logits(ids), want, "gpu_logits")
+
+
+@pytest.mark.parametrize("base,embed", [("bfloat16", "float32"), ("float16", "float32"), ("nf4", "float32"),
+                                        ("nf4-dq", "float16")])
 def test_engines_agree_with_quantised_base(folder, rt, base, embed):
     """wgpu vs NumPy with the same stored weights: dequantised weights equal exactly; logits, loss and
     every LoRA gradient as close as with float32 weights; memory as planned."""
@@ -335,10 +378,11 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
 
 
 def test_embedding_dtype_auto_follows_the_base(folder):
-    """embed_dtype "auto" (the default everywhere): float32 over a float32 base, float16 over the others."""
+    """embed_dtype "auto" (the default everywhere): float32 over a float32 or bfloat16 base, float16 over the
+    others."""
     from wgpu_train.engines.numpy.quant import check_dtypes
 
-    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "float16", "float16", "float16"]
+    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "float32", "float16", "float16", "float16"]
     assert check_dtypes("nf4", "float32") == ("nf4", "float32")
     model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
     assert (model.engine.base_dtype, model.engine.embed_dtype) == ("nf4", "float16")
@@ -381,7 +425,8 @@ def test_weights_beyond_float16_range_are_refused(rt, tmp_path):
 # ---- memory -------------------------------------------------------------------------------------
 
 def test_base_weight_bytes_of_a_half_billion_parameter_model():
-    """Qwen2.5-0.5B's dimensions (tied embedding): float16 halves the bytes; NF4 linear layers take
+    """Qwen2.5-0.5B's dimensions (tied embedding): float16 halves the bytes (bfloat16 those of the linear
+    layers, its embedding staying float32); NF4 linear layers take
     0.5 byte per weight + 4 bytes per 64 (absmax); with a float16 embedding the whole is under 0.3x."""
     from wgpu_train.bench.suite import QWEN05
 
@@ -390,6 +435,8 @@ def test_base_weight_bytes_of_a_half_billion_parameter_model():
     linear_params = f32["linear"] // 4
     assert f32["total"] == 494_032_768 * 4
     assert base_weight_bytes(cfg, "float16", "float16")["total"] / f32["total"] == pytest.approx(0.5, abs=1e-3)
+    bf16 = base_weight_bytes(cfg, "bfloat16")        # embed_dtype auto: a float32 embedding over bfloat16
+    assert bf16["linear"] == linear_params * 2 and bf16["embedding"] == f32["embedding"]
     nf4 = base_weight_bytes(cfg, "nf4", "float16")
     assert nf4["linear"] == pytest.approx(linear_params * (0.5 + 4 / 64), rel=1e-4)
     assert nf4["total"] / f32["total"] <= 0.3

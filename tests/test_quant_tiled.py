@@ -87,7 +87,7 @@ def test_source_specialises_the_block_and_appends_the_format(fmt):
     assert tail.strip("\n") == QT.format_sections(fmt).strip("\n")
     mark = "// ---- format: "
     parts = tail.split(mark)[1:]
-    assert len(parts) == (1 if fmt == "float16" else 2)
+    assert len(parts) == 2            # the format's decoders, and the section it shares with its sibling
     assert all(mark + p.strip("\n") in quant for p in parts)
     assert "fn raw8(" in tail and "fn dec4(" in tail and "enable f16" not in src
     for other in QT.FORMATS:

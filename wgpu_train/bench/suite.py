@@ -350,7 +350,7 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
 
     timer = ctx["timer"]
     rng = np.random.default_rng(1)
-    formats = ["float16", "nf4", "nf4-dq"]
+    formats = ["bfloat16", "float16", "nf4", "nf4-dq"]
     out = []
     for (m, n, k) in GEMM_SHAPES:
         flops = 2.0 * m * n * k
@@ -396,8 +396,8 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
 QWEN05 = dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
               tie_word_embeddings=True, attention_bias=True)
-BASE_WEIGHT_CASES = (("float32", "float32"), ("float16", "float16"), ("nf4", "float32"), ("nf4", "float16"),
-                     ("nf4-dq", "float16"))
+BASE_WEIGHT_CASES = (("float32", "float32"), ("bfloat16", "float32"), ("float16", "float16"), ("nf4", "float32"),
+                     ("nf4", "float16"), ("nf4-dq", "float16"))
 
 
 def bench_base_weights(rt) -> list[dict]:

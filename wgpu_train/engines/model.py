@@ -381,10 +381,11 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
                embed_dtype: str = "auto") -> Model:
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
 
-    base_dtype stores the frozen weights of the seven linear modules of every layer as "float32", "float16",
-    "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA) or "nf4-dq" (nf4 whose absmax values are
-    double-quantised, bitsandbytes' bnb_4bit_use_double_quant); embed_dtype stores the embedding and lm_head
-    as "float32" or "float16" ("auto": float16 unless the base is float32, as QLoRA keeps them in 16 bits).
+    base_dtype stores the frozen weights of the linear modules of every layer as "float32", "bfloat16",
+    "float16", "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA) or "nf4-dq" (nf4 whose absmax
+    values are double-quantised, bitsandbytes' bnb_4bit_use_double_quant); embed_dtype stores the embedding and
+    lm_head as "float32" or "float16" ("auto": float16 over a float16 or NF4 base, as QLoRA keeps them in 16
+    bits, else float32).
     Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
     the same rounded weights. Anything but float32 freezes the base (LoRA only)."""
     config = ModelConfig.from_folder(path)

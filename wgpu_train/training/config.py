@@ -46,12 +46,13 @@ class TrainConfig:
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
                                     "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
-    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, float16, "
-                                      "nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
+    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, bfloat16, "
+                                      "float16, nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
                                       "double-quantised absmax values); anything but float32 is LoRA only",
                            choices=BASE_DTYPES)
     embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, float16, or auto (float16 "
-                                    "unless the base is float32, as in QLoRA); LoRA only unless float32",
+                                    "over a float16 or NF4 base, as in QLoRA, else float32); LoRA only unless "
+                                    "float32",
                             choices=EMBED_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")

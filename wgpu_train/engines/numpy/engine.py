@@ -44,7 +44,7 @@ class _Walk:
 class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
-    base_dtype / embed_dtype ("float32", "float16", "nf4", "nf4-dq" / "float32", "float16"): the base weights are
+    base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
     rounded through that storage at load (engines/numpy/quant.py) and kept dequantised, so the math equals
     the GPU engine's, which stores them in that format, up to summation order."""
 

@@ -1,5 +1,9 @@
-"""Frozen base weights in float16 or 4-bit NF4 (QLoRA), as bitsandbytes stores them: quantise, dequantise,
-and the rounding the NumPy engine applies at load so that its math equals the GPU's up to summation order.
+"""Frozen base weights in bfloat16, float16 or 4-bit NF4 (QLoRA), as torch and bitsandbytes store them: round,
+quantise, dequantise, and the rounding the NumPy engine applies at load so that its math equals the GPU's up to
+summation order.
+
+bfloat16 is the top half of a float32: stored by rounding the low half to nearest, ties to even (torch's
+conversion), read back by a shift. It keeps float32's range, so any float32 weight can be stored in it.
 
 NF4 (Dettmers et al. 2023, "QLoRA", appendix E; bitsandbytes `quantize_4bit(quant_type="nf4")`):
 - the weight is flattened in row-major order and cut into blocks of 64 elements; the last block is padded
@@ -21,9 +25,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-BASE_DTYPES = ("float32", "float16", "nf4", "nf4-dq")     # nf4-dq: NF4 with double-quantised absmax values
+BASE_DTYPES = ("float32", "bfloat16", "float16", "nf4", "nf4-dq")   # nf4-dq: NF4, double-quantised absmax values
 EMBED_DTYPES = ("float32", "float16")
-EMBED_CHOICES = ("auto",) + EMBED_DTYPES    # auto: float16 over a float16 / NF4 base (QLoRA's 16-bit embedding)
+# auto: float16 over a float16 / NF4 base (QLoRA's 16-bit embedding), float32 over a float32 or bfloat16 one (a
+# bfloat16 checkpoint's embedding may not fit float16's range)
+EMBED_CHOICES = ("auto",) + EMBED_DTYPES
 NF4_BLOCK = 64          # weights per absmax
 F16_MAX = 65504.0       # the largest finite float16
 DQ_BLOCK = 256          # absmax values per second-level absmax (double quantisation)
@@ -171,11 +177,27 @@ def float16_values(w: np.ndarray, name: str = "a weight") -> np.ndarray:
     return w.astype(np.float16)
 
 
+def bfloat16_bits(w: np.ndarray) -> np.ndarray:
+    """w (float32) rounded to bfloat16, as uint16 bits: the low half rounded to nearest, ties to even (NaN stays
+    NaN, quietened; values past bfloat16's largest finite one become inf, as torch rounds them)."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bfloat16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bits (uint16)."""
+    return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def round_to(w: np.ndarray, dtype: str, name: str = "a weight") -> np.ndarray:
-    """float32 values of w as stored in `dtype` (float32: unchanged, float16: rounded, nf4 and nf4-dq:
-    quantised, the latter with double-quantised absmax values); `name` labels errors."""
+    """float32 values of w as stored in `dtype` (float32: unchanged, bfloat16 / float16: rounded, nf4 and
+    nf4-dq: quantised, the latter with double-quantised absmax values); `name` labels errors."""
     if dtype == "float32":
         return np.asarray(w, dtype=np.float32)
+    if dtype == "bfloat16":
+        return bfloat16_values(bfloat16_bits(w)).reshape(np.shape(w))
     if dtype == "float16":
         return float16_values(w, name).astype(np.float32)
     if dtype in ("nf4", "nf4-dq"):
@@ -203,8 +225,8 @@ def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> st
 
 
 def check_dtypes(base_dtype: str, embed_dtype: str = "auto") -> tuple[str, str]:
-    """(base_dtype, embed_dtype) with embed_dtype "auto" resolved (float32 over a float32 base, else float16);
-    ConfigError unless both are supported storage dtypes."""
+    """(base_dtype, embed_dtype) with embed_dtype "auto" resolved (float32 over a float32 or bfloat16 base,
+    else float16); ConfigError unless both are supported storage dtypes."""
     from wgpu_train.errors import ConfigError
 
     if base_dtype not in BASE_DTYPES:
@@ -212,7 +234,7 @@ def check_dtypes(base_dtype: str, embed_dtype: str = "auto") -> tuple[str, str]:
     if embed_dtype not in EMBED_CHOICES:
         raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_CHOICES)}, got {embed_dtype!r}")
     if embed_dtype == "auto":
-        embed_dtype = "float32" if base_dtype == "float32" else "float16"
+        embed_dtype = "float32" if base_dtype in ("float32", "bfloat16") else "float16"
     return base_dtype, embed_dtype
 
 

@@ -1,10 +1,11 @@
-"""Frozen base weights stored as float16 or 4-bit NF4 on the GPU (QuantMatrix), and the GEMMs that read
+"""Frozen base weights stored as bfloat16, float16 or 4-bit NF4 on the GPU (QuantMatrix), and the GEMMs that read
 them and accumulate in f32 (shaders/gemm_quant.wgsl): the forward x @ W.T ("nt") and the backward
 dy @ W ("nn"); a frozen weight never needs its own gradient. Also the f16 embedding gather.
 
 Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same function):
-- float16: the values (2 bytes each), row chunks of a multiple of 8 rows that fit one storage binding; the
-  shaders read them as u32 words of two and decode with unpack2x16float, so no adapter needs shader-f16;
+- bfloat16 / float16: the values (2 bytes each), row chunks of a multiple of 8 rows that fit one storage
+  binding; the shaders read them as u32 words of two and decode them with a shift (bfloat16) or
+  unpack2x16float (float16), so no adapter needs shader-f16;
 - nf4: engines/numpy/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
   padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
@@ -25,12 +26,14 @@ import math
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.numpy.quant import DQ_BLOCK, NF4_BLOCK, float16_values, nf4_dequantize, nf4_quantize
+from wgpu_train.engines.numpy.quant import (DQ_BLOCK, NF4_BLOCK, bfloat16_bits, bfloat16_values, float16_values,
+                                           nf4_dequantize, nf4_quantize)
 from wgpu_train.engines.webgpu.device.launch import Kernel, launch
 from wgpu_train.engines.webgpu.device.operands import at
 
 SHADER = "gemm_quant"
-FORMATS = ("float16", "nf4", "nf4-dq")
+FORMATS = ("bfloat16", "float16", "nf4", "nf4-dq")
+HALF_FORMATS = ("bfloat16", "float16")     # 2 bytes a value, no per-block statistics
 DQ_HEADER_WORDS = 4                  # offset, first block % 256, index word, spare
 NF4_BLOCK_BYTES = NF4_BLOCK // 2
 DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGPU's default limit)
@@ -83,7 +86,7 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
     also on a block boundary."""
     if dtype == "float32":
         unit, fit = 8, max_binding // (cols * _F32)
-    elif dtype == "float16":
+    elif dtype in HALF_FORMATS:
         unit, fit = 8, max_binding // (cols * 2)
     elif dtype in ("nf4", "nf4-dq"):
         unit = math.lcm(8, NF4_BLOCK // math.gcd(cols, NF4_BLOCK))
@@ -100,7 +103,7 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
         if dtype == "float32":
             out.append((r0, n, n * cols * _F32, 0))
             continue
-        if dtype == "float16":
+        if dtype in HALF_FORMATS:
             out.append((r0, n, _round16(n * cols * 2), 0))
             continue
         blocks = _nf4_blocks(n * cols)
@@ -119,7 +122,7 @@ def stored_bytes(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MA
 
 
 class QuantMatrix:
-    """A frozen (rows, cols) weight stored as float16 or NF4 on the GPU, in row chunks that each fit one
+    """A frozen (rows, cols) weight stored as bfloat16, float16 or NF4 on the GPU, in row chunks that each fit one
     storage binding. Attributes as tensors.Matrix: rows, cols, chunks [(buffer, first_row, n_rows)], size,
     read(rt); plus dtype, absmax (NF4: one f32 absmax buffer per chunk) and nbytes (all its buffers)."""
 
@@ -133,7 +136,7 @@ class QuantMatrix:
         self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks; nf4-dq: the chunk's stats words
         self.code = self.code_buffer = None    # nf4-dq: the 8-bit code table (256,) and its shared buffer
         self.nbytes = 0
-        if dtype != "float16":
+        if dtype not in HALF_FORMATS:
             packed, absmax = nf4_quantize(data, double_quant=dtype == "nf4-dq")
         if dtype == "nf4-dq":
             self.code = absmax.code
@@ -142,6 +145,8 @@ class QuantMatrix:
             buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
             if dtype == "float16":
                 rt.write(buf, float16_values(data[r0:r0 + n], label or "a weight").reshape(-1))
+            elif dtype == "bfloat16":
+                rt.write(buf, bfloat16_bits(data[r0:r0 + n]).reshape(-1))
             else:
                 b0, b1 = r0 * self.cols // NF4_BLOCK, _nf4_blocks((r0 + n) * self.cols)
                 rt.write(buf, packed[b0 * NF4_BLOCK_BYTES:b1 * NF4_BLOCK_BYTES])
@@ -160,6 +165,8 @@ class QuantMatrix:
         if self.dtype == "float16":
             parts = [rt.read(b, np.float16, (n, self.cols)) for b, _, n in self.chunks]
             return np.concatenate(parts).astype(np.float32)
+        if self.dtype == "bfloat16":
+            return bfloat16_values(np.concatenate([rt.read(b, np.uint16, (n, self.cols)) for b, _, n in self.chunks]))
         packed, absmax = [], []
         for (b, r0, n), s in zip(self.chunks, self.absmax):
             blocks = _nf4_blocks((r0 + n) * self.cols) - r0 * self.cols // NF4_BLOCK

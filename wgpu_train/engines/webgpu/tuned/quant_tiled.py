@@ -21,8 +21,9 @@ from wgpu_train.engines.webgpu.device.launch import Kernel
 SHADER = "gemm_quant_tiled"
 ENTRY = "qgemm_tiled"
 FORMAT_SHADER = "gemm_quant"         # whose format sections are appended
-FORMATS = ("float16", "nf4", "nf4-dq")
-BINDINGS = {"float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX", "nf4-dq": "A W BIAS C! STATS CODE"}
+FORMATS = ("bfloat16", "float16", "nf4", "nf4-dq")
+BINDINGS = {"bfloat16": "A W BIAS C!", "float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX",
+            "nf4-dq": "A W BIAS C! STATS CODE"}
 LAYOUTS = ("nt", "nn")
 # The format sections as tuned/quant.py's _source reads them: a section starts at a line beginning with
 # the format mark followed by the formats it serves, and ends at the next such line or the end mark.
