@@ -387,7 +387,9 @@ def test_embedding_dtype_auto_follows_the_base(folder):
     model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
     assert (model.engine.base_dtype, model.engine.embed_dtype) == ("nf4", "float16")
     assert wt.TrainConfig(base_dtype="nf4").storage_dtypes() == ("nf4", "float16")
-    assert wt.TrainConfig().storage_dtypes() == ("float32", "float32")
+    assert wt.TrainConfig().storage_dtypes("float32") == ("float32", "float32")    # base_dtype auto
+    assert wt.TrainConfig().storage_dtypes("bfloat16") == ("bfloat16", "float32")
+    assert wt.TrainConfig(method="full").storage_dtypes() == ("float32", "float32")
     cfg = model.config
     assert wt.estimate_memory(cfg, 1, 8, base_dtype="nf4")["weights"] == \
         base_weight_bytes(cfg, "nf4", "float16")["total"] < base_weight_bytes(cfg, "nf4", "float32")["total"]

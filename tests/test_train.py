@@ -377,6 +377,32 @@ def test_resume_refuses_a_different_lora(workspace, tmp_path):
         finetune(config(workspace, tmp_path / "c", resume=str(tmp_path)))
 
 
+def test_base_dtype_auto_stores_the_weights_as_the_checkpoint_does(workspace, tmp_path):
+    """The default base_dtype, auto: a bf16 checkpoint's linear weights stay bfloat16 (its embedding float32),
+    recorded as the run resolved it, so that a resume continues so; a float32 checkpoint stays float32; method
+    full trains float32 weights."""
+    import torch
+    from tiny_models import save_model
+
+    bf16 = tmp_path / "bf16"
+    model, _ = workspace
+    hf = __import__("transformers").AutoModelForCausalLM.from_pretrained(model)
+    save_model(hf, bf16, dtype=torch.bfloat16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bf16 / name).write_bytes((model / name).read_bytes())
+    assert TrainConfig().base_dtype == "auto"
+    summary = finetune(config(workspace, tmp_path / "a", max_steps=1, model=str(bf16)))
+    assert (summary["base_dtype"], summary["embed_dtype"]) == ("bfloat16", "float32")
+    recorded = json.loads((tmp_path / "a" / "train_config.json").read_text())
+    assert recorded["base_dtype"] == "bfloat16"
+    summary = finetune(config(workspace, tmp_path / "a", max_steps=2, model=str(bf16), resume=str(tmp_path / "a")))
+    assert summary["steps"] == 2 and summary["base_dtype"] == "bfloat16"
+    summary = finetune(config(workspace, tmp_path / "b", max_steps=1))
+    assert (summary["base_dtype"], summary["embed_dtype"]) == ("float32", "float32")
+    summary = finetune(config(workspace, tmp_path / "c", max_steps=1, model=str(bf16), method="full"))
+    assert (summary["base_dtype"], summary["embed_dtype"]) == ("float32", "float32")
+
+
 def test_resume_refuses_other_base_dtypes_and_leaves_the_run_alone(workspace, tmp_path):
     """A checkpoint trained over NF4 base weights continues only over NF4 ones; a refused resume, here into
     its own folder, changes nothing there."""
@@ -384,7 +410,7 @@ def test_resume_refuses_other_base_dtypes_and_leaves_the_run_alone(workspace, tm
     finetune(config(workspace, run, max_steps=1, base_dtype="nf4", embed_dtype="float16"))
     before = folder_state(run)
     with pytest.raises(ConfigError, match="trained over base_dtype nf4, not float32: pass --base-dtype nf4"):
-        finetune(config(workspace, run, max_steps=2, embed_dtype="float16", resume=str(run)))
+        finetune(config(workspace, run, max_steps=2, base_dtype="float32", embed_dtype="float16", resume=str(run)))
     with pytest.raises(ConfigError, match="trained over embed_dtype float16, not float32"):
         finetune(config(workspace, run, max_steps=2, base_dtype="nf4", embed_dtype="float32", resume=str(run)))
     with pytest.raises(ConfigError, match="LoRA r=8"):
@@ -393,6 +419,8 @@ def test_resume_refuses_other_base_dtypes_and_leaves_the_run_alone(workspace, tm
     assert folder_state(run) == before
     summary = finetune(config(workspace, run, max_steps=2, base_dtype="nf4", resume=str(run)))   # embedding: auto
     assert summary["steps"] == 2 and (summary["base_dtype"], summary["embed_dtype"]) == ("nf4", "float16")
+    summary = finetune(config(workspace, run, max_steps=3, resume=str(run)))    # base_dtype auto: as it trained
+    assert summary["steps"] == 3 and (summary["base_dtype"], summary["embed_dtype"]) == ("nf4", "float16")
 
 
 def test_resume_without_out_continues_in_the_run_folder(workspace, tmp_path, monkeypatch):

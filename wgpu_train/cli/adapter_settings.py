@@ -10,7 +10,7 @@ from pathlib import Path
 from wgpu_train.adapters.files import adapter_base_model
 
 # What generate / eval use for a setting that neither the command line nor the adapter's run decides.
-FALLBACKS = {"base_dtype": "float32", "embed_dtype": "auto", "no_chat_template": False, "train_on_last_turn": False,
+FALLBACKS = {"base_dtype": "auto", "embed_dtype": "auto", "no_chat_template": False, "train_on_last_turn": False,
              "max_seq_len": 512}
 _SETTING_TYPES = {"base_dtype": str, "embed_dtype": str, "no_chat_template": bool, "train_on_last_turn": bool,
                   "max_seq_len": int}
@@ -62,23 +62,27 @@ def _option(name: str, value) -> str:
     return flag if value is True else f"{flag} {value}"
 
 
-def _as_used(settings: dict) -> dict:
-    """settings with embed_dtype "auto" resolved as the engines resolve it."""
+def _as_used(settings: dict, checkpoint_dtype: str) -> dict:
+    """settings with base_dtype and embed_dtype "auto" resolved as the engines resolve them over a checkpoint of
+    that dtype."""
     from wgpu_train.engines.numpy.quant import check_dtypes
 
-    base, embed = check_dtypes(settings["base_dtype"], settings["embed_dtype"])
+    base, embed = check_dtypes(settings["base_dtype"], settings["embed_dtype"], checkpoint_dtype)
     return {**settings, "base_dtype": base, "embed_dtype": embed}
 
 
-def choose_settings(given: dict, adapter_path) -> dict:
+def choose_settings(given: dict, adapter_path, model_dir) -> dict:
     """`given` (setting -> its command-line value, None when not given; base_dtype and embed_dtype among them)
     with each missing value taken from the run that trained the adapter (trained_settings), else from
     FALLBACKS. One line on stderr names what the run decided where that differs from what would apply
-    without it."""
+    without it over the model in model_dir."""
+    from wgpu_train.models.config import ModelConfig
+
+    checkpoint_dtype = ModelConfig.from_folder(model_dir).checkpoint_dtype
     trained = trained_settings(adapter_path) if adapter_path is not None else {}
     chosen = {k: v if v is not None else trained.get(k, FALLBACKS[k]) for k, v in given.items()}
-    used = _as_used(chosen)
-    plain = _as_used({k: v if v is not None else FALLBACKS[k] for k, v in given.items()})
+    used = _as_used(chosen, checkpoint_dtype)
+    plain = _as_used({k: v if v is not None else FALLBACKS[k] for k, v in given.items()}, checkpoint_dtype)
     taken = [_option(k, chosen[k]) for k in given if given[k] is None and k in trained and used[k] != plain[k]]
     if taken:
         print(f"settings of the run that trained the adapter (options given here win): {', '.join(taken)}",
@@ -96,7 +100,7 @@ def model_folder(model_arg, adapter: Path | None) -> Path:
 
 
 def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
-                             base_dtype="float32", embed_dtype="auto"):
+                             base_dtype="auto", embed_dtype="auto"):
     """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge."""
     from wgpu_train.engines.model import load_model
     from wgpu_train.formats.tokenizer import load_tokenizer

@@ -35,14 +35,14 @@ def _device_options(p, storage: bool = False):
                    help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
     if storage:
-        from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES
+        from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
 
-        p.add_argument("--base-dtype", default=None, choices=BASE_DTYPES,
+        p.add_argument("--base-dtype", default=None, choices=BASE_CHOICES,
                        help="storage of the linear layers' weights; default: as the run that wrote the adapter "
-                            "(its train_config.json), else float32")
+                            "(its train_config.json), else auto (as the checkpoint stores them)")
         p.add_argument("--embed-dtype", default=None, choices=EMBED_CHOICES,
                        help="storage of the embedding and lm_head; default: as the run that wrote the adapter, "
-                            "else auto (float16 unless the base is float32)")
+                            "else auto (float16 over a float16 or NF4 base, else float32)")
 
 
 def _whole(minimum: int):
@@ -134,7 +134,7 @@ def cmd_generate(args) -> int:
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
-                                "no_chat_template": _given_no_chat_template(args)}, adapter)
+                                "no_chat_template": _given_no_chat_template(args)}, adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
     trained_on = trained_data_format(adapter) if adapter else None
@@ -206,7 +206,7 @@ def cmd_eval(args) -> int:
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": _given_no_chat_template(args),
                                 "train_on_last_turn": args.train_on_last_turn, "max_seq_len": args.max_seq_len},
-                               adapter)
+                               adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
     use_template = not settings["no_chat_template"]
@@ -374,7 +374,7 @@ def cmd_memory(args) -> int:
     cfg = ModelConfig.from_folder(model_dir)
     if args.batch_size < 1 or args.max_seq_len < 1:
         raise ConfigError("--batch-size and --max-seq-len must be at least 1")
-    base, embed = check_dtypes(args.base_dtype, args.embed_dtype)
+    base, embed = check_dtypes(args.base_dtype, args.embed_dtype, cfg.checkpoint_dtype, full=args.method == "full")
     if args.method == "full" and (base, embed) != ("float32", "float32"):
         raise ConfigError("method full trains every weight, so it needs float32 base and embedding dtypes")
     length = min(args.max_seq_len, cfg.max_position_embeddings)
@@ -417,7 +417,7 @@ def cmd_memory(args) -> int:
 
 
 def _register_memory(sub):
-    from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES
+    from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
     from wgpu_train.training.config import TrainConfig
 
     d = TrainConfig()
@@ -435,7 +435,7 @@ def _register_memory(sub):
     p.add_argument("--dora", action="store_true", help="plan for DoRA (its magnitudes and their buffers)")
     p.add_argument("--modules-to-save", default=None, help="modules trained in full beside LoRA, as in finetune")
     p.add_argument("--ensure-weight-tying", action="store_true", help="one tied copy, as in finetune")
-    p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES, help=f"(default: {d.base_dtype})")
+    p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_CHOICES, help=f"(default: {d.base_dtype})")
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -361,7 +361,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
                  embed_dtype="auto"):
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     if backend in ("auto", "wgpu"):
         from wgpu_train.engines.webgpu.device import runtime
 
@@ -382,13 +382,14 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
 
     base_dtype stores the frozen weights of the linear modules of every layer as "float32", "bfloat16",
-    "float16", "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA) or "nf4-dq" (nf4 whose absmax
-    values are double-quantised, bitsandbytes' bnb_4bit_use_double_quant); embed_dtype stores the embedding and
+    "float16", "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA), "nf4-dq" (nf4 whose absmax
+    values are double-quantised, bitsandbytes' bnb_4bit_use_double_quant) or "auto" (as the checkpoint stores
+    them: config.json's torch_dtype bfloat16 or float16, else float32); embed_dtype stores the embedding and
     lm_head as "float32" or "float16" ("auto": float16 over a float16 or NF4 base, as QLoRA keeps them in 16
     bits, else float32).
     Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
     the same rounded weights. Anything but float32 freezes the base (LoRA only)."""
     config = ModelConfig.from_folder(path)
-    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     weights = load_weights(path, config)
     return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype), path)

@@ -210,6 +210,16 @@ class ModelConfig:
         s = self.rope_scaling
         return bool(s) and s["rope_type"] == "longrope" and max_position + 1 > s["original_max_position_embeddings"]
 
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The dtype config.json gives the checkpoint's weights (torch_dtype, or transformers 5's dtype; a
+        multimodal checkpoint's text_config when the top level has none); "" when it gives none."""
+        for raw in (self.raw, self.raw.get("text_config") or {}):
+            value = raw.get("torch_dtype") or raw.get("dtype")
+            if isinstance(value, str) and value:
+                return value.removeprefix("torch.")
+        return ""
+
     def inv_freq(self, layer: int = 0, long: bool = False) -> np.ndarray:
         """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64 (rope.inv_freq)."""
         return inv_freq(self, layer, long)

@@ -124,11 +124,12 @@ def read_state(ckpt) -> dict:
 def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, embed_dtype: str):
     """Refuse (ConfigError naming the setting) to continue a checkpoint, given its trainer_state.json, with
     another method, LoRA setting (`lora_config`; None: not checked) or storage dtype of the base
-    weights; runs on the state alone, before any model is loaded."""
+    weights (None: not yet known, checked again by restore()); runs on the state alone, before any model is
+    loaded."""
     if state.get("method") != method:
         raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {method}")
     for key, now in (("base_dtype", base_dtype), ("embed_dtype", embed_dtype)):
-        if key in state and state[key] != now:
+        if now is not None and key in state and state[key] != now:
             raise ConfigError(f"checkpoint {ckpt} was trained over {key} {state[key]}, not {now}: pass "
                               f"--{key.replace('_', '-')} {state[key]}")
     if method != "lora" or lora_config is None:

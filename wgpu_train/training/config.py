@@ -12,7 +12,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
-from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES, check_dtypes
+from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
 from wgpu_train.training.schedule import SCHEDULES
 
@@ -46,10 +46,12 @@ class TrainConfig:
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
                                     "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
-    base_dtype: str = _opt("float32", "storage of the frozen weights of the linear layers: float32, bfloat16, "
-                                      "float16, nf4 (4-bit NormalFloat blocks of 64, QLoRA) or nf4-dq (nf4 with "
-                                      "double-quantised absmax values); anything but float32 is LoRA only",
-                           choices=BASE_DTYPES)
+    base_dtype: str = _opt("auto", "storage of the frozen weights of the linear layers: float32, bfloat16, "
+                                   "float16, nf4 (4-bit NormalFloat blocks of 64, QLoRA), nf4-dq (nf4 with "
+                                   "double-quantised absmax values) or auto (as the checkpoint stores them: "
+                                   "config.json's torch_dtype bfloat16 or float16, else float32; float32 for "
+                                   "method full); anything but float32 is LoRA only",
+                           choices=BASE_CHOICES)
     embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, float16, or auto (float16 "
                                     "over a float16 or NF4 base, as in QLoRA, else float32); LoRA only unless "
                                     "float32",
@@ -178,9 +180,10 @@ class TrainConfig:
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
-        need(self.method == "lora" or self.storage_dtypes() == ("float32", "float32"),
-             f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "
-             f"(got {', '.join(self.storage_dtypes())})")
+        if self.method == "full":
+            need(self.storage_dtypes() == ("float32", "float32"),
+                 f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "
+                 f"(got {', '.join(self.storage_dtypes())})")
         if self.method == "lora":
             self.lora_config()  # validates rank, dropout and targets
         need(self.method == "lora" or (self.lora_init, self.lora_layers, self.lora_rank_pattern,
@@ -228,9 +231,10 @@ class TrainConfig:
         wgpu-train-out."""
         return output_folder(self.out, self.resume)
 
-    def storage_dtypes(self) -> tuple[str, str]:
-        """(base_dtype, embed_dtype) with embed_dtype "auto" resolved: float16 unless the base is float32."""
-        return check_dtypes(self.base_dtype, self.embed_dtype)
+    def storage_dtypes(self, checkpoint_dtype: str | None = None) -> tuple[str, str]:
+        """(base_dtype, embed_dtype) resolved (engines/numpy/quant.check_dtypes): a base_dtype auto with the
+        checkpoint's dtype (ModelConfig.checkpoint_dtype), which method full does not need."""
+        return check_dtypes(self.base_dtype, self.embed_dtype, checkpoint_dtype, full=self.method == "full")
 
     def lora_config(self, num_hidden_layers: int | None = None) -> LoraConfig:
         """The LoraConfig these options describe; lora_layers "N" (the last N) needs the model's num_hidden_layers

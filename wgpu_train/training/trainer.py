@@ -15,6 +15,7 @@ import numpy as np
 
 from wgpu_train.training import checkpoint
 from wgpu_train.data.batching import split_batch
+from wgpu_train.engines.numpy.quant import check_dtypes
 from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
@@ -51,7 +52,9 @@ class Trainer(TrainerSetup, TrainerRecords):
         self.out = self.folders.out
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"the output folder {self.out} is a file; choose another --out")
-        self.base_dtype, self.embed_dtype = config.storage_dtypes()   # as the base weights are stored
+        # as the base weights are stored; base_dtype auto: a resumed checkpoint's, else the model's (setup)
+        auto = config.base_dtype == "auto" and config.method == "lora"
+        self.base_dtype, self.embed_dtype = (None, None) if auto else config.storage_dtypes()
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
         found = self.folders.earlier
         if found:
@@ -98,6 +101,8 @@ class Trainer(TrainerSetup, TrainerRecords):
             raise ConfigError(f"resume: {self.out} is a checkpoint outside a run's checkpoints/ folder; pass --out "
                               f"DIR to say where the run continues")
         state = checkpoint.read_state(ckpt)
+        if self.base_dtype is None and state.get("base_dtype"):      # auto: the run continues as it trained
+            self.base_dtype, self.embed_dtype = check_dtypes(state["base_dtype"], cfg.embed_dtype)
         # lora_layers "N" needs the model's layer count: its LoRA setting is checked by restore() in setup
         lora = cfg.lora_config() if cfg.method == "lora" and not cfg.lora_layers_last() else None
         checkpoint.check_state(ckpt, state, cfg.method, lora, self.base_dtype, self.embed_dtype)

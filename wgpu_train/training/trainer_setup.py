@@ -38,6 +38,10 @@ class TrainerSetup:
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         model_cfg = ModelConfig.from_folder(self.model_dir)
+        if self.base_dtype is None:           # base_dtype auto: as the checkpoint stores its weights
+            self.base_dtype, self.embed_dtype = cfg.storage_dtypes(model_cfg.checkpoint_dtype)
+        if cfg.base_dtype != self.base_dtype:
+            self.config = cfg = dataclasses.replace(cfg, base_dtype=self.base_dtype)     # recorded, for a resume
         if not self.continued_from and cfg.lora_targets != model_targets(cfg.lora_targets, model_cfg):
             self.config = cfg = dataclasses.replace(       # recorded as trained, for a resume
                 cfg, lora_targets=model_targets(cfg.lora_targets, model_cfg))

@@ -54,7 +54,8 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
                  embed_dtype: str = "auto"):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
-        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
+        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
+                                                                                   cfg.checkpoint_dtype)
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
         self.inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]

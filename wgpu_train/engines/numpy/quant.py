@@ -26,6 +26,10 @@ from typing import NamedTuple
 import numpy as np
 
 BASE_DTYPES = ("float32", "bfloat16", "float16", "nf4", "nf4-dq")   # nf4-dq: NF4, double-quantised absmax values
+# auto: as the checkpoint stores its weights (config.json's torch_dtype: bfloat16 or float16, else float32), and
+# float32 for full fine-tuning, which trains them
+BASE_CHOICES = ("auto",) + BASE_DTYPES
+CHECKPOINT_STORAGE = {"bfloat16": "bfloat16", "float16": "float16"}
 EMBED_DTYPES = ("float32", "float16")
 # auto: float16 over a float16 / NF4 base (QLoRA's 16-bit embedding), float32 over a float32 or bfloat16 one (a
 # bfloat16 checkpoint's embedding may not fit float16's range)
@@ -224,13 +228,23 @@ def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> st
     return "float32"
 
 
-def check_dtypes(base_dtype: str, embed_dtype: str = "auto") -> tuple[str, str]:
-    """(base_dtype, embed_dtype) with embed_dtype "auto" resolved (float32 over a float32 or bfloat16 base,
-    else float16); ConfigError unless both are supported storage dtypes."""
+def check_dtypes(base_dtype: str, embed_dtype: str = "auto", checkpoint_dtype: str | None = None,
+                 full: bool = False) -> tuple[str, str]:
+    """(base_dtype, embed_dtype) resolved: base_dtype "auto" as the checkpoint stores its weights
+    (`checkpoint_dtype`, ModelConfig.checkpoint_dtype: bfloat16 or float16, else float32; float32 when `full`
+    fine-tuning trains them), embed_dtype "auto" float32 over a float32 or bfloat16 base, else float16;
+    ConfigError unless both are supported storage dtypes."""
     from wgpu_train.errors import ConfigError
 
+    if base_dtype == "auto":
+        if full:
+            base_dtype = "float32"
+        elif checkpoint_dtype is None:
+            raise ValueError("base_dtype auto is resolved with the checkpoint's dtype (checkpoint_dtype)")
+        else:
+            base_dtype = CHECKPOINT_STORAGE.get(checkpoint_dtype, "float32")
     if base_dtype not in BASE_DTYPES:
-        raise ConfigError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}")
+        raise ConfigError(f"base_dtype must be one of {', '.join(BASE_CHOICES)}, got {base_dtype!r}")
     if embed_dtype not in EMBED_CHOICES:
         raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_CHOICES)}, got {embed_dtype!r}")
     if embed_dtype == "auto":

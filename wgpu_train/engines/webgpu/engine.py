@@ -43,7 +43,8 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
                               f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
-        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
+        self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
+                                                                                   cfg.checkpoint_dtype)
         self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)
         self.shapes: dict = {}
         for name in weights:       # one tensor at a time: `weights` may convert each as it is read

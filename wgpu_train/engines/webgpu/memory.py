@@ -143,13 +143,13 @@ def weight_shapes(cfg: ModelConfig) -> dict:
 def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype: str = "auto",
                       max_binding: int | None = None) -> dict:
     """GPU bytes of the base weights stored as base_dtype (the linear layers) and embed_dtype (embedding,
-    lm_head; "auto": float16 unless the base is float32), from the chunk plan the WebGPU engine allocates
+    lm_head; "auto": see check_dtypes), from the chunk plan the WebGPU engine allocates
     by: {"linear", "embedding", "other", "total"}.
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
     from wgpu_train.engines.numpy.quant import check_dtypes, is_linear_weight, storage_dtype
 
-    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, cfg.checkpoint_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
     for name, shape in weight_shapes(cfg).items():
         dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
@@ -189,7 +189,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
         raise ValueError("method must be 'lora' or 'full'")
     from wgpu_train.engines.numpy.quant import check_dtypes
 
-    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype, full=method == "full")
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
         raise ValueError("full fine-tuning needs float32 base weights")
     weights = base_weight_bytes(config, base_dtype, embed_dtype, max_binding)["total"]
