@@ -177,13 +177,18 @@ def _register_generate(sub):
     p.add_argument("--max-new-tokens", type=_whole(1), default=None,
                    help=f"most tokens to generate, capped (with a note) to the positions the prompt leaves in the "
                         f"model's max_position_embeddings (default: {GENERATE_TOKENS}, or what fits)")
+    sampling_options(p)
+    _device_options(p, storage=True)
+    p.set_defaults(func=cmd_generate)
+
+
+def sampling_options(p):
+    """generate's and chat's sampling options."""
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
     p.add_argument("--top-k", type=_whole(0), default=0,
                    help="sample among the k likeliest tokens; 0: all (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    _device_options(p, storage=True)
-    p.set_defaults(func=cmd_generate)
 
 
 # ---- eval -------------------------------------------------------------------------------------------------

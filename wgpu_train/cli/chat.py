@@ -1,0 +1,130 @@
+"""`wgpu-train chat`: an interactive conversation with a model (and adapter) over the same generation as
+`generate`, through the chat template, with its history, streaming each answer as it comes."""
+from __future__ import annotations
+
+import sys
+
+from wgpu_train.errors import ConfigError
+
+COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "end the chat (or Ctrl-D)",
+            "/help": "these commands"}
+
+
+class Conversation:
+    """The messages so far, trimmed from the oldest turn when they and an answer outgrow the model's positions."""
+
+    def __init__(self, system: str | None = None):
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict] = []
+
+    def reset(self):
+        self.turns = []
+
+    def prompt_ids(self, tokenizer, user: str, positions: int, answer_room: int) -> tuple[list[int], int]:
+        """(token ids asking for the answer to `user` after the history, turns dropped to fit): the oldest
+        user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError when the
+        system message and `user` alone leave none."""
+        dropped = 0
+        while True:
+            messages = self.system + self.turns + [{"role": "user", "content": user}]
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            if len(ids) + answer_room <= positions or not self.turns:
+                break
+            self.turns = self.turns[2:]
+            dropped += 1
+        if len(ids) >= positions:
+            raise ConfigError(f"the message has {len(ids)} tokens with the chat template, and the model takes at "
+                              f"most {positions} (max_position_embeddings): no room for an answer")
+        return ids, dropped
+
+    def answered(self, user: str, answer: str):
+        self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def cmd_chat(args) -> int:
+    from wgpu_train.adapters.files import adapter_folder
+    from wgpu_train.cli.adapter_settings import (choose_settings, load_model_and_tokenizer, model_folder,
+                                                 trained_settings)
+    from wgpu_train.cli.commands import GENERATE_TOKENS
+    from wgpu_train.formats.tokenizer import StreamDecoder
+
+    adapter = adapter_folder(args.adapter_path)
+    model_dir = model_folder(args.model, adapter)
+    if adapter and not args.chat_template and trained_settings(adapter).get("no_chat_template"):
+        raise ConfigError("chat talks through the chat template, and the adapter was trained without it "
+                          "(--no-chat-template): ask it with `wgpu-train generate`, or pass --chat-template")
+    settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype}, adapter, model_dir)
+    model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
+    positions = model.config.max_position_embeddings
+    max_new = min(args.max_new_tokens or GENERATE_TOKENS, positions - 1)
+    stops = set(tok.stop_token_ids)
+    chat = Conversation(args.system)
+    interactive = sys.stdin.isatty()
+    print(f"chatting with {model_dir}{f' + {adapter}' if adapter else ''}; /help for commands, /exit or Ctrl-D to "
+          f"end", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            break
+        user = line.strip()
+        if not user:
+            continue
+        if user.startswith("/"):
+            word = user.split()[0]
+            if word == "/exit":
+                break
+            if word == "/reset":
+                chat.reset()
+                print("(the conversation is forgotten)", file=sys.stderr)
+            else:
+                known = word == "/help"
+                print(("" if known else f"unknown command {word}; ") +
+                      "; ".join(f"{c}: {what}" for c, what in COMMANDS.items()), file=sys.stderr)
+            continue
+        ids, dropped = chat.prompt_ids(tok, user, positions, max_new)
+        if dropped:
+            print(f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} dropped: the conversation outgrew the "
+                  f"model's {positions} positions)", file=sys.stderr)
+        decoder, pieces = StreamDecoder(tok), []
+
+        def on_token(t):
+            if t in stops:
+                return
+            piece = decoder.push(t)
+            if piece:
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+
+        try:
+            model.generate(ids, max_new_tokens=min(max_new, positions - len(ids)), temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids,
+                           on_token=on_token)
+        except KeyboardInterrupt:             # the answer so far is dropped; the chat goes on
+            print("\n(interrupted: that answer is not kept)", file=sys.stderr)
+            continue
+        pieces.append(decoder.flush())
+        sys.stdout.write(pieces[-1] + "\n")
+        sys.stdout.flush()
+        chat.answered(user, "".join(pieces))
+    return 0
+
+
+def register(sub):
+    from wgpu_train.cli.commands import _add_parser, _device_options, _model_options, _whole, sampling_options
+
+    p = _add_parser(sub, "chat", "chat with a model (and adapter) interactively, streaming each answer",
+                    "An interactive chat over the model's chat template: each line you type is a user message, "
+                    "answered with the conversation so far (the oldest turns dropped when it outgrows the "
+                    "model's positions). /reset forgets it, /exit or Ctrl-D ends, Ctrl-C stops an answer.")
+    _model_options(p)
+    p.add_argument("--system", default=None, help="a system message before the conversation")
+    p.add_argument("--chat-template", action="store_true",
+                   help="chat through the model's template even with an adapter trained without it")
+    p.add_argument("--max-new-tokens", type=_whole(1), default=None,
+                   help="most tokens of each answer (default: 256, or what the model's positions leave)")
+    sampling_options(p)
+    _device_options(p, storage=True)
+    p.set_defaults(func=cmd_chat)
