@@ -257,14 +257,15 @@ def test_quant_linear_over_several_chunks(rt, fmt):
         linear_backward(rt.recorder(), dx, rt.buffer(rows * cols * 4), None, rt.upload(dy), None, qm, n)
 
 
-def test_float16_embedding_gather(rt):
+@pytest.mark.parametrize("fmt", Q.HALF_FORMATS)
+def test_16_bit_embedding_gather(rt, fmt):
     rng = np.random.default_rng(6)
     vocab, c = 40, 6
     w = rng.standard_normal((vocab, c)).astype(np.float32)
     saved = rt.max_binding
     rt.max_binding = 256                                   # 21 rows a chunk: two chunks of 16 and one of 8
     try:
-        qm = Q.QuantMatrix(rt, w, "float16", "emb")
+        qm = Q.QuantMatrix(rt, w, fmt, "emb")
     finally:
         rt.max_binding = saved
     assert len(qm.chunks) == 3
@@ -273,7 +274,7 @@ def test_float16_embedding_gather(rt):
     rec = rt.recorder()
     Q.embedding_forward(rec, out, rt.upload(ids), qm, ids.size)
     rec.submit()
-    assert_close(rt.read(out, np.float32, (ids.size, c)), R.round_to(w, "float16")[ids], "exact")
+    assert_close(rt.read(out, np.float32, (ids.size, c)), R.round_to(w, fmt)[ids], "exact")
 
 
 def test_float16_needs_no_shader_f16(rt, tmp_path):
@@ -318,8 +319,9 @@ def folder(request, tmp_path_factory):
 
 
 def test_a_bfloat16_checkpoint_is_stored_exactly(rt, tmp_path):
-    """A bf16 checkpoint under --base-dtype bfloat16: the device holds exactly the checkpoint's values (half the
-    bytes of float32), and the logits equal those of transformers' float32 model of the same weights."""
+    """A bf16 checkpoint under --base-dtype bfloat16 (its embedding and head bfloat16 too, by default): the
+    device holds exactly the checkpoint's values (half the bytes of float32), and the logits equal those of
+    transformers' float32 model of the same weights."""
     torch = pytest.importorskip("torch")
     from tiny_models import build_model, save_model
 
@@ -333,9 +335,10 @@ def test_a_bfloat16_checkpoint_is_stored_exactly(rt, tmp_path):
     ours = gpu.engine.weights()
     for k, v in ours.items():
         np.testing.assert_array_equal(v, theirs[k], err_msg=k)
-    linear = [v.nbytes for k, v in ours.items() if R.is_linear_weight(k)]
+    assert (gpu.engine.base_dtype, gpu.engine.embed_dtype) == ("bfloat16", "bfloat16")
+    halved = [v.nbytes for k, v in ours.items() if v.ndim == 2]          # linear layers, embedding, head
     saved = f32.engine.base_weight_bytes - gpu.engine.base_weight_bytes     # each buffer padded to 16 bytes
-    assert sum(linear) // 2 - 16 * len(linear) < saved <= sum(linear) // 2
+    assert sum(halved) // 2 - 16 * len(halved) < saved <= sum(halved) // 2
     assert gpu.engine.base_weight_bytes == base_weight_bytes(gpu.config, "bfloat16", "auto", rt.max_binding)["total"]
     ids = np.random.default_rng(1).integers(0, hf.config.vocab_size, (2, 9))
     with torch.no_grad():
@@ -343,7 +346,7 @@ def test_a_bfloat16_checkpoint_is_stored_exactly(rt, tmp_path):
     assert_close(gpu.logits(ids), want, "gpu_logits")
 
 
-@pytest.mark.parametrize("base,embed", [("bfloat16", "float32"), ("float16", "float32"), ("nf4", "float32"),
+@pytest.mark.parametrize("base,embed", [("bfloat16", "auto"), ("float16", "float32"), ("nf4", "float32"),
                                         ("nf4-dq", "float16")])
 def test_engines_agree_with_quantised_base(folder, rt, base, embed):
     """wgpu vs NumPy with the same stored weights: dequantised weights equal exactly; logits, loss and
@@ -378,22 +381,22 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
 
 
 def test_embedding_dtype_auto_follows_the_base(folder):
-    """embed_dtype "auto" (the default everywhere): float32 over a float32 or bfloat16 base, float16 over the
-    others."""
+    """embed_dtype "auto" (the default everywhere): the base's own over a float32 or bfloat16 base, float16 over
+    the others."""
     from wgpu_train.engines.numpy.quant import check_dtypes
 
-    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "float32", "float16", "float16", "float16"]
+    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "bfloat16", "float16", "float16", "float16"]
     assert check_dtypes("nf4", "float32") == ("nf4", "float32")
     model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
     assert (model.engine.base_dtype, model.engine.embed_dtype) == ("nf4", "float16")
     assert wt.TrainConfig(base_dtype="nf4").storage_dtypes() == ("nf4", "float16")
     assert wt.TrainConfig().storage_dtypes("float32") == ("float32", "float32")    # base_dtype auto
-    assert wt.TrainConfig().storage_dtypes("bfloat16") == ("bfloat16", "float32")
+    assert wt.TrainConfig().storage_dtypes("bfloat16") == ("bfloat16", "bfloat16")
     assert wt.TrainConfig(method="full").storage_dtypes() == ("float32", "float32")
     cfg = model.config
     assert wt.estimate_memory(cfg, 1, 8, base_dtype="nf4")["weights"] == \
         base_weight_bytes(cfg, "nf4", "float16")["total"] < base_weight_bytes(cfg, "nf4", "float32")["total"]
-    with pytest.raises(wt.ConfigError, match="embed_dtype must be one of auto, float32, float16"):
+    with pytest.raises(wt.ConfigError, match="embed_dtype must be one of auto, float32, bfloat16, float16"):
         wt.load_model(folder, backend="numpy", embed_dtype="nf4")
 
 
@@ -427,8 +430,7 @@ def test_weights_beyond_float16_range_are_refused(rt, tmp_path):
 # ---- memory -------------------------------------------------------------------------------------
 
 def test_base_weight_bytes_of_a_half_billion_parameter_model():
-    """Qwen2.5-0.5B's dimensions (tied embedding): float16 halves the bytes (bfloat16 those of the linear
-    layers, its embedding staying float32); NF4 linear layers take
+    """Qwen2.5-0.5B's dimensions (tied embedding): float16 and bfloat16 halve the bytes; NF4 linear layers take
     0.5 byte per weight + 4 bytes per 64 (absmax); with a float16 embedding the whole is under 0.3x."""
     from wgpu_train.bench.suite import QWEN05
 
@@ -437,8 +439,8 @@ def test_base_weight_bytes_of_a_half_billion_parameter_model():
     linear_params = f32["linear"] // 4
     assert f32["total"] == 494_032_768 * 4
     assert base_weight_bytes(cfg, "float16", "float16")["total"] / f32["total"] == pytest.approx(0.5, abs=1e-3)
-    bf16 = base_weight_bytes(cfg, "bfloat16")        # embed_dtype auto: a float32 embedding over bfloat16
-    assert bf16["linear"] == linear_params * 2 and bf16["embedding"] == f32["embedding"]
+    bf16 = base_weight_bytes(cfg, "bfloat16")        # embed_dtype auto: a bfloat16 embedding over bfloat16
+    assert bf16["linear"] == linear_params * 2 and bf16["embedding"] * 2 == f32["embedding"]
     nf4 = base_weight_bytes(cfg, "nf4", "float16")
     assert nf4["linear"] == pytest.approx(linear_params * (0.5 + 4 / 64), rel=1e-4)
     assert nf4["total"] / f32["total"] <= 0.3

@@ -378,7 +378,7 @@ def test_resume_refuses_a_different_lora(workspace, tmp_path):
 
 
 def test_base_dtype_auto_stores_the_weights_as_the_checkpoint_does(workspace, tmp_path):
-    """The default base_dtype, auto: a bf16 checkpoint's linear weights stay bfloat16 (its embedding float32),
+    """The default base_dtype, auto: a bf16 checkpoint's weights stay bfloat16 (its embedding and head too),
     recorded as the run resolved it, so that a resume continues so; a float32 checkpoint stays float32; method
     full trains float32 weights."""
     import torch
@@ -392,7 +392,7 @@ def test_base_dtype_auto_stores_the_weights_as_the_checkpoint_does(workspace, tm
         (bf16 / name).write_bytes((model / name).read_bytes())
     assert TrainConfig().base_dtype == "auto"
     summary = finetune(config(workspace, tmp_path / "a", max_steps=1, model=str(bf16)))
-    assert (summary["base_dtype"], summary["embed_dtype"]) == ("bfloat16", "float32")
+    assert (summary["base_dtype"], summary["embed_dtype"]) == ("bfloat16", "bfloat16")
     recorded = json.loads((tmp_path / "a" / "train_config.json").read_text())
     assert recorded["base_dtype"] == "bfloat16"
     summary = finetune(config(workspace, tmp_path / "a", max_steps=2, model=str(bf16), resume=str(tmp_path / "a")))

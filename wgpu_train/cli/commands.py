@@ -42,7 +42,7 @@ def _device_options(p, storage: bool = False):
                             "(its train_config.json), else auto (as the checkpoint stores them)")
         p.add_argument("--embed-dtype", default=None, choices=EMBED_CHOICES,
                        help="storage of the embedding and lm_head; default: as the run that wrote the adapter, "
-                            "else auto (float16 over a float16 or NF4 base, else float32)")
+                            "else auto (the base's own over a float32 or bfloat16 base, else float16)")
 
 
 def _whole(minimum: int):

@@ -385,8 +385,8 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     "float16", "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA), "nf4-dq" (nf4 whose absmax
     values are double-quantised, bitsandbytes' bnb_4bit_use_double_quant) or "auto" (as the checkpoint stores
     them: config.json's torch_dtype bfloat16 or float16, else float32); embed_dtype stores the embedding and
-    lm_head as "float32" or "float16" ("auto": float16 over a float16 or NF4 base, as QLoRA keeps them in 16
-    bits, else float32).
+    lm_head as "float32", "bfloat16" or "float16" ("auto": the base's own over a float32 or bfloat16 base,
+    float16 over the others, as QLoRA keeps them in 16 bits).
     Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
     the same rounded weights. Anything but float32 freezes the base (LoRA only)."""
     config = ModelConfig.from_folder(path)

@@ -52,9 +52,9 @@ class TrainConfig:
                                    "config.json's torch_dtype bfloat16 or float16, else float32; float32 for "
                                    "method full); anything but float32 is LoRA only",
                            choices=BASE_CHOICES)
-    embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, float16, or auto (float16 "
-                                    "over a float16 or NF4 base, as in QLoRA, else float32); LoRA only unless "
-                                    "float32",
+    embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, bfloat16, float16, or auto "
+                                    "(the base's own over a float32 or bfloat16 base, float16 over a float16 or NF4 "
+                                    "one, as in QLoRA); LoRA only unless float32",
                             choices=EMBED_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")

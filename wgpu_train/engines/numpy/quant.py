@@ -30,9 +30,9 @@ BASE_DTYPES = ("float32", "bfloat16", "float16", "nf4", "nf4-dq")   # nf4-dq: NF
 # float32 for full fine-tuning, which trains them
 BASE_CHOICES = ("auto",) + BASE_DTYPES
 CHECKPOINT_STORAGE = {"bfloat16": "bfloat16", "float16": "float16"}
-EMBED_DTYPES = ("float32", "float16")
-# auto: float16 over a float16 / NF4 base (QLoRA's 16-bit embedding), float32 over a float32 or bfloat16 one (a
-# bfloat16 checkpoint's embedding may not fit float16's range)
+EMBED_DTYPES = ("float32", "bfloat16", "float16")
+# auto: the base's own storage over a float32 or bfloat16 base, float16 over a float16 / NF4 one (QLoRA's 16-bit
+# embedding)
 EMBED_CHOICES = ("auto",) + EMBED_DTYPES
 NF4_BLOCK = 64          # weights per absmax
 F16_MAX = 65504.0       # the largest finite float16
@@ -232,7 +232,7 @@ def check_dtypes(base_dtype: str, embed_dtype: str = "auto", checkpoint_dtype: s
                  full: bool = False) -> tuple[str, str]:
     """(base_dtype, embed_dtype) resolved: base_dtype "auto" as the checkpoint stores its weights
     (`checkpoint_dtype`, ModelConfig.checkpoint_dtype: bfloat16 or float16, else float32; float32 when `full`
-    fine-tuning trains them), embed_dtype "auto" float32 over a float32 or bfloat16 base, else float16;
+    fine-tuning trains them), embed_dtype "auto" the base's own over a float32 or bfloat16 base, else float16;
     ConfigError unless both are supported storage dtypes."""
     from wgpu_train.errors import ConfigError
 
@@ -248,7 +248,7 @@ def check_dtypes(base_dtype: str, embed_dtype: str = "auto", checkpoint_dtype: s
     if embed_dtype not in EMBED_CHOICES:
         raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_CHOICES)}, got {embed_dtype!r}")
     if embed_dtype == "auto":
-        embed_dtype = "float32" if base_dtype in ("float32", "bfloat16") else "float16"
+        embed_dtype = base_dtype if base_dtype in ("float32", "bfloat16") else "float16"
     return base_dtype, embed_dtype
 
 

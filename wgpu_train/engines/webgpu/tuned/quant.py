@@ -21,6 +21,7 @@ Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -206,7 +207,10 @@ def shader_source(fmt: str, subgroups: bool) -> str:
     return _sources[key]
 
 
-EMBED_GATHER = Kernel(SHADER, "embed_gather", "IDS W OUT!", source=(shader_source, "float16", False), invocations=64)
+@functools.lru_cache(maxsize=None)
+def embed_gather_kernel(fmt: str) -> Kernel:
+    """The embedding gather of a 16-bit vocabulary (HALF_FORMATS)."""
+    return Kernel(SHADER, "embed_gather", "IDS W OUT!", source=(shader_source, fmt, False), invocations=64)
 
 
 def qgemm(rec, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None, accumulate=False, lda=None,
@@ -239,11 +243,11 @@ def linear_backward(rec, dx, dy, w: QuantMatrix, N, accumulate_dx=False):
 
 
 def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):
-    """out (n, cols) = w[ids] for an f16 embedding, one dispatch per vocabulary chunk."""
-    if w.dtype != "float16":
-        raise ValueError(f"embeddings are stored as float32 or float16, not {w.dtype}")
+    """out (n, cols) = w[ids] for a 16-bit embedding, one dispatch per vocabulary chunk."""
+    if w.dtype not in HALF_FORMATS:
+        raise ValueError(f"embeddings are stored as float32, bfloat16 or float16, not {w.dtype}")
     groups = -(-(n * w.cols) // 64)
     gx = min(groups, 65535)
     for buf, r0, rows in w.chunks:
-        launch(rec, EMBED_GATHER, (gx, -(-groups // gx), 1), [(ids, n), (buf, buf.size // _F32), (out, n * w.cols)],
+        launch(rec, embed_gather_kernel(w.dtype), (gx, -(-groups // gx), 1), [(ids, n), (buf, buf.size // _F32), (out, n * w.cols)],
                M=n, cols=w.cols, row0=r0, rows=rows)

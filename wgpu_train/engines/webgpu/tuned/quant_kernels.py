@@ -188,5 +188,5 @@ def all_kernels() -> list[Kernel]:
     entries = (("qgemm", False), ("qgemm_fast", False), ("qgemm_fast_sg", True))
     out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in Q.FORMATS for entry, sg in entries
            for wg in WG_CHOICES for tm in TM_CHOICES for nt in (False, True)]
-    return out + [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS
-                  for nt in (False, True)]
+    out += [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS for nt in (False, True)]
+    return out + [Q.embed_gather_kernel(fmt) for fmt in Q.HALF_FORMATS]
