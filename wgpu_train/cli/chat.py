@@ -45,8 +45,7 @@ def cmd_chat(args) -> int:
     from wgpu_train.adapters.files import adapter_folder
     from wgpu_train.cli.adapter_settings import (choose_settings, load_model_and_tokenizer, model_folder,
                                                  trained_settings)
-    from wgpu_train.cli.commands import GENERATE_TOKENS
-    from wgpu_train.formats.tokenizer import StreamDecoder
+    from wgpu_train.cli.commands import GENERATE_TOKENS, stream_printer
 
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
@@ -58,7 +57,6 @@ def cmd_chat(args) -> int:
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
     positions = model.config.max_position_embeddings
     max_new = min(args.max_new_tokens or GENERATE_TOKENS, positions - 1)
-    stops = set(tok.stop_token_ids)
     chat = Conversation(args.system)
     interactive = sys.stdin.isatty()
     print(f"chatting with {model_dir}{f' + {adapter}' if adapter else ''}; /help for commands, /exit or Ctrl-D to "
@@ -87,17 +85,7 @@ def cmd_chat(args) -> int:
         if dropped:
             print(f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} dropped: the conversation outgrew the "
                   f"model's {positions} positions)", file=sys.stderr)
-        decoder, pieces = StreamDecoder(tok), []
-
-        def on_token(t):
-            if t in stops:
-                return
-            piece = decoder.push(t)
-            if piece:
-                pieces.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-
+        on_token, finish = stream_printer(tok)
         try:
             model.generate(ids, max_new_tokens=min(max_new, positions - len(ids)), temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids,
@@ -105,10 +93,7 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:             # the answer so far is dropped; the chat goes on
             print("\n(interrupted: that answer is not kept)", file=sys.stderr)
             continue
-        pieces.append(decoder.flush())
-        sys.stdout.write(pieces[-1] + "\n")
-        sys.stdout.flush()
-        chat.answered(user, "".join(pieces))
+        chat.answered(user, finish())
     return 0
 
 

@@ -126,9 +126,32 @@ def _given_no_chat_template(args):
     return None if args.chat_template is None else not args.chat_template
 
 
-def cmd_generate(args) -> int:
+def stream_printer(tokenizer):
+    """(on_token, finish) for model.generate: on_token prints each decoded piece as it comes (stop tokens left
+    out); finish prints the rest and a newline, and returns the whole answer."""
     from wgpu_train.formats.tokenizer import StreamDecoder
 
+    stops, decoder, pieces = set(tokenizer.stop_token_ids), StreamDecoder(tokenizer), []
+
+    def on_token(t):
+        if t in stops:
+            return
+        piece = decoder.push(t)
+        if piece:
+            pieces.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def finish() -> str:
+        pieces.append(decoder.flush())
+        sys.stdout.write(pieces[-1] + "\n")
+        sys.stdout.flush()
+        return "".join(pieces)
+
+    return on_token, finish
+
+
+def cmd_generate(args) -> int:
     if not args.prompt:
         raise ConfigError("--prompt is empty")
     adapter = adapter_folder(args.adapter_path)
@@ -150,21 +173,10 @@ def cmd_generate(args) -> int:
             print(f"note: --max-new-tokens {max_new} capped to {room}: the prompt's {len(ids)} tokens and the answer "
                   f"share the model's {positions} positions", file=sys.stderr)
         max_new = room
-    stops = set(tok.stop_token_ids)
-    decoder = StreamDecoder(tok)
-
-    def on_token(t):
-        if t in stops:
-            return
-        piece = decoder.push(t)
-        if piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
+    on_token, finish = stream_printer(tok)
     model.generate(ids, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids, on_token=on_token)
-    sys.stdout.write(decoder.flush() + "\n")
-    sys.stdout.flush()
+    finish()
     return 0
 
 

@@ -94,7 +94,8 @@ class Trainer(TrainerSetup, TrainerRecords):
         self._trackers = None
 
     def _check_resume(self) -> tuple[Path, dict]:
-        """The checkpoint that config.resume names and its state, refused unless it fits the config."""
+        """The checkpoint that config.resume names and its state, refused unless it fits the config; with
+        base_dtype auto, the storage dtypes become the ones the checkpoint trained with."""
         cfg = self.config
         ckpt = find_checkpoint(cfg.resume)
         if cfg.out is None and (self.out / checkpoint.STATE_FILE).is_file():

@@ -22,7 +22,8 @@ MAX_GROUPS = 65535           # WebGPU's default max-compute-workgroups-per-dimen
 # WebGPU's default limits, which every adapter meets (browsers, GLES devices and many mobile drivers offer no
 # more): a kernel within them runs everywhere. A kernel needing more is a tuner candidate with a twin within.
 DEFAULT_LIMITS = {"max-storage-buffers-per-shader-stage": 8, "max-compute-invocations-per-workgroup": 256,
-                  "max-compute-workgroup-storage-size": 16384, "max-uniform-buffer-binding-size": 65536}
+                  "max-compute-workgroup-storage-size": 16384, "max-compute-workgroup-size-x": 256,
+                  "max-uniform-buffer-binding-size": 65536}
 # The WGSL extension each optional feature needs enabled (`enable f16;` always; `enable subgroups;` where the
 # compiler takes it: Runtime.wgsl_enables)
 EXTENSIONS = {"shader-f16": "f16", "subgroup": "subgroups"}
@@ -69,18 +70,24 @@ class Kernel:
         args = ",".join(map(str, self.source[1:]))
         return f"{self.shader}.{self.entry}" + (f"[{args}]" if args else "") + (f"({spec})" if spec else "")
 
-    def text(self, enables=("f16", "subgroups")) -> str:
-        """The WGSL source this kernel compiles: its shader or source builder's text, after the `enable`
-        directives of its features among `enables` (the extensions the compiler takes a directive for)."""
+    def body(self) -> str:
+        """The shader's text, or the source builder's."""
         if self.source:
             fn, *args = self.source
-            body = fn(*args)
-        else:
-            from wgpu_train.engines.webgpu.device.runtime import shader_text
-            body = shader_text(self.shader)
+            return fn(*args)
+        from wgpu_train.engines.webgpu.device.runtime import shader_text
+        return shader_text(self.shader)
+
+    def directives(self, body: str, enables) -> str:
+        """The `enable` directives `body` lacks for this kernel's features among `enables` (the extensions the
+        compiler takes a directive for)."""
         wanted = [EXTENSIONS[f] for f in self.features if f in EXTENSIONS and EXTENSIONS[f] in enables]
-        directives = "".join(f"enable {e};\n" for e in wanted if not re.search(rf"^\s*enable\s+{e}\s*;", body, re.M))
-        return directives + body
+        return "".join(f"enable {e};\n" for e in wanted if not re.search(rf"^\s*enable\s+{e}\s*;", body, re.M))
+
+    def text(self, enables=("f16", "subgroups")) -> str:
+        """The WGSL source this kernel compiles where the compiler takes the directives of `enables`."""
+        body = self.body()
+        return self.directives(body, enables) + body
 
     @property
     def needs(self) -> dict:
@@ -124,7 +131,9 @@ class _Compiled:
         over = k.over_limits(rt.limits)
         if over:
             raise DeviceError(f"kernel {k.label} needs more than {rt.info.name} offers: {'; '.join(over)}")
-        source = k.text(rt.wgsl_enables)
+        body = k.body()
+        directives = k.directives(body, rt.wgsl_enables)
+        source = directives + body
         self.fields = parse_params(source)
         self.index = {name: i for i, (name, _) in enumerate(self.fields)}
         self.format = params_format(self.fields)
@@ -134,7 +143,7 @@ class _Compiled:
         self.slots, self.names, self.written = k.slots, k.names, k.written
         self.outputs = [j for j, w in enumerate(self.written) if w]
         name = k.shader + (f"[{','.join(map(str, k.source[1:]))}]" if k.source else "")
-        plain = not k.source and source == k.text(())        # the shader file as it is: cached by name
+        plain = not k.source and not directives        # the shader file as it is: cached by name
         self.pipeline = rt.pipeline(name, k.entry, dict(k.constants), source=None if plain else source)
 
 

@@ -14,14 +14,12 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS
 from wgpu_train.engines.webgpu.device.runtime import shader_path
 
 SHADER = "gemm_tiled"
 REDUCE_ENTRY = "gemm_splitk_reduce"
 REDUCE_WG = 256
-# WebGPU's default limits, for a limits dict that lacks a key
-DEFAULT_LIMITS = {"max-compute-workgroup-storage-size": 16384, "max-compute-invocations-per-workgroup": 256,
-                  "max-compute-workgroup-size-x": 256}
 SUBGROUP_FEATURE = "subgroup"
 SG_PAD = 4                    # vec4s of padding per k row of As / Bs in the subgroup kernels (see the .wgsl)
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"

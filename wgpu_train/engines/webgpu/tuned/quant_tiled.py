@@ -14,9 +14,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import (DEFAULT_LIMITS, TileConfig, fits, workgroup_bytes,
-                                                            workgroup_size)
-from wgpu_train.engines.webgpu.device.launch import Kernel
+from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS, Kernel
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, fits, workgroup_bytes, workgroup_size
 
 SHADER = "gemm_quant_tiled"
 ENTRY = "qgemm_tiled"
