@@ -79,7 +79,8 @@ def detect_format(obj: Any) -> str:
     raise BadRecord(f"unknown record shape (keys: {keys}); expected one of " + ", ".join(_SHAPES.values()))
 
 
-def _string_field(obj: dict, key: str, where: str = "") -> str:
+def string_field(obj: dict, key: str, where: str = "") -> str:
+    """obj[key], a string that is not blank (returned as given); BadRecord naming the field otherwise."""
     if key not in obj or obj[key] is None:
         raise BadRecord(f'missing field "{key}"{where}')
     value = obj[key]
@@ -121,9 +122,9 @@ def _message_content(m: dict, key: str, k: int) -> str:
     return "".join(texts)
 
 
-def _convert_chat(obj: dict) -> list[Message]:
-    key = "messages" if "messages" in obj else "conversations"
-    messages = obj[key]
+def convert_messages(messages: Any, key: str) -> list[Message]:
+    """The field `key`'s messages checked and normalised to {"role", "content"} (ShareGPT's from / value and
+    OpenAI-style text parts accepted; an empty system message left out); BadRecord for anything else."""
     if not isinstance(messages, list) or not messages:
         raise BadRecord(f'"{key}" must be a non-empty list')
     out: list[Message] = []
@@ -148,6 +149,12 @@ def _convert_chat(obj: dict) -> list[Message]:
         if role == "system" and out:
             raise BadRecord(f"message {k}: a system message may only come first")
         out.append({"role": role, "content": content})
+    return out
+
+
+def _convert_chat(obj: dict) -> list[Message]:
+    key = "messages" if "messages" in obj else "conversations"
+    out = convert_messages(obj[key], key)
     first = 1 if out and out[0]["role"] == "system" else 0
     if len(out) <= first or out[first]["role"] != "user":
         raise BadRecord("the conversation must start with a user message (after an optional system message)")
@@ -165,10 +172,10 @@ def convert(obj: Any, fmt: str) -> Record:
     if fmt == "chat":
         return _convert_chat(obj)
     if fmt == "text":
-        return _string_field(obj, "text")
+        return string_field(obj, "text")
     (prompt_key, response_key), optional = FORMATS[fmt]
-    user = _string_field(obj, prompt_key)
-    response = _string_field(obj, response_key)
+    user = string_field(obj, prompt_key)
+    response = string_field(obj, response_key)
     extras = [_optional_string(obj, key) for key in optional if key != "system"]
     parts = extras + [user] if fmt == "completions" else [user] + extras
     user = "\n\n".join(part for part in parts if part is not None)

@@ -1,7 +1,8 @@
 """Dataset files as users have them -> records (records.py) in splits: JSONL, JSON (an array of records, or an
 object of record arrays), Parquet (read row group by row group), folders with train / validation / test files
 (ours, or the hub's data/train-00000-of-00001.parquet layout), several sources mixed (repeated --data, globs),
-dataset ids from the Hugging Face hub, and other column names mapped onto ours (--columns)."""
+dataset ids from the Hugging Face hub, and other column names mapped onto ours (--columns). Read as SFT records
+(records.py) or as preference pairs / unpaired KTO records (preference_records.py)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ from typing import Any, Iterator
 import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.data.preference_records import (PreferenceRecord, UnpairedRecord, check_labels, convert_preference,
+                                                detect_preference_format, unpair_preferences)
 from wgpu_train.data.records import BadRecord, Conversation, Record, Text, convert, detect_format
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALID_NAMES = ("valid", "validation", "val", "dev")        # names of a folder's validation split
 SPLIT_NAMES = {"train": ("train",), "valid": VALID_NAMES, "test": ("test",)}
 FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "response",
-          "context", "system", "text")                     # the record fields a column can be mapped onto
+          "context", "system", "text", "chosen", "rejected", "label")  # the fields a column can be mapped onto
 PARQUET_BATCH = 1024                                       # rows converted to Python objects at a time
 _SHARD = re.compile(r"-\d+-of-\d+\.\w+")                      # the hub's shard names: train-00000-of-00002.parquet
+KINDS = ("sft", "preference", "unpaired")                  # what records are read as (see load_records)
 
 
 # ---- column mapping ----------------------------------------------------------------------------------------
@@ -174,13 +178,26 @@ def _objects(path: Path, split: str | None = None, arrays: dict | None = None) -
             yield f"{path}:{lineno}", obj
 
 
+def _detect(obj: Any, kind: str) -> str:
+    return detect_format(obj) if kind == "sft" else detect_preference_format(obj, kind)
+
+
+def _convert(obj: Any, fmt: str, where: str, kind: str) -> Any:
+    if kind != "sft":
+        return convert_preference(obj, fmt, where)
+    record = convert(obj, fmt)
+    return Text(record, where) if isinstance(record, str) else Conversation(record, where)
+
+
 def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str, str] | None = None,
-                 split: str | None = None, arrays: dict | None = None) -> tuple[list[Record], str, int]:
+                 split: str | None = None, arrays: dict | None = None, kind: str = "sft") -> tuple[list, str, int]:
     """Read one data file (JSONL, JSON or Parquet, by suffix): (records, format name, number skipped).
 
     The format is detected from the first valid record and every other record must match it. A bad record
     raises DataError "file:line: problem" ("file:row" for JSON and Parquet), or is skipped and counted when
-    `skip_invalid`. Records are Conversation or Text objects whose `source` is where they were read.
+    `skip_invalid`. Records remember in `source` where they were read; they are, by `kind`: "sft", Conversation or
+    Text objects; "preference", PreferenceRecord; "unpaired", UnpairedRecord, or PreferenceRecord for a file of
+    pairs (resolve_data unpairs them).
     """
     path = Path(path)
     records: list[Record] = []
@@ -192,15 +209,15 @@ def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str
             if isinstance(obj, BadRecord):
                 raise obj
             obj = _mapped(obj, columns or {})
-            line_fmt = fmt if fmt is not None else detect_format(obj)
-            record = convert(obj, line_fmt)
+            line_fmt = fmt if fmt is not None else _detect(obj, kind)
+            record = _convert(obj, line_fmt, where, kind)
         except BadRecord as e:
             if not skip_invalid:
                 raise DataError(f"{where}: {e}") from None
             skipped += 1
             continue
         fmt = line_fmt
-        records.append(Text(record, where) if isinstance(record, str) else Conversation(record, where))
+        records.append(record)
     if n == 0:
         raise DataError(f"{path}: split {split!r} is empty" if split else f"{path}: empty file")
     if not records:
@@ -289,37 +306,53 @@ def _sources(path) -> list[Path]:
     return out
 
 
-def _read_source(path: Path, skip_invalid: bool, columns: dict) -> dict[str, list]:
+def _read_source(path: Path, skip_invalid: bool, columns: dict, kind: str) -> dict[str, list]:
     """split -> [(file, records, format, skipped)] of one file or folder."""
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if path.is_dir():
-        return {split: [(str(f),) + load_records(f, skip_invalid, columns) for f in files]
+        return {split: [(str(f),) + load_records(f, skip_invalid, columns, kind=kind) for f in files]
                 for split, files in _split_files(path).items()}
     if path.suffix == ".json" and (whole := _json_document(path)) is not None:     # parsed once
         arrays = _json_arrays(path, whole)
         keys = _split_keys(path, arrays)
         if keys:
             return {split: [(f"{path}:{split}",) + load_records(path, skip_invalid, columns, split,
-                                                               {split: arrays[key]})] for split, key in keys.items()}
-        return {"train": [(str(path),) + load_records(path, skip_invalid, columns, arrays=arrays)]}
-    return {"train": [(str(path),) + load_records(path, skip_invalid, columns)]}
+                                                               {split: arrays[key]}, kind)]
+                    for split, key in keys.items()}
+        return {"train": [(str(path),) + load_records(path, skip_invalid, columns, arrays=arrays, kind=kind)]}
+    return {"train": [(str(path),) + load_records(path, skip_invalid, columns, kind=kind)]}
+
+
+def _unpaired(records: list, names: str) -> list[UnpairedRecord]:
+    """A split read as kind "unpaired": its pairs unpaired as TRL's KTOTrainer does; pairs and unpaired records
+    do not mix."""
+    n_pairs = sum(isinstance(r, PreferenceRecord) for r in records)
+    if n_pairs and n_pairs < len(records):
+        raise DataError(f"{names}: paired preference records do not mix with unpaired ones; give one kind")
+    return unpair_preferences(records) if n_pairs else records
 
 
 def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False,
-                 columns: str | dict | None = None) -> DataSplits:
+                 columns: str | dict | None = None, kind: str = "sft") -> DataSplits:
     """Find the splits of a dataset. `path`: a data file (JSONL, JSON or Parquet); a folder with a train split
     and optionally one validation split (valid, validation, val or dev) and a test split, in any of those
     formats, at its top or under data/; a hub dataset id; several of these (a list, or comma-separated) or a
     glob, whose splits are concatenated. Without validation data a fraction `valid_split` of train, chosen with
     np.random.default_rng(seed), is held out as valid (train keeps its order). `columns` maps our field names
-    to other column names (parse_columns). Every record keeps its source through the split."""
+    to other column names (parse_columns). Every record keeps its source through the split.
+
+    `kind` says what the records are (see load_records): "sft" (the default), "preference" pairs, or "unpaired"
+    KTO records (pairs are unpaired as TRL does, after the held-out split, so a pair's halves stay together; the
+    train split must hold both labels, else ConfigError)."""
     if not 0.0 <= valid_split < 1.0:
         raise ConfigError(f"valid_split must be in [0, 1), got {valid_split}")
+    if kind not in KINDS:
+        raise ConfigError(f"unknown record kind {kind!r}; the kinds are {', '.join(KINDS)}")
     columns = parse_columns(columns) if isinstance(columns, str) or columns is None else columns
     by_split: dict[str, list] = {"train": [], "valid": [], "test": []}
     for source in _sources(path):
-        for split, parts in _read_source(source, skip_invalid, columns).items():
+        for split, parts in _read_source(source, skip_invalid, columns, kind).items():
             by_split[split] += parts
     train, fmt, skipped, train_files = _merge(by_split["train"], "train")
     files = {"train": train_files}
@@ -341,4 +374,8 @@ def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bo
             splits["valid"] = [train[i] for i in sorted(held)]
             splits["train"] = [r for i, r in enumerate(train) if i not in held]
             held_out = True
+    if kind == "unpaired":
+        for split in splits:
+            splits[split] = _unpaired(splits[split], files.get(split, ""))
+        check_labels(splits["train"], files["train"])
     return DataSplits(splits["train"], splits["valid"], splits["test"], fmt, skipped, files, held_out)
