@@ -24,11 +24,11 @@ class PreferenceTrainer(Trainer):
     """A Trainer whose objective is config.objective (not sft): the data are preference pairs (KTO: unpaired
     examples, read in order as TRL's KTOTrainer reads them), batch_size of them per micro-batch.
 
-    The reference model of DPO and KTO is the base model with the adapter switched off (engine protocol
-    set_adapter_enabled), as TRL's trainers take it for a PEFT model; its log-probabilities are computed once
-    before training instead, and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the
-    base with that adapter), --method full or --adapter-path (the starting model, as TRL's reference copy) and
-    modules_to_save (whose trained copies the adapter switch does not turn off)."""
+    The reference model of DPO and KTO is, as TRL's trainers take it for a PEFT model, the base model with the
+    adapter switched off (engine protocol set_adapter_enabled), or with --adapter-path a frozen copy of the
+    starting adapter swapped in to score. Its log-probabilities are computed once before training instead,
+    and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the base with that adapter),
+    --method full and modules_to_save (the starting model: the adapter switch does not turn off trained copies)."""
 
     def __init__(self, config, log=None):
         super().__init__(config, log)
@@ -37,7 +37,9 @@ class PreferenceTrainer(Trainer):
         self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split
         self.partners = {}                           # KTO: split -> (N,) the mismatched pair of each example
         self.reference = None                        # precomputed: split -> {"logps": (N, 2) or (N,), "kl": (N,)}
+        self._reference_tensors = None               # --adapter-path: the starting adapter, the reference
         self._step_metrics: list = []                # the metrics of the steps since the last logged row
+        self._accuracy = {"before": None, "after": None}   # validation reward accuracy before and after training
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
@@ -109,17 +111,24 @@ class PreferenceTrainer(Trainer):
         return name, [c for c in (_as_conversation(r) for r in records) if c is not None]
 
     # ---- the reference ------------------------------------------------------------------------------
+    def _precomputes(self) -> bool:
+        cfg = self.config
+        return bool(self.settings.uses_reference and (cfg.precompute_ref_log_probs or cfg.ref_adapter
+                                                      or cfg.method == "full" or cfg.modules_to_save))
+
+    def _model_ready(self):
+        if self.settings.uses_reference and self.continued_from and not self._precomputes():
+            # TRL's reference for a pretrained adapter: a frozen copy of it ("ref"), swapped in to score
+            self._reference_tensors = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
+
     def setup(self):
         super().setup()
-        cfg = self.config
-        if not self.settings.uses_reference:
-            return self
-        precompute = (cfg.precompute_ref_log_probs or cfg.ref_adapter or cfg.method == "full"
-                      or self.continued_from or cfg.modules_to_save)
-        if not precompute:
+        if self._precomputes():
+            self.reference = self._load_reference() if self._resume else self._compute_reference()
+        elif self._reference_tensors is not None:
+            self.log(f"reference: the starting adapter {self.continued_from}, scored with every step")
+        elif self.settings.uses_reference:
             self.log("reference: the base model (the adapter switched off), scored with every step")
-            return self
-        self.reference = self._load_reference() if self._resume else self._compute_reference()
         return self
 
     def _reference_engine(self):
@@ -132,7 +141,7 @@ class PreferenceTrainer(Trainer):
                              base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
             ref.load_adapter(cfg.ref_adapter)
             return ref.engine, False, f"the base model with the adapter {cfg.ref_adapter}"
-        if cfg.method == "full" or self.continued_from or cfg.modules_to_save:
+        if cfg.method == "full" or cfg.modules_to_save:
             return self.engine, False, "the starting model"
         return self.engine, True, "the base model (the adapter switched off)"
 
@@ -195,7 +204,7 @@ class PreferenceTrainer(Trainer):
         else:
             rows = self._rows(chosen)
         micro = self._micro_batches(rows)
-        logps, tokens = [], []
+        logps, tokens = [np.zeros(0)], [np.zeros(0, np.int64)]
         for ids, targets, seg, pos in micro:
             losses = engine.token_losses(ids, targets, seg, pos).astype(np.float64)   # (B, T)
             logps.append(-losses.sum(axis=1))
@@ -208,6 +217,13 @@ class PreferenceTrainer(Trainer):
             if mismatched:
                 return d["kl"][indices]
             return d["logps"][indices].T.reshape(-1) if self.paired else d["logps"][indices]
+        if self._reference_tensors is not None:
+            current = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
+            self.engine.set_trainable(self._reference_tensors)
+            try:
+                return self._score(self.engine, examples, indices, split if mismatched else None)[0]
+            finally:
+                self.engine.set_trainable(current)
         self.engine.set_adapter_enabled(False)
         try:
             return self._score(self.engine, examples, indices, split if mismatched else None)[0]
@@ -239,16 +255,7 @@ class PreferenceTrainer(Trainer):
         self._stepping = True
         try:
             result, micro, tokens = self._objective("train", indices)
-            total = int(tokens.sum())
-            # the engine divides the gradients by the step's trained tokens: weights of -total * dloss/dlogp give
-            # the objective's gradient (a token's loss is minus its log-probability)
-            per_row = -total * result.dlogps
-            weighted, r0 = [], 0
-            for ids, targets, seg, pos in micro:
-                rows = ids.shape[0]
-                w = np.where(targets != -100, per_row[r0:r0 + rows, None], 0.0).astype(np.float32)   # (B, T)
-                weighted.append((ids, targets, seg, pos, w))
-                r0 += rows
+            weighted = self.weighted_micro_batches(result, micro, tokens)
             _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
         finally:
             self._stepping = False
@@ -258,6 +265,20 @@ class PreferenceTrainer(Trainer):
         if not applied:
             self.log(f"step {self.step}: non-finite gradients, update skipped")
         return micro, epoch_done, lr, result.loss * count, count, grad_norm, seconds
+
+    @staticmethod
+    def weighted_micro_batches(result, micro, tokens) -> list:
+        """The policy rows' micro-batches with per-token gradient weights: the engine divides the gradients by
+        the step's trained tokens, so weights of -(those tokens) * dloss/dlogp of the token's row give the
+        objective's gradient (a token's loss is minus its log-probability)."""
+        per_row = -float(tokens.sum()) * result.dlogps
+        weighted, r0 = [], 0
+        for ids, targets, seg, pos in micro:
+            rows = ids.shape[0]
+            w = np.where(targets != -100, per_row[r0:r0 + rows, None], 0.0).astype(np.float32)   # (B, T)
+            weighted.append((ids, targets, seg, pos, w))
+            r0 += rows
+        return weighted
 
     def _input_tokens(self, batch) -> int:
         return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
@@ -281,6 +302,8 @@ class PreferenceTrainer(Trainer):
         self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
                          "loss": num(result["loss"]), "examples": result["tokens"], **metrics})
         acc = metrics.get("rewards/accuracies")
+        self._accuracy["before" if self._accuracy["before"] is None and self.step == self._start_step
+                       and not self.resumed_from else "after"] = acc
         self.log(f"step {self.step}: valid {self.config.objective} loss {fmt(result['loss'])}"
                  + (f", reward accuracy {fmt(acc, '.1%')}" if acc is not None else "")
                  + (f", reward margin {fmt(metrics['rewards/margins'], '.4f')}" if "rewards/margins" in metrics
@@ -296,7 +319,10 @@ class PreferenceTrainer(Trainer):
         summary = super()._summary(*args)
         summary["objective"] = {"name": self.config.objective, **vars(self.settings),
                                 "reference": (None if not self.settings.uses_reference else
-                                              "precomputed" if self.reference is not None else "adapter off")}
+                                              "precomputed" if self.reference is not None else
+                                              "starting adapter" if self._reference_tensors is not None else
+                                              "adapter off"),
+                                "reward_accuracy": dict(self._accuracy)}
         summary["n_train"], summary["n_valid"] = len(self.pref["train"]), len(self.pref["valid"])
         return summary
 

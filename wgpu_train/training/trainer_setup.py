@@ -91,6 +91,7 @@ class TrainerSetup:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
+        self._model_ready()
         # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
         self.base_weight_bytes = int(self.engine.base_weight_bytes
                                      or base_weight_bytes(model_cfg, self.base_dtype, self.embed_dtype)["total"])
@@ -122,6 +123,9 @@ class TrainerSetup:
                  f"{format_bytes(est['trainable_state'])}, activations {format_bytes(est['activations'])}, logits "
                  f"{format_bytes(est['logits'])}")
         return self
+
+    def _model_ready(self):
+        """Called once the model holds its starting weights, before a resume restores a checkpoint's."""
 
     def _make_stream(self, accum: int):
         """The resumable stream of the steps' batches: batch_size * accum samples each."""
