@@ -29,15 +29,15 @@ def _pairs(seed=0, p=5):
 def test_pair_derivatives_match_central_differences(case):
     s = PreferenceSettings(**case)
     chosen, rejected, nc, nr, ref_c, ref_r = _pairs()
-    result = pair_objective(s, chosen, rejected, nc, nr, ref_c, ref_r)
+    result = pair_objective(s, chosen, rejected, nc, nr, ref_c, ref_r, nll=(4.0, 20))
     logps = np.concatenate([chosen, rejected])
     p, h = chosen.size, 1e-6
     for r in range(logps.size):
         plus, minus = logps.copy(), logps.copy()
         plus[r] += h
         minus[r] -= h
-        numeric = (pair_objective(s, plus[:p], plus[p:], nc, nr, ref_c, ref_r).loss
-                   - pair_objective(s, minus[:p], minus[p:], nc, nr, ref_c, ref_r).loss) / (2 * h)
+        numeric = (pair_objective(s, plus[:p], plus[p:], nc, nr, ref_c, ref_r, nll=(4.0, 20)).loss
+                   - pair_objective(s, minus[:p], minus[p:], nc, nr, ref_c, ref_r, nll=(4.0, 20)).loss) / (2 * h)
         assert_close(np.float64(result.dlogps[r]), np.float64(numeric), "finite_difference_f64", f"row {r}")
 
 
@@ -84,11 +84,12 @@ def test_orpo_equals_trl_odds_ratio_loss():
     orpo = pytest.importorskip("trl.experimental.orpo.orpo_trainer")
     s = PreferenceSettings("orpo", beta=0.25)
     chosen, rejected, nc, nr, _, _ = _pairs(3)
-    ours = pair_objective(s, chosen, rejected, nc, nr)
+    nll = (13.5, 30)                        # the chosen rows' token losses over prompt and completion
+    ours = pair_objective(s, chosen, rejected, nc, nr, nll=nll)
     losses, _, _, ratio, log_odds = orpo.ORPOTrainer.odds_ratio_loss(
         _trl_self(beta=0.25), torch.tensor(chosen / nc), torch.tensor(rejected / nr))
-    nll = -chosen.sum() / nc.sum()          # TRL's token-mean cross-entropy of the chosen rows
-    assert_close(np.float64(ours.loss), np.float64(nll - losses.mean()), "finite_difference_f64")
+    assert_close(np.float64(ours.loss), np.float64(13.5 / 30 - losses.mean()), "finite_difference_f64")
+    assert ours.nll_grad == 1 / 30 and ours.metrics["nll_loss"] == 13.5 / 30
     assert_close(np.float64(ours.metrics["log_odds_ratio"]), np.float64(ratio), "finite_difference_f64")
     assert_close(np.float64(ours.metrics["log_odds_chosen"]), np.float64(log_odds), "finite_difference_f64")
 

@@ -36,6 +36,10 @@ CASES = {
                   dict(objective="dpo", dpo_loss="hinge", beta=0.5)),
     "dpo-robust": ("trl:DPOTrainer", "trl:DPOConfig", dict(loss_type=["robust"], beta=0.2, label_smoothing=0.1),
                    dict(objective="dpo", dpo_loss="robust", beta=0.2, label_smoothing=0.1)),
+    "simpo": ("trl.experimental.cpo:CPOTrainer", "trl.experimental.cpo:CPOConfig",
+              dict(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5), dict(objective="simpo", beta=2.0)),
+    "orpo": ("trl.experimental.orpo:ORPOTrainer", "trl.experimental.orpo:ORPOConfig", dict(beta=0.2),
+             dict(objective="orpo", beta=0.2)),
     "kto": ("trl:KTOTrainer", "trl:KTOConfig", dict(beta=0.2, desirable_weight=1.0, undesirable_weight=1.0),
             dict(objective="kto", beta=0.2)),
 }
@@ -114,7 +118,7 @@ def test_first_step_and_three_steps_equal_trl(setup, tmp_path, case, backend, de
                       eval_generate=False, no_progress=True, max_seq_len=64, **ours)
     trainer = PreferenceTrainer(cfg, log=lambda m: None).setup()
     indices = trainer.stream.epoch_batches(0)[0]
-    result, micro, tokens = trainer._objective("train", indices)
+    result, scored = trainer._objective("train", indices)
     first = history[0]
     assert_close(np.float64(result.loss), np.float64(first["loss"]), "preference_vs_trl_loss", case)
     for key, value in result.metrics.items():
@@ -123,8 +127,8 @@ def test_first_step_and_three_steps_equal_trl(setup, tmp_path, case, backend, de
 
     engine = trainer.engine
     engine.zero_grads()
-    total = float(tokens.sum())
-    for ids, targets, seg, pos, w in trainer.weighted_micro_batches(result, micro, tokens):
+    total = float(scored.targets.sum())
+    for ids, targets, seg, pos, w in trainer.weighted_micro_batches(result, scored):
         engine.forward_backward(ids, targets, seg, pos, w / np.float32(total))
     ours_grads = engine.gradients()
     norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in ours_grads.values()))

@@ -62,6 +62,7 @@ class ObjectiveResult:
     loss: float
     dlogps: np.ndarray          # (R,) float64
     metrics: dict
+    nll_grad: float = 0.0       # ORPO: d loss / d (each token loss of the chosen rows, prompt tokens included)
 
 
 def _log_sigmoid(x):
@@ -87,9 +88,12 @@ def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_log
 
 
 def pair_objective(s: PreferenceSettings, chosen, rejected, chosen_tokens, rejected_tokens, ref_chosen=None,
-                   ref_rejected=None) -> ObjectiveResult:
+                   ref_rejected=None, nll=None) -> ObjectiveResult:
     """DPO, SimPO or ORPO over P pairs: summed log-probabilities chosen, rejected (P,) of the policy (and ref_*
-    of the reference for DPO), the completion token counts (P,). The loss is the mean over the pairs; dlogps
+    of the reference for DPO), the completion token counts (P,); for ORPO, nll = (the summed token losses of
+    the chosen rows over prompt and completion, their token count), TRL's NLL term. The loss is the mean over
+    the pairs (ORPO: plus the NLL, the mean token loss of the chosen rows, whose per-token derivative is
+    nll_grad); dlogps
     holds the chosen rows' derivatives, then the rejected rows'. The helpers below return per-pair losses and
     the derivatives of their sum with respect to each summed log-probability."""
     pc, pr = np.asarray(chosen, np.float64), np.asarray(rejected, np.float64)
@@ -102,7 +106,12 @@ def pair_objective(s: PreferenceSettings, chosen, rejected, chosen_tokens, rejec
         loss, dc, dr, metrics = _simpo(s, pc / nc, pr / nr)
         dc, dr = dc / nc, dr / nr                         # through the averages
     else:
+        nll_sum, nll_tokens = nll
         loss, dc, dr, metrics = _orpo(s, pc, pr, nc, nr)
+        mean_nll = float(nll_sum) / max(int(nll_tokens), 1)
+        metrics["nll_loss"] = mean_nll
+        return ObjectiveResult(mean_nll + float(loss.mean()), np.concatenate([dc, dr]) / p, metrics,
+                               nll_grad=1.0 / max(int(nll_tokens), 1))
     return ObjectiveResult(float(loss.mean()), np.concatenate([dc, dr]) / p, metrics)
 
 
@@ -143,22 +152,18 @@ def _simpo(s, ac, ar):
 
 
 def _orpo(s, pc, pr, nc, nr):
-    """ORPO (TRL's ORPOTrainer): the chosen responses' NLL (the mean over all their tokens) minus beta times the
-    log-sigmoid of the log odds ratio of the average log-probabilities; per pair, the NLL plus the pair's own
-    odds term, so that their mean is the loss."""
-    p = pc.size
+    """ORPO's odds-ratio term (TRL's ORPOTrainer): minus beta times the log-sigmoid of the log odds ratio of the
+    average log-probabilities, per pair; the caller adds the NLL."""
     ac, ar = pc / nc, pr / nr
     log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
     ratio = _log_sigmoid(log_odds)
-    nll = -pc.sum() / nc.sum()
-    loss = nll - s.beta * ratio
+    loss = -s.beta * ratio
     # d log_odds / d a_chosen = 1 / (1 - exp(a_chosen)), d log_odds / d a_rejected = -1 / (1 - exp(a_rejected))
     g = -s.beta * _sigmoid(-log_odds)                 # d(-beta * ratio) / d log_odds
-    dc = g / -np.expm1(ac) / nc - p / nc.sum()        # each pair's NLL term counts every chosen token
+    dc = g / -np.expm1(ac) / nc
     dr = -g / -np.expm1(ar) / nr
     metrics = _reward_metrics(s.beta * ac, s.beta * ar, ac, ar)
-    metrics.update({"nll_loss": float(nll), "log_odds_ratio": float(ratio.mean()),
-                    "log_odds_chosen": float(log_odds.mean())})
+    metrics.update({"log_odds_ratio": float(ratio.mean()), "log_odds_chosen": float(log_odds.mean())})
     return loss, dc, dr, metrics
 
 

@@ -5,10 +5,12 @@ optimizer step with them; evaluation reports the objective and TRL's reward metr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from wgpu_train.data.batching import Example
 from wgpu_train.data.preference_batching import PreferenceStream, kl_partners, pair_rows, row_batches
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import PAD_MULTIPLE
@@ -18,6 +20,19 @@ from wgpu_train.training.objectives import kto_objective, pair_objective
 from wgpu_train.training.trainer import Trainer
 
 REFERENCE_FILE = "reference_logps.npz"      # the precomputed reference log-probabilities, in the run folder
+
+
+@dataclass
+class Scored:
+    """Rows scored by an engine: per row the summed log-probability of its completion tokens, their count, the
+    summed loss of every targeted token and their count; the engine micro-batches and their completion masks."""
+
+    logps: np.ndarray           # (R,) float64
+    tokens: np.ndarray          # (R,)
+    loss_sums: np.ndarray       # (R,) float64
+    targets: np.ndarray         # (R,)
+    micro: list                 # [(ids, targets, segment_ids, position_ids)] of (B, T) each
+    masks: list                 # [(B, T) bool] the completion tokens of each micro-batch
 
 
 class PreferenceTrainer(Trainer):
@@ -154,10 +169,10 @@ class PreferenceTrainer(Trainer):
         try:
             for split, examples in self.pref.items():
                 indices = np.arange(len(examples))
-                logps = self._score(engine, examples, indices)[0]       # pairs: every chosen, then every rejected
+                logps = self._score(engine, examples, indices).logps    # pairs: every chosen, then every rejected
                 out[split] = {"logps": logps.reshape((2, -1)).T if self.paired else logps}
                 if not self.paired:
-                    out[split]["kl"] = self._score(engine, examples, indices, mismatched=split)[0]
+                    out[split]["kl"] = self._score(engine, examples, indices, mismatched=split).logps
         finally:
             if off:
                 engine.set_adapter_enabled(True)
@@ -193,10 +208,11 @@ class PreferenceTrainer(Trainer):
         per_micro = self.config.batch_size * (2 if self.paired else 1)
         return [engine_batch(b) for b in row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)]
 
-    def _score(self, engine, examples, indices, mismatched: str | None = None) -> tuple:
-        """(summed log-probabilities (R,) float64, completion tokens (R,), the engine micro-batches) of the rows
-        of examples[indices] (pairs: every chosen row, then every rejected row); with mismatched (a split),
-        KTO's mismatched rows instead."""
+    def _score(self, engine, examples, indices, mismatched: str | None = None) -> Scored:
+        """The rows of examples[indices] (pairs: every chosen row, then every rejected row; with mismatched, a
+        split, KTO's mismatched rows instead) scored by `engine`. ORPO's chosen rows are trained on every token,
+        prompt included (TRL's NLL term), so their micro-batches target every token and the completion masks
+        say which tokens make up the log-probabilities."""
         chosen = [examples[i] for i in indices]
         if mismatched is not None:
             partners = self.partners[mismatched]
@@ -204,12 +220,20 @@ class PreferenceTrainer(Trainer):
         else:
             rows = self._rows(chosen)
         micro = self._micro_batches(rows)
-        logps, tokens = [np.zeros(0)], [np.zeros(0, np.int64)]
-        for ids, targets, seg, pos in micro:
+        masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
+        if self.config.objective == "orpo" and mismatched is None:
+            p = len(indices)
+            whole = [Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated) if k < p else r
+                     for k, r in enumerate(rows)]
+            micro = self._micro_batches(whole)
+        logps, tokens, sums, counts = [np.zeros(0)], [np.zeros(0, np.int64)], [np.zeros(0)], [np.zeros(0, np.int64)]
+        for (ids, targets, seg, pos), mask in zip(micro, masks):
             losses = engine.token_losses(ids, targets, seg, pos).astype(np.float64)   # (B, T)
-            logps.append(-losses.sum(axis=1))
-            tokens.append((targets != -100).sum(axis=1))
-        return np.concatenate(logps), np.concatenate(tokens), micro
+            logps.append(-(losses * mask).sum(axis=1))
+            tokens.append(mask.sum(axis=1))
+            sums.append(losses.sum(axis=1))
+            counts.append((targets != -100).sum(axis=1))
+        return Scored(*(np.concatenate(x) for x in (logps, tokens, sums, counts)), micro, masks)
 
     def _reference_logps(self, split, examples, indices, mismatched: bool = False) -> np.ndarray:
         if self.reference is not None:
@@ -221,30 +245,32 @@ class PreferenceTrainer(Trainer):
             current = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
             self.engine.set_trainable(self._reference_tensors)
             try:
-                return self._score(self.engine, examples, indices, split if mismatched else None)[0]
+                return self._score(self.engine, examples, indices, split if mismatched else None).logps
             finally:
                 self.engine.set_trainable(current)
         self.engine.set_adapter_enabled(False)
         try:
-            return self._score(self.engine, examples, indices, split if mismatched else None)[0]
+            return self._score(self.engine, examples, indices, split if mismatched else None).logps
         finally:
             self.engine.set_adapter_enabled(True)
 
     def _objective(self, split: str, indices) -> tuple:
-        """(ObjectiveResult, the policy rows' micro-batches, their completion tokens (R,)) of examples[indices]."""
+        """(ObjectiveResult, the policy's Scored rows) of examples[indices]."""
         examples = self.pref[split]
-        logps, tokens, micro = self._score(self.engine, examples, indices)
+        scored = self._score(self.engine, examples, indices)
+        logps, tokens = scored.logps, scored.tokens
         ref = self._reference_logps(split, examples, indices) if self.settings.uses_reference else None
         if self.paired:
             p = len(indices)
+            nll = (scored.loss_sums[:p].sum(), int(scored.targets[:p].sum()))
             result = pair_objective(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
-                                    None if ref is None else ref[:p], None if ref is None else ref[p:])
+                                    None if ref is None else ref[:p], None if ref is None else ref[p:], nll=nll)
         else:
-            kl, _, _ = self._score(self.engine, examples, indices, mismatched=split)
+            kl = self._score(self.engine, examples, indices, mismatched=split).logps
             ref_kl = self._reference_logps(split, examples, indices, mismatched=True)
             labels = np.array([examples[i].label for i in indices], bool)
             result = kto_objective(self.settings, logps, ref, labels, kl, ref_kl)
-        return result, micro, tokens
+        return result, scored
 
     # ---- the step and evaluation --------------------------------------------------------------------
     def _step(self):
@@ -254,8 +280,8 @@ class PreferenceTrainer(Trainer):
         t0 = time.perf_counter()
         self._stepping = True
         try:
-            result, micro, tokens = self._objective("train", indices)
-            weighted = self.weighted_micro_batches(result, micro, tokens)
+            result, scored = self._objective("train", indices)
+            weighted = self.weighted_micro_batches(result, scored)
             _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
         finally:
             self._stepping = False
@@ -264,19 +290,25 @@ class PreferenceTrainer(Trainer):
         self._step_metrics.append(result.metrics)
         if not applied:
             self.log(f"step {self.step}: non-finite gradients, update skipped")
-        return micro, epoch_done, lr, result.loss * count, count, grad_norm, seconds
+        return scored.micro, epoch_done, lr, result.loss * count, count, grad_norm, seconds
 
     @staticmethod
-    def weighted_micro_batches(result, micro, tokens) -> list:
-        """The policy rows' micro-batches with per-token gradient weights: the engine divides the gradients by
-        the step's trained tokens, so weights of -(those tokens) * dloss/dlogp of the token's row give the
-        objective's gradient (a token's loss is minus its log-probability)."""
-        per_row = -float(tokens.sum()) * result.dlogps
+    def weighted_micro_batches(result, scored: "Scored") -> list:
+        """The policy rows' micro-batches with per-token gradient weights. The engine divides the gradients by
+        the step's trained tokens (every targeted token), so weights of -(those tokens) * dloss/dlogp of the
+        token's row on completion tokens give the objective's gradient (a token's loss is minus its
+        log-probability); ORPO's NLL adds (those tokens) * nll_grad on every token of the chosen rows."""
+        total = float(scored.targets.sum())
+        per_row = -total * result.dlogps
+        n_chosen = len(per_row) // 2
         weighted, r0 = [], 0
-        for ids, targets, seg, pos in micro:
+        for (ids, targets, seg, pos), mask in zip(scored.micro, scored.masks):
             rows = ids.shape[0]
-            w = np.where(targets != -100, per_row[r0:r0 + rows, None], 0.0).astype(np.float32)   # (B, T)
-            weighted.append((ids, targets, seg, pos, w))
+            w = np.where(mask, per_row[r0:r0 + rows, None], 0.0)                             # (B, T)
+            if result.nll_grad:
+                chosen = (np.arange(r0, r0 + rows) < n_chosen)[:, None] & (targets != -100)
+                w = w + np.where(chosen, total * result.nll_grad, 0.0)
+            weighted.append((ids, targets, seg, pos, w.astype(np.float32)))
             r0 += rows
         return weighted
 
@@ -290,7 +322,7 @@ class PreferenceTrainer(Trainer):
         n, per_step = len(self.pref["valid"]), self.config.batch_size
         losses, weights, metrics = [], [], []
         for i in range(0, n, per_step):
-            result, _, tokens = self._objective("valid", np.arange(i, min(i + per_step, n)))
+            result, _ = self._objective("valid", np.arange(i, min(i + per_step, n)))
             losses.append(result.loss)
             weights.append(min(per_step, n - i))
             metrics.append(result.metrics)
