@@ -13,8 +13,8 @@ from tokenizers import processors
 from wgpu_train.data.preference_demo import demo_preference_records
 from wgpu_train.data.preference_records import (PreferenceRecord, UnpairedRecord, extract_prompt,
                                                 unpair_preferences)
-from wgpu_train.data.preference_tokenize import (PreferenceExample, UnpairedExample, tokenize_preferences,
-                                                 tokenize_unpaired)
+from wgpu_train.data.preference_tokenize import (PreferenceExample, UnpairedExample, kl_partners,
+                                                 tokenize_preferences, tokenize_unpaired)
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.sources import load_records, resolve_data
 from wgpu_train.errors import ConfigError, DataError
@@ -364,10 +364,9 @@ def test_kto_tokens_and_kl_rows_equal_trl(tmp_path, tokenizers, tok_name, data):
         examples, stats = tokenize_unpaired(tok, records, max_length)
         trl = _trl_kto(hf, rows, max_length, batch_size)
         assert len(examples) == len(trl) and stats.n_dropped == len(records) - len(examples)
+        partners = kl_partners(len(examples), batch_size)
         for i, (ex, (ids, mask, kl_ids, kl_mask, label)) in enumerate(zip(examples, trl)):
-            start = i - i % batch_size  # TRL's KL pairs: each prompt with the previous completion of its batch
-            previous = examples[i - 1] if i > start else examples[min(start + batch_size, len(examples)) - 1]
-            got = _ours([ex.row(), ex.mismatched_row(previous)])
+            got = _ours([ex.row(), ex.mismatched_row(examples[partners[i]])])
             assert all(np.array_equal(a, b) for a, b in zip(got, (ids, mask, kl_ids, kl_mask))), (max_length, i)
             assert ex.label == label
 
@@ -430,6 +429,7 @@ def test_rows_label_completion_tokens_only():
     kto = UnpairedExample(np.array([1, 2], np.int32), np.array([3], np.int32), True, max_length=3)
     other = UnpairedExample(np.array([1], np.int32), np.array([7, 8, 9], np.int32), False, max_length=3)
     assert kto.mismatched_row(other).input_ids.tolist() == [1, 2, 7] and kto.row().n_trained == 1
+    assert kl_partners(7, 3) == [2, 0, 1, 5, 3, 4, 6]
 
 
 # ---------------------------------------------------------------------------------------------------------------
