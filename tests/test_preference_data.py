@@ -113,8 +113,8 @@ def test_columns_mapped_and_folder_splits(tmp_path):
     assert s.format == "preference" and not s.valid_held_out
     assert [r.prompt for r in s.train] == ["Q0?", "Q1?", "Q2?"] and s.valid[0].chosen == " yes"
     kto = [{"q": "Q?", "a": " yes", "ok": i % 2 == 0} for i in range(4)]
-    s = resolve_data(write_jsonl(tmp_path / "kto.jsonl", kto), valid_split=0.0, columns="prompt=q,completion=a,label=ok",
-                     kind="unpaired")
+    s = resolve_data(write_jsonl(tmp_path / "kto.jsonl", kto), valid_split=0.0,
+                     columns="prompt=q,completion=a,label=ok", kind="unpaired")
     assert [r.label for r in s.train] == [True, False, True, False]
 
 
@@ -298,6 +298,7 @@ def _ours(example_rows):
     return tuple(out)
 
 
+@pytest.mark.filterwarnings("ignore:The `'keep_end'` truncation mode is deprecated:FutureWarning")
 @pytest.mark.parametrize("tok_name", ["chatml", "llama"])
 @pytest.mark.parametrize("data", list(DATASETS))
 def test_dpo_tokens_equal_trl(tmp_path, tokenizers, tok_name, data):
