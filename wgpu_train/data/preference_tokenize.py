@@ -73,17 +73,6 @@ class UnpairedExample:
         return _row(self.prompt_ids, other.completion_ids, self.max_length, "keep_start")
 
 
-def kl_partners(n_examples: int, batch_size: int) -> list[int]:
-    """For each of `n_examples` unpaired examples in dataset order, the example whose completion its KL row
-    (mismatched_row) takes, as TRL's KTOTrainer pairs them: within each run of `batch_size` examples, the
-    completions rotated by one: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})."""
-    out = []
-    for start in range(0, n_examples, batch_size):
-        end = min(start + batch_size, n_examples)
-        out += [end - 1] + list(range(start, end - 1))
-    return out
-
-
 @dataclass
 class PreferenceStats:
     """What tokenize_preferences / tokenize_unpaired did to the records."""
