@@ -1,10 +1,11 @@
 // Fused softmax cross-entropy over a chunk of logit rows (n_rows, V): forward writes per-row loss
 // (0 on ignored rows), logsumexp and a valid flag (1.0 / 0.0) with one 256-wide workgroup per row;
 // cross_entropy_reduce sums loss and valid flags into [loss_sum, count]; backward writes
-// dlogits = grad_scale * (softmax - onehot) on counted rows and 0 on ignored rows.
+// dlogits = grad_scale * weight[row] * (softmax - onehot) on counted rows and 0 on ignored rows.
 // A target is counted when 0 <= target < V (IGNORE_INDEX -100 and anything out of range are ignored).
-// Uniform: s0 = rows in this chunk, s1 = V, s3 = rows to reduce; o1..o5 = element offsets of
-// bindings 1..5 (the wrapper folds the chunk's row offset into them); f0 = grad scale multiplier; f1 = the
+// Uniform: s0 = rows in this chunk, s1 = V, s2 = the row weights' stride (1: a weight per row, a preference
+// objective's coefficients; 0: one weight, 1.0, for every row), s3 = rows to reduce; o1..o6 = element offsets
+// of bindings 1..6 (the wrapper folds the chunk's row offset into them); f0 = grad scale multiplier; f1 = the
 // logits' soft-cap (their backward's factor; 0: none).
 
 struct Params {
@@ -121,12 +122,14 @@ fn cross_entropy_reduce(@builtin(local_invocation_id) lid3: vec3<u32>) {
     }
 }
 
-// ---- backward: 1 dlogits (rows, V) out, 2 logits (rows, V), 3 targets, 4 lse (rows,), 5 grad scale (1,) ----
+// ---- backward: 1 dlogits (rows, V) out, 2 logits (rows, V), 3 targets, 4 lse (rows,), 5 grad scale (1,),
+// 6 row weights (rows,) or (1,) ----
 @group(0) @binding(1) var<storage, read_write> b_dl: array<f32>;
 @group(0) @binding(2) var<storage, read> b_logits: array<f32>;
 @group(0) @binding(3) var<storage, read> b_tgt: array<i32>;
 @group(0) @binding(4) var<storage, read> b_lse: array<f32>;
 @group(0) @binding(5) var<storage, read> b_scale: array<f32>;
+@group(0) @binding(6) var<storage, read> b_weight: array<f32>;
 
 @compute @workgroup_size(WG)
 fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -140,16 +143,18 @@ fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         let y = b_logits[p.o2 + row * v + j];
         g = exp(y - b_lse[p.o4 + row]);
         if (u32(t) == j) { g -= 1.0; }
-        g *= b_scale[p.o5] * p.f0 * cap_slope(y);
+        g *= b_scale[p.o5] * b_weight[p.o6 + row * p.s2] * p.f0 * cap_slope(y);
     }
     b_dl[p.o1 + row * v + j] = g;
 }
 
-// ---- backward in place: 1 logits -> dlogits (rows, V), 2 targets, 3 lse (rows,), 4 grad scale (1,) ----
+// ---- backward in place: 1 logits -> dlogits (rows, V), 2 targets, 3 lse (rows,), 4 grad scale (1,), 5 row
+// weights (rows,) or (1,) ----
 @group(0) @binding(1) var<storage, read_write> i_dl: array<f32>;
 @group(0) @binding(2) var<storage, read> i_tgt: array<i32>;
 @group(0) @binding(3) var<storage, read> i_lse: array<f32>;
 @group(0) @binding(4) var<storage, read> i_scale: array<f32>;
+@group(0) @binding(5) var<storage, read> i_weight: array<f32>;
 
 @compute @workgroup_size(WG)
 fn cross_entropy_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -163,7 +168,7 @@ fn cross_entropy_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builti
         let y = i_dl[p.o1 + row * v + j];
         g = exp(y - i_lse[p.o3 + row]);
         if (u32(t) == j) { g -= 1.0; }
-        g *= i_scale[p.o4] * p.f0 * cap_slope(y);
+        g *= i_scale[p.o4] * i_weight[p.o5 + row * p.s2] * p.f0 * cap_slope(y);
     }
     i_dl[p.o1 + row * v + j] = g;
 }

@@ -111,6 +111,18 @@ TOLERANCES: dict[str, Tolerance] = {
         "over K <= 300 of O(1) products against float64: rounding ~6e-8 * sqrt(K) * |terms|, seen <= 1.7e-5 "
         "absolute at K = 128 (|C| ~ 11); a wrong code, nibble or block is an O(0.1) error"),
     # WebGPU engine vs NumPy engine (and vs transformers/PEFT): whole-model compositions of the kernels above
+    "preference_vs_trl_loss": Tolerance(2e-4, 1e-6,
+                                        "an objective or TRL metric of summed float32 log-probabilities against "
+                                        "TRL's torch float32 path: the sums differ by summation order, about "
+                                        "1e-6 of a sequence's log-probability, which beta and exp amplify little"),
+    "preference_vs_trl_grads": Tolerance(2e-3, 1e-6,
+                                         "LoRA gradients of a preference step against TRL + PEFT autograd in "
+                                         "float32: per-token weights of float32 log-probability differences "
+                                         "multiply the cross-entropy gradients"),
+    "preference_vs_trl_params": Tolerance(1e-3, 1e-5,
+                                          "the adapter after three AdamW steps against TRL's: Adam's normalised "
+                                          "first steps move a parameter by about lr whatever its gradient's size, "
+                                          "so float32 differences in small gradients show up as absolute ones"),
     "gpu_logits": Tolerance(1e-4, 3e-5,
                             "fp32 GEMMs with another summation order than BLAS, through every layer; seen <= 3e-6"),
     "gpu_loss": Tolerance(1e-5, 1e-6, "fp32 mean of the token losses (and grad norm); seen <= 2e-7 relative"),

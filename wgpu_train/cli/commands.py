@@ -69,7 +69,16 @@ def cmd_finetune(args) -> int:
     if summary.get("adapter_step") is None and summary.get("interrupted"):
         return 130                      # the trainer said that nothing was trained
     line = f"wrote {'adapter' if summary['method'] == 'lora' else 'model'} to {out} after {summary['steps']} steps"
-    if summary.get("valid_loss_after") is not None:
+    preference = summary.get("objective")
+    if preference and summary.get("valid_loss_after") is not None:
+        before, after = summary.get("valid_loss_before"), summary["valid_loss_after"]
+        line += (f"; valid {preference['name']} loss " + (f"{before:.4f} -> " if before is not None else "")
+                 + f"{after:.4f}")
+        acc = preference.get("reward_accuracy")
+        if acc and acc.get("after") is not None:
+            line += "; reward accuracy " + (f"{acc['before']:.1%} -> " if acc.get("before") is not None else "") + \
+                f"{acc['after']:.1%}"
+    elif summary.get("valid_loss_after") is not None:
         before = summary.get("valid_perplexity_before")
         line += (f"; valid perplexity {before:.3f} -> " if before is not None else "; valid perplexity ") + \
             f"{summary['valid_perplexity_after']:.3f}"

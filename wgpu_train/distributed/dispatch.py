@@ -1,5 +1,6 @@
-"""finetune(): the one entry point of a fine-tuning run, which trains in this process (the Trainer) or, with
-num_workers, data-parallel on Ray Train workers (ray_driver.py)."""
+"""finetune(): the one entry point of a fine-tuning run, which trains in this process (the Trainer, or for a
+preference objective the PreferenceTrainer) or, with num_workers, data-parallel on Ray Train workers
+(ray_driver.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,4 +24,8 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
         return finetune_on_ray(config)
+    if config.objective != "sft":
+        from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+        return PreferenceTrainer(config).run()
     return Trainer(config).run()

@@ -48,6 +48,10 @@ class Engine(Protocol):
 
     def set_gradient_checkpointing(self, on: bool = True) -> None: ...
 
+    def set_adapter_enabled(self, enabled: bool = True) -> None:
+        """False: every forward skips the LoRA modules (the base model, PEFT's disable_adapter: a preference
+        objective's reference model); True again to train."""
+
     def seed_dropout(self, seed: int) -> None:
         """Restart the LoRA dropout masks from `seed` (they hash seed, micro-batch count and module)."""
 
@@ -70,8 +74,13 @@ class Engine(Protocol):
     def loss(self, ids, targets, segment_ids, position_ids):
         """(summed loss, trained tokens) of one batch, no gradients."""
 
+    def token_losses(self, ids, targets, segment_ids, position_ids):
+        """(B, T) float32, no gradients: each position's loss, minus the log-probability of its target (0 where
+        the target is ignored). A sequence's log-probability is minus the sum of its row."""
+
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        """Accumulate grad_scale * d(summed loss) into the gradients; (summed loss, trained tokens)."""
+        """Accumulate d(sum of grad_scale * token loss) into the gradients, grad_scale one number or a weight per
+        token (B, T); (summed loss, unweighted; trained tokens)."""
 
     def zero_grads(self) -> None: ...
 
@@ -79,7 +88,10 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches (gradients accumulated, clipped, AdamW with hp at `step`);
-        (loss_sum, trained tokens, grad_norm, applied) of these micro-batches.
+        (loss_sum, trained tokens, grad_norm, applied) of these micro-batches. A micro-batch is (ids, targets,
+        segment_ids, position_ids), or with a fifth element, weights (B, T) float32 that multiply each token's
+        gradient (a preference objective's coefficients); either way the gradients are divided by the
+        micro-batches' trained tokens.
 
         reduce (data parallelism): None, or a callable (gradients, tokens) -> gradients. After the backward of
         every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as

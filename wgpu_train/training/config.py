@@ -14,6 +14,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
+from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, WITH_REFERENCE, PreferenceSettings
 from wgpu_train.training.schedule import SCHEDULES
 
 BACKEND_CHOICES = ("auto", "wgpu", "numpy")
@@ -136,6 +137,25 @@ class TrainConfig:
                                     "metrics.jsonl row (0: off)")
     report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
                                   "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
+    # ---- preference tuning (training/objectives.py, training/preference_trainer.py) ----
+    objective: str = _opt("sft", "what to train: sft (supervised), or a preference objective with TRL's meaning: dpo "
+                                 "(chosen / rejected pairs against a reference model), simpo and orpo (pairs, no "
+                                 "reference), kto (unpaired examples labelled desirable or not)", choices=OBJECTIVES)
+    dpo_loss: str = _opt("sigmoid", "DPO's loss (TRL's loss_type): sigmoid, ipo, hinge or robust",
+                         choices=DPO_LOSSES)
+    beta: float = _opt(0.1, "the preference objectives' beta (DPO / KTO: the reference's pull; IPO: its "
+                            "regularisation; SimPO: the reward scale; ORPO: lambda, the odds-ratio term's weight)")
+    label_smoothing: float = _opt(0.0, "the assumed share of flipped preference labels, in [0, 0.5): --dpo-loss "
+                                       "robust and SimPO")
+    simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma")
+    desirable_weight: float = _opt(1.0, "KTO: the weight of the desirable examples' losses")
+    undesirable_weight: float = _opt(1.0, "KTO: the weight of the undesirable examples' losses")
+    precompute_ref_log_probs: bool = _opt(False, "DPO / KTO: the reference model's log-probabilities computed once "
+                                                 "before training and kept with the run (a resume reuses them); "
+                                                 "needed with --method full, whose reference is the starting model")
+    ref_adapter: str | None = _opt(None, "DPO / KTO: the reference is the base model with this PEFT adapter (its "
+                                         "log-probabilities precomputed); default: the base model, the adapter "
+                                         "switched off")
     # ---- data parallelism on Ray Train (distributed/) ----
     num_workers: int | None = _opt(None, "train on this many Ray Train workers, each on its own WebGPU adapter "
                                          "(--device may list one per worker; workers may share one): a step's "
@@ -152,12 +172,13 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
-        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype"):
+        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
-                     "max_grad_norm", "valid_split", "loraplus_lr_ratio"):
+                     "max_grad_norm", "valid_split", "loraplus_lr_ratio", "beta", "label_smoothing", "simpo_gamma",
+                     "desirable_weight", "undesirable_weight"):
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                  f"{name} must be a finite number, got {value!r}")
@@ -195,6 +216,24 @@ class TrainConfig:
              "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
         need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
         tracking.parse_report_to(self.report_to)
+        if self.objective != "sft":
+            self.preference_settings()     # validates beta, label_smoothing and the weights
+            need(not self.pack, "packing puts several samples in a row; a preference objective scores whole rows: "
+                                "leave out --pack")
+            need(not self.max_tokens_per_batch, "max_tokens_per_batch forms SFT micro-batches; a preference "
+                                                "objective takes --batch-size examples per micro-batch")
+            need(not self.num_workers, "--num-workers (Ray data parallelism) does not run preference objectives yet")
+            uses_reference = self.objective in WITH_REFERENCE
+            need(uses_reference or not (self.ref_adapter or self.precompute_ref_log_probs),
+                 f"--objective {self.objective} needs no reference model: leave out --ref-adapter and "
+                 "--precompute-ref-log-probs")
+            need(not (self.method == "full" and uses_reference and not self.precompute_ref_log_probs),
+                 f"--objective {self.objective} with --method full needs --precompute-ref-log-probs: the reference "
+                 "is the starting model, whose log-probabilities are computed once before training")
+            need(not (self.method == "full" and self.ref_adapter), "--ref-adapter is a LoRA adapter's reference: "
+                                                                    "method lora")
+        need(not (self.objective == "sft" and (self.ref_adapter or self.precompute_ref_log_probs)),
+             "--ref-adapter and --precompute-ref-log-probs set a preference objective's reference: give --objective")
         need(self.num_workers is None or self.num_workers >= 1, f"num_workers must be at least 1, got {self.num_workers}")
         need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
         need(self.ray_address is None or self.num_workers, "ray_address joins a Ray cluster for --num-workers: give both")
@@ -252,6 +291,13 @@ class TrainConfig:
     def lora_layers_last(self) -> bool:
         """Whether lora_layers says "the last N" (resolved with the model's layer count)."""
         return isinstance(parse_layers(self.lora_layers), int)
+
+    def preference_settings(self) -> PreferenceSettings:
+        """The preference objective's settings (objective other than sft)."""
+        return PreferenceSettings(self.objective, beta=float(self.beta), dpo_loss=self.dpo_loss,
+                                  label_smoothing=float(self.label_smoothing), simpo_gamma=float(self.simpo_gamma),
+                                  desirable_weight=float(self.desirable_weight),
+                                  undesirable_weight=float(self.undesirable_weight))
 
     def optimizer_params(self, lr: float) -> OptimizerParams:
         """AdamW settings of one step at learning rate `lr`."""

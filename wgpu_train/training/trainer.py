@@ -255,6 +255,10 @@ class Trainer(TrainerSetup, TrainerRecords):
             self.log(f"step {self.step}: non-finite gradients, update skipped")
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
 
+    def _input_tokens(self, batch) -> int:
+        """The input (non-padding) tokens of a step's batch."""
+        return int(batch.attention_mask.sum())
+
     def _train_step(self, micro, hp, step: int, **extra):
         """The engine's optimizer step over a step's micro-batches: (loss_sum, count, grad_norm, applied)."""
         return self.engine.train_step(micro, hp, step, **extra)
@@ -279,7 +283,7 @@ class Trainer(TrainerSetup, TrainerRecords):
                     stopped = "interrupted"
                     break
                 batch, epoch_done, lr, loss_sum, count, grad_norm, seconds = self._step()
-                n_in = int(batch.attention_mask.sum())
+                n_in = self._input_tokens(batch)
                 self.tokens += n_in
                 self.trained_tokens += int(count)
                 window.add(loss_sum, count, n_in, seconds)

@@ -23,7 +23,6 @@ class TrainerSetup:
 
     def setup(self):
         """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
-        from wgpu_train.data.batching import BatchStream
         from wgpu_train.engines.model import load_model
 
         from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
@@ -64,9 +63,7 @@ class TrainerSetup:
         # same global batch, whatever number of workers made it or continues it)
         accum = self.micro_per_step = int(self._resume[1].get("micro_batches", cfg.grad_accum * self.workers)
                                           if self._resume else cfg.grad_accum * self.workers)
-        self.stream = BatchStream(self.train_examples, cfg.batch_size * accum, cfg.seed, pack=cfg.pack,
-                                  max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
-                                  max_tokens=cfg.max_tokens_per_batch, micro_batches=accum)
+        self.stream = self._make_stream(accum)
         self.steps_per_epoch = len(self.stream)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         warmup = cfg.warmup_steps
@@ -94,6 +91,7 @@ class TrainerSetup:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
+        self._model_ready()
         # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
         self.base_weight_bytes = int(self.engine.base_weight_bytes
                                      or base_weight_bytes(model_cfg, self.base_dtype, self.embed_dtype)["total"])
@@ -125,6 +123,18 @@ class TrainerSetup:
                  f"{format_bytes(est['trainable_state'])}, activations {format_bytes(est['activations'])}, logits "
                  f"{format_bytes(est['logits'])}")
         return self
+
+    def _model_ready(self):
+        """Called once the model holds its starting weights, before a resume restores a checkpoint's."""
+
+    def _make_stream(self, accum: int):
+        """The resumable stream of the steps' batches: batch_size * accum samples each."""
+        from wgpu_train.data.batching import BatchStream
+
+        cfg = self.config
+        return BatchStream(self.train_examples, cfg.batch_size * accum, cfg.seed, pack=cfg.pack,
+                           max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
+                           max_tokens=cfg.max_tokens_per_batch, micro_batches=accum)
 
     def _estimate_memory(self, model_cfg: ModelConfig, lora) -> dict:
         """memory.estimate_memory for the largest micro-batch this run forms: batch_size rows of the longest

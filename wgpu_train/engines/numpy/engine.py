@@ -65,6 +65,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         self.grads: dict = {}
         self.moments: dict = {}
         self.training = False
+        self.adapter_enabled = True     # False: forwards skip every LoRA module (a preference objective's reference)
         self.gradient_checkpointing = False
         self.last_profile: dict = {}
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
@@ -156,10 +157,14 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         return self.w
 
     # ---- forward ------------------------------------------------------------------------------
+    def set_adapter_enabled(self, enabled: bool = True):
+        """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
+        self.adapter_enabled = bool(enabled)
+
     def _linear(self, x, layer, module, cache):
         """Base linear plus LoRA (with dropout on the LoRA input while training); x (N, in) -> (N, out)."""
         path = module_path(layer, module)
-        lora = self.lora.get(path)
+        lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is not None and lora.m is not None:
             return self._dora_linear(x, layer, module, lora, cache)
         y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
@@ -186,7 +191,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
     def _linear_backward(self, dy, layer, module, cache):
         path = module_path(layer, module)
-        lora = self.lora.get(path)
+        lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is not None and lora.m is not None:
             return self._dora_linear_backward(dy, layer, module, lora, cache)
         x, xl, h, mask = cache[module]
@@ -363,17 +368,19 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         return self.forward(ids, segment_ids, position_ids)[0].astype(np.float32)
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        """Forward, loss and backward of one micro-batch; grads accumulate scaled by grad_scale per token.
+        """Forward, loss and backward of one micro-batch; grads accumulate scaled by grad_scale per token (one
+        number, or a weight per token (B, T)).
 
-        Returns (loss_sum, token_count) of the micro-batch.
+        Returns (loss_sum, token_count) of the micro-batch (the loss unweighted).
         """
         self.training = True
         self.dropout_calls += 1
         logits, cache = self.forward(ids, segment_ids, position_ids)
         flat = logits.reshape(-1, logits.shape[-1])
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
+        scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
         if count:
-            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, grad_scale, self.cfg.logit_softcap),
+            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale, self.cfg.logit_softcap),
                           cache)
         self.training = False
         return loss_sum, count
@@ -383,22 +390,33 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         loss_sum, count, _ = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return loss_sum, count
 
+    def token_losses(self, ids, targets, segment_ids, position_ids):
+        """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored)."""
+        self.training = False
+        logits = self.forward(ids, segment_ids, position_ids)[0]
+        rows, _ = ops.cross_entropy_rows(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return rows.astype(np.float32).reshape(ids.shape)
+
     def gradients(self) -> dict:
         return {k: v.astype(np.float32) for k, v in self.grads.items()}
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
-        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...].
+        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...].
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
-        step equals the full-batch step; `reduce` (the engine protocol's) may replace them before the
-        update. Returns (loss_sum, token_count, grad_norm, applied).
+        step equals the full-batch step; a micro-batch's per-token weights (B, T), when given, multiply its
+        tokens' gradients. `reduce` (the engine protocol's) may replace them before the update. Returns
+        (loss_sum, token_count, grad_norm, applied).
         """
         started = time.perf_counter()
-        total = sum(int((t != ops.IGNORE_INDEX).sum()) for _, t, _, _ in micro_batches)
+        total = sum(int((mb[1] != ops.IGNORE_INDEX).sum()) for mb in micro_batches)
         self.zero_grads()
         loss_sum = 0.0
-        for ids, targets, seg, pos in micro_batches:
-            loss_sum += self.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+        for ids, targets, seg, pos, *weights in micro_batches:
+            scale = 1.0 / max(total, 1)
+            if weights:
+                scale = np.float32(scale) * np.asarray(weights[0], np.float32)
+            loss_sum += self.forward_backward(ids, targets, seg, pos, scale)[0]
         if reduce is not None:
             self._reduce_grads(reduce, total)
         norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,

@@ -282,22 +282,29 @@ def geglu_backward(dh, gate, up):
 
 # ---- cross-entropy ---------------------------------------------------------------------------
 
-def cross_entropy_forward(logits, targets):
-    """logits (N, V), targets (N,) int with IGNORE_INDEX -> (loss_sum, count, lse (N,)).
-
-    The sum over counted rows of lse - logit[target]; the caller divides by the token count.
-    """
+def cross_entropy_rows(logits, targets):
+    """logits (N, V), targets (N,) int with IGNORE_INDEX -> (loss (N,): lse - logit[target], 0 on ignored rows;
+    lse (N,)). A row's loss is minus the log-probability of its target."""
     m = logits.max(axis=-1, keepdims=True)
     lse = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[:, 0]
     valid = targets != IGNORE_INDEX
     safe = np.where(valid, targets, 0)
     picked = logits[np.arange(logits.shape[0]), safe]
-    loss_sum = float(np.sum(np.where(valid, lse - picked, 0.0)))
-    return loss_sum, int(valid.sum()), lse
+    return np.where(valid, lse - picked, 0.0), lse
+
+
+def cross_entropy_forward(logits, targets):
+    """logits (N, V), targets (N,) int with IGNORE_INDEX -> (loss_sum, count, lse (N,)).
+
+    The sum over counted rows of lse - logit[target]; the caller divides by the token count.
+    """
+    rows, lse = cross_entropy_rows(logits, targets)
+    return float(np.sum(rows)), int((targets != IGNORE_INDEX).sum()), lse
 
 
 def cross_entropy_backward(logits, targets, lse, grad_scale, softcap: float = 0.0):
-    """dlogits (N, V) = grad_scale * (softmax - onehot) on counted rows, zero elsewhere. softcap > 0: the
+    """dlogits (N, V) = grad_scale * (softmax - onehot) on counted rows, zero elsewhere; grad_scale is one
+    number or a weight per row (N,) (a preference objective's per-token coefficients). softcap > 0: the
     logits are soft-capped ones (softcap_forward) and dlogits is with respect to the uncapped logits, the
     cap's derivative 1 - (logits / softcap)^2 taken from the capped values."""
     valid = targets != IGNORE_INDEX

@@ -37,13 +37,17 @@ def loss_head_size(m: int, n: int) -> int:
     return min(n, -(-m // unit) * unit)
 
 
+INPUT_NAMES = ("ids", "segments", "positions", "targets", "head_index", "row_weights")
+
+
 class Inputs:
-    """The uploaded batch of one micro-batch slot, all i32 (B*T,): ids, segment ids, positions, targets
-    (those of the loss head's rows, or generation's row indices) and head_index (the loss head's rows)."""
+    """The uploaded batch of one micro-batch slot, (B*T,) each: ids, segment ids, positions, targets (those of
+    the loss head's rows, or generation's row indices) and head_index (the loss head's rows), all i32; and
+    row_weights, f32, the per-token gradient weights of the loss head's rows when a step has them."""
 
     def __init__(self, rt: Runtime, n: int):
-        self.ids, self.segments, self.positions, self.targets, self.head_index = (
-            rt.buffer(n * F32, name) for name in ("ids", "segment_ids", "positions", "targets", "head_index"))
+        for name in INPUT_NAMES:
+            setattr(self, name, rt.buffer(n * F32, "segment_ids" if name == "segments" else name))
 
 
 class Activations:
@@ -67,7 +71,8 @@ class Activations:
         # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
         self.b = self.t = self.n = self.n_head = 0
         self.rope_long = False
-        self.ids = self.segments = self.positions = self.targets = self.head_index = None
+        self.ids = self.segments = self.positions = self.targets = self.head_index = self.row_weights = None
+        self.head_order = None     # (n_head,) the batch's row of each loss head row (None: every row, in order)
         try:
             one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
                        if name.startswith(SHARED_LAYER)}
@@ -138,8 +143,7 @@ class BucketCache:
     def _free(self, acts: Activations):
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
         bufs = list({id(b): b for layer in acts.layers for b in layer.values()}.values())
-        bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
-                 ("ids", "segments", "positions", "targets", "head_index")]
+        bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in INPUT_NAMES]
         self.rt.release(*bufs)
 
     def _release_acts(self):
@@ -149,14 +153,16 @@ class BucketCache:
         self._acts.clear()
         self._inputs.clear()
 
-    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None):
+    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None):
         """Write one micro-batch into the input buffers of its slot and point acts at them.
 
         targets (B, T) (training, evaluation): only the rows with a target (not IGNORE_INDEX) go through
         the loss head. Their indices, padded with untrained rows to loss_head_size, go to head_index and
-        their targets, in that order, to targets; acts.n_head counts them. When that is every row, the
-        targets go as they are and head_index is unused (acts.head_index None).
-        last (generation, forward_rows): row indices, written to targets as they are."""
+        their targets, in that order, to targets; acts.n_head counts them and acts.head_order holds those
+        indices. When that is every row, the targets go as they are and head_index is unused
+        (acts.head_index and acts.head_order None). weights (B, T) float32 (optional, training): each
+        token's gradient weight, written in the loss head's row order to row_weights (acts.row_weights
+        None without). last (generation, forward_rows): row indices, written to targets as they are."""
         rt = self.rt
         b, t = ids.shape
         n = b * t
@@ -168,7 +174,7 @@ class BucketCache:
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
         acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch
-        acts.head_index, acts.n_head = None, n
+        acts.head_index, acts.head_order, acts.n_head, acts.row_weights = None, None, n, None
         if last is not None:
             rt.write(acts.targets, last.astype(np.int32).reshape(-1))
         if targets is None:
@@ -176,11 +182,14 @@ class BucketCache:
         tg = targets.astype(np.int32).reshape(-1)                    # (B*T,)
         trained = tg != ref_ops.IGNORE_INDEX
         m = loss_head_size(int(trained.sum()), n)
-        if m == n:
-            rt.write(acts.targets, tg)
-            return
-        # padding rows are untrained ones (ignored targets: no loss, zero gradient), so indices stay distinct
-        rows = np.concatenate([np.flatnonzero(trained), np.flatnonzero(~trained)])[:m].astype(np.int32)  # (m,)
-        acts.head_index, acts.n_head = inp.head_index, m
-        rt.write(acts.head_index, rows)
-        rt.write(acts.targets, tg[rows])
+        rows = None
+        if m < n:
+            # padding rows are untrained ones (ignored targets: no loss, zero gradient), so indices stay distinct
+            rows = np.concatenate([np.flatnonzero(trained), np.flatnonzero(~trained)])[:m].astype(np.int32)  # (m,)
+            acts.head_index, acts.head_order, acts.n_head = inp.head_index, rows, m
+            rt.write(acts.head_index, rows)
+        rt.write(acts.targets, tg if rows is None else tg[rows])
+        if weights is not None:
+            w = np.asarray(weights, np.float32).reshape(-1)           # (B*T,)
+            acts.row_weights = inp.row_weights
+            rt.write(acts.row_weights, w if rows is None else w[rows])

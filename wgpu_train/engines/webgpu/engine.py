@@ -65,6 +65,7 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
             self.inv_freqs.append([uploaded[f.tobytes()] for f in freqs])
         self.plan = layer_plan(cfg)
         self.lora: dict[str, GpuLora] = {}
+        self.adapter_enabled = True   # False: forwards skip every LoRA module (a preference objective's reference)
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
         self._pending: dict = {}   # member -> dy of a group whose LoRA backward waits for the others
         self.trained: tuple = ()   # base weights trained (full fine-tuning: all; modules_to_save: some)
@@ -189,6 +190,10 @@ class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRec
         self.trained = tuple(names)
         self._release_acts()
         self._reset_training_state()
+
+    def set_adapter_enabled(self, enabled: bool = True):
+        """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
+        self.adapter_enabled = bool(enabled)
 
     def set_gradient_checkpointing(self, on: bool = True):
         """Gradient (activation) checkpointing of training steps: each layer keeps only its input, and the

@@ -411,14 +411,16 @@ def cross_entropy_reduce(rec, result, loss, valid, N):
          (0, 0, 0, N))
 
 
-def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_rows, V, row_offset=0, softcap=0.0):
+def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_rows, V, row_offset=0, softcap=0.0,
+                           row_weights=None):
     """dlogits (n_rows, V) = grad_scale * (softmax - onehot) on counted rows, 0 on ignored rows, for
     the chunk of global rows [row_offset, row_offset + n_rows) (targets and lse by global row). softcap > 0:
     the logits are soft-capped ones (softcap_forward) and dlogits is with respect to the uncapped ones.
 
     grad_scale: a tensor whose first element is the scale (computed on the GPU, e.g. 1/count), or a
     Python float (baked into the uniform: prefer a buffer for values that change every step).
-    In place when dlogits is logits.
+    row_weights: None, or a tensor (N,) by global row that multiplies each row's gradient too (a preference
+    objective's per-token coefficients). In place when dlogits is logits.
     """
     if n_rows <= 0:
         return
@@ -428,17 +430,19 @@ def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_row
         scale_t, mult = _state(rec.rt).one, float(grad_scale)
     else:
         scale_t, mult = grad_scale, 1.0
+    weights, stride = (_state(rec.rt).one, 0) if row_weights is None else (_offset(row_weights, row_offset), 1)
     groups = (-(-V // WG), n_rows)
     tg, ls = _offset(targets, row_offset), _offset(lse, row_offset)
+    wt = (weights, n_rows if stride else 1, "row_weights", False)
     if _same(dlogits, logits):
         _run(rec, "cross_entropy", "cross_entropy_backward_inplace", groups,
              [(logits, n_rows * V, "logits", True), (tg, n_rows, "targets", False), (ls, n_rows, "lse", False),
-              (scale_t, 1, "grad_scale", False)], (n_rows, V), (mult, softcap))
+              (scale_t, 1, "grad_scale", False), wt], (n_rows, V, stride), (mult, softcap))
     else:
         _run(rec, "cross_entropy", "cross_entropy_backward", groups,
              [(dlogits, n_rows * V, "dlogits", True), (logits, n_rows * V, "logits", False),
-              (tg, n_rows, "targets", False), (ls, n_rows, "lse", False), (scale_t, 1, "grad_scale", False)],
-             (n_rows, V), (mult, softcap))
+              (tg, n_rows, "targets", False), (ls, n_rows, "lse", False), (scale_t, 1, "grad_scale", False), wt],
+             (n_rows, V, stride), (mult, softcap))
 
 
 # ---- optimizer ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ class LayerRecorder:
         path = module_path(layer, module)
         w, bias = self.w[path + ".weight"], self.w.get(path + ".bias")
         rec.section(self._where + " gemm")
-        lora = self.lora.get(path)
+        lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is None:
             linear_forward(rec, y, x, w, bias, acts.n, accumulate)
             return
@@ -201,7 +201,7 @@ class LayerRecorder:
                                     rows, v, r0)
             if backward:
                 K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
-                                         rows, v, r0, cfg.logit_softcap)
+                                         rows, v, r0, cfg.logit_softcap, acts.row_weights)
                 linear_backward(rec, at(dx, r0 * c), dhead, None, acts.logits, at(x, r0 * c), head, rows)
         if backward and compact:
             K.row_gather_backward(rec, acts.dxf, dx, acts.head_index, m, c, n)

@@ -81,6 +81,28 @@ class StepRecording:
         self._record_head(rec, acts, backward=False)
         return self._submit_loss(rec, acts, before)
 
+    def token_losses(self, ids, targets, segment_ids, position_ids):
+        """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); one
+        submission, one readback of the loss head's rows."""
+        b, t = ids.shape
+        acts = self._activations(b, t, train=False)
+        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
+        before = dict(self.rt.counters)
+        self._training = False
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts)
+        self._record_head(rec, acts, backward=False)
+        rec.read_back(acts.loss_rows, np.float32, (acts.n_head,))
+        rec.submit()
+        rows = rec.result()                                      # (n_head,) in the loss head's row order
+        self._count(before)
+        out = np.zeros(b * t, np.float32)
+        if acts.head_order is None:
+            out[:] = rows
+        else:
+            out[acts.head_order] = rows
+        return out.reshape(b, t)
+
     def _submit_loss(self, rec, acts, before) -> tuple:
         """Sum the recorded micro-batch's loss rows, submit, and read back (loss_sum, trained tokens)."""
         K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
@@ -91,11 +113,13 @@ class StepRecording:
         return float(loss_sum), int(round(count))
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        """Forward, loss and backward of one micro-batch (gradients accumulate); returns (loss_sum, count)."""
+        """Forward, loss and backward of one micro-batch (gradients accumulate); grad_scale one number or a
+        weight per token (B, T); returns (loss_sum, count), the loss unweighted."""
         b, t = ids.shape
         acts = self._activations(b, t, train=True)
-        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
-        self.rt.write(self.step_buf, np.array([grad_scale], np.float32))
+        per_token = np.ndim(grad_scale) > 0
+        self._upload_batch(acts, ids, segment_ids, position_ids, targets, weights=grad_scale if per_token else None)
+        self.rt.write(self.step_buf, np.array([1.0 if per_token else grad_scale], np.float32))
         self._write_seeds(0)
         before = dict(self.rt.counters)
         rec = self.rt.recorder()
@@ -106,7 +130,8 @@ class StepRecording:
         return self._submit_loss(rec, acts, before)
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
-        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids), ...] in one submit.
+        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...] in
+        one submit (weights (B, T): each token's gradient weight, uploaded with the batch).
 
         The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
         finite flag. Returns (loss_sum, token_count, grad_norm, applied). With `reduce` (the engine
@@ -118,7 +143,7 @@ class StepRecording:
         busy time as one figure. `last_timing` holds the Python recording time and the step's wall time.
         """
         started = time.perf_counter()
-        total = sum(int((tg != ref_ops.IGNORE_INDEX).sum()) for _, tg, _, _ in micro_batches)
+        total = sum(int((mb[1] != ref_ops.IGNORE_INDEX).sum()) for mb in micro_batches)
         rt = self.rt
         before = dict(rt.counters)
         n_micro = len(micro_batches)
@@ -130,12 +155,12 @@ class StepRecording:
         self._record_zero_grads(rec)
         self._training = True
         used = []
-        for j, (ids, targets, seg, pos) in enumerate(micro_batches):
+        for j, (ids, targets, seg, pos, *weights) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
             acts = self._activations(b, t, train=True, keep=used)
             used.append(acts.key)
-            self._upload_batch(acts, ids, seg, pos, targets, slot=j)
+            self._upload_batch(acts, ids, seg, pos, targets, slot=j, weights=weights[0] if weights else None)
             self._write_seeds(j)
             self._record_forward(rec, acts)
             self._record_backward(rec, acts)

@@ -1,0 +1,353 @@
+"""The preference Trainer: DPO, SimPO, ORPO and KTO (training/objectives.py) on any engine. Each step scores its
+rows (sequence log-probabilities of the policy, and of the reference: the adapter switched off, or computed once
+before training), turns the objective's derivatives into per-token gradient weights, and runs the engine's
+optimizer step with them; evaluation reports the objective and TRL's reward metrics on the validation pairs."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from wgpu_train.data.preference_batching import PreferenceStream, kl_partners, pair_rows, row_batches
+from wgpu_train.errors import ConfigError
+from wgpu_train.training.config import PAD_MULTIPLE
+from wgpu_train.training.evaluate import engine_batch
+from wgpu_train.training.metrics import fmt, num
+from wgpu_train.training.objectives import kto_objective, pair_objective
+from wgpu_train.training.trainer import Trainer
+
+REFERENCE_FILE = "reference_logps.npz"      # the precomputed reference log-probabilities, in the run folder
+
+
+class PreferenceTrainer(Trainer):
+    """A Trainer whose objective is config.objective (not sft): the data are preference pairs (KTO: unpaired
+    examples, read in order as TRL's KTOTrainer reads them), batch_size of them per micro-batch.
+
+    The reference model of DPO and KTO is, as TRL's trainers take it for a PEFT model, the base model with the
+    adapter switched off (engine protocol set_adapter_enabled), or with --adapter-path a frozen copy of the
+    starting adapter swapped in to score. Its log-probabilities are computed once before training instead,
+    and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the base with that adapter),
+    --method full and modules_to_save (the starting model: the adapter switch does not turn off trained copies)."""
+
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        self.settings = config.preference_settings()
+        self.paired = config.objective != "kto"
+        self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split
+        self.partners = {}                           # KTO: split -> (N,) the mismatched pair of each example
+        self.reference = None                        # precomputed: split -> {"logps": (N, 2) or (N,), "kl": (N,)}
+        self._reference_tensors = None               # --adapter-path: the starting adapter, the reference
+        self._step_metrics: list = []                # the metrics of the steps since the last logged row
+        self._accuracy = {"before": None, "after": None}   # validation reward accuracy before and after training
+
+    # ---- data ---------------------------------------------------------------------------------------
+    def _read_data(self, model_cfg):
+        from wgpu_train.data.preference_demo import demo_preference_records
+        from wgpu_train.data.preference_records import check_labels, unpair_preferences
+        from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
+        from wgpu_train.data.sources import resolve_data
+        from wgpu_train.formats.tokenizer import load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(self.model_dir)
+        kind = "preference" if self.paired else "unpaired"
+        if cfg.data is None:      # the embedded demo: pairs built from the embedded SFT dataset
+            s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
+            rng = np.random.default_rng(cfg.seed)
+            s.train, s.valid = (demo_preference_records(part, rng) for part in (s.train, s.valid))
+            if not self.paired:
+                s.train, s.valid = unpair_preferences(s.train), unpair_preferences(s.valid)
+            s.format = f"{kind} (the embedded task: the right word order chosen, a wrong one rejected)"
+        else:
+            s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns, kind=kind)
+        if not self.paired:
+            check_labels(s.train, str(s.files.get("train", self.data_path)))
+        self.splits = s
+        self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
+        tokenize = tokenize_preferences if self.paired else tokenize_unpaired
+        lines, self.truncated, self.dropped = [], 0, 0
+        for split in ("train", "valid"):
+            self.pref[split], stats = tokenize(self.tokenizer, getattr(s, split), self.max_seq_len,
+                                               use_chat_template=not cfg.no_chat_template,
+                                               skip_invalid=cfg.skip_invalid)
+            lines.append(f"{split} {stats.describe()}")
+            self.truncated += stats.n_truncated
+            self.dropped += stats.n_dropped
+            if not self.paired:
+                self.partners[split] = kl_partners(len(self.pref[split]), cfg.batch_size)
+        self.train_examples = self._rows(self.pref["train"])
+        self.valid_examples = self._rows(self.pref["valid"])
+        self.n_skipped = s.n_skipped
+        top = max((int(e.input_ids.max()) for e in self.train_examples + self.valid_examples), default=0)
+        if top >= model_cfg.vocab_size:
+            raise ConfigError(f"the tokenizer produces token id {top} but the model has vocab_size "
+                              f"{model_cfg.vocab_size}: tokenizer and model do not belong together")
+        self.log(f"data: {s.files.get('train', self.data_path)} ({s.format}); {'; '.join(lines)}; "
+                 f"{len(s.test)} test")
+
+    def _rows(self, examples) -> list:
+        return pair_rows(examples) if self.paired else [ex.row() for ex in examples]
+
+    def _make_stream(self, accum: int):
+        return PreferenceStream(self.pref["train"], self.config.batch_size * accum, self.config.seed,
+                                shuffle=self.paired)
+
+    def _estimate_memory(self, model_cfg, lora) -> dict:
+        est = super()._estimate_memory(model_cfg, lora)
+        if not self.paired:
+            return est
+        # a micro-batch holds the chosen and the rejected rows of batch_size pairs
+        from wgpu_train.engines.webgpu.memory import estimate_memory
+
+        cfg = self.config
+        doubled = estimate_memory(model_cfg, 2 * est["batch"], est["length"], lora, cfg.method, self.base_dtype,
+                                  self.embed_dtype, cfg.gradient_checkpointing, self.engine.max_binding)
+        return {**doubled, "batch": 2 * est["batch"], "length": est["length"]}
+
+    def held_out(self) -> tuple[str, list]:
+        """Exact match's split as conversations: the prompt and the chosen (desirable) answer."""
+        name, records = super().held_out()
+        return name, [c for c in (_as_conversation(r) for r in records) if c is not None]
+
+    # ---- the reference ------------------------------------------------------------------------------
+    def _precomputes(self) -> bool:
+        cfg = self.config
+        return bool(self.settings.uses_reference and (cfg.precompute_ref_log_probs or cfg.ref_adapter
+                                                      or cfg.method == "full" or cfg.modules_to_save))
+
+    def _model_ready(self):
+        if self.settings.uses_reference and self.continued_from and not self._precomputes():
+            # TRL's reference for a pretrained adapter: a frozen copy of it ("ref"), swapped in to score
+            self._reference_tensors = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
+
+    def setup(self):
+        super().setup()
+        if self._precomputes():
+            self.reference = self._load_reference() if self._resume else self._compute_reference()
+        elif self._reference_tensors is not None:
+            self.log(f"reference: the starting adapter {self.continued_from}, scored with every step")
+        elif self.settings.uses_reference:
+            self.log("reference: the base model (the adapter switched off), scored with every step")
+        return self
+
+    def _reference_engine(self):
+        """(engine, whether its adapter is switched off while it scores, what it is for the log)."""
+        cfg = self.config
+        if cfg.ref_adapter:
+            from wgpu_train.engines.model import load_model
+
+            ref = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
+                             base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
+            ref.load_adapter(cfg.ref_adapter)
+            return ref.engine, False, f"the base model with the adapter {cfg.ref_adapter}"
+        if cfg.method == "full" or cfg.modules_to_save:
+            return self.engine, False, "the starting model"
+        return self.engine, True, "the base model (the adapter switched off)"
+
+    def _compute_reference(self) -> dict:
+        engine, off, what = self._reference_engine()
+        t0 = time.perf_counter()
+        out = {}
+        if off:
+            engine.set_adapter_enabled(False)
+        try:
+            for split, examples in self.pref.items():
+                indices = np.arange(len(examples))
+                logps = self._score(engine, examples, indices)[0]       # pairs: every chosen, then every rejected
+                out[split] = {"logps": logps.reshape((2, -1)).T if self.paired else logps}
+                if not self.paired:
+                    out[split]["kl"] = self._score(engine, examples, indices, mismatched=split)[0]
+        finally:
+            if off:
+                engine.set_adapter_enabled(True)
+        path = self.out / REFERENCE_FILE
+        np.savez(path, **{f"{split}.{k}": v for split, d in out.items() for k, v in d.items()},
+                 fingerprint=np.array(self.stream.fingerprint()))
+        self._written.append(path)
+        self.log(f"reference: {what}; log-probabilities of {sum(len(v) for v in self.pref.values())} examples "
+                 f"computed in {time.perf_counter() - t0:.1f} s, kept in {path}")
+        return out
+
+    def _load_reference(self) -> dict:
+        """The precomputed reference of the run being resumed (its folder's REFERENCE_FILE)."""
+        ckpt = Path(self._resume[0])
+        path = ckpt.parent.parent / REFERENCE_FILE
+        if not path.is_file():
+            raise ConfigError(f"resume: {path} is missing: the run's precomputed reference log-probabilities")
+        with np.load(path) as f:
+            if str(f["fingerprint"]) != self.stream.fingerprint():
+                raise ConfigError(f"resume: {path} was computed for other training data")
+            out: dict = {}
+            for key in f.files:
+                if key != "fingerprint":
+                    split, name = key.split(".")
+                    out.setdefault(split, {})[name] = f[key]
+        if path.parent.resolve() != self.out.resolve():
+            np.savez(self.out / REFERENCE_FILE, **{k: v for k, v in np.load(path).items()})
+        self.log(f"reference: the precomputed log-probabilities of {path}")
+        return out
+
+    # ---- scoring --------------------------------------------------------------------------------------
+    def _micro_batches(self, rows) -> list:
+        per_micro = self.config.batch_size * (2 if self.paired else 1)
+        return [engine_batch(b) for b in row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)]
+
+    def _score(self, engine, examples, indices, mismatched: str | None = None) -> tuple:
+        """(summed log-probabilities (R,) float64, completion tokens (R,), the engine micro-batches) of the rows
+        of examples[indices] (pairs: every chosen row, then every rejected row); with mismatched (a split),
+        KTO's mismatched rows instead."""
+        chosen = [examples[i] for i in indices]
+        if mismatched is not None:
+            partners = self.partners[mismatched]
+            rows = [examples[i].mismatched_row(examples[partners[i]]) for i in indices]
+        else:
+            rows = self._rows(chosen)
+        micro = self._micro_batches(rows)
+        logps, tokens = [np.zeros(0)], [np.zeros(0, np.int64)]
+        for ids, targets, seg, pos in micro:
+            losses = engine.token_losses(ids, targets, seg, pos).astype(np.float64)   # (B, T)
+            logps.append(-losses.sum(axis=1))
+            tokens.append((targets != -100).sum(axis=1))
+        return np.concatenate(logps), np.concatenate(tokens), micro
+
+    def _reference_logps(self, split, examples, indices, mismatched: bool = False) -> np.ndarray:
+        if self.reference is not None:
+            d = self.reference[split]
+            if mismatched:
+                return d["kl"][indices]
+            return d["logps"][indices].T.reshape(-1) if self.paired else d["logps"][indices]
+        if self._reference_tensors is not None:
+            current = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
+            self.engine.set_trainable(self._reference_tensors)
+            try:
+                return self._score(self.engine, examples, indices, split if mismatched else None)[0]
+            finally:
+                self.engine.set_trainable(current)
+        self.engine.set_adapter_enabled(False)
+        try:
+            return self._score(self.engine, examples, indices, split if mismatched else None)[0]
+        finally:
+            self.engine.set_adapter_enabled(True)
+
+    def _objective(self, split: str, indices) -> tuple:
+        """(ObjectiveResult, the policy rows' micro-batches, their completion tokens (R,)) of examples[indices]."""
+        examples = self.pref[split]
+        logps, tokens, micro = self._score(self.engine, examples, indices)
+        ref = self._reference_logps(split, examples, indices) if self.settings.uses_reference else None
+        if self.paired:
+            p = len(indices)
+            result = pair_objective(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
+                                    None if ref is None else ref[:p], None if ref is None else ref[p:])
+        else:
+            kl, _, _ = self._score(self.engine, examples, indices, mismatched=split)
+            ref_kl = self._reference_logps(split, examples, indices, mismatched=True)
+            labels = np.array([examples[i].label for i in indices], bool)
+            result = kto_objective(self.settings, logps, ref, labels, kl, ref_kl)
+        return result, micro, tokens
+
+    # ---- the step and evaluation --------------------------------------------------------------------
+    def _step(self):
+        cfg = self.config
+        indices, epoch_done = self.next_batch()
+        lr = self.schedule.lr_at(self.step + 1)
+        t0 = time.perf_counter()
+        self._stepping = True
+        try:
+            result, micro, tokens = self._objective("train", indices)
+            weighted = self.weighted_micro_batches(result, micro, tokens)
+            _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
+        finally:
+            self._stepping = False
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        self._step_metrics.append(result.metrics)
+        if not applied:
+            self.log(f"step {self.step}: non-finite gradients, update skipped")
+        return micro, epoch_done, lr, result.loss * count, count, grad_norm, seconds
+
+    @staticmethod
+    def weighted_micro_batches(result, micro, tokens) -> list:
+        """The policy rows' micro-batches with per-token gradient weights: the engine divides the gradients by
+        the step's trained tokens, so weights of -(those tokens) * dloss/dlogp of the token's row give the
+        objective's gradient (a token's loss is minus its log-probability)."""
+        per_row = -float(tokens.sum()) * result.dlogps
+        weighted, r0 = [], 0
+        for ids, targets, seg, pos in micro:
+            rows = ids.shape[0]
+            w = np.where(targets != -100, per_row[r0:r0 + rows, None], 0.0).astype(np.float32)   # (B, T)
+            weighted.append((ids, targets, seg, pos, w))
+            r0 += rows
+        return weighted
+
+    def _input_tokens(self, batch) -> int:
+        return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
+
+    def evaluate(self) -> dict | None:
+        """The objective and its metrics on the validation examples (None without them)."""
+        if not self.pref["valid"]:
+            return None
+        n, per_step = len(self.pref["valid"]), self.config.batch_size
+        losses, weights, metrics = [], [], []
+        for i in range(0, n, per_step):
+            result, _, tokens = self._objective("valid", np.arange(i, min(i + per_step, n)))
+            losses.append(result.loss)
+            weights.append(min(per_step, n - i))
+            metrics.append(result.metrics)
+        return {"loss": float(np.average(losses, weights=weights)), "perplexity": None, "tokens": n,
+                "metrics": _mean_metrics(metrics, weights)}
+
+    def _valid_row(self, result: dict):
+        metrics = {k: num(v) for k, v in result["metrics"].items()}
+        self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
+                         "loss": num(result["loss"]), "examples": result["tokens"], **metrics})
+        acc = metrics.get("rewards/accuracies")
+        self._accuracy["before" if self._accuracy["before"] is None and self.step == self._start_step
+                       and not self.resumed_from else "after"] = acc
+        self.log(f"step {self.step}: valid {self.config.objective} loss {fmt(result['loss'])}"
+                 + (f", reward accuracy {fmt(acc, '.1%')}" if acc is not None else "")
+                 + (f", reward margin {fmt(metrics['rewards/margins'], '.4f')}" if "rewards/margins" in metrics
+                    else ""))
+
+    def _write_row(self, row: dict):
+        if "split" not in row and "grad_norm" in row and self._step_metrics:
+            row = {**row, **{k: num(v) for k, v in _mean_metrics(self._step_metrics).items()}}
+            self._step_metrics = []
+        super()._write_row(row)
+
+    def _summary(self, *args) -> dict:
+        summary = super()._summary(*args)
+        summary["objective"] = {"name": self.config.objective, **vars(self.settings),
+                                "reference": (None if not self.settings.uses_reference else
+                                              "precomputed" if self.reference is not None else
+                                              "starting adapter" if self._reference_tensors is not None else
+                                              "adapter off"),
+                                "reward_accuracy": dict(self._accuracy)}
+        summary["n_train"], summary["n_valid"] = len(self.pref["train"]), len(self.pref["valid"])
+        return summary
+
+
+def _mean_metrics(rows: list, weights=None) -> dict:
+    """Each metric's (weighted) mean over the rows that have it."""
+    weights = [1.0] * len(rows) if weights is None else weights
+    keys = sorted({k for r in rows for k in r})
+    return {k: float(np.average([r[k] for r in rows if k in r], weights=[w for r, w in zip(rows, weights) if k in r]))
+            for k in keys}
+
+
+def _as_conversation(record):
+    """A preference record as the conversation of its prompt and chosen answer (KTO: desirable records only;
+    None otherwise); a conversation (the embedded demo's test split) as it is."""
+    prompt = getattr(record, "prompt", None)
+    if prompt is None:
+        return record
+    answer = getattr(record, "chosen", None)
+    if answer is None:
+        if not record.label:
+            return None
+        answer = record.completion
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(answer, str):
+        answer = [{"role": "assistant", "content": answer}]
+    return list(prompt) + list(answer)
