@@ -13,8 +13,9 @@ from tokenizers import processors
 from wgpu_train.data.preference_demo import demo_preference_records
 from wgpu_train.data.preference_records import (PreferenceRecord, UnpairedRecord, extract_prompt,
                                                 unpair_preferences)
-from wgpu_train.data.preference_tokenize import (PreferenceExample, UnpairedExample, kl_partners,
-                                                 tokenize_preferences, tokenize_unpaired)
+from wgpu_train.data.preference_batching import kl_partners
+from wgpu_train.data.preference_tokenize import (PreferenceExample, UnpairedExample, tokenize_preferences,
+                                                 tokenize_unpaired)
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.sources import load_records, resolve_data
 from wgpu_train.errors import ConfigError, DataError
@@ -430,7 +431,7 @@ def test_rows_label_completion_tokens_only():
     kto = UnpairedExample(np.array([1, 2], np.int32), np.array([3], np.int32), True, max_length=3)
     other = UnpairedExample(np.array([1], np.int32), np.array([7, 8, 9], np.int32), False, max_length=3)
     assert kto.mismatched_row(other).input_ids.tolist() == [1, 2, 7] and kto.row().n_trained == 1
-    assert kl_partners(7, 3) == [2, 0, 1, 5, 3, 4, 6]
+    assert kl_partners(7, 3).tolist() == [2, 0, 1, 5, 3, 4, 6]
 
 
 # ---------------------------------------------------------------------------------------------------------------
