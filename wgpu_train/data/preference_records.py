@@ -13,7 +13,6 @@ from wgpu_train.errors import ConfigError
 # a prompt or an answer: a string (standard format) or a list of Message (conversational format)
 Part = Union[str, list]
 
-PAIRED_FORMATS = ("preference", "implicit preference")  # what load_records(kind="preference") reads
 UNPAIRED_FORMAT = "unpaired"
 UNPAIR_BATCH = 1000  # TRL's unpair_preference_dataset maps batches of this many pairs (datasets' default)
 

@@ -4,7 +4,7 @@ max_length dropped), and the rows a model scores, truncated as TRL's collators t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -77,21 +77,22 @@ class UnpairedExample:
 class PreferenceStats:
     """What tokenize_preferences / tokenize_unpaired did to the records."""
 
-    what: str = "pairs"  # "pairs" or "records"
+    what: str = "pairs"  # "pairs" (tokenize_preferences) or "records" (tokenize_unpaired)
     n_records: int = 0
     n_examples: int = 0  # kept
     n_truncated: int = 0  # kept, with a row cut to max_length
     n_dropped: int = 0  # nothing left to train: the prompt alone fills max_length
     n_skipped: int = 0  # refused by the chat template, with skip_invalid
-    n_labels: dict = field(default_factory=dict)  # unpaired only: {True: desirable kept, False: undesirable kept}
+    n_desirable: int = 0  # unpaired: kept records labelled True
+    n_undesirable: int = 0  # unpaired: kept records labelled False
 
     def describe(self) -> str:
         """One line for the log, e.g. '1000 pairs: 990 kept (12 truncated), 10 dropped (prompt fills max_length)'."""
         out = f"{self.n_records} {self.what}: {self.n_examples} kept"
         if self.n_truncated:
             out += f" ({self.n_truncated} truncated to max_length)"
-        if self.n_labels:
-            out += f", {self.n_labels.get(True, 0)} desirable / {self.n_labels.get(False, 0)} undesirable"
+        if self.what == "records":
+            out += f", {self.n_desirable} desirable / {self.n_undesirable} undesirable"
         if self.n_dropped:
             out += f", {self.n_dropped} dropped (the prompt fills max_length)"
         if self.n_skipped:
@@ -127,8 +128,7 @@ def _as_text(prompt: Part, answers: Sequence[Part], eos: str) -> tuple[str, list
     answer_texts = []
     for answer in answers:
         whole = _raw_text(list(prompt) + list(answer), eos)
-        if not whole.startswith(prompt_text):
-            raise DataError("the answer does not continue the prompt's raw text")
+        assert whole.startswith(prompt_text), "raw text of the prompt is a prefix of prompt + answer's"
         answer_texts.append(whole[len(prompt_text):])
     return prompt_text, answer_texts
 
@@ -223,7 +223,7 @@ def tokenize_unpaired(tokenizer: Tokenizer, records: Sequence[UnpairedRecord], m
     _check_settings(max_length, max_prompt_length, truncation_mode)
     if truncation_mode != "keep_start":
         raise ConfigError("unpaired (KTO) data is truncated keep_start only, as TRL's KTOTrainer truncates it")
-    stats = PreferenceStats("records", n_records=len(records), n_labels={True: 0, False: 0})
+    stats = PreferenceStats("records", n_records=len(records))
     examples: list[UnpairedExample] = []
     for record, prompt_ids, (completion_ids,) in _tokenize_all(
             tokenizer, records, lambda r: (r.completion,), stats, use_chat_template, max_prompt_length,
@@ -233,7 +233,8 @@ def tokenize_unpaired(tokenizer: Tokenizer, records: Sequence[UnpairedRecord], m
             continue
         truncated = max_length is not None and len(prompt_ids) + len(completion_ids) > max_length
         stats.n_truncated += int(truncated)
-        stats.n_labels[bool(record.label)] += 1
+        stats.n_desirable += int(record.label)
+        stats.n_undesirable += int(not record.label)
         examples.append(UnpairedExample(prompt_ids, completion_ids, bool(record.label), truncated, max_length))
     stats.n_examples = len(examples)
     return examples, stats

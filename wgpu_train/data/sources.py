@@ -231,7 +231,8 @@ def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str
 
 @dataclass
 class DataSplits:
-    """Records of each split of a dataset and the format they were read in."""
+    """Records of each split of a dataset and the format they were read in (SFT records, or PreferenceRecord /
+    UnpairedRecord by the kind read)."""
 
     train: list[Record]
     valid: list[Record]
