@@ -47,6 +47,10 @@ class PreferenceTrainer(Trainer):
 
     def __init__(self, config, log=None):
         super().__init__(config, log)
+        if config.ref_adapter:
+            from wgpu_train.adapters.files import adapter_folder
+
+            adapter_folder(config.ref_adapter)      # a folder without an adapter: refused before anything is read
         self.settings = config.preference_settings()
         self.paired = config.objective != "kto"
         self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split
