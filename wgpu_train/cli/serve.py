@@ -77,7 +77,7 @@ def _load(args, specs, folders, model_dir, base_name):
     given = _given_no_chat_template(args)
     registry = AdapterRegistry(model, base_name, PromptStyle(chat_template=not given))
     for spec, folder in zip(specs, folders):
-        raw = choose_settings({"no_chat_template": given}, folder, model_dir)["no_chat_template"]
+        raw = choose_settings({**settings, "no_chat_template": given}, folder, model_dir)["no_chat_template"]
         registry.add(spec.name, folder, PromptStyle(not raw, trained_data_format(folder) == "completions"))
     return Scheduler(model, registry, tok, args.max_queue, args.max_batch)
 

@@ -45,7 +45,8 @@ def _same_model(a: Path, b: Path) -> bool:
     files of the same names and sizes, equal at SAMPLES places spread over each)."""
     if a.resolve() == b.resolve():
         return True
-    return _identity(a) is not None and _identity(a) == _identity(b)
+    identity = _identity(a)
+    return identity is not None and identity == _identity(b)
 
 
 SAMPLES = 16        # 4 KiB reads per weight file: a fine-tuned copy of a base differs somewhere among them
