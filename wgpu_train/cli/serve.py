@@ -6,22 +6,12 @@ import sys
 
 from wgpu_train.errors import ConfigError
 
-EXTRA = "pip install 'wgpu-train[serve]'"
-
-
-def _check_extra():
-    try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"wgpu-train serve needs starlette and uvicorn: {EXTRA}") from None
-
 
 def cmd_serve(args) -> int:
+    scheduler, sock = prepare(args)             # the serve extra checked first
     from wgpu_train.serve.app import build_app
     from wgpu_train.serve.server import serve
 
-    scheduler, sock = prepare(args)
     app = build_app(scheduler, args.api_key)
     host, port = sock.getsockname()[:2]
     print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at http://{host}:{port}/v1, "
@@ -37,12 +27,12 @@ def cmd_serve(args) -> int:
 
 def prepare(args):
     """(Scheduler, bound socket): every check made, the model loaded with its adapters, nothing served yet."""
-    _check_extra()
     from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder
     from wgpu_train.cli.adapter_settings import model_folder
     from wgpu_train.serve.adapters import check_base, parse_adapter_spec
-    from wgpu_train.serve.server import bind
+    from wgpu_train.serve.server import bind, require_extra
 
+    require_extra()
     specs = [parse_adapter_spec(text) for text in args.adapter]
     names = [s.name for s in specs]
     if len(set(names)) < len(names):
@@ -83,6 +73,7 @@ def _load(args, specs, folders, model_dir, base_name):
 
 
 def register(sub):
+    from wgpu_train.serve.server import EXTRA
     from wgpu_train.cli.commands import _add_parser, _chat_template_option, _device_options, _whole
 
     p = _add_parser(sub, "serve", "serve a model and its adapters over an OpenAI-compatible HTTP API",

@@ -96,7 +96,8 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
             prompts = [chat_prompt_ids(tokenizer, req.messages, style)]
         else:
             prompts = [completion_prompt_ids(tokenizer, p, vocab_size, i) for i, p in enumerate(req.prompts)]
-        budgets = [budget(len(p), req.max_tokens, positions, None if chat else COMPLETION_TOKENS) for p in prompts]
+        default, param = (None, "messages") if chat else (COMPLETION_TOKENS, "prompt")
+        budgets = [budget(len(p), req.max_tokens, positions, default, param) for p in prompts]
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emitter(index: int):

@@ -45,13 +45,14 @@ def completion_prompt_ids(tokenizer, prompt, vocab_size: int, index: int = 0) ->
     return ids
 
 
-def budget(prompt_tokens: int, asked: int | None, positions: int, default: int | None = None) -> int:
+def budget(prompt_tokens: int, asked: int | None, positions: int, default: int | None = None,
+           prompt_param: str = "messages") -> int:
     """The answer's most tokens: `asked` (max_tokens), else `default` or what the positions leave, capped to
-    them; a 400 when the prompt leaves no room or `asked` does not fit."""
+    them; a 400 when the prompt (the request's `prompt_param`) leaves no room or `asked` does not fit."""
     room = positions - prompt_tokens
     if room < 1:
         raise ApiError(400, f"this model's maximum context length is {positions} tokens, and the prompt has "
-                            f"{prompt_tokens}: no room for an answer", "messages", "context_length_exceeded")
+                            f"{prompt_tokens}: no room for an answer", prompt_param, "context_length_exceeded")
     if asked is None:
         return min(default, room) if default else room
     if asked > room:

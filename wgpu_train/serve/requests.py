@@ -3,6 +3,7 @@ meaning, a bad one refused as a 400 naming it; what this server cannot honour re
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from wgpu_train.serve.api_error import ApiError
@@ -56,8 +57,8 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad_type(name, "a number", value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad_type(name, "a finite number", value)
     if value > high or value < low or (low_open and value == low):
         raise _bad_value(name, f"must lie in {'(' if low_open else '['}{low:g}, {high:g}]", value)
     return float(value)

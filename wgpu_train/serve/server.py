@@ -8,6 +8,17 @@ import threading
 
 from wgpu_train.errors import ConfigError
 
+EXTRA = "pip install 'wgpu-train[serve]'"
+
+
+def require_extra():
+    """ConfigError (one line) unless the serve extra's packages are installed."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"wgpu-train serve needs starlette and uvicorn: {EXTRA}") from None
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (port 0: a free one the system picks); ConfigError when the address
