@@ -292,13 +292,22 @@ def test_a_client_leaving_mid_stream_stops_its_generation(server, client, ref, s
                 events += line.startswith("data: ")
                 if events == 3:
                     break
-    for _ in range(500):
-        if stats["cancelled"] > before["cancelled"]:
-            break
-        time.sleep(0.01)
+    _wait_for(lambda: stats["cancelled"] > before["cancelled"])
     assert stats["cancelled"] == before["cancelled"] + 1
     assert stats["tokens"] - before["tokens"] < 50           # it stopped well before its 100 tokens
+    before = dict(stats)                                     # a client that waits for a whole answer, then leaves
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    _wait_for(lambda: stats["cancelled"] > before["cancelled"])
+    assert stats["tokens"] - before["tokens"] < 50
     assert_serves(client, ref)
+
+
+def _wait_for(condition, seconds: float = 5.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_a_burst_past_the_queue_limit_gets_503(server, client, ref, slow, monkeypatch):
@@ -319,6 +328,29 @@ def test_a_burst_past_the_queue_limit_gets_503(server, client, ref, slow, monkey
     assert answered and all(r == ref.chat("a", QUESTIONS[i % 4]) for i, r in answered)
     monkeypatch.undo()
     assert_serves(client, ref)
+
+
+def test_adapters_switch_without_their_files_and_the_base_comes_back(files, tmp_path):
+    """Model.prepare_adapter / use_adapter / remove_adapter, as the server switches: a plain adapter and one with
+    modules_to_save (trained copies of base weights) attached in turn from memory give load_adapter's logits,
+    and remove_adapter gives the fresh base's."""
+    ids = np.arange(3, 15)[None]
+    fresh = wt.load_model(files.model, backend="numpy")
+    saved = wt.load_model(files.model, backend="numpy")
+    saved.add_lora(wt.LoraConfig(r=2, alpha=4, target_modules=["q_proj"], modules_to_save=("lm_head",)), seed=1)
+    head = saved.engine.trainable()["lm_head.weight"]
+    saved.engine.set_trainable({"lm_head.weight": head + 0.5 * np.random.default_rng(0).normal(size=head.shape)})
+    saved.save_adapter(tmp_path / "copies")
+    model = wt.load_model(files.model, backend="numpy")
+    prepared = {"a": model.prepare_adapter(files.a), "copies": model.prepare_adapter(tmp_path / "copies")}
+    for name in ("copies", "a", "copies"):
+        model.use_adapter(prepared[name])
+        loaded = wt.load_model(files.model, backend="numpy")
+        loaded.load_adapter(files.a if name == "a" else tmp_path / "copies")
+        assert np.array_equal(model.logits(ids), loaded.logits(ids)), name
+        assert not np.allclose(model.logits(ids), fresh.logits(ids)), name
+    model.remove_adapter()
+    assert model.lora_config is None and np.array_equal(model.logits(ids), fresh.logits(ids))
 
 
 def test_text_stream_holds_back_what_may_start_a_stop_string(ref):
