@@ -392,6 +392,15 @@ def test_bad_input_is_refused_in_one_line_before_serving(files, capsys, monkeypa
     one_line_error(capsys, base, "pip install 'wgpu-train[serve]'")
 
 
+def test_the_serve_bench_runs(default_rt):
+    """`bench --only serve`'s measurement, small: both rounds generate the same greedy tokens."""
+    from wgpu_train.bench.serve import bench_serve
+
+    result = bench_serve(default_rt, n=2, max_tokens=4)
+    assert result["one_at_a_time"]["tokens"] == result["concurrent"]["tokens"] > 0
+    assert result["throughput_ratio"] > 0 and result["concurrent"]["ttft_median_s"] > 0
+
+
 def _read_lines(stream, lines: queue.Queue):
     for line in stream:
         lines.put(line)

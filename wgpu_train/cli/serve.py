@@ -2,6 +2,7 @@
 bad option, adapter or port refused in one line before it serves."""
 from __future__ import annotations
 
+import logging
 import sys
 
 from wgpu_train.errors import ConfigError
@@ -13,6 +14,9 @@ def cmd_serve(args) -> int:
     from wgpu_train.serve.server import serve
 
     app = build_app(scheduler, args.api_key)
+    served_log = logging.getLogger("wgpu_train.serve")      # a line per batch, beside uvicorn's per request
+    served_log.setLevel(args.log_level.upper())
+    served_log.addHandler(logging.StreamHandler())
     host, port = sock.getsockname()[:2]
     print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at http://{host}:{port}/v1, "
           f"the OpenAI API{'' if args.api_key else ' (no --api-key: anyone who reaches it may use it)'}; Ctrl-C "
@@ -101,6 +105,6 @@ def register(sub):
                    help="most waiting requests of one adapter generated together (default: 8)")
     _chat_template_option(p, "ask chat requests")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level (default: info: a line per request)")
+                   help="log level of uvicorn and the worker (default: info: a line per request and per batch)")
     _device_options(p, storage=True)
     p.set_defaults(func=cmd_serve)
