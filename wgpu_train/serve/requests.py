@@ -28,10 +28,6 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
 
-    def sampling(self) -> dict:
-        """The keyword arguments of Model.generate_batch that sample."""
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
-
 
 def json_body(raw: bytes) -> dict:
     """The request's JSON object; a body that is not one is a 400."""

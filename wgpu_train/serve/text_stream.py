@@ -29,10 +29,6 @@ class TextStream:
             self.text += self.decoder.flush()
         return self._release(final=True)
 
-    def answer(self) -> str:
-        """The whole answer sent so far (before any stop string)."""
-        return self.text[:self.sent]
-
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
