@@ -63,6 +63,14 @@ def _data_parallel(rt):
 SECTIONS["data_parallel"] = _data_parallel
 
 
+def _serve(rt):
+    from wgpu_train.bench.serve import bench_serve
+    return bench_serve(rt)
+
+
+SECTIONS["serve"] = _serve
+
+
 def register(name: str):
     """Decorator: add a bench function under `name` (run in registration order; `only` filters by prefix)."""
     def deco(fn):

@@ -24,10 +24,12 @@ class Conversation:
         """(token ids asking for the answer to `user` after the history, turns dropped to fit): the oldest
         user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError when the
         system message and `user` alone leave none."""
+        from wgpu_train.data.tokenize import generation_prompt_ids
+
         dropped = 0
         while True:
             messages = self.system + self.turns + [{"role": "user", "content": user}]
-            ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            ids = generation_prompt_ids(tokenizer, messages)
             if len(ids) + answer_room <= positions or not self.turns:
                 break
             self.turns = self.turns[2:]

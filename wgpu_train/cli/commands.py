@@ -111,15 +111,12 @@ def prompt_ids(tokenizer, prompt: str, system: str | None = None, chat_template:
     """Token ids that ask the model to answer `prompt`: the chat template with its generation prompt, or the
     raw prompt text as the trainer's --no-chat-template mode builds it (for an adapter trained on completions
     data, the prompt without the blank line other formats put before the response)."""
-    from wgpu_train.data.tokenize import raw_prompt_text
+    from wgpu_train.data.tokenize import generation_prompt_ids
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     if completions:
         messages[-1]["raw_separator"] = ""
-    if chat_template:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
-    return bos + tokenizer.encode(raw_prompt_text(messages))
+    return generation_prompt_ids(tokenizer, messages, chat_template)
 
 
 GENERATE_TOKENS = 256   # generate's --max-new-tokens default, within the model's positions

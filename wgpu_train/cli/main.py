@@ -127,11 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands defined next to the code they drive (training, generation, evaluation, merge)."""
     try:
-        from wgpu_train.cli import chat
+        from wgpu_train.cli import chat, serve
         from wgpu_train.cli.commands import REGISTER
     except ImportError:
         return []
-    return REGISTER + [chat.register]
+    return REGISTER + [chat.register, serve.register]
 
 
 def main(argv=None) -> int:

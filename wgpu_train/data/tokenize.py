@@ -13,7 +13,7 @@ from wgpu_train.data.records import IGNORE_INDEX, RAW_SEPARATOR, Message, Record
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import Tokenizer
 
-__all__ = ["TokenizeStats", "raw_prompt_text", "tokenize_example", "tokenize_dataset"]
+__all__ = ["TokenizeStats", "raw_prompt_text", "generation_prompt_ids", "tokenize_example", "tokenize_dataset"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tokenization with loss masks
@@ -41,6 +41,15 @@ def raw_prompt_text(messages: Sequence[Message]) -> str:
     if not prompts:
         return ""
     return "\n\n".join(m["content"] for m in prompts) + prompts[-1].get("raw_separator", RAW_SEPARATOR)
+
+
+def generation_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Message], chat_template: bool = True) -> list[int]:
+    """Token ids that ask the model for the next assistant turn after `messages`: the chat template with its
+    generation prompt, or raw mode's prompt text (raw_prompt_text) after BOS when the tokenizer adds one."""
+    if chat_template:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
+    return bos + tokenizer.encode(raw_prompt_text(messages))
 
 
 def _in_span(tok_start: int, tok_end: int, start: int, end: int) -> bool:

@@ -40,6 +40,17 @@ def _as_batch(input_ids, attention_mask=None):
     return ids, seg, pos
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedAdapter:
+    """A LoRA adapter read and checked against a model (Model.prepare_adapter), ready to attach (use_adapter)."""
+
+    config: LoraConfig
+    modules: dict       # module path -> (A (r, in), B (out, r)), with DoRA's magnitude (out,) third
+    copies: dict        # modules_to_save: base weight name -> its trained copy (V, C)
+    residual: dict      # PiSSA / OLoRA saved unconverted: base weight name -> the residual replacing it
+    init_pairs: dict    # ... and module path -> the (A0, B0) that residual subtracted
+
+
 class Model:
     """A Llama-family causal LM on one engine ('numpy' or 'wgpu'), with optional LoRA."""
 
@@ -120,10 +131,12 @@ class Model:
                         on_token)
 
     def generate_batch(self, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
-                       top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None) -> list[list[int]]:
+                       top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None,
+                       on_token=None) -> list[list[int]]:
         """New token ids after each prompt (a list of 1-D id arrays of any lengths), generated together:
         one KV cache row per prompt, one engine call per decoding step. max_new_tokens and seed may be
-        lists with one value per prompt; see generate.generate_batch for what row i shares with generate().
+        lists with one value per prompt; see generate.generate_batch for what row i shares with generate(),
+        and for `on_token(i, id)` (streaming; True ends row i).
         A prompt whose length plus its max_new_tokens exceeds the model's max_position_embeddings is refused."""
         from wgpu_train.engines.generate import generate_batch
 
@@ -131,7 +144,7 @@ class Model:
         for p in ids:
             self._check_ids(p)
         return generate_batch(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                              max_len)
+                              max_len, on_token)
 
     # ---- LoRA ---------------------------------------------------------------------------------
     def add_lora(self, config: LoraConfig, seed: int = 0):
@@ -293,6 +306,12 @@ class Model:
         adapter saved unconverted from a PiSSA / OLoRA init (init_lora_weights "pissa" / "olora") gets its
         residual base rebuilt from this model's weights, as PEFT does when loading it. To train it further:
         `dropout` replaces the adapter's lora_dropout, `seed` seeds the dropout masks."""
+        self.use_adapter(self.prepare_adapter(directory, dropout), seed)
+
+    def prepare_adapter(self, directory, dropout: float | None = None) -> PreparedAdapter:
+        """A PEFT LoRA adapter read from its folder and checked against this model (as load_adapter does),
+        held in memory to attach with use_adapter as often as wanted (a server switching adapters) without
+        reading its files again."""
         config, tensors = read_adapter(directory, self.config)
         try:
             settings = config.modules(self.config)
@@ -328,7 +347,19 @@ class Model:
         scales = config.module_scales(self.config)
         init_pairs, residual = ({}, {}) if not changes_base(config.init) else self._decomposed(config, settings,
                                                                                               scales, None)
-        self._set_lora(config, modules, seed, residual, init_pairs, copies)
+        return PreparedAdapter(config, modules, copies, residual, init_pairs)
+
+    def use_adapter(self, adapter: PreparedAdapter, seed: int = 0):
+        """Attach a prepared adapter (prepare_adapter), replacing any other; `seed` seeds the dropout masks."""
+        self._set_lora(adapter.config, adapter.modules, seed, adapter.residual, adapter.init_pairs, adapter.copies)
+
+    def remove_adapter(self):
+        """Detach the LoRA adapter, if any: the base model alone, the base weights an adapter replaced (a PiSSA /
+        OLoRA residual, modules_to_save copies) back as they were."""
+        if self.lora_config is None:
+            return
+        self._set_lora(dataclasses.replace(self.lora_config, modules_to_save=()), {})
+        self.lora_config, self._scales = None, {}
 
     def merged_weights(self) -> dict:
         """Base weights with every LoRA delta folded in: W + scale * B @ A (float32; W the residual base of a

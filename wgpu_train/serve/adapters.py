@@ -1,0 +1,127 @@
+"""The models a server answers for: the base under its name and each --adapter NAME=DIR (or hub id), read once
+and kept in memory, switched on the one Model per request without reloading the base; an adapter trained on
+another base refused before serving."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from wgpu_train.adapters.files import adapter_base_name
+from wgpu_train.errors import AdapterError, ConfigError
+from wgpu_train.formats import hub
+from wgpu_train.serve.prompts import PromptStyle
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]*")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One --adapter: the name requests give as `model`, and the adapter's folder or hub id."""
+
+    name: str
+    source: str
+
+
+def parse_adapter_spec(text: str) -> AdapterSpec:
+    """NAME=DIR (a folder or hub id), or a hub id alone (named by itself); anything else is a ConfigError."""
+    name, sep, source = text.partition("=")
+    if not sep:
+        if not hub.is_hub_id(text):
+            raise ConfigError(f"--adapter {text!r}: give it a name, --adapter NAME=DIR (a hub id org/name may "
+                              f"stand alone)")
+        name, source = text, text
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"--adapter {text!r}: the name {name!r} must start with a letter or digit and hold "
+                          f"only letters, digits and . _ : @ / -")
+    if not source:
+        raise ConfigError(f"--adapter {text!r}: no adapter folder or hub id after '='")
+    return AdapterSpec(name, source)
+
+
+def _same_model(a: Path, b: Path) -> bool:
+    """Whether two model folders hold the same model: one folder, or copies (the same config.json, and weight
+    files of the same names and sizes, equal at SAMPLES places spread over each)."""
+    if a.resolve() == b.resolve():
+        return True
+    identity = _identity(a)
+    return identity is not None and identity == _identity(b)
+
+
+SAMPLES = 16        # 4 KiB reads per weight file: a fine-tuned copy of a base differs somewhere among them
+
+
+def _identity(folder: Path):
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        files = []
+        for path in sorted(folder.glob("*.safetensors")):
+            size = path.stat().st_size
+            with path.open("rb") as f:
+                samples = []
+                for k in range(SAMPLES):
+                    f.seek(size * k // SAMPLES)
+                    samples.append(f.read(4096))
+            files.append((path.name, size, samples))
+    except (OSError, ValueError):
+        return None
+    return config, files
+
+
+def check_base(name: str, adapter: Path, model_arg: str | None, model_dir: Path):
+    """Refuse (AdapterError, one line) an adapter whose recorded base (base_model_name_or_path) is known to be
+    another model than the served one: another hub repository than a served hub id, or a model folder on this
+    machine that is neither the served folder nor a copy of it. A base recorded as neither (none, or a folder
+    not on this machine) passes; the adapter's shapes are checked against the model when it is read."""
+    base = adapter_base_name(adapter)
+    if not base:
+        return
+    if hub.is_hub_id(base):
+        if model_arg and hub.is_hub_id(model_arg):
+            same = hub.split_id(base)[0].lower() == hub.split_id(model_arg)[0].lower()
+        else:
+            return              # a hub id against a local folder: the shapes decide
+    elif (Path(base) / "config.json").is_file():
+        same = _same_model(Path(base), model_dir)
+    else:
+        return
+    if not same:
+        raise AdapterError(f"adapter {name} ({adapter}) was trained on {base}, not on the served model "
+                           f"{model_arg or model_dir}: serve it with --model {base}")
+
+
+class AdapterRegistry:
+    """The served names (the base's and each adapter's), how each is prompted, and which the Model has on.
+    Only the thread that owns the Model calls activate."""
+
+    def __init__(self, model, base_name: str, base_style: PromptStyle = PromptStyle()):
+        self.model = model
+        self.base_name = base_name
+        self.styles = {base_name: base_style}
+        self.prepared: dict = {}        # adapter name -> Model.prepare_adapter's tensors
+        self.active = base_name         # the model is loaded without an adapter
+        self.switches = 0
+
+    def add(self, name: str, folder: Path, style: PromptStyle):
+        """Read and check an adapter (AdapterError when it does not fit the model) and serve it as `name`."""
+        if name in self.styles:
+            raise ConfigError(f"--adapter {name}: the name is taken"
+                              + (" by the base model (--served-model-name)" if name == self.base_name else ""))
+        self.prepared[name] = self.model.prepare_adapter(folder)
+        self.styles[name] = style
+
+    def names(self) -> list[str]:
+        """Every served name, the base's first."""
+        return list(self.styles)
+
+    def activate(self, name: str):
+        """Put the adapter `name` (or the base alone) on the Model, unless it is on already."""
+        if name == self.active:
+            return
+        if name == self.base_name:
+            self.model.remove_adapter()
+        else:
+            self.model.use_adapter(self.prepared[name])
+        self.active = name
+        self.switches += 1

@@ -1,0 +1,186 @@
+"""The request bodies of /v1/chat/completions and /v1/completions: each field checked against OpenAI's
+meaning, a bad one refused as a 400 naming it; what this server cannot honour refused, never ignored."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from wgpu_train.serve.api_error import ApiError
+
+MAX_STOPS = 4                   # OpenAI's limit on stop strings
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one request asks: a chat (messages) or text prompts (each a string or token ids), and how to sample."""
+
+    model: str
+    messages: list | None           # chat: [{"role", "content"}] with string contents
+    prompts: list | None            # completions: each a str or a list of token ids; one choice each
+    max_tokens: int | None          # None: not given (prompts.budget decides)
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple
+    stream: bool
+    include_usage: bool
+
+
+def json_body(raw: bytes) -> dict:
+    """The request's JSON object; a body that is not one is a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}",
+                       code="invalid_json")
+    return body
+
+
+def _bad_type(name: str, want: str, value) -> ApiError:
+    return ApiError(400, f"invalid type for '{name}': expected {want}, got {json.dumps(value)}", name, "invalid_type")
+
+
+def _bad_value(name: str, want: str, value) -> ApiError:
+    return ApiError(400, f"invalid value for '{name}': {want}, got {json.dumps(value)}", name, "invalid_value")
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad_type(name, "a finite number", value)
+    if value > high or value < low or (low_open and value == low):
+        raise _bad_value(name, f"must lie in {'(' if low_open else '['}{low:g}, {high:g}]", value)
+    return float(value)
+
+
+def _whole(body: dict, name: str, default, minimum: int):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad_type(name, "an integer", value)
+    if value < minimum:
+        raise _bad_value(name, f"must be at least {minimum}", value)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad_type(name, "a boolean", value)
+    return value
+
+
+def _stop(body: dict) -> tuple:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad_type("stop", "a string or a list of strings", value)
+    if len(stops) > MAX_STOPS:
+        raise _bad_value("stop", f"at most {MAX_STOPS} strings", value)
+    return tuple(s for s in stops if s)
+
+
+def _unsupported(body: dict, names_and_neutral: dict):
+    """Refuse a field this server does not compute, unless it holds its neutral value."""
+    for name, neutral in names_and_neutral.items():
+        value = body.get(name)
+        if value is not None and value not in neutral:
+            raise ApiError(400, f"'{name}' is not supported by this server (got {json.dumps(value)})", name,
+                           "unsupported_parameter")
+
+
+def _common(body: dict, max_tokens_names: tuple) -> dict:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad_type("model", "the name of a served model (see /v1/models)", model)
+    _unsupported(body, {"n": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": ({},),
+                        "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)})
+    max_tokens = None
+    for name in max_tokens_names:
+        max_tokens = _whole(body, name, max_tokens, 1)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad_type("stream_options", "an object", options)
+    include_usage = _flag(options or {}, "include_usage")
+    stream = _flag(body, "stream")
+    if options is not None and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
+                       "invalid_value")
+    top_k = _whole(body, "top_k", 0, -1)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad_type("seed", "an integer", seed)
+    return dict(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
+                seed=None if seed is None else seed & 0xFFFFFFFFFFFFFFFF, stop=_stop(body), stream=stream,
+                include_usage=include_usage)
+
+
+def _content(message: dict, index: int) -> str:
+    """A message's content as text: a string, or a list of text parts joined."""
+    content = message.get("content")
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{param}: only text parts are supported ({{\"type\": \"text\", \"text\": ...}})",
+                               param, "unsupported_content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad_type(param, "a string or a list of text parts", content)
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    """A /v1/chat/completions body, checked."""
+    _unsupported(body, {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
+                        "response_format": ({"type": "text"},), "audio": ({},)})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad_type("messages", "a non-empty list of messages", raw)
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _bad_type(f"messages[{i}]", "an object with 'role' and 'content'", m)
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                           f"messages[{i}].role", "invalid_value")
+        messages.append({"role": ROLES[role], "content": _content(m, i)})
+    return GenerationRequest(messages=messages, prompts=None,
+                             **_common(body, ("max_tokens", "max_completion_tokens")))
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    """A /v1/completions body, checked: prompt a string, a list of token ids, or a list of either (a choice
+    each)."""
+    _unsupported(body, {"echo": (False,), "best_of": (1,), "suffix": ("",)})
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise _bad_type("prompt", "a string, a list of token ids, or a non-empty list of either", prompt)
+    return GenerationRequest(messages=None, prompts=prompts, **_common(body, ("max_tokens",)))
+
+
+def _token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in value)
