@@ -197,3 +197,19 @@ def test_a_run_without_workers_imports_nothing_of_ray(workspace, tmp_path):
                          cwd=str(Path(wgpu_train.__file__).resolve().parent.parent))
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]" and (tmp_path / "o" / "summary.json").is_file()
+
+
+def test_two_workers_equal_one_process_dpo(faults, workspace):
+    """A preference objective on two workers (each scores the whole step, trains its half of the weighted
+    micro-batches) gives the adapter of one process with the whole batch."""
+    root = workspace[2]
+    (root / "pairs").mkdir(exist_ok=True)
+    rows = [{"prompt": f"after red {i}?", "chosen": f" blue {i}", "rejected": f" moon {i}"} for i in range(16)]
+    (root / "pairs" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(data=str(root / "pairs"), objective="dpo", lora_dropout=0.0, valid_split=0.0, max_steps=4,
+              save_every=0)
+    one = finetune(config(workspace, root / "dpo-one", grad_accum=2, **kw))
+    two = finetune(config(workspace, root / "dpo-two", num_workers=2, **kw))
+    assert two["data_parallel"]["workers"] == 2 and two["steps"] == one["steps"] == 4
+    assert two["train_loss_last"] == pytest.approx(one["train_loss_last"], rel=1e-6)
+    assert_same_adapter(root / "dpo-two", root / "dpo-one", 1e-6)

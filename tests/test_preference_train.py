@@ -37,6 +37,9 @@ def workspace(tmp_path_factory):
         (root / name).mkdir()
         write_jsonl(root / name / "train.jsonl", rows)
     write_jsonl(root / "pairs" / "valid.jsonl", pairs(4, 100))
+    (root / "pairs_sft").mkdir()
+    write_jsonl(root / "pairs_sft" / "train.jsonl", [{"prompt": p["prompt"], "completion": p["chosen"]}
+                                                     for p in pairs(12)])
     (root / "seen").mkdir()         # validation pairs drawn from the training pairs: what training must improve
     write_jsonl(root / "seen" / "train.jsonl", pairs(8))
     write_jsonl(root / "seen" / "valid.jsonl", pairs(4))
@@ -87,6 +90,21 @@ def test_resume_is_bit_exact(workspace, tmp_path, kw):
     steps = [r for r in metric_rows(tmp_path / "resumed") if "grad_norm" in r]
     full_steps = [r for r in metric_rows(tmp_path / "full") if "grad_norm" in r]
     assert [r["loss"] for r in steps] == [r["loss"] for r in full_steps][2:]
+
+
+def test_resume_keeps_the_starting_adapter_as_reference(workspace, tmp_path):
+    """A run that continues an adapter (--adapter-path) scores against that adapter, also after a resume."""
+    finetune(config(workspace, tmp_path / "start", objective="sft", max_steps=2, data="pairs_sft"))
+    kw = dict(adapter_path=str(tmp_path / "start"), keep_checkpoints=0)
+    full = finetune(config(workspace, tmp_path / "full", save_every=2, **kw))
+    assert full["objective"]["reference"] == "starting adapter"
+    kw.pop("adapter_path")
+    resumed = finetune(config(workspace, tmp_path / "resumed",
+                              resume=str(tmp_path / "full" / "checkpoints" / "step-000002"), **kw))
+    assert resumed["objective"]["reference"] == "starting adapter"
+    a, b = adapter(tmp_path / "full"), adapter(tmp_path / "resumed")
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
 
 
 def test_gradient_accumulation_equals_one_batch(workspace, tmp_path):

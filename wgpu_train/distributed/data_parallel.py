@@ -11,6 +11,7 @@ import numpy as np
 from wgpu_train.training import checkpoint, tracking
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.numpy.ops import IGNORE_INDEX
+from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
 
 
@@ -72,6 +73,7 @@ class DataParallelTrainer(Trainer):
 
     def __init__(self, config, collective, sink=None):
         self.collective, self.rank, self.world, self.sink = collective, collective.rank, collective.world, sink
+        self.writes_files = self.rank == 0
         if config.num_workers != self.world:
             raise ValueError(f"num_workers {config.num_workers} for a collective of {self.world} workers")
         # only rank 0 writes: the others would find its files and take them for an earlier run
@@ -136,7 +138,7 @@ class DataParallelTrainer(Trainer):
     # ---- files: rank 0's ----------------------------------------------------------------------------
     def _prepare_out(self):
         # (setup calls it once the data stream is formed, before anything is written)
-        fewest = min(b.input_ids.shape[0] for b in self.stream.epoch_batches(self.stream.epoch))
+        fewest = min(self.rows_in(b) for b in self.stream.epoch_batches(self.stream.epoch))
         if fewest < self.world:
             raise ConfigError(f"a step of this run holds {fewest} sample row(s), fewer than the {self.world} "
                               f"workers that share it: lower --num-workers, or raise --batch-size or --grad-accum")
@@ -179,6 +181,13 @@ class DataParallelTrainer(Trainer):
         if self.sink is None:
             return super()._progress_bar()
         return _SinkBar(self.sink if self.rank == 0 else None, self.total_steps, self.step)
+
+
+class DataParallelPreferenceTrainer(DataParallelTrainer, PreferenceTrainer):
+    """A data-parallel worker of a preference run: every worker scores the whole step (the policy's and the
+    reference's log-probabilities of every row, so every worker computes the same objective and per-token
+    weights), then trains its share of the weighted micro-batches; the weights are normalised by the step's
+    trained tokens, as DataParallelTrainer's gradient reduction is."""
 
 
 class _SinkBar:

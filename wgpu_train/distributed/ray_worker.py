@@ -88,7 +88,7 @@ def worker(loop_config: dict):
     import ray
     import ray.train
 
-    from wgpu_train.distributed.data_parallel import DataParallelTrainer
+    from wgpu_train.distributed.data_parallel import DataParallelPreferenceTrainer, DataParallelTrainer
     from wgpu_train.training.config import TrainConfig, resumed_settings
 
     control = loop_config["control"]
@@ -110,7 +110,8 @@ def worker(loop_config: dict):
                                       **{k: recorded[k] for k in RECORDED if k in recorded})
         elif restarted:                 # a restart before any checkpoint: what is in --out is this run's
             cfg = dataclasses.replace(cfg, overwrite=True)
-        trainer = DataParallelTrainer(cfg, TorchCollective(), sink)
+        kind = DataParallelTrainer if cfg.objective == "sft" else DataParallelPreferenceTrainer
+        trainer = kind(cfg, TorchCollective(), sink)
         if cfg.backend != "numpy":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:

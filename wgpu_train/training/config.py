@@ -222,7 +222,6 @@ class TrainConfig:
                                 "leave out --pack")
             need(not self.max_tokens_per_batch, "max_tokens_per_batch forms SFT micro-batches; a preference "
                                                 "objective takes --batch-size examples per micro-batch")
-            need(not self.num_workers, "--num-workers (Ray data parallelism) does not run preference objectives yet")
             uses_reference = self.objective in WITH_REFERENCE
             need(uses_reference or not (self.ref_adapter or self.precompute_ref_log_probs),
                  f"--objective {self.objective} needs no reference model: leave out --ref-adapter and "

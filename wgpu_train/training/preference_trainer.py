@@ -4,6 +4,7 @@ before training), turns the objective's derivatives into per-token gradient weig
 optimizer step with them; evaluation reports the objective and TRL's reward metrics on the validation pairs."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from wgpu_train.training.objectives import kto_objective, pair_objective
 from wgpu_train.training.trainer import Trainer
 
 REFERENCE_FILE = "reference_logps.npz"      # the precomputed reference log-probabilities, in the run folder
+REFERENCE_ADAPTER_FILE = "reference_adapter.npz"    # --adapter-path: the starting adapter, the reference
 
 
 @dataclass
@@ -46,7 +48,13 @@ class PreferenceTrainer(Trainer):
     --method full and modules_to_save (the starting model: the adapter switch does not turn off trained copies)."""
 
     def __init__(self, config, log=None):
+        dropout = config.lora_dropout
+        if dropout:     # TRL's disable_dropout (on by default): scores and gradients of one deterministic model
+            config = dataclasses.replace(config, lora_dropout=0.0)
         super().__init__(config, log)
+        if dropout:
+            self.log(f"lora_dropout {dropout:g} is off for --objective {config.objective}, as TRL's trainers "
+                     "disable dropout")
         if config.ref_adapter:
             from wgpu_train.adapters.files import adapter_folder
 
@@ -144,11 +152,28 @@ class PreferenceTrainer(Trainer):
         super().setup()
         if self._precomputes():
             self.reference = self._load_reference() if self._resume else self._compute_reference()
+            return self
+        if self._resume:
+            path = Path(self._resume[0]).parent.parent / REFERENCE_ADAPTER_FILE
+            if path.is_file():
+                with np.load(path) as f:
+                    self._reference_tensors = {k: f[k] for k in f.files}
+                self._keep(self._reference_tensors)
         elif self._reference_tensors is not None:
-            self.log(f"reference: the starting adapter {self.continued_from}, scored with every step")
+            self._keep(self._reference_tensors)
+        if self._reference_tensors is not None:
+            self.log("reference: the starting adapter, scored with every step")
         elif self.settings.uses_reference:
             self.log("reference: the base model (the adapter switched off), scored with every step")
         return self
+
+    def _keep(self, tensors: dict):
+        """The starting adapter's tensors in this run's folder, for a resume (a fresh run replaces any there)."""
+        path = self.out / REFERENCE_ADAPTER_FILE
+        if self.writes_files and not (self._resume and path.exists()):
+            np.savez(path, **tensors)
+            if not self._resume:
+                self._written.append(path)
 
     def _reference_engine(self):
         """(engine, whether its adapter is switched off while it scores, what it is for the log)."""
@@ -181,9 +206,10 @@ class PreferenceTrainer(Trainer):
             if off:
                 engine.set_adapter_enabled(True)
         path = self.out / REFERENCE_FILE
-        np.savez(path, **{f"{split}.{k}": v for split, d in out.items() for k, v in d.items()},
-                 fingerprint=np.array(self.stream.fingerprint()))
-        self._written.append(path)
+        if self.writes_files:
+            np.savez(path, **{f"{split}.{k}": v for split, d in out.items() for k, v in d.items()},
+                     fingerprint=np.array(self.stream.fingerprint()))
+            self._written.append(path)
         self.log(f"reference: {what}; log-probabilities of {sum(len(v) for v in self.pref.values())} examples "
                  f"computed in {time.perf_counter() - t0:.1f} s, kept in {path}")
         return out
@@ -202,7 +228,7 @@ class PreferenceTrainer(Trainer):
                 if key != "fingerprint":
                     split, name = key.split(".")
                     out.setdefault(split, {})[name] = f[key]
-        if path.parent.resolve() != self.out.resolve():
+        if self.writes_files and path.parent.resolve() != self.out.resolve():
             np.savez(self.out / REFERENCE_FILE, **{k: v for k, v in np.load(path).items()})
         self.log(f"reference: the precomputed log-probabilities of {path}")
         return out
@@ -318,6 +344,9 @@ class PreferenceTrainer(Trainer):
 
     def _input_tokens(self, batch) -> int:
         return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
+
+    def rows_in(self, batch) -> int:
+        return len(batch) * (2 if self.paired else 1)
 
     def evaluate(self) -> dict | None:
         """The objective and its metrics on the validation examples (None without them)."""

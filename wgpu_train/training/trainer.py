@@ -26,6 +26,8 @@ from wgpu_train.training.trainer_records import TrainerRecords
 from wgpu_train.training.trainer_setup import TrainerSetup
 
 class Trainer(TrainerSetup, TrainerRecords):
+    writes_files = True     # whether this process writes the run's files (a data-parallel worker: rank 0 only)
+
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
     As it is constructed, before anything is loaded or written, it refuses an output folder that is a file or
@@ -254,6 +256,10 @@ class Trainer(TrainerSetup, TrainerRecords):
         if not applied:
             self.log(f"step {self.step}: non-finite gradients, update skipped")
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
+
+    def rows_in(self, batch) -> int:
+        """The sample rows of a step's batch."""
+        return int(batch.input_ids.shape[0])
 
     def _input_tokens(self, batch) -> int:
         """The input (non-padding) tokens of a step's batch."""
