@@ -38,7 +38,8 @@ def generate(engine, input_ids, max_new_tokens: int = 64, temperature: float = 0
     """New token ids after the prompt input_ids (T,) (prefill, then one token per step on the KV cache).
 
     Stops after max_new_tokens or at a token in stop_token_ids (which is included); `on_token(id)`
-    is called as each token is chosen, for streaming. generate_batch with this one prompt (a (1, T) array
+    is called as each token is chosen, for streaming, and ends the generation there when it returns True.
+    generate_batch with this one prompt (a (1, T) array
     is that prompt too; several rows are refused: generate_batch answers them).
     """
     ids = one_prompt(input_ids)
@@ -83,7 +84,8 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
     np.random.default_rng(seed_i) exactly as generate() does, so it gives generate(prompts[i], seed=seed_i)'s
     tokens whenever its logits come out the same; they can differ in the last bits where the engine sums
     a batch in another order than one row, which matters only at a near-tie (pass distinct seeds to draw
-    independent samples of one prompt). `on_token(i, id)` is called as each token of prompt i is chosen.
+    independent samples of one prompt). `on_token(i, id)` is called as each token of prompt i is chosen; when
+    it returns True, row i ends there (a server's client gone, a stop string seen), the others run on.
     """
     prompts = [np.asarray(p) for p in prompts]
     if not prompts:
@@ -129,8 +131,8 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
             for i in running:
                 tok = sample_next(logits[i], temperature, top_k, top_p, rngs[i])
                 out[i].append(tok)
-                if on_token is not None:
-                    on_token(i, tok)
+                if on_token is not None and on_token(i, tok):
+                    continue
                 if tok not in stops and len(out[i]) < budgets[i] and lengths[i] + len(out[i]) <= limit:
                     feed.append(i)
             if feed:
