@@ -144,7 +144,9 @@ class WgpuTrainLM(TemplateLM):
             if room < 1:
                 raise ConfigError(f"max_gen_toks {budget} leaves no room for a prompt within the model's "
                                   f"{self.max_length} positions")
-            prompts = {i: self.tok_encode(requests[i].args[0], left_truncate_len=room) for i in members}
+            # an empty context is the prefix token alone, as in loglikelihood
+            prompts = {i: self.tok_encode(requests[i].args[0], left_truncate_len=room) or [self.prefix_token_id]
+                       for i in members}
             order = sorted(members, key=lambda i: -len(prompts[i]))
             for b0 in range(0, len(order), self.batch_size):
                 rows = order[b0:b0 + self.batch_size]
