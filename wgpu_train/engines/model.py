@@ -120,7 +120,8 @@ class Model:
                         on_token)
 
     def generate_batch(self, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
-                       top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None, on_token=None) -> list[list[int]]:
+                       top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None,
+                       on_token=None) -> list[list[int]]:
         """New token ids after each prompt (a list of 1-D id arrays of any lengths), generated together:
         one KV cache row per prompt, one engine call per decoding step. max_new_tokens and seed may be
         lists with one value per prompt; see generate.generate_batch for what row i shares with generate(),
