@@ -167,6 +167,39 @@ def test_chat_template_prompts_match_lm_evals_hf_backend(tiny):
     _compare(ours, _hf(tiny, True, chat=True, tasks=tasks), tasks)
 
 
+def _generate(lm, kwargs: dict, n: int = 6) -> list[str]:
+    from lm_eval.api.instance import Instance
+
+    return lm.generate_until([Instance("generate_until", {}, (f"after {WORDS[i % 8]} {i}?", kwargs), i)
+                              for i in range(n)], disable_tqdm=True)
+
+
+def test_rows_end_at_their_stop_string_and_sampling_is_seeded(tiny, monkeypatch):
+    from wgpu_train.harness.lm import WgpuTrainLM
+
+    lm = WgpuTrainLM(pretrained=str(tiny["model"]), backend="numpy", batch_size=4)
+    made = []                                   # every row's generated ids
+    generate_batch = lm.model.generate_batch
+
+    def recorded(*args, **kwargs):
+        rows = generate_batch(*args, **kwargs)
+        made.extend(rows)
+        return rows
+
+    monkeypatch.setattr(lm.model, "generate_batch", recorded)
+    until = ["z", "P"]
+    greedy = _generate(lm, {"until": until, "max_gen_toks": 12})
+    decode = lm.tokenizer.decode
+    # a row's tokens end right after the first stop string appears in its text (nothing generated past it)
+    stopped = [ids for ids in made if any(s in decode(ids, skip_special_tokens=False) for s in until)]
+    assert stopped and all(not any(s in decode(ids[:-1], skip_special_tokens=False) for s in until) for ids in stopped)
+    assert all(len(ids) == 12 for ids in made if ids not in stopped and ids[-1] not in lm.tokenizer.stop_token_ids)
+    assert all(not any(s in text for s in until) for text in greedy)
+    sampled = {"until": until, "max_gen_toks": 12, "do_sample": True, "temperature": 1.5}
+    first = _generate(lm, sampled)
+    assert first == _generate(lm, sampled) and first != greedy
+
+
 # ---- the command line ---------------------------------------------------------------------------------------
 
 def _cli(tiny, *extra) -> list[str]:
