@@ -4,16 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-
-# nothing here may reach the network: lm_eval resolves the tasks' data through datasets and the hub client
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the eval extra")
 pytest.importorskip("peft")
@@ -29,15 +24,21 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """Offline for modules that read the environment when first imported (maybe by another test module)."""
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """Nothing here may reach the network (lm_eval resolves the tasks' data through datasets and the hub client):
+    HF_DATASETS_OFFLINE and HF_HUB_OFFLINE for this module's tests and the processes they start, and the values
+    those libraries read from the environment when first imported, all restored afterwards."""
     import datasets.config
     import huggingface_hub.constants
 
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+            patch.setenv(name, "1")
+        patch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+        patch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
 
 
 def _jsonl(path, rows):
