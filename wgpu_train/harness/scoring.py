@@ -1,5 +1,5 @@
-"""Log-likelihoods of token continuations on a Model, batched by length into the trainer's padded buckets; no
-lm_eval here, so it runs (and is tested) without the extra."""
+"""Log-likelihoods of token continuations on a Model, batched by length into the trainer's padded buckets (plain
+NumPy over the Model: lm_eval's requests become token ids in harness/lm.py)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -14,7 +14,11 @@ from wgpu_train.training.config import PAD_MULTIPLE
 
 def model_input(context: Sequence[int], continuation: Sequence[int], max_length: int) -> tuple[int, ...]:
     """The tokens the model reads to score `continuation` after `context`: both joined, the last token left out
-    (nothing is predicted after it), cut from the left to max_length tokens (lm_eval's rule for causal LMs)."""
+    (nothing is predicted after it), cut from the left to max_length tokens (lm_eval's rule for causal LMs); a
+    continuation longer than max_length cannot be scored (a ConfigError)."""
+    if len(continuation) > max_length:
+        raise ConfigError(f"a continuation of {len(continuation)} tokens cannot be scored within the model's "
+                          f"{max_length} positions")
     return tuple(int(t) for t in (list(context) + list(continuation))[-(max_length + 1):][:-1])
 
 
