@@ -168,6 +168,31 @@ def test_chat_template_prompts_match_lm_evals_hf_backend(tiny):
     _compare(ours, _hf(tiny, True, chat=True, tasks=tasks), tasks)
 
 
+def test_scoring_reads_each_input_once_in_padded_buckets(tiny, monkeypatch):
+    from wgpu_train.engines.model import load_model
+    from wgpu_train.errors import ConfigError
+    from wgpu_train.harness.scoring import continuation_scores
+
+    model = load_model(tiny["model"], backend="numpy")
+    shapes, logits = [], model.logits
+    monkeypatch.setattr(model, "logits", lambda ids, mask: shapes.append(ids.shape) or logits(ids, mask))
+    context = [5, 9, 11]
+    pairs = [(context, [k]) for k in (20, 30, 40)] + [(context + [20], [30, 31])]
+    scores = continuation_scores(model, pairs, batch_size=1, max_length=24)
+    assert shapes == [(1, 8), (1, 8)]          # the three one-token answers share their input; 8 = PAD_MULTIPLE
+    batched = continuation_scores(model, pairs, batch_size=4, max_length=24)
+    assert shapes[2:] == [(2, 8)] and [g for _, g in batched] == [g for _, g in scores]
+    assert_close([s for s, _ in batched], [s for s, _ in scores], "batched_logits_f32", "batch 4 against batch 1")
+    full = logits([context + [20, 30]]).astype(np.float64)[0]                             # (5, V)
+    log_probs = full - np.log(np.exp(full).sum(axis=-1, keepdims=True))
+    expected = [log_probs[2, k] for k in (20, 30, 40)] + [log_probs[3, 30] + log_probs[4, 31]]
+    assert_close([s for s, _ in scores], expected, "batched_logits_f32", "log-likelihoods")
+    assert [g for _, g in scores] == [bool(full[2].argmax() == k) for k in (20, 30, 40)] + \
+        [bool(full[3].argmax() == 30 and full[4].argmax() == 31)]
+    with pytest.raises(ConfigError, match="a continuation of 5 tokens cannot be scored within the model's 4"):
+        continuation_scores(model, [(context, [1, 2, 3, 4, 5])], batch_size=1, max_length=4)
+
+
 def _generate(lm, kwargs: dict, n: int = 6) -> list[str]:
     from lm_eval.api.instance import Instance
 
