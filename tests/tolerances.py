@@ -36,6 +36,11 @@ TOLERANCES: dict[str, Tolerance] = {
         "W + scale * B @ A: ours formed in float64 and rounded once, PEFT's in float32 (a product and an add); "
         "about one float32 ulp of weights ~0.15; observed <= 3e-8 (test_modules_to_save); a wrong scale or a "
         "transposed factor is off by > 1e-3"),
+    "harness_loglikelihood": Tolerance(1e-6, 1e-4,
+        "lm_eval log-likelihoods, sums over up to ~60 tokens: ours from float64 log-softmax of the engine's float32 "
+        "logits, lm_eval's hf backend from torch's float32 log-softmax summed in float32; the logits differ as in "
+        "logits_f32 and each float32 log-prob (~-5) rounds by ~5e-7; observed <= 1.5e-5 on sums up to -254. A wrong "
+        "position or a missed token moves a sum by > 0.1"),
     "loss_f32": Tolerance(5e-6, 1e-6,
         "mean cross-entropy (~4.5) in float32 from both sides; observed <= 5e-7 absolute"),
     "grads_f32": Tolerance(1e-4, 2e-5,

@@ -14,6 +14,7 @@ from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options,
 from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
                                              trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
+from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval
 
 BACKENDS = ("auto", "wgpu", "numpy")
 
@@ -212,6 +213,8 @@ def sampling_options(p):
 # ---- eval -------------------------------------------------------------------------------------------------
 
 def cmd_eval(args) -> int:
+    if args.tasks:
+        return cmd_harness_eval(args)
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.data.tokenize import tokenize_dataset
     from wgpu_train.errors import DataError
@@ -264,8 +267,10 @@ def cmd_eval(args) -> int:
 
 
 def _register_eval(sub):
-    p = _add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset")
+    p = _add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset, or "
+                                 "lm-evaluation-harness tasks (--tasks)")
     _model_options(p)
+    add_harness_options(p)
     p.add_argument("--data", default=None, metavar="PATH", action=JoinRepeated,
                    help="data file (JSONL, JSON, Parquet), folder with train/valid/test splits, hub dataset id or "
                         "glob (repeat to mix); default: the embedded dataset")
