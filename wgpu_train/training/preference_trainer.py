@@ -96,8 +96,9 @@ class PreferenceTrainer(Trainer):
         lines, self.truncated, self.dropped = [], 0, 0
         for split in ("train", "valid"):
             self.pref[split], stats = tokenize(self.tokenizer, getattr(s, split), self.max_seq_len,
+                                               max_prompt_length=cfg.max_prompt_length,
                                                use_chat_template=not cfg.no_chat_template,
-                                               skip_invalid=cfg.skip_invalid)
+                                               truncation_mode=cfg.truncation_mode, skip_invalid=cfg.skip_invalid)
             lines.append(f"{split} {stats.describe()}")
             self.truncated += stats.n_truncated
             self.dropped += stats.n_dropped
