@@ -346,6 +346,10 @@ class PreferenceTrainer(Trainer):
     def _input_tokens(self, batch) -> int:
         return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
 
+    def _progress_extra(self) -> dict:
+        acc = self._step_metrics[-1].get("rewards/accuracies") if self._step_metrics else None
+        return {} if acc is None else {"reward_acc": f"{acc:.2f}"}
+
     def rows_in(self, batch) -> int:
         return len(batch) * (2 if self.paired else 1)
 
