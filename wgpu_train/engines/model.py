@@ -426,9 +426,9 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     the same rounded weights. Anything but float32 freezes the base (LoRA only).
     precision: where activations and their gradients are stored, "fp32", "bf16", "f16" (the NumPy engine only,
     for now) or "auto" (precision_choice; engine.precision says which, engine.precision_reason why)."""
+    check_precision(precision)
     config = ModelConfig.from_folder(path)
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
-    check_precision(precision)
     weights = load_weights(path, config)
     return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision),
                  path)

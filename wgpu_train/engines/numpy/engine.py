@@ -2,6 +2,7 @@
 trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -413,8 +414,9 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         loss_sum = 0.0
         scaler = self.loss_scaler
         grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
-        for ids, targets, seg, pos in micro_batches:
-            loss_sum += self.forward_backward(ids, targets, seg, pos, grad_scale)[0]
+        with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
+            for ids, targets, seg, pos in micro_batches:     # f16's overflows are the scaler's to handle
+                loss_sum += self.forward_backward(ids, targets, seg, pos, grad_scale)[0]
         if scaler is not None:
             for g in self.grads.values():
                 g *= self.dtype.type(1.0 / scaler.scale)       # exact: the scale is a power of two
