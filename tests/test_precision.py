@@ -201,6 +201,45 @@ def test_f16_overflow_skips_the_step_and_halves_the_scale(peft_case):
     assert engine.loss_scaler.scale == 2.0 ** 9 and engine.loss_scaler.growth_tracker == 1
 
 
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_loss_scaling_through_the_protocol(peft_case, backend, request):
+    """Both engines' train_step take a loss scaler (the WebGPU engine runs fp32 only, so it is injected there):
+    in float32 a power-of-two scale changes no bit of the step; the gradients are unscaled before a data-parallel
+    reduce; an overflow skips the step and halves the scale; the scale travels in state_dict."""
+    if backend == "wgpu":
+        request.getfixturevalue("default_rt")
+    folder, adapter, _ = peft_case
+    ids, labels = _batch()
+    micro = [(ids, shift_labels(labels), np.ones_like(ids), np.broadcast_to(np.arange(ids.shape[1]), ids.shape))]
+    hp = OptimizerParams(lr=1e-2)
+    results = []
+    for scaler in (None, LossScaler()):
+        model = load_model(folder, backend=backend)
+        model.load_adapter(adapter)
+        model.engine.loss_scaler = scaler
+        steps = [model.engine.train_step(micro, hp, s) for s in (1, 2)]
+        results.append((steps, {k: v.copy() for k, v in model.engine.trainable().items()}))
+    (plain, tensors), (scaled, tensors_scaled) = results
+    assert plain == scaled
+    for k in tensors:
+        np.testing.assert_array_equal(tensors_scaled[k], tensors[k], err_msg=k)
+    engine = model.engine
+    assert engine.state_dict()["loss_scale"] == 2.0 ** 16
+    seen = []
+
+    def overflow(grads, tokens):         # an injected overflow, where data parallelism's all-reduce sits
+        seen.append(grads.copy())
+        return np.where(np.arange(grads.size) == 3, np.inf, grads).astype(np.float32)
+
+    assert not engine.train_step(micro, hp, 3, reduce=overflow)[3]
+    assert engine.loss_scaler.scale == 2.0 ** 15 and engine.counters["nonfinite_skipped"] == 1
+    assert 0 < np.abs(seen[0]).max() < 10, "reduce sees the gradients unscaled"
+    for k, v in engine.trainable().items():
+        np.testing.assert_array_equal(v, tensors_scaled[k], err_msg=k)
+    engine.load_state_dict({**engine.state_dict(), "loss_scale": 2.0 ** 5, "loss_scale_growth_tracker": 7})
+    assert (engine.loss_scaler.scale, engine.loss_scaler.growth_tracker) == (2.0 ** 5, 7)
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("precision_run")
