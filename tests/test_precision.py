@@ -339,6 +339,21 @@ def test_bad_precision_values_are_one_line(capsys, monkeypatch):
         Trainer(TrainConfig(precision="f16", backend="auto", model="not-read"))
 
 
+def test_auto_is_fp32_everywhere_for_now_and_says_why():
+    from wgpu_train.engines.model import precision_choice
+
+    assert precision_choice("auto", "numpy") == ("fp32", "auto: the NumPy engine is the float32 reference")
+    assert precision_choice("auto", "wgpu", cpu_adapter=True)[0] == "fp32"
+    assert "lavapipe" in precision_choice("auto", "wgpu", cpu_adapter=True)[1]
+    gpu = precision_choice("auto", "wgpu", cpu_adapter=False)
+    assert gpu[0] == "fp32" and "no 16-bit activation kernels yet" in gpu[1]
+    assert precision_choice("f16", "numpy") == ("f16", "as given")
+    assert precision_choice("fp32", "wgpu") == ("fp32", "as given")
+    for precision in ("bf16", "f16"):
+        with pytest.raises(ConfigError, match=f"--precision {precision} is not built on the WebGPU engine yet"):
+            precision_choice(precision, "wgpu")
+
+
 def test_toml_takes_precision(tmp_path):
     from wgpu_train.cli.train_options import load_toml_config
 

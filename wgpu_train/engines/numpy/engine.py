@@ -67,7 +67,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         self.plan = layer_plan(cfg)
         self.rounding = Rounding(precision, self.plan.statistics)
-        self.precision, self.precision_reason = precision, "as asked"
+        self.precision, self.precision_reason = precision, "as given"
         self.loss_scaler = LossScaler() if precision == "f16" else None
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
