@@ -32,7 +32,7 @@ class Rounding:
     def activation(self, x, where: str):
         """x as stored; in f16 a finite value beyond float16's range is refused, naming `where` (a forward whose
         activations overflow float16 cannot be trained in it: bf16 has float32's range)."""
-        if self.precision == "fp32" or x is None:
+        if self.precision == "fp32":
             return x
         y = self._round(x)
         if self.precision == "f16":
