@@ -112,7 +112,7 @@ class TrainerSetup:
                  f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"
                  + (" on a GPU (the NumPy engine holds float32 copies)" if self.engine.name == "numpy" else ""))
         self.log(f"precision: {self.precision} ({self.precision_reason})"
-                 + ("; dynamic loss scaling from 2^16" if self.engine.loss_scaler is not None else ""))
+                 + ("; dynamic loss scaling" if self.engine.loss_scaler is not None else ""))
         if self._resume:                # before anything is written: a checkpoint that does not fit is refused
             self._resume_tensors(*self._resume)
         self._prepare_out()
