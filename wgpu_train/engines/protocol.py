@@ -107,7 +107,10 @@ class Engine(Protocol):
         every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as
         one flat float32 array in an order fixed by the engine, with that token count; the array it returns
         (same size) replaces them before the clipping and AdamW. Without it a step reads nothing back but
-        its losses and norm."""
+        its losses and norm.
+
+        With a loss_scaler (f16) the loss gradient is multiplied by its scale and the gradients are unscaled
+        before `reduce`; a step with a non-finite gradient is skipped (applied False) and the scaler updated."""
 
     # ---- state a checkpoint keeps ----
     def optimizer_state(self) -> dict: ...
