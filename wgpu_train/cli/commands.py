@@ -416,7 +416,11 @@ def cmd_memory(args) -> int:
                           ensure_weight_tying=args.ensure_weight_tying)
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
-    est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing)
+    precision = "fp32" if args.precision == "auto" else args.precision     # auto: fp32 on every engine today
+    est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
+                          precision=precision)
+    fp32_activations = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed,
+                                       args.gradient_checkpointing)["activations"]
     ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()}) if lora else {}
     dora = {m: cfg.linear_shape(m)[0] for m in lora.targets_in(cfg)} if lora and lora.use_dora else {}
     ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora)))
@@ -426,7 +430,9 @@ def cmd_memory(args) -> int:
     result = {"model": str(model_dir), "architecture": cfg.architecture,
               "parameters": sum(math.prod(s) for s in weight_shapes(cfg).values()), "batch_size": args.batch_size,
               "seq_len": length, "method": args.method, "base_dtype": base, "embed_dtype": embed,
-              "gradient_checkpointing": args.gradient_checkpointing, **est, "largest_activation_buffer": largest}
+              "gradient_checkpointing": args.gradient_checkpointing, "precision": precision, **est,
+              "activations_vs_fp32": round(est["activations"] / fp32_activations, 4),
+              "largest_activation_buffer": largest}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -435,10 +441,12 @@ def cmd_memory(args) -> int:
     n = result["parameters"]
     print(f"{model_dir} ({cfg.label}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
           f"training batch "
-          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed})"
+          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     for key in ("weights", "trainable_state", "activations", "logits", "total"):
-        print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}")
+        ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision != "fp32"
+                 else "")
+        print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}{ratio}")
     print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "
           f"WebGPU does not report a GPU's memory size: compare the total with yours.")
     return 0
@@ -446,6 +454,7 @@ def cmd_memory(args) -> int:
 
 def _register_memory(sub):
     from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
+    from wgpu_train.engines.protocol import PRECISION_CHOICES
     from wgpu_train.training.config import TrainConfig
 
     d = TrainConfig()
@@ -466,6 +475,9 @@ def _register_memory(sub):
     p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_CHOICES, help=f"(default: {d.base_dtype})")
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")
+    p.add_argument("--precision", default=d.precision, choices=PRECISION_CHOICES,
+                   help=f"activations stored in fp32, bf16 or f16, as in finetune (auto: fp32 today) (default: "
+                        f"{d.precision})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_memory)
 

@@ -16,6 +16,7 @@ from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
 from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.engines.protocol import check_precision
 from wgpu_train.adapters.saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 
 log = logging.getLogger("wgpu_train")
@@ -388,11 +389,37 @@ class Model:
         save_model_folder(directory, self.config, self.merged_weights(), source_folder=self.path)
 
 
+def precision_choice(precision: str, engine: str, cpu_adapter: bool = False) -> tuple[str, str]:
+    """(the precision an engine runs, why) for a precision asked for (protocol.PRECISION_CHOICES) on the engine
+    named ("numpy" or "wgpu"; cpu_adapter: a WebGPU adapter that is a CPU, lavapipe or llvmpipe). auto is fp32
+    everywhere today: the NumPy engine is the float32 reference, a CPU adapter pays for 16-bit conversions and
+    gains no bandwidth, and the WebGPU engine has no 16-bit activation kernels yet (bf16 on GPUs once it has).
+    ConfigError for a precision the engine cannot run."""
+    check_precision(precision, engine)
+    if precision != "auto":
+        return precision, "as given"
+    if engine == "numpy":
+        return "fp32", "auto: the NumPy engine is the float32 reference"
+    if cpu_adapter:
+        return "fp32", "auto: a CPU adapter (lavapipe / llvmpipe) only pays for 16-bit conversions"
+    return "fp32", "auto: the WebGPU engine has no 16-bit activation kernels yet (bf16 on GPUs once it has)"
+
+
+def backend_engine(backend: str) -> str:
+    """The engine a backend choice runs: "wgpu" or "numpy" ("auto": wgpu where a WebGPU adapter exists)."""
+    if backend == "auto":
+        from wgpu_train.engines.webgpu.device import runtime
+
+        return "wgpu" if runtime.has_adapter() else "numpy"
+    return backend
+
+
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
-                 embed_dtype="auto"):
+                 embed_dtype="auto", precision="auto"):
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
+    check_precision(precision)
     if backend in ("auto", "wgpu"):
         from wgpu_train.engines.webgpu.device import runtime
 
@@ -402,14 +429,22 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
         else:
             from wgpu_train.engines.webgpu.engine import WgpuEngine
 
-            return WgpuEngine(config, weights, runtime.get_runtime(device), base_dtype, embed_dtype)
+            check_precision(precision, "wgpu")         # before any weight is uploaded
+            rt = runtime.get_runtime(device)
+            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype)
+            engine.precision_reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU")[1]
+            return engine
     from wgpu_train.engines.numpy.engine import NumpyEngine
 
-    return NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype)
+    precision, reason = precision_choice(precision, "numpy")
+    engine = NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
+                         precision=precision)
+    engine.precision_reason = reason
+    return engine
 
 
 def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
-               embed_dtype: str = "auto") -> Model:
+               embed_dtype: str = "auto", precision: str = "auto") -> Model:
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
 
     base_dtype stores the frozen weights of the linear modules of every layer as "float32", "bfloat16",
@@ -419,8 +454,12 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     lm_head as "float32", "bfloat16" or "float16" ("auto": the base's own over a float32 or bfloat16 base,
     float16 over the others, as QLoRA keeps them in 16 bits).
     Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
-    the same rounded weights. Anything but float32 freezes the base (LoRA only)."""
+    the same rounded weights. Anything but float32 freezes the base (LoRA only).
+    precision: where activations and their gradients are stored, "fp32", "bf16", "f16" (the NumPy engine only,
+    for now) or "auto" (precision_choice; engine.precision says which, engine.precision_reason why)."""
+    check_precision(precision)
     config = ModelConfig.from_folder(path)
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     weights = load_weights(path, config)
-    return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype), path)
+    return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision),
+                 path)

@@ -7,12 +7,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 
 # Prompt tokens per prefill call of generation (generate.py): an engine's activations grow with the tokens of one
 # call, and ragged prompts may be cut anywhere, since each chunk's keys land in the cache before the next chunk
 # reads them. The WebGPU engine sizes its attention scratch for these on CPU adapters.
 PREFILL_TOKENS = 256
+
+# Where an engine stores activations, saved tensors and activation gradients (engine.precision; arithmetic is float32
+# in each): fp32, bf16 or f16 (f16 with dynamic loss scaling, LossScaler). "auto" is resolved by engines/model.py.
+PRECISIONS = ("fp32", "bf16", "f16")
+PRECISION_CHOICES = ("auto",) + PRECISIONS
+# the precisions each engine runs: the NumPy engine all (it is the reference of the rounding points); the WebGPU
+# engine has no 16-bit activation kernels yet
+BUILT_PRECISIONS = {"numpy": PRECISIONS, "wgpu": ("fp32",)}
+
+
+def check_precision(precision: str, engine: str = "numpy"):
+    """Refuse (ConfigError, one line) a precision that is not one of PRECISION_CHOICES, or one the engine named
+    ("numpy" or "wgpu") cannot run."""
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {precision!r}")
+    if precision != "auto" and precision not in BUILT_PRECISIONS[engine]:
+        raise ConfigError(f"--precision {precision} is not built on the WebGPU engine yet; use --backend numpy or "
+                          f"--precision fp32")
 
 
 @runtime_checkable
@@ -24,6 +43,9 @@ class Engine(Protocol):
     cfg: ModelConfig
     base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head
     embed_dtype: str
+    precision: str              # where activations are stored: fp32, bf16 or f16 (engines/numpy/precision.py)
+    precision_reason: str       # why that precision (auto's choice), for the log and summary.json
+    loss_scaler: "LossScaler | None"   # f16's dynamic loss scaling (None in fp32 / bf16)
     counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped
     last_profile: dict          # op group -> GPU seconds of the last profiled step ({} without one)
     base_weight_bytes: int      # bytes the frozen weights take on the device (0: no device copy)
@@ -97,7 +119,10 @@ class Engine(Protocol):
         every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as
         one flat float32 array in an order fixed by the engine, with that token count; the array it returns
         (same size) replaces them before the clipping and AdamW. Without it a step reads nothing back but
-        its losses and norm."""
+        its losses and norm.
+
+        With a loss_scaler (f16) the loss gradient is multiplied by its scale and the gradients are unscaled
+        before `reduce`; a step with a non-finite gradient is skipped (applied False) and the scaler updated."""
 
     # ---- state a checkpoint keeps ----
     def optimizer_state(self) -> dict: ...
@@ -105,7 +130,8 @@ class Engine(Protocol):
     def load_optimizer_state(self, state: dict) -> None: ...
 
     def state_dict(self) -> dict:
-        """Plain-JSON state beyond tensors that a resumed run must restore (the dropout position)."""
+        """Plain-JSON state beyond tensors that a resumed run must restore (the dropout position; f16's loss
+        scale)."""
 
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -117,22 +143,58 @@ class Engine(Protocol):
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None): ...
 
 
-class DropoutState:
-    """The LoRA dropout position both engines keep, with the protocol's methods: the masks hash (seed,
-    micro-batches drawn so far, module)."""
+class LossScaler:
+    """f16's dynamic loss scaling with torch.amp.GradScaler's semantics: the loss gradient is multiplied by
+    `scale` (an engine's grad_scale), the gradients are unscaled (times 1 / scale, exact: a power of two) before
+    the clipping and AdamW; a step with an inf / nan gradient is skipped and the scale multiplied by
+    backoff_factor; after growth_interval clean steps in a row it is multiplied by growth_factor."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.growth_tracker = 0          # clean steps since the scale last changed
+
+    def update(self, finite: bool):
+        """After a step: back off on a non-finite gradient (the step was skipped), grow after enough clean ones."""
+        if not finite:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"loss_scale": self.scale, "loss_scale_growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: dict):
+        self.scale = float(state.get("loss_scale", self.scale))
+        self.growth_tracker = int(state.get("loss_scale_growth_tracker", 0))
+
+
+class EngineState:
+    """What both engines keep between steps beyond tensors, with the protocol's methods: the LoRA dropout
+    position (the masks hash (seed, micro-batches drawn so far, module)) and, in f16, the loss scaler."""
 
     dropout_seed = 0
     dropout_calls = 0
+    loss_scaler: LossScaler | None = None
 
     def seed_dropout(self, seed: int):
         self.dropout_seed, self.dropout_calls = int(seed) & 0xFFFFFFFF, 0
 
     def state_dict(self) -> dict:
-        return {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
+        state = {"dropout_seed": int(self.dropout_seed), "dropout_calls": int(self.dropout_calls)}
+        return {**state, **self.loss_scaler.state_dict()} if self.loss_scaler is not None else state
 
     def load_state_dict(self, state: dict):
         self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
         self.dropout_calls = int(state.get("dropout_calls", 0))
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state)
 
 
 # the protocol's attributes and methods by name

@@ -61,6 +61,12 @@ class LayerPlan:
         (memory.activation_plan) share one buffer across layers."""
         return {INPUT} | {x for op in self.ops for x in _BACKWARD_READS[op.kind](op)}
 
+    @property
+    def statistics(self) -> set:
+        """The activations that are statistics (a norm's rstd, attention's logsumexp): float32 in every
+        precision, where 16-bit training stores the others in bfloat16 / float16."""
+        return {op.outputs[1] for op in self.ops if op.kind in ("rmsnorm", "attention")}
+
     @classmethod
     def build(cls, ops, widths: dict, grad_widths: dict) -> "LayerPlan":
         """A plan from its ops in forward order, with the backward's write-or-add decisions derived."""

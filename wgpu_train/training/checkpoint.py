@@ -121,14 +121,15 @@ def read_state(ckpt) -> dict:
     return state
 
 
-def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, embed_dtype: str):
+def check_state(ckpt, state: dict, method: str, lora_config, base_dtype: str, embed_dtype: str,
+                precision: str | None = None):
     """Refuse (ConfigError naming the setting) to continue a checkpoint, given its trainer_state.json, with
-    another method, LoRA setting (`lora_config`; None: not checked) or storage dtype of the base
-    weights (None: not yet known, checked again by restore()); runs on the state alone, before any model is
-    loaded."""
+    another method, LoRA setting (`lora_config`; None: not checked), storage dtype of the base
+    weights or precision (None: not yet known, checked again by restore()); runs on the state alone, before any
+    model is loaded."""
     if state.get("method") != method:
         raise ConfigError(f"checkpoint {ckpt} was trained with method={state.get('method')}, not {method}")
-    for key, now in (("base_dtype", base_dtype), ("embed_dtype", embed_dtype)):
+    for key, now in (("base_dtype", base_dtype), ("embed_dtype", embed_dtype), ("precision", precision)):
         if now is not None and key in state and state[key] != now:
             raise ConfigError(f"checkpoint {ckpt} was trained over {key} {state[key]}, not {now}: pass "
                               f"--{key.replace('_', '-')} {state[key]}")
@@ -172,7 +173,7 @@ def restore(ckpt, model, state: dict, lora_config=None):
     """
     ckpt = Path(ckpt)
     engine = model.engine
-    check_state(ckpt, state, model.method, lora_config, engine.base_dtype, engine.embed_dtype)
+    check_state(ckpt, state, model.method, lora_config, engine.base_dtype, engine.embed_dtype, engine.precision)
     tensors = read_trainable(ckpt, model.method)
     current = {k: tuple(v.shape) for k, v in engine.trainable().items()}
     problems = [f"missing {k}" for k in current if k not in tensors]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from wgpu_train.training import tracking
 from wgpu_train.adapters.config import LoraConfig
-from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams, check_precision
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
@@ -57,6 +57,12 @@ class TrainConfig:
                                     "(the base's own over a float32 or bfloat16 base, float16 over a float16 or NF4 "
                                     "one, as in QLoRA); LoRA only unless float32",
                             choices=EMBED_CHOICES)
+    precision: str = _opt("auto", "where activations, saved tensors and activation gradients are stored: fp32, bf16 "
+                                  "or f16 (arithmetic stays float32; LoRA, gradients and AdamW state float32; f16 "
+                                  "adds dynamic loss scaling), or auto (fp32 today: the NumPy reference, CPU "
+                                  "adapters, and GPUs until the WebGPU engine has 16-bit kernels); bf16 and f16 run "
+                                  "on the NumPy engine only, for now",
+                          choices=PRECISION_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
@@ -179,7 +185,7 @@ class TrainConfig:
                 raise ConfigError(msg)
 
         for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss",
-                     "truncation_mode"):
+                     "truncation_mode", "precision"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -208,6 +214,8 @@ class TrainConfig:
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
+        if self.backend == "wgpu":
+            check_precision(self.precision, "wgpu")
         if self.method == "full":
             need(self.storage_dtypes() == ("float32", "float32"),
                  f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "

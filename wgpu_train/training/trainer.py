@@ -15,7 +15,9 @@ import numpy as np
 
 from wgpu_train.training import checkpoint
 from wgpu_train.data.batching import split_batch
+from wgpu_train.engines.model import backend_engine
 from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.engines.protocol import check_precision
 from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
@@ -57,6 +59,10 @@ class Trainer(TrainerSetup, TrainerRecords):
         # as the base weights are stored; base_dtype auto: a resumed checkpoint's, else the model's (setup)
         auto = config.base_dtype == "auto" and config.method == "lora"
         self.base_dtype, self.embed_dtype = (None, None) if auto else config.storage_dtypes()
+        # where activations are stored; auto: a resumed checkpoint's, else the engine's choice (setup)
+        self.precision = None if config.precision == "auto" else config.precision
+        if self.precision in ("bf16", "f16") and config.backend == "auto":   # refused before any work
+            check_precision(self.precision, backend_engine(config.backend))
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
         found = self.folders.earlier
         if found:
@@ -106,9 +112,11 @@ class Trainer(TrainerSetup, TrainerRecords):
         state = checkpoint.read_state(ckpt)
         if self.base_dtype is None and state.get("base_dtype"):      # auto: the run continues as it trained
             self.base_dtype, self.embed_dtype = check_dtypes(state["base_dtype"], cfg.embed_dtype)
+        if self.precision is None and state.get("precision"):
+            self.precision = state["precision"]
         # lora_layers "N" needs the model's layer count: its LoRA setting is checked by restore() in setup
         lora = cfg.lora_config() if cfg.method == "lora" and not cfg.lora_layers_last() else None
-        checkpoint.check_state(ckpt, state, cfg.method, lora, self.base_dtype, self.embed_dtype)
+        checkpoint.check_state(ckpt, state, cfg.method, lora, self.base_dtype, self.embed_dtype, self.precision)
         return ckpt, state
 
     def log(self, msg: str):
@@ -254,7 +262,9 @@ class Trainer(TrainerSetup, TrainerRecords):
         if profile:
             self._profile_row(seconds)
         if not applied:
-            self.log(f"step {self.step}: non-finite gradients, update skipped")
+            scaler = self.engine.loss_scaler
+            self.log(f"step {self.step}: non-finite gradients, update skipped"
+                     + (f"; f16 loss scale now {scaler.scale:g}" if scaler is not None else ""))
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
 
     def _progress_extra(self) -> dict:

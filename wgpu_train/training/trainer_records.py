@@ -32,7 +32,7 @@ class TrainerRecords:
                              next_lr=self.schedule.lr_at(self.step + 1)),
             "engine": self.engine.state_dict(),
             "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
-            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype,
+            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "precision": self.precision,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
             "history": self.history, "seed": cfg.seed, "micro_batches": self.micro_per_step,
         }
@@ -119,6 +119,8 @@ class TrainerRecords:
                "grad_norm": num(grad_norm), "tokens": self.tokens, "trained_tokens": self.trained_tokens,
                "tokens_per_s": round(window.tokens_per_s, 2), "submits": c.get("submits", 0),
                "readbacks": c.get("readbacks", 0), "nonfinite_skipped": c.get("nonfinite_skipped", 0)}
+        if self.engine.loss_scaler is not None:       # f16: the scale the next step multiplies the loss by
+            row["loss_scale"] = self.engine.loss_scaler.scale
         self._write_row(row)
         if self.config.no_progress:
             self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {fmt(row['loss'])} "
@@ -195,6 +197,7 @@ class TrainerRecords:
             "exact_match_samples": em_after["samples"] if em_after else [],
             "backend": self.engine.name, "device": self.engine.device_description, "method": cfg.method,
             "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
+            "precision": self.precision, "precision_reason": self.precision_reason,
             "memory_estimate": self.memory_estimate,
             "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
             "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),

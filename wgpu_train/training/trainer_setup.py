@@ -79,7 +79,8 @@ class TrainerSetup:
                                   f"raise --max-steps or --epochs to train further")
 
         self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
-                                base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
+                                base_dtype=self.base_dtype, embed_dtype=self.embed_dtype,
+                                precision=self.precision or "auto")
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
         if self.continued_from:
@@ -91,6 +92,11 @@ class TrainerSetup:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
+        self.precision_reason = (self.engine.precision_reason if cfg.precision != "auto" or self.precision is None
+                                 else "auto: as the resumed checkpoint trained")
+        self.precision = self.engine.precision
+        if cfg.precision != self.precision:
+            self.config = cfg = dataclasses.replace(cfg, precision=self.precision)     # recorded, for a resume
         self._model_ready()
         # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
         self.base_weight_bytes = int(self.engine.base_weight_bytes
@@ -103,6 +109,8 @@ class TrainerSetup:
                     else "full fine-tuning") + f", {n_params:,} trainable parameters; base weights "
                  f"{self.base_dtype} (embedding {self.embed_dtype}), {self.base_weight_bytes:,} bytes"
                  + (" on a GPU (the NumPy engine holds float32 copies)" if self.engine.name == "numpy" else ""))
+        self.log(f"precision: {self.precision} ({self.precision_reason})"
+                 + ("; dynamic loss scaling" if self.engine.loss_scaler is not None else ""))
         if self._resume:                # before anything is written: a checkpoint that does not fit is refused
             self._resume_tensors(*self._resume)
         self._prepare_out()
@@ -146,7 +154,7 @@ class TrainerSetup:
         max_binding = self.engine.max_binding
         rows = cfg.batch_size if not cfg.max_tokens_per_batch else max(1, cfg.max_tokens_per_batch // length)
         est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
-                              cfg.gradient_checkpointing, max_binding)
+                              cfg.gradient_checkpointing, max_binding, precision=self.precision)
         return {**est, "batch": rows, "length": length}
 
     def _read_data(self, model_cfg: ModelConfig):

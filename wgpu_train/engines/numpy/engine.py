@@ -2,19 +2,21 @@
 trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import DropoutState
+from wgpu_train.engines.protocol import EngineState, LossScaler
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.dora_linear import DoraLinear
 from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
+from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.quant import check_dtypes, round_weights
 from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
@@ -41,17 +43,21 @@ class _Walk:
         return x.reshape(self.b, self.t, x.shape[-1] // cfg.head_dim, cfg.head_dim)
 
 
-class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
+class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
     rounded through that storage at load (engines/numpy/quant.py) and kept dequantised, so the math equals
-    the GPU engine's, which stores them in that format, up to summation order."""
+    the GPU engine's, which stores them in that format, up to summation order.
+
+    precision (protocol.PRECISIONS): fp32, or bf16 / f16, where activations, saved tensors and activation
+    gradients are rounded where the GPU stores them (precision.Rounding); f16 adds dynamic loss scaling
+    (protocol.LossScaler) to train_step."""
 
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32, base_dtype: str = "float32",
-                 embed_dtype: str = "auto"):
+                 embed_dtype: str = "auto", precision: str = "fp32"):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
@@ -60,6 +66,9 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
         self.inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         self.plan = layer_plan(cfg)
+        self.rounding = Rounding(precision, self.plan.statistics)
+        self.precision, self.precision_reason = precision, "as given"
+        self.loss_scaler = LossScaler() if precision == "f16" else None
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.grads: dict = {}
@@ -220,6 +229,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
             x = a.pop(OUTPUT)
             layers.append(a)
         xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        xf = self.rounding.activation(xf, "the final norm")                      # the loss head's input
         logits = ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap)   # (N, V)
         cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf}
         return logits.reshape(b, t, -1), cache
@@ -227,13 +237,15 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
     def _embed(self, ids):
         """The embedding rows of ids (N,), times the model's embed_scale (Gemma)."""
         x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])        # (N, C)
-        return x * self.dtype.type(self.cfg.embed_scale) if self.cfg.embed_scale != 1.0 else x
+        x = x * self.dtype.type(self.cfg.embed_scale) if self.cfg.embed_scale != 1.0 else x
+        return self.rounding.activation(x, "the embedding")
 
     def _layer_forward(self, i: int, x, walk: "_Walk") -> dict:
         """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
         a = {INPUT: x}
         for op in self.plan.ops:
             getattr(self, "_forward_" + op.kind)(op, i, a, walk)
+            self.rounding.op_outputs(op, a, i)
         return a
 
     def _norm_weight(self, layer, op):
@@ -296,8 +308,9 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(),
                                             need_weight_grad=head_name in self.grads)
         self._add_trained(head_name, dhead)
-        dx, dnorm = ops.rmsnorm_backward(dxf, cache["x_final"], self.w["model.norm.weight"], cache["rstd_f"],
-                                         cfg.norm_offset)
+        dx, dnorm = ops.rmsnorm_backward(self.rounding.gradient(dxf), cache["x_final"], self.w["model.norm.weight"],
+                                         cache["rstd_f"], cfg.norm_offset)
+        dx = self.rounding.gradient(dx)
         self._add_trained("model.norm.weight", dnorm)
         for i in reversed(range(cfg.num_hidden_layers)):
             dx = self._layer_backward(i, cache["layers"][i], dx, cache["walk"])
@@ -318,7 +331,7 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
                 del g[name]
             dxs = getattr(self, "_backward_" + op.kind)(op, i, a, dys, walk)
             for name, d, add in zip(op.grads_in, dxs, accumulate):
-                g[name] = g[name] + d if add else d
+                g[name] = self.rounding.gradient(g[name] + d if add else d)
         return g[CARRY]
 
     def _backward_rmsnorm(self, op, i, a, dys, walk):
@@ -405,22 +418,29 @@ class NumpyEngine(DropoutState, DoraLinear, NumpyKvCache):
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
         step equals the full-batch step; a micro-batch's per-token weights (B, T), when given, multiply its
-        tokens' gradients. `reduce` (the engine protocol's) may replace them before the update. Returns
-        (loss_sum, token_count, grad_norm, applied).
+        tokens' gradients. `reduce` (the engine protocol's) may replace them before the update. With f16's
+        loss scaler the loss gradient is scaled by its scale and the gradients unscaled before `reduce`; a
+        non-finite step is skipped and the scaler updated. Returns (loss_sum, token_count, grad_norm, applied).
         """
         started = time.perf_counter()
         total = sum(int((mb[1] != ops.IGNORE_INDEX).sum()) for mb in micro_batches)
         self.zero_grads()
         loss_sum = 0.0
-        for ids, targets, seg, pos, *weights in micro_batches:
-            scale = 1.0 / max(total, 1)
-            if weights:
-                scale = np.float32(scale) * np.asarray(weights[0], np.float32)
-            loss_sum += self.forward_backward(ids, targets, seg, pos, scale)[0]
+        scaler = self.loss_scaler
+        grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
+        with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
+            for ids, targets, seg, pos, *weights in micro_batches:   # f16's overflows are the scaler's to handle
+                scale = np.float32(grad_scale) * np.asarray(weights[0], np.float32) if weights else grad_scale
+                loss_sum += self.forward_backward(ids, targets, seg, pos, scale)[0]
+        if scaler is not None:
+            for g in self.grads.values():
+                g *= self.dtype.type(1.0 / scaler.scale)       # exact: the scale is a power of two
         if reduce is not None:
             self._reduce_grads(reduce, total)
         norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
                                             hp.max_grad_norm, step, hp.lora_b_lr_ratio)
+        if scaler is not None:
+            scaler.update(applied)
         if profile:
             self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied

@@ -79,4 +79,5 @@ class NumpyKvCache:
             x = self._layer_forward(i, x, walk)[OUTPUT]
         xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps,
                                     self.cfg.norm_offset)                        # (m, C)
+        xf = self.rounding.activation(xf, "the final norm")
         return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import DropoutState
+from wgpu_train.engines.protocol import EngineState
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
@@ -28,10 +28,12 @@ from wgpu_train.engines.webgpu.steps import StepRecording
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 
 
-class WgpuEngine(DropoutState, BucketCache, LayerRecorder, DoraRecorder, StepRecording, KvCacheGeneration):
+class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepRecording, KvCacheGeneration):
     """The engine protocol of numpy.engine.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
+    precision = "fp32"          # no 16-bit activation kernels yet: engines/model.py refuses bf16 / f16 here
+    precision_reason = "the WebGPU engine's only precision so far"
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 

@@ -6,6 +6,7 @@ import math
 
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import PRECISIONS
 from wgpu_train.errors import DeviceError
 from wgpu_train.models.layer_plan import INPUT, layer_plan
 
@@ -128,6 +129,22 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     return layer, shared
 
 
+def activation_bytes(cfg: ModelConfig, name: str, elements: int, precision: str = "fp32") -> int:
+    """Bytes of one activation_plan buffer in a precision: in bf16 / f16 the layer plan's activations and
+    gradients, the loss head's input and their gradients take 2 bytes an element (engines/numpy/precision.py's
+    rounding points); statistics (rstd, logsumexp, the loss rows), LoRA's and DoRA's own buffers, scratch and
+    the logits stay float32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"activation_bytes takes one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return elements * F32
+    plan = layer_plan(cfg)
+    base = name.removeprefix(SHARED_LAYER)
+    half = ((base in plan.widths and base not in plan.statistics) or base in plan.grad_widths
+            or base in ("x_final", "xf", "dxf", "d_tmp"))
+    return elements * (2 if half else F32)
+
+
 def weight_shapes(cfg: ModelConfig) -> dict:
     """Every base tensor the engines hold (biases and lm_head included), name -> shape."""
     from wgpu_train.models.weights import expected_shapes, module_path
@@ -178,12 +195,14 @@ def copy_bytes(cfg: ModelConfig, lora: LoraConfig, embed_dtype: str, max_binding
 
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
                     method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
-                    gradient_checkpointing: bool = False, max_binding: int | None = None) -> dict:
+                    gradient_checkpointing: bool = False, max_binding: int | None = None,
+                    precision: str = "fp32") -> dict:
     """GPU bytes by category for training at (batch_size, seq_len), in the bucket the engine allocates for it
     (bucket_tokens): weights (the base weights as stored:
     see base_weight_bytes; modules_to_save copies in float32), trainable state (LoRA or full weights with
     gradients and AdamW moments; the copies' gradients and moments),
-    activations (with gradient_checkpointing: one layer's set plus every layer's input), logits, and total.
+    activations (with gradient_checkpointing: one layer's set plus every layer's input; in bf16 / f16 two bytes
+    an element where activation_bytes says), logits, and total.
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
@@ -220,7 +239,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     layer, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
                                     checkpoint=gradient_checkpointing, max_binding=max_binding, dora_outputs=dora)
     logits = shared.pop("logits") * F32
-    activations = (config.num_hidden_layers * sum(layer.values()) + sum(shared.values())) * F32
+    activations = (config.num_hidden_layers * sum(activation_bytes(config, k, e, precision) for k, e in layer.items())
+                   + sum(activation_bytes(config, k, e, precision) for k, e in shared.items()))
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}
     out["total"] = sum(out.values())
     return out

@@ -149,7 +149,9 @@ class StepRecording:
         n_micro = len(micro_batches)
         if self.results.size < (2 * n_micro + 3) * F32:
             self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
-        rt.write(self.step_buf, np.array([1.0 / max(total, 1)], np.float32))
+        scaler = self.loss_scaler        # f16's loss scaling: the loss gradient scaled, the gradients unscaled
+        rt.write(self.step_buf, np.array([1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)],
+                                         np.float32))
         self._reserve_seed_slots(n_micro)
         rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
         self._record_zero_grads(rec)
@@ -166,6 +168,9 @@ class StepRecording:
             self._record_backward(rec, acts)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
         self._training = False
+        if scaler is not None:
+            for _, grad, _, _, n in self._groups:
+                K.scale(rec, grad, grad, 1.0 / scaler.scale, n)   # exact: the scale is a power of two
         first = {}
         if reduce is not None:
             first = self._reduce_gradients(rec, reduce, total, profile)
@@ -191,6 +196,8 @@ class StepRecording:
         norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
         if not finite:
             self.counters["nonfinite_skipped"] += 1
+        if scaler is not None:
+            scaler.update(bool(finite))
         self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
         return loss_sum, total, norm if finite else float("nan"), bool(finite)
 
