@@ -153,6 +153,8 @@ def test_valid_metrics_and_summary(workspace, tmp_path):
     (["--objective", "dpo", "--dpo-loss", "sigmoid", "--label-smoothing", "0.1"], "label_smoothing applies to"),
     (["--objective", "ppo"], "invalid choice"),
     (["--ref-adapter", "{root}/model"], "give --objective"),
+    (["--truncation-mode", "keep_end"], "give --objective"),
+    (["--objective", "kto", "--data", "{root}/unpaired", "--truncation-mode", "keep_end"], "keep_start only"),
 ])
 def test_bad_input_is_one_line(workspace, capsys, tmp_path, argv, match):
     root, model = workspace

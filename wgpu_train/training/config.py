@@ -150,6 +150,12 @@ class TrainConfig:
     simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma")
     desirable_weight: float = _opt(1.0, "KTO: the weight of the desirable examples' losses")
     undesirable_weight: float = _opt(1.0, "KTO: the weight of the undesirable examples' losses")
+    truncation_mode: str = _opt("keep_start", "a preference row longer than --max-seq-len keeps its start (TRL's "
+                                              "default; a pair whose prompt alone fills it is dropped) or its end "
+                                              "(keep_end: the prompt loses its beginning; not for kto)",
+                                choices=("keep_start", "keep_end"))
+    max_prompt_length: int | None = _opt(None, "preference data: keep only a prompt's last N tokens (older TRL's "
+                                               "max_prompt_length); default: whole prompts")
     precompute_ref_log_probs: bool = _opt(False, "DPO / KTO: the reference model's log-probabilities computed once "
                                                  "before training and kept with the run (a resume reuses them); "
                                                  "needed with --method full, whose reference is the starting model")
@@ -172,7 +178,8 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
-        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss"):
+        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss",
+                     "truncation_mode"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -229,10 +236,16 @@ class TrainConfig:
             need(not (self.method == "full" and uses_reference and not self.precompute_ref_log_probs),
                  f"--objective {self.objective} with --method full needs --precompute-ref-log-probs: the reference "
                  "is the starting model, whose log-probabilities are computed once before training")
+            need(not (self.objective == "kto" and self.truncation_mode != "keep_start"),
+                 "kto data is truncated keep_start only, as TRL's KTOTrainer truncates it")
             need(not (self.method == "full" and self.ref_adapter), "--ref-adapter is a LoRA adapter's reference: "
                                                                     "method lora")
-        need(not (self.objective == "sft" and (self.ref_adapter or self.precompute_ref_log_probs)),
-             "--ref-adapter and --precompute-ref-log-probs set a preference objective's reference: give --objective")
+        need(not (self.objective == "sft" and (self.ref_adapter or self.precompute_ref_log_probs
+                                               or self.max_prompt_length or self.truncation_mode != "keep_start")),
+             "--ref-adapter, --precompute-ref-log-probs, --truncation-mode and --max-prompt-length are a preference "
+             "objective's: give --objective")
+        need(self.max_prompt_length is None or self.max_prompt_length >= 1,
+             f"max_prompt_length must be at least 1, got {self.max_prompt_length}")
         need(self.num_workers is None or self.num_workers >= 1, f"num_workers must be at least 1, got {self.num_workers}")
         need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
         need(self.ray_address is None or self.num_workers, "ray_address joins a Ray cluster for --num-workers: give both")

@@ -77,8 +77,9 @@ class PreferenceTrainer(Trainer):
         lines, self.truncated, self.dropped = [], 0, 0
         for split in ("train", "valid"):
             self.pref[split], stats = tokenize(self.tokenizer, getattr(s, split), self.max_seq_len,
+                                               max_prompt_length=cfg.max_prompt_length,
                                                use_chat_template=not cfg.no_chat_template,
-                                               skip_invalid=cfg.skip_invalid)
+                                               truncation_mode=cfg.truncation_mode, skip_invalid=cfg.skip_invalid)
             lines.append(f"{split} {stats.describe()}")
             self.truncated += stats.n_truncated
             self.dropped += stats.n_dropped
@@ -292,6 +293,10 @@ class PreferenceTrainer(Trainer):
 
     def _input_tokens(self, batch) -> int:
         return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
+
+    def _progress_extra(self) -> dict:
+        acc = self._step_metrics[-1].get("rewards/accuracies") if self._step_metrics else None
+        return {} if acc is None else {"reward_acc": f"{acc:.2f}"}
 
     def rows_in(self, batch) -> int:
         return len(batch) * (2 if self.paired else 1)

@@ -257,6 +257,10 @@ class Trainer(TrainerSetup, TrainerRecords):
             self.log(f"step {self.step}: non-finite gradients, update skipped")
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
 
+    def _progress_extra(self) -> dict:
+        """More values for the progress bar's postfix, after a step."""
+        return {}
+
     def rows_in(self, batch) -> int:
         """The sample rows of a step's batch."""
         return int(batch.input_ids.shape[0])
@@ -297,7 +301,7 @@ class Trainer(TrainerSetup, TrainerRecords):
                 if self.history["train_loss_first"] is None:
                     self.history["train_loss_first"] = run.last_loss
                 bar.set_postfix(loss=fmt(run.last_loss), lr=f"{lr:.2e}", tok_s=f"{window.tokens_per_s:.0f}",
-                                refresh=False)
+                                **self._progress_extra(), refresh=False)
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or epoch_done or self.done():
                     self._log_step(window, lr, grad_norm)
