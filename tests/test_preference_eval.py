@@ -18,8 +18,8 @@ from test_preference_train import pairs, unpaired
 RUNS = {    # name -> (data folder, TrainConfig arguments); each option away from its default, so that eval must
     # take it from the run (train_config.json) to reproduce the row
     "dpo": ("pairs", dict(objective="dpo", beta=0.3, batch_size=3)),
-    "ipo": ("pairs", dict(objective="dpo", dpo_loss="ipo", beta=0.5)),
-    "orpo": ("pairs", dict(objective="orpo", beta=0.2, batch_size=3)),
+    "ipo": ("pairs", dict(objective="dpo", dpo_loss="ipo", beta=0.5, max_seq_len=10, truncation_mode="keep_end")),
+    "orpo": ("pairs", dict(objective="orpo", beta=0.2, batch_size=3, max_prompt_length=4)),
     "kto": ("unpaired", dict(objective="kto", beta=0.2, desirable_weight=1.5, batch_size=3)),
 }
 
@@ -39,32 +39,39 @@ def workspace(tmp_path_factory):
     return root, model
 
 
-def _train(workspace, out, name):
+def _train(workspace, out, name, backend="numpy"):
     root, model = workspace
     data, kw = RUNS[name]
-    base = dict(model=str(model), data=str(root / data), out=str(out), backend="numpy", no_progress=True, lr=1e-2,
+    base = dict(model=str(model), data=str(root / data), out=str(out), backend=backend, no_progress=True, lr=1e-2,
                 eval_generate=False, log_every=1, batch_size=2, max_steps=3, valid_split=0.0, lr_schedule="constant")
     finetune(TrainConfig(**{**base, **kw}))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("split") == "valid"][-1]
 
 
-def _eval(capsys, argv) -> dict:
-    assert main(["eval", "--backend", "numpy", "--json", *argv]) == 0
+def _eval(capsys, argv, backend="numpy") -> dict:
+    assert main(["eval", "--backend", backend, "--json", *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_eval_equals_the_trainers_validation_row(workspace, tmp_path, capsys, name):
+@pytest.mark.parametrize("name, backend", [(name, "numpy") for name in RUNS] + [("kto", "wgpu")])
+def test_eval_equals_the_trainers_validation_row(workspace, tmp_path, capsys, request, name, backend):
     """The run's last validation row (its final adapter) is what eval reports for that adapter on the valid split,
-    the objective's options and batch size taken from the run."""
+    the objective's options, batch size and truncation taken from the run."""
+    if backend == "wgpu":
+        request.getfixturevalue("default_rt")
     root, _ = workspace
-    row = _train(workspace, tmp_path / "run", name)
+    row = _train(workspace, tmp_path / "run", name, backend)
     data, kw = RUNS[name]
     got = _eval(capsys, ["--objective", kw["objective"], "--data", str(root / data), "--split", "valid",
-                         "--adapter-path", str(tmp_path / "run")])
+                         "--adapter-path", str(tmp_path / "run")], backend)
+    assert got["backend"] == backend
     assert got["examples"] == row["examples"] and got["batch_size"] == kw.get("batch_size", 2)
     assert got["objective"]["beta"] == kw["beta"]
+    for key in ("max_seq_len", "truncation_mode", "max_prompt_length"):
+        if key in kw:
+            assert got[key] == kw[key], key
+    assert got["truncated"] > 0 if name == "ipo" else got["truncated"] == 0
     metrics = [k for k in row if "/" in k or k in ("kl", "nll_loss")]
     assert "rewards/accuracies" in metrics or name == "kto"
     assert "kl" in metrics if name == "kto" else "logps/chosen" in metrics
@@ -110,6 +117,9 @@ def test_text_output_names_the_metrics(workspace, capsys):
     (["--objective", "orpo", "--data", "{root}/pairs", "--ref-adapter", "{root}/model"], "needs no reference model"),
     (["--beta", "0.2", "--data", "{root}/pairs"], "give --objective"),
     (["--ref-adapter", "{root}/model", "--data", "{root}/pairs"], "give --objective"),
+    (["--truncation-mode", "keep_end", "--data", "{root}/pairs"], "give --objective"),
+    (["--objective", "kto", "--data", "{root}/unpaired", "--truncation-mode", "keep_end"], "keep_start only"),
+    (["--objective", "dpo", "--data", "{root}/pairs", "--max-prompt-length", "0"], "at least 1"),
     (["--objective", "dpo", "--tasks", "hellaswag"], "leave out --objective"),
     (["--objective", "dpo", "--data", "{root}/pairs", "--label-smoothing", "0.1"], "label_smoothing applies to"),
     (["--objective", "dpo", "--data", "{root}/pairs", "--split", "test"], "no test split"),

@@ -11,6 +11,8 @@ PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
 # the objective's options: TrainConfig's fields, taken from the run that wrote the adapter when it trained the
 # same objective, else TrainConfig's (TRL's) defaults
 OBJECTIVE_OPTIONS = ("beta", "dpo_loss", "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight")
+# how preference rows are truncated: TrainConfig's fields, taken from the run that wrote the adapter, else defaults
+TRUNCATION_OPTIONS = ("truncation_mode", "max_prompt_length")
 EVAL_BATCH = 8      # eval's --batch-size when neither the command line nor the adapter's run gives one
 
 
@@ -32,14 +34,21 @@ def add_preference_options(p):
                        metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
                        help=f"with --objective: {f.metadata['help']} (default: as the run that wrote the adapter when "
                             f"it trained the same objective, else {f.default})".replace("%", "%%"))
+    p.add_argument("--truncation-mode", default=None, choices=fields["truncation_mode"].metadata["choices"],
+                   help=f"with --objective: {fields['truncation_mode'].metadata['help']} (default: as the run that "
+                        f"wrote the adapter, else {fields['truncation_mode'].default})")
+    p.add_argument("--max-prompt-length", type=int, default=None, metavar="INT",
+                   help=f"with --objective: {fields['max_prompt_length'].metadata['help']}, or as the run that wrote "
+                        f"the adapter")
     p.add_argument("--ref-adapter", default=None, metavar="DIR",
                    help="with --objective dpo or kto: the reference is the base model with this PEFT adapter "
                         "(default: the base model, the adapter switched off)")
 
 
 def _objective_settings(args, adapter):
-    """PreferenceSettings of --objective: each option from the command line, else the adapter's run (when it
-    trained the same objective), else the default; and the scoring batch size likewise (--batch-size)."""
+    """(PreferenceSettings of --objective, the scoring batch size, the truncation options): each option from the
+    command line, else the adapter's run (the objective's options: when it trained the same objective), else the
+    default."""
     import dataclasses
 
     from wgpu_train.cli.adapter_settings import trained_run_config
@@ -58,22 +67,28 @@ def _objective_settings(args, adapter):
         values[name] = given if given is not None else kind(trained) if same and recorded else defaults[name]
     batch = run.get("batch_size")
     batch_size = args.batch_size or (batch if isinstance(batch, int) and batch >= 1 else EVAL_BATCH)
-    return PreferenceSettings(args.objective, **values), batch_size
+    mode, prompt = run.get("truncation_mode"), run.get("max_prompt_length")
+    truncation = {"truncation_mode": args.truncation_mode or (mode if isinstance(mode, str)
+                                                              else defaults["truncation_mode"]),
+                  "max_prompt_length": args.max_prompt_length or (prompt if isinstance(prompt, int) else None)}
+    return PreferenceSettings(args.objective, **values), batch_size, truncation
 
 
 def wants_preference_eval(args) -> bool:
     """Whether eval's arguments ask for a preference evaluation (--objective, its options or --ref-adapter)."""
     return args.objective is not None or args.ref_adapter is not None or any(
-        getattr(args, name) is not None for name in OBJECTIVE_OPTIONS)
+        getattr(args, name) is not None for name in OBJECTIVE_OPTIONS + TRUNCATION_OPTIONS)
 
 
 def _check_arguments(args):
-    given = [name for name in OBJECTIVE_OPTIONS if getattr(args, name) is not None]
+    given = [name for name in OBJECTIVE_OPTIONS + TRUNCATION_OPTIONS if getattr(args, name) is not None]
     if args.objective is None:
         option = "--ref-adapter" if args.ref_adapter else f"--{given[0].replace('_', '-')}"
         raise ConfigError(f"{option} is an option of a preference objective: give --objective")
     if args.tasks:
         raise ConfigError("--tasks runs lm-evaluation-harness tasks; leave out --objective (or --tasks)")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        raise ConfigError(f"--max-prompt-length must be at least 1, got {args.max_prompt_length}")
     if args.ref_adapter and args.objective not in ("dpo", "kto"):
         raise ConfigError(f"--objective {args.objective} needs no reference model: leave out --ref-adapter")
 
@@ -113,7 +128,7 @@ def cmd_preference_eval(args) -> int:
     _check_arguments(args)
     adapter = adapter_folder(args.adapter_path)
     ref_adapter = adapter_folder(args.ref_adapter)
-    objective, batch_size = _objective_settings(args, adapter)
+    objective, batch_size, truncation = _objective_settings(args, adapter)
     unpaired = objective.objective == "kto"
     seed = trained_run_config(adapter).get("seed", 0) if adapter is not None else 0
     data_path = args.data if args.data else default_data_dir()
@@ -127,7 +142,8 @@ def cmd_preference_eval(args) -> int:
     use_template = not settings["no_chat_template"]
     max_len = min(settings["max_seq_len"], model.config.max_position_embeddings)
     tokenize = tokenize_unpaired if unpaired else tokenize_preferences
-    examples, stats = tokenize(tok, records, max_len, use_chat_template=use_template, skip_invalid=args.skip_invalid)
+    examples, stats = tokenize(tok, records, max_len, use_chat_template=use_template, skip_invalid=args.skip_invalid,
+                               **truncation)
     scorer = PreferenceScorer(objective, batch_size, tok.pad_token_id if tok.pad_token_id is not None else 0)
     partners = kl_partners(len(examples), batch_size) if unpaired else None
     reference, described = None, None
@@ -145,7 +161,8 @@ def cmd_preference_eval(args) -> int:
     result = {"data": splits.files.get(split, str(data_path)), "split": split, "format": splits.format,
               "objective": vars(objective), "reference": described, "examples": len(examples),
               "dropped": stats.n_dropped, "truncated": stats.n_truncated,
-              "skipped": splits.n_skipped + stats.n_skipped, "max_seq_len": max_len, "chat_template": use_template,
+              "skipped": splits.n_skipped + stats.n_skipped, "max_seq_len": max_len, **truncation,
+              "chat_template": use_template,
               "batch_size": batch_size, "loss": None if scores is None else scores["loss"],
               **({} if scores is None else scores["metrics"]),
               "backend": model.backend, "base_dtype": model.engine.base_dtype, "embed_dtype": model.engine.embed_dtype}
