@@ -69,4 +69,5 @@ def test_bench_json_preference(capsys, tmp_path, monkeypatch):
 def test_bench_model_needs_the_preference_bench(capsys):
     from finetune_helpers import one_line_error
 
-    one_line_error(capsys, ["bench", "--only", "gemm", "--model", "some/model"], "--model is the model of the preference")
+    one_line_error(capsys, ["bench", "--only", "gemm", "--model", "some/model"],
+                   "--model is the model of the preference")

@@ -527,8 +527,9 @@ def format_table(result: dict) -> str:
     """A plain-text table of a run_bench result (for the CLI without --json)."""
     adapter = result["adapter"]
     lines = [f"adapter: {adapter['name']} ({adapter['backend']}), timing: {result.get('timing', '?')}",
-             f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s",
-             f"{'kernel':<16} {'shape':<16} {'GFLOP/s':>9} {'of peak':>8} {'vs naive':>9}"]
+             f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s"]
+    if result["kernels"]:
+        lines.append(f"{'kernel':<16} {'shape':<16} {'GFLOP/s':>9} {'of peak':>8} {'vs naive':>9}")
     for e in result["kernels"]:
         rate = e.get("gflops", e.get("gbps", float("nan")))
         frac = e.get("fraction_of_peak")
