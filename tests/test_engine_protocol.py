@@ -56,3 +56,27 @@ def test_training_reaches_only_the_protocol(workspace, tmp_path, monkeypatch, ba
     resumed = finetune(TrainConfig(out=str(tmp_path / "resumed"), resume=str(out / "checkpoints" / "step-000002"),
                                    **kw))
     assert resumed["steps"] == 4
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_preference_training_reaches_only_the_protocol(workspace, tmp_path, monkeypatch, objective, default_rt):
+    """A preference run (the policy and the reference scored, per-token weights, the adapter switched off)
+    and its resume, on the WebGPU engine seen only through the protocol."""
+    import json
+
+    made = model_module._make_engine
+    monkeypatch.setattr(model_module, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
+    model, _ = workspace
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"after red {i}?", "chosen": f" blue {i}", "rejected": f" moon {i}"} for i in range(8)]
+    if objective == "kto":
+        rows = [{"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+                for i, r in enumerate(rows)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(model=str(model), data=str(data), backend="wgpu", objective=objective, max_steps=4, batch_size=2,
+              save_every=2, valid_split=0.25, no_progress=True)
+    out = tmp_path / "run"
+    assert finetune(TrainConfig(out=str(out), **kw))["steps"] == 4
+    resumed = finetune(TrainConfig(out=str(tmp_path / "resumed"), resume=str(out / "checkpoints" / "step-000002"),
+                                   **kw))
+    assert resumed["steps"] == 4

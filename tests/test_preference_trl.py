@@ -51,21 +51,33 @@ def _import(spec):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A tiny Llama with its tokenizer, a PEFT adapter (B random, so that policy and reference differ) and the
-    pair / unpaired data files."""
-    root = tmp_path_factory.mktemp("pref_trl")
-    folder = make_model_dir(root / "model")
-    model = wt.load_model(folder, backend="numpy")
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
-    model.add_lora(lora, seed=3)
-    rng = np.random.default_rng(4)
-    model._set_lora(lora, {p: (a, rng.normal(0, 0.05, b.shape).astype(np.float32))
-                           for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
-    model.save_adapter(root / "adapter")
-    for name, rows in (("pairs", PAIRS), ("unpaired", UNPAIRED)):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root, folder
+def setups(tmp_path_factory):
+    """family -> (root, model folder), made once each: a tiny model of the family (Llama; Qwen3: tied
+    embeddings, q / k norms) with its tokenizer, a PEFT adapter (B random, so that policy and reference
+    differ) and the pair / unpaired data files."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"pref_trl_{family}")
+            folder = make_model_dir(root / "model", family)
+            # transformers would tokenize with its Qwen2Tokenizer pipeline, not this folder's tokenizer.json
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                      "tokenizer_class": "PreTrainedTokenizerFast"}))
+            model = wt.load_model(folder, backend="numpy")
+            lora = wt.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+            model.add_lora(lora, seed=3)
+            rng = np.random.default_rng(4)
+            model._set_lora(lora, {p: (a, rng.normal(0, 0.05, b.shape).astype(np.float32))
+                                   for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
+            model.save_adapter(root / "adapter")
+            for name, rows in (("pairs", PAIRS), ("unpaired", UNPAIRED)):
+                (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            made[family] = root, folder
+        return made[family]
+
+    return get
 
 
 def _trl_run(root, folder, case):
@@ -105,10 +117,14 @@ def _peft_name(path: str) -> str:
     return f"base_model.model.{path}.{matrix}.default.weight"
 
 
+# every objective on Llama; on the second family one of each kind (a reference, none, unpaired)
+RUNS = [("llama", case) for case in CASES] + [("qwen3", case) for case in ("dpo-sigmoid", "simpo", "kto")]
+
+
 @pytest.mark.parametrize("backend", ["numpy", "wgpu"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_first_step_and_three_steps_equal_trl(setup, tmp_path, case, backend, default_rt):
-    root, folder = setup
+@pytest.mark.parametrize("family, case", RUNS)
+def test_first_step_and_three_steps_equal_trl(setups, tmp_path, family, case, backend, default_rt):
+    root, folder = setups(family)
     history, trl_grads, trl_after = _trl_run(root, folder, case)
     ours = CASES[case][3]
     data = root / ("unpaired.jsonl" if ours["objective"] == "kto" else "pairs.jsonl")
