@@ -72,9 +72,9 @@ def test_precomputed_reference_equals_the_one_scored_each_step(workspace, tmp_pa
     assert (live["objective"]["reference"], pre["objective"]["reference"]) == ("adapter off", "precomputed")
     assert (tmp_path / "pre" / REFERENCE_FILE).is_file() and not (tmp_path / "live" / REFERENCE_FILE).exists()
     a, b = metric_rows(tmp_path / "live"), metric_rows(tmp_path / "pre")
-    assert_close([r["loss"] for r in b], [r["loss"] for r in a], "preference_vs_trl_loss")
+    assert_close([r["loss"] for r in b], [r["loss"] for r in a], "preference_paths")
     for k, v in adapter(tmp_path / "live").items():
-        assert_close(adapter(tmp_path / "pre")[k], v, "preference_vs_trl_params", k)
+        assert_close(adapter(tmp_path / "pre")[k], v, "preference_paths", k)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(precompute_ref_log_probs=True), dict(objective="kto", data="unpaired"),
@@ -113,7 +113,7 @@ def test_gradient_accumulation_equals_one_batch(workspace, tmp_path):
     two = finetune(config(workspace, tmp_path / "two", batch_size=2, grad_accum=2, max_steps=2))
     assert one["steps"] == two["steps"] == 2
     for k, v in adapter(tmp_path / "one").items():
-        assert_close(adapter(tmp_path / "two")[k], v, "preference_vs_trl_params", k)
+        assert_close(adapter(tmp_path / "two")[k], v, "preference_paths", k)
 
 
 @pytest.mark.parametrize("kw", [dict(dora=True), dict(loraplus_lr_ratio=8.0), dict(gradient_checkpointing=True),
@@ -131,7 +131,7 @@ def test_variants_train_and_lower_the_loss(workspace, tmp_path, kw):
 def test_gpu_engine_trains_as_the_numpy_engine(workspace, tmp_path, default_rt):
     runs = {b: finetune(config(workspace, tmp_path / b, backend=b, max_steps=3)) for b in ("numpy", "wgpu")}
     for k, v in adapter(tmp_path / "numpy").items():
-        assert_close(adapter(tmp_path / "wgpu")[k], v, "preference_vs_trl_params", k)
+        assert_close(adapter(tmp_path / "wgpu")[k], v, "gpu_params_after_steps_lr1e-2", k)
     assert runs["wgpu"]["backend"] == "wgpu"
 
 
@@ -154,6 +154,8 @@ def test_valid_metrics_and_summary(workspace, tmp_path):
     (["--objective", "ppo"], "invalid choice"),
     (["--ref-adapter", "{root}/model"], "give --objective"),
     (["--truncation-mode", "keep_end"], "give --objective"),
+    (["--beta", "0.3"], "give --objective"),
+    (["--objective", "kto", "--data", "{root}/unpaired", "--batch-size", "1"], "at least 2"),
     (["--objective", "kto", "--data", "{root}/unpaired", "--truncation-mode", "keep_end"], "keep_start only"),
 ])
 def test_bad_input_is_one_line(workspace, capsys, tmp_path, argv, match):
@@ -162,6 +164,47 @@ def test_bad_input_is_one_line(workspace, capsys, tmp_path, argv, match):
             str(tmp_path / "out"), "--max-steps", "1"]
     one_line_error(capsys, base + [a.format(root=root) for a in argv], match)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("objective, data, seq", [("dpo", "pairs", 3), ("kto", "unpaired", 2)])
+def test_every_pair_truncated_away_is_one_line(workspace, capsys, tmp_path, objective, data, seq):
+    root, model = workspace
+    one_line_error_after_log(capsys, ["finetune", "--model", str(model), "--data", str(root / data), "--backend",
+                                      "numpy", "--objective", objective, "--max-seq-len", str(seq), "--out",
+                                      str(tmp_path / "out")], "left after tokenization")
+
+
+def test_kto_labels_are_checked_after_truncation(workspace, capsys, tmp_path):
+    """Truncation that drops every undesirable example (their prompts fill --max-seq-len) is refused."""
+    root, model = workspace
+    rows = [dict(r, prompt=r["prompt"] + " please" * 30) if not r["label"] else r for r in unpaired(9)]
+    (tmp_path / "long").mkdir()
+    write_jsonl(tmp_path / "long" / "train.jsonl", rows)
+    one_line_error_after_log(capsys, ["finetune", "--model", str(model), "--data", str(tmp_path / "long"),
+                                      "--backend", "numpy", "--objective", "kto", "--max-seq-len", "24", "--out",
+                                      str(tmp_path / "out")], "desirable")
+
+
+def test_resume_refuses_another_objective_setting(workspace, tmp_path):
+    from wgpu_train.errors import ConfigError
+
+    finetune(config(workspace, tmp_path / "run", save_every=2, keep_checkpoints=0))
+    with pytest.raises(ConfigError, match=r"beta 0.1 -> 0.5"):
+        finetune(config(workspace, tmp_path / "run", beta=0.5, resume=str(tmp_path / "run" / "checkpoints" /
+                                                                              "step-000002")))
+
+
+def one_line_error_after_log(capsys, argv, match):
+    """The CLI exits 2 with its last stderr line holding `match`, and no traceback (log lines may come before)."""
+    from wgpu_train.cli.main import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: ") and match in lines[-1], err
 
 
 def test_kto_needs_both_labels(workspace, capsys, tmp_path):

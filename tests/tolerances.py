@@ -116,6 +116,11 @@ TOLERANCES: dict[str, Tolerance] = {
         "over K <= 300 of O(1) products against float64: rounding ~6e-8 * sqrt(K) * |terms|, seen <= 1.7e-5 "
         "absolute at K = 128 (|C| ~ 11); a wrong code, nibble or block is an O(0.1) error"),
     # WebGPU engine vs NumPy engine (and vs transformers/PEFT): whole-model compositions of the kernels above
+    "preference_paths": Tolerance(1e-4, 1e-6,
+                                  "one preference run against another that computes the same in other batch "
+                                  "shapes (a reference precomputed over every pair against one scored each step; "
+                                  "two micro-batches against one): float32 sums in another order, about 1e-7 of "
+                                  "a log-probability, amplified by Adam's normalised first steps at lr 1e-2"),
     "preference_vs_trl_loss": Tolerance(2e-4, 1e-6,
                                         "an objective or TRL metric of summed float32 log-probabilities against "
                                         "TRL's torch float32 path: the sums differ by summation order, about "

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from wgpu_train.data.preference_records import PreferenceRecord
+from wgpu_train.data.preference_records import PreferenceRecord, UnpairedRecord
 from wgpu_train.data.records import Message
 
 
@@ -40,16 +40,22 @@ def demo_preference_records(records: Sequence[Sequence[Message]], rng: np.random
     return pairs
 
 
+def alternate_labels(pairs: Sequence[PreferenceRecord]) -> list[UnpairedRecord]:
+    """KTO's demo examples: the chosen answer of the even pairs (desirable), the rejected one of the odd pairs
+    (undesirable). KTO reads its examples in order, so every micro-batch holds both labels, and every prompt
+    is a pair's own: a mismatched pair (a prompt with its neighbour's completion) never meets its own answer."""
+    return [UnpairedRecord(p.prompt, p.chosen if i % 2 == 0 else p.rejected, i % 2 == 0, p.source)
+            for i, p in enumerate(pairs)]
+
+
 def demo_preference_splits(splits, seed: int, unpaired: bool, names: Sequence[str] = ("train", "valid")):
     """The embedded dataset's DataSplits (read with resolve_data) with the splits `names`, in that order, turned
     into the demo's pairs (unpaired: KTO's examples), one default_rng(seed) drawing every rejected order: a run and
     `wgpu-train eval` of the same seed build the same pairs."""
-    from wgpu_train.data.preference_records import unpair_preferences
-
     rng = np.random.default_rng(seed)
     for name in names:
         pairs = demo_preference_records(getattr(splits, name), rng)
-        setattr(splits, name, unpair_preferences(pairs) if unpaired else pairs)
+        setattr(splits, name, alternate_labels(pairs) if unpaired else pairs)
     kind = "unpaired" if unpaired else "preference"
     splits.format = f"{kind} (the embedded task: the right word order chosen, a wrong one rejected)"
     return splits

@@ -164,7 +164,8 @@ class TrainConfig:
                                                "max_prompt_length); default: whole prompts")
     precompute_ref_log_probs: bool = _opt(False, "DPO / KTO: the reference model's log-probabilities computed once "
                                                  "before training and kept with the run (a resume reuses them); "
-                                                 "needed with --method full, whose reference is the starting model")
+                                                 "needed with --method full, whose reference is the starting model; "
+                                                 "always so with --ref-adapter and --modules-to-save")
     ref_adapter: str | None = _opt(None, "DPO / KTO: the reference is the base model with this PEFT adapter (its "
                                          "log-probabilities precomputed); default: the base model, the adapter "
                                          "switched off")
@@ -244,14 +245,18 @@ class TrainConfig:
             need(not (self.method == "full" and uses_reference and not self.precompute_ref_log_probs),
                  f"--objective {self.objective} with --method full needs --precompute-ref-log-probs: the reference "
                  "is the starting model, whose log-probabilities are computed once before training")
+            need(self.objective != "kto" or self.batch_size >= 2,
+                 "kto needs --batch-size of at least 2: its KL estimate pairs each prompt with another example's "
+                 "completion in the micro-batch (TRL's KTOTrainer refuses a batch of 1 too)")
             need(not (self.objective == "kto" and self.truncation_mode != "keep_start"),
                  "kto data is truncated keep_start only, as TRL's KTOTrainer truncates it")
             need(not (self.method == "full" and self.ref_adapter), "--ref-adapter is a LoRA adapter's reference: "
                                                                     "method lora")
-        need(not (self.objective == "sft" and (self.ref_adapter or self.precompute_ref_log_probs
-                                               or self.max_prompt_length or self.truncation_mode != "keep_start")),
-             "--ref-adapter, --precompute-ref-log-probs, --truncation-mode and --max-prompt-length are a preference "
-             "objective's: give --objective")
+        if self.objective == "sft":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            given = [f"--{name.replace('_', '-')}" for name in PREFERENCE_FIELDS if getattr(self, name) != defaults[name]]
+            need(not given, f"{', '.join(given)}: a preference objective's option{'s' if len(given) > 1 else ''}; "
+                            "give --objective")
         need(self.max_prompt_length is None or self.max_prompt_length >= 1,
              f"max_prompt_length must be at least 1, got {self.max_prompt_length}")
         need(self.num_workers is None or self.num_workers >= 1, f"num_workers must be at least 1, got {self.num_workers}")
@@ -329,6 +334,10 @@ class TrainConfig:
         """The fields as a JSON-serialisable dict."""
         return dataclasses.asdict(self)
 
+
+# the options of a preference objective (refused with objective sft)
+PREFERENCE_FIELDS = ("dpo_loss", "beta", "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight",
+                     "truncation_mode", "max_prompt_length", "precompute_ref_log_probs", "ref_adapter")
 
 # say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
 INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")

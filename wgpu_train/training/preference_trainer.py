@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.data.preference_batching import PreferenceStream, kl_partners
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.preference_scoring import (PreferenceScorer, Scored, engine_reference, example_rows,
                                                      mean_metrics)
@@ -45,6 +45,12 @@ class PreferenceTrainer(Trainer):
 
             adapter_folder(config.ref_adapter)      # a folder without an adapter: refused before anything is read
         self.settings = config.preference_settings()
+        saved = self._resume[1].get("objective") if self._resume else None
+        if saved is not None and saved != dataclasses.asdict(self.settings):
+            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in dataclasses.asdict(self.settings).items()
+                                if saved.get(k) != v)
+            raise ConfigError(f"resume: the run trained another objective setting ({changed}); leave those options "
+                              f"out to continue it as it trained")
         self.paired = config.objective != "kto"
         self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split
         self.partners = {}                           # KTO: split -> (N,) the mismatched pair of each example
@@ -69,8 +75,6 @@ class PreferenceTrainer(Trainer):
                                                     cfg.columns), cfg.seed, unpaired=not self.paired)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns, kind=kind)
-        if not self.paired:
-            check_labels(s.train, str(s.files.get("train", self.data_path)))
         self.splits = s
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         tokenize = tokenize_preferences if self.paired else tokenize_unpaired
@@ -85,6 +89,11 @@ class PreferenceTrainer(Trainer):
             self.dropped += stats.n_dropped
             if not self.paired:
                 self.partners[split] = kl_partners(len(self.pref[split]), cfg.batch_size)
+        if not self.pref["train"]:
+            raise DataError(f"no training {'pairs' if self.paired else 'examples'} left after tokenization "
+                            f"({lines[0]}): raise --max-seq-len")
+        if not self.paired:     # truncation may have dropped every example of one label
+            check_labels(self.pref["train"], str(s.files.get("train", self.data_path)))
         self.train_examples = self._rows(self.pref["train"])
         self.valid_examples = self._rows(self.pref["valid"])
         self.n_skipped = s.n_skipped
@@ -169,7 +178,7 @@ class PreferenceTrainer(Trainer):
             from wgpu_train.engines.model import load_model
 
             ref = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
-                             base_dtype=self.base_dtype, embed_dtype=self.embed_dtype)
+                             base_dtype=self.base_dtype, embed_dtype=self.embed_dtype, precision=self.precision)
             ref.load_adapter(cfg.ref_adapter)
             return ref.engine, False, f"the base model with the adapter {cfg.ref_adapter}"
         if cfg.method == "full" or cfg.modules_to_save:
@@ -206,17 +215,19 @@ class PreferenceTrainer(Trainer):
         ckpt = Path(self._resume[0])
         path = ckpt.parent.parent / REFERENCE_FILE
         if not path.is_file():
-            raise ConfigError(f"resume: {path} is missing: the run's precomputed reference log-probabilities")
+            raise ConfigError(f"resume: {path} is missing: the run being resumed did not precompute its reference "
+                              f"(leave out --precompute-ref-log-probs), or the file was removed")
         with np.load(path) as f:
             if str(f["fingerprint"]) != self.stream.fingerprint():
                 raise ConfigError(f"resume: {path} was computed for other training data")
-            out: dict = {}
-            for key in f.files:
-                if key != "fingerprint":
-                    split, name = key.split(".")
-                    out.setdefault(split, {})[name] = f[key]
+            stored = {k: f[k] for k in f.files}
+        out: dict = {}
+        for key, value in stored.items():
+            if key != "fingerprint":
+                split, name = key.split(".")
+                out.setdefault(split, {})[name] = value
         if self.writes_files and path.parent.resolve() != self.out.resolve():
-            np.savez(self.out / REFERENCE_FILE, **{k: v for k, v in np.load(path).items()})
+            np.savez(self.out / REFERENCE_FILE, **stored)
         self.log(f"reference: the precomputed log-probabilities of {path}")
         return out
 
@@ -323,6 +334,9 @@ class PreferenceTrainer(Trainer):
             row = {**row, **{k: num(v) for k, v in mean_metrics(self._step_metrics).items()}}
             self._step_metrics = []
         super()._write_row(row)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "objective": dataclasses.asdict(self.settings)}
 
     def _summary(self, *args) -> dict:
         summary = super()._summary(*args)

@@ -52,7 +52,9 @@ class Rounding:
         x = np.asarray(x)
         if self.precision == "bf16":
             return bfloat16_values(bfloat16_bits(x)).reshape(x.shape).astype(x.dtype, copy=False)
-        with np.errstate(over="ignore"):     # past float16's range: inf, as torch and the GPU round
+        # past float16's range: inf, as torch rounds (WGSL's pack2x16float leaves it unspecified: the f16
+        # kernels must encode it themselves)
+        with np.errstate(over="ignore"):
             return x.astype(np.float16).astype(x.dtype)
 
     def op_outputs(self, op, a: dict, layer: int):
