@@ -60,8 +60,9 @@ def folder_state(folder: Path) -> dict:
             for p in sorted(Path(folder).rglob("*"))}
 
 
-def one_line_error(capsys, argv, match):
-    """Run the CLI's main(argv); it must exit 2 with exactly one line on stderr, holding `match`, and no traceback."""
+def one_line_error(capsys, argv, match, after_log: bool = False):
+    """Run the CLI's main(argv); it must exit 2 with exactly one line on stderr, holding `match`, and no traceback
+    (after_log: log lines may come first, the error line last)."""
     from wgpu_train.cli.main import main
 
     try:
@@ -70,8 +71,8 @@ def one_line_error(capsys, argv, match):
         code = e.code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("error: ") and match in lines[0], lines[0]
+    assert code == 2 and (after_log or len(lines) == 1) and lines and "Traceback" not in err, err
+    assert lines[-1].startswith("error: ") and match in lines[-1], lines[-1]
 
 
 def padded_batch(seed: int, length: int, pad_from: int, prompt: int, rows: int = 2):

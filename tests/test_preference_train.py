@@ -169,9 +169,9 @@ def test_bad_input_is_one_line(workspace, capsys, tmp_path, argv, match):
 @pytest.mark.parametrize("objective, data, seq", [("dpo", "pairs", 3), ("kto", "unpaired", 2)])
 def test_every_pair_truncated_away_is_one_line(workspace, capsys, tmp_path, objective, data, seq):
     root, model = workspace
-    one_line_error_after_log(capsys, ["finetune", "--model", str(model), "--data", str(root / data), "--backend",
-                                      "numpy", "--objective", objective, "--max-seq-len", str(seq), "--out",
-                                      str(tmp_path / "out")], "left after tokenization")
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(root / data), "--backend", "numpy",
+                            "--objective", objective, "--max-seq-len", str(seq), "--out", str(tmp_path / "out")],
+                   "left after tokenization", after_log=True)
 
 
 def test_kto_labels_are_checked_after_truncation(workspace, capsys, tmp_path):
@@ -180,9 +180,9 @@ def test_kto_labels_are_checked_after_truncation(workspace, capsys, tmp_path):
     rows = [dict(r, prompt=r["prompt"] + " please" * 30) if not r["label"] else r for r in unpaired(9)]
     (tmp_path / "long").mkdir()
     write_jsonl(tmp_path / "long" / "train.jsonl", rows)
-    one_line_error_after_log(capsys, ["finetune", "--model", str(model), "--data", str(tmp_path / "long"),
-                                      "--backend", "numpy", "--objective", "kto", "--max-seq-len", "24", "--out",
-                                      str(tmp_path / "out")], "desirable")
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(tmp_path / "long"), "--backend",
+                            "numpy", "--objective", "kto", "--max-seq-len", "24", "--out", str(tmp_path / "out")],
+                   "desirable", after_log=True)
 
 
 def test_resume_refuses_another_objective_setting(workspace, tmp_path):
@@ -192,19 +192,6 @@ def test_resume_refuses_another_objective_setting(workspace, tmp_path):
     with pytest.raises(ConfigError, match=r"beta 0.1 -> 0.5"):
         finetune(config(workspace, tmp_path / "run", beta=0.5, resume=str(tmp_path / "run" / "checkpoints" /
                                                                               "step-000002")))
-
-
-def one_line_error_after_log(capsys, argv, match):
-    """The CLI exits 2 with its last stderr line holding `match`, and no traceback (log lines may come before)."""
-    from wgpu_train.cli.main import main
-
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: ") and match in lines[-1], err
 
 
 def test_kto_needs_both_labels(workspace, capsys, tmp_path):
