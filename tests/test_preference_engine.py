@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 
 import wgpu_train as wt
+from wgpu_train.data.preference_batching import kl_partners
+from wgpu_train.data.preference_tokenize import PreferenceExample, UnpairedExample
 from wgpu_train.engines.numpy.ops import shift_labels
 from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.training.objectives import PreferenceSettings
+from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer
+from wgpu_train.training.preference_trainer import PreferenceTrainer
 
 from tiny_models import build_model, save_model
 from tolerances import assert_close
@@ -83,6 +88,89 @@ def test_adapter_switched_off_is_the_base_model(folder, rt):
         assert_close(model.engine.token_losses(ids, targets, seg, pos), base, "gpu_logits", model.backend)
         model.engine.set_adapter_enabled(True)
         assert_close(model.engine.token_losses(ids, targets, seg, pos), with_adapter, "gpu_logits", model.backend)
+
+
+def test_reference_losses_in_the_same_call(folder, rt):
+    """token_losses(reference=True): the losses with the adapter on and switched off, as two calls give them (bit
+    for bit on the GPU: the same kernels on the same inputs), in one submission and one readback there; the
+    adapter stays on afterwards."""
+    path, _ = folder
+    ids, targets, seg, pos = _batch(1)
+    for model in _models(path, rt):
+        engine = model.engine
+        with_adapter = engine.token_losses(ids, targets, seg, pos)
+        engine.set_adapter_enabled(False)
+        without = engine.token_losses(ids, targets, seg, pos)
+        engine.set_adapter_enabled(True)
+        before = dict(engine.counters)
+        policy, reference = engine.token_losses(ids, targets, seg, pos, reference=True)
+        if model.backend == "wgpu":
+            assert [engine.counters[k] - before[k] for k in ("submits", "readbacks")] == [1, 1]
+        np.testing.assert_array_equal(policy, with_adapter, err_msg=model.backend)
+        np.testing.assert_array_equal(reference, without, err_msg=model.backend)
+        assert np.abs(policy - reference).max() > 1e-3, model.backend      # the adapter matters here
+        np.testing.assert_array_equal(engine.token_losses(ids, targets, seg, pos), with_adapter, err_msg=model.backend)
+
+
+def _examples(objective: str, n: int = 4, vocab: int = 83) -> list:
+    """n tokenized preference pairs (KTO: unpaired examples, both labels) of random tokens and uneven lengths."""
+    rng = np.random.default_rng(6)
+
+    def tokens(k):
+        return rng.integers(1, vocab, k).astype(np.int32)
+    if objective == "kto":
+        return [UnpairedExample(tokens(3 + i % 3), tokens(2 + i % 2), bool(i % 2)) for i in range(n)]
+    return [PreferenceExample(tokens(3 + i % 3), tokens(2 + i % 2), tokens(3 - i % 2)) for i in range(n)]
+
+
+def _scored_apart(scorer, engine, examples, partners):
+    """The adapter-off reference scored in calls of its own (the adapter switched off around them)."""
+    def reference(indices, mismatched: bool):
+        engine.set_adapter_enabled(False)
+        try:
+            return scorer.score(engine, examples, indices, partners if mismatched else None).logps
+        finally:
+            engine.set_adapter_enabled(True)
+    return reference
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_step_scores_the_reference_with_the_policy(folder, rt, monkeypatch, objective):
+    """A preference step of two micro-batches with the adapter switched off as the reference (ADAPTER_OFF): the
+    policy and the reference of a micro-batch scored in one submission and one readback on the GPU (DPO's step:
+    2 per micro-batch, the optimizer step's included, where scoring them apart takes 3; KTO's KL rows alike),
+    with bit for bit the objective, its metrics and the parameters after the step of scoring them apart on the
+    GPU (the same kernels on the same inputs), and exactly those on NumPy."""
+    monkeypatch.setenv("WGPU_TRAIN_MAX_SUBMIT_S", "inf")       # the optimizer step in one submission
+    path, _ = folder
+    examples = _examples(objective)
+    scorer = PreferenceScorer(PreferenceSettings(objective), batch_size=2, pad_id=0)
+    partners = kl_partners(len(examples), 2) if objective == "kto" else None
+    indices = np.arange(len(examples))
+    n_micro = 2                                                 # 4 examples, batch_size 2
+    runs = {}
+    for how in ("apart", "joint"):
+        for model in _models(path, rt):
+            engine = model.engine
+            reference = _scored_apart(scorer, engine, examples, partners) if how == "apart" else ADAPTER_OFF
+            before = dict(engine.counters)
+            result, scored = scorer.objective(engine, examples, indices, reference, partners)
+            engine.train_step(PreferenceTrainer.weighted_micro_batches(result, scored), OptimizerParams(lr=1e-2), 1)
+            calls = [engine.counters[k] - before[k] for k in ("submits", "readbacks")]
+            runs[how, model.backend] = result, engine.trainable(), calls
+            if how == "joint":      # the adapter matters here
+                assert np.abs(scored.logps - scored.reference_logps).max() > 1e-3, model.backend
+    scorings = 2 if objective == "kto" else 1                   # KTO scores its mismatched rows too
+    for backend in ("numpy", "wgpu"):
+        (apart, apart_params, apart_calls), (joint, joint_params, joint_calls) = (runs[h, backend]
+                                                                                  for h in ("apart", "joint"))
+        if backend == "wgpu":
+            assert apart_calls == [2 * scorings * n_micro + 1] * 2
+            assert joint_calls == [scorings * n_micro + 1] * 2
+        assert joint.loss == apart.loss and joint.metrics == apart.metrics, backend
+        np.testing.assert_array_equal(joint.dlogps, apart.dlogps, err_msg=backend)
+        for k, v in joint_params.items():
+            np.testing.assert_array_equal(v, apart_params[k], err_msg=f"{backend} {k}")
 
 
 def test_weighted_gradients_match_finite_differences_and_the_gpu(folder, rt):

@@ -1,6 +1,7 @@
-"""Preference-tuning benchmark: a DPO step as the PreferenceTrainer takes it (the policy's scoring, the reference's
-with the adapter switched off, the weighted optimizer step) next to an SFT step on the chosen rows of the same
-pairs, interleaved on one engine in one run and reported as ratios, with the memory estimate of each."""
+"""Preference-tuning benchmark: a DPO step as the PreferenceTrainer takes it (the policy's and the reference's
+scoring, the adapter switched off, in one submission; the weighted optimizer step) next to an SFT step on the
+chosen rows of the same pairs, interleaved on one engine in one run and reported as ratios, with the memory
+estimate of each and the DPO step's submissions and readbacks."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,7 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
     from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir
     from wgpu_train.training.evaluate import engine_batch
     from wgpu_train.training.objectives import PreferenceSettings
-    from wgpu_train.training.preference_scoring import PreferenceScorer, engine_reference, example_rows
+    from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer, example_rows
     from wgpu_train.training.preference_trainer import PreferenceTrainer
 
     folder = hub.resolve(model, "model") if model else default_model_dir()
@@ -59,12 +60,12 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
     examples = _demo_pairs(tok, min(train.max_seq_len, cfg.max_position_embeddings), PAIRS)
     scorer = PreferenceScorer(PreferenceSettings("dpo"), len(examples), pad)
     indices = np.arange(len(examples))
-    reference = engine_reference(scorer, engine, examples)
     sft_micro = [engine_batch(b) for b in row_batches([ex.rows()[0] for ex in examples], len(examples), pad,
                                                       PAD_MULTIPLE)]
     hp = train.optimizer_params(train.lr)
     step_no = [0]
-    times: dict = {"sft": [], "dpo": [], "reference": [], "policy": [], "train_step": []}
+    times: dict = {"sft": [], "dpo": [], "scoring": [], "train_step": []}
+    calls: dict = {}                # the last DPO step's submissions and readbacks
 
     def sft_step():
         step_no[0] += 1
@@ -74,21 +75,15 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
 
     def dpo_step():
         step_no[0] += 1
-        spent = []
-
-        def timed_reference(idx, mismatched):
-            t = time.perf_counter()
-            out = reference(idx, mismatched)
-            spent.append(time.perf_counter() - t)
-            return out
-
+        before = {k: engine.counters[k] for k in ("submits", "readbacks")}
         t0 = time.perf_counter()
-        result, scored = scorer.objective(engine, examples, indices, timed_reference)
+        result, scored = scorer.objective(engine, examples, indices, ADAPTER_OFF)
         t1 = time.perf_counter()
         engine.train_step(PreferenceTrainer.weighted_micro_batches(result, scored), hp, step_no[0])
         t2 = time.perf_counter()
+        calls.update({k: engine.counters[k] - v for k, v in before.items()})
         losses.append(result.loss)
-        return {"dpo": t2 - t0, "reference": sum(spent), "policy": t1 - t0 - sum(spent), "train_step": t2 - t1}
+        return {"dpo": t2 - t0, "scoring": t1 - t0, "train_step": t2 - t1}
 
     losses: list = []
     dpo_step(), sft_step()          # warm-up: pipelines, activation buckets, uniforms
@@ -110,11 +105,11 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
         "pairs_per_step": len(examples),
         "micro_batch": {k: f"{rows}x{length}" for k, (rows, length) in shapes.items()},
         "step_ms": {"sft": med["sft"] * 1e3, "dpo": med["dpo"] * 1e3},
-        "dpo_step_ms": {"policy_scoring": med["policy"] * 1e3,
-                        "reference_scoring_adapter_off": med["reference"] * 1e3,
+        "dpo_step_ms": {"policy_and_reference_scoring": med["scoring"] * 1e3,
                         "weighted_train_step": med["train_step"] * 1e3},
+        "dpo_step_calls": dict(calls),
         "dpo_vs_sft_step_time": med["dpo"] / med["sft"],
-        "reference_share_of_dpo_step": med["reference"] / med["dpo"],
+        "scoring_share_of_dpo_step": med["scoring"] / med["dpo"],
         "memory_estimate_bytes": {k: {key: est[key] for key in ("weights", "trainable_state", "activations",
                                                                  "logits", "total")} for k, est in memory.items()},
         "dpo_vs_sft_memory": memory["dpo"]["total"] / memory["sft"]["total"],

@@ -123,7 +123,7 @@ def cmd_preference_eval(args) -> int:
     from wgpu_train.data.preference_batching import kl_partners
     from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
     from wgpu_train.training.config import default_data_dir
-    from wgpu_train.training.preference_scoring import PreferenceScorer, engine_reference
+    from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer, engine_reference
 
     _check_arguments(args)
     adapter = adapter_folder(args.adapter_path)
@@ -152,10 +152,11 @@ def cmd_preference_eval(args) -> int:
             ref_model, _ = load_model_and_tokenizer(model_dir, ref_adapter, args.backend, args.device, tokenizer=False,
                                                     base_dtype=settings["base_dtype"],
                                                     embed_dtype=settings["embed_dtype"])
-            reference = engine_reference(scorer, ref_model.engine, examples, partners, adapter_off=False)
+            reference = engine_reference(scorer, ref_model.engine, examples, partners)
             described = f"the base model with the adapter {ref_adapter}"
         else:
-            reference = engine_reference(scorer, model.engine, examples, partners, adapter_off=adapter is not None)
+            reference = (ADAPTER_OFF if adapter is not None
+                         else engine_reference(scorer, model.engine, examples, partners))
             described = "the base model" + (" (the adapter switched off)" if adapter is not None else "")
     scores = scorer.evaluate(model.engine, examples, reference, partners)
     result = {"data": splits.files.get(split, str(data_path)), "split": split, "format": splits.format,

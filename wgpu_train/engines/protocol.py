@@ -96,9 +96,12 @@ class Engine(Protocol):
     def loss(self, ids, targets, segment_ids, position_ids):
         """(summed loss, trained tokens) of one batch, no gradients."""
 
-    def token_losses(self, ids, targets, segment_ids, position_ids):
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
         """(B, T) float32, no gradients: each position's loss, minus the log-probability of its target (0 where
-        the target is ignored). A sequence's log-probability is minus the sum of its row."""
+        the target is ignored). A sequence's log-probability is minus the sum of its row. With reference, a pair
+        (the policy's, the reference's) of them: the reference is the engine with its adapter switched off
+        (set_adapter_enabled(False), a preference objective's reference), scored in the same engine call (the
+        WebGPU engine: one submission and one readback for both)."""
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
         """Accumulate d(sum of grad_scale * token loss) into the gradients, grad_scale one number or a weight per

@@ -17,6 +17,9 @@ from wgpu_train.training.objectives import ObjectiveResult, PreferenceSettings, 
 # The reference's summed log-probabilities of examples[indices]: fn(indices, mismatched) -> (R,), the rows in the
 # order Scored holds them (pairs: every chosen row, then every rejected row; mismatched: KTO's KL rows).
 Reference = Callable[[np.ndarray, bool], np.ndarray]
+# The reference that is the policy's engine with its adapter switched off (TRL's reference of a PEFT model): scored
+# with the policy in the same engine call, token_losses(..., reference=True) (one submission on the WebGPU engine)
+ADAPTER_OFF = "adapter off"
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Scored:
     targets: np.ndarray         # (R,)
     micro: list                 # [(ids, targets, segment_ids, position_ids)] of (B, T) each
     masks: list                 # [(B, T) bool] the completion tokens of each micro-batch
+    reference_logps: np.ndarray | None = None   # (R,) float64: the adapter switched off (score's reference)
 
 
 class PreferenceScorer:
@@ -44,11 +48,13 @@ class PreferenceScorer:
         per_micro = self.batch_size * (2 if self.paired else 1)
         return [engine_batch(b) for b in row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)]
 
-    def score(self, engine, examples: Sequence, indices, partners: np.ndarray | None = None) -> Scored:
+    def score(self, engine, examples: Sequence, indices, partners: np.ndarray | None = None,
+              reference: bool = False) -> Scored:
         """The rows of examples[indices] (pairs: every chosen row, then every rejected row; with partners, KTO's
-        (N,) mismatched partner of each example, its mismatched rows instead) scored by `engine`. ORPO's chosen
-        rows are trained on every token, prompt included (TRL's NLL term), so their micro-batches target every
-        token and the completion masks say which tokens make up the log-probabilities."""
+        (N,) mismatched partner of each example, its mismatched rows instead) scored by `engine`; with reference,
+        also by the engine with its adapter switched off, in the same engine calls (reference_logps). ORPO's
+        chosen rows are trained on every token, prompt included (TRL's NLL term), so their micro-batches target
+        every token and the completion masks say which tokens make up the log-probabilities."""
         chosen = [examples[i] for i in indices]
         if partners is not None:
             rows = [examples[i].mismatched_row(examples[partners[i]]) for i in indices]
@@ -62,33 +68,45 @@ class PreferenceScorer:
                      for k, r in enumerate(rows)]
             micro = self.micro_batches(whole)
         logps, tokens, sums, counts = [np.zeros(0)], [np.zeros(0, np.int64)], [np.zeros(0)], [np.zeros(0, np.int64)]
+        ref_logps = [np.zeros(0)]
         for (ids, targets, seg, pos), mask in zip(micro, masks):
-            losses = engine.token_losses(ids, targets, seg, pos).astype(np.float64)   # (B, T)
+            if reference:
+                losses, ref_losses = engine.token_losses(ids, targets, seg, pos, reference=True)   # (B, T) each
+                ref_logps.append(-(ref_losses.astype(np.float64) * mask).sum(axis=1))
+            else:
+                losses = engine.token_losses(ids, targets, seg, pos)                                  # (B, T)
+            losses = losses.astype(np.float64)
             logps.append(-(losses * mask).sum(axis=1))
             tokens.append(mask.sum(axis=1))
             sums.append(losses.sum(axis=1))
             counts.append((targets != -100).sum(axis=1))
-        return Scored(*(np.concatenate(x) for x in (logps, tokens, sums, counts)), micro, masks)
+        return Scored(*(np.concatenate(x) for x in (logps, tokens, sums, counts)), micro, masks,
+                      np.concatenate(ref_logps) if reference else None)
 
-    def objective(self, engine, examples: Sequence, indices, reference: Reference | None = None,
+    def objective(self, engine, examples: Sequence, indices, reference: Reference | str | None = None,
                   partners: np.ndarray | None = None) -> tuple[ObjectiveResult, Scored]:
         """(ObjectiveResult, the policy's Scored rows) of examples[indices]: the policy is `engine`, the reference
-        `reference` (DPO and KTO), KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
-        scored = self.score(engine, examples, indices)
+        `reference` (DPO and KTO; ADAPTER_OFF: `engine` with its adapter switched off, scored with the policy),
+        KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
+        joint = self.settings.uses_reference and reference is ADAPTER_OFF
+        scored = self.score(engine, examples, indices, reference=joint)
         logps, tokens = scored.logps, scored.tokens
-        ref = reference(indices, False) if self.settings.uses_reference else None
+        ref = None
+        if self.settings.uses_reference:
+            ref = scored.reference_logps if joint else reference(indices, False)
         if self.paired:
             p = len(indices)
             nll = (scored.loss_sums[:p].sum(), int(scored.targets[:p].sum()))
             result = pair_objective(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
                                     None if ref is None else ref[:p], None if ref is None else ref[p:], nll=nll)
         else:
-            kl = self.score(engine, examples, indices, partners).logps
+            kl = self.score(engine, examples, indices, partners, reference=joint)
             labels = np.array([examples[i].label for i in indices], bool)
-            result = kto_objective(self.settings, logps, ref, labels, kl, reference(indices, True))
+            result = kto_objective(self.settings, logps, ref, labels, kl.logps,
+                                   kl.reference_logps if joint else reference(indices, True))
         return result, scored
 
-    def evaluate(self, engine, examples: Sequence, reference: Reference | None = None,
+    def evaluate(self, engine, examples: Sequence, reference: Reference | str | None = None,
                  partners: np.ndarray | None = None) -> dict | None:
         """The objective over every example, batch_size of them at a time as a training step takes them (KTO's KL
         estimate and ORPO's NLL are per step), and its metrics, each averaged over the steps weighted by their
@@ -112,19 +130,12 @@ def example_rows(examples: Sequence, paired: bool) -> list[Example]:
     return pair_rows(examples) if paired else [ex.row() for ex in examples]
 
 
-def engine_reference(scorer: PreferenceScorer, engine, examples: Sequence, partners: np.ndarray | None = None,
-                     adapter_off: bool = True) -> Reference:
-    """The reference of `engine`'s scores of examples: with adapter_off, the engine's base model (its adapter
-    switched off while it scores, as TRL's trainers take the reference of a PEFT model); otherwise the engine as
-    it is (another model, e.g. the base with a reference adapter)."""
+def engine_reference(scorer: PreferenceScorer, engine, examples: Sequence,
+                     partners: np.ndarray | None = None) -> Reference:
+    """The reference that is `engine`'s scores of examples, the engine as it is (another model than the policy,
+    e.g. the base with a reference adapter; the policy's own engine with its adapter off is ADAPTER_OFF)."""
     def reference(indices, mismatched: bool) -> np.ndarray:
-        if adapter_off:
-            engine.set_adapter_enabled(False)
-        try:
-            return scorer.score(engine, examples, indices, partners if mismatched else None).logps
-        finally:
-            if adapter_off:
-                engine.set_adapter_enabled(True)
+        return scorer.score(engine, examples, indices, partners if mismatched else None).logps
     return reference
 
 

@@ -14,8 +14,7 @@ import numpy as np
 from wgpu_train.data.preference_batching import PreferenceStream, kl_partners
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.training.metrics import fmt, num
-from wgpu_train.training.preference_scoring import (PreferenceScorer, Scored, engine_reference, example_rows,
-                                                     mean_metrics)
+from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer, Scored, example_rows, mean_metrics
 from wgpu_train.training.trainer import Trainer
 
 REFERENCE_FILE = "reference_logps.npz"      # the precomputed reference log-probabilities, in the run folder
@@ -255,7 +254,7 @@ class PreferenceTrainer(Trainer):
                 finally:
                     self.engine.set_trainable(current)
             return starting_adapter
-        return engine_reference(self.scorer, self.engine, examples, partners)
+        return ADAPTER_OFF
 
     def _objective(self, split: str, indices) -> tuple:
         """(ObjectiveResult, the policy's Scored rows) of examples[indices]."""

@@ -403,8 +403,19 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         loss_sum, count, _ = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return loss_sum, count
 
-    def token_losses(self, ids, targets, segment_ids, position_ids):
-        """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored)."""
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
+        """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); with
+        reference, (the policy's, the reference's): a second forward with the adapter switched off."""
+        policy = self._token_losses(ids, targets, segment_ids, position_ids)
+        if not reference:
+            return policy
+        enabled, self.adapter_enabled = self.adapter_enabled, False
+        try:
+            return policy, self._token_losses(ids, targets, segment_ids, position_ids)
+        finally:
+            self.adapter_enabled = enabled
+
+    def _token_losses(self, ids, targets, segment_ids, position_ids):
         self.training = False
         logits = self.forward(ids, segment_ids, position_ids)[0]
         rows, _ = ops.cross_entropy_rows(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -87,6 +87,7 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         self.partials = None
         self.n_modules = cfg.num_hidden_layers * len(cfg.linear_modules)
         self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
+        self.scored_rows = rt.buffer(F32, "scored_rows")     # token_losses(reference=True): both passes' loss rows
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "buckets_allocated": 0}
         self.last_step: dict = {}

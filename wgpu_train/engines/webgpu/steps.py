@@ -85,20 +85,42 @@ class StepRecording:
     def loss(self, ids, targets, segment_ids, position_ids):
         return self._submit_loss(*self._record_scoring(ids, targets, segment_ids, position_ids))
 
-    def token_losses(self, ids, targets, segment_ids, position_ids):
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
         """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); one
-        submission, one readback of the loss head's rows."""
+        submission, one readback of the loss head's rows. With reference, (the policy's, the reference's): the
+        forward and loss head recorded with the adapter as it is, its loss rows copied aside, then again with
+        the adapter switched off, and both read back: still one submission and one readback."""
         rec, acts, before = self._record_scoring(ids, targets, segment_ids, position_ids)
-        rec.read_back(acts.loss_rows, np.float32, (acts.n_head,))
+        m = acts.n_head
+        if reference:
+            self._reserve_scored_rows(2 * m)
+            rec.copy(acts.loss_rows, 0, self.scored_rows, 0, m * F32)
+            enabled, self.adapter_enabled = self.adapter_enabled, False
+            try:
+                self._record_forward(rec, acts)
+                self._record_head(rec, acts, backward=False)
+            finally:
+                self.adapter_enabled = enabled
+            rec.copy(acts.loss_rows, 0, self.scored_rows, m * F32, m * F32)
+            rec.read_back(self.scored_rows, np.float32, (2, m))
+        else:
+            rec.read_back(acts.loss_rows, np.float32, (1, m))
         rec.submit()
-        rows = rec.result()                                      # (n_head,) in the loss head's row order
+        rows = rec.result()                                      # (passes, n_head) in the loss head's row order
         self._count(before)
-        out = np.zeros(ids.size, np.float32)
+        out = np.zeros((len(rows), ids.size), np.float32)        # (passes, B*T)
         if acts.head_order is None:
             out[:] = rows
         else:
-            out[acts.head_order] = rows
-        return out.reshape(ids.shape)
+            out[:, acts.head_order] = rows
+        out = out.reshape((len(rows),) + ids.shape)               # (passes, B, T)
+        return (out[0], out[1]) if reference else out[0]
+
+    def _reserve_scored_rows(self, n: int):
+        """Room for n float32 loss rows in scored_rows (before the recording that uses it is submitted)."""
+        if self.scored_rows.size < n * F32:
+            old, self.scored_rows = self.scored_rows, self.rt.buffer(n * F32, "scored_rows")
+            self.rt.release(old)
 
     def _submit_loss(self, rec, acts, before) -> tuple:
         """Sum the recorded micro-batch's loss rows, submit, and read back (loss_sum, trained tokens)."""
