@@ -3,6 +3,8 @@ log-probabilities), per-token gradient weights in forward_backward and train_ste
 (the reference model), against the NumPy engine, finite differences and transformers."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -93,10 +95,13 @@ def test_adapter_switched_off_is_the_base_model(folder, rt):
 def test_reference_losses_in_the_same_call(folder, rt):
     """token_losses(reference=True): the losses with the adapter on and switched off, as two calls give them (bit
     for bit on the GPU: the same kernels on the same inputs), in one submission and one readback there; the
-    adapter stays on afterwards."""
+    adapter stays on afterwards. Two batches: one whose loss head gathers its trained rows (a prompt carries no
+    loss), one whose head takes every row (2 x 8 tokens, each but the last trained)."""
     path, _ = folder
-    ids, targets, seg, pos = _batch(1)
-    for model in _models(path, rt):
+    short = np.random.default_rng(8).integers(0, 83, (2, 8)).astype(np.int32)
+    every = (short, shift_labels(short.astype(np.int64)), np.ones_like(short),
+             np.broadcast_to(np.arange(8, dtype=np.int32), short.shape).copy())
+    for model, (ids, targets, seg, pos) in itertools.product(_models(path, rt), (_batch(1), every)):
         engine = model.engine
         with_adapter = engine.token_losses(ids, targets, seg, pos)
         engine.set_adapter_enabled(False)
