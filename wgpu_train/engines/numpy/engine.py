@@ -17,7 +17,7 @@ from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.dora_linear import DoraLinear
 from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
 from wgpu_train.engines.numpy.precision import Rounding
-from wgpu_train.engines.numpy.quant import check_dtypes, round_weights
+from wgpu_train.engines.numpy.quant import check_dtypes, round_to, round_weights
 from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
 
@@ -68,6 +68,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.plan = layer_plan(cfg)
         self.rounding = Rounding(precision, self.plan.statistics)
         self.precision, self.precision_reason = precision, "as given"
+        self.kv_dtype = "float32"    # generation's KV cache storage (engines/model.py sets bfloat16 where asked)
         self.loss_scaler = LossScaler() if precision == "f16" else None
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
@@ -277,7 +278,10 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap)      # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
-            ops.kv_cache_write(kv["k"][i], kv["v"][i], k[0], v[0], walk.rows, walk.positions[0])
+            k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
+            if kv["dtype"] != "float32":      # rounded as the GPU's cache stores them
+                k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
+            ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
             att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
                                                self.cfg.attn_softcap)
             lse = None

@@ -34,6 +34,7 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
     name = "wgpu"
     precision = "fp32"          # no 16-bit activation kernels yet: engines/model.py refuses bf16 / f16 here
     precision_reason = "the WebGPU engine's only precision so far"
+    kv_dtype = "float32"        # generation's KV cache storage (engines/model.py sets bfloat16 where asked)
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
