@@ -8,6 +8,7 @@ import pytest
 
 import wgpu_train as wt
 from tolerances import assert_close
+from wgpu_train.cli.main import main
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.generate import generate
 from wgpu_train.engines.numpy import ops
@@ -15,6 +16,7 @@ from wgpu_train.engines.numpy.quant import bfloat16_bits, bfloat16_values
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.tuned import attention_decode, tune
 
+from finetune_helpers import make_model_dir
 from tiny_models import build_model, edit_config, save_model
 
 F32 = np.float32
@@ -130,3 +132,33 @@ def test_refusals(tiny, tmp_path):
     with pytest.raises(ConfigError, match="even head dim") as e:
         wt.load_model(odd, kv_dtype="bfloat16")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_kv_dtype_option(capsys, command):
+    """generate, chat and serve take --kv-dtype float32 | bfloat16; anything else is a usage error."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0 and "--kv-dtype" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main([command, "--kv-dtype", "float16"])
+    assert e.value.code == 2 and "--kv-dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_generate_passes_kv_dtype_to_the_engine(tmp_path, monkeypatch, capsys):
+    """`wgpu-train generate --kv-dtype bfloat16` answers, with its engine's cache in bfloat16."""
+    from wgpu_train.engines import model as model_module
+
+    engines = []
+    load = model_module.load_model
+
+    def recording_load(*a, **k):
+        m = load(*a, **k)
+        engines.append(m.engine)
+        return m
+
+    monkeypatch.setattr(model_module, "load_model", recording_load)
+    model_dir = make_model_dir(tmp_path / "model")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "4",
+                 "--backend", "numpy", "--kv-dtype", "bfloat16"]) == 0
+    assert [e.kv_dtype for e in engines] == ["bfloat16"]

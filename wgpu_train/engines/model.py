@@ -415,7 +415,7 @@ def backend_engine(backend: str) -> str:
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
-                 embed_dtype="auto", precision="auto"):
+                 embed_dtype="auto", precision="auto", kv_dtype="float32"):
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
@@ -431,14 +431,14 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
 
             check_precision(precision, "wgpu")         # before any weight is uploaded
             rt = runtime.get_runtime(device)
-            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype)
+            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype)
             engine.precision_reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU")[1]
             return engine
     from wgpu_train.engines.numpy.engine import NumpyEngine
 
     precision, reason = precision_choice(precision, "numpy")
     engine = NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
-                         precision=precision)
+                         precision=precision, kv_dtype=kv_dtype)
     engine.precision_reason = reason
     return engine
 
@@ -464,6 +464,5 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     check_kv_dtype(kv_dtype, config)
     weights = load_weights(path, config)
-    engine = _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision)
-    engine.kv_dtype = kv_dtype
-    return Model(config, engine, path)
+    return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision,
+                                      kv_dtype), path)
