@@ -162,3 +162,20 @@ def test_generate_passes_kv_dtype_to_the_engine(tmp_path, monkeypatch, capsys):
     assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "4",
                  "--backend", "numpy", "--kv-dtype", "bfloat16"]) == 0
     assert [e.kv_dtype for e in engines] == ["bfloat16"]
+
+
+def test_lm_eval_model_takes_kv_dtype(tmp_path, default_rt):
+    """lm_eval's wgpu-train model (model_args kv_dtype=bfloat16) answers generate_until over a bfloat16 cache, the
+    same greedy text on the GPU engine as on the NumPy one."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from wgpu_train.harness.lm import WgpuTrainLM
+
+    model_dir = make_model_dir(tmp_path / "model")
+    texts = []
+    for backend in ("numpy", "wgpu"):
+        lm = WgpuTrainLM(pretrained=str(model_dir), backend=backend, batch_size=2, kv_dtype="bfloat16")
+        assert lm.model.engine.kv_dtype == "bfloat16"
+        texts.append(lm.generate_until([Instance("generate_until", {}, (f"after red {i}?", {"max_gen_toks": 8}), i)
+                                        for i in range(3)], disable_tqdm=True))
+    assert texts[0] == texts[1] and all(texts[0])
