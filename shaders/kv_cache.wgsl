@@ -17,7 +17,7 @@ struct Params {
 @group(0) @binding(6) var<storage, read> positions: array<i32>;     // (N,) position within the row
 
 // The cache's storage (attention_decode.kv_source keeps one section): a cache word holds PER_WORD values;
-// word(x, e) is the word of values e.. of x (k_new or v_new).
+// k_word(e) / v_word(e) is the cache word of values e.. of k_new / v_new.
 // ---- kv: float32
 @group(0) @binding(1) var<storage, read_write> k_cache: array<f32>;   // (B, max_len, Hkv, D)
 @group(0) @binding(2) var<storage, read_write> v_cache: array<f32>;   // (B, max_len, Hkv, D)
