@@ -28,8 +28,20 @@ struct Params {
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read_write> out: array<f32>;     // (N, Hq, D)
 @group(0) @binding(2) var<storage, read> q: array<f32>;             // (N, Hq, D)
+// The cache's storage (attention_decode.kv_source keeps one section): k_at / v_at read one value.
+// ---- kv: float32
 @group(0) @binding(3) var<storage, read> k_cache: array<f32>;       // (B, max_len, Hkv, D)
 @group(0) @binding(4) var<storage, read> v_cache: array<f32>;       // (B, max_len, Hkv, D)
+fn k_at(e: u32) -> f32 { return k_cache[e]; }
+fn v_at(e: u32) -> f32 { return v_cache[e]; }
+// ---- kv: bfloat16
+// Two bfloat16 values per u32, element 2w in the low half: a value is its half shifted to the top of an f32.
+@group(0) @binding(3) var<storage, read> k_cache: array<u32>;       // (B, max_len, Hkv, D / 2)
+@group(0) @binding(4) var<storage, read> v_cache: array<u32>;       // (B, max_len, Hkv, D / 2)
+fn bf16_at(w: u32, e: u32) -> f32 { return bitcast<f32>(select(w << 16u, w & 0xffff0000u, (e & 1u) == 1u)); }
+fn k_at(e: u32) -> f32 { return bf16_at(k_cache[e >> 1u], e); }
+fn v_at(e: u32) -> f32 { return bf16_at(v_cache[e >> 1u], e); }
+// ---- end of kv formats
 @group(0) @binding(5) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
 @group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row
 
@@ -52,7 +64,7 @@ fn padding(i: u32) -> bool {
 
 fn score(q_off: u32, k_off: u32) -> f32 {
     var s = 0.0;
-    for (var c = 0u; c < params.d; c++) { s += q[q_off + c] * k_cache[k_off + c]; }
+    for (var c = 0u; c < params.d; c++) { s += q[q_off + c] * k_at(k_off + c); }
     s *= params.scale;
     if (params.softcap != 0.0) { s = params.softcap * tanh_f32(s / params.softcap); }
     return s;
@@ -85,7 +97,7 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         let corr = exp(m - m_new);
         let p = exp(s - m_new);
         l = l * corr + p;
-        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_cache[k_off + c]; }
+        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_at(k_off + c); }
         m = m_new;
     }
     for (var c = 0u; c < d; c++) { out[q_off + c] = acc[c] / l; }
@@ -120,7 +132,7 @@ fn attention_cached_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         let corr = exp(m - m_new);
         let p = exp(s - m_new);
         l = l * corr + p;
-        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_cache[k_off + c]; }
+        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_at(k_off + c); }
         m = m_new;
     }
     let p_off = idx * (d + 2u);

@@ -137,6 +137,12 @@ TOLERANCES: dict[str, Tolerance] = {
                                           "seen at most 1.1e-5 (KTO on Qwen3, lavapipe)"),
     "gpu_logits": Tolerance(1e-4, 3e-5,
                             "fp32 GEMMs with another summation order than BLAS, through every layer; seen <= 3e-6"),
+    "kv16_logits": Tolerance(1e-4, 3e-5,
+                             "a bfloat16 KV cache, GPU vs the NumPy engine rounding K and V at the same point: "
+                             "fp32 GEMMs and online softmax in another summation order (as gpu_logits); a key "
+                             "whose float32 value differs by an ulp could round to the other bfloat16 neighbour, "
+                             "which these tiny models do not hit; seen <= 1.1e-6 (test_kv16, both adapters) where "
+                             "the float32 cache is 3e-3 away"),
     "gpu_loss": Tolerance(1e-5, 1e-6, "fp32 mean of the token losses (and grad norm); seen <= 2e-7 relative"),
     "gpu_grads": Tolerance(1e-4, 2e-5,
                            "fp32 backward through every layer, reductions in another order; seen <= 3e-6 relative"),

@@ -56,7 +56,8 @@ def cmd_chat(args) -> int:
                           "(--no-chat-template): ask it with `wgpu-train generate`, or pass --chat-template")
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype}, adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
-                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
+                                          kv_dtype=args.kv_dtype)
     positions = model.config.max_position_embeddings
     max_new = min(args.max_new_tokens or GENERATE_TOKENS, positions - 1)
     chat = Conversation(args.system)
@@ -113,5 +114,5 @@ def register(sub):
     p.add_argument("--max-new-tokens", type=_whole(1), default=None,
                    help="most tokens of each answer (default: 256, or what the model's positions leave)")
     sampling_options(p)
-    _device_options(p, storage=True)
+    _device_options(p, storage=True, kv_cache=True)
     p.set_defaults(func=cmd_chat)

@@ -33,7 +33,7 @@ def _model_options(p, need_adapter: bool = False):
                    help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) or hub id")
 
 
-def _device_options(p, storage: bool = False):
+def _device_options(p, storage: bool = False, kv_cache: bool = False):
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
@@ -46,6 +46,12 @@ def _device_options(p, storage: bool = False):
         p.add_argument("--embed-dtype", default=None, choices=EMBED_CHOICES,
                        help="storage of the embedding and lm_head; default: as the run that wrote the adapter, "
                             "else auto (the base's own over a float32 or bfloat16 base, else float16)")
+    if kv_cache:
+        from wgpu_train.engines.protocol import KV_DTYPES
+
+        p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                       help="storage of generation's KV cache: bfloat16 halves its memory, attention still computes "
+                            "in float32 (default: float32)")
 
 
 def _whole(minimum: int):
@@ -168,7 +174,8 @@ def cmd_generate(args) -> int:
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": _given_no_chat_template(args)}, adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
-                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
+                                          kv_dtype=args.kv_dtype)
     trained_on = trained_data_format(adapter) if adapter else None
     ids = prompt_ids(tok, args.prompt, args.system, not settings["no_chat_template"], trained_on == "completions")
     positions = model.config.max_position_embeddings
@@ -199,7 +206,7 @@ def _register_generate(sub):
                    help=f"most tokens to generate, capped (with a note) to the positions the prompt leaves in the "
                         f"model's max_position_embeddings (default: {GENERATE_TOKENS}, or what fits)")
     sampling_options(p)
-    _device_options(p, storage=True)
+    _device_options(p, storage=True, kv_cache=True)
     p.set_defaults(func=cmd_generate)
 
 

@@ -67,7 +67,8 @@ def _load(args, specs, folders, model_dir, base_name):
     first = folders[0] if folders else None
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype}, first, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, None, args.backend, args.device,
-                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
+                                          kv_dtype=args.kv_dtype)
     given = _given_no_chat_template(args)
     registry = AdapterRegistry(model, base_name, PromptStyle(chat_template=not given))
     for spec, folder in zip(specs, folders):
@@ -106,5 +107,5 @@ def register(sub):
     _chat_template_option(p, "ask chat requests")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of uvicorn and the worker (default: info: a line per request and per batch)")
-    _device_options(p, storage=True)
+    _device_options(p, storage=True, kv_cache=True)
     p.set_defaults(func=cmd_serve)

@@ -16,7 +16,7 @@ from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
 from wgpu_train.engines.numpy.quant import check_dtypes
-from wgpu_train.engines.protocol import check_precision
+from wgpu_train.engines.protocol import check_kv_dtype, check_precision
 from wgpu_train.adapters.saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 
 log = logging.getLogger("wgpu_train")
@@ -415,7 +415,7 @@ def backend_engine(backend: str) -> str:
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
-                 embed_dtype="auto", precision="auto"):
+                 embed_dtype="auto", precision="auto", kv_dtype="float32"):
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
@@ -431,20 +431,20 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
 
             check_precision(precision, "wgpu")         # before any weight is uploaded
             rt = runtime.get_runtime(device)
-            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype)
+            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype)
             engine.precision_reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU")[1]
             return engine
     from wgpu_train.engines.numpy.engine import NumpyEngine
 
     precision, reason = precision_choice(precision, "numpy")
     engine = NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
-                         precision=precision)
+                         precision=precision, kv_dtype=kv_dtype)
     engine.precision_reason = reason
     return engine
 
 
 def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
-               embed_dtype: str = "auto", precision: str = "auto") -> Model:
+               embed_dtype: str = "auto", precision: str = "auto", kv_dtype: str = "float32") -> Model:
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
 
     base_dtype stores the frozen weights of the linear modules of every layer as "float32", "bfloat16",
@@ -456,10 +456,13 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
     the same rounded weights. Anything but float32 freezes the base (LoRA only).
     precision: where activations and their gradients are stored, "fp32", "bf16", "f16" (the NumPy engine only,
-    for now) or "auto" (precision_choice; engine.precision says which, engine.precision_reason why)."""
+    for now) or "auto" (precision_choice; engine.precision says which, engine.precision_reason why).
+    kv_dtype: how generation's KV cache stores keys and values, "float32" or "bfloat16" (half the bytes; the
+    attention over it computes in float32; needs an even head dim); engine.kv_dtype."""
     check_precision(precision)
     config = ModelConfig.from_folder(path)
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
+    check_kv_dtype(kv_dtype, config)
     weights = load_weights(path, config)
-    return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision),
-                 path)
+    return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision,
+                                      kv_dtype), path)

@@ -23,6 +23,20 @@ PRECISION_CHOICES = ("auto",) + PRECISIONS
 # engine has no 16-bit activation kernels yet
 BUILT_PRECISIONS = {"numpy": PRECISIONS, "wgpu": ("fp32",)}
 
+# How generation's KV cache stores keys and values (engine.kv_dtype; attention over it computes in float32):
+# bfloat16 halves the cache, two values per 4-byte word on the GPU, so it needs an even head dim.
+KV_DTYPES = ("float32", "bfloat16")
+
+
+def check_kv_dtype(kv_dtype: str, cfg: ModelConfig):
+    """Refuse (ConfigError, one line) a KV-cache dtype that is not one of KV_DTYPES, or bfloat16 for a model
+    whose head dim is odd."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype == "bfloat16" and cfg.head_dim % 2:
+        raise ConfigError(f"a bfloat16 KV cache needs an even head dim (this model's is {cfg.head_dim}); "
+                          f"use --kv-dtype float32")
+
 
 def check_precision(precision: str, engine: str = "numpy"):
     """Refuse (ConfigError, one line) a precision that is not one of PRECISION_CHOICES, or one the engine named
@@ -45,6 +59,7 @@ class Engine(Protocol):
     embed_dtype: str
     precision: str              # where activations are stored: fp32, bf16 or f16 (engines/numpy/precision.py)
     precision_reason: str       # why that precision (auto's choice), for the log and summary.json
+    kv_dtype: str               # how new_kv_cache stores keys and values: float32 or bfloat16 (KV_DTYPES)
     loss_scaler: "LossScaler | None"   # f16's dynamic loss scaling (None in fp32 / bf16)
     counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped
     last_profile: dict          # op group -> GPU seconds of the last profiled step ({} without one)
@@ -139,7 +154,8 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
     # ---- generation ----
-    def new_kv_cache(self, batch: int, max_len: int) -> dict: ...
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """A cache of `batch` rows of up to max_len positions, its keys and values stored as self.kv_dtype."""
 
     def free_kv_cache(self, kv: dict) -> None: ...
 

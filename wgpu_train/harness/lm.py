@@ -39,11 +39,12 @@ def _whole_number(value, what: str) -> int:
 class WgpuTrainLM(TemplateLM):
     """lm_eval's LM over a wgpu-train Model: model_args pretrained (a model folder or hub id; default: the
     adapter's base model), peft (a PEFT LoRA adapter folder or hub id), backend ("auto", "wgpu", "numpy"),
-    device (the WebGPU adapter), base_dtype / embed_dtype (storage, as `load_model`), batch_size (rows per
-    engine call), max_length (at most the model's max_position_embeddings, the default) and seed (sampling)."""
+    device (the WebGPU adapter), base_dtype / embed_dtype / kv_dtype (storage, as `load_model`; kv_dtype the
+    generate_until KV cache's), batch_size (rows per engine call), max_length (at most the model's
+    max_position_embeddings, the default) and seed (sampling)."""
 
     def __init__(self, pretrained=None, peft=None, backend: str = "auto", device=None, base_dtype: str = "auto",
-                 embed_dtype: str = "auto", batch_size=8, max_length=None, seed: int = 1234):
+                 embed_dtype: str = "auto", batch_size=8, max_length=None, seed: int = 1234, kv_dtype: str = "float32"):
         super().__init__()
         adapter = adapter_folder(peft)
         model_dir = hub.resolve(pretrained, "model") if pretrained else adapter and adapter_base_model(adapter)
@@ -51,7 +52,7 @@ class WgpuTrainLM(TemplateLM):
             raise ConfigError("the wgpu-train model needs pretrained=<model folder or hub id> (or an adapter whose "
                               "base model is on this machine)")
         self.model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype,
-                                embed_dtype=embed_dtype)
+                                embed_dtype=embed_dtype, kv_dtype=kv_dtype)
         if adapter is not None:
             self.model.load_adapter(adapter)
         self.tokenizer = load_tokenizer(model_dir)

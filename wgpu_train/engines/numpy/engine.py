@@ -9,7 +9,7 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import EngineState, LossScaler
+from wgpu_train.engines.protocol import EngineState, LossScaler, check_kv_dtype
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
@@ -17,7 +17,7 @@ from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.dora_linear import DoraLinear
 from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
 from wgpu_train.engines.numpy.precision import Rounding
-from wgpu_train.engines.numpy.quant import check_dtypes, round_weights
+from wgpu_train.engines.numpy.quant import check_dtypes, round_to, round_weights
 from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
 
@@ -52,12 +52,13 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
 
     precision (protocol.PRECISIONS): fp32, or bf16 / f16, where activations, saved tensors and activation
     gradients are rounded where the GPU stores them (precision.Rounding); f16 adds dynamic loss scaling
-    (protocol.LossScaler) to train_step."""
+    (protocol.LossScaler) to train_step. kv_dtype (protocol.KV_DTYPES): generation's KV cache rounds its keys and
+    values to it where the GPU's cache stores them."""
 
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", precision: str = "fp32"):
+                 embed_dtype: str = "auto", precision: str = "fp32", kv_dtype: str = "float32"):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
@@ -68,6 +69,8 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.plan = layer_plan(cfg)
         self.rounding = Rounding(precision, self.plan.statistics)
         self.precision, self.precision_reason = precision, "as given"
+        check_kv_dtype(kv_dtype, cfg)
+        self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
         self.loss_scaler = LossScaler() if precision == "f16" else None
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
@@ -277,7 +280,10 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap)      # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
-            ops.kv_cache_write(kv["k"][i], kv["v"][i], k[0], v[0], walk.rows, walk.positions[0])
+            k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
+            if kv["dtype"] != "float32":      # rounded as the GPU's cache stores them
+                k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
+            ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
             att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
                                                self.cfg.attn_softcap)
             lse = None

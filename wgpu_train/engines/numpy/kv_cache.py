@@ -44,11 +44,12 @@ class NumpyKvCache:
     """NumpyEngine's KV-cache generation (a mixin: it walks the engine's layer plan)."""
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
-        """A KV cache of `batch` rows (sequences) of up to max_len positions each."""
+        """A KV cache of `batch` rows (sequences) of up to max_len positions each; its keys and values are
+        rounded to self.kv_dtype where they are written (held in arrays of self.dtype)."""
         cfg = self.cfg
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
-                "batch": batch, "max_len": max_len}
+                "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
 
     def free_kv_cache(self, kv: dict):
         """Drop a KV cache's arrays (the engine protocol: the GPU engine frees its buffers)."""

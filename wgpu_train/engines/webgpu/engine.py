@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import EngineState
+from wgpu_train.engines.protocol import EngineState, check_kv_dtype
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
@@ -38,13 +38,15 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "auto"):
+                 embed_dtype: str = "auto", kv_dtype: str = "float32"):
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
                               f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
+        check_kv_dtype(kv_dtype, cfg)
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
+        self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
                                                                                    cfg.checkpoint_dtype)
         self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)

@@ -520,7 +520,6 @@ def adamw_update(rec, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay,
 # Their Params have named fields and no offsets: each tensor must start on an aligned offset.
 
 LORA_DROPOUT = {d: Kernel("lora_dropout", f"lora_dropout_{d}", "y! x seeds") for d in ("forward", "backward")}
-KV_CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions")
 
 
 def _lora_dropout(rec, direction, y, x, seeds, seed_slot, p, n):
@@ -542,8 +541,9 @@ def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
 
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
-                             window=0, softcap=0.0, scratch=None):
-    """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d);
+                             window=0, softcap=0.0, scratch=None, kv_dtype="float32"):
+    """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d) stored
+    as kv_dtype (float32, or bfloat16 two per u32 word);
     rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
     marks padding: its output is zero), only the last `window` of them when window > 0; scores soft-capped
     at softcap when it is not 0. scratch: a buffer of attention_decode.scratch_elements(queries, hq, d) floats
@@ -556,19 +556,25 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
     room = scratch.size // 4 if scratch is not None else 0
     tensors = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, rows=rows, positions=positions, part=scratch,
                    part_in=scratch)
-    p = attention_decode.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room)
+    p = attention_decode.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room,
+                                       kv_dtype)
     for dispatch in tune.choose(rec.rt, p).dispatches(p):
         rec.dispatch(*dispatch)
 
 
-def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d):
+def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d,
+                   kv_dtype="float32"):
     """k_cache / v_cache (batch, max_len, hkv, d) at [rows[i], positions[i]] = k_new[i] / v_new[i] (n, hkv, d):
-    writes one layer's new keys and values; tokens whose row or position lies outside the cache (a
-    negative row marks padding) write nothing."""
+    writes one layer's new keys and values, rounded to the caches' kv_dtype (bfloat16: to nearest even, two
+    per u32 word, so d must be even); tokens whose row or position lies outside the cache (a negative row
+    marks padding) write nothing."""
     if n <= 0:
         return
-    cache = batch * max_len * hkv * d
-    launch(rec, KV_CACHE_WRITE, flat_grid(-(-(n * hkv * d) // 64)),
+    if kv_dtype == "bfloat16" and d % 2:
+        raise ValueError(f"kv_cache_write: a bfloat16 cache needs an even head dim, not {d}")
+    cache = attention_decode.cache_words(batch * max_len * hkv * d, kv_dtype)
+    words = attention_decode.cache_words(n * hkv * d, kv_dtype)
+    launch(rec, attention_decode.cache_write(kv_dtype), flat_grid(-(-words // 64)),
            [(k_cache, cache), (v_cache, cache), (k_new, n * hkv * d), (v_new, n * hkv * d), (rows, n), (positions, n)],
            n=int(n), stride=int(hkv * d), max_len=int(max_len), batch=int(batch))
 

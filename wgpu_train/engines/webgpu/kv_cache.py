@@ -17,9 +17,9 @@ class KvCacheGeneration:
     # ---- generation with a KV cache -----------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
-        buffer (batch, max_len, Hkv, D)."""
+        buffer (batch, max_len, Hkv, D) stored as self.kv_dtype (bfloat16: two values per 4-byte word)."""
         cfg = self.cfg
-        size = batch * max_len * cfg.kv_size * F32
+        size = attention_decode.cache_words(batch * max_len * cfg.kv_size, self.kv_dtype) * F32
         if size > self.rt.max_binding:
             raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "
                               f"over the device's max storage binding of {self.rt.max_binding / 2**20:.0f} MiB: "
@@ -29,7 +29,7 @@ class KvCacheGeneration:
         return {"k": [self.rt.buffer(size, "k_cache") for _ in range(cfg.num_hidden_layers)],
                 "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
                 "scratch": self.rt.buffer(scratch, "kv_scratch"),
-                "len": 0, "batch": batch, "max_len": max_len}
+                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
 
     def free_kv_cache(self, kv: dict):
         """Free a KV cache's buffers now (and the cached bind groups that hold them)."""

@@ -146,10 +146,10 @@ class LayerRecorder:
                                 cfg.attn_softcap)
         else:   # generation: acts.segments holds each token's cache row
             K.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
-                             kv["batch"], kv["max_len"], hkv, d)
+                             kv["batch"], kv["max_len"], hkv, d, kv["dtype"])
             K.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
                                        acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap,
-                                       kv["scratch"])
+                                       kv["scratch"], kv["dtype"])
 
     def _forward_glu(self, rec, op, i, acts, buf, kv):
         """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""

@@ -6,7 +6,11 @@ chunks. The tuner (tune.py) picks the pass, and the chunk, by measurement on the
 On CPU adapters a pass applies only while its loops fit llvmpipe's budget of iterations per invocation
 (attention_kernels.CPU_LOOP_BUDGET; past it llvmpipe silently stops the loops): the single pass covers a
 few hundred cached positions at head dim 128, the split ones up to MAX_SPLITS chunks of the largest chunk
-that fits."""
+that fits.
+
+The cache stores float32 or bfloat16 (protocol.KV_DTYPES): kv_source keeps the storage section of
+shaders/kv_cache.wgsl and shaders/attention_cached.wgsl for the cache's dtype, so the cache write and every
+pass read or write either through one source; bfloat16 packs two values per u32 word (head dims are even)."""
 from __future__ import annotations
 
 import math
@@ -14,19 +18,60 @@ import math
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.protocol import KV_DTYPES, PREFILL_TOKENS
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
+from wgpu_train.engines.webgpu.device.runtime import shader_text
 
 WG = 64                       # shaders/attention_cached.wgsl's workgroup size
 MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is sized for this many)
 CHUNKS = (32, 64, 128, 256, 512, 1024)
 LOOP_MARGIN = 16              # iterations kept free of llvmpipe's budget (it already fails at 65534)
 
-SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
-PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cache v_cache rows positions")
-COMBINE = Kernel("attention_cached", "attention_cached_combine", "out! part_in _ _ rows positions")
+_KV_MARK, _KV_END = "// ---- kv: ", "// ---- end of kv formats"
+VALUES_PER_WORD = {"float32": 1, "bfloat16": 2}
+
+
+def kv_source(shader: str, kv_dtype: str) -> str:
+    """shaders/<shader>.wgsl for a cache stored as kv_dtype: of its `// ---- kv: <dtype>` sections only that
+    dtype's kept (the others blanked line by line, so that compiler messages keep the file's line numbers)."""
+    lines, keep = [], True
+    for line in shader_text(shader).split("\n"):
+        if line.startswith(_KV_END):
+            keep = True
+        elif line.startswith(_KV_MARK):
+            keep = kv_dtype in line[len(_KV_MARK):].split()
+        lines.append(line if keep else "")
+    return "\n".join(lines)
+
+
+def _cached(entry: str, bindings: str, kv_dtype: str) -> Kernel:
+    return Kernel("attention_cached", entry, bindings, source=(kv_source, "attention_cached", kv_dtype))
+
+
+def single(kv_dtype: str = "float32") -> Kernel:
+    """The one-pass kernel over a cache stored as kv_dtype."""
+    return _cached("attention_cached_forward", "out! q k_cache v_cache rows positions", kv_dtype)
+
+
+def partial(kv_dtype: str = "float32") -> Kernel:
+    """The split pair's first pass over a cache stored as kv_dtype."""
+    return _cached("attention_cached_partial", "part! q k_cache v_cache rows positions", kv_dtype)
+
+
+COMBINE = _cached("attention_cached_combine", "out! part_in _ _ rows positions", "float32")   # reads no cache
+
+
+def cache_write(kv_dtype: str = "float32") -> Kernel:
+    """shaders/kv_cache.wgsl's write of new keys and values into a cache stored as kv_dtype."""
+    return Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions",
+                  source=(kv_source, "kv_cache", kv_dtype))
+
+
+def cache_words(elements: int, kv_dtype: str) -> int:
+    """The 4-byte words a cache of `elements` values stored as kv_dtype takes (elements is even for bfloat16)."""
+    return int(elements) // VALUES_PER_WORD[kv_dtype]
 
 
 def scratch_elements(queries: int, hq: int, d: int, max_len: int = CHUNKS[0] * MAX_SPLITS) -> int:
@@ -45,13 +90,15 @@ def scratch_bytes(rt, batch: int, max_len: int, hq: int, d: int) -> int:
 
 
 class DecodeProblem:
-    """One attention_cached_forward call: n queries (q, out (n, hq, d)) against caches (batch, max_len, hkv, d),
-    rows / positions (n,) i32, a scratch for the partials (None: the single pass only)."""
+    """One attention_cached_forward call: n queries (q, out (n, hq, d)) against caches (batch, max_len, hkv, d)
+    stored as kv_dtype, rows / positions (n,) i32, a scratch for the partials (None: the single pass only)."""
 
-    def __init__(self, rt, tensors: dict, n, batch, max_len, hq, hkv, d, window=0, softcap=0.0, scratch_elems=0):
+    def __init__(self, rt, tensors: dict, n, batch, max_len, hq, hkv, d, window=0, softcap=0.0, scratch_elems=0,
+                 kv_dtype="float32"):
         self.rt, self.t = rt, tensors
         self.n, self.batch, self.max_len, self.hq, self.hkv, self.d = n, batch, max_len, hq, hkv, d
         self.window, self.softcap, self.scratch_elems = int(window), float(softcap), int(scratch_elems)
+        self.kv_dtype = kv_dtype
 
     @property
     def flops(self) -> float:
@@ -60,20 +107,22 @@ class DecodeProblem:
 
     def describe(self) -> str:
         return (f"cached attention n{self.n} len{self.max_len} H{self.hq}/{self.hkv} D{self.d}"
-                + (f" window {self.window}" if self.window else "") + (" softcap" if self.softcap else ""))
+                + (f" window {self.window}" if self.window else "") + (" softcap" if self.softcap else "")
+                + (f" {self.kv_dtype} cache" if self.kv_dtype != "float32" else ""))
 
     def signature(self) -> tuple:
         return ("decode", self.n, self.batch, self.max_len, self.hq, self.hkv, self.d, self.window, self.softcap,
-                self.scratch_elems)
+                self.scratch_elems, self.kv_dtype)
 
     def key(self) -> str:
-        """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap, and the
-        chunks the scratch holds (which decide the candidates)."""
+        """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap, the
+        chunks the scratch holds (which decide the candidates), and the cache's dtype where not float32."""
         def bucket(x):
             return 1 << max(0, (x - 1).bit_length())
         room = self.scratch_elems // max(1, self.n * self.hq * (self.d + 2))
         return (f"attention decode n{bucket(self.n)} len{bucket(self.max_len)} h{self.hq}/{self.hkv} d{self.d}"
-                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} s{min(room, MAX_SPLITS)}")
+                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} s{min(room, MAX_SPLITS)}"
+                f"{' ' + self.kv_dtype if self.kv_dtype != 'float32' else ''}")
 
     def candidates(self) -> list:
         """The single pass and every chunk that splits the rows in 2..MAX_SPLITS parts with partials that fit the
@@ -98,28 +147,36 @@ class DecodeProblem:
 
     def replica(self, rng):
         """(problem, output buffer, its initial values, its expected values, buffers to release): this shape on
-        fresh random inputs, every query's row full up to the cache's end."""
+        fresh random inputs (the caches' values as the cache's dtype stores them), every query's row full up
+        to the cache's end."""
         from wgpu_train.engines.numpy import ops
+        from wgpu_train.engines.numpy.quant import bfloat16_bits, bfloat16_values
 
         n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
         q = rng.standard_normal((n, hq, d)).astype(np.float32)
         kc, vc = (rng.standard_normal((b, L, hkv, d)).astype(np.float32) for _ in range(2))
+        stored = (kc, vc)
+        if self.kv_dtype == "bfloat16":
+            stored = tuple(bfloat16_bits(x).view(np.uint32) for x in (kc, vc))    # (b, L, hkv, d / 2) words
+            kc, vc = (bfloat16_values(bfloat16_bits(x)) for x in (kc, vc))
         rows, pos = (np.arange(n) % b).astype(np.int32), np.full(n, L - 1, np.int32)
         want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
                                             self.softcap).ravel()
-        bufs = [self.rt.upload(x, "tune operand") for x in (q, kc, vc, rows, pos)]
+        bufs = [self.rt.upload(x, "tune operand") for x in (q, *stored, rows, pos)]
         bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
         c0 = np.zeros(want.size, np.float32)
         res = self.rt.upload(c0, "tune result")
         bufs.append(res)
         tensors = dict(q=bufs[0], k_cache=bufs[1], v_cache=bufs[2], rows=bufs[3], positions=bufs[4],
                        part=bufs[5], part_in=bufs[5], out=res)
-        rep = DecodeProblem(self.rt, tensors, n, b, L, hq, hkv, d, self.window, self.softcap, self.scratch_elems)
+        rep = DecodeProblem(self.rt, tensors, n, b, L, hq, hkv, d, self.window, self.softcap, self.scratch_elems,
+                            self.kv_dtype)
         return rep, res, c0, want, bufs
 
 
 def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
-    cache, big, part = p.batch * p.max_len * p.hkv * p.d, p.n * p.hq * p.d, p.n * p.hq * max(1, splits) * (p.d + 2)
+    cache = cache_words(p.batch * p.max_len * p.hkv * p.d, p.kv_dtype)
+    big, part = p.n * p.hq * p.d, p.n * p.hq * max(1, splits) * (p.d + 2)
     sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": p.n,
              "part": part, "part_in": part}
     pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names], n=p.n, max_len=p.max_len,
@@ -143,7 +200,7 @@ class Single:
         return seen * (2 * p.d + 3) + 2 * p.d + 3
 
     def dispatches(self, p: DecodeProblem) -> list:
-        return [_dispatch(p, SINGLE, flat_grid(-(-(p.n * p.hq) // WG)))]
+        return [_dispatch(p, single(p.kv_dtype), flat_grid(-(-(p.n * p.hq) // WG)))]
 
 
 class Split:
@@ -169,10 +226,11 @@ class Split:
 
     def dispatches(self, p: DecodeProblem) -> list:
         splits = self.splits(p)
-        return [_dispatch(p, PARTIAL, flat_grid(-(-(p.n * p.hq * splits) // WG)), self.chunk, splits),
+        return [_dispatch(p, partial(p.kv_dtype), flat_grid(-(-(p.n * p.hq * splits) // WG)), self.chunk, splits),
                 _dispatch(p, COMBINE, flat_grid(-(-(p.n * p.hq * p.d) // WG)), self.chunk, splits)]
 
 
 def all_kernels() -> list[Kernel]:
-    """Every kernel descriptor of the cached attention (the binding-limit and Tint checks go through them)."""
-    return [SINGLE, PARTIAL, COMBINE]
+    """Every kernel descriptor of the cache write and the cached attention, for each cache dtype (the
+    binding-limit and Tint checks go through them)."""
+    return [k for dtype in KV_DTYPES for k in (cache_write(dtype), single(dtype), partial(dtype))] + [COMBINE]
