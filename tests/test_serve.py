@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -266,7 +267,23 @@ def test_bad_requests_get_openai_errors(server, client, ref):
                                           ("GET", "/v1/nothing", None, 404), ("POST", "/v1/models", b"{}", 405)]:
         r = httpx.request(method, server.url + path, content=content, headers=auth)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, path
+    lone = [("/v1/chat/completions", b'{"model": "a", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+            ("/v1/completions", b'{"model": "base", "prompt": "red \\udfff"}')]
+    for path, body in lone:
+        r = httpx.post(server.url + path, content=body, headers=auth)        # a lone surrogate is no text
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError) as e:         # past the queue limit alone: a 503 would never pass
+        client.completions.create(model="base", prompt=["red"] * 17, max_tokens=1)
+    assert e.value.body["code"] == "too_many_prompts" and "at most 16" in e.value.body["message"]
     assert_serves(client, ref)
+
+
+def test_tiny_temperatures_and_top_p_0_answer_greedily(client, ref):
+    """A temperature whose division overflows (5e-324) samples the softmax's limit, the argmax, as top_p 0 (the
+    smallest nucleus: one token) does, as OpenAI's API accepts both (0 <= top_p <= 1)."""
+    greedy = ref.text("base", QUESTIONS[3])
+    assert ask(client, "text", "base", QUESTIONS[3], temperature=5e-324, seed=3) == greedy
+    assert ask(client, "text", "base", QUESTIONS[3], temperature=1.5, top_p=0, seed=3) == greedy
 
 
 def _long_prompt(ref) -> list:
@@ -383,6 +400,8 @@ def test_bad_input_is_refused_in_one_line_before_serving(files, capsys, monkeypa
     (misfit / "adapter_config.json").write_text(json.dumps({**raw, "base_model_name_or_path": "/elsewhere/model"}))
     capsys.readouterr()
     one_line_error(capsys, base + ["--adapter", f"m={misfit}"], "does not match the model")
+    one_line_error(capsys, base + ["--api-key", ""], "--api-key is empty")
+    one_line_error(capsys, base + ["--api-key", " "], "--api-key is empty")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -390,6 +409,54 @@ def test_bad_input_is_refused_in_one_line_before_serving(files, capsys, monkeypa
         one_line_error(capsys, base[:-1] + [port], "in use")
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     one_line_error(capsys, base, "pip install 'wgpu-train[serve]'")
+
+
+def _with_base(adapter, out, base: str):
+    """A copy of an adapter folder whose adapter_config.json records `base` as its base model."""
+    shutil.copytree(adapter, out)
+    raw = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**raw, "base_model_name_or_path": base}))
+    return out
+
+
+def test_adapters_recording_different_hub_bases_are_refused(files, tmp_path, capsys):
+    """Over a local folder naming no hub repository: adapters recording two different hub bases are refused; one
+    recording a hub base is served with a warning line naming it. Over a folder whose config.json's
+    _name_or_path names a repository, an adapter recording another is refused."""
+    plain = _with_base(files.a, tmp_path / "plain", "Qwen/Qwen2.5-0.5B")
+    instruct = _with_base(files.b, tmp_path / "instruct", "Qwen/Qwen2.5-0.5B-Instruct")
+    base = ["serve", "--model", str(files.model), "--backend", "numpy", "--port", "0"]
+    one_line_error(capsys, base + ["--adapter", f"p={plain}", "--adapter", f"i={instruct}"],
+                   "adapters p and i were trained on different base models")
+    scheduler, sock = prepare(_args(*base[1:], "--adapter", f"p={plain}", "--adapter", f"q={plain}"))
+    sock.close()
+    assert scheduler.registry.names() == [str(files.model), "p", "q"]
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("warning: adapter ") and "Qwen/Qwen2.5-0.5B;" in w
+                                      for w in warnings), warnings
+    named = tmp_path / "named"
+    shutil.copytree(files.model, named)
+    config = json.loads((named / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**config, "_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}))
+    one_line_error(capsys, ["serve", "--model", str(named), "--backend", "numpy", "--port", "0", "--adapter",
+                            f"p={plain}"], f"was trained on Qwen/Qwen2.5-0.5B, not on the served model {named} "
+                                           f"(Qwen/Qwen2.5-0.5B-Instruct)")
+
+
+def test_urls_of_ipv6_hosts_have_brackets():
+    from wgpu_train.serve.server import url_of
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        assert url_of(sock) == f"http://127.0.0.1:{sock.getsockname()[1]}"
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket(socket.AF_INET6) as sock:
+        try:
+            sock.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+        assert url_of(sock) == f"http://[::1]:{sock.getsockname()[1]}"
 
 
 def test_the_serve_bench_runs(default_rt):

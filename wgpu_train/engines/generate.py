@@ -16,7 +16,8 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     if temperature <= 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64)
-    z = (z - z.max()) / temperature                 # <= 0, the largest exactly 0: exp never overflows
+    with np.errstate(over="ignore"):                # a tiny temperature: -inf but at the maxima, as in the limit
+        z = (z - z.max()) / temperature             # <= 0, the largest exactly 0: exp never overflows
     if top_k and top_k < z.shape[0]:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z < kth, -np.inf, z)

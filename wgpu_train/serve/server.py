@@ -42,6 +42,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def url_of(sock: socket.socket) -> str:
+    """http://host:port of a bound socket, an IPv6 address in brackets (http://[::1]:8000)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _server(app, log_level: str):
     import uvicorn
 
@@ -57,8 +63,7 @@ class ServerThread:
     """uvicorn serving an application on a bound socket from a background thread; stop() ends it."""
 
     def __init__(self, app, sock: socket.socket, log_level: str = "warning"):
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = url_of(sock)
         self._server = _server(app, log_level)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
 
