@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 
 import wgpu_train as wt  # noqa: E402
 from conftest import require_adapter  # noqa: E402
-from finetune_helpers import make_model_dir, one_line_error  # noqa: E402
+from finetune_helpers import build_tokenizer, make_model_dir, one_line_error  # noqa: E402
 from tiny_models import build_model, edit_config, save_model  # noqa: E402
 from wgpu_train.cli.commands import prompt_ids  # noqa: E402
 from wgpu_train.cli.main import build_parser  # noqa: E402
@@ -441,6 +441,21 @@ def test_adapters_recording_different_hub_bases_are_refused(files, tmp_path, cap
     one_line_error(capsys, ["serve", "--model", str(named), "--backend", "numpy", "--port", "0", "--adapter",
                             f"p={plain}"], f"was trained on Qwen/Qwen2.5-0.5B, not on the served model {named} "
                                            f"(Qwen/Qwen2.5-0.5B-Instruct)")
+
+
+def test_completion_prompts_start_with_bos_once(tmp_path):
+    """A tokenizer whose post-processor adds <s>: a text prompt is BOS then its text, as transformers' tokenizer
+    encodes it; chat prompts carry the template's BOS once too."""
+    from transformers import AutoTokenizer
+    from wgpu_train.serve.prompts import PromptStyle, chat_prompt_ids, completion_prompt_ids
+
+    build_tokenizer(tmp_path, bos=True)
+    tok, hf = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = completion_prompt_ids(tok, "after red 1?", tok.vocab_size)
+    assert ids == hf("after red 1?").input_ids and ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert completion_prompt_ids(tok, [5, 6], tok.vocab_size) == [5, 6]          # ids are taken as given
+    chat = chat_prompt_ids(tok, [{"role": "user", "content": "after red 1?"}], PromptStyle())
+    assert chat[0] == tok.bos_token_id and chat.count(tok.bos_token_id) == 1
 
 
 def test_urls_of_ipv6_hosts_have_brackets():

@@ -14,7 +14,7 @@ from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options,
 from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
                                              trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
-from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval
+from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 
 BACKENDS = ("auto", "wgpu", "numpy")
 
@@ -213,8 +213,9 @@ def sampling_options(p):
 # ---- eval -------------------------------------------------------------------------------------------------
 
 def cmd_eval(args) -> int:
-    if args.tasks:
+    if args.tasks is not None:
         return cmd_harness_eval(args)
+    refuse_harness_options(args)
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.data.tokenize import tokenize_dataset
     from wgpu_train.errors import DataError
