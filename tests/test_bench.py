@@ -44,3 +44,30 @@ def test_bench_json_decode(capsys):
     assert {r["kernel"].split("/")[0] for r in rows} == {"decode"}
     small = [r for r in rows if r["shape"].startswith("n1 len480")]
     assert any(r["kernel"] == "decode/single" for r in small) and all("vs_single" in r for r in small)
+
+
+def test_bench_json_preference(capsys, tmp_path, monkeypatch):
+    """The preference bench on a given model: a DPO step (its first loss checked to be log 2, the policy equal to
+    its reference) next to an SFT step on the chosen rows; the DPO micro-batch holds twice the rows, and the memory
+    estimates say what that costs."""
+    require_adapter()
+    from finetune_helpers import make_model_dir
+
+    monkeypatch.setenv("WGPU_TRAIN_MAX_SUBMIT_S", "inf")
+    model = make_model_dir(tmp_path / "model")
+    assert main(["bench", "--json", "--only", "preference", "--model", str(model)]) == 0
+    result = json.loads(capsys.readouterr().out)["preference"]
+    (sft_rows, sft_len), (dpo_rows, dpo_len) = (map(int, result["micro_batch"][k].split("x")) for k in ("sft", "dpo"))
+    assert dpo_rows == 2 * sft_rows == 2 * result["pairs_per_step"] and dpo_len >= sft_len
+    assert all(v > 0 for v in [*result["step_ms"].values(), *result["dpo_step_ms"].values()])
+    memory = result["memory_estimate_bytes"]
+    assert memory["dpo"]["weights"] == memory["sft"]["weights"]
+    assert memory["dpo"]["activations"] >= 2 * memory["sft"]["activations"] > 0
+    assert result["dpo_vs_sft_memory"] == memory["dpo"]["total"] / memory["sft"]["total"] > 1
+
+
+def test_bench_model_needs_the_preference_bench(capsys):
+    from finetune_helpers import one_line_error
+
+    one_line_error(capsys, ["bench", "--only", "gemm", "--model", "some/model"],
+                   "--model is the model of the preference")

@@ -346,6 +346,27 @@ def test_a_bfloat16_checkpoint_is_stored_exactly(rt, tmp_path):
     assert_close(gpu.logits(ids), want, "gpu_logits")
 
 
+def test_bfloat16_storage_is_bit_for_bit_float32_storage(rt, tmp_path):
+    """bf16 -> f32 is exact, so a bf16 checkpoint stored as bfloat16 (half the bytes) gives, bit for bit, the
+    logits, loss and LoRA gradients of the same checkpoint stored as float32, on both engines."""
+    torch = pytest.importorskip("torch")
+    from tiny_models import build_model, save_model
+
+    folder = save_model(build_model("llama", seed=4), tmp_path / "bf16", dtype=torch.bfloat16)
+    ids = np.random.default_rng(1).integers(0, 83, (2, 9))
+    lora = wt.LoraConfig(r=4, target_modules="all-linear")
+    for backend in ("numpy", "wgpu"):
+        device = {"device": str(rt.info.index)} if backend == "wgpu" else {}
+        half, full = (wt.load_model(folder, backend=backend, base_dtype=d, **device) for d in ("bfloat16", "float32"))
+        np.testing.assert_array_equal(half.logits(ids), full.logits(ids), err_msg=backend)
+        for m in (half, full):
+            m.add_lora(lora, seed=1)
+        (loss_h, grads_h), (loss_f, grads_f) = half.loss_and_grads(ids, ids), full.loss_and_grads(ids, ids)
+        assert loss_h == loss_f, backend
+        for k in grads_f:
+            np.testing.assert_array_equal(grads_h[k], grads_f[k], err_msg=f"{backend} {k}")
+
+
 @pytest.mark.parametrize("base,embed", [("bfloat16", "auto"), ("float16", "float32"), ("nf4", "float32"),
                                         ("nf4-dq", "float16")])
 def test_engines_agree_with_quantised_base(folder, rt, base, embed):

@@ -70,6 +70,18 @@ def _serve(rt):
 
 SECTIONS["serve"] = _serve
 
+# Benchmarks on a model folder (the embedded model, or bench --model) that add a key of their own:
+# name -> fn(rt, model) -> dict
+MODEL_SECTIONS: dict[str, Callable] = {}
+
+
+def _preference(rt, model):
+    from wgpu_train.bench.preference import bench_preference
+    return bench_preference(rt, model)
+
+
+MODEL_SECTIONS["preference"] = _preference
+
 
 def register(name: str):
     """Decorator: add a bench function under `name` (run in registration order; `only` filters by prefix)."""
@@ -445,7 +457,7 @@ def bench_base_weights(rt) -> list[dict]:
 
 def bench_names() -> list[str]:
     """The names --only selects among: kernel families and sections, in the order they run."""
-    return [*BENCHES, *SECTIONS]
+    return [*BENCHES, *SECTIONS, *MODEL_SECTIONS]
 
 
 def check_only(only: str | None):
@@ -457,9 +469,23 @@ def check_only(only: str | None):
                           f"(a prefix of one, or a kernel such as gemm_nt)")
 
 
-def run_bench(rt, only: str | None = None) -> dict:
+def _selected(name: str, only: str | None) -> bool:
+    return not only or name.startswith(only) or only.startswith(name)
+
+
+def check_model(only: str | None, model: str | None):
+    """Refuse a --model that no selected benchmark reads (a ConfigError naming those that do)."""
+    from wgpu_train.errors import ConfigError
+
+    if model is not None and not any(_selected(name, only) for name in MODEL_SECTIONS):
+        raise ConfigError(f"--model is the model of the {', '.join(MODEL_SECTIONS)} benchmark, which --only "
+                          f"{only!r} leaves out")
+
+
+def run_bench(rt, only: str | None = None, model: str | None = None) -> dict:
     """Measure the FMA peak, then every registered bench whose name starts with `only` (or that `only`
-    starts with; all if None), then the peak again.
+    starts with; all if None), then the peak again. `model` (a folder or hub id) is the model of the
+    MODEL_SECTIONS benchmarks (default: the embedded model).
 
     Returns {"adapter": {"name", "backend"}, "fma_peak_gflops", "timing", "kernels": [...]} plus one key
     per selected SECTIONS entry (e.g. "training": tokens/s side by side), each kernel
@@ -489,8 +515,11 @@ def run_bench(rt, only: str | None = None) -> dict:
               "timing": "timestamp-query" if timer.use_ts else "wall-clock",
               "kernels": kernels}
     for key, fn in SECTIONS.items():
-        if not only or key.startswith(only) or only.startswith(key):
+        if _selected(key, only):
             result[key] = fn(rt)
+    for key, fn in MODEL_SECTIONS.items():
+        if _selected(key, only):
+            result[key] = fn(rt, model)
     return result
 
 
@@ -498,8 +527,9 @@ def format_table(result: dict) -> str:
     """A plain-text table of a run_bench result (for the CLI without --json)."""
     adapter = result["adapter"]
     lines = [f"adapter: {adapter['name']} ({adapter['backend']}), timing: {result.get('timing', '?')}",
-             f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s",
-             f"{'kernel':<16} {'shape':<16} {'GFLOP/s':>9} {'of peak':>8} {'vs naive':>9}"]
+             f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s"]
+    if result["kernels"]:
+        lines.append(f"{'kernel':<16} {'shape':<16} {'GFLOP/s':>9} {'of peak':>8} {'vs naive':>9}")
     for e in result["kernels"]:
         rate = e.get("gflops", e.get("gbps", float("nan")))
         frac = e.get("fraction_of_peak")

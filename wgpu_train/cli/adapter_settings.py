@@ -53,7 +53,12 @@ def trained_settings(adapter_path) -> dict:
 
 def trained_data_format(adapter_path) -> str | None:
     """The data format the run that wrote an adapter folder trained on ("completions", "chat", ...), if known."""
-    return _read_json_object(run_config_path(adapter_path)).get("data_format")
+    return trained_run_config(adapter_path).get("data_format")
+
+
+def trained_run_config(adapter_path) -> dict:
+    """The train_config.json of the run that wrote an adapter folder, as recorded ({} when there is none)."""
+    return _read_json_object(run_config_path(adapter_path))
 
 
 def _option(name: str, value) -> str:

@@ -15,6 +15,8 @@ from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_mo
                                              trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
 from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
+from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
+                                            wants_preference_eval)
 
 BACKENDS = ("auto", "wgpu", "numpy")
 
@@ -213,9 +215,13 @@ def sampling_options(p):
 # ---- eval -------------------------------------------------------------------------------------------------
 
 def cmd_eval(args) -> int:
+    if args.tasks is None:
+        refuse_harness_options(args)
+    if wants_preference_eval(args):
+        return cmd_preference_eval(args)
+    args.batch_size = args.batch_size or EVAL_BATCH      # (a preference evaluation's default is the run's)
     if args.tasks is not None:
         return cmd_harness_eval(args)
-    refuse_harness_options(args)
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.data.tokenize import tokenize_dataset
     from wgpu_train.errors import DataError
@@ -268,10 +274,12 @@ def cmd_eval(args) -> int:
 
 
 def _register_eval(sub):
-    p = _add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset, or "
+    p = _add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset, a "
+                                 "preference objective's loss and reward metrics (--objective), or "
                                  "lm-evaluation-harness tasks (--tasks)")
     _model_options(p)
     add_harness_options(p)
+    add_preference_options(p)
     p.add_argument("--data", default=None, metavar="PATH", action=JoinRepeated,
                    help="data file (JSONL, JSON, Parquet), folder with train/valid/test splits, hub dataset id or "
                         "glob (repeat to mix); default: the embedded dataset")
@@ -280,7 +288,10 @@ def _register_eval(sub):
     p.add_argument("--split", default=None, choices=("train", "valid", "test"),
                    help="split of a dataset folder (default: test, else valid, else train; a file is one split)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--batch-size", type=_whole(1), default=8, help="rows per evaluation batch (default: 8)")
+    p.add_argument("--batch-size", type=_whole(1), default=None,
+                   help=f"rows per evaluation batch (default: {EVAL_BATCH}); with --objective, examples (pairs) per "
+                        f"scored step, as the run's steps take them (KTO's KL estimate and ORPO's NLL are per step) "
+                        f"(default: as the run that wrote the adapter, else {EVAL_BATCH})")
     p.add_argument("--max-seq-len", type=_whole(2), default=None,
                    help="truncate samples to this many tokens, and ask exact match only of prompts that leave room "
                         f"for the answer within it; default: as the run that wrote the adapter, else "

@@ -35,10 +35,11 @@ def cmd_devices(args) -> int:
 
 def cmd_bench(args) -> int:
     from wgpu_train.engines.webgpu.device import runtime
-    from wgpu_train.bench.suite import check_only, format_table, run_bench
+    from wgpu_train.bench.suite import check_model, check_only, format_table, run_bench
 
     check_only(args.only)
-    result = run_bench(runtime.get_runtime(args.device), only=args.only)
+    check_model(args.only, args.model)
+    result = run_bench(runtime.get_runtime(args.device), only=args.only, model=args.model)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="adapter index or part of its name/backend")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--only", default=None, help="run only the benchmarks whose name starts with this")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="Hugging Face model folder or hub id of the preference benchmark (default: the embedded "
+                        "model)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("tune", help="time the GEMM kernels of a model's LoRA training step on this adapter and "

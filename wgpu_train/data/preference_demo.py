@@ -38,3 +38,18 @@ def demo_preference_records(records: Sequence[Sequence[Message]], rng: np.random
         pairs.append(PreferenceRecord([dict(m) for m in prompt], [dict(answer)],
                                       [{"role": "assistant", "content": rejected}], getattr(record, "source", "")))
     return pairs
+
+
+def demo_preference_splits(splits, seed: int, unpaired: bool, names: Sequence[str] = ("train", "valid")):
+    """The embedded dataset's DataSplits (read with resolve_data) with the splits `names`, in that order, turned
+    into the demo's pairs (unpaired: KTO's examples), one default_rng(seed) drawing every rejected order: a run and
+    `wgpu-train eval` of the same seed build the same pairs."""
+    from wgpu_train.data.preference_records import unpair_preferences
+
+    rng = np.random.default_rng(seed)
+    for name in names:
+        pairs = demo_preference_records(getattr(splits, name), rng)
+        setattr(splits, name, unpair_preferences(pairs) if unpaired else pairs)
+    kind = "unpaired" if unpaired else "preference"
+    splits.format = f"{kind} (the embedded task: the right word order chosen, a wrong one rejected)"
+    return splits

@@ -5,36 +5,21 @@ optimizer step with them; evaluation reports the objective and TRL's reward metr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from wgpu_train.data.batching import Example
-from wgpu_train.data.preference_batching import PreferenceStream, kl_partners, pair_rows, row_batches
+from wgpu_train.data.preference_batching import PreferenceStream, kl_partners
 from wgpu_train.errors import ConfigError
-from wgpu_train.training.config import PAD_MULTIPLE
-from wgpu_train.training.evaluate import engine_batch
 from wgpu_train.training.metrics import fmt, num
-from wgpu_train.training.objectives import kto_objective, pair_objective
+from wgpu_train.training.preference_scoring import (PreferenceScorer, Scored, engine_reference, example_rows,
+                                                     mean_metrics)
 from wgpu_train.training.trainer import Trainer
 
 REFERENCE_FILE = "reference_logps.npz"      # the precomputed reference log-probabilities, in the run folder
 REFERENCE_ADAPTER_FILE = "reference_adapter.npz"    # --adapter-path: the starting adapter, the reference
-
-
-@dataclass
-class Scored:
-    """Rows scored by an engine: per row the summed log-probability of its completion tokens, their count, the
-    summed loss of every targeted token and their count; the engine micro-batches and their completion masks."""
-
-    logps: np.ndarray           # (R,) float64
-    tokens: np.ndarray          # (R,)
-    loss_sums: np.ndarray       # (R,) float64
-    targets: np.ndarray         # (R,)
-    micro: list                 # [(ids, targets, segment_ids, position_ids)] of (B, T) each
-    masks: list                 # [(B, T) bool] the completion tokens of each micro-batch
 
 
 class PreferenceTrainer(Trainer):
@@ -70,8 +55,8 @@ class PreferenceTrainer(Trainer):
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
-        from wgpu_train.data.preference_demo import demo_preference_records
-        from wgpu_train.data.preference_records import check_labels, unpair_preferences
+        from wgpu_train.data.preference_demo import demo_preference_splits
+        from wgpu_train.data.preference_records import check_labels
         from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
         from wgpu_train.data.sources import resolve_data
         from wgpu_train.formats.tokenizer import load_tokenizer
@@ -80,12 +65,8 @@ class PreferenceTrainer(Trainer):
         self.tokenizer = load_tokenizer(self.model_dir)
         kind = "preference" if self.paired else "unpaired"
         if cfg.data is None:      # the embedded demo: pairs built from the embedded SFT dataset
-            s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
-            rng = np.random.default_rng(cfg.seed)
-            s.train, s.valid = (demo_preference_records(part, rng) for part in (s.train, s.valid))
-            if not self.paired:
-                s.train, s.valid = unpair_preferences(s.train), unpair_preferences(s.valid)
-            s.format = f"{kind} (the embedded task: the right word order chosen, a wrong one rejected)"
+            s = demo_preference_splits(resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid,
+                                                    cfg.columns), cfg.seed, unpaired=not self.paired)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns, kind=kind)
         if not self.paired:
@@ -115,7 +96,12 @@ class PreferenceTrainer(Trainer):
                  f"{len(s.test)} test")
 
     def _rows(self, examples) -> list:
-        return pair_rows(examples) if self.paired else [ex.row() for ex in examples]
+        return example_rows(examples, self.paired)
+
+    @functools.cached_property
+    def scorer(self) -> PreferenceScorer:
+        """Scores this run's examples on an engine, batch_size examples per micro-batch (after the tokenizer)."""
+        return PreferenceScorer(self.settings, self.config.batch_size, self.pad_id)
 
     def _make_stream(self, accum: int):
         return PreferenceStream(self.pref["train"], self.config.batch_size * accum, self.config.seed,
@@ -199,10 +185,10 @@ class PreferenceTrainer(Trainer):
         try:
             for split, examples in self.pref.items():
                 indices = np.arange(len(examples))
-                logps = self._score(engine, examples, indices).logps    # pairs: every chosen, then every rejected
+                logps = self.scorer.score(engine, examples, indices).logps  # pairs: every chosen, then every rejected
                 out[split] = {"logps": logps.reshape((2, -1)).T if self.paired else logps}
                 if not self.paired:
-                    out[split]["kl"] = self._score(engine, examples, indices, mismatched=split).logps
+                    out[split]["kl"] = self.scorer.score(engine, examples, indices, self.partners[split]).logps
         finally:
             if off:
                 engine.set_adapter_enabled(True)
@@ -235,73 +221,35 @@ class PreferenceTrainer(Trainer):
         return out
 
     # ---- scoring --------------------------------------------------------------------------------------
-    def _micro_batches(self, rows) -> list:
-        per_micro = self.config.batch_size * (2 if self.paired else 1)
-        return [engine_batch(b) for b in row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)]
-
-    def _score(self, engine, examples, indices, mismatched: str | None = None) -> Scored:
-        """The rows of examples[indices] (pairs: every chosen row, then every rejected row; with mismatched, a
-        split, KTO's mismatched rows instead) scored by `engine`. ORPO's chosen rows are trained on every token,
-        prompt included (TRL's NLL term), so their micro-batches target every token and the completion masks
-        say which tokens make up the log-probabilities."""
-        chosen = [examples[i] for i in indices]
-        if mismatched is not None:
-            partners = self.partners[mismatched]
-            rows = [examples[i].mismatched_row(examples[partners[i]]) for i in indices]
-        else:
-            rows = self._rows(chosen)
-        micro = self._micro_batches(rows)
-        masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
-        if self.config.objective == "orpo" and mismatched is None:
-            p = len(indices)
-            whole = [Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated) if k < p else r
-                     for k, r in enumerate(rows)]
-            micro = self._micro_batches(whole)
-        logps, tokens, sums, counts = [np.zeros(0)], [np.zeros(0, np.int64)], [np.zeros(0)], [np.zeros(0, np.int64)]
-        for (ids, targets, seg, pos), mask in zip(micro, masks):
-            losses = engine.token_losses(ids, targets, seg, pos).astype(np.float64)   # (B, T)
-            logps.append(-(losses * mask).sum(axis=1))
-            tokens.append(mask.sum(axis=1))
-            sums.append(losses.sum(axis=1))
-            counts.append((targets != -100).sum(axis=1))
-        return Scored(*(np.concatenate(x) for x in (logps, tokens, sums, counts)), micro, masks)
-
-    def _reference_logps(self, split, examples, indices, mismatched: bool = False) -> np.ndarray:
+    def _reference(self, split: str):
+        """The reference of examples of `split` (precomputed, the starting adapter swapped in, or the adapter
+        switched off), as PreferenceScorer.objective takes it; None for objectives without one."""
+        if not self.settings.uses_reference:
+            return None
+        examples, partners = self.pref[split], self.partners.get(split)
         if self.reference is not None:
             d = self.reference[split]
-            if mismatched:
-                return d["kl"][indices]
-            return d["logps"][indices].T.reshape(-1) if self.paired else d["logps"][indices]
+
+            def precomputed(indices, mismatched: bool):
+                if mismatched:
+                    return d["kl"][indices]
+                return d["logps"][indices].T.reshape(-1) if self.paired else d["logps"][indices]
+            return precomputed
         if self._reference_tensors is not None:
-            current = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
-            self.engine.set_trainable(self._reference_tensors)
-            try:
-                return self._score(self.engine, examples, indices, split if mismatched else None).logps
-            finally:
-                self.engine.set_trainable(current)
-        self.engine.set_adapter_enabled(False)
-        try:
-            return self._score(self.engine, examples, indices, split if mismatched else None).logps
-        finally:
-            self.engine.set_adapter_enabled(True)
+            def starting_adapter(indices, mismatched: bool):
+                current = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
+                self.engine.set_trainable(self._reference_tensors)
+                try:
+                    return self.scorer.score(self.engine, examples, indices, partners if mismatched else None).logps
+                finally:
+                    self.engine.set_trainable(current)
+            return starting_adapter
+        return engine_reference(self.scorer, self.engine, examples, partners)
 
     def _objective(self, split: str, indices) -> tuple:
         """(ObjectiveResult, the policy's Scored rows) of examples[indices]."""
-        examples = self.pref[split]
-        scored = self._score(self.engine, examples, indices)
-        logps, tokens = scored.logps, scored.tokens
-        ref = self._reference_logps(split, examples, indices) if self.settings.uses_reference else None
-        if self.paired:
-            p = len(indices)
-            nll = (scored.loss_sums[:p].sum(), int(scored.targets[:p].sum()))
-            result = pair_objective(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
-                                    None if ref is None else ref[:p], None if ref is None else ref[p:], nll=nll)
-        else:
-            kl = self._score(self.engine, examples, indices, mismatched=split).logps
-            ref_kl = self._reference_logps(split, examples, indices, mismatched=True)
-            labels = np.array([examples[i].label for i in indices], bool)
-            result = kto_objective(self.settings, logps, ref, labels, kl, ref_kl)
-        return result, scored
+        return self.scorer.objective(self.engine, self.pref[split], indices, self._reference(split),
+                                     self.partners.get(split))
 
     # ---- the step and evaluation --------------------------------------------------------------------
     def _step(self):
@@ -355,17 +303,8 @@ class PreferenceTrainer(Trainer):
 
     def evaluate(self) -> dict | None:
         """The objective and its metrics on the validation examples (None without them)."""
-        if not self.pref["valid"]:
-            return None
-        n, per_step = len(self.pref["valid"]), self.config.batch_size
-        losses, weights, metrics = [], [], []
-        for i in range(0, n, per_step):
-            result, _ = self._objective("valid", np.arange(i, min(i + per_step, n)))
-            losses.append(result.loss)
-            weights.append(min(per_step, n - i))
-            metrics.append(result.metrics)
-        return {"loss": float(np.average(losses, weights=weights)), "perplexity": None, "tokens": n,
-                "metrics": _mean_metrics(metrics, weights)}
+        return self.scorer.evaluate(self.engine, self.pref["valid"], self._reference("valid"),
+                                    self.partners.get("valid"))
 
     def _valid_row(self, result: dict):
         metrics = {k: num(v) for k, v in result["metrics"].items()}
@@ -381,7 +320,7 @@ class PreferenceTrainer(Trainer):
 
     def _write_row(self, row: dict):
         if "split" not in row and "grad_norm" in row and self._step_metrics:
-            row = {**row, **{k: num(v) for k, v in _mean_metrics(self._step_metrics).items()}}
+            row = {**row, **{k: num(v) for k, v in mean_metrics(self._step_metrics).items()}}
             self._step_metrics = []
         super()._write_row(row)
 
@@ -395,14 +334,6 @@ class PreferenceTrainer(Trainer):
                                 "reward_accuracy": dict(self._accuracy)}
         summary["n_train"], summary["n_valid"] = len(self.pref["train"]), len(self.pref["valid"])
         return summary
-
-
-def _mean_metrics(rows: list, weights=None) -> dict:
-    """Each metric's (weighted) mean over the rows that have it."""
-    weights = [1.0] * len(rows) if weights is None else weights
-    keys = sorted({k for r in rows for k in r})
-    return {k: float(np.average([r[k] for r in rows if k in r], weights=[w for r, w in zip(rows, weights) if k in r]))
-            for k in keys}
 
 
 def _as_conversation(record):

@@ -70,7 +70,8 @@ class StepRecording:
         self._count(before)
         return out.reshape(b, t, v)
 
-    def loss(self, ids, targets, segment_ids, position_ids):
+    def _record_scoring(self, ids, targets, segment_ids, position_ids) -> tuple:
+        """A batch uploaded and its forward and loss head recorded, no backward: (recorder, bucket, counters before)."""
         b, t = ids.shape
         acts = self._activations(b, t, train=False)
         self._upload_batch(acts, ids, segment_ids, position_ids, targets)
@@ -79,29 +80,25 @@ class StepRecording:
         rec = self.rt.recorder()
         self._record_forward(rec, acts)
         self._record_head(rec, acts, backward=False)
-        return self._submit_loss(rec, acts, before)
+        return rec, acts, before
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        return self._submit_loss(*self._record_scoring(ids, targets, segment_ids, position_ids))
 
     def token_losses(self, ids, targets, segment_ids, position_ids):
         """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); one
         submission, one readback of the loss head's rows."""
-        b, t = ids.shape
-        acts = self._activations(b, t, train=False)
-        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
-        before = dict(self.rt.counters)
-        self._training = False
-        rec = self.rt.recorder()
-        self._record_forward(rec, acts)
-        self._record_head(rec, acts, backward=False)
+        rec, acts, before = self._record_scoring(ids, targets, segment_ids, position_ids)
         rec.read_back(acts.loss_rows, np.float32, (acts.n_head,))
         rec.submit()
         rows = rec.result()                                      # (n_head,) in the loss head's row order
         self._count(before)
-        out = np.zeros(b * t, np.float32)
+        out = np.zeros(ids.size, np.float32)
         if acts.head_order is None:
             out[:] = rows
         else:
             out[acts.head_order] = rows
-        return out.reshape(b, t)
+        return out.reshape(ids.shape)
 
     def _submit_loss(self, rec, acts, before) -> tuple:
         """Sum the recorded micro-batch's loss rows, submit, and read back (loss_sum, trained tokens)."""

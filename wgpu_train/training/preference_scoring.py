@@ -1,0 +1,136 @@
+"""Scoring preference examples on an engine: sequence log-probabilities of their rows (engine protocol
+token_losses), a preference objective over them, and its mean over a split; shared by the PreferenceTrainer's
+steps and validation, `wgpu-train eval --objective` and `wgpu-train bench --only preference`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from wgpu_train.data.batching import Example
+from wgpu_train.data.preference_batching import pair_rows, row_batches
+from wgpu_train.training.config import PAD_MULTIPLE
+from wgpu_train.training.evaluate import engine_batch
+from wgpu_train.training.objectives import ObjectiveResult, PreferenceSettings, kto_objective, pair_objective
+
+# The reference's summed log-probabilities of examples[indices]: fn(indices, mismatched) -> (R,), the rows in the
+# order Scored holds them (pairs: every chosen row, then every rejected row; mismatched: KTO's KL rows).
+Reference = Callable[[np.ndarray, bool], np.ndarray]
+
+
+@dataclass
+class Scored:
+    """Rows scored by an engine: per row the summed log-probability of its completion tokens, their count, the
+    summed loss of every targeted token and their count; the engine micro-batches and their completion masks."""
+
+    logps: np.ndarray           # (R,) float64
+    tokens: np.ndarray          # (R,)
+    loss_sums: np.ndarray       # (R,) float64
+    targets: np.ndarray         # (R,)
+    micro: list                 # [(ids, targets, segment_ids, position_ids)] of (B, T) each
+    masks: list                 # [(B, T) bool] the completion tokens of each micro-batch
+
+
+class PreferenceScorer:
+    """Scores tokenized preference examples (PreferenceExample pairs, or KTO's UnpairedExample) on any engine,
+    batch_size examples per micro-batch (a pair is two rows), and evaluates `settings`' objective over them."""
+
+    def __init__(self, settings: PreferenceSettings, batch_size: int, pad_id: int):
+        self.settings, self.batch_size, self.pad_id = settings, batch_size, pad_id
+        self.paired = settings.objective != "kto"
+
+    def micro_batches(self, rows: Sequence[Example]) -> list:
+        per_micro = self.batch_size * (2 if self.paired else 1)
+        return [engine_batch(b) for b in row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)]
+
+    def score(self, engine, examples: Sequence, indices, partners: np.ndarray | None = None) -> Scored:
+        """The rows of examples[indices] (pairs: every chosen row, then every rejected row; with partners, KTO's
+        (N,) mismatched partner of each example, its mismatched rows instead) scored by `engine`. ORPO's chosen
+        rows are trained on every token, prompt included (TRL's NLL term), so their micro-batches target every
+        token and the completion masks say which tokens make up the log-probabilities."""
+        chosen = [examples[i] for i in indices]
+        if partners is not None:
+            rows = [examples[i].mismatched_row(examples[partners[i]]) for i in indices]
+        else:
+            rows = example_rows(chosen, self.paired)
+        micro = self.micro_batches(rows)
+        masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
+        if self.settings.objective == "orpo" and partners is None:
+            p = len(indices)
+            whole = [Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated) if k < p else r
+                     for k, r in enumerate(rows)]
+            micro = self.micro_batches(whole)
+        logps, tokens, sums, counts = [np.zeros(0)], [np.zeros(0, np.int64)], [np.zeros(0)], [np.zeros(0, np.int64)]
+        for (ids, targets, seg, pos), mask in zip(micro, masks):
+            losses = engine.token_losses(ids, targets, seg, pos).astype(np.float64)   # (B, T)
+            logps.append(-(losses * mask).sum(axis=1))
+            tokens.append(mask.sum(axis=1))
+            sums.append(losses.sum(axis=1))
+            counts.append((targets != -100).sum(axis=1))
+        return Scored(*(np.concatenate(x) for x in (logps, tokens, sums, counts)), micro, masks)
+
+    def objective(self, engine, examples: Sequence, indices, reference: Reference | None = None,
+                  partners: np.ndarray | None = None) -> tuple[ObjectiveResult, Scored]:
+        """(ObjectiveResult, the policy's Scored rows) of examples[indices]: the policy is `engine`, the reference
+        `reference` (DPO and KTO), KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
+        scored = self.score(engine, examples, indices)
+        logps, tokens = scored.logps, scored.tokens
+        ref = reference(indices, False) if self.settings.uses_reference else None
+        if self.paired:
+            p = len(indices)
+            nll = (scored.loss_sums[:p].sum(), int(scored.targets[:p].sum()))
+            result = pair_objective(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
+                                    None if ref is None else ref[:p], None if ref is None else ref[p:], nll=nll)
+        else:
+            kl = self.score(engine, examples, indices, partners).logps
+            labels = np.array([examples[i].label for i in indices], bool)
+            result = kto_objective(self.settings, logps, ref, labels, kl, reference(indices, True))
+        return result, scored
+
+    def evaluate(self, engine, examples: Sequence, reference: Reference | None = None,
+                 partners: np.ndarray | None = None) -> dict | None:
+        """The objective over every example, batch_size of them at a time as a training step takes them (KTO's KL
+        estimate and ORPO's NLL are per step), and its metrics, each averaged over the steps weighted by their
+        examples: {"loss", "perplexity": None, "tokens": the examples, "metrics"}; None without examples."""
+        n = len(examples)
+        if not n:
+            return None
+        losses, weights, metrics = [], [], []
+        for i in range(0, n, self.batch_size):
+            result, _ = self.objective(engine, examples, np.arange(i, min(i + self.batch_size, n)), reference,
+                                       partners)
+            losses.append(result.loss)
+            weights.append(min(self.batch_size, n - i))
+            metrics.append(result.metrics)
+        return {"loss": float(np.average(losses, weights=weights)), "perplexity": None, "tokens": n,
+                "metrics": mean_metrics(metrics, weights)}
+
+
+def example_rows(examples: Sequence, paired: bool) -> list[Example]:
+    """The engine rows of examples: pairs' chosen rows, then their rejected rows; KTO's one row each."""
+    return pair_rows(examples) if paired else [ex.row() for ex in examples]
+
+
+def engine_reference(scorer: PreferenceScorer, engine, examples: Sequence, partners: np.ndarray | None = None,
+                     adapter_off: bool = True) -> Reference:
+    """The reference of `engine`'s scores of examples: with adapter_off, the engine's base model (its adapter
+    switched off while it scores, as TRL's trainers take the reference of a PEFT model); otherwise the engine as
+    it is (another model, e.g. the base with a reference adapter)."""
+    def reference(indices, mismatched: bool) -> np.ndarray:
+        if adapter_off:
+            engine.set_adapter_enabled(False)
+        try:
+            return scorer.score(engine, examples, indices, partners if mismatched else None).logps
+        finally:
+            if adapter_off:
+                engine.set_adapter_enabled(True)
+    return reference
+
+
+def mean_metrics(rows: list, weights=None) -> dict:
+    """Each metric's (weighted) mean over the rows that have it."""
+    weights = [1.0] * len(rows) if weights is None else weights
+    keys = sorted({k for r in rows for k in r})
+    return {k: float(np.average([r[k] for r in rows if k in r], weights=[w for r, w in zip(rows, weights) if k in r]))
+            for k in keys}
