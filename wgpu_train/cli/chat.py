@@ -22,8 +22,8 @@ class Conversation:
 
     def prompt_ids(self, tokenizer, user: str, positions: int, answer_room: int) -> tuple[list[int], int]:
         """(token ids asking for the answer to `user` after the history, turns dropped to fit): the oldest
-        user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError when the
-        system message and `user` alone leave none."""
+        user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError, the
+        history left as it was, when the system message and `user` alone leave none."""
         from wgpu_train.data.tokenize import generation_prompt_ids
 
         dropped, turns = 0, self.turns
