@@ -21,8 +21,8 @@ def require_extra():
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (port 0: a free one the system picks); ConfigError when the address
-    cannot be had (a port in use, a host not of this machine)."""
+    """A TCP socket bound to host:port and listening (port 0: a free one the system picks); ConfigError when
+    the address cannot be had (a port in use, a host not of this machine)."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a TCP port lies in 0..65535")
     try:
@@ -33,6 +33,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # a port in TIME_WAIT is free to rebind
     try:
         sock.bind((host, port))
+        sock.listen(2048)       # uvicorn's backlog: a client that connects before uvicorn runs waits, not refused
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
