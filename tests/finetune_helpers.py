@@ -25,14 +25,22 @@ def write_jsonl(path: Path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
 
 
-def build_tokenizer(folder: Path):
-    """Train a byte-level BPE on the toy task's text and save it (ChatML fallback, eos <|im_end|>)."""
+def build_tokenizer(folder: Path, bos: bool = False):
+    """Train a byte-level BPE on the toy task's text and save it (ChatML fallback, eos <|im_end|>); with `bos`, a
+    Llama-like vocabulary instead (<unk> <s> </s>) whose post-processor adds <s>, as Llama's and Mistral's do."""
     corpus = [f"user\n{r['prompt']}\nassistant\n{r['completion']}" for r in records(40)] + ["system user assistant"]
-    tok = train_bpe(corpus, vocab_size=300)
     folder.mkdir(parents=True, exist_ok=True)
+    if bos:
+        from tokenizers import processors
+
+        tok = train_bpe(corpus, vocab_size=300, specials=["<unk>", "<s>", "</s>"])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"}
+    else:
+        tok = train_bpe(corpus, vocab_size=300)
+        special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
-                                                              "pad_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(special))
     return tok.get_vocab_size(with_added_tokens=True)
 
 

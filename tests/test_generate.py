@@ -10,7 +10,7 @@ import wgpu_train as wt
 from wgpu_train.data.sources import load_records
 from wgpu_train.errors import ConfigError, DeviceError
 from wgpu_train.training.evaluate import answer_text, exact_match, generation_prompt
-from wgpu_train.engines.generate import generate, generate_batch
+from wgpu_train.engines.generate import generate, generate_batch, sample_next
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.config import default_data_dir, default_model_dir
 
@@ -105,13 +105,29 @@ def test_generate_batch_refuses_bad_input_in_one_line(tiny):
              (dict(prompts=[[1, 2]], max_new_tokens=[-1]), ">= 0"),
              (dict(prompts=[[1, 2]], seed=[1, 2]), "seed"),
              (dict(prompts=[[1, 2, 3, 4]], max_len=3), "prompt 0 has 4 tokens, more than max_len 3"),
-             (dict(prompts=[[1, 2]], top_p=0.0), "top_p"),
+             (dict(prompts=[[1, 2]], top_p=-0.1), "top_p"),
+             (dict(prompts=[[1, 2]], temperature=float("nan")), "finite temperature"),
              (dict(prompts=[[1, 83]]), r"token ids must lie in \[0, 83\)")]
     for kw, message in cases:
         with pytest.raises(ConfigError, match=message) as info:
             model.generate_batch(**kw)
         assert "\n" not in str(info.value)
     assert model.generate_batch([[1, 2], [3]], max_new_tokens=0) == [[], []]
+
+
+def test_tiny_temperatures_and_top_p_0_sample_the_likeliest_token(tiny):
+    """A temperature whose division overflows (5e-324) is the softmax's limit, the argmax (ties shared), not NaN
+    probabilities; top_p 0 keeps the smallest nucleus, the one likeliest token; generate answers both greedily."""
+    rng = np.random.default_rng(0)
+    logits = np.array([1.0, 3.0, -2.0, 3.0, 0.5], np.float32)
+    draws = {sample_next(logits, 5e-324, 0, 1.0, rng) for _ in range(50)}
+    assert draws == {1, 3}                                      # the two tied maxima, nothing else
+    assert {sample_next(logits, 1e-300, 2, 1.0, rng) for _ in range(20)} <= {1, 3}
+    assert {sample_next(logits[:3], 1.5, 0, 0.0, rng) for _ in range(20)} == {1}
+    model = wt.load_model(tiny, backend="numpy")
+    greedy = model.generate([1, 2, 3], max_new_tokens=6)
+    assert model.generate([1, 2, 3], max_new_tokens=6, temperature=5e-324, seed=1) == greedy
+    assert model.generate([1, 2, 3], max_new_tokens=6, temperature=1.5, top_p=0.0, seed=1) == greedy
 
 
 def test_kv_cache_over_the_binding_limit_is_refused(tiny, rt):

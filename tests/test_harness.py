@@ -100,7 +100,7 @@ def tiny(tmp_path_factory):
 
 
 def _evaluate(tiny, model: str, model_args: dict, tasks=TASKS, chat: bool = False, limit=None,
-              max_length=MAX_LENGTH) -> dict:
+              max_length=MAX_LENGTH, num_fewshot=None) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -108,6 +108,7 @@ def _evaluate(tiny, model: str, model_args: dict, tasks=TASKS, chat: bool = Fals
 
     return simple_evaluate(model=model, model_args={**model_args, **({"max_length": max_length} if max_length else {})},
                            tasks=tasks, batch_size=3, apply_chat_template=chat, log_samples=True, limit=limit,
+                           num_fewshot=num_fewshot,
                            task_manager=TaskManager(include_path=str(tiny["tasks"]), include_defaults=False))
 
 
@@ -158,6 +159,19 @@ def test_wgpu_engine_matches_lm_evals_hf_backend(tiny, adapter, rt):
     args = {"pretrained": str(tiny["model"]), "backend": "wgpu", "device": str(rt.info.index)}
     ours = _evaluate(tiny, "wgpu-train", {**args, **({"peft": str(tiny["adapter"])} if adapter else {})})
     _compare(ours, _hf(tiny, adapter))
+
+
+def test_a_tokenizer_adding_bos_matches_lm_evals_hf_backend(tiny, tmp_path):
+    """A Llama-like tokenizer whose post-processor adds <s>: our log-likelihoods of the multiple-choice task (an
+    empty few-shot context too) equal lm_eval's hf backend's, which encodes the same way (numpy engine)."""
+    model_dir = tmp_path / "bos_model"
+    vocab = build_tokenizer(model_dir, bos=True)
+    save_model(build_model("llama", seed=4, vocab_size=vocab), model_dir)
+    for shots in (0, 1):
+        args = {"pretrained": str(model_dir)}
+        ours = _evaluate(tiny, "wgpu-train", {**args, "backend": "numpy"}, ["tiny_mc"], num_fewshot=shots)
+        hf = _evaluate(tiny, "hf", {**args, "dtype": "float32", "device": "cpu"}, ["tiny_mc"], num_fewshot=shots)
+        _compare(ours, hf, ["tiny_mc"])
 
 
 def test_chat_template_prompts_match_lm_evals_hf_backend(tiny):
@@ -261,6 +275,16 @@ def test_a_dataset_missing_offline_is_one_line(tiny, capsys):
 def test_data_and_tasks_together_are_refused(tiny, capsys):
     one_line_error(capsys, _cli(tiny, "--tasks", "tiny_mc", "--data", str(tiny["tasks"] / "mc_test.jsonl")),
                    "--data and --tasks are two different evaluations")
+
+
+def test_harness_options_without_tasks_are_refused(tiny, capsys):
+    """lm_eval's options given without --tasks (or with --tasks naming nothing) are one line, not ignored."""
+    plain = ["eval", "--model", str(tiny["model"]), "--backend", "numpy"]
+    for extra in (["--num-fewshot", "0"], ["--limit", "2"], ["--apply-chat-template"],
+                  ["--output-path", str(tiny["tasks"] / "out")], ["--include-path", str(tiny["tasks"])]):
+        one_line_error(capsys, plain + extra, f"{extra[0]} applies to lm-evaluation-harness tasks")
+    one_line_error(capsys, plain + ["--tasks", ""], "--tasks names no task")
+    one_line_error(capsys, plain + ["--tasks", " , "], "--tasks names no task")
 
 
 def test_tasks_without_the_extra_name_it(tiny):

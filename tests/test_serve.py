@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,11 +28,12 @@ pytest.importorskip("uvicorn")
 
 import wgpu_train as wt  # noqa: E402
 from conftest import require_adapter  # noqa: E402
-from finetune_helpers import make_model_dir, one_line_error  # noqa: E402
+from finetune_helpers import build_tokenizer, make_model_dir, one_line_error  # noqa: E402
 from tiny_models import build_model, edit_config, save_model  # noqa: E402
 from wgpu_train.cli.commands import prompt_ids  # noqa: E402
 from wgpu_train.cli.main import build_parser  # noqa: E402
 from wgpu_train.cli.serve import prepare  # noqa: E402
+from wgpu_train.errors import AdapterError, ConfigError  # noqa: E402
 from wgpu_train.formats.tokenizer import load_tokenizer  # noqa: E402
 from wgpu_train.serve.adapters import parse_adapter_spec  # noqa: E402
 from wgpu_train.serve.app import build_app  # noqa: E402
@@ -266,7 +268,23 @@ def test_bad_requests_get_openai_errors(server, client, ref):
                                           ("GET", "/v1/nothing", None, 404), ("POST", "/v1/models", b"{}", 405)]:
         r = httpx.request(method, server.url + path, content=content, headers=auth)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, path
+    lone = [("/v1/chat/completions", b'{"model": "a", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+            ("/v1/completions", b'{"model": "base", "prompt": "red \\udfff"}')]
+    for path, body in lone:
+        r = httpx.post(server.url + path, content=body, headers=auth)        # a lone surrogate is no text
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError) as e:         # past the queue limit alone: a 503 would never pass
+        client.completions.create(model="base", prompt=["red"] * 17, max_tokens=1)
+    assert e.value.body["code"] == "too_many_prompts" and "at most 16" in e.value.body["message"]
     assert_serves(client, ref)
+
+
+def test_tiny_temperatures_and_top_p_0_answer_greedily(client, ref):
+    """A temperature whose division overflows (5e-324) samples the softmax's limit, the argmax, as top_p 0 (the
+    smallest nucleus: one token) does, as OpenAI's API accepts both (0 <= top_p <= 1)."""
+    greedy = ref.text("base", QUESTIONS[3])
+    assert ask(client, "text", "base", QUESTIONS[3], temperature=5e-324, seed=3) == greedy
+    assert ask(client, "text", "base", QUESTIONS[3], temperature=1.5, top_p=0, seed=3) == greedy
 
 
 def _long_prompt(ref) -> list:
@@ -383,6 +401,10 @@ def test_bad_input_is_refused_in_one_line_before_serving(files, capsys, monkeypa
     (misfit / "adapter_config.json").write_text(json.dumps({**raw, "base_model_name_or_path": "/elsewhere/model"}))
     capsys.readouterr()
     one_line_error(capsys, base + ["--adapter", f"m={misfit}"], "does not match the model")
+    for key in ("", " "):                   # prepare, not main: a regression would serve, not hang the test
+        with pytest.raises(ConfigError, match="^--api-key is empty: ") as e:
+            prepare(_args(*base[1:], "--api-key", key))
+        assert "\n" not in str(e.value)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -390,6 +412,70 @@ def test_bad_input_is_refused_in_one_line_before_serving(files, capsys, monkeypa
         one_line_error(capsys, base[:-1] + [port], "in use")
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     one_line_error(capsys, base, "pip install 'wgpu-train[serve]'")
+
+
+def _with_base(adapter, out, base: str):
+    """A copy of an adapter folder whose adapter_config.json records `base` as its base model."""
+    shutil.copytree(adapter, out)
+    raw = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**raw, "base_model_name_or_path": base}))
+    return out
+
+
+def test_adapters_recording_different_hub_bases_are_refused(files, tmp_path, capsys):
+    """Over a local folder naming no hub repository: adapters recording two different hub bases are refused; one
+    recording a hub base is served with a warning line naming it. Over a folder whose config.json's
+    _name_or_path names a repository, an adapter recording another is refused."""
+    plain = _with_base(files.a, tmp_path / "plain", "Qwen/Qwen2.5-0.5B")
+    instruct = _with_base(files.b, tmp_path / "instruct", "Qwen/Qwen2.5-0.5B-Instruct")
+    base = ["serve", "--model", str(files.model), "--backend", "numpy", "--port", "0"]
+    # prepare, not main: a regression would serve, not hang the test (the CLI prints these errors in one line)
+    with pytest.raises(AdapterError, match="adapters p and i were trained on different base models"):
+        prepare(_args(*base[1:], "--adapter", f"p={plain}", "--adapter", f"i={instruct}"))
+    scheduler, sock = prepare(_args(*base[1:], "--adapter", f"p={plain}", "--adapter", f"q={plain}"))
+    sock.close()
+    assert scheduler.registry.names() == [str(files.model), "p", "q"]
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("warning: adapter ") and "Qwen/Qwen2.5-0.5B;" in w
+                                      for w in warnings), warnings
+    named = tmp_path / "named"
+    shutil.copytree(files.model, named)
+    config = json.loads((named / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**config, "_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}))
+    with pytest.raises(AdapterError, match=f"was trained on Qwen/Qwen2.5-0.5B, not on the served model {named} "
+                                           r"\(Qwen/Qwen2.5-0.5B-Instruct\)"):
+        prepare(_args("--model", str(named), "--backend", "numpy", "--port", "0", "--adapter", f"p={plain}"))
+
+
+def test_completion_prompts_start_with_bos_once(tmp_path):
+    """A tokenizer whose post-processor adds <s>: a text prompt is BOS then its text, as transformers' tokenizer
+    encodes it; chat prompts carry the template's BOS once too."""
+    from transformers import AutoTokenizer
+    from wgpu_train.serve.prompts import PromptStyle, chat_prompt_ids, completion_prompt_ids
+
+    build_tokenizer(tmp_path, bos=True)
+    tok, hf = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = completion_prompt_ids(tok, "after red 1?", tok.vocab_size)
+    assert ids == hf("after red 1?").input_ids and ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert completion_prompt_ids(tok, [5, 6], tok.vocab_size) == [5, 6]          # ids are taken as given
+    chat = chat_prompt_ids(tok, [{"role": "user", "content": "after red 1?"}], PromptStyle())
+    assert chat[0] == tok.bos_token_id and chat.count(tok.bos_token_id) == 1
+
+
+def test_urls_of_ipv6_hosts_have_brackets():
+    from wgpu_train.serve.server import url_of
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        assert url_of(sock) == f"http://127.0.0.1:{sock.getsockname()[1]}"
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket(socket.AF_INET6) as sock:
+        try:
+            sock.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+        assert url_of(sock) == f"http://[::1]:{sock.getsockname()[1]}"
 
 
 def test_the_serve_bench_runs(default_rt):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check of wgpu-train on a lent GPU machine (run tools/device_prepare.sh here first): the
 # carried loaders and wgpu, the adapters found, the kernel / GEMM / quantisation / engine tests on every
-# adapter there, `wgpu-train tune` of a 135M-shaped LoRA step, `wgpu-train bench --json`, a LoRA step of
+# adapter there, `wgpu-train tune` of a 135M-shaped LoRA step, `wgpu-train bench --json` (and `--only serve`
+# alone, its server on the carried starlette / uvicorn), a LoRA step of
 # that configuration next to PyTorch + PEFT on CUDA (tools/gpu_vs_torch.py), and a training step at 0.5B
 # scale (tools/smoke_large.py).
 # Each part has its own time limit and writes its output under $OUT, so one failure does not hide the rest.
@@ -18,7 +19,8 @@ icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] && export VK_DRIVER_FILES=$icd
 egl=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 [ -f "$egl" ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$egl
-python3 -m pip install -q --no-index --find-links .whl wgpu rendercanvas cffi pycparser > "$OUT/pip.txt" 2>&1
+python3 -m pip install -q --no-index --find-links .whl wgpu rendercanvas cffi pycparser \
+  starlette uvicorn anyio idna typing_extensions h11 click > "$OUT/pip.txt" 2>&1
 export PYTHONPATH=$PWD XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
 cli() { python3 -c 'import sys; from wgpu_train.cli.main import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 
@@ -36,6 +38,8 @@ timeout 90 bash -c "$(declare -f cli); cli tune --model $OUT/smol135 --batch-siz
 echo "tune: exit $?"; head -40 "$OUT/tune.txt"
 timeout 90 bash -c "$(declare -f cli); cli bench --json" > "$OUT/bench.json" 2> "$OUT/bench.err"
 echo "bench: exit $?"
+timeout 90 bash -c "$(declare -f cli); cli bench --only serve --json" > "$OUT/bench_serve.json" 2> "$OUT/bench_serve.err"
+echo "bench serve: exit $?"; tail -3 "$OUT/bench_serve.err"
 timeout 90 python3 tools/gpu_vs_torch.py > "$OUT/vs_torch.json" 2> "$OUT/vs_torch.err"
 echo "vs torch: exit $?"; cat "$OUT/vs_torch.json"
 timeout 90 python3 tools/smoke_large.py > "$OUT/smoke.txt" 2>&1

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from wgpu_train.errors import ConfigError
 
 
-
 def _prompts(n: int) -> list:
     """n completion prompts in the embedded model's pretraining form `copy: a b c ... ->`, each copying the word
     lists of six records of the embedded dataset: answers of about 20 tokens (a word each) before its EOS."""

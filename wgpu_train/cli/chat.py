@@ -22,21 +22,22 @@ class Conversation:
 
     def prompt_ids(self, tokenizer, user: str, positions: int, answer_room: int) -> tuple[list[int], int]:
         """(token ids asking for the answer to `user` after the history, turns dropped to fit): the oldest
-        user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError when the
-        system message and `user` alone leave none."""
+        user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError, the
+        history left as it was, when the system message and `user` alone leave none."""
         from wgpu_train.data.tokenize import generation_prompt_ids
 
-        dropped = 0
+        dropped, turns = 0, self.turns
         while True:
-            messages = self.system + self.turns + [{"role": "user", "content": user}]
+            messages = self.system + turns + [{"role": "user", "content": user}]
             ids = generation_prompt_ids(tokenizer, messages)
-            if len(ids) + answer_room <= positions or not self.turns:
+            if len(ids) + answer_room <= positions or not turns:
                 break
-            self.turns = self.turns[2:]
+            turns = turns[2:]
             dropped += 1
-        if len(ids) >= positions:
+        if len(ids) >= positions:           # the history stays as it was
             raise ConfigError(f"the message has {len(ids)} tokens with the chat template, and the model takes at "
                               f"most {positions} (max_position_embeddings): no room for an answer")
+        self.turns = turns
         return ids, dropped
 
     def answered(self, user: str, answer: str):
@@ -67,7 +68,9 @@ def cmd_chat(args) -> int:
     while True:
         try:
             line = input(">>> " if interactive else "")
-        except EOFError:
+        except EOFError:                    # Ctrl-D: end the prompt's line before the shell's
+            if interactive:
+                print()
             break
         user = line.strip()
         if not user:
@@ -84,7 +87,11 @@ def cmd_chat(args) -> int:
                 print(("" if known else f"unknown command {word}; ") +
                       "; ".join(f"{c}: {what}" for c, what in COMMANDS.items()), file=sys.stderr)
             continue
-        ids, dropped = chat.prompt_ids(tok, user, positions, max_new)
+        try:
+            ids, dropped = chat.prompt_ids(tok, user, positions, max_new)
+        except ConfigError as e:            # that message alone is too long: say so, and ask again
+            print(f"error: {e}", file=sys.stderr)
+            continue
         if dropped:
             print(f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} dropped: the conversation outgrew the "
                   f"model's {positions} positions)", file=sys.stderr)

@@ -14,7 +14,7 @@ from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options,
 from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
                                              trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
-from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval
+from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
                                             wants_preference_eval)
 
@@ -222,10 +222,12 @@ def sampling_options(p):
 # ---- eval -------------------------------------------------------------------------------------------------
 
 def cmd_eval(args) -> int:
+    if args.tasks is None:
+        refuse_harness_options(args)
     if wants_preference_eval(args):
         return cmd_preference_eval(args)
     args.batch_size = args.batch_size or EVAL_BATCH      # (a preference evaluation's default is the run's)
-    if args.tasks:
+    if args.tasks is not None:
         return cmd_harness_eval(args)
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.data.tokenize import tokenize_dataset

@@ -21,24 +21,16 @@ def _limit(text: str):
     return int(value) if value >= 1 else value
 
 
-def _shots(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def add_harness_options(p):
     """eval's options for lm_eval's tasks (--batch-size, the model, adapter and backend options are eval's own)."""
+    from wgpu_train.cli.commands import _whole
+
     g = p.add_argument_group("lm-evaluation-harness tasks (the eval extra: " + INSTALL + ")")
     g.add_argument("--tasks", default=None, metavar="NAME[,NAME...]",
                    help="run these lm_eval tasks, groups or tags (e.g. hellaswag,arc_easy) instead of --data; data "
                         "comes from the datasets cache, local files or the hub, as lm_eval resolves it. --batch-size "
                         "and the model, adapter, storage and backend options apply; the dataset options do not")
-    g.add_argument("--num-fewshot", type=_shots, default=None, metavar="N",
+    g.add_argument("--num-fewshot", type=_whole(0), default=None, metavar="N",
                    help="examples in each prompt (default: each task's own, else 0)")
     g.add_argument("--limit", type=_limit, default=None, metavar="N",
                    help="only the first N documents of each task, or a fraction of them when N < 1 (for tests)")
@@ -49,6 +41,18 @@ def add_harness_options(p):
                         "as PATH_<time>.json")
     g.add_argument("--include-path", default=None, metavar="DIR",
                    help="also the task YAML files under DIR (your own tasks)")
+
+
+HARNESS_ONLY = ("num_fewshot", "limit", "apply_chat_template", "output_path", "include_path")
+
+
+def refuse_harness_options(args):
+    """ConfigError (one line) when an option that only lm_eval's tasks read is given without --tasks."""
+    given = [name for name in HARNESS_ONLY if getattr(args, name) is not None and getattr(args, name) is not False]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} applies to lm-evaluation-harness tasks: give --tasks NAME[,NAME...] with it, or "
+                          f"leave it out to evaluate --data")
 
 
 def cmd_harness_eval(args) -> int:

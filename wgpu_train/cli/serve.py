@@ -11,14 +11,13 @@ from wgpu_train.errors import ConfigError
 def cmd_serve(args) -> int:
     scheduler, sock = prepare(args)             # the serve extra checked first
     from wgpu_train.serve.app import build_app
-    from wgpu_train.serve.server import serve
+    from wgpu_train.serve.server import serve, url_of
 
     app = build_app(scheduler, args.api_key)
     served_log = logging.getLogger("wgpu_train.serve")      # a line per batch, beside uvicorn's per request
     served_log.setLevel(args.log_level.upper())
     served_log.addHandler(logging.StreamHandler())
-    host, port = sock.getsockname()[:2]
-    print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at http://{host}:{port}/v1, "
+    print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at {url_of(sock)}/v1, "
           f"the OpenAI API{'' if args.api_key else ' (no --api-key: anyone who reaches it may use it)'}; Ctrl-C "
           f"stops", file=sys.stderr, flush=True)
     scheduler.start()
@@ -33,10 +32,13 @@ def prepare(args):
     """(Scheduler, bound socket): every check made, the model loaded with its adapters, nothing served yet."""
     from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder
     from wgpu_train.cli.adapter_settings import model_folder
-    from wgpu_train.serve.adapters import check_base, parse_adapter_spec
+    from wgpu_train.serve.adapters import check_bases, parse_adapter_spec
     from wgpu_train.serve.server import bind, require_extra
 
     require_extra()
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key is empty: give the key clients must send, or leave --api-key out to serve "
+                          "without one")
     specs = [parse_adapter_spec(text) for text in args.adapter]
     names = [s.name for s in specs]
     if len(set(names)) < len(names):
@@ -46,8 +48,8 @@ def prepare(args):
     model_dir = model_folder(args.model, first)
     from_adapter = first is not None and not args.model and adapter_base_model(first) is not None
     base_name = args.served_model_name or args.model or (adapter_base_name(first) if from_adapter else "default")
-    for spec, folder in zip(specs, folders):
-        check_base(spec.name, folder, args.model, model_dir)
+    for warning in check_bases([(s.name, f) for s, f in zip(specs, folders)], args.model, model_dir):
+        print(f"warning: {warning}", file=sys.stderr)
     sock = bind(args.host, args.port)            # before the model loads: a port in use fails at once
     try:
         return _load(args, specs, folders, model_dir, base_name), sock

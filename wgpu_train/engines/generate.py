@@ -8,19 +8,25 @@ from wgpu_train.errors import ConfigError
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    """One token id from logits (V,): argmax when temperature is 0, else a draw from the filtered softmax."""
+    """One token id from logits (V,): argmax when temperature is 0, else a draw from the filtered softmax.
+
+    The logits are scaled after their maximum is subtracted, so a temperature too small for the division (even
+    5e-324) gives the softmax's limit, the argmax (ties shared), never inf - inf; top_p 0 keeps the smallest
+    nucleus, the one likeliest token."""
     if temperature <= 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):                # a tiny temperature: -inf but at the maxima, as in the limit
+        z = (z - z.max()) / temperature             # <= 0, the largest exactly 0: exp never overflows
     if top_k and top_k < z.shape[0]:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
+    p = np.exp(z)
     p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, top_p) + 1)]   # the smallest set reaching top_p
+        keep = order[: int(np.searchsorted(cum, top_p) + 1)]   # the smallest set reaching top_p (one at 0)
         mask = np.zeros_like(p, dtype=bool)
         mask[keep] = True
         p = np.where(mask, p, 0.0)
@@ -29,8 +35,8 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int, top_p: float
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float):
-    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
-        raise ConfigError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    if not (0 <= temperature < np.inf) or top_k < 0 or not 0.0 <= top_p <= 1.0:
+        raise ConfigError("need a finite temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
 
 
 def generate(engine, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,

@@ -1,6 +1,6 @@
 """The models a server answers for: the base under its name and each --adapter NAME=DIR (or hub id), read once
 and kept in memory, switched on the one Model per request without reloading the base; an adapter trained on
-another base refused before serving."""
+another base (than the served model's, or than another adapter's) refused before serving."""
 from __future__ import annotations
 
 import json
@@ -69,26 +69,56 @@ def _identity(folder: Path):
     return config, files
 
 
-def check_base(name: str, adapter: Path, model_arg: str | None, model_dir: Path):
+def served_hub_id(model_arg: str | None, model_dir: Path) -> str | None:
+    """The hub repository the served model is: --model when it is a hub id, else its config.json's
+    `_name_or_path` when that is one, else the repository of a hub cache folder (models--org--name/snapshots/..);
+    None when nothing names one."""
+    if model_arg and hub.is_hub_id(model_arg):
+        return hub.split_id(model_arg)[0]
+    try:
+        recorded = json.loads((model_dir / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if isinstance(recorded, str) and hub.is_hub_id(recorded):
+        return hub.split_id(recorded)[0]
+    for part in model_dir.resolve().parts:
+        cached = re.fullmatch(r"models--([^/]+?)--(.+)", part)
+        if cached:
+            return f"{cached[1]}/{cached[2].replace('--', '/')}"
+    return None
+
+
+def check_bases(adapters: list[tuple[str, Path]], model_arg: str | None, model_dir: Path) -> list[str]:
     """Refuse (AdapterError, one line) an adapter whose recorded base (base_model_name_or_path) is known to be
-    another model than the served one: another hub repository than a served hub id, or a model folder on this
-    machine that is neither the served folder nor a copy of it. A base recorded as neither (none, or a folder
-    not on this machine) passes; the adapter's shapes are checked against the model when it is read."""
-    base = adapter_base_name(adapter)
-    if not base:
-        return
-    if hub.is_hub_id(base):
-        if model_arg and hub.is_hub_id(model_arg):
-            same = hub.split_id(base)[0].lower() == hub.split_id(model_arg)[0].lower()
+    another model than the served one: another hub repository than the one the served model names (see
+    served_hub_id), a model folder on this machine that is neither the served folder nor a copy of it, or
+    another hub repository than another adapter's. A base recorded as none, or as a folder not on this machine,
+    passes; so does a hub id over a served folder that names no repository, with a warning line (returned)
+    naming it. The adapters' shapes are checked against the model when they are read."""
+    served = served_hub_id(model_arg, model_dir)
+    warnings, repos = [], {}
+    for name, adapter in adapters:
+        base = adapter_base_name(adapter)
+        if hub.is_hub_id(base):
+            repos.setdefault(hub.split_id(base)[0].lower(), (name, base))
+            if served is None:
+                warnings.append(f"adapter {name} was trained on {base}; the served model {model_dir} names no hub "
+                                f"repository (no _name_or_path in its config.json), so only the shapes are checked")
+                continue
+            same = hub.split_id(base)[0].lower() == served.lower()
+        elif base and (Path(base) / "config.json").is_file():
+            same = _same_model(Path(base), model_dir)
         else:
-            return              # a hub id against a local folder: the shapes decide
-    elif (Path(base) / "config.json").is_file():
-        same = _same_model(Path(base), model_dir)
-    else:
-        return
-    if not same:
-        raise AdapterError(f"adapter {name} ({adapter}) was trained on {base}, not on the served model "
-                           f"{model_arg or model_dir}: serve it with --model {base}")
+            continue
+        if not same:
+            named = f" ({served})" if served and served != model_arg else ""
+            raise AdapterError(f"adapter {name} ({adapter}) was trained on {base}, not on the served model "
+                               f"{model_arg or model_dir}{named}: serve it with --model {base}")
+    if len(repos) > 1:
+        (a, base_a), (b, base_b) = list(repos.values())[:2]
+        raise AdapterError(f"adapters {a} and {b} were trained on different base models ({base_a}, {base_b}): "
+                           f"serve the adapters of each base from a server of their own")
+    return warnings
 
 
 class AdapterRegistry:

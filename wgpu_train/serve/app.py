@@ -108,12 +108,16 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                     pass
             return emit
 
+        if len(prompts) > scheduler.max_queue:          # a 503 would never turn into an answer
+            raise ApiError(400, f"{len(prompts)} prompts in one request, and this server queues at most "
+                                f"{scheduler.max_queue} (--max-queue): send at most {scheduler.max_queue} per request",
+                           "prompt", "too_many_prompts")
         jobs = [Job(req.model, p, b, req.temperature, req.top_k, req.top_p, req.seed, req.stop, emitter(i))
                 for i, (p, b) in enumerate(zip(prompts, budgets))]
         try:
             scheduler.submit(jobs)
         except QueueFull:
-            raise ApiError(503, f"the server is busy ({scheduler.max_queue} requests waiting): retry later",
+            raise ApiError(503, f"the server is busy ({scheduler.max_queue} prompts waiting): retry later",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         reply = Reply(chat, req.model)
         if req.stream:

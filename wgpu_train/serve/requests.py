@@ -38,6 +38,11 @@ def json_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}",
                        code="invalid_json")
+    try:                        # JSON may escape a lone UTF-16 surrogate (\ud800), which is no Unicode text
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the request body holds a lone surrogate {e.object[e.start]!a}, which is not valid "
+                            f"Unicode text", code="invalid_json") from None
     return body
 
 
@@ -49,14 +54,14 @@ def _bad_value(name: str, want: str, value) -> ApiError:
     return ApiError(400, f"invalid value for '{name}': {want}, got {json.dumps(value)}", name, "invalid_value")
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _bad_type(name, "a finite number", value)
-    if value > high or value < low or (low_open and value == low):
-        raise _bad_value(name, f"must lie in {'(' if low_open else '['}{low:g}, {high:g}]", value)
+    if value > high or value < low:
+        raise _bad_value(name, f"must lie in [{low:g}, {high:g}]", value)
     return float(value)
 
 
@@ -123,7 +128,7 @@ def _common(body: dict, max_tokens_names: tuple) -> dict:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _bad_type("seed", "an integer", seed)
     return dict(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),
                 seed=None if seed is None else seed & 0xFFFFFFFFFFFFFFFF, stop=_stop(body), stream=stream,
                 include_usage=include_usage)
 

@@ -21,8 +21,8 @@ def require_extra():
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (port 0: a free one the system picks); ConfigError when the address
-    cannot be had (a port in use, a host not of this machine)."""
+    """A TCP socket bound to host:port and listening (port 0: a free one the system picks); ConfigError when
+    the address cannot be had (a port in use, a host not of this machine)."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a TCP port lies in 0..65535")
     try:
@@ -33,6 +33,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # a port in TIME_WAIT is free to rebind
     try:
         sock.bind((host, port))
+        sock.listen(2048)       # uvicorn's backlog: a client that connects before uvicorn runs waits, not refused
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
@@ -40,6 +41,12 @@ def bind(host: str, port: int) -> socket.socket:
                 from None
         raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror})") from None
     return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """http://host:port of a bound socket, an IPv6 address in brackets (http://[::1]:8000)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _server(app, log_level: str):
@@ -57,8 +64,7 @@ class ServerThread:
     """uvicorn serving an application on a bound socket from a background thread; stop() ends it."""
 
     def __init__(self, app, sock: socket.socket, log_level: str = "warning"):
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = url_of(sock)
         self._server = _server(app, log_level)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
 
