@@ -85,7 +85,7 @@ def _check_arguments(args):
     if args.objective is None:
         option = "--ref-adapter" if args.ref_adapter else f"--{given[0].replace('_', '-')}"
         raise ConfigError(f"{option} is an option of a preference objective: give --objective")
-    if args.tasks:
+    if args.tasks is not None:
         raise ConfigError("--tasks runs lm-evaluation-harness tasks; leave out --objective (or --tasks)")
     if args.max_prompt_length is not None and args.max_prompt_length < 1:
         raise ConfigError(f"--max-prompt-length must be at least 1, got {args.max_prompt_length}")

@@ -174,7 +174,7 @@ class WgpuTrainLM(TemplateLM):
             [np.asarray(prompts[i]) for i in rows], max_new_tokens=budget,
             temperature=float(kwargs.get("temperature") or 0.0) if sampled else 0.0,
             top_k=int(kwargs.get("top_k") or 0) if sampled else 0,
-            top_p=float(kwargs.get("top_p") or 1.0) if sampled else 1.0,
+            top_p=float(1.0 if kwargs.get("top_p") is None else kwargs["top_p"]) if sampled else 1.0,
             seed=[[self.seed, i] for i in rows], stop_token_ids=self.tokenizer.stop_token_ids, on_token=stop_here)
         return [postprocess_generated_text(self.tokenizer.decode(ids), until, None) for ids in outs]
 
