@@ -128,7 +128,7 @@ def test_bad_options(capsys, tmp_path, workspace):
                             "--out", str(tmp_path / "o"), "--backend", "numpy"], "nomodel")
     one_line_error(capsys, ["generate", "--model", str(model), "--adapter-path", str(model), "--prompt", "hi"],
                    "is a model folder, not an adapter")
-    one_line_error(capsys, ["generate", "--model", str(model), "--prompt", "hi", "--top-p", "0",
+    one_line_error(capsys, ["generate", "--model", str(model), "--prompt", "hi", "--top-p", "-0.1",
                             "--backend", "numpy"], "top_p")
     one_line_error(capsys, ["eval", "--model", str(model), "--data", str(data), "--split", "test2"], "invalid choice")
     one_line_error(capsys, ["merge", "--model", str(model), "--out", str(tmp_path / "m")], "--adapter-path")
