@@ -115,17 +115,8 @@ class PreferenceTrainer(Trainer):
         return PreferenceStream(self.pref["train"], self.config.batch_size * accum, self.config.seed,
                                 shuffle=self.paired)
 
-    def _estimate_memory(self, model_cfg, lora) -> dict:
-        est = super()._estimate_memory(model_cfg, lora)
-        if not self.paired:
-            return est
-        # a micro-batch holds the chosen and the rejected rows of batch_size pairs
-        from wgpu_train.engines.webgpu.memory import estimate_memory
-
-        cfg = self.config
-        doubled = estimate_memory(model_cfg, 2 * est["batch"], est["length"], lora, cfg.method, self.base_dtype,
-                                  self.embed_dtype, cfg.gradient_checkpointing, self.engine.max_binding)
-        return {**doubled, "batch": 2 * est["batch"], "length": est["length"]}
+    def _micro_batch_rows(self) -> int:
+        return self.config.batch_size * (2 if self.paired else 1)     # a pair's chosen and rejected rows
 
     def held_out(self) -> tuple[str, list]:
         """Exact match's split as conversations: the prompt and the chosen (desirable) answer."""
@@ -278,7 +269,7 @@ class PreferenceTrainer(Trainer):
         self.step += 1
         self._step_metrics.append(result.metrics)
         if not applied:
-            self.log(f"step {self.step}: non-finite gradients, update skipped")
+            self._log_skipped()
         return scored.micro, epoch_done, lr, result.loss * count, count, grad_norm, seconds
 
     @staticmethod

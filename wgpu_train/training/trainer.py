@@ -262,10 +262,14 @@ class Trainer(TrainerSetup, TrainerRecords):
         if profile:
             self._profile_row(seconds)
         if not applied:
-            scaler = self.engine.loss_scaler
-            self.log(f"step {self.step}: non-finite gradients, update skipped"
-                     + (f"; f16 loss scale now {scaler.scale:g}" if scaler is not None else ""))
+            self._log_skipped()
         return batch, epoch_done, lr, loss_sum, count, grad_norm, seconds
+
+    def _log_skipped(self):
+        """Say that the step just taken skipped its update (non-finite gradients)."""
+        scaler = self.engine.loss_scaler
+        self.log(f"step {self.step}: non-finite gradients, update skipped"
+                 + (f"; f16 loss scale now {scaler.scale:g}" if scaler is not None else ""))
 
     def _progress_extra(self) -> dict:
         """More values for the progress bar's postfix, after a step."""

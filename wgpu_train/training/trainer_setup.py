@@ -144,15 +144,19 @@ class TrainerSetup:
                            max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
                            max_tokens=cfg.max_tokens_per_batch, micro_batches=accum)
 
+    def _micro_batch_rows(self) -> int:
+        """The rows of a full micro-batch of --batch-size samples."""
+        return self.config.batch_size
+
     def _estimate_memory(self, model_cfg: ModelConfig, lora) -> dict:
-        """memory.estimate_memory for the largest micro-batch this run forms: batch_size rows of the longest
+        """memory.estimate_memory for the largest micro-batch this run forms: its rows of the longest
         example (max_seq_len when packing), padded to PAD_MULTIPLE; plus that batch and length. On a WebGPU
         device its max storage binding sizes the weight chunks and the loss head's logits, as the engine does."""
         cfg = self.config
         longest = max((e.input_ids.size for e in self.train_examples + self.valid_examples), default=1)
         length = self.max_seq_len if cfg.pack else min(self.max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
         max_binding = self.engine.max_binding
-        rows = cfg.batch_size if not cfg.max_tokens_per_batch else max(1, cfg.max_tokens_per_batch // length)
+        rows = self._micro_batch_rows() if not cfg.max_tokens_per_batch else max(1, cfg.max_tokens_per_batch // length)
         est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
                               cfg.gradient_checkpointing, max_binding, precision=self.precision)
         return {**est, "batch": rows, "length": length}
