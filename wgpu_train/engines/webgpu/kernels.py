@@ -87,6 +87,12 @@ def _elems(rec, shader, entry, n, tensors, sizes=(), floats=()):
         _run(rec, shader, entry, flat_grid(-(-n // WG)), tensors, sizes, floats)
 
 
+def _pairs(rec, entry, n, tensors, sizes=(), floats=()):
+    """One dispatch of shaders/elementwise.wgsl's entry: an invocation per pair of elements."""
+    if n > 0:
+        _run(rec, "elementwise", entry, flat_grid(-(-n // (2 * WG))), tensors, sizes, floats)
+
+
 # ---- elementwise ----------------------------------------------------------------------------
 
 def add(rec, y, a, b, n):
@@ -95,39 +101,39 @@ def add(rec, y, a, b, n):
         return add_inplace(rec, y, b, n)
     if _same(y, b):
         return add_inplace(rec, y, a, n)
-    _elems(rec, "elementwise", "add", n, [(y, n, "y", True), (a, n, "a", False), (b, n, "b", False)], (n,))
+    _pairs(rec, "add", n, [(y, n, "y", True), (a, n, "a", False), (b, n, "b", False)], (n,))
 
 
 def add_inplace(rec, y, a, n, alpha=1.0):
     """y += alpha * a over n elements."""
-    _elems(rec, "elementwise", "add_inplace", n, [(y, n, "y", True), (a, n, "a", False)], (n,), (alpha,))
+    _pairs(rec, "add_inplace", n, [(y, n, "y", True), (a, n, "a", False)], (n,), (alpha,))
 
 
 def scale(rec, y, x, s, n):
     """y = s * x over n elements; in place when y is x."""
     if _same(y, x):
-        _elems(rec, "elementwise", "scale_inplace", n, [(y, n, "y", True)], (n,), (s,))
+        _pairs(rec, "scale_inplace", n, [(y, n, "y", True)], (n,), (s,))
     else:
-        _elems(rec, "elementwise", "scale", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (s,))
+        _pairs(rec, "scale", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (s,))
 
 
 def softcap_forward(rec, y, x, cap, n):
     """y = cap * tanh(x / cap) over n elements (logit soft-capping); in place when y is x. Its backward is
     cross_entropy_backward's softcap factor (and the attention kernels' own)."""
     if _same(y, x):
-        _elems(rec, "elementwise", "softcap_forward_inplace", n, [(y, n, "y", True)], (n,), (cap,))
+        _pairs(rec, "softcap_forward_inplace", n, [(y, n, "y", True)], (n,), (cap,))
     else:
-        _elems(rec, "elementwise", "softcap_forward", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (cap,))
+        _pairs(rec, "softcap_forward", n, [(y, n, "y", True), (x, n, "x", False)], (n,), (cap,))
 
 
 def copy(rec, y, x, n):
     """y = x over n elements, inside the compute pass (Recorder.copy would end it)."""
-    _elems(rec, "elementwise", "copy", n, [(y, n, "y", True), (x, n, "x", False)], (n,))
+    _pairs(rec, "copy", n, [(y, n, "y", True), (x, n, "x", False)], (n,))
 
 
 def fill(rec, y, value, n):
     """y = value over n elements."""
-    _elems(rec, "elementwise", "fill", n, [(y, n, "y", True)], (n,), (value,))
+    _pairs(rec, "fill", n, [(y, n, "y", True)], (n,), (value,))
 
 
 # ---- embedding ------------------------------------------------------------------------------
@@ -293,7 +299,7 @@ def split_forward(rec, ys, x, N, widths):
     """ys[j] (N, widths[j]) = x's j-th block of columns; x (N, sum(widths))."""
     width = sum(widths)
     for y, col, w in zip(ys, np.cumsum([0, *widths[:-1]]), widths):
-        _elems(rec, "elementwise", "columns_get", N * w, [(y, N * w, "y", True), (x, N * width, "a", False)],
+        _pairs(rec, "columns_get", N * w, [(y, N * w, "y", True), (x, N * width, "a", False)],
                (N * w, w, width, int(col)))
 
 
@@ -301,7 +307,7 @@ def split_backward(rec, dx, dys, N, widths):
     """dx (N, sum(widths)) = the blocks dys[j] (N, widths[j]) side by side."""
     width = sum(widths)
     for dy, col, w in zip(dys, np.cumsum([0, *widths[:-1]]), widths):
-        _elems(rec, "elementwise", "columns_put", N * w, [(dx, N * width, "y", True), (dy, N * w, "a", False)],
+        _pairs(rec, "columns_put", N * w, [(dx, N * width, "y", True), (dy, N * w, "a", False)],
                (N * w, w, width, int(col)))
 
 

@@ -10,11 +10,14 @@ Params has no `o<binding>` field needs that tensor to start on an aligned offset
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 import struct
 from dataclasses import dataclass
 
 from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import split
 
 F32 = 4
@@ -40,7 +43,8 @@ class Kernel:
     constants: sorted (name, value) override constants. source: () for shaders/<shader>.wgsl as it is, else
     (function, *args) returning the specialised text (the function must be a module-level one).
     invocations / workgroup_bytes: per workgroup, checked against the adapter's limits; features: the
-    optional WebGPU features the kernel needs ("subgroup", "shader-f16")."""
+    optional WebGPU features the kernel needs ("subgroup", "shader-f16"). formats: sorted (binding, storage
+    format) of its 16-bit tensors (storage.py; launch() sets them from the tensors' buffers)."""
 
     shader: str
     entry: str
@@ -50,6 +54,7 @@ class Kernel:
     invocations: int = 0
     workgroup_bytes: int = 0
     features: tuple = ()
+    formats: tuple = ()
 
     @property
     def slots(self) -> list[int]:
@@ -68,15 +73,25 @@ class Kernel:
     def label(self) -> str:
         spec = ",".join(f"{k}={v}" for k, v in self.constants)
         args = ",".join(map(str, self.source[1:]))
-        return f"{self.shader}.{self.entry}" + (f"[{args}]" if args else "") + (f"({spec})" if spec else "")
+        formats = ",".join(f"{b}:{fmt}" for b, fmt in self.formats)
+        return (f"{self.shader}.{self.entry}" + (f"[{args}]" if args else "") + (f"({spec})" if spec else "")
+                + (f"<{formats}>" if formats else ""))
 
-    def body(self) -> str:
-        """The shader's text, or the source builder's."""
+    def raw(self) -> str:
+        """The shader's text, or the source builder's, as written (tensor markers unexpanded)."""
         if self.source:
             fn, *args = self.source
             return fn(*args)
         from wgpu_train.engines.webgpu.device.runtime import shader_text
         return shader_text(self.shader)
+
+    def body(self) -> str:
+        """raw() with its tensor markers expanded for this kernel's formats (storage.py)."""
+        return storage.expand(self.raw(), dict(self.formats))
+
+    def with_formats(self, formats: tuple) -> "Kernel":
+        """This kernel for 16-bit tensors at some bindings (sorted (binding, format) pairs, f32 ones left out)."""
+        return _with_formats(self, formats) if formats != self.formats else self
 
     def directives(self, body: str, enables) -> str:
         """The `enable` directives `body` lacks for this kernel's features among `enables` (the extensions the
@@ -104,6 +119,11 @@ class Kernel:
     def supported(self, rt) -> bool:
         """Whether the adapter offers this kernel's features and limits."""
         return all(f in rt.features for f in self.features) and not self.over_limits(rt.limits)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_formats(k: Kernel, formats: tuple) -> Kernel:
+    return dataclasses.replace(k, formats=formats)
 
 
 def parse_params(source: str) -> list[tuple[str, str]]:
@@ -142,30 +162,38 @@ class _Compiled:
         self.n_bindings = len(k.bindings.split())
         self.slots, self.names, self.written = k.slots, k.names, k.written
         self.outputs = [j for j, w in enumerate(self.written) if w]
-        name = k.shader + (f"[{','.join(map(str, k.source[1:]))}]" if k.source else "")
-        plain = not k.source and not directives        # the shader file as it is: cached by name
+        name = k.shader + (f"[{','.join(map(str, k.source[1:]))}]" if k.source else "") + \
+            (f"<{','.join(f'{b}:{fmt}' for b, fmt in k.formats)}>" if k.formats else "")
+        # the shader file as it is (no directive added, no tensor marker expanded): cached by name
+        plain = not k.source and not directives and body == k.raw()
         self.pipeline = rt.pipeline(name, k.entry, dict(k.constants), source=None if plain else source)
 
 
 def bind(rt, t, n: int, what: str, whole_ok: bool):
-    """(binding resource, element offset within it) of n elements of tensor t. whole_ok: the kernel takes an
-    element offset, so a buffer that fits one binding is bound whole (one bind group for all its views)."""
+    """(binding resource, element offset within it) of n elements of tensor t, elements of its buffer's storage
+    format. whole_ok: the kernel takes an element offset, so a buffer that fits one binding is bound whole (one
+    bind group for all its views)."""
     buf, off = split(t)
-    end = (off + max(1, int(n))) * F32
+    size = storage.ELEMENT_BYTES[storage.format_of(buf)]
+    end = storage.nbytes(off + max(1, int(n)), storage.format_of(buf))
     if off < 0 or end > buf.size:
-        raise ValueError(f"{what}: needs elements [{off}, {off + n}) but its buffer holds {buf.size // F32}")
+        raise ValueError(f"{what}: needs elements [{off}, {off + n}) but its buffer holds {buf.size // size}")
     if whole_ok and buf.size <= rt.max_binding:
         return buf, off
-    base = off * F32 // rt.offset_alignment * rt.offset_alignment
+    base = off * size // rt.offset_alignment * rt.offset_alignment
     if end - base > rt.max_binding:
         raise DeviceError(f"{what} spans {end - base} bytes, over this device's max storage binding of "
                           f"{rt.max_binding}; split it into chunks")
-    return (buf, base, end - base), off - base // F32
+    return (buf, base, end - base), off - base // size
 
 
 def prepare(rt, k: Kernel, tensors, **params) -> tuple:
     """(pipeline, resources) of one dispatch of kernel k: tensors are (tensor, n_elements) pairs for bindings
-    1.. in order; params set fields of its Params by name (the o<i> offsets are filled here)."""
+    1.. in order; params set fields of its Params by name (the o<i> offsets are filled here). The kernel is
+    specialised for the tensors' storage formats (storage.py)."""
+    formats = tuple((slot, fmt) for slot, (t, _) in zip(k.slots, tensors)
+                    if (fmt := storage.format_of(split(t)[0])) != "f32")
+    k = k.with_formats(formats)
     c = rt.compiled(k)
     values = list(c.zero)
     for name, v in params.items():
