@@ -323,35 +323,25 @@ def test_f16_overflow_in_the_forward_names_the_layer(workspace, tmp_path, capsys
 
 # ---- options, refusals and the memory estimate ---------------------------------------------------------------
 
-def test_bad_precision_values_are_one_line(capsys, monkeypatch):
+def test_bad_precision_values_are_one_line(capsys, tmp_path):
     one_line_error(capsys, ["finetune", "--precision", "bf17"], "invalid choice: 'bf17'")
-    one_line_error(capsys, ["finetune", "--backend", "wgpu", "--precision", "bf16"],
-                   "--precision bf16 is not built on the WebGPU engine yet; use --backend numpy or --precision fp32")
     with pytest.raises(ConfigError, match="precision must be one of auto, fp32, bf16, f16"):
         TrainConfig(precision="fp16")
     with pytest.raises(ConfigError, match="precision must be one of"):
         load_model("unused", precision="half")
-    # backend auto where an adapter exists picks the WebGPU engine: refused before anything is read
-    from wgpu_train.engines.webgpu.device import runtime
-
-    monkeypatch.setattr(runtime, "has_adapter", lambda: True)
-    with pytest.raises(ConfigError, match="--precision f16 is not built on the WebGPU engine yet"):
-        Trainer(TrainConfig(precision="f16", backend="auto", model="not-read"))
 
 
-def test_auto_is_fp32_everywhere_for_now_and_says_why():
+def test_auto_is_bf16_on_gpus_fp32_elsewhere_and_says_why():
     from wgpu_train.engines.model import precision_choice
 
     assert precision_choice("auto", "numpy") == ("fp32", "auto: the NumPy engine is the float32 reference")
     assert precision_choice("auto", "wgpu", cpu_adapter=True)[0] == "fp32"
     assert "lavapipe" in precision_choice("auto", "wgpu", cpu_adapter=True)[1]
     gpu = precision_choice("auto", "wgpu", cpu_adapter=False)
-    assert gpu[0] == "fp32" and "no 16-bit activation kernels yet" in gpu[1]
+    assert gpu[0] == "bf16" and "a GPU" in gpu[1]
     assert precision_choice("f16", "numpy") == ("f16", "as given")
     assert precision_choice("fp32", "wgpu") == ("fp32", "as given")
-    for precision in ("bf16", "f16"):
-        with pytest.raises(ConfigError, match=f"--precision {precision} is not built on the WebGPU engine yet"):
-            precision_choice(precision, "wgpu")
+    assert precision_choice("bf16", "wgpu") == ("bf16", "as given")
 
 
 def test_toml_takes_precision(tmp_path):

@@ -70,6 +70,14 @@ def _serve(rt):
 
 SECTIONS["serve"] = _serve
 
+
+def _precision(rt):
+    from wgpu_train.bench.precision import bench_precision
+    return bench_precision(rt)
+
+
+SECTIONS["precision"] = _precision
+
 # Benchmarks on a model folder (the embedded model, or bench --model) that add a key of their own:
 # name -> fn(rt, model) -> dict
 MODEL_SECTIONS: dict[str, Callable] = {}

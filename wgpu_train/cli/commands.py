@@ -435,7 +435,9 @@ def cmd_memory(args) -> int:
                           ensure_weight_tying=args.ensure_weight_tying)
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
-    precision = "fp32" if args.precision == "auto" else args.precision     # auto: fp32 on every engine today
+    from wgpu_train.engines.model import precision_choice
+
+    precision = precision_choice(args.precision, "wgpu")[0]      # auto: a GPU's choice (bf16)
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
                           precision=precision)
     fp32_activations = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed,

@@ -16,7 +16,7 @@ from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
 from wgpu_train.engines.numpy.quant import check_dtypes
-from wgpu_train.engines.protocol import check_kv_dtype, check_precision
+from wgpu_train.engines.protocol import check_kv_dtype, check_precision, check_precision_widths
 from wgpu_train.adapters.saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 
 log = logging.getLogger("wgpu_train")
@@ -391,10 +391,10 @@ class Model:
 
 def precision_choice(precision: str, engine: str, cpu_adapter: bool = False) -> tuple[str, str]:
     """(the precision an engine runs, why) for a precision asked for (protocol.PRECISION_CHOICES) on the engine
-    named ("numpy" or "wgpu"; cpu_adapter: a WebGPU adapter that is a CPU, lavapipe or llvmpipe). auto is fp32
-    everywhere today: the NumPy engine is the float32 reference, a CPU adapter pays for 16-bit conversions and
-    gains no bandwidth, and the WebGPU engine has no 16-bit activation kernels yet (bf16 on GPUs once it has).
-    ConfigError for a precision the engine cannot run."""
+    named ("numpy" or "wgpu"; cpu_adapter: a WebGPU adapter that is a CPU, lavapipe or llvmpipe). auto is bf16
+    on GPUs (half the activation bytes and memory traffic, float32's range, no loss scaling) and fp32 elsewhere:
+    the NumPy engine is the float32 reference, and a CPU adapter pays for 16-bit conversions without the
+    bandwidth to gain. ConfigError for a precision the engine cannot run."""
     check_precision(precision, engine)
     if precision != "auto":
         return precision, "as given"
@@ -402,7 +402,7 @@ def precision_choice(precision: str, engine: str, cpu_adapter: bool = False) -> 
         return "fp32", "auto: the NumPy engine is the float32 reference"
     if cpu_adapter:
         return "fp32", "auto: a CPU adapter (lavapipe / llvmpipe) only pays for 16-bit conversions"
-    return "fp32", "auto: the WebGPU engine has no 16-bit activation kernels yet (bf16 on GPUs once it has)"
+    return "bf16", "auto: a GPU (16-bit activations halve their memory and traffic; bf16 keeps float32's range)"
 
 
 def backend_engine(backend: str) -> str:
@@ -430,9 +430,11 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
             from wgpu_train.engines.webgpu.engine import WgpuEngine
 
             check_precision(precision, "wgpu")         # before any weight is uploaded
+            check_precision_widths(precision, config)
             rt = runtime.get_runtime(device)
-            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype)
-            engine.precision_reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU")[1]
+            precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU")
+            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype, precision)
+            engine.precision_reason = reason
             return engine
     from wgpu_train.engines.numpy.engine import NumpyEngine
 
@@ -455,8 +457,8 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     float16 over the others, as QLoRA keeps them in 16 bits).
     Norms, biases, LoRA tensors, gradients and optimizer state stay float32. The NumPy backend computes with
     the same rounded weights. Anything but float32 freezes the base (LoRA only).
-    precision: where activations and their gradients are stored, "fp32", "bf16", "f16" (the NumPy engine only,
-    for now) or "auto" (precision_choice; engine.precision says which, engine.precision_reason why).
+    precision: where activations and their gradients are stored, "fp32", "bf16", "f16" or "auto"
+    (precision_choice; engine.precision says which, engine.precision_reason why).
     kv_dtype: how generation's KV cache stores keys and values, "float32" or "bfloat16" (half the bytes; the
     attention over it computes in float32; needs an even head dim); engine.kv_dtype."""
     check_precision(precision)

@@ -19,13 +19,25 @@ PREFILL_TOKENS = 256
 # in each): fp32, bf16 or f16 (f16 with dynamic loss scaling, LossScaler). "auto" is resolved by engines/model.py.
 PRECISIONS = ("fp32", "bf16", "f16")
 PRECISION_CHOICES = ("auto",) + PRECISIONS
-# the precisions each engine runs: the NumPy engine all (it is the reference of the rounding points); the WebGPU
-# engine has no 16-bit activation kernels yet
-BUILT_PRECISIONS = {"numpy": PRECISIONS, "wgpu": ("fp32",)}
+# the precisions each engine runs: both run all (the NumPy engine is the reference of the rounding points)
+BUILT_PRECISIONS = {"numpy": PRECISIONS, "wgpu": PRECISIONS}
 
 # How generation's KV cache stores keys and values (engine.kv_dtype; attention over it computes in float32):
 # bfloat16 halves the cache, two values per 4-byte word on the GPU, so it needs an even head dim.
 KV_DTYPES = ("float32", "bfloat16")
+
+
+def check_precision_widths(precision: str, cfg: ModelConfig):
+    """Refuse (ConfigError, one line) a 16-bit precision on the WebGPU engine for a model with an odd width: its
+    kernels store 16-bit activations two to a 32-bit word, a row's pairs never shared with the next row (every
+    checkpoint on the hub has even widths)."""
+    if precision in ("fp32", "auto"):
+        return
+    widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim}
+    odd = [f"{name} {value}" for name, value in widths.items() if value % 2]
+    if odd:
+        raise ConfigError(f"--precision {precision} on the WebGPU engine needs even widths (this model has "
+                          f"{', '.join(odd)}); use --precision fp32 or --backend numpy")
 
 
 def check_kv_dtype(kv_dtype: str, cfg: ModelConfig):

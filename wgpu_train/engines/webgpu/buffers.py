@@ -7,8 +7,9 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_plan, activation_ranks, bucket_tokens,
-                                              check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_format, activation_plan, activation_ranks,
+                                              bucket_tokens, check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.numpy import ops as ref_ops
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import F32
@@ -58,10 +59,12 @@ class Activations:
     layers[i] maps a name to layer i's buffer. With checkpoint (gradient checkpointing, training only)
     only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
     the backward refills by recomputing each layer's forward. A forward-only bucket (train=False) has
-    one set for all layers, x_in included (memory.activation_plan)."""
+    one set for all layers, x_in included (memory.activation_plan). In a 16-bit precision the activations and
+    their gradients are 16-bit buffers (memory.activation_format; kernels see the format of each buffer)."""
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
-                 train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None):
+                 train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None,
+                 precision: str = "fp32"):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
@@ -73,14 +76,20 @@ class Activations:
         self.rope_long = False
         self.ids = self.segments = self.positions = self.targets = self.head_index = self.row_weights = None
         self.head_order = None     # (n_head,) the batch's row of each loss head row (None: every row, in order)
+
+
+        def allocate(name, e):
+            fmt = activation_format(cfg, name, precision)
+            return storage.set_format(rt.buffer(storage.nbytes(max(1, e), fmt), name), fmt)
+
         try:
-            one_set = {name[len(SHARED_LAYER):]: rt.buffer(max(1, e) * F32, name) for name, e in shared.items()
+            one_set = {name[len(SHARED_LAYER):]: allocate(name, e) for name, e in shared.items()
                        if name.startswith(SHARED_LAYER)}
-            self.layers = [{**{name: rt.buffer(max(1, e) * F32, name) for name, e in layer.items()}, **one_set}
+            self.layers = [{**{name: allocate(name, e) for name, e in layer.items()}, **one_set}
                            for _ in range(cfg.num_hidden_layers)]
             for name, e in shared.items():
                 if not name.startswith(SHARED_LAYER):
-                    setattr(self, name, rt.buffer(max(1, e) * F32, name))
+                    setattr(self, name, allocate(name, e))
         except DeviceError as e:
             hint = "" if self.checkpoint or not train else ", or pass --gradient-checkpointing"
             raise DeviceError(f"{e}, for the activations of batch {batch[0]} x {batch[1]} tokens: reduce the batch "
@@ -125,9 +134,11 @@ class BucketCache:
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
             dora = {p.rsplit(".", 1)[1]: m.out_f for p, m in self.lora.items() if m.m is not None}
             try:
-                acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t), dora)
+                acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t), dora,
+                                   self.precision)
             except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
-                acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora)
+                acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora,
+                                   self.precision)
             self.counters["buckets_allocated"] += 1
         self._acts[acts.key] = acts          # most recently used last
         acts.use(b, t)

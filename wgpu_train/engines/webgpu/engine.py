@@ -8,7 +8,8 @@ import os
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import EngineState, check_kv_dtype
+from wgpu_train.engines.protocol import (PRECISIONS, EngineState, LossScaler, check_kv_dtype,
+                                         check_precision_widths)
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
@@ -32,18 +33,26 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
     """The engine protocol of numpy.engine.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
-    precision = "fp32"          # no 16-bit activation kernels yet: engines/model.py refuses bf16 / f16 here
-    precision_reason = "the WebGPU engine's only precision so far"
+    precision_reason = "as given"
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", kv_dtype: str = "float32"):
+                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: str = "fp32"):
+        """precision (protocol.PRECISIONS): fp32, or bf16 / f16 where the activations and their gradients are
+        16-bit buffers (memory.activation_format) and the kernels round where they store them, as
+        engines/numpy/precision.py does; f16 adds dynamic loss scaling."""
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
                               f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
         check_kv_dtype(kv_dtype, cfg)
+        if precision not in PRECISIONS:
+            raise ValueError(f"WgpuEngine takes one of {PRECISIONS} ('auto' is resolved by engines/model.py), got "
+                             f"{precision!r}")
+        check_precision_widths(precision, cfg)
+        self.precision = precision
+        self.loss_scaler = LossScaler() if precision == "f16" else None
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)

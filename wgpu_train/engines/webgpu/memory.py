@@ -129,20 +129,31 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     return layer, shared
 
 
-def activation_bytes(cfg: ModelConfig, name: str, elements: int, precision: str = "fp32") -> int:
-    """Bytes of one activation_plan buffer in a precision: in bf16 / f16 the layer plan's activations and
-    gradients, the loss head's input and their gradients take 2 bytes an element (engines/numpy/precision.py's
-    rounding points); statistics (rstd, logsumexp, the loss rows), LoRA's and DoRA's own buffers, scratch and
-    the logits stay float32."""
+# the storage format of 16-bit activations per precision (engines/webgpu/device/storage.py)
+ACTIVATION_FORMATS = {"fp32": "f32", "bf16": "bf16", "f16": "f16"}
+
+
+def activation_format(cfg: ModelConfig, name: str, precision: str = "fp32") -> str:
+    """The storage format of one activation_plan buffer in a precision: in bf16 / f16 the layer plan's activations
+    and gradients, the loss head's input and their gradients are 16-bit (engines/numpy/precision.py's rounding
+    points); statistics (rstd, logsumexp, the loss rows), LoRA's and DoRA's own buffers, scratch and the logits stay
+    float32."""
     if precision not in PRECISIONS:
-        raise ValueError(f"activation_bytes takes one of {PRECISIONS}, got {precision!r}")
+        raise ValueError(f"activation_format takes one of {PRECISIONS}, got {precision!r}")
     if precision == "fp32":
-        return elements * F32
+        return "f32"
     plan = layer_plan(cfg)
     base = name.removeprefix(SHARED_LAYER)
     half = ((base in plan.widths and base not in plan.statistics) or base in plan.grad_widths
             or base in ("x_final", "xf", "dxf", "d_tmp"))
-    return elements * (2 if half else F32)
+    return ACTIVATION_FORMATS[precision] if half else "f32"
+
+
+def activation_bytes(cfg: ModelConfig, name: str, elements: int, precision: str = "fp32") -> int:
+    """Bytes of one activation_plan buffer in a precision (activation_format), as the engine allocates it."""
+    from wgpu_train.engines.webgpu.device.storage import nbytes
+
+    return nbytes(max(1, elements), activation_format(cfg, name, precision))
 
 
 def weight_shapes(cfg: ModelConfig) -> dict:

@@ -7,9 +7,13 @@ import time
 
 import numpy as np
 
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.layer_plan import INPUT
 from wgpu_train.engines.numpy import ops as ref_ops
+from wgpu_train.engines.numpy.quant import F16_MAX
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.buffers import GpuLora
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tensors import F32
 
@@ -212,6 +216,10 @@ class StepRecording:
             self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
         loss_sum = float(out[0:2 * n_micro:2].sum())
+        if self.precision == "f16" and not np.isfinite(loss_sum):
+            # a non-finite loss comes from the forward (the loss scale only scales the backward)
+            j = int(np.flatnonzero(~np.isfinite(out[0:2 * n_micro:2]))[0])
+            self._refuse_f16_overflow(micro_batches[j])
         norm, finite = float(out[2 * n_micro]), out[2 * n_micro + 2] > 0.5
         if not finite:
             self.counters["nonfinite_skipped"] += 1
@@ -219,6 +227,26 @@ class StepRecording:
             scaler.update(bool(finite))
         self.last_step = {k: rt.counters[k] - before[k] for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read")}
         return loss_sum, total, norm if finite else float("nan"), bool(finite)
+
+    def _refuse_f16_overflow(self, micro_batch):
+        """Raise the one-line ConfigError of engines/numpy/precision.py for a micro-batch whose f16 forward gave a
+        non-finite loss, naming where its activations first overflow: the embedding, or the first layer whose
+        output (the residual stream, which an overflow anywhere in the layer reaches) holds inf or NaN. A forward
+        in one submission, then one readback per layer up to that one: only on the way to stopping the run."""
+        ids, targets, seg, pos, *_ = micro_batch
+        acts = self._activations(*ids.shape, train=True)
+        self._upload_batch(acts, ids, seg, pos, targets)
+        rec = self.rt.recorder()
+        self._record_forward(rec, acts)
+        self._submit(rec)
+        n, layers = acts.n * self.cfg.hidden_size, len(acts.layers)
+        outputs = [("the embedding", acts.layers[0][INPUT])] + \
+            [(f"layer {i}", acts.layers[i + 1][INPUT] if i + 1 < layers else acts.x_final) for i in range(layers)]
+        for where, buf in outputs:
+            values = storage.read(self.rt, buf, n)
+            if not np.isfinite(values).all():
+                raise ConfigError(f"activations overflow float16 in {where} (its output holds inf or NaN; float16 "
+                                  f"holds {F16_MAX:g}): train with --precision bf16, which has float32's range")
 
     def _grad_spans(self) -> list:
         """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one

@@ -1,0 +1,124 @@
+"""`wgpu-train bench --only precision`: fp32, bf16 and f16 activations side by side in one run: a GEMM, attention,
+an elementwise op and a LoRA step of a SmolLM2-135M-shaped model (tokens/s and activation memory), each 16-bit
+figure next to fp32's from the same run."""
+from __future__ import annotations
+
+import numpy as np
+
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import PRECISIONS, OptimizerParams
+from wgpu_train.engines.webgpu.memory import ACTIVATION_FORMATS, estimate_memory
+
+# SmolLM2-135M's widths and heads, 2 of its 30 layers (a CPU adapter runs a step of those in about a second)
+SMOL_SHAPED = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                   num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+                   max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0)
+STEP_BATCH = (1, 256)
+GEMM = (512, 1536, 576)         # (tokens, out features, in features): the up projection's shape
+ATTENTION = (1, 512, 9, 3, 64)  # (B, T, Hq, Hkv, D)
+ELEMENTS = 1 << 22
+
+
+def _tensor(rt, values, fmt):
+    from wgpu_train.engines.webgpu.device import storage
+    return storage.upload(rt, values, fmt)
+
+
+def _empty(rt, n, fmt):
+    from wgpu_train.engines.webgpu.device import storage
+    return storage.set_format(rt.buffer(storage.nbytes(n, fmt)), fmt)
+
+
+def _kernels(rt, timer, fmt: str) -> dict:
+    """Seconds of the GEMM, the attention forward and an add, with activations in format fmt."""
+    from wgpu_train.bench.suite import _Capture
+    from wgpu_train.engines.webgpu import kernels as K
+    from wgpu_train.engines.webgpu.tensors import linear_forward, store_weight
+
+    rng = np.random.default_rng(0)
+    out, bufs = {}, []
+    try:
+        n, o, i = GEMM
+        w = store_weight(rt, "model.layers.0.mlp.up_proj.weight", rng.normal(0, 0.02, (o, i)).astype(np.float32),
+                         "float32", "float32")
+        x, y = _tensor(rt, rng.standard_normal(n * i), fmt), _empty(rt, n * o, fmt)
+        bufs += [x, y] + [b for b, _, _ in w.chunks]
+        rec = _Capture(rt)
+        linear_forward(rec, y, x, w, None, n)
+        out["gemm"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
+        b, t, hq, hkv, d = ATTENTION
+        q, k, v = (_tensor(rt, rng.standard_normal(b * t * h * d), fmt) for h in (hq, hkv, hkv))
+        att, lse = _empty(rt, b * t * hq * d, fmt), rt.buffer(4 * b * hq * t)
+        seg = rt.upload(np.ones(b * t, np.int32))
+        bufs += [q, k, v, att, lse, seg]
+        rec = _Capture(rt)
+        K.attention_forward(rec, att, lse, q, k, v, seg, b, t, hq, hkv, d)
+        out["attention"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
+        a, c, s = (_tensor(rt, rng.standard_normal(ELEMENTS), fmt) for _ in range(3))
+        bufs += [a, c, s]
+        rec = _Capture(rt)
+        K.add(rec, s, a, c, ELEMENTS)
+        out["add"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
+    finally:
+        rt.release(*bufs)
+    return out
+
+
+def _step(rt, precision: str, steps: int) -> dict:
+    """Median seconds of a LoRA step (r=8, all linear layers) and the bytes of its activation bucket."""
+    from wgpu_train.bench.training import random_batch, random_lora, random_weights, timed
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+    rng = np.random.default_rng(0)
+    cfg = ModelConfig.from_dict(dict(SMOL_SHAPED), "bench model")
+    lora = LoraConfig(r=8, alpha=16, target_modules="all-linear")
+    engine = WgpuEngine(cfg, random_weights(cfg, rng), rt, precision=precision)
+    engine.set_lora(random_lora(cfg, lora, rng))
+    micro = random_batch(cfg, *STEP_BATCH, rng)
+    hp = OptimizerParams(lr=1e-4)
+    walls = timed(lambda i: engine.train_step(micro, hp, i + 1), steps)
+    acts = engine._activations(*STEP_BATCH, train=True)
+    allocated = sum({id(b): b.size for layer in acts.layers for b in layer.values()}.values())
+    est = estimate_memory(cfg, *STEP_BATCH, lora=lora, max_binding=rt.max_binding, precision=precision)
+    engine._release_acts()
+    return {"step_s": float(np.median(walls)), "layer_activation_bytes": allocated,
+            "estimated_activation_bytes": est["activations"]}
+
+
+def bench_precision(rt, steps: int = 3) -> dict:
+    """Each precision's kernel times and LoRA step, and each 16-bit figure over fp32's."""
+    from wgpu_train.engines.webgpu.device.timing import Timer
+
+    timer = Timer(rt)
+    b, t, hq, hkv, d = ATTENTION
+    n, o, i = GEMM
+    work = {"gemm": (2.0 * n * o * i, "gflops"), "attention": (4.0 * b * t * t * d * hq / 2, "gflops")}
+    rows = {}
+    for precision in PRECISIONS:
+        fmt = ACTIVATION_FORMATS[precision]
+        secs = _kernels(rt, timer, fmt)
+        step = _step(rt, precision, steps)
+        size = {"f32": 4, "bf16": 2, "f16": 2}[fmt]
+        rows[precision] = {
+            "gemm_gflops": work["gemm"][0] / secs["gemm"] / 1e9,
+            "attention_causal_gflops": work["attention"][0] / secs["attention"] / 1e9,
+            "add_gbps": 3 * ELEMENTS * size / secs["add"] / 1e9,
+            "step_tokens_per_s": STEP_BATCH[0] * STEP_BATCH[1] / step["step_s"],
+            "layer_activation_bytes": step["layer_activation_bytes"],
+            "estimated_activation_bytes": step["estimated_activation_bytes"],
+            "_s": {**secs, "step": step["step_s"]},
+        }
+    base = rows["fp32"]
+    for precision in ("bf16", "f16"):
+        r = rows[precision]
+        r["vs_fp32"] = {"gemm_time": r["_s"]["gemm"] / base["_s"]["gemm"],
+                        "attention_time": r["_s"]["attention"] / base["_s"]["attention"],
+                        "add_time": r["_s"]["add"] / base["_s"]["add"],
+                        "step_time": r["_s"]["step"] / base["_s"]["step"],
+                        "activation_bytes": r["estimated_activation_bytes"] / base["estimated_activation_bytes"]}
+    for r in rows.values():
+        del r["_s"]
+    return {"model": "SmolLM2-135M-shaped Llama (2 of 30 layers), LoRA r=8 all-linear",
+            "step_batch": f"{STEP_BATCH[0]}x{STEP_BATCH[1]}", "gemm": "x (512, 576) W^T (576, 1536)",
+            "attention": "causal forward, T 512, 9 / 3 heads, D 64", "add": f"{ELEMENTS} elements", **rows}
