@@ -21,20 +21,26 @@ struct Params {
 @group(0) @binding(5) var<storage, read> rows: array<i32>;          // (N,) cache row; negative: padding, not written
 @group(0) @binding(6) var<storage, read> positions: array<i32>;     // (N,) position within the row
 
-// The cache element that new element e goes to (offset excluded), or -1 where its token is skipped.
-fn destination(e: u32) -> i32 {
-    let i = e / params.stride;
+// Whether token i is written: its row and position lie inside the cache (a negative row marks padding).
+fn kept(i: u32) -> bool {
     let row = rows[params.o5 + i];
     let pos = positions[params.o6 + i];
-    if (row < 0 || u32(row) >= params.batch || pos < 0 || u32(pos) >= params.max_len) { return -1; }
-    return i32((u32(row) * params.max_len + u32(pos)) * params.stride + e % params.stride);
+    return row >= 0 && u32(row) < params.batch && pos >= 0 && u32(pos) < params.max_len;
+}
+
+// The cache element (offset excluded) that new element e of a kept token goes to.
+fn destination(e: u32) -> u32 {
+    let i = e / params.stride;
+    let row = u32(rows[params.o5 + i]);
+    let pos = u32(positions[params.o6 + i]);
+    return (row * params.max_len + pos) * params.stride + e % params.stride;
 }
 
 fn put(e: u32) {
-    let t = destination(e);
-    if (t >= 0) {
-        k_cache_st(params.o1 + u32(t), k_new_ld(params.o3 + e));
-        v_cache_st(params.o2 + u32(t), v_new_ld(params.o4 + e));
+    if (kept(e / params.stride)) {
+        let t = destination(e);
+        k_cache_st(params.o1 + t, k_new_ld(params.o3 + e));
+        v_cache_st(params.o2 + t, v_new_ld(params.o4 + e));
     }
 }
 
@@ -48,10 +54,10 @@ fn kv_cache_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let total = params.n * params.stride;
     if (e >= total) { return; }
     if (e + 1u < total && (e + 1u) % params.stride != 0u) {
-        let t = destination(e);
-        if (t >= 0) {
-            k_cache_st2(params.o1 + u32(t), k_new_ld2(params.o3 + e));
-            v_cache_st2(params.o2 + u32(t), v_new_ld2(params.o4 + e));
+        if (kept(e / params.stride)) {
+            let t = destination(e);
+            k_cache_st2(params.o1 + t, k_new_ld2(params.o3 + e));
+            v_cache_st2(params.o2 + t, v_new_ld2(params.o4 + e));
         }
         return;
     }
