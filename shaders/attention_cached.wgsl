@@ -7,6 +7,8 @@
 // (query, head) to its unnormalised sum, max and sum of exponentials; attention_cached_combine merges them.
 // The online-softmax loop is written out in both passes on purpose: one function returning the accumulator
 // (a struct holding it) measured 1.7x slower on llvmpipe (`wgpu-train bench --only decode`, 51 -> 87 ms).
+// q and out are tensors in any storage format (device/storage.py), and so are the caches (float32 or bfloat16,
+// the cache's dtype): out is written by pairs of elements (16-bit formats have even head dims and offsets).
 // @include tanh
 
 // Rows and positions come from buffers written with the tokens, so the uniform stays the same at every
@@ -23,25 +25,15 @@ struct Params {
     softcap: f32,     // the scaled scores' soft-cap (Gemma 2): softcap * tanh(s / softcap); 0 = none
     chunk: u32,       // the split pair: positions per chunk
     splits: u32,      // and chunks per row (ceil(max_len / chunk))
+    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32,    // element offsets of bindings 1..6
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
-@group(0) @binding(1) var<storage, read_write> out: array<f32>;     // (N, Hq, D)
-@group(0) @binding(2) var<storage, read> q: array<f32>;             // (N, Hq, D)
-// The cache's storage (attention_decode.kv_source keeps one section): k_at / v_at read one value.
-// ---- kv: float32
-@group(0) @binding(3) var<storage, read> k_cache: array<f32>;       // (B, max_len, Hkv, D)
-@group(0) @binding(4) var<storage, read> v_cache: array<f32>;       // (B, max_len, Hkv, D)
-fn k_at(e: u32) -> f32 { return k_cache[e]; }
-fn v_at(e: u32) -> f32 { return v_cache[e]; }
-// ---- kv: bfloat16
-// Two bfloat16 values per u32, element 2w in the low half: a value is its half shifted to the top of an f32.
-@group(0) @binding(3) var<storage, read> k_cache: array<u32>;       // (B, max_len, Hkv, D / 2)
-@group(0) @binding(4) var<storage, read> v_cache: array<u32>;       // (B, max_len, Hkv, D / 2)
-fn bf16_at(w: u32, e: u32) -> f32 { return bitcast<f32>(select(w << 16u, w & 0xffff0000u, (e & 1u) == 1u)); }
-fn k_at(e: u32) -> f32 { return bf16_at(k_cache[e >> 1u], e); }
-fn v_at(e: u32) -> f32 { return bf16_at(v_cache[e >> 1u], e); }
-// ---- end of kv formats
+// @tensor 1 out read_write
+// @tensor 2 q read
+// @tensor 3 k_cache read
+// @tensor 4 v_cache read
+// out, q (N, Hq, D); the caches (B, max_len, Hkv, D)
 @group(0) @binding(5) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
 @group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row
 
@@ -51,20 +43,26 @@ fn v_at(e: u32) -> f32 { return bf16_at(v_cache[e >> 1u], e); }
 
 const MAX_D: u32 = 256u;
 
+fn row_of(i: u32) -> i32 {
+    return rows[params.o5 + i];
+}
+
 // The positions query i sees, first..last (inclusive) of its row: causal, within the window.
 fn seen(i: u32) -> vec2<u32> {
-    let last = min(u32(positions[i]), params.max_len - 1u);
+    let last = min(u32(positions[params.o6 + i]), params.max_len - 1u);
     let first = select(0u, last + 1u - params.window, params.window > 0u && last + 1u > params.window);
     return vec2<u32>(first, last);
 }
 
 fn padding(i: u32) -> bool {
-    return rows[i] < 0 || u32(rows[i]) >= params.batch;
+    return row_of(i) < 0 || u32(row_of(i)) >= params.batch;
 }
 
-fn score(q_off: u32, k_off: u32) -> f32 {
+// q_off: q's element index (offset included); e: the cached key's first element (offset excluded)
+fn score(q_off: u32, e: u32) -> f32 {
     var s = 0.0;
-    for (var c = 0u; c < params.d; c++) { s += q[q_off + c] * k_at(k_off + c); }
+    let k_off = params.o3 + e;
+    for (var c = 0u; c < params.d; c++) { s += q_ld(q_off + c) * k_cache_ld(k_off + c); }
     s *= params.scale;
     if (params.softcap != 0.0) { s = params.softcap * tanh_f32(s / params.softcap); }
     return s;
@@ -79,9 +77,11 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     let h = idx % params.hq;
     let kvh = h / (params.hq / params.hkv);
     let d = params.d;
-    let q_off = (i * params.hq + h) * d;
+    let row_off = (i * params.hq + h) * d;
+    let o_off = params.o1 + row_off;
     if (padding(i)) {   // a padding query: zero output, as the reference gives
-        for (var c = 0u; c < d; c++) { out[q_off + c] = 0.0; }
+        for (var c = 0u; c + 1u < d; c += 2u) { out_st2(o_off + c, vec2<f32>(0.0)); }
+        if ((d & 1u) == 1u) { out_st(o_off + d - 1u, 0.0); }
         return;
     }
     var acc: array<f32, MAX_D>;
@@ -89,18 +89,22 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     var m = -3.4e38;
     var l = 0.0;
     let span = seen(i);
-    let base = u32(rows[i]) * params.max_len;
+    let base = u32(row_of(i)) * params.max_len;
+    let q_off = params.o2 + row_off;
     for (var j = span.x; j <= span.y; j++) {
-        let k_off = ((base + j) * params.hkv + kvh) * d;
-        let s = score(q_off, k_off);
+        let e = ((base + j) * params.hkv + kvh) * d;
+        let s = score(q_off, e);
         let m_new = max(m, s);
         let corr = exp(m - m_new);
         let p = exp(s - m_new);
         l = l * corr + p;
-        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_at(k_off + c); }
+        let v_off = params.o4 + e;
+        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_cache_ld(v_off + c); }
         m = m_new;
     }
-    for (var c = 0u; c < d; c++) { out[q_off + c] = acc[c] / l; }
+    // by pairs (a 16-bit word at a time), the last element alone for an odd D (float32 only)
+    for (var c = 0u; c + 1u < d; c += 2u) { out_st2(o_off + c, vec2<f32>(acc[c] / l, acc[c + 1u] / l)); }
+    if ((d & 1u) == 1u) { out_st(o_off + d - 1u, acc[d - 1u] / l); }
 }
 
 @compute @workgroup_size(64)
@@ -119,50 +123,60 @@ fn attention_cached_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     if (lo > hi) { return; }     // a chunk the query does not see: the combine skips it
     let kvh = h / (params.hq / params.hkv);
     let d = params.d;
-    let q_off = ih * d;
-    let base = u32(rows[i]) * params.max_len;
+    let q_off = params.o2 + ih * d;
+    let base = u32(row_of(i)) * params.max_len;
     var acc: array<f32, MAX_D>;
     for (var c = 0u; c < d; c++) { acc[c] = 0.0; }
     var m = -3.4e38;
     var l = 0.0;
     for (var j = lo; j <= hi; j++) {
-        let k_off = ((base + j) * params.hkv + kvh) * d;
-        let s = score(q_off, k_off);
+        let e = ((base + j) * params.hkv + kvh) * d;
+        let s = score(q_off, e);
         let m_new = max(m, s);
         let corr = exp(m - m_new);
         let p = exp(s - m_new);
         l = l * corr + p;
-        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_at(k_off + c); }
+        let v_off = params.o4 + e;
+        for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_cache_ld(v_off + c); }
         m = m_new;
     }
-    let p_off = idx * (d + 2u);
+    let p_off = params.o1 + idx * (d + 2u);
     for (var c = 0u; c < d; c++) { part[p_off + c] = acc[c]; }
     part[p_off + d] = m;
     part[p_off + d + 1u] = l;
 }
 
+// One invocation per pair of a (query, head)'s elements (its last alone for an odd D, float32 only).
 @compute @workgroup_size(64)
 fn attention_cached_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let idx = (wid.y * nwg.x + wid.x) * 64u + lid.x;
-    if (idx >= params.n * params.hq * params.d) { return; }
-    let c = idx % params.d;
-    let ih = idx / params.d;
+    let pairs = (params.d + 1u) / 2u;
+    if (idx >= params.n * params.hq * pairs) { return; }
+    let c = 2u * (idx % pairs);
+    let ih = idx / pairs;
     let i = ih / params.hq;
-    if (padding(i)) { out[idx] = 0.0; return; }
+    let o = params.o1 + ih * params.d + c;
+    let both = c + 1u < params.d;
+    if (padding(i)) {
+        if (both) { out_st2(o, vec2<f32>(0.0)); } else { out_st(o, 0.0); }
+        return;
+    }
     let span = seen(i);
     let stride = params.d + 2u;
     let first = span.x / params.chunk;
     let last = span.y / params.chunk;
+    let part0 = params.o2 + ih * params.splits * stride;
     var m = -3.4e38;
-    for (var s = first; s <= last; s++) { m = max(m, part_in[(ih * params.splits + s) * stride + params.d]); }
+    for (var s = first; s <= last; s++) { m = max(m, part_in[part0 + s * stride + params.d]); }
     var l = 0.0;
-    var acc = 0.0;
+    var acc = vec2<f32>(0.0);
     for (var s = first; s <= last; s++) {
-        let off = (ih * params.splits + s) * stride;
+        let off = part0 + s * stride;
         let w = exp(part_in[off + params.d] - m);
         l += w * part_in[off + params.d + 1u];
-        acc += w * part_in[off + c];
+        // element c + 1 is the partial's max where c is the last (an odd D): read, never stored
+        acc += w * vec2<f32>(part_in[off + c], part_in[off + c + 1u]);
     }
-    out[idx] = acc / l;
+    if (both) { out_st2(o, vec2<f32>(acc.x / l, acc.y / l)); } else { out_st(o, acc.x / l); }
 }

@@ -5,6 +5,9 @@
 // occurrence; then the first occurrence of each id walks its chain (token order, deterministic).
 // The row gather pair (gpu/kernels.py row_gather_*) reuses the forward on activations (ids = row indices,
 // row0 = 0); its backward is a plain scatter dx[rows[n]] = dout[n] of distinct rows.
+// The gathered rows, their gradients and the gather's source are tensors in any storage format
+// (device/storage.py; the weights float32 or as stored, the weight gradient float32): a kernel that writes rows
+// of a tensor writes them by pairs of elements (16-bit formats have even widths and offsets).
 // Uniform: s0 = N tokens, s1 = C, s2 = row0 (first vocabulary id here), s3 = rows, s4 = accumulate;
 // o1..o4 = element offsets of bindings 1..4.
 
@@ -28,22 +31,36 @@ fn local_row(id: i32) -> i32 {
     return r;
 }
 
-// ---- forward: 1 out (N, C) out, 2 ids (N,) i32, 3 weight (rows, C) ----
-@group(0) @binding(1) var<storage, read_write> f_out: array<f32>;
-@group(0) @binding(2) var<storage, read> f_ids: array<i32>;
-@group(0) @binding(3) var<storage, read> f_w: array<f32>;
+// The pair of row elements invocation i covers: (row, first column); pairs of a row: (C + 1) / 2, the last of an
+// odd C (float32 only) a single element.
+fn pair(i: u32) -> vec2<u32> {
+    let pairs = (p.s1 + 1u) / 2u;
+    return vec2<u32>(i / pairs, 2u * (i % pairs));
+}
 
+// ---- forward: 1 out (N, C) out, 2 ids (N,) i32, 3 weight (rows, C) ----
+// @tensor 1 f_out read_write
+@group(0) @binding(2) var<storage, read> f_ids: array<i32>;
+// @tensor 3 f_w read
+
+// One invocation per pair of row elements.
 @compute @workgroup_size(256)
 fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = flat(wid, nwg, lid);
     let c = p.s1;
-    if (i >= p.s0 * c) { return; }
-    let n = i / c;
-    let col = i % c;
+    let nc = pair(flat(wid, nwg, lid));
+    let n = nc.x;
+    let col = nc.y;
+    if (n >= p.s0) { return; }
     let r = local_row(f_ids[p.o2 + n]);
     if (r < 0) { return; }
-    f_out[p.o1 + i] = f_w[p.o3 + u32(r) * c + col];
+    let src = p.o3 + u32(r) * c + col;
+    let dst = p.o1 + n * c + col;
+    if (col + 1u < c) {
+        f_out_st2(dst, f_w_ld2(src));
+    } else {
+        f_out_st(dst, f_w_ld(src));
+    }
 }
 
 // ---- backward links: 1 links (2N,) i32 out: [next token with the same id or -1 ..., first flag ...], 2 ids ----
@@ -75,7 +92,7 @@ fn embedding_backward_links(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
 
 // ---- backward: 1 dweight (rows, C) out (or +=, s4 = 1), 2 dout (N, C), 3 ids, 4 links (2N,) ----
 @group(0) @binding(1) var<storage, read_write> b_dw: array<f32>;
-@group(0) @binding(2) var<storage, read> b_dout: array<f32>;
+// @tensor 2 b_dout read
 @group(0) @binding(3) var<storage, read> b_ids: array<i32>;
 @group(0) @binding(4) var<storage, read> b_links: array<i32>;
 
@@ -93,7 +110,7 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     var s = 0.0;
     var m = i32(n);
     loop {
-        s += b_dout[p.o2 + u32(m) * c + col];
+        s += b_dout_ld(p.o2 + u32(m) * c + col);
         m = b_links[p.o4 + u32(m)];
         if (m < 0) { break; }
     }
@@ -105,22 +122,34 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 }
 
 // ---- row gather backward: 1 dx (rows, C) out (or +=, s4 = 1), 2 dout (N, C), 3 rows (N,) i32, distinct ----
-@group(0) @binding(1) var<storage, read_write> g_dx: array<f32>;
-@group(0) @binding(2) var<storage, read> g_dout: array<f32>;
+// @tensor 1 g_dx read_write
+// @tensor 2 g_dout read
 @group(0) @binding(3) var<storage, read> g_rows: array<i32>;
 
+// One invocation per pair of row elements.
 @compute @workgroup_size(256)
 fn row_gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = flat(wid, nwg, lid);
     let c = p.s1;
-    if (i >= p.s0 * c) { return; }
-    let r = local_row(g_rows[p.o3 + i / c]);
+    let nc = pair(flat(wid, nwg, lid));
+    let n = nc.x;
+    let col = nc.y;
+    if (n >= p.s0) { return; }
+    let r = local_row(g_rows[p.o3 + n]);
     if (r < 0) { return; }
-    let o = p.o1 + u32(r) * c + i % c;
-    var s = g_dout[p.o2 + i];
-    if (p.s4 != 0u) {
-        s += g_dx[o];
+    let src = p.o2 + n * c + col;
+    let o = p.o1 + u32(r) * c + col;
+    if (col + 1u < c) {
+        var s = g_dout_ld2(src);
+        if (p.s4 != 0u) {
+            s += g_dx_ld2(o);
+        }
+        g_dx_st2(o, s);
+    } else {
+        var s = g_dout_ld(src);
+        if (p.s4 != 0u) {
+            s += g_dx_ld(o);
+        }
+        g_dx_st(o, s);
     }
-    g_dx[o] = s;
 }

@@ -191,6 +191,16 @@ TOLERANCES: dict[str, Tolerance] = {
         "Over the full default run the last-20-step loss is within 2% of float32's in the mean over seeds "
         "(benchmarks/quant_training.py), not per seed. A wrong code, nibble or block breaks the base model "
         "(loss off by > 50%)"),
+    # ---- decode16 (tests/test_decode16.py): the cached attention writing 16-bit outputs ----
+    # The output is the float32 result (k_attention's error) rounded once to the format; where the float32 error
+    # moves a value across a rounding boundary the stored value is the neighbouring one, one unit in the last place
+    # away: at most 2^-7 of the value for bfloat16's 8 significant bits, 2^-10 for float16's 11.
+    "decode16_attention_bf16": Tolerance(2.0 ** -7 + 2e-5, 5e-6,
+        "cached attention (online softmax over <= 70 keys, float32) stored as bfloat16: k_attention's float32 "
+        "error plus one bfloat16 ulp (2^-7 relative at most); a wrong key, position or scale is off by > 1e-1"),
+    "decode16_attention_f16": Tolerance(2.0 ** -10 + 2e-5, 5e-6,
+        "cached attention (online softmax over <= 70 keys, float32) stored as float16: k_attention's float32 "
+        "error plus one float16 ulp (2^-10 relative at most); a wrong key, position or scale is off by > 1e-1"),
 }
 
 

@@ -143,8 +143,10 @@ def embedding_forward(rec, out, ids, weight, N, C, vocab_rows, row_offset=0):
 
     weight holds vocabulary rows row_offset.. (vocab_rows, C); rows of out whose id lies outside
     that range are left untouched, so a vocabulary split across buffers takes one call per chunk.
+    out and weight may be in any storage format each (a row copy converts); one invocation per pair
+    of row elements.
     """
-    _elems(rec, "embedding", "embedding_forward", N * C,
+    _elems(rec, "embedding", "embedding_forward", N * ((C + 1) // 2),
            [(out, N * C, "out", True), (ids, N, "ids", False), (weight, vocab_rows * C, "weight", False)],
            (N, C, row_offset, vocab_rows))
 
@@ -156,7 +158,8 @@ def embedding_scratch_size(N):
 
 def embedding_backward(rec, dweight, dout, ids, N, C, vocab_rows, scratch, row_offset=0, accumulate=False):
     """dweight (vocab_rows, C) = scatter-add of dout (N, C) rows into their ids' rows, for the ids in
-    [row_offset, row_offset + vocab_rows); deterministic, no atomics.
+    [row_offset, row_offset + vocab_rows); deterministic, no atomics. dout in any storage format, dweight
+    float32.
 
     Rows no token hits are zeroed, unless accumulate=True, which adds into dweight instead.
     scratch: at least embedding_scratch_size(N) elements (token links; finding them costs O(N^2)
@@ -175,16 +178,18 @@ def embedding_backward(rec, dweight, dout, ids, N, C, vocab_rows, scratch, row_o
 
 
 def row_gather_forward(rec, out, x, rows, N, C, x_rows):
-    """out (N, C) = x[rows] for rows (N,) i32 in [0, x_rows): embedding_forward's gather, over activations."""
+    """out (N, C) = x[rows] for rows (N,) i32 in [0, x_rows): embedding_forward's gather, over activations
+    (out and x in any storage format each)."""
     embedding_forward(rec, out, rows, x, N, C, x_rows)
 
 
 def row_gather_backward(rec, dx, dout, rows, N, C, x_rows, accumulate=False):
     """dx (x_rows, C) = dout (N, C) rows written to rows (N,) i32, which must be distinct (a plain scatter,
-    no links pass); rows no index names are zeroed, unless accumulate=True, which adds into dx instead."""
+    no links pass); rows no index names are zeroed, unless accumulate=True, which adds into dx instead (in
+    float32, rounded once to dx's format). dx and dout in any storage format each."""
     if not accumulate:
         fill(rec, dx, 0.0, x_rows * C)
-    _elems(rec, "embedding", "row_gather_backward", N * C,
+    _elems(rec, "embedding", "row_gather_backward", N * ((C + 1) // 2),
            [(dx, x_rows * C, "dx", True), (dout, N * C, "dout", False), (rows, N, "rows", False)],
            (N, C, 0, x_rows, int(bool(accumulate))))
 
@@ -548,20 +553,22 @@ def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
                              window=0, softcap=0.0, scratch=None, kv_dtype="float32"):
-    """New queries against a KV cache of `batch` rows: q, out (n, hq, d); caches (batch, max_len, hkv, d) stored
-    as kv_dtype (float32, or bfloat16 two per u32 word);
+    """New queries against a KV cache of `batch` rows: q, out (n, hq, d), each in any storage format; caches
+    (batch, max_len, hkv, d) stored as kv_dtype (float32, or bfloat16 two per 4-byte word: their buffers take
+    its storage format, attention_decode.cache_tensor);
     rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
     marks padding: its output is zero), only the last `window` of them when window > 0; scores soft-capped
     at softcap when it is not 0. scratch: a buffer of attention_decode.scratch_elements(queries, hq, d) floats
     for the split passes of calls of up to `queries` queries (None: the single pass); the pass is the tuner's
-    choice (attention_decode.py)."""
+    choice (attention_decode.py). Any element offsets (even for 16-bit tensors)."""
     if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
         raise ValueError(f"attention_cached_forward: head dim {d} (<= 256), heads {hq}/{hkv}")
     room = scratch.size // 4 if scratch is not None else 0
-    tensors = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, rows=rows, positions=positions, part=scratch,
-                   part_in=scratch)
+    tensors = dict(out=out, q=q, k_cache=attention_decode.cache_tensor(k_cache, kv_dtype),
+                   v_cache=attention_decode.cache_tensor(v_cache, kv_dtype), rows=rows, positions=positions,
+                   part=scratch, part_in=scratch)
     p = attention_decode.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room,
                                        kv_dtype)
     for dispatch in tune.choose(rec.rt, p).dispatches(p):
@@ -571,17 +578,20 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
 def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d,
                    kv_dtype="float32"):
     """k_cache / v_cache (batch, max_len, hkv, d) at [rows[i], positions[i]] = k_new[i] / v_new[i] (n, hkv, d):
-    writes one layer's new keys and values, rounded to the caches' kv_dtype (bfloat16: to nearest even, two
-    per u32 word, so d must be even); tokens whose row or position lies outside the cache (a negative row
-    marks padding) write nothing."""
+    writes one layer's new keys and values (each in any storage format), rounded to the caches' kv_dtype
+    (bfloat16: to nearest even, two per 4-byte word, so d must be even; the caches' buffers take its storage
+    format, attention_decode.cache_tensor); tokens whose row or position lies outside the cache (a negative row
+    marks padding) write nothing. Any element offsets (even for 16-bit tensors); one invocation per pair of new
+    elements."""
     if n <= 0:
         return
     if kv_dtype == "bfloat16" and d % 2:
         raise ValueError(f"kv_cache_write: a bfloat16 cache needs an even head dim, not {d}")
-    cache = attention_decode.cache_words(batch * max_len * hkv * d, kv_dtype)
-    words = attention_decode.cache_words(n * hkv * d, kv_dtype)
-    launch(rec, attention_decode.cache_write(kv_dtype), flat_grid(-(-words // 64)),
-           [(k_cache, cache), (v_cache, cache), (k_new, n * hkv * d), (v_new, n * hkv * d), (rows, n), (positions, n)],
+    cache, new = batch * max_len * hkv * d, n * hkv * d
+    launch(rec, attention_decode.CACHE_WRITE, flat_grid(-(-new // 128)),
+           [(attention_decode.cache_tensor(k_cache, kv_dtype), cache),
+            (attention_decode.cache_tensor(v_cache, kv_dtype), cache), (k_new, new), (v_new, new), (rows, n),
+            (positions, n)],
            n=int(n), stride=int(hkv * d), max_len=int(max_len), batch=int(batch))
 
 

@@ -7,8 +7,8 @@ import numpy as np
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.numpy.kv_cache import check_rows, forward_cached
 from wgpu_train.engines.webgpu.tuned import attention_decode
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
-from wgpu_train.engines.webgpu.tensors import F32
 
 
 class KvCacheGeneration:
@@ -17,17 +17,19 @@ class KvCacheGeneration:
     # ---- generation with a KV cache -----------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
-        buffer (batch, max_len, Hkv, D) stored as self.kv_dtype (bfloat16: two values per 4-byte word)."""
+        buffer (batch, max_len, Hkv, D) stored as self.kv_dtype, its storage format (bfloat16: two values per
+        4-byte word)."""
         cfg = self.cfg
-        size = attention_decode.cache_words(batch * max_len * cfg.kv_size, self.kv_dtype) * F32
+        fmt = attention_decode.KV_FORMATS[self.kv_dtype]
+        size = storage.nbytes(batch * max_len * cfg.kv_size, fmt)
         if size > self.rt.max_binding:
             raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "
                               f"over the device's max storage binding of {self.rt.max_binding / 2**20:.0f} MiB: "
                               f"generate fewer sequences at once or fewer tokens")
         # the split passes' partials (attention_decode), where they fit one binding
         scratch = attention_decode.scratch_bytes(self.rt, batch, max_len, cfg.num_attention_heads, cfg.head_dim)
-        return {"k": [self.rt.buffer(size, "k_cache") for _ in range(cfg.num_hidden_layers)],
-                "v": [self.rt.buffer(size, "v_cache") for _ in range(cfg.num_hidden_layers)],
+        return {"k": [storage.set_format(self.rt.buffer(size, "k_cache"), fmt) for _ in range(cfg.num_hidden_layers)],
+                "v": [storage.set_format(self.rt.buffer(size, "v_cache"), fmt) for _ in range(cfg.num_hidden_layers)],
                 "scratch": self.rt.buffer(scratch, "kv_scratch"),
                 "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
 

@@ -8,9 +8,10 @@ On CPU adapters a pass applies only while its loops fit llvmpipe's budget of ite
 few hundred cached positions at head dim 128, the split ones up to MAX_SPLITS chunks of the largest chunk
 that fits.
 
-The cache stores float32 or bfloat16 (protocol.KV_DTYPES): kv_source keeps the storage section of
-shaders/kv_cache.wgsl and shaders/attention_cached.wgsl for the cache's dtype, so the cache write and every
-pass read or write either through one source; bfloat16 packs two values per u32 word (head dims are even)."""
+The cache stores float32 or bfloat16 (protocol.KV_DTYPES): its dtype is its buffers' storage format
+(device/storage.py, KV_FORMATS; bfloat16 packs two values per 4-byte word, head dims are even), and the queries
+and outputs are tensors in any format too, so the cache write and every pass are specialised at launch by the
+formats of what they bind, from one source each."""
 from __future__ import annotations
 
 import math
@@ -21,57 +22,37 @@ from wgpu_train.errors import DeviceError
 from wgpu_train.engines.protocol import KV_DTYPES, PREFILL_TOKENS
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
-from wgpu_train.engines.webgpu.device.runtime import shader_text
+from wgpu_train.engines.webgpu.device.operands import split
 
 WG = 64                       # shaders/attention_cached.wgsl's workgroup size
 MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is sized for this many)
 CHUNKS = (32, 64, 128, 256, 512, 1024)
 LOOP_MARGIN = 16              # iterations kept free of llvmpipe's budget (it already fails at 65534)
 
-_KV_MARK, _KV_END = "// ---- kv: ", "// ---- end of kv formats"
-VALUES_PER_WORD = {"float32": 1, "bfloat16": 2}
+KV_FORMATS = {"float32": "f32", "bfloat16": "bf16"}     # a cache's dtype -> its buffers' storage format
+
+SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
+PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cache v_cache rows positions")
+COMBINE = Kernel("attention_cached", "attention_cached_combine", "out! part_in _ _ rows positions")   # reads no cache
+CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions")
 
 
-def kv_source(shader: str, kv_dtype: str) -> str:
-    """shaders/<shader>.wgsl for a cache stored as kv_dtype: of its `// ---- kv: <dtype>` sections only that
-    dtype's kept (the others blanked line by line, so that compiler messages keep the file's line numbers)."""
-    lines, keep = [], True
-    for line in shader_text(shader).split("\n"):
-        if line.startswith(_KV_END):
-            keep = True
-        elif line.startswith(_KV_MARK):
-            keep = kv_dtype in line[len(_KV_MARK):].split()
-        lines.append(line if keep else "")
-    return "\n".join(lines)
+def cache_tensor(t, kv_dtype: str):
+    """t, a cache's key or value tensor, its buffer marked as holding kv_dtype's storage format (a buffer the
+    caller allocated unmarked, e.g. uploaded as bfloat16 words, takes it here). A buffer marked with another
+    16-bit format is a bug: ValueError."""
+    buf, fmt = split(t)[0], KV_FORMATS[kv_dtype]
+    if storage.format_of(buf) not in ("f32", fmt):
+        raise ValueError(f"a {kv_dtype} KV cache in a buffer of storage format {storage.format_of(buf)}")
+    storage.set_format(buf, fmt)
+    return t
 
 
-def _cached(entry: str, bindings: str, kv_dtype: str) -> Kernel:
-    return Kernel("attention_cached", entry, bindings, source=(kv_source, "attention_cached", kv_dtype))
-
-
-def single(kv_dtype: str = "float32") -> Kernel:
-    """The one-pass kernel over a cache stored as kv_dtype."""
-    return _cached("attention_cached_forward", "out! q k_cache v_cache rows positions", kv_dtype)
-
-
-def partial(kv_dtype: str = "float32") -> Kernel:
-    """The split pair's first pass over a cache stored as kv_dtype."""
-    return _cached("attention_cached_partial", "part! q k_cache v_cache rows positions", kv_dtype)
-
-
-COMBINE = _cached("attention_cached_combine", "out! part_in _ _ rows positions", "float32")   # reads no cache
-
-
-def cache_write(kv_dtype: str = "float32") -> Kernel:
-    """shaders/kv_cache.wgsl's write of new keys and values into a cache stored as kv_dtype."""
-    return Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions",
-                  source=(kv_source, "kv_cache", kv_dtype))
-
-
-def cache_words(elements: int, kv_dtype: str) -> int:
-    """The 4-byte words a cache of `elements` values stored as kv_dtype takes (elements is even for bfloat16)."""
-    return int(elements) // VALUES_PER_WORD[kv_dtype]
+def _for_cache(k: Kernel, slots, kv_dtype: str) -> Kernel:
+    fmt = KV_FORMATS[kv_dtype]
+    return k.with_formats(tuple((slot, fmt) for slot in slots) if fmt != "f32" else ())
 
 
 def scratch_elements(queries: int, hq: int, d: int, max_len: int = CHUNKS[0] * MAX_SPLITS) -> int:
@@ -150,19 +131,17 @@ class DecodeProblem:
         fresh random inputs (the caches' values as the cache's dtype stores them), every query's row full up
         to the cache's end."""
         from wgpu_train.engines.numpy import ops
-        from wgpu_train.engines.numpy.quant import bfloat16_bits, bfloat16_values
 
         n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
+        fmt = KV_FORMATS[self.kv_dtype]
         q = rng.standard_normal((n, hq, d)).astype(np.float32)
-        kc, vc = (rng.standard_normal((b, L, hkv, d)).astype(np.float32) for _ in range(2))
-        stored = (kc, vc)
-        if self.kv_dtype == "bfloat16":
-            stored = tuple(bfloat16_bits(x).view(np.uint32) for x in (kc, vc))    # (b, L, hkv, d / 2) words
-            kc, vc = (bfloat16_values(bfloat16_bits(x)) for x in (kc, vc))
+        kc, vc = (storage.from_words(storage.to_words(rng.standard_normal((b, L, hkv, d)), fmt), b * L * hkv * d, fmt)
+                  .reshape(b, L, hkv, d) for _ in range(2))                  # as the cache stores them
         rows, pos = (np.arange(n) % b).astype(np.int32), np.full(n, L - 1, np.int32)
         want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
                                             self.softcap).ravel()
-        bufs = [self.rt.upload(x, "tune operand") for x in (q, *stored, rows, pos)]
+        bufs = [self.rt.upload(q, "tune operand"), *(storage.upload(self.rt, x, fmt, "tune operand") for x in (kc, vc)),
+                *(self.rt.upload(x, "tune operand") for x in (rows, pos))]
         bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
         c0 = np.zeros(want.size, np.float32)
         res = self.rt.upload(c0, "tune result")
@@ -175,7 +154,7 @@ class DecodeProblem:
 
 
 def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
-    cache = cache_words(p.batch * p.max_len * p.hkv * p.d, p.kv_dtype)
+    cache = p.batch * p.max_len * p.hkv * p.d
     big, part = p.n * p.hq * p.d, p.n * p.hq * max(1, splits) * (p.d + 2)
     sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": p.n,
              "part": part, "part_in": part}
@@ -200,7 +179,7 @@ class Single:
         return seen * (2 * p.d + 3) + 2 * p.d + 3
 
     def dispatches(self, p: DecodeProblem) -> list:
-        return [_dispatch(p, single(p.kv_dtype), flat_grid(-(-(p.n * p.hq) // WG)))]
+        return [_dispatch(p, SINGLE, flat_grid(-(-(p.n * p.hq) // WG)))]
 
 
 class Split:
@@ -226,11 +205,13 @@ class Split:
 
     def dispatches(self, p: DecodeProblem) -> list:
         splits = self.splits(p)
-        return [_dispatch(p, partial(p.kv_dtype), flat_grid(-(-(p.n * p.hq * splits) // WG)), self.chunk, splits),
-                _dispatch(p, COMBINE, flat_grid(-(-(p.n * p.hq * p.d) // WG)), self.chunk, splits)]
+        pairs = (p.d + 1) // 2          # the combine: an invocation per pair of output elements
+        return [_dispatch(p, PARTIAL, flat_grid(-(-(p.n * p.hq * splits) // WG)), self.chunk, splits),
+                _dispatch(p, COMBINE, flat_grid(-(-(p.n * p.hq * pairs) // WG)), self.chunk, splits)]
 
 
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the cache write and the cached attention, for each cache dtype (the
     binding-limit and Tint checks go through them)."""
-    return [k for dtype in KV_DTYPES for k in (cache_write(dtype), single(dtype), partial(dtype))] + [COMBINE]
+    return [_for_cache(k, slots, dtype) for dtype in KV_DTYPES
+            for k, slots in ((CACHE_WRITE, (1, 2)), (SINGLE, (3, 4)), (PARTIAL, (3, 4)))] + [COMBINE]
