@@ -7,7 +7,7 @@ import re
 import pytest
 
 from wgpu_train.errors import ShaderError, WgpuTrainError
-from wgpu_train.engines.webgpu.device import runtime
+from wgpu_train.engines.webgpu.device import runtime, storage
 
 BROKEN = {  # kind: (source, line, column) of the first diagnostic naga reports
     "missing-semicolon": ("@compute @workgroup_size(1)\nfn main() {\n    let x = 1.0\n    let y = 2.0;\n}\n", 4, 5),
@@ -66,5 +66,7 @@ def test_op_shaders_compile(rt):
     for name, entries in OP_SHADERS.items():
         found = set(re.findall(r"@compute[^\n]*\n\s*fn (\w+)", runtime.shader_path(name).read_text()))
         assert found == set(entries), f"{name}.wgsl entry points {sorted(found)}"
+        # tensor markers (device/storage.py) expanded for float32 tensors, as a launch with them does
+        source = storage.expand(runtime.shader_text(name), {})
         for entry in entries:
-            rt.pipeline(name, entry, {"D": 128} if name == "attention" else None)
+            rt.pipeline(name, entry, {"D": 128} if name == "attention" else None, source=source)
