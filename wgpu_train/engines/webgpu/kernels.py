@@ -28,6 +28,7 @@ import numpy as np
 
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned import attention_decode, attention_kernels, tune
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, flat_grid, launch
 from wgpu_train.engines.webgpu.device.operands import split
 
@@ -74,6 +75,20 @@ def _run(rec, shader, entry, groups, tensors, sizes=(), floats=(), constants=Non
     params = {f"s{i}": int(v) for i, v in enumerate(sizes)}
     params.update({f"f{i}": float(v) for i, v in enumerate(floats)})
     launch(rec, k, groups, [(t, n) for t, n, _, _ in tensors], **params)
+
+
+def _format(t) -> str:
+    """The storage format of tensor t's buffer (device/storage.py)."""
+    return storage.format_of(split(t)[0])
+
+
+def _float32(what, **tensors):
+    """Refuse a 16-bit tensor (ValueError) where a kernel keeps float32: a statistic, a weight's gradient, partial
+    sums, a LoRA internal. Such a binding may share its number with a 16-bit one of another entry point of the
+    shader, so launch() would not catch it."""
+    bad = [name for name, t in tensors.items() if t is not None and _format(t) != "f32"]
+    if bad:
+        raise ValueError(f"{what}: {', '.join(bad)} must be float32 tensors, not 16-bit ones")
 
 
 def _same(a, b) -> bool:
@@ -200,15 +215,18 @@ def _rms_row_max_c(rt):
 
 
 def _rms_vec4(rt, C, tensors):
-    """Whether the vec4 entry points may read these (tensor, n_elements, name) bindings."""
-    return C % 4 == 0 and all(bind(rt, t, n, name, True)[1] % 4 == 0 for t, n, name in tensors)
+    """Whether the vec4 entry points may read these (tensor, n_elements, name) bindings: float32 ones, C % 4 == 0
+    and offsets that allow."""
+    return C % 4 == 0 and all(_format(t) == "f32" and bind(rt, t, n, name, True)[1] % 4 == 0 for t, n, name in tensors)
 
 
 def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps, offset=0.0):
-    """y (N, C) = x * rstd * (weight + offset), rstd (N,) = 1 / sqrt(mean(x^2) + eps).
+    """y (N, C) = x * rstd * (weight + offset), rstd (N,) = 1 / sqrt(mean(x^2) + eps). x and y in any storage
+    format, rstd and weight float32.
 
-    One invocation per row for C <= the row threshold (vec4 loads when C % 4 == 0 and the offsets
-    allow), else one workgroup per row."""
+    One invocation per row for C <= the row threshold (vec4 loads when the tensors are float32, C % 4 == 0 and
+    the offsets allow), else one workgroup per row."""
+    _float32("rmsnorm_forward", rstd=rstd)
     if N <= 0:
         return
     tensors = [(y, N * C, "y", True), (rstd, N, "rstd", True), (x, N * C, "x", False),
@@ -226,25 +244,30 @@ def rmsnorm_scratch_size(N, C):
     return -(-N // RMS_ROWS_PER_BLOCK) * C
 
 
-def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False, offset=0.0):
-    """dx (N, C) and dweight (C,) of rmsnorm_forward (with its offset).
+def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False, offset=0.0,
+                     accumulate_dx=False):
+    """dx (N, C) and dweight (C,) of rmsnorm_forward (with its offset). dx, dy and x in any storage format;
+    weight, rstd, dweight and scratch float32.
 
     dweight is summed in two passes (per 32-row block into scratch, each invocation taking 4
     consecutive columns of one block; then over blocks); pass dweight=None to skip it (scratch is
-    then unused and may be None). accumulate=True adds into dweight.
+    then unused and may be None). accumulate=True adds into dweight; accumulate_dx=True adds the gradient into
+    dx (one rounding of the sum in a 16-bit dx).
     scratch: at least rmsnorm_scratch_size(N, C) elements.
     """
+    _float32("rmsnorm_backward", dweight=dweight, scratch=scratch)
     if N <= 0:
         return
     rt = rec.rt
     tensors = [(dx, N * C, "dx", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
                (weight, C, "weight", False), (rstd, N, "rstd", False)]
+    sizes = (N, C, 0, 0, 0, int(bool(accumulate_dx)))
     if C <= _rms_row_max_c(rt):
         vec = _rms_vec4(rt, C, [(dx, N * C, "dx"), (dy, N * C, "dy"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_backward_row4" if vec else "rmsnorm_backward_row",
-             flat_grid(-(-N // RMS_WG)), tensors, (N, C), (0.0, offset))
+             flat_grid(-(-N // RMS_WG)), tensors, sizes, (0.0, offset))
     else:
-        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, (N, C), (0.0, offset))
+        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, sizes, (0.0, offset))
     if dweight is None:
         return
     nblk = -(-N // RMS_ROWS_PER_BLOCK)
