@@ -291,10 +291,13 @@ def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
     if rotary % 2 or not 0 < rotary <= D:
         raise ValueError(f"rope rotates an even number of dims up to the head dim {D}, got {rotary}")
     half = rotary // 2
-    n = N * H * half
+    # an invocation per two adjacent pairs; 16-bit tensors with an odd half take a head per invocation (rope.wgsl)
+    whole = half % 2 == 1 and (_format(y), _format(x)) != ("f32", "f32")
+    per_head = 1 if whole else -(-half // 2)
+    n = N * H * per_head
     if n <= 0:
         return
-    sizes = (N, H, D, half)
+    sizes = (N, H, D, half, per_head, int(whole))
     if _same(y, x):
         _elems(rec, "rope", f"rope_{direction}_inplace", n,
                [(y, N * H * D, "x", True), (positions, N, "positions", False),
@@ -306,8 +309,9 @@ def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
 
 
 def rope_forward(rec, y, x, positions, inv_freq, N, H, D, scale=1.0, rotary=0):
-    """Half-rotation RoPE: x, y (N = B*T, H, D), positions (N,) i32, inv_freq (rotary/2,); the leading
-    `rotary` dims of each head (0: all) rotate, times scale, the rest pass through. In place when y is x."""
+    """Half-rotation RoPE: x, y (N = B*T, H, D) in any storage format, positions (N,) i32, inv_freq (rotary/2,);
+    the leading `rotary` dims of each head (0: all) rotate, times scale, the rest pass through. In place when y
+    is x."""
     _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, "forward")
 
 
