@@ -102,10 +102,10 @@ def _elems(rec, shader, entry, n, tensors, sizes=(), floats=()):
         _run(rec, shader, entry, flat_grid(-(-n // WG)), tensors, sizes, floats)
 
 
-def _pairs(rec, entry, n, tensors, sizes=(), floats=()):
-    """One dispatch of shaders/elementwise.wgsl's entry: an invocation per pair of elements."""
+def _pairs(rec, entry, n, tensors, sizes=(), floats=(), shader="elementwise"):
+    """One dispatch of shaders/<shader>.wgsl's entry: an invocation per pair of elements."""
     if n > 0:
-        _run(rec, "elementwise", entry, flat_grid(-(-n // (2 * WG))), tensors, sizes, floats)
+        _run(rec, shader, entry, flat_grid(-(-n // (2 * WG))), tensors, sizes, floats)
 
 
 # ---- elementwise ----------------------------------------------------------------------------
@@ -384,35 +384,36 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
 
 
 # ---- swiglu, geglu --------------------------------------------------------------------------
+# Every tensor in any storage format: an invocation per pair of elements (shaders/swiglu.wgsl).
 
 def swiglu_forward(rec, h, gate, up, n):
     """h = silu(gate) * up over n elements."""
-    _elems(rec, "swiglu", "swiglu_forward", n,
-           [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,))
+    _pairs(rec, "swiglu_forward", n, [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,),
+           shader="swiglu")
 
 
 def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
     """dgate, dup of swiglu_forward over n elements; in place when dgate is gate and dup is up."""
     if _same(dgate, gate) and _same(dup, up):
-        _elems(rec, "swiglu", "swiglu_backward_inplace", n,
-               [(gate, n, "gate", True), (up, n, "up", True), (dh, n, "dh", False)], (n,))
+        _pairs(rec, "swiglu_backward_inplace", n, [(gate, n, "gate", True), (up, n, "up", True), (dh, n, "dh", False)],
+               (n,), shader="swiglu")
     else:
-        _elems(rec, "swiglu", "swiglu_backward", n,
+        _pairs(rec, "swiglu_backward", n,
                [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
-                (up, n, "up", False)], (n,))
+                (up, n, "up", False)], (n,), shader="swiglu")
 
 
 def geglu_forward(rec, h, gate, up, n):
     """h = gelu_tanh(gate) * up over n elements."""
-    _elems(rec, "swiglu", "geglu_forward", n,
-           [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,))
+    _pairs(rec, "geglu_forward", n, [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,),
+           shader="swiglu")
 
 
 def geglu_backward(rec, dgate, dup, dh, gate, up, n):
     """dgate, dup of geglu_forward over n elements (not in place)."""
-    _elems(rec, "swiglu", "geglu_backward", n,
+    _pairs(rec, "geglu_backward", n,
            [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
-            (up, n, "up", False)], (n,))
+            (up, n, "up", False)], (n,), shader="swiglu")
 
 
 # ---- cross-entropy --------------------------------------------------------------------------
