@@ -560,17 +560,18 @@ def _lora_dropout(rec, direction, y, x, seeds, seed_slot, p, n):
     if n <= 0:
         return
     inv_keep = float(np.float32(1.0) / np.float32(1.0 - p))  # as numpy.ops.dropout_mask scales
-    launch(rec, LORA_DROPOUT[direction], flat_grid(-(-n // WG)), [(y, n), (x, n), (seeds, seed_slot + 1)],
+    launch(rec, LORA_DROPOUT[direction], flat_grid(-(-n // (2 * WG))), [(y, n), (x, n), (seeds, seed_slot + 1)],
            n=int(n), seed_slot=int(seed_slot), threshold=int(p * (1 << 24)), inv_keep=inv_keep)
 
 
 def lora_dropout_forward(rec, y, x, seeds, seed_slot, p, n):
-    """y = x * dropout_mask(seeds[seed_slot], n, p) (numpy.ops.dropout_mask), over n elements."""
+    """y = x * dropout_mask(seeds[seed_slot], n, p) (numpy.ops.dropout_mask), over n elements; x and y in any
+    storage format (the engine keeps y, the masked LoRA input, float32)."""
     _lora_dropout(rec, "forward", y, x, seeds, seed_slot, p, n)
 
 
 def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
-    """dx += dy * the same mask, over n elements."""
+    """dx += dy * the same mask, over n elements; dx and dy in any storage format (a 16-bit dx rounded once)."""
     _lora_dropout(rec, "backward", dx, dy, seeds, seed_slot, p, n)
 
 
