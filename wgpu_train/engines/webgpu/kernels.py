@@ -618,24 +618,28 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
 
 def dora_norm(rec, rnorm, weight_sq, pt, g, lora_b, scale, out_f, r):
     """rnorm (out,) = 1 / ||W + scale B A|| per row (numpy.ops.dora_norm) from weight_sq = ||W||^2 (out,),
-    pt = A W^T (r, out), g = A A^T (r, r), lora_b (out, r). Forward only: the norm is detached."""
+    pt = A W^T (r, out), g = A A^T (r, r), lora_b (out, r), all float32. Forward only: the norm is detached."""
+    _float32("dora_norm", rnorm=rnorm)
     _elems(rec, "dora", "dora_norm", out_f, [(rnorm, out_f, "rnorm", True), (weight_sq, out_f, "weight_sq", False),
                                              (pt, r * out_f, "pt", False), (g, r * r, "g", False),
                                              (lora_b, out_f * r, "lora_b", False)], (out_f, r), (scale,))
 
 
 def dora_forward(rec, y, z, magnitude, rnorm, bias, N, out_f, offset=0.0, accumulate=False):
-    """y (N, out) (+)= (magnitude * rnorm - offset) * z (N, out) + bias (out,) or None."""
+    """y (N, out) (+)= (magnitude * rnorm - offset) * z (N, out) + bias (out,) or None; y and z in any storage
+    format (the engine keeps z, a LoRA internal, float32), the rest float32."""
     n = N * out_f
     bias_t = bias if bias is not None else _state(rec.rt).one
-    _elems(rec, "dora", "dora_forward", n, [(y, n, "y", True), (z, n, "z", False), (magnitude, out_f, "m", False),
-                                            (rnorm, out_f, "rnorm", False),
-                                            (bias_t, out_f if bias is not None else 1, "bias", False)],
-           (n, out_f, int(accumulate), int(bias is not None)), (offset,))
+    _pairs(rec, "dora_forward", n,
+           [(y, n, "y", True), (z, n, "z", False), (magnitude, out_f, "m", False), (rnorm, out_f, "rnorm", False),
+            (bias_t, out_f if bias is not None else 1, "bias", False)],
+           (n, out_f, int(accumulate), int(bias is not None)), (offset,), shader="dora")
 
 
 def dora_backward(rec, dz, dmagnitude, dy, z, magnitude, rnorm, N, out_f, offset=0.0):
-    """dz (N, out) = (magnitude * rnorm - offset) * dy; dmagnitude (out,) += rnorm * sum_rows(dy * z)."""
+    """dz (N, out) = (magnitude * rnorm - offset) * dy; dmagnitude (out,) += rnorm * sum_rows(dy * z). dy in any
+    storage format, the rest float32."""
+    _float32("dora_backward", dz=dz)
     if N <= 0 or out_f <= 0:
         return
     n = N * out_f
