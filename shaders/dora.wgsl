@@ -1,5 +1,8 @@
 // DoRA (PEFT's use_dora): the detached weight norm of each output row, and the op pair that scales a module's
 // output by c = m / ||W + s B A|| (reference/ops.py: dora_norm, dora_forward, dora_backward).
+// Bindings 1 and 2 in any storage format (device/storage.py): dora_forward's y, written by pairs of elements, and
+// dora_backward's dy; the rest float32 (dora_norm's rn and dora_backward's dz, which one invocation writes per
+// element, included).
 // Uniform: s0..s7 sizes, o1..o6 element offsets of bindings 1..6, f0..f1 scalars.
 
 struct Params {
@@ -10,8 +13,8 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> y: array<f32>;
-@group(0) @binding(2) var<storage, read> a: array<f32>;
+// @tensor 1 y read_write
+// @tensor 2 a read
 @group(0) @binding(3) var<storage, read> b: array<f32>;
 @group(0) @binding(4) var<storage, read> c: array<f32>;
 @group(0) @binding(5) var<storage, read> d: array<f32>;
@@ -42,21 +45,33 @@ fn dora_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         quad += bk * gb;
     }
     let s = p.f0;
-    y[p.o1 + j] = 1.0 / sqrt(a[p.o2 + j] + 2.0 * s * cross + s * s * quad);
+    y_st(p.o1 + j, 1.0 / sqrt(a_ld(p.o2 + j) + 2.0 * s * cross + s * s * quad));
+}
+
+// (m * rn - offset) * z + bias of element i of (N, out)
+fn scaled(i: u32) -> f32 {
+    let j = i % p.s1;
+    var v = (b[p.o3 + j] * c[p.o4 + j] - p.f0) * a_ld(p.o2 + i);
+    if (p.s3 != 0u) { v += d[p.o5 + j]; }
+    return v;
 }
 
 // y (N, out) (+)= (m * rn - offset) * z + bias: a = z (N, out), b = m (out,), c = rn (out,), d = bias (out,);
-// s0 = N * out, s1 = out, s2 = accumulate, s3 = has bias, f0 = offset.
+// s0 = N * out, s1 = out, s2 = accumulate, s3 = has bias, f0 = offset. One invocation per pair of elements.
 @compute @workgroup_size(256)
 fn dora_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = flat(wid, nwg, lid);
+    let i = 2u * flat(wid, nwg, lid);
     if (i >= p.s0) { return; }
-    let j = i % p.s1;
-    var v = (b[p.o3 + j] * c[p.o4 + j] - p.f0) * a[p.o2 + i];
-    if (p.s3 != 0u) { v += d[p.o5 + j]; }
-    if (p.s2 != 0u) { v += y[p.o1 + i]; }
-    y[p.o1 + i] = v;
+    if (i + 1u < p.s0) {
+        var v = vec2<f32>(scaled(i), scaled(i + 1u));
+        if (p.s2 != 0u) { v += y_ld2(p.o1 + i); }
+        y_st2(p.o1 + i, v);
+    } else {
+        var v = scaled(i);
+        if (p.s2 != 0u) { v += y_ld(p.o1 + i); }
+        y_st(p.o1 + i, v);
+    }
 }
 
 const COLS = 64u;     // output columns per workgroup
@@ -74,8 +89,8 @@ fn dora_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     if (j < out) {
         let cj = c[p.o4 + j] * d[p.o5 + j] - p.f0;
         for (var row = lid.y; row < n; row += LANES) {
-            let g = a[p.o2 + row * out + j];
-            y[p.o1 + row * out + j] = cj * g;
+            let g = a_ld(p.o2 + row * out + j);
+            y_st(p.o1 + row * out + j, cj * g);
             acc += g * b[p.o3 + row * out + j];
         }
     }

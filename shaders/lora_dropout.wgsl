@@ -1,6 +1,7 @@
 // LoRA dropout on the LoRA branch input: a counter-based hash mask that reference/ops.py's
 // dropout_mask reproduces bit for bit. The seed of each module and micro-batch is read from a
-// storage buffer written with the batch, so nothing is rebuilt per step.
+// storage buffer written with the batch, so nothing is rebuilt per step. x and y in any storage format
+// (device/storage.py): one invocation per pair of elements (its last alone when n is odd).
 
 struct Params {
     n: u32,            // elements
@@ -10,8 +11,8 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
-@group(0) @binding(1) var<storage, read_write> y: array<f32>;
-@group(0) @binding(2) var<storage, read> x: array<f32>;
+// @tensor 1 y read_write
+// @tensor 2 x read
 @group(0) @binding(3) var<storage, read> seeds: array<u32>;
 
 fn pcg_hash(v: u32) -> u32 {
@@ -20,23 +21,39 @@ fn pcg_hash(v: u32) -> u32 {
     return (w >> 22u) ^ w;
 }
 
-fn keep_scale(i: u32) -> f32 {
-    let u = pcg_hash(i ^ pcg_hash(seeds[params.seed_slot]));
+// The mask of element i under the module's hashed seed h
+fn keep_scale(i: u32, h: u32) -> f32 {
+    let u = pcg_hash(i ^ h);
     return select(0.0, params.inv_keep, (u >> 8u) >= params.threshold);
+}
+
+// The invocation's first element: twice its flat index over a grid folded into y beyond 65535 workgroups.
+fn first(gid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return 2u * (gid.x + gid.y * nwg.x * 256u);
 }
 
 // y = x * mask
 @compute @workgroup_size(256)
 fn lora_dropout_forward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = gid.x + gid.y * nwg.x * 256u;
+    let i = first(gid, nwg);
     if (i >= params.n) { return; }
-    y[i] = x[i] * keep_scale(i);
+    let h = pcg_hash(seeds[params.seed_slot]);
+    if (i + 1u < params.n) {
+        y_st2(i, x_ld2(i) * vec2<f32>(keep_scale(i, h), keep_scale(i + 1u, h)));
+    } else {
+        y_st(i, x_ld(i) * keep_scale(i, h));
+    }
 }
 
 // dx += dy * mask (y is dx, x is dy): the gradient flows only through kept elements
 @compute @workgroup_size(256)
 fn lora_dropout_backward(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = gid.x + gid.y * nwg.x * 256u;
+    let i = first(gid, nwg);
     if (i >= params.n) { return; }
-    y[i] = y[i] + x[i] * keep_scale(i);
+    let h = pcg_hash(seeds[params.seed_slot]);
+    if (i + 1u < params.n) {
+        y_st2(i, y_ld2(i) + x_ld2(i) * vec2<f32>(keep_scale(i, h), keep_scale(i + 1u, h)));
+    } else {
+        y_st(i, y_ld(i) + x_ld(i) * keep_scale(i, h));
+    }
 }

@@ -4,8 +4,12 @@
 // - *_row / *_row4: one invocation per row, no workgroup memory and no barriers (barriers are
 //   expensive on llvmpipe); _row4 reads vec4s and needs C % 4 == 0 and 4-aligned offsets.
 // - rmsnorm_forward / rmsnorm_backward: one 64-wide workgroup per row, for large C.
-// Uniform: s0 = N rows, s1 = C, s2 = rows per block, s3 = number of row blocks, s4 = accumulate dweight;
-// o1..o5 = element offsets of bindings 1..5; f0 = eps; f1 = offset added to the weight (Gemma's 1 + w).
+// x, y, dy and dx in any storage format (device/storage.py; 16-bit ones with even C and even offsets), written
+// by pairs of elements; rstd, the weight, dweight and its partial sums float32. The vec4 entry points
+// (_row4, _partial4v) read float32 only: on 16-bit tensors the scalar ones load a word per pair of elements.
+// Uniform: s0 = N rows, s1 = C, s2 = rows per block, s3 = number of row blocks, s4 = accumulate dweight,
+// s5 = accumulate dx (dx += the gradient, rounded once); o1..o5 = element offsets of bindings 1..5; f0 = eps;
+// f1 = offset added to the weight (Gemma's 1 + w).
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -35,10 +39,20 @@ fn wg_sum(v: f32, lid: u32) -> f32 {
 }
 
 // ---- forward: 1 y (N, C) out, 2 rstd (N,) out, 3 x (N, C), 4 weight (C,) ----
-@group(0) @binding(1) var<storage, read_write> f_y: array<f32>;
+// @tensor 1 f_y read_write
 @group(0) @binding(2) var<storage, read_write> f_rstd: array<f32>;
-@group(0) @binding(3) var<storage, read> f_x: array<f32>;
+// @tensor 3 f_x read
 @group(0) @binding(4) var<storage, read> f_w: array<f32>;
+
+// y[j], y[j + 1] of a row (j alone as the row's last element, odd C) from its rstd r
+fn forward_pair(yb: u32, xb: u32, j: u32, c: u32, r: f32) {
+    if (j + 1u < c) {
+        let w = vec2<f32>(f_w[p.o4 + j], f_w[p.o4 + j + 1u]) + vec2<f32>(p.f1);
+        f_y_st2(yb + j, (f_x_ld2(xb + j) * r) * w);
+    } else {
+        f_y_st(yb + j, (f_x_ld(xb + j) * r) * (f_w[p.o4 + j] + p.f1));
+    }
+}
 
 @compute @workgroup_size(WG)
 fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -50,13 +64,13 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let xb = p.o3 + row * c;
     var ss = 0.0;
     for (var j = lid; j < c; j += WG) {
-        let v = f_x[xb + j];
+        let v = f_x_ld(xb + j);
         ss += v * v;
     }
     let r = 1.0 / sqrt(wg_sum(ss, lid) / f32(c) + p.f0);
     let yb = p.o1 + row * c;
-    for (var j = lid; j < c; j += WG) {
-        f_y[yb + j] = (f_x[xb + j] * r) * (f_w[p.o4 + j] + p.f1);
+    for (var j = 2u * lid; j < c; j += 2u * WG) {
+        forward_pair(yb, xb, j, c, r);
     }
     if (lid == 0u) {
         f_rstd[p.o2 + row] = r;
@@ -64,11 +78,28 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
 }
 
 // ---- backward dx: 1 dx (N, C) out, 2 dy (N, C), 3 x (N, C), 4 weight (C,), 5 rstd (N,) ----
-@group(0) @binding(1) var<storage, read_write> b_dx: array<f32>;
-@group(0) @binding(2) var<storage, read> b_dy: array<f32>;
-@group(0) @binding(3) var<storage, read> b_x: array<f32>;
+// @tensor 1 b_dx read_write
+// @tensor 2 b_dy read
+// @tensor 3 b_x read
 @group(0) @binding(4) var<storage, read> b_w: array<f32>;
 @group(0) @binding(5) var<storage, read> b_rstd: array<f32>;
+
+// dx[j], dx[j + 1] of a row (j alone as the row's last element, odd C) from its rstd r and
+// k = mean(dy (w + offset) xhat); added to dx when s5 = 1
+fn backward_pair(ob: u32, db: u32, xb: u32, j: u32, c: u32, r: f32, k: f32) {
+    if (j + 1u < c) {
+        let w = vec2<f32>(b_w[p.o4 + j], b_w[p.o4 + j + 1u]) + vec2<f32>(p.f1);
+        let xhat = b_x_ld2(xb + j) * r;
+        var v = r * (b_dy_ld2(db + j) * w - xhat * k);
+        if (p.s5 != 0u) { v += b_dx_ld2(ob + j); }
+        b_dx_st2(ob + j, v);
+    } else {
+        let xhat = b_x_ld(xb + j) * r;
+        var v = r * (b_dy_ld(db + j) * (b_w[p.o4 + j] + p.f1) - xhat * k);
+        if (p.s5 != 0u) { v += b_dx_ld(ob + j); }
+        b_dx_st(ob + j, v);
+    }
+}
 
 @compute @workgroup_size(WG)
 fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -82,21 +113,20 @@ fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let db = p.o2 + row * c;
     var dot = 0.0;
     for (var j = lid; j < c; j += WG) {
-        dot += (b_dy[db + j] * (b_w[p.o4 + j] + p.f1)) * (b_x[xb + j] * r);
+        dot += (b_dy_ld(db + j) * (b_w[p.o4 + j] + p.f1)) * (b_x_ld(xb + j) * r);
     }
     let k = wg_sum(dot, lid) / f32(c);
     let ob = p.o1 + row * c;
-    for (var j = lid; j < c; j += WG) {
-        let xhat = b_x[xb + j] * r;
-        b_dx[ob + j] = r * (b_dy[db + j] * (b_w[p.o4 + j] + p.f1) - xhat * k);
+    for (var j = 2u * lid; j < c; j += 2u * WG) {
+        backward_pair(ob, db, xb, j, c, r, k);
     }
 }
 
 // ---- dweight pass 1: 1 partials (blocks, C) out, 2 dy (N, C), 3 x (N, C), 4 rstd (N,) ----
 // Entry points rmsnorm_backward_partial4 / _partial4v, below the row kernels.
 @group(0) @binding(1) var<storage, read_write> w_part: array<f32>;
-@group(0) @binding(2) var<storage, read> w_dy: array<f32>;
-@group(0) @binding(3) var<storage, read> w_x: array<f32>;
+// @tensor 2 w_dy read
+// @tensor 3 w_x read
 @group(0) @binding(4) var<storage, read> w_rstd: array<f32>;
 
 // ---- dweight pass 2: 1 dweight (C,) out (or +=, s4 = 1), 2 partials (blocks, C) ----
@@ -138,17 +168,17 @@ fn rmsnorm_forward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(n
     var ss = vec4<f32>(0.0);
     var j = 0u;
     for (; j + 4u <= c; j += 4u) {
-        let v = vec4<f32>(f_x[xb + j], f_x[xb + j + 1u], f_x[xb + j + 2u], f_x[xb + j + 3u]);
+        let v = vec4<f32>(f_x_ld2(xb + j), f_x_ld2(xb + j + 2u));
         ss += v * v;
     }
     for (; j < c; j++) {
-        let v = f_x[xb + j];
+        let v = f_x_ld(xb + j);
         ss.x += v * v;
     }
     let r = 1.0 / sqrt(sum4(ss) / f32(c) + p.f0);
     let yb = p.o1 + row * c;
-    for (var k = 0u; k < c; k++) {
-        f_y[yb + k] = (f_x[xb + k] * r) * (f_w[p.o4 + k] + p.f1);
+    for (var k = 0u; k < c; k += 2u) {
+        forward_pair(yb, xb, k, c, r);
     }
     f_rstd[p.o2 + row] = r;
 }
@@ -165,22 +195,21 @@ fn rmsnorm_backward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(
     var j = 0u;
     for (; j + 4u <= c; j += 4u) {
         let w = vec4<f32>(b_w[p.o4 + j], b_w[p.o4 + j + 1u], b_w[p.o4 + j + 2u], b_w[p.o4 + j + 3u]) + vec4<f32>(p.f1);
-        let g = vec4<f32>(b_dy[db + j], b_dy[db + j + 1u], b_dy[db + j + 2u], b_dy[db + j + 3u]);
-        let x = vec4<f32>(b_x[xb + j], b_x[xb + j + 1u], b_x[xb + j + 2u], b_x[xb + j + 3u]);
+        let g = vec4<f32>(b_dy_ld2(db + j), b_dy_ld2(db + j + 2u));
+        let x = vec4<f32>(b_x_ld2(xb + j), b_x_ld2(xb + j + 2u));
         dot += (g * w) * x;
     }
     for (; j < c; j++) {
-        dot.x += (b_dy[db + j] * (b_w[p.o4 + j] + p.f1)) * b_x[xb + j];
+        dot.x += (b_dy_ld(db + j) * (b_w[p.o4 + j] + p.f1)) * b_x_ld(xb + j);
     }
     let k = sum4(dot) * r / f32(c);
     let ob = p.o1 + row * c;
-    for (var i = 0u; i < c; i++) {
-        let xhat = b_x[xb + i] * r;
-        b_dx[ob + i] = r * (b_dy[db + i] * (b_w[p.o4 + i] + p.f1) - xhat * k);
+    for (var i = 0u; i < c; i += 2u) {
+        backward_pair(ob, db, xb, i, c, r, k);
     }
 }
 
-// vec4 versions: C % 4 == 0 and every residual offset (o1..o4; rstd's is scalar) a multiple of 4.
+// vec4 versions: float32 tensors, C % 4 == 0 and every residual offset (o1..o4; rstd's is scalar) a multiple of 4.
 @group(0) @binding(1) var<storage, read_write> f4_y: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> f4_x: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> f4_w: array<vec4<f32>>;
@@ -227,7 +256,9 @@ fn rmsnorm_backward_row4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin
     let ob = p.o1 / 4u + row * c4;
     for (var j = 0u; j < c4; j++) {
         let xhat = b4_x[xb + j] * r;
-        b4_dx[ob + j] = r * (b4_dy[db + j] * (b4_w[wb + j] + vec4<f32>(p.f1)) - xhat * k);
+        var v = r * (b4_dy[db + j] * (b4_w[wb + j] + vec4<f32>(p.f1)) - xhat * k);
+        if (p.s5 != 0u) { v += b4_dx[ob + j]; }
+        b4_dx[ob + j] = v;
     }
 }
 
@@ -249,8 +280,8 @@ fn rmsnorm_backward_partial4(@builtin(global_invocation_id) gid: vec3<u32>,
     if (col + 4u <= c) {
         for (var r = r0; r < r1; r++) {
             let b = r * c + col;
-            let g = vec4<f32>(w_dy[p.o2 + b], w_dy[p.o2 + b + 1u], w_dy[p.o2 + b + 2u], w_dy[p.o2 + b + 3u]);
-            let x = vec4<f32>(w_x[p.o3 + b], w_x[p.o3 + b + 1u], w_x[p.o3 + b + 2u], w_x[p.o3 + b + 3u]);
+            let g = vec4<f32>(w_dy_ld2(p.o2 + b), w_dy_ld2(p.o2 + b + 2u));
+            let x = vec4<f32>(w_x_ld2(p.o3 + b), w_x_ld2(p.o3 + b + 2u));
             s += g * (x * w_rstd[p.o4 + r]);
         }
     } else {
@@ -258,7 +289,7 @@ fn rmsnorm_backward_partial4(@builtin(global_invocation_id) gid: vec3<u32>,
             let rs = w_rstd[p.o4 + r];
             for (var k = 0u; col + k < c; k++) {
                 let b = r * c + col + k;
-                s[k] += w_dy[p.o2 + b] * (w_x[p.o3 + b] * rs);
+                s[k] += w_dy_ld(p.o2 + b) * (w_x_ld(p.o3 + b) * rs);
             }
         }
     }
@@ -268,7 +299,7 @@ fn rmsnorm_backward_partial4(@builtin(global_invocation_id) gid: vec3<u32>,
     }
 }
 
-// The same with vec4 loads of dy and x (C % 4 == 0, offsets o2, o3 multiples of 4).
+// The same with vec4 loads of dy and x (float32, C % 4 == 0, offsets o2, o3 multiples of 4).
 @group(0) @binding(2) var<storage, read> w4_dy: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> w4_x: array<vec4<f32>>;
 

@@ -1,8 +1,13 @@
 // Rotary position embedding in Hugging Face's half-rotation layout on x (N = B*T, H, D): of each head's
 // leading R dims the pair (d, d + R/2) rotates by positions[n] * inv_freq[d], times f0 (longrope's
 // attention factor); the other D - R dims pass through (partial rotary). The backward is the rotation
-// by the opposite angle. One invocation per (row, head, pair); *_inplace variants overwrite binding 1.
-// Uniform: s0 = N rows, s1 = H, s2 = D, s3 = R/2; o1..o4 = element offsets of bindings 1..4; f0 = scale.
+// by the opposite angle. *_inplace variants overwrite binding 1. x and y in any storage format
+// (device/storage.py; 16-bit ones with even D and even offsets), written by pairs of elements.
+// One invocation per (row, head, two adjacent pairs d, d + 1 with d even): with R/2 even it alone writes the
+// 16-bit words (d, d + 1) and (d + R/2, d + R/2 + 1). With R/2 odd those words straddle two invocations' pairs,
+// so 16-bit tensors take one invocation per (row, head) instead (s5 = 1), element by element.
+// Uniform: s0 = N rows, s1 = H, s2 = D, s3 = R/2, s4 = invocations per head, s5 = whole heads;
+// o1..o4 = element offsets of bindings 1..4; f0 = scale.
 
 struct Params {
     s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
@@ -27,35 +32,67 @@ fn cos_sin(pos: i32, inv_freq: f32) -> vec2<f32> {
     return vec2<f32>(cos(r), sin(r)) * p.f0;
 }
 
+// The pair (x1, x2) rotated by the angle of cs = (cos, sin) * scale, its sine's sign flipped by sign = -1.
+fn turn(x1: f32, x2: f32, cs: vec2<f32>, sign: f32) -> vec2<f32> {
+    let sn = sign * cs.y;
+    return vec2<f32>(x1 * cs.x - x2 * sn, x2 * cs.x + x1 * sn);
+}
+
 struct Slot { row: u32, base: u32, d: u32, half: u32, ok: bool }
 
 fn slot(i: u32) -> Slot {
-    let half = p.s3;
-    let d = i % half;
-    let nh = i / half;
+    let nh = i / p.s4;
     let row = nh / p.s1;
-    return Slot(row, nh * p.s2, d, half, row < p.s0);
+    return Slot(row, nh * p.s2, 2u * (i % p.s4), p.s3, row < p.s0);
 }
 
 // ---- out of place: 1 y (N, H, D) out, 2 x (N, H, D), 3 positions (N,) i32, 4 inv_freq (R/2,) ----
-@group(0) @binding(1) var<storage, read_write> o_y: array<f32>;
-@group(0) @binding(2) var<storage, read> o_x: array<f32>;
+// @tensor 1 o_y read_write
+// @tensor 2 o_x read
 @group(0) @binding(3) var<storage, read> o_pos: array<i32>;
 @group(0) @binding(4) var<storage, read> o_freq: array<f32>;
+
+// y = x over the pairs of dims from j0 on, every step-th pair: dims that pass through
+fn pass_out(yb: u32, xb: u32, j0: u32, step: u32) {
+    for (var j = j0; j < p.s2; j += step) {
+        if (j + 1u < p.s2) {
+            o_y_st2(yb + j, o_x_ld2(xb + j));
+        } else {
+            o_y_st(yb + j, o_x_ld(xb + j));
+        }
+    }
+}
 
 fn rotate_out(i: u32, sign: f32) {
     let s = slot(i);
     if (!s.ok) { return; }
-    let cs = cos_sin(o_pos[p.o3 + s.row], o_freq[p.o4 + s.d]);
-    let sn = sign * cs.y;
-    let x1 = o_x[p.o2 + s.base + s.d];
-    let x2 = o_x[p.o2 + s.base + s.d + s.half];
-    o_y[p.o1 + s.base + s.d] = x1 * cs.x - x2 * sn;
-    o_y[p.o1 + s.base + s.d + s.half] = x2 * cs.x + x1 * sn;
-    // this pair's share of the dims that pass through: R + d, R + d + R/2, ...
-    for (var j = 2u * s.half + s.d; j < p.s2; j = j + s.half) {
-        o_y[p.o1 + s.base + j] = o_x[p.o2 + s.base + j];
+    let pos = o_pos[p.o3 + s.row];
+    let yb = p.o1 + s.base;
+    let xb = p.o2 + s.base;
+    if (p.s5 != 0u) {
+        for (var d = 0u; d < s.half; d++) {
+            let v = turn(o_x_ld(xb + d), o_x_ld(xb + d + s.half), cos_sin(pos, o_freq[p.o4 + d]), sign);
+            o_y_st(yb + d, v.x);
+            o_y_st(yb + d + s.half, v.y);
+        }
+        pass_out(yb, xb, 2u * s.half, 2u);
+        return;
     }
+    let d = s.d;
+    if (d + 1u < s.half) {
+        let x1 = o_x_ld2(xb + d);
+        let x2 = o_x_ld2(xb + d + s.half);
+        let a = turn(x1.x, x2.x, cos_sin(pos, o_freq[p.o4 + d]), sign);
+        let b = turn(x1.y, x2.y, cos_sin(pos, o_freq[p.o4 + d + 1u]), sign);
+        o_y_st2(yb + d, vec2<f32>(a.x, b.x));
+        o_y_st2(yb + d + s.half, vec2<f32>(a.y, b.y));
+    } else {
+        let a = turn(o_x_ld(xb + d), o_x_ld(xb + d + s.half), cos_sin(pos, o_freq[p.o4 + d]), sign);
+        o_y_st(yb + d, a.x);
+        o_y_st(yb + d + s.half, a.y);
+    }
+    // this invocation's share of the pairs of dims that pass through: from R + d, every s4-th pair
+    pass_out(yb, xb, 2u * s.half + d, 2u * p.s4);
 }
 
 @compute @workgroup_size(256)
@@ -71,19 +108,36 @@ fn rope_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 }
 
 // ---- in place: 1 x (N, H, D) in/out, 2 positions (N,) i32, 3 inv_freq (R/2,) ----
-@group(0) @binding(1) var<storage, read_write> i_x: array<f32>;
+// @tensor 1 i_x read_write
 @group(0) @binding(2) var<storage, read> i_pos: array<i32>;
 @group(0) @binding(3) var<storage, read> i_freq: array<f32>;
 
 fn rotate_in(i: u32, sign: f32) {
     let s = slot(i);
     if (!s.ok) { return; }
-    let cs = cos_sin(i_pos[p.o2 + s.row], i_freq[p.o3 + s.d]);
-    let sn = sign * cs.y;
-    let x1 = i_x[p.o1 + s.base + s.d];
-    let x2 = i_x[p.o1 + s.base + s.d + s.half];
-    i_x[p.o1 + s.base + s.d] = x1 * cs.x - x2 * sn;
-    i_x[p.o1 + s.base + s.d + s.half] = x2 * cs.x + x1 * sn;
+    let pos = i_pos[p.o2 + s.row];
+    let xb = p.o1 + s.base;
+    if (p.s5 != 0u) {
+        for (var d = 0u; d < s.half; d++) {
+            let v = turn(i_x_ld(xb + d), i_x_ld(xb + d + s.half), cos_sin(pos, i_freq[p.o3 + d]), sign);
+            i_x_st(xb + d, v.x);
+            i_x_st(xb + d + s.half, v.y);
+        }
+        return;
+    }
+    let d = s.d;
+    if (d + 1u < s.half) {
+        let x1 = i_x_ld2(xb + d);
+        let x2 = i_x_ld2(xb + d + s.half);
+        let a = turn(x1.x, x2.x, cos_sin(pos, i_freq[p.o3 + d]), sign);
+        let b = turn(x1.y, x2.y, cos_sin(pos, i_freq[p.o3 + d + 1u]), sign);
+        i_x_st2(xb + d, vec2<f32>(a.x, b.x));
+        i_x_st2(xb + d + s.half, vec2<f32>(a.y, b.y));
+    } else {
+        let a = turn(i_x_ld(xb + d), i_x_ld(xb + d + s.half), cos_sin(pos, i_freq[p.o3 + d]), sign);
+        i_x_st(xb + d, a.x);
+        i_x_st(xb + d + s.half, a.y);
+    }
 }
 
 @compute @workgroup_size(256)

@@ -201,6 +201,20 @@ TOLERANCES: dict[str, Tolerance] = {
     "decode16_attention_f16": Tolerance(2.0 ** -10 + 2e-5, 5e-6,
         "cached attention (online softmax over <= 70 keys, float32) stored as float16: k_attention's float32 "
         "error plus one float16 ulp (2^-10 relative at most); a wrong key, position or scale is off by > 1e-1"),
+    # ---- 16-bit rows (tests/test_rows16.py): rmsnorm, rope, swiglu / geglu, LoRA dropout and DoRA storing
+    # bfloat16 / float16 tensors, against the float64 reference of the same rounded inputs, its output rounded
+    # once to the format. Where the kernel's float32 result and the reference lie on either side of a rounding
+    # boundary the two stored values are neighbours: one unit in the last place apart, at most 2^-7 of the value
+    # in bfloat16 (8 significant bits) and 2^-10 in float16 (11; its subnormals' unit, 2^-24, is inside atol).
+    # On top of that the float32 part: the largest of the kernels' own float32 entries (k_rmsnorm's).
+    "k16_bf16": Tolerance(2.0 ** -7 + 2e-5, 2e-6,
+        "a bfloat16 output: one bfloat16 unit in the last place (2^-7 relative at most) where float32 arithmetic "
+        "and the float64 reference round to neighbours, plus k_rmsnorm's float32 part; a wrong pair, offset or "
+        "format is off by far more"),
+    "k16_f16": Tolerance(2.0 ** -10 + 2e-5, 2e-6,
+        "a float16 output: one float16 unit in the last place (2^-10 relative at most) where float32 arithmetic "
+        "and the float64 reference round to neighbours, plus k_rmsnorm's float32 part; a wrong pair, offset or "
+        "format is off by far more"),
 }
 
 

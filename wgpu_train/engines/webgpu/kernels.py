@@ -28,6 +28,7 @@ import numpy as np
 
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned import attention_decode, attention_kernels, tune
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, flat_grid, launch
 from wgpu_train.engines.webgpu.device.operands import split
 
@@ -76,6 +77,20 @@ def _run(rec, shader, entry, groups, tensors, sizes=(), floats=(), constants=Non
     launch(rec, k, groups, [(t, n) for t, n, _, _ in tensors], **params)
 
 
+def _format(t) -> str:
+    """The storage format of tensor t's buffer (device/storage.py)."""
+    return storage.format_of(split(t)[0])
+
+
+def _float32(what, **tensors):
+    """Refuse a 16-bit tensor (ValueError) where a kernel keeps float32: a statistic, a weight's gradient, partial
+    sums, a LoRA internal. Such a binding may share its number with a 16-bit one of another entry point of the
+    shader, so launch() would not catch it."""
+    bad = [name for name, t in tensors.items() if t is not None and _format(t) != "f32"]
+    if bad:
+        raise ValueError(f"{what}: {', '.join(bad)} must be float32 tensors, not 16-bit ones")
+
+
 def _same(a, b) -> bool:
     ba, oa = split(a)
     bb, ob = split(b)
@@ -87,10 +102,10 @@ def _elems(rec, shader, entry, n, tensors, sizes=(), floats=()):
         _run(rec, shader, entry, flat_grid(-(-n // WG)), tensors, sizes, floats)
 
 
-def _pairs(rec, entry, n, tensors, sizes=(), floats=()):
-    """One dispatch of shaders/elementwise.wgsl's entry: an invocation per pair of elements."""
+def _pairs(rec, entry, n, tensors, sizes=(), floats=(), shader="elementwise"):
+    """One dispatch of shaders/<shader>.wgsl's entry: an invocation per pair of elements."""
     if n > 0:
-        _run(rec, "elementwise", entry, flat_grid(-(-n // (2 * WG))), tensors, sizes, floats)
+        _run(rec, shader, entry, flat_grid(-(-n // (2 * WG))), tensors, sizes, floats)
 
 
 # ---- elementwise ----------------------------------------------------------------------------
@@ -205,15 +220,18 @@ def _rms_row_max_c(rt):
 
 
 def _rms_vec4(rt, C, tensors):
-    """Whether the vec4 entry points may read these (tensor, n_elements, name) bindings."""
-    return C % 4 == 0 and all(bind(rt, t, n, name, True)[1] % 4 == 0 for t, n, name in tensors)
+    """Whether the vec4 entry points may read these (tensor, n_elements, name) bindings: float32 ones, C % 4 == 0
+    and offsets that allow."""
+    return C % 4 == 0 and all(_format(t) == "f32" and bind(rt, t, n, name, True)[1] % 4 == 0 for t, n, name in tensors)
 
 
 def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps, offset=0.0):
-    """y (N, C) = x * rstd * (weight + offset), rstd (N,) = 1 / sqrt(mean(x^2) + eps).
+    """y (N, C) = x * rstd * (weight + offset), rstd (N,) = 1 / sqrt(mean(x^2) + eps). x and y in any storage
+    format, rstd and weight float32.
 
-    One invocation per row for C <= the row threshold (vec4 loads when C % 4 == 0 and the offsets
-    allow), else one workgroup per row."""
+    One invocation per row for C <= the row threshold (vec4 loads when the tensors are float32, C % 4 == 0 and
+    the offsets allow), else one workgroup per row."""
+    _float32("rmsnorm_forward", rstd=rstd)
     if N <= 0:
         return
     tensors = [(y, N * C, "y", True), (rstd, N, "rstd", True), (x, N * C, "x", False),
@@ -231,25 +249,30 @@ def rmsnorm_scratch_size(N, C):
     return -(-N // RMS_ROWS_PER_BLOCK) * C
 
 
-def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False, offset=0.0):
-    """dx (N, C) and dweight (C,) of rmsnorm_forward (with its offset).
+def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accumulate=False, offset=0.0,
+                     accumulate_dx=False):
+    """dx (N, C) and dweight (C,) of rmsnorm_forward (with its offset). dx, dy and x in any storage format;
+    weight, rstd, dweight and scratch float32.
 
     dweight is summed in two passes (per 32-row block into scratch, each invocation taking 4
     consecutive columns of one block; then over blocks); pass dweight=None to skip it (scratch is
-    then unused and may be None). accumulate=True adds into dweight.
+    then unused and may be None). accumulate=True adds into dweight; accumulate_dx=True adds the gradient into
+    dx (one rounding of the sum in a 16-bit dx).
     scratch: at least rmsnorm_scratch_size(N, C) elements.
     """
+    _float32("rmsnorm_backward", dweight=dweight, scratch=scratch)
     if N <= 0:
         return
     rt = rec.rt
     tensors = [(dx, N * C, "dx", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
                (weight, C, "weight", False), (rstd, N, "rstd", False)]
+    sizes = (N, C, 0, 0, 0, int(bool(accumulate_dx)))
     if C <= _rms_row_max_c(rt):
         vec = _rms_vec4(rt, C, [(dx, N * C, "dx"), (dy, N * C, "dy"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_backward_row4" if vec else "rmsnorm_backward_row",
-             flat_grid(-(-N // RMS_WG)), tensors, (N, C), (0.0, offset))
+             flat_grid(-(-N // RMS_WG)), tensors, sizes, (0.0, offset))
     else:
-        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, (N, C), (0.0, offset))
+        _run(rec, "rmsnorm", "rmsnorm_backward", flat_grid(N), tensors, sizes, (0.0, offset))
     if dweight is None:
         return
     nblk = -(-N // RMS_ROWS_PER_BLOCK)
@@ -273,10 +296,13 @@ def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
     if rotary % 2 or not 0 < rotary <= D:
         raise ValueError(f"rope rotates an even number of dims up to the head dim {D}, got {rotary}")
     half = rotary // 2
-    n = N * H * half
+    # an invocation per two adjacent pairs; 16-bit tensors with an odd half take a head per invocation (rope.wgsl)
+    whole = half % 2 == 1 and (_format(y), _format(x)) != ("f32", "f32")
+    per_head = 1 if whole else -(-half // 2)
+    n = N * H * per_head
     if n <= 0:
         return
-    sizes = (N, H, D, half)
+    sizes = (N, H, D, half, per_head, int(whole))
     if _same(y, x):
         _elems(rec, "rope", f"rope_{direction}_inplace", n,
                [(y, N * H * D, "x", True), (positions, N, "positions", False),
@@ -288,8 +314,9 @@ def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
 
 
 def rope_forward(rec, y, x, positions, inv_freq, N, H, D, scale=1.0, rotary=0):
-    """Half-rotation RoPE: x, y (N = B*T, H, D), positions (N,) i32, inv_freq (rotary/2,); the leading
-    `rotary` dims of each head (0: all) rotate, times scale, the rest pass through. In place when y is x."""
+    """Half-rotation RoPE: x, y (N = B*T, H, D) in any storage format, positions (N,) i32, inv_freq (rotary/2,);
+    the leading `rotary` dims of each head (0: all) rotate, times scale, the rest pass through. In place when y
+    is x."""
     _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, "forward")
 
 
@@ -362,35 +389,36 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
 
 
 # ---- swiglu, geglu --------------------------------------------------------------------------
+# Every tensor in any storage format: an invocation per pair of elements (shaders/swiglu.wgsl).
 
 def swiglu_forward(rec, h, gate, up, n):
     """h = silu(gate) * up over n elements."""
-    _elems(rec, "swiglu", "swiglu_forward", n,
-           [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,))
+    _pairs(rec, "swiglu_forward", n, [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,),
+           shader="swiglu")
 
 
 def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
     """dgate, dup of swiglu_forward over n elements; in place when dgate is gate and dup is up."""
     if _same(dgate, gate) and _same(dup, up):
-        _elems(rec, "swiglu", "swiglu_backward_inplace", n,
-               [(gate, n, "gate", True), (up, n, "up", True), (dh, n, "dh", False)], (n,))
+        _pairs(rec, "swiglu_backward_inplace", n, [(gate, n, "gate", True), (up, n, "up", True), (dh, n, "dh", False)],
+               (n,), shader="swiglu")
     else:
-        _elems(rec, "swiglu", "swiglu_backward", n,
+        _pairs(rec, "swiglu_backward", n,
                [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
-                (up, n, "up", False)], (n,))
+                (up, n, "up", False)], (n,), shader="swiglu")
 
 
 def geglu_forward(rec, h, gate, up, n):
     """h = gelu_tanh(gate) * up over n elements."""
-    _elems(rec, "swiglu", "geglu_forward", n,
-           [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,))
+    _pairs(rec, "geglu_forward", n, [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,),
+           shader="swiglu")
 
 
 def geglu_backward(rec, dgate, dup, dh, gate, up, n):
     """dgate, dup of geglu_forward over n elements (not in place)."""
-    _elems(rec, "swiglu", "geglu_backward", n,
+    _pairs(rec, "geglu_backward", n,
            [(dgate, n, "dgate", True), (dup, n, "dup", True), (dh, n, "dh", False), (gate, n, "gate", False),
-            (up, n, "up", False)], (n,))
+            (up, n, "up", False)], (n,), shader="swiglu")
 
 
 # ---- cross-entropy --------------------------------------------------------------------------
@@ -537,17 +565,18 @@ def _lora_dropout(rec, direction, y, x, seeds, seed_slot, p, n):
     if n <= 0:
         return
     inv_keep = float(np.float32(1.0) / np.float32(1.0 - p))  # as numpy.ops.dropout_mask scales
-    launch(rec, LORA_DROPOUT[direction], flat_grid(-(-n // WG)), [(y, n), (x, n), (seeds, seed_slot + 1)],
+    launch(rec, LORA_DROPOUT[direction], flat_grid(-(-n // (2 * WG))), [(y, n), (x, n), (seeds, seed_slot + 1)],
            n=int(n), seed_slot=int(seed_slot), threshold=int(p * (1 << 24)), inv_keep=inv_keep)
 
 
 def lora_dropout_forward(rec, y, x, seeds, seed_slot, p, n):
-    """y = x * dropout_mask(seeds[seed_slot], n, p) (numpy.ops.dropout_mask), over n elements."""
+    """y = x * dropout_mask(seeds[seed_slot], n, p) (numpy.ops.dropout_mask), over n elements; x and y in any
+    storage format (the engine keeps y, the masked LoRA input, float32)."""
     _lora_dropout(rec, "forward", y, x, seeds, seed_slot, p, n)
 
 
 def lora_dropout_backward(rec, dx, dy, seeds, seed_slot, p, n):
-    """dx += dy * the same mask, over n elements."""
+    """dx += dy * the same mask, over n elements; dx and dy in any storage format (a 16-bit dx rounded once)."""
     _lora_dropout(rec, "backward", dx, dy, seeds, seed_slot, p, n)
 
 
@@ -599,24 +628,28 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
 
 def dora_norm(rec, rnorm, weight_sq, pt, g, lora_b, scale, out_f, r):
     """rnorm (out,) = 1 / ||W + scale B A|| per row (numpy.ops.dora_norm) from weight_sq = ||W||^2 (out,),
-    pt = A W^T (r, out), g = A A^T (r, r), lora_b (out, r). Forward only: the norm is detached."""
+    pt = A W^T (r, out), g = A A^T (r, r), lora_b (out, r), all float32. Forward only: the norm is detached."""
+    _float32("dora_norm", rnorm=rnorm)
     _elems(rec, "dora", "dora_norm", out_f, [(rnorm, out_f, "rnorm", True), (weight_sq, out_f, "weight_sq", False),
                                              (pt, r * out_f, "pt", False), (g, r * r, "g", False),
                                              (lora_b, out_f * r, "lora_b", False)], (out_f, r), (scale,))
 
 
 def dora_forward(rec, y, z, magnitude, rnorm, bias, N, out_f, offset=0.0, accumulate=False):
-    """y (N, out) (+)= (magnitude * rnorm - offset) * z (N, out) + bias (out,) or None."""
+    """y (N, out) (+)= (magnitude * rnorm - offset) * z (N, out) + bias (out,) or None; y and z in any storage
+    format (the engine keeps z, a LoRA internal, float32), the rest float32."""
     n = N * out_f
     bias_t = bias if bias is not None else _state(rec.rt).one
-    _elems(rec, "dora", "dora_forward", n, [(y, n, "y", True), (z, n, "z", False), (magnitude, out_f, "m", False),
-                                            (rnorm, out_f, "rnorm", False),
-                                            (bias_t, out_f if bias is not None else 1, "bias", False)],
-           (n, out_f, int(accumulate), int(bias is not None)), (offset,))
+    _pairs(rec, "dora_forward", n,
+           [(y, n, "y", True), (z, n, "z", False), (magnitude, out_f, "m", False), (rnorm, out_f, "rnorm", False),
+            (bias_t, out_f if bias is not None else 1, "bias", False)],
+           (n, out_f, int(accumulate), int(bias is not None)), (offset,), shader="dora")
 
 
 def dora_backward(rec, dz, dmagnitude, dy, z, magnitude, rnorm, N, out_f, offset=0.0):
-    """dz (N, out) = (magnitude * rnorm - offset) * dy; dmagnitude (out,) += rnorm * sum_rows(dy * z)."""
+    """dz (N, out) = (magnitude * rnorm - offset) * dy; dmagnitude (out,) += rnorm * sum_rows(dy * z). dy in any
+    storage format, the rest float32."""
+    _float32("dora_backward", dz=dz)
     if N <= 0 or out_f <= 0:
         return
     n = N * out_f
