@@ -246,15 +246,13 @@ class LayerRecorder:
         return self.grads.get(name)
 
     def _backward_rmsnorm(self, rec, op, i, acts, a, dys, dxs, accumulate):
-        """Into dx, or (accumulate) through d_tmp added to it: the norm kernel writes its dx."""
+        """Into dx, or (accumulate) added to it by the kernel (one rounding of the sum in 16 bits)."""
         rec.section(self._where + (" attention" if op.heads else " norm"))
         rows, width = self._rows(op, acts)
         name = f"model.layers.{i}.{op.param}"
-        dx = acts.d_tmp if accumulate[0] else dxs[0]
-        K.rmsnorm_backward(rec, dx, self._norm_grad(name), dys[0], a[op.inputs[0]], self.w[name], a[op.outputs[1]],
-                           rows, width, acts.scratch_norm, accumulate=True, offset=self.cfg.norm_offset)
-        if accumulate[0]:
-            K.add_inplace(rec, dxs[0], acts.d_tmp, rows * width)
+        K.rmsnorm_backward(rec, dxs[0], self._norm_grad(name), dys[0], a[op.inputs[0]], self.w[name], a[op.outputs[1]],
+                           rows, width, acts.scratch_norm, accumulate=True, offset=self.cfg.norm_offset,
+                           accumulate_dx=accumulate[0])
 
     def _backward_linear(self, rec, op, i, acts, a, dys, dxs, accumulate):
         self._linear_backward(rec, dxs[0], dys[0], i, op.param, acts, a, a[op.inputs[0]], accumulate[0])

@@ -110,12 +110,9 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     # activations no backward reads are written and read within a layer: one buffer for all layers
     shared.update({SHARED_LAYER + name: layer.pop(name) for name in plan.widths if name not in plan.saved})
     if train:
-        # d_tmp: the dx of a norm whose backward adds into a gradient (the kernel writes it), and the loss
-        # head's gathered rows' dx; d_lora_x: the LoRA dx of a module with dropout, before its mask
-        added = [plan.grad_widths[op.grads_in[0]] for op, acc in zip(plan.ops, plan.accumulate)
-                 if op.kind == "rmsnorm" and acc[0]]
+        # d_tmp: the loss head's gathered rows' dx; d_lora_x: the LoRA dx of a module with dropout, before its mask
         shared.update({name: n * width for name, width in plan.grad_widths.items()})
-        shared.update(d_tmp=n * max([c] + added), dxf=n * c, d_lora_h=n * max(list(lora_ranks.values()) + [1]),
+        shared.update(d_tmp=n * c, dxf=n * c, d_lora_h=n * max(list(lora_ranks.values()) + [1]),
                       d_lora_x=n * max(list(dropout_inputs.values()) + [1]),
                       d_dora=n * max(list((dora_outputs or {}).values()) + [1]),
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
