@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One prepared check of wgpu-train on a lent GPU machine (run tools/device_prepare.sh here first): the
-# carried loaders and wgpu, the adapters found, the kernel / GEMM / quantisation / engine tests on every
-# adapter there, `wgpu-train tune` of a 135M-shaped LoRA step, `wgpu-train bench --json` (and `--only serve`
+# carried loaders and wgpu, the adapters found, the kernel / GEMM / quantisation / engine tests (and the 16-bit
+# ones) on every adapter there, `wgpu-train tune` of a 135M-shaped LoRA step, `wgpu-train bench --json` (and `--only serve`
 # alone, its server on the carried starlette / uvicorn), a LoRA step of
-# that configuration next to PyTorch + PEFT on CUDA (tools/gpu_vs_torch.py), and a training step at 0.5B
+# that configuration in fp32 / bf16 / f16 next to PyTorch + PEFT on CUDA in float32 and bf16 autocast
+# (tools/gpu_vs_torch.py), and a training step at 0.5B
 # scale (tools/smoke_large.py).
 # Each part has its own time limit and writes its output under $OUT, so one failure does not hide the rest.
 set -u
@@ -30,6 +31,9 @@ export XDG_CACHE_HOME=$OUT/cache
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_gemm_tiled.py \
   tests/test_tune.py tests/test_quant.py tests/test_engine.py -k "not training_loss" > "$OUT/tests.txt" 2>&1
 echo "tests: exit $?"; tail -3 "$OUT/tests.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_storage16.py tests/test_precision_gpu.py -k "not phi3" \
+  > "$OUT/tests16.txt" 2>&1
+echo "16-bit tests: exit $?"; tail -3 "$OUT/tests16.txt"
 mkdir -p "$OUT/smol135"
 python3 -c 'import json, sys; from wgpu_train.bench.pretune import SMOL135; json.dump(SMOL135, open(sys.argv[1], "w"))' \
   "$OUT/smol135/config.json"

@@ -39,12 +39,13 @@ def step_gemms(cfg: ModelConfig, tokens: int, r: int, max_binding: int) -> list[
             ("head forward", tokens, v, c, "nt"), ("head dx", tokens, c, v, "nn")]
 
 
-def random_engine(rt, cfg: ModelConfig, lora: LoraConfig, seed: int = 0):
-    """A WgpuEngine of cfg's shapes with random float32 weights and a random LoRA on lora's targets."""
+def random_engine(rt, cfg: ModelConfig, lora: LoraConfig, seed: int = 0, precision: str = "fp32"):
+    """A WgpuEngine of cfg's shapes with random float32 weights and a random LoRA on lora's targets, its
+    activations in `precision`."""
     from wgpu_train.engines.webgpu.engine import WgpuEngine
 
     rng = np.random.default_rng(seed)
-    engine = WgpuEngine(cfg, random_weights(cfg, rng), rt)
+    engine = WgpuEngine(cfg, random_weights(cfg, rng), rt, precision=precision)
     engine.set_lora(random_lora(cfg, lora, rng, b_std=0.01))
     return engine
 
@@ -95,14 +96,16 @@ def format_rows(rows: list[dict], peak: float | None) -> str:
     return "\n".join(lines)
 
 
-def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 128, steps: int = 2) -> dict:
+def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 128, steps: int = 2,
+                 precision: str = "fp32") -> dict:
     """Model-FLOPs utilisation of LoRA (r=16, all linear layers) steps of cfg (default: the SmolLM2-135M shape)
-    with random weights: model FLOPs per second over the adapter's FMA peak, measured in the same run."""
+    with random weights and activations in `precision`: model FLOPs per second over the adapter's FMA peak,
+    measured in the same run."""
     from wgpu_train.engines.webgpu.device.timing import Timer, fma_peak
 
     cfg = cfg or ModelConfig.from_dict(dict(SMOL135), "135M-shaped configuration")
     lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
-    engine = random_engine(rt, cfg, lora)
+    engine = random_engine(rt, cfg, lora, precision=precision)
     micro = random_batch(cfg, batch, seq, np.random.default_rng(0))
     hp = OptimizerParams(lr=1e-4)
     timer = Timer(rt)
@@ -121,5 +124,6 @@ def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 
     return {"model": "SmolLM2-135M-shaped (hidden 576, 30 layers, vocab 49152), LoRA r=16 all-linear, random weights",
             "batch": f"{batch}x{seq}", "step_s": wall, "tokens_per_s": batch * seq / wall,
             "model_gflops_per_step": flops / 1e9, "model_gflops_per_s": flops / wall / 1e9,
-            "fma_peak_gflops": peak, "mfu": flops / wall / 1e9 / peak, "python_record_s": min(records),
+            "precision": precision, "fma_peak_gflops": peak, "mfu": flops / wall / 1e9 / peak,
+            "python_record_s": min(records),
             "submits_per_step": engine.last_step["submits"]}
