@@ -179,7 +179,9 @@ def test_lora_forward_backward(rt):
 
 def test_vec4_kernels(rt):
     """The vec4 kernels (sizes and offsets multiples of 4) on 16-bit A, B and C: the register kernel with op(A)
-    along k and op(B) along k (nt), then op(A) along m and op(B) along n (tn), and the tiled one (tn)."""
+    along k and op(B) along k (nt), then op(A) along m and op(B) along n (tn), and the tiled one (tn), with its
+    subgroup variant where the adapter has subgroups."""
+    pins = ["tiled/t32x32x16_4x4_v4"] + ["tiled/t64x64x16_8x8_v4_sg"] * ("subgroup" in rt.features)
     t = Tensors(rt, 5)
     a1, a1b = t.input((8, 32), "f16")
     b1, b1b = t.input((40, 32), "bf16")
@@ -187,20 +189,22 @@ def test_vec4_kernels(rt):
     a2, a2b = t.input((32, 12), "bf16")
     b2, b2b = t.input((32, 40), "f16")
     c1 = t.output((8, 40), "bf16", c10, pad=4)
-    c2, c3 = (t.output((12, 40), "f16", pad=4) for _ in range(2))
+    c2, *tiled = (t.output((12, 40), "f16", pad=4) for _ in range(1 + len(pins)))
     for c, a, b, M, layout in ((c1, a1b, b1b, 8, "nt"), (c2, a2b, b2b, 12, "tn")):
         p = G.gemm_problem(rt, c, a, b, M, 40, 32, layout)
         assert "gemm_v4" in GK.register_candidate(p).dispatches(p)[0][0].label
     with tune.pinned("register"):
         run(rt, lambda rec: (G.gemm(rec, c1, a1b, b1b, 8, 40, 32, "nt", accumulate=True),
                              G.gemm(rec, c2, a2b, b2b, 12, 40, 32, "tn")))
-    with tune.pinned("tiled/t32x32x16_4x4_v4"):
-        assert tune.choose(rt, G.gemm_problem(rt, c3, a2b, b2b, 12, 40, 32, "tn")).cfg.vec4
-        run(rt, lambda rec: G.gemm(rec, c3, a2b, b2b, 12, 40, 32, "tn"))
+    for pin, c in zip(pins, tiled):
+        with tune.pinned(pin):
+            assert tune.choose(rt, G.gemm_problem(rt, c, a2b, b2b, 12, 40, 32, "tn")).name == pin
+            run(rt, lambda rec: G.gemm(rec, c, a2b, b2b, 12, 40, 32, "tn"))
     try:
         check(t.read(c1, (8, 40)), c10 + a1 @ b1.T, "bf16", "nt")
         check(t.read(c2, (12, 40)), a2.T @ b2, "f16", "tn")
-        check(t.read(c3, (12, 40)), a2.T @ b2, "f16", "tiled tn")
+        for pin, c in zip(pins, tiled):
+            check(t.read(c, (12, 40)), a2.T @ b2, "f16", pin)
     finally:
         t.release()
 
