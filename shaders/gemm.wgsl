@@ -1,12 +1,16 @@
-// Register-blocked fp32 GEMM without workgroup memory:
+// Register-blocked GEMM without workgroup memory, float32 arithmetic:
 //   C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z] when accumulating), z = workgroup_id.z.
 // Every layout (NN, NT, TN, TT, C written transposed) is a set of element strides in the uniform, so
 // one pipeline serves them all; gemm.py picks the entry point and override constants once per shape.
+// A, B and C are tensors in any storage format (device/storage.py's markers; the `@tensor4` ones are their
+// vec4 views, which gemm_kernels.register_source declares for the formats); BIAS is float32.
 //
 // Tiling: a workgroup owns TM = 32 (or 8) rows and 8 * WG columns of C; an invocation keeps all TM rows
 // x 8 columns of its own (up to 64 vec4 accumulators). Its columns are two groups of 4 adjacent columns,
 // n0 + 4 * lane + c and n0 + 4 * WG + 4 * lane + c (c < 4), so vec4 loads of B and stores of C stay
-// contiguous and neighbouring lanes touch neighbouring addresses.
+// contiguous and neighbouring lanes touch neighbouring addresses. It stores C by pairs of adjacent columns
+// (vec4s in gemm_v4*), so a 16-bit C is written a word, two elements, at a time; a 16-bit C is never stored
+// transposed here (gemm_kernels gives it no swapped candidate).
 //
 // Why this shape: on llvmpipe/lavapipe every invocation-varying buffer load is a scalar loop over the
 // SIMD lanes, so the number of load instructions, not FMAs, bounds the speed, and each vec4 load costs
@@ -15,9 +19,9 @@
 // The *_sg entry points spread that A slice over the first 8 lanes of each subgroup (4 vec4 each) and
 // hand it out with subgroupBroadcast (a register extract on llvmpipe); the others load it directly.
 //
-// Entry points: gemm / gemm_sg take any strides and sizes (scalar loads and stores); gemm_v4 /
-// gemm_v4_sg need each matrix contiguous and 4-aligned along one dimension (see gemm.py) and move
-// vec4s, with A_KVEC (op(A) contiguous along k, else along m), B_NVEC (op(B) along n, else k) and
+// Entry points: gemm / gemm_sg take any strides and sizes (scalar loads, pair stores where C's rows allow);
+// gemm_v4 / gemm_v4_sg need each matrix contiguous and 4-aligned along one dimension (see gemm.py) and
+// move vec4s, with A_KVEC (op(A) contiguous along k, else along m), B_NVEC (op(B) along n, else k) and
 // C_NVEC (C along n, else m). Override constants: WG (invocations per workgroup), TM (32 or 8).
 // Workgroups are numbered (row tile, column tile, batch) so consecutive ones share a panel of B.
 // Bounds: out-of-range rows/columns are clamped on load (always valid memory) and skipped on store;
@@ -33,14 +37,14 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
-// Scalar and vec4 views of the same bindings; an entry point uses one of them.
-@group(0) @binding(1) var<storage, read> A: array<f32>;
-@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> B: array<f32>;
-@group(0) @binding(2) var<storage, read> B4: array<vec4<f32>>;
+// Scalar (A_ld, ...) and vec4 (A_ld4, ...) views of the same bindings; an entry point uses one of them.
+// @tensor 1 A read
+// @tensor4 1 A read
+// @tensor 2 B read
+// @tensor4 2 B read
 @group(0) @binding(3) var<storage, read> BIAS: array<f32>;
-@group(0) @binding(4) var<storage, read_write> C: array<f32>;
-@group(0) @binding(4) var<storage, read_write> C4: array<vec4<f32>>;
+// @tensor 4 C read_write
+// @tensor4 4 C read_write
 
 override WG: u32 = 32u;          // invocations per workgroup
 override A_KVEC: bool = true;    // gemm_v4*: op(A) rows contiguous along k (else columns along m)
@@ -101,10 +105,10 @@ fn update4_t(acc: ptr<function, Acc>, r0: u32, w0: vec4<f32>, w1: vec4<f32>, w2:
 fn load_a_row(m: u32, k: u32) -> vec4<f32> {
     let r = a_base + min(m, P.M - 1u) * P.a_sm;
     let kl = P.K - 1u;
-    return vec4<f32>(select(0.0, A[r + min(k, kl) * P.a_sk], k < P.K),
-                     select(0.0, A[r + min(k + 1u, kl) * P.a_sk], k + 1u < P.K),
-                     select(0.0, A[r + min(k + 2u, kl) * P.a_sk], k + 2u < P.K),
-                     select(0.0, A[r + min(k + 3u, kl) * P.a_sk], k + 3u < P.K));
+    return vec4<f32>(select(0.0, A_ld(r + min(k, kl) * P.a_sk), k < P.K),
+                     select(0.0, A_ld(r + min(k + 1u, kl) * P.a_sk), k + 1u < P.K),
+                     select(0.0, A_ld(r + min(k + 2u, kl) * P.a_sk), k + 2u < P.K),
+                     select(0.0, A_ld(r + min(k + 3u, kl) * P.a_sk), k + 3u < P.K));
 }
 
 // Rows k..k+3 of op(B) in this invocation's columns 4j..4j+3 (column i of the result is row k + i).
@@ -118,22 +122,22 @@ fn load_b_scalar(k: u32, j: u32) -> mat4x4<f32> {
     let r1 = min(k + 1u, kl) * P.b_sk;
     let r2 = min(k + 2u, kl) * P.b_sk;
     let r3 = min(k + 3u, kl) * P.b_sk;
-    return mat4x4<f32>(vec4<f32>(B[r0 + c0], B[r0 + c1], B[r0 + c2], B[r0 + c3]),
-                       vec4<f32>(B[r1 + c0], B[r1 + c1], B[r1 + c2], B[r1 + c3]),
-                       vec4<f32>(B[r2 + c0], B[r2 + c1], B[r2 + c2], B[r2 + c3]),
-                       vec4<f32>(B[r3 + c0], B[r3 + c1], B[r3 + c2], B[r3 + c3]));
+    return mat4x4<f32>(vec4<f32>(B_ld(r0 + c0), B_ld(r0 + c1), B_ld(r0 + c2), B_ld(r0 + c3)),
+                       vec4<f32>(B_ld(r1 + c0), B_ld(r1 + c1), B_ld(r1 + c2), B_ld(r1 + c3)),
+                       vec4<f32>(B_ld(r2 + c0), B_ld(r2 + c1), B_ld(r2 + c2), B_ld(r2 + c3)),
+                       vec4<f32>(B_ld(r3 + c0), B_ld(r3 + c1), B_ld(r3 + c2), B_ld(r3 + c3)));
 }
 
 // ---- loads: vec4 ------------------------------------------------------------------------------
 
 // A_KVEC: row m of op(A) at k..k+3 (K % 4 == 0, so never past K).
 fn load_a4_k(m: u32, k: u32) -> vec4<f32> {
-    return A4[(a_base + min(m, P.M - 1u) * P.a_sm + k) >> 2u];
+    return A_ld4(a_base + min(m, P.M - 1u) * P.a_sm + k);
 }
 
 // !A_KVEC: rows m..m+3 of op(A) at k (M % 4 == 0), zero where k >= K.
 fn load_a4_m(m: u32, k: u32) -> vec4<f32> {
-    let v = A4[(a_base + min(k, P.K - 1u) * P.a_sk + min(m, P.M - 4u)) >> 2u];
+    let v = A_ld4(a_base + min(k, P.K - 1u) * P.a_sk + min(m, P.M - 4u));
     return select(vec4<f32>(0.0), v, k < P.K);
 }
 
@@ -141,14 +145,14 @@ fn load_a4_m(m: u32, k: u32) -> vec4<f32> {
 fn load_b4_n(k: u32, n: u32) -> mat4x4<f32> {
     let kl = P.K - 1u;
     let c = b_base + min(n, P.N - 4u);
-    return mat4x4<f32>(B4[(c + min(k, kl) * P.b_sk) >> 2u], B4[(c + min(k + 1u, kl) * P.b_sk) >> 2u],
-                       B4[(c + min(k + 2u, kl) * P.b_sk) >> 2u], B4[(c + min(k + 3u, kl) * P.b_sk) >> 2u]);
+    return mat4x4<f32>(B_ld4(c + min(k, kl) * P.b_sk), B_ld4(c + min(k + 1u, kl) * P.b_sk),
+                       B_ld4(c + min(k + 2u, kl) * P.b_sk), B_ld4(c + min(k + 3u, kl) * P.b_sk));
 }
 
 // !B_NVEC: rows k..k+3 of op(B) at this invocation's columns 4j..4j+3 (K % 4 == 0).
 fn load_b4_k(k: u32, j: u32) -> mat4x4<f32> {
-    return transpose(mat4x4<f32>(B4[(b_col[4u * j] + k) >> 2u], B4[(b_col[4u * j + 1u] + k) >> 2u],
-                                 B4[(b_col[4u * j + 2u] + k) >> 2u], B4[(b_col[4u * j + 3u] + k) >> 2u]));
+    return transpose(mat4x4<f32>(B_ld4(b_col[4u * j] + k), B_ld4(b_col[4u * j + 1u] + k),
+                                 B_ld4(b_col[4u * j + 2u] + k), B_ld4(b_col[4u * j + 3u] + k)));
 }
 
 fn load_b4(k: u32, j: u32) -> mat4x4<f32> {
@@ -231,20 +235,43 @@ fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
     return s4_0;
 }
 
-// C = alpha * v (+ bias) (+ C) at (m, n), skipped outside C.
-fn store1(c_row: u32, m: u32, n: u32, v: f32) {
-    if (n >= P.N) {
-        return;
-    }
+// alpha * v (+ bias) at (m, n) of C.
+fn scaled(m: u32, n: u32, v: f32) -> f32 {
     var out = P.alpha * v;
     if ((P.flags & 2u) != 0u) {
         out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
     }
-    let i = c_row + n * P.c_sn;
-    if ((P.flags & 1u) != 0u) {
-        out += C[i];
+    return out;
+}
+
+// C = alpha * v (+ bias) (+ C) at (m, n) and (m, n + 1), the second skipped past N: one pair store where C's
+// rows are contiguous (a 16-bit C's always are, each pair a word: gemm_kernels.Problem checks), else one by one.
+fn store2(c_row: u32, m: u32, n: u32, v: vec2<f32>) {
+    if (n >= P.N) {
+        return;
     }
-    C[i] = out;
+    let i = c_row + n * P.c_sn;
+    let second = n + 1u < P.N;
+    let acc = (P.flags & 1u) != 0u;
+    var out = vec2<f32>(scaled(m, n, v.x), 0.0);
+    if (second) {
+        out.y = scaled(m, n + 1u, v.y);
+        if (P.c_sn == 1u) {
+            if (acc) {
+                out += C_ld2(i);
+            }
+            C_st2(i, out);
+            return;
+        }
+        if (acc) {
+            out.y += C_ld(i + P.c_sn);
+        }
+        C_st(i + P.c_sn, out.y);
+    }
+    if (acc) {
+        out.x += C_ld(i);
+    }
+    C_st(i, out.x);
 }
 
 fn store_all(acc: ptr<function, Acc>, z: u32) {
@@ -257,14 +284,10 @@ fn store_all(acc: ptr<function, Acc>, z: u32) {
         let c_row = P.o4 + z * P.c_sz + m * P.c_sm;
         let v0 = pick(acc, r, 0u);
         let v1 = pick(acc, r, 1u);
-        store1(c_row, m, n0, v0.x);
-        store1(c_row, m, n0 + 1u, v0.y);
-        store1(c_row, m, n0 + 2u, v0.z);
-        store1(c_row, m, n0 + 3u, v0.w);
-        store1(c_row, m, n1, v1.x);
-        store1(c_row, m, n1 + 1u, v1.y);
-        store1(c_row, m, n1 + 2u, v1.z);
-        store1(c_row, m, n1 + 3u, v1.w);
+        store2(c_row, m, n0, v0.xy);
+        store2(c_row, m, n0 + 2u, v0.zw);
+        store2(c_row, m, n1, v1.xy);
+        store2(c_row, m, n1 + 2u, v1.zw);
     }
 }
 
@@ -280,13 +303,13 @@ fn bias4(m: u32, n: u32, along_m: bool) -> vec4<f32> {
     return vec4<f32>(BIAS[i], BIAS[i + s], BIAS[i + 2u * s], BIAS[i + 3u * s]);
 }
 
-// C4 element at element index i (a multiple of 4) = alpha * v + bias (+ C).
+// C at elements i .. i+3 (i a multiple of 4) = alpha * v + bias (+ C).
 fn store4(i: u32, v: vec4<f32>, bias: vec4<f32>) {
     var out = fma(vec4<f32>(P.alpha), v, bias);
     if ((P.flags & 1u) != 0u) {
-        out += C4[i >> 2u];
+        out += C_ld4(i);
     }
-    C4[i >> 2u] = out;
+    C_st4(i, out);
 }
 
 // !C_NVEC: rows m .. m+3 of column n (skipped past N).

@@ -1,8 +1,11 @@
-// Workgroup-tiled fp32 GEMM for real GPUs: C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z] when
-// accumulating), with optional split-K for skinny products. One source serves every TileConfig:
+// Workgroup-tiled GEMM for real GPUs, float32 arithmetic: C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z]
+// when accumulating), with optional split-K for skinny products. One source serves every TileConfig:
 // wgpu_train/gpu/gemm_tiled_src.py rewrites the marked const block and picks the entry point.
 //
-// Layouts (NN, NT, TN, TT, C transposed) are element strides in the uniform, as in gemm.wgsl.
+// Layouts (NN, NT, TN, TT, C transposed) are element strides in the uniform, as in gemm.wgsl. A, B and C are
+// tensors in any storage format (device/storage.py's markers; A4 / B4 are their vec4 views, which
+// gemm_tiled_src.tiled_source declares for the formats); BIAS, the split-K partials, H and LB are float32.
+// C is stored by pairs of adjacent columns (each invocation owns groups of 4), a word of a 16-bit C at a time.
 // Workgroup (x, y, z) = (column tile, row tile, zb * splits + s): consecutive workgroups share a row panel
 // of op(A). Each step of k stages a BM x BK tile of op(A), stored transposed (As[k][m]), and a BK x BN tile
 // of op(B) (Bs[k][n]) in workgroup memory; an invocation then keeps a TM x TN block of C in registers.
@@ -47,13 +50,13 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read> A: array<f32>;
-@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
+// @tensor 1 A read
+// @tensor4 1 A read
 @group(0) @binding(1) var<storage, read> PART: array<f32>;      // gemm_splitk_reduce: the partials
-@group(0) @binding(2) var<storage, read> B: array<f32>;
-@group(0) @binding(2) var<storage, read> B4: array<vec4<f32>>;
+// @tensor 2 B read
+// @tensor4 2 B read
 @group(0) @binding(3) var<storage, read> BIAS: array<f32>;
-@group(0) @binding(4) var<storage, read_write> C: array<f32>;
+// @tensor 4 C read_write
 @group(0) @binding(5) var<storage, read> H: array<f32>;        // gemm_tiled_lora*: H (M, r2)
 @group(0) @binding(6) var<storage, read> LB: array<f32>;       // gemm_tiled_lora*: LB (N, r2)
 
@@ -147,7 +150,7 @@ fn stage_load(st: ptr<function, Stage>, k0: u32, k_end: u32) {
             let m = m0 + p.x;
             let k = k0 + p.y;
             if (e < 4u * AV && m < P.M && k < k_end) {
-                v[c] = A[a_base + m * P.a_sm + k * P.a_sk];
+                v[c] = A_ld(a_base + m * P.a_sm + k * P.a_sk);
             }
         }
         (*st).a[l] = v;
@@ -160,7 +163,7 @@ fn stage_load(st: ptr<function, Stage>, k0: u32, k_end: u32) {
             let k = k0 + p.x;
             let n = n0 + p.y;
             if (e < 4u * BV && n < P.N && k < k_end) {
-                v[c] = B[b_base + k * P.b_sk + n * P.b_sn];
+                v[c] = B_ld(b_base + k * P.b_sk + n * P.b_sn);
             }
         }
         (*st).b[l] = v;
@@ -217,7 +220,7 @@ fn stage_load(st: ptr<function, Stage>, k0: u32, k_end: u32) {
         let k = k0 + p.y;
         var x = vec4<f32>(0.0);
         if (v < AV && m < P.M && k < k_end) {
-            x = A4[(a_base + m * P.a_sm + k * P.a_sk) / 4u];
+            x = A_ld4(a_base + m * P.a_sm + k * P.a_sk);
         }
         (*st).a[l] = x;
     }
@@ -228,7 +231,7 @@ fn stage_load(st: ptr<function, Stage>, k0: u32, k_end: u32) {
         let n = n0 + p.y;
         var x = vec4<f32>(0.0);
         if (v < BV && n < P.N && k < k_end) {
-            x = B4[(b_base + k * P.b_sk + n * P.b_sn) / 4u];
+            x = B_ld4(b_base + k * P.b_sk + n * P.b_sn);
         }
         (*st).b[l] = x;
     }
@@ -301,17 +304,40 @@ fn multiply(acc: ptr<function, Acc>, buf: u32) {
 
 // ---- epilogue -----------------------------------------------------------------------------------
 
-// C (m, n) of batch zb = alpha * v (+ bias) (+ C), with C's own strides.
-fn finish(zb: u32, m: u32, n: u32, v: f32, alpha: f32) {
+// alpha * v (+ bias) at (m, n) of C.
+fn scaled(m: u32, n: u32, v: f32, alpha: f32) -> f32 {
     var out = alpha * v;
     if ((P.flags & 2u) != 0u) {
         out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
     }
+    return out;
+}
+
+// C (m, n) and (m, n + 1) of batch zb = alpha * v (+ bias) (+ C), with C's own strides, the second skipped
+// past N: one pair store where C's rows are contiguous (a 16-bit C's always are, each pair a word:
+// gemm_kernels.Problem checks), else one by one.
+fn finish(zb: u32, m: u32, n: u32, v: vec2<f32>, alpha: f32) {
     let i = P.o4 + zb * P.c_sz + m * P.c_sm + n * P.c_sn;
-    if ((P.flags & 1u) != 0u) {
-        out += C[i];
+    let acc = (P.flags & 1u) != 0u;
+    var out = vec2<f32>(scaled(m, n, v.x, alpha), 0.0);
+    if (n + 1u < P.N) {
+        out.y = scaled(m, n + 1u, v.y, alpha);
+        if (P.c_sn == 1u) {
+            if (acc) {
+                out += C_ld2(i);
+            }
+            C_st2(i, out);
+            return;
+        }
+        if (acc) {
+            out.y += C_ld(i + P.c_sn);
+        }
+        C_st(i + P.c_sn, out.y);
     }
-    C[i] = out;
+    if (acc) {
+        out.x += C_ld(i);
+    }
+    C_st(i, out.x);
 }
 
 fn store(acc: ptr<function, Acc>, z: u32, alpha: f32) {
@@ -320,13 +346,18 @@ fn store(acc: ptr<function, Acc>, z: u32, alpha: f32) {
         if (m < P.M) {
             for (var h = 0u; h < TN / 4u; h++) {
                 let v = (*acc)[i * (TN / 4u) + h];
-                for (var c = 0u; c < 4u; c++) {
+                for (var c = 0u; c < 4u; c += 2u) {
                     let n = n0 + h * (4u * TX) + 4u * tx + c;
+                    let pair = select(v.xy, v.zw, c == 2u);
                     if (n < P.N) {
-                        if (P.splits > 1u) {
-                            C[P.o4 + (z * P.M + m) * P.N + n] = v[c];
+                        if (P.splits > 1u) {     // the float32 partials (gemm_kernels' scratch), packed
+                            let j = P.o4 + (z * P.M + m) * P.N + n;
+                            C_st(j, pair.x);
+                            if (n + 1u < P.N) {
+                                C_st(j + 1u, pair.y);
+                            }
                         } else {
-                            finish(z, m, n, v[c], alpha);
+                            finish(z, m, n, pair, alpha);
                         }
                     }
                 }
@@ -438,21 +469,25 @@ fn gemm_tiled_lora(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocat
 }
 // @plain end
 
-// One invocation per element of C; workgroups beyond 65535 fold into y (gemm_tiled_src.reduce_groups).
+// One invocation per pair of columns (n, n + 1) of a row of C (n even; alone at an odd N's last column), so a
+// 16-bit C is written by words; workgroups beyond 65535 fold into y (gemm_tiled_src.reduce_groups).
 @compute @workgroup_size(256)
 fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) local: u32) {
     let i = (wid.y * nwg.x + wid.x) * 256u + local;
-    let mn = P.M * P.N;
-    if (i >= mn * P.batch) {
+    let pairs = (P.N + 1u) / 2u;
+    let mp = P.M * pairs;
+    if (i >= mp * P.batch) {
         return;
     }
-    let zb = i / mn;
-    let m = (i % mn) / P.N;
-    let n = i % P.N;
-    var sum = 0.0;
+    let zb = i / mp;
+    let m = (i % mp) / pairs;
+    let n = 2u * (i % pairs);
+    let second = n + 1u < P.N;
+    var sum = vec2<f32>(0.0);
     for (var s = 0u; s < P.splits; s++) {
-        sum += PART[P.o1 + ((zb * P.splits + s) * P.M + m) * P.N + n];
+        let j = P.o1 + ((zb * P.splits + s) * P.M + m) * P.N + n;
+        sum += vec2<f32>(PART[j], select(0.0, PART[j + select(0u, 1u, second)], second));
     }
     finish(zb, m, n, sum, P.alpha);
 }

@@ -215,6 +215,20 @@ TOLERANCES: dict[str, Tolerance] = {
         "a float16 output: one float16 unit in the last place (2^-10 relative at most) where float32 arithmetic "
         "and the float64 reference round to neighbours, plus k_rmsnorm's float32 part; a wrong pair, offset or "
         "format is off by far more"),
+    # ---- float GEMMs with 16-bit activations (tests/test_gemm16.py): float32 arithmetic from the rounded inputs,
+    # against float64 on the same rounded values with the exact result rounded once to the output's format ----
+    "k_gemm16_bf16": Tolerance(2.0 ** -7, 3e-4,
+        "a bfloat16 output rounded once from the float32 sum: where float32's summation order (or a fused "
+        "multiply-add) moves the sum across a rounding boundary it rounds to the neighbour of the exact result's "
+        "rounding, one unit in the last place, at most 2^-7 of the value (8 significant bits; the unit roundoff "
+        "2^-8 is half of it); atol: the float32 part near zero, as test_gemm.py (1e-5 sqrt(K), K <= 520). A wrong "
+        "or missing term, or a half word written by the wrong invocation, is off by O(1)"),
+    "k_gemm16_f16": Tolerance(2.0 ** -10, 3e-4,
+        "as k_gemm16_bf16 for a float16 output: one unit in the last place is at most 2^-10 of the value (11 "
+        "significant bits; values here are normal, far from float16's range limits)"),
+    "k_gemm16_f32": Tolerance(1e-5, 3e-4,
+        "a float32 output (h, dW, dbias, dA, dB) from 16-bit inputs, which the reference reads as stored: "
+        "float32 rounding over K <= 520 products of O(1) terms, as test_gemm.py (1e-5 relative, 1e-5 sqrt(K))"),
 }
 
 

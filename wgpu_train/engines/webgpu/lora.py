@@ -1,7 +1,12 @@
 """The LoRA op pairs on the device, y += scale * (x A^T) B^T, for one module and for a group of modules that
 share their input (q/k/v, gate/up): the group's A matrices lie back to back, so one GEMM computes every
 module's h and, in the backward, one GEMM each gives every dA and the input gradient. linear_lora_forward
-runs a module's base linear and its B term as one dispatch where the tiled GEMM serves the base."""
+runs a module's base linear and its B term as one dispatch where the tiled GEMM serves the base.
+
+Storage formats (device/storage.py): x, y, dy and dx may be bfloat16 / float16 (activations and their
+gradients); h, dh, the A and B matrices and their gradients are float32. A 16-bit output is rounded once after
+each GEMM's sum (with what it accumulates onto): y once by the fused dispatch, after the base and again after the
+B term on the two-step path; dx once by lora_backward, after its term is added to what dx holds."""
 from __future__ import annotations
 
 from wgpu_train.engines.webgpu.tuned import tune

@@ -1,5 +1,5 @@
 """GPU tensors of the engine: row-chunked weight matrices, packed tensor sets, and the linear op pair
-over chunked (or float16 / NF4) weights."""
+over chunked (or float16 / NF4) weights, its activations in any storage format (device/storage.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,7 +60,9 @@ def weight_buffers(t) -> list:
 
 
 def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
-    """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y)."""
+    """y (N, out) (+)= x (N, in) @ w.T (+ bias), one GEMM per row chunk of w (columns of y). x and y may be
+    16-bit (y rounded once, after the sum; a chunk's columns start at an even offset: chunks are multiples of
+    8 rows)."""
     if isinstance(w, QuantMatrix):
         return quant.linear_forward(rec, y, x, w, bias, N, accumulate)
     for buf, r0, n in w.chunks:
@@ -69,7 +71,9 @@ def linear_forward(rec, y, x, w: Matrix, bias, N, accumulate=False):
 
 
 def linear_backward(rec, dx, dweight, dbias, dy, x, w: Matrix, N, accumulate_dx=False):
-    """dx (N, in) (+)= dy @ w; dweight (+)= dy.T @ x and dbias (+)= sum(dy) when given (always accumulated)."""
+    """dx (N, in) (+)= dy @ w; dweight (+)= dy.T @ x and dbias (+)= sum(dy) when given (always accumulated).
+    dy, x and dx may be 16-bit, dweight and dbias are float32. A 16-bit dx is rounded once per row chunk of w
+    (each chunk's GEMM adds its part of the sum over out into dx): once for a weight of one chunk."""
     if isinstance(w, QuantMatrix):   # a frozen float16 / NF4 weight: only dx
         if dweight is not None or dbias is not None:
             raise ValueError(f"a {w.dtype} base weight is frozen: it has no weight or bias gradient")

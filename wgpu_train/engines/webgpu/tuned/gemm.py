@@ -1,14 +1,17 @@
-"""fp32 GEMM on the device: one op, C = alpha op(A) op(B) (+ bias) (+ C), served by kernel families
-(gemm_kernels.py) of which tune.py picks one per shape on each adapter.
+"""GEMM on the device: one op, C = alpha op(A) op(B) (+ bias) (+ C), float32 arithmetic, served by kernel
+families (gemm_kernels.py) of which tune.py picks one per shape (and storage formats) on each adapter.
 
 Operands: every buffer argument is either a wgpu buffer (the operand starts at element 0) or a pair
-`(buffer, element_offset)`, the offset counted in fp32 elements, so a slice of a larger buffer (one
-layer's weights, a chunk of rows of an embedding matrix bigger than a storage binding) can be an operand
-without a copy. Buffers bigger than the device's max storage binding (128 MiB on lavapipe) are bound as
-an aligned range (min-storage-buffer-offset-alignment) that covers just the operand, and the rest of the
-offset travels in the uniform; the operand itself must fit in one binding.
+`(buffer, element_offset)`, the offset counted in elements of the buffer's storage format, so a slice of a
+larger buffer (one layer's weights, a chunk of rows of an embedding matrix bigger than a storage binding) can
+be an operand without a copy. Buffers bigger than the device's max storage binding (128 MiB on lavapipe) are
+bound as an aligned range (min-storage-buffer-offset-alignment) that covers just the operand, and the rest of
+the offset travels in the uniform; the operand itself must fit in one binding.
 
-Matrices are row-major fp32. Layout letters follow BLAS: layout[0] is op(A), layout[1] is op(B);
+Matrices are row-major. A, B and C are each float32, bfloat16 or float16, as their buffers' storage formats say
+(device/storage.py; activations and their gradients may be 16-bit): a 16-bit C is written two elements (a word)
+at a time, so it needs rows of even width, an even ldc, stride_c and offset. bias is float32.
+Layout letters follow BLAS: layout[0] is op(A), layout[1] is op(B);
 "n" means the operand is stored as used, "t" means it is stored transposed:
     nn: A (M, K), B (K, N)     nt: A (M, K), B (N, K) (x @ W.T)     tn: A (K, M), B (K, N) (dy.T @ x)
     tt: A (K, M), B (N, K)
@@ -32,7 +35,7 @@ _F32 = 4
 
 
 def ones(rt, n: int):
-    """A cached read-only-by-convention buffer holding at least n fp32 ones (for bias gradients)."""
+    """A cached read-only-by-convention buffer holding at least n float32 ones (for bias gradients)."""
     size = 1 << max(6, (int(n) - 1).bit_length())
     return rt.memo(("gemm.ones", size), lambda r: r.upload(np.ones(size, np.float32), "gemm.ones"))
 

@@ -1,6 +1,12 @@
 """The GEMM kernel families and their candidates for one problem: register-blocked (shaders/gemm.wgsl, shaped
 for llvmpipe), workgroup-tiled (shaders/gemm_tiled.wgsl, shaped for GPUs) and split-K over the tiled kernel
-(skinny products). tune.py times the candidates; `candidates(p)` lists them best guess first."""
+(skinny products). tune.py times the candidates; `candidates(p)` lists them best guess first.
+
+A, B and C may each be float32, bfloat16 or float16 (their buffers' storage formats, device/storage.py), the
+arithmetic float32; bias, split-K partials and the LoRA term's H and LB are float32. A 16-bit C is written a
+word (two elements) at a time, so it needs contiguous rows of even width, an even pitch and offset (Problem
+checks), and a candidate that stores pairs of adjacent columns: every tiled and split-K one (an invocation owns
+groups of 4 columns) and the unswapped register ones (a swap stores C transposed: Register.applies)."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +16,9 @@ import os
 import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as tiled
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
+from wgpu_train.engines.webgpu.device.operands import split
 
 TM = 32                    # rows of C per workgroup of the register kernels, TM_CHOICES for skinny products
 TM_CHOICES = (8, 32)
@@ -18,8 +26,12 @@ TN = 8                     # columns of C per invocation of the register kernels
 WG_CHOICES = (8, 16, 32, 64)
 L2_PANEL_BYTES = 256 * 1024   # the slice of B one workgroup streams should stay in a core's L2 (llvmpipe)
 SPLITS = (4, 16, 64)       # split-K factors tried for skinny products
+MIXED_FORMATS = (((1, "bf16"), (2, "f16"), (4, "bf16")), ((1, "f16"), (2, "bf16"), (4, "f16")))   # all_kernels
 _SG_MARKER = "// ---- subgroup kernels"
 _F32 = 4
+# The unit roundoff of the 16-bit storage formats (8 and 11 significant bits): a value rounded to nearest in one
+# moves by at most this fraction of its magnitude
+ROUNDOFF = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}
 
 _PROBE_SRC = """
 struct Params { lane: u32 };
@@ -90,9 +102,27 @@ def _extent(batch, stride, rows, row_pitch, cols, col_pitch):
     return (batch - 1) * stride + (rows - 1) * row_pitch + (cols - 1) * col_pitch + 1
 
 
+def _no_bias(rt):
+    """A float32 buffer bound where a GEMM has no bias (unread there; A may be 16-bit, the bias binding not)."""
+    return rt.memo("gemm.no_bias", lambda r: r.buffer(16, "gemm.no_bias"))
+
+
+def kernel_formats(k: Kernel, tensors) -> tuple:
+    """(binding, format) of the 16-bit tensors among k's (tensor, n_elements) pairs: the formats launch.prepare
+    specialises k for, which the GEMM sources also need (their vec4 views)."""
+    return tuple((slot, fmt) for slot, (t, _) in zip(k.slots, tensors)
+                 if (fmt := storage.format_of(split(t)[0])) != "f32")
+
+
+def _rounded(values: np.ndarray, fmt: str) -> np.ndarray:
+    """values as a tensor of format fmt holds them."""
+    return storage.from_words(storage.to_words(values, fmt), values.size, fmt)
+
+
 class Problem:
     """One GEMM as the kernels see it: op(A) (m, k) at a_sm, a_sk (a_sz per batch), op(B) (k, n) at b_sk,
-    b_sn, C (m, n) at c_sm, c_sn; the element offsets the kernels get (a_off, ...) once the operands are bound."""
+    b_sn, C (m, n) at c_sm, c_sn; the element offsets the kernels get (a_off, ...) once the operands are bound;
+    formats: the storage formats of A, B and C."""
 
     def __init__(self, rt, M, N, K, batch, alpha, accumulate, layout, a, a_sm, a_sk, a_sz, b, b_sk, b_sn, b_sz,
                  c, c_sm, c_sn, c_sz, bias):
@@ -105,13 +135,19 @@ class Problem:
         ext_b = _extent(batch, b_sz, K, b_sk, N, b_sn)
         ext_c = _extent(batch, c_sz, M, c_sm, N, c_sn)
         self.a, self.b, self.c = (a, ext_a), (b, ext_b), (c, ext_c)
-        self.bias = (bias, N) if bias is not None else (a, 1)   # unread without the bias flag
+        self.bias = (bias, N) if bias is not None else (_no_bias(rt), 1)   # unread without the bias flag
         self.has_bias = bias is not None
         self.a_off = bind(rt, a, ext_a, "gemm A", True)[1]
         self.b_off = bind(rt, b, ext_b, "gemm B", True)[1]
         self.c_off = bind(rt, c, ext_c, "gemm C", True)[1]
         if bias is not None:
             bind(rt, bias, N, "gemm bias", True)
+        self.formats = tuple(storage.format_of(split(t)[0]) for t in (a, b, c))
+        if self.formats[2] != "f32" and (c_sn != 1 or N % 2 or c_sm % 2 or self.c_off % 2
+                                         or (batch > 1 and c_sz % 2)):
+            raise ValueError(f"gemm: a {self.formats[2]} C is written by pairs of elements (words): it needs "
+                             f"contiguous rows of even width, an even row pitch, batch stride and offset, not "
+                             f"N={N}, pitch {c_sm}, column stride {c_sn}, batch stride {c_sz}, offset {split(c)[1]}")
 
     @property
     def flags(self) -> int:
@@ -144,26 +180,30 @@ class Problem:
         """Everything the candidates and their kernels depend on (not the buffers)."""
         return ("gemm", self.M, self.N, self.K, self.batch, self.a_sm, self.a_sk, self.a_sz, self.b_sk, self.b_sn,
                 self.b_sz, self.c_sm, self.c_sn, self.c_sz, self.a_off % 4, self.b_off % 4, self.c_off % 4,
-                self.layout)
+                self.layout, self.formats)
 
     def key(self) -> str:
-        """The tuner's key: layout, M bucket (next power of two), N, K, batch, operand alignment."""
+        """The tuner's key: layout, M bucket (next power of two), N, K, batch, operand alignment, and the formats
+        of A, B and C where one is 16-bit (a float32 problem keeps the key it always had)."""
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = tiled.vec4_ok(self.M, self.N, self.K, self.batch, self.a_off, self.a_sm, self.a_sk, self.a_sz,
                                 self.b_off, self.b_sk, self.b_sn, self.b_sz)
-        return f"gemm {self.layout} m{bucket} n{self.N} k{self.K} b{self.batch} {'v4' if aligned else 'any'}"
+        formats = "" if self.formats == ("f32",) * 3 else " " + "/".join(self.formats)
+        return f"gemm {self.layout} m{bucket} n{self.N} k{self.K} b{self.batch} {'v4' if aligned else 'any'}{formats}"
 
     def tolerance(self, want: np.ndarray) -> float:
         """The largest error a correct candidate may show on a replica whose exact result is `want`."""
-        return gemm_tolerance(self.alpha, self.K, want)
+        return gemm_tolerance(self.alpha, self.K, want, self.formats[2])
 
     def replica(self, rng):
         """(problem, C buffer, C's initial host values, C's expected values, buffers to release): this
-        geometry on fresh random operands (offsets kept modulo 64 elements, which keeps their alignment)."""
-        host = [rng.standard_normal(off % 64 + extent).astype(np.float32)
-                for extent, off in ((self.a[1], self.a_off), (self.b[1], self.b_off), (self.N, 0),
-                                    (self.c[1], self.c_off))]
-        bufs = [self.rt.upload(x, "tune operand") for x in host]
+        geometry on fresh random operands in the same formats (offsets kept modulo 64 elements, which keeps
+        their alignment); the expected values from the operands as stored."""
+        fa, fb, fc = self.formats
+        host = [_rounded(rng.standard_normal(off % 64 + extent).astype(np.float32), fmt)
+                for extent, off, fmt in ((self.a[1], self.a_off, fa), (self.b[1], self.b_off, fb),
+                                         (self.N, 0, "f32"), (self.c[1], self.c_off, fc))]
+        bufs = [storage.upload(self.rt, x, fmt, "tune operand") for x, fmt in zip(host, (fa, fb, "f32", fc))]
         q = Problem(self.rt, self.M, self.N, self.K, self.batch, self.alpha, self.accumulate, self.layout,
                     (bufs[0], self.a_off % 64), self.a_sm, self.a_sk, self.a_sz, (bufs[1], self.b_off % 64),
                     self.b_sk, self.b_sn, self.b_sz, (bufs[3], self.c_off % 64), self.c_sm, self.c_sn, self.c_sz,
@@ -178,9 +218,15 @@ class Problem:
         return q, bufs[3], c0, want, bufs
 
 
-def gemm_tolerance(alpha: float, K: int, want: np.ndarray) -> float:
-    """fp32 rounding over K products, with margin: what a correct GEMM candidate may be off by."""
-    return 1e-5 * (1 + abs(alpha)) * K ** 0.5 * 4 * (1 + float(np.max(np.abs(want))))
+def gemm_tolerance(alpha: float, K: int, want: np.ndarray, fmt: str = "f32") -> float:
+    """What a correct GEMM candidate may be off by, its result stored in format fmt: fp32 rounding over K
+    products, with margin; plus, for a 16-bit result, its one rounding to the format (unit roundoff times the
+    largest magnitude: the exact value is rounded once, after the float32 sum, so it moves by at most that),
+    doubled for a float32 sum that lands on the other side of a rounding boundary. The operands' own rounding
+    is no error: the replica's expected values come from the operands as stored."""
+    big = float(np.max(np.abs(want))) if want.size else 0.0
+    stored = 2 * ROUNDOFF[fmt] * big if fmt in ROUNDOFF else 0.0
+    return 1e-5 * (1 + abs(alpha)) * K ** 0.5 * 4 * (1 + big) + stored
 
 
 def _strided(flat: np.ndarray, off, batch, sz, rows, r_stride, cols, c_stride) -> np.ndarray:
@@ -243,24 +289,26 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
     return best[1:]
 
 
-@functools.lru_cache(maxsize=1)
-def portable_source() -> str:
-    """gemm.wgsl without its subgroup section (for devices without the feature)."""
+@functools.lru_cache(maxsize=None)
+def register_source(subgroups: bool, formats: tuple = ()) -> str:
+    """gemm.wgsl, without its subgroup section for devices without the feature, its vec4 views declared for the
+    16-bit tensors' (binding, format) pairs `formats` (gemm_tiled_src.with_views)."""
     from wgpu_train.engines.webgpu.device.runtime import shader_path
     text = shader_path("gemm").read_text()
-    return text[:text.index(_SG_MARKER)]
+    return tiled.with_views(text if subgroups else text[:text.index(_SG_MARKER)], formats)
 
 
 @functools.lru_cache(maxsize=None)
-def register_kernel(wg: int, tm: int, subgroups: bool, vec) -> Kernel:
-    """The register-blocked kernel: vec None for the scalar entry point, else (a_kvec, b_nvec, c_nvec)."""
+def register_kernel(wg: int, tm: int, subgroups: bool, vec, formats: tuple = ()) -> Kernel:
+    """The register-blocked kernel: vec None for the scalar entry point, else (a_kvec, b_nvec, c_nvec);
+    formats: its 16-bit tensors' (binding, format) pairs (kernel_formats)."""
     entry = ("gemm_v4" if vec else "gemm") + ("_sg" if subgroups else "")
     constants = {"WG": wg, "TM": tm}
     if vec:
         constants.update(A_KVEC=bool(vec[0]), B_NVEC=bool(vec[1]), C_NVEC=bool(vec[2]))
     return Kernel("gemm", entry, "A B BIAS C!", tuple(sorted(constants.items())),
-                  source=() if subgroups else (portable_source,), invocations=wg,
-                  features=("subgroup",) if subgroups else ())
+                  source=(register_source, subgroups, formats), invocations=wg,
+                  features=("subgroup",) if subgroups else (), formats=formats)
 
 
 class Register:
@@ -273,13 +321,21 @@ class Register:
         self.name = (f"register/{'sg' if subgroups else 'portable'}/wg{wg}_tm{tm}" + ("_swap" if swap else "")
                      + ("" if vec4 else "_scalar"))
 
+    def applies(self, p: Problem) -> bool:
+        """Whether this candidate can store p's C: a 16-bit C only unswapped (the kernel pairs columns, and a
+        swap stores C transposed)."""
+        return not (self.swap and p.formats[2] != "f32")
+
     def kernel(self, p: Problem) -> Kernel:
+        if not self.applies(p):
+            raise ValueError(f"{self.name}: a {p.formats[2]} C is stored by pairs of columns, never swapped")
         q = p.params(self.swap)
         offs = (p.b_off, p.a_off) if self.swap else (p.a_off, p.b_off)
         vec = (vec4_modes(q["M"], q["N"], q["K"], p.batch, offs[0], q["a_sm"], q["a_sk"], q["a_sz"], offs[1],
                           q["b_sk"], q["b_sn"], q["b_sz"], p.c_off, q["c_sm"], q["c_sn"], q["c_sz"])
                if self.vec4 else None)
-        return register_kernel(self.wg, self.tm, self.subgroups, vec)
+        k = register_kernel(self.wg, self.tm, self.subgroups, vec)
+        return register_kernel(self.wg, self.tm, self.subgroups, vec, kernel_formats(k, p.tensors(self.swap)))
 
     def dispatches(self, p: Problem) -> list:
         q = p.params(self.swap)
@@ -288,40 +344,52 @@ class Register:
 
 
 def register_candidate(p: Problem, subgroups=None, vec4: bool = True, swaps=(False, True)) -> Register:
-    """The register kernel choose_tiling picks for p (measured on llvmpipe), subgroups / vec4 forced when given."""
+    """The register kernel choose_tiling picks for p (measured on llvmpipe), subgroups / vec4 forced when given;
+    unswapped for a 16-bit C (Register.applies)."""
     rt = p.rt
+    if p.formats[2] != "f32":
+        swaps = (False,)
     tiling = choose_tiling(p.M, p.N, p.K, p.batch, min_workgroup(rt), (p.b_sk == 1, p.a_sk == 1), swaps)
     return Register(*tiling, use_subgroups(rt) if subgroups is None else subgroups, vec4)
 
 
 def register_candidates(p: Problem) -> list:
-    """The llvmpipe-measured choice (choose_tiling) first, then the best of the other orientation."""
+    """The llvmpipe-measured choice (choose_tiling) first, then the best of the other orientation (none for a
+    16-bit C, which only the unswapped kernel stores)."""
     first = register_candidate(p)
+    if p.formats[2] != "f32":
+        return [first]
     return [first, register_candidate(p, swaps=(not first.swap,))]
 
 
 # ---- workgroup-tiled family and split-K (shaders/gemm_tiled.wgsl) ------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def tiled_kernel(cfg) -> Kernel:
-    return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg),
+def tiled_kernel(cfg, formats: tuple = ()) -> Kernel:
+    """gemm_tiled*: formats, its 16-bit tensors' (binding, format) pairs (kernel_formats)."""
+    return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg, formats),
                   invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
-                  features=tiled.kernel_features(cfg))
+                  features=tiled.kernel_features(cfg), formats=formats)
 
 
 @functools.lru_cache(maxsize=None)
-def tiled_lora_kernel(cfg) -> Kernel:
+def tiled_lora_kernel(cfg, formats: tuple = ()) -> Kernel:
     """gemm_tiled_lora*: the tiled kernel plus alpha2 * H LB^T after its k loop (H, LB: bindings 5, 6)."""
-    return Kernel("gemm_tiled", tiled.lora_entry_point(cfg), "A B BIAS C! H LB", source=(tiled.tiled_source, cfg),
-                  invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
-                  features=tiled.kernel_features(cfg))
+    return Kernel("gemm_tiled", tiled.lora_entry_point(cfg), "A B BIAS C! H LB",
+                  source=(tiled.tiled_source, cfg, formats), invocations=tiled.workgroup_size(cfg),
+                  workgroup_bytes=tiled.workgroup_bytes(cfg), features=tiled.kernel_features(cfg), formats=formats)
 
 
 @functools.lru_cache(maxsize=None)
-def _reduce_kernel(cfg) -> Kernel:
+def _reduce_kernel(cfg, formats: tuple = ()) -> Kernel:
     # from the same source as the pass it reduces (a subgroup config's source keeps its subgroup section)
-    return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg),
-                  invocations=tiled.REDUCE_WG, features=tiled.kernel_features(cfg))
+    return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg, formats),
+                  invocations=tiled.REDUCE_WG, features=tiled.kernel_features(cfg), formats=formats)
+
+
+def _for(make, cfg, tensors: list) -> Kernel:
+    """make(cfg)'s kernel (tiled_kernel, ...) for the formats of `tensors`, its (tensor, n) pairs."""
+    return make(cfg, kernel_formats(make(cfg), tensors))
 
 
 def _scratch(rt, elements: int):
@@ -362,17 +430,20 @@ class Tiled:
         rt, q = p.rt, p.params()
         groups = tiled.groups(self.cfg, p.M, p.N, p.batch, self.splits)
         if self.splits == 1:
-            pipeline, resources = prepare(rt, tiled_kernel(self.cfg), p.tensors(), k_split=p.K, splits=1,
+            tensors = p.tensors()
+            pipeline, resources = prepare(rt, _for(tiled_kernel, self.cfg, tensors), tensors, k_split=p.K, splits=1,
                                           batch=p.batch, **q)
             return [(pipeline, resources, groups)]
         n_part = self.splits * p.batch * p.M * p.N
         part = _scratch(rt, n_part)
         ks = tiled.k_split(self.cfg, p.K, self.splits)
-        first = prepare(rt, tiled_kernel(self.cfg), [p.a, p.b, p.bias, (part, n_part)], k_split=ks,
-                        splits=self.splits, batch=p.batch, **q)
-        second = prepare(rt, _reduce_kernel(self.cfg), [(part, n_part), p.bias, p.c], k_split=ks,
-                         splits=self.splits, batch=p.batch, **q)
-        return [(*first, groups), (*second, tiled.reduce_groups(p.M, p.N, p.batch))]
+        tensors = [p.a, p.b, p.bias, (part, n_part)]
+        first = prepare(rt, _for(tiled_kernel, self.cfg, tensors), tensors, k_split=ks, splits=self.splits,
+                        batch=p.batch, **q)
+        tensors = [(part, n_part), p.bias, p.c]
+        second = prepare(rt, _for(_reduce_kernel, self.cfg, tensors), tensors, k_split=ks, splits=self.splits,
+                         batch=p.batch, **q)
+        return [(*first, groups), (*second, tiled.reduce_groups(p.M, -(-p.N // 2), p.batch))]
 
     def lora_applies(self, p: Problem) -> bool:
         """Whether dispatches_with_lora can run p: one pass (no split-K) over one matrix (no batch)."""
@@ -392,9 +463,10 @@ class Tiled:
             raise ValueError(f"{self.name}: LoRA pitches ldh={ldh}, ldlb={ldlb} are shorter than r2={r2}")
         ext_h = (p.M - 1) * ldh + r2 if r2 else 1
         ext_lb = (p.N - 1) * ldlb + r2 if r2 else 1
-        pipeline, resources = prepare(p.rt, tiled_lora_kernel(self.cfg), p.tensors() + [(h, ext_h), (lb, ext_lb)],
-                                      k_split=p.K, splits=1, batch=1, r2=r2, ldh=ldh, ldlb=ldlb,
-                                      alpha2=float(alpha2), **p.params())
+        tensors = p.tensors() + [(h, ext_h), (lb, ext_lb)]
+        pipeline, resources = prepare(p.rt, _for(tiled_lora_kernel, self.cfg, tensors), tensors, k_split=p.K,
+                                      splits=1, batch=1, r2=r2, ldh=ldh, ldlb=ldlb, alpha2=float(alpha2),
+                                      **p.params())
         return [(pipeline, resources, tiled.groups(self.cfg, p.M, p.N))]
 
 
@@ -431,10 +503,15 @@ def candidates(p: Problem) -> list:
 
 
 def all_kernels() -> list[Kernel]:
-    """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them)."""
+    """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them): each in
+    float32, and each source and entry point in two mixes of 16-bit formats that together give every tensor
+    binding both (MIXED_FORMATS)."""
     vecs = [None] + list(itertools.product((False, True), repeat=3))
     out = [register_kernel(wg, tm, sg, vec) for wg in WG_CHOICES for tm in TM_CHOICES for sg in (False, True)
            for vec in vecs]
+    out += [register_kernel(8, TM, sg, vec, f) for sg in (False, True) for vec in vecs for f in MIXED_FORMATS]
     for cfg in tiled.TILED_CONFIGS:
         out += [tiled_kernel(cfg), tiled_lora_kernel(cfg), _reduce_kernel(cfg)]
+        out += [k(cfg, f) for f in MIXED_FORMATS for k in (tiled_kernel, tiled_lora_kernel)]
+        out += [_reduce_kernel(cfg, ((4, fmt),)) for fmt in ("bf16", "f16")]
     return out + [_PROBE]

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 
 log = logging.getLogger("wgpu_train")
@@ -269,12 +270,12 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
             except Exception as e:  # noqa: BLE001 - a candidate the driver rejects is skipped, not fatal
                 log.warning("wgpu-train: GEMM candidate %s failed to build on %s: %s", cand.name, rt.info.name, e)
                 continue
-            rt.write(c_buf, c0)
+            rt.write(c_buf, storage.to_words(c0, storage.format_of(c_buf)))    # a 16-bit C: its words
             rec = rt.recorder()
             for d in dispatches:
                 rec.dispatch(*d)
             rec.submit()
-            got = rt.read(c_buf, np.float32, c0.shape)
+            got = storage.read(rt, c_buf, c0.size).reshape(c0.shape)
             err = float(np.max(np.abs(got - want))) if got.size else 0.0
             if not err <= tol:
                 log.warning("wgpu-train: GEMM candidate %s is wrong on %s for %s (max error %.3g); not used",
