@@ -98,8 +98,11 @@ def _accessors(name: str, fmt: str, writable: bool) -> str:
                       f"fn {name}_st2(i: u32, v: vec2<f32>) {{ {name}[i] = v.x; {name}[i + 1u] = v.y; }}"]
         return "\n".join(lines)
     kind = fmt      # bf16 / f16: word i >> 1 holds elements i & ~1 (low half) and i | 1 (high half)
+    # one element: its half of the word alone (an unpack of both halves costs the compilers of CPU adapters)
+    one = ("bitcast<f32>(select(w << 16u, w & 0xffff0000u, (i & 1u) == 1u))" if kind == "bf16"
+           else "unpack2x16float(w >> ((i & 1u) * 16u)).x")
     lines = [f"fn {name}_ld2(i: u32) -> vec2<f32> {{ return {kind}_unpack2({name}[i >> 1u]); }}",
-             f"fn {name}_ld(i: u32) -> f32 {{ return {name}_ld2(i & ~1u)[i & 1u]; }}"]
+             f"fn {name}_ld(i: u32) -> f32 {{ let w = {name}[i >> 1u]; return {one}; }}"]
     if writable:
         lines += [f"fn {name}_st2(i: u32, v: vec2<f32>) {{ {name}[i >> 1u] = {kind}_bits(v.x) | "
                   f"({kind}_bits(v.y) << 16u); }}",
