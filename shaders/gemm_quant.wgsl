@@ -1,8 +1,11 @@
 // GEMM with a frozen weight stored as bfloat16, float16 or as 4-bit NF4 codes, accumulated in f32:
-//   C (+)= A @ op(W) (+ bias),  A (M, K) f32 row-major (pitch lda),  C (M, N) f32 (pitch ldc),
+//   C (+)= A @ op(W) (+ bias),  A (M, K) row-major (pitch lda),  C (M, N) (pitch ldc),
 //   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = its rows) or W ("nn", the backward
 //   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
 //   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
+//   A (x or dy) and C (y or dx) are activations, each float32, bfloat16 or float16 (tensor markers,
+//   device/storage.py); C is stored by pairs of adjacent columns (a 16-bit C needs o4, ldc even); the
+//   bias is float32.
 //
 // The file has sections per weight format (a section names the formats it serves); gpu/quant.py builds
 // each pipeline's source by blanking the sections of other formats, and the subgroup kernels on devices
@@ -23,7 +26,8 @@
 // adjacent: one NF4 word (or 16 bytes of f16) holds 8 weights along n in the nn layout and 8 along k in
 // the nt layout, so each load feeds 8 weights. Each weight is decoded once per workgroup (row tile) and
 // used in TM FMAs: on llvmpipe the NF4 select tree costs ~25% of the FMA work at TM = 32.
-// qgemm_fast needs A 4-aligned (o1, lda % 4 == 0) and, for nt, K % 8 == 0, for nn, N % 8 == 0 (any K);
+// qgemm_fast needs A 4-aligned (o1, lda % 4 == 0: A's 4 elements at k are two pair loads) and, for nt,
+// K % 8 == 0, for nn, N % 8 == 0 (any K);
 // qgemm takes any shape (a weight load per element: for odd test shapes, not for speed).
 
 struct Params {
@@ -33,10 +37,9 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read> A: array<f32>;
-@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
+// @tensor 1 A read
 @group(0) @binding(3) var<storage, read> BIAS: array<f32>;
-@group(0) @binding(4) var<storage, read_write> C: array<f32>;
+// @tensor 4 C read_write
 
 override WG: u32 = 32u;          // invocations per workgroup
 override TM: u32 = 32u;          // rows of C per workgroup: 32, or 8 for skinny products
@@ -80,10 +83,10 @@ fn w_at(k: u32, n: u32) -> u32 {
 fn a_row(m: u32, k: u32) -> vec4<f32> {
     let r = P.o1 + min(m, P.M - 1u) * P.lda;
     let kl = P.K - 1u;
-    return vec4<f32>(select(0.0, A[r + min(k, kl)], k < P.K),
-                     select(0.0, A[r + min(k + 1u, kl)], k + 1u < P.K),
-                     select(0.0, A[r + min(k + 2u, kl)], k + 2u < P.K),
-                     select(0.0, A[r + min(k + 3u, kl)], k + 3u < P.K));
+    return vec4<f32>(select(0.0, A_ld(r + min(k, kl)), k < P.K),
+                     select(0.0, A_ld(r + min(k + 1u, kl)), k + 1u < P.K),
+                     select(0.0, A_ld(r + min(k + 2u, kl)), k + 2u < P.K),
+                     select(0.0, A_ld(r + min(k + 3u, kl)), k + 3u < P.K));
 }
 
 // op(W) row k (clamped) at columns c..c+3 (clamped).
@@ -157,9 +160,11 @@ fn quad_nn(k: u32) -> B4 {
               mat4x4<f32>(dec4(r0, true), dec4(r1, true), dec4(r2, true), dec4(r3, true)));
 }
 
-// Row m0 + r of A at k..k+3, zero past K (the vec4 load stays inside the binding: robust access).
+// Row m0 + r of A at k..k+3 (k % 4 == 0), zero past K: two pair loads (one word each in 16 bits; loads past
+// the binding's end are robust access, their values masked).
 fn a4(r: u32, k: u32) -> vec4<f32> {
-    let v = A4[(P.o1 + min(m0 + r, P.M - 1u) * P.lda + k) >> 2u];
+    let i = P.o1 + min(m0 + r, P.M - 1u) * P.lda + k;
+    let v = vec4<f32>(A_ld2(i), A_ld2(i + 2u));
     return select(vec4<f32>(0.0), v, vec4<u32>(k, k + 1u, k + 2u, k + 3u) < vec4<u32>(P.K));
 }
 
@@ -238,19 +243,28 @@ fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
     return select(s3_0, s3_1, (r & 16u) != 0u);
 }
 
-fn store1(c_row: u32, n: u32, v: f32) {
+// Columns n, n + 1 (n even) of row c_row: the bias added, then C's old values (accumulate), stored as a pair (one
+// word of a 16-bit C); an odd N's last column alone (float32 C: 16-bit tensors have even widths).
+fn store2(c_row: u32, n: u32, v: vec2<f32>) {
     if (n >= P.N) {
         return;
     }
     var out = v;
     if ((P.flags & 2u) != 0u) {
-        out += BIAS[P.o3 + n];
+        out += vec2<f32>(BIAS[P.o3 + n], BIAS[P.o3 + min(n + 1u, P.N - 1u)]);
     }
     let i = c_row + n;
-    if ((P.flags & 1u) != 0u) {
-        out += C[i];
+    if (n + 1u < P.N) {
+        if ((P.flags & 1u) != 0u) {
+            out += C_ld2(i);
+        }
+        C_st2(i, out);
+    } else {
+        if ((P.flags & 1u) != 0u) {
+            out.x += C_ld(i);
+        }
+        C_st(i, out.x);
     }
-    C[i] = out;
 }
 
 fn store_all(acc: ptr<function, Acc>) {
@@ -262,14 +276,10 @@ fn store_all(acc: ptr<function, Acc>) {
         let c_row = P.o4 + m * P.ldc;
         let v0 = pick(acc, r, 0u);
         let v1 = pick(acc, r, 1u);
-        store1(c_row, n0, v0.x);
-        store1(c_row, n0 + 1u, v0.y);
-        store1(c_row, n0 + 2u, v0.z);
-        store1(c_row, n0 + 3u, v0.w);
-        store1(c_row, n0 + 4u, v1.x);
-        store1(c_row, n0 + 5u, v1.y);
-        store1(c_row, n0 + 6u, v1.z);
-        store1(c_row, n0 + 7u, v1.w);
+        store2(c_row, n0, v0.xy);
+        store2(c_row, n0 + 2u, v0.zw);
+        store2(c_row, n0 + 4u, v1.xy);
+        store2(c_row, n0 + 6u, v1.zw);
     }
 }
 
@@ -406,7 +416,7 @@ fn unpack2(u: u32) -> vec2<f32> {
 @group(0) @binding(2) var<storage, read> H2: array<u32>;
 @group(0) @binding(2) var<storage, read> H8: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> IDS: array<i32>;
-@group(0) @binding(3) var<storage, read_write> OUT: array<f32>;   // embed_gather (bindings 0..3)
+// @tensor 3 OUT read_write
 
 // Elements e..e+7 (e % 8 == 0), decoded by halves.
 alias Raw8 = vec4<u32>;
@@ -429,19 +439,47 @@ fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
     return vec4<f32>(h1(e0), h1(e1), h1(e2), h1(e3));
 }
 
-// Embedding rows from a 16-bit vocabulary chunk: OUT[o3 + t * cols + c] = W[ids[o1 + t] - row0, c] for
-// ids in [row0, row0 + rows); M = tokens; other tokens are left untouched (one call per chunk).
+fn h2(e: u32) -> vec2<f32> {
+    if ((e & 1u) == 0u) {
+        return unpack2(H2[e >> 1u]);
+    }
+    return vec2<f32>(h1(e), h1(e + 1u));
+}
+
+// Token t's row in the vocabulary chunk, or -1 when its id lies outside the chunk.
+fn chunk_row(t: u32) -> i32 {
+    let r = IDS[P.o1 + t] - i32(P.row0);
+    return select(-1, r, r >= 0 && u32(r) < P.rows);
+}
+
+// Embedding rows from a 16-bit vocabulary chunk (embed_gather: bindings 0..3): OUT[o3 + t * cols + c] =
+// W[ids[o1 + t] - row0, c] for ids in [row0, row0 + rows); M = tokens; other tokens are left untouched (one call
+// per chunk). An invocation per pair of OUT's elements, stored as a pair when both lie in one row (always for a
+// 16-bit OUT: its rows are even), else one by one (odd cols, float32 OUT; or the last element of an odd count).
 @compute @workgroup_size(64)
 fn embed_gather(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = gid.y * nwg.x * 64u + gid.x;
-    if (i >= P.M * P.cols) {
+    let i = 2u * (gid.y * nwg.x * 64u + gid.x);
+    let n = P.M * P.cols;
+    if (i >= n) {
         return;
     }
     let t = i / P.cols;
-    let r = IDS[P.o1 + t] - i32(P.row0);
-    if (r < 0 || u32(r) >= P.rows) {
+    let c = i % P.cols;
+    let r = chunk_row(t);
+    if (i + 1u < n && c + 1u < P.cols) {
+        if (r >= 0) {
+            OUT_st2(P.o3 + i, h2(u32(r) * P.cols + c));
+        }
         return;
     }
-    OUT[P.o3 + i] = h1(u32(r) * P.cols + i % P.cols);
+    if (r >= 0) {
+        OUT_st(P.o3 + i, h1(u32(r) * P.cols + c));
+    }
+    if (i + 1u < n) {
+        let r1 = chunk_row(t + 1u);
+        if (r1 >= 0) {
+            OUT_st(P.o3 + i + 1u, h1(u32(r1) * P.cols));
+        }
+    }
 }
 // ---- end of formats

@@ -1,6 +1,7 @@
 // Workgroup-tiled GEMM for real GPUs with a frozen weight stored as float16 or NF4 (gemm_quant.wgsl's
 // formats), accumulated in f32:
-//   C (+)= A @ op(W) (+ bias),  A (M, K) f32 row-major (pitch lda),  C (M, N) f32 (pitch ldc),
+//   C (+)= A @ op(W) (+ bias),  A (M, K) row-major (pitch lda),  C (M, N) (pitch ldc), A and C each
+//   float32 or 16-bit (as in gemm_quant.wgsl: C stored by pairs of columns),
 //   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = the chunk's rows) or W ("nn", the backward
 //   dy @ W: K = the chunk's rows, N = cols). W is one row chunk (rows x cols, row-major, from element 0 of
 //   its buffer), as gpu/quant.py's QuantMatrix stores it.
@@ -31,9 +32,9 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read> A: array<f32>;
+// @tensor 1 A read
 @group(0) @binding(3) var<storage, read> BIAS: array<f32>;
-@group(0) @binding(4) var<storage, read_write> C: array<f32>;
+// @tensor 4 C read_write
 
 // @tile-config begin: quant_tiled.qtiled_source() rewrites these lines in place (one per name)
 const BM: u32 = 64u;    // rows of C per workgroup
@@ -155,7 +156,7 @@ fn load_a(st: ptr<function, Stage>, k0: u32) {
             let m = m0 + e / BK;
             let k = k0 + e % BK;
             if (e < BM * BK && m < P.M && k < P.K) {
-                v[c] = A[P.o1 + m * P.lda + k];
+                v[c] = A_ld(P.o1 + m * P.lda + k);
             }
         }
         (*st).a[l] = v;
@@ -239,18 +240,25 @@ fn multiply(acc: ptr<function, Acc>, buf: u32) {
     }
 }
 
-// ---- epilogue (as gemm_quant.wgsl's store1) ------------------------------------------------------
+// ---- epilogue (as gemm_quant.wgsl's store2: columns n, n + 1 with n even, a pair in one word of a 16-bit C) ----
 
-fn store1(m: u32, n: u32, v: f32) {
+fn store2(m: u32, n: u32, v: vec2<f32>) {
     var out = v;
     if ((P.flags & 2u) != 0u) {
-        out += BIAS[P.o3 + n];
+        out += vec2<f32>(BIAS[P.o3 + n], BIAS[P.o3 + min(n + 1u, P.N - 1u)]);
     }
     let i = P.o4 + m * P.ldc + n;
-    if ((P.flags & 1u) != 0u) {
-        out += C[i];
+    if (n + 1u < P.N) {
+        if ((P.flags & 1u) != 0u) {
+            out += C_ld2(i);
+        }
+        C_st2(i, out);
+    } else {
+        if ((P.flags & 1u) != 0u) {
+            out.x += C_ld(i);
+        }
+        C_st(i, out.x);
     }
-    C[i] = out;
 }
 
 fn store(acc: ptr<function, Acc>) {
@@ -259,11 +267,12 @@ fn store(acc: ptr<function, Acc>) {
         if (m < P.M) {
             for (var h = 0u; h < TN / 4u; h++) {
                 let v = (*acc)[i * (TN / 4u) + h];
-                for (var c = 0u; c < 4u; c++) {
-                    let n = n0 + h * (4u * TX) + 4u * tx + c;
-                    if (n < P.N) {
-                        store1(m, n, v[c]);
-                    }
+                let n = n0 + h * (4u * TX) + 4u * tx;
+                if (n < P.N) {
+                    store2(m, n, v.xy);
+                }
+                if (n + 2u < P.N) {
+                    store2(m, n + 2u, v.zw);
                 }
             }
         }

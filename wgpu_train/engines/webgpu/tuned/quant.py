@@ -17,7 +17,10 @@ Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same fun
   same for every weight: one read-only storage buffer (runtime.shared_storage). Not a uniform buffer:
   each invocation indexes it with its own block's code, which GPUs serve from a constant cache one
   address at a time.
-Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm.py.
+Operands a, c and bias are buffers or (buffer, element_offset) pairs, as in gemm.py. The activations (a and c:
+x and y forward, dy and dx backward; the embedding's out) may be stored as bfloat16 or float16 (device/storage.py,
+each its own format), the kernels specialised for them at launch; 16-bit outputs are written by pairs, so they need
+even element offsets and row pitches. Bias and weights stay as stored.
 """
 from __future__ import annotations
 
@@ -243,10 +246,11 @@ def linear_backward(rec, dx, dy, w: QuantMatrix, N, accumulate_dx=False):
 
 
 def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):
-    """out (n, cols) = w[ids] for a 16-bit embedding, one dispatch per vocabulary chunk."""
+    """out (n, cols) = w[ids] for a 16-bit embedding, one dispatch per vocabulary chunk; out in any storage format
+    (16-bit: an even offset and cols)."""
     if w.dtype not in HALF_FORMATS:
         raise ValueError(f"embeddings are stored as float32, bfloat16 or float16, not {w.dtype}")
-    groups = -(-(n * w.cols) // 64)
+    groups = -(-(n * w.cols) // 128)           # an invocation per pair of out's elements
     gx = min(groups, 65535)
     for buf, r0, rows in w.chunks:
         launch(rec, embed_gather_kernel(w.dtype), (gx, -(-groups // gx), 1), [(ids, n), (buf, buf.size // _F32), (out, n * w.cols)],

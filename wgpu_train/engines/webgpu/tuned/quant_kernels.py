@@ -11,7 +11,9 @@ from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, gemm_tolerance, is_cpu, min_workgroup,
                                                           use_subgroups)
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
+from wgpu_train.engines.webgpu.device.operands import split
 
 _F32 = 4
 
@@ -43,9 +45,15 @@ def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
     return best[1], best[2]
 
 
+# Unit roundoff of the 16-bit activation formats: a 16-bit C is the float32 result rounded once
+UNIT_ROUNDOFF = {"f32": 0.0, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
+
+
 class QProblem:
     """C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)): layout "nt" (op = transpose: K = w.cols, N = the
-    chunk's rows) or "nn" (K = the chunk's rows, N = w.cols); A and C row pitches lda, ldc."""
+    chunk's rows) or "nn" (K = the chunk's rows, N = w.cols); A and C row pitches lda, ldc. A and C (the
+    activations) are float32, bfloat16 or float16 as their buffers say (storage.format_of: a_fmt, c_fmt); the
+    kernels are specialised for them at launch, and a 16-bit C needs an even offset and pitch (pair stores)."""
 
     alpha = 1.0
 
@@ -62,20 +70,30 @@ class QProblem:
         if self.lda < self.K or self.ldc < self.N:
             raise ValueError(f"qgemm: lda={self.lda} / ldc={self.ldc} shorter than a row ({self.K} / {self.N})")
         self.a_ext, self.c_ext = (self.M - 1) * self.lda + self.K, (self.M - 1) * self.ldc + self.N
+        self.a_fmt, self.c_fmt = storage.format_of(split(a)[0]), storage.format_of(split(c)[0])
         self.a_off = bind(rt, a, self.a_ext, "qgemm A", True)[1]
         self.c_off = bind(rt, c, self.c_ext, "qgemm C", True)[1]
+        if self.c_fmt != "f32" and (self.c_off % 2 or (self.M > 1 and self.ldc % 2)):
+            raise ValueError(f"qgemm: a {self.c_fmt} C is stored by pairs: its offset {self.c_off} and pitch "
+                             f"{self.ldc} must be even")
 
     @property
     def flops(self) -> int:
         return 2 * self.M * self.N * self.K
 
+    @property
+    def formats(self) -> str:
+        """A's and C's storage formats, "" when both are float32 (the keys of float32 problems unchanged)."""
+        return "" if self.a_fmt == self.c_fmt == "f32" else f" a:{self.a_fmt} c:{self.c_fmt}"
+
     def describe(self) -> str:
-        return f"{self.w.dtype} {self.layout} {self.M}x{self.N}x{self.K}"
+        return f"{self.w.dtype} {self.layout} {self.M}x{self.N}x{self.K}{self.formats}"
 
     def tensors(self) -> list:
         buf = self.w.chunks[self.chunk][0]
+        # without a bias, the weight's buffer stands in (float32 as the bias is, whatever A's format)
         out = [(self.a, self.a_ext), (buf, buf.size // _F32),
-               (self.bias, self.N) if self.bias is not None else (self.a, 1), (self.c, self.c_ext)]
+               (self.bias, self.N) if self.bias is not None else (buf, 1), (self.c, self.c_ext)]
         if self.w.absmax:
             out.append((self.w.absmax[self.chunk], self.w.absmax[self.chunk].size // _F32))
         if self.w.code_buffer is not None:
@@ -92,26 +110,30 @@ class QProblem:
     def signature(self) -> tuple:
         """Everything the candidates and their kernels depend on (not the buffers)."""
         return ("qgemm", self.w.dtype, self.layout, self.M, self.N, self.K, self.lda, self.ldc, self.a_off % 4,
-                self.w.cols)
+                self.w.cols, self.a_fmt, self.c_fmt)
 
     def key(self) -> str:
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = self.a_off % 4 == 0 and self.lda % 4 == 0
-        return f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
+        return (f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
+                + self.formats)
 
     def tolerance(self, want: np.ndarray) -> float:
-        return gemm_tolerance(self.alpha, self.K, want)
+        """The float32 GEMM's, plus a 16-bit C's rounding: up to one unit of its last place (2u of a value)."""
+        return gemm_tolerance(self.alpha, self.K, want) + 2 * UNIT_ROUNDOFF[self.c_fmt] * float(np.max(np.abs(want)))
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a
-        fresh random weight of the chunk's shape and random A and C (offsets kept modulo 64 elements)."""
+        fresh random weight of the chunk's shape and random A and C in their formats (offsets kept modulo 64
+        elements; A and C's values those their formats hold)."""
         rt, w = self.rt, self.w
         rows = w.chunks[self.chunk][2]
         wq = Q.QuantMatrix(rt, rng.standard_normal((rows, w.cols)).astype(np.float32), w.dtype, "tune weight")
-        a = rng.standard_normal(self.a_off % 64 + self.a_ext).astype(np.float32)
-        c0 = rng.standard_normal(self.c_off % 64 + self.c_ext).astype(np.float32)
+        a = _rounded(rng.standard_normal(self.a_off % 64 + self.a_ext), self.a_fmt)
+        c0 = _rounded(rng.standard_normal(self.c_off % 64 + self.c_ext), self.c_fmt)
         bias = rng.standard_normal(self.N).astype(np.float32)
-        bufs = [rt.upload(x, "tune operand") for x in (a, c0, bias)]
+        bufs = [storage.upload(rt, a, self.a_fmt, "tune operand"), storage.upload(rt, c0, self.c_fmt, "tune operand"),
+                rt.upload(bias, "tune operand")]
         q = QProblem(rt, (bufs[1], self.c_off % 64), (bufs[0], self.a_off % 64), wq, 0, self.layout, self.M,
                      bufs[2] if self.bias is not None else None, self.accumulate, self.lda, self.ldc)
         deq = wq.read(rt).astype(np.float64)
@@ -123,6 +145,11 @@ class QProblem:
         idx = q.c_off + np.arange(q.M)[:, None] * q.ldc + np.arange(q.N)[None, :]
         want[idx] = val + (want[idx] if self.accumulate else 0.0)
         return q, bufs[1], c0, want, bufs + [b for b, _, _ in wq.chunks] + wq.absmax
+
+
+def _rounded(values: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 values as a tensor of format fmt holds them."""
+    return storage.from_words(storage.to_words(values, fmt), values.size, fmt)
 
 
 class QRegister:
