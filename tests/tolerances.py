@@ -229,6 +229,15 @@ TOLERANCES: dict[str, Tolerance] = {
     "k_gemm16_f32": Tolerance(1e-5, 3e-4,
         "a float32 output (h, dW, dbias, dA, dB) from 16-bit inputs, which the reference reads as stored: "
         "float32 rounding over K <= 520 products of O(1) terms, as test_gemm.py (1e-5 relative, 1e-5 sqrt(K))"),
+    # ---- 16-bit activations, frozen-weight GEMMs (tests/test_quant16.py): the float32 result rounded once to C's
+    # format, against float64 rounded once the same way ----
+    "quant16_bf16": Tolerance(1e-5 + 2.0 ** -7, 1e-4,
+        "k_quant_gemm's float32 part, plus one unit of bfloat16's last place: where the float32 sum and the float64 "
+        "one lie on either side of a rounding boundary they round to neighbours, one ulp apart (2^-8 to 2^-7 of "
+        "the value: 8 significant bits); more than one ulp is a bug"),
+    "quant16_f16": Tolerance(1e-5 + 2.0 ** -10, 1e-4,
+        "as quant16_bf16 for float16: one ulp is 2^-11 to 2^-10 of a normal value (11 significant bits), and "
+        "float16's subnormals (ulp 2^-24) fall inside the float32 part's atol"),
 }
 
 
