@@ -8,8 +8,8 @@
 //   bias is float32.
 //
 // The file has sections per weight format (a section names the formats it serves); gpu/quant.py builds
-// each pipeline's source by blanking the sections of other formats, and the subgroup kernels on devices
-// without subgroups. No format needs
+// each pipeline's source by blanking the sections of other formats, the A loads of A's other formats, and the
+// subgroup kernels on devices without subgroups. No format needs
 // shader-f16: float16 values are read as u32 words of two and decoded with unpack2x16float (core WGSL).
 // Each format defines binding 2 (the weights), Raw8 with raw8(e) (what one load brings: elements
 // e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as f32) and w4(e0, e1, e2, e3) (any 4).
@@ -26,8 +26,7 @@
 // adjacent: one NF4 word (or 16 bytes of f16) holds 8 weights along n in the nn layout and 8 along k in
 // the nt layout, so each load feeds 8 weights. Each weight is decoded once per workgroup (row tile) and
 // used in TM FMAs: on llvmpipe the NF4 select tree costs ~25% of the FMA work at TM = 32.
-// qgemm_fast needs A 4-aligned (o1, lda % 4 == 0: A's 4 elements at k are two pair loads) and, for nt,
-// K % 8 == 0, for nn, N % 8 == 0 (any K);
+// qgemm_fast needs A 4-aligned (o1, lda % 4 == 0) and, for nt, K % 8 == 0, for nn, N % 8 == 0 (any K);
 // qgemm takes any shape (a weight load per element: for odd test shapes, not for speed).
 
 struct Params {
@@ -160,11 +159,24 @@ fn quad_nn(k: u32) -> B4 {
               mat4x4<f32>(dec4(r0, true), dec4(r1, true), dec4(r2, true), dec4(r3, true)));
 }
 
-// Row m0 + r of A at k..k+3 (k % 4 == 0), zero past K: two pair loads (one word each in 16 bits; loads past
-// the binding's end are robust access, their values masked).
+// A's elements i..i+3 (i % 4 == 0) by A's format: quant.py keeps one of these sections (a float32 A as a vec4
+// view: llvmpipe's speed is bounded by load instructions; a 16-bit A as two words). Loads past the binding's
+// end are robust access, their values masked by a4.
+// ---- A loads: vec4
+@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
+
+fn a_quad(i: u32) -> vec4<f32> {
+    return A4[i >> 2u];
+}
+// ---- A loads: pairs
+fn a_quad(i: u32) -> vec4<f32> {
+    return vec4<f32>(A_ld2(i), A_ld2(i + 2u));
+}
+// ---- end of A loads
+
+// Row m0 + r of A at k..k+3, zero past K.
 fn a4(r: u32, k: u32) -> vec4<f32> {
-    let i = P.o1 + min(m0 + r, P.M - 1u) * P.lda + k;
-    let v = vec4<f32>(A_ld2(i), A_ld2(i + 2u));
+    let v = a_quad(P.o1 + min(m0 + r, P.M - 1u) * P.lda + k);
     return select(vec4<f32>(0.0), v, vec4<u32>(k, k + 1u, k + 2u, k + 3u) < vec4<u32>(P.K));
 }
 

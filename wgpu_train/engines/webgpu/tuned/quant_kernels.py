@@ -21,10 +21,12 @@ TM_CHOICES = (8, 32)      # rows of C per workgroup of the register kernels
 
 
 @functools.lru_cache(maxsize=None)
-def qgemm_kernel(fmt: str, entry: str, wg: int, tm: int, nt: bool, subgroups: bool = False) -> Kernel:
-    """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt."""
+def qgemm_kernel(fmt: str, entry: str, wg: int, tm: int, nt: bool, subgroups: bool = False,
+                 a_vec4: bool = True) -> Kernel:
+    """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt; a_vec4 False: the
+    fast entry points' A loads for a 16-bit A (Q.shader_source)."""
     return Kernel(Q.SHADER, entry, QT.BINDINGS[fmt], (("NT", nt), ("TM", tm), ("WG", wg)),
-                  source=(Q.shader_source, fmt, subgroups), invocations=wg,
+                  source=(Q.shader_source, fmt, subgroups, a_vec4), invocations=wg,
                   features=("subgroup",) if subgroups else ())
 
 
@@ -170,7 +172,7 @@ class QRegister:
         fast = can_fast if self.fast is None else self.fast
         sg = fast and self.subgroups
         entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if fast else "qgemm"
-        k = qgemm_kernel(p.w.dtype, entry, self.wg, self.tm, nt, sg)
+        k = qgemm_kernel(p.w.dtype, entry, self.wg, self.tm, nt, sg, a_vec4=not fast or p.a_fmt == "f32")
         pipeline, resources = prepare(p.rt, k, p.tensors(), **p.params())
         return [(pipeline, resources, (-(-p.M // self.tm), -(-p.N // (8 * self.wg)), 1))]
 
@@ -213,7 +215,8 @@ def qcandidates(p: QProblem) -> list:
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them)."""
     entries = (("qgemm", False), ("qgemm_fast", False), ("qgemm_fast_sg", True))
-    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in Q.FORMATS for entry, sg in entries
+    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg, vec4) for fmt in Q.FORMATS for entry, sg in entries
+           for vec4 in ((True,) if entry == "qgemm" else (True, False))
            for wg in WG_CHOICES for tm in TM_CHOICES for nt in (False, True)]
     out += [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS for nt in (False, True)]
     return out + [Q.embed_gather_kernel(fmt) for fmt in Q.HALF_FORMATS]
