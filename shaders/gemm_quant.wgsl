@@ -451,6 +451,7 @@ fn w4(e0: u32, e1: u32, e2: u32, e3: u32) -> vec4<f32> {
     return vec4<f32>(h1(e0), h1(e1), h1(e2), h1(e3));
 }
 
+// Elements e, e + 1 (one word when e is even).
 fn h2(e: u32) -> vec2<f32> {
     if ((e & 1u) == 0u) {
         return unpack2(H2[e >> 1u]);

@@ -185,9 +185,11 @@ def test_embedding_gather_with_odd_rows_in_float32(rt):
     np.testing.assert_array_equal(got, want)
 
 
-def test_tuner_checks_a_16_bit_product(rt):
+def test_tuner_checks_a_16_bit_product(default_rt):
     """The tuner's replica and check in the problem's formats: each candidate passes on a bf16 -> f16 product (the
-    replica's C written and read back in f16), and the formats are in the cache key."""
+    replica's C written and read back in f16), and the formats are in the cache key. One adapter: the kernels'
+    formats are the other tests' subject."""
+    rt = default_rt
     rng = np.random.default_rng(20)
     qm = Q.QuantMatrix(rt, rng.standard_normal(FAST_SHAPE).astype(np.float32), "nf4", "w")
     a = storage.upload(rt, np.zeros(6 * 40, np.float32), "bf16", "a")
