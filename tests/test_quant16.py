@@ -163,6 +163,8 @@ def test_embedding_gather_into_16_bit_rows(rt, fmt, out_fmt):
     assert_close(got[2:2 + ids.size * c].reshape(ids.size, c), rounded(R.round_to(qm.read(rt), fmt)[ids], out_fmt),
                  "exact")
     assert got[:2].tolist() == pad[:2].tolist() and got[2 + ids.size * c:].tolist() == pad[2 + ids.size * c:].tolist()
+    with pytest.raises(ValueError, match="even"):
+        Q.embedding_forward(rt.recorder(), at(out, 1), rt.upload(ids), qm, ids.size)
 
 
 def test_embedding_gather_with_odd_rows_in_float32(rt):

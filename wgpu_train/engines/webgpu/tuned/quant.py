@@ -32,8 +32,9 @@ import numpy as np
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.numpy.quant import (DQ_BLOCK, NF4_BLOCK, bfloat16_bits, bfloat16_values, float16_values,
                                            nf4_dequantize, nf4_quantize)
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, launch
-from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device.operands import at, split
 
 SHADER = "gemm_quant"
 FORMATS = ("bfloat16", "float16", "nf4", "nf4-dq")
@@ -257,6 +258,10 @@ def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):
     (16-bit: an even offset and cols)."""
     if w.dtype not in HALF_FORMATS:
         raise ValueError(f"embeddings are stored as float32, bfloat16 or float16, not {w.dtype}")
+    buf, off = split(out)
+    if storage.format_of(buf) != "f32" and (off % 2 or w.cols % 2):
+        raise ValueError(f"a {storage.format_of(buf)} embedding output is stored by pairs: its offset {off} and "
+                         f"width {w.cols} must be even")
     groups = -(-(n * w.cols) // 128)           # an invocation per pair of out's elements
     gx = min(groups, 65535)
     for buf, r0, rows in w.chunks:
