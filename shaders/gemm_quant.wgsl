@@ -4,12 +4,12 @@
 //   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
 //   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
 //   A (x or dy) and C (y or dx) are activations, each float32, bfloat16 or float16 (tensor markers,
-//   device/storage.py); C is stored by pairs of adjacent columns (a 16-bit C needs o4, ldc even); the
-//   bias is float32.
+//   device/storage.py; A's vec4 view, A_ld4, is gemm_tiled_src.with_views'); C is stored by pairs of adjacent
+//   columns (a 16-bit C needs o4, ldc even); the bias is float32.
 //
 // The file has sections per weight format (a section names the formats it serves); gpu/quant.py builds
-// each pipeline's source by blanking the sections of other formats, the A loads of A's other formats, and the
-// subgroup kernels on devices without subgroups. No format needs
+// each pipeline's source by blanking the sections of other formats, and the subgroup kernels on devices
+// without subgroups. No format needs
 // shader-f16: float16 values are read as u32 words of two and decoded with unpack2x16float (core WGSL).
 // Each format defines binding 2 (the weights), Raw8 with raw8(e) (what one load brings: elements
 // e..e+7, e % 8 == 0), dec4(raw, h) (its elements 4h..4h+3 as f32) and w4(e0, e1, e2, e3) (any 4).
@@ -37,6 +37,7 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> P: Params;
 // @tensor 1 A read
+// @tensor4 1 A read
 @group(0) @binding(3) var<storage, read> BIAS: array<f32>;
 // @tensor 4 C read_write
 
@@ -159,24 +160,9 @@ fn quad_nn(k: u32) -> B4 {
               mat4x4<f32>(dec4(r0, true), dec4(r1, true), dec4(r2, true), dec4(r3, true)));
 }
 
-// A's elements i..i+3 (i % 4 == 0) by A's format: quant.py keeps one of these sections (a float32 A as a vec4
-// view: llvmpipe's speed is bounded by load instructions; a 16-bit A as two words). Loads past the binding's
-// end are robust access, their values masked by a4.
-// ---- A loads: vec4
-@group(0) @binding(1) var<storage, read> A4: array<vec4<f32>>;
-
-fn a_quad(i: u32) -> vec4<f32> {
-    return A4[i >> 2u];
-}
-// ---- A loads: pairs
-fn a_quad(i: u32) -> vec4<f32> {
-    return vec4<f32>(A_ld2(i), A_ld2(i + 2u));
-}
-// ---- end of A loads
-
-// Row m0 + r of A at k..k+3, zero past K.
+// Row m0 + r of A at k..k+3, zero past K (the vec4 load stays inside the binding: robust access).
 fn a4(r: u32, k: u32) -> vec4<f32> {
-    let v = a_quad(P.o1 + min(m0 + r, P.M - 1u) * P.lda + k);
+    let v = A_ld4(P.o1 + min(m0 + r, P.M - 1u) * P.lda + k);
     return select(vec4<f32>(0.0), v, vec4<u32>(k, k + 1u, k + 2u, k + 3u) < vec4<u32>(P.K));
 }
 

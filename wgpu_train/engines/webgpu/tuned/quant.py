@@ -45,8 +45,7 @@ DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGP
 _F32 = 4
 _FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"
 _SG_MARK, _SG_END = "// ---- subgroup kernels", "// ---- end of subgroup kernels"
-_A_MARK, _A_END = "// ---- A loads: ", "// ---- end of A loads"
-_sources: dict = {}                  # (format, subgroups, a_vec4) -> shader source with the rest blanked
+_sources: dict = {}                  # (format, subgroups) -> shader source with the rest blanked
 
 
 def _round16(n: int) -> int:
@@ -189,15 +188,17 @@ class QuantMatrix:
 
 # ---- pipelines ----------------------------------------------------------------------------------
 
-def shader_source(fmt: str, subgroups: bool, a_vec4: bool = True) -> str:
-    """gemm_quant.wgsl with the sections of other formats, the subgroup kernels (devices without the feature)
-    and the other A loads blanked (a_vec4: A is float32, its quads one vec4 load; else 16-bit, two words); line
-    numbers are kept so that shader errors point at the file."""
-    key = (fmt, bool(subgroups), bool(a_vec4))
+def shader_source(fmt: str, subgroups: bool, formats: tuple = ()) -> str:
+    """gemm_quant.wgsl with the sections of other formats and the subgroup kernels (devices without the
+    feature) blanked, and A's vec4 view declared for the 16-bit tensors' (binding, format) pairs `formats`
+    (gemm_tiled_src.with_views); line numbers are kept so that shader errors point at the file."""
+    from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import with_views
+
+    key = (fmt, bool(subgroups))
     if key not in _sources:
         from wgpu_train.engines.webgpu.device.runtime import shader_path
 
-        out, section, in_sg, a_loads = [], None, False, None
+        out, section, in_sg = [], None, False
         for line in shader_path(SHADER).read_text().split("\n"):
             if line.startswith(_FORMAT_MARK):
                 section = {w for w in line[len(_FORMAT_MARK):].split() if not w.startswith("-")}
@@ -207,15 +208,10 @@ def shader_source(fmt: str, subgroups: bool, a_vec4: bool = True) -> str:
                 in_sg = False
             elif line.startswith(_SG_MARK):
                 in_sg = True
-            elif line.startswith(_A_END):
-                a_loads = None
-            elif line.startswith(_A_MARK):
-                a_loads = line[len(_A_MARK):].strip()
-            drop = ((section is not None and fmt not in section) or (in_sg and not subgroups)
-                    or (a_loads is not None and a_loads != ("vec4" if a_vec4 else "pairs")))
+            drop = (section is not None and fmt not in section) or (in_sg and not subgroups)
             out.append("" if drop else line)
         _sources[key] = "\n".join(out)
-    return _sources[key]
+    return with_views(_sources[key], formats)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,8 +9,8 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, gemm_tolerance, is_cpu, min_workgroup,
-                                                          use_subgroups)
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, _rounded, gemm_tolerance, is_cpu,
+                                                          min_workgroup, use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 from wgpu_train.engines.webgpu.device.operands import split
@@ -18,16 +18,17 @@ from wgpu_train.engines.webgpu.device.operands import split
 _F32 = 4
 
 TM_CHOICES = (8, 32)      # rows of C per workgroup of the register kernels
+MIXED_FORMATS = (((1, "bf16"), (4, "f16")), ((1, "f16"), (4, "bf16")))   # A's and C's, in all_kernels
 
 
 @functools.lru_cache(maxsize=None)
 def qgemm_kernel(fmt: str, entry: str, wg: int, tm: int, nt: bool, subgroups: bool = False,
-                 a_vec4: bool = True) -> Kernel:
-    """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt; a_vec4 False: the
-    fast entry points' A loads for a 16-bit A (Q.shader_source)."""
+                 formats: tuple = ()) -> Kernel:
+    """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt; formats: its
+    16-bit tensors' (binding, format) pairs (QProblem.bound_formats), which A's vec4 view is declared for."""
     return Kernel(Q.SHADER, entry, QT.BINDINGS[fmt], (("NT", nt), ("TM", tm), ("WG", wg)),
-                  source=(Q.shader_source, fmt, subgroups, a_vec4), invocations=wg,
-                  features=("subgroup",) if subgroups else ())
+                  source=(Q.shader_source, fmt, subgroups, formats), invocations=wg,
+                  features=("subgroup",) if subgroups else (), formats=formats)
 
 
 def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
@@ -45,10 +46,6 @@ def choose_tiling(M: int, N: int, min_wg: int = 8) -> tuple[int, int]:
             if best is None or key < best[0]:
                 best = (key, tm, wg)
     return best[1], best[2]
-
-
-# Unit roundoff of the 16-bit activation formats: a 16-bit C is the float32 result rounded once
-UNIT_ROUNDOFF = {"f32": 0.0, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
 
 
 class QProblem:
@@ -84,12 +81,17 @@ class QProblem:
         return 2 * self.M * self.N * self.K
 
     @property
-    def formats(self) -> str:
+    def format_tag(self) -> str:
         """A's and C's storage formats, "" when both are float32 (the keys of float32 problems unchanged)."""
         return "" if self.a_fmt == self.c_fmt == "f32" else f" a:{self.a_fmt} c:{self.c_fmt}"
 
+    @property
+    def bound_formats(self) -> tuple:
+        """(binding, format) of the 16-bit tensors the kernels get: A at 1, C at 4 (the rest are float32)."""
+        return tuple((b, f) for b, f in ((1, self.a_fmt), (4, self.c_fmt)) if f != "f32")
+
     def describe(self) -> str:
-        return f"{self.w.dtype} {self.layout} {self.M}x{self.N}x{self.K}{self.formats}"
+        return f"{self.w.dtype} {self.layout} {self.M}x{self.N}x{self.K}{self.format_tag}"
 
     def tensors(self) -> list:
         buf = self.w.chunks[self.chunk][0]
@@ -118,11 +120,10 @@ class QProblem:
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = self.a_off % 4 == 0 and self.lda % 4 == 0
         return (f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
-                + self.formats)
+                + self.format_tag)
 
     def tolerance(self, want: np.ndarray) -> float:
-        """The float32 GEMM's, plus a 16-bit C's rounding: up to one unit of its last place (2u of a value)."""
-        return gemm_tolerance(self.alpha, self.K, want) + 2 * UNIT_ROUNDOFF[self.c_fmt] * float(np.max(np.abs(want)))
+        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a
@@ -149,11 +150,6 @@ class QProblem:
         return q, bufs[1], c0, want, bufs + [b for b, _, _ in wq.chunks] + wq.absmax
 
 
-def _rounded(values: np.ndarray, fmt: str) -> np.ndarray:
-    """float32 values as a tensor of format fmt holds them."""
-    return storage.from_words(storage.to_words(values, fmt), values.size, fmt)
-
-
 class QRegister:
     """A register-blocked candidate (gemm_quant.wgsl): qgemm_fast(_sg) where the shapes allow, else qgemm."""
 
@@ -172,7 +168,7 @@ class QRegister:
         fast = can_fast if self.fast is None else self.fast
         sg = fast and self.subgroups
         entry = ("qgemm_fast_sg" if sg else "qgemm_fast") if fast else "qgemm"
-        k = qgemm_kernel(p.w.dtype, entry, self.wg, self.tm, nt, sg, a_vec4=not fast or p.a_fmt == "f32")
+        k = qgemm_kernel(p.w.dtype, entry, self.wg, self.tm, nt, sg, p.bound_formats)
         pipeline, resources = prepare(p.rt, k, p.tensors(), **p.params())
         return [(pipeline, resources, (-(-p.M // self.tm), -(-p.N // (8 * self.wg)), 1))]
 
@@ -213,10 +209,16 @@ def qcandidates(p: QProblem) -> list:
 
 
 def all_kernels() -> list[Kernel]:
-    """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them)."""
+    """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them): each in
+    float32, and each source and entry point with A and C in two mixes of 16-bit formats (MIXED_FORMATS; one tile
+    config, whose 16-bit code the others share) and the embedding gather into either 16-bit format."""
     entries = (("qgemm", False), ("qgemm_fast", False), ("qgemm_fast_sg", True))
-    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg, vec4) for fmt in Q.FORMATS for entry, sg in entries
-           for vec4 in ((True,) if entry == "qgemm" else (True, False))
+    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in Q.FORMATS for entry, sg in entries
            for wg in WG_CHOICES for tm in TM_CHOICES for nt in (False, True)]
+    out += [qgemm_kernel(fmt, entry, 8, 32, nt, sg, f) for fmt in Q.FORMATS for entry, sg in entries
+            for nt in (False, True) for f in MIXED_FORMATS]
     out += [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS for nt in (False, True)]
-    return out + [Q.embed_gather_kernel(fmt) for fmt in Q.HALF_FORMATS]
+    out += [QT.qtiled_kernel(fmt, QT.QTILE_CONFIGS[0], nt).with_formats(f) for fmt in QT.FORMATS
+            for nt in (False, True) for f in MIXED_FORMATS]
+    gathers = [Q.embed_gather_kernel(fmt) for fmt in Q.HALF_FORMATS]
+    return out + gathers + [k.with_formats(((3, out_fmt),)) for k in gathers for out_fmt in ("bf16", "f16")]
