@@ -5,14 +5,17 @@
 // Backward: a delta = rowsum(dout * out) pre-pass, dq per query row, and dk/dv per key row of a
 // kv head, looping over the query heads of its group and the queries that see it (no atomics).
 //
-// Layouts: q, out, dq (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
+// Layouts: q, out (att), dq (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
 // segment ids (B, T) i32 with 0 = padding. Query i sees key j when j <= i, i - j < s4 (the sliding
 // window; 0 = none) and both share a nonzero segment id; a padding query sees only itself. Query head h
 // reads kv head h / (Hq / Hkv). Key loops start (or end) at the window's edge.
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o1..o9 = element offsets of bindings 1..9;
 // f0 = softmax scale (1/sqrt(D)); f1 = the scores' soft-cap (0: none). Override D = head dim (<= DMAX).
-// Each entry point has a *_vec4 twin that reads and writes the (B, T, H, D) tensors as vec4 (2.5x
-// faster on llvmpipe); the wrapper uses it when D and those tensors' element offsets are multiples of 4.
+// q, k, v, out and their gradients are tensors in any storage format (device/storage.py markers; even D and
+// offsets for a 16-bit one), arithmetic in f32; a row is stored by pairs (its last element alone for an odd D).
+// Each entry point has a *_vec4 twin that reads and writes the (B, T, H, D) tensors four elements at a time
+// (its own bindings' <name>4 / <name>4_set helpers); the wrapper uses it when D and those tensors' element
+// offsets are multiples of 4.
 // The vec4 kernels give each invocation QPI = 4 consecutive queries (forward, dq) or keys (dk/dv), so
 // every k/v (or q/dout) row loaded serves four rows: llvmpipe loads a storage element lane by lane,
 // and those loads, not the FMAs, bound the scalar design (2x faster at T=64, D=32). The four rows are
@@ -48,11 +51,11 @@ fn window_end(j: u32, t: u32) -> u32 {
 }
 
 // ---- forward: 1 out out, 2 lse out, 3 q, 4 k, 5 v, 6 segment ids ----
-@group(0) @binding(1) var<storage, read_write> f_out: array<f32>;
+// @tensor 1 f_out read_write
 @group(0) @binding(2) var<storage, read_write> f_lse: array<f32>;
-@group(0) @binding(3) var<storage, read> f_q: array<f32>;
-@group(0) @binding(4) var<storage, read> f_k: array<f32>;
-@group(0) @binding(5) var<storage, read> f_v: array<f32>;
+// @tensor 3 f_q read
+// @tensor 4 f_k read
+// @tensor 5 f_v read
 @group(0) @binding(6) var<storage, read> f_seg: array<i32>;
 
 @compute @workgroup_size(WG)
@@ -70,7 +73,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     var qv: array<f32, DMAX>;
     var acc: array<f32, DMAX>;
     for (var d = 0u; d < D; d++) {
-        qv[d] = f_q[qb + d] * p.f0;
+        qv[d] = f_q_ld(qb + d) * p.f0;
         acc[d] = 0.0;
     }
     var m = -3.0e38;
@@ -82,7 +85,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         let kb = ((b * t + j) * hkv + g) * D;
         var s = 0.0;
         for (var d = 0u; d < D; d++) {
-            s += qv[d] * f_k[p.o4 + kb + d];
+            s += qv[d] * f_k_ld(p.o4 + kb + d);
         }
         s = cap_score(s);
         // Branch-free online softmax: neighbouring invocations run in SIMD lanes, where a branch
@@ -92,15 +95,16 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         let e = exp(s - mn);
         l = l * corr + e;
         for (var d = 0u; d < D; d++) {
-            acc[d] = acc[d] * corr + e * f_v[p.o5 + kb + d];
+            acc[d] = acc[d] * corr + e * f_v_ld(p.o5 + kb + d);
         }
         m = mn;
     }
     let inv = 1.0 / l;
     let ob = p.o1 + ((b * t + i) * hq + h) * D;
-    for (var d = 0u; d < D; d++) {
-        f_out[ob + d] = acc[d] * inv;
+    for (var d = 0u; d + 1u < D; d += 2u) {
+        f_out_st2(ob + d, vec2<f32>(acc[d] * inv, acc[d + 1u] * inv));
     }
+    if (D % 2u == 1u) { f_out_st(ob + D - 1u, acc[D - 1u] * inv); }
     f_lse[p.o2 + (b * hq + h) * t + i] = m + log(l);
 }
 
@@ -110,8 +114,8 @@ fn stats_rows() -> u32 { return p.s0 * p.s2 * p.s1; }
 
 // ---- backward pre-pass: 1 statistics (delta out), 2 dout, 3 out ----
 @group(0) @binding(1) var<storage, read_write> d_stats: array<f32>;
-@group(0) @binding(2) var<storage, read> d_dout: array<f32>;
-@group(0) @binding(3) var<storage, read> d_out: array<f32>;
+// @tensor 2 d_dout read
+// @tensor 3 d_out read
 
 @compute @workgroup_size(WG)
 fn attention_backward_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -124,17 +128,17 @@ fn attention_backward_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(loca
     let rb = ((b * t + i) * hq + h) * D;
     var s = 0.0;
     for (var d = 0u; d < D; d++) {
-        s += d_dout[p.o2 + rb + d] * d_out[p.o3 + rb + d];
+        s += d_dout_ld(p.o2 + rb + d) * d_out_ld(p.o3 + rb + d);
     }
     d_stats[p.o1 + stats_rows() + (b * hq + h) * t + i] = s;
 }
 
 // ---- backward dq: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta), 7 segment ids ----
-@group(0) @binding(1) var<storage, read_write> q_dq: array<f32>;
-@group(0) @binding(2) var<storage, read> q_dout: array<f32>;
-@group(0) @binding(3) var<storage, read> q_q: array<f32>;
-@group(0) @binding(4) var<storage, read> q_k: array<f32>;
-@group(0) @binding(5) var<storage, read> q_v: array<f32>;
+// @tensor 1 q_dq read_write
+// @tensor 2 q_dout read
+// @tensor 3 q_q read
+// @tensor 4 q_k read
+// @tensor 5 q_v read
 @group(0) @binding(6) var<storage, read> q_stats: array<f32>;
 @group(0) @binding(7) var<storage, read> q_seg: array<i32>;
 
@@ -156,8 +160,8 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     var dov: array<f32, DMAX>;
     var dq: array<f32, DMAX>;
     for (var d = 0u; d < D; d++) {
-        qv[d] = q_q[p.o3 + rb + d] * p.f0;
-        dov[d] = q_dout[p.o2 + rb + d];
+        qv[d] = q_q_ld(p.o3 + rb + d) * p.f0;
+        dov[d] = q_dout_ld(p.o2 + rb + d);
         dq[d] = 0.0;
     }
     var j0 = window_start(i);
@@ -168,29 +172,31 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
         var s = 0.0;
         var dp = 0.0;
         for (var d = 0u; d < D; d++) {
-            s += qv[d] * q_k[p.o4 + kb + d];
-            dp += dov[d] * q_v[p.o5 + kb + d];
+            s += qv[d] * q_k_ld(p.o4 + kb + d);
+            dp += dov[d] * q_v_ld(p.o5 + kb + d);
         }
         let cs = cap_score(s);
         let ds = exp(cs - lse) * (dp - delta) * cap_slope(cs);
         for (var d = 0u; d < D; d++) {
-            dq[d] += ds * q_k[p.o4 + kb + d];
+            dq[d] += ds * q_k_ld(p.o4 + kb + d);
         }
     }
-    for (var d = 0u; d < D; d++) {
-        q_dq[p.o1 + rb + d] = dq[d] * p.f0;
+    let ob = p.o1 + rb;
+    for (var d = 0u; d + 1u < D; d += 2u) {
+        q_dq_st2(ob + d, vec2<f32>(dq[d] * p.f0, dq[d + 1u] * p.f0));
     }
+    if (D % 2u == 1u) { q_dq_st(ob + D - 1u, dq[D - 1u] * p.f0); }
 }
 
 // ---- backward dk, dv: 1 dk out, 2 dv out, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids ----
 // One invocation per (b, kv head, key j): sums over the Hq/Hkv query heads of the group and the
 // queries i >= j that see key j, so each dk/dv row has exactly one writer.
-@group(0) @binding(1) var<storage, read_write> k_dk: array<f32>;
-@group(0) @binding(2) var<storage, read_write> k_dv: array<f32>;
-@group(0) @binding(3) var<storage, read> k_dout: array<f32>;
-@group(0) @binding(4) var<storage, read> k_q: array<f32>;
-@group(0) @binding(5) var<storage, read> k_k: array<f32>;
-@group(0) @binding(6) var<storage, read> k_v: array<f32>;
+// @tensor 1 k_dk read_write
+// @tensor 2 k_dv read_write
+// @tensor 3 k_dout read
+// @tensor 4 k_q read
+// @tensor 5 k_k read
+// @tensor 6 k_v read
 @group(0) @binding(7) var<storage, read> k_stats: array<f32>;
 @group(0) @binding(8) var<storage, read> k_seg: array<i32>;
 
@@ -211,8 +217,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var dk: array<f32, DMAX>;
     var dv: array<f32, DMAX>;
     for (var d = 0u; d < D; d++) {
-        kv[d] = k_k[p.o5 + kb + d] * p.f0;
-        vv[d] = k_v[p.o6 + kb + d];
+        kv[d] = k_k_ld(p.o5 + kb + d) * p.f0;
+        vv[d] = k_v_ld(p.o6 + kb + d);
         dk[d] = 0.0;
         dv[d] = 0.0;
     }
@@ -227,31 +233,36 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
             var s = 0.0;
             var dp = 0.0;
             for (var d = 0u; d < D; d++) {
-                s += k_q[p.o4 + rb + d] * kv[d];
-                dp += k_dout[p.o3 + rb + d] * vv[d];
+                s += k_q_ld(p.o4 + rb + d) * kv[d];
+                dp += k_dout_ld(p.o3 + rb + d) * vv[d];
             }
             let cs = cap_score(s);
             let pr = exp(cs - k_stats[p.o7 + li]);
             let ds = pr * (dp - k_stats[p.o7 + stats_rows() + li]) * cap_slope(cs);
             for (var d = 0u; d < D; d++) {
-                dv[d] += pr * k_dout[p.o3 + rb + d];
-                dk[d] += ds * k_q[p.o4 + rb + d];
+                dv[d] += pr * k_dout_ld(p.o3 + rb + d);
+                dk[d] += ds * k_q_ld(p.o4 + rb + d);
             }
         }
     }
-    for (var d = 0u; d < D; d++) {
-        k_dk[p.o1 + kb + d] = dk[d] * p.f0;
-        k_dv[p.o2 + kb + d] = dv[d];
+    for (var d = 0u; d + 1u < D; d += 2u) {
+        k_dk_st2(p.o1 + kb + d, vec2<f32>(dk[d] * p.f0, dk[d + 1u] * p.f0));
+        k_dv_st2(p.o2 + kb + d, vec2<f32>(dv[d], dv[d + 1u]));
+    }
+    if (D % 2u == 1u) {
+        k_dk_st(p.o1 + kb + D - 1u, dk[D - 1u] * p.f0);
+        k_dv_st(p.o2 + kb + D - 1u, dv[D - 1u]);
     }
 }
 
 // ==== vec4 twins: D % 4 == 0 and offsets of the (B, T, H, D) bindings multiples of 4 elements ====
-// (the dk, dv pass reuses the scalar statistics and segment ids bindings; the dq pass writes delta, so it has its own)
+// They share the scalar kernels' bindings (the dq pass writes delta and reads out, so it has two of its own),
+// read and written four elements at a time: <name>4(x) the vec4 x of the tensor from its binding's offset.
 
-@group(0) @binding(1) var<storage, read_write> fv_out: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> fv_q: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> fv_k: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> fv_v: array<vec4<f32>>;
+fn f_q4(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(f_q_ld2(i), f_q_ld2(i + 2u)); }
+fn f_k4(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(f_k_ld2(i), f_k_ld2(i + 2u)); }
+fn f_v4(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(f_v_ld2(i), f_v_ld2(i + 2u)); }
+fn f_out4_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; f_out_st2(i, a.xy); f_out_st2(i + 2u, a.zw); }
 
 // Online-softmax step for one query: (m, l) and score s -> (new m, new l, rescale of acc, weight of v).
 fn softmax_step(m: f32, l: f32, s: f32, ok: bool) -> vec4<f32> {
@@ -287,7 +298,7 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     let s2 = f_seg[sb + min(ia + 2u, il)];
     let s3 = f_seg[sb + il];
     let rs = hq * n4;
-    let qb = p.o3 / 4u + ((b * t + ia) * hq + h) * n4;
+    let qb = ((b * t + ia) * hq + h) * n4;
     let q1 = select(qb, qb + rs, ia + 1u <= il);
     let q2 = select(qb, qb + 2u * rs, ia + 2u <= il);
     let q3 = select(qb, qb + 3u * rs, ia + 3u <= il);
@@ -300,10 +311,10 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var ac2: array<vec4<f32>, D4MAX>;
     var ac3: array<vec4<f32>, D4MAX>;
     for (var d = 0u; d < n4; d++) {
-        qv0[d] = fv_q[qb + d] * p.f0;
-        qv1[d] = fv_q[q1 + d] * p.f0;
-        qv2[d] = fv_q[q2 + d] * p.f0;
-        qv3[d] = fv_q[q3 + d] * p.f0;
+        qv0[d] = f_q4(qb + d) * p.f0;
+        qv1[d] = f_q4(q1 + d) * p.f0;
+        qv2[d] = f_q4(q2 + d) * p.f0;
+        qv3[d] = f_q4(q3 + d) * p.f0;
         ac0[d] = vec4<f32>(0.0);
         ac1[d] = vec4<f32>(0.0);
         ac2[d] = vec4<f32>(0.0);
@@ -317,14 +328,13 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     let jstart = select(window_start(ia), ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
     for (var j = jstart; j <= il; j++) {
         let sj = f_seg[sb + j];
-        let kb = p.o4 / 4u + ((b * t + j) * hkv + g) * n4;
-        let vb = p.o5 / 4u + ((b * t + j) * hkv + g) * n4;
+        let kb = ((b * t + j) * hkv + g) * n4;
         var a0 = vec4<f32>(0.0);
         var a1 = vec4<f32>(0.0);
         var a2 = vec4<f32>(0.0);
         var a3 = vec4<f32>(0.0);
         for (var d = 0u; d < n4; d++) {
-            let kk = fv_k[kb + d];
+            let kk = f_k4(kb + d);
             a0 += qv0[d] * kk;
             a1 += qv1[d] * kk;
             a2 += qv2[d] * kk;
@@ -335,40 +345,41 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         st2 = softmax_step(st2.x, st2.y, hsum(a2), sees(ia + 2u, j, s2, sj));
         st3 = softmax_step(st3.x, st3.y, hsum(a3), sees(ia + 3u, j, s3, sj));
         for (var d = 0u; d < n4; d++) {
-            let vv = fv_v[vb + d];
+            let vv = f_v4(kb + d);
             ac0[d] = ac0[d] * st0.z + st0.w * vv;
             ac1[d] = ac1[d] * st1.z + st1.w * vv;
             ac2[d] = ac2[d] * st2.z + st2.w * vv;
             ac3[d] = ac3[d] * st3.z + st3.w * vv;
         }
     }
-    let ob = p.o1 / 4u + ((b * t + ia) * hq + h) * n4;
+    let ob = ((b * t + ia) * hq + h) * n4;
     let lb = p.o2 + (b * hq + h) * t + ia;
-    for (var d = 0u; d < n4; d++) { fv_out[ob + d] = ac0[d] / st0.y; }
+    for (var d = 0u; d < n4; d++) { f_out4_set(ob + d, ac0[d] / st0.y); }
     f_lse[lb] = st0.x + log(st0.y);
     if (ia + 1u <= il) {
-        for (var d = 0u; d < n4; d++) { fv_out[ob + rs + d] = ac1[d] / st1.y; }
+        for (var d = 0u; d < n4; d++) { f_out4_set(ob + rs + d, ac1[d] / st1.y); }
         f_lse[lb + 1u] = st1.x + log(st1.y);
     }
     if (ia + 2u <= il) {
-        for (var d = 0u; d < n4; d++) { fv_out[ob + 2u * rs + d] = ac2[d] / st2.y; }
+        for (var d = 0u; d < n4; d++) { f_out4_set(ob + 2u * rs + d, ac2[d] / st2.y); }
         f_lse[lb + 2u] = st2.x + log(st2.y);
     }
     if (ia + 3u <= il) {
-        for (var d = 0u; d < n4; d++) { fv_out[ob + 3u * rs + d] = ac3[d] / st3.y; }
+        for (var d = 0u; d < n4; d++) { f_out4_set(ob + 3u * rs + d, ac3[d] / st3.y); }
         f_lse[lb + 3u] = st3.x + log(st3.y);
     }
 }
 
 // dq with the delta pre-pass fused in: 1 dq out, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out),
 // 7 segment ids, 8 out. Four consecutive queries per invocation share each loaded k and v row.
-@group(0) @binding(1) var<storage, read_write> qv_dq: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> qv_dout: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> qv_q: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> qv_k: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> qv_v: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> qv_stats: array<f32>;
-@group(0) @binding(8) var<storage, read> qv_out: array<vec4<f32>>;
+// @tensor 8 q_out read
+fn q_dout4(x: u32) -> vec4<f32> { let i = p.o2 + 4u * x; return vec4<f32>(q_dout_ld2(i), q_dout_ld2(i + 2u)); }
+fn q_q4(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(q_q_ld2(i), q_q_ld2(i + 2u)); }
+fn q_k4(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(q_k_ld2(i), q_k_ld2(i + 2u)); }
+fn q_v4(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(q_v_ld2(i), q_v_ld2(i + 2u)); }
+fn q_out4(x: u32) -> vec4<f32> { let i = p.o8 + 4u * x; return vec4<f32>(q_out_ld2(i), q_out_ld2(i + 2u)); }
+fn q_dq4_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; q_dq_st2(i, a.xy); q_dq_st2(i + 2u, a.zw); }
 
 @compute @workgroup_size(WGA)
 fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -415,22 +426,19 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     var e1 = vec4<f32>(0.0);
     var e2 = vec4<f32>(0.0);
     var e3 = vec4<f32>(0.0);
-    let qo = p.o3 / 4u;
-    let go = p.o2 / 4u;
-    let oo = p.o8 / 4u;
     for (var d = 0u; d < n4; d++) {
-        qv0[d] = qv_q[qo + r0 + d] * p.f0;
-        qv1[d] = qv_q[qo + r1 + d] * p.f0;
-        qv2[d] = qv_q[qo + r2 + d] * p.f0;
-        qv3[d] = qv_q[qo + r3 + d] * p.f0;
-        do0[d] = qv_dout[go + r0 + d];
-        do1[d] = qv_dout[go + r1 + d];
-        do2[d] = qv_dout[go + r2 + d];
-        do3[d] = qv_dout[go + r3 + d];
-        e0 += do0[d] * qv_out[oo + r0 + d];
-        e1 += do1[d] * qv_out[oo + r1 + d];
-        e2 += do2[d] * qv_out[oo + r2 + d];
-        e3 += do3[d] * qv_out[oo + r3 + d];
+        qv0[d] = q_q4(r0 + d) * p.f0;
+        qv1[d] = q_q4(r1 + d) * p.f0;
+        qv2[d] = q_q4(r2 + d) * p.f0;
+        qv3[d] = q_q4(r3 + d) * p.f0;
+        do0[d] = q_dout4(r0 + d);
+        do1[d] = q_dout4(r1 + d);
+        do2[d] = q_dout4(r2 + d);
+        do3[d] = q_dout4(r3 + d);
+        e0 += do0[d] * q_out4(r0 + d);
+        e1 += do1[d] * q_out4(r1 + d);
+        e2 += do2[d] * q_out4(r2 + d);
+        e3 += do3[d] * q_out4(r3 + d);
         dq0[d] = vec4<f32>(0.0);
         dq1[d] = vec4<f32>(0.0);
         dq2[d] = vec4<f32>(0.0);
@@ -448,8 +456,7 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     let jstart = select(window_start(ia), ia, s0 == 0 && s1 == 0 && s2 == 0 && s3 == 0);
     for (var j = jstart; j <= il; j++) {
         let sj = q_seg[sb + j];
-        let kb = p.o4 / 4u + ((b * t + j) * hkv + g) * n4;
-        let vb = p.o5 / 4u + ((b * t + j) * hkv + g) * n4;
+        let kb = ((b * t + j) * hkv + g) * n4;
         var a0 = vec4<f32>(0.0);
         var a1 = vec4<f32>(0.0);
         var a2 = vec4<f32>(0.0);
@@ -459,8 +466,8 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
         var c2 = vec4<f32>(0.0);
         var c3 = vec4<f32>(0.0);
         for (var d = 0u; d < n4; d++) {
-            let kk = qv_k[kb + d];
-            let vv = qv_v[vb + d];
+            let kk = q_k4(kb + d);
+            let vv = q_v4(kb + d);
             kr[d] = kk;
             a0 += qv0[d] * kk;
             a1 += qv1[d] * kk;
@@ -487,20 +494,19 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
             dq3[d] += ds3 * kk;
         }
     }
-    let qd = p.o1 / 4u;
-    for (var d = 0u; d < n4; d++) { qv_dq[qd + r0 + d] = dq0[d] * p.f0; }
-    if (ia + 1u <= il) { for (var d = 0u; d < n4; d++) { qv_dq[qd + r1 + d] = dq1[d] * p.f0; } }
-    if (ia + 2u <= il) { for (var d = 0u; d < n4; d++) { qv_dq[qd + r2 + d] = dq2[d] * p.f0; } }
-    if (ia + 3u <= il) { for (var d = 0u; d < n4; d++) { qv_dq[qd + r3 + d] = dq3[d] * p.f0; } }
+    for (var d = 0u; d < n4; d++) { q_dq4_set(r0 + d, dq0[d] * p.f0); }
+    if (ia + 1u <= il) { for (var d = 0u; d < n4; d++) { q_dq4_set(r1 + d, dq1[d] * p.f0); } }
+    if (ia + 2u <= il) { for (var d = 0u; d < n4; d++) { q_dq4_set(r2 + d, dq2[d] * p.f0); } }
+    if (ia + 3u <= il) { for (var d = 0u; d < n4; d++) { q_dq4_set(r3 + d, dq3[d] * p.f0); } }
 }
 
 // dk, dv: four consecutive keys per invocation share each loaded q and dout row.
-@group(0) @binding(1) var<storage, read_write> kv_dk: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> kv_dv: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> kv_dout: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> kv_q: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> kv_k: array<vec4<f32>>;
-@group(0) @binding(6) var<storage, read> kv_v: array<vec4<f32>>;
+fn k_dout4(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(k_dout_ld2(i), k_dout_ld2(i + 2u)); }
+fn k_q4(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(k_q_ld2(i), k_q_ld2(i + 2u)); }
+fn k_k4(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(k_k_ld2(i), k_k_ld2(i + 2u)); }
+fn k_v4(x: u32) -> vec4<f32> { let i = p.o6 + 4u * x; return vec4<f32>(k_v_ld2(i), k_v_ld2(i + 2u)); }
+fn k_dk4_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; k_dk_st2(i, a.xy); k_dk_st2(i + 2u, a.zw); }
+fn k_dv4_set(x: u32, a: vec4<f32>) { let i = p.o2 + 4u * x; k_dv_st2(i, a.xy); k_dv_st2(i + 2u, a.zw); }
 
 @compute @workgroup_size(WGA)
 fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -542,17 +548,15 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
     var dv3: array<vec4<f32>, D4MAX>;
     var qr: array<vec4<f32>, D4MAX>;
     var dr: array<vec4<f32>, D4MAX>;
-    let ko = p.o5 / 4u;
-    let vo = p.o6 / 4u;
     for (var d = 0u; d < n4; d++) {
-        k0[d] = kv_k[ko + r0 + d] * p.f0;
-        k1[d] = kv_k[ko + r1 + d] * p.f0;
-        k2[d] = kv_k[ko + r2 + d] * p.f0;
-        k3[d] = kv_k[ko + r3 + d] * p.f0;
-        v0[d] = kv_v[vo + r0 + d];
-        v1[d] = kv_v[vo + r1 + d];
-        v2[d] = kv_v[vo + r2 + d];
-        v3[d] = kv_v[vo + r3 + d];
+        k0[d] = k_k4(r0 + d) * p.f0;
+        k1[d] = k_k4(r1 + d) * p.f0;
+        k2[d] = k_k4(r2 + d) * p.f0;
+        k3[d] = k_k4(r3 + d) * p.f0;
+        v0[d] = k_v4(r0 + d);
+        v1[d] = k_v4(r1 + d);
+        v2[d] = k_v4(r2 + d);
+        v3[d] = k_v4(r3 + d);
         dk0[d] = vec4<f32>(0.0);
         dk1[d] = vec4<f32>(0.0);
         dk2[d] = vec4<f32>(0.0);
@@ -584,8 +588,8 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
             var c2 = vec4<f32>(0.0);
             var c3 = vec4<f32>(0.0);
             for (var d = 0u; d < n4; d++) {
-                let qq = kv_q[p.o4 / 4u + rb + d];
-                let oo = kv_dout[p.o3 / 4u + rb + d];
+                let qq = k_q4(rb + d);
+                let oo = k_dout4(rb + d);
                 qr[d] = qq;
                 dr[d] = oo;
                 a0 += qq * k0[d];
@@ -625,10 +629,8 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
             }
         }
     }
-    let kd = p.o1 / 4u;
-    let vd = p.o2 / 4u;
-    for (var d = 0u; d < n4; d++) { kv_dk[kd + r0 + d] = dk0[d] * p.f0; kv_dv[vd + r0 + d] = dv0[d]; }
-    if (ja + 1u <= jl) { for (var d = 0u; d < n4; d++) { kv_dk[kd + r1 + d] = dk1[d] * p.f0; kv_dv[vd + r1 + d] = dv1[d]; } }
-    if (ja + 2u <= jl) { for (var d = 0u; d < n4; d++) { kv_dk[kd + r2 + d] = dk2[d] * p.f0; kv_dv[vd + r2 + d] = dv2[d]; } }
-    if (ja + 3u <= jl) { for (var d = 0u; d < n4; d++) { kv_dk[kd + r3 + d] = dk3[d] * p.f0; kv_dv[vd + r3 + d] = dv3[d]; } }
+    for (var d = 0u; d < n4; d++) { k_dk4_set(r0 + d, dk0[d] * p.f0); k_dv4_set(r0 + d, dv0[d]); }
+    if (ja + 1u <= jl) { for (var d = 0u; d < n4; d++) { k_dk4_set(r1 + d, dk1[d] * p.f0); k_dv4_set(r1 + d, dv1[d]); } }
+    if (ja + 2u <= jl) { for (var d = 0u; d < n4; d++) { k_dk4_set(r2 + d, dk2[d] * p.f0); k_dv4_set(r2 + d, dv2[d]); } }
+    if (ja + 3u <= jl) { for (var d = 0u; d < n4; d++) { k_dk4_set(r3 + d, dk3[d] * p.f0); k_dv4_set(r3 + d, dv3[d]); } }
 }

@@ -57,42 +57,64 @@ fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
 // (B, Hq, T) at the binding's offset, then delta = rowsum(dout * out) (B, Hq, T).
 fn stats_rows() -> u32 { return p.s0 * p.s2 * p.s1; }
 
-// ---- the bindings of each pass (seg_at(x): segment id x; lse_at, delta_at / delta_set: statistic x) ----
-// forward: 1 out, 2 lse, 3 q, 4 k, 5 v, 6 segment ids
+// ---- the bindings of each pass -------------------------------------------------------------------------------
+// The activations (q, k, v, att = the attention output, and their gradients) are tensors in any storage format
+// (device/storage.py markers), read and written through vec4 accessors: <name>_at(x) the vec4 x of the tensor
+// (elements 4x .. 4x + 3 from the binding's offset), <name>_set(x, value) stores it (two pairs: a 16-bit
+// tensor's offset is even). seg_at(x): segment id x; lse_at, delta_at / delta_set: statistic x (float32).
 // @forward begin
-@group(0) @binding(1) var<storage, read_write> out_: array<vec4<f32>>;
+// forward's bindings: @binding(1) att, 2 lse, 3 q, 4 k, 5 v, 6 segment ids
+// @tensor 1 att read_write
 @group(0) @binding(2) var<storage, read_write> lse_: array<f32>;
-@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+// @tensor 3 q read
+// @tensor 4 k read
+// @tensor 5 v read
 @group(0) @binding(6) var<storage, read> seg_: array<i32>;
 fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
+fn lse_set(x: u32, value: f32) { lse_[p.o2 + x] = value; }
+fn q_at(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(q_ld2(i), q_ld2(i + 2u)); }
+fn k_at(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(k_ld2(i), k_ld2(i + 2u)); }
+fn v_at(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(v_ld2(i), v_ld2(i + 2u)); }
+fn att_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; att_st2(i, a.xy); att_st2(i + 2u, a.zw); }
 // @forward end
-// dq (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out), 7 segment ids, 8 out
 // @dq begin
-@group(0) @binding(1) var<storage, read_write> dq_: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> dout_: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> q_: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> k_: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> v_: array<vec4<f32>>;
+// dq's bindings (delta fused): @binding(1) dq, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out),
+// 7 segment ids, 8 att
+// @tensor 1 dq read_write
+// @tensor 2 dout read
+// @tensor 3 q read
+// @tensor 4 k read
+// @tensor 5 v read
 @group(0) @binding(6) var<storage, read_write> stats_: array<f32>;
 @group(0) @binding(7) var<storage, read> seg_: array<i32>;
-@group(0) @binding(8) var<storage, read> out_: array<vec4<f32>>;
+// @tensor 8 att read
 fn seg_at(x: u32) -> i32 { return seg_[p.o7 + x]; }
 fn lse_at(x: u32) -> f32 { return stats_[p.o6 + x]; }
 fn delta_set(x: u32, value: f32) { stats_[p.o6 + stats_rows() + x] = value; }
+fn dout_at(x: u32) -> vec4<f32> { let i = p.o2 + 4u * x; return vec4<f32>(dout_ld2(i), dout_ld2(i + 2u)); }
+fn q_at(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(q_ld2(i), q_ld2(i + 2u)); }
+fn k_at(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(k_ld2(i), k_ld2(i + 2u)); }
+fn v_at(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(v_ld2(i), v_ld2(i + 2u)); }
+fn att_at(x: u32) -> vec4<f32> { let i = p.o8 + 4u * x; return vec4<f32>(att_ld2(i), att_ld2(i + 2u)); }
+fn dq_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; dq_st2(i, a.xy); dq_st2(i + 2u, a.zw); }
 // @dq end
-// dk, dv: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids
 // @dkv begin
-@group(0) @binding(1) var<storage, read_write> dk_: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> dv_: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> dout_: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> q_: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> k_: array<vec4<f32>>;
-@group(0) @binding(6) var<storage, read> v_: array<vec4<f32>>;
+// dk, dv's bindings: @binding(1) dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids
+// @tensor 1 dk read_write
+// @tensor 2 dv read_write
+// @tensor 3 dout read
+// @tensor 4 q read
+// @tensor 5 k read
+// @tensor 6 v read
 @group(0) @binding(7) var<storage, read> stats_: array<f32>;
 @group(0) @binding(8) var<storage, read> seg_: array<i32>;
 fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
 fn lse_at(x: u32) -> f32 { return stats_[p.o7 + x]; }
 fn delta_at(x: u32) -> f32 { return stats_[p.o7 + stats_rows() + x]; }
+fn dout_at(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(dout_ld2(i), dout_ld2(i + 2u)); }
+fn q_at(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(q_ld2(i), q_ld2(i + 2u)); }
+fn k_at(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(k_ld2(i), k_ld2(i + 2u)); }
+fn v_at(x: u32) -> vec4<f32> { let i = p.o6 + 4u * x; return vec4<f32>(v_ld2(i), v_ld2(i + 2u)); }
+fn dk_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; dk_st2(i, a.xy); dk_st2(i + 2u, a.zw); }
+fn dv_set(x: u32, a: vec4<f32>) { let i = p.o2 + 4u * x; dv_st2(i, a.xy); dv_st2(i + 2u, a.zw); }
 // @dkv end

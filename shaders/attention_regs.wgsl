@@ -14,11 +14,12 @@
 // every line holding `$r` once per row of the invocation, `$k` once per row of a chunk and `$d` once per vec4
 // of the head dim (several markers: once per combination), the marker replaced by the index, on one line.
 //
-// Layouts: q, out, dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T); segment ids
-// (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both share a
-// nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
-// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
-// 4 for the vec4 bindings); f0 = softmax scale; f1 = the scores' soft-cap (0: none).
+// Layouts: q, att (the output), dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
+// segment ids (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both
+// share a nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
+// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = softmax
+// scale; f1 = the scores' soft-cap (0: none). q, k, v, att and their gradients in any storage format, through
+// attention_common.wgsl's vec4 accessors (arithmetic in f32).
 
 // @flash-config begin
 const D4: u32 = 16u;    // head dim / 4
@@ -50,7 +51,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     let i$r = min(q0 + lid * R + $ru, t - 1u);
     let si$r = seg_at(b * t + i$r);
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
-    let q$r_$d = q_[p.o3 / 4u + qb$r + $du] * p.f0;
+    let q$r_$d = q_at(qb$r + $du) * p.f0;
     var o$r_$d = vec4<f32>(0.0);
     var m$r = -3.0e38;
     var l$r = 0.0;
@@ -63,7 +64,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             let jk$k = min(j + $ku, t - 1u);
             let sk$k = seg_at(b * t + jk$k);
             let kb$k = ((b * t + jk$k) * p.s3 + g) * D4;
-            let kk$k_$d = k_[p.o4 / 4u + kb$k + $du];
+            let kk$k_$d = k_at(kb$k + $du);
             var s$r_$k = vec4<f32>(0.0);
             s$r_$k += q$r_$d * kk$k_$d;
             let sc$r_$k = select(-3.0e38, cap_score(hsum(s$r_$k)), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
@@ -74,13 +75,13 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             l$r = l$r * cr$r;
             l$r += e$r_$k;
             m$r = mx$r;
-            let vv$k_$d = v_[p.o5 / 4u + kb$k + $du];
+            let vv$k_$d = v_at(kb$k + $du);
             o$r_$d = o$r_$d * cr$r;
             o$r_$d += e$r_$k * vv$k_$d;
         }
     }
-    if (q0 + lid * R + $ru < t) { out_[p.o1 / 4u + qb$r + $du] = o$r_$d / l$r; }
-    if (q0 + lid * R + $ru < t) { lse_[p.o2 + (b * p.s2 + h) * t + i$r] = m$r + log(l$r); }
+    if (q0 + lid * R + $ru < t) { att_set(qb$r + $du, o$r_$d / l$r); }
+    if (q0 + lid * R + $ru < t) { lse_set((b * p.s2 + h) * t + i$r, m$r + log(l$r)); }
 }
 // @forward end
 
@@ -102,10 +103,10 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
     let li$r = (b * p.s2 + h) * t + i$r;
     let lse$r = lse_at(li$r);
-    let q$r_$d = q_[p.o3 / 4u + qb$r + $du] * p.f0;
-    let do$r_$d = dout_[p.o2 / 4u + qb$r + $du];
+    let q$r_$d = q_at(qb$r + $du) * p.f0;
+    let do$r_$d = dout_at(qb$r + $du);
     var e$r = vec4<f32>(0.0);
-    e$r += do$r_$d * out_[p.o8 / 4u + qb$r + $du];
+    e$r += do$r_$d * att_at(qb$r + $du);
     let dl$r = hsum(e$r);
     if (q0 + lid * R + $ru < t) { delta_set(li$r, dl$r); }
     var dq$r_$d = vec4<f32>(0.0);
@@ -118,8 +119,8 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             let jk$k = min(j + $ku, t - 1u);
             let sk$k = seg_at(b * t + jk$k);
             let kb$k = ((b * t + jk$k) * p.s3 + g) * D4;
-            let kk$k_$d = k_[p.o4 / 4u + kb$k + $du];
-            let vv$k_$d = v_[p.o5 / 4u + kb$k + $du];
+            let kk$k_$d = k_at(kb$k + $du);
+            let vv$k_$d = v_at(kb$k + $du);
             var s$r_$k = vec4<f32>(0.0);
             var c$r_$k = vec4<f32>(0.0);
             s$r_$k += q$r_$d * kk$k_$d;
@@ -130,7 +131,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             dq$r_$d += ds$r_$k * kk$k_$d;
         }
     }
-    if (q0 + lid * R + $ru < t) { dq_[p.o1 / 4u + qb$r + $du] = dq$r_$d * p.f0; }
+    if (q0 + lid * R + $ru < t) { dq_set(qb$r + $du, dq$r_$d * p.f0); }
 }
 // @dq end
 
@@ -151,8 +152,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     let j$r = min(k0 + lid * R + $ru, t - 1u);
     let sj$r = seg_at(b * t + j$r);
     let kb$r = ((b * t + j$r) * p.s3 + g) * D4;
-    let k$r_$d = k_[p.o5 / 4u + kb$r + $du] * p.f0;
-    let v$r_$d = v_[p.o6 / 4u + kb$r + $du];
+    let k$r_$d = k_at(kb$r + $du) * p.f0;
+    let v$r_$d = v_at(kb$r + $du);
     var dk$r_$d = vec4<f32>(0.0);
     var dv$r_$d = vec4<f32>(0.0);
     let blk = seg_range(b, k0, kend);
@@ -167,8 +168,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 let ik$k = min(i + $ku, t - 1u);
                 let si$k = seg_at(b * t + ik$k);
                 let qb$k = ((b * t + ik$k) * p.s2 + h) * D4;
-                let qq$k_$d = q_[p.o4 / 4u + qb$k + $du];
-                let oo$k_$d = dout_[p.o3 / 4u + qb$k + $du];
+                let qq$k_$d = q_at(qb$k + $du);
+                let oo$k_$d = dout_at(qb$k + $du);
                 let lse$k = lse_at(lb + ik$k);
                 let dl$k = delta_at(lb + ik$k);
                 var s$r_$k = vec4<f32>(0.0);
@@ -184,6 +185,6 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
             }
         }
     }
-    if (k0 + lid * R + $ru < t) { dk_[p.o1 / 4u + kb$r + $du] = dk$r_$d * p.f0; dv_[p.o2 / 4u + kb$r + $du] = dv$r_$d; }
+    if (k0 + lid * R + $ru < t) { dk_set(kb$r + $du, dk$r_$d * p.f0); dv_set(kb$r + $du, dv$r_$d); }
 }
 // @dkv end

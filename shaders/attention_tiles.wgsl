@@ -21,11 +21,12 @@
 // own tile rows (KV), `$o` once per owned output row (TO) and `$g` once per owned column group (G4) (several markers: once per combination), with the
 // marker replaced by the index, all on the same line: line numbers stay those of this file.
 //
-// Layouts: q, out, dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T); segment ids
-// (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both share a
-// nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
-// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n (multiples of
-// 4 for the vec4 bindings); f0 = softmax scale; f1 = the scores' soft-cap (0: none).
+// Layouts: q, att (the output), dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
+// segment ids (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both
+// share a nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
+// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = softmax
+// scale; f1 = the scores' soft-cap (0: none). q, k, v, att and their gradients in any storage format, through
+// attention_common.wgsl's vec4 accessors (arithmetic in f32).
 
 // @flash-config begin
 const D4: u32 = 16u;    // head dim / 4
@@ -117,7 +118,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     let qend = min(q0 + TQ, t);
     let iq$q = min(q0 + $qu, t - 1u);
     let sq$q = seg_at(b * t + iq$q);
-    let qr$q = p.o3 / 4u + ((b * t + iq$q) * p.s2 + h) * D4;
+    let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
     var m$q = -3.0e38;
     var l$q = 0.0;
     let og = select(lid / DG, 0u, QG == 1u);   // a constant 0 with one row group: uniform loads of the tiles
@@ -130,11 +131,11 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         let j$c = own_rows(kt, lid, $cu);
         let jc$c = min(j$c, last);
         let sk$c = vec4<i32>(seg_at(b * t + jc$c.x), seg_at(b * t + jc$c.y), seg_at(b * t + jc$c.z), seg_at(b * t + jc$c.w));
-        let kr$c = vec4<u32>(p.o4 / 4u) + ((vec4<u32>(b * t) + jc$c) * p.s3 + vec4<u32>(g)) * D4;
+        let kr$c = ((vec4<u32>(b * t) + jc$c) * p.s3 + vec4<u32>(g)) * D4;
         var sv$q_$c = vec4<f32>(0.0);
         for (var d = 0u; d < D4; d++) {
-            let kt$c = transpose(mat4x4<f32>(k_[kr$c.x + d], k_[kr$c.y + d], k_[kr$c.z + d], k_[kr$c.w + d]));
-            let qq$q = q_[qr$q + d];
+            let kt$c = transpose(mat4x4<f32>(k_at(kr$c.x + d), k_at(kr$c.y + d), k_at(kr$c.z + d), k_at(kr$c.w + d)));
+            let qq$q = q_at(qr$q + d);
             sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
         }
         let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
@@ -164,8 +165,8 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         for (var n4 = 0u; n4 < NK; n4++) {
             let kn = kt + 4u * n4;
             if (kn >= kend) { break; }
-            let vr = vec4<u32>(p.o5 / 4u) + ((vec4<u32>(b * t) + min(vec4<u32>(kn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s3 + vec4<u32>(g)) * D4 + vec4<u32>(c0);
-            let vm$g = mat4x4<f32>(v_[vr.x + $gu], v_[vr.y + $gu], v_[vr.z + $gu], v_[vr.w + $gu]);
+            let vr = ((vec4<u32>(b * t) + min(vec4<u32>(kn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s3 + vec4<u32>(g)) * D4 + vec4<u32>(c0);
+            let vm$g = mat4x4<f32>(v_at(vr.x + $gu), v_at(vr.y + $gu), v_at(vr.z + $gu), v_at(vr.w + $gu));
             let pp$o = tile_p[(og * TO + $ou) * NK + n4];
             acc$o_$g = rank4(acc$o_$g, pp$o, vm$g);
         }
@@ -179,10 +180,10 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
         sum$q += hsum(row4($qu * NI + 4u * l));
     }
     if (lid == 0u) { row_b[TQ + $qu] = 1.0 / sum$q; }
-    if (lid == 0u && q0 + $qu < t) { lse_[p.o2 + (b * p.s2 + h) * t + q0 + $qu] = m$q + log(sum$q); }
+    if (lid == 0u && q0 + $qu < t) { lse_set((b * p.s2 + h) * t + q0 + $qu, m$q + log(sum$q)); }
     workgroupBarrier();
     let io$o = og * TO + $ou;
-    if (q0 + io$o < t) { let inv = row_b[TQ + io$o]; let ob = p.o1 / 4u + ((b * t + q0 + io$o) * p.s2 + h) * D4 + c0; out_[ob + $gu] = acc$o_$g * inv; }
+    if (q0 + io$o < t) { let inv = row_b[TQ + io$o]; let ob = ((b * t + q0 + io$o) * p.s2 + h) * D4 + c0; att_set(ob + $gu, acc$o_$g * inv); }
 }
 // @forward end
 
@@ -207,14 +208,12 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     // delta = rowsum(dout * out), also saved for the dk / dv pass
     var e$q = vec4<f32>(0.0);
     for (var d = 0u; d < D4; d++) {
-        e$q += dout_[p.o2 / 4u + qr$q + d] * out_[p.o8 / 4u + qr$q + d];
+        e$q += dout_at(qr$q + d) * att_at(qr$q + d);
     }
     let dl$q = hsum(e$q);
     if (lid == 0u && q0 + $qu < t) { delta_set((b * p.s2 + h) * t + q0 + $qu, dl$q); }
     let og = select(lid / DG, 0u, QG == 1u);
     let c0 = (lid % DG) * G4;
-    let ko = p.o4 / 4u;
-    let vo = p.o5 / 4u;
     var acc$o_$g = vec4<f32>(0.0);
     var buf = 0u;
     let tiles = tile_range(lid, b, q0, qend, window_start(q0), qend);
@@ -228,10 +227,10 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
         var sv$q_$c = vec4<f32>(0.0);
         var dp$q_$c = vec4<f32>(0.0);
         for (var d = 0u; d < D4; d++) {
-            let kt$c = transpose(mat4x4<f32>(k_[ko + kr$c.x + d], k_[ko + kr$c.y + d], k_[ko + kr$c.z + d], k_[ko + kr$c.w + d]));
-            let vt$c = transpose(mat4x4<f32>(v_[vo + kr$c.x + d], v_[vo + kr$c.y + d], v_[vo + kr$c.z + d], v_[vo + kr$c.w + d]));
-            let qq$q = q_[p.o3 / 4u + qr$q + d];
-            let dd$q = dout_[p.o2 / 4u + qr$q + d];
+            let kt$c = transpose(mat4x4<f32>(k_at(kr$c.x + d), k_at(kr$c.y + d), k_at(kr$c.z + d), k_at(kr$c.w + d)));
+            let vt$c = transpose(mat4x4<f32>(v_at(kr$c.x + d), v_at(kr$c.y + d), v_at(kr$c.z + d), v_at(kr$c.w + d)));
+            let qq$q = q_at(qr$q + d);
+            let dd$q = dout_at(qr$q + d);
             sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
             dp$q_$c = rank4(dp$q_$c, dd$q, vt$c);
         }
@@ -243,15 +242,15 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
         for (var n4 = 0u; n4 < NK; n4++) {
             let kn = kt + 4u * n4;
             if (kn >= kend) { break; }
-            let kr = vec4<u32>(ko) + ((vec4<u32>(b * t) + min(vec4<u32>(kn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s3 + vec4<u32>(g)) * D4 + vec4<u32>(c0);
-            let km$g = mat4x4<f32>(k_[kr.x + $gu], k_[kr.y + $gu], k_[kr.z + $gu], k_[kr.w + $gu]);
+            let kr = ((vec4<u32>(b * t) + min(vec4<u32>(kn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s3 + vec4<u32>(g)) * D4 + vec4<u32>(c0);
+            let km$g = mat4x4<f32>(k_at(kr.x + $gu), k_at(kr.y + $gu), k_at(kr.z + $gu), k_at(kr.w + $gu));
             let ds$o = tile_p[buf + (og * TO + $ou) * NK + n4];
             acc$o_$g = rank4(acc$o_$g, ds$o, km$g);
         }
         buf ^= TQ * NK;
     }
     let io$o = og * TO + $ou;
-    if (q0 + io$o < t) { let ob = p.o1 / 4u + ((b * t + q0 + io$o) * p.s2 + h) * D4 + c0; dq_[ob + $gu] = acc$o_$g * p.f0; }
+    if (q0 + io$o < t) { let ob = ((b * t + q0 + io$o) * p.s2 + h) * D4 + c0; dq_set(ob + $gu, acc$o_$g * p.f0); }
 }
 // @dq end
 
@@ -278,8 +277,6 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     let kr$q = ((b * t + jq$q) * p.s3 + g) * D4;
     let og = select(lid / DG, 0u, QG == 1u);
     let c0 = (lid % DG) * G4;
-    let qo = p.o4 / 4u;
-    let go = p.o3 / 4u;
     var dka$o_$g = vec4<f32>(0.0);
     var dva$o_$g = vec4<f32>(0.0);
     let iend = window_end(kend - 1u, t);
@@ -301,10 +298,10 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
             var sv$q_$c = vec4<f32>(0.0);
             var dp$q_$c = vec4<f32>(0.0);
             for (var d = 0u; d < D4; d++) {
-                let qt$c = transpose(mat4x4<f32>(q_[qo + qr$c.x + d], q_[qo + qr$c.y + d], q_[qo + qr$c.z + d], q_[qo + qr$c.w + d]));
-                let ot$c = transpose(mat4x4<f32>(dout_[go + qr$c.x + d], dout_[go + qr$c.y + d], dout_[go + qr$c.z + d], dout_[go + qr$c.w + d]));
-                let kk$q = k_[p.o5 / 4u + kr$q + d];
-                let vv$q = v_[p.o6 / 4u + kr$q + d];
+                let qt$c = transpose(mat4x4<f32>(q_at(qr$c.x + d), q_at(qr$c.y + d), q_at(qr$c.z + d), q_at(qr$c.w + d)));
+                let ot$c = transpose(mat4x4<f32>(dout_at(qr$c.x + d), dout_at(qr$c.y + d), dout_at(qr$c.z + d), dout_at(qr$c.w + d)));
+                let kk$q = k_at(kr$q + d);
+                let vv$q = v_at(kr$q + d);
                 sv$q_$c = rank4(sv$q_$c, kk$q, qt$c);
                 dp$q_$c = rank4(dp$q_$c, vv$q, ot$c);
             }
@@ -318,8 +315,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 let qn = it + 4u * n4;
                 if (qn >= ie) { break; }
                 let w = ((vec4<u32>(b * t) + min(vec4<u32>(qn) + vec4<u32>(0u, 1u, 2u, 3u), last)) * p.s2 + vec4<u32>(h)) * D4 + vec4<u32>(c0);
-                let qm$g = mat4x4<f32>(q_[qo + w.x + $gu], q_[qo + w.y + $gu], q_[qo + w.z + $gu], q_[qo + w.w + $gu]);
-                let om$g = mat4x4<f32>(dout_[go + w.x + $gu], dout_[go + w.y + $gu], dout_[go + w.z + $gu], dout_[go + w.w + $gu]);
+                let qm$g = mat4x4<f32>(q_at(w.x + $gu), q_at(w.y + $gu), q_at(w.z + $gu), q_at(w.w + $gu));
+                let om$g = mat4x4<f32>(dout_at(w.x + $gu), dout_at(w.y + $gu), dout_at(w.z + $gu), dout_at(w.w + $gu));
                 let pp$o = tile_p[buf + (og * TO + $ou) * NK + n4];
                 let ds$o = tile_ds[buf + (og * TO + $ou) * NK + n4];
                 dva$o_$g = rank4(dva$o_$g, pp$o, om$g);
@@ -329,6 +326,6 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         }
     }
     let jo$o = og * TO + $ou;
-    if (k0 + jo$o < t) { let kb = ((b * t + k0 + jo$o) * p.s3 + g) * D4 + c0; dk_[p.o1 / 4u + kb + $gu] = dka$o_$g * p.f0; dv_[p.o2 / 4u + kb + $gu] = dva$o_$g; }
+    if (k0 + jo$o < t) { let kb = ((b * t + k0 + jo$o) * p.s3 + g) * D4 + c0; dk_set(kb + $gu, dka$o_$g * p.f0); dv_set(kb + $gu, dva$o_$g); }
 }
 // @dkv end

@@ -238,6 +238,17 @@ TOLERANCES: dict[str, Tolerance] = {
     "quant16_f16": Tolerance(1e-5 + 2.0 ** -10, 1e-4,
         "as quant16_bf16 for float16: one ulp is 2^-11 to 2^-10 of a normal value (11 significant bits), and "
         "float16's subnormals (ulp 2^-24) fall inside the float32 part's atol"),
+    # ---- attention on 16-bit tensors (tests/test_attention16.py) ----
+    # The reference is float64 on the same rounded inputs, its output rounded once to the format; the kernel's float32
+    # result is within k_attention_grad of the exact value, and rounding each of the two moves it by at most the unit
+    # roundoff u of the format times its value: they differ by at most 2u relative (one unit in the last place where
+    # the float32 error carries a value across a rounding boundary) plus the float32 part.
+    "k_attention16_bf16": Tolerance(2.0 ** -7 + 1e-4, 1e-5,
+        "bfloat16 attention outputs and gradients (u = 2^-8, 8 significant bits): 2u = 2^-7 relative plus "
+        "k_attention_grad's float32 part; a wrong mask, row or half of a pair is off by far more"),
+    "k_attention16_f16": Tolerance(2.0 ** -10 + 1e-4, 1e-5,
+        "float16 attention outputs and gradients (u = 2^-11, 11 significant bits): 2u = 2^-10 relative plus "
+        "k_attention_grad's float32 part; inputs of magnitude ~1, far from float16's range limits"),
 }
 
 

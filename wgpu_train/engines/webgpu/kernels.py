@@ -365,15 +365,17 @@ def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, win
     """Causal GQA attention with segments: q, out (B, T, Hq, D); k, v (B, T, Hkv, D);
     segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward. window > 0: query i sees
     only keys j with i - j < window (sliding-window attention); softcap > 0: the scaled scores become
-    softcap * tanh(s / softcap) (Gemma 2). The kernel is the tuner's choice among attention_kernels'
-    candidates."""
+    softcap * tanh(s / softcap) (Gemma 2). q, k, v and out may each be float32, bfloat16 or float16 (their
+    buffers' storage formats; a 16-bit one needs an even D and an even element offset), lse is float32. The
+    kernel is the tuner's choice among attention_kernels' candidates, tuned per storage formats."""
     _attention(rec, "forward", dict(out=out, lse=lse, q=q, k=k, v=v, segment_ids=segment_ids),
                B, T, Hq, Hkv, D, window, softcap)
 
 
 def attention_scratch_size(B, T, Hq):
     """Elements of scratch attention_backward needs: the statistics lse and delta = rowsum(dout * out), each
-    (B, Hq, T), back to back (one binding: WebGPU's default limit is 8 storage buffers per stage)."""
+    (B, Hq, T), back to back (one binding: WebGPU's default limit is 8 storage buffers per stage); float32 in
+    every precision."""
     return 2 * B * Hq * T
 
 
@@ -381,7 +383,8 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
                        softcap=0.0):
     """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse, with lse copied to
     scratch and delta beside it (at least attention_scratch_size(B, T, Hq) elements): dq per query block, then
-    dk and dv per key block summing over the query heads of its group (no atomics)."""
+    dk and dv per key block summing over the query heads of its group (no atomics). dq, dk, dv, dout, q, k, v
+    and out in any storage format, as attention_forward's tensors; lse and scratch float32."""
     if B * T > 0:
         copy(rec, scratch, lse, B * Hq * T)
     _attention(rec, "backward", dict(dq=dq, dk=dk, dv=dv, dout=dout, q=q, k=k, v=v, out=out,

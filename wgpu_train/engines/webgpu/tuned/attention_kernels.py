@@ -9,14 +9,20 @@ together have run 65535 iterations (gallivm's LP_MAX_TGSI_LOOP_ITERATIONS), sile
 budget gives wrong results. So on CPU adapters a candidate applies only while its loop count fits
 (`loop_iterations`); the per-row kernels exceed it at T = 2048 (and at a few hundred for scalar head dims
 of 60 and more with grouped heads).
+
+Storage formats (device/storage.py): q, k, v, the output and their gradients may each be float32, bfloat16 or
+float16 (every kernel reads and writes them through the tensor markers' accessors, arithmetic in float32); the
+statistics (lse, delta) are float32. The formats are part of the tuner's key: each is tuned and checked apart.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
 
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import attention_src as src
 from wgpu_train.engines.webgpu.tuned.attention_src import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
@@ -36,11 +42,23 @@ TILES_CONFIGS = (TilesConfig(8, 32, 1, 16), TilesConfig(16, 32, 1, 16), TilesCon
                  TilesConfig(16, 16, 1, 4))
 MAX_HEAD_DIM = src.MAX_HEAD_DIM
 CPU_LOOP_BUDGET = 65535  # llvmpipe's loop iterations per invocation (module docstring)
+BIG = ("out", "q", "k", "v", "dq", "dk", "dv", "dout")      # the (B, T, H, D) tensors, in any storage format
+# float32's part of a result's error is bounded as before; a 16-bit result adds its own rounding: at most the unit
+# roundoff of its format times its magnitude (8 significant bits in bfloat16, 11 in float16)
+UNIT_ROUNDOFF = {"f32": 0.0, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
 
 
-def _aligned(D, *tensors) -> bool:
-    """Whether the vec4 kernels apply: D and every (B, T, H, D) tensor's element offset divisible by 4."""
-    return D % 4 == 0 and all(split(t)[1] % 4 == 0 for t in tensors)
+def _aligned(D, tensors: dict) -> bool:
+    """Whether the vec4 kernels apply: D divisible by 4, and every (B, T, H, D) tensor's element offset by 4 for
+    a float32 tensor (the rule from before storage formats, which keeps float32's choices as they were) or by 2
+    for a 16-bit one (whole words: its accessors need no more)."""
+    return D % 4 == 0 and all(off % (4 if storage.format_of(buf) == "f32" else 2) == 0
+                              for buf, off in map(split, tensors.values()))
+
+
+def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 x as a tensor of format fmt holds it."""
+    return storage.from_words(storage.to_words(x, fmt), x.size, fmt).reshape(x.shape)
 
 
 class AttentionProblem:
@@ -52,8 +70,16 @@ class AttentionProblem:
         self.rt, self.pass_, self.t = rt, pass_, tensors
         self.B, self.T, self.Hq, self.Hkv, self.D, self.window = B, T, Hq, Hkv, D, int(window)
         self.softcap = float(softcap)      # the scores' soft-cap (Gemma 2), 0 for none
-        big = [n for n in ("out", "q", "k", "v", "dq", "dk", "dv", "dout") if n in tensors]
-        self.aligned = _aligned(D, *(tensors[n] for n in big))
+        big = {n: t for n, t in tensors.items() if n in BIG}
+        self.formats = {n: storage.format_of(split(t)[0]) for n, t in big.items()}     # name -> storage format
+        self.aligned = _aligned(D, big)
+        wide = [n for n in ("lse", "stats") if n in tensors and storage.format_of(split(tensors[n])[0]) != "f32"]
+        if wide:
+            raise ValueError(f"attention: the statistics ({', '.join(wide)}) must be float32")
+        halves = [n for n, fmt in self.formats.items() if fmt != "f32" and (D % 2 or split(big[n])[1] % 2)]
+        if halves:      # two invocations would store the halves of one word (storage.py)
+            raise ValueError(f"attention: 16-bit tensors ({', '.join(halves)}) need an even head dim (got {D}) and "
+                             "even element offsets")
 
     @property
     def flops(self) -> float:
@@ -66,15 +92,18 @@ class AttentionProblem:
 
     def signature(self) -> tuple:
         return ("attention", self.pass_, self.B, self.T, self.Hq, self.Hkv, self.D, self.window, self.softcap,
-                self.aligned)
+                self.aligned, tuple(sorted(self.formats.items())))
 
     def key(self) -> str:
         """The tuner's key: pass, rows bucket (next power of two of B * T), heads, D, window or not, soft-cap or
-        not, alignment."""
+        not, alignment, then the storage formats unless all are float32 (one word when all are the same)."""
         bucket = 1 << max(0, (self.B * self.T - 1).bit_length())
+        kinds = set(self.formats.values())
+        formats = ("" if kinds <= {"f32"} else f" {kinds.pop()}" if len(kinds) == 1 else
+                   " " + ",".join(f"{n}:{fmt}" for n, fmt in sorted(self.formats.items())))
         return (f"attention {self.pass_} bt{bucket} h{self.Hq}/{self.Hkv} d{self.D}"
                 f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} "
-                f"{'v4' if self.aligned else 'any'}")
+                f"{'v4' if self.aligned else 'any'}{formats}")
 
     @property
     def rep(self) -> int:
@@ -84,40 +113,51 @@ class AttentionProblem:
         return candidates(self)
 
     def tolerance(self, want: np.ndarray) -> float:
-        return 1e-5 * math.sqrt(self.T) * 4 * (1 + float(np.max(np.abs(want))))
+        """The largest error a correct candidate may make on the replica's results (float32 arithmetic over T
+        keys, plus the rounding of its 16-bit outputs: the reference is exact, its inputs the rounded ones)."""
+        outputs = [n for n in ("out", "dq", "dk", "dv") if n in self.formats]
+        top = float(np.max(np.abs(want)))
+        return 1e-5 * math.sqrt(self.T) * 4 * (1 + top) + max(UNIT_ROUNDOFF[self.formats[n]] for n in outputs) * top
 
     def replica(self, rng):
-        """(problem, output buffer, its initial values, its expected values, buffers to release): this shape
-        on fresh random inputs, one segment per row, every output in one buffer."""
+        """(problem, result tensors, their initial values, their expected values, buffers to release): this
+        shape and these storage formats on fresh random inputs (rounded to their formats), one segment per row.
+        The results, in the order of the values: the outputs, then the float32 statistics (lse, and delta in the
+        backward), in one buffer per run of outputs of one format, as (buffer, elements) pairs."""
         from wgpu_train.engines.numpy import ops
 
-        B, T, Hq, Hkv, D = self.B, self.T, self.Hq, self.Hkv, self.D
-        q, k, v, dout = (rng.standard_normal((B, T, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv, Hq))
+        B, T, Hq, Hkv, D, fmt = self.B, self.T, self.Hq, self.Hkv, self.D, self.formats
+        q, k, v, dout = (_rounded(rng.standard_normal((B, T, h, D)).astype(np.float32), fmt.get(n, "f32"))
+                         for h, n in ((Hq, "q"), (Hkv, "k"), (Hkv, "v"), (Hq, "dout")))
         seg = np.ones((B, T), np.int32)
         out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window, self.softcap)
-        nq, nkv, nl = q.size, k.size, B * Hq * T
+        inputs = dict(q=q, k=k, v=v)
         if self.pass_ == "forward":
-            want = np.concatenate([out.ravel(), lse.ravel()])
-            bufs = [self.rt.upload(x, "tune operand") for x in (q, k, v, seg)]
+            outputs = dict(out=out, lse=lse)
         else:
-            grads = ops.attention_backward(dout.astype(np.float64), *(x.astype(np.float64) for x in (q, k, v)),
-                                           out, lse, seg, self.window, self.softcap)
-            delta = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out)
-            want = np.concatenate([g.ravel() for g in grads] + [lse.ravel(), delta.ravel()])
-            bufs = [self.rt.upload(x.astype(np.float32), "tune operand") for x in (q, k, v, seg, dout, out)]
+            inputs.update(dout=dout, out=_rounded(out.astype(np.float32), fmt["out"]))
+            grads = ops.attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
+                                           v.astype(np.float64), inputs["out"].astype(np.float64), lse, seg,
+                                           self.window, self.softcap)
+            delta = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), inputs["out"])
+            outputs = dict(dq=grads[0], dk=grads[1], dv=grads[2], stats=np.concatenate([lse.ravel(), delta.ravel()]))
+        tensors = {n: storage.upload(self.rt, x, fmt[n], "tune operand") for n, x in inputs.items()}
+        tensors["segment_ids"] = self.rt.upload(seg, "tune operand")
+        bufs, results = list(tensors.values()), []
+        for f, run in itertools.groupby(outputs.items(), key=lambda item: fmt.get(item[0], "f32")):
+            run = list(run)
+            size = sum(x.size for _, x in run)
+            buf = storage.set_format(self.rt.buffer(storage.nbytes(size, f), "tune result"), f)
+            for (name, _), at in zip(run, np.cumsum([0] + [x.size for _, x in run])):
+                tensors[name] = (buf, int(at))
+            bufs.append(buf)
+            results.append((buf, size))
+        want = np.concatenate([x.ravel() for x in outputs.values()])
         c0 = np.zeros(want.size, np.float32)
         if self.pass_ == "backward":
-            c0[nq + 2 * nkv:nq + 2 * nkv + nl] = lse.ravel()        # the statistics' first half: lse
-        res = self.rt.upload(c0, "tune result")
-        bufs.append(res)
-        if self.pass_ == "forward":
-            tensors = dict(q=bufs[0], k=bufs[1], v=bufs[2], segment_ids=bufs[3], out=(res, 0), lse=(res, nq))
-        else:
-            tensors = dict(q=bufs[0], k=bufs[1], v=bufs[2], segment_ids=bufs[3], dout=bufs[4], out=bufs[5],
-                           dq=(res, 0), dk=(res, nq), dv=(res, nq + nkv), stats=(res, nq + 2 * nkv))
-        assert want.size == (nq + nl if self.pass_ == "forward" else nq + 2 * nkv + 2 * nl)
+            c0[want.size - 2 * lse.size:want.size - lse.size] = lse.ravel()    # the statistics' first half: lse
         rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window, self.softcap)
-        return rep, res, c0, want, bufs
+        return rep, results, c0, want, bufs
 
 
 def _dispatch(p: AttentionProblem, k: Kernel, groups) -> tuple:

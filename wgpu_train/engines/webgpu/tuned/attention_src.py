@@ -7,7 +7,8 @@ ending up in memory, so source() writes the blocks out: it rewrites the marked c
 keeps the sections of one pass (forward, dq or dkv), and writes each line holding a marker ($r, $k, $d, ...)
 once per index of that marker (once per combination when a line holds several), with the marker replaced by
 the index, on the same line, so that line numbers stay those of the file; shaders/attention_common.wgsl's
-helpers and the pass's bindings follow the file's last line.
+helpers and the pass's bindings follow the file's last line. Storage formats are no parameter here: the pass's
+activations are tensor markers, which Kernel.body() expands for the formats of a dispatch (device/storage.py).
 """
 from __future__ import annotations
 

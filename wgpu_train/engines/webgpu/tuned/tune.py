@@ -260,6 +260,9 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
 
     timer = timer or Timer(rt)
     q, c_buf, c0, want, bufs = p.replica(np.random.default_rng(0))
+    # the replica's result: one buffer, or (buffer, elements) pairs (attention: its outputs, then float32 statistics),
+    # each in its storage format
+    parts = c_buf if isinstance(c_buf, list) else [(c_buf, c0.size)]
     tol = q.tolerance(want)
     results: dict = {}
     best_t = float("inf")
@@ -270,12 +273,13 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
             except Exception as e:  # noqa: BLE001 - a candidate the driver rejects is skipped, not fatal
                 log.warning("wgpu-train: GEMM candidate %s failed to build on %s: %s", cand.name, rt.info.name, e)
                 continue
-            rt.write(c_buf, storage.to_words(c0, storage.format_of(c_buf)))    # a 16-bit C: its words
+            for (buf, n), at in zip(parts, np.cumsum([0] + [n for _, n in parts])):
+                rt.write(buf, storage.to_words(c0.reshape(-1)[at:at + n], storage.format_of(buf)))
             rec = rt.recorder()
             for d in dispatches:
                 rec.dispatch(*d)
             rec.submit()
-            got = storage.read(rt, c_buf, c0.size).reshape(c0.shape)
+            got = np.concatenate([storage.read(rt, buf, n) for buf, n in parts]).reshape(c0.shape)
             err = float(np.max(np.abs(got - want))) if got.size else 0.0
             if not err <= tol:
                 log.warning("wgpu-train: GEMM candidate %s is wrong on %s for %s (max error %.3g); not used",
