@@ -444,7 +444,7 @@ def cmd_memory(args) -> int:
                                        args.gradient_checkpointing)["activations"]
     ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()}) if lora else {}
     dora = {m: cfg.linear_shape(m)[0] for m in lora.targets_in(cfg)} if lora and lora.use_dora else {}
-    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora)))
+    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora) or precision != "fp32"))
     layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing,
                                     dora_outputs=dora)
     largest = max(list(layer.values()) + list(shared.values())) * 4

@@ -173,17 +173,21 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
         self.adapter_enabled = bool(enabled)
 
-    def _linear(self, x, layer, module, cache):
-        """Base linear plus LoRA (with dropout on the LoRA input while training); x (N, in) -> (N, out)."""
+    def _linear(self, x, layer, module, cache, residual=None):
+        """Base linear plus LoRA (with dropout on the LoRA input while training), added to residual (N, out) if
+        given; x (N, in) -> (N, out). In 16 bits the base output (with the residual) is stored before the LoRA term
+        is added, as the GPU does (then the op's output is rounded again), as PEFT under autocast rounds it."""
         path = module_path(layer, module)
         lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is not None and lora.m is not None:
-            return self._dora_linear(x, layer, module, lora, cache)
+            y = self._dora_linear(x, layer, module, lora, cache)
+            return residual + y if residual is not None else y
         y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
+        y = residual + y if residual is not None else y
         if lora is not None:
             xl, mask = self._dropout_input(x, layer, module, lora)
             yl, h = ops.lora_forward(xl, lora.a, lora.b, lora.scale)
-            y = y + yl
+            y = self.rounding.activation(y, f"layer {layer} ({module})") + yl
             cache[module] = (x, xl, h, mask)
         else:
             cache[module] = (x, None, None, None)
@@ -201,11 +205,13 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         module_id = self.cfg.module_id(layer, module)
         return int(ops.pcg_hash(ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls)) ^ np.uint32(module_id)))
 
-    def _linear_backward(self, dy, layer, module, cache):
+    def _linear_backward(self, dy, layer, module, cache) -> tuple:
+        """The gradient of the module's input in parts, (base, LoRA's or None), which the layer's backward adds
+        into the input's gradient one at a time (in 16 bits each sum is stored, as on the GPU)."""
         path = module_path(layer, module)
         lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is not None and lora.m is not None:
-            return self._dora_linear_backward(dy, layer, module, lora, cache)
+            return self._dora_linear_backward(dy, layer, module, lora, cache), None
         x, xl, h, mask = cache[module]
         w = self.w[path + ".weight"]
         dx, dw, db = ops.linear_backward(dy, x, w, need_weight_grad=path + ".weight" in self.grads)
@@ -213,12 +219,12 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             self.grads[path + ".weight"] += dw
             if path + ".bias" in self.grads:
                 self.grads[path + ".bias"] += db
-        if lora is not None:
-            dxl, da, db_ = ops.lora_backward(dy, xl, h, lora.a, lora.b, lora.scale)
-            self.grads[path + ".lora_A"] += da
-            self.grads[path + ".lora_B"] += db_
-            dx = dx + (dxl * mask if mask is not None else dxl)
-        return dx
+        if lora is None:
+            return dx, None
+        dxl, da, db_ = ops.lora_backward(dy, xl, h, lora.a, lora.b, lora.scale)
+        self.grads[path + ".lora_A"] += da
+        self.grads[path + ".lora_B"] += db_
+        return dx, (dxl * mask if mask is not None else dxl)
 
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
@@ -240,7 +246,8 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     def _embed(self, ids):
         """The embedding rows of ids (N,), times the model's embed_scale (Gemma)."""
         x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])        # (N, C)
-        x = x * self.dtype.type(self.cfg.embed_scale) if self.cfg.embed_scale != 1.0 else x
+        if self.cfg.embed_scale != 1.0:     # the rows are stored, then scaled where they lie (as on the GPU)
+            x = self.rounding.activation(x, "the embedding") * self.dtype.type(self.cfg.embed_scale)
         return self.rounding.activation(x, "the embedding")
 
     def _layer_forward(self, i: int, x, walk: "_Walk") -> dict:
@@ -261,8 +268,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         a[op.outputs[0]], a[op.outputs[1]] = y.reshape(x.shape), rstd
 
     def _forward_linear(self, op, i, a, walk):
-        y = self._linear(a[op.inputs[0]], i, op.param, a)
-        a[op.outputs[0]] = a[op.residual] + y if op.residual else y
+        a[op.outputs[0]] = self._linear(a[op.inputs[0]], i, op.param, a, a[op.residual] if op.residual else None)
 
     def _inv_freq(self, i, walk):
         """Layer i's frequencies for this forward (longrope: its short or long set)."""
@@ -337,7 +343,9 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
                 del g[name]
             dxs = getattr(self, "_backward_" + op.kind)(op, i, a, dys, walk)
             for name, d, add in zip(op.grads_in, dxs, accumulate):
-                g[name] = self.rounding.gradient(g[name] + d if add else d)
+                for j, part in enumerate(d if isinstance(d, tuple) else (d,)):     # a linear's: base, LoRA
+                    if part is not None:
+                        g[name] = self.rounding.gradient(g[name] + part if add or j else part)
         return g[CARRY]
 
     def _backward_rmsnorm(self, op, i, a, dys, walk):

@@ -155,9 +155,9 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         the memory estimate), each group's A matrices back to back in every layer with LoRA on it."""
         ranks = layer_ranks({p: m.r for p, m in self.lora.items()})
         # DoRA scales each module's dy by its own c: no shared LoRA backward
-        dropout = any(m.dropout > 0 or m.m is not None for m in self.lora.values())
+        alone = any(m.dropout > 0 or m.m is not None for m in self.lora.values()) or self.precision != "fp32"
         out = {}
-        for module, members in lora_groups(self.cfg, ranks, dropout).items():
+        for module, members in lora_groups(self.cfg, ranks, alone).items():
             # lora_groups: every member has LoRA in the same layers
             mods = [[self.lora[module_path(i, m)] for m in members] for i in sorted(ranks[module])]
             if any(row[j + 1].a[1] != row[j].a[1] + row[j].r * row[j].in_f for row in mods for j in range(len(row) - 1)):

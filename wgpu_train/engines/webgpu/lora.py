@@ -12,7 +12,8 @@ from __future__ import annotations
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.gemm import gemm, gemm_problem
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import Tiled
-from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device.operands import at, split
+from wgpu_train.engines.webgpu.device.storage import format_of
 from wgpu_train.engines.webgpu.tensors import Matrix, linear_forward
 
 
@@ -32,9 +33,11 @@ def linear_lora_forward(rec, y, x, w, bias, N, h, ldh, lora_b, scale, r, accumul
     """y (N, out) (+)= x (N, in) @ w.T (+ bias) + scale * h (N, r; row pitch ldh) @ lora_b (out, r).T: a
     module's base linear and LoRA B term, h already computed (lora_a_forward). One dispatch
     (Tiled.dispatches_with_lora) when w is a float32 Matrix of one chunk whose GEMM tune.choose gives to a
-    one-pass tiled candidate; otherwise linear_forward then lora_b_forward, as two steps. Its gradients are
+    one-pass tiled candidate and y is float32; otherwise linear_forward then lora_b_forward, as two steps (a
+    16-bit y always: its base output is stored, rounded, before the LoRA term is added, the rounding points of
+    engines/numpy). Its gradients are
     those of the two steps: linear_backward and lora_backward (lora_group_backward for a group)."""
-    if isinstance(w, Matrix) and len(w.chunks) == 1 and N > 0:
+    if isinstance(w, Matrix) and len(w.chunks) == 1 and N > 0 and format_of(split(y)[0]) == "f32":
         p = gemm_problem(rec.rt, y, x, w.chunks[0][0], N, w.rows, w.cols, "nt", bias=bias, accumulate=accumulate)
         cand = tune.choose(rec.rt, p)
         if isinstance(cand, Tiled) and cand.lora_applies(p):

@@ -49,12 +49,14 @@ def layer_ranks(module_ranks: dict) -> dict:
     return out
 
 
-def lora_groups(cfg: ModelConfig, ranks: dict, dropout: bool) -> dict:
+def lora_groups(cfg: ModelConfig, ranks: dict, alone: bool) -> dict:
     """module -> the modules of its LORA_GROUPS entry whose LoRA runs as one (ranks: module -> {layer: r} of
-    the modules with LoRA, layer_ranks): two or more members, no dropout, LoRA on every member in the same
-    layers, and in each of them ranks summing to less than the input width."""
+    the modules with LoRA, layer_ranks): two or more members, LoRA on every member in the same layers, and in
+    each of them ranks summing to less than the input width. alone: none (dropout, DoRA, or 16-bit activations,
+    where each module's LoRA gradient is added into its input's gradient after the module's own base one, as
+    engines/numpy rounds it)."""
     out = {}
-    for group in LORA_GROUPS if not dropout else ():
+    for group in LORA_GROUPS if not alone else ():
         members = tuple(m for m in group if m in ranks)
         if len(members) < 2 or len({frozenset(ranks[m]) for m in members}) > 1:
             continue
@@ -243,7 +245,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
         state = trainable * 4 * F32 + (dora_norms + dora_scratch) * F32 + copies * 3
     else:
         state = weights * 3                  # gradient and two moments of every weight
-    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora)))
+    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora) or precision != "fp32"))
     layer, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
                                     checkpoint=gradient_checkpointing, max_binding=max_binding, dora_outputs=dora)
     logits = shared.pop("logits") * F32
