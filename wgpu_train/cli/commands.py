@@ -436,8 +436,10 @@ def cmd_memory(args) -> int:
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
     from wgpu_train.engines.model import precision_choice
+    from wgpu_train.engines.protocol import check_precision_widths
 
-    precision = precision_choice(args.precision, "wgpu")[0]      # auto: a GPU's choice (bf16)
+    precision = precision_choice(args.precision, "wgpu", cfg=cfg)[0]      # auto: a GPU's choice
+    check_precision_widths(precision, cfg)
     est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
                           precision=precision)
     fp32_activations = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed,

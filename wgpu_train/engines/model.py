@@ -389,12 +389,13 @@ class Model:
         save_model_folder(directory, self.config, self.merged_weights(), source_folder=self.path)
 
 
-def precision_choice(precision: str, engine: str, cpu_adapter: bool = False) -> tuple[str, str]:
+def precision_choice(precision: str, engine: str, cpu_adapter: bool = False, cfg=None) -> tuple[str, str]:
     """(the precision an engine runs, why) for a precision asked for (protocol.PRECISION_CHOICES) on the engine
     named ("numpy" or "wgpu"; cpu_adapter: a WebGPU adapter that is a CPU, lavapipe or llvmpipe). auto is bf16
     on GPUs (half the activation bytes and memory traffic, float32's range, no loss scaling) and fp32 elsewhere:
     the NumPy engine is the float32 reference, and a CPU adapter pays for 16-bit conversions without the
-    bandwidth to gain. ConfigError for a precision the engine cannot run."""
+    bandwidth to gain; and for a model (cfg) with an odd width, which 16-bit kernels cannot store. ConfigError
+    for a precision the engine cannot run."""
     check_precision(precision, engine)
     if precision != "auto":
         return precision, "as given"
@@ -402,6 +403,10 @@ def precision_choice(precision: str, engine: str, cpu_adapter: bool = False) -> 
         return "fp32", "auto: the NumPy engine is the float32 reference"
     if cpu_adapter:
         return "fp32", "auto: a CPU adapter (lavapipe / llvmpipe) only pays for 16-bit conversions"
+    try:
+        check_precision_widths("bf16", cfg) if cfg is not None else None
+    except ConfigError:
+        return "fp32", "auto: this model has an odd width, which 16-bit activations cannot store"
     return "bf16", "auto: a GPU (16-bit activations halve their memory and traffic; bf16 keeps float32's range)"
 
 
@@ -432,7 +437,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
             check_precision(precision, "wgpu")         # before any weight is uploaded
             check_precision_widths(precision, config)
             rt = runtime.get_runtime(device)
-            precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU")
+            precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU", config)
             engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype, precision)
             engine.precision_reason = reason
             return engine
