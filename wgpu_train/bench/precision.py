@@ -1,6 +1,6 @@
 """`wgpu-train bench --only precision`: fp32, bf16 and f16 activations side by side in one run: a GEMM, attention,
 an elementwise op and a LoRA step of a SmolLM2-135M-shaped model (tokens/s and activation memory), each 16-bit
-figure next to fp32's from the same run."""
+figure next to fp32's from the same run; each kernel checked against NumPy before it is timed."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,35 +30,68 @@ def _empty(rt, n, fmt):
     return storage.set_format(rt.buffer(storage.nbytes(n, fmt)), fmt)
 
 
+# a checked result's largest error over the reference's largest value: the float32 part (1e-4, as the kernel
+# benchmarks), plus one unit in the last place of a 16-bit output (2^-7 of a value at most)
+CHECK = {"f32": 1e-4, "bf16": 1e-4 + 2.0 ** -7, "f16": 1e-4 + 2.0 ** -10}
+
+
+def _checked(rt, dispatches, out, want, fmt: str, what: str):
+    """Run the dispatches once and compare out with the float64 reference want; a wrong kernel reports no speed."""
+    from wgpu_train.bench.suite import _max_rel_err
+    from wgpu_train.engines.webgpu.device import storage
+
+    rec = rt.recorder()
+    for d in dispatches:
+        rec.dispatch(*d)
+    rec.submit()
+    err = _max_rel_err(storage.read(rt, out, want.size), want.reshape(-1))
+    if not err < CHECK[fmt]:
+        raise AssertionError(f"{what} in {fmt} gave a wrong result (max rel err {err:.2e})")
+
+
 def _kernels(rt, timer, fmt: str) -> dict:
-    """Seconds of the GEMM, the attention forward and an add, with activations in format fmt."""
+    """Seconds of the GEMM, the attention forward and an add, with activations in format fmt, each checked
+    against NumPy first."""
     from wgpu_train.bench.suite import _Capture
+    from wgpu_train.engines.numpy import ops
     from wgpu_train.engines.webgpu import kernels as K
+    from wgpu_train.engines.webgpu.device import storage
     from wgpu_train.engines.webgpu.tensors import linear_forward, store_weight
+
+    def stored(values):      # values as a tensor of format fmt holds them, float64
+        return storage.from_words(storage.to_words(values, fmt), values.size, fmt).astype(np.float64)
 
     rng = np.random.default_rng(0)
     out, bufs = {}, []
     try:
         n, o, i = GEMM
-        w = store_weight(rt, "model.layers.0.mlp.up_proj.weight", rng.normal(0, 0.02, (o, i)).astype(np.float32),
-                         "float32", "float32")
-        x, y = _tensor(rt, rng.standard_normal(n * i), fmt), _empty(rt, n * o, fmt)
+        weight = rng.normal(0, 0.02, (o, i)).astype(np.float32)
+        w = store_weight(rt, "model.layers.0.mlp.up_proj.weight", weight, "float32", "float32")
+        xs = rng.standard_normal(n * i).astype(np.float32)
+        x, y = _tensor(rt, xs, fmt), _empty(rt, n * o, fmt)
         bufs += [x, y] + [b for b, _, _ in w.chunks]
         rec = _Capture(rt)
         linear_forward(rec, y, x, w, None, n)
+        _checked(rt, rec.dispatches, y, stored(xs).reshape(n, i) @ weight.T.astype(np.float64), fmt, "the GEMM")
         out["gemm"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
         b, t, hq, hkv, d = ATTENTION
-        q, k, v = (_tensor(rt, rng.standard_normal(b * t * h * d), fmt) for h in (hq, hkv, hkv))
+        qkv = [rng.standard_normal(b * t * h * d).astype(np.float32) for h in (hq, hkv, hkv)]
+        q, k, v = (_tensor(rt, values, fmt) for values in qkv)
         att, lse = _empty(rt, b * t * hq * d, fmt), rt.buffer(4 * b * hq * t)
         seg = rt.upload(np.ones(b * t, np.int32))
         bufs += [q, k, v, att, lse, seg]
         rec = _Capture(rt)
         K.attention_forward(rec, att, lse, q, k, v, seg, b, t, hq, hkv, d)
+        want = ops.attention_forward(*(stored(values).reshape(b, t, -1, d) for values in qkv),
+                                     np.ones((b, t), np.int32))[0]
+        _checked(rt, rec.dispatches, att, want, fmt, "attention")
         out["attention"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
-        a, c, s = (_tensor(rt, rng.standard_normal(ELEMENTS), fmt) for _ in range(3))
+        values = [rng.standard_normal(ELEMENTS).astype(np.float32) for _ in range(2)]
+        a, c, s = (_tensor(rt, v, fmt) for v in values + [np.zeros(ELEMENTS, np.float32)])
         bufs += [a, c, s]
         rec = _Capture(rt)
         K.add(rec, s, a, c, ELEMENTS)
+        _checked(rt, rec.dispatches, s, stored(values[0]) + stored(values[1]), fmt, "add")
         out["add"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
     finally:
         rt.release(*bufs)
