@@ -5,7 +5,7 @@
 // Backward: a delta = rowsum(dout * out) pre-pass, dq per query row, and dk/dv per key row of a
 // kv head, looping over the query heads of its group and the queries that see it (no atomics).
 //
-// Layouts: q, out (att), dq (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
+// Layouts: q, out, dq (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
 // segment ids (B, T) i32 with 0 = padding. Query i sees key j when j <= i, i - j < s4 (the sliding
 // window; 0 = none) and both share a nonzero segment id; a padding query sees only itself. Query head h
 // reads kv head h / (Hq / Hkv). Key loops start (or end) at the window's edge.
@@ -14,8 +14,7 @@
 // q, k, v, out and their gradients are tensors in any storage format (device/storage.py markers; even D and
 // offsets for a 16-bit one), arithmetic in f32; a row is stored by pairs (its last element alone for an odd D).
 // Each entry point has a *_vec4 twin that reads and writes the (B, T, H, D) tensors four elements at a time
-// (its own bindings' <name>4 / <name>4_set helpers); the wrapper uses it when D and those tensors' element
-// offsets are multiples of 4.
+// (their vec4 views); the wrapper uses it when D and those tensors' element offsets are multiples of 4.
 // The vec4 kernels give each invocation QPI = 4 consecutive queries (forward, dq) or keys (dk/dv), so
 // every k/v (or q/dout) row loaded serves four rows: llvmpipe loads a storage element lane by lane,
 // and those loads, not the FMAs, bound the scalar design (2x faster at T=64, D=32). The four rows are
@@ -256,13 +255,17 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 }
 
 // ==== vec4 twins: D % 4 == 0 and offsets of the (B, T, H, D) bindings multiples of 4 elements ====
-// They share the scalar kernels' bindings (the dq pass writes delta and reads out, so it has two of its own),
-// read and written four elements at a time: <name>4(x) the vec4 x of the tensor from its binding's offset.
-
-fn f_q4(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(f_q_ld2(i), f_q_ld2(i + 2u)); }
-fn f_k4(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(f_k_ld2(i), f_k_ld2(i + 2u)); }
-fn f_v4(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(f_v_ld2(i), f_v_ld2(i + 2u)); }
-fn f_out4_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; f_out_st2(i, a.xy); f_out_st2(i + 2u, a.zw); }
+// They read and write the scalar kernels' tensors through vec4 views (`// @tensor4`, gemm_tiled_src.with_views:
+// a vec4<f32> in float32, two words in 16 bits): <name>_at(x) is the vec4 x of the tensor from its binding's
+// offset, <name>_set(x, value) stores it. The dq pass writes delta and reads out: two bindings of its own.
+// @tensor4 1 f_out read_write
+// @tensor4 3 f_q read
+// @tensor4 4 f_k read
+// @tensor4 5 f_v read
+fn f_q_at(x: u32) -> vec4<f32> { return f_q_ld4(p.o3 + 4u * x); }
+fn f_k_at(x: u32) -> vec4<f32> { return f_k_ld4(p.o4 + 4u * x); }
+fn f_v_at(x: u32) -> vec4<f32> { return f_v_ld4(p.o5 + 4u * x); }
+fn f_out_set(x: u32, a: vec4<f32>) { f_out_st4(p.o1 + 4u * x, a); }
 
 // Online-softmax step for one query: (m, l) and score s -> (new m, new l, rescale of acc, weight of v).
 fn softmax_step(m: f32, l: f32, s: f32, ok: bool) -> vec4<f32> {
@@ -311,10 +314,10 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var ac2: array<vec4<f32>, D4MAX>;
     var ac3: array<vec4<f32>, D4MAX>;
     for (var d = 0u; d < n4; d++) {
-        qv0[d] = f_q4(qb + d) * p.f0;
-        qv1[d] = f_q4(q1 + d) * p.f0;
-        qv2[d] = f_q4(q2 + d) * p.f0;
-        qv3[d] = f_q4(q3 + d) * p.f0;
+        qv0[d] = f_q_at(qb + d) * p.f0;
+        qv1[d] = f_q_at(q1 + d) * p.f0;
+        qv2[d] = f_q_at(q2 + d) * p.f0;
+        qv3[d] = f_q_at(q3 + d) * p.f0;
         ac0[d] = vec4<f32>(0.0);
         ac1[d] = vec4<f32>(0.0);
         ac2[d] = vec4<f32>(0.0);
@@ -334,7 +337,7 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         var a2 = vec4<f32>(0.0);
         var a3 = vec4<f32>(0.0);
         for (var d = 0u; d < n4; d++) {
-            let kk = f_k4(kb + d);
+            let kk = f_k_at(kb + d);
             a0 += qv0[d] * kk;
             a1 += qv1[d] * kk;
             a2 += qv2[d] * kk;
@@ -345,7 +348,7 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
         st2 = softmax_step(st2.x, st2.y, hsum(a2), sees(ia + 2u, j, s2, sj));
         st3 = softmax_step(st3.x, st3.y, hsum(a3), sees(ia + 3u, j, s3, sj));
         for (var d = 0u; d < n4; d++) {
-            let vv = f_v4(kb + d);
+            let vv = f_v_at(kb + d);
             ac0[d] = ac0[d] * st0.z + st0.w * vv;
             ac1[d] = ac1[d] * st1.z + st1.w * vv;
             ac2[d] = ac2[d] * st2.z + st2.w * vv;
@@ -354,18 +357,18 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     }
     let ob = ((b * t + ia) * hq + h) * n4;
     let lb = p.o2 + (b * hq + h) * t + ia;
-    for (var d = 0u; d < n4; d++) { f_out4_set(ob + d, ac0[d] / st0.y); }
+    for (var d = 0u; d < n4; d++) { f_out_set(ob + d, ac0[d] / st0.y); }
     f_lse[lb] = st0.x + log(st0.y);
     if (ia + 1u <= il) {
-        for (var d = 0u; d < n4; d++) { f_out4_set(ob + rs + d, ac1[d] / st1.y); }
+        for (var d = 0u; d < n4; d++) { f_out_set(ob + rs + d, ac1[d] / st1.y); }
         f_lse[lb + 1u] = st1.x + log(st1.y);
     }
     if (ia + 2u <= il) {
-        for (var d = 0u; d < n4; d++) { f_out4_set(ob + 2u * rs + d, ac2[d] / st2.y); }
+        for (var d = 0u; d < n4; d++) { f_out_set(ob + 2u * rs + d, ac2[d] / st2.y); }
         f_lse[lb + 2u] = st2.x + log(st2.y);
     }
     if (ia + 3u <= il) {
-        for (var d = 0u; d < n4; d++) { f_out4_set(ob + 3u * rs + d, ac3[d] / st3.y); }
+        for (var d = 0u; d < n4; d++) { f_out_set(ob + 3u * rs + d, ac3[d] / st3.y); }
         f_lse[lb + 3u] = st3.x + log(st3.y);
     }
 }
@@ -374,12 +377,18 @@ fn attention_forward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 // 7 segment ids, 8 out. Four consecutive queries per invocation share each loaded k and v row.
 @group(0) @binding(6) var<storage, read_write> qv_stats: array<f32>;
 // @tensor 8 q_out read
-fn q_dout4(x: u32) -> vec4<f32> { let i = p.o2 + 4u * x; return vec4<f32>(q_dout_ld2(i), q_dout_ld2(i + 2u)); }
-fn q_q4(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(q_q_ld2(i), q_q_ld2(i + 2u)); }
-fn q_k4(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(q_k_ld2(i), q_k_ld2(i + 2u)); }
-fn q_v4(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(q_v_ld2(i), q_v_ld2(i + 2u)); }
-fn q_out4(x: u32) -> vec4<f32> { let i = p.o8 + 4u * x; return vec4<f32>(q_out_ld2(i), q_out_ld2(i + 2u)); }
-fn q_dq4_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; q_dq_st2(i, a.xy); q_dq_st2(i + 2u, a.zw); }
+// @tensor4 1 q_dq read_write
+// @tensor4 2 q_dout read
+// @tensor4 3 q_q read
+// @tensor4 4 q_k read
+// @tensor4 5 q_v read
+// @tensor4 8 q_out read
+fn q_dout_at(x: u32) -> vec4<f32> { return q_dout_ld4(p.o2 + 4u * x); }
+fn q_q_at(x: u32) -> vec4<f32> { return q_q_ld4(p.o3 + 4u * x); }
+fn q_k_at(x: u32) -> vec4<f32> { return q_k_ld4(p.o4 + 4u * x); }
+fn q_v_at(x: u32) -> vec4<f32> { return q_v_ld4(p.o5 + 4u * x); }
+fn q_out_at(x: u32) -> vec4<f32> { return q_out_ld4(p.o8 + 4u * x); }
+fn q_dq_set(x: u32, a: vec4<f32>) { q_dq_st4(p.o1 + 4u * x, a); }
 
 @compute @workgroup_size(WGA)
 fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -427,18 +436,18 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     var e2 = vec4<f32>(0.0);
     var e3 = vec4<f32>(0.0);
     for (var d = 0u; d < n4; d++) {
-        qv0[d] = q_q4(r0 + d) * p.f0;
-        qv1[d] = q_q4(r1 + d) * p.f0;
-        qv2[d] = q_q4(r2 + d) * p.f0;
-        qv3[d] = q_q4(r3 + d) * p.f0;
-        do0[d] = q_dout4(r0 + d);
-        do1[d] = q_dout4(r1 + d);
-        do2[d] = q_dout4(r2 + d);
-        do3[d] = q_dout4(r3 + d);
-        e0 += do0[d] * q_out4(r0 + d);
-        e1 += do1[d] * q_out4(r1 + d);
-        e2 += do2[d] * q_out4(r2 + d);
-        e3 += do3[d] * q_out4(r3 + d);
+        qv0[d] = q_q_at(r0 + d) * p.f0;
+        qv1[d] = q_q_at(r1 + d) * p.f0;
+        qv2[d] = q_q_at(r2 + d) * p.f0;
+        qv3[d] = q_q_at(r3 + d) * p.f0;
+        do0[d] = q_dout_at(r0 + d);
+        do1[d] = q_dout_at(r1 + d);
+        do2[d] = q_dout_at(r2 + d);
+        do3[d] = q_dout_at(r3 + d);
+        e0 += do0[d] * q_out_at(r0 + d);
+        e1 += do1[d] * q_out_at(r1 + d);
+        e2 += do2[d] * q_out_at(r2 + d);
+        e3 += do3[d] * q_out_at(r3 + d);
         dq0[d] = vec4<f32>(0.0);
         dq1[d] = vec4<f32>(0.0);
         dq2[d] = vec4<f32>(0.0);
@@ -466,8 +475,8 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
         var c2 = vec4<f32>(0.0);
         var c3 = vec4<f32>(0.0);
         for (var d = 0u; d < n4; d++) {
-            let kk = q_k4(kb + d);
-            let vv = q_v4(kb + d);
+            let kk = q_k_at(kb + d);
+            let vv = q_v_at(kb + d);
             kr[d] = kk;
             a0 += qv0[d] * kk;
             a1 += qv1[d] * kk;
@@ -494,19 +503,25 @@ fn attention_backward_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
             dq3[d] += ds3 * kk;
         }
     }
-    for (var d = 0u; d < n4; d++) { q_dq4_set(r0 + d, dq0[d] * p.f0); }
-    if (ia + 1u <= il) { for (var d = 0u; d < n4; d++) { q_dq4_set(r1 + d, dq1[d] * p.f0); } }
-    if (ia + 2u <= il) { for (var d = 0u; d < n4; d++) { q_dq4_set(r2 + d, dq2[d] * p.f0); } }
-    if (ia + 3u <= il) { for (var d = 0u; d < n4; d++) { q_dq4_set(r3 + d, dq3[d] * p.f0); } }
+    for (var d = 0u; d < n4; d++) { q_dq_set(r0 + d, dq0[d] * p.f0); }
+    if (ia + 1u <= il) { for (var d = 0u; d < n4; d++) { q_dq_set(r1 + d, dq1[d] * p.f0); } }
+    if (ia + 2u <= il) { for (var d = 0u; d < n4; d++) { q_dq_set(r2 + d, dq2[d] * p.f0); } }
+    if (ia + 3u <= il) { for (var d = 0u; d < n4; d++) { q_dq_set(r3 + d, dq3[d] * p.f0); } }
 }
 
 // dk, dv: four consecutive keys per invocation share each loaded q and dout row.
-fn k_dout4(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(k_dout_ld2(i), k_dout_ld2(i + 2u)); }
-fn k_q4(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(k_q_ld2(i), k_q_ld2(i + 2u)); }
-fn k_k4(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(k_k_ld2(i), k_k_ld2(i + 2u)); }
-fn k_v4(x: u32) -> vec4<f32> { let i = p.o6 + 4u * x; return vec4<f32>(k_v_ld2(i), k_v_ld2(i + 2u)); }
-fn k_dk4_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; k_dk_st2(i, a.xy); k_dk_st2(i + 2u, a.zw); }
-fn k_dv4_set(x: u32, a: vec4<f32>) { let i = p.o2 + 4u * x; k_dv_st2(i, a.xy); k_dv_st2(i + 2u, a.zw); }
+// @tensor4 1 k_dk read_write
+// @tensor4 2 k_dv read_write
+// @tensor4 3 k_dout read
+// @tensor4 4 k_q read
+// @tensor4 5 k_k read
+// @tensor4 6 k_v read
+fn k_dout_at(x: u32) -> vec4<f32> { return k_dout_ld4(p.o3 + 4u * x); }
+fn k_q_at(x: u32) -> vec4<f32> { return k_q_ld4(p.o4 + 4u * x); }
+fn k_k_at(x: u32) -> vec4<f32> { return k_k_ld4(p.o5 + 4u * x); }
+fn k_v_at(x: u32) -> vec4<f32> { return k_v_ld4(p.o6 + 4u * x); }
+fn k_dk_set(x: u32, a: vec4<f32>) { k_dk_st4(p.o1 + 4u * x, a); }
+fn k_dv_set(x: u32, a: vec4<f32>) { k_dv_st4(p.o2 + 4u * x, a); }
 
 @compute @workgroup_size(WGA)
 fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -549,14 +564,14 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
     var qr: array<vec4<f32>, D4MAX>;
     var dr: array<vec4<f32>, D4MAX>;
     for (var d = 0u; d < n4; d++) {
-        k0[d] = k_k4(r0 + d) * p.f0;
-        k1[d] = k_k4(r1 + d) * p.f0;
-        k2[d] = k_k4(r2 + d) * p.f0;
-        k3[d] = k_k4(r3 + d) * p.f0;
-        v0[d] = k_v4(r0 + d);
-        v1[d] = k_v4(r1 + d);
-        v2[d] = k_v4(r2 + d);
-        v3[d] = k_v4(r3 + d);
+        k0[d] = k_k_at(r0 + d) * p.f0;
+        k1[d] = k_k_at(r1 + d) * p.f0;
+        k2[d] = k_k_at(r2 + d) * p.f0;
+        k3[d] = k_k_at(r3 + d) * p.f0;
+        v0[d] = k_v_at(r0 + d);
+        v1[d] = k_v_at(r1 + d);
+        v2[d] = k_v_at(r2 + d);
+        v3[d] = k_v_at(r3 + d);
         dk0[d] = vec4<f32>(0.0);
         dk1[d] = vec4<f32>(0.0);
         dk2[d] = vec4<f32>(0.0);
@@ -588,8 +603,8 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
             var c2 = vec4<f32>(0.0);
             var c3 = vec4<f32>(0.0);
             for (var d = 0u; d < n4; d++) {
-                let qq = k_q4(rb + d);
-                let oo = k_dout4(rb + d);
+                let qq = k_q_at(rb + d);
+                let oo = k_dout_at(rb + d);
                 qr[d] = qq;
                 dr[d] = oo;
                 a0 += qq * k0[d];
@@ -629,8 +644,8 @@ fn attention_backward_dkv_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(l
             }
         }
     }
-    for (var d = 0u; d < n4; d++) { k_dk4_set(r0 + d, dk0[d] * p.f0); k_dv4_set(r0 + d, dv0[d]); }
-    if (ja + 1u <= jl) { for (var d = 0u; d < n4; d++) { k_dk4_set(r1 + d, dk1[d] * p.f0); k_dv4_set(r1 + d, dv1[d]); } }
-    if (ja + 2u <= jl) { for (var d = 0u; d < n4; d++) { k_dk4_set(r2 + d, dk2[d] * p.f0); k_dv4_set(r2 + d, dv2[d]); } }
-    if (ja + 3u <= jl) { for (var d = 0u; d < n4; d++) { k_dk4_set(r3 + d, dk3[d] * p.f0); k_dv4_set(r3 + d, dv3[d]); } }
+    for (var d = 0u; d < n4; d++) { k_dk_set(r0 + d, dk0[d] * p.f0); k_dv_set(r0 + d, dv0[d]); }
+    if (ja + 1u <= jl) { for (var d = 0u; d < n4; d++) { k_dk_set(r1 + d, dk1[d] * p.f0); k_dv_set(r1 + d, dv1[d]); } }
+    if (ja + 2u <= jl) { for (var d = 0u; d < n4; d++) { k_dk_set(r2 + d, dk2[d] * p.f0); k_dv_set(r2 + d, dv2[d]); } }
+    if (ja + 3u <= jl) { for (var d = 0u; d < n4; d++) { k_dk_set(r3 + d, dk3[d] * p.f0); k_dv_set(r3 + d, dv3[d]); } }
 }

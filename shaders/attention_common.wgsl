@@ -58,63 +58,80 @@ fn overlap(a: vec3<i32>, c: vec3<i32>) -> bool {
 fn stats_rows() -> u32 { return p.s0 * p.s2 * p.s1; }
 
 // ---- the bindings of each pass -------------------------------------------------------------------------------
-// The activations (q, k, v, att = the attention output, and their gradients) are tensors in any storage format
-// (device/storage.py markers), read and written through vec4 accessors: <name>_at(x) the vec4 x of the tensor
-// (elements 4x .. 4x + 3 from the binding's offset), <name>_set(x, value) stores it (two pairs: a 16-bit
-// tensor's offset is even). seg_at(x): segment id x; lse_at, delta_at / delta_set: statistic x (float32).
+// The activations (q, k, v, att = the attention output, and their gradients) are tensors in any storage format:
+// a `// @tensor` marker (device/storage.py) and a `// @tensor4` vec4 view of it (gemm_tiled_src.with_views:
+// one vec4<f32> in float32, two words in 16 bits, at element offsets that are multiples of 4). <name>_at(x) is
+// the vec4 x of the tensor (elements 4x .. 4x + 3 from its binding's offset), <name>_set(x, value) stores it.
+// seg_at(x): segment id x; lse_at, delta_at / delta_set: statistic x (float32).
 // @forward begin
-// forward's bindings: @binding(1) att, 2 lse, 3 q, 4 k, 5 v, 6 segment ids
+// forward's bindings: 1 att, 2 lse, 3 q, 4 k, 5 v, 6 segment ids
 // @tensor 1 att read_write
+// @tensor4 1 att read_write
 @group(0) @binding(2) var<storage, read_write> lse_: array<f32>;
 // @tensor 3 q read
+// @tensor4 3 q read
 // @tensor 4 k read
+// @tensor4 4 k read
 // @tensor 5 v read
+// @tensor4 5 v read
 @group(0) @binding(6) var<storage, read> seg_: array<i32>;
 fn seg_at(x: u32) -> i32 { return seg_[p.o6 + x]; }
 fn lse_set(x: u32, value: f32) { lse_[p.o2 + x] = value; }
-fn q_at(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(q_ld2(i), q_ld2(i + 2u)); }
-fn k_at(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(k_ld2(i), k_ld2(i + 2u)); }
-fn v_at(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(v_ld2(i), v_ld2(i + 2u)); }
-fn att_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; att_st2(i, a.xy); att_st2(i + 2u, a.zw); }
+fn q_at(x: u32) -> vec4<f32> { return q_ld4(p.o3 + 4u * x); }
+fn k_at(x: u32) -> vec4<f32> { return k_ld4(p.o4 + 4u * x); }
+fn v_at(x: u32) -> vec4<f32> { return v_ld4(p.o5 + 4u * x); }
+fn att_set(x: u32, a: vec4<f32>) { att_st4(p.o1 + 4u * x, a); }
 // @forward end
 // @dq begin
-// dq's bindings (delta fused): @binding(1) dq, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out),
+// dq's bindings (delta fused): 1 dq, 2 dout, 3 q, 4 k, 5 v, 6 statistics (lse, delta out),
 // 7 segment ids, 8 att
 // @tensor 1 dq read_write
+// @tensor4 1 dq read_write
 // @tensor 2 dout read
+// @tensor4 2 dout read
 // @tensor 3 q read
+// @tensor4 3 q read
 // @tensor 4 k read
+// @tensor4 4 k read
 // @tensor 5 v read
+// @tensor4 5 v read
 @group(0) @binding(6) var<storage, read_write> stats_: array<f32>;
 @group(0) @binding(7) var<storage, read> seg_: array<i32>;
 // @tensor 8 att read
+// @tensor4 8 att read
 fn seg_at(x: u32) -> i32 { return seg_[p.o7 + x]; }
 fn lse_at(x: u32) -> f32 { return stats_[p.o6 + x]; }
 fn delta_set(x: u32, value: f32) { stats_[p.o6 + stats_rows() + x] = value; }
-fn dout_at(x: u32) -> vec4<f32> { let i = p.o2 + 4u * x; return vec4<f32>(dout_ld2(i), dout_ld2(i + 2u)); }
-fn q_at(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(q_ld2(i), q_ld2(i + 2u)); }
-fn k_at(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(k_ld2(i), k_ld2(i + 2u)); }
-fn v_at(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(v_ld2(i), v_ld2(i + 2u)); }
-fn att_at(x: u32) -> vec4<f32> { let i = p.o8 + 4u * x; return vec4<f32>(att_ld2(i), att_ld2(i + 2u)); }
-fn dq_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; dq_st2(i, a.xy); dq_st2(i + 2u, a.zw); }
+fn dout_at(x: u32) -> vec4<f32> { return dout_ld4(p.o2 + 4u * x); }
+fn q_at(x: u32) -> vec4<f32> { return q_ld4(p.o3 + 4u * x); }
+fn k_at(x: u32) -> vec4<f32> { return k_ld4(p.o4 + 4u * x); }
+fn v_at(x: u32) -> vec4<f32> { return v_ld4(p.o5 + 4u * x); }
+fn att_at(x: u32) -> vec4<f32> { return att_ld4(p.o8 + 4u * x); }
+fn dq_set(x: u32, a: vec4<f32>) { dq_st4(p.o1 + 4u * x, a); }
 // @dq end
 // @dkv begin
-// dk, dv's bindings: @binding(1) dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids
+// dk, dv's bindings: 1 dk, 2 dv, 3 dout, 4 q, 5 k, 6 v, 7 statistics (lse, delta), 8 segment ids
 // @tensor 1 dk read_write
+// @tensor4 1 dk read_write
 // @tensor 2 dv read_write
+// @tensor4 2 dv read_write
 // @tensor 3 dout read
+// @tensor4 3 dout read
 // @tensor 4 q read
+// @tensor4 4 q read
 // @tensor 5 k read
+// @tensor4 5 k read
 // @tensor 6 v read
+// @tensor4 6 v read
 @group(0) @binding(7) var<storage, read> stats_: array<f32>;
 @group(0) @binding(8) var<storage, read> seg_: array<i32>;
 fn seg_at(x: u32) -> i32 { return seg_[p.o8 + x]; }
 fn lse_at(x: u32) -> f32 { return stats_[p.o7 + x]; }
 fn delta_at(x: u32) -> f32 { return stats_[p.o7 + stats_rows() + x]; }
-fn dout_at(x: u32) -> vec4<f32> { let i = p.o3 + 4u * x; return vec4<f32>(dout_ld2(i), dout_ld2(i + 2u)); }
-fn q_at(x: u32) -> vec4<f32> { let i = p.o4 + 4u * x; return vec4<f32>(q_ld2(i), q_ld2(i + 2u)); }
-fn k_at(x: u32) -> vec4<f32> { let i = p.o5 + 4u * x; return vec4<f32>(k_ld2(i), k_ld2(i + 2u)); }
-fn v_at(x: u32) -> vec4<f32> { let i = p.o6 + 4u * x; return vec4<f32>(v_ld2(i), v_ld2(i + 2u)); }
-fn dk_set(x: u32, a: vec4<f32>) { let i = p.o1 + 4u * x; dk_st2(i, a.xy); dk_st2(i + 2u, a.zw); }
-fn dv_set(x: u32, a: vec4<f32>) { let i = p.o2 + 4u * x; dv_st2(i, a.xy); dv_st2(i + 2u, a.zw); }
+fn dout_at(x: u32) -> vec4<f32> { return dout_ld4(p.o3 + 4u * x); }
+fn q_at(x: u32) -> vec4<f32> { return q_ld4(p.o4 + 4u * x); }
+fn k_at(x: u32) -> vec4<f32> { return k_ld4(p.o5 + 4u * x); }
+fn v_at(x: u32) -> vec4<f32> { return v_ld4(p.o6 + 4u * x); }
+fn dk_set(x: u32, a: vec4<f32>) { dk_st4(p.o1 + 4u * x, a); }
+fn dv_set(x: u32, a: vec4<f32>) { dv_st4(p.o2 + 4u * x, a); }
 // @dkv end

@@ -36,8 +36,8 @@ def beyond_defaults_with_a_twin(k: Kernel, kernels) -> bool:
     less, with a register-blocked twin of the same pass and head dim within the defaults."""
     if k.shader != "attention_tiles":
         return False
-    _, _, pass_, head_dim = k.source
-    return any(t.shader == "attention_regs" and t.source[2:] == (pass_, head_dim) and not t.over_limits(DEFAULT_LIMITS)
+    _, _, pass_, head_dim = k.source[:4]          # then its tensors' storage formats
+    return any(t.shader == "attention_regs" and t.source[2:4] == (pass_, head_dim) and not t.over_limits(DEFAULT_LIMITS)
                for t in kernels)
 
 

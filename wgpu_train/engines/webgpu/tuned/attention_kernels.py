@@ -11,8 +11,9 @@ budget gives wrong results. So on CPU adapters a candidate applies only while it
 of 60 and more with grouped heads).
 
 Storage formats (device/storage.py): q, k, v, the output and their gradients may each be float32, bfloat16 or
-float16 (every kernel reads and writes them through the tensor markers' accessors, arithmetic in float32); the
-statistics (lse, delta) are float32. The formats are part of the tuner's key: each is tuned and checked apart.
+float16 (every kernel reads and writes them through tensor markers, the vec4 kernels through vec4 views of them:
+each kernel is built for its tensors' formats; arithmetic in float32); the statistics (lse, delta) are float32.
+The formats are part of the tuner's key: each is tuned and checked apart.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import attention_src as src
 from wgpu_train.engines.webgpu.tuned.attention_src import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import _rounded, is_cpu, kernel_formats
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import with_views
 from wgpu_train.engines.webgpu.device.launch import Kernel, prepare
 from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.device.runtime import shader_text
 
 ROWS_WG = 64             # queries (or keys) per workgroup of the per-row kernels
 ROWS_DMAX = 128          # their register arrays (shaders/attention.wgsl DMAX)
@@ -48,17 +51,10 @@ BIG = ("out", "q", "k", "v", "dq", "dk", "dv", "dout")      # the (B, T, H, D) t
 UNIT_ROUNDOFF = {"f32": 0.0, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
 
 
-def _aligned(D, tensors: dict) -> bool:
-    """Whether the vec4 kernels apply: D divisible by 4, and every (B, T, H, D) tensor's element offset by 4 for
-    a float32 tensor (the rule from before storage formats, which keeps float32's choices as they were) or by 2
-    for a 16-bit one (whole words: its accessors need no more)."""
-    return D % 4 == 0 and all(off % (4 if storage.format_of(buf) == "f32" else 2) == 0
-                              for buf, off in map(split, tensors.values()))
-
-
-def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
-    """float32 x as a tensor of format fmt holds it."""
-    return storage.from_words(storage.to_words(x, fmt), x.size, fmt).reshape(x.shape)
+def _aligned(D, *tensors) -> bool:
+    """Whether the vec4 kernels apply: D and every (B, T, H, D) tensor's element offset divisible by 4 (a vec4
+    view is a vec4<f32>, or two words of a 16-bit tensor)."""
+    return D % 4 == 0 and all(split(t)[1] % 4 == 0 for t in tensors)
 
 
 class AttentionProblem:
@@ -72,7 +68,7 @@ class AttentionProblem:
         self.softcap = float(softcap)      # the scores' soft-cap (Gemma 2), 0 for none
         big = {n: t for n, t in tensors.items() if n in BIG}
         self.formats = {n: storage.format_of(split(t)[0]) for n, t in big.items()}     # name -> storage format
-        self.aligned = _aligned(D, big)
+        self.aligned = _aligned(D, *big.values())
         wide = [n for n in ("lse", "stats") if n in tensors and storage.format_of(split(tensors[n])[0]) != "f32"]
         if wide:
             raise ValueError(f"attention: the statistics ({', '.join(wide)}) must be float32")
@@ -128,14 +124,14 @@ class AttentionProblem:
 
         B, T, Hq, Hkv, D, fmt = self.B, self.T, self.Hq, self.Hkv, self.D, self.formats
         q, k, v, dout = (_rounded(rng.standard_normal((B, T, h, D)).astype(np.float32), fmt.get(n, "f32"))
-                         for h, n in ((Hq, "q"), (Hkv, "k"), (Hkv, "v"), (Hq, "dout")))
+                         .reshape(B, T, h, D) for h, n in ((Hq, "q"), (Hkv, "k"), (Hkv, "v"), (Hq, "dout")))
         seg = np.ones((B, T), np.int32)
         out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window, self.softcap)
         inputs = dict(q=q, k=k, v=v)
         if self.pass_ == "forward":
             outputs = dict(out=out, lse=lse)
         else:
-            inputs.update(dout=dout, out=_rounded(out.astype(np.float32), fmt["out"]))
+            inputs.update(dout=dout, out=_rounded(out.astype(np.float32), fmt["out"]).reshape(out.shape))
             grads = ops.attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
                                            v.astype(np.float64), inputs["out"].astype(np.float64), lse, seg,
                                            self.window, self.softcap)
@@ -160,12 +156,15 @@ class AttentionProblem:
         return rep, results, c0, want, bufs
 
 
-def _dispatch(p: AttentionProblem, k: Kernel, groups) -> tuple:
-    """(pipeline, resources, groups) of kernel k on p's tensors, bound by the kernel's binding names."""
+def _dispatch(p: AttentionProblem, make, groups) -> tuple:
+    """(pipeline, resources, groups) of the kernel make(formats) on p's tensors, bound by the kernel's binding
+    names, the kernel built for their storage formats (its vec4 views)."""
     big_q, big_kv, rows = p.B * p.T * p.Hq * p.D, p.B * p.T * p.Hkv * p.D, p.B * p.Hq * p.T
     sizes = {"out": big_q, "q": big_q, "dq": big_q, "dout": big_q, "k": big_kv, "v": big_kv, "dk": big_kv,
              "dv": big_kv, "lse": rows, "stats": 2 * rows, "segment_ids": p.B * p.T}
+    k = make(())
     tensors = [(p.t[n], sizes[n]) for n in k.names]
+    k = make(kernel_formats(k, tensors))
     pipeline, resources = prepare(p.rt, k, tensors, s0=p.B, s1=p.T, s2=p.Hq, s3=p.Hkv, s4=p.window,
                                   f0=1.0 / math.sqrt(p.D), f1=p.softcap)
     return pipeline, resources, groups
@@ -186,8 +185,14 @@ _ROWS_PASSES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_kernel(entry: str, bindings: str, D: int) -> Kernel:
-    return Kernel("attention", entry, bindings, (("D", D),))
+def rows_source(formats: tuple = ()) -> str:
+    """shaders/attention.wgsl with the vec4 views of its 16-bit tensors' (binding, format) pairs declared."""
+    return with_views(shader_text("attention"), formats)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_kernel(entry: str, bindings: str, D: int, formats: tuple = ()) -> Kernel:
+    return Kernel("attention", entry, bindings, (("D", D),), source=(rows_source, formats), formats=formats)
 
 
 class Rows:
@@ -209,12 +214,14 @@ class Rows:
         return p.T * p.rep * (2 * d + 2) + 2 * d
 
     def kernels(self, pass_: str, D: int) -> list:
-        """(kernel, heads: "q" or "kv") of each dispatch of a pass, in order."""
+        """(kernel, heads: "q" or "kv") of each dispatch of a pass, in order, for float32 tensors."""
         return [(_rows_kernel(entry, bindings, D), heads) for entry, bindings, heads in _ROWS_PASSES[pass_, self.vec4]]
 
     def dispatches(self, p: AttentionProblem) -> list:
         tq = -(-p.T // ROWS_WG)
-        return [_dispatch(p, k, (tq, p.Hq if heads == "q" else p.Hkv, p.B)) for k, heads in self.kernels(p.pass_, p.D)]
+        return [_dispatch(p, functools.partial(_rows_kernel, entry, bindings, p.D),
+                          (tq, p.Hq if heads == "q" else p.Hkv, p.B))
+                for entry, bindings, heads in _ROWS_PASSES[p.pass_, self.vec4]]
 
 
 # ---- the flash families (shaders/attention_regs.wgsl, shaders/attention_tiles.wgsl) --------------------
@@ -225,9 +232,11 @@ _FLASH_BINDINGS = {"forward": "out! lse! q k v segment_ids",
 
 
 @functools.lru_cache(maxsize=None)
-def flash_kernel(pass_: str, cfg, D: int) -> Kernel:
-    return Kernel(cfg.shader, src.ENTRIES[pass_], _FLASH_BINDINGS[pass_], source=(src.source, cfg, pass_, D),
-                  invocations=cfg.lanes, workgroup_bytes=cfg.workgroup_bytes(pass_))
+def flash_kernel(pass_: str, cfg, D: int, formats: tuple = ()) -> Kernel:
+    """One pass of cfg's kernels; formats: its 16-bit tensors' sorted (binding, format) pairs."""
+    return Kernel(cfg.shader, src.ENTRIES[pass_], _FLASH_BINDINGS[pass_],
+                  source=(src.source, cfg, pass_, D, formats), invocations=cfg.lanes,
+                  workgroup_bytes=cfg.workgroup_bytes(pass_), formats=formats)
 
 
 class Flash:
@@ -243,7 +252,8 @@ class Flash:
                 and all(flash_kernel(x, self.cfg, p.D).supported(p.rt) for x in src.PASSES))
 
     def _one(self, p, pass_, heads):
-        return _dispatch(p, flash_kernel(pass_, self.cfg, p.D), (-(-p.T // self.cfg.block), heads, p.B))
+        return _dispatch(p, functools.partial(flash_kernel, pass_, self.cfg, p.D),
+                         (-(-p.T // self.cfg.block), heads, p.B))
 
     def dispatches(self, p: AttentionProblem) -> list:
         if p.pass_ == "forward":
@@ -273,14 +283,25 @@ def supported_head_dim(D: int) -> bool:
     return 0 < D <= MAX_HEAD_DIM and (D % 4 == 0 or D <= ROWS_DMAX)
 
 
-def all_kernels(head_dims=(64, 60, 128, 256)) -> list[Kernel]:
-    """Every kernel descriptor of the attention families at these head dims (the binding-limit and Tint checks
-    go through them)."""
+def mixed_formats(k: Kernel) -> list[tuple]:
+    """Two mixes of 16-bit formats for kernel k's (B, T, H, D) tensors that together give each of them both
+    bfloat16 and float16 (its statistics and segment ids stay float32 and i32)."""
+    slots = [slot for slot, name in zip(k.slots, k.names) if name in BIG]
+    return [tuple((slot, ("bf16", "f16")[(i + j) % 2]) for i, slot in enumerate(slots)) for j in (0, 1)]
+
+
+def all_kernels(head_dims=(64, 60, 128, 256), mixed_head_dims=(64,)) -> list[Kernel]:
+    """Every kernel descriptor of the attention families at these head dims, each also in two mixes of 16-bit
+    formats at mixed_head_dims (mixed_formats) (the binding-limit and Tint checks go through them)."""
     out = []
     for D in head_dims:
+        mixed = D in mixed_head_dims
         for rows in (Rows(False), Rows(True)):
             if D <= ROWS_DMAX and (D % 4 == 0 or not rows.vec4):
-                out += [k for pass_ in ("forward", "backward") for k, _ in rows.kernels(pass_, D)]
-        out += [flash_kernel(pass_, cfg, D) for cfg in REGS_CONFIGS + TILES_CONFIGS if cfg.fits(D)
-                for pass_ in src.PASSES]
+                for k, _ in rows.kernels("forward", D) + rows.kernels("backward", D):
+                    out += [k] + [_rows_kernel(k.entry, k.bindings, D, f) for f in mixed_formats(k) if mixed]
+        for cfg in REGS_CONFIGS + TILES_CONFIGS:
+            for pass_ in src.PASSES if cfg.fits(D) else ():
+                k = flash_kernel(pass_, cfg, D)
+                out += [k] + [flash_kernel(pass_, cfg, D, f) for f in mixed_formats(k) if mixed]
     return out

@@ -7,8 +7,9 @@ ending up in memory, so source() writes the blocks out: it rewrites the marked c
 keeps the sections of one pass (forward, dq or dkv), and writes each line holding a marker ($r, $k, $d, ...)
 once per index of that marker (once per combination when a line holds several), with the marker replaced by
 the index, on the same line, so that line numbers stay those of the file; shaders/attention_common.wgsl's
-helpers and the pass's bindings follow the file's last line. Storage formats are no parameter here: the pass's
-activations are tensor markers, which Kernel.body() expands for the formats of a dispatch (device/storage.py).
+helpers and the pass's bindings follow the file's last line. The pass's activations are tensors in any storage
+format: tensor markers, which launch expands for the formats of a dispatch (device/storage.py), read and written
+through their vec4 views, which source() declares for the formats it is given (gemm_tiled_src.with_views).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from functools import lru_cache
 from itertools import product
 
 from wgpu_train.engines.webgpu.device.runtime import shader_text
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import with_views
 
 PASSES = ("forward", "dq", "dkv")
 ENTRIES = {"forward": "attention_forward", "dq": "attention_backward_dq", "dkv": "attention_backward_dkv"}
@@ -157,15 +159,16 @@ def expand(lines: list[str], counts: dict) -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def source(cfg, pass_: str, head_dim: int) -> str:
-    """The WGSL of one pass of cfg's kernels for this head dim."""
+def source(cfg, pass_: str, head_dim: int, formats: tuple = ()) -> str:
+    """The WGSL of one pass of cfg's kernels for this head dim, its vec4 views declared for the 16-bit tensors'
+    sorted (binding, format) pairs `formats` (launch.Kernel.formats)."""
     if pass_ not in PASSES or not cfg.fits(head_dim):
         raise ValueError(f"flash attention {cfg.name}: pass {pass_!r}, head dim {head_dim}")
     lines = shader_text(cfg.shader).split("\n")
     i, j = lines.index(_BEGIN), lines.index(_END)
     lines[i:j + 1] = [cfg.consts(head_dim)] + [""] * (j - i)
     own = expand(_one_pass(lines, pass_), cfg.counts(head_dim))
-    return "\n".join(own + _one_pass(shader_text(COMMON).split("\n"), pass_))
+    return with_views("\n".join(own + _one_pass(shader_text(COMMON).split("\n"), pass_)), formats)
 
 
 def _one_pass(lines: list[str], pass_: str) -> list[str]:
