@@ -187,13 +187,18 @@ def bind(rt, t, n: int, what: str, whole_ok: bool):
     return (buf, base, end - base), off - base // size
 
 
+def tensor_formats(k: Kernel, tensors) -> tuple:
+    """(binding, format) of the 16-bit tensors among k's (tensor, n_elements) pairs: the formats k is specialised
+    for (Kernel.with_formats), which the sources with vec4 views need too (storage.views)."""
+    return tuple((slot, fmt) for slot, (t, _) in zip(k.slots, tensors)
+                 if (fmt := storage.format_of(split(t)[0])) != "f32")
+
+
 def prepare(rt, k: Kernel, tensors, **params) -> tuple:
     """(pipeline, resources) of one dispatch of kernel k: tensors are (tensor, n_elements) pairs for bindings
     1.. in order; params set fields of its Params by name (the o<i> offsets are filled here). The kernel is
     specialised for the tensors' storage formats (storage.py)."""
-    formats = tuple((slot, fmt) for slot, (t, _) in zip(k.slots, tensors)
-                    if (fmt := storage.format_of(split(t)[0])) != "f32")
-    k = k.with_formats(formats)
+    k = k.with_formats(tensor_formats(k, tensors))
     c = rt.compiled(k)
     values = list(c.zero)
     for name, v in params.items():

@@ -16,6 +16,11 @@ which expand() turns into the binding's declaration and its accessors, for eleme
                                         where no other invocation of the dispatch writes that word's other half
                                         (an odd tail)
 
+A kernel that reads or writes a tensor by vec4s declares a view of it, `// @tensor4 <binding> <name> <access>`,
+which a source builder turns into declarations for the formats its kernel is built for (views()): <name>4, the
+binding as array<vec4<f32>> (float32) or array<vec2<u32>> (16-bit: a vec4 is two words), with <name>_ld4(i) and,
+when writable, <name>_st4(i, v) at element indices i that are multiples of 4.
+
 A 16-bit tensor is written by pairs: two halves of one word must be written by one invocation (WebGPU has no
 16-bit stores without shader-f16, and two invocations writing halves of one word would race), so a kernel that
 takes 16-bit outputs stores pairs with _st2, at even element indices, and the engine gives 16-bit tensors even
@@ -32,6 +37,7 @@ import numpy as np
 FORMATS = ("f32", "bf16", "f16")
 ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 MARKER = re.compile(r"^[ \t]*// @tensor[ \t]+(\d+)[ \t]+(\w+)[ \t]+(read_write|read)[ \t]*$", re.M)
+VIEW = re.compile(r"^[ \t]*// @tensor4[ \t]+(\d+)[ \t]+(\w+)[ \t]+(read_write|read)[ \t]*$", re.M)
 _ATTRIBUTE = "wgpu_train_format"
 
 # float32 -> 16-bit rounding and packing, shared by every kernel that stores 16-bit tensors
@@ -138,6 +144,37 @@ def expand(text: str, formats: dict) -> str:
     return out
 
 
+def _view(binding: int, name: str, access: str, fmt: str) -> list[str]:
+    """The declaration and accessors of one vec4 view (see the module docstring)."""
+    lines = [f"@group(0) @binding({binding}) var<storage, {access}> {name}4: "
+             f"array<{'vec4<f32>' if fmt == 'f32' else 'vec2<u32>'}>;"]
+    if fmt == "f32":
+        lines.append(f"fn {name}_ld4(i: u32) -> vec4<f32> {{ return {name}4[i >> 2u]; }}")
+        if access == "read_write":
+            lines.append(f"fn {name}_st4(i: u32, v: vec4<f32>) {{ {name}4[i >> 2u] = v; }}")
+        return lines
+    lines.append(f"fn {name}_ld4(i: u32) -> vec4<f32> {{ let w = {name}4[i >> 2u]; "
+                 f"return vec4<f32>({fmt}_unpack2(w.x), {fmt}_unpack2(w.y)); }}")
+    if access == "read_write":
+        lines.append(f"fn {name}_st4(i: u32, v: vec4<f32>) {{ {name}4[i >> 2u] = vec2<u32>({fmt}_bits(v.x) | "
+                     f"({fmt}_bits(v.y) << 16u), {fmt}_bits(v.z) | ({fmt}_bits(v.w) << 16u)); }}")
+    return lines
+
+
+def views(text: str, formats=None) -> str:
+    """text with the vec4 views its `// @tensor4` markers ask for, in formats (sorted (binding, format) pairs of
+    its 16-bit tensors, launch.Kernel.formats'), appended on its last line (the markers stay as comments, so line
+    numbers stay the file's). formats None: everything float32, the tensors' own declarations (their markers'
+    expansion) appended too, for compiling the text as it is; otherwise launch expands those markers for the
+    same formats."""
+    fmt = dict(formats or ())
+    lines = [line for m in VIEW.finditer(text)
+             for line in _view(int(m.group(1)), m.group(2), m.group(3), fmt.get(int(m.group(1)), "f32"))]
+    if formats is None:
+        lines += [line for m in MARKER.finditer(text) for line in expand(m.group(0), {}).split("\n")]
+    return text + " ".join(lines)
+
+
 # ---- host side: the same rounding and packing, for uploads, readbacks and tests ------------------------------
 
 def to_words(values: np.ndarray, fmt: str) -> np.ndarray:
@@ -152,6 +189,11 @@ def to_words(values: np.ndarray, fmt: str) -> np.ndarray:
     if half.size % 2:
         half = np.concatenate([half, np.zeros(1, np.uint16)])
     return half.view(np.uint32)
+
+
+def rounded(values: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 values as a tensor of format fmt holds them (flattened)."""
+    return from_words(to_words(values, fmt), np.size(values), fmt)
 
 
 def from_words(words: np.ndarray, n: int, fmt: str) -> np.ndarray:

@@ -27,9 +27,8 @@ from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import attention_src as src
 from wgpu_train.engines.webgpu.tuned.attention_src import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import _rounded, is_cpu, kernel_formats
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import with_views
-from wgpu_train.engines.webgpu.device.launch import Kernel, prepare
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.device.launch import Kernel, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split
 from wgpu_train.engines.webgpu.device.runtime import shader_text
 
@@ -123,7 +122,7 @@ class AttentionProblem:
         from wgpu_train.engines.numpy import ops
 
         B, T, Hq, Hkv, D, fmt = self.B, self.T, self.Hq, self.Hkv, self.D, self.formats
-        q, k, v, dout = (_rounded(rng.standard_normal((B, T, h, D)).astype(np.float32), fmt.get(n, "f32"))
+        q, k, v, dout = (storage.rounded(rng.standard_normal((B, T, h, D)).astype(np.float32), fmt.get(n, "f32"))
                          .reshape(B, T, h, D) for h, n in ((Hq, "q"), (Hkv, "k"), (Hkv, "v"), (Hq, "dout")))
         seg = np.ones((B, T), np.int32)
         out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window, self.softcap)
@@ -131,7 +130,7 @@ class AttentionProblem:
         if self.pass_ == "forward":
             outputs = dict(out=out, lse=lse)
         else:
-            inputs.update(dout=dout, out=_rounded(out.astype(np.float32), fmt["out"]).reshape(out.shape))
+            inputs.update(dout=dout, out=storage.rounded(out.astype(np.float32), fmt["out"]).reshape(out.shape))
             grads = ops.attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
                                            v.astype(np.float64), inputs["out"].astype(np.float64), lse, seg,
                                            self.window, self.softcap)
@@ -164,7 +163,7 @@ def _dispatch(p: AttentionProblem, make, groups) -> tuple:
              "dv": big_kv, "lse": rows, "stats": 2 * rows, "segment_ids": p.B * p.T}
     k = make(())
     tensors = [(p.t[n], sizes[n]) for n in k.names]
-    k = make(kernel_formats(k, tensors))
+    k = make(tensor_formats(k, tensors))
     pipeline, resources = prepare(p.rt, k, tensors, s0=p.B, s1=p.T, s2=p.Hq, s3=p.Hkv, s4=p.window,
                                   f0=1.0 / math.sqrt(p.D), f1=p.softcap)
     return pipeline, resources, groups
@@ -187,7 +186,7 @@ _ROWS_PASSES = {
 @functools.lru_cache(maxsize=None)
 def rows_source(formats: tuple = ()) -> str:
     """shaders/attention.wgsl with the vec4 views of its 16-bit tensors' (binding, format) pairs declared."""
-    return with_views(shader_text("attention"), formats)
+    return storage.views(shader_text("attention"), formats)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ once per index of that marker (once per combination when a line holds several), 
 the index, on the same line, so that line numbers stay those of the file; shaders/attention_common.wgsl's
 helpers and the pass's bindings follow the file's last line. The pass's activations are tensors in any storage
 format: tensor markers, which launch expands for the formats of a dispatch (device/storage.py), read and written
-through their vec4 views, which source() declares for the formats it is given (gemm_tiled_src.with_views).
+through their vec4 views, which source() declares for the formats it is given (storage.views).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.runtime import shader_text
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import with_views
 
 PASSES = ("forward", "dq", "dkv")
 ENTRIES = {"forward": "attention_forward", "dq": "attention_backward_dq", "dkv": "attention_backward_dkv"}
@@ -168,7 +168,7 @@ def source(cfg, pass_: str, head_dim: int, formats: tuple = ()) -> str:
     i, j = lines.index(_BEGIN), lines.index(_END)
     lines[i:j + 1] = [cfg.consts(head_dim)] + [""] * (j - i)
     own = expand(_one_pass(lines, pass_), cfg.counts(head_dim))
-    return with_views("\n".join(own + _one_pass(shader_text(COMMON).split("\n"), pass_)), formats)
+    return storage.views("\n".join(own + _one_pass(shader_text(COMMON).split("\n"), pass_)), formats)
 
 
 def _one_pass(lines: list[str], pass_: str) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as tiled
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
+from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split
 
 TM = 32                    # rows of C per workgroup of the register kernels, TM_CHOICES for skinny products
@@ -107,18 +107,6 @@ def _no_bias(rt):
     return rt.memo("gemm.no_bias", lambda r: r.buffer(16, "gemm.no_bias"))
 
 
-def kernel_formats(k: Kernel, tensors) -> tuple:
-    """(binding, format) of the 16-bit tensors among k's (tensor, n_elements) pairs: the formats launch.prepare
-    specialises k for, which the GEMM sources also need (their vec4 views)."""
-    return tuple((slot, fmt) for slot, (t, _) in zip(k.slots, tensors)
-                 if (fmt := storage.format_of(split(t)[0])) != "f32")
-
-
-def _rounded(values: np.ndarray, fmt: str) -> np.ndarray:
-    """values as a tensor of format fmt holds them."""
-    return storage.from_words(storage.to_words(values, fmt), values.size, fmt)
-
-
 class Problem:
     """One GEMM as the kernels see it: op(A) (m, k) at a_sm, a_sk (a_sz per batch), op(B) (k, n) at b_sk,
     b_sn, C (m, n) at c_sm, c_sn; the element offsets the kernels get (a_off, ...) once the operands are bound;
@@ -200,7 +188,7 @@ class Problem:
         geometry on fresh random operands in the same formats (offsets kept modulo 64 elements, which keeps
         their alignment); the expected values from the operands as stored."""
         fa, fb, fc = self.formats
-        host = [_rounded(rng.standard_normal(off % 64 + extent).astype(np.float32), fmt)
+        host = [storage.rounded(rng.standard_normal(off % 64 + extent).astype(np.float32), fmt)
                 for extent, off, fmt in ((self.a[1], self.a_off, fa), (self.b[1], self.b_off, fb),
                                          (self.N, 0, "f32"), (self.c[1], self.c_off, fc))]
         bufs = [storage.upload(self.rt, x, fmt, "tune operand") for x, fmt in zip(host, (fa, fb, "f32", fc))]
@@ -292,16 +280,16 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
 @functools.lru_cache(maxsize=None)
 def register_source(subgroups: bool, formats: tuple = ()) -> str:
     """gemm.wgsl, without its subgroup section for devices without the feature, its vec4 views declared for the
-    16-bit tensors' (binding, format) pairs `formats` (gemm_tiled_src.with_views)."""
+    16-bit tensors' (binding, format) pairs `formats` (storage.views)."""
     from wgpu_train.engines.webgpu.device.runtime import shader_path
     text = shader_path("gemm").read_text()
-    return tiled.with_views(text if subgroups else text[:text.index(_SG_MARKER)], formats)
+    return storage.views(text if subgroups else text[:text.index(_SG_MARKER)], formats)
 
 
 @functools.lru_cache(maxsize=None)
 def register_kernel(wg: int, tm: int, subgroups: bool, vec, formats: tuple = ()) -> Kernel:
     """The register-blocked kernel: vec None for the scalar entry point, else (a_kvec, b_nvec, c_nvec);
-    formats: its 16-bit tensors' (binding, format) pairs (kernel_formats)."""
+    formats: its 16-bit tensors' (binding, format) pairs (launch.tensor_formats)."""
     entry = ("gemm_v4" if vec else "gemm") + ("_sg" if subgroups else "")
     constants = {"WG": wg, "TM": tm}
     if vec:
@@ -335,7 +323,7 @@ class Register:
                           q["b_sk"], q["b_sn"], q["b_sz"], p.c_off, q["c_sm"], q["c_sn"], q["c_sz"])
                if self.vec4 else None)
         k = register_kernel(self.wg, self.tm, self.subgroups, vec)
-        return register_kernel(self.wg, self.tm, self.subgroups, vec, kernel_formats(k, p.tensors(self.swap)))
+        return register_kernel(self.wg, self.tm, self.subgroups, vec, tensor_formats(k, p.tensors(self.swap)))
 
     def dispatches(self, p: Problem) -> list:
         q = p.params(self.swap)
@@ -366,7 +354,7 @@ def register_candidates(p: Problem) -> list:
 
 @functools.lru_cache(maxsize=None)
 def tiled_kernel(cfg, formats: tuple = ()) -> Kernel:
-    """gemm_tiled*: formats, its 16-bit tensors' (binding, format) pairs (kernel_formats)."""
+    """gemm_tiled*: formats, its 16-bit tensors' (binding, format) pairs (launch.tensor_formats)."""
     return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg, formats),
                   invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
                   features=tiled.kernel_features(cfg), formats=formats)
@@ -389,7 +377,7 @@ def _reduce_kernel(cfg, formats: tuple = ()) -> Kernel:
 
 def _for(make, cfg, tensors: list) -> Kernel:
     """make(cfg)'s kernel (tiled_kernel, ...) for the formats of `tensors`, its (tensor, n) pairs."""
-    return make(cfg, kernel_formats(make(cfg), tensors))
+    return make(cfg, tensor_formats(make(cfg), tensors))
 
 
 def _scratch(rt, elements: int):

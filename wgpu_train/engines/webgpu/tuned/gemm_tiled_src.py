@@ -9,11 +9,8 @@ module then compiles on adapters without the `subgroup` feature (naga rejects a 
 builtin there, even in an unused entry point).
 
 Storage formats: A, B and C are tensors (device/storage.py's `// @tensor` markers, which launch expands for
-the buffers' formats). Their vec4 views are `// @tensor4 <binding> <name> <access>` markers, declared here
-(with_views) for the formats a kernel is built for, since a vec4 of a 16-bit tensor is two words: <name>4 is
-the binding as array<vec4<f32>> (float32) or array<vec2<u32>> (16-bit), with <name>_ld4(i) and, when
-writable, <name>_st4(i, v) at element indices i that are multiples of 4. The register GEMM (gemm.wgsl) uses
-the same views.
+the buffers' formats), read and written as vec4s through their `// @tensor4` views (storage.views, declared for
+the formats a kernel is built for). The register GEMM (gemm.wgsl) uses the same views.
 """
 from __future__ import annotations
 
@@ -34,7 +31,6 @@ _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
 # sections tiled_source() keeps or blanks: the subgroup or plain multiply and entry point, scalar or vec4 loads
 _SG, _PLAIN = ("// @subgroups begin", "// @subgroups end"), ("// @plain begin", "// @plain end")
 _SCALAR, _VEC4 = ("// @scalar begin", "// @scalar end"), ("// @vec4 begin", "// @vec4 end")
-VIEW = re.compile(r"^[ \t]*// @tensor4[ \t]+(\d+)[ \t]+(\w+)[ \t]+(read_write|read)[ \t]*$", re.M)
 
 
 @dataclass(frozen=True)
@@ -145,41 +141,10 @@ def _blank(src: str, begin: str, end: str) -> str:
     return src[:start] + "\n" * src.count("\n", start, stop) + src[stop:]
 
 
-def _view(binding: int, name: str, access: str, fmt: str) -> list[str]:
-    """The declaration and accessors of one vec4 view (see the module docstring)."""
-    lines = [f"@group(0) @binding({binding}) var<storage, {access}> {name}4: "
-             f"array<{'vec4<f32>' if fmt == 'f32' else 'vec2<u32>'}>;"]
-    if fmt == "f32":
-        lines.append(f"fn {name}_ld4(i: u32) -> vec4<f32> {{ return {name}4[i >> 2u]; }}")
-        if access == "read_write":
-            lines.append(f"fn {name}_st4(i: u32, v: vec4<f32>) {{ {name}4[i >> 2u] = v; }}")
-        return lines
-    lines.append(f"fn {name}_ld4(i: u32) -> vec4<f32> {{ let w = {name}4[i >> 2u]; "
-                 f"return vec4<f32>({fmt}_unpack2(w.x), {fmt}_unpack2(w.y)); }}")
-    if access == "read_write":
-        lines.append(f"fn {name}_st4(i: u32, v: vec4<f32>) {{ {name}4[i >> 2u] = vec2<u32>({fmt}_bits(v.x) | "
-                     f"({fmt}_bits(v.y) << 16u), {fmt}_bits(v.z) | ({fmt}_bits(v.w) << 16u)); }}")
-    return lines
-
-
-def with_views(text: str, formats=None) -> str:
-    """text with the vec4 views its `// @tensor4` markers ask for, in formats (sorted (binding, format) pairs of
-    its 16-bit tensors, launch.Kernel.formats'), appended on its last line (the markers stay as comments, so line
-    numbers stay the file's). formats None: everything float32, the tensors' own declarations (their markers'
-    expansion) appended too, for compiling the text as it is; otherwise launch expands those markers for the
-    same formats."""
-    fmt = dict(formats or ())
-    lines = [line for m in VIEW.finditer(text)
-             for line in _view(int(m.group(1)), m.group(2), m.group(3), fmt.get(int(m.group(1)), "f32"))]
-    if formats is None:
-        lines += [line for m in storage.MARKER.finditer(text) for line in storage.expand(m.group(0), {}).split("\n")]
-    return text + " ".join(lines)
-
-
 def tiled_source(cfg: TileConfig, formats=None) -> str:
     """The WGSL text specialised for cfg (same line count as the file). Without cfg.subgroups the
     subgroup section is blanked, so the module compiles on any adapter (its gemm_splitk_reduce too).
-    formats: the 16-bit tensors' (binding, format) pairs a launch.Kernel is built for (with_views); None for a
+    formats: the 16-bit tensors' (binding, format) pairs a launch.Kernel is built for (storage.views); None for a
     float32 module to compile as it is."""
     src = _template()
     start, end = src.index(_BEGIN), src.index(_END)
@@ -192,7 +157,7 @@ def tiled_source(cfg: TileConfig, formats=None) -> str:
             raise ValueError(f"{SHADER}.wgsl: expected one 'const {name}: u32' in the tile-config block")
     src = src[:start] + block + src[end:]
     src = _blank(src, *(_PLAIN if cfg.subgroups else _SG))
-    return with_views(_blank(src, *(_SCALAR if cfg.vec4 else _VEC4)), formats)
+    return storage.views(_blank(src, *(_SCALAR if cfg.vec4 else _VEC4)), formats)
 
 
 def _aligned(*values) -> bool:

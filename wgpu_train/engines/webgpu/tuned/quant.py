@@ -191,8 +191,7 @@ class QuantMatrix:
 def shader_source(fmt: str, subgroups: bool, formats: tuple = ()) -> str:
     """gemm_quant.wgsl with the sections of other formats and the subgroup kernels (devices without the
     feature) blanked, and A's vec4 view declared for the 16-bit tensors' (binding, format) pairs `formats`
-    (gemm_tiled_src.with_views); line numbers are kept so that shader errors point at the file."""
-    from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import with_views
+    (storage.views); line numbers are kept so that shader errors point at the file."""
 
     key = (fmt, bool(subgroups))
     if key not in _sources:
@@ -211,7 +210,7 @@ def shader_source(fmt: str, subgroups: bool, formats: tuple = ()) -> str:
             drop = (section is not None and fmt not in section) or (in_sg and not subgroups)
             out.append("" if drop else line)
         _sources[key] = "\n".join(out)
-    return with_views(_sources[key], formats)
+    return storage.views(_sources[key], formats)
 
 
 @functools.lru_cache(maxsize=None)

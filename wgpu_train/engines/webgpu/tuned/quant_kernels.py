@@ -9,7 +9,7 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, _rounded, gemm_tolerance, is_cpu,
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, gemm_tolerance, is_cpu,
                                                           min_workgroup, use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
@@ -132,8 +132,8 @@ class QProblem:
         rt, w = self.rt, self.w
         rows = w.chunks[self.chunk][2]
         wq = Q.QuantMatrix(rt, rng.standard_normal((rows, w.cols)).astype(np.float32), w.dtype, "tune weight")
-        a = _rounded(rng.standard_normal(self.a_off % 64 + self.a_ext), self.a_fmt)
-        c0 = _rounded(rng.standard_normal(self.c_off % 64 + self.c_ext), self.c_fmt)
+        a = storage.rounded(rng.standard_normal(self.a_off % 64 + self.a_ext), self.a_fmt)
+        c0 = storage.rounded(rng.standard_normal(self.c_off % 64 + self.c_ext), self.c_fmt)
         bias = rng.standard_normal(self.N).astype(np.float32)
         bufs = [storage.upload(rt, a, self.a_fmt, "tune operand"), storage.upload(rt, c0, self.c_fmt, "tune operand"),
                 rt.upload(bias, "tune operand")]
