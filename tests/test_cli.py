@@ -303,11 +303,13 @@ def test_memory_estimate_from_config_alone(workspace, tmp_path, capsys):
             "--lora-rank", "16", "--lora-targets", "all-linear", "--gradient-checkpointing"]
     assert main(argv + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    # auto: a GPU's precision, bf16 activations
     want = estimate_memory(ModelConfig.from_folder(folder), 1, 512, LoraConfig(r=16, target_modules="all-linear"),
-                           "lora", "nf4", "float16", True)
+                           "lora", "nf4", "float16", True, precision="bf16")
     assert {k: result[k] for k in want} == want and result["embed_dtype"] == "float16"
-    assert result["parameters"] == 6_738_415_616 and round(want["total"] / 2**30, 2) == 5.03
-    assert main(argv) == 0
+    assert result["parameters"] == 6_738_415_616 and round(want["total"] / 2**30, 2) == 4.77
+    assert result["precision"] == "bf16"
+    assert main(argv + ["--precision", "fp32"]) == 0
     assert "total                5.03 GiB" in capsys.readouterr().out
     one_line_error(capsys, ["memory", "--model", str(tmp_path / "nope")], "not found")
     one_line_error(capsys, ["memory", "--model", str(folder), "--method", "full", "--base-dtype", "nf4"], "float32")

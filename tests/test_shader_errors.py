@@ -66,7 +66,7 @@ def test_op_shaders_compile(rt):
     for name, entries in OP_SHADERS.items():
         found = set(re.findall(r"@compute[^\n]*\n\s*fn (\w+)", runtime.shader_path(name).read_text()))
         assert found == set(entries), f"{name}.wgsl entry points {sorted(found)}"
-        # tensor markers (device/storage.py) expanded for float32 tensors, as a launch with them does
-        source = storage.expand(runtime.shader_text(name), {})
+        # vec4 views and tensor markers (device/storage.py) declared for float32 tensors, as a launch does
+        source = storage.expand(storage.views(runtime.shader_text(name), ()), {})
         for entry in entries:
             rt.pipeline(name, entry, {"D": 128} if name == "attention" else None, source=source)
