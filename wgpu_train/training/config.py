@@ -59,9 +59,8 @@ class TrainConfig:
                             choices=EMBED_CHOICES)
     precision: str = _opt("auto", "where activations, saved tensors and activation gradients are stored: fp32, bf16 "
                                   "or f16 (arithmetic stays float32; LoRA, gradients and AdamW state float32; f16 "
-                                  "adds dynamic loss scaling), or auto (fp32 today: the NumPy reference, CPU "
-                                  "adapters, and GPUs until the WebGPU engine has 16-bit kernels); bf16 and f16 run "
-                                  "on the NumPy engine only, for now",
+                                  "adds dynamic loss scaling), or auto (bf16 on a GPU; fp32 on the NumPy reference, "
+                                  "on CPU adapters and for a model with an odd width)",
                           choices=PRECISION_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
