@@ -499,8 +499,8 @@ def _register_memory(sub):
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")
     p.add_argument("--precision", default=d.precision, choices=PRECISION_CHOICES,
-                   help=f"activations stored in fp32, bf16 or f16, as in finetune (auto: a GPU's, bf16 for even widths) (default: "
-                        f"{d.precision})")
+                   help=f"activations stored in fp32, bf16 or f16, as in finetune (auto: a GPU's, bf16 for even "
+                        f"widths) (default: {d.precision})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_memory)
 
