@@ -1,5 +1,5 @@
-// Workgroup-tiled GEMM for real GPUs with a frozen weight stored as float16 or NF4 (gemm_quant.wgsl's
-// formats), accumulated in f32:
+// Workgroup-tiled GEMM for real GPUs with a frozen weight stored as bfloat16, float16 or NF4 (gemm_quant.wgsl's
+// formats), accumulated in f32 (float32 arithmetic, or float16 arithmetic for a float16 weight and A: gemm_core):
 //   C (+)= A @ op(W) (+ bias),  A (M, K) row-major (pitch lda),  C (M, N) (pitch ldc), A and C each
 //   float32 or 16-bit (as in gemm_quant.wgsl: C stored by pairs of columns),
 //   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = the chunk's rows) or W ("nn", the backward
@@ -12,11 +12,11 @@
 //
 // Tiling as gemm_tiled.wgsl: workgroup (x, y) owns the BM x BN tile of C at column x * BN, row y * BM.
 // Each step of k stages a BM x BK tile of A (stored transposed, As[k][m]) and a BK x BN tile of op(W)
-// (Ws[k][n]) in workgroup memory; an invocation keeps TM x TN outputs in registers, its rows TM / 4 groups
+// (Bs[k][n]) in workgroup memory; an invocation keeps TM x TN outputs in registers, its rows TM / 4 groups
 // of 4 adjacent rows spaced 4 * BM / TM apart (columns likewise, 4 * TX apart), so that neighbouring
-// invocations read neighbouring vec4s of As / Ws.
+// invocations read neighbouring vec4s of As / Bs.
 // The weight tile is decoded while it is staged: an invocation loads 8 consecutive elements of one row of
-// W (nt: 8 steps of k at one column n; nn: 8 columns at one k), decodes them to f32 and stores them in Ws.
+// W (nt: 8 steps of k at one column n; nn: 8 columns at one k), decodes them to f32 and stores them in Bs.
 // So each weight is decoded once per workgroup and used by BM rows of A, and no f32 copy of W exists in
 // global memory. When cols % 8 == 0 each group is one raw8 load (one NF4 word and its absmax, or 16 bytes
 // of f16); otherwise a group may straddle two (w8). A is read with scalar loads (any offset and pitch).
@@ -44,6 +44,7 @@ const TM: u32 = 8u;     // rows of C per invocation (a multiple of 4)
 const TN: u32 = 4u;     // columns of C per invocation (a multiple of 4)
 const NBUF: u32 = 1u;   // 2: double-buffered tiles
 const NT: bool = true;  // op(W) = W^T (else W)
+alias Elem = f32;       // the tiles' element type: f16 for f16 arithmetic (gemm_core.wgsl; float16 weights only)
 // @tile-config end
 
 const TX: u32 = BN / TN;                  // invocations along n
@@ -55,9 +56,13 @@ const G8: u32 = BN * BK / 8u;             // 8-element weight groups per tile
 const SW: u32 = (G8 + WG - 1u) / WG;      // weight groups per invocation
 const GK: u32 = BK / 8u;                  // nt: groups along k per column of the tile
 const GN: u32 = BN / 8u;                  // nn: groups along n per row of the tile
+const AROW: u32 = BM / 4u;                // vec4 pitch of a k row of As, vec4s per buffer (gemm_core.wgsl's names)
+const BROW: u32 = BN / 4u;
+const ABUF: u32 = AV;
+const BBUF: u32 = WV;
 
-var<workgroup> As: array<vec4<f32>, NBUF * AV>;   // [buffer][k][m / 4]
-var<workgroup> Ws: array<vec4<f32>, NBUF * WV>;   // [buffer][k][n / 4], decoded
+var<workgroup> As: array<vec4<Elem>, NBUF * AV>;   // [buffer][k][m / 4]
+var<workgroup> Bs: array<vec4<Elem>, NBUF * WV>;   // [buffer][k][n / 4], decoded
 
 // 8 decoded weights: lo elements 0..3, hi 4..7 of a group.
 struct W8 { lo: vec4<f32>, hi: vec4<f32> };
@@ -181,7 +186,7 @@ fn put(st: ptr<function, Stage>, buf: u32) {
             let e = (4u * l + c) * WG + lid;
             if (e < BM * BK) {
                 let m = e / BK;
-                As[buf * AV + (e % BK) * (BM / 4u) + m / 4u][m % 4u] = (*st).a[l][c];
+                As[buf * AV + (e % BK) * (BM / 4u) + m / 4u][m % 4u] = Elem((*st).a[l][c]);
             }
         }
     }
@@ -191,19 +196,19 @@ fn put(st: ptr<function, Stage>, buf: u32) {
             let p = g_pos(g);
             let w = (*st).w[s];
             let i = buf * WV + p.x * (BN / 4u) + p.y / 4u;
-            if (NT) {      // 8 steps of k at column n: one element in each of 8 rows of Ws
+            if (NT) {      // 8 steps of k at column n: one element in each of 8 rows of Bs
                 let j = p.y % 4u;
-                Ws[i][j] = w.lo.x;
-                Ws[i + BN / 4u][j] = w.lo.y;
-                Ws[i + 2u * (BN / 4u)][j] = w.lo.z;
-                Ws[i + 3u * (BN / 4u)][j] = w.lo.w;
-                Ws[i + 4u * (BN / 4u)][j] = w.hi.x;
-                Ws[i + 5u * (BN / 4u)][j] = w.hi.y;
-                Ws[i + 6u * (BN / 4u)][j] = w.hi.z;
-                Ws[i + 7u * (BN / 4u)][j] = w.hi.w;
+                Bs[i][j] = Elem(w.lo.x);
+                Bs[i + BN / 4u][j] = Elem(w.lo.y);
+                Bs[i + 2u * (BN / 4u)][j] = Elem(w.lo.z);
+                Bs[i + 3u * (BN / 4u)][j] = Elem(w.lo.w);
+                Bs[i + 4u * (BN / 4u)][j] = Elem(w.hi.x);
+                Bs[i + 5u * (BN / 4u)][j] = Elem(w.hi.y);
+                Bs[i + 6u * (BN / 4u)][j] = Elem(w.hi.z);
+                Bs[i + 7u * (BN / 4u)][j] = Elem(w.hi.w);
             } else {       // 8 columns at one k: two adjacent vec4s
-                Ws[i] = w.lo;
-                Ws[i + 1u] = w.hi;
+                Bs[i] = vec4<Elem>(w.lo);
+                Bs[i + 1u] = vec4<Elem>(w.hi);
             }
         }
     }
@@ -214,31 +219,8 @@ fn load(st: ptr<function, Stage>, k0: u32) {
     load_w(st, k0);
 }
 
-// ---- the FMA core: constant trip counts and indices once unrolled (accumulators stay in registers) ----
-
-fn multiply(acc: ptr<function, Acc>, buf: u32) {
-    let a0 = buf * AV + ty;
-    let b0 = buf * WV + tx;
-    for (var k = 0u; k < BK; k++) {
-        var a: array<vec4<f32>, TM / 4u>;
-        var b: array<vec4<f32>, TN / 4u>;
-        for (var g = 0u; g < TM / 4u; g++) {
-            a[g] = As[a0 + k * (BM / 4u) + g * (BM / TM)];
-        }
-        for (var h = 0u; h < TN / 4u; h++) {
-            b[h] = Ws[b0 + k * (BN / 4u) + h * TX];
-        }
-        for (var g = 0u; g < TM / 4u; g++) {
-            for (var h = 0u; h < TN / 4u; h++) {
-                let j = g * TN + h;             // row 4g, column group h; rows 4g + r at j + r * TN / 4
-                (*acc)[j] = fma(vec4<f32>(a[g].x), b[h], (*acc)[j]);
-                (*acc)[j + TN / 4u] = fma(vec4<f32>(a[g].y), b[h], (*acc)[j + TN / 4u]);
-                (*acc)[j + TN / 2u] = fma(vec4<f32>(a[g].z), b[h], (*acc)[j + TN / 2u]);
-                (*acc)[j + 3u * TN / 4u] = fma(vec4<f32>(a[g].w), b[h], (*acc)[j + 3u * TN / 4u]);
-            }
-        }
-    }
-}
+// ---- the FMA core, multiply(acc, buf): gemm_core.wgsl, float32 or float16 arithmetic (TileConfig.half)
+// @include gemm_core
 
 // ---- epilogue (as gemm_quant.wgsl's store2: columns n, n + 1 with n even, a pair in one word of a 16-bit C) ----
 

@@ -1,6 +1,8 @@
-// Workgroup-tiled GEMM for real GPUs, float32 arithmetic: C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z]
-// when accumulating), with optional split-K for skinny products. One source serves every TileConfig:
-// wgpu_train/gpu/gemm_tiled_src.py rewrites the marked const block and picks the entry point.
+// Workgroup-tiled GEMM for real GPUs: C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z] when accumulating),
+// with optional split-K for skinny products. Float32 arithmetic, or for float16 A and B float16 arithmetic with
+// float32 accumulation (a TileConfig with half: the tiles hold f16, gemm_core.wgsl's f16 core multiplies).
+// One source serves every TileConfig: tuned/gemm_tiled_src.py rewrites the marked const block and picks the
+// entry point and sections.
 //
 // Layouts (NN, NT, TN, TT, C transposed) are element strides in the uniform, as in gemm.wgsl. A, B and C are
 // tensors in any storage format (device/storage.py's markers; A4 / B4 are their vec4 views, which
@@ -68,6 +70,7 @@ const TM: u32 = 4u;     // rows of C per invocation (a multiple of 4)
 const TN: u32 = 4u;     // columns of C per invocation (a multiple of 4)
 const NBUF: u32 = 1u;   // 2: double-buffered tiles
 const PAD: u32 = 0u;    // vec4s of padding after each k row of As and Bs (4 for the subgroup kernels)
+alias Elem = f32;       // the tiles' element type: f16 for f16 arithmetic (gemm_core.wgsl)
 // @tile-config end
 
 const TX: u32 = BN / TN;                 // invocations along n
@@ -81,8 +84,8 @@ const BBUF: u32 = BROW * BK;
 const SA: u32 = (AV + WG - 1u) / WG;     // vec4 staging registers per invocation for the A tile
 const SB: u32 = (BV + WG - 1u) / WG;
 
-var<workgroup> As: array<vec4<f32>, NBUF * ABUF>;   // [buffer][k][m / 4], rows AROW apart
-var<workgroup> Bs: array<vec4<f32>, NBUF * BBUF>;   // [buffer][k][n / 4], rows BROW apart
+var<workgroup> As: array<vec4<Elem>, NBUF * ABUF>;   // [buffer][k][m / 4], rows AROW apart
+var<workgroup> Bs: array<vec4<Elem>, NBUF * BBUF>;   // [buffer][k][n / 4], rows BROW apart
 
 // The next tiles on their way from global memory to workgroup memory. Slot l of a scalar load holds
 // elements (4l + c) * WG + lid, c < 4, of the tile; of a vec4 load, vec4 l * WG + lid.
@@ -176,7 +179,7 @@ fn stage_put(st: ptr<function, Stage>, buf: u32) {
             let e = (4u * l + c) * WG + lid;
             if (e < 4u * AV) {
                 let p = a_pos(e);
-                As[buf * ABUF + p.y * AROW + p.x / 4u][p.x % 4u] = (*st).a[l][c];
+                As[buf * ABUF + p.y * AROW + p.x / 4u][p.x % 4u] = Elem((*st).a[l][c]);
             }
         }
     }
@@ -185,7 +188,7 @@ fn stage_put(st: ptr<function, Stage>, buf: u32) {
             let e = (4u * l + c) * WG + lid;
             if (e < 4u * BV) {
                 let p = b_pos(e);
-                Bs[buf * BBUF + p.x * BROW + p.y / 4u][p.y % 4u] = (*st).b[l][c];
+                Bs[buf * BBUF + p.x * BROW + p.y / 4u][p.y % 4u] = Elem((*st).b[l][c]);
             }
         }
     }
@@ -245,12 +248,12 @@ fn stage_put(st: ptr<function, Stage>, buf: u32) {
             let x = (*st).a[l];
             if (P.a_sk == 1u) {
                 let i = buf * ABUF + p.y * AROW + p.x / 4u;
-                As[i][p.x % 4u] = x.x;
-                As[i + AROW][p.x % 4u] = x.y;
-                As[i + 2u * AROW][p.x % 4u] = x.z;
-                As[i + 3u * AROW][p.x % 4u] = x.w;
+                As[i][p.x % 4u] = Elem(x.x);
+                As[i + AROW][p.x % 4u] = Elem(x.y);
+                As[i + 2u * AROW][p.x % 4u] = Elem(x.z);
+                As[i + 3u * AROW][p.x % 4u] = Elem(x.w);
             } else {
-                As[buf * ABUF + p.y * AROW + p.x / 4u] = x;
+                As[buf * ABUF + p.y * AROW + p.x / 4u] = vec4<Elem>(x);
             }
         }
     }
@@ -260,13 +263,13 @@ fn stage_put(st: ptr<function, Stage>, buf: u32) {
             let p = b_pos4(v);
             let x = (*st).b[l];
             if (P.b_sn == 1u) {
-                Bs[buf * BBUF + p.x * BROW + p.y / 4u] = x;
+                Bs[buf * BBUF + p.x * BROW + p.y / 4u] = vec4<Elem>(x);
             } else {
                 let i = buf * BBUF + p.x * BROW + p.y / 4u;
-                Bs[i][p.y % 4u] = x.x;
-                Bs[i + BROW][p.y % 4u] = x.y;
-                Bs[i + 2u * BROW][p.y % 4u] = x.z;
-                Bs[i + 3u * BROW][p.y % 4u] = x.w;
+                Bs[i][p.y % 4u] = Elem(x.x);
+                Bs[i + BROW][p.y % 4u] = Elem(x.y);
+                Bs[i + 2u * BROW][p.y % 4u] = Elem(x.z);
+                Bs[i + 3u * BROW][p.y % 4u] = Elem(x.w);
             }
         }
     }
@@ -274,33 +277,8 @@ fn stage_put(st: ptr<function, Stage>, buf: u32) {
 
 // @vec4 end
 
-// ---- the FMA core: loops with constant trip counts and constant indices once unrolled, so the
-// accumulators and the fragments of As / Bs stay in registers -------------------------------------
-
-fn multiply(acc: ptr<function, Acc>, buf: u32) {
-    let a0 = buf * ABUF + ty;
-    let b0 = buf * BBUF + tx;
-    for (var k = 0u; k < BK; k++) {
-        var a: array<vec4<f32>, TM / 4u>;
-        var b: array<vec4<f32>, TN / 4u>;
-        for (var g = 0u; g < TM / 4u; g++) {
-            a[g] = As[a0 + k * AROW + g * (BM / TM)];
-        }
-        for (var h = 0u; h < TN / 4u; h++) {
-            b[h] = Bs[b0 + k * BROW + h * TX];
-        }
-        // rows 4g .. 4g+3 times column group h: acc[(4g + r) * TN / 4 + h] for r < 4
-        for (var g = 0u; g < TM / 4u; g++) {
-            for (var h = 0u; h < TN / 4u; h++) {
-                let j = g * TN + h;
-                (*acc)[j] = fma(vec4<f32>(a[g].x), b[h], (*acc)[j]);
-                (*acc)[j + TN / 4u] = fma(vec4<f32>(a[g].y), b[h], (*acc)[j + TN / 4u]);
-                (*acc)[j + TN / 2u] = fma(vec4<f32>(a[g].z), b[h], (*acc)[j + TN / 2u]);
-                (*acc)[j + 3u * TN / 4u] = fma(vec4<f32>(a[g].w), b[h], (*acc)[j + 3u * TN / 4u]);
-            }
-        }
-    }
-}
+// ---- the FMA core, multiply(acc, buf): gemm_core.wgsl, float32 or float16 arithmetic (TileConfig.half)
+// @include gemm_core
 
 // ---- epilogue -----------------------------------------------------------------------------------
 
@@ -415,7 +393,7 @@ fn lora_put(k0: u32) {
             if (m < P.M && k0 + k < P.r2) {
                 v = P.alpha2 * H[P.o5 + m * P.ldh + k0 + k];
             }
-            As[k * AROW + i / 4u][i % 4u] = v;
+            As[k * AROW + i / 4u][i % 4u] = Elem(v);
         }
     }
     for (var l = 0u; l < (BN * BK + WG - 1u) / WG; l++) {
@@ -428,7 +406,7 @@ fn lora_put(k0: u32) {
             if (n < P.N && k0 + k < P.r2) {
                 v = LB[P.o6 + n * P.ldlb + k0 + k];
             }
-            Bs[k * BROW + j / 4u][j % 4u] = v;
+            Bs[k * BROW + j / 4u][j % 4u] = Elem(v);
         }
     }
 }

@@ -12,7 +12,7 @@ import pytest
 
 from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
 from wgpu_train.engines.webgpu.device.launch import params_format, parse_params
-from wgpu_train.engines.webgpu.device.runtime import shader_path
+from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 
 # As tests/test_gemm.py: fp32 rounding grows like eps * sqrt(K); a wrong or missing term is O(1).
 PARAMS = parse_params(shader_path(T.SHADER).read_text())   # the uniform's (name, type) fields, as launch packs them
@@ -215,9 +215,11 @@ def test_configs_fit_default_limits():
 
 
 def test_tiled_source_rewrites_only_the_config_block():
-    """tiled_source keeps the line count, rewrites only the const block, and keeps exactly one of each pair
-    of sections (scalar / vec4 loads, plain / subgroup multiply) unchanged, blanking the other."""
-    text = shader_path(T.SHADER).read_text()
+    """tiled_source keeps the line count of the file with gemm_core.wgsl appended, rewrites only the const block
+    (and, for float16 arithmetic, the tiles' element type), and keeps exactly one of each pair of sections
+    (scalar / vec4 loads, plain / subgroup multiply, float32 / float16 core) unchanged, blanking the other."""
+    text = shader_text(T.SHADER)
+    assert text.startswith(shader_path(T.SHADER).read_text()) and "@f16-core begin" in text
     lines = text.splitlines()
 
     def section(name):
@@ -225,26 +227,29 @@ def test_tiled_source_rewrites_only_the_config_block():
         assert len(at) == 2, name
         return range(at[0], at[1] + 1)
 
-    sections = {name: section(name) for name in ("scalar", "vec4", "plain", "subgroups")}
+    sections = {name: section(name) for name in ("scalar", "vec4", "plain", "subgroups", "f32-core", "f16-core")}
     assert not re.search(r"subgroup[A-Z_]", "\n".join(lines[:sections["subgroups"][0]]))
-    for vec4 in (False, True):
-        for subgroups in (False, True):
-            src = T.tiled_source(T.TileConfig(128, 64, 16, 8, 4, vec4, double_buffer=True, subgroups=subgroups))
-            assert src.count("\n") == text.count("\n")
-            consts = dict(re.findall(r"const (BM|BN|BK|TM|TN|NBUF|PAD): u32 = (\d+)u;", src))
-            assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "4", "NBUF": "2",
-                              "PAD": "4" if subgroups else "0"}
-            out = src.splitlines()
-            blanked = {"vec4" if not vec4 else "scalar", "subgroups" if not subgroups else "plain"}
-            for name, rows in sections.items():
-                want = [""] * len(rows) if name in blanked else [lines[i] for i in rows]
-                assert [out[i] for i in rows] == want, (name, vec4, subgroups)
-            inside = {i for rows in sections.values() for i in rows}
-            changed = [i for i, (x, y) in enumerate(zip(lines, out)) if x != y and i not in inside]
-            assert len(changed) == 4 + subgroups     # BM, TN, BK, NBUF (and PAD) differ from the file's defaults
-            if not subgroups:
-                assert not re.search(r"subgroup[A-Z_]|quad[A-Z]", src)
-
+    for vec4, subgroups, half in [(v, s, False) for v in (False, True) for s in (False, True)] + [(True, False, True)]:
+        src = T.tiled_source(T.TileConfig(128, 64, 16, 8, 4, vec4, double_buffer=True, subgroups=subgroups, half=half))
+        assert src.count("\n") == text.count("\n")
+        consts = dict(re.findall(r"const (BM|BN|BK|TM|TN|NBUF|PAD): u32 = (\d+)u;", src))
+        assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "4", "NBUF": "2",
+                          "PAD": "4" if subgroups else "0"}
+        out = src.splitlines()
+        blanked = {"vec4" if not vec4 else "scalar", "subgroups" if not subgroups else "plain",
+                   "f32-core" if half else "f16-core"}
+        for name, rows in sections.items():
+            want = [""] * len(rows) if name in blanked else [lines[i] for i in rows]
+            assert [out[i] for i in rows] == want, (name, vec4, subgroups, half)
+        inside = {i for rows in sections.values() for i in rows}
+        changed = [i for i, (x, y) in enumerate(zip(lines, out)) if x != y and i not in inside]
+        # BM, TN, BK, NBUF (and PAD; and Elem) differ from the file's defaults
+        assert len(changed) == 4 + subgroups + half
+        assert ("alias Elem = f16;" in src) == half and ("alias Elem = f32;" in src) != half
+        if not subgroups:
+            assert not re.search(r"subgroup[A-Z_]|quad[A-Z]", src)
+        if not half:
+            assert "f16" not in re.sub(r"//[^\n]*", "", src)     # compiles without shader-f16
 
 
 def test_vec4_ok_and_groups():

@@ -14,9 +14,9 @@ import pytest
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
 from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, workgroup_bytes, workgroup_size
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, core, workgroup_bytes, workgroup_size
 from wgpu_train.engines.webgpu.device.operands import at
-from wgpu_train.engines.webgpu.device.runtime import shader_path
+from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 
 from tolerances import assert_close
 
@@ -71,9 +71,11 @@ def test_groups_and_applies():
 
 @pytest.mark.parametrize("fmt", QT.FORMATS)
 def test_source_specialises_the_block_and_appends_the_format(fmt):
-    """The template's lines keep their numbers (only the const block changes); the appended text is
-    gemm_quant.wgsl's sections for fmt, byte for byte (the same decoders), and nothing needs shader-f16."""
-    template = shader_path(QT.SHADER).read_text()
+    """The template's lines (gemm_core.wgsl appended, its float16 core blanked) keep their numbers (only the const
+    block changes); the appended text is gemm_quant.wgsl's sections for fmt, byte for byte (the same decoders),
+    and nothing needs shader-f16."""
+    template = core(shader_text(QT.SHADER), half=False)
+    assert template.startswith(shader_path(QT.SHADER).read_text()) and "fn multiply(" in template
     cfg = TileConfig(128, 64, 16, 8, 8, double_buffer=True)
     src = QT.qtiled_source(fmt, cfg, False)
     lines, tlines = src.split("\n"), template.split("\n")
@@ -92,6 +94,14 @@ def test_source_specialises_the_block_and_appends_the_format(fmt):
     assert "fn raw8(" in tail and "fn dec4(" in tail and "enable f16" not in src
     for other in QT.FORMATS:
         assert (QT.format_sections(other) in src) == (other == fmt), other
+    half = TileConfig(128, 64, 16, 8, 8, half=True)
+    if fmt != "float16":
+        with pytest.raises(ValueError, match="float16 arithmetic takes a float16 weight"):
+            QT.qtiled_source(fmt, half, True)
+        return
+    src16 = QT.qtiled_source(fmt, half, True)
+    assert "alias Elem = f16;" in src16 and "var part: array<vec4<f16>" in src16 and src16.count("fn multiply(") == 1
+    assert QT.qtiled_kernel(fmt, half, True).features == ("shader-f16",)
 
 
 # ---- the kernel ----------------------------------------------------------------------------------

@@ -273,6 +273,17 @@ TOLERANCES: dict[str, Tolerance] = {
         "rounding boundaries on top of the forward's; seen <= 0.011"),
     "f16_gpu_grads": Tolerance(0.0, 0.01,
         "a gradient over its largest element, float16 activations (3 more bits than bf16); seen <= 0.0046"),
+    # ---- float16 arithmetic (tests/test_f16_arithmetic.py): the f16 step above with every frozen-weight GEMM in
+    # float16 arithmetic (f16 products summed over 4 steps of k, then float32), against the NumPy engine's float32
+    # arithmetic. Each such GEMM adds up to 4 u (u = 2^-11) of its sum of |products| (gemm_kernels.
+    # f16_arithmetic_slack), random in sign, on top of f16_gpu_*'s differences. Measured on lavapipe (tiny llama,
+    # LoRA r=3 on q / v / down, float16 weights): logits 0.0076 on logits up to 2.9, loss 2.2e-4 on 4.9, gradients
+    # 0.0035 of the largest element; the same step in float32 arithmetic: loss 4.2e-6, gradients 0.0014. A dropped
+    # or doubled chunk of k moves logits by O(0.1) or more.
+    "f16_arith_logits": Tolerance(0.0, 0.02, "f16_gpu_logits plus float16 arithmetic's products; seen <= 0.0076"),
+    "f16_arith_loss": Tolerance(0.0, 1e-3, "the mean token loss after f16_arith_logits' differences; seen <= 2.2e-4"),
+    "f16_arith_grads": Tolerance(0.0, 0.01,
+        "a gradient over its largest element, float16 activations and arithmetic; seen <= 0.0035"),
 }
 
 

@@ -123,7 +123,8 @@ class DecodeProblem:
             return sorted(cands, key=lambda c: -getattr(c, "chunk", 1 << 30))
         return [*(c for c in cands if isinstance(c, Split)), *(c for c in cands if isinstance(c, Single))]
 
-    def tolerance(self, want: np.ndarray) -> float:
+    def tolerance(self, want: np.ndarray, cand=None) -> float:
+        """The largest error a correct candidate may make (each one's arithmetic is float32: cand is not read)."""
         return 1e-5 * math.sqrt(self.max_len) * 4 * (1 + float(np.max(np.abs(want))))
 
     def replica(self, rng):

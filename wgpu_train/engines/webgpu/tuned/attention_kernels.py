@@ -107,9 +107,10 @@ class AttentionProblem:
     def candidates(self) -> list:
         return candidates(self)
 
-    def tolerance(self, want: np.ndarray) -> float:
+    def tolerance(self, want: np.ndarray, cand=None) -> float:
         """The largest error a correct candidate may make on the replica's results (float32 arithmetic over T
-        keys, plus the rounding of its 16-bit outputs: the reference is exact, its inputs the rounded ones)."""
+        keys, plus the rounding of its 16-bit outputs: the reference is exact, its inputs the rounded ones; every
+        candidate's arithmetic is float32, so cand is not read)."""
         outputs = [n for n in ("out", "dq", "dk", "dv") if n in self.formats]
         top = float(np.max(np.abs(want)))
         return 1e-5 * math.sqrt(self.T) * 4 * (1 + top) + max(UNIT_ROUNDOFF[self.formats[n]] for n in outputs) * top

@@ -6,7 +6,12 @@ A, B and C may each be float32, bfloat16 or float16 (their buffers' storage form
 arithmetic float32; bias, split-K partials and the LoRA term's H and LB are float32. A 16-bit C is written a
 word (two elements) at a time, so it needs contiguous rows of even width, an even pitch and offset (Problem
 checks), and a candidate that stores pairs of adjacent columns: every tiled and split-K one (an invocation owns
-groups of 4 columns) and the unswapped register ones (a swap stores C transposed: Register.applies)."""
+groups of 4 columns) and the unswapped register ones (a swap stores C transposed: Register.applies).
+
+Where A and B are both float16 and the adapter has `shader-f16`, tiled candidates in float16 arithmetic join
+(TileConfig.half; gemm_core.wgsl: f16 products summed over 4 steps of k, accumulated in float32), checked by the
+tuner with their own bound (f16_arithmetic_slack) and chosen only where they are faster: as torch's
+allow_fp16_reduced_precision_reduction, on by default; WGPU_TRAIN_F16_ARITHMETIC=0 leaves them out."""
 from __future__ import annotations
 
 import functools
@@ -32,6 +37,8 @@ _F32 = 4
 # The unit roundoff of the 16-bit storage formats (8 and 11 significant bits): a value rounded to nearest in one
 # moves by at most this fraction of its magnitude
 ROUNDOFF = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}
+F16_CHUNK = 4              # steps of k an f16-arithmetic kernel sums in f16 (gemm_core.wgsl's KC)
+F16_SUBNORMAL_UNIT = 2.0 ** -24   # float16's smallest subnormal: an f16 rounding near zero errs by half of it
 
 _PROBE_SRC = """
 struct Params { lane: u32 };
@@ -93,6 +100,23 @@ def min_workgroup(rt) -> int:
 
 def is_cpu(rt) -> bool:
     return rt.info.adapter_type == "CPU"
+
+
+def f16_arithmetic(rt) -> bool:
+    """Whether float16-arithmetic candidates may run on this device: it has `shader-f16` and
+    WGPU_TRAIN_F16_ARITHMETIC is not 0."""
+    return "shader-f16" in rt.features and os.environ.get("WGPU_TRAIN_F16_ARITHMETIC", "1").strip() != "0"
+
+
+def f16_arithmetic_slack(products: float, K: int) -> float:
+    """What float16 arithmetic may add to a GEMM result's error, `products` the largest |alpha| sum_k |a_k b_k|
+    of its elements. Each F16_CHUNK-step partial is summed in f16 by multiply-adds, fused (one rounding each) or
+    not (WGSL allows either; lavapipe rounds the product, then the sum): either way at most F16_CHUNK roundings
+    each off by the unit roundoff u times at most the sum of the chunk's |products| (fused: F16_CHUNK partial
+    sums; unfused: F16_CHUNK products and F16_CHUNK - 1 sums, the first sum being exact), so F16_CHUNK u times
+    `products` over all chunks, to first order (1% margin for the second); plus half a subnormal unit for each of
+    the 2K roundings near zero."""
+    return 1.01 * F16_CHUNK * ROUNDOFF["f16"] * products + K * F16_SUBNORMAL_UNIT
 
 
 # ---- the problem ---------------------------------------------------------------------------------
@@ -179,9 +203,11 @@ class Problem:
         formats = "" if self.formats == ("f32",) * 3 else " " + "/".join(self.formats)
         return f"gemm {self.layout} m{bucket} n{self.N} k{self.K} b{self.batch} {'v4' if aligned else 'any'}{formats}"
 
-    def tolerance(self, want: np.ndarray) -> float:
-        """The largest error a correct candidate may show on a replica whose exact result is `want`."""
-        return gemm_tolerance(self.alpha, self.K, want, self.formats[2])
+    def tolerance(self, want: np.ndarray, cand=None) -> float:
+        """The largest error a correct candidate (cand: the one checked, for its arithmetic) may show on a
+        replica whose exact result is `want` (replica() sets the products' magnitude f16 arithmetic needs)."""
+        slack = f16_arithmetic_slack(self.products, self.K) if getattr(cand, "half", False) else 0.0
+        return gemm_tolerance(self.alpha, self.K, want, self.formats[2]) + slack
 
     def replica(self, rng):
         """(problem, C buffer, C's initial host values, C's expected values, buffers to release): this
@@ -203,6 +229,7 @@ class Problem:
         C = _strided(want, q.c_off, q.batch, q.c_sz, q.M, q.c_sm, q.N, q.c_sn)
         val = q.alpha * np.matmul(A, B) + (bias.astype(np.float64)[:q.N] if q.has_bias else 0.0)
         C[...] = val + C if q.accumulate else val    # writes into `want` through the view
+        q.products = float(np.max(abs(q.alpha) * np.matmul(np.abs(A), np.abs(B)), initial=0.0))
         return q, bufs[3], c0, want, bufs
 
 
@@ -393,12 +420,17 @@ class Tiled:
     """A workgroup-tiled candidate (one TileConfig), with `splits` > 1 for split-K plus a reduction pass."""
 
     def __init__(self, cfg, splits: int = 1):
-        self.cfg, self.splits = cfg, splits
-        self.family = "splitk" if splits > 1 else "tiled"
+        if cfg.half and splits > 1:
+            raise ValueError(f"{cfg.name}: no split-K in float16 arithmetic")
+        self.cfg, self.splits, self.half = cfg, splits, cfg.half
+        # float16 arithmetic is a family of its own, so that the tuner's fast mode times its best guess too
+        self.family = "splitk" if splits > 1 else ("tiled-f16" if cfg.half else "tiled")
         self.name = f"splitk{splits}/{cfg.name}" if splits > 1 else f"tiled/{cfg.name}"
 
     def applies(self, p: Problem) -> bool:
         if not tiled.fits(self.cfg, p.rt.limits, p.rt.features):
+            return False
+        if self.half and (p.formats[:2] != ("f16", "f16") or not f16_arithmetic(p.rt)):
             return False
         if self.cfg.vec4 and not tiled.vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz,
                                                p.b_off, p.b_sk, p.b_sn, p.b_sz):
@@ -434,10 +466,12 @@ class Tiled:
         return [(*first, groups), (*second, tiled.reduce_groups(p.M, -(-p.N // 2), p.batch))]
 
     def lora_applies(self, p: Problem) -> bool:
-        """Whether dispatches_with_lora can run p: one pass (no split-K) over one matrix (no batch)."""
-        return self.splits == 1 and p.batch == 1
+        """Whether dispatches_with_lora can run p: one pass (no split-K) over one matrix (no batch), float32
+        arithmetic (H and LB are float32)."""
+        return self.splits == 1 and p.batch == 1 and not self.half
 
-    def dispatches_with_lora(self, p: Problem, h, ldh: int, lb, r2: int, alpha2: float, ldlb: int | None = None) -> list:
+    def dispatches_with_lora(self, p: Problem, h, ldh: int, lb, r2: int, alpha2: float,
+                             ldlb: int | None = None) -> list:
         """[(pipeline, resources, groups)] of one dispatch computing C = p.alpha * op(A) op(B) + alpha2 * H LB^T
         (+ bias) (+ C): H (p.M, r2) rows ldh apart and LB (p.N, r2) rows ldlb (default r2) apart, buffers or
         (buffer, element offset) views (a LoRA module's h, possibly its columns of a group's h, and B).
@@ -462,7 +496,7 @@ def tiled_candidates(p: Problem) -> list:
     """Every tile configuration that fits, and split-K where the product is skinny (few output tiles, or a K
     much longer than the output's sides): the LoRA gradients (K = tokens) and the head's input gradient
     (K = the vocabulary)."""
-    out = [Tiled(cfg) for cfg in tiled.TILED_CONFIGS]
+    out = [Tiled(cfg) for cfg in tiled.TILED_CONFIGS + tiled.HALF_CONFIGS]
     tiles64 = -(-p.M // 64) * -(-p.N // 64) * p.batch
     if (tiles64 < 64 and p.K >= 512) or (tiles64 < 1024 and p.K >= 16 * max(p.M, p.N)):
         small = [cfg for cfg in tiled.TILED_CONFIGS
@@ -473,10 +507,11 @@ def tiled_candidates(p: Problem) -> list:
 
 def _gpu_rank(p: Problem, c) -> tuple:
     """Best guess first on a GPU, before anything was measured (unmeasured: a guess from the usual shape of
-    GPU SGEMMs): enough output tiles to fill the device first, then the biggest tile and vec4 loads."""
+    GPU SGEMMs): float32 arithmetic before float16 (the untuned default stays the exact one), enough output tiles
+    to fill the device, then the biggest tile and vec4 loads."""
     cfg = c.cfg
     tiles = -(-p.M // cfg.bm) * -(-p.N // cfg.bn) * p.batch * c.splits
-    return (tiles < 128, -(cfg.bm * cfg.bn) if tiles >= 128 else cfg.bm * cfg.bn, not cfg.vec4,
+    return (cfg.half, tiles < 128, -(cfg.bm * cfg.bn) if tiles >= 128 else cfg.bm * cfg.bn, not cfg.vec4,
             cfg.double_buffer, c.splits)
 
 
@@ -493,7 +528,8 @@ def candidates(p: Problem) -> list:
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them): each in
     float32, and each source and entry point in two mixes of 16-bit formats that together give every tensor
-    binding both (MIXED_FORMATS)."""
+    binding both (MIXED_FORMATS); a float16-arithmetic config with float16 A and B, C float32 or float16 (the
+    only way it runs: Tiled.applies)."""
     vecs = [None] + list(itertools.product((False, True), repeat=3))
     out = [register_kernel(wg, tm, sg, vec) for wg in WG_CHOICES for tm in TM_CHOICES for sg in (False, True)
            for vec in vecs]
@@ -502,4 +538,5 @@ def all_kernels() -> list[Kernel]:
         out += [tiled_kernel(cfg), tiled_lora_kernel(cfg), _reduce_kernel(cfg)]
         out += [k(cfg, f) for f in MIXED_FORMATS for k in (tiled_kernel, tiled_lora_kernel)]
         out += [_reduce_kernel(cfg, ((4, fmt),)) for fmt in ("bf16", "f16")]
+    out += [tiled_kernel(cfg, ((1, "f16"), (2, "f16")) + c) for cfg in tiled.HALF_CONFIGS for c in ((), ((4, "f16"),))]
     return out + [_PROBE]

@@ -4,9 +4,11 @@ Each TileConfig is one candidate kernel for the autotuner. The tile sizes also s
 arrays, whose lengths WGSL requires to be const expressions (override constants are rejected there), so
 tiled_source() rewrites the marked const block of the .wgsl text in place (line numbers stay those of the
 file), and keeps one of each pair of marked sections: the scalar or the vec4 global loads (cfg.vec4), and the
-plain or the subgroup multiply with its entry point (cfg.subgroups; entry_point()). Without subgroups the
-module then compiles on adapters without the `subgroup` feature (naga rejects a module using a subgroup
-builtin there, even in an unused entry point).
+plain or the subgroup multiply with its entry point (cfg.subgroups; entry_point()), and the float32 or float16
+core of gemm_core.wgsl (cfg.half: f16 tiles and f16 products summed over 4 steps of k, accumulated in float32;
+core()). Without subgroups the module then compiles on adapters without the `subgroup` feature (naga rejects a
+module using a subgroup builtin there, even in an unused entry point), and without half on those without
+`shader-f16`.
 
 Storage formats: A, B and C are tensors (device/storage.py's `// @tensor` markers, which launch expands for
 the buffers' formats), read and written as vec4s through their `// @tensor4` views (storage.views, declared for
@@ -20,17 +22,20 @@ from functools import lru_cache
 
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS
-from wgpu_train.engines.webgpu.device.runtime import shader_path
+from wgpu_train.engines.webgpu.device.runtime import shader_text
 
 SHADER = "gemm_tiled"
 REDUCE_ENTRY = "gemm_splitk_reduce"
 REDUCE_WG = 256
 SUBGROUP_FEATURE = "subgroup"
+F16_FEATURE = "shader-f16"
 SG_PAD = 4                    # vec4s of padding per k row of As / Bs in the subgroup kernels (see the .wgsl)
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
 # sections tiled_source() keeps or blanks: the subgroup or plain multiply and entry point, scalar or vec4 loads
 _SG, _PLAIN = ("// @subgroups begin", "// @subgroups end"), ("// @plain begin", "// @plain end")
 _SCALAR, _VEC4 = ("// @scalar begin", "// @scalar end"), ("// @vec4 begin", "// @vec4 end")
+_CORES = {False: ("// @f32-core begin", "// @f32-core end"), True: ("// @f16-core begin", "// @f16-core end")}
+_ELEM = re.compile(r"^(alias Elem = )f32;", re.M)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class TileConfig:
     vec4: bool = False            # vec4 global loads (the @vec4 section; see vec4_ok)
     double_buffer: bool = False   # two sets of tiles, one barrier per step
     subgroups: bool = False       # 2 x 2 quads of lanes share fragments (gemm_tiled_sg; needs_subgroups)
+    half: bool = False            # float16 tiles and arithmetic, float32 accumulation (float16 A and B only)
 
     def __post_init__(self):
         if self.tm % 4 or self.tn % 4 or self.bk % 4 or self.bm % self.tm or self.bn % self.tn:
@@ -52,18 +58,21 @@ class TileConfig:
         if self.subgroups and ((self.bm // self.tm) % 2 or (self.bn // self.tn) % 2):
             raise ValueError(f"{self.name}: the subgroup kernel needs an even number of invocations along "
                              "m and n (BM / TM, BN / TN): it pairs them in 2 x 2 quads")
+        if self.half and self.subgroups:
+            raise ValueError(f"{self.name}: no subgroup kernel in float16 arithmetic (its shuffles are float32)")
 
     @property
     def name(self) -> str:
         return (f"t{self.bm}x{self.bn}x{self.bk}_{self.tm}x{self.tn}" + ("_v4" if self.vec4 else "")
-                + ("_db" if self.double_buffer else "") + ("_sg" if self.subgroups else ""))
+                + ("_db" if self.double_buffer else "") + ("_sg" if self.subgroups else "")
+                + ("_f16" if self.half else ""))
 
     def __str__(self) -> str:     # kernel labels and module names
         return self.name
 
 
-def _both(bm, bn, bk, tm, tn, double_buffer=False, subgroups=False):
-    return [TileConfig(bm, bn, bk, tm, tn, v, double_buffer, subgroups) for v in (False, True)]
+def _both(bm, bn, bk, tm, tn, double_buffer=False, subgroups=False, half=False):
+    return [TileConfig(bm, bn, bk, tm, tn, v, double_buffer, subgroups, half) for v in (False, True)]
 
 
 # All fit WebGPU's default limits (16 KiB of workgroup storage, 256 invocations).
@@ -83,6 +92,14 @@ TILED_CONFIGS = (
     + _both(64, 64, 16, 8, 8, subgroups=True)       # 64 invocations, 10 KiB
 )
 
+# Float16 arithmetic, for float16 A and B only (where the adapter has `shader-f16`; fits()): f16 tiles take half
+# the workgroup memory, so BK doubles within the same bytes.
+HALF_CONFIGS = (
+    _both(64, 64, 16, 8, 4, half=True)              # 128 invocations, 4 KiB
+    + _both(128, 128, 16, 8, 8, half=True)          # 256 invocations, 8 KiB
+    + _both(128, 128, 16, 8, 8, double_buffer=True, half=True)   # 16 KiB
+)
+
 
 def workgroup_size(cfg: TileConfig) -> int:
     """Invocations per workgroup (all along x)."""
@@ -93,10 +110,15 @@ def _pad(cfg: TileConfig) -> int:
     return SG_PAD if cfg.subgroups else 0
 
 
+def element_bytes(cfg: TileConfig) -> int:
+    """Bytes of one element of the tiles: 2 in float16 arithmetic, else 4."""
+    return 2 if cfg.half else 4
+
+
 def workgroup_bytes(cfg: TileConfig) -> int:
     """Workgroup storage: the A and B tiles (k rows padded for the subgroup kernels), twice when
     double-buffered."""
-    return 4 * (cfg.bm + cfg.bn + 8 * _pad(cfg)) * cfg.bk * (2 if cfg.double_buffer else 1)
+    return element_bytes(cfg) * (cfg.bm + cfg.bn + 8 * _pad(cfg)) * cfg.bk * (2 if cfg.double_buffer else 1)
 
 
 def needs_subgroups(cfg: TileConfig) -> bool:
@@ -106,16 +128,16 @@ def needs_subgroups(cfg: TileConfig) -> bool:
 
 def kernel_features(cfg: TileConfig) -> tuple:
     """The optional WebGPU features cfg's module needs, as launch.Kernel.features takes them."""
-    return (SUBGROUP_FEATURE,) if cfg.subgroups else ()
+    return ((SUBGROUP_FEATURE,) if cfg.subgroups else ()) + ((F16_FEATURE,) if cfg.half else ())
 
 
 def fits(cfg: TileConfig, limits: dict, features=()) -> bool:
     """Whether the adapter's limits (wgpu's limit names; missing ones default to WebGPU's) and features
-    (e.g. Runtime.features) allow cfg. A subgroup config needs "subgroup" among the features given, so a
-    caller that passes none never gets one."""
+    (e.g. Runtime.features) allow cfg. A subgroup config needs "subgroup" among the features given, a half one
+    "shader-f16", so a caller that passes none never gets either."""
     lim = {**DEFAULT_LIMITS, **(limits or {})}
     wg = workgroup_size(cfg)
-    return ((not cfg.subgroups or SUBGROUP_FEATURE in (features or ()))
+    return (all(f in (features or ()) for f in kernel_features(cfg))
             and workgroup_bytes(cfg) <= lim["max-compute-workgroup-storage-size"]
             and wg <= lim["max-compute-invocations-per-workgroup"] and wg <= lim["max-compute-workgroup-size-x"])
 
@@ -131,7 +153,7 @@ def lora_entry_point(cfg: TileConfig) -> str:
 
 @lru_cache(maxsize=1)
 def _template() -> str:
-    return shader_path(SHADER).read_text()
+    return shader_text(SHADER)        # with gemm_core.wgsl appended
 
 
 def _blank(src: str, begin: str, end: str) -> str:
@@ -139,6 +161,16 @@ def _blank(src: str, begin: str, end: str) -> str:
     start = src.rindex("\n", 0, src.index(begin)) + 1
     stop = src.index("\n", src.index(end, start))
     return src[:start] + "\n" * src.count("\n", start, stop) + src[stop:]
+
+
+def core(src: str, half: bool) -> str:
+    """A tiled template's text (gemm_tiled.wgsl or gemm_quant_tiled.wgsl, gemm_core.wgsl appended) with the
+    float32 or (half) the float16 multiply kept and its tiles' element type set to match."""
+    if half:
+        src, n = _ELEM.subn(r"\g<1>f16;", src)
+        if n != 1:
+            raise ValueError("a tiled GEMM template must declare its tiles' element type once: alias Elem = f32;")
+    return _blank(src, *_CORES[not half])
 
 
 def tiled_source(cfg: TileConfig, formats=None) -> str:
@@ -156,7 +188,7 @@ def tiled_source(cfg: TileConfig, formats=None) -> str:
         if n != 1:
             raise ValueError(f"{SHADER}.wgsl: expected one 'const {name}: u32' in the tile-config block")
     src = src[:start] + block + src[end:]
-    src = _blank(src, *(_PLAIN if cfg.subgroups else _SG))
+    src = core(_blank(src, *(_PLAIN if cfg.subgroups else _SG)), cfg.half)
     return storage.views(_blank(src, *(_SCALAR if cfg.vec4 else _VEC4)), formats)
 
 

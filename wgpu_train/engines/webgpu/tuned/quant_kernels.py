@@ -1,6 +1,8 @@
 """The GEMM with a frozen float16 / NF4 weight as the tuner sees it: one product (QProblem) and its candidates,
 register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_tiled.py, shaped
-for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM."""
+for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM. A float16 weight
+times a float16 A also has tiled candidates in float16 arithmetic where the adapter has `shader-f16`, as the float
+GEMM (gemm_kernels.f16_arithmetic)."""
 from __future__ import annotations
 
 import functools
@@ -9,8 +11,8 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, gemm_tolerance, is_cpu,
-                                                          min_workgroup, use_subgroups)
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, f16_arithmetic, f16_arithmetic_slack,
+                                                          gemm_tolerance, is_cpu, min_workgroup, use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 from wgpu_train.engines.webgpu.device.operands import split
@@ -122,8 +124,11 @@ class QProblem:
         return (f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
                 + self.format_tag)
 
-    def tolerance(self, want: np.ndarray) -> float:
-        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt)
+    def tolerance(self, want: np.ndarray, cand=None) -> float:
+        """The largest error a correct candidate (cand: the one checked, for its arithmetic) may show on a replica
+        whose exact result is `want` (replica() sets the products' magnitude f16 arithmetic needs)."""
+        slack = f16_arithmetic_slack(self.products, self.K) if getattr(cand, "half", False) else 0.0
+        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt) + slack
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a
@@ -142,6 +147,7 @@ class QProblem:
         deq = wq.read(rt).astype(np.float64)
         rows_a = a[q.a_off + np.arange(q.M)[:, None] * q.lda + np.arange(q.K)[None, :]].astype(np.float64)
         val = rows_a @ (deq.T if self.layout == "nt" else deq)
+        q.products = float(np.max(np.abs(rows_a) @ np.abs(deq.T if self.layout == "nt" else deq), initial=0.0))
         if self.bias is not None:
             val += bias
         want = c0.astype(np.float64)
@@ -176,14 +182,16 @@ class QRegister:
 class QTiled:
     """A workgroup-tiled candidate (quant_tiled.py): the weight decoded into workgroup memory tile by tile."""
 
-    family = "qtiled"
-
     def __init__(self, cfg):
-        self.cfg = cfg
+        self.cfg, self.half = cfg, cfg.half
+        self.family = "qtiled-f16" if cfg.half else "qtiled"      # its own family: fast mode times it too
         self.name = f"qtiled/{cfg.name}"
 
     def applies(self, p: QProblem) -> bool:
-        return QT.qtiled_applies(self.cfg, p.w.dtype, p.layout, p.M, p.N, p.K, p.lda, p.a_off, p.rt.limits)
+        if self.half and (p.a_fmt != "f16" or not f16_arithmetic(p.rt)):
+            return False
+        return QT.qtiled_applies(self.cfg, p.w.dtype, p.layout, p.M, p.N, p.K, p.lda, p.a_off, p.rt.limits,
+                                 p.rt.features)
 
     def dispatches(self, p: QProblem) -> list:
         k = QT.qtiled_kernel(p.w.dtype, self.cfg, p.layout == "nt")
@@ -199,10 +207,10 @@ def register_candidate(p: QProblem, fast=None, subgroups=None) -> QRegister:
 
 def qcandidates(p: QProblem) -> list:
     """Every candidate for p, the default first: the register kernel on CPU adapters, on GPUs the tiled
-    kernel with the most output tiles per the biggest tile (an unmeasured guess)."""
-    tiles = [QTiled(cfg) for cfg in QT.QTILE_CONFIGS]
+    kernel in float32 arithmetic with the most output tiles per the biggest tile (an unmeasured guess)."""
+    tiles = [QTiled(cfg) for cfg in QT.QTILE_CONFIGS + QT.QTILE_HALF_CONFIGS]
     tiles = sorted((c for c in tiles if c.applies(p)),
-                   key=lambda c: (-(-p.M // c.cfg.bm) * -(-p.N // c.cfg.bn) < 128, -(c.cfg.bm * c.cfg.bn),
+                   key=lambda c: (c.half, -(-p.M // c.cfg.bm) * -(-p.N // c.cfg.bn) < 128, -(c.cfg.bm * c.cfg.bn),
                                   c.cfg.double_buffer))
     reg = [register_candidate(p)]
     return reg + tiles if is_cpu(p.rt) else tiles + reg
@@ -211,13 +219,16 @@ def qcandidates(p: QProblem) -> list:
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor this family can launch (the binding-limit and Tint checks go through them): each in
     float32, and each source and entry point with A and C in two mixes of 16-bit formats (MIXED_FORMATS; one tile
-    config, whose 16-bit code the others share) and the embedding gather into either 16-bit format."""
+    config, whose 16-bit code the others share), the float16-arithmetic configs with a float16 weight and A (C
+    float32 or float16), and the embedding gather into either 16-bit format."""
     entries = (("qgemm", False), ("qgemm_fast", False), ("qgemm_fast_sg", True))
     out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in Q.FORMATS for entry, sg in entries
            for wg in WG_CHOICES for tm in TM_CHOICES for nt in (False, True)]
     out += [qgemm_kernel(fmt, entry, 8, 32, nt, sg, f) for fmt in Q.FORMATS for entry, sg in entries
             for nt in (False, True) for f in MIXED_FORMATS]
     out += [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS for nt in (False, True)]
+    out += [QT.qtiled_kernel("float16", cfg, nt).with_formats(((1, "f16"),) + c) for cfg in QT.QTILE_HALF_CONFIGS
+            for nt in (False, True) for c in ((), ((4, "f16"),))]
     out += [QT.qtiled_kernel(fmt, QT.QTILE_CONFIGS[0], nt).with_formats(f) for fmt in QT.FORMATS
             for nt in (False, True) for f in MIXED_FORMATS]
     gathers = [Q.embed_gather_kernel(fmt) for fmt in Q.HALF_FORMATS]

@@ -7,7 +7,8 @@ ABSMAX or STATS CODE; fields M, N, K, flags, lda, ldc, cols), and any shape, off
 TileConfig is one specialisation: its sizes length private arrays, which WGSL allows only for const
 expressions, so qtiled_source() rewrites the template's marked const block (with NT, the layout) and
 appends gemm_quant.wgsl's format sections for the weight's format, so that both GEMMs decode a weight
-with the same WGSL. cfg.vec4 is not used (A is read with scalar loads); cfg.double_buffer is.
+with the same WGSL. cfg.vec4 is not used (A is read with scalar loads); cfg.double_buffer is, and cfg.half
+(float16 arithmetic, gemm_core.wgsl, as in the float GEMM) for a float16 weight and a float16 A only.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import re
 from functools import lru_cache
 
 from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS, Kernel
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, fits, workgroup_bytes, workgroup_size
+from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import (TileConfig, core, fits, kernel_features, workgroup_bytes,
+                                                            workgroup_size)
 
 SHADER = "gemm_quant_tiled"
 ENTRY = "qgemm_tiled"
@@ -39,6 +41,11 @@ QTILE_CONFIGS = (
     TileConfig(64, 64, 8, 4, 4),                        # 256 invocations, 4 KiB
     TileConfig(64, 64, 16, 8, 4, double_buffer=True),   # 128 invocations, 16 KiB
 )
+# Float16 arithmetic, for a float16 weight and a float16 A only (where the adapter has `shader-f16`)
+QTILE_HALF_CONFIGS = (
+    TileConfig(64, 64, 16, 8, 4, half=True),            # 128 invocations, 4 KiB
+    TileConfig(128, 64, 16, 8, 8, half=True),           # 128 invocations, 6 KiB
+)
 
 
 def _check(fmt: str, cfg: TileConfig):
@@ -46,6 +53,9 @@ def _check(fmt: str, cfg: TileConfig):
         raise ValueError(f"quantised tiled GEMM formats are {FORMATS}, not {fmt!r}")
     if cfg.bk % 8 or cfg.bn % 8:
         raise ValueError(f"{cfg.name}: the quantised tiled GEMM needs BK and BN multiples of 8 (whole 8-weight groups)")
+    if cfg.half and fmt != "float16":
+        raise ValueError(f"{cfg.name}: float16 arithmetic takes a float16 weight, not {fmt} (converting it would "
+                         "round it)")
 
 
 @lru_cache(maxsize=None)
@@ -73,9 +83,9 @@ def format_sections(fmt: str) -> str:
 
 @lru_cache(maxsize=1)
 def _template() -> str:
-    from wgpu_train.engines.webgpu.device.runtime import shader_path
+    from wgpu_train.engines.webgpu.device.runtime import shader_text
 
-    return shader_path(SHADER).read_text()
+    return shader_text(SHADER)        # with gemm_core.wgsl appended
 
 
 @lru_cache(maxsize=None)
@@ -92,14 +102,14 @@ def qtiled_source(fmt: str, cfg: TileConfig, nt: bool) -> str:
         block, n = re.subn(rf"(const {name}: \w+ = )\w+;", rf"\g<1>{value};", block)
         if n != 1:
             raise ValueError(f"{SHADER}.wgsl: expected one 'const {name}' in the tile-config block")
-    return src[:start] + block + src[end:] + "\n" + format_sections(fmt) + "\n"
+    return core(src[:start] + block + src[end:], cfg.half) + "\n" + format_sections(fmt) + "\n"
 
 
 def qtiled_kernel(fmt: str, cfg: TileConfig, nt: bool) -> Kernel:
     """The kernel for weights stored as fmt, tile cfg and layout nt (True: "nt", False: "nn")."""
     _check(fmt, cfg)
     return Kernel(SHADER, ENTRY, BINDINGS[fmt], source=(qtiled_source, fmt, cfg, bool(nt)),
-                  invocations=workgroup_size(cfg), workgroup_bytes=workgroup_bytes(cfg))
+                  invocations=workgroup_size(cfg), workgroup_bytes=workgroup_bytes(cfg), features=kernel_features(cfg))
 
 
 def qtiled_groups(cfg: TileConfig, M: int, N: int) -> tuple:
@@ -108,12 +118,15 @@ def qtiled_groups(cfg: TileConfig, M: int, N: int) -> tuple:
 
 
 def qtiled_applies(cfg: TileConfig, fmt: str, layout: str, M: int, N: int, K: int, lda: int = 0, a_off: int = 0,
-                   limits: dict | None = None) -> bool:
+                   limits: dict | None = None, features=()) -> bool:
     """Whether cfg can run this product on an adapter with these limits (wgpu's names; missing ones default
     to WebGPU's): the kernel takes any shape, offset and pitch, so only the workgroup limits and the grid
-    size matter (lda and a_off are accepted for the autotuner's uniform call and do not restrict)."""
+    size matter (lda and a_off are accepted for the autotuner's uniform call and do not restrict); a float16-
+    arithmetic cfg needs a float16 weight and "shader-f16" among the features (its A's format: the caller's)."""
     if fmt not in FORMATS or layout not in LAYOUTS or cfg.bk % 8 or cfg.bn % 8 or min(M, N, K) < 1:
+        return False
+    if cfg.half and fmt != "float16":
         return False
     lim = {**DEFAULT_LIMITS, **(limits or {})}
     max_groups = lim.get("max-compute-workgroups-per-dimension", 65535)
-    return fits(cfg, lim) and max(qtiled_groups(cfg, M, N)) <= max_groups
+    return fits(cfg, lim, features) and max(qtiled_groups(cfg, M, N)) <= max_groups

@@ -263,7 +263,6 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
     # the replica's result: one buffer, or (buffer, elements) pairs (attention: its outputs, then float32 statistics),
     # each in its storage format
     parts = c_buf if isinstance(c_buf, list) else [(c_buf, c0.size)]
-    tol = q.tolerance(want)
     results: dict = {}
     best_t = float("inf")
     try:
@@ -281,6 +280,7 @@ def measure(rt, p, cands: list, peak_gflops: float = 0.0, timer=None) -> dict:
             rec.submit()
             got = np.concatenate([storage.read(rt, buf, n) for buf, n in parts]).reshape(c0.shape)
             err = float(np.max(np.abs(got - want))) if got.size else 0.0
+            tol = q.tolerance(want, cand)
             if not err <= tol:
                 log.warning("wgpu-train: GEMM candidate %s is wrong on %s for %s (max error %.3g); not used",
                             cand.name, rt.info.name, p.describe(), err)

@@ -1,0 +1,82 @@
+// The FMA core of the workgroup-tiled GEMMs (gemm_tiled.wgsl, gemm_quant_tiled.wgsl), appended to them by their
+// `// @include gemm_core` line: multiply(acc, buf) adds the products of the staged tiles in buffer `buf` to an
+// invocation's TM x TN accumulators. The template defines the tiles As ([buffer][k][m / 4], rows AROW vec4s
+// apart, ABUF per buffer) and Bs ([buffer][k][n / 4], BROW, BBUF) of vec4<Elem>, BM, BN, BK, TM, TN, TX, Acc
+// and the invocation's tx / ty. Its source builder (gemm_tiled_src.core) keeps one of the two sections below:
+//
+// - float32 arithmetic (Elem = f32): one fused multiply-add per product into the f32 accumulators.
+// - float16 arithmetic (Elem = f16, the shader-f16 extension; only for f16 operands, whose values the tiles
+//   hold exactly): the products of KC = 4 consecutive steps of k are multiplied and summed in f16 by
+//   multiply-adds from zero, each rounded to f16 (WGSL lets fma round its product too: lavapipe does), and each
+//   such partial sum is added to the f32 accumulators. GPUs with packed f16 ALUs (AMD, Intel Arc, Apple) do two
+//   f16 FMAs per f32 FMA slot and hold the fragments in half the registers; the f32 accumulation keeps the
+//   error of a K-long sum to about KC units of f16 roundoff times the products' magnitudes
+//   (gemm_kernels.f16_arithmetic_slack) instead of K. A product or partial past f16's range (65504) becomes
+//   inf, which f16's loss scaler catches as it catches an overflowing activation.
+//
+// Loops have constant trip counts and indices once unrolled, so the accumulators and the fragments of As / Bs
+// stay in registers. Rows 4g .. 4g+3 times column group h go to acc[(4g + r) * TN / 4 + h], r < 4.
+
+// @f32-core begin
+fn multiply(acc: ptr<function, Acc>, buf: u32) {
+    let a0 = buf * ABUF + ty;
+    let b0 = buf * BBUF + tx;
+    for (var k = 0u; k < BK; k++) {
+        var a: array<vec4<f32>, TM / 4u>;
+        var b: array<vec4<f32>, TN / 4u>;
+        for (var g = 0u; g < TM / 4u; g++) {
+            a[g] = As[a0 + k * AROW + g * (BM / TM)];
+        }
+        for (var h = 0u; h < TN / 4u; h++) {
+            b[h] = Bs[b0 + k * BROW + h * TX];
+        }
+        for (var g = 0u; g < TM / 4u; g++) {
+            for (var h = 0u; h < TN / 4u; h++) {
+                let j = g * TN + h;
+                (*acc)[j] = fma(vec4<f32>(a[g].x), b[h], (*acc)[j]);
+                (*acc)[j + TN / 4u] = fma(vec4<f32>(a[g].y), b[h], (*acc)[j + TN / 4u]);
+                (*acc)[j + TN / 2u] = fma(vec4<f32>(a[g].z), b[h], (*acc)[j + TN / 2u]);
+                (*acc)[j + 3u * TN / 4u] = fma(vec4<f32>(a[g].w), b[h], (*acc)[j + 3u * TN / 4u]);
+            }
+        }
+    }
+}
+// @f32-core end
+
+// @f16-core begin
+const KC: u32 = 4u;    // steps of k summed in f16 before each f32 accumulation (BK is a multiple of 4)
+
+fn multiply(acc: ptr<function, Acc>, buf: u32) {
+    let a0 = buf * ABUF + ty;
+    let b0 = buf * BBUF + tx;
+    for (var k0 = 0u; k0 < BK; k0 += KC) {
+        // zeroed here for each chunk: left to its declaration, naga (wgpu 0.32, lavapipe) kept the last chunk's sums
+        var part: array<vec4<f16>, TM * TN / 4u>;
+        for (var j = 0u; j < TM * TN / 4u; j++) {
+            part[j] = vec4<f16>(0.0);
+        }
+        for (var k = k0; k < k0 + KC; k++) {
+            var a: array<vec4<f16>, TM / 4u>;
+            var b: array<vec4<f16>, TN / 4u>;
+            for (var g = 0u; g < TM / 4u; g++) {
+                a[g] = As[a0 + k * AROW + g * (BM / TM)];
+            }
+            for (var h = 0u; h < TN / 4u; h++) {
+                b[h] = Bs[b0 + k * BROW + h * TX];
+            }
+            for (var g = 0u; g < TM / 4u; g++) {
+                for (var h = 0u; h < TN / 4u; h++) {
+                    let j = g * TN + h;
+                    part[j] = fma(vec4<f16>(a[g].x), b[h], part[j]);
+                    part[j + TN / 4u] = fma(vec4<f16>(a[g].y), b[h], part[j + TN / 4u]);
+                    part[j + TN / 2u] = fma(vec4<f16>(a[g].z), b[h], part[j + TN / 2u]);
+                    part[j + 3u * TN / 4u] = fma(vec4<f16>(a[g].w), b[h], part[j + 3u * TN / 4u]);
+                }
+            }
+        }
+        for (var j = 0u; j < TM * TN / 4u; j++) {
+            (*acc)[j] += vec4<f32>(part[j]);
+        }
+    }
+}
+// @f16-core end
