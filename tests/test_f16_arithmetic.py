@@ -263,3 +263,18 @@ def test_lora_step_through_f16_arithmetic_matches_numpy(tmp_path, rt):
     for k in grads_ref:
         top = np.abs(grads_ref[k]).max()
         assert_close(grads_gpu[k] / top, grads_ref[k] / top, "f16_arith_grads", k)
+
+
+def test_the_precision_bench_times_both_arithmetics(rt, monkeypatch):
+    """`wgpu-train bench --only precision`'s f16-arithmetic rows (a small shape here): both GEMMs, each checked,
+    timed in both arithmetics where the adapter has shader-f16; said not offered elsewhere."""
+    from wgpu_train.bench import precision
+    from wgpu_train.engines.webgpu.device.timing import Timer
+
+    monkeypatch.setattr(precision, "GEMM", (24, 40, 32))
+    out = precision._f16_arithmetic(rt, Timer(rt))
+    assert out["offered"] == ("shader-f16" in rt.features), out
+    for name in ("qgemm_float16_weight", "gemm_float16_operands") if out["offered"] else ():
+        row = out[name]
+        assert row["f16_arithmetic_gflops"] > 0 and row["f32_arithmetic_gflops"] > 0
+        assert row["f16_time_vs_f32"] == pytest.approx(row["f32_arithmetic_gflops"] / row["f16_arithmetic_gflops"])

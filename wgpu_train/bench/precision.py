@@ -1,7 +1,11 @@
 """`wgpu-train bench --only precision`: fp32, bf16 and f16 activations side by side in one run: a GEMM, attention,
 an elementwise op and a LoRA step of a SmolLM2-135M-shaped model (tokens/s and activation memory), each 16-bit
-figure next to fp32's from the same run; each kernel checked against NumPy before it is timed."""
+figure next to fp32's from the same run; each kernel checked against NumPy before it is timed. Where the adapter
+has shader-f16, the two GEMMs f16 arithmetic serves (float16 x times a frozen float16 weight; float16 times
+float16) in one tile config in float32 and in float16 arithmetic, side by side."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -98,6 +102,58 @@ def _kernels(rt, timer, fmt: str) -> dict:
     return out
 
 
+def _f16_arithmetic(rt, timer) -> dict:
+    """Seconds of the GEMM's shape with float16 operands (a frozen float16 weight: the forward of a layer under
+    --base-dtype float16; a float16 B: e.g. a weight gradient dy^T x) in one tile config in float32 arithmetic
+    and its twin in float16 arithmetic, each checked against float64 first (the f16 one within its bound,
+    gemm_kernels.f16_arithmetic_slack), and the f16 time over the f32 one."""
+    from wgpu_train.engines.webgpu.device import storage
+    from wgpu_train.engines.webgpu.tuned import gemm as G
+    from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
+    from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+    from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+    from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
+
+    if not GK.f16_arithmetic(rt):
+        return {"offered": False, "why": "the adapter lacks shader-f16 (or WGPU_TRAIN_F16_ARITHMETIC=0)"}
+    rng = np.random.default_rng(0)
+    n, o, i = GEMM
+    x = storage.rounded(rng.standard_normal(n * i).astype(np.float32), "f16").reshape(n, i)
+    w16 = storage.rounded(rng.normal(0, 0.02, o * i).astype(np.float32), "f16").reshape(o, i)
+    xb, wt, y = _tensor(rt, x, "f16"), _tensor(rt, w16.T.copy(), "f16"), _empty(rt, n * o, "f32")
+    frozen = QuantMatrix(rt, w16, "float16", "bench f16 weight")
+    X, W = x.astype(np.float64), w16.astype(np.float64)
+    want = X @ W.T
+    bound = (GK.gemm_tolerance(1.0, i, want)
+             + GK.f16_arithmetic_slack(float(np.max(np.abs(X) @ np.abs(W.T))), i))
+    tile = T.TileConfig(64, 64, 16, 8, 4)     # in both families' configs, with a float16-arithmetic twin
+    problems = {"qgemm_float16_weight": (QProblem(rt, y, xb, frozen, 0, "nt", n), QTiled),
+                "gemm_float16_operands": (G.gemm_problem(rt, y, xb, wt, n, o, i), GK.Tiled)}
+    out = {"offered": True, "tile": tile.name}
+    try:
+        for name, (p, family) in problems.items():
+            secs = {}
+            for half in (False, True):
+                cand = family(dataclasses.replace(tile, half=half))
+                if not cand.applies(p):
+                    raise AssertionError(f"{cand.name} does not apply to {name}")
+                dispatches = cand.dispatches(p)
+                rec = rt.recorder()
+                for d in dispatches:
+                    rec.dispatch(*d)
+                rec.submit()
+                err = float(np.max(np.abs(storage.read(rt, y, n * o).reshape(n, o) - want)))
+                if not err <= (bound if half else GK.gemm_tolerance(1.0, i, want)):
+                    raise AssertionError(f"{name} {cand.name} gave a wrong result (max error {err:.3g})")
+                secs["f16" if half else "f32"] = timer.time(dispatches, repeats=3, budget_s=2.0)
+            out[name] = {"f32_arithmetic_gflops": 2.0 * n * o * i / secs["f32"] / 1e9,
+                         "f16_arithmetic_gflops": 2.0 * n * o * i / secs["f16"] / 1e9,
+                         "f16_time_vs_f32": secs["f16"] / secs["f32"]}
+    finally:
+        rt.release(xb, wt, y, *[b for b, _, _ in frozen.chunks])
+    return out
+
+
 def _step(rt, precision: str, steps: int) -> dict:
     """Median seconds of a LoRA step (r=8, all linear layers) and the bytes of its activation bucket."""
     from wgpu_train.bench.training import random_batch, random_lora, random_weights, timed
@@ -154,4 +210,5 @@ def bench_precision(rt, steps: int = 3) -> dict:
         del r["_s"]
     return {"model": "SmolLM2-135M-shaped Llama (2 of 30 layers), LoRA r=8 all-linear",
             "step_batch": f"{STEP_BATCH[0]}x{STEP_BATCH[1]}", "gemm": "x (512, 576) W^T (576, 1536)",
-            "attention": "causal forward, T 512, 9 / 3 heads, D 64", "add": f"{ELEMENTS} elements", **rows}
+            "attention": "causal forward, T 512, 9 / 3 heads, D 64", "add": f"{ELEMENTS} elements", **rows,
+            "f16_arithmetic": _f16_arithmetic(rt, timer)}
