@@ -13,6 +13,24 @@ class Tolerance(NamedTuple):
     reason: str
 
 
+# A 16-bit output (bfloat16 or float16 activations) is its kernel's float32 result rounded once to the format;
+# the reference is the exact (float64) result on the same rounded inputs, rounded once the same way.
+_SIXTEEN_BIT = {"bf16": ("bfloat16", 2.0 ** -7, "2^-7", 8), "f16": ("float16", 2.0 ** -10, "2^-10", 11)}
+
+
+def sixteen_bit(fmt: str, f32_rtol: float, atol: float, family_reason: str) -> Tolerance:
+    """The tolerance of a 16-bit output (fmt "bf16" or "f16") whose float32 part is (f32_rtol, atol):
+    rtol = one unit in the last place of the format (2^-7 relative for bf16, 2^-10 for f16) + f32_rtol,
+    atol = atol. family_reason says what is computed and what a bug would look like."""
+    name, ulp, ulp_text, bits = _SIXTEEN_BIT[fmt]
+    f32_part = f"rtol {f32_rtol:g}, atol {atol:g}" if f32_rtol else f"no relative part, atol {atol:g}"
+    return Tolerance(ulp + f32_rtol, atol,
+        f"a {name} output ({bits} significant bits) rounded once from a float32 result: where the float32 error "
+        f"carries a value across a rounding boundary, the kernel's and the reference's stored values are "
+        f"neighbours, one unit in the last place apart (at most {ulp_text} of the value, twice the unit roundoff); "
+        f"rtol is that unit plus the family's float32 part ({f32_part}). {family_reason}")
+
+
 # An element passes when |actual - expected| <= atol + rtol * |expected| (numpy.isclose's rule).
 # Add entries for new comparisons here rather than writing numbers into tests.
 TOLERANCES: dict[str, Tolerance] = {
@@ -195,60 +213,57 @@ TOLERANCES: dict[str, Tolerance] = {
     # The output is the float32 result (k_attention's error) rounded once to the format; where the float32 error
     # moves a value across a rounding boundary the stored value is the neighbouring one, one unit in the last place
     # away: at most 2^-7 of the value for bfloat16's 8 significant bits, 2^-10 for float16's 11.
-    "decode16_attention_bf16": Tolerance(2.0 ** -7 + 2e-5, 5e-6,
-        "cached attention (online softmax over <= 70 keys, float32) stored as bfloat16: k_attention's float32 "
-        "error plus one bfloat16 ulp (2^-7 relative at most); a wrong key, position or scale is off by > 1e-1"),
-    "decode16_attention_f16": Tolerance(2.0 ** -10 + 2e-5, 5e-6,
-        "cached attention (online softmax over <= 70 keys, float32) stored as float16: k_attention's float32 "
-        "error plus one float16 ulp (2^-10 relative at most); a wrong key, position or scale is off by > 1e-1"),
+    "decode16_attention_bf16": sixteen_bit("bf16", 2e-5, 5e-6,
+        "Cached attention (online softmax over <= 70 keys, float32), its float32 part k_attention's; a wrong key, "
+        "position or scale is off by > 1e-1"),
+    "decode16_attention_f16": sixteen_bit("f16", 2e-5, 5e-6,
+        "Cached attention (online softmax over <= 70 keys, float32), its float32 part k_attention's; a wrong key, "
+        "position or scale is off by > 1e-1"),
     # ---- 16-bit rows (tests/test_rows16.py): rmsnorm, rope, swiglu / geglu, LoRA dropout and DoRA storing
     # bfloat16 / float16 tensors, against the float64 reference of the same rounded inputs, its output rounded
     # once to the format. Where the kernel's float32 result and the reference lie on either side of a rounding
     # boundary the two stored values are neighbours: one unit in the last place apart, at most 2^-7 of the value
     # in bfloat16 (8 significant bits) and 2^-10 in float16 (11; its subnormals' unit, 2^-24, is inside atol).
     # On top of that the float32 part: the largest of the kernels' own float32 entries (k_rmsnorm's).
-    "k16_bf16": Tolerance(2.0 ** -7 + 2e-5, 2e-6,
-        "a bfloat16 output: one bfloat16 unit in the last place (2^-7 relative at most) where float32 arithmetic "
-        "and the float64 reference round to neighbours, plus k_rmsnorm's float32 part; a wrong pair, offset or "
-        "format is off by far more"),
-    "k16_f16": Tolerance(2.0 ** -10 + 2e-5, 2e-6,
-        "a float16 output: one float16 unit in the last place (2^-10 relative at most) where float32 arithmetic "
-        "and the float64 reference round to neighbours, plus k_rmsnorm's float32 part; a wrong pair, offset or "
-        "format is off by far more"),
+    "k16_bf16": sixteen_bit("bf16", 2e-5, 2e-6,
+        "Row kernels (rmsnorm, rope, swiglu / geglu, LoRA dropout, DoRA), their float32 part k_rmsnorm's; a wrong "
+        "pair, offset or format is off by far more"),
+    "k16_f16": sixteen_bit("f16", 2e-5, 2e-6,
+        "Row kernels (rmsnorm, rope, swiglu / geglu, LoRA dropout, DoRA), their float32 part k_rmsnorm's; "
+        "float16's subnormals (unit 2^-24) fall inside atol; a wrong pair, offset or format is off by far more"),
     # ---- float GEMMs with 16-bit activations (tests/test_gemm16.py): float32 arithmetic from the rounded inputs,
     # against float64 on the same rounded values with the exact result rounded once to the output's format ----
-    "k_gemm16_bf16": Tolerance(2.0 ** -7, 3e-4,
-        "a bfloat16 output rounded once from the float32 sum: where float32's summation order (or a fused "
-        "multiply-add) moves the sum across a rounding boundary it rounds to the neighbour of the exact result's "
-        "rounding, one unit in the last place, at most 2^-7 of the value (8 significant bits; the unit roundoff "
-        "2^-8 is half of it); atol: the float32 part near zero, as test_gemm.py (1e-5 sqrt(K), K <= 520). A wrong "
-        "or missing term, or a half word written by the wrong invocation, is off by O(1)"),
-    "k_gemm16_f16": Tolerance(2.0 ** -10, 3e-4,
-        "as k_gemm16_bf16 for a float16 output: one unit in the last place is at most 2^-10 of the value (11 "
-        "significant bits; values here are normal, far from float16's range limits)"),
+    "k_gemm16_bf16": sixteen_bit("bf16", 0.0, 3e-4,
+        "Float GEMMs: float32's summation order (or a fused multiply-add) is what moves the sum; atol is the "
+        "float32 part near zero, as test_gemm.py (1e-5 sqrt(K), K <= 520). A wrong or missing term, or a half word "
+        "written by the wrong invocation, is off by O(1)"),
+    "k_gemm16_f16": sixteen_bit("f16", 0.0, 3e-4,
+        "Float GEMMs: float32's summation order (or a fused multiply-add) is what moves the sum; atol is the "
+        "float32 part near zero, as test_gemm.py (1e-5 sqrt(K), K <= 520); values here are normal, far from "
+        "float16's range limits. A wrong or missing term, or a half word written by the wrong invocation, is off "
+        "by O(1)"),
     "k_gemm16_f32": Tolerance(1e-5, 3e-4,
         "a float32 output (h, dW, dbias, dA, dB) from 16-bit inputs, which the reference reads as stored: "
         "float32 rounding over K <= 520 products of O(1) terms, as test_gemm.py (1e-5 relative, 1e-5 sqrt(K))"),
     # ---- 16-bit activations, frozen-weight GEMMs (tests/test_quant16.py): the float32 result rounded once to C's
     # format, against float64 rounded once the same way ----
-    "quant16_bf16": Tolerance(1e-5 + 2.0 ** -7, 1e-4,
-        "k_quant_gemm's float32 part, plus one unit of bfloat16's last place: where the float32 sum and the float64 "
-        "one lie on either side of a rounding boundary they round to neighbours, one ulp apart (2^-8 to 2^-7 of "
-        "the value: 8 significant bits); more than one ulp is a bug"),
-    "quant16_f16": Tolerance(1e-5 + 2.0 ** -10, 1e-4,
-        "as quant16_bf16 for float16: one ulp is 2^-11 to 2^-10 of a normal value (11 significant bits), and "
-        "float16's subnormals (ulp 2^-24) fall inside the float32 part's atol"),
+    "quant16_bf16": sixteen_bit("bf16", 1e-5, 1e-4,
+        "Frozen-weight (float16 / NF4) GEMMs, their float32 part k_quant_gemm's; one ulp is 2^-8 to 2^-7 of the "
+        "value, and more than one ulp is a bug"),
+    "quant16_f16": sixteen_bit("f16", 1e-5, 1e-4,
+        "Frozen-weight (float16 / NF4) GEMMs, their float32 part k_quant_gemm's; one ulp is 2^-11 to 2^-10 of a "
+        "normal value, float16's subnormals (ulp 2^-24) fall inside atol, and more than one ulp is a bug"),
     # ---- attention on 16-bit tensors (tests/test_attention16.py) ----
     # The reference is float64 on the same rounded inputs, its output rounded once to the format; the kernel's float32
     # result is within k_attention_grad of the exact value, and rounding each of the two moves it by at most the unit
     # roundoff u of the format times its value: they differ by at most 2u relative (one unit in the last place where
     # the float32 error carries a value across a rounding boundary) plus the float32 part.
-    "k_attention16_bf16": Tolerance(2.0 ** -7 + 1e-4, 1e-5,
-        "bfloat16 attention outputs and gradients (u = 2^-8, 8 significant bits): 2u = 2^-7 relative plus "
-        "k_attention_grad's float32 part; a wrong mask, row or half of a pair is off by far more"),
-    "k_attention16_f16": Tolerance(2.0 ** -10 + 1e-4, 1e-5,
-        "float16 attention outputs and gradients (u = 2^-11, 11 significant bits): 2u = 2^-10 relative plus "
-        "k_attention_grad's float32 part; inputs of magnitude ~1, far from float16's range limits"),
+    "k_attention16_bf16": sixteen_bit("bf16", 1e-4, 1e-5,
+        "Attention outputs and gradients (u = 2^-8), their float32 part k_attention_grad's; a wrong mask, row or "
+        "half of a pair is off by far more"),
+    "k_attention16_f16": sixteen_bit("f16", 1e-4, 1e-5,
+        "Attention outputs and gradients (u = 2^-11), their float32 part k_attention_grad's; inputs of magnitude "
+        "~1, far from float16's range limits; a wrong mask, row or half of a pair is off by far more"),
     # ---- 16-bit training on the GPU (tests/test_precision_gpu.py): the WebGPU engine against the NumPy engine
     # with the same rounding points. Both compute in float32 and round at the same stores, so where their float32
     # sums agree they agree bit for bit (6 of the 14 family x format cases on lavapipe: logits within 7.2e-7). Where

@@ -395,8 +395,8 @@ def precision_choice(precision: str, engine: str, cpu_adapter: bool = False, cfg
     on GPUs (half the activation bytes and memory traffic, float32's range, no loss scaling) and fp32 elsewhere:
     the NumPy engine is the float32 reference, and a CPU adapter pays for 16-bit conversions without the
     bandwidth to gain; and for a model (cfg) with an odd width, which 16-bit kernels cannot store. ConfigError
-    for a precision the engine cannot run."""
-    check_precision(precision, engine)
+    for a precision that is not one of PRECISION_CHOICES (both engines run all the others)."""
+    check_precision(precision)
     if precision != "auto":
         return precision, "as given"
     if engine == "numpy":
@@ -408,15 +408,6 @@ def precision_choice(precision: str, engine: str, cpu_adapter: bool = False, cfg
     except ConfigError:
         return "fp32", "auto: this model has an odd width, which 16-bit activations cannot store"
     return "bf16", "auto: a GPU (16-bit activations halve their memory and traffic; bf16 keeps float32's range)"
-
-
-def backend_engine(backend: str) -> str:
-    """The engine a backend choice runs: "wgpu" or "numpy" ("auto": wgpu where a WebGPU adapter exists)."""
-    if backend == "auto":
-        from wgpu_train.engines.webgpu.device import runtime
-
-        return "wgpu" if runtime.has_adapter() else "numpy"
-    return backend
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
@@ -434,7 +425,6 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
         else:
             from wgpu_train.engines.webgpu.engine import WgpuEngine
 
-            check_precision(precision, "wgpu")         # before any weight is uploaded
             check_precision_widths(precision, config)
             rt = runtime.get_runtime(device)
             precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU", config)

@@ -19,8 +19,6 @@ PREFILL_TOKENS = 256
 # in each): fp32, bf16 or f16 (f16 with dynamic loss scaling, LossScaler). "auto" is resolved by engines/model.py.
 PRECISIONS = ("fp32", "bf16", "f16")
 PRECISION_CHOICES = ("auto",) + PRECISIONS
-# the precisions each engine runs: both run all (the NumPy engine is the reference of the rounding points)
-BUILT_PRECISIONS = {"numpy": PRECISIONS, "wgpu": PRECISIONS}
 
 # How generation's KV cache stores keys and values (engine.kv_dtype; attention over it computes in float32):
 # bfloat16 halves the cache, two values per 4-byte word on the GPU, so it needs an even head dim.
@@ -50,14 +48,11 @@ def check_kv_dtype(kv_dtype: str, cfg: ModelConfig):
                           f"use --kv-dtype float32")
 
 
-def check_precision(precision: str, engine: str = "numpy"):
-    """Refuse (ConfigError, one line) a precision that is not one of PRECISION_CHOICES, or one the engine named
-    ("numpy" or "wgpu") cannot run."""
+def check_precision(precision: str):
+    """Refuse (ConfigError, one line) a precision that is not one of PRECISION_CHOICES (both engines run every
+    one of PRECISIONS)."""
     if precision not in PRECISION_CHOICES:
         raise ConfigError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {precision!r}")
-    if precision != "auto" and precision not in BUILT_PRECISIONS[engine]:
-        raise ConfigError(f"--precision {precision} is not built on the WebGPU engine yet; use --backend numpy or "
-                          f"--precision fp32")
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from wgpu_train.training import tracking
 from wgpu_train.adapters.config import LoraConfig
-from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams, check_precision
+from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
@@ -214,8 +214,6 @@ class TrainConfig:
         need(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         need(0 <= self.valid_split < 1, f"valid_split must be in [0, 1), got {self.valid_split}")
-        if self.backend == "wgpu":
-            check_precision(self.precision, "wgpu")
         if self.method == "full":
             need(self.storage_dtypes() == ("float32", "float32"),
                  f"method full trains every weight, so it needs base_dtype and embed_dtype float32 "

@@ -15,9 +15,7 @@ import numpy as np
 
 from wgpu_train.training import checkpoint
 from wgpu_train.data.batching import split_batch
-from wgpu_train.engines.model import backend_engine
 from wgpu_train.engines.numpy.quant import check_dtypes
-from wgpu_train.engines.protocol import check_precision
 from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
@@ -61,8 +59,6 @@ class Trainer(TrainerSetup, TrainerRecords):
         self.base_dtype, self.embed_dtype = (None, None) if auto else config.storage_dtypes()
         # where activations are stored; auto: a resumed checkpoint's, else the engine's choice (setup)
         self.precision = None if config.precision == "auto" else config.precision
-        if self.precision in ("bf16", "f16") and config.backend == "auto":   # refused before any work
-            check_precision(self.precision, backend_engine(config.backend))
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
         found = self.folders.earlier
         if found:
