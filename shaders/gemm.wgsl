@@ -235,43 +235,12 @@ fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
     return s4_0;
 }
 
-// alpha * v (+ bias) at (m, n) of C.
-fn scaled(m: u32, n: u32, v: f32) -> f32 {
-    var out = P.alpha * v;
-    if ((P.flags & 2u) != 0u) {
-        out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
-    }
-    return out;
-}
-
-// C = alpha * v (+ bias) (+ C) at (m, n) and (m, n + 1), the second skipped past N: one pair store where C's
-// rows are contiguous (a 16-bit C's always are, each pair a word: gemm_kernels.Problem checks), else one by one.
+// C = alpha * v (+ bias) (+ C) at (m, n) and (m, n + 1) of row c_row (gemm_store.wgsl's store_pair), none past N.
+// @include gemm_store
 fn store2(c_row: u32, m: u32, n: u32, v: vec2<f32>) {
-    if (n >= P.N) {
-        return;
+    if (n < P.N) {
+        store_pair(c_row + n * P.c_sn, m, n, v, P.alpha);
     }
-    let i = c_row + n * P.c_sn;
-    let second = n + 1u < P.N;
-    let acc = (P.flags & 1u) != 0u;
-    var out = vec2<f32>(scaled(m, n, v.x), 0.0);
-    if (second) {
-        out.y = scaled(m, n + 1u, v.y);
-        if (P.c_sn == 1u) {
-            if (acc) {
-                out += C_ld2(i);
-            }
-            C_st2(i, out);
-            return;
-        }
-        if (acc) {
-            out.y += C_ld(i + P.c_sn);
-        }
-        C_st(i + P.c_sn, out.y);
-    }
-    if (acc) {
-        out.x += C_ld(i);
-    }
-    C_st(i, out.x);
 }
 
 fn store_all(acc: ptr<function, Acc>, z: u32) {

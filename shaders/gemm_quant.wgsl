@@ -241,27 +241,11 @@ fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
     return select(s3_0, s3_1, (r & 16u) != 0u);
 }
 
-// Columns n, n + 1 (n even) of row c_row: the bias added, then C's old values (accumulate), stored as a pair (one
-// word of a 16-bit C); an odd N's last column alone (float32 C: 16-bit tensors have even widths).
+// Columns n, n + 1 (n even) of row c_row (gemm_quant_store.wgsl's store_pair), none past N.
+// @include gemm_quant_store
 fn store2(c_row: u32, n: u32, v: vec2<f32>) {
-    if (n >= P.N) {
-        return;
-    }
-    var out = v;
-    if ((P.flags & 2u) != 0u) {
-        out += vec2<f32>(BIAS[P.o3 + n], BIAS[P.o3 + min(n + 1u, P.N - 1u)]);
-    }
-    let i = c_row + n;
-    if (n + 1u < P.N) {
-        if ((P.flags & 1u) != 0u) {
-            out += C_ld2(i);
-        }
-        C_st2(i, out);
-    } else {
-        if ((P.flags & 1u) != 0u) {
-            out.x += C_ld(i);
-        }
-        C_st(i, out.x);
+    if (n < P.N) {
+        store_pair(c_row + n, n, v);
     }
 }
 

@@ -222,25 +222,12 @@ fn load(st: ptr<function, Stage>, k0: u32) {
 // ---- the FMA core, multiply(acc, buf): gemm_core.wgsl, float32 or float16 arithmetic (TileConfig.half)
 // @include gemm_core
 
-// ---- epilogue (as gemm_quant.wgsl's store2: columns n, n + 1 with n even, a pair in one word of a 16-bit C) ----
+// ---- epilogue: columns n, n + 1 with n even, a pair in one word of a 16-bit C (gemm_quant_store.wgsl, as
+// gemm_quant.wgsl's) ----
+// @include gemm_quant_store
 
 fn store2(m: u32, n: u32, v: vec2<f32>) {
-    var out = v;
-    if ((P.flags & 2u) != 0u) {
-        out += vec2<f32>(BIAS[P.o3 + n], BIAS[P.o3 + min(n + 1u, P.N - 1u)]);
-    }
-    let i = P.o4 + m * P.ldc + n;
-    if (n + 1u < P.N) {
-        if ((P.flags & 1u) != 0u) {
-            out += C_ld2(i);
-        }
-        C_st2(i, out);
-    } else {
-        if ((P.flags & 1u) != 0u) {
-            out.x += C_ld(i);
-        }
-        C_st(i, out.x);
-    }
+    store_pair(P.o4 + m * P.ldc + n, n, v);
 }
 
 fn store(acc: ptr<function, Acc>) {

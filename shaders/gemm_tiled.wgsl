@@ -282,40 +282,11 @@ fn stage_put(st: ptr<function, Stage>, buf: u32) {
 
 // ---- epilogue -----------------------------------------------------------------------------------
 
-// alpha * v (+ bias) at (m, n) of C.
-fn scaled(m: u32, n: u32, v: f32, alpha: f32) -> f32 {
-    var out = alpha * v;
-    if ((P.flags & 2u) != 0u) {
-        out += BIAS[P.o3 + m * P.bias_sm + n * P.bias_sn];
-    }
-    return out;
-}
-
-// C (m, n) and (m, n + 1) of batch zb = alpha * v (+ bias) (+ C), with C's own strides, the second skipped
-// past N: one pair store where C's rows are contiguous (a 16-bit C's always are, each pair a word:
-// gemm_kernels.Problem checks), else one by one.
+// C (m, n) and (m, n + 1) of batch zb = alpha * v (+ bias) (+ C), with C's own strides (gemm_store.wgsl's
+// store_pair: one word of a 16-bit C), the second skipped past N.
+// @include gemm_store
 fn finish(zb: u32, m: u32, n: u32, v: vec2<f32>, alpha: f32) {
-    let i = P.o4 + zb * P.c_sz + m * P.c_sm + n * P.c_sn;
-    let acc = (P.flags & 1u) != 0u;
-    var out = vec2<f32>(scaled(m, n, v.x, alpha), 0.0);
-    if (n + 1u < P.N) {
-        out.y = scaled(m, n + 1u, v.y, alpha);
-        if (P.c_sn == 1u) {
-            if (acc) {
-                out += C_ld2(i);
-            }
-            C_st2(i, out);
-            return;
-        }
-        if (acc) {
-            out.y += C_ld(i + P.c_sn);
-        }
-        C_st(i + P.c_sn, out.y);
-    }
-    if (acc) {
-        out.x += C_ld(i);
-    }
-    C_st(i, out.x);
+    store_pair(P.o4 + zb * P.c_sz + m * P.c_sm + n * P.c_sn, m, n, v, alpha);
 }
 
 fn store(acc: ptr<function, Acc>, z: u32, alpha: f32) {

@@ -306,11 +306,13 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
 
 @functools.lru_cache(maxsize=None)
 def register_source(subgroups: bool, formats: tuple = ()) -> str:
-    """gemm.wgsl, without its subgroup section for devices without the feature, its vec4 views declared for the
-    16-bit tensors' (binding, format) pairs `formats` (storage.views)."""
-    from wgpu_train.engines.webgpu.device.runtime import shader_path
-    text = shader_path("gemm").read_text()
-    return storage.views(text if subgroups else text[:text.index(_SG_MARKER)], formats)
+    """gemm.wgsl, without its subgroup section for devices without the feature, the files it includes appended
+    (gemm_store.wgsl), its vec4 views declared for the 16-bit tensors' (binding, format) pairs `formats`
+    (storage.views)."""
+    from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
+    own, full = shader_path("gemm").read_text(), shader_text("gemm")
+    text = own if subgroups else own[:own.index(_SG_MARKER)]
+    return storage.views(text + full[len(own):], formats)
 
 
 @functools.lru_cache(maxsize=None)

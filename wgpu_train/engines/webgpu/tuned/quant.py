@@ -195,10 +195,10 @@ def shader_source(fmt: str, subgroups: bool, formats: tuple = ()) -> str:
 
     key = (fmt, bool(subgroups))
     if key not in _sources:
-        from wgpu_train.engines.webgpu.device.runtime import shader_path
+        from wgpu_train.engines.webgpu.device.runtime import shader_text
 
         out, section, in_sg = [], None, False
-        for line in shader_path(SHADER).read_text().split("\n"):
+        for line in shader_text(SHADER).split("\n"):      # gemm_quant_store.wgsl appended
             if line.startswith(_FORMAT_MARK):
                 section = {w for w in line[len(_FORMAT_MARK):].split() if not w.startswith("-")}
             elif line.startswith(_END_MARK):
