@@ -501,17 +501,7 @@ fn setup_sg(wid: vec3<u32>, local: u32, sid: u32) -> bool {
     return fast;
 }
 
-fn update(acc: ptr<function, Acc>, a: array<vec4<f32>, TM / 4u>, b: array<vec4<f32>, TN / 4u>) {
-    for (var g = 0u; g < TM / 4u; g++) {
-        for (var h = 0u; h < TN / 4u; h++) {
-            let j = g * TN + h;
-            (*acc)[j] = fma(vec4<f32>(a[g].x), b[h], (*acc)[j]);
-            (*acc)[j + TN / 4u] = fma(vec4<f32>(a[g].y), b[h], (*acc)[j + TN / 4u]);
-            (*acc)[j + TN / 2u] = fma(vec4<f32>(a[g].z), b[h], (*acc)[j + TN / 2u]);
-            (*acc)[j + 3u * TN / 4u] = fma(vec4<f32>(a[g].w), b[h], (*acc)[j + 3u * TN / 4u]);
-        }
-    }
-}
+// update(acc, a, b): gemm_core.wgsl's (float32 arithmetic: the subgroup kernels have no float16 core)
 
 fn multiply_sg(acc: ptr<function, Acc>, buf: u32, fast: bool) {
     let a0 = buf * ABUF + ty;

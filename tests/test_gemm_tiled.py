@@ -222,10 +222,10 @@ def test_tiled_source_rewrites_only_the_config_block():
     assert text.startswith(shader_path(T.SHADER).read_text()) and "@f16-core begin" in text
     lines = text.splitlines()
 
-    def section(name):
+    def section(name):       # the lines of every `@name begin` .. `@name end` section
         at = [i for i, x in enumerate(lines) if f"@{name} begin" in x or f"@{name} end" in x]
-        assert len(at) == 2, name
-        return range(at[0], at[1] + 1)
+        assert len(at) % 2 == 0 and at, name
+        return [i for first, last in zip(at[::2], at[1::2]) for i in range(first, last + 1)]
 
     sections = {name: section(name) for name in ("scalar", "vec4", "plain", "subgroups", "f32-core", "f16-core")}
     assert not re.search(r"subgroup[A-Z_]", "\n".join(lines[:sections["subgroups"][0]]))

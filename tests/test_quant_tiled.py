@@ -100,7 +100,8 @@ def test_source_specialises_the_block_and_appends_the_format(fmt):
             QT.qtiled_source(fmt, half, True)
         return
     src16 = QT.qtiled_source(fmt, half, True)
-    assert "alias Elem = f16;" in src16 and "var part: array<vec4<f16>" in src16 and src16.count("fn multiply(") == 1
+    assert "alias Elem = f16;" in src16 and "alias Sum = array<vec4<f16>" in src16 and "var part: Sum;" in src16
+    assert src16.count("fn multiply(") == 1 and "alias Sum = Acc;" not in src16
     assert QT.qtiled_kernel(fmt, half, True).features == ("shader-f16",)
 
 

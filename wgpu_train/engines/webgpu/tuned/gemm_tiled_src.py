@@ -165,12 +165,16 @@ def _blank(src: str, begin: str, end: str) -> str:
 
 def core(src: str, half: bool) -> str:
     """A tiled template's text (gemm_tiled.wgsl or gemm_quant_tiled.wgsl, gemm_core.wgsl appended) with the
-    float32 or (half) the float16 multiply kept and its tiles' element type set to match."""
+    lines of the float32 or (half) the float16 arithmetic kept, the other's blanked (every such section), and its
+    tiles' element type set to match."""
     if half:
         src, n = _ELEM.subn(r"\g<1>f16;", src)
         if n != 1:
             raise ValueError("a tiled GEMM template must declare its tiles' element type once: alias Elem = f32;")
-    return _blank(src, *_CORES[not half])
+    begin, end = _CORES[not half]
+    while begin in src:
+        src = _blank(src, begin, end)
+    return src
 
 
 def tiled_source(cfg: TileConfig, formats=None) -> str:
