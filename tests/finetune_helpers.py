@@ -44,11 +44,11 @@ def build_tokenizer(folder: Path, bos: bool = False):
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def make_model_dir(folder: Path, arch: str = "llama") -> Path:
-    """A random 2-layer model (Llama unless `arch` says otherwise) whose vocabulary is the tokenizer's, with the
-    tokenizer files beside it."""
+def make_model_dir(folder: Path, arch: str = "llama", **model_kw) -> Path:
+    """A random 2-layer model (Llama unless `arch` says otherwise; model_kw: other build_model settings) whose
+    vocabulary is the tokenizer's, with the tokenizer files beside it."""
     vocab = build_tokenizer(folder)
-    save_model(build_model(arch, vocab_size=vocab), folder)
+    save_model(build_model(arch, vocab_size=vocab, **model_kw), folder)
     return folder
 
 

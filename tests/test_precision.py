@@ -246,6 +246,13 @@ def workspace(tmp_path_factory):
     return make_model_dir(root / "model"), make_data_dir(root / "data")
 
 
+@pytest.fixture(scope="module")
+def workspace_even(tmp_path_factory):
+    """As workspace, with the even widths the WebGPU engine's 16-bit activations need."""
+    root = tmp_path_factory.mktemp("precision_run_even")
+    return make_model_dir(root / "model", intermediate_size=42), make_data_dir(root / "data")
+
+
 def _run(workspace, out, **kw):
     model, data = workspace
     args = dict(model=str(model), data=str(data), backend="numpy", precision="f16", max_steps=8, batch_size=2,
@@ -259,16 +266,23 @@ def _step_rows(out):
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows if "loss_scale" in r]   # timing aside
 
 
-def test_f16_resume_is_bit_exact_across_a_skip(workspace, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_f16_resume_is_bit_exact_across_a_skip(backend, tmp_path, monkeypatch, request):
     """A run whose loss scale starts too high (2^18 overflows this model's float16 gradients) skips its first
     step, halving the scale, and grows it every 2 clean steps (growth_interval 2 for the test), skipping again
     when it grows too far;
     metrics.jsonl carries the skips and the scale. Resumed from a checkpoint written right after a skipped step,
     with precision auto, the run continues in f16 and ends bit for bit where the uninterrupted one did; another
-    explicit precision is refused."""
-    monkeypatch.setattr(numpy_engine, "LossScaler", lambda: LossScaler(init_scale=2.0 ** 18, growth_interval=2))
+    explicit precision is refused. On both engines (the WebGPU one on the default adapter)."""
+    from wgpu_train.engines.webgpu import engine as webgpu_engine
+
+    if backend == "wgpu":
+        request.getfixturevalue("default_rt")
+    workspace = request.getfixturevalue("workspace_even" if backend == "wgpu" else "workspace")
+    for module in (numpy_engine, webgpu_engine):
+        monkeypatch.setattr(module, "LossScaler", lambda: LossScaler(init_scale=2.0 ** 18, growth_interval=2))
     whole = tmp_path / "whole"
-    summary = _run(workspace, whole)
+    summary = _run(workspace, whole, backend=backend)
     assert (summary["precision"], summary["steps"]) == ("f16", 8)
     rows = _step_rows(whole)
     skips = [r["nonfinite_skipped"] for r in rows]
@@ -286,7 +300,7 @@ def test_f16_resume_is_bit_exact_across_a_skip(workspace, tmp_path, monkeypatch)
     assert state["precision"] == "f16" and "loss_scale" in state["engine"]
     with pytest.raises(ConfigError, match="precision f16, not bf16"):
         Trainer(TrainConfig(out=str(resumed), resume=str(resumed), precision="bf16", backend="numpy"))
-    again = _run(workspace, resumed, resume=str(resumed), precision="auto")
+    again = _run(workspace, resumed, resume=str(resumed), precision="auto", backend=backend)
     assert again["precision"] == "f16" and again["precision_reason"] == "auto: as the resumed checkpoint trained"
     assert (resumed / "adapter_model.safetensors").read_bytes() == (whole / "adapter_model.safetensors").read_bytes()
     assert _step_rows(resumed) == rows

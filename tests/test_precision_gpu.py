@@ -1,6 +1,7 @@
 """16-bit training on the WebGPU engine: bf16 / f16 activations against the NumPy engine with the same rounding
 points (logits, loss, LoRA gradients on every family's tiny model; DoRA, modules_to_save, gradient checkpointing),
-the memory estimate against the allocation, f16's overflow in the forward, and the refusals."""
+the memory estimate against the allocation, f16's overflow in the forward, f16's loss scaler skipping an
+overflowing step, and the refusals."""
 from __future__ import annotations
 
 import numpy as np
@@ -139,13 +140,40 @@ def test_f16_overflow_in_the_forward_names_the_layer(tmp_path, rt):
             assert np.isfinite(_one_step(gpu, ids, labels)[0])
 
 
-def _one_step(model, ids, labels):
+def _one_step(model, ids, labels, step=1):
     from wgpu_train.engines.numpy.ops import shift_labels
     from wgpu_train.engines.protocol import OptimizerParams
 
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
     batch = [(ids.astype(np.int32), shift_labels(labels), np.ones_like(ids, np.int32), pos)]
-    return model.engine.train_step(batch, OptimizerParams(lr=1e-3), 1)
+    return model.engine.train_step(batch, OptimizerParams(lr=1e-3), step)
+
+
+def test_f16_overflow_skips_the_step_and_halves_the_scale(llama, rt):
+    """f16's loss scaler on the WebGPU engine, as test_precision.py checks it on the NumPy engine: a loss scale of
+    2^40 overflows the float16 gradients, so the step is skipped (LoRA tensors and AdamW moments untouched), the
+    scale halves and the skip is counted; clean steps then grow the scale back."""
+    from wgpu_train.engines.protocol import LossScaler
+
+    gpu = wt.load_model(llama, backend="wgpu", device=str(rt.info.index), precision="f16")
+    gpu.add_lora(_lora(llama), seed=1)
+    engine = gpu.engine
+    ids, labels, _ = _batch()
+    assert engine.loss_scaler.scale == 2.0 ** 16 and _one_step(gpu, ids, labels)[3], "a clean first step"
+    before = {k: v.copy() for k, v in engine.trainable().items()}
+    moments = engine.optimizer_state()
+    engine.loss_scaler.scale = 2.0 ** 40
+    loss_sum, count, norm, applied = _one_step(gpu, ids, labels, 2)
+    assert not applied and not np.isfinite(norm) and np.isfinite(loss_sum) and count > 0
+    assert engine.loss_scaler.scale == 2.0 ** 39 and engine.counters["nonfinite_skipped"] == 1
+    for k, v in engine.trainable().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    for k, (m, v) in engine.optimizer_state().items():
+        np.testing.assert_array_equal(m, moments[k][0], err_msg=k)
+        np.testing.assert_array_equal(v, moments[k][1], err_msg=k)
+    engine.loss_scaler = LossScaler(init_scale=2.0 ** 8, growth_interval=2)
+    assert [_one_step(gpu, ids, labels, s)[3] for s in (2, 3, 4)] == [True] * 3
+    assert engine.loss_scaler.scale == 2.0 ** 9 and engine.loss_scaler.growth_tracker == 1
 
 
 def test_odd_widths_are_refused_in_16_bits(tmp_path, rt):
