@@ -13,7 +13,8 @@
 //   f16 FMAs per f32 FMA slot and hold the fragments in half the registers; the f32 accumulation keeps the
 //   error of a K-long sum to about KC units of f16 roundoff times the products' magnitudes
 //   (gemm_kernels.f16_arithmetic_slack) instead of K. A product or partial past f16's range (65504) becomes
-//   inf, which f16's loss scaler catches as it catches an overflowing activation.
+//   inf even where float32 arithmetic stays finite: a narrower range, which training's f16 loss scaler meets as
+//   an overflow (the step skipped, the scale halved).
 //
 // Loops have constant trip counts and indices once unrolled, so the accumulators and the fragments of As / Bs
 // stay in registers. Rows 4g .. 4g+3 times column group h go to sum[(4g + r) * TN / 4 + h], r < 4.

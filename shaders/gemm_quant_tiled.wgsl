@@ -16,7 +16,8 @@
 // of 4 adjacent rows spaced 4 * BM / TM apart (columns likewise, 4 * TX apart), so that neighbouring
 // invocations read neighbouring vec4s of As / Bs.
 // The weight tile is decoded while it is staged: an invocation loads 8 consecutive elements of one row of
-// W (nt: 8 steps of k at one column n; nn: 8 columns at one k), decodes them to f32 and stores them in Bs.
+// W (nt: 8 steps of k at one column n; nn: 8 columns at one k), decodes them to f32 and stores them in Bs (as
+// Elem: f16 in float16 arithmetic, exact for the float16 weights it takes).
 // So each weight is decoded once per workgroup and used by BM rows of A, and no f32 copy of W exists in
 // global memory. When cols % 8 == 0 each group is one raw8 load (one NF4 word and its absmax, or 16 bytes
 // of f16); otherwise a group may straddle two (w8). A is read with scalar loads (any offset and pitch).
@@ -49,20 +50,18 @@ alias Elem = f32;       // the tiles' element type: f16 for f16 arithmetic (gemm
 
 const TX: u32 = BN / TN;                  // invocations along n
 const WG: u32 = (BM / TM) * TX;           // invocations per workgroup
-const AV: u32 = BM * BK / 4u;             // vec4s per A tile
-const WV: u32 = BN * BK / 4u;             // vec4s per weight tile
 const SA: u32 = (BM * BK + 4u * WG - 1u) / (4u * WG);   // staging vec4s per invocation for A (4 loads each)
 const G8: u32 = BN * BK / 8u;             // 8-element weight groups per tile
 const SW: u32 = (G8 + WG - 1u) / WG;      // weight groups per invocation
 const GK: u32 = BK / 8u;                  // nt: groups along k per column of the tile
 const GN: u32 = BN / 8u;                  // nn: groups along n per row of the tile
-const AROW: u32 = BM / 4u;                // vec4 pitch of a k row of As, vec4s per buffer (gemm_core.wgsl's names)
-const BROW: u32 = BN / 4u;
-const ABUF: u32 = AV;
-const BBUF: u32 = WV;
+const AROW: u32 = BM / 4u;                // vec4 pitch of a k row of As (the names gemm_core.wgsl reads)
+const BROW: u32 = BN / 4u;                // of Bs
+const ABUF: u32 = AROW * BK;              // vec4s per buffer of As (an A tile)
+const BBUF: u32 = BROW * BK;              // of Bs (a weight tile)
 
-var<workgroup> As: array<vec4<Elem>, NBUF * AV>;   // [buffer][k][m / 4]
-var<workgroup> Bs: array<vec4<Elem>, NBUF * WV>;   // [buffer][k][n / 4], decoded
+var<workgroup> As: array<vec4<Elem>, NBUF * ABUF>;   // [buffer][k][m / 4]
+var<workgroup> Bs: array<vec4<Elem>, NBUF * BBUF>;   // [buffer][k][n / 4], decoded
 
 // 8 decoded weights: lo elements 0..3, hi 4..7 of a group.
 struct W8 { lo: vec4<f32>, hi: vec4<f32> };
@@ -186,7 +185,7 @@ fn put(st: ptr<function, Stage>, buf: u32) {
             let e = (4u * l + c) * WG + lid;
             if (e < BM * BK) {
                 let m = e / BK;
-                As[buf * AV + (e % BK) * (BM / 4u) + m / 4u][m % 4u] = Elem((*st).a[l][c]);
+                As[buf * ABUF + (e % BK) * AROW + m / 4u][m % 4u] = Elem((*st).a[l][c]);
             }
         }
     }
@@ -195,17 +194,17 @@ fn put(st: ptr<function, Stage>, buf: u32) {
         if (g < G8) {
             let p = g_pos(g);
             let w = (*st).w[s];
-            let i = buf * WV + p.x * (BN / 4u) + p.y / 4u;
+            let i = buf * BBUF + p.x * BROW + p.y / 4u;
             if (NT) {      // 8 steps of k at column n: one element in each of 8 rows of Bs
                 let j = p.y % 4u;
                 Bs[i][j] = Elem(w.lo.x);
-                Bs[i + BN / 4u][j] = Elem(w.lo.y);
-                Bs[i + 2u * (BN / 4u)][j] = Elem(w.lo.z);
-                Bs[i + 3u * (BN / 4u)][j] = Elem(w.lo.w);
-                Bs[i + 4u * (BN / 4u)][j] = Elem(w.hi.x);
-                Bs[i + 5u * (BN / 4u)][j] = Elem(w.hi.y);
-                Bs[i + 6u * (BN / 4u)][j] = Elem(w.hi.z);
-                Bs[i + 7u * (BN / 4u)][j] = Elem(w.hi.w);
+                Bs[i + BROW][j] = Elem(w.lo.y);
+                Bs[i + 2u * BROW][j] = Elem(w.lo.z);
+                Bs[i + 3u * BROW][j] = Elem(w.lo.w);
+                Bs[i + 4u * BROW][j] = Elem(w.hi.x);
+                Bs[i + 5u * BROW][j] = Elem(w.hi.y);
+                Bs[i + 6u * BROW][j] = Elem(w.hi.z);
+                Bs[i + 7u * BROW][j] = Elem(w.hi.w);
             } else {       // 8 columns at one k: two adjacent vec4s
                 Bs[i] = vec4<Elem>(w.lo);
                 Bs[i + 1u] = vec4<Elem>(w.hi);

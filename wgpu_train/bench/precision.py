@@ -124,8 +124,7 @@ def _f16_arithmetic(rt, timer) -> dict:
     frozen = QuantMatrix(rt, w16, "float16", "bench f16 weight")
     X, W = x.astype(np.float64), w16.astype(np.float64)
     want = X @ W.T
-    bound = (GK.gemm_tolerance(1.0, i, want)
-             + GK.f16_arithmetic_slack(float(np.max(np.abs(X) @ np.abs(W.T))), i))
+    bound = GK.gemm_tolerance(1.0, i, want) + GK.f16_arithmetic_slack(1.0, i, X, W.T)
     tile = T.TileConfig(64, 64, 16, 8, 4)     # in both families' configs, with a float16-arithmetic twin
     problems = {"qgemm_float16_weight": (QProblem(rt, y, xb, frozen, 0, "nt", n), QTiled),
                 "gemm_float16_operands": (G.gemm_problem(rt, y, xb, wt, n, o, i), GK.Tiled)}

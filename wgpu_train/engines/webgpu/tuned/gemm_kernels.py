@@ -108,15 +108,28 @@ def f16_arithmetic(rt) -> bool:
     return "shader-f16" in rt.features and os.environ.get("WGPU_TRAIN_F16_ARITHMETIC", "1").strip() != "0"
 
 
-def f16_arithmetic_slack(products: float, K: int) -> float:
-    """What float16 arithmetic may add to a GEMM result's error, `products` the largest |alpha| sum_k |a_k b_k|
-    of its elements. Each F16_CHUNK-step partial is summed in f16 by multiply-adds, fused (one rounding each) or
-    not (WGSL allows either; lavapipe rounds the product, then the sum): either way at most F16_CHUNK roundings
-    each off by the unit roundoff u times at most the sum of the chunk's |products| (fused: F16_CHUNK partial
-    sums; unfused: F16_CHUNK products and F16_CHUNK - 1 sums, the first sum being exact), so F16_CHUNK u times
-    `products` over all chunks, to first order (1% margin for the second); plus half a subnormal unit for each of
-    the 2K roundings near zero."""
-    return 1.01 * F16_CHUNK * ROUNDOFF["f16"] * products + K * F16_SUBNORMAL_UNIT
+def f16_operands(rt, *formats) -> bool:
+    """Whether a GEMM whose operands are stored in `formats` gets float16-arithmetic candidates: all float16, on
+    a device that may run them (f16_arithmetic)."""
+    return all(f == "f16" for f in formats) and f16_arithmetic(rt)
+
+
+def f16_arithmetic_slack(alpha: float, K: int, A: np.ndarray, B: np.ndarray) -> float:
+    """What float16 arithmetic may add to the error of alpha op(A) op(B) (A (..., M, K), B (..., K, N), float64).
+    Each F16_CHUNK-step partial is summed in f16 by multiply-adds from zero, fused (each rounds the sum) or not
+    (WGSL allows either; lavapipe rounds the product, then the sum). Fused: F16_CHUNK roundings; unfused:
+    F16_CHUNK products and F16_CHUNK - 1 sums (the first sum, with zero, is exact); either way their errors add
+    up to at most F16_CHUNK u (u the unit roundoff) times the chunk's sum of |products|, to first order (1% margin
+    for the second). Over all chunks: F16_CHUNK u times sum_k |a_k b_k|, at most its largest element's; plus half
+    a subnormal unit for each of the 2K roundings that may land near zero; all scaled by |alpha|, applied after."""
+    products = float(np.max(np.matmul(np.abs(A), np.abs(B)), initial=0.0))
+    return abs(alpha) * (1.01 * F16_CHUNK * ROUNDOFF["f16"] * products + K * F16_SUBNORMAL_UNIT)
+
+
+def arithmetic_slack(cand, alpha: float, K: int, operands) -> float:
+    """What candidate cand's arithmetic adds to a GEMM's tolerance on float64 operands (op(A), op(B)):
+    f16_arithmetic_slack for a float16-arithmetic one (cand.half), else nothing."""
+    return f16_arithmetic_slack(alpha, K, *operands) if getattr(cand, "half", False) else 0.0
 
 
 # ---- the problem ---------------------------------------------------------------------------------
@@ -196,18 +209,21 @@ class Problem:
 
     def key(self) -> str:
         """The tuner's key: layout, M bucket (next power of two), N, K, batch, operand alignment, and the formats
-        of A, B and C where one is 16-bit (a float32 problem keeps the key it always had)."""
+        of A, B and C where one is 16-bit (a float32 problem keeps the key it always had), marked where
+        float16-arithmetic candidates were offered."""
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = tiled.vec4_ok(self.M, self.N, self.K, self.batch, self.a_off, self.a_sm, self.a_sk, self.a_sz,
                                 self.b_off, self.b_sk, self.b_sn, self.b_sz)
         formats = "" if self.formats == ("f32",) * 3 else " " + "/".join(self.formats)
+        # f16a: float16-arithmetic candidates were offered (a choice made without them is not this key's)
+        formats += " f16a" if f16_operands(self.rt, *self.formats[:2]) else ""
         return f"gemm {self.layout} m{bucket} n{self.N} k{self.K} b{self.batch} {'v4' if aligned else 'any'}{formats}"
 
     def tolerance(self, want: np.ndarray, cand=None) -> float:
         """The largest error a correct candidate (cand: the one checked, for its arithmetic) may show on a
-        replica whose exact result is `want` (replica() sets the products' magnitude f16 arithmetic needs)."""
-        slack = f16_arithmetic_slack(self.products, self.K) if getattr(cand, "half", False) else 0.0
-        return gemm_tolerance(self.alpha, self.K, want, self.formats[2]) + slack
+        replica whose exact result is `want` (its operands: replica() keeps them)."""
+        return gemm_tolerance(self.alpha, self.K, want, self.formats[2]) + arithmetic_slack(cand, self.alpha, self.K,
+                                                                                             self.operands)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial host values, C's expected values, buffers to release): this
@@ -229,7 +245,7 @@ class Problem:
         C = _strided(want, q.c_off, q.batch, q.c_sz, q.M, q.c_sm, q.N, q.c_sn)
         val = q.alpha * np.matmul(A, B) + (bias.astype(np.float64)[:q.N] if q.has_bias else 0.0)
         C[...] = val + C if q.accumulate else val    # writes into `want` through the view
-        q.products = float(np.max(abs(q.alpha) * np.matmul(np.abs(A), np.abs(B)), initial=0.0))
+        q.operands = (A, B)
         return q, bufs[3], c0, want, bufs
 
 
@@ -432,7 +448,7 @@ class Tiled:
     def applies(self, p: Problem) -> bool:
         if not tiled.fits(self.cfg, p.rt.limits, p.rt.features):
             return False
-        if self.half and (p.formats[:2] != ("f16", "f16") or not f16_arithmetic(p.rt)):
+        if self.half and not f16_operands(p.rt, *p.formats[:2]):
             return False
         if self.cfg.vec4 and not tiled.vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz,
                                                p.b_off, p.b_sk, p.b_sn, p.b_sz):

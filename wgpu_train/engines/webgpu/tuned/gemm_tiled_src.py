@@ -153,7 +153,7 @@ def lora_entry_point(cfg: TileConfig) -> str:
 
 @lru_cache(maxsize=1)
 def _template() -> str:
-    return shader_text(SHADER)        # with gemm_core.wgsl appended
+    return shader_text(SHADER)        # with the files it includes appended: gemm_core.wgsl, gemm_store.wgsl
 
 
 def _blank(src: str, begin: str, end: str) -> str:

@@ -11,8 +11,8 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, f16_arithmetic, f16_arithmetic_slack,
-                                                          gemm_tolerance, is_cpu, min_workgroup, use_subgroups)
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, arithmetic_slack, f16_operands, gemm_tolerance,
+                                                          is_cpu, min_workgroup, use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 from wgpu_train.engines.webgpu.device.operands import split
@@ -122,13 +122,18 @@ class QProblem:
         bucket = 1 << max(0, (self.M - 1).bit_length())
         aligned = self.a_off % 4 == 0 and self.lda % 4 == 0
         return (f"qgemm {self.w.dtype} {self.layout} m{bucket} n{self.N} k{self.K} {'a4' if aligned else 'any'}"
-                + self.format_tag)
+                + self.format_tag + (" f16a" if self.f16_arithmetic_offered else ""))
 
     def tolerance(self, want: np.ndarray, cand=None) -> float:
         """The largest error a correct candidate (cand: the one checked, for its arithmetic) may show on a replica
-        whose exact result is `want` (replica() sets the products' magnitude f16 arithmetic needs)."""
-        slack = f16_arithmetic_slack(self.products, self.K) if getattr(cand, "half", False) else 0.0
-        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt) + slack
+        whose exact result is `want` (its operands: replica() keeps them)."""
+        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt) + arithmetic_slack(cand, self.alpha, self.K,
+                                                                                        self.operands)
+
+    @property
+    def f16_arithmetic_offered(self) -> bool:
+        """Whether float16-arithmetic candidates may run this product: a float16 weight times a float16 A."""
+        return self.w.dtype == "float16" and f16_operands(self.rt, self.a_fmt)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a
@@ -147,7 +152,7 @@ class QProblem:
         deq = wq.read(rt).astype(np.float64)
         rows_a = a[q.a_off + np.arange(q.M)[:, None] * q.lda + np.arange(q.K)[None, :]].astype(np.float64)
         val = rows_a @ (deq.T if self.layout == "nt" else deq)
-        q.products = float(np.max(np.abs(rows_a) @ np.abs(deq.T if self.layout == "nt" else deq), initial=0.0))
+        q.operands = (rows_a, deq.T if self.layout == "nt" else deq)
         if self.bias is not None:
             val += bias
         want = c0.astype(np.float64)
@@ -188,7 +193,7 @@ class QTiled:
         self.name = f"qtiled/{cfg.name}"
 
     def applies(self, p: QProblem) -> bool:
-        if self.half and (p.a_fmt != "f16" or not f16_arithmetic(p.rt)):
+        if self.half and not p.f16_arithmetic_offered:
             return False
         return QT.qtiled_applies(self.cfg, p.w.dtype, p.layout, p.M, p.N, p.K, p.lda, p.a_off, p.rt.limits,
                                  p.rt.features)

@@ -85,7 +85,7 @@ def format_sections(fmt: str) -> str:
 def _template() -> str:
     from wgpu_train.engines.webgpu.device.runtime import shader_text
 
-    return shader_text(SHADER)        # with gemm_core.wgsl appended
+    return shader_text(SHADER)        # with gemm_core.wgsl and gemm_quant_store.wgsl appended
 
 
 @lru_cache(maxsize=None)
