@@ -31,7 +31,7 @@ export XDG_CACHE_HOME=$OUT/cache
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemm.py tests/test_gemm_tiled.py \
   tests/test_tune.py tests/test_quant.py tests/test_engine.py -k "not training_loss" > "$OUT/tests.txt" 2>&1
 echo "tests: exit $?"; tail -3 "$OUT/tests.txt"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_storage16.py tests/test_precision_gpu.py -k "not phi3" \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_storage16.py tests/test_f16_arithmetic.py tests/test_precision_gpu.py -k "not phi3" \
   > "$OUT/tests16.txt" 2>&1
 echo "16-bit tests: exit $?"; tail -3 "$OUT/tests16.txt"
 mkdir -p "$OUT/smol135"
