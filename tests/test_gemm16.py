@@ -16,6 +16,7 @@ from wgpu_train.engines.webgpu.tuned import gemm as G
 from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
 from wgpu_train.engines.webgpu.tuned import tune
 
+from limits import max_binding
 from tolerances import assert_close
 
 N, IN, OUT, R = 6, 30, 42, 4          # tokens, widths (even, not multiples of 4), LoRA rank
@@ -87,12 +88,8 @@ def test_linear_forward_backward(rt, fmt):
     y0 = rounded(t.rng.standard_normal((N, OUT)), fmt)
     dy, dyb = t.input((N, OUT), fmt)
     dx0 = rounded(t.rng.standard_normal((N, IN)), fmt)
-    saved = rt.max_binding
-    rt.max_binding = 16 * IN * 4 + 256                  # weight chunks of 16 rows: columns 0, 16, 32 of y
-    try:
+    with max_binding(rt, 16 * IN * 4 + 256):            # weight chunks of 16 rows: columns 0, 16, 32 of y
         chunked = Matrix(rt, OUT, IN, "test16.w", w)
-    finally:
-        rt.max_binding = saved
     assert len(chunked.chunks) == 3
     wm, dwm = Matrix(rt, OUT, IN, "test16.w1", w), Matrix(rt, OUT, IN, "test16.dw", np.zeros_like(w))
     biasb, dbias = rt.upload(bias), rt.upload(np.zeros(OUT, np.float32))

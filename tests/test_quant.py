@@ -17,6 +17,7 @@ from wgpu_train.engines.webgpu.tensors import linear_backward, linear_forward
 from wgpu_train.engines.webgpu.memory import base_weight_bytes
 from wgpu_train.engines.numpy import quant as R
 
+from limits import max_binding
 from tolerances import assert_close
 
 # The NF4 data type as printed in the QLoRA paper (Dettmers et al. 2023, appendix E), index order 0..15.
@@ -230,14 +231,10 @@ def test_quant_linear_over_several_chunks(rt, fmt):
     binding): bias and output columns per chunk, dx summed over chunks; the chunk plan is what is allocated."""
     rng = np.random.default_rng(5)
     rows, cols, n = 300, 72, 3
-    saved = rt.max_binding
-    rt.max_binding = 4096
-    try:
+    with max_binding(rt, 4096):
         plan = Q.chunk_plan(rows, cols, fmt, 4096)
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         qm = Q.QuantMatrix(rt, w, fmt, "w")
-    finally:
-        rt.max_binding = saved
     assert len(qm.chunks) == len(plan) >= 3 and [c[1:] for c in qm.chunks] == [p[:2] for p in plan]
     assert all(r0 * cols % 64 == 0 and r0 % 8 == 0 for r0, *_ in plan)
     assert qm.nbytes == sum(b.size for b, _, _ in qm.chunks) + sum(b.size for b in qm.absmax)
@@ -262,12 +259,8 @@ def test_16_bit_embedding_gather(rt, fmt):
     rng = np.random.default_rng(6)
     vocab, c = 40, 6
     w = rng.standard_normal((vocab, c)).astype(np.float32)
-    saved = rt.max_binding
-    rt.max_binding = 256                                   # 21 rows a chunk: two chunks of 16 and one of 8
-    try:
+    with max_binding(rt, 256):                             # 21 rows a chunk: two chunks of 16 and one of 8
         qm = Q.QuantMatrix(rt, w, fmt, "emb")
-    finally:
-        rt.max_binding = saved
     assert len(qm.chunks) == 3
     ids = np.array([0, 39, 17, 16, 15, 3, 39], np.int32)
     out = rt.buffer(ids.size * c * 4)

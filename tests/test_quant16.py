@@ -17,6 +17,7 @@ from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import use_subgroups
 
+from limits import max_binding
 from tolerances import assert_close
 
 # (A's format, C's format), taken in turn by the cases: same-format pairs, mixed ones, and float32 on one side
@@ -115,12 +116,8 @@ def test_linear_pair_over_chunks_in_16_bits(rt, fmt, x_fmt, g_fmt):
     values, each chunk's sum rounded as it is stored."""
     rng = np.random.default_rng(17)
     rows, cols, n = 72, 42, 3
-    saved = rt.max_binding
-    rt.max_binding = 1024
-    try:
+    with max_binding(rt, 1024):
         qm = Q.QuantMatrix(rt, rng.standard_normal((rows, cols)).astype(np.float32), fmt, "w")
-    finally:
-        rt.max_binding = saved
     assert len(qm.chunks) >= 2
     wq = qm.read(rt).astype(np.float64)
     x, dx0 = rounded(rng.standard_normal((n, cols)), x_fmt), rounded(rng.standard_normal((n, cols)), g_fmt)
@@ -146,12 +143,8 @@ def test_embedding_gather_into_16_bit_rows(rt, fmt, out_fmt):
     rounded once to out's format (exact for the same format), out's neighbours untouched."""
     rng = np.random.default_rng(18)
     vocab, c = 40, 6
-    saved = rt.max_binding
-    rt.max_binding = 256
-    try:
+    with max_binding(rt, 256):
         qm = Q.QuantMatrix(rt, rng.standard_normal((vocab, c)).astype(np.float32), fmt, "emb")
-    finally:
-        rt.max_binding = saved
     assert len(qm.chunks) == 3
     ids = np.array([0, 39, 17, 16, 15, 3, 39], np.int32)
     pad = rounded(rng.standard_normal(ids.size * c + 6), out_fmt)

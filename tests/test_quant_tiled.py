@@ -18,6 +18,7 @@ from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, core, wor
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 
+from limits import max_binding
 from tolerances import assert_close
 
 CONFIGS = QT.QTILE_CONFIGS
@@ -184,13 +185,9 @@ def test_qtiled_over_several_chunks(rt, fmt):
     rng = np.random.default_rng(12)
     cfg = CONFIGS[QT.FORMATS.index(fmt) % len(CONFIGS)]
     rows, cols, n = 300, 72, 37
-    saved = rt.max_binding
-    rt.max_binding = 4096
-    try:
+    with max_binding(rt, 4096):
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         qm = Q.QuantMatrix(rt, w, fmt, "w")
-    finally:
-        rt.max_binding = saved
     assert len(qm.chunks) >= 3
     wq = qm.read(rt).astype(np.float64)
     x = rng.standard_normal((n, cols)).astype(np.float32)

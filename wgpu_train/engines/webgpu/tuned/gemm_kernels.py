@@ -126,10 +126,15 @@ def f16_arithmetic_slack(alpha: float, K: int, A: np.ndarray, B: np.ndarray) -> 
     return abs(alpha) * (1.01 * F16_CHUNK * ROUNDOFF["f16"] * products + K * F16_SUBNORMAL_UNIT)
 
 
-def arithmetic_slack(cand, alpha: float, K: int, operands) -> float:
-    """What candidate cand's arithmetic adds to a GEMM's tolerance on float64 operands (op(A), op(B)):
-    f16_arithmetic_slack for a float16-arithmetic one (cand.half), else nothing."""
-    return f16_arithmetic_slack(alpha, K, *operands) if getattr(cand, "half", False) else 0.0
+def arithmetic_slack(cand, q) -> float:
+    """What candidate cand's arithmetic adds to the tolerance of replica q (Problem or QProblem.replica's, which
+    keep their float64 operands (op(A), op(B))): f16_arithmetic_slack for a float16-arithmetic one (cand.half),
+    computed once per replica, else nothing."""
+    if not getattr(cand, "half", False):
+        return 0.0
+    if q.f16_slack is None:
+        q.f16_slack = f16_arithmetic_slack(q.alpha, q.K, *q.operands)
+    return q.f16_slack
 
 
 # ---- the problem ---------------------------------------------------------------------------------
@@ -222,8 +227,7 @@ class Problem:
     def tolerance(self, want: np.ndarray, cand=None) -> float:
         """The largest error a correct candidate (cand: the one checked, for its arithmetic) may show on a
         replica whose exact result is `want` (its operands: replica() keeps them)."""
-        return gemm_tolerance(self.alpha, self.K, want, self.formats[2]) + arithmetic_slack(cand, self.alpha, self.K,
-                                                                                             self.operands)
+        return gemm_tolerance(self.alpha, self.K, want, self.formats[2]) + arithmetic_slack(cand, self)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial host values, C's expected values, buffers to release): this
@@ -245,7 +249,7 @@ class Problem:
         C = _strided(want, q.c_off, q.batch, q.c_sz, q.M, q.c_sm, q.N, q.c_sn)
         val = q.alpha * np.matmul(A, B) + (bias.astype(np.float64)[:q.N] if q.has_bias else 0.0)
         C[...] = val + C if q.accumulate else val    # writes into `want` through the view
-        q.operands = (A, B)
+        q.operands, q.f16_slack = (A, B), None
         return q, bufs[3], c0, want, bufs
 
 

@@ -127,8 +127,7 @@ class QProblem:
     def tolerance(self, want: np.ndarray, cand=None) -> float:
         """The largest error a correct candidate (cand: the one checked, for its arithmetic) may show on a replica
         whose exact result is `want` (its operands: replica() keeps them)."""
-        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt) + arithmetic_slack(cand, self.alpha, self.K,
-                                                                                        self.operands)
+        return gemm_tolerance(self.alpha, self.K, want, self.c_fmt) + arithmetic_slack(cand, self)
 
     @property
     def f16_arithmetic_offered(self) -> bool:
@@ -152,7 +151,7 @@ class QProblem:
         deq = wq.read(rt).astype(np.float64)
         rows_a = a[q.a_off + np.arange(q.M)[:, None] * q.lda + np.arange(q.K)[None, :]].astype(np.float64)
         val = rows_a @ (deq.T if self.layout == "nt" else deq)
-        q.operands = (rows_a, deq.T if self.layout == "nt" else deq)
+        q.operands, q.f16_slack = (rows_a, deq.T if self.layout == "nt" else deq), None
         if self.bias is not None:
             val += bias
         want = c0.astype(np.float64)
