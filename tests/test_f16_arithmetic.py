@@ -240,42 +240,21 @@ def test_the_tuner_checks_them_with_their_own_bound(rt, monkeypatch):
 
 # ---- a training step through them ---------------------------------------------------------------------------
 
-def test_lora_step_through_f16_arithmetic_matches_numpy(tmp_path, rt):
+def test_lora_step_through_f16_arithmetic_matches_numpy(tmp_path, rt, monkeypatch):
     """f16 precision with float16 frozen weights, every frozen-weight GEMM pinned to an f16-arithmetic candidate:
     logits, loss and LoRA gradients against the NumPy engine (float32 arithmetic, the same rounding points) within
     f16_arith_* (test_precision_gpu's f16 differences plus what f16 arithmetic adds, measured here)."""
     needs_f16(rt)
-    from tolerances import assert_close
+    from test_precision_gpu import _batch, _check, _pair
 
     save_model(build_model("llama", seed=2, intermediate_size=42), tmp_path)
-    rng = np.random.default_rng(3)
-    ids = rng.integers(0, 83, (2, 13))
-    mask = np.ones_like(ids)
-    labels = ids.copy()
-    labels[:, :3] = -100
     lora = wt.LoraConfig(target_modules=["q_proj", "v_proj", "down_proj"], r=3, alpha=6)
-    models = {}
-    for backend in ("numpy", "wgpu"):
-        m = wt.load_model(tmp_path, backend=backend, precision="f16", base_dtype="float16",
-                          **({"device": str(rt.info.index)} if backend == "wgpu" else {}))
-        m.add_lora(lora, seed=5)
-        models[backend] = m
-    modules = {p: (a, np.random.default_rng(7).normal(0, 0.1, b.shape).astype(np.float32))
-               for p, (a, b) in models["numpy"].engine.lora_tensors().items()}
-    for m in models.values():
-        m._set_lora(lora, modules, seed=5)
+    ref, gpu = _pair(tmp_path, rt, "f16", lora, base_dtype="float16")
+    chosen, choose = [], tune.choose
+    monkeypatch.setattr(tune, "choose", lambda *args: chosen.append(c := choose(*args)) or c)
     with tune.pinned(f"qtiled/{QT.QTILE_HALF_CONFIGS[0].name}"):
-        logits_gpu = models["wgpu"].logits(ids, mask)
-        loss_gpu, grads_gpu = models["wgpu"].loss_and_grads(ids, labels, mask)
-    ran = {k.label for k in rt.compiled_kernels() if "_f16" in k.label and k.shader == QT.SHADER}
-    assert ran, "no f16-arithmetic kernel ran"
-    assert_close(logits_gpu, models["numpy"].logits(ids, mask), "f16_arith_logits")
-    loss_ref, grads_ref = models["numpy"].loss_and_grads(ids, labels, mask)
-    assert_close(np.float64(loss_gpu), np.float64(loss_ref), "f16_arith_loss")
-    assert set(grads_gpu) == set(grads_ref) and grads_ref
-    for k in grads_ref:
-        top = np.abs(grads_ref[k]).max()
-        assert_close(grads_gpu[k] / top, grads_ref[k] / top, "f16_arith_grads", k)
+        _check(ref, gpu, *_batch(), "f16_arith")
+    assert {c.name for c in chosen if c.family == "qtiled-f16"}, "no f16-arithmetic kernel ran"
 
 
 def test_the_precision_bench_times_both_arithmetics(rt, monkeypatch):

@@ -38,10 +38,11 @@ def _batch(seed=3, vocab=83):
     return ids, labels, mask
 
 
-def _pair(path, rt, precision, lora=None, **lora_kw):
-    """The model on both engines in one precision, with the same LoRA (B random, so every gradient flows)."""
-    ref = wt.load_model(path, backend="numpy", precision=precision)
-    gpu = wt.load_model(path, backend="wgpu", device=str(rt.info.index), precision=precision)
+def _pair(path, rt, precision, lora=None, **load_kw):
+    """The model on both engines in one precision (load_kw: more load_model settings for both), with the same
+    LoRA (B random, so every gradient flows)."""
+    ref = wt.load_model(path, backend="numpy", precision=precision, **load_kw)
+    gpu = wt.load_model(path, backend="wgpu", device=str(rt.info.index), precision=precision, **load_kw)
     assert ref.engine.precision == gpu.engine.precision == precision
     if lora is not None:
         ref.add_lora(lora, seed=5)
@@ -59,19 +60,19 @@ def _lora(path, **kw):
     return wt.LoraConfig(target_modules=in_arch(arch, targets), **{"r": 3, "alpha": 6, **kw})
 
 
-def _check(ref, gpu, ids, labels, mask, precision):
-    """Logits, loss and every gradient of gpu against ref: each gradient's differences as a fraction of its
-    largest element."""
+def _check(ref, gpu, ids, labels, mask, tolerances):
+    """Logits, loss and every gradient of gpu against ref, within the tolerances <tolerances>_logits, _loss and
+    _grads: each gradient's differences as a fraction of its largest element."""
     real = mask.astype(bool)
-    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], f"{precision}_gpu_logits")
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], f"{tolerances}_logits")
     loss_ref, grads_ref = ref.loss_and_grads(ids, labels, mask)
     loss_gpu, grads_gpu = gpu.loss_and_grads(ids, labels, mask)
-    assert_close(np.float64(loss_gpu), np.float64(loss_ref), f"{precision}_gpu_loss")
+    assert_close(np.float64(loss_gpu), np.float64(loss_ref), f"{tolerances}_loss")
     assert set(grads_gpu) == set(grads_ref) and grads_ref
     for k in grads_ref:
         top = np.abs(grads_ref[k]).max()
         assert top > 0, k
-        assert_close(grads_gpu[k] / top, grads_ref[k] / top, f"{precision}_gpu_grads", k)
+        assert_close(grads_gpu[k] / top, grads_ref[k] / top, f"{tolerances}_grads", k)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "f16"])
@@ -79,7 +80,7 @@ def test_logits_loss_and_lora_gradients_match_numpy(folder, rt, precision):
     if precision == "f16" and folder.name.split("16")[0] not in ("llama", "gemma3", "phi3"):
         pytest.skip("f16 on three families (the suite's time): f16 stores through the same kernels as bf16")
     ref, gpu = _pair(folder, rt, precision, _lora(folder))
-    _check(ref, gpu, *_batch(), precision)
+    _check(ref, gpu, *_batch(), f"{precision}_gpu")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_variants_match_numpy_in_bf16(llama, rt, variant):
         gpu.set_full_finetune()
     if variant == "checkpointing":
         gpu.set_gradient_checkpointing(True)
-    _check(ref, gpu, *_batch(8), "bf16")
+    _check(ref, gpu, *_batch(8), "bf16_gpu")
 
 
 def test_f16_overflow_in_the_forward_names_the_layer(tmp_path, rt):

@@ -292,13 +292,14 @@ TOLERANCES: dict[str, Tolerance] = {
     # float16 arithmetic (f16 products summed over 4 steps of k, then float32), against the NumPy engine's float32
     # arithmetic. Each such GEMM adds up to 4 u (u = 2^-11) of its sum of |products| (gemm_kernels.
     # f16_arithmetic_slack), random in sign, on top of f16_gpu_*'s differences. Measured on lavapipe (tiny llama,
-    # LoRA r=3 on q / v / down, float16 weights): logits 0.0076 on logits up to 2.9, loss 2.2e-4 on 4.9, gradients
-    # 0.0035 of the largest element; the same step in float32 arithmetic: loss 4.2e-6, gradients 0.0014. A dropped
+    # LoRA r=3 on q / v / down, float16 weights, test_precision_gpu's batch): logits 0.0075 on logits up to 2.8,
+    # loss 9.1e-5 on 4.7, gradients 0.0043 of the largest element; the same step in float32 arithmetic: logits
+    # 0.0015, loss 2.2e-6, gradients 0.0005. (An earlier batch without padding: 0.0076, 2.2e-4, 0.0035.) A dropped
     # or doubled chunk of k moves logits by O(0.1) or more.
     "f16_arith_logits": Tolerance(0.0, 0.02, "f16_gpu_logits plus float16 arithmetic's products; seen <= 0.0076"),
     "f16_arith_loss": Tolerance(0.0, 1e-3, "the mean token loss after f16_arith_logits' differences; seen <= 2.2e-4"),
     "f16_arith_grads": Tolerance(0.0, 0.01,
-        "a gradient over its largest element, float16 activations and arithmetic; seen <= 0.0035"),
+        "a gradient over its largest element, float16 activations and arithmetic; seen <= 0.0043"),
 }
 
 
