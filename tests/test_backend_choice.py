@@ -1,19 +1,106 @@
-"""backend="auto": the wgpu engine where an adapter exists, else the NumPy engine, said in one line."""
-import logging
+"""backend="auto": the WebGPU engine on a GPU or a named adapter, the NumPy engine without an adapter or where
+the only adapters are CPUs (unless its float32 weights would not fit), each choice with its reason."""
+import dataclasses
+import json
 
 import pytest
 
 import wgpu_train as wt
 from wgpu_train.assets import default_model_dir
+from wgpu_train.bench.engines import SMOL_135M
+from wgpu_train.engines import backend_choice
+from wgpu_train.engines.backend_choice import choose_backend, numpy_weight_bytes
 from wgpu_train.engines.webgpu.device import runtime
+from wgpu_train.models.config import ModelConfig
+
+from conftest import ADAPTERS, require_adapter
+
+EMBEDDED = ModelConfig.from_folder(default_model_dir())
+SMOL = ModelConfig.from_dict(dict(SMOL_135M), "SmolLM2-135M-shaped")
 
 
-def test_auto_without_adapter_falls_back_to_numpy_and_says_so(monkeypatch, caplog):
-    monkeypatch.setattr(runtime, "has_adapter", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="wgpu_train"):
-        model = wt.load_model(default_model_dir(), backend="auto")
-    assert model.backend == "numpy"
-    assert any("no WebGPU adapter found; using the NumPy backend" in r.getMessage() for r in caplog.records)
+def _fake_adapters(monkeypatch, *types):
+    """runtime.devices() reports adapters of these types (the first llvmpipe's limits for each)."""
+    template = runtime.AdapterInfo(0, "fake", "", "Vulkan", "CPU")
+    fakes = [dataclasses.replace(template, index=i, name=f"fake {t}", adapter_type=t) for i, t in enumerate(types)]
+    monkeypatch.setattr(runtime, "devices", lambda: fakes)
+    monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
+
+
+def test_auto_without_adapter_falls_back_to_numpy_and_says_so(monkeypatch):
+    _fake_adapters(monkeypatch)
+    model = wt.load_model(default_model_dir(), backend="auto")
+    assert (model.backend, model.backend_reason) == ("numpy", "auto: no WebGPU adapter found")
+
+
+@pytest.mark.parametrize("kinds", [("CPU", "DiscreteGPU"), ("CPU", "IntegratedGPU"), ("VirtualGPU", "CPU"),
+                                   ("Unknown",)])
+def test_auto_picks_a_gpu_adapter(monkeypatch, kinds):
+    """Beside a CPU adapter, or alone where its type is unknown (the runtime prefers a CPU to an unknown type)."""
+    _fake_adapters(monkeypatch, *kinds)
+    kind = kinds[1] if kinds[0] == "CPU" else kinds[0]
+    for cfg in (EMBEDDED, SMOL):
+        choice = choose_backend("auto", None, cfg)
+        assert choice.engine == "wgpu" and choice.device is None and f"fake {kind}" in choice.reason
+
+
+def test_auto_on_cpu_adapters_picks_the_numpy_engine_that_the_engines_bench_measured_faster(monkeypatch):
+    """The only adapters here are lavapipe and llvmpipe GL; `bench --only engines` measured the NumPy engine faster
+    for both the embedded default and a SmolLM2-135M-shaped model (benchmarks/README.md)."""
+    require_adapter()
+    assert all(a.adapter_type == "CPU" for a in ADAPTERS)
+    monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
+    for cfg in (EMBEDDED, SMOL):
+        choice = choose_backend("auto", None, cfg)
+        assert choice.engine == "numpy" and "the only WebGPU adapters are CPUs" in choice.reason
+    assert wt.load_model(default_model_dir(), backend="auto").backend == "numpy"
+
+
+def test_auto_keeps_the_cpu_adapter_when_the_numpy_engines_float32_weights_would_not_fit(monkeypatch):
+    _fake_adapters(monkeypatch, "CPU")
+    host = numpy_weight_bytes(SMOL)
+    tight = int(host / backend_choice.NUMPY_MEMORY_SHARE) - 1          # just too little for the float32 copies
+    nf4 = choose_backend("auto", None, SMOL, "nf4", "float16", memory=tight)
+    assert nf4.engine == "wgpu" and "would not fit" in nf4.reason
+    # float32 storage saves nothing on the adapter: the NumPy engine stays the choice
+    assert choose_backend("auto", None, SMOL, "float32", "float32", memory=tight).engine == "numpy"
+    assert choose_backend("auto", None, SMOL, "nf4", "float16", memory=10 * host).engine == "numpy"
+
+
+def test_a_named_adapter_or_backend_wgpu_runs_on_the_cpu_adapter(monkeypatch):
+    require_adapter()
+    monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
+    cpu = next(a for a in ADAPTERS if a.adapter_type == "CPU")
+    named = wt.load_model(default_model_dir(), backend="auto", device=str(cpu.index))
+    assert named.backend == "wgpu" and "--device names an adapter" in named.backend_reason
+    assert wt.load_model(default_model_dir(), backend="wgpu").backend == "wgpu"
+    monkeypatch.setenv("WGPU_TRAIN_DEVICE", str(cpu.index))
+    assert choose_backend("auto", None, EMBEDDED).engine == "wgpu"
+
+
+def test_unknown_backend_is_one_line():
+    with pytest.raises(wt.ConfigError, match="backend must be one of auto, wgpu, numpy"):
+        choose_backend("cuda")
+
+
+def test_finetune_says_its_engine_first_and_records_why(tmp_path, monkeypatch):
+    """The run's first line names the engine auto chose and why; summary.json records both."""
+    _fake_adapters(monkeypatch)
+    lines = []
+    trainer = wt.Trainer(wt.TrainConfig(out=str(tmp_path / "run"), max_steps=1, eval_every=0, batch_size=2,
+                                        eval_generate=False), log=lines.append)
+    trainer.run()
+    assert lines[0] == "backend: numpy (auto: no WebGPU adapter found)"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["backend"], summary["backend_reason"]) == ("numpy", "auto: no WebGPU adapter found")
+
+
+def test_generate_says_auto_choice_on_stderr(monkeypatch, capsys):
+    from wgpu_train.cli.main import main
+
+    _fake_adapters(monkeypatch)
+    assert main(["generate", "--prompt", "red fox", "--max-new-tokens", "2"]) == 0
+    assert "backend: numpy (auto: no WebGPU adapter found)" in capsys.readouterr().err
 
 
 def test_explicit_wgpu_without_adapter_is_a_clear_error(monkeypatch):

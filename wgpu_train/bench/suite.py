@@ -63,6 +63,14 @@ def _data_parallel(rt):
 SECTIONS["data_parallel"] = _data_parallel
 
 
+def _engines(rt):
+    from wgpu_train.bench.engines import bench_engines
+    return bench_engines()
+
+
+SECTIONS["engines"] = _engines
+
+
 def _serve(rt):
     from wgpu_train.bench.serve import bench_serve
     return bench_serve(rt)

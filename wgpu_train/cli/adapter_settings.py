@@ -107,13 +107,15 @@ def model_folder(model_arg, adapter: Path | None) -> Path:
 def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
                              base_dtype="auto", embed_dtype="auto", kv_dtype="float32"):
     """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge; kv_dtype: the storage of
-    generation's KV cache (engine.kv_dtype)."""
+    generation's KV cache (engine.kv_dtype). Backend auto's choice is said in one line on stderr."""
     from wgpu_train.engines.model import load_model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir) if tokenizer else None
     model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype, embed_dtype=embed_dtype,
                        kv_dtype=kv_dtype)
+    if backend == "auto":           # stderr: generate's answer alone is on stdout
+        print(f"backend: {model.backend} ({model.backend_reason})", file=sys.stderr)
     if adapter is not None:
         model.load_adapter(adapter)
     return model, tok

@@ -14,11 +14,11 @@ from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options,
 from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
                                              trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
+from wgpu_train.engines.model import BACKENDS
 from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
                                             wants_preference_eval)
 
-BACKENDS = ("auto", "wgpu", "numpy")
 
 
 def _add_parser(sub, name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -35,7 +35,8 @@ def _model_options(p, need_adapter: bool = False):
 
 def _device_options(p, storage: bool = False, kv_cache: bool = False):
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
+                   help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the only "
+                        "WebGPU adapters are CPUs, as it is faster there) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
     if storage:
         from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES

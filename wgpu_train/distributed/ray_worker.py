@@ -11,6 +11,7 @@ import numpy as np
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.errors import ConfigError, WgpuTrainError
 from wgpu_train.adapters.layout import lora_options
+from wgpu_train.engines.model import choose_backend
 
 
 class TorchCollective:
@@ -112,7 +113,7 @@ def worker(loop_config: dict):
             cfg = dataclasses.replace(cfg, overwrite=True)
         kind = DataParallelTrainer if cfg.objective == "sft" else DataParallelPreferenceTrainer
         trainer = kind(cfg, TorchCollective(), sink)
-        if cfg.backend != "numpy":
+        if choose_backend(cfg.backend, cfg.device).engine == "wgpu":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:
                 sink.log(f"{sharing} workers of this node share adapter {trainer.device} (each its own device)")

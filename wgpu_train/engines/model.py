@@ -14,13 +14,13 @@ from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.models.weights import load_weights, save_model_folder
 from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
+from wgpu_train.engines.backend_choice import BACKENDS, choose_backend  # noqa: F401 - BACKENDS re-exported
 from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
 from wgpu_train.engines.numpy.quant import check_dtypes
 from wgpu_train.engines.protocol import check_kv_dtype, check_precision, check_precision_widths
 from wgpu_train.adapters.saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 
 log = logging.getLogger("wgpu_train")
-BACKENDS = ("auto", "wgpu", "numpy")
 
 
 def _as_batch(input_ids, attention_mask=None):
@@ -71,6 +71,11 @@ class Model:
     @property
     def backend(self) -> str:
         return self.engine.name
+
+    @property
+    def backend_reason(self) -> str:
+        """Why this engine: "as given", or backend auto's reason (engines/backend_choice.py)."""
+        return self.engine.backend_reason
 
     # ---- inference and gradients --------------------------------------------------------------
     def logits(self, input_ids, attention_mask=None) -> np.ndarray:
@@ -412,37 +417,34 @@ def precision_choice(precision: str, engine: str, cpu_adapter: bool = False, cfg
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
                  embed_dtype="auto", precision="auto", kv_dtype="float32"):
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     check_precision(precision)
-    if backend in ("auto", "wgpu"):
+    choice = choose_backend(backend, device, config, base_dtype, embed_dtype)
+    if backend == "auto":
+        log.info("backend: %s (%s)", choice.engine, choice.reason)
+    if choice.engine == "wgpu":
         from wgpu_train.engines.webgpu.device import runtime
+        from wgpu_train.engines.webgpu.engine import WgpuEngine
 
-        if backend == "auto" and not runtime.has_adapter():
-            log.warning("wgpu-train: no WebGPU adapter found; using the NumPy backend")
-            backend = "numpy"
-        else:
-            from wgpu_train.engines.webgpu.engine import WgpuEngine
+        check_precision_widths(precision, config)
+        rt = runtime.get_runtime(choice.device)
+        precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU", config)
+        engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype, precision)
+    else:
+        from wgpu_train.engines.numpy.engine import NumpyEngine
 
-            check_precision_widths(precision, config)
-            rt = runtime.get_runtime(device)
-            precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU", config)
-            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype, precision)
-            engine.precision_reason = reason
-            return engine
-    from wgpu_train.engines.numpy.engine import NumpyEngine
-
-    precision, reason = precision_choice(precision, "numpy")
-    engine = NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
-                         precision=precision, kv_dtype=kv_dtype)
+        precision, reason = precision_choice(precision, "numpy")
+        engine = NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
+                             precision=precision, kv_dtype=kv_dtype)
     engine.precision_reason = reason
+    engine.backend_reason = choice.reason
     return engine
 
 
 def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
                embed_dtype: str = "auto", precision: str = "auto", kv_dtype: str = "float32") -> Model:
-    """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend.
+    """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend
+    (engines/backend_choice.choose_backend: a GPU's WebGPU engine, else the NumPy engine; model.backend_reason).
 
     base_dtype stores the frozen weights of the linear modules of every layer as "float32", "bfloat16",
     "float16", "nf4" (4-bit NormalFloat, blocks of 64, as bitsandbytes/QLoRA), "nf4-dq" (nf4 whose absmax
@@ -458,8 +460,17 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     attention over it computes in float32; needs an even head dim); engine.kv_dtype."""
     check_precision(precision)
     config = ModelConfig.from_folder(path)
-    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
+    check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     check_kv_dtype(kv_dtype, config)
-    weights = load_weights(path, config)
+    return model_from_weights(config, load_weights(path, config), backend, device, dtype, base_dtype, embed_dtype,
+                              precision, kv_dtype, path)
+
+
+def model_from_weights(config: ModelConfig, weights: dict, backend: str = "numpy", device=None, dtype=np.float32,
+                       base_dtype: str = "float32", embed_dtype: str = "auto", precision: str = "auto",
+                       kv_dtype: str = "float32", path=None) -> Model:
+    """A Model of config over weights in memory (name -> float32 array, as load_weights reads them), with
+    load_model's settings; path: the folder it came from, if any (merge copies its tokenizer files)."""
+    check_kv_dtype(kv_dtype, config)
     return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision,
                                       kv_dtype), path)

@@ -61,6 +61,7 @@ class Engine(Protocol):
     paths (LoRA). Step inputs are the data.Batch fields (ids, targets, segment ids, position ids)."""
 
     name: str                   # "numpy" or "wgpu"
+    backend_reason: str         # why this engine (backend auto's choice), for the log and summary.json
     cfg: ModelConfig
     base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head
     embed_dtype: str

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from wgpu_train.training import tracking
 from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.model import BACKENDS
 from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
@@ -17,7 +18,6 @@ from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_
 from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, WITH_REFERENCE, PreferenceSettings
 from wgpu_train.training.schedule import SCHEDULES
 
-BACKEND_CHOICES = ("auto", "wgpu", "numpy")
 METHODS = ("lora", "full")
 PAD_MULTIPLE = 8   # sequence lengths are padded to a multiple of this
 
@@ -42,8 +42,8 @@ class TrainConfig:
                                      "text), e.g. prompt=question,completion=answer")
     out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
                                  f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
-    backend: str = _opt("auto", "compute backend: wgpu, numpy, or auto (wgpu when an adapter exists)",
-                        choices=BACKEND_CHOICES)
+    backend: str = _opt("auto", "compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the "
+                                "only WebGPU adapters are CPUs, as it is faster there)", choices=BACKENDS)
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
                                     "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)

@@ -167,7 +167,7 @@ class PreferenceTrainer(Trainer):
         if cfg.ref_adapter:
             from wgpu_train.engines.model import load_model
 
-            ref = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
+            ref = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
                              base_dtype=self.base_dtype, embed_dtype=self.embed_dtype, precision=self.precision)
             ref.load_adapter(cfg.ref_adapter)
             return ref.engine, False, f"the base model with the adapter {cfg.ref_adapter}"

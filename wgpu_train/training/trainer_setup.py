@@ -23,7 +23,7 @@ class TrainerSetup:
 
     def setup(self):
         """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
-        from wgpu_train.engines.model import load_model
+        from wgpu_train.engines.model import choose_backend, load_model
 
         from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
 
@@ -53,6 +53,9 @@ class TrainerSetup:
             self.config = cfg = dataclasses.replace(cfg, lora_layers=lora_options(lora)["lora_layers"])
         if lora:
             lora.modules(model_cfg)      # targets or layers the model lacks: refused before it loads
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
+        self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
+        self.log(f"backend: {self.backend} ({self.backend_reason})")
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
@@ -78,7 +81,7 @@ class TrainerSetup:
                 raise ConfigError(f"the run in {self.folders.resumed} already finished at step {self.step}; "
                                   f"raise --max-steps or --epochs to train further")
 
-        self.model = load_model(self.model_dir.resolve(), backend=cfg.backend, device=self.device,
+        self.model = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
                                 base_dtype=self.base_dtype, embed_dtype=self.embed_dtype,
                                 precision=self.precision or "auto")
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them

@@ -69,6 +69,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.plan = layer_plan(cfg)
         self.rounding = Rounding(precision, self.plan.statistics)
         self.precision, self.precision_reason = precision, "as given"
+        self.backend_reason = "as given"
         check_kv_dtype(kv_dtype, cfg)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
         self.loss_scaler = LossScaler() if precision == "f16" else None

@@ -33,6 +33,7 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
     """The engine protocol of numpy.engine.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
+    backend_reason = "as given"
     precision_reason = "as given"
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several

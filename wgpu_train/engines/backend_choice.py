@@ -1,0 +1,88 @@
+"""Which engine `backend="auto"` runs, and why: the WebGPU engine on a GPU, the NumPy engine where the only
+WebGPU adapters are CPUs (lavapipe, llvmpipe), unless its float32 weights would not fit the machine's memory."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from wgpu_train.engines.webgpu.device import runtime
+from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.config import ModelConfig
+
+BACKENDS = ("auto", "wgpu", "numpy")
+# The NumPy engine keeps every base weight as a float32 copy on the host: auto gives it at most this share of the
+# memory the machine has available, so that activations, the optimizer and the rest of the process still fit.
+NUMPY_MEMORY_SHARE = 0.6
+# The NumPy engine's LoRA step measured against the CPU adapter's on one 2-core machine (`wgpu-train bench
+# --only engines`, lavapipe, benchmarks/README.md): what the reason line quotes.
+MEASURED = "the NumPy engine ran LoRA steps 1.5-1.9x faster than lavapipe in `wgpu-train bench --only engines`"
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The engine a run uses ("numpy" or "wgpu"), the adapter spec it opens (None: the preferred one), and why."""
+
+    engine: str
+    device: object
+    reason: str
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give a process: Linux's MemAvailable, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def numpy_weight_bytes(cfg: ModelConfig) -> int:
+    """Host bytes of the NumPy engine's float32 copies of every base weight."""
+    return 4 * sum(int(np.prod(shape)) for shape in weight_shapes(cfg).values())
+
+
+def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, base_dtype: str = "float32",
+                   embed_dtype: str = "auto", memory: int | None = None) -> BackendChoice:
+    """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype.
+
+    auto: the WebGPU engine on the preferred adapter when it is a GPU (discrete, integrated, virtual or of an
+    unknown type), or on the adapter `device` (or WGPU_TRAIN_DEVICE) names, whatever its type; the NumPy engine
+    when there is no adapter, or when the preferred one is a CPU, as it is faster there
+    (MEASURED), unless its float32 copies of the weights exceed NUMPY_MEMORY_SHARE of `memory` (default: what the
+    machine has available) while the CPU adapter's stored weights are smaller. Nothing else separates them:
+    both engines run every feature. ConfigError for an unknown backend."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "numpy":
+        return BackendChoice("numpy", None, "as given")
+    named = device is not None and str(device).strip() != ""
+    if backend == "wgpu":
+        return BackendChoice("wgpu", device, "as given")
+    if not named and os.environ.get("WGPU_TRAIN_DEVICE", "").strip():
+        device, named = os.environ["WGPU_TRAIN_DEVICE"], True
+    if named:                   # checked where it opens (a data-parallel run's list is split among its workers)
+        return BackendChoice("wgpu", device, f"auto: --device names an adapter ({device})")
+    if not runtime.has_adapter():
+        return BackendChoice("numpy", None, "auto: no WebGPU adapter found")
+    info = runtime.choose_adapter()
+    if info.adapter_type != "CPU":
+        return BackendChoice("wgpu", None, f"auto: a GPU, {info.describe()}")
+    where = f"the only WebGPU adapters are CPUs ({info.name})"
+    if cfg is not None:
+        host = numpy_weight_bytes(cfg)
+        stored = base_weight_bytes(cfg, base_dtype, embed_dtype)["total"]
+        budget = NUMPY_MEMORY_SHARE * (available_memory() if memory is None else memory)
+        if host > budget and stored < host:
+            return BackendChoice("wgpu", None, f"auto: {where}, but the NumPy engine's float32 weights "
+                                 f"({host / 2**30:.1f} GiB) would not fit the {budget / 2**30:.1f} GiB it may use; "
+                                 f"{info.describe()} stores them in {stored / 2**30:.1f} GiB")
+    return BackendChoice("numpy", None, f"auto: {where}; {MEASURED}")
