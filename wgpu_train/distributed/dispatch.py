@@ -1,6 +1,6 @@
 """finetune(): the one entry point of a fine-tuning run, which trains in this process (the trainer of the
-objective's kind: the Trainer, or for a preference objective the PreferenceTrainer) or, with num_workers, data-parallel on Ray Train workers
-(ray_driver.py)."""
+objective's kind: the Trainer, or for a preference objective the PreferenceTrainer) or, with num_workers,
+data-parallel on Ray Train workers (ray_driver.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -145,7 +145,8 @@ class TrainConfig:
     # ---- preference tuning (training/objectives/, training/preference_trainer.py) ----
     objective: str = _opt("sft", "what to train: sft (supervised), or a preference objective with TRL's meaning: dpo "
                                  "(chosen / rejected pairs against a reference model), simpo and orpo (pairs, no "
-                                 "reference), kto (unpaired examples labelled desirable or not)", choices=tuple(OBJECTIVES))
+                                 "reference), kto (unpaired examples labelled desirable or not)",
+                          choices=tuple(OBJECTIVES))
     dpo_loss: str = _opt("sigmoid", "DPO's loss (TRL's loss_type): sigmoid, ipo, hinge or robust",
                          choices=DPO_LOSSES)
     beta: float = _opt(0.1, "the preference objectives' beta (DPO / KTO: the reference's pull; IPO: its "
@@ -242,9 +243,9 @@ class TrainConfig:
             need(not (self.method == "full" and objective.uses_reference and not self.precompute_ref_log_probs),
                  f"--objective {self.objective} with --method full needs --precompute-ref-log-probs: the reference "
                  "is the starting model, whose log-probabilities are computed once before training")
-            objective.check_run(self)
             need(not (self.method == "full" and self.ref_adapter), "--ref-adapter is a LoRA adapter's reference: "
                                                                     "method lora")
+        objective.check_run(self)
         if objective.trainer is TrainerKind.SUPERVISED:
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             given = [f"--{name.replace('_', '-')}" for name in PREFERENCE_FIELDS if getattr(self, name) != defaults[name]]

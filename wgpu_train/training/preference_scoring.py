@@ -88,8 +88,8 @@ class PreferenceScorer:
     def objective(self, engine, examples: Sequence, indices, reference: Reference | str | None = None,
                   partners: np.ndarray | None = None) -> tuple[ObjectiveResult, Scored]:
         """(ObjectiveResult, the policy's Scored rows) of examples[indices]: the policy is `engine`, the reference
-        `reference` (objectives that use one; ADAPTER_OFF: `engine` with its adapter switched off, scored with the policy),
-        KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
+        `reference` (objectives that use one; ADAPTER_OFF: `engine` with its adapter switched off, scored with the
+        policy), KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
         joint = self.unit.uses_reference and reference is ADAPTER_OFF
         scored = self.score(engine, examples, indices, reference=joint)
         logps, tokens = scored.logps, scored.tokens

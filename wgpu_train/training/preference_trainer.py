@@ -26,11 +26,12 @@ class PreferenceTrainer(Trainer):
     """A Trainer whose objective is config.objective, a preference objective: the data are preference pairs or
     unpaired examples (KTO's, read in order as TRL's KTOTrainer reads them), batch_size of them per micro-batch.
 
-    The reference model of an objective that uses one (DPO, KTO) is, as TRL's trainers take it for a PEFT model, the base model with the
-    adapter switched off (engine protocol set_adapter_enabled), or with --adapter-path a frozen copy of the
-    starting adapter swapped in to score. Its log-probabilities are computed once before training instead,
-    and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the base with that adapter),
-    --method full and modules_to_save (the starting model: the adapter switch does not turn off trained copies)."""
+    The reference model of an objective that uses one (DPO, KTO) is, as TRL's trainers take it for a PEFT model,
+    the base model with the adapter switched off (engine protocol set_adapter_enabled), or with --adapter-path a
+    frozen copy of the starting adapter swapped in to score. Its log-probabilities are computed once before
+    training instead, and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the base with
+    that adapter), --method full and modules_to_save (the starting model: the adapter switch does not turn off
+    trained copies)."""
 
     def __init__(self, config, log=None):
         dropout = config.lora_dropout

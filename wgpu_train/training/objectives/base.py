@@ -36,7 +36,7 @@ class Objective:
     uses_reference: ClassVar[bool] = False   # scores a reference model (DPO, KTO)
     length_normalised: ClassVar[bool] = False   # reads average (per token) log-probabilities (SimPO, ORPO)
     trains_prompt: ClassVar[bool] = False    # adds an NLL term over the chosen rows, prompt included (ORPO)
-    options: ClassVar[tuple[str, ...]] = ()  # the PreferenceSettings fields its loss reads
+    options: ClassVar[tuple[str, ...]] = ()  # the TrainConfig fields it reads (preference: PreferenceSettings too)
 
     @classmethod
     def smooths_labels(cls, settings) -> bool:
