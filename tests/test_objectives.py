@@ -1,4 +1,4 @@
-"""The preference objectives' math (training/objectives.py): every derivative against central differences of its
+"""The preference objectives' math (training/objectives/): every derivative against central differences of its
 loss, SimPO's and ORPO's losses and metrics against TRL's own loss functions, and the settings' checks."""
 from __future__ import annotations
 

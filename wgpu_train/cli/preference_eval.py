@@ -6,11 +6,9 @@ import json
 import sys
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.training.objectives import (PREFERENCE_OBJECTIVES, PREFERENCE_OPTIONS, DataKind, PreferenceSettings,
+                                            objective_class)
 
-PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
-# the objective's options: TrainConfig's fields, taken from the run that wrote the adapter when it trained the
-# same objective, else TrainConfig's (TRL's) defaults
-OBJECTIVE_OPTIONS = ("beta", "dpo_loss", "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight")
 # how preference rows are truncated: TrainConfig's fields, taken from the run that wrote the adapter, else defaults
 TRUNCATION_OPTIONS = ("truncation_mode", "max_prompt_length")
 EVAL_BATCH = 8      # eval's --batch-size when neither the command line nor the adapter's run gives one
@@ -27,7 +25,7 @@ def add_preference_options(p):
                    help="score preference data (pairs; kto: unpaired examples) with this objective and report its "
                         "loss and TRL's metrics (rewards/*, logps/*; ORPO's nll_loss and log_odds_*; KTO's kl) "
                         "instead of the token loss; no exact match")
-    for name in OBJECTIVE_OPTIONS:
+    for name in PREFERENCE_OPTIONS:
         f = fields[name]
         kind = type(f.default)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, choices=f.metadata.get("choices"),
@@ -53,13 +51,12 @@ def _objective_settings(args, adapter):
 
     from wgpu_train.cli.adapter_settings import trained_run_config
     from wgpu_train.training.config import TrainConfig
-    from wgpu_train.training.objectives import PreferenceSettings
 
     run = trained_run_config(adapter) if adapter is not None else {}
     same = run.get("objective") == args.objective
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     values = {}
-    for name in OBJECTIVE_OPTIONS:
+    for name in PREFERENCE_OPTIONS:
         given, kind = getattr(args, name), type(defaults[name])
         trained = run.get(name)
         recorded = isinstance(trained, str) if kind is str else (isinstance(trained, (int, float))
@@ -77,11 +74,11 @@ def _objective_settings(args, adapter):
 def wants_preference_eval(args) -> bool:
     """Whether eval's arguments ask for a preference evaluation (--objective, its options or --ref-adapter)."""
     return args.objective is not None or args.ref_adapter is not None or any(
-        getattr(args, name) is not None for name in OBJECTIVE_OPTIONS + TRUNCATION_OPTIONS)
+        getattr(args, name) is not None for name in PREFERENCE_OPTIONS + TRUNCATION_OPTIONS)
 
 
 def _check_arguments(args):
-    given = [name for name in OBJECTIVE_OPTIONS + TRUNCATION_OPTIONS if getattr(args, name) is not None]
+    given = [name for name in PREFERENCE_OPTIONS + TRUNCATION_OPTIONS if getattr(args, name) is not None]
     if args.objective is None:
         option = "--ref-adapter" if args.ref_adapter else f"--{given[0].replace('_', '-')}"
         raise ConfigError(f"{option} is an option of a preference objective: give --objective")
@@ -89,24 +86,23 @@ def _check_arguments(args):
         raise ConfigError("--tasks runs lm-evaluation-harness tasks; leave out --objective (or --tasks)")
     if args.max_prompt_length is not None and args.max_prompt_length < 1:
         raise ConfigError(f"--max-prompt-length must be at least 1, got {args.max_prompt_length}")
-    if args.ref_adapter and args.objective not in ("dpo", "kto"):
+    if args.ref_adapter and not objective_class(args.objective).uses_reference:
         raise ConfigError(f"--objective {args.objective} needs no reference model: leave out --ref-adapter")
 
 
-def _read_split(args, data_path, unpaired: bool, seed: int):
-    """(DataSplits, the split's name, its records): --data read as preference (unpaired) records, or without
-    --data the embedded demo's pairs, built as a run of `seed` builds them."""
+def _read_split(args, data_path, data: DataKind, seed: int):
+    """(DataSplits, the split's name, its records): --data read as records of the objective's kind (pairs or
+    unpaired), or without --data the embedded demo's, built as a run of `seed` builds them."""
     from wgpu_train.data.preference_demo import demo_preference_splits
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.errors import DataError
 
-    kind = "unpaired" if unpaired else "preference"
     if args.data:
         splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns,
-                              kind=kind)
+                              kind=data.value)
     else:
         splits = demo_preference_splits(resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid),
-                                        seed, unpaired, names=("train", "valid", "test"))
+                                        seed, data is DataKind.UNPAIRED, names=("train", "valid", "test"))
     split = args.split or ("test" if splits.test else "valid" if splits.valid else "train")
     records = getattr(splits, split)
     if not records:
@@ -129,10 +125,10 @@ def cmd_preference_eval(args) -> int:
     adapter = adapter_folder(args.adapter_path)
     ref_adapter = adapter_folder(args.ref_adapter)
     objective, batch_size, truncation = _objective_settings(args, adapter)
-    unpaired = objective.objective == "kto"
+    unpaired = objective.unit.data is DataKind.UNPAIRED
     seed = trained_run_config(adapter).get("seed", 0) if adapter is not None else 0
     data_path = args.data if args.data else default_data_dir()
-    splits, split, records = _read_split(args, data_path, unpaired, seed if isinstance(seed, int) else 0)
+    splits, split, records = _read_split(args, data_path, objective.unit.data, seed if isinstance(seed, int) else 0)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": _given_no_chat_template(args), "max_seq_len": args.max_seq_len},
@@ -147,7 +143,7 @@ def cmd_preference_eval(args) -> int:
     scorer = PreferenceScorer(objective, batch_size, tok.pad_token_id if tok.pad_token_id is not None else 0)
     partners = kl_partners(len(examples), batch_size) if unpaired else None
     reference, described = None, None
-    if objective.uses_reference:
+    if objective.unit.uses_reference:
         if ref_adapter is not None:
             ref_model, _ = load_model_and_tokenizer(model_dir, ref_adapter, args.backend, args.device, tokenizer=False,
                                                     base_dtype=settings["base_dtype"],

@@ -1,13 +1,18 @@
-"""finetune(): the one entry point of a fine-tuning run, which trains in this process (the Trainer, or for a
-preference objective the PreferenceTrainer) or, with num_workers, data-parallel on Ray Train workers
-(ray_driver.py)."""
+"""finetune(): the one entry point of a fine-tuning run, which trains in this process (the trainer of the
+objective's kind: the Trainer, or for a preference objective the PreferenceTrainer) or, with num_workers,
+data-parallel on Ray Train workers (ray_driver.py)."""
 from __future__ import annotations
 
 import dataclasses
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
+from wgpu_train.training.objectives import TrainerKind, objective_class
+from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
+
+# the trainer that runs each kind of objective in this process (Objective.trainer)
+TRAINERS = {TrainerKind.SUPERVISED: Trainer, TrainerKind.PREFERENCE: PreferenceTrainer}
 
 
 def finetune(config: TrainConfig | None = None, **overrides) -> dict:
@@ -24,8 +29,4 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
         return finetune_on_ray(config)
-    if config.objective != "sft":
-        from wgpu_train.training.preference_trainer import PreferenceTrainer
-
-        return PreferenceTrainer(config).run()
-    return Trainer(config).run()
+    return TRAINERS[objective_class(config.objective).trainer](config).run()

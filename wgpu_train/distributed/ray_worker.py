@@ -12,6 +12,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.errors import ConfigError, WgpuTrainError
 from wgpu_train.adapters.layout import lora_options
 from wgpu_train.engines.model import choose_backend
+from wgpu_train.training.objectives import TrainerKind, objective_class
 
 
 class TorchCollective:
@@ -111,8 +112,10 @@ def worker(loop_config: dict):
                                       **{k: recorded[k] for k in RECORDED if k in recorded})
         elif restarted:                 # a restart before any checkpoint: what is in --out is this run's
             cfg = dataclasses.replace(cfg, overwrite=True)
-        kind = DataParallelTrainer if cfg.objective == "sft" else DataParallelPreferenceTrainer
-        trainer = kind(cfg, TorchCollective(), sink)
+        # the data-parallel trainer of each kind of objective (Objective.trainer)
+        trainers = {TrainerKind.SUPERVISED: DataParallelTrainer,
+                    TrainerKind.PREFERENCE: DataParallelPreferenceTrainer}
+        trainer = trainers[objective_class(cfg.objective).trainer](cfg, TorchCollective(), sink)
         if choose_backend(cfg.backend, cfg.device).engine == "wgpu":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:

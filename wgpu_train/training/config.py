@@ -15,7 +15,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
-from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, WITH_REFERENCE, PreferenceSettings
+from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, PreferenceSettings, TrainerKind, objective_class
 from wgpu_train.training.schedule import SCHEDULES
 
 METHODS = ("lora", "full")
@@ -142,10 +142,11 @@ class TrainConfig:
                                     "metrics.jsonl row (0: off)")
     report_to: str = _opt("none", "also send the metrics.jsonl rows to tensorboard, wandb, trackio or mlflow "
                                   "(comma-separated; each an extra: pip install 'wgpu-train[tensorboard]'), or none")
-    # ---- preference tuning (training/objectives.py, training/preference_trainer.py) ----
+    # ---- preference tuning (training/objectives/, training/preference_trainer.py) ----
     objective: str = _opt("sft", "what to train: sft (supervised), or a preference objective with TRL's meaning: dpo "
                                  "(chosen / rejected pairs against a reference model), simpo and orpo (pairs, no "
-                                 "reference), kto (unpaired examples labelled desirable or not)", choices=OBJECTIVES)
+                                 "reference), kto (unpaired examples labelled desirable or not)",
+                          choices=tuple(OBJECTIVES))
     dpo_loss: str = _opt("sigmoid", "DPO's loss (TRL's loss_type): sigmoid, ipo, hinge or robust",
                          choices=DPO_LOSSES)
     beta: float = _opt(0.1, "the preference objectives' beta (DPO / KTO: the reference's pull; IPO: its "
@@ -229,27 +230,23 @@ class TrainConfig:
              "adapter_path starts a new run from an adapter and resume continues a run from its checkpoint: give one")
         need(not self.adapter_path or self.method == "lora", "adapter_path continues a LoRA adapter: method lora")
         tracking.parse_report_to(self.report_to)
-        if self.objective != "sft":
+        objective = objective_class(self.objective)
+        if objective.trainer is TrainerKind.PREFERENCE:
             self.preference_settings()     # validates beta, label_smoothing and the weights
             need(not self.pack, "packing puts several samples in a row; a preference objective scores whole rows: "
                                 "leave out --pack")
             need(not self.max_tokens_per_batch, "max_tokens_per_batch forms SFT micro-batches; a preference "
                                                 "objective takes --batch-size examples per micro-batch")
-            uses_reference = self.objective in WITH_REFERENCE
-            need(uses_reference or not (self.ref_adapter or self.precompute_ref_log_probs),
+            need(objective.uses_reference or not (self.ref_adapter or self.precompute_ref_log_probs),
                  f"--objective {self.objective} needs no reference model: leave out --ref-adapter and "
                  "--precompute-ref-log-probs")
-            need(not (self.method == "full" and uses_reference and not self.precompute_ref_log_probs),
+            need(not (self.method == "full" and objective.uses_reference and not self.precompute_ref_log_probs),
                  f"--objective {self.objective} with --method full needs --precompute-ref-log-probs: the reference "
                  "is the starting model, whose log-probabilities are computed once before training")
-            need(self.objective != "kto" or self.batch_size >= 2,
-                 "kto needs --batch-size of at least 2: its KL estimate pairs each prompt with another example's "
-                 "completion in the micro-batch (TRL's KTOTrainer refuses a batch of 1 too)")
-            need(not (self.objective == "kto" and self.truncation_mode != "keep_start"),
-                 "kto data is truncated keep_start only, as TRL's KTOTrainer truncates it")
             need(not (self.method == "full" and self.ref_adapter), "--ref-adapter is a LoRA adapter's reference: "
                                                                     "method lora")
-        if self.objective == "sft":
+        objective.check_run(self)
+        if objective.trainer is TrainerKind.SUPERVISED:
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             given = [f"--{name.replace('_', '-')}" for name in PREFERENCE_FIELDS if getattr(self, name) != defaults[name]]
             need(not given, f"{', '.join(given)}: a preference objective's option{'s' if len(given) > 1 else ''}; "

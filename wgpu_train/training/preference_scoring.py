@@ -12,7 +12,7 @@ from wgpu_train.data.batching import Example
 from wgpu_train.data.preference_batching import pair_rows, row_batches
 from wgpu_train.training.config import PAD_MULTIPLE
 from wgpu_train.training.evaluate import engine_batch
-from wgpu_train.training.objectives import ObjectiveResult, PreferenceSettings, kto_objective, pair_objective
+from wgpu_train.training.objectives import DataKind, ObjectiveResult, PreferenceSettings
 
 # The reference's summed log-probabilities of examples[indices]: fn(indices, mismatched) -> (R,), the rows in the
 # order Scored holds them (pairs: every chosen row, then every rejected row; mismatched: KTO's KL rows).
@@ -42,7 +42,8 @@ class PreferenceScorer:
 
     def __init__(self, settings: PreferenceSettings, batch_size: int, pad_id: int):
         self.settings, self.batch_size, self.pad_id = settings, batch_size, pad_id
-        self.paired = settings.objective != "kto"
+        self.unit = settings.unit                   # the objective: its traits and its loss
+        self.paired = self.unit.data is DataKind.PAIRS
 
     def micro_batches(self, rows: Sequence[Example]) -> list:
         per_micro = self.batch_size * (2 if self.paired else 1)
@@ -52,9 +53,10 @@ class PreferenceScorer:
               reference: bool = False) -> Scored:
         """The rows of examples[indices] (pairs: every chosen row, then every rejected row; with partners, KTO's
         (N,) mismatched partner of each example, its mismatched rows instead) scored by `engine`; with reference,
-        also by the engine with its adapter switched off, in the same engine calls (reference_logps). ORPO's
-        chosen rows are trained on every token, prompt included (TRL's NLL term), so their micro-batches target
-        every token and the completion masks say which tokens make up the log-probabilities."""
+        also by the engine with its adapter switched off, in the same engine calls (reference_logps). The chosen
+        rows of an objective that trains the prompt (ORPO: TRL's NLL term) are trained on every token, so their
+        micro-batches target every token and the completion masks say which tokens make up the
+        log-probabilities."""
         chosen = [examples[i] for i in indices]
         if partners is not None:
             rows = [examples[i].mismatched_row(examples[partners[i]]) for i in indices]
@@ -62,7 +64,7 @@ class PreferenceScorer:
             rows = example_rows(chosen, self.paired)
         micro = self.micro_batches(rows)
         masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
-        if self.settings.objective == "orpo" and partners is None:
+        if self.unit.trains_prompt and partners is None:
             p = len(indices)
             whole = [Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated) if k < p else r
                      for k, r in enumerate(rows)]
@@ -86,24 +88,24 @@ class PreferenceScorer:
     def objective(self, engine, examples: Sequence, indices, reference: Reference | str | None = None,
                   partners: np.ndarray | None = None) -> tuple[ObjectiveResult, Scored]:
         """(ObjectiveResult, the policy's Scored rows) of examples[indices]: the policy is `engine`, the reference
-        `reference` (DPO and KTO; ADAPTER_OFF: `engine` with its adapter switched off, scored with the policy),
-        KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
-        joint = self.settings.uses_reference and reference is ADAPTER_OFF
+        `reference` (objectives that use one; ADAPTER_OFF: `engine` with its adapter switched off, scored with the
+        policy), KTO's mismatched pairs `partners` (the whole split's, see kl_partners)."""
+        joint = self.unit.uses_reference and reference is ADAPTER_OFF
         scored = self.score(engine, examples, indices, reference=joint)
         logps, tokens = scored.logps, scored.tokens
         ref = None
-        if self.settings.uses_reference:
+        if self.unit.uses_reference:
             ref = scored.reference_logps if joint else reference(indices, False)
         if self.paired:
             p = len(indices)
             nll = (scored.loss_sums[:p].sum(), int(scored.targets[:p].sum()))
-            result = pair_objective(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
-                                    None if ref is None else ref[:p], None if ref is None else ref[p:], nll=nll)
+            result = self.unit.loss(logps[:p], logps[p:], tokens[:p], tokens[p:], None if ref is None else ref[:p],
+                                    None if ref is None else ref[p:], nll=nll)
         else:
             kl = self.score(engine, examples, indices, partners, reference=joint)
             labels = np.array([examples[i].label for i in indices], bool)
-            result = kto_objective(self.settings, logps, ref, labels, kl.logps,
-                                   kl.reference_logps if joint else reference(indices, True))
+            result = self.unit.loss(logps, ref, labels, kl.logps,
+                                    kl.reference_logps if joint else reference(indices, True))
         return result, scored
 
     def evaluate(self, engine, examples: Sequence, reference: Reference | str | None = None,

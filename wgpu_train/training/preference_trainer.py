@@ -1,4 +1,4 @@
-"""The preference Trainer: DPO, SimPO, ORPO and KTO (training/objectives.py) on any engine. Each step scores its
+"""The preference Trainer: DPO, SimPO, ORPO and KTO (training/objectives/) on any engine. Each step scores its
 rows (sequence log-probabilities of the policy, and of the reference: the adapter switched off, or computed once
 before training), turns the objective's derivatives into per-token gradient weights, and runs the engine's
 optimizer step with them; evaluation reports the objective and TRL's reward metrics on the validation pairs."""
@@ -13,6 +13,7 @@ import numpy as np
 
 from wgpu_train.data.preference_batching import PreferenceStream, kl_partners
 from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.training.objectives import DataKind
 from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer, Scored, example_rows, mean_metrics
 from wgpu_train.training.trainer import Trainer
@@ -22,14 +23,15 @@ REFERENCE_ADAPTER_FILE = "reference_adapter.npz"    # --adapter-path: the starti
 
 
 class PreferenceTrainer(Trainer):
-    """A Trainer whose objective is config.objective (not sft): the data are preference pairs (KTO: unpaired
-    examples, read in order as TRL's KTOTrainer reads them), batch_size of them per micro-batch.
+    """A Trainer whose objective is config.objective, a preference objective: the data are preference pairs or
+    unpaired examples (KTO's, read in order as TRL's KTOTrainer reads them), batch_size of them per micro-batch.
 
-    The reference model of DPO and KTO is, as TRL's trainers take it for a PEFT model, the base model with the
-    adapter switched off (engine protocol set_adapter_enabled), or with --adapter-path a frozen copy of the
-    starting adapter swapped in to score. Its log-probabilities are computed once before training instead,
-    and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the base with that adapter),
-    --method full and modules_to_save (the starting model: the adapter switch does not turn off trained copies)."""
+    The reference model of an objective that uses one (DPO, KTO) is, as TRL's trainers take it for a PEFT model,
+    the base model with the adapter switched off (engine protocol set_adapter_enabled), or with --adapter-path a
+    frozen copy of the starting adapter swapped in to score. Its log-probabilities are computed once before
+    training instead, and kept in the run folder, with --precompute-ref-log-probs, --ref-adapter (the base with
+    that adapter), --method full and modules_to_save (the starting model: the adapter switch does not turn off
+    trained copies)."""
 
     def __init__(self, config, log=None):
         dropout = config.lora_dropout
@@ -50,7 +52,8 @@ class PreferenceTrainer(Trainer):
                                 if saved.get(k) != v)
             raise ConfigError(f"resume: the run trained another objective setting ({changed}); leave those options "
                               f"out to continue it as it trained")
-        self.paired = config.objective != "kto"
+        self.unit = self.settings.unit             # the objective: its traits and its loss
+        self.paired = self.unit.data is DataKind.PAIRS
         self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split
         self.partners = {}                           # KTO: split -> (N,) the mismatched pair of each example
         self.reference = None                        # precomputed: split -> {"logps": (N, 2) or (N,), "kl": (N,)}
@@ -68,12 +71,12 @@ class PreferenceTrainer(Trainer):
 
         cfg = self.config
         self.tokenizer = load_tokenizer(self.model_dir)
-        kind = "preference" if self.paired else "unpaired"
         if cfg.data is None:      # the embedded demo: pairs built from the embedded SFT dataset
             s = demo_preference_splits(resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid,
                                                     cfg.columns), cfg.seed, unpaired=not self.paired)
         else:
-            s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns, kind=kind)
+            s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
+                             kind=self.unit.data.value)
         self.splits = s
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         tokenize = tokenize_preferences if self.paired else tokenize_unpaired
@@ -126,11 +129,11 @@ class PreferenceTrainer(Trainer):
     # ---- the reference ------------------------------------------------------------------------------
     def _precomputes(self) -> bool:
         cfg = self.config
-        return bool(self.settings.uses_reference and (cfg.precompute_ref_log_probs or cfg.ref_adapter
+        return bool(self.unit.uses_reference and (cfg.precompute_ref_log_probs or cfg.ref_adapter
                                                       or cfg.method == "full" or cfg.modules_to_save))
 
     def _model_ready(self):
-        if self.settings.uses_reference and self.continued_from and not self._precomputes():
+        if self.unit.uses_reference and self.continued_from and not self._precomputes():
             # TRL's reference for a pretrained adapter: a frozen copy of it ("ref"), swapped in to score
             self._reference_tensors = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
 
@@ -149,7 +152,7 @@ class PreferenceTrainer(Trainer):
             self._keep(self._reference_tensors)
         if self._reference_tensors is not None:
             self.log("reference: the starting adapter, scored with every step")
-        elif self.settings.uses_reference:
+        elif self.unit.uses_reference:
             self.log("reference: the base model (the adapter switched off), scored with every step")
         return self
 
@@ -225,7 +228,7 @@ class PreferenceTrainer(Trainer):
     def _reference(self, split: str):
         """The reference of examples of `split` (precomputed, the starting adapter swapped in, or the adapter
         switched off), as PreferenceScorer.objective takes it; None for objectives without one."""
-        if not self.settings.uses_reference:
+        if not self.unit.uses_reference:
             return None
         examples, partners = self.pref[split], self.partners.get(split)
         if self.reference is not None:
@@ -331,7 +334,7 @@ class PreferenceTrainer(Trainer):
     def _summary(self, *args) -> dict:
         summary = super()._summary(*args)
         summary["objective"] = {"name": self.config.objective, **vars(self.settings),
-                                "reference": (None if not self.settings.uses_reference else
+                                "reference": (None if not self.unit.uses_reference else
                                               "precomputed" if self.reference is not None else
                                               "starting adapter" if self._reference_tensors is not None else
                                               "adapter off"),

@@ -1,0 +1,29 @@
+"""Training objectives as units: one class per objective (sft.py, dpo.py, simpo.py, orpo.py, kto.py) carrying its
+traits (base.py: the data it reads, its trainer, its reference, its options) and, for the preference objectives,
+its loss of sequence log-probabilities, derivatives and TRL's metrics; one registry (registry.py) that everything
+else reads instead of comparing names; PreferenceSettings (settings.py), a preference objective's options."""
+from __future__ import annotations
+
+from wgpu_train.training.objectives.base import (DataKind, Objective, ObjectiveResult, PairObjective,
+                                                 PreferenceObjective, TrainerKind)
+from wgpu_train.training.objectives.dpo import DPO_LOSSES
+from wgpu_train.training.objectives.registry import (OBJECTIVES, PREFERENCE_OBJECTIVES, PREFERENCE_OPTIONS,
+                                                     objective_class)
+from wgpu_train.training.objectives.settings import PreferenceSettings
+
+
+def pair_objective(settings: PreferenceSettings, chosen, rejected, chosen_tokens, rejected_tokens, ref_chosen=None,
+                   ref_rejected=None, nll=None) -> ObjectiveResult:
+    """A paired objective's step as a function of its settings: PairObjective.loss of `settings`' objective."""
+    return settings.unit.loss(chosen, rejected, chosen_tokens, rejected_tokens, ref_chosen, ref_rejected, nll)
+
+
+def kto_objective(settings: PreferenceSettings, logps, ref_logps, desirable, kl_logps,
+                  ref_kl_logps) -> ObjectiveResult:
+    """KTO's step as a function of its settings: KTO.loss."""
+    return settings.unit.loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps)
+
+
+__all__ = ["DPO_LOSSES", "OBJECTIVES", "PREFERENCE_OBJECTIVES", "PREFERENCE_OPTIONS", "DataKind", "Objective",
+           "ObjectiveResult", "PairObjective", "PreferenceObjective", "PreferenceSettings", "TrainerKind",
+           "kto_objective", "objective_class", "pair_objective"]
