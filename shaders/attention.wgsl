@@ -255,7 +255,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 }
 
 // ==== vec4 twins: D % 4 == 0 and offsets of the (B, T, H, D) bindings multiples of 4 elements ====
-// They read and write the scalar kernels' tensors through vec4 views (`// @tensor4`, gemm_tiled_src.with_views:
+// They read and write the scalar kernels' tensors through vec4 views (`// @tensor4`, gemm_source.with_views:
 // a vec4<f32> in float32, two words in 16 bits): <name>_at(x) is the vec4 x of the tensor from its binding's
 // offset, <name>_set(x, value) stores it. The dq pass writes delta and reads out: two bindings of its own.
 // @tensor4 1 f_out read_write

@@ -4,7 +4,7 @@
 //   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
 //   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
 //   A (x or dy) and C (y or dx) are activations, each float32, bfloat16 or float16 (tensor markers,
-//   device/storage.py; A's vec4 view, A_ld4, is gemm_tiled_src.with_views'); C is stored by pairs of adjacent
+//   device/storage.py; A's vec4 view, A_ld4, is gemm_source.with_views'); C is stored by pairs of adjacent
 //   columns (a 16-bit C needs o4, ldc even); the bias is float32.
 //
 // The file has sections per weight format (a section names the formats it serves); gpu/quant.py builds

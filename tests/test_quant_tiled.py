@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
-from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, core, workgroup_bytes, workgroup_size
+from wgpu_train.engines.webgpu.tuned.gemm_source import TileConfig, core, workgroup_bytes, workgroup_size
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 

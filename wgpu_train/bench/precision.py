@@ -110,7 +110,7 @@ def _f16_arithmetic(rt, timer) -> dict:
     from wgpu_train.engines.webgpu.device import storage
     from wgpu_train.engines.webgpu.tuned import gemm as G
     from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
-    from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+    from wgpu_train.engines.webgpu.tuned import gemm_source as T
     from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
     from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
 

@@ -306,12 +306,12 @@ def bench_attention(rt, ctx) -> list[dict]:
 
 @register("decode")
 def bench_decode(rt, ctx) -> list[dict]:
-    """Cached attention of a decoding step (attention_decode): 1 and 8 rows of Llama-3-8B's heads (32 / 8, D 128)
+    """Cached attention of a decoding step (decode_kernels): 1 and 8 rows of Llama-3-8B's heads (32 / 8, D 128)
     over 4096 cached positions, and 1 row of SmolLM2-135M's (9 / 3, D 64) over 480 (where the single pass fits
     llvmpipe's loop budget); every pass that runs here (the single one, the split ones by chunk) checked
     against NumPy, then timed; "vs_single" is the single pass's time over each one's, from this run, where the
     single pass runs, and "default" marks the tuner's choice on this adapter."""
-    from wgpu_train.engines.webgpu.tuned import attention_decode as AD
+    from wgpu_train.engines.webgpu.tuned import decode_kernels as AD
     from wgpu_train.engines.webgpu.tuned import tune
 
     out = []

@@ -24,8 +24,8 @@ import math
 import numpy as np
 
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.tuned import attention_src as src
-from wgpu_train.engines.webgpu.tuned.attention_src import RegsConfig, TilesConfig
+from wgpu_train.engines.webgpu.tuned import attention_source as src
+from wgpu_train.engines.webgpu.tuned.attention_source import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 from wgpu_train.engines.webgpu.device.launch import Kernel, prepare, tensor_formats
@@ -240,7 +240,7 @@ def flash_kernel(pass_: str, cfg, D: int, formats: tuple = ()) -> Kernel:
 
 
 class Flash:
-    """A flash candidate (cfg: attention_src.RegsConfig or TilesConfig): cfg.block rows per workgroup, the
+    """A flash candidate (cfg: attention_source.RegsConfig or TilesConfig): cfg.block rows per workgroup, the
     other side in whole tiles, fully masked tiles skipped."""
 
     def __init__(self, cfg):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from wgpu_train.engines.webgpu.device.launch import Kernel
-from wgpu_train.engines.webgpu.tuned import attention_decode, attention_kernels, gemm_kernels, quant_kernels
+from wgpu_train.engines.webgpu.tuned import decode_kernels, attention_kernels, gemm_kernels, quant_kernels
 
 
 def tuned_kernels() -> list[Kernel]:
     """The GEMM, quantised GEMM, attention and cached-attention families' kernels, by label."""
     kernels = (gemm_kernels.all_kernels() + quant_kernels.all_kernels() + attention_kernels.all_kernels()
-               + attention_decode.all_kernels())
+               + decode_kernels.all_kernels())
     return sorted(set(kernels), key=lambda k: k.label)
 
 

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as tiled
+from wgpu_train.engines.webgpu.tuned import gemm_source as tiled
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split

@@ -1,5 +1,5 @@
 """The GEMM with a frozen float16 / NF4 weight as the tuner sees it: one product (QProblem) and its candidates,
-register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_tiled.py, shaped
+register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_source.py, shaped
 for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM. A float16 weight
 times a float16 A also has tiled candidates in float16 arithmetic where the adapter has `shader-f16`, as the float
 GEMM (gemm_kernels.f16_arithmetic)."""
@@ -10,7 +10,7 @@ import functools
 import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
-from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, arithmetic_slack, f16_operands, gemm_tolerance,
                                                           is_cpu, min_workgroup, use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
@@ -184,7 +184,7 @@ class QRegister:
 
 
 class QTiled:
-    """A workgroup-tiled candidate (quant_tiled.py): the weight decoded into workgroup memory tile by tile."""
+    """A workgroup-tiled candidate (quant_source.py): the weight decoded into workgroup memory tile by tile."""
 
     def __init__(self, cfg):
         self.cfg, self.half = cfg, cfg.half

@@ -35,9 +35,9 @@ DROP_SLOWER = 3.0            # a candidate whose first timed run is this much sl
 CACHE_VERSION = 1
 _SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
             "shaders/attention.wgsl", "shaders/attention_regs.wgsl", "shaders/attention_tiles.wgsl",
-            "shaders/attention_common.wgsl", "shaders/attention_cached.wgsl", "tuned/attention_decode.py",
-            "tuned/gemm_kernels.py", "tuned/gemm_tiled_src.py", "tuned/quant_kernels.py", "tuned/quant_tiled.py",
-            "tuned/attention_kernels.py", "tuned/attention_src.py")
+            "shaders/attention_common.wgsl", "shaders/attention_cached.wgsl", "tuned/decode_kernels.py",
+            "tuned/gemm_kernels.py", "tuned/gemm_source.py", "tuned/quant_kernels.py", "tuned/quant_source.py",
+            "tuned/attention_kernels.py", "tuned/attention_source.py")
 _pins: list = []
 _modes: list = []
 

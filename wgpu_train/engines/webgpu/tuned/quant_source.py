@@ -16,7 +16,7 @@ import re
 from functools import lru_cache
 
 from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS, Kernel
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import (TileConfig, core, fits, kernel_features, workgroup_bytes,
+from wgpu_train.engines.webgpu.tuned.gemm_source import (TileConfig, core, fits, kernel_features, workgroup_bytes,
                                                             workgroup_size)
 
 SHADER = "gemm_quant_tiled"
