@@ -28,6 +28,7 @@ from wgpu_train.engines.webgpu.tuned import attention_source as src
 from wgpu_train.engines.webgpu.tuned.attention_source import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split
 from wgpu_train.engines.webgpu.device.runtime import shader_text
@@ -305,3 +306,7 @@ def all_kernels(head_dims=(64, 60, 128, 256), mixed_head_dims=(64,)) -> list[Ker
                 k = flash_kernel(pass_, cfg, D)
                 out += [k] + [flash_kernel(pass_, cfg, D, f) for f in mixed_formats(k) if mixed]
     return out
+
+
+FAMILY = Family("attention", shaders=("attention", "attention_regs", "attention_tiles", src.COMMON),
+                modules=(__file__, src.__file__), all_kernels=all_kernels, benches=("attention",))
