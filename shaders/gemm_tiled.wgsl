@@ -20,7 +20,7 @@
 // 2 x 2 quads of lanes), their LoRA variants gemm_tiled_lora / gemm_tiled_lora_sg (below) and
 // gemm_splitk_reduce. The global loads are scalar (any strides; the @scalar
 // section) or vec4 along each operand's stride-1 dimension (the @vec4 section; preconditions in vec4_ok of
-// gemm_source.py): tiled_source() keeps one of the two, because naga rejects an entry point that uses
+// tuned/gemm_source.py): tiled_source() keeps one of the two, because naga rejects an entry point that uses
 // both the scalar and the vec4 view of a binding.
 //
 // Split-K (P.splits > 1): workgroup z = zb * splits + s sums k in [s * k_split, min(K, (s + 1) * k_split))
