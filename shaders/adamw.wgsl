@@ -5,16 +5,9 @@
 // Uniform: s0 = n elements (or slots), s1 = slot, s2 = accumulate; o1..o6 = element offsets of
 // bindings 1..6; f0 = max_norm.
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
+// @include params
 
 const WG: u32 = 256u;
-
-@group(0) @binding(0) var<uniform> p: Params;
 
 var<workgroup> red: array<f32, WG>;
 

@@ -23,12 +23,7 @@
 // dq pass also computes delta itself, so the vec4 backward is two dispatches.
 // @include softcap
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
+// @include params
 
 override D: u32 = 64u;
 const DMAX: u32 = 128u;
@@ -36,8 +31,6 @@ const D4MAX: u32 = 32u;
 const WG: u32 = 64u;
 const QPI: u32 = 4u;           // queries (or keys) per invocation in the vec4 kernels
 const WGA: u32 = WG / QPI;
-
-@group(0) @binding(0) var<uniform> p: Params;
 
 // The first key query i may see under the sliding window (0 without one).
 fn window_start(i: u32) -> u32 {
@@ -255,7 +248,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
 }
 
 // ==== vec4 twins: D % 4 == 0 and offsets of the (B, T, H, D) bindings multiples of 4 elements ====
-// They read and write the scalar kernels' tensors through vec4 views (`// @tensor4`, gemm_tiled_src.with_views:
+// They read and write the scalar kernels' tensors through vec4 views (`// @tensor4`, storage.views:
 // a vec4<f32> in float32, two words in 16 bits): <name>_at(x) is the vec4 x of the tensor from its binding's
 // offset, <name>_set(x, value) stores it. The dq pass writes delta and reads out: two bindings of its own.
 // @tensor4 1 f_out read_write

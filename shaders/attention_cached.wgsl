@@ -1,5 +1,5 @@
 // Generation-time attention of new queries against a KV cache of B sequences (forward only): the mirror
-// of reference/ops.py attention_cached_forward. Each query names its cache row and position and sees
+// of engines/numpy/ops.py attention_cached_forward. Each query names its cache row and position and sees
 // keys 0..position of its own row (causal), so queries of several ragged prompts, or one per row of a
 // decoding step, run in one dispatch. attention_cached_forward: one invocation per (query, head), online
 // softmax over the cached keys, so any cache length works without a score array. The split pair (split-K,

@@ -1,19 +1,12 @@
 // Helpers shared by the flash attention kernels (shaders/attention_regs.wgsl, shaders/attention_tiles.wgsl):
-// attention_src.source() appends this text to each of them (WGSL declarations may come in any order, so the
+// attention_source.source() appends this text to each of them (WGSL declarations may come in any order, so the
 // kernel file keeps its own line numbers).
 // The uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = the
 // softmax scale; f1 = the scores' soft-cap (0: none). The bindings of each pass are in its section below (source() keeps the pass's own), the
 // same in both kernels, so one Kernel binding list serves both.
 // @include softcap
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+// @include params
 
 const NONE: i32 = 2147483647;
 
@@ -59,7 +52,7 @@ fn stats_rows() -> u32 { return p.s0 * p.s2 * p.s1; }
 
 // ---- the bindings of each pass -------------------------------------------------------------------------------
 // The activations (q, k, v, att = the attention output, and their gradients) are tensors in any storage format:
-// a `// @tensor` marker (device/storage.py) and a `// @tensor4` vec4 view of it (gemm_tiled_src.with_views:
+// a `// @tensor` marker (device/storage.py) and a `// @tensor4` vec4 view of it (storage.views:
 // one vec4<f32> in float32, two words in 16 bits, at element offsets that are multiples of 4). <name>_at(x) is
 // the vec4 x of the tensor (elements 4x .. 4x + 3 from its binding's offset), <name>_set(x, value) stores it.
 // seg_at(x): segment id x; lse_at, delta_at / delta_set: statistic x (float32).

@@ -10,7 +10,7 @@
 // without a segment id in common: packed rows) is skipped whole, so a packed row costs the sum of len^2.
 // Online softmax in f32; the forward saves logsumexp; the backward recomputes P (no T x T buffer).
 //
-// attention_src.source() rewrites the const block, keeps the @forward, @dq or @dkv sections, and writes
+// attention_source.source() rewrites the const block, keeps the @forward, @dq or @dkv sections, and writes
 // every line holding `$r` once per row of the invocation, `$k` once per row of a chunk and `$d` once per vec4
 // of the head dim (several markers: once per combination), the marker replaced by the index, on one line.
 //

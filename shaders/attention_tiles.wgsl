@@ -16,7 +16,7 @@
 // P / dS tiles and a few per-row values lives in workgroup memory; llvmpipe pays for every invocation-
 // varying load, and these phases keep them to 4 per 4 x TQ x 4 FMAs.
 //
-// attention_src.source() specialises this text: it rewrites the const block, keeps the @forward, @dq
+// attention_source.source() specialises this text: it rewrites the const block, keeps the @forward, @dq
 // or @dkv sections, and writes every line holding `$q` once per block row (TQ), `$c` once per group of 4
 // own tile rows (KV), `$o` once per owned output row (TO) and `$g` once per owned column group (G4) (several markers: once per combination), with the
 // marker replaced by the index, all on the same line: line numbers stay those of this file.

@@ -1,18 +1,12 @@
 // DoRA (PEFT's use_dora): the detached weight norm of each output row, and the op pair that scales a module's
-// output by c = m / ||W + s B A|| (reference/ops.py: dora_norm, dora_forward, dora_backward).
+// output by c = m / ||W + s B A|| (engines/numpy/ops.py: dora_norm, dora_forward, dora_backward).
 // Bindings 1 and 2 in any storage format (device/storage.py): dora_forward's y, written by pairs of elements, and
 // dora_backward's dy; the rest float32 (dora_norm's rn and dora_backward's dz, which one invocation writes per
 // element, included).
 // Uniform: s0..s7 sizes, o1..o6 element offsets of bindings 1..6, f0..f1 scalars.
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
+// @include params
 
-@group(0) @binding(0) var<uniform> p: Params;
 // @tensor 1 y read_write
 // @tensor 2 a read
 @group(0) @binding(3) var<storage, read> b: array<f32>;

@@ -3,7 +3,7 @@
 // Forward gathers out[n] = weight[ids[n] - row0]. Backward sums dout rows into dweight without
 // atomics: a links pass gives each token the next token with the same id and marks the first
 // occurrence; then the first occurrence of each id walks its chain (token order, deterministic).
-// The row gather pair (gpu/kernels.py row_gather_*) reuses the forward on activations (ids = row indices,
+// The row gather pair (engines/webgpu/kernels.py row_gather_*) reuses the forward on activations (ids = row indices,
 // row0 = 0); its backward is a plain scatter dx[rows[n]] = dout[n] of distinct rows.
 // The gathered rows, their gradients and the gather's source are tensors in any storage format
 // (device/storage.py; the weights float32 or as stored, the weight gradient float32): a kernel that writes rows
@@ -11,14 +11,7 @@
 // Uniform: s0 = N tokens, s1 = C, s2 = row0 (first vocabulary id here), s3 = rows, s4 = accumulate;
 // o1..o4 = element offsets of bindings 1..4.
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+// @include params
 
 fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid.x;

@@ -1,7 +1,7 @@
 // Register-blocked GEMM without workgroup memory, float32 arithmetic:
 //   C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z] when accumulating), z = workgroup_id.z.
 // Every layout (NN, NT, TN, TT, C written transposed) is a set of element strides in the uniform, so
-// one pipeline serves them all; gemm.py picks the entry point and override constants once per shape.
+// one pipeline serves them all; tuned/gemm_kernels.py picks the entry point and override constants once per shape.
 // A, B and C are tensors in any storage format (device/storage.py's markers; the `@tensor4` ones are their
 // vec4 views, which gemm_kernels.register_source declares for the formats); BIAS is float32.
 //
@@ -20,14 +20,14 @@
 // hand it out with subgroupBroadcast (a register extract on llvmpipe); the others load it directly.
 //
 // Entry points: gemm / gemm_sg take any strides and sizes (scalar loads, pair stores where C's rows allow);
-// gemm_v4 / gemm_v4_sg need each matrix contiguous and 4-aligned along one dimension (see gemm.py) and
+// gemm_v4 / gemm_v4_sg need each matrix contiguous and 4-aligned along one dimension (see tuned/gemm_kernels.py) and
 // move vec4s, with A_KVEC (op(A) contiguous along k, else along m), B_NVEC (op(B) along n, else k) and
 // C_NVEC (C along n, else m). Override constants: WG (invocations per workgroup), TM (32 or 8).
 // Workgroups are numbered (row tile, column tile, batch) so consecutive ones share a panel of B.
 // Bounds: out-of-range rows/columns are clamped on load (always valid memory) and skipped on store;
 // steps of k past K read A as zero. So any M, N, K >= 1 works.
 
-// o1..o4: element offsets of bindings 1..4 (A, B, BIAS, C), as gpu/launch.py's uniform ABI names them.
+// o1..o4: element offsets of bindings 1..4 (A, B, BIAS, C), as engines/webgpu/device/launch.py's uniform ABI names them.
 struct Params {
     M: u32, N: u32, K: u32, flags: u32,          // flags: 1 = accumulate into C, 2 = add bias
     o1: u32, a_sm: u32, a_sk: u32, a_sz: u32,    // op(A) element (m, k) of batch z: o1 + m*a_sm + k*a_sk + z*a_sz
@@ -76,19 +76,8 @@ fn setup(wid: vec3<u32>, lid: u32) {
 
 // ---- the FMA core -----------------------------------------------------------------------------
 
-// c + b * a as a chain of fused multiply-adds: b's column i is row k + i of the B slice.
-fn rank4(c: vec4<f32>, a: vec4<f32>, b: mat4x4<f32>) -> vec4<f32> {
-    let c1 = fma(b[0], vec4<f32>(a.x), c);
-    let c2 = fma(b[1], vec4<f32>(a.y), c1);
-    let c3 = fma(b[2], vec4<f32>(a.z), c2);
-    return fma(b[3], vec4<f32>(a.w), c3);
-}
-
-// Row `row` += a (its 4 values of k) times the 4 x 8 B slice (b0: columns 0..3, b1: columns 4..7).
-fn update_row(acc: ptr<function, Acc>, row: u32, a: vec4<f32>, b0: mat4x4<f32>, b1: mat4x4<f32>) {
-    (*acc)[2u * row] = rank4((*acc)[2u * row], a, b0);
-    (*acc)[2u * row + 1u] = rank4((*acc)[2u * row + 1u], a, b1);
-}
+// rank4 and update_row: gemm_register.wgsl.
+// @include gemm_register
 
 // Rows r0..r0+3 from the A slice given by k: w_i holds the 4 rows at k + i.
 fn update4_t(acc: ptr<function, Acc>, r0: u32, w0: vec4<f32>, w1: vec4<f32>, w2: vec4<f32>, w3: vec4<f32>,
@@ -199,42 +188,7 @@ fn update8_direct_v4(acc: ptr<function, Acc>, r0: u32, k: u32, b0: mat4x4<f32>, 
 // accumulator array with a run-time row would move it to memory, and unrolling 32 rows of stores
 // (each a lane loop on llvmpipe) makes the pipeline take ~20x longer to compile.
 
-// acc[2r + j] for a row r known only at run time (j constant).
-fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
-    let s0_0 = select((*acc)[0u + j], (*acc)[2u + j], (r & 1u) != 0u);
-    let s0_1 = select((*acc)[4u + j], (*acc)[6u + j], (r & 1u) != 0u);
-    let s0_2 = select((*acc)[8u + j], (*acc)[10u + j], (r & 1u) != 0u);
-    let s0_3 = select((*acc)[12u + j], (*acc)[14u + j], (r & 1u) != 0u);
-    let s0_4 = select((*acc)[16u + j], (*acc)[18u + j], (r & 1u) != 0u);
-    let s0_5 = select((*acc)[20u + j], (*acc)[22u + j], (r & 1u) != 0u);
-    let s0_6 = select((*acc)[24u + j], (*acc)[26u + j], (r & 1u) != 0u);
-    let s0_7 = select((*acc)[28u + j], (*acc)[30u + j], (r & 1u) != 0u);
-    let s0_8 = select((*acc)[32u + j], (*acc)[34u + j], (r & 1u) != 0u);
-    let s0_9 = select((*acc)[36u + j], (*acc)[38u + j], (r & 1u) != 0u);
-    let s0_10 = select((*acc)[40u + j], (*acc)[42u + j], (r & 1u) != 0u);
-    let s0_11 = select((*acc)[44u + j], (*acc)[46u + j], (r & 1u) != 0u);
-    let s0_12 = select((*acc)[48u + j], (*acc)[50u + j], (r & 1u) != 0u);
-    let s0_13 = select((*acc)[52u + j], (*acc)[54u + j], (r & 1u) != 0u);
-    let s0_14 = select((*acc)[56u + j], (*acc)[58u + j], (r & 1u) != 0u);
-    let s0_15 = select((*acc)[60u + j], (*acc)[62u + j], (r & 1u) != 0u);
-    let s1_0 = select(s0_0, s0_1, (r & 2u) != 0u);
-    let s1_1 = select(s0_2, s0_3, (r & 2u) != 0u);
-    let s1_2 = select(s0_4, s0_5, (r & 2u) != 0u);
-    let s1_3 = select(s0_6, s0_7, (r & 2u) != 0u);
-    let s1_4 = select(s0_8, s0_9, (r & 2u) != 0u);
-    let s1_5 = select(s0_10, s0_11, (r & 2u) != 0u);
-    let s1_6 = select(s0_12, s0_13, (r & 2u) != 0u);
-    let s1_7 = select(s0_14, s0_15, (r & 2u) != 0u);
-    let s2_0 = select(s1_0, s1_1, (r & 4u) != 0u);
-    let s2_1 = select(s1_2, s1_3, (r & 4u) != 0u);
-    let s2_2 = select(s1_4, s1_5, (r & 4u) != 0u);
-    let s2_3 = select(s1_6, s1_7, (r & 4u) != 0u);
-    let s3_0 = select(s2_0, s2_1, (r & 8u) != 0u);
-    let s3_1 = select(s2_2, s2_3, (r & 8u) != 0u);
-    let s4_0 = select(s3_0, s3_1, (r & 16u) != 0u);
-    return s4_0;
-}
-
+// pick(acc, r, j): gemm_register.wgsl.
 // C = alpha * v (+ bias) (+ C) at (m, n) and (m, n + 1) of row c_row (gemm_store.wgsl's store_pair), none past N.
 // @include gemm_store
 fn store2(c_row: u32, m: u32, n: u32, v: vec2<f32>) {
@@ -370,7 +324,7 @@ fn gemm_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
 }
 
 // ---- subgroup kernels (removed from the source when the device lacks the subgroup feature) ----
-// They need subgroups of at least 8 lanes (gemm.py checks once per device): lane i < 8 of every
+// They need subgroups of at least 8 lanes (tuned/gemm_kernels.py checks once per device): lane i < 8 of every
 // subgroup loads part of the A slice, and every lane reads it back with subgroupBroadcast.
 
 // Rows r0..r0+7 when lane i holds row r0 + i (4 values of k) in `av`.

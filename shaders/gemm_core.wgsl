@@ -2,7 +2,7 @@
 // `// @include gemm_core` line: multiply(acc, buf) adds the products of the staged tiles in buffer `buf` to an
 // invocation's TM x TN accumulators. The template defines the tiles As ([buffer][k][m / 4], rows AROW vec4s
 // apart, ABUF per buffer) and Bs ([buffer][k][n / 4], BROW, BBUF) of vec4<Elem>, BM, BN, BK, TM, TN, TX, Acc
-// and the invocation's tx / ty. One multiply serves both arithmetics; the source builder (gemm_tiled_src.core)
+// and the invocation's tx / ty. One multiply serves both arithmetics; the source builder (gemm_source.core)
 // keeps the lines of one of them (the f32-core or the f16-core sections) and blanks the other's:
 //
 // - float32 arithmetic (Elem = f32, KC = 1): one fused multiply-add per product into the f32 accumulators.

@@ -4,10 +4,10 @@
 //   dy @ W: K = rows of W, N = its cols). W is one row chunk (rows x cols, row-major, flattened from
 //   element 0 of its buffer). NF4 weights are dequantised in registers (code * absmax), never to memory.
 //   A (x or dy) and C (y or dx) are activations, each float32, bfloat16 or float16 (tensor markers,
-//   device/storage.py; A's vec4 view, A_ld4, is gemm_tiled_src.with_views'); C is stored by pairs of adjacent
+//   device/storage.py; A's vec4 view, A_ld4, is storage.views'); C is stored by pairs of adjacent
 //   columns (a 16-bit C needs o4, ldc even); the bias is float32.
 //
-// The file has sections per weight format (a section names the formats it serves); gpu/quant.py builds
+// The file has sections per weight format (a section names the formats it serves); tuned/quant_source.py builds
 // each pipeline's source by blanking the sections of other formats, and the subgroup kernels on devices
 // without subgroups. No format needs
 // shader-f16: float16 values are read as u32 words of two and decoded with unpack2x16float (core WGSL).
@@ -55,19 +55,9 @@ fn setup(wid: vec3<u32>, lid: u32) {
     n0 = (wid.y * WG + lid) * 8u;
 }
 
-// ---- the FMA core (as gemm.wgsl) --------------------------------------------------------------
+// ---- the FMA core (gemm_register.wgsl's rank4, update_row) --------------------------------------------------
 
-fn rank4(c: vec4<f32>, a: vec4<f32>, b: mat4x4<f32>) -> vec4<f32> {
-    let c1 = fma(b[0], vec4<f32>(a.x), c);
-    let c2 = fma(b[1], vec4<f32>(a.y), c1);
-    let c3 = fma(b[2], vec4<f32>(a.z), c2);
-    return fma(b[3], vec4<f32>(a.w), c3);
-}
-
-fn update_row(acc: ptr<function, Acc>, row: u32, a: vec4<f32>, b0: mat4x4<f32>, b1: mat4x4<f32>) {
-    (*acc)[2u * row] = rank4((*acc)[2u * row], a, b0);
-    (*acc)[2u * row + 1u] = rank4((*acc)[2u * row + 1u], a, b1);
-}
+// @include gemm_register
 
 // Element index in the chunk of op(W) (k, n).
 fn w_at(k: u32, n: u32) -> u32 {
@@ -205,41 +195,7 @@ fn qgemm_fast(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     store_all(&acc);
 }
 
-// ---- epilogue (as gemm.wgsl: the row's accumulators through a tree of selects) ------------------
-
-fn pick(acc: ptr<function, Acc>, r: u32, j: u32) -> vec4<f32> {
-    let s0_0 = select((*acc)[0u + j], (*acc)[2u + j], (r & 1u) != 0u);
-    let s0_1 = select((*acc)[4u + j], (*acc)[6u + j], (r & 1u) != 0u);
-    let s0_2 = select((*acc)[8u + j], (*acc)[10u + j], (r & 1u) != 0u);
-    let s0_3 = select((*acc)[12u + j], (*acc)[14u + j], (r & 1u) != 0u);
-    let s0_4 = select((*acc)[16u + j], (*acc)[18u + j], (r & 1u) != 0u);
-    let s0_5 = select((*acc)[20u + j], (*acc)[22u + j], (r & 1u) != 0u);
-    let s0_6 = select((*acc)[24u + j], (*acc)[26u + j], (r & 1u) != 0u);
-    let s0_7 = select((*acc)[28u + j], (*acc)[30u + j], (r & 1u) != 0u);
-    let s0_8 = select((*acc)[32u + j], (*acc)[34u + j], (r & 1u) != 0u);
-    let s0_9 = select((*acc)[36u + j], (*acc)[38u + j], (r & 1u) != 0u);
-    let s0_10 = select((*acc)[40u + j], (*acc)[42u + j], (r & 1u) != 0u);
-    let s0_11 = select((*acc)[44u + j], (*acc)[46u + j], (r & 1u) != 0u);
-    let s0_12 = select((*acc)[48u + j], (*acc)[50u + j], (r & 1u) != 0u);
-    let s0_13 = select((*acc)[52u + j], (*acc)[54u + j], (r & 1u) != 0u);
-    let s0_14 = select((*acc)[56u + j], (*acc)[58u + j], (r & 1u) != 0u);
-    let s0_15 = select((*acc)[60u + j], (*acc)[62u + j], (r & 1u) != 0u);
-    let s1_0 = select(s0_0, s0_1, (r & 2u) != 0u);
-    let s1_1 = select(s0_2, s0_3, (r & 2u) != 0u);
-    let s1_2 = select(s0_4, s0_5, (r & 2u) != 0u);
-    let s1_3 = select(s0_6, s0_7, (r & 2u) != 0u);
-    let s1_4 = select(s0_8, s0_9, (r & 2u) != 0u);
-    let s1_5 = select(s0_10, s0_11, (r & 2u) != 0u);
-    let s1_6 = select(s0_12, s0_13, (r & 2u) != 0u);
-    let s1_7 = select(s0_14, s0_15, (r & 2u) != 0u);
-    let s2_0 = select(s1_0, s1_1, (r & 4u) != 0u);
-    let s2_1 = select(s1_2, s1_3, (r & 4u) != 0u);
-    let s2_2 = select(s1_4, s1_5, (r & 4u) != 0u);
-    let s2_3 = select(s1_6, s1_7, (r & 4u) != 0u);
-    let s3_0 = select(s2_0, s2_1, (r & 8u) != 0u);
-    let s3_1 = select(s2_2, s2_3, (r & 8u) != 0u);
-    return select(s3_0, s3_1, (r & 16u) != 0u);
-}
+// ---- epilogue (gemm_register.wgsl's pick: the row's accumulators through a tree of selects) -----------------
 
 // Columns n, n + 1 (n even) of row c_row (gemm_quant_store.wgsl's store_pair), none past N.
 // @include gemm_quant_store
@@ -265,7 +221,7 @@ fn store_all(acc: ptr<function, Acc>) {
     }
 }
 
-// ---- subgroup kernels (blanked by gpu/quant.py when the device lacks the subgroup feature) ------
+// ---- subgroup kernels (blanked by tuned/quant_source.py when the device lacks the subgroup feature) ------
 // As gemm.wgsl's *_sg kernels: lane i < 8 of each subgroup loads row r0 + i of the A slice, every lane
 // reads it back with subgroupBroadcast (8x fewer A loads per invocation).
 
@@ -367,7 +323,7 @@ fn absmax(b: u32) -> f32 {
 }
 
 // ---- format: nf4-dq ---------------------------------------------------------------------------
-// Binding 5 holds the chunk's double-quantised absmax values as u32 words (gpu/quant.py's layout): the
+// Binding 5 holds the chunk's double-quantised absmax values as u32 words (tuned/quant.py's layout): the
 // offset, the chunk's first block modulo 256, the word where the 8-bit indices start, a spare word, the
 // second-level absmax of each 256-block group, then the indices, four per word. Binding 6 is the 8-bit
 // code table (256 f32 values, shared by every weight).

@@ -4,9 +4,9 @@
 //   float32 or 16-bit (as in gemm_quant.wgsl: C stored by pairs of columns),
 //   op(W) = W^T ("nt", the forward x @ W.T: K = cols of W, N = the chunk's rows) or W ("nn", the backward
 //   dy @ W: K = the chunk's rows, N = cols). W is one row chunk (rows x cols, row-major, from element 0 of
-//   its buffer), as gpu/quant.py's QuantMatrix stores it.
+//   its buffer), as tuned/quant.py's QuantMatrix stores it.
 //
-// This file is a template: gpu/quant_tiled.py rewrites the marked const block (tile sizes and NT) and
+// This file is a template: tuned/quant_source.py rewrites the marked const block (tile sizes and NT) and
 // appends gemm_quant.wgsl's format sections for the weight's format (bindings 2, 5 and 6, raw8 and dec4),
 // so that both GEMMs decode the same bytes with the same code. Lines of this file keep their numbers.
 //
@@ -284,4 +284,4 @@ fn qgemm_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     store(&acc);
 }
 
-// ---- gemm_quant.wgsl's format section for this weight format follows (appended by quant_tiled.py) ----
+// ---- gemm_quant.wgsl's format section for this weight format follows (appended by quant_source.py) ----

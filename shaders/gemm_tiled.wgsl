@@ -1,12 +1,12 @@
 // Workgroup-tiled GEMM for real GPUs: C[z] = alpha * op(A[z]) @ op(B[z]) (+ bias) (+ C[z] when accumulating),
 // with optional split-K for skinny products. Float32 arithmetic, or for float16 A and B float16 arithmetic with
 // float32 accumulation (a TileConfig with half: the tiles hold f16, gemm_core.wgsl's f16 core multiplies).
-// One source serves every TileConfig: tuned/gemm_tiled_src.py rewrites the marked const block and picks the
+// One source serves every TileConfig: tuned/gemm_source.py rewrites the marked const block and picks the
 // entry point and sections.
 //
 // Layouts (NN, NT, TN, TT, C transposed) are element strides in the uniform, as in gemm.wgsl. A, B and C are
 // tensors in any storage format (device/storage.py's markers; A4 / B4 are their vec4 views, which
-// gemm_tiled_src.tiled_source declares for the formats); BIAS, the split-K partials, H and LB are float32.
+// gemm_source.tiled_source declares for the formats); BIAS, the split-K partials, H and LB are float32.
 // C is stored by pairs of adjacent columns (each invocation owns groups of 4), a word of a 16-bit C at a time.
 // Workgroup (x, y, z) = (column tile, row tile, zb * splits + s): consecutive workgroups share a row panel
 // of op(A). Each step of k stages a BM x BK tile of op(A), stored transposed (As[k][m]), and a BK x BN tile
@@ -20,7 +20,7 @@
 // 2 x 2 quads of lanes), their LoRA variants gemm_tiled_lora / gemm_tiled_lora_sg (below) and
 // gemm_splitk_reduce. The global loads are scalar (any strides; the @scalar
 // section) or vec4 along each operand's stride-1 dimension (the @vec4 section; preconditions in vec4_ok of
-// gemm_tiled_src.py): tiled_source() keeps one of the two, because naga rejects an entry point that uses
+// tuned/gemm_source.py): tiled_source() keeps one of the two, because naga rejects an entry point that uses
 // both the scalar and the vec4 view of a binding.
 //
 // Split-K (P.splits > 1): workgroup z = zb * splits + s sums k in [s * k_split, min(K, (s + 1) * k_split))
@@ -62,7 +62,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read> H: array<f32>;        // gemm_tiled_lora*: H (M, r2)
 @group(0) @binding(6) var<storage, read> LB: array<f32>;       // gemm_tiled_lora*: LB (N, r2)
 
-// @tile-config begin: gemm_tiled_src.tiled_source() rewrites these lines in place (one per name)
+// @tile-config begin: gemm_source.tiled_source() rewrites these lines in place (one per name)
 const BM: u32 = 64u;    // rows of C per workgroup
 const BN: u32 = 64u;    // columns of C per workgroup
 const BK: u32 = 8u;     // steps of k per staged tile (a multiple of 4)
@@ -419,7 +419,7 @@ fn gemm_tiled_lora(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocat
 // @plain end
 
 // One invocation per pair of columns (n, n + 1) of a row of C (n even; alone at an odd N's last column), so a
-// 16-bit C is written by words; workgroups beyond 65535 fold into y (gemm_tiled_src.reduce_groups).
+// 16-bit C is written by words; workgroups beyond 65535 fold into y (gemm_source.reduce_groups).
 @compute @workgroup_size(256)
 fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) local: u32) {
@@ -441,7 +441,7 @@ fn gemm_splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     finish(zb, m, n, sum, P.alpha);
 }
 
-// @subgroups begin: gemm_tiled_src.tiled_source() blanks this section for a config without subgroups (naga
+// @subgroups begin: gemm_source.tiled_source() blanks this section for a config without subgroups (naga
 // rejects a whole module that uses a subgroup builtin on a device without the feature, even unused).
 //
 // gemm_tiled_sg: the same tiles, staging and epilogue, but each read of As / Bs in the

@@ -1,7 +1,7 @@
 // Writes the new tokens' keys and values into a layer's KV cache of B sequences (its rows): each token
 // names its cache row and position, so one dispatch prefills several ragged prompts packed together or
 // advances every row by one token, and the uniform stays the same at every decoding step.
-// The mirror of reference/ops.py kv_cache_write. The new keys and values and the caches are tensors in any
+// The mirror of engines/numpy/ops.py kv_cache_write. The new keys and values and the caches are tensors in any
 // storage format (device/storage.py): the cache's dtype is its format (float32 or bfloat16), rounded here.
 
 struct Params {

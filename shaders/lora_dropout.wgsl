@@ -1,4 +1,4 @@
-// LoRA dropout on the LoRA branch input: a counter-based hash mask that reference/ops.py's
+// LoRA dropout on the LoRA branch input: a counter-based hash mask that engines/numpy/ops.py's
 // dropout_mask reproduces bit for bit. The seed of each module and micro-batch is read from a
 // storage buffer written with the batch, so nothing is rebuilt per step. x and y in any storage format
 // (device/storage.py): one invocation per pair of elements (its last alone when n is odd).

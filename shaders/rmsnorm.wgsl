@@ -1,6 +1,6 @@
 // RMSNorm over the last axis of x (N, C): forward y, rstd; backward dx; dweight by a two-pass
 // reduction (per-row-block partial sums, then a sum over blocks; no atomics, deterministic).
-// Two layouts for the row kernels, chosen by the wrapper from C (gpu/kernels.py):
+// Two layouts for the row kernels, chosen by the wrapper from C (engines/webgpu/kernels.py):
 // - *_row / *_row4: one invocation per row, no workgroup memory and no barriers (barriers are
 //   expensive on llvmpipe); _row4 reads vec4s and needs C % 4 == 0 and 4-aligned offsets.
 // - rmsnorm_forward / rmsnorm_backward: one 64-wide workgroup per row, for large C.
@@ -11,16 +11,9 @@
 // s5 = accumulate dx (dx += the gradient, rounded once); o1..o5 = element offsets of bindings 1..5; f0 = eps;
 // f1 = offset added to the weight (Gemma's 1 + w).
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
+// @include params
 
 const WG: u32 = 64u;
-
-@group(0) @binding(0) var<uniform> p: Params;
 
 var<workgroup> red: array<f32, WG>;
 

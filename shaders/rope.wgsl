@@ -9,14 +9,7 @@
 // Uniform: s0 = N rows, s1 = H, s2 = D, s3 = R/2, s4 = invocations per head, s5 = whole heads;
 // o1..o4 = element offsets of bindings 1..4; f0 = scale.
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+// @include params
 
 fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.y * nwg.x + wid.x) * 256u + lid.x;

@@ -3,14 +3,7 @@
 // format (device/storage.py): one invocation per pair of elements (its last alone when n is odd).
 // Uniform: s0 = number of elements; o1..o5 = element offsets of bindings 1..5 (even for 16-bit tensors).
 
-struct Params {
-    s0: u32, s1: u32, s2: u32, s3: u32, s4: u32, s5: u32, s6: u32, s7: u32,
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
-    o9: u32, o10: u32, o11: u32, o12: u32,
-    f0: f32, f1: f32, f2: f32, f3: f32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
+// @include params
 
 // The invocation's first element: twice its flat index over a grid folded into y beyond 65535 workgroups.
 fn first(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {

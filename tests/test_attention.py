@@ -8,7 +8,7 @@ import pytest
 
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
-from wgpu_train.engines.webgpu.tuned import attention_src as src
+from wgpu_train.engines.webgpu.tuned import attention_source as src
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.device.runtime import shader_text

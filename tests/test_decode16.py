@@ -10,7 +10,7 @@ import pytest
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.tuned import attention_decode as AD
+from wgpu_train.engines.webgpu.tuned import decode_kernels as AD
 from wgpu_train.engines.webgpu.tuned import tune
 
 from tolerances import assert_close

@@ -12,9 +12,9 @@ import wgpu_train as wt
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import gemm as G
 from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
-from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+from wgpu_train.engines.webgpu.tuned import gemm_source as T
 from wgpu_train.engines.webgpu.tuned import quant as Q
-from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
 

@@ -1,4 +1,4 @@
-"""The workgroup-tiled GEMM (shaders/gemm_tiled.wgsl, specialised by wgpu_train.engines.webgpu.tuned.gemm_tiled_src)
+"""The workgroup-tiled GEMM (shaders/gemm_tiled.wgsl, specialised by wgpu_train.engines.webgpu.tuned.gemm_source)
 against NumPy in float64, on every adapter present: layouts, ragged edges, batches, epilogue options,
 offsets, every TileConfig, and split-K with its reduce pass. The subgroup configs run on every adapter
 with the `subgroup` feature, both through their lane exchanges and through their fallback; on the others
@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+from wgpu_train.engines.webgpu.tuned import gemm_source as T
 from wgpu_train.engines.webgpu.device.launch import params_format, parse_params
 from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 

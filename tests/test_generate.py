@@ -66,14 +66,14 @@ def test_rows_stop_independently(tiny, rt):
 @pytest.mark.parametrize("kernel", ["decode/single", "decode/split32"])
 def test_long_generation_on_either_cached_attention_pass(tiny, rt, kernel, monkeypatch):
     """Greedy tokens of rows that grow past several 32-position chunks of the cache equal the NumPy engine's,
-    with the cached attention's single pass and with its split one (attention_decode) forced."""
-    from wgpu_train.engines.webgpu.tuned import attention_decode, tune
+    with the cached attention's single pass and with its split one (decode_kernels) forced."""
+    from wgpu_train.engines.webgpu.tuned import decode_kernels, tune
 
     ref, gpu = _models(tiny, rt)
     prompts = _prompts(lengths=(40, 9, 23))
     expected = ref.generate_batch(prompts, max_new_tokens=30)
     ran = []
-    for cls in (attention_decode.Single, attention_decode.Split):
+    for cls in (decode_kernels.Single, decode_kernels.Split):
         original = cls.dispatches
         monkeypatch.setattr(cls, "dispatches", lambda self, p, original=original: ran.append(self.name) or
                             original(self, p))

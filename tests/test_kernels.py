@@ -542,9 +542,9 @@ DECODE_CASES = {
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (40, 0.0), (0, 2.0)])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_attention_cached_passes(rt, case, window, softcap, kernel):
-    """Each pass of attention_cached_forward (attention_decode: the single one, the split ones with their
+    """Each pass of attention_cached_forward (decode_kernels: the single one, the split ones with their
     chunks) against the NumPy op: windows, soft-caps, rows of any length, chunks a row only partly fills."""
-    from wgpu_train.engines.webgpu.tuned import attention_decode, tune
+    from wgpu_train.engines.webgpu.tuned import decode_kernels, tune
 
     batch, max_len, tokens, hq, hkv, d = DECODE_CASES[case]
     n = len(tokens)
@@ -554,10 +554,10 @@ def test_attention_cached_passes(rt, case, window, softcap, kernel):
     kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)
     want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, window, softcap)
     out = rt.upload(np.full(q.shape, 7.0, F32))         # junk: padding rows must be written as zeros
-    scratch = rt.buffer(4 * attention_decode.scratch_elements(batch, hq, d))
+    scratch = rt.buffer(4 * decode_kernels.scratch_elements(batch, hq, d))
     tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, kc, vc, rows, pos))
-    problem = attention_decode.DecodeProblem(rt, {}, n, batch, max_len, hq, hkv, d, window, softcap,
-                                             attention_decode.scratch_elements(batch, hq, d))
+    problem = decode_kernels.DecodeProblem(rt, {}, n, batch, max_len, hq, hkv, d, window, softcap,
+                                             decode_kernels.scratch_elements(batch, hq, d))
     assert kernel in [c.name for c in problem.candidates()]
     with tune.pinned(kernel):
         run(rt, lambda r: K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
@@ -572,7 +572,7 @@ def test_cached_attention_passes_fit_the_cpu_loop_budget(rt, monkeypatch):
     give the right result here, and rows too long for every pass get one line; on GPUs every pass is a
     candidate, the most chunks first."""
     from wgpu_train.errors import DeviceError
-    from wgpu_train.engines.webgpu.tuned import attention_decode as AD
+    from wgpu_train.engines.webgpu.tuned import decode_kernels as AD
     from wgpu_train.engines.webgpu.tuned import tune
     from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 

@@ -14,7 +14,7 @@ from wgpu_train.engines.generate import generate
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.quant import bfloat16_bits, bfloat16_values
 from wgpu_train.engines.webgpu import kernels as K
-from wgpu_train.engines.webgpu.tuned import attention_decode, tune
+from wgpu_train.engines.webgpu.tuned import decode_kernels, tune
 
 from finetune_helpers import make_model_dir
 from tiny_models import build_model, edit_config, save_model
@@ -68,7 +68,7 @@ def test_attention_passes_over_a_bfloat16_cache(rt, kernel):
     kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)
     want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, _bf16(kc), _bf16(vc))), rows, pos)
     out = rt.upload(np.full(q.shape, 7.0, F32))
-    scratch = rt.buffer(4 * attention_decode.scratch_elements(n, hq, d))
+    scratch = rt.buffer(4 * decode_kernels.scratch_elements(n, hq, d))
     words = [bfloat16_bits(x).view(np.uint32) for x in (kc, vc)]               # (batch, max_len, hkv, d / 2)
     tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, *words, rows, pos))
     with tune.pinned(kernel):

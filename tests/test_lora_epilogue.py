@@ -8,7 +8,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
-from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+from wgpu_train.engines.webgpu.tuned import gemm_source as T
 from wgpu_train.engines.webgpu import lora as L
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.gemm import gemm_problem

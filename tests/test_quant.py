@@ -13,6 +13,7 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
 from wgpu_train.engines.webgpu.tuned import quant_kernels as QK
 from wgpu_train.engines.webgpu.tuned import quant as Q
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tensors import linear_backward, linear_forward
 from wgpu_train.engines.webgpu.memory import base_weight_bytes
 from wgpu_train.engines.numpy import quant as R
@@ -275,7 +276,7 @@ def test_float16_needs_no_shader_f16(rt, tmp_path):
     float16 base and embedding load and run on every adapter, shader-f16 or not (the OpenGL one has none)."""
     for fmt in Q.FORMATS:
         for sg in (False, True):
-            assert "enable f16" not in Q.shader_source(fmt, sg)
+            assert "enable f16" not in QT.register_source(fmt, sg)
     w = np.array([[1.0, -2.5, 65504.0], [6.1e-5, -0.0, 3.0e-8]], np.float32)   # max, subnormal, -0
     qm = Q.QuantMatrix(rt, w, "float16", "w")
     want = w.astype(np.float16).astype(np.float32)

@@ -13,7 +13,7 @@ from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_kernels as QK
-from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import use_subgroups
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from wgpu_train.engines.webgpu.tuned import quant as Q
-from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import TileConfig, core, workgroup_bytes, workgroup_size
+from wgpu_train.engines.webgpu.tuned.gemm_source import TileConfig, core, workgroup_bytes, workgroup_size
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 
@@ -86,7 +86,7 @@ def test_source_specialises_the_block_and_appends_the_format(fmt):
     assert consts == {"BM": "128", "BN": "64", "BK": "16", "TM": "8", "TN": "8", "NBUF": "2"}
     assert "const NT: bool = false;" in src and "const NT: bool = true;" in QT.qtiled_source(fmt, cfg, True)
     tail = "\n".join(lines[len(tlines):])
-    quant = shader_path(Q.SHADER).read_text()
+    quant = shader_path(QT.REGISTER_SHADER).read_text()
     assert tail.strip("\n") == QT.format_sections(fmt).strip("\n")
     mark = "// ---- format: "
     parts = tail.split(mark)[1:]

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.bench.checks import Capture, max_rel_err
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.protocol import PRECISIONS, OptimizerParams
 from wgpu_train.engines.webgpu.memory import ACTIVATION_FORMATS, estimate_memory
@@ -41,14 +42,13 @@ CHECK = {"f32": 1e-4, "bf16": 1e-4 + 2.0 ** -7, "f16": 1e-4 + 2.0 ** -10}
 
 def _checked(rt, dispatches, out, want, fmt: str, what: str):
     """Run the dispatches once and compare out with the float64 reference want; a wrong kernel reports no speed."""
-    from wgpu_train.bench.suite import _max_rel_err
     from wgpu_train.engines.webgpu.device import storage
 
     rec = rt.recorder()
     for d in dispatches:
         rec.dispatch(*d)
     rec.submit()
-    err = _max_rel_err(storage.read(rt, out, want.size), want.reshape(-1))
+    err = max_rel_err(storage.read(rt, out, want.size), want.reshape(-1))
     if not err < CHECK[fmt]:
         raise AssertionError(f"{what} in {fmt} gave a wrong result (max rel err {err:.2e})")
 
@@ -56,7 +56,6 @@ def _checked(rt, dispatches, out, want, fmt: str, what: str):
 def _kernels(rt, timer, fmt: str) -> dict:
     """Seconds of the GEMM, the attention forward and an add, with activations in format fmt, each checked
     against NumPy first."""
-    from wgpu_train.bench.suite import _Capture
     from wgpu_train.engines.numpy import ops
     from wgpu_train.engines.webgpu import kernels as K
     from wgpu_train.engines.webgpu.device import storage
@@ -74,7 +73,7 @@ def _kernels(rt, timer, fmt: str) -> dict:
         xs = rng.standard_normal(n * i).astype(np.float32)
         x, y = _tensor(rt, xs, fmt), _empty(rt, n * o, fmt)
         bufs += [x, y] + [b for b, _, _ in w.chunks]
-        rec = _Capture(rt)
+        rec = Capture(rt)
         linear_forward(rec, y, x, w, None, n)
         _checked(rt, rec.dispatches, y, stored(xs).reshape(n, i) @ weight.T.astype(np.float64), fmt, "the GEMM")
         out["gemm"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
@@ -84,7 +83,7 @@ def _kernels(rt, timer, fmt: str) -> dict:
         att, lse = _empty(rt, b * t * hq * d, fmt), rt.buffer(4 * b * hq * t)
         seg = rt.upload(np.ones(b * t, np.int32))
         bufs += [q, k, v, att, lse, seg]
-        rec = _Capture(rt)
+        rec = Capture(rt)
         K.attention_forward(rec, att, lse, q, k, v, seg, b, t, hq, hkv, d)
         want = ops.attention_forward(*(stored(values).reshape(b, t, -1, d) for values in qkv),
                                      np.ones((b, t), np.int32))[0]
@@ -93,7 +92,7 @@ def _kernels(rt, timer, fmt: str) -> dict:
         values = [rng.standard_normal(ELEMENTS).astype(np.float32) for _ in range(2)]
         a, c, s = (_tensor(rt, v, fmt) for v in values + [np.zeros(ELEMENTS, np.float32)])
         bufs += [a, c, s]
-        rec = _Capture(rt)
+        rec = Capture(rt)
         K.add(rec, s, a, c, ELEMENTS)
         _checked(rt, rec.dispatches, s, stored(values[0]) + stored(values[1]), fmt, "add")
         out["add"] = timer.time(rec.dispatches, repeats=3, budget_s=2.0)
@@ -110,7 +109,7 @@ def _f16_arithmetic(rt, timer) -> dict:
     from wgpu_train.engines.webgpu.device import storage
     from wgpu_train.engines.webgpu.tuned import gemm as G
     from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
-    from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as T
+    from wgpu_train.engines.webgpu.tuned import gemm_source as T
     from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
     from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
 

@@ -3,9 +3,9 @@ peak measured in the same run (and GEMM also next to a naive shared-memory kerne
 (Over 450 lines on purpose: every kernel family's benchmark is a short registered function sharing this
 file's timer, FMA peak, correctness checks and table, which a split would scatter.)
 
-Kernel families register a function in BENCHES (with @register("name")): `fn(rt, ctx) -> list[dict]`,
-where each dict has at least "name", "shape" and "gflops" (or "gbps"); `run_bench` adds
-"fraction_of_peak". `ctx` holds the shared Timer ("timer") and "sample_peak", a function to call between
+Each kernel family (tuned/catalogue.FAMILIES) names its benchmarks; each is a function registered here under
+that name (with @register("name")): `fn(rt, ctx) -> list[dict]`, where each dict has at least "name", "shape"
+and "gflops" (or "gbps"); `run_bench` runs them family by family and adds "fraction_of_peak". `ctx` holds the shared Timer ("timer") and "sample_peak", a function to call between
 long measurements so that the peak is sampled throughout the run.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Callable
 
 import numpy as np
 
+from wgpu_train.bench.checks import Capture, check, max_rel_err
 from wgpu_train.engines.webgpu.device.timing import Timer, fma_peak
+from wgpu_train.engines.webgpu.tuned.catalogue import FAMILIES
 from wgpu_train.engines.webgpu.tuned import gemm as _gemm
 
 BENCHES: dict[str, Callable] = {}
@@ -100,7 +102,8 @@ MODEL_SECTIONS["preference"] = _preference
 
 
 def register(name: str):
-    """Decorator: add a bench function under `name` (run in registration order; `only` filters by prefix)."""
+    """Decorator: add a bench function under `name`, the name a kernel family lists among its benches (run in the
+    families' order; `only` filters by prefix)."""
     def deco(fn):
         BENCHES[name] = fn
         return fn
@@ -151,24 +154,6 @@ def naive16_dispatch(rt, c, a, b, M, N, K):
     return p, [rt.uniform("<4I", M, N, K, 0), a, b, c], (-(-N // 16), -(-M // 16), 1)
 
 
-def _max_rel_err(got, want):
-    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-
-
-def _check(rt, dispatches, c_buf, want) -> float:
-    """Run the dispatches on a cleared C and return its max relative error; a wrong kernel must not
-    report a speed (and one that writes nothing cannot pass on an earlier kernel's result)."""
-    rec = rt.recorder()
-    rec.clear(c_buf)
-    for d in dispatches:
-        rec.dispatch(*d)
-    rec.submit()
-    err = _max_rel_err(rt.read(c_buf, np.float32, want.shape), want)
-    if not err < 1e-4:
-        raise AssertionError(f"benchmark kernel {dispatches[0][0]} gave a wrong result (max rel err {err:.2e})")
-    return err
-
-
 GEMM_ROUNDS = 3   # interleaved rounds per shape: each kernel keeps its best, like the peak does
 
 
@@ -191,13 +176,13 @@ def bench_gemm(rt, ctx) -> list[dict]:
             # the naive kernel is slow on CPU adapters (seconds at 1024^3): checked (and compiled) on
             # the whole problem, then timed once
             nd = naive16_dispatch(rt, cb, ab, bb, m, n, k)
-            naive_err = _check(rt, [nd], cb, want)
+            naive_err = check(rt, [nd], cb, want)
             naive = flops / timer.time([nd], repeats=1, warmup=[]) / 1e9
             out.append({"name": "gemm_naive16", "shape": shape, "gflops": naive, "max_rel_err": naive_err})
             cases = []
             for layout, a_op, b_op in (("nn", ab, bb), ("nt", ab, btb), ("tn", atb, bb)):
                 d = _gemm.gemm_dispatches(rt, cb, a_op, b_op, m, n, k, layout)
-                cases.append((layout, d, _check(rt, d, cb, want)))
+                cases.append((layout, d, check(rt, d, cb, want)))
             best = {layout: float("inf") for layout, _, _ in cases}
             for _ in range(GEMM_ROUNDS):
                 for layout, d, _ in cases:
@@ -291,7 +276,7 @@ def bench_attention(rt, ctx) -> list[dict]:
                 for label, name in (("default", tune.choose(rt, probe).name), ("rows", "rows/vec4")):
                     if name not in names:
                         continue
-                    rec = _Capture(rt)
+                    rec = Capture(rt)
                     with tune.pinned(name):
                         K.attention_forward(rec, o, lse, tq, tk, tv, seg_buf, B, T, Hq, Hkv, D)
                         K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, o, lse, seg_buf, B, T, Hq, Hkv, D,
@@ -314,12 +299,12 @@ def bench_attention(rt, ctx) -> list[dict]:
 
 @register("decode")
 def bench_decode(rt, ctx) -> list[dict]:
-    """Cached attention of a decoding step (attention_decode): 1 and 8 rows of Llama-3-8B's heads (32 / 8, D 128)
+    """Cached attention of a decoding step (decode_kernels): 1 and 8 rows of Llama-3-8B's heads (32 / 8, D 128)
     over 4096 cached positions, and 1 row of SmolLM2-135M's (9 / 3, D 64) over 480 (where the single pass fits
     llvmpipe's loop budget); every pass that runs here (the single one, the split ones by chunk) checked
     against NumPy, then timed; "vs_single" is the single pass's time over each one's, from this run, where the
     single pass runs, and "default" marks the tuner's choice on this adapter."""
-    from wgpu_train.engines.webgpu.tuned import attention_decode as AD
+    from wgpu_train.engines.webgpu.tuned import decode_kernels as AD
     from wgpu_train.engines.webgpu.tuned import tune
 
     out = []
@@ -330,7 +315,7 @@ def bench_decode(rt, ctx) -> list[dict]:
             chosen, times, rows = tune.choose(rt, rep).name, {}, []
             for cand in rep.candidates():
                 dispatches = cand.dispatches(rep)
-                _check(rt, dispatches, res, want)
+                check(rt, dispatches, res, want)
                 t = times[cand.name] = ctx["timer"].time(dispatches, repeats=2, budget_s=2.0)
                 rows.append({"name": "attention_decode", "shape": f"n{n} len{length} {hq}/{hkv}xD{d}", "kernel": cand.name,
                              "gflops": rep.flops / t / 1e9, "ms": t * 1e3,
@@ -356,20 +341,9 @@ def _check_attention(rt, dispatches, inputs, seg, outputs, what):
     want, want_lse = ops.attention_forward(q, k, v, seg)
     want_dq = ops.attention_backward(dout, q, k, v, want, want_lse, seg)[0]
     o, dq = outputs
-    err = max(_max_rel_err(rt.read(o, np.float32, q.shape), want), _max_rel_err(rt.read(dq, np.float32, q.shape), want_dq))
+    err = max(max_rel_err(rt.read(o, np.float32, q.shape), want), max_rel_err(rt.read(dq, np.float32, q.shape), want_dq))
     if not err < 1e-4:
         raise AssertionError(f"attention {what} gave a wrong result (max rel err {err:.2e})")
-
-
-class _Capture:
-    """A stand-in Recorder that keeps (pipeline, resources, groups) instead of recording them (for Timer)."""
-
-    def __init__(self, rt):
-        self.rt, self.dispatches = rt, []
-
-    def dispatch(self, pipeline, resources, groups):
-        groups = tuple(int(g) for g in (groups if isinstance(groups, (tuple, list)) else (groups,)))
-        self.dispatches.append((pipeline, resources, groups + (1,) * (3 - len(groups))))
 
 
 # ---- GEMM with float16 / NF4 weights (tuned/quant.py) -----------------------------------------------
@@ -408,7 +382,7 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
                     name = f"gemm_{'f16' if fmt == 'float16' else fmt}_{layout}"
                     p = QProblem(rt, cb, ab, q, 0, layout, m)
                     cases.append((name, fmt, choose(rt, p).dispatches(p), want))
-            errs = {name: _check(rt, d, cb, want.astype(np.float32)) for name, _, d, want in cases}
+            errs = {name: check(rt, d, cb, want.astype(np.float32)) for name, _, d, want in cases}
             best = {name: float("inf") for name, *_ in cases}
             for _ in range(GEMM_ROUNDS):
                 for name, _, d, _ in cases:
@@ -471,9 +445,21 @@ def bench_base_weights(rt) -> list[dict]:
 
 # ---- driver ------------------------------------------------------------------------------------
 
+def kernel_benches() -> list[tuple[str, Callable]]:
+    """(name, fn) of the kernel families' benchmarks, family by family in FAMILIES' order. A family naming a
+    benchmark no function is registered for is a bug: KeyError naming both."""
+    out = []
+    for family in FAMILIES:
+        for name in family.benches:
+            if name not in BENCHES:
+                raise KeyError(f"kernel family {family.name} names a benchmark {name!r} that bench/suite.py lacks")
+            out.append((name, BENCHES[name]))
+    return out
+
+
 def bench_names() -> list[str]:
-    """The names --only selects among: kernel families and sections, in the order they run."""
-    return [*BENCHES, *SECTIONS, *MODEL_SECTIONS]
+    """The names --only selects among: kernel families' benchmarks and sections, in the order they run."""
+    return [*(name for name, _ in kernel_benches()), *SECTIONS, *MODEL_SECTIONS]
 
 
 def check_only(only: str | None):
@@ -514,7 +500,7 @@ def run_bench(rt, only: str | None = None, model: str | None = None) -> dict:
     peaks = [fma_peak(rt, timer)]
     ctx = {"timer": timer, "sample_peak": lambda: peaks.append(fma_peak(rt, timer))}
     kernels = []
-    for name, fn in BENCHES.items():
+    for name, fn in kernel_benches():
         if only and not (name.startswith(only) or only.startswith(name)):
             continue
         for entry in fn(rt, ctx):

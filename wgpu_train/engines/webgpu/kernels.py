@@ -27,7 +27,7 @@ import weakref
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.tuned import attention_decode, attention_kernels, tune
+from wgpu_train.engines.webgpu.tuned import decode_kernels, attention_kernels, tune
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, flat_grid, launch
 from wgpu_train.engines.webgpu.device.operands import split
@@ -587,21 +587,21 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
                              window=0, softcap=0.0, scratch=None, kv_dtype="float32"):
     """New queries against a KV cache of `batch` rows: q, out (n, hq, d), each in any storage format; caches
     (batch, max_len, hkv, d) stored as kv_dtype (float32, or bfloat16 two per 4-byte word: their buffers take
-    its storage format, attention_decode.cache_tensor);
+    its storage format, decode_kernels.cache_tensor);
     rows, positions (n,) i32: query i sees positions 0..positions[i] of cache row rows[i] (a negative row
     marks padding: its output is zero), only the last `window` of them when window > 0; scores soft-capped
-    at softcap when it is not 0. scratch: a buffer of attention_decode.scratch_elements(queries, hq, d) floats
+    at softcap when it is not 0. scratch: a buffer of decode_kernels.scratch_elements(queries, hq, d) floats
     for the split passes of calls of up to `queries` queries (None: the single pass); the pass is the tuner's
-    choice (attention_decode.py). Any element offsets (even for 16-bit tensors)."""
+    choice (decode_kernels.py). Any element offsets (even for 16-bit tensors)."""
     if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
         raise ValueError(f"attention_cached_forward: head dim {d} (<= 256), heads {hq}/{hkv}")
     room = scratch.size // 4 if scratch is not None else 0
-    tensors = dict(out=out, q=q, k_cache=attention_decode.cache_tensor(k_cache, kv_dtype),
-                   v_cache=attention_decode.cache_tensor(v_cache, kv_dtype), rows=rows, positions=positions,
+    tensors = dict(out=out, q=q, k_cache=decode_kernels.cache_tensor(k_cache, kv_dtype),
+                   v_cache=decode_kernels.cache_tensor(v_cache, kv_dtype), rows=rows, positions=positions,
                    part=scratch, part_in=scratch)
-    p = attention_decode.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room,
+    p = decode_kernels.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room,
                                        kv_dtype)
     for dispatch in tune.choose(rec.rt, p).dispatches(p):
         rec.dispatch(*dispatch)
@@ -612,7 +612,7 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
     """k_cache / v_cache (batch, max_len, hkv, d) at [rows[i], positions[i]] = k_new[i] / v_new[i] (n, hkv, d):
     writes one layer's new keys and values (each in any storage format), rounded to the caches' kv_dtype
     (bfloat16: to nearest even, two per 4-byte word, so d must be even; the caches' buffers take its storage
-    format, attention_decode.cache_tensor); tokens whose row or position lies outside the cache (a negative row
+    format, decode_kernels.cache_tensor); tokens whose row or position lies outside the cache (a negative row
     marks padding) write nothing. Any element offsets (even for 16-bit tensors); one invocation per pair of new
     elements."""
     if n <= 0:
@@ -620,9 +620,9 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
     if kv_dtype == "bfloat16" and d % 2:
         raise ValueError(f"kv_cache_write: a bfloat16 cache needs an even head dim, not {d}")
     cache, new = batch * max_len * hkv * d, n * hkv * d
-    launch(rec, attention_decode.CACHE_WRITE, flat_grid(-(-new // 128)),
-           [(attention_decode.cache_tensor(k_cache, kv_dtype), cache),
-            (attention_decode.cache_tensor(v_cache, kv_dtype), cache), (k_new, new), (v_new, new), (rows, n),
+    launch(rec, decode_kernels.CACHE_WRITE, flat_grid(-(-new // 128)),
+           [(decode_kernels.cache_tensor(k_cache, kv_dtype), cache),
+            (decode_kernels.cache_tensor(v_cache, kv_dtype), cache), (k_new, new), (v_new, new), (rows, n),
             (positions, n)],
            n=int(n), stride=int(hkv * d), max_len=int(max_len), batch=int(batch))
 

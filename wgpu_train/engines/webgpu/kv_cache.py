@@ -6,7 +6,7 @@ import numpy as np
 
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.numpy.kv_cache import check_rows, forward_cached
-from wgpu_train.engines.webgpu.tuned import attention_decode
+from wgpu_train.engines.webgpu.tuned import decode_kernels
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
 
@@ -20,14 +20,14 @@ class KvCacheGeneration:
         buffer (batch, max_len, Hkv, D) stored as self.kv_dtype, its storage format (bfloat16: two values per
         4-byte word)."""
         cfg = self.cfg
-        fmt = attention_decode.KV_FORMATS[self.kv_dtype]
+        fmt = decode_kernels.KV_FORMATS[self.kv_dtype]
         size = storage.nbytes(batch * max_len * cfg.kv_size, fmt)
         if size > self.rt.max_binding:
             raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "
                               f"over the device's max storage binding of {self.rt.max_binding / 2**20:.0f} MiB: "
                               f"generate fewer sequences at once or fewer tokens")
-        # the split passes' partials (attention_decode), where they fit one binding
-        scratch = attention_decode.scratch_bytes(self.rt, batch, max_len, cfg.num_attention_heads, cfg.head_dim)
+        # the split passes' partials (decode_kernels), where they fit one binding
+        scratch = decode_kernels.scratch_bytes(self.rt, batch, max_len, cfg.num_attention_heads, cfg.head_dim)
         return {"k": [storage.set_format(self.rt.buffer(size, "k_cache"), fmt) for _ in range(cfg.num_hidden_layers)],
                 "v": [storage.set_format(self.rt.buffer(size, "v_cache"), fmt) for _ in range(cfg.num_hidden_layers)],
                 "scratch": self.rt.buffer(scratch, "kv_scratch"),

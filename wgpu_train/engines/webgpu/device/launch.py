@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.device.shaders import shader_text
 
 F32 = 4
 MAX_GROUPS = 65535           # WebGPU's default max-compute-workgroups-per-dimension
@@ -82,7 +83,6 @@ class Kernel:
         if self.source:
             fn, *args = self.source
             return fn(*args)
-        from wgpu_train.engines.webgpu.device.runtime import shader_text
         return shader_text(self.shader)
 
     def body(self) -> str:
@@ -144,7 +144,7 @@ def params_format(fields) -> str:
     return "<" + "".join(_SCALARS[ty] for _, ty in fields)
 
 
-class _Compiled:
+class Compiled:
     """A kernel's pipeline and uniform layout on one runtime (Runtime.compiled caches it)."""
 
     def __init__(self, rt, k: Kernel):

@@ -2,15 +2,11 @@
 at split points), with timestamp-timed sections when profiling."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.device.runtime import MAX_SECTIONS
 
-if TYPE_CHECKING:
-    from wgpu_train.engines.webgpu.device.runtime import Runtime
+MAX_SECTIONS = 2048      # timed sections of one profiled recording (timestamp query pairs)
 
 
 class Recorder:
@@ -21,10 +17,11 @@ class Recorder:
     With `profile=True`, `section(label)` starts a compute pass timed by timestamp queries (where
     the adapter has them; consecutive sections with the same label share a pass), and `timings()`
     after the submit returns seconds per label. `profile="total"` times every pass under one label
-    (the GPU's busy time, with fewer passes). Without profiling, `section` does nothing.
+    (the GPU's busy time, with fewer passes). Without profiling, `section` does nothing. rt: the
+    runtime.Runtime it records for (Runtime.recorder() makes one).
     """
 
-    def __init__(self, rt: Runtime, profile: bool = False, max_dispatches: int = 0):
+    def __init__(self, rt, profile: bool = False, max_dispatches: int = 0):
         self.rt = rt
         self.encoder = rt.device.create_command_encoder()
         self._pass = None

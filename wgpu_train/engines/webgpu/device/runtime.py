@@ -5,19 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import struct
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS
-from wgpu_train.errors import DeviceError, ShaderError
-
-if TYPE_CHECKING:
-    from wgpu_train.engines.webgpu.device.recorder import Recorder
+from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS, Compiled
+from wgpu_train.engines.webgpu.device.recorder import MAX_SECTIONS, Recorder
+from wgpu_train.engines.webgpu.device.shaders import shader_error, shader_path, shader_text
+from wgpu_train.errors import DeviceError
 
 log = logging.getLogger("wgpu_train")
 
@@ -25,7 +20,6 @@ _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3, "
 _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
 OPTIONAL_FEATURES = ("subgroup", "shader-f16", "timestamp-query")
 _runtimes: dict = {}
-MAX_SECTIONS = 2048      # timed sections of one profiled recording (timestamp query pairs)
 
 
 @dataclass(frozen=True)
@@ -119,55 +113,6 @@ _SUBGROUPS_PROBE = ("enable subgroups;\n@compute @workgroup_size(1)\n"
                     "fn main(@builtin(subgroup_size) n: u32) { _ = n; }\n")
 
 
-def shader_dirs() -> list[Path]:
-    """Where the WGSL lives: the wheel's wgpu_train/_shaders, else the checkout's top-level shaders/."""
-    package = Path(__file__).resolve().parents[3]          # wgpu_train/engines/webgpu/device/runtime.py
-    return [package / "_shaders", package.parent / "shaders"]
-
-
-def shader_path(name: str) -> Path:
-    for d in shader_dirs():
-        p = d / f"{name}.wgsl"
-        if p.is_file():
-            return p
-    raise FileNotFoundError(f"shader {name}.wgsl not found in {', '.join(map(str, shader_dirs()))}")
-
-
-INCLUDE = "// @include "
-
-
-def shader_text(name: str) -> str:
-    """A shader's WGSL, with the shaders its `// @include <name>` lines name (and theirs, each once) appended
-    after its own text (WGSL declarations may come in any order, so a compiler message keeps the shader's
-    own line numbers)."""
-    order: list = []
-
-    def visit(n):
-        for line in shader_path(n).read_text().split("\n"):
-            if line.startswith(INCLUDE):
-                inc = line[len(INCLUDE):].strip()
-                if inc not in order and inc != name:
-                    order.append(inc)
-                    visit(inc)
-
-    visit(name)
-    return "\n".join(shader_path(n).read_text() for n in [name] + order)
-
-
-def shader_error(path, source: str, err: Exception) -> ShaderError:
-    """A ShaderError naming the file and line of the first diagnostic in a wgpu/naga message."""
-    msg = str(err)
-    # naga marks the span "┌─ wgsl:L:C" for parse errors but "┌─ <label>:L:C" for validation errors
-    m = re.search(r"┌─\s*[^\s:]*:(\d+):(\d+)", msg) or re.search(r"wgsl:(\d+):(\d+)", msg)
-    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
-    reason = next((ln for ln in lines if "error" in ln.lower() and "Validation Error" not in ln), lines[-1] if lines else msg)
-    details = [ln[1:].strip() for ln in lines if ln.startswith("= ")]
-    if "validation error" in reason.lower() and details:
-        reason = f"{reason}: {details[-1]}"  # the specific cause, e.g. "Operation Add can't work with ..."
-    where = f"{path}:{m.group(1)}:{m.group(2)}" if m else f"{path}"
-    return ShaderError(f"{where}: {reason}")
-
-
 class _CountingQueue:
     """The device queue with its submissions counted where they happen (counters["submits"])."""
 
@@ -232,7 +177,7 @@ class Runtime:
         self.queue = _CountingQueue(self.device.queue, self.counters)
         self._modules: dict = {}
         self._pipelines: dict = {}
-        self._compiled: dict = {}      # Kernel -> launch._Compiled
+        self._compiled: dict = {}      # Kernel -> launch.Compiled
         self._bind_groups: dict = {}
         self._uniforms: dict = {}
         self._shared: dict = {}        # bytes -> read-only storage buffer (shared_storage)
@@ -292,8 +237,7 @@ class Runtime:
         """A launch.Kernel's pipeline and uniform layout, compiled once."""
         c = self._compiled.get(kernel)
         if c is None:
-            from wgpu_train.engines.webgpu.device.launch import _Compiled
-            c = self._compiled[kernel] = _Compiled(self, kernel)
+            c = self._compiled[kernel] = Compiled(self, kernel)
         return c
 
     def compiled_kernels(self) -> list:
@@ -440,8 +384,7 @@ class Runtime:
             b.destroy()
 
     # ---- recording ----------------------------------------------------------------------------
-    def recorder(self, profile: bool = False, max_dispatches: int = 0) -> "Recorder":
-        from wgpu_train.engines.webgpu.device.recorder import Recorder
+    def recorder(self, profile: bool = False, max_dispatches: int = 0) -> Recorder:
         return Recorder(self, profile, max_dispatches)
 
     def query_set(self):

@@ -24,10 +24,11 @@ import math
 import numpy as np
 
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.tuned import attention_src as src
-from wgpu_train.engines.webgpu.tuned.attention_src import RegsConfig, TilesConfig
+from wgpu_train.engines.webgpu.tuned import attention_source as src
+from wgpu_train.engines.webgpu.tuned.attention_source import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split
 from wgpu_train.engines.webgpu.device.runtime import shader_text
@@ -240,7 +241,7 @@ def flash_kernel(pass_: str, cfg, D: int, formats: tuple = ()) -> Kernel:
 
 
 class Flash:
-    """A flash candidate (cfg: attention_src.RegsConfig or TilesConfig): cfg.block rows per workgroup, the
+    """A flash candidate (cfg: attention_source.RegsConfig or TilesConfig): cfg.block rows per workgroup, the
     other side in whole tiles, fully masked tiles skipped."""
 
     def __init__(self, cfg):
@@ -305,3 +306,7 @@ def all_kernels(head_dims=(64, 60, 128, 256), mixed_head_dims=(64,)) -> list[Ker
                 k = flash_kernel(pass_, cfg, D)
                 out += [k] + [flash_kernel(pass_, cfg, D, f) for f in mixed_formats(k) if mixed]
     return out
+
+
+FAMILY = Family("attention", shaders=("attention", "attention_regs", "attention_tiles", src.COMMON),
+                modules=(__file__, src.__file__), all_kernels=all_kernels, benches=("attention",))

@@ -1,16 +1,17 @@
-"""Every kernel descriptor the tuned families can launch, and those an adapter's limits or features leave out
+"""The registry of tuned kernel families (FAMILIES: what the tuner's checksum, this catalogue and `wgpu-train
+bench` loop over), every kernel descriptor they can launch, and those an adapter's limits or features leave out
 (the tuner then runs their twins within the limits): what the portability tests and `wgpu-train devices` read."""
 from __future__ import annotations
 
 from wgpu_train.engines.webgpu.device.launch import Kernel
-from wgpu_train.engines.webgpu.tuned import attention_decode, attention_kernels, gemm_kernels, quant_kernels
+from wgpu_train.engines.webgpu.tuned import attention_kernels, decode_kernels, gemm_kernels, quant_kernels
+
+FAMILIES = (gemm_kernels.FAMILY, quant_kernels.FAMILY, attention_kernels.FAMILY, decode_kernels.FAMILY)
 
 
 def tuned_kernels() -> list[Kernel]:
-    """The GEMM, quantised GEMM, attention and cached-attention families' kernels, by label."""
-    kernels = (gemm_kernels.all_kernels() + quant_kernels.all_kernels() + attention_kernels.all_kernels()
-               + attention_decode.all_kernels())
-    return sorted(set(kernels), key=lambda k: k.label)
+    """Every family's kernels, by label."""
+    return sorted({k for family in FAMILIES for k in family.all_kernels()}, key=lambda k: k.label)
 
 
 def left_out(limits: dict, features) -> list[Kernel]:

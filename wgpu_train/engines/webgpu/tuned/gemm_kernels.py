@@ -20,8 +20,9 @@ import os
 
 import numpy as np
 
-from wgpu_train.engines.webgpu.tuned import gemm_tiled_src as tiled
+from wgpu_train.engines.webgpu.tuned import gemm_source as src
 from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split
 
@@ -32,7 +33,6 @@ WG_CHOICES = (8, 16, 32, 64)
 L2_PANEL_BYTES = 256 * 1024   # the slice of B one workgroup streams should stay in a core's L2 (llvmpipe)
 SPLITS = (4, 16, 64)       # split-K factors tried for skinny products
 MIXED_FORMATS = (((1, "bf16"), (2, "f16"), (4, "bf16")), ((1, "f16"), (2, "bf16"), (4, "f16")))   # all_kernels
-_SG_MARKER = "// ---- subgroup kernels"
 _F32 = 4
 # The unit roundoff of the 16-bit storage formats (8 and 11 significant bits): a value rounded to nearest in one
 # moves by at most this fraction of its magnitude
@@ -217,7 +217,7 @@ class Problem:
         of A, B and C where one is 16-bit (a float32 problem keeps the key it always had), marked where
         float16-arithmetic candidates were offered."""
         bucket = 1 << max(0, (self.M - 1).bit_length())
-        aligned = tiled.vec4_ok(self.M, self.N, self.K, self.batch, self.a_off, self.a_sm, self.a_sk, self.a_sz,
+        aligned = src.vec4_ok(self.M, self.N, self.K, self.batch, self.a_off, self.a_sm, self.a_sk, self.a_sz,
                                 self.b_off, self.b_sk, self.b_sn, self.b_sz)
         formats = "" if self.formats == ("f32",) * 3 else " " + "/".join(self.formats)
         # f16a: float16-arithmetic candidates were offered (a choice made without them is not this key's)
@@ -325,17 +325,6 @@ def choose_tiling(M: int, N: int, K: int = 1, batch: int = 1, min_wg: int = 8, b
 
 
 @functools.lru_cache(maxsize=None)
-def register_source(subgroups: bool, formats: tuple = ()) -> str:
-    """gemm.wgsl, without its subgroup section for devices without the feature, the files it includes appended
-    (gemm_store.wgsl), its vec4 views declared for the 16-bit tensors' (binding, format) pairs `formats`
-    (storage.views)."""
-    from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
-    own, full = shader_path("gemm").read_text(), shader_text("gemm")
-    text = own if subgroups else own[:own.index(_SG_MARKER)]
-    return storage.views(text + full[len(own):], formats)
-
-
-@functools.lru_cache(maxsize=None)
 def register_kernel(wg: int, tm: int, subgroups: bool, vec, formats: tuple = ()) -> Kernel:
     """The register-blocked kernel: vec None for the scalar entry point, else (a_kvec, b_nvec, c_nvec);
     formats: its 16-bit tensors' (binding, format) pairs (launch.tensor_formats)."""
@@ -344,7 +333,7 @@ def register_kernel(wg: int, tm: int, subgroups: bool, vec, formats: tuple = ())
     if vec:
         constants.update(A_KVEC=bool(vec[0]), B_NVEC=bool(vec[1]), C_NVEC=bool(vec[2]))
     return Kernel("gemm", entry, "A B BIAS C!", tuple(sorted(constants.items())),
-                  source=(register_source, subgroups, formats), invocations=wg,
+                  source=(src.register_source, subgroups, formats), invocations=wg,
                   features=("subgroup",) if subgroups else (), formats=formats)
 
 
@@ -404,24 +393,24 @@ def register_candidates(p: Problem) -> list:
 @functools.lru_cache(maxsize=None)
 def tiled_kernel(cfg, formats: tuple = ()) -> Kernel:
     """gemm_tiled*: formats, its 16-bit tensors' (binding, format) pairs (launch.tensor_formats)."""
-    return Kernel("gemm_tiled", tiled.entry_point(cfg), "A B BIAS C!", source=(tiled.tiled_source, cfg, formats),
-                  invocations=tiled.workgroup_size(cfg), workgroup_bytes=tiled.workgroup_bytes(cfg),
-                  features=tiled.kernel_features(cfg), formats=formats)
+    return Kernel("gemm_tiled", src.entry_point(cfg), "A B BIAS C!", source=(src.tiled_source, cfg, formats),
+                  invocations=src.workgroup_size(cfg), workgroup_bytes=src.workgroup_bytes(cfg),
+                  features=src.kernel_features(cfg), formats=formats)
 
 
 @functools.lru_cache(maxsize=None)
 def tiled_lora_kernel(cfg, formats: tuple = ()) -> Kernel:
     """gemm_tiled_lora*: the tiled kernel plus alpha2 * H LB^T after its k loop (H, LB: bindings 5, 6)."""
-    return Kernel("gemm_tiled", tiled.lora_entry_point(cfg), "A B BIAS C! H LB",
-                  source=(tiled.tiled_source, cfg, formats), invocations=tiled.workgroup_size(cfg),
-                  workgroup_bytes=tiled.workgroup_bytes(cfg), features=tiled.kernel_features(cfg), formats=formats)
+    return Kernel("gemm_tiled", src.lora_entry_point(cfg), "A B BIAS C! H LB",
+                  source=(src.tiled_source, cfg, formats), invocations=src.workgroup_size(cfg),
+                  workgroup_bytes=src.workgroup_bytes(cfg), features=src.kernel_features(cfg), formats=formats)
 
 
 @functools.lru_cache(maxsize=None)
 def _reduce_kernel(cfg, formats: tuple = ()) -> Kernel:
     # from the same source as the pass it reduces (a subgroup config's source keeps its subgroup section)
-    return Kernel("gemm_tiled", tiled.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(tiled.tiled_source, cfg, formats),
-                  invocations=tiled.REDUCE_WG, features=tiled.kernel_features(cfg), formats=formats)
+    return Kernel("gemm_tiled", src.REDUCE_ENTRY, "PARTIALS _ BIAS C!", source=(src.tiled_source, cfg, formats),
+                  invocations=src.REDUCE_WG, features=src.kernel_features(cfg), formats=formats)
 
 
 def _for(make, cfg, tensors: list) -> Kernel:
@@ -450,11 +439,11 @@ class Tiled:
         self.name = f"splitk{splits}/{cfg.name}" if splits > 1 else f"tiled/{cfg.name}"
 
     def applies(self, p: Problem) -> bool:
-        if not tiled.fits(self.cfg, p.rt.limits, p.rt.features):
+        if not src.fits(self.cfg, p.rt.limits, p.rt.features):
             return False
         if self.half and not f16_operands(p.rt, *p.formats[:2]):
             return False
-        if self.cfg.vec4 and not tiled.vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz,
+        if self.cfg.vec4 and not src.vec4_ok(p.M, p.N, p.K, p.batch, p.a_off, p.a_sm, p.a_sk, p.a_sz,
                                                p.b_off, p.b_sk, p.b_sn, p.b_sz):
             return False
         if self.splits > 1:
@@ -463,14 +452,14 @@ class Tiled:
             if self.splits * p.batch * p.M * p.N * _F32 > p.rt.max_binding:
                 return False
         try:
-            tiled.groups(self.cfg, p.M, p.N, p.batch, self.splits)
+            src.groups(self.cfg, p.M, p.N, p.batch, self.splits)
         except ValueError:
             return False
         return True
 
     def dispatches(self, p: Problem) -> list:
         rt, q = p.rt, p.params()
-        groups = tiled.groups(self.cfg, p.M, p.N, p.batch, self.splits)
+        groups = src.groups(self.cfg, p.M, p.N, p.batch, self.splits)
         if self.splits == 1:
             tensors = p.tensors()
             pipeline, resources = prepare(rt, _for(tiled_kernel, self.cfg, tensors), tensors, k_split=p.K, splits=1,
@@ -478,14 +467,14 @@ class Tiled:
             return [(pipeline, resources, groups)]
         n_part = self.splits * p.batch * p.M * p.N
         part = _scratch(rt, n_part)
-        ks = tiled.k_split(self.cfg, p.K, self.splits)
+        ks = src.k_split(self.cfg, p.K, self.splits)
         tensors = [p.a, p.b, p.bias, (part, n_part)]
         first = prepare(rt, _for(tiled_kernel, self.cfg, tensors), tensors, k_split=ks, splits=self.splits,
                         batch=p.batch, **q)
         tensors = [(part, n_part), p.bias, p.c]
         second = prepare(rt, _for(_reduce_kernel, self.cfg, tensors), tensors, k_split=ks, splits=self.splits,
                          batch=p.batch, **q)
-        return [(*first, groups), (*second, tiled.reduce_groups(p.M, -(-p.N // 2), p.batch))]
+        return [(*first, groups), (*second, src.reduce_groups(p.M, -(-p.N // 2), p.batch))]
 
     def lora_applies(self, p: Problem) -> bool:
         """Whether dispatches_with_lora can run p: one pass (no split-K) over one matrix (no batch), float32
@@ -511,17 +500,17 @@ class Tiled:
         pipeline, resources = prepare(p.rt, _for(tiled_lora_kernel, self.cfg, tensors), tensors, k_split=p.K,
                                       splits=1, batch=1, r2=r2, ldh=ldh, ldlb=ldlb, alpha2=float(alpha2),
                                       **p.params())
-        return [(pipeline, resources, tiled.groups(self.cfg, p.M, p.N))]
+        return [(pipeline, resources, src.groups(self.cfg, p.M, p.N))]
 
 
 def tiled_candidates(p: Problem) -> list:
     """Every tile configuration that fits, and split-K where the product is skinny (few output tiles, or a K
     much longer than the output's sides): the LoRA gradients (K = tokens) and the head's input gradient
     (K = the vocabulary)."""
-    out = [Tiled(cfg) for cfg in tiled.TILED_CONFIGS + tiled.HALF_CONFIGS]
+    out = [Tiled(cfg) for cfg in src.TILED_CONFIGS + src.HALF_CONFIGS]
     tiles64 = -(-p.M // 64) * -(-p.N // 64) * p.batch
     if (tiles64 < 64 and p.K >= 512) or (tiles64 < 1024 and p.K >= 16 * max(p.M, p.N)):
-        small = [cfg for cfg in tiled.TILED_CONFIGS
+        small = [cfg for cfg in src.TILED_CONFIGS
                  if not cfg.double_buffer and not cfg.subgroups and cfg.bm * cfg.bn <= 64 * 64]
         out += [Tiled(cfg, s) for s in SPLITS for cfg in small]
     return [c for c in out if c.applies(p)]
@@ -556,9 +545,13 @@ def all_kernels() -> list[Kernel]:
     out = [register_kernel(wg, tm, sg, vec) for wg in WG_CHOICES for tm in TM_CHOICES for sg in (False, True)
            for vec in vecs]
     out += [register_kernel(8, TM, sg, vec, f) for sg in (False, True) for vec in vecs for f in MIXED_FORMATS]
-    for cfg in tiled.TILED_CONFIGS:
+    for cfg in src.TILED_CONFIGS:
         out += [tiled_kernel(cfg), tiled_lora_kernel(cfg), _reduce_kernel(cfg)]
         out += [k(cfg, f) for f in MIXED_FORMATS for k in (tiled_kernel, tiled_lora_kernel)]
         out += [_reduce_kernel(cfg, ((4, fmt),)) for fmt in ("bf16", "f16")]
-    out += [tiled_kernel(cfg, ((1, "f16"), (2, "f16")) + c) for cfg in tiled.HALF_CONFIGS for c in ((), ((4, "f16"),))]
+    out += [tiled_kernel(cfg, ((1, "f16"), (2, "f16")) + c) for cfg in src.HALF_CONFIGS for c in ((), ((4, "f16"),))]
     return out + [_PROBE]
+
+
+FAMILY = Family("gemm", shaders=("gemm", "gemm_tiled"), modules=(__file__, src.__file__), all_kernels=all_kernels,
+                benches=("gemm", "gemm_candidates"))

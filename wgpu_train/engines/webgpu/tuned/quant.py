@@ -24,7 +24,6 @@ even element offsets and row pitches. Bias and weights stay as stored.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -33,19 +32,16 @@ from wgpu_train.errors import DeviceError
 from wgpu_train.engines.numpy.quant import (DQ_BLOCK, NF4_BLOCK, bfloat16_bits, bfloat16_values, float16_values,
                                            nf4_dequantize, nf4_quantize)
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.device.launch import Kernel, launch
+from wgpu_train.engines.webgpu.device.launch import launch
 from wgpu_train.engines.webgpu.device.operands import at, split
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
+from wgpu_train.engines.webgpu.tuned.quant_source import FORMATS, HALF_FORMATS, embed_gather_kernel
 
-SHADER = "gemm_quant"
-FORMATS = ("bfloat16", "float16", "nf4", "nf4-dq")
-HALF_FORMATS = ("bfloat16", "float16")     # 2 bytes a value, no per-block statistics
 DQ_HEADER_WORDS = 4                  # offset, first block % 256, index word, spare
 NF4_BLOCK_BYTES = NF4_BLOCK // 2
 DEFAULT_MAX_BINDING = 128 << 20      # lavapipe's max storage binding (and WebGPU's default limit)
 _F32 = 4
-_FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"
-_SG_MARK, _SG_END = "// ---- subgroup kernels", "// ---- end of subgroup kernels"
-_sources: dict = {}                  # (format, subgroups) -> shader source with the rest blanked
 
 
 def _round16(n: int) -> int:
@@ -186,46 +182,12 @@ class QuantMatrix:
         rt.release(*[b for b, _, _ in self.chunks], *self.absmax)
 
 
-# ---- pipelines ----------------------------------------------------------------------------------
-
-def shader_source(fmt: str, subgroups: bool, formats: tuple = ()) -> str:
-    """gemm_quant.wgsl with the sections of other formats and the subgroup kernels (devices without the
-    feature) blanked, and A's vec4 view declared for the 16-bit tensors' (binding, format) pairs `formats`
-    (storage.views); line numbers are kept so that shader errors point at the file."""
-
-    key = (fmt, bool(subgroups))
-    if key not in _sources:
-        from wgpu_train.engines.webgpu.device.runtime import shader_text
-
-        out, section, in_sg = [], None, False
-        for line in shader_text(SHADER).split("\n"):      # gemm_quant_store.wgsl appended
-            if line.startswith(_FORMAT_MARK):
-                section = {w for w in line[len(_FORMAT_MARK):].split() if not w.startswith("-")}
-            elif line.startswith(_END_MARK):
-                section = None
-            elif line.startswith(_SG_END):
-                in_sg = False
-            elif line.startswith(_SG_MARK):
-                in_sg = True
-            drop = (section is not None and fmt not in section) or (in_sg and not subgroups)
-            out.append("" if drop else line)
-        _sources[key] = "\n".join(out)
-    return storage.views(_sources[key], formats)
-
-
-@functools.lru_cache(maxsize=None)
-def embed_gather_kernel(fmt: str) -> Kernel:
-    """The embedding gather of a 16-bit vocabulary (HALF_FORMATS)."""
-    return Kernel(SHADER, "embed_gather", "IDS W OUT!", source=(shader_source, fmt, False), invocations=64)
-
+# ---- the GEMM with a frozen weight ----------------------------------------------------------------
 
 def qgemm(rec, c, a, w: QuantMatrix, chunk: int, layout: str, M: int, bias=None, accumulate=False, lda=None,
           ldc=None):
     """Record C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias (N,)) with the kernel tune.choose picks: layout "nt"
     (op = transpose: K = w.cols, N = the chunk's rows) or "nn" (K = the chunk's rows, N = w.cols)."""
-    from wgpu_train.engines.webgpu.tuned import tune
-    from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
-
     if M <= 0:
         return
     p = QProblem(rec.rt, c, a, w, chunk, layout, M, bias, accumulate, lda, ldc)

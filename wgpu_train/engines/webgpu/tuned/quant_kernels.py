@@ -1,5 +1,5 @@
 """The GEMM with a frozen float16 / NF4 weight as the tuner sees it: one product (QProblem) and its candidates,
-register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_tiled.py, shaped
+register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_source.py, shaped
 for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM. A float16 weight
 times a float16 A also has tiled candidates in float16 arithmetic where the adapter has `shader-f16`, as the float
 GEMM (gemm_kernels.f16_arithmetic)."""
@@ -9,11 +9,11 @@ import functools
 
 import numpy as np
 
-from wgpu_train.engines.webgpu.tuned import quant as Q
-from wgpu_train.engines.webgpu.tuned import quant_tiled as QT
+from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, arithmetic_slack, f16_operands, gemm_tolerance,
                                                           is_cpu, min_workgroup, use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
 from wgpu_train.engines.webgpu.device.operands import split
 
@@ -28,8 +28,8 @@ def qgemm_kernel(fmt: str, entry: str, wg: int, tm: int, nt: bool, subgroups: bo
                  formats: tuple = ()) -> Kernel:
     """The kernel of one register-blocked quantised-GEMM entry point for weights stored as fmt; formats: its
     16-bit tensors' (binding, format) pairs (QProblem.bound_formats), which A's vec4 view is declared for."""
-    return Kernel(Q.SHADER, entry, QT.BINDINGS[fmt], (("NT", nt), ("TM", tm), ("WG", wg)),
-                  source=(Q.shader_source, fmt, subgroups, formats), invocations=wg,
+    return Kernel(QT.REGISTER_SHADER, entry, QT.BINDINGS[fmt], (("NT", nt), ("TM", tm), ("WG", wg)),
+                  source=(QT.register_source, fmt, subgroups, formats), invocations=wg,
                   features=("subgroup",) if subgroups else (), formats=formats)
 
 
@@ -140,7 +140,8 @@ class QProblem:
         elements; A and C's values those their formats hold)."""
         rt, w = self.rt, self.w
         rows = w.chunks[self.chunk][2]
-        wq = Q.QuantMatrix(rt, rng.standard_normal((rows, w.cols)).astype(np.float32), w.dtype, "tune weight")
+        # a weight of w's own class (quant.QuantMatrix; quant.py imports this module, not the reverse)
+        wq = type(w)(rt, rng.standard_normal((rows, w.cols)).astype(np.float32), w.dtype, "tune weight")
         a = storage.rounded(rng.standard_normal(self.a_off % 64 + self.a_ext), self.a_fmt)
         c0 = storage.rounded(rng.standard_normal(self.c_off % 64 + self.c_ext), self.c_fmt)
         bias = rng.standard_normal(self.N).astype(np.float32)
@@ -184,7 +185,7 @@ class QRegister:
 
 
 class QTiled:
-    """A workgroup-tiled candidate (quant_tiled.py): the weight decoded into workgroup memory tile by tile."""
+    """A workgroup-tiled candidate (quant_source.py): the weight decoded into workgroup memory tile by tile."""
 
     def __init__(self, cfg):
         self.cfg, self.half = cfg, cfg.half
@@ -226,14 +227,18 @@ def all_kernels() -> list[Kernel]:
     config, whose 16-bit code the others share), the float16-arithmetic configs with a float16 weight and A (C
     float32 or float16), and the embedding gather into either 16-bit format."""
     entries = (("qgemm", False), ("qgemm_fast", False), ("qgemm_fast_sg", True))
-    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in Q.FORMATS for entry, sg in entries
+    out = [qgemm_kernel(fmt, entry, wg, tm, nt, sg) for fmt in QT.FORMATS for entry, sg in entries
            for wg in WG_CHOICES for tm in TM_CHOICES for nt in (False, True)]
-    out += [qgemm_kernel(fmt, entry, 8, 32, nt, sg, f) for fmt in Q.FORMATS for entry, sg in entries
+    out += [qgemm_kernel(fmt, entry, 8, 32, nt, sg, f) for fmt in QT.FORMATS for entry, sg in entries
             for nt in (False, True) for f in MIXED_FORMATS]
     out += [QT.qtiled_kernel(fmt, cfg, nt) for fmt in QT.FORMATS for cfg in QT.QTILE_CONFIGS for nt in (False, True)]
     out += [QT.qtiled_kernel("float16", cfg, nt).with_formats(((1, "f16"),) + c) for cfg in QT.QTILE_HALF_CONFIGS
             for nt in (False, True) for c in ((), ((4, "f16"),))]
     out += [QT.qtiled_kernel(fmt, QT.QTILE_CONFIGS[0], nt).with_formats(f) for fmt in QT.FORMATS
             for nt in (False, True) for f in MIXED_FORMATS]
-    gathers = [Q.embed_gather_kernel(fmt) for fmt in Q.HALF_FORMATS]
+    gathers = [QT.embed_gather_kernel(fmt) for fmt in QT.HALF_FORMATS]
     return out + gathers + [k.with_formats(((3, out_fmt),)) for k in gathers for out_fmt in ("bf16", "f16")]
+
+
+FAMILY = Family("quant", shaders=(QT.REGISTER_SHADER, QT.SHADER), modules=(__file__, QT.__file__),
+                all_kernels=all_kernels, benches=("gemm_quant",))

@@ -7,7 +7,8 @@ Controls: WGPU_TRAIN_TUNE=off (the untuned default choice everywhere), fast (the
 few candidates each; CPU adapters keep the choice measured on llvmpipe unless `wgpu-train tune` asks),
 full (every candidate, on every adapter). WGPU_TRAIN_GEMM_KERNEL=<name prefix>[,<another>...] (or `pinned(...)`) forces the first candidate
 whose name starts with the first prefix that any candidate has, for tests. The cache: $XDG_CACHE_HOME/wgpu-train/tune/<adapter>.json,
-stale when a GEMM shader or candidate list changes (a checksum of their sources), written atomically.
+stale when a family's shader or candidate list changes (a checksum of the sources of catalogue.FAMILIES), written
+atomically.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.tuned.catalogue import FAMILIES
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 
 log = logging.getLogger("wgpu_train")
@@ -33,11 +35,6 @@ FAST_CANDIDATES = 8          # candidates timed per shape in fast mode (the best
 ROOFLINE_STOP = 0.85         # stop once a candidate reaches this fraction of the FMA peak
 DROP_SLOWER = 3.0            # a candidate whose first timed run is this much slower than the best is dropped
 CACHE_VERSION = 1
-_SOURCES = ("shaders/gemm.wgsl", "shaders/gemm_tiled.wgsl", "shaders/gemm_quant.wgsl", "shaders/gemm_quant_tiled.wgsl",
-            "shaders/attention.wgsl", "shaders/attention_regs.wgsl", "shaders/attention_tiles.wgsl",
-            "shaders/attention_common.wgsl", "shaders/attention_cached.wgsl", "tuned/attention_decode.py",
-            "tuned/gemm_kernels.py", "tuned/gemm_tiled_src.py", "tuned/quant_kernels.py", "tuned/quant_tiled.py",
-            "tuned/attention_kernels.py", "tuned/attention_src.py")
 _pins: list = []
 _modes: list = []
 
@@ -81,20 +78,13 @@ def _pin() -> str | None:
 
 # ---- the cache file ------------------------------------------------------------------------------
 
-def sources_checksum() -> str:
-    """sha256 over the tuned kernels' shaders (as compiled: with the files they include) and the modules that
-    define the candidates."""
-    from wgpu_train.engines.webgpu.device.runtime import shader_text
-
-    here = Path(__file__).resolve().parent
+def sources_checksum(families=FAMILIES) -> str:
+    """sha256 over every tuned family's sources (Family.sources: its shaders as compiled, with the files they
+    include, and the modules that build them and list its candidates); a missing file raises, naming it."""
     h = hashlib.sha256()
-    for rel in _SOURCES:
-        if rel.endswith(".wgsl"):
-            text = shader_text(Path(rel).stem).encode()
-        else:
-            p = here / Path(rel).name
-            text = p.read_bytes() if p.exists() else b""
-        h.update(rel.encode() + b"\0" + text + b"\0")
+    for family in families:
+        for name, text in family.sources():
+            h.update(f"{family.name}/{name}".encode() + b"\0" + text + b"\0")
     return h.hexdigest()[:16]
 
 

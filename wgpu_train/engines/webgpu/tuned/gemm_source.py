@@ -1,4 +1,5 @@
-"""Configurations and source specialisation of the workgroup-tiled GEMM (shaders/gemm_tiled.wgsl).
+"""The GEMM family's source builders: the register-blocked kernels' (shaders/gemm.wgsl, register_source) and the
+configurations and source specialisation of the workgroup-tiled GEMM (shaders/gemm_tiled.wgsl, tiled_source).
 
 Each TileConfig is one candidate kernel for the autotuner. The tile sizes also size private (register)
 arrays, whose lengths WGSL requires to be const expressions (override constants are rejected there), so
@@ -22,9 +23,11 @@ from functools import lru_cache
 
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS
-from wgpu_train.engines.webgpu.device.runtime import shader_text
+from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
 
 SHADER = "gemm_tiled"
+REGISTER_SHADER = "gemm"
+_SG_MARKER = "// ---- subgroup kernels"      # where gemm.wgsl's subgroup section begins (it runs to its end)
 REDUCE_ENTRY = "gemm_splitk_reduce"
 REDUCE_WG = 256
 SUBGROUP_FEATURE = "subgroup"
@@ -149,6 +152,16 @@ def entry_point(cfg: TileConfig) -> str:
 def lora_entry_point(cfg: TileConfig) -> str:
     """The entry point adding the second term alpha2 * H LB^T (bindings 5 and 6; splits == 1, batch == 1)."""
     return "gemm_tiled_lora" + ("_sg" if cfg.subgroups else "")
+
+
+@lru_cache(maxsize=None)
+def register_source(subgroups: bool, formats: tuple = ()) -> str:
+    """gemm.wgsl, without its subgroup section for devices without the feature, the files it includes appended
+    (gemm_store.wgsl), its vec4 views declared for the 16-bit tensors' (binding, format) pairs `formats`
+    (storage.views)."""
+    own, full = shader_path(REGISTER_SHADER).read_text(), shader_text(REGISTER_SHADER)
+    text = own if subgroups else own[:own.index(_SG_MARKER)]
+    return storage.views(text + full[len(own):], formats)
 
 
 @lru_cache(maxsize=1)

@@ -1,34 +1,41 @@
-"""Workgroup-tiled GEMMs with a frozen float16 / NF4 weight (shaders/gemm_quant_tiled.wgsl): the GPU-class
-candidates next to gemm_quant.wgsl's register-blocked ones, for C (M, N) (+)= A (M, K) @ op(W chunk)
-(+ bias), layouts "nt" (forward) and "nn" (backward) as in quant.py.
+"""The source builders of the GEMMs with a frozen bfloat16 / float16 / NF4 weight: the register-blocked kernels
+(shaders/gemm_quant.wgsl, register_source) and the workgroup-tiled ones (shaders/gemm_quant_tiled.wgsl,
+qtiled_source), for C (M, N) (+)= A (M, K) @ op(W chunk) (+ bias), layouts "nt" (forward) and "nn" (backward)
+as in quant.py; also the 16-bit embedding gather of gemm_quant.wgsl.
 
-The kernel takes the same tensors and Params as the register-blocked one (quant_kernels.QProblem) (bindings "A W BIAS C!" plus
-ABSMAX or STATS CODE; fields M, N, K, flags, lda, ldc, cols), and any shape, offset and pitch. Each
-TileConfig is one specialisation: its sizes length private arrays, which WGSL allows only for const
-expressions, so qtiled_source() rewrites the template's marked const block (with NT, the layout) and
-appends gemm_quant.wgsl's format sections for the weight's format, so that both GEMMs decode a weight
-with the same WGSL. cfg.vec4 is not used (A is read with scalar loads); cfg.double_buffer is, and cfg.half
-(float16 arithmetic, gemm_core.wgsl, as in the float GEMM) for a float16 weight and a float16 A only.
+Both kernels take the same tensors and Params (quant_kernels.QProblem) (bindings "A W BIAS C!" plus
+ABSMAX or STATS CODE; fields M, N, K, flags, lda, ldc, cols), and any shape, offset and pitch. gemm_quant.wgsl
+holds one section per weight format (its bindings and decoders); register_source blanks the other formats'
+(and the subgroup kernels on devices without the feature). Each tiled TileConfig is one specialisation: its
+sizes length private arrays, which WGSL allows only for const expressions, so qtiled_source() rewrites the
+template's marked const block (with NT, the layout) and appends gemm_quant.wgsl's format sections for the
+weight's format, so that both GEMMs decode a weight with the same WGSL. cfg.vec4 is not used (A is read with
+scalar loads); cfg.double_buffer is, and cfg.half (float16 arithmetic, gemm_core.wgsl, as in the float GEMM)
+for a float16 weight and a float16 A only. Line numbers of the files are kept, so shader errors point at them.
 """
 from __future__ import annotations
 
 import re
 from functools import lru_cache
 
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import DEFAULT_LIMITS, Kernel
-from wgpu_train.engines.webgpu.tuned.gemm_tiled_src import (TileConfig, core, fits, kernel_features, workgroup_bytes,
+from wgpu_train.engines.webgpu.device.runtime import shader_path, shader_text
+from wgpu_train.engines.webgpu.tuned.gemm_source import (TileConfig, core, fits, kernel_features, workgroup_bytes,
                                                             workgroup_size)
 
 SHADER = "gemm_quant_tiled"
 ENTRY = "qgemm_tiled"
-FORMAT_SHADER = "gemm_quant"         # whose format sections are appended
+REGISTER_SHADER = "gemm_quant"       # the register-blocked kernels, whose format sections the tiled ones append
 FORMATS = ("bfloat16", "float16", "nf4", "nf4-dq")
+HALF_FORMATS = ("bfloat16", "float16")     # 2 bytes a value, no per-block statistics
 BINDINGS = {"bfloat16": "A W BIAS C!", "float16": "A W BIAS C!", "nf4": "A W BIAS C! ABSMAX",
             "nf4-dq": "A W BIAS C! STATS CODE"}
 LAYOUTS = ("nt", "nn")
-# The format sections as tuned/quant.py's _source reads them: a section starts at a line beginning with
-# the format mark followed by the formats it serves, and ends at the next such line or the end mark.
+# A format section starts at a line beginning with the format mark followed by the formats it serves, and ends at
+# the next such line or the end mark.
 _FORMAT_MARK, _END_MARK = "// ---- format: ", "// ---- end of formats"
+_SG_MARK, _SG_END = "// ---- subgroup kernels", "// ---- end of subgroup kernels"
 _BEGIN, _END = "// @tile-config begin", "// @tile-config end"
 _DECODERS = ("fn raw8(", "fn dec4(", "alias Raw8")   # what each format must define for the template
 
@@ -58,33 +65,59 @@ def _check(fmt: str, cfg: TileConfig):
                          "round it)")
 
 
-@lru_cache(maxsize=None)
-def format_sections(fmt: str) -> str:
-    """The text of gemm_quant.wgsl's format sections that serve fmt (the weight bindings and decoders),
-    in file order."""
-    from wgpu_train.engines.webgpu.device.runtime import shader_path
-
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}")
-    out, section = [], None
-    for line in shader_path(FORMAT_SHADER).read_text().split("\n"):
+def _sections(lines: list[str]):
+    """(line, the formats of the section it lies in, or None outside the format sections) of each line."""
+    section = None
+    for line in lines:
         if line.startswith(_FORMAT_MARK):
             section = {w for w in line[len(_FORMAT_MARK):].split() if not w.startswith("-")}
         elif line.startswith(_END_MARK):
             section = None
-        if section is not None and fmt in section:
-            out.append(line)
-    text = "\n".join(out)
+        yield line, section
+
+
+@lru_cache(maxsize=None)
+def _register_template(fmt: str, subgroups: bool) -> str:
+    out, in_sg = [], False
+    for line, section in _sections(shader_text(REGISTER_SHADER).split("\n")):   # gemm_quant_store.wgsl appended
+        if line.startswith(_SG_END):
+            in_sg = False
+        elif line.startswith(_SG_MARK):
+            in_sg = True
+        drop = (section is not None and fmt not in section) or (in_sg and not subgroups)
+        out.append("" if drop else line)
+    return "\n".join(out)
+
+
+def register_source(fmt: str, subgroups: bool, formats: tuple = ()) -> str:
+    """gemm_quant.wgsl with the sections of other formats and the subgroup kernels (devices without the
+    feature) blanked, and A's vec4 view declared for the 16-bit tensors' (binding, format) pairs `formats`
+    (storage.views)."""
+    return storage.views(_register_template(fmt, bool(subgroups)), formats)
+
+
+@lru_cache(maxsize=None)
+def embed_gather_kernel(fmt: str) -> Kernel:
+    """The embedding gather of a 16-bit vocabulary (HALF_FORMATS)."""
+    return Kernel(REGISTER_SHADER, "embed_gather", "IDS W OUT!", source=(register_source, fmt, False), invocations=64)
+
+
+@lru_cache(maxsize=None)
+def format_sections(fmt: str) -> str:
+    """The text of gemm_quant.wgsl's format sections that serve fmt (the weight bindings and decoders),
+    in file order."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}")
+    lines = shader_path(REGISTER_SHADER).read_text().split("\n")
+    text = "\n".join(line for line, section in _sections(lines) if section is not None and fmt in section)
     missing = [d for d in _DECODERS if d not in text]
     if missing:
-        raise ValueError(f"{FORMAT_SHADER}.wgsl: the {fmt} sections lack {', '.join(missing)}")
+        raise ValueError(f"{REGISTER_SHADER}.wgsl: the {fmt} sections lack {', '.join(missing)}")
     return text
 
 
 @lru_cache(maxsize=1)
 def _template() -> str:
-    from wgpu_train.engines.webgpu.device.runtime import shader_text
-
     return shader_text(SHADER)        # with gemm_core.wgsl and gemm_quant_store.wgsl appended
 
 

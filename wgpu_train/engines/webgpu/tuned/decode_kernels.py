@@ -23,6 +23,7 @@ from wgpu_train.engines.protocol import KV_DTYPES, PREFILL_TOKENS
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
 from wgpu_train.engines.webgpu.device.operands import split
 
@@ -216,3 +217,7 @@ def all_kernels() -> list[Kernel]:
     binding-limit and Tint checks go through them)."""
     return [_for_cache(k, slots, dtype) for dtype in KV_DTYPES
             for k, slots in ((CACHE_WRITE, (1, 2)), (SINGLE, (3, 4)), (PARTIAL, (3, 4)))] + [COMBINE]
+
+
+FAMILY = Family("decode", shaders=("attention_cached", "kv_cache"), modules=(__file__,), all_kernels=all_kernels,
+                benches=("decode",))
