@@ -6,7 +6,7 @@ from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError
 from wgpu_train.engines.webgpu.device.runtime import devices
 from wgpu_train.engines.webgpu.memory import estimate_memory
 from wgpu_train.engines.model import Model, load_model
-from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
+from wgpu_train.engines.shared.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.trainer import Trainer
 from wgpu_train.distributed.dispatch import finetune

@@ -38,7 +38,7 @@ def _device_options(p, storage: bool = False, kv_cache: bool = False):
                    help="compute backend: wgpu, numpy, or auto (wgpu when an adapter exists) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
     if storage:
-        from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
+        from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
 
         p.add_argument("--base-dtype", default=None, choices=BASE_CHOICES,
                        help="storage of the linear layers' weights; default: as the run that wrote the adapter "
@@ -414,7 +414,7 @@ def cmd_memory(args) -> int:
     from wgpu_train.adapters.layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
     from wgpu_train.engines.webgpu.memory import (activation_plan, activation_ranks, estimate_memory, format_bytes,
                                                   layer_ranks, lora_groups, weight_shapes)
-    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.engines.shared.quant import check_dtypes
     from wgpu_train.training.config import default_model_dir
 
     model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
@@ -476,7 +476,7 @@ def cmd_memory(args) -> int:
 
 
 def _register_memory(sub):
-    from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
+    from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
     from wgpu_train.engines.protocol import PRECISION_CHOICES
     from wgpu_train.training.config import TrainConfig
 

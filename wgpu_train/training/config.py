@@ -12,7 +12,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
-from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
+from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
 from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, WITH_REFERENCE, PreferenceSettings
 from wgpu_train.training.schedule import SCHEDULES
