@@ -10,7 +10,7 @@ import wgpu_train as wt
 from wgpu_train.engines.webgpu import memory
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.webgpu import buffers as E
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 
 from tiny_models import build_model, save_model
 

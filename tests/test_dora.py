@@ -20,6 +20,7 @@ from wgpu_train.adapters.dora import magnitude_key
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.model import load_model
 from wgpu_train.engines.numpy import ops
+from wgpu_train.engines.shared.labels import shift_labels
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -252,8 +253,8 @@ def test_wgpu_matches_numpy(tiny, rt, base_dtype, dropout):
     assert_close(gpu.logits(ids, mask), ref.logits(ids, mask), "gpu_logits", "logits")
     hp = OptimizerParams(lr=1e-2, weight_decay=0.01, lora_b_lr_ratio=2.0)
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
-    micro = [(ids[:1].astype(np.int32), ops.shift_labels(labels[:1]), mask[:1].astype(np.int32), pos[:1]),
-             (ids[1:].astype(np.int32), ops.shift_labels(labels[1:]), mask[1:].astype(np.int32), pos[1:])]
+    micro = [(ids[:1].astype(np.int32), shift_labels(labels[:1]), mask[:1].astype(np.int32), pos[:1]),
+             (ids[1:].astype(np.int32), shift_labels(labels[1:]), mask[1:].astype(np.int32), pos[1:])]
     for (l_ref, _, n_ref, _), (l_gpu, _, n_gpu, _) in zip(_steps(ref, micro, hp), _steps(gpu, micro, hp)):
         assert_close(np.float64(l_gpu), np.float64(l_ref), "gpu_loss", "step loss")
         assert_close(np.float64(n_gpu), np.float64(n_ref), "gpu_loss", "grad norm")
@@ -295,7 +296,7 @@ def test_wgpu_checkpointing_is_bit_identical(tiny, rt):
         gpu.set_gradient_checkpointing(checkpointing)
         ids, labels, mask = batch()
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
-        micro = [(ids.astype(np.int32), ops.shift_labels(labels), mask.astype(np.int32), pos)]
+        micro = [(ids.astype(np.int32), shift_labels(labels), mask.astype(np.int32), pos)]
         losses = [s[0] for s in _steps(gpu, micro, OptimizerParams(lr=2e-2))]
         runs.append((losses, gpu.engine.trainable()))
     assert runs[0][0] == runs[1][0]
@@ -317,7 +318,7 @@ def test_loraplus_steps_match_peft_optimizer(tiny, tmp_path, request, backend):
                                     loraplus_weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
     ids, labels, mask = batch()
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
-    micro = [(ids.astype(np.int32), ops.shift_labels(labels), mask.astype(np.int32), pos)]
+    micro = [(ids.astype(np.int32), shift_labels(labels), mask.astype(np.int32), pos)]
     hp = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=None, lora_b_lr_ratio=4.0)
     for step in (1, 2):
         opt.zero_grad()
@@ -468,7 +469,7 @@ def test_data_parallel_reduce_covers_the_magnitudes(tiny, request, backend):
     rt = request.getfixturevalue("default_rt") if backend == "wgpu" else None
     ids, labels, mask = batch()
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
-    micro = [(ids.astype(np.int32), ops.shift_labels(labels), mask.astype(np.int32), pos)]
+    micro = [(ids.astype(np.int32), shift_labels(labels), mask.astype(np.int32), pos)]
     hp = OptimizerParams(lr=1e-2)
     results, seen = [], []
     for reduce in (None, lambda g, total: (seen.append(g.size), g)[1], lambda g, total: 0 * g):
@@ -503,7 +504,7 @@ def test_dora_beside_modules_to_save(tiny, rt, tmp_path):
     for k in grads_ref:
         assert_close(grads_gpu[k], grads_ref[k], "gpu_grads", k)
     # a few steps move B, the magnitudes and the copy away from their start; the saved adapter carries them all
-    targets = ops.shift_labels(ids)
+    targets = shift_labels(ids)
     micro = [(ids.astype(np.int32), targets, np.ones_like(ids, np.int32),
               np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy())]
     for step in (1, 2, 3):

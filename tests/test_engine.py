@@ -9,7 +9,7 @@ import pytest
 import wgpu_train as wt
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.webgpu.buffers import loss_head_size
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 
 from tiny_models import build_model, in_arch, save_model
 from tolerances import assert_close

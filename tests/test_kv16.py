@@ -12,7 +12,7 @@ from wgpu_train.cli.main import main
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.generate import generate
 from wgpu_train.engines.numpy import ops
-from wgpu_train.engines.numpy.quant import bfloat16_bits, bfloat16_values
+from wgpu_train.engines.shared.quant import bfloat16_bits, bfloat16_values
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.tuned import decode_kernels, tune
 

@@ -22,8 +22,8 @@ from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.inits import decompose
 from wgpu_train.engines.model import load_model
-from wgpu_train.engines.numpy.ops import shift_labels
-from wgpu_train.engines.numpy.quant import round_weights
+from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.engines.shared.quant import round_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 

@@ -18,7 +18,8 @@ from wgpu_train.engines.webgpu.buffers import loss_head_size
 from wgpu_train.engines.webgpu.tensors import Matrix
 from wgpu_train.engines.webgpu.memory import base_weight_bytes, head_rows
 from wgpu_train.engines.numpy import ops
-from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.shared.labels import shift_labels
 
 from tolerances import assert_close
 

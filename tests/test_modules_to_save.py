@@ -24,7 +24,7 @@ from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.adapters.files import read_adapter
 from wgpu_train.engines.webgpu.memory import count_trainable, estimate_memory
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.adapters.saved_modules import EMBED, HEAD, trained_weights
 from wgpu_train.distributed.dispatch import finetune
 

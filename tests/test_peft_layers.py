@@ -22,7 +22,7 @@ from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.engines.webgpu.memory import estimate_memory
 from wgpu_train.engines.model import load_model
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu.memory import count_trainable
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")

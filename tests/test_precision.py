@@ -16,9 +16,9 @@ from tolerances import TOLERANCES, assert_close
 from wgpu_train.engines import protocol
 from wgpu_train.engines.model import load_model
 from wgpu_train.engines.numpy import engine as numpy_engine
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.numpy.precision import Rounding
-from wgpu_train.engines.numpy.quant import round_to
+from wgpu_train.engines.shared.quant import round_to
 from wgpu_train.engines.protocol import LossScaler, OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig

@@ -142,7 +142,7 @@ def test_f16_overflow_in_the_forward_names_the_layer(tmp_path, rt):
 
 
 def _one_step(model, ids, labels, step=1):
-    from wgpu_train.engines.numpy.ops import shift_labels
+    from wgpu_train.engines.shared.labels import shift_labels
     from wgpu_train.engines.protocol import OptimizerParams
 
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()

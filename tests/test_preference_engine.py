@@ -11,7 +11,7 @@ import pytest
 import wgpu_train as wt
 from wgpu_train.data.preference_batching import kl_partners
 from wgpu_train.data.preference_tokenize import PreferenceExample, UnpairedExample
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.training.objectives import PreferenceSettings
 from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer

@@ -16,7 +16,7 @@ from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tensors import linear_backward, linear_forward
 from wgpu_train.engines.webgpu.memory import base_weight_bytes
-from wgpu_train.engines.numpy import quant as R
+from wgpu_train.engines.shared import quant as R
 
 from limits import max_binding
 from tolerances import assert_close
@@ -398,7 +398,7 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
 def test_embedding_dtype_auto_follows_the_base(folder):
     """embed_dtype "auto" (the default everywhere): the base's own over a float32 or bfloat16 base, float16 over
     the others."""
-    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.engines.shared.quant import check_dtypes
 
     assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "bfloat16", "float16", "float16", "float16"]
     assert check_dtypes("nf4", "float32") == ("nf4", "float32")

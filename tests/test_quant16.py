@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wgpu_train.engines.numpy import quant as R
+from wgpu_train.engines.shared import quant as R
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tuned import quant as Q

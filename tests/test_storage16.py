@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wgpu_train.engines.numpy.quant import F16_MAX
+from wgpu_train.engines.shared.quant import F16_MAX
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, prepare

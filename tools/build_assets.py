@@ -56,7 +56,8 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.models.weights import save_model_folder
 from wgpu_train.engines.model import load_model
-from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.formats.tokenizer import load_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2

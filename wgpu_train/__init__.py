@@ -3,10 +3,9 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, ShaderError,
                                WgpuTrainError)
-from wgpu_train.engines.webgpu.device.runtime import devices
-from wgpu_train.engines.webgpu.memory import estimate_memory
+from wgpu_train.engines.resources import devices, estimate_memory
 from wgpu_train.engines.model import Model, load_model
-from wgpu_train.engines.numpy.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
+from wgpu_train.engines.shared.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.trainer import Trainer
 from wgpu_train.distributed.dispatch import finetune

@@ -34,7 +34,7 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
     holds the chosen and the rejected rows: twice SFT's rows)."""
     from wgpu_train.data.preference_batching import row_batches
     from wgpu_train.engines.model import Model
-    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.engines.shared.quant import check_dtypes
     from wgpu_train.engines.webgpu.engine import WgpuEngine
     from wgpu_train.engines.webgpu.memory import estimate_memory
     from wgpu_train.formats import hub

@@ -84,6 +84,11 @@ def pretune(rt, cfg: ModelConfig, lora: LoraConfig, batch: int, seq: int, mode: 
     return rows
 
 
+def tune_cache(rt) -> tune.TuneCache:
+    """The adapter's tune cache that pretune fills: its file and the FMA peak measured with it."""
+    return tune.cache(rt)
+
+
 def format_rows(rows: list[dict], peak: float | None) -> str:
     """The tune table: each shape, its candidates' GFLOP/s and share of the peak, the chosen one marked *."""
     lines = [f"fp32 FMA peak: {peak:.1f} GFLOP/s" if peak else "fp32 FMA peak: not measured (nothing tuned)"]

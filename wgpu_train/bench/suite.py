@@ -356,7 +356,7 @@ def bench_gemm_quant(rt, ctx) -> list[dict]:
     from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
     from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
     from wgpu_train.engines.webgpu.tuned.tune import choose
-    from wgpu_train.engines.numpy.quant import round_to
+    from wgpu_train.engines.shared.quant import round_to
 
     timer = ctx["timer"]
     rng = np.random.default_rng(1)

@@ -11,7 +11,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.webgpu.memory import weight_shapes
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 
 BENCH_MODEL = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=128, intermediate_size=344,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,

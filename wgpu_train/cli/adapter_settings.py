@@ -70,7 +70,7 @@ def _option(name: str, value) -> str:
 def _as_used(settings: dict, checkpoint_dtype: str) -> dict:
     """settings with base_dtype and embed_dtype "auto" resolved as the engines resolve them over a checkpoint of
     that dtype."""
-    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.engines.shared.quant import check_dtypes
 
     base, embed = check_dtypes(settings["base_dtype"], settings["embed_dtype"], checkpoint_dtype)
     return {**settings, "base_dtype": base, "embed_dtype": embed}

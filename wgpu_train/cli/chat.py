@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.cli.options import add_parser, device_options, model_options, sampling_options, whole
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "end the chat (or Ctrl-D)",
             "/help": "these commands"}
@@ -108,18 +109,16 @@ def cmd_chat(args) -> int:
 
 
 def register(sub):
-    from wgpu_train.cli.commands import _add_parser, _device_options, _model_options, _whole, sampling_options
-
-    p = _add_parser(sub, "chat", "chat with a model (and adapter) interactively, streaming each answer",
+    p = add_parser(sub, "chat", "chat with a model (and adapter) interactively, streaming each answer",
                     "An interactive chat over the model's chat template: each line you type is a user message, "
                     "answered with the conversation so far (the oldest turns dropped when it outgrows the "
                     "model's positions). /reset forgets it, /exit or Ctrl-D ends, Ctrl-C stops an answer.")
-    _model_options(p)
+    model_options(p)
     p.add_argument("--system", default=None, help="a system message before the conversation")
     p.add_argument("--chat-template", action="store_true",
                    help="chat through the model's template even with an adapter trained without it")
-    p.add_argument("--max-new-tokens", type=_whole(1), default=None,
+    p.add_argument("--max-new-tokens", type=whole(1), default=None,
                    help="most tokens of each answer (default: 256, or what the model's positions leave)")
     sampling_options(p)
-    _device_options(p, storage=True, kv_cache=True)
+    device_options(p, storage=True, kv_cache=True)
     p.set_defaults(func=cmd_chat)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -14,60 +13,11 @@ from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options,
 from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
                                              trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
-from wgpu_train.engines.model import BACKENDS
 from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
                                             wants_preference_eval)
-
-
-
-def _add_parser(sub, name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help_text, description=description or help_text)
-
-
-def _model_options(p, need_adapter: bool = False):
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face model folder or hub id org/name[@revision]; default: the adapter's base "
-                        "model when it exists (folder or hub id), else the embedded model")
-    p.add_argument("--adapter-path", default=None, metavar="DIR", required=need_adapter,
-                   help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) or hub id")
-
-
-def _device_options(p, storage: bool = False, kv_cache: bool = False):
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the only "
-                        "WebGPU adapters are CPUs, as it is faster there) (default: auto)")
-    p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
-    if storage:
-        from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
-
-        p.add_argument("--base-dtype", default=None, choices=BASE_CHOICES,
-                       help="storage of the linear layers' weights; default: as the run that wrote the adapter "
-                            "(its train_config.json), else auto (as the checkpoint stores them)")
-        p.add_argument("--embed-dtype", default=None, choices=EMBED_CHOICES,
-                       help="storage of the embedding and lm_head; default: as the run that wrote the adapter, "
-                            "else auto (the base's own over a float32 or bfloat16 base, else float16)")
-    if kv_cache:
-        from wgpu_train.engines.protocol import KV_DTYPES
-
-        p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
-                       help="storage of generation's KV cache: bfloat16 halves its memory, attention still computes "
-                            "in float32 (default: float32)")
-
-
-def _whole(minimum: int):
-    """An argparse type: an int of at least `minimum` (a usage error, one line, otherwise)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    parse.__name__ = "int"
-    return parse
-
+from wgpu_train.cli.options import (add_parser, chat_template_option, device_options, given_no_chat_template,
+                                    model_options, sampling_options, whole)
 
 # ---- finetune ---------------------------------------------------------------------------------------------
 
@@ -106,7 +56,7 @@ def cmd_finetune(args) -> int:
 def _register_finetune(sub):
     from wgpu_train.training.config import TrainConfig
 
-    p = _add_parser(sub, "finetune", "fine-tune a model (LoRA or full) on a JSONL dataset",
+    p = add_parser(sub, "finetune", "fine-tune a model (LoRA or full) on a JSONL dataset",
                     TrainConfig.__doc__ + " Values come from the command line, then --config, then defaults.")
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="TOML file of option values (keys as the options, '-' or '_'); the command line wins")
@@ -130,16 +80,6 @@ def prompt_ids(tokenizer, prompt: str, system: str | None = None, chat_template:
 
 
 GENERATE_TOKENS = 256   # generate's --max-new-tokens default, within the model's positions
-
-
-def _chat_template_option(p, what: str):
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"{what} with the model's chat template, or (--no-chat-template) from the raw prompt text as "
-                        f"finetune --no-chat-template trains; default: as the run that wrote the adapter, else on")
-
-
-def _given_no_chat_template(args):
-    return None if args.chat_template is None else not args.chat_template
 
 
 def stream_printer(tokenizer):
@@ -173,7 +113,7 @@ def cmd_generate(args) -> int:
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
-                                "no_chat_template": _given_no_chat_template(args)}, adapter, model_dir)
+                                "no_chat_template": given_no_chat_template(args)}, adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
                                           kv_dtype=args.kv_dtype)
@@ -198,26 +138,17 @@ def cmd_generate(args) -> int:
 
 
 def _register_generate(sub):
-    p = _add_parser(sub, "generate", "generate an answer to a prompt, streaming tokens as they come")
-    _model_options(p)
+    p = add_parser(sub, "generate", "generate an answer to a prompt, streaming tokens as they come")
+    model_options(p)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="a system message before the prompt")
-    _chat_template_option(p, "ask")
-    p.add_argument("--max-new-tokens", type=_whole(1), default=None,
+    chat_template_option(p, "ask")
+    p.add_argument("--max-new-tokens", type=whole(1), default=None,
                    help=f"most tokens to generate, capped (with a note) to the positions the prompt leaves in the "
                         f"model's max_position_embeddings (default: {GENERATE_TOKENS}, or what fits)")
     sampling_options(p)
-    _device_options(p, storage=True, kv_cache=True)
+    device_options(p, storage=True, kv_cache=True)
     p.set_defaults(func=cmd_generate)
-
-
-def sampling_options(p):
-    """generate's and chat's sampling options."""
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    p.add_argument("--top-k", type=_whole(0), default=0,
-                   help="sample among the k likeliest tokens; 0: all (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (default: 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
 
 # ---- eval -------------------------------------------------------------------------------------------------
@@ -245,7 +176,7 @@ def cmd_eval(args) -> int:
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
-                                "no_chat_template": _given_no_chat_template(args),
+                                "no_chat_template": given_no_chat_template(args),
                                 "train_on_last_turn": args.train_on_last_turn, "max_seq_len": args.max_seq_len},
                                adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
@@ -282,10 +213,10 @@ def cmd_eval(args) -> int:
 
 
 def _register_eval(sub):
-    p = _add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset, a "
+    p = add_parser(sub, "eval", "loss, perplexity and exact match of a model (and adapter) on a dataset, a "
                                  "preference objective's loss and reward metrics (--objective), or "
                                  "lm-evaluation-harness tasks (--tasks)")
-    _model_options(p)
+    model_options(p)
     add_harness_options(p)
     add_preference_options(p)
     p.add_argument("--data", default=None, metavar="PATH", action=JoinRepeated,
@@ -296,24 +227,24 @@ def _register_eval(sub):
     p.add_argument("--split", default=None, choices=("train", "valid", "test"),
                    help="split of a dataset folder (default: test, else valid, else train; a file is one split)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--batch-size", type=_whole(1), default=None,
+    p.add_argument("--batch-size", type=whole(1), default=None,
                    help=f"rows per evaluation batch (default: {EVAL_BATCH}); with --objective, examples (pairs) per "
                         f"scored step, as the run's steps take them (KTO's KL estimate and ORPO's NLL are per step) "
                         f"(default: as the run that wrote the adapter, else {EVAL_BATCH})")
-    p.add_argument("--max-seq-len", type=_whole(2), default=None,
+    p.add_argument("--max-seq-len", type=whole(2), default=None,
                    help="truncate samples to this many tokens, and ask exact match only of prompts that leave room "
                         f"for the answer within it; default: as the run that wrote the adapter, else "
                         f"{FALLBACKS['max_seq_len']}")
-    _chat_template_option(p, "score and ask")
+    chat_template_option(p, "score and ask")
     p.add_argument("--train-on-last-turn", action=argparse.BooleanOptionalAction, default=None,
                    help="score only the last assistant turn of a multi-turn chat; default: as the run that wrote "
                         "the adapter, else off")
     p.add_argument("--skip-invalid", action="store_true", help="skip invalid JSONL lines instead of stopping")
     p.add_argument("--no-generate", action="store_true", help="skip the exact-match generation")
-    p.add_argument("--max-samples", type=_whole(0), default=0,
+    p.add_argument("--max-samples", type=whole(0), default=0,
                    help="exact match on at most this many samples (0: all)")
-    p.add_argument("--max-new-tokens", type=_whole(1), default=64, help="longest generated answer (default: 64)")
-    _device_options(p, storage=True)
+    p.add_argument("--max-new-tokens", type=whole(1), default=64, help="longest generated answer (default: 64)")
+    device_options(p, storage=True)
     p.set_defaults(func=cmd_eval)
 
 
@@ -388,9 +319,9 @@ def cmd_merge(args) -> int:
 
 
 def _register_merge(sub):
-    p = _add_parser(sub, "merge", "fold a LoRA adapter into its base model's original weights and write a Hugging "
+    p = add_parser(sub, "merge", "fold a LoRA adapter into its base model's original weights and write a Hugging "
                                   "Face folder")
-    _model_options(p, need_adapter=True)
+    model_options(p, need_adapter=True)
     p.add_argument("--out", required=True, metavar="DIR",
                    help="folder for the merged model; one that holds a model, an adapter or a run is refused "
                         "unless --overwrite")
@@ -413,9 +344,8 @@ def cmd_memory(args) -> int:
     from wgpu_train.adapters.config import LoraConfig
     from wgpu_train.models.config import ModelConfig
     from wgpu_train.adapters.layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
-    from wgpu_train.engines.webgpu.memory import (activation_plan, activation_ranks, estimate_memory, format_bytes,
-                                                  layer_ranks, lora_groups, weight_shapes)
-    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.engines.resources import format_bytes, memory_report
+    from wgpu_train.engines.shared.quant import check_dtypes
     from wgpu_train.training.config import default_model_dir
 
     model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
@@ -441,22 +371,13 @@ def cmd_memory(args) -> int:
 
     precision = precision_choice(args.precision, "wgpu", cfg=cfg)[0]      # auto: a GPU's choice
     check_precision_widths(precision, cfg)
-    est = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
-                          precision=precision)
-    fp32_activations = estimate_memory(cfg, args.batch_size, length, lora, args.method, base, embed,
-                                       args.gradient_checkpointing)["activations"]
-    ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()}) if lora else {}
-    dora = {m: cfg.linear_shape(m)[0] for m in lora.targets_in(cfg)} if lora and lora.use_dora else {}
-    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora) or precision != "fp32"))
-    layer, shared = activation_plan(cfg, args.batch_size, length, ranks, {}, True, args.gradient_checkpointing,
-                                    dora_outputs=dora)
-    largest = max(list(layer.values()) + list(shared.values())) * 4
-    result = {"model": str(model_dir), "architecture": cfg.architecture,
-              "parameters": sum(math.prod(s) for s in weight_shapes(cfg).values()), "batch_size": args.batch_size,
-              "seq_len": length, "method": args.method, "base_dtype": base, "embed_dtype": embed,
-              "gradient_checkpointing": args.gradient_checkpointing, "precision": precision, **est,
-              "activations_vs_fp32": round(est["activations"] / fp32_activations, 4),
-              "largest_activation_buffer": largest}
+    est = memory_report(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
+                        precision)
+    largest = est.pop("largest_activation_buffer")
+    result = {"model": str(model_dir), "architecture": cfg.architecture, "parameters": est.pop("parameters"),
+              "batch_size": args.batch_size, "seq_len": length, "method": args.method, "base_dtype": base,
+              "embed_dtype": embed, "gradient_checkpointing": args.gradient_checkpointing, "precision": precision,
+              **est, "largest_activation_buffer": largest}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -477,12 +398,12 @@ def cmd_memory(args) -> int:
 
 
 def _register_memory(sub):
-    from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES
+    from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
     from wgpu_train.engines.protocol import PRECISION_CHOICES
     from wgpu_train.training.config import TrainConfig
 
     d = TrainConfig()
-    p = _add_parser(sub, "memory", "estimate the GPU memory a fine-tuning run needs, from the model's config.json "
+    p = add_parser(sub, "memory", "estimate the GPU memory a fine-tuning run needs, from the model's config.json "
                                    "alone (no weights are read)")
     p.add_argument("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: the embedded model)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"rows per micro-batch (default: {d.batch_size})")

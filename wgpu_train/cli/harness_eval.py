@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.cli.options import whole
 
 INSTALL = "pip install 'wgpu-train[eval]'"
 
@@ -23,14 +24,12 @@ def _limit(text: str):
 
 def add_harness_options(p):
     """eval's options for lm_eval's tasks (--batch-size, the model, adapter and backend options are eval's own)."""
-    from wgpu_train.cli.commands import _whole
-
     g = p.add_argument_group("lm-evaluation-harness tasks (the eval extra: " + INSTALL + ")")
     g.add_argument("--tasks", default=None, metavar="NAME[,NAME...]",
                    help="run these lm_eval tasks, groups or tags (e.g. hellaswag,arc_easy) instead of --data; data "
                         "comes from the datasets cache, local files or the hub, as lm_eval resolves it. --batch-size "
                         "and the model, adapter, storage and backend options apply; the dataset options do not")
-    g.add_argument("--num-fewshot", type=_whole(0), default=None, metavar="N",
+    g.add_argument("--num-fewshot", type=whole(0), default=None, metavar="N",
                    help="examples in each prompt (default: each task's own, else 0)")
     g.add_argument("--limit", type=_limit, default=None, metavar="N",
                    help="only the first N documents of each task, or a fraction of them when N < 1 (for tests)")

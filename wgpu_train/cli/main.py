@@ -10,21 +10,18 @@ from wgpu_train.errors import WgpuTrainError
 
 
 def cmd_devices(args) -> int:
-    from wgpu_train.engines.webgpu.device import runtime
+    from wgpu_train.engines import resources
 
-    found = runtime.devices()
+    found = resources.devices()
     if not found:
         print("no WebGPU adapter found; install a Vulkan driver (Debian: mesa-vulkan-drivers) "
               "or run with --backend numpy")
         return 0
-    from wgpu_train.engines.webgpu.tuned.catalogue import left_out, tuned_kernels
-
-    chosen = runtime.choose_adapter(args.device)
-    total = len(tuned_kernels())
+    chosen = resources.choose_adapter(args.device)
     for a in found:
         mark = "*" if a.index == chosen.index else " "
         print(f"{mark} {a.describe()}: {a.details()}")
-        out = left_out(dict(a.limits), a.features)
+        out, total = resources.kernels_left_out(a)
         if out:
             shaders = ", ".join(sorted({k.shader for k in out}))
             print(f"    {len(out)} of {total} tuned kernels ({shaders}) need a limit or feature beyond it; the tuner "
@@ -34,12 +31,12 @@ def cmd_devices(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from wgpu_train.engines.webgpu.device import runtime
+    from wgpu_train.engines.resources import get_runtime
     from wgpu_train.bench.suite import check_model, check_only, format_table, run_bench
 
     check_only(args.only)
     check_model(args.only, args.model)
-    result = run_bench(runtime.get_runtime(args.device), only=args.only, model=args.model)
+    result = run_bench(get_runtime(args.device), only=args.only, model=args.model)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
@@ -50,9 +47,8 @@ def cmd_tune(args) -> int:
     from wgpu_train.adapters.config import LoraConfig
     from wgpu_train.models.config import ModelConfig
     from wgpu_train.errors import ConfigError
-    from wgpu_train.engines.webgpu.device import runtime
-    from wgpu_train.bench.pretune import format_rows, pretune
-    from wgpu_train.engines.webgpu.tuned import tune
+    from wgpu_train.engines.resources import get_runtime
+    from wgpu_train.bench.pretune import format_rows, pretune, tune_cache
     from wgpu_train.training.config import default_model_dir
 
     if args.batch_size < 1 or args.max_seq_len < 1 or args.lora_rank < 1:
@@ -61,12 +57,12 @@ def cmd_tune(args) -> int:
     cfg = ModelConfig.from_folder(model_dir)
     seq = min(args.max_seq_len, cfg.max_position_embeddings)
     lora = LoraConfig(r=args.lora_rank, alpha=2 * args.lora_rank, target_modules=args.lora_targets)
-    rt = runtime.get_runtime(args.device)
+    rt = get_runtime(args.device)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"tuning the GEMMs of a LoRA step of {model_dir} at {args.batch_size} x {seq} tokens on "
           f"{rt.info.describe()} (mode {args.mode}); each new shape is timed once and cached", file=sys.stderr)
     rows = pretune(rt, cfg, lora, args.batch_size, seq, args.mode)
-    cache = tune.cache(rt)
+    cache = tune_cache(rt)
     if args.json:
         print(json.dumps({"adapter": rt.info.describe(), "cache": str(cache.path), "fma_peak_gflops": cache.peak_gflops,
                           "shapes": rows}, indent=2))
@@ -145,8 +141,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        from wgpu_train.engines.webgpu.tuned.tune import mode
-        mode()                  # a bad WGPU_TRAIN_TUNE is refused before any work
+        from wgpu_train.engines.resources import check_tune_mode
+        check_tune_mode()       # a bad WGPU_TRAIN_TUNE is refused before any work
         return int(args.func(args) or 0)
     except WgpuTrainError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -115,7 +115,7 @@ def cmd_preference_eval(args) -> int:
     from wgpu_train.adapters.files import adapter_folder
     from wgpu_train.cli.adapter_settings import (choose_settings, load_model_and_tokenizer, model_folder,
                                                  trained_run_config)
-    from wgpu_train.cli.commands import _given_no_chat_template
+    from wgpu_train.cli.options import given_no_chat_template
     from wgpu_train.data.preference_batching import kl_partners
     from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
     from wgpu_train.training.config import default_data_dir
@@ -131,7 +131,7 @@ def cmd_preference_eval(args) -> int:
     splits, split, records = _read_split(args, data_path, objective.unit.data, seed if isinstance(seed, int) else 0)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
-                                "no_chat_template": _given_no_chat_template(args), "max_seq_len": args.max_seq_len},
+                                "no_chat_template": given_no_chat_template(args), "max_seq_len": args.max_seq_len},
                                adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])

@@ -6,6 +6,7 @@ import logging
 import sys
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.cli.options import add_parser, chat_template_option, device_options, given_no_chat_template, whole
 
 
 def cmd_serve(args) -> int:
@@ -61,7 +62,6 @@ def prepare(args):
 def _load(args, specs, folders, model_dir, base_name):
     """The Scheduler over the model loaded with every adapter read and checked."""
     from wgpu_train.cli.adapter_settings import choose_settings, load_model_and_tokenizer, trained_data_format
-    from wgpu_train.cli.commands import _given_no_chat_template
     from wgpu_train.serve.adapters import AdapterRegistry
     from wgpu_train.serve.prompts import PromptStyle
     from wgpu_train.serve.scheduler import Scheduler
@@ -71,7 +71,7 @@ def _load(args, specs, folders, model_dir, base_name):
     model, tok = load_model_and_tokenizer(model_dir, None, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
                                           kv_dtype=args.kv_dtype)
-    given = _given_no_chat_template(args)
+    given = given_no_chat_template(args)
     registry = AdapterRegistry(model, base_name, PromptStyle(chat_template=not given))
     for spec, folder in zip(specs, folders):
         raw = choose_settings({**settings, "no_chat_template": given}, folder, model_dir)["no_chat_template"]
@@ -81,9 +81,8 @@ def _load(args, specs, folders, model_dir, base_name):
 
 def register(sub):
     from wgpu_train.serve.server import EXTRA
-    from wgpu_train.cli.commands import _add_parser, _chat_template_option, _device_options, _whole
 
-    p = _add_parser(sub, "serve", "serve a model and its adapters over an OpenAI-compatible HTTP API",
+    p = add_parser(sub, "serve", "serve a model and its adapters over an OpenAI-compatible HTTP API",
                     "An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, streamed or "
                     "not) over one base model and any number of LoRA adapters: a request's `model` names the "
                     "adapter (or the base), switched per request without reloading the base. Requests queue in "
@@ -99,15 +98,15 @@ def register(sub):
                         "first adapter's base, else 'default')")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=_whole(0), default=8000, help="TCP port; 0 picks a free one (default: 8000)")
+    p.add_argument("--port", type=whole(0), default=8000, help="TCP port; 0 picks a free one (default: 8000)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every request (401 otherwise)")
-    p.add_argument("--max-queue", type=_whole(1), default=64,
+    p.add_argument("--max-queue", type=whole(1), default=64,
                    help="requests that may wait; more get 503 with Retry-After (default: 64)")
-    p.add_argument("--max-batch", type=_whole(1), default=8,
+    p.add_argument("--max-batch", type=whole(1), default=8,
                    help="most waiting requests of one adapter generated together (default: 8)")
-    _chat_template_option(p, "ask chat requests")
+    chat_template_option(p, "ask chat requests")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of uvicorn and the worker (default: info: a line per request and per batch)")
-    _device_options(p, storage=True, kv_cache=True)
+    device_options(p, storage=True, kv_cache=True)
     p.set_defaults(func=cmd_serve)

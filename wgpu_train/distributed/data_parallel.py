@@ -10,7 +10,7 @@ import numpy as np
 
 from wgpu_train.training import checkpoint, tracking
 from wgpu_train.errors import ConfigError
-from wgpu_train.engines.numpy.ops import IGNORE_INDEX
+from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
 

@@ -68,12 +68,12 @@ def adapter_for(device: str | None, local_rank: int, local_workers: int) -> tupl
         return specs[local_rank], 1
     if specs:
         return specs[0], local_workers
-    from wgpu_train.engines.webgpu.device import runtime
+    from wgpu_train.engines import resources
 
-    found = runtime.devices()
+    found = resources.devices()
     if not found:
         return None, local_workers
-    best = runtime.choose_adapter(None)
+    best = resources.choose_adapter(None)
     same = [a for a in found if (a.adapter_type, a.backend) == (best.adapter_type, best.backend)]
     mine = same[local_rank % len(same)]
     return str(mine.index), len(range(local_rank % len(same), local_workers, len(same)))

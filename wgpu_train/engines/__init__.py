@@ -1,2 +1,3 @@
 """Layer 4, the engines behind one protocol (protocol.py): the NumPy oracle (numpy/), the WebGPU engine (webgpu/),
-and Model, the facade users hold (model.py), with generation over either (generate.py)."""
+what both share (shared/), and Model, the facade users hold (model.py), with generation over either (generate.py)
+and the adapters and memory a run needs (resources.py)."""

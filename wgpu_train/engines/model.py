@@ -15,8 +15,9 @@ from wgpu_train.models.weights import load_weights, save_model_folder
 from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.engines.backend_choice import BACKENDS, choose_backend  # noqa: F401 - BACKENDS re-exported
-from wgpu_train.engines.numpy.ops import IGNORE_INDEX, shift_labels
-from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.engines.protocol import check_kv_dtype, check_precision, check_precision_widths
 from wgpu_train.adapters.saved_modules import HEAD, adapter_keys, peft_key as copy_key, trained_weights
 

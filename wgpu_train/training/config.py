@@ -13,7 +13,7 @@ from wgpu_train.engines.model import BACKENDS
 from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
-from wgpu_train.engines.numpy.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
+from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
 from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, PreferenceSettings, TrainerKind, objective_class
 from wgpu_train.training.schedule import SCHEDULES

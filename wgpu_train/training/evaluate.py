@@ -11,7 +11,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, Example, make_batches
 from wgpu_train.data.tokenize import tokenize_example
 from wgpu_train.errors import ConfigError, DataError
-from wgpu_train.engines.numpy.ops import shift_labels
+from wgpu_train.engines.shared.labels import shift_labels
 
 
 def engine_batch(batch: Batch) -> tuple:

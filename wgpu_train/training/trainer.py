@@ -15,7 +15,7 @@ import numpy as np
 
 from wgpu_train.training import checkpoint
 from wgpu_train.data.batching import split_batch
-from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match

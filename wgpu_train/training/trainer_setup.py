@@ -13,7 +13,7 @@ from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import describe_layout, lora_options, model_targets
-from wgpu_train.engines.webgpu.memory import base_weight_bytes, count_trainable, estimate_memory, format_bytes
+from wgpu_train.engines.resources import base_weight_bytes, count_trainable, estimate_memory, format_bytes
 from wgpu_train.training.schedule import LRSchedule
 from wgpu_train.training.config import PAD_MULTIPLE, default_data_dir, default_model_dir
 

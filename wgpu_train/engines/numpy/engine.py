@@ -16,8 +16,9 @@ from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.dora_linear import DoraLinear
 from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
+from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.numpy.precision import Rounding
-from wgpu_train.engines.numpy.quant import check_dtypes, round_to, round_weights
+from wgpu_train.engines.shared.quant import check_dtypes, round_to, round_weights
 from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
 
@@ -29,25 +30,11 @@ class LoraModule:
         self.a, self.b, self.scale, self.dropout, self.m = a, b, scale, dropout, m
 
 
-class _Walk:
-    """What a walk over the layer plan needs besides the activations: the batch's shape (B, T), positions
-    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,); long_rope:
-    whether RoPE takes longrope's long factors."""
-
-    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False):
-        self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
-        self.long_rope = long_rope
-
-    def heads(self, x, cfg: ModelConfig):
-        """x (B*T, H*D) as (B, T, H, D)."""
-        return x.reshape(self.b, self.t, x.shape[-1] // cfg.head_dim, cfg.head_dim)
-
-
 class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
-    rounded through that storage at load (engines/numpy/quant.py) and kept dequantised, so the math equals
+    rounded through that storage at load (engines/shared/quant.py) and kept dequantised, so the math equals
     the GPU engine's, which stores them in that format, up to summation order.
 
     precision (protocol.PRECISIONS): fp32, or bf16 / f16, where activations, saved tensors and activation
@@ -232,7 +219,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         b, t = ids.shape
         flat_ids = ids.reshape(-1)
         x = self._embed(flat_ids)                                                 # (N, C)
-        walk = _Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))))
+        walk = Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))))
         layers = []
         for i in range(self.cfg.num_hidden_layers):
             a = self._layer_forward(i, x, walk)
@@ -251,7 +238,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             x = self.rounding.activation(x, "the embedding") * self.dtype.type(self.cfg.embed_scale)
         return self.rounding.activation(x, "the embedding")
 
-    def _layer_forward(self, i: int, x, walk: "_Walk") -> dict:
+    def _layer_forward(self, i: int, x, walk: "Walk") -> dict:
         """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
         a = {INPUT: x}
         for op in self.plan.ops:
@@ -334,7 +321,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
                 demb[cfg.pad_token_id] = 0
             self.grads[EMBED] += demb
 
-    def _layer_backward(self, i: int, a: dict, dx, walk: "_Walk"):
+    def _layer_backward(self, i: int, a: dict, dx, walk: "Walk"):
         """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
         reading its outputs' gradients and writing (or adding into) its inputs'."""
         g = {CARRY: dx}

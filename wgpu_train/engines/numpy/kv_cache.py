@@ -1,43 +1,13 @@
 """Generation with a KV cache on the NumPy engine (NumpyKvCache, a part of NumpyEngine): a key and a value
-array per layer, rows of several sequences decoded together; the argument checks both engines share."""
+array per layer, rows of several sequences decoded together."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.models.layer_plan import OUTPUT
 from wgpu_train.engines.numpy import ops
-
-
-def check_rows(ids, rows, positions, last, kv: dict, vocab_size: int) -> tuple:
-    """The arguments of an engine's forward_rows as int arrays, after checking that they fit the cache and
-    the vocabulary, and that no two tokens of the call write the same cache slot (row, position)."""
-    ids, rows, positions, last = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (ids, rows, positions, last))
-    n = ids.shape[0]
-    if rows.shape[0] != n or positions.shape[0] != n:
-        raise ValueError(f"forward_rows: {n} ids but {rows.shape[0]} rows and {positions.shape[0]} positions")
-    if n and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"forward_rows: token ids must lie in [0, {vocab_size})")
-    if np.unique(rows * kv["max_len"] + positions).size < n:
-        raise ValueError("forward_rows: two tokens of one call write the same cache row and position")
-    if n and (rows.min() < 0 or rows.max() >= kv["batch"] or positions.min() < 0 or positions.max() >= kv["max_len"]):
-        raise ValueError(f"forward_rows: rows must lie in [0, {kv['batch']}) and positions in [0, {kv['max_len']})")
-    if last.size and (last.min() < 0 or last.max() >= n or last.size > n):
-        raise ValueError(f"forward_rows: need at most {n} indices `last` in [0, {n})")
-    return ids, rows, positions, last
-
-
-def forward_cached(engine, ids, kv: dict) -> np.ndarray:
-    """Every row b of the cache takes tokens ids[b] (B, Tq) after its kv["len"] cached ones (forward_rows with
-    all rows at the same length); returns logits (B, V) of each row's last token."""
-    b, tq = ids.shape
-    start = kv["len"]
-    if b > kv["batch"] or start + tq > kv["max_len"]:
-        raise ValueError("KV cache is full")
-    rows = np.repeat(np.arange(b), tq)
-    positions = np.tile(np.arange(start, start + tq), b)
-    logits = engine.forward_rows(ids.reshape(-1), rows, positions, kv, np.arange(1, b + 1) * tq - 1)
-    kv["len"] = start + tq
-    return logits
+from wgpu_train.engines.numpy.walk import Walk
+from wgpu_train.engines.shared.kv_rows import check_rows, forward_cached
 
 
 class NumpyKvCache:
@@ -68,14 +38,12 @@ class NumpyKvCache:
         through the final norm and lm_head. long_rope: whether RoPE takes longrope's long factors (None: as
         the call's largest position says, ModelConfig.rope_long).
         """
-        from wgpu_train.engines.numpy.engine import _Walk
-
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         x = self._embed(ids)                                                      # (n, C)
         self.training = False
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
-        walk = _Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope))
+        walk = Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope))
         for i in range(self.cfg.num_hidden_layers):
             x = self._layer_forward(i, x, walk)[OUTPUT]
         xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wgpu_train.engines.numpy.quant import F16_MAX, bfloat16_bits, bfloat16_values
+from wgpu_train.engines.shared.quant import F16_MAX, bfloat16_bits, bfloat16_values
 from wgpu_train.engines.protocol import PRECISIONS
 from wgpu_train.errors import ConfigError
 

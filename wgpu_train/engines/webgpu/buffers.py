@@ -10,7 +10,7 @@ from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_format, activation_plan, activation_ranks,
                                               bucket_tokens, check_fits, head_rows, layer_ranks)
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.numpy import ops as ref_ops
+from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import F32
 
@@ -191,7 +191,7 @@ class BucketCache:
         if targets is None:
             return
         tg = targets.astype(np.int32).reshape(-1)                    # (B*T,)
-        trained = tg != ref_ops.IGNORE_INDEX
+        trained = tg != IGNORE_INDEX
         m = loss_head_size(int(trained.sum()), n)
         rows = None
         if m < n:

@@ -14,7 +14,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
-from wgpu_train.engines.numpy.quant import check_dtypes
+from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned import attention_kernels
 from wgpu_train.engines.webgpu import kernels as K

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.numpy.kv_cache import check_rows, forward_cached
+from wgpu_train.engines.shared.kv_rows import check_rows, forward_cached
 from wgpu_train.engines.webgpu.tuned import decode_kernels
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at

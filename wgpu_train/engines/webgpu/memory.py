@@ -174,7 +174,7 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     by: {"linear", "embedding", "other", "total"}.
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
-    from wgpu_train.engines.numpy.quant import check_dtypes, is_linear_weight, storage_dtype
+    from wgpu_train.engines.shared.quant import check_dtypes, is_linear_weight, storage_dtype
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, cfg.checkpoint_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
@@ -216,7 +216,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
-    from wgpu_train.engines.numpy.quant import check_dtypes
+    from wgpu_train.engines.shared.quant import check_dtypes
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype, full=method == "full")
     if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):

@@ -9,8 +9,9 @@ import numpy as np
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.layer_plan import INPUT
-from wgpu_train.engines.numpy import ops as ref_ops
-from wgpu_train.engines.numpy.quant import F16_MAX
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.shared.dropout import pcg_hash
+from wgpu_train.engines.shared.quant import F16_MAX
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.buffers import GpuLora
 from wgpu_train.engines.webgpu.device import storage
@@ -49,9 +50,9 @@ class StepRecording:
         if not any(m.dropout > 0 for m in self.lora.values()):
             return
         seeds = np.zeros(self.n_modules, np.uint32)
-        base = ref_ops.pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls))
+        base = pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls))
         for m in self.lora.values():
-            seeds[m.module_id] = ref_ops.pcg_hash(base ^ np.uint32(m.module_id))
+            seeds[m.module_id] = pcg_hash(base ^ np.uint32(m.module_id))
         self.rt.write(self.seeds, seeds, slot * self.n_modules * F32)
 
     def logits(self, ids, segment_ids, position_ids):
@@ -166,7 +167,7 @@ class StepRecording:
         busy time as one figure. `last_timing` holds the Python recording time and the step's wall time.
         """
         started = time.perf_counter()
-        total = sum(int((mb[1] != ref_ops.IGNORE_INDEX).sum()) for mb in micro_batches)
+        total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
         rt = self.rt
         before = dict(rt.counters)
         n_micro = len(micro_batches)

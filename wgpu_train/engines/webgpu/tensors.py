@@ -6,7 +6,7 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant
 from wgpu_train.engines.webgpu.tuned.gemm import gemm, ones
-from wgpu_train.engines.numpy.quant import storage_dtype
+from wgpu_train.engines.shared.quant import storage_dtype
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.runtime import Runtime

@@ -180,7 +180,7 @@ def views(text: str, formats=None) -> str:
 def to_words(values: np.ndarray, fmt: str) -> np.ndarray:
     """float32 values as the bytes of format fmt (uint32 words for 16-bit formats, zero-padded to whole words),
     rounded as the kernels round."""
-    from wgpu_train.engines.numpy.quant import bfloat16_bits
+    from wgpu_train.engines.shared.quant import bfloat16_bits
     v = np.ascontiguousarray(values, np.float32).reshape(-1)
     if fmt == "f32":
         return v

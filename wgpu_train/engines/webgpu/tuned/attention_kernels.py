@@ -121,7 +121,7 @@ class AttentionProblem:
         shape and these storage formats on fresh random inputs (rounded to their formats), one segment per row.
         The results, in the order of the values: the outputs, then the float32 statistics (lse, and delta in the
         backward), in one buffer per run of outputs of one format, as (buffer, elements) pairs."""
-        from wgpu_train.engines.numpy import ops
+        from wgpu_train.engines.shared import attention as ops
 
         B, T, Hq, Hkv, D, fmt = self.B, self.T, self.Hq, self.Hkv, self.D, self.formats
         q, k, v, dout = (storage.rounded(rng.standard_normal((B, T, h, D)).astype(np.float32), fmt.get(n, "f32"))

@@ -132,7 +132,7 @@ class DecodeProblem:
         """(problem, output buffer, its initial values, its expected values, buffers to release): this shape on
         fresh random inputs (the caches' values as the cache's dtype stores them), every query's row full up
         to the cache's end."""
-        from wgpu_train.engines.numpy import ops
+        from wgpu_train.engines.shared import attention as ops
 
         n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
         fmt = KV_FORMATS[self.kv_dtype]

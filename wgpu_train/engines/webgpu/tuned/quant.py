@@ -29,8 +29,8 @@ import math
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.numpy.quant import (DQ_BLOCK, NF4_BLOCK, bfloat16_bits, bfloat16_values, float16_values,
-                                           nf4_dequantize, nf4_quantize)
+from wgpu_train.engines.shared.quant import (DQ_BLOCK, NF4_BLOCK, bfloat16_bits, bfloat16_values, float16_values,
+                                            nf4_dequantize, nf4_quantize)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import launch
 from wgpu_train.engines.webgpu.device.operands import at, split

@@ -1,0 +1,77 @@
+"""Options and argument types that several subcommands share: the model and adapter, the backend and device,
+the storage dtypes, the chat template, sampling, and whole numbers with a minimum."""
+from __future__ import annotations
+
+import argparse
+
+from wgpu_train.engines.model import BACKENDS
+from wgpu_train.engines.protocol import KV_DTYPES
+from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
+
+
+def add_parser(sub, name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand's parser, its description the help text unless given."""
+    return sub.add_parser(name, help=help_text, description=description or help_text)
+
+
+def model_options(p, need_adapter: bool = False):
+    """--model and --adapter-path (required with need_adapter)."""
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="Hugging Face model folder or hub id org/name[@revision]; default: the adapter's base "
+                        "model when it exists (folder or hub id), else the embedded model")
+    p.add_argument("--adapter-path", default=None, metavar="DIR", required=need_adapter,
+                   help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) or hub id")
+
+
+def device_options(p, storage: bool = False, kv_cache: bool = False):
+    """--backend and --device; with storage --base-dtype and --embed-dtype, with kv_cache --kv-dtype."""
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the only "
+                        "WebGPU adapters are CPUs, as it is faster there) (default: auto)")
+    p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
+    if storage:
+        p.add_argument("--base-dtype", default=None, choices=BASE_CHOICES,
+                       help="storage of the linear layers' weights; default: as the run that wrote the adapter "
+                            "(its train_config.json), else auto (as the checkpoint stores them)")
+        p.add_argument("--embed-dtype", default=None, choices=EMBED_CHOICES,
+                       help="storage of the embedding and lm_head; default: as the run that wrote the adapter, "
+                            "else auto (the base's own over a float32 or bfloat16 base, else float16)")
+    if kv_cache:
+        p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                       help="storage of generation's KV cache: bfloat16 halves its memory, attention still computes "
+                            "in float32 (default: float32)")
+
+
+def whole(minimum: int):
+    """An argparse type: an int of at least `minimum` (a usage error, one line, otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def chat_template_option(p, what: str):
+    """--chat-template / --no-chat-template, unset by default (the adapter's run decides)."""
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"{what} with the model's chat template, or (--no-chat-template) from the raw prompt text as "
+                        f"finetune --no-chat-template trains; default: as the run that wrote the adapter, else on")
+
+
+def given_no_chat_template(args):
+    """no_chat_template as the command line gave it: None when neither option was given."""
+    return None if args.chat_template is None else not args.chat_template
+
+
+def sampling_options(p):
+    """generate's and chat's sampling options."""
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-k", type=whole(0), default=0,
+                   help="sample among the k likeliest tokens; 0: all (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (default: 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

@@ -1,0 +1,19 @@
+"""One walk of the NumPy engine over the layer plan: the batch's shape, positions and segments, and for generation
+its KV cache rows; shared by the engine's training forward and its KV-cache generation."""
+from __future__ import annotations
+
+from wgpu_train.models.config import ModelConfig
+
+
+class Walk:
+    """What a walk over the layer plan needs besides the activations: the batch's shape (B, T), positions
+    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,); long_rope:
+    whether RoPE takes longrope's long factors."""
+
+    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False):
+        self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
+        self.long_rope = long_rope
+
+    def heads(self, x, cfg: ModelConfig):
+        """x (B*T, H*D) as (B, T, H, D)."""
+        return x.reshape(self.b, self.t, x.shape[-1] // cfg.head_dim, cfg.head_dim)
