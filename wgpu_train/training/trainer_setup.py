@@ -55,7 +55,8 @@ class TrainerSetup:
             lora.modules(model_cfg)      # targets or layers the model lacks: refused before it loads
         choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
-        self.log(f"backend: {self.backend} ({self.backend_reason})")
+        if cfg.backend == "auto":
+            self.log(f"backend: {self.backend} ({self.backend_reason})")
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
