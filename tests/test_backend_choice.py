@@ -7,7 +7,7 @@ import pytest
 
 import wgpu_train as wt
 from wgpu_train.assets import default_model_dir
-from wgpu_train.bench.engines import SMOL_135M
+from wgpu_train.bench.pretune import SMOL135
 from wgpu_train.engines import backend_choice
 from wgpu_train.engines.backend_choice import choose_backend, numpy_weight_bytes
 from wgpu_train.engines.webgpu.device import runtime
@@ -16,7 +16,7 @@ from wgpu_train.models.config import ModelConfig
 from conftest import ADAPTERS, require_adapter
 
 EMBEDDED = ModelConfig.from_folder(default_model_dir())
-SMOL = ModelConfig.from_dict(dict(SMOL_135M), "SmolLM2-135M-shaped")
+SMOL = ModelConfig.from_dict(dict(SMOL135), "SmolLM2-135M-shaped")
 
 
 def _fake_adapters(monkeypatch, *types):

@@ -7,16 +7,13 @@ import numpy as np
 
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.assets import default_model_dir
+from wgpu_train.bench.pretune import SMOL135
 from wgpu_train.bench.training import random_batch, random_weights, timed
 from wgpu_train.engines.model import choose_backend, load_model, model_from_weights
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.webgpu.device import runtime
 from wgpu_train.models.config import ModelConfig
 
-# SmolLM2-135M's config.json sizes (random weights: only the shapes matter for speed)
-SMOL_135M = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
-                 max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
 # (name, batch rows, tokens per row, timed steps): the embedded recipe's batch; the 2 x 256 for 135M
 CASES = (("embedded default", 16, 48, 4), ("135M-shaped", 2, 256, 2))
 
@@ -24,7 +21,7 @@ CASES = (("embedded default", 16, 48, 4), ("135M-shaped", 2, 256, 2))
 def _case_config(name: str) -> ModelConfig:
     if name == "embedded default":
         return ModelConfig.from_folder(default_model_dir())
-    return ModelConfig.from_dict(dict(SMOL_135M), "SmolLM2-135M-shaped")
+    return ModelConfig.from_dict(dict(SMOL135), "SmolLM2-135M-shaped")
 
 
 def _case_model(name: str, backend: str, device):

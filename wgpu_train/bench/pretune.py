@@ -130,5 +130,6 @@ def training_mfu(rt, cfg: ModelConfig | None = None, batch: int = 1, seq: int = 
             "batch": f"{batch}x{seq}", "step_s": wall, "tokens_per_s": batch * seq / wall,
             "model_gflops_per_step": flops / 1e9, "model_gflops_per_s": flops / wall / 1e9,
             "precision": precision, "fma_peak_gflops": peak, "mfu": flops / wall / 1e9 / peak,
+            "peak_is_cpu_adapters": rt.info.adapter_type == "CPU",   # then not the CPU's own peak (bench's note)
             "python_record_s": min(records),
             "submits_per_step": engine.last_step["submits"]}

@@ -457,6 +457,15 @@ def kernel_benches() -> list[tuple[str, Callable]]:
     return out
 
 
+def cpu_peak_note(rt) -> str | None:
+    """What the FMA peak of a CPU adapter is not: the CPU's own peak (lavapipe's JIT vectors are at most 256
+    bits wide, so a CPU with AVX-512 does more), so fractions of it and MFU overstate the CPU's use."""
+    if rt.info.adapter_type != "CPU":
+        return None
+    return ("a CPU adapter's peak, as its JIT compiles the kernels (256-bit vectors at most), not the CPU's own: "
+            "fractions of it and MFU overstate the CPU's use")
+
+
 def bench_names() -> list[str]:
     """The names --only selects among: kernel families' benchmarks and sections, in the order they run."""
     return [*(name for name, _ in kernel_benches()), *SECTIONS, *MODEL_SECTIONS]
@@ -513,7 +522,7 @@ def run_bench(rt, only: str | None = None, model: str | None = None) -> dict:
         if "gflops" in entry:
             entry["fraction_of_peak"] = entry["gflops"] / peak
     result = {"adapter": {"name": rt.info.name, "backend": rt.info.backend},
-              "fma_peak_gflops": peak,
+              "fma_peak_gflops": peak, "peak_note": cpu_peak_note(rt),
               "timing": "timestamp-query" if timer.use_ts else "wall-clock",
               "kernels": kernels}
     for key, fn in SECTIONS.items():
@@ -529,7 +538,8 @@ def format_table(result: dict) -> str:
     """A plain-text table of a run_bench result (for the CLI without --json)."""
     adapter = result["adapter"]
     lines = [f"adapter: {adapter['name']} ({adapter['backend']}), timing: {result.get('timing', '?')}",
-             f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s"]
+             f"fp32 FMA peak: {result['fma_peak_gflops']:.1f} GFLOP/s"
+             + (f" ({result['peak_note']})" if result.get("peak_note") else "")]
     if result["kernels"]:
         lines.append(f"{'kernel':<16} {'shape':<16} {'GFLOP/s':>9} {'of peak':>8} {'vs naive':>9}")
     for e in result["kernels"]:
@@ -545,6 +555,6 @@ def format_table(result: dict) -> str:
                                                   if k in e)
         lines.append(line)
     for key, value in result.items():
-        if key not in ("adapter", "fma_peak_gflops", "timing", "kernels"):
+        if key not in ("adapter", "fma_peak_gflops", "peak_note", "timing", "kernels"):
             lines.append(f"{key}: {json.dumps(value, indent=2)}")
     return "\n".join(lines)

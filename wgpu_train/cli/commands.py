@@ -42,6 +42,10 @@ def cmd_finetune(args) -> int:
         before = summary.get("valid_perplexity_before")
         line += (f"; valid perplexity {before:.3f} -> " if before is not None else "; valid perplexity ") + \
             f"{summary['valid_perplexity_after']:.3f}"
+    if summary.get("reward_after") is not None:
+        before = summary.get("reward_before")
+        line += (f"; reward {before:.3f} -> " if before is not None else "; reward ") + \
+            f"{summary['reward_after']:.3f} (greedy, {summary['reward_split']})"
     if summary.get("exact_match_after") is not None:
         before = summary.get("exact_match_before")
         line += (f"; exact match {before:.1%} -> " if before is not None else "; exact match ") + \

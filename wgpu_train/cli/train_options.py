@@ -55,7 +55,7 @@ def add_train_config_options(p):
             f.name, base.__name__.upper())
         p.add_argument(flag, type=_parse_value(base, optional, f.name), default=argparse.SUPPRESS,
                        choices=choices, metavar=metavar, help=text,
-                       **({"action": JoinRepeated} if f.name == "data" else {}))
+                       **({"action": JoinRepeated} if f.name in ("data", "reward") else {}))
 
 
 class JoinRepeated(argparse.Action):
@@ -128,7 +128,8 @@ def resolve_train_config(args: argparse.Namespace):
     given.update((f.name, getattr(args, f.name)) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name))
     run = resumed_settings(given["resume"]) if given.get("resume") else {}
     default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data", "adapter_path"))
-    lower = {**(default_run_values() if default_run else {}), **run}
+    objective = given.get("objective") or run.get("objective") or "sft"
+    lower = {**(default_run_values(objective) if default_run else {}), **run}
     if "epochs" in given:
         if "max_steps" not in given:
             lower.pop("max_steps", None)

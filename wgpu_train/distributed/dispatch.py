@@ -8,16 +8,19 @@ import dataclasses
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.objectives import TrainerKind, objective_class
+from wgpu_train.training.grpo_trainer import GRPOTrainer
 from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
 
 # the trainer that runs each kind of objective in this process (Objective.trainer)
-TRAINERS = {TrainerKind.SUPERVISED: Trainer, TrainerKind.PREFERENCE: PreferenceTrainer}
+TRAINERS = {TrainerKind.SUPERVISED: Trainer, TrainerKind.PREFERENCE: PreferenceTrainer,
+            TrainerKind.ONLINE: GRPOTrainer}
 
 
-def finetune(config: TrainConfig | None = None, **overrides) -> dict:
+def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) -> dict:
     """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
-    that is also written to summary.json in the output folder."""
+    that is also written to summary.json in the output folder. reward_funcs: --objective grpo's reward functions
+    as Python callables (TRL's signature), after config.reward's."""
     config = config or TrainConfig()
     if overrides:
         names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -25,8 +28,15 @@ def finetune(config: TrainConfig | None = None, **overrides) -> dict:
         if unknown:
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
+    kind = objective_class(config.objective).trainer
+    if reward_funcs and kind is not TrainerKind.ONLINE:
+        raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if config.num_workers:
+        if kind is TrainerKind.ONLINE:
+            raise ConfigError("--objective grpo runs in one process for now: leave out --num-workers")
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
         return finetune_on_ray(config)
-    return TRAINERS[objective_class(config.objective).trainer](config).run()
+    if kind is TrainerKind.ONLINE:
+        return GRPOTrainer(config, reward_funcs=reward_funcs).run()
+    return TRAINERS[kind](config).run()

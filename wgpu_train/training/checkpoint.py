@@ -16,6 +16,7 @@ from wgpu_train.errors import ConfigError
 CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+ARRAYS_FILE = "trainer_arrays.npz"      # a trainer's own arrays (GRPO: the generation that later steps reuse)
 
 
 def checkpoint_name(step: int) -> str:
@@ -68,7 +69,9 @@ def read_optimizer_state(path) -> dict:
     return {n: (tensors[n + ".exp_avg"], tensors[n + ".exp_avg_sq"]) for n in names}
 
 
-def _write(folder: Path, model, state: dict):
+def _write(folder: Path, model, state: dict, arrays: dict):
+    if arrays:
+        np.savez(folder / ARRAYS_FILE, **arrays)
     if model.method == "lora":
         model.save_adapter(folder / "adapter", convert=False)   # as trained: a resume rebuilds a PiSSA residual
     else:
@@ -77,8 +80,9 @@ def _write(folder: Path, model, state: dict):
     (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
 
-def save_checkpoint(root, step: int, model, state: dict, keep: int = 0, protect=()) -> Path:
-    """Write root/step-NNNNNN atomically: everything goes into a hidden temporary folder beside it, which is
+def save_checkpoint(root, step: int, model, state: dict, keep: int = 0, protect=(), arrays=None) -> Path:
+    """Write root/step-NNNNNN atomically (with `arrays`, name -> np.ndarray, in ARRAYS_FILE; read_arrays reads
+    them back): everything goes into a hidden temporary folder beside it, which is
     renamed into place only when complete (and removed if writing fails, leaving any earlier checkpoint of
     that step as it was). Then keep only the newest `keep` checkpoints (0 keeps all) besides those named in
     `protect`, and clear leftovers of writes that a killed process never finished."""
@@ -91,7 +95,7 @@ def save_checkpoint(root, step: int, model, state: dict, keep: int = 0, protect=
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _write(tmp, model, state)
+        _write(tmp, model, state, arrays or {})
         if final.exists():
             os.rename(final, old)
         os.rename(tmp, final)
@@ -108,6 +112,18 @@ def save_checkpoint(root, step: int, model, state: dict, keep: int = 0, protect=
             if p.name not in protect:
                 shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def read_arrays(ckpt) -> dict:
+    """The arrays a trainer saved with a checkpoint ({} when it saved none)."""
+    path = Path(ckpt) / ARRAYS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable checkpoint arrays ({e})") from None
 
 
 def read_state(ckpt) -> dict:

@@ -16,6 +16,7 @@ from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layer
 from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
 from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, PreferenceSettings, TrainerKind, objective_class
+from wgpu_train.training.objectives.grpo import GRPOSettings
 from wgpu_train.training.schedule import SCHEDULES
 
 METHODS = ("lora", "full")
@@ -149,8 +150,9 @@ class TrainConfig:
                           choices=tuple(OBJECTIVES))
     dpo_loss: str = _opt("sigmoid", "DPO's loss (TRL's loss_type): sigmoid, ipo, hinge or robust",
                          choices=DPO_LOSSES)
-    beta: float = _opt(0.1, "the preference objectives' beta (DPO / KTO: the reference's pull; IPO: its "
-                            "regularisation; SimPO: the reward scale; ORPO: lambda, the odds-ratio term's weight)")
+    beta: float | None = _opt(None, "the objectives' beta (DPO / KTO: the reference's pull; IPO: its "
+                                    "regularisation; SimPO: the reward scale; ORPO: lambda, the odds-ratio term's "
+                                    "weight; GRPO: the KL term's weight); default: 0.1, for grpo 0 (TRL's)")
     label_smoothing: float = _opt(0.0, "the assumed share of flipped preference labels, in [0, 0.5): --dpo-loss "
                                        "robust and SimPO")
     simpo_gamma: float = _opt(0.5, "SimPO's target reward margin gamma")
@@ -166,9 +168,36 @@ class TrainConfig:
                                                  "before training and kept with the run (a resume reuses them); "
                                                  "needed with --method full, whose reference is the starting model; "
                                                  "always so with --ref-adapter and --modules-to-save")
-    ref_adapter: str | None = _opt(None, "DPO / KTO: the reference is the base model with this PEFT adapter (its "
-                                         "log-probabilities precomputed); default: the base model, the adapter "
-                                         "switched off")
+    ref_adapter: str | None = _opt(None, "DPO / KTO / GRPO: the reference is the base model with this PEFT "
+                                         "adapter; default: the base model, the adapter switched off")
+    # ---- online RL: GRPO (training/objectives/grpo.py, training/grpo_trainer.py) ----
+    reward: str | None = _opt(None, "grpo: the reward functions, comma-separated or repeated: a built-in "
+                                    "(exact_match, format, word_positions), module:function or path.py:function, "
+                                    "each f(prompts, completions, **columns) -> list of float or None (TRL's "
+                                    "signature); default: word_positions on the embedded demo")
+    reward_weights: str | None = _opt(None, "grpo: one weight per --reward, comma-separated (default: all 1)")
+    reward_pattern: str | None = _opt(None, "grpo: the regular expression the format reward wants a whole "
+                                            "completion to match")
+    num_generations: int = _opt(8, "grpo: completions sampled per prompt, a group (G); --batch-size x "
+                                   "--grad-accum rows per step must be a multiple of it")
+    max_completion_length: int = _opt(256, "grpo: the most tokens a completion may have")
+    temperature: float = _opt(1.0, "grpo: the sampling temperature of the completions")
+    top_p: float = _opt(1.0, "grpo: nucleus sampling's top_p (1: off)")
+    top_k: int = _opt(0, "grpo: sample among the k likeliest tokens (0: off)")
+    mask_truncated_completions: bool = _opt(False, "grpo: completions cut at --max-completion-length carry no "
+                                                   "loss (DAPO's overlong filtering)")
+    scale_rewards: str = _opt("group", "grpo: advantages divided by the rewards' standard deviation in each "
+                                       "group, in the whole batch, or none (Dr. GRPO)",
+                              choices=("group", "batch", "none"))
+    grpo_loss: str = _opt("dapo", "grpo: the loss's normalisation (TRL's loss_type): dapo, grpo, dr_grpo, bnpo, "
+                                  "cispo or sapo", choices=("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"))
+    epsilon: float = _opt(0.2, "grpo: the ratio's clipping range below 1 (and above, without --epsilon-high)")
+    epsilon_high: float | None = _opt(None, "grpo: the ratio's clipping range above 1 (DAPO's clip-higher); "
+                                            "default: --epsilon")
+    num_iterations: int = _opt(1, "grpo: optimizer steps per generated batch (TRL's mu; the old log-probabilities "
+                                  "kept for its ratios)")
+    importance_sampling_level: str = _opt("token", "grpo: the ratio per token, or per sequence (GSPO)",
+                                          choices=("token", "sequence"))
     # ---- data parallelism on Ray Train (distributed/) ----
     num_workers: int | None = _opt(None, "train on this many Ray Train workers, each on its own WebGPU adapter "
                                          "(--device may list one per worker; workers may share one): a step's "
@@ -186,14 +215,16 @@ class TrainConfig:
                 raise ConfigError(msg)
 
         for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss",
-                     "truncation_mode", "precision"):
+                     "truncation_mode", "precision", "scale_rewards", "grpo_loss", "importance_sampling_level"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
                      "max_grad_norm", "valid_split", "loraplus_lr_ratio", "beta", "label_smoothing", "simpo_gamma",
-                     "desirable_weight", "undesirable_weight"):
+                     "desirable_weight", "undesirable_weight", "temperature", "top_p", "epsilon", "epsilon_high"):
             value = getattr(self, name)
+            if value is None and name in ("beta", "epsilon_high"):
+                continue
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                  f"{name} must be a finite number, got {value!r}")
         for name in ("lora_rank", "epochs", "batch_size", "grad_accum", "max_seq_len", "max_new_tokens",
@@ -245,12 +276,30 @@ class TrainConfig:
                  "is the starting model, whose log-probabilities are computed once before training")
             need(not (self.method == "full" and self.ref_adapter), "--ref-adapter is a LoRA adapter's reference: "
                                                                     "method lora")
+        if objective.trainer is TrainerKind.ONLINE:
+            settings = self.grpo_settings()     # validates the generation, clipping and loss options
+            need(not self.pack, "packing puts several samples in a row; GRPO scores whole completions: leave out "
+                                "--pack")
+            need(not self.max_tokens_per_batch, "max_tokens_per_batch forms SFT micro-batches; GRPO takes "
+                                                "--batch-size completions per micro-batch")
+            rows = self.batch_size * self.grad_accum
+            need(rows % settings.num_generations == 0,
+                 f"a GRPO step samples --num-generations {settings.num_generations} completions of each prompt: "
+                 f"--batch-size x --grad-accum ({rows}) must be a multiple of it")
+            need(not self.precompute_ref_log_probs, "GRPO scores its reference on each step's new completions: "
+                                                    "leave out --precompute-ref-log-probs")
+            need(not (self.ref_adapter and not settings.uses_reference),
+                 "--ref-adapter is the reference of GRPO's KL term, which --beta 0 (the default) leaves out")
+            need(self.method == "lora" or not settings.uses_reference,
+                 "GRPO's reference is the adapter switched off: --beta > 0 needs method lora")
         objective.check_run(self)
-        if objective.trainer is TrainerKind.SUPERVISED:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            given = [f"--{name.replace('_', '-')}" for name in PREFERENCE_FIELDS if getattr(self, name) != defaults[name]]
-            need(not given, f"{', '.join(given)}: a preference objective's option{'s' if len(given) > 1 else ''}; "
-                            "give --objective")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        taken = {TrainerKind.SUPERVISED: (), TrainerKind.PREFERENCE: PREFERENCE_FIELDS,
+                 TrainerKind.ONLINE: tuple(objective.options) + ("max_prompt_length", "ref_adapter")}[objective.trainer]
+        given = [f"--{name.replace('_', '-')}" for name in PREFERENCE_FIELDS + GRPO_FIELDS
+                 if name not in taken and getattr(self, name) != defaults[name]]
+        need(not given, f"{', '.join(given)}: not an option of --objective {self.objective}"
+                        + ("; give --objective" if objective.trainer is TrainerKind.SUPERVISED else ""))
         need(self.max_prompt_length is None or self.max_prompt_length >= 1,
              f"max_prompt_length must be at least 1, got {self.max_prompt_length}")
         need(self.num_workers is None or self.num_workers >= 1, f"num_workers must be at least 1, got {self.num_workers}")
@@ -313,10 +362,27 @@ class TrainConfig:
 
     def preference_settings(self) -> PreferenceSettings:
         """The preference objective's settings (objective other than sft)."""
-        return PreferenceSettings(self.objective, beta=float(self.beta), dpo_loss=self.dpo_loss,
+        return PreferenceSettings(self.objective, beta=0.1 if self.beta is None else float(self.beta),
+                                  dpo_loss=self.dpo_loss,
                                   label_smoothing=float(self.label_smoothing), simpo_gamma=float(self.simpo_gamma),
                                   desirable_weight=float(self.desirable_weight),
                                   undesirable_weight=float(self.undesirable_weight))
+
+    def grpo_settings(self) -> GRPOSettings:
+        """GRPO's settings (objective grpo), checked."""
+        return GRPOSettings(num_generations=int(self.num_generations),
+                            max_completion_length=int(self.max_completion_length),
+                            temperature=float(self.temperature), top_p=float(self.top_p), top_k=int(self.top_k),
+                            mask_truncated_completions=bool(self.mask_truncated_completions),
+                            scale_rewards=self.scale_rewards, loss_type=self.grpo_loss, epsilon=float(self.epsilon),
+                            epsilon_high=None if self.epsilon_high is None else float(self.epsilon_high),
+                            beta=0.0 if self.beta is None else float(self.beta),
+                            num_iterations=int(self.num_iterations),
+                            importance_sampling_level=self.importance_sampling_level)
+
+    def reward_specs(self) -> list[str]:
+        """--reward as a list of specs (built-in names, module:function, path.py:function)."""
+        return [s.strip() for s in (self.reward or "").split(",") if s.strip()]
 
     def optimizer_params(self, lr: float) -> OptimizerParams:
         """AdamW settings of one step at learning rate `lr`."""
@@ -332,6 +398,10 @@ class TrainConfig:
 # the options of a preference objective (refused with objective sft)
 PREFERENCE_FIELDS = ("dpo_loss", "beta", "label_smoothing", "simpo_gamma", "desirable_weight", "undesirable_weight",
                      "truncation_mode", "max_prompt_length", "precompute_ref_log_probs", "ref_adapter")
+# GRPO's options (refused with the other objectives)
+GRPO_FIELDS = ("reward", "reward_weights", "reward_pattern", "num_generations", "max_completion_length",
+               "temperature", "top_p", "top_k", "mask_truncated_completions", "scale_rewards", "grpo_loss", "epsilon",
+               "epsilon_high", "num_iterations", "importance_sampling_level")
 
 # say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
 INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")
@@ -347,19 +417,22 @@ def resumed_settings(resume) -> dict:
 
 # ---- the embedded default run ---------------------------------------------------------------------
 
-def default_run_values() -> dict:
+def default_run_values(objective: str = "sft") -> dict:
     """The embedded recipe (wgpu_train/assets/recipe.toml) that `wgpu-train finetune` with no --model and no
-    --data uses below the command line and --config."""
+    --data uses below the command line and --config: its top-level values, with those of the objective's own
+    table (e.g. [grpo]) over them."""
     try:
         from wgpu_train.assets import default_recipe
     except ImportError:
         return {}
-    return default_recipe()
+    recipe = default_recipe()
+    own = recipe.get(objective, {})
+    return {**{k: v for k, v in recipe.items() if not isinstance(v, dict)}, **own}
 
 
 def default_run_config(**overrides) -> "TrainConfig":
     """The TrainConfig of the default run (embedded model, dataset and recipe), with overrides."""
-    return TrainConfig(**{**default_run_values(), **overrides})
+    return TrainConfig(**{**default_run_values(overrides.get("objective", "sft")), **overrides})
 
 
 def default_model_dir() -> Path:

@@ -37,6 +37,10 @@ class TrainerRecords:
             "history": self.history, "seed": cfg.seed, "micro_batches": self.micro_per_step,
         }
 
+    def checkpoint_arrays(self) -> dict:
+        """Arrays a checkpoint keeps beside the state (name -> np.ndarray); none for this trainer."""
+        return {}
+
     def save_checkpoint(self) -> Path:
         """checkpoints/step-NNNNNN, written atomically; only the newest keep_checkpoints are kept, and with
         early stopping the best evaluation's. A failed write (disk full) is a ConfigError naming the last
@@ -46,7 +50,8 @@ class TrainerRecords:
         try:
             path = checkpoint.save_checkpoint(root, self.step, self.model, self.state_dict(),
                                               self.config.keep_checkpoints,
-                                              protect=() if best is None else (checkpoint.checkpoint_name(best),))
+                                              protect=() if best is None else (checkpoint.checkpoint_name(best),),
+                                              arrays=self.checkpoint_arrays())
         except OSError as e:
             kept = list_checkpoints(root)
             good = (f"the last good checkpoint is {kept[-1]} (resume with --resume {shlex.quote(str(kept[-1]))})"

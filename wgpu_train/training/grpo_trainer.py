@@ -1,0 +1,406 @@
+"""The GRPO Trainer (online RL with TRL GRPOTrainer's meanings): each generation samples --num-generations
+completions of a step's prompts with the current adapter on the engine's KV cache, scores them with the reward
+functions on the host, and turns the group-relative advantages into per-token gradient weights of the engine's
+optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference); a
+generation serves --num-iterations steps. The completions and their rewards go to completions.jsonl."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from wgpu_train.data.batching import Example
+from wgpu_train.data.preference_batching import PreferenceStream, row_batches
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
+from wgpu_train.data.prompt_tokenize import tokenize_prompts
+from wgpu_train.data.sources import resolve_data
+from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.formats.tokenizer import load_tokenizer
+from wgpu_train.training import checkpoint
+from wgpu_train.training.config import PAD_MULTIPLE
+from wgpu_train.training.evaluate import engine_batch
+from wgpu_train.training.metrics import fmt, num
+from wgpu_train.training.objectives import objective_class
+from wgpu_train.training.preference_scoring import mean_metrics
+from wgpu_train.training.rewards import RewardFunction, check_reward_weights, compute_rewards, load_rewards
+from wgpu_train.training.trainer import Trainer
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+class GenerationStream(PreferenceStream):
+    """The prompts of each generation, num_iterations steps in a row (TRL's mu reuses a generation), in a seeded
+    order per epoch; a step's batch is its prompts' indices."""
+
+    def __init__(self, examples, prompts_per_step: int, seed: int, iterations: int):
+        super().__init__(examples, prompts_per_step, seed, shuffle=True)
+        self.iterations = iterations
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        return [b for b in super().epoch_batches(epoch) for _ in range(self.iterations)]
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            for ex in self.examples:
+                h.update(np.int64(ex.input_ids.size).tobytes())
+                h.update(np.ascontiguousarray(ex.input_ids, dtype=np.int32).tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+
+@dataclass
+class Generation:
+    """One generation: G completions of each prompt, the engine's micro-batches of prompt + completion rows, and
+    what the steps that reuse it need (advantages; the old and reference per-token log-probabilities)."""
+
+    micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each
+    masks: list                     # [(B, T) bool]: the completion tokens that carry loss
+    advantages: np.ndarray          # (R,)
+    policy_logps: np.ndarray | None  # (R, T) the policy's at generation time (scored when beta > 0 or mu > 1)
+    old_logps: np.ndarray | None    # (R, T) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
+    ref_logps: np.ndarray | None    # (R, T) of the reference (beta > 0), else None
+    metrics: dict                   # rewards and completions, by TRL's names
+
+
+class GRPOTrainer(Trainer):
+    """A Trainer whose objective is GRPO (config.grpo_settings()) over prompt-only data: a step's batch is
+    batch_size x grad_accum completions, num_generations of each of its prompts. reward_funcs: Python callables
+    with TRL's signature f(prompts, completions, **columns) -> list[float | None], after config.reward's."""
+
+    def __init__(self, config, log=None, reward_funcs=None):
+        dropout = config.lora_dropout
+        if dropout:     # TRL's disable_dropout: a deterministic policy for its ratios
+            config = dataclasses.replace(config, lora_dropout=0.0)
+        super().__init__(config, log)
+        if dropout:
+            self.log(f"lora_dropout {dropout:g} is off for --objective grpo, as TRL's trainers disable dropout")
+        self.settings = config.grpo_settings()
+        self.unit = objective_class(config.objective)(self.settings)       # its traits, advantages and loss
+        specs = config.reward_specs() or ([] if reward_funcs else [DEMO_REWARD] if config.data is None else [])
+        self.rewards = load_rewards(specs, config.reward_pattern) + [
+            RewardFunction(getattr(f, "__name__", f"reward_{i}"), f) for i, f in enumerate(reward_funcs or ())]
+        if not self.rewards:
+            raise ConfigError("--objective grpo needs a reward: give --reward (a built-in, module:function or "
+                              "path.py:function)")
+        try:
+            weights = [float(w) for w in config.reward_weights.split(",")] if config.reward_weights else None
+        except ValueError:
+            raise ConfigError(f"--reward-weights takes comma-separated numbers, got {config.reward_weights!r}") \
+                from None
+        self.reward_weights = check_reward_weights(weights, self.rewards)          # (F,)
+        saved = self._resume[1].get("objective") if self._resume else None
+        if saved is not None and saved != dataclasses.asdict(self.settings):
+            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in dataclasses.asdict(self.settings).items()
+                                if saved.get(k) != v)
+            raise ConfigError(f"resume: the run trained other GRPO settings ({changed}); leave those options out to "
+                              f"continue it as it trained")
+        self.prompts = {}                  # split -> [PromptExample]
+        self._generation: Generation | None = None
+        self._step_metrics: list = []
+        self._reward = {"before": None, "after": None}
+        self._completions = None           # completions.jsonl, open while training
+
+    # ---- data ---------------------------------------------------------------------------------------
+    def _read_data(self, model_cfg):
+        cfg = self.config
+        self.tokenizer = load_tokenizer(self.model_dir)
+        if cfg.data is None:
+            s = demo_prompt_splits(self.data_path)
+        else:
+            s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
+                             kind=self.unit.data.value)
+        self.splits = s
+        self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
+        lines, self.truncated, self.dropped = [], 0, 0
+        for split in ("train", "valid", "test"):
+            self.prompts[split], stats = tokenize_prompts(self.tokenizer, getattr(s, split), cfg.max_prompt_length,
+                                                          use_chat_template=not cfg.no_chat_template)
+            lines.append(f"{split} {stats.describe()}")
+            self.truncated += stats.n_truncated
+        if not self.prompts["train"]:
+            raise DataError(f"no training prompts in {s.files.get('train', self.data_path)}")
+        self.train_examples, self.valid_examples = self.prompts["train"], self.prompts["valid"]
+        self.n_skipped = s.n_skipped
+        everything = [e for split in self.prompts.values() for e in split]
+        top = max(int(e.input_ids.max()) for e in everything)
+        if top >= model_cfg.vocab_size:
+            raise ConfigError(f"the tokenizer produces token id {top} but the model has vocab_size "
+                              f"{model_cfg.vocab_size}: tokenizer and model do not belong together")
+        longest = max(e.input_ids.size for e in everything)
+        room = model_cfg.max_position_embeddings
+        if longest + self.settings.max_completion_length > room:
+            raise ConfigError(f"a prompt of {longest} tokens and --max-completion-length "
+                              f"{self.settings.max_completion_length} exceed the model's {room} positions: lower "
+                              f"--max-completion-length or give --max-prompt-length")
+        self.log(f"data: {s.files.get('train', self.data_path)} ({s.format}); {'; '.join(lines)}; rewards: "
+                 + ", ".join(f"{r.name} x {w:g}" for r, w in zip(self.rewards, self.reward_weights)))
+
+    def _make_stream(self, accum: int):
+        rows = self.config.batch_size * accum
+        return GenerationStream(self.prompts["train"], rows // self.settings.num_generations, self.config.seed,
+                                self.settings.num_iterations)
+
+    def _micro_batch_rows(self) -> int:
+        return self.config.batch_size
+
+    # ---- a generation ---------------------------------------------------------------------------------
+    def _sample(self, examples, seeds) -> tuple[list, np.ndarray]:
+        """(completion ids of each row, (R,) whether each was cut at max_completion_length) for the prompts of
+        `examples`, one row per seed, sampled with the current adapter."""
+        s = self.settings
+        stops = list(self.tokenizer.stop_token_ids)
+        out = self.model.generate_batch([e.input_ids for e in examples], max_new_tokens=s.max_completion_length,
+                                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seeds,
+                                        stop_token_ids=stops)
+        cut = np.array([not (ids and ids[-1] in stops) for ids in out], bool)
+        return out, cut
+
+    def _texts(self, examples, completions) -> list:
+        """The completions as TRL passes them to reward functions: strings, or for a conversational prompt one
+        assistant message."""
+        out = []
+        for ex, ids in zip(examples, completions):
+            text = self.tokenizer.decode([t for t in ids if t not in set(self.tokenizer.stop_token_ids)])
+            out.append([{"role": "assistant", "content": text}] if isinstance(ex.record.prompt, list) else text)
+        return out
+
+    def _rewards(self, examples, completions, step: int) -> np.ndarray:
+        """(R, F) rewards of the rows (NaN: a function's "not applicable")."""
+        records = [ex.record for ex in examples]
+        names = sorted({k for r in records for k in r.columns})
+        columns = {k: [r.columns.get(k) for r in records] for k in names}
+        return compute_rewards(self.rewards, [r.prompt for r in records], self._texts(examples, completions),
+                               columns, step, completion_ids=[list(map(int, c)) for c in completions],
+                               max_steps=self.total_steps)
+
+    def _generate(self, indices) -> Generation:
+        s, cfg = self.settings, self.config
+        g = s.num_generations
+        examples = [self.prompts["train"][i] for i in indices for _ in range(g)]       # TRL's order: G in a row
+        # the sampling RNG: one seed per row from (run seed, step), so a resumed run draws the same completions
+        seeds = [int(x) for x in np.random.SeedSequence([cfg.seed, self.step]).generate_state(len(examples))]
+        completions, cut = self._sample(examples, seeds)
+        per_func = self._rewards(examples, completions, self.step + 1)
+        advantages, rewards, metrics = self.unit.advantages(per_func, self.reward_weights,
+                                                            [r.name for r in self.rewards])
+        lengths = np.array([len(c) for c in completions])
+        metrics.update(self.unit.completion_metrics(lengths, cut))
+        rows = []
+        for ex, ids, truncated in zip(examples, completions, cut):
+            full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
+            labels = full.astype(np.int64)
+            labels[:ex.input_ids.size] = IGNORE_INDEX
+            if truncated and s.mask_truncated_completions:      # DAPO's overlong filtering: no loss at all
+                labels[:] = IGNORE_INDEX
+            rows.append(Example(full, labels, bool(truncated)))
+        micro = [engine_batch(b) for b in row_batches(rows, cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
+        masks = [targets != IGNORE_INDEX for _, targets, _, _ in micro]
+        old, ref = None, None
+        if s.num_iterations > 1 or s.uses_reference:
+            old, ref = self._score(micro, masks, reference=s.uses_reference)
+        self._log_completions(examples, completions, per_func, rewards, advantages)
+        return Generation(micro, masks, advantages, old, old if s.num_iterations > 1 else None, ref, metrics)
+
+    def _score(self, micro, masks, reference: bool):
+        """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the rows, T the longest
+        micro-batch's length; with reference, the adapter switched off scores in the same engine calls."""
+        width = max(ids.shape[1] for ids, _, _, _ in micro)
+        policy, ref = [], []
+        for (ids, targets, seg, pos), mask in zip(micro, masks):
+            if reference:
+                losses, ref_losses = self.engine.token_losses(ids, targets, seg, pos, reference=True)
+                ref.append(_padded(-ref_losses.astype(np.float64) * mask, width))
+            else:
+                losses = self.engine.token_losses(ids, targets, seg, pos)
+            policy.append(_padded(-losses.astype(np.float64) * mask, width))
+        return np.concatenate(policy), (np.concatenate(ref) if reference else None)
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def _step(self):
+        cfg, s = self.config, self.settings
+        indices, epoch_done = self.next_batch()
+        if self._generation is None or (self.stream.position - 1) % s.num_iterations == 0:
+            self._generation = self._generate(indices)
+        gen = self._generation
+        lr = self.schedule.lr_at(self.step + 1)
+        t0 = time.perf_counter()
+        self._stepping = True
+        try:
+            width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
+            mask = np.concatenate([_padded(m, width) for m in gen.masks])                  # (R, T)
+            first = (self.stream.position - 1) % s.num_iterations == 0
+            if first:                # the weights that generated: the scores taken then are the current ones
+                # (beta 0 and mu 1: the ratio is 1 whatever they are, TRL's detach, and no forward scores them)
+                logps = gen.policy_logps if gen.policy_logps is not None else np.zeros(mask.shape)
+            else:
+                logps, _ = self._score(gen.micro, gen.masks, reference=False)
+            result = self.unit.step_loss(logps, gen.old_logps, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
+                                         int(mask.sum()))
+            weighted = _weighted(gen.micro, gen.masks, result.dlogps)
+            if weighted is None:     # every completion masked: nothing carries a gradient
+                count, grad_norm, applied = 0, None, True
+            else:
+                _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
+        finally:
+            self._stepping = False
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        self._step_metrics.append(gen.metrics | result.metrics)
+        if not applied:
+            self._log_skipped()
+        return gen.micro, epoch_done, lr, result.loss * max(count, 1), max(count, 1), grad_norm, seconds
+
+    def _input_tokens(self, batch) -> int:
+        return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
+
+    def rows_in(self, batch) -> int:
+        return int(sum(ids.shape[0] for ids, _, _, _ in batch))
+
+    def _progress_extra(self) -> dict:
+        reward = self._step_metrics[-1].get("reward") if self._step_metrics else None
+        return {} if reward is None else {"reward": f"{reward:.3f}"}
+
+    # ---- what a run shows ---------------------------------------------------------------------------
+    def _log_completions(self, examples, completions, per_func, rewards, advantages):
+        """completions.jsonl: each row of this generation, as TRL's log_completions shows them."""
+        if not self.writes_files or self._completions is None:
+            return
+        texts = self._texts(examples, completions)
+        for i, ex in enumerate(examples):
+            row = {"step": self.step + 1, "prompt": ex.record.prompt,
+                   "completion": texts[i] if isinstance(texts[i], str) else texts[i][0]["content"],
+                   "completion_ids": [int(t) for t in completions[i]],
+                   "rewards": {r.name: num(per_func[i, j]) for j, r in enumerate(self.rewards)},
+                   "reward": num(rewards[i]), "advantage": num(advantages[i])}
+            self._completions.write(json.dumps(row) + "\n")
+        self._completions.flush()
+
+    def _open_outputs(self):
+        super()._open_outputs()
+        path = self.out / COMPLETIONS_FILE
+        if self.writes_files:
+            if self.resumed_from and path.is_file():     # the generations after the resumed step are drawn again
+                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+                path.write_text("".join(line + "\n" for line in kept))
+            self._completions = open(path, "a" if self.resumed_from else "w")
+            if not self.resumed_from:
+                self._written.append(path)
+
+    def train(self) -> dict:
+        try:
+            return super().train()
+        finally:
+            if self._completions is not None:
+                self._completions.close()
+
+    def _write_row(self, row: dict):
+        if "split" not in row and "grad_norm" in row and self._step_metrics:
+            row = {**row, **{k: num(v) for k, v in mean_metrics(self._step_metrics).items()}}
+            self._step_metrics = []
+        super()._write_row(row)
+
+    # ---- evaluation: the mean reward of greedy answers on held-out prompts ----------------------------
+    def evaluate(self) -> dict | None:
+        return None
+
+    def held_out(self) -> tuple[str, list]:
+        return ("test", self.prompts["test"]) if self.prompts.get("test") else ("valid", self.prompts["valid"])
+
+    def held_out_reward(self) -> dict | None:
+        """{"reward", "n", "split"}: the mean weighted reward of greedy completions of the held-out prompts (at
+        most max_eval_samples of them); None without held-out prompts."""
+        split, examples = self.held_out()
+        examples = examples[:self.config.max_eval_samples or None]
+        if not examples:
+            return None
+        out = self.model.generate_batch([e.input_ids for e in examples],
+                                        max_new_tokens=self.settings.max_completion_length, temperature=0.0,
+                                        stop_token_ids=list(self.tokenizer.stop_token_ids))
+        rewards = np.nansum(self._rewards(examples, out, self.step) * self.reward_weights, axis=1)
+        return {"reward": float(rewards.mean()), "n": len(examples), "split": split}
+
+    def _evaluate_before(self):
+        if self.eval_generate:
+            self._reward_row(self.held_out_reward(), "before")
+
+    def _reward_row(self, result, when: str):
+        if result is None:
+            return
+        self._reward[when] = result["reward"]
+        self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": result["split"],
+                         "held_out_reward": result["reward"], "n": result["n"]})
+        self.log(f"reward {when} training: {fmt(result['reward'], '.3f')} (greedy, {result['n']} {result['split']} "
+                 f"prompts)")
+
+    # ---- checkpoints: a generation that later steps reuse (num_iterations > 1) is kept with them ------------
+    def _reused(self) -> bool:
+        """Whether the next step reuses the current generation."""
+        return self._generation is not None and self.stream.position % self.settings.num_iterations != 0
+
+    def state_dict(self) -> dict:
+        state = {**super().state_dict(), "objective": dataclasses.asdict(self.settings)}
+        if self._reused():
+            state["generation"] = {"micro_batches": len(self._generation.micro), "metrics": self._generation.metrics}
+        return state
+
+    def checkpoint_arrays(self) -> dict:
+        if not self._reused():
+            return {}
+        gen = self._generation
+        out = {f"micro{i}.{name}": a for i, batch in enumerate(gen.micro)
+               for name, a in zip(("ids", "targets", "segments", "positions"), batch)}
+        out["advantages"] = gen.advantages
+        for name in ("policy_logps", "old_logps", "ref_logps"):
+            if getattr(gen, name) is not None:
+                out[name] = getattr(gen, name)
+        return out
+
+    def setup(self):
+        super().setup()
+        saved = self._resume[1].get("generation") if self._resume else None
+        if saved:
+            arrays = checkpoint.read_arrays(self._resume[0])
+            micro = [tuple(arrays[f"micro{i}.{name}"] for name in ("ids", "targets", "segments", "positions"))
+                     for i in range(saved["micro_batches"])]
+            self._generation = Generation(micro, [t != IGNORE_INDEX for _, t, _, _ in micro], arrays["advantages"],
+                                          *(arrays.get(n) for n in ("policy_logps", "old_logps", "ref_logps")),
+                                          saved["metrics"])
+        return self
+
+    def _summary(self, stopped, adapter_step, after, em_after, ckpt, run, wall) -> dict:
+        if adapter_step is not None and self.eval_generate and stopped != "interrupted":
+            self._reward_row(self.held_out_reward(), "after")
+        summary = super()._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
+        summary["objective"] = {"name": self.config.objective, **dataclasses.asdict(self.settings),
+                                "rewards": [r.name for r in self.rewards],
+                                "reward_weights": self.reward_weights.tolist()}
+        summary.update(reward_before=self._reward["before"], reward_after=self._reward["after"],
+                       reward_split=self.held_out()[0] if self.eval_generate else None)
+        return summary
+
+
+def _padded(a: np.ndarray, width: int) -> np.ndarray:
+    """(B, T) -> (B, width), zeros (False) on the right."""
+    return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+def _weighted(micro, masks, dlogps: np.ndarray) -> list | None:
+    """The micro-batches with per-token gradient weights: the engine divides the gradients by the step's
+    trained tokens N and a token's loss is minus its log-probability, so -N * dloss/dlogp gives the objective's
+    gradient. None when no token carries loss."""
+    total = float(sum(m.sum() for m in masks))
+    if not total:
+        return None
+    out, r0 = [], 0
+    for (ids, targets, seg, pos), mask in zip(micro, masks):
+        rows, width = ids.shape
+        w = np.where(mask, -total * dlogps[r0:r0 + rows, :width], 0.0)                   # (B, T)
+        out.append((ids, targets, seg, pos, w.astype(np.float32)))
+        r0 += rows
+    return out
