@@ -50,6 +50,11 @@ def detect_prompt_format(obj: Any) -> str:
                     f"or a conversation {_SHAPES['chat']}")
 
 
+def is_conversational_format(fmt: str) -> bool:
+    """Whether a format of detect_prompt_format gives message-list prompts."""
+    return fmt == "chat" or fmt.startswith("conversational")
+
+
 def _check_prompt_messages(messages: list[Message], key: str) -> None:
     """A conversational prompt asks for the next assistant turn: a user message must come last."""
     if messages[-1]["role"] != "user":
@@ -81,7 +86,7 @@ def _split_chat(obj: dict) -> tuple[list[Message], str | None]:
 def _prompt_and_answer(obj: dict, fmt: str) -> tuple[Part, str | None]:
     if fmt == "chat":
         return _split_chat(obj)
-    if fmt.startswith("conversational"):
+    if is_conversational_format(fmt):
         prompt: Part = convert_messages(obj["prompt"], "prompt")
         _check_prompt_messages(prompt, "prompt")
     else:
@@ -97,18 +102,20 @@ def _prompt_and_answer(obj: dict, fmt: str) -> tuple[Part, str | None]:
 
 
 def convert_prompt(obj: Any, fmt: str, source: str = "") -> PromptRecord:
-    """Check `obj` against `fmt` (a name of detect_prompt_format) and turn it into a PromptRecord read at `source`.
+    """Check `obj` against `fmt`, the file's format (a name of detect_prompt_format), and turn it into a
+    PromptRecord read at `source`. A file's records may mix formats of one form, strings or message lists, but
+    not the two forms (TRL tokenizes a batch as its first prompt is).
 
     Its columns are the record's fields but the prompt's ("prompt", "messages" / "conversations") and a
     completion's. The answer of a conversation or prompt-completion record (the last assistant turn's content, or
     the completion string) becomes the "answer" column when the record has neither an "answer" nor a "solution"
     column of its own, so an SFT dataset serves GRPO with the exact-match reward."""
     found = detect_prompt_format(obj)
-    if found != fmt:
-        raise BadRecord(f"record looks like {found} format {_SHAPES[found]}, "
-                        f"but the file is {fmt} format {_SHAPES[fmt]}")
-    prompt, answer = _prompt_and_answer(obj, fmt)
-    own = ("messages", "conversations") if fmt == "chat" else ("prompt", "completion")
+    if is_conversational_format(found) != is_conversational_format(fmt):
+        raise BadRecord(f"record looks like {found} format {_SHAPES[found]}, but the file is {fmt} format "
+                        f"{_SHAPES[fmt]}; string and conversational prompts do not mix")
+    prompt, answer = _prompt_and_answer(obj, found)
+    own = ("messages", "conversations") if found == "chat" else ("prompt", "completion")
     columns = {k: v for k, v in obj.items() if k not in own and k != "completion_ids"}
     clash = [k for k in RESERVED_COLUMNS if k in columns]
     if clash:
