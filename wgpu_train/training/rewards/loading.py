@@ -100,7 +100,7 @@ def _load_one(spec: str, pattern: re.Pattern | None) -> RewardFunction:
     if func is None:
         raise ConfigError(f"--reward {spec}: {where} has no function {attr!r}")
     if not callable(func):
-        raise ConfigError(f"--reward {spec}: {where}'s {attr!r} is a {type(func).__name__}, not a function")
+        raise ConfigError(f"--reward {spec}: {where}'s {attr!r} is not a function (it is {type(func).__name__})")
     return RewardFunction(getattr(func, "__name__", attr), func)
 
 
