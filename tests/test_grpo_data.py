@@ -277,7 +277,8 @@ def test_template_refusal_names_the_record_or_is_skipped(tokenizers):
     with pytest.raises(DataError, match=r"^d\.jsonl:2: chat template refused the conversation: expected alternating"):
         tokenize_prompts(tok, records)
     examples, stats = tokenize_prompts(tok, records, skip_invalid=True)
-    assert len(examples) == 1 and stats.n_skipped == 1 and "1 skipped (refused by the chat template)" in stats.describe()
+    assert len(examples) == 1 and stats.n_skipped == 1
+    assert stats.describe() == f"2 prompts: 1 kept, up to {len(examples[0])} tokens, 1 skipped (refused by the chat template)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def test_demo_prompts_from_the_embedded_task():
         assert message["role"] == "user" and message["content"].startswith("Reverse the order of these words: ")
         words = message["content"].split(": ", 1)[1].split()
         assert set(words) <= set(WORDS) and record.columns == {"answer": " ".join(reversed(words))}
-    rewards = compute_rewards(load_rewards([DEMO_REWARD]), [r.prompt for r in s.test],
-                              [[A(r.columns["answer"])] for r in s.test], {"answer": [r.columns["answer"]
-                                                                                      for r in s.test]}, step=0)
+    answers = [r.columns["answer"] for r in s.test]
+    rewards = compute_rewards(load_rewards([DEMO_REWARD]), [r.prompt for r in s.test], [[A(a)] for a in answers],
+                              {"answer": answers}, step=0)
     assert rewards.shape == (100, 1) and (rewards == 1.0).all()
