@@ -127,8 +127,8 @@ BAD = [
     (STRING, {"prompt": 3}, 'field "prompt" must be a string, got int'),
     (MESSAGES, {"prompt": []}, '"prompt" must be a non-empty list'),
     (MESSAGES, {"prompt": [U("Q"), A("A")]},
-     'the prompt in "prompt" must end with a user message, not a assistant message'),
-    (MESSAGES, {"prompt": [S("sys")]}, 'must end with a user message, not a system message'),
+     'the prompt in "prompt" must end with a user message, not with an assistant message'),
+    (MESSAGES, {"prompt": [S("sys")]}, 'must end with a user message, not with a system message'),
     (MESSAGES, {"prompt": [{"role": "robot", "content": "hi"}]}, "message 0 has role 'robot'"),
     (STRING, {"prompt": "Q", "completion": [A("4")]},
      '"prompt" and "completion" must both be strings or both message lists'),
@@ -139,7 +139,7 @@ BAD = [
 ]
 CHAT_BAD = [
     ({"messages": [A("only an answer")]}, '"messages" holds only an answer, no prompt'),
-    ({"messages": [U("Q"), A("a"), A("b")]}, 'must end with a user message, not a assistant message'),
+    ({"messages": [U("Q"), A("a"), A("b")]}, 'must end with a user message, not with an assistant message'),
 ]
 
 

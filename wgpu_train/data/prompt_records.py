@@ -57,8 +57,10 @@ def is_conversational_format(fmt: str) -> bool:
 
 def _check_prompt_messages(messages: list[Message], key: str) -> None:
     """A conversational prompt asks for the next assistant turn: a user message must come last."""
-    if messages[-1]["role"] != "user":
-        raise BadRecord(f'the prompt in "{key}" must end with a user message, not a {messages[-1]["role"]} message')
+    role = messages[-1]["role"]
+    if role != "user":
+        article = "an" if role == "assistant" else "a"
+        raise BadRecord(f'the prompt in "{key}" must end with a user message, not with {article} {role} message')
 
 
 def _last_answer(messages: list[Message], key: str) -> str:
