@@ -1,8 +1,8 @@
 """wgpu-train: LoRA fine-tuning of Llama-family language models on any GPU through WebGPU."""
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, ShaderError,
-                               WgpuTrainError)
+from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, RewardError,
+                               ShaderError, WgpuTrainError)
 from wgpu_train.engines.resources import devices, estimate_memory
 from wgpu_train.engines.model import Model, load_model
 from wgpu_train.engines.shared.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
@@ -14,6 +14,6 @@ from wgpu_train.training.config import TrainConfig, default_run_config
 __version__ = "0.1.0"
 
 __all__ = ["BASE_DTYPES", "EMBED_CHOICES", "EMBED_DTYPES", "AdapterError", "ConfigError", "DataError",
-           "DeviceError", "LoraConfig", "Model", "ModelConfig", "ModelFileError", "ShaderError", "TrainConfig",
-           "Trainer", "WgpuTrainError", "default_run_config", "devices", "estimate_memory", "finetune", "load_model",
-           "load_tokenizer", "__version__"]
+           "DeviceError", "LoraConfig", "Model", "ModelConfig", "ModelFileError", "RewardError", "ShaderError",
+           "TrainConfig", "Trainer", "WgpuTrainError", "default_run_config", "devices", "estimate_memory", "finetune",
+           "load_model", "load_tokenizer", "__version__"]

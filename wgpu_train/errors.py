@@ -22,6 +22,11 @@ class DataError(WgpuTrainError):
     """A dataset file or line that cannot be used."""
 
 
+class RewardError(WgpuTrainError):
+    """A reward function that failed at a step: it raised, or returned a wrong number of rewards or a value that is
+    neither a number nor None (names the function and the step)."""
+
+
 class DeviceError(WgpuTrainError):
     """No usable WebGPU adapter, a lost device, or a request beyond the device's limits."""
 

@@ -2,7 +2,8 @@
 object of record arrays), Parquet (read row group by row group), folders with train / validation / test files
 (ours, or the hub's data/train-00000-of-00001.parquet layout), several sources mixed (repeated --data, globs),
 dataset ids from the Hugging Face hub, and other column names mapped onto ours (--columns). Read as SFT records
-(records.py) or as preference pairs / unpaired KTO records (preference_records.py)."""
+(records.py), as preference pairs / unpaired KTO records (preference_records.py) or as GRPO's prompts
+(prompt_records.py)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ import numpy as np
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.data.preference_records import (PreferenceRecord, UnpairedRecord, check_labels, convert_preference,
                                                 detect_preference_format, unpair_preferences)
+from wgpu_train.data.prompt_records import PromptRecord, convert_prompt, detect_prompt_format
 from wgpu_train.data.records import BadRecord, Conversation, Record, Text, convert, detect_format
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALID_NAMES = ("valid", "validation", "val", "dev")        # names of a folder's validation split
 SPLIT_NAMES = {"train": ("train",), "valid": VALID_NAMES, "test": ("test",)}
 FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "response",
-          "context", "system", "text", "chosen", "rejected", "label")  # the fields a column can be mapped onto
+          "context", "system", "text", "chosen", "rejected", "label",
+          "answer", "solution")                            # the fields a column can be mapped onto
 PARQUET_BATCH = 1024                                       # rows converted to Python objects at a time
 _SHARD = re.compile(r"-\d+-of-\d+\.\w+")                      # the hub's shard names: train-00000-of-00002.parquet
-KINDS = ("sft", "preference", "unpaired")                  # what records are read as (see load_records)
+KINDS = ("sft", "preference", "unpaired", "prompts")       # what records are read as (see load_records)
 
 
 # ---- column mapping ----------------------------------------------------------------------------------------
@@ -179,10 +182,14 @@ def _objects(path: Path, split: str | None = None, arrays: dict | None = None) -
 
 
 def _detect(obj: Any, kind: str) -> str:
+    if kind == "prompts":
+        return detect_prompt_format(obj)
     return detect_format(obj) if kind == "sft" else detect_preference_format(obj, kind)
 
 
 def _convert(obj: Any, fmt: str, where: str, kind: str) -> Any:
+    if kind == "prompts":
+        return convert_prompt(obj, fmt, where)
     if kind != "sft":
         return convert_preference(obj, fmt, where)
     record = convert(obj, fmt)
@@ -197,7 +204,7 @@ def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str
     raises DataError "file:line: problem" ("file:row" for JSON and Parquet), or is skipped and counted when
     `skip_invalid`. Records remember in `source` where they were read; they are, by `kind`: "sft", Conversation or
     Text objects; "preference", PreferenceRecord; "unpaired", UnpairedRecord, or PreferenceRecord for a file of
-    pairs (resolve_data unpairs them).
+    pairs (resolve_data unpairs them); "prompts", PromptRecord (a record without a prompt is a bad record).
     """
     path = Path(path)
     records: list[Record] = []
@@ -232,7 +239,7 @@ def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str
 @dataclass
 class DataSplits:
     """Records of each split of a dataset and the format they were read in (SFT records, or PreferenceRecord /
-    UnpairedRecord by the kind read)."""
+    UnpairedRecord / PromptRecord by the kind read)."""
 
     train: list[Record]
     valid: list[Record]
@@ -334,6 +341,15 @@ def _unpaired(records: list, names: str) -> list[UnpairedRecord]:
     return unpair_preferences(records) if n_pairs else records
 
 
+def _check_prompt_forms(splits: dict[str, list[PromptRecord]], files: dict[str, str]) -> None:
+    """Prompts are all strings or all message lists: TRL's GRPOTrainer tokenizes a batch as its first prompt is."""
+    forms = {split: {isinstance(r.prompt, list) for r in records} for split, records in splits.items() if records}
+    if len({form for both in forms.values() for form in both}) > 1:
+        names = ", ".join(files.get(split, split) for split in forms)
+        raise DataError(f"{names}: string prompts do not mix with conversational (message list) prompts; give one "
+                        "form")
+
+
 def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False,
                  columns: str | dict | None = None, kind: str = "sft") -> DataSplits:
     """Find the splits of a dataset. `path`: a data file (JSONL, JSON or Parquet); a folder with a train split
@@ -345,7 +361,8 @@ def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bo
 
     `kind` says what the records are (see load_records): "sft" (the default), "preference" pairs, or "unpaired"
     KTO records (pairs are unpaired as TRL does, after the held-out split, so a pair's halves stay together; the
-    train split must hold both labels, else ConfigError)."""
+    train split must hold both labels, else ConfigError), or GRPO's "prompts" (all strings or all message
+    lists, else DataError)."""
     if not 0.0 <= valid_split < 1.0:
         raise ConfigError(f"valid_split must be in [0, 1), got {valid_split}")
     if kind not in KINDS:
@@ -379,4 +396,6 @@ def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bo
         for split in splits:
             splits[split] = _unpaired(splits[split], files.get(split, ""))
         check_labels(splits["train"], files["train"])
+    if kind == "prompts":
+        _check_prompt_forms(splits, files)
     return DataSplits(splits["train"], splits["valid"], splits["test"], fmt, skipped, files, held_out)
