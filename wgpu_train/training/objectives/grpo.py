@@ -180,8 +180,9 @@ class GRPO(Objective):
             gate = sigmoid(temperature * (ratio - 1.0))
             return -gate * 4.0 / temperature * advantages, -4.0 * gate * (1.0 - gate) * ratio * advantages, 0.0
         clipped = np.clip(ratio, 1.0 - s.epsilon, 1.0 + s.upper_epsilon)
-        # -min(ratio A, clipped A): the unclipped term (ties included: there the two are the same function of the
-        # ratio) carries the gradient ratio A; the clipped term is constant
+        # -min(ratio A, clipped A): where the unclipped term is the smaller or equal (inside the clip range the two
+        # are one function of the ratio) its gradient, ratio A, flows; where the clipped term is the smaller, the
+        # ratio lies outside the range and the clipped term is a constant
         unclipped = ratio * advantages <= clipped * advantages
         loss = -np.minimum(ratio * advantages, clipped * advantages)
         return loss, np.where(unclipped, -ratio * advantages, 0.0), 0.0
