@@ -77,7 +77,7 @@ detector = detect_format if kind == "sft" else detect_preference_format
 
 def test_lookup_is_one_line_listing_the_choices():
     assert objective_class("kto").data is DataKind.UNPAIRED
-    with pytest.raises(ConfigError, match=r"^objective must be one of sft, dpo, simpo, orpo, kto, got 'ppo'$"):
+    with pytest.raises(ConfigError, match=r"^objective must be one of sft, dpo, simpo, orpo, kto, grpo, got 'ppo'$"):
         objective_class("ppo")
     with pytest.raises(ConfigError, match=r"^objective must be one of dpo, simpo, orpo, kto, got 'sft'$"):
         objective_class("sft", PREFERENCE_OBJECTIVES)
@@ -91,7 +91,8 @@ def test_traits():
                       "dpo": (pairs, preference, True, False, False),
                       "simpo": (pairs, preference, False, True, False),
                       "orpo": (pairs, preference, False, True, True),
-                      "kto": (DataKind.UNPAIRED, preference, True, False, False)}
+                      "kto": (DataKind.UNPAIRED, preference, True, False, False),
+                      "grpo": (DataKind.PROMPTS, TrainerKind.ONLINE, False, False, False)}
     for cls in OBJECTIVES.values():     # the trainer kind and the loss go together
         assert (cls.trainer is TrainerKind.PREFERENCE) == issubclass(cls, PreferenceObjective), cls.name
 

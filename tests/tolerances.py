@@ -143,6 +143,22 @@ TOLERANCES: dict[str, Tolerance] = {
                                         "an objective or TRL metric of summed float32 log-probabilities against "
                                         "TRL's torch float32 path: the sums differ by summation order; seen at most "
                                         "7e-7 (SimPO on lavapipe) over both families and engines"),
+    "grpo_vs_trl_float64": Tolerance(1e-12, 1e-15,
+                                     "GRPO's step loss and d loss / d logps against TRL's _compute_loss and "
+                                     "autograd, both in float64 on the same log-probabilities: only the summation "
+                                     "order and exp / sigmoid's last bits differ; observed <= 3.4e-16 relative over "
+                                     "every loss type. A wrong normaliser, clip or KL term is off by > 1e-3"),
+    "grpo_metrics_vs_trl": Tolerance(1e-6, 1e-9,
+                                     "GRPO's loss metrics against TRL's: TRL casts the clip indicators to float32 "
+                                     "(.float()), so a per-row share such as 1/3 rounds to float32 (6e-8 relative; "
+                                     "observed <= 3e-8); kl and entropy are float64 on both sides. A wrong share is "
+                                     "off by >= 1/36"),
+    "grpo_rewards_vs_trl": Tolerance(1e-5, 1e-6,
+                                     "advantages and reward metrics against TRL's, which holds rewards in float32: "
+                                     "the rewards are exact in float32 (multiples of 1/4), its means, stds and the "
+                                     "division by (std + 1e-4) round in float32 (~1e-7 relative each), as do its "
+                                     "means of completion lengths; observed <= 1.6e-7 on advantages up to ~2.8. A "
+                                     "wrong baseline, std or length is off by > 1e-2"),
     "preference_vs_trl_grads": Tolerance(1e-3, 1e-7,
                                          "LoRA gradients of a preference step against TRL + PEFT autograd in "
                                          "float32: per-token weights of float32 log-probability differences "

@@ -1,6 +1,7 @@
 """What every training objective is: its traits (the data it reads, the trainer that runs it, its reference, its
 options), and for the preference objectives a loss of sequence log-probabilities with its derivatives and TRL's
-metrics; the numerically stable helpers those losses share."""
+metrics; the numerically stable helpers those losses share. (GRPO's loss, of per-token log-probabilities, is its
+own: grpo.py.)"""
 from __future__ import annotations
 
 import enum
@@ -11,12 +12,12 @@ import numpy as np
 
 
 class DataKind(enum.Enum):
-    """The records an objective reads; the values are data/sources.py's record kinds. GRPO's prompt-only data
-    will be one more member."""
+    """The records an objective reads; the values are data/sources.py's record kinds."""
 
     SFT = "sft"                 # conversations or text, a token loss on the completion
     PAIRS = "preference"        # chosen / rejected pairs
     UNPAIRED = "unpaired"       # single completions labelled desirable or not (KTO)
+    PROMPTS = "prompts"         # prompts alone, the completions generated during training (GRPO)
 
 
 class TrainerKind(enum.Enum):
@@ -24,6 +25,8 @@ class TrainerKind(enum.Enum):
 
     SUPERVISED = "supervised"   # the Trainer: the engine's token cross-entropy
     PREFERENCE = "preference"   # the PreferenceTrainer: rows scored, the loss's derivatives as per-token weights
+    ONLINE = "online"           # online RL (GRPO): completions sampled with the current adapter and rewarded in the
+                                # loop, the loss's per-token derivatives as per-token weights
 
 
 class Objective:
