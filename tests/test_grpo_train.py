@@ -50,6 +50,11 @@ def adapter(folder):
     return read_adapter(folder)[1]
 
 
+def length_reward(prompts, completions, topic, **kw):
+    """A reward that differs between a random model's completions: their length, and the prompt's topic column."""
+    return [len(c) / 10 + t for c, t in zip(completions, topic)]
+
+
 def test_weights_give_the_objectives_gradient(workspace, tmp_path):
     """-N dloss/dlogp as per-token weights: the engine's gradient is the objective's. Checked on the NumPy engine
     against a central difference of the GRPO loss (beta > 0, mu 2: ratio, clipping and KL all in play) along
@@ -91,40 +96,48 @@ def test_weights_give_the_objectives_gradient(workspace, tmp_path):
 
 def test_grpo_run_logs_trl_metrics_and_its_completions(workspace, tmp_path):
     out = tmp_path / "run"
-    summary = finetune(config(workspace, out, max_steps=2, eval_generate=True))
-    assert summary["steps"] == 2 and summary["objective"]["rewards"] == ["word_positions"]
+    summary = finetune(config(workspace, out, max_steps=2, eval_generate=True, reward="word_positions",
+                              reward_weights="0.5,1"), reward_funcs=[length_reward])
+    assert summary["steps"] == 2 and summary["objective"]["rewards"] == ["word_positions", "length_reward"]
     assert summary["reward_before"] is not None and summary["reward_after"] is not None
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "grad_norm" in r]
-    for key in ("reward", "reward_std", "rewards/word_positions/mean", "completions/mean_length",
+    assert steps[0]["grad_norm"] > 0
+    for key in ("reward", "reward_std", "rewards/word_positions/mean", "rewards/length_reward/mean",
+                "completions/mean_length",
                 "completions/clipped_ratio", "clip_ratio/region_mean", "frac_reward_zero_std"):
         assert key in steps[0], key
     completions = [json.loads(line) for line in (out / COMPLETIONS_FILE).read_text().splitlines()]
     assert len(completions) == 2 * 4 and {c["step"] for c in completions} == {1, 2}
     # a step recomputed from the file: its rewards, then its group-relative advantages (scale_rewards group)
     step1 = [c for c in completions if c["step"] == 1]
-    answers = {p["prompt"]: p["answer"] for p in prompts(8)}
-    recomputed = word_positions([c["prompt"] for c in step1], [c["completion"] for c in step1],
-                                answer=[answers[c["prompt"]] for c in step1])
-    assert_close(np.array([c["rewards"]["word_positions"] for c in step1]), np.array(recomputed), 1e-12, 0)
-    r = np.array(recomputed)
-    adv = (r - r.mean()) / (r.std(ddof=1) + 1e-4)
-    assert_close(np.array([c["advantage"] for c in step1]), adv, 1e-9, 1e-9)
+    records = {p["prompt"]: p for p in prompts(8)}
+    texts = [c["completion"] for c in step1]
+    mine = np.array(word_positions([c["prompt"] for c in step1], texts,
+                                   answer=[records[c["prompt"]]["answer"] for c in step1]))
+    theirs = np.array(length_reward(None, texts, [records[c["prompt"]]["topic"] for c in step1]))
+    for name, expect in (("word_positions", mine), ("length_reward", theirs)):
+        np.testing.assert_array_equal([c["rewards"][name] for c in step1], expect)     # the same float64 sums
+    r = 0.5 * mine + theirs
+    np.testing.assert_allclose([c["reward"] for c in step1], r, rtol=1e-12)
+    adv = (r - r.mean()) / (r.std(ddof=1) + 1e-4)           # one prompt's group of 4: TRL's unbiased std
+    np.testing.assert_allclose([c["advantage"] for c in step1], adv, rtol=1e-9, atol=1e-12)
 
 
 def test_both_engines_train_the_same_steps(workspace, tmp_path):
+    """The same completions before the first update, then adapters equal after two steps (beta > 0: the KL term
+    and the reference scored with the adapter switched off on both)."""
     require_adapter()
-    kw = dict(max_steps=2, beta=0.1, temperature=0.7)
-    numpy_run = finetune(config(workspace, tmp_path / "np", **kw))
-    gpu_run = finetune(config(workspace, tmp_path / "gpu", backend="wgpu", **kw))
-    assert numpy_run["steps"] == gpu_run["steps"] == 2
-    for a, b in ((tmp_path / "np" / COMPLETIONS_FILE), (tmp_path / "gpu" / COMPLETIONS_FILE)),:
-        first = [json.loads(x)["completion_ids"] for x in a.read_text().splitlines()]
-        second = [json.loads(x)["completion_ids"] for x in b.read_text().splitlines()]
-        assert first[:4] == second[:4]          # the first generation, before any update: the same samples
-    for k, v in adapter(tmp_path / "np").items():
-        # float32 GPU sums against the NumPy engine's over two steps of lr 2e-2
-        assert_close(adapter(tmp_path / "gpu")[k], v, 2e-3, 2e-4)
+    kw = dict(max_steps=2, beta=0.1, temperature=0.7, reward=None, lr=1e-2)
+    runs = {}
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        runs[backend] = finetune(config(workspace, out, backend=backend, **kw), reward_funcs=[length_reward])
+        runs[backend]["completions"] = [json.loads(x)["completion_ids"]
+                                        for x in (out / COMPLETIONS_FILE).read_text().splitlines()]
+    assert runs["numpy"]["completions"][:4] == runs["wgpu"]["completions"][:4]
+    for k, v in adapter(tmp_path / "numpy").items():
+        assert_close(adapter(tmp_path / "wgpu")[k], v, "gpu_params_after_steps_lr1e-2", k)
 
 
 @pytest.mark.parametrize("stop", [1, 2])
@@ -146,7 +159,9 @@ def test_resume_is_bit_exact_with_a_reused_generation(workspace, tmp_path, stop)
 def test_bad_input_is_one_line(workspace, tmp_path, capsys):
     root, model = workspace
     common = ["finetune", "--model", str(model), "--data", str(root / "data"), "--backend", "numpy",
-              "--objective", "grpo", "--max-steps", "1", "--no-progress", "--out"]
+              "--objective", "grpo", "--max-steps", "1", "--no-progress", "--batch-size", "4", "--num-generations", "4",
+              "--max-completion-length", "6",
+              "--out"]
     one_line_error(capsys, common + [str(tmp_path / "a"), "--num-generations", "1"], "num_generations")
     one_line_error(capsys, common + [str(tmp_path / "b"), "--num-generations", "3", "--batch-size", "4"],
                    "must be a multiple of it")
@@ -160,9 +175,8 @@ def test_bad_input_is_one_line(workspace, tmp_path, capsys):
                             "--reward", "exact_match", "--backend", "numpy"], "no prompt")
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def boom(prompts, completions, **kw):\n    raise ValueError('no luck')\n")
-    one_line_error(capsys, common + [str(tmp_path / "f"), "--reward", f"{bad}:boom", "--batch-size", "4",
-                                     "--num-generations", "4"], "'boom', step 1: raised ValueError: no luck",
-                   after_log=True)
+    one_line_error(capsys, common + [str(tmp_path / "f"), "--reward", f"{bad}:boom"],
+                   "'boom', step 1: raised ValueError: no luck", after_log=True)
     assert not (tmp_path / "f").exists()        # nothing trained: the run's folder is gone again
 
 

@@ -83,11 +83,8 @@ class GRPOTrainer(Trainer):
         self.settings = config.grpo_settings()
         self.unit = objective_class(config.objective)(self.settings)       # its traits, advantages and loss
         specs = config.reward_specs() or ([] if reward_funcs else [DEMO_REWARD] if config.data is None else [])
-        self.rewards = load_rewards(specs, config.reward_pattern) + [
+        self.rewards = (load_rewards(specs, config.reward_pattern) if specs or not reward_funcs else []) + [
             RewardFunction(getattr(f, "__name__", f"reward_{i}"), f) for i, f in enumerate(reward_funcs or ())]
-        if not self.rewards:
-            raise ConfigError("--objective grpo needs a reward: give --reward (a built-in, module:function or "
-                              "path.py:function)")
         try:
             weights = [float(w) for w in config.reward_weights.split(",")] if config.reward_weights else None
         except ValueError:
@@ -105,6 +102,7 @@ class GRPOTrainer(Trainer):
         self._step_metrics: list = []
         self._reward = {"before": None, "after": None}
         self._completions = None           # completions.jsonl, open while training
+        self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
@@ -326,7 +324,7 @@ class GRPOTrainer(Trainer):
         return {"reward": float(rewards.mean()), "n": len(examples), "split": split}
 
     def _evaluate_before(self):
-        if self.eval_generate:
+        if self.held_out_rewards:
             self._reward_row(self.held_out_reward(), "before")
 
     def _reward_row(self, result, when: str):
@@ -363,6 +361,8 @@ class GRPOTrainer(Trainer):
 
     def setup(self):
         super().setup()
+        # --eval-generate: the greedy reward on held-out prompts before and after, in place of exact match
+        self.held_out_rewards, self.eval_generate = self.eval_generate, False
         saved = self._resume[1].get("generation") if self._resume else None
         if saved:
             arrays = checkpoint.read_arrays(self._resume[0])
@@ -374,14 +374,14 @@ class GRPOTrainer(Trainer):
         return self
 
     def _summary(self, stopped, adapter_step, after, em_after, ckpt, run, wall) -> dict:
-        if adapter_step is not None and self.eval_generate and stopped != "interrupted":
+        if adapter_step is not None and self.held_out_rewards and stopped != "interrupted":
             self._reward_row(self.held_out_reward(), "after")
         summary = super()._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
         summary["objective"] = {"name": self.config.objective, **dataclasses.asdict(self.settings),
                                 "rewards": [r.name for r in self.rewards],
                                 "reward_weights": self.reward_weights.tolist()}
         summary.update(reward_before=self._reward["before"], reward_after=self._reward["after"],
-                       reward_split=self.held_out()[0] if self.eval_generate else None)
+                       reward_split=self.held_out()[0] if self.held_out_rewards else None)
         return summary
 
 
