@@ -1,5 +1,6 @@
-"""backend="auto": the WebGPU engine on a GPU or a named adapter, the NumPy engine without an adapter or where
-the only adapters are CPUs (unless its float32 weights would not fit), each choice with its reason."""
+"""backend="auto": the WebGPU engine on a GPU or a named adapter, the NumPy engine without an adapter, and where
+the only adapters are CPUs the faster of the two for the model (timed once, cached), unless the NumPy engine's
+float32 weights would not fit; each choice with its reason."""
 import dataclasses
 import json
 
@@ -44,29 +45,70 @@ def test_auto_picks_a_gpu_adapter(monkeypatch, kinds):
         assert choice.engine == "wgpu" and choice.device is None and f"fake {kind}" in choice.reason
 
 
-def test_auto_on_cpu_adapters_picks_the_numpy_engine_that_the_engines_bench_measured_faster(monkeypatch):
-    """The only adapters here are lavapipe and llvmpipe GL; `bench --only engines` measured the NumPy engine faster
-    for both the embedded default and a SmolLM2-135M-shaped model (benchmarks/README.md)."""
+def _fake_probe(monkeypatch, numpy: float, wgpu: float) -> list:
+    """backend_choice's probe reports these tokens/s; the list records each call's (cfg, batch)."""
+    calls = []
+
+    def probed(cfg, rt, base_dtype, embed_dtype, precision, batch=None):
+        calls.append((cfg, batch))
+        return {"numpy": numpy, "wgpu": wgpu}, False
+    monkeypatch.setattr(backend_choice, "probed_speeds", probed)
+    return calls
+
+
+@pytest.mark.parametrize("faster", ["numpy", "wgpu"])
+def test_auto_on_cpu_adapters_picks_the_engine_its_probe_measured_faster(monkeypatch, faster):
+    """Where the only adapters are CPUs (here lavapipe and llvmpipe GL), the faster engine for this model and
+    batch, whichever it is: the embedded default and a SmolLM2-135M-shaped model."""
     require_adapter()
     assert all(a.adapter_type == "CPU" for a in ADAPTERS)
     monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
-    for cfg in (EMBEDDED, SMOL):
-        choice = choose_backend("auto", None, cfg)
-        assert choice.engine == "numpy" and "the only WebGPU adapters are CPUs" in choice.reason
-    assert wt.load_model(default_model_dir(), backend="auto").backend == "numpy"
+    calls = _fake_probe(monkeypatch, *((2.0, 1.0) if faster == "numpy" else (1.0, 2.0)))
+    for cfg, batch in ((EMBEDDED, (16, 48)), (SMOL, (2, 256))):
+        choice = choose_backend("auto", None, cfg, batch=batch)
+        assert choice.engine == faster and choice.device is None
+        assert "the only WebGPU adapters are CPUs" in choice.reason and "tokens/s" in choice.reason
+        assert calls[-1] == (cfg, batch)
+
+
+@pytest.mark.real_probe
+def test_the_probe_times_both_engines_once_and_caches_the_result(monkeypatch, tmp_path):
+    """The real probe on the embedded model (a LoRA step of each engine): the choice is the faster of the two it
+    measured, and a second choice reads the adapter's tune cache instead of measuring again."""
+    from wgpu_train.engines import backend_probe
+
+    require_adapter()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
+    measured = []
+    real = backend_probe.measure_engines
+    monkeypatch.setattr(backend_probe, "measure_engines", lambda *a: measured.append(real(*a)) or measured[-1])
+    rt = runtime.get_runtime()
+    rt.forget("tune.cache")             # the adapter's tune cache read again, from tmp_path
+    try:
+        first = choose_backend("auto", None, EMBEDDED, batch=(2, 16))
+        assert len(measured) == 1 and set(measured[0]) == {"numpy", "wgpu"} and min(measured[0].values()) > 0
+        assert first.engine == max(measured[0], key=measured[0].get) and "timed now" in first.reason
+        assert any(k.startswith("engines ") for k in backend_probe.tune.cache(rt).entries)
+        again = choose_backend("auto", None, EMBEDDED, batch=(2, 16))
+        assert len(measured) == 1 and again.engine == first.engine and "measured earlier" in again.reason
+    finally:
+        rt.forget("tune.cache")         # later tests read the usual cache
 
 
 def test_auto_keeps_the_cpu_adapter_when_the_numpy_engines_float32_weights_would_not_fit(monkeypatch):
     _fake_adapters(monkeypatch, "CPU")
+    _fake_probe(monkeypatch, 2.0, 1.0)              # the NumPy engine would be faster, if it fitted
     host = numpy_weight_bytes(SMOL)
     tight = int(host / backend_choice.NUMPY_MEMORY_SHARE) - 1          # just too little for the float32 copies
     nf4 = choose_backend("auto", None, SMOL, "nf4", "float16", memory=tight)
     assert nf4.engine == "wgpu" and "would not fit" in nf4.reason
-    # float32 storage saves nothing on the adapter: the NumPy engine stays the choice
+    # float32 storage saves nothing on the adapter: the faster engine stays the choice
     assert choose_backend("auto", None, SMOL, "float32", "float32", memory=tight).engine == "numpy"
     assert choose_backend("auto", None, SMOL, "nf4", "float16", memory=10 * host).engine == "numpy"
 
 
+@pytest.mark.real_probe
 def test_a_named_adapter_or_backend_wgpu_runs_on_the_cpu_adapter(monkeypatch):
     require_adapter()
     monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)

@@ -1,5 +1,7 @@
-"""Which engine `backend="auto"` runs, and why: the WebGPU engine on a GPU, the NumPy engine where the only
-WebGPU adapters are CPUs (lavapipe, llvmpipe), unless its float32 weights would not fit the machine's memory."""
+"""Which engine `backend="auto"` runs, and why: the WebGPU engine on a GPU or on an adapter the user names; where
+the only WebGPU adapters are CPUs (lavapipe, llvmpipe), the faster of the NumPy engine and the CPU adapter for
+this model, timed once side by side (backend_probe.py), unless the NumPy engine's float32 weights would not fit
+the machine's memory."""
 from __future__ import annotations
 
 import os
@@ -7,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wgpu_train.engines.backend_probe import probed_speeds
 from wgpu_train.engines.webgpu.device import runtime
 from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
 from wgpu_train.errors import ConfigError
@@ -16,9 +19,6 @@ BACKENDS = ("auto", "wgpu", "numpy")
 # The NumPy engine keeps every base weight as a float32 copy on the host: auto gives it at most this share of the
 # memory the machine has available, so that activations, the optimizer and the rest of the process still fit.
 NUMPY_MEMORY_SHARE = 0.6
-# The NumPy engine's LoRA step measured against the CPU adapter's on one 2-core machine (`wgpu-train bench
-# --only engines`, lavapipe, benchmarks/README.md): what the reason line quotes.
-MEASURED = "the NumPy engine ran LoRA steps 1.5-1.9x faster than lavapipe in `wgpu-train bench --only engines`"
 
 
 @dataclass(frozen=True)
@@ -51,15 +51,18 @@ def numpy_weight_bytes(cfg: ModelConfig) -> int:
 
 
 def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, base_dtype: str = "float32",
-                   embed_dtype: str = "auto", memory: int | None = None) -> BackendChoice:
-    """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype.
+                   embed_dtype: str = "auto", precision: str = "auto", batch: tuple | None = None,
+                   memory: int | None = None) -> BackendChoice:
+    """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype with
+    activations in `precision`, trained (or run) on batches of `batch` (rows, tokens; None: a small one).
 
     auto: the WebGPU engine on the preferred adapter when it is a GPU (discrete, integrated, virtual or of an
     unknown type), or on the adapter `device` (or WGPU_TRAIN_DEVICE) names, whatever its type; the NumPy engine
-    when there is no adapter, or when the preferred one is a CPU, as it is faster there
-    (MEASURED), unless its float32 copies of the weights exceed NUMPY_MEMORY_SHARE of `memory` (default: what the
-    machine has available) while the CPU adapter's stored weights are smaller. Nothing else separates them:
-    both engines run every feature. ConfigError for an unknown backend."""
+    when there is no adapter. Where the preferred adapter is a CPU, the CPU adapter when the NumPy engine's
+    float32 copies of the weights would exceed NUMPY_MEMORY_SHARE of `memory` (default: what the machine has
+    available) and the adapter stores them in fewer bytes; else the faster of the two for a LoRA step of cfg's
+    shape and batch, timed once and cached (backend_probe.probed_speeds; without cfg, the NumPy engine). Nothing else
+    separates them: both engines run every feature. ConfigError for an unknown backend."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "numpy":
@@ -77,12 +80,18 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     if info.adapter_type != "CPU":
         return BackendChoice("wgpu", None, f"auto: a GPU, {info.describe()}")
     where = f"the only WebGPU adapters are CPUs ({info.name})"
-    if cfg is not None:
-        host = numpy_weight_bytes(cfg)
-        stored = base_weight_bytes(cfg, base_dtype, embed_dtype)["total"]
-        budget = NUMPY_MEMORY_SHARE * (available_memory() if memory is None else memory)
-        if host > budget and stored < host:
-            return BackendChoice("wgpu", None, f"auto: {where}, but the NumPy engine's float32 weights "
-                                 f"({host / 2**30:.1f} GiB) would not fit the {budget / 2**30:.1f} GiB it may use; "
-                                 f"{info.describe()} stores them in {stored / 2**30:.1f} GiB")
-    return BackendChoice("numpy", None, f"auto: {where}; {MEASURED}")
+    if cfg is None:
+        return BackendChoice("numpy", None, f"auto: {where}")
+    host = numpy_weight_bytes(cfg)
+    stored = base_weight_bytes(cfg, base_dtype, embed_dtype)["total"]
+    budget = NUMPY_MEMORY_SHARE * (available_memory() if memory is None else memory)
+    if host > budget and stored < host:
+        return BackendChoice("wgpu", None, f"auto: {where}, but the NumPy engine's float32 weights "
+                             f"({host / 2**30:.1f} GiB) would not fit the {budget / 2**30:.1f} GiB it may use; "
+                             f"{info.describe()} stores them in {stored / 2**30:.1f} GiB")
+    speeds, cached = probed_speeds(cfg, runtime.get_runtime(), base_dtype, embed_dtype,
+                                   "fp32" if precision == "auto" else precision, batch)
+    engine = max(speeds, key=speeds.get)
+    return BackendChoice(engine, None, f"auto: {where}; a LoRA step of this model "
+                         f"{'measured earlier' if cached else 'timed now'} ran {speeds['numpy']:,.0f} tokens/s "
+                         f"on the NumPy engine and {speeds['wgpu']:,.0f} on {info.name} ({info.backend})")

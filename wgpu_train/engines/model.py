@@ -420,7 +420,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
                  embed_dtype="auto", precision="auto", kv_dtype="float32"):
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     check_precision(precision)
-    choice = choose_backend(backend, device, config, base_dtype, embed_dtype)
+    choice = choose_backend(backend, device, config, base_dtype, embed_dtype, precision)
     if backend == "auto":
         log.info("backend: %s (%s)", choice.engine, choice.reason)
     if choice.engine == "wgpu":

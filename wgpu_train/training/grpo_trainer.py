@@ -103,6 +103,7 @@ class GRPOTrainer(Trainer):
         self._reward = {"before": None, "after": None}
         self._completions = None           # completions.jsonl, open while training
         self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
+        self.part_seconds: dict = {}       # part of the steps -> (seconds, tokens) (_time)
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
@@ -183,8 +184,11 @@ class GRPOTrainer(Trainer):
         examples = [self.prompts["train"][i] for i in indices for _ in range(g)]       # TRL's order: G in a row
         # the sampling RNG: one seed per row from (run seed, step), so a resumed run draws the same completions
         seeds = [int(x) for x in np.random.SeedSequence([cfg.seed, self.step]).generate_state(len(examples))]
+        t0 = time.perf_counter()
         completions, cut = self._sample(examples, seeds)
+        t1 = time.perf_counter()
         per_func = self._rewards(examples, completions, self.step + 1)
+        t2 = time.perf_counter()
         advantages, rewards, metrics = self.unit.advantages(per_func, self.reward_weights,
                                                             [r.name for r in self.rewards])
         lengths = np.array([len(c) for c in completions])
@@ -202,6 +206,9 @@ class GRPOTrainer(Trainer):
         old, ref = None, None
         if s.num_iterations > 1 or s.uses_reference:
             old, ref = self._score(micro, masks, reference=s.uses_reference)
+        self._time("generation", t1 - t0, sum(len(c) for c in completions))
+        self._time("rewards", t2 - t1)
+        self._time("scoring", time.perf_counter() - t2)
         self._log_completions(examples, completions, per_func, rewards, advantages)
         return Generation(micro, masks, advantages, old, old if s.num_iterations > 1 else None, ref, metrics)
 
@@ -219,17 +226,24 @@ class GRPOTrainer(Trainer):
             policy.append(_padded(-losses.astype(np.float64) * mask, width))
         return np.concatenate(policy), (np.concatenate(ref) if reference else None)
 
+    def _time(self, part: str, seconds: float, tokens: int = 0):
+        """Add to the run's time in one part of its steps (generation, rewards, scoring, train_step): the
+        timings `bench --only grpo` reports; generation also counts its tokens."""
+        seconds0, tokens0 = self.part_seconds.get(part, (0.0, 0))
+        self.part_seconds[part] = (seconds0 + seconds, tokens0 + tokens)
+
     # ---- the step -----------------------------------------------------------------------------------
     def _step(self):
         cfg, s = self.config, self.settings
         indices, epoch_done = self.next_batch()
-        if self._generation is None or (self.stream.position - 1) % s.num_iterations == 0:
-            self._generation = self._generate(indices)
-        gen = self._generation
         lr = self.schedule.lr_at(self.step + 1)
         t0 = time.perf_counter()
         self._stepping = True
         try:
+            if self._generation is None or (self.stream.position - 1) % s.num_iterations == 0:
+                self._generation = self._generate(indices)
+            gen = self._generation
+            t_train = time.perf_counter()
             width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
             mask = np.concatenate([_padded(m, width) for m in gen.masks])                  # (R, T)
             first = (self.stream.position - 1) % s.num_iterations == 0
@@ -245,6 +259,7 @@ class GRPOTrainer(Trainer):
                 count, grad_norm, applied = 0, None, True
             else:
                 _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
+            self._time("train_step", time.perf_counter() - t_train)
         finally:
             self._stepping = False
         seconds = time.perf_counter() - t0

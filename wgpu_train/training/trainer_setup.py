@@ -53,7 +53,8 @@ class TrainerSetup:
             self.config = cfg = dataclasses.replace(cfg, lora_layers=lora_options(lora)["lora_layers"])
         if lora:
             lora.modules(model_cfg)      # targets or layers the model lacks: refused before it loads
-        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
+                                self.precision or "auto", (cfg.batch_size, cfg.max_seq_len))
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
         if cfg.backend == "auto":
             self.log(f"backend: {self.backend} ({self.backend_reason})")
