@@ -159,6 +159,25 @@ TOLERANCES: dict[str, Tolerance] = {
                                      "division by (std + 1e-4) round in float32 (~1e-7 relative each), as do its "
                                      "means of completion lengths; observed <= 1.6e-7 on advantages up to ~2.8. A "
                                      "wrong baseline, std or length is off by > 1e-2"),
+    "grpo_vs_trl_loss": Tolerance(2e-5, 2e-6,
+                                  "a whole GRPO run's logged loss, grad norm and metrics (rewards, completions, kl, "
+                                  "clip ratios) against TRL's GRPOTrainer (tests/test_grpo_trl.py): float32 "
+                                  "log-probabilities summed in another order, and TRL's float32 rewards, advantages "
+                                  "and means; a step's loss nears 0 (advantages cancel), hence the absolute part; "
+                                  "seen at most 6.4e-7 absolute (a loss of 9e-3), over both families and engines. "
+                                  "A wrong normaliser, KL term or clipped share is off by > 1e-3"),
+    "grpo_vs_trl_grads": Tolerance(1e-3, 1e-7,
+                                   "the first GRPO step's LoRA gradients (the engine's per-token weighted "
+                                   "cross-entropy backward) against TRL + PEFT autograd in float32, clipped alike: "
+                                   "seen at most 2.4e-7 absolute, 1.8e-6 of a tensor's largest element (small "
+                                   "elements carry that absolute error, hence rtol); TRL's tempered log-"
+                                   "probabilities (temperature 0.7) are off by 0.3 of the largest, its adapter-copy "
+                                   "reference (beta 0.04) by 1.2e-4, 1.3% of the element"),
+    "grpo_vs_trl_params": Tolerance(1e-4, 1e-5,
+                                    "the adapter after three GRPO AdamW steps (lr 5e-3) against TRL's: Adam's "
+                                    "normalised first steps turn float32 differences of small gradients into "
+                                    "absolute ones; seen at most 2.1e-6 (5.5e-7 with equal reward weights). A "
+                                    "wrong step moves a parameter by ~lr"),
     "preference_vs_trl_grads": Tolerance(1e-3, 1e-7,
                                          "LoRA gradients of a preference step against TRL + PEFT autograd in "
                                          "float32: per-token weights of float32 log-probability differences "

@@ -62,7 +62,7 @@ class Generation:
     micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each
     masks: list                     # [(B, T) bool]: the completion tokens that carry loss
     advantages: np.ndarray          # (R,)
-    policy_logps: np.ndarray | None  # (R, T) the policy's at generation time (scored when beta > 0 or mu > 1)
+    policy_logps: np.ndarray | None  # (R, T) the policy's at generation time (scored when beta > 0, mu > 1 or cispo)
     old_logps: np.ndarray | None    # (R, T) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
     ref_logps: np.ndarray | None    # (R, T) of the reference (beta > 0), else None
     metrics: dict                   # rewards and completions, by TRL's names
@@ -204,7 +204,9 @@ class GRPOTrainer(Trainer):
         micro = [engine_batch(b) for b in row_batches(rows, cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
         masks = [targets != IGNORE_INDEX for _, targets, _, _ in micro]
         old, ref = None, None
-        if s.num_iterations > 1 or s.uses_reference:
+        # the policy's scores serve the ratios' old policy (mu > 1), the KL (beta > 0) and cispo's logged loss,
+        # whose value (not its gradient, the clamped ratio times the advantage) is the log-probabilities themselves
+        if s.num_iterations > 1 or s.uses_reference or s.loss_type == "cispo":
             old, ref = self._score(micro, masks, reference=s.uses_reference)
         self._time("generation", t1 - t0, sum(len(c) for c in completions))
         self._time("rewards", t2 - t1)
@@ -248,7 +250,8 @@ class GRPOTrainer(Trainer):
             mask = np.concatenate([_padded(m, width) for m in gen.masks])                  # (R, T)
             first = (self.stream.position - 1) % s.num_iterations == 0
             if first:                # the weights that generated: the scores taken then are the current ones
-                # (beta 0 and mu 1: the ratio is 1 whatever they are, TRL's detach, and no forward scores them)
+                # (beta 0 and mu 1 but cispo: the ratio is 1 whatever they are, TRL's detach, and no forward
+                # scores them)
                 logps = gen.policy_logps if gen.policy_logps is not None else np.zeros(mask.shape)
             else:
                 logps, _ = self._score(gen.micro, gen.masks, reference=False)
