@@ -73,6 +73,14 @@ def _engines(rt):
 SECTIONS["engines"] = _engines
 
 
+def _grpo(rt):
+    from wgpu_train.bench.grpo import bench_grpo
+    return bench_grpo(rt)
+
+
+SECTIONS["grpo"] = _grpo
+
+
 def _serve(rt):
     from wgpu_train.bench.serve import bench_serve
     return bench_serve(rt)
