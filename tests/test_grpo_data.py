@@ -19,30 +19,11 @@ from wgpu_train.data.tokenize import generation_prompt_ids
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 
-pq = pytest.importorskip("pyarrow.parquet")
-pa = pytest.importorskip("pyarrow")
+from record_files import WRITERS, write_json, write_jsonl, write_parquet
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
 S = lambda text: {"role": "system", "content": text}  # noqa: E731
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def write_json(path, rows):
-    path.write_text(json.dumps(rows), encoding="utf-8")
-    return path
-
-
-def write_parquet(path, rows):
-    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
-    return path
-
-
-WRITERS = {"jsonl": write_jsonl, "json": write_json, "parquet": write_parquet}
 
 
 # ---------------------------------------------------------------------------------------------------------------

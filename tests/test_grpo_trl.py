@@ -16,7 +16,7 @@ from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.grpo_trainer import GRPOTrainer, _padded, _weighted
 
 from conftest import require_adapter
-from finetune_helpers import make_model_dir, write_jsonl
+from finetune_helpers import make_trl_model_and_adapter, write_jsonl
 from tolerances import assert_close
 
 torch = pytest.importorskip("torch")
@@ -65,25 +65,12 @@ def fixed_completions(words: range, eos: int) -> list:
 def setups(tmp_path_factory):
     """family -> (root, model folder, completions): a tiny model with its tokenizer, our initial adapter (B random:
     B = 0 would hide A's gradients and make policy and reference equal) saved in PEFT's format, the prompts."""
-    import wgpu_train as wt
-
     made = {}
 
     def get(family):
         if family not in made:
             root = tmp_path_factory.mktemp(f"grpo_trl_{family}")
-            folder = make_model_dir(root / "model", family)
-            # transformers would tokenize with its Qwen2Tokenizer pipeline, not this folder's tokenizer.json
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-            (folder / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                                      "tokenizer_class": "PreTrainedTokenizerFast"}))
-            model = wt.load_model(folder, backend="numpy")
-            lora = wt.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
-            model.add_lora(lora, seed=3)
-            rng = np.random.default_rng(4)
-            model._set_lora(lora, {p: (a, rng.normal(0, 0.05, b.shape).astype(np.float32))
-                                   for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
-            model.save_adapter(root / "adapter")
+            folder = make_trl_model_and_adapter(root, family)
             write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
             tok = load_tokenizer(folder)
             specials = max(tok.stop_token_ids + [tok.pad_token_id]) + 1
@@ -178,7 +165,6 @@ def our_trainer(root, folder, completions, case, backend, out, monkeypatch):
 def first_step_gradients(trainer):
     """The engine's LoRA gradients of the first step's weighted micro-batch, as _step forms them (not applied),
     and the step's GRPOResult."""
-    s = trainer.settings
     gen = trainer._generate(trainer.stream.epoch_batches(0)[0])
     width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
     mask = np.concatenate([_padded(m, width) for m in gen.masks])

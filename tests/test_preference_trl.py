@@ -8,11 +8,10 @@ import json
 import numpy as np
 import pytest
 
-import wgpu_train as wt
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.preference_trainer import PreferenceTrainer
 
-from finetune_helpers import make_model_dir
+from finetune_helpers import make_trl_model_and_adapter
 from tolerances import assert_close
 
 torch = pytest.importorskip("torch")
@@ -60,18 +59,7 @@ def setups(tmp_path_factory):
     def get(family):
         if family not in made:
             root = tmp_path_factory.mktemp(f"pref_trl_{family}")
-            folder = make_model_dir(root / "model", family)
-            # transformers would tokenize with its Qwen2Tokenizer pipeline, not this folder's tokenizer.json
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-            (folder / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                                      "tokenizer_class": "PreTrainedTokenizerFast"}))
-            model = wt.load_model(folder, backend="numpy")
-            lora = wt.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
-            model.add_lora(lora, seed=3)
-            rng = np.random.default_rng(4)
-            model._set_lora(lora, {p: (a, rng.normal(0, 0.05, b.shape).astype(np.float32))
-                                   for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
-            model.save_adapter(root / "adapter")
+            folder = make_trl_model_and_adapter(root, family)
             for name, rows in (("pairs", PAIRS), ("unpaired", UNPAIRED)):
                 (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             made[family] = root, folder
