@@ -193,3 +193,14 @@ def test_a_failing_reward_keeps_the_last_checkpoint(workspace, tmp_path, capsys)
     one_line_error(capsys, ["finetune", "--resume", str(out), "--max-steps", "4", "--reward", f"{bad}:late",
                             "--no-progress"], "'late', step 3", after_log=True)
     assert folder_state(out / "checkpoints") == before
+
+
+def test_the_embedded_demo_learns(tmp_path):
+    """`wgpu-train finetune --objective grpo` with no data: the held-out greedy reward rises clearly (measured
+    0.137 -> 0.927 on the NumPy engine; a collapse, or no learning, stays near or below the start)."""
+    from wgpu_train.training.config import default_run_config
+
+    summary = finetune(default_run_config(objective="grpo", backend="numpy", out=str(tmp_path / "demo"),
+                                          no_progress=True))
+    assert summary["steps"] == 100 and summary["reward_split"] == "test"
+    assert summary["reward_before"] < 0.3 and summary["reward_after"] > summary["reward_before"] + 0.4
