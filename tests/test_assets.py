@@ -10,7 +10,7 @@ import pytest
 from wgpu_train.assets import TASK_INSTRUCTION, WORDS, default_data_dir, default_model_dir
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.data.sources import load_records
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.formats.tokenizer import load_tokenizer
 
 SPLITS = ("train", "valid", "test")

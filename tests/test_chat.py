@@ -16,7 +16,7 @@ from finetune_helpers import make_data_dir, make_model_dir, one_line_error
 import wgpu_train
 from wgpu_train.cli.chat import Conversation
 from wgpu_train.cli.main import main
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.formats.tokenizer import load_tokenizer
 
 

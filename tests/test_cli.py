@@ -17,7 +17,7 @@ from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_li
 from wgpu_train.cli.main import build_parser, main
 from wgpu_train.cli.commands import prompt_ids, resolve_train_config
 from wgpu_train.formats.safetensors import read_safetensors
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.config import TrainConfig
 

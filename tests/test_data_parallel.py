@@ -10,14 +10,14 @@ import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir
 from test_engine_protocol import StrictEngine
-from wgpu_train.engines import model as model_module
+from wgpu_train.engines import loading
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.distributed.data_parallel import DataParallelTrainer, partition, split_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.files import read_adapter
 from wgpu_train.formats.safetensors import read_safetensors
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.training.trainer import Trainer
 from wgpu_train.training.config import TrainConfig
 
@@ -180,8 +180,8 @@ def test_reduce_sees_the_gradients_once_and_its_result_is_used(workspace, backen
 # ---- workers in threads -----------------------------------------------------------------------------------
 
 def test_two_workers_equal_one_process_with_the_whole_batch(workspace, tmp_path, monkeypatch):
-    made = model_module._make_engine
-    monkeypatch.setattr(model_module, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
+    made = loading._make_engine
+    monkeypatch.setattr(loading, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
     one = Trainer(config(workspace, tmp_path / "one", grad_accum=4, save_every=4)).run()
     two = run_threads(config(workspace, tmp_path / "two", grad_accum=2, num_workers=2, eval_every=4,
                              save_every=4), 2)

@@ -18,7 +18,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.adapters.dora import magnitude_key
 from wgpu_train.errors import ConfigError
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.shared.labels import shift_labels
 

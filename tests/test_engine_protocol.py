@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir
-from wgpu_train.engines import model as model_module
+from wgpu_train.engines import loading
 from wgpu_train.engines.protocol import MEMBERS, Engine
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.training.config import TrainConfig
@@ -34,7 +34,7 @@ def workspace(tmp_path_factory):
 
 
 def test_engines_implement_the_protocol(workspace, default_rt):
-    from wgpu_train.engines.model import load_model
+    from wgpu_train.engines.loading import load_model
 
     for backend in ("numpy", "wgpu"):
         engine = load_model(workspace[0], backend=backend).engine
@@ -45,8 +45,8 @@ def test_engines_implement_the_protocol(workspace, default_rt):
 
 @pytest.mark.parametrize("backend", ["numpy", "wgpu"])
 def test_training_reaches_only_the_protocol(workspace, tmp_path, monkeypatch, backend, default_rt):
-    made = model_module._make_engine
-    monkeypatch.setattr(model_module, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
+    made = loading._make_engine
+    monkeypatch.setattr(loading, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
     model, data = workspace
     kw = dict(model=str(model), data=str(data), backend=backend, max_steps=4, batch_size=2, grad_accum=2,
               lora_dropout=0.1, eval_every=2, save_every=2, eval_generate=True, max_new_tokens=4,
@@ -64,8 +64,8 @@ def test_preference_training_reaches_only_the_protocol(workspace, tmp_path, monk
     and its resume, on the WebGPU engine seen only through the protocol."""
     import json
 
-    made = model_module._make_engine
-    monkeypatch.setattr(model_module, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
+    made = loading._make_engine
+    monkeypatch.setattr(loading, "_make_engine", lambda *a, **k: StrictEngine(made(*a, **k)))
     model, _ = workspace
     data = tmp_path / "pairs.jsonl"
     rows = [{"prompt": f"after red {i}?", "chosen": f" blue {i}", "rejected": f" moon {i}"} for i in range(8)]

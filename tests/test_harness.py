@@ -183,7 +183,7 @@ def test_chat_template_prompts_match_lm_evals_hf_backend(tiny):
 
 
 def test_scoring_reads_each_input_once_in_padded_buckets(tiny, monkeypatch):
-    from wgpu_train.engines.model import load_model
+    from wgpu_train.engines.loading import load_model
     from wgpu_train.errors import ConfigError
     from wgpu_train.harness.scoring import continuation_scores
 

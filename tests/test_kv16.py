@@ -147,17 +147,17 @@ def test_kv_dtype_option(capsys, command):
 
 def test_generate_passes_kv_dtype_to_the_engine(tmp_path, monkeypatch, capsys):
     """`wgpu-train generate --kv-dtype bfloat16` answers, with its engine's cache in bfloat16."""
-    from wgpu_train.engines import model as model_module
+    from wgpu_train.engines import loading
 
     engines = []
-    load = model_module.load_model
+    load = loading.load_model
 
     def recording_load(*a, **k):
         m = load(*a, **k)
         engines.append(m.engine)
         return m
 
-    monkeypatch.setattr(model_module, "load_model", recording_load)
+    monkeypatch.setattr(loading, "load_model", recording_load)
     model_dir = make_model_dir(tmp_path / "model")
     assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "4",
                  "--backend", "numpy", "--kv-dtype", "bfloat16"]) == 0

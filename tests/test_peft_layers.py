@@ -21,7 +21,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.engines.webgpu.memory import estimate_memory
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu.memory import count_trainable
 

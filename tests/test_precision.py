@@ -14,7 +14,7 @@ from finetune_helpers import make_data_dir, make_model_dir, one_line_error, peft
 from tiny_models import build_model, in_arch, save_model
 from tolerances import TOLERANCES, assert_close
 from wgpu_train.engines import protocol
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.numpy import engine as numpy_engine
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.numpy.precision import Rounding
@@ -346,7 +346,7 @@ def test_bad_precision_values_are_one_line(capsys, tmp_path):
 
 
 def test_auto_is_bf16_on_gpus_fp32_elsewhere_and_says_why():
-    from wgpu_train.engines.model import precision_choice
+    from wgpu_train.engines.loading import precision_choice
 
     assert precision_choice("auto", "numpy") == ("fp32", "auto: the NumPy engine is the float32 reference")
     assert precision_choice("auto", "wgpu", cpu_adapter=True)[0] == "fp32"

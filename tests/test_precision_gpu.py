@@ -184,7 +184,7 @@ def test_odd_widths_are_refused_in_16_bits(tmp_path, rt):
         wt.load_model(tmp_path, backend="wgpu", device=str(rt.info.index), precision="bf16")
     assert wt.load_model(tmp_path, backend="numpy", precision="bf16").engine.precision == "bf16"
     # auto would pick bf16 on a GPU: fp32 for this model, saying why
-    from wgpu_train.engines.model import precision_choice
+    from wgpu_train.engines.loading import precision_choice
 
     cfg = wt.ModelConfig.from_folder(tmp_path)
     assert precision_choice("auto", "wgpu", False, cfg) == ("fp32", "auto: this model has an odd width, which "

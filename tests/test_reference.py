@@ -22,7 +22,7 @@ from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import AdapterError, ConfigError, ModelFileError, WgpuTrainError
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 
 # PEFT calls a transformers method that warns of its own deprecation; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")

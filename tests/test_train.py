@@ -25,7 +25,7 @@ from wgpu_train.adapters.files import read_adapter
 from wgpu_train.formats.safetensors import read_safetensors
 from wgpu_train.training.schedule import LRSchedule
 from wgpu_train.formats.tokenizer import load_tokenizer
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
 from wgpu_train.training.metrics import plot_losses
 from wgpu_train.training.config import resumed_settings as run_settings

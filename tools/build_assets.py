@@ -55,7 +55,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.models.weights import save_model_folder
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.formats.tokenizer import load_tokenizer

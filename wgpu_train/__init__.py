@@ -4,7 +4,8 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, RewardError,
                                ShaderError, WgpuTrainError)
 from wgpu_train.engines.resources import devices, estimate_memory
-from wgpu_train.engines.model import Model, load_model
+from wgpu_train.engines.model import Model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.shared.quant import BASE_DTYPES, EMBED_CHOICES, EMBED_DTYPES
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.trainer import Trainer

@@ -9,7 +9,8 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.assets import default_model_dir
 from wgpu_train.bench.pretune import SMOL135
 from wgpu_train.bench.training import random_batch, random_weights, timed
-from wgpu_train.engines.model import choose_backend, load_model, model_from_weights
+from wgpu_train.engines.loading import load_model, model_from_weights
+from wgpu_train.engines.backend_choice import choose_backend
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.webgpu.device import runtime
 from wgpu_train.models.config import ModelConfig

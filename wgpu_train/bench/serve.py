@@ -68,7 +68,7 @@ def bench_serve(rt, n: int = 8, max_tokens: int = 24) -> dict:
         require_extra()
     except ConfigError as e:
         return {"skipped": str(e)}
-    from wgpu_train.engines.model import load_model
+    from wgpu_train.engines.loading import load_model
     from wgpu_train.formats.tokenizer import load_tokenizer
     from wgpu_train.serve.adapters import AdapterRegistry
     from wgpu_train.serve.app import build_app

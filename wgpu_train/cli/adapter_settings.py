@@ -108,7 +108,7 @@ def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="aut
                              base_dtype="auto", embed_dtype="auto", kv_dtype="float32"):
     """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge; kv_dtype: the storage of
     generation's KV cache (engine.kv_dtype). Backend auto's choice is said in one line on stderr."""
-    from wgpu_train.engines.model import load_model
+    from wgpu_train.engines.loading import load_model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir) if tokenizer else None

@@ -370,7 +370,7 @@ def cmd_memory(args) -> int:
                           ensure_weight_tying=args.ensure_weight_tying)
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
-    from wgpu_train.engines.model import precision_choice
+    from wgpu_train.engines.loading import precision_choice
     from wgpu_train.engines.protocol import check_precision_widths
 
     precision = precision_choice(args.precision, "wgpu", cfg=cfg)[0]      # auto: a GPU's choice

@@ -11,7 +11,7 @@ import numpy as np
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.errors import ConfigError, WgpuTrainError
 from wgpu_train.adapters.layout import lora_options
-from wgpu_train.engines.model import choose_backend
+from wgpu_train.engines.backend_choice import choose_backend
 from wgpu_train.training.objectives import TrainerKind, objective_class
 
 

@@ -14,7 +14,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from wgpu_train.adapters.files import adapter_base_model, adapter_folder
-from wgpu_train.engines.model import load_model
+from wgpu_train.engines.loading import load_model
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats import hub
 from wgpu_train.formats.tokenizer import load_tokenizer

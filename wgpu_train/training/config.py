@@ -9,7 +9,7 @@ from pathlib import Path
 
 from wgpu_train.training import tracking
 from wgpu_train.adapters.config import LoraConfig
-from wgpu_train.engines.model import BACKENDS
+from wgpu_train.engines.backend_choice import BACKENDS
 from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern

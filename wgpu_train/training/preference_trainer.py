@@ -168,7 +168,7 @@ class PreferenceTrainer(Trainer):
         """(engine, whether its adapter is switched off while it scores, what it is for the log)."""
         cfg = self.config
         if cfg.ref_adapter:
-            from wgpu_train.engines.model import load_model
+            from wgpu_train.engines.loading import load_model
 
             ref = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
                              base_dtype=self.base_dtype, embed_dtype=self.embed_dtype, precision=self.precision)

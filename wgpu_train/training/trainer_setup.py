@@ -23,7 +23,8 @@ class TrainerSetup:
 
     def setup(self):
         """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
-        from wgpu_train.engines.model import choose_backend, load_model
+        from wgpu_train.engines.loading import load_model
+        from wgpu_train.engines.backend_choice import choose_backend
 
         from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
 
