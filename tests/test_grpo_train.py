@@ -30,6 +30,7 @@ def prompts(n: int, offset: int = 0) -> list[dict]:
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_train")
     model = make_model_dir(root / "model")
+    make_model_dir(root / "model_even", intermediate_size=42)       # even widths: 16-bit activations on the GPU
     (root / "data").mkdir()
     write_jsonl(root / "data" / "train.jsonl", prompts(8))
     write_jsonl(root / "data" / "test.jsonl", prompts(4, 100))
@@ -204,3 +205,21 @@ def test_the_embedded_demo_learns(tmp_path):
                                           no_progress=True))
     assert summary["steps"] == 100 and summary["reward_split"] == "test"
     assert summary["reward_before"] < 0.3 and summary["reward_after"] > summary["reward_before"] + 0.4
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_grpo_composes_with_nf4_dora_16_bit_and_accumulation(workspace, tmp_path, backend):
+    """What SFT and DPO keep, GRPO keeps: an NF4 base, DoRA, f16 activations (with loss scaling), gradient
+    accumulation over micro-batches of 2 completions, clipping; the adapter trains (the magnitudes too)."""
+    if backend == "wgpu":
+        require_adapter()
+    out = tmp_path / backend
+    summary = finetune(config(workspace, out, model=str(workspace[0] / "model_even"), backend=backend,
+                              base_dtype="nf4", dora=True, precision="f16",
+                              batch_size=2, grad_accum=2, max_grad_norm=0.5, beta=0.1, reward=None),
+                       reward_funcs=[length_reward])
+    assert summary["steps"] == 2 and summary["precision"] == "f16" and summary["base_dtype"] == "nf4"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "grad_norm" in line]
+    assert all(np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    trained = adapter(out)
+    assert any("lora_magnitude_vector" in k for k in trained)
