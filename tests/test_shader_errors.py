@@ -7,7 +7,7 @@ import re
 import pytest
 
 from wgpu_train.errors import ShaderError, WgpuTrainError
-from wgpu_train.engines.webgpu.device import runtime, storage
+from wgpu_train.engines.webgpu.device import runtime, shaders, storage
 
 BROKEN = {  # kind: (source, line, column) of the first diagnostic naga reports
     "missing-semicolon": ("@compute @workgroup_size(1)\nfn main() {\n    let x = 1.0\n    let y = 2.0;\n}\n", 4, 5),
@@ -34,7 +34,7 @@ def test_broken_file_names_its_path(rt, tmp_path, monkeypatch):
     path = tmp_path / "broken_on_disk.wgsl"
     path.write_text("// a shader with an error on line 6\n\n@compute @workgroup_size(1)\nfn main() {\n"
                     "    var x: f32 = 0.0;\n    x = x + true;\n}\n")
-    monkeypatch.setattr(runtime, "shader_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(shaders, "shader_dirs", lambda: [tmp_path])
     with pytest.raises(ShaderError, match=re.escape(f"{path}:6:9: ") + ".*Operation Add"):
         rt.pipeline("broken_on_disk", "main")
 

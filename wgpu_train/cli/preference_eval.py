@@ -21,17 +21,19 @@ def add_preference_options(p):
     from wgpu_train.training.config import TrainConfig
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    # the objectives' own defaults (TrainConfig's beta is None: 0.1 for them, 0 for GRPO)
+    option_defaults = {f.name: f.default for f in dataclasses.fields(PreferenceSettings)}
     p.add_argument("--objective", default=None, choices=PREFERENCE_OBJECTIVES,
                    help="score preference data (pairs; kto: unpaired examples) with this objective and report its "
                         "loss and TRL's metrics (rewards/*, logps/*; ORPO's nll_loss and log_odds_*; KTO's kl) "
                         "instead of the token loss; no exact match")
     for name in PREFERENCE_OPTIONS:
         f = fields[name]
-        kind = type(f.default)
+        kind = type(option_defaults[name])
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, choices=f.metadata.get("choices"),
                        metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
                        help=f"with --objective: {f.metadata['help']} (default: as the run that wrote the adapter when "
-                            f"it trained the same objective, else {f.default})".replace("%", "%%"))
+                            f"it trained the same objective, else {option_defaults[name]})".replace("%", "%%"))
     p.add_argument("--truncation-mode", default=None, choices=fields["truncation_mode"].metadata["choices"],
                    help=f"with --objective: {fields['truncation_mode'].metadata['help']} (default: as the run that "
                         f"wrote the adapter, else {fields['truncation_mode'].default})")
@@ -55,13 +57,15 @@ def _objective_settings(args, adapter):
     run = trained_run_config(adapter) if adapter is not None else {}
     same = run.get("objective") == args.objective
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    # the objectives' own defaults (TrainConfig's beta is None: 0.1 for them, 0 for GRPO)
+    option_defaults = {f.name: f.default for f in dataclasses.fields(PreferenceSettings)}
     values = {}
     for name in PREFERENCE_OPTIONS:
-        given, kind = getattr(args, name), type(defaults[name])
+        given, kind = getattr(args, name), type(option_defaults[name])
         trained = run.get(name)
         recorded = isinstance(trained, str) if kind is str else (isinstance(trained, (int, float))
                                                                   and not isinstance(trained, bool))
-        values[name] = given if given is not None else kind(trained) if same and recorded else defaults[name]
+        values[name] = given if given is not None else kind(trained) if same and recorded else option_defaults[name]
     batch = run.get("batch_size")
     batch_size = args.batch_size or (batch if isinstance(batch, int) and batch >= 1 else EVAL_BATCH)
     mode, prompt = run.get("truncation_mode"), run.get("max_prompt_length")
