@@ -181,8 +181,10 @@ class LayerRecorder:
     def _record_head(self, rec, acts: Activations, backward: bool):
         """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, _upload_batch),
         by chunks of acts.head_rows rows of logits: loss, lse and valid per head row (targets are in head
-        row order too). With backward, dlogits, then dxf (zero on the rows the head skipped) and dW_head."""
+        row order too). With backward, dlogits, then dxf (zero on the rows the head skipped) and dW_head; with a
+        TokenObjective (acts.objective), each chunk's row weights come from its own loss rows first."""
         cfg = self.cfg
+        self.counters["policy_forwards" if self.adapter_enabled else "reference_forwards"] += 1
         head, v, c, n, m = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n, acts.n_head
         rec.section("loss head (lm_head, cross-entropy)")
         x, dx = acts.xf, acts.dxf if backward else None
@@ -199,6 +201,9 @@ class LayerRecorder:
             self._head_logits(rec, acts, at(x, r0 * c), rows)
             K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits, acts.targets,
                                     rows, v, r0)
+            if backward and acts.objective is not None:     # the weights of the head's own log-probabilities
+                K.token_objective_backward(rec, acts.row_weights, acts.loss_rows, acts.row_terms, acts.objective,
+                                           rows, r0)
             if backward:
                 K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
                                          rows, v, r0, cfg.logit_softcap, acts.row_weights)
