@@ -161,6 +161,48 @@ def test_train_step_with_an_objective_equals_its_weights(folder, rt, loss_type):
         assert_close(params["wgpu"][k], params["numpy"][k], "gpu_params_after_steps_lr1e-2", k)
 
 
+def _pair_weights(mask):
+    """A SequenceObjective's host function coupling rows: rows 0 and 1, 2 and 3 are pairs, each token of a pair
+    weighted by the sigmoid of the pair's summed log-probability margin (DPO's shape)."""
+    def weights(logps):
+        seq = (np.asarray(logps, np.float64) * mask).sum(axis=1)                 # (B,)
+        margin = np.repeat(seq[0::2] - seq[1::2], 2) * np.tile([1.0, -1.0], len(seq) // 2)
+        return (mask / (1.0 + np.exp(margin))[:, None]).astype(np.float32)
+    return weights
+
+
+@pytest.mark.parametrize("chunks", ["one", "many"])
+def test_train_step_with_a_sequence_objective_equals_its_weights(folder, rt, monkeypatch, chunks):
+    """A SequenceObjective (the host's weights of the head's own log-probabilities, coupling rows): one policy
+    forward, and on each engine the same step as with the weights computed from token_losses beforehand; the
+    WebGPU head in one chunk (its logits kept across the host's part) or in many (recomputed)."""
+    from wgpu_train.engines.protocol import SequenceObjective
+    from wgpu_train.engines.webgpu import memory
+
+    if chunks == "many":
+        monkeypatch.setattr(memory, "HEAD_CHUNK_BYTES", 3 * 83 * 4)
+    ids, targets, seg, pos = _batch(5)
+    mask = targets != -100
+    hp = OptimizerParams(lr=1e-2)
+    for model in _models(folder, rt):
+        engine = model.engine
+        state = {k: v.copy() for k, v in engine.trainable().items()}
+        moments = {k: np.array(v) for k, v in engine.optimizer_state().items()}
+        logps = -engine.token_losses(ids, targets, seg, pos)
+        before = engine.counters["policy_forwards"]
+        out = engine.train_step([(ids, targets, seg, pos, SequenceObjective(_pair_weights(mask)))], hp, 1)
+        assert engine.counters["policy_forwards"] == before + 1
+        assert_close(np.where(mask, engine.step_logps[0], 0.0), np.where(mask, logps, 0.0), "gpu_logits",
+                     model.backend)
+        one_pass = {k: v.copy() for k, v in engine.trainable().items()}
+        engine.set_trainable(state)
+        engine.load_optimizer_state(moments)
+        again = engine.train_step([(ids, targets, seg, pos, _pair_weights(mask)(logps))], hp, 1)
+        assert out[:2] == pytest.approx(again[:2], rel=1e-6)
+        for k, v in engine.trainable().items():
+            assert_close(one_pass[k], v, "gpu_params_after_steps_lr1e-2", f"{model.backend} {k}")
+
+
 # ---- a GRPO run: one policy forward per step ----------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ those may read or call on an engine, and nothing else (tests/test_engine_protoco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -144,9 +144,11 @@ class Engine(Protocol):
         (loss_sum, trained tokens, grad_norm, applied) of these micro-batches. A micro-batch is (ids, targets,
         segment_ids, position_ids), or with a fifth element, weights (B, T) float32 that multiply each token's
         gradient (a preference objective's coefficients), or a TokenObjective: the loss head then computes each
-        token's log-probability, the weight from it (TokenObjective.weights) and the backward with it, in the
-        same forward, and keeps the log-probabilities in step_logps (read back with the step's losses); either
-        way the gradients are divided by the micro-batches' trained tokens.
+        token's log-probability, the weight from it (TokenObjective.terms) and the backward with it, in the
+        same forward, and keeps the log-probabilities in step_logps (read back with the step's losses), or a
+        SequenceObjective: the host's function of the micro-batch's log-probabilities gives its weights between
+        the loss head's forward and its backward (step_logps keeps those too); either way the gradients are
+        divided by the micro-batches' trained tokens.
 
         reduce (data parallelism): None, or a callable (gradients, tokens) -> gradients. After the backward of
         every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as
@@ -298,3 +300,16 @@ class TokenObjective:
         if self.ref_logps is not None:
             out[..., 3] = self.ref_logps
         return out.reshape(-1, 4)
+
+
+@dataclass(frozen=True)
+class SequenceObjective:
+    """A micro-batch's objective whose coefficients couple its tokens or rows (a sequence's or a pair's summed
+    log-probability: DPO, SimPO, ORPO), train_step's fifth element in place of weights: the engine runs the
+    forward and the loss head's forward, passes the head's log-probabilities to `weights` on the host and runs
+    the backward with what it returns, without a second forward (the WebGPU engine submits the step up to the
+    head there and reads the log-probabilities back: one more submission and readback per micro-batch; it
+    recomputes the head's logits where they take more than one chunk). The log-probabilities are kept in
+    step_logps too."""
+
+    weights: Callable[[np.ndarray], np.ndarray]    # (B, T) float32 log-probabilities (0 where no target) -> (B, T)

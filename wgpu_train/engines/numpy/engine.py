@@ -9,7 +9,8 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import EngineState, LossScaler, TokenObjective, check_kv_dtype
+from wgpu_train.engines.protocol import (EngineState, LossScaler, SequenceObjective, TokenObjective,
+                                         check_kv_dtype)
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
@@ -393,8 +394,8 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         return self._forward_backward(ids, targets, segment_ids, position_ids, grad_scale)[:2]
 
     def _forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None):
-        """forward_backward, or with a TokenObjective the gradient weights computed from the head's own
-        log-probabilities (times grad_scale, one number): (loss_sum, count, the (B, T) float32 log-probabilities
+        """forward_backward, or with a TokenObjective (or a SequenceObjective: its host function) the gradient
+        weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count, the (B, T) float32 log-probabilities
         or None without an objective)."""
         self.training = True
         self.dropout_calls += 1
@@ -405,9 +406,12 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         logps = None
         if objective is not None:
             rows, _ = ops.cross_entropy_rows(flat, targets.reshape(-1))          # (B*T,) -logp
-            weights = ops.token_objective_backward(rows, objective.terms(), objective)
-            scale = np.float32(grad_scale) * weights
             logps = (-rows).astype(np.float32).reshape(ids.shape)
+            if isinstance(objective, SequenceObjective):
+                weights = np.asarray(objective.weights(logps), np.float32).reshape(-1)
+            else:
+                weights = ops.token_objective_backward(rows, objective.terms(), objective)
+            scale = np.float32(grad_scale) * weights
         else:
             scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
         if count:
@@ -466,7 +470,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
             self.step_logps = []
             for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
-                objective = extra[0] if extra and isinstance(extra[0], TokenObjective) else None
+                objective = extra[0] if extra and isinstance(extra[0], (TokenObjective, SequenceObjective)) else None
                 if objective is not None or not extra:
                     scale = grad_scale
                 else:

@@ -168,6 +168,13 @@ class BucketCache:
         self._acts.clear()
         self._inputs.clear()
 
+    def _upload_row_weights(self, acts, weights, slot=0):
+        """Write a micro-batch's per-token gradient weights (B, T) in the loss head's row order to its slot's
+        row_weights, after _upload_batch set acts' rows (acts.row_weights set)."""
+        w = np.asarray(weights, np.float32).reshape(-1)                # (B*T,)
+        acts.row_weights = self._inputs[(acts.capacity, slot)].row_weights
+        self.rt.write(acts.row_weights, w if acts.head_order is None else w[acts.head_order])
+
     def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None,
                       objective=None):
         """Write one micro-batch into the input buffers of its slot and point acts at them.
@@ -210,9 +217,7 @@ class BucketCache:
             rt.write(acts.head_index, rows)
         rt.write(acts.targets, tg if rows is None else tg[rows])
         if weights is not None:
-            w = np.asarray(weights, np.float32).reshape(-1)           # (B*T,)
-            acts.row_weights = inp.row_weights
-            rt.write(acts.row_weights, w if rows is None else w[rows])
+            self._upload_row_weights(acts, weights, slot)
         if objective is not None:
             terms = objective.terms()                                  # (B*T, 4)
             acts.row_weights, acts.row_terms, acts.objective = inp.row_weights, inp.row_terms, objective

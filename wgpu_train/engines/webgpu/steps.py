@@ -17,7 +17,7 @@ from wgpu_train.engines.webgpu.buffers import GpuLora
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tensors import F32
-from wgpu_train.engines.protocol import TokenObjective
+from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
 
 
 def _logps(results, at_row: int, n_head: int, head_order, shape) -> np.ndarray:
@@ -186,7 +186,8 @@ class StepRecording:
         n_micro = len(micro_batches)
         # results: [loss_sum, count] per micro-batch, [norm, clip, finite], then the loss rows of the micro-batches
         # with a TokenObjective (their log-probabilities, read back with the rest)
-        objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], TokenObjective) else None for mb in micro_batches]
+        objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], (TokenObjective, SequenceObjective)) else None
+                      for mb in micro_batches]
         size = 2 * n_micro + 3 + sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
         if self.results.size < size * F32:
             self.results = rt.buffer(size * F32, "results")
@@ -198,17 +199,27 @@ class StepRecording:
         self._record_zero_grads(rec)
         self._training = True
         used, scored, at_row = [], [], 2 * n_micro + 3
+        early = []          # GPU seconds per op group of the submissions a SequenceObjective ended (profile)
         for j, (ids, targets, seg, pos, *extra) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
             acts = self._activations(b, t, train=True, keep=used)
             used.append(acts.key)
             objective = objectives[j]
-            self._upload_batch(acts, ids, seg, pos, targets, slot=j, objective=objective,
+            host = isinstance(objective, SequenceObjective)
+            self._upload_batch(acts, ids, seg, pos, targets, slot=j, objective=None if host else objective,
                                weights=extra[0] if extra and objective is None else None)
             self._write_seeds(j)
             self._record_forward(rec, acts)
-            self._record_backward(rec, acts)
+            if host:     # the step so far submitted, the head's log-probabilities to the host and its weights back
+                self._record_head(rec, acts, backward=False, part="forward")
+                rec.read_back(acts.loss_rows, np.float32, (acts.n_head,))
+                rec.submit()
+                logps = _logps(rec.result(), 0, acts.n_head, acts.head_order, ids.shape)
+                early.append(rec.timings() if profile else {})
+                self._upload_row_weights(acts, objective.weights(logps), slot=j)
+                rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
+            self._record_backward(rec, acts, head_part="backward" if host else None)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
             if objective is not None:
                 K.copy(rec, (self.results, at_row), acts.loss_rows, acts.n_head)
@@ -236,7 +247,10 @@ class StepRecording:
                             **({"reduce_s": first["reduce_s"]} if first else {})}
         self._plan_submissions(rec, done - submitted)
         if profile:
-            prof = dict(first.get("profile", {}))
+            prof = {}
+            for part in early + [first.get("profile", {})]:
+                for k, v in part.items():
+                    prof[k] = prof.get(k, 0.0) + v
             for k, v in rec.timings().items():
                 prof[k] = prof.get(k, 0.0) + v
             self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
