@@ -1,11 +1,12 @@
-"""One policy forward per GRPO step (engines/protocol.py TokenObjective): the loss head's gradient weights from its
-own log-probabilities equal GRPO.step_loss's derivatives (the NumPy op pair against step_loss, the WGSL kernel
-against the NumPy op), train_step with a TokenObjective equals train_step with those weights precomputed on both
-engines, and a GRPO run with beta > 0 and mu 2 runs one policy forward per step with the same adapter as the
-two-pass path."""
+"""One policy forward per step (engines/protocol.py TokenObjective and SequenceObjective): the loss head's gradient
+weights from its own log-probabilities equal GRPO.step_loss's derivatives (the NumPy op pair against step_loss, the
+WGSL kernel against the NumPy op), train_step with either objective equals train_step with those weights
+precomputed on both engines, and GRPO (beta > 0, mu 2), DPO and ORPO runs take one policy forward per step with
+the same adapter as the two-pass path."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from wgpu_train.engines.protocol import OptimizerParams, TokenObjective
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.training.grpo_trainer import GRPOTrainer
+from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.objectives.grpo import GRPO, GRPO_LOSSES, GRPOSettings
 
 from finetune_helpers import make_model_dir, write_jsonl
@@ -252,3 +254,55 @@ def test_one_policy_forward_per_grpo_step(grpo_workspace, tmp_path, monkeypatch,
     after_one, after_two = read_adapter(tmp_path / "one")[1], read_adapter(tmp_path / "two")[1]
     for k, v in after_two.items():
         assert_close(after_one[k], v, "gpu_params_after_steps_lr1e-2", k)
+
+
+# ---- a preference run: one policy forward per step --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair_workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs_one_pass")
+    model = make_model_dir(root / "model")
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+    (root / "data").mkdir()
+    write_jsonl(root / "data" / "train.jsonl",
+                [{"prompt": f"after {words[i % 8]} {i}?", "chosen": f" {words[(i + 1) % 8]} {i}",
+                  "rejected": f" {words[(i + 3) % 8]} and {words[i % 5]} {i}"} for i in range(12)])
+    return root, model
+
+
+def _pair_run(workspace, out, backend, objective) -> PreferenceTrainer:
+    root, model = workspace
+    cfg = TrainConfig(model=str(model), data=str(root / "data"), out=str(out), backend=backend, no_progress=True,
+                      lr=1e-2, eval_generate=False, log_every=1, objective=objective, batch_size=2, grad_accum=2,
+                      max_steps=3, valid_split=0.0, lr_schedule="constant")
+    trainer = PreferenceTrainer(cfg, log=lambda m: None).setup()
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("backend,objective", [("numpy", "dpo"), ("numpy", "orpo"), ("wgpu", "dpo")])
+def test_one_policy_forward_per_pair_step(pair_workspace, tmp_path, monkeypatch, backend, objective):
+    """DPO (the reference the adapter switched off) and ORPO (no reference, the chosen rows' NLL), two
+    micro-batches of two pairs a step: each micro-batch's step is the only policy forward, and the adapter and the
+    logged losses equal the two-pass path's (the policy scored, then the weighted step), whose micro-batches hold
+    every chosen row, then every rejected row."""
+    if backend == "wgpu":
+        from conftest import require_adapter
+
+        require_adapter()
+    one = _pair_run(pair_workspace, tmp_path / "one", backend, objective)
+    steps, micro = 3, 2
+    assert one.engine.counters["policy_forwards"] == steps * micro
+    assert one.engine.counters["reference_forwards"] == (steps * micro if objective == "dpo" else 0)
+    monkeypatch.setattr(PreferenceTrainer, "_one_pass", lambda self: False)
+    two = _pair_run(pair_workspace, tmp_path / "two", backend, objective)
+    assert two.engine.counters["policy_forwards"] == 2 * steps * micro
+    after_one, after_two = read_adapter(tmp_path / "one")[1], read_adapter(tmp_path / "two")[1]
+    for k, v in after_two.items():
+        assert_close(after_one[k], v, "gpu_params_after_steps_lr1e-2", k)
+    rows = [[r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+             if "grad_norm" in r] for run in ("one", "two")]
+    for a, b in zip(*rows):
+        for key in ("loss", "rewards/margins", "logps/chosen", "nll_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
