@@ -1,7 +1,9 @@
-"""The preference Trainer: DPO, SimPO, ORPO and KTO (training/objectives/) on any engine. Each step scores its
-rows (sequence log-probabilities of the policy, and of the reference: the adapter switched off, or computed once
-before training), turns the objective's derivatives into per-token gradient weights, and runs the engine's
-optimizer step with them; evaluation reports the objective and TRL's reward metrics on the validation pairs."""
+"""The preference Trainer: DPO, SimPO, ORPO and KTO (training/objectives/) on any engine. Each step turns the
+objective's derivatives by the rows' sequence log-probabilities (the policy's, and the reference's: the adapter
+switched off, or computed once before training) into per-token gradient weights of the engine's optimizer step:
+for pairs inside the step's own forward (an engine SequenceObjective per micro-batch of whole pairs, one policy
+forward), for KTO from the rows scored first; evaluation reports the objective and TRL's reward metrics on the
+validation pairs."""
 from __future__ import annotations
 
 import dataclasses
