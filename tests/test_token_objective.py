@@ -233,21 +233,22 @@ def _run(workspace, out, backend, **kw) -> GRPOTrainer:
     return trainer
 
 
-@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
-def test_one_policy_forward_per_grpo_step(grpo_workspace, tmp_path, monkeypatch, backend):
-    """beta 0.1, mu 2, two micro-batches a step, four steps (two generations): each micro-batch's step is the
-    only policy forward (the reference, adapter off, scored once per generation); the adapter equals the
+@pytest.mark.parametrize("backend,level", [("numpy", "token"), ("wgpu", "token"), ("numpy", "sequence"),
+                                           ("wgpu", "sequence")])
+def test_one_policy_forward_per_grpo_step(grpo_workspace, tmp_path, monkeypatch, backend, level):
+    """beta 0.1, mu 2, two micro-batches a step, four steps (two generations), the token and GSPO's sequence
+    importance-sampling levels: each micro-batch's step is the only policy forward (the reference, adapter off, scored once per generation); the adapter equals the
     two-pass path's, which scores the policy at each generation and before each reused step."""
     if backend == "wgpu":
         from conftest import require_adapter
 
         require_adapter()
-    one = _run(grpo_workspace, tmp_path / "one", backend)
+    one = _run(grpo_workspace, tmp_path / "one", backend, importance_sampling_level=level)
     steps, micro, generations = 4, 2, 2
     assert one.engine.counters["policy_forwards"] == steps * micro
     assert one.engine.counters["reference_forwards"] == generations * micro
     monkeypatch.setattr(GRPOTrainer, "_one_pass", lambda self: False)
-    two = _run(grpo_workspace, tmp_path / "two", backend)
+    two = _run(grpo_workspace, tmp_path / "two", backend, importance_sampling_level=level)
     # the generation's scoring, each step, and each reused step's scoring
     assert two.engine.counters["policy_forwards"] == (generations + steps + steps // 2) * micro
     assert two.engine.counters["reference_forwards"] == generations * micro

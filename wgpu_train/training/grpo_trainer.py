@@ -1,8 +1,9 @@
 """The GRPO Trainer (online RL with TRL GRPOTrainer's meanings): each generation samples --num-generations
 completions of a step's prompts with the current adapter on the engine's KV cache, scores them with the reward
 functions on the host, and turns the group-relative advantages into per-token gradient weights of the engine's
-optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference); a
-generation serves --num-iterations steps. The completions and their rewards go to completions.jsonl."""
+optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference),
+computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
+step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps. The completions and their rewards go to completions.jsonl."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
 from wgpu_train.data.prompt_tokenize import tokenize_prompts
 from wgpu_train.data.sources import resolve_data
-from wgpu_train.engines.protocol import TokenObjective
+from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training import checkpoint
@@ -225,10 +226,12 @@ class GRPOTrainer(Trainer):
         return Generation(micro, masks, advantages, old, old if s.num_iterations > 1 else None, ref, metrics)
 
     def _one_pass(self) -> bool:
-        """Whether a step's own forward computes the log-probabilities its weights need (the engine's
-        TokenObjective: the token importance-sampling level); else (GSPO's sequence level, whose ratio is a
-        row's mean) the policy is scored in a pass of its own before the weighted step."""
-        return self.settings.importance_sampling_level == "token"
+        """Whether a step's own forward computes the log-probabilities its weights need: the engine's
+        TokenObjective at the token importance-sampling level (the weights computed in the loss head), a
+        SequenceObjective at GSPO's sequence level (a row's mean log-ratio: the host's weights between the
+        head's forward and backward). The two-pass path (the policy scored, then the weighted step) stays for
+        tests and benchmarks that compare with it."""
+        return True
 
     def _score_reference(self, micro, masks) -> np.ndarray:
         """The reference's per-token log-probabilities (R, T): forwards with the adapter switched off, no policy
@@ -308,7 +311,7 @@ class GRPOTrainer(Trainer):
 
     def _one_pass_step(self, gen: Generation, mask, first: bool, lr):
         """A step whose loss head computes its gradient weights from its own log-probabilities (one policy
-        forward): (step_loss's result of the log-probabilities the head read back, count, grad_norm, applied).
+        forward; at the sequence level through the host, _row_weights): (step_loss's result of the log-probabilities the head read back, count, grad_norm, applied).
         The first step of a generation has no old log-probabilities (the ratio is 1, TRL's detach); its
         log-probabilities are the old policy's of the steps that reuse the generation."""
         cfg, s = self.config, self.settings
@@ -321,7 +324,8 @@ class GRPOTrainer(Trainer):
             micro, r0 = [], 0
             for batch, m in zip(gen.micro, gen.masks):
                 rows, width = m.shape
-                micro.append(batch + (_rows(objective, r0, rows, width),))
+                micro.append(batch + (_rows(objective, r0, rows, width) if objective is not None else
+                                      SequenceObjective(self._row_weights(gen, mask, old, r0, m)),))
                 r0 += rows
             _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1)
             width = mask.shape[1]
@@ -332,6 +336,23 @@ class GRPOTrainer(Trainer):
         result = self.unit.step_loss(logps, old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
                                      int(mask.sum()))
         return result, count, grad_norm, applied
+
+    def _row_weights(self, gen: Generation, mask, old, r0: int, micro_mask):
+        """A SequenceObjective's function for the micro-batch of rows r0 .. (GSPO's sequence level, whose ratio
+        is a row's mean log-ratio): its tokens' weights -N * dloss/dlogp from its own log-probabilities. A row's
+        derivatives depend on its own log-probabilities alone (the normalisers on the masks), so step_loss over
+        the step with the other rows left at 0 gives this micro-batch's."""
+        cfg = self.config
+        rows, width = micro_mask.shape
+        total = int(mask.sum())
+
+        def weights(logps):
+            full = np.zeros(mask.shape)
+            full[r0:r0 + rows, :width] = np.asarray(logps, np.float64) * micro_mask
+            dlogps = self.unit.step_loss(full, old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
+                                         total).dlogps[r0:r0 + rows, :width]
+            return np.where(micro_mask, -total * dlogps, 0.0).astype(np.float32)
+        return weights
 
     def _input_tokens(self, batch) -> int:
         return int(sum((seg > 0).sum() for _, _, seg, _ in batch))

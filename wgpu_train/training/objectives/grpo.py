@@ -175,7 +175,7 @@ class GRPO(Objective):
         weights need: the derivative step_loss gives by them, as -scale * d(token loss) / d logp, scale being
         the step's counted tokens times d(step loss) / d(token loss). Arguments as step_loss's. None at the
         sequence importance-sampling level (GSPO), whose ratio is a mean over a row's tokens: the trainer
-        scores the policy first there."""
+        gives the engine a SequenceObjective there, step_loss's derivatives of the head's log-probabilities."""
         s = self.settings
         if s.importance_sampling_level != "token":
             return None
