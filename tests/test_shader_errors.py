@@ -57,6 +57,7 @@ OP_SHADERS = {
                   "attention_forward_vec4", "attention_backward_vec4", "attention_backward_dkv_vec4"],
     "cross_entropy": ["cross_entropy_forward", "cross_entropy_reduce", "cross_entropy_backward",
                       "cross_entropy_backward_inplace"],
+    "token_objective": ["token_objective_backward"],
     "embedding": ["embedding_forward", "embedding_backward_links", "embedding_backward", "row_gather_backward"],
     "adamw": ["adamw_update", "grad_norm_partial", "grad_norm_finalize"],
 }

@@ -189,6 +189,11 @@ class DataParallelPreferenceTrainer(DataParallelTrainer, PreferenceTrainer):
     weights), then trains its share of the weighted micro-batches; the weights are normalised by the step's
     trained tokens, as DataParallelTrainer's gradient reduction is."""
 
+    def _one_pass(self) -> bool:
+        """Two passes: a worker's share of a step may cut its micro-batches' pairs (split_rows), whose weights
+        a SequenceObjective computes from both rows."""
+        return False
+
 
 class _SinkBar:
     """The progress bar's calls, sent to the driver's bar through the sink (rank 0) or dropped (others)."""

@@ -5,7 +5,9 @@ those may read or call on an engine, and nothing else (tests/test_engine_protoco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
+
+import numpy as np
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
@@ -69,7 +71,10 @@ class Engine(Protocol):
     precision_reason: str       # why that precision (auto's choice), for the log and summary.json
     kv_dtype: str               # how new_kv_cache stores keys and values: float32 or bfloat16 (KV_DTYPES)
     loss_scaler: "LossScaler | None"   # f16's dynamic loss scaling (None in fp32 / bf16)
-    counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped
+    counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped,
+    #                             loss heads run with the adapter on (policy_forwards) and off (reference_forwards)
+    step_logps: list            # after train_step: per micro-batch, the (B, T) float32 log-probabilities its loss
+    #                             head computed where its fifth element was a TokenObjective (else None)
     last_profile: dict          # op group -> GPU seconds of the last profiled step ({} without one)
     base_weight_bytes: int      # bytes the frozen weights take on the device (0: no device copy)
     max_binding: int | None     # largest storage binding of the device (None: no device)
@@ -138,8 +143,12 @@ class Engine(Protocol):
         """One optimizer step over micro-batches (gradients accumulated, clipped, AdamW with hp at `step`);
         (loss_sum, trained tokens, grad_norm, applied) of these micro-batches. A micro-batch is (ids, targets,
         segment_ids, position_ids), or with a fifth element, weights (B, T) float32 that multiply each token's
-        gradient (a preference objective's coefficients); either way the gradients are divided by the
-        micro-batches' trained tokens.
+        gradient (a preference objective's coefficients), or a TokenObjective: the loss head then computes each
+        token's log-probability, the weight from it (TokenObjective.terms) and the backward with it, in the
+        same forward, and keeps the log-probabilities in step_logps (read back with the step's losses), or a
+        SequenceObjective: the host's function of the micro-batch's log-probabilities gives its weights between
+        the loss head's forward and its backward (step_logps keeps those too); either way the gradients are
+        divided by the micro-batches' trained tokens.
 
         reduce (data parallelism): None, or a callable (gradients, tokens) -> gradients. After the backward of
         every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as
@@ -239,3 +248,68 @@ class OptimizerParams:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     lora_b_lr_ratio: float = 1.0     # LoRA+: the learning rate of the LoRA B matrices over lr (the A matrices')
+
+
+TOKEN_LOSSES = ("clipped", "cispo", "sapo")     # TokenObjective.loss: the per-token policy losses an engine computes
+
+
+@dataclass(frozen=True)
+class TokenObjective:
+    """A micro-batch's per-token objective, train_step's fifth element in place of weights (GRPO's loss types at
+    the token importance-sampling level, training/objectives/grpo.py): the engine's loss head computes each
+    token's log-probability logp in its forward, then its gradient weight
+
+        w = -scale * d(token loss) / d logp
+
+    and the cross-entropy backward with w (a token's cross-entropy is -logp, so that is the objective's
+    gradient): one forward. A token's loss is its policy loss of the log importance ratio r = logp - old
+    (0 without old_logps: TRL's detached ratio of 1) and its row's advantage A,
+      clipped: -min(e^r A, clip(e^r, 1 - epsilon_low, 1 + epsilon_high) A);
+      cispo:   -min(e^r, epsilon_high) A logp, the clamped factor constant;
+      sapo:    -sigmoid(tau (e^r - 1)) 4 / tau A, tau = temperature_pos where A > 0, else temperature_neg;
+    plus beta times the k3 estimator of the KL to the reference, e^(ref - logp) - (ref - logp) - 1, times e^r
+    where bias_correction_kl (its ratio differentiated too)."""
+
+    scale: np.ndarray                   # (B, T) d(step loss) / d(token loss) times the step's trained tokens
+    advantages: np.ndarray              # (B,) each row's advantage
+    old_logps: np.ndarray | None        # (B, T) the sampling policy's log-probabilities (None: the ratio is 1)
+    ref_logps: np.ndarray | None        # (B, T) the reference's (beta != 0)
+    loss: str = "clipped"               # one of TOKEN_LOSSES
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    bias_correction_kl: bool = True
+    temperature_pos: float = 1.0
+    temperature_neg: float = 1.05
+
+    def __post_init__(self):
+        if self.loss not in TOKEN_LOSSES:
+            raise ValueError(f"TokenObjective.loss must be one of {', '.join(TOKEN_LOSSES)}, got {self.loss!r}")
+        if self.beta and self.ref_logps is None:
+            raise ValueError("TokenObjective: beta != 0 needs ref_logps")
+
+    def terms(self) -> np.ndarray:
+        """(B*T, 4) float32, a row per token: [scale, advantage, old logp, reference logp] (0 where absent), what
+        the engines' token_objective_backward reads beside the loss head's rows."""
+        shape = np.shape(self.scale)
+        out = np.zeros(shape + (4,), np.float32)
+        out[..., 0] = self.scale
+        out[..., 1] = np.asarray(self.advantages, np.float32).reshape(-1, 1)
+        if self.old_logps is not None:
+            out[..., 2] = self.old_logps
+        if self.ref_logps is not None:
+            out[..., 3] = self.ref_logps
+        return out.reshape(-1, 4)
+
+
+@dataclass(frozen=True)
+class SequenceObjective:
+    """A micro-batch's objective whose coefficients couple its tokens or rows (a sequence's or a pair's summed
+    log-probability: DPO, SimPO, ORPO), train_step's fifth element in place of weights: the engine runs the
+    forward and the loss head's forward, passes the head's log-probabilities to `weights` on the host and runs
+    the backward with what it returns, without a second forward (the WebGPU engine submits the step up to the
+    head there and reads the log-probabilities back: one more submission and readback per micro-batch; it
+    recomputes the head's logits where they take more than one chunk). The log-probabilities are kept in
+    step_logps too."""
+
+    weights: Callable[[np.ndarray], np.ndarray]    # (B, T) float32 log-probabilities (0 where no target) -> (B, T)

@@ -1,8 +1,9 @@
 """The GRPO Trainer (online RL with TRL GRPOTrainer's meanings): each generation samples --num-generations
 completions of a step's prompts with the current adapter on the engine's KV cache, scores them with the reward
 functions on the host, and turns the group-relative advantages into per-token gradient weights of the engine's
-optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference); a
-generation serves --num-iterations steps. The completions and their rewards go to completions.jsonl."""
+optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference),
+computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
+step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps. The completions and their rewards go to completions.jsonl."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
 from wgpu_train.data.prompt_tokenize import tokenize_prompts
 from wgpu_train.data.sources import resolve_data
+from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training import checkpoint
@@ -178,7 +180,11 @@ class GRPOTrainer(Trainer):
                                columns, step, completion_ids=[list(map(int, c)) for c in completions],
                                max_steps=self.total_steps)
 
-    def _generate(self, indices) -> Generation:
+    def _generate(self, indices, score_policy: bool = True) -> Generation:
+        """A step's generation: its completions, rewards, advantages and the scores its steps need. score_policy
+        False (the steps' own loss heads compute the policy's log-probabilities, _one_pass): only the reference
+        is scored, with the adapter off; True: the policy too, in the same engine call, where mu, beta or cispo
+        need it (the weighted steps' two-pass path)."""
         s, cfg = self.settings, self.config
         g = s.num_generations
         examples = [self.prompts["train"][i] for i in indices for _ in range(g)]       # TRL's order: G in a row
@@ -204,15 +210,42 @@ class GRPOTrainer(Trainer):
         micro = [engine_batch(b) for b in row_batches(rows, cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
         masks = [targets != IGNORE_INDEX for _, targets, _, _ in micro]
         old, ref = None, None
-        # the policy's scores serve the ratios' old policy (mu > 1), the KL (beta > 0) and cispo's logged loss,
-        # whose value (not its gradient, the clamped ratio times the advantage) is the log-probabilities themselves
-        if s.num_iterations > 1 or s.uses_reference or s.loss_type == "cispo":
+        if not score_policy:
+            # the step's own loss head computes the policy's log-probabilities (the first step's are the old
+            # policy's of the next ones): only the reference, a forward with the adapter off, is scored here
+            if s.uses_reference:
+                ref = self._score_reference(micro, masks)
+        elif s.num_iterations > 1 or s.uses_reference or s.loss_type == "cispo":
+            # the policy's scores serve the ratios' old policy (mu > 1), the KL (beta > 0) and cispo's logged
+            # loss, whose value (not its gradient, the clamped ratio times the advantage) is the log-probabilities
             old, ref = self._score(micro, masks, reference=s.uses_reference)
         self._time("generation", t1 - t0, sum(len(c) for c in completions))
         self._time("rewards", t2 - t1)
         self._time("scoring", time.perf_counter() - t2)
         self._log_completions(examples, completions, per_func, rewards, advantages)
         return Generation(micro, masks, advantages, old, old if s.num_iterations > 1 else None, ref, metrics)
+
+    def _one_pass(self) -> bool:
+        """Whether a step's own forward computes the log-probabilities its weights need: the engine's
+        TokenObjective at the token importance-sampling level (the weights computed in the loss head), a
+        SequenceObjective at GSPO's sequence level (a row's mean log-ratio: the host's weights between the
+        head's forward and backward). The two-pass path (the policy scored, then the weighted step) stays for
+        tests and benchmarks that compare with it."""
+        return True
+
+    def _score_reference(self, micro, masks) -> np.ndarray:
+        """The reference's per-token log-probabilities (R, T): forwards with the adapter switched off, no policy
+        forward."""
+        width = max(ids.shape[1] for ids, _, _, _ in micro)
+        ref = []
+        self.engine.set_adapter_enabled(False)
+        try:
+            for (ids, targets, seg, pos), mask in zip(micro, masks):
+                ref.append(_padded(-self.engine.token_losses(ids, targets, seg, pos).astype(np.float64) * mask,
+                                   width))
+        finally:
+            self.engine.set_adapter_enabled(True)
+        return np.concatenate(ref)
 
     def _score(self, micro, masks, reference: bool):
         """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the rows, T the longest
@@ -243,25 +276,29 @@ class GRPOTrainer(Trainer):
         self._stepping = True
         try:
             if self._generation is None or (self.stream.position - 1) % s.num_iterations == 0:
-                self._generation = self._generate(indices)
+                self._generation = self._generate(indices, score_policy=not self._one_pass())
             gen = self._generation
             t_train = time.perf_counter()
             width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
             mask = np.concatenate([_padded(m, width) for m in gen.masks])                  # (R, T)
             first = (self.stream.position - 1) % s.num_iterations == 0
-            if first:                # the weights that generated: the scores taken then are the current ones
-                # (beta 0 and mu 1 but cispo: the ratio is 1 whatever they are, TRL's detach, and no forward
-                # scores them)
-                logps = gen.policy_logps if gen.policy_logps is not None else np.zeros(mask.shape)
+            if self._one_pass():
+                result, count, grad_norm, applied = self._one_pass_step(gen, mask, first, lr)
             else:
-                logps, _ = self._score(gen.micro, gen.masks, reference=False)
-            result = self.unit.step_loss(logps, gen.old_logps, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
-                                         int(mask.sum()))
-            weighted = _weighted(gen.micro, gen.masks, result.dlogps)
-            if weighted is None:     # every completion masked: nothing carries a gradient
-                count, grad_norm, applied = 0, None, True
-            else:
-                _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
+                if first:            # the weights that generated: the scores taken then are the current ones
+                    # (beta 0 and mu 1 but cispo: the ratio is 1 whatever they are, TRL's detach, and no forward
+                    # scores them)
+                    logps = gen.policy_logps if gen.policy_logps is not None else np.zeros(mask.shape)
+                else:
+                    logps, _ = self._score(gen.micro, gen.masks, reference=False)
+                result = self.unit.step_loss(logps, gen.old_logps, gen.ref_logps, gen.advantages, mask,
+                                             cfg.batch_size, int(mask.sum()))
+                weighted = _weighted(gen.micro, gen.masks, result.dlogps)
+                if weighted is None:     # every completion masked: nothing carries a gradient
+                    count, grad_norm, applied = 0, None, True
+                else:
+                    _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr),
+                                                                    self.step + 1)
             self._time("train_step", time.perf_counter() - t_train)
         finally:
             self._stepping = False
@@ -271,6 +308,51 @@ class GRPOTrainer(Trainer):
         if not applied:
             self._log_skipped()
         return gen.micro, epoch_done, lr, result.loss * max(count, 1), max(count, 1), grad_norm, seconds
+
+    def _one_pass_step(self, gen: Generation, mask, first: bool, lr):
+        """A step whose loss head computes its gradient weights from its own log-probabilities (one policy
+        forward; at the sequence level through the host, _row_weights): (step_loss's result of the log-probabilities the head read back, count, grad_norm, applied).
+        The first step of a generation has no old log-probabilities (the ratio is 1, TRL's detach); its
+        log-probabilities are the old policy's of the steps that reuse the generation."""
+        cfg, s = self.config, self.settings
+        old = None if first else gen.old_logps
+        objective = self.unit.token_objective(old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
+                                              int(mask.sum()))
+        logps = np.zeros(mask.shape)
+        count, grad_norm, applied = 0, None, True
+        if mask.any():              # else every completion is masked: nothing carries a gradient
+            micro, r0 = [], 0
+            for batch, m in zip(gen.micro, gen.masks):
+                rows, width = m.shape
+                micro.append(batch + (_rows(objective, r0, rows, width) if objective is not None else
+                                      SequenceObjective(self._row_weights(gen, mask, old, r0, m)),))
+                r0 += rows
+            _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1)
+            width = mask.shape[1]
+            logps = np.concatenate([_padded(lp.astype(np.float64) * m, width)
+                                    for lp, m in zip(self.engine.step_logps, gen.masks)])     # (R, T)
+        if first and s.num_iterations > 1:
+            gen.policy_logps = gen.old_logps = logps
+        result = self.unit.step_loss(logps, old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
+                                     int(mask.sum()))
+        return result, count, grad_norm, applied
+
+    def _row_weights(self, gen: Generation, mask, old, r0: int, micro_mask):
+        """A SequenceObjective's function for the micro-batch of rows r0 .. (GSPO's sequence level, whose ratio
+        is a row's mean log-ratio): its tokens' weights -N * dloss/dlogp from its own log-probabilities. A row's
+        derivatives depend on its own log-probabilities alone (the normalisers on the masks), so step_loss over
+        the step with the other rows left at 0 gives this micro-batch's."""
+        cfg = self.config
+        rows, width = micro_mask.shape
+        total = int(mask.sum())
+
+        def weights(logps):
+            full = np.zeros(mask.shape)
+            full[r0:r0 + rows, :width] = np.asarray(logps, np.float64) * micro_mask
+            dlogps = self.unit.step_loss(full, old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
+                                         total).dlogps[r0:r0 + rows, :width]
+            return np.where(micro_mask, -total * dlogps, 0.0).astype(np.float32)
+        return weights
 
     def _input_tokens(self, batch) -> int:
         return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
@@ -406,6 +488,16 @@ class GRPOTrainer(Trainer):
 def _padded(a: np.ndarray, width: int) -> np.ndarray:
     """(B, T) -> (B, width), zeros (False) on the right."""
     return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+def _rows(objective: TokenObjective, r0: int, rows: int, width: int) -> TokenObjective:
+    """A step's TokenObjective (R, T) cut to rows r0 .. r0 + rows and the first `width` positions (a
+    micro-batch's)."""
+    def cut(a):
+        return None if a is None else a[r0:r0 + rows, :width]
+
+    return dataclasses.replace(objective, scale=cut(objective.scale), advantages=objective.advantages[r0:r0 + rows],
+                               old_logps=cut(objective.old_logps), ref_logps=cut(objective.ref_logps))
 
 
 def _weighted(micro, masks, dlogps: np.ndarray) -> list | None:

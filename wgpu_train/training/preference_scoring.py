@@ -85,6 +85,25 @@ class PreferenceScorer:
         return Scored(*(np.concatenate(x) for x in (logps, tokens, sums, counts)), micro, masks,
                       np.concatenate(ref_logps) if reference else None)
 
+    def pair_micro_batches(self, examples: Sequence, indices) -> tuple[list, list, np.ndarray]:
+        """The rows of the pairs examples[indices] as micro-batches that each hold whole pairs (batch_size pairs:
+        their chosen rows, then their rejected rows), so that a step's own loss head can weigh a pair's rows
+        (engine protocol SequenceObjective): (micro-batches, their completion masks, each of their rows' place in
+        score's order, every chosen row then every rejected row). The chosen rows of an objective that trains
+        the prompt target every token, as in score."""
+        p = len(indices)
+        rows = example_rows([examples[i] for i in indices], True)
+        order = np.concatenate([np.r_[np.arange(k, min(k + self.batch_size, p)),
+                                      p + np.arange(k, min(k + self.batch_size, p))]
+                                for k in range(0, p, self.batch_size)])          # (2P,)
+        rows = [rows[i] for i in order]
+        micro = self.micro_batches(rows)
+        masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
+        if self.unit.trains_prompt:
+            micro = self.micro_batches([Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated)
+                                        if i < p else r for r, i in zip(rows, order)])
+        return micro, masks, order
+
     def objective(self, engine, examples: Sequence, indices, reference: Reference | str | None = None,
                   partners: np.ndarray | None = None) -> tuple[ObjectiveResult, Scored]:
         """(ObjectiveResult, the policy's Scored rows) of examples[indices]: the policy is `engine`, the reference

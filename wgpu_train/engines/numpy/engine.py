@@ -9,7 +9,8 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import EngineState, LossScaler, check_kv_dtype
+from wgpu_train.engines.protocol import (EngineState, LossScaler, SequenceObjective, TokenObjective,
+                                         check_kv_dtype)
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
@@ -68,7 +69,9 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.adapter_enabled = True     # False: forwards skip every LoRA module (a preference objective's reference)
         self.gradient_checkpointing = False
         self.last_profile: dict = {}
-        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0}
+        self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
+                         "policy_forwards": 0, "reference_forwards": 0}
+        self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
         self.base_weight_bytes = 0   # no device copy
         self.max_binding = None
         self.device_description = "cpu (NumPy)"
@@ -388,19 +391,41 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
 
         Returns (loss_sum, token_count) of the micro-batch (the loss unweighted).
         """
+        return self._forward_backward(ids, targets, segment_ids, position_ids, grad_scale)[:2]
+
+    def _forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None):
+        """forward_backward, or with a TokenObjective (or a SequenceObjective: its host function) the gradient
+        weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count, the (B, T) float32 log-probabilities
+        or None without an objective)."""
         self.training = True
         self.dropout_calls += 1
+        self._count_head()
         logits, cache = self.forward(ids, segment_ids, position_ids)
         flat = logits.reshape(-1, logits.shape[-1])
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
-        scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
+        logps = None
+        if objective is not None:
+            rows, _ = ops.cross_entropy_rows(flat, targets.reshape(-1))          # (B*T,) -logp
+            logps = (-rows).astype(np.float32).reshape(ids.shape)
+            if isinstance(objective, SequenceObjective):
+                weights = np.asarray(objective.weights(logps), np.float32).reshape(-1)
+            else:
+                weights = ops.token_objective_backward(rows, objective.terms(), objective)
+            scale = np.float32(grad_scale) * weights
+        else:
+            scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
         if count:
             self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale, self.cfg.logit_softcap),
                           cache)
         self.training = False
-        return loss_sum, count
+        return loss_sum, count, logps
+
+    def _count_head(self):
+        """One loss head run: a forward of the policy (adapter on) or of the reference (adapter off)."""
+        self.counters["policy_forwards" if self.adapter_enabled else "reference_forwards"] += 1
 
     def loss(self, ids, targets, segment_ids, position_ids):
+        self._count_head()
         logits = self.forward(ids, segment_ids, position_ids)[0]
         loss_sum, count, _ = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return loss_sum, count
@@ -419,6 +444,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
 
     def _token_losses(self, ids, targets, segment_ids, position_ids):
         self.training = False
+        self._count_head()
         logits = self.forward(ids, segment_ids, position_ids)[0]
         rows, _ = ops.cross_entropy_rows(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return rows.astype(np.float32).reshape(ids.shape)
@@ -442,9 +468,16 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         scaler = self.loss_scaler
         grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
         with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
-            for ids, targets, seg, pos, *weights in micro_batches:   # f16's overflows are the scaler's to handle
-                scale = np.float32(grad_scale) * np.asarray(weights[0], np.float32) if weights else grad_scale
-                loss_sum += self.forward_backward(ids, targets, seg, pos, scale)[0]
+            self.step_logps = []
+            for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
+                objective = extra[0] if extra and isinstance(extra[0], (TokenObjective, SequenceObjective)) else None
+                if objective is not None or not extra:
+                    scale = grad_scale
+                else:
+                    scale = np.float32(grad_scale) * np.asarray(extra[0], np.float32)
+                loss, _, logps = self._forward_backward(ids, targets, seg, pos, scale, objective)
+                loss_sum += loss
+                self.step_logps.append(logps)
         if scaler is not None:
             for g in self.grads.values():
                 g *= self.dtype.type(1.0 / scaler.scale)       # exact: the scale is a power of two

@@ -233,6 +233,50 @@ def cross_entropy_backward(logits, targets, lse, grad_scale, softcap: float = 0.
     return dlogits * (1.0 - (logits / softcap) ** 2) if softcap else dlogits
 
 
+def _token_objective_parts(loss, terms, objective):
+    """(token loss, d token loss / d logp) (N,) float64 of a TokenObjective (engines/protocol.py) from the loss
+    head's rows loss (N,) = -logp and its terms (N, 4): [scale, advantage, old logp, reference logp]."""
+    o = objective
+    logp = -np.asarray(loss, np.float64)
+    terms = np.asarray(terms, np.float64)
+    adv = terms[:, 1]
+    ratio = np.exp(logp - terms[:, 2]) if o.old_logps is not None else np.ones_like(logp)
+    if o.loss == "cispo":     # the clamped ratio is a constant factor: the gradient flows through logp alone
+        factor = -np.minimum(ratio, o.epsilon_high) * adv
+        value, slope = factor * logp, factor
+    elif o.loss == "sapo":
+        tau = np.where(adv > 0, o.temperature_pos, o.temperature_neg)
+        gate = 1.0 / (1.0 + np.exp(-tau * (ratio - 1.0)))
+        value, slope = -gate * 4.0 / tau * adv, -4.0 * gate * (1.0 - gate) * ratio * adv
+    else:                     # PPO's clipped surrogate: the gradient flows where the unclipped term is the smaller
+        clipped = np.clip(ratio, 1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
+        value = -np.minimum(ratio * adv, clipped * adv)
+        slope = np.where(ratio * adv <= clipped * adv, -ratio * adv, 0.0)
+    if o.beta:
+        gap = terms[:, 3] - logp
+        kl, dkl = np.exp(gap) - gap - 1.0, 1.0 - np.exp(gap)      # the k3 estimator and its derivative
+        if o.bias_correction_kl:  # k3 times the ratio, both differentiated
+            kl, dkl = kl * ratio, (dkl + kl) * ratio
+        value, slope = value + o.beta * kl, slope + o.beta * dkl
+    return value, slope
+
+
+def token_objective_forward(loss, terms, objective):
+    """Each token's loss (N,) float64 under a TokenObjective, from the loss head's rows loss (N,) = -logp and
+    terms (N, 4) = objective.terms(): the per-token policy loss plus beta times the KL estimate (its scale not
+    applied; the host weighs and sums them, GRPO.step_loss)."""
+    return _token_objective_parts(loss, terms, objective)[0]
+
+
+def token_objective_backward(loss, terms, objective):
+    """The loss head's per-row gradient weights (N,) float32 of a TokenObjective: -scale * d(token loss) / d logp
+    (0 where scale is 0), from loss (N,) = -logp and terms (N, 4) = objective.terms(); what
+    cross_entropy_backward then takes as its per-row grad_scale."""
+    scale = np.asarray(terms, np.float64)[:, 0]
+    slope = _token_objective_parts(loss, terms, objective)[1]
+    return np.where(scale != 0, -scale * slope, 0.0).astype(np.float32)
+
+
 # ---- KV cache and attention over it (generation; forward only) -------------------------------
 # A cache holds B sequences (its rows) of up to L positions; every new token names its row and its
 # position, so one call can prefill several ragged prompts packed together or advance every row by one

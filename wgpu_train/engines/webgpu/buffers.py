@@ -38,17 +38,20 @@ def loss_head_size(m: int, n: int) -> int:
     return min(n, -(-m // unit) * unit)
 
 
-INPUT_NAMES = ("ids", "segments", "positions", "targets", "head_index", "row_weights")
+INPUT_NAMES = ("ids", "segments", "positions", "targets", "head_index", "row_weights", "row_terms")
+INPUT_WIDTHS = {"row_terms": 4}      # 4-byte values per token where not one
 
 
 class Inputs:
     """The uploaded batch of one micro-batch slot, (B*T,) each: ids, segment ids, positions, targets (those of
     the loss head's rows, or generation's row indices) and head_index (the loss head's rows), all i32; and
-    row_weights, f32, the per-token gradient weights of the loss head's rows when a step has them."""
+    row_weights, f32, the per-token gradient weights of the loss head's rows when a step has them; row_terms
+    (B*T, 4) f32, a TokenObjective's terms of the loss head's rows, from which its kernel writes row_weights."""
 
     def __init__(self, rt: Runtime, n: int):
         for name in INPUT_NAMES:
-            setattr(self, name, rt.buffer(n * F32, "segment_ids" if name == "segments" else name))
+            setattr(self, name, rt.buffer(n * INPUT_WIDTHS.get(name, 1) * F32,
+                                          "segment_ids" if name == "segments" else name))
 
 
 class Activations:
@@ -75,6 +78,7 @@ class Activations:
         self.b = self.t = self.n = self.n_head = 0
         self.rope_long = False
         self.ids = self.segments = self.positions = self.targets = self.head_index = self.row_weights = None
+        self.row_terms = self.objective = None     # a TokenObjective's terms buffer and the objective itself
         self.head_order = None     # (n_head,) the batch's row of each loss head row (None: every row, in order)
 
 
@@ -164,7 +168,15 @@ class BucketCache:
         self._acts.clear()
         self._inputs.clear()
 
-    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None):
+    def _upload_row_weights(self, acts, weights, slot=0):
+        """Write a micro-batch's per-token gradient weights (B, T) in the loss head's row order to its slot's
+        row_weights, after _upload_batch set acts' rows (acts.row_weights set)."""
+        w = np.asarray(weights, np.float32).reshape(-1)                # (B*T,)
+        acts.row_weights = self._inputs[(acts.capacity, slot)].row_weights
+        self.rt.write(acts.row_weights, w if acts.head_order is None else w[acts.head_order])
+
+    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None,
+                      objective=None):
         """Write one micro-batch into the input buffers of its slot and point acts at them.
 
         targets (B, T) (training, evaluation): only the rows with a target (not IGNORE_INDEX) go through
@@ -173,7 +185,10 @@ class BucketCache:
         indices. When that is every row, the targets go as they are and head_index is unused
         (acts.head_index and acts.head_order None). weights (B, T) float32 (optional, training): each
         token's gradient weight, written in the loss head's row order to row_weights (acts.row_weights
-        None without). last (generation, forward_rows): row indices, written to targets as they are."""
+        None without). objective (a TokenObjective, training, instead of weights): its terms written in the loss
+        head's row order to row_terms, and row_weights left for the loss head's token_objective_backward to
+        write (acts.objective set). last (generation, forward_rows): row indices, written to targets as they
+        are."""
         rt = self.rt
         b, t = ids.shape
         n = b * t
@@ -186,6 +201,7 @@ class BucketCache:
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
         acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch
         acts.head_index, acts.head_order, acts.n_head, acts.row_weights = None, None, n, None
+        acts.row_terms = acts.objective = None
         if last is not None:
             rt.write(acts.targets, last.astype(np.int32).reshape(-1))
         if targets is None:
@@ -201,6 +217,8 @@ class BucketCache:
             rt.write(acts.head_index, rows)
         rt.write(acts.targets, tg if rows is None else tg[rows])
         if weights is not None:
-            w = np.asarray(weights, np.float32).reshape(-1)           # (B*T,)
-            acts.row_weights = inp.row_weights
-            rt.write(acts.row_weights, w if rows is None else w[rows])
+            self._upload_row_weights(acts, weights, slot)
+        if objective is not None:
+            terms = objective.terms()                                  # (B*T, 4)
+            acts.row_weights, acts.row_terms, acts.objective = inp.row_weights, inp.row_terms, objective
+            rt.write(acts.row_terms, terms if rows is None else terms[rows])

@@ -101,7 +101,8 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
         self.scored_rows = rt.buffer(F32, "scored_rows")     # token_losses(reference=True): both passes' loss rows
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
-                         "buckets_allocated": 0}
+                         "buckets_allocated": 0, "policy_forwards": 0, "reference_forwards": 0}
+        self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
         self.last_step: dict = {}
         # GPU seconds one submission may hold (WGPU_TRAIN_MAX_SUBMIT_S), and the dispatches per submission
         # that keep a step under it (0: the whole step in one), measured from the previous step

@@ -487,6 +487,32 @@ def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_row
              (n_rows, V, stride), (mult, softcap))
 
 
+# ---- a per-token objective's gradient weights (shaders/token_objective.wgsl) -------------------
+
+TOKEN_LOSS_CODES = {"clipped": 0, "cispo": 1, "sapo": 2}      # the shader's s1, by TokenObjective.loss
+
+
+def token_objective_backward(rec, weights, loss, terms, objective, n_rows, row_offset=0):
+    """weights (N,) = -scale * d(token loss) / d logp of a TokenObjective (engines/protocol.py) for the chunk of
+    global rows [row_offset, row_offset + n_rows), from the loss head's rows loss (N,) = -logp and terms (N, 4) =
+    objective.terms() in the head's row order: cross_entropy_backward's row_weights. One invocation per row."""
+    if n_rows <= 0:
+        return
+    o = objective
+    if o.loss == "clipped":
+        params = (1.0 - o.epsilon_low, 1.0 + o.epsilon_high)
+    elif o.loss == "cispo":
+        params = (o.epsilon_high, 0.0)
+    else:
+        params = (o.temperature_pos, o.temperature_neg)
+    flags = (1 if o.old_logps is not None else 0) | (2 if o.bias_correction_kl else 0)
+    _float32("token_objective_backward", weights=weights, loss=loss, terms=terms)
+    _run(rec, "token_objective", "token_objective_backward", flat_grid(-(-n_rows // WG)),
+         [(_offset(weights, row_offset), n_rows, "weights", True), (_offset(loss, row_offset), n_rows, "loss", False),
+          (_offset(terms, 4 * row_offset), 4 * n_rows, "terms", False)],
+         (n_rows, TOKEN_LOSS_CODES[o.loss], flags), (o.beta,) + params)
+
+
 # ---- optimizer ------------------------------------------------------------------------------
 
 def grad_norm_slots(n: int) -> int:

@@ -178,27 +178,41 @@ class LayerRecorder:
         if self.cfg.logit_softcap:
             K.softcap_forward(rec, acts.logits, acts.logits, self.cfg.logit_softcap, rows * self.cfg.vocab_size)
 
-    def _record_head(self, rec, acts: Activations, backward: bool):
+    def _record_head(self, rec, acts: Activations, backward: bool, part: str | None = None):
         """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, _upload_batch),
         by chunks of acts.head_rows rows of logits: loss, lse and valid per head row (targets are in head
-        row order too). With backward, dlogits, then dxf (zero on the rows the head skipped) and dW_head."""
+        row order too). With backward, dlogits, then dxf (zero on the rows the head skipped) and dW_head; with a
+        TokenObjective (acts.objective), each chunk's row weights come from its own loss rows first.
+
+        part (a SequenceObjective's step, whose weights the host computes from the loss rows in between):
+        "forward", the logits and losses only, on the training step's buffers (the backward's inputs kept);
+        "backward" (backward True), the rest: the logits and losses again where the head takes several chunks,
+        where it takes one the chunk's logits and lse still there from the forward part."""
         cfg = self.cfg
+        if part != "backward":
+            self.counters["policy_forwards" if self.adapter_enabled else "reference_forwards"] += 1
         head, v, c, n, m = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n, acts.n_head
         rec.section("loss head (lm_head, cross-entropy)")
+        train = backward or part == "forward"
         x, dx = acts.xf, acts.dxf if backward else None
         compact = acts.head_index is not None
         if compact:
             # the gathered rows and their gradient live in buffers idle here: x_final when forward only
             # (read by the final norm, before), else d_res and d_tmp (the final norm's backward and the
             # layers' backward write them, after)
-            x, dx = (acts.d_res, acts.d_tmp) if backward else (acts.x_final, None)
+            x, dx = (acts.d_res, acts.d_tmp if backward else None) if train else (acts.x_final, None)
             K.row_gather_forward(rec, x, acts.xf, acts.head_index, m, c, n)
         dhead = self.grads.get(self._head_name())       # None unless the head's weight is trained
+        kept = part == "backward" and m <= acts.head_rows
         for r0 in range(0, m, acts.head_rows):
             rows = min(acts.head_rows, m - r0)
-            self._head_logits(rec, acts, at(x, r0 * c), rows)
-            K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits, acts.targets,
-                                    rows, v, r0)
+            if not kept:
+                self._head_logits(rec, acts, at(x, r0 * c), rows)
+                K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits,
+                                        acts.targets, rows, v, r0)
+            if backward and acts.objective is not None:     # the weights of the head's own log-probabilities
+                K.token_objective_backward(rec, acts.row_weights, acts.loss_rows, acts.row_terms, acts.objective,
+                                           rows, r0)
             if backward:
                 K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
                                          rows, v, r0, cfg.logit_softcap, acts.row_weights)
@@ -298,12 +312,13 @@ class LayerRecorder:
         rec.section(self._where + " split")
         K.split_backward(rec, dxs[0], dys, acts.n, [self.plan.widths[y] for y in op.outputs])
 
-    def _record_backward(self, rec, acts: Activations):
+    def _record_backward(self, rec, acts: Activations, head_part: str | None = None):
         """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the
-        embedding's (when the embedding is trained: full fine-tuning, modules_to_save)."""
+        embedding's (when the embedding is trained: full fine-tuning, modules_to_save). head_part "backward":
+        the head's forward part was recorded before (_record_head's part)."""
         cfg = self.cfg
         n, c = acts.n, cfg.hidden_size
-        self._record_head(rec, acts, backward=True)
+        self._record_head(rec, acts, backward=True, part=head_part)
         rec.section("final norm backward")
         K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                            self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,

@@ -17,6 +17,19 @@ from wgpu_train.engines.webgpu.buffers import GpuLora
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tensors import F32
+from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
+
+
+def _logps(results, at_row: int, n_head: int, head_order, shape) -> np.ndarray:
+    """A micro-batch's (B, T) float32 log-probabilities from the loss head's rows read back at results[at_row:]
+    in the head's row order (0 where a position has no target)."""
+    logps = np.zeros(int(np.prod(shape)), np.float32)
+    rows = -results[at_row:at_row + n_head]
+    if head_order is None:
+        logps[:] = rows
+    else:
+        logps[head_order] = rows
+    return logps.reshape(shape)
 
 
 class StepRecording:
@@ -171,8 +184,13 @@ class StepRecording:
         rt = self.rt
         before = dict(rt.counters)
         n_micro = len(micro_batches)
-        if self.results.size < (2 * n_micro + 3) * F32:
-            self.results = rt.buffer((2 * n_micro + 3) * F32, "results")
+        # results: [loss_sum, count] per micro-batch, [norm, clip, finite], then the loss rows of the micro-batches
+        # with a TokenObjective (their log-probabilities, read back with the rest)
+        objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], (TokenObjective, SequenceObjective)) else None
+                      for mb in micro_batches]
+        size = 2 * n_micro + 3 + sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
+        if self.results.size < size * F32:
+            self.results = rt.buffer(size * F32, "results")
         scaler = self.loss_scaler        # f16's loss scaling: the loss gradient scaled, the gradients unscaled
         rt.write(self.step_buf, np.array([1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)],
                                          np.float32))
@@ -180,17 +198,35 @@ class StepRecording:
         rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
         self._record_zero_grads(rec)
         self._training = True
-        used = []
-        for j, (ids, targets, seg, pos, *weights) in enumerate(micro_batches):
+        used, scored, at_row = [], [], 2 * n_micro + 3
+        early = []          # GPU seconds per op group of the submissions a SequenceObjective ended (profile)
+        for j, (ids, targets, seg, pos, *extra) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
             acts = self._activations(b, t, train=True, keep=used)
             used.append(acts.key)
-            self._upload_batch(acts, ids, seg, pos, targets, slot=j, weights=weights[0] if weights else None)
+            objective = objectives[j]
+            host = isinstance(objective, SequenceObjective)
+            self._upload_batch(acts, ids, seg, pos, targets, slot=j, objective=None if host else objective,
+                               weights=extra[0] if extra and objective is None else None)
             self._write_seeds(j)
             self._record_forward(rec, acts)
-            self._record_backward(rec, acts)
+            if host:     # the step so far submitted, the head's log-probabilities to the host and its weights back
+                self._record_head(rec, acts, backward=False, part="forward")
+                rec.read_back(acts.loss_rows, np.float32, (acts.n_head,))
+                rec.submit()
+                logps = _logps(rec.result(), 0, acts.n_head, acts.head_order, ids.shape)
+                early.append(rec.timings() if profile else {})
+                self._upload_row_weights(acts, objective.weights(logps), slot=j)
+                rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
+            self._record_backward(rec, acts, head_part="backward" if host else None)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
+            if objective is not None:
+                K.copy(rec, (self.results, at_row), acts.loss_rows, acts.n_head)
+                scored.append((at_row, acts.n_head, acts.head_order))
+                at_row += acts.n_head
+            else:
+                scored.append(None)
         self._training = False
         if scaler is not None:
             for _, grad, _, _, n in self._groups:
@@ -202,7 +238,7 @@ class StepRecording:
         norm_at = (self.results, 2 * n_micro)
         self._record_optimizer(rec, hp, step, norm_at)
         self._dora_stale = True          # A and B moved: the next forward recomputes DoRA's norms
-        rec.read_back(self.results, np.float32, (2 * n_micro + 3,))
+        rec.read_back(self.results, np.float32, (at_row,))
         submitted = time.perf_counter()
         rec.submit()
         out = rec.result()
@@ -211,11 +247,16 @@ class StepRecording:
                             **({"reduce_s": first["reduce_s"]} if first else {})}
         self._plan_submissions(rec, done - submitted)
         if profile:
-            prof = dict(first.get("profile", {}))
+            prof = {}
+            for part in early + [first.get("profile", {})]:
+                for k, v in part.items():
+                    prof[k] = prof.get(k, 0.0) + v
             for k, v in rec.timings().items():
                 prof[k] = prof.get(k, 0.0) + v
             self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
         self._count(before)
+        self.step_logps = [None if where is None else _logps(out, *where, mb[0].shape)
+                           for where, mb in zip(scored, micro_batches)]
         loss_sum = float(out[0:2 * n_micro:2].sum())
         if self.precision == "f16" and not np.isfinite(loss_sum):
             # a non-finite loss comes from the forward (the loss scale only scales the backward)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wgpu_train.engines.protocol import TokenObjective
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.objectives.base import DataKind, Objective, TrainerKind, sigmoid
 from wgpu_train.training.objectives.grpo_advantages import (SCALE_REWARDS, completion_metrics, group_advantages,
@@ -166,6 +167,27 @@ class GRPO(Objective):
             metrics["entropy"] = self._masked_mean(np.asarray(entropies, np.float64), mask, rows_per_micro)
         metrics.update(self._clip_metrics(ratio, advantages, mask, rows_per_micro))
         return GRPOResult(loss, dlogps, metrics)
+
+    def token_objective(self, old_logps, ref_logps, advantages, mask, rows_per_micro: int,
+                        num_items: int) -> TokenObjective | None:
+        """The step's loss as the engine's per-token objective (TokenObjective over all R rows: the trainer cuts it
+        into its micro-batches), so that the step's own forward computes the log-probabilities its gradient
+        weights need: the derivative step_loss gives by them, as -scale * d(token loss) / d logp, scale being
+        the step's counted tokens times d(step loss) / d(token loss). Arguments as step_loss's. None at the
+        sequence importance-sampling level (GSPO), whose ratio is a mean over a row's tokens: the trainer
+        gives the engine a SequenceObjective there, step_loss's derivatives of the head's log-probabilities."""
+        s = self.settings
+        if s.importance_sampling_level != "token":
+            return None
+        mask = np.asarray(mask, np.float64)                        # (R, T) 0 / 1
+        tokens = np.maximum(mask.sum(axis=1, keepdims=True), 1.0)  # (R, 1)
+        scale = self._token_weights(mask, tokens, rows_per_micro, num_items) * mask.sum()
+        loss = "clipped" if s.loss_type in CLIPPED_LOSSES else s.loss_type
+        return TokenObjective(scale.astype(np.float32), np.asarray(advantages, np.float32).reshape(-1),
+                              None if old_logps is None else np.asarray(old_logps, np.float32),
+                              ref_logps if s.uses_reference else None, loss=loss, epsilon_low=s.epsilon,
+                              epsilon_high=s.upper_epsilon, beta=s.beta, bias_correction_kl=s.use_bias_correction_kl,
+                              temperature_pos=s.sapo_temperature_pos, temperature_neg=s.sapo_temperature_neg)
 
     def _policy_loss(self, ratio, advantages, logps):
         """The per-token policy loss of the loss type, its derivative by the log importance weight and its direct
