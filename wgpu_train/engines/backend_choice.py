@@ -61,7 +61,8 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     when there is no adapter. Where the preferred adapter is a CPU, the CPU adapter when the NumPy engine's
     float32 copies of the weights would exceed NUMPY_MEMORY_SHARE of `memory` (default: what the machine has
     available) and the adapter stores them in fewer bytes; else the faster of the two for a LoRA step of cfg's
-    shape and batch, timed once and cached (backend_probe.probed_speeds; without cfg, the NumPy engine). Nothing else
+    shape and batch, timed once and cached (backend_probe.probed_speeds: the NumPy engine alone when its step is
+    too short for the adapter's kernel compilation to pay off; without cfg, the NumPy engine). Nothing else
     separates them: both engines run every feature. ConfigError for an unknown backend."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -91,7 +92,11 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
                              f"{info.describe()} stores them in {stored / 2**30:.1f} GiB")
     speeds, cached = probed_speeds(cfg, runtime.get_runtime(), base_dtype, embed_dtype,
                                    "fp32" if precision == "auto" else precision, batch)
-    engine = max(speeds, key=speeds.get)
-    return BackendChoice(engine, None, f"auto: {where}; a LoRA step of this model "
-                         f"{'measured earlier' if cached else 'timed now'} ran {speeds['numpy']:,.0f} tokens/s "
-                         f"on the NumPy engine and {speeds['wgpu']:,.0f} on {info.name} ({info.backend})")
+    when = "measured earlier" if cached else "timed now"
+    if "wgpu" not in speeds:
+        return BackendChoice("numpy", None, f"auto: {where}; a LoRA step of this model {when} ran "
+                             f"{speeds['numpy']:,.0f} tokens/s on the NumPy engine, too short a step for the "
+                             f"adapter's kernel compilation to pay off")
+    return BackendChoice(max(speeds, key=speeds.get), None, f"auto: {where}; a LoRA step of this model {when} ran "
+                         f"{speeds['numpy']:,.0f} tokens/s on the NumPy engine and {speeds['wgpu']:,.0f} on "
+                         f"{info.name} ({info.backend})")
