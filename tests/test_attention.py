@@ -9,7 +9,7 @@ import pytest
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
 from wgpu_train.engines.webgpu.tuned import attention_source as src
-from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.device.runtime import shader_text
 from wgpu_train.engines.numpy import ops
@@ -46,13 +46,13 @@ def _run(rt, name, B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0):
     tq, tk, tv, tdo = (rt.upload(x) for x in (q, k, v, dout))
     ts = rt.upload(seg.astype(np.int32))
     out, dq = rt.buffer(q.nbytes), rt.buffer(q.nbytes)
-    lse, scratch = rt.buffer(4 * B * Hq * T), rt.buffer(4 * K.attention_scratch_size(B, T, Hq))
+    lse, scratch = rt.buffer(4 * B * Hq * T), rt.buffer(4 * A.attention_scratch_size(B, T, Hq))
     dkv = rt.buffer(2 * k.nbytes)                       # dk and dv share a buffer, as in the engine
     dk, dv = (dkv, 0), (dkv, k.size)
     with tune.pinned(name):
         rec = rt.recorder()
-        K.attention_forward(rec, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap)
-        K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch, window,
+        A.attention_forward(rec, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap)
+        A.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch, window,
                              softcap)
         rec.submit()
     got = [rt.read(out, F32, q.shape), rt.read(lse, F32, (B, Hq, T)), rt.read(dq, F32, q.shape),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from wgpu_train.engines.numpy import ops
-from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
 from wgpu_train.engines.webgpu.tuned import tune
@@ -70,10 +70,10 @@ def _run(rt, fmts, B, T, Hq, Hkv, D, seg, window=0, softcap=0.0, pin=None, seed=
     dkv = _tensor(rt, np.zeros((2,) + x["k"].shape, np.float32), fmts["dkv"], leads[fmts["dkv"]])
     size = x["k"].size
     ts, tl = rt.upload(seg), rt.buffer(4 * lse.size)
-    scratch = rt.buffer(4 * K.attention_scratch_size(B, T, Hq))
+    scratch = rt.buffer(4 * A.attention_scratch_size(B, T, Hq))
     with tune.pinned(pin) if pin else tune.forced_mode("off"):
         rec = rt.recorder()
-        K.attention_forward(rec, t["out"], tl, t["q"], t["k"], t["v"], ts, B, T, Hq, Hkv, D, window, softcap)
+        A.attention_forward(rec, t["out"], tl, t["q"], t["k"], t["v"], ts, B, T, Hq, Hkv, D, window, softcap)
         rec.submit()
         _check(rt, t["out"], out, fmts["out"], "out")
         assert_close(rt.read(tl, np.float32, lse.shape), lse, "k_attention_lse", "lse")
@@ -82,7 +82,7 @@ def _run(rt, fmts, B, T, Hq, Hkv, D, seg, window=0, softcap=0.0, pin=None, seed=
         rec = rt.recorder()
         grad = dict(dq=t["dq"], dk=dkv, dv=(dkv[0], dkv[1] + size), dout=t["dout"], q=t["q"], k=t["k"], v=t["v"],
                     out=stored)
-        K.attention_backward(rec, *grad.values(), tl, ts, B, T, Hq, Hkv, D, scratch, window, softcap)
+        A.attention_backward(rec, *grad.values(), tl, ts, B, T, Hq, Hkv, D, scratch, window, softcap)
         rec.submit()
         problem = AK.AttentionProblem(rt, "backward", dict(grad, segment_ids=ts, stats=scratch), B, T, Hq, Hkv, D,
                                       window, softcap)

@@ -9,6 +9,7 @@ import pytest
 
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import decode_kernels as AD
 from wgpu_train.engines.webgpu.tuned import tune
@@ -141,7 +142,7 @@ def test_kv_cache_write(rt, kv_dtype, k_fmt, v_fmt):
     old_k, old_v = (rounded(g.standard_normal((batch, max_len, hkv, d)), cfmt) for _ in range(2))
     tk, tv = padded(rt, old_k, cfmt), padded(rt, old_v, cfmt, lead=6)
     tkn, tvn, tr, tp = padded(rt, k_new, k_fmt, lead=4), padded(rt, v_new, v_fmt), rt.upload(rows), rt.upload(pos)
-    run(rt, lambda r: K.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d, kv_dtype))
+    run(rt, lambda r: A.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d, kv_dtype))
     want_k, want_v = old_k.copy(), old_v.copy()
     ops.kv_cache_write(want_k, want_v, rounded(k_new, cfmt), rounded(v_new, cfmt), rows, pos)
     size = batch * max_len * hkv * d
@@ -173,7 +174,7 @@ def test_attention_cached(rt, kv_dtype, q_fmt, out_fmt):
     for kernel in ("decode/single", "decode/split32"):
         out = padded(rt, np.full(q.shape, 3.0), out_fmt)
         with tune.pinned(kernel):
-            run(rt, lambda r: K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
+            run(rt, lambda r: A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
                                                          scratch=scratch, kv_dtype=kv_dtype))
         got = body(rt, out, q.size).reshape(q.shape)
         assert_close(got, want, f"decode16_attention_{out_fmt}", kernel)
@@ -202,8 +203,8 @@ def test_float32_odd_widths_and_offsets(rt):
     for kernel in ("decode/single", "decode/split32"):
         out = padded(rt, np.zeros(q.shape), "f32", lead=1)
         with tune.pinned(kernel):
-            run(rt, lambda r: (K.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d),
-                               K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
+            run(rt, lambda r: (A.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d),
+                               A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
                                                           scratch=scratch)))
         assert_close(body(rt, tk, size).reshape(kc.shape), want_k, "exact", "k_cache")
         assert_close(body(rt, tv, size).reshape(vc.shape), want_v, "exact", "v_cache")

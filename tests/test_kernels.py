@@ -8,6 +8,7 @@ import pytest
 from tolerances import assert_close
 from wgpu_train.engines.webgpu.tuned import attention_kernels
 from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.numpy import ops, optim
 
 F32 = np.float32
@@ -283,9 +284,9 @@ def test_attention(rt, B, T, Hq, Hkv, D, kind, offsets, window, softcap):
     assert problem.aligned == (D % 4 == 0 and offsets == "aligned")
     dq, dkv = rt.buffer(4 * q.size), rt.buffer(4 * 2 * k.size)       # dk and dv share one buffer
     dk, dv = (dkv, 0), (dkv, k.size)
-    scratch = rt.buffer(4 * K.attention_scratch_size(B, T, Hq))
-    run(rt, lambda r: (K.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap),
-                       K.attention_backward(r, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch,
+    scratch = rt.buffer(4 * A.attention_scratch_size(B, T, Hq))
+    run(rt, lambda r: (A.attention_forward(r, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap),
+                       A.attention_backward(r, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch,
                                             window, softcap)))
     assert_close(read(rt, out, q.size).reshape(q.shape), want_out, "k_attention", "out")
     assert_close(rt.read(lse, F32, (B, Hq, T)), want_lse, "k_attention_lse", "lse")
@@ -521,8 +522,8 @@ def test_kv_cache_write_and_attention_cached(rt, case, window):
     want = ops.attention_cached_forward(q.astype(np.float64), want_k, want_v, rows, pos, window)
     out = rt.buffer(4 * q.size)
     tk, tv, tq, tkn, tvn, tr, tp = (rt.upload(a) for a in (kc, vc, q, k_new, v_new, rows, pos))
-    run(rt, lambda r: (K.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d),
-                       K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d, window)))
+    run(rt, lambda r: (A.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d),
+                       A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d, window)))
     assert_close(rt.read(tk, F32, kc.shape), want_k, "exact", "k_cache")
     assert_close(rt.read(tv, F32, vc.shape), want_v, "exact", "v_cache")
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", "cached")
@@ -560,7 +561,7 @@ def test_attention_cached_passes(rt, case, window, softcap, kernel):
                                              decode_kernels.scratch_elements(batch, hq, d))
     assert kernel in [c.name for c in problem.candidates()]
     with tune.pinned(kernel):
-        run(rt, lambda r: K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
+        run(rt, lambda r: A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
                                                      window, softcap, scratch))
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", kernel)
     assert not rt.read(out, F32, q.shape)[rows < 0].any()

@@ -13,7 +13,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.engines.generate import generate
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.shared.quant import bfloat16_bits, bfloat16_values
-from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import decode_kernels, tune
 
 from finetune_helpers import make_model_dir
@@ -46,7 +46,7 @@ def test_cache_write_rounds_to_nearest_even(rt):
                                      np.uint32).view(F32)
     old = g.integers(0, 2**32, (2, batch, max_len, hkv, d // 2), dtype=np.uint64).astype(np.uint32)   # words
     tk, tv, tkn, tvn, tr, tp = (rt.upload(a) for a in (old[0], old[1], k_new, v_new, rows, pos))
-    _run(rt, lambda r: K.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d, "bfloat16"))
+    _run(rt, lambda r: A.kv_cache_write(r, tk, tv, tkn, tvn, tr, tp, n, batch, max_len, hkv, d, "bfloat16"))
     for t, new, before in ((tk, k_new, old[0]), (tv, v_new, old[1])):
         want = before.copy().view(np.uint16).reshape(batch, max_len, hkv, d)
         keep = rows >= 0
@@ -72,7 +72,7 @@ def test_attention_passes_over_a_bfloat16_cache(rt, kernel):
     words = [bfloat16_bits(x).view(np.uint32) for x in (kc, vc)]               # (batch, max_len, hkv, d / 2)
     tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, *words, rows, pos))
     with tune.pinned(kernel):
-        _run(rt, lambda r: K.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
+        _run(rt, lambda r: A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, n, batch, max_len, hq, hkv, d,
                                                       scratch=scratch, kv_dtype="bfloat16"))
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", kernel)
 

@@ -58,6 +58,7 @@ def _kernels(rt, timer, fmt: str) -> dict:
     against NumPy first."""
     from wgpu_train.engines.numpy import ops
     from wgpu_train.engines.webgpu import kernels as K
+    from wgpu_train.engines.webgpu import attention as A
     from wgpu_train.engines.webgpu.device import storage
     from wgpu_train.engines.webgpu.tensors import linear_forward, store_weight
 
@@ -84,7 +85,7 @@ def _kernels(rt, timer, fmt: str) -> dict:
         seg = rt.upload(np.ones(b * t, np.int32))
         bufs += [q, k, v, att, lse, seg]
         rec = Capture(rt)
-        K.attention_forward(rec, att, lse, q, k, v, seg, b, t, hq, hkv, d)
+        A.attention_forward(rec, att, lse, q, k, v, seg, b, t, hq, hkv, d)
         want = ops.attention_forward(*(stored(values).reshape(b, t, -1, d) for values in qkv),
                                      np.ones((b, t), np.int32))[0]
         _checked(rt, rec.dispatches, att, want, fmt, "attention")

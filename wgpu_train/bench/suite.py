@@ -257,7 +257,7 @@ def bench_attention(rt, ctx) -> list[dict]:
     figure shows how much masked work it skips; "vs_rows" is the default's speed over rows/vec4's, and
     "packed_vs_causal" the causal row's time over the packed one's, both from this run."""
     from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
-    from wgpu_train.engines.webgpu import kernels as K
+    from wgpu_train.engines.webgpu import attention as A
     from wgpu_train.engines.webgpu.tuned import tune
 
     B, Hq, Hkv, D = ATT_SHAPE["B"], ATT_SHAPE["Hq"], ATT_SHAPE["Hkv"], ATT_SHAPE["D"]
@@ -268,7 +268,7 @@ def bench_attention(rt, ctx) -> list[dict]:
         k, v = (rng.standard_normal((B, T, Hkv, D), dtype=np.float32) for _ in range(2))
         bufs = [rt.upload(x) for x in (q, k, v, dout)] + [rt.buffer(q.nbytes) for _ in range(2)]
         bufs += [rt.buffer(k.nbytes) for _ in range(2)] + [rt.buffer(4 * B * Hq * T),
-                                                            rt.buffer(4 * K.attention_scratch_size(B, T, Hq))]
+                                                            rt.buffer(4 * A.attention_scratch_size(B, T, Hq))]
         tq, tk, tv, tdo, o, dq, dk, dv, lse, scratch = bufs
         flops = 6.0 * T * T * D * Hq
         ms: dict = {}
@@ -286,8 +286,8 @@ def bench_attention(rt, ctx) -> list[dict]:
                         continue
                     rec = Capture(rt)
                     with tune.pinned(name):
-                        K.attention_forward(rec, o, lse, tq, tk, tv, seg_buf, B, T, Hq, Hkv, D)
-                        K.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, o, lse, seg_buf, B, T, Hq, Hkv, D,
+                        A.attention_forward(rec, o, lse, tq, tk, tv, seg_buf, B, T, Hq, Hkv, D)
+                        A.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, o, lse, seg_buf, B, T, Hq, Hkv, D,
                                              scratch)
                     if T == 512:
                         _check_attention(rt, rec.dispatches, (q, k, v, dout), seg, (o, dq), f"{name} {kind} T={T}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import INPUT, OUTPUT
 from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import quant
 from wgpu_train.engines.webgpu.lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
@@ -142,12 +143,12 @@ class LayerRecorder:
         (q, k, v), (att, lse) = (buf[x] for x in op.inputs), (buf[x] for x in op.outputs)
         rec.section(self._where + " attention")
         if kv is None:
-            K.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i),
+            A.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i),
                                 cfg.attn_softcap)
         else:   # generation: acts.segments holds each token's cache row
-            K.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
+            A.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d, kv["dtype"])
-            K.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
+            A.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
                                        acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap,
                                        kv["scratch"], kv["dtype"])
 
@@ -281,7 +282,7 @@ class LayerRecorder:
         assert not any(accumulate), "attention's backward writes its gradients"
         cfg = self.cfg
         rec.section(self._where + " attention")
-        K.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
+        A.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
                              acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap)
 

@@ -95,6 +95,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     backward's scaled dy, d_dora).
     """
     from wgpu_train.engines.webgpu import kernels as K
+    from wgpu_train.engines.webgpu import attention as A
 
     n = b * t
     c, v, d, hq = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
@@ -118,7 +119,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
                       d_lora_x=n * max(list(dropout_inputs.values()) + [1]),
                       d_dora=n * max(list((dora_outputs or {}).values()) + [1]),
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
-                      scratch_att=K.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
+                      scratch_att=A.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
         if checkpoint:
             shared.update({SHARED_LAYER + name: e for name, e in layer.items() if name != INPUT})
             layer = {INPUT: layer[INPUT]}
