@@ -131,3 +131,20 @@ def make_trl_model_and_adapter(root: Path, family: str) -> Path:
                            for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
     model.save_adapter(root / "adapter")
     return folder
+
+
+def first_step_gradients_callback(model):
+    """A transformers TrainerCallback whose `grads` ({parameter name: array}) are `model`'s gradients of the first
+    optimizer step, taken before it is applied (after clipping): what TRL's trainers differentiated."""
+    from transformers import TrainerCallback
+
+    class FirstStepGradients(TrainerCallback):
+        def __init__(self):
+            self.grads = {}
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if state.global_step == 0:
+                self.grads.update({n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()
+                                   if p.grad is not None})
+
+    return FirstStepGradients()

@@ -2,12 +2,11 @@
 conversations and prompt-completion records through the readers, their columns kept, bad records and a dataset
 without prompts, token ids equal to TRL 1.16's GRPOTrainer._tokenize_prompts, and the embedded demo's prompts."""
 
-import json
 import types
 
 import numpy as np
 import pytest
-from bpe import train_bpe
+from bpe import tokenizer_folder, train_bpe
 from chat_templates import LAST_USER_SYSTEM
 from tokenizers import processors
 from wgpu_train.assets import WORDS
@@ -160,14 +159,6 @@ CHATML = ("{% for message in messages %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def _folder(path, backend, template, **special):
-    path.mkdir(parents=True, exist_ok=True)
-    backend.save(str(path / "tokenizer.json"))
-    config = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": template, **special}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
-
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """name -> (our Tokenizer, transformers' tokenizer as TRL loads it): ChatML turns without BOS; a Llama-like
@@ -176,10 +167,10 @@ def tokenizers(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("grpo_tok")
-    chatml = _folder(root / "chatml", train_bpe(CORPUS, vocab_size=330), CHATML)
+    chatml = tokenizer_folder(root / "chatml", train_bpe(CORPUS, vocab_size=330), CHATML)
     llama = train_bpe(CORPUS, vocab_size=330, specials=["<unk>", "<s>", "</s>"])
     llama.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    llama = _folder(root / "llama", llama, LAST_USER_SYSTEM, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    llama = tokenizer_folder(root / "llama", llama, LAST_USER_SYSTEM, bos_token="<s>", eos_token="</s>", pad_token="</s>")
     return {name: (load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), truncation_side="left",
                                                                        padding_side="left"))
             for name, path in (("chatml", chatml), ("llama", llama))}

@@ -16,7 +16,7 @@ from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.grpo_trainer import GRPOTrainer, _padded, _weighted
 
 from conftest import require_adapter
-from finetune_helpers import make_trl_model_and_adapter, write_jsonl
+from finetune_helpers import first_step_gradients_callback, make_trl_model_and_adapter, write_jsonl
 from tolerances import assert_close
 
 torch = pytest.importorskip("torch")
@@ -91,21 +91,14 @@ def trl_run(root, folder, completions, case, keep_reference=False):
     the clipped LoRA gradients of step 1, the adapter after STEPS, the prompt ids it tokenized, how many
     generations it asked for)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, str(root / "adapter"), is_trainable=True)
     tok = AutoTokenizer.from_pretrained(str(folder))
     prompt_ids = [list(ids) for ids in tok(PROMPTS)["input_ids"]]       # as TRL's _tokenize_prompts makes them
-    grads = {}
-
-    class Grabber(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-            if state.global_step == 0:
-                for n, p in peft_model.named_parameters():
-                    if p.grad is not None:
-                        grads[n] = p.grad.detach().numpy().copy()
+    grabber = first_step_gradients_callback(peft_model)
 
     args = trl.GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=ROWS,
                           gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_COMPLETION,
@@ -114,7 +107,7 @@ def trl_run(root, folder, completions, case, keep_reference=False):
                           reward_weights=REWARD_WEIGHTS, **case)
     trainer = trl.GRPOTrainer(model=peft_model, reward_funcs=[text_reward, id_reward], args=args,
                               train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
-                              callbacks=[Grabber()])
+                              callbacks=[grabber])
     if "ref" in peft_model.peft_config and not keep_reference:
         # TRL keeps a copy of a loaded adapter as the reference; ours (as TRL's DPO) is the adapter switched off
         peft_model.delete_adapter("ref")
@@ -132,7 +125,7 @@ def trl_run(root, folder, completions, case, keep_reference=False):
     trainer._generate_single_turn = generate
     trainer.train()
     after = {n: p.detach().numpy().copy() for n, p in peft_model.named_parameters() if ".default." in n}
-    return trainer.state.log_history, grads, after, prompt_ids, len(generations)
+    return trainer.state.log_history, grabber.grads, after, prompt_ids, len(generations)
 
 
 def our_trainer(root, folder, completions, case, backend, out, monkeypatch):

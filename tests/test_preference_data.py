@@ -2,12 +2,11 @@
 through the readers, bad records, the embedded demo's pairs, and token ids equal to TRL 1.16's DPOTrainer and
 KTOTrainer dataset processing and collators on the same records."""
 
-import json
 import types
 
 import numpy as np
 import pytest
-from bpe import train_bpe
+from bpe import tokenizer_folder, train_bpe
 from chat_templates import LAST_USER_SYSTEM
 from tokenizers import processors
 from wgpu_train.data.preference_demo import demo_preference_records
@@ -209,14 +208,6 @@ def test_unpaired_needs_both_labels(tmp_path):
 # tokenization: equal to TRL 1.16
 
 
-def _folder(path, backend, template, **special):
-    path.mkdir(parents=True, exist_ok=True)
-    backend.save(str(path / "tokenizer.json"))
-    config = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": template, **special}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
-
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """name -> (folder, our Tokenizer, transformers' tokenizer): ChatML turns without BOS; a Llama-like vocabulary
@@ -224,10 +215,10 @@ def tokenizers(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("pref_tok")
-    chatml = _folder(root / "chatml", train_bpe(CORPUS, vocab_size=330), CHATML)
+    chatml = tokenizer_folder(root / "chatml", train_bpe(CORPUS, vocab_size=330), CHATML)
     llama = train_bpe(CORPUS, vocab_size=330, specials=["<unk>", "<s>", "</s>"])
     llama.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    llama = _folder(root / "llama", llama, LAST_USER_SYSTEM, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    llama = tokenizer_folder(root / "llama", llama, LAST_USER_SYSTEM, bos_token="<s>", eos_token="</s>", pad_token="</s>")
     return {name: (path, load_tokenizer(path), AutoTokenizer.from_pretrained(str(path)))
             for name, path in (("chatml", chatml), ("llama", llama))}
 

@@ -11,7 +11,7 @@ import pytest
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.preference_trainer import PreferenceTrainer
 
-from finetune_helpers import make_trl_model_and_adapter
+from finetune_helpers import first_step_gradients_callback, make_trl_model_and_adapter
 from tolerances import assert_close
 
 torch = pytest.importorskip("torch")
@@ -71,21 +71,14 @@ def setups(tmp_path_factory):
 def _trl_run(root, folder, case):
     """TRL's trainer over the PEFT model: (log_history, the LoRA gradients of step 1, the adapter after STEPS)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trainer_spec, config_spec, trl_args, ours = CASES[case]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, str(root / "adapter"), is_trainable=True)
     tok = AutoTokenizer.from_pretrained(str(folder))
-    grads = {}
-
-    class Grabber(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-            if state.global_step == 0:
-                for n, p in peft_model.named_parameters():
-                    if p.grad is not None:
-                        grads[n] = p.grad.detach().numpy().copy()
+    grabber = first_step_gradients_callback(peft_model)
 
     rows = UNPAIRED if ours["objective"] == "kto" else PAIRS
     args = _import(config_spec)(output_dir=str(root / f"trl-{case}"), per_device_train_batch_size=len(rows),
@@ -93,10 +86,10 @@ def _trl_run(root, folder, case):
                                 max_grad_norm=1.0, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
                                 seed=0, max_length=64, **trl_args)
     trainer = _import(trainer_spec)(model=peft_model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                                    processing_class=tok, callbacks=[Grabber()])
+                                    processing_class=tok, callbacks=[grabber])
     trainer.train()
     after = {n: p.detach().numpy().copy() for n, p in peft_model.named_parameters() if ".default." in n}
-    return trainer.state.log_history, grads, after
+    return trainer.state.log_history, grabber.grads, after
 
 
 def _peft_name(path: str) -> str:
