@@ -169,6 +169,7 @@ def test_bad_input_is_one_line(workspace, tmp_path, capsys):
     one_line_error(capsys, ["finetune", "--objective", "dpo", "--num-generations", "4", "--out",
                             str(tmp_path / "c")], "--num-generations: not an option of --objective dpo")
     one_line_error(capsys, common + [str(tmp_path / "d"), "--reward", "no_such_module:f"], "no_such_module")
+    one_line_error(capsys, common + [str(tmp_path / "g"), "--early-stop-patience", "2"], "leave out --early-stop")
     (root / "noprompt").mkdir(exist_ok=True)
     write_jsonl(root / "noprompt" / "train.jsonl", [{"text": "hello"}])
     one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(root / "noprompt"), "--objective",

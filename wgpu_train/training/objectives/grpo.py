@@ -103,6 +103,13 @@ class GRPO(Objective):
         self.settings = settings
         self.uses_reference = settings.uses_reference
 
+    @classmethod
+    def check_run(cls, config) -> None:
+        if config.early_stop_patience:
+            raise ConfigError("early stopping watches the validation loss, which --objective grpo does not compute "
+                              "(its held-out measure is the greedy reward, --eval-generate): leave out "
+                              "--early-stop-patience")
+
     def advantages(self, rewards_per_func, weights, reward_names: list[str]):
         """(advantages (N,), rewards (N,), metrics) of a step's N = prompts x num_generations completions, each
         prompt's consecutive (rows g*G .. g*G+G-1): rewards_per_func (N, F) float64, NaN where a function returned
