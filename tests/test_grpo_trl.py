@@ -252,12 +252,15 @@ CASES = {
     "cispo": dict(loss_type="cispo", epsilon_high=1.05),
     "cispo-mu2": dict(loss_type="cispo", num_iterations=2, epsilon_high=1.05),
     "sapo-kl-mu2": dict(loss_type="sapo", beta=0.04, num_iterations=2),
+    # TRL's log-probabilities are of logits / temperature, the ratios', the KL's and the gradient's
+    "dapo-temperature-kl-mu2": dict(loss_type="dapo", temperature=0.7, beta=0.04, num_iterations=2, **CLIP),
 }
 
 # every case on Llama with the NumPy engine; on Qwen3 (tied embeddings, q / k norms) and on the WebGPU engine the
 # cases with the most in play (KL, a reused generation, clipping)
 RUNS = ([("llama", name, "numpy") for name in CASES] + [("qwen3", "grpo-kl-mu2", "numpy")]
-        + [("llama", "dapo-seq-kl-mu2", "wgpu"), ("qwen3", "cispo-mu2", "wgpu")])
+        + [("llama", "dapo-seq-kl-mu2", "wgpu"), ("qwen3", "cispo-mu2", "wgpu"),
+           ("llama", "dapo-temperature-kl-mu2", "wgpu")])
 
 
 @pytest.mark.parametrize("family, name, backend", RUNS)
@@ -270,10 +273,6 @@ def test_grpo_runs_equal_trl(setups, tmp_path, monkeypatch, family, name, backen
 
 # Where we knowingly differ from TRL 1.16 (strict: a fix makes these fail, and the case moves into CASES)
 KNOWN = {
-    # TRL scores log-probabilities of logits / temperature (its fused LM head), for the ratios, the KL and the
-    # gradient; our engines score the untempered logits, so with temperature != 1 the gradients differ (by a
-    # factor near 1 / temperature: seen 0.70 of TRL's at temperature 0.7)
-    "temperature": (dict(loss_type="dapo", temperature=0.7), False),
     # TRL 1.16 keeps a copy of a loaded adapter ("ref") as the reference when beta != 0; ours is the adapter
     # switched off (the base model), as TRL's DPOTrainer does
     "loaded-adapter-reference": (dict(loss_type="dapo", beta=0.04), True),

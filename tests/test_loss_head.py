@@ -235,3 +235,44 @@ def test_float32_chunks_are_multiples_of_8_rows_and_as_planned(folder, rt):
             assert_close(grads_g[k], grads_r[k], "gpu_grads", k)
     finally:
         rt.max_binding = saved
+
+
+def test_loss_temperature_through_a_capped_head_matches_torch(rt, tmp_path):
+    """set_loss_temperature(0.7) on Gemma 2 (its logits soft-capped at 3): the loss and every full fine-tuning
+    gradient of the NumPy engine equal torch autograd of the cross-entropy of transformers' (capped) logits / 0.7,
+    as TRL's GRPOTrainer scores them; the WebGPU engine's equal the NumPy engine's, token_losses too."""
+    import copy
+
+    from tiny_models import build_model, save_model
+
+    hf = build_model("gemma2", seed=1)
+    save_model(hf, tmp_path)
+    temperature = 0.7
+    ids, labels, mask = _sparse_batch(3)
+    torch_model = copy.deepcopy(hf)
+    logits = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits / temperature
+    targets = torch.tensor(shift_labels(labels))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=IGNORE_INDEX)
+    loss.backward()
+    expected = {n: p.grad.numpy() for n, p in torch_model.named_parameters()}
+    models = {}
+    for backend in ("numpy", "wgpu"):
+        model = wt.load_model(tmp_path, backend=backend, device=None if backend == "numpy" else str(rt.info.index))
+        model.set_full_finetune()
+        model.engine.set_loss_temperature(temperature)
+        models[backend] = model
+    ours, grads = models["numpy"].loss_and_grads(ids, labels, mask)
+    assert_close(ours, loss.item(), "loss_f32", "loss at temperature 0.7")
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    gpu_loss, gpu_grads = models["wgpu"].loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(gpu_loss), np.float64(ours), "gpu_loss", "loss")
+    for name, g in grads.items():
+        assert_close(gpu_grads[name], g, "gpu_grads", name)
+    inputs = _inputs(ids, labels, mask)
+    assert_close(models["wgpu"].engine.token_losses(*inputs), models["numpy"].engine.token_losses(*inputs),
+                 "gpu_loss", "token losses at temperature 0.7")
+    models["numpy"].engine.set_loss_temperature(1.0)
+    untempered = models["numpy"].engine.token_losses(*inputs)
+    assert np.abs(untempered - models["wgpu"].engine.token_losses(*inputs)).max() > 1e-3   # it changes them

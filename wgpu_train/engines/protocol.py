@@ -102,6 +102,11 @@ class Engine(Protocol):
         """False: every forward skips the LoRA modules (the base model, PEFT's disable_adapter: a preference
         objective's reference model); True again to train."""
 
+    def set_loss_temperature(self, temperature: float = 1.0) -> None:
+        """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
+        at its sampling temperature, as TRL's GRPOTrainer takes them); loss() and generation keep the model's
+        own logits. 1 (the default) changes nothing, bit for bit."""
+
     def seed_dropout(self, seed: int) -> None:
         """Restart the LoRA dropout masks from `seed` (they hash seed, micro-batch count and module)."""
 

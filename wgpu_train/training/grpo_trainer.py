@@ -463,6 +463,8 @@ class GRPOTrainer(Trainer):
         super().setup()
         # --eval-generate: the greedy reward on held-out prompts before and after, in place of exact match
         self.held_out_rewards, self.eval_generate = self.eval_generate, False
+        # the policy's and the reference's log-probabilities at the sampling temperature, as TRL takes them
+        self.engine.set_loss_temperature(self.settings.temperature)
         saved = self._resume[1].get("generation") if self._resume else None
         if saved:
             arrays = checkpoint.read_arrays(self._resume[0])

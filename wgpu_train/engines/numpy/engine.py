@@ -58,6 +58,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.rounding = Rounding(precision, self.plan.statistics)
         self.precision, self.precision_reason = precision, "as given"
         self.backend_reason = "as given"
+        self.loss_temperature = 1.0     # set_loss_temperature
         check_kv_dtype(kv_dtype, cfg)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
         self.loss_scaler = LossScaler() if precision == "f16" else None
@@ -401,7 +402,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.dropout_calls += 1
         self._count_head()
         logits, cache = self.forward(ids, segment_ids, position_ids)
-        flat = logits.reshape(-1, logits.shape[-1])
+        flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         logps = None
         if objective is not None:
@@ -414,11 +415,17 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             scale = np.float32(grad_scale) * weights
         else:
             scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
-        if count:
-            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale, self.cfg.logit_softcap),
-                          cache)
+        if count:       # through the temperature: 1 / T on the gradient, the cap's derivative in tempered units
+            t = np.float32(self.loss_temperature)
+            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t,
+                                                     self.cfg.logit_softcap / t), cache)
         self.training = False
         return loss_sum, count, logps
+
+    def set_loss_temperature(self, temperature: float = 1.0):
+        """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
+        at its sampling temperature, as TRL takes them); loss() and generation keep the model's own."""
+        self.loss_temperature = float(temperature)
 
     def _count_head(self):
         """One loss head run: a forward of the policy (adapter on) or of the reference (adapter off)."""
@@ -445,7 +452,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     def _token_losses(self, ids, targets, segment_ids, position_ids):
         self.training = False
         self._count_head()
-        logits = self.forward(ids, segment_ids, position_ids)[0]
+        logits = self.forward(ids, segment_ids, position_ids)[0] / np.float32(self.loss_temperature)
         rows, _ = ops.cross_entropy_rows(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return rows.astype(np.float32).reshape(ids.shape)
 

@@ -34,6 +34,7 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
 
     name = "wgpu"
     backend_reason = "as given"
+    loss_temperature = 1.0      # set_loss_temperature
     precision_reason = "as given"
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
@@ -210,6 +211,11 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
     def set_adapter_enabled(self, enabled: bool = True):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
         self.adapter_enabled = bool(enabled)
+
+    def set_loss_temperature(self, temperature: float = 1.0):
+        """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
+        at its sampling temperature, as TRL takes them); loss() and generation keep the model's own."""
+        self.loss_temperature = float(temperature)
 
     def set_gradient_checkpointing(self, on: bool = True):
         """Gradient (activation) checkpointing of training steps: each layer keeps only its input, and the

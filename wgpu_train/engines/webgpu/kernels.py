@@ -405,7 +405,7 @@ def cross_entropy_reduce(rec, result, loss, valid, N):
 
 
 def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_rows, V, row_offset=0, softcap=0.0,
-                           row_weights=None):
+                           row_weights=None, multiplier=1.0):
     """dlogits (n_rows, V) = grad_scale * (softmax - onehot) on counted rows, 0 on ignored rows, for
     the chunk of global rows [row_offset, row_offset + n_rows) (targets and lse by global row). softcap > 0:
     the logits are soft-capped ones (softcap_forward) and dlogits is with respect to the uncapped ones.
@@ -413,16 +413,17 @@ def cross_entropy_backward(rec, dlogits, logits, targets, lse, grad_scale, n_row
     grad_scale: a tensor whose first element is the scale (computed on the GPU, e.g. 1/count), or a
     Python float (baked into the uniform: prefer a buffer for values that change every step).
     row_weights: None, or a tensor (N,) by global row that multiplies each row's gradient too (a preference
-    objective's per-token coefficients). In place when dlogits is logits.
+    objective's per-token coefficients). multiplier: one more factor of every row's gradient (1 / temperature
+    where the logits were divided by it). In place when dlogits is logits.
     """
     if n_rows <= 0:
         return
     if n_rows > 65535:
         raise ValueError(f"cross_entropy_backward: chunks of at most 65535 rows, got {n_rows}")
     if isinstance(grad_scale, (int, float, np.floating)):
-        scale_t, mult = _state(rec.rt).one, float(grad_scale)
+        scale_t, mult = _state(rec.rt).one, float(grad_scale) * multiplier
     else:
-        scale_t, mult = grad_scale, 1.0
+        scale_t, mult = grad_scale, float(multiplier)
     weights, stride = (_state(rec.rt).one, 0) if row_weights is None else (_offset(row_weights, row_offset), 1)
     groups = (-(-V // WG), n_rows)
     tg, ls = _offset(targets, row_offset), _offset(lse, row_offset)

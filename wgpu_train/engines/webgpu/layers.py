@@ -209,14 +209,18 @@ class LayerRecorder:
             rows = min(acts.head_rows, m - r0)
             if not kept:
                 self._head_logits(rec, acts, at(x, r0 * c), rows)
+                if self.loss_temperature != 1.0:
+                    K.scale(rec, acts.logits, acts.logits, 1.0 / self.loss_temperature, rows * v)
                 K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits,
                                         acts.targets, rows, v, r0)
             if backward and acts.objective is not None:     # the weights of the head's own log-probabilities
                 K.token_objective_backward(rec, acts.row_weights, acts.loss_rows, acts.row_terms, acts.objective,
                                            rows, r0)
             if backward:
+                # through the temperature: 1 / T on the gradient, the cap's derivative in tempered units
+                t = self.loss_temperature
                 K.cross_entropy_backward(rec, acts.logits, acts.logits, acts.targets, acts.lse_rows, self.step_buf,
-                                         rows, v, r0, cfg.logit_softcap, acts.row_weights)
+                                         rows, v, r0, cfg.logit_softcap / t, acts.row_weights, 1.0 / t)
                 linear_backward(rec, at(dx, r0 * c), dhead, None, acts.logits, at(x, r0 * c), head, rows)
         if backward and compact:
             K.row_gather_backward(rec, acts.dxf, dx, acts.head_index, m, c, n)
