@@ -224,3 +224,44 @@ def test_grpo_composes_with_nf4_dora_16_bit_and_accumulation(workspace, tmp_path
     assert all(np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
     trained = adapter(out)
     assert any("lora_magnitude_vector" in k for k in trained)
+
+
+def test_ref_adapter_is_the_kl_reference(workspace, tmp_path):
+    """--ref-adapter with beta > 0: the reference log-probabilities are those of the base model with that
+    adapter (at the sampling temperature), not the base model's."""
+    import wgpu_train as wt
+
+    root, model_dir = workspace
+    ref = wt.load_model(model_dir, backend="numpy")
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    ref.add_lora(lora, seed=1)
+    rng = np.random.default_rng(7)
+    ref._set_lora(lora, {p: (a, rng.normal(0, 0.2, b.shape).astype(np.float32))
+                         for p, (a, b) in ref.engine.lora_tensors().items()}, seed=1)
+    ref.save_adapter(tmp_path / "ref")
+    trainer = GRPOTrainer(config(workspace, tmp_path / "run", beta=0.1, temperature=0.8,
+                                 ref_adapter=str(tmp_path / "ref")), log=lambda _: None).setup()
+    gen = trainer._generate(trainer.stream.epoch_batches(0)[0], score_policy=False)
+    expected = wt.load_model(model_dir, backend="numpy")
+    expected.load_adapter(tmp_path / "ref")
+    expected.engine.set_loss_temperature(0.8)
+    width = gen.ref_logps.shape[1]
+    rows = [np.pad(-expected.engine.token_losses(*m).astype(np.float64) * mask, ((0, 0), (0, width - mask.shape[1])))
+            for m, mask in zip(gen.micro, gen.masks)]
+    np.testing.assert_array_equal(gen.ref_logps, np.concatenate(rows))
+    base = trainer._score(gen.micro, gen.masks, reference=False)[0]      # the policy: a fresh adapter, B = 0
+    assert np.abs(gen.ref_logps - base).max() > 1e-3
+
+
+def test_a_started_adapter_stays_the_reference_across_a_resume(workspace, tmp_path):
+    """--adapter-path with beta > 0: the reference is the adapter the run started from (TRL keeps a frozen copy
+    of a loaded adapter), and a resumed run takes it from its checkpoint, as the run trained."""
+    start = tmp_path / "start"
+    finetune(config(workspace, start, max_steps=1))
+    run = tmp_path / "run"
+    finetune(config(workspace, run, adapter_path=str(start), beta=0.1, max_steps=1, save_every=1))
+    state = json.loads((run / "checkpoints" / "step-000001" / "trainer_state.json").read_text())
+    assert state["reference_adapter"] == str(start.resolve())
+    resumed = GRPOTrainer(config(workspace, run, resume=str(run / "checkpoints" / "step-000001"), beta=0.1,
+                                 max_steps=2), log=lambda _: None).setup()
+    assert resumed.reference_adapter == str(start.resolve()) and resumed._ref_engine is not None

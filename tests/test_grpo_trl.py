@@ -86,7 +86,7 @@ def _peft_name(path: str) -> str:
     return f"base_model.model.{path}.{matrix}.default.weight"
 
 
-def trl_run(root, folder, completions, case, keep_reference=False):
+def trl_run(root, folder, completions, case):
     """TRL's GRPOTrainer over the PEFT model, its generation replaced by the fixed completions: (log_history,
     the clipped LoRA gradients of step 1, the adapter after STEPS, the prompt ids it tokenized, how many
     generations it asked for)."""
@@ -108,9 +108,6 @@ def trl_run(root, folder, completions, case, keep_reference=False):
     trainer = trl.GRPOTrainer(model=peft_model, reward_funcs=[text_reward, id_reward], args=args,
                               train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
                               callbacks=[grabber])
-    if "ref" in peft_model.peft_config and not keep_reference:
-        # TRL keeps a copy of a loaded adapter as the reference; ours (as TRL's DPO) is the adapter switched off
-        peft_model.delete_adapter("ref")
     generations = []
 
     def generate(prompt_ids_list, *args, **kwargs):
@@ -198,8 +195,8 @@ def one_thread_and_the_errors_seen():
 SKIP_KEYS = {"epoch", "step", "learning_rate", "lr", "num_tokens", "step_time", "grad_norm", "loss"}
 
 
-def compare_run(root, folder, completions, case, backend, tmp_path, monkeypatch, keep_reference=False):
-    history, trl_grads, trl_after, trl_prompt_ids, trl_generations = trl_run(root, folder, completions, case, keep_reference)
+def compare_run(root, folder, completions, case, backend, tmp_path, monkeypatch):
+    history, trl_grads, trl_after, trl_prompt_ids, trl_generations = trl_run(root, folder, completions, case)
     trainer, generations = our_trainer(root, folder, completions, case, backend, tmp_path / "run", monkeypatch)
     assert [list(map(int, e.input_ids)) for e in trainer.prompts["train"]] == trl_prompt_ids
 
@@ -269,20 +266,3 @@ def test_grpo_runs_equal_trl(setups, tmp_path, monkeypatch, family, name, backen
         require_adapter()
     root, folder, completions = setups(family)
     compare_run(root, folder, completions, CASES[name], backend, tmp_path, monkeypatch)
-
-
-# Where we knowingly differ from TRL 1.16 (strict: a fix makes these fail, and the case moves into CASES)
-KNOWN = {
-    # TRL 1.16 keeps a copy of a loaded adapter ("ref") as the reference when beta != 0; ours is the adapter
-    # switched off (the base model), as TRL's DPOTrainer does
-    "loaded-adapter-reference": (dict(loss_type="dapo", beta=0.04), True),
-}
-
-
-@pytest.mark.xfail(strict=True, reason="a known difference from TRL 1.16, described in KNOWN")
-@pytest.mark.parametrize("name", list(KNOWN))
-def test_known_differences_from_trl(setups, tmp_path, monkeypatch, name):
-    case, keep_reference = KNOWN[name]
-    root, folder, completions = setups("llama")
-    monkeypatch.setattr(f"{__name__}.OBSERVED", {})         # not the errors the tolerances are sized by
-    compare_run(root, folder, completions, case, "numpy", tmp_path, monkeypatch, keep_reference)

@@ -20,6 +20,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
 from wgpu_train.data.prompt_tokenize import tokenize_prompts
 from wgpu_train.data.sources import resolve_data
+from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
@@ -106,6 +107,8 @@ class GRPOTrainer(Trainer):
         self._completions = None           # completions.jsonl, open while training
         self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
         self.part_seconds: dict = {}       # part of the steps -> (seconds, tokens) (_time)
+        self._ref_engine = None            # the KL's reference adapter on another model (setup)
+        self.reference_adapter = None      # its folder: --ref-adapter, or the adapter the run started from
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
@@ -234,15 +237,15 @@ class GRPOTrainer(Trainer):
         return True
 
     def _score_reference(self, micro, masks) -> np.ndarray:
-        """The reference's per-token log-probabilities (R, T): forwards with the adapter switched off, no policy
-        forward."""
+        """The reference's per-token log-probabilities (R, T), no policy forward: the --ref-adapter model's, else
+        forwards with the adapter switched off."""
         width = max(ids.shape[1] for ids, _, _, _ in micro)
+        engine = self._ref_engine or self.engine
         ref = []
-        self.engine.set_adapter_enabled(False)
+        self.engine.set_adapter_enabled(self._ref_engine is not None)
         try:
             for (ids, targets, seg, pos), mask in zip(micro, masks):
-                ref.append(_padded(-self.engine.token_losses(ids, targets, seg, pos).astype(np.float64) * mask,
-                                   width))
+                ref.append(_padded(-engine.token_losses(ids, targets, seg, pos).astype(np.float64) * mask, width))
         finally:
             self.engine.set_adapter_enabled(True)
         return np.concatenate(ref)
@@ -250,6 +253,8 @@ class GRPOTrainer(Trainer):
     def _score(self, micro, masks, reference: bool):
         """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the rows, T the longest
         micro-batch's length; with reference, the adapter switched off scores in the same engine calls."""
+        if reference and self._ref_engine is not None:
+            return self._score(micro, masks, reference=False)[0], self._score_reference(micro, masks)
         width = max(ids.shape[1] for ids, _, _, _ in micro)
         policy, ref = [], []
         for (ids, targets, seg, pos), mask in zip(micro, masks):
@@ -442,7 +447,8 @@ class GRPOTrainer(Trainer):
         return self._generation is not None and self.stream.position % self.settings.num_iterations != 0
 
     def state_dict(self) -> dict:
-        state = {**super().state_dict(), "objective": dataclasses.asdict(self.settings)}
+        state = {**super().state_dict(), "objective": dataclasses.asdict(self.settings),
+                 "reference_adapter": self.reference_adapter}
         if self._reused():
             state["generation"] = {"micro_batches": len(self._generation.micro), "metrics": self._generation.metrics}
         return state
@@ -465,6 +471,19 @@ class GRPOTrainer(Trainer):
         self.held_out_rewards, self.eval_generate = self.eval_generate, False
         # the policy's and the reference's log-probabilities at the sampling temperature, as TRL takes them
         self.engine.set_loss_temperature(self.settings.temperature)
+        # the KL's reference: --ref-adapter, else the adapter the run started from (--adapter-path: TRL keeps a
+        # frozen copy of a loaded adapter), recorded for a resume; else the base model (the adapter switched off)
+        self.reference_adapter = (self.config.ref_adapter or (self.continued_from and str(self.continued_from))
+                                  or (self._resume[1].get("reference_adapter") if self._resume else None))
+        if self.settings.uses_reference and self.reference_adapter:
+            ref = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
+                             base_dtype=self.base_dtype, embed_dtype=self.embed_dtype, precision=self.precision)
+            ref.load_adapter(self.reference_adapter)
+            ref.engine.set_loss_temperature(self.settings.temperature)
+            self._ref_engine = ref.engine
+            self.log(f"reference: the base model with the adapter {self.reference_adapter}")
+        elif self.settings.uses_reference:
+            self.log("reference: the base model (the adapter switched off), scored with each generation")
         saved = self._resume[1].get("generation") if self._resume else None
         if saved:
             arrays = checkpoint.read_arrays(self._resume[0])
