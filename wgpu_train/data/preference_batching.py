@@ -39,12 +39,17 @@ class PreferenceStream:
     def __len__(self) -> int:
         return len(self.epoch_batches(self.epoch))
 
+    @staticmethod
+    def example_ids(ex) -> tuple:
+        """The token id arrays the fingerprint hashes of one example."""
+        return example_ids(ex)
+
     def fingerprint(self) -> str:
         """A hash of every example's token ids (and label), in order."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=16)
             for ex in self.examples:
-                for ids in example_ids(ex):
+                for ids in self.example_ids(ex):
                     h.update(np.int64(ids.size).tobytes())
                     h.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
             self._fingerprint = h.hexdigest()

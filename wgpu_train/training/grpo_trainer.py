@@ -7,7 +7,6 @@ step; the reference, the adapter off, scored once per generation); a generation 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -47,14 +46,9 @@ class GenerationStream(PreferenceStream):
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         return [b for b in super().epoch_batches(epoch) for _ in range(self.iterations)]
 
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            h = hashlib.blake2b(digest_size=16)
-            for ex in self.examples:
-                h.update(np.int64(ex.input_ids.size).tobytes())
-                h.update(np.ascontiguousarray(ex.input_ids, dtype=np.int32).tobytes())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
+    @staticmethod
+    def example_ids(ex) -> tuple:
+        return (ex.input_ids,)
 
 
 @dataclass
@@ -94,12 +88,7 @@ class GRPOTrainer(Trainer):
             raise ConfigError(f"--reward-weights takes comma-separated numbers, got {config.reward_weights!r}") \
                 from None
         self.reward_weights = check_reward_weights(weights, self.rewards)          # (F,)
-        saved = self._resume[1].get("objective") if self._resume else None
-        if saved is not None and saved != dataclasses.asdict(self.settings):
-            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in dataclasses.asdict(self.settings).items()
-                                if saved.get(k) != v)
-            raise ConfigError(f"resume: the run trained other GRPO settings ({changed}); leave those options out to "
-                              f"continue it as it trained")
+        self.check_resumed_objective(self.settings)
         self.prompts = {}                  # split -> [PromptExample]
         self._generation: Generation | None = None
         self._step_metrics: list = []
@@ -241,14 +230,12 @@ class GRPOTrainer(Trainer):
         forwards with the adapter switched off."""
         width = max(ids.shape[1] for ids, _, _, _ in micro)
         engine = self._ref_engine or self.engine
-        ref = []
-        self.engine.set_adapter_enabled(self._ref_engine is not None)
+        engine.set_adapter_enabled(engine is not self.engine)
         try:
-            for (ids, targets, seg, pos), mask in zip(micro, masks):
-                ref.append(_padded(-engine.token_losses(ids, targets, seg, pos).astype(np.float64) * mask, width))
+            return np.concatenate([_padded(-engine.token_losses(*m).astype(np.float64) * mask, width)
+                                   for m, mask in zip(micro, masks)])
         finally:
-            self.engine.set_adapter_enabled(True)
-        return np.concatenate(ref)
+            engine.set_adapter_enabled(True)
 
     def _score(self, micro, masks, reference: bool):
         """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the rows, T the longest

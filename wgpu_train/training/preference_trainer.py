@@ -49,12 +49,7 @@ class PreferenceTrainer(Trainer):
 
             adapter_folder(config.ref_adapter)      # a folder without an adapter: refused before anything is read
         self.settings = config.preference_settings()
-        saved = self._resume[1].get("objective") if self._resume else None
-        if saved is not None and saved != dataclasses.asdict(self.settings):
-            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in dataclasses.asdict(self.settings).items()
-                                if saved.get(k) != v)
-            raise ConfigError(f"resume: the run trained another objective setting ({changed}); leave those options "
-                              f"out to continue it as it trained")
+        self.check_resumed_objective(self.settings)
         self.unit = self.settings.unit             # the objective: its traits and its loss
         self.paired = self.unit.data is DataKind.PAIRS
         self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split

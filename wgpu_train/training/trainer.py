@@ -4,6 +4,7 @@ settings are config.py's, the run folder policy run_folder.py's, the metrics met
 distributed.dispatch.finetune, which picks this process or Ray workers."""
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import signal
 import sys
@@ -114,6 +115,16 @@ class Trainer(TrainerSetup, TrainerRecords):
         lora = cfg.lora_config() if cfg.method == "lora" and not cfg.lora_layers_last() else None
         checkpoint.check_state(ckpt, state, cfg.method, lora, self.base_dtype, self.embed_dtype, self.precision)
         return ckpt, state
+
+    def check_resumed_objective(self, settings):
+        """ConfigError (one line) when the checkpoint being resumed trained other objective settings (a dataclass
+        such as PreferenceSettings or GRPOSettings, as state_dict records it under "objective")."""
+        saved = self._resume[1].get("objective") if self._resume else None
+        now = dataclasses.asdict(settings)
+        if saved is not None and saved != now:
+            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
+            raise ConfigError(f"resume: the run trained another objective setting ({changed}); leave those options "
+                              f"out to continue it as it trained")
 
     def log(self, msg: str):
         """One line of progress for the user (stderr, above the progress bar)."""
