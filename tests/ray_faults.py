@@ -11,15 +11,15 @@ def install():
     folder = os.environ.get("WGPU_TRAIN_TEST_FAULTS")
     if not folder:
         return
-    from wgpu_train.distributed.data_parallel import DataParallelTrainer
+    from wgpu_train.distributed.data_parallel import DataParallelWorker
 
-    train_step = DataParallelTrainer._train_step
+    train_step = DataParallelWorker.train_step
 
-    def killing_train_step(self, micro, hp, step, **extra):
+    def killing_train_step(self, engine, micro, hp, step, **extra):
         order = Path(folder) / f"kill-rank{self.rank}-step{step}"
         if order.exists():
             order.unlink()
             os.kill(os.getpid(), signal.SIGKILL)
-        return train_step(self, micro, hp, step, **extra)
+        return train_step(self, engine, micro, hp, step, **extra)
 
-    DataParallelTrainer._train_step = killing_train_step
+    DataParallelWorker.train_step = killing_train_step

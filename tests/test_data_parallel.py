@@ -1,19 +1,21 @@
 """Data parallelism without Ray: the engines' gradient reduce hook, the token-balanced cut of a step, and
-DataParallelTrainer workers in threads (an in-process collective) giving the adapter of one process with the
+data-parallel workers in threads (an in-process collective) giving the adapter of one process with the
 whole batch, through the engine protocol's strict proxy."""
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
 import pytest
 
-from finetune_helpers import make_data_dir, make_model_dir
+from finetune_helpers import make_data_dir, make_model_dir, write_jsonl
 from test_engine_protocol import StrictEngine
 from wgpu_train.engines import loading
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import OptimizerParams
-from wgpu_train.distributed.data_parallel import DataParallelTrainer, partition, split_rows
+from wgpu_train.distributed.data_parallel import data_parallel_trainer, partition, split_rows
+from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.files import read_adapter
 from wgpu_train.formats.safetensors import read_safetensors
@@ -52,14 +54,15 @@ class ThreadCollective:
         return self._exchange(obj)[0]
 
 
-def run_threads(cfg: TrainConfig, world: int) -> list:
-    """Run DataParallelTrainer ranks 0..world-1 in threads; their summaries (an exception is re-raised)."""
+def run_threads(cfg: TrainConfig, world: int, **kw) -> list:
+    """Run data-parallel trainer ranks 0..world-1 in threads (kw: data_parallel_trainer's); their summaries (an
+    exception is re-raised)."""
     slots, barrier = [None] * world, threading.Barrier(world, timeout=120)
     out, errors = [None] * world, []
 
     def work(rank):
         try:
-            out[rank] = DataParallelTrainer(cfg, ThreadCollective(slots, barrier, rank)).run()
+            out[rank] = data_parallel_trainer(cfg, ThreadCollective(slots, barrier, rank), **kw).run()
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
             barrier.abort()
@@ -240,7 +243,8 @@ def test_a_stop_from_the_driver_is_agreed_on_by_every_worker(workspace, tmp_path
     sink, out = StopAt(3), [None, None]
 
     def work(rank):
-        out[rank] = DataParallelTrainer(cfg, ThreadCollective(slots, barrier, rank), sink if rank == 0 else None).run()
+        out[rank] = data_parallel_trainer(cfg, ThreadCollective(slots, barrier, rank),
+                                          sink if rank == 0 else None).run()
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
     for t in threads:
@@ -250,3 +254,51 @@ def test_a_stop_from_the_driver_is_agreed_on_by_every_worker(workspace, tmp_path
     assert [s["steps"] for s in out] == [3, 3] and out[0]["interrupted"] and out[1]["interrupted"]
     assert sink.saved == [str(tmp_path / "run" / "checkpoints" / "step-000003")] and sink.n == 3
     assert any("interrupted on the driver" in line for line in sink.lines)
+
+
+# ---- GRPO: whole groups on each worker -------------------------------------------------------------------
+
+def _length_reward(prompts, completions, **kw):
+    return [len(c) / 10 if len(c) % 3 else None for c in completions]    # None: "not applicable"
+
+
+def test_grpo_on_two_workers_equals_one_process(workspace, tmp_path):
+    """Each worker samples and rewards its own whole groups; the rewards, completions and log-probabilities
+    of every row are gathered, so both compute the advantages, the weights' normalisers and the metrics of
+    the whole step: beta > 0 (the reference scored by each worker for its rows) and mu 2 (the old
+    log-probabilities gathered and kept), as one process with the same global batch."""
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+    data = tmp_path / "prompts"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", [{"prompt": f"after {words[i % 8]} {i}?"} for i in range(8)])
+    kw = dict(data=str(data), objective="grpo", batch_size=4, num_generations=4, max_completion_length=6,
+              valid_split=0.0, lora_dropout=0.0, max_steps=4, beta=0.1, num_iterations=2, temperature=0.8, seed=3,
+              save_every=3)
+    one = finetune(config(workspace, tmp_path / "one", grad_accum=2, **kw), reward_funcs=[_length_reward])
+    two = run_threads(config(workspace, tmp_path / "two", num_workers=2, **kw), 2, reward_funcs=[_length_reward])
+    assert two[0]["steps"] == one["steps"] == 4 and two[0]["tokens"] == one["tokens"]
+    assert two[0]["train_loss_last"] == pytest.approx(one["train_loss_last"], rel=1e-5, abs=1e-7)
+    assert_same_adapter(tmp_path / "one", tmp_path / "two", 1e-6)
+    # rank 0 logged every row of each generation, as one process did
+    assert (tmp_path / "two" / "completions.jsonl").read_text() == (tmp_path / "one" / "completions.jsonl").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    ones = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows, ones):
+        for key in ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completions/mean_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    # step 3's checkpoint holds a generation that step 4 reuses: one process resumes it as two workers trained
+    resumed = finetune(config(workspace, tmp_path / "resumed", grad_accum=2,
+                              resume=str(tmp_path / "two" / "checkpoints" / "step-000003"), **kw),
+                       reward_funcs=[_length_reward])
+    assert resumed["steps"] == 4
+    assert_same_adapter(tmp_path / "resumed", tmp_path / "one", 1e-6)
+
+
+def test_grpo_needs_a_group_for_each_worker(workspace, tmp_path):
+    data = tmp_path / "prompts"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", [{"prompt": f"say {i}"} for i in range(4)])
+    cfg = config(workspace, tmp_path / "run", data=str(data), objective="grpo", batch_size=2, num_generations=4,
+                 max_completion_length=4, valid_split=0.0, lora_dropout=0.0, num_workers=2)
+    with pytest.raises(ConfigError, match=r"holds 1 prompt\(s\) \(each worker samples whole groups"):
+        run_threads(cfg, 2, reward_funcs=[_length_reward])

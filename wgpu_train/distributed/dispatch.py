@@ -32,11 +32,9 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if config.num_workers:
-        if kind is TrainerKind.ONLINE:
-            raise ConfigError("--objective grpo runs in one process for now: leave out --num-workers")
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
-        return finetune_on_ray(config)
+        return finetune_on_ray(config, reward_funcs=reward_funcs)
     if kind is TrainerKind.ONLINE:
         return GRPOTrainer(config, reward_funcs=reward_funcs).run()
     return TRAINERS[kind](config).run()

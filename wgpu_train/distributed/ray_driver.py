@@ -115,9 +115,10 @@ def _connect(ray, address: str | None, workers: int) -> bool:
     return True
 
 
-def finetune_on_ray(config, log=None) -> dict:
+def finetune_on_ray(config, log=None, reward_funcs=None) -> dict:
     """finetune(config) on config.num_workers Ray Train workers; rank 0's summary (written to summary.json
-    as in one process). Ray is started locally, or joined at config.ray_address."""
+    as in one process). Ray is started locally, or joined at config.ray_address. reward_funcs (GRPO's Python
+    callables) travel to the workers by Ray's pickling."""
     from wgpu_train.distributed.ray_worker import adapter_for
     from wgpu_train.training.trainer import Trainer
 
@@ -132,7 +133,7 @@ def finetune_on_ray(config, log=None) -> dict:
     storage = out / ".ray_train"
     started = _connect(ray, config.ray_address, config.num_workers)
     try:
-        return _run(ray, config, log, storage)
+        return _run(ray, config, log, storage, reward_funcs)
     finally:
         if started:
             ray.shutdown()
@@ -141,7 +142,7 @@ def finetune_on_ray(config, log=None) -> dict:
             out.rmdir()            # a run that wrote nothing leaves no folder, as in one process
 
 
-def _run(ray, config, log, storage: Path) -> dict:
+def _run(ray, config, log, storage: Path, reward_funcs) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -149,7 +150,8 @@ def _run(ray, config, log, storage: Path) -> dict:
 
     control = ray.remote(num_cpus=0)(RunControl).remote()
     trainer = TorchTrainer(
-        worker, train_loop_config={"config": config.to_dict(), "control": control, "cwd": os.getcwd()},
+        worker, train_loop_config={"config": config.to_dict(), "control": control, "cwd": os.getcwd(),
+                                   "reward_funcs": reward_funcs},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=False),
         run_config=RunConfig(name=f"wgpu-train-{uuid.uuid4().hex[:8]}", storage_path=str(storage),

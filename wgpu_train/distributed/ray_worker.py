@@ -1,6 +1,6 @@
 """What runs inside each Ray Train worker of a --num-workers run (ray_driver.py starts them): the adapter a
 worker takes, its side of the driver's RunControl actor, torch.distributed's gloo group as the collective, and
-the function that runs one data_parallel.DataParallelTrainer."""
+the function that runs one data-parallel trainer (data_parallel.data_parallel_trainer)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,6 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.errors import ConfigError, WgpuTrainError
 from wgpu_train.adapters.layout import lora_options
 from wgpu_train.engines.backend_choice import choose_backend
-from wgpu_train.training.objectives import TrainerKind, objective_class
 
 
 class TorchCollective:
@@ -38,7 +37,7 @@ class TorchCollective:
 
 
 class _Sink:
-    """A worker's side of the RunControl actor (data_parallel.DataParallelTrainer's sink)."""
+    """A worker's side of the RunControl actor (data_parallel.DataParallelWorker's sink)."""
 
     def __init__(self, ray, control, rank: int):
         self.ray, self.control, self.rank = ray, control, rank
@@ -85,12 +84,12 @@ RECORDED = ("model",) + tuple(lora_options(LoraConfig()))
 
 
 def worker(loop_config: dict):
-    """The function each Ray Train worker runs: one DataParallelTrainer; a restarted worker group resumes from
+    """The function each Ray Train worker runs: one data-parallel trainer; a restarted worker group resumes from
     the last checkpoint rank 0 wrote, and a user error is kept for the driver to print."""
     import ray
     import ray.train
 
-    from wgpu_train.distributed.data_parallel import DataParallelPreferenceTrainer, DataParallelTrainer
+    from wgpu_train.distributed.data_parallel import data_parallel_trainer
     from wgpu_train.training.config import TrainConfig, resumed_settings
 
     control = loop_config["control"]
@@ -112,10 +111,7 @@ def worker(loop_config: dict):
                                       **{k: recorded[k] for k in RECORDED if k in recorded})
         elif restarted:                 # a restart before any checkpoint: what is in --out is this run's
             cfg = dataclasses.replace(cfg, overwrite=True)
-        # the data-parallel trainer of each kind of objective (Objective.trainer)
-        trainers = {TrainerKind.SUPERVISED: DataParallelTrainer,
-                    TrainerKind.PREFERENCE: DataParallelPreferenceTrainer}
-        trainer = trainers[objective_class(cfg.objective).trainer](cfg, TorchCollective(), sink)
+        trainer = data_parallel_trainer(cfg, TorchCollective(), sink, loop_config.get("reward_funcs"))
         if choose_backend(cfg.backend, cfg.device).engine == "wgpu":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:

@@ -181,7 +181,7 @@ class TrainConfig:
     reward_pattern: str | None = _opt(None, "grpo: the regular expression the format reward wants a whole "
                                             "completion to match")
     num_generations: int = _opt(8, "grpo: completions sampled per prompt, a group (G); --batch-size x "
-                                   "--grad-accum rows per step must be a multiple of it")
+                                   "--grad-accum (x --num-workers) rows per step must be a multiple of it")
     max_completion_length: int = _opt(256, "grpo: the most tokens a completion may have")
     temperature: float = _opt(1.0, "grpo: the sampling temperature of the completions")
     top_p: float = _opt(1.0, "grpo: nucleus sampling's top_p (1: off)")
@@ -284,10 +284,11 @@ class TrainConfig:
                                 "--pack")
             need(not self.max_tokens_per_batch, "max_tokens_per_batch forms SFT micro-batches; GRPO takes "
                                                 "--batch-size completions per micro-batch")
-            rows = self.batch_size * self.grad_accum
+            rows = self.batch_size * self.grad_accum * (self.num_workers or 1)
             need(rows % settings.num_generations == 0,
                  f"a GRPO step samples --num-generations {settings.num_generations} completions of each prompt: "
-                 f"--batch-size x --grad-accum ({rows}) must be a multiple of it")
+                 f"--batch-size x --grad-accum{' x --num-workers' if self.num_workers else ''} ({rows}) must be a "
+                 f"multiple of it")
             need(not self.precompute_ref_log_probs, "GRPO scores its reference on each step's new completions: "
                                                     "leave out --precompute-ref-log-probs")
             need(not (self.ref_adapter and not settings.uses_reference),

@@ -53,15 +53,22 @@ class GenerationStream(PreferenceStream):
 
 @dataclass
 class Generation:
-    """One generation: G completions of each prompt, the engine's micro-batches of prompt + completion rows, and
-    what the steps that reuse it need (advantages; the old and reference per-token log-probabilities)."""
+    """One generation: G completions of each of a step's prompts (R rows in all), this process's micro-batches
+    of prompt + completion rows (its whole groups: rows r0 .. r1; all of them in one process), and what the
+    steps that reuse it need (advantages; the old and reference per-token log-probabilities of every row)."""
 
-    micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each
-    masks: list                     # [(B, T) bool]: the completion tokens that carry loss
+    indices: np.ndarray             # (P,) the step's prompts
+    completions: np.ndarray         # (R, C) every row's completion ids, -1 past its end
+    truncated: np.ndarray           # (R,) bool: cut at max_completion_length
+    rows: tuple                     # (r0, r1): this process's rows
+    micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each, this process's
+    masks: list                     # [(B, T) bool]: their completion tokens that carry loss
+    mask: np.ndarray                # (R, W) bool: every row's, W the longest micro-batch of all the rows'
+    input_tokens: int               # every row's non-padding tokens
     advantages: np.ndarray          # (R,)
-    policy_logps: np.ndarray | None  # (R, T) the policy's at generation time (scored when beta > 0, mu > 1 or cispo)
-    old_logps: np.ndarray | None    # (R, T) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
-    ref_logps: np.ndarray | None    # (R, T) of the reference (beta > 0), else None
+    policy_logps: np.ndarray | None  # (R, W) the policy's at generation time (scored when beta > 0, mu > 1 or cispo)
+    old_logps: np.ndarray | None    # (R, W) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
+    ref_logps: np.ndarray | None    # (R, W) of the reference (beta > 0), else None
     metrics: dict                   # rewards and completions, by TRL's names
 
 
@@ -70,11 +77,11 @@ class GRPOTrainer(Trainer):
     batch_size x grad_accum completions, num_generations of each of its prompts. reward_funcs: Python callables
     with TRL's signature f(prompts, completions, **columns) -> list[float | None], after config.reward's."""
 
-    def __init__(self, config, log=None, reward_funcs=None):
+    def __init__(self, config, log=None, reward_funcs=None, process=None):
         dropout = config.lora_dropout
         if dropout:     # TRL's disable_dropout: a deterministic policy for its ratios
             config = dataclasses.replace(config, lora_dropout=0.0)
-        super().__init__(config, log)
+        super().__init__(config, log, process)
         if dropout:
             self.log(f"lora_dropout {dropout:g} is off for --objective grpo, as TRL's trainers disable dropout")
         self.settings = config.grpo_settings()
@@ -173,49 +180,82 @@ class GRPOTrainer(Trainer):
                                max_steps=self.total_steps)
 
     def _generate(self, indices, score_policy: bool = True) -> Generation:
-        """A step's generation: its completions, rewards, advantages and the scores its steps need. score_policy
-        False (the steps' own loss heads compute the policy's log-probabilities, _one_pass): only the reference
-        is scored, with the adapter off; True: the policy too, in the same engine call, where mu, beta or cispo
-        need it (the weighted steps' two-pass path)."""
+        """A step's generation: its completions, rewards, advantages and the scores its steps need. This process
+        samples and rewards its share of whole groups (a group's advantages need all its rewards); every
+        process then holds every row's rewards and completions (process.gather) and computes the same
+        advantages. score_policy False (the steps' own loss heads compute the policy's log-probabilities,
+        _one_pass): only the reference is scored, with the adapter off; True: the policy too, in the same
+        engine call, where mu, beta or cispo need it (the weighted steps' two-pass path, in one process)."""
         s, cfg = self.settings, self.config
         g = s.num_generations
-        examples = [self.prompts["train"][i] for i in indices for _ in range(g)]       # TRL's order: G in a row
+        everyone = [self.prompts["train"][i] for i in indices for _ in range(g)]        # TRL's order: G in a row
+        p0, p1 = self.process.share(len(indices))
+        r0, r1 = p0 * g, p1 * g
         # the sampling RNG: one seed per row from (run seed, step), so a resumed run draws the same completions
-        seeds = [int(x) for x in np.random.SeedSequence([cfg.seed, self.step]).generate_state(len(examples))]
+        seeds = [int(x) for x in np.random.SeedSequence([cfg.seed, self.step]).generate_state(len(everyone))]
         t0 = time.perf_counter()
-        completions, cut = self._sample(examples, seeds)
+        completions, cut = self._sample(everyone[r0:r1], seeds[r0:r1])
         t1 = time.perf_counter()
-        per_func = self._rewards(examples, completions, self.step + 1)
+        per_func = self._rewards(everyone[r0:r1], completions, self.step + 1)
         t2 = time.perf_counter()
+        total = len(everyone)
+        padded = np.full((r1 - r0, s.max_completion_length), -1, np.int64)           # (rows, C)
+        for row, ids in zip(padded, completions):
+            row[:len(ids)] = ids
+        gathered = self.process.gather(np.concatenate([padded, cut[:, None], per_func], axis=1), r0, total)
+        width = s.max_completion_length
+        all_ids = gathered[:, :width].astype(np.int64)                                  # (R, C)
+        all_cut = gathered[:, width].astype(bool)                                       # (R,)
+        per_func = gathered[:, width + 1:].astype(np.float64)                           # (R, F)
         advantages, rewards, metrics = self.unit.advantages(per_func, self.reward_weights,
                                                             [r.name for r in self.rewards])
-        lengths = np.array([len(c) for c in completions])
-        metrics.update(self.unit.completion_metrics(lengths, cut))
-        rows = []
-        for ex, ids, truncated in zip(examples, completions, cut):
-            full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
-            labels = full.astype(np.int64)
-            labels[:ex.input_ids.size] = IGNORE_INDEX
-            if truncated and s.mask_truncated_completions:      # DAPO's overlong filtering: no loss at all
-                labels[:] = IGNORE_INDEX
-            rows.append(Example(full, labels, bool(truncated)))
-        micro = [engine_batch(b) for b in row_batches(rows, cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
-        masks = [targets != IGNORE_INDEX for _, targets, _, _ in micro]
-        old, ref = None, None
+        metrics.update(self.unit.completion_metrics((all_ids >= 0).sum(axis=1), all_cut))
+        gen = self._generation_of(np.asarray(indices), all_ids, all_cut, advantages, metrics)
         if not score_policy:
             # the step's own loss head computes the policy's log-probabilities (the first step's are the old
             # policy's of the next ones): only the reference, a forward with the adapter off, is scored here
             if s.uses_reference:
-                ref = self._score_reference(micro, masks)
+                gen.ref_logps = self._every_row(self._score_reference(gen.micro, gen.masks), gen)
         elif s.num_iterations > 1 or s.uses_reference or s.loss_type == "cispo":
             # the policy's scores serve the ratios' old policy (mu > 1), the KL (beta > 0) and cispo's logged
             # loss, whose value (not its gradient, the clamped ratio times the advantage) is the log-probabilities
-            old, ref = self._score(micro, masks, reference=s.uses_reference)
+            gen.policy_logps, gen.ref_logps = self._score(gen.micro, gen.masks, reference=s.uses_reference)
+            gen.old_logps = gen.policy_logps if s.num_iterations > 1 else None
         self._time("generation", t1 - t0, sum(len(c) for c in completions))
         self._time("rewards", t2 - t1)
         self._time("scoring", time.perf_counter() - t2)
-        self._log_completions(examples, completions, per_func, rewards, advantages)
-        return Generation(micro, masks, advantages, old, old if s.num_iterations > 1 else None, ref, metrics)
+        self._log_completions(everyone, _completion_lists(all_ids), per_func, rewards, advantages)
+        return gen
+
+    def _generation_of(self, indices, completions, truncated, advantages, metrics: dict) -> Generation:
+        """The Generation of a step's prompts `indices`, every row's completions (R, C), truncation (R,) and
+        advantages (R,) (from its rewards, or a checkpoint): this process's micro-batches and every row's mask."""
+        s, cfg = self.settings, self.config
+        g = s.num_generations
+        everyone = [self.prompts["train"][i] for i in indices for _ in range(g)]
+        p0, p1 = self.process.share(len(indices))
+        rows = []
+        for ex, ids, cut in zip(everyone, _completion_lists(completions), truncated):
+            full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
+            labels = full.astype(np.int64)
+            labels[:ex.input_ids.size] = IGNORE_INDEX
+            if cut and s.mask_truncated_completions:      # DAPO's overlong filtering: no loss at all
+                labels[:] = IGNORE_INDEX
+            rows.append(Example(full, labels, bool(cut)))
+        every = [engine_batch(b) for b in row_batches(rows, cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
+        r0, r1 = p0 * g, p1 * g
+        micro = every if (r0, r1) == (0, len(rows)) else \
+            [engine_batch(b) for b in row_batches(rows[r0:r1], cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
+        width = max(ids.shape[1] for ids, _, _, _ in every)
+        mask = np.concatenate([_padded(t != IGNORE_INDEX, width) for _, t, _, _ in every])          # (R, W)
+        return Generation(indices, completions, truncated, (r0, r1), micro,
+                          [t != IGNORE_INDEX for _, t, _, _ in micro], mask,
+                          int(sum((seg > 0).sum() for _, _, seg, _ in every)), advantages, None, None, None, metrics)
+
+    def _every_row(self, mine: np.ndarray, gen: Generation) -> np.ndarray:
+        """(R, W): this process's rows (its micro-batches' (rows, T) values) with every other process's."""
+        r0, _ = gen.rows
+        return self.process.gather(_padded(mine, gen.mask.shape[1]), r0, gen.mask.shape[0])
 
     def _one_pass(self) -> bool:
         """Whether a step's own forward computes the log-probabilities its weights need: the engine's
@@ -271,8 +311,7 @@ class GRPOTrainer(Trainer):
                 self._generation = self._generate(indices, score_policy=not self._one_pass())
             gen = self._generation
             t_train = time.perf_counter()
-            width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
-            mask = np.concatenate([_padded(m, width) for m in gen.masks])                  # (R, T)
+            mask = gen.mask                                                                 # (R, W)
             first = (self.stream.position - 1) % s.num_iterations == 0
             if self._one_pass():
                 result, count, grad_norm, applied = self._one_pass_step(gen, mask, first, lr)
@@ -299,13 +338,16 @@ class GRPOTrainer(Trainer):
         self._step_metrics.append(gen.metrics | result.metrics)
         if not applied:
             self._log_skipped()
-        return gen.micro, epoch_done, lr, result.loss * max(count, 1), max(count, 1), grad_norm, seconds
+        return gen, epoch_done, lr, result.loss * max(count, 1), max(count, 1), grad_norm, seconds
 
     def _one_pass_step(self, gen: Generation, mask, first: bool, lr):
         """A step whose loss head computes its gradient weights from its own log-probabilities (one policy
-        forward; at the sequence level through the host, _row_weights): (step_loss's result of the log-probabilities the head read back, count, grad_norm, applied).
-        The first step of a generation has no old log-probabilities (the ratio is 1, TRL's detach); its
-        log-probabilities are the old policy's of the steps that reuse the generation."""
+        forward; at the sequence level through the host, _row_weights): (step_loss's result of the
+        log-probabilities the heads read back, count, grad_norm, applied). This process trains its own rows
+        (process.train_step with own=True); the weights' normalisers are those of every row (mask (R, W)), so
+        the gradients summed over the processes are the step's. The first step of a generation has no old
+        log-probabilities (the ratio is 1, TRL's detach); its log-probabilities are the old policy's of the
+        steps that reuse the generation."""
         cfg, s = self.config, self.settings
         old = None if first else gen.old_logps
         objective = self.unit.token_objective(old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
@@ -313,16 +355,17 @@ class GRPOTrainer(Trainer):
         logps = np.zeros(mask.shape)
         count, grad_norm, applied = 0, None, True
         if mask.any():              # else every completion is masked: nothing carries a gradient
-            micro, r0 = [], 0
+            micro, r0 = [], gen.rows[0]
             for batch, m in zip(gen.micro, gen.masks):
                 rows, width = m.shape
                 micro.append(batch + (_rows(objective, r0, rows, width) if objective is not None else
                                       SequenceObjective(self._row_weights(gen, mask, old, r0, m)),))
                 r0 += rows
-            _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1)
-            width = mask.shape[1]
-            logps = np.concatenate([_padded(lp.astype(np.float64) * m, width)
-                                    for lp, m in zip(self.engine.step_logps, gen.masks)])     # (R, T)
+            _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1,
+                                                            own=True)
+            width = max(m.shape[1] for m in gen.masks)
+            logps = self._every_row(np.concatenate([_padded(lp.astype(np.float64) * m, width)
+                                                    for lp, m in zip(self.engine.step_logps, gen.masks)]), gen)
         if first and s.num_iterations > 1:
             gen.policy_logps = gen.old_logps = logps
         result = self.unit.step_loss(logps, old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
@@ -346,11 +389,12 @@ class GRPOTrainer(Trainer):
             return np.where(micro_mask, -total * dlogps, 0.0).astype(np.float32)
         return weights
 
-    def _input_tokens(self, batch) -> int:
-        return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
+    def _input_tokens(self, gen: Generation) -> int:
+        return gen.input_tokens
 
-    def rows_in(self, batch) -> int:
-        return int(sum(ids.shape[0] for ids, _, _, _ in batch))
+    def _step_shares(self) -> tuple[int, str]:
+        return (min(len(b) for b in self.stream.epoch_batches(self.stream.epoch)),
+                "prompt(s) (each worker samples whole groups of completions)")
 
     def _progress_extra(self) -> dict:
         reward = self._step_metrics[-1].get("reward") if self._step_metrics else None
@@ -417,7 +461,7 @@ class GRPOTrainer(Trainer):
 
     def _evaluate_before(self):
         if self.held_out_rewards:
-            self._reward_row(self.held_out_reward(), "before")
+            self._reward_row(self.process.from_first(self.held_out_reward), "before")
 
     def _reward_row(self, result, when: str):
         if result is None:
@@ -437,16 +481,17 @@ class GRPOTrainer(Trainer):
         state = {**super().state_dict(), "objective": dataclasses.asdict(self.settings),
                  "reference_adapter": self.reference_adapter}
         if self._reused():
-            state["generation"] = {"micro_batches": len(self._generation.micro), "metrics": self._generation.metrics}
+            state["generation"] = {"metrics": self._generation.metrics}
         return state
 
     def checkpoint_arrays(self) -> dict:
+        """A reused generation's every row (any number of processes may resume it): its prompts, completions,
+        truncation, advantages and log-probabilities."""
         if not self._reused():
             return {}
         gen = self._generation
-        out = {f"micro{i}.{name}": a for i, batch in enumerate(gen.micro)
-               for name, a in zip(("ids", "targets", "segments", "positions"), batch)}
-        out["advantages"] = gen.advantages
+        out = {"indices": gen.indices, "completions": gen.completions, "truncated": gen.truncated,
+               "advantages": gen.advantages}
         for name in ("policy_logps", "old_logps", "ref_logps"):
             if getattr(gen, name) is not None:
                 out[name] = getattr(gen, name)
@@ -474,16 +519,16 @@ class GRPOTrainer(Trainer):
         saved = self._resume[1].get("generation") if self._resume else None
         if saved:
             arrays = checkpoint.read_arrays(self._resume[0])
-            micro = [tuple(arrays[f"micro{i}.{name}"] for name in ("ids", "targets", "segments", "positions"))
-                     for i in range(saved["micro_batches"])]
-            self._generation = Generation(micro, [t != IGNORE_INDEX for _, t, _, _ in micro], arrays["advantages"],
-                                          *(arrays.get(n) for n in ("policy_logps", "old_logps", "ref_logps")),
-                                          saved["metrics"])
+            gen = self._generation_of(arrays["indices"], arrays["completions"], arrays["truncated"],
+                                      arrays["advantages"], saved["metrics"])
+            gen.policy_logps, gen.old_logps, gen.ref_logps = (arrays.get(n) for n in ("policy_logps", "old_logps",
+                                                                                      "ref_logps"))
+            self._generation = gen
         return self
 
     def _summary(self, stopped, adapter_step, after, em_after, ckpt, run, wall) -> dict:
         if adapter_step is not None and self.held_out_rewards and stopped != "interrupted":
-            self._reward_row(self.held_out_reward(), "after")
+            self._reward_row(self.process.from_first(self.held_out_reward), "after")
         summary = super()._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
         summary["objective"] = {"name": self.config.objective, **dataclasses.asdict(self.settings),
                                 "rewards": [r.name for r in self.rewards],
@@ -522,3 +567,8 @@ def _weighted(micro, masks, dlogps: np.ndarray) -> list | None:
         out.append((ids, targets, seg, pos, w.astype(np.float32)))
         r0 += rows
     return out
+
+
+def _completion_lists(completions: np.ndarray) -> list:
+    """Each row's completion ids of (R, C), -1 past its end."""
+    return [[int(t) for t in row[row >= 0]] for row in completions]

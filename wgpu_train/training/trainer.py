@@ -23,12 +23,11 @@ from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_matc
 from wgpu_train.training.metrics import Window, fmt, num
 from wgpu_train.training.run_folder import resolve_run
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig
+from wgpu_train.training.processes import OneProcess
 from wgpu_train.training.trainer_records import TrainerRecords
 from wgpu_train.training.trainer_setup import TrainerSetup
 
 class Trainer(TrainerSetup, TrainerRecords):
-    writes_files = True     # whether this process writes the run's files (a data-parallel worker: rank 0 only)
-
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
     As it is constructed, before anything is loaded or written, it refuses an output folder that is a file or
@@ -45,11 +44,17 @@ class Trainer(TrainerSetup, TrainerRecords):
     the step is grad_accum * num_workers micro-batches (data_parallel.py shares them out; this class alone
     trains them all, to the same result), and a resumed run keeps its checkpoint's number. The trainer uses
     only the engine protocol, so it runs on every backend.
+
+    `process` is the trainer's part in its run (processes.OneProcess, the default: all of it; a data-parallel
+    worker: a share of each step, with only rank 0 writing the run's files).
     """
 
-    def __init__(self, config: TrainConfig, log=None):
+    def __init__(self, config: TrainConfig, log=None, process: OneProcess | None = None):
         if not isinstance(config, TrainConfig):
             raise ConfigError("Trainer needs a TrainConfig")
+        self.process = process or OneProcess()
+        if not self.process.writes_files:   # rank 0's files would look like an earlier run's to the others
+            config = dataclasses.replace(config, overwrite=True)
         self.config = config
         self.folders = resolve_run(config.out, config.resume, config.overwrite)
         self.out = self.folders.out
@@ -95,8 +100,14 @@ class Trainer(TrainerSetup, TrainerRecords):
         self._made_out = False       # whether this invocation created the output folder
         self._stepping = False
         self._stop_requested = False
+        self._quiet = False          # a data-parallel worker but rank 0, once training: rank 0 says it
         self._metrics = None
         self._trackers = None
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run's files (of data-parallel workers, rank 0 alone)."""
+        return self.process.writes_files
 
     def _check_resume(self) -> tuple[Path, dict]:
         """The checkpoint that config.resume names and its state, refused unless it fits the config; with
@@ -128,6 +139,8 @@ class Trainer(TrainerSetup, TrainerRecords):
 
     def log(self, msg: str):
         """One line of progress for the user (stderr, above the progress bar)."""
+        if self._quiet:
+            return
         if self._log_fn is not None:
             self._log_fn(msg)
             return
@@ -192,6 +205,7 @@ class Trainer(TrainerSetup, TrainerRecords):
             self.setup()
         t_start = time.perf_counter()
         self._start_step = self.step
+        self._quiet = not self.writes_files     # from here on rank 0 says what every worker would
         installed, previous = self._install_sigint()
         try:
             self._open_outputs()
@@ -240,12 +254,12 @@ class Trainer(TrainerSetup, TrainerRecords):
 
     def _evaluate_before(self):
         h = self.history
-        before = self.evaluate()
+        before = self.process.from_first(self.evaluate)
         if before is not None:
             h["valid_loss_before"], h["valid_perplexity_before"] = num(before["loss"]), num(before["perplexity"])
             self._valid_row(before)
         if self.eval_generate and not self._stop_requested:
-            em = self.exact_match()
+            em = self.process.from_first(self.exact_match)
             h["exact_match_before"] = em["exact_match"]
             self._exact_match_row(em, "before", self.step)
 
@@ -290,15 +304,21 @@ class Trainer(TrainerSetup, TrainerRecords):
         """The input (non-padding) tokens of a step's batch."""
         return int(batch.attention_mask.sum())
 
-    def _train_step(self, micro, hp, step: int, **extra):
-        """The engine's optimizer step over a step's micro-batches: (loss_sum, count, grad_norm, applied)."""
-        return self.engine.train_step(micro, hp, step, **extra)
+    def _train_step(self, micro, hp, step: int, own: bool = False, **extra):
+        """The engine's optimizer step over a step's micro-batches (this process's share of them; own: the
+        micro-batches are this process's already): (loss_sum, count, grad_norm, applied) of the whole step."""
+        result = self.process.train_step(self.engine, micro, hp, step, own=own, **extra)
+        if self.process.stop_agreed and not self._stop_requested:
+            self._stop_requested = True
+            self.log("interrupted on the driver: saving a checkpoint after this step")
+        return result
 
     def _progress_bar(self):
         from tqdm import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.step, disable=self.config.no_progress, unit="step",
-                    dynamic_ncols=True, file=sys.stderr, desc="finetune")
+        return self.process.progress_bar(lambda: tqdm(
+            total=self.total_steps, initial=self.step, disable=self.config.no_progress, unit="step",
+            dynamic_ncols=True, file=sys.stderr, desc="finetune"), self.total_steps, self.step)
 
     def _loop(self):
         """The optimizer steps with their logging, evaluations and checkpoints; returns (how it stopped, the
@@ -328,7 +348,7 @@ class Trainer(TrainerSetup, TrainerRecords):
                     self._log_step(window, lr, grad_norm)
                     window = Window()
                 if epoch_done or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                    last_eval, last_eval_step = self.evaluate(), self.step
+                    last_eval, last_eval_step = self.process.from_first(self.evaluate), self.step
                     if last_eval is not None:
                         self._valid_row(last_eval)
                         if self._early_stop(last_eval):
@@ -340,7 +360,7 @@ class Trainer(TrainerSetup, TrainerRecords):
         finally:
             bar.close()
         if stopped != "interrupted" and last_eval_step != self.step:
-            last_eval, last_eval_step = self.evaluate(), self.step
+            last_eval, last_eval_step = self.process.from_first(self.evaluate), self.step
             if last_eval is not None:
                 self._valid_row(last_eval)
                 self._early_stop(last_eval)   # the last evaluation may be the best

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -46,6 +47,9 @@ class TrainerRecords:
         early stopping the best evaluation's. A failed write (disk full) is a ConfigError naming the last
         good checkpoint, which the atomic write leaves intact."""
         root = self.out / "checkpoints"
+        if not self.writes_files:       # rank 0 writes it; the others know where
+            self.last_saved_step = self.step
+            return root / checkpoint.checkpoint_name(self.step)
         best = self.history["best_step"] if self.config.early_stop_patience else None
         try:
             path = checkpoint.save_checkpoint(root, self.step, self.model, self.state_dict(),
@@ -59,6 +63,7 @@ class TrainerRecords:
             raise ConfigError(f"cannot write the checkpoint of step {self.step} in {root}: {e.strerror or e}; "
                               f"{good}") from None
         self.last_saved_step = self.step
+        self.process.checkpointed(path)
         return path
 
     def _resume_progress(self, state: dict):
@@ -83,7 +88,12 @@ class TrainerRecords:
                 self._best = (best, checkpoint.read_trainable(found, cfg.method))
 
     def _open_outputs(self):
-        """metrics.jsonl (cut back to the resumed step) and the trackers."""
+        """metrics.jsonl (cut back to the resumed step) and the trackers (nowhere, but in the process that
+        writes the run's files)."""
+        if not self.writes_files:
+            self._metrics = open(os.devnull, "w")
+            self._trackers = tracking.Trackers([], self.out, {})
+            return
         if self.resumed_from:
             keep_metrics_until(self.out / "metrics.jsonl", self.step)
         self._metrics = open(self.out / "metrics.jsonl", "a" if self.resumed_from else "w")
@@ -158,7 +168,7 @@ class TrainerRecords:
                          f"resume; writing those of step {self.step}")
         em_after = None
         if self.eval_generate and not interrupted and not self._stop_requested:
-            em_after = self.exact_match()
+            em_after = self.process.from_first(self.exact_match)
             self._exact_match_row(em_after, "after", adapter_step)
         summary = self._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
         self._write_outputs(summary, ckpt)
@@ -167,7 +177,9 @@ class TrainerRecords:
         return summary
 
     def _write_outputs(self, summary: dict, ckpt):
-        """The adapter (or model), summary.json and loss.png."""
+        """The adapter (or model), summary.json and loss.png (by the process that writes the run's files)."""
+        if not self.writes_files:
+            return
         try:
             if self.config.method == "lora":
                 self.model.save_adapter(self.out)
@@ -211,7 +223,7 @@ class TrainerRecords:
             "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "continued_from": str(self.continued_from) if self.continued_from else None,
-        }
+        } | self.process.summary(self.micro_per_step)
 
     def _discard(self):
         """Remove what this invocation wrote (see _prepare_out) when it trained nothing, and the output folder

@@ -150,6 +150,10 @@ class TrainerSetup:
                            max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
                            max_tokens=cfg.max_tokens_per_batch, micro_batches=accum)
 
+    def _step_shares(self) -> tuple[int, str]:
+        """(the fewest rows a step of this epoch holds, what a row is): the units processes share a step by."""
+        return min(self.rows_in(b) for b in self.stream.epoch_batches(self.stream.epoch)), "sample row(s)"
+
     def _micro_batch_rows(self) -> int:
         """The rows of a full micro-batch of --batch-size samples."""
         return self.config.batch_size
@@ -197,6 +201,11 @@ class TrainerSetup:
                  + (f"; {self.dropped} dropped (no response token left)" if self.dropped else ""))
 
     def _prepare_out(self):
+        # (called once the data stream is formed, before anything is written)
+        if self.process.world > 1:
+            self.process.check_step_rows(*self._step_shares())
+        if not self.writes_files:
+            return
         cfg = self.config
         # a new run's files replace an earlier run's (with overwrite); a resumed run keeps those it finds
         self._written = [self.out / name for name in ("train_config.json", "metrics.jsonl")
