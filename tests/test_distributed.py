@@ -213,3 +213,24 @@ def test_two_workers_equal_one_process_dpo(faults, workspace):
     assert two["data_parallel"]["workers"] == 2 and two["steps"] == one["steps"] == 4
     assert two["train_loss_last"] == pytest.approx(one["train_loss_last"], rel=1e-6)
     assert_same_adapter(root / "dpo-two", root / "dpo-one", 1e-6)
+
+
+def _length_reward(prompts, completions, **kw):
+    return [len(c) / 10 for c in completions]
+
+
+def test_two_workers_equal_one_process_grpo(faults, workspace):
+    """GRPO on two Ray workers (each samples and rewards its own groups; rewards, completions and
+    log-probabilities gathered through torch.distributed), with a Python reward function that travels to the
+    workers by Ray's pickling: the adapter of one process with the whole batch."""
+    root = workspace[2]
+    (root / "prompts").mkdir(exist_ok=True)
+    rows = [{"prompt": f"after red {i}?"} for i in range(8)]
+    (root / "prompts" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(data=str(root / "prompts"), objective="grpo", lora_dropout=0.0, valid_split=0.0, max_steps=2,
+              save_every=0, batch_size=4, num_generations=4, max_completion_length=4, beta=0.1)
+    one = finetune(config(workspace, root / "grpo-one", grad_accum=2, **kw), reward_funcs=[_length_reward])
+    two = finetune(config(workspace, root / "grpo-two", num_workers=2, **kw), reward_funcs=[_length_reward])
+    assert two["data_parallel"]["workers"] == 2 and two["steps"] == one["steps"] == 2
+    assert two["train_loss_last"] == pytest.approx(one["train_loss_last"], rel=1e-5, abs=1e-7)
+    assert_same_adapter(root / "grpo-two", root / "grpo-one", 1e-6)
