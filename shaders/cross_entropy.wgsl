@@ -1,6 +1,6 @@
 // Fused softmax cross-entropy over a chunk of logit rows (n_rows, V): forward writes per-row loss
 // (0 on ignored rows), logsumexp and a valid flag (1.0 / 0.0) with one 256-wide workgroup per row;
-// cross_entropy_reduce sums loss and valid flags into [loss_sum, count]; backward writes
+// softmax_entropy_forward each row's entropy from those logits and lse; cross_entropy_reduce sums loss and valid flags into [loss_sum, count]; backward writes
 // dlogits = grad_scale * weight[row] * (softmax - onehot) on counted rows and 0 on ignored rows.
 // A target is counted when 0 <= target < V (IGNORE_INDEX -100 and anything out of range are ignored).
 // Uniform: s0 = rows in this chunk, s1 = V, s2 = the row weights' stride (1: a weight per row, a preference
@@ -82,6 +82,39 @@ fn cross_entropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
         f_loss[p.o1 + row] = loss;
         f_lse[p.o2 + row] = lse;
         f_valid[p.o3 + row] = valid;
+    }
+}
+
+// ---- entropy: 1 entropy (rows,) out, 2 logits (rows, V), 3 lse (rows,) ----
+// The entropy of each row's softmax, sum_j p_j (lse - x_j) (a metric: GRPO's "entropy"), from the forward's
+// logits and lse; o2 and o3 point at the chunk's first row, as the forward's bindings do.
+@group(0) @binding(1) var<storage, read_write> e_out: array<f32>;
+@group(0) @binding(2) var<storage, read> e_logits: array<f32>;
+@group(0) @binding(3) var<storage, read> e_lse: array<f32>;
+
+@compute @workgroup_size(WG)
+fn softmax_entropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let row = wid.y * nwg.x + wid.x;
+    if (row >= p.s0) { return; }
+    let lid = lid3.x;
+    let base = p.o2 + row * p.s1;
+    let lse = e_lse[p.o3 + row];
+    var a = 0.0;
+    for (var j = lid; j < p.s1; j += WG) {
+        let x = e_logits[base + j];
+        a += exp(x - lse) * (lse - x);       // p_j * -log p_j: no cancellation of two large sums
+    }
+    red_m[lid] = a;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w = w / 2u) {
+        if (lid < w) {
+            red_m[lid] += red_m[lid + w];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        e_out[p.o1 + row] = red_m[0];
     }
 }
 

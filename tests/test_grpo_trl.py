@@ -226,6 +226,7 @@ def compare_run(root, folder, completions, case, backend, tmp_path, monkeypatch)
         assert "reward" not in theirs or {"reward", "reward_std", "frac_reward_zero_std", "rewards/text_reward/mean",
                                           "rewards/id_reward/std", "completions/mean_length"} <= shared
         assert set(result.metrics) <= set(mine) and set(result.metrics) <= set(theirs)
+        assert "entropy" in shared        # the policy's entropy at the loss temperature, from the step's own heads
         for key in sorted(shared):
             a, b = mine[key], theirs[key]
             if a is None or b is None or (isinstance(a, float) and math.isnan(a)):

@@ -335,6 +335,14 @@ def test_cross_entropy(rt, N, V):
     assert c == want_count
     got_dl = np.concatenate([rt.read(d, F32, (n, V)) for (_, n, _), d in zip(chunks, douts) if n])
     assert_close(got_dl, want_dl, "k_cross_entropy_grad", "dlogits")
+    # the entropy of each row's softmax (GRPO's metric), from the forward's lse, by chunks as the engine does
+    entropy = rt.buffer(4 * N)
+    run(rt, lambda r: [K.softmax_entropy_forward(r, entropy, tl, lse, n, V, row_offset=r0) for r0, n, tl in chunks])
+    probs = np.exp(l64 - want_lse[:, None])
+    assert_close(ops.softmax_entropy_forward(l64, want_lse), -(probs * np.log(probs)).sum(axis=1), "k_cross_entropy",
+                 "the reference's entropy against -sum p log p")
+    assert_close(rt.read(entropy, F32, (N,)), ops.softmax_entropy_forward(l64, want_lse), "k_cross_entropy",
+                 "entropy")
 
     # soft-capped logits (Gemma 2): dlogits with respect to the uncapped ones
     for (r0, n, tl), d in zip(chunks, douts):

@@ -74,7 +74,9 @@ class Engine(Protocol):
     counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped,
     #                             loss heads run with the adapter on (policy_forwards) and off (reference_forwards)
     step_logps: list            # after train_step: per micro-batch, the (B, T) float32 log-probabilities its loss
-    #                             head computed where its fifth element was a TokenObjective (else None)
+    #                             head computed where its fifth element was a Token- or SequenceObjective (else None)
+    step_entropies: list        # and there the (B, T) float32 entropies of the policy's distributions at the loss
+    #                             temperature (GRPO's "entropy" metric; 0 where a position has no target)
     last_profile: dict          # op group -> GPU seconds of the last profiled step ({} without one)
     base_weight_bytes: int      # bytes the frozen weights take on the device (0: no device copy)
     max_binding: int | None     # largest storage binding of the device (None: no device)

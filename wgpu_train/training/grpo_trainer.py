@@ -364,12 +364,15 @@ class GRPOTrainer(Trainer):
             _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1,
                                                             own=True)
             width = max(m.shape[1] for m in gen.masks)
-            logps = self._every_row(np.concatenate([_padded(lp.astype(np.float64) * m, width)
-                                                    for lp, m in zip(self.engine.step_logps, gen.masks)]), gen)
+            logps, entropies = (self._every_row(np.concatenate([_padded(v.astype(np.float64) * m, width)
+                                                                for v, m in zip(values, gen.masks)]), gen)
+                                for values in (self.engine.step_logps, self.engine.step_entropies))
+        else:
+            entropies = None
         if first and s.num_iterations > 1:
             gen.policy_logps = gen.old_logps = logps
         result = self.unit.step_loss(logps, old, gen.ref_logps, gen.advantages, mask, cfg.batch_size,
-                                     int(mask.sum()))
+                                     int(mask.sum()), entropies)
         return result, count, grad_norm, applied
 
     def _row_weights(self, gen: Generation, mask, old, r0: int, micro_mask):

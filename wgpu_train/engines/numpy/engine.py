@@ -73,6 +73,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "policy_forwards": 0, "reference_forwards": 0}
         self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
+        self.step_entropies: list = []  # and the entropies of its policy's distributions there
         self.base_weight_bytes = 0   # no device copy
         self.max_binding = None
         self.device_description = "cpu (NumPy)"
@@ -396,18 +397,20 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
 
     def _forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None):
         """forward_backward, or with a TokenObjective (or a SequenceObjective: its host function) the gradient
-        weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count, the (B, T) float32 log-probabilities
-        or None without an objective)."""
+        weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count,
+        the (B, T) float32 log-probabilities and entropies of the policy's distributions, or None and None
+        without an objective)."""
         self.training = True
         self.dropout_calls += 1
         self._count_head()
         logits, cache = self.forward(ids, segment_ids, position_ids)
         flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
-        logps = None
+        logps = entropies = None
         if objective is not None:
             rows, _ = ops.cross_entropy_rows(flat, targets.reshape(-1))          # (B*T,) -logp
             logps = (-rows).astype(np.float32).reshape(ids.shape)
+            entropies = ops.softmax_entropy_forward(flat, lse).reshape(ids.shape) * (targets != ops.IGNORE_INDEX)
             if isinstance(objective, SequenceObjective):
                 weights = np.asarray(objective.weights(logps), np.float32).reshape(-1)
             else:
@@ -420,7 +423,7 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t,
                                                      self.cfg.logit_softcap / t), cache)
         self.training = False
-        return loss_sum, count, logps
+        return loss_sum, count, logps, entropies
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
@@ -475,16 +478,17 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         scaler = self.loss_scaler
         grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
         with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
-            self.step_logps = []
+            self.step_logps, self.step_entropies = [], []
             for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
                 objective = extra[0] if extra and isinstance(extra[0], (TokenObjective, SequenceObjective)) else None
                 if objective is not None or not extra:
                     scale = grad_scale
                 else:
                     scale = np.float32(grad_scale) * np.asarray(extra[0], np.float32)
-                loss, _, logps = self._forward_backward(ids, targets, seg, pos, scale, objective)
+                loss, _, logps, entropies = self._forward_backward(ids, targets, seg, pos, scale, objective)
                 loss_sum += loss
                 self.step_logps.append(logps)
+                self.step_entropies.append(entropies)
         if scaler is not None:
             for g in self.grads.values():
                 g *= self.dtype.type(1.0 / scaler.scale)       # exact: the scale is a power of two

@@ -212,6 +212,12 @@ def cross_entropy_rows(logits, targets):
     return np.where(valid, lse - picked, 0.0), lse
 
 
+def softmax_entropy_forward(logits, lse):
+    """logits (N, V), lse (N,) their logsumexp -> (N,) the entropy of each row's softmax (a metric: no backward)."""
+    gap = np.asarray(lse, np.float64)[:, None] - logits                                # (N, V) -log p
+    return (np.exp(-gap) * gap).sum(axis=-1).astype(np.float32)
+
+
 def cross_entropy_forward(logits, targets):
     """logits (N, V), targets (N,) int with IGNORE_INDEX -> (loss_sum, count, lse (N,)).
 

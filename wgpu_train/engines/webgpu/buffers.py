@@ -80,6 +80,7 @@ class Activations:
         self.ids = self.segments = self.positions = self.targets = self.head_index = self.row_weights = None
         self.row_terms = self.objective = None     # a TokenObjective's terms buffer and the objective itself
         self.head_order = None     # (n_head,) the batch's row of each loss head row (None: every row, in order)
+        self.entropies = False     # whether the loss head writes entropy_rows (a training step's objective)
 
 
         def allocate(name, e):
@@ -202,6 +203,7 @@ class BucketCache:
         acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch
         acts.head_index, acts.head_order, acts.n_head, acts.row_weights = None, None, n, None
         acts.row_terms = acts.objective = None
+        acts.entropies = False
         if last is not None:
             rt.write(acts.targets, last.astype(np.int32).reshape(-1))
         if targets is None:

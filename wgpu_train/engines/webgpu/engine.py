@@ -104,6 +104,7 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "buckets_allocated": 0, "policy_forwards": 0, "reference_forwards": 0}
         self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
+        self.step_entropies: list = []  # and the entropies of its policy's distributions there
         self.last_step: dict = {}
         # GPU seconds one submission may hold (WGPU_TRAIN_MAX_SUBMIT_S), and the dispatches per submission
         # that keep a step under it (0: the whole step in one), measured from the previous step

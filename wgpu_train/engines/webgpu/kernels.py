@@ -397,6 +397,16 @@ def cross_entropy_forward(rec, loss, lse, valid, logits, targets, n_rows, V, row
           (_offset(targets, row_offset), n_rows, "targets", False)], (n_rows, V))
 
 
+def softmax_entropy_forward(rec, entropy, logits, lse, n_rows, V, row_offset=0):
+    """entropy (N,) by global row = the entropy of each softmax row of the chunk logits (n_rows, V) (global rows
+    [row_offset, row_offset + n_rows)), from cross_entropy_forward's lse."""
+    if n_rows <= 0:
+        return
+    _run(rec, "cross_entropy", "softmax_entropy_forward", flat_grid(n_rows),
+         [(_offset(entropy, row_offset), n_rows, "entropy", True), (logits, n_rows * V, "logits", False),
+          (_offset(lse, row_offset), n_rows, "lse", False)], (n_rows, V))
+
+
 def cross_entropy_reduce(rec, result, loss, valid, N):
     """result[0:2] = [sum of loss, number of counted rows] over N rows (one workgroup): 8 bytes to read."""
     _run(rec, "cross_entropy", "cross_entropy_reduce", (1,),

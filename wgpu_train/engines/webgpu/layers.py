@@ -213,6 +213,8 @@ class LayerRecorder:
                     K.scale(rec, acts.logits, acts.logits, 1.0 / self.loss_temperature, rows * v)
                 K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits,
                                         acts.targets, rows, v, r0)
+                if acts.entropies:      # a step with an objective: its policy's entropy, a metric
+                    K.softmax_entropy_forward(rec, acts.entropy_rows, acts.logits, acts.lse_rows, rows, v, r0)
             if backward and acts.objective is not None:     # the weights of the head's own log-probabilities
                 K.token_objective_backward(rec, acts.row_weights, acts.loss_rows, acts.row_terms, acts.objective,
                                            rows, r0)

@@ -109,7 +109,7 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
         layer["dora_z." + module] = n * out_f
     rows = head_rows(cfg, n, max_binding)
     shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
-              "valid_rows": n}
+              "valid_rows": n, "entropy_rows": n}
     # activations no backward reads are written and read within a layer: one buffer for all layers
     shared.update({SHARED_LAYER + name: layer.pop(name) for name in plan.widths if name not in plan.saved})
     if train:

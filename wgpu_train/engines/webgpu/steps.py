@@ -20,11 +20,11 @@ from wgpu_train.engines.webgpu.tensors import F32
 from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
 
 
-def _logps(results, at_row: int, n_head: int, head_order, shape) -> np.ndarray:
-    """A micro-batch's (B, T) float32 log-probabilities from the loss head's rows read back at results[at_row:]
-    in the head's row order (0 where a position has no target)."""
+def _logps(results, at_row: int, n_head: int, head_order, shape, sign: float = -1.0) -> np.ndarray:
+    """A micro-batch's (B, T) float32 log-probabilities (sign -1: the loss rows) or entropies (sign 1) from the
+    loss head's rows read back at results[at_row:] in the head's row order (0 where a position has no target)."""
     logps = np.zeros(int(np.prod(shape)), np.float32)
-    rows = -results[at_row:at_row + n_head]
+    rows = sign * results[at_row:at_row + n_head]
     if head_order is None:
         logps[:] = rows
     else:
@@ -184,11 +184,11 @@ class StepRecording:
         rt = self.rt
         before = dict(rt.counters)
         n_micro = len(micro_batches)
-        # results: [loss_sum, count] per micro-batch, [norm, clip, finite], then the loss rows of the micro-batches
-        # with a TokenObjective (their log-probabilities, read back with the rest)
+        # results: [loss_sum, count] per micro-batch, [norm, clip, finite], then the loss rows and the entropy rows
+        # of the micro-batches with an objective (their log-probabilities and entropies, read back with the rest)
         objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], (TokenObjective, SequenceObjective)) else None
                       for mb in micro_batches]
-        size = 2 * n_micro + 3 + sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
+        size = 2 * n_micro + 3 + 2 * sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
         if self.results.size < size * F32:
             self.results = rt.buffer(size * F32, "results")
         scaler = self.loss_scaler        # f16's loss scaling: the loss gradient scaled, the gradients unscaled
@@ -209,6 +209,7 @@ class StepRecording:
             host = isinstance(objective, SequenceObjective)
             self._upload_batch(acts, ids, seg, pos, targets, slot=j, objective=None if host else objective,
                                weights=extra[0] if extra and objective is None else None)
+            acts.entropies = objective is not None
             self._write_seeds(j)
             self._record_forward(rec, acts)
             if host:     # the step so far submitted, the head's log-probabilities to the host and its weights back
@@ -223,8 +224,9 @@ class StepRecording:
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
             if objective is not None:
                 K.copy(rec, (self.results, at_row), acts.loss_rows, acts.n_head)
+                K.copy(rec, (self.results, at_row + acts.n_head), acts.entropy_rows, acts.n_head)
                 scored.append((at_row, acts.n_head, acts.head_order))
-                at_row += acts.n_head
+                at_row += 2 * acts.n_head
             else:
                 scored.append(None)
         self._training = False
@@ -257,6 +259,9 @@ class StepRecording:
         self._count(before)
         self.step_logps = [None if where is None else _logps(out, *where, mb[0].shape)
                            for where, mb in zip(scored, micro_batches)]
+        self.step_entropies = [None if where is None else (mb[1] != IGNORE_INDEX)
+                               * _logps(out, where[0] + where[1], *where[1:], mb[0].shape, sign=1.0)
+                               for where, mb in zip(scored, micro_batches)]
         loss_sum = float(out[0:2 * n_micro:2].sum())
         if self.precision == "f16" and not np.isfinite(loss_sum):
             # a non-finite loss comes from the forward (the loss scale only scales the backward)
