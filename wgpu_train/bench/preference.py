@@ -1,7 +1,9 @@
-"""Preference-tuning benchmark: a DPO step as the PreferenceTrainer takes it (the policy's and the reference's
-scoring, the adapter switched off, in one submission; the weighted optimizer step) next to an SFT step on the
-chosen rows of the same pairs, interleaved on one engine in one run and reported as ratios, with the memory
-estimate of each and the DPO step's submissions and readbacks."""
+"""Preference-tuning benchmark: a DPO step as the PreferenceTrainer takes it (the reference scored with the
+adapter switched off, then one policy forward whose loss heads weigh the pairs: PreferenceScorer.train_pairs),
+the two-pass DPO step it replaced (the policy and the reference scored in one submission, then the weighted
+step: still KTO's and a data-parallel worker's), and an SFT step on the chosen rows of the same pairs,
+interleaved on one engine in one run and reported as ratios, with the memory estimate of each and the DPO
+steps' submissions and readbacks."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +66,9 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
                                                       PAD_MULTIPLE)]
     hp = train.optimizer_params(train.lr)
     step_no = [0]
-    times: dict = {"sft": [], "dpo": [], "scoring": [], "train_step": []}
-    calls: dict = {}                # the last DPO step's submissions and readbacks
+    times: dict = {"sft": [], "dpo": [], "reference": [], "train_step": [], "two_pass": [], "scoring": [],
+                   "weighted_step": []}
+    calls: dict = {"dpo": {}, "two_pass": {}}     # the last DPO steps' submissions and readbacks
 
     def sft_step():
         step_no[0] += 1
@@ -73,7 +76,24 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
         engine.train_step(sft_micro, hp, step_no[0])
         return {"sft": time.perf_counter() - t0}
 
-    def dpo_step():
+    def dpo_step():         # the trainer's: one policy forward
+        step_no[0] += 1
+        before = {k: engine.counters[k] for k in ("submits", "readbacks")}
+        t0 = time.perf_counter()
+        engine.set_adapter_enabled(False)
+        try:
+            ref = scorer.score(engine, examples, indices).logps
+        finally:
+            engine.set_adapter_enabled(True)
+        t1 = time.perf_counter()
+        result = scorer.train_pairs(engine, examples, indices, ref,
+                                    lambda batches: engine.train_step(batches, hp, step_no[0]))[0]
+        t2 = time.perf_counter()
+        calls["dpo"] = {k: engine.counters[k] - v for k, v in before.items()}
+        losses.append(result.loss)
+        return {"dpo": t2 - t0, "reference": t1 - t0, "train_step": t2 - t1}
+
+    def two_pass_step():    # the policy and the reference scored together, then the weighted step
         step_no[0] += 1
         before = {k: engine.counters[k] for k in ("submits", "readbacks")}
         t0 = time.perf_counter()
@@ -81,18 +101,18 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
         t1 = time.perf_counter()
         engine.train_step(PreferenceTrainer.weighted_micro_batches(result, scored), hp, step_no[0])
         t2 = time.perf_counter()
-        calls.update({k: engine.counters[k] - v for k, v in before.items()})
+        calls["two_pass"] = {k: engine.counters[k] - v for k, v in before.items()}
         losses.append(result.loss)
-        return {"dpo": t2 - t0, "scoring": t1 - t0, "train_step": t2 - t1}
+        return {"two_pass": t2 - t0, "scoring": t1 - t0, "weighted_step": t2 - t1}
 
     losses: list = []
-    dpo_step(), sft_step()          # warm-up: pipelines, activation buckets, uniforms
+    dpo_step(), two_pass_step(), sft_step()      # warm-up: pipelines, activation buckets, uniforms
     # a fresh adapter (B = 0) changes nothing, so the policy's and the reference's scores of the first step agree:
     # DPO's first loss is log 2, or the scoring is wrong and no time of it is reported
     if not abs(losses[0] - np.log(2.0)) < 1e-5:
         raise AssertionError(f"the first DPO loss is {losses[0]!r}, not log 2: the reference pass is wrong")
-    for _ in range(steps):          # interleaved, so that a busy moment of a shared machine hits both kinds
-        for part in (sft_step(), dpo_step()):
+    for _ in range(steps):          # interleaved, so that a busy moment of a shared machine hits every kind
+        for part in (sft_step(), dpo_step(), two_pass_step()):
             for k, v in part.items():
                 times[k].append(v)
     med = {k: float(np.median(v)) for k, v in times.items()}
@@ -104,12 +124,15 @@ def bench_preference(rt, model=None, steps: int = STEPS) -> dict:
         "model": f"{folder} ({cfg.label}), LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}, base {base}",
         "pairs_per_step": len(examples),
         "micro_batch": {k: f"{rows}x{length}" for k, (rows, length) in shapes.items()},
-        "step_ms": {"sft": med["sft"] * 1e3, "dpo": med["dpo"] * 1e3},
-        "dpo_step_ms": {"policy_and_reference_scoring": med["scoring"] * 1e3,
-                        "weighted_train_step": med["train_step"] * 1e3},
-        "dpo_step_calls": dict(calls),
+        "step_ms": {"sft": med["sft"] * 1e3, "dpo": med["dpo"] * 1e3, "dpo_two_pass": med["two_pass"] * 1e3},
+        "dpo_step_ms": {"reference_scoring": med["reference"] * 1e3, "one_pass_train_step": med["train_step"] * 1e3},
+        "dpo_two_pass_step_ms": {"policy_and_reference_scoring": med["scoring"] * 1e3,
+                                 "weighted_train_step": med["weighted_step"] * 1e3},
+        "dpo_step_calls": calls["dpo"],
+        "dpo_two_pass_step_calls": calls["two_pass"],
         "dpo_vs_sft_step_time": med["dpo"] / med["sft"],
-        "scoring_share_of_dpo_step": med["scoring"] / med["dpo"],
+        "dpo_one_pass_vs_two_pass_step_time": med["dpo"] / med["two_pass"],
+        "reference_share_of_dpo_step": med["reference"] / med["dpo"],
         "memory_estimate_bytes": {k: {key: est[key] for key in ("weights", "trainable_state", "activations",
                                                                  "logits", "total")} for k, est in memory.items()},
         "dpo_vs_sft_memory": memory["dpo"]["total"] / memory["sft"]["total"],

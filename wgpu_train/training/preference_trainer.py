@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.data.preference_batching import PreferenceStream, kl_partners
-from wgpu_train.engines.protocol import SequenceObjective
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.training.objectives import DataKind
 from wgpu_train.training.metrics import fmt, num
@@ -285,11 +284,9 @@ class PreferenceTrainer(Trainer):
 
     def _one_pass_step(self, indices, lr) -> tuple:
         """A step of pairs in one policy forward: the reference scored first (where the objective has one), then
-        the engine's step with a SequenceObjective per micro-batch, whose host function turns the head's
-        log-probabilities of its pairs into their tokens' weights (a pair's derivative depends on its own rows
-        alone: the loss is a mean over pairs); the step's loss and metrics from the log-probabilities read back.
-        (ObjectiveResult, Scored rows in score's order, count, grad_norm, applied)."""
-        examples, p = self.pref["train"], len(indices)
+        the step (PreferenceScorer.train_pairs). (ObjectiveResult, Scored rows in score's order, count,
+        grad_norm, applied)."""
+        examples = self.pref["train"]
         reference = self._reference("train")
         ref = None
         if reference is ADAPTER_OFF:
@@ -300,41 +297,9 @@ class PreferenceTrainer(Trainer):
                 self.engine.set_adapter_enabled(True)
         elif reference is not None:
             ref = reference(indices, False)
-        micro, masks, order = self.scorer.pair_micro_batches(examples, indices)
-        targets = np.concatenate([(t != -100).sum(axis=1) for _, t, _, _ in micro])      # (2P,) placed rows
-        tokens = np.concatenate([m.sum(axis=1) for m in masks])
-        total = float(targets.sum())
-        nll_grad = 1.0 / max(int(targets[order < p].sum()), 1) if self.unit.trains_prompt else 0.0
-        ref_placed = None if ref is None else ref[order]
-
-        def weights_of(r0: int, mask, chosen_targets):
-            def weights(logps):
-                seq = (np.asarray(logps, np.float64) * mask).sum(axis=1)         # (2q,) this micro-batch's rows
-                q = len(seq) // 2
-                n = tokens[r0:r0 + 2 * q]
-                rc, rr = (None, None) if ref_placed is None else (ref_placed[r0:r0 + q], ref_placed[r0 + q:r0 + 2 * q])
-                part = self.unit.loss(seq[:q], seq[q:], n[:q], n[q:], rc, rr, nll=(0.0, 1))
-                per_row = -total * part.dlogps * q / p                           # the step's mean over P pairs
-                w = np.where(mask, per_row[:, None], 0.0)
-                return (w + total * nll_grad * chosen_targets).astype(np.float32)
-            return weights
-
-        batches, r0 = [], 0
-        for (ids, tg, seg, pos), mask in zip(micro, masks):
-            rows = ids.shape[0]
-            chosen_targets = (np.arange(rows) < rows // 2)[:, None] & (tg != -100)
-            batches.append((ids, tg, seg, pos, SequenceObjective(weights_of(r0, mask, chosen_targets))))
-            r0 += rows
-        _, count, grad_norm, applied = self._train_step(batches, self.config.optimizer_params(lr), self.step + 1)
-        logps = np.concatenate([(lp.astype(np.float64) * m).sum(axis=1) for lp, m in zip(self.engine.step_logps,
-                                                                                          masks)])
-        losses = np.concatenate([-(lp.astype(np.float64) * (t != -100)).sum(axis=1)
-                                 for lp, (_, t, _, _) in zip(self.engine.step_logps, micro)])
-        back = np.argsort(order)                                                  # placed rows -> score's order
-        logps, n, losses, targets = logps[back], tokens[back], losses[back], targets[back]
-        result = self.unit.loss(logps[:p], logps[p:], n[:p], n[p:], None if ref is None else ref[:p],
-                                None if ref is None else ref[p:], nll=(losses[:p].sum(), int(targets[:p].sum())))
-        return result, Scored(logps, n, losses, targets, micro, masks, ref), count, grad_norm, applied
+        hp, step = self.config.optimizer_params(lr), self.step + 1
+        return self.scorer.train_pairs(self.engine, examples, indices, ref,
+                                       lambda batches: self._train_step(batches, hp, step))
 
     @staticmethod
     def weighted_micro_batches(result, scored: "Scored") -> list:
