@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from wgpu_train.cli.main import build_parser
-from wgpu_train.distributed.dispatch import TRAINERS
+from wgpu_train.training.trainers import TRAINERS
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.objectives import (OBJECTIVES, PREFERENCE_OBJECTIVES, DataKind, PreferenceObjective,
                                             TrainerKind, objective_class)

@@ -8,10 +8,9 @@ import time
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.distributed.dispatch import TRAINERS
 from wgpu_train.errors import ConfigError
-from wgpu_train.training.objectives import TrainerKind, objective_class
 from wgpu_train.training.processes import OneProcess
+from wgpu_train.training.trainers import make_trainer
 
 
 def partition(costs, parts: int) -> list[tuple[int, int]]:
@@ -161,13 +160,11 @@ class DataParallelWorker(OneProcess):
 
 
 def data_parallel_trainer(config, collective, sink=None, reward_funcs=None):
-    """The trainer of config.objective's kind (dispatch.TRAINERS) as one worker of a data-parallel run."""
+    """The trainer of config.objective's kind (training/trainers.py) as one worker of a data-parallel run."""
     if config.num_workers != collective.world:
         raise ValueError(f"num_workers {config.num_workers} for a collective of {collective.world} workers")
-    kind = objective_class(config.objective).trainer
-    extra = {"reward_funcs": reward_funcs} if kind is TrainerKind.ONLINE else {}
-    return TRAINERS[kind](config, log=None if sink is None else sink.log,
-                          process=DataParallelWorker(collective, sink), **extra)
+    return make_trainer(config, None if sink is None else sink.log, DataParallelWorker(collective, sink),
+                        reward_funcs)
 
 
 class _SinkBar:

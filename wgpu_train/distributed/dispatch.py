@@ -1,5 +1,5 @@
 """finetune(): the one entry point of a fine-tuning run, which trains in this process (the trainer of the
-objective's kind: the Trainer, or for a preference objective the PreferenceTrainer) or, with num_workers,
+objective's kind, training/trainers.py) or, with num_workers,
 data-parallel on Ray Train workers (ray_driver.py)."""
 from __future__ import annotations
 
@@ -8,13 +8,7 @@ import dataclasses
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.objectives import TrainerKind, objective_class
-from wgpu_train.training.grpo_trainer import GRPOTrainer
-from wgpu_train.training.preference_trainer import PreferenceTrainer
-from wgpu_train.training.trainer import Trainer
-
-# the trainer that runs each kind of objective in this process (Objective.trainer)
-TRAINERS = {TrainerKind.SUPERVISED: Trainer, TrainerKind.PREFERENCE: PreferenceTrainer,
-            TrainerKind.ONLINE: GRPOTrainer}
+from wgpu_train.training.trainers import make_trainer
 
 
 def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) -> dict:
@@ -35,6 +29,4 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
         return finetune_on_ray(config, reward_funcs=reward_funcs)
-    if kind is TrainerKind.ONLINE:
-        return GRPOTrainer(config, reward_funcs=reward_funcs).run()
-    return TRAINERS[kind](config).run()
+    return make_trainer(config, reward_funcs=reward_funcs).run()
