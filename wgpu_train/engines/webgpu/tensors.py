@@ -103,3 +103,22 @@ class Packed:
 
     def view(self, name):
         return (self.buf, self.offsets[name])
+
+
+def read_tensor(rt: Runtime, t, shape) -> np.ndarray:
+    """A tensor (Matrix, buffer, or (buffer, element offset) view) back as an array of `shape`."""
+    if isinstance(t, Matrix):
+        return t.read(rt)
+    if isinstance(t, tuple):
+        return rt.read(t[0], np.float32, shape, offset=t[1] * F32)
+    return rt.read(t, np.float32, shape)
+
+
+def write_tensor(rt: Runtime, t, arr):
+    """Write arr into a tensor (Matrix, buffer, or (buffer, element offset) view) as float32."""
+    if isinstance(t, Matrix):
+        t.write(rt, arr)
+    elif isinstance(t, tuple):
+        rt.write(t[0], np.ascontiguousarray(arr, dtype=np.float32).reshape(-1), t[1] * F32)
+    else:
+        rt.write(t, np.ascontiguousarray(arr, dtype=np.float32))
