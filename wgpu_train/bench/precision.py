@@ -12,8 +12,8 @@ import numpy as np
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.bench.checks import Capture, max_rel_err
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import PRECISIONS, OptimizerParams
-from wgpu_train.engines.webgpu.memory import ACTIVATION_FORMATS, estimate_memory
+from wgpu_train.engines.protocol import PRECISIONS, OptimizerParams, Precision
+from wgpu_train.engines.webgpu.memory import estimate_memory
 
 # SmolLM2-135M's widths and heads, 2 of its 30 layers (a CPU adapter runs a step of those in about a second)
 SMOL_SHAPED = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -155,7 +155,7 @@ def _f16_arithmetic(rt, timer) -> dict:
     return out
 
 
-def _step(rt, precision: str, steps: int) -> dict:
+def _step(rt, precision: Precision, steps: int) -> dict:
     """Median seconds of a LoRA step (r=8, all linear layers) and the bytes of its activation bucket."""
     from wgpu_train.bench.training import random_batch, random_lora, random_weights, timed
     from wgpu_train.engines.webgpu.engine import WgpuEngine
@@ -186,7 +186,7 @@ def bench_precision(rt, steps: int = 3) -> dict:
     work = {"gemm": (2.0 * n * o * i, "gflops"), "attention": (4.0 * b * t * t * d * hq / 2, "gflops")}
     rows = {}
     for precision in PRECISIONS:
-        fmt = ACTIVATION_FORMATS[precision]
+        fmt = precision.storage
         secs = _kernels(rt, timer, fmt)
         step = _step(rt, precision, steps)
         size = {"f32": 4, "bf16": 2, "f16": 2}[fmt]
@@ -199,8 +199,8 @@ def bench_precision(rt, steps: int = 3) -> dict:
             "estimated_activation_bytes": step["estimated_activation_bytes"],
             "_s": {**secs, "step": step["step_s"]},
         }
-    base = rows["fp32"]
-    for precision in ("bf16", "f16"):
+    base = rows[Precision.FP32]
+    for precision in (Precision.BF16, Precision.F16):
         r = rows[precision]
         r["vs_fp32"] = {"gemm_time": r["_s"]["gemm"] / base["_s"]["gemm"],
                         "attention_time": r["_s"]["attention"] / base["_s"]["attention"],

@@ -12,7 +12,7 @@ from pathlib import Path
 from wgpu_train.training import tracking
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.backend_choice import BACKENDS
-from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
+from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams, Precision
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
@@ -60,11 +60,12 @@ class TrainConfig:
                                     "(the base's own over a float32 or bfloat16 base, float16 over a float16 or NF4 "
                                     "one, as in QLoRA); LoRA only unless float32",
                             choices=EMBED_CHOICES)
-    precision: str = _opt("auto", "where activations, saved tensors and activation gradients are stored: fp32, bf16 "
-                                  "or f16 (arithmetic stays float32; LoRA, gradients and AdamW state float32; f16 "
-                                  "adds dynamic loss scaling), or auto (bf16 on a GPU; fp32 on the NumPy reference, "
-                                  "on CPU adapters and for a model with an odd width)",
-                          choices=PRECISION_CHOICES)
+    precision: Precision = _opt(Precision.AUTO, "where activations, saved tensors and activation gradients are "
+                                                "stored: fp32, bf16 or f16 (arithmetic stays float32; LoRA, "
+                                                "gradients and AdamW state float32; f16 adds dynamic loss scaling), "
+                                                "or auto (bf16 on a GPU; fp32 on the NumPy reference, on CPU "
+                                                "adapters and for a model with an odd width)",
+                                choices=PRECISION_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
@@ -216,8 +217,9 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
+        self.precision = Precision.parse(self.precision)       # a name from TOML, the command line or Python
         for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss",
-                     "truncation_mode", "precision", "scale_rewards", "grpo_loss", "importance_sampling_level"):
+                     "truncation_mode", "scale_rewards", "grpo_loss", "importance_sampling_level"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

@@ -59,7 +59,7 @@ class Trainer(TrainerSetup, TrainerRecords):
         auto = config.base_dtype == "auto" and config.method == "lora"
         self.base_dtype, self.embed_dtype = (None, None) if auto else config.storage_dtypes()
         # where activations are stored; auto: a resumed checkpoint's, else the engine's choice (setup)
-        self.precision = None if config.precision == "auto" else config.precision
+        self.precision = config.precision if config.precision.resolved else None
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
         found = self.folders.earlier
         if found:

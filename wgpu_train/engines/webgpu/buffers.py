@@ -9,6 +9,7 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_format, activation_plan, activation_ranks,
                                               bucket_tokens, check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.webgpu.device.runtime import Runtime
@@ -67,7 +68,7 @@ class Activations:
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None,
-                 precision: str = "fp32"):
+                 precision: Precision = Precision.FP32):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
@@ -118,7 +119,7 @@ class BucketCache:
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: str, counters: dict):
+    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, counters: dict):
         self.rt, self.cfg, self.precision, self.counters = rt, cfg, precision, counters
         self.acts: dict = {}
         self.inputs: dict = {}

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import (PRECISIONS, EngineState, LossScaler, check_kv_dtype,
-                                         check_precision_widths)
+from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_kv_dtype, check_precision_widths
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import LayerPlan, layer_plan
@@ -21,8 +20,7 @@ from wgpu_train.engines.webgpu.tuned import attention_kernels
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.recorder import submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
-from wgpu_train.engines.webgpu.tensors import (F32, Packed, read_tensor, store_weight, weight_buffers,
-                                               write_tensor)
+from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
 from wgpu_train.engines.webgpu.buffers import Activations, BucketCache, GpuLora
 from wgpu_train.engines.webgpu.dora import DoraNorms
 from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
@@ -41,7 +39,7 @@ class WgpuEngine(EngineState):
     precision_reason = "as given"
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: str = "fp32"):
+                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: Precision | str = Precision.FP32):
         """precision (protocol.PRECISIONS): fp32, or bf16 / f16 where the activations and their gradients are
         16-bit buffers (memory.activation_format) and the kernels round where they store them, as
         engines/numpy/precision.py does; f16 adds dynamic loss scaling."""
@@ -50,12 +48,12 @@ class WgpuEngine(EngineState):
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
                               f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
         check_kv_dtype(kv_dtype, cfg)
-        if precision not in PRECISIONS:
-            raise ValueError(f"WgpuEngine takes one of {PRECISIONS} ('auto' is resolved by engines/model.py), got "
-                             f"{precision!r}")
+        precision = Precision.parse(precision)
+        if not precision.resolved:
+            raise ValueError("WgpuEngine takes a resolved precision (engines/loading.py resolves auto)")
         check_precision_widths(precision, cfg)
         self.precision = precision
-        self.loss_scaler = LossScaler() if precision == "f16" else None
+        self.loss_scaler = LossScaler() if precision.loss_scaling else None
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
@@ -194,7 +192,7 @@ class WgpuEngine(EngineState):
         the memory estimate), each group's A matrices back to back in every layer with LoRA on it."""
         ranks = layer_ranks({p: m.r for p, m in self.lora.items()})
         # DoRA scales each module's dy by its own c: no shared LoRA backward
-        alone = any(m.dropout > 0 or m.m is not None for m in self.lora.values()) or self.precision != "fp32"
+        alone = any(m.dropout > 0 or m.m is not None for m in self.lora.values()) or self.precision.sixteen_bit
         out = {}
         for module, members in lora_groups(self.cfg, ranks, alone).items():
             # lora_groups: every member has LoRA in the same layers

@@ -24,7 +24,7 @@ from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
 from wgpu_train.engines.webgpu.layers import LayerRecorder
 from wgpu_train.engines.webgpu.optimizer import Optimizer
 from wgpu_train.engines.webgpu.tensors import F32
-from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
+from wgpu_train.engines.protocol import LossScaler, Precision, SequenceObjective, TokenObjective
 
 
 def _logps(results, at_row: int, n_head: int, head_order, shape) -> np.ndarray:
@@ -45,7 +45,7 @@ class StepRunner:
     what a step leaves: `results` (loss sums, the norm, log-probabilities), `step_logps`, `last_step`,
     `last_profile`, `last_timing`, and the dispatches per submission planned from the last step's time."""
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: str, buckets: BucketCache, layers: LayerRecorder,
+    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, buckets: BucketCache, layers: LayerRecorder,
                  dropout: DropoutSeeds, optimizer: Optimizer, dora: DoraNorms, step_buf, counters: dict):
         """step_buf: the step's scalars (grad_scale first), which layers' cross-entropy backward reads."""
         self.rt, self.cfg, self.precision, self.counters = rt, cfg, precision, counters
@@ -253,7 +253,7 @@ class StepRunner:
         self.step_logps = [None if where is None else _logps(out, *where, mb[0].shape)
                            for where, mb in zip(scored, micro_batches)]
         loss_sum = float(out[0:2 * n_micro:2].sum())
-        if self.precision == "f16" and not np.isfinite(loss_sum):
+        if self.precision.loss_scaling and not np.isfinite(loss_sum):
             # a non-finite loss comes from the forward (the loss scale only scales the backward)
             j = int(np.flatnonzero(~np.isfinite(out[0:2 * n_micro:2]))[0])
             self._refuse_f16_overflow(micro_batches[j])
