@@ -216,7 +216,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     from wgpu_train.engines.shared.quant import check_dtypes
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype, full=method == "full")
-    if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
+    if method == "full" and (base_dtype.rounds or embed_dtype.rounds):
         raise ValueError("full fine-tuning needs float32 base weights")
     weights = base_weight_bytes(config, base_dtype, embed_dtype, max_binding)["total"]
     ranks, drop, dora = {}, {}, {}

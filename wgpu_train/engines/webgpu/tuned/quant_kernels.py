@@ -10,6 +10,7 @@ import functools
 import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant_source as QT
+from wgpu_train.engines.shared.quant import StorageDtype
 from wgpu_train.engines.webgpu.tuned.adapter_traits import f16_operands, is_cpu, min_workgroup, use_subgroups
 from wgpu_train.engines.webgpu.tuned.gemm_kernels import WG_CHOICES
 from wgpu_train.engines.webgpu.tuned.gemm_tolerance import arithmetic_slack, gemm_tolerance
@@ -133,7 +134,7 @@ class QProblem:
     @property
     def f16_arithmetic_offered(self) -> bool:
         """Whether float16-arithmetic candidates may run this product: a float16 weight times a float16 A."""
-        return self.w.dtype == "float16" and f16_operands(self.rt, self.a_fmt)
+        return self.w.dtype is StorageDtype.FLOAT16 and f16_operands(self.rt, self.a_fmt)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a
