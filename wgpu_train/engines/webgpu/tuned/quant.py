@@ -6,11 +6,11 @@ Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same fun
 - bfloat16 / float16: the values (2 bytes each), row chunks of a multiple of 8 rows that fit one storage
   binding; the shaders read them as u32 words of two and decode them with a shift (bfloat16) or
   unpack2x16float (float16), so no adapter needs shader-f16;
-- nf4: engines/numpy/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
+- nf4: engines/shared/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
   padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
   contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation;
-- nf4-dq: the same codes; the absmax values double-quantised (engines/numpy/quant.py's DoubleQuant). Each chunk's
+- nf4-dq: the same codes; the absmax values double-quantised (engines/shared/quant.py's DoubleQuant). Each chunk's
   second buffer holds, as u32 words: the offset (f32), the chunk's first block modulo 256, the word where
   its 8-bit indices start, a spare word, the f32 second-level absmax of every 256-block group the chunk
   touches, then the 8-bit index of each of its blocks, four per word. The 256-value code table is the
@@ -71,7 +71,7 @@ def _dq_stats(dq, b0: int, b1: int) -> np.ndarray:
 
 def _dq_absmax(words: np.ndarray, code: np.ndarray, blocks: int) -> np.ndarray:
     """The float32 absmax values of a chunk's `blocks` blocks from its stats words and the code table, as
-    the shader and engines/numpy/quant.py's dequantize_absmax rebuild them."""
+    the shader and engines/shared/quant.py's dequantize_absmax rebuild them."""
     offset = words[0:1].view(np.float32)[0]
     phase, index_word = int(words[1]), int(words[2])
     absmax2 = words[DQ_HEADER_WORDS:index_word].view(np.float32)
