@@ -112,8 +112,8 @@ class Engine(Protocol):
     name: str                   # "numpy" or "wgpu"
     backend_reason: str         # why this engine (backend auto's choice), for the log and summary.json
     cfg: ModelConfig
-    base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head
-    embed_dtype: str
+    base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head: each a
+    embed_dtype: str            # shared/quant.StorageDtype (a str), resolved
     precision: Precision        # where activations are stored: fp32, bf16 or f16 (engines/numpy/precision.py)
     precision_reason: str       # why that precision (auto's choice), for the log and summary.json
     kv_dtype: str               # how new_kv_cache stores keys and values: float32 or bfloat16 (KV_DTYPES)
