@@ -103,7 +103,8 @@ class LayerRecorder:
         (saved in the layer's lora_x buffer; the mask is a hash of the seed slot, so recomputing it repeats it)."""
         if lora.dropout > 0 and self.training:
             xl = a["lora_x." + module]
-            K.lora_dropout_forward(rec, xl, x, self.dropout.buffer, self.dropout.slot_of(lora.module_id), lora.dropout, n * lora.in_f)
+            K.lora_dropout_forward(rec, xl, x, self.dropout.buffer, self.dropout.slot_of(lora.module_id), lora.dropout,
+                                   n * lora.in_f)
             return xl
         return x
 
@@ -303,7 +304,8 @@ class LayerRecorder:
             K.fill(rec, acts.d_lora_x, 0.0, n * lora.in_f)
             lora_backward(rec, acts.d_lora_x, lora.ga, lora.gb, dy, xl, h, lora.a, lora.b, lora.scale, n, lora.in_f,
                           lora.out_f, lora.r, acts.d_lora_h, accumulate_grads=True)
-            K.lora_dropout_backward(rec, dx, acts.d_lora_x, self.dropout.buffer, self.dropout.slot_of(lora.module_id), lora.dropout, n * lora.in_f)
+            K.lora_dropout_backward(rec, dx, acts.d_lora_x, self.dropout.buffer, self.dropout.slot_of(lora.module_id),
+                                    lora.dropout, n * lora.in_f)
         else:
             lora_backward(rec, dx, lora.ga, lora.gb, dy, x, h, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f,
                           lora.r, acts.d_lora_h, accumulate_grads=True)

@@ -149,7 +149,8 @@ class StepRunner:
         b, t = ids.shape
         acts = self.buckets.activations(b, t, train=True)
         per_token = np.ndim(grad_scale) > 0
-        self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets, weights=grad_scale if per_token else None)
+        self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets,
+                                  weights=grad_scale if per_token else None)
         self.rt.write(self.step_buf, np.array([1.0 if per_token else grad_scale], np.float32))
         self.dropout.write(0, self.layers.lora)
         before = dict(self.rt.counters)
