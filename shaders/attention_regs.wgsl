@@ -41,13 +41,7 @@ fn tile_needed(b: u32, blk: vec3<i32>, r0: u32, r1: u32, a: u32, e: u32) -> bool
 
 @compute @workgroup_size(NI)
 fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let lid = lid3.x;
-    let t = p.s1;
-    let h = wid.y;
-    let b = wid.z;
-    let g = h / (p.s2 / p.s3);
-    let q0 = wid.x * BR;
-    let qend = min(q0 + BR, t);
+    // @setup queries BR
     let i$r = min(q0 + lid * R + $ru, t - 1u);
     let si$r = seg_at(b * t + i$r);
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
@@ -91,13 +85,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
 // Also writes delta = rowsum(dout * out) for the dk / dv pass.
 @compute @workgroup_size(NI)
 fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let lid = lid3.x;
-    let t = p.s1;
-    let h = wid.y;
-    let b = wid.z;
-    let g = h / (p.s2 / p.s3);
-    let q0 = wid.x * BR;
-    let qend = min(q0 + BR, t);
+    // @setup queries BR
     let i$r = min(q0 + lid * R + $ru, t - 1u);
     let si$r = seg_at(b * t + i$r);
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
@@ -142,13 +130,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
 
 @compute @workgroup_size(NI)
 fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let lid = lid3.x;
-    let t = p.s1;
-    let g = wid.y;
-    let b = wid.z;
-    let rep = p.s2 / p.s3;
-    let k0 = wid.x * BR;
-    let kend = min(k0 + BR, t);
+    // @setup keys BR
     let j$r = min(k0 + lid * R + $ru, t - 1u);
     let sj$r = seg_at(b * t + j$r);
     let kb$r = ((b * t + j$r) * p.s3 + g) * D4;

@@ -108,14 +108,8 @@ const BUFFERS: u32 = 1u;
 
 @compute @workgroup_size(NI)
 fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let lid = lid3.x;
-    let t = p.s1;
-    let h = wid.y;
-    let b = wid.z;
-    let g = h / (p.s2 / p.s3);
+    // @setup queries TQ
     let last = vec4<u32>(t - 1u);
-    let q0 = wid.x * TQ;
-    let qend = min(q0 + TQ, t);
     let iq$q = min(q0 + $qu, t - 1u);
     let sq$q = seg_at(b * t + iq$q);
     let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
@@ -193,14 +187,8 @@ const BUFFERS: u32 = 2u;
 
 @compute @workgroup_size(NI)
 fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let lid = lid3.x;
-    let t = p.s1;
-    let h = wid.y;
-    let b = wid.z;
-    let g = h / (p.s2 / p.s3);
+    // @setup queries TQ
     let last = vec4<u32>(t - 1u);
-    let q0 = wid.x * TQ;
-    let qend = min(q0 + TQ, t);
     let iq$q = min(q0 + $qu, t - 1u);
     let sq$q = seg_at(b * t + iq$q);
     let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
@@ -264,14 +252,8 @@ var<workgroup> tile_ds: array<vec4<f32>, TQ * NK * BUFFERS>;  // dS: [buffer][ke
 
 @compute @workgroup_size(NI)
 fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let lid = lid3.x;
-    let t = p.s1;
-    let g = wid.y;
-    let b = wid.z;
-    let rep = p.s2 / p.s3;
+    // @setup keys TQ
     let last = vec4<u32>(t - 1u);
-    let k0 = wid.x * TQ;
-    let kend = min(k0 + TQ, t);
     let jq$q = min(k0 + $qu, t - 1u);
     let sk$q = seg_at(b * t + jq$q);
     let kr$q = ((b * t + jq$q) * p.s3 + g) * D4;

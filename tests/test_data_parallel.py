@@ -174,7 +174,7 @@ def test_reduce_sees_the_gradients_once_and_its_result_is_used(workspace, backen
         if method == "lora":        # the gradients in one readback with the first submit, the norm with the second
             assert steps == {"submits": 2, "readbacks": 2}
         else:                       # one readback per gradient buffer
-            assert steps["readbacks"] == 1 + len({id(g[1]) for g in reduced._groups})
+            assert steps["readbacks"] == 1 + len({id(g[1]) for g in reduced.optimizer.groups})
     # what reduce returns is what the update uses: doubled gradients give a larger norm
     c = doubled.train_step(micro, hp, 1, reduce=lambda g, n: 2 * g)
     assert c[2] == pytest.approx(2 * a[2], rel=1e-4)

@@ -417,9 +417,9 @@ def test_memory_estimate_is_what_the_engine_allocates(tiny, rt):
         model = load_model(folder, backend="wgpu", device=str(rt.info.index))
         model.add_lora(lora)
         eng = model.engine
-        state = (sum(b.size for b in eng._state_buffers if b is not eng.partials)      # moments
+        state = (sum(b.size for b in eng.optimizer.state_buffers if b is not eng.optimizer.partials)      # moments
                  + sum(p.buf.size for p in eng._lora_packed)                             # parameters, gradients
-                 + sum(b.size for b in eng._dora_buffers))
+                 + sum(b.size for b in eng.dora.buffers))
         acts = eng._activations(1, 64, train=True)
         allocated = sum({id(b): b.size for layer in acts.layers for b in layer.values()}.values())
         allocated += sum(v.size for k, v in vars(acts).items() if hasattr(v, "destroy") and k != "logits" and k

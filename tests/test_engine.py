@@ -377,7 +377,7 @@ def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
     gpu.set_gradient_checkpointing(True)
     gpu.loss_and_grads(ids, labels, mask)
     acts = gpu.engine._activations(*ids.shape, train=True)
-    assert acts.checkpoint and len(gpu.engine._acts) == 1   # the plain bucket was released
+    assert acts.checkpoint and len(gpu.engine.buckets.acts) == 1   # the plain bucket was released
     first, last = acts.layers[0], acts.layers[-1]
     assert first["x_in"] is not last["x_in"] and all(first[k] is last[k] for k in first if k != "x_in")
     ckpt = wt.estimate_memory(gpu.config, ids.shape[0], ids.shape[1], lora=lora, gradient_checkpointing=True)
@@ -505,9 +505,9 @@ def test_activation_buckets_are_evicted_and_reused_correctly(folder, rt):
             assert_close(np.float64(gpu.loss_and_grads(ids, ids)[0]), np.float64(ref.loss_and_grads(ids, ids)[0]),
                          "gpu_loss", f"{b}x{t}")
             assert_close(gpu.logits(ids), ref.logits(ids), "gpu_logits", f"{b}x{t}")
-    kept = list(gpu.engine._acts)
-    assert sum(k[2] for k in kept) <= gpu.engine.MAX_BUCKETS              # training buckets
-    assert sum(not k[2] for k in kept) <= gpu.engine.MAX_FORWARD_BUCKETS   # forward-only ones
+    kept = list(gpu.engine.buckets.acts)
+    assert sum(k[2] for k in kept) <= gpu.engine.buckets.MAX_BUCKETS              # training buckets
+    assert sum(not k[2] for k in kept) <= gpu.engine.buckets.MAX_FORWARD_BUCKETS   # forward-only ones
 
 
 def test_long_steps_split_across_submissions(folder, rt):
@@ -520,7 +520,7 @@ def test_long_steps_split_across_submissions(folder, rt):
     ids, labels, mask = _batch(3)
     micro = _micro_batches(ids, labels, mask, 1)
     hp = OptimizerParams(lr=1e-2)
-    split.engine.max_submit_s = 1e-9            # every step "too long": the next ones are split
+    split.engine.steps.max_submit_s = 1e-9            # every step "too long": the next ones are split
     for step in (1, 2, 3):
         one.engine.train_step(micro, hp, step)
         split.engine.train_step(micro, hp, step)

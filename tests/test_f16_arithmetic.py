@@ -13,6 +13,7 @@ from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import gemm as G
 from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
 from wgpu_train.engines.webgpu.tuned import gemm_source as T
+from wgpu_train.engines.webgpu.tuned import gemm_tolerance as GT
 from wgpu_train.engines.webgpu.tuned import quant as Q
 from wgpu_train.engines.webgpu.tuned import quant_source as QT
 from wgpu_train.engines.webgpu.tuned import tune
@@ -30,9 +31,9 @@ def f16_model(A: np.ndarray, B: np.ndarray, fused: bool) -> np.ndarray:
     one rounding each; else the product, then the sum), each partial added to a float32 accumulator in k order."""
     M, K = A.shape
     acc = np.zeros((M, B.shape[1]), np.float32)
-    for k0 in range(0, K, GK.F16_CHUNK):
+    for k0 in range(0, K, GT.F16_CHUNK):
         part = np.zeros(acc.shape, np.float64)
-        for k in range(k0, min(K, k0 + GK.F16_CHUNK)):
+        for k in range(k0, min(K, k0 + GT.F16_CHUNK)):
             prod = A[:, k, None] * B[None, k, :]
             if not fused:
                 prod = prod.astype(np.float16).astype(np.float64)
@@ -61,7 +62,7 @@ def test_half_configs():
     names = [c.name for c in [*T.HALF_CONFIGS, *QT.QTILE_HALF_CONFIGS]]
     assert all(n.endswith("_f16") for n in names) and len(set(T.HALF_CONFIGS)) == len(T.HALF_CONFIGS)
     for cfg in [*T.HALF_CONFIGS, *QT.QTILE_HALF_CONFIGS]:
-        assert cfg.half and not cfg.subgroups and cfg.bk % GK.F16_CHUNK == 0
+        assert cfg.half and not cfg.subgroups and cfg.bk % GT.F16_CHUNK == 0
         assert T.kernel_features(cfg) == ("shader-f16",)
         assert T.workgroup_bytes(cfg) == 2 * (cfg.bm + cfg.bn) * cfg.bk * (2 if cfg.double_buffer else 1) <= 16384
         assert T.fits(cfg, {}, ("shader-f16",)) and not T.fits(cfg, {}, ("subgroup",))
@@ -144,7 +145,7 @@ def test_float_gemm_in_f16_arithmetic(rt, cfg):
             got = _run(rt, cand, p, cb, M * N).reshape(M, N)
             extra = (bias_v.astype(np.float64) if bias else 0.0) + (c0.reshape(M, N) if accumulate else 0.0)
             want = alpha * (A @ B) + extra
-            tol = GK.gemm_tolerance(alpha, K, want, c_fmt) + GK.f16_arithmetic_slack(alpha, K, A, B)
+            tol = GT.gemm_tolerance(alpha, K, want, c_fmt) + GT.f16_arithmetic_slack(alpha, K, A, B)
             err = np.abs(got - want).max()
             assert err <= tol, (cfg.name, layout, err, tol)
             if GK.is_cpu(rt) and not (bias or accumulate) and alpha == 1.0:   # the model; C rounded once
@@ -195,7 +196,7 @@ def test_frozen_float16_weight_in_f16_arithmetic(rt, layout):
             got = _run(rt, cand, p, cb, M * N).reshape(M, N)
             A = a.reshape(M, K)
             want = A @ op_w + bias_v + c0.reshape(M, N)
-            tol = GK.gemm_tolerance(1.0, K, want, c_fmt) + GK.f16_arithmetic_slack(1.0, K, A, op_w)
+            tol = GT.gemm_tolerance(1.0, K, want, c_fmt) + GT.f16_arithmetic_slack(1.0, K, A, op_w)
             err = np.abs(got - want).max()
             assert err <= tol, (cfg.name, c_fmt, err, tol)
     finally:
@@ -219,9 +220,9 @@ def test_the_tuner_checks_them_with_their_own_bound(rt, monkeypatch):
         p = G.gemm_problem(rt, bufs[2], bufs[0], bufs[1], M, N, K)
         want, A, B = a.reshape(M, K) @ b.reshape(K, N), a.reshape(M, K), b.reshape(K, N)
         by_half = {x.half: x for x in p.candidates() if x.name.startswith("tiled/t64x64x16_8x4")}
-        f32_bound = GK.gemm_tolerance(1.0, K, want)
+        f32_bound = GT.gemm_tolerance(1.0, K, want)
         err = {half: np.abs(_run(rt, c, p, bufs[2], M * N).reshape(M, N) - want).max() for half, c in by_half.items()}
-        assert err[False] <= f32_bound < 10 * f32_bound < err[True] <= f32_bound + GK.f16_arithmetic_slack(1.0, K, A, B)
+        assert err[False] <= f32_bound < 10 * f32_bound < err[True] <= f32_bound + GT.f16_arithmetic_slack(1.0, K, A, B)
 
         a2, b2 = _upload(rt, rng, 64 * 32, "f16", bufs)[1], _upload(rt, rng, 32 * 64, "f16", bufs)[1]
         c = storage.upload(rt, np.zeros(64 * 64, np.float32), "f16")
@@ -231,7 +232,7 @@ def test_the_tuner_checks_them_with_their_own_bound(rt, monkeypatch):
         assert sorted(x.half for x in cands) == [False, False, True, True]
         results = tune.measure(rt, q, cands)
         assert all(g and g > 0 for g in results.values()), results
-        monkeypatch.setattr(GK, "f16_arithmetic_slack", lambda *args: -np.inf)
+        monkeypatch.setattr(GT, "f16_arithmetic_slack", lambda *args: -np.inf)
         results = tune.measure(rt, q, cands)
         assert {x.name for x in cands if results[x.name] is None} == {x.name for x in cands if x.half}, results
     finally:

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from wgpu_train.engines.webgpu.tuned import adapter_traits
 from wgpu_train.engines.webgpu.tuned import gemm as G
 from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
 from wgpu_train.engines.webgpu.tuned import tune
@@ -281,7 +282,7 @@ def test_lora_forward_backward(rt, n, fin, fout, r):
 
 def test_subgroup_probe(rt):
     """The subgroup kernels are used exactly when the device has subgroups of at least 8 lanes."""
-    size = GK.subgroup_size(rt)
+    size = adapter_traits.subgroup_size(rt)
     assert size == 0 or size & (size - 1) == 0
     if os.environ.get("WGPU_TRAIN_GEMM_SUBGROUPS", "1") != "0":
         assert GK.use_subgroups(rt) == (size >= 8)

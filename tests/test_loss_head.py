@@ -122,13 +122,13 @@ def test_head_in_many_chunks_equals_one_chunk(folder, rt, monkeypatch, method):
     eval_one = [one.engine.loss(*m) for m in micro]
     monkeypatch.setattr(memory, "HEAD_CHUNK_BYTES", 3 * VOCAB * 4)
     heads = []                   # (gathered, n_head, n, head_rows) of each micro-batch as it is uploaded
-    upload = many.engine._upload_batch
+    upload = many.engine.buckets.upload_batch
 
     def spy(acts, *args, **kw):
         upload(acts, *args, **kw)
         heads.append((acts.head_index is not None, acts.n_head, acts.n, acts.head_rows))
 
-    monkeypatch.setattr(many.engine, "_upload_batch", spy)
+    monkeypatch.setattr(many.engine.buckets, "upload_batch", spy)
     r_many = many.engine.train_step(micro, hp, 1)
     assert heads == [(False, 24, 24, 3),         # every row, in 8 chunks
                      (True, 8, 48, 3)]           # 5 of 48 trained, padded to 8, in 3 chunks

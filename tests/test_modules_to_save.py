@@ -202,7 +202,7 @@ def test_gpu_steps_match_numpy_over_float16_embedding(models, rt):
         assert_close(start[name], np.float16(models(arch)[0].model.embed_tokens.weight.detach().numpy()), "exact")
     ids, labels, mask = batch(2, rows=4)
     hp = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=0.5, lora_b_lr_ratio=4.0)
-    gpu.engine.max_submit_s = float("inf")      # a slow (loaded, compiling) lavapipe must not split the step
+    gpu.engine.steps.max_submit_s = float("inf")      # a slow (loaded, compiling) lavapipe must not split the step
     for step in (1, 2, 3):
         r = ref.engine.train_step(micro_batches(ids, labels, mask, 2), hp, step)
         g = gpu.engine.train_step(micro_batches(ids, labels, mask, 2), hp, step)

@@ -345,6 +345,29 @@ def test_bad_precision_values_are_one_line(capsys, tmp_path):
         load_model("unused", precision="half")
 
 
+def test_precision_is_parsed_once_with_its_traits(capsys, tmp_path):
+    """--precision is one Precision from the boundary on (TrainConfig, load_model's choice, the engines): its
+    traits answer what string checks did, and it still reads, prints, hashes and serialises as its name."""
+    from wgpu_train.engines.loading import precision_choice
+    from wgpu_train.engines.protocol import PRECISIONS, Precision
+
+    config = TrainConfig(precision="bf16")
+    assert config.precision is Precision.BF16 and TrainConfig(precision=Precision.F16).precision is Precision.F16
+    assert json.loads(json.dumps({"precision": config.precision})) == {"precision": "bf16"}
+    assert f"{config.precision}" == str(config.precision) == "bf16" and {"bf16": 1}[config.precision] == 1
+    assert [(p.sixteen_bit, p.loss_scaling, p.storage) for p in PRECISIONS] == \
+        [(False, False, "f32"), (True, False, "bf16"), (True, True, "f16")]
+    assert not Precision.AUTO.resolved and all(p.resolved for p in PRECISIONS)
+    with pytest.raises(ValueError, match="resolves it first"):
+        Precision.AUTO.storage
+    assert precision_choice("auto", "numpy")[0] is Precision.FP32
+    assert load_model(make_model_dir(tmp_path), precision="f16").engine.precision is Precision.F16
+    with pytest.raises(ConfigError, match=r"precision must be one of auto, fp32, bf16, f16, got 16"):
+        Precision.parse(16)
+    capsys.readouterr()                 # the model's writing progress
+    one_line_error(capsys, ["memory", "--precision", "half"], "invalid choice: 'half'")
+
+
 def test_auto_is_bf16_on_gpus_fp32_elsewhere_and_says_why():
     from wgpu_train.engines.loading import precision_choice
 

@@ -159,6 +159,29 @@ def test_float16_rounding_and_which_weights_are_stored_how():
         R.round_weights(weights, "nf4", "nf4")
 
 
+def test_storage_dtype_is_parsed_once_with_its_traits():
+    """--base-dtype / --embed-dtype are StorageDtype values from TrainConfig and check_dtypes on: their traits
+    answer what string checks did, and they still compare, hash and serialise as their names."""
+    from wgpu_train.training.config import TrainConfig
+
+    config = TrainConfig(base_dtype="nf4-dq", embed_dtype="bfloat16")
+    assert config.base_dtype is R.StorageDtype.NF4_DQ and config.embed_dtype is R.StorageDtype.BFLOAT16
+    assert json.loads(json.dumps({"base": config.base_dtype})) == {"base": "nf4-dq"}
+    assert f"{config.base_dtype}" == "nf4-dq" and {"nf4-dq": 1}[config.base_dtype] == 1
+    assert check_traits() == {"float32": (False, False, False, False), "bfloat16": (True, True, False, False),
+                              "float16": (True, True, False, False), "nf4": (True, False, True, False),
+                              "nf4-dq": (True, False, True, True)}
+    assert R.check_dtypes("auto", "auto", "bfloat16") == (R.StorageDtype.BFLOAT16,) * 2
+    assert R.check_dtypes("nf4")[1] is R.StorageDtype.FLOAT16 and not R.StorageDtype.AUTO.resolved
+    with pytest.raises(wt.ConfigError, match="embed_dtype must be one of auto, float32, bfloat16, float16, got"):
+        TrainConfig(embed_dtype="nf4")
+
+
+def check_traits() -> dict:
+    """Each base dtype's (rounds, sixteen_bit, nf4, double_quant)."""
+    return {d: (s.rounds, s.sixteen_bit, s.nf4, s.double_quant) for d in R.BASE_DTYPES for s in [R.StorageDtype(d)]}
+
+
 def test_bfloat16_rounding_matches_torch():
     """bfloat16 storage rounds as torch's float32 -> bfloat16 conversion does (to nearest, ties to even), over
     every exponent, the ties, subnormals, overflow to inf and NaN; a value already bfloat16 is kept."""
@@ -255,7 +278,7 @@ def test_quant_linear_over_several_chunks(rt, fmt):
         linear_backward(rt.recorder(), dx, rt.buffer(rows * cols * 4), None, rt.upload(dy), None, qm, n)
 
 
-@pytest.mark.parametrize("fmt", Q.HALF_FORMATS)
+@pytest.mark.parametrize("fmt", QT.HALF_FORMATS)
 def test_16_bit_embedding_gather(rt, fmt):
     rng = np.random.default_rng(6)
     vocab, c = 40, 6

@@ -12,8 +12,8 @@ import numpy as np
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.bench.checks import Capture, max_rel_err
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import PRECISIONS, OptimizerParams
-from wgpu_train.engines.webgpu.memory import ACTIVATION_FORMATS, estimate_memory
+from wgpu_train.engines.protocol import PRECISIONS, OptimizerParams, Precision
+from wgpu_train.engines.webgpu.memory import estimate_memory
 
 # SmolLM2-135M's widths and heads, 2 of its 30 layers (a CPU adapter runs a step of those in about a second)
 SMOL_SHAPED = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -106,15 +106,17 @@ def _f16_arithmetic(rt, timer) -> dict:
     """Seconds of the GEMM's shape with float16 operands (a frozen float16 weight: the forward of a layer under
     --base-dtype float16; a float16 B: e.g. a weight gradient dy^T x) in one tile config in float32 arithmetic
     and its twin in float16 arithmetic, each checked against float64 first (the f16 one within its bound,
-    gemm_kernels.f16_arithmetic_slack), and the f16 time over the f32 one."""
+    gemm_tolerance.f16_arithmetic_slack), and the f16 time over the f32 one."""
     from wgpu_train.engines.webgpu.device import storage
+    from wgpu_train.engines.webgpu.tuned import adapter_traits
+    from wgpu_train.engines.webgpu.tuned.gemm_tolerance import f16_arithmetic_slack, gemm_tolerance
     from wgpu_train.engines.webgpu.tuned import gemm as G
     from wgpu_train.engines.webgpu.tuned import gemm_kernels as GK
     from wgpu_train.engines.webgpu.tuned import gemm_source as T
     from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
     from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem, QTiled
 
-    if not GK.f16_arithmetic(rt):
+    if not adapter_traits.f16_arithmetic(rt):
         return {"offered": False, "why": "the adapter lacks shader-f16 (or WGPU_TRAIN_F16_ARITHMETIC=0)"}
     rng = np.random.default_rng(0)
     n, o, i = GEMM
@@ -124,7 +126,7 @@ def _f16_arithmetic(rt, timer) -> dict:
     frozen = QuantMatrix(rt, w16, "float16", "bench f16 weight")
     X, W = x.astype(np.float64), w16.astype(np.float64)
     want = X @ W.T
-    bound = GK.gemm_tolerance(1.0, i, want) + GK.f16_arithmetic_slack(1.0, i, X, W.T)
+    bound = gemm_tolerance(1.0, i, want) + f16_arithmetic_slack(1.0, i, X, W.T)
     tile = T.TileConfig(64, 64, 16, 8, 4)     # in both families' configs, with a float16-arithmetic twin
     problems = {"qgemm_float16_weight": (QProblem(rt, y, xb, frozen, 0, "nt", n), QTiled),
                 "gemm_float16_operands": (G.gemm_problem(rt, y, xb, wt, n, o, i), GK.Tiled)}
@@ -142,7 +144,7 @@ def _f16_arithmetic(rt, timer) -> dict:
                     rec.dispatch(*d)
                 rec.submit()
                 err = float(np.max(np.abs(storage.read(rt, y, n * o).reshape(n, o) - want)))
-                if not err <= (bound if half else GK.gemm_tolerance(1.0, i, want)):
+                if not err <= (bound if half else gemm_tolerance(1.0, i, want)):
                     raise AssertionError(f"{name} {cand.name} gave a wrong result (max error {err:.3g})")
                 secs["f16" if half else "f32"] = timer.time(dispatches, repeats=3, budget_s=2.0)
             out[name] = {"f32_arithmetic_gflops": 2.0 * n * o * i / secs["f32"] / 1e9,
@@ -153,7 +155,7 @@ def _f16_arithmetic(rt, timer) -> dict:
     return out
 
 
-def _step(rt, precision: str, steps: int) -> dict:
+def _step(rt, precision: Precision, steps: int) -> dict:
     """Median seconds of a LoRA step (r=8, all linear layers) and the bytes of its activation bucket."""
     from wgpu_train.bench.training import random_batch, random_lora, random_weights, timed
     from wgpu_train.engines.webgpu.engine import WgpuEngine
@@ -184,7 +186,7 @@ def bench_precision(rt, steps: int = 3) -> dict:
     work = {"gemm": (2.0 * n * o * i, "gflops"), "attention": (4.0 * b * t * t * d * hq / 2, "gflops")}
     rows = {}
     for precision in PRECISIONS:
-        fmt = ACTIVATION_FORMATS[precision]
+        fmt = precision.storage
         secs = _kernels(rt, timer, fmt)
         step = _step(rt, precision, steps)
         size = {"f32": 4, "bf16": 2, "f16": 2}[fmt]
@@ -197,8 +199,8 @@ def bench_precision(rt, steps: int = 3) -> dict:
             "estimated_activation_bytes": step["estimated_activation_bytes"],
             "_s": {**secs, "step": step["step_s"]},
         }
-    base = rows["fp32"]
-    for precision in ("bf16", "f16"):
+    base = rows[Precision.FP32]
+    for precision in (Precision.BF16, Precision.F16):
         r = rows[precision]
         r["vs_fp32"] = {"gemm_time": r["_s"]["gemm"] / base["_s"]["gemm"],
                         "attention_time": r["_s"]["attention"] / base["_s"]["attention"],

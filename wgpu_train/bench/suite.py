@@ -215,7 +215,8 @@ def bench_gemm_candidates(rt, ctx) -> list[dict]:
     tuner would keep). 512 tokens on GPUs; on CPU adapters 128 tokens and the 8 likeliest candidates (the
     tiled kernels are an order of magnitude slower there, see benchmarks/README.md)."""
     from wgpu_train.models.config import ModelConfig
-    from wgpu_train.engines.webgpu.tuned.gemm_kernels import candidates, is_cpu
+    from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
+    from wgpu_train.engines.webgpu.tuned.gemm_kernels import candidates
     from wgpu_train.bench.pretune import QWEN05, SMOL135, step_gemms
     from wgpu_train.engines.webgpu.tuned.tune import measure
 

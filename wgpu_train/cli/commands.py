@@ -393,7 +393,7 @@ def cmd_memory(args) -> int:
           f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     for key in ("weights", "trainable_state", "activations", "logits", "total"):
-        ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision != "fp32"
+        ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit
                  else "")
         print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}{ratio}")
     print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "

@@ -22,11 +22,14 @@ def _unwrap(tp):
 
 
 def _parse_value(base, optional: bool, name: str):
+    # a str-valued enum (Precision) is read as its name: the option's choices check it, TrainConfig parses it
+    convert = str if issubclass(base, str) else base
+
     def parse(text: str):
         if optional and text.lower() == "none":
             return None
         try:
-            return base(text)
+            return convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {base.__name__} value: {text!r}") from None
     parse.__name__ = base.__name__  # argparse names the type in its messages
@@ -95,6 +98,7 @@ def load_toml_config(path) -> dict:
             raise ConfigError(f"{path}: '{spelled[name]}' and '{key}' are the same key; give it once")
         spelled[name] = key
         base, _ = _unwrap(hints[name])
+        base = str if issubclass(base, str) else base       # a str-valued enum (Precision): its name
         if name in ("lora_targets", "data", "modules_to_save") and isinstance(value, list) and \
                 all(isinstance(v, str) for v in value):
             value = ",".join(value)

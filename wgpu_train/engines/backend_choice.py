@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wgpu_train.engines.backend_probe import probed_speeds
+from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device import runtime
 from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
 from wgpu_train.errors import ConfigError
@@ -51,7 +52,7 @@ def numpy_weight_bytes(cfg: ModelConfig) -> int:
 
 
 def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, base_dtype: str = "float32",
-                   embed_dtype: str = "auto", precision: str = "auto", batch: tuple | None = None,
+                   embed_dtype: str = "auto", precision: Precision | str = "auto", batch: tuple | None = None,
                    memory: int | None = None) -> BackendChoice:
     """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype with
     activations in `precision`, trained (or run) on batches of `batch` (rows, tokens; None: a small one).
@@ -90,8 +91,9 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
         return BackendChoice("wgpu", None, f"auto: {where}, but the NumPy engine's float32 weights "
                              f"({host / 2**30:.1f} GiB) would not fit the {budget / 2**30:.1f} GiB it may use; "
                              f"{info.describe()} stores them in {stored / 2**30:.1f} GiB")
+    precision = Precision.parse(precision)
     speeds, cached = probed_speeds(cfg, runtime.get_runtime(), base_dtype, embed_dtype,
-                                   "fp32" if precision == "auto" else precision, batch)
+                                   precision if precision.resolved else Precision.FP32, batch)
     when = "measured earlier" if cached else "timed now"
     if "wgpu" not in speeds:
         return BackendChoice("numpy", None, f"auto: {where}; a LoRA step of this model {when} ran "

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from wgpu_train.engines.numpy.engine import NumpyEngine
-from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.protocol import OptimizerParams, Precision
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu.engine import WgpuEngine
 from wgpu_train.engines.webgpu.memory import weight_shapes
@@ -27,7 +27,7 @@ PROBE_STEPS = 2                                  # timed steps per engine, after
 MIN_PROBED_STEP_S = 0.5
 
 
-def probe_key(cfg: ModelConfig, base_dtype: str, embed_dtype: str, precision: str, batch: tuple) -> str:
+def probe_key(cfg: ModelConfig, base_dtype: str, embed_dtype: str, precision: Precision, batch: tuple) -> str:
     """The tune-cache key of a probe: what its speed depends on (the shapes, storage, precision and batch)."""
     shapes = sorted((k, tuple(v)) for k, v in weight_shapes(cfg).items())
     digest = hashlib.sha256(repr((shapes, cfg.architecture, cfg.num_key_value_heads)).encode()).hexdigest()[:12]
@@ -66,7 +66,8 @@ def _tokens_per_s(engine, cfg: ModelConfig, batch: tuple, enough_below: float = 
     return rows * seq / min(walls[1:])
 
 
-def measure_engines(cfg: ModelConfig, rt, base_dtype: str, embed_dtype: str, precision: str, batch: tuple) -> dict:
+def measure_engines(cfg: ModelConfig, rt, base_dtype: str, embed_dtype: str, precision: Precision,
+                    batch: tuple) -> dict:
     """{"numpy": tokens/s, "wgpu": tokens/s} of a LoRA step of cfg's shape (random weights) over a random batch
     of rows x tokens on each engine, one engine at a time (so the two copies of the weights are never held
     together); only "numpy" when its step takes less than MIN_PROBED_STEP_S (the adapter is not timed)."""
@@ -81,7 +82,7 @@ def measure_engines(cfg: ModelConfig, rt, base_dtype: str, embed_dtype: str, pre
     return speeds
 
 
-def probed_speeds(cfg: ModelConfig, rt, base_dtype: str, embed_dtype: str, precision: str,
+def probed_speeds(cfg: ModelConfig, rt, base_dtype: str, embed_dtype: str, precision: Precision,
                   batch: tuple | None = None) -> tuple[dict, bool]:
     """(the speeds of measure_engines, whether they came from the adapter's tune cache): measured once per
     model shape, storage, precision and batch (rows, tokens; default PROBE_BATCH, within the model's positions)

@@ -8,7 +8,7 @@ import numpy as np
 
 from wgpu_train.engines.backend_choice import choose_backend
 from wgpu_train.engines.model import Model
-from wgpu_train.engines.protocol import check_kv_dtype, check_precision, check_precision_widths
+from wgpu_train.engines.protocol import Precision, check_kv_dtype, check_precision_widths
 from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
@@ -17,31 +17,33 @@ from wgpu_train.models.weights import load_weights
 log = logging.getLogger("wgpu_train")
 
 
-def precision_choice(precision: str, engine: str, cpu_adapter: bool = False, cfg=None) -> tuple[str, str]:
+def precision_choice(precision: Precision | str, engine: str, cpu_adapter: bool = False,
+                     cfg=None) -> tuple[Precision, str]:
     """(the precision an engine runs, why) for a precision asked for (protocol.PRECISION_CHOICES) on the engine
     named ("numpy" or "wgpu"; cpu_adapter: a WebGPU adapter that is a CPU, lavapipe or llvmpipe). auto is bf16
     on GPUs (half the activation bytes and memory traffic, float32's range, no loss scaling) and fp32 elsewhere:
     the NumPy engine is the float32 reference, and a CPU adapter pays for 16-bit conversions without the
     bandwidth to gain; and for a model (cfg) with an odd width, which 16-bit kernels cannot store. ConfigError
     for a precision that is not one of PRECISION_CHOICES (both engines run all the others)."""
-    check_precision(precision)
-    if precision != "auto":
+    precision = Precision.parse(precision)
+    if precision.resolved:
         return precision, "as given"
     if engine == "numpy":
-        return "fp32", "auto: the NumPy engine is the float32 reference"
+        return Precision.FP32, "auto: the NumPy engine is the float32 reference"
     if cpu_adapter:
-        return "fp32", "auto: a CPU adapter (lavapipe / llvmpipe) only pays for 16-bit conversions"
+        return Precision.FP32, "auto: a CPU adapter (lavapipe / llvmpipe) only pays for 16-bit conversions"
     try:
-        check_precision_widths("bf16", cfg) if cfg is not None else None
+        check_precision_widths(Precision.BF16, cfg) if cfg is not None else None
     except ConfigError:
-        return "fp32", "auto: this model has an odd width, which 16-bit activations cannot store"
-    return "bf16", "auto: a GPU (16-bit activations halve their memory and traffic; bf16 keeps float32's range)"
+        return Precision.FP32, "auto: this model has an odd width, which 16-bit activations cannot store"
+    return Precision.BF16, ("auto: a GPU (16-bit activations halve their memory and traffic; bf16 keeps float32's "
+                            "range)")
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
                  embed_dtype="auto", precision="auto", kv_dtype="float32"):
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
-    check_precision(precision)
+    precision = Precision.parse(precision)
     choice = choose_backend(backend, device, config, base_dtype, embed_dtype, precision)
     if backend == "auto":
         log.info("backend: %s (%s)", choice.engine, choice.reason)
@@ -65,7 +67,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
 
 
 def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
-               embed_dtype: str = "auto", precision: str = "auto", kv_dtype: str = "float32") -> Model:
+               embed_dtype: str = "auto", precision: Precision | str = "auto", kv_dtype: str = "float32") -> Model:
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend
     (engines/backend_choice.choose_backend: a GPU's WebGPU engine, else the NumPy engine; model.backend_reason).
 
@@ -81,7 +83,7 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     (precision_choice; engine.precision says which, engine.precision_reason why).
     kv_dtype: how generation's KV cache stores keys and values, "float32" or "bfloat16" (half the bytes; the
     attention over it computes in float32; needs an even head dim); engine.kv_dtype."""
-    check_precision(precision)
+    precision = Precision.parse(precision)
     config = ModelConfig.from_folder(path)
     check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     check_kv_dtype(kv_dtype, config)
@@ -90,7 +92,7 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
 
 
 def model_from_weights(config: ModelConfig, weights: dict, backend: str = "numpy", device=None, dtype=np.float32,
-                       base_dtype: str = "float32", embed_dtype: str = "auto", precision: str = "auto",
+                       base_dtype: str = "float32", embed_dtype: str = "auto", precision: Precision | str = "auto",
                        kv_dtype: str = "float32", path=None) -> Model:
     """A Model of config over weights in memory (name -> float32 array, as load_weights reads them), with
     load_model's settings; path: the folder it came from, if any (merge copies its tokenizer files)."""

@@ -190,7 +190,7 @@ class Model:
             weights = load_weights(self.path, self.config)
             return {n: weights[n] for n in names}
         rest = [n for n in names if n not in self._kept]
-        if rest and self.engine.base_dtype != "float32":
+        if rest and self.engine.base_dtype.rounds:
             raise ConfigError(f"PiSSA / OLoRA need the base weights before their {self.engine.base_dtype} rounding: "
                               f"load the model from its folder")
         stored = self.engine.weights() if rest else {}
@@ -247,7 +247,7 @@ class Model:
         if self.lora_config is not None:
             raise ConfigError("full fine-tuning of a model with a LoRA adapter is not supported; merge it first")
         stored = (self.engine.base_dtype, self.engine.embed_dtype)
-        if stored != ("float32", "float32"):
+        if any(dtype.rounds for dtype in stored):
             raise ConfigError(f"full fine-tuning needs float32 weights, but this model stores them as base_dtype "
                               f"{stored[0]}, embed_dtype {stored[1]} (frozen); use LoRA or load it with float32")
         self.method = "full"
@@ -299,7 +299,7 @@ class Model:
             for path, (a0, b0) in self._init_pairs.items():
                 ka, kb = peft_key(path, "A"), peft_key(path, "B")
                 tensors[ka], tensors[kb] = converted(tensors[ka], tensors[kb], a0, b0)
-            if self.engine.base_dtype != "float32":
+            if self.engine.base_dtype.rounds:
                 log.warning("wgpu-train: the %s adapter was trained over the %s-rounded residual base; converted "
                             "to a LoRA on the original base, it adds to the unrounded weights (as in PEFT, "
                             "Quant(W_res) + BA differs slightly from W + dW)", self.lora_config.init,

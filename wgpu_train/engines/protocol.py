@@ -5,6 +5,7 @@ those may read or call on an engine, and nothing else (tests/test_engine_protoco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -17,21 +18,74 @@ from wgpu_train.models.config import ModelConfig
 # reads them. The WebGPU engine sizes its attention scratch for these on CPU adapters.
 PREFILL_TOKENS = 256
 
-# Where an engine stores activations, saved tensors and activation gradients (engine.precision; arithmetic is float32
-# in each): fp32, bf16 or f16 (f16 with dynamic loss scaling, LossScaler). "auto" is resolved by engines/model.py.
-PRECISIONS = ("fp32", "bf16", "f16")
-PRECISION_CHOICES = ("auto",) + PRECISIONS
+
+class Precision(str, Enum):
+    """--precision, parsed once where it enters (TrainConfig, load_model, the engines, estimate_memory) and then
+    carried with its traits: where an engine stores activations, saved tensors and activation gradients
+    (engine.precision; arithmetic is float32 in each). fp32, bf16, or f16 (with dynamic loss scaling, LossScaler);
+    AUTO is resolved by engines/loading.py before an engine takes it. A str, so it compares with, prints and
+    serialises as its name (summary.json, train_config.json)."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    F16 = "f16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:          # as its name's: a dict or set of names finds it
+        return hash(self.value)
+
+    @classmethod
+    def parse(cls, value) -> "Precision":
+        """value (a name or a Precision) as a Precision; ConfigError (one line) naming the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {value!r}") from None
+
+    @property
+    def resolved(self) -> bool:
+        """Not AUTO: an engine can run it."""
+        return self is not Precision.AUTO
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """Activations stored in 16 bits (bf16, f16): rounded where they are stored, two to a 32-bit word on the
+        GPU (so widths must be even), and the LoRA modules of a layer run one by one."""
+        return self in (Precision.BF16, Precision.F16)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """f16: its range needs dynamic loss scaling, and a forward whose activations overflow it is refused."""
+        return self is Precision.F16
+
+    @property
+    def storage(self) -> str:
+        """The storage format of its 16-bit activation buffers (engines/webgpu/device/storage.py): f32, bf16, f16."""
+        if not self.resolved:
+            raise ValueError("Precision.AUTO has no storage: engines/loading.py resolves it first")
+        return "f32" if self is Precision.FP32 else self.value
+
+
+# the precisions an engine runs, and the names --precision takes
+PRECISIONS = (Precision.FP32, Precision.BF16, Precision.F16)
+PRECISION_CHOICES = tuple(p.value for p in Precision)
 
 # How generation's KV cache stores keys and values (engine.kv_dtype; attention over it computes in float32):
 # bfloat16 halves the cache, two values per 4-byte word on the GPU, so it needs an even head dim.
 KV_DTYPES = ("float32", "bfloat16")
 
 
-def check_precision_widths(precision: str, cfg: ModelConfig):
+def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
     """Refuse (ConfigError, one line) a 16-bit precision on the WebGPU engine for a model with an odd width: its
     kernels store 16-bit activations two to a 32-bit word, a row's pairs never shared with the next row (every
     checkpoint on the hub has even widths)."""
-    if precision in ("fp32", "auto"):
+    if not Precision.parse(precision).sixteen_bit:
         return
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim}
     odd = [f"{name} {value}" for name, value in widths.items() if value % 2]
@@ -50,13 +104,6 @@ def check_kv_dtype(kv_dtype: str, cfg: ModelConfig):
                           f"use --kv-dtype float32")
 
 
-def check_precision(precision: str):
-    """Refuse (ConfigError, one line) a precision that is not one of PRECISION_CHOICES (both engines run every
-    one of PRECISIONS)."""
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {precision!r}")
-
-
 @runtime_checkable
 class Engine(Protocol):
     """Arrays cross this boundary as NumPy arrays; tensors are keyed by Hugging Face names (weights) or module
@@ -65,9 +112,9 @@ class Engine(Protocol):
     name: str                   # "numpy" or "wgpu"
     backend_reason: str         # why this engine (backend auto's choice), for the log and summary.json
     cfg: ModelConfig
-    base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head
-    embed_dtype: str
-    precision: str              # where activations are stored: fp32, bf16 or f16 (engines/numpy/precision.py)
+    base_dtype: str             # storage of the frozen linear weights and of the embedding / lm_head: each a
+    embed_dtype: str            # shared/quant.StorageDtype (a str), resolved
+    precision: Precision        # where activations are stored: fp32, bf16 or f16 (engines/numpy/precision.py)
     precision_reason: str       # why that precision (auto's choice), for the log and summary.json
     kv_dtype: str               # how new_kv_cache stores keys and values: float32 or bfloat16 (KV_DTYPES)
     loss_scaler: "LossScaler | None"   # f16's dynamic loss scaling (None in fp32 / bf16)

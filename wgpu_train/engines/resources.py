@@ -8,6 +8,7 @@ import math
 
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device.runtime import AdapterInfo, Runtime, choose_adapter, devices, get_runtime
 from wgpu_train.engines.webgpu.memory import (activation_plan, activation_ranks, base_weight_bytes, count_trainable,
                                               estimate_memory, format_bytes, layer_ranks, lora_groups, weight_shapes)
@@ -30,16 +31,18 @@ def kernels_left_out(adapter: AdapterInfo) -> tuple[list, int]:
 
 
 def memory_report(cfg: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None, method: str,
-                  base_dtype: str, embed_dtype: str, gradient_checkpointing: bool, precision: str) -> dict:
+                  base_dtype: str, embed_dtype: str, gradient_checkpointing: bool,
+                  precision: Precision | str) -> dict:
     """`wgpu-train memory`'s figures: estimate_memory's in this precision, the model's parameters, the
     activations against float32's, and the largest activation buffer (it must fit one storage binding)."""
+    precision = Precision.parse(precision)
     est = estimate_memory(cfg, batch_size, seq_len, lora, method, base_dtype, embed_dtype, gradient_checkpointing,
                           precision=precision)
     fp32_activations = estimate_memory(cfg, batch_size, seq_len, lora, method, base_dtype, embed_dtype,
                                        gradient_checkpointing)["activations"]
     ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()}) if lora else {}
     dora = {m: cfg.linear_shape(m)[0] for m in lora.targets_in(cfg)} if lora and lora.use_dora else {}
-    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora) or precision != "fp32"))
+    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora) or precision.sixteen_bit))
     layer, shared = activation_plan(cfg, batch_size, seq_len, ranks, {}, True, gradient_checkpointing,
                                     dora_outputs=dora)
     return {"parameters": sum(math.prod(s) for s in weight_shapes(cfg).values()), **est,

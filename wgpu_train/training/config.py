@@ -12,10 +12,10 @@ from pathlib import Path
 from wgpu_train.training import tracking
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.backend_choice import BACKENDS
-from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams
+from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams, Precision
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
-from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, check_dtypes
+from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, StorageDtype, check_dtypes, parse_dtype
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
 from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, PreferenceSettings, TrainerKind, objective_class
 from wgpu_train.training.objectives.grpo import GRPOSettings
@@ -50,21 +50,25 @@ class TrainConfig:
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
                                     "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
-    base_dtype: str = _opt("auto", "storage of the frozen weights of the linear layers: float32, bfloat16, "
-                                   "float16, nf4 (4-bit NormalFloat blocks of 64, QLoRA), nf4-dq (nf4 with "
-                                   "double-quantised absmax values) or auto (as the checkpoint stores them: "
-                                   "config.json's torch_dtype bfloat16 or float16, else float32; float32 for "
-                                   "method full); anything but float32 is LoRA only",
-                           choices=BASE_CHOICES)
-    embed_dtype: str = _opt("auto", "storage of the embedding and lm_head: float32, bfloat16, float16, or auto "
-                                    "(the base's own over a float32 or bfloat16 base, float16 over a float16 or NF4 "
-                                    "one, as in QLoRA); LoRA only unless float32",
-                            choices=EMBED_CHOICES)
-    precision: str = _opt("auto", "where activations, saved tensors and activation gradients are stored: fp32, bf16 "
-                                  "or f16 (arithmetic stays float32; LoRA, gradients and AdamW state float32; f16 "
-                                  "adds dynamic loss scaling), or auto (bf16 on a GPU; fp32 on the NumPy reference, "
-                                  "on CPU adapters and for a model with an odd width)",
-                          choices=PRECISION_CHOICES)
+    base_dtype: StorageDtype = _opt(StorageDtype.AUTO, "storage of the frozen weights of the linear layers: "
+                                                       "float32, bfloat16, float16, nf4 (4-bit NormalFloat blocks "
+                                                       "of 64, QLoRA), nf4-dq (nf4 with double-quantised absmax "
+                                                       "values) or auto (as the checkpoint stores them: "
+                                                       "config.json's torch_dtype bfloat16 or float16, else "
+                                                       "float32; float32 for method full); anything but float32 "
+                                                       "is LoRA only",
+                                    choices=BASE_CHOICES)
+    embed_dtype: StorageDtype = _opt(StorageDtype.AUTO, "storage of the embedding and lm_head: float32, bfloat16, "
+                                                        "float16, or auto (the base's own over a float32 or "
+                                                        "bfloat16 base, float16 over a float16 or NF4 one, as in "
+                                                        "QLoRA); LoRA only unless float32",
+                                     choices=EMBED_CHOICES)
+    precision: Precision = _opt(Precision.AUTO, "where activations, saved tensors and activation gradients are "
+                                                "stored: fp32, bf16 or f16 (arithmetic stays float32; LoRA, "
+                                                "gradients and AdamW state float32; f16 adds dynamic loss scaling), "
+                                                "or auto (bf16 on a GPU; fp32 on the NumPy reference, on CPU "
+                                                "adapters and for a model with an odd width)",
+                                choices=PRECISION_CHOICES)
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with --rslora)")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
@@ -216,8 +220,12 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
-        for name in ("backend", "method", "lr_schedule", "base_dtype", "embed_dtype", "objective", "dpo_loss",
-                     "truncation_mode", "precision", "scale_rewards", "grpo_loss", "importance_sampling_level"):
+        # names from TOML, the command line or Python, parsed once
+        self.precision = Precision.parse(self.precision)
+        self.base_dtype = parse_dtype(self.base_dtype, "base_dtype")
+        self.embed_dtype = parse_dtype(self.embed_dtype, "embed_dtype", EMBED_CHOICES)
+        for name in ("backend", "method", "lr_schedule", "objective", "dpo_loss",
+                     "truncation_mode", "scale_rewards", "grpo_loss", "importance_sampling_level"):
             choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
             need(getattr(self, name) in choices,
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -341,8 +349,8 @@ class TrainConfig:
         wgpu-train-out."""
         return output_folder(self.out, self.resume)
 
-    def storage_dtypes(self, checkpoint_dtype: str | None = None) -> tuple[str, str]:
-        """(base_dtype, embed_dtype) resolved (engines/numpy/quant.check_dtypes): a base_dtype auto with the
+    def storage_dtypes(self, checkpoint_dtype: str | None = None) -> tuple[StorageDtype, StorageDtype]:
+        """(base_dtype, embed_dtype) resolved (engines/shared/quant.check_dtypes): a base_dtype auto with the
         checkpoint's dtype (ModelConfig.checkpoint_dtype), which method full does not need."""
         return check_dtypes(self.base_dtype, self.embed_dtype, checkpoint_dtype, full=self.method == "full")
 

@@ -61,10 +61,10 @@ class Trainer(TrainerSetup, TrainerRecords):
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"the output folder {self.out} is a file; choose another --out")
         # as the base weights are stored; base_dtype auto: a resumed checkpoint's, else the model's (setup)
-        auto = config.base_dtype == "auto" and config.method == "lora"
+        auto = not config.base_dtype.resolved and config.method == "lora"
         self.base_dtype, self.embed_dtype = (None, None) if auto else config.storage_dtypes()
         # where activations are stored; auto: a resumed checkpoint's, else the engine's choice (setup)
-        self.precision = None if config.precision == "auto" else config.precision
+        self.precision = config.precision if config.precision.resolved else None
         self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
         found = self.folders.earlier
         if found:

@@ -98,7 +98,7 @@ class TrainerSetup:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
-        self.precision_reason = (self.engine.precision_reason if cfg.precision != "auto" or self.precision is None
+        self.precision_reason = (self.engine.precision_reason if cfg.precision.resolved or self.precision is None
                                  else "auto: as the resumed checkpoint trained")
         self.precision = self.engine.precision
         if cfg.precision != self.precision:

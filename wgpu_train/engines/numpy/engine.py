@@ -56,12 +56,12 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
         self.inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         self.plan = layer_plan(cfg)
         self.rounding = Rounding(precision, self.plan.statistics)
-        self.precision, self.precision_reason = precision, "as given"
+        self.precision, self.precision_reason = self.rounding.precision, "as given"
         self.backend_reason = "as given"
         self.loss_temperature = 1.0     # set_loss_temperature
         check_kv_dtype(kv_dtype, cfg)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
-        self.loss_scaler = LossScaler() if precision == "f16" else None
+        self.loss_scaler = LossScaler() if self.precision.loss_scaling else None
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.grads: dict = {}

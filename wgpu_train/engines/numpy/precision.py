@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.engines.shared.quant import F16_MAX, bfloat16_bits, bfloat16_values
-from wgpu_train.engines.protocol import PRECISIONS
+from wgpu_train.engines.protocol import Precision
 from wgpu_train.errors import ConfigError
 
 
@@ -22,20 +22,20 @@ class Rounding:
     DoRA magnitudes, trained base copies, their gradients and AdamW's moments (float32 as PEFT keeps them under
     autocast)."""
 
-    def __init__(self, precision: str, statistics=frozenset()):
-        if precision not in PRECISIONS:
-            raise ValueError(f"Rounding takes one of {PRECISIONS} ('auto' is resolved by engines/model.py), got "
-                             f"{precision!r}")
+    def __init__(self, precision: Precision | str, statistics=frozenset()):
+        precision = Precision.parse(precision)
+        if not precision.resolved:
+            raise ValueError("Rounding takes a resolved precision (engines/loading.py resolves auto)")
         self.precision = precision
         self.statistics = frozenset(statistics)     # activations kept in float32 (LayerPlan.statistics)
 
     def activation(self, x, where: str):
         """x as stored; in f16 a finite value beyond float16's range is refused, naming `where` (a forward whose
         activations overflow float16 cannot be trained in it: bf16 has float32's range)."""
-        if self.precision == "fp32":
+        if not self.precision.sixteen_bit:
             return x
         y = self._round(x)
-        if self.precision == "f16":
+        if self.precision.loss_scaling:
             overflow = np.isinf(y) & np.isfinite(x)
             if overflow.any():
                 largest = float(np.max(np.abs(x[overflow])))
@@ -46,11 +46,11 @@ class Rounding:
     def gradient(self, g):
         """g as stored; in f16 an overflow becomes inf, which the loss scaler's non-finite check catches (the step
         is skipped and the scale halved)."""
-        return g if self.precision == "fp32" else self._round(g)
+        return self._round(g) if self.precision.sixteen_bit else g
 
     def _round(self, x):
         x = np.asarray(x)
-        if self.precision == "bf16":
+        if self.precision is Precision.BF16:
             return bfloat16_values(bfloat16_bits(x)).reshape(x.shape).astype(x.dtype, copy=False)
         # past float16's range: inf, as torch rounds (WGSL's pack2x16float leaves it unspecified: the f16
         # kernels must encode it themselves)
@@ -59,7 +59,7 @@ class Rounding:
 
     def op_outputs(self, op, a: dict, layer: int):
         """Round op's outputs in the activations `a` of decoder layer `layer` (its statistics excepted)."""
-        if self.precision == "fp32":
+        if not self.precision.sixteen_bit:
             return
         for name in op.outputs:
             if name not in self.statistics:

@@ -21,15 +21,62 @@ instead of 4.5.
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
 
-BASE_DTYPES = ("float32", "bfloat16", "float16", "nf4", "nf4-dq")   # nf4-dq: NF4, double-quantised absmax values
+
+class StorageDtype(str, Enum):
+    """How frozen weights are stored (--base-dtype, --embed-dtype), one value from check_dtypes on, with its
+    traits. A str, so it compares with, prints, hashes and serialises as its name; AUTO is resolved by
+    check_dtypes."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    NF4 = "nf4"
+    NF4_DQ = "nf4-dq"          # NF4 with double-quantised absmax values
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:          # as its name's: a dict or set of names finds it
+        return hash(self.value)
+
+    @property
+    def resolved(self) -> bool:
+        """Not AUTO: a storage an engine can use."""
+        return self is not StorageDtype.AUTO
+
+    @property
+    def rounds(self) -> bool:
+        """Stored other than as float32: rounded or quantised, so frozen (LoRA only)."""
+        return self is not StorageDtype.FLOAT32
+
+    @property
+    def sixteen_bit(self) -> bool:
+        return self in (StorageDtype.BFLOAT16, StorageDtype.FLOAT16)
+
+    @property
+    def nf4(self) -> bool:
+        """4-bit NormalFloat blocks (QLoRA), with or without double quantisation."""
+        return self in (StorageDtype.NF4, StorageDtype.NF4_DQ)
+
+    @property
+    def double_quant(self) -> bool:
+        return self is StorageDtype.NF4_DQ
+
+
+BASE_DTYPES = tuple(d.value for d in StorageDtype if d is not StorageDtype.AUTO)
 # auto: as the checkpoint stores its weights (config.json's torch_dtype: bfloat16 or float16, else float32), and
 # float32 for full fine-tuning, which trains them
 BASE_CHOICES = ("auto",) + BASE_DTYPES
-CHECKPOINT_STORAGE = {"bfloat16": "bfloat16", "float16": "float16"}
+CHECKPOINT_STORAGE = {"bfloat16": StorageDtype.BFLOAT16, "float16": StorageDtype.FLOAT16}
 EMBED_DTYPES = ("float32", "bfloat16", "float16")
 # auto: the base's own storage over a float32 or bfloat16 base, float16 over a float16 / NF4 one (QLoRA's 16-bit
 # embedding)
@@ -195,17 +242,18 @@ def bfloat16_values(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def round_to(w: np.ndarray, dtype: str, name: str = "a weight") -> np.ndarray:
+def round_to(w: np.ndarray, dtype: StorageDtype | str, name: str = "a weight") -> np.ndarray:
     """float32 values of w as stored in `dtype` (float32: unchanged, bfloat16 / float16: rounded, nf4 and
     nf4-dq: quantised, the latter with double-quantised absmax values); `name` labels errors."""
-    if dtype == "float32":
+    dtype = StorageDtype(dtype)
+    if dtype is StorageDtype.FLOAT32:
         return np.asarray(w, dtype=np.float32)
-    if dtype == "bfloat16":
+    if dtype is StorageDtype.BFLOAT16:
         return bfloat16_values(bfloat16_bits(w)).reshape(np.shape(w))
-    if dtype == "float16":
+    if dtype is StorageDtype.FLOAT16:
         return float16_values(w, name).astype(np.float32)
-    if dtype in ("nf4", "nf4-dq"):
-        packed, absmax = nf4_quantize(w, double_quant=dtype == "nf4-dq")
+    if dtype.nf4:
+        packed, absmax = nf4_quantize(w, double_quant=dtype.double_quant)
         return nf4_dequantize(packed, absmax, np.shape(w))
     raise ValueError(f"unknown weight dtype {dtype!r}")
 
@@ -218,37 +266,44 @@ def is_linear_weight(name: str) -> bool:
             and name.rsplit(".", 2)[-2] in KNOWN_LINEAR_MODULES)
 
 
-def storage_dtype(name: str, ndim: int, base_dtype: str, embed_dtype: str) -> str:
+def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: StorageDtype) -> StorageDtype:
     """How one tensor is stored: the linear layers' weights in base_dtype, the embedding and lm_head in
     embed_dtype, everything else (norms, biases) in float32."""
     if ndim == 2 and is_linear_weight(name):
         return base_dtype
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return embed_dtype
-    return "float32"
+    return StorageDtype.FLOAT32
 
 
-def check_dtypes(base_dtype: str, embed_dtype: str = "auto", checkpoint_dtype: str | None = None,
-                 full: bool = False) -> tuple[str, str]:
-    """(base_dtype, embed_dtype) resolved: base_dtype "auto" as the checkpoint stores its weights
+def parse_dtype(value, option: str, choices: tuple = BASE_CHOICES) -> StorageDtype:
+    """value (a name or a StorageDtype) of `option` (base_dtype, embed_dtype) as a StorageDtype among choices;
+    ConfigError (one line) naming them otherwise."""
+    from wgpu_train.errors import ConfigError
+
+    if isinstance(value, str) and value in choices:
+        return StorageDtype(value)
+    raise ConfigError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_dtypes(base_dtype: StorageDtype | str, embed_dtype: StorageDtype | str = "auto",
+                 checkpoint_dtype: str | None = None, full: bool = False) -> tuple[StorageDtype, StorageDtype]:
+    """(base_dtype, embed_dtype) parsed and resolved: base_dtype "auto" as the checkpoint stores its weights
     (`checkpoint_dtype`, ModelConfig.checkpoint_dtype: bfloat16 or float16, else float32; float32 when `full`
     fine-tuning trains them), embed_dtype "auto" the base's own over a float32 or bfloat16 base, else float16;
     ConfigError unless both are supported storage dtypes."""
-    from wgpu_train.errors import ConfigError
-
-    if base_dtype == "auto":
+    base_dtype = parse_dtype(base_dtype, "base_dtype")
+    if base_dtype is StorageDtype.AUTO:
         if full:
-            base_dtype = "float32"
+            base_dtype = StorageDtype.FLOAT32
         elif checkpoint_dtype is None:
             raise ValueError("base_dtype auto is resolved with the checkpoint's dtype (checkpoint_dtype)")
         else:
-            base_dtype = CHECKPOINT_STORAGE.get(checkpoint_dtype, "float32")
-    if base_dtype not in BASE_DTYPES:
-        raise ConfigError(f"base_dtype must be one of {', '.join(BASE_CHOICES)}, got {base_dtype!r}")
-    if embed_dtype not in EMBED_CHOICES:
-        raise ConfigError(f"embed_dtype must be one of {', '.join(EMBED_CHOICES)}, got {embed_dtype!r}")
-    if embed_dtype == "auto":
-        embed_dtype = base_dtype if base_dtype in ("float32", "bfloat16") else "float16"
+            base_dtype = CHECKPOINT_STORAGE.get(checkpoint_dtype, StorageDtype.FLOAT32)
+    embed_dtype = parse_dtype(embed_dtype, "embed_dtype", EMBED_CHOICES)
+    if embed_dtype is StorageDtype.AUTO:
+        embed_dtype = base_dtype if base_dtype in (StorageDtype.FLOAT32, StorageDtype.BFLOAT16) else \
+            StorageDtype.FLOAT16
     return base_dtype, embed_dtype
 
 

@@ -1,6 +1,6 @@
 """The WebGPU engine's device buffers: a LoRA module's tensors (GpuLora), a batch's inputs, a bucket's
-activations; and the bucket cache (BucketCache, a part of WgpuEngine): one growing capacity bucket per kind,
-freed least recently used."""
+activations; and the bucket cache (BucketCache, a part that WgpuEngine owns): one growing capacity bucket per
+kind, freed least recently used, and the batches uploaded into them."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +9,7 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_format, activation_plan, activation_ranks,
                                               bucket_tokens, check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.webgpu.device.runtime import Runtime
@@ -67,7 +68,7 @@ class Activations:
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None,
-                 precision: str = "fp32"):
+                 precision: Precision = Precision.FP32):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
@@ -105,37 +106,61 @@ class Activations:
         return self.capacity, self.train, self.checkpoint
 
     def use(self, b: int, t: int):
-        """Run the next recording with a batch of b rows of t tokens (b * t <= capacity); _upload_batch then
+        """Run the next recording with a batch of b rows of t tokens (b * t <= capacity); upload_batch then
         points the bucket at the batch's inputs and sets n_head."""
         self.b, self.t, self.n = b, t, b * t
 
 
 class BucketCache:
-    """WgpuEngine's activation buckets (a mixin: it uses the engine's rt, cfg, LoRA and bucket state)."""
+    """The engine's activation buckets (`acts`: (capacity in tokens, train, checkpointed) -> Activations) and
+    batch inputs (`inputs`: (bucket capacity, micro-batch slot) -> Inputs), a part that WgpuEngine owns. It sizes
+    buckets for the LoRA modules and groups set_adapter gave it, and for the gradient checkpointing that
+    set_checkpointing gave it; both release every bucket."""
+
+    MAX_BUCKETS = 4             # training activation buckets kept allocated at once
+    MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
+
+    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, counters: dict):
+        self.rt, self.cfg, self.precision, self.counters = rt, cfg, precision, counters
+        self.acts: dict = {}
+        self.inputs: dict = {}
+        self.lora: dict = {}          # path -> GpuLora
+        self.groups: dict = {}        # module name -> the modules that run their LoRA as one
+        self.checkpoint = False
+
+    def set_adapter(self, lora: dict, groups: dict):
+        """The LoRA modules (path -> GpuLora) and groups the buckets hold buffers for; frees every bucket."""
+        self.release()
+        self.lora, self.groups = lora, groups
+
+    def set_checkpointing(self, on: bool):
+        """Training buckets keep only each layer's input (gradient checkpointing) or every buffer; frees every
+        bucket."""
+        self.release()
+        self.checkpoint = bool(on)
 
     # ---- buffers per bucket -------------------------------------------------------------------
-    def _activations(self, b, t, train=True, keep=()) -> Activations:
+    def activations(self, b, t, train=True, keep=()) -> Activations:
         """A bucket that holds b x t tokens, set to that shape: the smallest allocated one of its kind (training
         or not, checkpointed or not) that is big enough, else a new one of memory.bucket_tokens(b * t) tokens
         (the exact size when that one would not fit the device). Allocating one frees the smaller buckets of
         its kind and, beyond MAX_BUCKETS, the least recently used; never those in `keep` (keys of buckets
         already recorded into the open encoder)."""
-        n, checkpoint = b * t, train and self.gradient_checkpointing
-        fits = [k for k in self._acts if k[1:] == (train, checkpoint) and k[0] >= n]
+        n, checkpoint = b * t, train and self.checkpoint
+        fits = [k for k in self.acts if k[1:] == (train, checkpoint) and k[0] >= n]
         if fits:
             key = min(fits)
-            acts = self._acts.pop(key)
+            acts = self.acts.pop(key)
         else:
-            for old in [k for k in self._acts if k[1:] == (train, checkpoint) and k not in keep]:
-                self._free_bucket(old)
+            for old in [k for k in self.acts if k[1:] == (train, checkpoint) and k not in keep]:
+                self.free_bucket(old)
             limit = self.MAX_BUCKETS if train else self.MAX_FORWARD_BUCKETS
-            while sum(k[1] == train for k in self._acts) >= limit:
-                old = next((k for k in self._acts if k[1] == train and k not in keep), None)
+            while sum(k[1] == train for k in self.acts) >= limit:
+                old = next((k for k in self.acts if k[1] == train and k not in keep), None)
                 if old is None:
                     break
-                self._free_bucket(old)
-            groups = self._group_of
-            ranks = activation_ranks(layer_ranks({p: m.r for p, m in self.lora.items()}), groups)
+                self.free_bucket(old)
+            ranks = activation_ranks(layer_ranks({p: m.r for p, m in self.lora.items()}), self.groups)
             drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
             dora = {p.rsplit(".", 1)[1]: m.out_f for p, m in self.lora.items() if m.m is not None}
             try:
@@ -145,16 +170,16 @@ class BucketCache:
                 acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora,
                                    self.precision)
             self.counters["buckets_allocated"] += 1
-        self._acts[acts.key] = acts          # most recently used last
+        self.acts[acts.key] = acts          # most recently used last
         acts.use(b, t)
         return acts
 
-    def _free_bucket(self, key):
+    def free_bucket(self, key):
         """Free one bucket, and its batch inputs when no other bucket of its capacity remains."""
-        self._free(self._acts.pop(key))
-        if not any(k[0] == key[0] for k in self._acts):
-            for stale in [k for k in self._inputs if k[0] == key[0]]:
-                self.rt.release(*vars(self._inputs.pop(stale)).values())
+        self._free(self.acts.pop(key))
+        if not any(k[0] == key[0] for k in self.acts):
+            for stale in [k for k in self.inputs if k[0] == key[0]]:
+                self.rt.release(*vars(self.inputs.pop(stale)).values())
 
     def _free(self, acts: Activations):
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
@@ -162,22 +187,23 @@ class BucketCache:
         bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in INPUT_NAMES]
         self.rt.release(*bufs)
 
-    def _release_acts(self):
-        for acts in self._acts.values():
+    def release(self):
+        """Free every bucket and batch input."""
+        for acts in self.acts.values():
             self._free(acts)
-        self.rt.release(*[b for inp in self._inputs.values() for b in vars(inp).values()])
-        self._acts.clear()
-        self._inputs.clear()
+        self.rt.release(*[b for inp in self.inputs.values() for b in vars(inp).values()])
+        self.acts.clear()
+        self.inputs.clear()
 
-    def _upload_row_weights(self, acts, weights, slot=0):
+    def upload_row_weights(self, acts, weights, slot=0):
         """Write a micro-batch's per-token gradient weights (B, T) in the loss head's row order to its slot's
-        row_weights, after _upload_batch set acts' rows (acts.row_weights set)."""
+        row_weights, after upload_batch set acts' rows (acts.row_weights set)."""
         w = np.asarray(weights, np.float32).reshape(-1)                # (B*T,)
-        acts.row_weights = self._inputs[(acts.capacity, slot)].row_weights
+        acts.row_weights = self.inputs[(acts.capacity, slot)].row_weights
         self.rt.write(acts.row_weights, w if acts.head_order is None else w[acts.head_order])
 
-    def _upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None,
-                      objective=None):
+    def upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None,
+                     objective=None):
         """Write one micro-batch into the input buffers of its slot and point acts at them.
 
         targets (B, T) (training, evaluation): only the rows with a target (not IGNORE_INDEX) go through
@@ -193,9 +219,9 @@ class BucketCache:
         rt = self.rt
         b, t = ids.shape
         n = b * t
-        inp = self._inputs.get((acts.capacity, slot))
+        inp = self.inputs.get((acts.capacity, slot))
         if inp is None:
-            inp = self._inputs[(acts.capacity, slot)] = Inputs(rt, acts.capacity)
+            inp = self.inputs[(acts.capacity, slot)] = Inputs(rt, acts.capacity)
         acts.ids, acts.segments, acts.positions, acts.targets = inp.ids, inp.segments, inp.positions, inp.targets
         rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
@@ -219,7 +245,7 @@ class BucketCache:
             rt.write(acts.head_index, rows)
         rt.write(acts.targets, tg if rows is None else tg[rows])
         if weights is not None:
-            self._upload_row_weights(acts, weights, slot)
+            self.upload_row_weights(acts, weights, slot)
         if objective is not None:
             terms = objective.terms()                                  # (B*T, 4)
             acts.row_weights, acts.row_terms, acts.objective = inp.row_weights, inp.row_terms, objective

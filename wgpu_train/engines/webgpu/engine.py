@@ -1,46 +1,45 @@
 """The WebGPU engine: persistent weights, activations per (batch, length) bucket, and a whole
-optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder. Its buckets are
-buffers.py's, its layer recording layers.py's, its KV-cache generation kv_cache.py's."""
+optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder. It owns its parts
+as objects, each told the state it reads: the buckets (buffers.py), the layer recording (layers.py), DoRA's
+norms (dora.py), the dropout seeds (dropout_seeds.py), the optimizer (optimizer.py), the steps (steps.py) and
+KV-cache generation (kv_cache.py)."""
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import (PRECISIONS, EngineState, LossScaler, check_kv_dtype,
-                                         check_precision_widths)
+from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_kv_dtype, check_precision_widths
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import layer_plan
+from wgpu_train.models.layer_plan import LayerPlan, layer_plan
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
+from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned import attention_kernels
-from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.device.recorder import submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
-from wgpu_train.engines.webgpu.tensors import F32, Matrix, Packed, store_weight, weight_buffers
-from wgpu_train.engines.webgpu.buffers import BucketCache, GpuLora
+from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
+from wgpu_train.engines.webgpu.buffers import Activations, BucketCache, GpuLora
+from wgpu_train.engines.webgpu.dora import DoraNorms
+from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
 from wgpu_train.engines.webgpu.kv_cache import KvCacheGeneration
 from wgpu_train.engines.webgpu.layers import LayerRecorder
-from wgpu_train.engines.webgpu.dora import DoraRecorder
-from wgpu_train.engines.webgpu.steps import StepRecording
+from wgpu_train.engines.webgpu.optimizer import Optimizer
+from wgpu_train.engines.webgpu.steps import StepRunner
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 
 
-class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepRecording, KvCacheGeneration):
+class WgpuEngine(EngineState):
     """The engine protocol of numpy.engine.NumpyEngine, on a WebGPU device."""
 
     name = "wgpu"
     backend_reason = "as given"
-    loss_temperature = 1.0      # set_loss_temperature
     precision_reason = "as given"
-    MAX_BUCKETS = 4             # training activation buckets kept allocated at once
-    MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: str = "fp32"):
+                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: Precision | str = Precision.FP32):
         """precision (protocol.PRECISIONS): fp32, or bf16 / f16 where the activations and their gradients are
         16-bit buffers (memory.activation_format) and the kernels round where they store them, as
         engines/numpy/precision.py does; f16 adds dynamic loss scaling."""
@@ -49,12 +48,12 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
                               f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
         check_kv_dtype(kv_dtype, cfg)
-        if precision not in PRECISIONS:
-            raise ValueError(f"WgpuEngine takes one of {PRECISIONS} ('auto' is resolved by engines/model.py), got "
-                             f"{precision!r}")
+        precision = Precision.parse(precision)
+        if not precision.resolved:
+            raise ValueError("WgpuEngine takes a resolved precision (engines/loading.py resolves auto)")
         check_precision_widths(precision, cfg)
         self.precision = precision
-        self.loss_scaler = LossScaler() if precision == "f16" else None
+        self.loss_scaler = LossScaler() if precision.loss_scaling else None
         self.cfg, self.rt = cfg, rt
         self.dtype = np.dtype(np.float32)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
@@ -71,56 +70,93 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         # [long][layer] (R/2,): RoPE's frequencies (longrope: its short and long sets), one buffer per
         # distinct set (Gemma: local and global layers)
         uploaded: dict = {}
-        self.inv_freqs = []
+        inv_freqs = []
         for long in (False, True):
             freqs = [cfg.inv_freq(i, long).astype(np.float32) for i in range(cfg.num_hidden_layers)]
             for f in freqs:
                 if f.tobytes() not in uploaded:
                     uploaded[f.tobytes()] = rt.upload(f, "inv_freq")
-            self.inv_freqs.append([uploaded[f.tobytes()] for f in freqs])
-        self.plan = layer_plan(cfg)
+            inv_freqs.append([uploaded[f.tobytes()] for f in freqs])
         self.lora: dict[str, GpuLora] = {}
-        self.adapter_enabled = True   # False: forwards skip every LoRA module (a preference objective's reference)
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
-        self._pending: dict = {}   # member -> dy of a group whose LoRA backward waits for the others
         self.trained: tuple = ()   # base weights trained (full fine-tuning: all; modules_to_save: some)
-        self.params: dict = {}     # trainable name -> tensor: Matrix, buffer or (buffer, offset) view
-        self.grads: dict = {}      # trainable name -> its gradient, the same kind
-        self.moments: dict = {}    # trainable name -> (m, v), the same kind
-        self._groups: list = []    # optimizer pieces: (param, grad, m, v, n elements)
-        self._b_groups: list = []  # per piece: whether it holds LoRA B matrices (their lr: LoRA+)
-        self._state_buffers: list = []
         self._lora_packed = None
         self.gradient_checkpointing = False
-        self._acts: dict = {}      # (capacity in tokens, train, checkpointed) -> Activations
-        self._inputs: dict = {}    # (bucket capacity, micro-batch slot) -> Inputs
-        self._micro = 0            # micro-batch slot being recorded (selects dropout seeds)
-        self.step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
-        self.results = rt.buffer(4 * F32, "results")       # loss_sum, count, (norm, clip, finite)
-        self.partials = None
-        self.n_modules = cfg.num_hidden_layers * len(cfg.linear_modules)
-        self.seeds = rt.buffer(F32 * self.n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
-        self.scored_rows = rt.buffer(F32, "scored_rows")     # token_losses(reference=True): both passes' loss rows
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "buckets_allocated": 0, "policy_forwards": 0, "reference_forwards": 0}
-        self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
-        self.step_entropies: list = []  # and the entropies of its policy's distributions there
-        self.last_step: dict = {}
-        # GPU seconds one submission may hold (WGPU_TRAIN_MAX_SUBMIT_S), and the dispatches per submission
-        # that keep a step under it (0: the whole step in one), measured from the previous step
-        self.max_submit_s = float(os.environ.get("WGPU_TRAIN_MAX_SUBMIT_S", "1.0"))
-        self._dispatch_budget = 0
-        self.last_profile: dict = {}
-        self.last_timing: dict = {}
+        step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
+        # the parts
+        self.buckets = BucketCache(rt, cfg, precision, self.counters)
+        self.dora = DoraNorms(rt, self.w)
+        self.dropout = DropoutSeeds(rt, cfg.num_hidden_layers * len(cfg.linear_modules))
+        self.optimizer = Optimizer(rt)
+        self.layers = LayerRecorder(cfg, layer_plan(cfg), self.w, inv_freqs, self.dora, self.dropout, step_buf,
+                                    self.counters)
+        self.steps = StepRunner(rt, cfg, precision, self.buckets, self.layers, self.dropout, self.optimizer,
+                                self.dora, step_buf, self.counters)
+        self.kv = KvCacheGeneration(rt, cfg, kv_dtype, self.buckets, self.layers, self.counters)
+
+    # ---- what the parts keep, as the protocol names it ----------------------------------------
+    @property
+    def dropout_seed(self) -> int:
+        return self.dropout.seed
+
+    @dropout_seed.setter
+    def dropout_seed(self, value: int):
+        self.dropout.seed = value
+
+    @property
+    def dropout_calls(self) -> int:
+        return self.dropout.calls
+
+    @dropout_calls.setter
+    def dropout_calls(self, value: int):
+        self.dropout.calls = value
+
+    @property
+    def step_logps(self) -> list:
+        """The last train_step's log-probabilities of its TokenObjective micro-batches."""
+        return self.steps.step_logps
+
+    @property
+    def step_entropies(self) -> list:
+        """And the entropies of its policy's distributions there."""
+        return self.steps.step_entropies
+
+    @property
+    def last_step(self) -> dict:
+        return self.steps.last_step
+
+    @property
+    def last_profile(self) -> dict:
+        return self.steps.last_profile
+
+    @property
+    def last_timing(self) -> dict:
+        return self.steps.last_timing
+
+    @property
+    def plan(self) -> LayerPlan:
+        """The layer plan the layers walk (a test may give the engine a variant)."""
+        return self.layers.plan
+
+    @plan.setter
+    def plan(self, plan: LayerPlan):
+        self.layers.plan = plan
+
+    @property
+    def adapter_enabled(self) -> bool:
+        return self.layers.adapter_enabled
+
+    @property
+    def loss_temperature(self) -> float:
+        return self.layers.loss_temperature
+
+    def _activations(self, b, t, train=True, keep=()) -> Activations:
+        """A bucket of the engine's BucketCache set to b x t tokens (BucketCache.activations)."""
+        return self.buckets.activations(b, t, train, keep)
 
     # ---- parameters ---------------------------------------------------------------------------
-    def _head(self) -> Matrix:
-        return self.w[self._head_name()]
-
-    def _head_name(self) -> str:
-        """The head's weight: lm_head's, or a tied model's embedding unless set_trained_base untied them."""
-        return HEAD if HEAD in self.w else EMBED
-
     def set_lora(self, modules: dict):
         """modules: path -> (A, B, scale, dropout[, DoRA magnitude]) (dora.split_entry); replaces every LoRA
         module and resets the optimizer.
@@ -150,8 +186,10 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
             if mag is not None:
                 self._write(params.view(nm), mag)
                 self.lora[path].m, self.lora[path].gm = params.view(nm), grads.view(nm)
-        self._setup_dora()
+        self.dora.setup(self.lora)
         self._group_of = self._lora_groups()
+        self.buckets.set_adapter(self.lora, self._group_of)
+        self.layers.set_adapter(self.lora, self._group_of)
         self._reset_training_state()
 
     def _lora_groups(self) -> dict:
@@ -159,7 +197,7 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         the memory estimate), each group's A matrices back to back in every layer with LoRA on it."""
         ranks = layer_ranks({p: m.r for p, m in self.lora.items()})
         # DoRA scales each module's dy by its own c: no shared LoRA backward
-        alone = any(m.dropout > 0 or m.m is not None for m in self.lora.values()) or self.precision != "fp32"
+        alone = any(m.dropout > 0 or m.m is not None for m in self.lora.values()) or self.precision.sixteen_bit
         out = {}
         for module, members in lora_groups(self.cfg, ranks, alone).items():
             # lora_groups: every member has LoRA in the same layers
@@ -211,12 +249,12 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
 
     def set_adapter_enabled(self, enabled: bool = True):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
-        self.adapter_enabled = bool(enabled)
+        self.layers.adapter_enabled = bool(enabled)
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
         at its sampling temperature, as TRL takes them); loss() and generation keep the model's own."""
-        self.loss_temperature = float(temperature)
+        self.layers.loss_temperature = float(temperature)
 
     def set_gradient_checkpointing(self, on: bool = True):
         """Gradient (activation) checkpointing of training steps: each layer keeps only its input, and the
@@ -226,81 +264,33 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
         Evaluation and generation are unaffected."""
         if bool(on) != self.gradient_checkpointing:
             self.gradient_checkpointing = bool(on)
-            self._release_acts()
+            self.buckets.set_checkpointing(self.gradient_checkpointing)
 
     def _reset_training_state(self):
-        """Gradients and zeroed AdamW moments of the trainable tensors, and the optimizer's groups:
-        (param, grad, m, v, n) pieces that each fit one binding, one norm slot each."""
-        rt = self.rt
-        if self._state_buffers:
-            rt.release(*self._state_buffers)
-        self.params, self.grads, self.moments = {}, {}, {}
-        self._groups, self._b_groups, self._state_buffers = [], [], []
-        if self._lora_packed:                  # the LoRA tensors: packed, a few pieces (set_lora owns params, grads)
-            params, grads = self._lora_packed
-            m, v = Packed(rt, params.shapes, "lora_m"), Packed(rt, params.shapes, "lora_v")
-            self.params = {k: params.view(k) for k in params.shapes}
-            self.grads = {k: grads.view(k) for k in params.shapes}
-            self.moments = {k: (m.view(k), v.view(k)) for k in params.shapes}
-            step = max(1, (rt.max_binding - 256) // F32)
-            # every A lies before every B (set_lora): pieces end at that boundary, so B's may take another lr
-            b0 = min((params.view(k)[1] for k in params.shapes if k.endswith(".lora_B")), default=params.n)
-            spans = [(o, min(step, end - o), start == b0) for start, end in ((0, b0), (b0, params.n))
-                     for o in range(start, end, step)]
-            self._groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), n) for o, n, _ in spans]
-            self._b_groups = [is_b for _, _, is_b in spans]
-            self._state_buffers = [m.buf, v.buf]
-        for k in self.trained:                 # trained base weights: a piece per row chunk, at lr (PEFT's LoRA+ too)
-            p = self.params[k] = self.w[k]
-            self.grads[k] = self._like(p, k + ".grad")
-            self.moments[k] = (self._like(p, k + ".m"), self._like(p, k + ".v"))
-            parts = [self._parts(t) for t in (p, self.grads[k], *self.moments[k])]
-            self._groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*parts)]
-            self._b_groups += [False] * len(parts[0])
-            self._state_buffers += [t for g in (self.grads[k], *self.moments[k]) for t, _ in self._parts(g)]
-        self._norm_slots = [K.grad_norm_slots(g[4]) for g in self._groups]
-        self.partials = rt.buffer(F32 * max(1, sum(self._norm_slots)), "partials")
-        self._state_buffers.append(self.partials)
+        """Gradients and zeroed AdamW moments of the trainable tensors (the optimizer's reset), told to the layers."""
+        self.optimizer.reset(self._lora_packed, self.trained, self.w)
+        self.layers.set_grads(self.optimizer.grads)
 
-    def _like(self, t, label):
-        if isinstance(t, Matrix):
-            return Matrix(self.rt, t.rows, t.cols, label)
-        return self.rt.buffer(t.size, label)
-
-    @staticmethod
-    def _parts(t):
-        """(buffer, elements) pieces of a weight or its gradient."""
-        if isinstance(t, Matrix):
-            return [(b, n * t.cols) for b, _, n in t.chunks]
-        return [(t, t.size // F32)]
+    def _release_acts(self):
+        self.buckets.release()
 
     def _read(self, t, shape):
-        """A tensor (Matrix, buffer, or (buffer, element offset) view) back as an array of `shape`."""
-        if isinstance(t, Matrix):
-            return t.read(self.rt)
-        if isinstance(t, tuple):
-            return self.rt.read(t[0], np.float32, shape, offset=t[1] * F32)
-        return self.rt.read(t, np.float32, shape)
+        return read_tensor(self.rt, t, shape)
 
     def _write(self, t, arr):
-        if isinstance(t, Matrix):
-            t.write(self.rt, arr)
-        elif isinstance(t, tuple):
-            self.rt.write(t[0], np.ascontiguousarray(arr, dtype=np.float32).reshape(-1), t[1] * F32)
-        else:
-            self.rt.write(t, np.ascontiguousarray(arr, dtype=np.float32))
+        write_tensor(self.rt, t, arr)
 
     def _shape_of(self, name):
         return self.shapes[name] if name in self.trained else self._lora_packed[0].shapes[name]
 
     def trainable(self) -> dict:
         """Trainable arrays by name ('path.lora_A' / 'path.lora_B', or weight names), read back (copies)."""
-        return {k: self._read(t, self._shape_of(k)) for k, t in self.params.items()}
+        return {k: self._read(t, self._shape_of(k)) for k, t in self.optimizer.params.items()}
 
     def set_trainable(self, arrays: dict):
         for k, arr in arrays.items():
-            self._write(self.params[k], arr)
-        self._dora_stale = True
+            self._write(self.optimizer.params[k], arr)
+        self.dora.stale = True
 
     def lora_tensors(self) -> dict:
         return {p: (self._read(m.a, (m.r, m.in_f)), self._read(m.b, (m.out_f, m.r))) for p, m in self.lora.items()}
@@ -324,40 +314,58 @@ class WgpuEngine(EngineState, BucketCache, LayerRecorder, DoraRecorder, StepReco
                 continue
             self.rt.release(*weight_buffers(self.w[name]))
             self.w[name] = store_weight(self.rt, name, np.asarray(arr, np.float32), self.base_dtype, self.embed_dtype)
-        self._dora_weight_norms()
+        self.dora.weight_norms()
         self.base_weight_bytes = sum(b.size for t in self.w.values() for b in weight_buffers(t))
 
     def zero_grads(self):
         rec = self.rt.recorder()
-        self._record_zero_grads(rec)
-        self._submit(rec)
-
-    def _record_zero_grads(self, rec):
-        for _, grad, _, _, n in self._groups:
-            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
-            rec.clear(buf, off * F32, n * F32)
+        self.optimizer.record_zero_grads(rec)
+        submit(self.rt, self.counters, rec)
 
     def gradients(self) -> dict:
-        return {k: self._read(g, self._shape_of(k)) for k, g in self.grads.items()}
+        return self.optimizer.gradients(self._shape_of)
 
     def optimizer_state(self) -> dict:
-        return {k: (self._read(m, self._shape_of(k)), self._read(v, self._shape_of(k)))
-                for k, (m, v) in self.moments.items()}
+        return self.optimizer.state(self._shape_of)
 
     def load_optimizer_state(self, state: dict):
-        for k, (m, v) in state.items():
-            self._write(self.moments[k][0], m)
-            self._write(self.moments[k][1], v)
+        self.optimizer.load_state(state)
 
-    def _record_optimizer(self, rec, hp, step, norm_at):
-        rec.section("optimizer (grad norm, AdamW)")
-        slot = 0
-        for (_, grad, _, _, n), slots in zip(self._groups, self._norm_slots):
-            K.grad_norm_partial(rec, self.partials, slot, grad, n)
-            slot += slots
-        K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
-        for (param, grad, m, v, n), is_b in zip(self._groups, self._b_groups):
-            lr = hp.lr * hp.lora_b_lr_ratio if is_b else hp.lr
-            K.adamw_update(rec, param, grad, m, v, n, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
-                           scale_buf=norm_at)
+    # ---- the steps (steps.StepRunner) ---------------------------------------------------------
+    def logits(self, ids, segment_ids, position_ids):
+        """(B, T, V) float32 logits of a batch, the adapter as it is."""
+        return self.steps.logits(ids, segment_ids, position_ids)
 
+    def loss(self, ids, targets, segment_ids, position_ids):
+        """(loss_sum, trained tokens) of a batch, no gradient."""
+        return self.steps.loss(ids, targets, segment_ids, position_ids)
+
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
+        """Each position's loss (B, T) (StepRunner.token_losses); with reference, (the policy's, the reference's)."""
+        return self.steps.token_losses(ids, targets, segment_ids, position_ids, reference)
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        """Forward, loss and backward of one micro-batch (StepRunner.forward_backward); (loss_sum, count)."""
+        return self.steps.forward_backward(ids, targets, segment_ids, position_ids, grad_scale)
+
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+        """One optimizer step over micro-batches in one submission (StepRunner.train_step);
+        (loss_sum, token_count, grad_norm, applied)."""
+        return self.steps.train_step(micro_batches, hp, step, profile, reduce, self.loss_scaler)
+
+    # ---- generation (kv_cache.KvCacheGeneration) ----------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """A KV cache of `batch` rows of up to max_len positions (KvCacheGeneration.new_kv_cache)."""
+        return self.kv.new_kv_cache(batch, max_len)
+
+    def free_kv_cache(self, kv: dict):
+        self.kv.free_kv_cache(kv)
+
+    def forward_cached(self, ids, kv: dict) -> np.ndarray:
+        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
+        return forward_cached(self, ids, kv)
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
+        """n new tokens, each with its own cache row and position -> logits (m, V) of the tokens at indices last
+        (KvCacheGeneration.forward_rows)."""
+        return self.kv.forward_rows(ids, rows, positions, kv, last, long_rope)

@@ -1,20 +1,30 @@
-"""Generation with a KV cache on the WebGPU engine (KvCacheGeneration, a part of WgpuEngine): per layer a key
-and a value buffer, rows of several sequences decoded together."""
+"""Generation with a KV cache on the WebGPU engine (KvCacheGeneration, a part that WgpuEngine owns): per layer a
+key and a value buffer, rows of several sequences decoded together."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.shared.kv_rows import check_rows, forward_cached
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.engines.webgpu.tuned import decode_kernels
+from wgpu_train.engines.webgpu.buffers import BucketCache
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device.recorder import count_submissions
+from wgpu_train.engines.webgpu.device.runtime import Runtime
+from wgpu_train.engines.webgpu.layers import LayerRecorder
 
 
 class KvCacheGeneration:
-    """WgpuEngine's KV-cache generation (a mixin: it records layers with the engine's LayerRecorder)."""
+    """KV caches stored as kv_dtype, and forwards over them: a bucket from buckets, the layers recorded by
+    layers, the submissions counted in counters."""
 
-    # ---- generation with a KV cache -----------------------------------------------------------
+    def __init__(self, rt: Runtime, cfg: ModelConfig, kv_dtype: str, buckets: BucketCache, layers: LayerRecorder,
+                 counters: dict):
+        self.rt, self.cfg, self.kv_dtype = rt, cfg, kv_dtype
+        self.buckets, self.layers, self.counters = buckets, layers, counters
+
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
         buffer (batch, max_len, Hkv, D) stored as self.kv_dtype, its storage format (bfloat16: two values per
@@ -39,10 +49,6 @@ class KvCacheGeneration:
         kv["k"] = kv["v"] = []
         kv["scratch"] = None
 
-    def forward_cached(self, ids, kv: dict) -> np.ndarray:
-        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
-        return forward_cached(self, ids, kv)
-
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
         """n new tokens, each with its own cache row and position (numpy.engine.NumpyEngine.forward_rows):
         keys and values written first, then causal attention within each row; logits (m, V) of the tokens
@@ -56,15 +62,15 @@ class KvCacheGeneration:
         size = 1 << (n - 1).bit_length()
         pad = size - n
         before = dict(self.rt.counters)
-        acts = self._activations(1, size, train=False)
+        acts = self.buckets.activations(1, size, train=False)
         # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
-        self._upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
+        self.buckets.upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
                            np.pad(positions, (0, pad))[None], last=np.pad(last, (0, size - m))[None])
         if long_rope is not None:
             acts.rope_long = bool(long_rope)
-        self._training = False
+        self.layers.training = False
         rec = self.rt.recorder()
-        self._record_forward(rec, acts, kv, m)
+        self.layers.record_forward(rec, acts, kv, m)
         v, c = self.cfg.vocab_size, self.cfg.hidden_size
         out = np.empty((m, v), np.float32)
         if m == 0:   # keys and values only
@@ -73,8 +79,8 @@ class KvCacheGeneration:
             if r0:
                 rec = self.rt.recorder()
             count = min(acts.head_rows, m - r0)
-            self._head_logits(rec, acts, at(acts.x_final, r0 * c), count)
+            self.layers.head_logits(rec, acts, at(acts.x_final, r0 * c), count)
             rec.submit()
             out[r0:r0 + count] = self.rt.read(acts.logits, np.float32, (count, v))
-        self._count(before)
+        count_submissions(self.rt, self.counters, before)
         return out

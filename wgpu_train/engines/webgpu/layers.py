@@ -1,9 +1,11 @@
 """Recording a decoder layer's forward and backward, the embedding and the loss head into a command encoder
-(LayerRecorder, a part of WgpuEngine)."""
+(LayerRecorder, a part that WgpuEngine owns)."""
 from __future__ import annotations
 
+from wgpu_train.adapters.saved_modules import EMBED, HEAD
+from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import INPUT, OUTPUT
+from wgpu_train.models.layer_plan import INPUT, OUTPUT, LayerPlan
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import quant
@@ -11,14 +13,49 @@ from wgpu_train.engines.webgpu.lora import lora_a_forward, lora_backward, lora_g
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.buffers import Activations, GpuLora
-from wgpu_train.engines.webgpu.tensors import linear_backward, linear_forward
+from wgpu_train.engines.webgpu.dora import DoraNorms, dora_linear_backward, dora_linear_forward
+from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
+from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 
 
 class LayerRecorder:
-    """WgpuEngine's layer recording (a mixin: it uses the engine's weights, LoRA modules and buckets)."""
+    """Records the layer plan's walk into a command encoder. It reads the engine's base weights `w` (name ->
+    Matrix, QuantMatrix or buffer, a dict the engine keeps) and RoPE's frequencies, and what the engine sets
+    on it: the LoRA modules and groups (set_adapter), the trained tensors' gradients (set_grads), and its mode:
+    `adapter_enabled`, `loss_temperature` and `training` (LoRA dropout on)."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, w: dict, inv_freqs: list, dora: DoraNorms,
+                 dropout: DropoutSeeds, step_buf, counters: dict):
+        """inv_freqs [long][layer]: RoPE's frequency buffers; step_buf: the step's scalars (grad_scale first),
+        which the cross-entropy backward reads; counters: the engine's, whose loss heads this counts."""
+        self.cfg, self.plan, self.w, self.inv_freqs = cfg, plan, w, inv_freqs
+        self.dora, self.dropout, self.step_buf, self.counters = dora, dropout, step_buf, counters
+        self.lora: dict = {}          # path -> GpuLora
+        self.groups: dict = {}        # module name -> the modules that run their LoRA as one
+        self.grads: dict = {}         # trained name -> its gradient tensor
+        self.adapter_enabled = True   # False: forwards skip every LoRA module (a preference objective's reference)
+        self.loss_temperature = 1.0
+        self.training = False
+        self._pending: dict = {}      # member -> dy of a group whose LoRA backward waits for the others
+        self._where = ""
+
+    def set_adapter(self, lora: dict, groups: dict):
+        """The LoRA modules (path -> GpuLora) and their groups (module name -> members) to record."""
+        self.lora, self.groups = lora, groups
+
+    def set_grads(self, grads: dict):
+        """The gradients (name -> tensor) of the trained tensors: those of base weights are written here."""
+        self.grads = grads
+
+    def head_name(self) -> str:
+        """The head's weight: lm_head's, or a tied model's embedding unless set_trained_base untied them."""
+        return HEAD if HEAD in self.w else EMBED
+
+    def head(self) -> Matrix:
+        return self.w[self.head_name()]
 
     # ---- forward ------------------------------------------------------------------------------
-    def _embed(self, rec, out, ids, n):
+    def embed(self, rec, out, ids, n):
         """out (n, C) = the embedding rows of ids, times the model's embed_scale (Gemma)."""
         emb = self.w["model.embed_tokens.weight"]
         if isinstance(emb, QuantMatrix):
@@ -40,7 +77,7 @@ class LayerRecorder:
             linear_forward(rec, y, x, w, bias, acts.n, accumulate)
             return
         if lora.m is not None:
-            self._dora_linear(rec, y, x, layer, module, acts, a, accumulate)
+            self._dora_linear(rec, y, x, lora, module, acts, a, accumulate)
             return
         h, ldh = self._lora_h(rec, x, layer, module, acts, a)
         linear_lora_forward(rec, y, x, w, bias, acts.n, h, ldh, lora.b, lora.scale, lora.r, accumulate)
@@ -50,7 +87,7 @@ class LayerRecorder:
         layer's lora_h buffer; returns (h, its row stride). A group's first module computes h of all of
         them in one GEMM (its columns side by side); each member gets its own columns."""
         lora, n = self.lora[module_path(layer, module)], acts.n
-        group = self._group_of.get(module)
+        group = self.groups.get(module)
         if group is None:
             xl = self._lora_input(rec, x, lora, module, a, n)
             lora_a_forward(rec, a["lora_h." + module], xl, lora.a, n, lora.in_f, lora.r)
@@ -64,25 +101,33 @@ class LayerRecorder:
     def _lora_input(self, rec, x, lora: GpuLora, module, a, n):
         """The LoRA module's input: x, or while training with dropout x times the micro-batch's mask
         (saved in the layer's lora_x buffer; the mask is a hash of the seed slot, so recomputing it repeats it)."""
-        if lora.dropout > 0 and self._training:
+        if lora.dropout > 0 and self.training:
             xl = a["lora_x." + module]
-            K.lora_dropout_forward(rec, xl, x, self.seeds, self._seed_slot(lora), lora.dropout, n * lora.in_f)
+            K.lora_dropout_forward(rec, xl, x, self.dropout.buffer, self.dropout.slot_of(lora.module_id), lora.dropout,
+                                   n * lora.in_f)
             return xl
         return x
 
-    def _record_forward(self, rec, acts: Activations, kv: dict | None = None, n_last: int = 0):
+    def _dora_linear(self, rec, y, x, lora: GpuLora, module, acts, a, accumulate=False, recompute=False):
+        """A DoRA module's forward (dora.dora_linear_forward), h and z saved in the layer's buffers."""
+        xl = self._lora_input(rec, x, lora, module, a, acts.n)
+        dora_linear_forward(rec, y, a["lora_h." + module], a["dora_z." + module], x, xl, lora,
+                            self.w[lora.path + ".weight"], self.w.get(lora.path + ".bias"), acts.n, accumulate,
+                            recompute)
+
+    def record_forward(self, rec, acts: Activations, kv: dict | None = None, n_last: int = 0):
         """The layers and the final norm. With a KV cache `kv` (generation, forward_rows), acts.segments
         holds each token's cache row: keys and values are written into the cache, attention reads it, and
         only the n_last tokens whose indices acts.targets holds are normed, into x_final's first rows."""
         n, c, eps, offset = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps, self.cfg.norm_offset
-        if self._dora_stale:
-            self._record_dora_norms(rec)
+        if self.dora.stale:
+            self.dora.record_norms(rec)
         self._where = "embedding forward"
         rec.section(self._where)
-        self._embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
+        self.embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
         for i in range(len(acts.layers)):
             rec.split_point()
-            self._record_layer_forward(rec, acts, i, kv)
+            self.record_layer_forward(rec, acts, i, kv)
         rec.section("final norm forward")
         if kv is None:
             K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps, offset)
@@ -91,7 +136,7 @@ class LayerRecorder:
             K.rmsnorm_forward(rec, acts.x_final, acts.rstd_f, acts.xf, self.w["model.norm.weight"], n_last, c, eps,
                               offset)
 
-    def _record_layer_forward(self, rec, acts: Activations, i: int, kv: dict | None = None, recompute=False):
+    def record_layer_forward(self, rec, acts: Activations, i: int, kv: dict | None = None, recompute=False):
         """Layer i's forward (the plan's ops in order) from its input, writing the next layer's input
         (x_final after the last). recompute=True (gradient checkpointing, in the backward) refills the layer's
         buffers for its backward and leaves the next layer's input alone: of the op that writes it only the
@@ -106,7 +151,7 @@ class LayerRecorder:
                 if lora is not None:
                     rec.section(self._where + " gemm")
                     if lora.m is not None:     # DoRA's backward reads z too
-                        self._dora_linear(rec, None, buf[op.inputs[0]], i, op.param, acts, a, recompute=True)
+                        self._dora_linear(rec, None, buf[op.inputs[0]], lora, op.param, acts, a, recompute=True)
                     else:
                         self._lora_h(rec, buf[op.inputs[0]], i, op.param, acts, a)
                 continue
@@ -173,14 +218,14 @@ class LayerRecorder:
         K.split_forward(rec, [buf[y] for y in op.outputs], buf[op.inputs[0]], acts.n,
                         [self.plan.widths[y] for y in op.outputs])
 
-    def _head_logits(self, rec, acts: Activations, x, rows: int):
+    def head_logits(self, rec, acts: Activations, x, rows: int):
         """acts.logits (rows, V) = x (rows, C) lm_head^T, soft-capped where the model caps them (Gemma 2)."""
-        linear_forward(rec, acts.logits, x, self._head(), None, rows)
+        linear_forward(rec, acts.logits, x, self.head(), None, rows)
         if self.cfg.logit_softcap:
             K.softcap_forward(rec, acts.logits, acts.logits, self.cfg.logit_softcap, rows * self.cfg.vocab_size)
 
-    def _record_head(self, rec, acts: Activations, backward: bool, part: str | None = None):
-        """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, _upload_batch),
+    def record_head(self, rec, acts: Activations, backward: bool, part: str | None = None):
+        """lm_head and cross-entropy over the loss head's acts.n_head rows (the trained ones, BucketCache.upload_batch),
         by chunks of acts.head_rows rows of logits: loss, lse and valid per head row (targets are in head
         row order too). With backward, dlogits, then dxf (zero on the rows the head skipped) and dW_head; with a
         TokenObjective (acts.objective), each chunk's row weights come from its own loss rows first.
@@ -192,7 +237,7 @@ class LayerRecorder:
         cfg = self.cfg
         if part != "backward":
             self.counters["policy_forwards" if self.adapter_enabled else "reference_forwards"] += 1
-        head, v, c, n, m = self._head(), cfg.vocab_size, cfg.hidden_size, acts.n, acts.n_head
+        head, v, c, n, m = self.head(), cfg.vocab_size, cfg.hidden_size, acts.n, acts.n_head
         rec.section("loss head (lm_head, cross-entropy)")
         train = backward or part == "forward"
         x, dx = acts.xf, acts.dxf if backward else None
@@ -203,12 +248,12 @@ class LayerRecorder:
             # layers' backward write them, after)
             x, dx = (acts.d_res, acts.d_tmp if backward else None) if train else (acts.x_final, None)
             K.row_gather_forward(rec, x, acts.xf, acts.head_index, m, c, n)
-        dhead = self.grads.get(self._head_name())       # None unless the head's weight is trained
+        dhead = self.grads.get(self.head_name())       # None unless the head's weight is trained
         kept = part == "backward" and m <= acts.head_rows
         for r0 in range(0, m, acts.head_rows):
             rows = min(acts.head_rows, m - r0)
             if not kept:
-                self._head_logits(rec, acts, at(x, r0 * c), rows)
+                self.head_logits(rec, acts, at(x, r0 * c), rows)
                 if self.loss_temperature != 1.0:
                     K.scale(rec, acts.logits, acts.logits, 1.0 / self.loss_temperature, rows * v)
                 K.cross_entropy_forward(rec, acts.loss_rows, acts.lse_rows, acts.valid_rows, acts.logits,
@@ -236,13 +281,16 @@ class LayerRecorder:
         rec.section(f"layer {layer} backward gemm")
         lora = self.lora.get(path)
         if lora is not None and lora.m is not None:
-            self._dora_linear_backward(rec, dx, dy, layer, module, acts, a, x, accumulate_dx)
+            xl = a["lora_x." + module] if lora.dropout > 0 else x
+            dora_linear_backward(rec, dx, dy, a["lora_h." + module], a["dora_z." + module], x, xl, lora, w, n,
+                                 acts.d_dora, acts.d_lora_h, acts.d_lora_x, self.dropout.buffer,
+                                 self.dropout.slot_of(lora.module_id), accumulate_dx)
             return
         dw, db = self.grads.get(path + ".weight"), self.grads.get(path + ".bias")   # trained base weights only
         linear_backward(rec, dx, dw, db, dy, x, w, n, accumulate_dx)
         if lora is None:
             return
-        group = self._group_of.get(module)
+        group = self.groups.get(module)
         if group is not None:    # the group's LoRA backward runs once every member's dy is there
             self._pending[module] = dy
             if len(self._pending) == len(group):
@@ -258,7 +306,8 @@ class LayerRecorder:
             K.fill(rec, acts.d_lora_x, 0.0, n * lora.in_f)
             lora_backward(rec, acts.d_lora_x, lora.ga, lora.gb, dy, xl, h, lora.a, lora.b, lora.scale, n, lora.in_f,
                           lora.out_f, lora.r, acts.d_lora_h, accumulate_grads=True)
-            K.lora_dropout_backward(rec, dx, acts.d_lora_x, self.seeds, self._seed_slot(lora), lora.dropout, n * lora.in_f)
+            K.lora_dropout_backward(rec, dx, acts.d_lora_x, self.dropout.buffer, self.dropout.slot_of(lora.module_id),
+                                    lora.dropout, n * lora.in_f)
         else:
             lora_backward(rec, dx, lora.ga, lora.gb, dy, x, h, lora.a, lora.b, lora.scale, n, lora.in_f, lora.out_f,
                           lora.r, acts.d_lora_h, accumulate_grads=True)
@@ -319,13 +368,13 @@ class LayerRecorder:
         rec.section(self._where + " split")
         K.split_backward(rec, dxs[0], dys, acts.n, [self.plan.widths[y] for y in op.outputs])
 
-    def _record_backward(self, rec, acts: Activations, head_part: str | None = None):
+    def record_backward(self, rec, acts: Activations, head_part: str | None = None):
         """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the
         embedding's (when the embedding is trained: full fine-tuning, modules_to_save). head_part "backward":
-        the head's forward part was recorded before (_record_head's part)."""
+        the head's forward part was recorded before (record_head's part)."""
         cfg = self.cfg
         n, c = acts.n, cfg.hidden_size
-        self._record_head(rec, acts, backward=True, part=head_part)
+        self.record_head(rec, acts, backward=True, part=head_part)
         rec.section("final norm backward")
         K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                            self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,
@@ -333,9 +382,9 @@ class LayerRecorder:
         for i in reversed(range(cfg.num_hidden_layers)):
             rec.split_point()
             # checkpointed: the forward left the last layer's activations in the shared buffers; the
-            # others are recomputed (self._training and the micro-batch's seed slot still hold)
+            # others are recomputed (self.training and the micro-batch's seed slot still hold)
             if acts.checkpoint and i < cfg.num_hidden_layers - 1:
-                self._record_layer_forward(rec, acts, i, recompute=True)
+                self.record_layer_forward(rec, acts, i, recompute=True)
             self._where = f"layer {i} backward"
             for op, accumulate in self.plan.backward_steps():
                 dys = [getattr(acts, name) for name in op.grads_out]

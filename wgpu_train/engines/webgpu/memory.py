@@ -6,7 +6,7 @@ import math
 
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import PRECISIONS
+from wgpu_train.engines.protocol import Precision
 from wgpu_train.errors import DeviceError
 from wgpu_train.models.layer_plan import INPUT, layer_plan
 
@@ -129,27 +129,22 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     return layer, shared
 
 
-# the storage format of 16-bit activations per precision (engines/webgpu/device/storage.py)
-ACTIVATION_FORMATS = {"fp32": "f32", "bf16": "bf16", "f16": "f16"}
-
-
-def activation_format(cfg: ModelConfig, name: str, precision: str = "fp32") -> str:
+def activation_format(cfg: ModelConfig, name: str, precision: Precision | str = Precision.FP32) -> str:
     """The storage format of one activation_plan buffer in a precision: in bf16 / f16 the layer plan's activations
     and gradients, the loss head's input and their gradients are 16-bit (engines/numpy/precision.py's rounding
     points); statistics (rstd, logsumexp, the loss rows), LoRA's and DoRA's own buffers, scratch and the logits stay
     float32."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"activation_format takes one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp32":
-        return "f32"
+    precision = Precision.parse(precision)
+    if not precision.sixteen_bit:
+        return precision.storage
     plan = layer_plan(cfg)
     base = name.removeprefix(SHARED_LAYER)
     half = ((base in plan.widths and base not in plan.statistics) or base in plan.grad_widths
             or base in ("x_final", "xf", "dxf", "d_tmp"))
-    return ACTIVATION_FORMATS[precision] if half else "f32"
+    return precision.storage if half else "f32"
 
 
-def activation_bytes(cfg: ModelConfig, name: str, elements: int, precision: str = "fp32") -> int:
+def activation_bytes(cfg: ModelConfig, name: str, elements: int, precision: Precision | str = Precision.FP32) -> int:
     """Bytes of one activation_plan buffer in a precision (activation_format), as the engine allocates it."""
     from wgpu_train.engines.webgpu.device.storage import nbytes
 
@@ -207,7 +202,7 @@ def copy_bytes(cfg: ModelConfig, lora: LoraConfig, embed_dtype: str, max_binding
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: LoraConfig | None = None,
                     method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto",
                     gradient_checkpointing: bool = False, max_binding: int | None = None,
-                    precision: str = "fp32") -> dict:
+                    precision: Precision | str = Precision.FP32) -> dict:
     """GPU bytes by category for training at (batch_size, seq_len), in the bucket the engine allocates for it
     (bucket_tokens): weights (the base weights as stored:
     see base_weight_bytes; modules_to_save copies in float32), trainable state (LoRA or full weights with
@@ -217,10 +212,11 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
+    precision = Precision.parse(precision)
     from wgpu_train.engines.shared.quant import check_dtypes
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype, full=method == "full")
-    if method == "full" and (base_dtype, embed_dtype) != ("float32", "float32"):
+    if method == "full" and (base_dtype.rounds or embed_dtype.rounds):
         raise ValueError("full fine-tuning needs float32 base weights")
     weights = base_weight_bytes(config, base_dtype, embed_dtype, max_binding)["total"]
     ranks, drop, dora = {}, {}, {}
@@ -246,7 +242,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
         state = trainable * 4 * F32 + (dora_norms + dora_scratch) * F32 + copies * 3
     else:
         state = weights * 3                  # gradient and two moments of every weight
-    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora) or precision != "fp32"))
+    ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora) or precision.sixteen_bit))
     layer, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
                                     checkpoint=gradient_checkpointing, max_binding=max_binding, dora_outputs=dora)
     logits = shared.pop("logits") * F32

@@ -1,23 +1,30 @@
-"""The WebGPU engine's steps (StepRecording, a part of WgpuEngine): logits, loss, forward-backward and the whole
-optimizer step recorded into one command encoder (or several submissions, planned from the last step's time),
-the dropout seeds of each micro-batch, a data-parallel gradient reduction, and the counted submissions."""
+"""The WebGPU engine's steps (StepRunner, a part that WgpuEngine owns): logits, loss, forward-backward and the
+whole optimizer step recorded into one command encoder (or several submissions, planned from the last step's
+time), a data-parallel gradient reduction, and the counted submissions."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.layer_plan import INPUT
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.shared.dropout import pcg_hash
 from wgpu_train.engines.shared.quant import F16_MAX
 from wgpu_train.engines.webgpu import kernels as K
-from wgpu_train.engines.webgpu.buffers import GpuLora
+from wgpu_train.engines.webgpu.buffers import BucketCache
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device.recorder import count_submissions, submit
+from wgpu_train.engines.webgpu.device.runtime import Runtime
+from wgpu_train.engines.webgpu.dora import DoraNorms
+from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
+from wgpu_train.engines.webgpu.layers import LayerRecorder
+from wgpu_train.engines.webgpu.optimizer import Optimizer
 from wgpu_train.engines.webgpu.tensors import F32
-from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
+from wgpu_train.engines.protocol import LossScaler, Precision, SequenceObjective, TokenObjective
 
 
 def _logps(results, at_row: int, n_head: int, head_order, shape, sign: float = -1.0) -> np.ndarray:
@@ -32,72 +39,60 @@ def _logps(results, at_row: int, n_head: int, head_order, shape, sign: float = -
     return logps.reshape(shape)
 
 
-class StepRecording:
-    """WgpuEngine's steps (a mixin: it records with the engine's layers, buckets and optimizer)."""
+class StepRunner:
+    """Runs the protocol's passes over the engine's other parts: it uploads each micro-batch into a bucket
+    (buckets), records the layers (layers), draws dropout seeds (dropout) and updates (optimizer), and keeps
+    what a step leaves: `results` (loss sums, the norm, log-probabilities), `step_logps`, `last_step`,
+    `last_profile`, `last_timing`, and the dispatches per submission planned from the last step's time."""
 
-    _training = False
-    _where = ""
-
-    def _submit(self, rec):
-        before = dict(self.rt.counters)
-        rec.submit()
-        self._count(before)
-
-    def _count(self, before):
-        for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read"):
-            self.counters[k] += self.rt.counters[k] - before[k]
-
-    def _reserve_seed_slots(self, n_micro: int):
-        """Room for the dropout seeds of n_micro micro-batches (before anything of the step is recorded)."""
-        if self.seeds.size < n_micro * self.n_modules * F32:
-            old, self.seeds = self.seeds, self.rt.buffer(n_micro * self.n_modules * F32, "dropout_seeds")
-            self.rt.release(old)
-
-    def _seed_slot(self, lora: GpuLora) -> int:
-        return self._micro * self.n_modules + lora.module_id
-
-    def _write_seeds(self, slot: int):
-        """Dropout seeds of every module for micro-batch `slot`, as numpy/engine.py computes them."""
-        self.dropout_calls += 1
-        self._micro = slot
-        if not any(m.dropout > 0 for m in self.lora.values()):
-            return
-        seeds = np.zeros(self.n_modules, np.uint32)
-        base = pcg_hash(np.uint32(self.dropout_seed) ^ np.uint32(self.dropout_calls))
-        for m in self.lora.values():
-            seeds[m.module_id] = pcg_hash(base ^ np.uint32(m.module_id))
-        self.rt.write(self.seeds, seeds, slot * self.n_modules * F32)
+    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, buckets: BucketCache, layers: LayerRecorder,
+                 dropout: DropoutSeeds, optimizer: Optimizer, dora: DoraNorms, step_buf, counters: dict):
+        """step_buf: the step's scalars (grad_scale first), which layers' cross-entropy backward reads."""
+        self.rt, self.cfg, self.precision, self.counters = rt, cfg, precision, counters
+        self.buckets, self.layers, self.dropout, self.optimizer, self.dora = buckets, layers, dropout, optimizer, dora
+        self.step_buf = step_buf
+        self.results = rt.buffer(4 * F32, "results")       # loss_sum, count, (norm, clip, finite)
+        self.scored_rows = rt.buffer(F32, "scored_rows")     # token_losses(reference=True): both passes' loss rows
+        self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
+        self.step_entropies: list = []  # and the entropies of its policy's distributions there
+        self.last_step: dict = {}
+        self.last_profile: dict = {}
+        self.last_timing: dict = {}
+        # GPU seconds one submission may hold (WGPU_TRAIN_MAX_SUBMIT_S), and the dispatches per submission
+        # that keep a step under it (0: the whole step in one), measured from the previous step
+        self.max_submit_s = float(os.environ.get("WGPU_TRAIN_MAX_SUBMIT_S", "1.0"))
+        self.dispatch_budget = 0
 
     def logits(self, ids, segment_ids, position_ids):
         b, t = ids.shape
-        acts = self._activations(b, t, train=False)
-        self._upload_batch(acts, ids, segment_ids, position_ids)
+        acts = self.buckets.activations(b, t, train=False)
+        self.buckets.upload_batch(acts, ids, segment_ids, position_ids)
         before = dict(self.rt.counters)
-        self._training = False
+        self.layers.training = False
         rec = self.rt.recorder()
-        self._record_forward(rec, acts)
+        self.layers.record_forward(rec, acts)
         rec.submit()
         v, c = self.cfg.vocab_size, self.cfg.hidden_size
         out = np.empty((acts.n, v), np.float32)
         for r0 in range(0, acts.n, acts.head_rows):
             rows = min(acts.head_rows, acts.n - r0)
             rec = self.rt.recorder()
-            self._head_logits(rec, acts, at(acts.xf, r0 * c), rows)
+            self.layers.head_logits(rec, acts, at(acts.xf, r0 * c), rows)
             rec.submit()
             out[r0:r0 + rows] = self.rt.read(acts.logits, np.float32, (rows, v))
-        self._count(before)
+        count_submissions(self.rt, self.counters, before)
         return out.reshape(b, t, v)
 
     def _record_scoring(self, ids, targets, segment_ids, position_ids) -> tuple:
         """A batch uploaded and its forward and loss head recorded, no backward: (recorder, bucket, counters before)."""
         b, t = ids.shape
-        acts = self._activations(b, t, train=False)
-        self._upload_batch(acts, ids, segment_ids, position_ids, targets)
+        acts = self.buckets.activations(b, t, train=False)
+        self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets)
         before = dict(self.rt.counters)
-        self._training = False
+        self.layers.training = False
         rec = self.rt.recorder()
-        self._record_forward(rec, acts)
-        self._record_head(rec, acts, backward=False)
+        self.layers.record_forward(rec, acts)
+        self.layers.record_head(rec, acts, backward=False)
         return rec, acts, before
 
     def loss(self, ids, targets, segment_ids, position_ids):
@@ -113,19 +108,19 @@ class StepRecording:
         if reference:
             self._reserve_scored_rows(2 * m)
             rec.copy(acts.loss_rows, 0, self.scored_rows, 0, m * F32)
-            enabled, self.adapter_enabled = self.adapter_enabled, False
+            enabled, self.layers.adapter_enabled = self.layers.adapter_enabled, False
             try:
-                self._record_forward(rec, acts)
-                self._record_head(rec, acts, backward=False)
+                self.layers.record_forward(rec, acts)
+                self.layers.record_head(rec, acts, backward=False)
             finally:
-                self.adapter_enabled = enabled
+                self.layers.adapter_enabled = enabled
             rec.copy(acts.loss_rows, 0, self.scored_rows, m * F32, m * F32)
             rec.read_back(self.scored_rows, np.float32, (2, m))
         else:
             rec.read_back(acts.loss_rows, np.float32, (1, m))
         rec.submit()
         rows = rec.result()                                      # (passes, n_head) in the loss head's row order
-        self._count(before)
+        count_submissions(self.rt, self.counters, before)
         out = np.zeros((len(rows), ids.size), np.float32)        # (passes, B*T)
         if acts.head_order is None:
             out[:] = rows
@@ -146,27 +141,29 @@ class StepRecording:
         rec.read_back(self.results, np.float32, (2,))
         rec.submit()
         loss_sum, count = rec.result()
-        self._count(before)
+        count_submissions(self.rt, self.counters, before)
         return float(loss_sum), int(round(count))
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
         """Forward, loss and backward of one micro-batch (gradients accumulate); grad_scale one number or a
         weight per token (B, T); returns (loss_sum, count), the loss unweighted."""
         b, t = ids.shape
-        acts = self._activations(b, t, train=True)
+        acts = self.buckets.activations(b, t, train=True)
         per_token = np.ndim(grad_scale) > 0
-        self._upload_batch(acts, ids, segment_ids, position_ids, targets, weights=grad_scale if per_token else None)
+        self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets,
+                                  weights=grad_scale if per_token else None)
         self.rt.write(self.step_buf, np.array([1.0 if per_token else grad_scale], np.float32))
-        self._write_seeds(0)
+        self.dropout.write(0, self.layers.lora)
         before = dict(self.rt.counters)
         rec = self.rt.recorder()
-        self._training = True
-        self._record_forward(rec, acts)
-        self._record_backward(rec, acts)
-        self._training = False
+        self.layers.training = True
+        self.layers.record_forward(rec, acts)
+        self.layers.record_backward(rec, acts)
+        self.layers.training = False
         return self._submit_loss(rec, acts, before)
 
-    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None,
+                   scaler: LossScaler | None = None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...] in
         one submit (weights (B, T): each token's gradient weight, uploaded with the batch).
 
@@ -178,6 +175,7 @@ class StepRecording:
         `last_profile` holds GPU seconds per op group (timestamp queries), or the wall-clock time of
         the submission where the adapter has no timestamp queries; profile="total" gives the GPU's
         busy time as one figure. `last_timing` holds the Python recording time and the step's wall time.
+        scaler: f16's LossScaler, which the step applies and updates (None in fp32 / bf16).
         """
         started = time.perf_counter()
         total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
@@ -191,36 +189,36 @@ class StepRecording:
         size = 2 * n_micro + 3 + 2 * sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
         if self.results.size < size * F32:
             self.results = rt.buffer(size * F32, "results")
-        scaler = self.loss_scaler        # f16's loss scaling: the loss gradient scaled, the gradients unscaled
+        # scaler: f16's loss scaling (the engine's), the loss gradient scaled, the gradients unscaled
         rt.write(self.step_buf, np.array([1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)],
                                          np.float32))
-        self._reserve_seed_slots(n_micro)
-        rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
-        self._record_zero_grads(rec)
-        self._training = True
+        self.dropout.reserve(n_micro)
+        rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
+        self.optimizer.record_zero_grads(rec)
+        self.layers.training = True
         used, scored, at_row = [], [], 2 * n_micro + 3
         early = []          # GPU seconds per op group of the submissions a SequenceObjective ended (profile)
         for j, (ids, targets, seg, pos, *extra) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
-            acts = self._activations(b, t, train=True, keep=used)
+            acts = self.buckets.activations(b, t, train=True, keep=used)
             used.append(acts.key)
             objective = objectives[j]
             host = isinstance(objective, SequenceObjective)
-            self._upload_batch(acts, ids, seg, pos, targets, slot=j, objective=None if host else objective,
+            self.buckets.upload_batch(acts, ids, seg, pos, targets, slot=j, objective=None if host else objective,
                                weights=extra[0] if extra and objective is None else None)
             acts.entropies = objective is not None
-            self._write_seeds(j)
-            self._record_forward(rec, acts)
+            self.dropout.write(j, self.layers.lora)
+            self.layers.record_forward(rec, acts)
             if host:     # the step so far submitted, the head's log-probabilities to the host and its weights back
-                self._record_head(rec, acts, backward=False, part="forward")
+                self.layers.record_head(rec, acts, backward=False, part="forward")
                 rec.read_back(acts.loss_rows, np.float32, (acts.n_head,))
                 rec.submit()
                 logps = _logps(rec.result(), 0, acts.n_head, acts.head_order, ids.shape)
                 early.append(rec.timings() if profile else {})
-                self._upload_row_weights(acts, objective.weights(logps), slot=j)
-                rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
-            self._record_backward(rec, acts, head_part="backward" if host else None)
+                self.buckets.upload_row_weights(acts, objective.weights(logps), slot=j)
+                rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
+            self.layers.record_backward(rec, acts, head_part="backward" if host else None)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
             if objective is not None:
                 K.copy(rec, (self.results, at_row), acts.loss_rows, acts.n_head)
@@ -229,17 +227,16 @@ class StepRecording:
                 at_row += 2 * acts.n_head
             else:
                 scored.append(None)
-        self._training = False
+        self.layers.training = False
         if scaler is not None:
-            for _, grad, _, _, n in self._groups:
-                K.scale(rec, grad, grad, 1.0 / scaler.scale, n)   # exact: the scale is a power of two
+            self.optimizer.record_unscale(rec, scaler.scale)
         first = {}
         if reduce is not None:
             first = self._reduce_gradients(rec, reduce, total, profile)
-            rec = rt.recorder(profile=profile, max_dispatches=self._dispatch_budget)
+            rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
         norm_at = (self.results, 2 * n_micro)
-        self._record_optimizer(rec, hp, step, norm_at)
-        self._dora_stale = True          # A and B moved: the next forward recomputes DoRA's norms
+        self.optimizer.record_update(rec, hp, step, norm_at)
+        self.dora.stale = True          # A and B moved: the next forward recomputes DoRA's norms
         rec.read_back(self.results, np.float32, (at_row,))
         submitted = time.perf_counter()
         rec.submit()
@@ -256,14 +253,14 @@ class StepRecording:
             for k, v in rec.timings().items():
                 prof[k] = prof.get(k, 0.0) + v
             self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
-        self._count(before)
+        count_submissions(self.rt, self.counters, before)
         self.step_logps = [None if where is None else _logps(out, *where, mb[0].shape)
                            for where, mb in zip(scored, micro_batches)]
         self.step_entropies = [None if where is None else (mb[1] != IGNORE_INDEX)
                                * _logps(out, where[0] + where[1], *where[1:], mb[0].shape, sign=1.0)
                                for where, mb in zip(scored, micro_batches)]
         loss_sum = float(out[0:2 * n_micro:2].sum())
-        if self.precision == "f16" and not np.isfinite(loss_sum):
+        if self.precision.loss_scaling and not np.isfinite(loss_sum):
             # a non-finite loss comes from the forward (the loss scale only scales the backward)
             j = int(np.flatnonzero(~np.isfinite(out[0:2 * n_micro:2]))[0])
             self._refuse_f16_overflow(micro_batches[j])
@@ -281,11 +278,11 @@ class StepRecording:
         output (the residual stream, which an overflow anywhere in the layer reaches) holds inf or NaN. A forward
         in one submission, then one readback per layer up to that one: only on the way to stopping the run."""
         ids, targets, seg, pos, *_ = micro_batch
-        acts = self._activations(*ids.shape, train=True)
-        self._upload_batch(acts, ids, seg, pos, targets)
+        acts = self.buckets.activations(*ids.shape, train=True)
+        self.buckets.upload_batch(acts, ids, seg, pos, targets)
         rec = self.rt.recorder()
-        self._record_forward(rec, acts)
-        self._submit(rec)
+        self.layers.record_forward(rec, acts)
+        submit(self.rt, self.counters, rec)
         n, layers = acts.n * self.cfg.hidden_size, len(acts.layers)
         outputs = [("the embedding", acts.layers[0][INPUT])] + \
             [(f"layer {i}", acts.layers[i + 1][INPUT] if i + 1 < layers else acts.x_final) for i in range(layers)]
@@ -295,23 +292,10 @@ class StepRecording:
                 raise ConfigError(f"activations overflow float16 in {where} (its output holds inf or NaN; float16 "
                                   f"holds {F16_MAX:g}): train with --precision bf16, which has float32's range")
 
-    def _grad_spans(self) -> list:
-        """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
-        span (the packed buffer) with LoRA, one per gradient buffer of a trained base weight (full fine-tuning,
-        modules_to_save)."""
-        spans: list = []
-        for _, grad, _, _, n in self._groups:
-            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
-            if spans and spans[-1][0] is buf and spans[-1][1] + spans[-1][2] == off:
-                spans[-1][2] += n
-            else:
-                spans.append([buf, off, n])
-        return spans
-
     def _reduce_gradients(self, rec, reduce, total: int, profile) -> dict:
         """Submit what `rec` holds, reading the gradients back (the first span with it), pass them through
         `reduce` and upload its result; {"reduce_s": seconds in reduce, "profile": GPU seconds per op group}."""
-        spans = self._grad_spans()
+        spans = self.optimizer.grad_spans()
         if spans:
             buf, off, n = spans[0]
             rec.read_back(buf, np.float32, (n,), off * F32)
@@ -338,8 +322,8 @@ class StepRecording:
         time is the GPU's alone."""
         part = rec.dispatches - rec.flushed_at
         if last_part_s > self.max_submit_s and part > 1:
-            self._dispatch_budget = max(1, int(part * self.max_submit_s / last_part_s))
-        elif self._dispatch_budget and last_part_s < 0.5 * self.max_submit_s:
-            grown = 2 * self._dispatch_budget
-            self._dispatch_budget = 0 if grown >= rec.dispatches else grown
+            self.dispatch_budget = max(1, int(part * self.max_submit_s / last_part_s))
+        elif self.dispatch_budget and last_part_s < 0.5 * self.max_submit_s:
+            grown = 2 * self.dispatch_budget
+            self.dispatch_budget = 0 if grown >= rec.dispatches else grown
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant
 from wgpu_train.engines.webgpu.tuned.gemm import gemm, ones
-from wgpu_train.engines.shared.quant import storage_dtype
+from wgpu_train.engines.shared.quant import StorageDtype, storage_dtype
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.runtime import Runtime
@@ -39,11 +39,12 @@ class Matrix:
             rt.write(b, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
 
 
-def store_weight(rt: Runtime, name: str, arr: np.ndarray, base_dtype: str, embed_dtype: str):
-    """A base tensor on the GPU as the engine holds it (reference/quant.storage_dtype decides): a QuantMatrix
-    (float16 / NF4 storage), a Matrix (2-D float32) or a buffer (1-D)."""
-    stored = storage_dtype(name, arr.ndim, base_dtype, embed_dtype)
-    if stored != "float32":
+def store_weight(rt: Runtime, name: str, arr: np.ndarray, base_dtype: StorageDtype | str,
+                 embed_dtype: StorageDtype | str):
+    """A base tensor on the GPU as the engine holds it (shared/quant.storage_dtype decides): a QuantMatrix
+    (16-bit / NF4 storage), a Matrix (2-D float32) or a buffer (1-D)."""
+    stored = StorageDtype(storage_dtype(name, arr.ndim, base_dtype, embed_dtype))
+    if stored.rounds:
         return QuantMatrix(rt, arr, stored, name)
     if arr.ndim == 2:
         return Matrix(rt, arr.shape[0], arr.shape[1], name, arr)
@@ -103,3 +104,22 @@ class Packed:
 
     def view(self, name):
         return (self.buf, self.offsets[name])
+
+
+def read_tensor(rt: Runtime, t, shape) -> np.ndarray:
+    """A tensor (Matrix, buffer, or (buffer, element offset) view) back as an array of `shape`."""
+    if isinstance(t, Matrix):
+        return t.read(rt)
+    if isinstance(t, tuple):
+        return rt.read(t[0], np.float32, shape, offset=t[1] * F32)
+    return rt.read(t, np.float32, shape)
+
+
+def write_tensor(rt: Runtime, t, arr):
+    """Write arr into a tensor (Matrix, buffer, or (buffer, element offset) view) as float32."""
+    if isinstance(t, Matrix):
+        t.write(rt, arr)
+    elif isinstance(t, tuple):
+        rt.write(t[0], np.ascontiguousarray(arr, dtype=np.float32).reshape(-1), t[1] * F32)
+    else:
+        rt.write(t, np.ascontiguousarray(arr, dtype=np.float32))

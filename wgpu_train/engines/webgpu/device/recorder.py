@@ -134,3 +134,16 @@ class Recorder:
             dt = max(0, int(ticks[2 * i + 1]) - int(ticks[2 * i])) * 1e-9
             out[label] = out.get(label, 0.0) + dt
         return out
+
+
+def count_submissions(rt, counters: dict, before: dict):
+    """Add the runtime's submissions, readbacks and bytes since `before` (a copy of rt.counters) to counters."""
+    for k in ("submits", "readbacks", "bytes_uploaded", "bytes_read"):
+        counters[k] += rt.counters[k] - before[k]
+
+
+def submit(rt, counters: dict, rec):
+    """Submit a recording, counted."""
+    before = dict(rt.counters)
+    rec.submit()
+    count_submissions(rt, counters, before)

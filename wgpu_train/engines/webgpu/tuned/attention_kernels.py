@@ -27,7 +27,7 @@ from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import attention_source as src
 from wgpu_train.engines.webgpu.tuned.attention_source import RegsConfig, TilesConfig
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, prepare, tensor_formats
 from wgpu_train.engines.webgpu.device.operands import split

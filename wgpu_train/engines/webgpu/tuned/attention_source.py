@@ -4,7 +4,8 @@ adapters (shaders/attention_regs.wgsl, RegsConfig) and the workgroup-tiled ones 
 
 Their sizes also size the kernels' register blocks, which WGSL cannot index by a loop variable without them
 ending up in memory, so source() writes the blocks out: it rewrites the marked const block of the .wgsl text,
-keeps the sections of one pass (forward, dq or dkv), and writes each line holding a marker ($r, $k, $d, ...)
+keeps the sections of one pass (forward, dq or dkv), writes the workgroup's index set-up that the passes share
+(SETUPS) on each `// @setup` line, and writes each line holding a marker ($r, $k, $d, ...)
 once per index of that marker (once per combination when a line holds several), with the marker replaced by
 the index, on the same line, so that line numbers stay those of the file; shaders/attention_common.wgsl's
 helpers and the pass's bindings follow the file's last line. The pass's activations are tensors in any storage
@@ -28,6 +29,17 @@ REGS_BUDGET = 2304       # f32 values an invocation of the register-blocked kern
 TILES_BUDGET = 384       # f32 accumulators per invocation of the workgroup-tiled kernels (GPU registers)
 COMMON = "attention_common"   # helpers appended to both kernels' text
 _BEGIN, _END = "// @flash-config begin", "// @flash-config end"
+SETUP = "// @setup "
+# The index set-up of a workgroup, the same in the forward and the backward passes of both kernels, written once:
+# source() writes it on the one line of a `// @setup KIND ROWS` marker (ROWS: the block's rows per workgroup).
+SETUPS = {
+    # a block of queries of head h of batch row b (the forward and dq passes); g is h's kv head
+    "queries": "let lid = lid3.x; let t = p.s1; let h = wid.y; let b = wid.z; let g = h / (p.s2 / p.s3); "
+               "let q0 = wid.x * {rows}; let qend = min(q0 + {rows}, t);",
+    # a block of keys of kv head g of batch row b (the dk / dv pass), which rep query heads share
+    "keys": "let lid = lid3.x; let t = p.s1; let g = wid.y; let b = wid.z; let rep = p.s2 / p.s3; "
+            "let k0 = wid.x * {rows}; let kend = min(k0 + {rows}, t);",
+}
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,7 @@ def source(cfg, pass_: str, head_dim: int, formats: tuple = ()) -> str:
     lines = shader_text(cfg.shader).split("\n")
     i, j = lines.index(_BEGIN), lines.index(_END)
     lines[i:j + 1] = [cfg.consts(head_dim)] + [""] * (j - i)
+    lines = [_setup(line) for line in lines]
     own = expand(_one_pass(lines, pass_), cfg.counts(head_dim))
     return storage.views("\n".join(own + _one_pass(shader_text(COMMON).split("\n"), pass_)), formats)
 
@@ -183,3 +196,12 @@ def _one_pass(lines: list[str], pass_: str) -> list[str]:
         else:
             out.append(line if keep else "")
     return out
+
+
+def _setup(line: str) -> str:
+    """A `// @setup KIND ROWS` marker line as SETUPS[KIND] for ROWS rows, on that one line; other lines as they are."""
+    s = line.strip()
+    if not s.startswith(SETUP):
+        return line
+    kind, rows = s[len(SETUP):].split()
+    return line[:len(line) - len(line.lstrip())] + SETUPS[kind].format(rows=rows)

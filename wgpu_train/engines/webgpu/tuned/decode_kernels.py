@@ -21,7 +21,7 @@ import numpy as np
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.protocol import KV_DTYPES, PREFILL_TOKENS
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare

@@ -10,17 +10,20 @@ groups of 4 columns) and the unswapped register ones (a swap stores C transposed
 
 Where A and B are both float16 and the adapter has `shader-f16`, tiled candidates in float16 arithmetic join
 (TileConfig.half; gemm_core.wgsl: f16 products summed over 4 steps of k, accumulated in float32), checked by the
-tuner with their own bound (f16_arithmetic_slack) and chosen only where they are faster: as torch's
+tuner with their own bound (gemm_tolerance.f16_arithmetic_slack) and chosen only where they are faster: as torch's
 allow_fp16_reduced_precision_reduction, on by default; WGPU_TRAIN_F16_ARITHMETIC=0 leaves them out."""
 from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import numpy as np
 
-from wgpu_train.engines.webgpu.tuned import gemm_source as src
+from wgpu_train.engines.webgpu.tuned import adapter_traits, gemm_source as src
+from wgpu_train.engines.webgpu.tuned import gemm_tolerance as gemm_tolerance_module
+from wgpu_train.engines.webgpu.tuned.gemm_tolerance import arithmetic_slack, gemm_tolerance
+from wgpu_train.engines.webgpu.tuned.adapter_traits import (SUBGROUP_PROBE, f16_operands, is_cpu, min_workgroup,
+                                                            use_subgroups)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare, tensor_formats
@@ -34,107 +37,6 @@ L2_PANEL_BYTES = 256 * 1024   # the slice of B one workgroup streams should stay
 SPLITS = (4, 16, 64)       # split-K factors tried for skinny products
 MIXED_FORMATS = (((1, "bf16"), (2, "f16"), (4, "bf16")), ((1, "f16"), (2, "bf16"), (4, "f16")))   # all_kernels
 _F32 = 4
-# The unit roundoff of the 16-bit storage formats (8 and 11 significant bits): a value rounded to nearest in one
-# moves by at most this fraction of its magnitude
-ROUNDOFF = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}
-F16_CHUNK = 4              # steps of k an f16-arithmetic kernel sums in f16 (gemm_core.wgsl's KC)
-F16_SUBNORMAL_UNIT = 2.0 ** -24   # float16's smallest subnormal: an f16 rounding near zero errs by half of it
-
-_PROBE_SRC = """
-struct Params { lane: u32 };
-@group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read_write> out: array<u32>;
-@compute @workgroup_size(32)
-fn probe(@builtin(subgroup_size) size: u32, @builtin(local_invocation_index) i: u32) {
-    if (i == P.lane) { out[0] = size; }
-}
-"""
-
-
-def _probe_source() -> str:
-    return _PROBE_SRC
-
-
-_PROBE = Kernel("gemm_probe", "probe", "out!", source=(_probe_source,), invocations=32, features=("subgroup",))
-
-
-# ---- what the device offers ----------------------------------------------------------------------
-
-def _probe(rt) -> dict:
-    size = 0
-    if "subgroup" in rt.features:
-        buf = rt.buffer(4, "gemm.probe")
-        rec = rt.recorder()
-        rec.dispatch(*prepare(rt, _PROBE, [(buf, 1)]), (1,))
-        rec.submit()
-        size = int(rt.read(buf, np.uint32, (1,))[0])
-        rt.release(buf)
-    use = size >= 8 and os.environ.get("WGPU_TRAIN_GEMM_SUBGROUPS", "1") != "0"
-    if use:
-        min_wg = max(8, size)
-    else:  # a GPU runs whole (>= 32-wide) waves anyway; llvmpipe's SIMD is 8 lanes wide
-        min_wg = 8 if rt.info.adapter_type == "CPU" else 32
-    return {"subgroup_size": size, "subgroups": use, "min_wg": min_wg}
-
-
-def _device(rt) -> dict:
-    return rt.memo("gemm.device", _probe)
-
-
-def subgroup_size(rt) -> int:
-    """The device's subgroup size as a compute shader sees it (0 without the subgroup feature)."""
-    return _device(rt)["subgroup_size"]
-
-
-def use_subgroups(rt) -> bool:
-    """Whether the *_sg register kernels run on this device: they need the subgroup feature and subgroups
-    of at least 8 lanes. WGPU_TRAIN_GEMM_SUBGROUPS=0 (read once per device) forces the portable kernels."""
-    return _device(rt)["subgroups"]
-
-
-def min_workgroup(rt) -> int:
-    """The narrowest workgroup worth using: one full subgroup (8 lanes on llvmpipe); without subgroups,
-    8 on CPU adapters and 32 elsewhere."""
-    return _device(rt)["min_wg"]
-
-
-def is_cpu(rt) -> bool:
-    return rt.info.adapter_type == "CPU"
-
-
-def f16_arithmetic(rt) -> bool:
-    """Whether float16-arithmetic candidates may run on this device: it has `shader-f16` and
-    WGPU_TRAIN_F16_ARITHMETIC is not 0."""
-    return "shader-f16" in rt.features and os.environ.get("WGPU_TRAIN_F16_ARITHMETIC", "1").strip() != "0"
-
-
-def f16_operands(rt, *formats) -> bool:
-    """Whether a GEMM whose operands are stored in `formats` gets float16-arithmetic candidates: all float16, on
-    a device that may run them (f16_arithmetic)."""
-    return all(f == "f16" for f in formats) and f16_arithmetic(rt)
-
-
-def f16_arithmetic_slack(alpha: float, K: int, A: np.ndarray, B: np.ndarray) -> float:
-    """What float16 arithmetic may add to the error of alpha op(A) op(B) (A (..., M, K), B (..., K, N), float64).
-    Each F16_CHUNK-step partial is summed in f16 by multiply-adds from zero, fused (each rounds the sum) or not
-    (WGSL allows either; lavapipe rounds the product, then the sum). Fused: F16_CHUNK roundings; unfused:
-    F16_CHUNK products and F16_CHUNK - 1 sums (the first sum, with zero, is exact); either way their errors add
-    up to at most F16_CHUNK u (u the unit roundoff) times the chunk's sum of |products|, to first order (1% margin
-    for the second). Over all chunks: F16_CHUNK u times sum_k |a_k b_k|, at most its largest element's; plus half
-    a subnormal unit for each of the 2K roundings that may land near zero; all scaled by |alpha|, applied after."""
-    products = float(np.max(np.matmul(np.abs(A), np.abs(B)), initial=0.0))
-    return abs(alpha) * (1.01 * F16_CHUNK * ROUNDOFF["f16"] * products + K * F16_SUBNORMAL_UNIT)
-
-
-def arithmetic_slack(cand, q) -> float:
-    """What candidate cand's arithmetic adds to the tolerance of replica q (Problem or QProblem.replica's, which
-    keep their float64 operands (op(A), op(B))): f16_arithmetic_slack for a float16-arithmetic one (cand.half),
-    computed once per replica, else nothing."""
-    if not getattr(cand, "half", False):
-        return 0.0
-    if q.f16_slack is None:
-        q.f16_slack = f16_arithmetic_slack(q.alpha, q.K, *q.operands)
-    return q.f16_slack
 
 
 # ---- the problem ---------------------------------------------------------------------------------
@@ -251,17 +153,6 @@ class Problem:
         C[...] = val + C if q.accumulate else val    # writes into `want` through the view
         q.operands, q.f16_slack = (A, B), None
         return q, bufs[3], c0, want, bufs
-
-
-def gemm_tolerance(alpha: float, K: int, want: np.ndarray, fmt: str = "f32") -> float:
-    """What a correct GEMM candidate may be off by, its result stored in format fmt: fp32 rounding over K
-    products, with margin; plus, for a 16-bit result, its one rounding to the format (unit roundoff times the
-    largest magnitude: the exact value is rounded once, after the float32 sum, so it moves by at most that),
-    doubled for a float32 sum that lands on the other side of a rounding boundary. The operands' own rounding
-    is no error: the replica's expected values come from the operands as stored."""
-    big = float(np.max(np.abs(want))) if want.size else 0.0
-    stored = 2 * ROUNDOFF[fmt] * big if fmt in ROUNDOFF else 0.0
-    return 1e-5 * (1 + abs(alpha)) * K ** 0.5 * 4 * (1 + big) + stored
 
 
 def _strided(flat: np.ndarray, off, batch, sz, rows, r_stride, cols, c_stride) -> np.ndarray:
@@ -550,8 +441,10 @@ def all_kernels() -> list[Kernel]:
         out += [k(cfg, f) for f in MIXED_FORMATS for k in (tiled_kernel, tiled_lora_kernel)]
         out += [_reduce_kernel(cfg, ((4, fmt),)) for fmt in ("bf16", "f16")]
     out += [tiled_kernel(cfg, ((1, "f16"), (2, "f16")) + c) for cfg in src.HALF_CONFIGS for c in ((), ((4, "f16"),))]
-    return out + [_PROBE]
+    return out + [SUBGROUP_PROBE]
 
 
-FAMILY = Family("gemm", shaders=("gemm", "gemm_tiled"), modules=(__file__, src.__file__), all_kernels=all_kernels,
+FAMILY = Family("gemm", shaders=("gemm", "gemm_tiled"),
+                modules=(__file__, src.__file__, adapter_traits.__file__, gemm_tolerance_module.__file__),
+                all_kernels=all_kernels,
                 benches=("gemm", "gemm_candidates"))

@@ -6,11 +6,11 @@ Storage (chunk_plan sizes every buffer; memory.py counts bytes with the same fun
 - bfloat16 / float16: the values (2 bytes each), row chunks of a multiple of 8 rows that fit one storage
   binding; the shaders read them as u32 words of two and decode them with a shift (bfloat16) or
   unpack2x16float (float16), so no adapter needs shader-f16;
-- nf4: engines/numpy/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
+- nf4: engines/shared/quant.py's bitsandbytes layout of the whole flattened weight (64-element blocks, the last
   padded; first element of a pair in the high nibble), viewed as u32 words, plus one f32 absmax per block.
   A chunk starts at a block boundary (its first row times cols is a multiple of 64), so each chunk is a
   contiguous slice of the blocks and the GPU holds exactly the bytes of the reference quantisation;
-- nf4-dq: the same codes; the absmax values double-quantised (engines/numpy/quant.py's DoubleQuant). Each chunk's
+- nf4-dq: the same codes; the absmax values double-quantised (engines/shared/quant.py's DoubleQuant). Each chunk's
   second buffer holds, as u32 words: the offset (f32), the chunk's first block modulo 256, the word where
   its 8-bit indices start, a spare word, the f32 second-level absmax of every 256-block group the chunk
   touches, then the 8-bit index of each of its blocks, four per word. The 256-value code table is the
@@ -29,14 +29,14 @@ import math
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.shared.quant import (DQ_BLOCK, NF4_BLOCK, bfloat16_bits, bfloat16_values, float16_values,
-                                            nf4_dequantize, nf4_quantize)
+from wgpu_train.engines.shared.quant import (DQ_BLOCK, NF4_BLOCK, StorageDtype, bfloat16_bits, bfloat16_values,
+                                            float16_values, nf4_dequantize, nf4_quantize)
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import launch
 from wgpu_train.engines.webgpu.device.operands import at, split
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.quant_kernels import QProblem
-from wgpu_train.engines.webgpu.tuned.quant_source import FORMATS, HALF_FORMATS, embed_gather_kernel
+from wgpu_train.engines.webgpu.tuned.quant_source import FORMATS, embed_gather_kernel
 
 DQ_HEADER_WORDS = 4                  # offset, first block % 256, index word, spare
 NF4_BLOCK_BYTES = NF4_BLOCK // 2
@@ -71,7 +71,7 @@ def _dq_stats(dq, b0: int, b1: int) -> np.ndarray:
 
 def _dq_absmax(words: np.ndarray, code: np.ndarray, blocks: int) -> np.ndarray:
     """The float32 absmax values of a chunk's `blocks` blocks from its stats words and the code table, as
-    the shader and engines/numpy/quant.py's dequantize_absmax rebuild them."""
+    the shader and engines/shared/quant.py's dequantize_absmax rebuild them."""
     offset = words[0:1].view(np.float32)[0]
     phase, index_word = int(words[1]), int(words[2])
     absmax2 = words[DQ_HEADER_WORDS:index_word].view(np.float32)
@@ -80,16 +80,17 @@ def _dq_absmax(words: np.ndarray, code: np.ndarray, blocks: int) -> np.ndarray:
     return (scale.astype(np.float32) + offset).astype(np.float32)
 
 
-def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> list:
+def chunk_plan(rows: int, cols: int, dtype: StorageDtype | str, max_binding: int = DEFAULT_MAX_BINDING) -> list:
     """(first_row, n_rows, weight_bytes, absmax_bytes) of each buffer pair a (rows, cols) weight stored as
     `dtype` occupies on the GPU (float32: tensors.Matrix's chunks; the others: QuantMatrix's). Chunks start
     on a multiple of 8 rows, so that the GEMMs' column offsets into y and dy keep the vec4 paths; NF4 ones
     also on a block boundary."""
-    if dtype == "float32":
+    dtype = StorageDtype(dtype)
+    if dtype is StorageDtype.FLOAT32:
         unit, fit = 8, max_binding // (cols * _F32)
-    elif dtype in HALF_FORMATS:
+    elif dtype.sixteen_bit:
         unit, fit = 8, max_binding // (cols * 2)
-    elif dtype in ("nf4", "nf4-dq"):
+    elif dtype.nf4:
         unit = math.lcm(8, NF4_BLOCK // math.gcd(cols, NF4_BLOCK))
         fit = (max_binding // NF4_BLOCK_BYTES) * NF4_BLOCK // cols
     else:
@@ -101,14 +102,14 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
     out = []
     for r0 in range(0, rows, per):
         n = min(per, rows - r0)
-        if dtype == "float32":
+        if dtype is StorageDtype.FLOAT32:
             out.append((r0, n, n * cols * _F32, 0))
             continue
-        if dtype in HALF_FORMATS:
+        if dtype.sixteen_bit:
             out.append((r0, n, _round16(n * cols * 2), 0))
             continue
         blocks = _nf4_blocks(n * cols)
-        if dtype == "nf4":
+        if not dtype.double_quant:
             stats = blocks * _F32
         else:
             b0 = r0 * cols // NF4_BLOCK
@@ -117,7 +118,7 @@ def chunk_plan(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_
     return out
 
 
-def stored_bytes(rows: int, cols: int, dtype: str, max_binding: int = DEFAULT_MAX_BINDING) -> int:
+def stored_bytes(rows: int, cols: int, dtype: StorageDtype | str, max_binding: int = DEFAULT_MAX_BINDING) -> int:
     """GPU bytes of a (rows, cols) weight stored as dtype."""
     return sum(w + s for _, _, w, s in chunk_plan(rows, cols, dtype, max_binding))
 
@@ -127,8 +128,9 @@ class QuantMatrix:
     storage binding. Attributes as tensors.Matrix: rows, cols, chunks [(buffer, first_row, n_rows)], size,
     read(rt); plus dtype, absmax (NF4: one f32 absmax buffer per chunk) and nbytes (all its buffers)."""
 
-    def __init__(self, rt, data: np.ndarray, dtype: str, label: str = ""):
-        if dtype not in FORMATS:
+    def __init__(self, rt, data: np.ndarray, dtype: StorageDtype | str, label: str = ""):
+        dtype = StorageDtype(dtype)
+        if not (dtype.sixteen_bit or dtype.nf4):
             raise ValueError(f"QuantMatrix dtype must be one of {FORMATS}, got {dtype!r}")
         data = np.asarray(data, dtype=np.float32)
         self.rows, self.cols = data.shape
@@ -137,22 +139,22 @@ class QuantMatrix:
         self.absmax: list = []     # nf4: f32 absmax of the chunk's blocks; nf4-dq: the chunk's stats words
         self.code = self.code_buffer = None    # nf4-dq: the 8-bit code table (256,) and its shared buffer
         self.nbytes = 0
-        if dtype not in HALF_FORMATS:
-            packed, absmax = nf4_quantize(data, double_quant=dtype == "nf4-dq")
-        if dtype == "nf4-dq":
+        if dtype.nf4:
+            packed, absmax = nf4_quantize(data, double_quant=dtype.double_quant)
+        if dtype.double_quant:
             self.code = absmax.code
             self.code_buffer = rt.shared_storage(self.code)
         for r0, n, wbytes, sbytes in chunk_plan(self.rows, self.cols, dtype, rt.max_binding):
             buf = rt.buffer(wbytes, f"{label}[{r0}:] {dtype}")
-            if dtype == "float16":
+            if dtype is StorageDtype.FLOAT16:
                 rt.write(buf, float16_values(data[r0:r0 + n], label or "a weight").reshape(-1))
-            elif dtype == "bfloat16":
+            elif dtype is StorageDtype.BFLOAT16:
                 rt.write(buf, bfloat16_bits(data[r0:r0 + n]).reshape(-1))
             else:
                 b0, b1 = r0 * self.cols // NF4_BLOCK, _nf4_blocks((r0 + n) * self.cols)
                 rt.write(buf, packed[b0 * NF4_BLOCK_BYTES:b1 * NF4_BLOCK_BYTES])
                 sbuf = rt.buffer(sbytes, f"{label}[{r0}:] absmax")
-                rt.write(sbuf, absmax[b0:b1] if dtype == "nf4" else _dq_stats(absmax, b0, b1))
+                rt.write(sbuf, _dq_stats(absmax, b0, b1) if dtype.double_quant else absmax[b0:b1])
                 self.absmax.append(sbuf)
             self.chunks.append((buf, r0, n))
             self.nbytes += wbytes + sbytes
@@ -163,16 +165,16 @@ class QuantMatrix:
 
     def read(self, rt) -> np.ndarray:
         """The dequantised float32 weight (rows, cols), from the bytes on the device."""
-        if self.dtype == "float16":
+        if self.dtype is StorageDtype.FLOAT16:
             parts = [rt.read(b, np.float16, (n, self.cols)) for b, _, n in self.chunks]
             return np.concatenate(parts).astype(np.float32)
-        if self.dtype == "bfloat16":
+        if self.dtype is StorageDtype.BFLOAT16:
             return bfloat16_values(np.concatenate([rt.read(b, np.uint16, (n, self.cols)) for b, _, n in self.chunks]))
         packed, absmax = [], []
         for (b, r0, n), s in zip(self.chunks, self.absmax):
             blocks = _nf4_blocks((r0 + n) * self.cols) - r0 * self.cols // NF4_BLOCK
             packed.append(rt.read(b, np.uint8, (blocks * NF4_BLOCK_BYTES,)))
-            if self.dtype == "nf4":
+            if not self.dtype.double_quant:
                 absmax.append(rt.read(s, np.float32, (blocks,)))
             else:
                 absmax.append(_dq_absmax(rt.read(s, np.uint32), self.code, blocks))
@@ -213,7 +215,7 @@ def linear_backward(rec, dx, dy, w: QuantMatrix, N, accumulate_dx=False):
 def embedding_forward(rec, out, ids, w: QuantMatrix, n: int):
     """out (n, cols) = w[ids] for a 16-bit embedding, one dispatch per vocabulary chunk; out in any storage format
     (16-bit: an even offset and cols)."""
-    if w.dtype not in HALF_FORMATS:
+    if not w.dtype.sixteen_bit:
         raise ValueError(f"embeddings are stored as float32, bfloat16 or float16, not {w.dtype}")
     buf, off = split(out)
     if storage.format_of(buf) != "f32" and (off % 2 or w.cols % 2):

@@ -2,7 +2,7 @@
 register-blocked (shaders/gemm_quant.wgsl, shaped for llvmpipe) and workgroup-tiled (quant_source.py, shaped
 for GPUs); tune.choose picks one per shape, weight format and adapter, as for the float32 GEMM. A float16 weight
 times a float16 A also has tiled candidates in float16 arithmetic where the adapter has `shader-f16`, as the float
-GEMM (gemm_kernels.f16_arithmetic)."""
+GEMM (adapter_traits.f16_arithmetic)."""
 from __future__ import annotations
 
 import functools
@@ -10,8 +10,10 @@ import functools
 import numpy as np
 
 from wgpu_train.engines.webgpu.tuned import quant_source as QT
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import (WG_CHOICES, arithmetic_slack, f16_operands, gemm_tolerance,
-                                                          is_cpu, min_workgroup, use_subgroups)
+from wgpu_train.engines.shared.quant import StorageDtype
+from wgpu_train.engines.webgpu.tuned.adapter_traits import f16_operands, is_cpu, min_workgroup, use_subgroups
+from wgpu_train.engines.webgpu.tuned.gemm_kernels import WG_CHOICES
+from wgpu_train.engines.webgpu.tuned.gemm_tolerance import arithmetic_slack, gemm_tolerance
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.device.launch import Kernel, bind, prepare
@@ -132,7 +134,7 @@ class QProblem:
     @property
     def f16_arithmetic_offered(self) -> bool:
         """Whether float16-arithmetic candidates may run this product: a float16 weight times a float16 A."""
-        return self.w.dtype == "float16" and f16_operands(self.rt, self.a_fmt)
+        return self.w.dtype is StorageDtype.FLOAT16 and f16_operands(self.rt, self.a_fmt)
 
     def replica(self, rng):
         """(problem, C buffer, C's initial values, its expected values, buffers to release): this geometry on a

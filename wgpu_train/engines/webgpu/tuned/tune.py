@@ -26,7 +26,7 @@ import numpy as np
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned.catalogue import FAMILIES
-from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
+from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
 
 log = logging.getLogger("wgpu_train")
 

@@ -1,0 +1,124 @@
+"""The WebGPU engine's optimizer (Optimizer, a part that WgpuEngine owns): the trainable tensors' gradients and
+AdamW moments, cut into pieces that each fit one binding, their zeroing, the clipped gradient norm and AdamW."""
+from __future__ import annotations
+
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.device.runtime import Runtime
+from wgpu_train.engines.webgpu.tensors import F32, Matrix, Packed, read_tensor, write_tensor
+
+
+def like(rt: Runtime, t, label: str):
+    """A zeroed tensor of t's kind and size: a Matrix or a buffer."""
+    if isinstance(t, Matrix):
+        return Matrix(rt, t.rows, t.cols, label)
+    return rt.buffer(t.size, label)
+
+
+def parts(t) -> list:
+    """(buffer, elements) pieces of a weight or its gradient."""
+    if isinstance(t, Matrix):
+        return [(b, n * t.cols) for b, _, n in t.chunks]
+    return [(t, t.size // F32)]
+
+
+class Optimizer:
+    """The trainable tensors' state: `params`, `grads` and `moments` (name -> tensor, the same kind: Matrix,
+    buffer or (buffer, offset) view), and `groups`, the (param, grad, m, v, n elements) pieces that zeroing, the
+    gradient norm and AdamW take a dispatch each for; `b_groups` says per piece whether it holds LoRA B matrices
+    (their learning rate: LoRA+)."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.params: dict = {}
+        self.grads: dict = {}
+        self.moments: dict = {}
+        self.groups: list = []
+        self.b_groups: list = []
+        self.state_buffers: list = []
+        self.norm_slots: list = []
+        self.partials = None
+
+    def reset(self, lora_packed, trained: tuple, w: dict):
+        """Gradients and zeroed AdamW moments of the trainable tensors (lora_packed: the packed LoRA parameters
+        and gradients, or None; trained: the names of trained base weights in w), and the pieces: each fits one
+        binding and has one norm slot."""
+        rt = self.rt
+        if self.state_buffers:
+            rt.release(*self.state_buffers)
+        self.params, self.grads, self.moments = {}, {}, {}
+        self.groups, self.b_groups, self.state_buffers = [], [], []
+        if lora_packed:                  # the LoRA tensors: packed, a few pieces (set_lora owns params, grads)
+            params, grads = lora_packed
+            m, v = Packed(rt, params.shapes, "lora_m"), Packed(rt, params.shapes, "lora_v")
+            self.params = {k: params.view(k) for k in params.shapes}
+            self.grads = {k: grads.view(k) for k in params.shapes}
+            self.moments = {k: (m.view(k), v.view(k)) for k in params.shapes}
+            step = max(1, (rt.max_binding - 256) // F32)
+            # every A lies before every B (set_lora): pieces end at that boundary, so B's may take another lr
+            b0 = min((params.view(k)[1] for k in params.shapes if k.endswith(".lora_B")), default=params.n)
+            spans = [(o, min(step, end - o), start == b0) for start, end in ((0, b0), (b0, params.n))
+                     for o in range(start, end, step)]
+            self.groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), n) for o, n, _ in spans]
+            self.b_groups = [is_b for _, _, is_b in spans]
+            self.state_buffers = [m.buf, v.buf]
+        for k in trained:                 # trained base weights: a piece per row chunk, at lr (PEFT's LoRA+ too)
+            p = self.params[k] = w[k]
+            self.grads[k] = like(rt, p, k + ".grad")
+            self.moments[k] = (like(rt, p, k + ".m"), like(rt, p, k + ".v"))
+            pieces = [parts(t) for t in (p, self.grads[k], *self.moments[k])]
+            self.groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*pieces)]
+            self.b_groups += [False] * len(pieces[0])
+            self.state_buffers += [t for g in (self.grads[k], *self.moments[k]) for t, _ in parts(g)]
+        self.norm_slots = [K.grad_norm_slots(g[4]) for g in self.groups]
+        self.partials = rt.buffer(F32 * max(1, sum(self.norm_slots)), "partials")
+        self.state_buffers.append(self.partials)
+
+    def record_zero_grads(self, rec):
+        for _, grad, _, _, n in self.groups:
+            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
+            rec.clear(buf, off * F32, n * F32)
+
+    def record_unscale(self, rec, scale: float):
+        """Divide every gradient by f16's loss scale (exact: the scale is a power of two)."""
+        for _, grad, _, _, n in self.groups:
+            K.scale(rec, grad, grad, 1.0 / scale, n)
+
+    def record_update(self, rec, hp, step: int, norm_at):
+        """The gradient norm (clipped to hp.max_grad_norm, with its finite flag, written at norm_at) and AdamW."""
+        rec.section("optimizer (grad norm, AdamW)")
+        slot = 0
+        for (_, grad, _, _, n), slots in zip(self.groups, self.norm_slots):
+            K.grad_norm_partial(rec, self.partials, slot, grad, n)
+            slot += slots
+        K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
+        for (param, grad, m, v, n), is_b in zip(self.groups, self.b_groups):
+            lr = hp.lr * hp.lora_b_lr_ratio if is_b else hp.lr
+            K.adamw_update(rec, param, grad, m, v, n, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
+                           scale_buf=norm_at)
+
+    def grad_spans(self) -> list:
+        """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
+        span (the packed buffer) with LoRA, one per gradient buffer of a trained base weight (full fine-tuning,
+        modules_to_save)."""
+        spans: list = []
+        for _, grad, _, _, n in self.groups:
+            buf, off = grad if isinstance(grad, tuple) else (grad, 0)
+            if spans and spans[-1][0] is buf and spans[-1][1] + spans[-1][2] == off:
+                spans[-1][2] += n
+            else:
+                spans.append([buf, off, n])
+        return spans
+
+    def gradients(self, shape_of) -> dict:
+        """Every gradient read back, name -> array of shape_of(name)."""
+        return {k: read_tensor(self.rt, g, shape_of(k)) for k, g in self.grads.items()}
+
+    def state(self, shape_of) -> dict:
+        """name -> (m, v) read back."""
+        return {k: (read_tensor(self.rt, m, shape_of(k)), read_tensor(self.rt, v, shape_of(k)))
+                for k, (m, v) in self.moments.items()}
+
+    def load_state(self, state: dict):
+        for k, (m, v) in state.items():
+            write_tensor(self.rt, self.moments[k][0], m)
+            write_tensor(self.rt, self.moments[k][1], v)
