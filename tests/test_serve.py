@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 import wgpu_train as wt  # noqa: E402
 from conftest import require_adapter  # noqa: E402
@@ -187,7 +188,7 @@ def test_interleaved_requests_equal_greedy_generation_with_their_adapter(client,
     assert len({a[0] for a in answers}) > 3                     # the adapters changed the answers
     stats = server.scheduler.stats
     assert stats["jobs"] - before["jobs"] == 12
-    assert stats["batches"] - before["batches"] < 12 and stats["largest_batch"] >= 2      # some were batched
+    assert stats["largest_batch"] >= 2                                                    # some were batched
     assert server.scheduler.registry.switches - before["switches"] >= 2
 
 
@@ -248,7 +249,10 @@ def test_bad_requests_get_openai_errors(server, client, ref):
         client.chat.completions.create(model="c", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     refusals = [({"temperature": "hot"}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
-                ({"messages": []}, "messages"), ({"n": 2}, "n"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                ({"messages": []}, "messages"), ({"n": 0}, "n"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+                ({"response_format": {"type": "json_object"}}, "response_format"),
                 ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
                 ({"messages": [{"role": "user", "content": "word " * 200}]}, "messages"),     # past 128 positions
                 ({"max_tokens": 500}, "max_tokens")]                                         # the answer would be

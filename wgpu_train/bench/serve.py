@@ -88,12 +88,12 @@ def bench_serve(rt, n: int = 8, max_tokens: int = 24) -> dict:
         _round(port, prompts, 4, concurrent=True)            # warm-up: kernels compiled, the tuner's shapes timed
         _stream(port, prompts[0], 4)
         one = _round(port, prompts, max_tokens, concurrent=False)
-        batched = scheduler.stats["batches"]
+        batched = scheduler.stats["steps"]
         together = _round(port, prompts, max_tokens, concurrent=True)
-        batches = scheduler.stats["batches"] - batched
+        batches = scheduler.stats["steps"] - batched
     finally:
         server.stop()
         scheduler.close()
     return {"adapter": rt.info.describe(), "model": "embedded", "requests": n, "max_tokens": max_tokens,
-            "one_at_a_time": one, "concurrent": {**together, "batches": batches},
+            "one_at_a_time": one, "concurrent": {**together, "steps": batches},
             "throughput_ratio": round(together["tokens_per_s"] / max(one["tokens_per_s"], 1e-12), 2)}
