@@ -222,6 +222,7 @@ class _Answer:
 
     def __init__(self, reply: Reply, format: Logprobs, n: int, echoes: list, logprobs: bool):
         self.reply, self.format, self.n, self.echoes, self.logprobs = reply, format, n, echoes, logprobs
+        self.stops = set(format.tokenizer.stop_token_ids)
         self.texts = [""] * len(echoes)
         self.reasons = [None] * len(echoes)
         self.objects = [format.empty() if logprobs else None for _ in echoes]
@@ -234,8 +235,10 @@ class _Answer:
             text, entries = self.echoes[index], None
         elif kind == "prompt":      # echo with logprobs: the prompt's tokens, the first without a logprob
             text, entries = self.echoes[index], [(event[1], None, None)] + event[2]
-        elif kind == "text":
+        elif kind == "text":        # chat's logprobs leave out a stop token, whose text is no part of the answer
             text, entries = event[1], event[2]
+            if entries and self.reply.chat:
+                entries = [e for e in entries if e[0] not in self.stops]
         else:                           # done: (finish_reason, prompt tokens, completion tokens)
             self.reasons[index] = event[1]
             self.tokens[0] += event[2] if index % self.n == 0 else 0

@@ -71,14 +71,19 @@ class Reply:
 class Logprobs:
     """Token log-probabilities (the worker's entries: (id, logprob, [(id, logprob)] of the likeliest)) in
     OpenAI's shapes: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
-    token_logprobs, top_logprobs, text_offset}; a token's text is its own decoding, special tokens included."""
+    token_logprobs, top_logprobs, text_offset}; a token's text is its own decoding, special tokens included, or
+    `token_id:N` (as vLLM writes a token as its id) for a token that is part of a character (its bytes null)."""
 
     def __init__(self, tokenizer, chat: bool):
         self.tokenizer = tokenizer
         self.chat = chat
 
     def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}" if "\ufffd" in text else text
+
+    def _bytes(self, text: str) -> list | None:
+        return None if text.startswith("token_id:") else list(text.encode())
 
     def empty(self) -> dict:
         return {"content": []} if self.chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
@@ -95,9 +100,9 @@ class Logprobs:
         for token_id, logprob, top in entries:
             text = self.text(token_id)
             if self.chat:
-                out["content"].append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                out["content"].append({"token": text, "logprob": logprob, "bytes": self._bytes(text),
                                        "top_logprobs": [{"token": self.text(i), "logprob": lp,
-                                                         "bytes": list(self.text(i).encode())} for i, lp in top]})
+                                                         "bytes": self._bytes(self.text(i))} for i, lp in top]})
                 continue
             start = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else offset
             out["tokens"].append(text)

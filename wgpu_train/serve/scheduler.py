@@ -1,6 +1,7 @@
 """The one worker thread that owns the Model (engines are not thread-safe) and its running batch (continuous
 batching): answers wait in order in a bounded queue; at every step the worker admits waiting answers of the
-batch's adapter into free rows of one KV cache (a DecodeBatch), takes one token of every running row, sends each
+batch's adapter into free rows of one KV cache (a DecodeBatch; another adapter's answers wait PATIENCE steps at
+most, then the batch drains and switches), takes one token of every running row, sends each
 answer's text as it comes, and frees the row of an answer that ended, met a stop string or lost its client."""
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from wgpu_train.serve.metrics import ServeMetrics
 from wgpu_train.serve.text_stream import TextStream
 
 log = logging.getLogger("wgpu_train.serve")
+# steps an answer for another adapter than the running batch's waits while the batch admits answers of its own;
+# then the batch admits none, drains, and switches (one adapter per batch: the engines apply one LoRA at a time)
+PATIENCE = 16
 
 
 class QueueFull(Exception):
@@ -43,6 +47,7 @@ class Job:
     echo: bool = False                  # the prompt's log-probabilities too (with logprobs)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued: float = field(default_factory=time.perf_counter)
+    queued_step: int = 0                # the scheduler's step count when it was queued
 
 
 @dataclass(eq=False)
@@ -75,7 +80,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="wgpu-train-serve-worker", daemon=True)
-        self.stats = {"jobs": 0, "steps": 0, "largest_batch": 0, "tokens": 0, "cancelled": 0}
+        # joined: answers admitted into a batch already running
+        self.stats = {"jobs": 0, "steps": 0, "largest_batch": 0, "tokens": 0, "cancelled": 0, "joined": 0}
 
     def start(self):
         """The batch's KV cache allocated (a DeviceError when it does not fit), then the worker started."""
@@ -102,6 +108,8 @@ class Scheduler:
         with self._cond:
             if len(self._waiting) + len(jobs) > self.max_queue:
                 raise QueueFull()
+            for job in jobs:
+                job.queued_step = self.stats["steps"]
             self._waiting.extend(jobs)
             self.metrics.queue.set(len(self._waiting))
             self._cond.notify()
@@ -137,31 +145,32 @@ class Scheduler:
                     self._free(slot)
 
     def _admit(self) -> list:
-        """Waiting jobs that take free rows now (the lock held): of the running batch's adapter, in order,
-        up to the first that waits for another adapter (which waits for the batch to drain, then gets it);
-        an idle batch takes the oldest job's adapter and every job of it that waits. Admission stops once the
+        """Waiting jobs that take free rows now (the lock held), oldest first: an idle batch takes the oldest
+        job's adapter; a running batch admits jobs of its adapter until a job for another has waited PATIENCE
+        steps, then none, so that it drains and that job's adapter comes next. Admission also stops once the
         prompts admitted but not yet prefilled pass a step's token budget."""
+        steps = self.stats["steps"]
         if self._running:
-            adapter, anywhere = self.registry.active, False
+            adapter = self.registry.active
+            if any(j.adapter != adapter and steps - j.queued_step >= PATIENCE for j in self._waiting):
+                return []
         else:
-            adapter, anywhere = self._waiting[0].adapter, True
+            adapter = self._waiting[0].adapter
         admitted, pending = [], self._batch.prefilling()
         for job in list(self._waiting):
             if len(admitted) == self._batch.free_slots() or pending >= PREFILL_TOKENS:
                 break
-            if job.adapter != adapter:
-                if anywhere:
-                    continue
-                break
-            self._waiting.remove(job)
-            admitted.append(job)
-            pending += len(job.prompt)
+            if job.adapter == adapter:
+                self._waiting.remove(job)
+                admitted.append(job)
+                pending += len(job.prompt)
         self.metrics.queue.set(len(self._waiting))
         return admitted
 
     def _step(self, admitted: list):
         if admitted:
             self.registry.activate(admitted[0].adapter)     # only ever switched with the batch empty
+            self.stats["joined"] += len(admitted) if self._running else 0
         now = time.perf_counter()
         for job in admitted:
             slot = self._batch.add(job.prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
