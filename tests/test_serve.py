@@ -414,12 +414,16 @@ def test_urls_of_ipv6_hosts_have_brackets():
 
 
 def test_the_serve_bench_runs(default_rt):
-    """`bench --only serve`'s measurement, small: both rounds generate the same greedy tokens."""
+    """`bench --only serve`'s measurement, small: every round generates the same greedy tokens (the adapters'
+    B is zero), the mixed burst switches adapters, and the ratios it reports are those of its figures."""
     from wgpu_train.bench.serve import bench_serve
 
-    result = bench_serve(default_rt, n=2, max_tokens=4)
-    assert result["one_at_a_time"]["tokens"] == result["concurrent"]["tokens"] > 0
-    assert result["throughput_ratio"] > 0 and result["concurrent"]["ttft_median_s"] > 0
+    result = bench_serve(default_rt, n=3, max_tokens=4)
+    rounds = [result[k] for k in ("one_at_a_time", "mixed_burst", "single_adapter_burst")]
+    assert rounds[0]["tokens"] == rounds[1]["tokens"] == rounds[2]["tokens"] > 0
+    assert result["mixed_burst"]["adapter_switches"] >= 2
+    assert result["ttft_p50_vs_alone"] == round(rounds[1]["ttft_p50_s"] / rounds[0]["ttft_p50_s"], 2)
+    assert result["mixed_vs_single"] == round(rounds[1]["tokens_per_s"] / rounds[2]["tokens_per_s"], 2)
 
 
 def _read_lines(stream, lines: queue.Queue):
