@@ -21,11 +21,9 @@ def tiny(tmp_path_factory):
     return save_model(build_model("llama", seed=1), tmp_path_factory.mktemp("llama"))
 
 
-def _model(tiny, backend, request=None):
-    """The tiny model on the NumPy engine, or on each adapter present (the rt fixture) for "wgpu"."""
-    if backend == "numpy":
-        return wt.load_model(tiny, backend="numpy")
-    return wt.load_model(tiny, backend="wgpu", device=str(request.getfixturevalue("rt").info.index))
+def _model(tiny, rt=None):
+    """The tiny model on the NumPy engine, or on the adapter rt."""
+    return wt.load_model(tiny, backend="wgpu", device=str(rt.info.index)) if rt else wt.load_model(tiny, backend="numpy")
 
 
 def _alone(model, prompt, budget, sampling: Sampling) -> list:
@@ -62,9 +60,15 @@ def _prompts():
     return [rng.integers(0, 83, n) for n in (7, 2, 11, 5, 4)]
 
 
-@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
-def test_rows_joining_at_any_step_answer_as_alone(tiny, backend, request):
-    model = _model(tiny, backend, request)
+def test_rows_joining_at_any_step_answer_as_alone_on_numpy(tiny):
+    _rows_join(_model(tiny))
+
+
+def test_rows_joining_at_any_step_answer_as_alone_on_webgpu(tiny, rt):
+    _rows_join(_model(tiny, rt))
+
+
+def _rows_join(model):
     prompts = _prompts()
     together = _staggered(model, prompts, 9)
     alone = [_alone(model, p, 9, SETTINGS[i % len(SETTINGS)]) for i, p in enumerate(prompts)]
@@ -76,9 +80,15 @@ def test_rows_joining_at_any_step_answer_as_alone(tiny, backend, request):
                                       top_k=sampled.top_k, seed=sampled.seed)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
-def test_prompt_logprobs_across_prefill_chunks_are_a_whole_forwards(tiny, backend, request):
-    model = _model(tiny, backend, request)
+def test_prompt_logprobs_across_prefill_chunks_are_a_whole_forwards_on_numpy(tiny):
+    _prompt_logprobs(_model(tiny))
+
+
+def test_prompt_logprobs_across_prefill_chunks_are_a_whole_forwards_on_webgpu(tiny, rt):
+    _prompt_logprobs(_model(tiny, rt))
+
+
+def _prompt_logprobs(model):
     prompt = _prompts()[2]                                                       # 11 tokens: 4 chunks of 3
     batch = DecodeBatch(model.engine, 2, 32, token_budget=3)
     try:
@@ -94,13 +104,13 @@ def test_prompt_logprobs_across_prefill_chunks_are_a_whole_forwards(tiny, backen
     lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
     assert [e[0] for e in token.prompt] == prompt[1:].tolist()
     assert_close(np.array([e[1] for e in token.prompt]), lp[np.arange(10), prompt[1:]], "serve_logprobs",
-                 f"prompt log-probabilities ({backend})")
+                 f"prompt log-probabilities ({model.backend})")
     assert token.id == int(np.argmax(z[-1])) and token.top[0][0] == token.id and len(token.top) == 3
     assert_close(np.array([token.logprob]), lp[-1, token.id:token.id + 1], "serve_logprobs", "the token's")
 
 
 def test_a_removed_row_frees_its_slot_and_the_others_run_on(tiny):
-    model = _model(tiny, "numpy")
+    model = _model(tiny)
     prompts = _prompts()
     batch = DecodeBatch(model.engine, 2, 64)
     try:
