@@ -59,6 +59,10 @@ TOLERANCES: dict[str, Tolerance] = {
         "logits, lm_eval's hf backend from torch's float32 log-softmax summed in float32; the logits differ as in "
         "logits_f32 and each float32 log-prob (~-5) rounds by ~5e-7; observed <= 1.5e-5 on sums up to -254. A wrong "
         "position or a missed token moves a sum by > 0.1"),
+    "mixed_lora": Tolerance(1e-5, 1e-5,
+        "the mixed-adapter LoRA kernel against engines/shared/mixed_lora.py in float64: float32 sums of in (<= 100) "
+        "and rank terms of products ~1, reduced in a tree, then a scale; observed <= 2e-6 relative; a row given "
+        "another adapter's A or B, or a padded rank read as data, is off by > 0.1"),
     "serve_logprobs": Tolerance(1e-5, 1e-5,
         "a served prompt's log-probabilities (an engine's KV-cache forward_rows, float64 log-softmax) against the "
         "same engine's whole forward pass (Model.logits): the same float32 math summed in other orders (cached "

@@ -1,0 +1,58 @@
+"""Mixed adapters in one batch: the mixed_lora kernel family (one dispatch per module, each row its own adapter
+out of a bank whose ranks are padded to the largest) against the NumPy reference, on every candidate and adapter
+present, for mixes of adapters, ranks and base rows; the bank's padding adds nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tolerances import assert_close
+from wgpu_train.engines.shared.mixed_lora import build_bank, mixed_lora_forward as reference
+from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule, mixed_lora_forward
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned.mixed_lora_kernels import OUTPUTS, PRIVATE_OUTPUTS
+
+
+def _adapters(rng, ranks, in_f, out_f, paths=("m",)):
+    return [{p: (rng.standard_normal((r, in_f)).astype(np.float32), rng.standard_normal((out_f, r)).astype(np.float32),
+                 float(rng.uniform(0.5, 2))) for p in paths} for r in ranks]
+
+
+def test_the_bank_pads_ranks_and_the_reference_is_each_adapters_lora():
+    rng = np.random.default_rng(0)
+    adapters = _adapters(rng, (3, 7), 11, 13) + [{}]                 # the third leaves the module out
+    bank = build_bank(adapters, lambda p: (13, 11))["m"]
+    assert bank.a.shape == (3, 7, 11) and bank.b.shape == (3, 13, 7) and bank.ranks.tolist() == [3, 7, 0]
+    assert not bank.a[0, 3:].any() and not bank.b[0, :, 3:].any() and bank.scales[2] == 0
+    x = rng.standard_normal((6, 11))
+    rows = np.array([1, -1, 0, 2, 1, 0])
+    got = reference(x, bank, rows)
+    for n, k in enumerate(rows):
+        a, b, s = adapters[k]["m"] if 0 <= k < 2 else (np.zeros((1, 11)), np.zeros((13, 1)), 0.0)
+        assert np.allclose(got[n], s * (x[n] @ a.T) @ b.T, rtol=1e-6, atol=1e-9)    # the scale in float32
+
+
+@pytest.mark.parametrize("ranks, rows", [((4, 9, 2), [0, 2, -1, 1, 1, 0, 2]), ((8,), [0] * 5),
+                                         ((1, 16, 5, 3), list(range(-1, 4)) * 9)])
+def test_the_kernel_equals_the_reference_on_every_candidate(rt, ranks, rows):
+    rng = np.random.default_rng(len(rows))
+    in_f, out_f = 37, 301 if len(rows) > 10 else 53
+    bank = build_bank(_adapters(rng, ranks, in_f, out_f), lambda p: (out_f, in_f))["m"]
+    rows = np.array(rows, np.int32)
+    n = rows.size
+    x = rng.standard_normal((n, in_f)).astype(np.float32)
+    y0 = rng.standard_normal((n, out_f)).astype(np.float32)
+    want = y0 + reference(x.astype(np.float64), bank, rows)
+    gpu = GpuBankModule.upload(rt, bank)
+    bufs = [rt.upload(x), rt.upload(rows)]
+    try:
+        for name in [f"out{c}" for c in OUTPUTS] + [f"private{c}" for c in PRIVATE_OUTPUTS]:
+            y = rt.upload(y0)
+            bufs.append(y)
+            with tune.pinned(f"mixed_lora/{name}"):
+                rec = rt.recorder()
+                mixed_lora_forward(rec, y, bufs[0], gpu, bufs[1], n)
+                rec.submit()
+            assert_close(rt.read(y, np.float32, (n, out_f)), want, "mixed_lora", f"{name}, ranks {ranks}")
+    finally:
+        rt.release(*bufs, *gpu.buffers())
