@@ -13,10 +13,10 @@ QUESTIONS = ["after red 1?", "after cat 3?", "after moon 6?", "after tree 7?"]
 NAMES = ("base", "a", "b")
 
 
-def save_adapter(model_dir, out, seed: int):
+def save_adapter(model_dir, out, seed: int, r: int = 4, targets="all-linear"):
     """A random LoRA (B nonzero, so it changes the answers) saved as a PEFT adapter of the model in model_dir."""
     model = wt.load_model(model_dir, backend="numpy")
-    lora = wt.LoraConfig(r=4, alpha=16, target_modules="all-linear")
+    lora = wt.LoraConfig(r=r, alpha=16, target_modules=targets)
     model.add_lora(lora, seed=seed)
     rng = np.random.default_rng(seed)
     model._set_lora(lora, {p: (a, rng.normal(0, 0.3, b.shape).astype(np.float32))

@@ -1,7 +1,8 @@
-"""Continuous batching in `wgpu-train serve`: a burst of requests of mixed adapters, sampling settings and arrival
-times answers each as the same request sent alone, on the NumPy engine and on each adapter present; a client that
-leaves frees its row (the occupancy gauge) while bad requests are still refused; n, logprobs, echo and penalties
-against references computed without the server; /health and /metrics; the embedded model served as `default`."""
+"""Continuous batching in `wgpu-train serve`: a burst of requests of mixed adapters (in one bank), sampling
+settings and arrival times answers each as the same request sent alone, on the NumPy engine and on each adapter
+present, and so does one over an adapter that cannot join a bank (batches of one adapter); a client that leaves
+frees its row (the occupancy gauge) while bad requests are still refused; n, logprobs, echo and penalties against
+references computed without the server; /health and /metrics; the embedded model served as `default`."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+import wgpu_train as wt
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -296,3 +299,38 @@ def test_a_model_length_past_the_positions_is_one_line(files, ref, capsys):
             server.client.completions.create(model="base", prompt=list(range(3, 40)), max_tokens=5)
         assert e.value.body["code"] == "context_length_exceeded" and "40 tokens" in e.value.body["message"]
         assert ask(server.client, "text", "base", QUESTIONS[0], temperature=0) == ref.text("base", QUESTIONS[0])
+
+
+def test_an_adapter_that_cannot_join_a_bank_runs_in_batches_of_its_own(files, ref, tmp_path, monkeypatch):
+    """An adapter with modules_to_save (a trained copy of lm_head) changes the model beyond a LoRA term: the
+    server serves its adapters one at a time, each batch of one adapter, switching between them (another
+    adapter's requests wait at most PATIENCE steps), and every answer still equals the request alone."""
+    saved = wt.load_model(files.model, backend="numpy")
+    saved.add_lora(wt.LoraConfig(r=2, alpha=4, target_modules=["q_proj"], modules_to_save=("lm_head",)), seed=1)
+    head = saved.engine.trainable()["lm_head.weight"]
+    saved.engine.set_trainable({"lm_head.weight": head + 0.5 * np.random.default_rng(0).normal(size=head.shape)})
+    saved.save_adapter(tmp_path / "copies")
+    args = build_parser().parse_args(["serve", "--model", str(files.model), "--adapter", f"a={files.a}",
+                                      "--adapter", f"copies={tmp_path / 'copies'}", "--served-model-name", "base",
+                                      "--backend", "numpy", "--port", "0", "--api-key", KEY, "--max-batch", "4"])
+    scheduler, sock = prepare(args)
+    scheduler.start()
+    thread = ServerThread(build_app(scheduler, args.api_key), sock).start()
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    try:
+        assert not scheduler.mixed
+        slow_down(scheduler, monkeypatch, 0.01)
+        plan = [("base", QUESTIONS[0]), ("copies", QUESTIONS[1]), ("a", QUESTIONS[2]), ("copies", QUESTIONS[3]),
+                ("a", QUESTIONS[0]), ("base", QUESTIONS[1])]
+
+        def staggered(i):
+            time.sleep(0.03 * i)
+            return ask(client, "text", *plan[i], 10, temperature=0)
+        with ThreadPoolExecutor(len(plan)) as pool:
+            burst = list(pool.map(staggered, range(len(plan))))
+        assert scheduler.registry.switches >= 3
+        assert burst == [ask(client, "text", *p, 10, temperature=0) for p in plan]
+        assert burst[0] == ref.text("base", QUESTIONS[0]) and burst[2] == ref.text("a", QUESTIONS[2])
+    finally:
+        thread.stop()
+        scheduler.close()

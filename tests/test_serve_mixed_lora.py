@@ -1,16 +1,24 @@
 """Mixed adapters in one batch: the mixed_lora kernel family (one dispatch per module, each row its own adapter
 out of a bank whose ranks are padded to the largest) against the NumPy reference, on every candidate and adapter
-present, for mixes of adapters, ranks and base rows; the bank's padding adds nothing."""
+present, for mixes of adapters, ranks and base rows; the bank's padding adds nothing; a running batch of rows of
+three adapters (other ranks, other modules) and none gives each row its adapter's own answer, on both engines,
+in as many submits a step as the base model alone."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import wgpu_train as wt
+from finetune_helpers import make_model_dir
+from serve_helpers import save_adapter
 from tolerances import assert_close
+from wgpu_train.engines.generate import DecodeBatch
 from wgpu_train.engines.shared.mixed_lora import build_bank, mixed_lora_forward as reference
 from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule, mixed_lora_forward
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.mixed_lora_kernels import OUTPUTS, PRIVATE_OUTPUTS
+from wgpu_train.serve.adapters import AdapterRegistry
+from wgpu_train.serve.prompts import PromptStyle
 
 
 def _adapters(rng, ranks, in_f, out_f, paths=("m",)):
@@ -56,3 +64,60 @@ def test_the_kernel_equals_the_reference_on_every_candidate(rt, ranks, rows):
             assert_close(rt.read(y, np.float32, (n, out_f)), want, "mixed_lora", f"{name}, ranks {ranks}")
     finally:
         rt.release(*bufs, *gpu.buffers())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny model and three adapters of different ranks and modules."""
+    root = tmp_path_factory.mktemp("mixed")
+    model_dir = make_model_dir(root / "model")
+    return model_dir, [save_adapter(model_dir, root / "a", 2), save_adapter(model_dir, root / "b", 5, r=7),
+                       save_adapter(model_dir, root / "c", 9, r=2, targets=["q_proj", "down_proj"])]
+
+
+def _mixed_batch_equals_each_adapter_alone(served, **load):
+    model_dir, folders = served
+    model = wt.load_model(model_dir, **load)
+    registry = AdapterRegistry(model, "base")
+    for name, folder in zip("abc", folders):
+        registry.add(name, folder, PromptStyle())
+    assert registry.build_bank() and registry.bank_index == {"a": 0, "b": 1, "c": 2}
+    rng = np.random.default_rng(1)
+    plan = [(name, rng.integers(3, 80, n)) for name, n in (("a", 5), ("b", 9), ("base", 3), ("c", 6), ("a", 2))]
+    batch = DecodeBatch(model.engine, len(plan), 40)
+    out = {}
+    try:
+        slots = {batch.add(p, 8, adapter=registry.row_adapter(name)): i for i, (name, p) in enumerate(plan)}
+        while len(batch):
+            for t in batch.step():
+                out.setdefault(slots[t.slot], []).append(t.id)
+    finally:
+        batch.close()
+    for i, (name, prompt) in enumerate(plan):
+        alone = wt.load_model(model_dir, **load)
+        if name != "base":
+            alone.load_adapter(folders["abc".index(name)])
+        assert alone.generate(prompt, max_new_tokens=8) == out[i], (name, i)
+    return model
+
+
+def test_a_batch_of_mixed_adapters_equals_each_alone_on_numpy(served):
+    _mixed_batch_equals_each_adapter_alone(served, backend="numpy")
+
+
+def test_a_batch_of_mixed_adapters_equals_each_alone_on_webgpu_in_one_submission(served, rt):
+    """Three adapters (ranks 4, 7 and 2, the last on two modules) and base rows in one step: the same submits as
+    a step of the base model alone (its one submission and its one readback)."""
+    engine = _mixed_batch_equals_each_adapter_alone(served, backend="wgpu", device=str(rt.info.index)).engine
+    cache = engine.new_kv_cache(4, 8)
+    call = (np.array([5, 6, 7, 8]), np.arange(4), np.zeros(4), cache, np.arange(4))
+    try:
+        engine.forward_rows(*call)                              # its activations' bucket allocated
+        submits = []
+        for adapters in (None, [0, 1, 2, -1]):
+            before = engine.counters["submits"]
+            engine.forward_rows(*call, adapters=adapters)
+            submits.append(engine.counters["submits"] - before)
+        assert submits[0] == submits[1] == 2
+    finally:
+        engine.free_kv_cache(cache)

@@ -1,7 +1,8 @@
-"""`wgpu-train bench --only serve`: the server on the embedded model with three LoRA adapters, through HTTP: a
-burst of N streamed greedy requests arriving a few milliseconds apart over the three adapters (mixed) and over one
-(single), against the same N requests sent one at a time: time to the first token (p50, p95) against one request
-alone, tokens/s against one at a time, and mixed against single, as ratios measured in one run."""
+"""`wgpu-train bench --only serve`: the server on the embedded model with three LoRA adapters (in one bank: rows of
+any of them share a step), through HTTP: a burst of N streamed greedy requests arriving a few milliseconds apart
+over the three adapters (mixed) and over one (single), against the same N requests sent one at a time: time to
+the first token (p50, p95) against one request alone, tokens/s against one at a time, and mixed against single,
+as ratios measured in one run; the engine's submits and steps of each burst."""
 from __future__ import annotations
 
 import http.client
@@ -127,16 +128,19 @@ def bench_serve(rt, n: int = 16, max_tokens: int = 24, stagger_s: float = 0.02) 
         _round(port, mixed, 4, stagger_s=0.0)            # warm-up: kernels compiled, the tuner's shapes timed
         _round(port, single, 4, stagger_s=0.0)
         alone = _round(port, mixed, max_tokens, stagger_s=None)
-        steps, switches = scheduler.stats["steps"], registry.switches
+        counters = model.engine.counters
+        steps, switches, submits = scheduler.stats["steps"], registry.switches, counters["submits"]
         burst = _round(port, mixed, max_tokens, stagger_s)
-        burst.update(steps=scheduler.stats["steps"] - steps, adapter_switches=registry.switches - switches)
-        steps = scheduler.stats["steps"]
+        burst.update(steps=scheduler.stats["steps"] - steps, adapter_switches=registry.switches - switches,
+                     submits=counters["submits"] - submits)
+        steps, submits = scheduler.stats["steps"], counters["submits"]
         one_adapter = _round(port, single, max_tokens, stagger_s)
-        one_adapter.update(steps=scheduler.stats["steps"] - steps)
+        one_adapter.update(steps=scheduler.stats["steps"] - steps, submits=counters["submits"] - submits)
     finally:
         server.stop()
         scheduler.close()
-    return {"adapter": rt.info.describe(), "model": "embedded, 3 LoRA adapters r=8", "requests": n,
+    return {"adapter": rt.info.describe(), "model": "embedded, 3 LoRA adapters r=8",
+            "adapters_in_one_batch": scheduler.mixed, "requests": n,
             "max_tokens": max_tokens, "stagger_s": stagger_s, "one_at_a_time": alone, "mixed_burst": burst,
             "single_adapter_burst": one_adapter,
             "ttft_p50_vs_alone": round(burst["ttft_p50_s"] / alone["ttft_p50_s"], 2),

@@ -188,6 +188,7 @@ class _Row:
     logprobs: int | None            # how many top alternatives to give with each token; None: no logprobs
     prompt_logprobs: bool
     rng: np.random.Generator
+    adapter: int = -1               # its adapter in the engine's bank (set_adapter_bank); negative: none
     out: list = field(default_factory=list)
     fed: int = 0                    # prompt tokens written into the cache
     counts: dict = field(default_factory=dict)      # token id -> times generated (the penalties)
@@ -223,9 +224,11 @@ class DecodeBatch:
         return sum(r.prompt.size - r.fed for r in self._rows.values())
 
     def add(self, prompt, max_new_tokens: int, sampling: Sampling = Sampling(), stop_token_ids=(),
-            logprobs: int | None = None, prompt_logprobs: bool = False) -> int:
+            logprobs: int | None = None, prompt_logprobs: bool = False, adapter: int = -1) -> int:
         """A row for the prompt (T,) ids, to run until max_new_tokens (>= 1) tokens, a stop token, or its
-        cache row full; its slot. The caller checks sizes against the cache (ValueError past them)."""
+        cache row full; its slot. adapter: its own adapter in the engine's bank (set_adapter_bank), the rows
+        of several in one engine call; negative: the engine's model as it is. The caller checks sizes against
+        the cache (ValueError past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
@@ -233,7 +236,7 @@ class DecodeBatch:
         _check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
         slot = self._free.pop()
         self._rows[slot] = _Row(prompt, int(max_new_tokens), sampling, frozenset(int(s) for s in stop_token_ids),
-                                logprobs, prompt_logprobs, np.random.default_rng(sampling.seed))
+                                logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter))
         return slot
 
     def remove(self, slot: int):
@@ -259,22 +262,25 @@ class DecodeBatch:
                 room -= take
                 ends = r.fed + take == r.prompt.size
                 wants = range(r.fed, r.fed + take) if r.prompt_logprobs else [r.fed + take - 1] if ends else []
-                calls[cfg.rope_long(r.prompt.size - 1)].add(slot, r.prompt[r.fed:r.fed + take], r.fed, wants)
+                calls[cfg.rope_long(r.prompt.size - 1)].add(slot, r.prompt[r.fed:r.fed + take], r.fed, wants,
+                                                             r.adapter)
                 r.fed += take
                 continue
             pos = r.prompt.size + len(r.out) - 1        # the newest token's position
             if cfg.rope_long(pos) and not cfg.rope_long(pos - 1):
                 # its length first passes original_max_position_embeddings: prefilled again, whole, with the long
                 # factors (its cached keys had the short ones), as transformers' Phi-3 generation has it
-                calls[True].add(slot, np.concatenate([r.prompt, r.out]), 0, [pos])
+                calls[True].add(slot, np.concatenate([r.prompt, r.out]), 0, [pos], r.adapter)
             else:
-                calls[cfg.rope_long(pos)].add(slot, np.array(r.out[-1:]), pos, [pos])
+                calls[cfg.rope_long(pos)].add(slot, np.array(r.out[-1:]), pos, [pos], r.adapter)
+        mixed = any(r.adapter >= 0 for r in self._rows.values())
         chosen = []
         for long, call in calls.items():
             if call.ids:
                 logits = self.engine.forward_rows(np.concatenate(call.ids), np.concatenate(call.rows),
                                                   np.concatenate(call.positions), self.cache,
-                                                  np.array(call.last, dtype=np.int64), long)       # (m, V)
+                                                  np.array(call.last, dtype=np.int64), long,
+                                                  np.concatenate(call.adapters) if mixed else None)  # (m, V)
                 chosen += self._choose(call, logits)
         return chosen
 
@@ -300,16 +306,18 @@ class DecodeBatch:
 
 
 class _Call:
-    """The tokens of one forward_rows call: ids, cache rows and positions, and which logits each row wants."""
+    """The tokens of one forward_rows call: ids, cache rows, positions and adapters, and which logits each row
+    wants."""
 
     def __init__(self):
-        self.ids, self.rows, self.positions = [], [], []
+        self.ids, self.rows, self.positions, self.adapters = [], [], [], []
         self.wants, self.last = [], []         # (slot, position) and its token's index in the call
         self.n = 0
 
-    def add(self, slot: int, ids: np.ndarray, start: int, wants):
+    def add(self, slot: int, ids: np.ndarray, start: int, wants, adapter: int):
         self.ids.append(ids)
         self.rows.append(np.full(ids.size, slot))
+        self.adapters.append(np.full(ids.size, adapter))
         self.positions.append(np.arange(start, start + ids.size))
         for pos in wants:
             self.wants.append((slot, pos))

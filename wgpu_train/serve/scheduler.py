@@ -1,8 +1,9 @@
 """The one worker thread that owns the Model (engines are not thread-safe) and its running batch (continuous
-batching): answers wait in order in a bounded queue; at every step the worker admits waiting answers of the
-batch's adapter into free rows of one KV cache (a DecodeBatch; another adapter's answers wait PATIENCE steps at
-most, then the batch drains and switches), takes one token of every running row, sends each
-answer's text as it comes, and frees the row of an answer that ended, met a stop string or lost its client."""
+batching): answers wait in order in a bounded queue; at every step the worker admits waiting answers into free
+rows of one KV cache (a DecodeBatch), each row with its own adapter out of the engine's bank (or, where an adapter
+cannot join a bank, answers of the batch's adapter only: another adapter's wait PATIENCE steps at most, then
+the batch drains and switches), takes one token of every running row, sends each answer's text as it comes, and
+frees the row of an answer that ended, met a stop string or lost its client."""
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,9 @@ from wgpu_train.serve.metrics import ServeMetrics
 from wgpu_train.serve.text_stream import TextStream
 
 log = logging.getLogger("wgpu_train.serve")
-# steps an answer for another adapter than the running batch's waits while the batch admits answers of its own;
-# then the batch admits none, drains, and switches (one adapter per batch: the engines apply one LoRA at a time)
+# without a bank (an adapter with DoRA, modules_to_save or a PiSSA residual): steps an answer for another adapter
+# than the running batch's waits while the batch admits answers of its own; then the batch admits none, drains,
+# and switches
 PATIENCE = 16
 
 
@@ -77,6 +79,7 @@ class Scheduler:
         self._waiting: deque = deque()
         self._running: dict[int, _Running] = {}         # batch slot -> its job
         self._batch: DecodeBatch | None = None
+        self.mixed = False              # the adapters in one bank: rows of any adapters share the batch
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="wgpu-train-serve-worker", daemon=True)
@@ -84,7 +87,9 @@ class Scheduler:
         self.stats = {"jobs": 0, "steps": 0, "largest_batch": 0, "tokens": 0, "cancelled": 0, "joined": 0}
 
     def start(self):
-        """The batch's KV cache allocated (a DeviceError when it does not fit), then the worker started."""
+        """The adapters put in one bank where they can be (mixed adapters in a batch), the batch's KV cache
+        allocated (a DeviceError when it does not fit), then the worker started."""
+        self.mixed = self.registry.build_bank()
         self._batch = DecodeBatch(self.model.engine, self.max_batch, self.context)
         self._thread.start()
 
@@ -145,12 +150,15 @@ class Scheduler:
                     self._free(slot)
 
     def _admit(self) -> list:
-        """Waiting jobs that take free rows now (the lock held), oldest first: an idle batch takes the oldest
-        job's adapter; a running batch admits jobs of its adapter until a job for another has waited PATIENCE
-        steps, then none, so that it drains and that job's adapter comes next. Admission also stops once the
+        """Waiting jobs that take free rows now (the lock held), oldest first: any, with the adapters in a bank;
+        else an idle batch takes the oldest job's adapter, and a running batch admits jobs of its adapter until
+        a job for another has waited PATIENCE steps, then none, so that it drains and that job's adapter comes
+        next. Admission also stops once the
         prompts admitted but not yet prefilled pass a step's token budget."""
         steps = self.stats["steps"]
-        if self._running:
+        if self.mixed:
+            adapter = None
+        elif self._running:
             adapter = self.registry.active
             if any(j.adapter != adapter and steps - j.queued_step >= PATIENCE for j in self._waiting):
                 return []
@@ -160,7 +168,7 @@ class Scheduler:
         for job in list(self._waiting):
             if len(admitted) == self._batch.free_slots() or pending >= PREFILL_TOKENS:
                 break
-            if job.adapter == adapter:
+            if adapter is None or job.adapter == adapter:
                 self._waiting.remove(job)
                 admitted.append(job)
                 pending += len(job.prompt)
@@ -169,12 +177,14 @@ class Scheduler:
 
     def _step(self, admitted: list):
         if admitted:
-            self.registry.activate(admitted[0].adapter)     # only ever switched with the batch empty
+            if not self.mixed:
+                self.registry.activate(admitted[0].adapter)     # only ever switched with the batch empty
             self.stats["joined"] += len(admitted) if self._running else 0
         now = time.perf_counter()
         for job in admitted:
             slot = self._batch.add(job.prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
-                                   job.logprobs, job.echo and job.logprobs is not None)
+                                   job.logprobs, job.echo and job.logprobs is not None,
+                                   self.registry.row_adapter(job.adapter) if self.mixed else -1)
             self._running[slot] = _Running(job, TextStream(self.tokenizer, job.stops), last=now)
             self.metrics.prompt_tokens.inc(len(job.prompt))
         for slot, run in list(self._running.items()):

@@ -23,6 +23,11 @@ class BankModule:
     def rank(self) -> int:
         return self.a.shape[1]
 
+    @property
+    def k(self) -> int:
+        """Adapters in the bank."""
+        return self.a.shape[0]
+
 
 def build_bank(adapters: list, shapes) -> dict:
     """adapters: one {module path: (A (r, in), B (out, r), scale)} per adapter, in bank order (row adapter

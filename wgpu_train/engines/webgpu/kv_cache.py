@@ -1,11 +1,13 @@
 """Generation with a KV cache on the WebGPU engine (KvCacheGeneration, a part of WgpuEngine): per layer a key
-and a value buffer, rows of several sequences decoded together."""
+and a value buffer, rows of several sequences decoded together, each with its own adapter out of a bank
+(mixed_lora.py, which the engine's _linear adds per row)."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.shared.kv_rows import check_rows, forward_cached
+from wgpu_train.engines.shared.kv_rows import check_adapters, check_rows, forward_cached
+from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule
 from wgpu_train.engines.webgpu.tuned import decode_kernels
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.operands import at
@@ -13,6 +15,16 @@ from wgpu_train.engines.webgpu.device.operands import at
 
 class KvCacheGeneration:
     """WgpuEngine's KV-cache generation (a mixin: it records layers with the engine's LayerRecorder)."""
+
+    adapter_bank: dict = {}         # module path -> GpuBankModule (set_adapter_bank replaces it, never mutates it)
+    bank_rows = None                # a buffer of each token's adapter (i32) while forward_rows records with them
+
+    def set_adapter_bank(self, bank: dict | None):
+        """The adapters that forward_rows(adapters=) picks per row ({module path: shared BankModule}, uploaded
+        here as float32; the previous bank's buffers released), or None."""
+        for module in self.adapter_bank.values():
+            self.rt.release(*module.buffers())
+        self.adapter_bank = {p: GpuBankModule.upload(self.rt, m) for p, m in (bank or {}).items()}
 
     # ---- generation with a KV cache -----------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
@@ -43,13 +55,15 @@ class KvCacheGeneration:
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
         return forward_cached(self, ids, kv)
 
-    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
         """n new tokens, each with its own cache row and position (numpy.engine.NumpyEngine.forward_rows):
         keys and values written first, then causal attention within each row; logits (m, V) of the tokens
         at indices last (m,). One submission and one readback while the m rows of logits fit the head's
         chunk. The tokens are padded to a power of two (padding has row -1, which writes nothing) so that
-        calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets."""
+        calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets.
+        adapters: (n,) each token's adapter in the bank (set_adapter_bank; negative: none), or None."""
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
+        adapters = check_adapters(adapters, ids.shape[0], self.adapter_bank)
         n, m = ids.shape[0], last.shape[0]
         if n == 0:
             return np.zeros((m, self.cfg.vocab_size), np.float32)
@@ -63,8 +77,14 @@ class KvCacheGeneration:
         if long_rope is not None:
             acts.rope_long = bool(long_rope)
         self._training = False
+        if adapters is not None:        # one buffer per bucket size, rewritten each call (padding: no adapter)
+            self.bank_rows = self.rt.memo(("bank_rows", size), lambda rt: rt.buffer(size * 4, "bank_rows"))
+            self.rt.write(self.bank_rows, np.pad(adapters, (0, pad), constant_values=-1).astype(np.int32))
         rec = self.rt.recorder()
-        self._record_forward(rec, acts, kv, m)
+        try:
+            self._record_forward(rec, acts, kv, m)
+        finally:
+            self.bank_rows = None
         v, c = self.cfg.vocab_size, self.cfg.hidden_size
         out = np.empty((m, v), np.float32)
         if m == 0:   # keys and values only
