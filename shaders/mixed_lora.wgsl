@@ -74,14 +74,21 @@ fn mixed_lora_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     }
 }
 
-// The same without workgroup memory or barriers (which llvmpipe runs slowly): one invocation per (row, OUT_PER
-// outputs) computes its row's h itself, then its outputs; for CPU adapters, where an invocation's loops fit.
+// The same without workgroup memory or barriers (which llvmpipe runs slowly): one invocation per (row, chunk of
+// OUT_PER outputs), numbered row-major over a flat grid so that every lane of a workgroup works, computes its
+// row's h itself, then its outputs; for CPU adapters, where an invocation's loops fit.
 @compute @workgroup_size(64)
-fn mixed_lora_private(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let t = gid.y;
-    let first = gid.x * OUT_PER;
+fn mixed_lora_private(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = (wid.y * nwg.x + wid.x) * WG + lid.x;   // the flat grid folds into y beyond 65535 workgroups
+    let chunks = (params.out_f + OUT_PER - 1u) / OUT_PER;
+    let t = g / chunks;
+    if (t >= params.n) {
+        return;
+    }
+    let first = (g % chunks) * OUT_PER;
     let k = adapters[t];
-    if (k < 0 || first >= params.out_f) {
+    if (k < 0) {
         return;
     }
     let kk = u32(k);

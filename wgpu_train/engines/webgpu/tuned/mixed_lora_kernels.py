@@ -12,7 +12,7 @@ import numpy as np
 
 from wgpu_train.engines.shared.mixed_lora import BankModule, mixed_lora_forward
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.device.launch import Kernel, prepare
+from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
 from wgpu_train.engines.webgpu.device.operands import split
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
@@ -64,11 +64,15 @@ class MixedLoraProblem:
 
     def candidates(self) -> list:
         """The tiled candidates whose tile is not much larger than the module's outputs, the most outputs first
-        (the fewest reductions of h: the default, untuned; on llvmpipe 2x the private ones' speed in
-        `bench --only mixed_lora`), then the private ones, on CPU adapters within llvmpipe's loop budget."""
+        (the fewest reductions of h), and the private ones, on CPU adapters within llvmpipe's loop budget. The
+        default (untuned) first: the tiled ones on GPUs, and on CPU adapters where a tile of 16 outputs an
+        invocation applies (out > 512; on llvmpipe about 2x private64's speed at 896 -> 896), else the private
+        ones, the most outputs first (3-10x the tiled ones' speed there at 128 and 352 outputs)."""
         tiles = [Tile(c) for c in sorted(OUTPUTS, reverse=True) if c == 1 or WG * c // 2 < self.out_f]
-        return tiles + [Private(c) for c in PRIVATE_OUTPUTS if not is_cpu(self.rt)
-                        or Private(c).loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
+        cpu = is_cpu(self.rt)
+        private = [Private(c) for c in sorted(PRIVATE_OUTPUTS, reverse=True)
+                   if not cpu or Private(c).loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
+        return private + tiles if cpu and tiles[0].out_per < max(OUTPUTS) else tiles + private
 
     def tolerance(self, want: np.ndarray, cand=None) -> float:
         """The largest error a correct candidate may make: float32 sums of in and rank terms."""
@@ -108,7 +112,7 @@ class Tile:
         self.out_per, self.name = out_per, f"mixed_lora/out{out_per}"
 
     def dispatches(self, p: MixedLoraProblem) -> list:
-        return _dispatches(p, _kernel(self.out_per), -(-p.out_f // (WG * self.out_per)))
+        return _dispatches(p, _kernel(self.out_per), (-(-p.out_f // (WG * self.out_per)), p.n))
 
 
 class Private:
@@ -124,15 +128,16 @@ class Private:
         return p.rank * (p.in_f + 1) + 1 + self.out_per * (p.rank + 1) + 1
 
     def dispatches(self, p: MixedLoraProblem) -> list:
-        return _dispatches(p, _kernel(self.out_per, private=True), -(-p.out_f // (WG * self.out_per)))
+        chunks = -(-p.out_f // self.out_per)
+        return _dispatches(p, _kernel(self.out_per, private=True), flat_grid(-(-(p.n * chunks) // WG)))
 
 
-def _dispatches(p: MixedLoraProblem, k: Kernel, tiles: int) -> list:
+def _dispatches(p: MixedLoraProblem, k: Kernel, groups: tuple) -> list:
     sizes = {"y": p.n * p.out_f, "x": p.n * p.in_f, "a_bank": p.k * p.rank * p.in_f,
              "b_bank": p.k * p.out_f * p.rank, "scales": p.k, "adapters": p.n}
     pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names], n=p.n, in_f=p.in_f,
                                   out_f=p.out_f, rank=p.rank)
-    return [(pipeline, resources, (tiles, p.n))]
+    return [(pipeline, resources, groups)]
 
 
 def all_kernels() -> list[Kernel]:
