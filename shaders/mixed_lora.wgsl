@@ -2,8 +2,8 @@
 // per-row gather): y[n] += scales[k] * (x[n] A_k^T) B_k^T for k = adapters[n], from one module's bank of
 // adapters (A (K, R, in), B (K, out, R), their ranks padded to R with zeros); a row whose adapter is negative
 // takes no term. The mirror of engines/shared/mixed_lora.py mixed_lora_forward. One workgroup per (row, tile
-// of 64 * OUT_PER outputs): it reduces h = x[n] A_k^T (R values) in workgroup memory, then each invocation
-// adds OUT_PER outputs, consecutive invocations on consecutive outputs. x and y are tensors in any storage
+// of 128 * OUT_PER outputs): it reduces h = x[n] A_k^T (R values) in workgroup memory, then each invocation
+// adds OUT_PER pairs of outputs, consecutive invocations on consecutive pairs. x and y are tensors in any storage
 // format (device/storage.py); the bank is float32.
 
 struct Params {
@@ -23,7 +23,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read> scales: array<f32>;      // (K,)
 @group(0) @binding(6) var<storage, read> adapters: array<i32>;    // (N,) each row's adapter; negative: none
 
-override OUT_PER: u32 = 1u;       // outputs per invocation
+override OUT_PER: u32 = 1u;       // pairs of outputs per invocation (the private kernel: outputs, an even count)
 const WG: u32 = 64u;
 const MAX_RANK: u32 = 256u;
 
@@ -61,15 +61,25 @@ fn mixed_lora_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     }
     let scale = scales[kk];
     let bb = kk * params.out_f * params.rank;
+    var acc1: f32;
     for (var q = 0u; q < OUT_PER; q = q + 1u) {
-        let o = (wid.x * OUT_PER + q) * WG + lid.x;
+        // a pair of outputs: a 16-bit y stores two to a word, which one invocation must own
+        let o = 2u * ((wid.x * OUT_PER + q) * WG + lid.x);
         if (o < params.out_f) {
             acc = 0.0;
+            acc1 = 0.0;
+            let two = o + 1u < params.out_f;
+            let o1 = select(o, o + 1u, two);
             for (var j = 0u; j < params.rank; j = j + 1u) {
                 acc = acc + h[j] * b_bank[bb + o * params.rank + j];
+                acc1 = acc1 + h[j] * b_bank[bb + o1 * params.rank + j];
             }
             let e = params.o1 + t * params.out_f + o;
-            y_st(e, y_ld(e) + scale * acc);
+            if (two) {
+                y_st2(e, y_ld2(e) + scale * vec2<f32>(acc, acc1));
+            } else {                                // an odd width's last output (float32 only)
+                y_st(e, y_ld(e) + scale * acc);
+            }
         }
     }
 }

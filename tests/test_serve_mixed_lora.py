@@ -14,6 +14,7 @@ from serve_helpers import save_adapter
 from tolerances import assert_close
 from wgpu_train.engines.generate import DecodeBatch
 from wgpu_train.engines.shared.mixed_lora import build_bank, mixed_lora_forward as reference
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule, mixed_lora_forward
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.mixed_lora_kernels import OUTPUTS, PRIVATE_OUTPUTS
@@ -121,3 +122,27 @@ def test_a_batch_of_mixed_adapters_equals_each_alone_on_webgpu_in_one_submission
         assert submits[0] == submits[1] == 2
     finally:
         engine.free_kv_cache(cache)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_the_kernel_takes_16_bit_activations(rt, fmt):
+    """x and y stored in 16 bits (an engine under --precision bf16 / f16): y + each row's term, rounded once."""
+    rng = np.random.default_rng(3)
+    in_f, out_f, rows = 29, 70, np.array([2, -1, 0, 1, 1, 2], np.int32)
+    bank = build_bank(_adapters(rng, (3, 6, 4), in_f, out_f), lambda p: (out_f, in_f))["m"]
+    x = storage.rounded(rng.standard_normal(rows.size * in_f), fmt).reshape(rows.size, in_f)
+    y0 = storage.rounded(rng.standard_normal(rows.size * out_f), fmt)
+    want = storage.rounded(y0 + reference(x.astype(np.float64), bank, rows).ravel(), fmt)
+    gpu = GpuBankModule.upload(rt, bank)
+    bufs = [storage.upload(rt, x.ravel(), fmt, "x"), rt.upload(rows)]
+    try:
+        for name in ("out1", "private16"):
+            y = storage.upload(rt, y0, fmt, "y")
+            bufs.append(y)
+            with tune.pinned(f"mixed_lora/{name}"):
+                rec = rt.recorder()
+                mixed_lora_forward(rec, y, bufs[0], gpu, bufs[1], rows.size)
+                rec.submit()
+            assert_close(storage.read(rt, y, y0.size), want, f"mixed_lora_{fmt}", name)
+    finally:
+        rt.release(*bufs, *gpu.buffers())

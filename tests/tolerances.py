@@ -269,6 +269,10 @@ TOLERANCES: dict[str, Tolerance] = {
     # boundary the two stored values are neighbours: one unit in the last place apart, at most 2^-7 of the value
     # in bfloat16 (8 significant bits) and 2^-10 in float16 (11; its subnormals' unit, 2^-24, is inside atol).
     # On top of that the float32 part: the largest of the kernels' own float32 entries (k_rmsnorm's).
+    "mixed_lora_bf16": sixteen_bit("bf16", 1e-5, 1e-5,
+        "the mixed-adapter LoRA kernel's y in bfloat16 (x in bfloat16 too): y + each row's term rounded once"),
+    "mixed_lora_f16": sixteen_bit("f16", 1e-5, 1e-5,
+        "the mixed-adapter LoRA kernel's y in float16 (x in float16 too): y + each row's term rounded once"),
     "k16_bf16": sixteen_bit("bf16", 2e-5, 2e-6,
         "Row kernels (rmsnorm, rope, swiglu / geglu, LoRA dropout, DoRA), their float32 part k_rmsnorm's; a wrong "
         "pair, offset or format is off by far more"),

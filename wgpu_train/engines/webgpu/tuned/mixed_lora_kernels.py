@@ -1,6 +1,6 @@
 """The mixed-adapter LoRA product of serving (shaders/mixed_lora.wgsl): each row of a batch its own adapter out of
 one module's bank (engines/shared/mixed_lora.py), one kernel per module. The tiled candidates reduce a row's h
-in workgroup memory once for 64 * OUT_PER outputs (more outputs each: fewer reductions; fewer: more workgroups
+in workgroup memory once for 128 * OUT_PER outputs (more outputs each: fewer reductions; fewer: more workgroups
 in flight); the private ones compute h per invocation without barriers (which llvmpipe runs slowly), where
 an invocation's loops fit llvmpipe's budget on CPU adapters. The tuner picks by measurement, checking each
 against the NumPy reference."""
@@ -20,8 +20,8 @@ from wgpu_train.engines.webgpu.tuned.gemm_kernels import is_cpu
 
 WG = 64                       # the shader's workgroup size
 MAX_RANK = 256                # the shader's workgroup array of h
-OUTPUTS = (1, 4, 16)          # outputs per invocation of the tiled candidates
-PRIVATE_OUTPUTS = (16, 64)    # of the private ones
+OUTPUTS = (1, 4, 8)           # pairs of outputs per invocation of the tiled candidates
+PRIVATE_OUTPUTS = (16, 64)    # outputs per invocation of the private ones (even: a 16-bit y's words whole)
 LOOP_MARGIN = 16              # iterations kept free of llvmpipe's budget
 
 
@@ -68,7 +68,7 @@ class MixedLoraProblem:
         default (untuned) first: the tiled ones on GPUs, and on CPU adapters where a tile of 16 outputs an
         invocation applies (out > 512; on llvmpipe about 2x private64's speed at 896 -> 896), else the private
         ones, the most outputs first (3-10x the tiled ones' speed there at 128 and 352 outputs)."""
-        tiles = [Tile(c) for c in sorted(OUTPUTS, reverse=True) if c == 1 or WG * c // 2 < self.out_f]
+        tiles = [Tile(c) for c in sorted(OUTPUTS, reverse=True) if c == 1 or WG * c < self.out_f]
         cpu = is_cpu(self.rt)
         private = [Private(c) for c in sorted(PRIVATE_OUTPUTS, reverse=True)
                    if not cpu or Private(c).loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
@@ -104,7 +104,7 @@ class MixedLoraProblem:
 
 
 class Tile:
-    """A workgroup per (row, 64 * out_per outputs)."""
+    """A workgroup per (row, 128 * out_per outputs), out_per pairs an invocation."""
 
     family = "tile"
 
@@ -112,7 +112,7 @@ class Tile:
         self.out_per, self.name = out_per, f"mixed_lora/out{out_per}"
 
     def dispatches(self, p: MixedLoraProblem) -> list:
-        return _dispatches(p, _kernel(self.out_per), (-(-p.out_f // (WG * self.out_per)), p.n))
+        return _dispatches(p, _kernel(self.out_per), (-(-p.out_f // (2 * WG * self.out_per)), p.n))
 
 
 class Private:
