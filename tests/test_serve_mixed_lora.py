@@ -69,9 +69,10 @@ def test_the_kernel_equals_the_reference_on_every_candidate(rt, ranks, rows):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A tiny model and three adapters of different ranks and modules."""
+    """A tiny model (even widths, as 16-bit activations need) and three adapters of different ranks and
+    modules."""
     root = tmp_path_factory.mktemp("mixed")
-    model_dir = make_model_dir(root / "model")
+    model_dir = make_model_dir(root / "model", intermediate_size=44)
     return model_dir, [save_adapter(model_dir, root / "a", 2), save_adapter(model_dir, root / "b", 5, r=7),
                        save_adapter(model_dir, root / "c", 9, r=2, targets=["q_proj", "down_proj"])]
 
@@ -104,6 +105,11 @@ def _mixed_batch_equals_each_adapter_alone(served, **load):
 
 def test_a_batch_of_mixed_adapters_equals_each_alone_on_numpy(served):
     _mixed_batch_equals_each_adapter_alone(served, backend="numpy")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "f16"])
+def test_a_batch_of_mixed_adapters_in_16_bits_equals_each_alone(served, rt, precision):
+    _mixed_batch_equals_each_adapter_alone(served, backend="wgpu", device=str(rt.info.index), precision=precision)
 
 
 def test_a_batch_of_mixed_adapters_equals_each_alone_on_webgpu_in_one_submission(served, rt):
