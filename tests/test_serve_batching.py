@@ -334,3 +334,17 @@ def test_an_adapter_that_cannot_join_a_bank_runs_in_batches_of_its_own(files, re
     finally:
         thread.stop()
         scheduler.close()
+
+
+def test_streamed_echo_logprobs_and_choices_equal_the_whole_answer(server, ref):
+    kw = dict(model="b", prompt=ref.tok.encode(QUESTIONS[1]), max_tokens=5, temperature=0.8, seed=3, n=2, echo=True,
+              logprobs=1)
+    whole = server.client.completions.create(**kw)
+    texts, logprobs = ["", ""], [[], []]
+    for chunk in server.client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            logprobs[c.index] += c.logprobs.token_logprobs if c.logprobs else []
+    assert texts == [c.text for c in whole.choices] and texts[0].startswith(ref.tok.decode(kw["prompt"]))
+    assert logprobs == [c.logprobs.token_logprobs for c in whole.choices]
+    assert sum(map(len, logprobs)) == 2 * len(kw["prompt"]) + whole.usage.completion_tokens   # every token's
