@@ -239,7 +239,10 @@ def test_chat_logprobs_follow_the_text_and_the_stream(server, ref):
                (e.bytes is None or bytes(e.bytes).decode() == e.token) for e in content)
     streamed = [e for chunk in server.client.chat.completions.create(**kw, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # the stream reused the first answer's prompt prefix (other matrix shapes): the same numbers but for last bits
+    assert_close(np.array([e.logprob for e in streamed]), np.array([e.logprob for e in content]), "serve_logprobs",
+                 "streamed logprobs")
 
 
 def test_n_choices_draw_from_consecutive_seeds(server):
@@ -348,3 +351,17 @@ def test_streamed_echo_logprobs_and_choices_equal_the_whole_answer(server, ref):
     assert texts == [c.text for c in whole.choices] and texts[0].startswith(ref.tok.decode(kw["prompt"]))
     assert logprobs == [c.logprobs.token_logprobs for c in whole.choices]
     assert sum(map(len, logprobs)) == 2 * len(kw["prompt"]) + whole.usage.completion_tokens   # every token's
+
+
+def test_a_prompt_sent_again_reuses_its_prefix(server, ref):
+    """The same question to the same adapter twice: the second finds all but its prompt's last token in a free
+    row's cache (the prefix_reused_tokens counter), and answers the same; another adapter reuses none of it."""
+    reused = ("wgpu_train_serve_prefix_reused_tokens_total", ())
+    prompt = prompt_ids(ref.tok, QUESTIONS[3])
+    first = ask(server.client, "chat", "a", QUESTIONS[3], temperature=0)
+    before = _metrics(server.url)[reused]
+    assert ask(server.client, "chat", "a", QUESTIONS[3], temperature=0) == first == ref.chat("a", QUESTIONS[3])
+    assert _metrics(server.url)[reused] - before == len(prompt) - 1
+    before = _metrics(server.url)[reused]
+    ask(server.client, "text", "b", "zz " + QUESTIONS[2], temperature=0)
+    assert _metrics(server.url)[reused] == before

@@ -139,3 +139,44 @@ def test_log_probs_and_penalties():
     out = penalised(logits, {1: 3, 4: 1}, Sampling(presence_penalty=0.5, frequency_penalty=1.0))
     assert out.tolist() == [1.0, 3.0 - 3.5, 3.0, -2.0, 0.5 - 1.5]
     assert penalised(logits, {1: 3}, Sampling()) is logits
+
+
+def _prefix_reuse(model):
+    """A row of the same key whose prompt begins as a finished row's did takes its slot and prefills only the
+    rest, and answers as alone; another key reuses nothing."""
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, 83, 12)
+    first, second, other = (np.concatenate([shared, tail]) for tail in ([5, 6], [7, 8, 9], [7, 8, 9]))
+    fed = []
+    inner = model.engine.forward_rows
+    model.engine.forward_rows = lambda ids, *a, **kw: fed.append(len(ids)) or inner(ids, *a, **kw)
+    batch = DecodeBatch(model.engine, 2, 64)
+    try:
+        slot = batch.add(first, 4, prefix_key="a")
+        out = _drain(batch)
+        assert out == model.generate(first, max_new_tokens=4)
+        fed.clear()
+        assert batch.add(second, 4, prefix_key="a") == slot and batch.reused == 12
+        assert _drain(batch) == model.generate(second, max_new_tokens=4)
+        assert fed[0] == 3                              # its prompt's last 3 tokens, not 15
+        batch.add(other, 4, prefix_key="b")
+        assert batch.reused == 12
+        assert _drain(batch) == model.generate(other, max_new_tokens=4)
+    finally:
+        batch.close()
+        del model.engine.forward_rows
+
+
+def _drain(batch) -> list:
+    out = []
+    while len(batch):
+        out += [t.id for t in batch.step()]
+    return out
+
+
+def test_prefix_reuse_on_numpy(tiny):
+    _prefix_reuse(_model(tiny))
+
+
+def test_prefix_reuse_on_webgpu(tiny, rt):
+    _prefix_reuse(_model(tiny, rt))

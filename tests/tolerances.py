@@ -65,9 +65,10 @@ TOLERANCES: dict[str, Tolerance] = {
         "another adapter's A or B, or a padded rank read as data, is off by > 0.1"),
     "serve_logprobs": Tolerance(1e-5, 1e-5,
         "a served prompt's log-probabilities (an engine's KV-cache forward_rows, float64 log-softmax) against the "
-        "same engine's whole forward pass (Model.logits): the same float32 math summed in other orders (cached "
-        "attention per row, other matrix shapes or kernels), a few float32 ulps of log-probs ~-5; a wrong "
-        "position or token is off by > 0.1"),
+        "same engine's whole forward pass (Model.logits), or a request's against the same request whose prompt "
+        "prefix was reused from the cache: the same float32 math summed in other orders (cached attention per "
+        "row, other matrix shapes or kernels), a few float32 ulps of log-probs ~-5; a wrong position or token "
+        "is off by > 0.1"),
     "loss_f32": Tolerance(5e-6, 1e-6,
         "mean cross-entropy (~4.5) in float32 from both sides; observed <= 5e-7 absolute"),
     "grads_f32": Tolerance(1e-4, 2e-5,

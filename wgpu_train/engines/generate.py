@@ -189,6 +189,7 @@ class _Row:
     prompt_logprobs: bool
     rng: np.random.Generator
     adapter: int = -1               # its adapter in the engine's bank (set_adapter_bank); negative: none
+    key: object = None              # what its keys and values depend on beside its tokens (prefix reuse)
     out: list = field(default_factory=list)
     fed: int = 0                    # prompt tokens written into the cache
     counts: dict = field(default_factory=dict)      # token id -> times generated (the penalties)
@@ -201,7 +202,11 @@ class DecodeBatch:
     decoding row's newest token and up to token_budget tokens in all of the prompts still being prefilled,
     oldest row first (chunked prefill), and chooses each row's next token when its logits come. A row's
     tokens do not depend on which rows share its steps (but for the last bits of sums the engine orders
-    otherwise, as generate_batch says). Not thread-safe: one thread drives it."""
+    otherwise, as generate_batch says). Not thread-safe: one thread drives it.
+
+    Prefix reuse: a free slot keeps the keys and values its last row wrote, with that row's prefix_key (add); a
+    row of the same key whose prompt begins with some of those tokens takes that slot and prefills only the
+    rest (reused counts the tokens saved). Not under longrope (a row's factors follow its length)."""
 
     def __init__(self, engine, rows: int, max_len: int, token_budget: int = PREFILL_TOKENS):
         self.engine = engine
@@ -211,6 +216,10 @@ class DecodeBatch:
         self.cache = engine.new_kv_cache(rows, max_len)
         self._free = list(range(rows - 1, -1, -1))      # a stack: the lowest slot is taken first
         self._rows: dict[int, _Row] = {}               # slot -> row, in the order they joined
+        self._kept: dict[int, tuple] = {}              # free slot -> (prefix_key, the token ids (P,) its cache holds)
+        cfg = engine.cfg
+        self._reuse = not cfg.rope_long(cfg.max_position_embeddings - 1)
+        self.reused = 0
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -224,29 +233,49 @@ class DecodeBatch:
         return sum(r.prompt.size - r.fed for r in self._rows.values())
 
     def add(self, prompt, max_new_tokens: int, sampling: Sampling = Sampling(), stop_token_ids=(),
-            logprobs: int | None = None, prompt_logprobs: bool = False, adapter: int = -1) -> int:
+            logprobs: int | None = None, prompt_logprobs: bool = False, adapter: int = -1,
+            prefix_key=None) -> int:
         """A row for the prompt (T,) ids, to run until max_new_tokens (>= 1) tokens, a stop token, or its
         cache row full; its slot. adapter: its own adapter in the engine's bank (set_adapter_bank), the rows
-        of several in one engine call; negative: the engine's model as it is. The caller checks sizes against
-        the cache (ValueError past them)."""
+        of several in one engine call; negative: the engine's model as it is. prefix_key: None, or what the
+        row's keys and values depend on beside its tokens (the adapter a server's model has on): rows of one
+        key reuse each other's prompt prefixes (not with prompt_logprobs, which needs every position's
+        logits). The caller checks sizes against the cache (ValueError past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
                              f"for rows of {self.max_len}, max_new_tokens {max_new_tokens}")
         _check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
-        slot = self._free.pop()
+        slot, reuse = self._free[-1], 0
+        if prefix_key is not None and self._reuse and not prompt_logprobs:
+            for free in self._free:
+                key, held = self._kept.get(free, (None, None))
+                if key == prefix_key:
+                    common = _common_prefix(held, prompt[:-1])     # the last token's logits are wanted
+                    if common > reuse:
+                        slot, reuse = free, common
+        self._free.remove(slot)
+        self._kept.pop(slot, None)
         self._rows[slot] = _Row(prompt, int(max_new_tokens), sampling, frozenset(int(s) for s in stop_token_ids),
-                                logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter))
+                                logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter),
+                                prefix_key, fed=reuse)
+        self.reused += reuse
         return slot
 
     def remove(self, slot: int):
-        """End a row now (its client gone, a stop string met): its slot is free for the next add."""
-        if self._rows.pop(slot, None) is not None:
+        """End a row now (its client gone, a stop string met): its slot is free for the next add, keeping the
+        tokens its cache row holds for prefix reuse."""
+        r = self._rows.pop(slot, None)
+        if r is not None:
             self._free.append(slot)
+            if r.key is not None:       # written: the prompt's fed tokens, then every token but the newest
+                done = r.out[:-1] if r.fed == r.prompt.size else []
+                self._kept[slot] = (r.key, np.concatenate([r.prompt[:r.fed], np.array(done, np.int64)]))
 
     def close(self):
         """Free the cache."""
         self._rows.clear()
+        self._kept.clear()
         self.engine.free_kv_cache(self.cache)
 
     def step(self) -> list[Token]:
@@ -303,6 +332,13 @@ class DecodeBatch:
             if finished:
                 self.remove(slot)
         return tokens
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids a (P,) and b (T,) share."""
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 class _Call:

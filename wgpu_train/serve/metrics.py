@@ -20,7 +20,9 @@ class ServeMetrics:
         p, r = "wgpu_train_serve_", self.registry
         self.requests = Counter(p + "requests", "answers ended, by served model and finish reason "
                                 "(stop, length, cancelled, error)", ["model", "finish_reason"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of the answers admitted", registry=r)
+        self.prefix_reused = Counter(p + "prefix_reused_tokens", "prompt tokens whose keys and values a row found "
+                                     "in its cache row already (prefix reuse), not prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
         self.steps = Counter(p + "steps", "engine steps of the running batch", registry=r)
         self.queue = Gauge(p + "queue_length", "answers waiting for a row of the running batch", registry=r)

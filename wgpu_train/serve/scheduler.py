@@ -1,6 +1,7 @@
 """The one worker thread that owns the Model (engines are not thread-safe) and its running batch (continuous
 batching): answers wait in order in a bounded queue; at every step the worker admits waiting answers into free
-rows of one KV cache (a DecodeBatch), each row with its own adapter out of the engine's bank (or, where an adapter
+rows of one KV cache (a DecodeBatch, whose free rows keep their keys and values for prompts of the same adapter
+that begin alike), each row with its own adapter out of the engine's bank (or, where an adapter
 cannot join a bank, answers of the batch's adapter only: another adapter's wait PATIENCE steps at most, then
 the batch drains and switches), takes one token of every running row, sends each answer's text as it comes, and
 frees the row of an answer that ended, met a stop string or lost its client."""
@@ -182,11 +183,13 @@ class Scheduler:
             self.stats["joined"] += len(admitted) if self._running else 0
         now = time.perf_counter()
         for job in admitted:
+            reused = self._batch.reused
             slot = self._batch.add(job.prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
                                    job.logprobs, job.echo and job.logprobs is not None,
-                                   self.registry.row_adapter(job.adapter) if self.mixed else -1)
+                                   self.registry.row_adapter(job.adapter) if self.mixed else -1, job.adapter)
             self._running[slot] = _Running(job, TextStream(self.tokenizer, job.stops), last=now)
             self.metrics.prompt_tokens.inc(len(job.prompt))
+            self.metrics.prefix_reused.inc(self._batch.reused - reused)
         for slot, run in list(self._running.items()):
             if run.job.cancelled.is_set():
                 self._count_cancelled(run.job)
