@@ -365,3 +365,22 @@ def test_a_prompt_sent_again_reuses_its_prefix(server, ref):
     before = _metrics(server.url)[reused]
     ask(server.client, "text", "b", "zz " + QUESTIONS[2], temperature=0)
     assert _metrics(server.url)[reused] == before
+
+
+def test_a_failing_step_answers_500_and_the_server_serves_on(server, ref, monkeypatch):
+    engine = server.scheduler.model.engine
+    inner = type(engine).forward_rows
+    calls = []
+
+    def fails_once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return inner(engine, *a, **kw)
+    monkeypatch.setattr(engine, "forward_rows", fails_once)
+    with pytest.raises(openai.InternalServerError) as e:
+        ask(server.client, "chat", "a", QUESTIONS[0], temperature=0)
+    assert "internal error during generation (RuntimeError)" in e.value.body["message"]
+    assert ask(server.client, "chat", "a", QUESTIONS[0], temperature=0) == ref.chat("a", QUESTIONS[0])
+    assert _metrics(server.url)[("wgpu_train_serve_batch_rows_running", ())] == 0
+    assert server.scheduler._batch.free_slots() == 4

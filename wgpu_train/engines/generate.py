@@ -304,13 +304,18 @@ class DecodeBatch:
                 calls[cfg.rope_long(pos)].add(slot, np.array(r.out[-1:]), pos, [pos], r.adapter)
         mixed = any(r.adapter >= 0 for r in self._rows.values())
         chosen = []
-        for long, call in calls.items():
-            if call.ids:
-                logits = self.engine.forward_rows(np.concatenate(call.ids), np.concatenate(call.rows),
-                                                  np.concatenate(call.positions), self.cache,
-                                                  np.array(call.last, dtype=np.int64), long,
-                                                  np.concatenate(call.adapters) if mixed else None)  # (m, V)
-                chosen += self._choose(call, logits)
+        try:
+            for long, call in calls.items():
+                if call.ids:
+                    logits = self.engine.forward_rows(np.concatenate(call.ids), np.concatenate(call.rows),
+                                                      np.concatenate(call.positions), self.cache,
+                                                      np.array(call.last, dtype=np.int64), long,
+                                                      np.concatenate(call.adapters) if mixed else None)  # (m, V)
+                    chosen += self._choose(call, logits)
+        except BaseException:
+            for r in self._rows.values():       # what their cache rows hold is unknown now: never reused
+                r.key = None
+            raise
         return chosen
 
     def _choose(self, call, logits: np.ndarray) -> list[Token]:

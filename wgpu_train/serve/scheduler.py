@@ -145,9 +145,12 @@ class Scheduler:
                 self._step(admitted)
             except Exception as e:           # a bug: the running answers get a 500, the server keeps serving
                 log.exception("generation failed")
-                for slot, run in list(self._running.items()):
-                    run.job.emit(("error", 500, f"internal error during generation ({type(e).__name__})"))
-                    self.metrics.requests.labels(run.job.adapter, "error").inc()
+                running = {id(run.job) for run in self._running.values()}
+                jobs = [run.job for run in self._running.values()] + [j for j in admitted if id(j) not in running]
+                for job in jobs:                # the admitted ones too, whether or not they got a row
+                    job.emit(("error", 500, f"internal error during generation ({type(e).__name__})"))
+                    self.metrics.requests.labels(job.adapter, "error").inc()
+                for slot in list(self._running):
                     self._free(slot)
 
     def _admit(self) -> list:
