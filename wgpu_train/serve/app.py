@@ -220,12 +220,12 @@ def _echo_text(tokenizer, given, ids: list) -> str:
 class _Answer:
     """One request's choices as their events come: text, finish reasons, logprobs objects, usage."""
 
-    def __init__(self, reply: Reply, format: Logprobs, n: int, echoes: list, logprobs: bool):
-        self.reply, self.format, self.n, self.echoes, self.logprobs = reply, format, n, echoes, logprobs
-        self.stops = set(format.tokenizer.stop_token_ids)
+    def __init__(self, reply: Reply, shape: Logprobs, n: int, echoes: list, logprobs: bool):
+        self.reply, self.shape, self.n, self.echoes, self.logprobs = reply, shape, n, echoes, logprobs
+        self.stops = set(shape.tokenizer.stop_token_ids)
         self.texts = [""] * len(echoes)
         self.reasons = [None] * len(echoes)
-        self.objects = [format.empty() if logprobs else None for _ in echoes]
+        self.objects = [shape.empty() if logprobs else None for _ in echoes]
         self.tokens = [0, 0]            # usage: prompt tokens (once per prompt, whatever n), completion tokens
 
     def take(self, index: int, event: tuple) -> tuple:
@@ -247,8 +247,8 @@ class _Answer:
         self.texts[index] += text
         if entries is None:
             return text, None
-        self.format.extend(self.objects[index], entries, at)
-        return text, self.format.of(entries, at)
+        self.shape.extend(self.objects[index], entries, at)
+        return text, self.shape.of(entries, at)
 
     def whole(self) -> list:
         """(text, finish_reason, logprobs object) of every choice."""
