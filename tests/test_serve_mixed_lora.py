@@ -5,13 +5,17 @@ three adapters (other ranks, other modules) and none gives each row its adapter'
 in as many submits a step as the base model alone."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import wgpu_train as wt
+from conftest import require_adapter
 from finetune_helpers import make_model_dir
 from serve_helpers import save_adapter
 from tolerances import assert_close
+from wgpu_train.cli.main import main
 from wgpu_train.engines.generate import DecodeBatch
 from wgpu_train.engines.shared.mixed_lora import build_bank, mixed_lora_forward as reference
 from wgpu_train.engines.webgpu.device import storage
@@ -152,3 +156,16 @@ def test_the_kernel_takes_16_bit_activations(rt, fmt):
             assert_close(storage.read(rt, y, y0.size), want, f"mixed_lora_{fmt}", name)
     finally:
         rt.release(*bufs, *gpu.buffers())
+
+
+def test_bench_json_mixed_lora(capsys):
+    """`bench --only mixed_lora`: every candidate it times was checked against NumPy (a wrong one stops the
+    bench), the tuner's choice marked once per shape (no timing is asserted: the machines are shared)."""
+    require_adapter()
+    assert main(["bench", "--json", "--only", "mixed_lora"]) == 0
+    rows = json.loads(capsys.readouterr().out)["kernels"]
+    shapes = {r["shape"] for r in rows}
+    assert len(shapes) == 3 and all(r["name"] == "mixed_lora" and r["ms"] > 0 for r in rows)
+    assert all(sum(bool(r.get("default")) for r in rows if r["shape"] == s) == 1 for s in shapes)
+    assert {r["kernel"] for r in rows if r["shape"] == "n16 896->896 r64 k3"} >= {"mixed_lora/out8",
+                                                                                    "mixed_lora/private64"}
