@@ -59,6 +59,16 @@ TOLERANCES: dict[str, Tolerance] = {
         "logits, lm_eval's hf backend from torch's float32 log-softmax summed in float32; the logits differ as in "
         "logits_f32 and each float32 log-prob (~-5) rounds by ~5e-7; observed <= 1.5e-5 on sums up to -254. A wrong "
         "position or a missed token moves a sum by > 0.1"),
+    "mixed_lora": Tolerance(1e-5, 1e-5,
+        "the mixed-adapter LoRA kernel against engines/shared/mixed_lora.py in float64: float32 sums of in (<= 100) "
+        "and rank terms of products ~1, reduced in a tree, then a scale; observed <= 2e-6 relative; a row given "
+        "another adapter's A or B, or a padded rank read as data, is off by > 0.1"),
+    "serve_logprobs": Tolerance(1e-5, 1e-5,
+        "a served prompt's log-probabilities (an engine's KV-cache forward_rows, float64 log-softmax) against the "
+        "same engine's whole forward pass (Model.logits), or a request's against the same request whose prompt "
+        "prefix was reused from the cache: the same float32 math summed in other orders (cached attention per "
+        "row, other matrix shapes or kernels), a few float32 ulps of log-probs ~-5; a wrong position or token "
+        "is off by > 0.1"),
     "loss_f32": Tolerance(5e-6, 1e-6,
         "mean cross-entropy (~4.5) in float32 from both sides; observed <= 5e-7 absolute"),
     "grads_f32": Tolerance(1e-4, 2e-5,
@@ -260,6 +270,10 @@ TOLERANCES: dict[str, Tolerance] = {
     # boundary the two stored values are neighbours: one unit in the last place apart, at most 2^-7 of the value
     # in bfloat16 (8 significant bits) and 2^-10 in float16 (11; its subnormals' unit, 2^-24, is inside atol).
     # On top of that the float32 part: the largest of the kernels' own float32 entries (k_rmsnorm's).
+    "mixed_lora_bf16": sixteen_bit("bf16", 1e-5, 1e-5,
+        "the mixed-adapter LoRA kernel's y in bfloat16 (x in bfloat16 too): y + each row's term rounded once"),
+    "mixed_lora_f16": sixteen_bit("f16", 1e-5, 1e-5,
+        "the mixed-adapter LoRA kernel's y in float16 (x in float16 too): y + each row's term rounded once"),
     "k16_bf16": sixteen_bit("bf16", 2e-5, 2e-6,
         "Row kernels (rmsnorm, rope, swiglu / geglu, LoRA dropout, DoRA), their float32 part k_rmsnorm's; a wrong "
         "pair, offset or format is off by far more"),

@@ -338,6 +338,34 @@ def bench_decode(rt, ctx) -> list[dict]:
     return out
 
 
+@register("mixed_lora")
+def bench_mixed_lora(rt, ctx) -> list[dict]:
+    """The mixed-adapter LoRA product of serving (mixed_lora_kernels): 16 rows over 3 adapters and none, in a
+    Qwen2.5-0.5B module (896 -> 896 and 896 -> 4864), the bank padded to rank 16 and to 64 (one adapter of rank
+    64 among rank-16 ones: every row then pays for 64, the cost of padding); every candidate checked against
+    NumPy, then timed; "default" marks the tuner's choice on this adapter."""
+    from wgpu_train.engines.webgpu.tuned import mixed_lora_kernels as ML
+    from wgpu_train.engines.webgpu.tuned import tune
+
+    out = []
+    for in_f, out_f, rank in ((896, 896, 16), (896, 896, 64), (896, 4864, 16)):
+        rep, res, y0, want, bufs = ML.MixedLoraProblem(rt, {}, 16, in_f, out_f, rank, 3).replica(
+            np.random.default_rng(5))
+        try:
+            chosen = tune.choose(rt, rep).name
+            for cand in rep.candidates():
+                dispatches = cand.dispatches(rep)
+                check(rt, dispatches, res, want - y0)           # check clears y first
+                t = ctx["timer"].time(dispatches, repeats=2, budget_s=1.0)
+                out.append({"name": "mixed_lora", "shape": f"n16 {in_f}->{out_f} r{rank} k3", "kernel": cand.name,
+                            "gflops": rep.flops / t / 1e9, "ms": t * 1e3,
+                            **({"default": True} if cand.name == chosen else {})})
+        finally:
+            rt.release(*bufs)
+        ctx["sample_peak"]()
+    return out
+
+
 def _check_attention(rt, dispatches, inputs, seg, outputs, what):
     """Run the dispatches once and compare out and dq with the float64 reference."""
     from wgpu_train.engines.numpy import ops

@@ -8,6 +8,8 @@ import sys
 from wgpu_train.errors import ConfigError
 from wgpu_train.cli.options import add_parser, chat_template_option, device_options, given_no_chat_template, whole
 
+DEFAULT_CONTEXT = 4096      # positions per row of the running batch's KV cache unless --max-model-len says
+
 
 def cmd_serve(args) -> int:
     scheduler, sock = prepare(args)             # the serve extra checked first
@@ -15,13 +17,13 @@ def cmd_serve(args) -> int:
     from wgpu_train.serve.server import serve, url_of
 
     app = build_app(scheduler, args.api_key)
-    served_log = logging.getLogger("wgpu_train.serve")      # a line per batch, beside uvicorn's per request
+    scheduler.start()                           # the batch's KV cache allocated: one that does not fit is one line
+    served_log = logging.getLogger("wgpu_train.serve")      # a line per answer, beside uvicorn's per request
     served_log.setLevel(args.log_level.upper())
     served_log.addHandler(logging.StreamHandler())
     print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at {url_of(sock)}/v1, "
           f"the OpenAI API{'' if args.api_key else ' (no --api-key: anyone who reaches it may use it)'}; Ctrl-C "
           f"stops", file=sys.stderr, flush=True)
-    scheduler.start()
     try:
         serve(app, sock, args.log_level)
     finally:
@@ -35,6 +37,7 @@ def prepare(args):
     from wgpu_train.cli.adapter_settings import model_folder
     from wgpu_train.serve.adapters import check_bases, parse_adapter_spec
     from wgpu_train.serve.server import bind, require_extra
+    from wgpu_train.training.config import default_model_dir
 
     require_extra()
     if args.api_key is not None and not args.api_key.strip():
@@ -48,7 +51,9 @@ def prepare(args):
     first = folders[0] if folders else None
     model_dir = model_folder(args.model, first)
     from_adapter = first is not None and not args.model and adapter_base_model(first) is not None
-    base_name = args.served_model_name or args.model or (adapter_base_name(first) if from_adapter else "default")
+    embedded = model_dir.resolve() == default_model_dir().resolve()     # the README's `default`, not its path
+    base_name = args.served_model_name or args.model or (adapter_base_name(first) if from_adapter and not embedded
+                                                         else "default")
     for warning in check_bases([(s.name, f) for s, f in zip(specs, folders)], args.model, model_dir):
         print(f"warning: {warning}", file=sys.stderr)
     sock = bind(args.host, args.port)            # before the model loads: a port in use fails at once
@@ -76,7 +81,12 @@ def _load(args, specs, folders, model_dir, base_name):
     for spec, folder in zip(specs, folders):
         raw = choose_settings({**settings, "no_chat_template": given}, folder, model_dir)["no_chat_template"]
         registry.add(spec.name, folder, PromptStyle(not raw, trained_data_format(folder) == "completions"))
-    return Scheduler(model, registry, tok, args.max_queue, args.max_batch)
+    positions = model.config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > positions:
+        raise ConfigError(f"--max-model-len {args.max_model_len}: the model has {positions} positions "
+                          f"(max_position_embeddings)")
+    return Scheduler(model, registry, tok, args.max_queue, args.max_batch,
+                     args.max_model_len or min(positions, DEFAULT_CONTEXT))
 
 
 def register(sub):
@@ -85,8 +95,9 @@ def register(sub):
     p = add_parser(sub, "serve", "serve a model and its adapters over an OpenAI-compatible HTTP API",
                     "An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, streamed or "
                     "not) over one base model and any number of LoRA adapters: a request's `model` names the "
-                    "adapter (or the base), switched per request without reloading the base. Requests queue in "
-                    f"order; those waiting with the same adapter are generated together. Needs {EXTRA}.")
+                    "adapter (or the base), switched without reloading the base. Requests queue in order and join "
+                    "the running batch at its next step (continuous batching) while they share its adapter. "
+                    f"/health and /metrics (Prometheus) answer without the key. Needs {EXTRA}.")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="Hugging Face model folder or hub id org/name[@revision]; default: the first adapter's base "
                         "model when it exists, else the embedded model")
@@ -95,7 +106,7 @@ def register(sub):
                         "itself; repeat for more")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the base model's name in requests and /v1/models (default: --model as given, else the "
-                        "first adapter's base, else 'default')")
+                        "first adapter's base, else 'default'; the embedded model is always 'default')")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=whole(0), default=8000, help="TCP port; 0 picks a free one (default: 8000)")
@@ -104,7 +115,10 @@ def register(sub):
     p.add_argument("--max-queue", type=whole(1), default=64,
                    help="requests that may wait; more get 503 with Retry-After (default: 64)")
     p.add_argument("--max-batch", type=whole(1), default=8,
-                   help="most waiting requests of one adapter generated together (default: 8)")
+                   help="rows of the running batch: answers generated together (default: 8)")
+    p.add_argument("--max-model-len", type=whole(1), default=None, metavar="N",
+                   help="positions of each row of the batch's KV cache, a prompt and its answer together (default: "
+                        f"the model's max_position_embeddings, at most {DEFAULT_CONTEXT})")
     chat_template_option(p, "ask chat requests")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of uvicorn and the worker (default: info: a line per request and per batch)")

@@ -1,5 +1,9 @@
-"""Token generation: greedy or seeded sampling (temperature, top-k, top-p) over an engine's KV cache."""
+"""Token generation over an engine's KV cache: a DecodeBatch of rows that join and leave at any step (continuous
+batching), each with its own sampling (greedy or seeded; temperature, top-k, top-p, presence and frequency
+penalties) and log-probabilities; generate and generate_batch run one."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,8 +84,8 @@ def _per_row(value, n: int, what: str) -> list:
 def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None, on_token=None) -> list[list[int]]:
     """New token ids after each of `prompts` (1-D id arrays of any lengths), generated together on one KV
-    cache with a row per prompt: the prompts are prefilled packed together (PREFILL_TOKENS tokens per
-    call), then each step advances every row still running by one token in one engine call.
+    cache with a row per prompt (a DecodeBatch): each engine call takes up to PREFILL_TOKENS prompt tokens
+    packed together beside every decoding row's newest token.
 
     max_new_tokens and seed: one value for all prompts or a list with one per prompt. A row stops at its
     budget, at a token in stop_token_ids (included), or when its cache row is full (max_len positions;
@@ -108,7 +112,7 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
     budgets = _per_row(max_new_tokens, b, "max_new_tokens")
     if any(int(n) != n or n < 0 for n in budgets):
         raise ConfigError("max_new_tokens must be whole numbers >= 0")
-    rngs = [np.random.default_rng(s) for s in _per_row(seed, b, "seed")]
+    seeds = _per_row(seed, b, "seed")
     lengths = [p.size for p in prompts]
     running = [i for i in range(b) if budgets[i] > 0]
     out: list[list[int]] = [[] for _ in range(b)]
@@ -128,65 +132,256 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
         raise ConfigError(f"{'the prompt' if b == 1 else f'prompt {i}'} has {lengths[i]} tokens and max_new_tokens "
                           f"{budgets[i]}: more than the "
                           f"model's max_position_embeddings {positions} ({room})")
-    cache = engine.new_kv_cache(b, limit)
+    batch = DecodeBatch(engine, b, limit)
     try:
-        logits = _prefill(engine, cache, prompts, running)
-        stops = set(int(s) for s in (stop_token_ids or ()))
-        while running:
-            feed = []                      # rows whose new token goes into the cache for another step
-            for i in running:
-                tok = sample_next(logits[i], temperature, top_k, top_p, rngs[i])
-                out[i].append(tok)
-                if on_token is not None and on_token(i, tok):
-                    continue
-                if tok not in stops and len(out[i]) < budgets[i] and lengths[i] + len(out[i]) <= limit:
-                    feed.append(i)
-            if feed:
-                logits = _advance(engine, cache, prompts, out, feed)
-            running = feed
+        prompt_of = {batch.add(prompts[i], budgets[i], Sampling(temperature, top_k, top_p, seeds[i]),
+                               stop_token_ids): i for i in running}
+        while len(batch):
+            for token in batch.step():
+                i = prompt_of[token.slot]
+                out[i].append(token.id)
+                if on_token is not None and on_token(i, token.id) and not token.finished:
+                    batch.remove(token.slot)
     finally:
-        engine.free_kv_cache(cache)       # now, not when the garbage collector gets to it
+        batch.close()       # the cache freed now, not when the garbage collector gets to it
     return out
 
 
-def _prefill(engine, cache, seqs, rows) -> dict:
-    """Write the tokens seqs[i] of each row i of `rows` into its cache row; returns row -> logits (V,) of its
-    last token. Under longrope the rows whose length takes the long factors go in calls of their own."""
-    logits = {}
-    for long in (False, True):
-        group = [i for i in rows if engine.cfg.rope_long(seqs[i].size - 1) == long]
-        if group:
-            logits.update(_prefill_rows(engine, cache, seqs, group, long))
-    return logits
+@dataclass(frozen=True)
+class Sampling:
+    """How one row chooses its tokens: greedy at temperature 0, else a draw from default_rng(seed) of the
+    filtered softmax (sample_next); the penalties are OpenAI's, subtracted from the logits of the tokens the
+    row generated so far (frequency times each one's count, presence once) before either."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
-def _prefill_rows(engine, cache, seqs, rows, long_rope: bool) -> dict:
-    ids = np.concatenate([seqs[i] for i in rows])                              # (N,) every token
-    token_rows = np.concatenate([np.full(seqs[i].size, i) for i in rows])
-    positions = np.concatenate([np.arange(seqs[i].size) for i in rows])
-    ends = np.cumsum([seqs[i].size for i in rows]) - 1                        # each row's last token
-    logits = {}
-    for s in range(0, ids.size, PREFILL_TOKENS):
-        e = min(s + PREFILL_TOKENS, ids.size)
-        done = np.flatnonzero((ends >= s) & (ends < e))                        # rows whose tokens end here
-        chunk = engine.forward_rows(ids[s:e], token_rows[s:e], positions[s:e], cache, ends[done] - s, long_rope)
-        logits.update((rows[k], lg) for k, lg in zip(done, chunk))
-    return logits
+@dataclass(frozen=True)
+class Token:
+    """A token chosen for the row in cache slot `slot` by DecodeBatch.step.
+
+    logprob and top (the row asked for log-probabilities): its log-probability under the model (the
+    log-softmax of the logits, before penalties and temperature), and the `top` likeliest (id, logprob)
+    pairs. prompt: on a row's first token, when it asked for them, (id, logprob, top) of each prompt token
+    after the first. finished: "stop" (a stop token, included), "length" (its budget, or its cache row
+    full), None while it runs on; a finished row's slot is free again."""
+
+    slot: int
+    id: int
+    finished: str | None
+    logprob: float | None = None
+    top: list | None = None
+    prompt: list | None = None
 
 
-def _advance(engine, cache, prompts, out, feed) -> dict:
-    """Each row of `feed` takes its newest token into the cache; returns row -> logits (V,) after it. Under
-    longrope a row's RoPE factors follow its length, as transformers' Phi-3 generation has them: a row whose
-    length first passes original_max_position_embeddings is prefilled again, whole, with the long factors
-    (its cached keys had the short ones), and rows of either set advance in calls of their own."""
-    cfg = engine.cfg
-    pos = {i: prompts[i].size + len(out[i]) - 1 for i in feed}                # the newest token's position
-    crossed = [i for i in feed if cfg.rope_long(pos[i]) and not cfg.rope_long(pos[i] - 1)]
-    logits = _prefill(engine, cache, {i: np.concatenate([prompts[i], out[i]]) for i in crossed}, crossed)
-    for long in (False, True):
-        rows = [i for i in feed if i not in crossed and cfg.rope_long(pos[i]) == long]
-        if rows:
-            step = engine.forward_rows(np.array([out[i][-1] for i in rows]), np.array(rows),
-                                       np.array([pos[i] for i in rows]), cache, np.arange(len(rows)), long)
-            logits.update(zip(rows, step))                                     # (len(rows), V)
-    return logits
+@dataclass(eq=False)
+class _Row:
+    prompt: np.ndarray              # (T,) int64
+    budget: int
+    sampling: Sampling
+    stops: frozenset
+    logprobs: int | None            # how many top alternatives to give with each token; None: no logprobs
+    prompt_logprobs: bool
+    rng: np.random.Generator
+    adapter: int = -1               # its adapter in the engine's bank (set_adapter_bank); negative: none
+    key: object = None              # what its keys and values depend on beside its tokens (prefix reuse)
+    out: list = field(default_factory=list)
+    fed: int = 0                    # prompt tokens written into the cache
+    counts: dict = field(default_factory=dict)      # token id -> times generated (the penalties)
+    prompt_entries: list = field(default_factory=list)
+
+
+class DecodeBatch:
+    """Rows of one KV cache that join (add) and leave (remove, or at their end) between steps: continuous
+    batching. Each step is one engine call (two under longrope, one per set of RoPE factors) that takes every
+    decoding row's newest token and up to token_budget tokens in all of the prompts still being prefilled,
+    oldest row first (chunked prefill), and chooses each row's next token when its logits come. A row's
+    tokens do not depend on which rows share its steps (but for the last bits of sums the engine orders
+    otherwise, as generate_batch says). Not thread-safe: one thread drives it.
+
+    Prefix reuse: a free slot keeps the keys and values its last row wrote, with that row's prefix_key (add); a
+    row of the same key whose prompt begins with some of those tokens takes that slot and prefills only the
+    rest (reused counts the tokens saved). Not under longrope (a row's factors follow its length)."""
+
+    def __init__(self, engine, rows: int, max_len: int, token_budget: int = PREFILL_TOKENS):
+        self.engine = engine
+        self.rows = rows
+        self.max_len = max_len
+        self.token_budget = token_budget
+        self.cache = engine.new_kv_cache(rows, max_len)
+        self._free = list(range(rows - 1, -1, -1))      # a stack: the lowest slot is taken first
+        self._rows: dict[int, _Row] = {}               # slot -> row, in the order they joined
+        self._kept: dict[int, tuple] = {}              # free slot -> (prefix_key, the token ids (P,) its cache holds)
+        cfg = engine.cfg
+        self._reuse = not cfg.rope_long(cfg.max_position_embeddings - 1)
+        self.reused = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def free_slots(self) -> int:
+        """Rows that may join now."""
+        return len(self._free)
+
+    def prefilling(self) -> int:
+        """Prompt tokens of the rows still waiting to be written into the cache."""
+        return sum(r.prompt.size - r.fed for r in self._rows.values())
+
+    def add(self, prompt, max_new_tokens: int, sampling: Sampling = Sampling(), stop_token_ids=(),
+            logprobs: int | None = None, prompt_logprobs: bool = False, adapter: int = -1,
+            prefix_key=None) -> int:
+        """A row for the prompt (T,) ids, to run until max_new_tokens (>= 1) tokens, a stop token, or its
+        cache row full; its slot. adapter: its own adapter in the engine's bank (set_adapter_bank), the rows
+        of several in one engine call; negative: the engine's model as it is. prefix_key: None, or what the
+        row's keys and values depend on beside its tokens (the adapter a server's model has on): rows of one
+        key reuse each other's prompt prefixes (not with prompt_logprobs, which needs every position's
+        logits). The caller checks sizes against the cache (ValueError past them)."""
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
+            raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
+                             f"for rows of {self.max_len}, max_new_tokens {max_new_tokens}")
+        _check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
+        slot, reuse = self._free[-1], 0
+        if prefix_key is not None and self._reuse and not prompt_logprobs:
+            for free in self._free:
+                key, held = self._kept.get(free, (None, None))
+                if key == prefix_key:
+                    common = _common_prefix(held, prompt[:-1])     # the last token's logits are wanted
+                    if common > reuse:
+                        slot, reuse = free, common
+        self._free.remove(slot)
+        self._kept.pop(slot, None)
+        self._rows[slot] = _Row(prompt, int(max_new_tokens), sampling, frozenset(int(s) for s in stop_token_ids),
+                                logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter),
+                                prefix_key, fed=reuse)
+        self.reused += reuse
+        return slot
+
+    def remove(self, slot: int):
+        """End a row now (its client gone, a stop string met): its slot is free for the next add, keeping the
+        tokens its cache row holds for prefix reuse."""
+        r = self._rows.pop(slot, None)
+        if r is not None:
+            self._free.append(slot)
+            if r.key is not None:       # written: the prompt's fed tokens, then every token but the newest
+                done = r.out[:-1] if r.fed == r.prompt.size else []
+                self._kept[slot] = (r.key, np.concatenate([r.prompt[:r.fed], np.array(done, np.int64)]))
+
+    def close(self):
+        """Free the cache."""
+        self._rows.clear()
+        self._kept.clear()
+        self.engine.free_kv_cache(self.cache)
+
+    def step(self) -> list[Token]:
+        """One engine call: the tokens chosen in it, a row's at most, in the rows' order."""
+        cfg = self.engine.cfg
+        calls = {False: _Call(), True: _Call()}         # by RoPE factors (longrope: long or not)
+        room = self.token_budget - sum(r.fed == r.prompt.size for r in self._rows.values())
+        for slot, r in self._rows.items():
+            if r.fed < r.prompt.size:                   # prefilling: the next chunk of its prompt
+                take = min(r.prompt.size - r.fed, room)
+                if take <= 0:
+                    continue
+                room -= take
+                ends = r.fed + take == r.prompt.size
+                wants = range(r.fed, r.fed + take) if r.prompt_logprobs else [r.fed + take - 1] if ends else []
+                calls[cfg.rope_long(r.prompt.size - 1)].add(slot, r.prompt[r.fed:r.fed + take], r.fed, wants,
+                                                             r.adapter)
+                r.fed += take
+                continue
+            pos = r.prompt.size + len(r.out) - 1        # the newest token's position
+            if cfg.rope_long(pos) and not cfg.rope_long(pos - 1):
+                # its length first passes original_max_position_embeddings: prefilled again, whole, with the long
+                # factors (its cached keys had the short ones), as transformers' Phi-3 generation has it
+                calls[True].add(slot, np.concatenate([r.prompt, r.out]), 0, [pos], r.adapter)
+            else:
+                calls[cfg.rope_long(pos)].add(slot, np.array(r.out[-1:]), pos, [pos], r.adapter)
+        mixed = any(r.adapter >= 0 for r in self._rows.values())
+        chosen = []
+        try:
+            for long, call in calls.items():
+                if call.ids:
+                    logits = self.engine.forward_rows(np.concatenate(call.ids), np.concatenate(call.rows),
+                                                      np.concatenate(call.positions), self.cache,
+                                                      np.array(call.last, dtype=np.int64), long,
+                                                      np.concatenate(call.adapters) if mixed else None)  # (m, V)
+                    chosen += self._choose(call, logits)
+        except BaseException:
+            for r in self._rows.values():       # what their cache rows hold is unknown now: never reused
+                r.key = None
+            raise
+        return chosen
+
+    def _choose(self, call, logits: np.ndarray) -> list[Token]:
+        tokens = []
+        for (slot, pos), lg in zip(call.wants, logits):
+            r = self._rows[slot]
+            if pos + 1 < r.prompt.size:                 # a prompt token's log-probability (echo)
+                r.prompt_entries.append((int(r.prompt[pos + 1]), *log_probs(lg, r.prompt[pos + 1], r.logprobs or 0)))
+                continue
+            tok = sample_next(penalised(lg, r.counts, r.sampling), r.sampling.temperature, r.sampling.top_k,
+                              r.sampling.top_p, r.rng)
+            r.out.append(tok)
+            r.counts[tok] = r.counts.get(tok, 0) + 1
+            lp, top = log_probs(lg, tok, r.logprobs) if r.logprobs is not None else (None, None)
+            finished = ("stop" if tok in r.stops else
+                        "length" if len(r.out) >= r.budget or r.prompt.size + len(r.out) > self.max_len else None)
+            prompt = r.prompt_entries if r.prompt_logprobs and len(r.out) == 1 else None
+            tokens.append(Token(slot, tok, finished, lp, top, prompt))
+            if finished:
+                self.remove(slot)
+        return tokens
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids a (P,) and b (T,) share."""
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class _Call:
+    """The tokens of one forward_rows call: ids, cache rows, positions and adapters, and which logits each row
+    wants."""
+
+    def __init__(self):
+        self.ids, self.rows, self.positions, self.adapters = [], [], [], []
+        self.wants, self.last = [], []         # (slot, position) and its token's index in the call
+        self.n = 0
+
+    def add(self, slot: int, ids: np.ndarray, start: int, wants, adapter: int):
+        self.ids.append(ids)
+        self.rows.append(np.full(ids.size, slot))
+        self.adapters.append(np.full(ids.size, adapter))
+        self.positions.append(np.arange(start, start + ids.size))
+        for pos in wants:
+            self.wants.append((slot, pos))
+            self.last.append(self.n + pos - start)
+        self.n += ids.size
+
+
+def penalised(logits: np.ndarray, counts: dict, sampling: Sampling) -> np.ndarray:
+    """Logits (V,) less OpenAI's presence and frequency penalties of the tokens generated so far."""
+    if not counts or not (sampling.presence_penalty or sampling.frequency_penalty):
+        return logits
+    ids = np.fromiter(counts, np.int64)
+    n = np.fromiter(counts.values(), np.float64)
+    out = logits.astype(np.float64)
+    out[ids] -= sampling.frequency_penalty * n + sampling.presence_penalty
+    return out
+
+
+def log_probs(logits: np.ndarray, token: int, top: int) -> tuple:
+    """(log-probability of `token`, [(id, logprob)] of the `top` likeliest, likeliest first, lower ids first
+    at a tie) under the float64 log-softmax of logits (V,)."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    lp = z - np.log(np.exp(z).sum())
+    best = np.lexsort((np.arange(lp.size), -lp))[:top] if top else []
+    return float(lp[token]), [(int(i), float(lp[i])) for i in best]

@@ -230,7 +230,12 @@ class Engine(Protocol):
 
     def free_kv_cache(self, kv: dict) -> None: ...
 
-    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None): ...
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None):
+        """adapters: (n,) each token's adapter in the bank set_adapter_bank gave (negative: none), or None."""
+
+    def set_adapter_bank(self, bank: dict | None) -> None:
+        """Adapters for rows of mixed adapters in forward_rows ({module path: shared.mixed_lora.BankModule}, the
+        engine's own LoRA off), or None to drop them."""
 
 
 class LossScaler:

@@ -1,6 +1,7 @@
 """The models a server answers for: the base under its name and each --adapter NAME=DIR (or hub id), read once
-and kept in memory, switched on the one Model per request without reloading the base; an adapter trained on
-another base (than the served model's, or than another adapter's) refused before serving."""
+and kept in memory: all in one bank on the engine (rows of mixed adapters in one batch) where every adapter can
+join one, else switched on the one Model without reloading the base; an adapter trained on another base (than
+the served model's, or than another adapter's) refused before serving."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wgpu_train.adapters.files import adapter_base_name
+from wgpu_train.engines.shared.mixed_lora import build_bank
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.serve.prompts import PromptStyle
@@ -121,6 +123,15 @@ def check_bases(adapters: list[tuple[str, Path]], model_arg: str | None, model_d
     return warnings
 
 
+def bank_modules(prepared, config) -> dict | None:
+    """{module path: (A, B, scale)} of a prepared adapter (Model.prepare_adapter) for a bank, or None for one that
+    changes the model beyond a LoRA term per module (DoRA, modules_to_save copies, a PiSSA / OLoRA residual)."""
+    if prepared.config.use_dora or prepared.copies or prepared.residual:
+        return None
+    scales = prepared.config.module_scales(config)
+    return {p: (t[0], t[1], scales[p]) for p, t in prepared.modules.items()}
+
+
 class AdapterRegistry:
     """The served names (the base's and each adapter's), how each is prompted, and which the Model has on.
     Only the thread that owns the Model calls activate."""
@@ -132,6 +143,7 @@ class AdapterRegistry:
         self.prepared: dict = {}        # adapter name -> Model.prepare_adapter's tensors
         self.active = base_name         # the model is loaded without an adapter
         self.switches = 0
+        self.bank_index: dict = {}      # adapter name -> its index in the engine's bank (empty: no bank)
 
     def add(self, name: str, folder: Path, style: PromptStyle):
         """Read and check an adapter (AdapterError when it does not fit the model) and serve it as `name`."""
@@ -144,6 +156,22 @@ class AdapterRegistry:
     def names(self) -> list[str]:
         """Every served name, the base's first."""
         return list(self.styles)
+
+    def build_bank(self) -> bool:
+        """Put every adapter in one bank on the engine, the model's own adapter off (its rows then run in one
+        batch whatever their adapters), where each can join one; whether it did."""
+        entries = [bank_modules(self.prepared[name], self.model.config) for name in self.prepared]
+        if not entries or None in entries:
+            return False
+        self.activate(self.base_name)
+        self.model.engine.set_adapter_bank(build_bank(entries, lambda p: self.model.config.linear_shape(
+            p.rsplit(".", 1)[1])))
+        self.bank_index = {name: k for k, name in enumerate(self.prepared)}
+        return True
+
+    def row_adapter(self, name: str) -> int:
+        """A row's adapter in the bank (-1: the base)."""
+        return self.bank_index.get(name, -1)
 
     def activate(self, name: str):
         """Put the adapter `name` (or the base alone) on the Model, unless it is on already."""

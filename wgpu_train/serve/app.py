@@ -1,6 +1,7 @@
 """The HTTP application (starlette): /v1/models, /v1/chat/completions and /v1/completions over a Scheduler,
-streamed as server-sent events or answered whole; the API key checked on every request; every refusal an
-OpenAI error object with its 4xx status, and a bug a 500 without its traceback, the server serving on."""
+streamed as server-sent events or answered whole (n choices per prompt, logprobs, echo), /health and /metrics;
+the API key checked on /v1; every refusal an OpenAI error object with its 4xx status, and a bug a 500 without
+its traceback, the server serving on."""
 from __future__ import annotations
 
 import asyncio
@@ -12,16 +13,19 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from wgpu_train.serve.api_error import ApiError
 from wgpu_train.serve.prompts import COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids
 from wgpu_train.serve.requests import json_body, parse_chat, parse_completion
-from wgpu_train.serve.responses import DONE, Reply, model_card, model_list, sse
+from wgpu_train.engines.generate import Sampling
+from wgpu_train.serve.metrics import CONTENT_TYPE as METRICS_TYPE
+from wgpu_train.serve.responses import DONE, Logprobs, Reply, model_card, model_list, sse
 from wgpu_train.serve.scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("wgpu_train.serve")
+OPEN_PATHS = ("/health", "/metrics")         # served without the API key
 RETRY_AFTER_S = 1               # what a 503 (the queue is full) asks the client to wait
 
 
@@ -30,14 +34,15 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class ApiKeyCheck:
-    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>`, else a 401."""
+    """ASGI middleware: every HTTP request but /health and /metrics must carry `Authorization: Bearer <key>`,
+    else a 401."""
 
     def __init__(self, app, key: str):
         self.app = app
         self.key = key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -69,9 +74,9 @@ async def _disconnected(request: Request):
 
 
 def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
-    """The application over a started (or soon started) scheduler."""
+    """The application over a started (or soon started) scheduler. The API key guards /v1; /health and
+    /metrics answer without it, as vLLM's do (for load balancers and Prometheus)."""
     registry, tokenizer = scheduler.registry, scheduler.tokenizer
-    positions = scheduler.model.config.max_position_embeddings
     vocab_size = scheduler.model.config.vocab_size
     created = int(time.time())
 
@@ -89,6 +94,14 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
         style_of(name)
         return JSONResponse(model_card(name, created))
 
+    async def health(request: Request):
+        if scheduler.alive():
+            return JSONResponse({"status": "ok"})
+        return error_response(ApiError(503, "the worker is not running", code="unavailable"))
+
+    async def metrics(request: Request):
+        return Response(scheduler.metrics.render(), media_type=METRICS_TYPE)
+
     async def generation(request: Request, chat: bool):
         req = (parse_chat if chat else parse_completion)(json_body(await request.body()))
         style = style_of(req.model)
@@ -97,7 +110,7 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
         else:
             prompts = [completion_prompt_ids(tokenizer, p, vocab_size, i) for i, p in enumerate(req.prompts)]
         default, param = (None, "messages") if chat else (COMPLETION_TOKENS, "prompt")
-        budgets = [budget(len(p), req.max_tokens, positions, default, param) for p in prompts]
+        budgets = [budget(len(p), req.max_tokens, scheduler.context, default, param) for p in prompts]
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emitter(index: int):
@@ -108,69 +121,77 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                     pass
             return emit
 
-        if len(prompts) > scheduler.max_queue:          # a 503 would never turn into an answer
-            raise ApiError(400, f"{len(prompts)} prompts in one request, and this server queues at most "
-                                f"{scheduler.max_queue} (--max-queue): send at most {scheduler.max_queue} per request",
-                           "prompt", "too_many_prompts")
-        jobs = [Job(req.model, p, b, req.temperature, req.top_k, req.top_p, req.seed, req.stop, emitter(i))
-                for i, (p, b) in enumerate(zip(prompts, budgets))]
+        answers = len(prompts) * req.n
+        if answers > scheduler.max_queue:          # a 503 would never turn into an answer
+            raise ApiError(400, f"{answers} answers in one request ({len(prompts)} prompts, n {req.n}), and this "
+                                f"server queues at most {scheduler.max_queue} (--max-queue): ask at most "
+                                f"{scheduler.max_queue} per request", "n" if req.n > 1 else "prompt",
+                           "too_many_prompts")
+        jobs = []
+        for p, b in zip(prompts, budgets):
+            for j in range(req.n):      # choice j of a seeded request draws from seed + j
+                seed = None if req.seed is None else (req.seed + j) & 0xFFFFFFFFFFFFFFFF
+                sampling = Sampling(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty,
+                                    req.frequency_penalty)
+                jobs.append(Job(req.model, p, b, sampling, req.stop, emitter(len(jobs)), req.logprobs, req.echo))
         try:
             scheduler.submit(jobs)
         except QueueFull:
-            raise ApiError(503, f"the server is busy ({scheduler.max_queue} prompts waiting): retry later",
+            raise ApiError(503, f"the server is busy ({scheduler.max_queue} answers waiting): retry later",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        reply = Reply(chat, req.model)
+        echoes = [_echo_text(tokenizer, p, ids) if req.echo else "" for p, ids in
+                  zip(req.prompts or [None], prompts) for _ in range(req.n)]
+        answer = _Answer(Reply(chat, req.model), Logprobs(tokenizer, chat), req.n, echoes, req.logprobs is not None)
         if req.stream:
-            return StreamingResponse(stream(jobs, events, reply, req.include_usage), media_type="text/event-stream",
+            return StreamingResponse(stream(jobs, events, answer, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await whole(request, jobs, events, reply)
+        return await whole(request, jobs, events, answer)
 
-    async def whole(request: Request, jobs: list, events: asyncio.Queue, reply: Reply):
-        texts, reasons, tokens = [""] * len(jobs), [None] * len(jobs), [0, 0]
+    async def whole(request: Request, jobs: list, events: asyncio.Queue, answer: _Answer):
         left = asyncio.ensure_future(_disconnected(request))
         try:
-            for _ in range(len(jobs)):
-                while True:
-                    got = asyncio.ensure_future(events.get())
-                    await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
-                    if not got.done():          # the client left: nobody to answer
-                        got.cancel()
-                        return JSONResponse({})
-                    index, event = got.result()
-                    if event[0] == "text":
-                        texts[index] += event[1]
-                        continue
-                    if event[0] == "error":
-                        raise ApiError(event[1], event[2])
-                    reasons[index] = event[1]
-                    tokens[0] += event[2]
-                    tokens[1] += event[3]
-                    break
-            return JSONResponse(reply.complete(list(zip(texts, reasons)), *tokens))
+            for index in range(len(jobs)):
+                if answer.echoes[index] and not answer.logprobs:
+                    answer.take(index, ("echo",))
+            pending = len(jobs)
+            while pending:
+                got = asyncio.ensure_future(events.get())
+                await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():          # the client left: nobody to answer
+                    got.cancel()
+                    return JSONResponse({})
+                index, event = got.result()
+                if event[0] == "error":
+                    raise ApiError(event[1], event[2])
+                answer.take(index, event)
+                pending -= event[0] == "done"
+            return JSONResponse(answer.reply.complete(answer.whole(), *answer.tokens))
         finally:
             left.cancel()
             for job in jobs:
                 scheduler.cancel(job)
 
-    async def stream(jobs: list, events: asyncio.Queue, reply: Reply, include_usage: bool):
-        tokens, pending = [0, 0], len(jobs)
+    async def stream(jobs: list, events: asyncio.Queue, answer: _Answer, include_usage: bool):
+        reply, pending = answer.reply, len(jobs)
         try:
-            if reply.chat:
-                yield sse(reply.chunk(0, role=True, with_usage=include_usage))
+            for index in range(len(jobs)):
+                if reply.chat:
+                    yield sse(reply.chunk(index, role=True, with_usage=include_usage))
+                elif answer.echoes[index] and not answer.logprobs:
+                    yield sse(reply.chunk(index, answer.take(index, ("echo",)), with_usage=include_usage))
             while pending:
                 index, event = await events.get()
-                if event[0] == "text":
-                    yield sse(reply.chunk(index, event[1], with_usage=include_usage))
-                elif event[0] == "done":
-                    pending -= 1
-                    tokens[0] += event[2]
-                    tokens[1] += event[3]
-                    yield sse(reply.chunk(index, finish_reason=event[1], with_usage=include_usage))
-                else:                           # the status line went out already: the error is the last event
+                if event[0] == "error":          # the status line went out already: the error is the last event
                     yield sse(ApiError(event[1], event[2]).body())
                     return
+                text, logprobs = answer.take(index, event)
+                if event[0] == "done":
+                    pending -= 1
+                    yield sse(reply.chunk(index, finish_reason=event[1], with_usage=include_usage))
+                elif text or logprobs:
+                    yield sse(reply.chunk(index, text, with_usage=include_usage, logprobs=logprobs))
             if include_usage:
-                yield sse(reply.usage_chunk(*tokens))
+                yield sse(reply.usage_chunk(*answer.tokens))
             yield DONE
         finally:                                # also when the client left mid-stream (the task is cancelled)
             for job in jobs:
@@ -184,7 +205,51 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
 
     routes = [Route("/v1/models", models), Route("/v1/models/{name:path}", model),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/health", health), Route("/metrics", metrics)]
     return Starlette(routes=routes, middleware=[Middleware(ApiKeyCheck, key=api_key)] if api_key else [],
                      exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                                          Exception: _internal_error})
+
+
+def _echo_text(tokenizer, given, ids: list) -> str:
+    """The prompt as echo gives it back: its text as sent, or token ids decoded."""
+    return given if isinstance(given, str) else tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class _Answer:
+    """One request's choices as their events come: text, finish reasons, logprobs objects, usage."""
+
+    def __init__(self, reply: Reply, shape: Logprobs, n: int, echoes: list, logprobs: bool):
+        self.reply, self.shape, self.n, self.echoes, self.logprobs = reply, shape, n, echoes, logprobs
+        self.stops = set(shape.tokenizer.stop_token_ids)
+        self.texts = [""] * len(echoes)
+        self.reasons = [None] * len(echoes)
+        self.objects = [shape.empty() if logprobs else None for _ in echoes]
+        self.tokens = [0, 0]            # usage: prompt tokens (once per prompt, whatever n), completion tokens
+
+    def take(self, index: int, event: tuple) -> tuple:
+        """Record a worker event of choice `index` (or ("echo",)); the (text, logprobs object) it adds."""
+        kind, at = event[0], len(self.texts[index])
+        if kind == "echo":
+            text, entries = self.echoes[index], None
+        elif kind == "prompt":      # echo with logprobs: the prompt's tokens, the first without a logprob
+            text, entries = self.echoes[index], [(event[1], None, None)] + event[2]
+        elif kind == "text":        # chat's logprobs leave out a stop token, whose text is no part of the answer
+            text, entries = event[1], event[2]
+            if entries and self.reply.chat:
+                entries = [e for e in entries if e[0] not in self.stops]
+        else:                           # done: (finish_reason, prompt tokens, completion tokens)
+            self.reasons[index] = event[1]
+            self.tokens[0] += event[2] if index % self.n == 0 else 0
+            self.tokens[1] += event[3]
+            return "", None
+        self.texts[index] += text
+        if entries is None:
+            return text, None
+        self.shape.extend(self.objects[index], entries, at)
+        return text, self.shape.of(entries, at)
+
+    def whole(self) -> list:
+        """(text, finish_reason, logprobs object) of every choice."""
+        return list(zip(self.texts, self.reasons, self.objects))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from wgpu_train.serve.api_error import ApiError
 
 MAX_STOPS = 4                   # OpenAI's limit on stop strings
+MAX_TOP_LOGPROBS = {True: 20, False: 5}       # OpenAI's limits: chat's top_logprobs, completions' logprobs
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -27,6 +28,11 @@ class GenerationRequest:
     stop: tuple
     stream: bool
     include_usage: bool
+    n: int = 1                      # choices per prompt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None     # alternatives given with each token's log-probability; None: no logprobs
+    echo: bool = False              # completions: the prompt before its answer (with its logprobs)
 
 
 def json_body(raw: bytes) -> dict:
@@ -110,8 +116,7 @@ def _common(body: dict, max_tokens_names: tuple) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad_type("model", "the name of a served model (see /v1/models)", model)
-    _unsupported(body, {"n": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": ({},),
-                        "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)})
+    _unsupported(body, {"logit_bias": ({},)})
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _whole(body, name, max_tokens, 1)
@@ -130,7 +135,9 @@ def _common(body: dict, max_tokens_names: tuple) -> dict:
     return dict(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),
                 seed=None if seed is None else seed & 0xFFFFFFFFFFFFFFFF, stop=_stop(body), stream=stream,
-                include_usage=include_usage)
+                include_usage=include_usage, n=_whole(body, "n", 1, 1),
+                presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
 
 
 def _content(message: dict, index: int) -> str:
@@ -168,14 +175,20 @@ def parse_chat(body: dict) -> GenerationRequest:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                            f"messages[{i}].role", "invalid_value")
         messages.append({"role": ROLES[role], "content": _content(m, i)})
-    return GenerationRequest(messages=messages, prompts=None,
+    top = _whole(body, "top_logprobs", None, 0)
+    if top is not None and top > MAX_TOP_LOGPROBS[True]:
+        raise _bad_value("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS[True]}", top)
+    wanted = _flag(body, "logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    return GenerationRequest(messages=messages, prompts=None, logprobs=(top or 0) if wanted else None,
                              **_common(body, ("max_tokens", "max_completion_tokens")))
 
 
 def parse_completion(body: dict) -> GenerationRequest:
     """A /v1/completions body, checked: prompt a string, a list of token ids, or a list of either (a choice
     each)."""
-    _unsupported(body, {"echo": (False,), "best_of": (1,), "suffix": ("",)})
+    _unsupported(body, {"best_of": (1,), "suffix": ("",)})
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _token_list(prompt):
         prompts = [prompt]
@@ -183,7 +196,11 @@ def parse_completion(body: dict) -> GenerationRequest:
         prompts = list(prompt)
     else:
         raise _bad_type("prompt", "a string, a list of token ids, or a non-empty list of either", prompt)
-    return GenerationRequest(messages=None, prompts=prompts, **_common(body, ("max_tokens",)))
+    logprobs = _whole(body, "logprobs", None, 0)
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS[False]:
+        raise _bad_value("logprobs", f"must be at most {MAX_TOP_LOGPROBS[False]}", logprobs)
+    return GenerationRequest(messages=None, prompts=prompts, logprobs=logprobs, echo=_flag(body, "echo"),
+                             **_common(body, ("max_tokens",)))
 
 
 def _token_list(value) -> bool:

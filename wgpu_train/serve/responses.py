@@ -1,5 +1,6 @@
-"""OpenAI's response objects: chat.completion and text_completion, their streamed chunks, usage, the model
-list, and server-sent events framing (`data: {...}\\n\\n`, then `data: [DONE]\\n\\n`)."""
+"""OpenAI's response objects: chat.completion and text_completion, their streamed chunks, usage, log-probabilities
+in either's shape, the model list, and server-sent events framing (`data: {...}\\n\\n`, then
+`data: [DONE]\\n\\n`)."""
 from __future__ import annotations
 
 import json
@@ -32,29 +33,30 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def complete(self, answers: list, prompt_tokens: int, completion_tokens: int) -> dict:
-        """The whole response: answers are (text, finish_reason), one per choice."""
+        """The whole response: answers are (text, finish_reason, logprobs object or None), one per choice."""
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                        "logprobs": None} for i, (text, reason) in enumerate(answers)]
+                        "logprobs": lp} for i, (text, reason, lp) in enumerate(answers)]
             out = self._frame("chat.completion", choices)
         else:
-            choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-                       for i, (text, reason) in enumerate(answers)]
+            choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
+                       for i, (text, reason, lp) in enumerate(answers)]
             out = self._frame("text_completion", choices)
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
 
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              with_usage: bool = False) -> dict:
-        """One streamed chunk of choice `index`: a piece of text, its first (the assistant role) or its last
-        (the finish reason); `usage` null on each when the client asked for usage at the end."""
+              with_usage: bool = False, logprobs: dict | None = None) -> dict:
+        """One streamed chunk of choice `index`: a piece of text (with its tokens' logprobs object), its first
+        (the assistant role) or its last (the finish reason); `usage` null on each when the client asked for
+        usage at the end."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             out = self._frame("chat.completion.chunk", [{"index": index, "delta": delta,
-                                                         "finish_reason": finish_reason, "logprobs": None}])
+                                                         "finish_reason": finish_reason, "logprobs": logprobs}])
         else:
             out = self._frame("text_completion", [{"index": index, "text": text or "",
-                                                   "finish_reason": finish_reason, "logprobs": None}])
+                                                   "finish_reason": finish_reason, "logprobs": logprobs}])
         if with_usage:
             out["usage"] = None
         return out
@@ -64,6 +66,49 @@ class Reply:
         out = self._frame("chat.completion.chunk" if self.chat else "text_completion", [])
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
+
+
+class Logprobs:
+    """Token log-probabilities (the worker's entries: (id, logprob, [(id, logprob)] of the likeliest)) in
+    OpenAI's shapes: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
+    token_logprobs, top_logprobs, text_offset}; a token's text is its own decoding, special tokens included, or
+    `token_id:N` (as vLLM writes a token as its id) for a token that is part of a character (its bytes null)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer = tokenizer
+        self.chat = chat
+
+    def text(self, token_id: int) -> str:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}" if "\ufffd" in text else text
+
+    def _bytes(self, text: str) -> list | None:
+        return None if text.startswith("token_id:") else list(text.encode())
+
+    def empty(self) -> dict:
+        return {"content": []} if self.chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                  "text_offset": []}
+
+    def of(self, entries: list, offset: int = 0) -> dict:
+        """The object of some tokens; offset: where the first one's text starts in the choice's text."""
+        out = self.empty()
+        self.extend(out, entries, offset)
+        return out
+
+    def extend(self, out: dict, entries: list, offset: int = 0):
+        """Append entries to an object; a completions entry (id, None, None) is a first prompt token (echo)."""
+        for token_id, logprob, top in entries:
+            text = self.text(token_id)
+            if self.chat:
+                out["content"].append({"token": text, "logprob": logprob, "bytes": self._bytes(text),
+                                       "top_logprobs": [{"token": self.text(i), "logprob": lp,
+                                                         "bytes": self._bytes(self.text(i))} for i, lp in top]})
+                continue
+            start = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else offset
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(None if top is None else {self.text(i): lp for i, lp in top})
+            out["text_offset"].append(start)
 
 
 def model_list(names: list, created: int) -> dict:

@@ -14,10 +14,11 @@ EXTRA = "pip install 'wgpu-train[serve]'"
 def require_extra():
     """ConfigError (one line) unless the serve extra's packages are installed."""
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise ConfigError(f"wgpu-train serve needs starlette and uvicorn: {EXTRA}") from None
+        raise ConfigError(f"wgpu-train serve needs starlette, uvicorn and prometheus_client: {EXTRA}") from None
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -19,6 +19,7 @@ from wgpu_train.engines.numpy.dora_linear import DoraLinear
 from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
 from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.numpy.precision import Rounding
+from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.shared.quant import check_dtypes, round_to, round_weights
 from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
@@ -184,6 +185,9 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
             cache[module] = (x, xl, h, mask)
         else:
             cache[module] = (x, None, None, None)
+            if self.bank_rows is not None and path in self.adapter_bank:     # a server's rows of mixed adapters
+                y = self.rounding.activation(y, f"layer {layer} ({module})") + \
+                    mixed_lora_forward(x, self.adapter_bank[path], self.bank_rows)
         return y
 
     def _dropout_input(self, x, layer, module, lora):

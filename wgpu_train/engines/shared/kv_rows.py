@@ -1,5 +1,6 @@
-"""The KV cache's calls as both engines take them: forward_rows' arguments checked against the cache and the
-vocabulary, and forward_cached (every row advanced together) written once over an engine's forward_rows."""
+"""The KV cache's calls as both engines take them: forward_rows' arguments checked against the cache, the
+vocabulary and the adapter bank, and forward_cached (every row advanced together) written once over an
+engine's forward_rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +22,17 @@ def check_rows(ids, rows, positions, last, kv: dict, vocab_size: int) -> tuple:
     if last.size and (last.min() < 0 or last.max() >= n or last.size > n):
         raise ValueError(f"forward_rows: need at most {n} indices `last` in [0, {n})")
     return ids, rows, positions, last
+
+
+def check_adapters(adapters, n: int, bank: dict):
+    """forward_rows' per-token adapters as an int array (n,), checked against the bank's size; None stays None."""
+    if adapters is None:
+        return None
+    adapters = np.asarray(adapters, dtype=np.int64).reshape(-1)
+    size = next(iter(bank.values())).k if bank else 0          # every module's bank holds them all
+    if adapters.shape[0] != n or (n and adapters.max() >= size):
+        raise ValueError(f"forward_rows: {adapters.shape[0]} adapters for {n} tokens, each below the bank's {size}")
+    return adapters
 
 
 def forward_cached(engine, ids, kv: dict) -> np.ndarray:

@@ -365,7 +365,11 @@ class WgpuEngine(EngineState):
         """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
         return forward_cached(self, ids, kv)
 
-    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
-        """n new tokens, each with its own cache row and position -> logits (m, V) of the tokens at indices last
-        (KvCacheGeneration.forward_rows)."""
-        return self.kv.forward_rows(ids, rows, positions, kv, last, long_rope)
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
+        """n new tokens, each with its own cache row and position (and adapter out of the bank: adapters, or
+        None) -> logits (m, V) of the tokens at indices last (KvCacheGeneration.forward_rows)."""
+        return self.kv.forward_rows(ids, rows, positions, kv, last, long_rope, adapters)
+
+    def set_adapter_bank(self, bank: dict | None):
+        """The adapters forward_rows(adapters=) picks per row (KvCacheGeneration.set_adapter_bank)."""
+        self.kv.set_adapter_bank(bank)

@@ -1,12 +1,14 @@
 """Generation with a KV cache on the WebGPU engine (KvCacheGeneration, a part that WgpuEngine owns): per layer a
-key and a value buffer, rows of several sequences decoded together."""
+key and a value buffer, rows of several sequences decoded together, each with its own adapter out of a bank
+(mixed_lora.py, which the layers' linear adds per row)."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.errors import DeviceError
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.shared.kv_rows import check_rows
+from wgpu_train.engines.shared.kv_rows import check_adapters, check_rows
+from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule
 from wgpu_train.engines.webgpu.tuned import decode_kernels
 from wgpu_train.engines.webgpu.buffers import BucketCache
 from wgpu_train.engines.webgpu.device import storage
@@ -24,6 +26,13 @@ class KvCacheGeneration:
                  counters: dict):
         self.rt, self.cfg, self.kv_dtype = rt, cfg, kv_dtype
         self.buckets, self.layers, self.counters = buckets, layers, counters
+
+    def set_adapter_bank(self, bank: dict | None):
+        """The adapters that forward_rows(adapters=) picks per row ({module path: shared BankModule}, uploaded
+        here as float32 into the layers' adapter_bank; the previous bank's buffers released), or None."""
+        for module in self.layers.adapter_bank.values():
+            self.rt.release(*module.buffers())
+        self.layers.adapter_bank = {p: GpuBankModule.upload(self.rt, m) for p, m in (bank or {}).items()}
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
@@ -49,13 +58,15 @@ class KvCacheGeneration:
         kv["k"] = kv["v"] = []
         kv["scratch"] = None
 
-    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None) -> np.ndarray:
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
         """n new tokens, each with its own cache row and position (numpy.engine.NumpyEngine.forward_rows):
         keys and values written first, then causal attention within each row; logits (m, V) of the tokens
         at indices last (m,). One submission and one readback while the m rows of logits fit the head's
         chunk. The tokens are padded to a power of two (padding has row -1, which writes nothing) so that
-        calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets."""
+        calls of varying sizes (decoding steps as rows finish, prefills) share a few activation buckets.
+        adapters: (n,) each token's adapter in the bank (set_adapter_bank; negative: none), or None."""
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
+        adapters = check_adapters(adapters, ids.shape[0], self.layers.adapter_bank)
         n, m = ids.shape[0], last.shape[0]
         if n == 0:
             return np.zeros((m, self.cfg.vocab_size), np.float32)
@@ -69,8 +80,14 @@ class KvCacheGeneration:
         if long_rope is not None:
             acts.rope_long = bool(long_rope)
         self.layers.training = False
+        if adapters is not None:        # one buffer per bucket size, rewritten each call (padding: no adapter)
+            self.layers.bank_rows = self.rt.memo(("bank_rows", size), lambda rt: rt.buffer(size * 4, "bank_rows"))
+            self.rt.write(self.layers.bank_rows, np.pad(adapters, (0, pad), constant_values=-1).astype(np.int32))
         rec = self.rt.recorder()
-        self.layers.record_forward(rec, acts, kv, m)
+        try:
+            self.layers.record_forward(rec, acts, kv, m)
+        finally:
+            self.layers.bank_rows = None
         v, c = self.cfg.vocab_size, self.cfg.hidden_size
         out = np.empty((m, v), np.float32)
         if m == 0:   # keys and values only

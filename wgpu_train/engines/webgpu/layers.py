@@ -10,6 +10,7 @@ from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import quant
 from wgpu_train.engines.webgpu.lora import lora_a_forward, lora_backward, lora_group_backward, linear_lora_forward
+from wgpu_train.engines.webgpu.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.buffers import Activations, GpuLora
@@ -36,6 +37,8 @@ class LayerRecorder:
         self.adapter_enabled = True   # False: forwards skip every LoRA module (a preference objective's reference)
         self.loss_temperature = 1.0
         self.training = False
+        self.adapter_bank: dict = {}  # module path -> GpuBankModule (KvCacheGeneration.set_adapter_bank)
+        self.bank_rows = None         # a buffer of each token's adapter (i32) while forward_rows records with them
         self._pending: dict = {}      # member -> dy of a group whose LoRA backward waits for the others
         self._where = ""
 
@@ -75,6 +78,8 @@ class LayerRecorder:
         lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is None:
             linear_forward(rec, y, x, w, bias, acts.n, accumulate)
+            if self.bank_rows is not None and path in self.adapter_bank:     # a server's rows of mixed adapters
+                mixed_lora_forward(rec, y, x, self.adapter_bank[path], self.bank_rows, acts.n)
             return
         if lora.m is not None:
             self._dora_linear(rec, y, x, lora, module, acts, a, accumulate)
