@@ -11,7 +11,8 @@ import pytest
 from wgpu_train.adapters.files import read_adapter
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.training.config import TrainConfig
-from wgpu_train.training.grpo_trainer import COMPLETIONS_FILE, GRPOTrainer, _weighted
+from wgpu_train.training.grpo_rows import weighted
+from wgpu_train.training.grpo_trainer import COMPLETIONS_FILE, GRPOTrainer
 from wgpu_train.training.rewards.builtin import word_positions
 
 from conftest import require_adapter
@@ -79,9 +80,9 @@ def test_weights_give_the_objectives_gradient(workspace, tmp_path):
 
     result = loss_and_result()
     engine.zero_grads()
-    weighted = _weighted(gen.micro, gen.masks, result.dlogps)
+    batches = weighted(gen.micro, gen.masks, result.dlogps)
     total = int(mask.sum())
-    for ids, targets, seg, pos, w in weighted:
+    for ids, targets, seg, pos, w in batches:
         engine.forward_backward(ids, targets, seg, pos, w / total)
     grads = {k: np.array(v, np.float64) for k, v in engine.gradients().items()}
     norm = np.sqrt(sum((g ** 2).sum() for g in grads.values()))

@@ -13,7 +13,8 @@ import pytest
 
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.config import TrainConfig
-from wgpu_train.training.grpo_trainer import GRPOTrainer, _padded, _weighted
+from wgpu_train.training.grpo_rows import padded, weighted
+from wgpu_train.training.grpo_trainer import GRPOTrainer
 
 from conftest import require_adapter
 from finetune_helpers import first_step_gradients_callback, make_trl_model_and_adapter, write_jsonl
@@ -157,14 +158,14 @@ def first_step_gradients(trainer):
     and the step's GRPOResult."""
     gen = trainer._generate(trainer.stream.epoch_batches(0)[0])
     width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
-    mask = np.concatenate([_padded(m, width) for m in gen.masks])
+    mask = np.concatenate([padded(m, width) for m in gen.masks])
     logps = gen.policy_logps if gen.policy_logps is not None else np.zeros(mask.shape)
     result = trainer.unit.step_loss(logps, gen.old_logps, gen.ref_logps, gen.advantages, mask,
                                     trainer.config.batch_size, int(mask.sum()))
     engine = trainer.engine
     engine.zero_grads()
     total = float(mask.sum())
-    for ids, targets, seg, pos, w in _weighted(gen.micro, gen.masks, result.dlogps):
+    for ids, targets, seg, pos, w in weighted(gen.micro, gen.masks, result.dlogps):
         engine.forward_backward(ids, targets, seg, pos, w / np.float32(total))
     return engine.gradients(), result, gen
 

@@ -3,29 +3,27 @@ completions of a step's prompts with the current adapter on the engine's KV cach
 functions on the host, and turns the group-relative advantages into per-token gradient weights of the engine's
 optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference),
 computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
-step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps. The completions and their rewards go to completions.jsonl."""
+step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps.
+The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is the GRPO form of one
+of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are grpo_rows.py's.)"""
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from wgpu_train.data.batching import Example
-from wgpu_train.data.preference_batching import PreferenceStream, row_batches
-from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
 from wgpu_train.data.prompt_tokenize import tokenize_prompts
 from wgpu_train.data.sources import resolve_data
 from wgpu_train.engines.loading import load_model
-from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
+from wgpu_train.engines.protocol import SequenceObjective
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training import checkpoint
-from wgpu_train.training.config import PAD_MULTIPLE
-from wgpu_train.training.evaluate import engine_batch
+from wgpu_train.training.grpo_rows import (Generation, GenerationStream, build_generation, completion_lists,
+                                           cut_rows, padded, score_reference, score_rows, weighted)
 from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.preference_scoring import mean_metrics
@@ -33,43 +31,6 @@ from wgpu_train.training.rewards import RewardFunction, check_reward_weights, co
 from wgpu_train.training.trainer import Trainer
 
 COMPLETIONS_FILE = "completions.jsonl"
-
-
-class GenerationStream(PreferenceStream):
-    """The prompts of each generation, num_iterations steps in a row (TRL's mu reuses a generation), in a seeded
-    order per epoch; a step's batch is its prompts' indices."""
-
-    def __init__(self, examples, prompts_per_step: int, seed: int, iterations: int):
-        super().__init__(examples, prompts_per_step, seed, shuffle=True)
-        self.iterations = iterations
-
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        return [b for b in super().epoch_batches(epoch) for _ in range(self.iterations)]
-
-    @staticmethod
-    def example_ids(ex) -> tuple:
-        return (ex.input_ids,)
-
-
-@dataclass
-class Generation:
-    """One generation: G completions of each of a step's prompts (R rows in all), this process's micro-batches
-    of prompt + completion rows (its whole groups: rows r0 .. r1; all of them in one process), and what the
-    steps that reuse it need (advantages; the old and reference per-token log-probabilities of every row)."""
-
-    indices: np.ndarray             # (P,) the step's prompts
-    completions: np.ndarray         # (R, C) every row's completion ids, -1 past its end
-    truncated: np.ndarray           # (R,) bool: cut at max_completion_length
-    rows: tuple                     # (r0, r1): this process's rows
-    micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each, this process's
-    masks: list                     # [(B, T) bool]: their completion tokens that carry loss
-    mask: np.ndarray                # (R, W) bool: every row's, W the longest micro-batch of all the rows'
-    input_tokens: int               # every row's non-padding tokens
-    advantages: np.ndarray          # (R,)
-    policy_logps: np.ndarray | None  # (R, W) the policy's at generation time (scored when beta > 0, mu > 1 or cispo)
-    old_logps: np.ndarray | None    # (R, W) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
-    ref_logps: np.ndarray | None    # (R, W) of the reference (beta > 0), else None
-    metrics: dict                   # rewards and completions, by TRL's names
 
 
 class GRPOTrainer(Trainer):
@@ -224,38 +185,22 @@ class GRPOTrainer(Trainer):
         self._time("generation", t1 - t0, sum(len(c) for c in completions))
         self._time("rewards", t2 - t1)
         self._time("scoring", time.perf_counter() - t2)
-        self._log_completions(everyone, _completion_lists(all_ids), per_func, rewards, advantages)
+        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages)
         return gen
 
     def _generation_of(self, indices, completions, truncated, advantages, metrics: dict) -> Generation:
         """The Generation of a step's prompts `indices`, every row's completions (R, C), truncation (R,) and
         advantages (R,) (from its rewards, or a checkpoint): this process's micro-batches and every row's mask."""
-        s, cfg = self.settings, self.config
-        g = s.num_generations
-        everyone = [self.prompts["train"][i] for i in indices for _ in range(g)]
+        g = self.settings.num_generations
         p0, p1 = self.process.share(len(indices))
-        rows = []
-        for ex, ids, cut in zip(everyone, _completion_lists(completions), truncated):
-            full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
-            labels = full.astype(np.int64)
-            labels[:ex.input_ids.size] = IGNORE_INDEX
-            if cut and s.mask_truncated_completions:      # DAPO's overlong filtering: no loss at all
-                labels[:] = IGNORE_INDEX
-            rows.append(Example(full, labels, bool(cut)))
-        every = [engine_batch(b) for b in row_batches(rows, cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
-        r0, r1 = p0 * g, p1 * g
-        micro = every if (r0, r1) == (0, len(rows)) else \
-            [engine_batch(b) for b in row_batches(rows[r0:r1], cfg.batch_size, self.pad_id, PAD_MULTIPLE)]
-        width = max(ids.shape[1] for ids, _, _, _ in every)
-        mask = np.concatenate([_padded(t != IGNORE_INDEX, width) for _, t, _, _ in every])          # (R, W)
-        return Generation(indices, completions, truncated, (r0, r1), micro,
-                          [t != IGNORE_INDEX for _, t, _, _ in micro], mask,
-                          int(sum((seg > 0).sum() for _, _, seg, _ in every)), advantages, None, None, None, metrics)
+        return build_generation([self.prompts["train"][i] for i in indices for _ in range(g)], indices, completions,
+                                truncated, advantages, metrics, (p0 * g, p1 * g), self.config.batch_size,
+                                self.pad_id, self.settings.mask_truncated_completions)
 
     def _every_row(self, mine: np.ndarray, gen: Generation) -> np.ndarray:
         """(R, W): this process's rows (its micro-batches' (rows, T) values) with every other process's."""
         r0, _ = gen.rows
-        return self.process.gather(_padded(mine, gen.mask.shape[1]), r0, gen.mask.shape[0])
+        return self.process.gather(padded(mine, gen.mask.shape[1]), r0, gen.mask.shape[0])
 
     def _one_pass(self) -> bool:
         """Whether a step's own forward computes the log-probabilities its weights need: the engine's
@@ -268,30 +213,14 @@ class GRPOTrainer(Trainer):
     def _score_reference(self, micro, masks) -> np.ndarray:
         """The reference's per-token log-probabilities (R, T), no policy forward: the --ref-adapter model's, else
         forwards with the adapter switched off."""
-        width = max(ids.shape[1] for ids, _, _, _ in micro)
-        engine = self._ref_engine or self.engine
-        engine.set_adapter_enabled(engine is not self.engine)
-        try:
-            return np.concatenate([_padded(-engine.token_losses(*m).astype(np.float64) * mask, width)
-                                   for m, mask in zip(micro, masks)])
-        finally:
-            engine.set_adapter_enabled(True)
+        return score_reference(self._ref_engine or self.engine, micro, masks, self._ref_engine is not None)
 
     def _score(self, micro, masks, reference: bool):
         """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the rows, T the longest
         micro-batch's length; with reference, the adapter switched off scores in the same engine calls."""
         if reference and self._ref_engine is not None:
-            return self._score(micro, masks, reference=False)[0], self._score_reference(micro, masks)
-        width = max(ids.shape[1] for ids, _, _, _ in micro)
-        policy, ref = [], []
-        for (ids, targets, seg, pos), mask in zip(micro, masks):
-            if reference:
-                losses, ref_losses = self.engine.token_losses(ids, targets, seg, pos, reference=True)
-                ref.append(_padded(-ref_losses.astype(np.float64) * mask, width))
-            else:
-                losses = self.engine.token_losses(ids, targets, seg, pos)
-            policy.append(_padded(-losses.astype(np.float64) * mask, width))
-        return np.concatenate(policy), (np.concatenate(ref) if reference else None)
+            return score_rows(self.engine, micro, masks, False)[0], self._score_reference(micro, masks)
+        return score_rows(self.engine, micro, masks, reference)
 
     def _time(self, part: str, seconds: float, tokens: int = 0):
         """Add to the run's time in one part of its steps (generation, rewards, scoring, train_step): the
@@ -324,11 +253,11 @@ class GRPOTrainer(Trainer):
                     logps, _ = self._score(gen.micro, gen.masks, reference=False)
                 result = self.unit.step_loss(logps, gen.old_logps, gen.ref_logps, gen.advantages, mask,
                                              cfg.batch_size, int(mask.sum()))
-                weighted = _weighted(gen.micro, gen.masks, result.dlogps)
-                if weighted is None:     # every completion masked: nothing carries a gradient
+                batches = weighted(gen.micro, gen.masks, result.dlogps)
+                if batches is None:      # every completion masked: nothing carries a gradient
                     count, grad_norm, applied = 0, None, True
                 else:
-                    _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr),
+                    _, count, grad_norm, applied = self._train_step(batches, cfg.optimizer_params(lr),
                                                                     self.step + 1)
             self._time("train_step", time.perf_counter() - t_train)
         finally:
@@ -358,13 +287,13 @@ class GRPOTrainer(Trainer):
             micro, r0 = [], gen.rows[0]
             for batch, m in zip(gen.micro, gen.masks):
                 rows, width = m.shape
-                micro.append(batch + (_rows(objective, r0, rows, width) if objective is not None else
+                micro.append(batch + (cut_rows(objective, r0, rows, width) if objective is not None else
                                       SequenceObjective(self._row_weights(gen, mask, old, r0, m)),))
                 r0 += rows
             _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1,
                                                             own=True)
             width = max(m.shape[1] for m in gen.masks)
-            logps, entropies = (self._every_row(np.concatenate([_padded(v.astype(np.float64) * m, width)
+            logps, entropies = (self._every_row(np.concatenate([padded(v.astype(np.float64) * m, width)
                                                                 for v, m in zip(values, gen.masks)]), gen)
                                 for values in (self.engine.step_logps, self.engine.step_entropies))
         else:
@@ -539,39 +468,3 @@ class GRPOTrainer(Trainer):
         summary.update(reward_before=self._reward["before"], reward_after=self._reward["after"],
                        reward_split=self.held_out()[0] if self.held_out_rewards else None)
         return summary
-
-
-def _padded(a: np.ndarray, width: int) -> np.ndarray:
-    """(B, T) -> (B, width), zeros (False) on the right."""
-    return np.pad(a, ((0, 0), (0, width - a.shape[1])))
-
-
-def _rows(objective: TokenObjective, r0: int, rows: int, width: int) -> TokenObjective:
-    """A step's TokenObjective (R, T) cut to rows r0 .. r0 + rows and the first `width` positions (a
-    micro-batch's)."""
-    def cut(a):
-        return None if a is None else a[r0:r0 + rows, :width]
-
-    return dataclasses.replace(objective, scale=cut(objective.scale), advantages=objective.advantages[r0:r0 + rows],
-                               old_logps=cut(objective.old_logps), ref_logps=cut(objective.ref_logps))
-
-
-def _weighted(micro, masks, dlogps: np.ndarray) -> list | None:
-    """The micro-batches with per-token gradient weights: the engine divides the gradients by the step's
-    trained tokens N and a token's loss is minus its log-probability, so -N * dloss/dlogp gives the objective's
-    gradient. None when no token carries loss."""
-    total = float(sum(m.sum() for m in masks))
-    if not total:
-        return None
-    out, r0 = [], 0
-    for (ids, targets, seg, pos), mask in zip(micro, masks):
-        rows, width = ids.shape
-        w = np.where(mask, -total * dlogps[r0:r0 + rows, :width], 0.0)                   # (B, T)
-        out.append((ids, targets, seg, pos, w.astype(np.float32)))
-        r0 += rows
-    return out
-
-
-def _completion_lists(completions: np.ndarray) -> list:
-    """Each row's completion ids of (R, C), -1 past its end."""
-    return [[int(t) for t in row[row >= 0]] for row in completions]

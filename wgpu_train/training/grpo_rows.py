@@ -1,0 +1,138 @@
+"""A GRPO generation's rows: the prompts' stream, the Generation a step's completions make (its micro-batches and
+masks), the engines' scoring of them, and the array helpers the GRPO trainer cuts and pads them with."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from wgpu_train.data.batching import Example
+from wgpu_train.data.preference_batching import PreferenceStream, row_batches
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.protocol import TokenObjective
+from wgpu_train.training.config import PAD_MULTIPLE
+from wgpu_train.training.evaluate import engine_batch
+
+
+class GenerationStream(PreferenceStream):
+    """The prompts of each generation, num_iterations steps in a row (TRL's mu reuses a generation), in a seeded
+    order per epoch; a step's batch is its prompts' indices."""
+
+    def __init__(self, examples, prompts_per_step: int, seed: int, iterations: int):
+        super().__init__(examples, prompts_per_step, seed, shuffle=True)
+        self.iterations = iterations
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        return [b for b in super().epoch_batches(epoch) for _ in range(self.iterations)]
+
+    @staticmethod
+    def example_ids(ex) -> tuple:
+        return (ex.input_ids,)
+
+
+@dataclass
+class Generation:
+    """One generation: G completions of each of a step's prompts (R rows in all), this process's micro-batches
+    of prompt + completion rows (its whole groups: rows r0 .. r1; all of them in one process), and what the
+    steps that reuse it need (advantages; the old and reference per-token log-probabilities of every row)."""
+
+    indices: np.ndarray             # (P,) the step's prompts
+    completions: np.ndarray         # (R, C) every row's completion ids, -1 past its end
+    truncated: np.ndarray           # (R,) bool: cut at max_completion_length
+    rows: tuple                     # (r0, r1): this process's rows
+    micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each, this process's
+    masks: list                     # [(B, T) bool]: their completion tokens that carry loss
+    mask: np.ndarray                # (R, W) bool: every row's, W the longest micro-batch of all the rows'
+    input_tokens: int               # every row's non-padding tokens
+    advantages: np.ndarray          # (R,)
+    policy_logps: np.ndarray | None  # (R, W) the policy's at generation time (scored when beta > 0, mu > 1 or cispo)
+    old_logps: np.ndarray | None    # (R, W) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
+    ref_logps: np.ndarray | None    # (R, W) of the reference (beta > 0), else None
+    metrics: dict                   # rewards and completions, by TRL's names
+
+
+def build_generation(everyone, indices, completions, truncated, advantages, metrics: dict, rows: tuple,
+                     batch_size: int, pad_id: int, mask_truncated: bool) -> Generation:
+    """The Generation of a step's prompts `indices` (everyone: each row's prompt example, G in a row), every row's
+    completions (R, C), truncation (R,) and advantages (R,): the micro-batches of this process's rows (r0, r1),
+    every row's mask. mask_truncated: DAPO's overlong filtering (no loss at all on a cut completion)."""
+    examples = []
+    for ex, ids, cut in zip(everyone, completion_lists(completions), truncated):
+        full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
+        labels = full.astype(np.int64)
+        labels[:ex.input_ids.size] = IGNORE_INDEX
+        if cut and mask_truncated:
+            labels[:] = IGNORE_INDEX
+        examples.append(Example(full, labels, bool(cut)))
+    every = [engine_batch(b) for b in row_batches(examples, batch_size, pad_id, PAD_MULTIPLE)]
+    r0, r1 = rows
+    micro = every if (r0, r1) == (0, len(examples)) else \
+        [engine_batch(b) for b in row_batches(examples[r0:r1], batch_size, pad_id, PAD_MULTIPLE)]
+    width = max(ids.shape[1] for ids, _, _, _ in every)
+    mask = np.concatenate([padded(t != IGNORE_INDEX, width) for _, t, _, _ in every])          # (R, W)
+    return Generation(indices, completions, truncated, (r0, r1), micro, [t != IGNORE_INDEX for _, t, _, _ in micro],
+                      mask, int(sum((seg > 0).sum() for _, _, seg, _ in every)), advantages, None, None, None, metrics)
+
+
+def score_reference(engine, micro, masks, adapter_on: bool) -> np.ndarray:
+    """The reference's per-token log-probabilities (R, T) of the micro-batches: `engine` with its adapter on
+    (a --ref-adapter model) or switched off (the policy's engine)."""
+    width = max(ids.shape[1] for ids, _, _, _ in micro)
+    engine.set_adapter_enabled(adapter_on)
+    try:
+        return np.concatenate([padded(-engine.token_losses(*m).astype(np.float64) * mask, width)
+                               for m, mask in zip(micro, masks)])
+    finally:
+        engine.set_adapter_enabled(True)
+
+
+def score_rows(engine, micro, masks, reference: bool):
+    """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the micro-batches, T the
+    longest one's length; with reference, the adapter switched off scores in the same engine calls."""
+    width = max(ids.shape[1] for ids, _, _, _ in micro)
+    policy, ref = [], []
+    for (ids, targets, seg, pos), mask in zip(micro, masks):
+        if reference:
+            losses, ref_losses = engine.token_losses(ids, targets, seg, pos, reference=True)
+            ref.append(padded(-ref_losses.astype(np.float64) * mask, width))
+        else:
+            losses = engine.token_losses(ids, targets, seg, pos)
+        policy.append(padded(-losses.astype(np.float64) * mask, width))
+    return np.concatenate(policy), (np.concatenate(ref) if reference else None)
+
+
+def padded(a: np.ndarray, width: int) -> np.ndarray:
+    """(B, T) -> (B, width), zeros (False) on the right."""
+    return np.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+def cut_rows(objective: TokenObjective, r0: int, rows: int, width: int) -> TokenObjective:
+    """A step's TokenObjective (R, T) cut to rows r0 .. r0 + rows and the first `width` positions (a
+    micro-batch's)."""
+    def cut(a):
+        return None if a is None else a[r0:r0 + rows, :width]
+
+    return dataclasses.replace(objective, scale=cut(objective.scale), advantages=objective.advantages[r0:r0 + rows],
+                               old_logps=cut(objective.old_logps), ref_logps=cut(objective.ref_logps))
+
+
+def weighted(micro, masks, dlogps: np.ndarray) -> list | None:
+    """The micro-batches with per-token gradient weights: the engine divides the gradients by the step's
+    trained tokens N and a token's loss is minus its log-probability, so -N * dloss/dlogp gives the objective's
+    gradient. None when no token carries loss."""
+    total = float(sum(m.sum() for m in masks))
+    if not total:
+        return None
+    out, r0 = [], 0
+    for (ids, targets, seg, pos), mask in zip(micro, masks):
+        rows, width = ids.shape
+        w = np.where(mask, -total * dlogps[r0:r0 + rows, :width], 0.0)                   # (B, T)
+        out.append((ids, targets, seg, pos, w.astype(np.float32)))
+        r0 += rows
+    return out
+
+
+def completion_lists(completions: np.ndarray) -> list:
+    """Each row's completion ids of (R, C), -1 past its end."""
+    return [[int(t) for t in row[row >= 0]] for row in completions]
