@@ -25,6 +25,18 @@ def save_adapter(model_dir, out, seed: int, r: int = 4, targets="all-linear"):
     return out
 
 
+def served_files(root):
+    """A tiny model in root/model and two of its adapters, a (seed 2) and b (seed 5), as the serve tests serve
+    them."""
+    from types import SimpleNamespace
+
+    from finetune_helpers import make_model_dir
+
+    model_dir = make_model_dir(root / "model")
+    return SimpleNamespace(model=model_dir, a=save_adapter(model_dir, root / "a", 2),
+                           b=save_adapter(model_dir, root / "b", 5), root=root)
+
+
 class Reference:
     """Answers as the generate path computes them: the model with the adapter loaded from its folder."""
 

@@ -29,8 +29,8 @@ pytest.importorskip("prometheus_client")
 
 import wgpu_train as wt  # noqa: E402
 from conftest import require_adapter  # noqa: E402
-from finetune_helpers import build_tokenizer, make_model_dir, one_line_error  # noqa: E402
-from serve_helpers import KEY, NAMES, QUESTIONS, Reference, ask, expected, save_adapter  # noqa: E402
+from finetune_helpers import build_tokenizer, one_line_error  # noqa: E402
+from serve_helpers import KEY, NAMES, QUESTIONS, Reference, ask, expected, save_adapter, served_files  # noqa: E402
 from tiny_models import build_model, edit_config, save_model  # noqa: E402
 from wgpu_train.cli.commands import prompt_ids  # noqa: E402
 from wgpu_train.cli.main import build_parser  # noqa: E402
@@ -44,10 +44,7 @@ from wgpu_train.serve.text_stream import TextStream  # noqa: E402
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    model_dir = make_model_dir(root / "model")
-    return SimpleNamespace(model=model_dir, a=save_adapter(model_dir, root / "a", 2),
-                           b=save_adapter(model_dir, root / "b", 5), root=root)
+    return served_files(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

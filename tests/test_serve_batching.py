@@ -21,8 +21,8 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 prometheus = pytest.importorskip("prometheus_client.parser")
 
-from finetune_helpers import make_model_dir, one_line_error  # noqa: E402
-from serve_helpers import KEY, QUESTIONS, Reference, ask, save_adapter  # noqa: E402
+from finetune_helpers import one_line_error  # noqa: E402
+from serve_helpers import KEY, QUESTIONS, Reference, ask, save_adapter, served_files  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 from wgpu_train.cli.commands import prompt_ids  # noqa: E402
 from wgpu_train.cli.main import build_parser  # noqa: E402
@@ -36,10 +36,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batching")
-    model_dir = make_model_dir(root / "model")
-    return SimpleNamespace(model=model_dir, a=save_adapter(model_dir, root / "a", 2),
-                           b=save_adapter(model_dir, root / "b", 5), root=root)
+    return served_files(tmp_path_factory.mktemp("batching"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,21 @@ from wgpu_train.models.config import ModelConfig
 PREFILL_TOKENS = 256
 
 
-class Precision(str, Enum):
+class NamedValue(str, Enum):
+    """An option's value parsed once (Precision, quant.StorageDtype): a str, so it compares with, prints, hashes
+    and serialises as its name."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:          # as its name's: a dict or set of names finds it
+        return hash(self.value)
+
+
+class Precision(NamedValue):
     """--precision, parsed once where it enters (TrainConfig, load_model, the engines, estimate_memory) and then
     carried with its traits: where an engine stores activations, saved tensors and activation gradients
     (engine.precision; arithmetic is float32 in each). fp32, bf16, or f16 (with dynamic loss scaling, LossScaler);
@@ -30,15 +44,6 @@ class Precision(str, Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     F16 = "f16"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    def __hash__(self) -> int:          # as its name's: a dict or set of names finds it
-        return hash(self.value)
 
     @classmethod
     def parse(cls, value) -> "Precision":

@@ -21,13 +21,14 @@ instead of 4.5.
 """
 from __future__ import annotations
 
-from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
 
+from wgpu_train.engines.protocol import NamedValue
 
-class StorageDtype(str, Enum):
+
+class StorageDtype(NamedValue):
     """How frozen weights are stored (--base-dtype, --embed-dtype), one value from check_dtypes on, with its
     traits. A str, so it compares with, prints, hashes and serialises as its name; AUTO is resolved by
     check_dtypes."""
@@ -38,15 +39,6 @@ class StorageDtype(str, Enum):
     FLOAT16 = "float16"
     NF4 = "nf4"
     NF4_DQ = "nf4-dq"          # NF4 with double-quantised absmax values
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    def __hash__(self) -> int:          # as its name's: a dict or set of names finds it
-        return hash(self.value)
 
     @property
     def resolved(self) -> bool:
