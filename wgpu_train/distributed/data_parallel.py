@@ -11,31 +11,9 @@ import numpy as np
 from wgpu_train.training import checkpoint, tracking
 from wgpu_train.errors import ConfigError
 from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.models.stage_plan import partition
 from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
-
-
-def partition(costs, parts: int) -> list[tuple[int, int]]:
-    """Cut `costs` into `parts` contiguous non-empty runs whose largest sum is as small as it can be:
-    [(start, end), ...] in order. Needs at least `parts` costs."""
-    n = len(costs)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} costs into {parts} non-empty runs")
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    best = np.full((parts + 1, n + 1), np.inf)   # best[k, i]: the least largest sum of costs[:i] in k runs
-    best[0, 0] = 0.0
-    start = np.zeros((parts + 1, n + 1), dtype=np.int64)   # where the last of those k runs starts
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1, j], prefix[i] - prefix[j])
-                if v < best[k, i]:
-                    best[k, i], start[k, i] = v, j
-    runs, i = [], n
-    for k in range(parts, 0, -1):
-        runs.append((int(start[k, i]), i))
-        i = int(start[k, i])
-    return runs[::-1]
 
 
 def split_rows(micro: list, workers: int, step: int) -> list:

@@ -1,0 +1,258 @@
+"""PipelineEngine: S pipeline stages (engines' PipelineStage, each holding a range of layers, in this process or
+as Ray actors) driven as one Engine, so that the Trainer, checkpoints and Model run unchanged over them; the
+step's schedule (GPipe or 1F1B over its micro-batches) and the global-norm clipping across stages."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.stage_plan import StagePlan
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def stage_ops(schedule: str, stages: int, micro: int) -> list:
+    """Each stage's ops in the order it runs them: ("F", j) a forward of micro-batch j, ("B", j) its backward,
+    ("L", j) the last stage's forward, loss and backward at once. GPipe: every forward, then every backward;
+    1F1B: stage s runs min(S - 1 - s, M) forwards ahead, then one forward and one backward in turn, so it holds
+    at most S - s micro-batches' activations. Either way the backwards run in the forwards' order, so each stage
+    sums a step's gradients in the order one process does."""
+    out = []
+    for s in range(stages):
+        if s == stages - 1:
+            out.append([("L", j) for j in range(micro)])
+            continue
+        ahead = micro if schedule == "gpipe" else min(stages - 1 - s, micro)
+        ops = [("F", j) for j in range(ahead)]
+        for j in range(micro - ahead):
+            ops += [("F", ahead + j), ("B", j)]
+        out.append(ops + [("B", j) for j in range(micro - ahead, micro)])
+    return out
+
+
+class LocalStages:
+    """Stages in this process, each call run at once (the oracle of the Ray actors, and a pipeline's arithmetic
+    without Ray)."""
+
+    def __init__(self, stages: list):
+        self.stages = list(stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def call(self, s: int, method: str, *args, returns: int = 1):
+        return getattr(self.stages[s], method)(*args)
+
+    def get(self, values):
+        return values
+
+    def attr(self, s: int, name: str):
+        return getattr(self.stages[s], name)
+
+    def close(self):
+        self.stages = []
+
+
+class PipelineEngine:
+    """The Engine protocol over the stages of `plan`, reached through `runner` (LocalStages, or
+    pipeline_ray.RayStages: each call a Ray actor task whose arguments may be the results of other stages'
+    tasks, so the stages run a schedule concurrently). A tensor goes to the stage that holds it
+    (StagePlan.holds); what every stage keeps alike (the dropout position) is read from the first."""
+
+    step_logps: list = []
+    last_profile: dict = {}
+    loss_scaler = None
+    max_binding = None
+    base_weight_bytes = 0
+
+    def __init__(self, runner, plan: StagePlan, schedule: str = "1f1b"):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        self.runner, self.plan, self.schedule = runner, plan, schedule
+        for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
+                     "backend_reason"):
+            setattr(self, name, runner.attr(0, name))
+        self.device_description = "; ".join(runner.attr(s, "device_description") for s in range(len(plan)))
+
+    # ---- tensors, by the stage that holds them --------------------------------------------------------
+    def _all(self, method: str, *args) -> list:
+        return self.runner.get([self.runner.call(s, method, *args) for s in range(len(self.plan))])
+
+    def _split(self, method: str, tensors: dict, *args):
+        self._all_each(method, [{k: v for k, v in tensors.items() if self.plan.holds(s, k)}
+                                for s in range(len(self.plan))], *args)
+
+    def _all_each(self, method: str, per_stage: list, *args):
+        self.runner.get([self.runner.call(s, method, part, *args) for s, part in enumerate(per_stage)])
+
+    def _merged(self, method: str) -> dict:
+        out = {}
+        for s, part in enumerate(self._all(method)):
+            out.update({k: v for k, v in part.items() if self.plan.owner(k) == s})
+        return out
+
+    @property
+    def counters(self) -> dict:
+        """Every stage's counters summed (each stage's loss head counts once: the last stage's)."""
+        out: dict = {}
+        for part in (self.runner.attr(s, "counters") for s in range(len(self.plan))):
+            for k, v in part.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def set_lora(self, modules: dict):
+        self._split("set_lora", modules)
+
+    def lora_tensors(self) -> dict:
+        return self._merged("lora_tensors")
+
+    def set_full_finetune(self, enabled: bool = True):
+        if enabled:
+            raise ConfigError("--pipeline-stages trains LoRA adapters for now: leave out --method full")
+        self._all("set_full_finetune", False)
+
+    def set_trained_base(self, names, untie: bool = False):
+        if names or untie:
+            raise ConfigError("--pipeline-stages trains LoRA adapters for now: leave out --modules-to-save")
+        self._all("set_trained_base", (), False)
+
+    def set_gradient_checkpointing(self, on: bool = True):
+        self._all("set_gradient_checkpointing", on)
+
+    def set_adapter_enabled(self, enabled: bool = True):
+        self._all("set_adapter_enabled", enabled)
+
+    def set_loss_temperature(self, temperature: float = 1.0):
+        self._all("set_loss_temperature", temperature)
+
+    def seed_dropout(self, seed: int):
+        self._all("seed_dropout", seed)
+
+    def trainable(self) -> dict:
+        return self._merged("trainable")
+
+    def set_trainable(self, tensors: dict):
+        self._split("set_trainable", tensors)
+
+    def weights(self) -> dict:
+        """Every stage's base weights gathered here: the whole model in this process, which a pipeline avoids
+        (only merging or DoRA's start read them)."""
+        return self._merged("weights")
+
+    def set_base_weights(self, weights: dict):
+        self._split("set_base_weights", weights)
+
+    def zero_grads(self):
+        self._all("zero_grads")
+
+    def gradients(self) -> dict:
+        return self._merged("gradients")
+
+    def optimizer_state(self) -> dict:
+        return self._merged("optimizer_state")
+
+    def load_optimizer_state(self, state: dict):
+        self._split("load_optimizer_state", state)
+
+    def state_dict(self) -> dict:
+        return self.runner.get(self.runner.call(0, "state_dict"))
+
+    def load_state_dict(self, state: dict):
+        self._all("load_state_dict", state)
+
+    # ---- computing ------------------------------------------------------------------------------------
+    def _scores(self, ids, targets, segment_ids, position_ids, rows: bool = False):
+        x = ids
+        for s in range(len(self.plan) - 1):
+            x = self.runner.call(s, "stage_forward", None, x, segment_ids, position_ids)
+        return self.runner.get(self.runner.call(len(self.plan) - 1, "stage_scores", x, targets, segment_ids,
+                                                position_ids, rows))
+
+    def logits(self, ids, segment_ids, position_ids):
+        return self._scores(ids, None, segment_ids, position_ids)
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        return self._scores(ids, targets, segment_ids, position_ids)
+
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
+        policy = self._scores(ids, targets, segment_ids, position_ids, rows=True)
+        if not reference:
+            return policy
+        self.set_adapter_enabled(False)
+        try:
+            return policy, self._scores(ids, targets, segment_ids, position_ids, rows=True)
+        finally:
+            self.set_adapter_enabled(True)
+
+    def _run(self, micro_batches: list, scales: list) -> tuple:
+        """The forwards and backwards of a step's micro-batches in the schedule's order, each stage's calls
+        submitted as soon as their inputs are (a Ray stage starts each when they exist); the per-token gradient
+        scale of micro-batch j is scales[j]. (summed loss, trained tokens)."""
+        stages, call = len(self.plan), self.runner.call
+        ops = stage_ops(self.schedule, stages, len(micro_batches))
+        at, outs, grads, losses, firsts = [0] * stages, {}, {}, {}, []
+        while any(at[s] < len(ops[s]) for s in range(stages)):
+            moved = False
+            for s in range(stages):
+                while at[s] < len(ops[s]):
+                    kind, j = ops[s][at[s]]
+                    ids, targets, seg, pos = micro_batches[j][:4]
+                    if s and (s - 1, j) not in outs or kind == "B" and (s + 1, j) not in grads:
+                        break
+                    x = outs[(s - 1, j)] if s else ids
+                    if kind == "F":
+                        outs[(s, j)] = call(s, "stage_forward", j, x, seg, pos)
+                    elif kind == "L":
+                        loss, count, grads[(s, j)] = call(s, "stage_loss", j, x, targets, seg, pos, scales[j],
+                                                          returns=3)
+                        losses[j] = (loss, count)
+                    else:
+                        grads[(s, j)] = call(s, "stage_backward", j, grads[(s + 1, j)])
+                        if s == 0:
+                            firsts.append(grads[(s, j)])
+                    at[s] += 1
+                    moved = True
+            if not moved:
+                raise RuntimeError(f"pipeline schedule {self.schedule} is stuck at {at}")
+        done = self.runner.get([v for j in sorted(losses) for v in losses[j]] + firsts)   # errors surface here
+        loss_sum = 0.0
+        for j in range(len(micro_batches)):
+            loss_sum += done[2 * j]
+        return loss_sum, sum(int(c) for c in done[1:2 * len(micro_batches):2])
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        return self._run([(ids, targets, segment_ids, position_ids)], [grad_scale])
+
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+        """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
+        weights (B, T)]) in the schedule, then every stage's squared gradient norm summed into the global norm
+        that each stage clips by before its AdamW update."""
+        if reduce is not None:
+            raise ConfigError("--pipeline-stages runs in one data-parallel group for now: leave out --num-workers")
+        if any(len(mb) > 4 and not isinstance(mb[4], np.ndarray) for mb in micro_batches):
+            raise ConfigError("--pipeline-stages trains the SFT objective for now: leave out --objective")
+        total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        scale = 1.0 / max(total, 1)
+        self.zero_grads()
+        scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 else scale
+                  for mb in micro_batches]
+        loss_sum, _ = self._run(micro_batches, scales)
+        norm = math.sqrt(sum(self._all("stage_grad_square")))
+        applied = self._all("stage_update", norm, hp, step)
+        return loss_sum, total, norm, bool(applied[0])
+
+    # ---- generation: not through stages ------------------------------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        raise ConfigError("generation does not run through pipeline stages yet: leave out --pipeline-stages")
+
+    def free_kv_cache(self, kv: dict):
+        pass
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None):
+        raise ConfigError("generation does not run through pipeline stages yet: leave out --pipeline-stages")
+
+    def close(self):
+        self.runner.close()
