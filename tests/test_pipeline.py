@@ -1,0 +1,176 @@
+"""Pipeline stages (distributed/pipeline_*.py, models/stage_plan.py, engines/numpy/stage.py): stage plans by hand and
+balanced, each stage reading only its tensors, each stage's memory, and S = 2 or 3 stages with M micro-batches under
+GPipe and 1F1B equal to one process (step losses and adapters) on the tiny Llama, Qwen3 and Gemma 3, in this process
+and as Ray actors; checkpoints gathered into one process's format, resumed with another S; bad input in one line."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from finetune_helpers import make_data_dir, make_model_dir, one_line_error
+from tiny_models import build_model, save_model
+from tolerances import assert_close
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, stage_ops
+from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+from wgpu_train.engines.loading import load_model, load_stage
+from wgpu_train.engines.model import Model
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.resources import balanced_stages, estimate_memory, stage_memory
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.stage_plan import parse_stage_layers, plan_stages
+from wgpu_train.training.config import TrainConfig, default_model_dir
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+# ---- stage plans --------------------------------------------------------------------------------------------
+
+def test_stage_layers_by_hand():
+    assert parse_stage_layers("0-1, 2,3-5", 6) == (range(0, 2), range(2, 3), range(3, 6))
+    for text, what in (("0-1,1-3", "layer 1 is in two stages"), ("0-1,3", "layer 2 is in no stage"),
+                       ("0-4", "the model has layers 0-3"), ("2-3,0-1", "out of order"), ("a-b", "FIRST-LAST")):
+        with pytest.raises(ConfigError, match=what):
+            parse_stage_layers(text, 4)
+    with pytest.raises(ConfigError, match="names 2 stages, --pipeline-stages 3"):
+        plan_stages(4, 3, "0-1,2-3")
+
+
+def test_balanced_stages_weigh_the_embedding_and_head():
+    assert plan_stages(4, 2).stages == (range(0, 2), range(2, 4))
+    # a head as heavy as two layers moves the cut: the last stage takes one layer
+    assert plan_stages(4, 2, layer_costs=[1, 1, 1, 1], last_cost=2).stages == (range(0, 3), range(3, 4))
+    with pytest.raises(ConfigError, match="more than the model's 4 layers"):
+        plan_stages(4, 5)
+    cfg = ModelConfig.from_folder(default_model_dir())
+    assert balanced_stages(cfg, 2, None, 4, 64).describe() == "0-1,2-3"
+
+
+def test_schedules_run_each_micro_batch_once_backwards_in_order():
+    for schedule in ("gpipe", "1f1b"):
+        for s_count, m in ((2, 1), (3, 4), (4, 2)):
+            ops = stage_ops(schedule, s_count, m)
+            assert ops[-1] == [("L", j) for j in range(m)]
+            for s, stage in enumerate(ops[:-1]):
+                assert [j for k, j in stage if k == "F"] == list(range(m))
+                assert [j for k, j in stage if k == "B"] == list(range(m))
+                held = max(sum(1 for k, j in stage[:i + 1] if k == "F") - sum(1 for k, j in stage[:i + 1] if k == "B")
+                           for i in range(len(stage)))
+                assert held == (m if schedule == "gpipe" else min(m, s_count - s))
+
+
+# ---- loading and memory -------------------------------------------------------------------------------------
+
+def _file_bytes(folder) -> dict:
+    """name -> its bytes in model.safetensors, from the header alone."""
+    raw = (folder / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])       # an untied head, a tied one
+def test_a_stage_reads_only_its_tensors(tmp_path, arch):
+    folder = save_model(build_model(arch, num_hidden_layers=3), tmp_path / arch)
+    sizes = _file_bytes(folder)
+    plan = plan_stages(3, 3, tied=arch == "qwen3")
+    read = []
+    for s in range(3):
+        engine = load_stage(folder, plan, s, precision="fp32")
+        layer = f"model.layers.{s}."
+        mine = {k for k in sizes if k.startswith(layer)}
+        mine |= {"model.embed_tokens.weight"} if s == 0 or (s == 2 and arch == "qwen3") else set()
+        mine |= {"model.norm.weight"} | ({"lm_head.weight"} if arch == "llama" else set()) if s == 2 else set()
+        assert set(engine.weights()) == mine
+        assert engine.weights_bytes_read == sum(sizes[k] for k in mine)
+        read.append(engine.weights_bytes_read)
+    tied_copy = sizes["model.embed_tokens.weight"] if arch == "qwen3" else 0
+    assert sum(read) == sum(sizes.values()) + tied_copy
+
+
+def test_stage_memory_adds_up_to_the_whole(tmp_path):
+    cfg = ModelConfig.from_folder(default_model_dir())
+    lora = LoraConfig(r=8)
+    whole = estimate_memory(cfg, 4, 64, lora)
+    stages = stage_memory(cfg, plan_stages(4, 2), 4, 64, lora, micro_batches=1)
+    for key in ("weights", "trainable_state", "logits"):
+        assert sum(s[key] for s in stages) == whole[key], key
+    # the layers' activations split between the stages; each holds the shared buffers of a layer's backward
+    assert whole["activations"] < sum(s["activations"] for s in stages) < 2 * whole["activations"]
+    gpipe = stage_memory(cfg, plan_stages(4, 2), 4, 64, lora, micro_batches=4, schedule="gpipe")
+    f1b = stage_memory(cfg, plan_stages(4, 2), 4, 64, lora, micro_batches=4, schedule="1f1b")
+    assert [s["in_flight"] for s in gpipe] == [4, 4] and [s["in_flight"] for s in f1b] == [2, 1]
+    assert f1b[0]["activations"] < gpipe[0]["activations"]
+
+
+def test_memory_command_prints_each_stage(capsys):
+    from wgpu_train.cli.main import main
+
+    assert main(["memory", "--pipeline-stages", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [s["layers"] for s in result["stages"]] == ["0-1", "2-3"]
+    for stage in result["stages"]:
+        assert {"weights", "trainable_state", "activations", "logits", "total"} <= set(stage)
+    assert sum(s["weights"] for s in result["stages"]) == result["weights"]      # untied: no copy
+    one_line_error(capsys, ["memory", "--pipeline-stages", "5"], "more than the model's 4 layers")
+    one_line_error(capsys, ["memory", "--stage-layers", "0-2,2-3"], "layer 2 is in two stages")
+
+
+# ---- equal to one process -----------------------------------------------------------------------------------
+
+def _micro_batches(seed: int, m: int, vocab: int = 83):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(m):
+        ids = rng.integers(0, vocab, (2, 9)).astype(np.int32)
+        targets = rng.integers(0, vocab, (2, 9)).astype(np.int64)
+        targets[0, :3] = -100
+        seg = np.ones_like(ids)
+        seg[1, 7:] = 0
+        targets[1, 7:] = -100
+        out.append((ids, targets, seg, np.broadcast_to(np.arange(9, dtype=np.int32), ids.shape).copy()))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("stages,schedule,precision", [(2, "gpipe", "fp32"), (3, "1f1b", "fp32"),
+                                                       (3, "gpipe", "bf16")])
+def test_stages_equal_one_process(tmp_path, arch, stages, schedule, precision):
+    """Three steps of three micro-batches (LoRA dropout on, the norm clipped): the same step losses, token counts
+    and norms, and the same adapter and AdamW moments."""
+    kw = {"layer_types": LAYER_TYPES} if arch == "gemma3" else {}
+    folder = save_model(build_model(arch, num_hidden_layers=3, **kw), tmp_path / arch)
+    lora = LoraConfig(r=4, target_modules=("q_proj", "v_proj", "down_proj"), dropout=0.1)
+    one = load_model(folder, "numpy", precision=precision)
+    one.add_lora(lora, seed=3)
+    plan = plan_stages(3, stages, tied=one.config.tie_word_embeddings)
+    engine = PipelineEngine(LocalStages([load_stage(folder, plan, s, precision=precision) for s in range(stages)]),
+                            plan, schedule)
+    Model(one.config, engine, folder).add_lora(lora, seed=3)
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5, weight_decay=0.01)
+    for step in range(1, 4):
+        micro = _micro_batches(step, 3)
+        expected = one.engine.train_step(micro, hp, step)
+        got = engine.train_step(micro, hp, step)
+        assert got[:2] == expected[:2] and got[3] == expected[3], (got, expected)
+        assert_close(got[2], expected[2], "pipeline_numpy", f"step {step}'s norm")
+    mine, theirs = engine.trainable(), one.engine.trainable()
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_numpy", k)
+    moments = engine.optimizer_state()
+    for k, (m, v) in one.engine.optimizer_state().items():
+        assert_close(moments[k][0], m, "pipeline_numpy", k + " (first moment)")
+        assert_close(moments[k][1], v, "pipeline_numpy", k + " (second moment)")
+    assert max(float(np.abs(theirs[k]).max()) for k in theirs if k.endswith("lora_B")) > 1e-3      # it trained
+    ids, targets, seg, pos = _micro_batches(9, 1)[0]
+    assert_close(engine.loss(ids, targets, seg, pos)[0], one.engine.loss(ids, targets, seg, pos)[0],
+                 "pipeline_numpy", "a forward-only loss")
+    assert_close(engine.token_losses(ids, targets, seg, pos, reference=True),
+                 one.engine.token_losses(ids, targets, seg, pos, reference=True), "pipeline_numpy", "token losses")
