@@ -5,12 +5,17 @@ and as Ray actors; checkpoints gathered into one process's format, resumed with 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from finetune_helpers import make_data_dir, make_model_dir, one_line_error
+import wgpu_train
+from finetune_helpers import one_line_error
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
@@ -174,3 +179,103 @@ def test_stages_equal_one_process(tmp_path, arch, stages, schedule, precision):
                  "pipeline_numpy", "a forward-only loss")
     assert_close(engine.token_losses(ids, targets, seg, pos, reference=True),
                  one.engine.token_losses(ids, targets, seg, pos, reference=True), "pipeline_numpy", "token losses")
+
+
+# ---- whole runs: the Trainer over stages ----------------------------------------------------------------------
+
+def _run_config(out, **kw) -> TrainConfig:
+    """The embedded default, cut short: 4 steps of 2 micro-batches of 2 rows, LoRA dropout on, no validation."""
+    base = dict(out=str(out), backend="numpy", no_progress=True, eval_generate=False, log_every=1, max_steps=4,
+                batch_size=2, grad_accum=2, lora_dropout=0.1, lr=1e-2, save_every=2, valid_split=0.0,
+                lora_targets="q_proj,v_proj,down_proj", max_eval_samples=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _step_losses(out) -> list:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "lr" in r]
+
+
+def _assert_same_adapter(out, reference):
+    mine, theirs = read_adapter(out)[1], read_adapter(reference)[1]
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_numpy", k)
+    assert max(float(np.abs(theirs[k]).max()) for k in theirs if "lora_B" in k) > 1e-3      # it trained
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline") / "one"
+    finetune(_run_config(out))
+    return out
+
+
+def test_embedded_default_through_stages_equals_one_process(tmp_path, one_process):
+    out = tmp_path / "staged"
+    summary = finetune_pipeline(_run_config(out, pipeline_stages=2, grad_accum=1, pipeline_micro_batches=2,
+                                            pipeline_schedule="gpipe"), local=True)
+    assert _step_losses(out) == _step_losses(one_process)
+    _assert_same_adapter(out, one_process)
+    assert json.loads((out / "train_config.json").read_text())["grad_accum"] == 2
+    staged = summary["pipeline"]
+    assert staged["stages"] == 2 and staged["layers"] == "0-1,2-3" and staged["micro_batches"] == 2
+    assert sum(staged["weights_bytes_read"]) == sum(_file_bytes(default_model_dir()).values())    # untied
+
+
+def test_a_checkpoint_resumes_with_another_number_of_stages(tmp_path, one_process):
+    """Four steps on 2 stages (checkpoints at 2 and 4); from its step-2 checkpoint the last two steps on 3 stages,
+    or in one process: the step losses and adapter of one uninterrupted process either way (a checkpoint holds
+    every stage's LoRA and AdamW state, in one process's format)."""
+    out = tmp_path / "run"
+    finetune_pipeline(_run_config(out, pipeline_stages=2), local=True)
+    _assert_same_adapter(out, one_process)
+    step2 = out / "checkpoints" / "step-000002"
+    for name, stages in (("three", 3), ("one", None)):
+        folder = tmp_path / name
+        config = _run_config(folder, resume=str(step2), pipeline_stages=stages)
+        finetune_pipeline(config, local=True) if stages else finetune(config)
+        assert _step_losses(folder) == _step_losses(one_process)[2:]
+        _assert_same_adapter(folder, one_process)
+
+
+def test_stages_as_ray_actors_equal_one_process(tmp_path, one_process):
+    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
+    out = tmp_path / "ray"
+    summary = finetune(_run_config(out, pipeline_stages=2))
+    assert summary["pipeline"]["ray"] is True
+    # Ray's workers run BLAS on one thread (OMP_NUM_THREADS=1), which sums GEMMs in another order than this
+    # process's threads: the reference is one process run so too
+    reference = tmp_path / "one_thread"
+    code = (f"from wgpu_train.distributed.dispatch import finetune\nfrom test_pipeline import _run_config\n"
+            f"finetune(_run_config({str(reference)!r}))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(wgpu_train.__file__).parents[1]), str(Path(__file__).parent)])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    assert _step_losses(out) == _step_losses(reference)
+    _assert_same_adapter(out, reference)
+    sizes = _file_bytes(default_model_dir())
+    read = summary["pipeline"]["weights_bytes_read"]
+    # each actor read its half: its layers' tensors and the embedding (first) or the norm and head (last)
+    assert sum(read) == sum(sizes.values()) and max(read) < 0.6 * sum(sizes.values())
+    # 4 steps x 2 micro-batches of 2 rows: the first stage's outputs, the last's input gradients, float32 (fp32)
+    assert all(b > 0 for b in summary["pipeline"]["boundary_bytes_sent"])
+
+
+# ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
+
+def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
+    run = ["finetune", "--backend", "numpy", "--out", str(tmp_path / "x"), "--max-steps", "1", "--no-progress"]
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--num-workers", "2"], "leave out --num-workers")
+    one_line_error(capsys, run + ["--pipeline-micro-batches", "2"], "give --pipeline-stages")
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--pipeline-micro-batches", "3", "--grad-accum", "2"],
+                   "give one")
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--method", "full"], "leave out --method full")
+    one_line_error(capsys, run + ["--pipeline-stages", "5"], "more than the model's 4 layers", after_log=True)
+    one_line_error(capsys, run + ["--stage-layers", "0-1,3"], "layer 2 is in no stage", after_log=True)
+    one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",
+                   after_log=True)
+    one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")
+    with pytest.raises(ConfigError, match="leave out --objective"):
+        TrainConfig(pipeline_stages=2, objective="dpo")

@@ -42,7 +42,8 @@ TOLERANCES: dict[str, Tolerance] = {
         "sums a step's micro-batch gradients in the same order (backwards in the forwards' order under GPipe and "
         "1F1B), so only the global norm differs, its float64 sum of squares added per stage then across stages "
         "(about 1e-16 relative in the clipping factor), which may move an AdamW update by a float32 unit in the last "
-        "place now and then over a few steps (measured: 0 on the tiny Llama, Qwen3 and Gemma 3)"),
+        "place now and then over a few steps (measured: 0 on the tiny Llama, Qwen3 and Gemma 3 and the embedded "
+        "default; stages in Ray actors against one process whose BLAS runs on one thread, as Ray's workers do)"),
     "logits_f32": Tolerance(1e-4, 3e-5,
         "float32 NumPy vs float32 torch on the tiny models: summation order (BLAS) and exp/log rounding "
         "differ; observed <= 3.5e-6 on logits of magnitude ~3. A wrong mask, RoPE or norm moves logits by > 1e-2"),
