@@ -50,7 +50,8 @@ def test_stage_layers_by_hand():
 def test_balanced_stages_weigh_the_embedding_and_head():
     assert plan_stages(4, 2).stages == (range(0, 2), range(2, 4))
     # a head as heavy as two layers moves the cut: the last stage takes one layer
-    assert plan_stages(4, 2, layer_costs=[1, 1, 1, 1], last_cost=2).stages == (range(0, 3), range(3, 4))
+    head = lambda k, a, b: b - a + (2 if k == 1 else 0)          # noqa: E731
+    assert plan_stages(4, 2, stage_cost=head).stages == (range(0, 3), range(3, 4))
     with pytest.raises(ConfigError, match="more than the model's 4 layers"):
         plan_stages(4, 5)
     cfg = ModelConfig.from_folder(default_model_dir())
@@ -279,3 +280,30 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")
     with pytest.raises(ConfigError, match="leave out --objective"):
         TrainConfig(pipeline_stages=2, objective="dpo")
+
+
+def test_stages_of_a_1b_shaped_model(tmp_path, capsys):
+    """Llama 3.2 1B's shape (16 layers, a tied 128k-row embedding) in bfloat16, 4 micro-batches of 4 x 512 under
+    1F1B: the stages' weights add up to the whole plus the tied embedding's second copy; the largest stage falls
+    with S, and balancing by memory does no worse than cutting the layers evenly."""
+    from wgpu_train.cli.main import main
+
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+             "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    args = ["memory", "--model", str(tmp_path), "--batch-size", "4", "--max-seq-len", "512", "--base-dtype",
+            "bfloat16", "--pipeline-micro-batches", "4", "--json"]
+    largest = []
+    embedding = 128256 * 2048 * 2
+    for s_count in (2, 3, 4):
+        assert main(args + ["--pipeline-stages", str(s_count)]) == 0
+        result = json.loads(capsys.readouterr().out)
+        stages = result["stages"]
+        assert sum(s["weights"] for s in stages) == result["weights"] + embedding
+        largest.append(max(s["total"] for s in stages))
+        even = ",".join(f"{i * 16 // s_count}-{(i + 1) * 16 // s_count - 1}" for i in range(s_count))
+        assert main(args + ["--stage-layers", even]) == 0
+        assert largest[-1] <= max(s["total"] for s in json.loads(capsys.readouterr().out)["stages"])
+    assert result["total"] > largest[0] > largest[1] > largest[2]

@@ -14,20 +14,18 @@ EMBED = "model.embed_tokens.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def partition(costs, parts: int) -> list[tuple[int, int]]:
-    """Cut `costs` into `parts` contiguous non-empty runs whose largest sum is as small as it can be:
-    [(start, end), ...] in order. Needs at least `parts` costs."""
-    n = len(costs)
+def split_runs(n: int, parts: int, cost) -> list[tuple[int, int]]:
+    """Cut n items into `parts` contiguous non-empty runs whose largest cost(k, start, end) (run k's: it may
+    depend on the run's place) is as small as it can be: [(start, end), ...] in order. Needs parts <= n."""
     if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} costs into {parts} non-empty runs")
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    best = np.full((parts + 1, n + 1), np.inf)   # best[k, i]: the least largest sum of costs[:i] in k runs
+        raise ValueError(f"cannot cut {n} items into {parts} non-empty runs")
+    best = np.full((parts + 1, n + 1), np.inf)   # best[k, i]: the least largest cost of items[:i] in k runs
     best[0, 0] = 0.0
     start = np.zeros((parts + 1, n + 1), dtype=np.int64)   # where the last of those k runs starts
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for j in range(k - 1, i):
-                v = max(best[k - 1, j], prefix[i] - prefix[j])
+                v = max(best[k - 1, j], cost(k - 1, j, i))
                 if v < best[k, i]:
                     best[k, i], start[k, i] = v, j
     runs, i = [], n
@@ -35,6 +33,13 @@ def partition(costs, parts: int) -> list[tuple[int, int]]:
         runs.append((int(start[k, i]), i))
         i = int(start[k, i])
     return runs[::-1]
+
+
+def partition(costs, parts: int) -> list[tuple[int, int]]:
+    """Cut `costs` into `parts` contiguous non-empty runs whose largest sum is as small as it can be:
+    [(start, end), ...] in order. Needs at least `parts` costs."""
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    return split_runs(len(costs), parts, lambda k, a, b: prefix[b] - prefix[a])
 
 
 def layer_of(name: str) -> int | None:
@@ -98,12 +103,11 @@ def parse_stage_layers(text: str, num_layers: int) -> tuple:
     return tuple(stages)
 
 
-def plan_stages(num_layers: int, stages: int, stage_layers: str | None = None, layer_costs=None,
-                first_cost: float = 0.0, last_cost: float = 0.0, tied: bool = False) -> StagePlan:
+def plan_stages(num_layers: int, stages: int, stage_layers: str | None = None, stage_cost=None,
+                tied: bool = False) -> StagePlan:
     """The stages of a run: `stage_layers` as given (parse_stage_layers; its count must be `stages` where that is
-    above 1), else `stages` stages whose largest cost is as small as it can be: each layer's `layer_costs` (default
-    1 each), the first stage's extra `first_cost` (the embedding) and the last's `last_cost` (the norm, head and
-    logits). ConfigError (one line) for more stages than layers."""
+    above 1), else `stages` stages whose largest stage_cost(stage, first layer, end) is as small as it can be
+    (default: its number of layers). ConfigError (one line) for more stages than layers."""
     if stage_layers:
         ranges = parse_stage_layers(stage_layers, num_layers)
         if stages > 1 and len(ranges) != stages:
@@ -115,7 +119,5 @@ def plan_stages(num_layers: int, stages: int, stage_layers: str | None = None, l
     if stages > num_layers:
         raise ConfigError(f"--pipeline-stages {stages} is more than the model's {num_layers} layers: each stage "
                           f"holds at least one layer")
-    costs = np.asarray(layer_costs if layer_costs is not None else np.ones(num_layers), np.float64).copy()
-    costs[0] += first_cost
-    costs[-1] += last_cost
-    return StagePlan(tuple(range(a, b) for a, b in partition(costs, stages)), num_layers, tied)
+    runs = split_runs(num_layers, stages, stage_cost or (lambda k, a, b: b - a))
+    return StagePlan(tuple(range(a, b) for a, b in runs), num_layers, tied)

@@ -79,21 +79,27 @@ def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, bat
                     lora: LoraConfig | None = None, method: str = "lora", base_dtype: str = "float32",
                     embed_dtype: str = "auto", gc: bool = False, precision: str = "fp32",
                     micro_batches: int = 1, schedule: str = "1f1b") -> StagePlan:
-    """plan_stages with each layer's cost its weight bytes, trainable state and activations (for the most
-    micro-batches a stage holds at once), the first stage's the embedding, the last's the norm, head and logits."""
+    """plan_stages with the smallest largest stage_memory total: a stage's layers' weights and trainable state,
+    their activations for the micro-batches that stage holds at once (in_flight: more on the first stages under
+    1F1B), the shared buffers, the embedding on the first stage, the norm, head and logits on the last."""
     n = cfg.num_hidden_layers
     if stage_layers or not 1 <= stages <= n:      # by hand, or refused in one line
         return plan_stages(n, stages, stage_layers, tied=cfg.tie_word_embeddings)
     whole = StagePlan((range(n),), n, cfg.tie_word_embeddings)
-    layer, _, head, logits = _activation_parts(cfg, batch, seq, lora, gc, None, precision)
-    held = in_flight(schedule, stages, 0, micro_batches)
-    costs = []
+    layer, rest, head, logits = _activation_parts(cfg, batch, seq, lora, gc, None, precision)
+    prefix = [0]
     for i in range(n):
         keep = lambda name, i=i: name.startswith(f"model.layers.{i}.")          # noqa: E731
         weights = base_weight_bytes(cfg, base_dtype, embed_dtype, keep=keep)["total"]
-        costs.append(weights + _trainable_bytes(cfg, lora, method, keep, weights) + held * layer)
-    first = base_weight_bytes(cfg, base_dtype, embed_dtype, keep=lambda k: k == "model.embed_tokens.weight")
+        prefix.append(prefix[-1] + weights + _trainable_bytes(cfg, lora, method, keep, weights))
+    first = base_weight_bytes(cfg, base_dtype, embed_dtype, keep=lambda k: k == "model.embed_tokens.weight")["total"]
     ends = base_weight_bytes(cfg, base_dtype, embed_dtype,
-                             keep=lambda k: whole.holds(0, k) and not k.startswith("model.layers."))
-    last = ends["total"] - (0 if cfg.tie_word_embeddings else first["total"]) + head + logits
-    return plan_stages(n, stages, None, costs, first["total"], last, cfg.tie_word_embeddings)
+                             keep=lambda k: whole.holds(0, k) and not k.startswith("model.layers."))["total"]
+    last = ends - (0 if cfg.tie_word_embeddings else first) + head + logits
+
+    def cost(k: int, a: int, b: int) -> float:
+        held = in_flight(schedule, stages, k, micro_batches)
+        return (prefix[b] - prefix[a] + held * (b - a) * layer + rest + (first if k == 0 else 0)
+                + (last if k == stages - 1 else 0))
+
+    return plan_stages(n, stages, None, cost, cfg.tie_word_embeddings)
