@@ -65,6 +65,14 @@ def _data_parallel(rt):
 SECTIONS["data_parallel"] = _data_parallel
 
 
+def _pipeline(rt):
+    from wgpu_train.bench.pipeline import bench_pipeline
+    return bench_pipeline()
+
+
+SECTIONS["pipeline"] = _pipeline
+
+
 def _engines(rt):
     from wgpu_train.bench.engines import bench_engines
     return bench_engines()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from wgpu_train.errors import ConfigError
@@ -23,15 +24,20 @@ class StageActor:
         from wgpu_train.engines.loading import load_stage
 
         self.engine = load_stage(folder, plan, stage, "numpy", base_dtype, embed_dtype, precision)
+        self.busy = 0.0          # seconds spent in calls (the bubble's complement, bench --only pipeline)
 
     def call(self, method: str, *args):
-        return getattr(self.engine, method)(*args)
+        started = time.perf_counter()
+        try:
+            return getattr(self.engine, method)(*args)
+        finally:
+            self.busy += time.perf_counter() - started
 
     def attr(self, name: str):
-        return getattr(self.engine, name)
+        return self.busy if name == "busy" else getattr(self.engine, name)
 
 
-def _start(address: str | None, actors: int) -> bool:
+def start_ray(address: str | None, actors: int) -> bool:
     """Join Ray at `address` or start a local instance (True), or use the one this process already runs."""
     if ray.is_initialized():
         return False
@@ -62,7 +68,7 @@ class RayStages:
         if ray is None:
             raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
                               "pip install 'wgpu-train[ray]'")
-        self.started = _start(address, len(plan))
+        self.started = start_ray(address, len(plan))
         actor = ray.remote(num_cpus=0)(StageActor)      # the stages take turns more than they compute at once
         self.actors = [actor.remote(str(folder), plan, s, base_dtype, embed_dtype, precision)
                        for s in range(len(plan))]
