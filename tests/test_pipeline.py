@@ -31,6 +31,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.stage_plan import parse_stage_layers, plan_stages
 from wgpu_train.training.config import TrainConfig, default_model_dir
+from wgpu_train.training.preference_trainer import PreferenceTrainer
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -145,19 +146,20 @@ def _micro_batches(seed: int, m: int, vocab: int = 83):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-@pytest.mark.parametrize("stages,schedule,precision", [(2, "gpipe", "fp32"), (3, "1f1b", "fp32"),
-                                                       (3, "gpipe", "bf16")])
-def test_stages_equal_one_process(tmp_path, arch, stages, schedule, precision):
-    """Three steps of three micro-batches (LoRA dropout on, the norm clipped): the same step losses, token counts
-    and norms, and the same adapter and AdamW moments."""
+@pytest.mark.parametrize("stages,schedule,precision,base", [(2, "gpipe", "fp32", "float32"),
+                                                            (3, "1f1b", "fp32", "float32"),
+                                                            (3, "gpipe", "bf16", "nf4")])
+def test_stages_equal_one_process(tmp_path, arch, stages, schedule, precision, base):
+    """Three steps of three micro-batches (LoRA dropout on, the norm clipped; an NF4 base with bf16 activations):
+    the same step losses, token counts and norms, and the same adapter and AdamW moments."""
     kw = {"layer_types": LAYER_TYPES} if arch == "gemma3" else {}
     folder = save_model(build_model(arch, num_hidden_layers=3, **kw), tmp_path / arch)
     lora = LoraConfig(r=4, target_modules=("q_proj", "v_proj", "down_proj"), dropout=0.1)
-    one = load_model(folder, "numpy", precision=precision)
+    one = load_model(folder, "numpy", base_dtype=base, precision=precision)
     one.add_lora(lora, seed=3)
     plan = plan_stages(3, stages, tied=one.config.tie_word_embeddings)
-    engine = PipelineEngine(LocalStages([load_stage(folder, plan, s, precision=precision) for s in range(stages)]),
-                            plan, schedule)
+    engine = PipelineEngine(LocalStages([load_stage(folder, plan, s, base_dtype=base, precision=precision)
+                                         for s in range(stages)]), plan, schedule)
     Model(one.config, engine, folder).add_lora(lora, seed=3)
     hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5, weight_decay=0.01)
     for step in range(1, 4):
@@ -278,8 +280,8 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",
                    after_log=True)
     one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")
-    with pytest.raises(ConfigError, match="leave out --objective"):
-        TrainConfig(pipeline_stages=2, objective="dpo")
+    with pytest.raises(ConfigError, match="leave out --objective grpo"):
+        TrainConfig(pipeline_stages=2, objective="grpo", batch_size=8)
 
 
 def test_stages_of_a_1b_shaped_model(tmp_path, capsys):
@@ -307,3 +309,42 @@ def test_stages_of_a_1b_shaped_model(tmp_path, capsys):
         assert main(args + ["--stage-layers", even]) == 0
         assert largest[-1] <= max(s["total"] for s in json.loads(capsys.readouterr().out)["stages"])
     assert result["total"] > largest[0] > largest[1] > largest[2]
+
+
+# ---- preference objectives through stages ------------------------------------------------------------------
+
+class TwoPasses(PreferenceTrainer):
+    """One process's preference run on the pipeline's path: the step's rows scored, then the weighted step."""
+
+    def _one_pass(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_preference_objectives_through_stages_equal_one_process(tmp_path, objective):
+    """DPO (pairs; the reference the same stages with the adapter off) and KTO (unpaired, with its KL rows) on 2
+    local stages: the step losses and adapter of one process that also scores the step's rows first, then
+    trains the weighted micro-batches (where one process scores DPO's pairs inside the step's own forward, float32
+    sums differ: 5e-7 in an adapter element after three steps, measured)."""
+    from finetune_helpers import make_model_dir, write_jsonl
+
+    model = make_model_dir(tmp_path / "model")
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+    rows = [{"prompt": f"after {words[i % 8]} {i}?", "chosen": f" {words[(i + 1) % 8]} {i}",
+             "rejected": f" {words[(i + 3) % 8]} {i}"} for i in range(12)]
+    if objective == "kto":
+        rows = [{"prompt": r["prompt"], "completion": r["chosen"] if i % 3 else r["rejected"], "label": bool(i % 3)}
+                for i, r in enumerate(rows)]
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "train.jsonl", rows)
+    kw = dict(model=str(model), data=str(tmp_path / "data"), backend="numpy", no_progress=True, lr=1e-2,
+              eval_generate=False, log_every=1, objective=objective, batch_size=2, grad_accum=2, max_steps=3,
+              valid_split=0.0, lr_schedule="constant")
+    TwoPasses(TrainConfig(out=str(tmp_path / "one"), **kw)).run()
+    summary = finetune_pipeline(TrainConfig(out=str(tmp_path / "staged"), pipeline_stages=2, **kw), local=True)
+    assert summary["pipeline"]["layers"] == "0-0,1-1"
+    steps, losses = zip(*_step_losses(tmp_path / "staged"))
+    assert list(steps) == [1, 2, 3]
+    assert_close(np.array(losses), np.array([v for _, v in _step_losses(tmp_path / "one")]), "pipeline_numpy",
+                 f"{objective}'s step losses")
+    _assert_same_adapter(tmp_path / "staged", tmp_path / "one")

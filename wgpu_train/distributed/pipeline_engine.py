@@ -233,7 +233,7 @@ class PipelineEngine:
         if reduce is not None:
             raise ConfigError("--pipeline-stages runs in one data-parallel group for now: leave out --num-workers")
         if any(len(mb) > 4 and not isinstance(mb[4], np.ndarray) for mb in micro_batches):
-            raise ConfigError("--pipeline-stages trains the SFT objective for now: leave out --objective")
+            raise ConfigError("pipeline stages take per-token weights, not a TokenObjective or SequenceObjective")
         total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
         scale = 1.0 / max(total, 1)
         self.zero_grads()

@@ -1,4 +1,5 @@
-"""A fine-tuning run through pipeline stages: the Trainer of one process over a PipelineEngine whose stages (each
+"""A fine-tuning run through pipeline stages: the Trainer (or PreferenceTrainer) of one process over a PipelineEngine
+whose stages (each
 holding a contiguous range of layers) run as Ray actors, or in this process (local, the tests' oracle); the
 stages planned from the memory estimate and described in the log and the summary."""
 from __future__ import annotations
@@ -10,6 +11,8 @@ from wgpu_train.engines.loading import load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.resources import balanced_stages, format_bytes, stage_memory
 from wgpu_train.errors import ConfigError
+from wgpu_train.training.objectives import TrainerKind, objective_class
+from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
 
 
@@ -88,6 +91,19 @@ class PipelineTrainer(Trainer):
                 self.engine.close()
 
 
+class PipelinePreferenceTrainer(PipelineTrainer, PreferenceTrainer):
+    """A preference run through pipeline stages: the reference's log-probabilities come from the same stages with
+    the adapter switched off (token_losses' reference), then each step trains the weighted micro-batches."""
+
+    def _one_pass(self) -> bool:
+        """Two passes: the stages take per-token weights, not a host function between the head's forward and
+        backward (a SequenceObjective), which the last stage would have to call back."""
+        return False
+
+
 def finetune_pipeline(config, local: bool = False) -> dict:
-    """finetune(config) through config's pipeline stages (Ray actors; local: in this process)."""
-    return PipelineTrainer(config, local=local).run()
+    """finetune(config) through config's pipeline stages (Ray actors; local: in this process): the SFT Trainer's
+    loop, or the PreferenceTrainer's for a preference objective."""
+    kind = objective_class(config.objective).trainer
+    trainer = PipelinePreferenceTrainer if kind is TrainerKind.PREFERENCE else PipelineTrainer
+    return trainer(config, local=local).run()
