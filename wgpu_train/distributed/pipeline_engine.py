@@ -14,6 +14,10 @@ from wgpu_train.models.stage_plan import StagePlan
 SCHEDULES = ("gpipe", "1f1b")
 
 
+class StageLost(RuntimeError):
+    """A stage's process died (its Ray actor): the run restarts its stages from the last checkpoint."""
+
+
 def stage_ops(schedule: str, stages: int, micro: int) -> list:
     """Each stage's ops in the order it runs them: ("F", j) a forward of micro-batch j, ("B", j) its backward,
     ("L", j) the last stage's forward, loss and backward at once. GPipe: every forward, then every backward;

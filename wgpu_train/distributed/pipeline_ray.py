@@ -9,12 +9,16 @@ import threading
 import time
 from pathlib import Path
 
+from wgpu_train.distributed.pipeline_engine import StageLost
 from wgpu_train.errors import ConfigError
 
 try:
     import ray
 except ImportError:      # the ray extra: refused in one line when a pipeline run starts (RayStages)
     ray = None
+
+
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 class StageActor:
@@ -69,7 +73,9 @@ class RayStages:
             raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
                               "pip install 'wgpu-train[ray]'")
         self.started = start_ray(address, len(plan))
-        actor = ray.remote(num_cpus=0)(StageActor)      # the stages take turns more than they compute at once
+        # the stages take turns more than they compute at once; their BLAS on one thread, Ray's default for its
+        # workers, set here so that the numbers do not depend on how Ray was started
+        actor = ray.remote(num_cpus=0, runtime_env={"env_vars": ONE_THREAD})(StageActor)
         self.actors = [actor.remote(str(folder), plan, s, base_dtype, embed_dtype, precision)
                        for s in range(len(plan))]
 
@@ -86,7 +92,11 @@ class RayStages:
             cause = getattr(e, "cause", None)
             if isinstance(cause, ConfigError):
                 raise type(cause)(str(cause)) from None
+            if isinstance(cause, ray.exceptions.RayActorError):      # a task fed by a dead stage's results
+                raise StageLost(str(cause).splitlines()[0]) from None
             raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise StageLost(str(e).splitlines()[0]) from None
 
     def attr(self, s: int, name: str):
         return self.get(self.actors[s].attr.remote(name))

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine
+from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, StageLost
 from wgpu_train.engines.loading import load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.resources import balanced_stages, format_bytes, stage_memory
 from wgpu_train.errors import ConfigError
+from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.training.objectives import TrainerKind, objective_class
 from wgpu_train.training.preference_trainer import PreferenceTrainer
 from wgpu_train.training.trainer import Trainer
@@ -103,7 +104,21 @@ class PipelinePreferenceTrainer(PipelineTrainer, PreferenceTrainer):
 
 def finetune_pipeline(config, local: bool = False) -> dict:
     """finetune(config) through config's pipeline stages (Ray actors; local: in this process): the SFT Trainer's
-    loop, or the PreferenceTrainer's for a preference objective."""
+    loop, or the PreferenceTrainer's for a preference objective. A stage whose process dies (StageLost) restarts
+    every stage from the run's last checkpoint, up to config.max_failures times, as --num-workers' workers do."""
     kind = objective_class(config.objective).trainer
-    trainer = PipelinePreferenceTrainer if kind is TrainerKind.PREFERENCE else PipelineTrainer
-    return trainer(config, local=local).run()
+    make = PipelinePreferenceTrainer if kind is TrainerKind.PREFERENCE else PipelineTrainer
+    failures = 0
+    while True:
+        trainer = make(config, local=local)
+        try:
+            return trainer.run()
+        except StageLost as e:
+            saved = list_checkpoints(trainer.out / "checkpoints")
+            if failures == config.max_failures or not saved:
+                trainer.log(f"a pipeline stage died; the run's last checkpoint is {saved[-1]} (--resume it to "
+                            f"continue)" if saved else "a pipeline stage died before the run's first checkpoint")
+                raise
+            failures += 1
+            trainer.log(f"a pipeline stage died ({e}): restarting the stages from {saved[-1]}")
+            config = dataclasses.replace(config, resume=str(saved[-1]), out=str(trainer.out), overwrite=False)

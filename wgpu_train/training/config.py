@@ -208,8 +208,8 @@ class TrainConfig:
                                          "process, no Ray")
     ray_address: str | None = _opt(None, "with --num-workers: the Ray cluster to join (auto, or HOST:PORT of its "
                                          "head); default: start a local Ray instance")
-    max_failures: int = _opt(1, "with --num-workers: restart the workers this many times after a failure, from "
-                                "the last checkpoint (see --save-every)")
+    max_failures: int = _opt(1, "with --num-workers (or --pipeline-stages): restart the workers (the stages) this "
+                                "many times after a failure, from the last checkpoint (see --save-every)")
     # ---- pipeline stages on Ray (distributed/pipeline_*.py) ----
     pipeline_stages: int | None = _opt(None, "split the model's layers into this many contiguous stages, each a Ray "
                                              "actor that loads and holds only its layers (the first also the "
