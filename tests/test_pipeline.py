@@ -184,6 +184,48 @@ def test_stages_equal_one_process(tmp_path, arch, stages, schedule, precision, b
                  one.engine.token_losses(ids, targets, seg, pos, reference=True), "pipeline_numpy", "token losses")
 
 
+class CountingStages(LocalStages):
+    """LocalStages that note the base weights the driver fetches."""
+
+    def __init__(self, stages):
+        super().__init__(stages)
+        self.fetched = []
+
+    def call(self, s: int, method: str, *args, returns: int = 1):
+        if method == "weight":
+            self.fetched.append(args[0])
+        return super().call(s, method, *args, returns=returns)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_dora_in_f16_through_stages_equals_one_process(tmp_path, arch):
+    """DoRA (each module's magnitude starts from its weight, fetched from the stage that holds it alone) with f16
+    activations and dynamic loss scaling (the last stage scales the loss, every stage unscales and updates its
+    scaler alike) on 2 stages: one process's steps, scale and adapter."""
+    kw = {"layer_types": LAYER_TYPES} if arch == "gemma3" else {}
+    folder = save_model(build_model(arch, num_hidden_layers=3, **kw), tmp_path / arch)
+    lora = LoraConfig(r=4, target_modules=("q_proj", "v_proj", "down_proj"), use_dora=True)
+    one = load_model(folder, "numpy", precision="f16")
+    one.add_lora(lora, seed=3)
+    plan = plan_stages(3, 2, tied=one.config.tie_word_embeddings)
+    runner = CountingStages([load_stage(folder, plan, s, precision="f16") for s in range(2)])
+    engine = PipelineEngine(runner, plan)
+    Model(one.config, engine, folder).add_lora(lora, seed=3)
+    # the driver read the DoRA modules' weights alone, not the model
+    assert sorted(runner.fetched) == sorted(p + ".weight" for p in lora.modules(one.config))
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5)
+    for step in range(1, 4):
+        micro = _micro_batches(step, 2)
+        expected = one.engine.train_step(micro, hp, step)
+        got = engine.train_step(micro, hp, step)
+        assert got[:2] == expected[:2] and got[3] == expected[3], (got, expected)
+    assert engine.loss_scaler.state_dict() == one.engine.loss_scaler.state_dict()
+    mine, theirs = engine.trainable(), one.engine.trainable()
+    assert any(k.endswith("lora_magnitude_vector") for k in theirs) and sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_numpy", k)
+
+
 # ---- whole runs: the Trainer over stages ----------------------------------------------------------------------
 
 def _run_config(out, **kw) -> TrainConfig:

@@ -4,10 +4,12 @@ step's schedule (GPipe or 1F1B over its micro-batches) and the global-norm clipp
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.protocol import LossScaler
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import StagePlan
 
@@ -68,7 +70,6 @@ class PipelineEngine:
 
     step_logps: list = []
     last_profile: dict = {}
-    loss_scaler = None
     max_binding = None
     base_weight_bytes = 0
 
@@ -141,10 +142,20 @@ class PipelineEngine:
     def set_trainable(self, tensors: dict):
         self._split("set_trainable", tensors)
 
-    def weights(self) -> dict:
-        """Every stage's base weights gathered here: the whole model in this process, which a pipeline avoids
-        (only merging or DoRA's start read them)."""
-        return self._merged("weights")
+    def weights(self) -> "StageWeights":
+        """The base weights by name, each fetched from the stage that holds it when read (DoRA's start reads its
+        modules' alone; only merging reads them all)."""
+        return StageWeights(self)
+
+    @property
+    def loss_scaler(self):
+        """f16's loss scaler as the stages keep it (each updates its own alike): a copy, for the log."""
+        state = self.state_dict()
+        if "loss_scale" not in state:
+            return None
+        scaler = LossScaler()
+        scaler.load_state_dict(state)
+        return scaler
 
     def set_base_weights(self, weights: dict):
         self._split("set_base_weights", weights)
@@ -260,3 +271,25 @@ class PipelineEngine:
 
     def close(self):
         self.runner.close()
+
+
+class StageWeights(Mapping):
+    """A PipelineEngine's base weights by name: a weight is fetched from the stage that holds it when read."""
+
+    def __init__(self, engine: PipelineEngine):
+        self.engine = engine
+        runner, plan = engine.runner, engine.plan
+        held = runner.get([runner.call(s, "weight_names") for s in range(len(plan))])
+        self.names = [k for s, names in enumerate(held) for k in names if plan.owner(k) == s]
+
+    def __getitem__(self, name: str):
+        if name not in self.names:
+            raise KeyError(name)
+        runner = self.engine.runner
+        return runner.get(runner.call(self.engine.plan.owner(name), "weight", name))
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

@@ -223,6 +223,12 @@ class PipelineStage(Protocol):
     def stage_update(self, norm: float, hp: "OptimizerParams", step: int) -> bool:
         """Clip by the global `norm`, then AdamW on its tensors (skipped for a non-finite norm); whether applied."""
 
+    def weight_names(self) -> list:
+        """The base weights it holds."""
+
+    def weight(self, name: str):
+        """One of them, float32 (as weights() gives it)."""
+
 
 class LossScaler:
     """f16's dynamic loss scaling with torch.amp.GradScaler's semantics: the loss gradient is multiplied by

@@ -344,9 +344,9 @@ class TrainConfig:
              f"a step's micro-batches: give one")
         for ok, what in ((not self.num_workers, "--num-workers (a 2-D grid)"), (self.method == "lora", "--method full"),
                          (not (self.modules_to_save or self.ensure_weight_tying), "--modules-to-save"),
-                         (not self.dora, "--dora"), (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
+                         (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
                          (not self.ref_adapter, "--ref-adapter"),
-                         (self.precision != "f16", "--precision f16"), (self.backend != "wgpu", "--backend wgpu"),
+                         (self.backend != "wgpu", "--backend wgpu"),
                          (not self.eval_generate, "--eval-generate (generation through stages)"),
                          (not self.adapter_path, "--adapter-path")):
             need(ok, f"--pipeline-stages trains a LoRA adapter on the NumPy engine for now: leave out {what}")

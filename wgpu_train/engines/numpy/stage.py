@@ -22,6 +22,14 @@ class NumpyStage(NumpyEngine):
         self.counters["boundary_bytes_sent"] = 0
         self._kept: dict = {}        # micro-batch -> the cache of its forward
 
+    def weight_names(self) -> list:
+        """The base weights this stage holds."""
+        return list(self.w)
+
+    def weight(self, name: str):
+        """One base weight (float32), as weights() holds it."""
+        return self.w[name].astype(np.float32)
+
     def _send(self, x):
         packed = pack_boundary(x, self.precision)
         self.counters["boundary_bytes_sent"] += packed.nbytes
