@@ -184,6 +184,44 @@ def test_stages_equal_one_process(tmp_path, arch, stages, schedule, precision, b
                  one.engine.token_losses(ids, targets, seg, pos, reference=True), "pipeline_numpy", "token losses")
 
 
+@pytest.mark.parametrize("arch,trained", [("llama", ("embed_tokens", "lm_head", False)),
+                                           ("qwen3", ("lm_head", False)), ("qwen3", ("embed_tokens", True)),
+                                           ("qwen3", "full"), ("gemma3", ("embed_tokens", True))])
+def test_trained_embedding_and_head_through_stages_equal_one_process(tmp_path, arch, trained):
+    """modules_to_save (an untied model's embedding on the first stage and head on the last; a tied model's head
+    untied on the last; a tied copy trained as one on both end stages, its gradients summed) and full
+    fine-tuning (every stage's weights, the tied embedding as one): one process's steps and tensors."""
+    kw = {"layer_types": LAYER_TYPES} if arch == "gemma3" else {}
+    folder = save_model(build_model(arch, num_hidden_layers=3, **kw), tmp_path / arch)
+    one = load_model(folder, "numpy", precision="fp32")
+    plan = plan_stages(3, 3, tied=one.config.tie_word_embeddings)
+    engine = PipelineEngine(LocalStages([load_stage(folder, plan, s, precision="fp32") for s in range(3)]), plan)
+    staged = Model(one.config, engine, folder)
+    for model in (one, staged):
+        if trained == "full":
+            model.set_full_finetune()
+        else:
+            model.add_lora(LoraConfig(r=4, target_modules=("q_proj", "v_proj"), modules_to_save=trained[:-1],
+                                      ensure_weight_tying=trained[-1]), seed=3)
+    # a tied embedding trained as one sums its two stages' gradients in another order than one process
+    tol = "pipeline_tied_sum" if plan.tied and (trained == "full" or trained[-1]) else "pipeline_numpy"
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5, weight_decay=0.01)
+    for step in range(1, 4):
+        micro = _micro_batches(step, 2)
+        expected = one.engine.train_step(micro, hp, step)
+        got = engine.train_step(micro, hp, step)
+        assert got[1] == expected[1] and got[3] == expected[3], (got, expected)
+        assert_close(np.array(got[::2]), np.array(expected[::2]), tol, f"step {step}'s loss and norm")
+    mine, theirs = engine.trainable(), one.engine.trainable()
+    assert sorted(mine) == sorted(theirs) and ("model.embed_tokens.weight" in theirs or "lm_head.weight" in theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], tol, k)
+    if plan.tied and "model.embed_tokens.weight" in theirs and "lm_head.weight" not in theirs:
+        # trained as one: the last stage's copy (its head) took the same updates as the first's
+        head = engine.runner.stages[2].weights()["model.embed_tokens.weight"]
+        assert_close(head, mine["model.embed_tokens.weight"], "exact", "the last stage's tied head")
+
+
 class CountingStages(LocalStages):
     """LocalStages that note the base weights the driver fetches."""
 
@@ -345,7 +383,7 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, run + ["--pipeline-micro-batches", "2"], "give --pipeline-stages")
     one_line_error(capsys, run + ["--pipeline-stages", "2", "--pipeline-micro-batches", "3", "--grad-accum", "2"],
                    "give one")
-    one_line_error(capsys, run + ["--pipeline-stages", "2", "--method", "full"], "leave out --method full")
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--backend", "wgpu"], "leave out --backend wgpu")
     one_line_error(capsys, run + ["--pipeline-stages", "5"], "more than the model's 4 layers", after_log=True)
     one_line_error(capsys, run + ["--stage-layers", "0-1,3"], "layer 2 is in no stage", after_log=True)
     one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",

@@ -11,7 +11,7 @@ import numpy as np
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.protocol import LossScaler
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.stage_plan import StagePlan
+from wgpu_train.models.stage_plan import EMBED, StagePlan
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -77,6 +77,7 @@ class PipelineEngine:
         if schedule not in SCHEDULES:
             raise ConfigError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.runner, self.plan, self.schedule = runner, plan, schedule
+        self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
         for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
                      "backend_reason"):
             setattr(self, name, runner.attr(0, name))
@@ -115,14 +116,32 @@ class PipelineEngine:
         return self._merged("lora_tensors")
 
     def set_full_finetune(self, enabled: bool = True):
-        if enabled:
-            raise ConfigError("--pipeline-stages trains LoRA adapters for now: leave out --method full")
-        self._all("set_full_finetune", False)
+        """Every stage trains every weight it holds (or none); a tied embedding on both end stages as one."""
+        self._all("set_full_finetune", enabled)
+        self._shared = (EMBED,) if enabled and self._tied_ends() else ()
 
     def set_trained_base(self, names, untie: bool = False):
-        if names or untie:
-            raise ConfigError("--pipeline-stages trains LoRA adapters for now: leave out --modules-to-save")
-        self._all("set_trained_base", (), False)
+        """Each stage trains the named weights it holds. A tied model's untied head is the last stage's own copy
+        of the embedding (its first stage's embedding then trains there alone); a tied embedding that stays
+        the head trains on both end stages as one tensor: its gradients summed, the same update on both."""
+        last = len(self.plan) - 1
+        for s in range(len(self.plan)):
+            mine = tuple(n for n in names if self.plan.holds(s, n) and (n != EMBED or s == 0 or not untie))
+            self.runner.get(self.runner.call(s, "set_trained_base", mine, untie and s == last))
+        self._shared = (EMBED,) if EMBED in names and not untie and self._tied_ends() else ()
+
+    def _tied_ends(self) -> bool:
+        """Whether the first and last stages both hold the embedding (a tied model over two stages or more)."""
+        return self.plan.tied and len(self.plan) > 1
+
+    def _sum_shared(self):
+        """The tied embedding's gradient of both end stages summed into both (the first's lookup, the last's
+        head), so that both take the same update; the last leaves it out of its squared norm."""
+        last = len(self.plan) - 1
+        for name in self._shared:
+            first_g, last_g = self.runner.get([self.runner.call(s, "stage_grad", name) for s in (0, last)])
+            total = first_g + last_g
+            self.runner.get([self.runner.call(s, "set_stage_grad", name, total) for s in (0, last)])
 
     def set_gradient_checkpointing(self, on: bool = True):
         self._all("set_gradient_checkpointing", on)
@@ -239,7 +258,9 @@ class PipelineEngine:
         return loss_sum, sum(int(c) for c in done[1:2 * len(micro_batches):2])
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        return self._run([(ids, targets, segment_ids, position_ids)], [grad_scale])
+        out = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale])
+        self._sum_shared()
+        return out
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
@@ -255,7 +276,10 @@ class PipelineEngine:
         scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 else scale
                   for mb in micro_batches]
         loss_sum, _ = self._run(micro_batches, scales)
-        norm = math.sqrt(sum(self._all("stage_grad_square")))
+        self._sum_shared()
+        last = len(self.plan) - 1
+        norm = math.sqrt(sum(self.runner.get([self.runner.call(s, "stage_grad_square", self._shared if s == last
+                                                               and s else ()) for s in range(len(self.plan))])))
         applied = self._all("stage_update", norm, hp, step)
         return loss_sum, total, norm, bool(applied[0])
 

@@ -40,7 +40,7 @@ class PipelineTrainer(Trainer):
 
     def _load_model(self, model_cfg):
         cfg = self.config
-        lora = cfg.lora_config(model_cfg.num_hidden_layers)
+        lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
         self.plan = plan = balanced_stages(model_cfg, cfg.pipeline_stages or 0, cfg.stage_layers, cfg.batch_size,
                                            self.max_seq_len, lora, cfg.method, self.base_dtype, self.embed_dtype,
                                            cfg.gradient_checkpointing, self.precision or "fp32",

@@ -216,9 +216,14 @@ class PipelineStage(Protocol):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows
         (rows) or loss()'s (summed loss, trained tokens)."""
 
-    def stage_grad_square(self) -> float:
-        """The sum of the squares of its gradients (unscaled first in f16): the driver adds every stage's for the
-        global norm that clipping takes."""
+    def stage_grad_square(self, leave_out=()) -> float:
+        """The sum of the squares of its gradients but those named in leave_out (unscaled first in f16): the
+        driver adds every stage's for the global norm that clipping takes."""
+
+    def stage_grad(self, name: str):
+        """One gradient (a tied embedding's, which the driver sums over the two stages that train it)."""
+
+    def set_stage_grad(self, name: str, grad) -> None: ...
 
     def stage_update(self, norm: float, hp: "OptimizerParams", step: int) -> bool:
         """Clip by the global `norm`, then AdamW on its tensors (skipped for a non-finite norm); whether applied."""

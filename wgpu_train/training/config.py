@@ -342,14 +342,13 @@ class TrainConfig:
         need(self.pipeline_micro_batches is None or self.grad_accum in (1, self.pipeline_micro_batches),
              f"--pipeline-micro-batches {self.pipeline_micro_batches} and --grad-accum {self.grad_accum} both set "
              f"a step's micro-batches: give one")
-        for ok, what in ((not self.num_workers, "--num-workers (a 2-D grid)"), (self.method == "lora", "--method full"),
-                         (not (self.modules_to_save or self.ensure_weight_tying), "--modules-to-save"),
+        for ok, what in ((not self.num_workers, "--num-workers (a 2-D grid)"),
                          (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
                          (not self.ref_adapter, "--ref-adapter"),
                          (self.backend != "wgpu", "--backend wgpu"),
                          (not self.eval_generate, "--eval-generate (generation through stages)"),
                          (not self.adapter_path, "--adapter-path")):
-            need(ok, f"--pipeline-stages trains a LoRA adapter on the NumPy engine for now: leave out {what}")
+            need(ok, f"--pipeline-stages runs on the NumPy engine, without generation, for now: leave out {what}")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,

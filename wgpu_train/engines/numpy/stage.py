@@ -103,12 +103,21 @@ class NumpyStage(NumpyEngine):
         loss_sum, count, _ = ops.cross_entropy_forward(logits, targets.reshape(-1))
         return loss_sum, count
 
-    def stage_grad_square(self) -> float:
+    def stage_grad_square(self, leave_out=()) -> float:
         """See PipelineStage.stage_grad_square."""
         if self.loss_scaler is not None:
             for g in self.grads.values():
                 g *= self.dtype.type(1.0 / self.loss_scaler.scale)       # exact: the scale is a power of two
-        return float(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in self.grads.values()))
+        return float(sum(float(np.sum(np.square(g, dtype=np.float64))) for k, g in self.grads.items()
+                         if k not in leave_out))
+
+    def stage_grad(self, name: str):
+        """See PipelineStage.stage_grad."""
+        return self.grads[name]
+
+    def set_stage_grad(self, name: str, grad):
+        """See PipelineStage.set_stage_grad."""
+        self.grads[name][...] = grad
 
     def stage_update(self, norm: float, hp, step: int) -> bool:
         """See PipelineStage.stage_update."""
