@@ -323,6 +323,19 @@ def test_a_checkpoint_resumes_with_another_number_of_stages(tmp_path, one_proces
         _assert_same_adapter(folder, one_process)
 
 
+def test_a_run_continues_an_adapter_and_scores_exact_match_through_stages(tmp_path, one_process):
+    """--adapter-path (the adapter one_process wrote) through 2 stages, with exact match before and after (greedy
+    generation through the stages): one process's losses, adapter and exact match."""
+    kw = dict(model=str(default_model_dir()), adapter_path=str(one_process), max_steps=2, eval_generate=True,
+              max_eval_samples=3, max_new_tokens=8)
+    one = finetune(_run_config(tmp_path / "one", **kw))
+    staged = finetune_pipeline(_run_config(tmp_path / "staged", pipeline_stages=2, **kw), local=True)
+    assert _step_losses(tmp_path / "staged") == _step_losses(tmp_path / "one")
+    _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
+    for key in ("exact_match_before", "exact_match_after"):
+        assert staged[key] is not None and staged[key] == one[key], key
+
+
 @pytest.fixture(scope="module")
 def one_thread(tmp_path_factory):
     """The run of one_process with BLAS on one thread (in a subprocess), as Ray's workers run it
@@ -457,3 +470,27 @@ def test_preference_objectives_through_stages_equal_one_process(tmp_path, object
     assert_close(np.array(losses), np.array([v for _, v in _step_losses(tmp_path / "one")]), "pipeline_numpy",
                  f"{objective}'s step losses")
     _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_generation_through_stages_equals_one_process(tmp_path, arch):
+    """Greedy and sampled generation of ragged prompts (generate_batch: prefill, then a token a step), each stage
+    keeping its layers' KV cache: one process's tokens, and the engine protocol's members all there."""
+    from wgpu_train.engines.protocol import MEMBERS, PipelineStage
+
+    kw = {"layer_types": LAYER_TYPES} if arch == "gemma3" else {}
+    folder = save_model(build_model(arch, num_hidden_layers=3, **kw), tmp_path / arch)
+    one = load_model(folder, "numpy", precision="fp32")
+    plan = plan_stages(3, 3, tied=one.config.tie_word_embeddings)
+    stages = [load_stage(folder, plan, s, precision="fp32") for s in range(3)]
+    assert all(isinstance(stage, PipelineStage) for stage in stages)
+    engine = PipelineEngine(LocalStages(stages), plan)
+    assert [name for name in MEMBERS if not hasattr(engine, name)] == []
+    staged = Model(one.config, engine, folder)
+    for model in (one, staged):
+        model.add_lora(LoraConfig(r=4, target_modules=("q_proj", "v_proj")), seed=3)
+        model.engine.set_trainable({k: v + 0.05 for k, v in model.engine.trainable().items()})   # B != 0
+    prompts = [np.array(p) for p in ([5, 9, 11, 2, 40], [7, 3], [60, 61, 62])]
+    for temperature in (0.0, 0.8):
+        expected = one.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4)
+        assert staged.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4) == expected

@@ -10,6 +10,7 @@ import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.protocol import LossScaler
+from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan
 
@@ -78,6 +79,7 @@ class PipelineEngine:
             raise ConfigError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.runner, self.plan, self.schedule = runner, plan, schedule
         self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
+        self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
         for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
                      "backend_reason"):
             setattr(self, name, runner.attr(0, name))
@@ -283,15 +285,25 @@ class PipelineEngine:
         applied = self._all("stage_update", norm, hp, step)
         return loss_sum, total, norm, bool(applied[0])
 
-    # ---- generation: not through stages ------------------------------------------------------------------
+    # ---- generation: each stage keeps the KV cache of its layers ----------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
-        raise ConfigError("generation does not run through pipeline stages yet: leave out --pipeline-stages")
+        self._caches += 1
+        self._all("stage_new_cache", self._caches, batch, max_len)
+        return {"key": self._caches, "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
 
     def free_kv_cache(self, kv: dict):
-        pass
+        self._all("stage_free_cache", kv["key"])
 
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None):
-        raise ConfigError("generation does not run through pipeline stages yet: leave out --pipeline-stages")
+        """The protocol's forward_rows through the stages, each writing its layers' keys and values into its own
+        part of the cache: logits (m, V) float32 of the tokens at `last`."""
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
+        if long_rope is None:
+            long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
+        x = ids
+        for s in range(len(self.plan)):
+            x = self.runner.call(s, "stage_rows", kv["key"], x, rows, positions, last, bool(long_rope))
+        return self.runner.get(x)
 
     def close(self):
         self.runner.close()

@@ -28,8 +28,8 @@ class PipelineTrainer(Trainer):
     def __init__(self, config, log=None, local: bool = False):
         if not config.pipelined():
             raise ConfigError("PipelineTrainer needs --pipeline-stages or --stage-layers")
-        # the stages run the NumPy engine; generation does not run through them: no exact match by default
-        config = dataclasses.replace(config, backend="numpy", eval_generate=bool(config.eval_generate),
+        # the stages run the NumPy engine
+        config = dataclasses.replace(config, backend="numpy",
                                      grad_accum=config.pipeline_micro_batches or config.grad_accum)
         super().__init__(config, log)
         self.local = local

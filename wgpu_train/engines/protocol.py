@@ -228,6 +228,15 @@ class PipelineStage(Protocol):
     def stage_update(self, norm: float, hp: "OptimizerParams", step: int) -> bool:
         """Clip by the global `norm`, then AdamW on its tensors (skipped for a non-finite norm); whether applied."""
 
+    def stage_new_cache(self, key: int, batch: int, max_len: int) -> None:
+        """Generation: a KV cache of its layers under the driver's key (new_kv_cache's sizes)."""
+
+    def stage_free_cache(self, key: int) -> None: ...
+
+    def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
+        """forward_rows through its layers (arguments checked by the driver): the packed output (n, C), or on the
+        last stage the logits (m, V) float32 of the tokens at `last`."""
+
     def weight_names(self) -> list:
         """The base weights it holds."""
 

@@ -344,11 +344,9 @@ class TrainConfig:
              f"a step's micro-batches: give one")
         for ok, what in ((not self.num_workers, "--num-workers (a 2-D grid)"),
                          (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
-                         (not self.ref_adapter, "--ref-adapter"),
-                         (self.backend != "wgpu", "--backend wgpu"),
-                         (not self.eval_generate, "--eval-generate (generation through stages)"),
-                         (not self.adapter_path, "--adapter-path")):
-            need(ok, f"--pipeline-stages runs on the NumPy engine, without generation, for now: leave out {what}")
+                         (not self.ref_adapter, "--ref-adapter (a second model in the driver)"),
+                         (self.backend != "wgpu", "--backend wgpu")):
+            need(ok, f"--pipeline-stages runs on the NumPy engine, for now: leave out {what}")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,

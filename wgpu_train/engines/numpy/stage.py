@@ -7,7 +7,9 @@ import numpy as np
 
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.engine import NumpyEngine
+from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
+from wgpu_train.models.layer_plan import OUTPUT
 
 
 class NumpyStage(NumpyEngine):
@@ -21,6 +23,35 @@ class NumpyStage(NumpyEngine):
         self.layers, self.first, self.last = layers, first, last
         self.counters["boundary_bytes_sent"] = 0
         self._kept: dict = {}        # micro-batch -> the cache of its forward
+        self._caches: dict = {}      # generation's KV caches by the driver's key
+
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """NumpyKvCache's cache for this stage's layers alone (keyed by layer)."""
+        shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return {"k": {i: np.zeros(shape, self.dtype) for i in self.layers},
+                "v": {i: np.zeros(shape, self.dtype) for i in self.layers},
+                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
+
+    def stage_new_cache(self, key: int, batch: int, max_len: int):
+        """See PipelineStage.stage_new_cache."""
+        self._caches[key] = self.new_kv_cache(batch, max_len)
+
+    def stage_free_cache(self, key: int):
+        """See PipelineStage.stage_free_cache."""
+        self._caches.pop(key, None)
+
+    def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
+        """See PipelineStage.stage_rows."""
+        self.training = False
+        walk = Walk(1, len(rows), np.asarray(positions)[None], None, self._caches[key], rows, long_rope)
+        x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
+        for i in self.layers:
+            x = self._layer_forward(i, x, walk)[OUTPUT]
+        if not self.last:
+            return self._send(x)
+        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        xf = self.rounding.activation(xf, "the final norm")                      # (m, C)
+        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)
 
     def weight_names(self) -> list:
         """The base weights this stage holds."""
