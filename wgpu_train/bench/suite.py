@@ -65,14 +65,6 @@ def _data_parallel(rt):
 SECTIONS["data_parallel"] = _data_parallel
 
 
-def _pipeline(rt):
-    from wgpu_train.bench.pipeline import bench_pipeline
-    return bench_pipeline()
-
-
-SECTIONS["pipeline"] = _pipeline
-
-
 def _engines(rt):
     from wgpu_train.bench.engines import bench_engines
     return bench_engines()
@@ -103,6 +95,14 @@ def _precision(rt):
 
 
 SECTIONS["precision"] = _precision
+
+
+def _pipeline(rt):
+    from wgpu_train.bench.pipeline import bench_pipeline
+    return bench_pipeline()
+
+
+SECTIONS["pipeline"] = _pipeline
 
 # Benchmarks on a model folder (the embedded model, or bench --model) that add a key of their own:
 # name -> fn(rt, model) -> dict
