@@ -20,9 +20,10 @@ from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import read_adapter
+from wgpu_train.distributed.data_parallel import DataParallelTrainer
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, stage_ops
-from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+from wgpu_train.distributed.pipeline_trainer import DataParallelPipelineTrainer, finetune_pipeline
 from wgpu_train.engines.loading import load_model, load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.protocol import OptimizerParams
@@ -392,7 +393,8 @@ def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path, one_thread):
 
 def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     run = ["finetune", "--backend", "numpy", "--out", str(tmp_path / "x"), "--max-steps", "1", "--no-progress"]
-    one_line_error(capsys, run + ["--pipeline-stages", "2", "--num-workers", "2"], "leave out --num-workers")
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--num-workers", "2", "--objective", "dpo"],
+                   "leave out --num-workers with a preference objective")
     one_line_error(capsys, run + ["--pipeline-micro-batches", "2"], "give --pipeline-stages")
     one_line_error(capsys, run + ["--pipeline-stages", "2", "--pipeline-micro-batches", "3", "--grad-accum", "2"],
                    "give one")
@@ -494,3 +496,47 @@ def test_generation_through_stages_equals_one_process(tmp_path, arch):
     for temperature in (0.0, 0.8):
         expected = one.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4)
         assert staged.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4) == expected
+
+
+# ---- 2-D: data-parallel workers, each with its pipeline --------------------------------------------------------
+
+class LocalDataParallelPipelineTrainer(DataParallelPipelineTrainer):
+    local_stages = True          # each worker's stages in its own thread's process, no Ray
+
+
+def _run_workers(trainer_class, cfg: TrainConfig, world: int) -> list:
+    """Data-parallel ranks as threads of this process (test_data_parallel's ThreadCollective)."""
+    import threading
+
+    from test_data_parallel import ThreadCollective
+
+    slots, barrier = [None] * world, threading.Barrier(world, timeout=300)
+    out, errors = [None] * world, []
+
+    def work(rank):
+        try:
+            out[rank] = trainer_class(cfg, ThreadCollective(slots, barrier, rank)).run()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_two_workers_of_two_stages_equal_two_workers(tmp_path):
+    """A 2 x 2 grid (2 data-parallel workers, each a pipeline of 2 stages, its stages' gradients all-reduced as
+    one flat array) against 2 data-parallel workers of one process each, on the same global batch: the same step
+    losses and adapter (the all-reduce sums each element alike, whatever the order of the tensors)."""
+    kw = dict(num_workers=2, grad_accum=1, save_every=0)
+    _run_workers(DataParallelTrainer, _run_config(tmp_path / "dp", **kw), 2)
+    grid = _run_workers(LocalDataParallelPipelineTrainer, _run_config(tmp_path / "grid", pipeline_stages=2, **kw), 2)
+    assert grid[0]["pipeline"]["stages"] == 2 and grid[0]["data_parallel"]["workers"] == 2
+    assert _step_losses(tmp_path / "grid") == _step_losses(tmp_path / "dp")
+    _assert_same_adapter(tmp_path / "grid", tmp_path / "dp")

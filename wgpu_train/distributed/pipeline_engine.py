@@ -139,11 +139,27 @@ class PipelineEngine:
     def _sum_shared(self):
         """The tied embedding's gradient of both end stages summed into both (the first's lookup, the last's
         head), so that both take the same update; the last leaves it out of its squared norm."""
+        if not self._shared:
+            return
         last = len(self.plan) - 1
-        for name in self._shared:
-            first_g, last_g = self.runner.get([self.runner.call(s, "stage_grad", name) for s in (0, last)])
-            total = first_g + last_g
-            self.runner.get([self.runner.call(s, "set_stage_grad", name, total) for s in (0, last)])
+        first_g, last_g = self.runner.get([self.runner.call(s, "gradients") for s in (0, last)])
+        total = {name: first_g[name] + last_g[name] for name in self._shared}
+        self.runner.get([self.runner.call(s, "set_gradients", total) for s in (0, last)])
+
+    def _reduce(self, reduce, total: int):
+        """The data-parallel reduction of every stage's gradients as one flat float32 array (the stages' order,
+        each stage's own; a tied embedding once), its result put back into every stage that holds them."""
+        grads = self.gradients()
+        names = list(grads)
+        flat = np.concatenate([grads[k].reshape(-1) for k in names]) if names else np.zeros(0, np.float32)
+        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+        if out.shape != flat.shape:
+            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+        at, reduced = 0, {}
+        for k in names:
+            reduced[k] = out[at:at + grads[k].size].reshape(grads[k].shape)
+            at += grads[k].size
+        self._split("set_gradients", reduced)
 
     def set_gradient_checkpointing(self, on: bool = True):
         self._all("set_gradient_checkpointing", on)
@@ -266,19 +282,22 @@ class PipelineEngine:
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
-        weights (B, T)]) in the schedule, then every stage's squared gradient norm summed into the global norm
-        that each stage clips by before its AdamW update."""
-        if reduce is not None:
-            raise ConfigError("--pipeline-stages runs in one data-parallel group for now: leave out --num-workers")
+        weights (B, T)]) in the schedule; `reduce` (data parallelism, the protocol's) takes every stage's
+        gradients as one flat array; then every stage's squared gradient norm summed into the global norm that
+        each stage clips by before its AdamW update."""
         if any(len(mb) > 4 and not isinstance(mb[4], np.ndarray) for mb in micro_batches):
             raise ConfigError("pipeline stages take per-token weights, not a TokenObjective or SequenceObjective")
         total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        scale = 1.0 / max(total, 1)
+        scaler = self.loss_scaler
+        scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
         self.zero_grads()
         scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 else scale
                   for mb in micro_batches]
         loss_sum, _ = self._run(micro_batches, scales)
+        self._all("stage_unscale")
         self._sum_shared()
+        if reduce is not None:
+            self._reduce(reduce, total)
         last = len(self.plan) - 1
         norm = math.sqrt(sum(self.runner.get([self.runner.call(s, "stage_grad_square", self._shared if s == last
                                                                and s else ()) for s in range(len(self.plan))])))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from wgpu_train.distributed.data_parallel import DataParallelTrainer
 from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, StageLost
 from wgpu_train.engines.loading import load_stage
 from wgpu_train.engines.model import Model
@@ -25,18 +26,24 @@ class PipelineTrainer(Trainer):
     every stage's tensors and optimizer state through the engine protocol, so a resume may use another S.
     local: the stages in this process (no Ray)."""
 
-    def __init__(self, config, log=None, local: bool = False):
+    local_stages = False        # the default of `local`
+
+    def __init__(self, config, log=None, local: bool | None = None):
         if not config.pipelined():
             raise ConfigError("PipelineTrainer needs --pipeline-stages or --stage-layers")
         # the stages run the NumPy engine
         config = dataclasses.replace(config, backend="numpy",
                                      grad_accum=config.pipeline_micro_batches or config.grad_accum)
         super().__init__(config, log)
-        self.local = local
+        self.local = self.local_stages if local is None else local
         self.stage_devices = [s.strip() for s in (config.device or "").split(",") if s.strip()]
         self.device = None           # each stage's own, from stage_devices
         self.plan = None
         self.stage_estimates: list = []
+
+    def stage_micro_batches(self) -> int:
+        """The micro-batches a step sends through these stages: the step's, or a data-parallel worker's share."""
+        return max(1, self.micro_per_step // self.workers)
 
     def _load_model(self, model_cfg):
         cfg = self.config
@@ -44,7 +51,7 @@ class PipelineTrainer(Trainer):
         self.plan = plan = balanced_stages(model_cfg, cfg.pipeline_stages or 0, cfg.stage_layers, cfg.batch_size,
                                            self.max_seq_len, lora, cfg.method, self.base_dtype, self.embed_dtype,
                                            cfg.gradient_checkpointing, self.precision or "fp32",
-                                           self.micro_per_step, cfg.pipeline_schedule)
+                                           self.stage_micro_batches(), cfg.pipeline_schedule)
         if len(self.stage_devices) > 1 and len(self.stage_devices) < len(plan):
             raise ConfigError(f"--device lists {len(self.stage_devices)} devices for {len(plan)} pipeline stages: "
                               f"list one per stage")
@@ -57,7 +64,7 @@ class PipelineTrainer(Trainer):
 
             runner = RayStages(folder, plan, *args, address=cfg.ray_address)
         self.log(f"pipeline: {len(plan)} stages (layers {plan.describe()}), {cfg.pipeline_schedule} over "
-                 f"{self.micro_per_step} micro-batches, " + ("in this process" if self.local else "as Ray actors"))
+                 f"{self.stage_micro_batches()} micro-batches, " + ("in this process" if self.local else "as Ray actors"))
         return Model(model_cfg, PipelineEngine(runner, plan, cfg.pipeline_schedule), folder)
 
     def _estimate_memory(self, model_cfg, lora) -> dict:
@@ -65,7 +72,7 @@ class PipelineTrainer(Trainer):
         cfg = self.config
         self.stage_estimates = stage_memory(model_cfg, self.plan, est["batch"], est["length"], lora, cfg.method,
                                             self.base_dtype, self.embed_dtype, cfg.gradient_checkpointing, None,
-                                            self.precision, self.micro_per_step, cfg.pipeline_schedule)
+                                            self.precision, self.stage_micro_batches(), cfg.pipeline_schedule)
         for s, e in enumerate(self.stage_estimates):
             self.log(f"stage {s} (layers {e['layers']}, {e['in_flight']} micro-batch(es) held): "
                      f"{format_bytes(e['total'])}: weights {format_bytes(e['weights'])}, activations "
@@ -78,7 +85,7 @@ class PipelineTrainer(Trainer):
         runner = engine.runner
         summary["pipeline"] = {
             "stages": len(self.plan), "layers": self.plan.describe(), "schedule": self.config.pipeline_schedule,
-            "micro_batches": self.micro_per_step, "ray": not self.local,
+            "micro_batches": self.stage_micro_batches(), "ray": not self.local,
             "weights_bytes_read": [runner.attr(s, "weights_bytes_read") for s in range(len(self.plan))],
             "boundary_bytes_sent": [runner.attr(s, "counters")["boundary_bytes_sent"] for s in range(len(self.plan))],
             "memory": self.stage_estimates}
@@ -100,6 +107,13 @@ class PipelinePreferenceTrainer(PipelineTrainer, PreferenceTrainer):
         """Two passes: the stages take per-token weights, not a host function between the head's forward and
         backward (a SequenceObjective), which the last stage would have to call back."""
         return False
+
+
+class DataParallelPipelineTrainer(DataParallelTrainer, PipelineTrainer):
+    """One data-parallel worker (--num-workers) whose model is its own pipeline of stages: a 2-D grid of
+    workers x stages. Each worker trains its share of a step through its stages; the gradients of every stage,
+    gathered as one flat array, are all-reduced over the workers (DataParallelTrainer's reduce), then every
+    stage clips by the global norm and updates alike on every worker."""
 
 
 def finetune_pipeline(config, local: bool = False) -> dict:

@@ -115,7 +115,12 @@ def worker(loop_config: dict):
         # the data-parallel trainer of each kind of objective (Objective.trainer)
         trainers = {TrainerKind.SUPERVISED: DataParallelTrainer,
                     TrainerKind.PREFERENCE: DataParallelPreferenceTrainer}
-        trainer = trainers[objective_class(cfg.objective).trainer](cfg, TorchCollective(), sink)
+        trainer_class = trainers[objective_class(cfg.objective).trainer]
+        if cfg.pipelined():         # a 2-D grid: this worker's own pipeline of stages (SFT)
+            from wgpu_train.distributed.pipeline_trainer import DataParallelPipelineTrainer
+
+            trainer_class = DataParallelPipelineTrainer
+        trainer = trainer_class(cfg, TorchCollective(), sink)
         if choose_backend(cfg.backend, cfg.device).engine == "wgpu":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:

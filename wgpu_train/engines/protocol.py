@@ -204,7 +204,7 @@ class PipelineStage(Protocol):
 
     def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
         """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
-        as forward_backward's; times the loss scaler's scale in f16); (summed loss, trained tokens, the packed
+        as forward_backward's; a training step's times f16's loss scale); (summed loss, trained tokens, the packed
         gradient of its input, or None on a first stage or without a trained token)."""
 
     def stage_backward(self, micro, d_outputs):
@@ -216,14 +216,16 @@ class PipelineStage(Protocol):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows
         (rows) or loss()'s (summed loss, trained tokens)."""
 
+    def stage_unscale(self) -> None:
+        """f16: its gradients unscaled (times 1 / the loss scale), before they are summed, reduced or measured."""
+
     def stage_grad_square(self, leave_out=()) -> float:
-        """The sum of the squares of its gradients but those named in leave_out (unscaled first in f16): the
-        driver adds every stage's for the global norm that clipping takes."""
+        """The sum of the squares of its gradients but those named in leave_out: the driver adds every stage's for
+        the global norm that clipping takes."""
 
-    def stage_grad(self, name: str):
-        """One gradient (a tied embedding's, which the driver sums over the two stages that train it)."""
-
-    def set_stage_grad(self, name: str, grad) -> None: ...
+    def set_gradients(self, grads: dict) -> None:
+        """Overwrite some of its gradients by name (gradients() gives them): a tied embedding's summed over the
+        two stages that train it, or the data-parallel workers' reduced."""
 
     def stage_update(self, norm: float, hp: "OptimizerParams", step: int) -> bool:
         """Clip by the global `norm`, then AdamW on its tensors (skipped for a non-finite norm); whether applied."""

@@ -100,8 +100,6 @@ class NumpyStage(NumpyEngine):
         if count:       # through the temperature, as NumpySteps._forward_backward
             t = np.float32(self.loss_temperature)
             scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
-            if self.loss_scaler is not None:
-                scale = scale * np.float32(self.loss_scaler.scale)
             dlogits = ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t, self.cfg.logit_softcap / t)
             dx = self._stage_backward(self._head_backward(dlogits, cache), cache)
         self.training = False
@@ -134,21 +132,21 @@ class NumpyStage(NumpyEngine):
         loss_sum, count, _ = ops.cross_entropy_forward(logits, targets.reshape(-1))
         return loss_sum, count
 
-    def stage_grad_square(self, leave_out=()) -> float:
-        """See PipelineStage.stage_grad_square."""
+    def stage_unscale(self):
+        """See PipelineStage.stage_unscale."""
         if self.loss_scaler is not None:
             for g in self.grads.values():
                 g *= self.dtype.type(1.0 / self.loss_scaler.scale)       # exact: the scale is a power of two
+
+    def stage_grad_square(self, leave_out=()) -> float:
+        """See PipelineStage.stage_grad_square."""
         return float(sum(float(np.sum(np.square(g, dtype=np.float64))) for k, g in self.grads.items()
                          if k not in leave_out))
 
-    def stage_grad(self, name: str):
-        """See PipelineStage.stage_grad."""
-        return self.grads[name]
-
-    def set_stage_grad(self, name: str, grad):
-        """See PipelineStage.set_stage_grad."""
-        self.grads[name][...] = grad
+    def set_gradients(self, grads: dict):
+        """See PipelineStage.set_gradients."""
+        for k, g in grads.items():
+            self.grads[k][...] = g
 
     def stage_update(self, norm: float, hp, step: int) -> bool:
         """See PipelineStage.stage_update."""
