@@ -1,29 +1,22 @@
-"""Pipeline stages (distributed/pipeline_*.py, models/stage_plan.py, engines/numpy/stage.py): stage plans by hand and
-balanced, each stage reading only its tensors, each stage's memory, and S = 2 or 3 stages with M micro-batches under
-GPipe and 1F1B equal to one process (step losses and adapters) on the tiny Llama, Qwen3 and Gemma 3, in this process
-and as Ray actors; checkpoints gathered into one process's format, resumed with another S; bad input in one line."""
+"""Pipeline stages, their parts (models/stage_plan.py, engines/numpy/stage.py, distributed/pipeline_engine.py):
+stage plans by hand and balanced, the schedules, each stage reading only its tensors, each stage's memory (a
+1B-shaped model's too), and S = 2 or 3 stages with M micro-batches under GPipe and 1F1B equal to one process (step
+losses, norms, adapters, AdamW moments) on the tiny Llama, Qwen3 and Gemma 3: fp32, bf16, an NF4 base, DoRA in f16,
+a trained embedding and head (tied: summed over two stages), full fine-tuning, and generation. Whole runs:
+test_pipeline_runs.py."""
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import wgpu_train
 from finetune_helpers import one_line_error
 from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
-from wgpu_train.adapters.files import read_adapter
-from wgpu_train.distributed.data_parallel import DataParallelTrainer
-from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, stage_ops
-from wgpu_train.distributed.pipeline_trainer import DataParallelPipelineTrainer, finetune_pipeline
 from wgpu_train.engines.loading import load_model, load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.protocol import OptimizerParams
@@ -31,8 +24,7 @@ from wgpu_train.engines.resources import balanced_stages, estimate_memory, stage
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.stage_plan import parse_stage_layers, plan_stages
-from wgpu_train.training.config import TrainConfig, default_model_dir
-from wgpu_train.training.preference_trainer import PreferenceTrainer
+from wgpu_train.training.config import default_model_dir
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -75,7 +67,7 @@ def test_schedules_run_each_micro_batch_once_backwards_in_order():
 
 # ---- loading and memory -------------------------------------------------------------------------------------
 
-def _file_bytes(folder) -> dict:
+def file_bytes(folder) -> dict:
     """name -> its bytes in model.safetensors, from the header alone."""
     raw = (folder / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -86,7 +78,7 @@ def _file_bytes(folder) -> dict:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])       # an untied head, a tied one
 def test_a_stage_reads_only_its_tensors(tmp_path, arch):
     folder = save_model(build_model(arch, num_hidden_layers=3), tmp_path / arch)
-    sizes = _file_bytes(folder)
+    sizes = file_bytes(folder)
     plan = plan_stages(3, 3, tied=arch == "qwen3")
     read = []
     for s in range(3):
@@ -128,6 +120,33 @@ def test_memory_command_prints_each_stage(capsys):
     assert sum(s["weights"] for s in result["stages"]) == result["weights"]      # untied: no copy
     one_line_error(capsys, ["memory", "--pipeline-stages", "5"], "more than the model's 4 layers")
     one_line_error(capsys, ["memory", "--stage-layers", "0-2,2-3"], "layer 2 is in two stages")
+
+
+def test_stages_of_a_1b_shaped_model(tmp_path, capsys):
+    """Llama 3.2 1B's shape (16 layers, a tied 128k-row embedding) in bfloat16, 4 micro-batches of 4 x 512 under
+    1F1B: the stages' weights add up to the whole plus the tied embedding's second copy; the largest stage falls
+    with S, and balancing by memory does no worse than cutting the layers evenly."""
+    from wgpu_train.cli.main import main
+
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+             "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    args = ["memory", "--model", str(tmp_path), "--batch-size", "4", "--max-seq-len", "512", "--base-dtype",
+            "bfloat16", "--pipeline-micro-batches", "4", "--json"]
+    largest = []
+    embedding = 128256 * 2048 * 2
+    for s_count in (2, 3, 4):
+        assert main(args + ["--pipeline-stages", str(s_count)]) == 0
+        result = json.loads(capsys.readouterr().out)
+        stages = result["stages"]
+        assert sum(s["weights"] for s in stages) == result["weights"] + embedding
+        largest.append(max(s["total"] for s in stages))
+        even = ",".join(f"{i * 16 // s_count}-{(i + 1) * 16 // s_count - 1}" for i in range(s_count))
+        assert main(args + ["--stage-layers", even]) == 0
+        assert largest[-1] <= max(s["total"] for s in json.loads(capsys.readouterr().out)["stages"])
+    assert result["total"] > largest[0] > largest[1] > largest[2]
 
 
 # ---- equal to one process -----------------------------------------------------------------------------------
@@ -265,216 +284,6 @@ def test_dora_in_f16_through_stages_equals_one_process(tmp_path, arch):
         assert_close(mine[k], theirs[k], "pipeline_numpy", k)
 
 
-# ---- whole runs: the Trainer over stages ----------------------------------------------------------------------
-
-def _run_config(out, **kw) -> TrainConfig:
-    """The embedded default, cut short: 4 steps of 2 micro-batches of 2 rows, LoRA dropout on, no validation."""
-    base = dict(out=str(out), backend="numpy", no_progress=True, eval_generate=False, log_every=1, max_steps=4,
-                batch_size=2, grad_accum=2, lora_dropout=0.1, lr=1e-2, save_every=2, valid_split=0.0,
-                lora_targets="q_proj,v_proj,down_proj", max_eval_samples=0)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def _step_losses(out) -> list:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "lr" in r]
-
-
-def _assert_same_adapter(out, reference):
-    mine, theirs = read_adapter(out)[1], read_adapter(reference)[1]
-    assert sorted(mine) == sorted(theirs)
-    for k in theirs:
-        assert_close(mine[k], theirs[k], "pipeline_numpy", k)
-    assert max(float(np.abs(theirs[k]).max()) for k in theirs if "lora_B" in k) > 1e-3      # it trained
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline") / "one"
-    finetune(_run_config(out))
-    return out
-
-
-def test_embedded_default_through_stages_equals_one_process(tmp_path, one_process):
-    out = tmp_path / "staged"
-    summary = finetune_pipeline(_run_config(out, pipeline_stages=2, grad_accum=1, pipeline_micro_batches=2,
-                                            pipeline_schedule="gpipe"), local=True)
-    assert _step_losses(out) == _step_losses(one_process)
-    _assert_same_adapter(out, one_process)
-    assert json.loads((out / "train_config.json").read_text())["grad_accum"] == 2
-    staged = summary["pipeline"]
-    assert staged["stages"] == 2 and staged["layers"] == "0-1,2-3" and staged["micro_batches"] == 2
-    assert sum(staged["weights_bytes_read"]) == sum(_file_bytes(default_model_dir()).values())    # untied
-
-
-def test_a_checkpoint_resumes_with_another_number_of_stages(tmp_path, one_process):
-    """Four steps on 2 stages (checkpoints at 2 and 4); from its step-2 checkpoint the last two steps on 3 stages,
-    or in one process: the step losses and adapter of one uninterrupted process either way (a checkpoint holds
-    every stage's LoRA and AdamW state, in one process's format)."""
-    out = tmp_path / "run"
-    finetune_pipeline(_run_config(out, pipeline_stages=2), local=True)
-    _assert_same_adapter(out, one_process)
-    step2 = out / "checkpoints" / "step-000002"
-    for name, stages in (("three", 3), ("one", None)):
-        folder = tmp_path / name
-        config = _run_config(folder, resume=str(step2), pipeline_stages=stages)
-        finetune_pipeline(config, local=True) if stages else finetune(config)
-        assert _step_losses(folder) == _step_losses(one_process)[2:]
-        _assert_same_adapter(folder, one_process)
-
-
-def test_a_run_continues_an_adapter_and_scores_exact_match_through_stages(tmp_path, one_process):
-    """--adapter-path (the adapter one_process wrote) through 2 stages, with exact match before and after (greedy
-    generation through the stages): one process's losses, adapter and exact match."""
-    kw = dict(model=str(default_model_dir()), adapter_path=str(one_process), max_steps=2, eval_generate=True,
-              max_eval_samples=3, max_new_tokens=8)
-    one = finetune(_run_config(tmp_path / "one", **kw))
-    staged = finetune_pipeline(_run_config(tmp_path / "staged", pipeline_stages=2, **kw), local=True)
-    assert _step_losses(tmp_path / "staged") == _step_losses(tmp_path / "one")
-    _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
-    for key in ("exact_match_before", "exact_match_after"):
-        assert staged[key] is not None and staged[key] == one[key], key
-
-
-@pytest.fixture(scope="module")
-def one_thread(tmp_path_factory):
-    """The run of one_process with BLAS on one thread (in a subprocess), as Ray's workers run it
-    (OMP_NUM_THREADS=1): on more threads BLAS sums a GEMM in another order."""
-    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
-    reference = tmp_path_factory.mktemp("pipeline") / "one_thread"
-    code = (f"from wgpu_train.distributed.dispatch import finetune\nfrom test_pipeline import _run_config\n"
-            f"finetune(_run_config({str(reference)!r}))")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(wgpu_train.__file__).parents[1]), str(Path(__file__).parent)])}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
-    return reference
-
-
-def test_stages_as_ray_actors_equal_one_process(tmp_path, one_thread):
-    out = tmp_path / "ray"
-    summary = finetune(_run_config(out, pipeline_stages=2))
-    assert summary["pipeline"]["ray"] is True
-    assert _step_losses(out) == _step_losses(one_thread)
-    _assert_same_adapter(out, one_thread)
-    # each actor read its own tensors: its layers' and the embedding (first) or the norm and head (last)
-    sizes = _file_bytes(default_model_dir())
-    plan = plan_stages(4, 2, summary["pipeline"]["layers"])
-    assert summary["pipeline"]["weights_bytes_read"] == [sum(n for k, n in sizes.items() if plan.holds(s, k))
-                                                         for s in range(2)]
-    # 4 steps x 2 micro-batches of 2 rows: the first stage's outputs, the last's input gradients, float32 (fp32)
-    assert all(b > 0 for b in summary["pipeline"]["boundary_bytes_sent"])
-
-
-def test_a_killed_stage_restarts_from_the_last_checkpoint(tmp_path, one_thread):
-    """The last stage's actor killed before its update of step 3: the stages restart from the step-2 checkpoint
-    and the run ends with the uninterrupted run's step losses and adapter."""
-    import ray
-
-    faults = tmp_path / "faults"
-    faults.mkdir()
-    path = os.pathsep.join([str(Path(wgpu_train.__file__).parents[1]), str(Path(__file__).parent)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "WGPU_TRAIN_TEST_FAULTS": str(faults)},
-                          "worker_process_setup_hook": "ray_faults.install"})
-    try:
-        (faults / "kill-layer2-step3").touch()
-        out = tmp_path / "killed"
-        summary = finetune(_run_config(out, stage_layers="0-1,2-3", max_failures=1))
-    finally:
-        ray.shutdown()
-    assert not (faults / "kill-layer2-step3").exists()       # the order was carried out
-    assert summary["resumed_from"] == str(out / "checkpoints" / "step-000002")
-    assert _step_losses(out) == _step_losses(one_thread)
-    _assert_same_adapter(out, one_thread)
-
-
-# ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
-
-def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
-    run = ["finetune", "--backend", "numpy", "--out", str(tmp_path / "x"), "--max-steps", "1", "--no-progress"]
-    one_line_error(capsys, run + ["--pipeline-stages", "2", "--num-workers", "2", "--objective", "dpo"],
-                   "leave out --num-workers with a preference objective")
-    one_line_error(capsys, run + ["--pipeline-micro-batches", "2"], "give --pipeline-stages")
-    one_line_error(capsys, run + ["--pipeline-stages", "2", "--pipeline-micro-batches", "3", "--grad-accum", "2"],
-                   "give one")
-    one_line_error(capsys, run + ["--pipeline-stages", "2", "--backend", "wgpu"], "leave out --backend wgpu")
-    one_line_error(capsys, run + ["--pipeline-stages", "5"], "more than the model's 4 layers", after_log=True)
-    one_line_error(capsys, run + ["--stage-layers", "0-1,3"], "layer 2 is in no stage", after_log=True)
-    one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",
-                   after_log=True)
-    one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")
-    with pytest.raises(ConfigError, match="leave out --objective grpo"):
-        TrainConfig(pipeline_stages=2, objective="grpo", batch_size=8)
-
-
-def test_stages_of_a_1b_shaped_model(tmp_path, capsys):
-    """Llama 3.2 1B's shape (16 layers, a tied 128k-row embedding) in bfloat16, 4 micro-batches of 4 x 512 under
-    1F1B: the stages' weights add up to the whole plus the tied embedding's second copy; the largest stage falls
-    with S, and balancing by memory does no worse than cutting the layers evenly."""
-    from wgpu_train.cli.main import main
-
-    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-             "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-             "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu"}
-    (tmp_path / "config.json").write_text(json.dumps(shape))
-    args = ["memory", "--model", str(tmp_path), "--batch-size", "4", "--max-seq-len", "512", "--base-dtype",
-            "bfloat16", "--pipeline-micro-batches", "4", "--json"]
-    largest = []
-    embedding = 128256 * 2048 * 2
-    for s_count in (2, 3, 4):
-        assert main(args + ["--pipeline-stages", str(s_count)]) == 0
-        result = json.loads(capsys.readouterr().out)
-        stages = result["stages"]
-        assert sum(s["weights"] for s in stages) == result["weights"] + embedding
-        largest.append(max(s["total"] for s in stages))
-        even = ",".join(f"{i * 16 // s_count}-{(i + 1) * 16 // s_count - 1}" for i in range(s_count))
-        assert main(args + ["--stage-layers", even]) == 0
-        assert largest[-1] <= max(s["total"] for s in json.loads(capsys.readouterr().out)["stages"])
-    assert result["total"] > largest[0] > largest[1] > largest[2]
-
-
-# ---- preference objectives through stages ------------------------------------------------------------------
-
-class TwoPasses(PreferenceTrainer):
-    """One process's preference run on the pipeline's path: the step's rows scored, then the weighted step."""
-
-    def _one_pass(self) -> bool:
-        return False
-
-
-@pytest.mark.parametrize("objective", ["dpo", "kto"])
-def test_preference_objectives_through_stages_equal_one_process(tmp_path, objective):
-    """DPO (pairs; the reference the same stages with the adapter off) and KTO (unpaired, with its KL rows) on 2
-    local stages: the step losses and adapter of one process that also scores the step's rows first, then
-    trains the weighted micro-batches (where one process scores DPO's pairs inside the step's own forward, float32
-    sums differ: 5e-7 in an adapter element after three steps, measured)."""
-    from finetune_helpers import make_model_dir, write_jsonl
-
-    model = make_model_dir(tmp_path / "model")
-    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
-    rows = [{"prompt": f"after {words[i % 8]} {i}?", "chosen": f" {words[(i + 1) % 8]} {i}",
-             "rejected": f" {words[(i + 3) % 8]} {i}"} for i in range(12)]
-    if objective == "kto":
-        rows = [{"prompt": r["prompt"], "completion": r["chosen"] if i % 3 else r["rejected"], "label": bool(i % 3)}
-                for i, r in enumerate(rows)]
-    (tmp_path / "data").mkdir()
-    write_jsonl(tmp_path / "data" / "train.jsonl", rows)
-    kw = dict(model=str(model), data=str(tmp_path / "data"), backend="numpy", no_progress=True, lr=1e-2,
-              eval_generate=False, log_every=1, objective=objective, batch_size=2, grad_accum=2, max_steps=3,
-              valid_split=0.0, lr_schedule="constant")
-    TwoPasses(TrainConfig(out=str(tmp_path / "one"), **kw)).run()
-    summary = finetune_pipeline(TrainConfig(out=str(tmp_path / "staged"), pipeline_stages=2, **kw), local=True)
-    assert summary["pipeline"]["layers"] == "0-0,1-1"
-    steps, losses = zip(*_step_losses(tmp_path / "staged"))
-    assert list(steps) == [1, 2, 3]
-    assert_close(np.array(losses), np.array([v for _, v in _step_losses(tmp_path / "one")]), "pipeline_numpy",
-                 f"{objective}'s step losses")
-    _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_generation_through_stages_equals_one_process(tmp_path, arch):
     """Greedy and sampled generation of ragged prompts (generate_batch: prefill, then a token a step), each stage
     keeping its layers' KV cache: one process's tokens, and the engine protocol's members all there."""
@@ -496,47 +305,3 @@ def test_generation_through_stages_equals_one_process(tmp_path, arch):
     for temperature in (0.0, 0.8):
         expected = one.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4)
         assert staged.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4) == expected
-
-
-# ---- 2-D: data-parallel workers, each with its pipeline --------------------------------------------------------
-
-class LocalDataParallelPipelineTrainer(DataParallelPipelineTrainer):
-    local_stages = True          # each worker's stages in its own thread's process, no Ray
-
-
-def _run_workers(trainer_class, cfg: TrainConfig, world: int) -> list:
-    """Data-parallel ranks as threads of this process (test_data_parallel's ThreadCollective)."""
-    import threading
-
-    from test_data_parallel import ThreadCollective
-
-    slots, barrier = [None] * world, threading.Barrier(world, timeout=300)
-    out, errors = [None] * world, []
-
-    def work(rank):
-        try:
-            out[rank] = trainer_class(cfg, ThreadCollective(slots, barrier, rank)).run()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
-
-
-def test_two_workers_of_two_stages_equal_two_workers(tmp_path):
-    """A 2 x 2 grid (2 data-parallel workers, each a pipeline of 2 stages, its stages' gradients all-reduced as
-    one flat array) against 2 data-parallel workers of one process each, on the same global batch: the same step
-    losses and adapter (the all-reduce sums each element alike, whatever the order of the tensors)."""
-    kw = dict(num_workers=2, grad_accum=1, save_every=0)
-    _run_workers(DataParallelTrainer, _run_config(tmp_path / "dp", **kw), 2)
-    grid = _run_workers(LocalDataParallelPipelineTrainer, _run_config(tmp_path / "grid", pipeline_stages=2, **kw), 2)
-    assert grid[0]["pipeline"]["stages"] == 2 and grid[0]["data_parallel"]["workers"] == 2
-    assert _step_losses(tmp_path / "grid") == _step_losses(tmp_path / "dp")
-    _assert_same_adapter(tmp_path / "grid", tmp_path / "dp")
