@@ -284,6 +284,7 @@ def test_dora_in_f16_through_stages_equals_one_process(tmp_path, arch):
         assert_close(mine[k], theirs[k], "pipeline_numpy", k)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_generation_through_stages_equals_one_process(tmp_path, arch):
     """Greedy and sampled generation of ragged prompts (generate_batch: prefill, then a token a step), each stage
     keeping its layers' KV cache: one process's tokens, and the engine protocol's members all there."""

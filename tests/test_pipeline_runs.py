@@ -191,7 +191,6 @@ def test_preference_objectives_through_stages_equal_one_process(tmp_path, object
     _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 # ---- 2-D: data-parallel workers, each with its pipeline --------------------------------------------------------
 
 class LocalDataParallelPipelineTrainer(DataParallelPipelineTrainer):
