@@ -69,7 +69,6 @@ class PipelineEngine:
     tasks, so the stages run a schedule concurrently). A tensor goes to the stage that holds it
     (StagePlan.holds); what every stage keeps alike (the dropout position) is read from the first."""
 
-    step_logps: list = []
     last_profile: dict = {}
     max_binding = None
     base_weight_bytes = 0
@@ -80,6 +79,7 @@ class PipelineEngine:
         self.runner, self.plan, self.schedule = runner, plan, schedule
         self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
         self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
+        self.step_logps: list = []
         for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
                      "backend_reason"):
             setattr(self, name, runner.attr(0, name))
@@ -294,6 +294,7 @@ class PipelineEngine:
         scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 else scale
                   for mb in micro_batches]
         loss_sum, _ = self._run(micro_batches, scales)
+        self.step_logps = [None] * len(micro_batches)       # no TokenObjective through stages
         self._all("stage_unscale")
         self._sum_shared()
         if reduce is not None:
