@@ -227,12 +227,12 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
 
     def _layers_forward(self, x, layers: range, cache: dict):
         """The layers' forward from the first one's input x (N, C) to the last one's output (N, C); each layer's
-        activations are kept in cache["layers"][i] for the backward."""
-        kept = cache.setdefault("layers", {})
+        activations are kept for the backward in cache["layers"], in the range's order."""
+        cache["layers"] = []
         for i in layers:
             a = self._layer_forward(i, x, cache["walk"])
             x = a.pop(OUTPUT)
-            kept[i] = a
+            cache["layers"].append(a)
         return x
 
     def _head_forward(self, x, cache: dict):
@@ -332,7 +332,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         """The layers' backward, last first, from the last one's output gradient dx (N, C): the first one's input
         gradient (N, C)."""
         for i in reversed(layers):
-            dx = self._layer_backward(i, cache["layers"][i], dx, cache["walk"])
+            dx = self._layer_backward(i, cache["layers"][i - layers.start], dx, cache["walk"])
         return dx
 
     def _embed_backward(self, dx, ids):
