@@ -63,8 +63,9 @@ class PipelineTrainer(Trainer):
             from wgpu_train.distributed.pipeline_ray import RayStages      # imports Ray
 
             runner = RayStages(folder, plan, *args, address=cfg.ray_address)
+        where = "in this process" if self.local else "as Ray actors"
         self.log(f"pipeline: {len(plan)} stages (layers {plan.describe()}), {cfg.pipeline_schedule} over "
-                 f"{self.stage_micro_batches()} micro-batches, " + ("in this process" if self.local else "as Ray actors"))
+                 f"{self.stage_micro_batches()} micro-batches, {where}")
         return Model(model_cfg, PipelineEngine(runner, plan, cfg.pipeline_schedule), folder)
 
     def _estimate_memory(self, model_cfg, lora) -> dict:
