@@ -96,6 +96,14 @@ def _precision(rt):
 
 SECTIONS["precision"] = _precision
 
+
+def _pipeline(rt):
+    from wgpu_train.bench.pipeline import bench_pipeline
+    return bench_pipeline()
+
+
+SECTIONS["pipeline"] = _pipeline
+
 # Benchmarks on a model folder (the embedded model, or bench --model) that add a key of their own:
 # name -> fn(rt, model) -> dict
 MODEL_SECTIONS: dict[str, Callable] = {}

@@ -1,5 +1,5 @@
-"""The finetune, generate, eval, merge and memory subcommands, registered into main.py's parser through
-REGISTER."""
+"""The finetune, generate, eval and merge subcommands, and memory's (memory.py), registered into main.py's parser
+through REGISTER."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from wgpu_train.errors import ConfigError
+from wgpu_train.cli import memory
 from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options, resolve_train_config
 from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
                                              trained_data_format)
@@ -341,94 +342,4 @@ def _register_merge(sub):
     p.set_defaults(func=cmd_merge)
 
 
-# ---- memory -----------------------------------------------------------------------------------------------
-
-def cmd_memory(args) -> int:
-    from wgpu_train.formats import hub
-    from wgpu_train.adapters.config import LoraConfig
-    from wgpu_train.models.config import ModelConfig
-    from wgpu_train.adapters.layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
-    from wgpu_train.engines.resources import format_bytes, memory_report
-    from wgpu_train.engines.shared.quant import check_dtypes
-    from wgpu_train.training.config import default_model_dir
-
-    model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
-    cfg = ModelConfig.from_folder(model_dir)
-    if args.batch_size < 1 or args.max_seq_len < 1:
-        raise ConfigError("--batch-size and --max-seq-len must be at least 1")
-    base, embed = check_dtypes(args.base_dtype, args.embed_dtype, cfg.checkpoint_dtype, full=args.method == "full")
-    if args.method == "full" and (base, embed) != ("float32", "float32"):
-        raise ConfigError("method full trains every weight, so it needs float32 base and embedding dtypes")
-    length = min(args.max_seq_len, cfg.max_position_embeddings)
-    lora = None
-    if args.method == "lora":
-        layers = parse_layers(args.lora_layers)
-        lora = LoraConfig(r=args.lora_rank, target_modules=model_targets(args.lora_targets, cfg),
-                          layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
-                          else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
-                          use_dora=args.dora, modules_to_save=args.modules_to_save,
-                          ensure_weight_tying=args.ensure_weight_tying)
-    elif args.modules_to_save:
-        raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
-    from wgpu_train.engines.loading import precision_choice
-    from wgpu_train.engines.protocol import check_precision_widths
-
-    precision = precision_choice(args.precision, "wgpu", cfg=cfg)[0]      # auto: a GPU's choice
-    check_precision_widths(precision, cfg)
-    est = memory_report(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
-                        precision)
-    largest = est.pop("largest_activation_buffer")
-    result = {"model": str(model_dir), "architecture": cfg.architecture, "parameters": est.pop("parameters"),
-              "batch_size": args.batch_size, "seq_len": length, "method": args.method, "base_dtype": base,
-              "embed_dtype": embed, "gradient_checkpointing": args.gradient_checkpointing, "precision": precision,
-              **est, "largest_activation_buffer": largest}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    what = (f"LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}{describe_layout(lora)}" if lora
-            else "full fine-tuning")
-    n = result["parameters"]
-    print(f"{model_dir} ({cfg.label}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
-          f"training batch "
-          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}"
-          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
-    for key in ("weights", "trainable_state", "activations", "logits", "total"):
-        ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit
-                 else "")
-        print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}{ratio}")
-    print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "
-          f"WebGPU does not report a GPU's memory size: compare the total with yours.")
-    return 0
-
-
-def _register_memory(sub):
-    from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
-    from wgpu_train.engines.protocol import PRECISION_CHOICES
-    from wgpu_train.training.config import TrainConfig
-
-    d = TrainConfig()
-    p = add_parser(sub, "memory", "estimate the GPU memory a fine-tuning run needs, from the model's config.json "
-                                   "alone (no weights are read)")
-    p.add_argument("--model", default=None, metavar="DIR", help="Hugging Face model folder (default: the embedded model)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"rows per micro-batch (default: {d.batch_size})")
-    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
-                   help=f"tokens per row, at most the model's positions (default: {d.max_seq_len})")
-    p.add_argument("--method", default=d.method, choices=("lora", "full"), help=f"(default: {d.method})")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"(default: {d.lora_rank})")
-    p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
-    p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
-    p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")
-    p.add_argument("--dora", action="store_true", help="plan for DoRA (its magnitudes and their buffers)")
-    p.add_argument("--modules-to-save", default=None, help="modules trained in full beside LoRA, as in finetune")
-    p.add_argument("--ensure-weight-tying", action="store_true", help="one tied copy, as in finetune")
-    p.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_CHOICES, help=f"(default: {d.base_dtype})")
-    p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")
-    p.add_argument("--precision", default=d.precision, choices=PRECISION_CHOICES,
-                   help=f"activations stored in fp32, bf16 or f16, as in finetune (auto: a GPU's, bf16 for even "
-                        f"widths) (default: {d.precision})")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_memory)
-
-
-REGISTER = [_register_finetune, _register_generate, _register_eval, _register_merge, _register_memory]
+REGISTER = [_register_finetune, _register_generate, _register_eval, _register_merge, memory.register]

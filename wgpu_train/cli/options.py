@@ -23,12 +23,22 @@ def model_options(p, need_adapter: bool = False):
                    help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) or hub id")
 
 
+class _NoPipeline(argparse.Action):
+    """--pipeline-stages where it is not built (generation, evaluation, serving): refused in one line, exit 2."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"error: {parser.prog} does not run through pipeline stages yet (finetune alone does): "
+                       f"leave out --pipeline-stages\n")
+
+
 def device_options(p, storage: bool = False, kv_cache: bool = False):
     """--backend and --device; with storage --base-dtype and --embed-dtype, with kv_cache --kv-dtype."""
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the only "
                         "WebGPU adapters are CPUs, as it is faster there) (default: auto)")
     p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
+    p.add_argument("--pipeline-stages", action=_NoPipeline, help="not built here: finetune alone trains through "
+                                                                    "pipeline stages")
     if storage:
         p.add_argument("--base-dtype", default=None, choices=BASE_CHOICES,
                        help="storage of the linear layers' weights; default: as the run that wrote the adapter "

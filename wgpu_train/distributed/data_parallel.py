@@ -9,31 +9,9 @@ import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.errors import ConfigError
+from wgpu_train.models.stage_plan import partition
 from wgpu_train.training.processes import OneProcess
 from wgpu_train.training.trainers import make_trainer
-
-
-def partition(costs, parts: int) -> list[tuple[int, int]]:
-    """Cut `costs` into `parts` contiguous non-empty runs whose largest sum is as small as it can be:
-    [(start, end), ...] in order. Needs at least `parts` costs."""
-    n = len(costs)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} costs into {parts} non-empty runs")
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    best = np.full((parts + 1, n + 1), np.inf)   # best[k, i]: the least largest sum of costs[:i] in k runs
-    best[0, 0] = 0.0
-    start = np.zeros((parts + 1, n + 1), dtype=np.int64)   # where the last of those k runs starts
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1, j], prefix[i] - prefix[j])
-                if v < best[k, i]:
-                    best[k, i], start[k, i] = v, j
-    runs, i = [], n
-    for k in range(parts, 0, -1):
-        runs.append((int(start[k, i]), i))
-        i = int(start[k, i])
-    return runs[::-1]
 
 
 def split_rows(micro: list, workers: int, step: int) -> list:
@@ -159,12 +137,13 @@ class DataParallelWorker(OneProcess):
             "allreduce_share": round(float(times[:, 1].sum() / max(times[:, 0].sum(), 1e-12)), 4)}}
 
 
-def data_parallel_trainer(config, collective, sink=None, reward_funcs=None):
-    """The trainer of config.objective's kind (training/trainers.py) as one worker of a data-parallel run."""
+def data_parallel_trainer(config, collective, sink=None, reward_funcs=None, placement=None):
+    """The trainer of config.objective's kind (training/trainers.py) as one worker of a data-parallel run;
+    placement: where its model lives (default one engine; a 2-D grid: the worker's own pipeline stages)."""
     if config.num_workers != collective.world:
         raise ValueError(f"num_workers {config.num_workers} for a collective of {collective.world} workers")
     return make_trainer(config, None if sink is None else sink.log, DataParallelWorker(collective, sink),
-                        reward_funcs)
+                        reward_funcs, placement)
 
 
 class _SinkBar:

@@ -1,6 +1,7 @@
 """finetune(): the one entry point of a fine-tuning run, which trains in this process (the trainer of the
-objective's kind, training/trainers.py) or, with num_workers,
-data-parallel on Ray Train workers (ray_driver.py)."""
+objective's kind, training/trainers.py) or, with num_workers, data-parallel on Ray Train workers (ray_driver.py),
+or with pipeline_stages through stages on Ray actors (pipeline_trainer.py), or with both, each worker through its
+own stages."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,10 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
     kind = objective_class(config.objective).trainer
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
+    if config.pipelined() and not config.num_workers:
+        from wgpu_train.distributed.pipeline_trainer import finetune_pipeline    # its stages on Ray
+
+        return finetune_pipeline(config)
     if config.num_workers:
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 

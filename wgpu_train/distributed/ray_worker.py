@@ -111,7 +111,12 @@ def worker(loop_config: dict):
                                       **{k: recorded[k] for k in RECORDED if k in recorded})
         elif restarted:                 # a restart before any checkpoint: what is in --out is this run's
             cfg = dataclasses.replace(cfg, overwrite=True)
-        trainer = data_parallel_trainer(cfg, TorchCollective(), sink, loop_config.get("reward_funcs"))
+        placement = None
+        if cfg.pipelined():         # a 2-D grid: this worker's own pipeline of stages
+            from wgpu_train.distributed.pipeline_trainer import PipelineStages, pipeline_config
+
+            cfg, placement = pipeline_config(cfg), PipelineStages()
+        trainer = data_parallel_trainer(cfg, TorchCollective(), sink, loop_config.get("reward_funcs"), placement)
         if choose_backend(cfg.backend, cfg.device).engine == "wgpu":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:

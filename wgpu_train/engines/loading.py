@@ -12,6 +12,7 @@ from wgpu_train.engines.protocol import Precision, check_kv_dtype, check_precisi
 from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.stage_plan import StagePlan
 from wgpu_train.models.weights import load_weights
 
 log = logging.getLogger("wgpu_train")
@@ -99,3 +100,26 @@ def model_from_weights(config: ModelConfig, weights: dict, backend: str = "numpy
     check_kv_dtype(kv_dtype, config)
     return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision,
                                       kv_dtype), path)
+
+
+def load_stage(path, plan: StagePlan, stage: int, backend: str = "numpy", base_dtype: str = "float32",
+               embed_dtype: str = "auto", precision: Precision | str = "auto"):
+    """Stage `stage` of `plan` (models/stage_plan.py) on an engine: only the tensors it holds are read from the
+    model folder's safetensors shards (engine.weights_bytes_read counts their file bytes). A PipelineStage
+    (protocol.py); on the NumPy engine for now: ConfigError (one line) for another backend."""
+    if backend not in ("numpy", "auto"):
+        raise ConfigError(f"pipeline stages run on the NumPy engine for now: --backend numpy, not {backend}")
+    from wgpu_train.engines.numpy.stage import NumpyStage
+
+    config = ModelConfig.from_folder(path)
+    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
+    weights = load_weights(path, config)
+    weights = weights.subset([k for k in weights if plan.holds(stage, k)])
+    precision, reason = precision_choice(precision, "numpy")
+    layers = plan.stages[stage]
+    engine = NumpyStage(config, weights, layers, stage == 0, stage == len(plan) - 1, base_dtype=base_dtype,
+                        embed_dtype=embed_dtype, precision=precision)
+    engine.precision_reason, engine.backend_reason = reason, "pipeline stages run on the NumPy engine"
+    engine.weights_bytes_read = weights.bytes_read
+    engine.device_description = f"cpu (NumPy), stage {stage}: layers {layers.start}-{layers.stop - 1}"
+    return engine

@@ -243,6 +243,68 @@ class Engine(Protocol):
         engine's own LoRA off), or None to drop them."""
 
 
+@runtime_checkable
+class PipelineStage(Protocol):
+    """An Engine over a contiguous range of a model's layers (distributed/pipeline_engine.py drives S of them as
+    one Engine): the embedding on the first stage, the final norm, head and loss on the last. Activations and
+    their gradients cross a boundary as engines/shared/boundary.py packs them, in the run's precision. `micro`
+    numbers a training micro-batch within its step (None: a forward that keeps nothing for a backward); a stage
+    keeps each training forward's activations until that micro-batch's backward, so a schedule may run several
+    forwards before their backwards (GPipe, 1F1B). Besides these, a stage answers the Engine protocol for its
+    own tensors (set_lora, trainable, optimizer_state, ... of its layers only)."""
+
+    layers: range               # the layers it holds
+    first: bool                 # holds the embedding: its input is token ids (B, T)
+    last: bool                  # holds the final norm and head: it computes the loss
+
+    def stage_forward(self, micro, inputs, segment_ids, position_ids):
+        """A stage before the last: its output (N, C), packed, from ids (B, T) (the first stage) or the previous
+        stage's packed output."""
+
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+        """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
+        as forward_backward's; a training step's times f16's loss scale); (summed loss, trained tokens, the packed
+        gradient of its input, or None on a first stage or without a trained token)."""
+
+    def stage_backward(self, micro, d_outputs):
+        """The packed gradient of its input (None on the first stage, which accumulates the embedding's, if
+        trained) from that of its output (None: no trained token, nothing to add; the forward's activations are
+        dropped either way)."""
+
+    def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
+        """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows
+        (rows) or loss()'s (summed loss, trained tokens)."""
+
+    def stage_unscale(self) -> None:
+        """f16: its gradients unscaled (times 1 / the loss scale), before they are summed, reduced or measured."""
+
+    def stage_grad_square(self, leave_out=()) -> float:
+        """The sum of the squares of its gradients but those named in leave_out: the driver adds every stage's for
+        the global norm that clipping takes."""
+
+    def set_gradients(self, grads: dict) -> None:
+        """Overwrite some of its gradients by name (gradients() gives them): a tied embedding's summed over the
+        two stages that train it, or the data-parallel workers' reduced."""
+
+    def stage_update(self, norm: float, hp: "OptimizerParams", step: int) -> bool:
+        """Clip by the global `norm`, then AdamW on its tensors (skipped for a non-finite norm); whether applied."""
+
+    def stage_new_cache(self, key: int, batch: int, max_len: int) -> None:
+        """Generation: a KV cache of its layers under the driver's key (new_kv_cache's sizes)."""
+
+    def stage_free_cache(self, key: int) -> None: ...
+
+    def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
+        """forward_rows through its layers (arguments checked by the driver): the packed output (n, C), or on the
+        last stage the logits (m, V) float32 of the tokens at `last`."""
+
+    def weight_names(self) -> list:
+        """The base weights it holds."""
+
+    def weight(self, name: str):
+        """One of them, float32 (as weights() gives it)."""
+
+
 class LossScaler:
     """f16's dynamic loss scaling with torch.amp.GradScaler's semantics: the loss gradient is multiplied by
     `scale` (an engine's grad_scale), the gradients are unscaled (times 1 / scale, exact: a power of two) before

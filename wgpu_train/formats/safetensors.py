@@ -35,9 +35,16 @@ class LazyWeights(Mapping):
 
     def __init__(self, raw: dict):
         self._raw = raw                  # name -> (view of the file's bytes, safetensors dtype)
+        self.bytes_read = 0              # file bytes converted so far (a pipeline stage reads only its own)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return _as_array(*self._raw[name])
+        raw, dtype = self._raw[name]
+        self.bytes_read += raw.nbytes
+        return _as_array(raw, dtype)
+
+    def subset(self, names) -> "LazyWeights":
+        """These tensors alone (nothing read), with a byte count of their own."""
+        return LazyWeights({k: self._raw[k] for k in names})
 
     def __iter__(self):
         return iter(self._raw)

@@ -212,8 +212,23 @@ class TrainConfig:
                                          "process, no Ray")
     ray_address: str | None = _opt(None, "with --num-workers: the Ray cluster to join (auto, or HOST:PORT of its "
                                          "head); default: start a local Ray instance")
-    max_failures: int = _opt(1, "with --num-workers: restart the workers this many times after a failure, from "
-                                "the last checkpoint (see --save-every)")
+    max_failures: int = _opt(1, "with --num-workers (or --pipeline-stages): restart the workers (the stages) this "
+                                "many times after a failure, from the last checkpoint (see --save-every)")
+    # ---- pipeline stages on Ray (distributed/pipeline_*.py) ----
+    pipeline_stages: int | None = _opt(None, "split the model's layers into this many contiguous stages, each a Ray "
+                                             "actor that loads and holds only its layers (the first also the "
+                                             "embedding, the last the final norm and head), for a model larger "
+                                             "than one device; balanced by the memory estimate; LoRA SFT on the "
+                                             "NumPy engine for now; --device may list one adapter per stage; "
+                                             "needs pip install 'wgpu-train[ray]'")
+    stage_layers: str | None = _opt(None, "the stages' layers by hand, FIRST-LAST per stage: e.g. 0-11,12-23 "
+                                          "(every layer exactly once, in order)")
+    pipeline_micro_batches: int | None = _opt(None, "micro-batches of batch_size rows per step through the "
+                                                    "stages (the step is batch_size x this, as --grad-accum); "
+                                                    "default: --grad-accum")
+    pipeline_schedule: str = _opt("1f1b", "gpipe (every forward, then every backward) or 1f1b (a stage holds "
+                                          "at most as many micro-batches as stages after it, plus one); the "
+                                          "same numbers either way", choices=("gpipe", "1f1b"))
 
     def __post_init__(self):
         def need(ok, msg):
@@ -315,7 +330,33 @@ class TrainConfig:
              f"max_prompt_length must be at least 1, got {self.max_prompt_length}")
         need(self.num_workers is None or self.num_workers >= 1, f"num_workers must be at least 1, got {self.num_workers}")
         need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
-        need(self.ray_address is None or self.num_workers, "ray_address joins a Ray cluster for --num-workers: give both")
+        need(self.ray_address is None or self.num_workers or self.pipelined(),
+             "ray_address joins a Ray cluster for --num-workers: give both")
+        self._check_pipeline(need, objective)
+
+    def pipelined(self) -> bool:
+        """Whether the run trains through pipeline stages (--pipeline-stages or --stage-layers)."""
+        return bool(self.pipeline_stages or self.stage_layers)
+
+    def _check_pipeline(self, need, objective):
+        """What --pipeline-stages composes with so far, each refusal one line."""
+        need(self.pipeline_stages is None or self.pipeline_stages >= 1,
+             f"pipeline_stages must be at least 1, got {self.pipeline_stages}")
+        need(self.pipeline_micro_batches is None or self.pipeline_micro_batches >= 1,
+             f"pipeline_micro_batches must be at least 1, got {self.pipeline_micro_batches}")
+        if not self.pipelined():
+            need(self.pipeline_micro_batches is None and self.pipeline_schedule == "1f1b",
+                 "--pipeline-micro-batches and --pipeline-schedule schedule pipeline stages: give --pipeline-stages")
+            return
+        need(self.pipeline_micro_batches is None or self.grad_accum in (1, self.pipeline_micro_batches),
+             f"--pipeline-micro-batches {self.pipeline_micro_batches} and --grad-accum {self.grad_accum} both set "
+             f"a step's micro-batches: give one")
+        for ok, what in ((not self.num_workers or objective.trainer is TrainerKind.SUPERVISED,
+                          "--num-workers with a preference objective"),
+                         (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
+                         (not self.ref_adapter, "--ref-adapter (a second model in the driver)"),
+                         (self.backend != "wgpu", "--backend wgpu")):
+            need(ok, f"--pipeline-stages runs on the NumPy engine, for now: leave out {what}")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,

@@ -38,11 +38,11 @@ class GRPOTrainer(Trainer):
     batch_size x grad_accum completions, num_generations of each of its prompts. reward_funcs: Python callables
     with TRL's signature f(prompts, completions, **columns) -> list[float | None], after config.reward's."""
 
-    def __init__(self, config, log=None, reward_funcs=None, process=None):
+    def __init__(self, config, log=None, reward_funcs=None, process=None, placement=None):
         dropout = config.lora_dropout
         if dropout:     # TRL's disable_dropout: a deterministic policy for its ratios
             config = dataclasses.replace(config, lora_dropout=0.0)
-        super().__init__(config, log, process)
+        super().__init__(config, log, process, placement)
         if dropout:
             self.log(f"lora_dropout {dropout:g} is off for --objective grpo, as TRL's trainers disable dropout")
         self.settings = config.grpo_settings()

@@ -35,11 +35,11 @@ class PreferenceTrainer(Trainer):
     that adapter), --method full and modules_to_save (the starting model: the adapter switch does not turn off
     trained copies)."""
 
-    def __init__(self, config, log=None, process=None):
+    def __init__(self, config, log=None, process=None, placement=None):
         dropout = config.lora_dropout
         if dropout:     # TRL's disable_dropout (on by default): scores and gradients of one deterministic model
             config = dataclasses.replace(config, lora_dropout=0.0)
-        super().__init__(config, log, process)
+        super().__init__(config, log, process, placement)
         if dropout:
             self.log(f"lora_dropout {dropout:g} is off for --objective {config.objective}, as TRL's trainers "
                      "disable dropout")
@@ -279,8 +279,9 @@ class PreferenceTrainer(Trainer):
         """Whether a step's own forward computes the log-probabilities its weights need (pairs: an engine
         SequenceObjective per micro-batch of whole pairs, one policy forward); KTO, whose KL rows are scored
         apart, scores its rows first and trains with the weights (two policy forwards), and so does a
-        data-parallel worker, whose share of a step may cut its micro-batches' pairs."""
-        return self.paired and self.process.world == 1
+        data-parallel worker, whose share of a step may cut its micro-batches' pairs, and a model whose engine
+        takes no host function mid-step (pipeline stages)."""
+        return self.paired and self.process.world == 1 and self.placement.sequence_objectives
 
     def _one_pass_step(self, indices, lr) -> tuple:
         """A step of pairs in one policy forward: the reference scored first (where the objective has one), then

@@ -23,6 +23,7 @@ from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_matc
 from wgpu_train.training.metrics import Window, fmt, num
 from wgpu_train.training.run_folder import resolve_run
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig
+from wgpu_train.training.placement import OneEngine
 from wgpu_train.training.processes import OneProcess
 from wgpu_train.training.trainer_records import TrainerRecords
 from wgpu_train.training.trainer_setup import TrainerSetup
@@ -46,13 +47,16 @@ class Trainer(TrainerSetup, TrainerRecords):
     only the engine protocol, so it runs on every backend.
 
     `process` is the trainer's part in its run (processes.OneProcess, the default: all of it; a data-parallel
-    worker: a share of each step, with only rank 0 writing the run's files).
+    worker: a share of each step, with only rank 0 writing the run's files); `placement` where its model lives
+    (placement.OneEngine, the default: one engine in this process; or pipeline stages).
     """
 
-    def __init__(self, config: TrainConfig, log=None, process: OneProcess | None = None):
+    def __init__(self, config: TrainConfig, log=None, process: OneProcess | None = None,
+                 placement: OneEngine | None = None):
         if not isinstance(config, TrainConfig):
             raise ConfigError("Trainer needs a TrainConfig")
         self.process = process or OneProcess()
+        self.placement = placement or OneEngine()
         if not self.process.writes_files:   # rank 0's files would look like an earlier run's to the others
             config = dataclasses.replace(config, overwrite=True)
         self.config = config
@@ -227,8 +231,11 @@ class Trainer(TrainerSetup, TrainerRecords):
                 self._trackers.close()
 
     def run(self) -> dict:
-        """setup() then train()."""
-        return self.setup().train()
+        """setup() then train(); the placement released after."""
+        try:
+            return self.setup().train()
+        finally:
+            self.placement.close(self)
 
     def _install_sigint(self) -> tuple[bool, object]:
         """(installed, the handler before): the Ctrl-C handler, unless this is not the main thread or SIGINT is

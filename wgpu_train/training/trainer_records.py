@@ -223,7 +223,7 @@ class TrainerRecords:
             "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "continued_from": str(self.continued_from) if self.continued_from else None,
-        } | self.process.summary(self.micro_per_step)
+        } | self.process.summary(self.micro_per_step) | self.placement.summary(self)
 
     def _discard(self):
         """Remove what this invocation wrote (see _prepare_out) when it trained nothing, and the output folder

@@ -23,7 +23,6 @@ class TrainerSetup:
 
     def setup(self):
         """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
-        from wgpu_train.engines.loading import load_model
         from wgpu_train.engines.backend_choice import choose_backend
 
         from wgpu_train.adapters.files import adapter_base_model, adapter_base_name, adapter_folder, read_adapter
@@ -84,9 +83,7 @@ class TrainerSetup:
                 raise ConfigError(f"the run in {self.folders.resumed} already finished at step {self.step}; "
                                   f"raise --max-steps or --epochs to train further")
 
-        self.model = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
-                                base_dtype=self.base_dtype, embed_dtype=self.embed_dtype,
-                                precision=self.precision or "auto")
+        self.model = self.placement.load(self, model_cfg)
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
         if self.continued_from:
@@ -136,6 +133,7 @@ class TrainerSetup:
                  f"{format_bytes(est['total'])}: base weights {format_bytes(est['weights'])}, trainable state "
                  f"{format_bytes(est['trainable_state'])}, activations {format_bytes(est['activations'])}, logits "
                  f"{format_bytes(est['logits'])}")
+        self.placement.estimated(self, model_cfg, lora, est)
         return self
 
     def _model_ready(self):

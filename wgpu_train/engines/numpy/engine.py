@@ -2,15 +2,11 @@
 trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against."""
 from __future__ import annotations
 
-import contextlib
-import time
-
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import (EngineState, LossScaler, SequenceObjective, TokenObjective,
-                                         check_kv_dtype)
+from wgpu_train.engines.protocol import EngineState, LossScaler, check_kv_dtype
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
@@ -19,9 +15,9 @@ from wgpu_train.engines.numpy.dora_linear import DoraLinear
 from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
 from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.numpy.precision import Rounding
+from wgpu_train.engines.numpy.steps import NumpySteps
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.shared.quant import check_dtypes, round_to, round_weights
-from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
 
 
 class LoraModule:
@@ -32,7 +28,7 @@ class LoraModule:
         self.a, self.b, self.scale, self.dropout, self.m = a, b, scale, dropout, m
 
 
-class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
+class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
@@ -226,19 +222,30 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
         b, t = ids.shape
-        flat_ids = ids.reshape(-1)
-        x = self._embed(flat_ids)                                                 # (N, C)
-        walk = Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))))
-        layers = []
-        for i in range(self.cfg.num_hidden_layers):
-            a = self._layer_forward(i, x, walk)
+        cache = {"ids": ids.reshape(-1), "walk": self._walk(segment_ids, position_ids)}
+        x = self._layers_forward(self._embed(cache["ids"]), range(self.cfg.num_hidden_layers), cache)
+        return self._head_forward(x, cache).reshape(b, t, -1), cache
+
+    def _walk(self, segment_ids, position_ids) -> Walk:
+        b, t = segment_ids.shape
+        return Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))))
+
+    def _layers_forward(self, x, layers: range, cache: dict):
+        """The layers' forward from the first one's input x (N, C) to the last one's output (N, C); each layer's
+        activations are kept for the backward in cache["layers"], in the range's order."""
+        cache["layers"] = []
+        for i in layers:
+            a = self._layer_forward(i, x, cache["walk"])
             x = a.pop(OUTPUT)
-            layers.append(a)
+            cache["layers"].append(a)
+        return x
+
+    def _head_forward(self, x, cache: dict):
+        """The final norm and the head from the last layer's output x (N, C): logits (N, V) (soft-capped)."""
         xf, rstd_f = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         xf = self.rounding.activation(xf, "the final norm")                      # the loss head's input
-        logits = ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap)   # (N, V)
-        cache = {"ids": flat_ids, "walk": walk, "layers": layers, "x_final": x, "rstd_f": rstd_f, "xf": xf}
-        return logits.reshape(b, t, -1), cache
+        cache.update(x_final=x, rstd_f=rstd_f, xf=xf)
+        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap)   # (N, V)
 
     def _embed(self, ids):
         """The embedding rows of ids (N,), times the model's embed_scale (Gemma)."""
@@ -312,20 +319,33 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     def backward(self, dlogits, cache):
         """Accumulate gradients of every trainable tensor from dlogits (N, V) (with respect to the uncapped
         logits); ops in reverse order."""
-        cfg = self.cfg
+        dx = self._layers_backward(self._head_backward(dlogits, cache), range(self.cfg.num_hidden_layers), cache)
+        self._embed_backward(dx, cache["ids"])
+
+    def _head_backward(self, dlogits, cache: dict):
+        """The head's and the final norm's backward from dlogits (N, V): the last layer's output gradient (N, C)."""
         head_name = self._head_name()
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(),
                                             need_weight_grad=head_name in self.grads)
         self._add_trained(head_name, dhead)
         dx, dnorm = ops.rmsnorm_backward(self.rounding.gradient(dxf), cache["x_final"], self.w["model.norm.weight"],
-                                         cache["rstd_f"], cfg.norm_offset)
-        dx = self.rounding.gradient(dx)
+                                         cache["rstd_f"], self.cfg.norm_offset)
         self._add_trained("model.norm.weight", dnorm)
-        for i in reversed(range(cfg.num_hidden_layers)):
-            dx = self._layer_backward(i, cache["layers"][i], dx, cache["walk"])
+        return self.rounding.gradient(dx)
+
+    def _layers_backward(self, dx, layers: range, cache: dict):
+        """The layers' backward, last first, from the last one's output gradient dx (N, C): the first one's input
+        gradient (N, C)."""
+        for i in reversed(layers):
+            dx = self._layer_backward(i, cache["layers"][i - layers.start], dx, cache["walk"])
+        return dx
+
+    def _embed_backward(self, dx, ids):
+        """The embedding's gradient from its output's dx (N, C), where the embedding trains."""
+        cfg = self.cfg
         if EMBED in self.grads:
             dx = dx * self.dtype.type(cfg.embed_scale) if cfg.embed_scale != 1.0 else dx
-            demb = ops.embedding_backward(dx, cache["ids"], cfg.vocab_size)       # (V, C)
+            demb = ops.embedding_backward(dx, ids, cfg.vocab_size)       # (V, C)
             if cfg.pad_token_id is not None:      # torch's padding_idx: the padding row gets no gradient
                 demb[cfg.pad_token_id] = 0
             self.grads[EMBED] += demb
@@ -385,164 +405,3 @@ class NumpyEngine(EngineState, DoraLinear, NumpyKvCache):
     def _add_trained(self, name, g):
         if name in self.grads:
             self.grads[name] += g
-
-    # ---- the engine protocol ------------------------------------------------------------------
-    def logits(self, ids, segment_ids, position_ids):
-        self.training = False
-        return self.forward(ids, segment_ids, position_ids)[0].astype(np.float32)
-
-    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        """Forward, loss and backward of one micro-batch; grads accumulate scaled by grad_scale per token (one
-        number, or a weight per token (B, T)).
-
-        Returns (loss_sum, token_count) of the micro-batch (the loss unweighted).
-        """
-        return self._forward_backward(ids, targets, segment_ids, position_ids, grad_scale)[:2]
-
-    def _forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None):
-        """forward_backward, or with a TokenObjective (or a SequenceObjective: its host function) the gradient
-        weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count,
-        the (B, T) float32 log-probabilities and entropies of the policy's distributions, or None and None
-        without an objective)."""
-        self.training = True
-        self.dropout_calls += 1
-        self._count_head()
-        logits, cache = self.forward(ids, segment_ids, position_ids)
-        flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.loss_temperature)          # (N, V)
-        loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
-        logps = entropies = None
-        if objective is not None:
-            rows, _ = ops.cross_entropy_rows(flat, targets.reshape(-1))          # (B*T,) -logp
-            logps = (-rows).astype(np.float32).reshape(ids.shape)
-            entropies = ops.softmax_entropy_forward(flat, lse).reshape(ids.shape) * (targets != ops.IGNORE_INDEX)
-            if isinstance(objective, SequenceObjective):
-                weights = np.asarray(objective.weights(logps), np.float32).reshape(-1)
-            else:
-                weights = ops.token_objective_backward(rows, objective.terms(), objective)
-            scale = np.float32(grad_scale) * weights
-        else:
-            scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
-        if count:       # through the temperature: 1 / T on the gradient, the cap's derivative in tempered units
-            t = np.float32(self.loss_temperature)
-            self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t,
-                                                     self.cfg.logit_softcap / t), cache)
-        self.training = False
-        return loss_sum, count, logps, entropies
-
-    def set_loss_temperature(self, temperature: float = 1.0):
-        """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
-        at its sampling temperature, as TRL takes them); loss() and generation keep the model's own."""
-        self.loss_temperature = float(temperature)
-
-    def _count_head(self):
-        """One loss head run: a forward of the policy (adapter on) or of the reference (adapter off)."""
-        self.counters["policy_forwards" if self.adapter_enabled else "reference_forwards"] += 1
-
-    def loss(self, ids, targets, segment_ids, position_ids):
-        self._count_head()
-        logits = self.forward(ids, segment_ids, position_ids)[0]
-        loss_sum, count, _ = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss_sum, count
-
-    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
-        """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); with
-        reference, (the policy's, the reference's): a second forward with the adapter switched off."""
-        policy = self._token_losses(ids, targets, segment_ids, position_ids)
-        if not reference:
-            return policy
-        enabled, self.adapter_enabled = self.adapter_enabled, False
-        try:
-            return policy, self._token_losses(ids, targets, segment_ids, position_ids)
-        finally:
-            self.adapter_enabled = enabled
-
-    def _token_losses(self, ids, targets, segment_ids, position_ids):
-        self.training = False
-        self._count_head()
-        logits = self.forward(ids, segment_ids, position_ids)[0] / np.float32(self.loss_temperature)
-        rows, _ = ops.cross_entropy_rows(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return rows.astype(np.float32).reshape(ids.shape)
-
-    def gradients(self) -> dict:
-        return {k: v.astype(np.float32) for k, v in self.grads.items()}
-
-    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
-        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...].
-
-        Gradients are normalised by the total number of counted tokens of all micro-batches, so the
-        step equals the full-batch step; a micro-batch's per-token weights (B, T), when given, multiply its
-        tokens' gradients. `reduce` (the engine protocol's) may replace them before the update. With f16's
-        loss scaler the loss gradient is scaled by its scale and the gradients unscaled before `reduce`; a
-        non-finite step is skipped and the scaler updated. Returns (loss_sum, token_count, grad_norm, applied).
-        """
-        started = time.perf_counter()
-        total = sum(int((mb[1] != ops.IGNORE_INDEX).sum()) for mb in micro_batches)
-        self.zero_grads()
-        loss_sum = 0.0
-        scaler = self.loss_scaler
-        grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
-        with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
-            self.step_logps, self.step_entropies = [], []
-            for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
-                objective = extra[0] if extra and isinstance(extra[0], (TokenObjective, SequenceObjective)) else None
-                if objective is not None or not extra:
-                    scale = grad_scale
-                else:
-                    scale = np.float32(grad_scale) * np.asarray(extra[0], np.float32)
-                loss, _, logps, entropies = self._forward_backward(ids, targets, seg, pos, scale, objective)
-                loss_sum += loss
-                self.step_logps.append(logps)
-                self.step_entropies.append(entropies)
-        if scaler is not None:
-            for g in self.grads.values():
-                g *= self.dtype.type(1.0 / scaler.scale)       # exact: the scale is a power of two
-        if reduce is not None:
-            self._reduce_grads(reduce, total)
-        norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
-                                            hp.max_grad_norm, step, hp.lora_b_lr_ratio)
-        if scaler is not None:
-            scaler.update(applied)
-        if profile:
-            self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
-        return loss_sum, total, norm, applied
-
-    def _reduce_grads(self, reduce, total: int):
-        """Pass the gradients through `reduce` as one flat float32 array (self.grads' order) and take its result."""
-        names = list(self.grads)
-        flat = np.concatenate([self.grads[k].astype(np.float32).reshape(-1) for k in names]) if names else \
-            np.zeros(0, np.float32)
-        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
-        if out.shape != flat.shape:
-            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
-        at = 0
-        for k in names:
-            g = self.grads[k]
-            g[...] = out[at:at + g.size].reshape(g.shape)
-            at += g.size
-
-    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
-                       lora_b_lr_ratio=1.0):
-        """Clip by the global norm, then AdamW on every trainable tensor (the LoRA B matrices at lr times
-        lora_b_lr_ratio: LoRA+); returns (grad_norm, applied)."""
-        params = self.trainable()
-        norm = grad_norm(list(self.grads.values()))
-        if not np.isfinite(norm):
-            self.counters["nonfinite_skipped"] += 1
-            self.zero_grads()
-            return norm, False
-        scale = clip_scale(norm, max_grad_norm)
-        for k, p in params.items():
-            if k not in self.moments:
-                self.moments[k] = (np.zeros_like(p), np.zeros_like(p))
-            m, v = self.moments[k]
-            # LoRA+: PEFT's create_loraplus_optimizer gives B and every 1-D parameter (DoRA's magnitudes) B's lr
-            rate = lr * lora_b_lr_ratio if k.endswith((".lora_B", MAGNITUDE)) else lr
-            adamw_update(p, self.grads[k], m, v, rate, beta1, beta2, eps, weight_decay, step, grad_scale=scale)
-        self.zero_grads()
-        return norm, True
-
-    def optimizer_state(self) -> dict:
-        return {k: (m.copy(), v.copy()) for k, (m, v) in self.moments.items()}
-
-    def load_optimizer_state(self, state: dict):
-        self.moments = {k: (m.astype(self.dtype), v.astype(self.dtype)) for k, (m, v) in state.items()}

@@ -186,16 +186,18 @@ GELU_C = np.sqrt(2.0 / np.pi)       # gelu's tanh approximation: 0.5 x (1 + tanh
 
 
 def geglu_forward(gate, up):
-    """gelu_tanh(gate) * up, elementwise on (N, F) (transformers' gelu_pytorch_tanh)."""
-    t = np.tanh(GELU_C * (gate + 0.044715 * gate ** 3))
+    """gelu_tanh(gate) * up, elementwise on (N, F) (transformers' gelu_pytorch_tanh), in gate's dtype (GELU_C, a
+    float64 scalar, would otherwise promote a float32 gate to float64, and every layer after it)."""
+    t = np.tanh(gate.dtype.type(GELU_C) * (gate + 0.044715 * gate ** 3))
     return 0.5 * gate * (1.0 + t) * up
 
 
 def geglu_backward(dh, gate, up):
     """Gradients of geglu_forward: dgate, dup (N, F)."""
-    t = np.tanh(GELU_C * (gate + 0.044715 * gate ** 3))
+    c = gate.dtype.type(GELU_C)
+    t = np.tanh(c * (gate + 0.044715 * gate ** 3))
     gelu = 0.5 * gate * (1.0 + t)
-    dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * gate ** 2)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * gate ** 2)
     return dh * up * dgelu, dh * gelu
 
 

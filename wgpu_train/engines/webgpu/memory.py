@@ -164,17 +164,20 @@ def weight_shapes(cfg: ModelConfig) -> dict:
 
 
 def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype: str = "auto",
-                      max_binding: int | None = None) -> dict:
+                      max_binding: int | None = None, keep=None) -> dict:
     """GPU bytes of the base weights stored as base_dtype (the linear layers) and embed_dtype (embedding,
     lm_head; "auto": see check_dtypes), from the chunk plan the WebGPU engine allocates
     by: {"linear", "embedding", "other", "total"}.
-    max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB."""
+    max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB. keep: a
+    predicate of the names counted (a pipeline stage's tensors); default all."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
     from wgpu_train.engines.shared.quant import check_dtypes, is_linear_weight, storage_dtype
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, cfg.checkpoint_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
     for name, shape in weight_shapes(cfg).items():
+        if keep is not None and not keep(name):
+            continue
         dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
         if len(shape) == 2:
             n = stored_bytes(shape[0], shape[1], dtype, max_binding or DEFAULT_MAX_BINDING)

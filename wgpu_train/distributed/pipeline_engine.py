@@ -1,0 +1,360 @@
+"""PipelineEngine: S pipeline stages (engines' PipelineStage, each holding a range of layers, in this process or
+as Ray actors) driven as one Engine, so that the Trainer, checkpoints and Model run unchanged over them; the
+step's schedule (GPipe or 1F1B over its micro-batches) and the global-norm clipping across stages."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.protocol import LossScaler
+from wgpu_train.engines.shared.kv_rows import check_rows
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.stage_plan import EMBED, StagePlan
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class StageLost(RuntimeError):
+    """A stage's process died (its Ray actor): the run restarts its stages from the last checkpoint."""
+
+
+def stage_ops(schedule: str, stages: int, micro: int) -> list:
+    """Each stage's ops in the order it runs them: ("F", j) a forward of micro-batch j, ("B", j) its backward,
+    ("L", j) the last stage's forward, loss and backward at once. GPipe: every forward, then every backward;
+    1F1B: stage s runs min(S - 1 - s, M) forwards ahead, then one forward and one backward in turn, so it holds
+    at most S - s micro-batches' activations. Either way the backwards run in the forwards' order, so each stage
+    sums a step's gradients in the order one process does."""
+    out = []
+    for s in range(stages):
+        if s == stages - 1:
+            out.append([("L", j) for j in range(micro)])
+            continue
+        ahead = micro if schedule == "gpipe" else min(stages - 1 - s, micro)
+        ops = [("F", j) for j in range(ahead)]
+        for j in range(micro - ahead):
+            ops += [("F", ahead + j), ("B", j)]
+        out.append(ops + [("B", j) for j in range(micro - ahead, micro)])
+    return out
+
+
+class LocalStages:
+    """Stages in this process, each call run at once (the oracle of the Ray actors, and a pipeline's arithmetic
+    without Ray)."""
+
+    def __init__(self, stages: list):
+        self.stages = list(stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def call(self, s: int, method: str, *args, returns: int = 1):
+        return getattr(self.stages[s], method)(*args)
+
+    def get(self, values):
+        return values
+
+    def attr(self, s: int, name: str):
+        return getattr(self.stages[s], name)
+
+    def close(self):
+        self.stages = []
+
+
+class PipelineEngine:
+    """The Engine protocol over the stages of `plan`, reached through `runner` (LocalStages, or
+    pipeline_ray.RayStages: each call a Ray actor task whose arguments may be the results of other stages'
+    tasks, so the stages run a schedule concurrently). A tensor goes to the stage that holds it
+    (StagePlan.holds); what every stage keeps alike (the dropout position) is read from the first."""
+
+    last_profile: dict = {}
+    max_binding = None
+    base_weight_bytes = 0
+
+    def __init__(self, runner, plan: StagePlan, schedule: str = "1f1b"):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        self.runner, self.plan, self.schedule = runner, plan, schedule
+        self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
+        self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
+        self.step_logps: list = []
+        self.step_entropies: list = []
+        for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
+                     "backend_reason"):
+            setattr(self, name, runner.attr(0, name))
+        self.device_description = "; ".join(runner.attr(s, "device_description") for s in range(len(plan)))
+
+    # ---- tensors, by the stage that holds them --------------------------------------------------------
+    def _all(self, method: str, *args) -> list:
+        return self.runner.get([self.runner.call(s, method, *args) for s in range(len(self.plan))])
+
+    def _split(self, method: str, tensors: dict, *args):
+        self._all_each(method, [{k: v for k, v in tensors.items() if self.plan.holds(s, k)}
+                                for s in range(len(self.plan))], *args)
+
+    def _all_each(self, method: str, per_stage: list, *args):
+        self.runner.get([self.runner.call(s, method, part, *args) for s, part in enumerate(per_stage)])
+
+    def _merged(self, method: str) -> dict:
+        out = {}
+        for s, part in enumerate(self._all(method)):
+            out.update({k: v for k, v in part.items() if self.plan.owner(k) == s})
+        return out
+
+    @property
+    def counters(self) -> dict:
+        """Every stage's counters summed (each stage's loss head counts once: the last stage's)."""
+        out: dict = {}
+        for part in (self.runner.attr(s, "counters") for s in range(len(self.plan))):
+            for k, v in part.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def set_lora(self, modules: dict):
+        self._split("set_lora", modules)
+
+    def lora_tensors(self) -> dict:
+        return self._merged("lora_tensors")
+
+    def set_full_finetune(self, enabled: bool = True):
+        """Every stage trains every weight it holds (or none); a tied embedding on both end stages as one."""
+        self._all("set_full_finetune", enabled)
+        self._shared = (EMBED,) if enabled and self._tied_ends() else ()
+
+    def set_trained_base(self, names, untie: bool = False):
+        """Each stage trains the named weights it holds. A tied model's untied head is the last stage's own copy
+        of the embedding (its first stage's embedding then trains there alone); a tied embedding that stays
+        the head trains on both end stages as one tensor: its gradients summed, the same update on both."""
+        last = len(self.plan) - 1
+        for s in range(len(self.plan)):
+            mine = tuple(n for n in names if self.plan.holds(s, n) and (n != EMBED or s == 0 or not untie))
+            self.runner.get(self.runner.call(s, "set_trained_base", mine, untie and s == last))
+        self._shared = (EMBED,) if EMBED in names and not untie and self._tied_ends() else ()
+
+    def _tied_ends(self) -> bool:
+        """Whether the first and last stages both hold the embedding (a tied model over two stages or more)."""
+        return self.plan.tied and len(self.plan) > 1
+
+    def _sum_shared(self):
+        """The tied embedding's gradient of both end stages summed into both (the first's lookup, the last's
+        head), so that both take the same update; the last leaves it out of its squared norm."""
+        if not self._shared:
+            return
+        last = len(self.plan) - 1
+        first_g, last_g = self.runner.get([self.runner.call(s, "gradients") for s in (0, last)])
+        total = {name: first_g[name] + last_g[name] for name in self._shared}
+        self.runner.get([self.runner.call(s, "set_gradients", total) for s in (0, last)])
+
+    def _reduce(self, reduce, total: int):
+        """The data-parallel reduction of every stage's gradients as one flat float32 array (the stages' order,
+        each stage's own; a tied embedding once), its result put back into every stage that holds them."""
+        grads = self.gradients()
+        names = list(grads)
+        flat = np.concatenate([grads[k].reshape(-1) for k in names]) if names else np.zeros(0, np.float32)
+        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+        if out.shape != flat.shape:
+            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+        at, reduced = 0, {}
+        for k in names:
+            reduced[k] = out[at:at + grads[k].size].reshape(grads[k].shape)
+            at += grads[k].size
+        self._split("set_gradients", reduced)
+
+    def set_gradient_checkpointing(self, on: bool = True):
+        self._all("set_gradient_checkpointing", on)
+
+    def set_adapter_enabled(self, enabled: bool = True):
+        self._all("set_adapter_enabled", enabled)
+
+    def set_loss_temperature(self, temperature: float = 1.0):
+        self._all("set_loss_temperature", temperature)
+
+    def seed_dropout(self, seed: int):
+        self._all("seed_dropout", seed)
+
+    def trainable(self) -> dict:
+        return self._merged("trainable")
+
+    def set_trainable(self, tensors: dict):
+        self._split("set_trainable", tensors)
+
+    def weights(self) -> "StageWeights":
+        """The base weights by name, each fetched from the stage that holds it when read (DoRA's start reads its
+        modules' alone; only merging reads them all)."""
+        return StageWeights(self)
+
+    @property
+    def loss_scaler(self):
+        """f16's loss scaler as the stages keep it (each updates its own alike): a copy, for the log."""
+        state = self.state_dict()
+        if "loss_scale" not in state:
+            return None
+        scaler = LossScaler()
+        scaler.load_state_dict(state)
+        return scaler
+
+    def set_base_weights(self, weights: dict):
+        self._split("set_base_weights", weights)
+
+    def zero_grads(self):
+        self._all("zero_grads")
+
+    def gradients(self) -> dict:
+        return self._merged("gradients")
+
+    def optimizer_state(self) -> dict:
+        return self._merged("optimizer_state")
+
+    def load_optimizer_state(self, state: dict):
+        self._split("load_optimizer_state", state)
+
+    def state_dict(self) -> dict:
+        return self.runner.get(self.runner.call(0, "state_dict"))
+
+    def load_state_dict(self, state: dict):
+        self._all("load_state_dict", state)
+
+    # ---- computing ------------------------------------------------------------------------------------
+    def _scores(self, ids, targets, segment_ids, position_ids, rows: bool = False):
+        x = ids
+        for s in range(len(self.plan) - 1):
+            x = self.runner.call(s, "stage_forward", None, x, segment_ids, position_ids)
+        return self.runner.get(self.runner.call(len(self.plan) - 1, "stage_scores", x, targets, segment_ids,
+                                                position_ids, rows))
+
+    def logits(self, ids, segment_ids, position_ids):
+        return self._scores(ids, None, segment_ids, position_ids)
+
+    def loss(self, ids, targets, segment_ids, position_ids):
+        return self._scores(ids, targets, segment_ids, position_ids)
+
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
+        policy = self._scores(ids, targets, segment_ids, position_ids, rows=True)
+        if not reference:
+            return policy
+        self.set_adapter_enabled(False)
+        try:
+            return policy, self._scores(ids, targets, segment_ids, position_ids, rows=True)
+        finally:
+            self.set_adapter_enabled(True)
+
+    def _run(self, micro_batches: list, scales: list) -> tuple:
+        """The forwards and backwards of a step's micro-batches in the schedule's order, each stage's calls
+        submitted as soon as their inputs are (a Ray stage starts each when they exist); the per-token gradient
+        scale of micro-batch j is scales[j]. (summed loss, trained tokens)."""
+        stages, call = len(self.plan), self.runner.call
+        ops = stage_ops(self.schedule, stages, len(micro_batches))
+        at, outs, grads, losses, firsts = [0] * stages, {}, {}, {}, []
+        while any(at[s] < len(ops[s]) for s in range(stages)):
+            moved = False
+            for s in range(stages):
+                while at[s] < len(ops[s]):
+                    kind, j = ops[s][at[s]]
+                    ids, targets, seg, pos = micro_batches[j][:4]
+                    if s and (s - 1, j) not in outs or kind == "B" and (s + 1, j) not in grads:
+                        break
+                    x = outs[(s - 1, j)] if s else ids
+                    if kind == "F":
+                        outs[(s, j)] = call(s, "stage_forward", j, x, seg, pos)
+                    elif kind == "L":
+                        loss, count, grads[(s, j)] = call(s, "stage_loss", j, x, targets, seg, pos, scales[j],
+                                                          returns=3)
+                        losses[j] = (loss, count)
+                    else:
+                        grads[(s, j)] = call(s, "stage_backward", j, grads[(s + 1, j)])
+                        if s == 0:
+                            firsts.append(grads[(s, j)])
+                    at[s] += 1
+                    moved = True
+            if not moved:
+                raise RuntimeError(f"pipeline schedule {self.schedule} is stuck at {at}")
+        done = self.runner.get([v for j in sorted(losses) for v in losses[j]] + firsts)   # errors surface here
+        loss_sum = 0.0
+        for j in range(len(micro_batches)):
+            loss_sum += done[2 * j]
+        return loss_sum, sum(int(c) for c in done[1:2 * len(micro_batches):2])
+
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        out = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale])
+        self._sum_shared()
+        return out
+
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+        """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
+        weights (B, T)]) in the schedule; `reduce` (data parallelism, the protocol's) takes every stage's
+        gradients as one flat array; then every stage's squared gradient norm summed into the global norm that
+        each stage clips by before its AdamW update."""
+        if any(len(mb) > 4 and not isinstance(mb[4], np.ndarray) for mb in micro_batches):
+            raise ConfigError("pipeline stages take per-token weights, not a TokenObjective or SequenceObjective")
+        total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        scaler = self.loss_scaler
+        scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
+        self.zero_grads()
+        scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 else scale
+                  for mb in micro_batches]
+        loss_sum, _ = self._run(micro_batches, scales)
+        self.step_logps = [None] * len(micro_batches)       # no TokenObjective through stages
+        self.step_entropies = [None] * len(micro_batches)
+        self._all("stage_unscale")
+        self._sum_shared()
+        if reduce is not None:
+            self._reduce(reduce, total)
+        last = len(self.plan) - 1
+        norm = math.sqrt(sum(self.runner.get([self.runner.call(s, "stage_grad_square", self._shared if s == last
+                                                               and s else ()) for s in range(len(self.plan))])))
+        applied = self._all("stage_update", norm, hp, step)
+        return loss_sum, total, norm, bool(applied[0])
+
+    # ---- generation: each stage keeps the KV cache of its layers ----------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        self._caches += 1
+        self._all("stage_new_cache", self._caches, batch, max_len)
+        return {"key": self._caches, "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
+
+    def free_kv_cache(self, kv: dict):
+        self._all("stage_free_cache", kv["key"])
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None):
+        """The protocol's forward_rows through the stages, each writing its layers' keys and values into its own
+        part of the cache: logits (m, V) float32 of the tokens at `last`. No bank of adapters (adapters None)."""
+        if adapters is not None:
+            raise ConfigError("pipeline stages generate with the run's own adapter, not a bank of adapters")
+        ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
+        if long_rope is None:
+            long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
+        x = ids
+        for s in range(len(self.plan)):
+            x = self.runner.call(s, "stage_rows", kv["key"], x, rows, positions, last, bool(long_rope))
+        return self.runner.get(x)
+
+    def set_adapter_bank(self, bank: dict | None):
+        """The stages serve no bank of adapters (a server's mixed batches): None only."""
+        if bank:
+            raise ConfigError("pipeline stages generate with the run's own adapter, not a bank of adapters")
+
+    def close(self):
+        self.runner.close()
+
+
+class StageWeights(Mapping):
+    """A PipelineEngine's base weights by name: a weight is fetched from the stage that holds it when read."""
+
+    def __init__(self, engine: PipelineEngine):
+        self.engine = engine
+        runner, plan = engine.runner, engine.plan
+        held = runner.get([runner.call(s, "weight_names") for s in range(len(plan))])
+        self.names = [k for s, names in enumerate(held) for k in names if plan.owner(k) == s]
+
+    def __getitem__(self, name: str):
+        if name not in self.names:
+            raise KeyError(name)
+        runner = self.engine.runner
+        return runner.get(runner.call(self.engine.plan.owner(name), "weight", name))
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

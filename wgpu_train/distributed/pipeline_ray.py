@@ -1,0 +1,109 @@
+"""Pipeline stages as Ray actors, one per stage (on its own device where --device lists one per stage): each loads
+only its layers' tensors in its own process; a stage's call takes other stages' results as Ray object refs, so
+activations and their gradients travel between stages through Ray's object store, packed in the run's precision."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from wgpu_train.distributed.pipeline_engine import StageLost
+from wgpu_train.errors import ConfigError
+
+try:
+    import ray
+except ImportError:      # the ray extra: refused in one line when a pipeline run starts (RayStages)
+    ray = None
+
+
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+class StageActor:
+    """One stage in its own process: engines.loading.load_stage's engine, called by method name."""
+
+    def __init__(self, folder: str, plan, stage: int, base_dtype: str, embed_dtype: str, precision: str):
+        from wgpu_train.engines.loading import load_stage
+
+        self.engine = load_stage(folder, plan, stage, "numpy", base_dtype, embed_dtype, precision)
+        self.busy = 0.0          # seconds spent in calls (the bubble's complement, bench --only pipeline)
+
+    def call(self, method: str, *args):
+        started = time.perf_counter()
+        try:
+            return getattr(self.engine, method)(*args)
+        finally:
+            self.busy += time.perf_counter() - started
+
+    def attr(self, name: str):
+        return self.busy if name == "busy" else getattr(self.engine, name)
+
+
+def start_ray(address: str | None, actors: int) -> bool:
+    """Join Ray at `address` or start a local instance (True), or use the one this process already runs."""
+    if ray.is_initialized():
+        return False
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None    # Ctrl-C is the driver's
+    try:
+        if address is not None:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            here = str(Path(__file__).resolve().parents[2])    # the actors import this wgpu_train
+            path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+            ray.init(num_cpus=max(actors, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": path}})
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"--ray-address {address}: cannot join a Ray cluster ({str(e).splitlines()[0]})") from None
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    return True
+
+
+class RayStages:
+    """The runner of pipeline_engine.PipelineEngine over one Ray actor per stage of `plan`. A call returns object
+    refs at once (num_returns of them for a tuple); its arguments may be refs of other stages' results, which Ray
+    hands over when they exist, so each actor runs its calls in the order given as soon as their inputs are made."""
+
+    def __init__(self, folder, plan, base_dtype: str, embed_dtype: str, precision: str, address: str | None = None):
+        if ray is None:
+            raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
+                              "pip install 'wgpu-train[ray]'")
+        self.started = start_ray(address, len(plan))
+        # the stages take turns more than they compute at once; their BLAS on one thread, Ray's default for its
+        # workers, set here so that the numbers do not depend on how Ray was started
+        actor = ray.remote(num_cpus=0, runtime_env={"env_vars": ONE_THREAD})(StageActor)
+        self.actors = [actor.remote(str(folder), plan, s, base_dtype, embed_dtype, precision)
+                       for s in range(len(plan))]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, s: int, method: str, *args, returns: int = 1):
+        return self.actors[s].call.options(num_returns=returns).remote(method, *args)
+
+    def get(self, refs):
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as e:      # a user error in a stage: its own one line
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ConfigError):
+                raise type(cause)(str(cause)) from None
+            if isinstance(cause, ray.exceptions.RayActorError):      # a task fed by a dead stage's results
+                raise StageLost(str(cause).splitlines()[0]) from None
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise StageLost(str(e).splitlines()[0]) from None
+
+    def attr(self, s: int, name: str):
+        return self.get(self.actors[s].attr.remote(name))
+
+    def close(self):
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self.started:
+            ray.shutdown()

@@ -1,0 +1,157 @@
+"""One pipeline stage on the NumPy engine: the layers of a range (with the embedding on the first stage, the final
+norm, head and loss on the last), its forward from the boundary's activations and its backward from the boundary's
+gradient, its own LoRA gradients and AdamW update with the global norm of every stage's."""
+from __future__ import annotations
+
+import numpy as np
+
+from wgpu_train.engines.numpy import ops
+from wgpu_train.engines.numpy.engine import NumpyEngine
+from wgpu_train.engines.numpy.walk import Walk
+from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
+from wgpu_train.models.layer_plan import OUTPUT
+
+
+class NumpyStage(NumpyEngine):
+    """A NumpyEngine over the weights of `layers` (and the embedding where `first`; the norm and head where `last`)
+    that runs the protocol's PipelineStage methods. Micro-batches are keyed by their number in the step: a forward
+    keeps its activations until that micro-batch's backward. Each forward of a training micro-batch advances the
+    dropout position, as one process's forward_backward does, so every stage draws the masks one process would."""
+
+    def __init__(self, cfg, weights: dict, layers: range, first: bool, last: bool, **kw):
+        super().__init__(cfg, weights, **kw)
+        self.layers, self.first, self.last = layers, first, last
+        self.counters["boundary_bytes_sent"] = 0
+        self._kept: dict = {}        # micro-batch -> the cache of its forward
+        self._caches: dict = {}      # generation's KV caches by the driver's key
+
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """NumpyKvCache's cache for this stage's layers alone (keyed by layer)."""
+        shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return {"k": {i: np.zeros(shape, self.dtype) for i in self.layers},
+                "v": {i: np.zeros(shape, self.dtype) for i in self.layers},
+                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
+
+    def stage_new_cache(self, key: int, batch: int, max_len: int):
+        """See PipelineStage.stage_new_cache."""
+        self._caches[key] = self.new_kv_cache(batch, max_len)
+
+    def stage_free_cache(self, key: int):
+        """See PipelineStage.stage_free_cache."""
+        self._caches.pop(key, None)
+
+    def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
+        """See PipelineStage.stage_rows."""
+        self.training = False
+        walk = Walk(1, len(rows), np.asarray(positions)[None], None, self._caches[key], rows, long_rope)
+        x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
+        for i in self.layers:
+            x = self._layer_forward(i, x, walk)[OUTPUT]
+        if not self.last:
+            return self._send(x)
+        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        xf = self.rounding.activation(xf, "the final norm")                      # (m, C)
+        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)
+
+    def weight_names(self) -> list:
+        """The base weights this stage holds."""
+        return list(self.w)
+
+    def weight(self, name: str):
+        """One base weight (float32), as weights() holds it."""
+        return self.w[name].astype(np.float32)
+
+    def _send(self, x):
+        packed = pack_boundary(x, self.precision)
+        self.counters["boundary_bytes_sent"] += packed.nbytes
+        return packed
+
+    def _stage_forward(self, inputs, segment_ids, position_ids) -> tuple:
+        """(this stage's output (N, C), its cache) from its input: ids (B, T) on the first stage, else the previous
+        stage's packed output."""
+        cache = {"walk": self._walk(segment_ids, position_ids)}
+        if self.first:
+            cache["ids"] = np.asarray(inputs).reshape(-1)
+            x = self._embed(cache["ids"])
+        else:
+            x = unpack_boundary(inputs).astype(self.dtype, copy=False)
+        return self._layers_forward(x, self.layers, cache), cache
+
+    def stage_forward(self, micro, inputs, segment_ids, position_ids):
+        """See PipelineStage.stage_forward."""
+        self.training = micro is not None
+        if self.training:
+            self.dropout_calls += 1
+        x, cache = self._stage_forward(inputs, segment_ids, position_ids)
+        if self.training:
+            self._kept[micro] = cache
+        self.training = False
+        return self._send(x)
+
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+        """See PipelineStage.stage_loss."""
+        self.training = True
+        self.dropout_calls += 1
+        self._count_head()
+        x, cache = self._stage_forward(inputs, segment_ids, position_ids)
+        flat = self._head_forward(x, cache) / np.float32(self.loss_temperature)          # (N, V)
+        loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
+        dx = None
+        if count:       # through the temperature, as NumpySteps._forward_backward
+            t = np.float32(self.loss_temperature)
+            scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
+            dlogits = ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t, self.cfg.logit_softcap / t)
+            dx = self._stage_backward(self._head_backward(dlogits, cache), cache)
+        self.training = False
+        return loss_sum, count, dx
+
+    def stage_backward(self, micro, d_outputs):
+        """See PipelineStage.stage_backward."""
+        cache = self._kept.pop(micro)
+        if d_outputs is None:
+            return None
+        return self._stage_backward(unpack_boundary(d_outputs).astype(self.dtype, copy=False), cache)
+
+    def _stage_backward(self, dx, cache):
+        dx = self._layers_backward(dx, self.layers, cache)
+        if self.first:
+            self._embed_backward(dx, cache["ids"])
+            return None
+        return self._send(dx)
+
+    def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
+        """See PipelineStage.stage_scores."""
+        self._count_head()
+        x, cache = self._stage_forward(inputs, segment_ids, position_ids)
+        logits = self._head_forward(x, cache)                                   # (N, V)
+        if targets is None:
+            return logits.astype(np.float32).reshape(*np.shape(segment_ids), -1)
+        if rows:
+            out, _ = ops.cross_entropy_rows(logits / np.float32(self.loss_temperature), targets.reshape(-1))
+            return out.astype(np.float32).reshape(np.shape(segment_ids))
+        loss_sum, count, _ = ops.cross_entropy_forward(logits, targets.reshape(-1))
+        return loss_sum, count
+
+    def stage_unscale(self):
+        """See PipelineStage.stage_unscale."""
+        if self.loss_scaler is not None:
+            for g in self.grads.values():
+                g *= self.dtype.type(1.0 / self.loss_scaler.scale)       # exact: the scale is a power of two
+
+    def stage_grad_square(self, leave_out=()) -> float:
+        """See PipelineStage.stage_grad_square."""
+        return float(sum(float(np.sum(np.square(g, dtype=np.float64))) for k, g in self.grads.items()
+                         if k not in leave_out))
+
+    def set_gradients(self, grads: dict):
+        """See PipelineStage.set_gradients."""
+        for k, g in grads.items():
+            self.grads[k][...] = g
+
+    def stage_update(self, norm: float, hp, step: int) -> bool:
+        """See PipelineStage.stage_update."""
+        _, applied = self.apply_update(norm, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm,
+                                       step, hp.lora_b_lr_ratio)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(applied)
+        return applied

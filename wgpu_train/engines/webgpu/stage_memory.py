@@ -1,0 +1,107 @@
+"""The memory of each pipeline stage (a model's layers cut by models/stage_plan.py): its weights, trainable state,
+the activations of its layers for the micro-batches it holds at once, and on the last stage the loss head's; what
+balances the stages and what `wgpu-train memory --pipeline-stages` prints."""
+from __future__ import annotations
+
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.webgpu.memory import (F32, activation_bytes, activation_plan, activation_ranks,
+                                              base_weight_bytes, bucket_tokens, layer_ranks, lora_groups)
+from wgpu_train.engines.protocol import Precision
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.stage_plan import StagePlan, plan_stages
+
+# the loss head's buffers of an activation plan's shared part (the last stage's alone)
+HEAD_BUFFERS = ("x_final", "xf", "rstd_f", "loss_rows", "lse_rows", "valid_rows", "dxf", "d_tmp")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
+    """The training micro-batches whose activations stage `stage` holds at once: all of a step's under GPipe
+    (every forward before any backward), at most stages - stage under 1F1B."""
+    return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+
+
+def _activation_parts(cfg: ModelConfig, batch: int, seq: int, lora: LoraConfig | None, gc: bool,
+                      max_binding, precision: Precision | str) -> tuple:
+    """(bytes of one layer's activations, of the shared buffers but the head's, of the head's buffers, of the
+    logits) of a training micro-batch, as estimate_memory plans them."""
+    ranks, drop, dora = {}, {}, {}
+    if lora is not None:
+        for path, (r, _) in lora.modules(cfg).items():
+            m = path.rsplit(".", 1)[1]
+            out_f, in_f = cfg.linear_shape(m)
+            drop.update({m: in_f} if lora.dropout > 0 else {})
+            dora.update({m: out_f} if lora.use_dora else {})
+        ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()})
+    precision = Precision.parse(precision)
+    ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(drop or dora) or precision.sixteen_bit))
+    layer, shared = activation_plan(cfg, 1, bucket_tokens(batch * seq), ranks, drop, train=True, checkpoint=gc,
+                                    max_binding=max_binding, dora_outputs=dora)
+    logits = shared.pop("logits") * F32
+    size = lambda part: sum(activation_bytes(cfg, k, e, precision) for k, e in part.items())   # noqa: E731
+    head = {k: e for k, e in shared.items() if k in HEAD_BUFFERS}
+    rest = {k: e for k, e in shared.items() if k not in HEAD_BUFFERS}
+    return size(layer), size(rest), size(head), logits
+
+
+def _trainable_bytes(cfg: ModelConfig, lora: LoraConfig | None, method: str, keep, weights: int) -> int:
+    """A stage's LoRA tensors (or full weights) with their gradients and AdamW moments."""
+    if method != "lora":
+        return weights * 3
+    total = 0
+    for path, (r, _) in (lora or LoraConfig()).modules(cfg).items():
+        if keep(path):
+            out_f, in_f = cfg.linear_shape(path.rsplit(".", 1)[1])
+            total += r * (in_f + out_f) + (out_f if lora and lora.use_dora else 0)
+    return total * 4 * F32
+
+
+def stage_memory(cfg: ModelConfig, plan: StagePlan, batch: int, seq: int, lora: LoraConfig | None = None,
+                 method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto", gc: bool = False,
+                 max_binding=None, precision: Precision | str = "fp32", micro_batches: int = 1, schedule: str = "1f1b") -> list:
+    """Each stage's bytes by estimate_memory's categories (weights, trainable_state, activations, logits, total),
+    with its layers and the micro-batches it holds at once (in_flight)."""
+    layer, rest, head, logits = _activation_parts(cfg, batch, seq, lora, gc, max_binding, precision)
+    out = []
+    for s, layers in enumerate(plan.stages):
+        keep = lambda name, s=s: plan.holds(s, name)          # noqa: E731
+        weights = base_weight_bytes(cfg, base_dtype, embed_dtype, max_binding, keep=keep)["total"]
+        held = in_flight(schedule, len(plan), s, micro_batches)
+        last = s == len(plan) - 1
+        est = {"layers": f"{layers.start}-{layers.stop - 1}", "in_flight": held, "weights": weights,
+               "trainable_state": _trainable_bytes(cfg, lora, method, keep, weights),
+               "activations": held * len(layers) * layer + rest + (head if last else 0),
+               "logits": logits if last else 0}
+        est["total"] = sum(est[k] for k in ("weights", "trainable_state", "activations", "logits"))
+        out.append(est)
+    return out
+
+
+def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, batch: int, seq: int,
+                    lora: LoraConfig | None = None, method: str = "lora", base_dtype: str = "float32",
+                    embed_dtype: str = "auto", gc: bool = False, precision: Precision | str = "fp32",
+                    micro_batches: int = 1, schedule: str = "1f1b") -> StagePlan:
+    """plan_stages with the smallest largest stage_memory total: a stage's layers' weights and trainable state,
+    their activations for the micro-batches that stage holds at once (in_flight: more on the first stages under
+    1F1B), the shared buffers, the embedding on the first stage, the norm, head and logits on the last."""
+    n = cfg.num_hidden_layers
+    if stage_layers or not 1 <= stages <= n:      # by hand, or refused in one line
+        return plan_stages(n, stages, stage_layers, tied=cfg.tie_word_embeddings)
+    whole = StagePlan((range(n),), n, cfg.tie_word_embeddings)
+    layer, rest, head, logits = _activation_parts(cfg, batch, seq, lora, gc, None, precision)
+    prefix = [0]
+    for i in range(n):
+        keep = lambda name, i=i: name.startswith(f"model.layers.{i}.")          # noqa: E731
+        weights = base_weight_bytes(cfg, base_dtype, embed_dtype, keep=keep)["total"]
+        prefix.append(prefix[-1] + weights + _trainable_bytes(cfg, lora, method, keep, weights))
+    first = base_weight_bytes(cfg, base_dtype, embed_dtype, keep=lambda k: k == "model.embed_tokens.weight")["total"]
+    ends = base_weight_bytes(cfg, base_dtype, embed_dtype,
+                             keep=lambda k: whole.holds(0, k) and not k.startswith("model.layers."))["total"]
+    last = ends - (0 if cfg.tie_word_embeddings else first) + head + logits
+
+    def cost(k: int, a: int, b: int) -> float:
+        held = in_flight(schedule, stages, k, micro_batches)
+        return (prefix[b] - prefix[a] + held * (b - a) * layer + rest + (first if k == 0 else 0)
+                + (last if k == stages - 1 else 0))
+
+    return plan_stages(n, stages, None, cost, cfg.tie_word_embeddings)
