@@ -1,0 +1,40 @@
+"""MkDocs hooks: pages generated at build time from their one source (ARCHITECTURE.md, benchmarks/README.md, the CLI)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cli_reference  # noqa: E402  (the path above makes it importable)
+
+# docs page -> (repository file it is made from, the page's title)
+INCLUDED = {
+    "architecture.md": ("ARCHITECTURE.md", "Architecture"),
+    "benchmarks/log.md": ("benchmarks/README.md", "Benchmark log: kernel variants and measurements"),
+}
+
+
+def included_markdown(page: str) -> str:
+    """The repository file behind `page`, its first heading replaced by the page's title."""
+    source, title = INCLUDED[page]
+    text = (REPO / source).read_text(encoding="utf-8")
+    first, _, rest = text.partition("\n")
+    note = f"*This page is `{source}` of the repository, included when the site is built.*\n"
+    return f"# {title}\n\n{note}{rest if first.startswith('# ') else text}"
+
+
+def on_files(files, config):
+    for page in INCLUDED:
+        files.append(File.generated(config, page, content=included_markdown(page)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if cli_reference.PLACEHOLDER in markdown:
+        return markdown.replace(cli_reference.PLACEHOLDER, cli_reference.render())
+    return markdown
