@@ -18,6 +18,10 @@ INCLUDED = {
     "benchmarks/log.md": ("benchmarks/README.md", "Benchmark log: kernel variants and measurements"),
 }
 
+# pictures placed under an included page's title
+PICTURES = {"architecture.md": "\n![The layers of wgpu_train](images/architecture.svg)\n\n"
+                               "*Drawn by `python tools/docs/figures.py --only architecture`.*\n"}
+
 
 def included_markdown(page: str) -> str:
     """The repository file behind `page`, its first heading replaced by the page's title."""
@@ -25,7 +29,8 @@ def included_markdown(page: str) -> str:
     text = (REPO / source).read_text(encoding="utf-8")
     first, _, rest = text.partition("\n")
     note = f"*This page is `{source}` of the repository, included when the site is built.*\n"
-    return f"# {title}\n\n{note}{rest if first.startswith('# ') else text}"
+    picture = PICTURES.get(page, "")
+    return f"# {title}\n\n{note}{picture}{rest if first.startswith('# ') else text}"
 
 
 def on_files(files, config):
