@@ -1,9 +1,5 @@
-"""The built documentation site in headless Chromium: pages render without console errors and search finds QLoRA.
-
-Skipped where Chromium, chromedriver, MkDocs or selenium is missing; WGPU_TRAIN_REQUIRE_BROWSER=1 (set by .ci/run,
-which installs Debian's chromium and chromium-driver and the docs extra) turns that into a failure. Screenshots of
-every page it opened go to docs/screenshots/ (ignored by git), for a person to look at.
-"""
+"""The built site in headless Chromium: pages render without console errors, search finds QLoRA, screenshots saved
+in docs/screenshots/ (git-ignored); skipped without Chromium, failed instead under WGPU_TRAIN_REQUIRE_BROWSER=1."""
 from __future__ import annotations
 
 import functools
@@ -60,7 +56,8 @@ def browser(site_url):
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1400,1000"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))

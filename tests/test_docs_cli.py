@@ -1,4 +1,4 @@
-"""The generated command-line reference lists exactly the options of the argparse parsers, with their defaults and help."""
+"""The generated CLI reference lists exactly the options of the argparse parsers, with their defaults and help."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,4 @@
-"""tools/docs/figures.py still draws the site's diagram and charts from their sources (pyproject.toml, ARCHITECTURE.md,
-benchmarks/README.md), so a renamed heading or table is caught here, not at the next regeneration."""
+"""tools/docs/figures.py still draws the site's diagram and charts from their sources, so a renamed table is caught."""
 from __future__ import annotations
 
 import sys
@@ -28,4 +27,5 @@ def test_architecture_and_benchmark_figures_are_drawn(tmp_path):
     figures.benchmark_charts(tmp_path / "engines.svg", tmp_path / "gemm.svg")
     for name in ("architecture.svg", "engines.svg", "gemm.svg"):
         assert (tmp_path / name).read_text().lstrip().startswith("<?xml"), name
-    assert "harness" in (tmp_path / "architecture.svg").read_text()   # a layer of the contract (matplotlib notes each text in a comment)
+    # a layer of the contract; matplotlib notes each text of an SVG in a comment
+    assert "harness" in (tmp_path / "architecture.svg").read_text()

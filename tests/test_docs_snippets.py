@@ -1,11 +1,5 @@
-"""Every shell and Python snippet of the docs either runs here on the embedded model or says why it cannot run offline.
-
-A fenced block of bash or python is preceded by one marker line:
-    <!-- snippet: run -->                                   run as it is
-    <!-- snippet: run, finetune shortened by: ARGS -->      run, each `wgpu-train finetune` given ARGS too (fewer steps)
-    <!-- snippet: not runnable offline: REASON -->          not run; REASON says why
-The runnable blocks of a page run in order in one fresh folder, so a later block sees what an earlier one wrote.
-"""
+"""Every bash and Python snippet of the docs runs here on the embedded model, or says why it cannot run offline
+(the marker convention is in docs/development.md)."""
 from __future__ import annotations
 
 import os
@@ -21,6 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 CODE_LANGUAGES = {"bash", "sh", "shell", "console", "python"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
+# The line above a bash or python block: "<!-- snippet: run -->", "<!-- snippet: run, finetune shortened by: ARGS -->"
+# (ARGS added to each `wgpu-train finetune`, for fewer steps) or "<!-- snippet: not runnable offline: REASON -->".
+# The runnable blocks of a page run in order in one fresh folder, so a later block sees what an earlier one wrote.
 MARKER = re.compile(r"^\s*<!-- snippet: (?P<kind>run|run, finetune shortened by: (?P<args>[^>]*?)|"
                     r"not runnable offline: (?P<reason>[^>]*?)) -->\s*$")
 
@@ -107,7 +104,8 @@ def test_runnable_snippets_run(page, tmp_path):
     for snippet in (s for s in ALL if s.page == page and s.runnable):
         args = snippet.marker.group("args")
         code = shortened(snippet.code, args) if args else snippet.code
-        command = ["bash", "-euo", "pipefail", "-c", code] if snippet.language != "python" else [sys.executable, "-c", code]
+        shell = ["bash", "-euo", "pipefail", "-c", code]
+        command = [sys.executable, "-c", code] if snippet.language == "python" else shell
         print(f"{page}:{snippet.line}:\n{code}")
         done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{page}:{snippet.line} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -69,7 +69,8 @@ def render_command(name: str, parser: argparse.ArgumentParser) -> str:
         if group.title not in ("options", "optional arguments", "positional arguments"):
             lines += [f"**{group.title}**", ""]
         lines += ["| option | default | help |", "| --- | --- | --- |"]
-        lines += [f"| `{option_label(a)}` | `{_cell(default_text(a))}` | {_cell(help_text(parser, a))} |" for a in actions]
+        lines += [f"| `{option_label(a)}` | `{_cell(default_text(a))}` | {_cell(help_text(parser, a))} |"
+                  for a in actions]
         lines.append("")
     return "\n".join(lines)
 

@@ -1,8 +1,5 @@
 """The site's pictures, drawn from their sources: the embedded run's loss curve, the layer diagram, benchmark charts.
-
-    python tools/docs/figures.py            # all of them (the loss curve trains the embedded default, ~20 s to minutes)
-    python tools/docs/figures.py --only architecture,benchmarks   # the ones that need no training
-"""
+`python tools/docs/figures.py [--only loss,architecture,benchmarks]`; the loss curve trains the embedded run again."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +27,8 @@ NO_DATE = {"Date": None}
 def markdown_table(text: str, heading_start: str) -> list[list[str]]:
     """The rows (header first, separator dropped) of the first table under the heading that starts so."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("#") and line.lstrip("# ").startswith(heading_start))
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith("#") and line.lstrip("# ").startswith(heading_start))
     rows = []
     for line in lines[start + 1:]:
         if line.startswith("|"):

@@ -1,4 +1,4 @@
-"""MkDocs hooks: pages generated at build time from their one source (ARCHITECTURE.md, benchmarks/README.md, the CLI)."""
+"""MkDocs hooks: pages generated at build time from their one source (ARCHITECTURE.md, benchmarks/README.md, CLI)."""
 from __future__ import annotations
 
 import sys
