@@ -11,6 +11,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cli_reference  # noqa: E402  (the path above makes it importable)
+from github_lists import python_markdown_lists  # noqa: E402
 
 # docs page -> (repository file it is made from, the page's title)
 INCLUDED = {
@@ -40,6 +41,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
+    markdown = python_markdown_lists(markdown)      # the pages are written, and included, as GitHub renders them
     if cli_reference.PLACEHOLDER in markdown:
         return markdown.replace(cli_reference.PLACEHOLDER, cli_reference.render())
     return markdown
