@@ -89,3 +89,18 @@ def test_a_missing_or_extra_option_is_caught(generated_page):
     assert "wgpu-train finetune --lr: only in the parser" in differences(expected, page_options(without_lr))
     extra = generated_page.replace("## `wgpu-train merge`\n", "## `wgpu-train merge`\n\n| `--imaginary` | `-` | x |\n")
     assert "wgpu-train merge --imaginary: only in the page" in differences(expected, page_options(extra))
+
+
+def test_the_hand_written_command_table_names_only_real_commands_and_options():
+    expected = parser_options(build_parser())
+    page = (REPO / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
+    table = page.split("## Commands at a glance", 1)[1].split("\n\n", 2)[1]
+    named = {}
+    for row in table.splitlines()[2:]:
+        usage = row.split("`")[1]
+        command = " ".join(usage.split()[:2])
+        options = re.findall(r"--(?:\[no-\])?[a-z0-9-]+", usage)
+        named.setdefault(command, set()).update(o.replace("[no-]", "") for o in options)
+    assert named.keys() == expected.keys() - {"wgpu-train"}
+    unknown = {c: sorted(o for o in options if o not in expected[c]) for c, options in named.items()}
+    assert {c: o for c, o in unknown.items() if o} == {}
