@@ -1,5 +1,8 @@
 """The NumPy engine: model forward and backward composed from engines/numpy/ops.py, gradients of LoRA and of
-trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against."""
+trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against.
+It owns its parts as objects, each given the state it reads: its mode (walk.Mode), the optimizer (optim.py), the
+layer walk's ops (layers.py), DoRA's linear (dora_linear.py), the steps (steps.py) and KV-cache generation
+(kv_cache.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,16 +11,19 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 from wgpu_train.engines.protocol import EngineState, LossScaler, check_kv_dtype
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import CARRY, INPUT, OUTPUT, layer_plan
+from wgpu_train.models.layer_plan import OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.dora_linear import DoraLinear
-from wgpu_train.engines.numpy.kv_cache import NumpyKvCache
-from wgpu_train.engines.numpy.walk import Walk
+from wgpu_train.engines.numpy.kv_cache import KvCacheGeneration
+from wgpu_train.engines.numpy.layers import LayerOps
+from wgpu_train.engines.numpy.optim import Optimizer
+from wgpu_train.engines.numpy.walk import Mode, Walk
 from wgpu_train.engines.numpy.precision import Rounding
-from wgpu_train.engines.numpy.steps import NumpySteps
+from wgpu_train.engines.numpy.steps import StepRunner
+from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
-from wgpu_train.engines.shared.quant import check_dtypes, round_to, round_weights
+from wgpu_train.engines.shared.quant import check_dtypes, round_weights
 
 
 class LoraModule:
@@ -28,7 +34,7 @@ class LoraModule:
         self.a, self.b, self.scale, self.dropout, self.m = a, b, scale, dropout, m
 
 
-class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
+class NumpyEngine(EngineState):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
     base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
@@ -50,30 +56,95 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
                                                                                    cfg.checkpoint_dtype)
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
-        self.inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
+        inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         self.plan = layer_plan(cfg)
         self.rounding = Rounding(precision, self.plan.statistics)
         self.precision, self.precision_reason = self.rounding.precision, "as given"
         self.backend_reason = "as given"
-        self.loss_temperature = 1.0     # set_loss_temperature
         check_kv_dtype(kv_dtype, cfg)
         self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
-        self.loss_scaler = LossScaler() if self.precision.loss_scaling else None
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
-        self.grads: dict = {}
-        self.moments: dict = {}
-        self.training = False
-        self.adapter_enabled = True     # False: forwards skip every LoRA module (a preference objective's reference)
         self.gradient_checkpointing = False
-        self.last_profile: dict = {}
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "policy_forwards": 0, "reference_forwards": 0}
-        self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
-        self.step_entropies: list = []  # and the entropies of its policy's distributions there
         self.base_weight_bytes = 0   # no device copy
         self.max_binding = None
         self.device_description = "cpu (NumPy)"
+        # the parts
+        self.mode = Mode()
+        self.optimizer = Optimizer(self.trainable, self.dtype, self.counters)
+        self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
+                                self.counters, self.forward, self.backward)
+        self.dora = DoraLinear(self.w, self.dtype)
+        self.layer_ops = LayerOps(cfg, self.plan, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
+                                  self._linear_backward, self.optimizer.add)
+        self.kv = KvCacheGeneration(cfg, self.dtype, kv_dtype, self.mode, self._embed, self.layer_ops.forward,
+                                    self._generation_head)
+
+    # ---- what the parts keep, as the protocol names it ----------------------------------------
+    @property
+    def training(self) -> bool:
+        """Whether the forward runs dropout on the LoRA inputs (a training micro-batch's)."""
+        return self.mode.training
+
+    @training.setter
+    def training(self, value: bool):
+        self.mode.training = value
+
+    @property
+    def adapter_enabled(self) -> bool:
+        """False: forwards skip every LoRA module (a preference objective's reference)."""
+        return self.mode.adapter_enabled
+
+    @property
+    def loss_temperature(self) -> float:
+        """set_loss_temperature's."""
+        return self.mode.loss_temperature
+
+    @property
+    def dropout_seed(self) -> int:
+        return self.mode.dropout_seed
+
+    @dropout_seed.setter
+    def dropout_seed(self, value: int):
+        self.mode.dropout_seed = value
+
+    @property
+    def dropout_calls(self) -> int:
+        return self.mode.dropout_calls
+
+    @dropout_calls.setter
+    def dropout_calls(self, value: int):
+        self.mode.dropout_calls = value
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """f16's dynamic loss scaling (the steps'), or None."""
+        return self.steps.loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler | None):
+        self.steps.loss_scaler = scaler
+
+    @property
+    def grads(self) -> dict:
+        """The trainable tensors' gradients by name (the optimizer's)."""
+        return self.optimizer.grads
+
+    @property
+    def step_logps(self) -> list:
+        """The last train_step's log-probabilities of its TokenObjective micro-batches."""
+        return self.steps.step_logps
+
+    @property
+    def step_entropies(self) -> list:
+        """And the entropies of its policy's distributions there."""
+        return self.steps.step_entropies
+
+    @property
+    def last_profile(self) -> dict:
+        return self.steps.last_profile
 
     # ---- parameters ---------------------------------------------------------------------------
     def lm_head(self):
@@ -91,8 +162,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
             a, b, s, d, m = split_entry(entry)
             self.lora[p] = LoraModule(a.astype(self.dtype), b.astype(self.dtype), s, d,
                                       None if m is None else np.array(m, dtype=self.dtype))
-        self.moments = {}
-        self.zero_grads()
+        self.optimizer.reset()
 
     def lora_tensors(self) -> dict:
         return {p: (m.a.copy(), m.b.copy()) for p, m in self.lora.items()}
@@ -122,8 +192,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         if unknown:
             raise ValueError(f"set_trained_base: no base weight {unknown[0]}")
         self.trained = tuple(names)
-        self.moments = {}
-        self.zero_grads()
+        self.optimizer.reset()
 
     def set_gradient_checkpointing(self, on: bool = True):
         """Only stores the flag: the CPU reference keeps every activation (memory is not its concern), and
@@ -153,7 +222,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
             current[k][...] = v
 
     def zero_grads(self):
-        self.grads = {k: np.zeros_like(v) for k, v in self.trainable().items()}
+        self.optimizer.zero_grads()
 
     def weights(self) -> dict:
         return self.w
@@ -161,7 +230,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
     # ---- forward ------------------------------------------------------------------------------
     def set_adapter_enabled(self, enabled: bool = True):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
-        self.adapter_enabled = bool(enabled)
+        self.mode.adapter_enabled = bool(enabled)
 
     def _linear(self, x, layer, module, cache, residual=None):
         """Base linear plus LoRA (with dropout on the LoRA input while training), added to residual (N, out) if
@@ -170,7 +239,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         path = module_path(layer, module)
         lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is not None and lora.m is not None:
-            y = self._dora_linear(x, layer, module, lora, cache)
+            y, cache[module] = self.dora.forward(x, path, lora, *self._dropout_input(x, layer, module, lora))
             return residual + y if residual is not None else y
         y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
         y = residual + y if residual is not None else y
@@ -181,9 +250,10 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
             cache[module] = (x, xl, h, mask)
         else:
             cache[module] = (x, None, None, None)
-            if self.bank_rows is not None and path in self.adapter_bank:     # a server's rows of mixed adapters
+            bank = self.kv.adapter_bank
+            if self.kv.bank_rows is not None and path in bank:     # a server's rows of mixed adapters
                 y = self.rounding.activation(y, f"layer {layer} ({module})") + \
-                    mixed_lora_forward(x, self.adapter_bank[path], self.bank_rows)
+                    mixed_lora_forward(x, bank[path], self.kv.bank_rows)
         return y
 
     def _dropout_input(self, x, layer, module, lora):
@@ -204,7 +274,11 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         path = module_path(layer, module)
         lora = self.lora.get(path) if self.adapter_enabled else None
         if lora is not None and lora.m is not None:
-            return self._dora_linear_backward(dy, layer, module, lora, cache), None
+            dx, da, db, dm = self.dora.backward(dy, path, lora, cache[module])
+            self.grads[path + ".lora_A"] += da
+            self.grads[path + ".lora_B"] += db
+            self.grads[f"{path}.{MAGNITUDE}"] += dm
+            return dx, None
         x, xl, h, mask = cache[module]
         w = self.w[path + ".weight"]
         dx, dw, db = ops.linear_backward(dy, x, w, need_weight_grad=path + ".weight" in self.grads)
@@ -235,7 +309,7 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         activations are kept for the backward in cache["layers"], in the range's order."""
         cache["layers"] = []
         for i in layers:
-            a = self._layer_forward(i, x, cache["walk"])
+            a = self.layer_ops.forward(i, x, cache["walk"])
             x = a.pop(OUTPUT)
             cache["layers"].append(a)
         return x
@@ -247,73 +321,18 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         cache.update(x_final=x, rstd_f=rstd_f, xf=xf)
         return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap)   # (N, V)
 
+    def _generation_head(self, x):
+        """The final norm and the head of generation's last tokens x (m, C): logits (m, V) float32."""
+        xf, _ = ops.rmsnorm_forward(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        xf = self.rounding.activation(xf, "the final norm")
+        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)
+
     def _embed(self, ids):
         """The embedding rows of ids (N,), times the model's embed_scale (Gemma)."""
         x = ops.embedding_forward(ids, self.w["model.embed_tokens.weight"])        # (N, C)
         if self.cfg.embed_scale != 1.0:     # the rows are stored, then scaled where they lie (as on the GPU)
             x = self.rounding.activation(x, "the embedding") * self.dtype.type(self.cfg.embed_scale)
         return self.rounding.activation(x, "the embedding")
-
-    def _layer_forward(self, i: int, x, walk: "Walk") -> dict:
-        """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
-        a = {INPUT: x}
-        for op in self.plan.ops:
-            getattr(self, "_forward_" + op.kind)(op, i, a, walk)
-            self.rounding.op_outputs(op, a, i)
-        return a
-
-    def _norm_weight(self, layer, op):
-        return f"model.layers.{layer}.{op.param}"
-
-    def _forward_rmsnorm(self, op, i, a, walk):
-        x = a[op.inputs[0]]
-        w = self.w[self._norm_weight(i, op)]
-        y, rstd = ops.rmsnorm_forward(x.reshape(-1, w.shape[0]), w, self.cfg.rms_norm_eps, self.cfg.norm_offset)
-        a[op.outputs[0]], a[op.outputs[1]] = y.reshape(x.shape), rstd
-
-    def _forward_linear(self, op, i, a, walk):
-        a[op.outputs[0]] = self._linear(a[op.inputs[0]], i, op.param, a, a[op.residual] if op.residual else None)
-
-    def _inv_freq(self, i, walk):
-        """Layer i's frequencies for this forward (longrope: its short or long set)."""
-        return self.inv_freqs[walk.long_rope][i]
-
-    def _forward_rope(self, op, i, a, walk):
-        x = a[op.inputs[0]]
-        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self._inv_freq(i, walk),
-                                            self.cfg.rope_scale).reshape(x.shape)
-
-    def _forward_attention(self, op, i, a, walk):
-        q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
-        window = self.cfg.window(i)
-        if walk.kv is None:
-            att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap)      # (B, T, Hq, D), (B, Hq, T)
-        else:   # generation: one row of n tokens, each with its own cache row and position
-            kv = walk.kv
-            k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
-            if kv["dtype"] != "float32":      # rounded as the GPU's cache stores them
-                k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
-            ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
-            att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
-                                               self.cfg.attn_softcap)
-            lse = None
-        a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
-
-    def _forward_glu(self, op, i, a, walk):
-        """A gated activation, swiglu or geglu (the op's kind names the op pair)."""
-        a[op.outputs[0]] = getattr(ops, op.kind + "_forward")(a[op.inputs[0]], a[op.inputs[1]])
-
-    _forward_swiglu = _forward_geglu = _forward_glu
-
-    def _forward_add(self, op, i, a, walk):
-        a[op.outputs[0]] = a[op.residual] + a[op.inputs[0]]
-
-    def _forward_scale(self, op, i, a, walk):
-        a[op.outputs[0]] = a[op.inputs[0]] * self.dtype.type(op.factor)
-
-    def _forward_split(self, op, i, a, walk):
-        parts = ops.split_forward(a[op.inputs[0]], [self.plan.widths[y] for y in op.outputs])
-        a.update(zip(op.outputs, parts))
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, dlogits, cache):
@@ -327,17 +346,17 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
         head_name = self._head_name()
         dxf, dhead, _ = ops.linear_backward(dlogits, cache["xf"], self.lm_head(),
                                             need_weight_grad=head_name in self.grads)
-        self._add_trained(head_name, dhead)
+        self.optimizer.add(head_name, dhead)
         dx, dnorm = ops.rmsnorm_backward(self.rounding.gradient(dxf), cache["x_final"], self.w["model.norm.weight"],
                                          cache["rstd_f"], self.cfg.norm_offset)
-        self._add_trained("model.norm.weight", dnorm)
+        self.optimizer.add("model.norm.weight", dnorm)
         return self.rounding.gradient(dx)
 
     def _layers_backward(self, dx, layers: range, cache: dict):
         """The layers' backward, last first, from the last one's output gradient dx (N, C): the first one's input
         gradient (N, C)."""
         for i in reversed(layers):
-            dx = self._layer_backward(i, cache["layers"][i - layers.start], dx, cache["walk"])
+            dx = self.layer_ops.backward(i, cache["layers"][i - layers.start], dx, cache["walk"])
         return dx
 
     def _embed_backward(self, dx, ids):
@@ -350,58 +369,80 @@ class NumpyEngine(NumpySteps, EngineState, DoraLinear, NumpyKvCache):
                 demb[cfg.pad_token_id] = 0
             self.grads[EMBED] += demb
 
-    def _layer_backward(self, i: int, a: dict, dx, walk: "Walk"):
-        """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
-        reading its outputs' gradients and writing (or adding into) its inputs'."""
-        g = {CARRY: dx}
-        for op, accumulate in self.plan.backward_steps():
-            dys = [g[name] for name in op.grads_out]
-            for name in op.grads_out[1:] if op.residual else op.grads_out:
-                del g[name]
-            dxs = getattr(self, "_backward_" + op.kind)(op, i, a, dys, walk)
-            for name, d, add in zip(op.grads_in, dxs, accumulate):
-                for j, part in enumerate(d if isinstance(d, tuple) else (d,)):     # a linear's: base, LoRA
-                    if part is not None:
-                        g[name] = self.rounding.gradient(g[name] + part if add or j else part)
-        return g[CARRY]
+    # ---- the protocol's steps (steps.StepRunner, optim.Optimizer) ----------------------------
+    def logits(self, ids, segment_ids, position_ids):
+        return self.steps.logits(ids, segment_ids, position_ids)
 
-    def _backward_rmsnorm(self, op, i, a, dys, walk):
-        name = self._norm_weight(i, op)
-        x, width = a[op.inputs[0]], self.w[name].shape[0]
-        dx, dw = ops.rmsnorm_backward(dys[0].reshape(-1, width), x.reshape(-1, width), self.w[name], a[op.outputs[1]],
-                                      self.cfg.norm_offset)
-        self._add_trained(name, dw)
-        return [dx.reshape(x.shape)]
+    def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        """Forward, loss and backward of one micro-batch; grads accumulate scaled by grad_scale per token (one
+        number, or a weight per token (B, T)). Returns (loss_sum, token_count) (the loss unweighted)."""
+        return self.steps.forward_backward(ids, targets, segment_ids, position_ids, grad_scale)
 
-    def _backward_linear(self, op, i, a, dys, walk):
-        return [self._linear_backward(dys[0], i, op.param, a)]
+    def loss(self, ids, targets, segment_ids, position_ids):
+        return self.steps.loss(ids, targets, segment_ids, position_ids)
 
-    def _backward_rope(self, op, i, a, dys, walk):
-        dy = dys[0]
-        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self._inv_freq(i, walk),
-                                  self.cfg.rope_scale).reshape(dy.shape)]
+    def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
+        """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); with
+        reference, (the policy's, the reference's): a second forward with the adapter switched off."""
+        return self.steps.token_losses(ids, targets, segment_ids, position_ids, reference)
 
-    def _backward_attention(self, op, i, a, dys, walk):
-        q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)
-        att, lse = walk.heads(a[op.outputs[0]], self.cfg), a[op.outputs[1]]
-        grads = ops.attention_backward(walk.heads(dys[0], self.cfg), q, k, v, att, lse, walk.segments,
-                                       self.cfg.window(i), self.cfg.attn_softcap)
-        return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]
+    def set_loss_temperature(self, temperature: float = 1.0):
+        """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
+        at its sampling temperature, as TRL takes them); loss() and generation keep the model's own."""
+        self.mode.loss_temperature = float(temperature)
 
-    def _backward_glu(self, op, i, a, dys, walk):
-        return list(getattr(ops, op.kind + "_backward")(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+    def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
+        """See StepRunner.train_step: (loss_sum, token_count, grad_norm, applied)."""
+        return self.steps.train_step(micro_batches, hp, step, profile, reduce)
 
-    _backward_swiglu = _backward_geglu = _backward_glu
+    def gradients(self) -> dict:
+        return self.optimizer.gradients()
 
-    def _backward_add(self, op, i, a, dys, walk):
-        return [dys[0]]
+    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
+                       lora_b_lr_ratio=1.0):
+        """Clip by the global norm, then AdamW on every trainable tensor (the LoRA B matrices at lr times
+        lora_b_lr_ratio: LoRA+); returns (grad_norm, applied)."""
+        return self.optimizer.step(lr, beta1, beta2, eps, weight_decay, max_grad_norm, step, lora_b_lr_ratio)
 
-    def _backward_scale(self, op, i, a, dys, walk):
-        return [dys[0] * self.dtype.type(op.factor)]
+    def apply_update(self, norm, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
+                     lora_b_lr_ratio=1.0):
+        """optimizer_step with the gradients' global norm given (a pipeline stage's: every stage's together);
+        a non-finite norm skips the update. (norm, applied)."""
+        return self.optimizer.apply_update(norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, step,
+                                           lora_b_lr_ratio)
 
-    def _backward_split(self, op, i, a, dys, walk):
-        return [ops.split_backward(dys)]
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state()
 
-    def _add_trained(self, name, g):
-        if name in self.grads:
-            self.grads[name] += g
+    def load_optimizer_state(self, state: dict):
+        self.optimizer.load_state(state)
+
+    # ---- generation (kv_cache.KvCacheGeneration) ------------------------------------------------
+    def set_adapter_bank(self, bank: dict | None):
+        """The adapters that forward_rows(adapters=) picks per row ({module path: BankModule}), or None."""
+        self.kv.set_adapter_bank(bank)
+
+    def new_kv_cache(self, batch: int, max_len: int) -> dict:
+        """A KV cache of `batch` rows (sequences) of up to max_len positions each; its keys and values are
+        rounded to self.kv_dtype where they are written (held in arrays of self.dtype)."""
+        return self.kv.new_kv_cache(batch, max_len)
+
+    def free_kv_cache(self, kv: dict):
+        """Drop a KV cache's arrays (the engine protocol: the GPU engine frees its buffers)."""
+        kv["k"] = kv["v"] = None
+
+    def forward_cached(self, ids, kv: dict) -> np.ndarray:
+        """New tokens ids (B, Tq) of every row after the kv["len"] cached ones -> logits (B, V) of each row's last."""
+        return forward_cached(self, ids, kv)
+
+    def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
+        """n new tokens, each with its own cache row and position: ids, rows, positions (n,) int.
+
+        Every token's key and value is written into kv first; then token i attends to keys 0..positions[i]
+        of row rows[i], so one call prefills several ragged prompts packed together, or advances every row
+        by one token. Returns logits (m, V) float32 of the tokens at indices last (m,): only those go
+        through the final norm and lm_head. long_rope: whether RoPE takes longrope's long factors (None: as
+        the call's largest position says, ModelConfig.rope_long). adapters: (n,) each token's adapter in the bank
+        (set_adapter_bank; negative: none), or None.
+        """
+        return self.kv.forward_rows(ids, rows, positions, kv, last, long_rope, adapters)

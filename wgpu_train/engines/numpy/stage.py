@@ -26,7 +26,7 @@ class NumpyStage(NumpyEngine):
         self._caches: dict = {}      # generation's KV caches by the driver's key
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
-        """NumpyKvCache's cache for this stage's layers alone (keyed by layer)."""
+        """KvCacheGeneration's cache for this stage's layers alone (keyed by layer)."""
         shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
         return {"k": {i: np.zeros(shape, self.dtype) for i in self.layers},
                 "v": {i: np.zeros(shape, self.dtype) for i in self.layers},
@@ -46,12 +46,10 @@ class NumpyStage(NumpyEngine):
         walk = Walk(1, len(rows), np.asarray(positions)[None], None, self._caches[key], rows, long_rope)
         x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
         for i in self.layers:
-            x = self._layer_forward(i, x, walk)[OUTPUT]
+            x = self.layer_ops.forward(i, x, walk)[OUTPUT]
         if not self.last:
             return self._send(x)
-        xf, _ = ops.rmsnorm_forward(x[last], self.w["model.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
-        xf = self.rounding.activation(xf, "the final norm")                      # (m, C)
-        return ops.softcap_forward(ops.linear_forward(xf, self.lm_head()), self.cfg.logit_softcap).astype(np.float32)
+        return self._generation_head(x[last])                                  # (m, V)
 
     def weight_names(self) -> list:
         """The base weights this stage holds."""
@@ -92,12 +90,12 @@ class NumpyStage(NumpyEngine):
         """See PipelineStage.stage_loss."""
         self.training = True
         self.dropout_calls += 1
-        self._count_head()
+        self.steps.count_head()
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         flat = self._head_forward(x, cache) / np.float32(self.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         dx = None
-        if count:       # through the temperature, as NumpySteps._forward_backward
+        if count:       # through the temperature, as StepRunner._forward_backward
             t = np.float32(self.loss_temperature)
             scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
             dlogits = ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t, self.cfg.logit_softcap / t)
@@ -121,7 +119,7 @@ class NumpyStage(NumpyEngine):
 
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """See PipelineStage.stage_scores."""
-        self._count_head()
+        self.steps.count_head()
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         logits = self._head_forward(x, cache)                                   # (N, V)
         if targets is None:
@@ -135,8 +133,7 @@ class NumpyStage(NumpyEngine):
     def stage_unscale(self):
         """See PipelineStage.stage_unscale."""
         if self.loss_scaler is not None:
-            for g in self.grads.values():
-                g *= self.dtype.type(1.0 / self.loss_scaler.scale)       # exact: the scale is a power of two
+            self.optimizer.unscale(self.loss_scaler.scale)
 
     def stage_grad_square(self, leave_out=()) -> float:
         """See PipelineStage.stage_grad_square."""

@@ -1,6 +1,6 @@
-"""The NumPy engine's steps through the engine protocol (a part of engine.NumpyEngine): logits, losses, a micro-batch's
-forward and backward with its loss head (weights, a TokenObjective or a SequenceObjective), the optimizer step
-with global-norm clipping and AdamW, and the optimizer state."""
+"""The NumPy engine's steps through the engine protocol (StepRunner, a part of engine.NumpyEngine): logits, losses, a
+micro-batch's forward and backward with its loss head (weights, a TokenObjective or a SequenceObjective), the
+optimizer step with global-norm clipping and AdamW (optim.Optimizer)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,17 +8,30 @@ import time
 
 import numpy as np
 
-from wgpu_train.adapters.dora import MAGNITUDE
+from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.numpy import ops
-from wgpu_train.engines.numpy.optim import adamw_update, clip_scale, grad_norm
-from wgpu_train.engines.protocol import SequenceObjective, TokenObjective
+from wgpu_train.engines.numpy.optim import Optimizer
+from wgpu_train.engines.numpy.walk import Mode
+from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
 
 
-class NumpySteps:
-    """engine.NumpyEngine's protocol steps (a mixin over its forward, backward and tensors)."""
+class StepRunner:
+    """The protocol's steps over the engine's walk: forward (ids, segment_ids, position_ids -> logits (B, T, V) and
+    the cache of the backward) and backward (dlogits (N, V), cache: the gradients added into the optimizer's);
+    mode: the engine's (training, the adapter, the loss temperature, the dropout position); optimizer: the engine's
+    gradients and moments; loss_scaler: f16's or None; counters: the engine's."""
+
+    def __init__(self, cfg: ModelConfig, mode: Mode, optimizer: Optimizer, loss_scaler: LossScaler | None,
+                 counters: dict, forward, backward):
+        self.cfg, self.mode, self.optimizer, self.loss_scaler, self.counters = cfg, mode, optimizer, loss_scaler, \
+            counters
+        self.forward, self.backward = forward, backward
+        self.last_profile: dict = {}
+        self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
+        self.step_entropies: list = []  # and the entropies of its policy's distributions there
 
     def logits(self, ids, segment_ids, position_ids):
-        self.training = False
+        self.mode.training = False
         return self.forward(ids, segment_ids, position_ids)[0].astype(np.float32)
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
@@ -34,11 +47,11 @@ class NumpySteps:
         weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count,
         the (B, T) float32 log-probabilities and entropies of the policy's distributions, or None and None
         without an objective)."""
-        self.training = True
-        self.dropout_calls += 1
-        self._count_head()
+        self.mode.training = True
+        self.mode.dropout_calls += 1
+        self.count_head()
         logits, cache = self.forward(ids, segment_ids, position_ids)
-        flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.loss_temperature)          # (N, V)
+        flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.mode.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         logps = entropies = None
         if objective is not None:
@@ -53,23 +66,18 @@ class NumpySteps:
         else:
             scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
         if count:       # through the temperature: 1 / T on the gradient, the cap's derivative in tempered units
-            t = np.float32(self.loss_temperature)
+            t = np.float32(self.mode.loss_temperature)
             self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t,
                                                      self.cfg.logit_softcap / t), cache)
-        self.training = False
+        self.mode.training = False
         return loss_sum, count, logps, entropies
 
-    def set_loss_temperature(self, temperature: float = 1.0):
-        """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
-        at its sampling temperature, as TRL takes them); loss() and generation keep the model's own."""
-        self.loss_temperature = float(temperature)
-
-    def _count_head(self):
+    def count_head(self):
         """One loss head run: a forward of the policy (adapter on) or of the reference (adapter off)."""
-        self.counters["policy_forwards" if self.adapter_enabled else "reference_forwards"] += 1
+        self.counters["policy_forwards" if self.mode.adapter_enabled else "reference_forwards"] += 1
 
     def loss(self, ids, targets, segment_ids, position_ids):
-        self._count_head()
+        self.count_head()
         logits = self.forward(ids, segment_ids, position_ids)[0]
         loss_sum, count, _ = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return loss_sum, count
@@ -80,21 +88,18 @@ class NumpySteps:
         policy = self._token_losses(ids, targets, segment_ids, position_ids)
         if not reference:
             return policy
-        enabled, self.adapter_enabled = self.adapter_enabled, False
+        enabled, self.mode.adapter_enabled = self.mode.adapter_enabled, False
         try:
             return policy, self._token_losses(ids, targets, segment_ids, position_ids)
         finally:
-            self.adapter_enabled = enabled
+            self.mode.adapter_enabled = enabled
 
     def _token_losses(self, ids, targets, segment_ids, position_ids):
-        self.training = False
-        self._count_head()
-        logits = self.forward(ids, segment_ids, position_ids)[0] / np.float32(self.loss_temperature)
+        self.mode.training = False
+        self.count_head()
+        logits = self.forward(ids, segment_ids, position_ids)[0] / np.float32(self.mode.loss_temperature)
         rows, _ = ops.cross_entropy_rows(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return rows.astype(np.float32).reshape(ids.shape)
-
-    def gradients(self) -> dict:
-        return {k: v.astype(np.float32) for k, v in self.grads.items()}
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...].
@@ -107,7 +112,7 @@ class NumpySteps:
         """
         started = time.perf_counter()
         total = sum(int((mb[1] != ops.IGNORE_INDEX).sum()) for mb in micro_batches)
-        self.zero_grads()
+        self.optimizer.zero_grads()
         loss_sum = 0.0
         scaler = self.loss_scaler
         grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
@@ -124,61 +129,13 @@ class NumpySteps:
                 self.step_logps.append(logps)
                 self.step_entropies.append(entropies)
         if scaler is not None:
-            for g in self.grads.values():
-                g *= self.dtype.type(1.0 / scaler.scale)       # exact: the scale is a power of two
+            self.optimizer.unscale(scaler.scale)
         if reduce is not None:
-            self._reduce_grads(reduce, total)
-        norm, applied = self.optimizer_step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
+            self.optimizer.reduce(reduce, total)
+        norm, applied = self.optimizer.step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
                                             hp.max_grad_norm, step, hp.lora_b_lr_ratio)
         if scaler is not None:
             scaler.update(applied)
         if profile:
             self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied
-
-    def _reduce_grads(self, reduce, total: int):
-        """Pass the gradients through `reduce` as one flat float32 array (self.grads' order) and take its result."""
-        names = list(self.grads)
-        flat = np.concatenate([self.grads[k].astype(np.float32).reshape(-1) for k in names]) if names else \
-            np.zeros(0, np.float32)
-        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
-        if out.shape != flat.shape:
-            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
-        at = 0
-        for k in names:
-            g = self.grads[k]
-            g[...] = out[at:at + g.size].reshape(g.shape)
-            at += g.size
-
-    def optimizer_step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
-                       lora_b_lr_ratio=1.0):
-        """Clip by the global norm, then AdamW on every trainable tensor (the LoRA B matrices at lr times
-        lora_b_lr_ratio: LoRA+); returns (grad_norm, applied)."""
-        return self.apply_update(grad_norm(list(self.grads.values())), lr, beta1, beta2, eps, weight_decay,
-                                 max_grad_norm, step, lora_b_lr_ratio)
-
-    def apply_update(self, norm, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
-                     lora_b_lr_ratio=1.0):
-        """optimizer_step with the gradients' global norm given (a pipeline stage's: every stage's together);
-        a non-finite norm skips the update. (norm, applied)."""
-        params = self.trainable()
-        if not np.isfinite(norm):
-            self.counters["nonfinite_skipped"] += 1
-            self.zero_grads()
-            return norm, False
-        scale = clip_scale(norm, max_grad_norm)
-        for k, p in params.items():
-            if k not in self.moments:
-                self.moments[k] = (np.zeros_like(p), np.zeros_like(p))
-            m, v = self.moments[k]
-            # LoRA+: PEFT's create_loraplus_optimizer gives B and every 1-D parameter (DoRA's magnitudes) B's lr
-            rate = lr * lora_b_lr_ratio if k.endswith((".lora_B", MAGNITUDE)) else lr
-            adamw_update(p, self.grads[k], m, v, rate, beta1, beta2, eps, weight_decay, step, grad_scale=scale)
-        self.zero_grads()
-        return norm, True
-
-    def optimizer_state(self) -> dict:
-        return {k: (m.copy(), v.copy()) for k, (m, v) in self.moments.items()}
-
-    def load_optimizer_state(self, state: dict):
-        self.moments = {k: (m.astype(self.dtype), v.astype(self.dtype)) for k, (m, v) in state.items()}

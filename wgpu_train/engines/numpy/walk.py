@@ -1,5 +1,6 @@
 """One walk of the NumPy engine over the layer plan: the batch's shape, positions and segments, and for generation
-its KV cache rows; shared by the engine's training forward and its KV-cache generation."""
+its KV cache rows; shared by the engine's training forward and its KV-cache generation. And the engine's Mode,
+which its parts are given."""
 from __future__ import annotations
 
 from wgpu_train.models.config import ModelConfig
@@ -17,3 +18,16 @@ class Walk:
     def heads(self, x, cfg: ModelConfig):
         """x (B*T, H*D) as (B, T, H, D)."""
         return x.reshape(self.b, self.t, x.shape[-1] // cfg.head_dim, cfg.head_dim)
+
+
+class Mode:
+    """How the engine's walks run now, shared by the engine and its parts: training (dropout on the LoRA inputs),
+    adapter_enabled (False: every LoRA module skipped, a preference objective's reference), the loss head's
+    temperature, and the dropout position (the protocol's dropout_seed and dropout_calls)."""
+
+    def __init__(self):
+        self.training = False
+        self.adapter_enabled = True
+        self.loss_temperature = 1.0
+        self.dropout_seed = 0
+        self.dropout_calls = 0

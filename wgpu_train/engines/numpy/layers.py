@@ -1,0 +1,138 @@
+"""The NumPy engine's walk of one layer over the layer plan (LayerOps, a part of engine.NumpyEngine): each op kind's
+forward (`_forward_<kind>`) and backward (`_backward_<kind>`) over engines/numpy/ops.py, the activations and their
+gradients rounded where the GPU stores them (precision.Rounding)."""
+from __future__ import annotations
+
+from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.layer_plan import CARRY, INPUT, LayerPlan
+from wgpu_train.engines.numpy import ops
+from wgpu_train.engines.numpy.precision import Rounding
+from wgpu_train.engines.numpy.walk import Walk
+from wgpu_train.engines.shared.quant import round_to
+
+
+class LayerOps:
+    """A layer's forward and backward: cfg, its plan, the engine's base weights w (its dict, updated in place) in
+    dtype, RoPE's inv_freqs ([long][layer] (R/2,)), the rounding of the run's precision; the engine's linear
+    (x, layer, module, activations, residual -> y, with its LoRA) and linear_backward (dy, layer, module,
+    activations -> the input's gradient in parts), and add_grad (name, g: added where that base weight trains)."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan, w: dict, dtype, inv_freqs: list, rounding: Rounding,
+                 linear, linear_backward, add_grad):
+        self.cfg, self.plan, self.w, self.dtype, self.inv_freqs, self.rounding = cfg, plan, w, dtype, inv_freqs, \
+            rounding
+        self.linear, self.linear_backward, self.add_grad = linear, linear_backward, add_grad
+
+    def forward(self, i: int, x, walk: Walk) -> dict:
+        """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
+        a = {INPUT: x}
+        for op in self.plan.ops:
+            getattr(self, "_forward_" + op.kind)(op, i, a, walk)
+            self.rounding.op_outputs(op, a, i)
+        return a
+
+    def _norm_weight(self, layer, op):
+        return f"model.layers.{layer}.{op.param}"
+
+    def _forward_rmsnorm(self, op, i, a, walk):
+        x = a[op.inputs[0]]
+        w = self.w[self._norm_weight(i, op)]
+        y, rstd = ops.rmsnorm_forward(x.reshape(-1, w.shape[0]), w, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        a[op.outputs[0]], a[op.outputs[1]] = y.reshape(x.shape), rstd
+
+    def _forward_linear(self, op, i, a, walk):
+        a[op.outputs[0]] = self.linear(a[op.inputs[0]], i, op.param, a, a[op.residual] if op.residual else None)
+
+    def inv_freq(self, i, walk):
+        """Layer i's frequencies for this forward (longrope: its short or long set)."""
+        return self.inv_freqs[walk.long_rope][i]
+
+    def _forward_rope(self, op, i, a, walk):
+        x = a[op.inputs[0]]
+        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freq(i, walk),
+                                            self.cfg.rope_scale).reshape(x.shape)
+
+    def _forward_attention(self, op, i, a, walk):
+        q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
+        window = self.cfg.window(i)
+        if walk.kv is None:
+            att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap)      # (B, T, Hq, D), (B, Hq, T)
+        else:   # generation: one row of n tokens, each with its own cache row and position
+            kv = walk.kv
+            k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
+            if kv["dtype"] != "float32":      # rounded as the GPU's cache stores them
+                k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
+            ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
+            att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
+                                               self.cfg.attn_softcap)
+            lse = None
+        a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
+
+    def _forward_glu(self, op, i, a, walk):
+        """A gated activation, swiglu or geglu (the op's kind names the op pair)."""
+        a[op.outputs[0]] = getattr(ops, op.kind + "_forward")(a[op.inputs[0]], a[op.inputs[1]])
+
+    _forward_swiglu = _forward_geglu = _forward_glu
+
+    def _forward_add(self, op, i, a, walk):
+        a[op.outputs[0]] = a[op.residual] + a[op.inputs[0]]
+
+    def _forward_scale(self, op, i, a, walk):
+        a[op.outputs[0]] = a[op.inputs[0]] * self.dtype.type(op.factor)
+
+    def _forward_split(self, op, i, a, walk):
+        parts = ops.split_forward(a[op.inputs[0]], [self.plan.widths[y] for y in op.outputs])
+        a.update(zip(op.outputs, parts))
+
+
+    def backward(self, i: int, a: dict, dx, walk: Walk):
+        """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
+        reading its outputs' gradients and writing (or adding into) its inputs'."""
+        g = {CARRY: dx}
+        for op, accumulate in self.plan.backward_steps():
+            dys = [g[name] for name in op.grads_out]
+            for name in op.grads_out[1:] if op.residual else op.grads_out:
+                del g[name]
+            dxs = getattr(self, "_backward_" + op.kind)(op, i, a, dys, walk)
+            for name, d, add in zip(op.grads_in, dxs, accumulate):
+                for j, part in enumerate(d if isinstance(d, tuple) else (d,)):     # a linear's: base, LoRA
+                    if part is not None:
+                        g[name] = self.rounding.gradient(g[name] + part if add or j else part)
+        return g[CARRY]
+
+    def _backward_rmsnorm(self, op, i, a, dys, walk):
+        name = self._norm_weight(i, op)
+        x, width = a[op.inputs[0]], self.w[name].shape[0]
+        dx, dw = ops.rmsnorm_backward(dys[0].reshape(-1, width), x.reshape(-1, width), self.w[name], a[op.outputs[1]],
+                                      self.cfg.norm_offset)
+        self.add_grad(name, dw)
+        return [dx.reshape(x.shape)]
+
+    def _backward_linear(self, op, i, a, dys, walk):
+        return [self.linear_backward(dys[0], i, op.param, a)]
+
+    def _backward_rope(self, op, i, a, dys, walk):
+        dy = dys[0]
+        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self.inv_freq(i, walk),
+                                  self.cfg.rope_scale).reshape(dy.shape)]
+
+    def _backward_attention(self, op, i, a, dys, walk):
+        q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)
+        att, lse = walk.heads(a[op.outputs[0]], self.cfg), a[op.outputs[1]]
+        grads = ops.attention_backward(walk.heads(dys[0], self.cfg), q, k, v, att, lse, walk.segments,
+                                       self.cfg.window(i), self.cfg.attn_softcap)
+        return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]
+
+    def _backward_glu(self, op, i, a, dys, walk):
+        return list(getattr(ops, op.kind + "_backward")(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+
+    _backward_swiglu = _backward_geglu = _backward_glu
+
+    def _backward_add(self, op, i, a, dys, walk):
+        return [dys[0]]
+
+    def _backward_scale(self, op, i, a, dys, walk):
+        return [dys[0] * self.dtype.type(op.factor)]
+
+    def _backward_split(self, op, i, a, dys, walk):
+        return [ops.split_backward(dys)]
