@@ -26,6 +26,12 @@ from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.shared.quant import check_dtypes, round_weights
 
 
+def _part_field(part: str, name: str, doc: str) -> property:
+    """An engine attribute that is one of its parts' (read and set there)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
+
+
 class LoraModule:
     """One LoRA pair on a linear module: A (r, in), B (out, r), its dropout, and with DoRA its magnitude m (out,)
     (None: plain LoRA)."""
@@ -57,8 +63,8 @@ class NumpyEngine(EngineState):
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
         inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
-        self.plan = layer_plan(cfg)
-        self.rounding = Rounding(precision, self.plan.statistics)
+        plan = layer_plan(cfg)
+        self.rounding = Rounding(precision, plan.statistics)
         self.precision, self.precision_reason = self.rounding.precision, "as given"
         self.backend_reason = "as given"
         check_kv_dtype(kv_dtype, cfg)
@@ -77,20 +83,18 @@ class NumpyEngine(EngineState):
         self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
                                 self.counters, self.forward, self.backward)
         self.dora = DoraLinear(self.w, self.dtype)
-        self.layer_ops = LayerOps(cfg, self.plan, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
+        self.layer_ops = LayerOps(cfg, plan, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
                                   self._linear_backward, self.optimizer.add)
         self.kv = KvCacheGeneration(cfg, self.dtype, kv_dtype, self.mode, self._embed, self.layer_ops.forward,
                                     self._generation_head)
 
     # ---- what the parts keep, as the protocol names it ----------------------------------------
-    @property
-    def training(self) -> bool:
-        """Whether the forward runs dropout on the LoRA inputs (a training micro-batch's)."""
-        return self.mode.training
-
-    @training.setter
-    def training(self, value: bool):
-        self.mode.training = value
+    plan = _part_field("layer_ops", "plan", "The layer plan the layers walk (a test may give the engine a variant).")
+    training = _part_field("mode", "training", "Whether the forward runs dropout on the LoRA inputs (a training "
+                                               "micro-batch's).")
+    dropout_seed = _part_field("mode", "dropout_seed", "The run's dropout seed (seed_dropout).")
+    dropout_calls = _part_field("mode", "dropout_calls", "Micro-batches trained so far: the next one's dropout masks.")
+    loss_scaler = _part_field("steps", "loss_scaler", "f16's dynamic loss scaling (the steps'), or None.")
 
     @property
     def adapter_enabled(self) -> bool:
@@ -101,31 +105,6 @@ class NumpyEngine(EngineState):
     def loss_temperature(self) -> float:
         """set_loss_temperature's."""
         return self.mode.loss_temperature
-
-    @property
-    def dropout_seed(self) -> int:
-        return self.mode.dropout_seed
-
-    @dropout_seed.setter
-    def dropout_seed(self, value: int):
-        self.mode.dropout_seed = value
-
-    @property
-    def dropout_calls(self) -> int:
-        return self.mode.dropout_calls
-
-    @dropout_calls.setter
-    def dropout_calls(self, value: int):
-        self.mode.dropout_calls = value
-
-    @property
-    def loss_scaler(self) -> LossScaler | None:
-        """f16's dynamic loss scaling (the steps'), or None."""
-        return self.steps.loss_scaler
-
-    @loss_scaler.setter
-    def loss_scaler(self, scaler: LossScaler | None):
-        self.steps.loss_scaler = scaler
 
     @property
     def grads(self) -> dict:
