@@ -23,13 +23,8 @@ from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.steps import StepRunner
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
+from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes, round_weights
-
-
-def _part_field(part: str, name: str, doc: str) -> property:
-    """An engine attribute that is one of its parts' (read and set there)."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
 class LoraModule:
@@ -89,12 +84,12 @@ class NumpyEngine(EngineState):
                                     self._generation_head)
 
     # ---- what the parts keep, as the protocol names it ----------------------------------------
-    plan = _part_field("layer_ops", "plan", "The layer plan the layers walk (a test may give the engine a variant).")
-    training = _part_field("mode", "training", "Whether the forward runs dropout on the LoRA inputs (a training "
+    plan = part_field("layer_ops", "plan", "The layer plan the layers walk (a test may give the engine a variant).")
+    training = part_field("mode", "training", "Whether the forward runs dropout on the LoRA inputs (a training "
                                                "micro-batch's).")
-    dropout_seed = _part_field("mode", "dropout_seed", "The run's dropout seed (seed_dropout).")
-    dropout_calls = _part_field("mode", "dropout_calls", "Micro-batches trained so far: the next one's dropout masks.")
-    loss_scaler = _part_field("steps", "loss_scaler", "f16's dynamic loss scaling (the steps'), or None.")
+    dropout_seed = part_field("mode", "dropout_seed", "The run's dropout seed (seed_dropout).")
+    dropout_calls = part_field("mode", "dropout_calls", "Micro-batches trained so far: the next one's dropout masks.")
+    loss_scaler = part_field("steps", "loss_scaler", "f16's dynamic loss scaling (the steps'), or None.")
 
     @property
     def adapter_enabled(self) -> bool:

@@ -11,9 +11,10 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_kv_dtype, check_precision_widths
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import LayerPlan, layer_plan
+from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
 from wgpu_train.engines.shared.kv_rows import forward_cached
+from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned import attention_kernels
@@ -97,21 +98,9 @@ class WgpuEngine(EngineState):
         self.kv = KvCacheGeneration(rt, cfg, kv_dtype, self.buckets, self.layers, self.counters)
 
     # ---- what the parts keep, as the protocol names it ----------------------------------------
-    @property
-    def dropout_seed(self) -> int:
-        return self.dropout.seed
-
-    @dropout_seed.setter
-    def dropout_seed(self, value: int):
-        self.dropout.seed = value
-
-    @property
-    def dropout_calls(self) -> int:
-        return self.dropout.calls
-
-    @dropout_calls.setter
-    def dropout_calls(self, value: int):
-        self.dropout.calls = value
+    dropout_seed = part_field("dropout", "seed", "The run's dropout seed (seed_dropout).")
+    dropout_calls = part_field("dropout", "calls", "Micro-batches trained so far: the next one's dropout masks.")
+    plan = part_field("layers", "plan", "The layer plan the layers walk (a test may give the engine a variant).")
 
     @property
     def step_logps(self) -> list:
@@ -134,15 +123,6 @@ class WgpuEngine(EngineState):
     @property
     def last_timing(self) -> dict:
         return self.steps.last_timing
-
-    @property
-    def plan(self) -> LayerPlan:
-        """The layer plan the layers walk (a test may give the engine a variant)."""
-        return self.layers.plan
-
-    @plan.setter
-    def plan(self, plan: LayerPlan):
-        self.layers.plan = plan
 
     @property
     def adapter_enabled(self) -> bool:
