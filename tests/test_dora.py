@@ -421,7 +421,7 @@ def test_memory_estimate_is_what_the_engine_allocates(tiny, rt):
                  + sum(p.buf.size for p in eng._lora_packed)                             # parameters, gradients
                  + sum(b.size for b in eng.dora.buffers))
         acts = eng._activations(1, 64, train=True)
-        allocated = sum({id(b): b.size for layer in acts.layers for b in layer.values()}.values())
+        allocated = sum({id(b): b.size for layer in acts.layers.values() for b in layer.values()}.values())
         allocated += sum(v.size for k, v in vars(acts).items() if hasattr(v, "destroy") and k != "logits" and k
                          not in ("ids", "segments", "positions", "targets", "head_index"))
         est = estimate_memory(cfg, 1, 64, lora)

@@ -358,7 +358,7 @@ def test_auto_backend_takes_wgpu(folder, rt):
 
 def _allocated(acts) -> int:
     """Bytes of a bucket's activation buffers, each counted once (checkpointed layers share most of theirs)."""
-    bufs = {id(b): b for layer in acts.layers for b in layer.values()}
+    bufs = {id(b): b for layer in acts.layers.values() for b in layer.values()}
     batch_inputs = ("ids", "segments", "positions", "targets", "head_index")   # the uploaded batch, not activations
     bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in batch_inputs})
     return sum(b.size for b in bufs.values())
@@ -378,7 +378,7 @@ def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
     gpu.loss_and_grads(ids, labels, mask)
     acts = gpu.engine._activations(*ids.shape, train=True)
     assert acts.checkpoint and len(gpu.engine.buckets.acts) == 1   # the plain bucket was released
-    first, last = acts.layers[0], acts.layers[-1]
+    first, last = acts.layers[0], acts.layers[gpu.config.num_hidden_layers - 1]
     assert first["x_in"] is not last["x_in"] and all(first[k] is last[k] for k in first if k != "x_in")
     ckpt = wt.estimate_memory(gpu.config, ids.shape[0], ids.shape[1], lora=lora, gradient_checkpointing=True)
     assert ckpt["activations"] + ckpt["logits"] == _allocated(acts)
@@ -387,7 +387,8 @@ def test_memory_estimate_matches_allocation_and_limits_are_refused(folder, rt):
     # forward only (logits, loss, generation): one set of layer buffers, the input included, for all layers
     gpu.logits(ids)
     fwd = gpu.engine._activations(*ids.shape, train=False)
-    assert all(fwd.layers[0][k] is fwd.layers[-1][k] for k in fwd.layers[0]) and "x_in" in fwd.layers[0]
+    last_layer = fwd.layers[gpu.config.num_hidden_layers - 1]
+    assert all(fwd.layers[0][k] is last_layer[k] for k in fwd.layers[0]) and "x_in" in fwd.layers[0]
     assert _allocated(fwd) < _allocated(acts)
     # a bucket whose activations cannot fit one storage binding is refused before anything is allocated
     tokens = rt.max_binding // (4 * gpu.config.intermediate_size) + 1

@@ -113,7 +113,7 @@ def test_bfloat16_cache_takes_half_the_bytes(tiny, rt):
     def cache_bytes(kv_dtype):
         engine = wt.load_model(tiny, backend="wgpu", device=str(rt.info.index), kv_dtype=kv_dtype).engine
         kv = engine.new_kv_cache(3, 64)
-        size = sum(b.size for b in kv["k"] + kv["v"])
+        size = sum(b.size for b in [*kv["k"].values(), *kv["v"].values()])
         engine.free_kv_cache(kv)
         return size
 

@@ -255,7 +255,7 @@ def test_wgpu_trains_per_layer_ranks_as_numpy(tiny, rt):
     assert acts.layers[0]["lora_h.q_proj+k_proj+v_proj"].size == 4 * acts.capacity * 10    # layer 2: 3 + 5 + 2
     assert acts.layers[2]["lora_h.down_proj"].size == 4 * acts.capacity * 6                # layer 0's rank
     est = wt.estimate_memory(gpu.config, *ids.shape, lora=lora)
-    bufs = {id(b): b for layer in acts.layers for b in layer.values()}
+    bufs = {id(b): b for layer in acts.layers.values() for b in layer.values()}
     bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in
                  ("ids", "segments", "positions", "targets", "head_index")})     # the batch, not activations
     assert est["activations"] + est["logits"] == sum(b.size for b in bufs.values())

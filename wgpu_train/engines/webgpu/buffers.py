@@ -10,6 +10,8 @@ from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_format, activation_plan, activation_ranks,
                                               bucket_tokens, check_fits, head_rows, layer_ranks)
 from wgpu_train.engines.protocol import Precision
+from wgpu_train.engines.shared.boundary import unpack_boundary
+from wgpu_train.models.layer_plan import INPUT
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.webgpu.device.runtime import Runtime
@@ -60,7 +62,8 @@ class Activations:
     every batch of up to that many tokens: the kernels take each batch's sizes (use(b, t)), and each buffer
     holds its tensor for `capacity` rows.
 
-    layers[i] maps a name to layer i's buffer. With checkpoint (gradient checkpointing, training only)
+    layers[i] maps a name to layer i's buffer, for each layer i of `layers` (a pipeline stage's range, or every
+    layer of the model). With checkpoint (gradient checkpointing, training only)
     only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
     the backward refills by recomputing each layer's forward. A forward-only bucket (train=False) has
     one set for all layers, x_in included (memory.activation_plan). In a 16-bit precision the activations and
@@ -68,7 +71,7 @@ class Activations:
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None,
-                 precision: Precision = Precision.FP32):
+                 precision: Precision = Precision.FP32, layers: range | None = None):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
@@ -91,8 +94,8 @@ class Activations:
         try:
             one_set = {name[len(SHARED_LAYER):]: allocate(name, e) for name, e in shared.items()
                        if name.startswith(SHARED_LAYER)}
-            self.layers = [{**{name: allocate(name, e) for name, e in layer.items()}, **one_set}
-                           for _ in range(cfg.num_hidden_layers)]
+            self.layers = {i: {**{name: allocate(name, e) for name, e in layer.items()}, **one_set}
+                           for i in (range(cfg.num_hidden_layers) if layers is None else layers)}
             for name, e in shared.items():
                 if not name.startswith(SHARED_LAYER):
                     setattr(self, name, allocate(name, e))
@@ -115,13 +118,18 @@ class BucketCache:
     """The engine's activation buckets (`acts`: (capacity in tokens, train, checkpointed) -> Activations) and
     batch inputs (`inputs`: (bucket capacity, micro-batch slot) -> Inputs), a part that WgpuEngine owns. It sizes
     buckets for the LoRA modules and groups set_adapter gave it, and for the gradient checkpointing that
-    set_checkpointing gave it; both release every bucket."""
+    set_checkpointing gave it; both release every bucket. Its buckets hold the activations of the layers of `span` (a
+    pipeline stage's range, else every layer); a stage after the first (first False) takes the previous stage's
+    activations as its input where the first takes token ids (upload_batch)."""
 
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, counters: dict):
+    def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, counters: dict, span: range | None = None,
+                 first: bool = True):
         self.rt, self.cfg, self.precision, self.counters = rt, cfg, precision, counters
+        self.span = range(cfg.num_hidden_layers) if span is None else span
+        self.first = first
         self.acts: dict = {}
         self.inputs: dict = {}
         self.lora: dict = {}          # path -> GpuLora
@@ -165,10 +173,10 @@ class BucketCache:
             dora = {p.rsplit(".", 1)[1]: m.out_f for p, m in self.lora.items() if m.m is not None}
             try:
                 acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t), dora,
-                                   self.precision)
+                                   self.precision, self.span)
             except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
                 acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora,
-                                   self.precision)
+                                   self.precision, self.span)
             self.counters["buckets_allocated"] += 1
         self.acts[acts.key] = acts          # most recently used last
         acts.use(b, t)
@@ -183,7 +191,7 @@ class BucketCache:
 
     def _free(self, acts: Activations):
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
-        bufs = list({id(b): b for layer in acts.layers for b in layer.values()}.values())
+        bufs = list({id(b): b for layer in acts.layers.values() for b in layer.values()}.values())
         bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in INPUT_NAMES]
         self.rt.release(*bufs)
 
@@ -195,6 +203,16 @@ class BucketCache:
         self.acts.clear()
         self.inputs.clear()
 
+    def write_activations(self, buf, values):
+        """Write float32 values (N, C) into an activation buffer, in its storage format (exact for values a
+        stage stored in that format)."""
+        self.rt.write(buf, storage.to_words(values, storage.format_of(buf)))
+
+    def read_activations(self, buf, n: int) -> np.ndarray:
+        """The first n rows (n, C) of an activation buffer as float32 values."""
+        c = self.cfg.hidden_size
+        return storage.read(self.rt, buf, n * c).reshape(n, c)
+
     def upload_row_weights(self, acts, weights, slot=0):
         """Write a micro-batch's per-token gradient weights (B, T) in the loss head's row order to its slot's
         row_weights, after upload_batch set acts' rows (acts.row_weights set)."""
@@ -204,7 +222,9 @@ class BucketCache:
 
     def upload_batch(self, acts, ids, segment_ids, position_ids, targets=None, slot=0, last=None, weights=None,
                      objective=None):
-        """Write one micro-batch into the input buffers of its slot and point acts at them.
+        """Write one micro-batch into the input buffers of its slot and point acts at them: ids (B, T), or on a
+        stage after the first (first False) the previous stage's packed activations (engines/shared/boundary.py,
+        (B*T, C)), which go into its first layer's input instead.
 
         targets (B, T) (training, evaluation): only the rows with a target (not IGNORE_INDEX) go through
         the loss head. Their indices, padded with untrained rows to loss_head_size, go to head_index and
@@ -217,13 +237,16 @@ class BucketCache:
         write (acts.objective set). last (generation, forward_rows): row indices, written to targets as they
         are."""
         rt = self.rt
-        b, t = ids.shape
+        b, t = segment_ids.shape
         n = b * t
         inp = self.inputs.get((acts.capacity, slot))
         if inp is None:
             inp = self.inputs[(acts.capacity, slot)] = Inputs(rt, acts.capacity)
         acts.ids, acts.segments, acts.positions, acts.targets = inp.ids, inp.segments, inp.positions, inp.targets
-        rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
+        if self.first:
+            rt.write(acts.ids, ids.astype(np.int32).reshape(-1))
+        else:
+            self.write_activations(acts.layers[self.span.start][INPUT], unpack_boundary(ids))
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
         acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch

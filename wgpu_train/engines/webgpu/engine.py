@@ -40,10 +40,13 @@ class WgpuEngine(EngineState):
     precision_reason = "as given"
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: Precision | str = Precision.FP32):
+                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: Precision | str = Precision.FP32,
+                 span: range | None = None, first: bool = True, last: bool = True):
         """precision (protocol.PRECISIONS): fp32, or bf16 / f16 where the activations and their gradients are
         16-bit buffers (memory.activation_format) and the kernels round where they store them, as
-        engines/numpy/precision.py does; f16 adds dynamic loss scaling."""
+        engines/numpy/precision.py does; f16 adds dynamic loss scaling. span, first, last: a pipeline stage's
+        layers, and whether it holds the embedding and the final norm and head (webgpu/stage.py); by default
+        the whole model, whose weights are every one of `weights`."""
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
@@ -87,12 +90,12 @@ class WgpuEngine(EngineState):
                          "buckets_allocated": 0, "policy_forwards": 0, "reference_forwards": 0}
         step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
         # the parts
-        self.buckets = BucketCache(rt, cfg, precision, self.counters)
+        self.buckets = BucketCache(rt, cfg, precision, self.counters, span, first)
         self.dora = DoraNorms(rt, self.w)
         self.dropout = DropoutSeeds(rt, cfg.num_hidden_layers * len(cfg.linear_modules))
         self.optimizer = Optimizer(rt)
         self.layers = LayerRecorder(cfg, layer_plan(cfg), self.w, inv_freqs, self.dora, self.dropout, step_buf,
-                                    self.counters)
+                                    self.counters, span, first, last)
         self.steps = StepRunner(rt, cfg, precision, self.buckets, self.layers, self.dropout, self.optimizer,
                                 self.dora, step_buf, self.counters)
         self.kv = KvCacheGeneration(rt, cfg, kv_dtype, self.buckets, self.layers, self.counters)

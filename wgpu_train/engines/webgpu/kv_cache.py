@@ -36,7 +36,7 @@ class KvCacheGeneration:
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
-        buffer (batch, max_len, Hkv, D) stored as self.kv_dtype, its storage format (bfloat16: two values per
+        buffer (batch, max_len, Hkv, D) by layer, stored as self.kv_dtype, its storage format (bfloat16: two values per
         4-byte word)."""
         cfg = self.cfg
         fmt = decode_kernels.KV_FORMATS[self.kv_dtype]
@@ -47,15 +47,16 @@ class KvCacheGeneration:
                               f"generate fewer sequences at once or fewer tokens")
         # the split passes' partials (decode_kernels), where they fit one binding
         scratch = decode_kernels.scratch_bytes(self.rt, batch, max_len, cfg.num_attention_heads, cfg.head_dim)
-        return {"k": [storage.set_format(self.rt.buffer(size, "k_cache"), fmt) for _ in range(cfg.num_hidden_layers)],
-                "v": [storage.set_format(self.rt.buffer(size, "v_cache"), fmt) for _ in range(cfg.num_hidden_layers)],
+        span = self.layers.span        # the layers the engine holds (a pipeline stage's)
+        return {"k": {i: storage.set_format(self.rt.buffer(size, "k_cache"), fmt) for i in span},
+                "v": {i: storage.set_format(self.rt.buffer(size, "v_cache"), fmt) for i in span},
                 "scratch": self.rt.buffer(scratch, "kv_scratch"),
                 "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
 
     def free_kv_cache(self, kv: dict):
         """Free a KV cache's buffers now (and the cached bind groups that hold them)."""
-        self.rt.release(*kv["k"], *kv["v"], *([kv["scratch"]] if kv["scratch"] is not None else []))
-        kv["k"] = kv["v"] = []
+        self.rt.release(*kv["k"].values(), *kv["v"].values(), *([kv["scratch"]] if kv["scratch"] is not None else []))
+        kv["k"] = kv["v"] = {}
         kv["scratch"] = None
 
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
@@ -67,16 +68,24 @@ class KvCacheGeneration:
         adapters: (n,) each token's adapter in the bank (set_adapter_bank; negative: none), or None."""
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         adapters = check_adapters(adapters, ids.shape[0], self.layers.adapter_bank)
-        n, m = ids.shape[0], last.shape[0]
+        return self.rows_forward(ids, rows, positions, kv, last, long_rope, adapters)
+
+    def rows_forward(self, inputs, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
+        """forward_rows with its arguments checked. inputs: the token ids (n,), or on a pipeline stage after the
+        first the previous stage's packed activations (n, C); the logits (m, V), or on a stage before the last
+        its output (n, C) float32."""
+        n, m, c = rows.shape[0], last.shape[0], self.cfg.hidden_size
         if n == 0:
-            return np.zeros((m, self.cfg.vocab_size), np.float32)
+            return np.zeros((m, self.cfg.vocab_size) if self.layers.last else (0, c), np.float32)
         size = 1 << (n - 1).bit_length()
         pad = size - n
         before = dict(self.rt.counters)
         acts = self.buckets.activations(1, size, train=False)
+        padded = np.pad(inputs, [(0, pad)] + [(0, 0)] * (np.ndim(inputs) - 1))     # (size,) ids or (size, C)
         # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
-        self.buckets.upload_batch(acts, np.pad(ids, (0, pad))[None], np.pad(rows, (0, pad), constant_values=-1)[None],
-                           np.pad(positions, (0, pad))[None], last=np.pad(last, (0, size - m))[None])
+        self.buckets.upload_batch(acts, padded[None] if padded.ndim == 1 else padded,
+                                  np.pad(rows, (0, pad), constant_values=-1)[None], np.pad(positions, (0, pad))[None],
+                                  last=np.pad(last, (0, size - m))[None])
         if long_rope is not None:
             acts.rope_long = bool(long_rope)
         self.layers.training = False
@@ -88,7 +97,11 @@ class KvCacheGeneration:
             self.layers.record_forward(rec, acts, kv, m)
         finally:
             self.layers.bank_rows = None
-        v, c = self.cfg.vocab_size, self.cfg.hidden_size
+        if not self.layers.last:
+            rec.submit()
+            count_submissions(self.rt, self.counters, before)
+            return self.buckets.read_activations(acts.x_final, n)
+        v = self.cfg.vocab_size
         out = np.empty((m, v), np.float32)
         if m == 0:   # keys and values only
             rec.submit()

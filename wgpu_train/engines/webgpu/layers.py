@@ -23,13 +23,22 @@ class LayerRecorder:
     """Records the layer plan's walk into a command encoder. It reads the engine's base weights `w` (name ->
     Matrix, QuantMatrix or buffer, a dict the engine keeps) and RoPE's frequencies, and what the engine sets
     on it: the LoRA modules and groups (set_adapter), the trained tensors' gradients (set_grads), and its mode:
-    `adapter_enabled`, `loss_temperature` and `training` (LoRA dropout on)."""
+    `adapter_enabled`, `loss_temperature` and `training` (LoRA dropout on).
+
+    It records the layers of `span` (a pipeline stage's range, else every layer): with the embedding in front
+    where `first`, the final norm and loss head after where `last`. A stage after the first finds its input in
+    its first layer's input buffer; a stage before the last leaves its output in x_final, and its backward
+    starts from the output's gradient in the residual stream's gradient buffer (d_res), where it leaves its
+    input's."""
 
     def __init__(self, cfg: ModelConfig, plan: LayerPlan, w: dict, inv_freqs: list, dora: DoraNorms,
-                 dropout: DropoutSeeds, step_buf, counters: dict):
+                 dropout: DropoutSeeds, step_buf, counters: dict, span: range | None = None, first: bool = True,
+                 last: bool = True):
         """inv_freqs [long][layer]: RoPE's frequency buffers; step_buf: the step's scalars (grad_scale first),
         which the cross-entropy backward reads; counters: the engine's, whose loss heads this counts."""
         self.cfg, self.plan, self.w, self.inv_freqs = cfg, plan, w, inv_freqs
+        self.span = range(cfg.num_hidden_layers) if span is None else span
+        self.first, self.last = first, last
         self.dora, self.dropout, self.step_buf, self.counters = dora, dropout, step_buf, counters
         self.lora: dict = {}          # path -> GpuLora
         self.groups: dict = {}        # module name -> the modules that run their LoRA as one
@@ -121,18 +130,22 @@ class LayerRecorder:
                             recompute)
 
     def record_forward(self, rec, acts: Activations, kv: dict | None = None, n_last: int = 0):
-        """The layers and the final norm. With a KV cache `kv` (generation, forward_rows), acts.segments
-        holds each token's cache row: keys and values are written into the cache, attention reads it, and
-        only the n_last tokens whose indices acts.targets holds are normed, into x_final's first rows."""
+        """The embedding (first), the layers and the final norm (last). With a KV cache `kv` (generation,
+        forward_rows), acts.segments holds each token's cache row: keys and values are written into the cache,
+        attention reads it, and only the n_last tokens whose indices acts.targets holds are normed, into
+        x_final's first rows."""
         n, c, eps, offset = acts.n, self.cfg.hidden_size, self.cfg.rms_norm_eps, self.cfg.norm_offset
         if self.dora.stale:
             self.dora.record_norms(rec)
-        self._where = "embedding forward"
-        rec.section(self._where)
-        self.embed(rec, acts.layers[0]["x_in"] if acts.layers else acts.x_final, acts.ids, n)
-        for i in range(len(acts.layers)):
+        if self.first:
+            self._where = "embedding forward"
+            rec.section(self._where)
+            self.embed(rec, acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final, acts.ids, n)
+        for i in self.span:
             rec.split_point()
             self.record_layer_forward(rec, acts, i, kv)
+        if not self.last:
+            return
         rec.section("final norm forward")
         if kv is None:
             K.rmsnorm_forward(rec, acts.xf, acts.rstd_f, acts.x_final, self.w["model.norm.weight"], n, c, eps, offset)
@@ -147,7 +160,7 @@ class LayerRecorder:
         buffers for its backward and leaves the next layer's input alone: of the op that writes it only the
         LoRA input and h are recomputed, since its backward needs its input (and those) but not its output."""
         a = acts.layers[i]
-        x_next = acts.layers[i + 1][INPUT] if i + 1 < len(acts.layers) else acts.x_final
+        x_next = acts.layers[i + 1][INPUT] if i + 1 in acts.layers else acts.x_final
         buf = {**a, OUTPUT: x_next}
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
         for op in self.plan.ops:
@@ -374,28 +387,30 @@ class LayerRecorder:
         K.split_backward(rec, dxs[0], dys, acts.n, [self.plan.widths[y] for y in op.outputs])
 
     def record_backward(self, rec, acts: Activations, head_part: str | None = None):
-        """The loss head's, the final norm's and every layer's backward (the plan's ops in reverse), then the
-        embedding's (when the embedding is trained: full fine-tuning, modules_to_save). head_part "backward":
-        the head's forward part was recorded before (record_head's part)."""
+        """The loss head's and the final norm's backward (last; else the output's gradient is in d_res), every
+        layer's (the plan's ops in reverse), then the embedding's (first, when the embedding is trained: full
+        fine-tuning, modules_to_save). head_part "backward": the head's forward part was recorded before
+        (record_head's part)."""
         cfg = self.cfg
         n, c = acts.n, cfg.hidden_size
-        self.record_head(rec, acts, backward=True, part=head_part)
-        rec.section("final norm backward")
-        K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
-                           self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,
-                           offset=cfg.norm_offset)
-        for i in reversed(range(cfg.num_hidden_layers)):
+        if self.last:
+            self.record_head(rec, acts, backward=True, part=head_part)
+            rec.section("final norm backward")
+            K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
+                               self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,
+                               offset=cfg.norm_offset)
+        for i in reversed(self.span):
             rec.split_point()
             # checkpointed: the forward left the last layer's activations in the shared buffers; the
             # others are recomputed (self.training and the micro-batch's seed slot still hold)
-            if acts.checkpoint and i < cfg.num_hidden_layers - 1:
+            if acts.checkpoint and i < self.span.stop - 1:
                 self.record_layer_forward(rec, acts, i, recompute=True)
             self._where = f"layer {i} backward"
             for op, accumulate in self.plan.backward_steps():
                 dys = [getattr(acts, name) for name in op.grads_out]
                 dxs = [getattr(acts, name) for name in op.grads_in]
                 getattr(self, "_backward_" + op.kind)(rec, op, i, acts, acts.layers[i], dys, dxs, accumulate)
-        if "model.embed_tokens.weight" in self.grads:
+        if self.first and EMBED in self.grads:
             rec.section("embedding backward")
             emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]
             if cfg.embed_scale != 1.0:    # the layers' input gradient, read only here from now on

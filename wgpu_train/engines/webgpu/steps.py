@@ -64,7 +64,8 @@ class StepRunner:
         self.dispatch_budget = 0
 
     def logits(self, ids, segment_ids, position_ids):
-        b, t = ids.shape
+        """(B, T, V) float32 logits; ids (B, T), or a stage's input (BucketCache.upload_batch)."""
+        b, t = segment_ids.shape
         acts = self.buckets.activations(b, t, train=False)
         self.buckets.upload_batch(acts, ids, segment_ids, position_ids)
         before = dict(self.rt.counters)
@@ -85,7 +86,7 @@ class StepRunner:
 
     def _record_scoring(self, ids, targets, segment_ids, position_ids) -> tuple:
         """A batch uploaded and its forward and loss head recorded, no backward: (recorder, bucket, counters before)."""
-        b, t = ids.shape
+        b, t = segment_ids.shape
         acts = self.buckets.activations(b, t, train=False)
         self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets)
         before = dict(self.rt.counters)
@@ -121,12 +122,12 @@ class StepRunner:
         rec.submit()
         rows = rec.result()                                      # (passes, n_head) in the loss head's row order
         count_submissions(self.rt, self.counters, before)
-        out = np.zeros((len(rows), ids.size), np.float32)        # (passes, B*T)
+        out = np.zeros((len(rows), segment_ids.size), np.float32)        # (passes, B*T)
         if acts.head_order is None:
             out[:] = rows
         else:
             out[:, acts.head_order] = rows
-        out = out.reshape((len(rows),) + ids.shape)               # (passes, B, T)
+        out = out.reshape((len(rows),) + segment_ids.shape)               # (passes, B, T)
         return (out[0], out[1]) if reference else out[0]
 
     def _reserve_scored_rows(self, n: int):
@@ -283,9 +284,9 @@ class StepRunner:
         rec = self.rt.recorder()
         self.layers.record_forward(rec, acts)
         submit(self.rt, self.counters, rec)
-        n, layers = acts.n * self.cfg.hidden_size, len(acts.layers)
-        outputs = [("the embedding", acts.layers[0][INPUT])] + \
-            [(f"layer {i}", acts.layers[i + 1][INPUT] if i + 1 < layers else acts.x_final) for i in range(layers)]
+        n, span = acts.n * self.cfg.hidden_size, self.layers.span
+        outputs = [("the embedding", acts.layers[span.start][INPUT])] + \
+            [(f"layer {i}", acts.layers[i + 1][INPUT] if i + 1 in acts.layers else acts.x_final) for i in span]
         for where, buf in outputs:
             values = storage.read(self.rt, buf, n)
             if not np.isfinite(values).all():
