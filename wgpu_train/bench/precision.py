@@ -169,7 +169,7 @@ def _step(rt, precision: Precision, steps: int) -> dict:
     hp = OptimizerParams(lr=1e-4)
     walls = timed(lambda i: engine.train_step(micro, hp, i + 1), steps)
     acts = engine._activations(*STEP_BATCH, train=True)
-    allocated = sum({id(b): b.size for layer in acts.layers for b in layer.values()}.values())
+    allocated = sum({id(b): b.size for layer in acts.layers.values() for b in layer.values()}.values())
     est = estimate_memory(cfg, *STEP_BATCH, lora=lora, max_binding=rt.max_binding, precision=precision)
     engine._release_acts()
     return {"step_s": float(np.median(walls)), "layer_activation_bytes": allocated,

@@ -84,7 +84,9 @@ class PipelineEngine:
         for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
                      "backend_reason"):
             setattr(self, name, runner.attr(0, name))
-        self.device_description = "; ".join(runner.attr(s, "device_description") for s in range(len(plan)))
+        self.device_description = "; ".join(f"stage {s} (layers {span.start}-{span.stop - 1}): "
+                                            f"{runner.attr(s, 'device_description')}"
+                                            for s, span in enumerate(plan.stages))
 
     # ---- tensors, by the stage that holds them --------------------------------------------------------
     def _all(self, method: str, *args) -> list:

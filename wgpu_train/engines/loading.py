@@ -42,7 +42,9 @@ def precision_choice(precision: Precision | str, engine: str, cpu_adapter: bool 
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
-                 embed_dtype="auto", precision="auto", kv_dtype="float32"):
+                 embed_dtype="auto", precision="auto", kv_dtype="float32", stage: tuple | None = None):
+    """The engine `backend` and `device` choose over weights; stage: (span, first, last), a pipeline stage's
+    engine over the weights of those layers (a PipelineStage)."""
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     precision = Precision.parse(precision)
     choice = choose_backend(backend, device, config, base_dtype, embed_dtype, precision)
@@ -55,13 +57,25 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
         check_precision_widths(precision, config)
         rt = runtime.get_runtime(choice.device)
         precision, reason = precision_choice(precision, "wgpu", rt.info.adapter_type == "CPU", config)
-        engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype, precision)
-    else:
+        if stage is None:
+            engine = WgpuEngine(config, weights, rt, base_dtype, embed_dtype, kv_dtype, precision)
+        else:
+            from wgpu_train.engines.webgpu.stage import WgpuStage
+
+            engine = WgpuStage(config, weights, rt, *stage, base_dtype=base_dtype, embed_dtype=embed_dtype,
+                               kv_dtype=kv_dtype, precision=precision)
+    elif stage is None:
         from wgpu_train.engines.numpy.engine import NumpyEngine
 
         precision, reason = precision_choice(precision, "numpy")
         engine = NumpyEngine(config, weights, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
                              precision=precision, kv_dtype=kv_dtype)
+    else:
+        from wgpu_train.engines.numpy.stage import NumpyStage
+
+        precision, reason = precision_choice(precision, "numpy")
+        engine = NumpyStage(config, weights, *stage, dtype=dtype, base_dtype=base_dtype, embed_dtype=embed_dtype,
+                            precision=precision, kv_dtype=kv_dtype)
     engine.precision_reason = reason
     engine.backend_reason = choice.reason
     return engine
@@ -103,23 +117,16 @@ def model_from_weights(config: ModelConfig, weights: dict, backend: str = "numpy
 
 
 def load_stage(path, plan: StagePlan, stage: int, backend: str = "numpy", base_dtype: str = "float32",
-               embed_dtype: str = "auto", precision: Precision | str = "auto"):
-    """Stage `stage` of `plan` (models/stage_plan.py) on an engine: only the tensors it holds are read from the
-    model folder's safetensors shards (engine.weights_bytes_read counts their file bytes). A PipelineStage
-    (protocol.py); on the NumPy engine for now: ConfigError (one line) for another backend."""
-    if backend not in ("numpy", "auto"):
-        raise ConfigError(f"pipeline stages run on the NumPy engine for now: --backend numpy, not {backend}")
-    from wgpu_train.engines.numpy.stage import NumpyStage
-
+               embed_dtype: str = "auto", precision: Precision | str = "auto", device=None):
+    """Stage `stage` of `plan` (models/stage_plan.py) on the engine `backend` and `device` choose
+    (choose_backend, as load_model): a PipelineStage (protocol.py; numpy/stage.py or webgpu/stage.py). Only the
+    tensors it holds are read from the model folder's safetensors shards (engine.weights_bytes_read counts
+    their file bytes)."""
     config = ModelConfig.from_folder(path)
-    base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     weights = load_weights(path, config)
     weights = weights.subset([k for k in weights if plan.holds(stage, k)])
-    precision, reason = precision_choice(precision, "numpy")
-    layers = plan.stages[stage]
-    engine = NumpyStage(config, weights, layers, stage == 0, stage == len(plan) - 1, base_dtype=base_dtype,
-                        embed_dtype=embed_dtype, precision=precision)
-    engine.precision_reason, engine.backend_reason = reason, "pipeline stages run on the NumPy engine"
+    span = plan.stages[stage]
+    engine = _make_engine(config, weights, backend, device, base_dtype=base_dtype, embed_dtype=embed_dtype,
+                          precision=precision, stage=(span, stage == 0, stage == len(plan) - 1))
     engine.weights_bytes_read = weights.bytes_read
-    engine.device_description = f"cpu (NumPy), stage {stage}: layers {layers.start}-{layers.stop - 1}"
     return engine

@@ -253,7 +253,7 @@ class PipelineStage(Protocol):
     forwards before their backwards (GPipe, 1F1B). Besides these, a stage answers the Engine protocol for its
     own tensors (set_lora, trainable, optimizer_state, ... of its layers only)."""
 
-    layers: range               # the layers it holds
+    span: range                 # the layers it holds
     first: bool                 # holds the embedding: its input is token ids (B, T)
     last: bool                  # holds the final norm and head: it computes the loss
 

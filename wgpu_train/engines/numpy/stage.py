@@ -18,9 +18,9 @@ class NumpyStage(NumpyEngine):
     keeps its activations until that micro-batch's backward. Each forward of a training micro-batch advances the
     dropout position, as one process's forward_backward does, so every stage draws the masks one process would."""
 
-    def __init__(self, cfg, weights: dict, layers: range, first: bool, last: bool, **kw):
+    def __init__(self, cfg, weights: dict, span: range, first: bool, last: bool, **kw):
         super().__init__(cfg, weights, **kw)
-        self.layers, self.first, self.last = layers, first, last
+        self.span, self.first, self.last = span, first, last
         self.counters["boundary_bytes_sent"] = 0
         self._kept: dict = {}        # micro-batch -> the cache of its forward
         self._caches: dict = {}      # generation's KV caches by the driver's key
@@ -28,8 +28,8 @@ class NumpyStage(NumpyEngine):
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """KvCacheGeneration's cache for this stage's layers alone (keyed by layer)."""
         shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        return {"k": {i: np.zeros(shape, self.dtype) for i in self.layers},
-                "v": {i: np.zeros(shape, self.dtype) for i in self.layers},
+        return {"k": {i: np.zeros(shape, self.dtype) for i in self.span},
+                "v": {i: np.zeros(shape, self.dtype) for i in self.span},
                 "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
 
     def stage_new_cache(self, key: int, batch: int, max_len: int):
@@ -45,7 +45,7 @@ class NumpyStage(NumpyEngine):
         self.training = False
         walk = Walk(1, len(rows), np.asarray(positions)[None], None, self._caches[key], rows, long_rope)
         x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
-        for i in self.layers:
+        for i in self.span:
             x = self.layer_ops.forward(i, x, walk)[OUTPUT]
         if not self.last:
             return self._send(x)
@@ -73,7 +73,7 @@ class NumpyStage(NumpyEngine):
             x = self._embed(cache["ids"])
         else:
             x = unpack_boundary(inputs).astype(self.dtype, copy=False)
-        return self._layers_forward(x, self.layers, cache), cache
+        return self._layers_forward(x, self.span, cache), cache
 
     def stage_forward(self, micro, inputs, segment_ids, position_ids):
         """See PipelineStage.stage_forward."""
@@ -111,7 +111,7 @@ class NumpyStage(NumpyEngine):
         return self._stage_backward(unpack_boundary(d_outputs).astype(self.dtype, copy=False), cache)
 
     def _stage_backward(self, dx, cache):
-        dx = self._layers_backward(dx, self.layers, cache)
+        dx = self._layers_backward(dx, self.span, cache)
         if self.first:
             self._embed_backward(dx, cache["ids"])
             return None

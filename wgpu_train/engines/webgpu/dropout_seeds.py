@@ -20,10 +20,15 @@ class DropoutSeeds:
         self.micro = 0
         self.buffer = rt.buffer(F32 * n_modules, "dropout_seeds")   # (micro-batch slot, module) -> u32
 
-    def reserve(self, n_micro: int):
-        """Room for the seeds of n_micro micro-batches (before anything of the step is recorded)."""
+    def reserve(self, n_micro: int, keep: bool = False):
+        """Room for the seeds of n_micro micro-batches (before anything of the step is recorded); keep: with the
+        seeds written so far (a pipeline stage's micro-batches in flight), copied in a submission of its own."""
         if self.buffer.size < n_micro * self.n_modules * F32:
             old, self.buffer = self.buffer, self.rt.buffer(n_micro * self.n_modules * F32, "dropout_seeds")
+            if keep:
+                rec = self.rt.recorder()
+                rec.copy(old, 0, self.buffer, 0, old.size)
+                rec.submit()
             self.rt.release(old)
 
     def slot_of(self, module_id: int) -> int:

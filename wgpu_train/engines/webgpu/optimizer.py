@@ -91,6 +91,11 @@ class Optimizer:
             K.grad_norm_partial(rec, self.partials, slot, grad, n)
             slot += slots
         K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
+        self.record_adamw(rec, hp, step, norm_at)
+
+    def record_adamw(self, rec, hp, step: int, norm_at):
+        """AdamW on every piece, its gradient times the clip scale at norm_at ([norm, clip scale, finite flag],
+        as grad_norm_finalize writes it; a 0 flag skips the update)."""
         for (param, grad, m, v, n), is_b in zip(self.groups, self.b_groups):
             lr = hp.lr * hp.lora_b_lr_ratio if is_b else hp.lr
             K.adamw_update(rec, param, grad, m, v, n, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,

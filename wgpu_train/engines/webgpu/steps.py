@@ -97,7 +97,7 @@ class StepRunner:
         return rec, acts, before
 
     def loss(self, ids, targets, segment_ids, position_ids):
-        return self._submit_loss(*self._record_scoring(ids, targets, segment_ids, position_ids))
+        return self.submit_loss(*self._record_scoring(ids, targets, segment_ids, position_ids))
 
     def token_losses(self, ids, targets, segment_ids, position_ids, reference=False):
         """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); one
@@ -136,7 +136,7 @@ class StepRunner:
             old, self.scored_rows = self.scored_rows, self.rt.buffer(n * F32, "scored_rows")
             self.rt.release(old)
 
-    def _submit_loss(self, rec, acts, before) -> tuple:
+    def submit_loss(self, rec, acts, before) -> tuple:
         """Sum the recorded micro-batch's loss rows, submit, and read back (loss_sum, trained tokens)."""
         K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, acts.n_head)
         rec.read_back(self.results, np.float32, (2,))
@@ -148,7 +148,12 @@ class StepRunner:
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
         """Forward, loss and backward of one micro-batch (gradients accumulate); grad_scale one number or a
         weight per token (B, T); returns (loss_sum, count), the loss unweighted."""
-        b, t = ids.shape
+        return self.submit_loss(*self.record_forward_backward(ids, targets, segment_ids, position_ids, grad_scale))
+
+    def record_forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale) -> tuple:
+        """forward_backward's micro-batch uploaded and recorded, not submitted: (recorder, bucket, counters
+        before); ids (B, T), or a stage's input (BucketCache.upload_batch)."""
+        b, t = segment_ids.shape
         acts = self.buckets.activations(b, t, train=True)
         per_token = np.ndim(grad_scale) > 0
         self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets,
@@ -161,7 +166,7 @@ class StepRunner:
         self.layers.record_forward(rec, acts)
         self.layers.record_backward(rec, acts)
         self.layers.training = False
-        return self._submit_loss(rec, acts, before)
+        return rec, acts, before
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None,
                    scaler: LossScaler | None = None):

@@ -1,0 +1,194 @@
+"""One pipeline stage on the WebGPU engine: the layers of a range on one device (the embedding on the first stage,
+the final norm, head and loss on the last), its forward from the boundary's activations and its backward from the
+boundary's gradient, each micro-batch in flight in buckets of its own, and its AdamW update clipped by the global
+norm of every stage's gradients."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
+from wgpu_train.engines.webgpu.buffers import BucketCache
+from wgpu_train.engines.webgpu.device.recorder import count_submissions, submit
+from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+
+class WgpuStage(WgpuEngine):
+    """A WgpuEngine over the weights of the layers of `span` (and the embedding where `first`; the norm and head
+    where `last`) that runs the protocol's PipelineStage methods. A training micro-batch's forward keeps its
+    activations, in a bucket cache of its own (`slot`), until that micro-batch's backward, so a schedule may run
+    several forwards first (GPipe, 1F1B); its dropout seeds keep the same slot. Each training forward advances
+    the dropout position, as one process's micro-batch does, so every stage draws the masks one process would.
+    Each call is one submission, whose inputs are written to the device and whose outputs are read back."""
+
+    def __init__(self, cfg, weights: dict, rt, span: range, first: bool, last: bool, **kw):
+        super().__init__(cfg, weights, rt, span=span, first=first, last=last, **kw)
+        self.span, self.first, self.last = span, first, last
+        self.counters["boundary_bytes_sent"] = 0
+        self._spare: list = []       # the bucket caches of slots 1, 2, ... (slot 0 is the engine's own)
+        self._kept: dict = {}        # micro-batch -> (slot, its activations), from its forward to its backward
+        self._caches: dict = {}      # generation's KV caches by the driver's key
+
+    # ---- a bucket cache per micro-batch in flight ------------------------------------------------------------
+    def _take_slot(self) -> int:
+        """The first slot no kept micro-batch holds, its bucket cache made (sized for the adapter as it is) and
+        its dropout seeds' room reserved."""
+        held = {slot for slot, _ in self._kept.values()}
+        slot = next(k for k in itertools.count() if k not in held)
+        while len(self._spare) < slot:
+            spare = BucketCache(self.rt, self.cfg, self.precision, self.counters, self.span, self.first)
+            spare.set_adapter(self.lora, self._group_of)
+            spare.set_checkpointing(self.gradient_checkpointing)
+            self._spare.append(spare)
+        self.dropout.reserve(slot + 1, keep=True)
+        return slot
+
+    def _bucket_cache(self, slot: int) -> BucketCache:
+        return self.buckets if slot == 0 else self._spare[slot - 1]
+
+    def _release_acts(self):
+        """Every bucket freed (the adapter or the trained tensors changed): the spare slots' caches dropped."""
+        super()._release_acts()
+        for spare in self._spare:
+            spare.release()
+        self._spare = []
+
+    def set_gradient_checkpointing(self, on: bool = True):
+        super().set_gradient_checkpointing(on)
+        self._release_acts()
+
+    # ---- the boundary ---------------------------------------------------------------------------------------
+    def _send(self, x) -> np.ndarray:
+        packed = pack_boundary(x, self.precision)
+        self.counters["boundary_bytes_sent"] += packed.nbytes
+        return packed
+
+    def stage_forward(self, micro, inputs, segment_ids, position_ids):
+        """See PipelineStage.stage_forward."""
+        training = micro is not None
+        slot = self._take_slot() if training else 0
+        cache = self._bucket_cache(slot)
+        acts = cache.activations(*np.shape(segment_ids), train=training)
+        cache.upload_batch(acts, np.asarray(inputs), segment_ids, position_ids)
+        if training:
+            self.dropout.write(slot, self.layers.lora)
+        before = dict(self.rt.counters)
+        rec = self.rt.recorder()
+        self.layers.training = training
+        try:
+            self.layers.record_forward(rec, acts)
+        finally:
+            self.layers.training = False
+        rec.submit()
+        out = cache.read_activations(acts.x_final, acts.n)                      # (N, C)
+        count_submissions(self.rt, self.counters, before)
+        if training:
+            self._kept[micro] = (slot, acts)
+        return self._send(out)
+
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+        """See PipelineStage.stage_loss. The last stage's ops each finish their micro-batch, so it keeps none and
+        runs in the engine's own buckets and dropout slot, as one process's forward_backward."""
+        rec, acts, before = self.steps.record_forward_backward(np.asarray(inputs), targets, segment_ids,
+                                                               position_ids, grad_scale)
+        loss_sum, count = self.steps.submit_loss(rec, acts, before)
+        if self.first or not count:
+            return loss_sum, count, None
+        return loss_sum, count, self._read_input_gradient(self.buckets, acts)
+
+    def _read_input_gradient(self, cache: BucketCache, acts):
+        before = dict(self.rt.counters)
+        dx = cache.read_activations(acts.d_res, acts.n)                         # (N, C)
+        count_submissions(self.rt, self.counters, before)
+        return self._send(dx)
+
+    def stage_backward(self, micro, d_outputs):
+        """See PipelineStage.stage_backward."""
+        slot, acts = self._kept.pop(micro)
+        if d_outputs is None:
+            return None
+        cache = self._bucket_cache(slot)
+        cache.write_activations(acts.d_res, unpack_boundary(d_outputs))        # the output's gradient
+        self.dropout.micro = slot
+        rec = self.rt.recorder()
+        self.layers.training = True
+        try:
+            self.layers.record_backward(rec, acts)
+        finally:
+            self.layers.training = False
+        submit(self.rt, self.counters, rec)
+        return None if self.first else self._read_input_gradient(cache, acts)
+
+    def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
+        """See PipelineStage.stage_scores."""
+        inputs = np.asarray(inputs)
+        if targets is None:
+            return self.steps.logits(inputs, segment_ids, position_ids)
+        if rows:
+            return self.steps.token_losses(inputs, targets, segment_ids, position_ids)
+        return self.steps.loss(inputs, targets, segment_ids, position_ids)
+
+    # ---- gradients and the update ---------------------------------------------------------------------------
+    def stage_unscale(self):
+        """See PipelineStage.stage_unscale."""
+        if self.loss_scaler is not None:
+            rec = self.rt.recorder()
+            self.optimizer.record_unscale(rec, self.loss_scaler.scale)
+            submit(self.rt, self.counters, rec)
+
+    def stage_grad_square(self, leave_out=()) -> float:
+        """See PipelineStage.stage_grad_square: its gradients read back, summed in float64."""
+        return float(sum(float(np.sum(np.square(g, dtype=np.float64))) for k, g in self.gradients().items()
+                         if k not in leave_out))
+
+    def set_gradients(self, grads: dict):
+        """See PipelineStage.set_gradients."""
+        for k, g in grads.items():
+            self._write(self.optimizer.grads[k], np.asarray(g, np.float32))
+
+    def stage_update(self, norm: float, hp, step: int) -> bool:
+        """See PipelineStage.stage_update: [norm, clip scale, finite] written where AdamW reads them (the values
+        grad_norm_finalize computes from one process's gradients), then AdamW on every piece."""
+        applied = bool(np.isfinite(norm))
+        if applied:
+            clip = np.float32(1.0)          # as grad_norm_finalize computes it, in float32
+            if hp.max_grad_norm and hp.max_grad_norm > 0:
+                clip = min(clip, np.float32(hp.max_grad_norm) / (np.float32(norm) + np.float32(1e-6)))
+            norm_at = self.steps.results
+            self.rt.write(norm_at, np.array([norm, clip, 1.0], np.float32))
+            rec = self.rt.recorder()
+            self.optimizer.record_adamw(rec, hp, step, (norm_at, 0))
+            submit(self.rt, self.counters, rec)
+            self.dora.stale = True          # A and B moved: the next forward recomputes DoRA's norms
+        else:
+            self.counters["nonfinite_skipped"] += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(applied)
+        return applied
+
+    # ---- generation: the KV cache of its layers -------------------------------------------------------------
+    def stage_new_cache(self, key: int, batch: int, max_len: int):
+        """See PipelineStage.stage_new_cache."""
+        self._caches[key] = self.new_kv_cache(batch, max_len)
+
+    def stage_free_cache(self, key: int):
+        """See PipelineStage.stage_free_cache."""
+        kv = self._caches.pop(key, None)
+        if kv is not None:
+            self.free_kv_cache(kv)
+
+    def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
+        """See PipelineStage.stage_rows."""
+        out = self.kv.rows_forward(np.asarray(inputs), np.asarray(rows), np.asarray(positions), self._caches[key],
+                                   np.asarray(last), long_rope)
+        return out if self.last else self._send(out)
+
+    def weight_names(self) -> list:
+        """The base weights this stage holds."""
+        return list(self.w)
+
+    def weight(self, name: str):
+        """One base weight (float32), as weights() holds it."""
+        return self._weight(name)
+
