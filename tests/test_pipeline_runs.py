@@ -238,7 +238,6 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, run + ["--pipeline-micro-batches", "2"], "give --pipeline-stages")
     one_line_error(capsys, run + ["--pipeline-stages", "2", "--pipeline-micro-batches", "3", "--grad-accum", "2"],
                    "give one")
-    one_line_error(capsys, run + ["--pipeline-stages", "2", "--backend", "wgpu"], "leave out --backend wgpu")
     one_line_error(capsys, run + ["--pipeline-stages", "5"], "more than the model's 4 layers", after_log=True)
     one_line_error(capsys, run + ["--stage-layers", "0-1,3"], "layer 2 is in no stage", after_log=True)
     one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",

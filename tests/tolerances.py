@@ -51,6 +51,14 @@ TOLERANCES: dict[str, Tolerance] = {
         "(about 1e-16 relative in the clipping factor), which may move an AdamW update by a float32 unit in the last "
         "place now and then over a few steps (measured: 0 on the tiny Llama, Qwen3 and Gemma 3 and the embedded "
         "default; stages in Ray actors against one process whose BLAS runs on one thread, as Ray's workers do)"),
+    "pipeline_wgpu": Tolerance(1e-3, 1e-4,
+        "pipeline stages on the WebGPU engine against one WebGPU process: each stage records one process's kernels "
+        "on the same shapes, and the boundary carries the values the stage stored, so the step's losses and "
+        "gradients are the same; the global norm is not: one process sums every gradient piece's squares in one "
+        "float32 tree on the device, the stages read their gradients back and add them in float64 per stage, so "
+        "the clipping factor differs in its last bits. AdamW carries that into every element (after one step of "
+        "the embedded default: 3e-9 measured), and a few steps at lr 1e-2 with clipping grow it (4 steps, LoRA "
+        "dropout 0.1, lavapipe: 6e-5 absolute measured; the issue asks for 1e-4)"),
     "logits_f32": Tolerance(1e-4, 3e-5,
         "float32 NumPy vs float32 torch on the tiny models: summation order (BLAS) and exp/log rounding "
         "differ; observed <= 3.5e-6 on logits of magnitude ~3. A wrong mask, RoPE or norm moves logits by > 1e-2"),

@@ -1,6 +1,7 @@
 """`wgpu-train bench --only pipeline`: the embedded default model's LoRA step through S = 1, 2 and 3 pipeline stages
-as Ray actors, on the same global batch, side by side in one run: time per step, the bubble (the share of the
-stages' time they wait), and the bytes passed between stages per step."""
+as Ray actors, on the NumPy engine and on the bench's WebGPU adapter, on the same global batch, side by side in
+one run: time per step, the bubble (the share of the stages' time they wait), and the bytes passed between
+stages per step."""
 from __future__ import annotations
 
 import os
@@ -21,7 +22,9 @@ def _step_batches(micro: int, rows: int, length: int, vocab: int, seed: int) -> 
     return out
 
 
-def _side(folder, stages: int, micro: int, rows: int, length: int, steps: int, schedule: str) -> dict:
+def _side(folder, stages: int, micro: int, rows: int, length: int, steps: int, schedule: str,
+          device: str | None) -> dict:
+    """One side: S stages on the NumPy engine (device None) or each on the WebGPU adapter `device`."""
     from wgpu_train.adapters.config import LoraConfig
     from wgpu_train.distributed.pipeline_engine import PipelineEngine
     from wgpu_train.distributed.pipeline_ray import RayStages
@@ -32,7 +35,8 @@ def _side(folder, stages: int, micro: int, rows: int, length: int, steps: int, s
 
     cfg = ModelConfig.from_folder(folder)
     plan = plan_stages(cfg.num_hidden_layers, stages, tied=cfg.tie_word_embeddings)
-    runner = RayStages(folder, plan, "float32", "auto", "fp32")
+    backend = "numpy" if device is None else "wgpu"
+    runner = RayStages(folder, plan, "float32", "auto", "fp32", backend=backend, devices=[device] * stages)
     try:
         engine = PipelineEngine(runner, plan, schedule)
         Model(cfg, engine, folder).add_lora(LoraConfig(r=8, target_modules=("q_proj", "v_proj")), seed=0)
@@ -49,7 +53,7 @@ def _side(folder, stages: int, micro: int, rows: int, length: int, steps: int, s
             sent.append(engine.counters["boundary_bytes_sent"] - bytes_before)
         step_s = float(np.median(times[1:]))
         idle = 1.0 - float(np.median([b / (stages * t) for b, t in zip(busy[1:], times[1:])]))
-        return {"stages": stages, "layers": plan.describe(), "step_s": round(step_s, 4),
+        return {"engine": backend, "stages": stages, "layers": plan.describe(), "step_s": round(step_s, 4),
                 "tokens_per_s": round(micro * rows * length / step_s, 1), "bubble_measured": round(idle, 3),
                 "bubble_gpipe_theory": round((stages - 1) / (micro + stages - 1), 3),
                 "boundary_bytes_per_step": int(np.median(sent[1:]))}
@@ -57,9 +61,12 @@ def _side(folder, stages: int, micro: int, rows: int, length: int, steps: int, s
         runner.close()
 
 
-def bench_pipeline(steps: int = 4, micro: int = 4, rows: int = 4, length: int = 64, schedule: str = "1f1b") -> dict:
-    """S = 1, 2, 3 stages (Ray actors) over the embedded default model, `steps` steps (medians, past a first one)
-    of `micro` micro-batches of rows x length tokens; {"skipped": why} without Ray."""
+def bench_pipeline(device: str | None = None, steps: int = 4, micro: int = 4, rows: int = 4, length: int = 64,
+                   schedule: str = "1f1b") -> dict:
+    """S = 1, 2, 3 stages (Ray actors) over the embedded default model on the NumPy engine, and with a WebGPU
+    adapter `device` on it too (every stage on that adapter), `steps` steps (medians, past a first one) of
+    `micro` micro-batches of rows x length tokens; each side's step time against 1 stage of its engine;
+    {"skipped": why} without Ray."""
     from wgpu_train.distributed import pipeline_ray
     from wgpu_train.training.config import default_model_dir
 
@@ -68,16 +75,18 @@ def bench_pipeline(steps: int = 4, micro: int = 4, rows: int = 4, length: int = 
     folder = default_model_dir()
     started = pipeline_ray.start_ray(None, 3)       # one Ray instance for the three sides
     try:
-        sides = [_side(folder, s, micro, rows, length, steps, schedule) for s in (1, 2, 3)]
+        devices = [None] + ([device] if device is not None else [])          # the NumPy engine, the adapter
+        sides = [_side(folder, s, micro, rows, length, steps, schedule, on) for on in devices for s in (1, 2, 3)]
     except ConfigError as e:
         return {"skipped": str(e)}
     finally:
         if started:
             pipeline_ray.ray.shutdown()
-    one = sides[0]["step_s"]
     for side in sides:
+        one = next(x["step_s"] for x in sides if x["engine"] == side["engine"] and x["stages"] == 1)
         side["step_time_vs_1_stage"] = round(side["step_s"] / one, 3)
     return {"schedule": schedule, "micro_batches": micro, "rows": rows, "length": length, "sides": sides,
-            "note": (f"{os.cpu_count()} CPU cores and the NumPy engine: the stages share the cores, so more stages "
-                     f"cannot run faster here; the bubble and the step time show Ray's per-call latency on a "
-                     f"model this small, not what separate devices would gain. The bytes per step are exact.")}
+            "note": (f"{os.cpu_count()} CPU cores; the stages share them (and one adapter, on the WebGPU side), "
+                     f"so more stages cannot run faster here; the bubble and the step time show Ray's per-call "
+                     f"latency on a model this small, not what separate devices would gain. The bytes per step "
+                     f"are exact.")}

@@ -99,7 +99,7 @@ SECTIONS["precision"] = _precision
 
 def _pipeline(rt):
     from wgpu_train.bench.pipeline import bench_pipeline
-    return bench_pipeline()
+    return bench_pipeline(None if rt is None else str(rt.info.index))
 
 
 SECTIONS["pipeline"] = _pipeline

@@ -84,6 +84,10 @@ class PipelineEngine:
         for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
                      "backend_reason"):
             setattr(self, name, runner.attr(0, name))
+        resolved = [runner.attr(s, "precision") for s in range(len(plan))]
+        if len(set(resolved)) > 1:      # --precision auto on adapters of different kinds
+            raise ConfigError(f"the pipeline stages resolved --precision to {', '.join(map(str, resolved))} on "
+                              f"their devices: give --precision, one for every stage")
         self.device_description = "; ".join(f"stage {s} (layers {span.start}-{span.stop - 1}): "
                                             f"{runner.attr(s, 'device_description')}"
                                             for s, span in enumerate(plan.stages))

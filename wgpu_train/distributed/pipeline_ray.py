@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from wgpu_train.distributed.pipeline_engine import StageLost
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import ConfigError, WgpuTrainError
 
 try:
     import ray
@@ -22,13 +22,19 @@ ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", 
 
 
 class StageActor:
-    """One stage in its own process: engines.loading.load_stage's engine, called by method name."""
+    """One stage in its own process: engines.loading.load_stage's engine (on `backend` and `device`), loaded by
+    `load` (a task, whose ConfigError reaches the driver as itself, where one raised while the actor is made
+    only kills it), then called by method name."""
 
-    def __init__(self, folder: str, plan, stage: int, base_dtype: str, embed_dtype: str, precision: str):
+    def __init__(self):
+        self.engine = None
+        self.busy = 0.0          # seconds spent in calls (the bubble's complement, bench --only pipeline)
+
+    def load(self, folder: str, plan, stage: int, base_dtype: str, embed_dtype: str, precision: str,
+             backend: str = "numpy", device: str | None = None):
         from wgpu_train.engines.loading import load_stage
 
-        self.engine = load_stage(folder, plan, stage, "numpy", base_dtype, embed_dtype, precision)
-        self.busy = 0.0          # seconds spent in calls (the bubble's complement, bench --only pipeline)
+        self.engine = load_stage(folder, plan, stage, backend, base_dtype, embed_dtype, precision, device)
 
     def call(self, method: str, *args):
         started = time.perf_counter()
@@ -68,7 +74,8 @@ class RayStages:
     refs at once (num_returns of them for a tuple); its arguments may be refs of other stages' results, which Ray
     hands over when they exist, so each actor runs its calls in the order given as soon as their inputs are made."""
 
-    def __init__(self, folder, plan, base_dtype: str, embed_dtype: str, precision: str, address: str | None = None):
+    def __init__(self, folder, plan, base_dtype: str, embed_dtype: str, precision: str, backend: str = "numpy",
+                 devices: list | None = None, address: str | None = None):
         if ray is None:
             raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
                               "pip install 'wgpu-train[ray]'")
@@ -76,8 +83,14 @@ class RayStages:
         # the stages take turns more than they compute at once; their BLAS on one thread, Ray's default for its
         # workers, set here so that the numbers do not depend on how Ray was started
         actor = ray.remote(num_cpus=0, runtime_env={"env_vars": ONE_THREAD})(StageActor)
-        self.actors = [actor.remote(str(folder), plan, s, base_dtype, embed_dtype, precision)
-                       for s in range(len(plan))]
+        devices = devices or [None] * len(plan)
+        self.actors = [actor.remote() for _ in range(len(plan))]
+        try:
+            self.get([a.load.remote(str(folder), plan, s, base_dtype, embed_dtype, precision, backend, devices[s])
+                      for s, a in enumerate(self.actors)])
+        except BaseException:
+            self.close()
+            raise
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -88,9 +101,9 @@ class RayStages:
     def get(self, refs):
         try:
             return ray.get(refs)
-        except ray.exceptions.RayTaskError as e:      # a user error in a stage: its own one line
+        except ray.exceptions.RayTaskError as e:      # a user's error in a stage (a bad device too): its one line
             cause = getattr(e, "cause", None)
-            if isinstance(cause, ConfigError):
+            if isinstance(cause, WgpuTrainError):
                 raise type(cause)(str(cause)) from None
             if isinstance(cause, ray.exceptions.RayActorError):      # a task fed by a dead stage's results
                 raise StageLost(str(cause).splitlines()[0]) from None

@@ -17,11 +17,21 @@ from wgpu_train.training.trainers import make_trainer
 
 
 def pipeline_config(config):
-    """config as a run through stages takes it: the NumPy engine in each stage, a step's micro-batches
-    --pipeline-micro-batches (else --grad-accum)."""
+    """config as a run through stages takes it: a step's micro-batches --pipeline-micro-batches (else
+    --grad-accum)."""
     if not config.pipelined():
         raise ConfigError("a pipeline run needs --pipeline-stages or --stage-layers")
-    return dataclasses.replace(config, backend="numpy", grad_accum=config.pipeline_micro_batches or config.grad_accum)
+    return dataclasses.replace(config, grad_accum=config.pipeline_micro_batches or config.grad_accum)
+
+
+def stage_devices(device: str | None, stages: int) -> list:
+    """Each stage's --device: one per stage where --device lists several, else the one given (or None) for all."""
+    devices = [s.strip() for s in (device or "").split(",") if s.strip()]
+    if len(devices) <= 1:
+        return [devices[0] if devices else None] * stages
+    if len(devices) != stages:
+        raise ConfigError(f"--device lists {len(devices)} devices for {stages} pipeline stages: list one per stage")
+    return devices
 
 
 class PipelineStages(OneEngine):
@@ -53,18 +63,16 @@ class PipelineStages(OneEngine):
                                            trainer.embed_dtype, cfg.gradient_checkpointing,
                                            trainer.precision or "fp32", self.micro_batches(trainer),
                                            cfg.pipeline_schedule)
-        devices = [s.strip() for s in (cfg.device or "").split(",") if s.strip()]
-        if 1 < len(devices) < len(plan):
-            raise ConfigError(f"--device lists {len(devices)} devices for {len(plan)} pipeline stages: list one "
-                              f"per stage")
+        devices = stage_devices(cfg.device, len(plan))
         folder = trainer.model_dir.resolve()
         args = (trainer.base_dtype, trainer.embed_dtype, trainer.precision or "auto")
         if self.local:
-            runner = LocalStages([load_stage(folder, plan, s, "numpy", *args) for s in range(len(plan))])
+            runner = LocalStages([load_stage(folder, plan, s, cfg.backend, *args, devices[s])
+                                  for s in range(len(plan))])
         else:
             from wgpu_train.distributed.pipeline_ray import RayStages      # imports Ray
 
-            runner = RayStages(folder, plan, *args, address=cfg.ray_address)
+            runner = RayStages(folder, plan, *args, backend=cfg.backend, devices=devices, address=cfg.ray_address)
         where = "in this process" if self.local else "as Ray actors"
         trainer.log(f"pipeline: {len(plan)} stages (layers {plan.describe()}), {cfg.pipeline_schedule} over "
                     f"{self.micro_batches(trainer)} micro-batches, {where}")

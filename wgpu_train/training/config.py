@@ -354,8 +354,7 @@ class TrainConfig:
         for ok, what in ((not self.num_workers or objective.trainer is TrainerKind.SUPERVISED,
                           "--num-workers with a preference objective"),
                          (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
-                         (not self.ref_adapter, "--ref-adapter (a second model in the driver)"),
-                         (self.backend != "wgpu", "--backend wgpu")):
+                         (not self.ref_adapter, "--ref-adapter (a second model in the driver)")):
             need(ok, f"--pipeline-stages runs on the NumPy engine, for now: leave out {what}")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:

@@ -1,0 +1,144 @@
+"""Pipeline stages on the WebGPU engine (engines/webgpu/stage.py) against one WebGPU process: steps of S = 2 and 3
+stages under GPipe and 1F1B on the tiny Llama, Qwen3 and Gemma 3 (fp32, bf16 over an NF4 base, f16 with DoRA,
+gradient checkpointing, a tied embedding trained on both end stages), generation through the stages, and the
+embedded default trained through 2 stages as Ray actors, each on its own adapter (`--device 0,0`)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import require_adapter
+from test_pipeline import LAYER_TYPES, _micro_batches
+from test_pipeline_runs import _run_config, _step_losses
+from tiny_models import build_model, save_model
+from tolerances import assert_close
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine
+from wgpu_train.engines.loading import load_model, load_stage
+from wgpu_train.engines.model import Model
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.models.stage_plan import plan_stages
+
+EVEN = dict(intermediate_size=42)      # 16-bit activations on the WebGPU engine need even widths
+
+
+def _staged(folder, stages: int, schedule: str = "1f1b", device=None, **kw):
+    """One process and a PipelineEngine over `stages` WebGPU stages of the same folder and settings."""
+    one = load_model(folder, "wgpu", device=device, **kw)
+    plan = plan_stages(one.config.num_hidden_layers, stages, tied=one.config.tie_word_embeddings)
+    runner = LocalStages([load_stage(folder, plan, s, "wgpu", device=device, **kw) for s in range(stages)])
+    return one, Model(one.config, PipelineEngine(runner, plan, schedule), folder)
+
+
+def _same_steps(one, staged, steps: int = 3, micro: int = 3):
+    """`steps` optimizer steps of `micro` micro-batches on both: the same losses, token counts and finite flags,
+    the norms and the trained tensors close (pipeline_wgpu)."""
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5, weight_decay=0.01)
+    for step in range(1, steps + 1):
+        batches = _micro_batches(step, micro)
+        expected = one.engine.train_step(batches, hp, step)
+        got = staged.engine.train_step(batches, hp, step)
+        assert got[1] == expected[1] and got[3] == expected[3], (got, expected)
+        assert_close(np.array(got[::2]), np.array(expected[::2]), "pipeline_wgpu", f"step {step}'s loss and norm")
+    mine, theirs = staged.engine.trainable(), one.engine.trainable()
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
+    assert max(float(np.abs(theirs[k]).max()) for k in theirs if k.endswith("lora_B")) > 1e-3      # it trained
+
+
+def test_wgpu_stages_equal_one_process_on_each_adapter(tmp_path, rt):
+    """2 stages under GPipe (every micro-batch's activations held by the first stage at once, each in buckets and
+    a dropout slot of its own) with LoRA dropout, on every adapter present; the forward-only scores too."""
+    folder = save_model(build_model("llama", num_hidden_layers=3), tmp_path / "llama")
+    one, staged = _staged(folder, 2, "gpipe", device=str(rt.info.index), precision="fp32")
+    lora = LoraConfig(r=4, target_modules=("q_proj", "v_proj", "down_proj"), dropout=0.1)
+    for model in (one, staged):
+        model.add_lora(lora, seed=3)
+    _same_steps(one, staged)
+    ids, targets, seg, pos = _micro_batches(9, 1)[0]
+    assert staged.engine.loss(ids, targets, seg, pos) == one.engine.loss(ids, targets, seg, pos)
+    assert_close(staged.engine.token_losses(ids, targets, seg, pos, reference=True),
+                 one.engine.token_losses(ids, targets, seg, pos, reference=True), "exact", "token losses")
+    assert_close(staged.engine.logits(ids, seg, pos), one.engine.logits(ids, seg, pos), "exact", "logits")
+    first = staged.engine.runner.stages[0]
+    assert first.counters["boundary_bytes_sent"] > 0 and len(first._spare) == 2     # 3 micro-batches held at once
+
+
+@pytest.mark.parametrize("arch,stages,settings", [
+    ("qwen3", 3, dict(precision="bf16", base_dtype="nf4", checkpointing=True)),
+    ("gemma3", 2, dict(precision="f16", dora=True)),
+    ("qwen3", 2, dict(precision="fp32", tied_embedding=True))])
+def test_wgpu_stages_compose_equal_one_process(tmp_path, default_rt, arch, stages, settings):
+    """bf16 activations over an NF4 base with gradient checkpointing on 3 stages; DoRA with f16 activations and
+    loss scaling (every stage unscales and updates its scaler alike); a tied embedding trained on both end
+    stages as one (modules_to_save with ensure_weight_tying: its gradients summed)."""
+    settings = dict(settings)
+    kw = {"layer_types": LAYER_TYPES} if arch == "gemma3" else {}
+    folder = save_model(build_model(arch, num_hidden_layers=3, **EVEN, **kw), tmp_path / arch)
+    checkpointing, dora, tied = (settings.pop(k, False) for k in ("checkpointing", "dora", "tied_embedding"))
+    one, staged = _staged(folder, stages, **settings)
+    lora = LoraConfig(r=4, target_modules=("q_proj", "v_proj", "down_proj"), use_dora=dora,
+                      modules_to_save=("embed_tokens",) if tied else (), ensure_weight_tying=tied)
+    for model in (one, staged):
+        model.add_lora(lora, seed=3)
+        model.engine.set_gradient_checkpointing(checkpointing)
+    _same_steps(one, staged, steps=2, micro=2)
+    if settings["precision"] == "f16":
+        assert staged.engine.loss_scaler.state_dict() == one.engine.loss_scaler.state_dict()
+
+
+def test_generation_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
+    """Greedy and sampled generation of ragged prompts, each stage keeping its layers' KV cache on its device."""
+    folder = save_model(build_model("gemma3", num_hidden_layers=3, layer_types=LAYER_TYPES), tmp_path / "gemma3")
+    one, staged = _staged(folder, 3, precision="fp32")
+    for model in (one, staged):
+        model.add_lora(LoraConfig(r=4, target_modules=("q_proj", "v_proj")), seed=3)
+        model.engine.set_trainable({k: v + 0.05 for k, v in model.engine.trainable().items()})   # B != 0
+    prompts = [np.array(p) for p in ([5, 9, 11, 2, 40], [7, 3], [60, 61, 62])]
+    for temperature in (0.0, 0.8):
+        expected = one.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4)
+        assert staged.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4) == expected
+
+
+def test_embedded_default_through_wgpu_stages_as_ray_actors(tmp_path, default_rt):
+    """`finetune --backend wgpu --pipeline-stages 2 --device 0,0`: two Ray actors, each opening the adapter in its
+    own process and reading only its tensors, end with one WebGPU process's step losses and adapter."""
+    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
+    require_adapter()
+    device = str(default_rt.info.index)
+    finetune(_run_config(tmp_path / "one", backend="wgpu", device=device, precision="fp32"))
+    summary = finetune(_run_config(tmp_path / "staged", backend="wgpu", device=f"{device},{device}",
+                                   precision="fp32", pipeline_stages=2))
+    assert summary["pipeline"]["ray"] is True and summary["pipeline"]["stages"] == 2
+    assert "stage 1 (layers" in summary["device"] and summary["backend"] == "wgpu"
+    got, expected = _step_losses(tmp_path / "staged"), _step_losses(tmp_path / "one")
+    assert [s for s, _ in got] == [s for s, _ in expected]
+    assert_close([loss for _, loss in got], [loss for _, loss in expected], "pipeline_wgpu", "step losses")
+    mine, theirs = read_adapter(tmp_path / "staged")[1], read_adapter(tmp_path / "one")[1]
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
+    saved = json.loads((tmp_path / "staged" / "train_config.json").read_text())
+    assert saved["backend"] == "wgpu" and saved["pipeline_stages"] == 2
+
+
+def test_bad_stage_devices_are_one_line(tmp_path, capsys, default_rt):
+    """A stage on an adapter that does not exist stops the run with the adapter's own line (raised in its Ray
+    actor), and stages whose adapters resolved --precision auto differently are refused."""
+    from finetune_helpers import one_line_error
+    from wgpu_train.errors import ConfigError
+
+    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
+    one_line_error(capsys, ["finetune", "--backend", "wgpu", "--out", str(tmp_path / "x"), "--max-steps", "1",
+                            "--no-progress", "--pipeline-stages", "2", "--device", "0,99"],
+                   "device index 99 out of range", after_log=True)
+    folder = save_model(build_model("llama", num_hidden_layers=2, **EVEN), tmp_path / "llama")
+    plan = plan_stages(2, 2)
+    stages = [load_stage(folder, plan, s, "wgpu", precision=p) for s, p in enumerate(("fp32", "bf16"))]
+    with pytest.raises(ConfigError, match="resolved --precision to fp32, bf16"):
+        PipelineEngine(LocalStages(stages), plan)
