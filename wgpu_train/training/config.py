@@ -218,8 +218,8 @@ class TrainConfig:
     pipeline_stages: int | None = _opt(None, "split the model's layers into this many contiguous stages, each a Ray "
                                              "actor that loads and holds only its layers (the first also the "
                                              "embedding, the last the final norm and head), for a model larger "
-                                             "than one device; balanced by the memory estimate; LoRA SFT on the "
-                                             "NumPy engine for now; --device may list one adapter per stage; "
+                                             "than one device; balanced by the memory estimate; each stage on "
+                                             "--backend's engine, and --device may list one adapter per stage; "
                                              "needs pip install 'wgpu-train[ray]'")
     stage_layers: str | None = _opt(None, "the stages' layers by hand, FIRST-LAST per stage: e.g. 0-11,12-23 "
                                           "(every layer exactly once, in order)")
