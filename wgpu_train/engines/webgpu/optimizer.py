@@ -34,6 +34,7 @@ class Optimizer:
         self.moments: dict = {}
         self.groups: list = []
         self.b_groups: list = []
+        self.group_names: list = []     # per piece: the trained base weight it is part of (None: LoRA tensors)
         self.state_buffers: list = []
         self.norm_slots: list = []
         self.partials = None
@@ -46,7 +47,7 @@ class Optimizer:
         if self.state_buffers:
             rt.release(*self.state_buffers)
         self.params, self.grads, self.moments = {}, {}, {}
-        self.groups, self.b_groups, self.state_buffers = [], [], []
+        self.groups, self.b_groups, self.group_names, self.state_buffers = [], [], [], []
         if lora_packed:                  # the LoRA tensors: packed, a few pieces (set_lora owns params, grads)
             params, grads = lora_packed
             m, v = Packed(rt, params.shapes, "lora_m"), Packed(rt, params.shapes, "lora_v")
@@ -60,6 +61,7 @@ class Optimizer:
                      for o in range(start, end, step)]
             self.groups = [((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), n) for o, n, _ in spans]
             self.b_groups = [is_b for _, _, is_b in spans]
+            self.group_names = [None] * len(spans)
             self.state_buffers = [m.buf, v.buf]
         for k in trained:                 # trained base weights: a piece per row chunk, at lr (PEFT's LoRA+ too)
             p = self.params[k] = w[k]
@@ -68,6 +70,7 @@ class Optimizer:
             pieces = [parts(t) for t in (p, self.grads[k], *self.moments[k])]
             self.groups += [(pp[0], gp[0], mp[0], vp[0], pp[1]) for pp, gp, mp, vp in zip(*pieces)]
             self.b_groups += [False] * len(pieces[0])
+            self.group_names += [k] * len(pieces[0])
             self.state_buffers += [t for g in (self.grads[k], *self.moments[k]) for t, _ in parts(g)]
         self.norm_slots = [K.grad_norm_slots(g[4]) for g in self.groups]
         self.partials = rt.buffer(F32 * max(1, sum(self.norm_slots)), "partials")
@@ -86,12 +89,19 @@ class Optimizer:
     def record_update(self, rec, hp, step: int, norm_at):
         """The gradient norm (clipped to hp.max_grad_norm, with its finite flag, written at norm_at) and AdamW."""
         rec.section("optimizer (grad norm, AdamW)")
-        slot = 0
-        for (_, grad, _, _, n), slots in zip(self.groups, self.norm_slots):
-            K.grad_norm_partial(rec, self.partials, slot, grad, n)
-            slot += slots
-        K.grad_norm_finalize(rec, norm_at, self.partials, slot, hp.max_grad_norm or 0.0)
+        slots = self.record_norm_partials(rec)
+        K.grad_norm_finalize(rec, norm_at, self.partials, slots, hp.max_grad_norm or 0.0)
         self.record_adamw(rec, hp, step, norm_at)
+
+    def record_norm_partials(self, rec, leave_out=()) -> int:
+        """Each piece's squared gradient summed into `partials`, a slot per workgroup, but the pieces of the
+        trained weights named in leave_out; the slots written."""
+        slot = 0
+        for (_, grad, _, _, n), slots, name in zip(self.groups, self.norm_slots, self.group_names):
+            if name is None or name not in leave_out:
+                K.grad_norm_partial(rec, self.partials, slot, grad, n)
+                slot += slots
+        return slot
 
     def record_adamw(self, rec, hp, step: int, norm_at):
         """AdamW on every piece, its gradient times the clip scale at norm_at ([norm, clip scale, finite flag],

@@ -138,9 +138,13 @@ class WgpuStage(WgpuEngine):
             submit(self.rt, self.counters, rec)
 
     def stage_grad_square(self, leave_out=()) -> float:
-        """See PipelineStage.stage_grad_square: its gradients read back, summed in float64."""
-        return float(sum(float(np.sum(np.square(g, dtype=np.float64))) for k, g in self.gradients().items()
-                         if k not in leave_out))
+        """See PipelineStage.stage_grad_square: the partial sums of one process's norm (a float32 sum per
+        workgroup) read back and added in float64, not the gradients themselves."""
+        rec = self.rt.recorder()
+        slots = self.optimizer.record_norm_partials(rec, leave_out)
+        rec.read_back(self.optimizer.partials, np.float32, (max(slots, 1),))
+        submit(self.rt, self.counters, rec)
+        return float(np.sum(rec.result()[:slots], dtype=np.float64))
 
     def set_gradients(self, grads: dict):
         """See PipelineStage.set_gradients."""
