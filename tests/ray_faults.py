@@ -31,7 +31,7 @@ def install():
     stage_update = NumpyStage.stage_update
 
     def killing_stage_update(self, norm, hp, step):
-        order = Path(folder) / f"kill-layer{self.layers.start}-step{step}"
+        order = Path(folder) / f"kill-layer{self.span.start}-step{step}"
         if order.exists():
             order.unlink()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import require_adapter
-from test_pipeline import LAYER_TYPES, _micro_batches
+from test_pipeline import LAYER_TYPES, _micro_batches, assert_same_generation
 from test_pipeline_runs import _run_config, _step_losses
 from tiny_models import build_model, save_model
 from tolerances import assert_close
@@ -95,14 +95,7 @@ def test_wgpu_stages_compose_equal_one_process(tmp_path, default_rt, arch, stage
 def test_generation_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
     """Greedy and sampled generation of ragged prompts, each stage keeping its layers' KV cache on its device."""
     folder = save_model(build_model("gemma3", num_hidden_layers=3, layer_types=LAYER_TYPES), tmp_path / "gemma3")
-    one, staged = _staged(folder, 3, precision="fp32")
-    for model in (one, staged):
-        model.add_lora(LoraConfig(r=4, target_modules=("q_proj", "v_proj")), seed=3)
-        model.engine.set_trainable({k: v + 0.05 for k, v in model.engine.trainable().items()})   # B != 0
-    prompts = [np.array(p) for p in ([5, 9, 11, 2, 40], [7, 3], [60, 61, 62])]
-    for temperature in (0.0, 0.8):
-        expected = one.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4)
-        assert staged.generate_batch(prompts, max_new_tokens=6, temperature=temperature, seed=4) == expected
+    assert_same_generation(*_staged(folder, 3, precision="fp32"))
 
 
 def test_embedded_default_through_wgpu_stages_as_ray_actors(tmp_path, default_rt):

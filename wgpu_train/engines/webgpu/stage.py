@@ -73,19 +73,28 @@ class WgpuStage(WgpuEngine):
         cache.upload_batch(acts, np.asarray(inputs), segment_ids, position_ids)
         if training:
             self.dropout.write(slot, self.layers.lora)
-        before = dict(self.rt.counters)
+        self._submit(self.layers.record_forward, acts, training)
+        if training:
+            self._kept[micro] = (slot, acts)
+        return self._read_boundary(cache, acts.x_final, acts.n)
+
+    def _submit(self, record, acts, training: bool):
+        """One submission of the layers' `record` (record_forward or record_backward) over acts, LoRA dropout on
+        while training."""
         rec = self.rt.recorder()
         self.layers.training = training
         try:
-            self.layers.record_forward(rec, acts)
+            record(rec, acts)
         finally:
             self.layers.training = False
-        rec.submit()
-        out = cache.read_activations(acts.x_final, acts.n)                      # (N, C)
+        submit(self.rt, self.counters, rec)
+
+    def _read_boundary(self, cache: BucketCache, buf, n: int) -> np.ndarray:
+        """The first n rows of an activation buffer (an output, or an input's gradient) read back and packed."""
+        before = dict(self.rt.counters)
+        values = cache.read_activations(buf, n)                                 # (n, C)
         count_submissions(self.rt, self.counters, before)
-        if training:
-            self._kept[micro] = (slot, acts)
-        return self._send(out)
+        return self._send(values)
 
     def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
         """See PipelineStage.stage_loss. The last stage's ops each finish their micro-batch, so it keeps none and
@@ -95,13 +104,7 @@ class WgpuStage(WgpuEngine):
         loss_sum, count = self.steps.submit_loss(rec, acts, before)
         if self.first or not count:
             return loss_sum, count, None
-        return loss_sum, count, self._read_input_gradient(self.buckets, acts)
-
-    def _read_input_gradient(self, cache: BucketCache, acts):
-        before = dict(self.rt.counters)
-        dx = cache.read_activations(acts.d_res, acts.n)                         # (N, C)
-        count_submissions(self.rt, self.counters, before)
-        return self._send(dx)
+        return loss_sum, count, self._read_boundary(self.buckets, acts.d_res, acts.n)
 
     def stage_backward(self, micro, d_outputs):
         """See PipelineStage.stage_backward."""
@@ -111,14 +114,8 @@ class WgpuStage(WgpuEngine):
         cache = self._bucket_cache(slot)
         cache.write_activations(acts.d_res, unpack_boundary(d_outputs))        # the output's gradient
         self.dropout.micro = slot
-        rec = self.rt.recorder()
-        self.layers.training = True
-        try:
-            self.layers.record_backward(rec, acts)
-        finally:
-            self.layers.training = False
-        submit(self.rt, self.counters, rec)
-        return None if self.first else self._read_input_gradient(cache, acts)
+        self._submit(self.layers.record_backward, acts, True)
+        return None if self.first else self._read_boundary(cache, acts.d_res, acts.n)
 
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """See PipelineStage.stage_scores."""
