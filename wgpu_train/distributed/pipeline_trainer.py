@@ -30,8 +30,9 @@ class PipelineStages(OneEngine):
     tensors; a step's micro-batches (a data-parallel worker's share of them) go through them in the
     --pipeline-schedule. Checkpoints, the adapter and the summary are one process's: the PipelineEngine gathers
     every stage's tensors and optimizer state through the engine protocol, so a resume may use another S.
-    local: the stages in this process (no Ray). The stages take per-token weights, not a host function between
-    the head's forward and backward (a SequenceObjective): the preference trainer scores, then trains."""
+    local: the stages in this process (no Ray). The stages take per-token weights or a TokenObjective (GRPO's:
+    the last stage computes the weights from its own log-probabilities), not a host function between the head's
+    forward and backward (a SequenceObjective): the preference trainer and GSPO score, then train."""
 
     sequence_objectives = False
 
@@ -94,14 +95,14 @@ class PipelineStages(OneEngine):
             trainer.engine.close()
 
 
-def finetune_pipeline(config, local: bool = False) -> dict:
-    """finetune(config) through config's pipeline stages (Ray actors; local: in this process): the trainer of the
-    objective's kind over PipelineStages. A stage whose process dies (StageLost) restarts every stage from the
+def finetune_pipeline(config, local: bool = False, reward_funcs=None) -> dict:
+    """finetune(config, reward_funcs) through config's pipeline stages (Ray actors; local: in this process): the
+    trainer of the objective's kind over PipelineStages (GRPO's reward functions run in this process). A stage whose process dies (StageLost) restarts every stage from the
     run's last checkpoint, up to config.max_failures times, as --num-workers' workers do."""
     config = pipeline_config(config)
     failures = 0
     while True:
-        trainer = make_trainer(config, placement=PipelineStages(local))
+        trainer = make_trainer(config, reward_funcs=reward_funcs, placement=PipelineStages(local))
         try:
             return trainer.run()
         except StageLost as e:

@@ -261,10 +261,13 @@ class PipelineStage(Protocol):
         """A stage before the last: its output (N, C), packed, from ids (B, T) (the first stage) or the previous
         stage's packed output."""
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
         """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
-        as forward_backward's; a training step's times f16's loss scale); (summed loss, trained tokens, the packed
-        gradient of its input, or None on a first stage or without a trained token)."""
+        as forward_backward's; a training step's times f16's loss scale), or with a TokenObjective (train_step's)
+        grad_scale (one number) times the weights the loss head computes from its own log-probabilities;
+        (summed loss, trained tokens, the packed gradient of its input, or None on a first stage or without a
+        trained token, and with an objective the (B, T) float32 log-probabilities and entropies of the policy's
+        distributions that step_logps and step_entropies keep, else None and None)."""
 
     def stage_backward(self, micro, d_outputs):
         """The packed gradient of its input (None on the first stage, which accumulates the embedding's, if

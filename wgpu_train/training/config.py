@@ -353,7 +353,6 @@ class TrainConfig:
              f"a step's micro-batches: give one")
         for ok, what in ((not self.num_workers or objective.trainer is TrainerKind.SUPERVISED,
                           "--num-workers with a preference objective"),
-                         (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
                          (not self.ref_adapter, "--ref-adapter (a second model in the driver)"),
                          (self.backend != "wgpu", "--backend wgpu")):
             need(ok, f"--pipeline-stages runs on the NumPy engine, for now: leave out {what}")

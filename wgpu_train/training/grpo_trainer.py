@@ -206,9 +206,10 @@ class GRPOTrainer(Trainer):
         """Whether a step's own forward computes the log-probabilities its weights need: the engine's
         TokenObjective at the token importance-sampling level (the weights computed in the loss head), a
         SequenceObjective at GSPO's sequence level (a row's mean log-ratio: the host's weights between the
-        head's forward and backward). The two-pass path (the policy scored, then the weighted step) stays for
-        tests and benchmarks that compare with it."""
-        return True
+        head's forward and backward). The two-pass path (the policy scored, then the weighted step) serves GSPO
+        on a model whose engine takes no host function mid-step (pipeline stages), and tests and benchmarks
+        that compare with it."""
+        return self.placement.sequence_objectives or self.settings.importance_sampling_level == "token"
 
     def _score_reference(self, micro, masks) -> np.ndarray:
         """The reference's per-token log-probabilities (R, T), no policy forward: the --ref-adapter model's, else

@@ -1,0 +1,74 @@
+"""Objectives through pipeline stages (distributed/pipeline_engine.py) equal to one process: GRPO (its
+TokenObjective computed by the last stage; beta > 0, num_iterations 2; local stages, and Ray actors once), a
+--ref-adapter reference scored by the same stages, and DPO on a 2 x 2 grid of data-parallel workers of 2 stages."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from finetune_helpers import make_model_dir, write_jsonl
+from test_grpo_train import length_reward, prompts
+from test_pipeline_runs import _assert_same_adapter, _step_losses
+from wgpu_train.distributed.dispatch import finetune
+from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+from wgpu_train.training.config import TrainConfig
+from wgpu_train.training.grpo_trainer import COMPLETIONS_FILE
+
+TIMINGS = ("tokens_per_s", "seconds")     # the rows' clock readings
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_objectives")
+    model = make_model_dir(root / "model")
+    (root / "grpo").mkdir()
+    write_jsonl(root / "grpo" / "train.jsonl", prompts(8))
+    return root, model
+
+
+def _rows(out) -> list:
+    """metrics.jsonl without its clock readings."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMINGS)} for r in rows]
+
+
+# ---- GRPO: the last stage computes the TokenObjective's weights ------------------------------------------------
+
+def _grpo_config(workspace, out, **kw) -> TrainConfig:
+    """4 steps of 2 micro-batches of 4 completions (2 prompts x 4 generations a step), beta > 0 (the reference:
+    the same stages with the adapter off) and num_iterations 2 (the second step of a generation has a ratio)."""
+    root, model = workspace
+    base = dict(model=str(model), data=str(root / "grpo"), out=str(out), backend="numpy", no_progress=True,
+                lr=2e-2, log_every=1, objective="grpo", batch_size=4, grad_accum=2, max_steps=4, valid_split=0.0,
+                lr_schedule="constant", num_generations=4, max_completion_length=6, reward=None, beta=0.1,
+                num_iterations=2, temperature=0.8, eval_generate=False, seed=3, save_every=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def grpo_one_process(workspace):
+    out = workspace[0] / "grpo_one"
+    finetune(_grpo_config(workspace, out), reward_funcs=[length_reward])
+    return out
+
+
+def _assert_same_grpo_run(out, one):
+    assert (out / COMPLETIONS_FILE).read_bytes() == (one / COMPLETIONS_FILE).read_bytes()
+    mine, theirs = _rows(out), _rows(one)
+    assert mine == theirs
+    steps = [r for r in theirs if "grad_norm" in r]
+    assert len(steps) == 4 and all("entropy" in r and "kl" in r for r in steps)
+    assert steps[1]["kl"] > 0            # the reference differs from the policy once it trained
+    _assert_same_adapter(out, one)
+
+
+def test_grpo_through_stages_equals_one_process(workspace, tmp_path, grpo_one_process):
+    """GRPO on 2 local stages: the completions (sampled through the stages), the metrics (entropy and KL among
+    them) and the adapter of one process."""
+    summary = finetune_pipeline(_grpo_config(workspace, tmp_path / "staged", pipeline_stages=2),
+                                local=True, reward_funcs=[length_reward])
+    assert summary["pipeline"]["layers"] == "0-0,1-1"
+    _assert_same_grpo_run(tmp_path / "staged", grpo_one_process)
