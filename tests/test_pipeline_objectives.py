@@ -10,7 +10,7 @@ import pytest
 
 from finetune_helpers import make_model_dir, write_jsonl
 from test_grpo_train import length_reward, prompts
-from test_pipeline_runs import _assert_same_adapter, _step_losses
+from test_pipeline_runs import _assert_same_adapter, _run_workers, _step_losses
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
 from wgpu_train.training.config import TrainConfig
@@ -72,3 +72,35 @@ def test_grpo_through_stages_equals_one_process(workspace, tmp_path, grpo_one_pr
                                 local=True, reward_funcs=[length_reward])
     assert summary["pipeline"]["layers"] == "0-0,1-1"
     _assert_same_grpo_run(tmp_path / "staged", grpo_one_process)
+
+
+# ---- DPO: data-parallel workers, each through its own stages ---------------------------------------------------
+
+def _dpo_config(workspace, out, **kw) -> TrainConfig:
+    """DPO on 12 pairs: 3 steps of 2 micro-batches of 2 pairs (the reference the adapter switched off)."""
+    root, model = workspace
+    data = root / "dpo"
+    if not data.exists():
+        words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+        data.mkdir()
+        write_jsonl(data / "train.jsonl", [{"prompt": f"after {words[i % 8]} {i}?",
+                                            "chosen": f" {words[(i + 1) % 8]} {i}",
+                                            "rejected": f" {words[(i + 3) % 8]} {i}"} for i in range(12)])
+    base = dict(model=str(model), data=str(data), out=str(out), backend="numpy", no_progress=True, lr=1e-2,
+                eval_generate=False, log_every=1, objective="dpo", batch_size=2, grad_accum=2, max_steps=3,
+                valid_split=0.0, lr_schedule="constant", save_every=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_dpo_on_two_workers_of_two_stages_equals_two_workers(workspace, tmp_path):
+    """DPO on a 2 x 2 grid (2 data-parallel workers, each through 2 local stages; both score the step's rows, then
+    train the weighted micro-batches) against 2 data-parallel workers of one process each: the same step losses,
+    metrics and adapter."""
+    kw = dict(num_workers=2, grad_accum=1)
+    _run_workers(_dpo_config(workspace, tmp_path / "dp", **kw), 2)
+    grid = _run_workers(_dpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
+    assert grid[0]["pipeline"]["stages"] == 2 and grid[0]["data_parallel"]["workers"] == 2
+    assert _rows(tmp_path / "grid") == _rows(tmp_path / "dp")
+    assert [s for s, _ in _step_losses(tmp_path / "grid")] == [1, 2, 3]
+    _assert_same_adapter(tmp_path / "grid", tmp_path / "dp")
