@@ -10,7 +10,9 @@ import pytest
 
 from finetune_helpers import make_model_dir, write_jsonl
 from test_grpo_train import length_reward, prompts
-from test_pipeline_runs import _assert_same_adapter, _run_workers, _step_losses
+from test_pipeline_runs import TwoPasses, _assert_same_adapter, _run_workers, _step_losses
+from tolerances import assert_close
+import wgpu_train as wt
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
 from wgpu_train.training.config import TrainConfig
@@ -25,7 +27,19 @@ def workspace(tmp_path_factory):
     model = make_model_dir(root / "model")
     (root / "grpo").mkdir()
     write_jsonl(root / "grpo" / "train.jsonl", prompts(8))
+    _reference_adapter(model, root / "ref")
     return root, model
+
+
+def _reference_adapter(model_dir, folder):
+    """A --ref-adapter unlike the runs' own (r 4 on every linear, B random: it moves the log-probabilities)."""
+    ref = wt.load_model(model_dir, backend="numpy")
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    ref.add_lora(lora, seed=1)
+    rng = np.random.default_rng(7)
+    ref._set_lora(lora, {p: (a, rng.normal(0, 0.2, b.shape).astype(np.float32))
+                         for p, (a, b) in ref.engine.lora_tensors().items()}, seed=1)
+    ref.save_adapter(folder)
 
 
 def _rows(out) -> list:
@@ -58,9 +72,11 @@ def grpo_one_process(workspace):
 def _assert_same_grpo_run(out, one):
     assert (out / COMPLETIONS_FILE).read_bytes() == (one / COMPLETIONS_FILE).read_bytes()
     mine, theirs = _rows(out), _rows(one)
+    norms = [np.array([r.pop("grad_norm") for r in rows if "grad_norm" in r]) for rows in (mine, theirs)]
+    assert_close(norms[0], norms[1], "pipeline_numpy", "the global norm, summed per stage then across them")
     assert mine == theirs
-    steps = [r for r in theirs if "grad_norm" in r]
-    assert len(steps) == 4 and all("entropy" in r and "kl" in r for r in steps)
+    steps = [r for r in theirs if "lr" in r]
+    assert len(steps) == 4 and len(norms[1]) == 4 and all("entropy" in r and "kl" in r for r in steps)
     assert steps[1]["kl"] > 0            # the reference differs from the policy once it trained
     _assert_same_adapter(out, one)
 
@@ -72,6 +88,19 @@ def test_grpo_through_stages_equals_one_process(workspace, tmp_path, grpo_one_pr
                                 local=True, reward_funcs=[length_reward])
     assert summary["pipeline"]["layers"] == "0-0,1-1"
     _assert_same_grpo_run(tmp_path / "staged", grpo_one_process)
+
+
+def test_grpo_with_a_ref_adapter_through_stages_equals_one_process(workspace, tmp_path, grpo_one_process):
+    """--ref-adapter (the KL's reference: the stages score with it held beside the policy's adapter; one process
+    loads a second model): one process's completions, metrics and adapter, and a KL unlike the adapter-off
+    reference's."""
+    kw = dict(ref_adapter=str(workspace[0] / "ref"))
+    finetune(_grpo_config(workspace, tmp_path / "one", **kw), reward_funcs=[length_reward])
+    finetune_pipeline(_grpo_config(workspace, tmp_path / "staged", pipeline_stages=2, **kw), local=True,
+                      reward_funcs=[length_reward])
+    _assert_same_grpo_run(tmp_path / "staged", tmp_path / "one")
+    kl = [r["kl"] for r in _rows(tmp_path / "staged") if "kl" in r]
+    assert min(abs(a - b) for a, b in zip(kl, (r["kl"] for r in _rows(grpo_one_process) if "kl" in r))) > 1e-3
 
 
 # ---- DPO: data-parallel workers, each through its own stages ---------------------------------------------------
@@ -104,3 +133,18 @@ def test_dpo_on_two_workers_of_two_stages_equals_two_workers(workspace, tmp_path
     assert _rows(tmp_path / "grid") == _rows(tmp_path / "dp")
     assert [s for s, _ in _step_losses(tmp_path / "grid")] == [1, 2, 3]
     _assert_same_adapter(tmp_path / "grid", tmp_path / "dp")
+
+
+def test_dpo_with_a_ref_adapter_through_stages_equals_one_process(workspace, tmp_path):
+    """DPO with --ref-adapter on 2 local stages (the reference precomputed by the same stages, the adapter held
+    beside the policy's) against one process that loads it on a second model and scores, then trains, as the
+    stages do: the same step losses and adapter; and step losses unlike those of the adapter-off reference."""
+    kw = dict(ref_adapter=str(workspace[0] / "ref"))
+    TwoPasses(_dpo_config(workspace, tmp_path / "one", **kw)).run()
+    summary = finetune_pipeline(_dpo_config(workspace, tmp_path / "staged", pipeline_stages=2, **kw), local=True)
+    assert summary["objective"]["reference"] == "precomputed"
+    staged, one = (np.array([v for _, v in _step_losses(tmp_path / n)]) for n in ("staged", "one"))
+    assert_close(staged, one, "pipeline_numpy", "DPO's step losses with --ref-adapter")
+    _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
+    TwoPasses(_dpo_config(workspace, tmp_path / "off")).run()
+    assert np.abs(staged - np.array([v for _, v in _step_losses(tmp_path / "off")])).max() > 1e-3

@@ -240,6 +240,12 @@ class PipelineEngine:
         finally:
             self.set_adapter_enabled(True)
 
+    def reference(self, modules: dict) -> "ReferenceStages":
+        """The stages scoring with the adapter `modules` (set_lora's entries: --ref-adapter's), each stage holding
+        its layers' modules beside the policy's: an engine for the reference's token_losses."""
+        self._split("stage_set_reference", modules)
+        return ReferenceStages(self)
+
     def _run(self, micro_batches: list, scales: list, objectives: list) -> tuple:
         """The forwards and backwards of a step's micro-batches in the schedule's order, each stage's calls
         submitted as soon as their inputs are (a Ray stage starts each when they exist); the per-token gradient
@@ -339,6 +345,28 @@ class PipelineEngine:
 
     def close(self):
         self.runner.close()
+
+
+class ReferenceStages:
+    """A PipelineEngine's stages with the reference adapter they hold switched in while they score (its
+    token_losses); the engine methods a reference's scoring calls, on the same stages."""
+
+    def __init__(self, engine: PipelineEngine):
+        self.engine = engine
+
+    def token_losses(self, ids, targets, segment_ids, position_ids):
+        """The reference's (B, T) float32 losses, as PipelineEngine.token_losses gives the policy's."""
+        self.engine._all("stage_use_reference", True)
+        try:
+            return self.engine.token_losses(ids, targets, segment_ids, position_ids)
+        finally:
+            self.engine._all("stage_use_reference", False)
+
+    def set_adapter_enabled(self, enabled: bool = True):
+        self.engine.set_adapter_enabled(enabled)
+
+    def set_loss_temperature(self, temperature: float = 1.0):
+        self.engine.set_loss_temperature(temperature)
 
 
 class StageWeights(Mapping):

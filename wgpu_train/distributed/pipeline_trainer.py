@@ -71,6 +71,18 @@ class PipelineStages(OneEngine):
                     f"{self.micro_batches(trainer)} micro-batches, {where}")
         return Model(model_cfg, PipelineEngine(runner, plan, cfg.pipeline_schedule), folder)
 
+    def reference_engine(self, trainer, adapter):
+        """The same stages scoring with the adapter in folder `adapter` (--ref-adapter), each holding its layers'
+        modules beside the policy's: no process loads a second model. An adapter that changes base weights (a
+        PiSSA / OLoRA residual, modules_to_save copies) is refused in one line."""
+        prepared = trainer.model.prepare_adapter(adapter)
+        if prepared.copies or prepared.residual:
+            raise ConfigError(f"--ref-adapter {adapter} changes base weights (modules_to_save or an unconverted "
+                              f"PiSSA / OLoRA init): pipeline stages score a LoRA adapter's modules alone")
+        scales = prepared.config.module_scales(trainer.model.config)
+        return trainer.engine.reference({p: (t[0], t[1], scales[p], 0.0, *t[2:])
+                                         for p, t in prepared.modules.items()})
+
     def estimated(self, trainer, model_cfg, lora, estimate: dict):
         cfg = trainer.config
         self.estimates = stage_memory(model_cfg, self.plan, estimate["batch"], estimate["length"], lora, cfg.method,

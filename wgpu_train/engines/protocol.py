@@ -278,6 +278,14 @@ class PipelineStage(Protocol):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows
         (rows) or loss()'s (summed loss, trained tokens)."""
 
+    def stage_set_reference(self, modules: dict) -> None:
+        """Hold a reference adapter's modules of its layers (set_lora's entries) beside its own, for scoring
+        (--ref-adapter: no process holds a second model)."""
+
+    def stage_use_reference(self, on: bool) -> None:
+        """Forwards with the reference adapter in place of its own (on), or its own again (off); its own LoRA
+        tensors, gradients and optimizer state are left alone."""
+
     def stage_unscale(self) -> None:
         """f16: its gradients unscaled (times 1 / the loss scale), before they are summed, reduced or measured."""
 

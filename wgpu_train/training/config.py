@@ -351,8 +351,7 @@ class TrainConfig:
         need(self.pipeline_micro_batches is None or self.grad_accum in (1, self.pipeline_micro_batches),
              f"--pipeline-micro-batches {self.pipeline_micro_batches} and --grad-accum {self.grad_accum} both set "
              f"a step's micro-batches: give one")
-        for ok, what in ((not self.ref_adapter, "--ref-adapter (a second model in the driver)"),
-                         (self.backend != "wgpu", "--backend wgpu")):
+        for ok, what in ((self.backend != "wgpu", "--backend wgpu"),):
             need(ok, f"--pipeline-stages runs on the NumPy engine, for now: leave out {what}")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:

@@ -25,6 +25,8 @@ class NumpyStage(NumpyEngine):
         self.counters["boundary_bytes_sent"] = 0
         self._kept: dict = {}        # micro-batch -> the cache of its forward
         self._caches: dict = {}      # generation's KV caches by the driver's key
+        self._reference: dict = {}   # the reference adapter's LoraModules of its layers (stage_set_reference)
+        self._policy: dict | None = None     # the policy's, while the reference is switched in
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """KvCacheGeneration's cache for this stage's layers alone (keyed by layer)."""
@@ -130,6 +132,17 @@ class NumpyStage(NumpyEngine):
             return out.astype(np.float32).reshape(np.shape(segment_ids))
         loss_sum, count, _ = ops.cross_entropy_forward(logits, targets.reshape(-1))
         return loss_sum, count
+
+    def stage_set_reference(self, modules: dict):
+        """See PipelineStage.stage_set_reference."""
+        self._reference = self._lora_modules(modules)
+
+    def stage_use_reference(self, on: bool):
+        """See PipelineStage.stage_use_reference."""
+        if on and self._policy is None:
+            self._policy, self.lora = self.lora, self._reference
+        elif not on and self._policy is not None:
+            self.lora, self._policy = self._policy, None
 
     def stage_unscale(self):
         """See PipelineStage.stage_unscale."""
