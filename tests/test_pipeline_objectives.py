@@ -148,3 +148,14 @@ def test_dpo_with_a_ref_adapter_through_stages_equals_one_process(workspace, tmp
     _assert_same_adapter(tmp_path / "staged", tmp_path / "one")
     TwoPasses(_dpo_config(workspace, tmp_path / "off")).run()
     assert np.abs(staged - np.array([v for _, v in _step_losses(tmp_path / "off")])).max() > 1e-3
+
+
+def test_grpo_through_ray_actors_equals_one_process(workspace, tmp_path, grpo_one_process):
+    """GRPO on 2 Ray actors (each objective crosses to the last stage's process with its micro-batch; the log-
+    probabilities and entropies come back with the losses): one process's completions, metrics and adapter. The
+    tiny model's products give the same bits on one BLAS thread (Ray's workers) as on two (measured)."""
+    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
+    summary = finetune_pipeline(_grpo_config(workspace, tmp_path / "ray", pipeline_stages=2),
+                                reward_funcs=[length_reward])
+    assert summary["pipeline"]["ray"]
+    _assert_same_grpo_run(tmp_path / "ray", grpo_one_process)
