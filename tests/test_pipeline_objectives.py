@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
+import wgpu_train as wt
 from finetune_helpers import make_model_dir, write_jsonl
 from test_grpo_train import length_reward, prompts
 from test_pipeline_runs import TwoPasses, _assert_same_adapter, _run_workers, _step_losses
 from tolerances import assert_close
-import wgpu_train as wt
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
 from wgpu_train.training.config import TrainConfig
