@@ -159,3 +159,12 @@ def test_grpo_through_ray_actors_equals_one_process(workspace, tmp_path, grpo_on
                                 reward_funcs=[length_reward])
     assert summary["pipeline"]["ray"]
     _assert_same_grpo_run(tmp_path / "ray", grpo_one_process)
+
+
+def test_grpo_on_two_workers_of_two_stages_equals_two_workers(workspace, tmp_path):
+    """GRPO on a 2 x 2 grid (each worker samples and trains its whole groups through its own 2 stages) against 2
+    data-parallel workers of one process each: the same completions, metrics and adapter."""
+    kw = dict(num_workers=2, grad_accum=1, batch_size=4, reward="test_grpo_train:length_reward")
+    _run_workers(_grpo_config(workspace, tmp_path / "dp", **kw), 2)
+    _run_workers(_grpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
+    _assert_same_grpo_run(tmp_path / "grid", tmp_path / "dp")
