@@ -1,6 +1,7 @@
 """Objectives through pipeline stages (distributed/pipeline_engine.py) equal to one process: GRPO (its
-TokenObjective computed by the last stage; beta > 0, num_iterations 2; local stages, and Ray actors once), a
---ref-adapter reference scored by the same stages, and DPO on a 2 x 2 grid of data-parallel workers of 2 stages."""
+TokenObjective computed by the last stage; beta > 0, num_iterations 2; local stages, and Ray actors once), GSPO
+(scored, then trained), a --ref-adapter reference scored by the same stages (GRPO's and DPO's), and DPO and GRPO
+on a 2 x 2 grid of data-parallel workers of 2 stages."""
 from __future__ import annotations
 
 import json
@@ -69,14 +70,19 @@ def grpo_one_process(workspace):
     return out
 
 
-def _assert_same_grpo_run(out, one):
+def _assert_same_grpo_run(out, one, entropy: bool = True):
+    """completions.jsonl byte for byte, the metrics (the global norm within pipeline_numpy; without `entropy`,
+    out's rows lack it) and the adapter."""
     assert (out / COMPLETIONS_FILE).read_bytes() == (one / COMPLETIONS_FILE).read_bytes()
     mine, theirs = _rows(out), _rows(one)
+    if not entropy:
+        assert not any("entropy" in r for r in mine)
+        theirs = [{k: v for k, v in r.items() if k != "entropy"} for r in theirs]
     norms = [np.array([r.pop("grad_norm") for r in rows if "grad_norm" in r]) for rows in (mine, theirs)]
     assert_close(norms[0], norms[1], "pipeline_numpy", "the global norm, summed per stage then across them")
     assert mine == theirs
     steps = [r for r in theirs if "lr" in r]
-    assert len(steps) == 4 and len(norms[1]) == 4 and all("entropy" in r and "kl" in r for r in steps)
+    assert len(steps) == 4 and len(norms[1]) == 4 and all("kl" in r and ("entropy" in r) == entropy for r in steps)
     assert steps[1]["kl"] > 0            # the reference differs from the policy once it trained
     _assert_same_adapter(out, one)
 
@@ -88,6 +94,17 @@ def test_grpo_through_stages_equals_one_process(workspace, tmp_path, grpo_one_pr
                                 local=True, reward_funcs=[length_reward])
     assert summary["pipeline"]["layers"] == "0-0,1-1"
     _assert_same_grpo_run(tmp_path / "staged", grpo_one_process)
+
+
+def test_gspo_through_stages_scores_then_trains_as_one_process(workspace, tmp_path):
+    """GSPO's sequence level through 2 local stages, which take no host function mid-step: the policy scored, then
+    the weighted step; one process's completions, metrics (but the entropy, which its one-pass step logs) and
+    adapter."""
+    kw = dict(importance_sampling_level="sequence")
+    finetune(_grpo_config(workspace, tmp_path / "one", **kw), reward_funcs=[length_reward])
+    finetune_pipeline(_grpo_config(workspace, tmp_path / "staged", pipeline_stages=2, **kw), local=True,
+                      reward_funcs=[length_reward])
+    _assert_same_grpo_run(tmp_path / "staged", tmp_path / "one", entropy=False)
 
 
 def test_grpo_with_a_ref_adapter_through_stages_equals_one_process(workspace, tmp_path, grpo_one_process):
