@@ -77,8 +77,8 @@ class PipelineStages(OneEngine):
         PiSSA / OLoRA residual, modules_to_save copies) is refused in one line."""
         prepared = trainer.model.prepare_adapter(adapter)
         if prepared.copies or prepared.residual:
-            raise ConfigError(f"--ref-adapter {adapter} changes base weights (modules_to_save or an unconverted "
-                              f"PiSSA / OLoRA init): pipeline stages score a LoRA adapter's modules alone")
+            raise ConfigError(f"the reference adapter {adapter} changes base weights (modules_to_save or an "
+                              f"unconverted PiSSA / OLoRA init): pipeline stages score a LoRA adapter's modules alone")
         scales = prepared.config.module_scales(trainer.model.config)
         return trainer.engine.reference({p: (t[0], t[1], scales[p], 0.0, *t[2:])
                                          for p, t in prepared.modules.items()})
@@ -109,8 +109,9 @@ class PipelineStages(OneEngine):
 
 def finetune_pipeline(config, local: bool = False, reward_funcs=None) -> dict:
     """finetune(config, reward_funcs) through config's pipeline stages (Ray actors; local: in this process): the
-    trainer of the objective's kind over PipelineStages (GRPO's reward functions run in this process). A stage whose process dies (StageLost) restarts every stage from the
-    run's last checkpoint, up to config.max_failures times, as --num-workers' workers do."""
+    trainer of the objective's kind over PipelineStages (GRPO's reward functions run in this process). A stage
+    whose process dies (StageLost) restarts every stage from the run's last checkpoint, up to
+    config.max_failures times, as --num-workers' workers do."""
     config = pipeline_config(config)
     failures = 0
     while True:
