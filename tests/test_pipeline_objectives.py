@@ -16,6 +16,7 @@ from test_pipeline_runs import TwoPasses, _assert_same_adapter, _run_workers, _s
 from tolerances import assert_close
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.grpo_trainer import COMPLETIONS_FILE
 
@@ -32,10 +33,10 @@ def workspace(tmp_path_factory):
     return root, model
 
 
-def _reference_adapter(model_dir, folder):
+def _reference_adapter(model_dir, folder, **lora_kw):
     """A --ref-adapter unlike the runs' own (r 4 on every linear, B random: it moves the log-probabilities)."""
     ref = wt.load_model(model_dir, backend="numpy")
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    lora = wt.LoraConfig(r=4, alpha=8, target_modules="all-linear", **lora_kw)
     ref.add_lora(lora, seed=1)
     rng = np.random.default_rng(7)
     ref._set_lora(lora, {p: (a, rng.normal(0, 0.2, b.shape).astype(np.float32))
@@ -185,3 +186,13 @@ def test_grpo_on_two_workers_of_two_stages_equals_two_workers(workspace, tmp_pat
     _run_workers(_grpo_config(workspace, tmp_path / "dp", **kw), 2)
     _run_workers(_grpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
     _assert_same_grpo_run(tmp_path / "grid", tmp_path / "dp")
+
+
+def test_a_reference_adapter_that_changes_base_weights_is_refused_through_stages(workspace, tmp_path):
+    """A --ref-adapter with modules_to_save (a trained copy of the head) would replace a base weight on its
+    stage: refused in one line, naming it."""
+    _reference_adapter(workspace[1], tmp_path / "saves_head", modules_to_save=("lm_head",))
+    config = _dpo_config(workspace, tmp_path / "staged", pipeline_stages=2, ref_adapter=str(tmp_path / "saves_head"))
+    with pytest.raises(ConfigError, match="saves_head changes base weights") as e:
+        finetune_pipeline(config, local=True)
+    assert "\n" not in str(e.value)

@@ -263,11 +263,9 @@ class PipelineStage(Protocol):
 
     def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
         """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
-        as forward_backward's; a training step's times f16's loss scale), or with a TokenObjective (train_step's)
-        grad_scale (one number) times the weights the loss head computes from its own log-probabilities;
-        (summed loss, trained tokens, the packed gradient of its input, or None on a first stage or without a
-        trained token, and with an objective the (B, T) float32 log-probabilities and entropies of the policy's
-        distributions that step_logps and step_entropies keep, else None and None)."""
+        as forward_backward's; a training step's times f16's loss scale), with a TokenObjective times the weights
+        its head computes; (summed loss, trained tokens, the packed gradient of its input (None on a first stage or
+        without a trained token), the (B, T) float32 log-probabilities and entropies (objective only, else None))."""
 
     def stage_backward(self, micro, d_outputs):
         """The packed gradient of its input (None on the first stage, which accumulates the embedding's, if
@@ -279,12 +277,10 @@ class PipelineStage(Protocol):
         (rows) or loss()'s (summed loss, trained tokens)."""
 
     def stage_set_reference(self, modules: dict) -> None:
-        """Hold a reference adapter's modules of its layers (set_lora's entries) beside its own, for scoring
-        (--ref-adapter: no process holds a second model)."""
+        """Hold a reference adapter's modules of its layers (set_lora's entries) beside its own (--ref-adapter)."""
 
     def stage_use_reference(self, on: bool) -> None:
-        """Forwards with the reference adapter in place of its own (on), or its own again (off); its own LoRA
-        tensors, gradients and optimizer state are left alone."""
+        """Forwards with the reference adapter in place of its own (on; its own state kept) or its own (off)."""
 
     def stage_unscale(self) -> None:
         """f16: its gradients unscaled (times 1 / the loss scale), before they are summed, reduced or measured."""
