@@ -135,3 +135,40 @@ def test_bad_stage_devices_are_one_line(tmp_path, capsys, default_rt):
     stages = [load_stage(folder, plan, s, "wgpu", precision=p) for s, p in enumerate(("fp32", "bf16"))]
     with pytest.raises(ConfigError, match="resolved --precision to fp32, bf16"):
         PipelineEngine(LocalStages(stages), plan)
+
+
+def test_grpo_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
+    """GRPO (beta > 0, num_iterations 2: the last stage computes the TokenObjective's weights from its own loss
+    head, on the device) through 2 local WebGPU stages, the two steps of one generation: one WebGPU process's
+    completions, metrics (KL and entropy among them) and adapter."""
+    from test_grpo_train import length_reward, prompts
+    from test_pipeline_objectives import _grpo_config, _rows
+    from finetune_helpers import make_model_dir, write_jsonl
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.training.grpo_trainer import COMPLETIONS_FILE
+
+    model = make_model_dir(tmp_path / "model")
+    (tmp_path / "grpo").mkdir()
+    write_jsonl(tmp_path / "grpo" / "train.jsonl", prompts(8))
+    kw = dict(backend="wgpu", device=str(default_rt.info.index), precision="fp32", max_steps=2)
+    finetune(_grpo_config((tmp_path, model), tmp_path / "one", **kw), reward_funcs=[length_reward])
+    finetune_pipeline(_grpo_config((tmp_path, model), tmp_path / "staged", pipeline_stages=2, **kw), local=True,
+                      reward_funcs=[length_reward])
+    one, staged = tmp_path / "one", tmp_path / "staged"
+    assert (staged / COMPLETIONS_FILE).read_bytes() == (one / COMPLETIONS_FILE).read_bytes()
+    mine, theirs = _rows(staged), _rows(one)
+    assert [sorted(r) for r in mine] == [sorted(r) for r in theirs]
+    steps = [r for r in theirs if "lr" in r]
+    assert len(steps) == 2 and all("kl" in r and "entropy" in r for r in steps) and steps[1]["kl"] > 0
+    transfers = ("submits", "readbacks", "bytes_uploaded", "bytes_read")     # each stage submits its own calls
+    for got, expected in zip(mine, theirs):
+        for k, v in expected.items():
+            if k in transfers:
+                continue
+            if isinstance(v, float):
+                assert_close(got[k], v, "pipeline_wgpu", k)
+            else:
+                assert got[k] == v, k
+    a, b = read_adapter(staged)[1], read_adapter(one)[1]
+    for k in b:
+        assert_close(a[k], b[k], "pipeline_wgpu", k)

@@ -29,7 +29,7 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
     if config.pipelined() and not config.num_workers:
         from wgpu_train.distributed.pipeline_trainer import finetune_pipeline    # its stages on Ray
 
-        return finetune_pipeline(config)
+        return finetune_pipeline(config, reward_funcs=reward_funcs)
     if config.num_workers:
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.protocol import LossScaler
+from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
 from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan
@@ -246,10 +246,17 @@ class PipelineEngine:
         finally:
             self.set_adapter_enabled(True)
 
-    def _run(self, micro_batches: list, scales: list) -> tuple:
+    def reference(self, modules: dict) -> "ReferenceStages":
+        """The stages scoring with the adapter `modules` (set_lora's entries: --ref-adapter's), each stage holding
+        its layers' modules beside the policy's: an engine for the reference's token_losses."""
+        self._split("stage_set_reference", modules)
+        return ReferenceStages(self)
+
+    def _run(self, micro_batches: list, scales: list, objectives: list) -> tuple:
         """The forwards and backwards of a step's micro-batches in the schedule's order, each stage's calls
         submitted as soon as their inputs are (a Ray stage starts each when they exist); the per-token gradient
-        scale of micro-batch j is scales[j]. (summed loss, trained tokens)."""
+        scale of micro-batch j is scales[j], times the weights of its TokenObjective objectives[j] where not None.
+        (summed loss, trained tokens, each micro-batch's log-probabilities and entropies: None without objective)."""
         stages, call = len(self.plan), self.runner.call
         ops = stage_ops(self.schedule, stages, len(micro_batches))
         at, outs, grads, losses, firsts = [0] * stages, {}, {}, {}, []
@@ -265,9 +272,9 @@ class PipelineEngine:
                     if kind == "F":
                         outs[(s, j)] = call(s, "stage_forward", j, x, seg, pos)
                     elif kind == "L":
-                        loss, count, grads[(s, j)] = call(s, "stage_loss", j, x, targets, seg, pos, scales[j],
-                                                          returns=3)
-                        losses[j] = (loss, count)
+                        loss, count, grads[(s, j)], logps, entropies = call(
+                            s, "stage_loss", j, x, targets, seg, pos, scales[j], objectives[j], returns=5)
+                        losses[j] = (loss, count, logps, entropies)
                     else:
                         grads[(s, j)] = call(s, "stage_backward", j, grads[(s + 1, j)])
                         if s == 0:
@@ -277,32 +284,34 @@ class PipelineEngine:
             if not moved:
                 raise RuntimeError(f"pipeline schedule {self.schedule} is stuck at {at}")
         done = self.runner.get([v for j in sorted(losses) for v in losses[j]] + firsts)   # errors surface here
+        heads = [done[4 * j:4 * j + 4] for j in range(len(micro_batches))]     # (loss, count, logps, entropies)
         loss_sum = 0.0
-        for j in range(len(micro_batches)):
-            loss_sum += done[2 * j]
-        return loss_sum, sum(int(c) for c in done[1:2 * len(micro_batches):2])
+        for loss, _, _, _ in heads:
+            loss_sum += loss
+        return loss_sum, sum(int(h[1]) for h in heads), [h[2] for h in heads], [h[3] for h in heads]
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        out = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale])
+        loss_sum, count, _, _ = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale], [None])
         self._sum_shared()
-        return out
+        return loss_sum, count
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
-        weights (B, T)]) in the schedule; `reduce` (data parallelism, the protocol's) takes every stage's
+        weights (B, T) or a TokenObjective, whose weights the last stage computes from its loss head's
+        log-probabilities]) in the schedule; `reduce` (data parallelism, the protocol's) takes every stage's
         gradients as one flat array; then every stage's squared gradient norm summed into the global norm that
         each stage clips by before its AdamW update."""
-        if any(len(mb) > 4 and not isinstance(mb[4], np.ndarray) for mb in micro_batches):
-            raise ConfigError("pipeline stages take per-token weights, not a TokenObjective or SequenceObjective")
+        if any(isinstance(mb[4], SequenceObjective) for mb in micro_batches if len(mb) > 4):
+            raise ConfigError("pipeline stages take per-token weights or a TokenObjective, not a SequenceObjective "
+                              "(a host function between the last stage's head and its backward)")
         total = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
         scaler = self.loss_scaler
         scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
         self.zero_grads()
-        scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 else scale
-                  for mb in micro_batches]
-        loss_sum, _ = self._run(micro_batches, scales)
-        self.step_logps = [None] * len(micro_batches)       # no TokenObjective through stages
-        self.step_entropies = [None] * len(micro_batches)
+        objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], TokenObjective) else None for mb in micro_batches]
+        scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 and o is None else scale
+                  for mb, o in zip(micro_batches, objectives)]
+        loss_sum, _, self.step_logps, self.step_entropies = self._run(micro_batches, scales, objectives)
         self._all("stage_unscale")
         self._sum_shared()
         if reduce is not None:
@@ -342,6 +351,28 @@ class PipelineEngine:
 
     def close(self):
         self.runner.close()
+
+
+class ReferenceStages:
+    """A PipelineEngine's stages with the reference adapter they hold switched in while they score (its
+    token_losses); the engine methods a reference's scoring calls, on the same stages."""
+
+    def __init__(self, engine: PipelineEngine):
+        self.engine = engine
+
+    def token_losses(self, ids, targets, segment_ids, position_ids):
+        """The reference's (B, T) float32 losses, as PipelineEngine.token_losses gives the policy's."""
+        self.engine._all("stage_use_reference", True)
+        try:
+            return self.engine.token_losses(ids, targets, segment_ids, position_ids)
+        finally:
+            self.engine._all("stage_use_reference", False)
+
+    def set_adapter_enabled(self, enabled: bool = True):
+        self.engine.set_adapter_enabled(enabled)
+
+    def set_loss_temperature(self, temperature: float = 1.0):
+        self.engine.set_loss_temperature(temperature)
 
 
 class StageWeights(Mapping):

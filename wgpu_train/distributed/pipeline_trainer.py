@@ -40,8 +40,9 @@ class PipelineStages(OneEngine):
     tensors; a step's micro-batches (a data-parallel worker's share of them) go through them in the
     --pipeline-schedule. Checkpoints, the adapter and the summary are one process's: the PipelineEngine gathers
     every stage's tensors and optimizer state through the engine protocol, so a resume may use another S.
-    local: the stages in this process (no Ray). The stages take per-token weights, not a host function between
-    the head's forward and backward (a SequenceObjective): the preference trainer scores, then trains."""
+    local: the stages in this process (no Ray). The stages take per-token weights or a TokenObjective (GRPO's:
+    the last stage computes the weights from its own log-probabilities), not a host function between the head's
+    forward and backward (a SequenceObjective): the preference trainer and GSPO score, then train."""
 
     sequence_objectives = False
 
@@ -78,6 +79,18 @@ class PipelineStages(OneEngine):
                     f"{self.micro_batches(trainer)} micro-batches, {where}")
         return Model(model_cfg, PipelineEngine(runner, plan, cfg.pipeline_schedule), folder)
 
+    def reference_engine(self, trainer, adapter):
+        """The same stages scoring with the adapter in folder `adapter` (--ref-adapter), each holding its layers'
+        modules beside the policy's: no process loads a second model. An adapter that changes base weights (a
+        PiSSA / OLoRA residual, modules_to_save copies) is refused in one line."""
+        prepared = trainer.model.prepare_adapter(adapter)
+        if prepared.copies or prepared.residual:
+            raise ConfigError(f"the reference adapter {adapter} changes base weights (modules_to_save or an "
+                              f"unconverted PiSSA / OLoRA init): pipeline stages score a LoRA adapter's modules alone")
+        scales = prepared.config.module_scales(trainer.model.config)
+        return trainer.engine.reference({p: (t[0], t[1], scales[p], 0.0, *t[2:])
+                                         for p, t in prepared.modules.items()})
+
     def estimated(self, trainer, model_cfg, lora, estimate: dict):
         cfg = trainer.config
         self.estimates = stage_memory(model_cfg, self.plan, estimate["batch"], estimate["length"], lora, cfg.method,
@@ -102,14 +115,15 @@ class PipelineStages(OneEngine):
             trainer.engine.close()
 
 
-def finetune_pipeline(config, local: bool = False) -> dict:
-    """finetune(config) through config's pipeline stages (Ray actors; local: in this process): the trainer of the
-    objective's kind over PipelineStages. A stage whose process dies (StageLost) restarts every stage from the
-    run's last checkpoint, up to config.max_failures times, as --num-workers' workers do."""
+def finetune_pipeline(config, local: bool = False, reward_funcs=None) -> dict:
+    """finetune(config, reward_funcs) through config's pipeline stages (Ray actors; local: in this process): the
+    trainer of the objective's kind over PipelineStages (GRPO's reward functions run in this process). A stage
+    whose process dies (StageLost) restarts every stage from the run's last checkpoint, up to
+    config.max_failures times, as --num-workers' workers do."""
     config = pipeline_config(config)
     failures = 0
     while True:
-        trainer = make_trainer(config, placement=PipelineStages(local))
+        trainer = make_trainer(config, reward_funcs=reward_funcs, placement=PipelineStages(local))
         try:
             return trainer.run()
         except StageLost as e:

@@ -261,10 +261,11 @@ class PipelineStage(Protocol):
         """A stage before the last: its output (N, C), packed, from ids (B, T) (the first stage) or the previous
         stage's packed output."""
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
         """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
-        as forward_backward's; a training step's times f16's loss scale); (summed loss, trained tokens, the packed
-        gradient of its input, or None on a first stage or without a trained token)."""
+        as forward_backward's; a training step's times f16's loss scale), with a TokenObjective times the weights
+        its head computes; (summed loss, trained tokens, the packed gradient of its input (None on a first stage or
+        without a trained token), the (B, T) float32 log-probabilities and entropies (objective only, else None))."""
 
     def stage_backward(self, micro, d_outputs):
         """The packed gradient of its input (None on the first stage, which accumulates the embedding's, if
@@ -274,6 +275,12 @@ class PipelineStage(Protocol):
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows
         (rows) or loss()'s (summed loss, trained tokens)."""
+
+    def stage_set_reference(self, modules: dict) -> None:
+        """Hold a reference adapter's modules of its layers (set_lora's entries) beside its own (--ref-adapter)."""
+
+    def stage_use_reference(self, on: bool) -> None:
+        """Forwards with the reference adapter in place of its own (on; its own state kept) or its own (off)."""
 
     def stage_unscale(self) -> None:
         """f16: its gradients unscaled (times 1 / the loss scale), before they are summed, reduced or measured."""

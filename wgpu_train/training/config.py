@@ -332,14 +332,14 @@ class TrainConfig:
         need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
         need(self.ray_address is None or self.num_workers or self.pipelined(),
              "ray_address joins a Ray cluster for --num-workers: give both")
-        self._check_pipeline(need, objective)
+        self._check_pipeline(need)
 
     def pipelined(self) -> bool:
         """Whether the run trains through pipeline stages (--pipeline-stages or --stage-layers)."""
         return bool(self.pipeline_stages or self.stage_layers)
 
-    def _check_pipeline(self, need, objective):
-        """What --pipeline-stages composes with so far, each refusal one line."""
+    def _check_pipeline(self, need):
+        """--pipeline-stages' own options, each refusal one line."""
         need(self.pipeline_stages is None or self.pipeline_stages >= 1,
              f"pipeline_stages must be at least 1, got {self.pipeline_stages}")
         need(self.pipeline_micro_batches is None or self.pipeline_micro_batches >= 1,
@@ -351,11 +351,6 @@ class TrainConfig:
         need(self.pipeline_micro_batches is None or self.grad_accum in (1, self.pipeline_micro_batches),
              f"--pipeline-micro-batches {self.pipeline_micro_batches} and --grad-accum {self.grad_accum} both set "
              f"a step's micro-batches: give one")
-        for ok, what in ((not self.num_workers or objective.trainer is TrainerKind.SUPERVISED,
-                          "--num-workers with a preference objective"),
-                         (objective.trainer is not TrainerKind.ONLINE, "--objective grpo"),
-                         (not self.ref_adapter, "--ref-adapter (a second model in the driver)")):
-            need(ok, f"--pipeline-stages runs on the NumPy engine, for now: leave out {what}")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,

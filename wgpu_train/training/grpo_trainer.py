@@ -17,7 +17,6 @@ import numpy as np
 from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
 from wgpu_train.data.prompt_tokenize import tokenize_prompts
 from wgpu_train.data.sources import resolve_data
-from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.protocol import SequenceObjective
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
@@ -64,7 +63,7 @@ class GRPOTrainer(Trainer):
         self._completions = None           # completions.jsonl, open while training
         self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
         self.part_seconds: dict = {}       # part of the steps -> (seconds, tokens) (_time)
-        self._ref_engine = None            # the KL's reference adapter on another model (setup)
+        self._ref_engine = None            # the engine of the KL's reference adapter (setup)
         self.reference_adapter = None      # its folder: --ref-adapter, or the adapter the run started from
 
     # ---- data ---------------------------------------------------------------------------------------
@@ -206,9 +205,10 @@ class GRPOTrainer(Trainer):
         """Whether a step's own forward computes the log-probabilities its weights need: the engine's
         TokenObjective at the token importance-sampling level (the weights computed in the loss head), a
         SequenceObjective at GSPO's sequence level (a row's mean log-ratio: the host's weights between the
-        head's forward and backward). The two-pass path (the policy scored, then the weighted step) stays for
-        tests and benchmarks that compare with it."""
-        return True
+        head's forward and backward). The two-pass path (the policy scored, then the weighted step) serves GSPO
+        on a model whose engine takes no host function mid-step (pipeline stages), and tests and benchmarks
+        that compare with it."""
+        return self.placement.sequence_objectives or self.settings.importance_sampling_level == "token"
 
     def _score_reference(self, micro, masks) -> np.ndarray:
         """The reference's per-token log-probabilities (R, T), no policy forward: the --ref-adapter model's, else
@@ -440,11 +440,8 @@ class GRPOTrainer(Trainer):
         self.reference_adapter = (self.config.ref_adapter or (self.continued_from and str(self.continued_from))
                                   or (self._resume[1].get("reference_adapter") if self._resume else None))
         if self.settings.uses_reference and self.reference_adapter:
-            ref = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
-                             base_dtype=self.base_dtype, embed_dtype=self.embed_dtype, precision=self.precision)
-            ref.load_adapter(self.reference_adapter)
-            ref.engine.set_loss_temperature(self.settings.temperature)
-            self._ref_engine = ref.engine
+            self._ref_engine = self.placement.reference_engine(self, self.reference_adapter)
+            self._ref_engine.set_loss_temperature(self.settings.temperature)
             self.log(f"reference: the base model with the adapter {self.reference_adapter}")
         elif self.settings.uses_reference:
             self.log("reference: the base model (the adapter switched off), scored with each generation")

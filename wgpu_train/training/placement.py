@@ -18,6 +18,16 @@ class OneEngine:
                           base_dtype=trainer.base_dtype, embed_dtype=trainer.embed_dtype,
                           precision=trainer.precision or "auto")
 
+    def reference_engine(self, trainer, adapter):
+        """An engine that scores with the PEFT adapter in folder `adapter` on the base model (--ref-adapter): a
+        second model loaded here."""
+        from wgpu_train.engines.loading import load_model
+
+        ref = load_model(trainer.model_dir.resolve(), backend=trainer.backend, device=trainer.device,
+                         base_dtype=trainer.base_dtype, embed_dtype=trainer.embed_dtype, precision=trainer.precision)
+        ref.load_adapter(adapter)
+        return ref.engine
+
     def estimated(self, trainer, model_cfg, lora, estimate: dict):
         """Told the run's memory estimate (the whole model's), once the model is loaded."""
 

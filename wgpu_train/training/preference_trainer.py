@@ -165,12 +165,8 @@ class PreferenceTrainer(Trainer):
         """(engine, whether its adapter is switched off while it scores, what it is for the log)."""
         cfg = self.config
         if cfg.ref_adapter:
-            from wgpu_train.engines.loading import load_model
-
-            ref = load_model(self.model_dir.resolve(), backend=self.backend, device=self.device,
-                             base_dtype=self.base_dtype, embed_dtype=self.embed_dtype, precision=self.precision)
-            ref.load_adapter(cfg.ref_adapter)
-            return ref.engine, False, f"the base model with the adapter {cfg.ref_adapter}"
+            return (self.placement.reference_engine(self, cfg.ref_adapter), False,
+                    f"the base model with the adapter {cfg.ref_adapter}")
         if cfg.method == "full" or cfg.modules_to_save:
             return self.engine, False, "the starting model"
         return self.engine, True, "the base model (the adapter switched off)"

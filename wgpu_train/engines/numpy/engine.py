@@ -131,12 +131,17 @@ class NumpyEngine(EngineState):
     def set_lora(self, modules: dict):
         """modules: path -> (A, B, scale, dropout[, magnitude]) (dora.split_entry). Replaces every LoRA module
         and resets the optimizer."""
-        self.lora = {}
+        self.lora = self._lora_modules(modules)
+        self.optimizer.reset()
+
+    def _lora_modules(self, modules: dict) -> dict:
+        """set_lora's modules as LoraModules in this engine's dtype."""
+        out = {}
         for p, entry in modules.items():
             a, b, s, d, m = split_entry(entry)
-            self.lora[p] = LoraModule(a.astype(self.dtype), b.astype(self.dtype), s, d,
-                                      None if m is None else np.array(m, dtype=self.dtype))
-        self.optimizer.reset()
+            out[p] = LoraModule(a.astype(self.dtype), b.astype(self.dtype), s, d,
+                                None if m is None else np.array(m, dtype=self.dtype))
+        return out
 
     def lora_tensors(self) -> dict:
         return {p: (m.a.copy(), m.b.copy()) for p, m in self.lora.items()}

@@ -7,6 +7,7 @@ import numpy as np
 
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.engine import NumpyEngine
+from wgpu_train.engines.numpy.steps import objective_scale
 from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
 from wgpu_train.models.layer_plan import OUTPUT
@@ -24,6 +25,8 @@ class NumpyStage(NumpyEngine):
         self.counters["boundary_bytes_sent"] = 0
         self._kept: dict = {}        # micro-batch -> the cache of its forward
         self._caches: dict = {}      # generation's KV caches by the driver's key
+        self._reference: dict = {}   # the reference adapter's LoraModules of its layers (stage_set_reference)
+        self._policy: dict | None = None     # the policy's, while the reference is switched in
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """KvCacheGeneration's cache for this stage's layers alone (keyed by layer)."""
@@ -86,7 +89,7 @@ class NumpyStage(NumpyEngine):
         self.training = False
         return self._send(x)
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
         """See PipelineStage.stage_loss."""
         self.training = True
         self.dropout_calls += 1
@@ -94,14 +97,14 @@ class NumpyStage(NumpyEngine):
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         flat = self._head_forward(x, cache) / np.float32(self.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
+        scale, logps, entropies = objective_scale(flat, targets, lse, grad_scale, objective)
         dx = None
         if count:       # through the temperature, as StepRunner._forward_backward
             t = np.float32(self.loss_temperature)
-            scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
             dlogits = ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t, self.cfg.logit_softcap / t)
             dx = self._stage_backward(self._head_backward(dlogits, cache), cache)
         self.training = False
-        return loss_sum, count, dx
+        return loss_sum, count, dx, logps, entropies
 
     def stage_backward(self, micro, d_outputs):
         """See PipelineStage.stage_backward."""
@@ -129,6 +132,17 @@ class NumpyStage(NumpyEngine):
             return out.astype(np.float32).reshape(np.shape(segment_ids))
         loss_sum, count, _ = ops.cross_entropy_forward(logits, targets.reshape(-1))
         return loss_sum, count
+
+    def stage_set_reference(self, modules: dict):
+        """See PipelineStage.stage_set_reference."""
+        self._reference = self._lora_modules(modules)
+
+    def stage_use_reference(self, on: bool):
+        """See PipelineStage.stage_use_reference."""
+        if on and self._policy is None:
+            self._policy, self.lora = self.lora, self._reference
+        elif not on and self._policy is not None:
+            self.lora, self._policy = self._policy, None
 
     def stage_unscale(self):
         """See PipelineStage.stage_unscale."""

@@ -53,18 +53,7 @@ class StepRunner:
         logits, cache = self.forward(ids, segment_ids, position_ids)
         flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.mode.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
-        logps = entropies = None
-        if objective is not None:
-            rows, _ = ops.cross_entropy_rows(flat, targets.reshape(-1))          # (B*T,) -logp
-            logps = (-rows).astype(np.float32).reshape(ids.shape)
-            entropies = ops.softmax_entropy_forward(flat, lse).reshape(ids.shape) * (targets != ops.IGNORE_INDEX)
-            if isinstance(objective, SequenceObjective):
-                weights = np.asarray(objective.weights(logps), np.float32).reshape(-1)
-            else:
-                weights = ops.token_objective_backward(rows, objective.terms(), objective)
-            scale = np.float32(grad_scale) * weights
-        else:
-            scale = np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale
+        scale, logps, entropies = objective_scale(flat, targets, lse, grad_scale, objective)
         if count:       # through the temperature: 1 / T on the gradient, the cap's derivative in tempered units
             t = np.float32(self.mode.loss_temperature)
             self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t,
@@ -139,3 +128,21 @@ class StepRunner:
         if profile:
             self.last_profile = {"whole step (NumPy engine, wall clock)": time.perf_counter() - started}
         return loss_sum, total, norm, applied
+
+
+def objective_scale(flat, targets, lse, grad_scale, objective=None) -> tuple:
+    """The loss head's per-row gradient scale of a micro-batch from its tempered logits flat (N, V), targets (B, T)
+    and the logits' log-sum-exp (N,): grad_scale as it is (one number, or (B, T) weights), or with a TokenObjective
+    (or a SequenceObjective: its host function) grad_scale (one number) times the weights the objective computes
+    from the head's own log-probabilities. (scale, the (B, T) float32 log-probabilities and entropies of the
+    policy's distributions, or None and None without an objective)."""
+    if objective is None:
+        return (np.reshape(grad_scale, -1) if np.ndim(grad_scale) else grad_scale), None, None
+    rows, _ = ops.cross_entropy_rows(flat, targets.reshape(-1))          # (B*T,) -logp
+    logps = (-rows).astype(np.float32).reshape(targets.shape)
+    entropies = ops.softmax_entropy_forward(flat, lse).reshape(targets.shape) * (targets != ops.IGNORE_INDEX)
+    if isinstance(objective, SequenceObjective):
+        weights = np.asarray(objective.weights(logps), np.float32).reshape(-1)
+    else:
+        weights = ops.token_objective_backward(rows, objective.terms(), objective)
+    return np.float32(grad_scale) * weights, logps, entropies

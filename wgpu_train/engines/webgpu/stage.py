@@ -12,6 +12,7 @@ from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
 from wgpu_train.engines.webgpu.buffers import BucketCache
 from wgpu_train.engines.webgpu.device.recorder import count_submissions, submit
 from wgpu_train.engines.webgpu.engine import WgpuEngine
+from wgpu_train.errors import ConfigError
 
 
 class WgpuStage(WgpuEngine):
@@ -96,15 +97,18 @@ class WgpuStage(WgpuEngine):
         count_submissions(self.rt, self.counters, before)
         return self._send(values)
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale):
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
         """See PipelineStage.stage_loss. The last stage's ops each finish their micro-batch, so it keeps none and
         runs in the engine's own buckets and dropout slot, as one process's forward_backward."""
         rec, acts, before = self.steps.record_forward_backward(np.asarray(inputs), targets, segment_ids,
-                                                               position_ids, grad_scale)
-        loss_sum, count = self.steps.submit_loss(rec, acts, before)
-        if self.first or not count:
-            return loss_sum, count, None
-        return loss_sum, count, self._read_boundary(self.buckets, acts.d_res, acts.n)
+                                                               position_ids, grad_scale, objective)
+        logps = entropies = None
+        if objective is None:
+            loss_sum, count = self.steps.submit_loss(rec, acts, before)
+        else:
+            loss_sum, count, logps, entropies = self.steps.submit_loss_rows(rec, acts, before, targets)
+        dx = None if self.first or not count else self._read_boundary(self.buckets, acts.d_res, acts.n)
+        return loss_sum, count, dx, logps, entropies
 
     def stage_backward(self, micro, d_outputs):
         """See PipelineStage.stage_backward."""
@@ -125,6 +129,15 @@ class WgpuStage(WgpuEngine):
         if rows:
             return self.steps.token_losses(inputs, targets, segment_ids, position_ids)
         return self.steps.loss(inputs, targets, segment_ids, position_ids)
+
+    def stage_set_reference(self, modules: dict):
+        """See PipelineStage.stage_set_reference: not on the WebGPU engine yet (one line)."""
+        raise ConfigError("--ref-adapter through pipeline stages runs on the NumPy engine for now: --backend numpy")
+
+    def stage_use_reference(self, on: bool):
+        """See PipelineStage.stage_use_reference (stage_set_reference refuses a reference, so only off)."""
+        if on:
+            raise ConfigError("--ref-adapter through pipeline stages runs on the NumPy engine for now: --backend numpy")
 
     # ---- gradients and the update ---------------------------------------------------------------------------
     def stage_unscale(self):

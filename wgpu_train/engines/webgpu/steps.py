@@ -145,19 +145,39 @@ class StepRunner:
         count_submissions(self.rt, self.counters, before)
         return float(loss_sum), int(round(count))
 
+    def submit_loss_rows(self, rec, acts, before, targets) -> tuple:
+        """submit_loss, and the micro-batch's log-probabilities and entropies (B, T) (0 where targets are ignored)
+        read back with it: (loss_sum, trained tokens, log-probabilities, entropies)."""
+        m = acts.n_head
+        if self.results.size < (2 + 2 * m) * F32:
+            old, self.results = self.results, self.rt.buffer((2 + 2 * m) * F32, "results")
+            self.rt.release(old)
+        K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, m)
+        K.copy(rec, (self.results, 2), acts.loss_rows, m)
+        K.copy(rec, (self.results, 2 + m), acts.entropy_rows, m)
+        rec.read_back(self.results, np.float32, (2 + 2 * m,))
+        rec.submit()
+        out = rec.result()
+        count_submissions(self.rt, self.counters, before)
+        logps = _logps(out, 2, m, acts.head_order, targets.shape)
+        entropies = (targets != IGNORE_INDEX) * _logps(out, 2 + m, m, acts.head_order, targets.shape, sign=1.0)
+        return float(out[0]), int(round(out[1])), logps, entropies
+
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
         """Forward, loss and backward of one micro-batch (gradients accumulate); grad_scale one number or a
         weight per token (B, T); returns (loss_sum, count), the loss unweighted."""
         return self.submit_loss(*self.record_forward_backward(ids, targets, segment_ids, position_ids, grad_scale))
 
-    def record_forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale) -> tuple:
+    def record_forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None) -> tuple:
         """forward_backward's micro-batch uploaded and recorded, not submitted: (recorder, bucket, counters
-        before); ids (B, T), or a stage's input (BucketCache.upload_batch)."""
+        before); ids (B, T), or a stage's input (BucketCache.upload_batch). With a TokenObjective, grad_scale (one
+        number) times the weights the loss head computes from its own rows, and the entropies written too."""
         b, t = segment_ids.shape
         acts = self.buckets.activations(b, t, train=True)
-        per_token = np.ndim(grad_scale) > 0
+        per_token = objective is None and np.ndim(grad_scale) > 0
         self.buckets.upload_batch(acts, ids, segment_ids, position_ids, targets,
-                                  weights=grad_scale if per_token else None)
+                                  weights=grad_scale if per_token else None, objective=objective)
+        acts.entropies = objective is not None
         self.rt.write(self.step_buf, np.array([1.0 if per_token else grad_scale], np.float32))
         self.dropout.write(0, self.layers.lora)
         before = dict(self.rt.counters)
