@@ -135,6 +135,12 @@ def test_bad_stage_devices_are_one_line(tmp_path, capsys, default_rt):
     stages = [load_stage(folder, plan, s, "wgpu", precision=p) for s, p in enumerate(("fp32", "bf16"))]
     with pytest.raises(ConfigError, match="resolved --precision to fp32, bf16"):
         PipelineEngine(LocalStages(stages), plan)
+    with pytest.raises(ConfigError, match="--ref-adapter through pipeline stages runs on the NumPy engine"):
+        stages[1].stage_set_reference({})
+    from wgpu_train.training.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="--ref-adapter through pipeline stages runs on the NumPy engine"):
+        TrainConfig(pipeline_stages=2, backend="wgpu", objective="dpo", ref_adapter=str(tmp_path))
 
 
 def test_grpo_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
