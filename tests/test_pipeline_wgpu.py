@@ -122,7 +122,8 @@ def test_embedded_default_through_wgpu_stages_as_ray_actors(tmp_path, default_rt
 
 def test_bad_stage_devices_are_one_line(tmp_path, capsys, default_rt):
     """A stage on an adapter that does not exist stops the run with the adapter's own line (raised in its Ray
-    actor), and stages whose adapters resolved --precision auto differently are refused."""
+    actor); stages whose adapters resolved --precision auto differently are refused, and so is a DoRA reference
+    adapter."""
     from finetune_helpers import one_line_error
     from wgpu_train.errors import ConfigError
 
@@ -135,12 +136,10 @@ def test_bad_stage_devices_are_one_line(tmp_path, capsys, default_rt):
     stages = [load_stage(folder, plan, s, "wgpu", precision=p) for s, p in enumerate(("fp32", "bf16"))]
     with pytest.raises(ConfigError, match="resolved --precision to fp32, bf16"):
         PipelineEngine(LocalStages(stages), plan)
-    with pytest.raises(ConfigError, match="--ref-adapter through pipeline stages runs on the NumPy engine"):
-        stages[1].stage_set_reference({})
-    from wgpu_train.training.config import TrainConfig
-
-    with pytest.raises(ConfigError, match="--ref-adapter through pipeline stages runs on the NumPy engine"):
-        TrainConfig(pipeline_stages=2, backend="wgpu", objective="dpo", ref_adapter=str(tmp_path))
+    dora = {"model.layers.1.self_attn.q_proj": (np.zeros((2, 64), np.float32), np.zeros((64, 2), np.float32), 1.0,
+                                                 0.0, np.ones(64, np.float32))}
+    with pytest.raises(ConfigError, match="a DoRA --ref-adapter through WebGPU pipeline stages"):
+        stages[1].stage_set_reference(dora)
 
 
 def test_grpo_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
@@ -178,3 +177,28 @@ def test_grpo_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
     a, b = read_adapter(staged)[1], read_adapter(one)[1]
     for k in b:
         assert_close(a[k], b[k], "pipeline_wgpu", k)
+
+
+def test_dpo_with_a_ref_adapter_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
+    """DPO with --ref-adapter on 2 local WebGPU stages (each holding its layers' part of the reference in buffers
+    of its own, switched in while the stages score) against one WebGPU process that loads it on a second model
+    and scores, then trains, as the stages do: the same step losses and adapter, unlike those of the
+    adapter-off reference."""
+    from finetune_helpers import make_model_dir
+    from test_pipeline_objectives import _dpo_config, _reference_adapter
+    from test_pipeline_runs import TwoPasses
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+
+    workspace = (tmp_path, make_model_dir(tmp_path / "model"))
+    _reference_adapter(workspace[1], tmp_path / "ref")
+    kw = dict(backend="wgpu", device=str(default_rt.info.index), precision="fp32")
+    TwoPasses(_dpo_config(workspace, tmp_path / "one", ref_adapter=str(tmp_path / "ref"), **kw)).run()
+    finetune_pipeline(_dpo_config(workspace, tmp_path / "staged", pipeline_stages=2, ref_adapter=str(tmp_path / "ref"),
+                                  **kw), local=True)
+    staged, one = (np.array([v for _, v in _step_losses(tmp_path / n)]) for n in ("staged", "one"))
+    assert_close(staged, one, "pipeline_wgpu", "DPO's step losses with --ref-adapter")
+    mine, theirs = read_adapter(tmp_path / "staged")[1], read_adapter(tmp_path / "one")[1]
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
+    TwoPasses(_dpo_config(workspace, tmp_path / "off", **kw)).run()
+    assert np.abs(staged - np.array([v for _, v in _step_losses(tmp_path / "off")])).max() > 1e-3

@@ -351,8 +351,6 @@ class TrainConfig:
         need(self.pipeline_micro_batches is None or self.grad_accum in (1, self.pipeline_micro_batches),
              f"--pipeline-micro-batches {self.pipeline_micro_batches} and --grad-accum {self.grad_accum} both set "
              f"a step's micro-batches: give one")
-        need(not (self.ref_adapter and self.backend == "wgpu"),
-             "--ref-adapter through pipeline stages runs on the NumPy engine for now: --backend numpy")
 
     def continued_lora(self, adapter: LoraConfig, model) -> LoraConfig:
         """The LoraConfig of a run that continues `adapter` (adapter_path): the adapter's rank, alpha, targets,

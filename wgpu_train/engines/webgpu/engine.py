@@ -148,43 +148,48 @@ class WgpuEngine(EngineState):
         so zeroing, the gradient norm and AdamW take a dispatch per buffer rather than per tensor: every A,
         then every B, then DoRA's magnitudes (with B's learning rate under LoRA+, as PEFT groups them)."""
         self._release_acts()
-        modules = {p: split_entry(e) for p, e in modules.items()}
         if self._lora_packed:
             self.rt.release(self._lora_packed[0].buf, self._lora_packed[1].buf)
+        self.lora, self._lora_packed = self._upload_lora(modules)
+        self.dora.setup(self.lora)
+        self._group_of = self._lora_groups(self.lora)
+        self.buckets.set_adapter(self.lora, self._group_of)
+        self.layers.set_adapter(self.lora, self._group_of)
+        self._reset_training_state()
+
+    def _upload_lora(self, modules: dict) -> tuple:
+        """set_lora's modules packed and uploaded: (path -> GpuLora, (packed parameters, packed gradients))."""
+        modules = {p: split_entry(e) for p, e in modules.items()}
         # every A first, layer by layer in module order, so that the A matrices of a group lie back to back
         order = sorted(modules, key=lambda p: (int(p.split(".")[2]), self.cfg.linear_modules.index(p.rsplit(".", 1)[1])))
         shapes = {p + ".lora_A": modules[p][0].shape for p in order}
         shapes.update({p + ".lora_B": modules[p][1].shape for p in order})
         shapes.update({f"{p}.{MAGNITUDE}": (modules[p][1].shape[0],) for p in order if modules[p][4] is not None})
-        self.lora = {}
-        self._lora_packed = Packed(self.rt, shapes, "lora_params"), Packed(self.rt, shapes, "lora_grads")
-        params, grads = self._lora_packed
+        lora = {}
+        params, grads = Packed(self.rt, shapes, "lora_params"), Packed(self.rt, shapes, "lora_grads")
         for path, (a, b, s, d, mag) in modules.items():
             layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
             na, nb, nm = path + ".lora_A", path + ".lora_B", f"{path}.{MAGNITUDE}"
             self._write(params.view(na), a)
             self._write(params.view(nb), b)
-            self.lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
-                                      a.shape, b.shape, s, d, self.cfg.module_id(layer, module))
+            lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
+                                 a.shape, b.shape, s, d, self.cfg.module_id(layer, module))
             if mag is not None:
                 self._write(params.view(nm), mag)
-                self.lora[path].m, self.lora[path].gm = params.view(nm), grads.view(nm)
-        self.dora.setup(self.lora)
-        self._group_of = self._lora_groups()
-        self.buckets.set_adapter(self.lora, self._group_of)
-        self.layers.set_adapter(self.lora, self._group_of)
-        self._reset_training_state()
+                lora[path].m, lora[path].gm = params.view(nm), grads.view(nm)
+        return lora, (params, grads)
 
-    def _lora_groups(self) -> dict:
-        """module name -> the modules that run their LoRA as one (memory.lora_groups' rule: the same for
-        the memory estimate), each group's A matrices back to back in every layer with LoRA on it."""
-        ranks = layer_ranks({p: m.r for p, m in self.lora.items()})
+    def _lora_groups(self, lora: dict) -> dict:
+        """module name -> the modules of `lora` (path -> GpuLora) that run their LoRA as one (memory.lora_groups'
+        rule: the same for the memory estimate), each group's A matrices back to back in every layer with LoRA
+        on it."""
+        ranks = layer_ranks({p: m.r for p, m in lora.items()})
         # DoRA scales each module's dy by its own c: no shared LoRA backward
-        alone = any(m.dropout > 0 or m.m is not None for m in self.lora.values()) or self.precision.sixteen_bit
+        alone = any(m.dropout > 0 or m.m is not None for m in lora.values()) or self.precision.sixteen_bit
         out = {}
         for module, members in lora_groups(self.cfg, ranks, alone).items():
             # lora_groups: every member has LoRA in the same layers
-            mods = [[self.lora[module_path(i, m)] for m in members] for i in sorted(ranks[module])]
+            mods = [[lora[module_path(i, m)] for m in members] for i in sorted(ranks[module])]
             if any(row[j + 1].a[1] != row[j].a[1] + row[j].r * row[j].in_f for row in mods for j in range(len(row) - 1)):
                 continue     # not back to back (set_lora's packing order puts them so)
             out[module] = members

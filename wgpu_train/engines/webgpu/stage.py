@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 
+from wgpu_train.adapters.dora import split_entry
 from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
 from wgpu_train.engines.webgpu.buffers import BucketCache
 from wgpu_train.engines.webgpu.device.recorder import count_submissions, submit
@@ -30,6 +31,8 @@ class WgpuStage(WgpuEngine):
         self._spare: list = []       # the bucket caches of slots 1, 2, ... (slot 0 is the engine's own)
         self._kept: dict = {}        # micro-batch -> (slot, its activations), from its forward to its backward
         self._caches: dict = {}      # generation's KV caches by the driver's key
+        self._reference = None       # --ref-adapter's modules of its layers: (path -> GpuLora, packed buffers)
+        self._reference_on = False   # whether forwards run the reference's modules (stage_use_reference)
 
     # ---- a bucket cache per micro-batch in flight ------------------------------------------------------------
     def _take_slot(self) -> int:
@@ -131,13 +134,25 @@ class WgpuStage(WgpuEngine):
         return self.steps.loss(inputs, targets, segment_ids, position_ids)
 
     def stage_set_reference(self, modules: dict):
-        """See PipelineStage.stage_set_reference: not on the WebGPU engine yet (one line)."""
-        raise ConfigError("--ref-adapter through pipeline stages runs on the NumPy engine for now: --backend numpy")
+        """See PipelineStage.stage_set_reference: the reference's LoRA tensors packed in buffers of their own (no
+        optimizer state); a DoRA reference is refused in one line (its norms would need a DoraNorms of their
+        own)."""
+        if any(split_entry(e)[4] is not None for e in modules.values()):
+            raise ConfigError("a DoRA --ref-adapter through WebGPU pipeline stages is not supported: --backend numpy")
+        if self._reference is not None:
+            self.rt.release(*(packed.buf for packed in self._reference[1]))
+        self._reference = self._upload_lora(modules)
 
     def stage_use_reference(self, on: bool):
-        """See PipelineStage.stage_use_reference (stage_set_reference refuses a reference, so only off)."""
-        if on:
-            raise ConfigError("--ref-adapter through pipeline stages runs on the NumPy engine for now: --backend numpy")
+        """See PipelineStage.stage_use_reference: the buckets and the layer recording given the reference's
+        modules (or the policy's back); the policy's tensors, gradients and moments stay as they are."""
+        if bool(on) == self._reference_on:
+            return
+        lora = self._reference[0] if on else self.lora
+        groups = self._lora_groups(lora) if on else self._group_of
+        self.buckets.set_adapter(lora, groups)
+        self.layers.set_adapter(lora, groups)
+        self._reference_on = bool(on)
 
     # ---- gradients and the update ---------------------------------------------------------------------------
     def stage_unscale(self):
