@@ -202,3 +202,26 @@ def test_dpo_with_a_ref_adapter_through_wgpu_stages_equals_one_process(tmp_path,
         assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
     TwoPasses(_dpo_config(workspace, tmp_path / "off", **kw)).run()
     assert np.abs(staged - np.array([v for _, v in _step_losses(tmp_path / "off")])).max() > 1e-3
+
+
+@pytest.mark.parametrize("schedule,checkpointing", [("gpipe", False), ("1f1b", True)])
+def test_each_wgpu_stage_allocates_its_memory_estimate(tmp_path, default_rt, schedule, checkpointing):
+    """After a step of 3 micro-batches on 3 stages, each stage's training buckets (one per micro-batch it held at
+    once; the final norm's and loss head's buffers on the last stage alone) add up to its `wgpu-train memory
+    --pipeline-stages` estimate, byte for byte."""
+    from test_engine import _allocated
+    from wgpu_train.engines.resources import stage_memory
+
+    folder = save_model(build_model("llama", num_hidden_layers=3), tmp_path / "llama")
+    _, staged = _staged(folder, 3, schedule, precision="fp32")
+    lora = LoraConfig(r=4, target_modules=("q_proj", "v_proj", "down_proj"), dropout=0.1)
+    staged.add_lora(lora, seed=3)
+    staged.engine.set_gradient_checkpointing(checkpointing)
+    staged.engine.train_step(_micro_batches(1, 3), OptimizerParams(lr=1e-2), 1)
+    estimates = stage_memory(staged.config, staged.engine.plan, 2, 9, lora, micro_batches=3, schedule=schedule,
+                             gc=checkpointing)
+    for stage, est in zip(staged.engine.runner.stages, estimates):
+        caches = [stage.buckets] + stage._spare
+        allocated = sum(_allocated(acts) for cache in caches for key, acts in cache.acts.items() if key[1])
+        assert allocated == est["activations"] + est["logits"], (est["layers"], allocated, est)
+    assert [est["in_flight"] for est in estimates] == ([3, 3, 1] if schedule == "gpipe" else [3, 2, 1])

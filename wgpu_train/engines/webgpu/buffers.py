@@ -63,7 +63,8 @@ class Activations:
     holds its tensor for `capacity` rows.
 
     layers[i] maps a name to layer i's buffer, for each layer i of `layers` (a pipeline stage's range, or every
-    layer of the model). With checkpoint (gradient checkpointing, training only)
+    layer of the model); without `head` (a stage before the last) the final norm's and loss head's buffers are
+    left out. With checkpoint (gradient checkpointing, training only)
     only "x_in" is layer i's own: the other names map to one set of buffers shared by every layer, which
     the backward refills by recomputing each layer's forward. A forward-only bucket (train=False) has
     one set for all layers, x_in included (memory.activation_plan). In a 16-bit precision the activations and
@@ -71,12 +72,12 @@ class Activations:
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None,
-                 precision: Precision = Precision.FP32, layers: range | None = None):
+                 precision: Precision = Precision.FP32, layers: range | None = None, head: bool = True):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
         layer, shared = activation_plan(cfg, 1, capacity, lora_ranks, dropout_inputs, train, self.checkpoint,
-                                        rt.max_binding, dora_outputs)
+                                        rt.max_binding, dora_outputs, head)
         check_fits(cfg, batch[0], batch[1], rt.max_binding, layer, shared)    # named after the batch that asked
         # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
         self.b = self.t = self.n = self.n_head = 0
@@ -120,16 +121,17 @@ class BucketCache:
     buckets for the LoRA modules and groups set_adapter gave it, and for the gradient checkpointing that
     set_checkpointing gave it; both release every bucket. Its buckets hold the activations of the layers of `span` (a
     pipeline stage's range, else every layer); a stage after the first (first False) takes the previous stage's
-    activations as its input where the first takes token ids (upload_batch)."""
+    activations as its input where the first takes token ids (upload_batch); a stage before the last (last
+    False) has no loss head's buffers."""
 
     MAX_BUCKETS = 4             # training activation buckets kept allocated at once
     MAX_FORWARD_BUCKETS = 8     # forward-only ones (one set of layer buffers each): generation uses several
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, precision: Precision, counters: dict, span: range | None = None,
-                 first: bool = True):
+                 first: bool = True, last: bool = True):
         self.rt, self.cfg, self.precision, self.counters = rt, cfg, precision, counters
         self.span = range(cfg.num_hidden_layers) if span is None else span
-        self.first = first
+        self.first, self.last = first, last
         self.acts: dict = {}
         self.inputs: dict = {}
         self.lora: dict = {}          # path -> GpuLora
@@ -173,10 +175,10 @@ class BucketCache:
             dora = {p.rsplit(".", 1)[1]: m.out_f for p, m in self.lora.items() if m.m is not None}
             try:
                 acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t), dora,
-                                   self.precision, self.span)
+                                   self.precision, self.span, self.last)
             except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
                 acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora,
-                                   self.precision, self.span)
+                                   self.precision, self.span, self.last)
             self.counters["buckets_allocated"] += 1
         self.acts[acts.key] = acts          # most recently used last
         acts.use(b, t)

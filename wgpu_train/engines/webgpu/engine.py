@@ -90,7 +90,7 @@ class WgpuEngine(EngineState):
                          "buckets_allocated": 0, "policy_forwards": 0, "reference_forwards": 0}
         step_buf = rt.buffer(64, "step_scalars")       # [grad_scale]
         # the parts
-        self.buckets = BucketCache(rt, cfg, precision, self.counters, span, first)
+        self.buckets = BucketCache(rt, cfg, precision, self.counters, span, first, last)
         self.dora = DoraNorms(rt, self.w)
         self.dropout = DropoutSeeds(rt, cfg.num_hidden_layers * len(cfg.linear_modules))
         self.optimizer = Optimizer(rt)

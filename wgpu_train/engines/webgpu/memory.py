@@ -79,8 +79,14 @@ def activation_ranks(ranks: dict, groups: dict) -> dict:
     return out
 
 
+# the buffers of the final norm and the loss head alone (a pipeline stage before the last has none of them; its
+# output stays in x_final)
+HEAD_BUFFERS = ("xf", "rstd_f", "logits", "loss_rows", "lse_rows", "valid_rows", "entropy_rows", "dxf", "d_tmp")
+
+
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
-                    checkpoint: bool = False, max_binding: int | None = None, dora_outputs: dict | None = None):
+                    checkpoint: bool = False, max_binding: int | None = None, dora_outputs: dict | None = None,
+                    head: bool = True):
     """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared). The layer's
     activations and gradient buffers are those of its layer_plan; the activations no backward reads (the
     plan's unsaved ones) exist once, under SHARED_LAYER.
@@ -93,6 +99,8 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     max_binding: the device's max storage binding, which caps the logits' rows (head_rows); default 128 MiB.
     dora_outputs: module name -> out_features of the DoRA modules (their z = W x + s B A x, dora_z, and the
     backward's scaled dy, d_dora).
+    head: with the final norm's and the loss head's buffers (HEAD_BUFFERS); without, a pipeline stage's before
+    the last.
     """
     from wgpu_train.engines.webgpu import kernels as K
     from wgpu_train.engines.webgpu import attention as A
@@ -126,6 +134,8 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     else:
         shared.update({SHARED_LAYER + name: e for name, e in layer.items()})
         layer = {}
+    if not head:
+        shared = {k: e for k, e in shared.items() if k not in HEAD_BUFFERS}
     return layer, shared
 
 

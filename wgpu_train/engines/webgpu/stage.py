@@ -41,7 +41,7 @@ class WgpuStage(WgpuEngine):
         held = {slot for slot, _ in self._kept.values()}
         slot = next(k for k in itertools.count() if k not in held)
         while len(self._spare) < slot:
-            spare = BucketCache(self.rt, self.cfg, self.precision, self.counters, self.span, self.first)
+            spare = BucketCache(self.rt, self.cfg, self.precision, self.counters, self.span, self.first, self.last)
             spare.set_adapter(self.lora, self._group_of)
             spare.set_checkpointing(self.gradient_checkpointing)
             self._spare.append(spare)

@@ -10,21 +10,23 @@ from wgpu_train.engines.protocol import Precision
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.stage_plan import StagePlan, plan_stages
 
-# the loss head's buffers of an activation plan's shared part (the last stage's alone)
-HEAD_BUFFERS = ("x_final", "xf", "rstd_f", "loss_rows", "lse_rows", "valid_rows", "dxf", "d_tmp")
 SCHEDULES = ("gpipe", "1f1b")
 
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
     """The training micro-batches whose activations stage `stage` holds at once: all of a step's under GPipe
-    (every forward before any backward), at most stages - stage under 1F1B."""
+    (every forward before any backward), at most stages - stage under 1F1B; one on the last stage, whose forward,
+    loss and backward of a micro-batch run at once."""
+    if stage == stages - 1:
+        return 1
     return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
 
 
 def _activation_parts(cfg: ModelConfig, batch: int, seq: int, lora: LoraConfig | None, gc: bool,
-                      max_binding, precision: Precision | str) -> tuple:
-    """(bytes of one layer's activations, of the shared buffers but the head's, of the head's buffers, of the
-    logits) of a training micro-batch, as estimate_memory plans them."""
+                      max_binding, precision: Precision | str, head: bool) -> tuple:
+    """(bytes of one layer's activations, of the shared buffers but the logits, of the logits) of a training
+    micro-batch's bucket, as a stage allocates it (webgpu/stage.py: a bucket per micro-batch it holds; the final
+    norm's and loss head's buffers on the last stage alone: head)."""
     ranks, drop, dora = {}, {}, {}
     if lora is not None:
         for path, (r, _) in lora.modules(cfg).items():
@@ -36,12 +38,10 @@ def _activation_parts(cfg: ModelConfig, batch: int, seq: int, lora: LoraConfig |
     precision = Precision.parse(precision)
     ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(drop or dora) or precision.sixteen_bit))
     layer, shared = activation_plan(cfg, 1, bucket_tokens(batch * seq), ranks, drop, train=True, checkpoint=gc,
-                                    max_binding=max_binding, dora_outputs=dora)
-    logits = shared.pop("logits") * F32
+                                    max_binding=max_binding, dora_outputs=dora, head=head)
+    logits = shared.pop("logits", 0) * F32
     size = lambda part: sum(activation_bytes(cfg, k, e, precision) for k, e in part.items())   # noqa: E731
-    head = {k: e for k, e in shared.items() if k in HEAD_BUFFERS}
-    rest = {k: e for k, e in shared.items() if k not in HEAD_BUFFERS}
-    return size(layer), size(rest), size(head), logits
+    return size(layer), size(shared), logits
 
 
 def _trainable_bytes(cfg: ModelConfig, lora: LoraConfig | None, method: str, keep, weights: int) -> int:
@@ -61,17 +61,16 @@ def stage_memory(cfg: ModelConfig, plan: StagePlan, batch: int, seq: int, lora: 
                  max_binding=None, precision: Precision | str = "fp32", micro_batches: int = 1, schedule: str = "1f1b") -> list:
     """Each stage's bytes by estimate_memory's categories (weights, trainable_state, activations, logits, total),
     with its layers and the micro-batches it holds at once (in_flight)."""
-    layer, rest, head, logits = _activation_parts(cfg, batch, seq, lora, gc, max_binding, precision)
+    parts = {head: _activation_parts(cfg, batch, seq, lora, gc, max_binding, precision, head) for head in (False, True)}
     out = []
     for s, layers in enumerate(plan.stages):
         keep = lambda name, s=s: plan.holds(s, name)          # noqa: E731
         weights = base_weight_bytes(cfg, base_dtype, embed_dtype, max_binding, keep=keep)["total"]
         held = in_flight(schedule, len(plan), s, micro_batches)
-        last = s == len(plan) - 1
+        layer, shared, logits = parts[s == len(plan) - 1]
         est = {"layers": f"{layers.start}-{layers.stop - 1}", "in_flight": held, "weights": weights,
                "trainable_state": _trainable_bytes(cfg, lora, method, keep, weights),
-               "activations": held * len(layers) * layer + rest + (head if last else 0),
-               "logits": logits if last else 0}
+               "activations": held * (len(layers) * layer + shared), "logits": held * logits}
         est["total"] = sum(est[k] for k in ("weights", "trainable_state", "activations", "logits"))
         out.append(est)
     return out
@@ -88,7 +87,7 @@ def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, bat
     if stage_layers or not 1 <= stages <= n:      # by hand, or refused in one line
         return plan_stages(n, stages, stage_layers, tied=cfg.tie_word_embeddings)
     whole = StagePlan((range(n),), n, cfg.tie_word_embeddings)
-    layer, rest, head, logits = _activation_parts(cfg, batch, seq, lora, gc, None, precision)
+    parts = {head: _activation_parts(cfg, batch, seq, lora, gc, None, precision, head) for head in (False, True)}
     prefix = [0]
     for i in range(n):
         keep = lambda name, i=i: name.startswith(f"model.layers.{i}.")          # noqa: E731
@@ -97,11 +96,12 @@ def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, bat
     first = base_weight_bytes(cfg, base_dtype, embed_dtype, keep=lambda k: k == "model.embed_tokens.weight")["total"]
     ends = base_weight_bytes(cfg, base_dtype, embed_dtype,
                              keep=lambda k: whole.holds(0, k) and not k.startswith("model.layers."))["total"]
-    last = ends - (0 if cfg.tie_word_embeddings else first) + head + logits
+    last = ends - (0 if cfg.tie_word_embeddings else first)
 
     def cost(k: int, a: int, b: int) -> float:
         held = in_flight(schedule, stages, k, micro_batches)
-        return (prefix[b] - prefix[a] + held * (b - a) * layer + rest + (first if k == 0 else 0)
+        layer, shared, logits = parts[k == stages - 1]
+        return (prefix[b] - prefix[a] + held * ((b - a) * layer + shared + logits) + (first if k == 0 else 0)
                 + (last if k == stages - 1 else 0))
 
     return plan_stages(n, stages, None, cost, cfg.tie_word_embeddings)
