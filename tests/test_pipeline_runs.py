@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +16,10 @@ import pytest
 
 import wgpu_train
 from finetune_helpers import make_model_dir, one_line_error, write_jsonl
-from test_data_parallel import ThreadCollective
+from test_data_parallel import run_threads
 from test_pipeline import file_bytes
 from tolerances import assert_close
 from wgpu_train.adapters.files import read_adapter
-from wgpu_train.distributed.data_parallel import data_parallel_trainer
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import PipelineStages, finetune_pipeline, pipeline_config
 from wgpu_train.errors import ConfigError
@@ -193,38 +191,14 @@ def test_preference_objectives_through_stages_equal_one_process(tmp_path, object
 
 # ---- 2-D: data-parallel workers, each with its pipeline --------------------------------------------------------
 
-def _run_workers(cfg: TrainConfig, world: int, stages: bool = False) -> list:
-    """Data-parallel ranks as threads of this process (test_data_parallel's ThreadCollective); stages: each
-    worker's model its own pipeline stages, in this process (no Ray)."""
-    slots, barrier = [None] * world, threading.Barrier(world, timeout=300)
-    out, errors = [None] * world, []
-
-    def work(rank):
-        try:
-            placement = PipelineStages(local=True) if stages else None
-            out[rank] = data_parallel_trainer(pipeline_config(cfg) if stages else cfg,
-                                              ThreadCollective(slots, barrier, rank), placement=placement).run()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
-
-
 def test_two_workers_of_two_stages_equal_two_workers(tmp_path):
     """A 2 x 2 grid (2 data-parallel workers, each a pipeline of 2 stages, its stages' gradients all-reduced as
     one flat array) against 2 data-parallel workers of one process each, on the same global batch: the same step
     losses and adapter (the all-reduce sums each element alike, whatever the order of the tensors)."""
     kw = dict(num_workers=2, grad_accum=1, save_every=0)
-    _run_workers(_run_config(tmp_path / "dp", **kw), 2)
-    grid = _run_workers(_run_config(tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
+    run_threads(_run_config(tmp_path / "dp", **kw), 2)
+    grid = run_threads(pipeline_config(_run_config(tmp_path / "grid", pipeline_stages=2, **kw)), 2,
+                       placement=lambda rank: PipelineStages(local=True))
     assert grid[0]["pipeline"]["stages"] == 2 and grid[0]["data_parallel"]["workers"] == 2
     assert _step_losses(tmp_path / "grid") == _step_losses(tmp_path / "dp")
     _assert_same_adapter(tmp_path / "grid", tmp_path / "dp")
