@@ -17,6 +17,7 @@ from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, stage_ops
+from wgpu_train.distributed.stage_budget import check_stages_fit, parse_size
 from wgpu_train.engines.loading import load_model, load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.protocol import OptimizerParams
@@ -107,6 +108,20 @@ def test_stage_memory_adds_up_to_the_whole(tmp_path):
     f1b = stage_memory(cfg, plan_stages(4, 2), 4, 64, lora, micro_batches=4, schedule="1f1b")
     assert [s["in_flight"] for s in gpipe] == [4, 4] and [s["in_flight"] for s in f1b] == [2, 1]
     assert f1b[0]["activations"] < gpipe[0]["activations"]
+
+
+def test_a_stage_over_its_device_memory_is_refused():
+    """--device-memory against each stage's estimate: one size for all or one per stage; the first stage over its
+    device's named with its layers, estimate and limit."""
+    cfg = ModelConfig.from_folder(default_model_dir())
+    est = stage_memory(cfg, plan_stages(4, 2, "0-1,2-3"), 2, 64, LoraConfig(), micro_batches=2)
+    first, last = (e["total"] for e in est)
+    check_stages_fit(est, str(max(first, last)))            # each fits its device: nothing raised
+    check_stages_fit(est, f"{first},{last}")
+    check_stages_fit(est, None)                             # not given: unchecked
+    with pytest.raises(ConfigError, match=r"stage 1 \(layers 2-3\) needs an estimated .* over its device's"):
+        check_stages_fit(est, f"{first},{last - 1}")
+    assert (parse_size("1.5GiB"), parse_size("16 GB"), parse_size("512")) == (3 * 2**29, 16 * 10**9, 512)
 
 
 def test_memory_command_prints_each_stage(capsys):
