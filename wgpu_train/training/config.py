@@ -464,7 +464,8 @@ GRPO_FIELDS = ("reward", "reward_weights", "reward_pattern", "num_generations", 
                "epsilon_high", "num_iterations", "importance_sampling_level")
 
 # say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
-INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")
+INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address", "stage_resources",
+                     "device_memory")
 
 
 def resumed_settings(resume) -> dict:
