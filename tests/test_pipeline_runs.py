@@ -23,7 +23,7 @@ from tolerances import assert_close
 from wgpu_train.adapters.files import read_adapter
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import PipelineStages, finetune_pipeline, pipeline_config
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import ConfigError, DeviceError
 from wgpu_train.models.stage_plan import plan_stages
 from wgpu_train.training.config import TrainConfig, default_model_dir
 from wgpu_train.training.preference_trainer import PreferenceTrainer
@@ -238,6 +238,9 @@ def test_stages_sit_on_the_bundles_of_one_placement_group(tmp_path, capsys):
         # an actor on a bundle takes a thousandth of that bundle's own resource
         seated = [f"bundle_group_{s}_{group.id.hex()}" for s in range(2)]
         assert _soon(lambda: [ray.available_resources().get(k) for k in seated] == [999.999] * 2)
+        # a user error in a stage, e.g. a buffer over its device's binding limit: its own one line
+        with pytest.raises(DeviceError, match="^over the binding limit$"):
+            stages.get(ray.remote(num_cpus=0)(_refuse).remote())
         stages.close()
         assert placement_group_table(group)["state"] == "REMOVED"
         run = ["finetune", "--backend", "numpy", "--out", str(tmp_path / "x"), "--max-steps", "1", "--no-progress"]
@@ -253,6 +256,10 @@ def test_stages_sit_on_the_bundles_of_one_placement_group(tmp_path, capsys):
         assert time.perf_counter() - started < 15
     finally:
         ray.shutdown()
+
+
+def _refuse():
+    raise DeviceError("over the binding limit")
 
 
 def _soon(check, seconds: float = 10) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from wgpu_train.distributed.pipeline_engine import StageLost
 from wgpu_train.distributed.stage_placement import (parse_resources, release, reserve_stages, seat,
                                                      stage_cpus)
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import ConfigError, WgpuTrainError
 
 try:
     import ray
@@ -100,9 +100,9 @@ class RayStages:
     def get(self, refs):
         try:
             return ray.get(refs)
-        except ray.exceptions.RayTaskError as e:      # a user error in a stage: its own one line
+        except ray.exceptions.RayTaskError as e:      # a user error in a stage (device limits too): its one line
             cause = getattr(e, "cause", None)
-            if isinstance(cause, ConfigError):
+            if isinstance(cause, WgpuTrainError):
                 raise type(cause)(str(cause)) from None
             if isinstance(cause, ray.exceptions.RayActorError):      # a task fed by a dead stage's results
                 raise StageLost(str(cause).splitlines()[0]) from None
