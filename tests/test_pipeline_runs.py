@@ -2,7 +2,8 @@
 through 2 stages equal to one process, a checkpoint resumed with another S or in one process, an adapter continued
 with exact match through the stages, 2 Ray actors equal to one process (each reading its own tensors), a killed
 stage restarting from the last checkpoint, DPO and KTO through stages, a 2 x 2 grid of data-parallel workers of
-2 stages; bad input in one line."""
+2 stages (threads, and Ray Train), the stages on a placement group's bundles; bad input (a stage over its device's
+memory, a cluster that cannot hold the stages) in one line."""
 from __future__ import annotations
 
 import json
@@ -220,7 +221,8 @@ def test_two_workers_of_two_stages_on_ray_train_equal_one_process(tmp_path, one_
 def test_stages_sit_on_the_bundles_of_one_placement_group(tmp_path, capsys):
     """On a local Ray of 2 CPUs: 2 stages sit each on its bundle of one PACK placement group, removed on close; a
     group the cluster can never hold is refused in one line at once (a resource no node has; more CPUs than it
-    has), and one whose resources other work holds, after a bounded wait."""
+    has), and one whose resources other work holds, after a bounded wait; a user error a stage raises comes back
+    as its own line."""
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
