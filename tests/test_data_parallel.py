@@ -54,15 +54,17 @@ class ThreadCollective:
         return self._exchange(obj)[0]
 
 
-def run_threads(cfg: TrainConfig, world: int, **kw) -> list:
+def run_threads(cfg: TrainConfig, world: int, placement=None, **kw) -> list:
     """Run data-parallel trainer ranks 0..world-1 in threads (kw: data_parallel_trainer's); their summaries (an
-    exception is re-raised)."""
-    slots, barrier = [None] * world, threading.Barrier(world, timeout=120)
+    exception is re-raised). placement: rank -> that rank's placement (e.g. its own pipeline stages); default
+    one engine each."""
+    slots, barrier = [None] * world, threading.Barrier(world, timeout=300)
     out, errors = [None] * world, []
 
     def work(rank):
         try:
-            out[rank] = data_parallel_trainer(cfg, ThreadCollective(slots, barrier, rank), **kw).run()
+            out[rank] = data_parallel_trainer(cfg, ThreadCollective(slots, barrier, rank),
+                                              placement=placement(rank) if placement else None, **kw).run()
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
             barrier.abort()

@@ -17,6 +17,7 @@ from tiny_models import build_model, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, stage_ops
+from wgpu_train.distributed.stage_budget import check_stages_fit, parse_size
 from wgpu_train.engines.loading import load_model, load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.protocol import OptimizerParams
@@ -107,6 +108,20 @@ def test_stage_memory_adds_up_to_the_whole(tmp_path):
     f1b = stage_memory(cfg, plan_stages(4, 2), 4, 64, lora, micro_batches=4, schedule="1f1b")
     assert [s["in_flight"] for s in gpipe] == [4, 1] and [s["in_flight"] for s in f1b] == [2, 1]
     assert f1b[0]["activations"] < gpipe[0]["activations"]
+
+
+def test_a_stage_over_its_device_memory_is_refused():
+    """--device-memory against each stage's estimate: one size for all or one per stage; the first stage over its
+    device's named with its layers, estimate and limit."""
+    cfg = ModelConfig.from_folder(default_model_dir())
+    est = stage_memory(cfg, plan_stages(4, 2, "0-1,2-3"), 2, 64, LoraConfig(), micro_batches=2)
+    first, last = (e["total"] for e in est)
+    check_stages_fit(est, str(max(first, last)))            # each fits its device: nothing raised
+    check_stages_fit(est, f"{first},{last}")
+    check_stages_fit(est, None)                             # not given: unchecked
+    with pytest.raises(ConfigError, match=r"stage 1 \(layers 2-3\) needs an estimated .* over its device's"):
+        check_stages_fit(est, f"{first},{last - 1}")
+    assert (parse_size("1.5GiB"), parse_size("16 GB"), parse_size("512")) == (3 * 2**29, 16 * 10**9, 512)
 
 
 def test_memory_command_prints_each_stage(capsys):
@@ -240,6 +255,33 @@ def test_trained_embedding_and_head_through_stages_equal_one_process(tmp_path, a
         # trained as one: the last stage's copy (its head) took the same updates as the first's
         head = engine.runner.stages[2].weights()["model.embed_tokens.weight"]
         assert_close(head, mine["model.embed_tokens.weight"], "exact", "the last stage's tied head")
+
+
+def test_a_fully_trained_model_is_saved_one_tensor_at_a_time(tmp_path):
+    """--method full through stages writes its model (Model.save_pretrained, as the run and its checkpoints do)
+    fetching and merging one weight at a time: the driver's new memory while it saves (tracemalloc; the stages in
+    this process hold theirs already) peaks under three of the largest tensor, not at the whole model (3.6 MB; 10.9
+    MB, three copies, when it gathered them all); the file is one process's, byte for byte."""
+    import tracemalloc
+
+    folder = default_model_dir()
+    one = load_model(folder, "numpy", precision="fp32")
+    plan = plan_stages(4, 2, tied=one.config.tie_word_embeddings)
+    staged = Model(one.config, PipelineEngine(LocalStages([load_stage(folder, plan, s, precision="fp32")
+                                                           for s in range(2)]), plan), folder)
+    for model in (one, staged):
+        model.set_full_finetune()
+    tracemalloc.start()
+    try:
+        staged.save_pretrained(tmp_path / "staged")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    one.save_pretrained(tmp_path / "one")
+    sizes = file_bytes(tmp_path / "one")
+    assert peak < 3 * max(sizes.values()) < sum(sizes.values()), (peak, sizes)
+    written = [(tmp_path / side / "model.safetensors").read_bytes() for side in ("staged", "one")]
+    assert written[0] == written[1]
 
 
 class CountingStages(LocalStages):

@@ -2,14 +2,15 @@
 through 2 stages equal to one process, a checkpoint resumed with another S or in one process, an adapter continued
 with exact match through the stages, 2 Ray actors equal to one process (each reading its own tensors), a killed
 stage restarting from the last checkpoint, DPO and KTO through stages, a 2 x 2 grid of data-parallel workers of
-2 stages; bad input in one line."""
+2 stages (threads, and Ray Train), the stages on a placement group's bundles; bad input (a stage over its device's
+memory, a cluster that cannot hold the stages) in one line."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,13 @@ import pytest
 
 import wgpu_train
 from finetune_helpers import make_model_dir, one_line_error, write_jsonl
-from test_data_parallel import ThreadCollective
+from test_data_parallel import run_threads
 from test_pipeline import file_bytes
 from tolerances import assert_close
 from wgpu_train.adapters.files import read_adapter
-from wgpu_train.distributed.data_parallel import data_parallel_trainer
 from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_trainer import PipelineStages, finetune_pipeline, pipeline_config
+from wgpu_train.errors import ConfigError, DeviceError
 from wgpu_train.models.stage_plan import plan_stages
 from wgpu_train.training.config import TrainConfig, default_model_dir
 from wgpu_train.training.preference_trainer import PreferenceTrainer
@@ -192,41 +193,86 @@ def test_preference_objectives_through_stages_equal_one_process(tmp_path, object
 
 # ---- 2-D: data-parallel workers, each with its pipeline --------------------------------------------------------
 
-def _run_workers(cfg: TrainConfig, world: int, stages: bool = False) -> list:
-    """Data-parallel ranks as threads of this process (test_data_parallel's ThreadCollective); stages: each
-    worker's model its own pipeline stages, in this process (no Ray)."""
-    slots, barrier = [None] * world, threading.Barrier(world, timeout=300)
-    out, errors = [None] * world, []
-
-    def work(rank):
-        try:
-            placement = PipelineStages(local=True) if stages else None
-            out[rank] = data_parallel_trainer(pipeline_config(cfg) if stages else cfg,
-                                              ThreadCollective(slots, barrier, rank), placement=placement).run()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
-
-
 def test_two_workers_of_two_stages_equal_two_workers(tmp_path):
     """A 2 x 2 grid (2 data-parallel workers, each a pipeline of 2 stages, its stages' gradients all-reduced as
     one flat array) against 2 data-parallel workers of one process each, on the same global batch: the same step
     losses and adapter (the all-reduce sums each element alike, whatever the order of the tensors)."""
     kw = dict(num_workers=2, grad_accum=1, save_every=0)
-    _run_workers(_run_config(tmp_path / "dp", **kw), 2)
-    grid = _run_workers(_run_config(tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
+    run_threads(_run_config(tmp_path / "dp", **kw), 2)
+    grid = run_threads(pipeline_config(_run_config(tmp_path / "grid", pipeline_stages=2, **kw)), 2,
+                       placement=lambda rank: PipelineStages(local=True))
     assert grid[0]["pipeline"]["stages"] == 2 and grid[0]["data_parallel"]["workers"] == 2
     assert _step_losses(tmp_path / "grid") == _step_losses(tmp_path / "dp")
     _assert_same_adapter(tmp_path / "grid", tmp_path / "dp")
+
+
+def test_two_workers_of_two_stages_on_ray_train_equal_one_process(tmp_path, one_thread):
+    """The 2 x 2 grid on Ray Train: 2 workers (ray_worker.py), each through 2 stage actors on the bundles of its
+    own placement group: one process's step losses and adapter, bit for bit (BLAS on one thread on both sides;
+    2 workers of one micro-batch sum their gradients as one process sums its 2 micro-batches')."""
+    out = tmp_path / "grid"
+    summary = finetune(_run_config(out, num_workers=2, grad_accum=1, pipeline_stages=2, save_every=0))
+    assert summary["pipeline"]["ray"] is True and summary["pipeline"]["stages"] == 2
+    assert summary["data_parallel"]["workers"] == 2
+    assert _step_losses(out) == _step_losses(one_thread)
+    _assert_same_adapter(out, one_thread)
+
+
+def test_stages_sit_on_the_bundles_of_one_placement_group(tmp_path, capsys):
+    """On a local Ray of 2 CPUs: 2 stages sit each on its bundle of one PACK placement group, removed on close; a
+    group the cluster can never hold is refused in one line at once (a resource no node has; more CPUs than it
+    has), and one whose resources other work holds, after a bounded wait; a user error a stage raises comes back
+    as its own line."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from wgpu_train.distributed.pipeline_ray import RayStages
+    from wgpu_train.distributed.stage_placement import reserve_stages
+
+    path = os.pathsep.join([str(Path(wgpu_train.__file__).parents[1]), str(Path(__file__).parent)])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        stages = RayStages(default_model_dir(), plan_stages(4, 2, None), "float32", "auto", "fp32")
+        group = stages.group
+        table = placement_group_table(group)
+        assert table["strategy"] == "PACK" and list(table["bundles"].values()) == [{"CPU": 1.0}] * 2
+        assert [stages.attr(s, "weights_bytes_read") > 0 for s in range(2)] == [True, True]
+        # an actor on a bundle takes a thousandth of that bundle's own resource
+        seated = [f"bundle_group_{s}_{group.id.hex()}" for s in range(2)]
+        assert _soon(lambda: [ray.available_resources().get(k) for k in seated] == [999.999] * 2)
+        # a user error in a stage, e.g. a buffer over its device's binding limit: its own one line
+        with pytest.raises(DeviceError, match="^over the binding limit$"):
+            stages.get(ray.remote(num_cpus=0)(_refuse).remote())
+        stages.close()
+        assert placement_group_table(group)["state"] == "REMOVED"
+        run = ["finetune", "--backend", "numpy", "--out", str(tmp_path / "x"), "--max-steps", "1", "--no-progress"]
+        one_line_error(capsys, run + ["--pipeline-stages", "2", "--stage-resources", "CPU=1,widget=1"],
+                       "which no node of the Ray cluster has", after_log=True)
+        one_line_error(capsys, run + ["--pipeline-stages", "3"], "need CPU=3, and the Ray cluster has CPU=2",
+                       after_log=True)
+        held = placement_group([{"CPU": 2}])
+        assert held.wait(30)
+        started = time.perf_counter()
+        with pytest.raises(ConfigError, match="did not free 2 bundles of CPU=1 .* within 1 s"):
+            reserve_stages(ray, 2, {"CPU": 1}, wait_s=1)
+        assert time.perf_counter() - started < 15
+    finally:
+        ray.shutdown()
+
+
+def _refuse():
+    raise DeviceError("over the binding limit")
+
+
+def _soon(check, seconds: float = 10) -> bool:
+    """Whether check() holds within `seconds` (Ray's resource view lags its scheduling)."""
+    end = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
 
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
 
@@ -238,5 +284,14 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, run + ["--pipeline-stages", "5"], "more than the model's 4 layers", after_log=True)
     one_line_error(capsys, run + ["--stage-layers", "0-1,3"], "layer 2 is in no stage", after_log=True)
     one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",
+                   after_log=True)
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--device-memory", "1MiB"],
+                   "pipeline stage 0 (layers 0-1) needs an estimated", after_log=True)     # before any stage loads
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--device-memory", "1GiB,1GiB,1GiB"],
+                   "lists 3 sizes for 2 pipeline stages", after_log=True)
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--device-memory", "12 parsecs"], "is not a size",
+                   after_log=True)
+    one_line_error(capsys, run + ["--device-memory", "1GiB"], "give --pipeline-stages")
+    one_line_error(capsys, run + ["--pipeline-stages", "2", "--stage-resources", "GPU"], "give NAME=AMOUNT pairs",
                    after_log=True)
     one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")

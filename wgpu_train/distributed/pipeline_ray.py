@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from wgpu_train.distributed.pipeline_engine import StageLost
+from wgpu_train.distributed.stage_placement import (parse_resources, release, reserve_stages, seat,
+                                                     stage_cpus)
 from wgpu_train.errors import ConfigError, WgpuTrainError
 
 try:
@@ -47,8 +49,9 @@ class StageActor:
         return self.busy if name == "busy" else getattr(self.engine, name)
 
 
-def start_ray(address: str | None, actors: int) -> bool:
-    """Join Ray at `address` or start a local instance (True), or use the one this process already runs."""
+def start_ray(address: str | None, cpus: int) -> bool:
+    """Join Ray at `address` or start a local instance with at least `cpus` CPUs (True), or use the one this
+    process already runs."""
     if ray.is_initialized():
         return False
     main = threading.current_thread() is threading.main_thread()
@@ -59,7 +62,7 @@ def start_ray(address: str | None, actors: int) -> bool:
         else:
             here = str(Path(__file__).resolve().parents[2])    # the actors import this wgpu_train
             path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-            ray.init(num_cpus=max(actors, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+            ray.init(num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": path}})
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ConfigError(f"--ray-address {address}: cannot join a Ray cluster ({str(e).splitlines()[0]})") from None
@@ -72,19 +75,26 @@ def start_ray(address: str | None, actors: int) -> bool:
 class RayStages:
     """The runner of pipeline_engine.PipelineEngine over one Ray actor per stage of `plan`. A call returns object
     refs at once (num_returns of them for a tuple); its arguments may be refs of other stages' results, which Ray
-    hands over when they exist, so each actor runs its calls in the order given as soon as their inputs are made."""
+    hands over when they exist, so each actor runs its calls in the order given as soon as their inputs are made.
+    Each actor sits on its bundle of a placement group of --stage-resources (stage_placement.py)."""
 
     def __init__(self, folder, plan, base_dtype: str, embed_dtype: str, precision: str, backend: str = "numpy",
-                 devices: list | None = None, address: str | None = None):
+                 devices: list | None = None, address: str | None = None, resources: str | None = None):
         if ray is None:
             raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
                               "pip install 'wgpu-train[ray]'")
-        self.started = start_ray(address, len(plan))
+        self.started = start_ray(address, stage_cpus(len(plan), resources))
+        self.group = None
+        try:
+            self.group = reserve_stages(ray, len(plan), parse_resources(resources))
+        except ConfigError:
+            self._stop_ray()
+            raise
         # the stages take turns more than they compute at once; their BLAS on one thread, Ray's default for its
         # workers, set here so that the numbers do not depend on how Ray was started
         actor = ray.remote(num_cpus=0, runtime_env={"env_vars": ONE_THREAD})(StageActor)
         devices = devices or [None] * len(plan)
-        self.actors = [actor.remote() for _ in range(len(plan))]
+        self.actors = [actor.options(scheduling_strategy=seat(self.group, s)).remote() for s in range(len(plan))]
         try:
             self.get([a.load.remote(str(folder), plan, s, base_dtype, embed_dtype, precision, backend, devices[s])
                       for s, a in enumerate(self.actors)])
@@ -101,7 +111,7 @@ class RayStages:
     def get(self, refs):
         try:
             return ray.get(refs)
-        except ray.exceptions.RayTaskError as e:      # a user's error in a stage (a bad device too): its one line
+        except ray.exceptions.RayTaskError as e:      # a user error in a stage (device limits too): its one line
             cause = getattr(e, "cause", None)
             if isinstance(cause, WgpuTrainError):
                 raise type(cause)(str(cause)) from None
@@ -118,5 +128,11 @@ class RayStages:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        if self.group is not None:
+            release(self.group)
+            self.group = None
+        self._stop_ray()
+
+    def _stop_ray(self):
         if self.started:
             ray.shutdown()

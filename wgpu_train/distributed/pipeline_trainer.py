@@ -10,6 +10,7 @@ from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, 
 from wgpu_train.engines.loading import load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.resources import balanced_stages, format_bytes, stage_memory
+from wgpu_train.distributed.stage_budget import check_stages_fit
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.training.placement import OneEngine
@@ -65,6 +66,9 @@ class PipelineStages(OneEngine):
                                            trainer.precision or "fp32", self.micro_batches(trainer),
                                            cfg.pipeline_schedule)
         devices = stage_devices(cfg.device, len(plan))
+        # before any stage loads: each stage's estimate for the run's largest micro-batch against its device's
+        check_stages_fit(self._stage_estimates(trainer, model_cfg, lora, *trainer.largest_micro_batch(),
+                                               trainer.precision or "fp32"), cfg.device_memory)
         folder = trainer.model_dir.resolve()
         args = (trainer.base_dtype, trainer.embed_dtype, trainer.precision or "auto")
         if self.local:
@@ -73,7 +77,8 @@ class PipelineStages(OneEngine):
         else:
             from wgpu_train.distributed.pipeline_ray import RayStages      # imports Ray
 
-            runner = RayStages(folder, plan, *args, backend=cfg.backend, devices=devices, address=cfg.ray_address)
+            runner = RayStages(folder, plan, *args, backend=cfg.backend, devices=devices, address=cfg.ray_address,
+                               resources=cfg.stage_resources)
         where = "in this process" if self.local else "as Ray actors"
         trainer.log(f"pipeline: {len(plan)} stages (layers {plan.describe()}), {cfg.pipeline_schedule} over "
                     f"{self.micro_batches(trainer)} micro-batches, {where}")
@@ -91,11 +96,16 @@ class PipelineStages(OneEngine):
         return trainer.engine.reference({p: (t[0], t[1], scales[p], 0.0, *t[2:])
                                          for p, t in prepared.modules.items()})
 
-    def estimated(self, trainer, model_cfg, lora, estimate: dict):
+    def _stage_estimates(self, trainer, model_cfg, lora, batch: int, length: int, precision) -> list:
+        """Each stage's stage_memory for micro-batches of batch x length tokens."""
         cfg = trainer.config
-        self.estimates = stage_memory(model_cfg, self.plan, estimate["batch"], estimate["length"], lora, cfg.method,
-                                      trainer.base_dtype, trainer.embed_dtype, cfg.gradient_checkpointing, None,
-                                      trainer.precision, self.micro_batches(trainer), cfg.pipeline_schedule)
+        return stage_memory(model_cfg, self.plan, batch, length, lora, cfg.method, trainer.base_dtype,
+                            trainer.embed_dtype, cfg.gradient_checkpointing, None, precision,
+                            self.micro_batches(trainer), cfg.pipeline_schedule)
+
+    def estimated(self, trainer, model_cfg, lora, estimate: dict):
+        self.estimates = self._stage_estimates(trainer, model_cfg, lora, estimate["batch"], estimate["length"],
+                                               trainer.precision)
         for s, e in enumerate(self.estimates):
             trainer.log(f"stage {s} (layers {e['layers']}, {e['in_flight']} micro-batch(es) held): "
                         f"{format_bytes(e['total'])}: weights {format_bytes(e['weights'])}, activations "

@@ -82,9 +82,9 @@ def _import_ray():
     return sys.modules["ray"]
 
 
-def _connect(ray, address: str | None, workers: int) -> bool:
-    """Join the cluster at `address`, or start a local instance; True when this call started Ray (a Ray
-    already initialised in this process is used as it is)."""
+def _connect(ray, address: str | None, cpus: int) -> bool:
+    """Join the cluster at `address`, or start a local instance of at least `cpus` CPUs; True when this call
+    started Ray (a Ray already initialised in this process is used as it is)."""
     if address not in (None, "auto"):
         host, _, port = address.split("://")[-1].rpartition(":")
         try:
@@ -102,7 +102,7 @@ def _connect(ray, address: str | None, workers: int) -> bool:
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+            ray.init(num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": path}})
         finally:
             if main:
@@ -131,7 +131,7 @@ def finetune_on_ray(config, log=None, reward_funcs=None) -> dict:
     existed = out.exists()
     # Ray Train's own run folder (it checks that every worker sees it): inside --out, which a cluster shares
     storage = out / ".ray_train"
-    started = _connect(ray, config.ray_address, config.num_workers)
+    started = _connect(ray, config.ray_address, _cpus(config))
     try:
         return _run(ray, config, log, storage, reward_funcs)
     finally:
@@ -140,6 +140,14 @@ def finetune_on_ray(config, log=None, reward_funcs=None) -> dict:
         shutil.rmtree(storage, ignore_errors=True)
         if not existed and out.is_dir() and not any(out.iterdir()):
             out.rmdir()            # a run that wrote nothing leaves no folder, as in one process
+
+
+def _cpus(config) -> int:
+    """The CPUs a run's workers reserve: one each, and on a 2-D grid its pipeline stages' bundles too."""
+    from wgpu_train.distributed.stage_placement import stage_cpus
+
+    stages = (config.pipeline_stages or len(config.stage_layers.split(","))) if config.pipelined() else 0
+    return config.num_workers * (1 + stage_cpus(stages, config.stage_resources))
 
 
 def _run(ray, config, log, storage: Path, reward_funcs) -> dict:

@@ -13,6 +13,7 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, magnitude_key, merged, weight_norm
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.models.weights import load_weights, save_model_folder
+from wgpu_train.formats.safetensors import TensorMap
 from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.data.records import IGNORE_INDEX
@@ -366,24 +367,32 @@ class Model:
         self._set_lora(dataclasses.replace(self.lora_config, modules_to_save=()), {})
         self.lora_config, self._scales = None, {}
 
-    def merged_weights(self) -> dict:
+    def merged_weights(self) -> TensorMap:
         """Base weights with every LoRA delta folded in: W + scale * B @ A (float32; W the residual base of a
         PiSSA / OLoRA adapter, so the sum is the original base plus the trained change); with DoRA PEFT's
         (m / ||W + scale * B A||) * (W + scale * B A) (dora.merged); the modules_to_save copies in place of their
-        weights (a tied model whose head was untied gets its own lm_head.weight)."""
-        weights = {k: np.array(v, dtype=np.float32) for k, v in self.engine.weights().items()}
+        weights (a tied model whose head was untied gets its own lm_head.weight). Each weight is merged when it
+        is read, and not kept: a save writes them one at a time, so a model whose weights lie in pipeline
+        stages is never whole in one process."""
+        base = self.engine.weights()
         magnitudes = self._magnitudes()
-        for path, (a, b) in self.engine.lora_tensors().items():
-            name = path + ".weight"
+        pairs = {path + ".weight": (path, a, b) for path, (a, b) in self.engine.lora_tensors().items()}
+
+        def merge(name: str) -> np.ndarray:
+            weight = np.array(base[name], dtype=np.float32)
+            if name not in pairs:
+                return weight
+            path, a, b = pairs[name]
             if path in magnitudes:
-                weights[name] = merged(weights[name], a, b, self._scales[path], magnitudes[path])
-            else:
-                weights[name] += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)
-        return weights
+                return merged(weight, a, b, self._scales[path], magnitudes[path])
+            weight += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)
+            return weight
+
+        return TensorMap(base, merge)
 
     def merge_and_save(self, directory) -> dict:
         """Write a complete Hugging Face model folder with the adapter merged (tokenizer files copied); returns
-        the merged weights it wrote."""
+        the merged weights it wrote (merged_weights' mapping, which merges each again when read)."""
         weights = self.merged_weights()
         save_model_folder(directory, self.config, weights, source_folder=self.path)
         return weights

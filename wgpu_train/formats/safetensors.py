@@ -104,25 +104,53 @@ def _read_raw(path, names=None) -> dict:
     return out
 
 
-def write_safetensors(path, tensors: dict, metadata: dict | None = None):
-    """Write float32 / integer NumPy arrays as a .safetensors file (atomically: temp file, then rename)."""
-    header, chunks, offset = {}, [], 0
+def write_safetensors(path, tensors: Mapping, metadata: dict | None = None):
+    """Write float32 / integer NumPy arrays as a .safetensors file (atomically: temp file, then rename). Each tensor
+    is read from `tensors` once, in name order, and written at once, so a lazy mapping (TensorMap: tensors merged
+    or fetched from other processes as they are read) is never whole in memory: the header's room is reserved
+    from the names (a bound per entry) and written last, padded with spaces as the format allows."""
     rev = {np.dtype(v): k for k, v in _DTYPES.items() if k != "BF16"}
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        raw = arr.tobytes()
-        header[name] = {"dtype": rev[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        chunks.append(raw)
-        offset += len(raw)
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    names = sorted(tensors)
+    meta = {"__metadata__": {k: str(v) for k, v in metadata.items()}} if metadata else {}
+    # an entry: its name, dtype, up to 8 dimensions and two offsets of up to 20 digits each, and JSON's marks
+    room = len(json.dumps(meta)) + sum(len(json.dumps(name)) + 256 for name in names) + 2
+    room += -room % 8
+    header, offset = {}, 0
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for c in chunks:
-            f.write(c)
+        f.seek(8 + room)
+        for name in names:
+            arr = np.ascontiguousarray(tensors[name])
+            header[name] = {"dtype": rev[arr.dtype], "shape": list(arr.shape),
+                            "data_offsets": [offset, offset + arr.nbytes]}
+            f.write(arr.reshape(-1).view(np.uint8).data)
+            offset += arr.nbytes
+            del arr
+        blob = json.dumps({**header, **meta}, separators=(",", ":")).encode()
+        if len(blob) > room:
+            raise ValueError(f"a safetensors header of {len(blob)} bytes over the {room} reserved")
+        f.seek(0)
+        f.write(struct.pack("<Q", room))
+        f.write(blob + b" " * (room - len(blob)))
     os.replace(tmp, path)
+
+
+class TensorMap(Mapping):
+    """name -> array made by fetch(name) each time it is read, and not kept: a model's tensors for a writer that
+    takes them one at a time (write_safetensors), so that no process holds them all at once."""
+
+    def __init__(self, names, fetch):
+        self._names, self._fetch = list(names), fetch
+        self._known = set(self._names)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._fetch(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError
-from wgpu_train.formats.safetensors import LazyWeights, _as_array, _read_raw, write_safetensors
+from wgpu_train.formats.safetensors import LazyWeights, TensorMap, _as_array, _read_raw, write_safetensors
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
 from wgpu_train.models.config import ATTENTION_MODULES, ModelConfig
 from wgpu_train.models.layer_plan import layer_plan
@@ -86,8 +86,9 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
     return LazyWeights({k: tensors[k] for k in shapes})
 
 
-def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
-    """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied. A
+def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None):
+    """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied. weights:
+    name -> array, a dict or a mapping that makes each when read (Model.merged_weights), read one at a time. A
     multimodal checkpoint's folder gets its language model's weights under the source's names beside the
     source's other tensors (vision tower, projector: multimodal.carried_tensors), all in float32, and its
     processor's files."""
@@ -99,8 +100,9 @@ def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
         source = _folder_tensors(Path(source_folder))
         names = language_names(source, source_folder)
         carried = carried_tensors(source, names, source_folder)
-        weights = {**{k: _as_array(*v) for k, v in carried.items()},
-                   **{file_name(k, names): v for k, v in weights.items()}}
+        language, ours = {file_name(k, names): k for k in weights}, weights
+        weights = TensorMap([k for k in carried if k not in language] + list(language),
+                            lambda k: ours[language[k]] if k in language else _as_array(*carried[k]))
         companions += PROCESSOR_FILES
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
@@ -110,7 +112,7 @@ def save_model_folder(out, cfg: ModelConfig, weights: dict, source_folder=None):
         if cfg.wrapper:
             raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": False}
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    write_safetensors(out / "model.safetensors", {k: v.astype(np.float32) for k, v in weights.items()},
+    write_safetensors(out / "model.safetensors", TensorMap(weights, lambda k: np.asarray(weights[k], np.float32)),
                       metadata={"format": "pt"})
     if source_folder is not None:
         for name in companions:

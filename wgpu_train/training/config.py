@@ -229,6 +229,12 @@ class TrainConfig:
     pipeline_schedule: str = _opt("1f1b", "gpipe (every forward, then every backward) or 1f1b (a stage holds "
                                           "at most as many micro-batches as stages after it, plus one); the "
                                           "same numbers either way", choices=("gpipe", "1f1b"))
+    stage_resources: str | None = _opt(None, "the Ray resources each pipeline stage reserves, as its bundle of the "
+                                             "run's placement group (packed onto as few nodes as hold them): "
+                                             "NAME=AMOUNT,... (e.g. CPU=1,GPU=1 for a GPU each); default CPU=1")
+    device_memory: str | None = _opt(None, "the memory of each pipeline stage's device (WebGPU does not report it): "
+                                           "one size for all (24GiB) or one per stage (24GiB,16GiB); a stage whose "
+                                           "memory estimate exceeds its device's is refused; default: unchecked")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -332,6 +338,8 @@ class TrainConfig:
         need(self.max_failures >= 0, f"max_failures must be >= 0, got {self.max_failures}")
         need(self.ray_address is None or self.num_workers or self.pipelined(),
              "ray_address joins a Ray cluster for --num-workers: give both")
+        need(self.pipelined() or (self.stage_resources, self.device_memory) == (None, None),
+             "--stage-resources and --device-memory are pipeline stages': give --pipeline-stages")
         self._check_pipeline(need)
 
     def pipelined(self) -> bool:
@@ -450,7 +458,8 @@ GRPO_FIELDS = ("reward", "reward_weights", "reward_pattern", "num_generations", 
                "epsilon_high", "num_iterations", "importance_sampling_level")
 
 # say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
-INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address")
+INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address", "stage_resources",
+                     "device_memory")
 
 
 def resumed_settings(resume) -> dict:

@@ -156,15 +156,22 @@ class TrainerSetup:
         """The rows of a full micro-batch of --batch-size samples."""
         return self.config.batch_size
 
-    def _estimate_memory(self, model_cfg: ModelConfig, lora) -> dict:
-        """memory.estimate_memory for the largest micro-batch this run forms: its rows of the longest
-        example (max_seq_len when packing), padded to PAD_MULTIPLE; plus that batch and length. On a WebGPU
-        device its max storage binding sizes the weight chunks and the loss head's logits, as the engine does."""
+    def largest_micro_batch(self) -> tuple[int, int]:
+        """(rows, tokens per row) of the largest micro-batch this run forms: its rows of the longest example
+        (max_seq_len when packing), padded to PAD_MULTIPLE; known once the data is read."""
         cfg = self.config
         longest = max((e.input_ids.size for e in self.train_examples + self.valid_examples), default=1)
         length = self.max_seq_len if cfg.pack else min(self.max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
-        max_binding = self.engine.max_binding
         rows = self._micro_batch_rows() if not cfg.max_tokens_per_batch else max(1, cfg.max_tokens_per_batch // length)
+        return rows, length
+
+    def _estimate_memory(self, model_cfg: ModelConfig, lora) -> dict:
+        """memory.estimate_memory for the largest micro-batch this run forms (largest_micro_batch); plus that
+        batch and length. On a WebGPU device its max storage binding sizes the weight chunks and the loss head's
+        logits, as the engine does."""
+        cfg = self.config
+        rows, length = self.largest_micro_batch()
+        max_binding = self.engine.max_binding
         est = estimate_memory(model_cfg, rows, length, lora, cfg.method, self.base_dtype, self.embed_dtype,
                               cfg.gradient_checkpointing, max_binding, precision=self.precision)
         return {**est, "batch": rows, "length": length}
