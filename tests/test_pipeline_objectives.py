@@ -12,10 +12,11 @@ import pytest
 import wgpu_train as wt
 from finetune_helpers import make_model_dir, write_jsonl
 from test_grpo_train import length_reward, prompts
-from test_pipeline_runs import TwoPasses, _assert_same_adapter, _run_workers, _step_losses
+from test_data_parallel import run_threads
+from test_pipeline_runs import TwoPasses, _assert_same_adapter, _step_losses
 from tolerances import assert_close
 from wgpu_train.distributed.dispatch import finetune
-from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+from wgpu_train.distributed.pipeline_trainer import PipelineStages, finetune_pipeline, pipeline_config
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.grpo_trainer import COMPLETIONS_FILE
@@ -140,13 +141,18 @@ def _dpo_config(workspace, out, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def _grid(cfg: TrainConfig) -> list:
+    """2 data-parallel ranks as threads of this process, each through its own 2 local pipeline stages."""
+    return run_threads(pipeline_config(cfg), 2, placement=lambda rank: PipelineStages(local=True))
+
+
 def test_dpo_on_two_workers_of_two_stages_equals_two_workers(workspace, tmp_path):
     """DPO on a 2 x 2 grid (2 data-parallel workers, each through 2 local stages; both score the step's rows, then
     train the weighted micro-batches) against 2 data-parallel workers of one process each: the same step losses,
     metrics and adapter."""
     kw = dict(num_workers=2, grad_accum=1)
-    _run_workers(_dpo_config(workspace, tmp_path / "dp", **kw), 2)
-    grid = _run_workers(_dpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
+    run_threads(_dpo_config(workspace, tmp_path / "dp", **kw), 2)
+    grid = _grid(_dpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw))
     assert grid[0]["pipeline"]["stages"] == 2 and grid[0]["data_parallel"]["workers"] == 2
     assert _rows(tmp_path / "grid") == _rows(tmp_path / "dp")
     assert [s for s, _ in _step_losses(tmp_path / "grid")] == [1, 2, 3]
@@ -183,8 +189,8 @@ def test_grpo_on_two_workers_of_two_stages_equals_two_workers(workspace, tmp_pat
     """GRPO on a 2 x 2 grid (each worker samples and trains its whole groups through its own 2 stages) against 2
     data-parallel workers of one process each: the same completions, metrics and adapter."""
     kw = dict(num_workers=2, grad_accum=1, batch_size=4, reward="test_grpo_train:length_reward")
-    _run_workers(_grpo_config(workspace, tmp_path / "dp", **kw), 2)
-    _run_workers(_grpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw), 2, stages=True)
+    run_threads(_grpo_config(workspace, tmp_path / "dp", **kw), 2)
+    _grid(_grpo_config(workspace, tmp_path / "grid", pipeline_stages=2, **kw))
     _assert_same_grpo_run(tmp_path / "grid", tmp_path / "dp")
 
 

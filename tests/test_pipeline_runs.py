@@ -69,7 +69,8 @@ def test_embedded_default_through_stages_equals_one_process(tmp_path, one_proces
     _assert_same_adapter(out, one_process)
     assert json.loads((out / "train_config.json").read_text())["grad_accum"] == 2
     staged = summary["pipeline"]
-    assert staged["stages"] == 2 and staged["layers"] == "0-1,2-3" and staged["micro_batches"] == 2
+    # balanced by memory: under GPipe the first stage holds both micro-batches' buckets, the last one at a time
+    assert staged["stages"] == 2 and staged["layers"] == "0-0,1-3" and staged["micro_batches"] == 2
     assert sum(staged["weights_bytes_read"]) == sum(file_bytes(default_model_dir()).values())    # untied
 
 
