@@ -239,4 +239,3 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, run + ["--stage-layers", "0-1,3"], "layer 2 is in no stage", after_log=True)
     one_line_error(capsys, run + ["--pipeline-stages", "3", "--device", "0,1"], "2 devices for 3 pipeline stages",
                    after_log=True)
-    one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")
