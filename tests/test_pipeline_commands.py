@@ -1,7 +1,7 @@
 """generate, eval, chat and serve through pipeline stages (--pipeline-stages, distributed/pipeline_model.py): the
 embedded default through 2 Ray actors prints one process's answer; in this process (LocalStages, the Ray actors'
 oracle), with an adapter, chat's answers, eval's numbers and a server switching two adapters one at a time equal
-one process's; bad input in one line."""
+one process's; the stages closed however the command ends; bad input, and Ray missing, in one line."""
 from __future__ import annotations
 
 import io
@@ -115,7 +115,13 @@ def test_eval_through_stages_gives_one_process_numbers(capsys, in_process, tmp_p
 ])
 def test_bad_stage_options_are_one_line(capsys, in_process, argv, match):
     one_line_error(capsys, [*argv, "--backend", "numpy"], match)
-    assert all(r.stages == [] for r in in_process)
+    assert in_process == []             # refused before any stage loads
+
+
+def test_a_mistake_after_the_stages_load_closes_them(capsys, in_process):
+    one_line_error(capsys, ["generate", "--prompt", "red " * 300, "--backend", "numpy", "--no-chat-template",
+                            "--pipeline-stages", "2"], "no room for an answer", after_log=True)
+    assert len(in_process) == 1 and in_process[0].stages == []
 
 
 # ---- serve: the base and two adapters switched one at a time on the stages ----------------------------------
@@ -151,3 +157,11 @@ def test_serve_through_stages_switches_adapters_one_at_a_time(in_process, adapte
         scheduler.close()
         close_stages(scheduler.model)
     assert in_process[0].stages == []
+
+
+def test_without_ray_stages_are_one_line(capsys, monkeypatch):
+    from wgpu_train.distributed import pipeline_ray
+
+    monkeypatch.setattr(pipeline_ray, "ray", None)
+    one_line_error(capsys, ["generate", "--prompt", "hi", "--backend", "numpy", "--pipeline-stages", "2"],
+                   "Ray is not installed")
