@@ -1,5 +1,5 @@
 """A Model through pipeline stages, one loader for both of its users: a fine-tuning run's placement
-(pipeline_trainer.PipelineStages) and the commands that generate, evaluate, chat and serve (cli/pipeline_options.py).
+(pipeline_trainer.PipelineStages) and the commands that generate, evaluate, chat and serve (cli/adapter_settings.py).
 Each stage, a Ray actor (or in this process: local), reads only its own tensors; a PipelineEngine drives them as one
 Engine under the Model. For inference the stages are balanced by the memory estimate of generation, where the
 weights dominate (inference_plan)."""
