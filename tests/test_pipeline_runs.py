@@ -295,4 +295,3 @@ def test_bad_pipeline_options_are_one_line(tmp_path, capsys):
     one_line_error(capsys, run + ["--device-memory", "1GiB"], "give --pipeline-stages")
     one_line_error(capsys, run + ["--pipeline-stages", "2", "--stage-resources", "GPU"], "give NAME=AMOUNT pairs",
                    after_log=True)
-    one_line_error(capsys, ["generate", "--prompt", "hi", "--pipeline-stages", "2"], "leave out --pipeline-stages")

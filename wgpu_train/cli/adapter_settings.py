@@ -1,10 +1,11 @@
 """What generate, eval and merge take from the run that trained an adapter: the settings the command line
 leaves out (its train_config.json, or a checkpoint's trainer_state.json), and the base model it implies; and
-loading that model with the adapter."""
+loading that model with the adapter, in one process or as pipeline stages (closed by closing_stages)."""
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from wgpu_train.adapters.files import adapter_base_model
@@ -105,17 +106,57 @@ def model_folder(model_arg, adapter: Path | None) -> Path:
 
 
 def load_model_and_tokenizer(model_dir: Path, adapter: Path | None, backend="auto", device=None, tokenizer=True,
-                             base_dtype="auto", embed_dtype="auto", kv_dtype="float32"):
-    """(Model with the adapter loaded, Tokenizer or None) for generate / eval / merge; kv_dtype: the storage of
-    generation's KV cache (engine.kv_dtype). Backend auto's choice is said in one line on stderr."""
+                             base_dtype="auto", embed_dtype="auto", kv_dtype="float32", stages=None):
+    """(Model with the adapter loaded, Tokenizer or None) for generate / eval / chat / serve / merge; kv_dtype: the
+    storage of generation's KV cache (engine.kv_dtype); stages: options.StageOptions, the model loaded as those
+    pipeline stages (distributed/pipeline_model.py; said in one line on stderr), whose end is closing_stages'.
+    Backend auto's choice is said in one line on stderr."""
     from wgpu_train.engines.loading import load_model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir) if tokenizer else None
-    model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype, embed_dtype=embed_dtype,
-                       kv_dtype=kv_dtype)
+    if stages is None:
+        model = load_model(model_dir, backend=backend, device=device, base_dtype=base_dtype, embed_dtype=embed_dtype,
+                           kv_dtype=kv_dtype)
+    else:
+        model = _staged_model(model_dir, stages, backend, device, base_dtype, embed_dtype, kv_dtype)
     if backend == "auto":           # stderr: generate's answer alone is on stdout
         print(f"backend: {model.backend} ({model.backend_reason})", file=sys.stderr)
     if adapter is not None:
-        model.load_adapter(adapter)
+        try:
+            model.load_adapter(adapter)
+        except BaseException:
+            close_stages(model)
+            raise
     return model, tok
+
+
+def _staged_model(model_dir: Path, stages, backend, device, base_dtype, embed_dtype, kv_dtype):
+    """The Model as the pipeline stages `stages` asks for (inference_plan's split), each on its --device."""
+    from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model, stage_devices
+    from wgpu_train.models.config import ModelConfig
+
+    config = ModelConfig.from_folder(model_dir)
+    plan = inference_plan(config, stages.count, stages.layers, base_dtype, embed_dtype)
+    model = pipeline_model(model_dir.resolve(), config, plan, backend=backend,
+                           devices=stage_devices(device, len(plan)), base_dtype=base_dtype, embed_dtype=embed_dtype,
+                           kv_dtype=kv_dtype, address=stages.ray_address)
+    print(f"pipeline: {len(plan)} stages (layers {plan.describe()}) as Ray actors", file=sys.stderr)
+    return model
+
+
+def close_stages(model):
+    """End the pipeline stages `model` runs on, if any: their Ray actors, and a Ray this process started."""
+    from wgpu_train.distributed.pipeline_engine import PipelineEngine
+
+    if isinstance(model.engine, PipelineEngine):
+        model.engine.close()
+
+
+@contextmanager
+def closing_stages(model):
+    """Run the block, then close_stages(model), however it ends (an error or Ctrl-C too)."""
+    try:
+        yield model
+    finally:
+        close_stages(model)

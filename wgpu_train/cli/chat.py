@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.cli.options import add_parser, device_options, model_options, sampling_options, whole
+from wgpu_train.cli.options import add_parser, device_options, model_options, sampling_options, stage_options, whole
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "end the chat (or Ctrl-D)",
             "/help": "these commands"}
@@ -47,9 +47,8 @@ class Conversation:
 
 def cmd_chat(args) -> int:
     from wgpu_train.adapters.files import adapter_folder
-    from wgpu_train.cli.adapter_settings import (choose_settings, load_model_and_tokenizer, model_folder,
-                                                 trained_settings)
-    from wgpu_train.cli.commands import GENERATE_TOKENS, stream_printer
+    from wgpu_train.cli.adapter_settings import (choose_settings, closing_stages, load_model_and_tokenizer,
+                                                 model_folder, trained_settings)
 
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
@@ -59,13 +58,22 @@ def cmd_chat(args) -> int:
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype}, adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
-                                          kv_dtype=args.kv_dtype)
+                                          kv_dtype=args.kv_dtype, stages=stage_options(args))
+    print(f"chatting with {model_dir}{f' + {adapter}' if adapter else ''}; /help for commands, /exit or Ctrl-D to "
+          f"end", file=sys.stderr)
+    with closing_stages(model):
+        _talk(args, model, tok)
+    return 0
+
+
+def _talk(args, model, tok):
+    """Answer each line of stdin until /exit or its end."""
+    from wgpu_train.cli.commands import GENERATE_TOKENS, stream_printer
+
     positions = model.config.max_position_embeddings
     max_new = min(args.max_new_tokens or GENERATE_TOKENS, positions - 1)
     chat = Conversation(args.system)
     interactive = sys.stdin.isatty()
-    print(f"chatting with {model_dir}{f' + {adapter}' if adapter else ''}; /help for commands, /exit or Ctrl-D to "
-          f"end", file=sys.stderr)
     while True:
         try:
             line = input(">>> " if interactive else "")
@@ -105,7 +113,6 @@ def cmd_chat(args) -> int:
             print("\n(interrupted: that answer is not kept)", file=sys.stderr)
             continue
         chat.answered(user, finish())
-    return 0
 
 
 def register(sub):

@@ -11,14 +11,14 @@ from pathlib import Path
 from wgpu_train.errors import ConfigError
 from wgpu_train.cli import memory
 from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options, resolve_train_config
-from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, load_model_and_tokenizer, model_folder,
-                                             trained_data_format)
+from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, closing_stages, load_model_and_tokenizer,
+                                             model_folder, trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
 from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
                                             wants_preference_eval)
 from wgpu_train.cli.options import (add_parser, chat_template_option, device_options, given_no_chat_template,
-                                    model_options, sampling_options, whole)
+                                    model_options, sampling_options, stage_options, whole)
 
 # ---- finetune ---------------------------------------------------------------------------------------------
 
@@ -119,11 +119,19 @@ def cmd_generate(args) -> int:
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": given_no_chat_template(args)}, adapter, model_dir)
+    stages = stage_options(args)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
-                                          kv_dtype=args.kv_dtype)
+                                          kv_dtype=args.kv_dtype, stages=stages)
+    with closing_stages(model):
+        _generate(args, model, tok, adapter, not settings["no_chat_template"])
+    return 0
+
+
+def _generate(args, model, tok, adapter, chat_template: bool):
+    """Print the model's answer to --prompt as it comes."""
     trained_on = trained_data_format(adapter) if adapter else None
-    ids = prompt_ids(tok, args.prompt, args.system, not settings["no_chat_template"], trained_on == "completions")
+    ids = prompt_ids(tok, args.prompt, args.system, chat_template, trained_on == "completions")
     positions = model.config.max_position_embeddings
     room = positions - len(ids)
     if room < 1:
@@ -139,7 +147,6 @@ def cmd_generate(args) -> int:
     model.generate(ids, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids, on_token=on_token)
     finish()
-    return 0
 
 
 def _register_generate(sub):
@@ -161,16 +168,19 @@ def _register_generate(sub):
 def cmd_eval(args) -> int:
     if args.tasks is None:
         refuse_harness_options(args)
+    stages = stage_options(args)
+    if stages is not None and (args.tasks is not None or wants_preference_eval(args)):
+        raise ConfigError(f"eval {'--tasks' if args.tasks is not None else '--objective'} loads the model in one "
+                          f"process: leave out --pipeline-stages and --stage-layers (they evaluate --data's loss "
+                          f"and exact match)")
     if wants_preference_eval(args):
         return cmd_preference_eval(args)
     args.batch_size = args.batch_size or EVAL_BATCH      # (a preference evaluation's default is the run's)
     if args.tasks is not None:
         return cmd_harness_eval(args)
     from wgpu_train.data.sources import resolve_data
-    from wgpu_train.data.tokenize import tokenize_dataset
     from wgpu_train.errors import DataError
-    from wgpu_train.training.evaluate import evaluate_loss, exact_match
-    from wgpu_train.training.config import PAD_MULTIPLE, default_data_dir
+    from wgpu_train.training.config import default_data_dir
 
     data_path = args.data if args.data else default_data_dir()
     splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns)
@@ -185,24 +195,11 @@ def cmd_eval(args) -> int:
                                 "train_on_last_turn": args.train_on_last_turn, "max_seq_len": args.max_seq_len},
                                adapter, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
-                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
-    use_template = not settings["no_chat_template"]
-    max_len = min(settings["max_seq_len"], model.config.max_position_embeddings)
-    examples, stats = tokenize_dataset(tok, records, max_len, use_template, settings["train_on_last_turn"],
-                                       skip_invalid=args.skip_invalid)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    result = {"data": splits.files.get(split, str(data_path)), "split": split, "format": splits.format,
-              "samples": len(examples), "dropped": stats.n_dropped, "truncated": stats.n_truncated,
-              "skipped": splits.n_skipped + stats.n_skipped,
-              "max_seq_len": max_len, "chat_template": use_template,
-              "train_on_last_turn": settings["train_on_last_turn"]}
-    result.update(evaluate_loss(model.engine, examples, args.batch_size, pad, PAD_MULTIPLE))
-    if not args.no_generate:
-        em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples,
-                         batch_size=args.batch_size, max_seq_len=max_len, skip_invalid=args.skip_invalid)
-        result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"],
-                      exact_match_skipped_too_long=em["skipped_too_long"])
-    result.update(backend=model.backend, base_dtype=model.engine.base_dtype, embed_dtype=model.engine.embed_dtype)
+                                          base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
+                                          stages=stages)
+    with closing_stages(model):
+        result = _evaluate(args, model, tok, splits, split, records, settings, str(data_path))
+    max_len = result["max_seq_len"]
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -215,6 +212,32 @@ def cmd_eval(args) -> int:
         line += f", {result['exact_match_skipped_too_long']} prompts too long for {max_len} positions not asked"
     print(line)
     return 0
+
+
+def _evaluate(args, model, tok, splits, split: str, records: list, settings: dict, data: str) -> dict:
+    """eval's numbers of the model on a split: its loss and perplexity, and exact match unless --no-generate."""
+    from wgpu_train.data.tokenize import tokenize_dataset
+    from wgpu_train.training.config import PAD_MULTIPLE
+    from wgpu_train.training.evaluate import evaluate_loss, exact_match
+
+    use_template = not settings["no_chat_template"]
+    max_len = min(settings["max_seq_len"], model.config.max_position_embeddings)
+    examples, stats = tokenize_dataset(tok, records, max_len, use_template, settings["train_on_last_turn"],
+                                       skip_invalid=args.skip_invalid)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    result = {"data": splits.files.get(split, data), "split": split, "format": splits.format,
+              "samples": len(examples), "dropped": stats.n_dropped, "truncated": stats.n_truncated,
+              "skipped": splits.n_skipped + stats.n_skipped,
+              "max_seq_len": max_len, "chat_template": use_template,
+              "train_on_last_turn": settings["train_on_last_turn"]}
+    result.update(evaluate_loss(model.engine, examples, args.batch_size, pad, PAD_MULTIPLE))
+    if not args.no_generate:
+        em = exact_match(model, tok, records, use_template, args.max_new_tokens, args.max_samples,
+                         batch_size=args.batch_size, max_seq_len=max_len, skip_invalid=args.skip_invalid)
+        result.update(exact_match=em["exact_match"], exact_match_correct=em["correct"], exact_match_n=em["n"],
+                      exact_match_skipped_too_long=em["skipped_too_long"])
+    result.update(backend=model.backend, base_dtype=model.engine.base_dtype, embed_dtype=model.engine.embed_dtype)
+    return result
 
 
 def _register_eval(sub):

@@ -1,12 +1,14 @@
 """Options and argument types that several subcommands share: the model and adapter, the backend and device,
-the storage dtypes, the chat template, sampling, and whole numbers with a minimum."""
+the pipeline stages a model is loaded as, the storage dtypes, the chat template, sampling, and whole numbers with a minimum."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from wgpu_train.engines.backend_choice import BACKENDS
 from wgpu_train.engines.protocol import KV_DTYPES
 from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
+from wgpu_train.errors import ConfigError
 
 
 def add_parser(sub, name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -23,12 +25,22 @@ def model_options(p, need_adapter: bool = False):
                    help="PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) or hub id")
 
 
-class _NoPipeline(argparse.Action):
-    """--pipeline-stages where it is not built (generation, evaluation, serving): refused in one line, exit 2."""
+@dataclass(frozen=True)
+class StageOptions:
+    """--pipeline-stages, --stage-layers and --ray-address of a command that loads a model (stage_options)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(2, f"error: {parser.prog} does not run through pipeline stages yet (finetune alone does): "
-                       f"leave out --pipeline-stages\n")
+    count: int | None
+    layers: str | None
+    ray_address: str | None
+
+
+def stage_options(args) -> StageOptions | None:
+    """The pipeline stages a command's model is loaded as, or None: one process (--ray-address alone refused)."""
+    if not (args.pipeline_stages or args.stage_layers):
+        if args.ray_address is not None:
+            raise ConfigError("--ray-address joins a Ray cluster for --pipeline-stages: give both")
+        return None
+    return StageOptions(args.pipeline_stages, args.stage_layers, args.ray_address)
 
 
 def device_options(p, storage: bool = False, kv_cache: bool = False):
@@ -36,9 +48,19 @@ def device_options(p, storage: bool = False, kv_cache: bool = False):
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the only "
                         "WebGPU adapters are CPUs, as it is faster there) (default: auto)")
-    p.add_argument("--device", default=None, help="WebGPU adapter: an index or part of its name/backend")
-    p.add_argument("--pipeline-stages", action=_NoPipeline, help="not built here: finetune alone trains through "
-                                                                    "pipeline stages")
+    p.add_argument("--device", default=None,
+                   help="WebGPU adapter: an index or part of its name/backend; with --pipeline-stages, one per stage "
+                        "(comma-separated) or one for all")
+    p.add_argument("--pipeline-stages", type=whole(1), default=None, metavar="S",
+                   help="load the model as S pipeline stages, each a Ray actor that reads and holds only its "
+                        "layers (the first also the embedding, the last the final norm and head), for a model "
+                        "larger than one device; balanced by the weights each holds; the adapter applies through "
+                        "them; needs pip install 'wgpu-train[ray]'")
+    p.add_argument("--stage-layers", default=None, metavar="FIRST-LAST,...",
+                   help="the stages' layers by hand, e.g. 0-11,12-23 (every layer exactly once, in order)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --pipeline-stages: the Ray cluster to join (auto, or HOST:PORT of its head); default: "
+                        "start a local Ray instance, shut down at the end")
     if storage:
         p.add_argument("--base-dtype", default=None, choices=BASE_CHOICES,
                        help="storage of the linear layers' weights; default: as the run that wrote the adapter "

@@ -6,28 +6,31 @@ import logging
 import sys
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.cli.options import add_parser, chat_template_option, device_options, given_no_chat_template, whole
+from wgpu_train.cli.options import (add_parser, chat_template_option, device_options, given_no_chat_template,
+                                    stage_options, whole)
 
 DEFAULT_CONTEXT = 4096      # positions per row of the running batch's KV cache unless --max-model-len says
 
 
 def cmd_serve(args) -> int:
     scheduler, sock = prepare(args)             # the serve extra checked first
+    from wgpu_train.cli.adapter_settings import close_stages
     from wgpu_train.serve.app import build_app
     from wgpu_train.serve.server import serve, url_of
 
-    app = build_app(scheduler, args.api_key)
-    scheduler.start()                           # the batch's KV cache allocated: one that does not fit is one line
-    served_log = logging.getLogger("wgpu_train.serve")      # a line per answer, beside uvicorn's per request
-    served_log.setLevel(args.log_level.upper())
-    served_log.addHandler(logging.StreamHandler())
-    print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at {url_of(sock)}/v1, "
-          f"the OpenAI API{'' if args.api_key else ' (no --api-key: anyone who reaches it may use it)'}; Ctrl-C "
-          f"stops", file=sys.stderr, flush=True)
     try:
+        app = build_app(scheduler, args.api_key)
+        scheduler.start()                       # the batch's KV cache allocated: one that does not fit is one line
+        served_log = logging.getLogger("wgpu_train.serve")      # a line per answer, beside uvicorn's per request
+        served_log.setLevel(args.log_level.upper())
+        served_log.addHandler(logging.StreamHandler())
+        print(f"serving {', '.join(scheduler.registry.names())} ({scheduler.model.backend}) at {url_of(sock)}/v1, "
+              f"the OpenAI API{'' if args.api_key else ' (no --api-key: anyone who reaches it may use it)'}; Ctrl-C "
+              f"stops", file=sys.stderr, flush=True)
         serve(app, sock, args.log_level)
     finally:
         scheduler.close()
+        close_stages(scheduler.model)
     return 0
 
 
@@ -40,6 +43,7 @@ def prepare(args):
     from wgpu_train.training.config import default_model_dir
 
     require_extra()
+    stages = stage_options(args)
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is empty: give the key clients must send, or leave --api-key out to serve "
                           "without one")
@@ -58,15 +62,17 @@ def prepare(args):
         print(f"warning: {warning}", file=sys.stderr)
     sock = bind(args.host, args.port)            # before the model loads: a port in use fails at once
     try:
-        return _load(args, specs, folders, model_dir, base_name), sock
+        return _load(args, specs, folders, model_dir, base_name, stages), sock
     except BaseException:
         sock.close()
         raise
 
 
-def _load(args, specs, folders, model_dir, base_name):
-    """The Scheduler over the model loaded with every adapter read and checked."""
-    from wgpu_train.cli.adapter_settings import choose_settings, load_model_and_tokenizer, trained_data_format
+def _load(args, specs, folders, model_dir, base_name, stages):
+    """The Scheduler over the model loaded with every adapter read and checked (its pipeline stages closed when
+    a check fails)."""
+    from wgpu_train.cli.adapter_settings import (choose_settings, close_stages, load_model_and_tokenizer,
+                                                 trained_data_format)
     from wgpu_train.serve.adapters import AdapterRegistry
     from wgpu_train.serve.prompts import PromptStyle
     from wgpu_train.serve.scheduler import Scheduler
@@ -75,16 +81,20 @@ def _load(args, specs, folders, model_dir, base_name):
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype}, first, model_dir)
     model, tok = load_model_and_tokenizer(model_dir, None, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"],
-                                          kv_dtype=args.kv_dtype)
-    given = given_no_chat_template(args)
-    registry = AdapterRegistry(model, base_name, PromptStyle(chat_template=not given))
-    for spec, folder in zip(specs, folders):
-        raw = choose_settings({**settings, "no_chat_template": given}, folder, model_dir)["no_chat_template"]
-        registry.add(spec.name, folder, PromptStyle(not raw, trained_data_format(folder) == "completions"))
-    positions = model.config.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > positions:
-        raise ConfigError(f"--max-model-len {args.max_model_len}: the model has {positions} positions "
-                          f"(max_position_embeddings)")
+                                          kv_dtype=args.kv_dtype, stages=stages)
+    try:
+        given = given_no_chat_template(args)
+        registry = AdapterRegistry(model, base_name, PromptStyle(chat_template=not given))
+        for spec, folder in zip(specs, folders):
+            raw = choose_settings({**settings, "no_chat_template": given}, folder, model_dir)["no_chat_template"]
+            registry.add(spec.name, folder, PromptStyle(not raw, trained_data_format(folder) == "completions"))
+        positions = model.config.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > positions:
+            raise ConfigError(f"--max-model-len {args.max_model_len}: the model has {positions} positions "
+                              f"(max_position_embeddings)")
+    except BaseException:
+        close_stages(model)
+        raise
     return Scheduler(model, registry, tok, args.max_queue, args.max_batch,
                      args.max_model_len or min(positions, DEFAULT_CONTEXT))
 

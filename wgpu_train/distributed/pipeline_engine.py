@@ -72,6 +72,7 @@ class PipelineEngine:
     last_profile: dict = {}
     max_binding = None
     base_weight_bytes = 0
+    adapter_banks = False       # a server switches its adapters one at a time (serve/adapters.py)
 
     def __init__(self, runner, plan: StagePlan, schedule: str = "1f1b"):
         if schedule not in SCHEDULES:

@@ -33,10 +33,10 @@ class StageActor:
         self.busy = 0.0          # seconds spent in calls (the bubble's complement, bench --only pipeline)
 
     def load(self, folder: str, plan, stage: int, base_dtype: str, embed_dtype: str, precision: str,
-             backend: str = "numpy", device: str | None = None):
+             backend: str = "numpy", device: str | None = None, kv_dtype: str = "float32"):
         from wgpu_train.engines.loading import load_stage
 
-        self.engine = load_stage(folder, plan, stage, backend, base_dtype, embed_dtype, precision, device)
+        self.engine = load_stage(folder, plan, stage, backend, base_dtype, embed_dtype, precision, device, kv_dtype)
 
     def call(self, method: str, *args):
         started = time.perf_counter()
@@ -79,7 +79,8 @@ class RayStages:
     Each actor sits on its bundle of a placement group of --stage-resources (stage_placement.py)."""
 
     def __init__(self, folder, plan, base_dtype: str, embed_dtype: str, precision: str, backend: str = "numpy",
-                 devices: list | None = None, address: str | None = None, resources: str | None = None):
+                 devices: list | None = None, address: str | None = None, resources: str | None = None,
+                 kv_dtype: str = "float32"):
         if ray is None:
             raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
                               "pip install 'wgpu-train[ray]'")
@@ -96,8 +97,8 @@ class RayStages:
         devices = devices or [None] * len(plan)
         self.actors = [actor.options(scheduling_strategy=seat(self.group, s)).remote() for s in range(len(plan))]
         try:
-            self.get([a.load.remote(str(folder), plan, s, base_dtype, embed_dtype, precision, backend, devices[s])
-                      for s, a in enumerate(self.actors)])
+            self.get([a.load.remote(str(folder), plan, s, base_dtype, embed_dtype, precision, backend, devices[s],
+                                    kv_dtype) for s, a in enumerate(self.actors)])
         except BaseException:
             self.close()
             raise

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine, StageLost
-from wgpu_train.engines.loading import load_stage
-from wgpu_train.engines.model import Model
+from wgpu_train.distributed.pipeline_engine import StageLost
+from wgpu_train.distributed.pipeline_model import pipeline_model, stage_devices
 from wgpu_train.engines.resources import balanced_stages, format_bytes, stage_memory
 from wgpu_train.distributed.stage_budget import check_stages_fit
 from wgpu_train.errors import ConfigError
@@ -23,16 +22,6 @@ def pipeline_config(config):
     if not config.pipelined():
         raise ConfigError("a pipeline run needs --pipeline-stages or --stage-layers")
     return dataclasses.replace(config, grad_accum=config.pipeline_micro_batches or config.grad_accum)
-
-
-def stage_devices(device: str | None, stages: int) -> list:
-    """Each stage's --device: one per stage where --device lists several, else the one given (or None) for all."""
-    devices = [s.strip() for s in (device or "").split(",") if s.strip()]
-    if len(devices) <= 1:
-        return [devices[0] if devices else None] * stages
-    if len(devices) != stages:
-        raise ConfigError(f"--device lists {len(devices)} devices for {stages} pipeline stages: list one per stage")
-    return devices
 
 
 class PipelineStages(OneEngine):
@@ -70,19 +59,14 @@ class PipelineStages(OneEngine):
         check_stages_fit(self._stage_estimates(trainer, model_cfg, lora, *trainer.largest_micro_batch(),
                                                trainer.precision or "fp32"), cfg.device_memory)
         folder = trainer.model_dir.resolve()
-        args = (trainer.base_dtype, trainer.embed_dtype, trainer.precision or "auto")
-        if self.local:
-            runner = LocalStages([load_stage(folder, plan, s, cfg.backend, *args, devices[s])
-                                  for s in range(len(plan))])
-        else:
-            from wgpu_train.distributed.pipeline_ray import RayStages      # imports Ray
-
-            runner = RayStages(folder, plan, *args, backend=cfg.backend, devices=devices, address=cfg.ray_address,
-                               resources=cfg.stage_resources)
+        model = pipeline_model(folder, model_cfg, plan, cfg.pipeline_schedule, backend=cfg.backend, devices=devices,
+                               base_dtype=trainer.base_dtype, embed_dtype=trainer.embed_dtype,
+                               precision=trainer.precision or "auto", address=cfg.ray_address,
+                               resources=cfg.stage_resources, local=self.local)
         where = "in this process" if self.local else "as Ray actors"
         trainer.log(f"pipeline: {len(plan)} stages (layers {plan.describe()}), {cfg.pipeline_schedule} over "
                     f"{self.micro_batches(trainer)} micro-batches, {where}")
-        return Model(model_cfg, PipelineEngine(runner, plan, cfg.pipeline_schedule), folder)
+        return model
 
     def reference_engine(self, trainer, adapter):
         """The same stages scoring with the adapter in folder `adapter` (--ref-adapter), each holding its layers'

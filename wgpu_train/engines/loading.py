@@ -117,16 +117,17 @@ def model_from_weights(config: ModelConfig, weights: dict, backend: str = "numpy
 
 
 def load_stage(path, plan: StagePlan, stage: int, backend: str = "numpy", base_dtype: str = "float32",
-               embed_dtype: str = "auto", precision: Precision | str = "auto", device=None):
+               embed_dtype: str = "auto", precision: Precision | str = "auto", device=None, kv_dtype: str = "float32"):
     """Stage `stage` of `plan` (models/stage_plan.py) on the engine `backend` and `device` choose
     (choose_backend, as load_model): a PipelineStage (protocol.py; numpy/stage.py or webgpu/stage.py). Only the
     tensors it holds are read from the model folder's safetensors shards (engine.weights_bytes_read counts
-    their file bytes)."""
+    their file bytes); kv_dtype: the storage of its layers' part of generation's KV cache."""
     config = ModelConfig.from_folder(path)
+    check_kv_dtype(kv_dtype, config)
     weights = load_weights(path, config)
     weights = weights.subset([k for k in weights if plan.holds(stage, k)])
     span = plan.stages[stage]
     engine = _make_engine(config, weights, backend, device, base_dtype=base_dtype, embed_dtype=embed_dtype,
-                          precision=precision, stage=(span, stage == 0, stage == len(plan) - 1))
+                          precision=precision, kv_dtype=kv_dtype, stage=(span, stage == 0, stage == len(plan) - 1))
     engine.weights_bytes_read = weights.bytes_read
     return engine

@@ -133,6 +133,7 @@ class Engine(Protocol):
     base_weight_bytes: int      # bytes the frozen weights take on the device (0: no device copy)
     max_binding: int | None     # largest storage binding of the device (None: no device)
     device_description: str     # where it computes, for the log
+    adapter_banks: bool         # whether set_adapter_bank takes a bank (rows of mixed adapters in forward_rows)
 
     # ---- what is trained ----
     def set_lora(self, modules: dict) -> None:
@@ -350,6 +351,7 @@ class EngineState:
 
     dropout_seed = 0
     dropout_calls = 0
+    adapter_banks = True
     loss_scaler: LossScaler | None = None
 
     def seed_dropout(self, seed: int):

@@ -159,9 +159,10 @@ class AdapterRegistry:
 
     def build_bank(self) -> bool:
         """Put every adapter in one bank on the engine, the model's own adapter off (its rows then run in one
-        batch whatever their adapters), where each can join one; whether it did."""
+        batch whatever their adapters), where each can join one and the engine takes banks (engine.adapter_banks:
+        not pipeline stages); whether it did."""
         entries = [bank_modules(self.prepared[name], self.model.config) for name in self.prepared]
-        if not entries or None in entries:
+        if not entries or None in entries or not self.model.engine.adapter_banks:
             return False
         self.activate(self.base_name)
         self.model.engine.set_adapter_bank(build_bank(entries, lambda p: self.model.config.linear_shape(
