@@ -17,6 +17,13 @@ def _adapters():
 
 
 ADAPTERS = _adapters()
+
+try:
+    # Ray's logger binds its handler to sys.stderr when Ray is first imported: imported here, that is pytest's
+    # session-wide stream, not the capsys stream of whichever test imports it first (closed after that test)
+    import ray  # noqa: F401
+except ImportError:      # the ray extra: its tests skip
+    pass
 REQUIRE_DEVICE = os.environ.get("WGPU_TRAIN_REQUIRE_DEVICE") == "1"
 
 
