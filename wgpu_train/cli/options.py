@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from wgpu_train.engines.backend_choice import BACKENDS
-from wgpu_train.engines.protocol import KV_DTYPES
+from wgpu_train.engines.shared.kv_dtype import KV_DTYPES
 from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
 
 
