@@ -31,6 +31,7 @@ class Progress:
 
     # ---- the batch stream ---------------------------------------------------------------------------
     def epochs_completed(self) -> int:
+        """Whole epochs done (the current one counts once its last batch is drawn)."""
         st = self.stream
         return st.epoch + (1 if st.position >= len(st.epoch_batches(st.epoch)) else 0)
 

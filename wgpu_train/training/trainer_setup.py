@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.layout import describe_layout, lora_options, model_targets
 from wgpu_train.engines.resources import estimate_memory, format_bytes
 from wgpu_train.errors import ConfigError
@@ -25,7 +26,7 @@ class ModelChoice:
     name: str | None             # the model as given: a folder or a hub id (else the continued adapter's base)
     folder: Path                 # its folder (a hub id resolved; the embedded model by default)
     model_cfg: ModelConfig
-    lora: object                 # the LoRA setting (LoraConfig), None for full fine-tuning
+    lora: LoraConfig | None      # the LoRA setting, None for full fine-tuning
     base_dtype: str
     embed_dtype: str
 
