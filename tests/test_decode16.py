@@ -11,6 +11,7 @@ from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.webgpu.tuned import decode_kernels as AD
 from wgpu_train.engines.webgpu.tuned import tune
 
@@ -125,7 +126,7 @@ def test_row_gather_pair(rt, x_fmt, out_fmt):
 
 # ---- the KV cache write and the cached attention ------------------------------------------------
 
-CACHE_FMT = AD.KV_FORMATS
+CACHE_FMT = {kv: kv.storage for kv in KvDtype}
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from wgpu_train.engines.backend_choice import BACKENDS
-from wgpu_train.engines.protocol import KV_DTYPES
+from wgpu_train.engines.shared.kv_dtype import KV_DTYPES
 from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
 from wgpu_train.errors import ConfigError
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from wgpu_train.engines.backend_choice import choose_backend
 from wgpu_train.engines.model import Model
-from wgpu_train.engines.protocol import Precision, check_kv_dtype, check_precision_widths
+from wgpu_train.engines.protocol import Precision, check_precision_widths
+from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
@@ -42,7 +43,7 @@ def precision_choice(precision: Precision | str, engine: str, cpu_adapter: bool 
 
 
 def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, base_dtype="float32",
-                 embed_dtype="auto", precision="auto", kv_dtype="float32", stage: tuple | None = None):
+                 embed_dtype="auto", precision="auto", kv_dtype=KvDtype.FLOAT32, stage: tuple | None = None):
     """The engine `backend` and `device` choose over weights; stage: (span, first, last), a pipeline stage's
     engine over the weights of those layers (a PipelineStage)."""
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
@@ -82,7 +83,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
 
 
 def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base_dtype: str = "float32",
-               embed_dtype: str = "auto", precision: Precision | str = "auto", kv_dtype: str = "float32") -> Model:
+               embed_dtype: str = "auto", precision: Precision | str = "auto", kv_dtype: KvDtype | str = KvDtype.FLOAT32) -> Model:
     """Load a Hugging Face model folder (config.json + safetensors) onto the 'numpy', 'wgpu' or 'auto' backend
     (engines/backend_choice.choose_backend: a GPU's WebGPU engine, else the NumPy engine; model.backend_reason).
 
@@ -97,21 +98,21 @@ def load_model(path, backend: str = "numpy", device=None, dtype=np.float32, base
     precision: where activations and their gradients are stored, "fp32", "bf16", "f16" or "auto"
     (precision_choice; engine.precision says which, engine.precision_reason why).
     kv_dtype: how generation's KV cache stores keys and values, "float32" or "bfloat16" (half the bytes; the
-    attention over it computes in float32; needs an even head dim); engine.kv_dtype."""
+    attention over it computes in float32; needs an even head dim); engine.kv_dtype, a KvDtype."""
     precision = Precision.parse(precision)
     config = ModelConfig.from_folder(path)
     check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
-    check_kv_dtype(kv_dtype, config)
+    kv_dtype = check_kv_dtype(kv_dtype, config)
     return model_from_weights(config, load_weights(path, config), backend, device, dtype, base_dtype, embed_dtype,
                               precision, kv_dtype, path)
 
 
 def model_from_weights(config: ModelConfig, weights: dict, backend: str = "numpy", device=None, dtype=np.float32,
                        base_dtype: str = "float32", embed_dtype: str = "auto", precision: Precision | str = "auto",
-                       kv_dtype: str = "float32", path=None) -> Model:
+                       kv_dtype: KvDtype | str = KvDtype.FLOAT32, path=None) -> Model:
     """A Model of config over weights in memory (name -> float32 array, as load_weights reads them), with
     load_model's settings; path: the folder it came from, if any (merge copies its tokenizer files)."""
-    check_kv_dtype(kv_dtype, config)
+    kv_dtype = check_kv_dtype(kv_dtype, config)
     return Model(config, _make_engine(config, weights, backend, device, dtype, base_dtype, embed_dtype, precision,
                                       kv_dtype), path)
 

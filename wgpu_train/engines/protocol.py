@@ -20,8 +20,8 @@ PREFILL_TOKENS = 256
 
 
 class NamedValue(str, Enum):
-    """An option's value parsed once (Precision, quant.StorageDtype): a str, so it compares with, prints, hashes
-    and serialises as its name."""
+    """An option's value parsed once (Precision, quant.StorageDtype, kv_dtype.KvDtype): a str, so it compares
+    with, prints, hashes and serialises as its name."""
 
     def __str__(self) -> str:
         return self.value
@@ -81,11 +81,6 @@ class Precision(NamedValue):
 PRECISIONS = (Precision.FP32, Precision.BF16, Precision.F16)
 PRECISION_CHOICES = tuple(p.value for p in Precision)
 
-# How generation's KV cache stores keys and values (engine.kv_dtype; attention over it computes in float32):
-# bfloat16 halves the cache, two values per 4-byte word on the GPU, so it needs an even head dim.
-KV_DTYPES = ("float32", "bfloat16")
-
-
 def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
     """Refuse (ConfigError, one line) a 16-bit precision on the WebGPU engine for a model with an odd width: its
     kernels store 16-bit activations two to a 32-bit word, a row's pairs never shared with the next row (every
@@ -97,16 +92,6 @@ def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
     if odd:
         raise ConfigError(f"--precision {precision} on the WebGPU engine needs even widths (this model has "
                           f"{', '.join(odd)}); use --precision fp32 or --backend numpy")
-
-
-def check_kv_dtype(kv_dtype: str, cfg: ModelConfig):
-    """Refuse (ConfigError, one line) a KV-cache dtype that is not one of KV_DTYPES, or bfloat16 for a model
-    whose head dim is odd."""
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype == "bfloat16" and cfg.head_dim % 2:
-        raise ConfigError(f"a bfloat16 KV cache needs an even head dim (this model's is {cfg.head_dim}); "
-                          f"use --kv-dtype float32")
 
 
 @runtime_checkable
@@ -121,7 +106,7 @@ class Engine(Protocol):
     embed_dtype: str            # shared/quant.StorageDtype (a str), resolved
     precision: Precision        # where activations are stored: fp32, bf16 or f16 (engines/numpy/precision.py)
     precision_reason: str       # why that precision (auto's choice), for the log and summary.json
-    kv_dtype: str               # how new_kv_cache stores keys and values: float32 or bfloat16 (KV_DTYPES)
+    kv_dtype: str               # how new_kv_cache stores keys and values: a shared/kv_dtype.KvDtype (a str)
     loss_scaler: "LossScaler | None"   # f16's dynamic loss scaling (None in fp32 / bf16)
     counters: dict              # real call counts: submits, readbacks, bytes up / down, non-finite steps skipped,
     #                             loss heads run with the adapter on (policy_forwards) and off (reference_forwards)

@@ -234,8 +234,7 @@ class GRPOTrainer(Trainer):
         indices, epoch_done = self.next_batch()
         lr = self.schedule.lr_at(self.step + 1)
         t0 = time.perf_counter()
-        self._stepping = True
-        try:
+        with self.interrupt.step():
             if self._generation is None or (self.stream.position - 1) % s.num_iterations == 0:
                 self._generation = self._generate(indices, score_policy=not self._one_pass())
             gen = self._generation
@@ -260,8 +259,6 @@ class GRPOTrainer(Trainer):
                     _, count, grad_norm, applied = self._train_step(batches, cfg.optimizer_params(lr),
                                                                     self.step + 1)
             self._time("train_step", time.perf_counter() - t_train)
-        finally:
-            self._stepping = False
         seconds = time.perf_counter() - t0
         self.step += 1
         self._step_metrics.append(gen.metrics | result.metrics)
@@ -356,7 +353,7 @@ class GRPOTrainer(Trainer):
                 path.write_text("".join(line + "\n" for line in kept))
             self._completions = open(path, "a" if self.resumed_from else "w")
             if not self.resumed_from:
-                self._written.append(path)
+                self.files.wrote(path)
 
     def train(self) -> dict:
         try:
@@ -438,16 +435,16 @@ class GRPOTrainer(Trainer):
         # the KL's reference: --ref-adapter, else the adapter the run started from (--adapter-path: TRL keeps a
         # frozen copy of a loaded adapter), recorded for a resume; else the base model (the adapter switched off)
         self.reference_adapter = (self.config.ref_adapter or (self.continued_from and str(self.continued_from))
-                                  or (self._resume[1].get("reference_adapter") if self._resume else None))
+                                  or (self.resume.state.get("reference_adapter") if self.resume else None))
         if self.settings.uses_reference and self.reference_adapter:
             self._ref_engine = self.placement.reference_engine(self, self.reference_adapter)
             self._ref_engine.set_loss_temperature(self.settings.temperature)
             self.log(f"reference: the base model with the adapter {self.reference_adapter}")
         elif self.settings.uses_reference:
             self.log("reference: the base model (the adapter switched off), scored with each generation")
-        saved = self._resume[1].get("generation") if self._resume else None
+        saved = self.resume.state.get("generation") if self.resume else None
         if saved:
-            arrays = checkpoint.read_arrays(self._resume[0])
+            arrays = checkpoint.read_arrays(self.resume.folder)
             gen = self._generation_of(arrays["indices"], arrays["completions"], arrays["truncated"],
                                       arrays["advantages"], saved["metrics"])
             gen.policy_logps, gen.old_logps, gen.ref_logps = (arrays.get(n) for n in ("policy_logps", "old_logps",

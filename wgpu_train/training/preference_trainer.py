@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -137,10 +136,10 @@ class PreferenceTrainer(Trainer):
     def setup(self):
         super().setup()
         if self._precomputes():
-            self.reference = self._load_reference() if self._resume else self._compute_reference()
+            self.reference = self._load_reference() if self.resume else self._compute_reference()
             return self
-        if self._resume:
-            path = Path(self._resume[0]).parent.parent / REFERENCE_ADAPTER_FILE
+        if self.resume:
+            path = self.resume.folder.parent.parent / REFERENCE_ADAPTER_FILE
             if path.is_file():
                 with np.load(path) as f:
                     self._reference_tensors = {k: f[k] for k in f.files}
@@ -156,10 +155,10 @@ class PreferenceTrainer(Trainer):
     def _keep(self, tensors: dict):
         """The starting adapter's tensors in this run's folder, for a resume (a fresh run replaces any there)."""
         path = self.out / REFERENCE_ADAPTER_FILE
-        if self.writes_files and not (self._resume and path.exists()):
+        if self.writes_files and not (self.resume and path.exists()):
             np.savez(path, **tensors)
-            if not self._resume:
-                self._written.append(path)
+            if not self.resume:
+                self.files.wrote(path)
 
     def _reference_engine(self):
         """(engine, whether its adapter is switched off while it scores, what it is for the log)."""
@@ -191,14 +190,14 @@ class PreferenceTrainer(Trainer):
         if self.writes_files:
             np.savez(path, **{f"{split}.{k}": v for split, d in out.items() for k, v in d.items()},
                      fingerprint=np.array(self.stream.fingerprint()))
-            self._written.append(path)
+            self.files.wrote(path)
         self.log(f"reference: {what}; log-probabilities of {sum(len(v) for v in self.pref.values())} examples "
                  f"computed in {time.perf_counter() - t0:.1f} s, kept in {path}")
         return out
 
     def _load_reference(self) -> dict:
         """The precomputed reference of the run being resumed (its folder's REFERENCE_FILE)."""
-        ckpt = Path(self._resume[0])
+        ckpt = self.resume.folder
         path = ckpt.parent.parent / REFERENCE_FILE
         if not path.is_file():
             raise ConfigError(f"resume: {path} is missing: the run being resumed did not precompute its reference "
@@ -254,16 +253,13 @@ class PreferenceTrainer(Trainer):
         indices, epoch_done = self.next_batch()
         lr = self.schedule.lr_at(self.step + 1)
         t0 = time.perf_counter()
-        self._stepping = True
-        try:
+        with self.interrupt.step():
             if self._one_pass():
                 result, scored, count, grad_norm, applied = self._one_pass_step(indices, lr)
             else:
                 result, scored = self._objective("train", indices)
                 weighted = self.weighted_micro_batches(result, scored)
                 _, count, grad_norm, applied = self._train_step(weighted, cfg.optimizer_params(lr), self.step + 1)
-        finally:
-            self._stepping = False
         seconds = time.perf_counter() - t0
         self.step += 1
         self._step_metrics.append(result.metrics)
@@ -338,7 +334,7 @@ class PreferenceTrainer(Trainer):
         self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
                          "loss": num(result["loss"]), "examples": result["tokens"], **metrics})
         acc = metrics.get("rewards/accuracies")
-        self._accuracy["before" if self._accuracy["before"] is None and self.step == self._start_step
+        self._accuracy["before" if self._accuracy["before"] is None and self.step == self.progress.start_step
                        and not self.resumed_from else "after"] = acc
         self.log(f"step {self.step}: valid {self.config.objective} loss {fmt(result['loss'])}"
                  + (f", reward accuracy {fmt(acc, '.1%')}" if acc is not None else "")

@@ -1,34 +1,43 @@
-"""The Trainer: the step loop with gradient accumulation on any engine, evaluation, early stopping, Ctrl-C. Its
-setup is trainer_setup.py's, what it writes (checkpoints, metrics rows, summary) trainer_records.py's; the
-settings are config.py's, the run folder policy run_folder.py's, the metrics metrics.py's. A run starts from
-distributed.dispatch.finetune, which picks this process or Ray workers."""
+"""The Trainer: the setup of a run, the step loop with gradient accumulation on any engine, evaluation, early
+stopping, and what it records (a checkpoint's state, metrics rows, the summary). It is made of parts it owns,
+each given what it reads: its process's part in the run (processes.py), where its model lives (placement.py),
+the run's files (run_files.py), the checkpoint it resumes (resume_point.py), its progress (progress.py) and
+Ctrl-C (interrupt.py); the setup's steps that read only their arguments are trainer_setup.py's functions. The
+settings are config.py's, the run folder policy run_folder.py's. A run starts from distributed.dispatch.finetune.
+(Over 450 lines: one class whose methods set or read the trainer's own state, which the preference and GRPO
+trainers extend method by method.)"""
 from __future__ import annotations
 
 import dataclasses
 import shlex
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-from wgpu_train.training import checkpoint
+from wgpu_train.training import checkpoint, tracking
 from wgpu_train.data.batching import split_batch
-from wgpu_train.engines.shared.quant import check_dtypes
-from wgpu_train.training.checkpoint import find_checkpoint, list_checkpoints
+from wgpu_train.engines.resources import base_weight_bytes, count_trainable
+from wgpu_train.engines.shared.parts import part_field
+from wgpu_train.formats import hub
+from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
 from wgpu_train.training.metrics import Window, fmt, num
+from wgpu_train.training.run_files import RunFiles
 from wgpu_train.training.run_folder import resolve_run
-from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig
+from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_data_dir
+from wgpu_train.training.interrupt import Interrupt
 from wgpu_train.training.placement import OneEngine
 from wgpu_train.training.processes import OneProcess
-from wgpu_train.training.trainer_records import TrainerRecords
-from wgpu_train.training.trainer_setup import TrainerSetup
+from wgpu_train.training.progress import Progress
+from wgpu_train.training.resume_point import ResumePoint
+from wgpu_train.training.schedule import LRSchedule
+from wgpu_train.training.trainer_setup import (describe_memory, describe_model, describe_training,
+                                               estimate_run_memory, largest_micro_batch, read_examples,
+                                               resolve_model)
 
-class Trainer(TrainerSetup, TrainerRecords):
+
+class Trainer:
     """One fine-tuning run: `setup()` reads data and model (and resumes), `train()` runs it, `run()` both.
 
     As it is constructed, before anything is loaded or written, it refuses an output folder that is a file or
@@ -48,8 +57,17 @@ class Trainer(TrainerSetup, TrainerRecords):
 
     `process` is the trainer's part in its run (processes.OneProcess, the default: all of it; a data-parallel
     worker: a share of each step, with only rank 0 writing the run's files); `placement` where its model lives
-    (placement.OneEngine, the default: one engine in this process; or pipeline stages).
+    (placement.OneEngine, the default: one engine in this process; or pipeline stages). Its other parts: `files`
+    (RunFiles), `resume` (a ResumePoint, or None), `progress` (Progress: step, tokens, history, the batch stream,
+    kept there and read here as attributes of the trainer) and `interrupt` (Interrupt).
     """
+
+    stream = part_field("progress", "stream", "The resumable stream of the steps' batches (setup).")
+    step = part_field("progress", "step", "Optimizer steps taken, over every run of this job.")
+    tokens = part_field("progress", "tokens", "Input (non-padding) tokens processed, over every run of this job.")
+    trained_tokens = part_field("progress", "trained_tokens", "Tokens that carried loss.")
+    history = part_field("progress", "history", "Evaluations before and best (summary.json, the checkpoints).")
+    last_saved_step = part_field("progress", "last_saved_step", "The step of the last checkpoint.")
 
     def __init__(self, config: TrainConfig, log=None, process: OneProcess | None = None,
                  placement: OneEngine | None = None):
@@ -69,7 +87,10 @@ class Trainer(TrainerSetup, TrainerRecords):
         self.base_dtype, self.embed_dtype = (None, None) if auto else config.storage_dtypes()
         # where activations are stored; auto: a resumed checkpoint's, else the engine's choice (setup)
         self.precision = config.precision if config.precision.resolved else None
-        self._resume = self._check_resume() if config.resume else None   # (checkpoint folder, its state)
+        self.resume = (ResumePoint(config, self.out, self.base_dtype, self.embed_dtype, self.precision)
+                       if config.resume else None)      # the checkpoint this run continues
+        if self.resume:
+            self.base_dtype, self.embed_dtype, self.precision = self.resume.dtypes
         found = self.folders.earlier
         if found:
             resume = (f", --resume {shlex.quote(str(self.out))} to continue it"
@@ -83,63 +104,28 @@ class Trainer(TrainerSetup, TrainerRecords):
         self._log_fn = log
         self.workers = config.num_workers or 1   # data-parallel workers sharing each step (data_parallel.py)
         self.device = config.device              # the adapter to train on (a data-parallel worker's own)
-        self.model = self.engine = self.tokenizer = self.splits = self.stream = self.schedule = None
+        self.progress = Progress()               # where the run is, its history (and its batch stream)
+        self.interrupt = Interrupt(self.log, lambda: self.step != self.progress.start_step)    # Ctrl-C
+        self.model = self.engine = self.tokenizer = self.splits = self.schedule = None
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.continued_from = None               # the adapter folder a run started from (adapter_path)
         self.model_name = None                   # the model as given: a folder or a hub id
         self.train_examples: list = []
         self.valid_examples: list = []
-        self.step = 0
-        self.tokens = 0                 # input (non-padding) tokens processed, over every run of this job
-        self.trained_tokens = 0         # tokens that carried loss
-        self.counters_base: dict = {}   # engine counters of the runs before a resume
-        self.history = {"train_loss_first": None, "valid_loss_before": None, "valid_perplexity_before": None,
-                        "exact_match_before": None, "best_valid_loss": None, "best_valid_perplexity": None,
-                        "best_step": None, "evals_without_improvement": 0}
-        self.last_saved_step = 0
         self.resumed_from: Path | None = None
-        self._best = None            # early stopping: (step, trainable tensors) of the best evaluation
-        self._start_step = 0         # the step this invocation started at
-        self._written: list = []     # files this invocation wrote that a run which trained nothing removes
-        self._made_out = False       # whether this invocation created the output folder
-        self._stepping = False
-        self._stop_requested = False
         self._quiet = False          # a data-parallel worker but rank 0, once training: rank 0 says it
-        self._metrics = None
-        self._trackers = None
+        self.files = RunFiles(self.folders, self.process.writes_files, self.log)    # what the run writes
 
     @property
     def writes_files(self) -> bool:
         """Whether this process writes the run's files (of data-parallel workers, rank 0 alone)."""
         return self.process.writes_files
 
-    def _check_resume(self) -> tuple[Path, dict]:
-        """The checkpoint that config.resume names and its state, refused unless it fits the config; with
-        base_dtype auto, the storage dtypes become the ones the checkpoint trained with."""
-        cfg = self.config
-        ckpt = find_checkpoint(cfg.resume)
-        if cfg.out is None and (self.out / checkpoint.STATE_FILE).is_file():
-            raise ConfigError(f"resume: {self.out} is a checkpoint outside a run's checkpoints/ folder; pass --out "
-                              f"DIR to say where the run continues")
-        state = checkpoint.read_state(ckpt)
-        if self.base_dtype is None and state.get("base_dtype"):      # auto: the run continues as it trained
-            self.base_dtype, self.embed_dtype = check_dtypes(state["base_dtype"], cfg.embed_dtype)
-        if self.precision is None and state.get("precision"):
-            self.precision = state["precision"]
-        # lora_layers "N" needs the model's layer count: its LoRA setting is checked by restore() in setup
-        lora = cfg.lora_config() if cfg.method == "lora" and not cfg.lora_layers_last() else None
-        checkpoint.check_state(ckpt, state, cfg.method, lora, self.base_dtype, self.embed_dtype, self.precision)
-        return ckpt, state
-
     def check_resumed_objective(self, settings):
         """ConfigError (one line) when the checkpoint being resumed trained other objective settings (a dataclass
         such as PreferenceSettings or GRPOSettings, as state_dict records it under "objective")."""
-        saved = self._resume[1].get("objective") if self._resume else None
-        now = dataclasses.asdict(settings)
-        if saved is not None and saved != now:
-            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
-            raise ConfigError(f"resume: the run trained another objective setting ({changed}); leave those options "
-                              f"out to continue it as it trained")
+        if self.resume:
+            self.resume.check_objective(settings)
 
     def log(self, msg: str):
         """One line of progress for the user (stderr, above the progress bar)."""
@@ -152,32 +138,148 @@ class Trainer(TrainerSetup, TrainerRecords):
 
         tqdm.write(msg, file=sys.stderr)
 
-    # ---- batches ------------------------------------------------------------------------------------
-    def epochs_completed(self) -> int:
-        st = self.stream
-        return st.epoch + (1 if st.position >= len(st.epoch_batches(st.epoch)) else 0)
+    # ---- setup --------------------------------------------------------------------------------------
+    def setup(self):
+        """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
+        from wgpu_train.engines.backend_choice import choose_backend
 
+        tracking.require(tracking.parse_report_to(self.config.report_to))
+        chosen = resolve_model(self.config, self.base_dtype, self.embed_dtype)
+        self.config = cfg = chosen.config       # as it trains (dtypes, LoRA targets and layers), for a resume
+        self.continued_from, self.model_name, self.model_dir = chosen.continued_from, chosen.name, chosen.folder
+        self.base_dtype, self.embed_dtype = chosen.base_dtype, chosen.embed_dtype
+        model_cfg, lora = chosen.model_cfg, chosen.lora
+        self.data_path = cfg.data if cfg.data else default_data_dir()
+        self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
+                                self.precision or "auto", (cfg.batch_size, cfg.max_seq_len))
+        self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
+        if cfg.backend == "auto":
+            self.log(f"backend: {self.backend} ({self.backend_reason})")
+        self._read_data(model_cfg)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
+        if cfg.max_tokens_per_batch and cfg.max_tokens_per_batch < longest:
+            raise ConfigError(f"max_tokens_per_batch ({cfg.max_tokens_per_batch}) is below the longest training "
+                              f"{'row' if cfg.pack else 'sample'} ({longest} tokens): raise it or lower --max-seq-len")
+        # micro-batches per step: grad_accum on each of num_workers; a resumed run keeps its checkpoint's (the
+        # same global batch, whatever number of workers made it or continues it)
+        accum = cfg.grad_accum * self.workers
+        accum = self.micro_per_step = int(self.resume.state.get("micro_batches", accum) if self.resume else accum)
+        self.stream = self._make_stream(accum)
+        self.steps_per_epoch = len(self.stream)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        warmup = cfg.warmup_steps
+        if warmup and warmup >= self.total_steps:      # e.g. the recipe's warmup in a run cut short by --max-steps
+            warmup = self.total_steps - 1
+            self.log(f"warmup_steps {cfg.warmup_steps} is not below the run's {self.total_steps} steps: warming up "
+                     f"over {warmup}, so that the last step trains at --lr")
+        self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, warmup, self.total_steps)
+        if self.resume:
+            self.progress.restore(self.resume.state)
+            if self.done():
+                raise ConfigError(f"the run in {self.folders.resumed} already finished at step {self.step}; "
+                                  f"raise --max-steps or --epochs to train further")
+        self._load_model(model_cfg, lora)
+        cfg = self.config
+        if self.resume:                # before anything is written: a checkpoint that does not fit is refused
+            self.resume.restore(self.model, cfg)
+            self.resumed_from = Path(self.resume.folder)
+            if cfg.early_stop_patience:
+                self.progress.best = self.resume.best(self.step, cfg.method)
+        if self.process.world > 1:
+            self.process.check_step_rows(*self._step_shares())
+        self.files.prepare(self._resolved_settings(), bool(self.resumed_from))
+        self.log(describe_training(cfg, self.total_steps, self.steps_per_epoch, accum, self.workers, self.step,
+                                   self.resumed_from))
+        self.memory_estimate = est = estimate_run_memory(
+            cfg, model_cfg, lora, self.train_examples + self.valid_examples, self.max_seq_len,
+            self._micro_batch_rows(), self.engine, self.base_dtype, self.embed_dtype, self.precision)
+        self.log(describe_memory(est))
+        self.placement.estimated(self, model_cfg, lora, est)
+        return self
+
+    def _load_model(self, model_cfg, lora):
+        """The model on the placement, its adapter (continued, new) or full fine-tuning set up, its precision
+        resolved; described in the log."""
+        cfg = self.config
+        self.model = self.placement.load(self, model_cfg)
+        if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
+            self.model.name_or_path = self.model_name
+        if self.continued_from:
+            self.model.load_adapter(self.continued_from, dropout=lora.dropout, seed=cfg.seed)
+            self.log(f"adapter: continuing {self.continued_from} (fresh optimizer state)")
+        elif lora:
+            self.model.add_lora(lora, seed=cfg.seed)
+        else:
+            self.model.set_full_finetune()
+        self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
+        self.engine = self.model.engine
+        self.precision_reason = (self.engine.precision_reason if cfg.precision.resolved or self.precision is None
+                                 else "auto: as the resumed checkpoint trained")
+        self.precision = self.engine.precision
+        if cfg.precision != self.precision:
+            self.config = cfg = dataclasses.replace(cfg, precision=self.precision)     # recorded, for a resume
+        self._model_ready()
+        # as the WebGPU engine allocated them; the NumPy engine holds float32 copies: the planned device bytes
+        self.base_weight_bytes = int(self.engine.base_weight_bytes
+                                     or base_weight_bytes(model_cfg, self.base_dtype, self.embed_dtype)["total"])
+        self.log(describe_model(self.model_dir, model_cfg, self.engine, lora, count_trainable(model_cfg, lora),
+                                self.base_dtype, self.embed_dtype, self.base_weight_bytes))
+        self.log(f"precision: {self.precision} ({self.precision_reason})"
+                 + ("; dynamic loss scaling" if self.engine.loss_scaler is not None else ""))
+
+    def _resolved_settings(self) -> dict:
+        """train_config.json: the run's settings as resolved (a resume and generate read them back)."""
+        model = self.model_name if hub.is_hub_id(self.model_name) else str(self.model_dir)   # a resume
+        return self.config.to_dict() | dict(out=str(self.out), model=model, data=str(self.data_path),  # re-resolves
+                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,  # an id
+                                            data_format=self.splits.format)   # for generate: how raw-mode prompts end
+
+    def _read_data(self, model_cfg):
+        """The tokenizer and the run's examples (the trainer kinds read their own)."""
+        data = read_examples(self.model_dir, self.data_path, self.config, model_cfg, self.log)
+        self.tokenizer, self.splits, self.max_seq_len = data.tokenizer, data.splits, data.max_seq_len
+        self.train_examples, self.valid_examples = data.train, data.valid
+        self.n_skipped, self.truncated, self.dropped = data.n_skipped, data.truncated, data.dropped
+
+    def _model_ready(self):
+        """Called once the model holds its starting weights, before a resume restores a checkpoint's."""
+
+    def _make_stream(self, accum: int):
+        """The resumable stream of the steps' batches: batch_size * accum samples each."""
+        from wgpu_train.data.batching import BatchStream
+
+        cfg = self.config
+        return BatchStream(self.train_examples, cfg.batch_size * accum, cfg.seed, pack=cfg.pack,
+                           max_seq_len=self.max_seq_len, pad_id=self.pad_id, pad_to_multiple=PAD_MULTIPLE,
+                           max_tokens=cfg.max_tokens_per_batch, micro_batches=accum)
+
+    def _step_shares(self) -> tuple[int, str]:
+        """(the fewest rows a step of this epoch holds, what a row is): the units processes share a step by."""
+        return min(self.rows_in(b) for b in self.stream.epoch_batches(self.stream.epoch)), "sample row(s)"
+
+    def _micro_batch_rows(self) -> int:
+        """The rows of a full micro-batch of --batch-size samples."""
+        return self.config.batch_size
+
+    def largest_micro_batch(self) -> tuple[int, int]:
+        """(rows, tokens per row) of the largest micro-batch this run forms; known once the data is read."""
+        return largest_micro_batch(self.config, self.train_examples + self.valid_examples, self.max_seq_len,
+                                   self._micro_batch_rows())
+
+    # ---- batches ------------------------------------------------------------------------------------
     def epoch_float(self) -> float:
         """Epochs done, with the fraction of the current one."""
-        st = self.stream
-        n = len(st.epoch_batches(st.epoch))
-        return round(st.epoch + (st.position / n if n else 0.0), 4)
+        return self.progress.epoch_float()
 
     def next_batch(self):
         """(the batch of the next step, whether it ends an epoch); a step never spans two epochs."""
-        st = self.stream
-        if st.position >= len(st.epoch_batches(st.epoch)):
-            st.epoch += 1
-            st.position = 0
-        batches = st.epoch_batches(st.epoch)
-        batch = batches[st.position]
-        st.position += 1
-        return batch, st.position >= len(batches)
+        return self.progress.next_batch()
 
     def done(self) -> bool:
-        if self.config.max_steps:
-            return self.step >= self.config.max_steps
-        return self.epochs_completed() >= self.config.epochs
+        """Whether the run reached its end (max_steps, else epochs)."""
+        return self.progress.done(self.config.max_steps, self.config.epochs)
 
     # ---- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict | None:
@@ -208,9 +310,13 @@ class Trainer(TrainerSetup, TrainerRecords):
         if self.model is None:
             self.setup()
         t_start = time.perf_counter()
-        self._start_step = self.step
+        self.progress.start_step = self.step
         self._quiet = not self.writes_files     # from here on rank 0 says what every worker would
-        installed, previous = self._install_sigint()
+        with self.interrupt.handling():
+            return self._run_steps(t_start)
+
+    def _run_steps(self, t_start: float) -> dict:
+        """train() once Ctrl-C is the run's: the outputs opened, the steps run and the run finished."""
         try:
             self._open_outputs()
             if not self.resumed_from:
@@ -218,17 +324,11 @@ class Trainer(TrainerSetup, TrainerRecords):
             stopped, last_eval, last_eval_step, run = self._loop()
             return self._finish(stopped, last_eval, last_eval_step, run, time.perf_counter() - t_start)
         except BaseException:
-            if self.step == self._start_step:
-                self._discard()
+            if self.step == self.progress.start_step:
+                self.files.discard()
             raise
         finally:
-            if installed:       # whatever was there before (a handler set outside Python reads as None: then
-                                # Python's default, as the handler cannot be put back)
-                signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-            if self._metrics is not None:
-                self._metrics.close()
-            if self._trackers is not None:
-                self._trackers.close()
+            self.files.close()
 
     def run(self) -> dict:
         """setup() then train(); the placement released after."""
@@ -237,35 +337,13 @@ class Trainer(TrainerSetup, TrainerRecords):
         finally:
             self.placement.close(self)
 
-    def _install_sigint(self) -> tuple[bool, object]:
-        """(installed, the handler before): the Ctrl-C handler, unless this is not the main thread or SIGINT is
-        ignored (a background job, nohup): then Ctrl-C keeps meaning what it meant."""
-        if threading.current_thread() is not threading.main_thread():
-            return False, None
-        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            return False, signal.SIG_IGN
-
-        def handler(signum, frame):
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            if self._stepping:
-                then = "finishing this step, then saving a checkpoint"
-            elif self.step == self._start_step:
-                then = "stopping before the first step"
-            else:
-                then = "stopping, then saving a checkpoint"
-            self.log(f"interrupted: {then} (Ctrl-C again to abort)")
-
-        return True, signal.signal(signal.SIGINT, handler)
-
     def _evaluate_before(self):
         h = self.history
         before = self.process.from_first(self.evaluate)
         if before is not None:
             h["valid_loss_before"], h["valid_perplexity_before"] = num(before["loss"]), num(before["perplexity"])
             self._valid_row(before)
-        if self.eval_generate and not self._stop_requested:
+        if self.eval_generate and not self.interrupt.requested:
             em = self.process.from_first(self.exact_match)
             h["exact_match_before"] = em["exact_match"]
             self._exact_match_row(em, "before", self.step)
@@ -279,12 +357,9 @@ class Trainer(TrainerSetup, TrainerRecords):
         profile = bool(cfg.profile_interval) and (self.step + 1) % cfg.profile_interval == 0
         t0 = time.perf_counter()
         extra = {"profile": True} if profile else {}
-        self._stepping = True
-        try:
+        with self.interrupt.step():
             loss_sum, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1,
                                                                    **extra)
-        finally:
-            self._stepping = False
         seconds = time.perf_counter() - t0
         self.step += 1
         if profile:
@@ -315,9 +390,8 @@ class Trainer(TrainerSetup, TrainerRecords):
         """The engine's optimizer step over a step's micro-batches (this process's share of them; own: the
         micro-batches are this process's already): (loss_sum, count, grad_norm, applied) of the whole step."""
         result = self.process.train_step(self.engine, micro, hp, step, own=own, **extra)
-        if self.process.stop_agreed and not self._stop_requested:
-            self._stop_requested = True
-            self.log("interrupted on the driver: saving a checkpoint after this step")
+        if self.process.stop_agreed:
+            self.interrupt.request("interrupted on the driver: saving a checkpoint after this step")
         return result
 
     def _progress_bar(self):
@@ -337,7 +411,7 @@ class Trainer(TrainerSetup, TrainerRecords):
         bar = self._progress_bar()
         try:
             while not self.done():
-                if self._stop_requested:
+                if self.interrupt.requested:
                     stopped = "interrupted"
                     break
                 batch, epoch_done, lr, loss_sum, count, grad_norm, seconds = self._step()
@@ -374,21 +448,158 @@ class Trainer(TrainerSetup, TrainerRecords):
         return stopped, last_eval, last_eval_step, run
 
     def _early_stop(self, result: dict) -> bool:
-        """Track the best validation loss (with early stopping, also its trainable tensors, in memory); True
-        when early_stop_patience evaluations in a row did not improve on it."""
+        """Track the best validation loss (Progress.track); True when early_stop_patience evaluations in a row
+        did not improve on it."""
+        return self.progress.track(result, self.config.early_stop_patience, self.engine.trainable)
+
+    # ---- records ----------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """The engine's counters, added to those of the runs before a resume."""
+        return self.progress.counters(self.engine)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs beyond tensors: step, data position, schedule, dropout counter, history."""
+        cfg = self.config
+        return {
+            "version": 1, "step": self.step, "epoch": self.epoch_float(), "data": self.stream.state_dict(),
+            "schedule": dict(self.schedule.state_dict(), next_step=self.step + 1,
+                             next_lr=self.schedule.lr_at(self.step + 1)),
+            "engine": self.engine.state_dict(),
+            "method": cfg.method, "lora": dataclasses.asdict(cfg.lora_config()) if cfg.method == "lora" else None,
+            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "precision": self.precision,
+            "tokens": self.tokens, "trained_tokens": self.trained_tokens, "counters": self.counters(),
+            "history": self.history, "seed": cfg.seed, "micro_batches": self.micro_per_step,
+        }
+
+    def checkpoint_arrays(self) -> dict:
+        """Arrays a checkpoint keeps beside the state (name -> np.ndarray); none for this trainer."""
+        return {}
+
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-NNNNNN (RunFiles.save_checkpoint), written atomically; only the newest
+        keep_checkpoints are kept, and with early stopping the best evaluation's."""
+        if not self.writes_files:       # rank 0 writes it; the others know where
+            self.last_saved_step = self.step
+            return self.out / "checkpoints" / checkpoint.checkpoint_name(self.step)
+        best = self.history["best_step"] if self.config.early_stop_patience else None
+        path = self.files.save_checkpoint(self.step, self.model, self.state_dict(), self.config.keep_checkpoints,
+                                          () if best is None else (checkpoint.checkpoint_name(best),),
+                                          self.checkpoint_arrays())
+        self.last_saved_step = self.step
+        self.process.checkpointed(path)
+        return path
+
+    def _open_outputs(self):
+        """metrics.jsonl (cut back to the resumed step) and the trackers (RunFiles.open)."""
+        self.files.open(self.config.report_to, self.config.to_dict(), self.step if self.resumed_from else None)
+
+    def _write_row(self, row: dict):
+        self.files.write_row(row)
+
+    def _valid_row(self, result: dict):
+        self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": "valid",
+                         "loss": num(result["loss"]), "perplexity": num(result["perplexity"]),
+                         "tokens": result["tokens"]})
+        self.log(f"step {self.step}: valid loss {fmt(result['loss'])}, "
+                 f"perplexity {fmt(result['perplexity'], '.3f')}")
+
+    def _exact_match_row(self, em: dict, when: str, step: int):
+        self._write_row({"step": step, "epoch": self.epoch_float(), "split": em["split"],
+                         "exact_match": em["exact_match"], "n": em["n"]})
+        self.log(f"exact match {when} training: {fmt(em['exact_match'], '.1%')} of {em['n']} {em['split']} samples")
+
+    def _profile_row(self, step_seconds: float):
+        """Print the last step's time per op group and record it in metrics.jsonl."""
+        prof = dict(self.engine.last_profile)
+        total = sum(prof.values())
+        lines = [f"profile of step {self.step}: {total * 1e3:.1f} ms measured of {step_seconds * 1e3:.1f} ms wall"]
+        for name, sec in sorted(prof.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {name:<44} {sec * 1e3:9.2f} ms {sec / max(total, 1e-12):6.1%}")
+        self.log("\n".join(lines))
+        self._write_row({"step": self.step, "profile_ms": {k: round(v * 1e3, 4) for k, v in prof.items()},
+                         "step_wall_ms": round(step_seconds * 1e3, 3)})
+
+    def _log_step(self, window: Window, lr: float, grad_norm):
+        c = self.counters()
+        row = {"step": self.step, "epoch": self.epoch_float(), "loss": num(window.mean_loss), "lr": lr,
+               "grad_norm": num(grad_norm), "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+               "tokens_per_s": round(window.tokens_per_s, 2), "submits": c.get("submits", 0),
+               "readbacks": c.get("readbacks", 0), "nonfinite_skipped": c.get("nonfinite_skipped", 0)}
+        if self.engine.loss_scaler is not None:       # f16: the scale the next step multiplies the loss by
+            row["loss_scale"] = self.engine.loss_scaler.scale
+        self._write_row(row)
+        if self.config.no_progress:
+            self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {fmt(row['loss'])} "
+                     f"lr {lr:.2e} grad_norm {fmt(row['grad_norm'], '.3f')} {window.tokens_per_s:.0f} tok/s")
+
+    def _finish(self, stopped: str, last_eval, last_eval_step: int, run: Window, wall: float) -> dict:
+        cfg = self.config
         h = self.history
-        loss = result["loss"]
-        if loss is None:
-            return False
-        if h["best_valid_loss"] is None or loss < h["best_valid_loss"]:
-            h.update(best_valid_loss=float(loss), best_valid_perplexity=num(result["perplexity"]), best_step=self.step,
-                     evals_without_improvement=0)
-            if self.config.early_stop_patience:
-                self._best = (self.step, {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()})
-            return False
-        h["evals_without_improvement"] += 1
-        patience = self.config.early_stop_patience
-        return bool(patience) and h["evals_without_improvement"] >= patience
+        interrupted = stopped == "interrupted"
+        if interrupted and self.step == self.progress.start_step:
+            self.files.discard()
+            ckpt = self.resumed_from
+            self.log("interrupted before the first step: nothing trained"
+                     + (f"; resume with --resume {shlex.quote(str(ckpt))}" if ckpt else ""))
+            return self._summary(stopped, None, None, None, ckpt, run, wall)
+        ckpt = (self.save_checkpoint() if self.last_saved_step != self.step
+                else self.out / "checkpoints" / checkpoint.checkpoint_name(self.step))
+        adapter_step = self.step
+        after = last_eval if last_eval_step == self.step else None   # only an evaluation of what is written
+        best = h["best_step"]
+        if cfg.early_stop_patience and not interrupted and best is not None and best != self.step:
+            kept = self.progress.best
+            if kept is not None and kept[0] == best:
+                adapter_step = best
+                self.engine.set_trainable(kept[1])
+                after = {"loss": h["best_valid_loss"], "perplexity": h["best_valid_perplexity"]}
+                self.log(f"writing the weights of step {best}, the best validation loss "
+                         f"({fmt(h['best_valid_loss'])}); the checkpoint of step {self.step} holds the last ones")
+            else:
+                self.log(f"the best validation loss was at step {best}, whose weights were not kept across the "
+                         f"resume; writing those of step {self.step}")
+        em_after = None
+        if self.eval_generate and not interrupted and not self.interrupt.requested:
+            em_after = self.process.from_first(self.exact_match)
+            self._exact_match_row(em_after, "after", adapter_step)
+        summary = self._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
+        self.files.write_outputs(self.model, cfg.method, summary, ckpt)
+        if interrupted:
+            self.log(f"stopped at step {self.step}; resume with --resume {shlex.quote(str(ckpt))}")
+        return summary
+
+    def _summary(self, stopped: str, adapter_step, after, em_after, ckpt, run: Window, wall: float) -> dict:
+        """The run's summary; `after` and `em_after` are the evaluation and exact match of the weights written
+        (those of adapter_step; None when nothing was written)."""
+        cfg = self.config
+        h = self.history
+        return {
+            "steps": self.step, "epochs": self.epoch_float(), "stopped": stopped,
+            "interrupted": stopped == "interrupted", "adapter_step": adapter_step,
+            "tokens": self.tokens, "trained_tokens": self.trained_tokens, "wall_time_s": round(wall, 3),
+            "train_time_s": round(run.time, 3), "tokens_per_s": round(run.tokens_per_s, 2) if run.time else None,
+            "train_loss_first": h["train_loss_first"], "train_loss_last": run.last_loss,
+            "valid_loss_before": h["valid_loss_before"], "valid_perplexity_before": h["valid_perplexity_before"],
+            "valid_loss_after": num(after["loss"]) if after else None,
+            "valid_perplexity_after": num(after["perplexity"]) if after else None,
+            "best_valid_loss": h["best_valid_loss"], "best_step": h["best_step"],
+            "exact_match_before": h["exact_match_before"],
+            "exact_match_after": em_after["exact_match"] if em_after else None,
+            "exact_match_split": self.held_out()[0] if self.eval_generate else None,
+            "exact_match_n": em_after["n"] if em_after else None,
+            "exact_match_samples": em_after["samples"] if em_after else [],
+            "backend": self.engine.name, "backend_reason": self.backend_reason,
+            "device": self.engine.device_description, "method": cfg.method,
+            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
+            "precision": self.precision, "precision_reason": self.precision_reason,
+            "memory_estimate": self.memory_estimate,
+            "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
+            "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
+            "skipped_lines": self.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
+            "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "continued_from": str(self.continued_from) if self.continued_from else None,
+        } | self.process.summary(self.micro_per_step) | self.placement.summary(self)
 
 
 __all__ = ["Trainer"]

@@ -9,7 +9,7 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import EngineState, LossScaler, check_kv_dtype
+from wgpu_train.engines.protocol import EngineState, LossScaler
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import OUTPUT, layer_plan
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
@@ -21,6 +21,7 @@ from wgpu_train.engines.numpy.optim import Optimizer
 from wgpu_train.engines.numpy.walk import Mode, Walk
 from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.steps import StepRunner
+from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.shared.parts import part_field
@@ -44,13 +45,13 @@ class NumpyEngine(EngineState):
 
     precision (protocol.PRECISIONS): fp32, or bf16 / f16, where activations, saved tensors and activation
     gradients are rounded where the GPU stores them (precision.Rounding); f16 adds dynamic loss scaling
-    (protocol.LossScaler) to train_step. kv_dtype (protocol.KV_DTYPES): generation's KV cache rounds its keys and
-    values to it where the GPU's cache stores them."""
+    (protocol.LossScaler) to train_step. kv_dtype (shared/kv_dtype.KvDtype): generation's KV cache rounds its
+    keys and values to it where the GPU's cache stores them."""
 
     name = "numpy"
 
     def __init__(self, cfg: ModelConfig, weights: dict, dtype=np.float32, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", precision: str = "fp32", kv_dtype: str = "float32"):
+                 embed_dtype: str = "auto", precision: str = "fp32", kv_dtype: KvDtype | str = KvDtype.FLOAT32):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
@@ -62,8 +63,7 @@ class NumpyEngine(EngineState):
         self.rounding = Rounding(precision, plan.statistics)
         self.precision, self.precision_reason = self.rounding.precision, "as given"
         self.backend_reason = "as given"
-        check_kv_dtype(kv_dtype, cfg)
-        self.kv_dtype = kv_dtype      # generation's KV cache storage (new_kv_cache)
+        self.kv_dtype = kv_dtype = check_kv_dtype(kv_dtype, cfg)   # generation's KV cache storage (new_kv_cache)
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.gradient_checkpointing = False

@@ -7,6 +7,7 @@ import numpy as np
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.layer_plan import OUTPUT
 from wgpu_train.engines.numpy.walk import Mode, Walk
+from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.shared.kv_rows import check_adapters, check_rows
 
 
@@ -16,7 +17,7 @@ class KvCacheGeneration:
     (m, C) -> logits (m, V)); mode: the engine's (training off). Keeps the bank of mixed adapters
     (engines/shared/mixed_lora.py), which the engine's linear adds per row during forward_rows."""
 
-    def __init__(self, cfg: ModelConfig, dtype, kv_dtype: str, mode: Mode, embed, layer_forward, head):
+    def __init__(self, cfg: ModelConfig, dtype, kv_dtype: KvDtype, mode: Mode, embed, layer_forward, head):
         self.cfg, self.dtype, self.kv_dtype, self.mode = cfg, dtype, kv_dtype, mode
         self.embed, self.layer_forward, self.head = embed, layer_forward, head
         self.adapter_bank: dict = {}    # module path -> BankModule (set_adapter_bank replaces it, never mutates it)

@@ -8,6 +8,7 @@ from wgpu_train.models.layer_plan import CARRY, INPUT, LayerPlan
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.walk import Walk
+from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.shared.quant import round_to
 
 
@@ -60,7 +61,7 @@ class LayerOps:
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
             k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
-            if kv["dtype"] != "float32":      # rounded as the GPU's cache stores them
+            if kv["dtype"] != KvDtype.FLOAT32:      # rounded as the GPU's cache stores them
                 k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
             ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
             att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,

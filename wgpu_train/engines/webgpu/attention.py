@@ -4,6 +4,7 @@ tuned/attention_kernels.py's candidates), and generation's cache: kv_cache_write
 (tuned/decode_kernels.py). kernels.py's conventions hold: the Recorder first, then outputs, inputs, sizes."""
 from __future__ import annotations
 
+from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.webgpu.device.launch import flat_grid, launch
 from wgpu_train.engines.webgpu.kernels import copy
 from wgpu_train.engines.webgpu.tuned import attention_kernels, decode_kernels, tune
@@ -56,7 +57,7 @@ def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B,
 
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
-                             window=0, softcap=0.0, scratch=None, kv_dtype="float32"):
+                             window=0, softcap=0.0, scratch=None, kv_dtype=KvDtype.FLOAT32):
     """New queries against a KV cache of `batch` rows: q, out (n, hq, d), each in any storage format; caches
     (batch, max_len, hkv, d) stored as kv_dtype (float32, or bfloat16 two per 4-byte word: their buffers take
     its storage format, decode_kernels.cache_tensor);
@@ -80,7 +81,7 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
 
 
 def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batch, max_len, hkv, d,
-                   kv_dtype="float32"):
+                   kv_dtype=KvDtype.FLOAT32):
     """k_cache / v_cache (batch, max_len, hkv, d) at [rows[i], positions[i]] = k_new[i] / v_new[i] (n, hkv, d):
     writes one layer's new keys and values (each in any storage format), rounded to the caches' kv_dtype
     (bfloat16: to nearest even, two per 4-byte word, so d must be even; the caches' buffers take its storage
@@ -89,8 +90,8 @@ def kv_cache_write(rec, k_cache, v_cache, k_new, v_new, rows, positions, n, batc
     elements."""
     if n <= 0:
         return
-    if kv_dtype == "bfloat16" and d % 2:
-        raise ValueError(f"kv_cache_write: a bfloat16 cache needs an even head dim, not {d}")
+    if KvDtype.parse(kv_dtype).packed and d % 2:
+        raise ValueError(f"kv_cache_write: a {kv_dtype} cache needs an even head dim, not {d}")
     cache, new = batch * max_len * hkv * d, n * hkv * d
     launch(rec, decode_kernels.CACHE_WRITE, flat_grid(-(-new // 128)),
            [(decode_kernels.cache_tensor(k_cache, kv_dtype), cache),

@@ -8,11 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_kv_dtype, check_precision_widths
+from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
+from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes
@@ -40,7 +41,7 @@ class WgpuEngine(EngineState):
     precision_reason = "as given"
 
     def __init__(self, cfg: ModelConfig, weights: dict, rt: Runtime, base_dtype: str = "float32",
-                 embed_dtype: str = "auto", kv_dtype: str = "float32", precision: Precision | str = Precision.FP32,
+                 embed_dtype: str = "auto", kv_dtype: KvDtype | str = KvDtype.FLOAT32, precision: Precision | str = Precision.FP32,
                  span: range | None = None, first: bool = True, last: bool = True):
         """precision (protocol.PRECISIONS): fp32, or bf16 / f16 where the activations and their gradients are
         16-bit buffers (memory.activation_format) and the kernels round where they store them, as
@@ -51,7 +52,7 @@ class WgpuEngine(EngineState):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
                               f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
-        check_kv_dtype(kv_dtype, cfg)
+        kv_dtype = check_kv_dtype(kv_dtype, cfg)
         precision = Precision.parse(precision)
         if not precision.resolved:
             raise ValueError("WgpuEngine takes a resolved precision (engines/loading.py resolves auto)")

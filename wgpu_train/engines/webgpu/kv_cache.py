@@ -7,6 +7,7 @@ import numpy as np
 
 from wgpu_train.errors import DeviceError
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.shared.kv_rows import check_adapters, check_rows
 from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule
 from wgpu_train.engines.webgpu.tuned import decode_kernels
@@ -22,7 +23,7 @@ class KvCacheGeneration:
     """KV caches stored as kv_dtype, and forwards over them: a bucket from buckets, the layers recorded by
     layers, the submissions counted in counters."""
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, kv_dtype: str, buckets: BucketCache, layers: LayerRecorder,
+    def __init__(self, rt: Runtime, cfg: ModelConfig, kv_dtype: KvDtype, buckets: BucketCache, layers: LayerRecorder,
                  counters: dict):
         self.rt, self.cfg, self.kv_dtype = rt, cfg, kv_dtype
         self.buckets, self.layers, self.counters = buckets, layers, counters
@@ -39,7 +40,7 @@ class KvCacheGeneration:
         buffer (batch, max_len, Hkv, D) by layer, stored as self.kv_dtype, its storage format (bfloat16: two values per
         4-byte word)."""
         cfg = self.cfg
-        fmt = decode_kernels.KV_FORMATS[self.kv_dtype]
+        fmt = self.kv_dtype.storage
         size = storage.nbytes(batch * max_len * cfg.kv_size, fmt)
         if size > self.rt.max_binding:
             raise DeviceError(f"a KV cache of {batch} x {max_len} positions needs {size / 2**20:.0f} MiB per layer, "

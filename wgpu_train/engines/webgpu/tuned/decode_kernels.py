@@ -8,8 +8,8 @@ On CPU adapters a pass applies only while its loops fit llvmpipe's budget of ite
 few hundred cached positions at head dim 128, the split ones up to MAX_SPLITS chunks of the largest chunk
 that fits.
 
-The cache stores float32 or bfloat16 (protocol.KV_DTYPES): its dtype is its buffers' storage format
-(device/storage.py, KV_FORMATS; bfloat16 packs two values per 4-byte word, head dims are even), and the queries
+The cache stores float32 or bfloat16 (shared/kv_dtype.KvDtype): its dtype is its buffers' storage format
+(device/storage.py, KvDtype.storage; bfloat16 packs two values per 4-byte word, head dims are even), and the queries
 and outputs are tensors in any format too, so the cache write and every pass are specialised at launch by the
 formats of what they bind, from one source each."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ import math
 import numpy as np
 
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.protocol import KV_DTYPES, PREFILL_TOKENS
+from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
 from wgpu_train.engines.webgpu.device import storage
@@ -32,27 +33,25 @@ MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is
 CHUNKS = (32, 64, 128, 256, 512, 1024)
 LOOP_MARGIN = 16              # iterations kept free of llvmpipe's budget (it already fails at 65534)
 
-KV_FORMATS = {"float32": "f32", "bfloat16": "bf16"}     # a cache's dtype -> its buffers' storage format
-
 SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
 PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cache v_cache rows positions")
 COMBINE = Kernel("attention_cached", "attention_cached_combine", "out! part_in _ _ rows positions")   # reads no cache
 CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions")
 
 
-def cache_tensor(t, kv_dtype: str):
+def cache_tensor(t, kv_dtype: KvDtype | str):
     """t, a cache's key or value tensor, its buffer marked as holding kv_dtype's storage format (a buffer the
     caller allocated unmarked, e.g. uploaded as bfloat16 words, takes it here). A buffer marked with another
     16-bit format is a bug: ValueError."""
-    buf, fmt = split(t)[0], KV_FORMATS[kv_dtype]
+    buf, fmt = split(t)[0], KvDtype.parse(kv_dtype).storage
     if storage.format_of(buf) not in ("f32", fmt):
         raise ValueError(f"a {kv_dtype} KV cache in a buffer of storage format {storage.format_of(buf)}")
     storage.set_format(buf, fmt)
     return t
 
 
-def _for_cache(k: Kernel, slots, kv_dtype: str) -> Kernel:
-    fmt = KV_FORMATS[kv_dtype]
+def _for_cache(k: Kernel, slots, kv_dtype: KvDtype) -> Kernel:
+    fmt = kv_dtype.storage
     return k.with_formats(tuple((slot, fmt) for slot in slots) if fmt != "f32" else ())
 
 
@@ -76,11 +75,11 @@ class DecodeProblem:
     stored as kv_dtype, rows / positions (n,) i32, a scratch for the partials (None: the single pass only)."""
 
     def __init__(self, rt, tensors: dict, n, batch, max_len, hq, hkv, d, window=0, softcap=0.0, scratch_elems=0,
-                 kv_dtype="float32"):
+                 kv_dtype=KvDtype.FLOAT32):
         self.rt, self.t = rt, tensors
         self.n, self.batch, self.max_len, self.hq, self.hkv, self.d = n, batch, max_len, hq, hkv, d
         self.window, self.softcap, self.scratch_elems = int(window), float(softcap), int(scratch_elems)
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = KvDtype.parse(kv_dtype)
 
     @property
     def flops(self) -> float:
@@ -90,7 +89,7 @@ class DecodeProblem:
     def describe(self) -> str:
         return (f"cached attention n{self.n} len{self.max_len} H{self.hq}/{self.hkv} D{self.d}"
                 + (f" window {self.window}" if self.window else "") + (" softcap" if self.softcap else "")
-                + (f" {self.kv_dtype} cache" if self.kv_dtype != "float32" else ""))
+                + (f" {self.kv_dtype} cache" if self.kv_dtype is not KvDtype.FLOAT32 else ""))
 
     def signature(self) -> tuple:
         return ("decode", self.n, self.batch, self.max_len, self.hq, self.hkv, self.d, self.window, self.softcap,
@@ -104,7 +103,7 @@ class DecodeProblem:
         room = self.scratch_elems // max(1, self.n * self.hq * (self.d + 2))
         return (f"attention decode n{bucket(self.n)} len{bucket(self.max_len)} h{self.hq}/{self.hkv} d{self.d}"
                 f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} s{min(room, MAX_SPLITS)}"
-                f"{' ' + self.kv_dtype if self.kv_dtype != 'float32' else ''}")
+                f"{' ' + self.kv_dtype if self.kv_dtype is not KvDtype.FLOAT32 else ''}")
 
     def candidates(self) -> list:
         """The single pass and every chunk that splits the rows in 2..MAX_SPLITS parts with partials that fit the
@@ -135,7 +134,7 @@ class DecodeProblem:
         from wgpu_train.engines.shared import attention as ops
 
         n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
-        fmt = KV_FORMATS[self.kv_dtype]
+        fmt = self.kv_dtype.storage
         q = rng.standard_normal((n, hq, d)).astype(np.float32)
         kc, vc = (storage.from_words(storage.to_words(rng.standard_normal((b, L, hkv, d)), fmt), b * L * hkv * d, fmt)
                   .reshape(b, L, hkv, d) for _ in range(2))                  # as the cache stores them
@@ -215,7 +214,7 @@ class Split:
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the cache write and the cached attention, for each cache dtype (the
     binding-limit and Tint checks go through them)."""
-    return [_for_cache(k, slots, dtype) for dtype in KV_DTYPES
+    return [_for_cache(k, slots, dtype) for dtype in KvDtype
             for k, slots in ((CACHE_WRITE, (1, 2)), (SINGLE, (3, 4)), (PARTIAL, (3, 4)))] + [COMBINE]
 
 
