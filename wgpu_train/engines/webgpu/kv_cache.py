@@ -36,9 +36,9 @@ class KvCacheGeneration:
         self.layers.adapter_bank = {p: GpuBankModule.upload(self.rt, m) for p, m in (bank or {}).items()}
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
-        """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer a key and a value
-        buffer (batch, max_len, Hkv, D) by layer, stored as self.kv_dtype, its storage format (bfloat16: two values per
-        4-byte word)."""
+        """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer of the engine's span a key
+        and a value buffer (batch, max_len, Hkv, D) by layer index, stored as self.kv_dtype, its storage format
+        (bfloat16: two values per 4-byte word)."""
         cfg = self.cfg
         fmt = self.kv_dtype.storage
         size = storage.nbytes(batch * max_len * cfg.kv_size, fmt)
