@@ -60,7 +60,7 @@ def test_fifty_lengths_in_few_buckets(folder, rt, monkeypatch):
 
     model = _model(folder, rt)
     bucketed = run(model)
-    per_bucket = max(len({id(b) for layer in a.layers for b in layer.values()})
+    per_bucket = max(len({id(b) for layer in a.layers.values() for b in layer.values()})
                      + sum(hasattr(v, "destroy") for v in vars(a).values()) for a in model.engine.buckets.acts.values())
     monkeypatch.setattr(E, "bucket_tokens", lambda n: n)     # buckets of each batch's own size
     exact = run(_model(folder, rt))

@@ -34,7 +34,7 @@ from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.webgpu.memory import count_trainable
 from wgpu_train.training.trainer import Trainer
 from wgpu_train.distributed.dispatch import finetune
-from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig
+from wgpu_train.training.config import INVOCATION_FIELDS, PAD_MULTIPLE, TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -480,9 +480,8 @@ def test_run_settings(workspace, tmp_path):
                     overwrite=True))
     recorded = json.loads((run / "train_config.json").read_text())
     settings = run_settings(run)
-    assert settings == {k: v for k, v in recorded.items()
-                        if k not in ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address",
-                                     "data_format")}
+    assert settings == {k: v for k, v in recorded.items() if k not in INVOCATION_FIELDS + ("data_format",)}
+    assert {"out", "resume", "ray_address", "device_memory"} <= set(INVOCATION_FIELDS)     # the machines, not the run
     assert settings["lora_rank"] == 4 and settings["model"] == str(workspace[0])
     assert settings["embed_dtype"] == "float32"   # as resolved
     for path in (run / "checkpoints", run / "checkpoints" / "step-000001"):
