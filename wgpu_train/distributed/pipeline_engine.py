@@ -82,10 +82,10 @@ class PipelineEngine:
         self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
         self.step_logps: list = []
         self.step_entropies: list = []
-        for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision", "precision_reason", "kv_dtype",
-                     "backend_reason"):
+        for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision_reason", "kv_dtype", "backend_reason"):
             setattr(self, name, runner.attr(0, name))
         resolved = [runner.attr(s, "precision") for s in range(len(plan))]
+        self.precision = resolved[0]
         if len(set(resolved)) > 1:      # --precision auto on adapters of different kinds
             raise ConfigError(f"the pipeline stages resolved --precision to {', '.join(map(str, resolved))} on "
                               f"their devices: give --precision, one for every stage")

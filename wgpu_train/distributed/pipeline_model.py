@@ -10,19 +10,14 @@ from wgpu_train.engines.loading import load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.resources import balanced_stages
 from wgpu_train.engines.shared.quant import check_dtypes
-from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.models.stage_plan import StagePlan
+from wgpu_train.models.stage_plan import StagePlan, per_stage
 
 
 def stage_devices(device: str | None, stages: int) -> list:
     """Each stage's --device: one per stage where --device lists several, else the one given (or None) for all."""
     devices = [s.strip() for s in (device or "").split(",") if s.strip()]
-    if len(devices) <= 1:
-        return [devices[0] if devices else None] * stages
-    if len(devices) != stages:
-        raise ConfigError(f"--device lists {len(devices)} devices for {stages} pipeline stages: list one per stage")
-    return devices
+    return per_stage(devices or [None], stages, "--device", "devices")
 
 
 def inference_plan(config: ModelConfig, stages: int | None, stage_layers: str | None, base_dtype: str = "auto",

@@ -6,6 +6,7 @@ import re
 
 from wgpu_train.engines.resources import format_bytes
 from wgpu_train.errors import ConfigError
+from wgpu_train.models.stage_plan import per_stage
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -22,11 +23,7 @@ def parse_size(text: str) -> int:
 
 def device_budgets(spec: str, stages: int) -> list[int]:
     """Each stage's device memory in bytes from --device-memory: one size for every stage, or one per stage."""
-    sizes = [parse_size(part) for part in spec.split(",")]
-    if len(sizes) not in (1, stages):
-        raise ConfigError(f"--device-memory lists {len(sizes)} sizes for {stages} pipeline stages: give one for "
-                          f"all, or one per stage")
-    return sizes * stages if len(sizes) == 1 else sizes
+    return per_stage([parse_size(part) for part in spec.split(",")], stages, "--device-memory", "sizes")
 
 
 def check_stages_fit(estimates: list, spec: str | None):

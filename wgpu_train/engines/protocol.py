@@ -21,7 +21,21 @@ PREFILL_TOKENS = 256
 
 class NamedValue(str, Enum):
     """An option's value parsed once (Precision, quant.StorageDtype, kv_dtype.KvDtype): a str, so it compares
-    with, prints, hashes and serialises as its name."""
+    with, prints, hashes and serialises as its name. A subclass names its option (`class Precision(NamedValue,
+    option="precision")`) for parse's one-line refusal."""
+
+    def __init_subclass__(cls, option: str | None = None, **kw):
+        super().__init_subclass__(**kw)
+        cls._option = option or cls.__name__
+
+    @classmethod
+    def parse(cls, value):
+        """value (a name or a member) as a member; ConfigError (one line) naming the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{cls._option} must be one of {', '.join(m.value for m in cls)}, "
+                              f"got {value!r}") from None
 
     def __str__(self) -> str:
         return self.value
@@ -33,7 +47,7 @@ class NamedValue(str, Enum):
         return hash(self.value)
 
 
-class Precision(NamedValue):
+class Precision(NamedValue, option="precision"):
     """--precision, parsed once where it enters (TrainConfig, load_model, the engines, estimate_memory) and then
     carried with its traits: where an engine stores activations, saved tensors and activation gradients
     (engine.precision; arithmetic is float32 in each). fp32, bf16, or f16 (with dynamic loss scaling, LossScaler);
@@ -44,14 +58,6 @@ class Precision(NamedValue):
     FP32 = "fp32"
     BF16 = "bf16"
     F16 = "f16"
-
-    @classmethod
-    def parse(cls, value) -> "Precision":
-        """value (a name or a Precision) as a Precision; ConfigError (one line) naming the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {value!r}") from None
 
     @property
     def resolved(self) -> bool:

@@ -103,6 +103,17 @@ def parse_stage_layers(text: str, num_layers: int) -> tuple:
     return tuple(stages)
 
 
+def per_stage(values: list, stages: int, option: str, what: str) -> list:
+    """A per-stage option's values (--device, --device-memory): one for every stage, or one per stage; ConfigError
+    (one line) for a list of another length."""
+    if len(values) == 1:
+        return values * stages
+    if len(values) != stages:
+        raise ConfigError(f"{option} lists {len(values)} {what} for {stages} pipeline stages: give one for all, or "
+                          f"one per stage")
+    return list(values)
+
+
 def plan_stages(num_layers: int, stages: int, stage_layers: str | None = None, stage_cost=None,
                 tied: bool = False) -> StagePlan:
     """The stages of a run: `stage_layers` as given (parse_stage_layers; its count must be `stages` where that is

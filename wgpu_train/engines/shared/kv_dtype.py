@@ -8,20 +8,12 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 
 
-class KvDtype(NamedValue):
+class KvDtype(NamedValue, option="kv_dtype"):
     """A KV cache's storage: float32 or bfloat16. A str, so it compares with, prints, hashes and serialises as
     its name."""
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
-
-    @classmethod
-    def parse(cls, value) -> "KvDtype":
-        """value (a name or a KvDtype) as a KvDtype; ConfigError (one line) naming the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {value!r}") from None
 
     @property
     def storage(self) -> str:

@@ -100,8 +100,9 @@ class KvCacheGeneration:
             self.layers.bank_rows = None
         if not self.layers.last:
             rec.submit()
+            out = self.buckets.read_activations(acts.x_final, n)                  # (n, C)
             count_submissions(self.rt, self.counters, before)
-            return self.buckets.read_activations(acts.x_final, n)
+            return out
         v = self.cfg.vocab_size
         out = np.empty((m, v), np.float32)
         if m == 0:   # keys and values only

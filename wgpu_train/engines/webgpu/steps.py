@@ -39,6 +39,23 @@ def _logps(results, at_row: int, n_head: int, head_order, shape, sign: float = -
     return logps.reshape(shape)
 
 
+def _copy_rows(rec, results, at_row: int, acts) -> tuple:
+    """Record copies of a micro-batch's loss rows and entropy rows into results at at_row (read back with the
+    rest); where they lie: (at_row, rows, the head's row order), as _read_rows takes it."""
+    K.copy(rec, (results, at_row), acts.loss_rows, acts.n_head)
+    K.copy(rec, (results, at_row + acts.n_head), acts.entropy_rows, acts.n_head)
+    return at_row, acts.n_head, acts.head_order
+
+
+def _read_rows(out, where: tuple, targets) -> tuple:
+    """The (B, T) log-probabilities and entropies (0 where targets are ignored) of a micro-batch whose rows
+    _copy_rows put at `where` of the read-back results out."""
+    at_row, n_head, head_order = where
+    logps = _logps(out, at_row, n_head, head_order, targets.shape)
+    entropies = (targets != IGNORE_INDEX) * _logps(out, at_row + n_head, n_head, head_order, targets.shape, sign=1.0)
+    return logps, entropies
+
+
 class StepRunner:
     """Runs the protocol's passes over the engine's other parts: it uploads each micro-batch into a bucket
     (buckets), records the layers (layers), draws dropout seeds (dropout) and updates (optimizer), and keeps
@@ -153,15 +170,12 @@ class StepRunner:
             old, self.results = self.results, self.rt.buffer((2 + 2 * m) * F32, "results")
             self.rt.release(old)
         K.cross_entropy_reduce(rec, self.results, acts.loss_rows, acts.valid_rows, m)
-        K.copy(rec, (self.results, 2), acts.loss_rows, m)
-        K.copy(rec, (self.results, 2 + m), acts.entropy_rows, m)
+        where = _copy_rows(rec, self.results, 2, acts)
         rec.read_back(self.results, np.float32, (2 + 2 * m,))
         rec.submit()
         out = rec.result()
         count_submissions(self.rt, self.counters, before)
-        logps = _logps(out, 2, m, acts.head_order, targets.shape)
-        entropies = (targets != IGNORE_INDEX) * _logps(out, 2 + m, m, acts.head_order, targets.shape, sign=1.0)
-        return float(out[0]), int(round(out[1])), logps, entropies
+        return (float(out[0]), int(round(out[1])), *_read_rows(out, where, targets))
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
         """Forward, loss and backward of one micro-batch (gradients accumulate); grad_scale one number or a
@@ -247,9 +261,7 @@ class StepRunner:
             self.layers.record_backward(rec, acts, head_part="backward" if host else None)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
             if objective is not None:
-                K.copy(rec, (self.results, at_row), acts.loss_rows, acts.n_head)
-                K.copy(rec, (self.results, at_row + acts.n_head), acts.entropy_rows, acts.n_head)
-                scored.append((at_row, acts.n_head, acts.head_order))
+                scored.append(_copy_rows(rec, self.results, at_row, acts))
                 at_row += 2 * acts.n_head
             else:
                 scored.append(None)
@@ -280,11 +292,10 @@ class StepRunner:
                 prof[k] = prof.get(k, 0.0) + v
             self.last_profile = prof or {"whole step (wall clock: no timestamp-query)": done - submitted}
         count_submissions(self.rt, self.counters, before)
-        self.step_logps = [None if where is None else _logps(out, *where, mb[0].shape)
-                           for where, mb in zip(scored, micro_batches)]
-        self.step_entropies = [None if where is None else (mb[1] != IGNORE_INDEX)
-                               * _logps(out, where[0] + where[1], *where[1:], mb[0].shape, sign=1.0)
-                               for where, mb in zip(scored, micro_batches)]
+        rows = [(None, None) if where is None else _read_rows(out, where, mb[1])
+                for where, mb in zip(scored, micro_batches)]
+        self.step_logps = [logps for logps, _ in rows]
+        self.step_entropies = [entropies for _, entropies in rows]
         loss_sum = float(out[0:2 * n_micro:2].sum())
         if self.precision.loss_scaling and not np.isfinite(loss_sum):
             # a non-finite loss comes from the forward (the loss scale only scales the backward)
