@@ -1,0 +1,159 @@
+"""The reference mixture-of-experts op pairs both engines hold to: the router's top-k (softmax over the experts,
+the k largest, renormalised or not), the routed experts' gated MLPs with each expert's own LoRA pair, and
+transformers' load-balancing loss. The NumPy engine runs them; the WebGPU kernels are checked against them."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _softmax(logits):
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def moe_route_forward(logits, top_k: int, normalize: bool):
+    """logits (N, E) -> weights (N, k), experts (N, k) int32: softmax over the experts, the k largest in
+    descending order (the lower index first among equals, as torch.topk on the CPU), divided by their sum when
+    `normalize` (norm_topk_prob; Mixtral's softmax over the chosen logits is the same)."""
+    probs = _softmax(logits)                                                        # (N, E)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    weights = np.take_along_axis(probs, experts, axis=-1)                          # (N, k)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights.astype(logits.dtype), experts
+
+
+def moe_route_backward(dweights, logits, experts, normalize: bool, dprobs=None):
+    """dweights (N, k) -> dlogits (N, E), through the renormalisation and the softmax; dprobs (N, E), if given,
+    adds a gradient on every expert's probability (the load-balancing loss's)."""
+    probs = _softmax(logits)                                                        # (N, E)
+    chosen = np.take_along_axis(probs, experts, axis=-1)                           # (N, k)
+    if normalize:
+        total = chosen.sum(axis=-1, keepdims=True)
+        weights = chosen / total
+        dchosen = (dweights - np.sum(dweights * weights, axis=-1, keepdims=True)) / total
+    else:
+        dchosen = dweights
+    dp = np.zeros_like(probs) if dprobs is None else np.array(dprobs, dtype=probs.dtype)
+    np.add.at(dp, (np.arange(len(dp))[:, None], experts), dchosen)
+    return (probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True))).astype(logits.dtype)
+
+
+def _expert_rows(experts, num_experts: int):
+    """For each expert, the (token, slot) pairs routed to it, tokens ascending: [(tokens (n_e,), slots (n_e,))]."""
+    flat = experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(num_experts + 1))
+    k = experts.shape[1]
+    return [(order[bounds[e]:bounds[e + 1]] // k, order[bounds[e]:bounds[e + 1]] % k) for e in range(num_experts)]
+
+
+def _with_lora(x, weight, lora, e):
+    """x (n, in) through expert e's weight (out, in) and its LoRA pair (A (E, r, in), B (E, out, r), scale) or
+    None: (y (n, out), h (n, r) or None)."""
+    y = x @ weight.T
+    if lora is None:
+        return y, None
+    a, b, scale = lora
+    h = x @ a[e].T
+    return y + scale * (h @ b[e].T), h
+
+
+def moe_experts_forward(x, weights, experts, gate_up, down, lora_gate_up=None, lora_down=None):
+    """The routed experts' SwiGLU MLPs, each token's k outputs weighted and summed.
+
+    x (N, C), weights (N, k), experts (N, k) int; gate_up (E, 2I, C) with the gate's rows first, down (E, C, I)
+    (transformers 5's fused layout); lora_gate_up / lora_down: (A (E, r, in), B (E, out, r), scale) or None ->
+    y (N, C), gate_up_out (N, k, 2I): every routed pair's gate / up projections, which the backward reads."""
+    n, k = experts.shape
+    inter = down.shape[2]
+    y = np.zeros_like(x)
+    gate_up_out = np.zeros((n, k, 2 * inter), dtype=x.dtype)
+    for e, (tokens, slots) in enumerate(_expert_rows(experts, gate_up.shape[0])):
+        if len(tokens) == 0:
+            continue
+        gu, _ = _with_lora(x[tokens], gate_up[e], lora_gate_up, e)                # (n_e, 2I)
+        gate_up_out[tokens, slots] = gu
+        h = gu[:, :inter] * _sigmoid(gu[:, :inter]) * gu[:, inter:]
+        out, _ = _with_lora(h, down[e], lora_down, e)                              # (n_e, C)
+        np.add.at(y, tokens, out * weights[tokens, slots][:, None])
+    return y, gate_up_out
+
+
+def moe_experts_backward(dy, x, weights, experts, gate_up_out, gate_up, down, lora_gate_up=None, lora_down=None,
+                         need_weight_grad: bool = False):
+    """Gradients of moe_experts_forward: dx (N, C), dweights (N, k), and a dict of the trained tensors'
+    gradients: "gate_up" / "down" (the experts' weights, when need_weight_grad) and "gate_up.lora_A",
+    "gate_up.lora_B", "down.lora_A", "down.lora_B" (where a LoRA pair is given), each of its tensor's shape."""
+    inter = down.shape[2]
+    dx = np.zeros_like(x)
+    dweights = np.zeros_like(weights)
+    grads = {}
+    if need_weight_grad:
+        grads["gate_up"], grads["down"] = np.zeros_like(gate_up), np.zeros_like(down)
+    for name, lora in (("gate_up", lora_gate_up), ("down", lora_down)):
+        if lora is not None:
+            grads[name + ".lora_A"], grads[name + ".lora_B"] = np.zeros_like(lora[0]), np.zeros_like(lora[1])
+    for e, (tokens, slots) in enumerate(_expert_rows(experts, gate_up.shape[0])):
+        if len(tokens) == 0:
+            continue
+        xe, gu = x[tokens], gate_up_out[tokens, slots]                             # (n_e, C), (n_e, 2I)
+        gate, up = gu[:, :inter], gu[:, inter:]
+        s = _sigmoid(gate)
+        h = gate * s * up                                                           # (n_e, I)
+        out, h_down = _with_lora(h, down[e], lora_down, e)                         # (n_e, C)
+        dye = dy[tokens]                                                            # (n_e, C)
+        dweights[tokens, slots] = np.sum(dye * out, axis=-1)
+        dout = dye * weights[tokens, slots][:, None]
+        dh = dout @ down[e]
+        if need_weight_grad:
+            grads["down"][e] += dout.T @ h
+        if lora_down is not None:
+            a, b, scale = lora_down
+            dhl = scale * dout @ b[e]                                               # (n_e, r)
+            grads["down.lora_B"][e] += scale * dout.T @ h_down
+            grads["down.lora_A"][e] += dhl.T @ h
+            dh = dh + dhl @ a[e]
+        dgate = dh * up * (s * (1.0 + gate * (1.0 - s)))
+        dup = dh * gate * s
+        dgu = np.concatenate([dgate, dup], axis=-1)                                 # (n_e, 2I)
+        dxe = dgu @ gate_up[e]
+        if need_weight_grad:
+            grads["gate_up"][e] += dgu.T @ xe
+        if lora_gate_up is not None:
+            a, b, scale = lora_gate_up
+            hg = xe @ a[e].T                                                        # (n_e, r)
+            dhg = scale * dgu @ b[e]
+            grads["gate_up.lora_B"][e] += scale * dgu.T @ hg
+            grads["gate_up.lora_A"][e] += dhg.T @ xe
+            dxe = dxe + dhg @ a[e]
+        np.add.at(dx, tokens, dxe)
+    return dx, dweights, grads
+
+
+def load_balancing_counts(logits, experts, mask):
+    """One layer's share of transformers' load_balancing_loss_func: logits (N, E), experts (N, k) (the router's
+    top-k, which equals the loss's own), mask (N,) 1 for a real token -> (assignments per expert (E,), the
+    probabilities' sums per expert (E,), real tokens)."""
+    probs = _softmax(logits)
+    counts = np.zeros(logits.shape[1], dtype=np.float64)
+    np.add.at(counts, experts.reshape(-1), np.repeat(mask, experts.shape[1]))
+    return counts, (probs * mask[:, None]).sum(axis=0), float(mask.sum())
+
+
+def load_balancing_loss(counts, prob_sums, rows: float, num_experts: int) -> float:
+    """transformers' load_balancing_loss_func from every layer's counts summed (load_balancing_counts): E times
+    the sum over experts of (assignments / rows) * (probability sums / rows)."""
+    return float(num_experts * np.sum((counts / rows) * (prob_sums / rows)))
+
+
+def load_balancing_dprobs(counts, rows: float, num_experts: int, mask, coef: float):
+    """The gradient (N, E) of coef * load_balancing_loss on one layer's probabilities: the assignments are
+    constants (top-k has no gradient), so each real token's probability of expert e gets coef E counts_e /
+    rows^2."""
+    return (coef * num_experts * counts / rows ** 2)[None, :] * mask[:, None]
