@@ -28,19 +28,34 @@ def _as_array(raw: np.ndarray, dtype: str) -> np.ndarray:
     return np.array(raw)
 
 
+class Stacked:
+    """A tensor made of other stored tensors when it is read: parts[e] (views of file bytes, one safetensors
+    dtype) joined along their first axis, the results stacked on a new first axis e. A checkpoint's MoE layer
+    stores each expert's projections apart; the model reads them as one (E, out, in) tensor."""
+
+    def __init__(self, parts):
+        self.parts = tuple(tuple(p) for p in parts)
+        first = self.parts[0]
+        self.shape = (len(self.parts), sum(p.shape[0] for p in first), *first[0].shape[1:])
+        self.nbytes = sum(p.nbytes for ps in self.parts for p in ps)
+
+    def values(self, dtype: str) -> np.ndarray:
+        return np.stack([np.concatenate([_as_array(p, dtype) for p in ps], axis=0) for ps in self.parts])
+
+
 class LazyWeights(Mapping):
     """name -> array of a model's tensors, each converted from its memory-mapped file bytes when it is read
     (and not kept), so that an engine that stores tensors one at a time (the WebGPU one, quantising them
     as it goes) never holds the whole model as float32 in host memory."""
 
     def __init__(self, raw: dict):
-        self._raw = raw                  # name -> (view of the file's bytes, safetensors dtype)
+        self._raw = raw                  # name -> (view of the file's bytes or a Stacked, safetensors dtype)
         self.bytes_read = 0              # file bytes converted so far (a pipeline stage reads only its own)
 
     def __getitem__(self, name: str) -> np.ndarray:
         raw, dtype = self._raw[name]
         self.bytes_read += raw.nbytes
-        return _as_array(raw, dtype)
+        return raw.values(dtype) if isinstance(raw, Stacked) else _as_array(raw, dtype)
 
     def subset(self, names) -> "LazyWeights":
         """These tensors alone (nothing read), with a byte count of their own."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError, positive_field
+from wgpu_train.models.moe import MoeConfig, moe_settings
 from wgpu_train.models.multimodal import WRAPPERS, from_wrapper
 from wgpu_train.models.rope import inv_freq, rope_settings
 
@@ -20,6 +21,10 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
@@ -27,6 +32,10 @@ FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     #
 KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
                         "down_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+ROUTER = "gate"              # an MoE layer's router (mlp.gate: E x hidden), a linear module of its own
+SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                         "shared_expert_gate")   # Qwen2-MoE's shared expert and its sigmoid gate (1 x hidden)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")   # an MoE layer's experts: 3-D tensors under mlp.experts
 
 
 def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: str) -> tuple:
@@ -151,6 +160,8 @@ class ModelConfig:
     attn_softcap: float = 0.0    # Gemma 2: scaled attention scores become cap * tanh(s / cap); 0 for none
     logit_softcap: float = 0.0   # Gemma 2: logits likewise (final_logit_softcapping)
     rotary_dim: int = 0          # the leading dims of each head that RoPE rotates (Phi-4-mini's partial rotary); 0: all
+    moe: MoeConfig | None = None   # the experts of a mixture-of-experts model (moe.py); None for a dense one
+    qk_norm_per_head: bool = True  # q / k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMoE)
     wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -182,8 +193,33 @@ class ModelConfig:
 
     @property
     def linear_modules(self) -> tuple:
-        """A layer's linear modules in order: Llama's seven, or Phi-3's four with q/k/v and gate/up fused."""
-        return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
+        """Every layer kind's linear modules in order: Llama's seven, or Phi-3's four with q/k/v and gate/up fused;
+        a mixture of experts' attention modules, the dense MLP's where some layer is dense, the router, and
+        Qwen2-MoE's shared expert (layer_modules: one layer's)."""
+        if self.moe is None:
+            return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
+        dense = LINEAR_MODULES[4:] if not all(self.moe.sparse) else ()
+        shared = SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ()
+        return LINEAR_MODULES[:4] + dense + (ROUTER,) + shared
+
+    def layer_modules(self, layer: int) -> tuple:
+        """Layer `layer`'s linear modules in order (an MoE model's sparse and dense layers differ)."""
+        if self.moe is None:
+            return self.linear_modules
+        if not self.moe.is_sparse(layer):
+            return LINEAR_MODULES
+        return tuple(m for m in self.linear_modules if m in ATTENTION_MODULES or m == ROUTER
+                     or m in SHARED_EXPERT_MODULES)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    def expert_shape(self, param: str) -> tuple[int, int, int]:
+        """(experts, out_features, in_features) of an MoE layer's expert tensor (EXPERT_PARAMETERS): gate_up_proj
+        (E, 2I, hidden) with the gate's rows first, down_proj (E, hidden, I), as transformers 5 fuses them."""
+        e, f, c = self.moe.num_experts, self.moe.expert_size, self.hidden_size
+        return {"gate_up_proj": (e, 2 * f, c), "down_proj": (e, c, f)}[param]
 
     def module_id(self, layer: int, module: str) -> int:
         """A linear module's index over the whole model (its LoRA dropout seed)."""
@@ -196,7 +232,16 @@ class ModelConfig:
             "q_proj": (self.q_size, c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
             "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
             "qkv_proj": (self.q_size + 2 * self.kv_size, c), "gate_up_proj": (2 * f, c),
+            **self._moe_shapes(),
         }[module]
+
+    def _moe_shapes(self) -> dict:
+        """The MoE modules' (out_features, in_features): the router and the shared expert."""
+        if self.moe is None:
+            return {}
+        s, c = self.moe.shared_expert_size, self.hidden_size
+        return {ROUTER: (self.moe.num_experts, c), "shared_expert.gate_proj": (s, c), "shared_expert.up_proj": (s, c),
+                "shared_expert.down_proj": (c, s), "shared_expert_gate": (1, c)}
 
     @property
     def rope_scale(self) -> float:
@@ -253,16 +298,20 @@ class ModelConfig:
         theta, scaling, rotary_dim = rope_settings(raw, gemma.pop("rope_parameters", None), family, int(head_dim),
                                                    max_pos, source)
         windows = _layer_windows(raw, family, layers, max_pos, source)
+        moe = moe_settings(raw, family, layers, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
         attention_bias = bool(raw.get("attention_bias", family == "qwen2")) and family != "phi3"
         if family == "qwen2":
             attention_bias = True
+        if family == "qwen2_moe":
+            attention_bias = bool(raw.get("qkv_bias", True))
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            # Mixtral's and OLMoE's intermediate_size is their experts' (moe.expert_size): no layer is dense
+            intermediate_size=0 if family in ("mixtral", "olmoe") else int(need("intermediate_size")),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
@@ -272,7 +321,9 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=family != "olmoe",
+            moe=moe,
             max_position_embeddings=max_pos,
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=_pad_row(raw.get("pad_token_id"), int(need("vocab_size"))),

@@ -29,7 +29,12 @@ class Op:
 
     The kinds: rmsnorm (y, rstd of x), linear (base + LoRA), rope (in place), attention (out, lse of q, k,
     v), swiglu / geglu (m of gate, up), add (y = residual + x), scale (y = factor x), split (x's columns
-    into the outputs, side by side in their order: a fused projection's parts)."""
+    into the outputs, side by side in their order: a fused projection's parts); a mixture of experts' route
+    (the top-k weights and expert indices of the router's logits), experts (the routed experts' MLPs of x,
+    weighted by the route; param: the experts' path under the layer, their gate / up projections kept for the
+    backward) and sigmoid_gate (y = sigmoid(g) x, Qwen2-MoE's shared expert behind its gate). An input or
+    output without a gradient (the expert indices) comes after those with one: grads_in / grads_out name one
+    buffer per differentiable input / output, in order."""
 
     kind: str
     inputs: tuple
@@ -65,7 +70,8 @@ class LayerPlan:
     def statistics(self) -> set:
         """The activations that are statistics (a norm's rstd, attention's logsumexp): float32 in every
         precision, where 16-bit training stores the others in bfloat16 / float16."""
-        return {op.outputs[1] for op in self.ops if op.kind in ("rmsnorm", "attention")}
+        return {op.outputs[1] for op in self.ops if op.kind in ("rmsnorm", "attention")} | \
+            {x for op in self.ops if op.kind == "route" for x in op.outputs}
 
     @classmethod
     def build(cls, ops, widths: dict, grad_widths: dict) -> "LayerPlan":
@@ -97,6 +103,9 @@ _BACKWARD_READS = {          # the op kinds, and the activations each one's back
     "add": lambda op: (),
     "scale": lambda op: (),
     "split": lambda op: (),
+    "route": lambda op: op.inputs + op.outputs[1:],
+    "experts": lambda op: op.inputs + op.outputs[1:],
+    "sigmoid_gate": lambda op: op.inputs,
 }
 KINDS = tuple(_BACKWARD_READS)
 
@@ -147,11 +156,37 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
 
 
 _PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "qk_norm", "query_scale", "hidden_act", "sandwich_norms", "fused_projections")
+                "qk_norm", "qk_norm_per_head", "query_scale", "hidden_act", "sandwich_norms", "fused_projections")
+
+
+def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
+    """The ops after the MLP's norm (h2) of a mixture-of-experts layer, and their activations' and gradients'
+    widths: the router (a linear module), the route, the routed experts, Qwen2-MoE's gated shared expert, each
+    branch added to the residual stream."""
+    e, k, f, s = moe.num_experts, moe.top_k, moe.expert_size, moe.shared_expert_size
+    ops = [_linear("gate", "h2", "router", "d_router", "d_h"),
+           Op("route", ("router",), ("route_w", "route_e"), ("d_route_w",), ("d_router",)),
+           Op("experts", ("h2", "route_w", "route_e"), ("moe", "moe_gu"), ("d_moe",), ("d_h", "d_route_w"),
+              param="mlp.experts")]
+    widths = {"router": e, "route_w": k, "route_e": k, "moe": c, "moe_gu": k * 2 * f}
+    grad_widths = {"d_router": e, "d_route_w": k, "d_moe": c}
+    if not s:
+        return ops + [Op("add", ("moe",), (OUTPUT,), (CARRY,), ("d_moe",), residual="x_mid")], widths, grad_widths
+    ops += [Op("add", ("moe",), ("x_moe",), (CARRY,), ("d_moe",), residual="x_mid"),
+            _linear("shared_expert.gate_proj", "h2", "s_gate", "d_s_gate", "d_h"),
+            _linear("shared_expert.up_proj", "h2", "s_up", "d_s_up", "d_h"),
+            Op("swiglu", ("s_gate", "s_up"), ("s_m",), ("d_s_m",), ("d_s_gate", "d_s_up")),
+            _linear("shared_expert.down_proj", "s_m", "shared", "d_shared", "d_s_m"),
+            _linear("shared_expert_gate", "h2", "s_g", "d_s_g", "d_h"),
+            Op("sigmoid_gate", ("shared", "s_g"), ("shared_g",), ("d_moe",), ("d_shared", "d_s_g")),
+            Op("add", ("shared_g",), (OUTPUT,), (CARRY,), ("d_moe",), residual="x_moe")]
+    widths.update(x_moe=c, s_gate=s, s_up=s, s_m=s, shared=c, s_g=1, shared_g=c)
+    grad_widths.update(d_s_gate=s, d_s_up=s, d_s_m=s, d_shared=c, d_s_g=1)
+    return ops, widths, grad_widths
 
 
 @lru_cache(maxsize=None)
-def _plan(fields: tuple) -> LayerPlan:
+def _plan(fields: tuple, moe=None) -> LayerPlan:
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
     c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -165,9 +200,11 @@ def _plan(fields: tuple) -> LayerPlan:
         ops += [_linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
                 _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
                 _linear("v_proj", "h1", "v", "dv", "d_h")]
-    if cfg.qk_norm:
-        ops += [_rmsnorm("self_attn.q_norm.weight", "q_pre", "q", "rstd_q", "dq", "dq2", heads="q"),
-                _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2", heads="kv")]
+    if cfg.qk_norm:      # over each head, or over the whole projection (OLMoE)
+        ops += [_rmsnorm("self_attn.q_norm.weight", "q_pre", "q", "rstd_q", "dq", "dq2",
+                         heads="q" if cfg.qk_norm_per_head else ""),
+                _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2",
+                         heads="kv" if cfg.qk_norm_per_head else "")]
     ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
             Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
     if cfg.query_scale != 1.0:
@@ -198,12 +235,19 @@ def _plan(fields: tuple) -> LayerPlan:
         grad_widths.update(d_pre=c, d_post=c)
     else:
         ops += [_linear("o_proj", "att", "x_mid", CARRY, "d_att", residual=INPUT),
-                _rmsnorm("post_attention_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
-                *gate_up,
-                glu,
-                _linear("down_proj", "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
+                _rmsnorm("post_attention_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY)]
+        if moe is None:
+            ops += [*gate_up, glu, _linear("down_proj", "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
+        else:
+            for name in ("gate", "up", "m", "d_gate", "d_up", "d_m"):
+                (grad_widths if name.startswith("d_") else widths).pop(name)
+            moe_ops, moe_widths, moe_grads = _experts_mlp(moe, c)
+            ops += moe_ops
+            widths.update(moe_widths)
+            grad_widths.update(moe_grads)
     if cfg.qk_norm:
-        widths.update(q_pre=q, k_pre=kv, rstd_q=hq, rstd_k=hkv)
+        widths.update(q_pre=q, k_pre=kv, rstd_q=hq if cfg.qk_norm_per_head else 1,
+                      rstd_k=hkv if cfg.qk_norm_per_head else 1)
         grad_widths.update(dq2=q, dk2=kv)
     if cfg.fused_projections:
         widths.update(qkv=q + 2 * kv, gate_up=2 * f)
@@ -211,9 +255,15 @@ def _plan(fields: tuple) -> LayerPlan:
     return LayerPlan.build(ops, widths, grad_widths)
 
 
-def layer_plan(cfg: ModelConfig) -> LayerPlan:
-    """The decoder layer of a Llama-family model: pre-norm attention with RoPE and grouped-query heads, then
+def layer_plan(cfg: ModelConfig, layer: int = 0) -> LayerPlan:
+    """Decoder layer `layer` of a Llama-family model: pre-norm attention with RoPE and grouped-query heads, then
     a pre-norm gated MLP, each added to the residual stream. Variants: Qwen3's and Gemma 3's per-head q / k
-    norms; Gemma's query scale, GeGLU and norms on each branch's output (sandwich norms); Phi-3's fused
-    q / k / v and gate / up projections, each split after its GEMM."""
-    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS))
+    norms (OLMoE's over the whole projection); Gemma's query scale, GeGLU and norms on each branch's output
+    (sandwich norms); Phi-3's fused q / k / v and gate / up projections, each split after its GEMM; a mixture
+    of experts' router, routed experts and shared expert in place of the MLP on its sparse layers."""
+    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None)
+
+
+def layer_plans(cfg: ModelConfig) -> list:
+    """Every decoder layer's plan, by layer (one object for layers of the same kind)."""
+    return [layer_plan(cfg, i) for i in range(cfg.num_hidden_layers)]

@@ -11,7 +11,8 @@ import numpy as np
 from wgpu_train.errors import ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import LazyWeights, TensorMap, _as_array, _read_raw, write_safetensors
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
-from wgpu_train.models.config import ATTENTION_MODULES, ModelConfig
+from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, ModelConfig
+from wgpu_train.models.expert_layout import read_fused
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.models.multimodal import PROCESSOR_FILES, carried_tensors, file_name, language_names
 
@@ -32,17 +33,25 @@ def weight_files(folder: Path) -> list[Path]:
 
 def expected_shapes(cfg: ModelConfig) -> dict:
     """Every tensor name the model needs mapped to its shape (biases and lm_head handled by the caller); a
-    layer's norms are its layer plan's."""
+    layer's norms are its layer plan's, an MoE layer's experts 3-D tensors under mlp.experts (expert_path)."""
     c, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
-    norms = {op.param: (d if op.heads else c,) for op in layer_plan(cfg).ops if op.kind == "rmsnorm"}
     for i in range(cfg.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in norms.items()})
-        for m in cfg.linear_modules:
+        plan = layer_plan(cfg, i)
+        shapes.update({f"model.layers.{i}.{op.param}": (d if op.heads else plan.widths[op.inputs[0]],)
+                       for op in plan.ops if op.kind == "rmsnorm"})
+        for m in cfg.layer_modules(i):
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
+        if cfg.is_sparse(i):
+            shapes.update({expert_path(i, p): cfg.expert_shape(p) for p in EXPERT_PARAMETERS})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, c)
     return shapes
+
+
+def expert_path(layer: int, param: str) -> str:
+    """The transformers 5 name of an MoE layer's expert tensor, e.g. model.layers.0.mlp.experts.gate_up_proj."""
+    return f"model.layers.{layer}.mlp.experts.{param}"
 
 
 def module_path(layer: int, module: str) -> str:
@@ -65,12 +74,14 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
     tensors = _folder_tensors(folder)
     if cfg.wrapper:
         tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
+    if cfg.moe is not None:
+        tensors = read_fused(tensors, cfg)
     shapes = expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     # Biases: q/k/v (Qwen2, Llama attention_bias) and o_proj (Llama attention_bias).
     for i in range(cfg.num_hidden_layers):
-        for m in cfg.linear_modules:
+        for m in cfg.layer_modules(i):
             name = module_path(i, m) + ".bias"
             if name in tensors:
                 shapes[name] = (cfg.linear_shape(m)[0],)

@@ -11,7 +11,7 @@ from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 from wgpu_train.engines.protocol import EngineState, LossScaler
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import OUTPUT, layer_plan
+from wgpu_train.models.layer_plan import OUTPUT, layer_plans
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.dora_linear import DoraLinear
@@ -59,8 +59,8 @@ class NumpyEngine(EngineState):
         self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
         inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
-        plan = layer_plan(cfg)
-        self.rounding = Rounding(precision, plan.statistics)
+        plans = layer_plans(cfg)
+        self.rounding = Rounding(precision, set().union(*(plan.statistics for plan in plans)))
         self.precision, self.precision_reason = self.rounding.precision, "as given"
         self.backend_reason = "as given"
         self.kv_dtype = kv_dtype = check_kv_dtype(kv_dtype, cfg)   # generation's KV cache storage (new_kv_cache)
@@ -78,8 +78,9 @@ class NumpyEngine(EngineState):
         self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
                                 self.counters, self.forward, self.backward)
         self.dora = DoraLinear(self.w, self.dtype)
-        self.layer_ops = LayerOps(cfg, plan, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
-                                  self._linear_backward, self.optimizer.add)
+        self.layer_ops = LayerOps(cfg, plans, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
+                                  self._linear_backward, self.optimizer.add, lambda name: name in self.grads,
+                                  lambda path: self.lora.get(path) if self.adapter_enabled else None)
         self.kv = KvCacheGeneration(cfg, self.dtype, kv_dtype, self.mode, self._embed, self.layer_ops.forward,
                                     self._generation_head)
 

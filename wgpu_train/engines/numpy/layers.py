@@ -13,21 +13,34 @@ from wgpu_train.engines.shared.quant import round_to
 
 
 class LayerOps:
-    """A layer's forward and backward: cfg, its plan, the engine's base weights w (its dict, updated in place) in
-    dtype, RoPE's inv_freqs ([long][layer] (R/2,)), the rounding of the run's precision; the engine's linear
-    (x, layer, module, activations, residual -> y, with its LoRA) and linear_backward (dy, layer, module,
-    activations -> the input's gradient in parts), and add_grad (name, g: added where that base weight trains)."""
+    """A layer's forward and backward: cfg, the plans of its layers (by layer), the engine's base weights w (its
+    dict, updated in place) in dtype, RoPE's inv_freqs ([long][layer] (R/2,)), the rounding of the run's
+    precision; the engine's linear (x, layer, module, activations, residual -> y, with its LoRA), linear_backward
+    (dy, layer, module, activations -> the input's gradient in parts), add_grad (name, g: added where that tensor
+    trains), trains (name -> whether that base tensor trains) and lora_module (path -> the LoRA pair on that path
+    in use now, or None: the experts')."""
 
-    def __init__(self, cfg: ModelConfig, plan: LayerPlan, w: dict, dtype, inv_freqs: list, rounding: Rounding,
-                 linear, linear_backward, add_grad):
-        self.cfg, self.plan, self.w, self.dtype, self.inv_freqs, self.rounding = cfg, plan, w, dtype, inv_freqs, \
-            rounding
+    def __init__(self, cfg: ModelConfig, plans: list, w: dict, dtype, inv_freqs: list, rounding: Rounding,
+                 linear, linear_backward, add_grad, trains, lora_module):
+        self.cfg, self.plans, self.w, self.dtype, self.inv_freqs, self.rounding = cfg, list(plans), w, dtype, \
+            inv_freqs, rounding
         self.linear, self.linear_backward, self.add_grad = linear, linear_backward, add_grad
+        self.trains, self.lora_module = trains, lora_module
+
+    @property
+    def plan(self) -> LayerPlan:
+        """The first layer's plan (every layer's in a model without layer kinds); set: every layer walks the
+        plan given (a variant a test compares the engines on)."""
+        return self.plans[0]
+
+    @plan.setter
+    def plan(self, plan: LayerPlan):
+        self.plans = [plan] * len(self.plans)
 
     def forward(self, i: int, x, walk: Walk) -> dict:
-        """Layer i's ops in the plan's order from its input x (N, C): every activation by name, (N, width)."""
+        """Layer i's ops in its plan's order from its input x (N, C): every activation by name, (N, width)."""
         a = {INPUT: x}
-        for op in self.plan.ops:
+        for op in self.plans[i].ops:
             getattr(self, "_forward_" + op.kind)(op, i, a, walk)
             self.rounding.op_outputs(op, a, i)
         return a
@@ -82,15 +95,35 @@ class LayerOps:
         a[op.outputs[0]] = a[op.inputs[0]] * self.dtype.type(op.factor)
 
     def _forward_split(self, op, i, a, walk):
-        parts = ops.split_forward(a[op.inputs[0]], [self.plan.widths[y] for y in op.outputs])
+        parts = ops.split_forward(a[op.inputs[0]], [self.plans[i].widths[y] for y in op.outputs])
         a.update(zip(op.outputs, parts))
+
+    def _forward_route(self, op, i, a, walk):
+        spec = self.cfg.moe
+        a[op.outputs[0]], a[op.outputs[1]] = ops.moe_route_forward(a[op.inputs[0]], spec.top_k, spec.normalize)
+
+    def _experts(self, i, op):
+        """Layer i's experts: their (gate_up, down) weights and LoRA pairs ((A, B, scale) or None), their paths."""
+        paths = [f"model.layers.{i}.{op.param}.{name}" for name in ("gate_up_proj", "down_proj")]
+        loras = [self.lora_module(p) for p in paths]
+        return [self.w[p] for p in paths], [None if m is None else (m.a, m.b, m.scale) for m in loras], paths
+
+    def _forward_experts(self, op, i, a, walk):
+        (gate_up, down), (lora_gu, lora_dn), _ = self._experts(i, op)
+        x, weights, experts = (a[name] for name in op.inputs)
+        a[op.outputs[0]], gu = ops.moe_experts_forward(x, weights, experts, gate_up, down, lora_gu, lora_dn)
+        a[op.outputs[1]] = gu.reshape(len(x), -1)
+
+    def _forward_sigmoid_gate(self, op, i, a, walk):
+        x, g = a[op.inputs[0]], a[op.inputs[1]]
+        a[op.outputs[0]] = ops.sigmoid_gate_forward(x, g)
 
 
     def backward(self, i: int, a: dict, dx, walk: Walk):
         """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
         reading its outputs' gradients and writing (or adding into) its inputs'."""
         g = {CARRY: dx}
-        for op, accumulate in self.plan.backward_steps():
+        for op, accumulate in self.plans[i].backward_steps():
             dys = [g[name] for name in op.grads_out]
             for name in op.grads_out[1:] if op.residual else op.grads_out:
                 del g[name]
@@ -137,3 +170,21 @@ class LayerOps:
 
     def _backward_split(self, op, i, a, dys, walk):
         return [ops.split_backward(dys)]
+
+    def _backward_route(self, op, i, a, dys, walk):
+        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], self.cfg.moe.normalize)]
+
+    def _backward_experts(self, op, i, a, dys, walk):
+        (gate_up, down), (lora_gu, lora_dn), paths = self._experts(i, op)
+        x, weights, experts = (a[name] for name in op.inputs)
+        trained = [p for p in paths if self.trains(p)]
+        dx, dweights, grads = ops.moe_experts_backward(dys[0], x, weights, experts,
+                                                       a[op.outputs[1]].reshape(len(x), experts.shape[1], -1),
+                                                       gate_up, down, lora_gu, lora_dn, need_weight_grad=bool(trained))
+        for key, grad in grads.items():
+            part, _, tensor = key.partition(".")
+            self.add_grad(paths[0 if part == "gate_up" else 1] + ("." + tensor if tensor else ""), grad)
+        return [dx, dweights]
+
+    def _backward_sigmoid_gate(self, op, i, a, dys, walk):
+        return list(ops.sigmoid_gate_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))

@@ -9,11 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
-# the attention pair (and its cached forward, and the score soft-capping) is written once in shared/, since the
-# WebGPU tuner checks its candidates against it; here it stands with the other op pairs
+# the attention pair (and its cached forward, and the score soft-capping) and the mixture of experts' pairs are
+# written once in shared/, since the WebGPU kernels are checked against them; here they stand with the other op
+# pairs
 from wgpu_train.engines.shared.attention import (attention_backward, attention_cached_forward,  # noqa: F401
                                                  attention_forward, softcap_forward)
 from wgpu_train.engines.shared.dropout import pcg_hash
+from wgpu_train.engines.shared.moe import (moe_experts_backward, moe_experts_forward,  # noqa: F401
+                                           moe_route_backward, moe_route_forward)
 
 
 # ---- embedding -------------------------------------------------------------------------------
@@ -178,6 +181,19 @@ def swiglu_backward(dh, gate, up):
     s = _sigmoid(gate)
     silu = gate * s
     return dh * up * (s * (1.0 + gate * (1.0 - s))), dh * silu
+
+
+# ---- sigmoid gate (Qwen2-MoE's shared expert) ----------------------------------------------------
+
+def sigmoid_gate_forward(x, g):
+    """x (N, C) times sigmoid(g) (N, 1): y (N, C)."""
+    return x * _sigmoid(g)
+
+
+def sigmoid_gate_backward(dy, x, g):
+    """Gradients of sigmoid_gate_forward: dx (N, C), dg (N, 1)."""
+    s = _sigmoid(g)
+    return dy * s, np.sum(dy * x, axis=-1, keepdims=True) * s * (1.0 - s)
 
 
 # ---- geglu -----------------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""Where a checkpoint keeps an MoE layer's experts: transformers 5's fused 3-D tensors (mlp.experts.gate_up_proj
+(E, 2I, hidden), gate rows first; mlp.experts.down_proj (E, hidden, I)) or the hub's one tensor per expert and
+projection (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2, the Qwen MoE family's and OLMoE's
+mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write the hub's."""
+from __future__ import annotations
+
+from wgpu_train.formats.safetensors import Stacked
+from wgpu_train.models.config import ModelConfig
+
+# per family: the block's name in hub checkpoints, and its experts' (gate, up, down) projection names
+_HUB = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+_DEFAULT_HUB = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _hub(cfg: ModelConfig):
+    return _HUB.get(cfg.family, _DEFAULT_HUB)
+
+
+def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """The hub's names of one expert's gate, up and down weights."""
+    block, projections = _hub(cfg)
+    return tuple(f"model.layers.{layer}.{block}.experts.{expert}.{p}.weight" for p in projections)
+
+
+def read_fused(tensors: dict, cfg: ModelConfig) -> dict:
+    """A checkpoint's raw tensors (name -> (bytes, dtype)) with every sparse layer's experts under transformers
+    5's fused names (Stacked views of the per-expert ones where the checkpoint has those) and the router under
+    mlp.gate; tensors of a layout the model lacks are left for the caller's check to name."""
+    block, _ = _hub(cfg)
+    out = dict(tensors)
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_sparse(i):
+            continue
+        router = f"model.layers.{i}.{block}.gate.weight"
+        if router in out and block != "mlp":
+            out[f"model.layers.{i}.mlp.gate.weight"] = out.pop(router)
+        fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
+        names = [expert_names(cfg, i, e) for e in range(cfg.moe.num_experts)]
+        if fused in out or not all(n in out for trio in names for n in trio):
+            continue
+        dtypes = {out[n][1] for trio in names for n in trio}
+        if len(dtypes) > 1:
+            continue          # mixed dtypes within one layer's experts: the shape check names the fused tensor
+        dtype = dtypes.pop()
+        out[fused] = (Stacked([(out[g][0], out[u][0]) for g, u, _ in names]), dtype)
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = (Stacked([(out[d][0],) for _, _, d in names]), dtype)
+        for trio in names:
+            for n in trio:
+                del out[n]
+    return out
+
+
+def hub_names(cfg: ModelConfig, name: str) -> list[tuple[str, tuple | None]]:
+    """How the hub's layout stores our tensor `name`: [(its name, (expert, row slice) or None)]: a fused expert
+    tensor becomes one tensor per expert (gate_up_proj: the gate's rows, then the up's), Mixtral's router moves
+    under block_sparse_moe; any other tensor keeps its name."""
+    parts = name.split(".")
+    if cfg.moe is None or len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[3] != "mlp":
+        return [(name, None)]
+    block, layer, inter = _hub(cfg)[0], int(parts[2]), cfg.moe.expert_size
+    if parts[4:] == ["gate", "weight"]:
+        return [(f"model.layers.{layer}.{block}.gate.weight", None)]
+    if parts[4] != "experts":
+        return [(name, None)]
+    out = []
+    for e in range(cfg.moe.num_experts):
+        gate, up, down = expert_names(cfg, layer, e)
+        if parts[5] == "gate_up_proj":
+            out += [(gate, (e, slice(0, inter))), (up, (e, slice(inter, 2 * inter)))]
+        else:
+            out.append((down, (e, slice(None))))
+    return out

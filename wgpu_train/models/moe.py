@@ -1,0 +1,88 @@
+"""Mixtures of experts in config.json: how many experts, how many a token takes and how they are weighted, which
+layers are sparse, the shared expert and the router's auxiliary loss (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE as
+transformers 5 defines them); what else an MoE config asks for is refused naming the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wgpu_train.errors import ConfigError
+
+# the families with experts, and the config fields that name their expert count and size (transformers 5
+# writes either name of the count: its configs map num_experts and num_local_experts onto each other)
+MOE_FAMILIES = {"mixtral": ("num_local_experts", "intermediate_size"),
+                "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+                "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+                "olmoe": ("num_experts", "intermediate_size")}
+_COUNT_ALIASES = ("num_experts", "num_local_experts")
+# MoE variants of other families, refused by the field that asks for them: (what it asks for, the values that
+# ask for nothing)
+_UNSUPPORTED = {"topk_group": ("grouped top-k routing", (None, 1)), "n_group": ("grouped top-k routing", (None, 1)),
+                "kv_lora_rank": ("multi-head latent attention (DeepSeek's MLA)", (None,)),
+                "scoring_func": ("a router score other than softmax", (None, "softmax")),
+                "topk_method": ("a top-k other than the greedy one", (None, "greedy"))}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """num_experts E, top_k k, expert_size I (each expert's gate / up width); normalize: the k weights divided by
+    their sum (norm_topk_prob; always for Mixtral); sparse: per layer, whether its MLP is the experts (else the
+    dense MLP of intermediate_size); shared_expert_size: Qwen2-MoE's shared expert beside the routed ones, behind
+    a sigmoid gate (0: none); aux_loss_coef and aux_loss (output_router_logits: the load-balancing loss added to
+    the training loss)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    normalize: bool
+    sparse: tuple
+    shared_expert_size: int = 0
+    aux_loss_coef: float = 0.0
+    aux_loss: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse[layer])
+
+
+def _count(raw: dict, key: str, source: str) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig | None:
+    """The MoeConfig of a family with experts (MOE_FAMILIES), None for a dense one; ConfigError naming the field
+    for what is not supported: grouped or biased routing, a score other than softmax, router jitter, OLMoE's
+    clip_qkv, k > E."""
+    if family not in MOE_FAMILIES:
+        return None
+    for key, (what, plain) in _UNSUPPORTED.items():
+        if raw.get(key) not in plain:
+            raise ConfigError(f"{source}: field '{key}' asks for {what}; not supported")
+    if raw.get("router_jitter_noise"):
+        raise ConfigError(f"{source}: field 'router_jitter_noise' is {raw['router_jitter_noise']!r}; only 0 is "
+                          f"supported")
+    if raw.get("clip_qkv") is not None:
+        raise ConfigError(f"{source}: field 'clip_qkv' is {raw['clip_qkv']!r}; only null is supported")
+    count_key, size_key = MOE_FAMILIES[family]
+    if count_key not in raw:
+        count_key = next((k for k in _COUNT_ALIASES if k in raw), count_key)
+    experts, top_k = _count(raw, count_key, source), _count(raw, "num_experts_per_tok", source)
+    if top_k > experts:
+        raise ConfigError(f"{source}: field 'num_experts_per_tok' ({top_k}) is larger than '{count_key}' ({experts})")
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step = _count({"decoder_sparse_step": 1, **raw}, "decoder_sparse_step", source)
+        dense = set(raw.get("mlp_only_layers") or [])
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in dense):
+            raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    else:
+        sparse = (True,) * layers
+    shared = _count(raw, "shared_expert_intermediate_size", source) if family == "qwen2_moe" else 0
+    coef = raw.get("router_aux_loss_coef", 0.001 if family != "olmoe" else 0.01)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise ConfigError(f"{source}: field 'router_aux_loss_coef' must be a number >= 0, got {coef!r}")
+    return MoeConfig(num_experts=experts, top_k=top_k, expert_size=_count(raw, size_key, source),
+                     normalize=True if family == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+                     sparse=sparse, shared_expert_size=shared, aux_loss_coef=float(coef),
+                     aux_loss=bool(raw.get("output_router_logits", False)))
