@@ -108,3 +108,52 @@ def edit_config(folder, **changes):
     raw = json.loads(path.read_text())
     raw.update(changes)
     path.write_text(json.dumps(raw))
+
+
+# Mixtures of experts (tests/test_moe_models.py): odd sizes, a dense layer among the sparse ones where the family
+# has them, k > 1
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+_MOE = dict(vocab_size=61, hidden_size=30, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1,
+            max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def moe_config(arch: str, **overrides):
+    """A transformers config of a tiny mixture of experts (5 experts, 2 or 3 per token)."""
+    import transformers as tf
+
+    kw = dict(_MOE)
+    if arch == "mixtral":
+        kw.update(intermediate_size=19, num_local_experts=5, num_experts_per_tok=2, head_dim=6)
+        cls = tf.MixtralConfig
+    elif arch == "qwen3_moe":
+        kw.update(head_dim=6, intermediate_size=23, moe_intermediate_size=19, num_experts=5, num_experts_per_tok=2,
+                  norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=True)
+        cls = tf.Qwen3MoeConfig
+    elif arch == "qwen2_moe":
+        kw.update(intermediate_size=23, moe_intermediate_size=19, shared_expert_intermediate_size=13, num_experts=5,
+                  num_experts_per_tok=2, decoder_sparse_step=2)
+        cls = tf.Qwen2MoeConfig
+    elif arch == "olmoe":
+        kw.update(intermediate_size=19, num_experts=5, num_experts_per_tok=3, num_key_value_heads=5, pad_token_id=0,
+                  eos_token_id=1)
+        cls = tf.OlmoeConfig
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_moe(arch: str, seed: int = 0, **overrides):
+    """A tiny random mixture-of-experts CausalLM (eager attention, float32, norms randomised)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    # the experts' eager loop: torch's grouped GEMM needs 16-byte strides, which these odd sizes do not have
+    model = tf.AutoModelForCausalLM.from_config(moe_config(arch, **overrides), dtype=torch.float32,
+                                                attn_implementation="eager", experts_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + (0.3 if "norm" in name or "gate" in name else 0.15)
+                    * torch.randn_like(p))
+    return model.eval()

@@ -1,11 +1,21 @@
 """LoraConfig: the LoRA hyper-parameters with PEFT's meaning for every field, checked on construction."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ModelConfig
+from wgpu_train.adapters.experts import parse_target_parameters
+from wgpu_train.models.config import EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ROUTER, ModelConfig
+
+
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")     # transformers 4's names of an expert's projections
+
+
+def _names(module: str, target: str) -> bool:
+    """Whether a target name selects a layer's linear module: the module itself, or the end of its path."""
+    return module == target or module.endswith("." + target)
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,9 @@ class LoraConfig:
     use_dora: bool = False        # DoRA: a trained magnitude per output row (PEFT's use_dora; dora.py)
     modules_to_save: tuple = ()      # "embed_tokens" / "lm_head": full copies trained beside LoRA (adapters/saved_modules.py)
     ensure_weight_tying: bool = False   # a tied model: one copy serves the embedding and lm_head (PEFT's)
+    # an MoE layer's expert tensors with a LoRA pair per expert (PEFT's target_parameters: experts.py); all-linear
+    # takes them, as PEFT's does
+    target_parameters: tuple = ()
 
     def __post_init__(self):
         from wgpu_train.adapters.inits import check_init
@@ -35,10 +48,14 @@ class LoraConfig:
         from wgpu_train.adapters.saved_modules import check_modules
 
         targets = self.target_modules
+        experts, router = parse_target_parameters(self.target_parameters or ())
+        if targets == "all-linear":
+            experts = EXPERT_PARAMETERS
+        object.__setattr__(self, "target_parameters", experts)
         if isinstance(targets, str):
             targets = KNOWN_LINEAR_MODULES if targets == "all-linear" else tuple(
                 t.strip() for t in targets.split(",") if t.strip())
-        targets = tuple(targets)
+        targets = tuple(targets) + ((ROUTER,) if router else ())
         unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
         if unknown or not targets:
             raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
@@ -66,12 +83,59 @@ class LoraConfig:
 
     def targets_in(self, model: ModelConfig) -> tuple:
         """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
-        the model's own; a named module the model lacks is refused, naming the model's modules."""
-        missing = [m for m in self.target_modules if m not in model.linear_modules]
-        if missing and self.target_modules != KNOWN_LINEAR_MODULES:
+        the model's own; a target names a module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's shared
+        expert's too); a named module the model lacks is refused, naming the model's modules."""
+        all_linear = self.target_modules == KNOWN_LINEAR_MODULES
+        missing = [t for t in self.target_modules if not any(_names(m, t) for m in model.linear_modules)]
+        if missing and not all_linear:
             raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture} has the linear modules "
                               f"{', '.join(model.linear_modules)} (or use all-linear)")
-        return tuple(m for m in model.linear_modules if m in self.target_modules)
+        if model.moe is not None:
+            # PEFT 0.21 on transformers 5 reads these names as the experts' fused tensors of an MoE model (its
+            # conversion of transformers 4 adapters), so an adapter could not name a dense MLP's modules
+            mlp = [t for t in self.target_modules if t in _EXPERT_NAMES]
+            if mlp and not all_linear:
+                raise ConfigError(f"LoRA target_modules {','.join(mlp)}: on an MoE model PEFT reads these names as "
+                                  f"the experts' tensors; target the experts with target_parameters "
+                                  f"(--lora-target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj) or "
+                                  f"use all-linear")
+            return tuple(m for m in model.linear_modules if any(_names(m, t) for t in self.target_modules)
+                         and m.rsplit(".", 1)[-1] not in _EXPERT_NAMES)
+        return tuple(m for m in model.linear_modules if any(_names(m, t) for t in self.target_modules))
+
+    def named_targets(self, model: ModelConfig) -> tuple:
+        """The target names that name some module of `model` (all-linear: the model's own), as an adapter saves
+        them."""
+        modules = self.targets_in(model)
+        return tuple(t for t in self.target_modules if any(_names(m, t) for m in modules))
+
+    def as_saved(self, model: ModelConfig) -> "LoraConfig":
+        """This config as an adapter for `model` saves it: its targets as named_targets; on an MoE model, all-linear
+        as PEFT 0.21 resolves it on transformers 5 (the attention, the router, the experts; the experts' fused
+        gate_up_proj at rank 2r and alpha 2 alpha, for the gate's and the up's pairs, in rank / alpha patterns)."""
+        saved = dataclasses.replace(self, target_modules=self.named_targets(model),
+                                    target_parameters=self.experts_in(model))
+        if model.moe is None or self.target_modules != KNOWN_LINEAR_MODULES:
+            return saved
+        fused = r".*\.gate_up_proj"
+        return dataclasses.replace(saved, rank_pattern={fused: 2 * int(self.r), **self.rank_pattern},
+                                   alpha_pattern={fused: 2 * self.alpha, **self.alpha_pattern})
+
+    def experts_in(self, model: ModelConfig) -> tuple:
+        """The expert tensors of `model`'s MoE layers that get a LoRA pair per expert (target_parameters); on a
+        dense model, expert targets other than all-linear's are refused, and so are dropout and DoRA on experts
+        (PEFT's expert wrapper takes neither)."""
+        if not self.target_parameters:
+            return ()
+        if model.moe is None:
+            if self.target_modules == KNOWN_LINEAR_MODULES:
+                return ()
+            raise ConfigError(f"LoRA target_parameters {', '.join(self.target_parameters)}: {model.architecture} has "
+                              f"no experts")
+        if self.dropout or self.use_dora:
+            raise ConfigError(f"LoRA on the experts ({', '.join(self.target_parameters)}) takes neither dropout nor "
+                              f"DoRA (as PEFT's): set lora_dropout 0 and use_dora false, or leave the experts out")
+        return self.target_parameters
 
     def modules(self, model: ModelConfig) -> dict:
         """{module path: (r, alpha)} of every module this config puts LoRA on in `model`, layer by layer in

@@ -10,12 +10,16 @@ import numpy as np
 
 from wgpu_train.errors import AdapterError, ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
-from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ModelConfig
+from wgpu_train.adapters.experts import expert_key, is_expert_path, parse_target_parameters, saved_parameters
+from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ROUTER, ModelConfig
 from wgpu_train.models.multimodal import adapter_key_out, language_keys, live_patterns, target_regex
 
 
-def peft_key(path: str, which: str) -> str:
-    """The PEFT tensor name of lora_A / lora_B for a module path."""
+def peft_key(path: str, which: str, adapted=()) -> str:
+    """The PEFT tensor name of lora_A / lora_B for a module path; an expert tensor's depends on which of its
+    layer's expert tensors are `adapted` (every LoRA path of the adapter; experts.expert_key)."""
+    if is_expert_path(path):
+        return expert_key(path, which, adapted)
     return f"base_model.model.{path}.lora_{which}.weight"
 
 
@@ -45,6 +49,10 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
         "layers_pattern": (pattern[0] if len(pattern) == 1 else list(pattern)) if pattern else None,
         "rank_pattern": dict(lora_cfg.rank_pattern), "alpha_pattern": dict(lora_cfg.alpha_pattern),
     }
+    if model is not None and model.moe is not None:      # PEFT adapts the router and the experts as parameters
+        config["target_modules"] = [t for t in targets if t != ROUTER]
+        config["target_parameters"] = saved_parameters(lora_cfg.target_parameters if lora_cfg.experts_in(model)
+                                                       else (), tuple(lora_cfg.targets_in(model)))
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     write_safetensors(out / "adapter_model.safetensors", {k: v.astype(np.float32) for k, v in tensors.items()},
                       metadata={"format": "pt"})
@@ -54,7 +62,7 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
 # adapter that sets one (to anything but null, false or empty) is refused by name. init_lora_weights is read
 # by inits.from_peft; the other init-only settings (loftq_config, eva_config, ...) do not matter here.
 UNSUPPORTED_ADAPTER_FIELDS = (
-    "fan_in_fan_out", "lora_bias", "exclude_modules", "target_parameters",
+    "fan_in_fan_out", "lora_bias", "exclude_modules",
     "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "use_qalora", "arrow_config",
     "kasa_config", "monteclora_config", "use_bdlora")
 
@@ -174,8 +182,15 @@ def read_adapter(folder, model: ModelConfig | None = None):
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
                                       layout["layers_pattern"], linear_modules, outer)
     try:
+        experts, router = parse_target_parameters(raw.get("target_parameters") or ())
+    except ConfigError as e:
+        raise AdapterError(f"{cfg_path}: {e}") from None
+    if router:
+        modules = (*modules, ROUTER)
+    try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
                          use_dora=dora, **{**layout, "layers_to_transform": layers}, modules_to_save=saved,
+                         target_parameters=experts,
                          ensure_weight_tying=tying)
     except ConfigError as e:
         raise AdapterError(f"{cfg_path}: {e}") from None

@@ -10,7 +10,7 @@ import re
 
 from wgpu_train.models.config import KNOWN_LINEAR_MODULES
 from wgpu_train.errors import AdapterError, ConfigError
-from wgpu_train.models.weights import module_path
+from wgpu_train.models.weights import expert_path, module_path
 from wgpu_train.models.multimodal import outer_path
 
 
@@ -113,10 +113,13 @@ def module_settings(cfg, model) -> dict:
     if missing:
         raise ConfigError(f"LoRA layers_to_transform {', '.join(map(str, missing))}: the model has layers 0 to "
                           f"{num_hidden_layers - 1}")
+    experts = cfg.experts_in(model)
     out = {}
     for i in range(num_hidden_layers):
-        for m in targets:
-            path = module_path(i, m)
+        here = model.layer_modules(i)
+        paths = [module_path(i, m) for m in targets if m in here]
+        paths += [expert_path(i, p) for p in experts if model.is_sparse(i)]
+        for path in paths:
             seen = outer_path(path) if model.wrapper else path      # the path PEFT matches patterns on
             if layers is not None and layer_index(seen, cfg.layers_pattern) not in layers:
                 continue

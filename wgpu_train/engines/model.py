@@ -12,8 +12,9 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, magnitude_key, merged, weight_norm
 from wgpu_train.errors import AdapterError, ConfigError
-from wgpu_train.models.weights import load_weights, save_model_folder
+from wgpu_train.models.weights import load_weights, module_name, save_model_folder
 from wgpu_train.formats.safetensors import TensorMap
+from wgpu_train.adapters.experts import from_peft, is_expert_path, peft_shape, to_peft
 from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.data.records import IGNORE_INDEX
@@ -112,12 +113,16 @@ class Model:
         if self.method == "full":
             return grads
         out = {}
+        adapted = {k.rsplit(".lora_", 1)[0] for k in grads if ".lora_" in k}
         for k, g in grads.items():
             if ".lora_" not in k:             # a trained copy (modules_to_save)
                 out[copy_key(k)] = g
                 continue
             path, which = k.rsplit(".lora_", 1)
-            out[magnitude_key(path) if k.endswith(MAGNITUDE) else peft_key(path, which)] = g
+            if k.endswith(MAGNITUDE):
+                out[magnitude_key(path)] = g
+            else:
+                out[peft_key(path, which, adapted)] = to_peft(which, g) if is_expert_path(path) else g
         return out
 
     def _check_ids(self, ids):
@@ -161,6 +166,7 @@ class Model:
         W - scale * B A, which the engine then stores as it stores the base. With config.use_dora every
         module's magnitude starts at ||W + scale * B A|| (= ||W||: B is zero), W as the engine stores it."""
         rng = np.random.default_rng(seed)
+        config = config.as_saved(self.config)
         settings = config.modules(self.config)
         scales = config.module_scales(self.config)
         if changes_base(config.init):
@@ -168,16 +174,29 @@ class Model:
         else:
             modules, residual = {}, {}
             for path, (r, _) in settings.items():
-                out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
-                modules[path] = fresh_pair(rng, config.init, r, out_f, in_f)
+                shape = self._lora_shape(path)
+                if is_expert_path(path):       # a pair per expert
+                    pairs = [fresh_pair(rng, config.init, r, *shape[1:]) for _ in range(shape[0])]
+                    modules[path] = tuple(np.stack(side) for side in zip(*pairs))
+                else:
+                    modules[path] = fresh_pair(rng, config.init, r, *shape)
         if config.use_dora:
             weights = self.engine.weights()
             modules = {p: (a, b, weight_norm(weights[p + ".weight"], a, b, scales[p]).astype(np.float32))
                        for p, (a, b) in modules.items()}
         self._set_lora(config, modules, seed, residual, modules if residual else None)
 
+    def _lora_shape(self, path: str) -> tuple:
+        """(out, in) of a LoRA path's linear module, (E, out, in) of an expert tensor's."""
+        if is_expert_path(path):
+            return self.config.expert_shape(path.rsplit(".", 1)[1])
+        return self.config.linear_shape(module_name(path))
+
     def _decomposed(self, config: LoraConfig, settings: dict, scales: dict, rng) -> tuple:
         """PiSSA / OLoRA of every module: ({path: (A0, B0)}, {weight name: residual})."""
+        if any(is_expert_path(p) for p in settings):
+            raise ConfigError(f"LoRA init {config.init} on the experts is not supported (PEFT's expert wrapper "
+                              f"has no PiSSA / OLoRA): use init default or gaussian, or leave the experts out")
         originals = self._original_weights([p + ".weight" for p in settings])
         modules, residual = {}, {}
         for path, (r, _) in settings.items():
@@ -203,7 +222,7 @@ class Model:
         `residual` ({weight name: array}) replaces base weights and `init_pairs` ({path: (A0, B0)}) is what it subtracted; base weights
         that an earlier residual replaced get their original values back. config.modules_to_save: see
         _attach_copies (`copies`: a loaded adapter's)."""
-        config = dataclasses.replace(config, target_modules=config.targets_in(self.config))   # as saved
+        config = config.as_saved(self.config)
         scales = config.module_scales(self.config)
         residual = residual or {}
         restore = [p + ".weight" for p in self._init_pairs if p + ".weight" not in residual]
@@ -265,9 +284,10 @@ class Model:
         modules_to_save copies (V, C),
         float32."""
         out = {}
-        for path, (a, b) in self.engine.lora_tensors().items():
-            out[peft_key(path, "A")] = a.astype(np.float32)
-            out[peft_key(path, "B")] = b.astype(np.float32)
+        tensors = self.engine.lora_tensors()
+        for path, (a, b) in tensors.items():
+            for which, x in (("A", a.astype(np.float32)), ("B", b.astype(np.float32))):
+                out[peft_key(path, which, tensors)] = to_peft(which, x) if is_expert_path(path) else x
         out.update({magnitude_key(path): m for path, m in self._magnitudes().items()})
         if self._copies:        # modules_to_save, keyed as PEFT saves them
             trained = self.engine.trainable()
@@ -325,7 +345,12 @@ class Model:
             raise AdapterError(f"adapter {directory}: {e}") from None
         expected = {}
         for path, (r, _) in settings.items():
-            out_f, in_f = self.config.linear_shape(path.rsplit(".", 1)[1])
+            shape = self._lora_shape(path)
+            if is_expert_path(path):
+                expected[peft_key(path, "A", settings)] = peft_shape("A", (shape[0], r, shape[2]))
+                expected[peft_key(path, "B", settings)] = peft_shape("B", (shape[0], shape[1], r))
+                continue
+            out_f, in_f = shape
             expected[peft_key(path, "A")] = (r, in_f)
             expected[peft_key(path, "B")] = (out_f, r)
             if config.use_dora:
@@ -345,8 +370,14 @@ class Model:
             raise AdapterError(f"adapter {directory}: not supported: init_lora_weights={config.init} saved "
                                f"unconverted (its residual base comes from a random SVD that cannot be repeated); "
                                f"save it with path_initial_model_for_weight_conversion")
-        modules = {path: (tensors[peft_key(path, "A")], tensors[peft_key(path, "B")],
-                          *([tensors[magnitude_key(path)]] if config.use_dora else [])) for path in settings}
+        def pair(path):
+            if is_expert_path(path):
+                e = self._lora_shape(path)[0]
+                return tuple(from_peft(w, tensors[peft_key(path, w, settings)], e) for w in ("A", "B"))
+            return tensors[peft_key(path, "A")], tensors[peft_key(path, "B")]
+
+        modules = {path: (*pair(path), *([tensors[magnitude_key(path)]] if config.use_dora else []))
+                   for path in settings}
         copies = {name: tensors[key] for key, name in copy_keys.items()}   # a tied copy: the embedding's key last
         if dropout is not None:
             config = dataclasses.replace(config, dropout=float(dropout))
@@ -376,7 +407,8 @@ class Model:
         stages is never whole in one process."""
         base = self.engine.weights()
         magnitudes = self._magnitudes()
-        pairs = {path + ".weight": (path, a, b) for path, (a, b) in self.engine.lora_tensors().items()}
+        pairs = {(path if is_expert_path(path) else path + ".weight"): (path, a, b)
+                 for path, (a, b) in self.engine.lora_tensors().items()}
 
         def merge(name: str) -> np.ndarray:
             weight = np.array(base[name], dtype=np.float32)
@@ -385,7 +417,7 @@ class Model:
             path, a, b = pairs[name]
             if path in magnitudes:
                 return merged(weight, a, b, self._scales[path], magnitudes[path])
-            weight += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)
+            weight += (self._scales[path] * (b.astype(np.float64) @ a)).astype(np.float32)   # (E,) out x in
             return weight
 
         return TensorMap(base, merge)

@@ -28,9 +28,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
-# every family's, for LoRA targets: each family's modules in its order
+# every family's, for LoRA targets: each family's modules in its order (an MoE layer's router "gate", and
+# Qwen2-MoE's shared expert's gate; its projections are matched by their last name, as PEFT matches them)
 KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                        "down_proj")
+                        "down_proj", "gate", "shared_expert_gate")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 ROUTER = "gate"              # an MoE layer's router (mlp.gate: E x hidden), a linear module of its own
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",

@@ -4,7 +4,7 @@ projection (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2, the Qwen MoE fami
 mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write the hub's."""
 from __future__ import annotations
 
-from wgpu_train.formats.safetensors import Stacked
+from wgpu_train.formats.safetensors import Stacked, TensorMap
 from wgpu_train.models.config import ModelConfig
 
 # per family: the block's name in hub checkpoints, and its experts' (gate, up, down) projection names
@@ -70,3 +70,22 @@ def hub_names(cfg: ModelConfig, name: str) -> list[tuple[str, tuple | None]]:
         else:
             out.append((down, (e, slice(None))))
     return out
+
+
+def hub_layout(cfg: ModelConfig, weights) -> TensorMap:
+    """Our tensors (name -> array, read one at a time) under the hub's names (hub_names), each expert's made
+    from its fused tensor when it is read (the last fused tensor read is kept: a writer takes a layer's experts
+    one after another)."""
+    where = {hub: (name, part) for name in weights for hub, part in hub_names(cfg, name)}
+    last = {}
+
+    def fetch(hub: str):
+        name, part = where[hub]
+        if part is None:
+            return weights[name]
+        if name not in last:
+            last.clear()
+            last[name] = weights[name]
+        return last[name][part[0], part[1]]
+
+    return TensorMap(list(where), fetch)

@@ -12,7 +12,7 @@ from wgpu_train.errors import ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import LazyWeights, TensorMap, _as_array, _read_raw, write_safetensors
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
 from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, ModelConfig
-from wgpu_train.models.expert_layout import read_fused
+from wgpu_train.models.expert_layout import hub_layout, read_fused
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.models.multimodal import PROCESSOR_FILES, carried_tensors, file_name, language_names
 
@@ -52,6 +52,11 @@ def expected_shapes(cfg: ModelConfig) -> dict:
 def expert_path(layer: int, param: str) -> str:
     """The transformers 5 name of an MoE layer's expert tensor, e.g. model.layers.0.mlp.experts.gate_up_proj."""
     return f"model.layers.{layer}.mlp.experts.{param}"
+
+
+def module_name(path: str) -> str:
+    """The layer's module a module path names (module_path's inverse): q_proj, shared_expert.gate_proj, ..."""
+    return ".".join(path.split(".")[4:])
 
 
 def module_path(layer: int, module: str) -> str:
@@ -115,6 +120,8 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None):
         weights = TensorMap([k for k in carried if k not in language] + list(language),
                             lambda k: ours[language[k]] if k in language else _as_array(*carried[k]))
         companions += PROCESSOR_FILES
+    if cfg.moe is not None:      # the experts one tensor per expert and projection, as the hub's checkpoints
+        weights = hub_layout(cfg, weights)
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
     raw["torch_dtype"] = raw["dtype"] = "float32"

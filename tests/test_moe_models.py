@@ -1,0 +1,157 @@
+"""Mixtures of experts against transformers 5 and PEFT on tiny random models of each family (Mixtral, Qwen3-MoE
+with a dense layer, Qwen2-MoE with its shared expert, OLMoE): logits, LoRA on the experts in PEFT's
+target_parameters format (loss and gradients, the adapter both ways), the checkpoint layouts, merging, and the
+configurations refused in one line."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import peft
+import pytest
+import torch
+
+from finetune_helpers import padded_batch, peft_random_b
+from tiny_models import MOE_ARCHS, build_moe, save_model
+from tolerances import assert_close
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.engines.loading import load_model
+from wgpu_train.errors import ConfigError
+from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
+from wgpu_train.models.config import ModelConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def moe(request, tmp_path_factory):
+    hf = build_moe(request.param, seed=3)
+    folder = tmp_path_factory.mktemp(request.param)
+    save_model(hf, folder)
+    return request.param, hf, folder
+
+
+def batch():
+    ids, labels, mask = padded_batch(5, 9, 6, 2)
+    return ids % 61, np.where(labels >= 0, labels % 61, labels), mask
+
+
+def test_logits_match_transformers(moe):
+    arch, hf, folder = moe
+    ids, _, mask = batch()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    model = load_model(folder, backend="numpy")
+    assert model.config.moe is not None
+    real = mask.astype(bool)
+    assert_close(model.logits(ids, mask)[real], want[real], "logits_f32", arch)
+
+
+def _peft(hf, targets, seed=1):
+    cfg = peft.LoraConfig(r=3, lora_alpha=7, lora_dropout=0.0, target_modules=targets, target_parameters=EXPERTS)
+    return peft_random_b(peft.get_peft_model(copy.deepcopy(hf), cfg), seed)
+
+
+def test_peft_expert_adapter_loads_here_with_its_gradients(moe, tmp_path):
+    """A PEFT adapter with LoRA on the attention and on every expert (target_parameters): the same loss and
+    the same gradient on every LoRA tensor, the experts' included."""
+    arch, hf, folder = moe
+    pm = _peft(hf, ["q_proj", "v_proj"])
+    pm.save_pretrained(tmp_path)
+    ids, labels, mask = batch()
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default.", "."): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    model = load_model(folder, backend="numpy")
+    model.load_adapter(tmp_path)
+    assert model.lora_config.target_parameters == ("gate_up_proj", "down_proj")
+    loss, grads = model.loss_and_grads(ids, labels, mask)
+    assert_close(loss, out.loss.item(), "loss_f32", "loss")
+    assert set(grads) == set(expected)
+    assert any(".mlp.experts.base_layer.lora_A" in k for k in grads)
+    for name, g in expected.items():
+        assert np.abs(g).max() > 1e-5, name
+        assert_close(grads[name], g, "grads_f32", name)
+
+
+def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
+    """all-linear on an MoE model: the attention, the router (PEFT adapts it as the parameter gate.weight), the
+    experts (and the shared expert): our adapter loads in PEFT with the same tensors and logits."""
+    arch, hf, folder = moe
+    model = load_model(folder, backend="numpy")
+    model.add_lora(LoraConfig(r=2, alpha=5, target_modules="all-linear"), seed=2)
+    rng = np.random.default_rng(0)
+    model.engine.set_lora({p: (a, 0.3 * rng.standard_normal(b.shape).astype(np.float32), model._scales[p], 0.0)
+                           for p, (a, b) in model.engine.lora_tensors().items()})
+    model.save_adapter(tmp_path)
+    raw = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert set(raw["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "gate.weight"}
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    theirs = {n.replace(".default.", "."): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
+    mine = model.lora_state_dict()
+    assert set(theirs) == set(mine)
+    for k, v in mine.items():
+        assert_close(theirs[k], v, "exact", k)
+    ids, _, mask = batch()
+    with torch.no_grad():
+        want = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    real = mask.astype(bool)
+    assert_close(model.logits(ids, mask)[real], want[real], "logits_f32", arch)
+
+
+def test_merge_equals_peft_merge_and_unload(moe, tmp_path):
+    arch, hf, folder = moe
+    pm = _peft(hf, ["q_proj"], seed=4)
+    pm.save_pretrained(tmp_path / "adapter")
+    model = load_model(folder, backend="numpy")
+    model.load_adapter(tmp_path / "adapter")
+    model.merge_and_save(tmp_path / "merged")
+    names = set(read_safetensors(tmp_path / "merged" / "model.safetensors"))
+    assert not any("experts.gate_up_proj" in n for n in names)            # written back one tensor per expert
+    merged = load_model(tmp_path / "merged", backend="numpy")
+    ids, _, mask = batch()
+    with torch.no_grad():
+        want = pm.merge_and_unload()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    real = mask.astype(bool)
+    assert_close(merged.logits(ids, mask)[real], want[real], "logits_f32", arch)
+
+
+def test_fused_checkpoint_layout_reads_the_same(tmp_path):
+    """transformers 5's fused expert tensors and the hub's per-expert ones give the same model."""
+    hf = build_moe("qwen3_moe", seed=5)
+    save_model(hf, tmp_path / "hub")
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    (tmp_path / "fused").mkdir()
+    write_safetensors(tmp_path / "fused" / "model.safetensors", state, metadata={"format": "pt"})
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    ids, _, mask = batch()
+    a = load_model(tmp_path / "hub", backend="numpy").logits(ids, mask)
+    b = load_model(tmp_path / "fused", backend="numpy").logits(ids, mask)
+    assert_close(a, b, "exact", "fused against per-expert")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' \\(9\\) is larger than"),
+    ({"topk_group": 2}, "'topk_group' asks for grouped top-k routing"),
+    ({"scoring_func": "sigmoid"}, "'scoring_func' asks for a router score other than softmax"),
+    ({"router_jitter_noise": 0.1}, "'router_jitter_noise'"),
+])
+def test_unsupported_moe_configs_are_refused_naming_the_field(change, match):
+    raw = {**build_moe("mixtral").config.to_dict(), "architectures": ["MixtralForCausalLM"], **change}
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict(raw)
+
+
+def test_expert_targets_on_a_dense_model_and_dropout_on_experts_are_refused():
+    from tiny_models import hf_config
+    dense = ModelConfig.from_dict({**hf_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ConfigError, match="has no experts"):
+        LoraConfig(target_parameters=EXPERTS).modules(dense)
+    assert LoraConfig(target_modules="all-linear").modules(dense)        # all-linear: the model's own modules
+    sparse = ModelConfig.from_dict({**build_moe("mixtral").config.to_dict(), "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(ConfigError, match="neither dropout nor DoRA"):
+        LoraConfig(target_parameters=EXPERTS, dropout=0.1).modules(sparse)
