@@ -155,3 +155,28 @@ def test_expert_targets_on_a_dense_model_and_dropout_on_experts_are_refused():
     sparse = ModelConfig.from_dict({**build_moe("mixtral").config.to_dict(), "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(ConfigError, match="neither dropout nor DoRA"):
         LoraConfig(target_parameters=EXPERTS, dropout=0.1).modules(sparse)
+
+
+def test_finetune_an_moe_model_from_the_command_line(tmp_path, capsys):
+    """finetune on a Qwen3-MoE folder with all-linear: backend auto takes the NumPy engine and says why, the first
+    lines count the parameters in the experts, the loss falls, and the adapter loads in PEFT."""
+    from finetune_helpers import build_tokenizer, make_data_dir
+    from wgpu_train.cli.main import main
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    hf = build_moe("qwen3_moe", seed=7, vocab_size=vocab)
+    save_model(hf, model_dir)
+    out = tmp_path / "out"
+    code = main(["finetune", "--model", str(model_dir), "--data", str(make_data_dir(tmp_path / "data")),
+                 "--out", str(out), "--lora-targets", "all-linear", "--max-steps", "4", "--lr", "0.02",
+                 "--no-progress", "--log-every", "1"])
+    assert code == 0
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "mixture-of-experts" in text and "in the experts)" in text and "experts' gate_up_proj,down_proj" in text
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line and '"step"' in line]
+    assert losses[-1] < losses[0]
+    pm = peft.PeftModel.from_pretrained(hf, out)
+    assert any("experts.base_layer.lora_A" in n for n, _ in pm.named_parameters())

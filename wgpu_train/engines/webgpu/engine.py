@@ -48,6 +48,9 @@ class WgpuEngine(EngineState):
         engines/numpy/precision.py does; f16 adds dynamic loss scaling. span, first, last: a pipeline stage's
         layers, and whether it holds the embedding and the final norm and head (webgpu/stage.py); by default
         the whole model, whose weights are every one of `weights`."""
+        if cfg.moe is not None:     # the grouped-expert kernels exist (moe.py) but the layer recording lacks them
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run mixture-of-experts layers yet; use "
+                              f"--backend numpy")
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "

@@ -277,17 +277,25 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, max_binding: 
                 f"or --max-seq-len")
 
 
-def count_trainable(cfg: ModelConfig, lora: LoraConfig | None) -> int:
+def count_trainable(cfg: ModelConfig, lora: LoraConfig | None, experts_only: bool = False) -> int:
     """Trainable parameters of a model: the LoRA matrices (and DoRA's magnitudes) and modules_to_save copies, or
-    every weight (from shapes, nothing read back)."""
-    from wgpu_train.models.weights import expected_shapes
+    every weight (from shapes, nothing read back); experts_only: those of LoRA pairs on MoE experts alone."""
+    from wgpu_train.models.weights import expected_shapes, module_name
+    from wgpu_train.adapters.experts import is_expert_path
     from wgpu_train.adapters.saved_modules import count
 
     if lora is not None:
-        total = count(cfg, lora)
-        for path, (r, _) in lora.modules(cfg).items():
-            out_f, in_f = cfg.linear_shape(path.rsplit(".", 1)[1])
-            total += r * (out_f + in_f) + (out_f if lora.use_dora else 0)
+        total = 0 if experts_only else count(cfg, lora)
+        for path, (r, _) in lora.as_saved(cfg).modules(cfg).items():
+            if is_expert_path(path):
+                e, out_f, in_f = cfg.expert_shape(path.rsplit(".", 1)[1])
+                total += e * r * (out_f + in_f)
+            elif not experts_only:
+                out_f, in_f = cfg.linear_shape(module_name(path))
+                total += r * (out_f + in_f) + (out_f if lora.use_dora else 0)
         return total
+    if experts_only:
+        return sum(math.prod(cfg.expert_shape(p)) for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)
+                   for p in ("gate_up_proj", "down_proj"))
     n = sum(math.prod(s) for s in expected_shapes(cfg).values())
     return n + (cfg.num_hidden_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0)
