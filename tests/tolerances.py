@@ -85,6 +85,16 @@ TOLERANCES: dict[str, Tolerance] = {
         "the mixed-adapter LoRA kernel against engines/shared/mixed_lora.py in float64: float32 sums of in (<= 100) "
         "and rank terms of products ~1, reduced in a tree, then a scale; observed <= 2e-6 relative; a row given "
         "another adapter's A or B, or a padded rank read as data, is off by > 0.1"),
+    "moe_route": Tolerance(1e-5, 1e-6,
+        "the router's softmax top-k and its backward (shaders/moe.wgsl) against engines/shared/moe.py in float64: "
+        "float32 exp and sums over E (<= 5 here) experts, values <= 1; observed within the 1e-6 absolute part on "
+        "lavapipe and llvmpipe through OpenGL; a wrong pick, order or renormalisation moves a weight by > 0.01"),
+    "moe_experts": Tolerance(1e-5, 1e-5,
+        "the routed experts' forward and backward (grouped GEMMs, split-K outer products) against "
+        "engines/shared/moe.py in float64: chains of three or four float32 products (x W1, the swiglu, h W2, then "
+        "back through both) with sums of up to 44 terms of order 1 and a sum over up to 26 rows for the gradients; "
+        "observed <= 1.1e-6 relative beyond the 1e-5 absolute part on lavapipe and llvmpipe through OpenGL; a pair "
+        "sent to another expert, a lost row or slot, or a missing LoRA term moves values by > 0.01"),
     "serve_logprobs": Tolerance(1e-5, 1e-5,
         "a served prompt's log-probabilities (an engine's KV-cache forward_rows, float64 log-softmax) against the "
         "same engine's whole forward pass (Model.logits), or a request's against the same request whose prompt "

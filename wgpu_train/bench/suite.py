@@ -374,6 +374,13 @@ def bench_mixed_lora(rt, ctx) -> list[dict]:
     return out
 
 
+@register("moe")
+def bench_moe(rt, ctx) -> list[dict]:
+    """The grouped-expert kernels against one dense GEMM per expert (bench/moe.py)."""
+    from wgpu_train.bench.moe import bench_moe as run
+    return run(rt, ctx)
+
+
 def _check_attention(rt, dispatches, inputs, seg, outputs, what):
     """Run the dispatches once and compare out and dq with the float64 reference."""
     from wgpu_train.engines.numpy import ops

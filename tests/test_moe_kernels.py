@@ -1,0 +1,200 @@
+"""The grouped-expert kernel family (engines/webgpu/moe.py, tuned/moe_kernels.py) against the reference op pairs of
+engines/shared/moe.py, on every adapter present and every candidate: the router's top-k and its backward, the
+counting sort, and the experts' forward and backward (LoRA on both expert parameters, the base weights' gradients),
+with sizes that are not multiples of 4, 16 or 64, an expert that receives no pair and one that receives them all;
+float32 and 16-bit expert weights; and the recording neither submits nor reads back."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tolerances import assert_close
+from wgpu_train.engines.shared import moe as ref
+from wgpu_train.engines.webgpu import moe
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned import moe_kernels as MK
+
+N, C, I, E, K, R = 13, 44, 20, 5, 2, 3     # tokens, hidden, expert width, experts, top-k, LoRA rank
+GEMMS = [f"moe_gemm/{cfg.name}" for cfg in MK.GEMM_CONFIGS]
+OUTERS = [f"moe_outer/split{s}" for s in MK.SPLITS] + ["moe_outer/direct"]
+
+
+def _routing(kind: str, rng) -> np.ndarray:
+    """experts (N, K) i32: "spread" never routes to expert 0; "one" routes every pair of a top-1 to expert 3."""
+    if kind == "one":
+        return np.full((N, 1), 3, np.int32)
+    return np.stack([rng.choice(np.arange(1, E), K, replace=False) for _ in range(N)]).astype(np.int32)
+
+
+def _lora(rng, out_f, in_f, scale):
+    return (rng.standard_normal((E, R, in_f)).astype(np.float32) * 0.3,
+            rng.standard_normal((E, out_f, R)).astype(np.float32) * 0.3, scale)
+
+
+def _upload_lora(rt, lora):
+    a, b, scale = lora
+    return moe.MoeLora(rt.upload(a), rt.upload(b), scale, R)
+
+
+def test_route_forward_and_backward(rt):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((N, E)).astype(np.float32)
+    logits[2] = logits[2, 0]                           # all equal: the lower index first
+    logits[5, 3] = logits[5, 1] = logits[5].max() + 1  # a tie at the top
+    dweights = rng.standard_normal((N, K)).astype(np.float32)
+    dprobs = rng.standard_normal((N, E)).astype(np.float32)
+    for normalize, extra in itertools.product((False, True), (None, dprobs)):
+        want_w, want_e = ref.moe_route_forward(logits.astype(np.float64), K, normalize)
+        want_d = ref.moe_route_backward(dweights.astype(np.float64), logits.astype(np.float64), want_e, normalize,
+                                        extra)
+        bufs = [rt.buffer(N * K * 4), rt.buffer(N * K * 4), rt.buffer(N * E * 4), rt.upload(logits),
+                rt.upload(dweights)] + ([rt.upload(extra)] if extra is not None else [])
+        w, ex, dl, lg, dw = bufs[:5]
+        rec = rt.recorder()
+        moe.moe_route_forward(rec, w, ex, lg, N, E, K, normalize)
+        moe.moe_route_backward(rec, dl, dw, lg, ex, N, E, K, normalize, bufs[5] if extra is not None else None)
+        rec.submit()
+        assert (rt.read(ex, np.int32, (N, K)) == want_e).all(), f"experts, normalize={normalize}"
+        assert_close(rt.read(w, np.float32, (N, K)), want_w, "moe_route", f"weights, normalize={normalize}")
+        assert_close(rt.read(dl, np.float32, (N, E)), want_d, "moe_route", f"dlogits, normalize={normalize}, "
+                     f"dprobs={extra is not None}")
+        rt.release(*bufs)
+
+
+@pytest.mark.parametrize("n, k", [(13, 2), (300, 3), (7, 1)])
+def test_counting_sort_is_stable_and_leaves_no_gap(rt, n, k):
+    rng = np.random.default_rng(n)
+    experts = np.stack([rng.choice(np.arange(1, E), k, replace=False) for _ in range(n)]).astype(np.int32)
+    scratch = moe.MoeScratch(rt, n, k, E, 4, 2)
+    ex = rt.upload(experts)
+    rec = rt.recorder()
+    moe.moe_group(rec, ex, n, k, E, scratch)
+    rec.submit()
+    off_buf, off = moe.offsets_view(scratch, n, k, E)
+    offsets = rt.read(off_buf, np.uint32, (off + E + 1,))[off:]
+    perm = rt.read(scratch.perm, np.uint32, (n * k,))
+    want_perm = np.argsort(experts.reshape(-1), kind="stable")
+    assert (perm == want_perm).all() and offsets[0] == 0 and offsets[1] == 0 and offsets[-1] == n * k
+    assert (np.diff(offsets) == np.bincount(experts.reshape(-1), minlength=E)).all()
+    scratch.release(rt)
+    rt.release(ex)
+
+
+def _experts_case(rt, routing: str, fmt: str, pin: str):
+    """Forward and backward of the experts on one routing, expert-weight format and pinned candidates, against the
+    reference in float64 on the same (rounded) weights."""
+    rng = np.random.default_rng(7)
+    experts = _routing(routing, rng)
+    k = experts.shape[1]
+    x = rng.standard_normal((N, C)).astype(np.float32)
+    weights = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
+    gate_up = storage.rounded(rng.standard_normal((E, 2 * I, C)) / 6, fmt).reshape(E, 2 * I, C)
+    down = storage.rounded(rng.standard_normal((E, C, I)) / 4, fmt).reshape(E, C, I)
+    lgu, ldn = _lora(rng, 2 * I, C, 1.5), _lora(rng, C, I, 0.75)
+    dy = rng.standard_normal((N, C)).astype(np.float32)
+    f64 = (lambda t: tuple(np.asarray(v, np.float64) if isinstance(v, np.ndarray) else v for v in t))
+    want_y, want_gu = ref.moe_experts_forward(x.astype(np.float64), weights.astype(np.float64), experts,
+                                              gate_up.astype(np.float64), down.astype(np.float64), f64(lgu), f64(ldn))
+    want_dx, want_dw, want_g = ref.moe_experts_backward(dy.astype(np.float64), x.astype(np.float64),
+                                                        weights.astype(np.float64), experts, want_gu,
+                                                        gate_up.astype(np.float64), down.astype(np.float64),
+                                                        f64(lgu), f64(ldn), need_weight_grad=True)
+    scratch = moe.MoeScratch(rt, N, k, E, C, I, R)
+    ins = [rt.upload(x), rt.upload(weights), rt.upload(experts), storage.upload(rt, gate_up, fmt),
+           storage.upload(rt, down, fmt), rt.upload(dy)]
+    xb, wb, eb, gub, dnb, dyb = ins
+    outs = {"y": rt.buffer(N * C * 4), "gu": rt.buffer(N * k * 2 * I * 4), "dx": rt.buffer(N * C * 4),
+            "dw": rt.buffer(N * k * 4)}
+    grads = {name: rt.upload(np.full(g.shape, np.nan, np.float32)) for name, g in want_g.items()}
+    gl, dl = _upload_lora(rt, lgu), _upload_lora(rt, ldn)
+    before = dict(rt.counters)
+    with tune.pinned(pin):
+        rec = rt.recorder()
+        moe.moe_experts_forward(rec, outs["y"], outs["gu"], xb, wb, eb, gub, dnb, gl, dl, N, k, E, C, I, scratch)
+        moe.moe_experts_backward(rec, outs["dx"], outs["dw"], grads, dyb, xb, wb, eb, outs["gu"], gub, dnb, gl, dl,
+                                 N, k, E, C, I, scratch)
+    assert rt.counters["submits"] == before["submits"] and rt.counters["readbacks"] == before["readbacks"]
+    rec.submit()
+    what = f"{routing} {fmt} {pin}"
+    assert_close(rt.read(outs["y"], np.float32, (N, C)), want_y, "moe_experts", f"y, {what}")
+    assert_close(rt.read(outs["gu"], np.float32, (N, k, 2 * I)), want_gu, "moe_experts", f"gate_up_out, {what}")
+    assert_close(rt.read(outs["dx"], np.float32, (N, C)), want_dx, "moe_experts", f"dx, {what}")
+    assert_close(rt.read(outs["dw"], np.float32, (N, k)), want_dw, "moe_experts", f"dweights, {what}")
+    for name, g in want_g.items():
+        assert_close(rt.read(grads[name], np.float32, g.shape), g, "moe_experts", f"{name}, {what}")
+    scratch.release(rt)
+    rt.release(*ins, *outs.values(), *grads.values(), gl.a, gl.b, dl.a, dl.b)
+
+
+@pytest.mark.parametrize("gemm, outer", list(zip(GEMMS, itertools.cycle(OUTERS))))
+def test_experts_every_candidate(rt, gemm, outer):
+    _experts_case(rt, "spread", "f32", f"{gemm},{outer}")
+
+
+@pytest.mark.parametrize("outer", OUTERS)
+def test_experts_one_expert_takes_every_pair(rt, outer):
+    _experts_case(rt, "one", "f32", f"moe_gemm/r4x4,{outer}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_experts_with_sixteen_bit_weights(rt, fmt):
+    _experts_case(rt, "spread", fmt, "moe_gemm/r8x2,moe_outer/split64")
+
+
+def test_accumulate_adds_to_the_outputs(rt):
+    """accumulate=True adds y, dx and the gradients to what their buffers hold (micro-batches)."""
+    rng = np.random.default_rng(3)
+    experts = _routing("spread", rng)
+    x, dy = (rng.standard_normal((N, C)).astype(np.float32) for _ in range(2))
+    weights = rng.uniform(0.2, 1.0, (N, K)).astype(np.float32)
+    gate_up = rng.standard_normal((E, 2 * I, C)).astype(np.float32) / 6
+    down = rng.standard_normal((E, C, I)).astype(np.float32) / 4
+    lgu = _lora(rng, 2 * I, C, 2.0)
+    want_y, want_gu = ref.moe_experts_forward(x, weights, experts, gate_up, down, lgu, None)
+    want_dx, _, want_g = ref.moe_experts_backward(dy, x, weights, experts, want_gu, gate_up, down, lgu, None)
+    y0, dx0 = (rng.standard_normal((N, C)).astype(np.float32) for _ in range(2))
+    g0 = {name: rng.standard_normal(g.shape).astype(np.float32) for name, g in want_g.items()}
+    scratch = moe.MoeScratch(rt, N, K, E, C, I, R)
+    bufs = [rt.upload(v) for v in (x, weights, experts, gate_up, down, dy, y0, dx0)]
+    xb, wb, eb, gub, dnb, dyb, yb, dxb = bufs
+    gu, dw = rt.buffer(N * K * 2 * I * 4), rt.buffer(N * K * 4)
+    grads = {name: rt.upload(v) for name, v in g0.items()}
+    gl = _upload_lora(rt, lgu)
+    rec = rt.recorder()
+    moe.moe_experts_forward(rec, yb, gu, xb, wb, eb, gub, dnb, gl, None, N, K, E, C, I, scratch, accumulate=True)
+    moe.moe_experts_backward(rec, dxb, dw, grads, dyb, xb, wb, eb, gu, gub, dnb, gl, None, N, K, E, C, I, scratch,
+                             accumulate=True)
+    rec.submit()
+    assert_close(rt.read(yb, np.float32, (N, C)), y0 + want_y, "moe_experts", "y")
+    assert_close(rt.read(dxb, np.float32, (N, C)), dx0 + want_dx, "moe_experts", "dx")
+    for name, g in want_g.items():
+        assert_close(rt.read(grads[name], np.float32, g.shape), g0[name] + g, "moe_experts", name)
+    scratch.release(rt)
+    rt.release(*bufs, gu, dw, *grads.values(), gl.a, gl.b)
+
+
+@pytest.mark.parametrize("problem", ["gemm", "outer"])
+def test_the_tuners_replica_checks_every_candidate(rt, problem):
+    """The tuner's own check of each candidate on a replica (what it runs before timing one on a new adapter)."""
+    if problem == "gemm":
+        p = MK.MoeGemmProblem(rt, {}, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
+    else:
+        # expert 1 gets a pair of each of 150 tokens: several tiles of every split, summed by the reduction
+        p = MK.MoeOuterProblem(rt, {"part": None}, 2 * 150, 2, E, 7, 5, True, False, True, 0.5, accumulate=True)
+    rep, parts, c0, want, bufs = p.replica(np.random.default_rng(1))
+    parts = parts if isinstance(parts, list) else [(parts, c0.size)]
+    try:
+        for cand in rep.candidates():
+            for (buf, n), at in zip(parts, np.cumsum([0] + [n for _, n in parts])):
+                rt.write(buf, c0[at:at + n])
+            rec = rt.recorder()
+            for d in cand.dispatches(rep):
+                rec.dispatch(*d)
+            rec.submit()
+            got = np.concatenate([rt.read(buf, np.float32, (n,)) for buf, n in parts])
+            assert np.max(np.abs(got - want)) <= rep.tolerance(want, cand), cand.name
+    finally:
+        rt.release(*bufs)

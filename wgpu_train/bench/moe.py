@@ -1,0 +1,123 @@
+"""`bench --only moe`: the grouped-expert kernels (engines/webgpu/moe.py) against running each expert as its own
+dense GEMM with the tuned GEMM kernels, on the same routed tokens, side by side in one run; each path checked
+against NumPy before it is timed."""
+from __future__ import annotations
+
+import numpy as np
+
+from wgpu_train.bench.checks import Capture, max_rel_err
+from wgpu_train.engines.shared import moe as ref
+from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu import moe
+from wgpu_train.engines.webgpu.tuned import gemm as _gemm
+
+# (tokens, hidden, expert width, experts, top-k): 8 experts of ~64 pairs each, and 32 of ~16
+SHAPES = ((256, 256, 128, 8, 2), (256, 256, 128, 32, 2))
+RANK = 16
+
+
+def _run(rt, dispatches):
+    rec = rt.recorder()
+    for d in dispatches:
+        rec.dispatch(*d)
+    rec.submit()
+
+
+def _capture(rt, fn) -> list:
+    cap = Capture(rt)
+    fn(cap)
+    return cap.dispatches
+
+
+def _per_expert(rt, bufs, sorted_x, counts, n_tok, C, I, E):
+    """Each expert with pairs as three dense GEMMs (gate, up, down: the tuned gemm family) and the swiglu, on its
+    rows gathered into expert order beforehand (a cost this path is spared): out (N k, C) in sorted order."""
+    def record(rec):
+        row = 0
+        for e in range(E):
+            n = int(counts[e])
+            if n == 0:
+                continue
+            xs, gate, up, h, out = ((buf, row * w) for buf, w in ((sorted_x, C), (bufs["gate"], I), (bufs["up"], I),
+                                                                  (bufs["h"], I), (bufs["out"], C)))
+            for dst, first in ((gate, 0), (up, I)):
+                for d in _gemm.gemm_dispatches(rt, dst, xs, (bufs["w1"], (e * 2 * I + first) * C), n, I, C, "nt"):
+                    rec.dispatch(*d)
+            K.swiglu_forward(rec, h, gate, up, n * I)
+            for d in _gemm.gemm_dispatches(rt, out, h, (bufs["w2"], e * C * I), n, C, I, "nt"):
+                rec.dispatch(*d)
+            row += n
+    return _capture(rt, record)
+
+
+def bench_moe(rt, ctx) -> list[dict]:
+    """Per shape: the experts' GEMMs grouped (two dispatches: gate/up with the swiglu, then down) against one dense
+    GEMM per expert (three per expert, plus its swiglu), and the whole forward and backward of moe_experts (the
+    grouping, LoRA of rank 16 on both expert parameters, the combine; the backward with the LoRA gradients).
+    "vs_per_expert" is the per-expert path's time over the grouped one's, measured in the same run. GFLOP/s count
+    the base GEMMs' 6 N k I C FLOPs alone (the backward's dh and dx products are as many; LoRA not counted)."""
+    timer = ctx["timer"]
+    out = []
+    for n_tok, C, I, E, k in SHAPES:
+        rng = np.random.default_rng(E)
+        nk = n_tok * k
+        logits = rng.standard_normal((n_tok, E)).astype(np.float32)
+        weights, experts = ref.moe_route_forward(logits, k, True)
+        x = rng.standard_normal((n_tok, C)).astype(np.float32)
+        w1 = (rng.standard_normal((E, 2 * I, C)) / np.sqrt(C)).astype(np.float32)
+        w2 = (rng.standard_normal((E, C, I)) / np.sqrt(I)).astype(np.float32)
+        lgu = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in ((E, RANK, C), (E, 2 * I, RANK))]
+        ldn = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in ((E, RANK, I), (E, C, RANK))]
+        order = np.argsort(experts.reshape(-1), kind="stable")
+        counts = np.bincount(experts.reshape(-1), minlength=E)
+        bufs = {"x": rt.upload(x), "w1": rt.upload(w1), "w2": rt.upload(w2), "weights": rt.upload(weights),
+                "experts": rt.upload(experts), "sorted_x": rt.upload(x[order // k]), "dy": rt.upload(x[::-1].copy()),
+                **{name: rt.buffer(4 * n) for name, n in (("gate", nk * I), ("up", nk * I), ("h", nk * I),
+                                                          ("out", nk * C), ("y", n_tok * C), ("gu", nk * 2 * I),
+                                                          ("dx", n_tok * C), ("dw", nk))}}
+        grads = {f"{p}.lora_{m}": rt.buffer(4 * a.size) for p, pair in (("gate_up", lgu), ("down", ldn))
+                 for m, a in zip("AB", pair)}
+        loras = [moe.MoeLora(rt.upload(a), rt.upload(b), 2.0, RANK) for a, b in (lgu, ldn)]
+        scratch = moe.MoeScratch(rt, n_tok, k, E, C, I, RANK)
+        try:
+            shape = f"N{n_tok} C{C} I{I} E{E} k{k}"
+            # the grouped path, its GEMMs alone: the grouping left in scratch by a forward without LoRA
+            plain = _capture(rt, lambda rec: moe.moe_experts_forward(
+                rec, bufs["y"], bufs["gu"], bufs["x"], bufs["weights"], bufs["experts"], bufs["w1"], bufs["w2"],
+                None, None, n_tok, k, E, C, I, scratch))
+            _run(rt, plain)
+            want_y, _ = ref.moe_experts_forward(x.astype(np.float64), weights, experts, w1.astype(np.float64),
+                                                w2.astype(np.float64))
+            err = max_rel_err(rt.read(bufs["y"], np.float32, (n_tok, C)), want_y)
+            per_expert = _per_expert(rt, bufs, bufs["sorted_x"], counts, n_tok, C, I, E)
+            _run(rt, per_expert)
+            xs = x[order // k].astype(np.float64)
+            gu = np.einsum("qc,qoc->qo", xs, w1[experts.reshape(-1)[order]].astype(np.float64))
+            hh = gu[:, :I] / (1 + np.exp(-gu[:, :I])) * gu[:, I:]
+            want_out = np.einsum("qi,qci->qc", hh, w2[experts.reshape(-1)[order]].astype(np.float64))
+            err = max(err, max_rel_err(rt.read(bufs["out"], np.float32, (nk, C)), want_out))
+            if not err < 1e-4:
+                raise AssertionError(f"moe bench {shape}: a wrong result (max rel err {err:.2e})")
+            grouped = plain[3:5]          # after the grouping's three dispatches: gate/up, down (then the combine)
+            flops = 2.0 * nk * 3 * I * C
+            t_grouped = timer.time(grouped, repeats=3, budget_s=1.0)
+            t_dense = timer.time(per_expert, repeats=3, budget_s=1.0)
+            out.append({"name": "moe", "shape": shape, "kernel": "grouped GEMMs", "ms": t_grouped * 1e3,
+                        "gflops": flops / t_grouped / 1e9, "vs_per_expert": t_dense / t_grouped})
+            out.append({"name": "moe", "shape": shape, "kernel": "per-expert GEMMs", "ms": t_dense * 1e3,
+                        "gflops": flops / t_dense / 1e9})
+            fwd = _capture(rt, lambda rec: moe.moe_experts_forward(
+                rec, bufs["y"], bufs["gu"], bufs["x"], bufs["weights"], bufs["experts"], bufs["w1"], bufs["w2"],
+                loras[0], loras[1], n_tok, k, E, C, I, scratch))
+            bwd = _capture(rt, lambda rec: moe.moe_experts_backward(
+                rec, bufs["dx"], bufs["dw"], grads, bufs["dy"], bufs["x"], bufs["weights"], bufs["experts"],
+                bufs["gu"], bufs["w1"], bufs["w2"], loras[0], loras[1], n_tok, k, E, C, I, scratch))
+            for what, dispatches in (("forward, LoRA r16", fwd), ("backward, LoRA r16", bwd)):
+                t = timer.time(dispatches, repeats=2, budget_s=1.0)
+                out.append({"name": "moe", "shape": shape, "kernel": f"moe_experts {what}", "ms": t * 1e3,
+                            "gflops": flops / t / 1e9, "dispatches": len(dispatches)})
+        finally:
+            scratch.release(rt)
+            rt.release(*bufs.values(), *grads.values(), *(b for lo in loras for b in (lo.a, lo.b)))
+        ctx["sample_peak"]()
+    return out

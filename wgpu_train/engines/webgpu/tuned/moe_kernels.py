@@ -1,0 +1,338 @@
+"""The grouped-expert kernel family (mixtures of experts): the routing, grouping, combine and elementwise kernels of
+shaders/moe.wgsl, the grouped GEMM of shaders/moe_gemm.wgsl (one dispatch over every expert's row blocks, its
+register block a tuned choice) and the experts' summed outer products (LoRA and weight gradients: split-K over
+an expert's rows plus an ordered reduction, or one pass per expert; a tuned choice). The op wrappers are in
+engines/webgpu/moe.py; each problem here checks its candidates against a NumPy product on the device."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
+from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
+from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
+from wgpu_train.engines.webgpu.tuned.family import Family
+from wgpu_train.engines.webgpu.tuned import moe_source
+from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_source
+
+BLOCK = 256                       # pairs per block of the counting sort (shaders/moe.wgsl BLOCK)
+GEMM_CONFIGS = (GemmConfig(4, 4), GemmConfig(8, 2), GemmConfig(2, 4), GemmConfig(1, 4), GemmConfig(4, 1))
+SPLITS = (64, 256)                # sorted rows per tile of the split-K outer products
+LOOP_MARGIN = 16                  # iterations kept free of llvmpipe's budget
+
+
+def _plain(entry: str, bindings: str) -> Kernel:
+    return Kernel("moe", entry, bindings, invocations=WG)
+
+
+ROUTE_FORWARD = _plain("moe_route_forward", "weights! logits _ experts!")
+ROUTE_BACKWARD = _plain("moe_route_backward", "dlogits! dweights logits _ experts dprobs")
+GROUP_COUNT = _plain("moe_group_count", "_ _ _ group! experts")
+GROUP_OFFSETS = _plain("moe_group_offsets", "_ _ _ group!")
+GROUP_SCATTER = _plain("moe_group_scatter", "_ _ _ perm! experts _ group")
+LORA_ROWS = _plain("moe_lora_rows", "out! x m _ experts")
+SWIGLU = _plain("moe_swiglu", "h! gate_up")
+SWIGLU_BACKWARD = _plain("moe_swiglu_backward", "dgate_up! dh gate_up _ _ weights")
+DWEIGHTS = _plain("moe_dweights", "dweights! dh gate_up")
+COMBINE = _plain("moe_combine", "y! out _ _ _ weights")
+OUTER = _plain("moe_outer", "part! u v _ perm weights offsets")
+OUTER_REDUCE = _plain("moe_outer_reduce", "out! part _ _ _ _ offsets")
+PLAIN = (ROUTE_FORWARD, ROUTE_BACKWARD, GROUP_COUNT, GROUP_OFFSETS, GROUP_SCATTER, LORA_ROWS, SWIGLU,
+         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, OUTER, OUTER_REDUCE)
+
+
+def group_blocks(pairs: int) -> int:
+    """Blocks of the counting sort for N k pairs."""
+    return max(1, -(-int(pairs) // BLOCK))
+
+
+def group_size(pairs: int, experts: int) -> int:
+    """u32 elements of the grouping's scratch: (blocks, E) counts, then the offsets (E + 1)."""
+    return group_blocks(pairs) * experts + experts + 1
+
+
+def max_blocks(rows: int, experts: int, per_block: int) -> int:
+    """The most blocks of per_block sorted rows that rows pairs over experts can fill (each expert's last block
+    may be partial): the grid's worst case."""
+    return (rows + min(experts, rows) * (per_block - 1)) // per_block
+
+
+def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool) -> Kernel:
+    bindings = "out! x w offsets perm" + (" hl lb" if lora else (" _ _" if swiglu else "")) + (" h!" if swiglu else "")
+    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora),
+                  invocations=WG)
+
+
+def _fmt(tensors: dict, name: str) -> str:
+    return storage.format_of(split(tensors[name])[0]) if name in tensors else "f32"
+
+
+def _sorted_pairs(experts: np.ndarray, n_experts: int):
+    """(offsets (E + 1,), perm (N k,)) of a routing, as the counting sort makes them."""
+    flat = experts.reshape(-1)
+    perm = np.argsort(flat, kind="stable").astype(np.uint32)
+    offsets = np.searchsorted(flat[perm], np.arange(n_experts + 1)).astype(np.uint32)
+    return offsets, perm
+
+
+def _routing(rng, tokens: int, slots: int, n_experts: int) -> np.ndarray:
+    """A replica's experts (tokens, slots): distinct per token, expert 0 given none, expert 1 most."""
+    experts = np.empty((tokens, slots), np.int32)
+    for t in range(tokens):
+        pool = [e for e in range(n_experts) if e != 0 or n_experts <= slots]
+        pool.sort(key=lambda e: (e != 1, rng.random()))
+        experts[t] = pool[:slots]
+    return experts
+
+
+class MoeGemmProblem:
+    """One grouped GEMM over the routed pairs (rows = N k, grouped by expert: offsets, perm):
+    out[q, o] = sum_i in[row(q), i] W[e, o, i] (+ scale (hl[q] L[e]^T)[o]) for o < cols, in pair order.
+    layout "nt": W (E, W_out, in), L (E, W_out, r) (x W^T, the LoRA B); "nn": W (E, in, W_out), L (E, r, W_out)
+    (dy W, the LoRA A); W_out = 2 cols for the swiglu form (gate columns, then up; h (rows, cols) written too).
+    tensors: out, x, w, offsets, perm, [hl, lb], [h] ({} for a shape alone)."""
+
+    def __init__(self, rt, tensors: dict, rows: int, slots: int, experts: int, in_f: int, cols: int, layout: str,
+                 by_token: bool, rank: int = 0, scale: float = 1.0, swiglu: bool = False):
+        self.rt, self.t = rt, tensors
+        self.rows, self.slots, self.experts = int(rows), int(slots), int(experts)
+        self.in_f, self.cols, self.layout, self.by_token = int(in_f), int(cols), layout, bool(by_token)
+        self.rank, self.scale, self.swiglu = int(rank), float(scale), bool(swiglu)
+        self.w_out = 2 * self.cols if swiglu else self.cols
+        self.x_fmt, self.w_fmt = _fmt(tensors, "x"), _fmt(tensors, "w")
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.w_out * (self.in_f + self.rank)
+
+    def describe(self) -> str:
+        return (f"moe gemm rows{self.rows} E{self.experts} {self.in_f}->{self.w_out} {self.layout}"
+                f"{' swiglu' if self.swiglu else ''}{f' r{self.rank}' if self.rank else ''}")
+
+    def signature(self) -> tuple:
+        return ("moe_gemm", self.rows, self.slots, self.experts, self.in_f, self.cols, self.layout, self.by_token,
+                self.rank, self.swiglu, self.x_fmt, self.w_fmt)
+
+    def key(self) -> str:
+        """The tuner's key: rows to the next power of two, the rest exact."""
+        bucket = 1 << max(0, (self.rows - 1).bit_length())
+        fmt = "" if self.x_fmt == self.w_fmt == "f32" else f" x:{self.x_fmt} w:{self.w_fmt}"
+        return (f"moe gemm rows{bucket} E{self.experts} {self.in_f}->{self.w_out} {self.layout}"
+                f"{' swiglu' if self.swiglu else ''}{f' r{self.rank}' if self.rank else ''}{fmt}")
+
+    def candidates(self) -> list:
+        """The register blocks, within llvmpipe's loop budget on CPU adapters (every one fits but for a reduced
+        dimension of tens of thousands), the default first: 4 x 4 (on lavapipe the fastest of the five at the
+        bench's shapes)."""
+        cands = [GroupedGemm(cfg) for cfg in GEMM_CONFIGS]
+        if is_cpu(self.rt):
+            cands = [c for c in cands if c.loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
+        return cands
+
+    def strides(self) -> dict:
+        """W's and L's strides (expert, output column, reduced index) for the layout."""
+        if self.layout == "nt":
+            w = (self.w_out * self.in_f, self.in_f, 1)
+            lo = (self.w_out * self.rank, self.rank, 1)
+        else:
+            w = (self.in_f * self.w_out, 1, self.w_out)
+            lo = (self.rank * self.w_out, 1, self.w_out)
+        return dict(w_e=w[0], w_o=w[1], w_i=w[2], l_e=lo[0], l_o=lo[1], l_j=lo[2])
+
+    def tolerance(self, want: np.ndarray, cand=None) -> float:
+        """Float32 sums of in_f + rank products (the swiglu's h one rounding more)."""
+        return 1e-6 * math.sqrt(self.in_f + self.rank) * 8 * (1 + float(np.max(np.abs(want))))
+
+    def replica(self, rng):
+        """(problem, [(buffer, elements)], initial values, expected values, buffers to release) on random
+        operands: tokens routed to distinct experts, expert 0 given none."""
+        tokens = self.rows // self.slots if self.by_token else self.rows
+        experts = _routing(rng, max(1, self.rows // self.slots), self.slots, self.experts).reshape(-1)[:self.rows]
+        offsets, perm = _sorted_pairs(experts, self.experts)
+        x = storage.rounded(rng.standard_normal(tokens * self.in_f), self.x_fmt).reshape(tokens, self.in_f)
+        nt = self.layout == "nt"
+        w_shape = (self.experts, self.w_out, self.in_f) if nt else (self.experts, self.in_f, self.w_out)
+        w = storage.rounded(rng.standard_normal(int(np.prod(w_shape))) / math.sqrt(self.in_f), self.w_fmt)
+        w = w.reshape(w_shape)
+        rows_in = x[np.arange(self.rows) // self.slots] if self.by_token else x                 # (rows, in)
+        wt = w if self.layout == "nt" else w.transpose(0, 2, 1)                                   # (E, W_out, in)
+        want = np.einsum("qi,qoi->qo", rows_in.astype(np.float64), wt[experts].astype(np.float64))
+        bufs = {"out": self.rt.upload(np.zeros(self.rows * self.w_out, np.float32), "tune result"),
+                "x": storage.upload(self.rt, x.reshape(-1), self.x_fmt, "tune operand"),
+                "w": storage.upload(self.rt, w.reshape(-1), self.w_fmt, "tune operand"),
+                "offsets": self.rt.upload(offsets, "tune operand"), "perm": self.rt.upload(perm, "tune operand")}
+        if self.rank:
+            hl = rng.standard_normal((self.rows, self.rank)).astype(np.float32)
+            l_shape = (self.experts, self.w_out, self.rank) if nt else (self.experts, self.rank, self.w_out)
+            lb = rng.standard_normal(l_shape).astype(np.float32)
+            lt = lb if self.layout == "nt" else lb.transpose(0, 2, 1)                          # (E, W_out, r)
+            want = want + self.scale * np.einsum("qj,qoj->qo", hl.astype(np.float64), lt[experts].astype(np.float64))
+            bufs["hl"], bufs["lb"] = self.rt.upload(hl, "tune operand"), self.rt.upload(lb, "tune operand")
+        parts, c0 = [(bufs["out"], self.rows * self.w_out)], [np.zeros(self.rows * self.w_out, np.float32)]
+        wants = [want.reshape(-1)]
+        if self.swiglu:
+            bufs["h"] = self.rt.upload(np.zeros(self.rows * self.cols, np.float32), "tune result")
+            gate, up = want[:, :self.cols], want[:, self.cols:]
+            wants.append((gate / (1 + np.exp(-gate)) * up).reshape(-1))
+            parts.append((bufs["h"], self.rows * self.cols))
+            c0.append(np.zeros(self.rows * self.cols, np.float32))
+        rep = MoeGemmProblem(self.rt, bufs, self.rows, self.slots, self.experts, self.in_f, self.cols, self.layout,
+                             self.by_token, self.rank, self.scale, self.swiglu)
+        return rep, parts, np.concatenate(c0), np.concatenate(wants), list(bufs.values())
+
+
+class GroupedGemm:
+    """A register block of rm x rn per invocation; the grid: column blocks x the worst case of row blocks."""
+
+    family = "grouped"
+
+    def __init__(self, cfg: GemmConfig):
+        self.cfg, self.name = cfg, f"moe_gemm/{cfg.name}"
+
+    def loop_iterations(self, p: MoeGemmProblem) -> int:
+        """Per invocation at most, as llvmpipe counts them (each loop its iterations and one more)."""
+        return p.experts + 1 + p.in_f + 1 + (p.rank + 1 if p.rank else 0)
+
+    def dispatches(self, p: MoeGemmProblem) -> list:
+        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0)
+        tokens = p.rows // p.slots if p.by_token else p.rows
+        w_elems = p.experts * p.w_out * p.in_f
+        sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": w_elems, "offsets": p.experts + 1,
+                 "perm": p.rows, "hl": p.rows * p.rank, "lb": p.experts * p.w_out * p.rank, "h": p.rows * p.cols}
+        pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names],
+                                      experts=p.experts, slots=p.slots, by_token=int(p.by_token), in_f=p.in_f,
+                                      cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale, **p.strides())
+        blocks = max_blocks(p.rows, p.experts, self.cfg.rm)
+        gy, gz = flat_grid(blocks)
+        return [(pipeline, resources, (-(-p.cols // (WG * self.cfg.rn)), gy, gz))]
+
+
+class MoeOuterProblem:
+    """The experts' summed outer products: out[e] (O, Q) (+)= scale * sum over expert e's pairs q of
+    (w[q] if weighted) U[row_u(q)]^T V[row_v(q)], rows by token (q // k) where u_token / v_token, else by pair.
+    tensors: out (E, O, Q), u, v, perm, weights, offsets, [part: split-K partials, part_size() elements]."""
+
+    def __init__(self, rt, tensors: dict, rows: int, slots: int, experts: int, o: int, q: int, u_token: bool,
+                 v_token: bool, weighted: bool, scale: float = 1.0, accumulate: bool = False):
+        self.rt, self.t = rt, tensors
+        self.rows, self.slots, self.experts, self.o, self.q = int(rows), int(slots), int(experts), int(o), int(q)
+        self.u_token, self.v_token, self.weighted = bool(u_token), bool(v_token), bool(weighted)
+        self.scale, self.accumulate = float(scale), bool(accumulate)
+        self.u_fmt, self.v_fmt = _fmt(tensors, "u"), _fmt(tensors, "v")
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.o * self.q
+
+    def describe(self) -> str:
+        return f"moe outer rows{self.rows} E{self.experts} {self.o}x{self.q}"
+
+    def signature(self) -> tuple:
+        return ("moe_outer", self.rows, self.slots, self.experts, self.o, self.q, self.u_token, self.v_token,
+                self.weighted, "part" in self.t, self.u_fmt, self.v_fmt)
+
+    def key(self) -> str:
+        bucket = 1 << max(0, (self.rows - 1).bit_length())
+        fmt = "" if self.u_fmt == self.v_fmt == "f32" else f" u:{self.u_fmt} v:{self.v_fmt}"
+        return f"moe outer rows{bucket} E{self.experts} {self.o}x{self.q}{'' if 'part' in self.t else ' direct'}{fmt}"
+
+    def part_size(self, per_tile: int = min(SPLITS)) -> int:
+        """Elements of the split-K partials with per_tile rows a tile."""
+        return max_blocks(self.rows, self.experts, per_tile) * self.o * self.q
+
+    def candidates(self) -> list:
+        """Split-K (where a partials buffer is given: any size of problem; 64 rows a tile first on GPUs, 256 on CPU
+        adapters, whose few threads want long loops) and one pass per expert (its loop as long as the expert's
+        rows: on CPU adapters only where every row fits llvmpipe's budget)."""
+        cpu = is_cpu(self.rt)
+        splits = [SplitOuter(s) for s in (sorted(SPLITS, reverse=cpu) if "part" in self.t else ())]
+        direct = [DirectOuter()] if not cpu or self.rows + self.experts + 2 <= CPU_LOOP_BUDGET - LOOP_MARGIN else []
+        if not splits + direct:
+            raise ValueError(f"{self.describe()}: too many rows for one pass per expert on this CPU adapter, and no "
+                             "split-K partials buffer given")
+        return splits + direct
+
+    def tolerance(self, want: np.ndarray, cand=None) -> float:
+        """Float32 sums over an expert's rows."""
+        return 1e-6 * math.sqrt(self.rows) * 8 * (1 + float(np.max(np.abs(want))))
+
+    def replica(self, rng):
+        """This shape on random operands (expert 0 given no rows), with a partials buffer where this has one."""
+        experts = _routing(rng, max(1, self.rows // self.slots), self.slots, self.experts).reshape(-1)[:self.rows]
+        offsets, perm = _sorted_pairs(experts, self.experts)
+        tokens = -(-self.rows // self.slots)
+        u = storage.rounded(rng.standard_normal((tokens if self.u_token else self.rows) * self.o), self.u_fmt)
+        v = storage.rounded(rng.standard_normal((tokens if self.v_token else self.rows) * self.q), self.v_fmt)
+        w = rng.uniform(0.1, 1.0, self.rows).astype(np.float32)
+        qs = np.arange(self.rows)
+        ur = u.reshape(-1, self.o)[qs // self.slots if self.u_token else qs].astype(np.float64)
+        vr = v.reshape(-1, self.q)[qs // self.slots if self.v_token else qs].astype(np.float64)
+        if self.weighted:
+            ur = ur * w[:, None]
+        out0 = rng.standard_normal(self.experts * self.o * self.q).astype(np.float32)
+        want = np.zeros((self.experts, self.o, self.q))
+        np.add.at(want, experts, self.scale * ur[:, :, None] * vr[:, None, :])
+        want = want.reshape(-1) + (out0 if self.accumulate else 0)
+        bufs = {"out": self.rt.upload(out0, "tune result"), "u": storage.upload(self.rt, u, self.u_fmt, "tune operand"),
+                "v": storage.upload(self.rt, v, self.v_fmt, "tune operand"),
+                "perm": self.rt.upload(perm, "tune operand"),
+                "weights": self.rt.upload(w, "tune operand"), "offsets": self.rt.upload(offsets, "tune operand")}
+        if "part" in self.t:
+            bufs["part"] = self.rt.buffer(4 * self.part_size(), "tune scratch")
+        rep = MoeOuterProblem(self.rt, bufs, self.rows, self.slots, self.experts, self.o, self.q, self.u_token,
+                              self.v_token, self.weighted, self.scale, self.accumulate)
+        return rep, bufs["out"], out0, want, list(bufs.values())
+
+
+def _outer_dispatch(p: MoeOuterProblem, target, per_tile: int, tiles: int, accumulate: bool):
+    tokens = -(-p.rows // p.slots)
+    sizes = {"u": (tokens if p.u_token else p.rows) * p.o, "v": (tokens if p.v_token else p.rows) * p.q,
+             "perm": p.rows, "weights": p.rows, "offsets": p.experts + 1}
+    tensors = [(target, tiles * p.o * p.q)] + [(p.t[name], sizes[name]) for name in OUTER.names[1:]]
+    flags = int(p.u_token) | 2 * int(p.v_token) | 4 * int(p.weighted)
+    pipeline, resources = prepare(p.rt, OUTER, tensors, s0=p.o, s1=p.q, s2=p.experts, s3=p.slots, s4=per_tile,
+                                  s5=flags, s6=int(accumulate), f0=p.scale)
+    gx, gy = flat_grid(-(-(p.o * p.q) // WG))
+    return pipeline, resources, (gx, gy, tiles)
+
+
+class SplitOuter:
+    """Each tile of `per_tile` sorted rows of one expert summed into its partials, then each expert's tiles
+    summed in order (no float atomics)."""
+
+    family = "split"
+
+    def __init__(self, per_tile: int):
+        self.per_tile, self.name = per_tile, f"moe_outer/split{per_tile}"
+
+    def dispatches(self, p: MoeOuterProblem) -> list:
+        tiles = max_blocks(p.rows, p.experts, self.per_tile)
+        first = _outer_dispatch(p, p.t["part"], self.per_tile, tiles, False)
+        tensors = [(p.t["out"], p.experts * p.o * p.q), (p.t["part"], tiles * p.o * p.q),
+                   (p.t["offsets"], p.experts + 1)]
+        pipeline, resources = prepare(p.rt, OUTER_REDUCE, tensors, s0=p.o * p.q, s1=p.experts, s4=self.per_tile,
+                                      s6=int(p.accumulate))
+        return [first, (pipeline, resources, flat_grid(-(-(p.experts * p.o * p.q) // WG)))]
+
+
+class DirectOuter:
+    """One tile per expert holding all its rows, written straight to the output (no partials)."""
+
+    family = "direct"
+    name = "moe_outer/direct"
+
+    def dispatches(self, p: MoeOuterProblem) -> list:
+        return [_outer_dispatch(p, p.t["out"], 0, p.experts, p.accumulate)]
+
+
+def all_kernels() -> list[Kernel]:
+    """Every kernel descriptor of the family (the binding-limit and Tint checks go through them)."""
+    return list(PLAIN) + [gemm_kernel(cfg, swiglu, lora) for cfg in GEMM_CONFIGS for swiglu in (False, True)
+                          for lora in (False, True)]
+
+
+FAMILY = Family("moe", shaders=("moe", "moe_gemm"), modules=(__file__, moe_source.__file__),
+                all_kernels=all_kernels, benches=("moe",))

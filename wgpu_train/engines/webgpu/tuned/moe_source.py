@@ -1,0 +1,90 @@
+"""The grouped-expert GEMM's source builder (shaders/moe_gemm.wgsl): its register block (RM sorted rows x RN
+columns per invocation), the swiglu form (gate and up columns together, h written too) and the LoRA term, each a
+parameter of one builder; the loops over the block's rows and columns are unrolled here, so the accumulators
+stay in registers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wgpu_train.engines.webgpu.device.shaders import shader_text
+
+WG = 64                   # invocations per workgroup, along the columns
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """RM sorted rows (one expert's) x RN columns per invocation; a workgroup covers RM rows x 64 * RN columns."""
+
+    rm: int
+    rn: int
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rm}x{self.rn}"
+
+
+LORA_DECL = """@group(0) @binding(6) var<storage, read> hl: array<f32>;        // (N k, r) LoRA A products
+@group(0) @binding(7) var<storage, read> lb: array<f32>;        // L, E stacked"""
+LORA_MARK = "// @lora: hl (N k, r) f32 and L (E stacked) f32 at bindings 6 and 7"
+SWIGLU_MARK = "// @swiglu: h (N k, I) f32 at binding 8"
+SWIGLU_DECL = "@group(0) @binding(8) var<storage, read_write> h: array<f32>;   // (N k, I) pair order"
+
+
+def _body(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
+    """The kernel's body after the expert's block is found: loads, the reduction, the LoRA term, the stores."""
+    heads = ["g"] + (["u"] if swiglu else [])       # the accumulator sets: gate (or the only one), up
+    lines = []
+    for i in range(rm):
+        lines.append(f"    let q{i} = perm[P.o5 + min(row0 + {i}u, row1)];")
+        lines.append(f"    let x{i} = P.o2 + select(q{i}, q{i} / P.slots, P.by_token != 0u) * P.in_f;")
+    for j in range(rn):
+        lines.append(f"    let col{j} = min(c0 + {j * WG}u, P.cols - 1u);")
+        lines.append(f"    let w{j} = wb + col{j} * P.w_o;")
+        if swiglu:
+            lines.append(f"    let v{j} = wb + (col{j} + P.cols) * P.w_o;")
+    lines += [f"    var {h}{i}_{j} = 0.0;" for h in heads for i in range(rm) for j in range(rn)]
+    lines.append("    for (var k = 0u; k < P.in_f; k = k + 1u) {")
+    lines += [f"        let a{i} = x_ld(x{i} + k);" for i in range(rm)]
+    for j in range(rn):
+        lines.append(f"        let b{j} = w_ld(w{j} + k * P.w_i);")
+        if swiglu:
+            lines.append(f"        let d{j} = w_ld(v{j} + k * P.w_i);")
+    for i in range(rm):
+        for j in range(rn):
+            lines.append(f"        g{i}_{j} = fma(a{i}, b{j}, g{i}_{j});")
+            if swiglu:
+                lines.append(f"        u{i}_{j} = fma(a{i}, d{j}, u{i}_{j});")
+    lines.append("    }")
+    if lora:
+        lines.append("    let lbase = e * P.l_e;")
+        lines.append("    for (var t = 0u; t < P.rank; t = t + 1u) {")
+        lines += [f"        let s{i} = P.scale * hl[P.o6 + q{i} * P.rank + t];" for i in range(rm)]
+        for j in range(rn):
+            lines.append(f"        let l{j} = lb[P.o7 + lbase + col{j} * P.l_o + t * P.l_j];")
+            if swiglu:
+                lines.append(f"        let m{j} = lb[P.o7 + lbase + (col{j} + P.cols) * P.l_o + t * P.l_j];")
+        for i in range(rm):
+            for j in range(rn):
+                lines.append(f"        g{i}_{j} = fma(s{i}, l{j}, g{i}_{j});")
+                if swiglu:
+                    lines.append(f"        u{i}_{j} = fma(s{i}, m{j}, u{i}_{j});")
+        lines.append("    }")
+    for i in range(rm):
+        for j in range(rn):
+            lines.append(f"    if (row0 + {i}u <= row1 && c0 + {j * WG}u < P.cols) {{")
+            lines.append(f"        dst[P.o1 + q{i} * P.out_f + col{j}] = g{i}_{j};")
+            if swiglu:
+                lines.append(f"        dst[P.o1 + q{i} * P.out_f + col{j} + P.cols] = u{i}_{j};")
+                lines.append(f"        h[P.o8 + q{i} * P.cols + col{j}] = silu_up(g{i}_{j}, u{i}_{j});")
+            lines.append("    }")
+    return "\n".join(lines)
+
+
+def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
+    """shaders/moe_gemm.wgsl for a register block of rm x rn, in its swiglu or plain form, with or without the
+    LoRA term (a Kernel's source: launch expands its tensor markers for x's and W's storage formats)."""
+    text = shader_text("moe_gemm")
+    text = text.replace("// @body", _body(rm, rn, swiglu, lora))
+    text = text.replace(LORA_MARK, LORA_DECL if lora else "")
+    text = text.replace(SWIGLU_MARK, SWIGLU_DECL if swiglu else "")
+    return f"const RM: u32 = {rm}u;\nconst RN: u32 = {rn}u;\n" + text
