@@ -129,3 +129,43 @@ fn swiglu_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         i_up_st(p.o2 + i, d.y);
     }
 }
+
+// ---- Qwen2-MoE's shared expert behind its gate: y = sigmoid(g) x, g one value per row of x ----
+// Uniform: s0 = rows N, s1 = row width C.
+
+// forward, an invocation per element: 1 y (N, C) (out), 2 x (N, C), 3 g (N, 1)
+// @tensor 1 g_y read_write
+// @tensor 2 g_x read
+// @tensor 3 g_g read
+
+@compute @workgroup_size(256)
+fn sigmoid_gate_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = (wid.y * nwg.x + wid.x) * 256u + lid.x;
+    if (i >= p.s0 * p.s1) { return; }
+    g_y_st(p.o1 + i, sigmoid(g_g_ld(p.o3 + i / p.s1)) * g_x_ld(p.o2 + i));
+}
+
+// backward, an invocation per row (its dg a sum over the row, no atomics): 1 dx (N, C) (out), 2 dg (N, 1) (out),
+// 3 dy (N, C), 4 x (N, C), 5 g (N, 1)
+// @tensor 1 h_dx read_write
+// @tensor 2 h_dg read_write
+// @tensor 3 h_dy read
+// @tensor 4 h_x read
+// @tensor 5 h_g read
+
+@compute @workgroup_size(64)
+fn sigmoid_gate_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = (wid.y * nwg.x + wid.x) * 64u + lid.x;
+    if (row >= p.s0) { return; }
+    let s = sigmoid(h_g_ld(p.o5 + row));
+    var acc: f32 = 0.0;
+    for (var c: u32 = 0u; c < p.s1; c = c + 1u) {
+        let i = row * p.s1 + c;
+        let dy = h_dy_ld(p.o3 + i);
+        h_dx_st(p.o1 + i, dy * s);
+        acc = acc + dy * h_x_ld(p.o4 + i);
+    }
+    h_dg_st(p.o2 + row, acc * s * (1.0 - s));
+}

@@ -72,8 +72,9 @@ def test_fused_projections_are_split(qwen3):
 def test_memory_plan_is_the_layer_plan(qwen3):
     cfg = wt.load_model(qwen3).config
     plan = layer_plan(cfg)
-    layer, shared = activation_plan(cfg, 2, 8, {}, {}, train=True)
-    assert layer == {name: 16 * width for name, width in plan.widths.items()}
+    layers, shared = activation_plan(cfg, 2, 8, {}, {}, train=True)
+    assert set(layers) == set(range(cfg.num_hidden_layers))
+    assert all(layer == {name: 16 * width for name, width in plan.widths.items()} for layer in layers.values())
     assert all(shared[g] == 16 * w for g, w in plan.grad_widths.items())
 
 

@@ -39,7 +39,7 @@ def _probe_lora(cfg: ModelConfig, rng) -> dict:
     """set_lora's modules: rank PROBE_RANK on every linear module, A small and B zero (PEFT's start)."""
     mods = {}
     for i in range(cfg.num_hidden_layers):
-        for m in cfg.linear_modules:
+        for m in cfg.layer_modules(i):
             out_f, in_f = cfg.linear_shape(m)
             mods[module_path(i, m)] = (rng.uniform(-0.1, 0.1, (PROBE_RANK, in_f)).astype(np.float32),
                                        np.zeros((out_f, PROBE_RANK), np.float32), 2.0, 0.0)

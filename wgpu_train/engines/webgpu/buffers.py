@@ -7,8 +7,10 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import DeviceError
-from wgpu_train.engines.webgpu.memory import (SHARED_LAYER, activation_format, activation_plan, activation_ranks,
-                                              bucket_tokens, check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.webgpu.memory import (MOE_SCRATCH, SHARED_LAYER, activation_format, activation_plan,
+                                              activation_ranks, bucket_tokens, check_fits, head_rows, layer_ranks)
+from wgpu_train.engines.webgpu.moe import MoeLora, MoeScratch
+from wgpu_train.models.weights import module_name
 from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.shared.boundary import unpack_boundary
 from wgpu_train.models.layer_plan import INPUT
@@ -28,6 +30,17 @@ class GpuLora:
         self.m = self.gm = self.wsq = self.rn = None
         self.r, self.in_f = shape_a
         self.out_f = shape_b[0]
+
+
+class GpuExpertLora:
+    """LoRA pairs on an MoE layer's expert tensor (one pair per expert): views of A (E, r, in) and B (E, out, r) and
+    of their gradients; `pair` is what the moe ops take."""
+
+    def __init__(self, path, a, b, ga, gb, shape_a, shape_b, scale):
+        self.path, self.a, self.b, self.ga, self.gb, self.scale = path, a, b, ga, gb, float(scale)
+        self.experts, self.rank, self.in_f = shape_a
+        self.out_f = shape_b[1]
+        self.pair = MoeLora(a, b, self.scale, self.rank)
 
 
 def loss_head_size(m: int, n: int) -> int:
@@ -72,13 +85,15 @@ class Activations:
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, capacity: int, lora_ranks: dict, dropout_inputs: dict,
                  train: bool, checkpoint: bool = False, batch: tuple = (1, 0), dora_outputs: dict | None = None,
-                 precision: Precision = Precision.FP32, layers: range | None = None, head: bool = True):
+                 precision: Precision = Precision.FP32, layers: range | None = None, head: bool = True,
+                 expert_rank: int = 0):
         self.capacity, self.train = capacity, train
         self.checkpoint = checkpoint and train
         self.head_rows = head_rows(cfg, capacity, rt.max_binding)    # logits rows per chunk of the loss head
-        layer, shared = activation_plan(cfg, 1, capacity, lora_ranks, dropout_inputs, train, self.checkpoint,
-                                        rt.max_binding, dora_outputs, head)
-        check_fits(cfg, batch[0], batch[1], rt.max_binding, layer, shared)    # named after the batch that asked
+        own, shared = activation_plan(cfg, 1, capacity, lora_ranks, dropout_inputs, train, self.checkpoint,
+                                      rt.max_binding, dora_outputs, head, layers, expert_rank)
+        for part in own.values():      # named after the batch that asked
+            check_fits(cfg, batch[0], batch[1], rt.max_binding, part, shared)
         # set per use: the batch's shape, its Inputs, n_head (rows of the loss head, gathered by head_index)
         self.b = self.t = self.n = self.n_head = 0
         self.rope_long = False
@@ -95,10 +110,13 @@ class Activations:
         try:
             one_set = {name[len(SHARED_LAYER):]: allocate(name, e) for name, e in shared.items()
                        if name.startswith(SHARED_LAYER)}
-            self.layers = {i: {**{name: allocate(name, e) for name, e in layer.items()}, **one_set}
-                           for i in (range(cfg.num_hidden_layers) if layers is None else layers)}
+            self.layers = {i: {**{name: allocate(name, e) for name, e in part.items()}, **one_set}
+                           for i, part in own.items()}
+            scratch = {name[len(MOE_SCRATCH):]: allocate(name, e) for name, e in shared.items()
+                       if name.startswith(MOE_SCRATCH)}
+            self.moe = MoeScratch.of(scratch, capacity, cfg.moe, cfg.hidden_size, expert_rank) if scratch else None
             for name, e in shared.items():
-                if not name.startswith(SHARED_LAYER):
+                if not name.startswith((SHARED_LAYER, MOE_SCRATCH)):
                     setattr(self, name, allocate(name, e))
         except DeviceError as e:
             hint = "" if self.checkpoint or not train else ", or pass --gradient-checkpointing"
@@ -136,12 +154,14 @@ class BucketCache:
         self.inputs: dict = {}
         self.lora: dict = {}          # path -> GpuLora
         self.groups: dict = {}        # module name -> the modules that run their LoRA as one
+        self.expert_lora: dict = {}   # expert tensor path -> GpuExpertLora (their rank sizes the MoE scratch)
         self.checkpoint = False
 
-    def set_adapter(self, lora: dict, groups: dict):
-        """The LoRA modules (path -> GpuLora) and groups the buckets hold buffers for; frees every bucket."""
+    def set_adapter(self, lora: dict, groups: dict, expert_lora: dict | None = None):
+        """The LoRA modules (path -> GpuLora), groups and LoRA pairs on experts (path -> GpuExpertLora) the buckets
+        hold buffers for; frees every bucket."""
         self.release()
-        self.lora, self.groups = lora, groups
+        self.lora, self.groups, self.expert_lora = lora, groups, expert_lora or {}
 
     def set_checkpointing(self, on: bool):
         """Training buckets keep only each layer's input (gradient checkpointing) or every buffer; frees every
@@ -171,14 +191,15 @@ class BucketCache:
                     break
                 self.free_bucket(old)
             ranks = activation_ranks(layer_ranks({p: m.r for p, m in self.lora.items()}), self.groups)
-            drop = {p.rsplit(".", 1)[1]: m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
-            dora = {p.rsplit(".", 1)[1]: m.out_f for p, m in self.lora.items() if m.m is not None}
+            drop = {module_name(p): m.in_f for p, m in self.lora.items() if m.dropout > 0 and train}
+            dora = {module_name(p): m.out_f for p, m in self.lora.items() if m.m is not None}
+            moe_rank = max([m.rank for m in self.expert_lora.values()] + [0])
             try:
                 acts = Activations(self.rt, self.cfg, bucket_tokens(n), ranks, drop, train, checkpoint, (b, t), dora,
-                                   self.precision, self.span, self.last)
+                                   self.precision, self.span, self.last, moe_rank)
             except DeviceError:     # the rounded-up bucket does not fit: one of the batch's own size
                 acts = Activations(self.rt, self.cfg, n, ranks, drop, train, checkpoint, (b, t), dora,
-                                   self.precision, self.span, self.last)
+                                   self.precision, self.span, self.last, moe_rank)
             self.counters["buckets_allocated"] += 1
         self.acts[acts.key] = acts          # most recently used last
         acts.use(b, t)
@@ -195,6 +216,7 @@ class BucketCache:
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
         bufs = list({id(b): b for layer in acts.layers.values() for b in layer.values()}.values())
         bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in INPUT_NAMES]
+        bufs += acts.moe.buffers() if acts.moe is not None else []
         self.rt.release(*bufs)
 
     def release(self):

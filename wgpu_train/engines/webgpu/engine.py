@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import layer_plan
+from wgpu_train.models.layer_plan import layer_plans
+from wgpu_train.models.weights import module_name
+from wgpu_train.adapters.experts import is_expert_path
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
@@ -23,7 +26,7 @@ from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.recorder import submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
-from wgpu_train.engines.webgpu.buffers import Activations, BucketCache, GpuLora
+from wgpu_train.engines.webgpu.buffers import Activations, BucketCache, GpuExpertLora, GpuLora
 from wgpu_train.engines.webgpu.dora import DoraNorms
 from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
 from wgpu_train.engines.webgpu.kv_cache import KvCacheGeneration
@@ -48,9 +51,6 @@ class WgpuEngine(EngineState):
         engines/numpy/precision.py does; f16 adds dynamic loss scaling. span, first, last: a pipeline stage's
         layers, and whether it holds the embedding and the final norm and head (webgpu/stage.py); by default
         the whole model, whose weights are every one of `weights`."""
-        if cfg.moe is not None:     # the grouped-expert kernels exist (moe.py) but the layer recording lacks them
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run mixture-of-experts layers yet; use "
-                              f"--backend numpy")
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
@@ -60,6 +60,9 @@ class WgpuEngine(EngineState):
         if not precision.resolved:
             raise ValueError("WgpuEngine takes a resolved precision (engines/loading.py resolves auto)")
         check_precision_widths(precision, cfg)
+        if cfg.moe is not None and precision.sixteen_bit:
+            raise ConfigError(f"{cfg.label}: the WebGPU engine runs a mixture of experts with float32 activations "
+                              f"only (its grouped-expert kernels write float32); use --precision fp32")
         self.precision = precision
         self.loss_scaler = LossScaler() if precision.loss_scaling else None
         self.cfg, self.rt = cfg, rt
@@ -86,6 +89,7 @@ class WgpuEngine(EngineState):
                     uploaded[f.tobytes()] = rt.upload(f, "inv_freq")
             inv_freqs.append([uploaded[f.tobytes()] for f in freqs])
         self.lora: dict[str, GpuLora] = {}
+        self.expert_lora: dict[str, GpuExpertLora] = {}    # LoRA pairs on MoE experts (set_lora)
         self._group_of: dict = {}  # module name -> its LoRA group (set_lora)
         self.trained: tuple = ()   # base weights trained (full fine-tuning: all; modules_to_save: some)
         self._lora_packed = None
@@ -98,7 +102,7 @@ class WgpuEngine(EngineState):
         self.dora = DoraNorms(rt, self.w)
         self.dropout = DropoutSeeds(rt, cfg.num_hidden_layers * len(cfg.linear_modules))
         self.optimizer = Optimizer(rt)
-        self.layers = LayerRecorder(cfg, layer_plan(cfg), self.w, inv_freqs, self.dora, self.dropout, step_buf,
+        self.layers = LayerRecorder(cfg, layer_plans(cfg), self.w, inv_freqs, self.dora, self.dropout, step_buf,
                                     self.counters, span, first, last)
         self.steps = StepRunner(rt, cfg, precision, self.buckets, self.layers, self.dropout, self.optimizer,
                                 self.dora, step_buf, self.counters)
@@ -154,34 +158,47 @@ class WgpuEngine(EngineState):
         self._release_acts()
         if self._lora_packed:
             self.rt.release(self._lora_packed[0].buf, self._lora_packed[1].buf)
-        self.lora, self._lora_packed = self._upload_lora(modules)
+        self.lora, self.expert_lora, self._lora_packed = self._upload_lora(modules)
         self.dora.setup(self.lora)
         self._group_of = self._lora_groups(self.lora)
-        self.buckets.set_adapter(self.lora, self._group_of)
-        self.layers.set_adapter(self.lora, self._group_of)
+        self.buckets.set_adapter(self.lora, self._group_of, self.expert_lora)
+        self.layers.set_adapter(self.lora, self._group_of, self.expert_lora)
         self._reset_training_state()
 
     def _upload_lora(self, modules: dict) -> tuple:
-        """set_lora's modules packed and uploaded: (path -> GpuLora, (packed parameters, packed gradients))."""
+        """set_lora's modules packed and uploaded: (path -> GpuLora, expert tensor path -> GpuExpertLora (A
+        (E, r, in), B (E, out, r)), (packed parameters, packed gradients))."""
         modules = {p: split_entry(e) for p, e in modules.items()}
-        # every A first, layer by layer in module order, so that the A matrices of a group lie back to back
-        order = sorted(modules, key=lambda p: (int(p.split(".")[2]), self.cfg.linear_modules.index(p.rsplit(".", 1)[1])))
+        # every A first, layer by layer in module order (a layer's experts last), so that the A matrices of a
+        # group lie back to back
+        order = sorted(modules, key=self._packing_order)
         shapes = {p + ".lora_A": modules[p][0].shape for p in order}
         shapes.update({p + ".lora_B": modules[p][1].shape for p in order})
         shapes.update({f"{p}.{MAGNITUDE}": (modules[p][1].shape[0],) for p in order if modules[p][4] is not None})
-        lora = {}
+        lora, experts = {}, {}
         params, grads = Packed(self.rt, shapes, "lora_params"), Packed(self.rt, shapes, "lora_grads")
         for path, (a, b, s, d, mag) in modules.items():
-            layer, module = int(path.split(".")[2]), path.rsplit(".", 1)[1]
+            layer, module = int(path.split(".")[2]), module_name(path)
             na, nb, nm = path + ".lora_A", path + ".lora_B", f"{path}.{MAGNITUDE}"
             self._write(params.view(na), a)
             self._write(params.view(nb), b)
+            if is_expert_path(path):       # adapters/config.py refuses dropout and DoRA on experts
+                experts[path] = GpuExpertLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
+                                              a.shape, b.shape, s)
+                continue
             lora[path] = GpuLora(path, params.view(na), params.view(nb), grads.view(na), grads.view(nb),
                                  a.shape, b.shape, s, d, self.cfg.module_id(layer, module))
             if mag is not None:
                 self._write(params.view(nm), mag)
                 lora[path].m, lora[path].gm = params.view(nm), grads.view(nm)
-        return lora, (params, grads)
+        return lora, experts, (params, grads)
+
+    def _packing_order(self, path: str) -> tuple:
+        """(layer, the module's place among the layer's modules, its experts after them) of a LoRA path."""
+        layer = int(path.split(".")[2])
+        if is_expert_path(path):
+            return layer, len(self.cfg.linear_modules) + EXPERT_PARAMETERS.index(path.rsplit(".", 1)[1])
+        return layer, self.cfg.linear_modules.index(module_name(path))
 
     def _lora_groups(self, lora: dict) -> dict:
         """module name -> the modules of `lora` (path -> GpuLora) that run their LoRA as one (memory.lora_groups'
@@ -208,10 +225,10 @@ class WgpuEngine(EngineState):
         return self.rt.info.describe()
 
     def set_full_finetune(self, enabled: bool = True):
-        frozen = sorted(k for k, t in self.w.items() if isinstance(t, QuantMatrix))
+        frozen = sorted(k for k in self.w if self._stored_as(k) != "float32")
         if enabled and frozen:
             raise ConfigError(f"full fine-tuning needs float32 weights, but {frozen[0]} is stored as "
-                              f"{self.w[frozen[0]].dtype}; use LoRA or load the model with float32")
+                              f"{self._stored_as(frozen[0])}; use LoRA or load the model with float32")
         self.set_trained_base(tuple(self.w) if enabled else ())
 
     def set_trained_base(self, names, untie: bool = False):
@@ -230,7 +247,7 @@ class WgpuEngine(EngineState):
         if unknown:
             raise ValueError(f"set_trained_base: no base weight {unknown[0]}")
         for name in names:
-            if isinstance(self.w[name], QuantMatrix):
+            if self._stored_as(name) != "float32":
                 arr = self._weight(name)
                 self.rt.release(*weight_buffers(self.w[name]))
                 self.w[name] = store_weight(self.rt, name, arr, "float32", "float32")
@@ -285,7 +302,10 @@ class WgpuEngine(EngineState):
         self.dora.stale = True
 
     def lora_tensors(self) -> dict:
-        return {p: (self._read(m.a, (m.r, m.in_f)), self._read(m.b, (m.out_f, m.r))) for p, m in self.lora.items()}
+        out = {p: (self._read(m.a, (m.r, m.in_f)), self._read(m.b, (m.out_f, m.r))) for p, m in self.lora.items()}
+        out.update({p: (self._read(m.a, (m.experts, m.rank, m.in_f)), self._read(m.b, (m.experts, m.out_f, m.rank)))
+                    for p, m in self.expert_lora.items()})
+        return out
 
     def weights(self) -> dict:
         """Base weights as float32 (float16 / NF4 ones dequantised)."""
@@ -294,7 +314,20 @@ class WgpuEngine(EngineState):
     def _weight(self, name) -> np.ndarray:
         """One base weight as float32 (dequantised)."""
         t = self.w[name]
-        return t.read(self.rt) if isinstance(t, QuantMatrix) else self._read(t, self.shapes[name])
+        if isinstance(t, QuantMatrix):
+            return t.read(self.rt)
+        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format
+            return storage.read(self.rt, t, int(np.prod(self.shapes[name]))).reshape(self.shapes[name])
+        return self._read(t, self.shapes[name])
+
+    def _stored_as(self, name) -> str:
+        """The storage dtype of base weight `name`: a QuantMatrix's, an expert tensor's format, else float32."""
+        t = self.w[name]
+        if isinstance(t, QuantMatrix):
+            return str(t.dtype)
+        if len(self.shapes[name]) == 3:
+            return {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[storage.format_of(t)]
+        return "float32"
 
     def set_base_weights(self, weights: dict):
         """Replace base weights by name: each stored anew as at load (its old buffers released)."""

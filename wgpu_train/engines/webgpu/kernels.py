@@ -362,6 +362,20 @@ def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
                 (up, n, "up", False)], (n,), shader="swiglu")
 
 
+def sigmoid_gate_forward(rec, y, x, g, n, c):
+    """y (n, c) = x * sigmoid(g), g (n, 1): Qwen2-MoE's gated shared expert (shaders/swiglu.wgsl)."""
+    _elems(rec, "swiglu", "sigmoid_gate_forward", n * c, [(y, n * c, "y", True), (x, n * c, "x", False),
+                                                           (g, n, "g", False)], (n, c))
+
+
+def sigmoid_gate_backward(rec, dx, dg, dy, x, g, n, c):
+    """dx (n, c), dg (n, 1) of sigmoid_gate_forward, both written; an invocation per row."""
+    if n > 0:
+        _run(rec, "swiglu", "sigmoid_gate_backward", flat_grid(-(-n // 64)),
+             [(dx, n * c, "dx", True), (dg, n, "dg", True), (dy, n * c, "dy", False), (x, n * c, "x", False),
+              (g, n, "g", False)], (n, c))
+
+
 def geglu_forward(rec, h, gate, up, n):
     """h = gelu_tanh(gate) * up over n elements."""
     _pairs(rec, "geglu_forward", n, [(h, n, "h", True), (gate, n, "gate", False), (up, n, "up", False)], (n,),

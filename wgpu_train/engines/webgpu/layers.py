@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
-from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import INPUT, OUTPUT, LayerPlan
 from wgpu_train.engines.webgpu import kernels as K
@@ -15,6 +15,8 @@ from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.buffers import Activations, GpuLora
 from wgpu_train.engines.webgpu.dora import DoraNorms, dora_linear_backward, dora_linear_forward
+from wgpu_train.engines.webgpu.moe import (moe_experts_backward, moe_experts_forward, moe_route_backward,
+                                           moe_route_forward)
 from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
 from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 
@@ -31,17 +33,19 @@ class LayerRecorder:
     starts from the output's gradient in the residual stream's gradient buffer (d_res), where it leaves its
     input's."""
 
-    def __init__(self, cfg: ModelConfig, plan: LayerPlan, w: dict, inv_freqs: list, dora: DoraNorms,
+    def __init__(self, cfg: ModelConfig, plans: list, w: dict, inv_freqs: list, dora: DoraNorms,
                  dropout: DropoutSeeds, step_buf, counters: dict, span: range | None = None, first: bool = True,
                  last: bool = True):
-        """inv_freqs [long][layer]: RoPE's frequency buffers; step_buf: the step's scalars (grad_scale first),
-        which the cross-entropy backward reads; counters: the engine's, whose loss heads this counts."""
-        self.cfg, self.plan, self.w, self.inv_freqs = cfg, plan, w, inv_freqs
+        """plans: every layer's plan, by layer (models/layer_plan.layer_plans); inv_freqs [long][layer]: RoPE's
+        frequency buffers; step_buf: the step's scalars (grad_scale first), which the cross-entropy backward
+        reads; counters: the engine's, whose loss heads this counts."""
+        self.cfg, self.plans, self.w, self.inv_freqs = cfg, list(plans), w, inv_freqs
         self.span = range(cfg.num_hidden_layers) if span is None else span
         self.first, self.last = first, last
         self.dora, self.dropout, self.step_buf, self.counters = dora, dropout, step_buf, counters
         self.lora: dict = {}          # path -> GpuLora
         self.groups: dict = {}        # module name -> the modules that run their LoRA as one
+        self.expert_lora: dict = {}   # expert tensor path -> GpuExpertLora
         self.grads: dict = {}         # trained name -> its gradient tensor
         self.adapter_enabled = True   # False: forwards skip every LoRA module (a preference objective's reference)
         self.loss_temperature = 1.0
@@ -51,9 +55,20 @@ class LayerRecorder:
         self._pending: dict = {}      # member -> dy of a group whose LoRA backward waits for the others
         self._where = ""
 
-    def set_adapter(self, lora: dict, groups: dict):
-        """The LoRA modules (path -> GpuLora) and their groups (module name -> members) to record."""
-        self.lora, self.groups = lora, groups
+    @property
+    def plan(self) -> LayerPlan:
+        """The first layer's plan (every layer's in a model without layer kinds); set: every layer walks the
+        plan given (a variant a test compares the engines on)."""
+        return self.plans[0]
+
+    @plan.setter
+    def plan(self, plan: LayerPlan):
+        self.plans = [plan] * len(self.plans)
+
+    def set_adapter(self, lora: dict, groups: dict, expert_lora: dict | None = None):
+        """The LoRA modules (path -> GpuLora), their groups (module name -> members) and the LoRA pairs on MoE
+        experts (path -> GpuExpertLora) to record."""
+        self.lora, self.groups, self.expert_lora = lora, groups, expert_lora or {}
 
     def set_grads(self, grads: dict):
         """The gradients (name -> tensor) of the trained tensors: those of base weights are written here."""
@@ -163,7 +178,7 @@ class LayerRecorder:
         x_next = acts.layers[i + 1][INPUT] if i + 1 in acts.layers else acts.x_final
         buf = {**a, OUTPUT: x_next}
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
-        for op in self.plan.ops:
+        for op in self.plans[i].ops:
             if recompute and OUTPUT in op.outputs:
                 lora = self.lora.get(module_path(i, op.param)) if op.kind == "linear" else None
                 if lora is not None:
@@ -191,7 +206,7 @@ class LayerRecorder:
     def _forward_linear(self, rec, op, i, acts, buf, kv):
         y = buf[op.outputs[0]]
         if op.residual:
-            K.copy(rec, y, buf[op.residual], acts.n * self.plan.widths[op.residual])
+            K.copy(rec, y, buf[op.residual], acts.n * self.plans[i].widths[op.residual])
         self._linear(rec, y, buf[op.inputs[0]], i, op.param, acts, buf, accumulate=bool(op.residual))
 
     def _forward_rope(self, rec, op, i, acts, buf, kv):
@@ -219,22 +234,50 @@ class LayerRecorder:
         """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""
         rec.section(self._where + " swiglu")     # the gated activation's section, either kind
         getattr(K, op.kind + "_forward")(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
-                                         acts.n * self.plan.widths[op.inputs[0]])
+                                         acts.n * self.plans[i].widths[op.inputs[0]])
 
     _forward_swiglu = _forward_geglu = _forward_glu
 
     def _forward_add(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " norm")
-        K.add(rec, buf[op.outputs[0]], buf[op.residual], buf[op.inputs[0]], acts.n * self.plan.widths[op.residual])
+        K.add(rec, buf[op.outputs[0]], buf[op.residual], buf[op.inputs[0]], acts.n * self.plans[i].widths[op.residual])
 
     def _forward_scale(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " attention")
-        K.scale(rec, buf[op.outputs[0]], buf[op.inputs[0]], op.factor, acts.n * self.plan.widths[op.inputs[0]])
+        K.scale(rec, buf[op.outputs[0]], buf[op.inputs[0]], op.factor, acts.n * self.plans[i].widths[op.inputs[0]])
 
     def _forward_split(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " split")
         K.split_forward(rec, [buf[y] for y in op.outputs], buf[op.inputs[0]], acts.n,
-                        [self.plan.widths[y] for y in op.outputs])
+                        [self.plans[i].widths[y] for y in op.outputs])
+
+    def _forward_route(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " moe")
+        moe = self.cfg.moe
+        moe_route_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]], acts.n, moe.num_experts,
+                          moe.top_k, moe.normalize)
+
+    def _experts(self, i, op) -> tuple:
+        """Layer i's experts: (gate_up, down) weights, their LoRA pairs (moe.MoeLora or None) and their paths."""
+        paths = [f"model.layers.{i}.{op.param}.{name}" for name in EXPERT_PARAMETERS]
+        loras = [self.expert_lora.get(p) if self.adapter_enabled else None for p in paths]
+        return [self.w[p] for p in paths], [None if m is None else m.pair for m in loras], paths
+
+    def _moe_sizes(self, acts) -> tuple:
+        """(N, k, E, C, I) of the experts' ops on this batch."""
+        moe = self.cfg.moe
+        return acts.n, moe.top_k, moe.num_experts, self.cfg.hidden_size, moe.expert_size
+
+    def _forward_experts(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " moe")
+        (gate_up, down), (lora_gu, lora_dn), _ = self._experts(i, op)
+        moe_experts_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], *(buf[x] for x in op.inputs), gate_up, down,
+                            lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe)
+
+    def _forward_sigmoid_gate(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " moe")
+        K.sigmoid_gate_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]], acts.n,
+                               self.plans[i].widths[op.inputs[0]])
 
     def head_logits(self, rec, acts: Activations, x, rows: int):
         """acts.logits (rows, V) = x (rows, C) lm_head^T, soft-capped where the model caps them (Gemma 2)."""
@@ -363,14 +406,14 @@ class LayerRecorder:
         assert not any(accumulate), f"{op.kind}'s backward writes its gradients"
         rec.section(self._where + " swiglu")     # the gated activation's section, either kind
         getattr(K, op.kind + "_backward")(rec, *dxs, dys[0], *(a[x] for x in op.inputs),
-                                          acts.n * self.plan.widths[op.inputs[0]])
+                                          acts.n * self.plans[i].widths[op.inputs[0]])
 
     _backward_swiglu = _backward_geglu = _backward_glu
 
     def _backward_add(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """The input's gradient is the output's (the residual's passes through in the same buffer)."""
         rec.section(self._where + " norm")
-        n = acts.n * self.plan.widths[op.inputs[0]]
+        n = acts.n * self.plans[i].widths[op.inputs[0]]
         if accumulate[0]:
             K.add_inplace(rec, dxs[0], dys[0], n)
         else:
@@ -379,12 +422,44 @@ class LayerRecorder:
     def _backward_scale(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "scale's backward writes its gradient"
         rec.section(self._where + " attention")
-        K.scale(rec, dxs[0], dys[0], op.factor, acts.n * self.plan.widths[op.inputs[0]])
+        K.scale(rec, dxs[0], dys[0], op.factor, acts.n * self.plans[i].widths[op.inputs[0]])
 
     def _backward_split(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "split's backward writes its gradient"
         rec.section(self._where + " split")
-        K.split_backward(rec, dxs[0], dys, acts.n, [self.plan.widths[y] for y in op.outputs])
+        K.split_backward(rec, dxs[0], dys, acts.n, [self.plans[i].widths[y] for y in op.outputs])
+
+    def _backward_route(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not accumulate[0], "the route's backward writes the router logits' gradient"
+        rec.section(self._where + " moe")
+        moe = self.cfg.moe
+        moe_route_backward(rec, dxs[0], dys[0], a[op.inputs[0]], a[op.outputs[1]], acts.n, moe.num_experts, moe.top_k,
+                           moe.normalize)
+
+    def _backward_experts(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        """dx written or added (a Qwen2-MoE layer's shared expert wrote it first), the route weights' gradient
+        written, the LoRA pairs' and trained experts' gradients added (the micro-batches of a step)."""
+        assert not accumulate[1], "the experts' backward writes the route weights' gradient"
+        rec.section(self._where + " moe")
+        (gate_up, down), loras, paths = self._experts(i, op)
+        grads = {}
+        for part, path, lora in zip(("gate_up", "down"), paths, loras):
+            if path in self.grads:
+                grads[part] = self.grads[path]
+            if lora is not None:
+                m = self.expert_lora[path]
+                grads.update({part + ".lora_A": m.ga, part + ".lora_B": m.gb})
+        sizes = self._moe_sizes(acts)
+        if not accumulate[0]:
+            K.fill(rec, dxs[0], 0.0, acts.n * self.cfg.hidden_size)
+        moe_experts_backward(rec, dxs[0], dxs[1], grads, dys[0], *(a[x] for x in op.inputs), a[op.outputs[1]], gate_up,
+                             down, *loras, *sizes, acts.moe, accumulate=True)
+
+    def _backward_sigmoid_gate(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "sigmoid_gate's backward writes its gradients"
+        rec.section(self._where + " moe")
+        K.sigmoid_gate_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n,
+                                self.plans[i].widths[op.inputs[0]])
 
     def record_backward(self, rec, acts: Activations, head_part: str | None = None):
         """The loss head's and the final norm's backward (last; else the output's gradient is in d_res), every
@@ -406,7 +481,7 @@ class LayerRecorder:
             if acts.checkpoint and i < self.span.stop - 1:
                 self.record_layer_forward(rec, acts, i, recompute=True)
             self._where = f"layer {i} backward"
-            for op, accumulate in self.plan.backward_steps():
+            for op, accumulate in self.plans[i].backward_steps():
                 dys = [getattr(acts, name) for name in op.grads_out]
                 dxs = [getattr(acts, name) for name in op.grads_in]
                 getattr(self, "_backward_" + op.kind)(rec, op, i, acts, acts.layers[i], dys, dxs, accumulate)

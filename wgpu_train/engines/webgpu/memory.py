@@ -14,7 +14,8 @@ F32 = 4
 MIN_BUCKET_TOKENS = 64        # the smallest activation bucket (tokens)
 # modules that read the same input: with LoRA on two or more of them and no dropout, the WebGPU engine runs
 # their A matrices as one GEMM into one h buffer (webgpu/lora.py)
-LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+               ("shared_expert.gate_proj", "shared_expert.up_proj"))
 HEAD_CHUNK_BYTES = 32 << 20   # memory budget of the loss head's logits (rows held at a time), capped by the device
 SHARED_LAYER = "layer."       # prefix, in a plan's shared part, of the one set of layer buffers all layers use
 
@@ -42,11 +43,33 @@ def bucket_tokens(n: int) -> int:
 
 
 def layer_ranks(module_ranks: dict) -> dict:
-    """{module path: r} -> {module name: {layer: r}}: the ranks lora_groups and activation_ranks take."""
+    """{module path: r} -> {module name: {layer: r}}: the ranks lora_groups and activation_ranks take (the linear
+    modules', models.weights.module_name; the experts' LoRA lives in the MoE scratch: expert_rank)."""
+    from wgpu_train.adapters.experts import is_expert_path
+    from wgpu_train.models.weights import module_name
+
     out: dict = {}
     for path, r in module_ranks.items():
-        out.setdefault(path.rsplit(".", 1)[1], {})[int(path.split(".")[2])] = int(r)
+        if not is_expert_path(path):
+            out.setdefault(module_name(path), {})[int(path.split(".")[2])] = int(r)
     return out
+
+
+def expert_rank(module_ranks: dict) -> int:
+    """{module path: r} -> the largest rank of a LoRA pair on MoE experts (0: none), which sizes the MoE scratch."""
+    from wgpu_train.adapters.experts import is_expert_path
+
+    return max([int(r) for path, r in module_ranks.items() if is_expert_path(path)] + [0])
+
+
+def layer_kinds(cfg: ModelConfig, layers=None) -> list:
+    """[(layer plan, its layers)] over `layers` (default every layer): the kinds of layer a model has (a mixture
+    of experts' sparse and dense layers), each plan once."""
+    out: dict = {}
+    for i in range(cfg.num_hidden_layers) if layers is None else layers:
+        plan = layer_plan(cfg, i)
+        out.setdefault(id(plan), (plan, []))[1].append(i)
+    return list(out.values())
 
 
 def lora_groups(cfg: ModelConfig, ranks: dict, alone: bool) -> dict:
@@ -84,14 +107,21 @@ def activation_ranks(ranks: dict, groups: dict) -> dict:
 HEAD_BUFFERS = ("xf", "rstd_f", "logits", "loss_rows", "lse_rows", "valid_rows", "entropy_rows", "dxf", "d_tmp")
 
 
+MOE_SCRATCH = "moe."          # prefix, in a plan's shared part, of the MoE ops' scratch (webgpu/moe.MoeScratch)
+MOE_FORWARD_SCRATCH = ("group", "perm", "h", "outp", "lora_in", "lora_out")   # what the experts' forward uses
+
+
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
                     checkpoint: bool = False, max_binding: int | None = None, dora_outputs: dict | None = None,
-                    head: bool = True):
-    """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared). The layer's
-    activations and gradient buffers are those of its layer_plan; the activations no backward reads (the
-    plan's unsaved ones) exist once, under SHARED_LAYER.
+                    head: bool = True, layers=None, expert_rank: int = 0):
+    """Element counts of every activation buffer of a (B, T) bucket: (per_layer, shared), per_layer {layer:
+    {name: elements}} for each layer of `layers` (default every layer). A layer's activations and gradient
+    buffers are those of its own layer_plan (an MoE model's sparse and dense layers differ); the activations no
+    backward reads (a plan's unsaved ones) exist once, under SHARED_LAYER, each as wide as the widest kind of
+    layer needs it; so do the gradient buffers.
 
-    lora_ranks: module name -> r; dropout_inputs: module name -> in_features (modules with dropout).
+    lora_ranks: module name (or a LoRA group's joined name) -> r, each layer holding the buffers of the modules it
+    has; dropout_inputs: module name -> in_features (modules with dropout).
     checkpoint (gradient checkpointing, training only): each layer keeps only its input x_in; its other
     buffers exist once, in `shared` under the prefix SHARED_LAYER, and the backward recomputes them per layer.
     Forward-only buckets (train=False) keep nothing for a backward, so all their layer buffers, x_in
@@ -101,42 +131,68 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
     backward's scaled dy, d_dora).
     head: with the final norm's and the loss head's buffers (HEAD_BUFFERS); without, a pipeline stage's before
     the last.
+    expert_rank: the largest rank of LoRA on MoE experts: with a sparse layer among `layers`, the MoE ops' scratch
+    (webgpu/moe.scratch_sizes for every routed pair, the worst case; the forward's alone in a forward-only
+    bucket) is shared under MOE_SCRATCH.
     """
     from wgpu_train.engines.webgpu import kernels as K
     from wgpu_train.engines.webgpu import attention as A
 
     n = b * t
     c, v, d, hq = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
-    plan = layer_plan(cfg)
-    layer = {name: n * width for name, width in plan.widths.items()}
-    for module, r in lora_ranks.items():
-        layer["lora_h." + module] = n * r
-    for module, in_f in dropout_inputs.items():
-        layer["lora_x." + module] = n * in_f
-    for module, out_f in (dora_outputs or {}).items():
-        layer["dora_z." + module] = n * out_f
+    kinds = layer_kinds(cfg, layers)
+    per_layer = {i: _layer_buffers(cfg, plan, i, n, lora_ranks, dropout_inputs, dora_outputs or {})
+                 for plan, members in kinds for i in members}
     rows = head_rows(cfg, n, max_binding)
     shared = {"x_final": n * c, "xf": n * c, "rstd_f": n, "logits": rows * v, "loss_rows": n, "lse_rows": n,
               "valid_rows": n, "entropy_rows": n}
+
+    def share(names_of):
+        """Move the names names_of(plan) picks out of every layer's own buffers into one shared set, each as wide
+        as its widest layer's."""
+        for plan, members in kinds:
+            for i in members:
+                for name in names_of(plan, per_layer[i]):
+                    e = per_layer[i].pop(name)
+                    shared[SHARED_LAYER + name] = max(e, shared.get(SHARED_LAYER + name, 0))
+
     # activations no backward reads are written and read within a layer: one buffer for all layers
-    shared.update({SHARED_LAYER + name: layer.pop(name) for name in plan.widths if name not in plan.saved})
+    share(lambda plan, own: [name for name in plan.widths if name not in plan.saved])
     if train:
         # d_tmp: the loss head's gathered rows' dx; d_lora_x: the LoRA dx of a module with dropout, before its mask
-        shared.update({name: n * width for name, width in plan.grad_widths.items()})
+        for plan, _ in kinds:
+            for name, width in plan.grad_widths.items():
+                shared[name] = max(n * width, shared.get(name, 0))
         shared.update(d_tmp=n * c, dxf=n * c, d_lora_h=n * max(list(lora_ranks.values()) + [1]),
                       d_lora_x=n * max(list(dropout_inputs.values()) + [1]),
                       d_dora=n * max(list((dora_outputs or {}).values()) + [1]),
                       scratch_norm=K.rmsnorm_scratch_size(n * max(hq, 1), max(c, d)),
                       scratch_att=A.attention_scratch_size(b, t, hq), scratch_emb=K.embedding_scratch_size(n))
         if checkpoint:
-            shared.update({SHARED_LAYER + name: e for name, e in layer.items() if name != INPUT})
-            layer = {INPUT: layer[INPUT]}
+            share(lambda plan, own: [name for name in own if name != INPUT])
     else:
-        shared.update({SHARED_LAYER + name: e for name, e in layer.items()})
-        layer = {}
+        share(lambda plan, own: list(own))
+    if any(cfg.is_sparse(i) for i in per_layer):
+        from wgpu_train.engines.webgpu.moe import scratch_sizes
+
+        moe = cfg.moe
+        sizes = scratch_sizes(n, moe.top_k, moe.num_experts, c, moe.expert_size, expert_rank)
+        shared.update({MOE_SCRATCH + name: e for name, e in sizes.items() if train or name in MOE_FORWARD_SCRATCH})
     if not head:
         shared = {k: e for k, e in shared.items() if k not in HEAD_BUFFERS}
-    return layer, shared
+    return per_layer, shared
+
+
+def _layer_buffers(cfg: ModelConfig, plan, layer: int, n: int, lora_ranks: dict, dropout_inputs: dict,
+                   dora_outputs: dict) -> dict:
+    """Layer `layer`'s buffers for n tokens, name -> elements: its plan's activations, and the LoRA, dropout and DoRA
+    buffers of the modules it has (a group's under its joined name)."""
+    modules = set(cfg.layer_modules(layer))
+    own = {name: n * width for name, width in plan.widths.items()}
+    own.update({"lora_h." + key: n * r for key, r in lora_ranks.items() if set(key.split("+")) <= modules})
+    own.update({"lora_x." + m: n * in_f for m, in_f in dropout_inputs.items() if m in modules})
+    own.update({"dora_z." + m: n * out_f for m, out_f in dora_outputs.items() if m in modules})
+    return own
 
 
 def activation_format(cfg: ModelConfig, name: str, precision: Precision | str = Precision.FP32) -> str:
@@ -147,10 +203,9 @@ def activation_format(cfg: ModelConfig, name: str, precision: Precision | str = 
     precision = Precision.parse(precision)
     if not precision.sixteen_bit:
         return precision.storage
-    plan = layer_plan(cfg)
     base = name.removeprefix(SHARED_LAYER)
-    half = ((base in plan.widths and base not in plan.statistics) or base in plan.grad_widths
-            or base in ("x_final", "xf", "dxf", "d_tmp"))
+    half = any((base in plan.widths and base not in plan.statistics) or base in plan.grad_widths
+               for plan, _ in layer_kinds(cfg)) or base in ("x_final", "xf", "dxf", "d_tmp")
     return precision.storage if half else "f32"
 
 
@@ -175,13 +230,15 @@ def weight_shapes(cfg: ModelConfig) -> dict:
 
 def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype: str = "auto",
                       max_binding: int | None = None, keep=None) -> dict:
-    """GPU bytes of the base weights stored as base_dtype (the linear layers) and embed_dtype (embedding,
-    lm_head; "auto": see check_dtypes), from the chunk plan the WebGPU engine allocates
-    by: {"linear", "embedding", "other", "total"}.
+    """GPU bytes of the base weights stored as base_dtype (the linear layers and an MoE model's experts, every
+    expert counted) and embed_dtype (embedding, lm_head; "auto": see check_dtypes), from the chunk plan the WebGPU
+    engine allocates by: {"linear", "embedding", "other", "total"}.
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB. keep: a
     predicate of the names counted (a pipeline stage's tensors); default all."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
     from wgpu_train.engines.shared.quant import check_dtypes, is_linear_weight, storage_dtype
+    from wgpu_train.engines.webgpu.device.storage import nbytes
+    from wgpu_train.engines.webgpu.tensors import EXPERT_FORMATS
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, cfg.checkpoint_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
@@ -189,11 +246,14 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
         if keep is not None and not keep(name):
             continue
         dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
-        if len(shape) == 2:
+        if len(shape) == 3:      # an MoE layer's experts: one buffer in its format (tensors.store_experts)
+            n = nbytes(math.prod(shape), EXPERT_FORMATS[dtype])
+        elif len(shape) == 2:
             n = stored_bytes(shape[0], shape[1], dtype, max_binding or DEFAULT_MAX_BINDING)
         else:
             n = max(1, shape[0]) * F32
-        out["linear" if is_linear_weight(name) else "embedding" if len(shape) == 2 else "other"] += n
+        out["linear" if is_linear_weight(name) or len(shape) == 3 else "embedding" if len(shape) == 2
+            else "other"] += n
     out["total"] = sum(out.values())
     return out
 
@@ -221,12 +281,15 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     see base_weight_bytes; modules_to_save copies in float32), trainable state (LoRA or full weights with
     gradients and AdamW moments; the copies' gradients and moments),
     activations (with gradient_checkpointing: one layer's set plus every layer's input; in bf16 / f16 two bytes
-    an element where activation_bytes says), logits, and total.
+    an element where activation_bytes says; an MoE model's routed activations for every token's top-k pairs, the
+    worst case, and the MoE scratch), logits, and total.
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
     precision = Precision.parse(precision)
     from wgpu_train.engines.shared.quant import check_dtypes
+    from wgpu_train.adapters.experts import is_expert_path
+    from wgpu_train.models.weights import module_name
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype, full=method == "full")
     if method == "full" and (base_dtype.rounds or embed_dtype.rounds):
@@ -236,10 +299,14 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     if method == "lora":
         lora = lora or LoraConfig()
         trainable = 0
-        modules = lora.modules(config)          # path -> (r, alpha), each module's own r
+        modules = lora.as_saved(config).modules(config)      # path -> (r, alpha), each module's own r
         dora_norms = dora_scratch = 0
         for path, (r, _) in modules.items():
-            m = path.rsplit(".", 1)[1]
+            if is_expert_path(path):        # a pair per expert: A (E, r, in), B (E, out, r)
+                e, out_f, in_f = config.expert_shape(path.rsplit(".", 1)[1])
+                trainable += e * r * (in_f + out_f)
+                continue
+            m = module_name(path)
             out_f, in_f = config.linear_shape(m)
             trainable += r * (in_f + out_f) + (out_f if lora.use_dora else 0)     # DoRA: the magnitude
             if lora.dropout > 0:
@@ -249,6 +316,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
                 dora_norms += 2 * out_f
                 dora_scratch = max(dora_scratch, r * out_f + r * r)
         ranks = layer_ranks({p: r for p, (r, _) in modules.items()})
+        moe_rank = expert_rank({p: r for p, (r, _) in modules.items()})
         extra, copies = copy_bytes(config, lora, embed_dtype, max_binding)
         weights += extra
         # LoRA's parameter, gradient, two moments; DoRA's norm buffers and scratch; the copies' last three
@@ -256,11 +324,12 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     else:
         state = weights * 3                  # gradient and two moments of every weight
     ranks = activation_ranks(ranks, lora_groups(config, ranks, bool(drop or dora) or precision.sixteen_bit))
-    layer, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
-                                    checkpoint=gradient_checkpointing, max_binding=max_binding, dora_outputs=dora)
+    layers, shared = activation_plan(config, 1, bucket_tokens(batch_size * seq_len), ranks, drop, train=True,
+                                     checkpoint=gradient_checkpointing, max_binding=max_binding, dora_outputs=dora,
+                                     expert_rank=moe_rank if method == "lora" else 0)
     logits = shared.pop("logits") * F32
-    activations = (config.num_hidden_layers * sum(activation_bytes(config, k, e, precision) for k, e in layer.items())
-                   + sum(activation_bytes(config, k, e, precision) for k, e in shared.items()))
+    activations = sum(activation_bytes(config, k, e, precision) for part in (*layers.values(), shared)
+                      for k, e in part.items())
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}
     out["total"] = sum(out.values())
     return out

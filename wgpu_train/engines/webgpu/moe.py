@@ -49,8 +49,22 @@ class MoeScratch:
         for name, n in self.sizes.items():
             setattr(self, name, rt.buffer(4 * n, f"moe.{name}"))
 
+    @classmethod
+    def of(cls, buffers: dict, N: int, moe, C: int, r: int = 0) -> "MoeScratch":
+        """The scratch over buffers allocated elsewhere (an engine's activation bucket, sized by scratch_sizes for
+        N tokens of MoeConfig moe's layers): name -> buffer, the forward's alone in a forward-only bucket."""
+        self = cls.__new__(cls)
+        self.N, self.k, self.E, self.C, self.I, self.r = N, moe.top_k, moe.num_experts, C, moe.expert_size, r
+        self.sizes = {name: n for name, n in scratch_sizes(N, self.k, self.E, C, self.I, r).items() if name in buffers}
+        for name, buf in buffers.items():
+            setattr(self, name, buf)
+        return self
+
+    def buffers(self) -> list:
+        return [getattr(self, name) for name in self.sizes]
+
     def release(self, rt):
-        rt.release(*(getattr(self, name) for name in self.sizes))
+        rt.release(*self.buffers())
 
 
 def _zeros(rt):

@@ -25,6 +25,9 @@ class WgpuStage(WgpuEngine):
     Each call is one submission, whose inputs are written to the device and whose outputs are read back."""
 
     def __init__(self, cfg, weights: dict, rt, span: range, first: bool, last: bool, **kw):
+        if cfg.moe is not None:
+            raise ConfigError(f"{cfg.label}: WebGPU pipeline stages do not run a mixture of experts yet; use one "
+                              f"WebGPU engine, or --backend numpy for pipeline stages")
         super().__init__(cfg, weights, rt, span=span, first=first, last=last, **kw)
         self.span, self.first, self.last = span, first, last
         self.counters["boundary_bytes_sent"] = 0

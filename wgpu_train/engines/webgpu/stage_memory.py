@@ -4,11 +4,14 @@ balances the stages and what `wgpu-train memory --pipeline-stages` prints."""
 from __future__ import annotations
 
 from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.adapters.experts import is_expert_path
 from wgpu_train.engines.webgpu.memory import (F32, activation_bytes, activation_plan, activation_ranks,
-                                              base_weight_bytes, bucket_tokens, layer_ranks, lora_groups)
+                                              base_weight_bytes, bucket_tokens, expert_rank, layer_ranks,
+                                              lora_groups)
 from wgpu_train.engines.protocol import Precision
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.stage_plan import StagePlan, plan_stages
+from wgpu_train.models.weights import module_name
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -24,24 +27,28 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
 
 def _activation_parts(cfg: ModelConfig, batch: int, seq: int, lora: LoraConfig | None, gc: bool,
                       max_binding, precision: Precision | str, head: bool) -> tuple:
-    """(bytes of one layer's activations, of the shared buffers but the logits, of the logits) of a training
-    micro-batch's bucket, as a stage allocates it (webgpu/stage.py: a bucket per micro-batch it holds; the final
+    """(bytes of each layer's activations {layer: bytes}, of the shared buffers but the logits, of the logits) of a
+    training micro-batch's bucket, as a stage allocates it (webgpu/stage.py: a bucket per micro-batch it holds; the final
     norm's and loss head's buffers on the last stage alone: head)."""
-    ranks, drop, dora = {}, {}, {}
+    ranks, drop, dora, moe_rank = {}, {}, {}, 0
     if lora is not None:
-        for path, (r, _) in lora.modules(cfg).items():
-            m = path.rsplit(".", 1)[1]
+        modules = lora.as_saved(cfg).modules(cfg)
+        for path, (r, _) in modules.items():
+            if is_expert_path(path):
+                continue
+            m = module_name(path)
             out_f, in_f = cfg.linear_shape(m)
             drop.update({m: in_f} if lora.dropout > 0 else {})
             dora.update({m: out_f} if lora.use_dora else {})
-        ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()})
+        ranks = layer_ranks({p: r for p, (r, _) in modules.items()})
+        moe_rank = expert_rank({p: r for p, (r, _) in modules.items()})
     precision = Precision.parse(precision)
     ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(drop or dora) or precision.sixteen_bit))
-    layer, shared = activation_plan(cfg, 1, bucket_tokens(batch * seq), ranks, drop, train=True, checkpoint=gc,
-                                    max_binding=max_binding, dora_outputs=dora, head=head)
+    layers, shared = activation_plan(cfg, 1, bucket_tokens(batch * seq), ranks, drop, train=True, checkpoint=gc,
+                                     max_binding=max_binding, dora_outputs=dora, head=head, expert_rank=moe_rank)
     logits = shared.pop("logits", 0) * F32
     size = lambda part: sum(activation_bytes(cfg, k, e, precision) for k, e in part.items())   # noqa: E731
-    return size(layer), size(shared), logits
+    return {i: size(part) for i, part in layers.items()}, size(shared), logits
 
 
 def _trainable_bytes(cfg: ModelConfig, lora: LoraConfig | None, method: str, keep, weights: int) -> int:
@@ -49,10 +56,14 @@ def _trainable_bytes(cfg: ModelConfig, lora: LoraConfig | None, method: str, kee
     if method != "lora":
         return weights * 3
     total = 0
-    for path, (r, _) in (lora or LoraConfig()).modules(cfg).items():
-        if keep(path):
-            out_f, in_f = cfg.linear_shape(path.rsplit(".", 1)[1])
-            total += r * (in_f + out_f) + (out_f if lora and lora.use_dora else 0)
+    lora = lora or LoraConfig()
+    for path, (r, _) in lora.as_saved(cfg).modules(cfg).items():
+        if keep(path) and is_expert_path(path):        # a pair per expert
+            e, out_f, in_f = cfg.expert_shape(path.rsplit(".", 1)[1])
+            total += e * r * (in_f + out_f)
+        elif keep(path):
+            out_f, in_f = cfg.linear_shape(module_name(path))
+            total += r * (in_f + out_f) + (out_f if lora.use_dora else 0)
     return total * 4 * F32
 
 
@@ -70,7 +81,7 @@ def stage_memory(cfg: ModelConfig, plan: StagePlan, batch: int, seq: int, lora: 
         layer, shared, logits = parts[s == len(plan) - 1]
         est = {"layers": f"{layers.start}-{layers.stop - 1}", "in_flight": held, "weights": weights,
                "trainable_state": _trainable_bytes(cfg, lora, method, keep, weights),
-               "activations": held * (len(layers) * layer + shared), "logits": held * logits}
+               "activations": held * (sum(layer[i] for i in layers) + shared), "logits": held * logits}
         est["total"] = sum(est[k] for k in ("weights", "trainable_state", "activations", "logits"))
         out.append(est)
     return out
@@ -101,7 +112,8 @@ def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, bat
     def cost(k: int, a: int, b: int) -> float:
         held = in_flight(schedule, stages, k, micro_batches)
         layer, shared, logits = parts[k == stages - 1]
-        return (prefix[b] - prefix[a] + held * ((b - a) * layer + shared + logits) + (first if k == 0 else 0)
+        return (prefix[b] - prefix[a] + held * (sum(layer[i] for i in range(a, b)) + shared + logits)
+                + (first if k == 0 else 0)
                 + (last if k == stages - 1 else 0))
 
     return plan_stages(n, stages, None, cost, cfg.tie_word_embeddings)

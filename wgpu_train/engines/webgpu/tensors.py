@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from wgpu_train.errors import DeviceError
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import quant
 from wgpu_train.engines.webgpu.tuned.gemm import gemm, ones
 from wgpu_train.engines.shared.quant import StorageDtype, storage_dtype
@@ -42,13 +44,29 @@ class Matrix:
 def store_weight(rt: Runtime, name: str, arr: np.ndarray, base_dtype: StorageDtype | str,
                  embed_dtype: StorageDtype | str):
     """A base tensor on the GPU as the engine holds it (shared/quant.storage_dtype decides): a QuantMatrix
-    (16-bit / NF4 storage), a Matrix (2-D float32) or a buffer (1-D)."""
+    (16-bit / NF4 storage), a Matrix (2-D float32), a buffer (1-D), or an MoE layer's experts (3-D: store_experts)."""
     stored = StorageDtype(storage_dtype(name, arr.ndim, base_dtype, embed_dtype))
+    if arr.ndim == 3:
+        return store_experts(rt, name, arr, stored)
     if stored.rounds:
         return QuantMatrix(rt, arr, stored, name)
     if arr.ndim == 2:
         return Matrix(rt, arr.shape[0], arr.shape[1], name, arr)
     return rt.upload(arr.astype(np.float32), name)
+
+
+EXPERT_FORMATS = {StorageDtype.FLOAT32: "f32", StorageDtype.BFLOAT16: "bf16", StorageDtype.FLOAT16: "f16"}
+
+
+def store_experts(rt: Runtime, name: str, arr: np.ndarray, stored: StorageDtype):
+    """An MoE layer's expert tensor (E, out, in) as one buffer in its storage format (device/storage.py), which the
+    grouped-expert kernels bind whole; DeviceError (one line) when it exceeds one storage binding."""
+    fmt = EXPERT_FORMATS[stored]
+    if storage.nbytes(arr.size, fmt) > rt.max_binding:
+        raise DeviceError(f"{name} {tuple(arr.shape)} needs {storage.nbytes(arr.size, fmt) / 2**20:.0f} MiB as "
+                          f"{stored}, over the device's max storage binding of {rt.max_binding / 2**20:.0f} MiB "
+                          f"(the grouped-expert kernels bind each layer's experts whole)")
+    return storage.upload(rt, np.ascontiguousarray(arr, np.float32), fmt, name)
 
 
 def weight_buffers(t) -> list:
