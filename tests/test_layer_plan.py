@@ -121,7 +121,7 @@ def test_a_plan_variant_runs_on_both_engines(qwen3, rt, monkeypatch):
     ref = wt.load_model(qwen3, backend="numpy", dtype=np.float64)
     gpu = wt.load_model(qwen3, backend="wgpu", device=str(rt.info.index))
     variant = _attention_only(ref.engine.plan)
-    monkeypatch.setattr("wgpu_train.engines.webgpu.memory.layer_plan", lambda cfg: variant)
+    monkeypatch.setattr("wgpu_train.engines.webgpu.memory.layer_plan", lambda cfg, layer=0: variant)
     ref.engine.plan = gpu.engine.plan = variant
     ref.add_lora(lora, seed=5)
     rng = np.random.default_rng(3)

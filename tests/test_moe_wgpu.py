@@ -1,0 +1,190 @@
+"""Mixtures of experts on the WebGPU engine against the NumPy engine (tests/test_moe_models.py holds that one to
+transformers and PEFT), on every adapter present and the four MoE families of tiny_models.build_moe: logits, loss
+and every LoRA gradient (the experts' and the router's included, by PEFT's keys), optimizer steps in one submission
+each, greedy generation through the KV cache, full fine-tuning's expert gradients, bfloat16 expert storage, and the
+memory estimate against what the engine allocates."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from finetune_helpers import padded_batch
+from tiny_models import MOE_ARCHS, build_moe, save_model
+from tolerances import assert_close
+from wgpu_train.errors import ConfigError
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.shared.labels import shift_labels
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+VOCAB = 61      # tiny_models' vocabulary is larger: ids below it are valid
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def moe(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    save_model(build_moe(request.param, seed=3), folder)
+    return request.param, folder
+
+
+def _batch():
+    ids, labels, mask = padded_batch(5, 9, 6, 2)
+    return ids % VOCAB, np.where(labels >= 0, labels % VOCAB, labels), mask
+
+
+def _micro_batches(ids, labels, mask, rows):
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    return [(ids[r:r + rows].astype(np.int32), shift_labels(labels[r:r + rows]), mask[r:r + rows].astype(np.int32),
+             pos[r:r + rows].copy()) for r in range(0, ids.shape[0], rows)]
+
+
+def _pair(folder, rt, lora=True, **kw):
+    """The model on both engines; with lora, all-linear (attention, router, experts, shared expert) with B random."""
+    ref = wt.load_model(folder, backend="numpy", **kw)
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
+    if lora:
+        config = wt.LoraConfig(r=3, alpha=7, target_modules="all-linear")
+        ref.add_lora(config, seed=5)
+        rng = np.random.default_rng(1)
+        modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
+                   for p, (a, b) in ref.engine.lora_tensors().items()}
+        ref._set_lora(config, modules, seed=5)
+        gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
+    return ref, gpu
+
+
+def _same_loss_and_grads(ref, gpu, what: str, expert_keys: str):
+    ids, labels, mask = _batch()
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", what)
+    assert grads_g.keys() == grads_r.keys() and any(expert_keys in k for k in grads_r)
+    for k, g in grads_r.items():
+        assert np.abs(g).max() > 0, k
+        assert_close(grads_g[k], g, "gpu_grads", f"{what}: {k}")
+
+
+def test_lora_logits_loss_gradients_and_steps_match_numpy(moe, rt):
+    """LoRA on every linear module and on the experts: the same logits, loss and gradients (PEFT's keys, the experts'
+    nested pairs included); then three optimizer steps of two micro-batches, clipped, each one submission and one
+    readback on the GPU, with the same losses, norms and adapter after."""
+    arch, folder = moe
+    ref, gpu = _pair(folder, rt)
+    ids, labels, mask = _batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_logits", arch)
+    _same_loss_and_grads(ref, gpu, arch, ".mlp.experts.base_layer.lora_A")
+    # eps 1e-5: the router's LoRA B row of an expert that no token chooses gets a gradient of float32 cancellation
+    # noise (about 1e-9, apart on the two engines), which AdamW's default eps of 1e-8 would turn into updates of
+    # lr / 10 apart (measured 7e-5 after three steps on Qwen3-MoE); 1e-5 keeps that under 1e-6
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=0.5, eps=1e-5)
+    micro = _micro_batches(ids, labels, mask, 3)
+    for step in (1, 2, 3):
+        loss_r, count_r, norm_r, _ = ref.engine.train_step(micro, hp, step)
+        loss_g, count_g, norm_g, applied = gpu.engine.train_step(micro, hp, step)
+        assert applied and count_g == count_r
+        assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", f"{arch} step {step}")
+        assert_close(np.float64(norm_g), np.float64(norm_r), "gpu_loss", f"{arch} grad norm, step {step}")
+        assert gpu.engine.last_step["submits"] == 1 and gpu.engine.last_step["readbacks"] == 1
+    after_r, after_g = ref.lora_state_dict(), gpu.lora_state_dict()
+    assert any("experts" in k for k in after_r)
+    for k, v in after_r.items():
+        assert_close(after_g[k], v, "gpu_params_after_steps", f"{arch}: {k}")
+
+
+def test_greedy_generation_matches_numpy(moe, rt):
+    """Generation through the KV cache (prefill, then a token at a time, the route per token) with the adapter."""
+    arch, folder = moe
+    ref, gpu = _pair(folder, rt)
+    prompt = [3, 17, 5, 40, 22, 9]
+    want = ref.generate(prompt, max_new_tokens=8)
+    assert gpu.generate(prompt, max_new_tokens=8) == want, arch
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(rt, tmp_path):
+    """A Qwen2-MoE layer recomputed in the backward (route, experts, shared expert): bit-identical gradients."""
+    save_model(build_moe("qwen2_moe", seed=4), tmp_path)
+    _, plain = _pair(tmp_path, rt)
+    _, ckpt = _pair(tmp_path, rt)
+    ckpt.set_gradient_checkpointing(True)
+    ids, labels, mask = _batch()
+    loss_p, grads_p = plain.loss_and_grads(ids, labels, mask)
+    loss_c, grads_c = ckpt.loss_and_grads(ids, labels, mask)
+    assert loss_c == loss_p and grads_c.keys() == grads_p.keys()
+    for k in grads_p:
+        np.testing.assert_array_equal(grads_c[k], grads_p[k], err_msg=k)
+
+
+def test_full_finetuning_trains_the_experts(rt, tmp_path):
+    """Full fine-tuning of a Qwen3-MoE with a dense layer: every weight's gradient, the experts' 3-D tensors and the
+    router's included, and a step moves the experts as the NumPy engine does."""
+    save_model(build_moe("qwen3_moe", seed=6), tmp_path)
+    ref, gpu = _pair(tmp_path, rt, lora=False)
+    for m in (ref, gpu):
+        m.set_full_finetune()
+    _same_loss_and_grads(ref, gpu, "full fine-tuning", "mlp.experts.gate_up_proj")
+    ids, labels, mask = _batch()
+    hp = OptimizerParams(lr=1e-3)
+    micro = _micro_batches(ids, labels, mask, 6)
+    ref.engine.train_step(micro, hp, 1)
+    gpu.engine.train_step(micro, hp, 1)
+    assert gpu.engine.last_step["submits"] == 1
+    name = "model.layers.2.mlp.experts.down_proj"     # layer 1 is dense
+    assert_close(gpu.engine.trainable()[name], ref.engine.trainable()[name], "gpu_params_after_steps", name)
+
+
+def test_bfloat16_experts(rt, tmp_path):
+    """--base-dtype bfloat16 stores the experts as bfloat16 (half the bytes, counted so by the memory estimate); both
+    engines compute with the same rounded experts."""
+    save_model(build_moe("mixtral", seed=8), tmp_path)
+    ref, gpu = _pair(tmp_path, rt, base_dtype="bfloat16")
+    from wgpu_train.engines.webgpu.device import storage
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert storage.format_of(gpu.engine.w[name]) == "bf16"
+    ids, labels, mask = _batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_logits", "bf16 experts")
+    _same_loss_and_grads(ref, gpu, "bf16 experts", ".mlp.experts.base_layer.lora_A")
+    est = wt.estimate_memory(gpu.config, 1, 16, lora=gpu.lora_config, base_dtype="bfloat16")
+    assert est["weights"] == gpu.engine.base_weight_bytes
+    f32 = wt.estimate_memory(gpu.config, 1, 16, lora=gpu.lora_config)
+    expert_elements = sum(np.prod(s) for k, s in gpu.engine.shapes.items() if ".mlp.experts." in k)
+    assert f32["weights"] - est["weights"] >= 2 * expert_elements
+
+
+def _allocated(acts) -> int:
+    """Bytes of a bucket's activation buffers and MoE scratch, each counted once."""
+    bufs = {id(b): b for layer in acts.layers.values() for b in layer.values()}
+    batch_inputs = ("ids", "segments", "positions", "targets", "head_index")
+    bufs.update({id(v): v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in batch_inputs})
+    bufs.update({id(b): b for b in acts.moe.buffers()})
+    return sum(b.size for b in bufs.values())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_memory_estimate_is_the_allocation(arch, rt, tmp_path):
+    """The estimate's weights (every expert), activations (each layer's own kind, the routed pairs at their worst
+    case) and MoE scratch are what the engine allocates, with and without gradient checkpointing."""
+    save_model(build_moe(arch, seed=2), tmp_path)
+    _, gpu = _pair(tmp_path, rt)
+    ids, labels, mask = _batch()
+    lora = gpu.lora_config
+    for checkpointing in (False, True):
+        gpu.set_gradient_checkpointing(checkpointing)
+        gpu.loss_and_grads(ids, labels, mask)
+        acts = gpu.engine._activations(*ids.shape, train=True)
+        est = wt.estimate_memory(gpu.config, *ids.shape, lora=lora, gradient_checkpointing=checkpointing)
+        assert est["activations"] + est["logits"] == _allocated(acts), checkpointing
+        assert est["weights"] == gpu.engine.base_weight_bytes
+    sparse = [i for i in range(gpu.config.num_hidden_layers) if gpu.config.is_sparse(i)]
+    assert "moe_gu" in acts.layers[sparse[0]] or checkpointing
+
+
+def test_what_the_webgpu_engine_refuses_for_a_mixture_of_experts(rt, tmp_path):
+    save_model(build_moe("olmoe", seed=1), tmp_path)
+    with pytest.raises(ConfigError, match="float32 activations only"):
+        wt.load_model(tmp_path, backend="wgpu", device=str(rt.info.index), precision="bf16")
+    from wgpu_train.engines.loading import precision_choice
+    cfg = wt.ModelConfig.from_folder(tmp_path)
+    assert precision_choice("auto", "wgpu", cpu_adapter=False, cfg=cfg)[0] == "fp32"
