@@ -89,6 +89,24 @@ def test_gated_activation(rt, kind, n):
         assert_close(read(rt, tu, n), want_du, "k_swiglu", "dup in place")
 
 
+@pytest.mark.parametrize("n, c", [(1, 5), (13, 37)])
+def test_sigmoid_gate(rt, n, c):
+    """Qwen2-MoE's gated shared expert, y = sigmoid(g) x, and its backward (dg a sum over each row), at offsets,
+    saturated gates both ways."""
+    g = rng(300 + n)
+    x, dy = (g.standard_normal((n, c)).astype(F32) for _ in range(2))
+    gate = (g.standard_normal((n, 1)) * 3).astype(F32)
+    gate[0, 0] = -100.0
+    tx, tg, tdy = padded(rt, x, 3), padded(rt, gate, 1), padded(rt, dy, 2)
+    y, dx, dg = rt.buffer(4 * n * c), rt.buffer(4 * n * c), rt.buffer(4 * n)
+    run(rt, lambda r: (K.sigmoid_gate_forward(r, y, tx, tg, n, c), K.sigmoid_gate_backward(r, dx, dg, tdy, tx, tg, n, c)))
+    x64, g64, dy64 = x.astype(np.float64), gate.astype(np.float64), dy.astype(np.float64)
+    assert_close(rt.read(y, F32, (n, c)), ops.sigmoid_gate_forward(x64, g64), "k_swiglu", "y")
+    want_dx, want_dg = ops.sigmoid_gate_backward(dy64, x64, g64)
+    assert_close(rt.read(dx, F32, (n, c)), want_dx, "k_swiglu", "dx")
+    assert_close(rt.read(dg, F32, (n, 1)), want_dg, "k_swiglu", "dg")
+
+
 def test_softcap(rt):
     x = (rng(7).standard_normal(1001) * 20).astype(F32)
     x[:2] = [-1e4, 1e4]                                    # far past the clamp: exactly -cap / cap

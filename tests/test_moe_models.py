@@ -158,8 +158,9 @@ def test_expert_targets_on_a_dense_model_and_dropout_on_experts_are_refused():
 
 
 def test_finetune_an_moe_model_from_the_command_line(tmp_path, capsys):
-    """finetune on a Qwen3-MoE folder with all-linear: backend auto takes the NumPy engine and says why, the first
-    lines count the parameters in the experts, the loss falls, and the adapter loads in PEFT."""
+    """finetune on a Qwen3-MoE folder with all-linear: backend auto takes the adapter (the WebGPU engine runs a
+    mixture of experts), the first lines count the parameters in the experts, the loss falls, and the adapter loads
+    in PEFT."""
     from finetune_helpers import build_tokenizer, make_data_dir
     from wgpu_train.cli.main import main
 
@@ -174,7 +175,7 @@ def test_finetune_an_moe_model_from_the_command_line(tmp_path, capsys):
     assert code == 0
     captured = capsys.readouterr()
     text = captured.out + captured.err
-    assert "mixture-of-experts" in text and "in the experts)" in text and "experts' gate_up_proj,down_proj" in text
+    assert "backend: wgpu (auto" in text and "in the experts)" in text and "experts' gate_up_proj,down_proj" in text
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line and '"step"' in line]
     assert losses[-1] < losses[0]
