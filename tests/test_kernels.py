@@ -99,7 +99,8 @@ def test_sigmoid_gate(rt, n, c):
     gate[0, 0] = -100.0
     tx, tg, tdy = padded(rt, x, 3), padded(rt, gate, 1), padded(rt, dy, 2)
     y, dx, dg = rt.buffer(4 * n * c), rt.buffer(4 * n * c), rt.buffer(4 * n)
-    run(rt, lambda r: (K.sigmoid_gate_forward(r, y, tx, tg, n, c), K.sigmoid_gate_backward(r, dx, dg, tdy, tx, tg, n, c)))
+    run(rt, lambda r: (K.sigmoid_gate_forward(r, y, tx, tg, n, c),
+                       K.sigmoid_gate_backward(r, dx, dg, tdy, tx, tg, n, c)))
     x64, g64, dy64 = x.astype(np.float64), gate.astype(np.float64), dy.astype(np.float64)
     assert_close(rt.read(y, F32, (n, c)), ops.sigmoid_gate_forward(x64, g64), "k_swiglu", "y")
     want_dx, want_dg = ops.sigmoid_gate_backward(dy64, x64, g64)

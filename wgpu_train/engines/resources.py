@@ -12,7 +12,8 @@ from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device.runtime import AdapterInfo, Runtime, choose_adapter, devices, get_runtime
 from wgpu_train.engines.webgpu.stage_memory import balanced_stages, stage_memory
 from wgpu_train.engines.webgpu.memory import (activation_plan, activation_ranks, base_weight_bytes, count_trainable,
-                                              estimate_memory, format_bytes, layer_ranks, lora_groups, weight_shapes)
+                                              estimate_memory, expert_rank, format_bytes, layer_ranks, lora_groups,
+                                              weight_shapes)
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.catalogue import left_out, tuned_kernels
 
@@ -42,11 +43,12 @@ def memory_report(cfg: ModelConfig, batch_size: int, seq_len: int, lora: LoraCon
                           precision=precision)
     fp32_activations = estimate_memory(cfg, batch_size, seq_len, lora, method, base_dtype, embed_dtype,
                                        gradient_checkpointing)["activations"]
-    ranks = layer_ranks({p: r for p, (r, _) in lora.modules(cfg).items()}) if lora else {}
+    module_ranks = {p: r for p, (r, _) in lora.as_saved(cfg).modules(cfg).items()} if lora else {}
+    ranks = layer_ranks(module_ranks)
     dora = {m: cfg.linear_shape(m)[0] for m in lora.targets_in(cfg)} if lora and lora.use_dora else {}
     ranks = activation_ranks(ranks, lora_groups(cfg, ranks, bool(dora) or precision.sixteen_bit))
-    layer, shared = activation_plan(cfg, batch_size, seq_len, ranks, {}, True, gradient_checkpointing,
-                                    dora_outputs=dora)
+    layers, shared = activation_plan(cfg, batch_size, seq_len, ranks, {}, True, gradient_checkpointing,
+                                     dora_outputs=dora, expert_rank=expert_rank(module_ranks))
     return {"parameters": sum(math.prod(s) for s in weight_shapes(cfg).values()), **est,
             "activations_vs_fp32": round(est["activations"] / fp32_activations, 4),
-            "largest_activation_buffer": max(list(layer.values()) + list(shared.values())) * 4}
+            "largest_activation_buffer": max(e for part in (*layers.values(), shared) for e in part.values()) * 4}

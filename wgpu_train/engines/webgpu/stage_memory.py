@@ -28,8 +28,8 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
 def _activation_parts(cfg: ModelConfig, batch: int, seq: int, lora: LoraConfig | None, gc: bool,
                       max_binding, precision: Precision | str, head: bool) -> tuple:
     """(bytes of each layer's activations {layer: bytes}, of the shared buffers but the logits, of the logits) of a
-    training micro-batch's bucket, as a stage allocates it (webgpu/stage.py: a bucket per micro-batch it holds; the final
-    norm's and loss head's buffers on the last stage alone: head)."""
+    training micro-batch's bucket, as a stage allocates it (webgpu/stage.py: a bucket per micro-batch it holds; the
+    final norm's and loss head's buffers on the last stage alone: head)."""
     ranks, drop, dora, moe_rank = {}, {}, {}, 0
     if lora is not None:
         modules = lora.as_saved(cfg).modules(cfg)
