@@ -180,3 +180,56 @@ def test_finetune_an_moe_model_from_the_command_line(tmp_path, capsys):
     assert losses[-1] < losses[0]
     pm = peft.PeftModel.from_pretrained(hf, out)
     assert any("experts.base_layer.lora_A" in n for n, _ in pm.named_parameters())
+
+
+def test_greedy_generation_matches_transformers(moe):
+    """The KV-cache generation through the routed experts: transformers' greedy tokens, one for one."""
+    arch, hf, folder = moe
+    prompt = [5, 17, 3, 40, 22]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert load_model(folder, backend="numpy").generate(prompt, max_new_tokens=8) == want
+
+
+def test_three_sft_steps_equal_trl_sft_trainer(tmp_path):
+    """Three whole SFT steps on a Qwen3-MoE with LoRA on the attention and the experts, from the same PEFT
+    adapter (B random), against TRL 1.16's SFTTrainer (its router aux loss off): every LoRA tensor after them,
+    experts included."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune_helpers import build_tokenizer
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainers import make_trainer
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_model(build_moe("qwen3_moe", seed=9, vocab_size=vocab), model_dir)
+    pm = _peft(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                    experts_implementation="eager"), ["q_proj", "v_proj"], seed=2)
+    pm.save_pretrained(tmp_path / "adapter")
+    rows = [{"text": t} for t in ("after red 1? blue 1", "after blue 2? green two", "after green 3? red 3",
+                                  "after sun 4? moon four")]
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pm.train()
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, learning_rate=0.02,
+                         lr_scheduler_type="constant", max_steps=3, max_grad_norm=1.0, report_to=[], use_cpu=True,
+                         save_strategy="no", seed=0, max_length=64, logging_steps=1, weight_decay=0.0, bf16=False,
+                         router_aux_loss_coef=0.0)      # TRL's default adds the router's aux loss: not built here yet
+    trainer = trl.SFTTrainer(model=pm, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    theirs = {n.replace(".default.", "."): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
+    cfg = TrainConfig(model=str(model_dir), data=str(tmp_path / "text.jsonl"), adapter_path=str(tmp_path / "adapter"),
+                      backend="numpy", out=str(tmp_path / "ours"), batch_size=4, lr=0.02, lr_schedule="constant",
+                      warmup_steps=0, max_steps=3, max_grad_norm=1.0, valid_split=0.0, eval_generate=False,
+                      no_progress=True, max_seq_len=64, weight_decay=0.0)
+    make_trainer(cfg, log=lambda m: None).setup().train()
+    ours = read_safetensors(tmp_path / "ours" / "adapter_model.safetensors")
+    assert set(ours) == set(theirs)
+    for k, v in ours.items():
+        assert_close(v, theirs[k], "preference_vs_trl_params", k)
