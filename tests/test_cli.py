@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_line_error
+from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_line_error, records, write_jsonl
+from tolerances import assert_close
 from wgpu_train.cli.main import build_parser, main
 from wgpu_train.cli.commands import prompt_ids, resolve_train_config
 from wgpu_train.formats.safetensors import read_safetensors
@@ -241,6 +242,27 @@ def test_eval_json(trained, workspace, capsys):
                  "--backend", "numpy"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("train (") and "perplexity" in line and "exact match" not in line
+
+
+def test_eval_split_valid_of_one_file_is_what_the_run_held_out(workspace, tmp_path, capsys):
+    """finetune on one file holds out a seeded fraction as valid; eval --split valid on that file finds the same
+    records (the run's valid_split and seed) and gives the run's validation loss; --split train is the rest."""
+    model_dir, _ = workspace
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(data, records(12))
+    run = tmp_path / "run"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "numpy",
+                 "--max-steps", "2", "--valid-split", "0.25", "--seed", "5", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    capsys.readouterr()
+    argv = ["eval", "--model", str(model_dir), "--adapter-path", str(run), "--data", str(data), "--backend", "numpy",
+            "--no-generate", "--json"]
+    assert main(argv + ["--split", "valid"]) == 0
+    valid = json.loads(capsys.readouterr().out)
+    assert (valid["split"], valid["samples"]) == ("valid", 3)
+    assert_close(valid["loss"], summary["valid_loss_after"], "loss_f32", "eval")
+    assert main(argv + ["--split", "train"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 9
 
 
 def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, tmp_path, capsys):

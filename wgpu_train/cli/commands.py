@@ -10,8 +10,8 @@ import sys
 from wgpu_train.errors import ConfigError
 from wgpu_train.cli import memory, merge
 from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options, resolve_train_config
-from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, closing_stages, load_model_and_tokenizer,
-                                             model_folder, trained_data_format)
+from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, closing_stages, held_out_split,
+                                             load_model_and_tokenizer, model_folder, trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
 from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
@@ -182,12 +182,15 @@ def cmd_eval(args) -> int:
     from wgpu_train.training.config import default_data_dir
 
     data_path = args.data if args.data else default_data_dir()
-    splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns)
+    adapter = adapter_folder(args.adapter_path)
+    # a split asked for by name is the run's: data without a valid one held out as the run held it out
+    valid_split, seed = held_out_split(adapter) if args.split else (0.0, 0)
+    splits = resolve_data(data_path, valid_split=valid_split, seed=seed, skip_invalid=args.skip_invalid,
+                          columns=args.columns)
     split = args.split or ("test" if splits.test else "valid" if splits.valid else "train")
     records = getattr(splits, split)
     if not records:
         raise DataError(f"{data_path}: no {split} split")
-    adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": given_no_chat_template(args),
@@ -252,7 +255,10 @@ def _register_eval(sub):
     p.add_argument("--columns", default=None, metavar="FIELD=COLUMN[,...]",
                    help="other column names of the data (as finetune --columns)")
     p.add_argument("--split", default=None, choices=("train", "valid", "test"),
-                   help="split of a dataset folder (default: test, else valid, else train; a file is one split)")
+                   help="split of the data (default: test, else valid, else train; a file without splits is train "
+                        "as a whole). Named, valid and train of data without a valid split are those of the run "
+                        "that wrote the adapter: the fraction it held out (its valid_split and seed; without an "
+                        "adapter, finetune's defaults) and the rest")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--batch-size", type=whole(1), default=None,
                    help=f"rows per evaluation batch (default: {EVAL_BATCH}); with --objective, examples (pairs) per "
