@@ -56,11 +56,11 @@ def cmd_memory(args) -> int:
     what = (f"LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}{describe_layout(lora)}" if lora
             else "full fine-tuning")
     n = result["parameters"]
+    said = "" if why == "as given" else f" ({why})"
     print(f"{model_dir} ({cfg.label}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
           f"training batch "
-          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}"
-          + (f" ({why})" if why != "as given" else "") + (", gradient checkpointing" if args.gradient_checkpointing
-                                                           else ""))
+          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}{said}"
+          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     for key in ("weights", "trainable_state", "activations", "logits", "total"):
         ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit
                  else "")
