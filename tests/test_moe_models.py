@@ -233,3 +233,41 @@ def test_three_sft_steps_equal_trl_sft_trainer(tmp_path):
     assert set(ours) == set(theirs)
     for k, v in ours.items():
         assert_close(v, theirs[k], "preference_vs_trl_params", k)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_and_its_gradient_match_transformers(arch, tmp_path):
+    """With the router's auxiliary loss on (transformers' output_router_logits), the loss is the mean token loss
+    plus coef times load_balancing_loss_func over the padded batch's real tokens, and every LoRA gradient
+    (router and experts included) is PEFT's."""
+    hf = build_moe(arch, seed=11)
+    save_model(hf, tmp_path / "model")
+    cfg = peft.LoraConfig(r=3, lora_alpha=7, target_modules=["q_proj"], target_parameters=EXPERTS + ["gate.weight"])
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), cfg), 3)
+    pm.save_pretrained(tmp_path / "adapter")
+    ids, labels, mask = batch()
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels),
+             output_router_logits=True)
+    (out.loss - 0.001 * out.aux_loss + 0.3 * out.aux_loss).backward()      # coef 0.3: its gradient shows
+    expected = {n.replace(".default.", "."): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    model = load_model(tmp_path / "model", backend="numpy")
+    model.load_adapter(tmp_path / "adapter")
+    model.engine.set_router_aux_loss(0.3)
+    loss, grads = model.loss_and_grads(ids, labels, mask)
+    assert_close(loss, out.loss.item() - 0.001 * out.aux_loss.item(), "loss_f32", "token loss")
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    model.engine.set_router_aux_loss(0.0)
+    _, plain = model.loss_and_grads(ids, labels, mask)
+    router = next(k for k in grads if ".mlp.gate.lora_A" in k)
+    assert np.abs(plain[router] - grads[router]).max() > 1e-4          # the aux term moved the router's gradient
+
+
+def test_router_aux_loss_is_refused_on_a_dense_model():
+    from tiny_models import build_model
+    from wgpu_train.engines.loading import model_from_weights
+    hf = build_model("llama")
+    cfg = ModelConfig.from_dict({**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    model = model_from_weights(cfg, {k: v.numpy() for k, v in hf.state_dict().items()}, backend="numpy")
+    with pytest.raises(ConfigError, match="not a mixture of experts"):
+        model.engine.set_router_aux_loss(0.01)

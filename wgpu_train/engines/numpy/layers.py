@@ -101,6 +101,8 @@ class LayerOps:
     def _forward_route(self, op, i, a, walk):
         spec = self.cfg.moe
         a[op.outputs[0]], a[op.outputs[1]] = ops.moe_route_forward(a[op.inputs[0]], spec.top_k, spec.normalize)
+        if walk.router_loss is not None:
+            walk.router_loss.add(a[op.inputs[0]], a[op.outputs[1]], walk.real_tokens)
 
     def _experts(self, i, op):
         """Layer i's experts: their (gate_up, down) weights and LoRA pairs ((A, B, scale) or None), their paths."""
@@ -172,7 +174,8 @@ class LayerOps:
         return [ops.split_backward(dys)]
 
     def _backward_route(self, op, i, a, dys, walk):
-        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], self.cfg.moe.normalize)]
+        dprobs = walk.router_loss.dprobs(walk.real_tokens) if walk.router_loss is not None else None
+        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], self.cfg.moe.normalize, dprobs)]
 
     def _backward_experts(self, op, i, a, dys, walk):
         (gate_up, down), (lora_gu, lora_dn), paths = self._experts(i, op)

@@ -157,3 +157,31 @@ def load_balancing_dprobs(counts, rows: float, num_experts: int, mask, coef: flo
     constants (top-k has no gradient), so each real token's probability of expert e gets coef E counts_e /
     rows^2."""
     return (coef * num_experts * counts / rows ** 2)[None, :] * mask[:, None]
+
+
+class RouterLoss:
+    """The load-balancing loss of one training forward: every sparse layer's assignments and probabilities summed
+    as the forward reaches it (load_balancing_counts), then the loss and each layer's gradient on its router's
+    probabilities, with `weight` (the coefficient, times the forward's share of the step's gradient) on it."""
+
+    def __init__(self, num_experts: int, weight: float):
+        self.num_experts, self.weight = num_experts, weight
+        self.counts = np.zeros(num_experts)
+        self.prob_sums = np.zeros(num_experts)
+        self.rows = 0.0
+
+    def add(self, logits, experts, mask):
+        """One sparse layer's router logits (N, E), top-k experts (N, k) and real-token mask (N,)."""
+        counts, prob_sums, rows = load_balancing_counts(logits, experts, mask)
+        self.counts += counts
+        self.prob_sums += prob_sums
+        self.rows += rows
+
+    @property
+    def value(self) -> float:
+        """transformers' load_balancing_loss_func over the layers added (0 before any real token)."""
+        return load_balancing_loss(self.counts, self.prob_sums, self.rows, self.num_experts) if self.rows else 0.0
+
+    def dprobs(self, mask):
+        """The gradient (N, E) of weight * value on one layer's probabilities."""
+        return load_balancing_dprobs(self.counts, max(self.rows, 1.0), self.num_experts, mask, self.weight)

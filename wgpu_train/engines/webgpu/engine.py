@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
+from wgpu_train.engines.protocol import (EngineState, LossScaler, Precision, check_precision_widths,
+                                         check_router_aux_loss)
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
@@ -242,6 +243,14 @@ class WgpuEngine(EngineState):
     def set_adapter_enabled(self, enabled: bool = True):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
         self.layers.adapter_enabled = bool(enabled)
+
+    last_aux_loss = None     # the router's auxiliary loss is not computed here (set_router_aux_loss)
+
+    def set_router_aux_loss(self, coef: float = 0.0):
+        """0 only: the WebGPU engine does not compute a mixture of experts' router auxiliary loss yet."""
+        if check_router_aux_loss(self.cfg, coef):
+            raise ConfigError("the WebGPU engine does not compute the router's auxiliary loss yet: use --backend "
+                              "numpy, or --router-aux-loss-coef 0")
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
