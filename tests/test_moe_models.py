@@ -271,3 +271,28 @@ def test_router_aux_loss_is_refused_on_a_dense_model():
     model = model_from_weights(cfg, {k: v.numpy() for k, v in hf.state_dict().items()}, backend="numpy")
     with pytest.raises(ConfigError, match="not a mixture of experts"):
         model.engine.set_router_aux_loss(0.01)
+
+
+def test_router_aux_loss_and_expert_targets_from_the_command_line(tmp_path):
+    """--lora-target-parameters names the experts; --router-aux-loss-coef turns the loss on (logged as aux_loss
+    each step, as TRL logs it); on a dense model it is refused in one line."""
+    from finetune_helpers import build_tokenizer, make_data_dir, make_model_dir
+    from wgpu_train.cli.main import main
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    save_model(build_moe("mixtral", seed=7, vocab_size=vocab), model_dir)
+    data = make_data_dir(tmp_path / "data")
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-steps", "2",
+                 "--lora-targets", "q_proj", "--lora-target-parameters", "mlp.experts.down_proj",
+                 "--router-aux-loss-coef", "0.02", "--no-progress", "--log-every", "1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == 2 and all(r["aux_loss"] > 0 for r in steps)
+    raw = json.loads((out / "adapter_config.json").read_text())
+    assert raw["target_parameters"] == ["mlp.experts.down_proj"] and raw["target_modules"] == ["q_proj"]
+    dense = make_model_dir(tmp_path / "dense")
+    code = main(["finetune", "--model", str(dense), "--data", str(data), "--out", str(tmp_path / "o2"),
+                 "--max-steps", "1", "--router-aux-loss-coef", "0.02", "--backend", "numpy", "--no-progress"])
+    assert code == 2

@@ -86,3 +86,12 @@ def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig 
                      normalize=True if family == "mixtral" else bool(raw.get("norm_topk_prob", False)),
                      sparse=sparse, shared_expert_size=shared, aux_loss_coef=float(coef),
                      aux_loss=bool(raw.get("output_router_logits", False)))
+
+
+def router_aux_loss_coef(moe: MoeConfig | None, given: float | None) -> float:
+    """The weight of the router's auxiliary loss a run trains with: `given` (--router-aux-loss-coef), else the
+    config's router_aux_loss_coef where its output_router_logits asks for the loss (transformers' meaning), else
+    0 (off); 0 for a dense model unless given."""
+    if given is not None:
+        return float(given)
+    return moe.aux_loss_coef if moe is not None and moe.aux_loss else 0.0

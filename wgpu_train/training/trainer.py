@@ -19,6 +19,7 @@ from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.resources import base_weight_bytes, count_trainable
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.formats import hub
+from wgpu_train.models.moe import router_aux_loss_coef
 from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
@@ -215,6 +216,7 @@ class Trainer:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
+        self.engine.set_router_aux_loss(router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef))
         self.precision_reason = (self.engine.precision_reason if cfg.precision.resolved or self.precision is None
                                  else "auto: as the resumed checkpoint trained")
         self.precision = self.engine.precision
@@ -527,6 +529,8 @@ class Trainer:
                "readbacks": c.get("readbacks", 0), "nonfinite_skipped": c.get("nonfinite_skipped", 0)}
         if self.engine.loss_scaler is not None:       # f16: the scale the next step multiplies the loss by
             row["loss_scale"] = self.engine.loss_scaler.scale
+        if self.engine.last_aux_loss is not None:     # a mixture of experts' router aux loss, of the last step
+            row["aux_loss"] = self.engine.last_aux_loss
         self._write_row(row)
         if self.config.no_progress:
             self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {fmt(row['loss'])} "
