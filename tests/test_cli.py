@@ -617,7 +617,7 @@ def test_merge_refuses_an_existing_model_folder(trained, workspace, tmp_path, ca
     (["generate", "--prompt", "hi", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
     (["eval", "--batch-size", "two"], "invalid int value: 'two'"),
     (["bench", "--only", "nosuch"], "--only 'nosuch' selects no benchmark; the names are gemm, gemm_candidates, gemm_quant, "
-                                    "attention, decode, mixed_lora, training, variable_lengths, base_weights, mfu, "
+                                    "attention, decode, mixed_lora, moe, training, variable_lengths, base_weights, mfu, "
                                     "data_parallel, engines, grpo, serve, precision, pipeline, preference"),
 ])
 def test_bad_numbers_and_names(capsys, argv, message):

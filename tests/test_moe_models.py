@@ -296,3 +296,27 @@ def test_router_aux_loss_and_expert_targets_from_the_command_line(tmp_path):
     code = main(["finetune", "--model", str(dense), "--data", str(data), "--out", str(tmp_path / "o2"),
                  "--max-steps", "1", "--router-aux-loss-coef", "0.02", "--backend", "numpy", "--no-progress"])
     assert code == 2
+
+
+def test_a_server_takes_expert_adapters_one_at_a_time(moe, tmp_path):
+    """Adapters with LoRA on the experts are not put in one bank (its per-row GEMMs do not route): the server
+    switches them, and each adapter's tokens are its own."""
+    from wgpu_train.serve.adapters import AdapterRegistry
+    from wgpu_train.serve.prompts import PromptStyle
+
+    arch, hf, folder = moe
+    for seed, name in ((1, "a"), (2, "b")):
+        _peft(hf, ["q_proj"], seed=seed).save_pretrained(tmp_path / name)
+    model = load_model(folder, backend="numpy")
+    registry = AdapterRegistry(model, "base")
+    for name in "ab":
+        registry.add(name, tmp_path / name, PromptStyle())
+    assert not registry.build_bank()
+    prompt = [4, 9, 13, 2]
+    outs = {}
+    for name in "ab":
+        registry.activate(name)
+        outs[name] = model.generate(prompt, max_new_tokens=6)
+        alone = load_model(folder, backend="numpy")
+        alone.load_adapter(tmp_path / name)
+        assert alone.generate(prompt, max_new_tokens=6) == outs[name]
