@@ -295,13 +295,3 @@ def test_unsupported_gpt_oss_configs_are_refused_naming_the_field(change, match)
     raw = {**json.loads(gpt_oss_config().to_json_string()), "architectures": ["GptOssForCausalLM"], **change}
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict(raw)
-
-
-def test_yarn_on_another_family_is_refused():
-    from tiny_models import hf_config
-
-    raw = {**hf_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"],
-           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    raw.pop("rope_parameters", None)
-    with pytest.raises(ConfigError, match="has type 'yarn'; llama supports 'llama3' and 'linear'"):
-        ModelConfig.from_dict(raw)
