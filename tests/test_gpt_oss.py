@@ -295,3 +295,29 @@ def test_unsupported_gpt_oss_configs_are_refused_naming_the_field(change, match)
     raw = {**json.loads(gpt_oss_config().to_json_string()), "architectures": ["GptOssForCausalLM"], **change}
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict(raw)
+
+
+def test_top_k_then_softmax_is_the_renormalised_route():
+    """gpt-oss's route (top-k of the logits, a softmax over the k) is moe_route_* with normalize: the same weights
+    and experts, and the same gradient on the logits (torch autograd through transformers' form)."""
+    from wgpu_train.engines.shared.moe import moe_route_backward, moe_route_forward
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((7, 5))
+    dweights = rng.standard_normal((7, 2))
+    t = torch.tensor(logits, requires_grad=True)
+    top, chosen = torch.topk(t, 2, dim=-1)
+    want = torch.softmax(top, dim=-1)
+    (want * torch.tensor(dweights)).sum().backward()
+    weights, experts = moe_route_forward(logits, 2, True)
+    assert np.array_equal(experts, chosen.numpy())
+    assert_close(weights, want.detach().numpy(), "route_f64", "weights")
+    assert_close(moe_route_backward(dweights, logits, experts, True), t.grad.numpy(), "route_f64", "dlogits")
+
+
+def test_the_webgpu_engine_refuses_gpt_oss_in_one_line(tiny):
+    """Its layer recording has no sinks, expert biases or clamped SwiGLU: refused before any device work."""
+    _, folder = tiny
+    with pytest.raises(ConfigError) as info:
+        load_model(folder, backend="wgpu")
+    assert "GptOssForCausalLM" in str(info.value) and "\n" not in str(info.value)
