@@ -137,6 +137,10 @@ TOLERANCES: dict[str, Tolerance] = {
     "inv_freq": Tolerance(2e-6, 0.0,
         "RoPE inverse frequencies: ours in float64, transformers' buffer in float32 (relative rounding ~6e-8, "
         "plus float32 pow in torch)"),
+    "route_f64": Tolerance(1e-12, 1e-14,
+        "gpt-oss's route (a softmax over the top-k logits) against the renormalised softmax over every expert, both "
+        "in float64: the same numbers by another formula, rounding apart by a few units of 1e-16; a wrong expert "
+        "or a missing term of the softmax's Jacobian differs by > 1e-2"),
     "finite_difference_f64": Tolerance(1e-5, 1e-8,
         "central difference of the float64 loss with step 1e-5 (truncation ~1e-10, cancellation ~1e-11) "
         "against the analytic gradient, which loss_and_grads returns as float32 (relative 6e-8)"),

@@ -45,7 +45,30 @@ def _as_array(raw: np.ndarray, dtype: str) -> np.ndarray:
     return np.array(raw)
 
 
-class Stacked:
+class Derived:
+    """A tensor made from stored ones when it is read: its shape, the file bytes it reads (nbytes) and
+    values(dtype), float32 (dtype: the safetensors dtype of what it reads)."""
+
+    shape: tuple
+    nbytes: int
+
+    def values(self, dtype: str) -> np.ndarray:
+        raise NotImplementedError
+
+
+class Transposed(Derived):
+    """A stored tensor (a view of file bytes, or a Derived) with its last two axes swapped when it is read."""
+
+    def __init__(self, raw):
+        self.raw, self.nbytes = raw, raw.nbytes
+        self.shape = (*raw.shape[:-2], raw.shape[-1], raw.shape[-2])
+
+    def values(self, dtype: str) -> np.ndarray:
+        x = self.raw.values(dtype) if isinstance(self.raw, Derived) else _as_array(self.raw, dtype)
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2))
+
+
+class Stacked(Derived):
     """A tensor made of other stored tensors when it is read: parts[e] (views of file bytes, one safetensors
     dtype) joined along their first axis, the results stacked on a new first axis e. A checkpoint's MoE layer
     stores each expert's projections apart; the model reads them as one (E, out, in) tensor."""
@@ -66,13 +89,13 @@ class LazyWeights(Mapping):
     as it goes) never holds the whole model as float32 in host memory."""
 
     def __init__(self, raw: dict):
-        self._raw = raw                  # name -> (view of the file's bytes or a Stacked, safetensors dtype)
+        self._raw = raw                  # name -> (view of the file's bytes or a Derived, safetensors dtype)
         self.bytes_read = 0              # file bytes converted so far (a pipeline stage reads only its own)
 
     def __getitem__(self, name: str) -> np.ndarray:
         raw, dtype = self._raw[name]
         self.bytes_read += raw.nbytes
-        return raw.values(dtype) if isinstance(raw, Stacked) else _as_array(raw, dtype)
+        return raw.values(dtype) if isinstance(raw, Derived) else _as_array(raw, dtype)
 
     def subset(self, names) -> "LazyWeights":
         """These tensors alone (nothing read), with a byte count of their own."""

@@ -33,8 +33,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict:
-    """Every tensor name the model needs mapped to its shape (biases and lm_head handled by the caller); a
-    layer's norms are its layer plan's, an MoE layer's experts 3-D tensors under mlp.experts (expert_path)."""
+    """Every tensor name the model needs mapped to its shape (the attention's biases handled by the caller); a
+    layer's norms are its layer plan's, an MoE layer's experts 3-D tensors under mlp.experts (expert_path), with
+    gpt-oss's biases, and its attention sinks."""
     c, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
     for i in range(cfg.num_hidden_layers):
@@ -45,6 +46,11 @@ def expected_shapes(cfg: ModelConfig) -> dict:
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
         if cfg.is_sparse(i):
             shapes.update({expert_path(i, p): cfg.expert_shape(p) for p in EXPERT_PARAMETERS})
+            if cfg.moe.biases:       # gpt-oss: the router's and each expert's projections' biases
+                shapes[module_path(i, cfg.moe.router) + ".bias"] = (cfg.moe.num_experts,)
+                shapes.update({expert_path(i, p) + "_bias": cfg.expert_shape(p)[:2] for p in EXPERT_PARAMETERS})
+        if cfg.attention_sinks:
+            shapes[f"model.layers.{i}.self_attn.sinks"] = (cfg.num_attention_heads,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, c)
     return shapes
@@ -81,7 +87,7 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
     if cfg.wrapper:
         tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
     if cfg.moe is not None:
-        tensors = read_fused(tensors, cfg)
+        tensors = read_fused(tensors, cfg, str(folder))
     shapes = expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -140,6 +146,7 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
     if isinstance(raw.get("text_config"), dict):        # a multimodal checkpoint's language model says it too
         raw["text_config"] = {**raw["text_config"], **{k: dtype for k in ("torch_dtype", "dtype")
                                                        if k in raw["text_config"]}}
+    raw.pop("quantization_config", None)       # the weights written are dequantised (gpt-oss's MXFP4 experts)
     if cfg.tie_word_embeddings and any(k.endswith("lm_head.weight") for k in weights):   # a head trained apart
         raw["tie_word_embeddings"] = False                                                # (modules_to_save)
         if cfg.wrapper:
