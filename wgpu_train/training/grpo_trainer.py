@@ -74,7 +74,7 @@ class GRPOTrainer(Trainer):
             s = demo_prompt_splits(self.data_path)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
-                             kind=self.unit.data.value)
+                             kind=self.unit.data)
         self.splits = s
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         lines, self.truncated, self.dropped = [], 0, 0
