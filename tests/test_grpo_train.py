@@ -198,6 +198,28 @@ def test_a_failing_reward_keeps_the_last_checkpoint(workspace, tmp_path, capsys)
     assert folder_state(out / "checkpoints") == before
 
 
+def test_a_resume_that_fails_before_its_first_step_changes_nothing(workspace, tmp_path, capsys):
+    """A resume from step 1 whose reward raises: one line, and every file of the run folder as it was (bytes and
+    times: train_config.json not rewritten with the failed command's values, metrics.jsonl and completions.jsonl
+    not cut back); a plain resume then continues the run as it was recorded."""
+    out = tmp_path / "run"
+    finetune(config(workspace, out, max_steps=2, save_every=1))
+    before = folder_state(out)
+    assert json.loads((out / "train_config.json").read_text())["reward"] == "word_positions"
+    bad = tmp_path / "rw.py"
+    bad.write_text("def boom(prompts, completions, **kw):\n    raise ValueError('no luck')\n")
+    first = str(out / "checkpoints" / "step-000001")
+    one_line_error(capsys, ["finetune", "--resume", first, "--max-steps", "3", "--reward", f"{bad}:boom",
+                            "--no-progress"], "'boom', step 2: raised ValueError", after_log=True)
+    assert folder_state(out) == before
+    from wgpu_train.cli.main import main
+
+    assert main(["finetune", "--resume", first, "--no-progress"]) == 0
+    recorded = json.loads((out / "train_config.json").read_text())
+    assert recorded["reward"] == "word_positions" and recorded["max_steps"] == 2
+    assert {json.loads(line)["step"] for line in (out / COMPLETIONS_FILE).read_text().splitlines()} == {1, 2}
+
+
 def test_the_embedded_demo_learns(tmp_path):
     """`wgpu-train finetune --objective grpo` with no data: the held-out greedy reward rises clearly (measured
     0.137 -> 0.927 on the NumPy engine; a collapse, or no learning, stays near or below the start)."""

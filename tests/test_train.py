@@ -340,6 +340,29 @@ def test_resume_keeps_one_metrics_row_per_step(workspace, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_resume_failing_before_its_first_step_changes_nothing(workspace, tmp_path):
+    """A resume whose first step fails writes nothing into the run: train_config.json keeps the run's settings,
+    not the failed command's, and metrics.jsonl its rows after the checkpoint resumed (bytes and times)."""
+    out = tmp_path / "run"
+    finetune(config(workspace, out, max_steps=3, save_every=1, lr_schedule="constant"))
+    before = folder_state(out)
+    trainer = Trainer(config(workspace, out, max_steps=5, lr=3e-2, resume=str(out / "checkpoints" / "step-000001")))
+    trainer.setup()
+
+    def failing(*args, **kw):
+        raise ConfigError("the device was lost")
+
+    trainer._train_step = failing
+    with pytest.raises(ConfigError, match="device was lost"):
+        trainer.train()
+    assert folder_state(out) == before
+    # the first completed step writes them: the resumed run's settings, its metrics cut back to the checkpoint
+    finetune(config(workspace, out, max_steps=2, lr=3e-2, lr_schedule="constant",
+                 resume=str(out / "checkpoints" / "step-000001")))
+    assert json.loads((out / "train_config.json").read_text())["lr"] == 3e-2
+    assert [r["step"] for r in rows(out) if "split" not in r] == [1, 2]
+
+
 def test_loraplus_option(workspace, tmp_path):
     """--loraplus-lr-ratio trains B faster (the engines' LoRA+ is checked against PEFT in test_engine.py); a
     ratio that is not positive, or one with full fine-tuning, is refused."""

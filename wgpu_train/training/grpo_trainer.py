@@ -61,6 +61,7 @@ class GRPOTrainer(Trainer):
         self._step_metrics: list = []
         self._reward = {"before": None, "after": None}
         self._completions = None           # completions.jsonl, open while training
+        self._waiting: list = []           # its rows drawn before a resumed run's first step completed
         self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
         self.part_seconds: dict = {}       # part of the steps -> (seconds, tokens) (_time)
         self._ref_engine = None            # the engine of the KL's reference adapter (setup)
@@ -331,8 +332,9 @@ class GRPOTrainer(Trainer):
 
     # ---- what a run shows ---------------------------------------------------------------------------
     def _log_completions(self, examples, completions, per_func, rewards, advantages):
-        """completions.jsonl: each row of this generation, as TRL's log_completions shows them."""
-        if not self.writes_files or self._completions is None:
+        """completions.jsonl: each row of this generation, as TRL's log_completions shows them (a resumed run's,
+        once its first step completes: RunFiles.hold)."""
+        if not self.writes_files or (self._completions is None and not self.files.resumed):
             return
         texts = self._texts(examples, completions)
         for i, ex in enumerate(examples):
@@ -341,19 +343,31 @@ class GRPOTrainer(Trainer):
                    "completion_ids": [int(t) for t in completions[i]],
                    "rewards": {r.name: num(per_func[i, j]) for j, r in enumerate(self.rewards)},
                    "reward": num(rewards[i]), "advantage": num(advantages[i])}
-            self._completions.write(json.dumps(row) + "\n")
+            self._waiting.append(json.dumps(row) + "\n")
+        if self._completions is not None:
+            self._write_completions()
+
+    def _write_completions(self):
+        self._completions.writelines(self._waiting)
         self._completions.flush()
+        self._waiting = []
 
     def _open_outputs(self):
         super()._open_outputs()
-        path = self.out / COMPLETIONS_FILE
         if self.writes_files:
-            if self.resumed_from and path.is_file():     # the generations after the resumed step are drawn again
-                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
-                path.write_text("".join(line + "\n" for line in kept))
-            self._completions = open(path, "a" if self.resumed_from else "w")
-            if not self.resumed_from:
-                self.files.wrote(path)
+            self.files.hold(self._open_completions)
+
+    def _open_completions(self):
+        """completions.jsonl opened (a resumed run's cut back to its checkpoint's step), with the rows waiting."""
+        path = self.out / COMPLETIONS_FILE
+        if self.resumed_from and path.is_file():     # the generations after the resumed step are drawn again
+            start = self.progress.start_step
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._completions = open(path, "a" if self.resumed_from else "w")
+        if not self.resumed_from:
+            self.files.wrote(path)
+        self._write_completions()
 
     def train(self) -> dict:
         try:

@@ -415,6 +415,7 @@ class Trainer:
                     stopped = "interrupted"
                     break
                 batch, epoch_done, lr, loss_sum, count, grad_norm, seconds = self._step()
+                self._step_completed()
                 n_in = self._input_tokens(batch)
                 self.tokens += n_in
                 self.trained_tokens += int(count)
@@ -446,6 +447,10 @@ class Trainer:
                 self._valid_row(last_eval)
                 self._early_stop(last_eval)   # the last evaluation may be the best
         return stopped, last_eval, last_eval_step, run
+
+    def _step_completed(self):
+        """After each step: what a resumed run held back until a step completed is written (RunFiles.hold)."""
+        self.files.step_completed()
 
     def _early_stop(self, result: dict) -> bool:
         """Track the best validation loss (Progress.track); True when early_stop_patience evaluations in a row
