@@ -230,10 +230,13 @@ class Trainer:
                  + ("; dynamic loss scaling" if self.engine.loss_scaler is not None else ""))
 
     def _resolved_settings(self) -> dict:
-        """train_config.json: the run's settings as resolved (a resume and generate read them back)."""
+        """train_config.json: the run's settings as resolved (a resume and generate read them back). The
+        embedded dataset is recorded as no data (null), so that a resume builds the demo's records (pairs,
+        prompts) and takes its defaults (GRPO's reward) as the run did."""
         model = self.model_name if hub.is_hub_id(self.model_name) else str(self.model_dir)   # a resume
-        return self.config.to_dict() | dict(out=str(self.out), model=model, data=str(self.data_path),  # re-resolves
-                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,  # an id
+        data = str(self.data_path) if self.config.data else None                            # re-resolves an id
+        return self.config.to_dict() | dict(out=str(self.out), model=model, data=data,
+                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,
                                             data_format=self.splits.format)   # for generate: how raw-mode prompts end
 
     def _read_data(self, model_cfg):
