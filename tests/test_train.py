@@ -227,6 +227,39 @@ def test_loss_plot(shared_run, tmp_path, monkeypatch):
     assert plot_losses(out / "metrics.jsonl", tmp_path / "none.png") is False
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_run_without_matplotlib_says_what_to_install(workspace, tmp_path, monkeypatch, installed):
+    """loss.png is optional: without matplotlib the run says so in one line naming the extra; with it (a
+    stand-in figure here), it draws the file and says nothing of it."""
+    import types
+
+    class Figure:
+        def __init__(self, **kw):
+            pass
+
+        def add_subplot(self):
+            return types.SimpleNamespace(**{n: lambda *a, **k: None for n in
+                                            ("plot", "set_xlabel", "set_ylabel", "legend", "grid")})
+
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi):
+            Path(path).write_bytes(b"png")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib") if installed else None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", types.SimpleNamespace(Figure=Figure) if installed else None)
+    lines = []
+    out = tmp_path / "run"
+    Trainer(config(workspace, out, max_steps=1), log=lines.append).run()
+    said = [line for line in lines if "loss.png" in line]
+    if installed:
+        assert said == [] and (out / "loss.png").read_bytes() == b"png"
+    else:
+        assert said == ["loss.png skipped: matplotlib is not installed (pip install 'wgpu-train[plot]')"]
+        assert not (out / "loss.png").exists()
+
+
 def test_keep_checkpoints(shared_run):
     out, _ = shared_run
     root = out / "checkpoints"

@@ -117,7 +117,8 @@ class RunFiles:
                               f"{good}") from None
 
     def write_outputs(self, model, method: str, summary: dict, ckpt):
-        """The adapter (LoRA) or the model, summary.json and loss.png."""
+        """The adapter (LoRA) or the model, summary.json and loss.png (without matplotlib, a line saying what to
+        install instead)."""
         if not self.writes_files:
             return
         try:
@@ -130,7 +131,8 @@ class RunFiles:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}; the checkpoint "
                               f"{ckpt} holds the run") from None
         self.metrics.flush()
-        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        if not plot_losses(self.out / "metrics.jsonl", self.out / "loss.png"):
+            self.log("loss.png skipped: matplotlib is not installed (pip install 'wgpu-train[plot]')")
 
     def close(self):
         """metrics.jsonl and the trackers closed (the run is over)."""
