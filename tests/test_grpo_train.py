@@ -183,6 +183,31 @@ def test_bad_input_is_one_line(workspace, tmp_path, capsys):
     assert not (tmp_path / "f").exists()        # nothing trained: the run's folder is gone again
 
 
+def test_fewer_prompts_than_a_step_takes_is_one_line(workspace, tmp_path, capsys):
+    """3 prompts for a step of 16 completions, G = 4 (4 prompts): one line and exit code 2, before training
+    starts (nothing is written)."""
+    root, model = workspace
+    write_jsonl(tmp_path / "three.jsonl", prompts(3))
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(tmp_path / "three.jsonl"),
+                            "--objective", "grpo", "--backend", "numpy", "--batch-size", "16", "--num-generations",
+                            "4", "--max-completion-length", "6", "--valid-split", "0", "--reward", "word_positions",
+                            "--no-progress", "--out", str(tmp_path / "run")],
+                   "a step of 16 completions takes 4 prompts (4 completions each), but the training data holds 3",
+                   after_log=True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_epochs_prompts_left_over_are_not_drawn(workspace, tmp_path):
+    """5 prompts, steps of 4 (G = 2, batch 4, 2 micro-batches): an epoch is one full step, as TRL's RepeatSampler
+    drops an incomplete last batch (here 1 prompt, 2 rows, which do not fill a micro-batch of 4)."""
+    write_jsonl(tmp_path / "five.jsonl", prompts(5))
+    summary = finetune(config(workspace, tmp_path / "run", data=str(tmp_path / "five.jsonl"), max_steps=None,
+                              epochs=2, num_generations=2, grad_accum=2))
+    assert summary["steps"] == 2 and summary["epochs"] == 2.0
+    drawn = [json.loads(line) for line in (tmp_path / "run" / COMPLETIONS_FILE).read_text().splitlines()]
+    assert len(drawn) == 2 * 8 and len({d["prompt"] for d in drawn if d["step"] == 1}) == 4
+
+
 def test_a_failing_reward_keeps_the_last_checkpoint(workspace, tmp_path, capsys):
     """A reward that fails at step 3 of a resumed run: one line, and the run folder as it was."""
     out = tmp_path / "run"

@@ -103,9 +103,13 @@ class GRPOTrainer(Trainer):
                  + ", ".join(f"{r.name} x {w:g}" for r, w in zip(self.rewards, self.reward_weights)))
 
     def _make_stream(self, accum: int):
-        rows = self.config.batch_size * accum
-        return GenerationStream(self.prompts["train"], rows // self.settings.num_generations, self.config.seed,
-                                self.settings.num_iterations)
+        """The prompts' stream; ConfigError (one line) when the training prompts do not fill one step."""
+        rows, g, n = self.config.batch_size * accum, self.settings.num_generations, len(self.prompts["train"])
+        if n < rows // g:
+            raise ConfigError(f"a step of {rows} completions takes {rows // g} prompts ({g} completions each), but "
+                              f"the training data holds {n}: give more prompts, or lower --batch-size or "
+                              f"--grad-accum")
+        return GenerationStream(self.prompts["train"], rows // g, self.config.seed, self.settings.num_iterations)
 
     def _micro_batch_rows(self) -> int:
         return self.config.batch_size
