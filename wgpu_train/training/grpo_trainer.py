@@ -117,13 +117,17 @@ class GRPOTrainer(Trainer):
     # ---- a generation ---------------------------------------------------------------------------------
     def _sample(self, examples, seeds) -> tuple[list, np.ndarray]:
         """(completion ids of each row, (R,) whether each was cut at max_completion_length) for the prompts of
-        `examples`, one row per seed, sampled with the current adapter."""
+        `examples`, one row per seed, sampled with the current adapter. A completion ends where TRL 1.16's
+        GRPOTrainer ends it: at the tokenizer's EOS or the generation config's (tokenizer.eos_token_ids), not at
+        the vocabulary's other end-of-turn tokens that `generate` also stops at; one that ends in neither (nor in
+        the pad token, as TRL counts it) was cut."""
         s = self.settings
-        stops = list(self.tokenizer.stop_token_ids)
+        stops = list(self.tokenizer.eos_token_ids)
         out = self.model.generate_batch([e.input_ids for e in examples], max_new_tokens=s.max_completion_length,
                                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seeds,
                                         stop_token_ids=stops)
-        cut = np.array([not (ids and ids[-1] in stops) for ids in out], bool)
+        ended = set(stops) | {self.tokenizer.pad_token_id}
+        cut = np.array([not (ids and ids[-1] in ended) for ids in out], bool)
         return out, cut
 
     def _texts(self, examples, completions) -> list:
@@ -131,7 +135,7 @@ class GRPOTrainer(Trainer):
         assistant message."""
         out = []
         for ex, ids in zip(examples, completions):
-            text = self.tokenizer.decode([t for t in ids if t not in set(self.tokenizer.stop_token_ids)])
+            text = self.tokenizer.decode([t for t in ids if t not in set(self.tokenizer.eos_token_ids)])
             out.append([{"role": "assistant", "content": text}] if isinstance(ex.record.prompt, list) else text)
         return out
 
@@ -402,7 +406,7 @@ class GRPOTrainer(Trainer):
             return None
         out = self.model.generate_batch([e.input_ids for e in examples],
                                         max_new_tokens=self.settings.max_completion_length, temperature=0.0,
-                                        stop_token_ids=list(self.tokenizer.stop_token_ids))
+                                        stop_token_ids=list(self.tokenizer.eos_token_ids))
         rewards = np.nansum(self._rewards(examples, out, self.step) * self.reward_weights, axis=1)
         return {"reward": float(rewards.mean()), "n": len(examples), "split": split}
 
