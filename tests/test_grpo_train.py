@@ -208,6 +208,21 @@ def test_an_epochs_prompts_left_over_are_not_drawn(workspace, tmp_path):
     assert len(drawn) == 2 * 8 and len({d["prompt"] for d in drawn if d["step"] == 1}) == 4
 
 
+def test_grpo_trains_on_alpaca_rows(workspace, tmp_path):
+    """An Alpaca file SFT trains on serves GRPO: the prompt is the instruction and its input, the output the answer
+    column that exact_match compares with."""
+    rows = [{"instruction": "What comes after this?", "input": p["prompt"], "output": p["answer"]} for p in prompts(4)]
+    write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    out = tmp_path / "run"
+    summary = finetune(config(workspace, out, data=str(tmp_path / "alpaca.jsonl"), reward="exact_match",
+                              max_steps=1))
+    assert summary["steps"] == 1 and summary["data_format"] == "alpaca"
+    drawn = [json.loads(line) for line in (out / COMPLETIONS_FILE).read_text().splitlines()]
+    asked = {(d["prompt"][-1]["content"], d["rewards"]["exact_match"]) for d in drawn}
+    inputs = {f"What comes after this?\n\n{p['prompt']}" for p in prompts(4)}
+    assert {text for text, _ in asked} <= inputs and {r for _, r in asked} <= {0.0, 1.0}
+
+
 def test_a_failing_reward_keeps_the_last_checkpoint(workspace, tmp_path, capsys):
     """A reward that fails at step 3 of a resumed run: one line, and the run folder as it was."""
     out = tmp_path / "run"
