@@ -511,6 +511,39 @@ def test_resume_takes_the_runs_settings(trained, workspace, tmp_path, capsys):
     assert json.loads((run / "train_config.json").read_text())["lora_targets"] == "q_proj,o_proj"
 
 
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_a_plain_resume_of_an_embedded_demo(objective, tmp_path, capsys, monkeypatch):
+    """The embedded demos (no --model, no --data) record no data, so that `--resume` alone builds the demo's
+    records again (DPO's pairs, GRPO's prompts) with its defaults (GRPO's word_positions reward), and trains the
+    steps the uninterrupted run did. (The validation loss of DPO's 100 held-out pairs is left out: it is slow.)"""
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    monkeypatch.setattr(PreferenceTrainer, "evaluate", lambda self: None)
+    small = {"grpo": ["--batch-size", "8", "--num-generations", "4", "--max-completion-length", "4"],
+             "dpo": ["--batch-size", "4"]}[objective]
+    runs = {}
+    for name, steps in (("whole", "2"), ("part", "1")):
+        runs[name] = tmp_path / name
+        assert main(["finetune", "--objective", objective, "--backend", "numpy", "--max-steps", "2",
+                     "--save-every", steps, "--no-eval-generate", "--no-progress", "--out", str(runs[name])]
+                    + small) == 0
+    recorded = json.loads((runs["part"] / "train_config.json").read_text())
+    assert recorded["data"] is None and recorded["reward"] is None
+    part = runs["part"]
+    shutil.rmtree(part / "checkpoints" / "step-000002")         # as if stopped after step 1
+    capsys.readouterr()
+    assert main(["finetune", "--resume", str(part), "--no-progress"]) == 0
+    summary = json.loads((part / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["resumed_from"].endswith("step-000001")
+    whole = json.loads((runs["whole"] / "summary.json").read_text())
+    assert summary["data_format"] == whole["data_format"]
+    if objective == "grpo":
+        assert summary["objective"]["rewards"] == whole["objective"]["rewards"] == ["word_positions"]
+    a, b = read_safetensors(runs["whole"] / "adapter_model.safetensors"), read_safetensors(
+        part / "adapter_model.safetensors")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_generate_and_eval_follow_the_runs_prompt_settings(workspace, tmp_path, capsys):
     """An adapter trained on raw text (--no-chat-template) with --train-on-last-turn and --max-seq-len is
     evaluated and asked the same way, said in one line on stderr; --chat-template etc. choose otherwise."""

@@ -105,7 +105,7 @@ def _read_split(args, data_path, data: DataKind, held_out: tuple[float, int]):
     valid_split, seed = held_out
     if args.data:
         splits = resolve_data(data_path, valid_split=valid_split if args.split else 0.0, seed=seed,
-                              skip_invalid=args.skip_invalid, columns=args.columns, kind=data.value)
+                              skip_invalid=args.skip_invalid, columns=args.columns, kind=data)
     else:
         splits = demo_preference_splits(resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid),
                                         seed, data is DataKind.UNPAIRED, names=("train", "valid", "test"))

@@ -228,7 +228,7 @@ class TrainConfig:
                                              "embedding, the last the final norm and head), for a model larger "
                                              "than one device; balanced by the memory estimate; each stage on "
                                              "--backend's engine, and --device may list one adapter per stage; "
-                                             "needs pip install 'wgpu-train[ray]'")
+                                             "needs pip install 'wgpu-train[pipeline]'")
     stage_layers: str | None = _opt(None, "the stages' layers by hand, FIRST-LAST per stage: e.g. 0-11,12-23 "
                                           "(every layer exactly once, in order)")
     pipeline_micro_batches: int | None = _opt(None, "micro-batches of batch_size rows per step through the "

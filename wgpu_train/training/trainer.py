@@ -232,10 +232,13 @@ class Trainer:
                  + ("; dynamic loss scaling" if self.engine.loss_scaler is not None else ""))
 
     def _resolved_settings(self) -> dict:
-        """train_config.json: the run's settings as resolved (a resume and generate read them back)."""
+        """train_config.json: the run's settings as resolved (a resume and generate read them back). The
+        embedded dataset is recorded as no data (null), so that a resume builds the demo's records (pairs,
+        prompts) and takes its defaults (GRPO's reward) as the run did."""
         model = self.model_name if hub.is_hub_id(self.model_name) else str(self.model_dir)   # a resume
-        return self.config.to_dict() | dict(out=str(self.out), model=model, data=str(self.data_path),  # re-resolves
-                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,  # an id
+        data = str(self.data_path) if self.config.data else None                            # re-resolves an id
+        return self.config.to_dict() | dict(out=str(self.out), model=model, data=data,
+                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,
                                             data_format=self.splits.format)   # for generate: how raw-mode prompts end
 
     def _read_data(self, model_cfg):
@@ -417,6 +420,7 @@ class Trainer:
                     stopped = "interrupted"
                     break
                 batch, epoch_done, lr, loss_sum, count, grad_norm, seconds = self._step()
+                self._step_completed()
                 n_in = self._input_tokens(batch)
                 self.tokens += n_in
                 self.trained_tokens += int(count)
@@ -448,6 +452,10 @@ class Trainer:
                 self._valid_row(last_eval)
                 self._early_stop(last_eval)   # the last evaluation may be the best
         return stopped, last_eval, last_eval_step, run
+
+    def _step_completed(self):
+        """After each step: what a resumed run held back until a step completed is written (RunFiles.hold)."""
+        self.files.step_completed()
 
     def _early_stop(self, result: dict) -> bool:
         """Track the best validation loss (Progress.track); True when early_stop_patience evaluations in a row
