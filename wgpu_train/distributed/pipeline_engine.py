@@ -9,7 +9,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective, check_router_aux_loss
+from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
+from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan

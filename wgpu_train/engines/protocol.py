@@ -100,16 +100,6 @@ def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
                           f"{', '.join(odd)}); use --precision fp32 or --backend numpy")
 
 
-def check_router_aux_loss(cfg: ModelConfig, coef: float) -> float:
-    """set_router_aux_loss's coefficient, checked: a number >= 0, and 0 for a model without experts."""
-    coef = float(coef)
-    if not coef >= 0:
-        raise ConfigError(f"router_aux_loss_coef must be a number >= 0, got {coef}")
-    if coef and cfg.moe is None:
-        raise ConfigError(f"router_aux_loss_coef {coef:g}: {cfg.label} is not a mixture of experts (it has no router)")
-    return coef
-
-
 @runtime_checkable
 class Engine(Protocol):
     """Arrays cross this boundary as NumPy arrays; tensors are keyed by Hugging Face names (weights) or module

@@ -9,7 +9,7 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
-from wgpu_train.engines.protocol import EngineState, LossScaler, check_router_aux_loss
+from wgpu_train.engines.protocol import EngineState, LossScaler
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import OUTPUT, layer_plans
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
@@ -24,7 +24,7 @@ from wgpu_train.engines.numpy.steps import StepRunner
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
-from wgpu_train.engines.shared.moe import RouterLoss
+from wgpu_train.engines.shared.moe import RouterLoss, check_router_aux_loss
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes, round_weights
 

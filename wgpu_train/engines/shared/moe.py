@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class ClampedSwiGLU:
@@ -238,3 +241,13 @@ class RouterLoss:
     def dprobs(self, mask):
         """The gradient (N, E) of weight * value on one layer's probabilities."""
         return load_balancing_dprobs(self.counts, max(self.rows, 1.0), self.num_experts, mask, self.weight)
+
+
+def check_router_aux_loss(cfg: ModelConfig, coef: float) -> float:
+    """set_router_aux_loss's coefficient, checked: a number >= 0, and 0 for a model without experts."""
+    coef = float(coef)
+    if not coef >= 0:
+        raise ConfigError(f"router_aux_loss_coef must be a number >= 0, got {coef}")
+    if coef and cfg.moe is None:
+        raise ConfigError(f"router_aux_loss_coef {coef:g}: {cfg.label} is not a mixture of experts (it has no router)")
+    return coef

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.engines.protocol import (EngineState, LossScaler, Precision, check_precision_widths,
-                                         check_router_aux_loss)
+from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
+from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plan
