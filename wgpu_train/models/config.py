@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,11 +66,24 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     return tuple(window if i >= first else 0 for i in range(layers))
 
 
+def _rope_layers(raw: dict, layers: int, source: str) -> tuple:
+    """SmolLM3's no_rope_layers (1: the layer uses RoPE), or from no_rope_layer_interval (default 4: every fourth
+    layer without), as transformers' SmolLM3Config makes them."""
+    given = raw.get("no_rope_layers")
+    if given is None:
+        interval = positive_field({"no_rope_layer_interval": 4, **raw}, "no_rope_layer_interval", source)
+        return tuple((i + 1) % int(interval) != 0 for i in range(layers))
+    if not isinstance(given, list) or len(given) != layers or any(v not in (0, 1) for v in given):
+        raise ConfigError(f"{source}: field 'no_rope_layers' must list 0 or 1 for each of the {layers} layers")
+    return tuple(bool(v) for v in given)
+
+
 # what transformers' Gemma and Phi-3 configs default where config.json lacks a field (the Llama-family
 # defaults differ; the hub's multimodal Gemma 3 checkpoints leave most of their text_config to these)
 _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FAMILY_DEFAULTS = {
+    "smollm3": {"tie_word_embeddings": True, "rms_norm_eps": 1e-6},
     "phi3": {"rms_norm_eps": 1e-5, "pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000,
              "max_position_embeddings": 4096},
     "gemma2": {**_GEMMA_SIZES, "head_dim": 256, "max_position_embeddings": 8192, "pad_token_id": 0,
@@ -186,12 +200,17 @@ class ModelConfig:
     moe: MoeConfig | None = None   # the experts of a mixture-of-experts model (moe.py); None for a dense one
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
     qk_norm_per_head: bool = True  # q / k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMoE)
+    rope_layers: tuple = ()      # per layer: whether it rotates q and k (SmolLM3's no_rope_layers); (): every layer
     wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE (SmolLM3's NoPE layers do not)."""
+        return bool(self.rope_layers[layer]) if self.rope_layers else True
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding attention window in tokens, 0 for full causal attention."""
@@ -321,6 +340,11 @@ class ModelConfig:
         max_pos = int(raw.get("max_position_embeddings", 4096))
         theta, scaling, rotary_dim = rope_settings(raw, gemma.pop("rope_parameters", None), family, int(head_dim),
                                                    max_pos, source)
+        rope_layers = _rope_layers(raw, layers, source) if family == "smollm3" else ()
+        if family == "smollm3" and raw.get("layer_types") is None:      # transformers' SmolLM3: NoPE layers slide
+            raw = {**raw, "layer_types": ["sliding_attention" if raw.get("use_sliding_window") and
+                                          raw.get("sliding_window") and not r else "full_attention"
+                                          for r in rope_layers]}
         windows = _layer_windows(raw, family, layers, max_pos, source)
         moe = moe_settings(raw, family, layers, source)
         if raw.get("mlp_bias"):
@@ -351,6 +375,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
             qk_norm_per_head=family != "olmoe",
+            rope_layers=rope_layers,
             moe=moe,
             attention_sinks=family == "gpt_oss",
             max_position_embeddings=max_pos,

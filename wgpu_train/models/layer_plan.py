@@ -192,7 +192,7 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
 
 
 @lru_cache(maxsize=None)
-def _plan(fields: tuple, moe=None) -> LayerPlan:
+def _plan(fields: tuple, moe=None, rope: bool = True) -> LayerPlan:
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
     c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -211,8 +211,9 @@ def _plan(fields: tuple, moe=None) -> LayerPlan:
                          heads="q" if cfg.qk_norm_per_head else ""),
                 _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2",
                          heads="kv" if cfg.qk_norm_per_head else "")]
-    ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
-            Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
+    if rope:        # SmolLM3's NoPE layers leave q and k unrotated
+        ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
+                Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
     if cfg.query_scale != 1.0:
         ops.append(Op("scale", ("q",), ("q",), ("dq",), ("dq",), factor=cfg.query_scale))
     ops.append(Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv"),
@@ -269,7 +270,8 @@ def layer_plan(cfg: ModelConfig, layer: int = 0) -> LayerPlan:
     (sandwich norms); Phi-3's fused q / k / v and gate / up projections, each split after its GEMM; a mixture
     of experts' router, routed experts and shared expert in place of the MLP on its sparse layers; gpt-oss's
     attention sinks."""
-    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None)
+    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None,
+                 cfg.uses_rope(layer))
 
 
 def layer_plans(cfg: ModelConfig) -> list:
