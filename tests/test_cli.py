@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_line_error
+from finetune_helpers import folder_state, make_data_dir, make_model_dir, one_line_error, records, write_jsonl
+from tolerances import assert_close
 from wgpu_train.cli.main import build_parser, main
 from wgpu_train.cli.commands import prompt_ids, resolve_train_config
 from wgpu_train.formats.safetensors import read_safetensors
@@ -243,6 +244,27 @@ def test_eval_json(trained, workspace, capsys):
     assert line.startswith("train (") and "perplexity" in line and "exact match" not in line
 
 
+def test_eval_split_valid_of_one_file_is_what_the_run_held_out(workspace, tmp_path, capsys):
+    """finetune on one file holds out a seeded fraction as valid; eval --split valid on that file finds the same
+    records (the run's valid_split and seed) and gives the run's validation loss; --split train is the rest."""
+    model_dir, _ = workspace
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(data, records(12))
+    run = tmp_path / "run"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(run), "--backend", "numpy",
+                 "--max-steps", "2", "--valid-split", "0.25", "--seed", "5", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    capsys.readouterr()
+    argv = ["eval", "--model", str(model_dir), "--adapter-path", str(run), "--data", str(data), "--backend", "numpy",
+            "--no-generate", "--json"]
+    assert main(argv + ["--split", "valid"]) == 0
+    valid = json.loads(capsys.readouterr().out)
+    assert (valid["split"], valid["samples"]) == ("valid", 3)
+    assert_close(valid["loss"], summary["valid_loss_after"], "loss_f32", "eval")
+    assert main(argv + ["--split", "train"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 9
+
+
 def test_generate_and_eval_store_the_base_as_the_adapter_was_trained(workspace, tmp_path, capsys):
     """An adapter trained over NF4 base weights is evaluated and used over NF4 weights unless --base-dtype
     says otherwise; the choice is said on stderr and reported by eval --json."""
@@ -301,14 +323,14 @@ def test_memory_estimate_from_config_alone(workspace, tmp_path, capsys):
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}))
     argv = ["memory", "--model", str(folder), "--batch-size", "1", "--max-seq-len", "512", "--base-dtype", "nf4",
             "--lora-rank", "16", "--lora-targets", "all-linear", "--gradient-checkpointing"]
-    assert main(argv + ["--json"]) == 0
+    assert main(argv + ["--json", "--precision", "bf16"]) == 0
     result = json.loads(capsys.readouterr().out)
-    # auto: a GPU's precision, bf16 activations
+    # a GPU's precision, bf16 activations
     want = estimate_memory(ModelConfig.from_folder(folder), 1, 512, LoraConfig(r=16, target_modules="all-linear"),
                            "lora", "nf4", "float16", True, precision="bf16")
     assert {k: result[k] for k in want} == want and result["embed_dtype"] == "float16"
     assert result["parameters"] == 6_738_415_616 and round(want["total"] / 2**30, 2) == 4.77
-    assert result["precision"] == "bf16"
+    assert (result["precision"], result["precision_reason"]) == ("bf16", "as given")
     assert main(argv + ["--precision", "fp32"]) == 0
     assert "total                5.03 GiB" in capsys.readouterr().out
     one_line_error(capsys, ["memory", "--model", str(tmp_path / "nope")], "not found")
@@ -326,6 +348,50 @@ def test_memory_estimate_from_config_alone(workspace, tmp_path, capsys):
     assert auto["weights"] / f32["weights"] == pytest.approx(0.5, abs=1e-3)
     assert main(plain + ["--method", "full"]) == 0
     assert json.loads(capsys.readouterr().out)["base_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("backend, adapters, want, why", [
+    ("numpy", ["DiscreteGPU"], "fp32", "auto: the NumPy engine is the float32 reference"),
+    ("auto", [], "fp32", "auto: the NumPy engine is the float32 reference"),
+    ("auto", ["CPU"], "fp32", "auto: the only WebGPU adapters here are CPUs"),
+    ("wgpu", ["CPU"], "fp32", "auto: a CPU adapter"),
+    ("auto", ["CPU", "DiscreteGPU"], "bf16", "auto: a GPU"),
+    ("wgpu", [], "bf16", "no WebGPU adapter here, so a GPU's"),
+])
+def test_memory_uses_the_precision_the_run_will(tmp_path, capsys, monkeypatch, backend, adapters, want, why):
+    """memory's --precision auto is what the run takes on the engine --backend chooses here (the NumPy engine and
+    CPU adapters: fp32), said with its reason, and the estimate is that precision's."""
+    from types import SimpleNamespace
+
+    from wgpu_train.engines import resources
+
+    found = [SimpleNamespace(adapter_type=kind) for kind in adapters]
+    monkeypatch.setattr(resources, "devices", lambda: found)
+    monkeypatch.setattr(resources, "choose_adapter", lambda spec=None: next(
+        (a for a in found if a.adapter_type != "CPU"), found[0]))
+    model_dir = tmp_path / "model"          # even widths, which 16-bit activations can store
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5}))
+    argv = ["memory", "--model", str(model_dir), "--json"]
+    assert main(argv + ["--backend", backend]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["precision"] == want and why in auto["precision_reason"], auto["precision_reason"]
+    assert main(argv + ["--precision", want]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--precision", "fp32" if want == "bf16" else "bf16"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert auto["activations"] == given["activations"] != other["activations"]
+    assert main(["memory", "--model", str(model_dir), "--backend", backend]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert f"precision {want} (auto: " in head and why in head, head
+
+
+def test_memory_refuses_zero_pipeline_stages(capsys):
+    """As finetune and serve refuse it: one line, exit 2."""
+    one_line_error(capsys, ["memory", "--pipeline-stages", "0"], "argument --pipeline-stages: must be at least 1, got 0")
 
 
 def test_merge(trained, workspace, tmp_path, capsys):
@@ -445,6 +511,39 @@ def test_resume_takes_the_runs_settings(trained, workspace, tmp_path, capsys):
     assert json.loads((run / "train_config.json").read_text())["lora_targets"] == "q_proj,o_proj"
 
 
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_a_plain_resume_of_an_embedded_demo(objective, tmp_path, capsys, monkeypatch):
+    """The embedded demos (no --model, no --data) record no data, so that `--resume` alone builds the demo's
+    records again (DPO's pairs, GRPO's prompts) with its defaults (GRPO's word_positions reward), and trains the
+    steps the uninterrupted run did. (The validation loss of DPO's 100 held-out pairs is left out: it is slow.)"""
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    monkeypatch.setattr(PreferenceTrainer, "evaluate", lambda self: None)
+    small = {"grpo": ["--batch-size", "8", "--num-generations", "4", "--max-completion-length", "4"],
+             "dpo": ["--batch-size", "4"]}[objective]
+    runs = {}
+    for name, steps in (("whole", "2"), ("part", "1")):
+        runs[name] = tmp_path / name
+        assert main(["finetune", "--objective", objective, "--backend", "numpy", "--max-steps", "2",
+                     "--save-every", steps, "--no-eval-generate", "--no-progress", "--out", str(runs[name])]
+                    + small) == 0
+    recorded = json.loads((runs["part"] / "train_config.json").read_text())
+    assert recorded["data"] is None and recorded["reward"] is None
+    part = runs["part"]
+    shutil.rmtree(part / "checkpoints" / "step-000002")         # as if stopped after step 1
+    capsys.readouterr()
+    assert main(["finetune", "--resume", str(part), "--no-progress"]) == 0
+    summary = json.loads((part / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["resumed_from"].endswith("step-000001")
+    whole = json.loads((runs["whole"] / "summary.json").read_text())
+    assert summary["data_format"] == whole["data_format"]
+    if objective == "grpo":
+        assert summary["objective"]["rewards"] == whole["objective"]["rewards"] == ["word_positions"]
+    a, b = read_safetensors(runs["whole"] / "adapter_model.safetensors"), read_safetensors(
+        part / "adapter_model.safetensors")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_generate_and_eval_follow_the_runs_prompt_settings(workspace, tmp_path, capsys):
     """An adapter trained on raw text (--no-chat-template) with --train-on-last-turn and --max-seq-len is
     evaluated and asked the same way, said in one line on stderr; --chat-template etc. choose otherwise."""
@@ -551,7 +650,7 @@ def test_merge_refuses_an_existing_model_folder(trained, workspace, tmp_path, ca
     (["generate", "--prompt", "hi", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
     (["eval", "--batch-size", "two"], "invalid int value: 'two'"),
     (["bench", "--only", "nosuch"], "--only 'nosuch' selects no benchmark; the names are gemm, gemm_candidates, gemm_quant, "
-                                    "attention, decode, mixed_lora, training, variable_lengths, base_weights, mfu, "
+                                    "attention, decode, mixed_lora, moe, training, variable_lengths, base_weights, mfu, "
                                     "data_parallel, engines, grpo, serve, precision, pipeline, preference"),
 ])
 def test_bad_numbers_and_names(capsys, argv, message):

@@ -3,6 +3,8 @@ error), and transformers' GGUF loader gives the merged folder's logits (f32 / f1
 and Qwen3; what is not exported is one line before anything is written."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,22 @@ def test_gguf_refusals_write_nothing(tmp_path, capsys):
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert code == 2 and len(err) == 1 and match in err[0], err
     assert folder_state(tmp_path) == before
+
+
+def test_without_the_gguf_package_nothing_is_written(tmp_path, capsys, monkeypatch):
+    """merge --gguf without the gguf package is one line naming the extra before the merged folder is written, so
+    that the same command, once the package is there, runs into an empty --out."""
+    _, adapter, _ = _model_and_adapter(tmp_path, "llama")
+    out = tmp_path / "m"
+    out.mkdir()
+    argv = ["merge", "--adapter-path", str(adapter), "--out", str(out), "--gguf", str(tmp_path / "x.gguf")]
+    before = folder_state(tmp_path)
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "gguf", None)            # `import gguf` fails as it does without the package
+        code = main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and err == ["error: --gguf needs the gguf package: pip install 'wgpu-train[gguf]'"], err
+    assert folder_state(tmp_path) == before
+    assert main(argv) == 0
+    assert (out / "model.safetensors").is_file() and (tmp_path / "x.gguf").is_file()

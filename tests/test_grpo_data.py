@@ -51,6 +51,17 @@ FORMAT_CASES = [
      PromptRecord("2+2=", {"solution": "4", "level": 8})),
     ("preference pairs: the prompt, the answers as columns", "prompt",
      {"prompt": "2+2=", "chosen": "4", "rejected": "5"}, PromptRecord("2+2=", {"chosen": "4", "rejected": "5"})),
+    # not TRL's: SFT's instruction records, their prompt the user turn SFT trains the answer after
+    ("alpaca", "alpaca", {"instruction": "Add.", "input": "2+2", "output": "4", "level": 9},
+     PromptRecord([U("Add.\n\n2+2")], {"level": 9, "answer": "4"})),
+    ("alpaca without input, with a system message", "alpaca",
+     {"instruction": "Add 2+2.", "input": "", "output": "4", "system": "be brief"},
+     PromptRecord([S("be brief"), U("Add 2+2.")], {"answer": "4"})),
+    ("Dolly's instruction, context and response", "instruction",
+     {"instruction": "Add.", "context": "2+2", "response": "4", "category": "math"},
+     PromptRecord([U("Add.\n\n2+2")], {"category": "math", "answer": "4"})),
+    ("an instruction alone is a prompt", "instruction", {"instruction": "Add 2+2.", "solution": "4"},
+     PromptRecord([U("Add 2+2.")], {"solution": "4"})),
 ]
 
 
@@ -61,6 +72,24 @@ def test_prompt_formats(tmp_path, suffix, name, fmt, row, expected):
     records, found, skipped = load_records(path, kind="prompts")
     assert (found, skipped) == (fmt, 0)
     assert records[1] == PromptRecord(expected.prompt, expected.columns, f"{path}:2")
+
+
+def test_alpaca_prompts_are_sfts_conversations_without_the_answer(tmp_path):
+    """GRPO reads an Alpaca file SFT trains on: each prompt is SFT's conversation of the row but its answer, which
+    becomes the answer column (the exact_match reward's); the rows' other columns stay for the rewards."""
+    rows = [{"instruction": "Reverse the words.", "input": f"red fox {i}", "output": f"{i} fox red", "id": i}
+            for i in range(3)] + [{"instruction": "Say hi.", "input": "", "output": "hi", "id": 3}]
+    path = write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    sft = resolve_data(path, valid_split=0.0).train
+    grpo = resolve_data(path, valid_split=0.0, kind="prompts")
+    assert grpo.format == "alpaca" and len(grpo.train) == len(sft) == 4
+    for conversation, record, row in zip(sft, grpo.train, rows):
+        assert conversation[-1] == A(row["output"]) and record.prompt == list(conversation[:-1])
+        assert record.columns == {"id": row["id"], "answer": row["output"]}
+    with pytest.raises(DataError, match=r":2: record looks like prompt format .* do not mix"):
+        resolve_data(write_jsonl(tmp_path / "mixed.jsonl", [rows[0], {"prompt": "Q"}]), kind="prompts")
+    with pytest.raises(DataError, match=r':1: field "input" must be a string, got int'):
+        resolve_data(write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "Add.", "input": 2}]), kind="prompts")
 
 
 def test_columns_of_any_type_kept_and_completion_ids_left_out(tmp_path):
@@ -102,6 +131,7 @@ def test_held_out_split_and_skip_invalid(tmp_path):
 STRING, MESSAGES = {"prompt": "fine", "answer": "1"}, {"prompt": [U("fine")], "answer": "1"}  # good first records
 BAD = [
     (STRING, {"text": "no prompt here"}, 'no prompt (keys: text); expected {"prompt": "..."}'),
+    (STRING, {"input": "2+2", "output": "4"}, 'no prompt (keys: input, output)'),
     (STRING, {"chosen": "a", "rejected": "b"}, "no prompt (keys: chosen, rejected)"),
     (STRING, {"prompt": "  "}, 'field "prompt" is empty'),
     (STRING, {"prompt": 3}, 'field "prompt" must be a string, got int'),

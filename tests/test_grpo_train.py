@@ -183,6 +183,46 @@ def test_bad_input_is_one_line(workspace, tmp_path, capsys):
     assert not (tmp_path / "f").exists()        # nothing trained: the run's folder is gone again
 
 
+def test_fewer_prompts_than_a_step_takes_is_one_line(workspace, tmp_path, capsys):
+    """3 prompts for a step of 16 completions, G = 4 (4 prompts): one line and exit code 2, before training
+    starts (nothing is written)."""
+    root, model = workspace
+    write_jsonl(tmp_path / "three.jsonl", prompts(3))
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(tmp_path / "three.jsonl"),
+                            "--objective", "grpo", "--backend", "numpy", "--batch-size", "16", "--num-generations",
+                            "4", "--max-completion-length", "6", "--valid-split", "0", "--reward", "word_positions",
+                            "--no-progress", "--out", str(tmp_path / "run")],
+                   "a step of 16 completions takes 4 prompts (4 completions each), but the training data holds 3",
+                   after_log=True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_epochs_prompts_left_over_are_not_drawn(workspace, tmp_path):
+    """5 prompts, steps of 4 (G = 2, batch 4, 2 micro-batches): an epoch is one full step, as TRL's RepeatSampler
+    drops an incomplete last batch (here 1 prompt, 2 rows, which do not fill a micro-batch of 4)."""
+    write_jsonl(tmp_path / "five.jsonl", prompts(5))
+    summary = finetune(config(workspace, tmp_path / "run", data=str(tmp_path / "five.jsonl"), max_steps=None,
+                              epochs=2, num_generations=2, grad_accum=2))
+    assert summary["steps"] == 2 and summary["epochs"] == 2.0
+    drawn = [json.loads(line) for line in (tmp_path / "run" / COMPLETIONS_FILE).read_text().splitlines()]
+    assert len(drawn) == 2 * 8 and len({d["prompt"] for d in drawn if d["step"] == 1}) == 4
+
+
+def test_grpo_trains_on_alpaca_rows(workspace, tmp_path):
+    """An Alpaca file SFT trains on serves GRPO: the prompt is the instruction and its input, the output the answer
+    column that exact_match compares with."""
+    rows = [{"instruction": "What comes after this?", "input": p["prompt"], "output": p["answer"]} for p in prompts(4)]
+    write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    out = tmp_path / "run"
+    summary = finetune(config(workspace, out, data=str(tmp_path / "alpaca.jsonl"), reward="exact_match",
+                              max_steps=1))
+    assert summary["steps"] == 1 and summary["data_format"] == "alpaca"
+    drawn = [json.loads(line) for line in (out / COMPLETIONS_FILE).read_text().splitlines()]
+    asked = {(d["prompt"][-1]["content"], d["rewards"]["exact_match"]) for d in drawn}
+    inputs = {f"What comes after this?\n\n{p['prompt']}" for p in prompts(4)}
+    assert {text for text, _ in asked} <= inputs and {r for _, r in asked} <= {0.0, 1.0}
+
+
 def test_a_failing_reward_keeps_the_last_checkpoint(workspace, tmp_path, capsys):
     """A reward that fails at step 3 of a resumed run: one line, and the run folder as it was."""
     out = tmp_path / "run"
@@ -196,6 +236,28 @@ def test_a_failing_reward_keeps_the_last_checkpoint(workspace, tmp_path, capsys)
     one_line_error(capsys, ["finetune", "--resume", str(out), "--max-steps", "4", "--reward", f"{bad}:late",
                             "--no-progress"], "'late', step 3", after_log=True)
     assert folder_state(out / "checkpoints") == before
+
+
+def test_a_resume_that_fails_before_its_first_step_changes_nothing(workspace, tmp_path, capsys):
+    """A resume from step 1 whose reward raises: one line, and every file of the run folder as it was (bytes and
+    times: train_config.json not rewritten with the failed command's values, metrics.jsonl and completions.jsonl
+    not cut back); a plain resume then continues the run as it was recorded."""
+    out = tmp_path / "run"
+    finetune(config(workspace, out, max_steps=2, save_every=1))
+    before = folder_state(out)
+    assert json.loads((out / "train_config.json").read_text())["reward"] == "word_positions"
+    bad = tmp_path / "rw.py"
+    bad.write_text("def boom(prompts, completions, **kw):\n    raise ValueError('no luck')\n")
+    first = str(out / "checkpoints" / "step-000001")
+    one_line_error(capsys, ["finetune", "--resume", first, "--max-steps", "3", "--reward", f"{bad}:boom",
+                            "--no-progress"], "'boom', step 2: raised ValueError", after_log=True)
+    assert folder_state(out) == before
+    from wgpu_train.cli.main import main
+
+    assert main(["finetune", "--resume", first, "--no-progress"]) == 0
+    recorded = json.loads((out / "train_config.json").read_text())
+    assert recorded["reward"] == "word_positions" and recorded["max_steps"] == 2
+    assert {json.loads(line)["step"] for line in (out / COMPLETIONS_FILE).read_text().splitlines()} == {1, 2}
 
 
 def test_the_embedded_demo_learns(tmp_path):

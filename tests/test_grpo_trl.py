@@ -145,8 +145,8 @@ def our_trainer(root, folder, completions, case, backend, out, monkeypatch):
             ids.append(list(table[p][slots[p]]))
             slots[p] += 1
         generations.append(ids)
-        stops = set(self.tokenizer.stop_token_ids)
-        return ids, np.array([c[-1] not in stops for c in ids], bool)
+        ended = {*self.tokenizer.eos_token_ids, self.tokenizer.pad_token_id}      # as _sample and TRL count them
+        return ids, np.array([c[-1] not in ended for c in ids], bool)
 
     monkeypatch.setattr(GRPOTrainer, "_sample", sample)
     trainer = GRPOTrainer(cfg, log=lambda m: None, reward_funcs=[text_reward, id_reward]).setup()
@@ -268,3 +268,47 @@ def test_grpo_runs_equal_trl(setups, tmp_path, monkeypatch, family, name, backen
         require_adapter()
     root, folder, completions = setups(family)
     compare_run(root, folder, completions, CASES[name], backend, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"])
+def test_completions_end_where_trls_do(tmp_path, monkeypatch, eos):
+    """TRL 1.16's GRPOTrainer ends a completion at the tokenizer's EOS and its generation config's (its
+    eos_token_ids), not at every end-of-turn token of the vocabulary (SmolLM2 holds <|im_end|> and <|endoftext|>,
+    one of them its EOS), and counts one that ends in neither nor the pad token as cut: our sampler passes TRL's
+    stop ids and cuts the same completions; `generate` still stops at both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = make_trl_model_and_adapter(tmp_path, "llama")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos}))
+    eos_id = load_tokenizer(folder).token_to_id(eos)
+    for name in ("config.json", "generation_config.json"):          # the model's own EOS, as SmolLM2's files say
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), "eos_token_id": eos_id}))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=G, num_generations=G,
+                          max_completion_length=MAX_COMPLETION, report_to="none", use_cpu=True, bf16=False,
+                          save_strategy="no")
+    theirs = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(folder)), reward_funcs=[text_reward],
+                             args=args, train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+                             processing_class=tok)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
+    ours = GRPOTrainer(TrainConfig(model=str(folder), data=str(tmp_path / "prompts.jsonl"), backend="numpy",
+                                   out=str(tmp_path / "ours"), objective="grpo", batch_size=G, num_generations=G,
+                                   max_completion_length=MAX_COMPLETION, valid_split=0.0, eval_generate=False,
+                                   no_progress=True), log=lambda m: None, reward_funcs=[text_reward]).setup()
+    ends = load_tokenizer(folder).stop_token_ids
+    assert theirs.eos_token_ids == [eos_id] and sorted(ends) != [eos_id] and eos_id in ends   # the case in question
+    word = max(ends + [tok.pad_token_id]) + 1
+    completions = [[word] * MAX_COMPLETION] + [[word, end] for end in ends] + [[word, tok.pad_token_id]]
+    asked = {}
+
+    def generate_batch(prompts, stop_token_ids, **kw):
+        asked["stops"] = stop_token_ids
+        return completions
+
+    monkeypatch.setattr(ours.model, "generate_batch", generate_batch)
+    _, cut = ours._sample(ours.prompts["train"][:1] * len(completions), list(range(len(completions))))
+    assert asked["stops"] == theirs.eos_token_ids
+    trl_cut = [ids[-1] not in [*theirs.eos_token_ids, tok.pad_token_id] for ids in completions]
+    assert cut.tolist() == trl_cut and trl_cut[0] and not trl_cut[-1]     # unended: cut; ending in pad: not
+    assert trl_cut[1:-1] == [end != eos_id and end != tok.pad_token_id for end in ends]

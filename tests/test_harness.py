@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -287,12 +288,34 @@ def test_harness_options_without_tasks_are_refused(tiny, capsys):
     one_line_error(capsys, plain + ["--tasks", " , "], "--tasks names no task")
 
 
-def test_tasks_without_the_extra_name_it(tiny):
-    """Without lm_eval importable, --tasks says which extra to install (one line, exit 2)."""
-    code = ("import sys; sys.modules['lm_eval'] = None; from wgpu_train.cli.main import main; "
+@pytest.mark.parametrize("missing", ["lm_eval", "datasets"])
+def test_tasks_without_the_extra_name_it(tiny, missing):
+    """Without lm_eval, or without datasets (which harness/run.py imports before lm_eval), --tasks says which
+    extra to install (one line, exit 2)."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; from wgpu_train.cli.main import main; "
             f"sys.exit(main({_cli(tiny, '--tasks', 'tiny_mc')!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0] == ("error: --tasks runs lm-evaluation-harness, which is not installed: "
-                        "pip install 'wgpu-train[eval]'")
+    assert lines[0] == (f"error: --tasks runs lm-evaluation-harness, which is not installed (no module {missing}): "
+                        f"pip install 'wgpu-train[eval]'")
+
+
+def test_no_git_noise_and_a_results_folder_named_after_the_adapter(tiny, tmp_path, monkeypatch, capfd):
+    """Run outside any git repository with the adapter named by a relative path (../adapter): git's
+    `fatal: not a git repository` (lm_eval records the working directory's commit) does not reach stderr, and the
+    results JSON goes into a folder named after the adapter's folder, not `..__adapter`."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))      # no repository above it counts either
+    relative = os.path.relpath(tiny["adapter"], work)
+    assert relative.startswith("..")
+    capfd.readouterr()
+    assert main(_cli(tiny, "--tasks", "tiny_mc", "--adapter-path", relative, "--limit", "2",
+                     "--output-path", "results")) == 0
+    err = capfd.readouterr().err
+    assert "not a git repository" not in err and "results JSON written under results" in err, err
+    written = list((work / "results").rglob("results_*.json"))
+    assert [p.parent.relative_to(work / "results").as_posix() for p in written] == [tiny["adapter"].name]
+    assert json.loads(written[0].read_text())["git_hash"] is None

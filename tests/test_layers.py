@@ -69,6 +69,24 @@ def test_the_server_importing_training_breaks_its_contract(tmp_path):
     assert "wgpu_train.serve.app -> wgpu_train.training.config" in out
 
 
+def test_pipeline_stages_reaching_torch_break_their_contract(tmp_path):
+    """The pipeline extra is Ray core alone: a stage module that reaches torch, even through another module (the
+    data-parallel workers' gloo collective), breaks the contract; the extra itself lists neither torch nor Ray
+    Train, which the ray extra (--num-workers) does."""
+    out = violated(tmp_path, "distributed/pipeline_engine.py",
+                   "from wgpu_train.distributed.ray_worker import TorchCollective  # gloo, through torch")
+    assert "Pipeline stages need Ray core alone (the pipeline extra): no torch, directly or through another " \
+           "module BROKEN" in out
+    assert "wgpu_train.distributed.pipeline_engine -> wgpu_train.distributed.ray_worker" in out
+    try:
+        import tomllib
+    except ImportError:     # Python 3.10: the package's own dependency
+        import tomli as tomllib
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [req.split(">")[0] for req in extras["pipeline"]] == ["ray"]
+    assert [req.split(">")[0] for req in extras["ray"]] == ["ray[train]", "torch"]
+
+
 def test_no_module_imports_itself_back():
     """tools/import_cycles.py finds no cycle among modules (imports inside functions counted) nor packages."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

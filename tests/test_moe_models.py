@@ -181,3 +181,143 @@ def test_finetune_an_moe_model_from_the_command_line(tmp_path, capsys):
     assert losses[-1] < losses[0]
     pm = peft.PeftModel.from_pretrained(hf, out)
     assert any("experts.base_layer.lora_A" in n for n, _ in pm.named_parameters())
+
+
+def test_greedy_generation_matches_transformers(moe):
+    """The KV-cache generation through the routed experts: transformers' greedy tokens, one for one."""
+    arch, hf, folder = moe
+    prompt = [5, 17, 3, 40, 22]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert load_model(folder, backend="numpy").generate(prompt, max_new_tokens=8) == want
+
+
+def test_three_sft_steps_equal_trl_sft_trainer(tmp_path):
+    """Three whole SFT steps on a Qwen3-MoE with LoRA on the attention and the experts, from the same PEFT
+    adapter (B random), against TRL 1.16's SFTTrainer (its router aux loss off): every LoRA tensor after them,
+    experts included."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune_helpers import build_tokenizer
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainers import make_trainer
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_model(build_moe("qwen3_moe", seed=9, vocab_size=vocab), model_dir)
+    pm = _peft(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                    experts_implementation="eager"), ["q_proj", "v_proj"], seed=2)
+    pm.save_pretrained(tmp_path / "adapter")
+    rows = [{"text": t} for t in ("after red 1? blue 1", "after blue 2? green two", "after green 3? red 3",
+                                  "after sun 4? moon four")]
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pm.train()
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, learning_rate=0.02,
+                         lr_scheduler_type="constant", max_steps=3, max_grad_norm=1.0, report_to=[], use_cpu=True,
+                         save_strategy="no", seed=0, max_length=64, logging_steps=1, weight_decay=0.0, bf16=False,
+                         router_aux_loss_coef=0.0)      # TRL's default adds the router's aux loss: not built here yet
+    trainer = trl.SFTTrainer(model=pm, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    theirs = {n.replace(".default.", "."): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
+    cfg = TrainConfig(model=str(model_dir), data=str(tmp_path / "text.jsonl"), adapter_path=str(tmp_path / "adapter"),
+                      backend="numpy", out=str(tmp_path / "ours"), batch_size=4, lr=0.02, lr_schedule="constant",
+                      warmup_steps=0, max_steps=3, max_grad_norm=1.0, valid_split=0.0, eval_generate=False,
+                      no_progress=True, max_seq_len=64, weight_decay=0.0)
+    make_trainer(cfg, log=lambda m: None).setup().train()
+    ours = read_safetensors(tmp_path / "ours" / "adapter_model.safetensors")
+    assert set(ours) == set(theirs)
+    for k, v in ours.items():
+        assert_close(v, theirs[k], "preference_vs_trl_params", k)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_and_its_gradient_match_transformers(arch, tmp_path):
+    """With the router's auxiliary loss on (transformers' output_router_logits), the loss is the mean token loss
+    plus coef times load_balancing_loss_func over the padded batch's real tokens, and every LoRA gradient
+    (router and experts included) is PEFT's."""
+    hf = build_moe(arch, seed=11)
+    save_model(hf, tmp_path / "model")
+    cfg = peft.LoraConfig(r=3, lora_alpha=7, target_modules=["q_proj"], target_parameters=EXPERTS + ["gate.weight"])
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), cfg), 3)
+    pm.save_pretrained(tmp_path / "adapter")
+    ids, labels, mask = batch()
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels),
+             output_router_logits=True)
+    (out.loss - 0.001 * out.aux_loss + 0.3 * out.aux_loss).backward()      # coef 0.3: its gradient shows
+    expected = {n.replace(".default.", "."): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    model = load_model(tmp_path / "model", backend="numpy")
+    model.load_adapter(tmp_path / "adapter")
+    model.engine.set_router_aux_loss(0.3)
+    loss, grads = model.loss_and_grads(ids, labels, mask)
+    assert_close(loss, out.loss.item() - 0.001 * out.aux_loss.item(), "loss_f32", "token loss")
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    model.engine.set_router_aux_loss(0.0)
+    _, plain = model.loss_and_grads(ids, labels, mask)
+    router = next(k for k in grads if ".mlp.gate.lora_A" in k)
+    assert np.abs(plain[router] - grads[router]).max() > 1e-4          # the aux term moved the router's gradient
+
+
+def test_router_aux_loss_is_refused_on_a_dense_model():
+    from tiny_models import build_model
+    from wgpu_train.engines.loading import model_from_weights
+    hf = build_model("llama")
+    cfg = ModelConfig.from_dict({**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    model = model_from_weights(cfg, {k: v.numpy() for k, v in hf.state_dict().items()}, backend="numpy")
+    with pytest.raises(ConfigError, match="not a mixture of experts"):
+        model.engine.set_router_aux_loss(0.01)
+
+
+def test_router_aux_loss_and_expert_targets_from_the_command_line(tmp_path):
+    """--lora-target-parameters names the experts; --router-aux-loss-coef turns the loss on (logged as aux_loss
+    each step, as TRL logs it); on a dense model it is refused in one line."""
+    from finetune_helpers import build_tokenizer, make_data_dir, make_model_dir
+    from wgpu_train.cli.main import main
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    save_model(build_moe("mixtral", seed=7, vocab_size=vocab), model_dir)
+    data = make_data_dir(tmp_path / "data")
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-steps", "2",
+                 "--lora-targets", "q_proj", "--lora-target-parameters", "mlp.experts.down_proj",
+                 "--router-aux-loss-coef", "0.02", "--no-progress", "--log-every", "1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == 2 and all(r["aux_loss"] > 0 for r in steps)
+    raw = json.loads((out / "adapter_config.json").read_text())
+    assert raw["target_parameters"] == ["mlp.experts.down_proj"] and raw["target_modules"] == ["q_proj"]
+    dense = make_model_dir(tmp_path / "dense")
+    code = main(["finetune", "--model", str(dense), "--data", str(data), "--out", str(tmp_path / "o2"),
+                 "--max-steps", "1", "--router-aux-loss-coef", "0.02", "--backend", "numpy", "--no-progress"])
+    assert code == 2
+
+
+def test_a_server_takes_expert_adapters_one_at_a_time(moe, tmp_path):
+    """Adapters with LoRA on the experts are not put in one bank (its per-row GEMMs do not route): the server
+    switches them, and each adapter's tokens are its own."""
+    from wgpu_train.serve.adapters import AdapterRegistry
+    from wgpu_train.serve.prompts import PromptStyle
+
+    arch, hf, folder = moe
+    for seed, name in ((1, "a"), (2, "b")):
+        _peft(hf, ["q_proj"], seed=seed).save_pretrained(tmp_path / name)
+    model = load_model(folder, backend="numpy")
+    registry = AdapterRegistry(model, "base")
+    for name in "ab":
+        registry.add(name, tmp_path / name, PromptStyle())
+    assert not registry.build_bank()
+    prompt = [4, 9, 13, 2]
+    outs = {}
+    for name in "ab":
+        registry.activate(name)
+        outs[name] = model.generate(prompt, max_new_tokens=6)
+        alone = load_model(folder, backend="numpy")
+        alone.load_adapter(tmp_path / name)
+        assert alone.generate(prompt, max_new_tokens=6) == outs[name]

@@ -192,3 +192,15 @@ def test_what_the_webgpu_engine_refuses_for_a_mixture_of_experts(rt, tmp_path):
     assert precision_choice("auto", "wgpu", cpu_adapter=False, cfg=cfg)[0] == "fp32"
     with pytest.raises(ConfigError, match="pipeline stages do not run a mixture of experts"):
         WgpuStage(cfg, {}, rt, range(0, 1), first=True, last=False)
+
+
+def test_gpt_oss_is_left_to_the_numpy_engine(rt):
+    """gpt-oss's attention sinks, expert biases and clamped SwiGLU are not recorded yet: refused in a line, and
+    backend auto takes the NumPy engine for it."""
+    from test_gpt_oss import gpt_oss_config
+    from wgpu_train.engines.backend_choice import choose_backend
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+    cfg = wt.ModelConfig.from_dict({**gpt_oss_config().to_dict(), "architectures": ["GptOssForCausalLM"]})
+    with pytest.raises(ConfigError, match="does not run gpt-oss's attention sinks"):
+        WgpuEngine(cfg, {}, rt)
+    assert choose_backend("auto", None, cfg).engine == "numpy"

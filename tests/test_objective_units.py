@@ -1,6 +1,7 @@
 """Objectives as units (training/objectives/): the registry's lookup and traits, what reads them (the command
 line's choices, the trainer of each kind), and no module outside the objectives' own files comparing an
-objective's name, shown to catch such a comparison."""
+objective's name or the string of the data kind it reads (DataKind, data/kinds.py), shown to catch such a
+comparison."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from wgpu_train.cli.main import build_parser
+from wgpu_train.data.sources import resolve_data
 from wgpu_train.training.trainers import TRAINERS
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.objectives import (OBJECTIVES, PREFERENCE_OBJECTIVES, DataKind, PreferenceObjective,
@@ -73,6 +75,54 @@ detector = detect_format if kind == "sft" else detect_preference_format
 '''
     assert name_comparisons(source) == [(2, "kto"), (4, "kto"), (5, "dpo"), (5, "kto"), (7, "sft"), (9, "orpo"),
                                         (9, "simpo")]
+
+
+def kind_comparisons(source: str) -> list:
+    """(line, value) of every comparison of a data kind's string (a DataKind value) with something named kind."""
+    values = {k.value for k in DataKind}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for i, operand in enumerate(operands):
+                others = operands[:i] + operands[i + 1:]
+                if any("kind" in ast.unparse(o) for o in others):
+                    found += [(node.lineno, v) for v in sorted(_names(operand) & values)]
+    return sorted(found)
+
+
+def test_no_module_compares_a_data_kind_as_a_string():
+    own = {PACKAGE / "data" / "kinds.py"}
+    scanned = [p for p in PACKAGE.rglob("*.py") if OWN_FILES not in p.parents and p not in own]
+    assert len(scanned) > 50
+    found = {str(p.relative_to(PACKAGE)): hits for p in scanned if (hits := kind_comparisons(p.read_text()))}
+    assert found == {}, "compare DataKind members (data/kinds.py), not their strings"
+
+
+def test_the_kind_check_catches_string_comparisons():
+    source = '''
+if kind == "prompts":
+    pass
+detector = detect_format if kind == "sft" else detect_preference_format
+if kind != "sft" and self.kind not in ("unpaired", "preference"):
+    pass
+if op.kind == "rmsnorm" or fmt == "unpaired" or kind is DataKind.SFT:
+    pass
+'''
+    assert kind_comparisons(source) == [(2, "prompts"), (4, "sft"), (5, "preference"), (5, "sft"), (5, "unpaired")]
+
+
+def test_data_is_read_by_the_objectives_kind(tmp_path):
+    """resolve_data takes the objective's DataKind itself (or its value); another string is one line."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "P", "chosen": "A", "rejected": "B"}\n')
+    by_kind = resolve_data(path, valid_split=0.0, kind=objective_class("dpo").data)
+    assert by_kind.format == "preference" and by_kind.train == resolve_data(path, valid_split=0.0,
+                                                                            kind="preference").train
+    assert resolve_data(path, valid_split=0.0, kind=DataKind.PROMPTS).format != "preference"
+    with pytest.raises(ConfigError, match=r"^unknown record kind 'pairs'; the kinds are sft, preference, unpaired, "
+                                          r"prompts$"):
+        resolve_data(path, kind="pairs")
 
 
 def test_lookup_is_one_line_listing_the_choices():

@@ -164,4 +164,4 @@ def test_without_ray_stages_are_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(pipeline_ray, "ray", None)
     one_line_error(capsys, ["generate", "--prompt", "hi", "--backend", "numpy", "--pipeline-stages", "2"],
-                   "Ray is not installed")
+                   "Ray is not installed: pip install 'wgpu-train[pipeline]'")

@@ -82,6 +82,29 @@ def test_eval_equals_the_trainers_validation_row(workspace, tmp_path, capsys, re
     assert row["rewards/chosen"] != 0.0         # trained: the policy is not its reference
 
 
+def test_valid_split_of_one_file_is_the_pairs_the_run_held_out(workspace, tmp_path, capsys):
+    """A run on one file (no valid split of its own) holds out a seeded fraction; eval --split valid on the same
+    file finds those pairs again (the run's valid_split and seed) and reproduces the run's last validation row;
+    --split train is the rest, and without --split the file is one split, as before."""
+    root, model = workspace
+    data = tmp_path / "pairs.jsonl"
+    write_jsonl(data, pairs(12))
+    run = tmp_path / "run"
+    finetune(TrainConfig(model=str(model), data=str(data), out=str(run), backend="numpy", no_progress=True,
+                         lr=1e-2, eval_generate=False, log_every=1, batch_size=2, max_steps=2, valid_split=0.25, seed=3,
+                         objective="dpo", lr_schedule="constant"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    row = [r for r in rows if r.get("split") == "valid"][-1]
+    argv = ["--objective", "dpo", "--data", str(data), "--adapter-path", str(run)]
+    got = _eval(capsys, [*argv, "--split", "valid"])
+    assert (got["split"], got["examples"], row["examples"]) == ("valid", 3, 3)
+    for key in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        assert_close(got[key], row[key], "exact", key)
+    assert _eval(capsys, [*argv, "--split", "train"])["examples"] == 9
+    whole = _eval(capsys, argv)
+    assert (whole["split"], whole["examples"]) == ("train", 12)
+
+
 def test_reference_adapter_and_explicit_options(workspace, tmp_path, capsys):
     """--ref-adapter scores the reference as the base with that adapter: the policy's own adapter as reference
     makes every reward 0 (and DPO's sigmoid loss log 2); options given win over the run's."""

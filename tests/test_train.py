@@ -88,7 +88,8 @@ def test_train_config_fields_have_help_and_validate():
                 dict(lr_schedule="step")):
         with pytest.raises(ConfigError):
             TrainConfig(**bad)
-    assert TrainConfig(lora_targets="all-linear").lora_config().target_modules[-1] == "down_proj"
+    assert {"q_proj", "down_proj", "gate_up_proj", "gate"} <= set(TrainConfig(lora_targets="all-linear").lora_config()
+                                                                   .target_modules)      # every family's modules
 
 
 @pytest.mark.parametrize("field", ["lr", "weight_decay", "max_grad_norm", "adam_eps", "lora_alpha", "lora_dropout",
@@ -227,6 +228,39 @@ def test_loss_plot(shared_run, tmp_path, monkeypatch):
     assert plot_losses(out / "metrics.jsonl", tmp_path / "none.png") is False
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_run_without_matplotlib_says_what_to_install(workspace, tmp_path, monkeypatch, installed):
+    """loss.png is optional: without matplotlib the run says so in one line naming the extra; with it (a
+    stand-in figure here), it draws the file and says nothing of it."""
+    import types
+
+    class Figure:
+        def __init__(self, **kw):
+            pass
+
+        def add_subplot(self):
+            return types.SimpleNamespace(**{n: lambda *a, **k: None for n in
+                                            ("plot", "set_xlabel", "set_ylabel", "legend", "grid")})
+
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi):
+            Path(path).write_bytes(b"png")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib") if installed else None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", types.SimpleNamespace(Figure=Figure) if installed else None)
+    lines = []
+    out = tmp_path / "run"
+    Trainer(config(workspace, out, max_steps=1), log=lines.append).run()
+    said = [line for line in lines if "loss.png" in line]
+    if installed:
+        assert said == [] and (out / "loss.png").read_bytes() == b"png"
+    else:
+        assert said == ["loss.png skipped: matplotlib is not installed (pip install 'wgpu-train[plot]')"]
+        assert not (out / "loss.png").exists()
+
+
 def test_keep_checkpoints(shared_run):
     out, _ = shared_run
     root = out / "checkpoints"
@@ -338,6 +372,29 @@ def test_resume_keeps_one_metrics_row_per_step(workspace, tmp_path):
     finetune(config(workspace, out, max_steps=6, resume=str(out / "checkpoints" / "step-000004"), **kw))
     steps = [r["step"] for r in rows(out) if "split" not in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_failing_before_its_first_step_changes_nothing(workspace, tmp_path):
+    """A resume whose first step fails writes nothing into the run: train_config.json keeps the run's settings,
+    not the failed command's, and metrics.jsonl its rows after the checkpoint resumed (bytes and times)."""
+    out = tmp_path / "run"
+    finetune(config(workspace, out, max_steps=3, save_every=1, lr_schedule="constant"))
+    before = folder_state(out)
+    trainer = Trainer(config(workspace, out, max_steps=5, lr=3e-2, resume=str(out / "checkpoints" / "step-000001")))
+    trainer.setup()
+
+    def failing(*args, **kw):
+        raise ConfigError("the device was lost")
+
+    trainer._train_step = failing
+    with pytest.raises(ConfigError, match="device was lost"):
+        trainer.train()
+    assert folder_state(out) == before
+    # the first completed step writes them: the resumed run's settings, its metrics cut back to the checkpoint
+    finetune(config(workspace, out, max_steps=2, lr=3e-2, lr_schedule="constant",
+                 resume=str(out / "checkpoints" / "step-000001")))
+    assert json.loads((out / "train_config.json").read_text())["lr"] == 3e-2
+    assert [r["step"] for r in rows(out) if "split" not in r] == [1, 2]
 
 
 def test_loraplus_option(workspace, tmp_path):

@@ -76,6 +76,16 @@ TOLERANCES: dict[str, Tolerance] = {
         "W + scale * B @ A: ours formed in float64 and rounded once, PEFT's in float32 (a product and an add); "
         "about one float32 ulp of weights ~0.15; observed <= 3e-8 (test_modules_to_save); a wrong scale or a "
         "transposed factor is off by > 1e-3"),
+    "merged_weights_bf16": sixteen_bit("bf16", 0.0, 2e-3,
+        "merge --dtype bfloat16 against PEFT's merge_and_unload on a bfloat16 model: ours rounds W + scale * B @ A "
+        "(float64) once to bfloat16, PEFT rounds the update to bfloat16 and then the sum; atol covers the update's "
+        "own rounding (2^-9 of updates up to ~0.5 here) where W and the update nearly cancel (observed: identical, "
+        "peft 0.21 on the CPU). A wrong scale or a missing update is off by far more"),
+    "merged_weights_f16": sixteen_bit("f16", 0.0, 3e-4,
+        "merge --dtype float16 against PEFT's merge_and_unload on the model loaded in float16: ours rounds "
+        "W + scale * B @ A (float64) once to float16, PEFT rounds the update to float16 and then the sum; atol "
+        "covers the update's own rounding (2^-12 of updates up to ~0.5 here) where W and the update nearly cancel "
+        "(observed: identical, peft 0.21 on the CPU)"),
     "harness_loglikelihood": Tolerance(1e-6, 1e-4,
         "lm_eval log-likelihoods, sums over up to ~60 tokens: ours from float64 log-softmax of the engine's float32 "
         "logits, lm_eval's hf backend from torch's float32 log-softmax summed in float32; the logits differ as in "
@@ -127,6 +137,10 @@ TOLERANCES: dict[str, Tolerance] = {
     "inv_freq": Tolerance(2e-6, 0.0,
         "RoPE inverse frequencies: ours in float64, transformers' buffer in float32 (relative rounding ~6e-8, "
         "plus float32 pow in torch)"),
+    "route_f64": Tolerance(1e-12, 1e-14,
+        "gpt-oss's route (a softmax over the top-k logits) against the renormalised softmax over every expert, both "
+        "in float64: the same numbers by another formula, rounding apart by a few units of 1e-16; a wrong expert "
+        "or a missing term of the softmax's Jacobian differs by > 1e-2"),
     "finite_difference_f64": Tolerance(1e-5, 1e-8,
         "central difference of the float64 loss with step 1e-5 (truncation ~1e-10, cancellation ~1e-11) "
         "against the analytic gradient, which loss_and_grads returns as float32 (relative 6e-8)"),

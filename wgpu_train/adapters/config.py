@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.adapters.experts import parse_target_parameters
-from wgpu_train.models.config import EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ROUTER, ModelConfig
+from wgpu_train.adapters.experts import all_linear_takes_experts, parse_target_parameters
+from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ModelConfig
 
 
 _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")     # transformers 4's names of an expert's projections
@@ -48,14 +48,14 @@ class LoraConfig:
         from wgpu_train.adapters.saved_modules import check_modules
 
         targets = self.target_modules
-        experts, router = parse_target_parameters(self.target_parameters or ())
+        experts, routers = parse_target_parameters(self.target_parameters or ())
         if targets == "all-linear":
             experts = EXPERT_PARAMETERS
         object.__setattr__(self, "target_parameters", experts)
         if isinstance(targets, str):
             targets = KNOWN_LINEAR_MODULES if targets == "all-linear" else tuple(
                 t.strip() for t in targets.split(",") if t.strip())
-        targets = tuple(targets) + ((ROUTER,) if router else ())
+        targets = tuple(targets) + routers
         unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
         if unknown or not targets:
             raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
@@ -83,9 +83,12 @@ class LoraConfig:
 
     def targets_in(self, model: ModelConfig) -> tuple:
         """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
-        the model's own; a target names a module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's shared
-        expert's too); a named module the model lacks is refused, naming the model's modules."""
+        the model's own (gpt-oss's attention alone, as PEFT's: experts.all_linear_takes_experts); a target names a
+        module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's shared expert's too); a named module the
+        model lacks is refused, naming the model's modules."""
         all_linear = self.target_modules == KNOWN_LINEAR_MODULES
+        if all_linear and not all_linear_takes_experts(model):     # gpt-oss: the attention alone, as PEFT's
+            return tuple(m for m in model.linear_modules if m in ATTENTION_MODULES)
         missing = [t for t in self.target_modules if not any(_names(m, t) for m in model.linear_modules)]
         if missing and not all_linear:
             raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture} has the linear modules "
@@ -115,7 +118,7 @@ class LoraConfig:
         gate_up_proj at rank 2r and alpha 2 alpha, for the gate's and the up's pairs, in rank / alpha patterns)."""
         saved = dataclasses.replace(self, target_modules=self.named_targets(model),
                                     target_parameters=self.experts_in(model))
-        if model.moe is None or self.target_modules != KNOWN_LINEAR_MODULES:
+        if model.moe is None or not all_linear_takes_experts(model) or self.target_modules != KNOWN_LINEAR_MODULES:
             return saved
         fused = r".*\.gate_up_proj"
         return dataclasses.replace(saved, rank_pattern={fused: 2 * int(self.r), **self.rank_pattern},
@@ -127,6 +130,8 @@ class LoraConfig:
         (PEFT's expert wrapper takes neither)."""
         if not self.target_parameters:
             return ()
+        if self.target_modules == KNOWN_LINEAR_MODULES and not all_linear_takes_experts(model):
+            return ()        # gpt-oss: PEFT's all-linear leaves its experts alone
         if model.moe is None:
             if self.target_modules == KNOWN_LINEAR_MODULES:
                 return ()

@@ -1,24 +1,35 @@
 """LoRA on an MoE layer's experts in PEFT's format (its ParamWrapper over transformers 5's 3-D expert tensors): the
 names that target_parameters takes, where the pairs sit in the saved file (a layer's gate_up_proj nested under
 base_layer when its down_proj is adapted too), and their layout there (lora_A (E*r, in) with expert-major rows,
-lora_B (out, r*E) with rank-major columns) against ours (A (E, r, in), B (E, out, r))."""
+lora_B (out, r*E) with rank-major columns) against ours (A (E, r, in), B (E, out, r)). gpt-oss's expert tensors
+are transposed in transformers ((E, in, out)), which PEFT's wrapper reads as such (it swaps nothing there), so its
+pairs are laid out as everyone's, and our experts keep its gate_up rows interleaved as PEFT's lora_B rows are."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.config import EXPERT_PARAMETERS, ROUTER
+from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 
-ROUTER_PARAMETER = "gate.weight"      # PEFT's target_parameters name of the router (all-linear writes it so)
+# PEFT's target_parameters name of each family's router module: mlp.gate's (all-linear writes it so), gpt-oss's
+# mlp.router's
+ROUTER_PARAMETERS = {"gate": "gate.weight", "router": "mlp.router.weight"}
 
 
-def parse_target_parameters(values) -> tuple[tuple, bool]:
-    """PEFT's target_parameters -> (the expert tensors they name, in EXPERT_PARAMETERS' order; whether they name
-    the router). An entry names a tensor by its path's end (down_proj, experts.down_proj, mlp.experts.down_proj);
-    ConfigError for one that names none of them."""
+def all_linear_takes_experts(model: ModelConfig) -> bool:
+    """Whether PEFT 0.21's all-linear on transformers 5 takes every linear module of `model` (on an MoE model: the
+    router and the experts too, as on Mixtral, the Qwen MoE family and OLMoE); on gpt-oss, whose router and
+    experts are no nn.Linear, it takes the attention's projections alone (measured)."""
+    return model.family != "gpt_oss"
+
+
+def parse_target_parameters(values) -> tuple[tuple, tuple]:
+    """PEFT's target_parameters -> (the expert tensors they name, in EXPERT_PARAMETERS' order; the router modules
+    they name: "gate" for gate.weight, "router" for router.weight). An entry names a tensor by its path's end
+    (down_proj, experts.down_proj, mlp.experts.down_proj); ConfigError for one that names none of them."""
     if isinstance(values, str):
         values = [v.strip() for v in values.split(",") if v.strip()]
-    experts, router = set(), False
+    experts, routers = set(), set()
     for value in values:
         if not isinstance(value, str):
             raise ConfigError(f"LoRA target_parameters entries must be names, got {value!r}")
@@ -26,19 +37,20 @@ def parse_target_parameters(values) -> tuple[tuple, bool]:
         match = [p for path, p in full.items() if path == value or path.endswith("." + value)]
         if match:
             experts.add(match[0])
-        elif value in (ROUTER_PARAMETER, f"mlp.{ROUTER_PARAMETER}"):
-            router = True
+        elif value.removeprefix("mlp.") in (f"{m}.weight" for m in ROUTER_PARAMETERS):
+            routers.add(value.removeprefix("mlp.").split(".")[0])
         else:
             raise ConfigError(f"LoRA target_parameters entry {value!r} is not an MoE layer's expert tensor "
                               f"({', '.join(f'mlp.experts.{p}' for p in EXPERT_PARAMETERS)}) or its router "
-                              f"({ROUTER_PARAMETER})")
-    return tuple(p for p in EXPERT_PARAMETERS if p in experts), router
+                              f"({' or '.join(ROUTER_PARAMETERS.values())})")
+    return tuple(p for p in EXPERT_PARAMETERS if p in experts), tuple(m for m in ROUTER_PARAMETERS if m in routers)
 
 
 def saved_parameters(target_parameters: tuple, target_modules: tuple) -> list:
     """adapter_config.json's target_parameters, as PEFT writes them: the experts' and, when the router is a
     target, its weight (PEFT adapts the router, which is no nn.Linear, as a parameter)."""
-    return [f"mlp.experts.{p}" for p in target_parameters] + ([ROUTER_PARAMETER] if ROUTER in target_modules else [])
+    return [f"mlp.experts.{p}" for p in target_parameters] + [v for m, v in ROUTER_PARAMETERS.items()
+                                                                if m in target_modules]
 
 
 def is_expert_path(path: str) -> bool:

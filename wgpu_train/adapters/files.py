@@ -11,7 +11,7 @@ import numpy as np
 from wgpu_train.errors import AdapterError, ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
 from wgpu_train.adapters.experts import expert_key, is_expert_path, parse_target_parameters, saved_parameters
-from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ROUTER, ModelConfig
+from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ROUTERS, ModelConfig
 from wgpu_train.models.multimodal import adapter_key_out, language_keys, live_patterns, target_regex
 
 
@@ -50,7 +50,7 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
         "rank_pattern": dict(lora_cfg.rank_pattern), "alpha_pattern": dict(lora_cfg.alpha_pattern),
     }
     if model is not None and model.moe is not None:      # PEFT adapts the router and the experts as parameters
-        config["target_modules"] = [t for t in targets if t != ROUTER]
+        config["target_modules"] = [t for t in targets if t not in ROUTERS]
         config["target_parameters"] = saved_parameters(lora_cfg.target_parameters if lora_cfg.experts_in(model)
                                                        else (), tuple(lora_cfg.targets_in(model)))
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -182,11 +182,10 @@ def read_adapter(folder, model: ModelConfig | None = None):
     modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
                                       layout["layers_pattern"], linear_modules, outer)
     try:
-        experts, router = parse_target_parameters(raw.get("target_parameters") or ())
+        experts, routers = parse_target_parameters(raw.get("target_parameters") or ())
     except ConfigError as e:
         raise AdapterError(f"{cfg_path}: {e}") from None
-    if router:
-        modules = (*modules, ROUTER)
+    modules = (*modules, *routers)
     try:
         cfg = LoraConfig(r=r, alpha=alpha, dropout=float(dropout), target_modules=modules, use_rslora=rslora,
                          use_dora=dora, **{**layout, "layers_to_transform": layers}, modules_to_save=saved,

@@ -293,6 +293,7 @@ def lora_options(lora) -> dict:
             "lora_rank_pattern": json.dumps(lora.rank_pattern) if lora.rank_pattern else None,
             "lora_alpha_pattern": json.dumps(lora.alpha_pattern) if lora.alpha_pattern else None,
             "dora": lora.use_dora,
+            "lora_target_parameters": ",".join(f"mlp.experts.{p}" for p in lora.target_parameters) or "",
             "modules_to_save": ",".join(lora.modules_to_save) or None, "ensure_weight_tying": lora.ensure_weight_tying}
 
 

@@ -35,7 +35,7 @@ def bench_grpo(rt, steps: int = 4, beta: float = 0.04) -> dict:
         out_ids = trainer.model.generate_batch([e.input_ids for e in examples], max_new_tokens=s.max_completion_length,
                                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                                seed=list(range(len(examples))),
-                                               stop_token_ids=list(trainer.tokenizer.stop_token_ids))
+                                               stop_token_ids=list(trainer.tokenizer.eos_token_ids))
         alone_s = time.perf_counter() - t0
     alone_tokens = sum(len(x) for x in out_ids)
     step_s = sum(v[0] for v in parts.values()) / steps

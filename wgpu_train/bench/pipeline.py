@@ -71,7 +71,7 @@ def bench_pipeline(device: str | None = None, steps: int = 4, micro: int = 4, ro
     from wgpu_train.training.config import default_model_dir
 
     if pipeline_ray.ray is None:
-        return {"skipped": "Ray is not installed: pip install 'wgpu-train[ray]'"}
+        return {"skipped": f"Ray is not installed: {pipeline_ray.EXTRA}"}
     folder = default_model_dir()
     started = pipeline_ray.start_ray(None, 3)       # one Ray instance for the three sides
     try:

@@ -1,5 +1,6 @@
 """What generate, eval and merge take from the run that trained an adapter: the settings the command line
-leaves out (its train_config.json, or a checkpoint's trainer_state.json), and the base model it implies; and
+leaves out (its train_config.json, or a checkpoint's trainer_state.json), the validation split it held out, and
+the base model it implies; and
 loading that model with the adapter, in one process or as pipeline stages (closed by closing_stages)."""
 from __future__ import annotations
 
@@ -60,6 +61,22 @@ def trained_data_format(adapter_path) -> str | None:
 def trained_run_config(adapter_path) -> dict:
     """The train_config.json of the run that wrote an adapter folder, as recorded ({} when there is none)."""
     return _read_json_object(run_config_path(adapter_path))
+
+
+def held_out_split(adapter_path) -> tuple[float, int]:
+    """(valid_split, seed): how the run that wrote an adapter folder held validation data out of data without a
+    validation split (TrainConfig's defaults without an adapter, or for what its train_config.json does not
+    record), so that eval --split valid finds the same records."""
+    from wgpu_train.training.config import TrainConfig
+
+    defaults = TrainConfig()
+    run = trained_run_config(adapter_path) if adapter_path is not None else {}
+    fraction, seed = run.get("valid_split"), run.get("seed")
+    if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction < 1):
+        fraction = defaults.valid_split
+    if not (isinstance(seed, int) and not isinstance(seed, bool)):
+        seed = defaults.seed
+    return float(fraction), seed
 
 
 def _option(name: str, value) -> str:

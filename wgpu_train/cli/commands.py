@@ -1,18 +1,17 @@
-"""The finetune, generate, eval and merge subcommands, and memory's (memory.py), registered into main.py's parser
-through REGISTER."""
+"""The finetune, generate and eval subcommands, and merge's (merge.py) and memory's (memory.py), registered into
+main.py's parser through REGISTER."""
 from __future__ import annotations
 
 import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.cli import memory
+from wgpu_train.cli import memory, merge
 from wgpu_train.cli.train_options import JoinRepeated, add_train_config_options, resolve_train_config
-from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, closing_stages, load_model_and_tokenizer,
-                                             model_folder, trained_data_format)
+from wgpu_train.cli.adapter_settings import (FALLBACKS, choose_settings, closing_stages, held_out_split,
+                                             load_model_and_tokenizer, model_folder, trained_data_format)
 from wgpu_train.adapters.files import adapter_folder
 from wgpu_train.cli.harness_eval import add_harness_options, cmd_harness_eval, refuse_harness_options
 from wgpu_train.cli.preference_eval import (EVAL_BATCH, add_preference_options, cmd_preference_eval,
@@ -183,12 +182,15 @@ def cmd_eval(args) -> int:
     from wgpu_train.training.config import default_data_dir
 
     data_path = args.data if args.data else default_data_dir()
-    splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns)
+    adapter = adapter_folder(args.adapter_path)
+    # a split asked for by name is the run's: data without a valid one held out as the run held it out
+    valid_split, seed = held_out_split(adapter) if args.split else (0.0, 0)
+    splits = resolve_data(data_path, valid_split=valid_split, seed=seed, skip_invalid=args.skip_invalid,
+                          columns=args.columns)
     split = args.split or ("test" if splits.test else "valid" if splits.valid else "train")
     records = getattr(splits, split)
     if not records:
         raise DataError(f"{data_path}: no {split} split")
-    adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": given_no_chat_template(args),
@@ -253,7 +255,10 @@ def _register_eval(sub):
     p.add_argument("--columns", default=None, metavar="FIELD=COLUMN[,...]",
                    help="other column names of the data (as finetune --columns)")
     p.add_argument("--split", default=None, choices=("train", "valid", "test"),
-                   help="split of a dataset folder (default: test, else valid, else train; a file is one split)")
+                   help="split of the data (default: test, else valid, else train; a file without splits is train "
+                        "as a whole). Named, valid and train of data without a valid split are those of the run "
+                        "that wrote the adapter: the fraction it held out (its valid_split and seed; without an "
+                        "adapter, finetune's defaults) and the rest")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--batch-size", type=whole(1), default=None,
                    help=f"rows per evaluation batch (default: {EVAL_BATCH}); with --objective, examples (pairs) per "
@@ -276,93 +281,4 @@ def _register_eval(sub):
     p.set_defaults(func=cmd_eval)
 
 
-# ---- merge ------------------------------------------------------------------------------------------------
-
-def _model_files(folder: Path) -> list[str]:
-    """The files of a model or adapter folder (config.json, *.safetensors, their index, adapter_config.json)
-    and of a run (see run_folder.earlier_run) that `folder` holds, sorted."""
-    from wgpu_train.training.run_folder import earlier_run
-
-    if not folder.is_dir():
-        return []
-    try:
-        found = [p.name for p in folder.iterdir()
-                 if p.name in ("config.json", "adapter_config.json") or p.name.endswith((".safetensors",
-                                                                                        ".safetensors.index.json"))]
-    except OSError as e:
-        raise ConfigError(f"cannot read {folder}: {e.strerror or e}") from None
-    return sorted(set(found) | set(earlier_run(folder)))
-
-
-def _remove_model_files(folder: Path):
-    """Remove what a loader could take for part of the merged model: its weights (model.safetensors, the
-    model-*.safetensors shards and their index), config.json, an adapter and tokenizer files (the base
-    model's are copied again). Other files stay."""
-    from wgpu_train.formats.tokenizer import TOKENIZER_FILES
-
-    names = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json",
-             "adapter_model.safetensors", *TOKENIZER_FILES)
-    for p in folder.iterdir():
-        if p.is_file() and (p.name in names or p.name.startswith("model-") and p.name.endswith(".safetensors")):
-            p.unlink()
-
-
-def cmd_merge(args) -> int:
-    # Merging is weight arithmetic: the NumPy engine does it without a device. The update goes onto the
-    # original weights, also for an adapter trained over float16 / NF4 ones (as PEFT merges a QLoRA
-    # adapter into a 16-bit base): the merged folder carries no rounding of the base.
-    adapter = adapter_folder(args.adapter_path)
-    model_dir = model_folder(args.model, adapter)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
-    for what, folder in (("base model", model_dir), ("adapter", adapter)):
-        if out.resolve() == folder.resolve():
-            raise ConfigError(f"--out must differ from the {what} folder {folder}")
-    found = _model_files(out)
-    if found and not args.overwrite:
-        raise ConfigError(f"--out {out} already holds {', '.join(found)}; pass --overwrite to replace the model "
-                          f"files in it, or choose another --out")
-    gguf_file = Path(args.gguf) if args.gguf else None
-    if gguf_file is not None:               # everything a GGUF needs is checked before anything is written
-        from wgpu_train.models import gguf_export
-        from wgpu_train.models.config import ModelConfig
-
-        if gguf_file.exists() and not args.overwrite:
-            raise ConfigError(f"--gguf {gguf_file} exists; pass --overwrite to replace it, or choose another file")
-        gguf_export.check(ModelConfig.from_folder(model_dir), args.gguf_type)
-        gguf_export.tokenizer_fields(model_dir)
-    model, _ = load_model_and_tokenizer(model_dir, adapter, backend="numpy", tokenizer=False,
-                                        base_dtype="float32", embed_dtype="float32")
-    try:
-        if found:
-            _remove_model_files(out)
-        merged = model.merge_and_save(out)
-        if gguf_file is not None:
-            gguf_export.write_gguf(gguf_file, model.config, merged, out, args.gguf_type)
-    except OSError as e:
-        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
-    print(f"wrote the merged model to {out}" + (f" and {gguf_file} ({args.gguf_type})" if gguf_file else ""))
-    return 0
-
-
-def _register_merge(sub):
-    p = add_parser(sub, "merge", "fold a LoRA adapter into its base model's original weights and write a Hugging "
-                                  "Face folder")
-    model_options(p, need_adapter=True)
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for the merged model; one that holds a model, an adapter or a run is refused "
-                        "unless --overwrite")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into an --out that holds a model, an adapter or a run: its model weights (shards "
-                        "and index included), config.json, adapter and tokenizer files are removed first, so that "
-                        "the model in it is exactly the merged one; other files stay")
-    p.add_argument("--gguf", default=None, metavar="FILE",
-                   help="also write the merged model as one GGUF file for llama.cpp / Ollama (Llama, Mistral, Qwen2, "
-                        "Qwen3; byte-level BPE tokenizers), tokenizer and chat template included")
-    p.add_argument("--gguf-type", default="f16", choices=("f32", "f16", "q8_0"),
-                   help="storage of the GGUF's matrices (default: f16; norms and biases stay f32)")
-    p.set_defaults(func=cmd_merge)
-
-
-REGISTER = [_register_finetune, _register_generate, _register_eval, _register_merge, memory.register]
+REGISTER = [_register_finetune, _register_generate, _register_eval, merge.register, memory.register]

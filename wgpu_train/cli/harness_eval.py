@@ -36,8 +36,9 @@ def add_harness_options(p):
     g.add_argument("--apply-chat-template", action="store_true",
                    help="render the prompts with the model's chat template (few-shot examples as turns)")
     g.add_argument("--output-path", default=None, metavar="PATH",
-                   help="write lm_eval's results JSON: into PATH/<model>/results_<time>.json, or next to PATH.json "
-                        "as PATH_<time>.json")
+                   help="write lm_eval's results JSON: into PATH/NAME/results_<time>.json (NAME: the adapter's, "
+                        "else the model's folder name; a hub id as org__name), or next to PATH.json as "
+                        "PATH_<time>.json")
     g.add_argument("--include-path", default=None, metavar="DIR",
                    help="also the task YAML files under DIR (your own tasks)")
 
@@ -66,11 +67,13 @@ def cmd_harness_eval(args) -> int:
     if not names:
         raise ConfigError("--tasks names no task")
     try:
-        from wgpu_train.harness.run import results_tables, run_tasks
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "lm_eval":
+        from wgpu_train.harness.run import results_folder_name, results_tables, run_tasks
+    except ModuleNotFoundError as e:    # lm_eval or a package it needs (datasets): the extra is not installed
+        missing = (e.name or "").split(".")[0]
+        if not missing or missing == "wgpu_train":
             raise
-        raise ConfigError(f"--tasks runs lm-evaluation-harness, which is not installed: {INSTALL}") from None
+        raise ConfigError(f"--tasks runs lm-evaluation-harness, which is not installed (no module {missing}): "
+                          f"{INSTALL}") from None
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype}, adapter, model_dir)
@@ -79,7 +82,8 @@ def cmd_harness_eval(args) -> int:
                   "embed_dtype": settings["embed_dtype"]}
     results = run_tasks(model_args, names, batch_size=args.batch_size, num_fewshot=args.num_fewshot,
                         limit=args.limit, apply_chat_template=args.apply_chat_template,
-                        output_path=args.output_path, include_path=args.include_path)
+                        output_path=args.output_path, include_path=args.include_path,
+                        results_name=results_folder_name(args.adapter_path or args.model or str(model_dir)))
     print(results_tables(results))
     if args.output_path:
         print(f"results JSON written under {args.output_path}", file=sys.stderr)

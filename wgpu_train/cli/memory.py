@@ -1,10 +1,10 @@
 """`wgpu-train memory`: the GPU memory a fine-tuning run needs, from the model's config.json alone, as a whole and
-for each pipeline stage (--pipeline-stages)."""
+for each pipeline stage (--pipeline-stages), in the precision the run will use."""
 from __future__ import annotations
 
 import json
 
-from wgpu_train.cli.options import add_parser
+from wgpu_train.cli.options import add_parser, whole
 from wgpu_train.errors import ConfigError
 
 
@@ -37,10 +37,9 @@ def cmd_memory(args) -> int:
                           ensure_weight_tying=args.ensure_weight_tying)
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
-    from wgpu_train.engines.loading import precision_choice
     from wgpu_train.engines.protocol import check_precision_widths
 
-    precision = precision_choice(args.precision, "wgpu", cfg=cfg)[0]      # auto: a GPU's choice
+    precision, why = run_precision(args.precision, args.backend, args.device, cfg)
     check_precision_widths(precision, cfg)
     est = memory_report(cfg, args.batch_size, length, lora, args.method, base, embed, args.gradient_checkpointing,
                         precision)
@@ -48,7 +47,7 @@ def cmd_memory(args) -> int:
     result = {"model": str(model_dir), "architecture": cfg.architecture, "parameters": est.pop("parameters"),
               "batch_size": args.batch_size, "seq_len": length, "method": args.method, "base_dtype": base,
               "embed_dtype": embed, "gradient_checkpointing": args.gradient_checkpointing, "precision": precision,
-              **est, "largest_activation_buffer": largest}
+              "precision_reason": why, **est, "largest_activation_buffer": largest}
     if args.pipeline_stages or args.stage_layers:
         result["stages"] = _stage_estimates(args, cfg, length, lora, base, embed, precision)
     if args.json:
@@ -57,9 +56,10 @@ def cmd_memory(args) -> int:
     what = (f"LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}{describe_layout(lora)}" if lora
             else "full fine-tuning")
     n = result["parameters"]
+    said = "" if why == "as given" else f" ({why})"
     print(f"{model_dir} ({cfg.label}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
           f"training batch "
-          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}"
+          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}{said}"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     for key in ("weights", "trainable_state", "activations", "logits", "total"):
         ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit
@@ -72,6 +72,31 @@ def cmd_memory(args) -> int:
     print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "
           f"WebGPU does not report a GPU's memory size: compare the total with yours.")
     return 0
+
+
+def run_precision(precision: str, backend: str, device, cfg) -> tuple:
+    """(the precision a finetune with these --precision, --backend and --device runs, why), found without timing
+    anything: as given, else what auto resolves to on the engine the run takes here. The NumPy engine runs fp32,
+    and so does a CPU adapter: where the only adapters are CPUs, backend auto's choice between the two does not
+    change it. A GPU runs bf16 (fp32 for a model of odd widths); so does --backend wgpu planned on a machine
+    without an adapter."""
+    from wgpu_train.engines.loading import precision_choice
+    from wgpu_train.engines.protocol import Precision
+    from wgpu_train.engines.resources import choose_adapter, devices
+
+    if Precision.parse(precision).resolved or backend == "numpy":
+        return precision_choice(precision, "numpy", cfg=cfg)
+    if not devices():
+        if backend == "auto":
+            return precision_choice(precision, "numpy", cfg=cfg)
+        chosen, why = precision_choice(precision, "wgpu", cfg=cfg)
+        return chosen, f"{why}; no WebGPU adapter here, so a GPU's"
+    adapter = choose_adapter(device)
+    cpu = adapter.adapter_type == "CPU"
+    chosen, why = precision_choice(precision, "wgpu", cpu, cfg)
+    if cpu and backend == "auto":
+        why = "auto: the only WebGPU adapters here are CPUs; the NumPy engine and a CPU adapter both run fp32"
+    return chosen, why
 
 
 def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precision: str) -> list:
@@ -91,6 +116,7 @@ def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precis
 
 def register(sub):
     from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES
+    from wgpu_train.engines.backend_choice import BACKENDS
     from wgpu_train.engines.protocol import PRECISION_CHOICES
     from wgpu_train.training.config import TrainConfig
 
@@ -113,9 +139,15 @@ def register(sub):
     p.add_argument("--embed-dtype", default=d.embed_dtype, choices=EMBED_CHOICES, help=f"(default: {d.embed_dtype})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="plan for gradient checkpointing")
     p.add_argument("--precision", default=d.precision, choices=PRECISION_CHOICES,
-                   help=f"activations stored in fp32, bf16 or f16, as in finetune (auto: a GPU's, bf16 for even "
-                        f"widths) (default: {d.precision})")
-    p.add_argument("--pipeline-stages", type=int, default=None, metavar="S",
+                   help=f"activations stored in fp32, bf16 or f16, as in finetune; auto: what the run takes on the "
+                        f"engine --backend and --device choose here, found without timing: bf16 on a GPU (fp32 "
+                        f"for odd widths), fp32 on the NumPy engine and on CPU adapters (default: {d.precision})")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="the engine the run will use, as finetune's --backend; it decides what --precision auto "
+                        "means (default: auto)")
+    p.add_argument("--device", default=None,
+                   help="the WebGPU adapter the run will use, as finetune's --device (default: the one it picks)")
+    p.add_argument("--pipeline-stages", type=whole(1), default=None, metavar="S",
                    help="also each of S pipeline stages' estimate, balanced as finetune balances them")
     p.add_argument("--stage-layers", default=None, help="the stages' layers by hand, as in finetune (0-11,12-23)")
     p.add_argument("--pipeline-micro-batches", type=int, default=1, metavar="M",

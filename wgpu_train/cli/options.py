@@ -55,7 +55,7 @@ def device_options(p, storage: bool = False, kv_cache: bool = False):
                    help="load the model as S pipeline stages, each a Ray actor that reads and holds only its "
                         "layers (the first also the embedding, the last the final norm and head), for a model "
                         "larger than one device; balanced by the weights each holds; the adapter applies through "
-                        "them; needs pip install 'wgpu-train[ray]'")
+                        "them; needs pip install 'wgpu-train[pipeline]'")
     p.add_argument("--stage-layers", default=None, metavar="FIRST-LAST,...",
                    help="the stages' layers by hand, e.g. 0-11,12-23 (every layer exactly once, in order)")
     p.add_argument("--ray-address", default=None,

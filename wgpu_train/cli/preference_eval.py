@@ -94,16 +94,18 @@ def _check_arguments(args):
         raise ConfigError(f"--objective {args.objective} needs no reference model: leave out --ref-adapter")
 
 
-def _read_split(args, data_path, data: DataKind, seed: int):
+def _read_split(args, data_path, data: DataKind, held_out: tuple[float, int]):
     """(DataSplits, the split's name, its records): --data read as records of the objective's kind (pairs or
-    unpaired), or without --data the embedded demo's, built as a run of `seed` builds them."""
+    unpaired), a split named by --split as the run made it (held_out: its valid_split and seed), or without
+    --data the embedded demo's, built as a run of that seed builds them."""
     from wgpu_train.data.preference_demo import demo_preference_splits
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.errors import DataError
 
+    valid_split, seed = held_out
     if args.data:
-        splits = resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid, columns=args.columns,
-                              kind=data.value)
+        splits = resolve_data(data_path, valid_split=valid_split if args.split else 0.0, seed=seed,
+                              skip_invalid=args.skip_invalid, columns=args.columns, kind=data)
     else:
         splits = demo_preference_splits(resolve_data(data_path, valid_split=0.0, skip_invalid=args.skip_invalid),
                                         seed, data is DataKind.UNPAIRED, names=("train", "valid", "test"))
@@ -117,8 +119,7 @@ def _read_split(args, data_path, data: DataKind, seed: int):
 def cmd_preference_eval(args) -> int:
     """eval with --objective: see the module's docstring."""
     from wgpu_train.adapters.files import adapter_folder
-    from wgpu_train.cli.adapter_settings import (choose_settings, load_model_and_tokenizer, model_folder,
-                                                 trained_run_config)
+    from wgpu_train.cli.adapter_settings import choose_settings, held_out_split, load_model_and_tokenizer, model_folder
     from wgpu_train.cli.options import given_no_chat_template
     from wgpu_train.data.preference_batching import kl_partners
     from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
@@ -130,9 +131,8 @@ def cmd_preference_eval(args) -> int:
     ref_adapter = adapter_folder(args.ref_adapter)
     objective, batch_size, truncation = _objective_settings(args, adapter)
     unpaired = objective.unit.data is DataKind.UNPAIRED
-    seed = trained_run_config(adapter).get("seed", 0) if adapter is not None else 0
     data_path = args.data if args.data else default_data_dir()
-    splits, split, records = _read_split(args, data_path, objective.unit.data, seed if isinstance(seed, int) else 0)
+    splits, split, records = _read_split(args, data_path, objective.unit.data, held_out_split(adapter))
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": given_no_chat_template(args), "max_seq_len": args.max_seq_len},

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
+from wgpu_train.data.kinds import DataKind
 from wgpu_train.data.records import BadRecord, Message, convert_messages, string_field
 from wgpu_train.errors import ConfigError
 
@@ -59,14 +60,14 @@ def _is_message_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
-def detect_preference_format(obj: Any, kind: str = "preference") -> str:
-    """The format of one record object read as `kind` ("preference" or "unpaired"): "preference" (explicit
+def detect_preference_format(obj: Any, kind: DataKind = DataKind.PAIRS) -> str:
+    """The format of one record object read as `kind` (PAIRS or UNPAIRED): "preference" (explicit
     prompt), "implicit preference" (the prompt is the shared beginning of chosen and rejected, also when a prompt
-    column is of the other type than the answers, as TRL's maybe_extract_prompt decides) or, for "unpaired",
+    column is of the other type than the answers, as TRL's maybe_extract_prompt decides) or, for UNPAIRED,
     also "unpaired". BadRecord when it has none."""
     if not isinstance(obj, dict):
         raise BadRecord(f"expected a JSON object, got {type(obj).__name__}")
-    if kind == "unpaired" and (_present(obj, "completion") or _present(obj, "label")):
+    if kind is DataKind.UNPAIRED and (_present(obj, "completion") or _present(obj, "label")):
         return "unpaired"
     if _present(obj, "chosen") or _present(obj, "rejected"):
         if not _present(obj, "prompt"):
@@ -74,7 +75,7 @@ def detect_preference_format(obj: Any, kind: str = "preference") -> str:
         answer = obj.get("chosen") if _present(obj, "chosen") else obj.get("rejected")
         return "preference" if _is_message_list(obj["prompt"]) == _is_message_list(answer) else "implicit preference"
     keys = ", ".join(sorted(map(str, obj))[:6]) or "none"
-    wanted = (_SHAPES["unpaired"] + " (or pairs " + _SHAPES["preference"] + ")" if kind == "unpaired"
+    wanted = (_SHAPES["unpaired"] + " (or pairs " + _SHAPES["preference"] + ")" if kind is DataKind.UNPAIRED
               else _SHAPES["preference"] + " or " + _SHAPES["implicit preference"])
     raise BadRecord(f"not a preference record (keys: {keys}); expected {wanted}")
 
@@ -152,7 +153,7 @@ def _label(obj: dict) -> bool:
 def convert_preference(obj: Any, fmt: str, source: str = "") -> PreferenceRecord | UnpairedRecord:
     """Check `obj` against `fmt` (a name of detect_preference_format) and turn it into a record read at
     `source`. Pairs are read as PreferenceRecord in any kind; unpaired ones as UnpairedRecord."""
-    found = detect_preference_format(obj, "unpaired" if fmt == UNPAIRED_FORMAT else "preference")
+    found = detect_preference_format(obj, DataKind.UNPAIRED if fmt == UNPAIRED_FORMAT else DataKind.PAIRS)
     if found != fmt:
         raise BadRecord(f"record looks like {found} format {_SHAPES[found]}, "
                         f"but the file is {fmt} format {_SHAPES[fmt]}")

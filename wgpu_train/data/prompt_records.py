@@ -1,6 +1,7 @@
 """GRPO's prompt-only records in TRL's formats: a prompt (a string, or messages asking for the next assistant turn)
-with every other column of the record kept for the reward functions; also the prompts of SFT conversations and of
-prompt-completion records, whose answer becomes the `answer` column."""
+with every other column of the record kept for the reward functions; also the prompts of SFT conversations, of
+prompt-completion records and of Alpaca / instruction records (as SFT lays out their prompt), whose answer becomes
+the `answer` column."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wgpu_train.data.preference_records import Part, is_conversational
-from wgpu_train.data.records import BadRecord, Message, convert_messages, string_field
+from wgpu_train.data.records import (FORMATS, BadRecord, Message, convert_messages, optional_string, prompt_messages,
+                                     string_field)
 
 ANSWER_COLUMN = "answer"
 REFERENCE_COLUMNS = ("answer", "solution")  # the columns the exact-match reward compares with, in this order
@@ -22,7 +24,10 @@ _SHAPES = {
     "prompt-completion": '{"prompt": "...", "completion": "..."}',
     "conversational prompt-completion": '{"prompt": [messages], "completion": [messages]}',
     "chat": '{"messages": [...]}',
+    "alpaca": '{"instruction", "input"?, "output"?}',
+    "instruction": '{"instruction", "response"?}',
 }
+INSTRUCTION_FORMATS = ("alpaca", "instruction")   # SFT's formats whose prompt is an instruction: a user turn
 
 
 @dataclass(frozen=True)
@@ -45,14 +50,17 @@ def detect_prompt_format(obj: Any) -> str:
         return f"conversational {kind}" if isinstance(obj["prompt"], list) else kind
     if obj.get("messages") is not None or obj.get("conversations") is not None:
         return "chat"
+    if obj.get("instruction") is not None:     # TRL's GRPOTrainer has no such format; SFT's reading of it
+        has = {k for k in ("output", "response", "input") if obj.get(k) is not None}
+        return "alpaca" if "output" in has or has == {"input"} else "instruction"
     keys = ", ".join(sorted(map(str, obj))[:6]) or "none"
-    raise BadRecord(f"no prompt (keys: {keys}); expected {_SHAPES['prompt']}, {_SHAPES['conversational prompt']} "
-                    f"or a conversation {_SHAPES['chat']}")
+    raise BadRecord(f"no prompt (keys: {keys}); expected {_SHAPES['prompt']}, {_SHAPES['conversational prompt']}, "
+                    f"a conversation {_SHAPES['chat']} or an instruction {_SHAPES['alpaca']}")
 
 
 def is_conversational_format(fmt: str) -> bool:
     """Whether a format of detect_prompt_format gives message-list prompts."""
-    return fmt == "chat" or fmt.startswith("conversational")
+    return fmt in ("chat",) + INSTRUCTION_FORMATS or fmt.startswith("conversational")
 
 
 def _check_prompt_messages(messages: list[Message], key: str) -> None:
@@ -88,6 +96,8 @@ def _split_chat(obj: dict) -> tuple[list[Message], str | None]:
 def _prompt_and_answer(obj: dict, fmt: str) -> tuple[Part, str | None]:
     if fmt == "chat":
         return _split_chat(obj)
+    if fmt in INSTRUCTION_FORMATS:      # the user turn (and system message) SFT trains the answer after
+        return prompt_messages(obj, fmt), optional_string(obj, FORMATS[fmt][0][1])
     if is_conversational_format(fmt):
         prompt: Part = convert_messages(obj["prompt"], "prompt")
         _check_prompt_messages(prompt, "prompt")
@@ -108,16 +118,20 @@ def convert_prompt(obj: Any, fmt: str, source: str = "") -> PromptRecord:
     PromptRecord read at `source`. A file's records may mix formats of one form, strings or message lists, but
     not the two forms (TRL tokenizes a batch as its first prompt is).
 
-    Its columns are the record's fields but the prompt's ("prompt", "messages" / "conversations") and a
-    completion's. The answer of a conversation or prompt-completion record (the last assistant turn's content, or
-    the completion string) becomes the "answer" column when the record has neither an "answer" nor a "solution"
-    column of its own, so an SFT dataset serves GRPO with the exact-match reward."""
+    Its columns are the record's fields but the prompt's ("prompt", "messages" / "conversations"; an
+    instruction record's instruction, input, context and system) and a completion's. The answer of a conversation,
+    prompt-completion or instruction record (the last assistant turn's content, the completion string, Alpaca's
+    output or the response) becomes the "answer" column when the record has neither an "answer" nor a "solution"
+    column of its own, so an SFT dataset serves GRPO with the exact-match reward. An instruction record's prompt is
+    the conversation SFT trains on, without its answer: an optional system message, then the user turn with the
+    instruction and the input or context after it (records.prompt_messages)."""
     found = detect_prompt_format(obj)
     if is_conversational_format(found) != is_conversational_format(fmt):
         raise BadRecord(f"record looks like {found} format {_SHAPES[found]}, but the file is {fmt} format "
                         f"{_SHAPES[fmt]}; string and conversational prompts do not mix")
     prompt, answer = _prompt_and_answer(obj, found)
-    own = ("messages", "conversations") if found == "chat" else ("prompt", "completion")
+    own = (("messages", "conversations") if found == "chat" else sum(FORMATS[found], ())
+           if found in INSTRUCTION_FORMATS else ("prompt", "completion"))
     columns = {k: v for k, v in obj.items() if k not in own and k != "completion_ids"}
     clash = [k for k in RESERVED_COLUMNS if k in columns]
     if clash:

@@ -91,7 +91,9 @@ def string_field(obj: dict, key: str, where: str = "") -> str:
     return value
 
 
-def _optional_string(obj: dict, key: str) -> str | None:
+def optional_string(obj: dict, key: str) -> str | None:
+    """obj[key] when it is a string that is not blank, else None (absent, null or blank); BadRecord for a value
+    of another type."""
     value = obj.get(key)
     if value is None:
         return None
@@ -173,15 +175,22 @@ def convert(obj: Any, fmt: str) -> Record:
         return _convert_chat(obj)
     if fmt == "text":
         return string_field(obj, "text")
-    (prompt_key, response_key), optional = FORMATS[fmt]
+    response_key = FORMATS[fmt][0][1]
+    return prompt_messages(obj, fmt) + [{"role": "assistant", "content": string_field(obj, response_key)}]
+
+
+def prompt_messages(obj: dict, fmt: str) -> list[Message]:
+    """The messages before the answer of a record of the completions, alpaca or instruction format, as SFT lays
+    them out: an optional system message, then the user turn (the instruction with the input or context after it,
+    or the instruction before a completion's prompt, after a blank line); BadRecord naming a bad field."""
+    (prompt_key, _), optional = FORMATS[fmt]
     user = string_field(obj, prompt_key)
-    response = string_field(obj, response_key)
-    extras = [_optional_string(obj, key) for key in optional if key != "system"]
+    extras = [optional_string(obj, key) for key in optional if key != "system"]
     parts = extras + [user] if fmt == "completions" else [user] + extras
     user = "\n\n".join(part for part in parts if part is not None)
-    system = _optional_string(obj, "system")
+    system = optional_string(obj, "system")
     messages = [{"role": "system", "content": system}] if system is not None else []
     prompt = {"role": "user", "content": user}
     if fmt == "completions":
         prompt["raw_separator"] = ""  # a completion continues its prompt as given
-    return messages + [prompt, {"role": "assistant", "content": response}]
+    return messages + [prompt]

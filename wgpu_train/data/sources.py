@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.data.kinds import DataKind
 from wgpu_train.data.preference_records import (PreferenceRecord, UnpairedRecord, check_labels, convert_preference,
                                                 detect_preference_format, unpair_preferences)
 from wgpu_train.data.prompt_records import PromptRecord, convert_prompt, detect_prompt_format
@@ -30,7 +31,6 @@ FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "i
           "answer", "solution")                            # the fields a column can be mapped onto
 PARQUET_BATCH = 1024                                       # rows converted to Python objects at a time
 _SHARD = re.compile(r"-\d+-of-\d+\.\w+")                      # the hub's shard names: train-00000-of-00002.parquet
-KINDS = ("sft", "preference", "unpaired", "prompts")       # what records are read as (see load_records)
 
 
 # ---- column mapping ----------------------------------------------------------------------------------------
@@ -181,32 +181,35 @@ def _objects(path: Path, split: str | None = None, arrays: dict | None = None) -
             yield f"{path}:{lineno}", obj
 
 
-def _detect(obj: Any, kind: str) -> str:
-    if kind == "prompts":
+def _detect(obj: Any, kind: DataKind) -> str:
+    if kind is DataKind.PROMPTS:
         return detect_prompt_format(obj)
-    return detect_format(obj) if kind == "sft" else detect_preference_format(obj, kind)
+    return detect_format(obj) if kind is DataKind.SFT else detect_preference_format(obj, kind)
 
 
-def _convert(obj: Any, fmt: str, where: str, kind: str) -> Any:
-    if kind == "prompts":
+def _convert(obj: Any, fmt: str, where: str, kind: DataKind) -> Any:
+    if kind is DataKind.PROMPTS:
         return convert_prompt(obj, fmt, where)
-    if kind != "sft":
+    if kind is not DataKind.SFT:
         return convert_preference(obj, fmt, where)
     record = convert(obj, fmt)
     return Text(record, where) if isinstance(record, str) else Conversation(record, where)
 
 
 def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str, str] | None = None,
-                 split: str | None = None, arrays: dict | None = None, kind: str = "sft") -> tuple[list, str, int]:
+                 split: str | None = None, arrays: dict | None = None,
+                 kind: DataKind | str = DataKind.SFT) -> tuple[list, str, int]:
     """Read one data file (JSONL, JSON or Parquet, by suffix): (records, format name, number skipped).
 
     The format is detected from the first valid record and every other record must match it. A bad record
     raises DataError "file:line: problem" ("file:row" for JSON and Parquet), or is skipped and counted when
-    `skip_invalid`. Records remember in `source` where they were read; they are, by `kind`: "sft", Conversation or
-    Text objects; "preference", PreferenceRecord; "unpaired", UnpairedRecord, or PreferenceRecord for a file of
-    pairs (resolve_data unpairs them); "prompts", PromptRecord (a record without a prompt is a bad record).
+    `skip_invalid`. Records remember in `source` where they were read; they are, by `kind` (a DataKind or its
+    value): SFT ("sft"), Conversation or Text objects; PAIRS ("preference"), PreferenceRecord; UNPAIRED
+    ("unpaired"), UnpairedRecord, or PreferenceRecord for a file of pairs (resolve_data unpairs them); PROMPTS
+    ("prompts"), PromptRecord (a record without a prompt is a bad record).
     """
     path = Path(path)
+    kind = DataKind.parse(kind)
     records: list[Record] = []
     fmt: str | None = None
     skipped = n = 0
@@ -314,7 +317,7 @@ def _sources(path) -> list[Path]:
     return out
 
 
-def _read_source(path: Path, skip_invalid: bool, columns: dict, kind: str) -> dict[str, list]:
+def _read_source(path: Path, skip_invalid: bool, columns: dict, kind: DataKind) -> dict[str, list]:
     """split -> [(file, records, format, skipped)] of one file or folder."""
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
@@ -333,7 +336,7 @@ def _read_source(path: Path, skip_invalid: bool, columns: dict, kind: str) -> di
 
 
 def _unpaired(records: list, names: str) -> list[UnpairedRecord]:
-    """A split read as kind "unpaired": its pairs unpaired as TRL's KTOTrainer does; pairs and unpaired records
+    """A split read as DataKind.UNPAIRED: its pairs unpaired as TRL's KTOTrainer does; pairs and unpaired records
     do not mix."""
     n_pairs = sum(isinstance(r, PreferenceRecord) for r in records)
     if n_pairs and n_pairs < len(records):
@@ -351,7 +354,7 @@ def _check_prompt_forms(splits: dict[str, list[PromptRecord]], files: dict[str, 
 
 
 def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False,
-                 columns: str | dict | None = None, kind: str = "sft") -> DataSplits:
+                 columns: str | dict | None = None, kind: DataKind | str = DataKind.SFT) -> DataSplits:
     """Find the splits of a dataset. `path`: a data file (JSONL, JSON or Parquet); a folder with a train split
     and optionally one validation split (valid, validation, val or dev) and a test split, in any of those
     formats, at its top or under data/; a hub dataset id; several of these (a list, or comma-separated) or a
@@ -359,14 +362,13 @@ def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bo
     np.random.default_rng(seed), is held out as valid (train keeps its order). `columns` maps our field names
     to other column names (parse_columns). Every record keeps its source through the split.
 
-    `kind` says what the records are (see load_records): "sft" (the default), "preference" pairs, or "unpaired"
-    KTO records (pairs are unpaired as TRL does, after the held-out split, so a pair's halves stay together; the
-    train split must hold both labels, else ConfigError), or GRPO's "prompts" (all strings or all message
-    lists, else DataError)."""
+    `kind` (a DataKind or its value) says what the records are (see load_records): SFT records (the default),
+    PAIRS, UNPAIRED KTO records (pairs are unpaired as TRL does, after the held-out split, so a pair's halves stay
+    together; the train split must hold both labels, else ConfigError), or GRPO's PROMPTS (all strings or all
+    message lists, else DataError)."""
     if not 0.0 <= valid_split < 1.0:
         raise ConfigError(f"valid_split must be in [0, 1), got {valid_split}")
-    if kind not in KINDS:
-        raise ConfigError(f"unknown record kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    kind = DataKind.parse(kind)
     columns = parse_columns(columns) if isinstance(columns, str) or columns is None else columns
     by_split: dict[str, list] = {"train": [], "valid": [], "test": []}
     for source in _sources(path):
@@ -392,10 +394,10 @@ def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bo
             splits["valid"] = [train[i] for i in sorted(held)]
             splits["train"] = [r for i, r in enumerate(train) if i not in held]
             held_out = True
-    if kind == "unpaired":
+    if kind is DataKind.UNPAIRED:
         for split in splits:
             splits[split] = _unpaired(splits[split], files.get(split, ""))
         check_labels(splits["train"], files["train"])
-    if kind == "prompts":
+    if kind is DataKind.PROMPTS:
         _check_prompt_forms(splits, files)
     return DataSplits(splits["train"], splits["valid"], splits["test"], fmt, skipped, files, held_out)

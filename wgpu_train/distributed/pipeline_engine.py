@@ -10,6 +10,7 @@ import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
+from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan
@@ -177,6 +178,14 @@ class PipelineEngine:
 
     def set_loss_temperature(self, temperature: float = 1.0):
         self._all("set_loss_temperature", temperature)
+
+    last_aux_loss = None
+
+    def set_router_aux_loss(self, coef: float = 0.0):
+        """0 only: the router's auxiliary loss sums every layer's routing, which pipeline stages split."""
+        if check_router_aux_loss(self.cfg, coef):
+            raise ConfigError("the router's auxiliary loss is not computed across pipeline stages: use "
+                              "--router-aux-loss-coef 0 with --pipeline-stages")
 
     def seed_dropout(self, seed: int):
         self._all("seed_dropout", seed)

@@ -16,10 +16,11 @@ from wgpu_train.errors import ConfigError, WgpuTrainError
 
 try:
     import ray
-except ImportError:      # the ray extra: refused in one line when a pipeline run starts (RayStages)
+except ImportError:      # the pipeline extra: refused in one line when a pipeline run starts (RayStages)
     ray = None
 
 
+EXTRA = "pip install 'wgpu-train[pipeline]'"     # Ray core: the stages need neither Ray Train nor torch
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
@@ -83,7 +84,7 @@ class RayStages:
                  kv_dtype: str = "float32"):
         if ray is None:
             raise ConfigError("--pipeline-stages runs its stages as Ray actors, and Ray is not installed: "
-                              "pip install 'wgpu-train[ray]'")
+                              f"{EXTRA}")
         self.started = start_ray(address, stage_cpus(len(plan), resources))
         self.group = None
         try:

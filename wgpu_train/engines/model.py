@@ -422,11 +422,12 @@ class Model:
 
         return TensorMap(base, merge)
 
-    def merge_and_save(self, directory) -> dict:
-        """Write a complete Hugging Face model folder with the adapter merged (tokenizer files copied); returns
-        the merged weights it wrote (merged_weights' mapping, which merges each again when read)."""
+    def merge_and_save(self, directory, dtype: str = "float32") -> dict:
+        """Write a complete Hugging Face model folder with the adapter merged (tokenizer files copied), its weights
+        merged in float32 and stored in `dtype` (float32, bfloat16 or float16); returns the merged weights
+        (merged_weights' float32 mapping, which merges each again when read)."""
         weights = self.merged_weights()
-        save_model_folder(directory, self.config, weights, source_folder=self.path)
+        save_model_folder(directory, self.config, weights, source_folder=self.path, dtype=dtype)
         return weights
 
     def save_pretrained(self, directory):

@@ -121,6 +121,7 @@ class Engine(Protocol):
     step_entropies: list        # and there the (B, T) float32 entropies of the policy's distributions at the loss
     #                             temperature (GRPO's "entropy" metric; 0 where a position has no target)
     last_profile: dict          # op group -> GPU seconds of the last profiled step ({} without one)
+    last_aux_loss: "float | None"   # after train_step: the router's auxiliary loss (set_router_aux_loss), or None
     base_weight_bytes: int      # bytes the frozen weights take on the device (0: no device copy)
     max_binding: int | None     # largest storage binding of the device (None: no device)
     device_description: str     # where it computes, for the log
@@ -147,6 +148,12 @@ class Engine(Protocol):
     def set_adapter_enabled(self, enabled: bool = True) -> None:
         """False: every forward skips the LoRA modules (the base model, PEFT's disable_adapter: a preference
         objective's reference model); True again to train."""
+
+    def set_router_aux_loss(self, coef: float = 0.0) -> None:
+        """A mixture of experts' training forwards add coef times transformers' load-balancing loss (its router's
+        auxiliary loss; a train_step divides it among its micro-batches); 0 (the default) turns it off.
+        last_aux_loss then holds the last train_step's (None when off). ConfigError for coef > 0 on a dense
+        model."""
 
     def set_loss_temperature(self, temperature: float = 1.0) -> None:
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities

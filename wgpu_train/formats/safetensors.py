@@ -1,4 +1,5 @@
-"""safetensors files: reading (sharded or not; f32 / f16 / bf16 as float32, lazily), writing atomically."""
+"""safetensors files: reading (sharded or not; f32 / f16 / bf16 as float32, lazily), writing atomically (floats
+as they are, or stored as float16 / bfloat16); bfloat16's rounding."""
 from __future__ import annotations
 
 import json
@@ -9,26 +10,65 @@ from pathlib import Path
 
 import numpy as np
 
-from wgpu_train.errors import ModelFileError
+from wgpu_train.errors import ConfigError, ModelFileError
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items() if k != "BF16"}     # a NumPy array's safetensors dtype
 
 
-def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    return (raw.astype(np.uint32) << 16).view(np.float32)
+# what write_safetensors can store floating tensors as
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_F16_MAX = float(np.finfo(np.float16).max)
+
+
+def bfloat16_bits(w: np.ndarray) -> np.ndarray:
+    """w (float32) rounded to bfloat16, as uint16 bits: the low half rounded to nearest, ties to even (NaN stays
+    NaN, quietened; values past bfloat16's largest finite one become inf, as torch rounds them)."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bfloat16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bits (uint16)."""
+    return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _as_array(raw: np.ndarray, dtype: str) -> np.ndarray:
     """A tensor's stored values (a view of the file) as float32 (floats) or their own integer type (a copy)."""
     if dtype == "BF16":
-        return _bf16_to_f32(raw)
+        return bfloat16_values(raw)
     if raw.dtype.kind == "f":
         return raw.astype(np.float32)
     return np.array(raw)
 
 
-class Stacked:
+class Derived:
+    """A tensor made from stored ones when it is read: its shape, the file bytes it reads (nbytes) and
+    values(dtype), float32 (dtype: the safetensors dtype of what it reads)."""
+
+    shape: tuple
+    nbytes: int
+
+    def values(self, dtype: str) -> np.ndarray:
+        raise NotImplementedError
+
+
+class Transposed(Derived):
+    """A stored tensor (a view of file bytes, or a Derived) with its last two axes swapped when it is read."""
+
+    def __init__(self, raw):
+        self.raw, self.nbytes = raw, raw.nbytes
+        self.shape = (*raw.shape[:-2], raw.shape[-1], raw.shape[-2])
+
+    def values(self, dtype: str) -> np.ndarray:
+        x = self.raw.values(dtype) if isinstance(self.raw, Derived) else _as_array(self.raw, dtype)
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2))
+
+
+class Stacked(Derived):
     """A tensor made of other stored tensors when it is read: parts[e] (views of file bytes, one safetensors
     dtype) joined along their first axis, the results stacked on a new first axis e. A checkpoint's MoE layer
     stores each expert's projections apart; the model reads them as one (E, out, in) tensor."""
@@ -49,13 +89,13 @@ class LazyWeights(Mapping):
     as it goes) never holds the whole model as float32 in host memory."""
 
     def __init__(self, raw: dict):
-        self._raw = raw                  # name -> (view of the file's bytes or a Stacked, safetensors dtype)
+        self._raw = raw                  # name -> (view of the file's bytes or a Derived, safetensors dtype)
         self.bytes_read = 0              # file bytes converted so far (a pipeline stage reads only its own)
 
     def __getitem__(self, name: str) -> np.ndarray:
         raw, dtype = self._raw[name]
         self.bytes_read += raw.nbytes
-        return raw.values(dtype) if isinstance(raw, Stacked) else _as_array(raw, dtype)
+        return raw.values(dtype) if isinstance(raw, Derived) else _as_array(raw, dtype)
 
     def subset(self, names) -> "LazyWeights":
         """These tensors alone (nothing read), with a byte count of their own."""
@@ -119,12 +159,30 @@ def _read_raw(path, names=None) -> dict:
     return out
 
 
-def write_safetensors(path, tensors: Mapping, metadata: dict | None = None):
-    """Write float32 / integer NumPy arrays as a .safetensors file (atomically: temp file, then rename). Each tensor
-    is read from `tensors` once, in name order, and written at once, so a lazy mapping (TensorMap: tensors merged
-    or fetched from other processes as they are read) is never whole in memory: the header's room is reserved
-    from the names (a bound per entry) and written last, padded with spaces as the format allows."""
-    rev = {np.dtype(v): k for k, v in _DTYPES.items() if k != "BF16"}
+def _stored(name: str, arr: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
+    """(the array to write, its safetensors dtype): a floating array in `dtype` (FLOAT_DTYPES; None: as it is),
+    rounded to nearest even; ConfigError for values beyond float16's range."""
+    if dtype is None or arr.dtype.kind != "f":
+        return arr, _NAMES[arr.dtype]
+    if dtype == "bfloat16":
+        return bfloat16_bits(arr).reshape(arr.shape), "BF16"
+    if dtype == "float16":
+        largest = float(np.max(np.abs(arr))) if arr.size else 0.0
+        if not largest <= _F16_MAX:
+            raise ConfigError(f"{name} has values up to {largest:.6g}, beyond float16's range ({_F16_MAX:g}): save "
+                              f"it as bfloat16 or float32")
+    arr = arr.astype(dtype, copy=False)
+    return arr, _NAMES[arr.dtype]
+
+
+def write_safetensors(path, tensors: Mapping, metadata: dict | None = None, dtype: str | None = None):
+    """Write NumPy arrays as a .safetensors file (atomically: temp file, then rename; nothing left behind when it
+    fails), floating ones stored as `dtype` (one of FLOAT_DTYPES) when it is given. Each tensor is read from
+    `tensors` once, in name order, and written at once, so a lazy mapping (TensorMap: tensors merged or fetched
+    from other processes as they are read) is never whole in memory: the header's room is reserved from the
+    names (a bound per entry) and written last, padded with spaces as the format allows."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
     names = sorted(tensors)
     meta = {"__metadata__": {k: str(v) for k, v in metadata.items()}} if metadata else {}
     # an entry: its name, dtype, up to 8 dimensions and two offsets of up to 20 digits each, and JSON's marks
@@ -133,21 +191,25 @@ def write_safetensors(path, tensors: Mapping, metadata: dict | None = None):
     header, offset = {}, 0
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.seek(8 + room)
-        for name in names:
-            arr = np.ascontiguousarray(tensors[name])
-            header[name] = {"dtype": rev[arr.dtype], "shape": list(arr.shape),
-                            "data_offsets": [offset, offset + arr.nbytes]}
-            f.write(arr.reshape(-1).view(np.uint8).data)
-            offset += arr.nbytes
-            del arr
-        blob = json.dumps({**header, **meta}, separators=(",", ":")).encode()
-        if len(blob) > room:
-            raise ValueError(f"a safetensors header of {len(blob)} bytes over the {room} reserved")
-        f.seek(0)
-        f.write(struct.pack("<Q", room))
-        f.write(blob + b" " * (room - len(blob)))
+    try:
+        with open(tmp, "wb") as f:
+            f.seek(8 + room)
+            for name in names:
+                arr, stored = _stored(name, np.ascontiguousarray(tensors[name]), dtype)
+                header[name] = {"dtype": stored, "shape": list(arr.shape),
+                                "data_offsets": [offset, offset + arr.nbytes]}
+                f.write(arr.reshape(-1).view(np.uint8).data)
+                offset += arr.nbytes
+                del arr
+            blob = json.dumps({**header, **meta}, separators=(",", ":")).encode()
+            if len(blob) > room:
+                raise ValueError(f"a safetensors header of {len(blob)} bytes over the {room} reserved")
+            f.seek(0)
+            f.write(struct.pack("<Q", room))
+            f.write(blob + b" " * (room - len(blob)))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

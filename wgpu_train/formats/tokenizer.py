@@ -165,8 +165,10 @@ class Tokenizer:
 
     def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
                  eos_token: str | None = None, pad_token: str | None = None, unk_token: str | None = None,
-                 extra_eos_ids: Iterable[int] = ()) -> None:
-        """Wrap `tokenizer`; `extra_eos_ids` are further stop ids (e.g. from generation_config.json)."""
+                 extra_eos_ids: Iterable[int] = (), generation_eos_ids: Iterable[int] | None = None) -> None:
+        """Wrap `tokenizer`; `extra_eos_ids` are further stop ids (e.g. from generation_config.json and config.json);
+        `generation_eos_ids` the model's own, as transformers' generation config holds them (generation_config.json's,
+        else config.json's; by default extra_eos_ids)."""
         self._tok = tokenizer
         self._template_source = chat_template
         self._template: jinja2.Template | None = None
@@ -190,6 +192,11 @@ class Tokenizer:
             if i is not None and i not in stops:
                 stops.append(i)
         self.stop_token_ids: list[int] = stops
+        # where TRL 1.16's GRPOTrainer ends a completion: the tokenizer's EOS and the generation config's, not every
+        # end-of-turn token of the vocabulary (eos_token_ids)
+        model_eos = self._extra_eos_ids if generation_eos_ids is None else list(generation_eos_ids)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(
+            i for i in [self.eos_token_id, *model_eos] if i is not None and 0 <= i < self.vocab_size))
         self.add_bos_token: bool = self._post_processor_adds_bos()
         # ChatML's end of turn is no token of base vocabularies: their fallback closes answers with EOS instead
         self._chatml_native = len(self._tok.encode("<|im_end|>", add_special_tokens=False).ids) == 1
@@ -329,14 +336,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return value if value is not None else _token_content(special_map.get(name))
 
     extra_eos: list[int] = []
+    generation_eos: list[int] | None = None    # transformers' generation config: its file's, else config.json's
     for name in ("generation_config.json", "config.json"):
         if (folder / name).is_file():
             try:
-                extra_eos += _as_id_list(_read_json(folder / name).get("eos_token_id"))
+                ids = _as_id_list(_read_json(folder / name).get("eos_token_id"))
             except ModelFileError:
-                pass  # a broken config.json is reported by the model loader; the tokenizer does not need it
+                continue  # a broken config.json is reported by the model loader; the tokenizer does not need it
+            extra_eos += ids
+            generation_eos = ids if generation_eos is None else generation_eos
     return Tokenizer(backend, chat_template=template, bos_token=special("bos_token"), eos_token=special("eos_token"),
-                     pad_token=special("pad_token"), unk_token=special("unk_token"), extra_eos_ids=extra_eos)
+                     pad_token=special("pad_token"), unk_token=special("unk_token"), extra_eos_ids=extra_eos,
+                     generation_eos_ids=generation_eos or [])
 
 
 class StreamDecoder:

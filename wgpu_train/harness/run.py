@@ -1,16 +1,22 @@
 """lm_eval's tasks run on the "wgpu-train" model: names checked (an unknown one with lm_eval's close names), task
 data resolved as lm_eval resolves it (a dataset missing offline in one line), the results JSON written as lm_eval
-writes it, and its results table."""
+writes it (in a folder named after the model or adapter), and its results table."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import os
+import subprocess
+from pathlib import Path
 
+import lm_eval.evaluator
 from datasets.exceptions import DatasetNotFoundError
 from lm_eval import simple_evaluate
 from lm_eval.loggers import EvaluationTracker
+from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.tasks import TaskManager
-from lm_eval.utils import make_table
+from lm_eval.utils import make_table, sanitize_model_name
 
 import wgpu_train.harness.lm  # noqa: F401 - registers the "wgpu-train" model
 from wgpu_train.errors import ConfigError, DataError
@@ -50,20 +56,55 @@ def load_tasks(manager: TaskManager, names: list[str]) -> list:
     return objects
 
 
+def results_folder_name(model: str) -> str:
+    """The folder lm_eval's results JSON goes into under an output folder, for a model or adapter as the user
+    named it: a local folder's own name (lm_eval would make `../runs/out` into `..__runs__out`), a hub id as lm_eval
+    names it (org__name)."""
+    path = Path(model)
+    if path.exists():
+        return path.resolve().name or "model"
+    return sanitize_model_name(model)
+
+
+def _commit_quietly() -> str | None:
+    """lm_eval's get_git_commit_hash (the commit of the repository the evaluation runs in, for its results JSON)
+    with git's stderr discarded: outside a repository, git's "fatal: not a git repository" is no error of ours."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, check=True)  # noqa: S607
+        return done.stdout.decode().strip()
+    except (subprocess.CalledProcessError, OSError):
+        return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def _quiet_git():
+    """simple_evaluate with _commit_quietly in place of lm_eval's commit look-up, restored afterwards."""
+    loud = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = _commit_quietly
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = loud
+
+
 def run_tasks(model_args: dict, names: list[str], batch_size: int = 8, num_fewshot: int | None = None,
               limit: int | float | None = None, apply_chat_template: bool = False, output_path: str | None = None,
-              include_path: str | None = None, log_samples: bool = False) -> dict:
+              include_path: str | None = None, log_samples: bool = False, results_name: str | None = None) -> dict:
     """lm_eval's results of the tasks `names` on the "wgpu-train" model built from model_args (WgpuTrainLM's
     arguments). With output_path, the results JSON is written there as lm_eval writes it (a folder gets
-    <model>/results_<time>.json; a path ending in .json gets <name>_<time>.json beside it)."""
+    <results_name>/results_<time>.json, by default lm_eval's name of the model; a path ending in .json gets
+    <name>_<time>.json beside it)."""
     manager = task_manager(include_path)
     check_task_names(manager, names)
     tasks = load_tasks(manager, names)
     tracker = EvaluationTracker(output_path=output_path) if output_path else None
-    results = simple_evaluate(model=MODEL_NAME, model_args=model_args, tasks=tasks, batch_size=batch_size,
-                              num_fewshot=num_fewshot, limit=limit, apply_chat_template=apply_chat_template,
-                              task_manager=manager, evaluation_tracker=tracker, log_samples=log_samples)
+    with _quiet_git():
+        results = simple_evaluate(model=MODEL_NAME, model_args=model_args, tasks=tasks, batch_size=batch_size,
+                                  num_fewshot=num_fewshot, limit=limit, apply_chat_template=apply_chat_template,
+                                  task_manager=manager, evaluation_tracker=tracker, log_samples=log_samples)
     if tracker is not None:
+        if results_name:
+            tracker.general_config_tracker.model_name_sanitized = results_name
         samples = results.pop("samples", None)
         tracker.save_results_aggregated(results=results, samples=samples)
         if samples is not None:

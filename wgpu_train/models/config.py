@@ -25,15 +25,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
-# every family's, for LoRA targets: each family's modules in its order (an MoE layer's router "gate", and
-# Qwen2-MoE's shared expert's gate; its projections are matched by their last name, as PEFT matches them)
+# every family's, for LoRA targets: each family's modules in its order (an MoE layer's router "gate", gpt-oss's
+# "router", and Qwen2-MoE's shared expert's gate; its projections are matched by their last name, as PEFT matches them)
 KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                        "down_proj", "gate", "shared_expert_gate")
+                        "down_proj", "gate", "router", "shared_expert_gate")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 ROUTER = "gate"              # an MoE layer's router (mlp.gate: E x hidden), a linear module of its own
+ROUTERS = (ROUTER, "router")   # every family's router module (gpt-oss's is mlp.router, with a bias)
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
                          "shared_expert_gate")   # Qwen2-MoE's shared expert and its sigmoid gate (1 x hidden)
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")   # an MoE layer's experts: 3-D tensors under mlp.experts
@@ -44,7 +47,7 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     `sliding_window` on every layer; Qwen2 / Qwen3's when `use_sliding_window`, on the layers from `max_window_layers` on
     (or as `layer_types` says); Gemma 3's on its sliding layers. A window of at least the context is no window."""
     window = raw.get("sliding_window")
-    use_window = raw.get("use_sliding_window", family in ("mistral", "gemma2", "gemma3", "phi3"))
+    use_window = raw.get("use_sliding_window", family in ("mistral", "gemma2", "gemma3", "phi3", "gpt_oss"))
     if window is None or not use_window:
         return ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -52,6 +55,8 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     if window >= max_pos:
         return ()
     types = _gemma_layer_types(raw, layers, family) if family.startswith("gemma") else raw.get("layer_types")
+    if types is None and family == "gpt_oss":     # transformers' gpt-oss: sliding and full layers alternate
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     if types is not None:
         if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
             raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
@@ -61,17 +66,36 @@ def _layer_windows(raw: dict, family: str, layers: int, max_pos: int, source: st
     return tuple(window if i >= first else 0 for i in range(layers))
 
 
+def _rope_layers(raw: dict, layers: int, source: str) -> tuple:
+    """SmolLM3's no_rope_layers (1: the layer uses RoPE), or from no_rope_layer_interval (default 4: every fourth
+    layer without), as transformers' SmolLM3Config makes them."""
+    given = raw.get("no_rope_layers")
+    if given is None:
+        interval = positive_field({"no_rope_layer_interval": 4, **raw}, "no_rope_layer_interval", source)
+        return tuple((i + 1) % int(interval) != 0 for i in range(layers))
+    if not isinstance(given, list) or len(given) != layers or any(v not in (0, 1) for v in given):
+        raise ConfigError(f"{source}: field 'no_rope_layers' must list 0 or 1 for each of the {layers} layers")
+    return tuple(bool(v) for v in given)
+
+
 # what transformers' Gemma and Phi-3 configs default where config.json lacks a field (the Llama-family
 # defaults differ; the hub's multimodal Gemma 3 checkpoints leave most of their text_config to these)
 _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FAMILY_DEFAULTS = {
+    "smollm3": {"tie_word_embeddings": True, "rms_norm_eps": 1e-6},
     "phi3": {"rms_norm_eps": 1e-5, "pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000,
              "max_position_embeddings": 4096},
     "gemma2": {**_GEMMA_SIZES, "head_dim": 256, "max_position_embeddings": 8192, "pad_token_id": 0,
                "sliding_window": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     "gemma3": {**_GEMMA_SIZES, "vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072,
                "pad_token_id": 0, "sliding_window": 4096, "rms_norm_eps": 1e-6},
+    "gpt_oss": {"num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+                "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "num_experts_per_tok": 4, "rope_theta": 150000.0,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}},
 }
 
 
@@ -128,6 +152,18 @@ def _gemma_fields(raw: dict, source: str, family: str, layers: int, hidden: int,
             "local_rope_theta": float(local_theta or 10000.0), "rope_parameters": params, **caps}
 
 
+def _check_gpt_oss(raw: dict, source: str):
+    """Refuse what gpt-oss's config.json may ask for beyond what is implemented: dropout inside attention, a
+    quantisation other than MXFP4 (its experts, dequantised on load)."""
+    if raw.get("attention_dropout"):
+        raise ConfigError(f"{source}: field 'attention_dropout' is {raw['attention_dropout']!r}; only 0 is supported")
+    quant = raw.get("quantization_config")
+    if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"{source}: field 'quantization_config' has quant_method {method!r}; only 'mxfp4' (the "
+                          f"experts, dequantised on load) is supported")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture hyper-parameters that the math needs, normalised across model families."""
@@ -162,13 +198,19 @@ class ModelConfig:
     logit_softcap: float = 0.0   # Gemma 2: logits likewise (final_logit_softcapping)
     rotary_dim: int = 0          # the leading dims of each head that RoPE rotates (Phi-4-mini's partial rotary); 0: all
     moe: MoeConfig | None = None   # the experts of a mixture-of-experts model (moe.py); None for a dense one
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
     qk_norm_per_head: bool = True  # q / k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMoE)
+    rope_layers: tuple = ()      # per layer: whether it rotates q and k (SmolLM3's no_rope_layers); (): every layer
     wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE (SmolLM3's NoPE layers do not)."""
+        return bool(self.rope_layers[layer]) if self.rope_layers else True
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding attention window in tokens, 0 for full causal attention."""
@@ -201,7 +243,7 @@ class ModelConfig:
             return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
         dense = LINEAR_MODULES[4:] if not all(self.moe.sparse) else ()
         shared = SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ()
-        return LINEAR_MODULES[:4] + dense + (ROUTER,) + shared
+        return LINEAR_MODULES[:4] + dense + (self.moe.router,) + shared
 
     def layer_modules(self, layer: int) -> tuple:
         """Layer `layer`'s linear modules in order (an MoE model's sparse and dense layers differ)."""
@@ -209,7 +251,7 @@ class ModelConfig:
             return self.linear_modules
         if not self.moe.is_sparse(layer):
             return LINEAR_MODULES
-        return tuple(m for m in self.linear_modules if m in ATTENTION_MODULES or m == ROUTER
+        return tuple(m for m in self.linear_modules if m in ATTENTION_MODULES or m == self.moe.router
                      or m in SHARED_EXPERT_MODULES)
 
     def is_sparse(self, layer: int) -> bool:
@@ -241,14 +283,14 @@ class ModelConfig:
         if self.moe is None:
             return {}
         s, c = self.moe.shared_expert_size, self.hidden_size
-        return {ROUTER: (self.moe.num_experts, c), "shared_expert.gate_proj": (s, c), "shared_expert.up_proj": (s, c),
+        return {self.moe.router: (self.moe.num_experts, c), "shared_expert.gate_proj": (s, c), "shared_expert.up_proj": (s, c),
                 "shared_expert.down_proj": (c, s), "shared_expert_gate": (1, c)}
 
     @property
     def rope_scale(self) -> float:
-        """What RoPE multiplies the rotated dims by (longrope's attention factor; 1 otherwise)."""
+        """What RoPE multiplies the rotated dims by (longrope's and YaRN's attention factor; 1 otherwise)."""
         s = self.rope_scaling
-        return float(s["attention_factor"]) if s and s["rope_type"] == "longrope" else 1.0
+        return float(s["attention_factor"]) if s and s["rope_type"] in ("longrope", "yarn") else 1.0
 
     def rope_long(self, max_position: int) -> bool:
         """Whether a forward whose largest position is max_position takes longrope's long factors: as
@@ -298,21 +340,30 @@ class ModelConfig:
         max_pos = int(raw.get("max_position_embeddings", 4096))
         theta, scaling, rotary_dim = rope_settings(raw, gemma.pop("rope_parameters", None), family, int(head_dim),
                                                    max_pos, source)
+        rope_layers = _rope_layers(raw, layers, source) if family == "smollm3" else ()
+        if family == "smollm3" and raw.get("layer_types") is None:      # transformers' SmolLM3: NoPE layers slide
+            raw = {**raw, "layer_types": ["sliding_attention" if raw.get("use_sliding_window") and
+                                          raw.get("sliding_window") and not r else "full_attention"
+                                          for r in rope_layers]}
         windows = _layer_windows(raw, family, layers, max_pos, source)
         moe = moe_settings(raw, family, layers, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
+        if family == "gpt_oss":
+            _check_gpt_oss(raw, source)
         attention_bias = bool(raw.get("attention_bias", family == "qwen2")) and family != "phi3"
         if family == "qwen2":
             attention_bias = True
         if family == "qwen2_moe":
             attention_bias = bool(raw.get("qkv_bias", True))
+        if family == "gpt_oss":
+            attention_bias = bool(raw.get("attention_bias", True))
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             # Mixtral's and OLMoE's intermediate_size is their experts' (moe.expert_size): no layer is dense
-            intermediate_size=0 if family in ("mixtral", "olmoe") else int(need("intermediate_size")),
+            intermediate_size=0 if family in ("mixtral", "olmoe", "gpt_oss") else int(need("intermediate_size")),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
@@ -324,7 +375,9 @@ class ModelConfig:
             attention_bias=attention_bias,
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
             qk_norm_per_head=family != "olmoe",
+            rope_layers=rope_layers,
             moe=moe,
+            attention_sinks=family == "gpt_oss",
             max_position_embeddings=max_pos,
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=_pad_row(raw.get("pad_token_id"), int(need("vocab_size"))),

@@ -1,10 +1,12 @@
 """Where a checkpoint keeps an MoE layer's experts: transformers 5's fused 3-D tensors (mlp.experts.gate_up_proj
 (E, 2I, hidden), gate rows first; mlp.experts.down_proj (E, hidden, I)) or the hub's one tensor per expert and
 projection (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2, the Qwen MoE family's and OLMoE's
-mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write the hub's."""
+mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write the hub's. gpt-oss keeps its
+own (gpt_oss_layout.py)."""
 from __future__ import annotations
 
 from wgpu_train.formats.safetensors import Stacked, TensorMap
+from wgpu_train.models import gpt_oss_layout
 from wgpu_train.models.config import ModelConfig
 
 # per family: the block's name in hub checkpoints, and its experts' (gate, up, down) projection names
@@ -22,10 +24,14 @@ def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, s
     return tuple(f"model.layers.{layer}.{block}.experts.{expert}.{p}.weight" for p in projections)
 
 
-def read_fused(tensors: dict, cfg: ModelConfig) -> dict:
+def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:
     """A checkpoint's raw tensors (name -> (bytes, dtype)) with every sparse layer's experts under transformers
     5's fused names (Stacked views of the per-expert ones where the checkpoint has those) and the router under
-    mlp.gate; tensors of a layout the model lacks are left for the caller's check to name."""
+    mlp.gate (gpt-oss: its experts in our layout from MXFP4 or transformers', gpt_oss_layout.read_experts; source
+    names the checkpoint in its errors); tensors of a layout the model lacks are left for the caller's check to
+    name."""
+    if cfg.family == "gpt_oss":
+        return gpt_oss_layout.read_experts(tensors, cfg.num_hidden_layers, source)
     block, _ = _hub(cfg)
     out = dict(tensors)
     for i in range(cfg.num_hidden_layers):
@@ -75,7 +81,9 @@ def hub_names(cfg: ModelConfig, name: str) -> list[tuple[str, tuple | None]]:
 def hub_layout(cfg: ModelConfig, weights) -> TensorMap:
     """Our tensors (name -> array, read one at a time) under the hub's names (hub_names), each expert's made
     from its fused tensor when it is read (the last fused tensor read is kept: a writer takes a layer's experts
-    one after another)."""
+    one after another); gpt-oss's in transformers' layout (gpt_oss_layout.hub_layout)."""
+    if cfg.family == "gpt_oss":
+        return gpt_oss_layout.hub_layout(weights, cfg.num_hidden_layers)
     where = {hub: (name, part) for name in weights for hub, part in hub_names(cfg, name)}
     last = {}
 

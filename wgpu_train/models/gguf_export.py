@@ -38,7 +38,8 @@ def rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def check(config: ModelConfig, dtype: str):
-    """One line (ConfigError) for what this writer does not export."""
+    """One line (ConfigError) for what this writer does not export, or without the gguf package."""
+    _gguf()
     if config.architecture not in ARCHES:
         raise ConfigError(f"--gguf: architecture {config.architecture} is not exported (only "
                           f"{', '.join(sorted(ARCHES))})")

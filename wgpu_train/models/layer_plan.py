@@ -32,7 +32,8 @@ class Op:
     into the outputs, side by side in their order: a fused projection's parts); a mixture of experts' route
     (the top-k weights and expert indices of the router's logits), experts (the routed experts' MLPs of x,
     weighted by the route; param: the experts' path under the layer, their gate / up projections kept for the
-    backward) and sigmoid_gate (y = sigmoid(g) x, Qwen2-MoE's shared expert behind its gate). An input or
+    backward) and sigmoid_gate (y = sigmoid(g) x, Qwen2-MoE's shared expert behind its gate). An attention op's
+    param, where it has one, is its sinks (gpt-oss: a learned logit per head in the softmax's denominator). An input or
     output without a gradient (the expert indices) comes after those with one: grads_in / grads_out name one
     buffer per differentiable input / output, in order."""
 
@@ -156,7 +157,8 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
 
 
 _PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "qk_norm", "qk_norm_per_head", "query_scale", "hidden_act", "sandwich_norms", "fused_projections")
+                "qk_norm", "qk_norm_per_head", "query_scale", "hidden_act", "sandwich_norms", "fused_projections",
+                "attention_sinks")
 
 
 def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
@@ -164,11 +166,15 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
     widths: the router (a linear module), the route, the routed experts, Qwen2-MoE's gated shared expert, each
     branch added to the residual stream."""
     e, k, f, s = moe.num_experts, moe.top_k, moe.expert_size, moe.shared_expert_size
-    ops = [_linear("gate", "h2", "router", "d_router", "d_h"),
-           Op("route", ("router",), ("route_w", "route_e"), ("d_route_w",), ("d_router",)),
+    # the logits' activation is named apart from the router's module (the NumPy engine keeps a linear's input
+    # under its module's name): "router" after Mixtral's and Qwen's mlp.gate, "router_logits" after gpt-oss's
+    # mlp.router
+    logits = "router_logits" if moe.router == "router" else "router"
+    ops = [_linear(moe.router, "h2", logits, "d_router", "d_h"),
+           Op("route", (logits,), ("route_w", "route_e"), ("d_route_w",), ("d_router",)),
            Op("experts", ("h2", "route_w", "route_e"), ("moe", "moe_gu"), ("d_moe",), ("d_h", "d_route_w"),
               param="mlp.experts")]
-    widths = {"router": e, "route_w": k, "route_e": k, "moe": c, "moe_gu": k * 2 * f}
+    widths = {logits: e, "route_w": k, "route_e": k, "moe": c, "moe_gu": k * 2 * f}
     grad_widths = {"d_router": e, "d_route_w": k, "d_moe": c}
     if not s:
         return ops + [Op("add", ("moe",), (OUTPUT,), (CARRY,), ("d_moe",), residual="x_mid")], widths, grad_widths
@@ -186,7 +192,7 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
 
 
 @lru_cache(maxsize=None)
-def _plan(fields: tuple, moe=None) -> LayerPlan:
+def _plan(fields: tuple, moe=None, rope: bool = True) -> LayerPlan:
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
     c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -205,11 +211,13 @@ def _plan(fields: tuple, moe=None) -> LayerPlan:
                          heads="q" if cfg.qk_norm_per_head else ""),
                 _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2",
                          heads="kv" if cfg.qk_norm_per_head else "")]
-    ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
-            Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
+    if rope:        # SmolLM3's NoPE layers leave q and k unrotated
+        ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
+                Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
     if cfg.query_scale != 1.0:
         ops.append(Op("scale", ("q",), ("q",), ("dq",), ("dq",), factor=cfg.query_scale))
-    ops.append(Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv")))
+    ops.append(Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv"),
+                  param="self_attn.sinks" if cfg.attention_sinks else ""))
     glu = Op("geglu" if cfg.hidden_act == "gelu_tanh" else "swiglu", ("gate", "up"), ("m",), ("d_m",),
              ("d_gate", "d_up"))
     gate_up = [_linear("gate_up_proj", "h2", "gate_up", "d_gate_up", "d_h"),
@@ -260,8 +268,10 @@ def layer_plan(cfg: ModelConfig, layer: int = 0) -> LayerPlan:
     a pre-norm gated MLP, each added to the residual stream. Variants: Qwen3's and Gemma 3's per-head q / k
     norms (OLMoE's over the whole projection); Gemma's query scale, GeGLU and norms on each branch's output
     (sandwich norms); Phi-3's fused q / k / v and gate / up projections, each split after its GEMM; a mixture
-    of experts' router, routed experts and shared expert in place of the MLP on its sparse layers."""
-    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None)
+    of experts' router, routed experts and shared expert in place of the MLP on its sparse layers; gpt-oss's
+    attention sinks."""
+    return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None,
+                 cfg.uses_rope(layer))
 
 
 def layer_plans(cfg: ModelConfig) -> list:

@@ -1,6 +1,7 @@
 """Mixtures of experts in config.json: how many experts, how many a token takes and how they are weighted, which
-layers are sparse, the shared expert and the router's auxiliary loss (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE as
-transformers 5 defines them); what else an MoE config asks for is refused naming the field."""
+layers are sparse, the shared expert, the router's auxiliary loss, and gpt-oss's router bias, expert biases and
+clamped SwiGLU (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss as transformers 5 defines them); what else an MoE
+config asks for is refused naming the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from wgpu_train.errors import ConfigError
 MOE_FAMILIES = {"mixtral": ("num_local_experts", "intermediate_size"),
                 "qwen2_moe": ("num_experts", "moe_intermediate_size"),
                 "qwen3_moe": ("num_experts", "moe_intermediate_size"),
-                "olmoe": ("num_experts", "intermediate_size")}
+                "olmoe": ("num_experts", "intermediate_size"),
+                "gpt_oss": ("num_local_experts", "intermediate_size")}
 _COUNT_ALIASES = ("num_experts", "num_local_experts")
 # MoE variants of other families, refused by the field that asks for them: (what it asks for, the values that
 # ask for nothing)
@@ -28,7 +30,9 @@ class MoeConfig:
     their sum (norm_topk_prob; always for Mixtral); sparse: per layer, whether its MLP is the experts (else the
     dense MLP of intermediate_size); shared_expert_size: Qwen2-MoE's shared expert beside the routed ones, behind
     a sigmoid gate (0: none); aux_loss_coef and aux_loss (output_router_logits: the load-balancing loss added to
-    the training loss)."""
+    the training loss). gpt-oss: router, the router's module name ("router"; "gate" elsewhere); biases, on the
+    router and on each expert's projections; swiglu (alpha, limit): its experts' clamped SwiGLU over gate_up rows
+    that alternate gate and up, () for the plain SwiGLU over gate rows then up rows."""
 
     num_experts: int
     top_k: int
@@ -38,6 +42,9 @@ class MoeConfig:
     shared_expert_size: int = 0
     aux_loss_coef: float = 0.0
     aux_loss: bool = False
+    router: str = "gate"
+    biases: bool = False
+    swiglu: tuple = ()
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse[layer])
@@ -82,7 +89,31 @@ def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig 
     coef = raw.get("router_aux_loss_coef", 0.001 if family != "olmoe" else 0.01)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
         raise ConfigError(f"{source}: field 'router_aux_loss_coef' must be a number >= 0, got {coef!r}")
+    # gpt-oss's softmax over the top-k logits is the softmax over all of them renormalised over the k (Mixtral's)
+    gpt_oss = family == "gpt_oss"
     return MoeConfig(num_experts=experts, top_k=top_k, expert_size=_count(raw, size_key, source),
-                     normalize=True if family == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+                     normalize=True if family in ("mixtral", "gpt_oss") else bool(raw.get("norm_topk_prob", False)),
                      sparse=sparse, shared_expert_size=shared, aux_loss_coef=float(coef),
-                     aux_loss=bool(raw.get("output_router_logits", False)))
+                     aux_loss=bool(raw.get("output_router_logits", False)),
+                     router="router" if gpt_oss else "gate", biases=gpt_oss,
+                     swiglu=_clamped_swiglu(raw, source) if gpt_oss else ())
+
+
+def router_aux_loss_coef(moe: MoeConfig | None, given: float | None) -> float:
+    """The weight of the router's auxiliary loss a run trains with: `given` (--router-aux-loss-coef), else the
+    config's router_aux_loss_coef where its output_router_logits asks for the loss (transformers' meaning), else
+    0 (off); 0 for a dense model unless given."""
+    if given is not None:
+        return float(given)
+    return moe.aux_loss_coef if moe is not None and moe.aux_loss else 0.0
+
+
+def _clamped_swiglu(raw: dict, source: str) -> tuple:
+    """gpt-oss's (swiglu_alpha, swiglu_limit), transformers' defaults 1.702 and 7.0, checked positive."""
+    values = []
+    for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{source}: field '{key}' must be a positive number, got {value!r}")
+        values.append(float(value))
+    return tuple(values)

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError
-from wgpu_train.formats.safetensors import LazyWeights, TensorMap, _as_array, _read_raw, write_safetensors
+from wgpu_train.formats.safetensors import (FLOAT_DTYPES, LazyWeights, TensorMap, _as_array, _read_raw,
+                                           write_safetensors)
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
 from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.models.expert_layout import hub_layout, read_fused
@@ -32,8 +33,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict:
-    """Every tensor name the model needs mapped to its shape (biases and lm_head handled by the caller); a
-    layer's norms are its layer plan's, an MoE layer's experts 3-D tensors under mlp.experts (expert_path)."""
+    """Every tensor name the model needs mapped to its shape (the attention's biases handled by the caller); a
+    layer's norms are its layer plan's, an MoE layer's experts 3-D tensors under mlp.experts (expert_path), with
+    gpt-oss's biases, and its attention sinks."""
     c, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
     for i in range(cfg.num_hidden_layers):
@@ -44,6 +46,11 @@ def expected_shapes(cfg: ModelConfig) -> dict:
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
         if cfg.is_sparse(i):
             shapes.update({expert_path(i, p): cfg.expert_shape(p) for p in EXPERT_PARAMETERS})
+            if cfg.moe.biases:       # gpt-oss: the router's and each expert's projections' biases
+                shapes[module_path(i, cfg.moe.router) + ".bias"] = (cfg.moe.num_experts,)
+                shapes.update({expert_path(i, p) + "_bias": cfg.expert_shape(p)[:2] for p in EXPERT_PARAMETERS})
+        if cfg.attention_sinks:
+            shapes[f"model.layers.{i}.self_attn.sinks"] = (cfg.num_attention_heads,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, c)
     return shapes
@@ -80,7 +87,7 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
     if cfg.wrapper:
         tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
     if cfg.moe is not None:
-        tensors = read_fused(tensors, cfg)
+        tensors = read_fused(tensors, cfg, str(folder))
     shapes = expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -102,12 +109,23 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
     return LazyWeights({k: tensors[k] for k in shapes})
 
 
-def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None):
+def checkpoint_float_dtype(folder, cfg: ModelConfig) -> str:
+    """The dtype (formats.safetensors.FLOAT_DTYPES) a model folder's weights are stored in, as transformers'
+    dtype="auto" finds it: config.json's (ModelConfig.checkpoint_dtype), else the first weight file's first
+    tensor stored in one of them, else float32."""
+    if cfg.checkpoint_dtype in FLOAT_DTYPES:
+        return cfg.checkpoint_dtype
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    return next((names[dtype] for _, dtype in _folder_tensors(Path(folder)).values() if dtype in names), "float32")
+
+
+def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype: str = "float32"):
     """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied. weights:
-    name -> array, a dict or a mapping that makes each when read (Model.merged_weights), read one at a time. A
-    multimodal checkpoint's folder gets its language model's weights under the source's names beside the
-    source's other tensors (vision tower, projector: multimodal.carried_tensors), all in float32, and its
-    processor's files."""
+    name -> array, a dict or a mapping that makes each when read (Model.merged_weights), read one at a time, and
+    stored in `dtype` (float32, bfloat16 or float16: formats.safetensors.FLOAT_DTYPES), which config.json names.
+    A multimodal checkpoint's folder gets its language model's weights under the source's names beside the
+    source's other tensors (vision tower, projector: multimodal.carried_tensors), all in that dtype, and its
+    processor's files. The weights are written before config.json, so that a failure leaves no model behind."""
     out = Path(out)
     companions = TOKENIZER_FILES
     if cfg.wrapper:
@@ -124,14 +142,18 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None):
         weights = hub_layout(cfg, weights)
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
-    raw["torch_dtype"] = raw["dtype"] = "float32"
+    raw["torch_dtype"] = raw["dtype"] = dtype
+    if isinstance(raw.get("text_config"), dict):        # a multimodal checkpoint's language model says it too
+        raw["text_config"] = {**raw["text_config"], **{k: dtype for k in ("torch_dtype", "dtype")
+                                                       if k in raw["text_config"]}}
+    raw.pop("quantization_config", None)       # the weights written are dequantised (gpt-oss's MXFP4 experts)
     if cfg.tie_word_embeddings and any(k.endswith("lm_head.weight") for k in weights):   # a head trained apart
         raw["tie_word_embeddings"] = False                                                # (modules_to_save)
         if cfg.wrapper:
             raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": False}
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
     write_safetensors(out / "model.safetensors", TensorMap(weights, lambda k: np.asarray(weights[k], np.float32)),
-                      metadata={"format": "pt"})
+                      metadata={"format": "pt"}, dtype=dtype)
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
     if source_folder is not None:
         for name in companions:
             src = Path(source_folder) / name

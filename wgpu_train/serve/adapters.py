@@ -9,10 +9,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from wgpu_train.adapters.experts import is_expert_path
 from wgpu_train.adapters.files import adapter_base_name
 from wgpu_train.engines.shared.mixed_lora import build_bank
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.formats import hub
+from wgpu_train.models.weights import module_name
 from wgpu_train.serve.prompts import PromptStyle
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]*")
@@ -125,8 +127,9 @@ def check_bases(adapters: list[tuple[str, Path]], model_arg: str | None, model_d
 
 def bank_modules(prepared, config) -> dict | None:
     """{module path: (A, B, scale)} of a prepared adapter (Model.prepare_adapter) for a bank, or None for one that
-    changes the model beyond a LoRA term per module (DoRA, modules_to_save copies, a PiSSA / OLoRA residual)."""
-    if prepared.config.use_dora or prepared.copies or prepared.residual:
+    changes the model beyond a LoRA term per linear module (DoRA, modules_to_save copies, a PiSSA / OLoRA
+    residual, LoRA on a mixture of experts' experts, which the bank's per-row GEMMs do not route)."""
+    if prepared.config.use_dora or prepared.copies or prepared.residual or any(map(is_expert_path, prepared.modules)):
         return None
     scales = prepared.config.module_scales(config)
     return {p: (t[0], t[1], scales[p]) for p, t in prepared.modules.items()}
@@ -166,7 +169,7 @@ class AdapterRegistry:
             return False
         self.activate(self.base_name)
         self.model.engine.set_adapter_bank(build_bank(entries, lambda p: self.model.config.linear_shape(
-            p.rsplit(".", 1)[1])))
+            module_name(p))))
         self.bank_index = {name: k for k, name in enumerate(self.prepared)}
         return True
 

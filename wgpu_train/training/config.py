@@ -75,6 +75,14 @@ class TrainConfig:
     lora_targets: str = _opt(DEFAULT_TARGETS, "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
                                               "gate_proj, up_proj, down_proj; Phi-3's qkv_proj, o_proj, gate_up_proj, "
                                               "down_proj, where the default means qkv_proj), or all-linear")
+    lora_target_parameters: str = _opt("", "a mixture of experts' expert tensors to adapt with a LoRA pair per "
+                                           "expert (PEFT's target_parameters), comma-separated: "
+                                           "mlp.experts.gate_up_proj, mlp.experts.down_proj (all-linear takes both, "
+                                           "as PEFT's does), gate.weight (the router)")
+    router_aux_loss_coef: float | None = _opt(None, "a mixture of experts' load-balancing loss (transformers' "
+                                                    "router aux loss) added with this weight; default: the model "
+                                                    "config's router_aux_loss_coef where its output_router_logits is "
+                                                    "true, else off; 0: off")
     rslora: bool = _opt(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
     loraplus_lr_ratio: float = _opt(1.0, "LoRA+: the learning rate of the LoRA B matrices over lr (PEFT's "
                                          "loraplus_lr_ratio; the LoRA+ paper suggests 16; 1: plain LoRA)")
@@ -220,7 +228,7 @@ class TrainConfig:
                                              "embedding, the last the final norm and head), for a model larger "
                                              "than one device; balanced by the memory estimate; each stage on "
                                              "--backend's engine, and --device may list one adapter per stage; "
-                                             "needs pip install 'wgpu-train[ray]'")
+                                             "needs pip install 'wgpu-train[pipeline]'")
     stage_layers: str | None = _opt(None, "the stages' layers by hand, FIRST-LAST per stage: e.g. 0-11,12-23 "
                                           "(every layer exactly once, in order)")
     pipeline_micro_batches: int | None = _opt(None, "micro-batches of batch_size rows per step through the "
@@ -252,9 +260,10 @@ class TrainConfig:
                  f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay", "beta1", "beta2", "adam_eps",
                      "max_grad_norm", "valid_split", "loraplus_lr_ratio", "beta", "label_smoothing", "simpo_gamma",
-                     "desirable_weight", "undesirable_weight", "temperature", "top_p", "epsilon", "epsilon_high"):
+                     "desirable_weight", "undesirable_weight", "temperature", "top_p", "epsilon", "epsilon_high",
+                     "router_aux_loss_coef"):
             value = getattr(self, name)
-            if value is None and name in ("beta", "epsilon_high"):
+            if value is None and name in ("beta", "epsilon_high", "router_aux_loss_coef"):
                 continue
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                  f"{name} must be a finite number, got {value!r}")
@@ -408,7 +417,8 @@ class TrainConfig:
                           rank_pattern=parse_pattern(self.lora_rank_pattern, "lora_rank_pattern"),
                           alpha_pattern=parse_pattern(self.lora_alpha_pattern, "lora_alpha_pattern"),
                           init=self.lora_init, use_dora=bool(self.dora), modules_to_save=self.modules_to_save,
-                          ensure_weight_tying=self.ensure_weight_tying)
+                          ensure_weight_tying=self.ensure_weight_tying,
+                          target_parameters=self.lora_target_parameters or ())
 
     def lora_layers_last(self) -> bool:
         """Whether lora_layers says "the last N" (resolved with the model's layer count)."""

@@ -17,14 +17,16 @@ from wgpu_train.training.evaluate import engine_batch
 
 class GenerationStream(PreferenceStream):
     """The prompts of each generation, num_iterations steps in a row (TRL's mu reuses a generation), in a seeded
-    order per epoch; a step's batch is its prompts' indices."""
+    order per epoch; a step's batch is its prompts' indices. Every step has prompts_per_step prompts: an epoch's
+    prompts left over are not drawn (TRL's RepeatSampler drops an incomplete last batch), so a step's rows always
+    split into its micro-batches."""
 
     def __init__(self, examples, prompts_per_step: int, seed: int, iterations: int):
         super().__init__(examples, prompts_per_step, seed, shuffle=True)
         self.iterations = iterations
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        return [b for b in super().epoch_batches(epoch) for _ in range(self.iterations)]
+        return [b for b in super().epoch_batches(epoch) if len(b) == self.per_step for _ in range(self.iterations)]
 
     @staticmethod
     def example_ids(ex) -> tuple:

@@ -61,6 +61,7 @@ class GRPOTrainer(Trainer):
         self._step_metrics: list = []
         self._reward = {"before": None, "after": None}
         self._completions = None           # completions.jsonl, open while training
+        self._waiting: list = []           # its rows drawn before a resumed run's first step completed
         self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
         self.part_seconds: dict = {}       # part of the steps -> (seconds, tokens) (_time)
         self._ref_engine = None            # the engine of the KL's reference adapter (setup)
@@ -74,7 +75,7 @@ class GRPOTrainer(Trainer):
             s = demo_prompt_splits(self.data_path)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
-                             kind=self.unit.data.value)
+                             kind=self.unit.data)
         self.splits = s
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         lines, self.truncated, self.dropped = [], 0, 0
@@ -102,9 +103,13 @@ class GRPOTrainer(Trainer):
                  + ", ".join(f"{r.name} x {w:g}" for r, w in zip(self.rewards, self.reward_weights)))
 
     def _make_stream(self, accum: int):
-        rows = self.config.batch_size * accum
-        return GenerationStream(self.prompts["train"], rows // self.settings.num_generations, self.config.seed,
-                                self.settings.num_iterations)
+        """The prompts' stream; ConfigError (one line) when the training prompts do not fill one step."""
+        rows, g, n = self.config.batch_size * accum, self.settings.num_generations, len(self.prompts["train"])
+        if n < rows // g:
+            raise ConfigError(f"a step of {rows} completions takes {rows // g} prompts ({g} completions each), but "
+                              f"the training data holds {n}: give more prompts, or lower --batch-size or "
+                              f"--grad-accum")
+        return GenerationStream(self.prompts["train"], rows // g, self.config.seed, self.settings.num_iterations)
 
     def _micro_batch_rows(self) -> int:
         return self.config.batch_size
@@ -112,13 +117,17 @@ class GRPOTrainer(Trainer):
     # ---- a generation ---------------------------------------------------------------------------------
     def _sample(self, examples, seeds) -> tuple[list, np.ndarray]:
         """(completion ids of each row, (R,) whether each was cut at max_completion_length) for the prompts of
-        `examples`, one row per seed, sampled with the current adapter."""
+        `examples`, one row per seed, sampled with the current adapter. A completion ends where TRL 1.16's
+        GRPOTrainer ends it: at the tokenizer's EOS or the generation config's (tokenizer.eos_token_ids), not at
+        the vocabulary's other end-of-turn tokens that `generate` also stops at; one that ends in neither (nor in
+        the pad token, as TRL counts it) was cut."""
         s = self.settings
-        stops = list(self.tokenizer.stop_token_ids)
+        stops = list(self.tokenizer.eos_token_ids)
         out = self.model.generate_batch([e.input_ids for e in examples], max_new_tokens=s.max_completion_length,
                                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seeds,
                                         stop_token_ids=stops)
-        cut = np.array([not (ids and ids[-1] in stops) for ids in out], bool)
+        ended = set(stops) | {self.tokenizer.pad_token_id}
+        cut = np.array([not (ids and ids[-1] in ended) for ids in out], bool)
         return out, cut
 
     def _texts(self, examples, completions) -> list:
@@ -126,7 +135,7 @@ class GRPOTrainer(Trainer):
         assistant message."""
         out = []
         for ex, ids in zip(examples, completions):
-            text = self.tokenizer.decode([t for t in ids if t not in set(self.tokenizer.stop_token_ids)])
+            text = self.tokenizer.decode([t for t in ids if t not in set(self.tokenizer.eos_token_ids)])
             out.append([{"role": "assistant", "content": text}] if isinstance(ex.record.prompt, list) else text)
         return out
 
@@ -331,8 +340,9 @@ class GRPOTrainer(Trainer):
 
     # ---- what a run shows ---------------------------------------------------------------------------
     def _log_completions(self, examples, completions, per_func, rewards, advantages):
-        """completions.jsonl: each row of this generation, as TRL's log_completions shows them."""
-        if not self.writes_files or self._completions is None:
+        """completions.jsonl: each row of this generation, as TRL's log_completions shows them (a resumed run's,
+        once its first step completes: RunFiles.hold)."""
+        if not self.writes_files or (self._completions is None and not self.files.resumed):
             return
         texts = self._texts(examples, completions)
         for i, ex in enumerate(examples):
@@ -341,19 +351,31 @@ class GRPOTrainer(Trainer):
                    "completion_ids": [int(t) for t in completions[i]],
                    "rewards": {r.name: num(per_func[i, j]) for j, r in enumerate(self.rewards)},
                    "reward": num(rewards[i]), "advantage": num(advantages[i])}
-            self._completions.write(json.dumps(row) + "\n")
+            self._waiting.append(json.dumps(row) + "\n")
+        if self._completions is not None:
+            self._write_completions()
+
+    def _write_completions(self):
+        self._completions.writelines(self._waiting)
         self._completions.flush()
+        self._waiting = []
 
     def _open_outputs(self):
         super()._open_outputs()
-        path = self.out / COMPLETIONS_FILE
         if self.writes_files:
-            if self.resumed_from and path.is_file():     # the generations after the resumed step are drawn again
-                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
-                path.write_text("".join(line + "\n" for line in kept))
-            self._completions = open(path, "a" if self.resumed_from else "w")
-            if not self.resumed_from:
-                self.files.wrote(path)
+            self.files.hold(self._open_completions)
+
+    def _open_completions(self):
+        """completions.jsonl opened (a resumed run's cut back to its checkpoint's step), with the rows waiting."""
+        path = self.out / COMPLETIONS_FILE
+        if self.resumed_from and path.is_file():     # the generations after the resumed step are drawn again
+            start = self.progress.start_step
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._completions = open(path, "a" if self.resumed_from else "w")
+        if not self.resumed_from:
+            self.files.wrote(path)
+        self._write_completions()
 
     def train(self) -> dict:
         try:
@@ -384,7 +406,7 @@ class GRPOTrainer(Trainer):
             return None
         out = self.model.generate_batch([e.input_ids for e in examples],
                                         max_new_tokens=self.settings.max_completion_length, temperature=0.0,
-                                        stop_token_ids=list(self.tokenizer.stop_token_ids))
+                                        stop_token_ids=list(self.tokenizer.eos_token_ids))
         rewards = np.nansum(self._rewards(examples, out, self.step) * self.reward_weights, axis=1)
         return {"reward": float(rewards.mean()), "n": len(examples), "split": split}
 

@@ -72,7 +72,7 @@ class PreferenceTrainer(Trainer):
                                                     cfg.columns), cfg.seed, unpaired=not self.paired)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
-                             kind=self.unit.data.value)
+                             kind=self.unit.data)
         self.splits = s
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         tokenize = tokenize_preferences if self.paired else tokenize_unpaired

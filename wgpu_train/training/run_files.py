@@ -1,7 +1,9 @@
 """RunFiles, a part the Trainer owns: the files a run writes in its output folder (train_config.json, metrics.jsonl
 and the trackers, the checkpoints, the final adapter or model with summary.json and loss.png), one-line errors
 when the folder cannot be written, and the clean-up of a run that trained nothing. Only the process that writes
-the run's files (of data-parallel workers, rank 0) touches the folder; the others write their rows nowhere."""
+the run's files (of data-parallel workers, rank 0) touches the folder; the others write their rows nowhere. A
+resumed run changes nothing in its folder until its first step completes (`hold`, `step_completed`): a resume that
+fails before (a reward that raises, a bad option) leaves the run as it was, to be resumed again."""
 from __future__ import annotations
 
 import json
@@ -27,11 +29,15 @@ class RunFiles:
         self.made_out = False        # whether this invocation created the output folder
         self.metrics = None          # metrics.jsonl, open while training (os.devnull where rows go nowhere)
         self.trackers = None
+        self.resumed = False         # the run continues a checkpoint: its changes wait for a completed step
+        self._held: list = []        # those changes, callables run in order by step_completed
 
     def prepare(self, resolved: dict, resumed: bool):
         """The output folder with train_config.json (`resolved`: the run's settings as resolved), before anything
         else is written; a new run's files replace an earlier run's, whose checkpoints are removed unless the
-        run continues in its folder; a resumed run keeps those it finds."""
+        run continues in its folder; a resumed run keeps those it finds, and writes train_config.json once its
+        first step completes."""
+        self.resumed = resumed
         if not self.writes_files:
             return
         self.written = [self.out / name for name in ("train_config.json", "metrics.jsonl")
@@ -39,9 +45,9 @@ class RunFiles:
         self.made_out = not self.out.exists()
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         except OSError as e:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
+        self.hold(lambda: self._write_config(resolved))
         if not self.folders.in_place:
             stale = list_checkpoints(self.out / "checkpoints")
             if stale:
@@ -49,23 +55,49 @@ class RunFiles:
                 for p in stale:
                     shutil.rmtree(p, ignore_errors=True)
 
+    def _write_config(self, resolved: dict):
+        try:
+            (self.out / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}") from None
+
+    def hold(self, change):
+        """Make `change` (a callable that changes the run folder) now in a new run; in a resumed run once its first
+        step completes (step_completed), so that a resume which fails before leaves the folder as it was."""
+        if self.resumed:
+            self._held.append(change)
+        else:
+            change()
+
+    def step_completed(self):
+        """A step completed: the changes a resumed run held back are made now, in the order held."""
+        held, self._held = self._held, []
+        for change in held:
+            change()
+
     def wrote(self, path: Path):
         """A file of the run's kind (a trainer's own) that the clean-up of a run which trained nothing removes."""
         self.written.append(path)
 
     def open(self, report_to: str, settings: dict, resumed_step: int | None):
-        """metrics.jsonl (cut back to resumed_step when the run resumes) and the trackers of report_to."""
+        """metrics.jsonl (cut back to resumed_step when the run resumes) and the trackers of report_to; in a
+        resumed run once its first step completes (hold)."""
         if not self.writes_files:
             self.metrics = open(os.devnull, "w")
             self.trackers = tracking.Trackers([], self.out, {})
             return
+        self.hold(lambda: self._open(report_to, settings, resumed_step))
+
+    def _open(self, report_to: str, settings: dict, resumed_step: int | None):
         if resumed_step is not None:
             keep_metrics_until(self.out / "metrics.jsonl", resumed_step)
         self.metrics = open(self.out / "metrics.jsonl", "a" if resumed_step is not None else "w")
         self.trackers = tracking.Trackers(tracking.parse_report_to(report_to), self.out, settings, resumed_step or 0)
 
     def write_row(self, row: dict):
-        """One row of metrics.jsonl, also to the trackers."""
+        """One row of metrics.jsonl, also to the trackers. A row tells of a completed step (or of a run's start,
+        which a resumed run does not evaluate): a resumed run's held changes are made first."""
+        self.step_completed()
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
         self.trackers.log(row)
@@ -85,7 +117,8 @@ class RunFiles:
                               f"{good}") from None
 
     def write_outputs(self, model, method: str, summary: dict, ckpt):
-        """The adapter (LoRA) or the model, summary.json and loss.png."""
+        """The adapter (LoRA) or the model, summary.json and loss.png (without matplotlib, a line saying what to
+        install instead)."""
         if not self.writes_files:
             return
         try:
@@ -98,7 +131,8 @@ class RunFiles:
             raise ConfigError(f"cannot write to the output folder {self.out}: {e.strerror or e}; the checkpoint "
                               f"{ckpt} holds the run") from None
         self.metrics.flush()
-        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        if not plot_losses(self.out / "metrics.jsonl", self.out / "loss.png"):
+            self.log("loss.png skipped: matplotlib is not installed (pip install 'wgpu-train[plot]')")
 
     def close(self):
         """metrics.jsonl and the trackers closed (the run is over)."""

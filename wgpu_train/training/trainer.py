@@ -19,6 +19,7 @@ from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.resources import base_weight_bytes, count_trainable
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.formats import hub
+from wgpu_train.models.moe import router_aux_loss_coef
 from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
@@ -215,6 +216,7 @@ class Trainer:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
         self.engine = self.model.engine
+        self.engine.set_router_aux_loss(router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef))
         self.precision_reason = (self.engine.precision_reason if cfg.precision.resolved or self.precision is None
                                  else "auto: as the resumed checkpoint trained")
         self.precision = self.engine.precision
@@ -230,10 +232,13 @@ class Trainer:
                  + ("; dynamic loss scaling" if self.engine.loss_scaler is not None else ""))
 
     def _resolved_settings(self) -> dict:
-        """train_config.json: the run's settings as resolved (a resume and generate read them back)."""
+        """train_config.json: the run's settings as resolved (a resume and generate read them back). The
+        embedded dataset is recorded as no data (null), so that a resume builds the demo's records (pairs,
+        prompts) and takes its defaults (GRPO's reward) as the run did."""
         model = self.model_name if hub.is_hub_id(self.model_name) else str(self.model_dir)   # a resume
-        return self.config.to_dict() | dict(out=str(self.out), model=model, data=str(self.data_path),  # re-resolves
-                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,  # an id
+        data = str(self.data_path) if self.config.data else None                            # re-resolves an id
+        return self.config.to_dict() | dict(out=str(self.out), model=model, data=data,
+                                            eval_generate=self.eval_generate, embed_dtype=self.embed_dtype,
                                             data_format=self.splits.format)   # for generate: how raw-mode prompts end
 
     def _read_data(self, model_cfg):
@@ -415,6 +420,7 @@ class Trainer:
                     stopped = "interrupted"
                     break
                 batch, epoch_done, lr, loss_sum, count, grad_norm, seconds = self._step()
+                self._step_completed()
                 n_in = self._input_tokens(batch)
                 self.tokens += n_in
                 self.trained_tokens += int(count)
@@ -446,6 +452,10 @@ class Trainer:
                 self._valid_row(last_eval)
                 self._early_stop(last_eval)   # the last evaluation may be the best
         return stopped, last_eval, last_eval_step, run
+
+    def _step_completed(self):
+        """After each step: what a resumed run held back until a step completed is written (RunFiles.hold)."""
+        self.files.step_completed()
 
     def _early_stop(self, result: dict) -> bool:
         """Track the best validation loss (Progress.track); True when early_stop_patience evaluations in a row
@@ -527,6 +537,8 @@ class Trainer:
                "readbacks": c.get("readbacks", 0), "nonfinite_skipped": c.get("nonfinite_skipped", 0)}
         if self.engine.loss_scaler is not None:       # f16: the scale the next step multiplies the loss by
             row["loss_scale"] = self.engine.loss_scaler.scale
+        if self.engine.last_aux_loss is not None:     # a mixture of experts' router aux loss, of the last step
+            row["aux_loss"] = self.engine.last_aux_loss
         self._write_row(row)
         if self.config.no_progress:
             self.log(f"step {self.step}/{self.total_steps} epoch {row['epoch']:.2f} loss {fmt(row['loss'])} "

@@ -24,6 +24,7 @@ from wgpu_train.engines.numpy.steps import StepRunner
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
+from wgpu_train.engines.shared.moe import RouterLoss, check_router_aux_loss
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes, round_weights
 
@@ -91,6 +92,8 @@ class NumpyEngine(EngineState):
     dropout_seed = part_field("mode", "dropout_seed", "The run's dropout seed (seed_dropout).")
     dropout_calls = part_field("mode", "dropout_calls", "Micro-batches trained so far: the next one's dropout masks.")
     loss_scaler = part_field("steps", "loss_scaler", "f16's dynamic loss scaling (the steps'), or None.")
+    last_aux_loss = part_field("steps", "last_aux_loss", "The last train_step's router aux loss (the mean over its "
+                                                         "micro-batches), or None without one.")
 
     @property
     def adapter_enabled(self) -> bool:
@@ -282,7 +285,9 @@ class NumpyEngine(EngineState):
 
     def _walk(self, segment_ids, position_ids) -> Walk:
         b, t = segment_ids.shape
-        return Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))))
+        weight = self.mode.router_loss_weight if self.mode.training else 0.0
+        return Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))),
+                    router_loss=RouterLoss(self.cfg.moe.num_experts, weight) if weight else None)
 
     def _layers_forward(self, x, layers: range, cache: dict):
         """The layers' forward from the first one's input x (N, C) to the last one's output (N, C); each layer's
@@ -365,6 +370,12 @@ class NumpyEngine(EngineState):
         """(B, T) float32: each position's loss, minus the log-probability of its target (0 where ignored); with
         reference, (the policy's, the reference's): a second forward with the adapter switched off."""
         return self.steps.token_losses(ids, targets, segment_ids, position_ids, reference)
+
+    def set_router_aux_loss(self, coef: float = 0.0):
+        """A mixture of experts' training steps add coef times transformers' load-balancing loss of each
+        micro-batch (divided among a step's micro-batches, as TRL divides it among accumulation steps); 0 turns
+        it off. last_aux_loss: the last train_step's loss, the mean over its micro-batches (None when off)."""
+        self.steps.router_aux_loss_coef = check_router_aux_loss(self.cfg, coef)
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities

@@ -9,6 +9,7 @@ from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.shared.kv_dtype import KvDtype
+from wgpu_train.engines.shared.moe import ClampedSwiGLU
 from wgpu_train.engines.shared.quant import round_to
 
 
@@ -66,11 +67,16 @@ class LayerOps:
         a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freq(i, walk),
                                             self.cfg.rope_scale).reshape(x.shape)
 
+    def _sinks(self, i, op):
+        """Layer i's attention sinks (Hq,) (gpt-oss), or None."""
+        return self.w[f"model.layers.{i}.{op.param}"] if op.param else None
+
     def _forward_attention(self, op, i, a, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
-        window = self.cfg.window(i)
+        window, sinks = self.cfg.window(i), self._sinks(i, op)
         if walk.kv is None:
-            att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap)      # (B, T, Hq, D), (B, Hq, T)
+            att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap,
+                                             sinks)                             # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
             k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
@@ -78,7 +84,7 @@ class LayerOps:
                 k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
             ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
             att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
-                                               self.cfg.attn_softcap)
+                                               self.cfg.attn_softcap, sinks)
             lse = None
         a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
 
@@ -101,6 +107,8 @@ class LayerOps:
     def _forward_route(self, op, i, a, walk):
         spec = self.cfg.moe
         a[op.outputs[0]], a[op.outputs[1]] = ops.moe_route_forward(a[op.inputs[0]], spec.top_k, spec.normalize)
+        if walk.router_loss is not None:
+            walk.router_loss.add(a[op.inputs[0]], a[op.outputs[1]], walk.real_tokens)
 
     def _experts(self, i, op):
         """Layer i's experts: their (gate_up, down) weights and LoRA pairs ((A, B, scale) or None), their paths."""
@@ -108,10 +116,22 @@ class LayerOps:
         loras = [self.lora_module(p) for p in paths]
         return [self.w[p] for p in paths], [None if m is None else (m.a, m.b, m.scale) for m in loras], paths
 
+    def _expert_variant(self, paths) -> dict:
+        """The experts' biases (gpt-oss: gate_up_bias (E, 2I), down_bias (E, C)) and activation, as keywords of
+        the experts' op pair; {} for the plain SwiGLU without biases."""
+        spec = self.cfg.moe
+        out = {}
+        if spec.biases:
+            out["gate_up_bias"], out["down_bias"] = (self.w[p + "_bias"] for p in paths)
+        if spec.swiglu:
+            out["activation"] = ClampedSwiGLU(*spec.swiglu)
+        return out
+
     def _forward_experts(self, op, i, a, walk):
-        (gate_up, down), (lora_gu, lora_dn), _ = self._experts(i, op)
+        (gate_up, down), (lora_gu, lora_dn), paths = self._experts(i, op)
         x, weights, experts = (a[name] for name in op.inputs)
-        a[op.outputs[0]], gu = ops.moe_experts_forward(x, weights, experts, gate_up, down, lora_gu, lora_dn)
+        a[op.outputs[0]], gu = ops.moe_experts_forward(x, weights, experts, gate_up, down, lora_gu, lora_dn,
+                                                       **self._expert_variant(paths))
         a[op.outputs[1]] = gu.reshape(len(x), -1)
 
     def _forward_sigmoid_gate(self, op, i, a, walk):
@@ -153,8 +173,11 @@ class LayerOps:
     def _backward_attention(self, op, i, a, dys, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)
         att, lse = walk.heads(a[op.outputs[0]], self.cfg), a[op.outputs[1]]
+        sinks = self._sinks(i, op)
         grads = ops.attention_backward(walk.heads(dys[0], self.cfg), q, k, v, att, lse, walk.segments,
-                                       self.cfg.window(i), self.cfg.attn_softcap)
+                                       self.cfg.window(i), self.cfg.attn_softcap, sinks)
+        if sinks is not None:
+            self.add_grad(f"model.layers.{i}.{op.param}", grads[3])
         return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]
 
     def _backward_glu(self, op, i, a, dys, walk):
@@ -172,7 +195,8 @@ class LayerOps:
         return [ops.split_backward(dys)]
 
     def _backward_route(self, op, i, a, dys, walk):
-        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], self.cfg.moe.normalize)]
+        dprobs = walk.router_loss.dprobs(walk.real_tokens) if walk.router_loss is not None else None
+        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], self.cfg.moe.normalize, dprobs)]
 
     def _backward_experts(self, op, i, a, dys, walk):
         (gate_up, down), (lora_gu, lora_dn), paths = self._experts(i, op)
@@ -180,10 +204,13 @@ class LayerOps:
         trained = [p for p in paths if self.trains(p)]
         dx, dweights, grads = ops.moe_experts_backward(dys[0], x, weights, experts,
                                                        a[op.outputs[1]].reshape(len(x), experts.shape[1], -1),
-                                                       gate_up, down, lora_gu, lora_dn, need_weight_grad=bool(trained))
+                                                       gate_up, down, lora_gu, lora_dn, need_weight_grad=bool(trained),
+                                                       **self._expert_variant(paths))
+        names = {"gate_up": paths[0], "down": paths[1], "gate_up_bias": paths[0] + "_bias",
+                 "down_bias": paths[1] + "_bias"}
         for key, grad in grads.items():
             part, _, tensor = key.partition(".")
-            self.add_grad(paths[0 if part == "gate_up" else 1] + ("." + tensor if tensor else ""), grad)
+            self.add_grad(names[part] + ("." + tensor if tensor else ""), grad)
         return [dx, dweights]
 
     def _backward_sigmoid_gate(self, op, i, a, dys, walk):

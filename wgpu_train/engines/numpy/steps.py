@@ -29,6 +29,9 @@ class StepRunner:
         self.last_profile: dict = {}
         self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
         self.step_entropies: list = []  # and the entropies of its policy's distributions there
+        self.router_aux_loss_coef = 0.0   # the engine's set_router_aux_loss
+        self.micro_aux_losses: list = []  # the router aux loss of each training forward since the step began
+        self.last_aux_loss = None         # the last train_step's router aux loss (mean over micro-batches), or None
 
     def logits(self, ids, segment_ids, position_ids):
         self.mode.training = False
@@ -38,19 +41,26 @@ class StepRunner:
         """Forward, loss and backward of one micro-batch; grads accumulate scaled by grad_scale per token (one
         number, or a weight per token (B, T)).
 
-        Returns (loss_sum, token_count) of the micro-batch (the loss unweighted).
+        Returns (loss_sum, token_count) of the micro-batch (the loss unweighted). A mixture of experts with the
+        router's auxiliary loss adds its gradient at the coefficient's full weight (transformers' loss: the mean
+        token loss plus coef times the aux loss, with grad_scale 1 / tokens).
         """
-        return self._forward_backward(ids, targets, segment_ids, position_ids, grad_scale)[:2]
+        return self._forward_backward(ids, targets, segment_ids, position_ids, grad_scale,
+                                      aux_weight=self.router_aux_loss_coef)[:2]
 
-    def _forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None):
+    def _forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None,
+                          aux_weight=0.0):
         """forward_backward, or with a TokenObjective (or a SequenceObjective: its host function) the gradient
         weights computed from the head's own log-probabilities (times grad_scale, one number): (loss_sum, count,
         the (B, T) float32 log-probabilities and entropies of the policy's distributions, or None and None
         without an objective)."""
         self.mode.training = True
         self.mode.dropout_calls += 1
+        self.mode.router_loss_weight = aux_weight
         self.count_head()
         logits, cache = self.forward(ids, segment_ids, position_ids)
+        router_loss = cache["walk"].router_loss
+        self.micro_aux_losses.append(router_loss.value if router_loss is not None else None)
         flat = logits.reshape(-1, logits.shape[-1]) / np.float32(self.mode.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         scale, logps, entropies = objective_scale(flat, targets, lse, grad_scale, objective)
@@ -58,7 +68,7 @@ class StepRunner:
             t = np.float32(self.mode.loss_temperature)
             self.backward(ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t,
                                                      self.cfg.logit_softcap / t), cache)
-        self.mode.training = False
+        self.mode.training, self.mode.router_loss_weight = False, 0.0
         return loss_sum, count, logps, entropies
 
     def count_head(self):
@@ -105,6 +115,8 @@ class StepRunner:
         loss_sum = 0.0
         scaler = self.loss_scaler
         grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
+        aux_weight = self.router_aux_loss_coef / len(micro_batches) * (scaler.scale if scaler is not None else 1.0)
+        self.micro_aux_losses = []
         with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
             self.step_logps, self.step_entropies = [], []
             for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
@@ -113,10 +125,13 @@ class StepRunner:
                     scale = grad_scale
                 else:
                     scale = np.float32(grad_scale) * np.asarray(extra[0], np.float32)
-                loss, _, logps, entropies = self._forward_backward(ids, targets, seg, pos, scale, objective)
+                loss, _, logps, entropies = self._forward_backward(ids, targets, seg, pos, scale, objective,
+                                                                   aux_weight)
                 loss_sum += loss
                 self.step_logps.append(logps)
                 self.step_entropies.append(entropies)
+        aux = [v for v in self.micro_aux_losses if v is not None]
+        self.last_aux_loss = float(np.mean(aux)) if aux else None
         if scaler is not None:
             self.optimizer.unscale(scaler.scale)
         if reduce is not None:

@@ -9,11 +9,17 @@ from wgpu_train.models.config import ModelConfig
 class Walk:
     """What a walk over the layer plan needs besides the activations: the batch's shape (B, T), positions
     and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,); long_rope:
-    whether RoPE takes longrope's long factors."""
+    whether RoPE takes longrope's long factors; router_loss: a training forward's shared/moe.RouterLoss, or None
+    (a mixture of experts without the router's auxiliary loss, or a dense model)."""
 
-    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False):
+    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False, router_loss=None):
         self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
-        self.long_rope = long_rope
+        self.long_rope, self.router_loss = long_rope, router_loss
+
+    @property
+    def real_tokens(self):
+        """(B*T,) 1 for a real token, 0 for padding (the attention mask transformers' aux loss reads)."""
+        return (self.segments.reshape(-1) != 0).astype(float)
 
     def heads(self, x, cfg: ModelConfig):
         """x (B*T, H*D) as (B, T, H, D)."""
@@ -23,11 +29,13 @@ class Walk:
 class Mode:
     """How the engine's walks run now, shared by the engine and its parts: training (dropout on the LoRA inputs),
     adapter_enabled (False: every LoRA module skipped, a preference objective's reference), the loss head's
-    temperature, and the dropout position (the protocol's dropout_seed and dropout_calls)."""
+    temperature, the weight of the router's auxiliary loss on the gradient of a training forward (0: off), and the
+    dropout position (the protocol's dropout_seed and dropout_calls)."""
 
     def __init__(self):
         self.training = False
         self.adapter_enabled = True
         self.loss_temperature = 1.0
+        self.router_loss_weight = 0.0
         self.dropout_seed = 0
         self.dropout_calls = 0

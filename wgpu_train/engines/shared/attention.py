@@ -1,6 +1,7 @@
 """The reference attention both engines hold to: causal grouped-query attention over a batch (forward and
-backward from the saved logsumexp), over a KV cache (forward), and Gemma 2's score soft-capping. The NumPy
-engine runs it; the WebGPU tuner checks every attention candidate against it on the device."""
+backward from the saved logsumexp), over a KV cache (forward), Gemma 2's score soft-capping and gpt-oss's
+attention sinks. The NumPy engine runs it; the WebGPU tuner checks every attention candidate against it on the
+device."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,12 +39,19 @@ def softcap_backward(dy, x, cap: float):
     return dy * (1.0 - np.tanh(x / cap) ** 2) if cap else dy
 
 
-def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.0):
-    """Causal grouped-query attention (within a sliding window of `window` keys when window > 0; the scaled
-    scores soft-capped at `softcap` when it is not 0).
+def _with_sinks(scores, sinks):
+    """The row maxima (..., 1) of scores (B, H, Tq, Tk) with each head's sink logit (H,) among them, if given."""
+    m = scores.max(axis=-1, keepdims=True)
+    return m if sinks is None else np.maximum(m, sinks.astype(scores.dtype)[:, None, None])
 
-    q (B, T, Hq, D), k and v (B, T, Hkv, D), segment_ids (B, T) -> out (B, T, Hq, D), lse (B, Hq, T).
-    Query head h reads key/value head h // (Hq / Hkv), as in Hugging Face's repeat_kv.
+
+def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.0, sinks=None):
+    """Causal grouped-query attention (within a sliding window of `window` keys when window > 0; the scaled
+    scores soft-capped at `softcap` when it is not 0; with sinks (Hq,), gpt-oss's: head h's softmax has
+    exp(sinks[h]) in its denominator too, a key whose value is zero).
+
+    q (B, T, Hq, D), k and v (B, T, Hkv, D), segment_ids (B, T) -> out (B, T, Hq, D), lse (B, Hq, T) (the
+    sink's term included). Query head h reads key/value head h // (Hq / Hkv), as in Hugging Face's repeat_kv.
     """
     n_rep = q.shape[2] // k.shape[2]
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
@@ -51,17 +59,21 @@ def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.
     scores = softcap_forward(np.einsum("bihd,bjhd->bhij", q, ke) * scale, softcap)   # (B, H, T, T)
     allowed = attention_allowed(segment_ids, window)[:, None]
     scores = np.where(allowed, scores, -np.inf)
-    m = scores.max(axis=-1, keepdims=True)
+    m = _with_sinks(scores, sinks)
     p = np.exp(scores - m)
     denom = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(sinks.astype(scores.dtype)[:, None, None] - m)
     p = p / denom
     out = np.einsum("bhij,bjhd->bihd", p, ve)
     lse = (m + np.log(denom))[..., 0]                             # (B, H, T)
     return out.astype(q.dtype), lse.astype(q.dtype)
 
 
-def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, softcap: float = 0.0):
-    """Gradients of attention_forward from the saved logsumexp: dq (B, T, Hq, D), dk, dv (B, T, Hkv, D)."""
+def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, softcap: float = 0.0, sinks=None):
+    """Gradients of attention_forward from the saved logsumexp: dq (B, T, Hq, D), dk, dv (B, T, Hkv, D), and with
+    sinks also dsinks (Hq,): a sink's probability exp(sink - lse) times minus its row's rowsum(dout * out), its
+    value being zero, summed over the rows."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     n_rep = hq // hkv
@@ -78,15 +90,20 @@ def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, so
     dke = np.einsum("bhij,bihd->bjhd", ds, q)
     dk = dke.reshape(b, t, hkv, n_rep, d).sum(axis=3)
     dv = dve.reshape(b, t, hkv, n_rep, d).sum(axis=3)
-    return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+    grads = dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+    if sinks is None:
+        return grads
+    p_sink = np.exp(sinks.astype(lse.dtype)[None, :, None] - lse)                 # (B, H, T)
+    return (*grads, -np.einsum("bhi,bhi->h", p_sink, delta).astype(sinks.dtype))
 
 
 # A KV cache holds B sequences (its rows) of up to L positions; a negative row marks a padding query, whose
 # output stays zero.
-def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0, softcap: float = 0.0):
+def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0, softcap: float = 0.0,
+                             sinks=None):
     """New queries against a KV cache: q (N, Hq, D), query i in cache row rows[i] at position positions[i];
     k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal),
-    only the last `window` of them when window > 0."""
+    only the last `window` of them when window > 0; sinks (Hq,) as in attention_forward."""
     n, hq, d = q.shape
     n_rep = hq // k_cache.shape[2]
     out = np.zeros_like(q)
@@ -99,7 +116,11 @@ def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int =
         keys = np.arange(tk)[None, :]
         seen = (keys <= pos[:, None]) & ((keys > pos[:, None] - window) if window > 0 else True)
         scores = np.where(seen, scores, -np.inf)
-        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
+        m = _with_sinks(scores, sinks)
+        p = np.exp(scores - m)
+        denom = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(sinks.astype(scores.dtype)[:, None, None] - m)
+        p /= denom
         out[sel] = np.einsum("hij,jhd->ihd", p, ve)
     return out

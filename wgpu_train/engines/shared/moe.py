@@ -1,9 +1,24 @@
 """The reference mixture-of-experts op pairs both engines hold to: the router's top-k (softmax over the experts,
-the k largest, renormalised or not), the routed experts' gated MLPs with each expert's own LoRA pair, and
-transformers' load-balancing loss. The NumPy engine runs them; the WebGPU kernels are checked against them."""
+the k largest, renormalised or not), the routed experts' gated MLPs with each expert's own LoRA pair (gpt-oss's:
+with biases and its clamped SwiGLU), and transformers' load-balancing loss. The NumPy engine runs them; the WebGPU
+kernels are checked against them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation, over gate_up rows that alternate gate (2j) and up (2j + 1): the gate clamped
+    above at `limit`, the up within [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
 
 
 def _softmax(logits):
@@ -64,12 +79,44 @@ def _with_lora(x, weight, lora, e):
     return y + scale * (h @ b[e].T), h
 
 
-def moe_experts_forward(x, weights, experts, gate_up, down, lora_gate_up=None, lora_down=None):
-    """The routed experts' SwiGLU MLPs, each token's k outputs weighted and summed.
+def _glu_forward(gu, activation):
+    """The gated activation h (n, I) of gate / up projections gu (n, 2I): SwiGLU ("silu": gate rows then up rows)
+    or a ClampedSwiGLU (rows interleaved)."""
+    if activation == "silu":
+        inter = gu.shape[1] // 2
+        return gu[:, :inter] * _sigmoid(gu[:, :inter]) * gu[:, inter:]
+    gate = np.minimum(gu[:, 0::2], activation.limit)
+    up = np.clip(gu[:, 1::2], -activation.limit, activation.limit)
+    return (up + 1.0) * gate * _sigmoid(activation.alpha * gate)
+
+
+def _glu_backward(dh, gu, activation):
+    """dgu (n, 2I) of _glu_forward from dh (n, I); the clamps pass the gradient where the value lies within them
+    (bounds included), as torch.clamp's backward."""
+    if activation == "silu":
+        inter = gu.shape[1] // 2
+        gate, up = gu[:, :inter], gu[:, inter:]
+        s = _sigmoid(gate)
+        return np.concatenate([dh * up * (s * (1.0 + gate * (1.0 - s))), dh * gate * s], axis=-1)
+    a, limit = activation.alpha, activation.limit
+    raw_gate, raw_up = gu[:, 0::2], gu[:, 1::2]
+    gate, up = np.minimum(raw_gate, limit), np.clip(raw_up, -limit, limit)
+    s = _sigmoid(a * gate)
+    dgu = np.empty_like(gu)
+    dgu[:, 0::2] = dh * (up + 1.0) * (s + a * gate * s * (1.0 - s)) * (raw_gate <= limit)
+    dgu[:, 1::2] = dh * gate * s * ((raw_up >= -limit) & (raw_up <= limit))
+    return dgu
+
+
+def moe_experts_forward(x, weights, experts, gate_up, down, lora_gate_up=None, lora_down=None, gate_up_bias=None,
+                        down_bias=None, activation="silu"):
+    """The routed experts' gated MLPs, each token's k outputs weighted and summed.
 
     x (N, C), weights (N, k), experts (N, k) int; gate_up (E, 2I, C) with the gate's rows first, down (E, C, I)
-    (transformers 5's fused layout); lora_gate_up / lora_down: (A (E, r, in), B (E, out, r), scale) or None ->
-    y (N, C), gate_up_out (N, k, 2I): every routed pair's gate / up projections, which the backward reads."""
+    (transformers 5's fused layout); lora_gate_up / lora_down: (A (E, r, in), B (E, out, r), scale) or None;
+    gate_up_bias (E, 2I) / down_bias (E, C) or None; activation: "silu" (SwiGLU) or a ClampedSwiGLU (gpt-oss:
+    gate_up's rows, and its bias's, alternate gate and up) -> y (N, C), gate_up_out (N, k, 2I): every routed
+    pair's gate / up projections (bias included), which the backward reads."""
     n, k = experts.shape
     inter = down.shape[2]
     y = np.zeros_like(x)
@@ -78,24 +125,31 @@ def moe_experts_forward(x, weights, experts, gate_up, down, lora_gate_up=None, l
         if len(tokens) == 0:
             continue
         gu, _ = _with_lora(x[tokens], gate_up[e], lora_gate_up, e)                # (n_e, 2I)
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e]
         gate_up_out[tokens, slots] = gu
-        h = gu[:, :inter] * _sigmoid(gu[:, :inter]) * gu[:, inter:]
+        h = _glu_forward(gu, activation)                                           # (n_e, I)
         out, _ = _with_lora(h, down[e], lora_down, e)                              # (n_e, C)
+        if down_bias is not None:
+            out = out + down_bias[e]
         np.add.at(y, tokens, out * weights[tokens, slots][:, None])
     return y, gate_up_out
 
 
 def moe_experts_backward(dy, x, weights, experts, gate_up_out, gate_up, down, lora_gate_up=None, lora_down=None,
-                         need_weight_grad: bool = False):
+                         need_weight_grad: bool = False, gate_up_bias=None, down_bias=None, activation="silu"):
     """Gradients of moe_experts_forward: dx (N, C), dweights (N, k), and a dict of the trained tensors'
-    gradients: "gate_up" / "down" (the experts' weights, when need_weight_grad) and "gate_up.lora_A",
-    "gate_up.lora_B", "down.lora_A", "down.lora_B" (where a LoRA pair is given), each of its tensor's shape."""
-    inter = down.shape[2]
+    gradients: "gate_up" / "down" (the experts' weights, when need_weight_grad, and "gate_up_bias" / "down_bias"
+    where biases are given) and "gate_up.lora_A", "gate_up.lora_B", "down.lora_A", "down.lora_B" (where a LoRA
+    pair is given), each of its tensor's shape."""
     dx = np.zeros_like(x)
     dweights = np.zeros_like(weights)
     grads = {}
     if need_weight_grad:
         grads["gate_up"], grads["down"] = np.zeros_like(gate_up), np.zeros_like(down)
+        for name, bias in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+            if bias is not None:
+                grads[name] = np.zeros_like(bias)
     for name, lora in (("gate_up", lora_gate_up), ("down", lora_down)):
         if lora is not None:
             grads[name + ".lora_A"], grads[name + ".lora_B"] = np.zeros_like(lora[0]), np.zeros_like(lora[1])
@@ -103,28 +157,30 @@ def moe_experts_backward(dy, x, weights, experts, gate_up_out, gate_up, down, lo
         if len(tokens) == 0:
             continue
         xe, gu = x[tokens], gate_up_out[tokens, slots]                             # (n_e, C), (n_e, 2I)
-        gate, up = gu[:, :inter], gu[:, inter:]
-        s = _sigmoid(gate)
-        h = gate * s * up                                                           # (n_e, I)
+        h = _glu_forward(gu, activation)                                           # (n_e, I)
         out, h_down = _with_lora(h, down[e], lora_down, e)                         # (n_e, C)
+        if down_bias is not None:
+            out = out + down_bias[e]
         dye = dy[tokens]                                                            # (n_e, C)
         dweights[tokens, slots] = np.sum(dye * out, axis=-1)
         dout = dye * weights[tokens, slots][:, None]
         dh = dout @ down[e]
         if need_weight_grad:
             grads["down"][e] += dout.T @ h
+            if down_bias is not None:
+                grads["down_bias"][e] += dout.sum(axis=0)
         if lora_down is not None:
             a, b, scale = lora_down
             dhl = scale * dout @ b[e]                                               # (n_e, r)
             grads["down.lora_B"][e] += scale * dout.T @ h_down
             grads["down.lora_A"][e] += dhl.T @ h
             dh = dh + dhl @ a[e]
-        dgate = dh * up * (s * (1.0 + gate * (1.0 - s)))
-        dup = dh * gate * s
-        dgu = np.concatenate([dgate, dup], axis=-1)                                 # (n_e, 2I)
+        dgu = _glu_backward(dh, gu, activation)                                    # (n_e, 2I)
         dxe = dgu @ gate_up[e]
         if need_weight_grad:
             grads["gate_up"][e] += dgu.T @ xe
+            if gate_up_bias is not None:
+                grads["gate_up_bias"][e] += dgu.sum(axis=0)
         if lora_gate_up is not None:
             a, b, scale = lora_gate_up
             hg = xe @ a[e].T                                                        # (n_e, r)
@@ -157,3 +213,41 @@ def load_balancing_dprobs(counts, rows: float, num_experts: int, mask, coef: flo
     constants (top-k has no gradient), so each real token's probability of expert e gets coef E counts_e /
     rows^2."""
     return (coef * num_experts * counts / rows ** 2)[None, :] * mask[:, None]
+
+
+class RouterLoss:
+    """The load-balancing loss of one training forward: every sparse layer's assignments and probabilities summed
+    as the forward reaches it (load_balancing_counts), then the loss and each layer's gradient on its router's
+    probabilities, with `weight` (the coefficient, times the forward's share of the step's gradient) on it."""
+
+    def __init__(self, num_experts: int, weight: float):
+        self.num_experts, self.weight = num_experts, weight
+        self.counts = np.zeros(num_experts)
+        self.prob_sums = np.zeros(num_experts)
+        self.rows = 0.0
+
+    def add(self, logits, experts, mask):
+        """One sparse layer's router logits (N, E), top-k experts (N, k) and real-token mask (N,)."""
+        counts, prob_sums, rows = load_balancing_counts(logits, experts, mask)
+        self.counts += counts
+        self.prob_sums += prob_sums
+        self.rows += rows
+
+    @property
+    def value(self) -> float:
+        """transformers' load_balancing_loss_func over the layers added (0 before any real token)."""
+        return load_balancing_loss(self.counts, self.prob_sums, self.rows, self.num_experts) if self.rows else 0.0
+
+    def dprobs(self, mask):
+        """The gradient (N, E) of weight * value on one layer's probabilities."""
+        return load_balancing_dprobs(self.counts, max(self.rows, 1.0), self.num_experts, mask, self.weight)
+
+
+def check_router_aux_loss(cfg: ModelConfig, coef: float) -> float:
+    """set_router_aux_loss's coefficient, checked: a number >= 0, and 0 for a model without experts."""
+    coef = float(coef)
+    if not coef >= 0:
+        raise ConfigError(f"router_aux_loss_coef must be a number >= 0, got {coef}")
+    if coef and cfg.moe is None:
+        raise ConfigError(f"router_aux_loss_coef {coef:g}: {cfg.label} is not a mixture of experts (it has no router)")
+    return coef

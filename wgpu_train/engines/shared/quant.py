@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from wgpu_train.engines.protocol import NamedValue
+from wgpu_train.formats.safetensors import bfloat16_bits, bfloat16_values  # noqa: F401 - the engines take it from here
 
 
 class StorageDtype(NamedValue):
@@ -218,20 +219,6 @@ def float16_values(w: np.ndarray, name: str = "a weight") -> np.ndarray:
         raise ConfigError(f"{name} has values up to {largest:.6g}, beyond float16's range ({F16_MAX:g}): store it "
                           f"in another dtype (--base-dtype / --embed-dtype)")
     return w.astype(np.float16)
-
-
-def bfloat16_bits(w: np.ndarray) -> np.ndarray:
-    """w (float32) rounded to bfloat16, as uint16 bits: the low half rounded to nearest, ties to even (NaN stays
-    NaN, quietened; values past bfloat16's largest finite one become inf, as torch rounds them)."""
-    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    return np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
-
-
-def bfloat16_values(bits: np.ndarray) -> np.ndarray:
-    """float32 values of bfloat16 bits (uint16)."""
-    return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def round_to(w: np.ndarray, dtype: StorageDtype | str, name: str = "a weight") -> np.ndarray:

@@ -9,6 +9,7 @@ import numpy as np
 
 from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
+from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import layer_plans
@@ -51,6 +52,12 @@ class WgpuEngine(EngineState):
         engines/numpy/precision.py does; f16 adds dynamic loss scaling. span, first, last: a pipeline stage's
         layers, and whether it holds the embedding and the final norm and head (webgpu/stage.py); by default
         the whole model, whose weights are every one of `weights`."""
+        if not all(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)):   # one plan recorded for every layer
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run layers without RoPE yet; use --backend "
+                              f"numpy")
+        if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
+                              f"and clamped SwiGLU yet; use --backend numpy")
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
@@ -259,6 +266,14 @@ class WgpuEngine(EngineState):
     def set_adapter_enabled(self, enabled: bool = True):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
         self.layers.adapter_enabled = bool(enabled)
+
+    last_aux_loss = None     # the router's auxiliary loss is not computed here (set_router_aux_loss)
+
+    def set_router_aux_loss(self, coef: float = 0.0):
+        """0 only: the WebGPU engine does not compute a mixture of experts' router auxiliary loss yet."""
+        if check_router_aux_loss(self.cfg, coef):
+            raise ConfigError("the WebGPU engine does not compute the router's auxiliary loss yet: use --backend "
+                              "numpy, or --router-aux-loss-coef 0")
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities

@@ -10,14 +10,7 @@ from typing import ClassVar
 
 import numpy as np
 
-
-class DataKind(enum.Enum):
-    """The records an objective reads; the values are data/sources.py's record kinds."""
-
-    SFT = "sft"                 # conversations or text, a token loss on the completion
-    PAIRS = "preference"        # chosen / rejected pairs
-    UNPAIRED = "unpaired"       # single completions labelled desirable or not (KTO)
-    PROMPTS = "prompts"         # prompts alone, the completions generated during training (GRPO)
+from wgpu_train.data.kinds import DataKind   # the records an objective reads (data/ reads them)
 
 
 class TrainerKind(enum.Enum):
