@@ -155,6 +155,10 @@ class Trainer:
         choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
                                 self.precision or "auto", (cfg.batch_size, cfg.max_seq_len))
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
+        if cfg.backend == "auto" and router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef):
+            # the WebGPU engine does not compute the router's auxiliary loss yet (WgpuEngine.set_router_aux_loss)
+            self.backend, self.device, self.backend_reason = "numpy", None, "auto: the router's auxiliary loss is " \
+                "computed by the NumPy engine alone"
         if cfg.backend == "auto":
             self.log(f"backend: {self.backend} ({self.backend_reason})")
         self._read_data(model_cfg)
