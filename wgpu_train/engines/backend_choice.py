@@ -75,7 +75,8 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     if not named and os.environ.get("WGPU_TRAIN_DEVICE", "").strip():
         device, named = os.environ["WGPU_TRAIN_DEVICE"], True
     if cfg is not None and (cfg.attention_sinks or (cfg.moe is not None and cfg.moe.biases)):
-        return BackendChoice("numpy", None, "auto: the WebGPU engine does not run gpt-oss's sinks and expert biases yet")
+        return BackendChoice("numpy", None, "auto: the WebGPU engine does not run gpt-oss's sinks and expert "
+                                            "biases yet")
     if cfg is not None and not all(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)):
         return BackendChoice("numpy", None, "auto: the WebGPU engine does not run layers without RoPE yet")
     if named:                   # checked where it opens (a data-parallel run's list is split among its workers)
