@@ -85,3 +85,37 @@ def test_bad_no_rope_layers_is_one_line():
     raw = {**SMOLLM3, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 0]}
     with pytest.raises(ConfigError, match="'no_rope_layers' must list 0 or 1 for each of the 5 layers"):
         ModelConfig.from_dict(raw)
+
+
+def test_the_webgpu_engine_walks_each_layers_own_plan(smol, rt):
+    """NoPE layers on the WebGPU engine: logits, loss and LoRA gradients equal the NumPy engine's, which differ from
+    the same weights read with RoPE on every layer."""
+    import dataclasses
+
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.engines.loading import model_from_weights
+
+    hf, folder = smol
+    ids, labels, mask = padded_batch(2, 11, 7, 2)
+    ref = load_model(folder, backend="numpy")
+    gpu = load_model(folder, backend="wgpu", device=str(rt.info.index))
+    lora = LoraConfig(r=2, alpha=4, target_modules=("q_proj", "k_proj", "o_proj"))
+    for m in (ref, gpu):
+        m.add_lora(lora, seed=1)
+    rng = np.random.default_rng(0)
+    pairs = {p: (a, 0.3 * rng.standard_normal(b.shape).astype(np.float32), ref._scales[p], 0.0)
+             for p, (a, b) in ref.engine.lora_tensors().items()}
+    ref.engine.set_lora(pairs)
+    gpu.engine.set_lora(pairs)
+    real = mask.astype(bool)
+    want = ref.logits(ids, mask)
+    assert_close(gpu.logits(ids, mask)[real], want[real], "gpu_logits", "logits")
+    loss, grads = ref.loss_and_grads(ids, labels, mask)
+    gpu_loss, gpu_grads = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(gpu_loss, loss, "gpu_loss", "loss")
+    for name, g in grads.items():
+        assert_close(gpu_grads[name], g, "gpu_grads", name)
+    roped = dataclasses.replace(ref.config, rope_layers=())     # the same weights read as a Llama
+    base = load_model(folder, backend="numpy").logits(ids, mask)[real]
+    as_llama = model_from_weights(roped, dict(load_model(folder, backend="numpy").engine.weights()), backend="numpy")
+    assert np.abs(as_llama.logits(ids, mask)[real] - base).max() > 1e-3
