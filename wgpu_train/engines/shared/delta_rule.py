@@ -15,13 +15,13 @@ deltas u_t (Dv) that the recurrence writes solve the unit lower-triangular syste
 
     (I + L) U = diag(beta) (V - diag(a) K S0),    L = strictly lower part of (diag(beta) K K^T) o E
 
-so U = W_v - W_k S0 with W_v = T diag(beta) V, W_k = T diag(beta a) K and T = (I + L)^-1, found by forward
+so U = W_v - W_k S0 with W_v = P diag(beta) V, W_k = P diag(beta a) K and P = (I + L)^-1, found by forward
 substitution. Then the chunk's output and the state it hands on are
 
     O = diag(a) Q S0 + ((Q K^T) o E) U,             S_C = a_C S0 + (diag(e) K)^T U,   e_j = exp(gamma_C - gamma_j)
 
-Everything but the last two products of S0 is independent of the state, so it runs in parallel over every chunk;
-only S0 -> S_C is a sequential scan over chunks. Cost per row and head: O(T C (Dk + Dv)) for the intra-chunk
+Everything but the products with S0 is independent of the state, so it runs in parallel over every chunk; only
+S0 -> S_C is a sequential scan over chunks. Cost per row and head: O(T C (Dk + Dv)) for the intra-chunk
 products, O(T C^2) for the substitution (C <= Dk + Dv), and O(T Dk Dv) for the state's products: linear in T.
 
 **Segments** (packed or padded batches, ids (B, T) with 0 = padding): a real token whose id differs from the previous
@@ -35,7 +35,7 @@ vanish), so a reset never needs exp(-inf) and costs nothing extra.
 h // (Hv / Hk), as transformers' repeat_interleave does; the backward sums the gradients of a group into its key
 head. The repeat happens here, inside the op, so no kernel ever materialises repeated q / k.
 
-**What the op does not hold.** The l2-normalisation of q and k is the `l2norm_forward` / `l2norm_backward` pair below,
+**l2norm and the scale.** The l2-normalisation of q and k is the `l2norm_forward` / `l2norm_backward` pair below,
 one op of the layer plan each for q and k (transformers' use_qk_l2norm_in_kernel, eps 1e-6 inside the rsqrt): it
 is the same small op for both, its backward needs only the normalised vector and its inverse norm, and the delta
 rule's kernels stay one job. The 1 / sqrt(Dk) scale of q is the rule's own (transformers always applies it) and
@@ -44,21 +44,21 @@ lives inside the op, as attention's scale does.
 **The backward** is exact and hand-derived in the same chunked form. The forward stores every chunk's entering
 state S0 (B, Hv, N, Dk, Dv): the backward needs them in reverse order, and recomputing them is a second sequential
 scan over the chunks, the one part of the algorithm that does not parallelise over T. The backward recomputes
-the intra-chunk quantities (T, W_v, W_k, U = W_v - W_k S0) in parallel over chunks, runs the reverse scan of the
+the intra-chunk quantities (P, W_v, W_k, U = W_v - W_k S0) in parallel over chunks, runs the reverse scan of the
 state's gradient (dS0 = a_C dS_C + (diag(a) Q)^T dO - W_k^T dU with dU = ((Q K^T) o E)^T dO + diag(e) K dS_C),
 then every other gradient per chunk, in parallel again. Under gradient checkpointing the layer's forward is rerun,
-which brings the states with it; without it they cost B Hv ceil(T / C) Dk Dv floats per layer (about half a
-linear-attention layer's other activations at C = 64, Dk = Dv = 128).
+which brings the states with it; without it they cost B Hv ceil(T / C) Dk Dv floats per layer (Hv Dk Dv / C a
+token: 8,192 floats for Qwen3-Next's 32 value heads of 128 x 128 at C = 64, as many as its conv output).
 
-**The WGSL kernels** will need: (1) a per-chunk kernel for gamma, E, T (forward substitution over C rows), W_v, W_k,
+**The WGSL kernels** will need: (1) a per-chunk kernel for gamma, E, P (forward substitution over C rows), W_v, W_k,
 (Q K^T) o E; (2) the scan over chunks writing each chunk's S0 to a state buffer and its output; (3) for the backward
 the same per-chunk recomputation, a reverse scan writing dS_C per chunk, and a per-chunk gradient kernel; (4) the
 single-token step reading and writing a row's state in place.
 
 **float32.** The state, its gradient and every sum are float32 (float64 when the inputs are: the reference runs in
 the inputs' precision, at least float32). The log-decay is summed only inside a chunk, so |gamma| <= C max|g| and
-exp(gamma_t - gamma_j) keeps about |gamma| 2^-24 relative error; a cumulative sum over all of T would lose the small
-decays to cancellation. With l2-normalised k and beta in (0, 1), |L| <= 1, but T = (I + L)^-1 can still grow with C,
+exp(gamma_t - gamma_j) keeps about |gamma| 2^-24 relative error; a cumulative sum over all of T would grow with T,
+and so would that error (and exp(gamma) would underflow). With l2-normalised k and beta in (0, 1), |L| <= 1, but P = (I + L)^-1 can still grow with C,
 which is one reason C stays at 64 or less.
 """
 from __future__ import annotations
@@ -122,12 +122,12 @@ def _unchunked(x, t: int):
 
 
 def _unit_lower_inverse(a):
-    """(..., C, C) strictly lower a -> (I + a)^-1 by forward substitution, row by row (what the kernels do)."""
+    """(..., C, C) strictly lower a -> P = (I + a)^-1 by forward substitution, row by row (what the kernels do)."""
     c = a.shape[-1]
     inv = np.zeros_like(a)
     inv[..., 0, 0] = 1.0
     for i in range(1, c):
-        # row i of (I + a) T = I: T[i] = e_i - a[i, :i] T[:i]
+        # row i of (I + a) P = I: P[i] = e_i - a[i, :i] P[:i]
         inv[..., i, :] = -np.einsum("...j,...jk->...k", a[..., i, :i], inv[..., :i, :])
         inv[..., i, i] = 1.0
     return inv
@@ -164,7 +164,7 @@ class _Chunks:
         kk = self.k @ np.swapaxes(self.k, -1, -2)                                       # (B, H, N, C, C)
         self.kk = kk
         self.lower = np.tril(self.beta[..., :, None] * kk * self.decay, -1)           # L
-        self.inv = _unit_lower_inverse(self.lower)                                      # T = (I + L)^-1
+        self.inv = _unit_lower_inverse(self.lower)                                      # P = (I + L)^-1
         self.kba = self.k * (self.beta * self.a)[..., None]                             # diag(beta a) K
         self.w_v = self.inv @ (self.v * self.beta[..., None])                           # (B, H, N, C, Dv)
         self.w_k = self.inv @ self.kba                                                  # (B, H, N, C, Dk)
@@ -200,6 +200,7 @@ def gated_delta_rule_backward(dout, q, k, v, g, beta, states, chunk: int, initia
     initial state was given. The final state is for generation and carries no gradient."""
     ch = _Chunks(q, k, v, g, beta, chunk, segments)
     b, t, hk, hv, d_k, d_v = ch.shape
+    rep = hv // hk
     do = _chunked(dout, ch.n, chunk, ch.ft)                                             # (B, H, N, C, Dv)
     u = ch.w_v - ch.w_k @ states                                                        # (B, H, N, C, Dv)
     tr = np.swapaxes
@@ -224,11 +225,10 @@ def gated_delta_rule_backward(dout, q, k, v, g, beta, states, chunk: int, initia
     dq = d_qa * ch.a[..., None] + d_qk @ ch.k
     dk = (tr(d_qk, -1, -2) @ ch.q + (d_kk + tr(d_kk, -1, -2)) @ ch.k + d_ke * ch.e[..., None]
           + d_kba * (ch.beta * ch.a)[..., None])
-    dvb = dr                                                                            # d(diag(beta) V)
-    s_kba = np.sum(d_kba * ch.k, axis=-1)
-    dbeta = (np.sum(d_lower * ch.kk * ch.decay, axis=-1) + np.sum(dvb * ch.v, axis=-1)
-             + s_kba * ch.a)
-    dvv = dvb * ch.beta[..., None]
+    # beta enters three times: in L's rows, in diag(beta) V and in diag(beta a) K
+    s_kba = np.sum(d_kba * ch.k, axis=-1)                                              # (B, H, N, C)
+    dbeta = np.sum(d_lower * ch.kk * ch.decay, axis=-1) + np.sum(dr * ch.v, axis=-1) + s_kba * ch.a
+    dv = dr * ch.beta[..., None]
     # the log-decay: every factor above is exp of a difference of gamma (chunk-local cumsum of g)
     da = np.sum(d_qa * ch.q, axis=-1) + s_kba * ch.beta                                 # (B, H, N, C)
     de = np.sum(d_ke * ch.k, axis=-1)
@@ -236,14 +236,13 @@ def gated_delta_rule_backward(dout, q, k, v, g, beta, states, chunk: int, initia
     x = d_bqk * ch.qk + d_lower * ch.lower                                              # dE o E
     d_gamma = da * ch.a + np.sum(x, axis=-1) - np.sum(x, axis=-2) - de * ch.e
     d_gamma[..., -1] += np.sum(de * ch.e, axis=-1) + d_a_last * ch.a_last
-    dg = np.cumsum(d_gamma[..., ::-1], axis=-1)[..., ::-1] * ch.real
-    rep = hv // hk
+    dg = np.cumsum(d_gamma[..., ::-1], axis=-1)[..., ::-1] * ch.real                  # gamma is a cumsum of g
 
-    def grouped(x):
+    def grouped(x):  # a key head's gradient sums its group of value heads
         x = _unchunked(x, t)
         return x.reshape(b, t, hk, rep, -1).sum(axis=3)
 
-    grads = (grouped(dq * ch.ft.type(d_k ** -0.5)), grouped(dk), _unchunked(dvv, t), _unchunked(dg, t),
+    grads = (grouped(dq * ch.ft.type(d_k ** -0.5)), grouped(dk), _unchunked(dv, t), _unchunked(dg, t),
              _unchunked(dbeta, t))
     return grads if initial_state is None else (*grads, ds)
 
