@@ -144,6 +144,20 @@ TOLERANCES: dict[str, Tolerance] = {
     "finite_difference_f64": Tolerance(1e-5, 1e-8,
         "central difference of the float64 loss with step 1e-5 (truncation ~1e-10, cancellation ~1e-11) "
         "against the analytic gradient, which loss_and_grads returns as float32 (relative 6e-8)"),
+    "delta_rule_f64": Tolerance(1e-9, 1e-11,
+        "the gated delta rule (engines/shared/delta_rule.py) in float64 against transformers' own torch functions run "
+        "in float64, or against its recurrent step: the same sums by other routes (our forward substitution against "
+        "torch's triangular solve, chunk products against one token at a time), a few units of 1e-16 on values "
+        "~1 (observed <= 2e-15) but for the unit-triangular inverse, which can amplify rounding with the chunk; "
+        "a wrong decay, mask or missed restart moves outputs by > 1e-3"),
+    "delta_rule_grad_f64": Tolerance(1e-9, 1e-11,
+        "the hand-derived chunked backward of the gated delta rule against torch autograd through transformers' "
+        "chunked function, both in float64: the same products in other orders, observed <= 2e-15 on gradients "
+        "~1; a missing term (e.g. one decay's share of dg) is off by > 1e-3"),
+    "delta_rule_f32": Tolerance(1e-5, 3e-6,
+        "the gated delta rule in float32 against transformers' float32 torch function: both keep the state and "
+        "every sum in float32, chunk-local cumulative decays, over 150 tokens of values ~1 (observed <= 3.3e-7); "
+        "a decay or restart bug is > 1e-3"),
     # ---- GPU kernels (tests/test_kernels.py): fp32 WGSL against the reference evaluated in float64 ----
     "k_dora": Tolerance(2e-6, 2e-6,
         "DoRA's norm (sums of r and r^2 products, then 1 / sqrt) and its scale c = m * rn times z: a few float32 "
