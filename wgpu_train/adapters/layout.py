@@ -297,6 +297,14 @@ def lora_options(lora) -> dict:
             "modules_to_save": ",".join(lora.modules_to_save) or None, "ensure_weight_tying": lora.ensure_weight_tying}
 
 
+def describe_targets(lora, model) -> str:
+    """The modules a LoraConfig adapts in `model`, for the log: its linear modules, and an MoE model's expert
+    tensors ("q_proj,v_proj and the experts' gate_up_proj,down_proj")."""
+    experts = lora.experts_in(model)
+    return ",".join(lora.as_saved(model).targets_in(model)) + (f" and the experts' {','.join(experts)}"
+                                                                  if experts else "")
+
+
 def describe_layout(lora) -> str:
     """The per-layer choices and init of a LoraConfig for the log ("" when they are the defaults)."""
     parts = []

@@ -14,7 +14,8 @@ def cmd_memory(args) -> int:
     from wgpu_train.formats import hub
     from wgpu_train.adapters.config import LoraConfig
     from wgpu_train.models.config import ModelConfig
-    from wgpu_train.adapters.layout import describe_layout, last_layers, model_targets, parse_layers, parse_pattern
+    from wgpu_train.adapters.layout import (describe_layout, describe_targets, last_layers, model_targets,
+                                            parse_layers, parse_pattern)
     from wgpu_train.engines.resources import format_bytes, memory_report
     from wgpu_train.engines.shared.quant import check_dtypes
     from wgpu_train.training.config import default_model_dir
@@ -34,7 +35,8 @@ def cmd_memory(args) -> int:
                           layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
                           else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
                           use_dora=args.dora, modules_to_save=args.modules_to_save,
-                          ensure_weight_tying=args.ensure_weight_tying)
+                          ensure_weight_tying=args.ensure_weight_tying,
+                          target_parameters=args.lora_target_parameters or ())
     elif args.modules_to_save:
         raise ConfigError("--modules-to-save trains copies beside LoRA: method lora (method full trains every weight)")
     from wgpu_train.engines.protocol import check_precision_widths
@@ -53,7 +55,7 @@ def cmd_memory(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    what = (f"LoRA r={lora.r} on {','.join(lora.targets_in(cfg))}{describe_layout(lora)}" if lora
+    what = (f"LoRA r={lora.r} on {describe_targets(lora, cfg)}{describe_layout(lora)}" if lora
             else "full fine-tuning")
     n = result["parameters"]
     said = "" if why == "as given" else f" ({why})"
@@ -130,6 +132,8 @@ def register(sub):
     p.add_argument("--method", default=d.method, choices=("lora", "full"), help=f"(default: {d.method})")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"(default: {d.lora_rank})")
     p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
+    p.add_argument("--lora-target-parameters", default="", help="a mixture of experts' expert tensors with a LoRA "
+                   "pair per expert (PEFT's target_parameters; all-linear takes them)")
     p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
     p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")
     p.add_argument("--dora", action="store_true", help="plan for DoRA (its magnitudes and their buffers)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wgpu_train.adapters.config import LoraConfig
-from wgpu_train.adapters.layout import describe_layout, lora_options, model_targets
+from wgpu_train.adapters.layout import describe_layout, describe_targets, lora_options, model_targets
 from wgpu_train.engines.resources import count_trainable, estimate_memory, format_bytes
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
@@ -129,11 +129,9 @@ def describe_model(model_dir, model_cfg: ModelConfig, engine, lora, n_params: in
                    base_weight_bytes: int) -> str:
     """The log line of the model a run trains: where, on what, which parameters (an MoE model's: how many sit in
     its experts, and which expert tensors LoRA takes), its base weights' storage."""
-    experts = lora.experts_in(model_cfg) if lora else ()
     in_experts = count_trainable(model_cfg, lora, experts_only=True) if model_cfg.moe is not None else None
     return (f"model: {model_dir} ({model_cfg.label}) on {engine.name}, {engine.device_description}; "
-            + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {','.join(lora.targets_in(model_cfg))}"
-               + (f" and the experts' {','.join(experts)}" if experts else "")
+            + (f"LoRA r={lora.r} alpha={lora.alpha:g} on {describe_targets(lora, model_cfg)}"
                + describe_layout(lora) if lora
                else "full fine-tuning") + f", {n_params:,} trainable parameters"
             + (f" ({in_experts:,} in the experts)" if in_experts is not None else "") + "; base weights "
