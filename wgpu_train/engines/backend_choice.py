@@ -74,6 +74,8 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
         return BackendChoice("wgpu", device, "as given")
     if not named and os.environ.get("WGPU_TRAIN_DEVICE", "").strip():
         device, named = os.environ["WGPU_TRAIN_DEVICE"], True
+    if cfg is not None and cfg.recurrent:
+        return BackendChoice("numpy", None, "auto: the WebGPU engine does not run short-convolution layers yet")
     if cfg is not None and cfg.moe is not None:
         return BackendChoice("numpy", None, "auto: the WebGPU engine does not run mixture-of-experts layers yet")
     if cfg is not None and not all(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)):

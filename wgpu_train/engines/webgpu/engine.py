@@ -52,6 +52,8 @@ class WgpuEngine(EngineState):
         if not all(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)):   # one plan recorded for every layer
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run layers without RoPE yet; use --backend "
                               f"numpy")
+        if cfg.recurrent:
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run short-convolution layers yet; use --backend numpy")
         if cfg.moe is not None:     # the grouped-expert kernels exist (moe.py) but the layer recording lacks them
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run mixture-of-experts layers yet; use "
                               f"--backend numpy")
