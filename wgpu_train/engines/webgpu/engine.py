@@ -53,7 +53,8 @@ class WgpuEngine(EngineState):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run layers without RoPE yet; use --backend "
                               f"numpy")
         if cfg.recurrent:
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run short-convolution layers yet; use --backend numpy")
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run short-convolution layers yet; use "
+                              f"--backend numpy")
         if cfg.moe is not None:     # the grouped-expert kernels exist (moe.py) but the layer recording lacks them
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run mixture-of-experts layers yet; use "
                               f"--backend numpy")
