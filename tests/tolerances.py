@@ -141,6 +141,11 @@ TOLERANCES: dict[str, Tolerance] = {
         "gpt-oss's route (a softmax over the top-k logits) against the renormalised softmax over every expert, both "
         "in float64: the same numbers by another formula, rounding apart by a few units of 1e-16; a wrong expert "
         "or a missing term of the softmax's Jacobian differs by > 1e-2"),
+    "short_conv_f64": Tolerance(1e-12, 1e-14,
+        "LFM2's causal depthwise convolution over packed segments (engines/shared/short_conv.py) against torch's "
+        "Conv1d on each segment alone, outputs and autograd gradients (input and weight), both in float64: sums of "
+        "at most K products in another order; an input read across a segment's start or a shifted tap is off by "
+        "> 1e-2"),
     "finite_difference_f64": Tolerance(1e-5, 1e-8,
         "central difference of the float64 loss with step 1e-5 (truncation ~1e-10, cancellation ~1e-11) "
         "against the analytic gradient, which loss_and_grads returns as float32 (relative 6e-8)"),

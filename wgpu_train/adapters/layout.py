@@ -142,8 +142,9 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
     with `outer`, a multimodal.LAYOUTS entry, as that layout of a multimodal model spells them): "all-linear";
     a string is a regular expression that must match a path with re.fullmatch; a list entry matches a path
     that equals it or, in the layers_to_transform (as read by layout.layer_index with layers_pattern),
-    ends with "." + entry. LoRA on the embedding or lm_head, a
-    selection whose modules lie in different layers, or one of no linear module is refused naming it."""
+    ends with "." + entry. The modules are returned by the last name of their path (LoraConfig's target names). LoRA
+    on the embedding or lm_head, a selection whose modules lie in different layers, one of some modules of a name
+    but not all, or one of no linear module is refused naming it."""
     if spec == "all-linear":
         spec = list(linear_modules)
     if isinstance(spec, str):
@@ -180,7 +181,14 @@ def adapter_targets(spec, num_hidden_layers: int, where="adapter_config.json", l
         raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {shown} (LoRA on the same "
                            f"layers for every module only)")
     found = next(iter(chosen.values()))
-    return tuple(chosen), (None if len(found) == num_hidden_layers and layers is None else found)
+    # as LoraConfig names targets: by the last name of a module's path (LFM2's conv.in_proj -> in_proj), which
+    # selects every module of that name (PEFT's suffix match), so a selection of only some of them is refused
+    names = tuple(dict.fromkeys(m.rsplit(".", 1)[-1] for m in chosen))
+    partial = [m for m in linear_modules if m.rsplit(".", 1)[-1] in names and m not in chosen]
+    if partial:
+        raise AdapterError(f"{where}: not supported: target_modules {spec!r} selects {', '.join(chosen)} but not "
+                           f"{', '.join(partial)} (LoRA on every module of a name only)")
+    return names, (None if len(found) == num_hidden_layers and layers is None else found)
 
 
 def adapter_layout(raw: dict, spec, cfg_path) -> dict:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.shared.recurrent_state import release
 from wgpu_train.errors import ConfigError
 
 
@@ -206,7 +207,10 @@ class DecodeBatch:
 
     Prefix reuse: a free slot keeps the keys and values its last row wrote, with that row's prefix_key (add); a
     row of the same key whose prompt begins with some of those tokens takes that slot and prefills only the
-    rest (reused counts the tokens saved). Not under longrope (a row's factors follow its length)."""
+    rest (reused counts the tokens saved). Not under longrope (a row's factors follow its length), nor for a model
+    with recurrent layers (LFM2's short convolutions: a slot's recurrent state holds its last row's end, not each
+    prefix; snapshots per prefix would cost a state per kept position, so such rows prefill whole). A row that
+    leaves frees its recurrent state (shared/recurrent_state.release)."""
 
     def __init__(self, engine, rows: int, max_len: int, token_budget: int = PREFILL_TOKENS):
         self.engine = engine
@@ -218,7 +222,7 @@ class DecodeBatch:
         self._rows: dict[int, _Row] = {}               # slot -> row, in the order they joined
         self._kept: dict[int, tuple] = {}              # free slot -> (prefix_key, the token ids (P,) its cache holds)
         cfg = engine.cfg
-        self._reuse = not cfg.rope_long(cfg.max_position_embeddings - 1)
+        self._reuse = not cfg.rope_long(cfg.max_position_embeddings - 1) and not cfg.recurrent
         self.reused = 0
 
     def __len__(self) -> int:
@@ -268,6 +272,7 @@ class DecodeBatch:
         r = self._rows.pop(slot, None)
         if r is not None:
             self._free.append(slot)
+            release(self.cache, slot)
             if r.key is not None:       # written: the prompt's fed tokens, then every token but the newest
                 done = r.out[:-1] if r.fed == r.prompt.size else []
                 self._kept[slot] = (r.key, np.concatenate([r.prompt[:r.fed], np.array(done, np.int64)]))

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError, positive_field
+from wgpu_train.models import lfm2
 from wgpu_train.models.moe import MoeConfig, moe_settings
 from wgpu_train.models.multimodal import WRAPPERS, from_wrapper
 from wgpu_train.models.rope import inv_freq, rope_settings
@@ -27,14 +28,21 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
+    "Lfm2ForCausalLM": "lfm2",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
 # every family's, for LoRA targets: each family's modules in its order (an MoE layer's router "gate", gpt-oss's
 # "router", and Qwen2-MoE's shared expert's gate; its projections are matched by their last name, as PEFT matches them)
 KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                        "down_proj", "gate", "router", "shared_expert_gate")
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+                        "down_proj", "gate", "router", "shared_expert_gate", "in_proj", "out_proj", "w1", "w3", "w2")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj")
+# LFM2's modules outside self_attn are named by their path under the layer (conv.in_proj, feed_forward.w1): its
+# short convolution's out_proj shares the attention's last name, as PEFT's targets do
+LAYER_GROUPS = ("conv", "feed_forward")
+LFM2_ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
+LFM2_CONV = ("conv.in_proj", "conv.out_proj")
+LFM2_MLP = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")     # gate, up, down
 ROUTER = "gate"              # an MoE layer's router (mlp.gate: E x hidden), a linear module of its own
 ROUTERS = (ROUTER, "router")   # every family's router module (gpt-oss's is mlp.router, with a bias)
 SHARED_EXPERT_MODULES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
@@ -83,6 +91,7 @@ def _rope_layers(raw: dict, layers: int, source: str) -> tuple:
 _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FAMILY_DEFAULTS = {
+    "lfm2": lfm2.DEFAULTS,
     "smollm3": {"tie_word_embeddings": True, "rms_norm_eps": 1e-6},
     "phi3": {"rms_norm_eps": 1e-5, "pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000,
              "max_position_embeddings": 4096},
@@ -201,6 +210,8 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
     qk_norm_per_head: bool = True  # q / k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMoE)
     rope_layers: tuple = ()      # per layer: whether it rotates q and k (SmolLM3's no_rope_layers); (): every layer
+    conv_kernel: int = 0         # LFM2: its short convolutions' kernel (conv_L_cache)
+    conv_layers: tuple = ()      # per layer: whether it is a short convolution (LFM2's "conv"); (): none is
     wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -211,6 +222,15 @@ class ModelConfig:
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` applies RoPE (SmolLM3's NoPE layers do not)."""
         return bool(self.rope_layers[layer]) if self.rope_layers else True
+
+    def is_conv(self, layer: int) -> bool:
+        """Whether layer `layer` is a double-gated short convolution (LFM2) in place of attention."""
+        return bool(self.conv_layers[layer]) if self.conv_layers else False
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a per-row recurrent state in generation (a short convolution's window)."""
+        return any(self.conv_layers)
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding attention window in tokens, 0 for full causal attention."""
@@ -239,6 +259,8 @@ class ModelConfig:
         """Every layer kind's linear modules in order: Llama's seven, or Phi-3's four with q/k/v and gate/up fused;
         a mixture of experts' attention modules, the dense MLP's where some layer is dense, the router, and
         Qwen2-MoE's shared expert (layer_modules: one layer's)."""
+        if self.family == "lfm2":
+            return LFM2_ATTENTION + LFM2_CONV + LFM2_MLP
         if self.moe is None:
             return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
         dense = LINEAR_MODULES[4:] if not all(self.moe.sparse) else ()
@@ -246,7 +268,10 @@ class ModelConfig:
         return LINEAR_MODULES[:4] + dense + (self.moe.router,) + shared
 
     def layer_modules(self, layer: int) -> tuple:
-        """Layer `layer`'s linear modules in order (an MoE model's sparse and dense layers differ)."""
+        """Layer `layer`'s linear modules in order (an MoE model's sparse and dense layers differ, and LFM2's
+        convolution and attention layers)."""
+        if self.family == "lfm2":
+            return (LFM2_CONV if self.is_conv(layer) else LFM2_ATTENTION) + LFM2_MLP
         if self.moe is None:
             return self.linear_modules
         if not self.moe.is_sparse(layer):
@@ -275,6 +300,8 @@ class ModelConfig:
             "q_proj": (self.q_size, c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
             "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
             "qkv_proj": (self.q_size + 2 * self.kv_size, c), "gate_up_proj": (2 * f, c),
+            "out_proj": (c, self.q_size), "conv.in_proj": (3 * c, c), "conv.out_proj": (c, c),
+            "feed_forward.w1": (f, c), "feed_forward.w3": (f, c), "feed_forward.w2": (c, f),
             **self._moe_shapes(),
         }[module]
 
@@ -324,6 +351,8 @@ class ModelConfig:
                               f"{', '.join([*SUPPORTED_ARCHITECTURES, *WRAPPERS])}")
         family = SUPPORTED_ARCHITECTURES[arch]
         given, raw = raw, {**FAMILY_DEFAULTS.get(family, {}), **raw}
+        if family == "lfm2":
+            raw = lfm2.lfm2_raw(raw)
 
         def need(key):
             if key not in raw:
@@ -334,6 +363,8 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         layers = int(need("num_hidden_layers"))
         gemma = _gemma_fields(raw, source, family, layers, hidden, int(head_dim)) if family.startswith("gemma") else {}
+        liquid = lfm2.lfm2_fields(raw, layers, source) if family == "lfm2" else {}
+        ff_size = liquid.pop("intermediate_size", None)
         act = raw.get("hidden_act", "silu")
         if not gemma and act not in ("silu", "swish"):   # Gemma's is its hidden_activation (_gemma_fields)
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
@@ -363,7 +394,9 @@ class ModelConfig:
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             # Mixtral's and OLMoE's intermediate_size is their experts' (moe.expert_size): no layer is dense
-            intermediate_size=0 if family in ("mixtral", "olmoe", "gpt_oss") else int(need("intermediate_size")),
+            # (LFM2's MLP width is derived from it: lfm2.feed_forward_size)
+            intermediate_size=ff_size if ff_size is not None else
+            0 if family in ("mixtral", "olmoe", "gpt_oss") else int(need("intermediate_size")),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
@@ -373,7 +406,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", "lfm2"),
             qk_norm_per_head=family != "olmoe",
             rope_layers=rope_layers,
             moe=moe,
@@ -384,7 +417,7 @@ class ModelConfig:
             eos_token_id=raw.get("eos_token_id"),
             layer_windows=windows,
             rotary_dim=rotary_dim,
-            **{"hidden_act": "silu", **gemma},
+            **{"hidden_act": "silu", **gemma, **liquid},
             raw=given,
         )
 

@@ -25,14 +25,17 @@ class Op:
     rmsnorm under the layer ("input_layernorm.weight"). residual: an activation a linear op's output adds
     (y = residual + x W^T); the residual's gradient is the output's, so grads_out[0] carries on past it.
     heads: "q" or "kv" where the op works per head (rope, a per-head rmsnorm): Hq or Hkv heads of head_dim.
-    factor: a scale op's constant.
+    factor: a scale op's constant. size: a short_conv op's kernel (its per-row state in generation: the last
+    size - 1 inputs).
 
     The kinds: rmsnorm (y, rstd of x), linear (base + LoRA), rope (in place), attention (out, lse of q, k,
     v), swiglu / geglu (m of gate, up), add (y = residual + x), scale (y = factor x), split (x's columns
     into the outputs, side by side in their order: a fused projection's parts); a mixture of experts' route
     (the top-k weights and expert indices of the router's logits), experts (the routed experts' MLPs of x,
     weighted by the route; param: the experts' path under the layer, their gate / up projections kept for the
-    backward) and sigmoid_gate (y = sigmoid(g) x, Qwen2-MoE's shared expert behind its gate). An attention op's
+    backward) and sigmoid_gate (y = sigmoid(g) x, Qwen2-MoE's shared expert behind its gate); LFM2's mul (y = a b,
+    elementwise) and short_conv (a causal depthwise convolution over each sequence, param: its weight (C, 1, size)
+    under the layer; a recurrent op: generation keeps its window per row, RECURRENT). An attention op's
     param, where it has one, is its sinks (gpt-oss: a learned logit per head in the softmax's denominator). An input or
     output without a gradient (the expert indices) comes after those with one: grads_in / grads_out name one
     buffer per differentiable input / output, in order."""
@@ -46,6 +49,7 @@ class Op:
     residual: str = ""
     heads: str = ""
     factor: float = 1.0
+    size: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,12 @@ class LayerPlan:
         _check_buffers(ops)
         return cls(ops, dict(widths), dict(grad_widths), _accumulate_flags(ops))
 
+    @property
+    def states(self) -> dict:
+        """The per-row recurrent state of each recurrent op (RECURRENT) in generation, by its param: the shape of one
+        row's (a short convolution's: its last size - 1 inputs, (size - 1, C)). Empty for a layer without one."""
+        return {op.param: RECURRENT[op.kind](op, self.widths) for op in self.ops if op.kind in RECURRENT}
+
     def backward_steps(self):
         """(op, accumulate flags) in backward order."""
         return list(zip(reversed(self.ops), reversed(self.accumulate)))
@@ -107,8 +117,12 @@ _BACKWARD_READS = {          # the op kinds, and the activations each one's back
     "route": lambda op: op.inputs + op.outputs[1:],
     "experts": lambda op: op.inputs + op.outputs[1:],
     "sigmoid_gate": lambda op: op.inputs,
+    "mul": lambda op: op.inputs,
+    "short_conv": lambda op: op.inputs,
 }
 KINDS = tuple(_BACKWARD_READS)
+# the recurrent kinds, and one row's state of an op of that kind in generation (in place of a KV cache)
+RECURRENT = {"short_conv": lambda op, widths: (op.size - 1, widths[op.inputs[0]])}
 
 
 def _check_buffers(ops: tuple):
@@ -158,7 +172,28 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
 
 _PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "qk_norm", "qk_norm_per_head", "query_scale", "hidden_act", "sandwich_norms", "fused_projections",
-                "attention_sinks")
+                "attention_sinks", "family")
+# a layer's norms and modules as the family names them: Llama's, or LFM2's (its MLP's gate / up / down are w1 / w3 / w2)
+_NAMES = {"llama": dict(norm1="input_layernorm.weight", norm2="post_attention_layernorm.weight",
+                        q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", o="o_proj",
+                        gate="gate_proj", up="up_proj", down="down_proj"),
+          "lfm2": dict(norm1="operator_norm.weight", norm2="ffn_norm.weight", q_norm="self_attn.q_layernorm.weight",
+                       k_norm="self_attn.k_layernorm.weight", o="out_proj", gate="feed_forward.w1",
+                       up="feed_forward.w3", down="feed_forward.w2")}
+
+
+def _short_conv(c: int, kernel: int) -> tuple[list, dict, dict]:
+    """LFM2's double-gated short convolution from the normed input h1 to the residual stream x_mid: in_proj to B, C
+    and x side by side, B x, the causal depthwise convolution over each sequence, C times it, out_proj."""
+    ops = [_linear("conv.in_proj", "h1", "bcx", "d_bcx", "d_h"),
+           Op("split", ("bcx",), ("conv_b", "conv_c", "conv_x"), ("d_b", "d_c", "d_x"), ("d_bcx",)),
+           Op("mul", ("conv_b", "conv_x"), ("bx",), ("d_bx",), ("d_b", "d_x")),
+           Op("short_conv", ("bx",), ("conv_y",), ("d_y",), ("d_bx",), param="conv.conv.weight", size=kernel),
+           Op("mul", ("conv_c", "conv_y"), ("cy",), ("d_cy",), ("d_c", "d_y")),
+           _linear("conv.out_proj", "cy", "x_mid", CARRY, "d_cy", residual=INPUT)]
+    widths = {"bcx": 3 * c, "conv_b": c, "conv_c": c, "conv_x": c, "bx": c, "conv_y": c, "cy": c}
+    grad_widths = {"d_bcx": 3 * c, "d_b": c, "d_c": c, "d_x": c, "d_bx": c, "d_y": c, "d_cy": c}
+    return ops, widths, grad_widths
 
 
 def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
@@ -192,13 +227,23 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
 
 
 @lru_cache(maxsize=None)
-def _plan(fields: tuple, moe=None, rope: bool = True) -> LayerPlan:
+def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0) -> LayerPlan:
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
+    names = _NAMES["lfm2" if cfg.family == "lfm2" else "llama"]
     c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     q_proj, k_proj = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
     dq_proj, dk_proj = ("dq2", "dk2") if cfg.qk_norm else ("dq", "dk")
-    ops = [_rmsnorm("input_layernorm.weight", INPUT, "h1", "rstd1", "d_h", CARRY)]
+    ops = [_rmsnorm(names["norm1"], INPUT, "h1", "rstd1", "d_h", CARRY)]
+    if conv:        # LFM2's short convolution in place of attention
+        conv_ops, widths, grad_widths = _short_conv(c, conv)
+        ops += [*conv_ops, _rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY),
+                _linear(names["gate"], "h2", "gate", "d_gate", "d_h"), _linear(names["up"], "h2", "up", "d_up", "d_h"),
+                Op("swiglu", ("gate", "up"), ("m",), ("d_m",), ("d_gate", "d_up")),
+                _linear(names["down"], "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
+        widths.update({INPUT: c, "h1": c, "rstd1": 1, "x_mid": c, "h2": c, "rstd2": 1, "gate": f, "up": f, "m": f})
+        grad_widths.update({CARRY: c, "d_h": c, "d_gate": f, "d_up": f, "d_m": f})
+        return LayerPlan.build(ops, widths, grad_widths)
     if cfg.fused_projections:    # Phi-3: one GEMM, its output split into q, k, v
         ops += [_linear("qkv_proj", "h1", "qkv", "d_qkv", "d_h"),
                 Op("split", ("qkv",), (q_proj, k_proj, "v"), (dq_proj, dk_proj, "dv"), ("d_qkv",))]
@@ -207,9 +252,9 @@ def _plan(fields: tuple, moe=None, rope: bool = True) -> LayerPlan:
                 _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
                 _linear("v_proj", "h1", "v", "dv", "d_h")]
     if cfg.qk_norm:      # over each head, or over the whole projection (OLMoE)
-        ops += [_rmsnorm("self_attn.q_norm.weight", "q_pre", "q", "rstd_q", "dq", "dq2",
+        ops += [_rmsnorm(names["q_norm"], "q_pre", "q", "rstd_q", "dq", "dq2",
                          heads="q" if cfg.qk_norm_per_head else ""),
-                _rmsnorm("self_attn.k_norm.weight", "k_pre", "k", "rstd_k", "dk", "dk2",
+                _rmsnorm(names["k_norm"], "k_pre", "k", "rstd_k", "dk", "dk2",
                          heads="kv" if cfg.qk_norm_per_head else "")]
     if rope:        # SmolLM3's NoPE layers leave q and k unrotated
         ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
@@ -222,8 +267,8 @@ def _plan(fields: tuple, moe=None, rope: bool = True) -> LayerPlan:
              ("d_gate", "d_up"))
     gate_up = [_linear("gate_up_proj", "h2", "gate_up", "d_gate_up", "d_h"),
                Op("split", ("gate_up",), ("gate", "up"), ("d_gate", "d_up"), ("d_gate_up",))] \
-        if cfg.fused_projections else [_linear("gate_proj", "h2", "gate", "d_gate", "d_h"),
-                                       _linear("up_proj", "h2", "up", "d_up", "d_h")]
+        if cfg.fused_projections else [_linear(names["gate"], "h2", "gate", "d_gate", "d_h"),
+                                       _linear(names["up"], "h2", "up", "d_up", "d_h")]
     widths = {INPUT: c, "h1": c, "rstd1": 1, "q": q, "k": kv, "v": kv, "att": q, "lse": hq, "x_mid": c, "h2": c,
               "rstd2": 1, "gate": f, "up": f, "m": f}
     grad_widths = {CARRY: c, "d_h": c, "d_att": q, "dq": q, "dk": kv, "dv": kv, "d_gate": f, "d_up": f, "d_m": f}
@@ -242,10 +287,10 @@ def _plan(fields: tuple, moe=None, rope: bool = True) -> LayerPlan:
         widths.update(o=c, o_n=c, rstd_o=1, mlp=c, mlp_n=c, rstd_mlp=1)
         grad_widths.update(d_pre=c, d_post=c)
     else:
-        ops += [_linear("o_proj", "att", "x_mid", CARRY, "d_att", residual=INPUT),
-                _rmsnorm("post_attention_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY)]
+        ops += [_linear(names["o"], "att", "x_mid", CARRY, "d_att", residual=INPUT),
+                _rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY)]
         if moe is None:
-            ops += [*gate_up, glu, _linear("down_proj", "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
+            ops += [*gate_up, glu, _linear(names["down"], "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
         else:
             for name in ("gate", "up", "m", "d_gate", "d_up", "d_m"):
                 (grad_widths if name.startswith("d_") else widths).pop(name)
@@ -269,9 +314,10 @@ def layer_plan(cfg: ModelConfig, layer: int = 0) -> LayerPlan:
     norms (OLMoE's over the whole projection); Gemma's query scale, GeGLU and norms on each branch's output
     (sandwich norms); Phi-3's fused q / k / v and gate / up projections, each split after its GEMM; a mixture
     of experts' router, routed experts and shared expert in place of the MLP on its sparse layers; gpt-oss's
-    attention sinks."""
+    attention sinks; LFM2's names (operator_norm, ffn_norm, q / k_layernorm, out_proj, feed_forward.w1 / w3 / w2) and
+    its double-gated short convolution in place of attention on its conv layers."""
     return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None,
-                 cfg.uses_rope(layer))
+                 cfg.uses_rope(layer), cfg.conv_kernel if cfg.is_conv(layer) else 0)
 
 
 def layer_plans(cfg: ModelConfig) -> list:

@@ -12,7 +12,7 @@ from wgpu_train.errors import ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import (FLOAT_DTYPES, LazyWeights, TensorMap, _as_array, _read_raw,
                                            write_safetensors)
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
-from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, ModelConfig
+from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, LAYER_GROUPS, ModelConfig
 from wgpu_train.models.expert_layout import hub_layout, read_fused
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.models.multimodal import PROCESSOR_FILES, carried_tensors, file_name, language_names
@@ -42,6 +42,8 @@ def expected_shapes(cfg: ModelConfig) -> dict:
         plan = layer_plan(cfg, i)
         shapes.update({f"model.layers.{i}.{op.param}": (d if op.heads else plan.widths[op.inputs[0]],)
                        for op in plan.ops if op.kind == "rmsnorm"})
+        shapes.update({f"model.layers.{i}.{op.param}": (plan.widths[op.inputs[0]], 1, op.size)
+                       for op in plan.ops if op.kind == "short_conv"})      # LFM2's depthwise Conv1d weight
         for m in cfg.layer_modules(i):
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
         if cfg.is_sparse(i):
@@ -62,14 +64,29 @@ def expert_path(layer: int, param: str) -> str:
 
 
 def module_name(path: str) -> str:
-    """The layer's module a module path names (module_path's inverse): q_proj, shared_expert.gate_proj, ..."""
-    return ".".join(path.split(".")[4:])
+    """The layer's module a module path names (module_path's inverse): q_proj, shared_expert.gate_proj,
+    conv.in_proj, ..."""
+    parts = path.split(".")[3:]
+    return ".".join(parts if parts[0] in LAYER_GROUPS else parts[1:])
 
 
 def module_path(layer: int, module: str) -> str:
-    """The Hugging Face path of one linear module, e.g. model.layers.0.self_attn.q_proj."""
+    """The Hugging Face path of one linear module, e.g. model.layers.0.self_attn.q_proj (LFM2's conv.in_proj and
+    feed_forward.w1 name their own group: config.LAYER_GROUPS)."""
+    if module.split(".")[0] in LAYER_GROUPS:
+        return f"model.layers.{layer}.{module}"
     group = "self_attn" if module in ATTENTION_MODULES else "mlp"
     return f"model.layers.{layer}.{group}.{module}"
+
+
+# the final norm where a family's checkpoints name it otherwise than model.norm (the name the engines use)
+FINAL_NORM = "model.norm.weight"
+_FINAL_NORMS = {"lfm2": "model.embedding_norm.weight"}
+
+
+def final_norm_name(cfg: ModelConfig) -> str:
+    """The final norm's name in cfg's checkpoints (LFM2's model.embedding_norm.weight)."""
+    return _FINAL_NORMS.get(cfg.family, FINAL_NORM)
 
 
 def _folder_tensors(folder: Path) -> dict:
@@ -88,6 +105,8 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
         tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
     if cfg.moe is not None:
         tensors = read_fused(tensors, cfg, str(folder))
+    if final_norm_name(cfg) in tensors:
+        tensors[FINAL_NORM] = tensors.pop(final_norm_name(cfg))
     shapes = expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -140,6 +159,9 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
         companions += PROCESSOR_FILES
     if cfg.moe is not None:      # the experts one tensor per expert and projection, as the hub's checkpoints
         weights = hub_layout(cfg, weights)
+    if final_norm_name(cfg) != FINAL_NORM:
+        named, inner = {final_norm_name(cfg) if k == FINAL_NORM else k: k for k in weights}, weights
+        weights = TensorMap(list(named), lambda k: inner[named[k]])
     out.mkdir(parents=True, exist_ok=True)
     raw = dict(cfg.raw)
     raw["torch_dtype"] = raw["dtype"] = dtype

@@ -1,14 +1,16 @@
 """Generation with a KV cache on the NumPy engine (KvCacheGeneration, a part of NumpyEngine): a key and a value
-array per layer, rows of several sequences decoded together."""
+array per layer, and each recurrent layer's per-row state (shared/recurrent_state.py), rows of several sequences
+decoded together."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.models.layer_plan import OUTPUT
+from wgpu_train.models.layer_plan import OUTPUT, layer_plans
 from wgpu_train.engines.numpy.walk import Mode, Walk
 from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.shared.kv_rows import check_adapters, check_rows
+from wgpu_train.engines.shared.recurrent_state import advance, new_states, row_runs
 
 
 class KvCacheGeneration:
@@ -29,11 +31,13 @@ class KvCacheGeneration:
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions each; its keys and values are
-        rounded to self.kv_dtype where they are written (held in arrays of self.dtype)."""
+        rounded to self.kv_dtype where they are written (held in arrays of self.dtype); the recurrent layers' state
+        of each row beside them (shared/recurrent_state.new_states)."""
         cfg = self.cfg
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return {"k": np.zeros(shape, self.dtype), "v": np.zeros(shape, self.dtype), "len": 0,
-                "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
+                "batch": batch, "max_len": max_len, "dtype": self.kv_dtype,
+                **new_states(layer_plans(cfg), range(cfg.num_hidden_layers), batch, self.dtype)}
 
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
         """See NumpyEngine.forward_rows."""
@@ -49,7 +53,9 @@ class KvCacheGeneration:
         self.mode.training = False
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
-        walk = Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope))
+        walk = Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope),
+                    runs=row_runs(kv, rows, positions))
         for i in range(self.cfg.num_hidden_layers):
             x = self.layer_forward(i, x, walk)[OUTPUT]
+        advance(kv, walk.runs)
         return self.head(x[last])                                                 # (m, V)

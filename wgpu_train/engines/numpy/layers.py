@@ -3,6 +3,8 @@ forward (`_forward_<kind>`) and backward (`_backward_<kind>`) over engines/numpy
 gradients rounded where the GPU stores them (precision.Rounding)."""
 from __future__ import annotations
 
+import numpy as np
+
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.layer_plan import CARRY, INPUT, LayerPlan
 from wgpu_train.engines.numpy import ops
@@ -47,6 +49,7 @@ class LayerOps:
         return a
 
     def _norm_weight(self, layer, op):
+        """The weight an op's param names under layer `layer` (a norm's, a short convolution's)."""
         return f"model.layers.{layer}.{op.param}"
 
     def _forward_rmsnorm(self, op, i, a, walk):
@@ -138,6 +141,21 @@ class LayerOps:
         x, g = a[op.inputs[0]], a[op.inputs[1]]
         a[op.outputs[0]] = ops.sigmoid_gate_forward(x, g)
 
+    def _forward_mul(self, op, i, a, walk):
+        a[op.outputs[0]] = ops.mul_forward(a[op.inputs[0]], a[op.inputs[1]])
+
+    def _forward_short_conv(self, op, i, a, walk):
+        x, w = a[op.inputs[0]], self.w[self._norm_weight(i, op)]                 # (N, C), (C, 1, K)
+        if walk.kv is None:     # a batch of sequences: each segment's window starts from zero
+            y = ops.short_conv_forward(x.reshape(walk.b, walk.t, -1), w, walk.segments).reshape(x.shape)
+        else:                   # generation: each row's tokens after its recurrent state (its last K-1 inputs)
+            state = walk.kv["state"][i][op.param]                               # (rows, K-1, C)
+            y = np.empty_like(x)
+            for row, idx, start in walk.runs:
+                before = state[row] if start else np.zeros_like(state[row])
+                y[idx], state[row] = ops.short_conv_cached_forward(x[idx], before, w)
+        a[op.outputs[0]] = y
+
 
     def backward(self, i: int, a: dict, dx, walk: Walk):
         """The gradient (N, C) of layer i's input from that of its output dx: the plan's ops in reverse, each
@@ -215,3 +233,15 @@ class LayerOps:
 
     def _backward_sigmoid_gate(self, op, i, a, dys, walk):
         return list(ops.sigmoid_gate_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+
+    def _backward_mul(self, op, i, a, dys, walk):
+        return list(ops.mul_backward(dys[0], a[op.inputs[0]], a[op.inputs[1]]))
+
+    def _backward_short_conv(self, op, i, a, dys, walk):
+        name = self._norm_weight(i, op)
+        x, dy = a[op.inputs[0]], dys[0]
+        dx, dw = ops.short_conv_backward(dy.reshape(walk.b, walk.t, -1), x.reshape(walk.b, walk.t, -1), self.w[name],
+                                         walk.segments, need_weight_grad=self.trains(name))
+        if dw is not None:
+            self.add_grad(name, dw)
+        return [dx.reshape(x.shape)]

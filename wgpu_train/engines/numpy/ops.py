@@ -17,6 +17,8 @@ from wgpu_train.engines.shared.attention import (attention_backward, attention_c
 from wgpu_train.engines.shared.dropout import pcg_hash
 from wgpu_train.engines.shared.moe import (moe_experts_backward, moe_experts_forward,  # noqa: F401
                                            moe_route_backward, moe_route_forward)
+from wgpu_train.engines.shared.short_conv import (short_conv_backward, short_conv_cached_forward,  # noqa: F401
+                                                  short_conv_forward)
 
 
 # ---- embedding -------------------------------------------------------------------------------
@@ -194,6 +196,18 @@ def sigmoid_gate_backward(dy, x, g):
     """Gradients of sigmoid_gate_forward: dx (N, C), dg (N, 1)."""
     s = _sigmoid(g)
     return dy * s, np.sum(dy * x, axis=-1, keepdims=True) * s * (1.0 - s)
+
+
+# ---- mul (LFM2's gates of its short convolution) --------------------------------------------------
+
+def mul_forward(a, b):
+    """a * b, elementwise on (N, C)."""
+    return a * b
+
+
+def mul_backward(dy, a, b):
+    """Gradients of mul_forward: da (N, C), db (N, C)."""
+    return dy * b, dy * a
 
 
 # ---- geglu -----------------------------------------------------------------------------------

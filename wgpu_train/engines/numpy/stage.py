@@ -10,6 +10,7 @@ from wgpu_train.engines.numpy.engine import NumpyEngine
 from wgpu_train.engines.numpy.steps import objective_scale
 from wgpu_train.engines.numpy.walk import Walk
 from wgpu_train.engines.shared.boundary import pack_boundary, unpack_boundary
+from wgpu_train.engines.shared.recurrent_state import advance, new_states, row_runs
 from wgpu_train.models.layer_plan import OUTPUT
 
 
@@ -33,7 +34,8 @@ class NumpyStage(NumpyEngine):
         shape = (batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
         return {"k": {i: np.zeros(shape, self.dtype) for i in self.span},
                 "v": {i: np.zeros(shape, self.dtype) for i in self.span},
-                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
+                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype,
+                **new_states(self.layer_ops.plans, self.span, batch, self.dtype)}
 
     def stage_new_cache(self, key: int, batch: int, max_len: int):
         """See PipelineStage.stage_new_cache."""
@@ -46,10 +48,13 @@ class NumpyStage(NumpyEngine):
     def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
         """See PipelineStage.stage_rows."""
         self.training = False
-        walk = Walk(1, len(rows), np.asarray(positions)[None], None, self._caches[key], rows, long_rope)
+        kv = self._caches[key]
+        walk = Walk(1, len(rows), np.asarray(positions)[None], None, kv, rows, long_rope,
+                    runs=row_runs(kv, np.asarray(rows), np.asarray(positions)))
         x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
         for i in self.span:
             x = self.layer_ops.forward(i, x, walk)[OUTPUT]
+        advance(kv, walk.runs)
         if not self.last:
             return self._send(x)
         return self._generation_head(x[last])                                  # (m, V)

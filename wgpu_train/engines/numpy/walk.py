@@ -8,13 +8,14 @@ from wgpu_train.models.config import ModelConfig
 
 class Walk:
     """What a walk over the layer plan needs besides the activations: the batch's shape (B, T), positions
-    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,); long_rope:
+    and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,), and where the cache
+    holds recurrent state each row's run of tokens (shared/recurrent_state.row_runs); long_rope:
     whether RoPE takes longrope's long factors; router_loss: a training forward's shared/moe.RouterLoss, or None
     (a mixture of experts without the router's auxiliary loss, or a dense model)."""
 
-    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False, router_loss=None):
+    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False, router_loss=None, runs=None):
         self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
-        self.long_rope, self.router_loss = long_rope, router_loss
+        self.long_rope, self.router_loss, self.runs = long_rope, router_loss, runs
 
     @property
     def real_tokens(self):

@@ -55,6 +55,9 @@ class WgpuEngine(EngineState):
         if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
                               f"and clamped SwiGLU yet; use --backend numpy")
+        if cfg.recurrent:
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run short-convolution layers yet; use "
+                              f"--backend numpy")
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
                               f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "

@@ -1,0 +1,65 @@
+"""LFM2 in config.json (Lfm2ForCausalLM): which layers are double-gated short convolutions and which attention, the
+convolution's kernel, the feed-forward width transformers derives from the block_* fields, and the field names
+that differ from Llama's (norm_eps, tie_embedding, block_ff_dim); the variants not implemented refused by field."""
+from __future__ import annotations
+
+from wgpu_train.errors import ConfigError, positive_field
+
+# transformers 5's Lfm2Config defaults, for fields a config.json leaves out
+DEFAULTS = {"vocab_size": 65536, "hidden_size": 2560, "intermediate_size": 12288, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 128000,
+            "norm_eps": 1e-5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+            "rope_theta": 1000000.0, "conv_L_cache": 3, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": True}
+LAYER_KINDS = ("conv", "full_attention")
+
+
+def lfm2_raw(raw: dict) -> dict:
+    """config.json with transformers' aliases resolved (tie_embedding, block_ff_dim) and norm_eps as rms_norm_eps."""
+    out = dict(raw)
+    if "tie_embedding" in out:
+        out["tie_word_embeddings"] = out.pop("tie_embedding")
+    if "block_ff_dim" in out:
+        out["intermediate_size"] = out.pop("block_ff_dim")
+    out["rms_norm_eps"] = out.get("norm_eps", 1e-5)
+    return out
+
+
+def feed_forward_size(raw: dict) -> int:
+    """The MLP's width as transformers' Lfm2MLP derives it: with block_auto_adjust_ff_dim, two thirds of
+    intermediate_size, then (with a block_ffn_dim_multiplier) times it, rounded up to block_multiple_of."""
+    size = int(raw["intermediate_size"])
+    if raw.get("block_auto_adjust_ff_dim"):
+        size = int(2 * size / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier")
+        if multiplier is not None:
+            size = int(multiplier * size)
+            multiple = int(raw["block_multiple_of"])
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+def conv_layers(raw: dict, layers: int, source: str) -> tuple:
+    """Per layer, whether it is a short convolution (layer_types "conv"), from layer_types or full_attn_idxs (the
+    attention layers; every layer without either, as transformers' default)."""
+    types = raw.get("layer_types")
+    if types is None:
+        attention = raw.get("full_attn_idxs")
+        attention = range(layers) if attention is None else attention
+        types = ["full_attention" if i in attention else "conv" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError(f"{source}: field 'layer_types' must list a kind for each of the {layers} layers")
+    unknown = [t for t in types if t not in LAYER_KINDS]
+    if unknown:
+        raise ConfigError(f"{source}: field 'layer_types' has the layer kind {unknown[0]!r}; supported: "
+                          f"{', '.join(LAYER_KINDS)}")
+    return tuple(t == "conv" for t in types)
+
+
+def lfm2_fields(raw: dict, layers: int, source: str) -> dict:
+    """The ModelConfig fields of an LFM2 config (lfm2_raw's) beyond Llama's."""
+    if raw.get("conv_bias"):
+        raise ConfigError(f"{source}: field 'conv_bias' is true; only convolutions without biases are supported")
+    kernel = int(positive_field(raw, "conv_L_cache", source))
+    return {"conv_kernel": kernel, "conv_layers": conv_layers(raw, layers, source),
+            "intermediate_size": feed_forward_size(raw)}
