@@ -78,7 +78,7 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
         return BackendChoice("numpy", None, "auto: the WebGPU engine does not run gpt-oss's sinks and expert "
                                             "biases yet")
     if cfg is not None and cfg.recurrent:
-        return BackendChoice("numpy", None, "auto: the WebGPU engine does not run short-convolution layers yet")
+        return BackendChoice("numpy", None, f"auto: the WebGPU engine does not run {cfg.recurrent_kind} layers yet")
     if named:                   # checked where it opens (a data-parallel run's list is split among its workers)
         return BackendChoice("wgpu", device, f"auto: --device names an adapter ({device})")
     if not runtime.has_adapter():

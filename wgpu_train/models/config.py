@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError, positive_field
-from wgpu_train.models import lfm2
+from wgpu_train.models import lfm2, qwen3_5
 from wgpu_train.models.moe import MoeConfig, moe_settings
 from wgpu_train.models.multimodal import WRAPPERS, from_wrapper
 from wgpu_train.models.rope import inv_freq, rope_settings
@@ -29,17 +29,20 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
     "Lfm2ForCausalLM": "lfm2",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
 # every family's, for LoRA targets: each family's modules in its order (an MoE layer's router "gate", gpt-oss's
 # "router", and Qwen2-MoE's shared expert's gate; its projections are matched by their last name, as PEFT matches them)
 KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                        "down_proj", "gate", "router", "shared_expert_gate", "in_proj", "out_proj", "w1", "w3", "w2")
+                        "down_proj", "gate", "router", "shared_expert_gate", "in_proj", "out_proj", "w1", "w3", "w2",
+                        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj")
 # LFM2's modules outside self_attn are named by their path under the layer (conv.in_proj, feed_forward.w1): its
 # short convolution's out_proj shares the attention's last name, as PEFT's targets do
-LAYER_GROUPS = ("conv", "feed_forward")
+LAYER_GROUPS = ("conv", "feed_forward", "linear_attn")     # linear_attn: Qwen3.5's Gated DeltaNet
 LFM2_ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
 LFM2_CONV = ("conv.in_proj", "conv.out_proj")
 LFM2_MLP = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")     # gate, up, down
@@ -92,6 +95,8 @@ _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 
                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FAMILY_DEFAULTS = {
     "lfm2": lfm2.DEFAULTS,
+    "qwen3_5": qwen3_5.DEFAULTS,
+    "qwen3_next": qwen3_5.DEFAULTS,
     "smollm3": {"tie_word_embeddings": True, "rms_norm_eps": 1e-6},
     "phi3": {"rms_norm_eps": 1e-5, "pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000,
              "max_position_embeddings": 4096},
@@ -212,6 +217,9 @@ class ModelConfig:
     rope_layers: tuple = ()      # per layer: whether it rotates q and k (SmolLM3's no_rope_layers); (): every layer
     conv_kernel: int = 0         # LFM2: its short convolutions' kernel (conv_L_cache)
     conv_layers: tuple = ()      # per layer: whether it is a short convolution (LFM2's "conv"); (): none is
+    linear_layers: tuple = ()    # per layer: whether it is Gated DeltaNet linear attention (Qwen3.5); (): none is
+    linear_attention: qwen3_5.LinearAttention | None = None   # those layers' heads and sizes
+    attn_output_gate: bool = False   # Qwen3.5: attention's output times sigmoid of a gate q_proj also writes
     wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -227,10 +235,20 @@ class ModelConfig:
         """Whether layer `layer` is a double-gated short convolution (LFM2) in place of attention."""
         return bool(self.conv_layers[layer]) if self.conv_layers else False
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) in place of attention."""
+        return bool(self.linear_layers[layer]) if self.linear_layers else False
+
     @property
     def recurrent(self) -> bool:
-        """Whether some layer keeps a per-row recurrent state in generation (a short convolution's window)."""
-        return any(self.conv_layers)
+        """Whether some layer keeps a per-row recurrent state in generation (a short convolution's window, a linear
+        attention's state)."""
+        return any(self.conv_layers) or any(self.linear_layers)
+
+    @property
+    def recurrent_kind(self) -> str:
+        """The recurrent layers' kind in words, for the WebGPU engine's refusal."""
+        return "linear-attention (Gated DeltaNet)" if any(self.linear_layers) else "short-convolution"
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding attention window in tokens, 0 for full causal attention."""
@@ -261,6 +279,8 @@ class ModelConfig:
         Qwen2-MoE's shared expert (layer_modules: one layer's)."""
         if self.family == "lfm2":
             return LFM2_ATTENTION + LFM2_CONV + LFM2_MLP
+        if self.linear_attention is not None:
+            return LINEAR_MODULES[:4] + self.linear_attention.modules + LINEAR_MODULES[4:]
         if self.moe is None:
             return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
         dense = LINEAR_MODULES[4:] if not all(self.moe.sparse) else ()
@@ -272,6 +292,8 @@ class ModelConfig:
         convolution and attention layers)."""
         if self.family == "lfm2":
             return (LFM2_CONV if self.is_conv(layer) else LFM2_ATTENTION) + LFM2_MLP
+        if self.linear_attention is not None:
+            return (self.linear_attention.modules if self.is_linear(layer) else LINEAR_MODULES[:4]) + LINEAR_MODULES[4:]
         if self.moe is None:
             return self.linear_modules
         if not self.moe.is_sparse(layer):
@@ -297,12 +319,12 @@ class ModelConfig:
         """(out_features, in_features) of one of a layer's linear modules (fused ones included)."""
         c, f = self.hidden_size, self.intermediate_size
         return {
-            "q_proj": (self.q_size, c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
+            "q_proj": (self.q_size * (2 if self.attn_output_gate else 1), c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
             "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
             "qkv_proj": (self.q_size + 2 * self.kv_size, c), "gate_up_proj": (2 * f, c),
             "out_proj": (c, self.q_size), "conv.in_proj": (3 * c, c), "conv.out_proj": (c, c),
             "feed_forward.w1": (f, c), "feed_forward.w3": (f, c), "feed_forward.w2": (c, f),
-            **self._moe_shapes(),
+            **self._moe_shapes(), **(self.linear_attention.shapes(c) if self.linear_attention else {}),
         }[module]
 
     def _moe_shapes(self) -> dict:
@@ -363,7 +385,8 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         layers = int(need("num_hidden_layers"))
         gemma = _gemma_fields(raw, source, family, layers, hidden, int(head_dim)) if family.startswith("gemma") else {}
-        liquid = lfm2.lfm2_fields(raw, layers, source) if family == "lfm2" else {}
+        liquid = lfm2.lfm2_fields(raw, layers, source) if family == "lfm2" else \
+            qwen3_5.qwen3_5_fields(raw, family, layers, source) if family in qwen3_5.FAMILIES else {}
         ff_size = liquid.pop("intermediate_size", None)
         act = raw.get("hidden_act", "silu")
         if not gemma and act not in ("silu", "swish"):   # Gemma's is its hidden_activation (_gemma_fields)
@@ -406,7 +429,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", "lfm2"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", "lfm2", *qwen3_5.FAMILIES),
             qk_norm_per_head=family != "olmoe",
             rope_layers=rope_layers,
             moe=moe,

@@ -24,9 +24,10 @@ class Op:
     the inputs it writes, one per input. param: the module of a linear op ("q_proj"), the weight of an
     rmsnorm under the layer ("input_layernorm.weight"). residual: an activation a linear op's output adds
     (y = residual + x W^T); the residual's gradient is the output's, so grads_out[0] carries on past it.
-    heads: "q" or "kv" where the op works per head (rope, a per-head rmsnorm): Hq or Hkv heads of head_dim.
-    factor: a scale op's constant. size: a short_conv op's kernel (its per-row state in generation: the last
-    size - 1 inputs).
+    heads: "q" or "kv" where the op works per head (rope, a per-head rmsnorm): Hq or Hkv heads of head_dim; "lk" or
+    "lv" the linear attention's key or value heads (LayerPlan.head_count); a split op with heads splits each head's
+    columns (Qwen3.5's q_proj: each head's query then its gate). factor: a scale op's constant. size: a short_conv
+    op's kernel (its per-row state in generation: the last size - 1 inputs); a delta_rule op's key head dim Dk.
 
     The kinds: rmsnorm (y, rstd of x), linear (base + LoRA), rope (in place), attention (out, lse of q, k,
     v), swiglu / geglu (m of gate, up), add (y = residual + x), scale (y = factor x), split (x's columns
@@ -35,7 +36,12 @@ class Op:
     weighted by the route; param: the experts' path under the layer, their gate / up projections kept for the
     backward) and sigmoid_gate (y = sigmoid(g) x, Qwen2-MoE's shared expert behind its gate); LFM2's mul (y = a b,
     elementwise) and short_conv (a causal depthwise convolution over each sequence, param: its weight (C, 1, size)
-    under the layer; a recurrent op: generation keeps its window per row, RECURRENT). An attention op's
+    under the layer; a recurrent op: generation keeps its window per row, RECURRENT); Qwen3.5's Gated DeltaNet:
+    silu (y = x sigmoid(x)), concat (split's inverse), l2norm (each head's vector over its norm), decay (g and
+    beta of the projections a and b, param: the path of A_log and dt_bias), delta_rule (the gated delta rule of q,
+    k, v, g, beta over each sequence, engines/shared/delta_rule.py; recurrent: generation keeps its (Hv, Dk, Dv)
+    state per row; param: the state's key) and gated_rmsnorm (each value head's rmsnorm times silu of z, its weight
+    (Dv,) without an offset). An attention op's
     param, where it has one, is its sinks (gpt-oss: a learned logit per head in the softmax's denominator). An input or
     output without a gradient (the expert indices) comes after those with one: grads_in / grads_out name one
     buffer per differentiable input / output, in order."""
@@ -101,6 +107,9 @@ class LayerPlan:
 
     def head_count(self, cfg: ModelConfig, op: Op) -> int:
         """Heads of a per-head op (Hq or Hkv); 1 for an op over whole token rows."""
+        if op.heads in ("lk", "lv"):
+            spec = cfg.linear_attention
+            return spec.key_heads if op.heads == "lk" else spec.value_heads
         return {"q": cfg.num_attention_heads, "kv": cfg.num_key_value_heads, "": 1}[op.heads]
 
 
@@ -119,10 +128,18 @@ _BACKWARD_READS = {          # the op kinds, and the activations each one's back
     "sigmoid_gate": lambda op: op.inputs,
     "mul": lambda op: op.inputs,
     "short_conv": lambda op: op.inputs,
+    "silu": lambda op: op.inputs,
+    "concat": lambda op: (),
+    "l2norm": lambda op: op.inputs,
+    "decay": lambda op: op.inputs,
+    "delta_rule": lambda op: op.inputs,
+    "gated_rmsnorm": lambda op: op.inputs,
 }
 KINDS = tuple(_BACKWARD_READS)
 # the recurrent kinds, and one row's state of an op of that kind in generation (in place of a KV cache)
-RECURRENT = {"short_conv": lambda op, widths: (op.size - 1, widths[op.inputs[0]])}
+RECURRENT = {"short_conv": lambda op, widths: (op.size - 1, widths[op.inputs[0]]),
+             "delta_rule": lambda op, widths: (widths[op.inputs[3]], op.size,
+                                               widths[op.inputs[2]] // widths[op.inputs[3]])}   # (Hv, Dk, Dv)
 
 
 def _check_buffers(ops: tuple):
@@ -172,7 +189,7 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
 
 _PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "qk_norm", "qk_norm_per_head", "query_scale", "hidden_act", "sandwich_norms", "fused_projections",
-                "attention_sinks", "family")
+                "attention_sinks", "family", "attn_output_gate")
 # a layer's norms and modules as the family names them: Llama's, or LFM2's (its MLP's gate / up / down are w1 / w3 / w2)
 _NAMES = {"llama": dict(norm1="input_layernorm.weight", norm2="post_attention_layernorm.weight",
                         q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", o="o_proj",
@@ -193,6 +210,49 @@ def _short_conv(c: int, kernel: int) -> tuple[list, dict, dict]:
            _linear("conv.out_proj", "cy", "x_mid", CARRY, "d_cy", residual=INPUT)]
     widths = {"bcx": 3 * c, "conv_b": c, "conv_c": c, "conv_x": c, "bx": c, "conv_y": c, "cy": c}
     grad_widths = {"d_bcx": 3 * c, "d_b": c, "d_c": c, "d_x": c, "d_bx": c, "d_y": c, "d_cy": c}
+    return ops, widths, grad_widths
+
+
+def _gated_delta_net(spec) -> tuple[list, dict, dict]:
+    """Qwen3.5's Gated DeltaNet from the normed input h1 to the residual stream x_mid: the in-projections (Qwen3.5's
+    four; Qwen3-Next's two, their rows interleaved per key head: split per key head, then q, k, v side by side),
+    the causal depthwise conv1d over q, k, v with SiLU, q and k l2-normalised, the decay g and beta of a and b, the
+    gated delta rule, each value head's RMSNorm gated by silu(z), out_proj."""
+    kd, vd, hv, conv = spec.keys, spec.values, spec.value_heads, spec.conv_width
+    if spec.fused:
+        ops = [_linear("linear_attn.in_proj_qkvz", "h1", "qkvz", "d_qkvz", "d_h"),
+               Op("split", ("qkvz",), ("qkv_q", "qkv_k", "qkv_v", "z"), ("d_qkv_q", "d_qkv_k", "d_qkv_v", "d_z"),
+                  ("d_qkvz",), heads="lk"),
+               Op("concat", ("qkv_q", "qkv_k", "qkv_v"), ("qkv",), ("d_qkv",), ("d_qkv_q", "d_qkv_k", "d_qkv_v")),
+               _linear("linear_attn.in_proj_ba", "h1", "ba", "d_ba", "d_h"),
+               Op("split", ("ba",), ("lin_b", "lin_a"), ("d_lin_b", "d_lin_a"), ("d_ba",), heads="lk")]
+        widths = {"qkvz": conv + vd, "qkv_q": kd, "qkv_k": kd, "qkv_v": vd, "ba": 2 * hv}
+        grad_widths = {"d_qkvz": conv + vd, "d_qkv_q": kd, "d_qkv_k": kd, "d_qkv_v": vd, "d_ba": 2 * hv}
+    else:
+        ops = [_linear("linear_attn.in_proj_qkv", "h1", "qkv", "d_qkv", "d_h"),
+               _linear("linear_attn.in_proj_z", "h1", "z", "d_z", "d_h"),
+               _linear("linear_attn.in_proj_b", "h1", "lin_b", "d_lin_b", "d_h"),
+               _linear("linear_attn.in_proj_a", "h1", "lin_a", "d_lin_a", "d_h")]
+        widths, grad_widths = {}, {}
+    ops += [Op("short_conv", ("qkv",), ("qkv_conv",), ("d_qkv_conv",), ("d_qkv",), param="linear_attn.conv1d.weight",
+               size=spec.conv_kernel),
+            Op("silu", ("qkv_conv",), ("qkv_act",), ("d_qkv_act",), ("d_qkv_conv",)),
+            Op("split", ("qkv_act",), ("lin_q", "lin_k", "lin_v"), ("d_lin_q", "d_lin_k", "d_lin_v"), ("d_qkv_act",)),
+            Op("l2norm", ("lin_q",), ("lin_qn",), ("d_lin_qn",), ("d_lin_q",), heads="lk"),
+            Op("l2norm", ("lin_k",), ("lin_kn",), ("d_lin_kn",), ("d_lin_k",), heads="lk"),
+            Op("decay", ("lin_a", "lin_b"), ("lin_g", "lin_beta"), ("d_lin_g", "d_lin_beta"), ("d_lin_a", "d_lin_b"),
+               param="linear_attn"),
+            Op("delta_rule", ("lin_qn", "lin_kn", "lin_v", "lin_g", "lin_beta"), ("core",), ("d_core",),
+               ("d_lin_qn", "d_lin_kn", "d_lin_v", "d_lin_g", "d_lin_beta"), param="linear_attn.state",
+               size=spec.key_dim),
+            Op("gated_rmsnorm", ("core", "z"), ("core_n",), ("d_core_n",), ("d_core", "d_z"),
+               param="linear_attn.norm.weight", heads="lv"),
+            _linear("linear_attn.out_proj", "core_n", "x_mid", CARRY, "d_core_n", residual=INPUT)]
+    widths.update(qkv=conv, z=vd, lin_b=hv, lin_a=hv, qkv_conv=conv, qkv_act=conv, lin_q=kd, lin_k=kd, lin_v=vd,
+                  lin_qn=kd, lin_kn=kd, lin_g=hv, lin_beta=hv, core=vd, core_n=vd)
+    grad_widths.update(d_qkv=conv, d_z=vd, d_lin_b=hv, d_lin_a=hv, d_qkv_conv=conv, d_qkv_act=conv, d_lin_q=kd,
+                       d_lin_k=kd, d_lin_v=vd, d_lin_qn=kd, d_lin_kn=kd, d_lin_g=hv, d_lin_beta=hv, d_core=vd,
+                       d_core_n=vd)
     return ops, widths, grad_widths
 
 
@@ -227,7 +287,7 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
 
 
 @lru_cache(maxsize=None)
-def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0) -> LayerPlan:
+def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0, linear=None) -> LayerPlan:
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
     names = _NAMES["lfm2" if cfg.family == "lfm2" else "llama"]
     c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
@@ -235,8 +295,8 @@ def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0) -> LayerPla
     q_proj, k_proj = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
     dq_proj, dk_proj = ("dq2", "dk2") if cfg.qk_norm else ("dq", "dk")
     ops = [_rmsnorm(names["norm1"], INPUT, "h1", "rstd1", "d_h", CARRY)]
-    if conv:        # LFM2's short convolution in place of attention
-        conv_ops, widths, grad_widths = _short_conv(c, conv)
+    if conv or linear:      # LFM2's short convolution, Qwen3.5's Gated DeltaNet in place of attention
+        conv_ops, widths, grad_widths = _short_conv(c, conv) if conv else _gated_delta_net(linear)
         ops += [*conv_ops, _rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY),
                 _linear(names["gate"], "h2", "gate", "d_gate", "d_h"), _linear(names["up"], "h2", "up", "d_up", "d_h"),
                 Op("swiglu", ("gate", "up"), ("m",), ("d_m",), ("d_gate", "d_up")),
@@ -247,6 +307,11 @@ def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0) -> LayerPla
     if cfg.fused_projections:    # Phi-3: one GEMM, its output split into q, k, v
         ops += [_linear("qkv_proj", "h1", "qkv", "d_qkv", "d_h"),
                 Op("split", ("qkv",), (q_proj, k_proj, "v"), (dq_proj, dk_proj, "dv"), ("d_qkv",))]
+    elif cfg.attn_output_gate:   # Qwen3.5: q_proj writes each head's query, then its output gate
+        ops += [_linear("q_proj", "h1", "q_gate", "d_q_gate", "d_h"),
+                Op("split", ("q_gate",), (q_proj, "att_gate"), (dq_proj, "d_att_gate"), ("d_q_gate",), heads="q"),
+                _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
+                _linear("v_proj", "h1", "v", "dv", "d_h")]
     else:
         ops += [_linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
                 _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
@@ -287,7 +352,12 @@ def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0) -> LayerPla
         widths.update(o=c, o_n=c, rstd_o=1, mlp=c, mlp_n=c, rstd_mlp=1)
         grad_widths.update(d_pre=c, d_post=c)
     else:
-        ops += [_linear(names["o"], "att", "x_mid", CARRY, "d_att", residual=INPUT),
+        if cfg.attn_output_gate:
+            ops.append(Op("sigmoid_gate", ("att", "att_gate"), ("att_g",), ("d_att_g",), ("d_att", "d_att_gate")))
+            widths.update(q_gate=2 * q, att_gate=q, att_g=q)
+            grad_widths.update(d_q_gate=2 * q, d_att_gate=q, d_att_g=q)
+        ops += [_linear(names["o"], "att_g" if cfg.attn_output_gate else "att", "x_mid", CARRY,
+                        "d_att_g" if cfg.attn_output_gate else "d_att", residual=INPUT),
                 _rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY)]
         if moe is None:
             ops += [*gate_up, glu, _linear(names["down"], "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
@@ -315,9 +385,11 @@ def layer_plan(cfg: ModelConfig, layer: int = 0) -> LayerPlan:
     (sandwich norms); Phi-3's fused q / k / v and gate / up projections, each split after its GEMM; a mixture
     of experts' router, routed experts and shared expert in place of the MLP on its sparse layers; gpt-oss's
     attention sinks; LFM2's names (operator_norm, ffn_norm, q / k_layernorm, out_proj, feed_forward.w1 / w3 / w2) and
-    its double-gated short convolution in place of attention on its conv layers."""
+    its double-gated short convolution in place of attention on its conv layers; Qwen3.5's and Qwen3-Next's Gated
+    DeltaNet on their linear-attention layers, and the sigmoid output gate of their full-attention layers."""
     return _plan(tuple(getattr(cfg, name) for name in _PLAN_FIELDS), cfg.moe if cfg.is_sparse(layer) else None,
-                 cfg.uses_rope(layer), cfg.conv_kernel if cfg.is_conv(layer) else 0)
+                 cfg.uses_rope(layer), cfg.conv_kernel if cfg.is_conv(layer) else 0,
+                 cfg.linear_attention if cfg.is_linear(layer) else None)
 
 
 def layer_plans(cfg: ModelConfig) -> list:

@@ -14,7 +14,10 @@ from wgpu_train.errors import AdapterError, ConfigError, ModelFileError
 
 log = logging.getLogger("wgpu_train")
 
-WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}    # multimodal class -> its text model's
+WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimodal class -> its text model's
+            "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+# the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
+_TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False}
 # Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
 # PEFT's adapters name now), and the older tree (language_model.model.*, with language_model.lm_head), which
 # hub checkpoints and transformers' save_pretrained still use for the files. Each: (body prefix, head path).
@@ -28,17 +31,17 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_te
 
 def from_wrapper(cls, raw: dict, source: str):
     """The ModelConfig of a multimodal checkpoint's language model, read from its text_config (transformers'
-    Gemma 3 text defaults where the hub's file leaves fields out, the top-level eos / bos ids where it has
-    none) as the multimodal class runs it: tied by the top-level tie_word_embeddings (transformers 5 ties
-    this class by its own config, default true), and with no soft-cap on the logits (the class's forward
-    applies none, whatever final_logit_softcapping says)."""
+    text defaults where the hub's file leaves fields out, the top-level eos / bos ids where it has none) as the
+    multimodal class runs it: tied by the top-level tie_word_embeddings (transformers 5 ties the class by its own
+    config: Gemma 3's default true, Qwen3.5's false), and with no soft-cap on the logits (Gemma 3's forward applies
+    none, whatever final_logit_softcapping says)."""
     arch = raw["architectures"][0]
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: a {arch} config needs a 'text_config' object")
     ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw and k not in text}
     cfg = cls.from_dict({**text, **ids, "architectures": [WRAPPERS[arch]]}, f"{source} (text_config)")
-    return dataclasses.replace(cfg, wrapper=arch, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+    return dataclasses.replace(cfg, wrapper=arch, tie_word_embeddings=bool(raw.get("tie_word_embeddings", _TIED_BY_DEFAULT[arch])),
                                logit_softcap=0.0, raw=raw)
 
 
@@ -127,9 +130,14 @@ def adapter_key_out(key: str) -> str:
 
 def target_regex(modules: tuple, layers: tuple | None) -> str:
     """PEFT target_modules selecting `modules` in `layers` (None: all) of the language model only: a regular
-    expression on module paths (a list of names would put LoRA on the vision tower's q_proj / v_proj too)."""
+    expression on module paths (a list of names would put LoRA on the vision tower's q_proj / v_proj too). Qwen3.5's
+    linear-attention modules name their own group (linear_attn.in_proj_qkv)."""
     which = r"\d+" if layers is None else "(?:" + "|".join(map(str, layers)) + ")"
-    return re.escape(LIVE[0]) + rf"layers\.{which}\.(?:self_attn|mlp)\.(?:{'|'.join(modules)})"
+    grouped = [re.escape(m) for m in modules if m.startswith("linear_attn.")]
+    plain = [m for m in modules if not m.startswith("linear_attn.")]
+    paths = ([rf"(?:self_attn|mlp)\.(?:{'|'.join(plain)})"] if plain else []) + grouped
+    body = paths[0] if len(paths) == 1 else f"(?:{'|'.join(paths)})"
+    return re.escape(LIVE[0]) + rf"layers\.{which}\.{body}"
 
 
 def carried_tensors(source: dict, names: dict, folder) -> dict:

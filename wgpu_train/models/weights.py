@@ -43,7 +43,11 @@ def expected_shapes(cfg: ModelConfig) -> dict:
         shapes.update({f"model.layers.{i}.{op.param}": (d if op.heads else plan.widths[op.inputs[0]],)
                        for op in plan.ops if op.kind == "rmsnorm"})
         shapes.update({f"model.layers.{i}.{op.param}": (plan.widths[op.inputs[0]], 1, op.size)
-                       for op in plan.ops if op.kind == "short_conv"})      # LFM2's depthwise Conv1d weight
+                       for op in plan.ops if op.kind == "short_conv"})      # LFM2's, Qwen3.5's depthwise Conv1d weight
+        shapes.update({f"model.layers.{i}.{op.param}": (plan.widths[op.inputs[0]] // plan.head_count(cfg, op),)
+                       for op in plan.ops if op.kind == "gated_rmsnorm"})   # Qwen3.5's gated norm, per value head
+        shapes.update({f"model.layers.{i}.{op.param}.{p}": (plan.widths[op.outputs[0]],)
+                       for op in plan.ops if op.kind == "decay" for p in ("A_log", "dt_bias")})
         for m in cfg.layer_modules(i):
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
         if cfg.is_sparse(i):

@@ -10,6 +10,7 @@ from wgpu_train.models.layer_plan import CARRY, INPUT, LayerPlan
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.walk import Walk
+from wgpu_train.engines.shared.gated_deltanet import CHUNK
 from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.shared.moe import ClampedSwiGLU
 from wgpu_train.engines.shared.quant import round_to
@@ -104,8 +105,12 @@ class LayerOps:
         a[op.outputs[0]] = a[op.inputs[0]] * self.dtype.type(op.factor)
 
     def _forward_split(self, op, i, a, walk):
-        parts = ops.split_forward(a[op.inputs[0]], [self.plans[i].widths[y] for y in op.outputs])
+        parts = ops.split_forward(a[op.inputs[0]], [self.plans[i].widths[y] for y in op.outputs],
+                                  self.plans[i].head_count(self.cfg, op))
         a.update(zip(op.outputs, parts))
+
+    def _forward_concat(self, op, i, a, walk):
+        a[op.outputs[0]] = ops.split_backward([a[name] for name in op.inputs])
 
     def _forward_route(self, op, i, a, walk):
         spec = self.cfg.moe
@@ -155,6 +160,59 @@ class LayerOps:
                 before = state[row] if start else np.zeros_like(state[row])
                 y[idx], state[row] = ops.short_conv_cached_forward(x[idx], before, w)
         a[op.outputs[0]] = y
+
+    def _forward_silu(self, op, i, a, walk):
+        a[op.outputs[0]] = ops.silu_forward(a[op.inputs[0]])
+
+    def _per_head(self, i, op, x):
+        """x (N, H*D) as (N, H, D) over the op's heads."""
+        return x.reshape(len(x), self.plans[i].head_count(self.cfg, op), -1)
+
+    def _forward_l2norm(self, op, i, a, walk):
+        x = a[op.inputs[0]]
+        a[op.outputs[0]] = ops.l2norm_forward(self._per_head(i, op, x))[0].reshape(x.shape)
+
+    def _decay_weights(self, i, op):
+        """Layer i's A_log and dt_bias (Hv,), and their names."""
+        names = [f"model.layers.{i}.{op.param}.{p}" for p in ("A_log", "dt_bias")]
+        return [self.w[n] for n in names], names
+
+    def _forward_decay(self, op, i, a, walk):
+        (a_log, dt_bias), _ = self._decay_weights(i, op)
+        a[op.outputs[0]], a[op.outputs[1]] = ops.decay_forward(a[op.inputs[0]], a[op.inputs[1]], a_log, dt_bias)
+
+    def _rule_inputs(self, i, op, a, walk):
+        """The delta rule's q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g, beta (B, T, Hv) from the activations."""
+        spec = self.cfg.linear_attention
+        q, k, v, g, beta = (a[name] for name in op.inputs)
+        heads = (spec.key_heads, spec.key_heads, spec.value_heads)
+        return [x.reshape(walk.b, walk.t, h, -1) for x, h in zip((q, k, v), heads)] + \
+            [x.reshape(walk.b, walk.t, -1) for x in (g, beta)]
+
+    def _forward_delta_rule(self, op, i, a, walk):
+        spec = self.cfg.linear_attention
+        if walk.kv is None:     # a batch of sequences: each segment's state starts from zero
+            out = ops.gated_delta_rule_forward(*self._rule_inputs(i, op, a, walk), CHUNK, segments=walk.segments)[0]
+        else:                   # generation: each row's tokens after its recurrent state (Hv, Dk, Dv)
+            state = walk.kv["state"][i][op.param]                               # (rows, Hv, Dk, Dv)
+            q, k, v, g, beta = (a[name] for name in op.inputs)
+            out = np.empty((len(v), spec.value_heads, spec.value_dim), dtype=v.dtype)
+            for row, idx, start in walk.runs:
+                before = state[row] if start else np.zeros_like(state[row])
+                args = [x[idx].reshape(len(idx), h, -1) for x, h in
+                        zip((q, k, v), (spec.key_heads, spec.key_heads, spec.value_heads))] + [g[idx], beta[idx]]
+                if len(idx) == 1:       # one token: the recurrent step
+                    y, state[row] = ops.gated_delta_rule_step(*args, before[None])
+                    out[idx] = y
+                else:                   # a prefill: the chunked form from the row's state
+                    y, final, _ = ops.gated_delta_rule_forward(*[x[None] for x in args], CHUNK, before[None])
+                    out[idx], state[row] = y[0], final[0]
+        a[op.outputs[0]] = out.reshape(len(a[op.inputs[2]]), -1).astype(a[op.inputs[2]].dtype, copy=False)
+
+    def _forward_gated_rmsnorm(self, op, i, a, walk):
+        x, z = (self._per_head(i, op, a[name]) for name in op.inputs)
+        y = ops.gated_rmsnorm_forward(x, z, self.w[self._norm_weight(i, op)], self.cfg.rms_norm_eps)
+        a[op.outputs[0]] = y.reshape(a[op.inputs[0]].shape)
 
 
     def backward(self, i: int, a: dict, dx, walk: Walk):
@@ -210,7 +268,10 @@ class LayerOps:
         return [dys[0] * self.dtype.type(op.factor)]
 
     def _backward_split(self, op, i, a, dys, walk):
-        return [ops.split_backward(dys)]
+        return [ops.split_backward(dys, self.plans[i].head_count(self.cfg, op))]
+
+    def _backward_concat(self, op, i, a, dys, walk):
+        return ops.split_forward(dys[0], [self.plans[i].widths[x] for x in op.inputs])
 
     def _backward_route(self, op, i, a, dys, walk):
         dprobs = walk.router_loss.dprobs(walk.real_tokens) if walk.router_loss is not None else None
@@ -245,3 +306,38 @@ class LayerOps:
         if dw is not None:
             self.add_grad(name, dw)
         return [dx.reshape(x.shape)]
+
+    def _backward_silu(self, op, i, a, dys, walk):
+        return [ops.silu_backward(dys[0], a[op.inputs[0]])]
+
+    def _backward_l2norm(self, op, i, a, dys, walk):
+        x = self._per_head(i, op, a[op.inputs[0]])
+        y, inv_norm = ops.l2norm_forward(x)
+        return [ops.l2norm_backward(self._per_head(i, op, dys[0]), y, inv_norm).reshape(dys[0].shape)]
+
+    def _backward_decay(self, op, i, a, dys, walk):
+        (a_log, dt_bias), names = self._decay_weights(i, op)
+        trained = any(self.trains(n) for n in names)
+        da, db, d_a_log, d_dt_bias = ops.decay_backward(dys[0], dys[1], a[op.inputs[0]], a[op.inputs[1]], a_log,
+                                                        dt_bias, need_weight_grad=trained)
+        if trained:
+            self.add_grad(names[0], d_a_log)
+            self.add_grad(names[1], d_dt_bias)
+        return [da, db]
+
+    def _backward_delta_rule(self, op, i, a, dys, walk):
+        inputs = self._rule_inputs(i, op, a, walk)
+        states = ops.gated_delta_rule_forward(*inputs, CHUNK, segments=walk.segments)[2]   # recomputed
+        dout = dys[0].reshape(inputs[2].shape)
+        grads = ops.gated_delta_rule_backward(dout, *inputs, states, CHUNK, segments=walk.segments)
+        return [g.reshape(a[name].shape).astype(a[name].dtype, copy=False) for g, name in zip(grads, op.inputs)]
+
+    def _backward_gated_rmsnorm(self, op, i, a, dys, walk):
+        name = self._norm_weight(i, op)
+        d = self.w[name].shape[0]
+        dy, x, z = (t.reshape(-1, d) for t in (dys[0], a[op.inputs[0]], a[op.inputs[1]]))   # (N Hv, Dv)
+        dx, dz, dw = ops.gated_rmsnorm_backward(dy, x, z, self.w[name], self.cfg.rms_norm_eps,
+                                                need_weight_grad=self.trains(name))
+        if dw is not None:
+            self.add_grad(name, dw)
+        return [dx.reshape(dys[0].shape), dz.reshape(dys[0].shape)]

@@ -14,7 +14,12 @@ from wgpu_train.data.records import IGNORE_INDEX
 # pairs
 from wgpu_train.engines.shared.attention import (attention_backward, attention_cached_forward,  # noqa: F401
                                                  attention_forward, softcap_forward)
+from wgpu_train.engines.shared.delta_rule import (gated_delta_rule_backward, gated_delta_rule_forward,  # noqa: F401
+                                                  gated_delta_rule_step, l2norm_backward, l2norm_forward)
 from wgpu_train.engines.shared.dropout import pcg_hash
+from wgpu_train.engines.shared.gated_deltanet import (decay_backward, decay_forward,  # noqa: F401
+                                                      gated_rmsnorm_backward, gated_rmsnorm_forward, silu_backward,
+                                                      silu_forward)
 from wgpu_train.engines.shared.moe import (moe_experts_backward, moe_experts_forward,  # noqa: F401
                                            moe_route_backward, moe_route_forward)
 from wgpu_train.engines.shared.short_conv import (short_conv_backward, short_conv_cached_forward,  # noqa: F401
@@ -157,14 +162,18 @@ def rope_backward(dy, positions, inv_freq, scale=1.0):
 
 # ---- split (a fused projection's output) -----------------------------------------------------
 
-def split_forward(x, widths):
-    """x (N, sum(widths)) -> its column blocks [(N, w) for w in widths], in order."""
-    return np.split(x, np.cumsum(widths)[:-1], axis=-1)
+def split_forward(x, widths, heads: int = 1):
+    """x (N, sum(widths)) -> its column blocks [(N, w) for w in widths], in order; with heads H, each head's columns
+    (N, H, sum(widths) / H) are split into its blocks of w / H, each block (N, w) the heads' parts in head order."""
+    n = x.shape[0]
+    parts = np.split(x.reshape(n, heads, -1), np.cumsum(widths)[:-1] // heads, axis=-1)
+    return [p.reshape(n, -1) for p in parts]
 
 
-def split_backward(dys):
-    """The blocks' gradients [(N, w), ...] side by side: (N, sum(w))."""
-    return np.concatenate(dys, axis=-1)
+def split_backward(dys, heads: int = 1):
+    """The blocks' gradients [(N, w), ...] side by side (each head's, with heads H): (N, sum(w))."""
+    n = dys[0].shape[0]
+    return np.concatenate([d.reshape(n, heads, -1) for d in dys], axis=-1).reshape(n, -1)
 
 
 # ---- swiglu ----------------------------------------------------------------------------------
@@ -188,14 +197,16 @@ def swiglu_backward(dh, gate, up):
 # ---- sigmoid gate (Qwen2-MoE's shared expert) ----------------------------------------------------
 
 def sigmoid_gate_forward(x, g):
-    """x (N, C) times sigmoid(g) (N, 1): y (N, C)."""
+    """x (N, C) times sigmoid(g), g (N, 1) (one gate per token: Qwen2-MoE's shared expert) or (N, C) (one per
+    element: Qwen3.5's attention output gate): y (N, C)."""
     return x * _sigmoid(g)
 
 
 def sigmoid_gate_backward(dy, x, g):
-    """Gradients of sigmoid_gate_forward: dx (N, C), dg (N, 1)."""
+    """Gradients of sigmoid_gate_forward: dx (N, C), dg (g's shape)."""
     s = _sigmoid(g)
-    return dy * s, np.sum(dy * x, axis=-1, keepdims=True) * s * (1.0 - s)
+    dxs = dy * x if g.shape[-1] == x.shape[-1] else np.sum(dy * x, axis=-1, keepdims=True)
+    return dy * s, dxs * s * (1.0 - s)
 
 
 # ---- mul (LFM2's gates of its short convolution) --------------------------------------------------

@@ -56,7 +56,7 @@ class WgpuEngine(EngineState):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
                               f"and clamped SwiGLU yet; use --backend numpy")
         if cfg.recurrent:
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run short-convolution layers yet; use "
+            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
                               f"--backend numpy")
         if not attention_kernels.supported_head_dim(cfg.head_dim):
             raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
