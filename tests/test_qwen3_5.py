@@ -90,11 +90,41 @@ def test_unsupported_configs_are_one_line(change, message):
     assert "\n" not in str(err.value)
 
 
-def test_qwen3_next_experts_are_refused_in_one_line():
-    raw = {**QWEN3_5, "architectures": ["Qwen3NextForCausalLM"], "num_experts": 512}
-    with pytest.raises(ConfigError, match="field 'num_experts' is 512") as err:
-        ModelConfig.from_dict(raw)
-    assert "\n" not in str(err.value)
+def test_qwen3_next_with_experts_matches_transformers_and_peft(tmp_path):
+    """Qwen3-Next's mixture of experts (a shared expert behind its sigmoid gate, as Qwen2-MoE's) after its linear-
+    and full-attention layers, a dense layer among them (mlp_only_layers): logits, LoRA gradients on the experts and
+    both layer kinds against PEFT, greedy generation through the recurrent state and the routed experts."""
+    import transformers as tf
+
+    torch.manual_seed(6)
+    cfg = tf.Qwen3NextConfig(**QWEN3_5, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=11,
+                             shared_expert_intermediate_size=9, mlp_only_layers=[1], norm_topk_prob=True)
+    hf = _randomise(tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager",
+                                                        experts_implementation="eager"))
+    hf.save_pretrained(tmp_path / "model")
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=3, lora_alpha=5, target_modules=["in_proj_qkvz", "q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])), 2)
+    pm.save_pretrained(tmp_path / "adapter")
+    ids, labels, mask = padded_batch(3, 40, 30, 2)
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default.", "."): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    model = load_model(tmp_path / "model", backend="numpy")
+    assert model.config.moe is not None and model.config.moe.sparse == (True, False, True)
+    model.load_adapter(tmp_path / "adapter")
+    real = mask.astype(bool)
+    assert_close(model.logits(ids, mask)[real], out.logits.detach().numpy()[real], "hybrid_moe_logits_f32", "logits")
+    loss, grads = model.loss_and_grads(ids, labels, mask)
+    assert_close(loss, out.loss.item(), "loss_f32", "loss")
+    assert set(grads) == set(expected) and any("experts.base_layer.lora_A" in k for k in grads)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    prompt = [5, 17, 3, 40, 22, 8]
+    with torch.no_grad():
+        want = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                           eos_token_id=None)[0, len(prompt):].tolist()
+    assert model.generate(prompt, max_new_tokens=6) == want
 
 
 def test_logits_loss_and_lora_gradients_match_peft(qwen):

@@ -274,32 +274,40 @@ class ModelConfig:
 
     @property
     def linear_modules(self) -> tuple:
-        """Every layer kind's linear modules in order: Llama's seven, or Phi-3's four with q/k/v and gate/up fused;
-        a mixture of experts' attention modules, the dense MLP's where some layer is dense, the router, and
-        Qwen2-MoE's shared expert (layer_modules: one layer's)."""
-        if self.family == "lfm2":
-            return LFM2_ATTENTION + LFM2_CONV + LFM2_MLP
-        if self.linear_attention is not None:
-            return LINEAR_MODULES[:4] + self.linear_attention.modules + LINEAR_MODULES[4:]
-        if self.moe is None:
-            return FUSED_LINEAR_MODULES if self.fused_projections else LINEAR_MODULES
-        dense = LINEAR_MODULES[4:] if not all(self.moe.sparse) else ()
-        shared = SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ()
-        return LINEAR_MODULES[:4] + dense + (self.moe.router,) + shared
+        """Every layer kind's linear modules, each once: the attention's, the other token mixers', the dense
+        MLP's, then a mixture of experts' router and shared expert (layer_modules: one layer's)."""
+        parts = [self._layer_parts(i) for i in range(self.num_hidden_layers)]
+        attention = self._attention_modules()
+        mixers = sorted({mixer for mixer, _ in parts}, key=lambda m: m != attention)
+        mlps = sorted({mlp for _, mlp in parts}, key=lambda m: m[0] == self.moe.router if self.moe else False)
+        return tuple(dict.fromkeys(m for group in mixers + mlps for m in group))
 
     def layer_modules(self, layer: int) -> tuple:
-        """Layer `layer`'s linear modules in order (an MoE model's sparse and dense layers differ, and LFM2's
-        convolution and attention layers)."""
+        """Layer `layer`'s linear modules in order: its token mixer's (attention's: Llama's four, Phi-3's fused
+        two, LFM2's; LFM2's convolution; Qwen3.5's linear attention), then its channel mixer's (the dense MLP; a
+        mixture of experts' router and its shared expert, the experts themselves being 3-D tensors)."""
+        mixer, mlp = self._layer_parts(layer)
+        return mixer + mlp
+
+    def _attention_modules(self) -> tuple:
         if self.family == "lfm2":
-            return (LFM2_CONV if self.is_conv(layer) else LFM2_ATTENTION) + LFM2_MLP
-        if self.linear_attention is not None:
-            return (self.linear_attention.modules if self.is_linear(layer) else LINEAR_MODULES[:4]) + LINEAR_MODULES[4:]
-        if self.moe is None:
-            return self.linear_modules
-        if not self.moe.is_sparse(layer):
-            return LINEAR_MODULES
-        return tuple(m for m in self.linear_modules if m in ATTENTION_MODULES or m == self.moe.router
-                     or m in SHARED_EXPERT_MODULES)
+            return LFM2_ATTENTION
+        return FUSED_LINEAR_MODULES[:2] if self.fused_projections else LINEAR_MODULES[:4]
+
+    def _layer_parts(self, layer: int) -> tuple[tuple, tuple]:
+        """(the token mixer's linear modules, the channel mixer's) of layer `layer`."""
+        lfm2 = self.family == "lfm2"
+        if lfm2 and self.is_conv(layer):
+            mixer = LFM2_CONV
+        elif self.linear_attention is not None and self.is_linear(layer):
+            mixer = self.linear_attention.modules
+        else:
+            mixer = self._attention_modules()
+        if self.is_sparse(layer):
+            mlp = (self.moe.router,) + (SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ())
+        else:
+            mlp = LFM2_MLP if lfm2 else FUSED_LINEAR_MODULES[2:] if self.fused_projections else LINEAR_MODULES[4:]
+        return mixer, mlp
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""

@@ -286,41 +286,36 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
     return ops, widths, grad_widths
 
 
-@lru_cache(maxsize=None)
-def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0, linear=None) -> LayerPlan:
-    cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
-    names = _NAMES["lfm2" if cfg.family == "lfm2" else "llama"]
-    c, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+def _attention(cfg, names: dict, rope: bool) -> tuple[list, dict, dict]:
+    """Self-attention from the normed input h1 up to its output att (the heads side by side): the q / k / v
+    projections (Phi-3's fused one, split; Qwen3.5's q_proj with each head's output gate beside its query),
+    q / k norms, RoPE (not on SmolLM3's NoPE layers), a query scale, attention (with gpt-oss's sinks)."""
+    q, kv, hq, hkv = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.num_key_value_heads
     q_proj, k_proj = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
     dq_proj, dk_proj = ("dq2", "dk2") if cfg.qk_norm else ("dq", "dk")
-    ops = [_rmsnorm(names["norm1"], INPUT, "h1", "rstd1", "d_h", CARRY)]
-    if conv or linear:      # LFM2's short convolution, Qwen3.5's Gated DeltaNet in place of attention
-        conv_ops, widths, grad_widths = _short_conv(c, conv) if conv else _gated_delta_net(linear)
-        ops += [*conv_ops, _rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY),
-                _linear(names["gate"], "h2", "gate", "d_gate", "d_h"), _linear(names["up"], "h2", "up", "d_up", "d_h"),
-                Op("swiglu", ("gate", "up"), ("m",), ("d_m",), ("d_gate", "d_up")),
-                _linear(names["down"], "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
-        widths.update({INPUT: c, "h1": c, "rstd1": 1, "x_mid": c, "h2": c, "rstd2": 1, "gate": f, "up": f, "m": f})
-        grad_widths.update({CARRY: c, "d_h": c, "d_gate": f, "d_up": f, "d_m": f})
-        return LayerPlan.build(ops, widths, grad_widths)
+    widths = {"q": q, "k": kv, "v": kv, "att": q, "lse": hq}
+    grad_widths = {"d_att": q, "dq": q, "dk": kv, "dv": kv}
     if cfg.fused_projections:    # Phi-3: one GEMM, its output split into q, k, v
-        ops += [_linear("qkv_proj", "h1", "qkv", "d_qkv", "d_h"),
-                Op("split", ("qkv",), (q_proj, k_proj, "v"), (dq_proj, dk_proj, "dv"), ("d_qkv",))]
+        ops = [_linear("qkv_proj", "h1", "qkv", "d_qkv", "d_h"),
+               Op("split", ("qkv",), (q_proj, k_proj, "v"), (dq_proj, dk_proj, "dv"), ("d_qkv",))]
+        widths["qkv"], grad_widths["d_qkv"] = q + 2 * kv, q + 2 * kv
     elif cfg.attn_output_gate:   # Qwen3.5: q_proj writes each head's query, then its output gate
-        ops += [_linear("q_proj", "h1", "q_gate", "d_q_gate", "d_h"),
-                Op("split", ("q_gate",), (q_proj, "att_gate"), (dq_proj, "d_att_gate"), ("d_q_gate",), heads="q"),
-                _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
-                _linear("v_proj", "h1", "v", "dv", "d_h")]
+        ops = [_linear("q_proj", "h1", "q_gate", "d_q_gate", "d_h"),
+               Op("split", ("q_gate",), (q_proj, "att_gate"), (dq_proj, "d_att_gate"), ("d_q_gate",), heads="q"),
+               _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
+               _linear("v_proj", "h1", "v", "dv", "d_h")]
     else:
-        ops += [_linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
-                _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
-                _linear("v_proj", "h1", "v", "dv", "d_h")]
+        ops = [_linear("q_proj", "h1", q_proj, dq_proj, "d_h"),
+               _linear("k_proj", "h1", k_proj, dk_proj, "d_h"),
+               _linear("v_proj", "h1", "v", "dv", "d_h")]
     if cfg.qk_norm:      # over each head, or over the whole projection (OLMoE)
         ops += [_rmsnorm(names["q_norm"], "q_pre", "q", "rstd_q", "dq", "dq2",
                          heads="q" if cfg.qk_norm_per_head else ""),
                 _rmsnorm(names["k_norm"], "k_pre", "k", "rstd_k", "dk", "dk2",
                          heads="kv" if cfg.qk_norm_per_head else "")]
+        widths.update(q_pre=q, k_pre=kv, rstd_q=hq if cfg.qk_norm_per_head else 1,
+                      rstd_k=hkv if cfg.qk_norm_per_head else 1)
+        grad_widths.update(dq2=q, dk2=kv)
     if rope:        # SmolLM3's NoPE layers leave q and k unrotated
         ops += [Op("rope", ("q",), ("q",), ("dq",), ("dq",), heads="q"),
                 Op("rope", ("k",), ("k",), ("dk",), ("dk",), heads="kv")]
@@ -328,53 +323,83 @@ def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0, linear=None
         ops.append(Op("scale", ("q",), ("q",), ("dq",), ("dq",), factor=cfg.query_scale))
     ops.append(Op("attention", ("q", "k", "v"), ("att", "lse"), ("d_att",), ("dq", "dk", "dv"),
                   param="self_attn.sinks" if cfg.attention_sinks else ""))
-    glu = Op("geglu" if cfg.hidden_act == "gelu_tanh" else "swiglu", ("gate", "up"), ("m",), ("d_m",),
-             ("d_gate", "d_up"))
-    gate_up = [_linear("gate_up_proj", "h2", "gate_up", "d_gate_up", "d_h"),
-               Op("split", ("gate_up",), ("gate", "up"), ("d_gate", "d_up"), ("d_gate_up",))] \
-        if cfg.fused_projections else [_linear(names["gate"], "h2", "gate", "d_gate", "d_h"),
-                                       _linear(names["up"], "h2", "up", "d_up", "d_h")]
-    widths = {INPUT: c, "h1": c, "rstd1": 1, "q": q, "k": kv, "v": kv, "att": q, "lse": hq, "x_mid": c, "h2": c,
-              "rstd2": 1, "gate": f, "up": f, "m": f}
-    grad_widths = {CARRY: c, "d_h": c, "d_att": q, "dq": q, "dk": kv, "dv": kv, "d_gate": f, "d_up": f, "d_m": f}
-    if cfg.sandwich_norms:
-        # Gemma: each branch's output is normed before the residual add; the branch's pre-norm output and
-        # its gradient, and the normed one's, use d_pre / d_post (the attention's, then the MLP's)
-        ops += [_linear("o_proj", "att", "o", "d_pre", "d_att"),
-                _rmsnorm("post_attention_layernorm.weight", "o", "o_n", "rstd_o", "d_post", "d_pre"),
-                Op("add", ("o_n",), ("x_mid",), (CARRY,), ("d_post",), residual=INPUT),
-                _rmsnorm("pre_feedforward_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
-                *gate_up,
-                glu,
-                _linear("down_proj", "m", "mlp", "d_pre", "d_m"),
-                _rmsnorm("post_feedforward_layernorm.weight", "mlp", "mlp_n", "rstd_mlp", "d_post", "d_pre"),
-                Op("add", ("mlp_n",), (OUTPUT,), (CARRY,), ("d_post",), residual="x_mid")]
-        widths.update(o=c, o_n=c, rstd_o=1, mlp=c, mlp_n=c, rstd_mlp=1)
-        grad_widths.update(d_pre=c, d_post=c)
-    else:
-        if cfg.attn_output_gate:
-            ops.append(Op("sigmoid_gate", ("att", "att_gate"), ("att_g",), ("d_att_g",), ("d_att", "d_att_gate")))
-            widths.update(q_gate=2 * q, att_gate=q, att_g=q)
-            grad_widths.update(d_q_gate=2 * q, d_att_gate=q, d_att_g=q)
-        ops += [_linear(names["o"], "att_g" if cfg.attn_output_gate else "att", "x_mid", CARRY,
-                        "d_att_g" if cfg.attn_output_gate else "d_att", residual=INPUT),
-                _rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY)]
-        if moe is None:
-            ops += [*gate_up, glu, _linear(names["down"], "m", OUTPUT, CARRY, "d_m", residual="x_mid")]
-        else:
-            for name in ("gate", "up", "m", "d_gate", "d_up", "d_m"):
-                (grad_widths if name.startswith("d_") else widths).pop(name)
-            moe_ops, moe_widths, moe_grads = _experts_mlp(moe, c)
-            ops += moe_ops
-            widths.update(moe_widths)
-            grad_widths.update(moe_grads)
-    if cfg.qk_norm:
-        widths.update(q_pre=q, k_pre=kv, rstd_q=hq if cfg.qk_norm_per_head else 1,
-                      rstd_k=hkv if cfg.qk_norm_per_head else 1)
-        grad_widths.update(dq2=q, dk2=kv)
+    return ops, widths, grad_widths
+
+
+def _attention_mixer(cfg, names: dict, rope: bool) -> tuple[list, dict, dict]:
+    """Self-attention from h1 to the residual stream x_mid: _attention, Qwen3.5's output gate, o_proj added to
+    the layer's input."""
+    ops, widths, grad_widths = _attention(cfg, names, rope)
+    out, d_out = "att", "d_att"
+    if cfg.attn_output_gate:
+        q = cfg.q_size
+        ops.append(Op("sigmoid_gate", ("att", "att_gate"), ("att_g",), ("d_att_g",), ("d_att", "d_att_gate")))
+        widths.update(q_gate=2 * q, att_gate=q, att_g=q)
+        grad_widths.update(d_q_gate=2 * q, d_att_gate=q, d_att_g=q)
+        out, d_out = "att_g", "d_att_g"
+    return ops + [_linear(names["o"], out, "x_mid", CARRY, d_out, residual=INPUT)], widths, grad_widths
+
+
+def _dense_mlp(cfg, names: dict, h: str, out: str, d_out: str, residual: str) -> tuple[list, dict, dict]:
+    """The gated MLP from its normed input h to `out` (added to `residual`, if any): gate and up (Phi-3's fused
+    gate_up, split), SwiGLU or Gemma's GeGLU, down."""
+    f = cfg.intermediate_size
     if cfg.fused_projections:
-        widths.update(qkv=q + 2 * kv, gate_up=2 * f)
-        grad_widths.update(d_qkv=q + 2 * kv, d_gate_up=2 * f)
+        ops = [_linear("gate_up_proj", h, "gate_up", "d_gate_up", "d_h"),
+               Op("split", ("gate_up",), ("gate", "up"), ("d_gate", "d_up"), ("d_gate_up",))]
+    else:
+        ops = [_linear(names["gate"], h, "gate", "d_gate", "d_h"), _linear(names["up"], h, "up", "d_up", "d_h")]
+    ops += [Op("geglu" if cfg.hidden_act == "gelu_tanh" else "swiglu", ("gate", "up"), ("m",), ("d_m",),
+               ("d_gate", "d_up")),
+            _linear(names["down"], "m", out, d_out, "d_m", residual=residual)]
+    widths, grad_widths = {"gate": f, "up": f, "m": f}, {"d_gate": f, "d_up": f, "d_m": f}
+    if cfg.fused_projections:
+        widths["gate_up"], grad_widths["d_gate_up"] = 2 * f, 2 * f
+    return ops, widths, grad_widths
+
+
+def _sandwich(cfg, names: dict, rope: bool) -> tuple[list, dict, dict]:
+    """Gemma's layer after the input norm: each branch's output is normed before the residual add; the branch's
+    pre-norm output and its gradient, and the normed one's, use d_pre / d_post (the attention's, then the
+    MLP's)."""
+    c = cfg.hidden_size
+    ops, widths, grad_widths = _attention(cfg, names, rope)
+    mlp, mlp_widths, mlp_grads = _dense_mlp(cfg, names, "h2", "mlp", "d_pre", "")
+    ops += [_linear("o_proj", "att", "o", "d_pre", "d_att"),
+            _rmsnorm("post_attention_layernorm.weight", "o", "o_n", "rstd_o", "d_post", "d_pre"),
+            Op("add", ("o_n",), ("x_mid",), (CARRY,), ("d_post",), residual=INPUT),
+            _rmsnorm("pre_feedforward_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
+            *mlp,
+            _rmsnorm("post_feedforward_layernorm.weight", "mlp", "mlp_n", "rstd_mlp", "d_post", "d_pre"),
+            Op("add", ("mlp_n",), (OUTPUT,), (CARRY,), ("d_post",), residual="x_mid")]
+    widths.update(mlp_widths, o=c, o_n=c, rstd_o=1, mlp=c, mlp_n=c, rstd_mlp=1)
+    grad_widths.update(mlp_grads, d_pre=c, d_post=c)
+    return ops, widths, grad_widths
+
+
+@lru_cache(maxsize=None)
+def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0, linear=None) -> LayerPlan:
+    """A layer from its input norm, its token mixer (attention; LFM2's short convolution; Qwen3.5's Gated
+    DeltaNet) to x_mid, the MLP's norm, then its channel mixer (the dense MLP, or a mixture of experts) to the
+    layer's output; Gemma's sandwich-normed layer as a whole."""
+    cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
+    names = _NAMES["lfm2" if cfg.family == "lfm2" else "llama"]
+    c = cfg.hidden_size
+    ops = [_rmsnorm(names["norm1"], INPUT, "h1", "rstd1", "d_h", CARRY)]
+    widths = {INPUT: c, "h1": c, "rstd1": 1, "x_mid": c, "h2": c, "rstd2": 1}
+    grad_widths = {CARRY: c, "d_h": c}
+    if cfg.sandwich_norms:
+        parts = [_sandwich(cfg, names, rope)]
+    else:
+        mixer = _short_conv(c, conv) if conv else _gated_delta_net(linear) if linear else \
+            _attention_mixer(cfg, names, rope)
+        norm2 = ([_rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY)], {}, {})
+        mlp = _experts_mlp(moe, c) if moe is not None else _dense_mlp(cfg, names, "h2", OUTPUT, CARRY, "x_mid")
+        parts = [mixer, norm2, mlp]
+    for part_ops, part_widths, part_grads in parts:
+        ops += part_ops
+        widths.update(part_widths)
+        grad_widths.update(part_grads)
     return LayerPlan.build(ops, widths, grad_widths)
 
 

@@ -83,10 +83,6 @@ def qwen3_5_fields(raw: dict, family: str, layers: int, source: str) -> dict:
     for key in ("attention_bias", "attention_dropout"):
         if raw.get(key):
             raise ConfigError(f"{source}: field '{key}' is {raw[key]!r}; only false / 0 is supported")
-    experts = raw.get("num_experts", 512) if family == "qwen3_next" else 0     # transformers' default
-    if experts:
-        raise ConfigError(f"{source}: field 'num_experts' is {experts!r}; Qwen3-Next's experts are not supported yet "
-                          f"(only its dense form, num_experts 0)")
     sizes = {key: int(positive_field(raw, key, source)) for key in
              ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
               "linear_conv_kernel_dim")}
