@@ -40,8 +40,14 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 }
 
 // ---- addressing ------------------------------------------------------------------------------------------------
-fn qk_at(b: u32, t: u32, h: u32, d: u32) -> u32 {          // q / k (B, T, Hk, DK), value head h's key head
-    return ((b * p.t + t) * p.hk + h / p.rep) * DK + d;
+// Loops index rows from these bases (no integer division inside a loop: llvmpipe scalarises it per lane). A chunk's
+// padded tail reads the last real position's row (clamped): every term it enters is masked by a zero decay, beta
+// or a, so only finite values matter there.
+fn tk(c: u32, i: u32) -> u32 {                             // chunk c's row i as a position of the sequence
+    return min(c * C + i, p.t - 1u);
+}
+fn qk_at(b: u32, t: u32, kh: u32) -> u32 {                 // row base of q / k (B, T, Hk, DK), key head kh
+    return ((b * p.t + t) * p.hk + kh) * DK;
 }
 fn v_at(b: u32, t: u32, h: u32, j: u32) -> u32 {           // v / out / dout (B, T, Hv, DV)
     return ((b * p.t + t) * p.hv + h) * DV + j;
@@ -84,13 +90,11 @@ fn decay_of(bh: u32, c: u32, i: u32, j: u32) -> f32 {
     let ti = tag_of(bh, c, i);
     return select(0.0, exp(gamma_of(bh, c, i) - gamma_of(bh, c, j)), j <= i && (ti & 1u) == 1u && ti == tag_of(bh, c, j));
 }
-fn k_ld(b: u32, c: u32, h: u32, i: u32, d: u32) -> f32 {   // k at chunk c's row i (0 past T)
-    let t = c * C + i;
-    return select(0.0, t5_ld(p.o5 + qk_at(b, min(t, p.t - 1u), h, d)), t < p.t);
+fn k_row(b: u32, c: u32, kh: u32, i: u32) -> u32 {       // element 0 of k at chunk c's row i, in t5
+    return p.o5 + qk_at(b, tk(c, i), kh);
 }
-fn q_ld(b: u32, c: u32, h: u32, i: u32, d: u32) -> f32 {   // q scaled by 1 / sqrt(DK) (0 past T)
-    let t = c * C + i;
-    return select(0.0, p.scale * t4_ld(p.o4 + qk_at(b, min(t, p.t - 1u), h, d)), t < p.t);
+fn q_row(b: u32, c: u32, kh: u32, i: u32) -> u32 {       // element 0 of q at chunk c's row i, in t4 (unscaled)
+    return p.o4 + qk_at(b, tk(c, i), kh);
 }
 
 // ---- runs: sc! (flags (B, N C) u32 at r_fl: bit 0 real, bit 1 starts a run; then B u32 carries), seg (B, T) i32 --
@@ -163,11 +167,16 @@ fn dr_gram(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     var kk = 0.0;
     var qk = 0.0;
     if (e != 0.0) {
+        let kh = h / p.rep;
+        let ki = k_row(b, c, kh, i);
+        let kj = k_row(b, c, kh, j);
+        let qi = q_row(b, c, kh, i);
         for (var d = 0u; d < DK; d = d + 1u) {
-            let kj = k_ld(b, c, h, j, d);
-            kk = fma(k_ld(b, c, h, i, d), kj, kk);
-            qk = fma(q_ld(b, c, h, i, d), kj, qk);
+            let k_j = t5_ld(kj + d);
+            kk = fma(t5_ld(ki + d), k_j, kk);
+            qk = fma(t4_ld(qi + d), k_j, qk);
         }
+        qk = qk * p.scale;
     }
     sc[p.r_r0 + cc_at(bh, c, i, j)] = select(0.0, beta_of(bh, c, i) * kk * e, j < i);
     sc[p.r_r1 + cc_at(bh, c, i, j)] = qk * e;
@@ -193,12 +202,14 @@ fn dr_solve(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let t = c * C + i;
         var x = 0.0;
         if (is_v) {
-            x = select(0.0, beta_of(bh, c, i) * t6_ld(p.o6 + v_at(b, min(t, p.t - 1u), h, d)), t < p.t);
+            x = beta_of(bh, c, i) * t6_ld(p.o6 + v_at(b, tk(c, i), h, d));
         } else {
-            x = beta_of(bh, c, i) * a_of(bh, c, i) * k_ld(b, c, h, i, d);
+            x = beta_of(bh, c, i) * a_of(bh, c, i) * t5_ld(k_row(b, c, h / p.rep, i) + d);
         }
+        let lrow = p.r_r0 + cc_at(bh, c, i, 0u);
+        let xcol = base + pos(bh, c, 0u) * width + d;
         for (var j = 0u; j < i; j = j + 1u) {
-            x = x - sc[p.r_r0 + cc_at(bh, c, i, j)] * sc[base + pos(bh, c, j) * width + d];
+            x = x - sc[lrow + j] * sc[xcol + j * width];
         }
         sc[base + pos(bh, c, i) * width + d] = x;
     }
@@ -228,6 +239,7 @@ fn dr_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) 
     let h = bh % p.hv;
     let live = j < DV;
     let jj = min(j, DV - 1u);
+    let kh = h / p.rep;
     var s: array<f32, DKS>;
     var sn: array<f32, DKS>;
     for (var r = 0u; r < DKS; r = r + 1u) {
@@ -255,10 +267,11 @@ fn dr_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) 
             }
             let u = sc[p.r_wv + row * DV + jj] - column_sum(part, ks, lid % CB);
             if (live && ks == 0u) { sc[p.r_u + row * DV + j] = u; }
-            let e = e_of(bh, c, i);
+            let eu = e_of(bh, c, i) * u;
+            let krow = k_row(b, c, kh, i);
             for (var r = 0u; r < DKS; r = r + 1u) {
                 let d = ks * DKS + r;
-                if (d < DK) { sn[r] = fma(e * k_ld(b, c, h, i, d), u, sn[r]); }   // rows past DK stay 0
+                if (d < DK) { sn[r] = fma(t5_ld(krow + d), eu, sn[r]); }   // rows past DK stay 0
             }
         }
         for (var r = 0u; r < DKS; r = r + 1u) { s[r] = sn[r]; }
@@ -292,13 +305,17 @@ fn dr_output(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     var o = 0.0;
     let a = a_of(bh, c, i);
     if (a != 0.0) {
+        let qi = q_row(b, c, h / p.rep, i);
+        let s0 = p.o7 + st_at(bh, c, 0u, j);
         for (var d = 0u; d < DK; d = d + 1u) {
-            o = fma(q_ld(b, c, h, i, d), t7_ld(p.o7 + st_at(bh, c, d, j)), o);
+            o = fma(t4_ld(qi + d), t7_ld(s0 + d * DV), o);
         }
-        o = o * a;
+        o = o * a * p.scale;
     }
+    let qrow = p.r_r1 + cc_at(bh, c, i, 0u);
+    let ucol = p.r_u + pos(bh, c, 0u) * DV + j;
     for (var l = 0u; l <= i; l = l + 1u) {
-        o = fma(sc[p.r_r1 + cc_at(bh, c, i, l)], sc[p.r_u + pos(bh, c, l) * DV + j], o);
+        o = fma(sc[qrow + l], sc[ucol + l * DV], o);
     }
     w2[p.o2 + v_at(b, t, h, j)] = o;
 }
@@ -316,15 +333,15 @@ fn dr_u(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let bh = idx / (DV * C * p.n);
     let row = pos(bh, c, i);
     var u = sc[p.r_wv + row * DV + j];
+    let s0 = p.o7 + st_at(bh, c, 0u, j);
     for (var d = 0u; d < DK; d = d + 1u) {
-        u = u - sc[p.r_wk + row * DK + d] * t7_ld(p.o7 + st_at(bh, c, d, j));
+        u = u - sc[p.r_wk + row * DK + d] * t7_ld(s0 + d * DV);
     }
     sc[p.r_u + row * DV + j] = u;
 }
 
-fn do_ld(b: u32, c: u32, h: u32, i: u32, j: u32) -> f32 {  // dout at chunk c's row i (0 past T)
-    let t = c * C + i;
-    return select(0.0, t7_ld(p.o7 + v_at(b, min(t, p.t - 1u), h, j)), t < p.t);
+fn do_row(b: u32, c: u32, h: u32, i: u32) -> u32 {       // element 0 of dout at chunk c's row i, in t7
+    return p.o7 + v_at(b, tk(c, i), h, 0u);
 }
 
 // ---- backward: dU's part that does not depend on the state's gradient, ((Q K^T) o E)^T dO. sc! (at r_du),
@@ -341,8 +358,12 @@ fn dr_du0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let b = bh / p.hv;
     let h = bh % p.hv;
     var du = 0.0;
-    for (var l = i; l < C; l = l + 1u) {
-        du = fma(sc[p.r_r1 + cc_at(bh, c, l, i)], do_ld(b, c, h, l, j), du);
+    let qcol = p.r_r1 + cc_at(bh, c, 0u, i);
+    let drow = do_row(b, c, h, 0u) + j;
+    let stride = p.hv * DV;
+    let last = min(C, p.t - c * C);
+    for (var l = i; l < last; l = l + 1u) {
+        du = fma(sc[qcol + l * C], t7_ld(drow + l * stride), du);
     }
     sc[p.r_du + pos(bh, c, i) * DV + j] = du;
 }
@@ -362,6 +383,7 @@ fn dr_scan_back(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     let h = bh % p.hv;
     let live = j < DV;
     let jj = min(j, DV - 1u);
+    let kh = h / p.rep;
     var s: array<f32, DKS>;
     var sn: array<f32, DKS>;
     for (var r = 0u; r < DKS; r = r + 1u) {
@@ -380,17 +402,19 @@ fn dr_scan_back(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
         for (var i = 0u; i < C; i = i + 1u) {
             let row = pos(bh, c, i);
-            let e = e_of(bh, c, i);
+            let krow = k_row(b, c, kh, i);
             var part = 0.0;
             for (var r = 0u; r < DKS; r = r + 1u) {
-                part = fma(e * k_ld(b, c, h, i, min(ks * DKS + r, DK - 1u)), s[r], part);
+                part = fma(t5_ld(krow + min(ks * DKS + r, DK - 1u)), s[r], part);
             }
+            part = part * e_of(bh, c, i);
             let du = sc[p.r_du + row * DV + jj] + column_sum(part, ks, lid % CB);
             if (live && ks == 0u) { sc[p.r_du + row * DV + j] = du; }
-            let dq = a_of(bh, c, i) * do_ld(b, c, h, i, jj);
+            let dq = a_of(bh, c, i) * p.scale * t7_ld(do_row(b, c, h, i) + jj);
+            let qrow = q_row(b, c, kh, i);
             for (var r = 0u; r < DKS; r = r + 1u) {
                 let d = ks * DKS + r;
-                if (d < DK) { sn[r] = sn[r] + q_ld(b, c, h, i, d) * dq - sc[p.r_wk + row * DK + d] * du; }
+                if (d < DK) { sn[r] = sn[r] + t4_ld(qrow + d) * dq - sc[p.r_wk + row * DK + d] * du; }
             }
         }
         for (var r = 0u; r < DKS; r = r + 1u) { s[r] = sn[r]; }
@@ -420,8 +444,10 @@ fn dr_solve_back(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     for (var ii = C; ii > 0u; ii = ii - 1u) {
         let i = ii - 1u;
         var x = sc[p.r_du + pos(bh, c, i) * DV + j];
+        let lcol = p.r_r0 + cc_at(bh, c, 0u, i);
+        let xcol = p.r_du + pos(bh, c, 0u) * DV + j;
         for (var l = i + 1u; l < C; l = l + 1u) {
-            x = x - sc[p.r_r0 + cc_at(bh, c, l, i)] * sc[p.r_du + pos(bh, c, l) * DV + j];
+            x = x - sc[lcol + l * C] * sc[xcol + l * DV];
         }
         sc[p.r_du + pos(bh, c, i) * DV + j] = x;
     }
@@ -445,13 +471,18 @@ fn dr_dgram(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     var db = 0.0;
     var kk = 0.0;
     if (e != 0.0) {
+        let urow = p.r_u + pos(bh, c, j) * DV;
+        let rrow = p.r_du + pos(bh, c, i) * DV;
+        let drow = do_row(b, c, h, i);
         for (var v = 0u; v < DV; v = v + 1u) {
-            let u = sc[p.r_u + pos(bh, c, j) * DV + v];
-            dl = fma(sc[p.r_du + pos(bh, c, i) * DV + v], u, dl);
-            db = fma(do_ld(b, c, h, i, v), u, db);
+            let u = sc[urow + v];
+            dl = fma(sc[rrow + v], u, dl);
+            db = fma(t7_ld(drow + v), u, db);
         }
+        let ki = k_row(b, c, h / p.rep, i);
+        let kj = k_row(b, c, h / p.rep, j);
         for (var d = 0u; d < DK; d = d + 1u) {
-            kk = fma(k_ld(b, c, h, i, d), k_ld(b, c, h, j, d), kk);
+            kk = fma(t5_ld(ki + d), t5_ld(kj + d), kk);
         }
     }
     dl = select(0.0, -dl, j < i);
@@ -483,10 +514,12 @@ fn dr_dqk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     var d_kba = 0.0;
     var d_ke = 0.0;
     var al = 0.0;
+    let srow = st_at(bh, c, d, 0u);
+    let drow = do_row(b, c, h, i);
     for (var v = 0u; v < DV; v = v + 1u) {
-        let s0 = t8_ld(p.o8 + st_at(bh, c, d, v));
-        let ds = sc[p.r_ds + st_at(bh, c, d, v)];
-        d_qa = fma(do_ld(b, c, h, i, v), s0, d_qa);
+        let s0 = t8_ld(p.o8 + srow + v);
+        let ds = sc[p.r_ds + srow + v];
+        d_qa = fma(t7_ld(drow + v), s0, d_qa);
         d_kba = d_kba - sc[p.r_du + row * DV + v] * s0;
         d_ke = fma(sc[p.r_u + row * DV + v], ds, d_ke);
         al = fma(s0, ds, al);
@@ -495,12 +528,21 @@ fn dr_dqk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let beta = beta_of(bh, c, i);
     var dq = a * d_qa;
     var dk = d_ke * e_of(bh, c, i) + d_kba * beta * a;
-    for (var l = 0u; l < C; l = l + 1u) {
-        let kl = k_ld(b, c, h, l, d);
-        dq = fma(sc[p.r_r1 + cc_at(bh, c, i, l)], kl, dq);
-        dk = fma(sc[p.r_r1 + cc_at(bh, c, l, i)], q_ld(b, c, h, l, d), dk);
-        dk = fma(beta * sc[p.r_r0 + cc_at(bh, c, i, l)] + beta_of(bh, c, l) * sc[p.r_r0 + cc_at(bh, c, l, i)], kl, dk);
+    let kh = h / p.rep;
+    let k0 = k_row(b, c, kh, 0u) + d;
+    let q0 = q_row(b, c, kh, 0u) + d;
+    let stride = p.hk * DK;
+    let last = min(C, p.t - c * C);           // rows past T: zero (Q K^T) o E and L columns
+    let row_i = cc_at(bh, c, i, 0u);
+    let col_i = cc_at(bh, c, 0u, i);
+    var dkq = 0.0;
+    for (var l = 0u; l < last; l = l + 1u) {
+        let kl = t5_ld(k0 + l * stride);
+        dq = fma(sc[p.r_r1 + row_i + l], kl, dq);
+        dkq = fma(sc[p.r_r1 + col_i + l * C], t4_ld(q0 + l * stride), dkq);
+        dk = fma(beta * sc[p.r_r0 + row_i + l] + beta_of(bh, c, l) * sc[p.r_r0 + col_i + l * C], kl, dk);
     }
+    dk = fma(dkq, p.scale, dk);
     sc[p.r_dq + row * DK + d] = dq;
     sc[p.r_dk + row * DK + d] = dk;
     sc[p.r_p3 + (row * 3u) * DK + d] = d_qa;
@@ -526,27 +568,32 @@ fn dr_dtok(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     var da = 0.0;
     var s_kba = 0.0;
     var de = 0.0;
+    let krow = k_row(b, c, h / p.rep, i);
+    let qrow = q_row(b, c, h / p.rep, i);
     for (var d = 0u; d < DK; d = d + 1u) {
-        let kd = k_ld(b, c, h, i, d);
-        da = fma(sc[p.r_p3 + (row * 3u) * DK + d], q_ld(b, c, h, i, d), da);
+        let kd = t5_ld(krow + d);
+        da = fma(sc[p.r_p3 + (row * 3u) * DK + d], p.scale * t4_ld(qrow + d), da);
         s_kba = fma(sc[p.r_p3 + (row * 3u + 1u) * DK + d], kd, s_kba);
         de = fma(sc[p.r_p3 + (row * 3u + 2u) * DK + d], kd, de);
     }
     var x = 0.0;
     var y = 0.0;
+    let row_i = cc_at(bh, c, i, 0u);
+    let col_i = cc_at(bh, c, 0u, i);
     for (var l = 0u; l < C; l = l + 1u) {
-        x = x + sc[p.r_r2 + cc_at(bh, c, i, l)] - sc[p.r_r2 + cc_at(bh, c, l, i)];
-        y = y + sc[p.r_r3 + cc_at(bh, c, i, l)];
+        x = x + sc[p.r_r2 + row_i + l] - sc[p.r_r2 + col_i + l * C];
+        y = y + sc[p.r_r3 + row_i + l];
     }
     let beta = beta_of(bh, c, i);
     let a = a_of(bh, c, i);
     let e = e_of(bh, c, i);
     var rv = 0.0;
-    for (var v = 0u; v < DV; v = v + 1u) {
-        let dr = sc[p.r_du + row * DV + v];
-        if (t < p.t) {
-            rv = fma(dr, t6_ld(p.o6 + v_at(b, t, h, v)), rv);
-            w2[p.o2 + v_at(b, t, h, v)] = dr * beta;
+    if (t < p.t) {
+        let vrow = v_at(b, t, h, 0u);
+        for (var v = 0u; v < DV; v = v + 1u) {
+            let dr = sc[p.r_du + row * DV + v];
+            rv = fma(dr, t6_ld(p.o6 + vrow + v), rv);
+            w2[p.o2 + vrow + v] = dr * beta;
         }
     }
     if (t < p.t) { w3[p.o3 + gb_at(b, t, h)] = y + rv + s_kba * a; }
