@@ -184,13 +184,13 @@ class DeltaRuleProblem:
 
 def candidates(p: DeltaRuleProblem) -> list:
     """Every (chunk, scan spread) that runs p on its device, the default first: on CPU adapters the private scans
-    (chunk 32 first: on lavapipe the fastest at the bench's shapes, benchmarks/README.md), on GPUs the shared ones
-    (chunk 64 first, a guess until a GPU measures them) then the private. A spread applies while its workgroup
+    (chunk 16 first: on lavapipe the fastest of the three at the bench's shapes, benchmarks/README.md), on GPUs the
+    shared ones (chunk 64 first, a guess until a GPU measures them) then the private. A spread applies while its workgroup
     memory and invocations fit the adapter (the portable ones fit WebGPU's defaults)."""
     if not (0 < p.Dk <= MAX_DIM and 0 < p.Dv <= MAX_DIM):
         raise ValueError(f"the gated delta rule's kernels take head dims 1..{MAX_DIM}, got {p.Dk} x {p.Dv}")
     cpu = is_cpu(p.rt)
-    chunks = (p.chunk,) if p.chunk else ((32, 64, 16) if cpu else CHUNKS)
+    chunks = (p.chunk,) if p.chunk else ((16, 32, 64) if cpu else CHUNKS)
     scans = CPU_SCANS + GPU_SCANS if cpu else GPU_SCANS + CPU_SCANS
     out = [Chunked(c, s) for c in chunks for s in scans]
     return [c for c in out if c.applies(p)]
