@@ -35,8 +35,8 @@ def states_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int) -> int:
 
 def scratch_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool = True) -> int:
     """Elements (float32) of the scratch the forward (backward=False) or the backward needs; per value head and
-    position about 2 C + 2 Dv + Dk + 3 floats forward, 4 C + 4 Dv + 6 Dk + 5 backward, plus Dk Dv / C for the
-    state gradients. One binding: past the adapter's max storage binding, record fewer rows at once."""
+    position 2 C + 2 Dv + Dk + 3 floats forward, 4 C + 3 Dv + 6 Dk + 5 backward plus (Dk Dv + Dk) / C for
+    the state gradients, and a flag per row position. One binding: past the adapter's max storage binding, record fewer rows at once."""
     return DK.scratch_layout(B, T, Hv, Dk, Dv, chunk, backward)["size"]
 
 
