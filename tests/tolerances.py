@@ -169,6 +169,14 @@ TOLERANCES: dict[str, Tolerance] = {
         "every sum in float32, chunk-local cumulative decays, over 150 tokens of values ~1 (observed <= 3.3e-7); "
         "a decay or restart bug is > 1e-3"),
     # ---- GPU kernels (tests/test_kernels.py): fp32 WGSL against the reference evaluated in float64 ----
+    "k_delta_rule": Tolerance(1e-5, 1e-5,
+        "the chunked gated delta rule's WGSL kernels (forward, backward, step) against engines/shared/delta_rule.py "
+        "in float64 on the same float32 inputs: float32 sums of up to C + Dk + Dv terms per product, the "
+        "substitution over C rows, and a state carried over the chunks; observed <= 1.5e-6 absolute on values up to "
+        "3.4 (150 tokens, chunks 16 to 64, lavapipe and llvmpipe through OpenGL); a wrong decay, mask, restart or "
+        "chunk hand-over moves values by > 1e-3"),
+    "k_l2norm": Tolerance(1e-6, 1e-6,
+        "the l2norm pair: a float32 sum of D squares (or products), one rsqrt and one or two roundings per element"),
     "k_dora": Tolerance(2e-6, 2e-6,
         "DoRA's norm (sums of r and r^2 products, then 1 / sqrt) and its scale c = m * rn times z: a few float32 "
         "roundings per element; observed <= 2.6e-7 absolute"),

@@ -381,6 +381,13 @@ def bench_moe(rt, ctx) -> list[dict]:
     return run(rt, ctx)
 
 
+@register("linear_attention")
+def bench_linear_attention(rt, ctx) -> list[dict]:
+    """The chunked gated delta rule against full attention on the same heads (bench/linear_attention.py)."""
+    from wgpu_train.bench.linear_attention import bench_linear_attention as run
+    return run(rt, ctx)
+
+
 def _check_attention(rt, dispatches, inputs, seg, outputs, what):
     """Run the dispatches once and compare out and dq with the float64 reference."""
     from wgpu_train.engines.numpy import ops
@@ -602,6 +609,9 @@ def format_table(result: dict) -> str:
                 f"{'' if frac is None else f'{100 * frac:.0f}%':>8} {'' if vs is None else f'{vs:.1f}x':>9}")
         if e["name"] == "gemm_candidate":
             line += f"  {'*' if e['chosen'] else ' '} {e['kernel']}"
+        elif e["name"] == "linear_attention":
+            line += f"  {e['kernel']}  {e['ms']:.0f} ms  {e['us_per_token']:.0f} us/token  growth {e['growth']:.2f}" + (
+                f"  vs_attention {e['vs_attention']:.2f}x" if "vs_attention" in e else "")
         elif e["name"].startswith("attention_"):
             line += f"  {e['kernel']}" + "".join(f"  {k} {e[k]:.2f}x" for k in ("vs_rows", "packed_vs_causal")
                                                   if k in e)

@@ -1,0 +1,106 @@
+"""The gated delta rule's op wrappers on the WebGPU engine (the delta_rule kernel family,
+tuned/delta_rule_kernels.py), with the reference's names and argument order (engines/shared/delta_rule.py):
+outputs first, then inputs, then sizes, then scratch. They record into a Recorder and neither submit nor read back.
+
+Buffers: q, k, v, g, beta and dout in any storage format (device/storage.py); every output, the states, the scratch
+and the initial state float32; segment ids int32 (B, T), 0 = padding. The forward's states (B, Hv, N, Dk, Dv),
+N = ceil(T / chunk), are what the backward reads, so both must run with the same chunk: delta_rule_chunk gives the
+tuner's choice for a shape, and states_size / scratch_size the elements to allocate for it."""
+from __future__ import annotations
+
+from wgpu_train.engines.shared.delta_rule import L2NORM_EPS
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.device.launch import flat_grid, launch
+from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.tuned import tune
+from wgpu_train.engines.webgpu.tuned import delta_rule_kernels as DK
+
+WG = DK.WG
+
+
+def _check(chunk, Hk, Hv, *outputs):
+    if chunk not in DK.CHUNKS:
+        raise ValueError(f"the gated delta rule's kernels take chunks {DK.CHUNKS}, got {chunk}")
+    if Hk <= 0 or Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    for t in outputs:
+        if t is not None and storage.format_of(split(t)[0]) != "f32":
+            raise ValueError("the gated delta rule's outputs, states and scratch are float32 buffers")
+
+
+def states_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int) -> int:
+    """Elements of the forward's states (B, Hv, N, Dk, Dv): the state entering each chunk."""
+    return B * Hv * DK.n_chunks(T, chunk) * Dk * Dv
+
+
+def scratch_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool = True) -> int:
+    """Elements (float32) of the scratch the forward (backward=False) or the backward needs; per value head and
+    position 2 C + 2 Dv + Dk + 3 floats forward, 4 C + 3 Dv + 6 Dk + 5 backward plus (Dk Dv + Dk) / C for
+    the state gradients, and a flag per row position. One binding: past the adapter's max storage binding, record fewer rows at once."""
+    return DK.scratch_layout(B, T, Hv, Dk, Dv, chunk, backward)["size"]
+
+
+def _problem(rt, tensors, B, T, Hk, Hv, Dk, Dv, chunk):
+    return DK.DeltaRuleProblem(rt, tensors, B, T, Hk, Hv, Dk, Dv, chunk)
+
+
+def delta_rule_chunk(rt, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int) -> int:
+    """The chunk the tuner chooses for this shape (its fastest candidate at any chunk), to size the states with."""
+    return tune.choose(rt, _problem(rt, {}, B, T, Hk, Hv, Dk, Dv, None)).chunk
+
+
+def gated_delta_rule_forward(rec, out, final_state, states, q, k, v, g, beta, chunk: int, B: int, T: int, Hk: int,
+                             Hv: int, Dk: int, Dv: int, scratch, initial_state=None, segments=None):
+    """out (B, T, Hv, Dv), final_state (B, Hv, Dk, Dv) and states (B, Hv, N, Dk, Dv) <- q, k (B, T, Hk, Dk)
+    l2-normalised (q scaled by 1 / sqrt(Dk) here), v (B, T, Hv, Dv), g (B, T, Hv) the log-decay, beta (B, T, Hv),
+    initial_state (B, Hv, Dk, Dv) or None (zeros), segments (B, T) i32 or None (all real); scratch: at least
+    scratch_size(..., backward=False) elements. The scan spread is the tuner's choice for this chunk."""
+    _check(chunk, Hk, Hv, out, final_state, states, scratch)
+    if B * T <= 0:
+        return
+    t = dict(out=out, final_state=final_state, states=states, q=q, k=k, v=v, g=g, beta=beta, scratch=scratch,
+             initial_state=initial_state, segments=segments)
+    p = _problem(rec.rt, t, B, T, Hk, Hv, Dk, Dv, chunk)
+    for d in tune.choose(rec.rt, p).dispatches(p):
+        rec.dispatch(*d)
+
+
+def gated_delta_rule_backward(rec, dq, dk, dv, dg, dbeta, d_initial_state, dout, q, k, v, g, beta, states,
+                              chunk: int, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, scratch,
+                              segments=None):
+    """Gradients of gated_delta_rule_forward (the same inputs, chunk and segments; states its third output): dq, dk
+    (B, T, Hk, Dk) (a key head's the sum over its group of value heads), dv (B, T, Hv, Dv), dg, dbeta (B, T, Hv),
+    and d_initial_state (B, Hv, Dk, Dv) where not None (the forward had an initial state), from dout (B, T, Hv, Dv);
+    every one overwritten. scratch: at least scratch_size(...) elements."""
+    _check(chunk, Hk, Hv, dq, dk, dv, dg, dbeta, d_initial_state, states, scratch)
+    if B * T <= 0:
+        return
+    t = dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, d_initial_state=d_initial_state, dout=dout, q=q, k=k, v=v,
+             g=g, beta=beta, states=states, scratch=scratch, segments=segments)
+    p = _problem(rec.rt, t, B, T, Hk, Hv, Dk, Dv, chunk)
+    for d in tune.choose(rec.rt, p).backward_dispatches(p):
+        rec.dispatch(*d)
+
+
+def gated_delta_rule_step(rec, out, state, q, k, v, g, beta, B: int, Hk: int, Hv: int, Dk: int, Dv: int):
+    """One token per row (generation): out (B, Hv, Dv) <- q, k (B, Hk, Dk) l2-normalised, v (B, Hv, Dv), g, beta
+    (B, Hv); state (B, Hv, Dk, Dv) float32 read and replaced by the new state in place (a row that starts passes a
+    zeroed state). One invocation per (row, head, state column)."""
+    _check(DK.CHUNKS[0], Hk, Hv, out, state)
+    launch(rec, DK.plain_kernel(DK.STEP, Dk, Dv), flat_grid(-(-(B * Hv * Dv) // WG)),
+           [(out, B * Hv * Dv), (state, B * Hv * Dk * Dv), (q, B * Hk * Dk), (k, B * Hk * Dk), (v, B * Hv * Dv),
+            (g, B * Hv), (beta, B * Hv)], b=B, hk=Hk, hv=Hv, rep=Hv // Hk, scale=Dk ** -0.5)
+
+
+def l2norm_forward(rec, y, inv_norm, x, N: int, D: int, eps: float = L2NORM_EPS):
+    """y (N, D) = x / sqrt(sum(x^2) + eps), inv_norm (N,) float32 <- x (N, D) in any storage format."""
+    _check(DK.CHUNKS[0], 1, 1, y, inv_norm)
+    launch(rec, DK.plain_kernel(DK.L2NORM_FORWARD, D), flat_grid(-(-N // WG)),
+           [(y, N * D), (inv_norm, N), (x, N * D)], b=N, eps=eps)
+
+
+def l2norm_backward(rec, dx, dy, y, inv_norm, N: int, D: int):
+    """dx (N, D) float32 <- dy, y (N, D), inv_norm (N,): the gradient of l2norm_forward."""
+    _check(DK.CHUNKS[0], 1, 1, dx)
+    launch(rec, DK.plain_kernel(DK.L2NORM_BACKWARD, D), flat_grid(-(-N // WG)),
+           [(dx, N * D), (dy, N * D), (y, N * D), (inv_norm, N)], b=N)
