@@ -16,9 +16,12 @@ from wgpu_train.engines.webgpu import moe
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned import moe_kernels as MK
+from wgpu_train.engines.webgpu.tuned.adapter_traits import use_subgroups
 
 N, C, I, E, K, R = 13, 44, 20, 5, 2, 3     # tokens, hidden, expert width, experts, top-k, LoRA rank
-GEMMS = [f"moe_gemm/{cfg.name}" for cfg in MK.GEMM_CONFIGS]
+GEMMS = ([f"moe_gemm/{cfg.name}" for cfg in MK.GEMM_CONFIGS]
+         + [f"moe_gemm/reg_{kind}_m{tm}_wg{wg}" for kind in ("sg", "portable") for tm, wg in
+            zip(MK.REGISTER_TMS, MK.REGISTER_WGS)])
 OUTERS = [f"moe_outer/split{s}" for s in MK.SPLITS] + ["moe_outer/direct"]
 
 
@@ -83,6 +86,15 @@ def test_counting_sort_is_stable_and_leaves_no_gap(rt, n, k):
     rt.release(ex)
 
 
+def _chosen(rt, pin: str, rows: int, k: int, C: int, I: int) -> tuple:
+    """The names of the grouped GEMM and outer-product candidates `pin` selects for the forward's gate / up shape
+    (a pin no candidate matches would silently test the default)."""
+    with tune.pinned(pin):
+        gemm = tune.choose(rt, MK.MoeGemmProblem(rt, {}, rows, k, E, C, I, "nt", True, R, 1.0, swiglu=True))
+        outer = tune.choose(rt, MK.MoeOuterProblem(rt, {"part": None}, rows, k, E, C, R, True, False, True))
+    return gemm.name, outer.name
+
+
 def _experts_case(rt, routing: str, fmt: str, pin: str):
     """Forward and backward of the experts on one routing, expert-weight format and pinned candidates, against the
     reference in float64 on the same (rounded) weights."""
@@ -110,7 +122,11 @@ def _experts_case(rt, routing: str, fmt: str, pin: str):
             "dw": rt.buffer(N * k * 4)}
     grads = {name: rt.upload(np.full(g.shape, np.nan, np.float32)) for name, g in want_g.items()}
     gl, dl = _upload_lora(rt, lgu), _upload_lora(rt, ldn)
-    before = dict(rt.counters)
+    if "/reg_sg" in pin and not use_subgroups(rt):
+        pytest.skip(f"{rt.info.name} does not run the subgroup kernels (no subgroups of 8 lanes or more)")
+    chosen = _chosen(rt, pin, N * k, k, C, I)
+    assert all(name.startswith(p) for name, p in zip(chosen, pin.split(","))), (pin, chosen)
+    before = dict(rt.counters)     # after the subgroup probe, which submits once per device
     with tune.pinned(pin):
         rec = rt.recorder()
         moe.moe_experts_forward(rec, outs["y"], outs["gu"], xb, wb, eb, gub, dnb, gl, dl, N, k, E, C, I, scratch)
@@ -134,14 +150,16 @@ def test_experts_every_candidate(rt, gemm, outer):
     _experts_case(rt, "spread", "f32", f"{gemm},{outer}")
 
 
-@pytest.mark.parametrize("outer", OUTERS)
-def test_experts_one_expert_takes_every_pair(rt, outer):
-    _experts_case(rt, "one", "f32", f"moe_gemm/r4x4,{outer}")
+@pytest.mark.parametrize("gemm, outer", list(zip(["moe_gemm/r4x4", "moe_gemm/reg_portable_m32",
+                                                   "moe_gemm/reg_sg_m16"], OUTERS)))
+def test_experts_one_expert_takes_every_pair(rt, gemm, outer):
+    _experts_case(rt, "one", "f32", f"{gemm},{outer}")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "f16"])
-def test_experts_with_sixteen_bit_weights(rt, fmt):
-    _experts_case(rt, "spread", fmt, "moe_gemm/r8x2,moe_outer/split64")
+@pytest.mark.parametrize("fmt, gemm", [("bf16", "moe_gemm/r8x2"), ("f16", "moe_gemm/r8x2"),
+                                       ("bf16", "moe_gemm/reg_portable_m16"), ("f16", "moe_gemm/reg_sg_m8")])
+def test_experts_with_sixteen_bit_weights(rt, fmt, gemm):
+    _experts_case(rt, "spread", fmt, f"{gemm},moe_outer/split64")
 
 
 def test_accumulate_adds_to_the_outputs(rt):
@@ -176,11 +194,16 @@ def test_accumulate_adds_to_the_outputs(rt):
     rt.release(*bufs, gu, dw, *grads.values(), gl.a, gl.b)
 
 
-@pytest.mark.parametrize("problem", ["gemm", "outer"])
+@pytest.mark.parametrize("problem", ["gemm", "gemm nn", "outer"])
 def test_the_tuners_replica_checks_every_candidate(rt, problem):
-    """The tuner's own check of each candidate on a replica (what it runs before timing one on a new adapter)."""
+    """The tuner's own check of each candidate on a replica (what it runs before timing one on a new adapter): odd
+    sizes (the portable kernels alone), and sizes a multiple of 4 (the register-blocked ones too, 70 rows: blocks
+    of 32, 16 and 8 left partial)."""
     if problem == "gemm":
         p = MK.MoeGemmProblem(rt, {}, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
+    elif problem == "gemm nn":
+        p = MK.MoeGemmProblem(rt, {}, 2 * 35, 2, E, 36, 12, "nn", False, rank=R, scale=0.5)
+        assert any(c.family == "register" for c in p.candidates())
     else:
         # expert 1 gets a pair of each of 150 tokens: several tiles of every split, summed by the reduction
         p = MK.MoeOuterProblem(rt, {"part": None}, 2 * 150, 2, E, 7, 5, True, False, True, 0.5, accumulate=True)

@@ -169,11 +169,27 @@ def _template() -> str:
     return shader_text(SHADER)        # with the files it includes appended: gemm_core.wgsl, gemm_store.wgsl
 
 
-def _blank(src: str, begin: str, end: str) -> str:
-    """src with the lines from the one holding `begin` through the one holding `end` left empty."""
+def blank(src: str, begin: str, end: str) -> str:
+    """src with the lines from the one holding `begin` through the one holding `end` left empty (line numbers
+    kept): how a source builder drops a marked section (this family's and the grouped-expert GEMMs')."""
     start = src.rindex("\n", 0, src.index(begin)) + 1
     stop = src.index("\n", src.index(end, start))
     return src[:start] + "\n" * src.count("\n", start, stop) + src[stop:]
+
+
+
+def tile_constants(src: str, cfg: TileConfig, shader: str = SHADER) -> str:
+    """A tiled template's text (shader: its name, for messages) with the constants of its marked tile-config block
+    (one `const <NAME>: u32 = ...u;` line each of BM, BN, BK, TM, TN, NBUF, PAD) set for cfg, in place."""
+    start, end = src.index(_BEGIN), src.index(_END)
+    block = src[start:end]
+    values = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "TM": cfg.tm, "TN": cfg.tn,
+              "NBUF": 2 if cfg.double_buffer else 1, "PAD": _pad(cfg)}
+    for name, value in values.items():
+        block, n = re.subn(rf"(const {name}: u32 = )\d+u;", rf"\g<1>{value}u;", block)
+        if n != 1:
+            raise ValueError(f"{shader}.wgsl: expected one 'const {name}: u32' in the tile-config block")
+    return src[:start] + block + src[end:]
 
 
 def core(src: str, half: bool) -> str:
@@ -186,7 +202,7 @@ def core(src: str, half: bool) -> str:
             raise ValueError("a tiled GEMM template must declare its tiles' element type once: alias Elem = f32;")
     begin, end = _CORES[not half]
     while begin in src:
-        src = _blank(src, begin, end)
+        src = blank(src, begin, end)
     return src
 
 
@@ -195,18 +211,9 @@ def tiled_source(cfg: TileConfig, formats=None) -> str:
     subgroup section is blanked, so the module compiles on any adapter (its gemm_splitk_reduce too).
     formats: the 16-bit tensors' (binding, format) pairs a launch.Kernel is built for (storage.views); None for a
     float32 module to compile as it is."""
-    src = _template()
-    start, end = src.index(_BEGIN), src.index(_END)
-    block = src[start:end]
-    values = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "TM": cfg.tm, "TN": cfg.tn,
-              "NBUF": 2 if cfg.double_buffer else 1, "PAD": _pad(cfg)}
-    for name, value in values.items():
-        block, n = re.subn(rf"(const {name}: u32 = )\d+u;", rf"\g<1>{value}u;", block)
-        if n != 1:
-            raise ValueError(f"{SHADER}.wgsl: expected one 'const {name}: u32' in the tile-config block")
-    src = src[:start] + block + src[end:]
-    src = core(_blank(src, *(_PLAIN if cfg.subgroups else _SG)), cfg.half)
-    return storage.views(_blank(src, *(_SCALAR if cfg.vec4 else _VEC4)), formats)
+    src = tile_constants(_template(), cfg)
+    src = core(blank(src, *(_PLAIN if cfg.subgroups else _SG)), cfg.half)
+    return storage.views(blank(src, *(_SCALAR if cfg.vec4 else _VEC4)), formats)
 
 
 def _aligned(*values) -> bool:

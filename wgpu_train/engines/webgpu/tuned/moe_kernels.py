@@ -1,6 +1,7 @@
 """The grouped-expert kernel family (mixtures of experts): the routing, grouping, combine and elementwise kernels of
-shaders/moe.wgsl, the grouped GEMM of shaders/moe_gemm.wgsl (one dispatch over every expert's row blocks, its
-register block a tuned choice) and the experts' summed outer products (LoRA and weight gradients: split-K over
+shaders/moe.wgsl, the grouped GEMMs (one dispatch over every expert's row blocks: the dense register-blocked GEMM
+of shaders/moe_gemm_register.wgsl where its vec4 loads apply, the portable scalar one of shaders/moe_gemm.wgsl
+anywhere; tile and block a tuned choice) and the experts' summed outer products (LoRA and weight gradients: split-K over
 an expert's rows plus an ordered reduction, or one pass per expert; a tuned choice). The op wrappers are in
 engines/webgpu/moe.py; each problem here checks its candidates against a NumPy product on the device."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, prepare
 from wgpu_train.engines.webgpu.device.operands import split
-from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu
+from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu, min_workgroup, use_subgroups
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.tuned import moe_source
@@ -20,6 +21,8 @@ from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_sour
 
 BLOCK = 256                       # pairs per block of the counting sort (shaders/moe.wgsl BLOCK)
 GEMM_CONFIGS = (GemmConfig(4, 4), GemmConfig(8, 2), GemmConfig(2, 4), GemmConfig(1, 4), GemmConfig(4, 1))
+REGISTER_TMS = (32, 16, 8)        # sorted rows per block of the register-blocked grouped GEMM
+REGISTER_WGS = (16, 32, 64)       # its invocations per workgroup (8 columns each, or 4 and their up columns)
 SPLITS = (64, 256)                # sorted rows per tile of the split-K outer products
 LOOP_MARGIN = 16                  # iterations kept free of llvmpipe's budget
 
@@ -64,6 +67,22 @@ def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool) -> Kernel:
     bindings = "out! x w offsets perm" + (" hl lb" if lora else (" _ _" if swiglu else "")) + (" h!" if swiglu else "")
     return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora),
                   invocations=WG)
+
+
+def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = ()) -> Kernel:
+    """The register-blocked grouped GEMM (shaders/moe_gemm_register.wgsl); formats: its 16-bit tensors' (binding,
+    format) pairs (x at 2, W at 3)."""
+    constants = {"WG": wg, "TM": tm, "SWIGLU": bool(swiglu), "B_KVEC": bool(nt)}
+    return Kernel("moe_gemm_register", "moe_gemm_reg", "out! x w offsets perm hl lb h!",
+                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats),
+                  invocations=wg, features=("subgroup",) if subgroups else (), formats=formats)
+
+
+def _unused(rt, writable: bool):
+    """A float32 buffer bound where a kernel has no such tensor (hl and lb without LoRA, h outside the swiglu form):
+    never read or written there; a writable one of its own, as WebGPU forbids one buffer bound both ways at once."""
+    name = "moe.unused_rw" if writable else "moe.unused"
+    return rt.memo(name, lambda r: r.buffer(16, name))
 
 
 def _fmt(tensors: dict, name: str) -> str:
@@ -124,13 +143,22 @@ class MoeGemmProblem:
                 f"{' swiglu' if self.swiglu else ''}{f' r{self.rank}' if self.rank else ''}{fmt}")
 
     def candidates(self) -> list:
-        """The register blocks, within llvmpipe's loop budget on CPU adapters (every one fits but for a reduced
-        dimension of tens of thousands), the default first: 4 x 4 (on lavapipe the fastest of the five at the
-        bench's shapes)."""
-        cands = [GroupedGemm(cfg) for cfg in GEMM_CONFIGS]
+        """Within llvmpipe's loop budget on CPU adapters: the grouped register-blocked GEMMs where their vec4 loads
+        apply (RegisterGemm.applies), the adapter's default first (register_default), then the portable scalar
+        register blocks (any shape; 4 x 4 first)."""
+        sg = use_subgroups(self.rt)
+        first = register_default(self, sg)
+        regs = [first] + [RegisterGemm(wg, tm, s) for s in dict.fromkeys((sg, False)) for tm in REGISTER_TMS
+                          for wg in REGISTER_WGS if (wg, tm, s) != (first.wg, first.tm, first.subgroups)
+                          and wg >= min_workgroup(self.rt)]
+        cands = [c for c in regs if c.applies(self)] + [GroupedGemm(cfg) for cfg in GEMM_CONFIGS]
         if is_cpu(self.rt):
             cands = [c for c in cands if c.loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
         return cands
+
+    def offset(self, name: str) -> int:
+        """The element offset of tensor `name` (0 where it is not given: a shape alone)."""
+        return split(self.t[name])[1] if name in self.t else 0
 
     def strides(self) -> dict:
         """W's and L's strides (expert, output column, reduced index) for the layout."""
@@ -208,6 +236,58 @@ class GroupedGemm:
         blocks = max_blocks(p.rows, p.experts, self.cfg.rm)
         gy, gz = flat_grid(blocks)
         return [(pipeline, resources, (-(-p.cols // (WG * self.cfg.rn)), gy, gz))]
+
+
+def register_default(p: MoeGemmProblem, subgroups: bool) -> "RegisterGemm":
+    """The register candidate a CPU adapter runs untimed: one column tile where 64 invocations cover the columns
+    (8 a lane, or 4 and their up columns), and blocks of 32 rows where experts average at least 32 rows, else 16
+    (measured on lavapipe: benchmarks/README.md)."""
+    per_lane = 4 if p.swiglu else 8
+    wg = next((w for w in REGISTER_WGS if w * per_lane >= p.cols), REGISTER_WGS[-1])
+    tm = 32 if p.rows >= 32 * p.experts else 16
+    return RegisterGemm(max(wg, min_workgroup(p.rt)), tm, subgroups)
+
+
+class RegisterGemm:
+    """The dense register-blocked GEMM over each block of tm sorted rows of one expert (shaders/
+    moe_gemm_register.wgsl): wg invocations of 8 columns (4 and their up columns in the swiglu form), subgroup
+    broadcasts of x where the adapter runs them. Grid: the worst case of row blocks x column tiles."""
+
+    family = "register"
+
+    def __init__(self, wg: int, tm: int, subgroups: bool):
+        self.wg, self.tm, self.subgroups = wg, tm, subgroups
+        self.name = f"moe_gemm/reg_{'sg' if subgroups else 'portable'}_m{tm}_wg{wg}"
+
+    def applies(self, p: MoeGemmProblem) -> bool:
+        """Whether the vec4 loads and stores apply: the reduced dimension and the columns multiples of 4 (so every
+        stride of x, W, out and h), and x, W, out and h starting on a multiple of 4 elements."""
+        return (p.in_f % 4 == 0 and p.cols % 4 == 0
+                and all(p.offset(name) % 4 == 0 for name in ("x", "w", "out", "h")))
+
+    def loop_iterations(self, p: MoeGemmProblem) -> int:
+        """Per invocation at most, as llvmpipe counts them (each loop its iterations and one more): the expert
+        search, the block's rows, the column offsets, the reduction, the LoRA steps (two loads of 4 loops), the
+        stores."""
+        lora = (-(-p.rank // 4) + 1) * (1 + 2 * 5)
+        return p.experts + 1 + 2 * (self.tm + 1) + 5 + p.in_f // 4 + 1 + lora
+
+    def dispatches(self, p: MoeGemmProblem) -> list:
+        formats = tuple((b, f) for b, f in ((2, p.x_fmt), (3, p.w_fmt)) if f != "f32")
+        k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats)
+        tokens = p.rows // p.slots if p.by_token else p.rows
+        lora = p.rank > 0
+        tensors = [(p.t["out"], p.rows * p.w_out), (p.t["x"], tokens * p.in_f),
+                   (p.t["w"], p.experts * p.w_out * p.in_f), (p.t["offsets"], p.experts + 1), (p.t["perm"], p.rows),
+                   (p.t["hl"], p.rows * p.rank) if lora else (_unused(p.rt, False), 1),
+                   (p.t["lb"], p.experts * p.w_out * p.rank) if lora else (_unused(p.rt, False), 1),
+                   (p.t["h"], p.rows * p.cols) if p.swiglu else (_unused(p.rt, True), 4)]
+        pipeline, resources = prepare(p.rt, k, tensors, experts=p.experts, slots=p.slots, by_token=int(p.by_token),
+                                      in_f=p.in_f, cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale,
+                                      **p.strides())
+        gx, gz = flat_grid(max_blocks(p.rows, p.experts, self.tm))
+        tiles = -(-p.cols // (self.wg * (4 if p.swiglu else 8)))
+        return [(pipeline, resources, (gx, tiles, gz))]
 
 
 class MoeOuterProblem:
@@ -330,9 +410,11 @@ class DirectOuter:
 
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the family (the binding-limit and Tint checks go through them)."""
-    return list(PLAIN) + [gemm_kernel(cfg, swiglu, lora) for cfg in GEMM_CONFIGS for swiglu in (False, True)
-                          for lora in (False, True)]
+    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora) for cfg in GEMM_CONFIGS for swiglu in (False, True)
+                           for lora in (False, True)]
+            + [register_kernel(wg, tm, sg, swiglu, nt) for sg in (False, True) for tm in REGISTER_TMS
+               for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))])
 
 
-FAMILY = Family("moe", shaders=("moe", "moe_gemm"), modules=(__file__, moe_source.__file__),
-                all_kernels=all_kernels, benches=("moe",))
+FAMILY = Family("moe", shaders=("moe", "moe_gemm", moe_source.REGISTER_SHADER),
+                modules=(__file__, moe_source.__file__), all_kernels=all_kernels, benches=("moe",))

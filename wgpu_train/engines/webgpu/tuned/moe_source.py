@@ -1,12 +1,16 @@
-"""The grouped-expert GEMM's source builder (shaders/moe_gemm.wgsl): its register block (RM sorted rows x RN
-columns per invocation), the swiglu form (gate and up columns together, h written too) and the LoRA term, each a
-parameter of one builder; the loops over the block's rows and columns are unrolled here, so the accumulators
-stay in registers."""
+"""The grouped-expert GEMMs' source builders: the portable scalar kernel (shaders/moe_gemm.wgsl: its register block
+of RM sorted rows x RN columns per invocation, the swiglu form and the LoRA term, each a parameter; the loops over
+the block's rows and columns unrolled here, so the accumulators stay in registers) and the grouped forms of the
+dense GEMM family's kernels (gemm_source.py's pieces): the register-blocked one (shaders/moe_gemm_register.wgsl, with
+or without subgroups) and the workgroup-tiled one (shaders/moe_gemm_tiled.wgsl, a gemm_source.TileConfig)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.shaders import shader_text
+from wgpu_train.engines.webgpu.tuned.gemm_source import blank
 
 WG = 64                   # invocations per workgroup, along the columns
 
@@ -88,3 +92,16 @@ def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
     text = text.replace(LORA_MARK, LORA_DECL if lora else "")
     text = text.replace(SWIGLU_MARK, SWIGLU_DECL if swiglu else "")
     return f"const RM: u32 = {rm}u;\nconst RN: u32 = {rn}u;\n" + text
+
+
+REGISTER_SHADER = "moe_gemm_register"
+_PORTABLE, _SUBGROUPS = ("// @portable begin", "// @portable end"), ("// @subgroups begin", "// @subgroups end")
+
+
+@lru_cache(maxsize=None)
+def register_source(subgroups: bool, formats: tuple = ()) -> str:
+    """shaders/moe_gemm_register.wgsl (gemm_register.wgsl appended) with its subgroup or its portable entry point
+    kept (naga rejects a module using a subgroup builtin on an adapter without the feature), its vec4 views of x and
+    W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views)."""
+    text = blank(shader_text(REGISTER_SHADER), *(_PORTABLE if subgroups else _SUBGROUPS))
+    return storage.views(text, formats)
