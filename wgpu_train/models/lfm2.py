@@ -4,6 +4,7 @@ that differ from Llama's (norm_eps, tie_embedding, block_ff_dim); the variants n
 from __future__ import annotations
 
 from wgpu_train.errors import ConfigError, positive_field
+from wgpu_train.models.layer_types import checked_layer_types
 
 # transformers 5's Lfm2Config defaults, for fields a config.json leaves out
 DEFAULTS = {"vocab_size": 65536, "hidden_size": 2560, "intermediate_size": 12288, "num_hidden_layers": 32,
@@ -47,13 +48,7 @@ def conv_layers(raw: dict, layers: int, source: str) -> tuple:
         attention = raw.get("full_attn_idxs")
         attention = range(layers) if attention is None else attention
         types = ["full_attention" if i in attention else "conv" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers:
-        raise ConfigError(f"{source}: field 'layer_types' must list a kind for each of the {layers} layers")
-    unknown = [t for t in types if t not in LAYER_KINDS]
-    if unknown:
-        raise ConfigError(f"{source}: field 'layer_types' has the layer kind {unknown[0]!r}; supported: "
-                          f"{', '.join(LAYER_KINDS)}")
-    return tuple(t == "conv" for t in types)
+    return tuple(t == "conv" for t in checked_layer_types(types, layers, LAYER_KINDS, source))
 
 
 def lfm2_fields(raw: dict, layers: int, source: str) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wgpu_train.errors import ConfigError, positive_field
+from wgpu_train.models.layer_types import checked_layer_types
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -68,13 +69,7 @@ def linear_layers(raw: dict, layers: int, source: str) -> tuple:
     if types is None:
         interval = int(positive_field({"full_attention_interval": 4, **raw}, "full_attention_interval", source))
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers:
-        raise ConfigError(f"{source}: field 'layer_types' must list a kind for each of the {layers} layers")
-    unknown = [t for t in types if t not in LAYER_KINDS]
-    if unknown:
-        raise ConfigError(f"{source}: field 'layer_types' has the layer kind {unknown[0]!r}; supported: "
-                          f"{', '.join(LAYER_KINDS)}")
-    return tuple(t == "linear_attention" for t in types)
+    return tuple(t == "linear_attention" for t in checked_layer_types(types, layers, LAYER_KINDS, source))
 
 
 def qwen3_5_fields(raw: dict, family: str, layers: int, source: str) -> dict:
