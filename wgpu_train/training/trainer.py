@@ -154,10 +154,9 @@ class Trainer:
         self._held_lines = []
         try:
             model_cfg, lora = self._check_run()
-        except BaseException:
+            self._choose_backend(model_cfg)
+        finally:
             self._say_held_lines()
-            raise
-        self._choose_backend(model_cfg)
         self._load_model(model_cfg, lora)
         cfg = self.config
         if self.resume:                # before anything is written: a checkpoint that does not fit is refused
@@ -169,8 +168,7 @@ class Trainer:
             self.process.check_step_rows(*self._step_shares())
         self.files.prepare(self._resolved_settings(), bool(self.resumed_from))
         self.log(describe_training(cfg, self.total_steps, self.steps_per_epoch, self.micro_per_step, self.workers,
-                                   self.step,
-                                   self.resumed_from))
+                                   self.step, self.resumed_from))
         self.memory_estimate = est = estimate_run_memory(
             cfg, model_cfg, lora, self.train_examples + self.valid_examples, self.max_seq_len,
             self._micro_batch_rows(), self.engine, self.base_dtype, self.embed_dtype, self.precision)
@@ -220,11 +218,10 @@ class Trainer:
 
     def _choose_backend(self, model_cfg):
         """The engine of the run (engines/backend_choice.py; auto times nothing), said in the run's first line,
-        then the lines held while checking; how long the choice took is kept for the summary."""
+        ahead of the lines held while checking; how long the choice took is kept for the summary."""
         from wgpu_train.engines.backend_choice import choose_backend
 
         cfg = self.config
-        held, self._held_lines = self._held_lines, None
         started = time.perf_counter()
         choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
         self.backend_choice_s = time.perf_counter() - started
@@ -234,14 +231,12 @@ class Trainer:
             self.backend, self.device, self.backend_reason = "numpy", None, "auto: the router's auxiliary loss is " \
                 "computed by the NumPy engine alone"
         if cfg.backend == "auto":
-            self.log(f"backend: {self.backend} ({self.backend_reason})")
-        self._say_held_lines(held)
+            self._held_lines.insert(0, f"backend: {self.backend} ({self.backend_reason})")
 
-    def _say_held_lines(self, held: list | None = None):
-        """Say the lines held while the run was checked (setup; `held`, else those still held), and hold no
-        more."""
-        held, self._held_lines = held or self._held_lines, None
-        for line in held or ():
+    def _say_held_lines(self):
+        """Say the lines held while setup checked the run and chose its engine, and hold no more."""
+        held, self._held_lines = self._held_lines or [], None
+        for line in held:
             self.log(line)
 
     def _load_model(self, model_cfg, lora):
