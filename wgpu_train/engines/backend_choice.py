@@ -107,6 +107,6 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     per_layer, limit = layer_weights(cfg) / 1e6, SMALL_LAYER_WEIGHTS / 1e6
     if per_layer < limit:
         return BackendChoice("numpy", None, f"auto: {where}; this model's layers hold {per_layer:.2f}M weights "
-                             f"each, under {limit:g}M, where the NumPy engine is the faster")
+                             f"each, under the {limit:g}M from which the adapter pays off")
     return BackendChoice("wgpu", None, f"auto: {where}; this model's layers hold {per_layer:.2f}M weights each, "
-                         f"{limit:g}M or more, where {info.name} is the faster")
+                         f"from {limit:g}M the adapter pays off")

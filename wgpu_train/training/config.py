@@ -46,9 +46,9 @@ class TrainConfig:
     out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
                                  f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
     backend: str = _opt("auto", "compute engine: wgpu, numpy, or auto (WebGPU on a GPU; where the only WebGPU "
-                                "adapters are CPUs, the NumPy engine for a small model, else the faster of the two on "
-                                "one layer of the model, timed once per adapter and model shape, in about a second, "
-                                "after the data is checked)", choices=BACKENDS)
+                                "adapters are CPUs, the NumPy engine for a model whose layers hold under 1M weights, "
+                                "like the embedded one, and the CPU adapter for a larger one; nothing is timed)",
+                        choices=BACKENDS)
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
                                     "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)
