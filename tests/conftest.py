@@ -59,12 +59,11 @@ def default_rt():
 
 @pytest.fixture(autouse=True)
 def auto_backend_is_the_adapter(monkeypatch, request):
-    """backend auto on CPU adapters times both engines (engines/backend_probe.py), so its choice depends on the
-    machine's load: in tests it is fixed to the adapter, as it was before the probe, so that a test's engine
-    never changes between runs. Tests of the probe itself are marked `real_probe`."""
-    if request.node.get_closest_marker("real_probe"):
+    """backend auto on CPU adapters takes the NumPy engine for a model of small layers (engines/backend_choice.py),
+    as the tests' tiny models are: in tests it takes the adapter for every model, so that the WebGPU engine is
+    what their runs exercise. Tests of the rule itself are marked `real_backend_rule`."""
+    if request.node.get_closest_marker("real_backend_rule"):
         return
     from wgpu_train.engines import backend_choice
 
-    monkeypatch.setattr(backend_choice, "probed_speeds",
-                        lambda *a, **k: ({"numpy": 1.0, "wgpu": 2.0}, True))
+    monkeypatch.setattr(backend_choice, "SMALL_LAYER_WEIGHTS", 0)

@@ -3,6 +3,7 @@ the only adapters are CPUs the faster of the two for the model (timed once, cach
 float32 weights would not fit; each choice with its reason."""
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -45,68 +46,23 @@ def test_auto_picks_a_gpu_adapter(monkeypatch, kinds):
         assert choice.engine == "wgpu" and choice.device is None and f"fake {kind}" in choice.reason
 
 
-def _fake_probe(monkeypatch, numpy: float, wgpu: float) -> list:
-    """backend_choice's probe reports these tokens/s; the list records each call's (cfg, batch)."""
-    calls = []
-
-    def probed(cfg, rt, base_dtype, embed_dtype, precision, batch=None):
-        calls.append((cfg, batch))
-        return {"numpy": numpy, "wgpu": wgpu}, False
-    monkeypatch.setattr(backend_choice, "probed_speeds", probed)
-    return calls
-
-
-@pytest.mark.parametrize("faster", ["numpy", "wgpu"])
-def test_auto_on_cpu_adapters_picks_the_engine_its_probe_measured_faster(monkeypatch, faster):
-    """Where the only adapters are CPUs (here lavapipe and llvmpipe GL), the faster engine for this model and
-    batch, whichever it is: the embedded default and a SmolLM2-135M-shaped model."""
-    require_adapter()
-    assert all(a.adapter_type == "CPU" for a in ADAPTERS)
-    monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
-    calls = _fake_probe(monkeypatch, *((2.0, 1.0) if faster == "numpy" else (1.0, 2.0)))
-    for cfg, batch in ((EMBEDDED, (16, 48)), (SMOL, (2, 256))):
-        choice = choose_backend("auto", None, cfg, batch=batch)
-        assert choice.engine == faster and choice.device is None
-        assert "the only WebGPU adapters are CPUs" in choice.reason and "tokens/s" in choice.reason
-        assert calls[-1] == (cfg, batch)
-
-
-@pytest.mark.real_probe
-@pytest.mark.parametrize("short_step", [0.0, 60.0])
-def test_the_probe_times_the_engines_once_and_caches_the_result(monkeypatch, tmp_path, short_step):
-    """The real probe on the embedded model (a LoRA step of each engine): the choice is the faster of the two it
-    measured, and a second choice reads the adapter's tune cache instead of measuring again. Below the threshold
-    (60 s here, so that a loaded machine's slow step stays below it; the real one is 0.5 s, which the embedded
-    model's step meets on a quiet machine) the NumPy step is too short to time the adapter at all."""
-    from wgpu_train.engines import backend_probe
-
-    require_adapter()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
-    monkeypatch.setattr(backend_probe, "MIN_PROBED_STEP_S", short_step)
-    measured = []
-    real = backend_probe.measure_engines
-    monkeypatch.setattr(backend_probe, "measure_engines", lambda *a: measured.append(real(*a)) or measured[-1])
-    rt = runtime.get_runtime()
-    rt.forget("tune.cache")             # the adapter's tune cache read again, from tmp_path
-    try:
-        first = choose_backend("auto", None, EMBEDDED, batch=(2, 16))
-        assert len(measured) == 1 and min(measured[0].values()) > 0 and "timed now" in first.reason
-        if short_step:
-            assert set(measured[0]) == {"numpy"} and first.engine == "numpy" and "too short" in first.reason
-        else:
-            assert set(measured[0]) == {"numpy", "wgpu"}
-            assert first.engine == max(measured[0], key=measured[0].get)
-        assert any(k.startswith("engines ") for k in backend_probe.tune.cache(rt).entries)
-        again = choose_backend("auto", None, EMBEDDED, batch=(2, 16))
-        assert len(measured) == 1 and again.engine == first.engine and "measured earlier" in again.reason
-    finally:
-        rt.forget("tune.cache")         # later tests read the usual cache
+@pytest.mark.real_backend_rule
+def test_auto_on_cpu_adapters_takes_numpy_for_small_layers_and_the_adapter_for_large_ones(monkeypatch):
+    """The rule where the only adapters are CPUs: the embedded default's layers (0.18M weights) are under
+    SMALL_LAYER_WEIGHTS and take the NumPy engine, a SmolLM2-135M-shaped model's (3.5M) take the adapter; each
+    reason says which side of the line the model is."""
+    _fake_adapters(monkeypatch, "CPU")
+    assert backend_choice.layer_weights(EMBEDDED) < backend_choice.SMALL_LAYER_WEIGHTS <= \
+        backend_choice.layer_weights(SMOL)
+    small, large = choose_backend("auto", None, EMBEDDED), choose_backend("auto", None, SMOL)
+    assert small.engine == "numpy" and "0.18M weights each, under the 1M" in small.reason
+    assert large.engine == "wgpu" and large.device is None and "3.54M weights each, from 1M" in large.reason
+    assert all("the only WebGPU adapters are CPUs (fake CPU)" in c.reason for c in (small, large))
 
 
 def test_auto_keeps_the_cpu_adapter_when_the_numpy_engines_float32_weights_would_not_fit(monkeypatch):
     _fake_adapters(monkeypatch, "CPU")
-    _fake_probe(monkeypatch, 2.0, 1.0)              # the NumPy engine would be faster, if it fitted
+    monkeypatch.setattr(backend_choice, "SMALL_LAYER_WEIGHTS", 10**9)   # the NumPy engine, if it fitted
     host = numpy_weight_bytes(SMOL)
     tight = int(host / backend_choice.NUMPY_MEMORY_SHARE) - 1          # just too little for the float32 copies
     nf4 = choose_backend("auto", None, SMOL, "nf4", "float16", memory=tight)
@@ -116,7 +72,7 @@ def test_auto_keeps_the_cpu_adapter_when_the_numpy_engines_float32_weights_would
     assert choose_backend("auto", None, SMOL, "nf4", "float16", memory=10 * host).engine == "numpy"
 
 
-@pytest.mark.real_probe
+@pytest.mark.real_backend_rule
 def test_a_named_adapter_or_backend_wgpu_runs_on_the_cpu_adapter(monkeypatch):
     require_adapter()
     monkeypatch.delenv("WGPU_TRAIN_DEVICE", raising=False)
@@ -173,3 +129,118 @@ def test_devices_lists_limits_and_features(capsys):
         assert f"max storage binding {a.max_storage_binding // 2**20} MiB" in line and a.max_storage_binding >= 2**20
         assert all(f in line for f in a.features)
     assert lines[-1].startswith("chosen: [")
+
+
+
+def _no_training_step(monkeypatch, lines: list) -> list:
+    """Both engines' train_step record the lines said before each call, then run; the list holds them."""
+    from wgpu_train.engines.numpy.engine import NumpyEngine
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+    said_before = []
+    for cls in (NumpyEngine, WgpuEngine):
+        real = cls.train_step
+
+        def recorded(self, *a, _real=real, **k):
+            said_before.append(list(lines))
+            return _real(self, *a, **k)
+        monkeypatch.setattr(cls, "train_step", recorded)
+    return said_before
+
+
+def _run(out, lines, **settings) -> dict:
+    config = wt.TrainConfig(out=str(out), max_steps=1, eval_every=0, eval_generate=False, **settings)
+    return wt.Trainer(config, log=lines.append).run()
+
+
+@pytest.mark.real_backend_rule
+def test_auto_times_nothing_whatever_the_batch_and_says_its_engine_first(monkeypatch, tmp_path):
+    """Two runs on CPU adapters with other batches and lengths: each says its engine in its first line, before
+    any training step, with the same reason (nothing measured, nothing cached)."""
+    _fake_adapters(monkeypatch, "CPU")
+    firsts = []
+    for batch, length in ((2, 32), (4, 64)):
+        lines = []
+        said_before = _no_training_step(monkeypatch, lines)
+        _run(tmp_path / f"run{batch}", lines, batch_size=batch, max_seq_len=length)
+        assert lines[0].startswith("backend: numpy (auto: the only WebGPU adapters are CPUs")
+        assert said_before and all(before and before[0] == lines[0] for before in said_before)
+        assert next(i for i, line in enumerate(lines) if line.startswith("data: ")) > 0
+        firsts.append(lines[0])
+    assert firsts[0] == firsts[1] and "measured" not in firsts[0] and "timed" not in firsts[0]
+
+
+def test_summary_wall_time_covers_the_setup_and_the_engine_choice(monkeypatch, tmp_path):
+    """A slow fake engine (its loading and the choice each made 0.3 s slower): summary.json's wall_time_s
+    covers them, and setup_time_s and backend_choice_time_s say how long each took."""
+    from wgpu_train.training.placement import OneEngine
+
+    slow_load, slow_choice = OneEngine.load, backend_choice.choose_backend
+
+    def load(self, trainer, model_cfg):
+        time.sleep(0.3)
+        return slow_load(self, trainer, model_cfg)
+
+    def choose(*a, **k):
+        time.sleep(0.3)
+        return slow_choice(*a, **k)
+    monkeypatch.setattr(OneEngine, "load", load)
+    monkeypatch.setattr(backend_choice, "choose_backend", choose)
+    _fake_adapters(monkeypatch)
+    summary = _run(tmp_path / "run", [], batch_size=2)
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert written["backend_choice_time_s"] >= 0.3 and written["setup_time_s"] >= 0.6
+    assert written["wall_time_s"] >= written["setup_time_s"] + written["train_time_s"]
+    assert summary["setup_time_s"] == written["setup_time_s"]
+
+
+def test_bad_data_is_refused_before_the_engine_is_chosen(monkeypatch, tmp_path, capsys):
+    """A mistake in the data is said in one line (exit code 2) before the engine choice or any step."""
+    from wgpu_train.cli.main import main
+
+    def never(*a, **k):
+        raise AssertionError("the engine was chosen before the data was checked")
+    monkeypatch.setattr(backend_choice, "choose_backend", never)
+    said_before = _no_training_step(monkeypatch, [])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a good line"}\n{"text": \n')
+    assert main(["finetune", "--data", str(bad), "--out", str(tmp_path / "run"), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "bad.jsonl" in err[-1]
+    assert not any("Traceback" in line or line.startswith("backend:") for line in err) and said_before == []
+
+
+@pytest.mark.real_backend_rule
+def test_generate_on_cpu_adapters_never_runs_a_training_step(monkeypatch, capsys):
+    """generate with backend auto on CPU adapters: no training step on either engine, and its engine said."""
+    _fake_adapters(monkeypatch, "CPU")
+    said_before = _no_training_step(monkeypatch, [])
+    from wgpu_train.cli.main import main
+
+    assert main(["generate", "--prompt", "red fox", "--max-new-tokens", "2"]) == 0
+    assert said_before == [] and "backend: numpy (auto: the only WebGPU adapters are CPUs" in capsys.readouterr().err
+
+
+@pytest.mark.real_backend_rule
+def test_pipeline_stages_run_the_engine_the_first_line_names(monkeypatch, tmp_path):
+    """--pipeline-stages: the trainer chooses once and the stages load the engine it said (not auto again),
+    which the summary names with the same reason."""
+    from wgpu_train.distributed.pipeline_trainer import PipelineStages, pipeline_config
+    from wgpu_train.training.trainers import make_trainer
+
+    _fake_adapters(monkeypatch, "CPU")
+    asked, real = [], backend_choice.choose_backend
+    monkeypatch.setattr(backend_choice, "choose_backend", lambda backend, *a, **k: asked.append(backend) or
+                        real(backend, *a, **k))
+    lines = []
+    config = pipeline_config(wt.TrainConfig(out=str(tmp_path / "run"), max_steps=1, eval_every=0, batch_size=2,
+                                            eval_generate=False, pipeline_stages=2))
+    trainer = make_trainer(config, log=lines.append, placement=PipelineStages(local=True))
+    try:
+        runner = trainer.setup().engine.runner
+        stages = [runner.attr(s, "name") for s in range(2)]
+        summary = trainer.train()
+    finally:
+        trainer.placement.close(trainer)
+    assert asked.count("auto") == 1 and lines[0] == f"backend: numpy ({summary['backend_reason']})"
+    assert summary["backend"] == "numpy" and stages == ["numpy", "numpy"]

@@ -46,8 +46,9 @@ def stage_options(args) -> StageOptions | None:
 def device_options(p, storage: bool = False, kv_cache: bool = False):
     """--backend and --device; with storage --base-dtype and --embed-dtype, with kv_cache --kv-dtype."""
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the only "
-                        "WebGPU adapters are CPUs, as it is faster there) (default: auto)")
+                   help="compute engine: wgpu, numpy, or auto (WebGPU on a GPU; where the only WebGPU adapters are "
+                        "CPUs, the NumPy engine for a model whose layers hold under 1M weights, like the embedded "
+                        "one, and the CPU adapter for a larger one; nothing is timed) (default: auto)")
     p.add_argument("--device", default=None,
                    help="WebGPU adapter: an index or part of its name/backend; with --pipeline-stages, one per stage "
                         "(comma-separated) or one for all")

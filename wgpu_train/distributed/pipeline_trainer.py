@@ -54,12 +54,13 @@ class PipelineStages(OneEngine):
                                            trainer.embed_dtype, cfg.gradient_checkpointing,
                                            trainer.precision or "fp32", self.micro_batches(trainer),
                                            cfg.pipeline_schedule)
-        devices = stage_devices(cfg.device, len(plan))
+        devices = stage_devices(trainer.device, len(plan))
         # before any stage loads: each stage's estimate for the run's largest micro-batch against its device's
         check_stages_fit(self._stage_estimates(trainer, model_cfg, lora, *trainer.largest_micro_batch(),
                                                trainer.precision or "fp32"), cfg.device_memory)
         folder = trainer.model_dir.resolve()
-        model = pipeline_model(folder, model_cfg, plan, cfg.pipeline_schedule, backend=cfg.backend, devices=devices,
+        # the engine the trainer chose and said (not auto again in each stage)
+        model = pipeline_model(folder, model_cfg, plan, cfg.pipeline_schedule, backend=trainer.backend, devices=devices,
                                base_dtype=trainer.base_dtype, embed_dtype=trainer.embed_dtype,
                                precision=trainer.precision or "auto", address=cfg.ray_address,
                                resources=cfg.stage_resources, local=self.local)

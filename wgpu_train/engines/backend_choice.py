@@ -1,7 +1,7 @@
 """Which engine `backend="auto"` runs, and why: the WebGPU engine on a GPU or on an adapter the user names; where
-the only WebGPU adapters are CPUs (lavapipe, llvmpipe), the faster of the NumPy engine and the CPU adapter for
-this model, timed once side by side (backend_probe.py), unless the NumPy engine's float32 weights would not fit
-the machine's memory."""
+the only WebGPU adapters are CPUs (lavapipe, llvmpipe), the NumPy engine for a model of small layers and the CPU
+adapter for one of large layers, by a rule from `wgpu-train bench --only engines`' measurements (nothing is timed
+at run time), unless the NumPy engine's float32 weights would not fit the machine's memory."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wgpu_train.engines.backend_probe import probed_speeds
-from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device import runtime
 from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
 from wgpu_train.errors import ConfigError
@@ -20,6 +18,11 @@ BACKENDS = ("auto", "wgpu", "numpy")
 # The NumPy engine keeps every base weight as a float32 copy on the host: auto gives it at most this share of the
 # memory the machine has available, so that activations, the optimizer and the rest of the process still fit.
 NUMPY_MEMORY_SHARE = 0.6
+# Weights in one layer's linear modules from which a CPU adapter trains faster than the NumPy engine (auto's rule
+# where the only adapters are CPUs). Between the two shapes `wgpu-train bench --only engines` measures: the
+# embedded default's layers (0.18M weights) ran faster on the NumPy engine, SmolLM2-135M's (3.5M) on lavapipe;
+# the figures are in docs/guides/devices.md.
+SMALL_LAYER_WEIGHTS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -51,20 +54,25 @@ def numpy_weight_bytes(cfg: ModelConfig) -> int:
     return 4 * sum(int(np.prod(shape)) for shape in weight_shapes(cfg).values())
 
 
+def layer_weights(cfg: ModelConfig) -> int:
+    """Weights of a decoder layer's linear modules, on average over the layers (whose modules may differ): the
+    work per token per layer, which separates the engines."""
+    total = sum(int(np.prod(cfg.linear_shape(m))) for i in range(cfg.num_hidden_layers) for m in cfg.layer_modules(i))
+    return total // max(1, cfg.num_hidden_layers)
+
+
 def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, base_dtype: str = "float32",
-                   embed_dtype: str = "auto", precision: Precision | str = "auto", batch: tuple | None = None,
-                   memory: int | None = None) -> BackendChoice:
-    """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype with
-    activations in `precision`, trained (or run) on batches of `batch` (rows, tokens; None: a small one).
+                   embed_dtype: str = "auto", memory: int | None = None) -> BackendChoice:
+    """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype; nothing
+    is timed, so the choice is the same for training, generation, evaluation and serving, whatever the batch.
 
     auto: the WebGPU engine on the preferred adapter when it is a GPU (discrete, integrated, virtual or of an
     unknown type), or on the adapter `device` (or WGPU_TRAIN_DEVICE) names, whatever its type; the NumPy engine
-    when there is no adapter. Where the preferred adapter is a CPU, the CPU adapter when the NumPy engine's
+    when there is no adapter. Where the preferred adapter is a CPU: the CPU adapter when the NumPy engine's
     float32 copies of the weights would exceed NUMPY_MEMORY_SHARE of `memory` (default: what the machine has
-    available) and the adapter stores them in fewer bytes; else the faster of the two for a LoRA step of cfg's
-    shape and batch, timed once and cached (backend_probe.probed_speeds: the NumPy engine alone when its step is
-    too short for the adapter's kernel compilation to pay off; without cfg, the NumPy engine). Nothing else
-    separates them: both engines run every feature. ConfigError for an unknown backend."""
+    available) and the adapter stores them in fewer bytes; else the NumPy engine for a model whose layers hold
+    fewer than SMALL_LAYER_WEIGHTS weights (or without cfg), and the CPU adapter for one whose layers hold more.
+    Nothing else separates them: both engines run every feature. ConfigError for an unknown backend."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "numpy":
@@ -96,14 +104,9 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
         return BackendChoice("wgpu", None, f"auto: {where}, but the NumPy engine's float32 weights "
                              f"({host / 2**30:.1f} GiB) would not fit the {budget / 2**30:.1f} GiB it may use; "
                              f"{info.describe()} stores them in {stored / 2**30:.1f} GiB")
-    precision = Precision.parse(precision)
-    speeds, cached = probed_speeds(cfg, runtime.get_runtime(), base_dtype, embed_dtype,
-                                   precision if precision.resolved else Precision.FP32, batch)
-    when = "measured earlier" if cached else "timed now"
-    if "wgpu" not in speeds:
-        return BackendChoice("numpy", None, f"auto: {where}; a LoRA step of this model {when} ran "
-                             f"{speeds['numpy']:,.0f} tokens/s on the NumPy engine, too short a step for the "
-                             f"adapter's kernel compilation to pay off")
-    return BackendChoice(max(speeds, key=speeds.get), None, f"auto: {where}; a LoRA step of this model {when} ran "
-                         f"{speeds['numpy']:,.0f} tokens/s on the NumPy engine and {speeds['wgpu']:,.0f} on "
-                         f"{info.name} ({info.backend})")
+    per_layer, limit = layer_weights(cfg) / 1e6, SMALL_LAYER_WEIGHTS / 1e6
+    if per_layer < limit:
+        return BackendChoice("numpy", None, f"auto: {where}; this model's layers hold {per_layer:.2f}M weights "
+                             f"each, under the {limit:g}M from which the adapter pays off")
+    return BackendChoice("wgpu", None, f"auto: {where}; this model's layers hold {per_layer:.2f}M weights each, "
+                         f"from {limit:g}M the adapter pays off")

@@ -50,7 +50,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
     engine over the weights of those layers (a PipelineStage)."""
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
     precision = Precision.parse(precision)
-    choice = choose_backend(backend, device, config, base_dtype, embed_dtype, precision)
+    choice = choose_backend(backend, device, config, base_dtype, embed_dtype)
     if backend == "auto":
         log.info("backend: %s (%s)", choice.engine, choice.reason)
     if choice.engine == "wgpu":

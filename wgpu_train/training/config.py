@@ -45,8 +45,10 @@ class TrainConfig:
                                      "text), e.g. prompt=question,completion=answer")
     out: str | None = _opt(None, "output folder: adapter, metrics.jsonl, summary.json, checkpoints/; default: "
                                  f"{DEFAULT_OUT}, or with --resume the folder of the run it continues")
-    backend: str = _opt("auto", "compute engine: wgpu, numpy, or auto (WebGPU on a GPU; the NumPy engine where the "
-                                "only WebGPU adapters are CPUs, as it is faster there)", choices=BACKENDS)
+    backend: str = _opt("auto", "compute engine: wgpu, numpy, or auto (WebGPU on a GPU; where the only WebGPU "
+                                "adapters are CPUs, the NumPy engine for a model whose layers hold under 1M weights, "
+                                "like the embedded one, and the CPU adapter for a larger one; nothing is timed)",
+                        choices=BACKENDS)
     device: str | None = _opt(None, "WebGPU adapter: an index or part of its name/backend (see `wgpu-train devices`); "
                                     "with --num-workers, a comma-separated list: worker i of a node takes the i-th")
     method: str = _opt("lora", "lora (train an adapter) or full (train every weight)", choices=METHODS)

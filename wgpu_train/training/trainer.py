@@ -74,6 +74,7 @@ class Trainer:
                  placement: OneEngine | None = None):
         if not isinstance(config, TrainConfig):
             raise ConfigError("Trainer needs a TrainConfig")
+        self._constructed = time.perf_counter()
         self.process = process or OneProcess()
         self.placement = placement or OneEngine()
         if not self.process.writes_files:   # rank 0's files would look like an earlier run's to the others
@@ -103,6 +104,8 @@ class Trainer:
             # a single file has no validation file beside it (a folder's is looked for as the data is read)
             raise ConfigError("early_stop_patience needs validation data (a validation split, or valid_split > 0)")
         self._log_fn = log
+        self._held_lines = None                  # lines said while setup checks the run, before the engine's
+        self.setup_s = self.backend_choice_s = None     # seconds before the first step, of the engine choice
         self.workers = config.num_workers or 1   # data-parallel workers sharing each step (data_parallel.py)
         self.device = config.device              # the adapter to train on (a data-parallel worker's own)
         self.progress = Progress()               # where the run is, its history (and its batch stream)
@@ -132,6 +135,9 @@ class Trainer:
         """One line of progress for the user (stderr, above the progress bar)."""
         if self._quiet:
             return
+        if self._held_lines is not None:     # checking the run: said after the engine's line (setup)
+            self._held_lines.append(msg)
+            return
         if self._log_fn is not None:
             self._log_fn(msg)
             return
@@ -141,8 +147,39 @@ class Trainer:
 
     # ---- setup --------------------------------------------------------------------------------------
     def setup(self):
-        """Read the data and the model, attach LoRA (or enable full fine-tuning), and resume if asked."""
-        from wgpu_train.engines.backend_choice import choose_backend
+        """Check the data, the model files and the options, choose the engine (backend auto), read the model,
+        attach LoRA (or enable full fine-tuning), and resume if asked. A mistake in what was given is said before
+        the engine choice spends any time; the lines said while checking follow the engine's line, so that the
+        run's first line names its engine."""
+        self._held_lines = []
+        try:
+            model_cfg, lora = self._check_run()
+            self._choose_backend(model_cfg)
+        finally:
+            self._say_held_lines()
+        self._load_model(model_cfg, lora)
+        cfg = self.config
+        if self.resume:                # before anything is written: a checkpoint that does not fit is refused
+            self.resume.restore(self.model, cfg)
+            self.resumed_from = Path(self.resume.folder)
+            if cfg.early_stop_patience:
+                self.progress.best = self.resume.best(self.step, cfg.method)
+        if self.process.world > 1:
+            self.process.check_step_rows(*self._step_shares())
+        self.files.prepare(self._resolved_settings(), bool(self.resumed_from))
+        self.log(describe_training(cfg, self.total_steps, self.steps_per_epoch, self.micro_per_step, self.workers,
+                                   self.step, self.resumed_from))
+        self.memory_estimate = est = estimate_run_memory(
+            cfg, model_cfg, lora, self.train_examples + self.valid_examples, self.max_seq_len,
+            self._micro_batch_rows(), self.engine, self.base_dtype, self.embed_dtype, self.precision)
+        self.log(describe_memory(est))
+        self.placement.estimated(self, model_cfg, lora, est)
+        return self
+
+    def _check_run(self):
+        """(model_cfg, lora): the model, its files and the data read and checked, the steps planned; the engine is
+        not chosen yet."""
+        from wgpu_train.models.weights import load_weights
 
         tracking.require(tracking.parse_report_to(self.config.report_to))
         chosen = resolve_model(self.config, self.base_dtype, self.embed_dtype)
@@ -150,17 +187,9 @@ class Trainer:
         self.continued_from, self.model_name, self.model_dir = chosen.continued_from, chosen.name, chosen.folder
         self.base_dtype, self.embed_dtype = chosen.base_dtype, chosen.embed_dtype
         model_cfg, lora = chosen.model_cfg, chosen.lora
+        load_weights(self.model_dir, model_cfg)             # its tensors present and of their shapes
         self.data_path = cfg.data if cfg.data else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
-        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
-                                self.precision or "auto", (cfg.batch_size, cfg.max_seq_len))
-        self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
-        if cfg.backend == "auto" and router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef):
-            # the WebGPU engine does not compute the router's auxiliary loss yet (WgpuEngine.set_router_aux_loss)
-            self.backend, self.device, self.backend_reason = "numpy", None, "auto: the router's auxiliary loss is " \
-                "computed by the NumPy engine alone"
-        if cfg.backend == "auto":
-            self.log(f"backend: {self.backend} ({self.backend_reason})")
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
@@ -185,24 +214,30 @@ class Trainer:
             if self.done():
                 raise ConfigError(f"the run in {self.folders.resumed} already finished at step {self.step}; "
                                   f"raise --max-steps or --epochs to train further")
-        self._load_model(model_cfg, lora)
+        return model_cfg, lora
+
+    def _choose_backend(self, model_cfg):
+        """The engine of the run (engines/backend_choice.py; auto times nothing), said in the run's first line,
+        ahead of the lines held while checking; how long the choice took is kept for the summary."""
+        from wgpu_train.engines.backend_choice import choose_backend
+
         cfg = self.config
-        if self.resume:                # before anything is written: a checkpoint that does not fit is refused
-            self.resume.restore(self.model, cfg)
-            self.resumed_from = Path(self.resume.folder)
-            if cfg.early_stop_patience:
-                self.progress.best = self.resume.best(self.step, cfg.method)
-        if self.process.world > 1:
-            self.process.check_step_rows(*self._step_shares())
-        self.files.prepare(self._resolved_settings(), bool(self.resumed_from))
-        self.log(describe_training(cfg, self.total_steps, self.steps_per_epoch, accum, self.workers, self.step,
-                                   self.resumed_from))
-        self.memory_estimate = est = estimate_run_memory(
-            cfg, model_cfg, lora, self.train_examples + self.valid_examples, self.max_seq_len,
-            self._micro_batch_rows(), self.engine, self.base_dtype, self.embed_dtype, self.precision)
-        self.log(describe_memory(est))
-        self.placement.estimated(self, model_cfg, lora, est)
-        return self
+        started = time.perf_counter()
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
+        self.backend_choice_s = time.perf_counter() - started
+        self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
+        if cfg.backend == "auto" and router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef):
+            # the WebGPU engine does not compute the router's auxiliary loss yet (WgpuEngine.set_router_aux_loss)
+            self.backend, self.device, self.backend_reason = "numpy", None, "auto: the router's auxiliary loss is " \
+                "computed by the NumPy engine alone"
+        if cfg.backend == "auto":
+            self._held_lines.insert(0, f"backend: {self.backend} ({self.backend_reason})")
+
+    def _say_held_lines(self):
+        """Say the lines held while setup checked the run and chose its engine, and hold no more."""
+        held, self._held_lines = self._held_lines or [], None
+        for line in held:
+            self.log(line)
 
     def _load_model(self, model_cfg, lora):
         """The model on the placement, its adapter (continued, new) or full fine-tuning set up, its precision
@@ -318,7 +353,8 @@ class Trainer:
         error before the first step), so the output folder is as it was."""
         if self.model is None:
             self.setup()
-        t_start = time.perf_counter()
+        t_start = self._constructed          # the summary's wall time covers the setup and the engine choice
+        self.setup_s = time.perf_counter() - t_start
         self.progress.start_step = self.step
         self._quiet = not self.writes_files     # from here on rank 0 says what every worker would
         with self.interrupt.handling():
@@ -593,6 +629,7 @@ class Trainer:
             "steps": self.step, "epochs": self.epoch_float(), "stopped": stopped,
             "interrupted": stopped == "interrupted", "adapter_step": adapter_step,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens, "wall_time_s": round(wall, 3),
+            "setup_time_s": _seconds(self.setup_s), "backend_choice_time_s": _seconds(self.backend_choice_s),
             "train_time_s": round(run.time, 3), "tokens_per_s": round(run.tokens_per_s, 2) if run.time else None,
             "train_loss_first": h["train_loss_first"], "train_loss_last": run.last_loss,
             "valid_loss_before": h["valid_loss_before"], "valid_perplexity_before": h["valid_perplexity_before"],
@@ -616,6 +653,10 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "continued_from": str(self.continued_from) if self.continued_from else None,
         } | self.process.summary(self.micro_per_step) | self.placement.summary(self)
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 __all__ = ["Trainer"]
