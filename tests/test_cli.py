@@ -649,9 +649,10 @@ def test_merge_refuses_an_existing_model_folder(trained, workspace, tmp_path, ca
     (["generate", "--prompt", "hi", "--max-new-tokens", "-3"], "must be at least 1, got -3"),
     (["generate", "--prompt", "hi", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
     (["eval", "--batch-size", "two"], "invalid int value: 'two'"),
-    (["bench", "--only", "nosuch"], "--only 'nosuch' selects no benchmark; the names are gemm, gemm_candidates, gemm_quant, "
-                                    "attention, decode, mixed_lora, moe, training, variable_lengths, base_weights, mfu, "
-                                    "data_parallel, engines, grpo, serve, precision, pipeline, preference"),
+    (["bench", "--only", "nosuch"], "--only 'nosuch' selects no benchmark; the names are gemm, gemm_candidates, "
+                                    "gemm_quant, attention, decode, mixed_lora, moe, linear_attention, training, "
+                                    "variable_lengths, base_weights, mfu, data_parallel, engines, grpo, serve, precision, "
+                                    "pipeline, preference"),
 ])
 def test_bad_numbers_and_names(capsys, argv, message):
     one_line_error(capsys, argv, message)

@@ -132,7 +132,7 @@ def register(sub):
     p.add_argument("--method", default=d.method, choices=("lora", "full"), help=f"(default: {d.method})")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"(default: {d.lora_rank})")
     p.add_argument("--lora-targets", default=d.lora_targets, help=f"(default: {d.lora_targets})")
-    p.add_argument("--lora-target-parameters", default="", help="a mixture of experts' expert tensors with a LoRA "
+    p.add_argument("--lora-target-parameters", default=None, help="a mixture of experts' expert tensors with a LoRA "
                    "pair per expert (PEFT's target_parameters; all-linear takes them)")
     p.add_argument("--lora-layers", default=None, help="the layers with LoRA, as in finetune (default: every layer)")
     p.add_argument("--lora-rank-pattern", default=None, help="per-module ranks, as in finetune")

@@ -54,7 +54,9 @@ class PipelineStages(OneEngine):
                                            trainer.embed_dtype, cfg.gradient_checkpointing,
                                            trainer.precision or "fp32", self.micro_batches(trainer),
                                            cfg.pipeline_schedule)
-        devices = stage_devices(trainer.device, len(plan))
+        # the adapter the trainer's choice opens (WGPU_TRAIN_DEVICE's too), else --device as given: checked against
+        # the stages whichever engine runs them
+        devices = stage_devices(cfg.device if trainer.device is None else trainer.device, len(plan))
         # before any stage loads: each stage's estimate for the run's largest micro-batch against its device's
         check_stages_fit(self._stage_estimates(trainer, model_cfg, lora, *trainer.largest_micro_batch(),
                                                trainer.precision or "fp32"), cfg.device_memory)

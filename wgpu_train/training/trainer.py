@@ -25,6 +25,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
 from wgpu_train.training.metrics import Window, fmt, num
 from wgpu_train.training.run_files import RunFiles
+from wgpu_train.training.summary import run_summary
 from wgpu_train.training.run_folder import resolve_run
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_data_dir
 from wgpu_train.training.interrupt import Interrupt
@@ -621,42 +622,8 @@ class Trainer:
         return summary
 
     def _summary(self, stopped: str, adapter_step, after, em_after, ckpt, run: Window, wall: float) -> dict:
-        """The run's summary; `after` and `em_after` are the evaluation and exact match of the weights written
-        (those of adapter_step; None when nothing was written)."""
-        cfg = self.config
-        h = self.history
-        return {
-            "steps": self.step, "epochs": self.epoch_float(), "stopped": stopped,
-            "interrupted": stopped == "interrupted", "adapter_step": adapter_step,
-            "tokens": self.tokens, "trained_tokens": self.trained_tokens, "wall_time_s": round(wall, 3),
-            "setup_time_s": _seconds(self.setup_s), "backend_choice_time_s": _seconds(self.backend_choice_s),
-            "train_time_s": round(run.time, 3), "tokens_per_s": round(run.tokens_per_s, 2) if run.time else None,
-            "train_loss_first": h["train_loss_first"], "train_loss_last": run.last_loss,
-            "valid_loss_before": h["valid_loss_before"], "valid_perplexity_before": h["valid_perplexity_before"],
-            "valid_loss_after": num(after["loss"]) if after else None,
-            "valid_perplexity_after": num(after["perplexity"]) if after else None,
-            "best_valid_loss": h["best_valid_loss"], "best_step": h["best_step"],
-            "exact_match_before": h["exact_match_before"],
-            "exact_match_after": em_after["exact_match"] if em_after else None,
-            "exact_match_split": self.held_out()[0] if self.eval_generate else None,
-            "exact_match_n": em_after["n"] if em_after else None,
-            "exact_match_samples": em_after["samples"] if em_after else [],
-            "backend": self.engine.name, "backend_reason": self.backend_reason,
-            "device": self.engine.device_description, "method": cfg.method,
-            "base_dtype": self.base_dtype, "embed_dtype": self.embed_dtype, "base_weight_bytes": self.base_weight_bytes,
-            "precision": self.precision, "precision_reason": self.precision_reason,
-            "memory_estimate": self.memory_estimate,
-            "model": str(self.model_dir), "data": str(self.data_path), "data_format": self.splits.format,
-            "n_train": len(self.train_examples), "n_valid": len(self.valid_examples), "n_test": len(self.splits.test),
-            "skipped_lines": self.n_skipped, "truncated": self.truncated, "dropped": self.dropped,
-            "counters": self.counters(), "output": str(self.out), "checkpoint": str(ckpt) if ckpt else None,
-            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-            "continued_from": str(self.continued_from) if self.continued_from else None,
-        } | self.process.summary(self.micro_per_step) | self.placement.summary(self)
-
-
-def _seconds(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+        """The run's summary (summary.run_summary); the trainers of other kinds add their fields."""
+        return run_summary(self, stopped, adapter_step, after, em_after, ckpt, run, wall)
 
 
 __all__ = ["Trainer"]

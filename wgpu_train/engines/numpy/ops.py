@@ -166,14 +166,15 @@ def split_forward(x, widths, heads: int = 1):
     """x (N, sum(widths)) -> its column blocks [(N, w) for w in widths], in order; with heads H, each head's columns
     (N, H, sum(widths) / H) are split into its blocks of w / H, each block (N, w) the heads' parts in head order."""
     n = x.shape[0]
-    parts = np.split(x.reshape(n, heads, -1), np.cumsum(widths)[:-1] // heads, axis=-1)
-    return [p.reshape(n, -1) for p in parts]
+    parts = np.split(x.reshape(n, heads, x.shape[1] // heads), np.cumsum(widths)[:-1] // heads, axis=-1)
+    return [p.reshape(n, w) for p, w in zip(parts, widths)]
 
 
 def split_backward(dys, heads: int = 1):
     """The blocks' gradients [(N, w), ...] side by side (each head's, with heads H): (N, sum(w))."""
     n = dys[0].shape[0]
-    return np.concatenate([d.reshape(n, heads, -1) for d in dys], axis=-1).reshape(n, -1)
+    return np.concatenate([d.reshape(n, heads, d.shape[1] // heads) for d in dys], axis=-1).reshape(
+        n, sum(d.shape[1] for d in dys))
 
 
 # ---- swiglu ----------------------------------------------------------------------------------
