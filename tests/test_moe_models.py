@@ -193,10 +193,12 @@ def test_greedy_generation_matches_transformers(moe):
     assert load_model(folder, backend="numpy").generate(prompt, max_new_tokens=8) == want
 
 
-def test_three_sft_steps_equal_trl_sft_trainer(tmp_path):
+@pytest.mark.parametrize("aux", [0.0, None])
+def test_three_sft_steps_equal_trl_sft_trainer(tmp_path, aux):
     """Three whole SFT steps on a Qwen3-MoE with LoRA on the attention and the experts, from the same PEFT
-    adapter (B random), against TRL 1.16's SFTTrainer (its router aux loss off): every LoRA tensor after them,
-    experts included."""
+    adapter (B random), against TRL 1.16's SFTTrainer: every LoRA tensor after them, experts included; with the
+    router's aux loss off, and on as TRL's SFTTrainer turns it on by default (the config's coefficient, which
+    --router-aux-loss-coef gives here)."""
     import datasets
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -220,7 +222,7 @@ def test_three_sft_steps_equal_trl_sft_trainer(tmp_path):
     args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, learning_rate=0.02,
                          lr_scheduler_type="constant", max_steps=3, max_grad_norm=1.0, report_to=[], use_cpu=True,
                          save_strategy="no", seed=0, max_length=64, logging_steps=1, weight_decay=0.0, bf16=False,
-                         router_aux_loss_coef=0.0)      # TRL's default adds the router's aux loss: not built here yet
+                         router_aux_loss_coef=aux)      # None: TRL's default, the config's 0.001
     trainer = trl.SFTTrainer(model=pm, args=args, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=AutoTokenizer.from_pretrained(model_dir))
     trainer.train()
@@ -228,8 +230,15 @@ def test_three_sft_steps_equal_trl_sft_trainer(tmp_path):
     cfg = TrainConfig(model=str(model_dir), data=str(tmp_path / "text.jsonl"), adapter_path=str(tmp_path / "adapter"),
                       backend="numpy", out=str(tmp_path / "ours"), batch_size=4, lr=0.02, lr_schedule="constant",
                       warmup_steps=0, max_steps=3, max_grad_norm=1.0, valid_split=0.0, eval_generate=False,
-                      no_progress=True, max_seq_len=64, weight_decay=0.0)
+                      no_progress=True, max_seq_len=64, weight_decay=0.0,
+                      router_aux_loss_coef=0.001 if aux is None else aux)
     make_trainer(cfg, log=lambda m: None).setup().train()
+    if aux is None:         # both logged it, step by step
+        rows = [json.loads(line) for line in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]
+        ours_aux = [r["aux_loss"] for r in rows if "grad_norm" in r]
+        trl_aux = [h["aux_loss"] for h in trainer.state.log_history if "aux_loss" in h]
+        assert len(ours_aux) == len(trl_aux) == 3
+        assert_close(np.array(ours_aux), np.array(trl_aux), "loss_f32", "aux_loss")
     ours = read_safetensors(tmp_path / "ours" / "adapter_model.safetensors")
     assert set(ours) == set(theirs)
     for k, v in ours.items():
