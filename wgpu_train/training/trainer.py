@@ -224,13 +224,10 @@ class Trainer:
 
         cfg = self.config
         started = time.perf_counter()
-        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
+                                router_aux_loss=bool(router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)))
         self.backend_choice_s = time.perf_counter() - started
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
-        if cfg.backend == "auto" and router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef):
-            # the WebGPU engine does not compute the router's auxiliary loss yet (WgpuEngine.set_router_aux_loss)
-            self.backend, self.device, self.backend_reason = "numpy", None, "auto: the router's auxiliary loss is " \
-                "computed by the NumPy engine alone"
         if cfg.backend == "auto":
             self._held_lines.insert(0, f"backend: {self.backend} ({self.backend_reason})")
 
