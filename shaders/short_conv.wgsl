@@ -11,7 +11,7 @@
 // gradient sums per-block partials (w2) in a fixed order.
 
 struct Params {
-    b: u32, t: u32, c: u32, act: u32, flags: u32, rows: u32, nblk: u32, runs: u32,
+    b: u32, t: u32, c: u32, act: u32, flags: u32, rows: u32, nblk: u32, runs: u32, accumulate: u32,
     o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32,
 }
 
@@ -180,8 +180,8 @@ fn sc_backward_dw_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     }
 }
 
-// ---- the weight's gradient, part 2: dw! (w3) (C, K) <- the partials (w2), summed over the B nblk blocks in order.
-// One invocation per (channel, tap). ------------------------------------------------------------------------------
+// ---- the weight's gradient, part 2: dw! (w3) (C, K) <- the partials (w2), summed over the B nblk blocks in order;
+// added to dw where p.accumulate = 1 (a step's micro-batches). One invocation per (channel, tap). ------------------------------------------------------------------------------
 @compute @workgroup_size(WG)
 fn sc_backward_dw_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -190,6 +190,7 @@ fn sc_backward_dw_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     var total = 0.0;
     let n = p.b * p.nblk;
     for (var r = 0u; r < n; r = r + 1u) { total = total + w2[p.o2 + r * p.c * K + idx]; }
+    if (p.accumulate == 1u) { total = w3[p.o3 + idx] + total; }
     w3[p.o3 + idx] = total;
 }
 

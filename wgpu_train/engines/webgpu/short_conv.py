@@ -48,17 +48,17 @@ def short_conv_forward(rec, y, x, weight, segment_ids, B: int, T: int, C: int, K
 
 
 def short_conv_backward(rec, dx, dw, dy, x, weight, segment_ids, B: int, T: int, C: int, K: int, scratch=None,
-                        activation=None):
-    """Gradients of short_conv_forward (the same x, weight, segments and activation): dx (B, T, C) and dw (C, 1, K)
-    float32 (None: not computed, as when the weight does not train) from dy (B, T, C), both overwritten. scratch:
-    scratch_size(B, T, C, K) float32 elements, needed with a dw."""
+                        activation=None, accumulate_dw: bool = False):
+    """Gradients of short_conv_forward (the same x, weight, segments and activation): dx (B, T, C) written and dw
+    (C, 1, K) float32 (None: not computed, as when the weight does not train; accumulate_dw: added to what it holds)
+    from dy (B, T, C). scratch: scratch_size(B, T, C, K) float32 elements, needed with a dw."""
     _check(C, K, activation, outputs=(dx,), floats=(dw, scratch))
     if dw is not None and scratch is None:
         raise ValueError("the short convolution's weight gradient needs its scratch (scratch_size elements)")
     if B * T * C <= 0:
         return
     t = dict(dx=dx, dw=dw, dy=dy, x=x, weight=weight, segments=segment_ids, scratch=scratch if dw is not None else None)
-    p = _problem(rec.rt, t, B, T, C, K, activation)
+    p = SK.ShortConvProblem(rec.rt, t, B, T, C, K, activation, accumulate_dw)
     for d in tune.choose(rec.rt, _problem(rec.rt, dict(x=x, y=dx, weight=weight), B, T, C, K, activation)) \
             .backward_dispatches(p):
         rec.dispatch(*d)

@@ -63,11 +63,13 @@ def scratch_size(B: int, T: int, C: int, K: int) -> int:
 
 class ShortConvProblem:
     """One short convolution over a batch as the kernels see it (the op wrappers' tensors by name: y, x, weight,
-    segments, and for the backward dx, dw, dy, scratch), sizes and the activation (None or "silu")."""
+    segments, and for the backward dx, dw, dy, scratch), sizes, the activation (None or "silu") and whether the backward
+    adds dw into its buffer."""
 
-    def __init__(self, rt, tensors: dict, B, T, C, K, activation=None):
+    def __init__(self, rt, tensors: dict, B, T, C, K, activation=None, accumulate=False):
         self.rt, self.t = rt, tensors
         self.B, self.T, self.C, self.K, self.activation = B, T, C, K, activation
+        self.accumulate = accumulate          # the backward adds dw into what the buffer holds
         self.formats = {n: storage.format_of(split(t)[0]) for n, t in tensors.items()
                         if n in ("x", "y", "dx", "dy") and t is not None}
 
@@ -162,7 +164,7 @@ class Tiled:
         out = [self._dispatch(p, BACKWARD_DX, self._positions(p), tensors, **params)] if "dx" in tensors else []
         if "dw" in tensors:
             rows, nblk = blocks(p.B, p.T)
-            params.update(rows=rows, nblk=nblk)
+            params.update(rows=rows, nblk=nblk, accumulate=int(p.accumulate))
             out.append(self._dispatch(p, DW_PARTIAL, p.B * nblk * -(-p.C // 2), tensors, **params))
             out.append(self._dispatch(p, DW_REDUCE, p.C * p.K, tensors, **params))
         return out
