@@ -137,3 +137,31 @@ def test_generation_matches_numpy(folder, rt):
     finally:
         batch.close()
     assert [out[("done", i)] for i in range(3)] == alone
+
+
+def test_bfloat16_activations_match_numpy(folder, rt):
+    """bf16 activations (the convolution's input and output among them) against the NumPy engine's same rounding
+    points: logits, loss and each LoRA gradient relative to its largest element. (f16's kernels are the same; this
+    model's gain (logits move 0.05 from float32 in f16) puts the attention layers' f16 differences between the
+    engines past f16_gpu_logits, as an all-attention model of these sizes does too (0.0065 against 0.011 of f16
+    noise), so f16 is left to the kernel tests.)"""
+    from test_precision_gpu import _check
+
+    ref, gpu = _pair(folder, rt, precision="bf16")
+    _check(ref, gpu, *_batch(), "bf16_gpu")
+
+
+def test_memory_estimate_is_the_allocation(folder, rt):
+    """The estimate's activations are what the engine allocates for LFM2's layers, with and without gradient
+    checkpointing."""
+    from test_engine import _allocated
+
+    _, gpu = _pair(folder, rt)
+    ids, labels, mask = _batch()
+    for checkpointing in (False, True):
+        gpu.set_gradient_checkpointing(checkpointing)
+        gpu.loss_and_grads(ids, labels, mask)
+        acts = gpu.engine._activations(*ids.shape, train=True)
+        est = wt.estimate_memory(gpu.config, *ids.shape, lora=gpu.lora_config, gradient_checkpointing=checkpointing)
+        assert est["activations"] + est["logits"] == _allocated(acts), checkpointing
+        assert est["weights"] == gpu.engine.base_weight_bytes
