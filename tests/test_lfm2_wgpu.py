@@ -116,7 +116,8 @@ def test_full_finetuning_trains_the_convolutions(folder, rt):
 
 def test_generation_matches_numpy(folder, rt):
     """Greedy tokens through the window state with the adapter; rows of different lengths in one batch; continuous
-    batching in two slots with prefill in chunks of three tokens, a third row taking a freed slot."""
+    batching in two slots with prefill in chunks of three tokens, a third row taking a freed slot (its state
+    zeroed), prefix reuse off."""
     ref, gpu = _pair(folder, rt)
     prompts = [np.array([5, 17, 3, 40, 22, 8, 9]), np.array([11, 4]), np.array([5, 17, 3, 40, 61, 30, 2, 7, 19])]
     alone = [ref.generate(p, max_new_tokens=6) for p in prompts]
@@ -128,7 +129,7 @@ def test_generation_matches_numpy(folder, rt):
         while pending or len(batch):
             while pending and batch.free_slots():
                 i, p = pending.pop(0)
-                out[batch.add(p, 6)] = (i, [])
+                out[batch.add(p, 6, prefix_key="same")] = (i, [])
             for token in batch.step():
                 out[token.slot][1].append(token.id)
                 if token.finished:
@@ -137,6 +138,7 @@ def test_generation_matches_numpy(folder, rt):
     finally:
         batch.close()
     assert [out[("done", i)] for i in range(3)] == alone
+    assert batch.reused == 0         # rows share a prefix and a key, but a recurrent state holds no prefix
 
 
 def test_bfloat16_activations_match_numpy(folder, rt):
