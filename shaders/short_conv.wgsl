@@ -96,8 +96,25 @@ fn store_pair(i: u32, c: u32, v: vec2<f32>) {
     }
 }
 
+// the taps of channels c, c + 1 in registers (the second 0 past C)
+fn taps(c: u32) -> array<vec2<f32>, K> {
+    var w: array<vec2<f32>, K>;
+    let two = c + 1u < p.c;
+    for (var j = 0u; j < K; j = j + 1u) {
+        w[j] = vec2<f32>(w_of(c, j), select(0.0, w_of(c + 1u, j), two));
+    }
+    return w;
+}
+
+// x at (b, t) for channels c, c + 1, 0 where id is 0 (outside the row or padding)
+fn x_pair(b: u32, t: i32, c: u32, id: i32) -> vec2<f32> {
+    if (id == 0) { return vec2<f32>(0.0); }
+    let i = p.o4 + at(b, t, c);
+    return vec2<f32>(x_ld(i), select(0.0, x_ld(i + 1u), c + 1u < p.c));
+}
+
 // ---- forward: y! (t1) <- x (t4), weight (t5), ids (segments). One invocation per (b, tile of TILE positions,
-// channel pair). -------------------------------------------------------------------------------------------------
+// channel pair), the last K inputs and their ids in registers (each input loaded once). ----------------------------
 @compute @workgroup_size(WG)
 fn sc_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -107,16 +124,36 @@ fn sc_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (idx >= p.b * tiles * pairs) { return; }
     let c = 2u * (idx % pairs);
     let b = idx / pairs / tiles;
-    let t0 = (idx / pairs % tiles) * TILE;
+    let t0 = i32((idx / pairs % tiles) * TILE);
+    let w = taps(c);
+    var xs: array<vec2<f32>, K>;                            // xs[j]: the input K-1-j positions back
+    var ids: array<i32, K>;
+    for (var j = 0u; j + 1u < K; j = j + 1u) {
+        let s = t0 - i32(K - 1u - j);
+        ids[j] = seg_of(b, s);
+        xs[j] = x_pair(b, s, c, ids[j]);
+    }
     for (var i = 0u; i < TILE; i = i + 1u) {
-        let t = t0 + i;
-        if (t >= p.t) { break; }
-        store_pair(at(b, i32(t), c), c, act_forward(conv_at(b, i32(t), c)));
+        let t = t0 + i32(i);
+        if (t >= i32(p.t)) { break; }
+        let id = seg_of(b, t);
+        ids[K - 1u] = id;
+        xs[K - 1u] = x_pair(b, t, c, id);
+        var z = vec2<f32>(0.0);
+        for (var j = 0u; j < K; j = j + 1u) {
+            if (id != 0 && ids[j] == id) { z = fma(w[j], xs[j], z); }
+        }
+        store_pair(at(b, t, c), c, act_forward(z));
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            xs[j] = xs[j + 1u];
+            ids[j] = ids[j + 1u];
+        }
     }
 }
 
 // ---- dx: dx! (t1) <- dy (t7), x (t4, for SiLU's z), weight (t5), ids. dx[s] = sum over lags of dz[s + lag]
-// weight[K-1-lag] where s and s + lag share a sequence. Invocations as the forward's. ------------------------------
+// weight[K-1-lag] where s and s + lag share a sequence. Invocations as the forward's: each walks positions
+// t0 .. t0 + TILE + K - 2, the inputs (for z) and the dz of the last K positions in registers. -----------------------
 @compute @workgroup_size(WG)
 fn sc_backward_dx(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -126,24 +163,51 @@ fn sc_backward_dx(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     if (idx >= p.b * tiles * pairs) { return; }
     let c = 2u * (idx % pairs);
     let b = idx / pairs / tiles;
-    let t0 = (idx / pairs % tiles) * TILE;
+    let t0 = i32((idx / pairs % tiles) * TILE);
     let two = c + 1u < p.c;
-    for (var i = 0u; i < TILE; i = i + 1u) {
-        let s = i32(t0 + i);
-        if (s >= i32(p.t)) { break; }
-        let id = seg_of(b, s);
-        var d = vec2<f32>(0.0);
-        if (id != 0) {
-            for (var lag = 0u; lag < K; lag = lag + 1u) {
-                let t = s + i32(lag);
-                if (seg_of(b, t) == id) {
-                    let g = dz_at(b, t, c);
-                    d.x = fma(g.x, w_of(c, K - 1u - lag), d.x);
-                    if (two) { d.y = fma(g.y, w_of(c + 1u, K - 1u - lag), d.y); }
-                }
-            }
+    let w = taps(c);
+    var xs: array<vec2<f32>, K>;                            // the inputs of the last K positions (SiLU's z)
+    var dz: array<vec2<f32>, K>;                            // dz of the last K positions
+    var ids: array<i32, K>;
+    if (p.act == 1u) {
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            let s = t0 - i32(K - 1u - j);
+            ids[j] = seg_of(b, s);
+            xs[j] = x_pair(b, s, c, ids[j]);
         }
-        store_pair(at(b, s, c), c, d);
+    }
+    let last = min(t0 + i32(TILE + K - 1u), i32(p.t) + i32(K - 1u));
+    for (var t = t0; t < last; t = t + 1) {
+        let id = seg_of(b, t);
+        ids[K - 1u] = id;
+        var g = vec2<f32>(0.0);
+        if (id != 0) {
+            let i = p.o7 + at(b, t, c);
+            g = vec2<f32>(dy_ld(i), select(0.0, dy_ld(i + 1u), two));
+        }
+        if (p.act == 1u) {
+            xs[K - 1u] = x_pair(b, t, c, id);
+            var z = vec2<f32>(0.0);
+            for (var j = 0u; j < K; j = j + 1u) {
+                if (id != 0 && ids[j] == id) { z = fma(w[j], xs[j], z); }
+            }
+            g = g * act_grad(z);
+        }
+        dz[K - 1u] = g;
+        let s = t - i32(K - 1u);                            // the output: dz[lag] is at s + lag
+        if (s >= t0) {
+            let sid = ids[0];
+            var d = vec2<f32>(0.0);
+            for (var lag = 0u; lag < K; lag = lag + 1u) {
+                if (sid != 0 && ids[lag] == sid) { d = fma(dz[lag], w[K - 1u - lag], d); }
+            }
+            store_pair(at(b, s, c), c, d);
+        }
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            xs[j] = xs[j + 1u];
+            dz[j] = dz[j + 1u];
+            ids[j] = ids[j + 1u];
+        }
     }
 }
 
