@@ -41,3 +41,17 @@ def test_dora_gradients_match_peft(tmp_path, kind):
     assert set(grads) == set(expected) and any("magnitude" in k for k in grads)
     for name, g in expected.items():
         assert_close(grads[name], g, "delta_rule_grads_f32" if kind == "qwen3_5" else "grads_f32", name)
+
+
+def test_a_target_the_layers_lack_is_refused_naming_each_kind_of_layer(tmp_path):
+    """LFM2 asked for Qwen3.5's linear-attention projection: one line naming which kind of layer has which modules."""
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.errors import ConfigError
+    from wgpu_train.models.config import ModelConfig
+
+    hf, _ = _model("lfm2", 83)
+    save_model(hf, tmp_path)
+    with pytest.raises(ConfigError, match=r"in_proj_qkv: Lfm2ForCausalLM's linear modules are, by kind of layer, "
+                                          r"conv layers: conv\.in_proj, conv\.out_proj; MLPs: .*; attention layers: "
+                                          r"q_proj, k_proj, v_proj, out_proj \(or use all-linear\)$"):
+        LoraConfig(r=2, target_modules=("in_proj_qkv",)).targets_in(ModelConfig.from_folder(tmp_path))

@@ -234,6 +234,19 @@ class ModelConfig:
         mlps = sorted({mlp for _, mlp in parts}, key=lambda m: m[0] == self.moe.router if self.moe else False)
         return tuple(dict.fromkeys(m for group in mixers + mlps for m in group))
 
+    def modules_by_layer_kind(self) -> dict:
+        """Each kind of layer part's linear modules ({"conv layers": (...), "attention layers": (...), "MLPs":
+        (...)}), for a refusal that says which kind of layer has a module."""
+        groups: dict = {}
+        for layer in range(self.num_hidden_layers):
+            mixer, mlp = self._layer_parts(layer)
+            kind = ("conv" if self.family == "lfm2" and self.is_conv(layer) else
+                    "linear_attention" if self.linear_attention is not None and self.is_linear(layer) else
+                    "attention")
+            groups.setdefault(f"{kind} layers", mixer)
+            groups.setdefault("mixture-of-experts MLPs" if self.is_sparse(layer) else "MLPs", mlp)
+        return groups
+
     def layer_modules(self, layer: int) -> tuple:
         """Layer `layer`'s linear modules in order: its token mixer's (attention's: Llama's four, Phi-3's fused
         two, LFM2's; LFM2's convolution; Qwen3.5's linear attention), then its channel mixer's (the dense MLP; a
