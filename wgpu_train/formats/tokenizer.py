@@ -236,6 +236,11 @@ class Tokenizer:
         """Text of `ids`."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_tokens(self) -> list[str]:
+        """The added tokens marked special: what decoding with skip_special_tokens leaves out."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None when it is not in the vocabulary."""
         return self._tok.token_to_id(token)

@@ -241,35 +241,39 @@ def _re(pattern: str) -> re.Pattern:
 @dataclass(frozen=True)
 class ToolCallFormat:
     """A chat template family's tool-call syntax: where its assistant message starts (`start_anchor`) and the
-    regions of the message (content, reasoning, tool calls). `parse_response` reads model output with it."""
+    regions of the message (content, reasoning, tool calls), which `parse_response` reads model output with; and
+    how a call opens (`opener`), and opens naming its function (`named`, with %s for the name), which a server
+    writes after the generation prompt to make the model call a tool."""
 
     name: str
     start_anchor: str
     regions: tuple[_Region, ...]
-
-    def region(self, field: str) -> _Region:
-        """The region that fills message field `field`."""
-        return next(r for r in self.regions if r.field == field)
+    opener: str
+    named: str
 
 
 _QWEN_JSON = ToolCallFormat("qwen", "<|im_start|>assistant\n", (
     _Region("reasoning_content", _re(re.escape("<think>")), _re(r"</think>\s*"), "text"),
     _Region("tool_calls", _re(re.escape("<tool_call>")), _re(r"</tool_call>\s*"), "json", repeats=True),
-    _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")))
+    _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")),
+    "<tool_call>\n", '<tool_call>\n{"name": "%s", "arguments": ')
 _QWEN_XML = ToolCallFormat("qwen3_5", "<|im_start|>assistant\n", (
     _Region("reasoning_content", _re(re.escape("<think>")), _re(r"</think>\s*"), "text"),
     _Region("tool_calls", _re(r"<tool_call>\s*<function=(?P<name>[^\n>]+)>"), _re(r"</tool_call>\s*"), "tags",
             repeats=True, named=True, tag=_re(r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>")),
-    _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")))
+    _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")),
+    "<tool_call>\n<function=", "<tool_call>\n<function=%s>\n")
 _LLAMA3 = ToolCallFormat("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", (
     _Region("tool_calls", _re(r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*'), _re(r"\}<\|eot_id\|>\s*"),
             "json", repeats=True, named=True),
-    _Region("content", None, _re(r"<\|eot_id\|>\s*"), "text")))
+    _Region("content", None, _re(r"<\|eot_id\|>\s*"), "text")),
+    '{"name": "', '{"name": "%s", "parameters": ')
 _GPT_OSS = ToolCallFormat("gpt_oss", "<|start|>assistant", (
     _Region("thinking", _re(re.escape("<|channel|>analysis<|message|>")), _re(r"<\|end\|>\s*"), "text"),
     _Region("content", _re(re.escape("<|channel|>final<|message|>")), _re(r"<\|return\|>\s*"), "text"),
     _Region("tool_calls", _re(r"to=functions\.(?P<name>\S+?)<\|channel\|>commentary\s+json<\|message\|>"),
-            _re(r"<\|call\|>\s*"), "json", repeats=True, named=True)))
+            _re(r"<\|call\|>\s*"), "json", repeats=True, named=True)),
+    " to=functions.", " to=functions.%s<|channel|>commentary json<|message|>")
 
 # the known syntaxes, by name
 FORMATS = {f.name: f for f in (_QWEN_JSON, _QWEN_XML, _LLAMA3, _GPT_OSS)}
