@@ -207,3 +207,32 @@ def test_tools_with_a_template_without_tool_support(tmp_path):
         def weather_no_doc(city: str):
             return city
         tokenize_example(qwen, Conversation(ONE_CALL, tools=[weather_no_doc]), 4096)
+
+
+def test_preference_pairs_render_their_tools(tmp_path):
+    """DPO pairs and KTO records with a tools column render it, as TRL 1.16's DPO and KTO trainers do: prompt and
+    prompt + answer ids are transformers' renders with tools=; unpairing keeps the tools."""
+    from wgpu_train.data.preference_records import unpair_preferences
+    from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
+
+    ours, hf = _tokenizers(tmp_path, ctu.qwen2_5_chat_template, QWEN, "<|im_end|>")
+    schemas = [function_schema(weather), ADD]
+    rejected = [{"role": "assistant", "content": "I do not know."}]
+    row = {"prompt": ONE_CALL[:1], "chosen": ONE_CALL[1:2], "rejected": rejected, "tools": json.dumps(schemas)}
+    records, _, _ = load_records(_write(tmp_path / "p.jsonl", [row]), kind="preference")
+    assert records[0].tools == schemas
+    (ex,), _ = tokenize_preferences(ours, records, None)
+
+    def ids(messages, **kw):
+        return list(hf.apply_chat_template(messages, tools=schemas, tokenize=True, return_dict=True, **kw)["input_ids"])
+    prompt = ids(ONE_CALL[:1], add_generation_prompt=True)
+    assert ex.prompt_ids.tolist() == prompt
+    assert prompt + ex.chosen_ids.tolist() == ids(ONE_CALL[:2])
+    assert prompt + ex.rejected_ids.tolist() == ids(ONE_CALL[:1] + rejected)
+    unpaired = unpair_preferences(records)
+    assert [r.tools for r in unpaired] == [schemas, schemas]
+    kto, _ = tokenize_unpaired(ours, unpaired, None)
+    assert kto[0].prompt_ids.tolist() == prompt and kto[0].completion_ids.tolist() == ex.chosen_ids.tolist()
+    llama, _ = _tokenizers(tmp_path / "l", ctu.llama3_chat_template, LLAMA, "<|eot_id|>")
+    with pytest.raises(ToolError, match="p.jsonl:1: the chat template does not render tools"):
+        tokenize_preferences(llama, records, None)

@@ -4,7 +4,6 @@ tokenized examples that batching.py batches or packs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -139,11 +138,6 @@ def _assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: st
     return spans
 
 
-@lru_cache(maxsize=8)
-def _renders_tools(chat_template: str) -> bool:
-    return supports_tools(chat_template)
-
-
 def _record_tools(tokenizer: Tokenizer, messages: Record, use_chat_template: bool) -> list[dict] | None:
     """A conversation's tools as JSON schemas (functions converted), None without any; ToolError when tools or
     tool calls meet a template that cannot render them, or raw text mode."""
@@ -151,7 +145,7 @@ def _record_tools(tokenizer: Tokenizer, messages: Record, use_chat_template: boo
     uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if uses_tools and not use_chat_template:
         raise ToolError("tools and tool calls need the chat template (raw text mode has no place for them)")
-    if uses_tools and not _renders_tools(tokenizer.chat_template):
+    if uses_tools and not supports_tools(tokenizer.chat_template):
         raise ToolError("the chat template does not render tools and tool calls (as TRL's supports_tool_calling "
                         "checks); use a model whose template does, e.g. Qwen2.5, Qwen3 or Llama 3.1")
     return tools

@@ -6,6 +6,7 @@ calling, each small, which the data readers, GRPO's tool loop and the server all
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import json
 import re
@@ -197,6 +198,7 @@ def tool_schemas(tools: Any) -> list[dict]:
 _SENTINELS = ("tool_name_a8f3e2b1", "tool_arg_key_b9d4f5c2", "tool_arg_val_d6e7a9f3", "tool_content_c4f9a8e2")
 
 
+@functools.lru_cache(maxsize=16)
 def supports_tools(chat_template: str) -> bool:
     """Whether `chat_template` renders a whole tool exchange (user, an assistant tool call, the tool's result), as
     TRL's supports_tool_calling decides: no error, and the call's name, argument and the result in the text."""
