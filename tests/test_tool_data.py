@@ -236,3 +236,21 @@ def test_preference_pairs_render_their_tools(tmp_path):
     llama, _ = _tokenizers(tmp_path / "l", ctu.llama3_chat_template, LLAMA, "<|eot_id|>")
     with pytest.raises(ToolError, match="p.jsonl:1: the chat template does not render tools"):
         tokenize_preferences(llama, records, None)
+
+
+def test_finetune_refuses_bad_tools_in_one_line(tmp_path, capsys):
+    """The command line: a bad tools column, and tools for a model whose template cannot render them (the tiny
+    model's ChatML fallback), each exit 2 with one line, no run folder written."""
+    from finetune_helpers import make_model_dir, one_line_error
+
+    model = make_model_dir(tmp_path / "model")
+    capsys.readouterr()             # transformers' progress bar of writing it
+    run = tmp_path / "run"
+    bad = _write(tmp_path / "bad.jsonl", [{"messages": ONE_CALL, "tools": [{"function": {}}]}] * 4)
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(bad), "--out", str(run),
+                            "--backend", "numpy", "--no-progress"], 'bad.jsonl:1: field "tools"')
+    good = _write(tmp_path / "good.jsonl", [{"messages": ONE_CALL, "tools": [ADD]}] * 4)
+    one_line_error(capsys, ["finetune", "--model", str(model), "--data", str(good), "--out", str(run),
+                            "--backend", "numpy", "--no-progress"], "the chat template does not render tools",
+                   after_log=True)          # after the line on max_seq_len
+    assert not run.exists()
