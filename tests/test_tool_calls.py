@@ -124,6 +124,9 @@ CORPUS = ["the weather in paris is sunny and 21 degrees, let me check", "tool ca
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                   "<|eom_id|>", "<|python_tag|>"]
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
+                "</think>"]
 GPT_OSS_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
                     "<|return|>", "<|call|>", "<|constrain|>"]
 
@@ -134,7 +137,7 @@ def test_supports_tools_is_trls_on_every_shipped_template():
     hf = _hf(None, QWEN_SPECIALS, "<|im_end|>")
     known = {"qwen2_5": "qwen", "qwen3": "qwen", "qwen3_instruct_2507": "qwen", "qwen3_5_nothink": "qwen3_5",
              "qwen3_5_think": "qwen3_5", "qwen3_6": "qwen3_5", "llama3_1": "llama3", "llama3_2": "llama3",
-             "gptoss": "gpt_oss"}
+             "gptoss": "gpt_oss", "glm4moe": "glm4_moe"}
     for path in sorted(TRL_TEMPLATES.glob("*.jinja")):
         template = path.read_text(encoding="utf-8")
         hf.chat_template = template
@@ -179,6 +182,14 @@ def _qwen3_5_call(rng):
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
+def _glm_call(rng):
+    name = rng.choice(["weather", "add"])
+    keys = ["city", "days"] if name == "weather" else ["a", "b", "flag", "items", "note"]
+    params = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml_value(rng.choice(VALUES[k]))}</arg_value>\n"
+                     for k in keys if rng.random() < 0.7)
+    return f"<tool_call>{name}\n{params}</tool_call>"
+
+
 def _llama_call(rng):
     name = rng.choice(["weather", "add"])
     return rng.choice([f'{{"name": "{name}", "parameters": {_json_args(rng, name)}}}',
@@ -195,6 +206,7 @@ FAMILIES = {  # template: (specials, eos, a call, the end of the turn, thinking)
     "qwen2_5": (QWEN_SPECIALS, "<|im_end|>", _qwen_call, "<|im_end|>", ""),
     "qwen3": (QWEN_SPECIALS, "<|im_end|>", _qwen_call, "<|im_end|>", "<think>\nlet me check\n</think>\n\n"),
     "qwen3_5_think": (QWEN_SPECIALS, "<|im_end|>", _qwen3_5_call, "<|im_end|>", "let me check\n</think>\n\n"),
+    "glm4moe": (GLM_SPECIALS, "<|endoftext|>", _glm_call, "<|user|>", "<think>let me check</think>"),
     "llama3_1": (LLAMA_SPECIALS, "<|eot_id|>", _llama_call, "<|eot_id|>", ""),
     "gptoss": (GPT_OSS_SPECIALS, "<|return|>", _gpt_oss_call, "", "<|channel|>analysis<|message|>hmm<|end|>"),
 }

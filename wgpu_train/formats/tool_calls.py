@@ -265,6 +265,12 @@ _QWEN_XML = ToolCallFormat("qwen3_5", "<|im_start|>assistant\n", (
             repeats=True, named=True, tag=_re(r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>")),
     _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")),
     "<tool_call>\n<function=", "<tool_call>\n<function=%s>\n")
+_GLM4_MOE = ToolCallFormat("glm4_moe", "<|assistant|>", (
+    _Region("reasoning_content", _re(re.escape("<think>")), _re(r"</think>\s*"), "text"),
+    _Region("tool_calls", _re(r"<tool_call>(?P<name>\S+)\n?"), _re(r"</tool_call>\s*"), "tags", repeats=True,
+            named=True, tag=_re(r"<arg_key>(?P<key>[^<]+)</arg_key>\s*\n<arg_value>(?P<value>.*?)</arg_value>")),
+    _Region("content", None, _re(r"<\|user\|>\s*|$"), "text")),
+    "<tool_call>", "<tool_call>%s\n")
 _LLAMA3 = ToolCallFormat("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", (
     _Region("tool_calls", _re(r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*'), _re(r"\}<\|eot_id\|>\s*"),
             "json", repeats=True, named=True),
@@ -278,13 +284,13 @@ _GPT_OSS = ToolCallFormat("gpt_oss", "<|start|>assistant", (
     " to=functions.", " to=functions.%s<|channel|>commentary json<|message|>")
 
 # the known syntaxes, by name
-FORMATS = {f.name: f for f in (_QWEN_JSON, _QWEN_XML, _LLAMA3, _GPT_OSS)}
+FORMATS = {f.name: f for f in (_QWEN_JSON, _QWEN_XML, _GLM4_MOE, _LLAMA3, _GPT_OSS)}
 
 
 def tool_call_format(chat_template: str) -> ToolCallFormat | None:
     """The tool-call syntax `chat_template` writes: Qwen2.5 / Qwen3's <tool_call>{json}</tool_call>, Qwen3.5's
-    <tool_call><function=...><parameter=...>, Llama 3.1 / 3.2's bare {"name": ..., "parameters": ...} or gpt-oss's
-    to=functions.NAME commentary; None for a template without tool support (`supports_tools`) or whose syntax is
+    <tool_call><function=...><parameter=...>, GLM-4-MoE's <tool_call>NAME<arg_key>..., Llama 3.1 / 3.2's bare
+    {"name": ..., "parameters": ...} or gpt-oss's to=functions.NAME commentary; None for a template without tool support (`supports_tools`) or whose syntax is
     none of these."""
     if not supports_tools(chat_template):
         return None
@@ -292,6 +298,8 @@ def tool_call_format(chat_template: str) -> ToolCallFormat | None:
         return _GPT_OSS
     if "<tool_call>" in chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
         return _QWEN_XML
+    if "<tool_call>" in chat_template and "<arg_key>" in chat_template:
+        return _GLM4_MOE
     if "<tool_call>" in chat_template:
         return _QWEN_JSON
     if '"parameters": ' in chat_template and "<|eot_id|>" in chat_template:
