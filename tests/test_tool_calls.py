@@ -147,7 +147,8 @@ def test_supports_tools_is_trls_on_every_shipped_template():
     assert tool_call_format(ctu.llama3_chat_template) is None  # Llama 3's first template drops tool calls
 
 
-TOOLS = [weather, {"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {"type": "object", "properties": {
+TOOLS = [weather, {"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {
+    "type": "object", "properties": {
     "a": {"type": "number"}, "b": {"type": ["integer", "null"]}, "flag": {"type": "boolean"},
     "items": {"type": "array"}, "note": {"type": "string"}}}}}]
 VALUES = {"city": ['"paris"', '"21"', '""'], "days": ["3", '"3"', '"3.0"', '"x"'], "a": ["2.5", '"2"', '"2.5e1"'],

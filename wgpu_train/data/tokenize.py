@@ -214,9 +214,9 @@ def tokenize_example(tokenizer: Tokenizer, messages: Record, max_seq_len: int, u
     `train_on_last_turn`), each with the token that closes it (e.g. <|im_end|>), found from character offsets of
     the rendered chat template (a ChatML fallback when the tokenizer has none). A conversation's `tools` are
     rendered with it (`tools=`, as transformers passes them); its tool calls are trained with their assistant turn,
-    tool results are not; tools or tool calls with a template that cannot render them raise ToolError. A turn the template drops
-    entirely (Qwen3 keeps only the answer after </think> of past turns: one that held only thinking) is not
-    trained. With `use_chat_template=False`, raw text: prompt (see raw_prompt_text) + response + EOS. Plain text
+    tool results are not; tools or tool calls with a template that cannot render them raise ToolError. A turn the
+    template drops entirely (Qwen3 keeps only the answer after </think> of past turns: one that held only thinking)
+    is not trained. With `use_chat_template=False`, raw text: prompt (see raw_prompt_text) + response + EOS. Plain text
     records: every token plus an appended EOS. Longer than `max_seq_len` is truncated; returns None when no
     trained token survives. A conversation the chat template refuses raises DataError.
     """

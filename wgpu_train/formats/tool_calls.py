@@ -290,8 +290,8 @@ FORMATS = {f.name: f for f in (_QWEN_JSON, _QWEN_XML, _GLM4_MOE, _LLAMA3, _GPT_O
 def tool_call_format(chat_template: str) -> ToolCallFormat | None:
     """The tool-call syntax `chat_template` writes: Qwen2.5 / Qwen3's <tool_call>{json}</tool_call>, Qwen3.5's
     <tool_call><function=...><parameter=...>, GLM-4-MoE's <tool_call>NAME<arg_key>..., Llama 3.1 / 3.2's bare
-    {"name": ..., "parameters": ...} or gpt-oss's to=functions.NAME commentary; None for a template without tool support (`supports_tools`) or whose syntax is
-    none of these."""
+    {"name": ..., "parameters": ...} or gpt-oss's to=functions.NAME commentary; None for a template without tool
+    support (`supports_tools`) or whose syntax is none of these."""
     if not supports_tools(chat_template):
         return None
     if "<|channel|>commentary" in chat_template and "<|call|>" in chat_template:

@@ -137,7 +137,8 @@ def plan_tools(tokenizer, tools: ToolRequest, prompt: str) -> ToolPlan:
     fmt = tool_call_format(tokenizer.chat_template)
     if fmt is None:
         raise _bad("tools", "this model's chat template writes tool calls in a syntax this server cannot parse "
-                            "(known: Qwen2.5 / Qwen3, Qwen3.5, GLM-4-MoE, Llama 3.1 / 3.2, gpt-oss)", "tools_not_supported")
+                            "(known: Qwen2.5 / Qwen3, Qwen3.5, GLM-4-MoE, Llama 3.1 / 3.2, gpt-oss)",
+                   "tools_not_supported")
     prefill = ""
     if tools.choice != "auto":
         if not prompt.endswith(fmt.start_anchor):
