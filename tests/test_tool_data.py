@@ -254,3 +254,13 @@ def test_finetune_refuses_bad_tools_in_one_line(tmp_path, capsys):
                             "--backend", "numpy", "--no-progress"], "the chat template does not render tools",
                    after_log=True)          # after the line on max_seq_len
     assert not run.exists()
+
+
+def test_exact_match_asks_with_the_tools(tmp_path):
+    """Evaluation's prompt for a tool conversation's last answer renders the record's tools, as training did."""
+    from wgpu_train.training.evaluate import generation_prompt
+
+    ours, hf = _tokenizers(tmp_path, ctu.qwen2_5_chat_template, QWEN, "<|im_end|>")
+    ids = generation_prompt(ours, Conversation(ONE_CALL, tools=[weather, ADD]))
+    assert ids == list(hf.apply_chat_template(ONE_CALL[:3], tools=[weather, ADD], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
