@@ -161,8 +161,11 @@ def test_the_tool_flow(served, stream):
     client, hf = served.client, served.hf
     if stream:
         content, calls, finish, deltas = _stream(client, messages=QUESTION, tools=[WEATHER])
-        first = next(d for d in deltas if d.tool_calls)
+        at = next(k for k, d in enumerate(deltas) if d.tool_calls)
+        first = deltas[at]
         assert first.tool_calls[0].function.name == "get_weather" and first.tool_calls[0].function.arguments == ""
+        # the content before the call streamed as it came, in several pieces, before the call
+        assert "".join(d.content or "" for d in deltas[:at]) == content and sum(bool(d.content) for d in deltas) > 1
         call = calls[0]
     else:
         r = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER])
@@ -182,8 +185,8 @@ def test_the_tool_flow(served, stream):
         {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 degrees"}]
     if stream:
-        answer, calls, finish, _ = _stream(client, messages=messages, tools=[WEATHER])
-        assert not calls
+        answer, calls, finish, deltas = _stream(client, messages=messages, tools=[WEATHER])
+        assert not calls and sum(bool(d.content) for d in deltas) > 1     # an answer without calls streams live
     else:
         r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER])
         answer, finish = r.choices[0].message.content, r.choices[0].finish_reason
@@ -249,3 +252,19 @@ def test_bad_tool_requests_get_400s(served, tmp_path):
     finally:
         plain.thread.stop()
         plain.scheduler.close()
+
+
+def test_live_content_holds_back_what_may_open_a_call():
+    from wgpu_train.formats.tool_calls import FORMATS
+    from wgpu_train.serve.tool_calls import ToolPlan, ToolRequest, live_content
+
+    request = ToolRequest((WEATHER,), "auto", True)
+    qwen = ToolPlan(request, FORMATS["qwen"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "", True)
+    assert [live_content(qwen, t) for t in (" Let me", "Let me check.\n<tool", "Let me check.\n<tool_call>\n{",
+                                            "a <think>b", "a <tho")] == ["Let me", "Let me check.", "Let me check.",
+                                                                         "a", "a <tho"]
+    assert live_content(ToolPlan(request, FORMATS["qwen"], qwen.prompt, "<tool_call>\n", True), "{") == ""
+    assert live_content(ToolPlan(request, FORMATS["qwen"], qwen.prompt + "<think>\n", "", True), "hmm") == ""
+    assert live_content(ToolPlan(request, FORMATS["gpt_oss"], "<|start|>assistant", "", True), "hi") == ""
+    llama = ToolPlan(request, FORMATS["llama3"], "<|start_header_id|>assistant<|end_header_id|>\n\n", "", True)
+    assert live_content(llama, 'Sure {"na') == "Sure" and live_content(llama, "Sure {x}") == "Sure {x}"

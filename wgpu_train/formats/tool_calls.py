@@ -245,37 +245,39 @@ class ToolCallFormat:
     """A chat template family's tool-call syntax: where its assistant message starts (`start_anchor`) and the
     regions of the message (content, reasoning, tool calls), which `parse_response` reads model output with; and
     how a call opens (`opener`), and opens naming its function (`named`, with %s for the name), which a server
-    writes after the generation prompt to make the model call a tool."""
+    writes after the generation prompt to make the model call a tool; `markers`, the text that begins a region
+    other than the content (the content before the first is plain text a server may stream as it comes)."""
 
     name: str
     start_anchor: str
     regions: tuple[_Region, ...]
     opener: str
     named: str
+    markers: tuple[str, ...] = ()
 
 
 _QWEN_JSON = ToolCallFormat("qwen", "<|im_start|>assistant\n", (
     _Region("reasoning_content", _re(re.escape("<think>")), _re(r"</think>\s*"), "text"),
     _Region("tool_calls", _re(re.escape("<tool_call>")), _re(r"</tool_call>\s*"), "json", repeats=True),
     _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")),
-    "<tool_call>\n", '<tool_call>\n{"name": "%s", "arguments": ')
+    "<tool_call>\n", '<tool_call>\n{"name": "%s", "arguments": ', ("<think>", "<tool_call>"))
 _QWEN_XML = ToolCallFormat("qwen3_5", "<|im_start|>assistant\n", (
     _Region("reasoning_content", _re(re.escape("<think>")), _re(r"</think>\s*"), "text"),
     _Region("tool_calls", _re(r"<tool_call>\s*<function=(?P<name>[^\n>]+)>"), _re(r"</tool_call>\s*"), "tags",
             repeats=True, named=True, tag=_re(r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>")),
     _Region("content", None, _re(r"<\|im_end\|>\s*"), "text")),
-    "<tool_call>\n<function=", "<tool_call>\n<function=%s>\n")
+    "<tool_call>\n<function=", "<tool_call>\n<function=%s>\n", ("<think>", "<tool_call>"))
 _GLM4_MOE = ToolCallFormat("glm4_moe", "<|assistant|>", (
     _Region("reasoning_content", _re(re.escape("<think>")), _re(r"</think>\s*"), "text"),
     _Region("tool_calls", _re(r"<tool_call>(?P<name>\S+)\n?"), _re(r"</tool_call>\s*"), "tags", repeats=True,
             named=True, tag=_re(r"<arg_key>(?P<key>[^<]+)</arg_key>\s*\n<arg_value>(?P<value>.*?)</arg_value>")),
     _Region("content", None, _re(r"<\|user\|>\s*|$"), "text")),
-    "<tool_call>", "<tool_call>%s\n")
+    "<tool_call>", "<tool_call>%s\n", ("<think>", "<tool_call>"))
 _LLAMA3 = ToolCallFormat("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", (
     _Region("tool_calls", _re(r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*'), _re(r"\}<\|eot_id\|>\s*"),
             "json", repeats=True, named=True),
     _Region("content", None, _re(r"<\|eot_id\|>\s*"), "text")),
-    '{"name": "', '{"name": "%s", "parameters": ')
+    '{"name": "', '{"name": "%s", "parameters": ', ('{"name"',))
 _GPT_OSS = ToolCallFormat("gpt_oss", "<|start|>assistant", (
     _Region("thinking", _re(re.escape("<|channel|>analysis<|message|>")), _re(r"<\|end\|>\s*"), "text"),
     _Region("content", _re(re.escape("<|channel|>final<|message|>")), _re(r"<\|return\|>\s*"), "text"),

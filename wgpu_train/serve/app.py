@@ -19,7 +19,7 @@ from starlette.routing import Route
 from wgpu_train.serve.api_error import ApiError
 from wgpu_train.serve.prompts import COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids, tool_prompt
 from wgpu_train.serve.requests import json_body, parse_chat, parse_completion
-from wgpu_train.serve.tool_calls import openai_message, plan_tools
+from wgpu_train.serve.tool_calls import live_content, openai_message, plan_tools
 from wgpu_train.engines.generate import Sampling
 from wgpu_train.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from wgpu_train.serve.responses import DONE, Logprobs, Reply, model_card, model_list, sse
@@ -194,12 +194,15 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                 text, logprobs = answer.take(index, event)
                 if event[0] == "done":
                     pending -= 1
-                    if answer.plan is not None:     # the answer's text was held back: now its content and calls
+                    if answer.plan is not None:     # the content held back, then the calls
                         message, _ = answer.message(index)
-                        for chunk in reply.tool_call_chunks(index, message, include_usage):
+                        for chunk in reply.tool_call_chunks(index, message, answer.sent[index], include_usage):
                             yield sse(chunk)
                     yield sse(reply.chunk(index, finish_reason=answer.reasons[index], with_usage=include_usage))
-                elif answer.plan is None and (text or logprobs):
+                elif answer.plan is not None:
+                    if piece := answer.live(index):
+                        yield sse(reply.chunk(index, piece, with_usage=include_usage))
+                elif text or logprobs:
                     yield sse(reply.chunk(index, text, with_usage=include_usage, logprobs=logprobs))
             if include_usage:
                 yield sse(reply.usage_chunk(*answer.tokens))
@@ -234,6 +237,7 @@ class _Answer:
     def __init__(self, reply: Reply, shape: Logprobs, n: int, echoes: list, logprobs: bool, plan=None):
         self.reply, self.shape, self.n, self.echoes, self.logprobs = reply, shape, n, echoes, logprobs
         self.plan = plan                # a ToolPlan: each choice's text is parsed into a message with tool calls
+        self.sent = [""] * len(echoes)  # with a plan: the content streamed so far
         self.stops = set(shape.tokenizer.stop_token_ids)
         self.texts = [""] * len(echoes)
         self.reasons = [None] * len(echoes)
@@ -261,6 +265,14 @@ class _Answer:
             return text, None
         self.shape.extend(self.objects[index], entries, at)
         return text, self.shape.of(entries, at)
+
+    def live(self, index: int) -> str:
+        """With a plan, the content of choice `index` that may be streamed now and was not yet."""
+        content = live_content(self.plan, self.texts[index])
+        if not content.startswith(self.sent[index]) or content == self.sent[index]:
+            return ""
+        piece, self.sent[index] = content[len(self.sent[index]):], content
+        return piece
 
     def message(self, index: int) -> tuple[dict, str]:
         """Choice `index`'s message, its tool calls parsed, and its finish reason ("tool_calls" when it has some)."""

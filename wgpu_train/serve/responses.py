@@ -63,10 +63,13 @@ class Reply:
             out["usage"] = None
         return out
 
-    def tool_call_chunks(self, index: int, message: dict, with_usage: bool = False) -> list[dict]:
-        """A chat answer's content and tool calls as OpenAI streams them: the content, then per call a delta with
-        its index, id, type and name (arguments ""), then one with its arguments."""
-        deltas = [{"content": message["content"]}] if message.get("content") else []
+    def tool_call_chunks(self, index: int, message: dict, sent: str = "", with_usage: bool = False) -> list[dict]:
+        """A chat answer's content and tool calls as OpenAI streams them: the content (what follows `sent`, the
+        content streamed already, when it begins with it), then per call a delta with its index, id, type and name
+        (arguments ""), then one with its arguments."""
+        content = message.get("content") or ""
+        rest = content[len(sent):] if content.startswith(sent) else ""
+        deltas = [{"content": rest}] if rest else []
         for k, call in enumerate(message.get("tool_calls", [])):
             deltas.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
                                            "function": {"name": call["function"]["name"], "arguments": ""}}]})

@@ -148,6 +148,21 @@ def plan_tools(tokenizer, tools: ToolRequest, prompt: str) -> ToolPlan:
     return ToolPlan(tools, fmt, prompt, prefill, True)
 
 
+def live_content(plan: ToolPlan, text: str) -> str:
+    """The content of an answer still being written (its text so far) that may be streamed now: the text before
+    the first marker of another region (a call, thinking), less a tail that may begin one, stripped as the parsed
+    content is; "" when the answer does not start in the content (a prefilled call, a prompt that opens thinking,
+    gpt-oss's channels)."""
+    fmt = plan.fmt
+    if plan.prefill or not plan.prompt.endswith(fmt.start_anchor) or all(r.opener for r in fmt.regions):
+        return ""
+    found = [i for i in (text.find(m) for m in fmt.markers) if i >= 0]
+    if found:
+        return text[:min(found)].strip()
+    held = max((n for m in fmt.markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
+    return text[:len(text) - held].strip()
+
+
 def openai_message(tokenizer, plan: ToolPlan, text: str) -> tuple[dict, bool]:
     """The assistant message of an answer's text (special tokens kept, after the prefill): its content, and its
     tool calls in OpenAI's shape (an id each, arguments as a JSON string), the first only when parallel calls are
