@@ -57,7 +57,7 @@ class LoraConfig:
                 t.strip() for t in targets.split(",") if t.strip())
         targets = tuple(targets) + routers
         unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
-        if unknown or not targets:
+        if unknown or not (targets or experts):      # LoRA on the experts alone: no module
             raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
                               f"or 'all-linear'")
         object.__setattr__(self, "target_modules", tuple(t for t in KNOWN_LINEAR_MODULES if t in targets))
