@@ -22,8 +22,7 @@ from wgpu_train.formats.safetensors import write_safetensors
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 OLD_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-             "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"), "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-             "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+             **{arch: ("mlp", "gate_proj", "up_proj", "down_proj") for arch in ("qwen3_moe", "olmoe", "qwen2_moe")}}
 
 
 def write_old_adapter(hf, arch, folder, r=2, alpha=5, experts=None, projections=None, router=True):
