@@ -120,7 +120,7 @@ def _one_line_error(argv, capsys) -> str:
 
 def test_moe_adapter_refusals(tmp_path, capsys):
     """One line, exit 2: an old adapter with fewer experts than the model; a fused (target_parameters) adapter of
-    a model with another expert count; gate without up; Qwen2-MoE's per-expert adapters, which PEFT 0.21 does not
+    a model with another expert count; expert targets on a dense model; gate without up; Qwen2-MoE's per-expert adapters, which PEFT 0.21 does not
     convert (it puts their names on the shared expert and drops the experts' weights)."""
     hf = build_moe("mixtral", seed=4)
     save_model(hf, tmp_path / "model")
@@ -137,6 +137,11 @@ def test_moe_adapter_refusals(tmp_path, capsys):
     ).save_pretrained(fused)
     line = _one_line_error([*merge, str(fused)], capsys)
     assert "LoRA for 6 experts" in line and "the model has 5" in line, line
+    from tiny_models import build_model
+    save_model(build_model("llama", vocab_size=61), tmp_path / "dense")
+    line = _one_line_error(["merge", "--model", str(tmp_path / "dense"), "--out", str(tmp_path / "out"),
+                            "--adapter-path", str(fused)], capsys)
+    assert "LoRA target_parameters gate_up_proj, down_proj: LlamaForCausalLM has no experts" in line, line
     q2 = build_moe("qwen2_moe", seed=4)
     save_model(q2, tmp_path / "q2")
     old = write_old_adapter(q2, "qwen2_moe", tmp_path / "q2-adapter", router=False)
