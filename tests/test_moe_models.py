@@ -80,7 +80,10 @@ def test_peft_expert_adapter_loads_here_with_its_gradients(moe, tmp_path):
 
 def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
     """all-linear on an MoE model: the attention, the router (PEFT adapts it as the parameter gate.weight), the
-    experts (and the shared expert): our adapter loads in PEFT with the same tensors and logits."""
+    experts (and the shared expert): our adapter loads in PEFT with the same tensors and logits. On Mixtral,
+    Qwen3-MoE and OLMoE that is what PEFT's own all-linear takes; on Qwen2-MoE PEFT's takes its nn.Linear modules
+    alone (the attention, dense MLPs, shared expert and its gate), neither router nor experts: ours takes those
+    and the router and experts, named in target_parameters."""
     arch, hf, folder = moe
     model = load_model(folder, backend="numpy")
     model.add_lora(LoraConfig(r=2, alpha=5, target_modules="all-linear"), seed=2)
@@ -94,6 +97,9 @@ def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
     theirs = {n.replace(".default.", "."): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
     mine = model.lora_state_dict()
     assert set(theirs) == set(mine)
+    own = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=2, target_modules="all-linear"))
+    peft_all_linear = {n.replace(".default.", ".") for n, _ in own.named_parameters() if "lora_" in n}
+    assert peft_all_linear == set(mine) if arch != "qwen2_moe" else peft_all_linear < set(mine)
     for k, v in mine.items():
         assert_close(theirs[k], v, "exact", k)
     ids, _, mask = batch()
@@ -101,6 +107,29 @@ def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
         want = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     real = mask.astype(bool)
     assert_close(model.logits(ids, mask)[real], want[real], "logits_f32", arch)
+
+
+def test_qwen2_moe_mlp_names_take_the_shared_expert_as_peft(tmp_path):
+    """On Qwen2-MoE PEFT 0.21 reads gate_proj / up_proj / down_proj as the dense layers' MLPs and the shared
+    expert (it converts no expert names there): such an adapter loads here with PEFT's tensors, loss and
+    gradients."""
+    hf = build_moe("qwen2_moe", seed=3)
+    save_model(hf, tmp_path / "model")
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=3, lora_alpha=7, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])), 1)
+    pm.save_pretrained(tmp_path / "adapter")
+    ids, labels, mask = batch()
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default.", "."): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    assert any("shared_expert.gate_proj" in k for k in expected) and any(".0.mlp.gate_proj" in k for k in expected)
+    model = load_model(tmp_path / "model", backend="numpy")
+    model.load_adapter(tmp_path / "adapter")
+    loss, grads = model.loss_and_grads(ids, labels, mask)
+    assert_close(loss, out.loss.item(), "loss_f32", "loss")
+    assert set(grads) == set(expected)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
 
 
 def _fused_folder(hf, folder):

@@ -14,16 +14,33 @@ import numpy as np
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 
+# transformers 4's per-expert LoRA keys (Mixtral's block_sparse_moe.experts.N.w1, the Qwen MoE family's and OLMoE's
+# mlp.experts.N.gate_proj), and the families PEFT 0.21 converts them on (its _MOE_TARGET_MODULE_MAPPING through
+# transformers' conversion patterns: Qwen3-MoE and OLMoE take Qwen2-MoE's, which Qwen2-MoE itself does not get)
+_PER_EXPERT = re.compile(r"(?P<layer>.*\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<proj>\w+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
+_OLD_NAMES = {"mixtral": ("w1", "w3", "w2", "gate"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj", "gate"),
+              "olmoe": ("gate_proj", "up_proj", "down_proj", "gate")}
 # PEFT's target_parameters name of each family's router module: mlp.gate's (all-linear writes it so), gpt-oss's
 # mlp.router's
 ROUTER_PARAMETERS = {"gate": "gate.weight", "router": "mlp.router.weight"}
 
 
 def all_linear_takes_experts(model: ModelConfig) -> bool:
-    """Whether PEFT 0.21's all-linear on transformers 5 takes every linear module of `model` (on an MoE model: the
-    router and the experts too, as on Mixtral, the Qwen MoE family and OLMoE); on gpt-oss, whose router and
-    experts are no nn.Linear, it takes the attention's projections alone (measured)."""
+    """Whether all-linear takes the router and the experts of `model`, as PEFT 0.21's all-linear on transformers 5
+    does on Mixtral, Qwen3-MoE and OLMoE; on gpt-oss, whose router and experts are no nn.Linear, it takes the
+    attention's projections alone (measured). On Qwen2-MoE PEFT's all-linear takes neither router nor experts
+    (it converts no names there: peft_converts_expert_names); ours takes them, so that nothing is skipped, and
+    the saved adapter names them in target_parameters, which PEFT loads as trained."""
     return model.family != "gpt_oss"
+
+
+def peft_converts_expert_names(model: ModelConfig) -> bool:
+    """Whether PEFT 0.21 on transformers 5 reads transformers 4's expert names (gate_proj / up_proj / down_proj,
+    Mixtral's w1 / w3 / w2) as the experts' fused tensors on `model` (its _MOE_TARGET_MODULE_MAPPING through
+    transformers' conversion patterns: Mixtral, Qwen3-MoE, OLMoE); elsewhere (Qwen2-MoE, measured) gate_proj /
+    up_proj / down_proj name the dense layers' MLPs and the shared expert."""
+    return model.family in _OLD_NAMES
 
 
 def parse_target_parameters(values) -> tuple[tuple, tuple]:
@@ -96,15 +113,6 @@ def peft_shape(which: str, shape: tuple) -> tuple:
     """The PEFT shape of our A / B of `shape`."""
     e = shape[0]
     return (e * shape[1], shape[2]) if which == "A" else (shape[1], shape[2] * e)
-
-
-# transformers 4's per-expert LoRA keys (Mixtral's block_sparse_moe.experts.N.w1, the Qwen MoE family's and OLMoE's
-# mlp.experts.N.gate_proj), and the families PEFT 0.21 converts them on (its _MOE_TARGET_MODULE_MAPPING through
-# transformers' conversion patterns: Qwen3-MoE and OLMoE take Qwen2-MoE's, which Qwen2-MoE itself does not get)
-_PER_EXPERT = re.compile(r"(?P<layer>.*\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
-                         r"(?P<proj>\w+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
-_OLD_NAMES = {"mixtral": ("w1", "w3", "w2", "gate"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj", "gate"),
-              "olmoe": ("gate_proj", "up_proj", "down_proj", "gate")}
 
 
 def has_per_expert_keys(tensors) -> bool:
