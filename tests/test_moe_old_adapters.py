@@ -1,7 +1,8 @@
 """PEFT adapters written on transformers 4, one LoRA pair per expert and projection (Mixtral's w1 / w3 / w2, the
 Qwen MoE family's and OLMoE's gate_proj / up_proj / down_proj under experts.N, the router's gate), load here as
 PEFT 0.21 converts them on transformers 5: the same fused tensors and logits; and the MoE inputs refused in one
-line: an expert count other than the model's, Qwen2-MoE's per-expert adapters (which PEFT does not convert)."""
+line: an expert count other than the model's, Qwen2-MoE's per-expert adapters (which PEFT does not convert);
+training continued from such an adapter saves PEFT's new layout."""
 from __future__ import annotations
 
 import copy
@@ -151,3 +152,28 @@ def test_moe_adapter_refusals(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     with pytest.raises(AdapterError, match="LoRA for 4 experts"):
         load_model(tmp_path / "model", backend="numpy").load_adapter(few)
+
+
+def test_training_continues_from_an_old_adapter_and_saves_peft_s_new_layout(tmp_path):
+    """finetune --adapter-path of a transformers 4 adapter: it trains on, and the saved adapter (target_parameters,
+    gate_up_proj at rank 2r) loads in PEFT with our tensors."""
+    from finetune_helpers import build_tokenizer, make_data_dir
+
+    vocab = build_tokenizer(tmp_path / "model")
+    hf = build_moe("mixtral", seed=4, vocab_size=vocab)
+    save_model(hf, tmp_path / "model")
+    old = write_old_adapter(hf, "mixtral", tmp_path / "old")
+    assert main(["finetune", "--model", str(tmp_path / "model"), "--adapter-path", str(old), "--data",
+                 str(make_data_dir(tmp_path / "data")), "--out", str(tmp_path / "run"), "--max-steps", "1",
+                 "--backend", "numpy", "--no-progress"]) == 0
+    raw = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    assert set(raw["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "gate.weight"}
+    assert raw["rank_pattern"] == {r".*\.gate_up_proj": 4}
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run")
+    theirs = {n.replace(".default.", "."): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
+    model = load_model(tmp_path / "model", backend="numpy")
+    model.load_adapter(tmp_path / "run")
+    mine = model.lora_state_dict()
+    assert set(mine) == set(theirs)
+    for k, v in mine.items():
+        assert_close(v, theirs[k], "exact", k)
