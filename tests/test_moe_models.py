@@ -16,6 +16,7 @@ from finetune_helpers import padded_batch, peft_random_b
 from tiny_models import MOE_ARCHS, build_moe, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.cli.main import main
 from wgpu_train.engines.loading import load_model
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
@@ -79,7 +80,10 @@ def test_peft_expert_adapter_loads_here_with_its_gradients(moe, tmp_path):
 
 def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
     """all-linear on an MoE model: the attention, the router (PEFT adapts it as the parameter gate.weight), the
-    experts (and the shared expert): our adapter loads in PEFT with the same tensors and logits."""
+    experts (and the shared expert): our adapter loads in PEFT with the same tensors and logits. On Mixtral,
+    Qwen3-MoE and OLMoE that is what PEFT's own all-linear takes; on Qwen2-MoE PEFT's takes its nn.Linear modules
+    alone (the attention, dense MLPs, shared expert and its gate), neither router nor experts: ours takes those
+    and the router and experts, named in target_parameters."""
     arch, hf, folder = moe
     model = load_model(folder, backend="numpy")
     model.add_lora(LoraConfig(r=2, alpha=5, target_modules="all-linear"), seed=2)
@@ -93,6 +97,9 @@ def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
     theirs = {n.replace(".default.", "."): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
     mine = model.lora_state_dict()
     assert set(theirs) == set(mine)
+    own = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=2, target_modules="all-linear"))
+    peft_all_linear = {n.replace(".default.", ".") for n, _ in own.named_parameters() if "lora_" in n}
+    assert peft_all_linear == set(mine) if arch != "qwen2_moe" else peft_all_linear < set(mine)
     for k, v in mine.items():
         assert_close(theirs[k], v, "exact", k)
     ids, _, mask = batch()
@@ -102,21 +109,86 @@ def test_all_linear_takes_the_router_and_experts_as_peft(moe, tmp_path):
     assert_close(model.logits(ids, mask)[real], want[real], "logits_f32", arch)
 
 
-def test_merge_equals_peft_merge_and_unload(moe, tmp_path):
-    arch, hf, folder = moe
-    pm = _peft(hf, ["q_proj"], seed=4)
+def test_qwen2_moe_mlp_names_take_the_shared_expert_as_peft(tmp_path):
+    """On Qwen2-MoE PEFT 0.21 reads gate_proj / up_proj / down_proj as the dense layers' MLPs and the shared
+    expert (it converts no expert names there): such an adapter loads here with PEFT's tensors, loss and
+    gradients."""
+    hf = build_moe("qwen2_moe", seed=3)
+    save_model(hf, tmp_path / "model")
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=3, lora_alpha=7, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])), 1)
     pm.save_pretrained(tmp_path / "adapter")
-    model = load_model(folder, backend="numpy")
+    ids, labels, mask = batch()
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default.", "."): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    assert any("shared_expert.gate_proj" in k for k in expected) and any(".0.mlp.gate_proj" in k for k in expected)
+    model = load_model(tmp_path / "model", backend="numpy")
     model.load_adapter(tmp_path / "adapter")
-    model.merge_and_save(tmp_path / "merged")
-    names = set(read_safetensors(tmp_path / "merged" / "model.safetensors"))
-    assert not any("experts.gate_up_proj" in n for n in names)            # written back one tensor per expert
-    merged = load_model(tmp_path / "merged", backend="numpy")
+    loss, grads = model.loss_and_grads(ids, labels, mask)
+    assert_close(loss, out.loss.item(), "loss_f32", "loss")
+    assert set(grads) == set(expected)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+
+
+def _fused_folder(hf, folder):
+    """A checkpoint in transformers 5's fused layout (its state_dict as it is) beside config.json."""
+    folder.mkdir()
+    write_safetensors(folder / "model.safetensors", {k: v.numpy() for k, v in hf.state_dict().items()},
+                      metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**hf.config.to_dict(),
+                                                    "architectures": [type(hf).__name__]}))
+    return folder
+
+
+def test_merge_equals_peft_merge_and_unload(moe, tmp_path):
+    """merge (the command) of LoRA on the attention and the experts: the merged folder, in the hub's per-expert
+    layout the model came in, holds PEFT's merge_and_unload weights and gives its logits in transformers and
+    here."""
+    arch, hf, folder = moe
+    pm = _peft(hf, ["q_proj", "o_proj"], seed=4)
+    pm.save_pretrained(tmp_path / "adapter")
+    assert main(["merge", "--model", str(folder), "--adapter-path", str(tmp_path / "adapter"),
+                 "--out", str(tmp_path / "merged")]) == 0
+    _check_merged(arch, pm.merge_and_unload(), tmp_path / "merged", fused=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_merge_of_a_fused_checkpoint_writes_it_fused(arch, tmp_path):
+    """A checkpoint in transformers 5's fused layout merges back into that layout, equal to PEFT's
+    merge_and_unload and read by transformers."""
+    hf = build_moe(arch, seed=6)
+    folder = _fused_folder(hf, tmp_path / "fused")
+    pm = _peft(hf, ["k_proj", "v_proj"], seed=5)
+    pm.save_pretrained(tmp_path / "adapter")
+    assert main(["merge", "--model", str(folder), "--adapter-path", str(tmp_path / "adapter"),
+                 "--out", str(tmp_path / "merged")]) == 0
+    _check_merged(arch, pm.merge_and_unload(), tmp_path / "merged", fused=True)
+
+
+def _check_merged(arch, peft_merged, out, fused: bool):
+    import transformers as tf
+
+    stored = read_safetensors(out / "model.safetensors")
+    assert any("experts.gate_up_proj" in n for n in stored) == fused
+    assert any(".experts.0." in n for n in stored) != fused
+    theirs = {k: v.detach().numpy() for k, v in peft_merged.state_dict().items()}
+    ours = load_model(out, backend="numpy").engine.weights()
+    assert set(theirs) <= set(ours) | {"lm_head.weight"}
+    for name, w in theirs.items():
+        if name in ours:
+            assert_close(np.asarray(ours[name]), w, "merged_weights", name)
     ids, _, mask = batch()
-    with torch.no_grad():
-        want = pm.merge_and_unload()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     real = mask.astype(bool)
-    assert_close(merged.logits(ids, mask)[real], want[real], "logits_f32", arch)
+    with torch.no_grad():
+        want = peft_merged(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+        reread = tf.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                         experts_implementation="eager").eval()
+        got = reread(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert_close(got[real], want[real], "merged_logits", f"{arch} merged, in transformers")
+    merged = load_model(out, backend="numpy")
+    assert_close(merged.logits(ids, mask)[real], want[real], "merged_logits", f"{arch} merged, here")
 
 
 def test_fused_checkpoint_layout_reads_the_same(tmp_path):
@@ -125,9 +197,7 @@ def test_fused_checkpoint_layout_reads_the_same(tmp_path):
     save_model(hf, tmp_path / "hub")
     state = {k: v.numpy() for k, v in hf.state_dict().items()}
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
-    (tmp_path / "fused").mkdir()
-    write_safetensors(tmp_path / "fused" / "model.safetensors", state, metadata={"format": "pt"})
-    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    _fused_folder(hf, tmp_path / "fused")
     ids, _, mask = batch()
     a = load_model(tmp_path / "hub", backend="numpy").logits(ids, mask)
     b = load_model(tmp_path / "fused", backend="numpy").logits(ids, mask)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.adapters.experts import all_linear_takes_experts, parse_target_parameters
+from wgpu_train.adapters.experts import all_linear_takes_experts, parse_target_parameters, peft_converts_expert_names
 from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ModelConfig
 
 
@@ -57,7 +57,7 @@ class LoraConfig:
                 t.strip() for t in targets.split(",") if t.strip())
         targets = tuple(targets) + routers
         unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
-        if unknown or not targets:
+        if unknown or not (targets or experts):      # LoRA on the experts alone: no module
             raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
                               f"or 'all-linear'")
         object.__setattr__(self, "target_modules", tuple(t for t in KNOWN_LINEAR_MODULES if t in targets))
@@ -84,8 +84,9 @@ class LoraConfig:
     def targets_in(self, model: ModelConfig) -> tuple:
         """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
         the model's own (gpt-oss's attention alone, as PEFT's: experts.all_linear_takes_experts); a target names a
-        module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's shared expert's too); a named module the
-        model lacks is refused, naming the model's modules."""
+        module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's dense MLPs' and shared expert's; the
+        experts' on the MoE families whose names PEFT converts, so refused there); a named module the model lacks
+        is refused, naming the model's modules."""
         all_linear = self.target_modules == KNOWN_LINEAR_MODULES
         if all_linear and not all_linear_takes_experts(model):     # gpt-oss: the attention alone, as PEFT's
             return tuple(m for m in model.linear_modules if m in ATTENTION_MODULES)
@@ -95,9 +96,10 @@ class LoraConfig:
             have = "; ".join(f"{kind}: {', '.join(mods)}" for kind, mods in kinds.items() if mods)
             raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture}'s linear modules are, "
                               f"by kind of layer, {have} (or use all-linear)")
-        if model.moe is not None:
+        if model.moe is not None and peft_converts_expert_names(model):
             # PEFT 0.21 on transformers 5 reads these names as the experts' fused tensors of an MoE model (its
-            # conversion of transformers 4 adapters), so an adapter could not name a dense MLP's modules
+            # conversion of transformers 4 adapters), so an adapter could not name a dense MLP's modules (on
+            # Qwen2-MoE, where it converts nothing, they name the dense MLPs and the shared expert, as here)
             mlp = [t for t in self.target_modules if t in _EXPERT_NAMES]
             if mlp and not all_linear:
                 raise ConfigError(f"LoRA target_modules {','.join(mlp)}: on an MoE model PEFT reads these names as "

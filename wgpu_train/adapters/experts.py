@@ -3,24 +3,44 @@ names that target_parameters takes, where the pairs sit in the saved file (a lay
 base_layer when its down_proj is adapted too), and their layout there (lora_A (E*r, in) with expert-major rows,
 lora_B (out, r*E) with rank-major columns) against ours (A (E, r, in), B (E, out, r)). gpt-oss's expert tensors
 are transposed in transformers ((E, in, out)), which PEFT's wrapper reads as such (it swaps nothing there), so its
-pairs are laid out as everyone's, and our experts keep its gate_up rows interleaved as PEFT's lora_B rows are."""
+pairs are laid out as everyone's, and our experts keep its gate_up rows interleaved as PEFT's lora_B rows are.
+Adapters written on transformers 4, one pair per expert and projection, are converted as PEFT 0.21 converts them."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 
+# transformers 4's per-expert LoRA keys (Mixtral's block_sparse_moe.experts.N.w1, the Qwen MoE family's and OLMoE's
+# mlp.experts.N.gate_proj), and the families PEFT 0.21 converts them on (its _MOE_TARGET_MODULE_MAPPING through
+# transformers' conversion patterns: Qwen3-MoE and OLMoE take Qwen2-MoE's, which Qwen2-MoE itself does not get)
+_PER_EXPERT = re.compile(r"(?P<layer>.*\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<proj>\w+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
+_OLD_NAMES = {"mixtral": ("w1", "w3", "w2", "gate"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj", "gate"),
+              "olmoe": ("gate_proj", "up_proj", "down_proj", "gate")}
 # PEFT's target_parameters name of each family's router module: mlp.gate's (all-linear writes it so), gpt-oss's
 # mlp.router's
 ROUTER_PARAMETERS = {"gate": "gate.weight", "router": "mlp.router.weight"}
 
 
 def all_linear_takes_experts(model: ModelConfig) -> bool:
-    """Whether PEFT 0.21's all-linear on transformers 5 takes every linear module of `model` (on an MoE model: the
-    router and the experts too, as on Mixtral, the Qwen MoE family and OLMoE); on gpt-oss, whose router and
-    experts are no nn.Linear, it takes the attention's projections alone (measured)."""
+    """Whether all-linear takes the router and the experts of `model`, as PEFT 0.21's all-linear on transformers 5
+    does on Mixtral, Qwen3-MoE and OLMoE; on gpt-oss, whose router and experts are no nn.Linear, it takes the
+    attention's projections alone (measured). On Qwen2-MoE PEFT's all-linear takes neither router nor experts
+    (it converts no names there: peft_converts_expert_names); ours takes them, so that nothing is skipped, and
+    the saved adapter names them in target_parameters, which PEFT loads as trained."""
     return model.family != "gpt_oss"
+
+
+def peft_converts_expert_names(model: ModelConfig) -> bool:
+    """Whether PEFT 0.21 on transformers 5 reads transformers 4's expert names (gate_proj / up_proj / down_proj,
+    Mixtral's w1 / w3 / w2) as the experts' fused tensors on `model` (its _MOE_TARGET_MODULE_MAPPING through
+    transformers' conversion patterns: Mixtral, Qwen3-MoE, OLMoE); elsewhere (Qwen2-MoE, measured) gate_proj /
+    up_proj / down_proj name the dense layers' MLPs and the shared expert."""
+    return model.family in _OLD_NAMES
 
 
 def parse_target_parameters(values) -> tuple[tuple, tuple]:
@@ -81,7 +101,108 @@ def from_peft(which: str, x: np.ndarray, num_experts: int) -> np.ndarray:
     return x.reshape(x.shape[0], -1, num_experts).transpose(2, 0, 1)
 
 
+def check_expert_count(lora_a, path: str, r: int, experts: int, source):
+    """AdapterError when PEFT's lora_A (E'*r, in) of expert tensor `path` holds pairs for E' experts, not the
+    model's `experts`."""
+    rows = lora_a.shape[0] if getattr(lora_a, "ndim", 0) == 2 else None
+    if rows is not None and rows != r * experts and rows % r == 0:
+        raise AdapterError(f"adapter {source}: it has LoRA for {rows // r} experts in {path}; the model has {experts}")
+
+
 def peft_shape(which: str, shape: tuple) -> tuple:
     """The PEFT shape of our A / B of `shape`."""
     e = shape[0]
     return (e * shape[1], shape[2]) if which == "A" else (shape[1], shape[2] * e)
+
+
+def has_per_expert_keys(tensors) -> bool:
+    """Whether an adapter's tensors hold transformers 4's one LoRA pair per expert and projection."""
+    return any(_PER_EXPERT.fullmatch(k) for k in tensors)
+
+
+def _converted_targets(raw: dict, model: ModelConfig, source) -> dict:
+    """adapter_config.json as PEFT 0.21 converts it for transformers 5 (_convert_peft_config_moe): the experts'
+    and router's old names move from target_modules to target_parameters (w1 / w3 or gate_proj / up_proj to
+    gate_up_proj, w2 / down_proj to down_proj, gate to gate.weight); both halves of gate_up_proj give it rank 2r
+    and alpha 2 alpha (rank / alpha patterns), one half alone is refused."""
+    gate, up, down, router = _OLD_NAMES[model.family]
+    new = {gate: "gate_up_proj", up: "gate_up_proj", down: "down_proj", router: "gate.weight"}
+    spec = raw.get("target_modules")
+    if spec == "all-linear":
+        spec = list(model.linear_modules) + list(new)
+    if not isinstance(spec, list) or not all(isinstance(t, str) for t in spec):
+        raise AdapterError(f"{source}: an adapter with per-expert LoRA (transformers 4's names) needs target_modules "
+                           f"as a list or all-linear to be converted, got {spec!r}")
+    kept, params, halves = [], list(raw.get("target_parameters") or []), set()
+    for target in spec:
+        old = next((o for o in new if target == o or target.endswith("." + o)), None)
+        if old is None:
+            kept.append(target)
+            continue
+        params.append(new[old])
+        halves |= {old} & {gate, up}
+    if len(halves) == 1:
+        (present,), (missing,) = halves, {gate, up} - halves
+        raise AdapterError(f"{source}: per-expert target {present} cannot be converted without {missing}: both are "
+                           f"fused into gate_up_proj (as PEFT refuses it)")
+    out = {**raw, "target_modules": kept, "target_parameters": sorted(set(params))}
+    if halves and isinstance(raw.get("r"), int):        # else read_adapter refuses r
+        fused = r".*\.gate_up_proj"
+        out["rank_pattern"] = {**(raw.get("rank_pattern") or {}), fused: 2 * raw["r"]}
+        out["alpha_pattern"] = {**(raw.get("alpha_pattern") or {}), fused: 2 * raw.get("lora_alpha", 8)}
+    return out
+
+
+def convert_per_expert(raw: dict, tensors: dict, model: ModelConfig, source) -> tuple[dict, dict]:
+    """(adapter_config.json, tensors) of an adapter written on transformers 4 with one LoRA pair per expert and
+    projection, converted as PEFT 0.21 converts it: per layer, the experts' pairs stacked; gate and up fused into
+    one pair of rank 2r (A's rank rows concatenated, gate's first; B block-diagonal over the two); laid out as
+    PEFT's ParamWrapper keeps them (to_peft); Mixtral's block_sparse_moe renamed mlp. AdapterError for a family
+    PEFT does not convert, and for an expert count other than the model's."""
+    if model.family not in _OLD_NAMES:
+        raise AdapterError(f"{source}: per-expert LoRA keys (transformers 4's names) on {model.architecture}: PEFT "
+                           f"0.21 does not convert them for this family, so neither does this library; save the "
+                           f"adapter with target_parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj)")
+    converted = _converted_targets(raw, model, source)
+    gate, up, down, _ = _OLD_NAMES[model.family]
+    grouped, out = {}, {}
+    for key, value in tensors.items():
+        m = _PER_EXPERT.fullmatch(key)
+        if m is None:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = value
+            continue
+        grouped.setdefault(m["layer"], {}).setdefault((m["proj"], m["which"]), {})[int(m["expert"])] = value
+    experts = model.moe.num_experts
+    fused = {}
+    for layer, pairs in grouped.items():
+        for (proj, which), by_expert in pairs.items():
+            if (proj, "AB".replace(which, "")) not in pairs:
+                raise AdapterError(f"{source}: {layer}'s per-expert {proj} has lora_{which} but no "
+                                   f"lora_{'AB'.replace(which, '')}")
+            if proj not in (gate, up, down):
+                raise AdapterError(f"{source}: per-expert LoRA on {layer}...experts.N.{proj}: not an expert "
+                                   f"projection of {model.architecture} ({gate}, {up}, {down})")
+            if sorted(by_expert) != list(range(experts)):
+                raise AdapterError(f"{source}: the adapter has LoRA for {len(by_expert)} experts in {layer} "
+                                   f"(indices {min(by_expert)}..{max(by_expert)}); the model has {experts}")
+        try:
+            stacked = {k: np.stack([v[e] for e in range(experts)]) for k, v in pairs.items()}   # A (E, r, in),
+        except ValueError:                                                                     # B (E, out, r)
+            raise AdapterError(f"{source}: the per-expert LoRA pairs of {layer} differ in shape") from None
+        if (gate, "A") in stacked and (up, "A") in stacked:
+            a = np.concatenate([stacked[gate, "A"], stacked[up, "A"]], axis=1)
+            bg, bu = stacked[gate, "B"], stacked[up, "B"]
+            b = np.zeros((experts, bg.shape[1] + bu.shape[1], bg.shape[2] + bu.shape[2]), np.float32)
+            b[:, :bg.shape[1], :bg.shape[2]], b[:, bg.shape[1]:, bg.shape[2]:] = bg, bu
+            fused[f"{layer}.mlp.experts.gate_up_proj"] = (a, b)
+        elif (gate, "A") in stacked or (up, "A") in stacked:
+            raise AdapterError(f"{source}: {layer} has per-expert LoRA on one of {gate} / {up} alone, which "
+                               f"target_modules does not say; both are fused into gate_up_proj")
+        if (down, "A") in stacked:
+            fused[f"{layer}.mlp.experts.down_proj"] = (stacked[down, "A"], stacked[down, "B"])
+    layer_paths = {p.removeprefix("base_model.model.") for p in fused}
+    for path, (a, b) in fused.items():
+        inner = path.removeprefix("base_model.model.")
+        out[expert_key(inner, "A", layer_paths)] = to_peft("A", a)
+        out[expert_key(inner, "B", layer_paths)] = to_peft("B", b)
+    return converted, out

@@ -10,7 +10,8 @@ import numpy as np
 
 from wgpu_train.errors import AdapterError, ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
-from wgpu_train.adapters.experts import expert_key, is_expert_path, parse_target_parameters, saved_parameters
+from wgpu_train.adapters.experts import (convert_per_expert, expert_key, has_per_expert_keys, is_expert_path,
+                                         parse_target_parameters, saved_parameters)
 from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ROUTERS, ModelConfig
 from wgpu_train.models.multimodal import adapter_key_out, language_keys, live_patterns, target_regex
 
@@ -151,12 +152,6 @@ def read_adapter(folder, model: ModelConfig | None = None):
     dropout = _adapter_field(raw, "lora_dropout", "number", 0.0, cfg_path)
     rslora = _adapter_field(raw, "use_rslora", "bool", False, cfg_path)
     dora = raw.get("use_dora") is not None and _adapter_field(raw, "use_dora", "bool", False, cfg_path)
-    spec = raw.get("target_modules")
-    if not (isinstance(spec, str) and spec or
-            isinstance(spec, list) and spec and all(isinstance(t, str) and t for t in spec)):
-        got = "missing" if "target_modules" not in raw else f"got {json.dumps(spec)}"
-        raise AdapterError(f"{cfg_path}: key 'target_modules' must be a list of module names or a regular "
-                           f"expression, {got}")
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise AdapterError(f"no adapter_model.safetensors in {folder}")
@@ -164,6 +159,15 @@ def read_adapter(folder, model: ModelConfig | None = None):
         tensors = read_safetensors(weights)
     except ModelFileError as e:
         raise AdapterError(str(e)) from None
+    if model is not None and model.moe is not None and has_per_expert_keys(tensors):   # transformers 4's names
+        raw, tensors = convert_per_expert(raw, tensors, model, cfg_path)
+    spec = raw.get("target_modules")
+    experts_only = spec in (None, []) and bool(raw.get("target_parameters"))    # LoRA on parameters alone
+    if not (experts_only or isinstance(spec, str) and spec or
+            isinstance(spec, list) and spec and all(isinstance(t, str) and t for t in spec)):
+        got = "missing" if "target_modules" not in raw else f"got {json.dumps(spec)}"
+        raise AdapterError(f"{cfg_path}: key 'target_modules' must be a list of module names or a regular "
+                           f"expression, {got}")
     if model is None:
         layers = [int(m.group(1)) for k in tensors if (m := re.search(r"\.layers\.(\d+)\.", k))]
         num_hidden_layers, linear_modules = max(layers, default=0) + 1, KNOWN_LINEAR_MODULES
@@ -179,8 +183,9 @@ def read_adapter(folder, model: ModelConfig | None = None):
     tensors, outer = found if found is not None else (tensors, None)
     if outer is not None:      # patterns are matched on the multimodal model's current paths (module_settings)
         layout.update({k: live_patterns(layout[k], outer) for k in ("rank_pattern", "alpha_pattern")})
-    modules, layers = adapter_targets(spec, num_hidden_layers, cfg_path, layout["layers_to_transform"],
-                                      layout["layers_pattern"], linear_modules, outer)
+    modules, layers = ((), layout["layers_to_transform"]) if experts_only else adapter_targets(
+        spec, num_hidden_layers, cfg_path, layout["layers_to_transform"], layout["layers_pattern"], linear_modules,
+        outer)
     try:
         experts, routers = parse_target_parameters(raw.get("target_parameters") or ())
     except ConfigError as e:

@@ -14,7 +14,7 @@ from wgpu_train.adapters.dora import MAGNITUDE, magnitude_key, merged, weight_no
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.models.weights import load_weights, module_name, save_model_folder
 from wgpu_train.formats.safetensors import TensorMap
-from wgpu_train.adapters.experts import from_peft, is_expert_path, peft_shape, to_peft
+from wgpu_train.adapters.experts import check_expert_count, from_peft, is_expert_path, peft_shape, to_peft
 from wgpu_train.adapters.files import peft_key, read_adapter, write_adapter
 from wgpu_train.adapters.inits import changes_base, converted, converted_config, decompose, fresh_pair
 from wgpu_train.data.records import IGNORE_INDEX
@@ -359,6 +359,10 @@ class Model:
         expected.update({k: (self.config.vocab_size, self.config.hidden_size) for k in copy_keys})
         # PEFT files may carry the adapter name (".lora_A.default.weight"); accept that spelling too.
         tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
+        for path, (r, _) in settings.items():
+            if is_expert_path(path) and peft_key(path, "A", settings) in tensors:
+                check_expert_count(tensors[peft_key(path, "A", settings)], path, r, self._lora_shape(path)[0],
+                                   directory)
         problems = [f"missing {k}" for k in expected if k not in tensors]
         problems += [f"unexpected {k}" for k in tensors if k not in expected]
         problems += [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"

@@ -1,8 +1,8 @@
 """Where a checkpoint keeps an MoE layer's experts: transformers 5's fused 3-D tensors (mlp.experts.gate_up_proj
 (E, 2I, hidden), gate rows first; mlp.experts.down_proj (E, hidden, I)) or the hub's one tensor per expert and
 projection (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2, the Qwen MoE family's and OLMoE's
-mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write the hub's. gpt-oss keeps its
-own (gpt_oss_layout.py)."""
+mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write back the one a checkpoint came
+in. gpt-oss keeps its own (gpt_oss_layout.py)."""
 from __future__ import annotations
 
 from wgpu_train.formats.safetensors import Stacked, TensorMap
@@ -22,6 +22,11 @@ def expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, s
     """The hub's names of one expert's gate, up and down weights."""
     block, projections = _hub(cfg)
     return tuple(f"model.layers.{layer}.{block}.experts.{expert}.{p}.weight" for p in projections)
+
+
+def is_fused(names) -> bool:
+    """Whether a checkpoint's tensor names hold transformers 5's fused experts (mlp.experts.gate_up_proj)."""
+    return any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
 
 
 def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:

@@ -2,7 +2,9 @@
 project's own Python writer): llama.cpp's tensor names and layout (q / k rows of Llama and Mistral in its
 rotary order), the model's hyper-parameters, its byte-level BPE tokenizer and chat template; weights in f32,
 f16 or q8_0 (1-D tensors stay f32, and q8_0 keeps rows that are no whole number of blocks in f16, as
-llama.cpp's converter does)."""
+llama.cpp's converter does). Mixtures of experts as llama.cpp's qwen3moe, qwen2moe (its shared expert), olmoe and
+Mixtral as llama: each layer's experts as stacked (E, rows, cols) tensors (ffn_gate_exps / ffn_up_exps /
+ffn_down_exps), the router as ffn_gate_inp, expert_count / expert_used_count and the expert widths."""
 
 from __future__ import annotations
 
@@ -17,7 +19,11 @@ from wgpu_train.errors import ConfigError
 TYPES = ("f32", "f16", "q8_0")
 # Hugging Face architecture -> llama.cpp's (Mistral runs as llama there)
 ARCHES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-          "Qwen3ForCausalLM": "qwen3"}
+          "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+          "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe"}
+# whether llama.cpp's MoE graph of each architecture divides the top-k weights by their sum (build_moe_ffn's
+# norm_w in its llama, qwen3moe, qwen2moe and olmoe graphs); every layer of these graphs is sparse
+RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 _TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3           # gguf.TokenType values
 Q8_BLOCK = 32                                  # values per q8_0 block (along a row)
 
@@ -48,6 +54,15 @@ def check(config: ModelConfig, dtype: str):
     if config.rope_scaling:
         raise ConfigError(f"--gguf: rope_scaling {config.rope_scaling.get('rope_type', config.rope_scaling)} is "
                           "not exported")
+    moe, arch = config.moe, ARCHES[config.architecture]
+    if moe is not None:
+        dense = [i for i in range(config.num_hidden_layers) if not moe.is_sparse(i)]
+        if dense:
+            raise ConfigError(f"--gguf: llama.cpp's {arch} has experts in every layer; layers {dense} of this model "
+                              "are dense (mlp_only_layers / decoder_sparse_step)")
+        if moe.normalize != RENORMALISES[arch]:
+            raise ConfigError(f"--gguf: llama.cpp's {arch} {'renormalises' if RENORMALISES[arch] else 'keeps'} the "
+                              f"top-k weights; this model's norm_topk_prob is {moe.normalize}")
 
 
 def tokenizer_fields(folder, vocab_size: int | None = None) -> dict:
@@ -97,6 +112,33 @@ def tokenizer_fields(folder, vocab_size: int | None = None) -> dict:
             "eos": token_id("eos_token"), "bos": token_id("bos_token"), "pad": token_id("pad_token")}
 
 
+def _gguf_tensors(gguf, names, hf_name: str, value, config: ModelConfig) -> list:
+    """[(llama.cpp's name, float32 array)] of one of our tensors: an MoE layer's fused gate_up_proj (E, 2I, H)
+    split into the stacked gate and up experts, its down_proj (E, H, I) as the stacked down experts; Qwen2-MoE's
+    shared expert gate (1, H) as the vector llama.cpp (and transformers' GGUF reader) take; q / k rows in llama's
+    rotary order; any other under gguf's name map."""
+    w = np.asarray(value, dtype=np.float32)
+    arch = ARCHES[config.architecture]
+    if ".mlp.experts." in hf_name:
+        layer = int(hf_name.split(".")[2])
+        gate, up, down = (gguf.TENSOR_NAMES[t].format(bid=layer) + ".weight" for t in (
+            gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP))
+        if hf_name.endswith("gate_up_proj"):
+            inter = config.moe.expert_size
+            return [(gate, w[:, :inter]), (up, w[:, inter:])]
+        return [(down, w)]
+    gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise ConfigError(f"--gguf: no llama.cpp name for tensor {hf_name}")
+    if hf_name.endswith("shared_expert_gate.weight"):
+        w = w.reshape(-1)
+    elif arch == "llama" and hf_name.endswith("q_proj.weight"):
+        w = rotary_rows(w, config.num_attention_heads)
+    elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+        w = rotary_rows(w, config.num_key_value_heads)
+    return [(gname, w)]
+
+
 def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype: str = "f16",
                name: str = "") -> Path:
     """Write `weights` (Hugging Face names -> float32 arrays, e.g. Model.merged_weights()) of `config` with the
@@ -120,6 +162,13 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     writer.add_rope_freq_base(float(config.rope_theta))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
+    if config.moe is not None:
+        writer.add_expert_count(config.moe.num_experts)
+        writer.add_expert_used_count(config.moe.top_k)
+        if arch in ("qwen2moe", "qwen3moe"):             # beside the dense MLP's width (feed_forward_length)
+            writer.add_expert_feed_forward_length(config.moe.expert_size)
+        if config.moe.shared_expert_size:
+            writer.add_expert_shared_feed_forward_length(config.moe.shared_expert_size)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     writer.add_tokenizer_model("gpt2")
@@ -139,21 +188,14 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     if "lm_head.weight" not in tensors:            # tied: llama.cpp and transformers' loader both read output.weight
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     for hf_name, value in tensors.items():
-        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise ConfigError(f"--gguf: no llama.cpp name for tensor {hf_name}")
-        w = np.asarray(value, dtype=np.float32)
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
-            w = rotary_rows(w, config.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
-            w = rotary_rows(w, config.num_key_value_heads)
-        if w.ndim == 1 or dtype == "f32":
-            writer.add_tensor(gname, w)
-        elif dtype == "f16" or w.shape[-1] % Q8_BLOCK:   # rows that do not split into q8_0 blocks: f16, as
-            writer.add_tensor(gname, w.astype(np.float16))  # llama.cpp's converter does
-        else:
-            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        for gname, w in _gguf_tensors(gguf, names, hf_name, value, config):
+            if w.ndim == 1 or dtype == "f32":
+                writer.add_tensor(gname, w)
+            elif dtype == "f16" or w.shape[-1] % Q8_BLOCK:   # rows that do not split into q8_0 blocks: f16, as
+                writer.add_tensor(gname, w.astype(np.float16))  # llama.cpp's converter does
+            else:
+                q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

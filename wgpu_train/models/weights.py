@@ -13,7 +13,7 @@ from wgpu_train.formats.safetensors import (FLOAT_DTYPES, LazyWeights, TensorMap
                                            write_safetensors)
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
 from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, LAYER_GROUPS, ModelConfig
-from wgpu_train.models.expert_layout import hub_layout, read_fused
+from wgpu_train.models.expert_layout import hub_layout, is_fused, read_fused
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.models.multimodal import PROCESSOR_FILES, carried_tensors, file_name, language_names
 
@@ -142,13 +142,26 @@ def checkpoint_float_dtype(folder, cfg: ModelConfig) -> str:
     return next((names[dtype] for _, dtype in _folder_tensors(Path(folder)).values() if dtype in names), "float32")
 
 
+def _fused_source(cfg: ModelConfig, source_folder) -> bool:
+    """Whether an MoE model came from a checkpoint in transformers 5's fused layout, which our tensors' names are
+    (gpt-oss's is its own: gpt_oss_layout.hub_layout writes it whatever it came in)."""
+    if cfg.family == "gpt_oss" or source_folder is None:
+        return False
+    try:
+        return is_fused(_folder_tensors(Path(source_folder)))
+    except ModelFileError:          # no weights there (a model made in memory): the hub's layout
+        return False
+
+
 def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype: str = "float32"):
     """A complete Hugging Face model folder: config.json, model.safetensors, tokenizer files copied. weights:
     name -> array, a dict or a mapping that makes each when read (Model.merged_weights), read one at a time, and
     stored in `dtype` (float32, bfloat16 or float16: formats.safetensors.FLOAT_DTYPES), which config.json names.
     A multimodal checkpoint's folder gets its language model's weights under the source's names beside the
     source's other tensors (vision tower, projector: multimodal.carried_tensors), all in that dtype, and its
-    processor's files. The weights are written before config.json, so that a failure leaves no model behind."""
+    processor's files. An MoE model's experts are written in the layout of the source's checkpoint: transformers
+    5's fused tensors, else (and without a source) the hub's one tensor per expert. The weights are written
+    before config.json, so that a failure leaves no model behind."""
     out = Path(out)
     companions = TOKENIZER_FILES
     if cfg.wrapper:
@@ -161,8 +174,8 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
         weights = TensorMap([k for k in carried if k not in language] + list(language),
                             lambda k: ours[language[k]] if k in language else _as_array(*carried[k]))
         companions += PROCESSOR_FILES
-    if cfg.moe is not None:      # the experts one tensor per expert and projection, as the hub's checkpoints
-        weights = hub_layout(cfg, weights)
+    if cfg.moe is not None and not _fused_source(cfg, source_folder):   # the experts one tensor per expert and
+        weights = hub_layout(cfg, weights)                                # projection, as the hub's checkpoints
     if final_norm_name(cfg) != FINAL_NORM:
         named, inner = {final_norm_name(cfg) if k == FINAL_NORM else k: k for k in weights}, weights
         weights = TensorMap(list(named), lambda k: inner[named[k]])

@@ -223,9 +223,14 @@ class Trainer:
         from wgpu_train.engines.backend_choice import choose_backend
 
         cfg = self.config
+        coef = router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)
+        if coef and cfg.objective != "sft":       # the preference and GRPO steps do not add it to their loss
+            raise ConfigError(f"the router's aux loss (router_aux_loss_coef {coef:g}) is trained with sft only for "
+                              f"now, not {cfg.objective}; pass --router-aux-loss-coef 0 (as TRL's trainer with "
+                              f"router_aux_loss_coef=0, which its {cfg.objective} adds by default on an MoE model)")
         started = time.perf_counter()
         choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
-                                router_aux_loss=bool(router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)))
+                                router_aux_loss=bool(coef))
         self.backend_choice_s = time.perf_counter() - started
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
         if cfg.backend == "auto":
