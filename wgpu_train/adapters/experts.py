@@ -20,7 +20,8 @@ from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 _PER_EXPERT = re.compile(r"(?P<layer>.*\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
                          r"(?P<proj>\w+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
 _OLD_NAMES = {"mixtral": ("w1", "w3", "w2", "gate"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj", "gate"),
-              "olmoe": ("gate_proj", "up_proj", "down_proj", "gate")}
+              "olmoe": ("gate_proj", "up_proj", "down_proj", "gate"),
+              "qwen3_next": ("gate_proj", "up_proj", "down_proj", "gate")}
 # PEFT's target_parameters name of each family's router module: mlp.gate's (all-linear writes it so), gpt-oss's
 # mlp.router's
 ROUTER_PARAMETERS = {"gate": "gate.weight", "router": "mlp.router.weight"}
@@ -38,8 +39,8 @@ def all_linear_takes_experts(model: ModelConfig) -> bool:
 def peft_converts_expert_names(model: ModelConfig) -> bool:
     """Whether PEFT 0.21 on transformers 5 reads transformers 4's expert names (gate_proj / up_proj / down_proj,
     Mixtral's w1 / w3 / w2) as the experts' fused tensors on `model` (its _MOE_TARGET_MODULE_MAPPING through
-    transformers' conversion patterns: Mixtral, Qwen3-MoE, OLMoE); elsewhere (Qwen2-MoE, measured) gate_proj /
-    up_proj / down_proj name the dense layers' MLPs and the shared expert."""
+    transformers' conversion patterns: Mixtral, Qwen3-MoE, OLMoE, Qwen3-Next); elsewhere (Qwen2-MoE, Qwen3.5-MoE,
+    measured) gate_proj / up_proj / down_proj name the dense layers' MLPs and the shared expert."""
     return model.family in _OLD_NAMES
 
 
