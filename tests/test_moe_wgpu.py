@@ -204,3 +204,45 @@ def test_gpt_oss_is_left_to_the_numpy_engine(rt):
     with pytest.raises(ConfigError, match="does not run gpt-oss's attention sinks"):
         WgpuEngine(cfg, {}, rt)
     assert choose_backend("auto", None, cfg).engine == "numpy"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_router_aux_loss_matches_numpy(arch, rt, tmp_path):
+    """The router's load-balancing loss on the device (the padded batch's real tokens alone): the same loss and
+    LoRA gradients (the routers' and the experts') as the NumPy engine (held to transformers in test_moe_models),
+    the same with gradient checkpointing (each layer counted once), and steps of two micro-batches with the same
+    losses, aux_loss and adapter, each still one submission and one readback."""
+    save_model(build_moe(arch, seed=11), tmp_path)
+    ref, gpu = _pair(tmp_path, rt)
+    ids, labels, mask = _batch()
+    assert not mask.all()                   # padding, which the aux loss leaves out
+    _, plain = gpu.loss_and_grads(ids, labels, mask)
+    for m in (ref, gpu):
+        m.engine.set_router_aux_loss(0.3)
+    _same_loss_and_grads(ref, gpu, f"{arch} aux loss", ".mlp.experts.base_layer.lora_A")
+    loss_a, grads_a = gpu.loss_and_grads(ids, labels, mask)
+    router = next(k for k in grads_a if ".mlp.gate.lora_A" in k)
+    assert np.abs(plain[router] - grads_a[router]).max() > 1e-4       # the aux term reached the router
+    gpu.set_gradient_checkpointing(True)
+    loss_c, grads_c = gpu.loss_and_grads(ids, labels, mask)
+    gpu.set_gradient_checkpointing(False)
+    assert loss_c == loss_a
+    for k in grads_a:
+        np.testing.assert_array_equal(grads_c[k], grads_a[k], err_msg=k)
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=0.5, eps=1e-5)     # eps: test_lora_logits_loss_gradients_and_steps
+    micro = _micro_batches(ids, labels, mask, 3)
+    for step in (1, 2):
+        loss_r, _, norm_r, _ = ref.engine.train_step(micro, hp, step)
+        loss_g, _, norm_g, applied = gpu.engine.train_step(micro, hp, step)
+        assert applied and gpu.engine.last_aux_loss > 0
+        assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", f"{arch} step {step}")
+        assert_close(np.float64(gpu.engine.last_aux_loss), np.float64(ref.engine.last_aux_loss), "gpu_loss",
+                     f"{arch} aux_loss, step {step}")
+        assert_close(np.float64(norm_g), np.float64(norm_r), "gpu_loss", f"{arch} grad norm, step {step}")
+        assert gpu.engine.last_step["submits"] == 1 and gpu.engine.last_step["readbacks"] == 1
+    after_r, after_g = ref.lora_state_dict(), gpu.lora_state_dict()
+    for k, v in after_r.items():
+        assert_close(after_g[k], v, "gpu_params_after_steps", f"{arch}: {k}")
+    gpu.engine.set_router_aux_loss(0.0)
+    gpu.engine.train_step(micro, hp, 3)
+    assert gpu.engine.last_aux_loss is None

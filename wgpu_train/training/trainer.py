@@ -224,8 +224,7 @@ class Trainer:
 
         cfg = self.config
         started = time.perf_counter()
-        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
-                                router_aux_loss=bool(router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)))
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
         self.backend_choice_s = time.perf_counter() - started
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
         if cfg.backend == "auto":

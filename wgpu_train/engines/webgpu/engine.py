@@ -267,13 +267,14 @@ class WgpuEngine(EngineState):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
         self.layers.adapter_enabled = bool(enabled)
 
-    last_aux_loss = None     # the router's auxiliary loss is not computed here (set_router_aux_loss)
+    last_aux_loss = part_field("steps", "last_aux_loss", "The last train_step's router aux loss (the mean over its "
+                               "micro-batches; None when off).")
 
     def set_router_aux_loss(self, coef: float = 0.0):
-        """0 only: the WebGPU engine does not compute a mixture of experts' router auxiliary loss yet."""
-        if check_router_aux_loss(self.cfg, coef):
-            raise ConfigError("the WebGPU engine does not compute the router's auxiliary loss yet: use --backend "
-                              "numpy, or --router-aux-loss-coef 0")
+        """A mixture of experts' router auxiliary loss (transformers' load_balancing_loss_func over each training
+        forward's real tokens) added at weight `coef` to training steps, its gradient reaching the routers' logits,
+        all on the device within the step's submission (webgpu/moe.load_balancing_counts); 0 turns it off."""
+        self.steps.router_aux_loss_coef = check_router_aux_loss(self.cfg, coef)
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities

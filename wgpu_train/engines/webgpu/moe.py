@@ -1,6 +1,6 @@
 """The mixture-of-experts op pairs on the WebGPU engine (the grouped-expert kernel family, tuned/moe_kernels.py):
-moe_route_forward / moe_route_backward and moe_experts_forward / moe_experts_backward, with the reference's names
-and argument order (engines/shared/moe.py: outputs first, then inputs and weights, then sizes, then scratch).
+moe_route_forward / moe_route_backward and moe_experts_forward / moe_experts_backward, and the router's
+load-balancing loss (load_balancing_counts / _loss / _dprobs), with the reference's names and argument order (engines/shared/moe.py: outputs first, then inputs and weights, then sizes, then scratch).
 They record into a Recorder and neither submit nor read back: the routing, the grouping of the pairs by expert
 (a counting sort) and the grids (sized for the worst case, idle blocks exiting at once) are all on the device.
 
@@ -36,7 +36,8 @@ def scratch_sizes(N: int, k: int, E: int, C: int, I: int, r: int = 0) -> dict:
     nk = N * k
     return {"group": MK.group_size(nk, E), "perm": nk, "h": nk * I, "outp": nk * C, "dh": nk * I, "dgu": nk * 2 * I,
             "lora_in": max(1, nk * r), "lora_out": max(1, nk * r), "lora_g": max(1, nk * r),
-            "lora_dh": max(1, nk * r), "part": max(1, MK.max_blocks(nk, E, min(MK.SPLITS)) * r * max(C, 2 * I))}
+            "lora_dh": max(1, nk * r), "part": max(1, MK.max_blocks(nk, E, min(MK.SPLITS)) * r * max(C, 2 * I)),
+            "probs": N * E, "balance_part": MK.balance_blocks(N) * (2 * E + 1), "balance": 2 * E + 1}
 
 
 class MoeScratch:
@@ -229,3 +230,30 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                False, False, False, s1, accumulate)
         _outer(rec, grads["gate_up.lora_A"], scratch.lora_dh, x, weights, scratch, N, k, E, r, C, False, True, False,
                1.0, accumulate)
+
+
+def load_balancing_counts(rec, stats, logits, experts, mask, N: int, E: int, k: int, scratch: MoeScratch,
+                          accumulate: bool):
+    """stats (2E + 1) f32 (+= where accumulate: a forward's sparse layers after its first) = one layer's share of
+    the load-balancing loss: [assignments per expert (E), probability sums per expert (E), real tokens] <- logits
+    (N, E) (any format), experts (N, k) i32, mask (N,) i32 (segment ids: 0 for padding). Three dispatches: the
+    real tokens' probabilities (scratch.probs), sums per block of tokens, the blocks summed in order."""
+    _f32("load_balancing_counts", stats)
+    blocks, width = MK.balance_blocks(N), 2 * E + 1
+    _launch(rec, MK.BALANCE_PROBS, N, [(scratch.probs, N * E), (logits, N * E), (mask, N)], s0=N, s1=E)
+    _launch(rec, MK.BALANCE_PARTIAL, blocks * width, [(scratch.balance_part, blocks * width), (scratch.probs, N * E),
+                                                      (experts, N * k), (mask, N)], s0=N, s1=E, s2=k, s3=blocks)
+    _launch(rec, MK.BALANCE_REDUCE, width, [(stats, width), (scratch.balance_part, blocks * width)], s0=width,
+            s1=blocks, s4=int(accumulate))
+
+
+def load_balancing_loss(rec, loss, stats, E: int):
+    """loss (1,) f32 = transformers' load_balancing_loss_func from stats (2E + 1) (load_balancing_counts summed
+    over a forward's sparse layers); 0 before any real token."""
+    launch(rec, MK.BALANCE_LOSS, (1,), [(loss, 1), (stats, 2 * E + 1)], s1=E)
+
+
+def load_balancing_dprobs(rec, dprobs, stats, mask, N: int, E: int, coef: float):
+    """dprobs (N, E) f32 = the gradient of coef times the loss on one layer's probabilities (moe_route_backward's
+    dprobs) <- stats (2E + 1) of the whole forward, mask (N,) i32 (segment ids: 0 for padding)."""
+    _launch(rec, MK.BALANCE_DPROBS, N * E, [(dprobs, N * E), (stats, 2 * E + 1), (mask, N)], s0=N, s1=E, f0=coef)

@@ -1,8 +1,9 @@
 """The grouped-expert kernel family (mixtures of experts): the routing, grouping, combine and elementwise kernels of
-shaders/moe.wgsl, the grouped GEMMs (one dispatch over every expert's row blocks: the dense register-blocked GEMM
-of shaders/moe_gemm_register.wgsl where its vec4 loads apply, the portable scalar one of shaders/moe_gemm.wgsl
-anywhere; tile and block a tuned choice) and the experts' summed outer products (LoRA and weight gradients: split-K over
-an expert's rows plus an ordered reduction, or one pass per expert; a tuned choice). The op wrappers are in
+shaders/moe.wgsl, the router's load-balancing loss of shaders/moe_balance.wgsl, the grouped GEMMs (one dispatch over
+every expert's row blocks: the dense register-blocked GEMM of shaders/moe_gemm_register.wgsl where its vec4 loads
+apply, the portable scalar one of shaders/moe_gemm.wgsl anywhere; tile and block a tuned choice) and the experts'
+summed outer products (LoRA and weight gradients: split-K over an expert's rows plus an ordered reduction, or one
+pass per expert; a tuned choice). The op wrappers are in
 engines/webgpu/moe.py; each problem here checks its candidates against a NumPy product on the device."""
 from __future__ import annotations
 
@@ -43,13 +44,26 @@ DWEIGHTS = _plain("moe_dweights", "dweights! dh gate_up")
 COMBINE = _plain("moe_combine", "y! out _ _ _ weights")
 OUTER = _plain("moe_outer", "part! u v _ perm weights offsets")
 OUTER_REDUCE = _plain("moe_outer_reduce", "out! part _ _ _ _ offsets")
+# the router's load-balancing loss (shaders/moe_balance.wgsl)
+BALANCE_PROBS = Kernel("moe_balance", "moe_balance_probs", "probs! logits _ _ segments", invocations=WG)
+BALANCE_PARTIAL = Kernel("moe_balance", "moe_balance_partial", "part! probs _ _ experts _ segments", invocations=WG)
+BALANCE_REDUCE = Kernel("moe_balance", "moe_balance_reduce", "stats! part", invocations=WG)
+BALANCE_LOSS = Kernel("moe_balance", "moe_balance_loss", "loss! stats", invocations=WG)
+BALANCE_DPROBS = Kernel("moe_balance", "moe_balance_dprobs", "dprobs! stats _ _ segments", invocations=WG)
+BALANCE_BLOCK = 256               # tokens per block of its partial sums (shaders/moe_balance.wgsl BLOCK)
 PLAIN = (ROUTE_FORWARD, ROUTE_BACKWARD, GROUP_COUNT, GROUP_OFFSETS, GROUP_SCATTER, LORA_ROWS, SWIGLU,
-         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, OUTER, OUTER_REDUCE)
+         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, OUTER, OUTER_REDUCE, BALANCE_PROBS, BALANCE_PARTIAL, BALANCE_REDUCE,
+         BALANCE_LOSS, BALANCE_DPROBS)
 
 
 def group_blocks(pairs: int) -> int:
     """Blocks of the counting sort for N k pairs."""
     return max(1, -(-int(pairs) // BLOCK))
+
+
+def balance_blocks(tokens: int) -> int:
+    """Blocks of the load-balancing loss's partial sums for N tokens."""
+    return max(1, -(-int(tokens) // BALANCE_BLOCK))
 
 
 def group_size(pairs: int, experts: int) -> int:
@@ -416,5 +430,5 @@ def all_kernels() -> list[Kernel]:
                for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))])
 
 
-FAMILY = Family("moe", shaders=("moe", "moe_gemm", moe_source.REGISTER_SHADER),
+FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER),
                 modules=(__file__, moe_source.__file__), all_kernels=all_kernels, benches=("moe",))
