@@ -3,7 +3,8 @@
 // 8 columns in 64 vec4 accumulators, rank-4 updates), the same vec4 loads of the weight and the same subgroup
 // broadcast of the row slice, with the weight pointer chosen by the block's expert and the rows gathered through
 // the counting sort's perm. out[q, o] = sum_i in[row(q), i] W[e, o, i] (+ scale sum_j hl[q, j] L[e, o, j]) for each
-// pair q of expert e, in pair order, as moe_gemm.wgsl (whose Params and bindings this shares).
+// pair q of expert e, in pair order, as moe_gemm.wgsl (whose Params and bindings this shares); dst in any storage
+// format (its vec4 view: 16-bit outputs stored four at a time, two words).
 //
 // Why this shape: on llvmpipe every invocation-varying load is a scalar loop over the SIMD lanes, so load
 // instructions bound the speed (gemm.wgsl's header). Per 4 steps of k an invocation loads 8 vec4 of W (its two
@@ -36,7 +37,8 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read_write> dst: array<vec4<f32>>;  // (N k, out_f), pair order
+// @tensor 1 dst read_write
+// @tensor4 1 dst read_write
 // @tensor 2 x read
 // @tensor4 2 x read
 // @tensor 3 w read
@@ -160,14 +162,14 @@ fn store_all(acc: ptr<function, Acc>) {
         let v1 = pick(acc, r, 1u);
         let at = P.o1 + q[r] * P.out_f;
         if (c0 < P.cols) {
-            dst[(at + c0) >> 2u] = v0;
+            dst_st4(at + c0, v0);
             if (SWIGLU) {
-                dst[(at + c1) >> 2u] = v1;
+                dst_st4(at + c1, v1);
                 h[(P.o8 + q[r] * P.cols + c0) >> 2u] = silu_up(v0, v1);
             }
         }
         if (!SWIGLU && c1 < P.cols) {
-            dst[(at + c1) >> 2u] = v1;
+            dst_st4(at + c1, v1);
         }
     }
 }

@@ -17,6 +17,7 @@ from wgpu_train.engines.webgpu.device.operands import split
 from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu, min_workgroup, use_subgroups
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
+from wgpu_train.engines.webgpu.tuned.gemm_tolerance import ROUNDOFF
 from wgpu_train.engines.webgpu.tuned import moe_source
 from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_source
 
@@ -77,15 +78,16 @@ def max_blocks(rows: int, experts: int, per_block: int) -> int:
     return (rows + min(experts, rows) * (per_block - 1)) // per_block
 
 
-def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool) -> Kernel:
+def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool, pairs: bool = False) -> Kernel:
+    """The scalar grouped GEMM; pairs: its output stored by pairs of columns (a 16-bit out; cfg.rn even)."""
     bindings = "out! x w offsets perm" + (" hl lb" if lora else (" _ _" if swiglu else "")) + (" h!" if swiglu else "")
-    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora),
+    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora, pairs),
                   invocations=WG)
 
 
 def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = ()) -> Kernel:
     """The register-blocked grouped GEMM (shaders/moe_gemm_register.wgsl); formats: its 16-bit tensors' (binding,
-    format) pairs (x at 2, W at 3)."""
+    format) pairs (out at 1, x at 2, W at 3)."""
     constants = {"WG": wg, "TM": tm, "SWIGLU": bool(swiglu), "B_KVEC": bool(nt)}
     return Kernel("moe_gemm_register", "moe_gemm_reg", "out! x w offsets perm hl lb h!",
                   tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats),
@@ -135,7 +137,7 @@ class MoeGemmProblem:
         self.in_f, self.cols, self.layout, self.by_token = int(in_f), int(cols), layout, bool(by_token)
         self.rank, self.scale, self.swiglu = int(rank), float(scale), bool(swiglu)
         self.w_out = 2 * self.cols if swiglu else self.cols
-        self.x_fmt, self.w_fmt = _fmt(tensors, "x"), _fmt(tensors, "w")
+        self.x_fmt, self.w_fmt, self.out_fmt = _fmt(tensors, "x"), _fmt(tensors, "w"), _fmt(tensors, "out")
 
     @property
     def flops(self) -> float:
@@ -147,12 +149,13 @@ class MoeGemmProblem:
 
     def signature(self) -> tuple:
         return ("moe_gemm", self.rows, self.slots, self.experts, self.in_f, self.cols, self.layout, self.by_token,
-                self.rank, self.swiglu, self.x_fmt, self.w_fmt)
+                self.rank, self.swiglu, self.x_fmt, self.w_fmt, self.out_fmt)
 
     def key(self) -> str:
         """The tuner's key: rows to the next power of two, the rest exact."""
         bucket = 1 << max(0, (self.rows - 1).bit_length())
-        fmt = "" if self.x_fmt == self.w_fmt == "f32" else f" x:{self.x_fmt} w:{self.w_fmt}"
+        fmt = "" if self.x_fmt == self.w_fmt == self.out_fmt == "f32" else \
+            f" x:{self.x_fmt} w:{self.w_fmt}" + ("" if self.out_fmt == "f32" else f" out:{self.out_fmt}")
         return (f"moe gemm rows{bucket} E{self.experts} {self.in_f}->{self.w_out} {self.layout}"
                 f"{' swiglu' if self.swiglu else ''}{f' r{self.rank}' if self.rank else ''}{fmt}")
 
@@ -165,7 +168,9 @@ class MoeGemmProblem:
         regs = [first] + [RegisterGemm(wg, tm, s) for s in dict.fromkeys((sg, False)) for tm in REGISTER_TMS
                           for wg in REGISTER_WGS if (wg, tm, s) != (first.wg, first.tm, first.subgroups)
                           and wg >= min_workgroup(self.rt)]
-        cands = [c for c in regs if c.applies(self)] + [GroupedGemm(cfg) for cfg in GEMM_CONFIGS]
+        pairs = self.out_fmt != "f32"       # a 16-bit out: the scalar kernels store pairs of columns (rn even)
+        cands = [c for c in regs if c.applies(self)] + [GroupedGemm(cfg) for cfg in GEMM_CONFIGS
+                                                          if not pairs or cfg.rn % 2 == 0]
         if is_cpu(self.rt):
             cands = [c for c in cands if c.loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
         return cands
@@ -185,8 +190,9 @@ class MoeGemmProblem:
         return dict(w_e=w[0], w_o=w[1], w_i=w[2], l_e=lo[0], l_o=lo[1], l_j=lo[2])
 
     def tolerance(self, want: np.ndarray, cand=None) -> float:
-        """Float32 sums of in_f + rank products (the swiglu's h one rounding more)."""
-        return 1e-6 * math.sqrt(self.in_f + self.rank) * 8 * (1 + float(np.max(np.abs(want))))
+        """Float32 sums of in_f + rank products (the swiglu's h one rounding more), and a 16-bit out's rounding."""
+        top = float(np.max(np.abs(want)))
+        return 1e-6 * math.sqrt(self.in_f + self.rank) * 8 * (1 + top) + ROUNDOFF.get(self.out_fmt, 0.0) * top
 
     def replica(self, rng):
         """(problem, [(buffer, elements)], initial values, expected values, buffers to release) on random
@@ -202,7 +208,8 @@ class MoeGemmProblem:
         rows_in = x[np.arange(self.rows) // self.slots] if self.by_token else x                 # (rows, in)
         wt = w if self.layout == "nt" else w.transpose(0, 2, 1)                                   # (E, W_out, in)
         want = np.einsum("qi,qoi->qo", rows_in.astype(np.float64), wt[experts].astype(np.float64))
-        bufs = {"out": self.rt.upload(np.zeros(self.rows * self.w_out, np.float32), "tune result"),
+        bufs = {"out": storage.upload(self.rt, np.zeros(self.rows * self.w_out, np.float32), self.out_fmt,
+                                      "tune result"),
                 "x": storage.upload(self.rt, x.reshape(-1), self.x_fmt, "tune operand"),
                 "w": storage.upload(self.rt, w.reshape(-1), self.w_fmt, "tune operand"),
                 "offsets": self.rt.upload(offsets, "tune operand"), "perm": self.rt.upload(perm, "tune operand")}
@@ -239,7 +246,7 @@ class GroupedGemm:
         return p.experts + 1 + p.in_f + 1 + (p.rank + 1 if p.rank else 0)
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0)
+        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0, pairs=p.out_fmt != "f32")
         tokens = p.rows // p.slots if p.by_token else p.rows
         w_elems = p.experts * p.w_out * p.in_f
         sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": w_elems, "offsets": p.experts + 1,
@@ -287,7 +294,7 @@ class RegisterGemm:
         return p.experts + 1 + 2 * (self.tm + 1) + 5 + p.in_f // 4 + 1 + lora
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        formats = tuple((b, f) for b, f in ((2, p.x_fmt), (3, p.w_fmt)) if f != "f32")
+        formats = tuple((b, f) for b, f in ((1, p.out_fmt), (2, p.x_fmt), (3, p.w_fmt)) if f != "f32")
         k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats)
         tokens = p.rows // p.slots if p.by_token else p.rows
         lora = p.rank > 0
@@ -424,8 +431,8 @@ class DirectOuter:
 
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the family (the binding-limit and Tint checks go through them)."""
-    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora) for cfg in GEMM_CONFIGS for swiglu in (False, True)
-                           for lora in (False, True)]
+    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora, pairs) for cfg in GEMM_CONFIGS for swiglu in (False, True)
+                           for lora in (False, True) for pairs in (False, True) if not pairs or cfg.rn % 2 == 0]
             + [register_kernel(wg, tm, sg, swiglu, nt) for sg in (False, True) for tm in REGISTER_TMS
                for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))])
 

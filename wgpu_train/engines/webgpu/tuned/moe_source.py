@@ -34,15 +34,21 @@ SWIGLU_MARK = "// @swiglu: h (N k, I) f32 at binding 8"
 SWIGLU_DECL = "@group(0) @binding(8) var<storage, read_write> h: array<f32>;   // (N k, I) pair order"
 
 
-def _body(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
-    """The kernel's body after the expert's block is found: loads, the reduction, the LoRA term, the stores."""
+def _column(j: int, pairs: bool) -> int:
+    """Column j's offset from the invocation's first: j WG apart, or in pairs (2 WG apart, then the next one)."""
+    return (j // 2) * 2 * WG + j % 2 if pairs else j * WG
+
+
+def _body(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False) -> str:
+    """The kernel's body after the expert's block is found: loads, the reduction, the LoRA term, the stores (by
+    pairs of adjacent columns where `pairs`: a 16-bit dst; rn even)."""
     heads = ["g"] + (["u"] if swiglu else [])       # the accumulator sets: gate (or the only one), up
     lines = []
     for i in range(rm):
         lines.append(f"    let q{i} = perm[P.o5 + min(row0 + {i}u, row1)];")
         lines.append(f"    let x{i} = P.o2 + select(q{i}, q{i} / P.slots, P.by_token != 0u) * P.in_f;")
     for j in range(rn):
-        lines.append(f"    let col{j} = min(c0 + {j * WG}u, P.cols - 1u);")
+        lines.append(f"    let col{j} = min(c0 + {_column(j, pairs)}u, P.cols - 1u);")
         lines.append(f"    let w{j} = wb + col{j} * P.w_o;")
         if swiglu:
             lines.append(f"    let v{j} = wb + (col{j} + P.cols) * P.w_o;")
@@ -74,24 +80,30 @@ def _body(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
                     lines.append(f"        u{i}_{j} = fma(s{i}, m{j}, u{i}_{j});")
         lines.append("    }")
     for i in range(rm):
-        for j in range(rn):
-            lines.append(f"    if (row0 + {i}u <= row1 && c0 + {j * WG}u < P.cols) {{")
-            lines.append(f"        dst[P.o1 + q{i} * P.out_f + col{j}] = g{i}_{j};")
+        for j in range(0, rn, 2 if pairs else 1):
+            lines.append(f"    if (row0 + {i}u <= row1 && c0 + {_column(j, pairs)}u < P.cols) {{")
+            at = f"P.o1 + q{i} * P.out_f + col{j}"
+            for acc, up in (("g", ""), ("u", " + P.cols"))[:2 if swiglu else 1]:
+                if pairs:
+                    lines.append(f"        dst_st2({at}{up}, vec2<f32>({acc}{i}_{j}, {acc}{i}_{j + 1}));")
+                else:
+                    lines.append(f"        dst_st({at}{up}, {acc}{i}_{j});")
             if swiglu:
-                lines.append(f"        dst[P.o1 + q{i} * P.out_f + col{j} + P.cols] = u{i}_{j};")
-                lines.append(f"        h[P.o8 + q{i} * P.cols + col{j}] = silu_up(g{i}_{j}, u{i}_{j});")
+                for jj in (j, j + 1) if pairs else (j,):
+                    lines.append(f"        h[P.o8 + q{i} * P.cols + col{jj}] = silu_up(g{i}_{jj}, u{i}_{jj});")
             lines.append("    }")
     return "\n".join(lines)
 
 
-def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
+def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False) -> str:
     """shaders/moe_gemm.wgsl for a register block of rm x rn, in its swiglu or plain form, with or without the
-    LoRA term (a Kernel's source: launch expands its tensor markers for x's and W's storage formats)."""
+    LoRA term, its output stored by pairs of columns where `pairs` (a 16-bit dst: rn even) (a Kernel's source:
+    launch expands its tensor markers for dst's, x's and W's storage formats)."""
     text = shader_text("moe_gemm")
-    text = text.replace("// @body", _body(rm, rn, swiglu, lora))
+    text = text.replace("// @body", _body(rm, rn, swiglu, lora, pairs))
     text = text.replace(LORA_MARK, LORA_DECL if lora else "")
     text = text.replace(SWIGLU_MARK, SWIGLU_DECL if swiglu else "")
-    return f"const RM: u32 = {rm}u;\nconst RN: u32 = {rn}u;\n" + text
+    return f"const RM: u32 = {rm}u;\nconst RN: u32 = {rn}u;\nconst LANE: u32 = {2 if pairs else 1}u;\n" + text
 
 
 REGISTER_SHADER = "moe_gemm_register"
