@@ -1,8 +1,8 @@
 """Mixtures of experts on the WebGPU engine against the NumPy engine (tests/test_moe_models.py holds that one to
 transformers and PEFT), on every adapter present and the four MoE families of tiny_models.build_moe: logits, loss
 and every LoRA gradient (the experts' and the router's included, by PEFT's keys), optimizer steps in one submission
-each, greedy generation through the KV cache, full fine-tuning's expert gradients, bfloat16 expert storage, and the
-memory estimate against what the engine allocates."""
+each, greedy generation through the KV cache, full fine-tuning's expert gradients, bfloat16 expert storage, the
+memory estimate against what the engine allocates, the router's aux loss, and 16-bit activations."""
 from __future__ import annotations
 
 import numpy as np
@@ -182,9 +182,10 @@ def test_memory_estimate_is_the_allocation(arch, rt, tmp_path):
 
 
 def test_what_the_webgpu_engine_refuses_for_a_mixture_of_experts(rt, tmp_path):
-    """16-bit activations (the grouped-expert kernels write float32: auto resolves to fp32) and pipeline stages."""
+    """16-bit activations where an expert width or count is odd (auto resolves to fp32 there), and pipeline
+    stages."""
     save_model(build_moe("olmoe", seed=1), tmp_path)
-    with pytest.raises(ConfigError, match="float32 activations only"):
+    with pytest.raises(ConfigError, match="needs even widths .*num_experts 5"):
         wt.load_model(tmp_path, backend="wgpu", device=str(rt.info.index), precision="bf16")
     from wgpu_train.engines.loading import precision_choice
     from wgpu_train.engines.webgpu.stage import WgpuStage
@@ -246,3 +247,40 @@ def test_router_aux_loss_matches_numpy(arch, rt, tmp_path):
     gpu.engine.set_router_aux_loss(0.0)
     gpu.engine.train_step(micro, hp, 3)
     assert gpu.engine.last_aux_loss is None
+
+
+# even widths and expert counts (16-bit activations are stored by pairs)
+EVEN = {"qwen3_moe": dict(num_experts=6, moe_intermediate_size=18, intermediate_size=22),
+        "mixtral": dict(num_local_experts=6, intermediate_size=18)}
+
+
+@pytest.mark.parametrize("arch, precision, base_dtype", [("qwen3_moe", "bf16", "bfloat16"),
+                                                         ("mixtral", "f16", "float32")])
+def test_sixteen_bit_activations_match_numpy(arch, precision, base_dtype, rt, tmp_path):
+    """--precision bf16 / f16: the router's logits, the experts' outputs and gate / up projections and their
+    gradients stored in 16 bits at the NumPy engine's rounding points (experts in bfloat16 too on Qwen3-MoE):
+    the same logits, loss and LoRA gradients (the experts' and the router's) within 16-bit noise, the aux loss
+    on; a step is one submission."""
+    save_model(build_moe(arch, seed=5, **EVEN[arch]), tmp_path)
+    ref, gpu = _pair(tmp_path, rt, precision=precision, base_dtype=base_dtype)
+    assert gpu.engine.precision == precision
+    acts = gpu.engine._activations(5, 9, train=True)
+    from wgpu_train.engines.webgpu.device import storage
+    sparse = next(i for i in range(gpu.config.num_hidden_layers) if gpu.config.is_sparse(i))
+    assert storage.format_of(acts.layers[sparse]["moe_gu"]) == precision
+    for m in (ref, gpu):
+        m.engine.set_router_aux_loss(0.05)
+    ids, labels, mask = _batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], f"{precision}_gpu_logits", arch)
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), f"{precision}_gpu_loss", arch)
+    assert grads_g.keys() == grads_r.keys() and any(".mlp.experts.lora_A" in k for k in grads_r)
+    for k, g in grads_r.items():
+        top = np.abs(g).max()
+        assert top > 0, k
+        assert_close(grads_g[k] / top, g / top, f"{precision}_gpu_grads", f"{arch}: {k}")
+    micro = _micro_batches(ids, labels, mask, 3)
+    _, _, _, applied = gpu.engine.train_step(micro, OptimizerParams(lr=1e-3), 1)
+    assert applied and gpu.engine.last_step["submits"] == 1 and gpu.engine.last_aux_loss > 0

@@ -67,9 +67,6 @@ class WgpuEngine(EngineState):
         if not precision.resolved:
             raise ValueError("WgpuEngine takes a resolved precision (engines/loading.py resolves auto)")
         check_precision_widths(precision, cfg)
-        if cfg.moe is not None and precision.sixteen_bit:
-            raise ConfigError(f"{cfg.label}: the WebGPU engine runs a mixture of experts with float32 activations "
-                              f"only (its grouped-expert kernels write float32); use --precision fp32")
         self.precision = precision
         self.loss_scaler = LossScaler() if precision.loss_scaling else None
         self.cfg, self.rt = cfg, rt
