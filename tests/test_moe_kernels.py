@@ -194,15 +194,21 @@ def test_accumulate_adds_to_the_outputs(rt):
     rt.release(*bufs, gu, dw, *grads.values(), gl.a, gl.b)
 
 
-@pytest.mark.parametrize("problem", ["gemm", "gemm nn", "outer"])
+@pytest.mark.parametrize("problem", ["gemm", "gemm nn", "outer", "gemm bf16", "gemm nn f16"])
 def test_the_tuners_replica_checks_every_candidate(rt, problem):
     """The tuner's own check of each candidate on a replica (what it runs before timing one on a new adapter): odd
     sizes (the portable kernels alone), and sizes a multiple of 4 (the register-blocked ones too, 70 rows: blocks
-    of 32, 16 and 8 left partial)."""
+    of 32, 16 and 8 left partial); a 16-bit out (16-bit activations: the portable kernels storing pairs of
+    columns, the register-blocked ones vec4s) at even sizes."""
+    fmt = problem.split()[-1] if problem.endswith("16") else "f32"
+    out = {"out": storage.set_format(rt.buffer(16), fmt)} if fmt != "f32" else {}
     if problem == "gemm":
         p = MK.MoeGemmProblem(rt, {}, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
-    elif problem == "gemm nn":
-        p = MK.MoeGemmProblem(rt, {}, 2 * 35, 2, E, 36, 12, "nn", False, rank=R, scale=0.5)
+    elif problem == "gemm bf16":
+        p = MK.MoeGemmProblem(rt, out, 2 * 19, 2, E, 22, 10, "nt", True, rank=R, scale=0.5, swiglu=True)
+        assert all(c.family == "grouped" for c in p.candidates())
+    elif problem.startswith("gemm nn"):
+        p = MK.MoeGemmProblem(rt, out, 2 * 35, 2, E, 36, 12, "nn", False, rank=R, scale=0.5)
         assert any(c.family == "register" for c in p.candidates())
     else:
         # expert 1 gets a pair of each of 150 tokens: several tiles of every split, summed by the reduction
@@ -212,12 +218,12 @@ def test_the_tuners_replica_checks_every_candidate(rt, problem):
     try:
         for cand in rep.candidates():
             for (buf, n), at in zip(parts, np.cumsum([0] + [n for _, n in parts])):
-                rt.write(buf, c0[at:at + n])
+                rt.write(buf, storage.to_words(c0[at:at + n], storage.format_of(buf)))
             rec = rt.recorder()
             for d in cand.dispatches(rep):
                 rec.dispatch(*d)
             rec.submit()
-            got = np.concatenate([rt.read(buf, np.float32, (n,)) for buf, n in parts])
+            got = np.concatenate([storage.read(rt, buf, n) for buf, n in parts])
             assert np.max(np.abs(got - want)) <= rep.tolerance(want, cand), cand.name
     finally:
-        rt.release(*bufs)
+        rt.release(*bufs, *out.values())
