@@ -284,3 +284,19 @@ def test_sixteen_bit_activations_match_numpy(arch, precision, base_dtype, rt, tm
     micro = _micro_batches(ids, labels, mask, 3)
     _, _, _, applied = gpu.engine.train_step(micro, OptimizerParams(lr=1e-3), 1)
     assert applied and gpu.engine.last_step["submits"] == 1 and gpu.engine.last_aux_loss > 0
+
+
+def test_bench_compares_a_moe_step_with_a_dense_one(rt, monkeypatch):
+    """bench --only moe's step rows (bench/moe.bench_moe_step, on smaller models here): the dense model has the
+    MoE's active weights per token (its MLP top-k expert widths wide), both steps are one submission, and the
+    ratio is the two tokens/s measured in the run."""
+    from wgpu_train.bench import moe as bench
+    monkeypatch.setattr(bench, "STEP_LAYERS", {**bench.STEP_LAYERS, "hidden_size": 32, "head_dim": 8,
+                                               "vocab_size": 64})
+    monkeypatch.setattr(bench, "STEP_BATCH", (1, 16))
+    monkeypatch.setattr(bench, "STEP_EXPERT_SIZE", 16)
+    moe_cfg, dense_cfg = bench.step_models()
+    assert dense_cfg.moe is None and dense_cfg.intermediate_size == moe_cfg.moe.top_k * moe_cfg.moe.expert_size
+    rows = bench.bench_moe_step(rt, steps=1)
+    assert [r["submits_per_step"] for r in rows] == [1, 1]
+    assert rows[0]["moe_vs_dense"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
