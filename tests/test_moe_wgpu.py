@@ -300,3 +300,25 @@ def test_bench_compares_a_moe_step_with_a_dense_one(rt, monkeypatch):
     rows = bench.bench_moe_step(rt, steps=1)
     assert [r["submits_per_step"] for r in rows] == [1, 1]
     assert rows[0]["moe_vs_dense"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
+
+
+def test_finetune_with_the_aux_loss_on_the_webgpu_engine(rt, tmp_path):
+    """finetune --backend wgpu --router-aux-loss-coef: the WebGPU engine runs it (no longer refused) and logs
+    aux_loss each step, as the NumPy engine does."""
+    import json
+    from finetune_helpers import build_tokenizer, make_data_dir
+    from wgpu_train.cli.main import main
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    save_model(build_moe("mixtral", seed=7, vocab_size=vocab), model_dir)
+    data = make_data_dir(tmp_path / "data")
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-steps", "2",
+                 "--lora-targets", "q_proj", "--lora-target-parameters", "mlp.experts.down_proj",
+                 "--router-aux-loss-coef", "0.02", "--backend", "wgpu", "--device", str(rt.info.index),
+                 "--no-progress", "--log-every", "1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == 2 and all(r["aux_loss"] > 0 for r in steps)
+    assert json.loads((out / "summary.json").read_text())["backend"] == "wgpu"
