@@ -2,7 +2,8 @@
 engines/shared/moe.py, on every adapter present and every candidate: the router's top-k and its backward, the
 counting sort, and the experts' forward and backward (LoRA on both expert parameters, the base weights' gradients),
 with sizes that are not multiples of 4, 16 or 64, an expert that receives no pair and one that receives them all;
-float32 and 16-bit expert weights; and the recording neither submits nor reads back."""
+float32 and 16-bit expert weights, 16-bit outputs in the tuner's check; the router's load-balancing loss; and the
+recording neither submits nor reads back."""
 from __future__ import annotations
 
 import itertools
@@ -227,3 +228,37 @@ def test_the_tuners_replica_checks_every_candidate(rt, problem):
             assert np.max(np.abs(got - want)) <= rep.tolerance(want, cand), cand.name
     finally:
         rt.release(*bufs, *out.values())
+
+
+@pytest.mark.parametrize("tokens", [600, 7])
+def test_load_balancing_loss_and_its_gradient(rt, tokens):
+    """The router's load-balancing loss on the device (moe.load_balancing_counts over two layers, _loss, _dprobs)
+    against the reference RouterLoss: 600 tokens span three blocks of the partial sums, padding (segment 0) left
+    out; 7 tokens all padding give a loss of 0 and no gradient."""
+    rng = np.random.default_rng(4)
+    seg = (rng.random(tokens) < 0.8).astype(np.int32) * (1 + np.arange(tokens, dtype=np.int32) // 50)
+    if tokens == 7:
+        seg[:] = 0
+    mask = (seg != 0).astype(float)
+    want = ref.RouterLoss(E, 0.3)
+    scratch = moe.MoeScratch(rt, tokens, K, E, C, I)
+    stats, loss, dprobs = rt.buffer(4 * (2 * E + 1)), rt.buffer(16), rt.buffer(4 * tokens * E)
+    segb = rt.upload(seg)
+    bufs = []
+    rec = rt.recorder()
+    for layer in range(2):
+        logits = rng.standard_normal((tokens, E)).astype(np.float32)
+        _, experts = ref.moe_route_forward(logits, K, True)
+        want.add(logits.astype(np.float64), experts, mask)
+        bufs += [rt.upload(logits), rt.upload(experts)]
+        moe.load_balancing_counts(rec, stats, bufs[-2], bufs[-1], segb, tokens, E, K, scratch, accumulate=layer > 0)
+    moe.load_balancing_loss(rec, loss, stats, E)
+    moe.load_balancing_dprobs(rec, dprobs, stats, segb, tokens, E, 0.3)
+    rec.submit()
+    got = rt.read(stats, np.float32, (2 * E + 1,))
+    assert_close(got, np.concatenate([want.counts, want.prob_sums, [want.rows]]), "moe_experts", "stats")
+    assert_close(rt.read(loss, np.float32, (1,)), np.array([want.value]), "moe_experts", "loss")
+    assert_close(rt.read(dprobs, np.float32, (tokens, E)), want.dprobs(mask), "moe_experts", "dprobs")
+    assert (want.value > 0) == (tokens == 600)
+    scratch.release(rt)
+    rt.release(stats, loss, dprobs, segb, *bufs)
