@@ -33,6 +33,7 @@ struct Params {
     w_e: u32, w_o: u32, w_i: u32,     // W's strides: expert, output column, reduced index
     l_e: u32, l_o: u32, l_j: u32,     // L's strides: expert, output column, rank index
     scale: f32,       // the LoRA scale
+    w_abs: u32,       // NF4 experts (moe_nf4.wgsl): the word of W's buffer where the absmax values start
     o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
 }
 

@@ -24,6 +24,7 @@ from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned import attention_kernels
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_read
 from wgpu_train.engines.webgpu.device.recorder import submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
@@ -329,7 +330,9 @@ class WgpuEngine(EngineState):
         t = self.w[name]
         if isinstance(t, QuantMatrix):
             return t.read(self.rt)
-        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format
+        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format or NF4
+            if nf4_absmax_word(t) is not None:
+                return nf4_read(self.rt, t, self.shapes[name])
             return storage.read(self.rt, t, int(np.prod(self.shapes[name]))).reshape(self.shapes[name])
         return self._read(t, self.shapes[name])
 

@@ -1,8 +1,9 @@
 """The mixture-of-experts op pairs on the WebGPU engine (the grouped-expert kernel family, tuned/moe_kernels.py):
 moe_route_forward / moe_route_backward and moe_experts_forward / moe_experts_backward, and the router's
 load-balancing loss (load_balancing_counts / _loss / _dprobs), with the reference's names and argument order
-(engines/shared/moe.py: outputs first, then inputs and weights, then sizes, then scratch). They record into a Recorder and neither submit nor read back: the routing, the grouping of the pairs by expert
-(a counting sort) and the grids (sized for the worst case, idle blocks exiting at once) are all on the device.
+(engines/shared/moe.py: outputs first, then inputs and weights, then sizes, then scratch). They record into a
+Recorder and neither submit nor read back: the routing, the grouping of the pairs by expert (a counting sort) and
+the grids (sized for the worst case, idle blocks exiting at once) are all on the device.
 
 Buffers: activations, their gradients and expert weights are tensors in any storage format (device/storage.py:
 float32, bfloat16 or float16; a 16-bit one of even width, stored by pairs); scratch, LoRA matrices, routing weights
@@ -94,8 +95,8 @@ def moe_route_forward(rec, weights, experts, logits, N: int, E: int, top_k: int,
 
 def moe_route_backward(rec, dlogits, dweights, logits, experts, N: int, E: int, top_k: int, normalize: bool,
                        dprobs=None):
-    """dlogits (N, E) (one invocation per token row) <- dweights (N, k), logits (N, E), experts (N, k) i32, dprobs (N, E) f32 or None (a
-    gradient on every probability: the load-balancing loss's). Overwrites dlogits."""
+    """dlogits (N, E) (one invocation per token row) <- dweights (N, k), logits (N, E), experts (N, k) i32,
+    dprobs (N, E) f32 or None (a gradient on every probability: the load-balancing loss's). Overwrites dlogits."""
     extra = (dprobs, N * E) if dprobs is not None else (_zeros(rec.rt), 1)
     _launch(rec, MK.ROUTE_BACKWARD, N, [(dlogits, N * E), (dweights, N * top_k), (logits, N * E),
                                         (experts, N * top_k), extra],
@@ -172,8 +173,8 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
                    (r * I, I, 1))
     _gemm(rec, scratch.outp, scratch.h, down, scratch, N, k, E, I, C, "nt", False, lora_down, scratch.lora_out)
-    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C, s2=k, s3=1,
-            s4=int(accumulate))
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C,
+            s2=k, s3=1, s4=int(accumulate))
 
 
 def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts, gate_up_out, gate_up, down,
@@ -199,7 +200,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
         _lora_rows(rec, scratch.lora_g, dy, lora_down.b, E * C * r, experts, nk, C, r, k, True, (C * r, 1, r), s2)
     # dh before each pair's weight: dy W2[e] (+ (s dy B2[e]) A2[e]); dweights = dh . h
     _gemm(rec, scratch.dh, dy, down, scratch, N, k, E, C, I, "nn", True, lora_down, scratch.lora_g)
-    _launch(rec, MK.DWEIGHTS, -(-nk // 2), [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
+    _launch(rec, MK.DWEIGHTS, -(-nk // 2),
+            [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
     _launch(rec, MK.SWIGLU_BACKWARD, nk * I, [(scratch.dgu, nk * 2 * I), (scratch.dh, nk * I),
                                               (gate_up_out, nk * 2 * I), (weights, nk)], s0=nk, s1=I)
     if "down" in grads:
@@ -218,8 +220,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                    False, (2 * I * r, 1, r), s1)
     _gemm(rec, scratch.outp, scratch.dgu, gate_up, scratch, N, k, E, 2 * I, C, "nn", False, lora_gate_up,
           scratch.lora_dh)
-    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C), (_zeros(rec.rt), 1)], s0=N, s1=C, s2=k,
-            s3=0, s4=int(accumulate))
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C), (_zeros(rec.rt), 1)], s0=N,
+            s1=C, s2=k, s3=0, s4=int(accumulate))
     if "gate_up" in grads:
         _outer(rec, grads["gate_up"], scratch.dgu, x, weights, scratch, N, k, E, 2 * I, C, False, True, False, 1.0,
                accumulate, split_k=False)

@@ -19,7 +19,9 @@ from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.tuned.gemm_tolerance import ROUNDOFF
 from wgpu_train.engines.webgpu.tuned import moe_source
+from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_upload
 from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_source
+from wgpu_train.engines.shared.quant import nf4_dequantize, nf4_quantize
 
 BLOCK = 256                       # pairs per block of the counting sort (shaders/moe.wgsl BLOCK)
 GEMM_CONFIGS = (GemmConfig(4, 4), GemmConfig(8, 2), GemmConfig(2, 4), GemmConfig(1, 4), GemmConfig(4, 1))
@@ -78,19 +80,21 @@ def max_blocks(rows: int, experts: int, per_block: int) -> int:
     return (rows + min(experts, rows) * (per_block - 1)) // per_block
 
 
-def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool, pairs: bool = False) -> Kernel:
-    """The scalar grouped GEMM; pairs: its output stored by pairs of columns (a 16-bit out; cfg.rn even)."""
+def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool, pairs: bool = False, nf4: bool = False) -> Kernel:
+    """The scalar grouped GEMM; pairs: its output stored by pairs of columns (a 16-bit out; cfg.rn even); nf4: W
+    stored as NF4 (moe_nf4.nf4_upload)."""
     bindings = "out! x w offsets perm" + (" hl lb" if lora else (" _ _" if swiglu else "")) + (" h!" if swiglu else "")
-    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora, pairs),
+    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora, pairs, nf4),
                   invocations=WG)
 
 
-def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = ()) -> Kernel:
+def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = (),
+                    nf4: bool = False) -> Kernel:
     """The register-blocked grouped GEMM (shaders/moe_gemm_register.wgsl); formats: its 16-bit tensors' (binding,
-    format) pairs (out at 1, x at 2, W at 3)."""
+    format) pairs (out at 1, x at 2, W at 3); nf4: W stored as NF4 (moe_nf4.nf4_upload)."""
     constants = {"WG": wg, "TM": tm, "SWIGLU": bool(swiglu), "B_KVEC": bool(nt)}
     return Kernel("moe_gemm_register", "moe_gemm_reg", "out! x w offsets perm hl lb h!",
-                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats),
+                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats, nf4),
                   invocations=wg, features=("subgroup",) if subgroups else (), formats=formats)
 
 
@@ -102,7 +106,16 @@ def _unused(rt, writable: bool):
 
 
 def _fmt(tensors: dict, name: str) -> str:
-    return storage.format_of(split(tensors[name])[0]) if name in tensors else "f32"
+    """A tensor's storage format (device/storage.py), or "nf4" for NF4 experts (moe_nf4.nf4_upload)."""
+    if name not in tensors:
+        return "f32"
+    buf = split(tensors[name])[0]
+    return "nf4" if nf4_absmax_word(buf) is not None else storage.format_of(buf)
+
+
+def _w_elements(p) -> int:
+    """Elements of W a grouped GEMM binds: its weights, or an NF4 buffer's words."""
+    return p.t["w"].size // 4 if p.w_fmt == "nf4" else p.experts * p.w_out * p.in_f
 
 
 def _sorted_pairs(experts: np.ndarray, n_experts: int):
@@ -138,6 +151,7 @@ class MoeGemmProblem:
         self.rank, self.scale, self.swiglu = int(rank), float(scale), bool(swiglu)
         self.w_out = 2 * self.cols if swiglu else self.cols
         self.x_fmt, self.w_fmt, self.out_fmt = _fmt(tensors, "x"), _fmt(tensors, "w"), _fmt(tensors, "out")
+        self.w_abs = (nf4_absmax_word(split(tensors["w"])[0]) or 0) if "w" in tensors else 0
 
     @property
     def flops(self) -> float:
@@ -203,7 +217,13 @@ class MoeGemmProblem:
         x = storage.rounded(rng.standard_normal(tokens * self.in_f), self.x_fmt).reshape(tokens, self.in_f)
         nt = self.layout == "nt"
         w_shape = (self.experts, self.w_out, self.in_f) if nt else (self.experts, self.in_f, self.w_out)
-        w = storage.rounded(rng.standard_normal(int(np.prod(w_shape))) / math.sqrt(self.in_f), self.w_fmt)
+        w = rng.standard_normal(int(np.prod(w_shape))) / math.sqrt(self.in_f)
+        if self.w_fmt == "nf4":
+            w_buf = nf4_upload(self.rt, w.reshape(w_shape), label="tune operand")
+            w = nf4_dequantize(*nf4_quantize(w), w_shape)
+        else:
+            w = storage.rounded(w, self.w_fmt)
+            w_buf = storage.upload(self.rt, w, self.w_fmt, "tune operand")
         w = w.reshape(w_shape)
         rows_in = x[np.arange(self.rows) // self.slots] if self.by_token else x                 # (rows, in)
         wt = w if self.layout == "nt" else w.transpose(0, 2, 1)                                   # (E, W_out, in)
@@ -211,7 +231,7 @@ class MoeGemmProblem:
         bufs = {"out": storage.upload(self.rt, np.zeros(self.rows * self.w_out, np.float32), self.out_fmt,
                                       "tune result"),
                 "x": storage.upload(self.rt, x.reshape(-1), self.x_fmt, "tune operand"),
-                "w": storage.upload(self.rt, w.reshape(-1), self.w_fmt, "tune operand"),
+                "w": w_buf,
                 "offsets": self.rt.upload(offsets, "tune operand"), "perm": self.rt.upload(perm, "tune operand")}
         if self.rank:
             hl = rng.standard_normal((self.rows, self.rank)).astype(np.float32)
@@ -246,14 +266,14 @@ class GroupedGemm:
         return p.experts + 1 + p.in_f + 1 + (p.rank + 1 if p.rank else 0)
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0, pairs=p.out_fmt != "f32")
+        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0, pairs=p.out_fmt != "f32", nf4=p.w_fmt == "nf4")
         tokens = p.rows // p.slots if p.by_token else p.rows
-        w_elems = p.experts * p.w_out * p.in_f
-        sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": w_elems, "offsets": p.experts + 1,
+        sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": _w_elements(p), "offsets": p.experts + 1,
                  "perm": p.rows, "hl": p.rows * p.rank, "lb": p.experts * p.w_out * p.rank, "h": p.rows * p.cols}
         pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names],
                                       experts=p.experts, slots=p.slots, by_token=int(p.by_token), in_f=p.in_f,
-                                      cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale, **p.strides())
+                                      cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale, w_abs=p.w_abs,
+                                      **p.strides())
         blocks = max_blocks(p.rows, p.experts, self.cfg.rm)
         gy, gz = flat_grid(blocks)
         return [(pipeline, resources, (-(-p.cols // (WG * self.cfg.rn)), gy, gz))]
@@ -294,18 +314,19 @@ class RegisterGemm:
         return p.experts + 1 + 2 * (self.tm + 1) + 5 + p.in_f // 4 + 1 + lora
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        formats = tuple((b, f) for b, f in ((1, p.out_fmt), (2, p.x_fmt), (3, p.w_fmt)) if f != "f32")
-        k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats)
+        formats = tuple((b, f) for b, f in ((1, p.out_fmt), (2, p.x_fmt), (3, p.w_fmt)) if f not in ("f32", "nf4"))
+        k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats,
+                            nf4=p.w_fmt == "nf4")
         tokens = p.rows // p.slots if p.by_token else p.rows
         lora = p.rank > 0
         tensors = [(p.t["out"], p.rows * p.w_out), (p.t["x"], tokens * p.in_f),
-                   (p.t["w"], p.experts * p.w_out * p.in_f), (p.t["offsets"], p.experts + 1), (p.t["perm"], p.rows),
+                   (p.t["w"], _w_elements(p)), (p.t["offsets"], p.experts + 1), (p.t["perm"], p.rows),
                    (p.t["hl"], p.rows * p.rank) if lora else (_unused(p.rt, False), 1),
                    (p.t["lb"], p.experts * p.w_out * p.rank) if lora else (_unused(p.rt, False), 1),
                    (p.t["h"], p.rows * p.cols) if p.swiglu else (_unused(p.rt, True), 4)]
         pipeline, resources = prepare(p.rt, k, tensors, experts=p.experts, slots=p.slots, by_token=int(p.by_token),
                                       in_f=p.in_f, cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale,
-                                      **p.strides())
+                                      w_abs=p.w_abs, **p.strides())
         gx, gz = flat_grid(max_blocks(p.rows, p.experts, self.tm))
         tiles = -(-p.cols // (self.wg * (4 if p.swiglu else 8)))
         return [(pipeline, resources, (gx, tiles, gz))]
@@ -431,11 +452,13 @@ class DirectOuter:
 
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the family (the binding-limit and Tint checks go through them)."""
-    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora, pairs) for cfg in GEMM_CONFIGS for swiglu in (False, True)
-                           for lora in (False, True) for pairs in (False, True) if not pairs or cfg.rn % 2 == 0]
-            + [register_kernel(wg, tm, sg, swiglu, nt) for sg in (False, True) for tm in REGISTER_TMS
-               for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))])
+    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora, pairs, nf4) for cfg in GEMM_CONFIGS
+                           for swiglu in (False, True) for lora in (False, True) for pairs in (False, True)
+                           for nf4 in (False, True) if not pairs or cfg.rn % 2 == 0]
+            + [register_kernel(wg, tm, sg, swiglu, nt, nf4=nf4) for sg in (False, True) for tm in REGISTER_TMS
+               for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))
+               for nf4 in (False, True)])
 
 
-FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER),
+FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER, moe_source.NF4_SHADER),
                 modules=(__file__, moe_source.__file__), all_kernels=all_kernels, benches=("moe",))

@@ -2,9 +2,11 @@
 of RM sorted rows x RN columns per invocation, the swiglu form and the LoRA term, each a parameter; the loops over
 the block's rows and columns unrolled here, so the accumulators stay in registers) and the grouped forms of the
 dense GEMM family's kernels (gemm_source.py's pieces): the register-blocked one (shaders/moe_gemm_register.wgsl, with
-or without subgroups) and the workgroup-tiled one (shaders/moe_gemm_tiled.wgsl, a gemm_source.TileConfig)."""
+or without subgroups). Both take NF4 experts (shaders/moe_nf4.wgsl's decoder in place of W's tensor markers) as a
+parameter."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -95,11 +97,23 @@ def _body(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False) -> st
     return "\n".join(lines)
 
 
-def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False) -> str:
+NF4_SHADER = "moe_nf4"
+
+
+def _nf4_weights(text: str) -> str:
+    """text with W's tensor markers (binding 3) replaced by shaders/moe_nf4.wgsl's NF4 declaration and accessors."""
+    text = re.sub(r"^[ \t]*// @tensor4 3 w read[ \t]*\n", "", text, flags=re.M)
+    return re.sub(r"^[ \t]*// @tensor 3 w read[ \t]*$", lambda m: shader_text(NF4_SHADER), text, count=1,
+                  flags=re.M)
+
+
+def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False, nf4: bool = False) -> str:
     """shaders/moe_gemm.wgsl for a register block of rm x rn, in its swiglu or plain form, with or without the
-    LoRA term, its output stored by pairs of columns where `pairs` (a 16-bit dst: rn even) (a Kernel's source:
-    launch expands its tensor markers for dst's, x's and W's storage formats)."""
+    LoRA term, its output stored by pairs of columns where `pairs` (a 16-bit dst: rn even), W in NF4 where `nf4`
+    (a Kernel's source: launch expands its other tensor markers for dst's, x's and W's storage formats)."""
     text = shader_text("moe_gemm")
+    if nf4:
+        text = _nf4_weights(text)
     text = text.replace("// @body", _body(rm, rn, swiglu, lora, pairs))
     text = text.replace(LORA_MARK, LORA_DECL if lora else "")
     text = text.replace(SWIGLU_MARK, SWIGLU_DECL if swiglu else "")
@@ -111,9 +125,10 @@ _PORTABLE, _SUBGROUPS = ("// @portable begin", "// @portable end"), ("// @subgro
 
 
 @lru_cache(maxsize=None)
-def register_source(subgroups: bool, formats: tuple = ()) -> str:
+def register_source(subgroups: bool, formats: tuple = (), nf4: bool = False) -> str:
     """shaders/moe_gemm_register.wgsl (gemm_register.wgsl appended) with its subgroup or its portable entry point
-    kept (naga rejects a module using a subgroup builtin on an adapter without the feature), its vec4 views of x and
-    W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views)."""
+    kept (naga rejects a module using a subgroup builtin on an adapter without the feature), its vec4 views of dst,
+    x and W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views), W in NF4 where
+    `nf4`."""
     text = blank(shader_text(REGISTER_SHADER), *(_PORTABLE if subgroups else _SUBGROUPS))
-    return storage.views(text, formats)
+    return storage.views(_nf4_weights(text) if nf4 else text, formats)
