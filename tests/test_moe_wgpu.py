@@ -322,3 +322,24 @@ def test_finetune_with_the_aux_loss_on_the_webgpu_engine(rt, tmp_path):
     steps = [r for r in rows if "grad_norm" in r]
     assert len(steps) == 2 and all(r["aux_loss"] > 0 for r in steps)
     assert json.loads((out / "summary.json").read_text())["backend"] == "wgpu"
+
+
+@pytest.mark.parametrize("base_dtype", ["nf4", "nf4-dq"])
+def test_nf4_experts(base_dtype, rt, tmp_path):
+    """--base-dtype nf4 / nf4-dq quantises the experts too (the whole flattened tensor, as the NumPy engine
+    rounds them), held as NF4 on the GPU (about 4.5 bits a weight, counted so by the memory estimate) and decoded
+    inside the grouped GEMMs: the same logits, loss and LoRA gradients as the NumPy engine; the weights read back
+    are the NumPy engine's."""
+    save_model(build_moe("qwen3_moe", seed=9), tmp_path)
+    ref, gpu = _pair(tmp_path, rt, base_dtype=base_dtype)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    elements = int(np.prod(gpu.engine.shapes[name]))
+    assert gpu.engine.w[name].size <= elements * 0.6 + 64
+    np.testing.assert_array_equal(gpu.engine._weight(name), ref.engine.w[name])
+    assert len(np.unique(ref.engine.w[name].reshape(-1)[:64])) <= 16    # a block's NF4 values, not float32 ones
+    ids, labels, mask = _batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_logits", base_dtype)
+    _same_loss_and_grads(ref, gpu, base_dtype, ".mlp.experts.base_layer.lora_A")
+    est = wt.estimate_memory(gpu.config, 1, 16, lora=gpu.lora_config, base_dtype=base_dtype)
+    assert est["weights"] == gpu.engine.base_weight_bytes
