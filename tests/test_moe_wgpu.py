@@ -291,6 +291,7 @@ def test_bench_compares_a_moe_step_with_a_dense_one(rt, monkeypatch):
     MoE's active weights per token (its MLP top-k expert widths wide), both steps are one submission, and the
     ratio is the two tokens/s measured in the run."""
     from wgpu_train.bench import moe as bench
+    monkeypatch.setenv("WGPU_TRAIN_MAX_SUBMIT_S", "1000")      # a loaded machine would split a slow step
     monkeypatch.setattr(bench, "STEP_LAYERS", {**bench.STEP_LAYERS, "hidden_size": 32, "head_dim": 8,
                                                "vocab_size": 64})
     monkeypatch.setattr(bench, "STEP_BATCH", (1, 16))

@@ -94,10 +94,7 @@ def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
     if not Precision.parse(precision).sixteen_bit:
         return
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim}
-    if cfg.moe is not None:     # the router's logits and top-k, the experts' and the shared expert's widths
-        moe = cfg.moe
-        widths.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                      moe_intermediate_size=moe.expert_size, shared_expert_intermediate_size=moe.shared_expert_size)
+    widths.update(cfg.moe.widths() if cfg.moe is not None else {})
     odd = [f"{name} {value}" for name, value in widths.items() if value % 2]
     if odd:
         raise ConfigError(f"--precision {precision} on the WebGPU engine needs even widths (this model has "

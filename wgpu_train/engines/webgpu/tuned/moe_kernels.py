@@ -3,8 +3,9 @@ shaders/moe.wgsl, the router's load-balancing loss of shaders/moe_balance.wgsl, 
 every expert's row blocks: the dense register-blocked GEMM of shaders/moe_gemm_register.wgsl where its vec4 loads
 apply, the portable scalar one of shaders/moe_gemm.wgsl anywhere; tile and block a tuned choice) and the experts'
 summed outer products (LoRA and weight gradients: split-K over an expert's rows plus an ordered reduction, or one
-pass per expert; a tuned choice). The op wrappers are in
-engines/webgpu/moe.py; each problem here checks its candidates against a NumPy product on the device."""
+pass per expert; a tuned choice). The op wrappers are in engines/webgpu/moe.py; each problem here checks its
+candidates against a NumPy product on the device. (Over 450 lines on purpose: the family's kernel descriptors and
+its two tuned problems with their candidates, which share the grid and the binding layout.)"""
 from __future__ import annotations
 
 import math
