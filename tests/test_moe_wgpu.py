@@ -260,7 +260,7 @@ def test_sixteen_bit_activations_match_numpy(arch, precision, base_dtype, rt, tm
     """--precision bf16 / f16: the router's logits, the experts' outputs and gate / up projections and their
     gradients stored in 16 bits at the NumPy engine's rounding points (experts in bfloat16 too on Qwen3-MoE):
     the same logits, loss and LoRA gradients (the experts' and the router's) within 16-bit noise, the aux loss
-    on; a step is one submission."""
+    on; a step is one submission; the memory estimate is the allocation."""
     save_model(build_moe(arch, seed=5, **EVEN[arch]), tmp_path)
     ref, gpu = _pair(tmp_path, rt, precision=precision, base_dtype=base_dtype)
     assert gpu.engine.precision == precision
@@ -284,6 +284,9 @@ def test_sixteen_bit_activations_match_numpy(arch, precision, base_dtype, rt, tm
     micro = _micro_batches(ids, labels, mask, 3)
     _, _, _, applied = gpu.engine.train_step(micro, OptimizerParams(lr=1e-3), 1)
     assert applied and gpu.engine.last_step["submits"] == 1 and gpu.engine.last_aux_loss > 0
+    est = wt.estimate_memory(gpu.config, *ids.shape, lora=gpu.lora_config, base_dtype=base_dtype,
+                             precision=precision)
+    assert est["activations"] + est["logits"] == _allocated(gpu.engine._activations(*ids.shape, train=True))
 
 
 def test_bench_compares_a_moe_step_with_a_dense_one(rt, monkeypatch):
