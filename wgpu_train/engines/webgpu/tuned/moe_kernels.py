@@ -20,6 +20,7 @@ from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.tuned.gemm_tolerance import ROUNDOFF
 from wgpu_train.engines.webgpu.tuned import moe_source
+from wgpu_train.engines.webgpu.tuned import moe_nf4
 from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_upload
 from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_source
 from wgpu_train.engines.shared.quant import nf4_dequantize, nf4_quantize
@@ -462,4 +463,5 @@ def all_kernels() -> list[Kernel]:
 
 
 FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER, moe_source.NF4_SHADER),
-                modules=(__file__, moe_source.__file__), all_kernels=all_kernels, benches=("moe",))
+                modules=(__file__, moe_source.__file__, moe_nf4.__file__), all_kernels=all_kernels,
+                benches=("moe",))
