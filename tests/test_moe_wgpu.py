@@ -328,14 +328,14 @@ def test_finetune_with_the_aux_loss_on_the_webgpu_engine(rt, tmp_path):
     assert json.loads((out / "summary.json").read_text())["backend"] == "wgpu"
 
 
-@pytest.mark.parametrize("base_dtype", ["nf4", "nf4-dq"])
-def test_nf4_experts(base_dtype, rt, tmp_path):
+@pytest.mark.parametrize("base_dtype, precision", [("nf4", "fp32"), ("nf4-dq", "fp32"), ("nf4", "bf16")])
+def test_nf4_experts(base_dtype, precision, rt, tmp_path):
     """--base-dtype nf4 / nf4-dq quantises the experts too (the whole flattened tensor, as the NumPy engine
     rounds them), held as NF4 on the GPU (about 4.5 bits a weight, counted so by the memory estimate) and decoded
-    inside the grouped GEMMs: the same logits, loss and LoRA gradients as the NumPy engine; the weights read back
-    are the NumPy engine's."""
-    save_model(build_moe("qwen3_moe", seed=9), tmp_path)
-    ref, gpu = _pair(tmp_path, rt, base_dtype=base_dtype)
+    inside the grouped GEMMs: the same logits, loss and LoRA gradients as the NumPy engine (with bfloat16
+    activations too); the weights read back are the NumPy engine's."""
+    save_model(build_moe("qwen3_moe", seed=9, **(EVEN["qwen3_moe"] if precision != "fp32" else {})), tmp_path)
+    ref, gpu = _pair(tmp_path, rt, base_dtype=base_dtype, precision=precision)
     name = "model.layers.0.mlp.experts.gate_up_proj"
     elements = int(np.prod(gpu.engine.shapes[name]))
     assert gpu.engine.w[name].size <= elements * 0.6 + 64
@@ -343,7 +343,16 @@ def test_nf4_experts(base_dtype, rt, tmp_path):
     assert len(np.unique(ref.engine.w[name].reshape(-1)[:64])) <= 16    # a block's NF4 values, not float32 ones
     ids, labels, mask = _batch()
     real = mask.astype(bool)
-    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_logits", base_dtype)
-    _same_loss_and_grads(ref, gpu, base_dtype, ".mlp.experts.base_layer.lora_A")
+    if precision == "fp32":
+        assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_logits", base_dtype)
+        _same_loss_and_grads(ref, gpu, base_dtype, ".mlp.experts.base_layer.lora_A")
+    else:
+        assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], f"{precision}_gpu_logits")
+        loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+        loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+        assert_close(np.float64(loss_g), np.float64(loss_r), f"{precision}_gpu_loss")
+        for k, g in grads_r.items():
+            top = np.abs(g).max()
+            assert_close(grads_g[k] / top, g / top, f"{precision}_gpu_grads", k)
     est = wt.estimate_memory(gpu.config, 1, 16, lora=gpu.lora_config, base_dtype=base_dtype)
     assert est["weights"] == gpu.engine.base_weight_bytes
