@@ -267,32 +267,35 @@ fn moe_swiglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 }
 
 // ---- dweights! (N k) = t1: dy[n] . out[q] = dh_raw[q] . h[q], dh_raw (N k, I) = t2, gate_up (N k, 2I) = t3.
-// s0 N k, s1 I. One invocation per pair, the sum in index order.
-@compute @workgroup_size(64)
-fn moe_dweights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_id) lid: vec3<u32>) {
-    let q = flat(wid, nwg, lid);
-    if (q >= p.s0) {
-        return;
-    }
+// s0 N k, s1 I. One invocation per two pairs (stored together: a 16-bit dweights), each sum in index order.
+fn dweight(q: u32) -> f32 {
     var acc = 0.0;
     for (var i = 0u; i < p.s1; i = i + 1u) {
         let gate = t3_ld(p.o3 + q * 2u * p.s1 + i);
         let up = t3_ld(p.o3 + q * 2u * p.s1 + p.s1 + i);
         acc = acc + t2_ld(p.o2 + q * p.s1 + i) * gate * sigmoid(gate) * up;
     }
-    t1_st(p.o1 + q, acc);
+    return acc;
+}
+
+@compute @workgroup_size(64)
+fn moe_dweights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let q = 2u * flat(wid, nwg, lid);
+    if (q >= p.s0) {
+        return;
+    }
+    if (q + 1u < p.s0) {
+        t1_st2(p.o1 + q, vec2<f32>(dweight(q), dweight(q + 1u)));
+    } else {
+        t1_st(p.o1 + q, dweight(q));
+    }
 }
 
 // ---- the combine: y! (N, C) = t1 (+)= sum_j w[n, j] out[n k + j] in slot order; out (N k, C) = t2, weights f6
-// (N, k) where s3 != 0 (else 1). s0 N, s1 C, s2 k, s4 accumulate. One invocation per element.
-@compute @workgroup_size(64)
-fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_id) lid: vec3<u32>) {
-    let g = flat(wid, nwg, lid);
-    if (g >= p.s0 * p.s1) {
-        return;
-    }
+// (N, k) where s3 != 0 (else 1). s0 N, s1 C, s2 k, s4 accumulate. One invocation per two elements (stored
+// together: a 16-bit y).
+fn combined(g: u32) -> f32 {
     let n = g / p.s1;
     let c = g % p.s1;
     var acc = 0.0;
@@ -306,7 +309,21 @@ fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
         acc = acc + w * t2_ld(p.o2 + (n * p.s2 + j) * p.s1 + c);
     }
-    t1_st(p.o1 + g, acc);
+    return acc;
+}
+
+@compute @workgroup_size(64)
+fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = 2u * flat(wid, nwg, lid);
+    if (g >= p.s0 * p.s1) {
+        return;
+    }
+    if (g + 1u < p.s0 * p.s1) {
+        t1_st2(p.o1 + g, vec2<f32>(combined(g), combined(g + 1u)));
+    } else {
+        t1_st(p.o1 + g, combined(g));
+    }
 }
 
 // ---- the experts' summed outer products, split-K: out[e, o, j] = f0 * sum over expert e's sorted rows of

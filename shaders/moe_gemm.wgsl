@@ -4,7 +4,9 @@
 // idle blocks exit at once) and 64 * RN output columns, each invocation RM x RN of them in registers, no workgroup
 // memory. out[q, o] = sum_i in[row(q), i] W[e, o, i] (+ scale sum_j hl[q, j] L[e, o, j]) for each pair q of
 // expert e, in pair order; the swiglu form computes the gate column o and the up column o + I together and also
-// writes h[q, o] = silu(gate) up. Strides make one source serve x W^T (nt) and dy W (nn) layouts.
+// writes h[q, o] = silu(gate) up. Strides make one source serve x W^T (nt) and dy W (nn) layouts. dst (N k, out_f),
+// pair order, in any storage format: a 16-bit one is stored by pairs of adjacent columns (LANE 2: an invocation's
+// columns come in pairs, so no two invocations write halves of one word).
 
 struct Params {
     experts: u32,     // E
@@ -17,11 +19,12 @@ struct Params {
     w_e: u32, w_o: u32, w_i: u32,     // W's strides: expert, output column, reduced index
     l_e: u32, l_o: u32, l_j: u32,     // L's strides: expert, output column, rank index
     scale: f32,       // the LoRA scale
+    w_abs: u32,       // NF4 experts (moe_nf4.wgsl): the word of W's buffer where the absmax values start
     o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read_write> dst: array<f32>;    // (N k, out_f), pair order
+// @tensor 1 dst read_write
 // @tensor 2 x read
 // @tensor 3 w read
 @group(0) @binding(4) var<storage, read> offsets: array<u32>;      // (E + 1,)
@@ -53,7 +56,7 @@ fn moe_gemm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         return;
     }
     let row1 = offsets[P.o4 + e + 1u] - 1u;
-    let c0 = wid.x * 64u * RN + lid.x;
+    let c0 = wid.x * 64u * RN + lid.x * LANE;
     let wb = P.o3 + e * P.w_e;
 // @body
 }

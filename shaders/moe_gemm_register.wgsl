@@ -3,7 +3,8 @@
 // 8 columns in 64 vec4 accumulators, rank-4 updates), the same vec4 loads of the weight and the same subgroup
 // broadcast of the row slice, with the weight pointer chosen by the block's expert and the rows gathered through
 // the counting sort's perm. out[q, o] = sum_i in[row(q), i] W[e, o, i] (+ scale sum_j hl[q, j] L[e, o, j]) for each
-// pair q of expert e, in pair order, as moe_gemm.wgsl (whose Params and bindings this shares).
+// pair q of expert e, in pair order, as moe_gemm.wgsl (whose Params and bindings this shares); dst in any storage
+// format (its vec4 view: 16-bit outputs stored four at a time, two words).
 //
 // Why this shape: on llvmpipe every invocation-varying load is a scalar loop over the SIMD lanes, so load
 // instructions bound the speed (gemm.wgsl's header). Per 4 steps of k an invocation loads 8 vec4 of W (its two
@@ -32,11 +33,13 @@ struct Params {
     w_e: u32, w_o: u32, w_i: u32,     // W's strides: expert, output column, reduced index
     l_e: u32, l_o: u32, l_j: u32,     // L's strides: expert, output column, rank index
     scale: f32,       // the LoRA scale
+    w_abs: u32,       // NF4 experts (moe_nf4.wgsl): the word of W's buffer where the absmax values start
     o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read_write> dst: array<vec4<f32>>;  // (N k, out_f), pair order
+// @tensor 1 dst read_write
+// @tensor4 1 dst read_write
 // @tensor 2 x read
 // @tensor4 2 x read
 // @tensor 3 w read
@@ -160,14 +163,14 @@ fn store_all(acc: ptr<function, Acc>) {
         let v1 = pick(acc, r, 1u);
         let at = P.o1 + q[r] * P.out_f;
         if (c0 < P.cols) {
-            dst[(at + c0) >> 2u] = v0;
+            dst_st4(at + c0, v0);
             if (SWIGLU) {
-                dst[(at + c1) >> 2u] = v1;
+                dst_st4(at + c1, v1);
                 h[(P.o8 + q[r] * P.cols + c0) >> 2u] = silu_up(v0, v1);
             }
         }
         if (!SWIGLU && c1 < P.cols) {
-            dst[(at + c1) >> 2u] = v1;
+            dst_st4(at + c1, v1);
         }
     }
 }

@@ -2,7 +2,8 @@
 engines/shared/moe.py, on every adapter present and every candidate: the router's top-k and its backward, the
 counting sort, and the experts' forward and backward (LoRA on both expert parameters, the base weights' gradients),
 with sizes that are not multiples of 4, 16 or 64, an expert that receives no pair and one that receives them all;
-float32 and 16-bit expert weights; and the recording neither submits nor reads back."""
+float32 and 16-bit expert weights, 16-bit outputs in the tuner's check; the router's load-balancing loss; and the
+recording neither submits nor reads back."""
 from __future__ import annotations
 
 import itertools
@@ -16,6 +17,7 @@ from wgpu_train.engines.webgpu import moe
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned import moe_kernels as MK
+from wgpu_train.engines.webgpu.tuned import moe_nf4
 from wgpu_train.engines.webgpu.tuned.adapter_traits import use_subgroups
 
 N, C, I, E, K, R = 13, 44, 20, 5, 2, 3     # tokens, hidden, expert width, experts, top-k, LoRA rank
@@ -194,15 +196,27 @@ def test_accumulate_adds_to_the_outputs(rt):
     rt.release(*bufs, gu, dw, *grads.values(), gl.a, gl.b)
 
 
-@pytest.mark.parametrize("problem", ["gemm", "gemm nn", "outer"])
+@pytest.mark.parametrize("problem", ["gemm", "gemm nn", "outer", "gemm bf16", "gemm nn f16", "gemm nf4",
+                                     "gemm nn nf4"])
 def test_the_tuners_replica_checks_every_candidate(rt, problem):
     """The tuner's own check of each candidate on a replica (what it runs before timing one on a new adapter): odd
     sizes (the portable kernels alone), and sizes a multiple of 4 (the register-blocked ones too, 70 rows: blocks
-    of 32, 16 and 8 left partial)."""
+    of 32, 16 and 8 left partial); a 16-bit out (16-bit activations: the portable kernels storing pairs of
+    columns, the register-blocked ones vec4s) at even sizes; NF4 experts (decoded inside every candidate)."""
+    fmt = problem.split()[-1] if problem.endswith("16") else "f32"
+    out = {"out": storage.set_format(rt.buffer(16), fmt)} if fmt != "f32" else {}
+    if problem.endswith("nf4"):       # a stand-in for the format alone: the replica quantises its own experts
+        out = {"w": rt.buffer(16)}
+        setattr(out["w"], moe_nf4.NF4_ATTRIBUTE, 0)
     if problem == "gemm":
         p = MK.MoeGemmProblem(rt, {}, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
-    elif problem == "gemm nn":
-        p = MK.MoeGemmProblem(rt, {}, 2 * 35, 2, E, 36, 12, "nn", False, rank=R, scale=0.5)
+    elif problem == "gemm nf4":
+        p = MK.MoeGemmProblem(rt, out, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
+    elif problem == "gemm bf16":
+        p = MK.MoeGemmProblem(rt, out, 2 * 19, 2, E, 22, 10, "nt", True, rank=R, scale=0.5, swiglu=True)
+        assert all(c.family == "grouped" for c in p.candidates())
+    elif problem.startswith("gemm nn"):
+        p = MK.MoeGemmProblem(rt, out, 2 * 35, 2, E, 36, 12, "nn", False, rank=R, scale=0.5)
         assert any(c.family == "register" for c in p.candidates())
     else:
         # expert 1 gets a pair of each of 150 tokens: several tiles of every split, summed by the reduction
@@ -212,12 +226,46 @@ def test_the_tuners_replica_checks_every_candidate(rt, problem):
     try:
         for cand in rep.candidates():
             for (buf, n), at in zip(parts, np.cumsum([0] + [n for _, n in parts])):
-                rt.write(buf, c0[at:at + n])
+                rt.write(buf, storage.to_words(c0[at:at + n], storage.format_of(buf)))
             rec = rt.recorder()
             for d in cand.dispatches(rep):
                 rec.dispatch(*d)
             rec.submit()
-            got = np.concatenate([rt.read(buf, np.float32, (n,)) for buf, n in parts])
+            got = np.concatenate([storage.read(rt, buf, n) for buf, n in parts])
             assert np.max(np.abs(got - want)) <= rep.tolerance(want, cand), cand.name
     finally:
-        rt.release(*bufs)
+        rt.release(*bufs, *out.values())
+
+
+@pytest.mark.parametrize("tokens", [600, 7])
+def test_load_balancing_loss_and_its_gradient(rt, tokens):
+    """The router's load-balancing loss on the device (moe.load_balancing_counts over two layers, _loss, _dprobs)
+    against the reference RouterLoss: 600 tokens span three blocks of the partial sums, padding (segment 0) left
+    out; 7 tokens all padding give a loss of 0 and no gradient."""
+    rng = np.random.default_rng(4)
+    seg = (rng.random(tokens) < 0.8).astype(np.int32) * (1 + np.arange(tokens, dtype=np.int32) // 50)
+    if tokens == 7:
+        seg[:] = 0
+    mask = (seg != 0).astype(float)
+    want = ref.RouterLoss(E, 0.3)
+    scratch = moe.MoeScratch(rt, tokens, K, E, C, I)
+    stats, loss, dprobs = rt.buffer(4 * (2 * E + 1)), rt.buffer(16), rt.buffer(4 * tokens * E)
+    segb = rt.upload(seg)
+    bufs = []
+    rec = rt.recorder()
+    for layer in range(2):
+        logits = rng.standard_normal((tokens, E)).astype(np.float32)
+        _, experts = ref.moe_route_forward(logits, K, True)
+        want.add(logits.astype(np.float64), experts, mask)
+        bufs += [rt.upload(logits), rt.upload(experts)]
+        moe.load_balancing_counts(rec, stats, bufs[-2], bufs[-1], segb, tokens, E, K, scratch, accumulate=layer > 0)
+    moe.load_balancing_loss(rec, loss, stats, E)
+    moe.load_balancing_dprobs(rec, dprobs, stats, segb, tokens, E, 0.3)
+    rec.submit()
+    got = rt.read(stats, np.float32, (2 * E + 1,))
+    assert_close(got, np.concatenate([want.counts, want.prob_sums, [want.rows]]), "moe_experts", "stats")
+    assert_close(rt.read(loss, np.float32, (1,)), np.array([want.value]), "moe_experts", "loss")
+    assert_close(rt.read(dprobs, np.float32, (tokens, E)), want.dprobs(mask), "moe_experts", "dprobs")
+    assert (want.value > 0) == (tokens == 600)
+    scratch.release(rt)
+    rt.release(stats, loss, dprobs, segb, *bufs)

@@ -1,11 +1,19 @@
 """`bench --only moe`: the grouped-expert kernels (engines/webgpu/moe.py) against running each expert as its own
-dense GEMM with the tuned GEMM kernels, on the same routed tokens, side by side in one run; each path checked
-against NumPy before it is timed."""
+dense GEMM with the tuned GEMM kernels, on the same routed tokens, side by side in one run, each path checked
+against NumPy before it is timed; and a whole LoRA training step of a Qwen3-MoE-shaped model against a dense
+Qwen3 with the same active parameters (its MLP k expert widths wide), as tokens/s and their ratio, measured
+alternately in one run."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
+from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.bench.checks import Capture, max_rel_err
+from wgpu_train.bench.training import random_batch, random_lora, random_weights, timed
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.shared import moe as ref
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import moe
@@ -14,6 +22,13 @@ from wgpu_train.engines.webgpu.tuned import gemm as _gemm
 # (tokens, hidden, expert width, experts, top-k): 8 experts of ~64 pairs each, and 32 of ~16
 SHAPES = ((256, 256, 128, 8, 2), (256, 256, 128, 32, 2))
 RANK = 16
+# the step's models: 2 layers of a Qwen3-MoE (8 experts of width 128, top-2) and of a dense Qwen3 whose MLP is
+# top-k times an expert's width (the same weights per token but the router's E x C), 4 x 128 tokens
+STEP_LAYERS = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=512,
+                   tie_word_embeddings=True, rope_theta=10000.0)
+STEP_EXPERTS, STEP_TOP_K, STEP_EXPERT_SIZE = 8, 2, 128
+STEP_BATCH = (4, 128)
 
 
 def _run(rt, dispatches):
@@ -120,4 +135,56 @@ def bench_moe(rt, ctx) -> list[dict]:
             scratch.release(rt)
             rt.release(*bufs.values(), *grads.values(), *(b for lo in loras for b in (lo.a, lo.b)))
         ctx["sample_peak"]()
+    return out
+
+
+def step_models() -> tuple:
+    """(the MoE config, the dense config with the same active parameters) of the step comparison."""
+    moe = ModelConfig.from_dict(dict(STEP_LAYERS, architectures=["Qwen3MoeForCausalLM"], num_experts=STEP_EXPERTS,
+                                     num_experts_per_tok=STEP_TOP_K, moe_intermediate_size=STEP_EXPERT_SIZE,
+                                     intermediate_size=STEP_TOP_K * STEP_EXPERT_SIZE, norm_topk_prob=True),
+                                "bench moe model")
+    dense = ModelConfig.from_dict(dict(STEP_LAYERS, architectures=["Qwen3ForCausalLM"],
+                                       intermediate_size=STEP_TOP_K * STEP_EXPERT_SIZE), "bench dense model")
+    return moe, dense
+
+
+def bench_moe_step(rt, steps: int = 4) -> list[dict]:
+    """Tokens/s of a LoRA step (r 16 on q, k, v, o: the same trainable modules in both) of the MoE model and of
+    the dense one with the same active parameters (step_models), their steps alternated so that both see the
+    same machine; "moe_vs_dense" is the MoE's tokens/s over the dense one's (the issue aims at 1 / 1.5 or more).
+    GFLOP/s count 4 N P: the forward and the input gradients of the P weights a token uses (no weight
+    gradients: they are frozen), the same P for both."""
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+    rng = np.random.default_rng(0)
+    lora = LoraConfig(r=RANK, alpha=2 * RANK, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    hp = OptimizerParams(lr=1e-4, max_grad_norm=1.0)
+    engines, micro = {}, None
+    for name, cfg in zip(("moe", "dense"), step_models()):
+        engine = WgpuEngine(cfg, random_weights(cfg, rng), rt)
+        engine.set_lora(random_lora(cfg, lora, rng))
+        engines[name] = engine
+        micro = micro or random_batch(cfg, *STEP_BATCH, rng)
+    walls = {name: [] for name in engines}
+
+    def step(i):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.train_step(micro, hp, i + 1)
+            walls[name].append(time.perf_counter() - t0)
+    timed(step, steps)
+    tokens = int(np.prod(STEP_BATCH))
+    _, dense = step_models()
+    c, d = dense.hidden_size, dense.intermediate_size
+    active = dense.num_hidden_layers * (sum(int(np.prod(dense.linear_shape(m))) for m in
+                                            ("q_proj", "k_proj", "v_proj", "o_proj")) + 3 * c * d)
+    wall = {name: float(np.median(w[1:])) for name, w in walls.items()}
+    shape = f"{STEP_BATCH[0]}x{STEP_BATCH[1]} C{c} E{STEP_EXPERTS} k{STEP_TOP_K} I{STEP_EXPERT_SIZE}"
+    out = []
+    for name, kernel in (("moe", "train step, MoE"), ("dense", f"train step, dense (MLP {d})")):
+        out.append({"name": "moe", "shape": shape, "kernel": kernel, "ms": wall[name] * 1e3,
+                    "tokens_per_s": tokens / wall[name], "gflops": 4.0 * tokens * active / wall[name] / 1e9,
+                    "submits_per_step": engines[name].last_step["submits"]})
+    out[0]["moe_vs_dense"] = wall["dense"] / wall["moe"]
     return out

@@ -376,9 +376,10 @@ def bench_mixed_lora(rt, ctx) -> list[dict]:
 
 @register("moe")
 def bench_moe(rt, ctx) -> list[dict]:
-    """The grouped-expert kernels against one dense GEMM per expert (bench/moe.py)."""
-    from wgpu_train.bench.moe import bench_moe as run
-    return run(rt, ctx)
+    """The grouped-expert kernels against one dense GEMM per expert, and an MoE training step against a dense one
+    with the same active parameters (bench/moe.py)."""
+    from wgpu_train.bench.moe import bench_moe as run, bench_moe_step
+    return run(rt, ctx) + bench_moe_step(rt)
 
 
 @register("linear_attention")
@@ -612,6 +613,10 @@ def format_table(result: dict) -> str:
         elif e["name"] == "linear_attention":
             line += f"  {e['kernel']}  {e['ms']:.0f} ms  {e['us_per_token']:.0f} us/token  growth {e['growth']:.2f}" + (
                 f"  vs_attention {e['vs_attention']:.2f}x" if "vs_attention" in e else "")
+        elif e["name"] == "moe":
+            line += f"  {e['kernel']}  {e['ms']:.1f} ms" + "".join(
+                f"  {k} {e[k]:.2f}x" for k in ("vs_per_expert", "moe_vs_dense") if k in e) + (
+                f"  {e['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in e else "")
         elif e["name"].startswith("attention_"):
             line += f"  {e['kernel']}" + "".join(f"  {k} {e[k]:.2f}x" for k in ("vs_rows", "packed_vs_causal")
                                                   if k in e)

@@ -63,8 +63,7 @@ def layer_weights(cfg: ModelConfig) -> int:
 
 
 def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, base_dtype: str = "float32",
-                   embed_dtype: str = "auto", memory: int | None = None,
-                   router_aux_loss: bool = False) -> BackendChoice:
+                   embed_dtype: str = "auto", memory: int | None = None) -> BackendChoice:
     """Resolve `backend` ("auto", "wgpu" or "numpy") for a model (cfg) stored as base_dtype / embed_dtype; nothing
     is timed, so the choice is the same for training, generation, evaluation and serving, whatever the batch.
 
@@ -74,8 +73,7 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     float32 copies of the weights would exceed NUMPY_MEMORY_SHARE of `memory` (default: what the machine has
     available) and the adapter stores them in fewer bytes; else the NumPy engine for a model whose layers hold
     fewer than SMALL_LAYER_WEIGHTS weights (or without cfg), and the CPU adapter for one whose layers hold more.
-    Models or runs the WebGPU engine does not run yet (gpt-oss, recurrent layers, router_aux_loss: a training
-    run with a mixture of experts' auxiliary loss) take the NumPy engine. ConfigError for an unknown backend."""
+    Models the WebGPU engine does not run yet (gpt-oss, recurrent layers) take the NumPy engine. ConfigError for an unknown backend."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "numpy":
@@ -90,8 +88,6 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
                                             "biases yet")
     if cfg is not None and cfg.recurrent and LayerRecorder.unrecorded_kinds(cfg):
         return BackendChoice("numpy", None, f"auto: the WebGPU engine does not run {cfg.recurrent_kind} layers yet")
-    if router_aux_loss:         # a training run's (WgpuEngine.set_router_aux_loss refuses it)
-        return BackendChoice("numpy", None, "auto: the router's auxiliary loss is computed by the NumPy engine alone")
     if named:                   # checked where it opens (a data-parallel run's list is split among its workers)
         return BackendChoice("wgpu", device, f"auto: --device names an adapter ({device})")
     if not runtime.has_adapter():

@@ -51,6 +51,12 @@ class MoeConfig:
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse[layer])
 
+    def widths(self) -> dict:
+        """The widths its layers add, by config field: the router's logits (E) and top-k weights (k), an expert's
+        gate / up (I) and the shared expert's (0: none)."""
+        return {"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                "moe_intermediate_size": self.expert_size, "shared_expert_intermediate_size": self.shared_expert_size}
+
 
 def _count(raw: dict, key: str, source: str) -> int:
     value = raw.get(key)

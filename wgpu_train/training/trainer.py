@@ -229,8 +229,7 @@ class Trainer:
                               f"now, not {cfg.objective}; pass --router-aux-loss-coef 0 (as TRL's trainer with "
                               f"router_aux_loss_coef=0, which its {cfg.objective} adds by default on an MoE model)")
         started = time.perf_counter()
-        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype,
-                                router_aux_loss=bool(coef))
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
         self.backend_choice_s = time.perf_counter() - started
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
         if cfg.backend == "auto":

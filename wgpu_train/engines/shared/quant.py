@@ -246,13 +246,13 @@ def is_linear_weight(name: str) -> bool:
 
 
 def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: StorageDtype) -> StorageDtype:
-    """How one tensor is stored: the linear layers' weights in base_dtype, an MoE layer's 3-D expert tensors in
-    base_dtype unless it is NF4 (float32 then: the grouped-expert kernels read float32, bfloat16 or float16), the
-    embedding and lm_head in embed_dtype, everything else (norms, biases) in float32."""
+    """How one tensor is stored: the linear layers' weights and an MoE layer's 3-D expert tensors (NF4 over the
+    whole flattened tensor) in base_dtype, the embedding and lm_head in embed_dtype, everything else (norms,
+    biases) in float32."""
     if ndim == 2 and is_linear_weight(name):
         return base_dtype
     if ndim == 3 and ".mlp.experts." in name:
-        return StorageDtype.FLOAT32 if StorageDtype(base_dtype).nf4 else base_dtype
+        return base_dtype
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return embed_dtype
     return StorageDtype.FLOAT32

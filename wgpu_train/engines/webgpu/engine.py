@@ -24,6 +24,7 @@ from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned import attention_kernels
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_read
 from wgpu_train.engines.webgpu.device.recorder import submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
@@ -67,9 +68,6 @@ class WgpuEngine(EngineState):
         if not precision.resolved:
             raise ValueError("WgpuEngine takes a resolved precision (engines/loading.py resolves auto)")
         check_precision_widths(precision, cfg)
-        if cfg.moe is not None and precision.sixteen_bit:
-            raise ConfigError(f"{cfg.label}: the WebGPU engine runs a mixture of experts with float32 activations "
-                              f"only (its grouped-expert kernels write float32); use --precision fp32")
         self.precision = precision
         self.loss_scaler = LossScaler() if precision.loss_scaling else None
         self.cfg, self.rt = cfg, rt
@@ -267,13 +265,14 @@ class WgpuEngine(EngineState):
         """Switch every LoRA module off (False: forwards are the base model's, PEFT's disable_adapter) or on."""
         self.layers.adapter_enabled = bool(enabled)
 
-    last_aux_loss = None     # the router's auxiliary loss is not computed here (set_router_aux_loss)
+    last_aux_loss = part_field("steps", "last_aux_loss", "The last train_step's router aux loss (the mean over its "
+                               "micro-batches; None when off).")
 
     def set_router_aux_loss(self, coef: float = 0.0):
-        """0 only: the WebGPU engine does not compute a mixture of experts' router auxiliary loss yet."""
-        if check_router_aux_loss(self.cfg, coef):
-            raise ConfigError("the WebGPU engine does not compute the router's auxiliary loss yet: use --backend "
-                              "numpy, or --router-aux-loss-coef 0")
+        """A mixture of experts' router auxiliary loss (transformers' load_balancing_loss_func over each training
+        forward's real tokens) added at weight `coef` to training steps, its gradient reaching the routers' logits,
+        all on the device within the step's submission (webgpu/moe.load_balancing_counts); 0 turns it off."""
+        self.steps.router_aux_loss_coef = check_router_aux_loss(self.cfg, coef)
 
     def set_loss_temperature(self, temperature: float = 1.0):
         """The loss head of training steps and token_losses scores logits / temperature (GRPO's log-probabilities
@@ -331,7 +330,9 @@ class WgpuEngine(EngineState):
         t = self.w[name]
         if isinstance(t, QuantMatrix):
             return t.read(self.rt)
-        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format
+        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format or NF4
+            if nf4_absmax_word(t) is not None:
+                return nf4_read(self.rt, t, self.shapes[name])
             return storage.read(self.rt, t, int(np.prod(self.shapes[name]))).reshape(self.shapes[name])
         return self._read(t, self.shapes[name])
 

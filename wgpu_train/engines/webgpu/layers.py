@@ -17,7 +17,8 @@ from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.buffers import Activations, GpuLora
 from wgpu_train.engines.webgpu.conv_layers import ConvLayerOps
 from wgpu_train.engines.webgpu.dora import DoraNorms, dora_linear_backward, dora_linear_forward
-from wgpu_train.engines.webgpu.moe import (moe_experts_backward, moe_experts_forward, moe_route_backward,
+from wgpu_train.engines.webgpu.moe import (load_balancing_counts, load_balancing_dprobs, load_balancing_loss,
+                                           moe_experts_backward, moe_experts_forward, moe_route_backward,
                                            moe_route_forward)
 from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
 from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
@@ -52,6 +53,8 @@ class LayerRecorder(ConvLayerOps):
         self.adapter_enabled = True   # False: forwards skip every LoRA module (a preference objective's reference)
         self.loss_temperature = 1.0
         self.training = False
+        self.router_aux_weight = 0.0  # the weight of the router's load-balancing loss on a training step's gradient
+        self._recomputing = False     # recording a checkpointed layer's forward again, inside the backward
         self.adapter_bank: dict = {}  # module path -> GpuBankModule (KvCacheGeneration.set_adapter_bank)
         self.bank_rows = None         # a buffer of each token's adapter (i32) while forward_rows records with them
         self._pending: dict = {}      # member -> dy of a group whose LoRA backward waits for the others
@@ -186,6 +189,7 @@ class LayerRecorder(ConvLayerOps):
         x_next = acts.layers[i + 1][INPUT] if i + 1 in acts.layers else acts.x_final
         buf = {**a, OUTPUT: x_next}
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
+        self._recomputing = recompute
         for op in self.plans[i].ops:
             if recompute and OUTPUT in op.outputs:
                 lora = self.lora.get(module_path(i, op.param)) if op.kind == "linear" else None
@@ -264,6 +268,19 @@ class LayerRecorder(ConvLayerOps):
         moe = self.cfg.moe
         moe_route_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]], acts.n, moe.num_experts,
                           moe.top_k, moe.normalize)
+        if self.router_aux and not self._recomputing:     # a checkpointed layer counted once
+            first = next(j for j in self.span if self.cfg.is_sparse(j))
+            load_balancing_counts(rec, acts.moe.balance, buf[op.inputs[0]], buf[op.outputs[1]], acts.segments, acts.n,
+                                  moe.num_experts, moe.top_k, acts.moe, accumulate=i != first)
+
+    @property
+    def router_aux(self) -> bool:
+        """Whether the walk recorded now adds the router's load-balancing loss (a training one, weight > 0)."""
+        return self.training and self.router_aux_weight > 0
+
+    def record_router_aux_loss(self, rec, acts: Activations, loss):
+        """loss (1,) f32 = the load-balancing loss of the training forward just recorded (router_aux)."""
+        load_balancing_loss(rec, loss, acts.moe.balance, self.cfg.moe.num_experts)
 
     def _experts(self, i, op) -> tuple:
         """Layer i's experts: (gate_up, down) weights, their LoRA pairs (moe.MoeLora or None) and their paths."""
@@ -441,8 +458,13 @@ class LayerRecorder(ConvLayerOps):
         assert not accumulate[0], "the route's backward writes the router logits' gradient"
         rec.section(self._where + " moe")
         moe = self.cfg.moe
+        dprobs = None
+        if self.router_aux:
+            dprobs = acts.moe.probs
+            load_balancing_dprobs(rec, dprobs, acts.moe.balance, acts.segments, acts.n, moe.num_experts,
+                                  self.router_aux_weight)
         moe_route_backward(rec, dxs[0], dys[0], a[op.inputs[0]], a[op.outputs[1]], acts.n, moe.num_experts, moe.top_k,
-                           moe.normalize)
+                           moe.normalize, dprobs)
 
     def _backward_experts(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """dx written or added (a Qwen2-MoE layer's shared expert wrote it first), the route weights' gradient
@@ -488,6 +510,7 @@ class LayerRecorder(ConvLayerOps):
             # others are recomputed (self.training and the micro-batch's seed slot still hold)
             if acts.checkpoint and i < self.span.stop - 1:
                 self.record_layer_forward(rec, acts, i, recompute=True)
+                self._recomputing = False
             self._where = f"layer {i} backward"
             for op, accumulate in self.plans[i].backward_steps():
                 dys = [getattr(acts, name) for name in op.grads_out]

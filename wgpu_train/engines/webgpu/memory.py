@@ -237,8 +237,7 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     predicate of the names counted (a pipeline stage's tensors); default all."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
     from wgpu_train.engines.shared.quant import check_dtypes, is_linear_weight, storage_dtype
-    from wgpu_train.engines.webgpu.device.storage import nbytes
-    from wgpu_train.engines.webgpu.tensors import EXPERT_FORMATS
+    from wgpu_train.engines.webgpu.tensors import expert_bytes
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, cfg.checkpoint_dtype)
     out = {"linear": 0, "embedding": 0, "other": 0}
@@ -247,7 +246,7 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
             continue
         dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
         if len(shape) == 3:      # an MoE layer's experts: one buffer in its format (tensors.store_experts)
-            n = nbytes(math.prod(shape), EXPERT_FORMATS[dtype])
+            n = expert_bytes(math.prod(shape), dtype)
         elif len(shape) == 2:
             n = stored_bytes(shape[0], shape[1], dtype, max_binding or DEFAULT_MAX_BINDING)
         else:

@@ -1,11 +1,13 @@
 """The mixture-of-experts op pairs on the WebGPU engine (the grouped-expert kernel family, tuned/moe_kernels.py):
-moe_route_forward / moe_route_backward and moe_experts_forward / moe_experts_backward, with the reference's names
-and argument order (engines/shared/moe.py: outputs first, then inputs and weights, then sizes, then scratch).
-They record into a Recorder and neither submit nor read back: the routing, the grouping of the pairs by expert
-(a counting sort) and the grids (sized for the worst case, idle blocks exiting at once) are all on the device.
+moe_route_forward / moe_route_backward and moe_experts_forward / moe_experts_backward, and the router's
+load-balancing loss (load_balancing_counts / _loss / _dprobs), with the reference's names and argument order
+(engines/shared/moe.py: outputs first, then inputs and weights, then sizes, then scratch). They record into a
+Recorder and neither submit nor read back: the routing, the grouping of the pairs by expert (a counting sort) and
+the grids (sized for the worst case, idle blocks exiting at once) are all on the device.
 
-Buffers: activations and expert weights are tensors in any storage format (device/storage.py: the expert weights
-float32, bfloat16 or float16); outputs, scratch, LoRA matrices and routing weights are float32; experts int32.
+Buffers: activations, their gradients and expert weights are tensors in any storage format (device/storage.py:
+float32, bfloat16 or float16; a 16-bit one of even width, stored by pairs); scratch, LoRA matrices, routing weights
+and the trained tensors' gradients are float32; experts int32.
 A pair q = n k + j is token n's slot j; "pair order" lays out (N, k, ..) as (N k, ..)."""
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def scratch_sizes(N: int, k: int, E: int, C: int, I: int, r: int = 0) -> dict:
     nk = N * k
     return {"group": MK.group_size(nk, E), "perm": nk, "h": nk * I, "outp": nk * C, "dh": nk * I, "dgu": nk * 2 * I,
             "lora_in": max(1, nk * r), "lora_out": max(1, nk * r), "lora_g": max(1, nk * r),
-            "lora_dh": max(1, nk * r), "part": max(1, MK.max_blocks(nk, E, min(MK.SPLITS)) * r * max(C, 2 * I))}
+            "lora_dh": max(1, nk * r), "part": max(1, MK.max_blocks(nk, E, min(MK.SPLITS)) * r * max(C, 2 * I)),
+            "probs": N * E, "balance_part": MK.balance_blocks(N) * (2 * E + 1), "balance": 2 * E + 1}
 
 
 class MoeScratch:
@@ -92,9 +95,8 @@ def moe_route_forward(rec, weights, experts, logits, N: int, E: int, top_k: int,
 
 def moe_route_backward(rec, dlogits, dweights, logits, experts, N: int, E: int, top_k: int, normalize: bool,
                        dprobs=None):
-    """dlogits (N, E) f32 <- dweights (N, k), logits (N, E), experts (N, k) i32, dprobs (N, E) f32 or None (a
-    gradient on every probability: the load-balancing loss's). Overwrites dlogits."""
-    _f32("moe_route_backward", dlogits)
+    """dlogits (N, E) (one invocation per token row) <- dweights (N, k), logits (N, E), experts (N, k) i32,
+    dprobs (N, E) f32 or None (a gradient on every probability: the load-balancing loss's). Overwrites dlogits."""
     extra = (dprobs, N * E) if dprobs is not None else (_zeros(rec.rt), 1)
     _launch(rec, MK.ROUTE_BACKWARD, N, [(dlogits, N * E), (dweights, N * top_k), (logits, N * E),
                                         (experts, N * top_k), extra],
@@ -154,12 +156,11 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
                         N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch, accumulate: bool = False):
     """The routed experts' SwiGLU MLPs, each token's k outputs weighted and summed in slot order.
 
-    y (N, C) f32 (+= where accumulate), gate_up_out (N, k, 2I) f32 (every pair's gate then up projections, which
+    y (N, C) (+= where accumulate), gate_up_out (N, k, 2I) (every pair's gate then up projections, which
     the backward reads) <- x (N, C), weights (N, k) f32, experts (N, k) i32, gate_up (E, 2I, C), down (E, C, I)
     (any storage format), lora_gate_up / lora_down: MoeLora or None; scratch: MoeScratch for at least N tokens.
     Dispatches: the grouping (3), the gate/up LoRA A rows, the grouped gate/up GEMM with its LoRA B and the swiglu
     (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine."""
-    _f32("moe_experts_forward", y, gate_up_out)
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     if lora_gate_up is not None:
@@ -172,8 +173,8 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
                    (r * I, I, 1))
     _gemm(rec, scratch.outp, scratch.h, down, scratch, N, k, E, I, C, "nt", False, lora_down, scratch.lora_out)
-    _launch(rec, MK.COMBINE, N * C, [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C, s2=k, s3=1,
-            s4=int(accumulate))
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C,
+            s2=k, s3=1, s4=int(accumulate))
 
 
 def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts, gate_up_out, gate_up, down,
@@ -181,14 +182,14 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                          accumulate: bool = False):
     """Gradients of moe_experts_forward.
 
-    dx (N, C) f32 (+= where accumulate), dweights (N, k) f32 (overwritten; then moe_route_backward), grads: the
+    dx (N, C) (+= where accumulate), dweights (N, k) (overwritten; then moe_route_backward), grads: the
     trained tensors' gradient buffers (f32, each its tensor's shape; += where accumulate) by the reference's
     names: "gate_up", "down" (full fine-tuning), "gate_up.lora_A", "gate_up.lora_B", "down.lora_A", "down.lora_B"
     (those of a LoRA pair given) <- dy (N, C), x, weights, experts, gate_up_out (the forward's), gate_up, down,
     lora_gate_up, lora_down, as the forward. The grouping and h are recomputed (the forward's scratch need not
     survive); the LoRA gradients are split-K sums over each expert's rows (no float atomics), the base weights'
     one pass per expert."""
-    _f32("moe_experts_backward", dx, dweights, *grads.values())
+    _f32("moe_experts_backward", *grads.values())
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
@@ -199,7 +200,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
         _lora_rows(rec, scratch.lora_g, dy, lora_down.b, E * C * r, experts, nk, C, r, k, True, (C * r, 1, r), s2)
     # dh before each pair's weight: dy W2[e] (+ (s dy B2[e]) A2[e]); dweights = dh . h
     _gemm(rec, scratch.dh, dy, down, scratch, N, k, E, C, I, "nn", True, lora_down, scratch.lora_g)
-    _launch(rec, MK.DWEIGHTS, nk, [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
+    _launch(rec, MK.DWEIGHTS, -(-nk // 2),
+            [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
     _launch(rec, MK.SWIGLU_BACKWARD, nk * I, [(scratch.dgu, nk * 2 * I), (scratch.dh, nk * I),
                                               (gate_up_out, nk * 2 * I), (weights, nk)], s0=nk, s1=I)
     if "down" in grads:
@@ -218,8 +220,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                    False, (2 * I * r, 1, r), s1)
     _gemm(rec, scratch.outp, scratch.dgu, gate_up, scratch, N, k, E, 2 * I, C, "nn", False, lora_gate_up,
           scratch.lora_dh)
-    _launch(rec, MK.COMBINE, N * C, [(dx, N * C), (scratch.outp, nk * C), (_zeros(rec.rt), 1)], s0=N, s1=C, s2=k,
-            s3=0, s4=int(accumulate))
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C), (_zeros(rec.rt), 1)], s0=N,
+            s1=C, s2=k, s3=0, s4=int(accumulate))
     if "gate_up" in grads:
         _outer(rec, grads["gate_up"], scratch.dgu, x, weights, scratch, N, k, E, 2 * I, C, False, True, False, 1.0,
                accumulate, split_k=False)
@@ -229,3 +231,30 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                False, False, False, s1, accumulate)
         _outer(rec, grads["gate_up.lora_A"], scratch.lora_dh, x, weights, scratch, N, k, E, r, C, False, True, False,
                1.0, accumulate)
+
+
+def load_balancing_counts(rec, stats, logits, experts, mask, N: int, E: int, k: int, scratch: MoeScratch,
+                          accumulate: bool):
+    """stats (2E + 1) f32 (+= where accumulate: a forward's sparse layers after its first) = one layer's share of
+    the load-balancing loss: [assignments per expert (E), probability sums per expert (E), real tokens] <- logits
+    (N, E) (any format), experts (N, k) i32, mask (N,) i32 (segment ids: 0 for padding). Three dispatches: the
+    real tokens' probabilities (scratch.probs), sums per block of tokens, the blocks summed in order."""
+    _f32("load_balancing_counts", stats)
+    blocks, width = MK.balance_blocks(N), 2 * E + 1
+    _launch(rec, MK.BALANCE_PROBS, N, [(scratch.probs, N * E), (logits, N * E), (mask, N)], s0=N, s1=E)
+    _launch(rec, MK.BALANCE_PARTIAL, blocks * width, [(scratch.balance_part, blocks * width), (scratch.probs, N * E),
+                                                      (experts, N * k), (mask, N)], s0=N, s1=E, s2=k, s3=blocks)
+    _launch(rec, MK.BALANCE_REDUCE, width, [(stats, width), (scratch.balance_part, blocks * width)], s0=width,
+            s1=blocks, s4=int(accumulate))
+
+
+def load_balancing_loss(rec, loss, stats, E: int):
+    """loss (1,) f32 = transformers' load_balancing_loss_func from stats (2E + 1) (load_balancing_counts summed
+    over a forward's sparse layers); 0 before any real token."""
+    launch(rec, MK.BALANCE_LOSS, (1,), [(loss, 1), (stats, 2 * E + 1)], s1=E)
+
+
+def load_balancing_dprobs(rec, dprobs, stats, mask, N: int, E: int, coef: float):
+    """dprobs (N, E) f32 = the gradient of coef times the loss on one layer's probabilities (moe_route_backward's
+    dprobs) <- stats (2E + 1) of the whole forward, mask (N,) i32 (segment ids: 0 for padding)."""
+    _launch(rec, MK.BALANCE_DPROBS, N * E, [(dprobs, N * E), (stats, 2 * E + 1), (mask, N)], s0=N, s1=E, f0=coef)

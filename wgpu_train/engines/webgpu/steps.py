@@ -79,6 +79,8 @@ class StepRunner:
         # that keep a step under it (0: the whole step in one), measured from the previous step
         self.max_submit_s = float(os.environ.get("WGPU_TRAIN_MAX_SUBMIT_S", "1.0"))
         self.dispatch_budget = 0
+        self.router_aux_loss_coef = 0.0   # the engine's set_router_aux_loss
+        self.last_aux_loss = None         # the last train_step's router aux loss (mean over micro-batches), or None
 
     def logits(self, ids, segment_ids, position_ids):
         """(B, T, V) float32 logits; ids (B, T), or a stage's input (BucketCache.upload_batch)."""
@@ -196,10 +198,12 @@ class StepRunner:
         self.dropout.write(0, self.layers.lora)
         before = dict(self.rt.counters)
         rec = self.rt.recorder()
-        self.layers.training = True
+        # the router's aux loss at the coefficient's full weight (transformers' loss: the mean token loss plus coef
+        # times the aux loss), as the NumPy engine's forward_backward
+        self.layers.training, self.layers.router_aux_weight = True, self.router_aux_loss_coef
         self.layers.record_forward(rec, acts)
         self.layers.record_backward(rec, acts)
-        self.layers.training = False
+        self.layers.training, self.layers.router_aux_weight = False, 0.0
         return rec, acts, before
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None,
@@ -222,11 +226,13 @@ class StepRunner:
         rt = self.rt
         before = dict(rt.counters)
         n_micro = len(micro_batches)
-        # results: [loss_sum, count] per micro-batch, [norm, clip, finite], then the loss rows and the entropy rows
-        # of the micro-batches with an objective (their log-probabilities and entropies, read back with the rest)
+        # results: [loss_sum, count] per micro-batch, [norm, clip, finite], the router's aux loss per micro-batch
+        # (where it is on), then the loss rows and the entropy rows of the micro-batches with an objective (their
+        # log-probabilities and entropies, read back with the rest)
         objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], (TokenObjective, SequenceObjective)) else None
                       for mb in micro_batches]
-        size = 2 * n_micro + 3 + 2 * sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
+        aux_at, n_aux = 2 * n_micro + 3, n_micro if self.router_aux_loss_coef else 0
+        size = aux_at + n_aux + 2 * sum(mb[0].size for mb, o in zip(micro_batches, objectives) if o is not None)
         if self.results.size < size * F32:
             self.results = rt.buffer(size * F32, "results")
         # scaler: f16's loss scaling (the engine's), the loss gradient scaled, the gradients unscaled
@@ -236,7 +242,9 @@ class StepRunner:
         rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
         self.optimizer.record_zero_grads(rec)
         self.layers.training = True
-        used, scored, at_row = [], [], 2 * n_micro + 3
+        # each micro-batch's share of the step's gradient, as the token loss's (f16: times the loss scale)
+        self.layers.router_aux_weight = self.router_aux_loss_coef / n_micro * (scaler.scale if scaler else 1.0)
+        used, scored, at_row = [], [], aux_at + n_aux
         early = []          # GPU seconds per op group of the submissions a SequenceObjective ended (profile)
         for j, (ids, targets, seg, pos, *extra) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
@@ -260,12 +268,14 @@ class StepRunner:
                 rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
             self.layers.record_backward(rec, acts, head_part="backward" if host else None)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
+            if n_aux:
+                self.layers.record_router_aux_loss(rec, acts, (self.results, aux_at + j))
             if objective is not None:
                 scored.append(_copy_rows(rec, self.results, at_row, acts))
                 at_row += 2 * acts.n_head
             else:
                 scored.append(None)
-        self.layers.training = False
+        self.layers.training, self.layers.router_aux_weight = False, 0.0
         if scaler is not None:
             self.optimizer.record_unscale(rec, scaler.scale)
         first = {}
@@ -296,6 +306,7 @@ class StepRunner:
                 for where, mb in zip(scored, micro_batches)]
         self.step_logps = [logps for logps, _ in rows]
         self.step_entropies = [entropies for _, entropies in rows]
+        self.last_aux_loss = float(np.mean(out[aux_at:aux_at + n_aux], dtype=np.float64)) if n_aux else None
         loss_sum = float(out[0:2 * n_micro:2].sum())
         if self.precision.loss_scaling and not np.isfinite(loss_sum):
             # a non-finite loss comes from the forward (the loss scale only scales the backward)

@@ -11,6 +11,7 @@ from wgpu_train.engines.webgpu.tuned.gemm import gemm, ones
 from wgpu_train.engines.shared.quant import StorageDtype, storage_dtype
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
+from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_bytes, nf4_upload
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 
 F32 = 4
@@ -58,15 +59,24 @@ def store_weight(rt: Runtime, name: str, arr: np.ndarray, base_dtype: StorageDty
 EXPERT_FORMATS = {StorageDtype.FLOAT32: "f32", StorageDtype.BFLOAT16: "bf16", StorageDtype.FLOAT16: "f16"}
 
 
+def expert_bytes(elements: int, stored: StorageDtype) -> int:
+    """Bytes of an MoE layer's expert tensor of that many weights as store_experts holds it."""
+    stored = StorageDtype(stored)
+    return nf4_bytes(elements) if stored.nf4 else storage.nbytes(elements, EXPERT_FORMATS[stored])
+
+
 def store_experts(rt: Runtime, name: str, arr: np.ndarray, stored: StorageDtype):
-    """An MoE layer's expert tensor (E, out, in) as one buffer in its storage format (device/storage.py), which the
-    grouped-expert kernels bind whole; DeviceError (one line) when it exceeds one storage binding."""
-    fmt = EXPERT_FORMATS[stored]
-    if storage.nbytes(arr.size, fmt) > rt.max_binding:
-        raise DeviceError(f"{name} {tuple(arr.shape)} needs {storage.nbytes(arr.size, fmt) / 2**20:.0f} MiB as "
+    """An MoE layer's expert tensor (E, out, in) as one buffer in its storage format (device/storage.py), or as
+    NF4 / nf4-dq (tuned/moe_nf4.py: decoded inside the grouped GEMMs), which the grouped-expert kernels bind whole;
+    DeviceError (one line) when it exceeds one storage binding."""
+    size = expert_bytes(arr.size, stored)
+    if size > rt.max_binding:
+        raise DeviceError(f"{name} {tuple(arr.shape)} needs {size / 2**20:.0f} MiB as "
                           f"{stored}, over the device's max storage binding of {rt.max_binding / 2**20:.0f} MiB "
                           f"(the grouped-expert kernels bind each layer's experts whole)")
-    return storage.upload(rt, np.ascontiguousarray(arr, np.float32), fmt, name)
+    if stored.nf4:
+        return nf4_upload(rt, np.ascontiguousarray(arr, np.float32), stored.double_quant, name)
+    return storage.upload(rt, np.ascontiguousarray(arr, np.float32), EXPERT_FORMATS[stored], name)
 
 
 def weight_buffers(t) -> list:

@@ -1,9 +1,11 @@
 """The grouped-expert kernel family (mixtures of experts): the routing, grouping, combine and elementwise kernels of
-shaders/moe.wgsl, the grouped GEMMs (one dispatch over every expert's row blocks: the dense register-blocked GEMM
-of shaders/moe_gemm_register.wgsl where its vec4 loads apply, the portable scalar one of shaders/moe_gemm.wgsl
-anywhere; tile and block a tuned choice) and the experts' summed outer products (LoRA and weight gradients: split-K over
-an expert's rows plus an ordered reduction, or one pass per expert; a tuned choice). The op wrappers are in
-engines/webgpu/moe.py; each problem here checks its candidates against a NumPy product on the device."""
+shaders/moe.wgsl, the router's load-balancing loss of shaders/moe_balance.wgsl, the grouped GEMMs (one dispatch over
+every expert's row blocks: the dense register-blocked GEMM of shaders/moe_gemm_register.wgsl where its vec4 loads
+apply, the portable scalar one of shaders/moe_gemm.wgsl anywhere; tile and block a tuned choice) and the experts'
+summed outer products (LoRA and weight gradients: split-K over an expert's rows plus an ordered reduction, or one
+pass per expert; a tuned choice). The op wrappers are in engines/webgpu/moe.py; each problem here checks its
+candidates against a NumPy product on the device. (Over 450 lines on purpose: the family's kernel descriptors and
+its two tuned problems with their candidates, which share the grid and the binding layout.)"""
 from __future__ import annotations
 
 import math
@@ -16,8 +18,12 @@ from wgpu_train.engines.webgpu.device.operands import split
 from wgpu_train.engines.webgpu.tuned.adapter_traits import is_cpu, min_workgroup, use_subgroups
 from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
+from wgpu_train.engines.webgpu.tuned.gemm_tolerance import ROUNDOFF
 from wgpu_train.engines.webgpu.tuned import moe_source
+from wgpu_train.engines.webgpu.tuned import moe_nf4
+from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_upload
 from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_source
+from wgpu_train.engines.shared.quant import nf4_dequantize, nf4_quantize
 
 BLOCK = 256                       # pairs per block of the counting sort (shaders/moe.wgsl BLOCK)
 GEMM_CONFIGS = (GemmConfig(4, 4), GemmConfig(8, 2), GemmConfig(2, 4), GemmConfig(1, 4), GemmConfig(4, 1))
@@ -43,13 +49,26 @@ DWEIGHTS = _plain("moe_dweights", "dweights! dh gate_up")
 COMBINE = _plain("moe_combine", "y! out _ _ _ weights")
 OUTER = _plain("moe_outer", "part! u v _ perm weights offsets")
 OUTER_REDUCE = _plain("moe_outer_reduce", "out! part _ _ _ _ offsets")
+# the router's load-balancing loss (shaders/moe_balance.wgsl)
+BALANCE_PROBS = Kernel("moe_balance", "moe_balance_probs", "probs! logits _ _ segments", invocations=WG)
+BALANCE_PARTIAL = Kernel("moe_balance", "moe_balance_partial", "part! probs _ _ experts _ segments", invocations=WG)
+BALANCE_REDUCE = Kernel("moe_balance", "moe_balance_reduce", "stats! part", invocations=WG)
+BALANCE_LOSS = Kernel("moe_balance", "moe_balance_loss", "loss! stats", invocations=WG)
+BALANCE_DPROBS = Kernel("moe_balance", "moe_balance_dprobs", "dprobs! stats _ _ segments", invocations=WG)
+BALANCE_BLOCK = 256               # tokens per block of its partial sums (shaders/moe_balance.wgsl BLOCK)
 PLAIN = (ROUTE_FORWARD, ROUTE_BACKWARD, GROUP_COUNT, GROUP_OFFSETS, GROUP_SCATTER, LORA_ROWS, SWIGLU,
-         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, OUTER, OUTER_REDUCE)
+         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, OUTER, OUTER_REDUCE, BALANCE_PROBS, BALANCE_PARTIAL, BALANCE_REDUCE,
+         BALANCE_LOSS, BALANCE_DPROBS)
 
 
 def group_blocks(pairs: int) -> int:
     """Blocks of the counting sort for N k pairs."""
     return max(1, -(-int(pairs) // BLOCK))
+
+
+def balance_blocks(tokens: int) -> int:
+    """Blocks of the load-balancing loss's partial sums for N tokens."""
+    return max(1, -(-int(tokens) // BALANCE_BLOCK))
 
 
 def group_size(pairs: int, experts: int) -> int:
@@ -63,18 +82,21 @@ def max_blocks(rows: int, experts: int, per_block: int) -> int:
     return (rows + min(experts, rows) * (per_block - 1)) // per_block
 
 
-def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool) -> Kernel:
+def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool, pairs: bool = False, nf4: bool = False) -> Kernel:
+    """The scalar grouped GEMM; pairs: its output stored by pairs of columns (a 16-bit out; cfg.rn even); nf4: W
+    stored as NF4 (moe_nf4.nf4_upload)."""
     bindings = "out! x w offsets perm" + (" hl lb" if lora else (" _ _" if swiglu else "")) + (" h!" if swiglu else "")
-    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora),
+    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora, pairs, nf4),
                   invocations=WG)
 
 
-def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = ()) -> Kernel:
+def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = (),
+                    nf4: bool = False) -> Kernel:
     """The register-blocked grouped GEMM (shaders/moe_gemm_register.wgsl); formats: its 16-bit tensors' (binding,
-    format) pairs (x at 2, W at 3)."""
+    format) pairs (out at 1, x at 2, W at 3); nf4: W stored as NF4 (moe_nf4.nf4_upload)."""
     constants = {"WG": wg, "TM": tm, "SWIGLU": bool(swiglu), "B_KVEC": bool(nt)}
     return Kernel("moe_gemm_register", "moe_gemm_reg", "out! x w offsets perm hl lb h!",
-                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats),
+                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats, nf4),
                   invocations=wg, features=("subgroup",) if subgroups else (), formats=formats)
 
 
@@ -86,7 +108,16 @@ def _unused(rt, writable: bool):
 
 
 def _fmt(tensors: dict, name: str) -> str:
-    return storage.format_of(split(tensors[name])[0]) if name in tensors else "f32"
+    """A tensor's storage format (device/storage.py), or "nf4" for NF4 experts (moe_nf4.nf4_upload)."""
+    if name not in tensors:
+        return "f32"
+    buf = split(tensors[name])[0]
+    return "nf4" if nf4_absmax_word(buf) is not None else storage.format_of(buf)
+
+
+def _w_elements(p) -> int:
+    """Elements of W a grouped GEMM binds: its weights, or an NF4 buffer's words."""
+    return p.t["w"].size // 4 if p.w_fmt == "nf4" else p.experts * p.w_out * p.in_f
 
 
 def _sorted_pairs(experts: np.ndarray, n_experts: int):
@@ -121,7 +152,8 @@ class MoeGemmProblem:
         self.in_f, self.cols, self.layout, self.by_token = int(in_f), int(cols), layout, bool(by_token)
         self.rank, self.scale, self.swiglu = int(rank), float(scale), bool(swiglu)
         self.w_out = 2 * self.cols if swiglu else self.cols
-        self.x_fmt, self.w_fmt = _fmt(tensors, "x"), _fmt(tensors, "w")
+        self.x_fmt, self.w_fmt, self.out_fmt = _fmt(tensors, "x"), _fmt(tensors, "w"), _fmt(tensors, "out")
+        self.w_abs = (nf4_absmax_word(split(tensors["w"])[0]) or 0) if "w" in tensors else 0
 
     @property
     def flops(self) -> float:
@@ -133,12 +165,13 @@ class MoeGemmProblem:
 
     def signature(self) -> tuple:
         return ("moe_gemm", self.rows, self.slots, self.experts, self.in_f, self.cols, self.layout, self.by_token,
-                self.rank, self.swiglu, self.x_fmt, self.w_fmt)
+                self.rank, self.swiglu, self.x_fmt, self.w_fmt, self.out_fmt)
 
     def key(self) -> str:
         """The tuner's key: rows to the next power of two, the rest exact."""
         bucket = 1 << max(0, (self.rows - 1).bit_length())
-        fmt = "" if self.x_fmt == self.w_fmt == "f32" else f" x:{self.x_fmt} w:{self.w_fmt}"
+        fmt = "" if self.x_fmt == self.w_fmt == self.out_fmt == "f32" else \
+            f" x:{self.x_fmt} w:{self.w_fmt}" + ("" if self.out_fmt == "f32" else f" out:{self.out_fmt}")
         return (f"moe gemm rows{bucket} E{self.experts} {self.in_f}->{self.w_out} {self.layout}"
                 f"{' swiglu' if self.swiglu else ''}{f' r{self.rank}' if self.rank else ''}{fmt}")
 
@@ -151,7 +184,9 @@ class MoeGemmProblem:
         regs = [first] + [RegisterGemm(wg, tm, s) for s in dict.fromkeys((sg, False)) for tm in REGISTER_TMS
                           for wg in REGISTER_WGS if (wg, tm, s) != (first.wg, first.tm, first.subgroups)
                           and wg >= min_workgroup(self.rt)]
-        cands = [c for c in regs if c.applies(self)] + [GroupedGemm(cfg) for cfg in GEMM_CONFIGS]
+        pairs = self.out_fmt != "f32"       # a 16-bit out: the scalar kernels store pairs of columns (rn even)
+        cands = [c for c in regs if c.applies(self)] + [GroupedGemm(cfg) for cfg in GEMM_CONFIGS
+                                                          if not pairs or cfg.rn % 2 == 0]
         if is_cpu(self.rt):
             cands = [c for c in cands if c.loop_iterations(self) <= CPU_LOOP_BUDGET - LOOP_MARGIN]
         return cands
@@ -171,8 +206,9 @@ class MoeGemmProblem:
         return dict(w_e=w[0], w_o=w[1], w_i=w[2], l_e=lo[0], l_o=lo[1], l_j=lo[2])
 
     def tolerance(self, want: np.ndarray, cand=None) -> float:
-        """Float32 sums of in_f + rank products (the swiglu's h one rounding more)."""
-        return 1e-6 * math.sqrt(self.in_f + self.rank) * 8 * (1 + float(np.max(np.abs(want))))
+        """Float32 sums of in_f + rank products (the swiglu's h one rounding more), and a 16-bit out's rounding."""
+        top = float(np.max(np.abs(want)))
+        return 1e-6 * math.sqrt(self.in_f + self.rank) * 8 * (1 + top) + ROUNDOFF.get(self.out_fmt, 0.0) * top
 
     def replica(self, rng):
         """(problem, [(buffer, elements)], initial values, expected values, buffers to release) on random
@@ -183,14 +219,21 @@ class MoeGemmProblem:
         x = storage.rounded(rng.standard_normal(tokens * self.in_f), self.x_fmt).reshape(tokens, self.in_f)
         nt = self.layout == "nt"
         w_shape = (self.experts, self.w_out, self.in_f) if nt else (self.experts, self.in_f, self.w_out)
-        w = storage.rounded(rng.standard_normal(int(np.prod(w_shape))) / math.sqrt(self.in_f), self.w_fmt)
+        w = rng.standard_normal(int(np.prod(w_shape))) / math.sqrt(self.in_f)
+        if self.w_fmt == "nf4":
+            w_buf = nf4_upload(self.rt, w.reshape(w_shape), label="tune operand")
+            w = nf4_dequantize(*nf4_quantize(w), w_shape)
+        else:
+            w = storage.rounded(w, self.w_fmt)
+            w_buf = storage.upload(self.rt, w, self.w_fmt, "tune operand")
         w = w.reshape(w_shape)
         rows_in = x[np.arange(self.rows) // self.slots] if self.by_token else x                 # (rows, in)
         wt = w if self.layout == "nt" else w.transpose(0, 2, 1)                                   # (E, W_out, in)
         want = np.einsum("qi,qoi->qo", rows_in.astype(np.float64), wt[experts].astype(np.float64))
-        bufs = {"out": self.rt.upload(np.zeros(self.rows * self.w_out, np.float32), "tune result"),
+        bufs = {"out": storage.upload(self.rt, np.zeros(self.rows * self.w_out, np.float32), self.out_fmt,
+                                      "tune result"),
                 "x": storage.upload(self.rt, x.reshape(-1), self.x_fmt, "tune operand"),
-                "w": storage.upload(self.rt, w.reshape(-1), self.w_fmt, "tune operand"),
+                "w": w_buf,
                 "offsets": self.rt.upload(offsets, "tune operand"), "perm": self.rt.upload(perm, "tune operand")}
         if self.rank:
             hl = rng.standard_normal((self.rows, self.rank)).astype(np.float32)
@@ -225,14 +268,14 @@ class GroupedGemm:
         return p.experts + 1 + p.in_f + 1 + (p.rank + 1 if p.rank else 0)
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0)
+        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0, pairs=p.out_fmt != "f32", nf4=p.w_fmt == "nf4")
         tokens = p.rows // p.slots if p.by_token else p.rows
-        w_elems = p.experts * p.w_out * p.in_f
-        sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": w_elems, "offsets": p.experts + 1,
+        sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": _w_elements(p), "offsets": p.experts + 1,
                  "perm": p.rows, "hl": p.rows * p.rank, "lb": p.experts * p.w_out * p.rank, "h": p.rows * p.cols}
         pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names],
                                       experts=p.experts, slots=p.slots, by_token=int(p.by_token), in_f=p.in_f,
-                                      cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale, **p.strides())
+                                      cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale, w_abs=p.w_abs,
+                                      **p.strides())
         blocks = max_blocks(p.rows, p.experts, self.cfg.rm)
         gy, gz = flat_grid(blocks)
         return [(pipeline, resources, (-(-p.cols // (WG * self.cfg.rn)), gy, gz))]
@@ -273,18 +316,19 @@ class RegisterGemm:
         return p.experts + 1 + 2 * (self.tm + 1) + 5 + p.in_f // 4 + 1 + lora
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        formats = tuple((b, f) for b, f in ((2, p.x_fmt), (3, p.w_fmt)) if f != "f32")
-        k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats)
+        formats = tuple((b, f) for b, f in ((1, p.out_fmt), (2, p.x_fmt), (3, p.w_fmt)) if f not in ("f32", "nf4"))
+        k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats,
+                            nf4=p.w_fmt == "nf4")
         tokens = p.rows // p.slots if p.by_token else p.rows
         lora = p.rank > 0
         tensors = [(p.t["out"], p.rows * p.w_out), (p.t["x"], tokens * p.in_f),
-                   (p.t["w"], p.experts * p.w_out * p.in_f), (p.t["offsets"], p.experts + 1), (p.t["perm"], p.rows),
+                   (p.t["w"], _w_elements(p)), (p.t["offsets"], p.experts + 1), (p.t["perm"], p.rows),
                    (p.t["hl"], p.rows * p.rank) if lora else (_unused(p.rt, False), 1),
                    (p.t["lb"], p.experts * p.w_out * p.rank) if lora else (_unused(p.rt, False), 1),
                    (p.t["h"], p.rows * p.cols) if p.swiglu else (_unused(p.rt, True), 4)]
         pipeline, resources = prepare(p.rt, k, tensors, experts=p.experts, slots=p.slots, by_token=int(p.by_token),
                                       in_f=p.in_f, cols=p.cols, out_f=p.w_out, rank=p.rank, scale=p.scale,
-                                      **p.strides())
+                                      w_abs=p.w_abs, **p.strides())
         gx, gz = flat_grid(max_blocks(p.rows, p.experts, self.tm))
         tiles = -(-p.cols // (self.wg * (4 if p.swiglu else 8)))
         return [(pipeline, resources, (gx, tiles, gz))]
@@ -410,11 +454,14 @@ class DirectOuter:
 
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the family (the binding-limit and Tint checks go through them)."""
-    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora) for cfg in GEMM_CONFIGS for swiglu in (False, True)
-                           for lora in (False, True)]
-            + [register_kernel(wg, tm, sg, swiglu, nt) for sg in (False, True) for tm in REGISTER_TMS
-               for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))])
+    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora, pairs, nf4) for cfg in GEMM_CONFIGS
+                           for swiglu in (False, True) for lora in (False, True) for pairs in (False, True)
+                           for nf4 in (False, True) if not pairs or cfg.rn % 2 == 0]
+            + [register_kernel(wg, tm, sg, swiglu, nt, nf4=nf4) for sg in (False, True) for tm in REGISTER_TMS
+               for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))
+               for nf4 in (False, True)])
 
 
-FAMILY = Family("moe", shaders=("moe", "moe_gemm", moe_source.REGISTER_SHADER),
-                modules=(__file__, moe_source.__file__), all_kernels=all_kernels, benches=("moe",))
+FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER, moe_source.NF4_SHADER),
+                modules=(__file__, moe_source.__file__, moe_nf4.__file__), all_kernels=all_kernels,
+                benches=("moe",))

@@ -2,9 +2,11 @@
 of RM sorted rows x RN columns per invocation, the swiglu form and the LoRA term, each a parameter; the loops over
 the block's rows and columns unrolled here, so the accumulators stay in registers) and the grouped forms of the
 dense GEMM family's kernels (gemm_source.py's pieces): the register-blocked one (shaders/moe_gemm_register.wgsl, with
-or without subgroups) and the workgroup-tiled one (shaders/moe_gemm_tiled.wgsl, a gemm_source.TileConfig)."""
+or without subgroups). Both take NF4 experts (shaders/moe_nf4.wgsl's decoder in place of W's tensor markers) as a
+parameter."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,15 +36,21 @@ SWIGLU_MARK = "// @swiglu: h (N k, I) f32 at binding 8"
 SWIGLU_DECL = "@group(0) @binding(8) var<storage, read_write> h: array<f32>;   // (N k, I) pair order"
 
 
-def _body(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
-    """The kernel's body after the expert's block is found: loads, the reduction, the LoRA term, the stores."""
+def _column(j: int, pairs: bool) -> int:
+    """Column j's offset from the invocation's first: j WG apart, or in pairs (2 WG apart, then the next one)."""
+    return (j // 2) * 2 * WG + j % 2 if pairs else j * WG
+
+
+def _body(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False) -> str:
+    """The kernel's body after the expert's block is found: loads, the reduction, the LoRA term, the stores (by
+    pairs of adjacent columns where `pairs`: a 16-bit dst; rn even)."""
     heads = ["g"] + (["u"] if swiglu else [])       # the accumulator sets: gate (or the only one), up
     lines = []
     for i in range(rm):
         lines.append(f"    let q{i} = perm[P.o5 + min(row0 + {i}u, row1)];")
         lines.append(f"    let x{i} = P.o2 + select(q{i}, q{i} / P.slots, P.by_token != 0u) * P.in_f;")
     for j in range(rn):
-        lines.append(f"    let col{j} = min(c0 + {j * WG}u, P.cols - 1u);")
+        lines.append(f"    let col{j} = min(c0 + {_column(j, pairs)}u, P.cols - 1u);")
         lines.append(f"    let w{j} = wb + col{j} * P.w_o;")
         if swiglu:
             lines.append(f"    let v{j} = wb + (col{j} + P.cols) * P.w_o;")
@@ -74,24 +82,42 @@ def _body(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
                     lines.append(f"        u{i}_{j} = fma(s{i}, m{j}, u{i}_{j});")
         lines.append("    }")
     for i in range(rm):
-        for j in range(rn):
-            lines.append(f"    if (row0 + {i}u <= row1 && c0 + {j * WG}u < P.cols) {{")
-            lines.append(f"        dst[P.o1 + q{i} * P.out_f + col{j}] = g{i}_{j};")
+        for j in range(0, rn, 2 if pairs else 1):
+            lines.append(f"    if (row0 + {i}u <= row1 && c0 + {_column(j, pairs)}u < P.cols) {{")
+            at = f"P.o1 + q{i} * P.out_f + col{j}"
+            for acc, up in (("g", ""), ("u", " + P.cols"))[:2 if swiglu else 1]:
+                if pairs:
+                    lines.append(f"        dst_st2({at}{up}, vec2<f32>({acc}{i}_{j}, {acc}{i}_{j + 1}));")
+                else:
+                    lines.append(f"        dst_st({at}{up}, {acc}{i}_{j});")
             if swiglu:
-                lines.append(f"        dst[P.o1 + q{i} * P.out_f + col{j} + P.cols] = u{i}_{j};")
-                lines.append(f"        h[P.o8 + q{i} * P.cols + col{j}] = silu_up(g{i}_{j}, u{i}_{j});")
+                for jj in (j, j + 1) if pairs else (j,):
+                    lines.append(f"        h[P.o8 + q{i} * P.cols + col{jj}] = silu_up(g{i}_{jj}, u{i}_{jj});")
             lines.append("    }")
     return "\n".join(lines)
 
 
-def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool) -> str:
+NF4_SHADER = "moe_nf4"
+
+
+def _nf4_weights(text: str) -> str:
+    """text with W's tensor markers (binding 3) replaced by shaders/moe_nf4.wgsl's NF4 declaration and accessors."""
+    text = re.sub(r"^[ \t]*// @tensor4 3 w read[ \t]*\n", "", text, flags=re.M)
+    return re.sub(r"^[ \t]*// @tensor 3 w read[ \t]*$", lambda m: shader_text(NF4_SHADER), text, count=1,
+                  flags=re.M)
+
+
+def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False, nf4: bool = False) -> str:
     """shaders/moe_gemm.wgsl for a register block of rm x rn, in its swiglu or plain form, with or without the
-    LoRA term (a Kernel's source: launch expands its tensor markers for x's and W's storage formats)."""
+    LoRA term, its output stored by pairs of columns where `pairs` (a 16-bit dst: rn even), W in NF4 where `nf4`
+    (a Kernel's source: launch expands its other tensor markers for dst's, x's and W's storage formats)."""
     text = shader_text("moe_gemm")
-    text = text.replace("// @body", _body(rm, rn, swiglu, lora))
+    if nf4:
+        text = _nf4_weights(text)
+    text = text.replace("// @body", _body(rm, rn, swiglu, lora, pairs))
     text = text.replace(LORA_MARK, LORA_DECL if lora else "")
     text = text.replace(SWIGLU_MARK, SWIGLU_DECL if swiglu else "")
-    return f"const RM: u32 = {rm}u;\nconst RN: u32 = {rn}u;\n" + text
+    return f"const RM: u32 = {rm}u;\nconst RN: u32 = {rn}u;\nconst LANE: u32 = {2 if pairs else 1}u;\n" + text
 
 
 REGISTER_SHADER = "moe_gemm_register"
@@ -99,9 +125,10 @@ _PORTABLE, _SUBGROUPS = ("// @portable begin", "// @portable end"), ("// @subgro
 
 
 @lru_cache(maxsize=None)
-def register_source(subgroups: bool, formats: tuple = ()) -> str:
+def register_source(subgroups: bool, formats: tuple = (), nf4: bool = False) -> str:
     """shaders/moe_gemm_register.wgsl (gemm_register.wgsl appended) with its subgroup or its portable entry point
-    kept (naga rejects a module using a subgroup builtin on an adapter without the feature), its vec4 views of x and
-    W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views)."""
+    kept (naga rejects a module using a subgroup builtin on an adapter without the feature), its vec4 views of dst,
+    x and W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views), W in NF4 where
+    `nf4`."""
     text = blank(shader_text(REGISTER_SHADER), *(_PORTABLE if subgroups else _SUBGROUPS))
-    return storage.views(text, formats)
+    return storage.views(_nf4_weights(text) if nf4 else text, formats)
