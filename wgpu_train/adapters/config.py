@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.experts import all_linear_takes_experts, parse_target_parameters
-from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ModelConfig
+from wgpu_train.models.config import EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ModelConfig
 
 
 _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")     # transformers 4's names of an expert's projections
@@ -83,12 +83,12 @@ class LoraConfig:
 
     def targets_in(self, model: ModelConfig) -> tuple:
         """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
-        the model's own (gpt-oss's attention alone, as PEFT's: experts.all_linear_takes_experts); a target names a
+        the model's own (on gpt-oss and LFM2-MoE not the router, as PEFT's: experts.all_linear_takes_experts); a target names a
         module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's shared expert's too); a named module the
         model lacks is refused, naming the model's modules."""
         all_linear = self.target_modules == KNOWN_LINEAR_MODULES
-        if all_linear and not all_linear_takes_experts(model):     # gpt-oss: the attention alone, as PEFT's
-            return tuple(m for m in model.linear_modules if m in ATTENTION_MODULES)
+        if all_linear and not all_linear_takes_experts(model):     # every nn.Linear, as PEFT's: not the router
+            return tuple(m for m in model.linear_modules if m != model.moe.router)
         missing = [t for t in self.target_modules if not any(_names(m, t) for m in model.linear_modules)]
         if missing and not all_linear:
             kinds = model.modules_by_layer_kind()

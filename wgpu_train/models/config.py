@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
@@ -96,6 +97,7 @@ _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 
                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FAMILY_DEFAULTS = {
     "lfm2": lfm2.DEFAULTS,
+    "lfm2_moe": lfm2.MOE_DEFAULTS,
     "qwen3_5": qwen3_5.DEFAULTS,
     "qwen3_next": qwen3_5.DEFAULTS,
     "qwen3_5_moe": qwen3_5.DEFAULTS,
@@ -242,7 +244,7 @@ class ModelConfig:
         groups: dict = {}
         for layer in range(self.num_hidden_layers):
             mixer, mlp = self._layer_parts(layer)
-            kind = ("conv" if self.family == "lfm2" and self.is_conv(layer) else
+            kind = ("conv" if self.family in lfm2.FAMILIES and self.is_conv(layer) else
                     "linear_attention" if self.linear_attention is not None and self.is_linear(layer) else
                     "attention")
             groups.setdefault(f"{kind} layers", mixer)
@@ -257,14 +259,14 @@ class ModelConfig:
         return mixer + mlp
 
     def _attention_modules(self) -> tuple:
-        if self.family == "lfm2":
+        if self.family in lfm2.FAMILIES:
             return LFM2_ATTENTION
         return FUSED_LINEAR_MODULES[:2] if self.fused_projections else LINEAR_MODULES[:4]
 
     def _layer_parts(self, layer: int) -> tuple[tuple, tuple]:
         """(the token mixer's linear modules, the channel mixer's) of layer `layer`."""
-        lfm2 = self.family == "lfm2"
-        if lfm2 and self.is_conv(layer):
+        liquid = self.family in lfm2.FAMILIES
+        if liquid and self.is_conv(layer):
             mixer = LFM2_CONV
         elif self.linear_attention is not None and self.is_linear(layer):
             mixer = self.linear_attention.modules
@@ -273,7 +275,7 @@ class ModelConfig:
         if self.is_sparse(layer):
             mlp = (self.moe.router,) + (SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ())
         else:
-            mlp = LFM2_MLP if lfm2 else FUSED_LINEAR_MODULES[2:] if self.fused_projections else LINEAR_MODULES[4:]
+            mlp = LFM2_MLP if liquid else FUSED_LINEAR_MODULES[2:] if self.fused_projections else LINEAR_MODULES[4:]
         return mixer, mlp
 
     def is_sparse(self, layer: int) -> bool:
@@ -348,7 +350,7 @@ class ModelConfig:
                               f"{', '.join([*SUPPORTED_ARCHITECTURES, *WRAPPERS])}")
         family = SUPPORTED_ARCHITECTURES[arch]
         given, raw = raw, {**FAMILY_DEFAULTS.get(family, {}), **raw}
-        if family == "lfm2":
+        if family in lfm2.FAMILIES:
             raw = lfm2.lfm2_raw(raw)
 
         def need(key):
@@ -360,7 +362,7 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         layers = int(need("num_hidden_layers"))
         gemma = gemma_fields(raw, source, family, layers, hidden, int(head_dim)) if family.startswith("gemma") else {}
-        liquid = lfm2.lfm2_fields(raw, layers, source) if family == "lfm2" else \
+        liquid = lfm2.lfm2_fields(raw, family, layers, source) if family in lfm2.FAMILIES else \
             qwen3_5.qwen3_5_fields(raw, family, layers, source) if family in qwen3_5.FAMILIES else {}
         ff_size = liquid.pop("intermediate_size", None)
         act = raw.get("hidden_act", "silu")
@@ -375,7 +377,8 @@ class ModelConfig:
                                           raw.get("sliding_window") and not r else "full_attention"
                                           for r in rope_layers]}
         windows = _layer_windows(raw, family, layers, max_pos, source)
-        moe = moe_settings(raw, family, layers, source)
+        moe = lfm2.lfm2_moe_settings(raw, layers, source) if family == "lfm2_moe" else \
+            moe_settings(raw, family, layers, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
         if family == "gpt_oss":
@@ -405,7 +408,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", "lfm2", *qwen3_5.FAMILIES),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", *lfm2.FAMILIES, *qwen3_5.FAMILIES),
             qk_norm_per_head=family != "olmoe",
             rope_layers=rope_layers,
             moe=moe,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
+from wgpu_train.models import lfm2
 from wgpu_train.models.config import ModelConfig
 
 INPUT = "x_in"       # the layer's input activation (the residual stream)
@@ -266,9 +267,10 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
     # mlp.router
     logits = "router_logits" if moe.router == "router" else "router"
     ops = [_linear(moe.router, "h2", logits, "d_router", "d_h"),
-           Op("route", (logits,), ("route_w", "route_e"), ("d_route_w",), ("d_router",)),
+           Op("route", (logits,), ("route_w", "route_e"), ("d_route_w",), ("d_router",),
+              param=f"{moe.block}.expert_bias" if moe.expert_bias else ""),
            Op("experts", ("h2", "route_w", "route_e"), ("moe", "moe_gu"), ("d_moe",), ("d_h", "d_route_w"),
-              param="mlp.experts")]
+              param=f"{moe.block}.experts")]
     widths = {logits: e, "route_w": k, "route_e": k, "moe": c, "moe_gu": k * 2 * f}
     grad_widths = {"d_router": e, "d_route_w": k, "d_moe": c}
     if not s:
@@ -383,7 +385,7 @@ def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0, linear=None
     DeltaNet) to x_mid, the MLP's norm, then its channel mixer (the dense MLP, or a mixture of experts) to the
     layer's output; Gemma's sandwich-normed layer as a whole."""
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
-    names = _NAMES["lfm2" if cfg.family == "lfm2" else "llama"]
+    names = _NAMES["lfm2" if cfg.family in lfm2.FAMILIES else "llama"]
     c = cfg.hidden_size
     ops = [_rmsnorm(names["norm1"], INPUT, "h1", "rstd1", "d_h", CARRY)]
     widths = {INPUT: c, "h1": c, "rstd1": 1, "x_mid": c, "h2": c, "rstd2": 1}
