@@ -88,7 +88,7 @@ def module_path(layer: int, module: str) -> str:
 
 # the final norm where a family's checkpoints name it otherwise than model.norm (the name the engines use)
 FINAL_NORM = "model.norm.weight"
-_FINAL_NORMS = {"lfm2": "model.embedding_norm.weight", "lfm2_moe": "model.embedding_norm.weight"}
+_FINAL_NORMS = {family: "model.embedding_norm.weight" for family in ("lfm2", "lfm2_moe", "lfm3")}
 
 
 def final_norm_name(cfg: ModelConfig) -> str:
@@ -112,6 +112,8 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
         tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
     if cfg.moe is not None:
         tensors = read_fused(tensors, cfg, str(folder))
+    if cfg.family == "lfm3":      # the hub's LFM3 names g_proj self_attn.gate_proj (transformers renames it)
+        tensors = {k.replace(".self_attn.gate_proj.", ".self_attn.g_proj."): v for k, v in tensors.items()}
     if final_norm_name(cfg) in tensors:
         tensors[FINAL_NORM] = tensors.pop(final_norm_name(cfg))
     shapes = expected_shapes(cfg)
