@@ -1,7 +1,7 @@
 """LFM2-MoE (Lfm2MoeForCausalLM: LFM2's conv / attention layers, dense MLPs first, then sigmoid-routed experts with a
 choosing expert_bias) on the NumPy engine against transformers 5 and PEFT: the config read and its refusals, the
 sigmoid route op pair against autograd, logits, LoRA gradients on the experts (target_parameters), attention and
-conv, adapters both ways, all-linear as PEFT's, the hub's per-expert layout, greedy generation, the WebGPU refusal."""
+conv, full fine-tuning gradients, adapters both ways, all-linear as PEFT's, the hub's per-expert layout, greedy generation, the WebGPU refusal."""
 from __future__ import annotations
 
 import copy
@@ -135,6 +135,24 @@ def test_logits_loss_and_lora_gradients_match_peft(lfm2_moe):
     assert set(grads) == set(expected) and any(".feed_forward.experts." in k for k in grads)
     for name, g in expected.items():
         assert_close(grads[name], g, "grads_f32", name)
+
+
+def test_full_finetune_gradients_match_autograd(lfm2_moe):
+    """Every parameter's gradient (the router's and the experts' among them); expert_bias, a buffer, is not trained."""
+    hf, _, folder = lfm2_moe
+    ids, labels, mask = padded_batch(4, 12, 8, 2)
+    ids, labels = ids % 83, np.where(labels >= 0, labels % 83, labels)
+    model = copy.deepcopy(hf)
+    model.zero_grad()
+    model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)).loss.backward()
+    ours = load_model(folder / "model", backend="numpy")
+    ours.set_full_finetune()
+    _, grads = ours.loss_and_grads(ids, labels, mask)
+    expected = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    rename = {"model.norm.weight": "model.embedding_norm.weight"}
+    assert {rename.get(k, k) for k in grads} == set(expected)
+    for name, g in grads.items():
+        assert_close(g, expected[rename.get(name, name)], "grads_f32", name)
 
 
 def test_adapters_both_ways_and_all_linear_as_peft(lfm2_moe, tmp_path):

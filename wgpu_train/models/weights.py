@@ -70,6 +70,11 @@ def expert_path(layer: int, param: str, block: str = "mlp") -> str:
     return f"model.layers.{layer}.{block}.experts.{param}"
 
 
+def is_buffer(name: str) -> bool:
+    """Whether a tensor is one transformers keeps as a buffer, read but never trained (LFM2-MoE's expert_bias)."""
+    return name.endswith(".expert_bias")
+
+
 def module_name(path: str) -> str:
     """The layer's module a module path names (module_path's inverse): q_proj, shared_expert.gate_proj,
     conv.in_proj, ..."""
