@@ -228,3 +228,11 @@ def test_auto_backend_picks_numpy_and_the_router_aux_loss_is_refused(lfm2_moe):
     model = load_model(folder / "model", backend="numpy")
     with pytest.raises(ConfigError, match="sigmoid router has no load-balancing loss"):
         model.engine.set_router_aux_loss(0.01)
+
+
+def test_the_webgpu_engine_refuses_the_sigmoid_router_in_one_line(lfm2_moe, rt):
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+    with pytest.raises(ConfigError, match="routes experts by softmax only, not by sigmoid") as err:
+        WgpuEngine(ModelConfig.from_folder(lfm2_moe[2] / "model"), {}, rt)
+    assert "\n" not in str(err.value)

@@ -165,3 +165,11 @@ def test_hub_gate_proj_name_and_the_backend(lfm3, tmp_path):
     assert_close(load_model(tmp_path, backend="numpy").logits(ids, mask), a, "exact", "gate_proj")
     choice = choose_backend("auto", cfg=ModelConfig.from_folder(tmp_path))
     assert choice.engine == "numpy" and "attention gate" in choice.reason
+
+
+def test_the_webgpu_engine_refuses_the_head_gate_in_one_line(lfm3, rt):
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+    with pytest.raises(ConfigError, match="per-head attention gate \\(g_proj\\)") as err:
+        WgpuEngine(ModelConfig.from_folder(lfm3[2] / "model"), {}, rt)
+    assert "\n" not in str(err.value)
