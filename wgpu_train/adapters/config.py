@@ -83,13 +83,13 @@ class LoraConfig:
 
     def targets_in(self, model: ModelConfig) -> tuple:
         """The target modules in `model`'s layers, in their order: all-linear (every family's names) takes
-        the model's own (gpt-oss's attention alone, as PEFT's: experts.all_linear_takes_experts); a target names a
-        module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's dense MLPs' and shared expert's; the
-        experts' on the MoE families whose names PEFT converts, so refused there); a named module the model lacks
-        is refused, naming the model's modules."""
+        the model's own (on gpt-oss and LFM2-MoE not the router or experts, as PEFT's:
+        experts.all_linear_takes_experts); a target names a module by its path's end, as in PEFT (gate_proj: Qwen2-MoE's
+        dense MLPs' and shared expert's; the experts' on the MoE families whose names PEFT converts, so refused
+        there); a named module the model lacks is refused, naming the model's modules."""
         all_linear = self.target_modules == KNOWN_LINEAR_MODULES
-        if all_linear and not all_linear_takes_experts(model):     # gpt-oss: the attention alone, as PEFT's
-            return tuple(m for m in model.linear_modules if m in ATTENTION_MODULES)
+        if all_linear and not all_linear_takes_experts(model):     # every nn.Linear, as PEFT's: not the router
+            return tuple(m for m in model.linear_modules if m != model.moe.router)
         missing = [t for t in self.target_modules if not any(_names(m, t) for m in model.linear_modules)]
         if missing and not all_linear:
             kinds = model.modules_by_layer_kind()

@@ -29,11 +29,11 @@ ROUTER_PARAMETERS = {"gate": "gate.weight", "router": "mlp.router.weight"}
 
 def all_linear_takes_experts(model: ModelConfig) -> bool:
     """Whether all-linear takes the router and the experts of `model`, as PEFT 0.21's all-linear on transformers 5
-    does on Mixtral, Qwen3-MoE and OLMoE; on gpt-oss, whose router and experts are no nn.Linear, it takes the
-    attention's projections alone (measured). On Qwen2-MoE PEFT's all-linear takes neither router nor experts
-    (it converts no names there: peft_converts_expert_names); ours takes them, so that nothing is skipped, and
-    the saved adapter names them in target_parameters, which PEFT loads as trained."""
-    return model.family != "gpt_oss"
+    does on Mixtral, Qwen3-MoE and OLMoE; on gpt-oss and LFM2-MoE, whose routers and experts are no nn.Linear, it
+    takes their other nn.Linear modules alone (measured). On Qwen2-MoE PEFT's all-linear takes neither router nor
+    experts (it converts no names there: peft_converts_expert_names); ours takes them, so that nothing is skipped,
+    and the saved adapter names them in target_parameters, which PEFT loads as trained."""
+    return model.family not in ("gpt_oss", "lfm2_moe")
 
 
 def peft_converts_expert_names(model: ModelConfig) -> bool:
@@ -47,14 +47,15 @@ def peft_converts_expert_names(model: ModelConfig) -> bool:
 def parse_target_parameters(values) -> tuple[tuple, tuple]:
     """PEFT's target_parameters -> (the expert tensors they name, in EXPERT_PARAMETERS' order; the router modules
     they name: "gate" for gate.weight, "router" for router.weight). An entry names a tensor by its path's end
-    (down_proj, experts.down_proj, mlp.experts.down_proj); ConfigError for one that names none of them."""
+    (down_proj, experts.down_proj, mlp.experts.down_proj, LFM2-MoE's feed_forward.experts.down_proj); ConfigError
+    for one that names none of them."""
     if isinstance(values, str):
         values = [v.strip() for v in values.split(",") if v.strip()]
     experts, routers = set(), set()
     for value in values:
         if not isinstance(value, str):
             raise ConfigError(f"LoRA target_parameters entries must be names, got {value!r}")
-        full = {f"mlp.experts.{p}": p for p in EXPERT_PARAMETERS}
+        full = {f"{block}.experts.{p}": p for p in EXPERT_PARAMETERS for block in ("mlp", "feed_forward")}
         match = [p for path, p in full.items() if path == value or path.endswith("." + value)]
         if match:
             experts.add(match[0])
@@ -67,16 +68,17 @@ def parse_target_parameters(values) -> tuple[tuple, tuple]:
     return tuple(p for p in EXPERT_PARAMETERS if p in experts), tuple(m for m in ROUTER_PARAMETERS if m in routers)
 
 
-def saved_parameters(target_parameters: tuple, target_modules: tuple) -> list:
-    """adapter_config.json's target_parameters, as PEFT writes them: the experts' and, when the router is a
-    target, its weight (PEFT adapts the router, which is no nn.Linear, as a parameter)."""
-    return [f"mlp.experts.{p}" for p in target_parameters] + [v for m, v in ROUTER_PARAMETERS.items()
+def saved_parameters(target_parameters: tuple, target_modules: tuple, block: str = "mlp") -> list:
+    """adapter_config.json's target_parameters, as PEFT writes them: the experts' (under `block`, MoeConfig's) and,
+    when the router is a target, its weight (PEFT adapts the router, which is no nn.Linear, as a parameter)."""
+    return [f"{block}.experts.{p}" for p in target_parameters] + [v for m, v in ROUTER_PARAMETERS.items()
                                                                 if m in target_modules]
 
 
 def is_expert_path(path: str) -> bool:
-    """Whether a LoRA path is an MoE layer's expert tensor (model.layers.N.mlp.experts.gate_up_proj)."""
-    return ".mlp.experts." in path
+    """Whether a LoRA path is an MoE layer's expert tensor (model.layers.N.mlp.experts.gate_up_proj; LFM2-MoE's
+    under feed_forward)."""
+    return ".experts." in path
 
 
 def expert_key(path: str, which: str, adapted) -> str:

@@ -53,7 +53,7 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
     if model is not None and model.moe is not None:      # PEFT adapts the router and the experts as parameters
         config["target_modules"] = [t for t in targets if t not in ROUTERS]
         config["target_parameters"] = saved_parameters(lora_cfg.target_parameters if lora_cfg.experts_in(model)
-                                                       else (), tuple(lora_cfg.targets_in(model)))
+                                                       else (), tuple(lora_cfg.targets_in(model)), model.moe.block)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     write_safetensors(out / "adapter_model.safetensors", {k: v.astype(np.float32) for k, v in tensors.items()},
                       metadata={"format": "pt"})

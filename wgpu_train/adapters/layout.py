@@ -118,7 +118,7 @@ def module_settings(cfg, model) -> dict:
     for i in range(num_hidden_layers):
         here = model.layer_modules(i)
         paths = [module_path(i, m) for m in targets if m in here]
-        paths += [expert_path(i, p) for p in experts if model.is_sparse(i)]
+        paths += [expert_path(i, p, model.moe.block) for p in experts if model.is_sparse(i)]
         for path in paths:
             seen = outer_path(path) if model.wrapper else path      # the path PEFT matches patterns on
             if layers is not None and layer_index(seen, cfg.layers_pattern) not in layers:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError, positive_field
-from wgpu_train.models import lfm2, qwen3_5
+from wgpu_train.models import lfm2, lfm3, qwen3_5
 from wgpu_train.models.gemma import gemma_fields, gemma_layer_types
 from wgpu_train.models.moe import MoeConfig, moe_settings
 from wgpu_train.models.multimodal import WRAPPERS, from_wrapper
@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
+    "Lfm3ForCausalLM": "lfm3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
@@ -39,8 +41,9 @@ FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     #
 # "router", and Qwen2-MoE's shared expert's gate; its projections are matched by their last name, as PEFT matches them)
 KNOWN_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
                         "down_proj", "gate", "router", "shared_expert_gate", "in_proj", "out_proj", "w1", "w3", "w2",
+                        "g_proj",
                         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", "g_proj")
 # LFM2's modules outside self_attn are named by their path under the layer (conv.in_proj, feed_forward.w1): its
 # short convolution's out_proj shares the attention's last name, as PEFT's targets do
 LAYER_GROUPS = ("conv", "feed_forward", "linear_attn")     # linear_attn: Qwen3.5's Gated DeltaNet
@@ -96,6 +99,8 @@ _GEMMA_SIZES = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 
                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FAMILY_DEFAULTS = {
     "lfm2": lfm2.DEFAULTS,
+    "lfm2_moe": lfm2.MOE_DEFAULTS,
+    "lfm3": lfm3.DEFAULTS,
     "qwen3_5": qwen3_5.DEFAULTS,
     "qwen3_next": qwen3_5.DEFAULTS,
     "qwen3_5_moe": qwen3_5.DEFAULTS,
@@ -174,6 +179,7 @@ class ModelConfig:
     linear_layers: tuple = ()    # per layer: whether it is Gated DeltaNet linear attention (Qwen3.5); (): none is
     linear_attention: qwen3_5.LinearAttention | None = None   # those layers' heads and sizes
     attn_output_gate: bool = False   # Qwen3.5: attention's output times sigmoid of a gate q_proj also writes
+    head_gate: bool = False      # LFM3: each attention head's output times sigmoid of its g_proj output (Hq x hidden)
     wrapper: str = ""            # the multimodal class whose language model this is (multimodal.py); "" for a text model
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -242,7 +248,7 @@ class ModelConfig:
         groups: dict = {}
         for layer in range(self.num_hidden_layers):
             mixer, mlp = self._layer_parts(layer)
-            kind = ("conv" if self.family == "lfm2" and self.is_conv(layer) else
+            kind = ("conv" if self.is_conv(layer) else
                     "linear_attention" if self.linear_attention is not None and self.is_linear(layer) else
                     "attention")
             groups.setdefault(f"{kind} layers", mixer)
@@ -257,14 +263,16 @@ class ModelConfig:
         return mixer + mlp
 
     def _attention_modules(self) -> tuple:
-        if self.family == "lfm2":
+        if self.family in lfm2.FAMILIES:
             return LFM2_ATTENTION
+        if self.head_gate:
+            return LINEAR_MODULES[:4] + ("g_proj",)
         return FUSED_LINEAR_MODULES[:2] if self.fused_projections else LINEAR_MODULES[:4]
 
     def _layer_parts(self, layer: int) -> tuple[tuple, tuple]:
         """(the token mixer's linear modules, the channel mixer's) of layer `layer`."""
-        lfm2 = self.family == "lfm2"
-        if lfm2 and self.is_conv(layer):
+        liquid = self.family in (*lfm2.FAMILIES, "lfm3")
+        if liquid and self.is_conv(layer):
             mixer = LFM2_CONV
         elif self.linear_attention is not None and self.is_linear(layer):
             mixer = self.linear_attention.modules
@@ -273,7 +281,7 @@ class ModelConfig:
         if self.is_sparse(layer):
             mlp = (self.moe.router,) + (SHARED_EXPERT_MODULES if self.moe.shared_expert_size else ())
         else:
-            mlp = LFM2_MLP if lfm2 else FUSED_LINEAR_MODULES[2:] if self.fused_projections else LINEAR_MODULES[4:]
+            mlp = LFM2_MLP if liquid else FUSED_LINEAR_MODULES[2:] if self.fused_projections else LINEAR_MODULES[4:]
         return mixer, mlp
 
     def is_sparse(self, layer: int) -> bool:
@@ -297,7 +305,7 @@ class ModelConfig:
             "q_proj": (self.q_size * (2 if self.attn_output_gate else 1), c), "k_proj": (self.kv_size, c), "v_proj": (self.kv_size, c),
             "o_proj": (c, self.q_size), "gate_proj": (f, c), "up_proj": (f, c), "down_proj": (c, f),
             "qkv_proj": (self.q_size + 2 * self.kv_size, c), "gate_up_proj": (2 * f, c),
-            "out_proj": (c, self.q_size), "conv.in_proj": (3 * c, c), "conv.out_proj": (c, c),
+            "out_proj": (c, self.q_size), "g_proj": (self.num_attention_heads, c), "conv.in_proj": (3 * c, c), "conv.out_proj": (c, c),
             "feed_forward.w1": (f, c), "feed_forward.w3": (f, c), "feed_forward.w2": (c, f),
             **self._moe_shapes(), **(self.linear_attention.shapes(c) if self.linear_attention else {}),
         }[module]
@@ -348,7 +356,7 @@ class ModelConfig:
                               f"{', '.join([*SUPPORTED_ARCHITECTURES, *WRAPPERS])}")
         family = SUPPORTED_ARCHITECTURES[arch]
         given, raw = raw, {**FAMILY_DEFAULTS.get(family, {}), **raw}
-        if family == "lfm2":
+        if family in (*lfm2.FAMILIES, "lfm3"):
             raw = lfm2.lfm2_raw(raw)
 
         def need(key):
@@ -360,22 +368,24 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         layers = int(need("num_hidden_layers"))
         gemma = gemma_fields(raw, source, family, layers, hidden, int(head_dim)) if family.startswith("gemma") else {}
-        liquid = lfm2.lfm2_fields(raw, layers, source) if family == "lfm2" else \
+        liquid = lfm2.lfm2_fields(raw, family, layers, source) if family in lfm2.FAMILIES else \
+            lfm3.lfm3_fields(raw, layers, int(raw.get("max_position_embeddings", 4096)), source) if family == "lfm3" else \
             qwen3_5.qwen3_5_fields(raw, family, layers, source) if family in qwen3_5.FAMILIES else {}
         ff_size = liquid.pop("intermediate_size", None)
         act = raw.get("hidden_act", "silu")
         if not gemma and act not in ("silu", "swish"):   # Gemma's is its hidden_activation (_gemma_fields)
             raise ConfigError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        theta, scaling, rotary_dim = rope_settings(raw, gemma.pop("rope_parameters", None), family, int(head_dim),
-                                                   max_pos, source)
+        params = gemma.pop("rope_parameters", liquid.pop("rope_parameters", None))    # Gemma's / LFM3's full layers'
+        theta, scaling, rotary_dim = rope_settings(raw, params, family, int(head_dim), max_pos, source)
         rope_layers = _rope_layers(raw, layers, source) if family == "smollm3" else ()
         if family == "smollm3" and raw.get("layer_types") is None:      # transformers' SmolLM3: NoPE layers slide
             raw = {**raw, "layer_types": ["sliding_attention" if raw.get("use_sliding_window") and
                                           raw.get("sliding_window") and not r else "full_attention"
                                           for r in rope_layers]}
-        windows = _layer_windows(raw, family, layers, max_pos, source)
-        moe = moe_settings(raw, family, layers, source)
+        windows = liquid.pop("layer_windows") if family == "lfm3" else _layer_windows(raw, family, layers, max_pos, source)
+        moe = lfm2.lfm2_moe_settings(raw, layers, source) if family == "lfm2_moe" else \
+            moe_settings(raw, family, layers, source)
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias' is true; not supported")
         if family == "gpt_oss":
@@ -405,7 +415,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", "lfm2", *qwen3_5.FAMILIES),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe", *lfm2.FAMILIES, "lfm3", *qwen3_5.FAMILIES),
             qk_norm_per_head=family != "olmoe",
             rope_layers=rope_layers,
             moe=moe,

@@ -1,8 +1,9 @@
 """Where a checkpoint keeps an MoE layer's experts: transformers 5's fused 3-D tensors (mlp.experts.gate_up_proj
 (E, 2I, hidden), gate rows first; mlp.experts.down_proj (E, hidden, I)) or the hub's one tensor per expert and
 projection (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2, the Qwen MoE family's and OLMoE's
-mlp.experts.N.gate_proj / up_proj / down_proj). Read either as the fused one; write back the one a checkpoint came
-in. gpt-oss keeps its own (gpt_oss_layout.py)."""
+mlp.experts.N.gate_proj / up_proj / down_proj, LFM2-MoE's feed_forward.experts.N.w1 / w3 / w2, its fused ones under
+feed_forward too). Read either as the fused one; write back the one a checkpoint came in. gpt-oss keeps its own
+(gpt_oss_layout.py)."""
 from __future__ import annotations
 
 from wgpu_train.formats.safetensors import Stacked, TensorMap
@@ -10,7 +11,7 @@ from wgpu_train.models import gpt_oss_layout
 from wgpu_train.models.config import ModelConfig
 
 # per family: the block's name in hub checkpoints, and its experts' (gate, up, down) projection names
-_HUB = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+_HUB = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "lfm2_moe": ("feed_forward", ("w1", "w3", "w2"))}
 _DEFAULT_HUB = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -32,7 +33,7 @@ def is_fused(names) -> bool:
 def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:
     """A checkpoint's raw tensors (name -> (bytes, dtype)) with every sparse layer's experts under transformers
     5's fused names (Stacked views of the per-expert ones where the checkpoint has those) and the router under
-    mlp.gate (gpt-oss: its experts in our layout from MXFP4 or transformers', gpt_oss_layout.read_experts; source
+    mlp.gate (LFM2-MoE's: under feed_forward; gpt-oss: its experts in our layout from MXFP4 or transformers', gpt_oss_layout.read_experts; source
     names the checkpoint in its errors); tensors of a layout the model lacks are left for the caller's check to
     name."""
     if cfg.family == "gpt_oss":
@@ -42,10 +43,11 @@ def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_sparse(i):
             continue
+        ours = cfg.moe.block
         router = f"model.layers.{i}.{block}.gate.weight"
-        if router in out and block != "mlp":
-            out[f"model.layers.{i}.mlp.gate.weight"] = out.pop(router)
-        fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
+        if router in out and block != ours:
+            out[f"model.layers.{i}.{ours}.gate.weight"] = out.pop(router)
+        fused = f"model.layers.{i}.{ours}.experts.gate_up_proj"
         names = [expert_names(cfg, i, e) for e in range(cfg.moe.num_experts)]
         if fused in out or not all(n in out for trio in names for n in trio):
             continue
@@ -54,7 +56,7 @@ def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:
             continue          # mixed dtypes within one layer's experts: the shape check names the fused tensor
         dtype = dtypes.pop()
         out[fused] = (Stacked([(out[g][0], out[u][0]) for g, u, _ in names]), dtype)
-        out[f"model.layers.{i}.mlp.experts.down_proj"] = (Stacked([(out[d][0],) for _, _, d in names]), dtype)
+        out[f"model.layers.{i}.{ours}.experts.down_proj"] = (Stacked([(out[d][0],) for _, _, d in names]), dtype)
         for trio in names:
             for n in trio:
                 del out[n]
@@ -66,7 +68,7 @@ def hub_names(cfg: ModelConfig, name: str) -> list[tuple[str, tuple | None]]:
     tensor becomes one tensor per expert (gate_up_proj: the gate's rows, then the up's), Mixtral's router moves
     under block_sparse_moe; any other tensor keeps its name."""
     parts = name.split(".")
-    if cfg.moe is None or len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[3] != "mlp":
+    if cfg.moe is None or len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[3] != cfg.moe.block:
         return [(name, None)]
     block, layer, inter = _hub(cfg)[0], int(parts[2]), cfg.moe.expert_size
     if parts[4:] == ["gate", "weight"]:

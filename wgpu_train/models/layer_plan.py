@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
+from wgpu_train.models import lfm2
 from wgpu_train.models.config import ModelConfig
 
 INPUT = "x_in"       # the layer's input activation (the residual stream)
@@ -189,14 +190,40 @@ def _rmsnorm(weight, x, y, rstd, dy, dx, heads=""):
 
 _PLAN_FIELDS = ("hidden_size", "q_size", "kv_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "qk_norm", "qk_norm_per_head", "query_scale", "hidden_act", "sandwich_norms", "fused_projections",
-                "attention_sinks", "family", "attn_output_gate")
-# a layer's norms and modules as the family names them: Llama's, or LFM2's (its MLP's gate / up / down are w1 / w3 / w2)
-_NAMES = {"llama": dict(norm1="input_layernorm.weight", norm2="post_attention_layernorm.weight",
-                        q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", o="o_proj",
-                        gate="gate_proj", up="up_proj", down="down_proj"),
-          "lfm2": dict(norm1="operator_norm.weight", norm2="ffn_norm.weight", q_norm="self_attn.q_layernorm.weight",
-                       k_norm="self_attn.k_layernorm.weight", o="out_proj", gate="feed_forward.w1",
-                       up="feed_forward.w3", down="feed_forward.w2")}
+                "attention_sinks", "family", "attn_output_gate", "head_gate")
+# a layer's norms and modules as the family names them: Llama's, Gemma's (post1 / post2: the sandwich norms on the
+# token mixer's and the MLP's outputs), LFM2's (its MLP's gate / up / down are w1 / w3 / w2), LFM3's
+_LLAMA = dict(norm1="input_layernorm.weight", norm2="post_attention_layernorm.weight", q_norm="self_attn.q_norm.weight",
+              k_norm="self_attn.k_norm.weight", o="o_proj", gate="gate_proj", up="up_proj", down="down_proj")
+_LFM2 = dict(norm1="operator_norm.weight", norm2="ffn_norm.weight", q_norm="self_attn.q_layernorm.weight",
+             k_norm="self_attn.k_layernorm.weight", o="out_proj", gate="feed_forward.w1", up="feed_forward.w3",
+             down="feed_forward.w2")
+_NAMES = {"llama": _LLAMA, "lfm2": _LFM2,
+          "gemma": dict(_LLAMA, norm2="pre_feedforward_layernorm.weight", post1="post_attention_layernorm.weight",
+                        post2="post_feedforward_layernorm.weight"),
+          "lfm3": dict(_LFM2, q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight", o="o_proj",
+                       post1="post_operator_norm.weight", post2="post_ffn_norm.weight")}
+
+
+def _names(cfg) -> dict:
+    if cfg.family in lfm2.FAMILIES:
+        return _NAMES["lfm2"]
+    return _NAMES["lfm3" if cfg.family == "lfm3" else "gemma" if cfg.family.startswith("gemma") else "llama"]
+
+
+def _merged(part: tuple, normed: tuple) -> tuple:
+    """A branch (ops, widths, gradient widths) with its last op replaced by _post_norm's."""
+    return normed[0], {**part[1], **normed[1]}, {**part[2], **normed[2]}
+
+
+def _post_norm(weight: str, ops: list, c: int, residual: str, out: str) -> tuple[list, dict, dict]:
+    """A sandwich norm (Gemma, LFM3) on a branch whose last op writes `out` (added to `residual`): that op writes
+    the branch's output "o" instead, normed by `weight`, then added to `residual` as `out`."""
+    last, name = ops[-1], "o" if out == "x_mid" else "mlp"
+    ops = ops[:-1] + [Op(last.kind, last.inputs, (name,), ("d_pre",), last.grads_in, param=last.param),
+                      _rmsnorm(weight, name, name + "_n", "rstd_" + name, "d_post", "d_pre"),
+                      Op("add", (name + "_n",), (out,), (CARRY,), ("d_post",), residual=residual)]
+    return ops, {name: c, name + "_n": c, "rstd_" + name: 1}, {"d_pre": c, "d_post": c}
 
 
 def _short_conv(c: int, kernel: int) -> tuple[list, dict, dict]:
@@ -266,9 +293,10 @@ def _experts_mlp(moe, c: int) -> tuple[list, dict, dict]:
     # mlp.router
     logits = "router_logits" if moe.router == "router" else "router"
     ops = [_linear(moe.router, "h2", logits, "d_router", "d_h"),
-           Op("route", (logits,), ("route_w", "route_e"), ("d_route_w",), ("d_router",)),
+           Op("route", (logits,), ("route_w", "route_e"), ("d_route_w",), ("d_router",),
+              param=f"{moe.block}.expert_bias" if moe.expert_bias else ""),
            Op("experts", ("h2", "route_w", "route_e"), ("moe", "moe_gu"), ("d_moe",), ("d_h", "d_route_w"),
-              param="mlp.experts")]
+              param=f"{moe.block}.experts")]
     widths = {logits: e, "route_w": k, "route_e": k, "moe": c, "moe_gu": k * 2 * f}
     grad_widths = {"d_router": e, "d_route_w": k, "d_moe": c}
     if not s:
@@ -331,11 +359,18 @@ def _attention_mixer(cfg, names: dict, rope: bool) -> tuple[list, dict, dict]:
     the layer's input."""
     ops, widths, grad_widths = _attention(cfg, names, rope)
     out, d_out = "att", "d_att"
+    q = cfg.q_size
     if cfg.attn_output_gate:
-        q = cfg.q_size
         ops.append(Op("sigmoid_gate", ("att", "att_gate"), ("att_g",), ("d_att_g",), ("d_att", "d_att_gate")))
         widths.update(q_gate=2 * q, att_gate=q, att_g=q)
         grad_widths.update(d_q_gate=2 * q, d_att_gate=q, d_att_g=q)
+        out, d_out = "att_g", "d_att_g"
+    elif cfg.head_gate:      # LFM3: g_proj's one gate per head
+        h = cfg.num_attention_heads
+        ops += [_linear("g_proj", "h1", "head_g", "d_head_g", "d_h"),
+                Op("sigmoid_gate", ("att", "head_g"), ("att_g",), ("d_att_g",), ("d_att", "d_head_g"))]
+        widths.update(head_g=h, att_g=q)
+        grad_widths.update(d_head_g=h, d_att_g=q)
         out, d_out = "att_g", "d_att_g"
     return ops + [_linear(names["o"], out, "x_mid", CARRY, d_out, residual=INPUT)], widths, grad_widths
 
@@ -358,44 +393,25 @@ def _dense_mlp(cfg, names: dict, h: str, out: str, d_out: str, residual: str) ->
     return ops, widths, grad_widths
 
 
-def _sandwich(cfg, names: dict, rope: bool) -> tuple[list, dict, dict]:
-    """Gemma's layer after the input norm: each branch's output is normed before the residual add; the branch's
-    pre-norm output and its gradient, and the normed one's, use d_pre / d_post (the attention's, then the
-    MLP's)."""
-    c = cfg.hidden_size
-    ops, widths, grad_widths = _attention(cfg, names, rope)
-    mlp, mlp_widths, mlp_grads = _dense_mlp(cfg, names, "h2", "mlp", "d_pre", "")
-    ops += [_linear("o_proj", "att", "o", "d_pre", "d_att"),
-            _rmsnorm("post_attention_layernorm.weight", "o", "o_n", "rstd_o", "d_post", "d_pre"),
-            Op("add", ("o_n",), ("x_mid",), (CARRY,), ("d_post",), residual=INPUT),
-            _rmsnorm("pre_feedforward_layernorm.weight", "x_mid", "h2", "rstd2", "d_h", CARRY),
-            *mlp,
-            _rmsnorm("post_feedforward_layernorm.weight", "mlp", "mlp_n", "rstd_mlp", "d_post", "d_pre"),
-            Op("add", ("mlp_n",), (OUTPUT,), (CARRY,), ("d_post",), residual="x_mid")]
-    widths.update(mlp_widths, o=c, o_n=c, rstd_o=1, mlp=c, mlp_n=c, rstd_mlp=1)
-    grad_widths.update(mlp_grads, d_pre=c, d_post=c)
-    return ops, widths, grad_widths
-
-
 @lru_cache(maxsize=None)
 def _plan(fields: tuple, moe=None, rope: bool = True, conv: int = 0, linear=None) -> LayerPlan:
     """A layer from its input norm, its token mixer (attention; LFM2's short convolution; Qwen3.5's Gated
     DeltaNet) to x_mid, the MLP's norm, then its channel mixer (the dense MLP, or a mixture of experts) to the
-    layer's output; Gemma's sandwich-normed layer as a whole."""
+    layer's output; Gemma's and LFM3's sandwich norms on each branch's output (_post_norm)."""
     cfg = SimpleNamespace(**dict(zip(_PLAN_FIELDS, fields)))
-    names = _NAMES["lfm2" if cfg.family == "lfm2" else "llama"]
+    names = _names(cfg)
     c = cfg.hidden_size
     ops = [_rmsnorm(names["norm1"], INPUT, "h1", "rstd1", "d_h", CARRY)]
     widths = {INPUT: c, "h1": c, "rstd1": 1, "x_mid": c, "h2": c, "rstd2": 1}
     grad_widths = {CARRY: c, "d_h": c}
-    if cfg.sandwich_norms:
-        parts = [_sandwich(cfg, names, rope)]
-    else:
-        mixer = _short_conv(c, conv) if conv else _gated_delta_net(linear) if linear else \
-            _attention_mixer(cfg, names, rope)
-        norm2 = ([_rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY)], {}, {})
-        mlp = _experts_mlp(moe, c) if moe is not None else _dense_mlp(cfg, names, "h2", OUTPUT, CARRY, "x_mid")
-        parts = [mixer, norm2, mlp]
+    mixer = _short_conv(c, conv) if conv else _gated_delta_net(linear) if linear else \
+        _attention_mixer(cfg, names, rope)
+    norm2 = ([_rmsnorm(names["norm2"], "x_mid", "h2", "rstd2", "d_h", CARRY)], {}, {})
+    mlp = _experts_mlp(moe, c) if moe is not None else _dense_mlp(cfg, names, "h2", OUTPUT, CARRY, "x_mid")
+    if cfg.sandwich_norms:     # each branch's output normed before its residual add
+        mixer, mlp = [_merged(part, _post_norm(names[post], part[0], c, res, out))
+                      for part, post, res, out in ((mixer, "post1", INPUT, "x_mid"), (mlp, "post2", "x_mid", OUTPUT))]
+    parts = [mixer, norm2, mlp]
     for part_ops, part_widths, part_grads in parts:
         ops += part_ops
         widths.update(part_widths)

@@ -1,7 +1,7 @@
 """Mixtures of experts in config.json: how many experts, how many a token takes and how they are weighted, which
 layers are sparse, the shared expert, the router's auxiliary loss, and gpt-oss's router bias, expert biases and
-clamped SwiGLU (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss as transformers 5 defines them); what else an MoE
-config asks for is refused naming the field."""
+clamped SwiGLU (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss as transformers 5 defines them; LFM2-MoE's sigmoid
+router in lfm2.py); what else an MoE config asks for is refused naming the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +34,11 @@ class MoeConfig:
     a sigmoid gate (0: none); aux_loss_coef and aux_loss (output_router_logits: the load-balancing loss added to
     the training loss). gpt-oss: router, the router's module name ("router"; "gate" elsewhere); biases, on the
     router and on each expert's projections; swiglu (alpha, limit): its experts' clamped SwiGLU over gate_up rows
-    that alternate gate and up, () for the plain SwiGLU over gate rows then up rows."""
+    that alternate gate and up, () for the plain SwiGLU over gate rows then up rows. LFM2-MoE: block, the module
+    the router and experts sit under ("feed_forward"; "mlp" elsewhere); scoring, the router's score of each
+    expert ("softmax", or "sigmoid": normalised over the chosen ones plus 1e-6); expert_bias, a per-expert bias
+    (block.expert_bias) added to the scores to choose the k, not to weigh them; scaling, the weights' factor
+    (routed_scaling_factor)."""
 
     num_experts: int
     top_k: int
@@ -47,6 +51,10 @@ class MoeConfig:
     router: str = "gate"
     biases: bool = False
     swiglu: tuple = ()
+    block: str = "mlp"
+    scoring: str = "softmax"
+    expert_bias: bool = False
+    scaling: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse[layer])
@@ -58,7 +66,8 @@ class MoeConfig:
                 "moe_intermediate_size": self.expert_size, "shared_expert_intermediate_size": self.shared_expert_size}
 
 
-def _count(raw: dict, key: str, source: str) -> int:
+def positive_count(raw: dict, key: str, source: str) -> int:
+    """raw[key] checked a positive integer (ConfigError naming the field)."""
     value = raw.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
@@ -88,25 +97,25 @@ def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig 
     count_key, size_key = MOE_FAMILIES[family]
     if count_key not in raw:
         count_key = next((k for k in _COUNT_ALIASES if k in raw), count_key)
-    experts, top_k = _count(raw, count_key, source), _count(raw, "num_experts_per_tok", source)
+    experts, top_k = positive_count(raw, count_key, source), positive_count(raw, "num_experts_per_tok", source)
     if top_k > experts:
         raise ConfigError(f"{source}: field 'num_experts_per_tok' ({top_k}) is larger than '{count_key}' ({experts})")
     if family in ("qwen2_moe", "qwen3_moe", "qwen3_next"):     # Qwen3.5-MoE's layers are all sparse
-        step = _count({"decoder_sparse_step": 1, **raw}, "decoder_sparse_step", source)
+        step = positive_count({"decoder_sparse_step": 1, **raw}, "decoder_sparse_step", source)
         dense = set(raw.get("mlp_only_layers") or [])
         if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in dense):
             raise ConfigError(f"{source}: field 'mlp_only_layers' must list layer indices below {layers}")
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     else:
         sparse = (True,) * layers
-    shared = _count(raw, "shared_expert_intermediate_size", source) if family in ("qwen2_moe", "qwen3_next",
+    shared = positive_count(raw, "shared_expert_intermediate_size", source) if family in ("qwen2_moe", "qwen3_next",
                                                                                          "qwen3_5_moe") else 0
     coef = raw.get("router_aux_loss_coef", 0.001 if family != "olmoe" else 0.01)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
         raise ConfigError(f"{source}: field 'router_aux_loss_coef' must be a number >= 0, got {coef!r}")
     # gpt-oss's softmax over the top-k logits is the softmax over all of them renormalised over the k (Mixtral's)
     gpt_oss = family == "gpt_oss"
-    return MoeConfig(num_experts=experts, top_k=top_k, expert_size=_count(raw, size_key, source),
+    return MoeConfig(num_experts=experts, top_k=top_k, expert_size=positive_count(raw, size_key, source),
                      normalize=True if family in ("mixtral", "gpt_oss") else bool(raw.get("norm_topk_prob", False)),
                      sparse=sparse, shared_expert_size=shared, aux_loss_coef=float(coef),
                      aux_loss=bool(raw.get("output_router_logits", False)),

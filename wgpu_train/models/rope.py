@@ -31,12 +31,15 @@ def rope_settings(raw: dict, params, family: str, head_dim: int, max_pos: int, s
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             scaling = dict(scaling) if rope_type != "default" else None
     block = params if rope_field == "rope_parameters" else raw.get("rope_scaling") or {}
-    rotary_dim = _rotary_dim(raw, block, family, int(head_dim), source)
+    # proportional RoPE (LFM3's full layers) rotates the whole head, its last pairs at frequency 0
+    proportional = scaling is not None and scaling.get("rope_type") == "proportional"
+    rotary_dim = 0 if proportional else _rotary_dim(raw, block, family, int(head_dim), source)
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         if family == "phi3" and rope_type in ("su", "yarn"):    # transformers' Phi-3: old names of longrope
             rope_type = "longrope"
-        allowed = {"phi3": ("longrope",), "gpt_oss": ("yarn",)}.get(family, ("llama3", "linear"))  # transformers'
+        allowed = {"phi3": ("longrope",), "gpt_oss": ("yarn",), "lfm3": ("proportional",)}.get(
+            family, ("llama3", "linear"))  # transformers'
         if rope_type not in allowed:
             raise ConfigError(f"{source}: field '{rope_field}' has type {rope_type!r}; {family} supports "
                               f"{' and '.join(map(repr, allowed))}")
@@ -45,6 +48,9 @@ def rope_settings(raw: dict, params, family: str, head_dim: int, max_pos: int, s
             scaling = _longrope(scaling, raw, max_pos, (rotary_dim or int(head_dim)) // 2, rope_field, source)
         elif rope_type == "yarn":
             scaling = _yarn(scaling, raw, max_pos, source)
+        elif rope_type == "proportional":
+            scaling = {**scaling, "factor": float(positive_field({"factor": 1.0, **scaling}, "factor", source)),
+                       "partial_rotary_factor": float(scaling.get("partial_rotary_factor", 1.0))}
         elif "factor" not in scaling:
             raise ConfigError(f"{source}: field '{rope_field}' lacks 'factor'")
     return float(theta), scaling, rotary_dim
@@ -146,7 +152,7 @@ def _yarn_inv_freq(inv: np.ndarray, s: dict, base: float, dim: int) -> np.ndarra
 def inv_freq(cfg, layer: int = 0, long: bool = False) -> np.ndarray:
     """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64: the local base unscaled where the
     layer uses it, else rope_theta with the configured scaling (llama3, linear, YaRN, longrope: its short
-    factors, or its long ones with `long`)."""
+    factors, or its long ones with `long`; proportional: LFM3's)."""
     d = cfg.rotary_dim or cfg.head_dim
     local = bool(cfg.local_rope) and cfg.local_rope[layer]
     inv = 1.0 / ((cfg.local_rope_theta if local else cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
@@ -157,6 +163,8 @@ def inv_freq(cfg, layer: int = 0, long: bool = False) -> np.ndarray:
         return inv / np.asarray(s["long_factor" if long else "short_factor"], np.float64)
     if s["rope_type"] == "yarn":
         return _yarn_inv_freq(inv, s, cfg.rope_theta, d)
+    if s["rope_type"] == "proportional":     # the first partial_rotary_factor of the pairs rotate, the rest not
+        return np.where(np.arange(d // 2) < int(s["partial_rotary_factor"] * d // 2), inv, 0.0) / s["factor"]
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return inv / factor

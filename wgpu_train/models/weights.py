@@ -51,7 +51,9 @@ def expected_shapes(cfg: ModelConfig) -> dict:
         for m in cfg.layer_modules(i):
             shapes[module_path(i, m) + ".weight"] = cfg.linear_shape(m)
         if cfg.is_sparse(i):
-            shapes.update({expert_path(i, p): cfg.expert_shape(p) for p in EXPERT_PARAMETERS})
+            shapes.update({expert_path(i, p, cfg.moe.block): cfg.expert_shape(p) for p in EXPERT_PARAMETERS})
+            if cfg.moe.expert_bias:  # LFM2-MoE: the bias its router chooses by (a buffer in transformers)
+                shapes[f"model.layers.{i}.{cfg.moe.block}.expert_bias"] = (cfg.moe.num_experts,)
             if cfg.moe.biases:       # gpt-oss: the router's and each expert's projections' biases
                 shapes[module_path(i, cfg.moe.router) + ".bias"] = (cfg.moe.num_experts,)
                 shapes.update({expert_path(i, p) + "_bias": cfg.expert_shape(p)[:2] for p in EXPERT_PARAMETERS})
@@ -62,9 +64,15 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def expert_path(layer: int, param: str) -> str:
-    """The transformers 5 name of an MoE layer's expert tensor, e.g. model.layers.0.mlp.experts.gate_up_proj."""
-    return f"model.layers.{layer}.mlp.experts.{param}"
+def expert_path(layer: int, param: str, block: str = "mlp") -> str:
+    """The transformers 5 name of an MoE layer's expert tensor, e.g. model.layers.0.mlp.experts.gate_up_proj
+    (block: MoeConfig.block, LFM2-MoE's feed_forward)."""
+    return f"model.layers.{layer}.{block}.experts.{param}"
+
+
+def is_buffer(name: str) -> bool:
+    """Whether a tensor is one transformers keeps as a buffer, read but never trained (LFM2-MoE's expert_bias)."""
+    return name.endswith(".expert_bias")
 
 
 def module_name(path: str) -> str:
@@ -85,7 +93,7 @@ def module_path(layer: int, module: str) -> str:
 
 # the final norm where a family's checkpoints name it otherwise than model.norm (the name the engines use)
 FINAL_NORM = "model.norm.weight"
-_FINAL_NORMS = {"lfm2": "model.embedding_norm.weight"}
+_FINAL_NORMS = {family: "model.embedding_norm.weight" for family in ("lfm2", "lfm2_moe", "lfm3")}
 
 
 def final_norm_name(cfg: ModelConfig) -> str:
@@ -109,6 +117,8 @@ def load_weights(folder, cfg: ModelConfig) -> LazyWeights:
         tensors = {ours: tensors[name] for ours, name in language_names(tensors, folder).items()}
     if cfg.moe is not None:
         tensors = read_fused(tensors, cfg, str(folder))
+    if cfg.family == "lfm3":      # the hub's LFM3 names g_proj self_attn.gate_proj (transformers renames it)
+        tensors = {k.replace(".self_attn.gate_proj.", ".self_attn.g_proj."): v for k, v in tensors.items()}
     if final_norm_name(cfg) in tensors:
         tensors[FINAL_NORM] = tensors.pop(final_norm_name(cfg))
     shapes = expected_shapes(cfg)

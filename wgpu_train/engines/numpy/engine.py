@@ -10,7 +10,7 @@ import numpy as np
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 from wgpu_train.engines.protocol import EngineState, LossScaler
-from wgpu_train.models.weights import module_path
+from wgpu_train.models.weights import is_buffer, module_path
 from wgpu_train.models.layer_plan import OUTPUT, layer_plans
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.numpy import ops
@@ -160,7 +160,7 @@ class NumpyEngine(EngineState):
             self.w[k] = v.astype(self.dtype)
 
     def set_full_finetune(self, enabled: bool = True):
-        self.set_trained_base(tuple(self.w) if enabled else ())
+        self.set_trained_base(tuple(n for n in self.w if not is_buffer(n)) if enabled else ())
 
     def set_trained_base(self, names, untie: bool = False):
         """Train base weights `names` beside any LoRA (float32, as they are now); the others are frozen.

@@ -114,7 +114,9 @@ class LayerOps:
 
     def _forward_route(self, op, i, a, walk):
         spec = self.cfg.moe
-        a[op.outputs[0]], a[op.outputs[1]] = ops.moe_route_forward(a[op.inputs[0]], spec.top_k, spec.normalize)
+        bias = self.w[f"model.layers.{i}.{op.param}"] if op.param else None    # LFM2-MoE's expert_bias
+        a[op.outputs[0]], a[op.outputs[1]] = ops.moe_route_forward(a[op.inputs[0]], spec.top_k, spec.normalize,
+                                                                   spec.scoring, bias, spec.scaling)
         if walk.router_loss is not None:
             walk.router_loss.add(a[op.inputs[0]], a[op.outputs[1]], walk.real_tokens)
 
@@ -275,7 +277,9 @@ class LayerOps:
 
     def _backward_route(self, op, i, a, dys, walk):
         dprobs = walk.router_loss.dprobs(walk.real_tokens) if walk.router_loss is not None else None
-        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], self.cfg.moe.normalize, dprobs)]
+        spec = self.cfg.moe
+        return [ops.moe_route_backward(dys[0], a[op.inputs[0]], a[op.outputs[1]], spec.normalize, dprobs,
+                                       spec.scoring, spec.scaling)]
 
     def _backward_experts(self, op, i, a, dys, walk):
         (gate_up, down), (lora_gu, lora_dn), paths = self._experts(i, op)

@@ -197,17 +197,23 @@ def swiglu_backward(dh, gate, up):
 
 # ---- sigmoid gate (Qwen2-MoE's shared expert) ----------------------------------------------------
 
+def _groups(x, g):
+    """x (N, C) as (N, G, C / G) for g (N, G): each gate's columns."""
+    return x.reshape(*x.shape[:-1], g.shape[-1], -1)
+
+
 def sigmoid_gate_forward(x, g):
-    """x (N, C) times sigmoid(g), g (N, 1) (one gate per token: Qwen2-MoE's shared expert) or (N, C) (one per
-    element: Qwen3.5's attention output gate): y (N, C)."""
-    return x * _sigmoid(g)
+    """x (N, C) times sigmoid(g), g (N, G), each gate over C / G adjacent columns: G = 1 (one gate per token:
+    Qwen2-MoE's shared expert), the heads (LFM3's g_proj) or C (one per element: Qwen3.5's attention output
+    gate): y (N, C)."""
+    return (_groups(x, g) * _sigmoid(g)[..., None]).reshape(x.shape)
 
 
 def sigmoid_gate_backward(dy, x, g):
     """Gradients of sigmoid_gate_forward: dx (N, C), dg (g's shape)."""
     s = _sigmoid(g)
-    dxs = dy * x if g.shape[-1] == x.shape[-1] else np.sum(dy * x, axis=-1, keepdims=True)
-    return dy * s, dxs * s * (1.0 - s)
+    dxs = np.sum(_groups(dy, g) * _groups(x, g), axis=-1)
+    return (_groups(dy, g) * s[..., None]).reshape(x.shape), dxs * s * (1.0 - s)
 
 
 # ---- mul (LFM2's gates of its short convolution) --------------------------------------------------

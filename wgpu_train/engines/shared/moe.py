@@ -1,5 +1,5 @@
 """The reference mixture-of-experts op pairs both engines hold to: the router's top-k (softmax over the experts,
-the k largest, renormalised or not), the routed experts' gated MLPs with each expert's own LoRA pair (gpt-oss's:
+or LFM2-MoE's sigmoid with a choosing bias and a scale; the k largest, renormalised or not), the routed experts' gated MLPs with each expert's own LoRA pair (gpt-oss's:
 with biases and its clamped SwiGLU), and transformers' load-balancing loss. The NumPy engine runs them; the WebGPU
 kernels are checked against them."""
 from __future__ import annotations
@@ -31,31 +31,44 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def moe_route_forward(logits, top_k: int, normalize: bool):
-    """logits (N, E) -> weights (N, k), experts (N, k) int32: softmax over the experts, the k largest in
-    descending order (the lower index first among equals, as torch.topk on the CPU), divided by their sum when
-    `normalize` (norm_topk_prob; Mixtral's softmax over the chosen logits is the same)."""
-    probs = _softmax(logits)                                                        # (N, E)
-    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+# what a router's renormalisation adds to the chosen scores' sum: transformers' sigmoid routers add 1e-6
+_EPS = {"softmax": 0.0, "sigmoid": 1e-6}
+
+
+def moe_route_forward(logits, top_k: int, normalize: bool, scoring: str = "softmax", bias=None,
+                      scale: float = 1.0):
+    """logits (N, E) -> weights (N, k), experts (N, k) int32: each expert's score (softmax over the experts, or
+    LFM2-MoE's sigmoid of each), the k largest of score + bias (bias (E,) or None: it chooses, it does not weigh) in
+    descending order (the lower index first among equals, as torch.topk on the CPU), their scores divided by their
+    sum when `normalize` (norm_topk_prob; Mixtral's softmax over the chosen logits is the same; a sigmoid's sum
+    plus 1e-6, as transformers'), times `scale` (routed_scaling_factor)."""
+    probs = _softmax(logits) if scoring == "softmax" else _sigmoid(logits)           # (N, E)
+    choose = probs if bias is None else probs + bias
+    experts = np.argsort(-choose, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
     weights = np.take_along_axis(probs, experts, axis=-1)                          # (N, k)
     if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights.astype(logits.dtype), experts
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + _EPS[scoring])
+    return (weights * scale).astype(logits.dtype), experts
 
 
-def moe_route_backward(dweights, logits, experts, normalize: bool, dprobs=None):
-    """dweights (N, k) -> dlogits (N, E), through the renormalisation and the softmax; dprobs (N, E), if given,
-    adds a gradient on every expert's probability (the load-balancing loss's)."""
-    probs = _softmax(logits)                                                        # (N, E)
+def moe_route_backward(dweights, logits, experts, normalize: bool, dprobs=None, scoring: str = "softmax",
+                       scale: float = 1.0):
+    """dweights (N, k) -> dlogits (N, E), through the scale, the renormalisation and the scores (a softmax's
+    over every expert; a sigmoid's only the chosen experts' own logits: the bias that chose them has no
+    gradient); dprobs (N, E), if given, adds a gradient on every expert's score (the load-balancing loss's)."""
+    probs = _softmax(logits) if scoring == "softmax" else _sigmoid(logits)           # (N, E)
     chosen = np.take_along_axis(probs, experts, axis=-1)                           # (N, k)
+    dweights = dweights * scale
     if normalize:
-        total = chosen.sum(axis=-1, keepdims=True)
+        total = chosen.sum(axis=-1, keepdims=True) + _EPS[scoring]
         weights = chosen / total
         dchosen = (dweights - np.sum(dweights * weights, axis=-1, keepdims=True)) / total
     else:
         dchosen = dweights
     dp = np.zeros_like(probs) if dprobs is None else np.array(dprobs, dtype=probs.dtype)
     np.add.at(dp, (np.arange(len(dp))[:, None], experts), dchosen)
+    if scoring == "sigmoid":
+        return (dp * probs * (1.0 - probs)).astype(logits.dtype)
     return (probs * (dp - np.sum(dp * probs, axis=-1, keepdims=True))).astype(logits.dtype)
 
 
@@ -250,4 +263,7 @@ def check_router_aux_loss(cfg: ModelConfig, coef: float) -> float:
         raise ConfigError(f"router_aux_loss_coef must be a number >= 0, got {coef}")
     if coef and cfg.moe is None:
         raise ConfigError(f"router_aux_loss_coef {coef:g}: {cfg.label} is not a mixture of experts (it has no router)")
+    if coef and cfg.moe.scoring != "softmax":
+        raise ConfigError(f"router_aux_loss_coef {coef:g}: {cfg.label}'s {cfg.moe.scoring} router has no "
+                          f"load-balancing loss in transformers; leave it 0")
     return coef

@@ -251,7 +251,7 @@ def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: S
     biases) in float32."""
     if ndim == 2 and is_linear_weight(name):
         return base_dtype
-    if ndim == 3 and ".mlp.experts." in name:
+    if ndim == 3 and ".experts." in name:
         return base_dtype
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return embed_dtype
