@@ -177,6 +177,15 @@ TOLERANCES: dict[str, Tolerance] = {
         "chunk hand-over moves values by > 1e-3"),
     "k_l2norm": Tolerance(1e-6, 1e-6,
         "the l2norm pair: a float32 sum of D squares (or products), one rsqrt and one or two roundings per element"),
+    "k_gated_deltanet": Tolerance(2e-6, 2e-6,
+        "the Gated DeltaNet layer's small ops (silu, the decay, the gated RMSNorm) against engines/shared/"
+        "gated_deltanet.py in float64: float32 exp / log / rsqrt (a few ulp on GPUs) and a sum of D squares per row; "
+        "a wrong sign, head index or missing factor moves values by > 1e-2"),
+    "k_gated_deltanet_sum": Tolerance(1e-5, 1e-5,
+        "the weight gradients of A_log, dt_bias and the gated RMSNorm: float32 sums over up to 100 rows of terms ~1 "
+        "in a fixed order"),
+    "k_gated_deltanet_bf16": sixteen_bit("bf16", 2e-6, 2e-6,
+        "the Gated DeltaNet layer's small ops with bfloat16 inputs and outputs"),
     "k_dora": Tolerance(2e-6, 2e-6,
         "DoRA's norm (sums of r and r^2 products, then 1 / sqrt) and its scale c = m * rn times z: a few float32 "
         "roundings per element; observed <= 2.6e-7 absolute"),
