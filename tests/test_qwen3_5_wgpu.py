@@ -1,0 +1,114 @@
+"""Qwen3.5 and Qwen3-Next (Gated DeltaNet linear attention between gated full-attention layers) on the WebGPU engine
+against the NumPy engine (tests/test_qwen3_5.py holds that one to transformers and PEFT), on every adapter present:
+logits, loss and every LoRA gradient on a padded batch of 150 tokens (crossing the delta rule's chunks of 16 to 64),
+LoRA on both layer kinds' modules (Qwen3.5's four in-projections, Qwen3-Next's two fused ones); optimizer steps in
+one submission each; gradient checkpointing; full fine-tuning's gradients of A_log, dt_bias, the conv1d and the
+gated norm; generation refused in one line for now."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from finetune_helpers import padded_batch
+from test_qwen3_5 import build
+from tolerances import assert_close
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.errors import ConfigError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+TARGETS = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "v_proj",
+                       "down_proj"],
+           "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj", "up_proj"]}
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build(request.param).save_pretrained(folder)
+    return request.param, folder
+
+
+def _pair(folder, rt, kind=None):
+    """The model on both engines; with kind, LoRA on its TARGETS with B random."""
+    ref = wt.load_model(folder, backend="numpy")
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    if kind:
+        config = wt.LoraConfig(r=3, alpha=7, target_modules=TARGETS[kind])
+        ref.add_lora(config, seed=5)
+        rng = np.random.default_rng(1)
+        modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
+                   for p, (a, b) in ref.engine.lora_tensors().items()}
+        ref._set_lora(config, modules, seed=5)
+        gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
+    return ref, gpu
+
+
+def _same_loss_and_grads(ref, gpu, what, batch, must_have: str):
+    loss_r, grads_r = ref.loss_and_grads(*batch)
+    loss_g, grads_g = gpu.loss_and_grads(*batch)
+    assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", what)
+    assert grads_g.keys() == grads_r.keys() and any(must_have in k for k in grads_r)
+    for k, g in grads_r.items():
+        assert_close(grads_g[k], g, "gpu_grads", f"{what}: {k}")
+    return grads_g
+
+
+def test_lora_logits_loss_gradients_and_steps_match_numpy(model, rt):
+    """150 tokens, row 1 padded from 101; then two optimizer steps of two micro-batches, one submission each."""
+    kind, folder = model
+    ref, gpu = _pair(folder, rt, kind)
+    ids, labels, mask = padded_batch(3, 150, 101, 3)
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_hybrid_logits", kind)
+    _same_loss_and_grads(ref, gpu, kind, (ids, labels, mask), ".linear_attn.in_proj_")
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    micro = [(ids[r:r + 1].astype(np.int32), shift_labels(labels[r:r + 1]), mask[r:r + 1].astype(np.int32),
+              pos[r:r + 1].copy()) for r in range(2)]
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=0.5)
+    for step in (1, 2):
+        loss_r, count_r, norm_r, _ = ref.engine.train_step(micro, hp, step)
+        loss_g, count_g, norm_g, applied = gpu.engine.train_step(micro, hp, step)
+        assert applied and count_g == count_r
+        assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", f"{kind} step {step}")
+        assert_close(np.float64(norm_g), np.float64(norm_r), "gpu_hybrid_grad_norm", f"{kind} grad norm, step {step}")
+        assert gpu.engine.last_step["submits"] == 1 and gpu.engine.last_step["readbacks"] == 1
+    after_r, after_g = ref.lora_state_dict(), gpu.lora_state_dict()
+    for k, v in after_r.items():
+        assert_close(after_g[k], v, "gpu_hybrid_params_after_steps", f"{kind}: {k}")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(model, rt):
+    """Each linear-attention layer's forward rerun in the backward (its delta rule's states with it)."""
+    kind, folder = model
+    _, plain = _pair(folder, rt, kind)
+    _, ckpt = _pair(folder, rt, kind)
+    ckpt.set_gradient_checkpointing(True)
+    batch = padded_batch(4, 40, 30, 2)
+    loss_p, grads_p = plain.loss_and_grads(*batch)
+    loss_c, grads_c = ckpt.loss_and_grads(*batch)
+    assert loss_c == loss_p and grads_c.keys() == grads_p.keys()
+    for k in grads_p:
+        np.testing.assert_array_equal(grads_c[k], grads_p[k], err_msg=k)
+
+
+def test_full_finetuning_gradients_match_numpy(rt, tmp_path):
+    """Every weight's gradient, A_log's, dt_bias', the conv1d's and the gated norm's among them."""
+    build("qwen3_5").save_pretrained(tmp_path)
+    ref, gpu = _pair(tmp_path, rt)
+    for m in (ref, gpu):
+        m.set_full_finetune()
+    grads = _same_loss_and_grads(ref, gpu, "full fine-tuning", padded_batch(2, 70, 40, 2), ".linear_attn.A_log")
+    for name in ("model.layers.0.linear_attn.dt_bias", "model.layers.2.linear_attn.conv1d.weight",
+                 "model.layers.2.linear_attn.norm.weight"):
+        assert np.abs(grads[name]).max() > 1e-4, name
+
+
+def test_generation_is_refused_in_one_line(model, rt):
+    kind, folder = model
+    _, gpu = _pair(folder, rt)
+    with pytest.raises(ConfigError, match="does not generate through linear-attention") as err:
+        gpu.generate([5, 17, 3], max_new_tokens=2)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,135 @@
+"""Recording Qwen3.5's and Qwen3-Next's Gated DeltaNet ops of the layer plan (models/layer_plan._gated_delta_net) on
+the WebGPU engine: a part of LayerRecorder (webgpu/layers.py), one short method per op kind and direction, the
+same ones the NumPy engine's walk finds (engines/numpy/layers.py). The conv1d is the short_conv op's
+(webgpu/short_conv.py); the other ops run the gated_deltanet and delta_rule families (gated_deltanet.py,
+delta_rule.py).
+
+What the layer plan does not hold lives here, sized per batch and grown on demand: the delta rule's states (B, Hv, N,
+Dk, Dv) per layer in a training bucket without gradient checkpointing (the backward reads them), else one set that
+the checkpointed backward's recompute refills; its scratch, final state, and the l2norm's inverse norms, which the
+backward recomputes from the saved input rather than storing."""
+from __future__ import annotations
+
+from wgpu_train.errors import ConfigError
+from wgpu_train.engines.webgpu import delta_rule as DR
+from wgpu_train.engines.webgpu import gated_deltanet as GD
+from wgpu_train.engines.webgpu import kernels as K
+
+
+class GatedDeltaNetOps:
+    """LayerRecorder's methods for the op kinds silu, concat, l2norm, decay, delta_rule and gated_rmsnorm."""
+
+    def _dn_buffer(self, rt, name: str, elements: int):
+        """A float32 buffer of at least `elements` for `name`, grown (a new one) when a bigger batch needs more. A
+        replaced buffer is kept, since a recording not yet submitted may still bind it."""
+        store = self.__dict__.setdefault("_dn_buffers", {})
+        buf = store.get(name)
+        if buf is None or buf.size < 4 * elements:
+            if buf is not None:
+                self.__dict__.setdefault("_dn_retired", []).append(buf)
+            buf = store[name] = rt.buffer(4 * max(1, elements), "gated_deltanet." + name)
+        return buf
+
+    def _dn_sizes(self):
+        spec = self.cfg.linear_attention
+        return spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
+
+    def _forward_silu(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " linear attention")
+        GD.silu_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.n * self.plans[i].widths[op.inputs[0]])
+
+    def _backward_silu(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not accumulate[0], "silu's backward writes its gradient"
+        rec.section(self._where + " linear attention")
+        GD.silu_backward(rec, dxs[0], dys[0], a[op.inputs[0]], acts.n * self.plans[i].widths[op.inputs[0]])
+
+    def _forward_concat(self, rec, op, i, acts, buf, kv):
+        """split's inverse: its backward's kernel."""
+        rec.section(self._where + " split")
+        K.split_backward(rec, buf[op.outputs[0]], [buf[x] for x in op.inputs], acts.n,
+                         [self.plans[i].widths[x] for x in op.inputs])
+
+    def _backward_concat(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "concat's backward writes its gradients"
+        rec.section(self._where + " split")
+        K.split_forward(rec, dxs, dys[0], acts.n, [self.plans[i].widths[x] for x in op.inputs])
+
+    def _l2norm_rows(self, op, i, acts) -> tuple:
+        heads = self.plans[i].head_count(self.cfg, op)
+        return acts.n * heads, self.plans[i].widths[op.inputs[0]] // heads
+
+    def _forward_l2norm(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " linear attention")
+        rows, d = self._l2norm_rows(op, i, acts)
+        DR.l2norm_forward(rec, buf[op.outputs[0]], self._dn_buffer(rec.rt, "inv_norm", rows), buf[op.inputs[0]],
+                          rows, d)
+
+    def _backward_l2norm(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        """The normalised vectors and their inverse norms recomputed from the saved input, then the gradient."""
+        assert not accumulate[0], "l2norm's backward writes its gradient"
+        rec.section(self._where + " linear attention")
+        rows, d = self._l2norm_rows(op, i, acts)
+        y, inv = self._dn_buffer(rec.rt, "l2norm_y", rows * d), self._dn_buffer(rec.rt, "inv_norm", rows)
+        DR.l2norm_forward(rec, y, inv, a[op.inputs[0]], rows, d)
+        DR.l2norm_backward(rec, dxs[0], dys[0], y, inv, rows, d)
+
+    def _decay_weights(self, i: int, op) -> list:
+        return [f"model.layers.{i}.{op.param}.{p}" for p in ("A_log", "dt_bias")]
+
+    def _forward_decay(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " linear attention")
+        a_log, dt_bias = (self.w[n] for n in self._decay_weights(i, op))
+        GD.decay_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]], buf[op.inputs[1]], a_log,
+                         dt_bias, acts.n, self.plans[i].widths[op.inputs[0]])
+
+    def _backward_decay(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "decay's backward writes its gradients"
+        rec.section(self._where + " linear attention")
+        names = self._decay_weights(i, op)
+        grads = [self.grads.get(n) for n in names]
+        if (grads[0] is None) != (grads[1] is None):
+            raise ConfigError(f"layer {i}: A_log and dt_bias train together on the WebGPU engine")
+        GD.decay_backward(rec, *dxs, *grads, *dys, *(a[x] for x in op.inputs), *(self.w[n] for n in names), acts.n,
+                          self.plans[i].widths[op.inputs[0]])
+
+    def _rule(self, rec, acts, i: int) -> tuple:
+        """(chunk, states, scratch, final_state) of layer i's delta rule on this batch."""
+        hk, hv, dk, dv = self._dn_sizes()
+        b, t = acts.b, acts.t
+        chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv)
+        own = acts.train and not acts.checkpoint
+        states = self._dn_buffer(rec.rt, f"states.{i}" if own else "states", DR.states_size(b, t, hv, dk, dv, chunk))
+        scratch = self._dn_buffer(rec.rt, "scratch", DR.scratch_size(b, t, hv, dk, dv, chunk, backward=acts.train))
+        return chunk, states, scratch, self._dn_buffer(rec.rt, "final_state", b * hv * dk * dv)
+
+    def _forward_delta_rule(self, rec, op, i, acts, buf, kv):
+        if kv is not None:
+            raise ConfigError(f"{self.cfg.label}: the WebGPU engine does not generate through linear-attention "
+                              f"(Gated DeltaNet) layers yet; use --backend numpy")
+        rec.section(self._where + " linear attention")
+        hk, hv, dk, dv = self._dn_sizes()
+        chunk, states, scratch, final = self._rule(rec, acts, i)
+        DR.gated_delta_rule_forward(rec, buf[op.outputs[0]], final, states, *(buf[x] for x in op.inputs), chunk,
+                                    acts.b, acts.t, hk, hv, dk, dv, scratch, segments=acts.segments)
+
+    def _backward_delta_rule(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "the delta rule's backward writes its gradients"
+        rec.section(self._where + " linear attention")
+        hk, hv, dk, dv = self._dn_sizes()
+        chunk, states, scratch, _ = self._rule(rec, acts, i)
+        DR.gated_delta_rule_backward(rec, *dxs, None, dys[0], *(a[x] for x in op.inputs), states, chunk, acts.b,
+                                     acts.t, hk, hv, dk, dv, scratch, segments=acts.segments)
+
+    def _forward_gated_rmsnorm(self, rec, op, i, acts, buf, kv):
+        rec.section(self._where + " norm")
+        _, hv, _, dv = self._dn_sizes()
+        GD.gated_rmsnorm_forward(rec, buf[op.outputs[0]], *(buf[x] for x in op.inputs),
+                                 self.w[f"model.layers.{i}.{op.param}"], acts.n * hv, dv, self.cfg.rms_norm_eps)
+
+    def _backward_gated_rmsnorm(self, rec, op, i, acts, a, dys, dxs, accumulate):
+        assert not any(accumulate), "the gated RMSNorm's backward writes its gradients"
+        rec.section(self._where + " norm")
+        _, hv, _, dv = self._dn_sizes()
+        name = f"model.layers.{i}.{op.param}"
+        GD.gated_rmsnorm_backward(rec, *dxs, self.grads.get(name), dys[0], *(a[x] for x in op.inputs), self.w[name],
+                                  acts.n * hv, dv, self.cfg.rms_norm_eps)
