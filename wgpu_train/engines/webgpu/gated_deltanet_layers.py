@@ -99,7 +99,10 @@ class GatedDeltaNetOps:
         chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv)
         own = acts.train and not acts.checkpoint
         states = self._dn_buffer(rec.rt, f"states.{i}" if own else "states", DR.states_size(b, t, hv, dk, dv, chunk))
-        scratch = self._dn_buffer(rec.rt, "scratch", DR.scratch_size(b, t, hv, dk, dv, chunk, backward=acts.train))
+        passes = [False, True] if acts.train else [False]     # the forward's and the backward's scratch, by pass
+        scratch = self._dn_buffer(rec.rt, "scratch", max(
+            DR.scratch_size(DR.rows_per_pass(rec.rt, b, t, hv, dk, dv, chunk, back), t, hv, dk, dv, chunk, back)
+            for back in passes))
         return chunk, states, scratch, self._dn_buffer(rec.rt, "final_state", b * hv * dk * dv)
 
     def _forward_delta_rule(self, rec, op, i, acts, buf, kv):
