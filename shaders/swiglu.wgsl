@@ -1,5 +1,6 @@
-// The gated MLP activations, elementwise over N*F values: SwiGLU h = silu(gate) * up and GeGLU
-// h = gelu_tanh(gate) * up (transformers' gelu_pytorch_tanh), and their gradients. Every tensor in any storage
+// The gated MLP activations, elementwise over N*F values: SwiGLU h = silu(gate) * up, GeGLU
+// h = gelu_tanh(gate) * up (transformers' gelu_pytorch_tanh) and the plain product h = gate * up (LFM2's gates),
+// and their gradients. Every tensor in any storage
 // format (device/storage.py): one invocation per pair of elements (its last alone when n is odd).
 // Uniform: s0 = number of elements; o1..o5 = element offsets of bindings 1..5 (even for 16-bit tensors).
 
@@ -19,10 +20,14 @@ fn sigmoid(x: f32) -> f32 {
 // sigmoid(2u) + 2 x sigmoid(2u) sigmoid(-2u) u'. The sigmoid forms keep their relative precision in the
 // tails, where 1 - tanh(u)^2 in float32 rounds to 0.
 const GELU_C: f32 = 0.7978845608028654;   // sqrt(2 / pi)
+const SILU: u32 = 0u;                     // the gate's activation (a forward's or backward's mode)
+const GELU: u32 = 1u;
+const NONE: u32 = 2u;
 
-// h of one element: silu(g) * u, or gelu_tanh(g) * u
-fn gated(g: f32, u: f32, gelu: bool) -> f32 {
-    if (gelu) {
+// h of one element: silu(g) * u, gelu_tanh(g) * u or g * u
+fn gated(g: f32, u: f32, mode: u32) -> f32 {
+    if (mode == NONE) { return g * u; }
+    if (mode == GELU) {
         let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
         return g * sigmoid(u2) * u;
     }
@@ -30,8 +35,9 @@ fn gated(g: f32, u: f32, gelu: bool) -> f32 {
 }
 
 // (dgate, dup) of one element
-fn grads(dh: f32, g: f32, u: f32, gelu: bool) -> vec2<f32> {
-    if (gelu) {
+fn grads(dh: f32, g: f32, u: f32, mode: u32) -> vec2<f32> {
+    if (mode == NONE) { return vec2<f32>(dh * u, dh * g); }
+    if (mode == GELU) {
         let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
         let s = sigmoid(u2);
         let dgelu = s + 2.0 * g * s * sigmoid(-u2) * GELU_C * (1.0 + 3.0 * 0.044715 * g * g);
@@ -46,27 +52,27 @@ fn grads(dh: f32, g: f32, u: f32, gelu: bool) -> vec2<f32> {
 // @tensor 2 f_gate read
 // @tensor 3 f_up read
 
-fn forward(i: u32, gelu: bool) {
+fn forward(i: u32, mode: u32) {
     if (i >= p.s0) { return; }
     if (i + 1u < p.s0) {
         let g = f_gate_ld2(p.o2 + i);
         let u = f_up_ld2(p.o3 + i);
-        f_h_st2(p.o1 + i, vec2<f32>(gated(g.x, u.x, gelu), gated(g.y, u.y, gelu)));
+        f_h_st2(p.o1 + i, vec2<f32>(gated(g.x, u.x, mode), gated(g.y, u.y, mode)));
     } else {
-        f_h_st(p.o1 + i, gated(f_gate_ld(p.o2 + i), f_up_ld(p.o3 + i), gelu));
+        f_h_st(p.o1 + i, gated(f_gate_ld(p.o2 + i), f_up_ld(p.o3 + i), mode));
     }
 }
 
 @compute @workgroup_size(256)
 fn swiglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_id) lid: vec3<u32>) {
-    forward(first(wid, nwg, lid), false);
+    forward(first(wid, nwg, lid), SILU);
 }
 
 @compute @workgroup_size(256)
 fn geglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_id) lid: vec3<u32>) {
-    forward(first(wid, nwg, lid), true);
+    forward(first(wid, nwg, lid), GELU);
 }
 
 // ---- backward: 1 dgate (out), 2 dup (out), 3 dh, 4 gate, 5 up ----
@@ -76,18 +82,18 @@ fn geglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 // @tensor 4 b_gate read
 // @tensor 5 b_up read
 
-fn backward(i: u32, gelu: bool) {
+fn backward(i: u32, mode: u32) {
     if (i >= p.s0) { return; }
     if (i + 1u < p.s0) {
         let dh = b_dh_ld2(p.o3 + i);
         let g = b_gate_ld2(p.o4 + i);
         let u = b_up_ld2(p.o5 + i);
-        let d0 = grads(dh.x, g.x, u.x, gelu);
-        let d1 = grads(dh.y, g.y, u.y, gelu);
+        let d0 = grads(dh.x, g.x, u.x, mode);
+        let d1 = grads(dh.y, g.y, u.y, mode);
         b_dgate_st2(p.o1 + i, vec2<f32>(d0.x, d1.x));
         b_dup_st2(p.o2 + i, vec2<f32>(d0.y, d1.y));
     } else {
-        let d = grads(b_dh_ld(p.o3 + i), b_gate_ld(p.o4 + i), b_up_ld(p.o5 + i), gelu);
+        let d = grads(b_dh_ld(p.o3 + i), b_gate_ld(p.o4 + i), b_up_ld(p.o5 + i), mode);
         b_dgate_st(p.o1 + i, d.x);
         b_dup_st(p.o2 + i, d.y);
     }
@@ -96,13 +102,25 @@ fn backward(i: u32, gelu: bool) {
 @compute @workgroup_size(256)
 fn swiglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_id) lid: vec3<u32>) {
-    backward(first(wid, nwg, lid), false);
+    backward(first(wid, nwg, lid), SILU);
 }
 
 @compute @workgroup_size(256)
 fn geglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_id) lid: vec3<u32>) {
-    backward(first(wid, nwg, lid), true);
+    backward(first(wid, nwg, lid), GELU);
+}
+
+@compute @workgroup_size(256)
+fn mul_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_id) lid: vec3<u32>) {
+    forward(first(wid, nwg, lid), NONE);
+}
+
+@compute @workgroup_size(256)
+fn mul_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid: vec3<u32>) {
+    backward(first(wid, nwg, lid), NONE);
 }
 
 // ---- swiglu backward in place: 1 gate -> dgate, 2 up -> dup, 3 dh ----
@@ -119,12 +137,12 @@ fn swiglu_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
         let dh = i_dh_ld2(p.o3 + i);
         let g = i_gate_ld2(p.o1 + i);
         let u = i_up_ld2(p.o2 + i);
-        let d0 = grads(dh.x, g.x, u.x, false);
-        let d1 = grads(dh.y, g.y, u.y, false);
+        let d0 = grads(dh.x, g.x, u.x, SILU);
+        let d1 = grads(dh.y, g.y, u.y, SILU);
         i_gate_st2(p.o1 + i, vec2<f32>(d0.x, d1.x));
         i_up_st2(p.o2 + i, vec2<f32>(d0.y, d1.y));
     } else {
-        let d = grads(i_dh_ld(p.o3 + i), i_gate_ld(p.o1 + i), i_up_ld(p.o2 + i), false);
+        let d = grads(i_dh_ld(p.o3 + i), i_gate_ld(p.o1 + i), i_up_ld(p.o2 + i), SILU);
         i_gate_st(p.o1 + i, d.x);
         i_up_st(p.o2 + i, d.y);
     }

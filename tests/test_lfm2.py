@@ -218,12 +218,12 @@ def test_a_row_must_continue_its_recurrent_state(lfm2):
         engine.forward_rows([8, 9], [1, 1], [0, 2], kv, [1])
 
 
-def test_the_webgpu_engine_is_refused_in_one_line(lfm2):
+def test_backend_auto_treats_lfm2_as_a_dense_model(lfm2):
+    """The WebGPU engine records LFM2's layers (tests/test_lfm2_wgpu.py): auto's rule no longer sends it to NumPy for
+    its convolutions."""
     _, _, folder = lfm2
-    cfg = ModelConfig.from_folder(folder / "model")
-    choice = choose_backend("auto", cfg=cfg)
-    assert choice.engine == "numpy" and "short-convolution" in choice.reason
-    from wgpu_train.engines.webgpu.engine import WgpuEngine
+    from wgpu_train.engines.webgpu.device import runtime
 
-    with pytest.raises(ConfigError, match="does not run short-convolution layers yet; use --backend numpy"):
-        WgpuEngine(cfg, {}, None)
+    choice = choose_backend("auto", cfg=ModelConfig.from_folder(folder / "model"))
+    assert "short-convolution" not in choice.reason
+    assert choice.engine == ("wgpu" if runtime.has_adapter() else "numpy")     # tests take the adapter (conftest.py)

@@ -49,7 +49,7 @@ OP_SHADERS = {
     "elementwise": ["add", "add_inplace", "scale", "scale_inplace", "softcap_forward", "softcap_forward_inplace", "copy", "fill",
                     "columns_get", "columns_put"],
     "swiglu": ["swiglu_forward", "swiglu_backward", "swiglu_backward_inplace", "geglu_forward", "geglu_backward",
-               "sigmoid_gate_forward", "sigmoid_gate_backward"],
+               "sigmoid_gate_forward", "sigmoid_gate_backward", "mul_forward", "mul_backward"],
     "rmsnorm": ["rmsnorm_forward", "rmsnorm_backward", "rmsnorm_forward_row", "rmsnorm_backward_row",
                 "rmsnorm_forward_row4", "rmsnorm_backward_row4", "rmsnorm_backward_partial4",
                 "rmsnorm_backward_partial4v", "rmsnorm_backward_weight"],

@@ -175,6 +175,14 @@ TOLERANCES: dict[str, Tolerance] = {
         "substitution over C rows, and a state carried over the chunks; observed <= 1.5e-6 absolute on values up to "
         "3.4 (150 tokens, chunks 16 to 64, lavapipe and llvmpipe through OpenGL); a wrong decay, mask, restart or "
         "chunk hand-over moves values by > 1e-3"),
+    "k_short_conv": Tolerance(1e-5, 1e-5,
+        "the short convolution's WGSL kernels (forward, dx, dw, step; SiLU or none) against "
+        "engines/shared/short_conv.py in float64 on the same float32 inputs: float32 sums of K products per output, "
+        "K^2 for dx through SiLU, and the weight gradient's sums over B T positions in blocks; a wrong tap, mask or "
+        "restart moves values by > 1e-2"),
+    **{f"k_short_conv_{fmt}": sixteen_bit(fmt, 1e-5, 1e-5,
+        "The short convolution's y and dx stored in 16 bits (x rounded to the format on both sides); a wrong tap "
+        "or mask is > 1e-2.") for fmt in ("bf16", "f16")},
     "k_l2norm": Tolerance(1e-6, 1e-6,
         "the l2norm pair: a float32 sum of D squares (or products), one rsqrt and one or two roundings per element"),
     "k_gated_deltanet": Tolerance(2e-6, 2e-6,

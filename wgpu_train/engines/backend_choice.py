@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wgpu_train.engines.webgpu.device import runtime
+from wgpu_train.engines.webgpu.layers import LayerRecorder
 from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
@@ -87,7 +88,7 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     if cfg is not None and (cfg.attention_sinks or (cfg.moe is not None and cfg.moe.biases)):
         return BackendChoice("numpy", None, "auto: the WebGPU engine does not run gpt-oss's sinks and expert "
                                             "biases yet")
-    if cfg is not None and cfg.recurrent:
+    if cfg is not None and cfg.recurrent and LayerRecorder.unrecorded_kinds(cfg):
         return BackendChoice("numpy", None, f"auto: the WebGPU engine does not run {cfg.recurrent_kind} layers yet")
     if router_aux_loss:         # a training run's (WgpuEngine.set_router_aux_loss refuses it)
         return BackendChoice("numpy", None, "auto: the router's auxiliary loss is computed by the NumPy engine alone")

@@ -55,7 +55,7 @@ class WgpuEngine(EngineState):
         if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
                               f"and clamped SwiGLU yet; use --backend numpy")
-        if cfg.recurrent:
+        if LayerRecorder.unrecorded_kinds(cfg):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
                               f"--backend numpy")
         if not attention_kernels.supported_head_dim(cfg.head_dim):

@@ -362,6 +362,17 @@ def swiglu_backward(rec, dgate, dup, dh, gate, up, n):
                 (up, n, "up", False)], (n,), shader="swiglu")
 
 
+def mul_forward(rec, y, a, b, n):
+    """y = a * b over n elements (LFM2's gates; shaders/swiglu.wgsl's product without an activation)."""
+    _pairs(rec, "mul_forward", n, [(y, n, "h", True), (a, n, "gate", False), (b, n, "up", False)], (n,), shader="swiglu")
+
+
+def mul_backward(rec, da, db, dy, a, b, n):
+    """da = dy * b, db = dy * a over n elements, both written."""
+    _pairs(rec, "mul_backward", n, [(da, n, "dgate", True), (db, n, "dup", True), (dy, n, "dh", False),
+                                    (a, n, "gate", False), (b, n, "up", False)], (n,), shader="swiglu")
+
+
 def sigmoid_gate_forward(rec, y, x, g, n, c):
     """y (n, c) = x * sigmoid(g), g (n, 1): Qwen2-MoE's gated shared expert (shaders/swiglu.wgsl)."""
     _elems(rec, "swiglu", "sigmoid_gate_forward", n * c, [(y, n * c, "y", True), (x, n * c, "x", False),

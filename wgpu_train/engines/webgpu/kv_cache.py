@@ -9,6 +9,7 @@ from wgpu_train.errors import DeviceError
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.shared.kv_dtype import KvDtype
 from wgpu_train.engines.shared.kv_rows import check_adapters, check_rows
+from wgpu_train.engines.webgpu import recurrent_state
 from wgpu_train.engines.webgpu.mixed_lora import GpuBankModule
 from wgpu_train.engines.webgpu.tuned import decode_kernels
 from wgpu_train.engines.webgpu.buffers import BucketCache
@@ -38,7 +39,8 @@ class KvCacheGeneration:
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows (sequences) of up to max_len positions: per layer of the engine's span a key
         and a value buffer (batch, max_len, Hkv, D) by layer index, stored as self.kv_dtype, its storage format
-        (bfloat16: two values per 4-byte word)."""
+        (bfloat16: two values per 4-byte word); the recurrent layers' state of each row beside them
+        (recurrent_state.py)."""
         cfg = self.cfg
         fmt = self.kv_dtype.storage
         size = storage.nbytes(batch * max_len * cfg.kv_size, fmt)
@@ -52,13 +54,15 @@ class KvCacheGeneration:
         return {"k": {i: storage.set_format(self.rt.buffer(size, "k_cache"), fmt) for i in span},
                 "v": {i: storage.set_format(self.rt.buffer(size, "v_cache"), fmt) for i in span},
                 "scratch": self.rt.buffer(scratch, "kv_scratch"),
-                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype}
+                "len": 0, "batch": batch, "max_len": max_len, "dtype": self.kv_dtype,
+                **recurrent_state.new_states(self.rt, self.layers.plans, span, batch)}
 
     def free_kv_cache(self, kv: dict):
         """Free a KV cache's buffers now (and the cached bind groups that hold them)."""
         self.rt.release(*kv["k"].values(), *kv["v"].values(), *([kv["scratch"]] if kv["scratch"] is not None else []))
         kv["k"] = kv["v"] = {}
         kv["scratch"] = None
+        recurrent_state.free(self.rt, kv)
 
     def forward_rows(self, ids, rows, positions, kv: dict, last, long_rope=None, adapters=None) -> np.ndarray:
         """n new tokens, each with its own cache row and position (numpy.engine.NumpyEngine.forward_rows):
@@ -81,6 +85,7 @@ class KvCacheGeneration:
         size = 1 << (n - 1).bit_length()
         pad = size - n
         before = dict(self.rt.counters)
+        runs = recurrent_state.begin(self.rt, kv, rows, positions)
         acts = self.buckets.activations(1, size, train=False)
         padded = np.pad(inputs, [(0, pad)] + [(0, 0)] * (np.ndim(inputs) - 1))     # (size,) ids or (size, C)
         # the rows go where the segment ids go (which sequence each token belongs to), `last` where the targets go
@@ -98,6 +103,7 @@ class KvCacheGeneration:
             self.layers.record_forward(rec, acts, kv, m)
         finally:
             self.layers.bank_rows = None
+        recurrent_state.advance(kv, runs)
         if not self.layers.last:
             rec.submit()
             out = self.buckets.read_activations(acts.x_final, n)                  # (n, C)

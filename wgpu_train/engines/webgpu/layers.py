@@ -6,7 +6,7 @@ from __future__ import annotations
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.models.weights import module_path
-from wgpu_train.models.layer_plan import INPUT, OUTPUT, LayerPlan
+from wgpu_train.models.layer_plan import INPUT, OUTPUT, LayerPlan, layer_plans
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import quant
@@ -15,6 +15,7 @@ from wgpu_train.engines.webgpu.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.buffers import Activations, GpuLora
+from wgpu_train.engines.webgpu.conv_layers import ConvLayerOps
 from wgpu_train.engines.webgpu.dora import DoraNorms, dora_linear_backward, dora_linear_forward
 from wgpu_train.engines.webgpu.moe import (moe_experts_backward, moe_experts_forward, moe_route_backward,
                                            moe_route_forward)
@@ -23,7 +24,7 @@ from wgpu_train.engines.webgpu.gated_deltanet_layers import GatedDeltaNetOps
 from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 
 
-class LayerRecorder(GatedDeltaNetOps):
+class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
     """Records the layer plan's walk into a command encoder. It reads the engine's base weights `w` (name ->
     Matrix, QuantMatrix or buffer, a dict the engine keeps) and RoPE's frequencies, and what the engine sets
     on it: the LoRA modules and groups (set_adapter), the trained tensors' gradients (set_grads), and its mode:
@@ -66,6 +67,12 @@ class LayerRecorder(GatedDeltaNetOps):
     @plan.setter
     def plan(self, plan: LayerPlan):
         self.plans = [plan] * len(self.plans)
+
+    @staticmethod
+    def unrecorded_kinds(cfg: ModelConfig) -> list[str]:
+        """The op kinds of cfg's layer plans that no method here records (the engine refuses such a model)."""
+        kinds = {op.kind for plan in layer_plans(cfg) for op in plan.ops}
+        return sorted(k for k in kinds if not hasattr(LayerRecorder, "_forward_" + k))
 
     def set_adapter(self, lora: dict, groups: dict, expert_lora: dict | None = None):
         """The LoRA modules (path -> GpuLora), their groups (module name -> members) and the LoRA pairs on MoE
