@@ -3,7 +3,7 @@ against the NumPy engine (tests/test_qwen3_5.py holds that one to transformers a
 logits, loss and every LoRA gradient on a padded batch of 150 tokens (crossing the delta rule's chunks of 16 to 64),
 LoRA on both layer kinds' modules (Qwen3.5's four in-projections, Qwen3-Next's two fused ones); optimizer steps in
 one submission each; gradient checkpointing; full fine-tuning's gradients of A_log, dt_bias, the conv1d and the
-gated norm; generation refused in one line for now."""
+gated norm; greedy generation through the recurrent state, one row and a batch of rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -106,9 +106,25 @@ def test_full_finetuning_gradients_match_numpy(rt, tmp_path):
         assert np.abs(grads[name]).max() > 1e-4, name
 
 
-def test_generation_is_refused_in_one_line(model, rt):
+def test_greedy_generation_matches_numpy(model, rt):
+    """Through each row's recurrent state (the conv window and the delta rule's state) and the full-attention layer's
+    KV cache, with the adapter: a prefill of 70 tokens (the chunked form from the row's state, crossing chunks), then
+    a token at a time (the recurrent step); and two rows of different lengths decoded together."""
     kind, folder = model
-    _, gpu = _pair(folder, rt)
-    with pytest.raises(ConfigError, match="does not generate through linear-attention") as err:
-        gpu.generate([5, 17, 3], max_new_tokens=2)
+    ref, gpu = _pair(folder, rt, kind)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 83, 70)]
+    assert gpu.generate(prompt, max_new_tokens=6) == ref.generate(prompt, max_new_tokens=6)
+    prompts = [[5, 17, 3, 40, 22, 8, 9], [11, 4, 60]]
+    assert gpu.generate_batch(prompts, max_new_tokens=5) == ref.generate_batch(prompts, max_new_tokens=5)
+
+
+def test_sixteen_bit_precision_is_refused_and_auto_picks_float32(model, rt):
+    from wgpu_train.engines.loading import precision_choice
+    from wgpu_train.models.config import ModelConfig
+
+    kind, folder = model
+    with pytest.raises(ConfigError, match="float32 activations only") as err:
+        wt.load_model(folder, backend="wgpu", device=str(rt.info.index), precision="bf16")
     assert "\n" not in str(err.value)
+    precision, why = precision_choice("auto", "wgpu", cpu_adapter=False, cfg=ModelConfig.from_folder(folder))
+    assert precision == "fp32" and "delta rule" in why

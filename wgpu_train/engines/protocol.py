@@ -90,9 +90,13 @@ PRECISION_CHOICES = tuple(p.value for p in Precision)
 def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
     """Refuse (ConfigError, one line) a 16-bit precision on the WebGPU engine for a model with an odd width: its
     kernels store 16-bit activations two to a 32-bit word, a row's pairs never shared with the next row (every
-    checkpoint on the hub has even widths)."""
+    checkpoint on the hub has even widths); and for one with Gated DeltaNet layers, whose kernels write float32."""
     if not Precision.parse(precision).sixteen_bit:
         return
+    if any(cfg.linear_layers or ()):
+        raise ConfigError(f"--precision {precision}: the WebGPU engine runs Gated DeltaNet (linear-attention) layers "
+                          f"with float32 activations only (the delta rule's kernels write float32); use --precision "
+                          f"fp32 or --backend numpy")
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim}
     odd = [f"{name} {value}" for name, value in widths.items() if value % 2]
     if odd:

@@ -14,6 +14,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.engines.webgpu import delta_rule as DR
 from wgpu_train.engines.webgpu import gated_deltanet as GD
 from wgpu_train.engines.webgpu import kernels as K
+from wgpu_train.engines.webgpu.device.operands import at
 
 
 class GatedDeltaNetOps:
@@ -106,14 +107,42 @@ class GatedDeltaNetOps:
         return chunk, states, scratch, self._dn_buffer(rec.rt, "final_state", b * hv * dk * dv)
 
     def _forward_delta_rule(self, rec, op, i, acts, buf, kv):
-        if kv is not None:
-            raise ConfigError(f"{self.cfg.label}: the WebGPU engine does not generate through linear-attention "
-                              f"(Gated DeltaNet) layers yet; use --backend numpy")
         rec.section(self._where + " linear attention")
+        if kv is not None:
+            self._delta_rule_rows(rec, op, i, buf, kv)
+            return
         hk, hv, dk, dv = self._dn_sizes()
         chunk, states, scratch, final = self._rule(rec, acts, i)
         DR.gated_delta_rule_forward(rec, buf[op.outputs[0]], final, states, *(buf[x] for x in op.inputs), chunk,
                                     acts.b, acts.t, hk, hv, dk, dv, scratch, segments=acts.segments)
+
+    def _delta_rule_rows(self, rec, op, i, buf, kv):
+        """Generation: each row's run of tokens in the call (kv["runs"], recurrent_state.begin) from the row's state
+        (kv["state"], zeroed for a row that starts), which it replaces: one token by the recurrent step in place,
+        a prefill by the chunked forward from it, its final state copied back."""
+        hk, hv, dk, dv = self._dn_sizes()
+        state, one = kv["state"][i][op.param], hv * dk * dv
+        out, (q, k, v, g, beta) = buf[op.outputs[0]], (buf[x] for x in op.inputs)
+        for row, idx, _ in kv["runs"]:
+            first, n = int(idx[0]), len(idx)
+            if int(idx[-1]) - first + 1 != n:
+                raise ValueError(f"forward_rows: row {row}'s tokens must be consecutive in the call on the WebGPU "
+                                 f"engine's linear-attention layers")
+            views = (at(out, first * hv * dv), at(q, first * hk * dk), at(k, first * hk * dk), at(v, first * hv * dv),
+                     at(g, first * hv), at(beta, first * hv))
+            slot = at(state, row * one)
+            if n == 1:
+                DR.gated_delta_rule_step(rec, views[0], slot, *views[1:], 1, hk, hv, dk, dv)
+                continue
+            chunk = DR.delta_rule_chunk(rec.rt, 1, n, hk, hv, dk, dv)
+            final = self._dn_buffer(rec.rt, "final_state", one)
+            DR.gated_delta_rule_forward(rec, views[0], final,
+                                        self._dn_buffer(rec.rt, "prefill_states", DR.states_size(1, n, hv, dk, dv, chunk)),
+                                        *views[1:], chunk, 1, n, hk, hv, dk, dv,
+                                        self._dn_buffer(rec.rt, "prefill_scratch",
+                                                        DR.scratch_size(1, n, hv, dk, dv, chunk, backward=False)),
+                                        initial_state=slot)
+            K.copy(rec, slot, final, one)
 
     def _backward_delta_rule(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "the delta rule's backward writes its gradients"
