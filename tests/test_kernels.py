@@ -65,12 +65,12 @@ def test_elementwise(rt, n):
 
 # ---- swiglu ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "mul"])
 @pytest.mark.parametrize("n", [1, 17, 1003])
 def test_gated_activation(rt, kind, n):
-    """swiglu / geglu against the NumPy ops, with saturated gates both ways (sigmoid, tanh); swiglu's backward
-    in place too."""
-    g = rng((100 if kind == "swiglu" else 200) + n)
+    """swiglu / geglu / mul (LFM2's plain gate) against the NumPy ops, with saturated gates both ways (sigmoid,
+    tanh); swiglu's backward in place too."""
+    g = rng({"swiglu": 100, "geglu": 200, "mul": 300}[kind] + n)
     gate = (g.standard_normal(n) * 4).astype(F32)
     gate[:3] = [-100.0, 100.0, 0.0][: min(3, n)]
     up, dh = g.standard_normal(n).astype(F32), g.standard_normal(n).astype(F32)

@@ -42,7 +42,8 @@ def _reference(x, w, dy, seg, activation):
     return (_silu(z), *ref.short_conv_backward(dz, x, w, seg))
 
 
-def _case(rt, pin, B, T, C, K, activation=None, fmt="f32", segments=True, seed=0):
+def _case(rt, pin, B, T, C, K, activation=None, fmt="f32", segments=True, seed=0, accumulate=False):
+    """Forward then backward, one candidate pinned, against the reference (accumulate: dw added to 0.5s)."""
     rng = np.random.default_rng(seed)
     x = storage.rounded(rng.standard_normal((B, T, C)).astype(np.float32), fmt).reshape(B, T, C)
     w = (0.5 * rng.standard_normal((C, 1, K))).astype(np.float32)
@@ -52,12 +53,13 @@ def _case(rt, pin, B, T, C, K, activation=None, fmt="f32", segments=True, seed=0
     xb, dyb = storage.upload(rt, x.reshape(-1), fmt), storage.upload(rt, dy.reshape(-1), fmt)
     wb, segb = rt.upload(w.reshape(-1)), (rt.upload(seg) if segments else None)
     y, dx = (storage.upload(rt, np.full(B * T * C, np.nan, np.float32), fmt) for _ in range(2))
-    dw, scratch = rt.upload(np.full(C * K, np.nan, np.float32)), rt.buffer(4 * W.scratch_size(B, T, C, K))
+    dw = rt.upload(np.full(C * K, 0.5 if accumulate else np.nan, np.float32))
+    scratch = rt.buffer(4 * W.scratch_size(B, T, C, K))
     before = dict(rt.counters)
     with tune.pinned(pin):
         rec = rt.recorder()
         W.short_conv_forward(rec, y, xb, wb, segb, B, T, C, K, activation)
-        W.short_conv_backward(rec, dx, dw, dyb, xb, wb, segb, B, T, C, K, scratch, activation)
+        W.short_conv_backward(rec, dx, dw, dyb, xb, wb, segb, B, T, C, K, scratch, activation, accumulate)
     assert rt.counters["submits"] == before["submits"] and rt.counters["readbacks"] == before["readbacks"]
     rec.submit()
     what = f"{pin} T={T} C={C} K={K} {activation} {fmt}"
@@ -66,7 +68,8 @@ def _case(rt, pin, B, T, C, K, activation=None, fmt="f32", segments=True, seed=0
         got = storage.read(rt, buf, want.size).reshape(want.shape)
         want = storage.rounded(want.astype(np.float32), fmt).reshape(want.shape) if fmt != "f32" else want
         assert_close(got, want, tol, f"{name}, {what}")
-    assert_close(rt.read(dw, np.float32, want_dw.shape), want_dw, "k_short_conv", f"dw, {what}")
+    assert_close(rt.read(dw, np.float32, want_dw.shape), want_dw + (0.5 if accumulate else 0), "k_short_conv",
+                 f"dw, {what}")
     rt.release(xb, dyb, wb, y, dx, dw, scratch, *([segb] if segments else []))
 
 
@@ -80,8 +83,8 @@ def test_every_candidate_packed_and_padded_rows(rt, pin, activation, monkeypatch
 
 
 def test_lfm2_kernel_size_no_segments_shorter_than_the_kernel(rt):
-    """K = 3 (LFM2's) on rows of 2 positions, no segment ids (every position real)."""
-    _case(rt, CANDIDATES[0], 3, 2, 6, 3, segments=False, seed=1)
+    """K = 3 (LFM2's) on rows of 2 positions, no segment ids (every position real); dw added to what it holds."""
+    _case(rt, CANDIDATES[0], 3, 2, 6, 3, segments=False, seed=1, accumulate=True)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])
