@@ -21,10 +21,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 TARGETS = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "v_proj",
                        "down_proj"],
-           "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj", "up_proj"]}
+           "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj", "up_proj"],
+           "qwen3_next_moe": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"]}     # experts: test_moe_wgpu
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS))
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     build(request.param).save_pretrained(folder)
@@ -128,3 +129,44 @@ def test_sixteen_bit_precision_is_refused_and_auto_picks_float32(model, rt):
     assert "\n" not in str(err.value)
     precision, why = precision_choice("auto", "wgpu", cpu_adapter=False, cfg=ModelConfig.from_folder(folder))
     assert precision == "fp32" and "delta rule" in why
+
+
+def test_qwen3_next_with_experts_matches_numpy(rt, tmp_path):
+    """Qwen3-Next's routed and shared experts after both layer kinds (a dense layer among them): logits, loss, LoRA
+    gradients on the fused in-projections and the attention, and greedy generation, as the NumPy engine."""
+    import torch
+    import transformers as tf
+    from test_qwen3_5 import QWEN3_5, _randomise
+
+    torch.manual_seed(6)
+    cfg = tf.Qwen3NextConfig(**QWEN3_5, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=11,
+                             shared_expert_intermediate_size=9, mlp_only_layers=[1], norm_topk_prob=True)
+    _randomise(tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager",
+                                                   experts_implementation="eager")).save_pretrained(tmp_path)
+    ref, gpu = _pair(tmp_path, rt, "qwen3_next_moe")
+    ids, labels, mask = padded_batch(3, 150, 101, 3)
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_hybrid_logits", "qwen3_next moe")
+    _same_loss_and_grads(ref, gpu, "qwen3_next moe", (ids, labels, mask), ".linear_attn.in_proj_qkvz")
+    prompt = [5, 17, 3, 40, 22, 8]
+    assert gpu.generate(prompt, max_new_tokens=6) == ref.generate(prompt, max_new_tokens=6)
+
+
+def test_memory_estimate_covers_the_allocation(model, rt):
+    """The estimate's activations hold what the engine allocates: the bucket's and the delta rule's own buffers
+    (its states per linear layer, or one set with gradient checkpointing; the scratch), the latter counted at the
+    chunk that needs the most; without them the estimate would fall short."""
+    from test_engine import _allocated
+
+    kind, folder = model
+    _, gpu = _pair(folder, rt, kind)
+    ids, labels, mask = padded_batch(4, 40, 30, 2)
+    for checkpointing in (False, True):
+        gpu.set_gradient_checkpointing(checkpointing)
+        gpu.loss_and_grads(ids, labels, mask)
+        acts = gpu.engine._activations(*ids.shape, train=True)
+        own = sum(b.size for b in gpu.engine.layers._dn_buffers.values())
+        est = wt.estimate_memory(gpu.config, *ids.shape, lora=gpu.lora_config, gradient_checkpointing=checkpointing)
+        assert _allocated(acts) < est["activations"] + est["logits"], checkpointing
+        assert _allocated(acts) + own <= est["activations"] + est["logits"], checkpointing
+        gpu.engine.layers._dn_buffers.clear()

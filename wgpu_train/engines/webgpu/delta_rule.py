@@ -42,17 +42,34 @@ def scratch_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward
     return DK.scratch_layout(B, T, Hv, Dk, Dv, chunk, backward)["size"]
 
 
-def rows_per_pass(rt, B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool = True) -> int:
-    """The rows (at most B) whose scratch and states each fit one storage binding of the adapter: the forward and
-    backward wrappers record the batch in passes of that many rows. DeviceError (one line) when one row of T
-    tokens is already too many."""
+def rows_per_pass(rt, B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool = True,
+                  max_binding: int | None = None) -> int:
+    """The rows (at most B) whose scratch and states each fit one storage binding of the adapter (rt's, or
+    max_binding where rt is None): the forward and backward wrappers record the batch in passes of that many rows.
+    DeviceError (one line) when one row of T tokens is already too many."""
+    limit = rt.max_binding if rt is not None else max_binding
     per_row = max(scratch_size(1, T, Hv, Dk, Dv, chunk, backward), states_size(1, T, Hv, Dk, Dv, chunk))
-    rows = min(B, rt.max_binding // (4 * per_row))
+    rows = min(B, limit // (4 * per_row))
     if rows < 1:
         raise DeviceError(f"the gated delta rule's {'backward' if backward else 'forward'} over one sequence of {T} "
                           f"tokens needs {4 * per_row / 2**20:.0f} MiB of scratch in one binding, over the device's "
-                          f"max storage binding of {rt.max_binding / 2**20:.0f} MiB: train on shorter sequences")
+                          f"max storage binding of {limit / 2**20:.0f} MiB: train on shorter sequences")
     return rows
+
+
+def training_bytes(B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, layers: int, checkpoint: bool,
+                   max_binding: int) -> int:
+    """The bytes a training step's linear-attention layers hold beside the layer plan's activations
+    (webgpu/gated_deltanet_layers.py), the most over the chunks the tuner may choose: the states of each of
+    `layers` (one set under gradient checkpointing), the scratch of the forward's or the backward's passes of rows,
+    the final state, the l2norm's normalised vectors and inverse norms."""
+    def at(chunk):
+        scratch = max(scratch_size(rows_per_pass(None, B, T, Hv, Dk, Dv, chunk, back, max_binding), T, Hv, Dk, Dv,
+                                   chunk, back) for back in (False, True))
+        states = states_size(B, T, Hv, Dk, Dv, chunk) * (1 if checkpoint else layers)
+        return states + scratch
+
+    return 4 * (max(at(c) for c in DK.CHUNKS) + B * Hv * Dk * Dv + B * T * Hk * (Dk + 1))
 
 
 def _row_passes(rt, t: dict, B, T, Hk, Hv, Dk, Dv, chunk, backward):
