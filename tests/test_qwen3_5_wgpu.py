@@ -170,3 +170,15 @@ def test_memory_estimate_covers_the_allocation(model, rt):
         assert _allocated(acts) < est["activations"] + est["logits"], checkpointing
         assert _allocated(acts) + own <= est["activations"] + est["logits"], checkpointing
         gpu.engine.layers._dn_buffers.clear()
+
+
+def test_generation_row_blocks():
+    """A decoding batch's rows of one token whose slots and tokens follow each other make one step dispatch; a prefill
+    is a block of its own; a row whose tokens are not consecutive in the call is refused."""
+    from wgpu_train.engines.webgpu.gated_deltanet_layers import _row_blocks
+
+    runs = [(0, np.array([0]), 5), (1, np.array([1]), 3), (2, np.array([2]), 4), (4, np.array([3]), 1),
+            (5, np.array([4, 5, 6]), 0), (6, np.array([7]), 2), (7, np.array([8]), 2)]
+    assert _row_blocks(runs) == [(0, 0, -3), (4, 3, -1), (5, 4, 3), (6, 7, -2)]
+    with pytest.raises(ValueError, match="row 3's tokens must be consecutive"):
+        _row_blocks([(3, np.array([0, 2]), 0)])

@@ -123,16 +123,12 @@ class GatedDeltaNetOps:
         hk, hv, dk, dv = self._dn_sizes()
         state, one = kv["state"][i][op.param], hv * dk * dv
         out, (q, k, v, g, beta) = buf[op.outputs[0]], (buf[x] for x in op.inputs)
-        for row, idx, _ in kv["runs"]:
-            first, n = int(idx[0]), len(idx)
-            if int(idx[-1]) - first + 1 != n:
-                raise ValueError(f"forward_rows: row {row}'s tokens must be consecutive in the call on the WebGPU "
-                                 f"engine's linear-attention layers")
+        for row, first, n in _row_blocks(kv["runs"]):
             views = (at(out, first * hv * dv), at(q, first * hk * dk), at(k, first * hk * dk), at(v, first * hv * dv),
                      at(g, first * hv), at(beta, first * hv))
             slot = at(state, row * one)
-            if n == 1:
-                DR.gated_delta_rule_step(rec, views[0], slot, *views[1:], 1, hk, hv, dk, dv)
+            if n < 0:           # -n rows of one token each, their slots and tokens both consecutive
+                DR.gated_delta_rule_step(rec, views[0], slot, *views[1:], -n, hk, hv, dk, dv)
                 continue
             chunk = DR.delta_rule_chunk(rec.rt, 1, n, hk, hv, dk, dv)
             final = self._dn_buffer(rec.rt, "final_state", one)
@@ -165,3 +161,19 @@ class GatedDeltaNetOps:
         name = f"model.layers.{i}.{op.param}"
         GD.gated_rmsnorm_backward(rec, *dxs, self.grads.get(name), dys[0], *(a[x] for x in op.inputs), self.w[name],
                                   acts.n * hv, dv, self.cfg.rms_norm_eps)
+
+
+def _row_blocks(runs) -> list:
+    """Generation's row runs as (first slot, first token, n) blocks: a prefill (n > 1 tokens of one row), or -n rows
+    of one token each whose slots and tokens follow each other (one step dispatch for a whole decoding batch)."""
+    out = []
+    for row, idx, _ in runs:
+        first, n = int(idx[0]), len(idx)
+        if int(idx[-1]) - first + 1 != n:
+            raise ValueError(f"forward_rows: row {row}'s tokens must be consecutive in the call on the WebGPU engine's "
+                             f"linear-attention layers")
+        if n == 1 and out and out[-1][2] < 0 and (row, first) == (out[-1][0] - out[-1][2], out[-1][1] - out[-1][2]):
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] - 1)
+        else:
+            out.append((row, first, -1 if n == 1 else n))
+    return out
