@@ -167,3 +167,16 @@ def test_memory_estimate_is_the_allocation(folder, rt):
         est = wt.estimate_memory(gpu.config, *ids.shape, lora=gpu.lora_config, gradient_checkpointing=checkpointing)
         assert est["activations"] + est["logits"] == _allocated(acts), checkpointing
         assert est["weights"] == gpu.engine.base_weight_bytes
+
+
+def test_pipeline_stages_equal_one_process(folder, default_rt):
+    """Two WebGPU stages (a conv layer and the attention layer on the first, two conv layers on the second): the
+    same optimizer steps as one process, and the same generation, each stage keeping its conv layers' states."""
+    from test_pipeline import assert_same_generation
+    from test_pipeline_wgpu import _same_steps, _staged
+
+    one, staged = _staged(folder, 2, precision="fp32")
+    for model in (one, staged):
+        model.add_lora(wt.LoraConfig(r=4, target_modules=("in_proj", "out_proj", "q_proj")), seed=3)
+    _same_steps(one, staged, steps=2, micro=2)
+    assert_same_generation(*_staged(folder, 2, precision="fp32"))

@@ -82,6 +82,14 @@ def test_every_candidate_packed_and_padded_rows(rt, pin, activation, monkeypatch
     _case(rt, pin, 2, 37, 7, 4, activation)
 
 
+def test_long_rows_take_longer_blocks(rt, monkeypatch):
+    """The weight gradient's blocks grow past ROWS positions where the batch would need more than MAX_BLOCKS."""
+    monkeypatch.setattr(SK, "ROWS", 4)
+    monkeypatch.setattr(SK, "MAX_BLOCKS", 5)
+    assert SK.blocks(2, 37) == (19, 2)
+    _case(rt, CANDIDATES[0], 2, 37, 5, 4, "silu", seed=4)
+
+
 def test_lfm2_kernel_size_no_segments_shorter_than_the_kernel(rt):
     """K = 3 (LFM2's) on rows of 2 positions, no segment ids (every position real); dw added to what it holds."""
     _case(rt, CANDIDATES[0], 3, 2, 6, 3, segments=False, seed=1, accumulate=True)

@@ -51,8 +51,8 @@ def zeros(rt):
 
 def blocks(B: int, T: int) -> tuple[int, int]:
     """(positions per block, blocks per row) of the weight gradient's partial sums: at least ROWS positions, at
-    most MAX_BLOCKS blocks over the batch."""
-    rows = max(ROWS, -(-B * T // MAX_BLOCKS))
+    most MAX_BLOCKS blocks over the batch (for B <= MAX_BLOCKS)."""
+    rows = max(ROWS, -(-T // max(1, MAX_BLOCKS // B)))
     return rows, -(-T // rows)
 
 
