@@ -113,3 +113,28 @@ def test_odd_rows_refused_for_16_bit_outputs(default_rt):
     with pytest.raises(ValueError, match="even row width"):
         W.gated_rmsnorm_forward(rec, buf, buf, buf, buf, 2, 5, 1e-6)
     default_rt.release(buf)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_per_element_sigmoid_gate(rt, fmt):
+    """Qwen3.5's attention output gate, y = x sigmoid(g) with a gate per element (kernels.sigmoid_gate_forward's
+    per_element form), and its backward, a pair of elements per invocation: 16-bit outputs written by words."""
+    from wgpu_train.engines.numpy import ops
+    from wgpu_train.engines.webgpu import kernels as K
+
+    rng = np.random.default_rng(4)
+    n, c = 7, 6
+    x, xb = _up(rt, rng.standard_normal((n, c)), fmt)
+    g, gb = _up(rt, 3 * rng.standard_normal((n, c)), fmt)
+    dy, dyb = _up(rt, rng.standard_normal((n, c)), fmt)
+    y, dx, dg = (_out(rt, n * c, fmt) for _ in range(3))
+    rec = rt.recorder()
+    K.sigmoid_gate_forward(rec, y, xb, gb, n, c, per_element=True)
+    K.sigmoid_gate_backward(rec, dx, dg, dyb, xb, gb, n, c, per_element=True)
+    rec.submit()
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    want_dx, want_dg = ops.sigmoid_gate_backward(dy.astype(np.float64), x64, g64)
+    _check(_read(rt, y, (n, c)), ops.sigmoid_gate_forward(x64, g64), fmt, f"y {fmt}")
+    _check(_read(rt, dx, (n, c)), want_dx, fmt, f"dx {fmt}")
+    _check(_read(rt, dg, (n, c)), want_dg, fmt, f"dg {fmt}")
+    rt.release(xb, gb, dyb, y, dx, dg)

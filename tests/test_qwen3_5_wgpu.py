@@ -32,10 +32,10 @@ def model(request, tmp_path_factory):
     return request.param, folder
 
 
-def _pair(folder, rt, kind=None):
+def _pair(folder, rt, kind=None, **kw):
     """The model on both engines; with kind, LoRA on its TARGETS with B random."""
-    ref = wt.load_model(folder, backend="numpy")
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    ref = wt.load_model(folder, backend="numpy", **kw)
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
     if kind:
         config = wt.LoraConfig(r=3, alpha=7, target_modules=TARGETS[kind])
         ref.add_lora(config, seed=5)
@@ -119,16 +119,43 @@ def test_greedy_generation_matches_numpy(model, rt):
     assert gpu.generate_batch(prompts, max_new_tokens=5) == ref.generate_batch(prompts, max_new_tokens=5)
 
 
-def test_sixteen_bit_precision_is_refused_and_auto_picks_float32(model, rt):
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_bfloat16_activations_match_numpy(kind, rt, tmp_path):
+    """bfloat16 activations (even widths: 4 value heads of 4), the NumPy engine rounding at the same points: the
+    l2norm's and the delta rule's float32 results rounded into the layer's bfloat16 buffers; logits, loss, LoRA
+    gradients, the memory estimate covering the allocation; then greedy generation. An odd value head dim is refused
+    in one line, and auto picks bf16 on GPUs."""
+    import torch
+    import transformers as tf
+    from test_precision_gpu import _check
+    from test_qwen3_5 import QWEN3_5
     from wgpu_train.engines.loading import precision_choice
     from wgpu_train.models.config import ModelConfig
 
-    kind, folder = model
-    with pytest.raises(ConfigError, match="float32 activations only") as err:
-        wt.load_model(folder, backend="wgpu", device=str(rt.info.index), precision="bf16")
+    even = {**QWEN3_5, "hidden_size": 32, "intermediate_size": 44, "linear_value_head_dim": 4}
+    torch.manual_seed(5)
+    config = tf.Qwen3NextConfig(**even, num_experts=0) if kind == "qwen3_next" else tf.Qwen3_5TextConfig(**even)
+    hf = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():   # build()'s 0.3 randn amplifies a rounding boundary's flip to 0.1 on logits; 0.15 does not
+        for name, p in hf.named_parameters():
+            p.copy_((0.5 if "A_log" in name else 0.0) + 0.15 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    ref, gpu = _pair(tmp_path, rt, kind, precision="bf16")
+    _check(ref, gpu, *padded_batch(3, 80, 60, 3), "bf16_gpu")
+    from test_engine import _allocated
+    acts = gpu.engine._activations(3, 80, train=True)
+    own = sum(b.size for b in gpu.engine.layers._dn_buffers.values())
+    est = wt.estimate_memory(gpu.config, 3, 80, lora=gpu.lora_config, precision="bf16")
+    assert _allocated(acts) + own <= est["activations"] + est["logits"]
+    prompt = [5, 17, 3, 40, 22, 8]
+    assert gpu.generate(prompt, max_new_tokens=5) == ref.generate(prompt, max_new_tokens=5)
+    cfg = ModelConfig.from_folder(tmp_path)
+    assert precision_choice("auto", "wgpu", cpu_adapter=False, cfg=cfg)[0] == "bf16"
+    odd = tmp_path / "odd"
+    build(kind).save_pretrained(odd)                # test_qwen3_5's: 4 value heads of 5
+    with pytest.raises(ConfigError, match="linear_value_head_dim 5") as err:
+        wt.load_model(odd, backend="wgpu", device=str(rt.info.index), precision="bf16")
     assert "\n" not in str(err.value)
-    precision, why = precision_choice("auto", "wgpu", cpu_adapter=False, cfg=ModelConfig.from_folder(folder))
-    assert precision == "fp32" and "delta rule" in why
 
 
 def test_qwen3_next_with_experts_matches_numpy(rt, tmp_path):

@@ -36,8 +36,6 @@ def precision_choice(precision: Precision | str, engine: str, cpu_adapter: bool 
         return Precision.FP32, "auto: a CPU adapter (lavapipe / llvmpipe) only pays for 16-bit conversions"
     if cfg is not None and cfg.moe is not None:
         return Precision.FP32, "auto: the grouped-expert kernels of a mixture of experts write float32"
-    if cfg is not None and any(cfg.linear_layers or ()):
-        return Precision.FP32, "auto: the gated delta rule's kernels (Gated DeltaNet layers) write float32"
     try:
         check_precision_widths(Precision.BF16, cfg) if cfg is not None else None
     except ConfigError:

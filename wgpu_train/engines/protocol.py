@@ -88,14 +88,13 @@ PRECISIONS = (Precision.FP32, Precision.BF16, Precision.F16)
 PRECISION_CHOICES = tuple(p.value for p in Precision)
 
 def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
-    """Refuse (ConfigError, one line) a 16-bit precision on the WebGPU engine for a model with Gated DeltaNet layers
-    (float32 kernels) or an odd width (16-bit activations are stored two to a word, a row's pairs its own)."""
-    if Precision.parse(precision).sixteen_bit and any(cfg.linear_layers or ()):
-        raise ConfigError(f"--precision {precision}: the WebGPU engine runs Gated DeltaNet layers with float32 "
-                          f"activations only (the delta rule's kernels write float32); use --precision fp32")
+    """Refuse (ConfigError, one line) a 16-bit precision on the WebGPU engine for a model with an odd width: its
+    kernels store 16-bit activations two to a 32-bit word, a row's pairs never shared with the next row (every
+    checkpoint on the hub has even widths)."""
     if not Precision.parse(precision).sixteen_bit:
         return
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim}
+    widths.update(cfg.linear_attention.even_widths if cfg.linear_attention is not None else {})
     odd = [f"{name} {value}" for name, value in widths.items() if value % 2]
     if odd:
         raise ConfigError(f"--precision {precision} on the WebGPU engine needs even widths (this model has "

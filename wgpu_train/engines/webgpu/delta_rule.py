@@ -58,18 +58,20 @@ def rows_per_pass(rt, B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, bac
 
 
 def training_bytes(B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, layers: int, checkpoint: bool,
-                   max_binding: int) -> int:
+                   max_binding: int, sixteen_bit: bool = False) -> int:
     """The bytes a training step's linear-attention layers hold beside the layer plan's activations
     (webgpu/gated_deltanet_layers.py), the most over the chunks the tuner may choose: the states of each of
     `layers` (one set under gradient checkpointing), the scratch of the forward's or the backward's passes of rows,
-    the final state, the l2norm's normalised vectors and inverse norms."""
+    the final state, the l2norm's normalised vectors and inverse norms; with 16-bit activations the float32
+    buffers the l2norm and the rule write before their results are rounded into the layer's."""
     def at(chunk):
         scratch = max(scratch_size(rows_per_pass(None, B, T, Hv, Dk, Dv, chunk, back, max_binding), T, Hv, Dk, Dv,
                                    chunk, back) for back in (False, True))
         states = states_size(B, T, Hv, Dk, Dv, chunk) * (1 if checkpoint else layers)
         return states + scratch
 
-    return 4 * (max(at(c) for c in DK.CHUNKS) + B * Hv * Dk * Dv + B * T * Hk * (Dk + 1))
+    temps = B * T * (4 * Hk * Dk + 2 * Hv * Dv + 2 * Hv) if sixteen_bit else 0
+    return 4 * (max(at(c) for c in DK.CHUNKS) + B * Hv * Dk * Dv + B * T * Hk * (Dk + 1) + temps)
 
 
 def _row_passes(rt, t: dict, B, T, Hk, Hv, Dk, Dv, chunk, backward):

@@ -7,14 +7,16 @@ delta_rule.py).
 What the layer plan does not hold lives here, sized per batch and grown on demand: the delta rule's states (B, Hv, N,
 Dk, Dv) per layer in a training bucket without gradient checkpointing (the backward reads them), else one set that
 the checkpointed backward's recompute refills; its scratch, final state, and the l2norm's inverse norms, which the
-backward recomputes from the saved input rather than storing."""
+backward recomputes from the saved input rather than storing. With 16-bit activations the ops that write float32
+only (the l2norm, the rule) write into float32 buffers here, then rounded into the plan's (_float32, _settle)."""
 from __future__ import annotations
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.webgpu import delta_rule as DR
 from wgpu_train.engines.webgpu import gated_deltanet as GD
 from wgpu_train.engines.webgpu import kernels as K
-from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.device.operands import at, split
 
 
 class GatedDeltaNetOps:
@@ -30,6 +32,16 @@ class GatedDeltaNetOps:
                 self.__dict__.setdefault("_dn_retired", []).append(buf)
             buf = store[name] = rt.buffer(4 * max(1, elements), "gated_deltanet." + name)
         return buf
+
+    def _float32(self, rec, key: str, t, n: int):
+        """t itself where it is a float32 tensor, else a float32 buffer (key) of n elements for an op that writes
+        float32 only, which _settle then rounds into t (16-bit activations: the NumPy engine's rounding point)."""
+        return t if storage.format_of(split(t)[0]) == "f32" else self._dn_buffer(rec.rt, key, n)
+
+    @staticmethod
+    def _settle(rec, t, written, n: int):
+        if written is not t:
+            K.copy(rec, t, written, n)
 
     def _dn_sizes(self):
         spec = self.cfg.linear_attention
@@ -62,8 +74,9 @@ class GatedDeltaNetOps:
     def _forward_l2norm(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " linear attention")
         rows, d = self._l2norm_rows(op, i, acts)
-        DR.l2norm_forward(rec, buf[op.outputs[0]], self._dn_buffer(rec.rt, "inv_norm", rows), buf[op.inputs[0]],
-                          rows, d)
+        y = self._float32(rec, "l2norm_out", buf[op.outputs[0]], rows * d)
+        DR.l2norm_forward(rec, y, self._dn_buffer(rec.rt, "inv_norm", rows), buf[op.inputs[0]], rows, d)
+        self._settle(rec, buf[op.outputs[0]], y, rows * d)
 
     def _backward_l2norm(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """The normalised vectors and their inverse norms recomputed from the saved input, then the gradient."""
@@ -72,7 +85,9 @@ class GatedDeltaNetOps:
         rows, d = self._l2norm_rows(op, i, acts)
         y, inv = self._dn_buffer(rec.rt, "l2norm_y", rows * d), self._dn_buffer(rec.rt, "inv_norm", rows)
         DR.l2norm_forward(rec, y, inv, a[op.inputs[0]], rows, d)
-        DR.l2norm_backward(rec, dxs[0], dys[0], y, inv, rows, d)
+        dx = self._float32(rec, "l2norm_dx", dxs[0], rows * d)
+        DR.l2norm_backward(rec, dx, dys[0], y, inv, rows, d)
+        self._settle(rec, dxs[0], dx, rows * d)
 
     def _decay_weights(self, i: int, op) -> list:
         return [f"model.layers.{i}.{op.param}.{p}" for p in ("A_log", "dt_bias")]
@@ -109,20 +124,23 @@ class GatedDeltaNetOps:
     def _forward_delta_rule(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " linear attention")
         if kv is not None:
-            self._delta_rule_rows(rec, op, i, buf, kv)
+            self._delta_rule_rows(rec, op, i, buf, kv, acts.n)
             return
         hk, hv, dk, dv = self._dn_sizes()
         chunk, states, scratch, final = self._rule(rec, acts, i)
-        DR.gated_delta_rule_forward(rec, buf[op.outputs[0]], final, states, *(buf[x] for x in op.inputs), chunk,
-                                    acts.b, acts.t, hk, hv, dk, dv, scratch, segments=acts.segments)
+        out = self._float32(rec, "rule_out", buf[op.outputs[0]], acts.n * hv * dv)
+        DR.gated_delta_rule_forward(rec, out, final, states, *(buf[x] for x in op.inputs), chunk, acts.b, acts.t, hk,
+                                    hv, dk, dv, scratch, segments=acts.segments)
+        self._settle(rec, buf[op.outputs[0]], out, acts.n * hv * dv)
 
-    def _delta_rule_rows(self, rec, op, i, buf, kv):
+    def _delta_rule_rows(self, rec, op, i, buf, kv, tokens: int):
         """Generation: each row's run of tokens in the call (kv["runs"], recurrent_state.begin) from the row's state
         (kv["state"], zeroed for a row that starts), which it replaces: one token by the recurrent step in place,
         a prefill by the chunked forward from it, its final state copied back."""
         hk, hv, dk, dv = self._dn_sizes()
         state, one = kv["state"][i][op.param], hv * dk * dv
-        out, (q, k, v, g, beta) = buf[op.outputs[0]], (buf[x] for x in op.inputs)
+        out, (q, k, v, g, beta) = self._float32(rec, "rule_out", buf[op.outputs[0]], tokens * hv * dv), \
+            (buf[x] for x in op.inputs)
         for row, first, n in _row_blocks(kv["runs"]):
             views = (at(out, first * hv * dv), at(q, first * hk * dk), at(k, first * hk * dk), at(v, first * hv * dv),
                      at(g, first * hv), at(beta, first * hv))
@@ -139,14 +157,19 @@ class GatedDeltaNetOps:
                                                         DR.scratch_size(1, n, hv, dk, dv, chunk, backward=False)),
                                         initial_state=slot)
             K.copy(rec, slot, final, one)
+        self._settle(rec, buf[op.outputs[0]], out, tokens * hv * dv)
 
     def _backward_delta_rule(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "the delta rule's backward writes its gradients"
         rec.section(self._where + " linear attention")
         hk, hv, dk, dv = self._dn_sizes()
         chunk, states, scratch, _ = self._rule(rec, acts, i)
-        DR.gated_delta_rule_backward(rec, *dxs, None, dys[0], *(a[x] for x in op.inputs), states, chunk, acts.b,
+        sizes = [acts.n * self.plans[i].widths[x] for x in op.inputs]
+        grads = [self._float32(rec, f"rule_grad{j}", d, e) for j, (d, e) in enumerate(zip(dxs, sizes))]
+        DR.gated_delta_rule_backward(rec, *grads, None, dys[0], *(a[x] for x in op.inputs), states, chunk, acts.b,
                                      acts.t, hk, hv, dk, dv, scratch, segments=acts.segments)
+        for d, written, e in zip(dxs, grads, sizes):
+            self._settle(rec, d, written, e)
 
     def _forward_gated_rmsnorm(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " norm")

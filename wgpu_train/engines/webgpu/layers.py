@@ -289,10 +289,10 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
                             lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe)
 
     def _gate_rows(self, op, i, acts) -> tuple:
-        """(rows, width) of a sigmoid gate: a gate per token row (Qwen2-MoE's), or per element (Qwen3.5's
-        attention output gate: rows of one)."""
+        """(rows, width, per_element) of a sigmoid gate: a gate per token row (Qwen2-MoE's), or per element
+        (Qwen3.5's attention output gate)."""
         wx, wg = (self.plans[i].widths[x] for x in op.inputs)
-        return acts.n * wg, wx // wg
+        return acts.n, wx, wg == wx > 1
 
     def _forward_sigmoid_gate(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")

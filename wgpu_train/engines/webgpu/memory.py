@@ -337,7 +337,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
         spec = config.linear_attention
         activations += training_bytes(batch_size, seq_len, spec.key_heads, spec.value_heads, spec.key_dim,
                                       spec.value_dim, sum(config.linear_layers), gradient_checkpointing,
-                                      max_binding or 128 << 20)
+                                      max_binding or 128 << 20, precision.sixteen_bit)
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}
     out["total"] = sum(out.values())
     return out
