@@ -144,7 +144,7 @@ def test_bfloat16_activations_match_numpy(kind, rt, tmp_path):
     _check(ref, gpu, *padded_batch(3, 80, 60, 3), "bf16_gpu")
     from test_engine import _allocated
     acts = gpu.engine._activations(3, 80, train=True)
-    own = sum(b.size for b in gpu.engine.layers._dn_buffers.values())
+    own = sum(b.size for holder in (gpu.engine.layers, acts) for b in holder._dn_buffers.values())
     est = wt.estimate_memory(gpu.config, 3, 80, lora=gpu.lora_config, precision="bf16")
     assert _allocated(acts) + own <= est["activations"] + est["logits"]
     prompt = [5, 17, 3, 40, 22, 8]
@@ -192,11 +192,12 @@ def test_memory_estimate_covers_the_allocation(model, rt):
         gpu.set_gradient_checkpointing(checkpointing)
         gpu.loss_and_grads(ids, labels, mask)
         acts = gpu.engine._activations(*ids.shape, train=True)
-        own = sum(b.size for b in gpu.engine.layers._dn_buffers.values())
+        own = sum(b.size for holder in (gpu.engine.layers, acts) for b in holder._dn_buffers.values())
         est = wt.estimate_memory(gpu.config, *ids.shape, lora=gpu.lora_config, gradient_checkpointing=checkpointing)
         assert _allocated(acts) < est["activations"] + est["logits"], checkpointing
         assert _allocated(acts) + own <= est["activations"] + est["logits"], checkpointing
         gpu.engine.layers._dn_buffers.clear()
+        acts._dn_buffers.clear()
 
 
 def test_generation_row_blocks():
@@ -209,3 +210,33 @@ def test_generation_row_blocks():
     assert _row_blocks(runs) == [(0, 0, -3), (4, 3, -1), (5, 4, 3), (6, 7, -2)]
     with pytest.raises(ValueError, match="row 3's tokens must be consecutive"):
         _row_blocks([(3, np.array([0, 2]), 0)])
+
+
+def test_pipeline_stages_equal_one_process(rt, tmp_path):
+    """2 WebGPU stages under GPipe, every micro-batch's forward before the backwards: each micro-batch's delta-rule
+    states (72 tokens: several chunks, so they are not the zero initial state) kept in its own bucket, with and
+    without gradient checkpointing; then generation through the stages."""
+    from test_pipeline import assert_same_generation
+    from test_pipeline_wgpu import _staged
+
+    build("qwen3_5").save_pretrained(tmp_path)
+    rng = np.random.default_rng(9)
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5)
+    pos = np.broadcast_to(np.arange(72, dtype=np.int32), (2, 72)).copy()
+    for checkpointing in (False, True):
+        one, staged = _staged(tmp_path, 2, "gpipe", device=str(rt.info.index))
+        for model in (one, staged):
+            model.add_lora(wt.LoraConfig(r=4, target_modules=TARGETS["qwen3_5"]), seed=3)
+            model.set_gradient_checkpointing(checkpointing)
+        for step in (1, 2):
+            micro = []
+            for _ in range(3):
+                ids, labels, mask = padded_batch(int(rng.integers(1 << 30)), 72, 60, 2)
+                micro.append((ids.astype(np.int32), shift_labels(labels), mask.astype(np.int32), pos))
+            expected, got = one.engine.train_step(micro, hp, step), staged.engine.train_step(micro, hp, step)
+            assert got[1] == expected[1] and got[3] == expected[3]
+            assert_close(np.array(got[::2]), np.array(expected[::2]), "pipeline_wgpu", f"step {step}")
+        mine, theirs = staged.engine.trainable(), one.engine.trainable()
+        for k in theirs:
+            assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
+    assert_same_generation(*_staged(tmp_path, 2, device=str(rt.info.index)))

@@ -6,9 +6,10 @@ delta_rule.py).
 
 What the layer plan does not hold lives here, sized per batch and grown on demand: the delta rule's states (B, Hv, N,
 Dk, Dv) per layer in a training bucket without gradient checkpointing (the backward reads them), else one set that
-the checkpointed backward's recompute refills; its scratch, final state, and the l2norm's inverse norms, which the
-backward recomputes from the saved input rather than storing. With 16-bit activations the ops that write float32
-only (the l2norm, the rule) write into float32 buffers here, then rounded into the plan's (_float32, _settle)."""
+the checkpointed backward's recompute refills, held by the bucket (a pipeline stage's micro-batch in flight keeps its
+own); its scratch, final state, and the l2norm's inverse norms, which the backward recomputes from the saved input
+rather than storing. With 16-bit activations the ops that write float32 only (the l2norm, the rule) write into
+float32 buffers here, then rounded into the plan's (_float32, _settle)."""
 from __future__ import annotations
 
 from wgpu_train.errors import ConfigError
@@ -22,14 +23,16 @@ from wgpu_train.engines.webgpu.device.operands import at, split
 class GatedDeltaNetOps:
     """LayerRecorder's methods for the op kinds silu, concat, l2norm, decay, delta_rule and gated_rmsnorm."""
 
-    def _dn_buffer(self, rt, name: str, elements: int):
-        """A float32 buffer of at least `elements` for `name`, grown (a new one) when a bigger batch needs more. A
-        replaced buffer is kept, since a recording not yet submitted may still bind it."""
-        store = self.__dict__.setdefault("_dn_buffers", {})
+    def _dn_buffer(self, rt, name: str, elements: int, owner=None):
+        """A float32 buffer of at least `elements` for `name`, grown (a new one) when a bigger batch needs more; held
+        by the recorder, or by `owner` (a bucket: what a micro-batch keeps until its backward, when a pipeline stage
+        holds several in flight). A replaced buffer is kept, since a recording not yet submitted may still bind it."""
+        holder = (owner if owner is not None else self).__dict__
+        store = holder.setdefault("_dn_buffers", {})
         buf = store.get(name)
         if buf is None or buf.size < 4 * elements:
             if buf is not None:
-                self.__dict__.setdefault("_dn_retired", []).append(buf)
+                holder.setdefault("_dn_retired", []).append(buf)
             buf = store[name] = rt.buffer(4 * max(1, elements), "gated_deltanet." + name)
         return buf
 
@@ -114,7 +117,8 @@ class GatedDeltaNetOps:
         b, t = acts.b, acts.t
         chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv)
         own = acts.train and not acts.checkpoint
-        states = self._dn_buffer(rec.rt, f"states.{i}" if own else "states", DR.states_size(b, t, hv, dk, dv, chunk))
+        states = self._dn_buffer(rec.rt, f"states.{i}" if own else "states", DR.states_size(b, t, hv, dk, dv, chunk),
+                                 owner=acts)
         passes = [False, True] if acts.train else [False]     # the forward's and the backward's scratch, by pass
         scratch = self._dn_buffer(rec.rt, "scratch", max(
             DR.scratch_size(DR.rows_per_pass(rec.rt, b, t, hv, dk, dv, chunk, back), t, hv, dk, dv, chunk, back)
