@@ -41,28 +41,8 @@ fn at(b: u32, t: i32, c: u32) -> u32 {                 // element (b, t, c) of a
     return (b * p.t + u32(t)) * p.c + c;
 }
 
-fn x_of(b: u32, t: i32, c: u32) -> f32 {
-    return x_ld(p.o4 + at(b, t, c));
-}
-
 fn w_of(c: u32, j: u32) -> f32 {
     return wt_ld(p.o5 + c * K + j);
-}
-
-// z at (b, t) for channels c, c + 1 (the second 0 past C): the taps in t's sequence
-fn conv_at(b: u32, t: i32, c: u32) -> vec2<f32> {
-    let id = seg_of(b, t);
-    var z = vec2<f32>(0.0);
-    if (id == 0) { return z; }
-    let two = c + 1u < p.c;
-    for (var j = 0u; j < K; j = j + 1u) {
-        let s = t - i32(K - 1u - j);
-        if (seg_of(b, s) == id) {
-            z.x = fma(w_of(c, j), x_of(b, s, c), z.x);
-            if (two) { z.y = fma(w_of(c + 1u, j), x_of(b, s, c + 1u), z.y); }
-        }
-    }
-    return z;
 }
 
 fn act_forward(z: vec2<f32>) -> vec2<f32> {
@@ -76,16 +56,6 @@ fn act_grad(z: vec2<f32>) -> vec2<f32> {
     return s * (vec2<f32>(1.0) + z * (vec2<f32>(1.0) - s));
 }
 
-// dz at (b, t) for channels c, c + 1: dy through the activation (z recomputed); 0 past T
-fn dz_at(b: u32, t: i32, c: u32) -> vec2<f32> {
-    if (t >= i32(p.t)) { return vec2<f32>(0.0); }
-    let i = p.o7 + at(b, t, c);
-    var g = vec2<f32>(dy_ld(i), 0.0);
-    if (c + 1u < p.c) { g.y = dy_ld(i + 1u); }
-    if (p.act == 1u) { g = g * act_grad(conv_at(b, t, c)); }
-    return g;
-}
-
 // a pair of outputs at element i of y (channels c, c + 1): one word when C is even
 fn store_pair(i: u32, c: u32, v: vec2<f32>) {
     if ((p.c & 1u) == 0u) {
@@ -96,8 +66,25 @@ fn store_pair(i: u32, c: u32, v: vec2<f32>) {
     }
 }
 
+// the taps of channels c, c + 1 in registers (the second 0 past C)
+fn taps(c: u32) -> array<vec2<f32>, K> {
+    var w: array<vec2<f32>, K>;
+    let two = c + 1u < p.c;
+    for (var j = 0u; j < K; j = j + 1u) {
+        w[j] = vec2<f32>(w_of(c, j), select(0.0, w_of(c + 1u, j), two));
+    }
+    return w;
+}
+
+// x at (b, t) for channels c, c + 1, 0 where id is 0 (outside the row or padding)
+fn x_pair(b: u32, t: i32, c: u32, id: i32) -> vec2<f32> {
+    if (id == 0) { return vec2<f32>(0.0); }
+    let i = p.o4 + at(b, t, c);
+    return vec2<f32>(x_ld(i), select(0.0, x_ld(i + 1u), c + 1u < p.c));
+}
+
 // ---- forward: y! (t1) <- x (t4), weight (t5), ids (segments). One invocation per (b, tile of TILE positions,
-// channel pair). -------------------------------------------------------------------------------------------------
+// channel pair), the last K inputs and their ids in registers (each input loaded once). ----------------------------
 @compute @workgroup_size(WG)
 fn sc_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -107,16 +94,36 @@ fn sc_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (idx >= p.b * tiles * pairs) { return; }
     let c = 2u * (idx % pairs);
     let b = idx / pairs / tiles;
-    let t0 = (idx / pairs % tiles) * TILE;
+    let t0 = i32((idx / pairs % tiles) * TILE);
+    let w = taps(c);
+    var xs: array<vec2<f32>, K>;                            // xs[j]: the input K-1-j positions back
+    var ids: array<i32, K>;
+    for (var j = 0u; j + 1u < K; j = j + 1u) {
+        let s = t0 - i32(K - 1u - j);
+        ids[j] = seg_of(b, s);
+        xs[j] = x_pair(b, s, c, ids[j]);
+    }
     for (var i = 0u; i < TILE; i = i + 1u) {
-        let t = t0 + i;
-        if (t >= p.t) { break; }
-        store_pair(at(b, i32(t), c), c, act_forward(conv_at(b, i32(t), c)));
+        let t = t0 + i32(i);
+        if (t >= i32(p.t)) { break; }
+        let id = seg_of(b, t);
+        ids[K - 1u] = id;
+        xs[K - 1u] = x_pair(b, t, c, id);
+        var z = vec2<f32>(0.0);
+        for (var j = 0u; j < K; j = j + 1u) {
+            if (id != 0 && ids[j] == id) { z = fma(w[j], xs[j], z); }
+        }
+        store_pair(at(b, t, c), c, act_forward(z));
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            xs[j] = xs[j + 1u];
+            ids[j] = ids[j + 1u];
+        }
     }
 }
 
 // ---- dx: dx! (t1) <- dy (t7), x (t4, for SiLU's z), weight (t5), ids. dx[s] = sum over lags of dz[s + lag]
-// weight[K-1-lag] where s and s + lag share a sequence. Invocations as the forward's. ------------------------------
+// weight[K-1-lag] where s and s + lag share a sequence. Invocations as the forward's: each walks positions
+// t0 .. t0 + TILE + K - 2, the inputs (for z) and the dz of the last K positions in registers. -----------------------
 @compute @workgroup_size(WG)
 fn sc_backward_dx(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -126,29 +133,57 @@ fn sc_backward_dx(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     if (idx >= p.b * tiles * pairs) { return; }
     let c = 2u * (idx % pairs);
     let b = idx / pairs / tiles;
-    let t0 = (idx / pairs % tiles) * TILE;
+    let t0 = i32((idx / pairs % tiles) * TILE);
     let two = c + 1u < p.c;
-    for (var i = 0u; i < TILE; i = i + 1u) {
-        let s = i32(t0 + i);
-        if (s >= i32(p.t)) { break; }
-        let id = seg_of(b, s);
-        var d = vec2<f32>(0.0);
-        if (id != 0) {
-            for (var lag = 0u; lag < K; lag = lag + 1u) {
-                let t = s + i32(lag);
-                if (seg_of(b, t) == id) {
-                    let g = dz_at(b, t, c);
-                    d.x = fma(g.x, w_of(c, K - 1u - lag), d.x);
-                    if (two) { d.y = fma(g.y, w_of(c + 1u, K - 1u - lag), d.y); }
-                }
-            }
+    let w = taps(c);
+    var xs: array<vec2<f32>, K>;                            // the inputs of the last K positions (SiLU's z)
+    var dz: array<vec2<f32>, K>;                            // dz of the last K positions
+    var ids: array<i32, K>;
+    if (p.act == 1u) {
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            let s = t0 - i32(K - 1u - j);
+            ids[j] = seg_of(b, s);
+            xs[j] = x_pair(b, s, c, ids[j]);
         }
-        store_pair(at(b, s, c), c, d);
+    }
+    let last = min(t0 + i32(TILE + K - 1u), i32(p.t) + i32(K - 1u));
+    for (var t = t0; t < last; t = t + 1) {
+        let id = seg_of(b, t);
+        ids[K - 1u] = id;
+        var g = vec2<f32>(0.0);
+        if (id != 0) {
+            let i = p.o7 + at(b, t, c);
+            g = vec2<f32>(dy_ld(i), select(0.0, dy_ld(i + 1u), two));
+        }
+        if (p.act == 1u) {
+            xs[K - 1u] = x_pair(b, t, c, id);
+            var z = vec2<f32>(0.0);
+            for (var j = 0u; j < K; j = j + 1u) {
+                if (id != 0 && ids[j] == id) { z = fma(w[j], xs[j], z); }
+            }
+            g = g * act_grad(z);
+        }
+        dz[K - 1u] = g;
+        let s = t - i32(K - 1u);                            // the output: dz[lag] is at s + lag
+        if (s >= t0) {
+            let sid = ids[0];
+            var d = vec2<f32>(0.0);
+            for (var lag = 0u; lag < K; lag = lag + 1u) {
+                if (sid != 0 && ids[lag] == sid) { d = fma(dz[lag], w[K - 1u - lag], d); }
+            }
+            store_pair(at(b, s, c), c, d);
+        }
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            xs[j] = xs[j + 1u];
+            dz[j] = dz[j + 1u];
+            ids[j] = ids[j + 1u];
+        }
     }
 }
 
 // ---- the weight's gradient, part 1: w2! partials (B, nblk, C, K) <- dy, x, weight, ids. One invocation per (b,
-// block of p.rows positions, channel pair): sum over its positions t of dz[t] x[t - (K-1-j)] per tap j. ---------
+// block of p.rows positions, channel pair): sum over its positions t of dz[t] x[t - (K-1-j)] per tap j, the last K
+// inputs and ids in registers. ----------------------------------------------------------------------------------
 @compute @workgroup_size(WG)
 fn sc_backward_dw_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                           @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -158,20 +193,39 @@ fn sc_backward_dw_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     let c = 2u * (idx % pairs);
     let blk = idx / pairs;                                  // b * nblk + block
     let b = blk / p.nblk;
-    let t0 = (blk % p.nblk) * p.rows;
-    let t1 = min(p.t, t0 + p.rows);
+    let t0 = i32((blk % p.nblk) * p.rows);
+    let t1 = min(i32(p.t), t0 + i32(p.rows));
     let two = c + 1u < p.c;
+    let w = taps(c);
+    var xs: array<vec2<f32>, K>;
+    var ids: array<i32, K>;
     var acc: array<vec2<f32>, K>;
-    for (var t = t0; t < t1; t = t + 1u) {
-        let id = seg_of(b, i32(t));
-        if (id == 0) { continue; }
-        let g = dz_at(b, i32(t), c);
-        for (var j = 0u; j < K; j = j + 1u) {
-            let s = i32(t) - i32(K - 1u - j);
-            if (seg_of(b, s) == id) {
-                acc[j].x = fma(g.x, x_of(b, s, c), acc[j].x);
-                if (two) { acc[j].y = fma(g.y, x_of(b, s, c + 1u), acc[j].y); }
+    for (var j = 0u; j + 1u < K; j = j + 1u) {
+        let s = t0 - i32(K - 1u - j);
+        ids[j] = seg_of(b, s);
+        xs[j] = x_pair(b, s, c, ids[j]);
+    }
+    for (var t = t0; t < t1; t = t + 1) {
+        let id = seg_of(b, t);
+        ids[K - 1u] = id;
+        xs[K - 1u] = x_pair(b, t, c, id);
+        if (id != 0) {
+            let i = p.o7 + at(b, t, c);
+            var g = vec2<f32>(dy_ld(i), select(0.0, dy_ld(i + 1u), two));
+            if (p.act == 1u) {
+                var z = vec2<f32>(0.0);
+                for (var j = 0u; j < K; j = j + 1u) {
+                    if (ids[j] == id) { z = fma(w[j], xs[j], z); }
+                }
+                g = g * act_grad(z);
             }
+            for (var j = 0u; j < K; j = j + 1u) {
+                if (ids[j] == id) { acc[j] = fma(g, xs[j], acc[j]); }
+            }
+        }
+        for (var j = 0u; j + 1u < K; j = j + 1u) {
+            xs[j] = xs[j + 1u];
+            ids[j] = ids[j + 1u];
         }
     }
     for (var j = 0u; j < K; j = j + 1u) {
@@ -211,7 +265,8 @@ fn sc_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let first = u32(ids[p.o6 + 4u * r + 1u]);
     let count = u32(ids[p.o6 + 4u * r + 2u]);
     let fresh = ids[p.o6 + 4u * r + 3u] != 0;
-    var win: array<vec2<f32>, K>;                           // win[j]: the input j - (K-1) tokens back
+    let w = taps(c);
+    var win: array<vec2<f32>, K>;                           // win[j]: the input K-1-j tokens back
     for (var j = 0u; j + 1u < K; j = j + 1u) {
         let s = p.o2 + (slot * (K - 1u) + j) * p.c + c;
         if (!fresh) {
@@ -225,10 +280,7 @@ fn sc_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         win[K - 1u] = vec2<f32>(x_ld(p.o4 + e), 0.0);
         if (two) { win[K - 1u].y = x_ld(p.o4 + e + 1u); }
         var z = vec2<f32>(0.0);
-        for (var j = 0u; j < K; j = j + 1u) {
-            z.x = fma(w_of(c, j), win[j].x, z.x);
-            if (two) { z.y = fma(w_of(c + 1u, j), win[j].y, z.y); }
-        }
+        for (var j = 0u; j < K; j = j + 1u) { z = fma(w[j], win[j], z); }
         store_pair(e, c, act_forward(z));
         for (var j = 0u; j + 1u < K; j = j + 1u) { win[j] = win[j + 1u]; }
     }

@@ -157,10 +157,10 @@ def test_targets_are_named_as_phi_names_them(phi, tmp_path):
     model = wt.load_model(folder, backend="numpy")
     for targets in ("q_proj,v_proj", "qkv_proj,gate_proj"):      # a name the model lacks, beside others or not
         msg = _one_line(lambda: model.add_lora(wt.LoraConfig(target_modules=targets)), ConfigError)
-        assert "Phi3ForCausalLM has the linear modules qkv_proj, o_proj, gate_up_proj, down_proj" in msg, msg
+        assert "attention layers: qkv_proj, o_proj; MLPs: gate_up_proj, down_proj" in msg, msg
     llama = wt.ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=50, hidden_size=40,
                                           intermediate_size=24, num_hidden_layers=1, num_attention_heads=4))
-    assert "gate_up_proj: LlamaForCausalLM has" in _one_line(
+    assert "gate_up_proj: LlamaForCausalLM's linear modules are" in _one_line(
         lambda: wt.LoraConfig(target_modules="q_proj,gate_up_proj").modules(llama), ConfigError)
     model.add_lora(wt.LoraConfig(r=2, target_modules="all-linear"))
     assert model.lora_config.target_modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -225,3 +225,18 @@ def test_each_wgpu_stage_allocates_its_memory_estimate(tmp_path, default_rt, sch
         allocated = sum(_allocated(acts) for cache in caches for key, acts in cache.acts.items() if key[1])
         assert allocated == est["activations"] + est["logits"], (est["layers"], allocated, est)
     assert [est["in_flight"] for est in estimates] == ([3, 3, 1] if schedule == "gpipe" else [3, 2, 1])
+
+
+def test_moe_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
+    """A Qwen3-MoE (a dense layer among the sparse ones) on 2 stages under 1F1B, LoRA on the experts and on the
+    attention: each stage routes its own layers' tokens; losses, norms and trained tensors equal one process's."""
+    from tiny_models import build_moe
+
+    folder = save_model(build_moe("qwen3_moe", vocab_size=83), tmp_path / "qwen3_moe")
+    one, staged = _staged(folder, 2, precision="fp32")
+    lora = LoraConfig(r=3, target_modules=("q_proj",),
+                      target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    for model in (one, staged):
+        model.add_lora(lora, seed=3)
+    _same_steps(one, staged, steps=2, micro=2)
+    assert_same_generation(one, staged)

@@ -1,6 +1,6 @@
 """The short convolution's kernel family (engines/webgpu/short_conv.py, tuned/short_conv_kernels.py) against the
 reference (engines/shared/short_conv.py, float64 on the same inputs), on every adapter present and every candidate:
-forward, dx and dw at a length no tile divides, with a packed row (two sequences, a padding gap) and a left-padded
+forward, dx and dw at a length no tile divides, with a packed row (three sequences, two adjacent, a padding gap) and a left-padded
 one, an odd channel count, with and without SiLU; the weight gradient's partial sums over several blocks; 16-bit
 x / y / dx; the recurrent step over interleaved rows that start and continue."""
 from __future__ import annotations
@@ -19,8 +19,10 @@ CANDIDATES = [f"short_conv/t{t}/w{w}" for t, w in dict.fromkeys(SK.CPU_CONFIGS +
 
 
 def _segments(B, T):
-    """Row 0 packed: two sequences with a padding gap between them; row 1 left-padded; further rows one sequence."""
+    """Row 0 packed: three sequences, the first two adjacent, a padding gap before the third; row 1 left-padded;
+    further rows one sequence."""
     seg = np.ones((B, T), np.int32)
+    seg[0, T // 4:T // 2] = 3
     seg[0, T // 2:T // 2 + 3] = 0
     seg[0, T // 2 + 3:] = 2
     if B > 1:

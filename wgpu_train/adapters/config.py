@@ -91,8 +91,10 @@ class LoraConfig:
             return tuple(m for m in model.linear_modules if m in ATTENTION_MODULES)
         missing = [t for t in self.target_modules if not any(_names(m, t) for m in model.linear_modules)]
         if missing and not all_linear:
-            raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture} has the linear modules "
-                              f"{', '.join(model.linear_modules)} (or use all-linear)")
+            kinds = model.modules_by_layer_kind()
+            have = "; ".join(f"{kind}: {', '.join(mods)}" for kind, mods in kinds.items() if mods)
+            raise ConfigError(f"LoRA target_modules {','.join(missing)}: {model.architecture}'s linear modules are, "
+                              f"by kind of layer, {have} (or use all-linear)")
         if model.moe is not None:
             # PEFT 0.21 on transformers 5 reads these names as the experts' fused tensors of an MoE model (its
             # conversion of transformers 4 adapters), so an adapter could not name a dense MLP's modules

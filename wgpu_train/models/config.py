@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3 / Phi-4
@@ -97,6 +98,7 @@ FAMILY_DEFAULTS = {
     "lfm2": lfm2.DEFAULTS,
     "qwen3_5": qwen3_5.DEFAULTS,
     "qwen3_next": qwen3_5.DEFAULTS,
+    "qwen3_5_moe": qwen3_5.DEFAULTS,
     "smollm3": {"tie_word_embeddings": True, "rms_norm_eps": 1e-6},
     "phi3": {"rms_norm_eps": 1e-5, "pad_token_id": 32000, "bos_token_id": 1, "eos_token_id": 32000,
              "max_position_embeddings": 4096},
@@ -233,6 +235,19 @@ class ModelConfig:
         mixers = sorted({mixer for mixer, _ in parts}, key=lambda m: m != attention)
         mlps = sorted({mlp for _, mlp in parts}, key=lambda m: m[0] == self.moe.router if self.moe else False)
         return tuple(dict.fromkeys(m for group in mixers + mlps for m in group))
+
+    def modules_by_layer_kind(self) -> dict:
+        """Each kind of layer part's linear modules ({"conv layers": (...), "attention layers": (...), "MLPs":
+        (...)}), for a refusal that says which kind of layer has a module."""
+        groups: dict = {}
+        for layer in range(self.num_hidden_layers):
+            mixer, mlp = self._layer_parts(layer)
+            kind = ("conv" if self.family == "lfm2" and self.is_conv(layer) else
+                    "linear_attention" if self.linear_attention is not None and self.is_linear(layer) else
+                    "attention")
+            groups.setdefault(f"{kind} layers", mixer)
+            groups.setdefault("mixture-of-experts MLPs" if self.is_sparse(layer) else "MLPs", mlp)
+        return groups
 
     def layer_modules(self, layer: int) -> tuple:
         """Layer `layer`'s linear modules in order: its token mixer's (attention's: Llama's four, Phi-3's fused
@@ -376,10 +391,11 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            # Mixtral's and OLMoE's intermediate_size is their experts' (moe.expert_size): no layer is dense
+            # Mixtral's and OLMoE's intermediate_size is their experts' (moe.expert_size), Qwen3.5-MoE has none:
+            # no layer is dense
             # (LFM2's MLP width is derived from it: lfm2.feed_forward_size)
             intermediate_size=ff_size if ff_size is not None else
-            0 if family in ("mixtral", "olmoe", "gpt_oss") else int(need("intermediate_size")),
+            0 if family in ("mixtral", "olmoe", "gpt_oss", "qwen3_5_moe") else int(need("intermediate_size")),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),

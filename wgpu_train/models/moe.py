@@ -15,6 +15,7 @@ MOE_FAMILIES = {"mixtral": ("num_local_experts", "intermediate_size"),
                 "qwen3_moe": ("num_experts", "moe_intermediate_size"),
                 "olmoe": ("num_experts", "intermediate_size"),
                 "qwen3_next": ("num_experts", "moe_intermediate_size"),
+                "qwen3_5_moe": ("num_experts", "moe_intermediate_size"),
                 "gpt_oss": ("num_local_experts", "intermediate_size")}
 _COUNT_ALIASES = ("num_experts", "num_local_experts")
 # MoE variants of other families, refused by the field that asks for them: (what it asks for, the values that
@@ -75,13 +76,16 @@ def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig 
     if family == "qwen3_next":      # transformers' Qwen3NextConfig defaults
         raw = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
                "shared_expert_intermediate_size": 512, "norm_topk_prob": True, **raw}
+    if family == "qwen3_5_moe":     # Qwen3_5MoeTextConfig's defaults; its router always renormalises the top k
+        raw = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+               "shared_expert_intermediate_size": 512, **raw, "norm_topk_prob": True}
     count_key, size_key = MOE_FAMILIES[family]
     if count_key not in raw:
         count_key = next((k for k in _COUNT_ALIASES if k in raw), count_key)
     experts, top_k = _count(raw, count_key, source), _count(raw, "num_experts_per_tok", source)
     if top_k > experts:
         raise ConfigError(f"{source}: field 'num_experts_per_tok' ({top_k}) is larger than '{count_key}' ({experts})")
-    if family in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+    if family in ("qwen2_moe", "qwen3_moe", "qwen3_next"):     # Qwen3.5-MoE's layers are all sparse
         step = _count({"decoder_sparse_step": 1, **raw}, "decoder_sparse_step", source)
         dense = set(raw.get("mlp_only_layers") or [])
         if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in dense):
@@ -89,7 +93,8 @@ def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig 
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     else:
         sparse = (True,) * layers
-    shared = _count(raw, "shared_expert_intermediate_size", source) if family in ("qwen2_moe", "qwen3_next") else 0
+    shared = _count(raw, "shared_expert_intermediate_size", source) if family in ("qwen2_moe", "qwen3_next",
+                                                                                         "qwen3_5_moe") else 0
     coef = raw.get("router_aux_loss_coef", 0.001 if family != "olmoe" else 0.01)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
         raise ConfigError(f"{source}: field 'router_aux_loss_coef' must be a number >= 0, got {coef!r}")

@@ -1,7 +1,8 @@
-"""Qwen3.5 and Qwen3-Next in config.json (Qwen3_5ForCausalLM, Qwen3NextForCausalLM): which layers are Gated DeltaNet
-linear attention and which gated full attention (layer_types, or every full_attention_interval-th layer), the
-linear attention's heads and sizes (LinearAttention), and their module names: Qwen3.5's separate in-projections, or
-Qwen3-Next's two fused ones whose rows interleave per key head. The variants not implemented are refused by field."""
+"""Qwen3.5 (dense and MoE) and Qwen3-Next in config.json (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+Qwen3NextForCausalLM): which layers are Gated DeltaNet linear attention and which gated full attention (layer_types,
+or every full_attention_interval-th layer), the linear attention's heads and sizes (LinearAttention), and their
+module names: Qwen3.5's separate in-projections, or Qwen3-Next's two fused ones whose rows interleave per key head.
+The variants not implemented are refused by field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from wgpu_train.errors import ConfigError, positive_field
 from wgpu_train.models.layer_types import checked_layer_types
 
-FAMILIES = ("qwen3_5", "qwen3_next")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 LAYER_KINDS = ("linear_attention", "full_attention")
 # transformers 5's Qwen3_5TextConfig / Qwen3NextConfig defaults, for fields a config.json leaves out
 DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,

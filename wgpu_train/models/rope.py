@@ -57,7 +57,7 @@ def _rotary_dim(raw: dict, params: dict, family: str, head_dim: int, source: str
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if factor == 1.0:
         return 0
-    if family not in ("phi3", "qwen3_5", "qwen3_next"):
+    if family not in ("phi3", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
         raise ConfigError(f"{source}: field 'partial_rotary_factor' must be 1.0 for {family}")
     dim = int(head_dim * float(positive_field({"partial_rotary_factor": factor}, "partial_rotary_factor", source)))
     if dim % 2 or not 0 < dim <= head_dim:

@@ -32,17 +32,13 @@ def _check(C: int, K: int, activation, outputs=(), floats=()):
             raise ValueError("the short convolution's weight gradient, scratch and state are float32 buffers")
 
 
-def _problem(rt, tensors, B, T, C, K, activation):
-    return SK.ShortConvProblem(rt, tensors, B, T, C, K, activation)
-
-
 def short_conv_forward(rec, y, x, weight, segment_ids, B: int, T: int, C: int, K: int, activation=None):
     """y (B, T, C) <- x (B, T, C), weight (C, 1, K), segment_ids (B, T) i32 or None (every position real, one
     sequence per row): y[t] = act(sum_k weight[:, 0, K-1-k] x[t-k]) over the lags k in t's sequence."""
     _check(C, K, activation, outputs=(y,))
     if B * T * C <= 0:
         return
-    p = _problem(rec.rt, dict(y=y, x=x, weight=weight, segments=segment_ids), B, T, C, K, activation)
+    p = SK.ShortConvProblem(rec.rt, dict(y=y, x=x, weight=weight, segments=segment_ids), B, T, C, K, activation)
     for d in tune.choose(rec.rt, p).dispatches(p):
         rec.dispatch(*d)
 
@@ -58,9 +54,9 @@ def short_conv_backward(rec, dx, dw, dy, x, weight, segment_ids, B: int, T: int,
     if B * T * C <= 0:
         return
     t = dict(dx=dx, dw=dw, dy=dy, x=x, weight=weight, segments=segment_ids, scratch=scratch if dw is not None else None)
-    p = SK.ShortConvProblem(rec.rt, t, B, T, C, K, activation, accumulate_dw)
-    for d in tune.choose(rec.rt, _problem(rec.rt, dict(x=x, y=dx, weight=weight), B, T, C, K, activation)) \
-            .backward_dispatches(p):
+    # the candidate the tuner chose for this shape's forward (dx has y's shape and format)
+    cand = tune.choose(rec.rt, SK.ShortConvProblem(rec.rt, dict(x=x, y=dx, weight=weight), B, T, C, K, activation))
+    for d in cand.backward_dispatches(SK.ShortConvProblem(rec.rt, t, B, T, C, K, activation, accumulate_dw)):
         rec.dispatch(*d)
 
 

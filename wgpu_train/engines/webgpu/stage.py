@@ -25,9 +25,6 @@ class WgpuStage(WgpuEngine):
     Each call is one submission, whose inputs are written to the device and whose outputs are read back."""
 
     def __init__(self, cfg, weights: dict, rt, span: range, first: bool, last: bool, **kw):
-        if cfg.moe is not None:
-            raise ConfigError(f"{cfg.label}: WebGPU pipeline stages do not run a mixture of experts yet; use one "
-                              f"WebGPU engine, or --backend numpy for pipeline stages")
         super().__init__(cfg, weights, rt, span=span, first=first, last=last, **kw)
         self.span, self.first, self.last = span, first, last
         self.counters["boundary_bytes_sent"] = 0
@@ -45,7 +42,7 @@ class WgpuStage(WgpuEngine):
         slot = next(k for k in itertools.count() if k not in held)
         while len(self._spare) < slot:
             spare = BucketCache(self.rt, self.cfg, self.precision, self.counters, self.span, self.first, self.last)
-            spare.set_adapter(self.lora, self._group_of)
+            spare.set_adapter(self.lora, self._group_of, self.expert_lora)
             spare.set_checkpointing(self.gradient_checkpointing)
             self._spare.append(spare)
         self.dropout.reserve(slot + 1, keep=True)
