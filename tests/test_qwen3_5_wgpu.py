@@ -22,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 TARGETS = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "v_proj",
                        "down_proj"],
            "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj", "up_proj"],
-           "qwen3_next_moe": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"]}     # experts: test_moe_wgpu
+           "qwen3_next_moe": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj"],     # experts: test_moe_wgpu
+           "qwen3_5_moe": ["in_proj_qkv", "in_proj_b", "q_proj", "shared_expert_gate"]}
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
@@ -159,23 +160,28 @@ def test_bfloat16_activations_match_numpy(kind, rt, tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_qwen3_next_with_experts_matches_numpy(rt, tmp_path):
-    """Qwen3-Next's routed and shared experts after both layer kinds (a dense layer among them): logits, loss, LoRA
-    gradients on the fused in-projections and the attention, and greedy generation, as the NumPy engine."""
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe"])
+def test_experts_after_both_layer_kinds_match_numpy(kind, rt, tmp_path):
+    """Qwen3-Next's routed and shared experts (a dense layer among them) and Qwen3.5-MoE's (every layer) after both
+    layer kinds: logits, loss, LoRA gradients on the in-projections and the attention, and greedy generation, as
+    the NumPy engine."""
     import torch
     import transformers as tf
     from test_qwen3_5 import QWEN3_5, _randomise
 
     torch.manual_seed(6)
-    cfg = tf.Qwen3NextConfig(**QWEN3_5, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=11,
-                             shared_expert_intermediate_size=9, mlp_only_layers=[1], norm_topk_prob=True)
+    experts = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=11, shared_expert_intermediate_size=9)
+    if kind == "qwen3_next_moe":
+        cfg = tf.Qwen3NextConfig(**QWEN3_5, **experts, mlp_only_layers=[1], norm_topk_prob=True)
+    else:
+        cfg = tf.Qwen3_5MoeTextConfig(**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, **experts)
     _randomise(tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager",
                                                    experts_implementation="eager")).save_pretrained(tmp_path)
-    ref, gpu = _pair(tmp_path, rt, "qwen3_next_moe")
+    ref, gpu = _pair(tmp_path, rt, kind)
     ids, labels, mask = padded_batch(3, 150, 101, 3)
     real = mask.astype(bool)
-    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_hybrid_logits", "qwen3_next moe")
-    _same_loss_and_grads(ref, gpu, "qwen3_next moe", (ids, labels, mask), ".linear_attn.in_proj_qkvz")
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_hybrid_logits", kind)
+    _same_loss_and_grads(ref, gpu, kind, (ids, labels, mask), ".linear_attn.in_proj_")
     prompt = [5, 17, 3, 40, 22, 8]
     assert gpu.generate(prompt, max_new_tokens=6) == ref.generate(prompt, max_new_tokens=6)
 
