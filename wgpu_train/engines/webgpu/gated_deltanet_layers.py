@@ -154,11 +154,9 @@ class GatedDeltaNetOps:
                 continue
             chunk = DR.delta_rule_chunk(rec.rt, 1, n, hk, hv, dk, dv)
             final = self._dn_buffer(rec.rt, "final_state", one)
-            DR.gated_delta_rule_forward(rec, views[0], final,
-                                        self._dn_buffer(rec.rt, "prefill_states", DR.states_size(1, n, hv, dk, dv, chunk)),
-                                        *views[1:], chunk, 1, n, hk, hv, dk, dv,
-                                        self._dn_buffer(rec.rt, "prefill_scratch",
-                                                        DR.scratch_size(1, n, hv, dk, dv, chunk, backward=False)),
+            states = self._dn_buffer(rec.rt, "prefill_states", DR.states_size(1, n, hv, dk, dv, chunk))
+            scratch = self._dn_buffer(rec.rt, "prefill_scratch", DR.scratch_size(1, n, hv, dk, dv, chunk, False))
+            DR.gated_delta_rule_forward(rec, views[0], final, states, *views[1:], chunk, 1, n, hk, hv, dk, dv, scratch,
                                         initial_state=slot)
             K.copy(rec, slot, final, one)
         self._settle(rec, buf[op.outputs[0]], out, tokens * hv * dv)

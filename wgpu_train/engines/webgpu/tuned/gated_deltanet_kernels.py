@@ -1,6 +1,7 @@
 """The Gated DeltaNet layer's small op kernels (shaders/gated_deltanet.wgsl) as a kernel family: SiLU, the decay and
 the gated RMSNorm, forward and backward, and the weight gradients' passes. One form each (no tuner candidates: they
-are elementwise or per-row and cost little beside the delta rule); the op wrappers are engines/webgpu/gated_deltanet.py."""
+are elementwise or per-row and cost little beside the delta rule); the op wrappers are
+engines/webgpu/gated_deltanet.py."""
 from __future__ import annotations
 
 import functools
