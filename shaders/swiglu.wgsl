@@ -23,10 +23,12 @@ const GELU_C: f32 = 0.7978845608028654;   // sqrt(2 / pi)
 const SILU: u32 = 0u;                     // the gate's activation (a forward's or backward's mode)
 const GELU: u32 = 1u;
 const NONE: u32 = 2u;
+const SIGMOID: u32 = 3u;                  // h = up * sigmoid(gate): Qwen3.5's attention output gate
 
 // h of one element: silu(g) * u, gelu_tanh(g) * u or g * u
 fn gated(g: f32, u: f32, mode: u32) -> f32 {
     if (mode == NONE) { return g * u; }
+    if (mode == SIGMOID) { return u * sigmoid(g); }
     if (mode == GELU) {
         let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
         return g * sigmoid(u2) * u;
@@ -37,6 +39,10 @@ fn gated(g: f32, u: f32, mode: u32) -> f32 {
 // (dgate, dup) of one element
 fn grads(dh: f32, g: f32, u: f32, mode: u32) -> vec2<f32> {
     if (mode == NONE) { return vec2<f32>(dh * u, dh * g); }
+    if (mode == SIGMOID) {
+        let s = sigmoid(g);
+        return vec2<f32>(dh * u * s * (1.0 - s), dh * s);
+    }
     if (mode == GELU) {
         let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
         let s = sigmoid(u2);
@@ -115,6 +121,18 @@ fn geglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 fn mul_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_id) lid: vec3<u32>) {
     forward(first(wid, nwg, lid), NONE);
+}
+
+@compute @workgroup_size(256)
+fn sigmoid_gate_elems_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                              @builtin(local_invocation_id) lid: vec3<u32>) {
+    forward(first(wid, nwg, lid), SIGMOID);
+}
+
+@compute @workgroup_size(256)
+fn sigmoid_gate_elems_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                               @builtin(local_invocation_id) lid: vec3<u32>) {
+    backward(first(wid, nwg, lid), SIGMOID);
 }
 
 @compute @workgroup_size(256)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tolerances import assert_close
+from wgpu_train.errors import DeviceError
 from wgpu_train.engines.shared import delta_rule as ref
 from wgpu_train.engines.webgpu import delta_rule as W
 from wgpu_train.engines.webgpu.device import storage
@@ -111,6 +112,20 @@ def test_long_sequences_split_across_dispatches(rt, monkeypatch):
     p = DK.DeltaRuleProblem(rt, {}, 2, 150, 2, 4, DIM_K, DIM_V, 16)
     assert DK.Chunked(16, DK.CPU_SCANS[0]).scan_chunks(p) == 2
     _case(rt, pin, 2, 150, 2, 4, 16, seed=2)
+
+
+def test_rows_recorded_in_passes_past_the_max_binding(rt, monkeypatch):
+    """A max storage binding that holds one row's backward scratch (Qwen3-Next's at a few hundred tokens a row is past
+    128 MiB): three packed and padded rows recorded a row or two at a time, the same results; one row too long for
+    it refused in one line."""
+    one = max(W.scratch_size(1, 150, 4, DIM_K, DIM_V, 16), W.states_size(1, 150, 4, DIM_K, DIM_V, 16))
+    monkeypatch.setattr(rt, "max_binding", 4 * one + 256)
+    assert W.rows_per_pass(rt, 3, 150, 4, DIM_K, DIM_V, 16) == 1
+    assert W.rows_per_pass(rt, 3, 150, 4, DIM_K, DIM_V, 16, backward=False) in (1, 2)
+    _case(rt, "delta_rule/c16/ks1x8", 3, 150, 2, 4, 16, seed=4)
+    with pytest.raises(DeviceError, match="one sequence of 300 tokens needs") as err:
+        W.rows_per_pass(rt, 1, 300, 4, DIM_K, DIM_V, 16)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])

@@ -209,15 +209,15 @@ def test_batched_generation_equals_each_row_alone(qwen):
     assert kv["state"][0]["linear_attn.conv1d.weight"].shape == (2, 2, 44) and 1 not in kv["state"]
 
 
-def test_the_webgpu_engine_is_refused_in_one_line(qwen):
+def test_backend_auto_treats_qwen3_5_as_a_dense_model(qwen):
+    """The WebGPU engine records the Gated DeltaNet layers (tests/test_qwen3_5_wgpu.py): auto's rule no longer sends
+    Qwen3.5 to NumPy for them."""
     _, _, folder = qwen
-    cfg = ModelConfig.from_folder(folder / "model")
-    choice = choose_backend("auto", cfg=cfg)
-    assert choice.engine == "numpy" and "linear-attention" in choice.reason
-    from wgpu_train.engines.webgpu.engine import WgpuEngine
+    from wgpu_train.engines.webgpu.device import runtime
 
-    with pytest.raises(ConfigError, match="does not run linear-attention \\(Gated DeltaNet\\) layers yet; use --backend"):
-        WgpuEngine(cfg, {}, None)
+    choice = choose_backend("auto", cfg=ModelConfig.from_folder(folder / "model"))
+    assert "linear-attention" not in choice.reason
+    assert choice.engine == ("wgpu" if runtime.has_adapter() else "numpy")     # tests take the adapter (conftest.py)
 
 
 def test_the_multimodal_checkpoints_language_model(tmp_path):

@@ -196,6 +196,15 @@ TOLERANCES: dict[str, Tolerance] = {
         "or mask is > 1e-2.") for fmt in ("bf16", "f16")},
     "k_l2norm": Tolerance(1e-6, 1e-6,
         "the l2norm pair: a float32 sum of D squares (or products), one rsqrt and one or two roundings per element"),
+    "k_gated_deltanet": Tolerance(2e-6, 2e-6,
+        "the Gated DeltaNet layer's small ops (silu, the decay, the gated RMSNorm) against engines/shared/"
+        "gated_deltanet.py in float64: float32 exp / log / rsqrt (a few ulp on GPUs) and a sum of D squares per row; "
+        "a wrong sign, head index or missing factor moves values by > 1e-2"),
+    "k_gated_deltanet_sum": Tolerance(1e-5, 1e-5,
+        "the weight gradients of A_log, dt_bias and the gated RMSNorm: float32 sums over up to 100 rows of terms ~1 "
+        "in a fixed order"),
+    "k_gated_deltanet_bf16": sixteen_bit("bf16", 2e-6, 2e-6,
+        "the Gated DeltaNet layer's small ops with bfloat16 inputs and outputs"),
     "k_dora": Tolerance(2e-6, 2e-6,
         "DoRA's norm (sums of r and r^2 products, then 1 / sqrt) and its scale c = m * rn times z: a few float32 "
         "roundings per element; observed <= 2.6e-7 absolute"),
@@ -315,6 +324,19 @@ TOLERANCES: dict[str, Tolerance] = {
     "gpu_loss": Tolerance(1e-5, 1e-6, "fp32 mean of the token losses (and grad norm); seen <= 2e-7 relative"),
     "gpu_grads": Tolerance(1e-4, 2e-5,
                            "fp32 backward through every layer, reductions in another order; seen <= 3e-6 relative"),
+    "gpu_hybrid_logits": Tolerance(1e-3, 3e-4,
+        "Qwen3.5 / Qwen3-Next's tiny random models (test_qwen3_5.build: unscaled 0.3 randn weights), WebGPU against the "
+        "NumPy engine, both float32: the delta rule's per-chunk inverse (I + L)^-1 and the gated norms amplify float32 "
+        "noise at a few tokens; measured without LoRA: NumPy 6.3e-5 and WebGPU 4.5e-5 from torch float64 at worst on "
+        "logits ~7, 1.1e-4 apart from each other, the rest of the tokens <= 1e-5; a wrong op, mask, chunk hand-over or "
+        "state restart moves logits by > 1e-2"),
+    "gpu_hybrid_grad_norm": Tolerance(1e-4, 1e-6,
+        "the gradient norm of a Qwen3.5 step, WebGPU against NumPy: the norm of every LoRA gradient, each within "
+        "gpu_grads, on gpu_hybrid_logits' ill-conditioned tiny model; measured 1.3e-5 relative"),
+    "gpu_hybrid_params_after_steps": Tolerance(1e-4, 3e-5,
+        "2 AdamW steps at lr 1e-3 on gpu_hybrid_logits' tiny Qwen3.5: Adam divides each element's update by its own "
+        "gradient's scale, so an element whose gradient is near float32 noise moves by up to lr / 100 apart on the "
+        "two engines (measured 9.8e-6 on one in_proj_b lora_A element, the rest <= 2e-6)"),
     "gpu_params_after_steps": Tolerance(1e-4, 2e-6,
                                         "10 AdamW steps compound fp32 differences of the gradients; seen <= 2e-6"),
     "gpu_params_after_steps_lr1e-2": Tolerance(1e-4, 3e-5,

@@ -95,6 +95,7 @@ def check_precision_widths(precision: Precision | str, cfg: ModelConfig):
         return
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim}
     widths.update(cfg.moe.widths() if cfg.moe is not None else {})
+    widths.update(cfg.linear_attention.even_widths if cfg.linear_attention is not None else {})
     odd = [f"{name} {value}" for name, value in widths.items() if value % 2]
     if odd:
         raise ConfigError(f"--precision {precision} on the WebGPU engine needs even widths (this model has "

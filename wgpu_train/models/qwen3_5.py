@@ -54,6 +54,12 @@ class LinearAttention:
     def modules(self) -> tuple:
         return FUSED_MODULES if self.fused else SEPARATE_MODULES
 
+    @property
+    def even_widths(self) -> dict:
+        """The config fields whose values 16-bit activations on the WebGPU engine need even (a row's pairs its own):
+        the value heads (Qwen3.5's in_proj_b / in_proj_a rows) and their dim (the gated norm's rows)."""
+        return {"linear_num_value_heads": self.value_heads, "linear_value_head_dim": self.value_dim}
+
     def shapes(self, hidden: int) -> dict:
         """(out_features, in_features) of each of its linear modules."""
         hv = self.value_heads

@@ -8,10 +8,11 @@ N = ceil(T / chunk), are what the backward reads, so both must run with the same
 tuner's choice for a shape, and states_size / scratch_size the elements to allocate for it."""
 from __future__ import annotations
 
+from wgpu_train.errors import DeviceError
 from wgpu_train.engines.shared.delta_rule import L2NORM_EPS
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import flat_grid, launch
-from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.device.operands import at, split
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned import delta_rule_kernels as DK
 
@@ -36,8 +37,54 @@ def states_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int) -> int:
 def scratch_size(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool = True) -> int:
     """Elements (float32) of the scratch the forward (backward=False) or the backward needs; per value head and
     position 2 C + 2 Dv + Dk + 3 floats forward, 4 C + 3 Dv + 6 Dk + 5 backward plus (Dk Dv + Dk) / C for
-    the state gradients, and a flag per row position. One binding: past the adapter's max storage binding, record fewer rows at once."""
+    the state gradients, and a flag per row position. One binding: where B rows exceed the adapter's max storage
+    binding the wrappers run rows_per_pass rows at a time, so the scratch needs only scratch_size(rows_per_pass(..))."""
     return DK.scratch_layout(B, T, Hv, Dk, Dv, chunk, backward)["size"]
+
+
+def rows_per_pass(rt, B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool = True,
+                  max_binding: int | None = None) -> int:
+    """The rows (at most B) whose scratch and states each fit one storage binding of the adapter (rt's, or
+    max_binding where rt is None): the forward and backward wrappers record the batch in passes of that many rows.
+    DeviceError (one line) when one row of T tokens is already too many."""
+    limit = rt.max_binding if rt is not None else max_binding
+    per_row = max(scratch_size(1, T, Hv, Dk, Dv, chunk, backward), states_size(1, T, Hv, Dk, Dv, chunk))
+    rows = min(B, limit // (4 * per_row))
+    if rows < 1:
+        raise DeviceError(f"the gated delta rule's {'backward' if backward else 'forward'} over one sequence of {T} "
+                          f"tokens needs {4 * per_row / 2**20:.0f} MiB of scratch in one binding, over the device's "
+                          f"max storage binding of {limit / 2**20:.0f} MiB: train on shorter sequences")
+    return rows
+
+
+def training_bytes(B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, layers: int, checkpoint: bool,
+                   max_binding: int, sixteen_bit: bool = False) -> int:
+    """The bytes a training step's linear-attention layers hold beside the layer plan's activations
+    (webgpu/gated_deltanet_layers.py), the most over the chunks the tuner may choose: the states of each of
+    `layers` (one set under gradient checkpointing), the scratch of the forward's or the backward's passes of rows,
+    the final state, the l2norm's normalised vectors and inverse norms; with 16-bit activations the float32
+    buffers the l2norm and the rule write before their results are rounded into the layer's."""
+    def at(chunk):
+        scratch = max(scratch_size(rows_per_pass(None, B, T, Hv, Dk, Dv, chunk, back, max_binding), T, Hv, Dk, Dv,
+                                   chunk, back) for back in (False, True))
+        states = states_size(B, T, Hv, Dk, Dv, chunk) * (1 if checkpoint else layers)
+        return states + scratch
+
+    temps = B * T * (4 * Hk * Dk + 2 * Hv * Dv + 2 * Hv) if sixteen_bit else 0
+    return 4 * (max(at(c) for c in DK.CHUNKS) + B * Hv * Dk * Dv + B * T * Hk * (Dk + 1) + temps)
+
+
+def _row_passes(rt, t: dict, B, T, Hk, Hv, Dk, Dv, chunk, backward):
+    """(b0, rows, the tensors as views of those rows) for each pass of rows_per_pass rows."""
+    n = DK.n_chunks(T, chunk)
+    per_row = {"q": T * Hk * Dk, "k": T * Hk * Dk, "dq": T * Hk * Dk, "dk": T * Hk * Dk, "v": T * Hv * Dv,
+               "dv": T * Hv * Dv, "out": T * Hv * Dv, "dout": T * Hv * Dv, "g": T * Hv, "beta": T * Hv,
+               "dg": T * Hv, "dbeta": T * Hv, "segments": T, "states": Hv * n * Dk * Dv, "final_state": Hv * Dk * Dv,
+               "initial_state": Hv * Dk * Dv, "d_initial_state": Hv * Dk * Dv}
+    rows = rows_per_pass(rt, B, T, Hv, Dk, Dv, chunk, backward)
+    for b0 in range(0, B, rows):
+        yield min(rows, B - b0), {name: x if x is None or name == "scratch" else at(x, b0 * per_row[name])
+                                  for name, x in t.items()}
 
 
 def _problem(rt, tensors, B, T, Hk, Hv, Dk, Dv, chunk):
@@ -54,15 +101,17 @@ def gated_delta_rule_forward(rec, out, final_state, states, q, k, v, g, beta, ch
     """out (B, T, Hv, Dv), final_state (B, Hv, Dk, Dv) and states (B, Hv, N, Dk, Dv) <- q, k (B, T, Hk, Dk)
     l2-normalised (q scaled by 1 / sqrt(Dk) here), v (B, T, Hv, Dv), g (B, T, Hv) the log-decay, beta (B, T, Hv),
     initial_state (B, Hv, Dk, Dv) or None (zeros), segments (B, T) i32 or None (all real); scratch: at least
-    scratch_size(..., backward=False) elements. The scan spread is the tuner's choice for this chunk."""
+    scratch_size(rows_per_pass(..., backward=False), ..., backward=False) elements. The scan spread is the tuner's
+    choice for this chunk."""
     _check(chunk, Hk, Hv, out, final_state, states, scratch)
     if B * T <= 0:
         return
     t = dict(out=out, final_state=final_state, states=states, q=q, k=k, v=v, g=g, beta=beta, scratch=scratch,
              initial_state=initial_state, segments=segments)
-    p = _problem(rec.rt, t, B, T, Hk, Hv, Dk, Dv, chunk)
-    for d in tune.choose(rec.rt, p).dispatches(p):
-        rec.dispatch(*d)
+    for rows, views in _row_passes(rec.rt, t, B, T, Hk, Hv, Dk, Dv, chunk, backward=False):
+        p = _problem(rec.rt, views, rows, T, Hk, Hv, Dk, Dv, chunk)
+        for d in tune.choose(rec.rt, p).dispatches(p):
+            rec.dispatch(*d)
 
 
 def gated_delta_rule_backward(rec, dq, dk, dv, dg, dbeta, d_initial_state, dout, q, k, v, g, beta, states,
@@ -71,15 +120,16 @@ def gated_delta_rule_backward(rec, dq, dk, dv, dg, dbeta, d_initial_state, dout,
     """Gradients of gated_delta_rule_forward (the same inputs, chunk and segments; states its third output): dq, dk
     (B, T, Hk, Dk) (a key head's the sum over its group of value heads), dv (B, T, Hv, Dv), dg, dbeta (B, T, Hv),
     and d_initial_state (B, Hv, Dk, Dv) where not None (the forward had an initial state), from dout (B, T, Hv, Dv);
-    every one overwritten. scratch: at least scratch_size(...) elements."""
+    every one overwritten. scratch: at least scratch_size(rows_per_pass(...), ...) elements."""
     _check(chunk, Hk, Hv, dq, dk, dv, dg, dbeta, d_initial_state, states, scratch)
     if B * T <= 0:
         return
     t = dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, d_initial_state=d_initial_state, dout=dout, q=q, k=k, v=v,
              g=g, beta=beta, states=states, scratch=scratch, segments=segments)
-    p = _problem(rec.rt, t, B, T, Hk, Hv, Dk, Dv, chunk)
-    for d in tune.choose(rec.rt, p).backward_dispatches(p):
-        rec.dispatch(*d)
+    for rows, views in _row_passes(rec.rt, t, B, T, Hk, Hv, Dk, Dv, chunk, backward=True):
+        p = _problem(rec.rt, views, rows, T, Hk, Hv, Dk, Dv, chunk)
+        for d in tune.choose(rec.rt, p).backward_dispatches(p):
+            rec.dispatch(*d)
 
 
 def gated_delta_rule_step(rec, out, state, q, k, v, g, beta, B: int, Hk: int, Hv: int, Dk: int, Dv: int):

@@ -21,10 +21,11 @@ from wgpu_train.engines.webgpu.moe import (load_balancing_counts, load_balancing
                                            moe_experts_backward, moe_experts_forward, moe_route_backward,
                                            moe_route_forward)
 from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
+from wgpu_train.engines.webgpu.gated_deltanet_layers import GatedDeltaNetOps
 from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 
 
-class LayerRecorder(ConvLayerOps):
+class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
     """Records the layer plan's walk into a command encoder. It reads the engine's base weights `w` (name ->
     Matrix, QuantMatrix or buffer, a dict the engine keeps) and RoPE's frequencies, and what the engine sets
     on it: the LoRA modules and groups (set_adapter), the trained tensors' gradients (set_grads), and its mode:
@@ -258,10 +259,15 @@ class LayerRecorder(ConvLayerOps):
         rec.section(self._where + " attention")
         K.scale(rec, buf[op.outputs[0]], buf[op.inputs[0]], op.factor, acts.n * self.plans[i].widths[op.inputs[0]])
 
+    def _split_rows(self, op, i, acts, names) -> tuple:
+        """(rows, widths) of a split: with heads, each head's row split (Qwen3.5's q_proj, Qwen3-Next's fused ones)."""
+        h = self.plans[i].head_count(self.cfg, op)
+        return acts.n * h, [self.plans[i].widths[x] // h for x in names]
+
     def _forward_split(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " split")
-        K.split_forward(rec, [buf[y] for y in op.outputs], buf[op.inputs[0]], acts.n,
-                        [self.plans[i].widths[y] for y in op.outputs])
+        K.split_forward(rec, [buf[y] for y in op.outputs], buf[op.inputs[0]],
+                        *self._split_rows(op, i, acts, op.outputs))
 
     def _forward_route(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
@@ -299,10 +305,16 @@ class LayerRecorder(ConvLayerOps):
         moe_experts_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], *(buf[x] for x in op.inputs), gate_up, down,
                             lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe)
 
+    def _gate_rows(self, op, i, acts) -> tuple:
+        """(rows, width, per_element) of a sigmoid gate: a gate per token row (Qwen2-MoE's), or per element
+        (Qwen3.5's attention output gate)."""
+        wx, wg = (self.plans[i].widths[x] for x in op.inputs)
+        return acts.n, wx, wg == wx > 1
+
     def _forward_sigmoid_gate(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
-        K.sigmoid_gate_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]], acts.n,
-                               self.plans[i].widths[op.inputs[0]])
+        K.sigmoid_gate_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], buf[op.inputs[1]],
+                               *self._gate_rows(op, i, acts))
 
     def head_logits(self, rec, acts: Activations, x, rows: int):
         """acts.logits (rows, V) = x (rows, C) lm_head^T, soft-capped where the model caps them (Gemma 2)."""
@@ -452,7 +464,7 @@ class LayerRecorder(ConvLayerOps):
     def _backward_split(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "split's backward writes its gradient"
         rec.section(self._where + " split")
-        K.split_backward(rec, dxs[0], dys, acts.n, [self.plans[i].widths[y] for y in op.outputs])
+        K.split_backward(rec, dxs[0], dys, *self._split_rows(op, i, acts, op.outputs))
 
     def _backward_route(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "the route's backward writes the router logits' gradient"
@@ -488,8 +500,7 @@ class LayerRecorder(ConvLayerOps):
     def _backward_sigmoid_gate(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "sigmoid_gate's backward writes its gradients"
         rec.section(self._where + " moe")
-        K.sigmoid_gate_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), acts.n,
-                                self.plans[i].widths[op.inputs[0]])
+        K.sigmoid_gate_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *self._gate_rows(op, i, acts))
 
     def record_backward(self, rec, acts: Activations, head_part: str | None = None):
         """The loss head's and the final norm's backward (last; else the output's gradient is in d_res), every

@@ -281,7 +281,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     gradients and AdamW moments; the copies' gradients and moments),
     activations (with gradient_checkpointing: one layer's set plus every layer's input; in bf16 / f16 two bytes
     an element where activation_bytes says; an MoE model's routed activations for every token's top-k pairs, the
-    worst case, and the MoE scratch), logits, and total.
+    worst case, and the MoE scratch; a Gated DeltaNet model's delta-rule states and scratch, the most over its
+    chunks: delta_rule.training_bytes), logits, and total.
     max_binding: the device's max storage binding (weight chunks, the logits' rows); default 128 MiB."""
     if method not in ("lora", "full"):
         raise ValueError("method must be 'lora' or 'full'")
@@ -329,6 +330,13 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, lora: Lo
     logits = shared.pop("logits") * F32
     activations = sum(activation_bytes(config, k, e, precision) for part in (*layers.values(), shared)
                       for k, e in part.items())
+    if any(config.linear_layers or ()):     # the delta rule's states and scratch (gated_deltanet_layers.py)
+        from wgpu_train.engines.webgpu.delta_rule import training_bytes
+
+        spec = config.linear_attention
+        activations += training_bytes(batch_size, seq_len, spec.key_heads, spec.value_heads, spec.key_dim,
+                                      spec.value_dim, sum(config.linear_layers), gradient_checkpointing,
+                                      max_binding or 128 << 20, precision.sixteen_bit)
     out = {"weights": weights, "trainable_state": state, "activations": activations, "logits": logits}
     out["total"] = sum(out.values())
     return out

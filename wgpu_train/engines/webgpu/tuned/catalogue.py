@@ -4,13 +4,13 @@ bench` loop over), every kernel descriptor they can launch, and those an adapter
 from __future__ import annotations
 
 from wgpu_train.engines.webgpu.device.launch import Kernel
-from wgpu_train.engines.webgpu.tuned import (attention_kernels, decode_kernels, delta_rule_kernels, gemm_kernels,
-                                             mixed_lora_kernels, moe_kernels, quant_kernels,
-                                             short_conv_kernels)
+from wgpu_train.engines.webgpu.tuned import (attention_kernels, decode_kernels, delta_rule_kernels,
+                                             gated_deltanet_kernels, gemm_kernels, mixed_lora_kernels, moe_kernels,
+                                             quant_kernels, short_conv_kernels)
 
 FAMILIES = (gemm_kernels.FAMILY, quant_kernels.FAMILY, attention_kernels.FAMILY, decode_kernels.FAMILY,
             mixed_lora_kernels.FAMILY, moe_kernels.FAMILY, delta_rule_kernels.FAMILY,
-            short_conv_kernels.FAMILY)
+            gated_deltanet_kernels.FAMILY, short_conv_kernels.FAMILY)
 
 
 def tuned_kernels() -> list[Kernel]:
