@@ -68,6 +68,7 @@ class NumpyEngine(EngineState):
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.gradient_checkpointing = False
+        self.images = None           # set_images
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "policy_forwards": 0, "reference_forwards": 0}
         self.base_weight_bytes = 0   # no device copy
@@ -276,18 +277,27 @@ class NumpyEngine(EngineState):
         self.grads[path + ".lora_B"] += db_
         return dx, (dxl * mask if mask is not None else dxl)
 
+    def set_images(self, images):
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens of their batch), or
+        none (None)."""
+        self.images = images
+
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
         b, t = ids.shape
         cache = {"ids": ids.reshape(-1), "walk": self._walk(segment_ids, position_ids)}
-        x = self._layers_forward(self._embed(cache["ids"]), range(self.cfg.num_hidden_layers), cache)
+        x = self._embed(cache["ids"])
+        if self.images is not None:         # the projector's embeddings in place of the placeholders'
+            x[self.images.flat] = self.rounding.activation(self.images.embeds.astype(self.dtype), "the embedding")
+        x = self._layers_forward(x, range(self.cfg.num_hidden_layers), cache)
         return self._head_forward(x, cache).reshape(b, t, -1), cache
 
     def _walk(self, segment_ids, position_ids) -> Walk:
         b, t = segment_ids.shape
         weight = self.mode.router_loss_weight if self.mode.training else 0.0
         return Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))),
-                    router_loss=RouterLoss(self.cfg.moe.num_experts, weight) if weight else None)
+                    router_loss=RouterLoss(self.cfg.moe.num_experts, weight) if weight else None,
+                    blocks=None if self.images is None else self.images.blocks)
 
     def _layers_forward(self, x, layers: range, cache: dict):
         """The layers' forward from the first one's input x (N, C) to the last one's output (N, C); each layer's
@@ -349,6 +359,7 @@ class NumpyEngine(EngineState):
         cfg = self.cfg
         if EMBED in self.grads:
             dx = dx * self.dtype.type(cfg.embed_scale) if cfg.embed_scale != 1.0 else dx
+            dx = dx if self.images is None else np.where(self.images.flat[:, None], 0, dx)   # replaced rows
             demb = ops.embedding_backward(dx, ids, cfg.vocab_size)       # (V, C)
             if cfg.pad_token_id is not None:      # torch's padding_idx: the padding row gets no gradient
                 demb[cfg.pad_token_id] = 0

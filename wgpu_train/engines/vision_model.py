@@ -1,0 +1,103 @@
+"""VisionModel: a Gemma 3 vision-language model users hold, the language model's `Model` beside the frozen SigLIP
+tower and projector (on the NumPy engine): logits, loss and LoRA gradients, and greedy generation of token
+streams whose image placeholders take the images' embeddings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from wgpu_train.data.images import ImageSettings, pixel_batch
+from wgpu_train.engines.loading import load_model
+from wgpu_train.engines.model import Model
+from wgpu_train.engines.numpy.vision_tower import VisionTower
+from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.formats.safetensors import read_safetensors
+from wgpu_train.models.vision import VisionConfig, check_vision_tensors, image_blocks
+from wgpu_train.models.weights import weight_files
+
+
+class VisionModel:
+    """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
+    (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing."""
+
+    def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings):
+        if not hasattr(model.engine, "set_images"):
+            raise ConfigError(f"images run on the NumPy engine only for now (backend='numpy'), not on the "
+                              f"{model.backend} engine")
+        self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
+
+    def pixel_values(self, images) -> np.ndarray:
+        """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) already) -> (N, C, H, W) float32."""
+        if isinstance(images, np.ndarray):
+            return images.astype(np.float32)
+        return pixel_batch(list(images), self.settings)
+
+    def image_tokens(self, ids, images) -> ImageTokens | None:
+        """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of
+        placeholders that is not the images' times mm_tokens_per_image refused in one line."""
+        pixels = self.pixel_values(images)
+        blocks = image_blocks(ids, self.vision.image_token_id)
+        n_tokens, m = int((blocks >= 0).sum()), self.vision.mm_tokens_per_image
+        if n_tokens != len(pixels) * m:
+            raise DataError(f"{n_tokens} image placeholder tokens for {len(pixels)} images of "
+                            f"{m} tokens each")
+        if not len(pixels):
+            return None
+        embeds = self.tower(pixels).reshape(-1, self.vision.text_hidden_size)          # (N*M, C)
+        return ImageTokens(blocks, embeds)
+
+    def _text_ids(self, ids):
+        """ids with an image placeholder outside the vocabulary read as 0 (its embedding row is replaced)."""
+        ids = np.array(ids, dtype=np.int64)
+        if self.vision.image_token_id >= self.model.config.vocab_size:
+            ids[ids == self.vision.image_token_id] = 0
+        return ids
+
+    def _with_images(self, ids, images, call):
+        ids = np.atleast_2d(np.asarray(ids))
+        self.model.engine.set_images(self.image_tokens(ids, images))
+        try:
+            return call(self._text_ids(ids))
+        finally:
+            self.model.engine.set_images(None)
+
+    def logits(self, input_ids, images=(), attention_mask=None) -> np.ndarray:
+        """float32 logits (B, T, V) of input_ids (B, T) whose image placeholders take `images` in order."""
+        return self._with_images(input_ids, images, lambda ids: self.model.logits(ids, attention_mask))
+
+    def loss_and_grads(self, input_ids, labels, images=(), attention_mask=None):
+        """Model.loss_and_grads with the images: (mean loss, LoRA gradients by PEFT key)."""
+        return self._with_images(input_ids, images,
+                                 lambda ids: self.model.loss_and_grads(ids, labels, attention_mask))
+
+    def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
+        """Greedy new token ids after one prompt with its images; each step a whole forward over the prompt and the
+        tokens so far (no KV cache yet: its prefill has no bidirectional image blocks)."""
+        ids = list(np.asarray(input_ids).reshape(-1))
+        pixels = self.pixel_values(images)
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = int(np.argmax(self.logits(np.asarray(ids)[None], pixels)[0, -1]))
+            out.append(nxt)
+            if nxt in stop_token_ids:
+                break
+            ids.append(nxt)
+        return out
+
+
+def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
+    """A Gemma3ForConditionalGeneration folder with its vision tower and projector (float32); `kw` as
+    load_model's. The processor's preprocessor_config.json gives the image preprocessing where the folder has it."""
+    folder = Path(path)
+    raw = json.loads((folder / "config.json").read_text())
+    vision = VisionConfig.from_config(raw, str(folder / "config.json"))
+    model = load_model(folder, backend=backend, **kw)
+    tensors = {}
+    for f in weight_files(folder):
+        tensors.update(read_safetensors(f))
+    names = check_vision_tensors(tensors, vision, folder)
+    tower = VisionTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+    return VisionModel(model, tower, vision, ImageSettings.from_folder(folder, vision.image_size))
