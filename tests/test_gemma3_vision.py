@@ -73,8 +73,8 @@ def images(n, seed=0):
     return [Image.fromarray(rng.integers(0, 256, (*sizes[i % 3], 3), dtype=np.uint8)) for i in range(n)]
 
 
-def hf_out(model, ids, mask, pixels, labels=None, token_types=True):
-    kw = {"token_type_ids": torch.tensor((ids == IMG).astype(np.int64))} if token_types else {}
+def hf_out(model, ids, mask, pixels, labels=None, token_types=True, image_id=IMG):
+    kw = {"token_type_ids": torch.tensor((ids == image_id).astype(np.int64))} if token_types else {}
     if labels is not None:
         kw["labels"] = torch.tensor(labels)
     return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels), **kw)
@@ -201,3 +201,149 @@ def test_bytes_io_roundtrip_keeps_pixels():
     settings = ImageSettings(SIDE, SIDE)
     np.testing.assert_array_equal(pixel_values(buf.getvalue(), settings),
                                   pixel_values(Image.open(io.BytesIO(buf.getvalue())), settings))
+
+
+# ---- records with images: TRL's vision format, the processor's expansion, training ----------------------------
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+            "<image_soft_token>"]       # boi 5, eoi 6, image 7
+
+
+def vision_records():
+    red, blue = Image.new("RGB", (30, 20), (255, 0, 0)), Image.new("RGB", (9, 31), (0, 0, 255))
+    buf = io.BytesIO()
+    images(1, seed=7)[0].save(buf, "PNG")
+    return [
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+                      {"role": "user", "content": [{"type": "text", "text": "and this"}, {"type": "image"}]},
+                      {"role": "assistant", "content": "blue"}], "images": [red, blue]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "describe the picture"},
+                                                   {"type": "image"}]},
+                      {"role": "assistant", "content": "green squares"}], "images": [{"bytes": buf.getvalue()}]},
+        {"messages": [{"role": "user", "content": "no picture here"},
+                      {"role": "assistant", "content": "red blue"}], "images": []},
+    ]
+
+
+@pytest.fixture(scope="module")
+def chat_vlm(tmp_path_factory):
+    """A tiny Gemma 3 whose vocabulary is a BPE tokenizer's with Gemma 3's image tokens and TRL's gemma3 template,
+    and transformers' Gemma3Processor over the same files."""
+    import json
+    import os
+
+    import trl
+    from bpe import train_bpe
+
+    folder = tmp_path_factory.mktemp("gemma3_chat_vision")
+    tok = train_bpe(["user what colour is it? model red blue green", "describe the picture and this squares",
+                     "no picture here"], 200, SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    template = open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "gemma3.jinja")).read()
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "chat_template": template,
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"}}))
+    torch.manual_seed(1)
+    cfg = tiny_config(boi_token_index=5, eoi_token_index=6, image_token_index=7)
+    cfg.text_config.vocab_size = tok.get_vocab_size()
+    hf = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(folder)
+    proc = tf.Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE}),
+                              tokenizer=tf.AutoTokenizer.from_pretrained(folder), chat_template=template,
+                              image_seq_length=4)
+    proc.image_processor.save_pretrained(folder)
+    return hf, folder, proc
+
+
+def our_examples(folder, max_seq_len=200):
+    from wgpu_train.data.vision_records import ImageSpan, tokenize_vision_dataset
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    return tokenize_vision_dataset(tok, vision_records(), ImageSpan.from_ids(tok, 5, 7, 6, 4), max_seq_len), tok
+
+
+def test_records_tokenize_as_the_processor_does(chat_vlm):
+    """TRL's vision records: input_ids, token_type_ids and pixel_values equal Gemma3Processor's over the chat
+    template's text; labels only on the assistant's turns (never on an image token)."""
+    _, folder, proc = chat_vlm
+    (examples, stats), tok = our_examples(folder)
+    assert stats.n_examples == 3 and stats.n_cut_in_image == 0
+    vm = load_vision_model(folder)
+    for ex, rec in zip(examples, vision_records()):
+        text = proc.apply_chat_template(rec["messages"], tokenize=False)
+        want = proc(text=[text], images=[[open_image(i) for i in rec["images"]]] if rec["images"] else None,
+                    return_tensors="np")
+        np.testing.assert_array_equal(ex.input_ids, want["input_ids"][0])
+        np.testing.assert_array_equal(image_blocks(ex.input_ids[None], 7) >= 0, want["token_type_ids"] == 1)
+        if rec["images"]:
+            np.testing.assert_array_equal(vm.pixel_values(ex.images), want["pixel_values"])
+        trained = ex.labels[ex.labels >= 0]
+        assert not set(trained.tolist()) & {5, 6, 7}
+    assert tok.decode(examples[0].labels[examples[0].labels >= 0].tolist(), skip_special_tokens=False) == \
+        "red<end_of_turn>blue<end_of_turn>"
+
+
+def test_a_row_cut_inside_an_image_is_dropped_with_a_count(chat_vlm):
+    from wgpu_train.data.vision_records import vision_messages
+
+    _, folder, _ = chat_vlm
+    (full, _), _ = our_examples(folder)
+    cut_at = int(np.flatnonzero(full[0].input_ids == 7)[-1])      # inside record 0's second image
+    (examples, stats), _ = our_examples(folder, max_seq_len=cut_at)
+    assert stats.n_cut_in_image == 1 and [len(e.images) for e in examples] == [1, 0]      # records 1 and 2
+    after = len(full[0].input_ids) - 2                             # record 0 cut in its last answer: kept
+    (examples, stats), _ = our_examples(folder, max_seq_len=after)
+    assert stats.n_truncated >= 1 and examples[0].truncated and len(examples[0].images) == 2
+    with pytest.raises(DataError, match="every row's image tokens run past --max-seq-len 3"):
+        our_examples(folder, max_seq_len=3)
+    with pytest.raises(DataError, match="record: 1 image placeholders for 2 images"):
+        vision_messages({"messages": vision_records()[1]["messages"], "images": ["a.png", "b.png"]})
+
+
+def test_train_step_with_images_gives_pefts_gradients(chat_vlm, tmp_path):
+    """One step over two micro-batches of records with images (one without): the token-weighted LoRA gradients
+    equal PEFT's over the whole batch, and an optimizer step moves the adapter."""
+    from wgpu_train.engines.protocol import OptimizerParams
+
+    hf, folder, _ = chat_vlm
+    (examples, _), _ = our_examples(folder)
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|o_proj|up_proj)", lora_dropout=0.0)), 3)
+    t = max(len(e.input_ids) for e in examples)
+    ids = np.zeros((3, t), np.int64)
+    labels = np.full((3, t), -100)
+    for i, e in enumerate(examples):
+        ids[i, :len(e.input_ids)], labels[i, :len(e.input_ids)] = e.input_ids, e.labels
+    vm = load_vision_model(folder)
+    px = vm.pixel_values([im for e in examples for im in e.images])
+    out = hf_out(pm, ids, (ids != 0).astype(np.int64), px, labels, image_id=7)
+    out.loss.backward()
+    expected = {n.replace(".default", "").replace("model.language_model.", "model."): p.grad.numpy()
+                for n, p in pm.named_parameters() if p.requires_grad}
+    pm.save_pretrained(tmp_path / "a")
+    vm.model.load_adapter(tmp_path / "a")
+    before = {k: v.copy() for k, v in vm.model.lora_state_dict().items()}
+    seen = []          # the step's gradients, as the engine hands them to a data-parallel all-reduce
+
+    def reduce(flat, total):
+        seen.append(flat.copy())
+        return flat
+    loss_sum, count, _, applied = vm.train_step([examples[:2], examples[2:]], OptimizerParams(lr=1e-3), 1, reduce)
+    assert applied and count == int((labels[:, 1:] != -100).sum())
+    assert_close(np.float64(loss_sum / count), out.loss.item(), "loss_f32", "step loss")
+    shapes = vm.model.engine.gradients()
+    offsets = np.cumsum([0] + [g.size for g in shapes.values()])
+    grads = vm.model._public_grad_names({k: seen[0][a:b].reshape(g.shape) for (k, g), a, b in
+                                         zip(shapes.items(), offsets[:-1], offsets[1:])})
+    assert set(grads) == set(expected)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    assert any(np.abs(v - before[k]).max() > 1e-4 for k, v in vm.model.lora_state_dict().items())
+    assert vm.model.engine.images is None

@@ -9,10 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.data.images import ImageSettings, pixel_batch
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.data.vision_records import VisionExample
 from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.vision_tower import VisionTower
+from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.safetensors import read_safetensors
 from wgpu_train.models.vision import VisionConfig, check_vision_tensors, image_blocks
@@ -72,6 +76,28 @@ class VisionModel:
         """Model.loss_and_grads with the images: (mean loss, LoRA gradients by PEFT key)."""
         return self._with_images(input_ids, images,
                                  lambda ids: self.model.loss_and_grads(ids, labels, attention_mask))
+
+    def micro_batch(self, examples: list[VisionExample]) -> tuple:
+        """Tokenized records (data/vision_records) -> one micro-batch of the engine's train_step, right-padded to
+        the longest: (ids, targets, segment_ids, position_ids, their ImageTokens)."""
+        b, t = len(examples), max(len(e.input_ids) for e in examples)
+        ids = np.zeros((b, t), np.int64)
+        labels = np.full((b, t), IGNORE_INDEX, np.int64)
+        seg = np.zeros((b, t), np.int32)
+        for i, e in enumerate(examples):
+            n = len(e.input_ids)
+            ids[i, :n], labels[i, :n], seg[i, :n] = e.input_ids, e.labels, 1
+        images = self.image_tokens(ids, [im for e in examples for im in e.images])
+        pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+        return (self._text_ids(ids).astype(np.int32), shift_labels(labels), seg, pos,
+                *(() if images is None else (images,)))
+
+    def train_step(self, micro_batches: list[list[VisionExample]], hp: OptimizerParams, step: int,
+                   reduce=None) -> tuple:
+        """One optimizer step of the language model's LoRA over micro-batches of tokenized records (the tower
+        frozen: nothing goes back through it): the engine's (loss_sum, token_count, grad_norm, applied); reduce
+        as the engine protocol's."""
+        return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step, reduce=reduce)
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
         """Greedy new token ids after one prompt with its images; each step a whole forward over the prompt and the

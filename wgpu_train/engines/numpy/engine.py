@@ -78,7 +78,7 @@ class NumpyEngine(EngineState):
         self.mode = Mode()
         self.optimizer = Optimizer(self.trainable, self.dtype, self.counters)
         self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
-                                self.counters, self.forward, self.backward)
+                                self.counters, self.forward, self.backward, self.set_images)
         self.dora = DoraLinear(self.w, self.dtype)
         self.layer_ops = LayerOps(cfg, plans, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
                                   self._linear_backward, self.optimizer.add, lambda name: name in self.grads,
