@@ -347,3 +347,30 @@ def test_train_step_with_images_gives_pefts_gradients(chat_vlm, tmp_path):
         assert_close(grads[name], g, "grads_f32", name)
     assert any(np.abs(v - before[k]).max() > 1e-4 for k, v in vm.model.lora_state_dict().items())
     assert vm.model.engine.images is None
+
+
+def test_cli_generate_with_an_image_matches_transformers(chat_vlm, tmp_path, capsys):
+    """`generate --image`: the processor's prompt (chat template, the image expanded), transformers' greedy answer
+    token for token; an image that does not decode is one line and exit 2."""
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    hf, folder, proc = chat_vlm
+    img = images(1, seed=9)[0]
+    img.save(tmp_path / "x.png")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]}]
+    text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = proc(text=[text], images=[[img]], return_tensors="pt")
+    tok = load_tokenizer(folder)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=list(tok.stop_token_ids),
+                          pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    want = tok.decode([t for t in out if t not in tok.stop_token_ids])
+    assert len(out) == 5 and want.strip()       # an answer to compare, not an immediate stop
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour is it?", "--image",
+                 str(tmp_path / "x.png"), "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG broken")
+    assert main(["generate", "--model", str(folder), "--prompt", "hi", "--image", str(tmp_path / "bad.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--image: image 0: cannot decode the image" in err and "\n" not in err

@@ -151,3 +151,15 @@ def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span:
         raise DataError(f"every row's image tokens run past --max-seq-len {max_seq_len} "
                         f"({stats.n_cut_in_image} rows cut inside an image)")
     return out, stats
+
+
+def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span: ImageSpan,
+                      system: str | None = None) -> list[int]:
+    """Token ids asking for the answer to a user turn of `n_images` images then the text `prompt` (as TRL's
+    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if text.count(span.boi) != n_images:
+        raise DataError(f"the chat template wrote {text.count(span.boi)} image placeholders for {n_images} images")
+    return tokenizer.encode(text.replace(span.boi, span.expanded))
