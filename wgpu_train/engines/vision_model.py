@@ -100,17 +100,26 @@ class VisionModel:
         return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step, reduce=reduce)
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
-        """Greedy new token ids after one prompt with its images; each step a whole forward over the prompt and the
-        tokens so far (no KV cache yet: its prefill has no bidirectional image blocks)."""
-        ids = list(np.asarray(input_ids).reshape(-1))
-        pixels = self.pixel_values(images)
+        """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
+        in one call (each image whole, its block bidirectional), then a token a call."""
+        ids = np.asarray(input_ids).reshape(-1)
+        engine, n = self.model.engine, len(ids)
+        kv = engine.new_kv_cache(1, n + max_new_tokens)
+        engine.set_images(self.image_tokens(ids[None], images))
+        try:
+            logits = engine.forward_rows(self._text_ids(ids), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                                         kv, np.array([n - 1]))
+        finally:
+            engine.set_images(None)
         out = []
-        for _ in range(max_new_tokens):
-            nxt = int(np.argmax(self.logits(np.asarray(ids)[None], pixels)[0, -1]))
+        for step in range(max_new_tokens):
+            nxt = int(np.argmax(logits[0]))
             out.append(nxt)
-            if nxt in stop_token_ids:
+            if nxt in stop_token_ids or step == max_new_tokens - 1:
                 break
-            ids.append(nxt)
+            logits = engine.forward_rows(np.array([nxt]), np.zeros(1, np.int32), np.array([n + step], np.int32), kv,
+                                         np.array([0]))
+        engine.free_kv_cache(kv)
         return out
 
 

@@ -84,7 +84,7 @@ class NumpyEngine(EngineState):
                                   self._linear_backward, self.optimizer.add, lambda name: name in self.grads,
                                   lambda path: self.lora.get(path) if self.adapter_enabled else None)
         self.kv = KvCacheGeneration(cfg, self.dtype, kv_dtype, self.mode, self._embed, self.layer_ops.forward,
-                                    self._generation_head)
+                                    self._generation_head, lambda: self.images)
 
     # ---- what the parts keep, as the protocol names it ----------------------------------------
     plan = part_field("layer_ops", "plan", "The layer plan the layers walk (a test may give the engine a variant).")

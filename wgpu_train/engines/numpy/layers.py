@@ -88,7 +88,8 @@ class LayerOps:
                 k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
             ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
             att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
-                                               self.cfg.attn_softcap, sinks)
+                                               self.cfg.attn_softcap, sinks,
+                                               None if walk.blocks is None else walk.blocks[0])
             lse = None
         a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
 

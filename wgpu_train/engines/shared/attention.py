@@ -105,10 +105,12 @@ def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, so
 # A KV cache holds B sequences (its rows) of up to L positions; a negative row marks a padding query, whose
 # output stays zero.
 def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0, softcap: float = 0.0,
-                             sinks=None):
+                             sinks=None, blocks=None):
     """New queries against a KV cache: q (N, Hq, D), query i in cache row rows[i] at position positions[i];
     k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal),
-    only the last `window` of them when window > 0; sinks (Hq,) as in attention_forward."""
+    only the last `window` of them when window > 0; sinks (Hq,) as in attention_forward; blocks (N,) or None:
+    each query's image block (-1 for text), whose other tokens in this call it sees both ways (a prefill that
+    holds each image whole, as attention_allowed's blocks)."""
     n, hq, d = q.shape
     n_rep = hq // k_cache.shape[2]
     out = np.zeros_like(q)
@@ -119,7 +121,12 @@ def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int =
         ke, ve = _expand_kv(k_cache[r:r + 1, :tk], n_rep)[0], _expand_kv(v_cache[r:r + 1, :tk], n_rep)[0]
         scores = softcap_forward(np.einsum("ihd,jhd->hij", q[sel], ke) / np.sqrt(d), softcap)  # (Hq, Ni, Tk)
         keys = np.arange(tk)[None, :]
-        seen = (keys <= pos[:, None]) & ((keys > pos[:, None] - window) if window > 0 else True)
+        seen = keys <= pos[:, None]
+        if blocks is not None:
+            key_blocks = np.full(tk, -1)
+            key_blocks[pos] = blocks[sel]
+            seen = seen | ((key_blocks[None, :] == blocks[sel][:, None]) & (blocks[sel] >= 0)[:, None])
+        seen = seen & ((keys > pos[:, None] - window) if window > 0 else True)
         scores = np.where(seen, scores, -np.inf)
         m = _with_sinks(scores, sinks)
         p = np.exp(scores - m)
