@@ -374,3 +374,12 @@ def test_cli_generate_with_an_image_matches_transformers(chat_vlm, tmp_path, cap
     assert main(["generate", "--model", str(folder), "--prompt", "hi", "--image", str(tmp_path / "bad.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert "--image: image 0: cannot decode the image" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("targets", [["fc1", "q_proj"], r".*vision_tower.*\.(q_proj|v_proj)", ["multi_modal_projector"]])
+def test_vision_targets_are_refused_in_one_line(targets):
+    import wgpu_train as wt
+
+    with pytest.raises(ConfigError, match="are the vision tower's: not supported yet") as e:
+        wt.LoraConfig(r=2, target_modules=targets)
+    assert "\n" not in str(e.value)

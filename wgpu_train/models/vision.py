@@ -127,3 +127,12 @@ def image_blocks(ids, image_token_id: int) -> np.ndarray:
     is_image = np.asarray(ids) == image_token_id
     starts = is_image & ~np.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
     return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)
+
+
+# the vision tower's and projector's module names as LoRA target_modules name them (PEFT's names on Gemma 3)
+VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
+
+
+def vision_targets(targets) -> list:
+    """The LoRA target_modules among `targets` that name the vision tower or the projector."""
+    return [t for t in targets if t in VISION_TARGETS or "vision_tower" in t or "multi_modal_projector" in t]
