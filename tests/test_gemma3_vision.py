@@ -9,6 +9,7 @@ import io
 import numpy as np
 import pytest
 
+import wgpu_train
 from wgpu_train.errors import ConfigError, DataError
 
 from finetune_helpers import peft_random_b
@@ -383,3 +384,40 @@ def test_vision_targets_are_refused_in_one_line(targets):
     with pytest.raises(ConfigError, match="are the vision tower's: not supported yet") as e:
         wt.LoraConfig(r=2, target_modules=targets)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("language", [False, True])
+def test_vision_tower_lora_gradients_match_peft(vlm, tmp_path, language):
+    """LoRA on every linear module of the tower's encoder (PEFT's names on the multimodal model), alone or beside
+    the language model's: each gradient, back through the text layers, the projector and the tower, equals
+    PEFT's autograd."""
+    hf, folder, _ = vlm
+    tower = r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.(fc1|fc2))"
+    text = r"model\.language_model\.layers\.\d+\.self_attn\.(q_proj|v_proj)"
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=f"(?:{tower}|{text})" if language else tower, lora_dropout=0.0)), 6)
+    ids, mask, _ = two_image_batch()
+    labels = np.where((mask == 1) & (ids != IMG), ids, -100)
+    px = np.random.default_rng(8).standard_normal((3, 3, SIDE, SIDE)).astype(np.float32)
+    out = hf_out(pm, ids, mask, px, labels)
+    out.loss.backward()
+    expected = {n.replace(".default", ""): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    assert sum("vision_tower" in k for k in expected) == 2 * 2 * 6
+    vm = load_vision_model(folder)
+    tensors = {n.replace(".default", ""): p.detach().numpy() for n, p in pm.named_parameters() if "lora_" in n}
+    vm.set_tower_lora(tensors, 5 / 2)
+    if language:
+        vm.model.add_lora(wgpu_train.LoraConfig(r=2, alpha=5, target_modules=("q_proj", "v_proj")))
+        vm.model._set_lora(vm.model.lora_config, {
+            f"model.layers.{i}.self_attn.{m}": tuple(tensors[f"base_model.model.model.language_model.layers.{i}."
+                                                             f"self_attn.{m}.lora_{w}.weight"] for w in "AB")
+            for i in range(2) for m in ("q_proj", "v_proj")})
+    loss, grads = vm.loss_and_grads(ids, labels, px, mask)
+    assert_close(np.float64(loss), out.loss.item(), "loss_f32", "loss")
+    ours = {k.replace("base_model.model.model.layers.", "base_model.model.model.language_model.layers."): g
+            for k, g in grads.items()}
+    assert set(ours) == set(expected), sorted(set(ours) ^ set(expected))
+    for name, g in expected.items():
+        assert_close(ours[name], g, "grads_f32", name)
+    with pytest.raises(ConfigError, match="vision tower is not supported yet"):
+        vm.train_step([], None, 1)

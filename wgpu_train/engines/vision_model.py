@@ -19,7 +19,7 @@ from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.safetensors import read_safetensors
-from wgpu_train.models.vision import VisionConfig, check_vision_tensors, image_blocks
+from wgpu_train.models.vision import VisionConfig, check_vision_tensors, image_blocks, tower_lora_key, tower_lora_path
 from wgpu_train.models.weights import weight_files
 
 
@@ -39,9 +39,23 @@ class VisionModel:
             return images.astype(np.float32)
         return pixel_batch(list(images), self.settings)
 
-    def image_tokens(self, ids, images) -> ImageTokens | None:
+    def set_tower_lora(self, tensors: dict, scale: float):
+        """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
+        left to the language model's adapter), each module's output scaled by `scale` (alpha / r)."""
+        pairs: dict = {}
+        for key, value in tensors.items():
+            path = tower_lora_path(key)
+            if path is not None:
+                pairs.setdefault(path, {})["A" if ".lora_A" in key else "B"] = np.asarray(value, self.tower.dtype)
+        unknown = sorted(set(pairs) - set(self.tower.modules()))
+        if unknown:
+            raise ConfigError(f"LoRA on {unknown[0]}: not a linear module of the vision tower's encoder")
+        self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
+
+    def image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
         """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of
-        placeholders that is not the images' times mm_tokens_per_image refused in one line."""
+        placeholders that is not the images' times mm_tokens_per_image refused in one line. cache, when given,
+        keeps the tower's forward for its backward."""
         pixels = self.pixel_values(images)
         blocks = image_blocks(ids, self.vision.image_token_id)
         n_tokens, m = int((blocks >= 0).sum()), self.vision.mm_tokens_per_image
@@ -50,8 +64,10 @@ class VisionModel:
                             f"{m} tokens each")
         if not len(pixels):
             return None
-        embeds = self.tower(pixels).reshape(-1, self.vision.text_hidden_size)          # (N*M, C)
-        return ImageTokens(blocks, embeds)
+        embeds, tower_cache = self.tower.forward(pixels)                                   # (N, M, C)
+        if cache is not None:
+            cache.update(tower_cache)
+        return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
     def _text_ids(self, ids):
         """ids with an image placeholder outside the vocabulary read as 0 (its embedding row is replaced)."""
@@ -60,9 +76,9 @@ class VisionModel:
             ids[ids == self.vision.image_token_id] = 0
         return ids
 
-    def _with_images(self, ids, images, call):
+    def _with_images(self, ids, images, call, cache=None):
         ids = np.atleast_2d(np.asarray(ids))
-        self.model.engine.set_images(self.image_tokens(ids, images))
+        self.model.engine.set_images(self.image_tokens(ids, images, cache))
         try:
             return call(self._text_ids(ids))
         finally:
@@ -73,9 +89,17 @@ class VisionModel:
         return self._with_images(input_ids, images, lambda ids: self.model.logits(ids, attention_mask))
 
     def loss_and_grads(self, input_ids, labels, images=(), attention_mask=None):
-        """Model.loss_and_grads with the images: (mean loss, LoRA gradients by PEFT key)."""
-        return self._with_images(input_ids, images,
-                                 lambda ids: self.model.loss_and_grads(ids, labels, attention_mask))
+        """Model.loss_and_grads with the images: (mean loss, LoRA gradients by PEFT key), the tower's LoRA
+        (set_tower_lora) too: back through the projector and the tower from the image rows' gradient."""
+        cache: dict = {}
+        loss, grads = self._with_images(input_ids, images,
+                                        lambda ids: self.model.loss_and_grads(ids, labels, attention_mask), cache)
+        if self.tower.lora and cache:
+            dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
+            for name, g in self.tower.backward(dout, cache).items():
+                path, which = name.rsplit(".lora_", 1)
+                grads[tower_lora_key(path, which)] = g.astype(np.float32)
+        return loss, grads
 
     def micro_batch(self, examples: list[VisionExample]) -> tuple:
         """Tokenized records (data/vision_records) -> one micro-batch of the engine's train_step, right-padded to
@@ -96,7 +120,10 @@ class VisionModel:
                    reduce=None) -> tuple:
         """One optimizer step of the language model's LoRA over micro-batches of tokenized records (the tower
         frozen: nothing goes back through it): the engine's (loss_sum, token_count, grad_norm, applied); reduce
-        as the engine protocol's."""
+        as the engine protocol's. The tower's LoRA trains through loss_and_grads only for now."""
+        if self.tower.lora:
+            raise ConfigError("a train step with LoRA on the vision tower is not supported yet (its gradients: "
+                              "loss_and_grads)")
         return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step, reduce=reduce)
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:

@@ -136,3 +136,17 @@ VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
 def vision_targets(targets) -> list:
     """The LoRA target_modules among `targets` that name the vision tower or the projector."""
     return [t for t in targets if t in VISION_TARGETS or "vision_tower" in t or "multi_modal_projector" in t]
+
+
+def tower_lora_path(key: str) -> str | None:
+    """A PEFT adapter key on the tower (base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.
+    lora_A.weight, any layout) -> our module path (vision_tower.encoder.layers.0.self_attn.q_proj); None for
+    another key."""
+    module = key.split(".lora_")[0]
+    ours = vision_names([module.removeprefix("base_model.model.")])
+    return next((o for o in ours if o.startswith(TOWER + "encoder.")), None)
+
+
+def tower_lora_key(path: str, which: str) -> str:
+    """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's Gemma3ForConditionalGeneration."""
+    return f"base_model.model.model.{path}.lora_{which}.weight"

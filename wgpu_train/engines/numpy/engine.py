@@ -68,7 +68,7 @@ class NumpyEngine(EngineState):
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.gradient_checkpointing = False
-        self.images = None           # set_images
+        self.images = self.image_grad = None     # set_images; the image rows' gradient of the last backward
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "policy_forwards": 0, "reference_forwards": 0}
         self.base_weight_bytes = 0   # no device copy
@@ -278,8 +278,7 @@ class NumpyEngine(EngineState):
         return dx, (dxl * mask if mask is not None else dxl)
 
     def set_images(self, images):
-        """The forwards that follow take these images (a shared/image_tokens.ImageTokens of their batch), or
-        none (None)."""
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None)."""
         self.images = images
 
     def forward(self, ids, segment_ids, position_ids):
@@ -357,9 +356,10 @@ class NumpyEngine(EngineState):
     def _embed_backward(self, dx, ids):
         """The embedding's gradient from its output's dx (N, C), where the embedding trains."""
         cfg = self.cfg
+        if self.images is not None:     # the image rows' gradient goes to the vision tower, none to an embedding row
+            self.image_grad, dx = dx[self.images.flat], np.where(self.images.flat[:, None], 0, dx)
         if EMBED in self.grads:
             dx = dx * self.dtype.type(cfg.embed_scale) if cfg.embed_scale != 1.0 else dx
-            dx = dx if self.images is None else np.where(self.images.flat[:, None], 0, dx)   # replaced rows
             demb = ops.embedding_backward(dx, ids, cfg.vocab_size)       # (V, C)
             if cfg.pad_token_id is not None:      # torch's padding_idx: the padding row gets no gradient
                 demb[cfg.pad_token_id] = 0
