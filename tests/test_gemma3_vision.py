@@ -421,3 +421,27 @@ def test_vision_tower_lora_gradients_match_peft(vlm, tmp_path, language):
         assert_close(ours[name], g, "grads_f32", name)
     with pytest.raises(ConfigError, match="vision tower is not supported yet"):
         vm.train_step([], None, 1)
+
+
+def test_trained_adapter_loads_in_peft_with_images(chat_vlm, tmp_path):
+    """Three steps of LoRA on the language model over vision records (the Python API end to end): the loss falls,
+    and the saved adapter, loaded by PEFT on transformers' multimodal model, gives our logits with an image."""
+    from wgpu_train.engines.protocol import OptimizerParams
+
+    hf, folder, _ = chat_vlm
+    (examples, _), _ = our_examples(folder)
+    vm = load_vision_model(folder)
+    vm.model.add_lora(wgpu_train.LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=1)
+    losses = []
+    for step in range(1, 4):
+        loss_sum, count, _, _ = vm.train_step([examples[:2], examples[2:]], OptimizerParams(lr=2e-2), step)
+        losses.append(loss_sum / count)
+    assert losses[-1] < losses[0]
+    vm.model.save_adapter(tmp_path / "adapter")
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter").eval()
+    ex = examples[1]
+    px = vm.pixel_values(ex.images)
+    with torch.no_grad():
+        want = hf_out(pm, ex.input_ids[None], np.ones((1, len(ex.input_ids)), np.int64), px,
+                      image_id=7).logits.numpy()
+    assert_close(vm.logits(ex.input_ids[None], px), want, "logits_f32", "trained adapter in PEFT")
