@@ -13,6 +13,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.vision_records import VisionExample
 from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
+from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
@@ -34,9 +35,12 @@ class VisionModel:
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
     def pixel_values(self, images) -> np.ndarray:
-        """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) already) -> (N, C, H, W) float32."""
+        """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
+        (N, C, H, W) float32."""
         if isinstance(images, np.ndarray):
             return images.astype(np.float32)
+        if images and all(isinstance(im, np.ndarray) and im.ndim == 3 for im in images):
+            return np.stack(images).astype(np.float32)
         return pixel_batch(list(images), self.settings)
 
     def set_tower_lora(self, tensors: dict, scale: float):
@@ -51,6 +55,11 @@ class VisionModel:
         if unknown:
             raise ConfigError(f"LoRA on {unknown[0]}: not a linear module of the vision tower's encoder")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
+        self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
+
+    def _tower_trainable(self) -> dict:
+        """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
+        return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
 
     def image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
         """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of
@@ -101,9 +110,9 @@ class VisionModel:
                 grads[tower_lora_key(path, which)] = g.astype(np.float32)
         return loss, grads
 
-    def micro_batch(self, examples: list[VisionExample]) -> tuple:
+    def micro_batch(self, examples: list[VisionExample], cache: dict | None = None) -> tuple:
         """Tokenized records (data/vision_records) -> one micro-batch of the engine's train_step, right-padded to
-        the longest: (ids, targets, segment_ids, position_ids, their ImageTokens)."""
+        the longest: (ids, targets, segment_ids, position_ids, their ImageTokens); cache as image_tokens'."""
         b, t = len(examples), max(len(e.input_ids) for e in examples)
         ids = np.zeros((b, t), np.int64)
         labels = np.full((b, t), IGNORE_INDEX, np.int64)
@@ -111,20 +120,46 @@ class VisionModel:
         for i, e in enumerate(examples):
             n = len(e.input_ids)
             ids[i, :n], labels[i, :n], seg[i, :n] = e.input_ids, e.labels, 1
-        images = self.image_tokens(ids, [im for e in examples for im in e.images])
+        images = self.image_tokens(ids, [im for e in examples for im in e.images], cache)
         pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
         return (self._text_ids(ids).astype(np.int32), shift_labels(labels), seg, pos,
                 *(() if images is None else (images,)))
 
     def train_step(self, micro_batches: list[list[VisionExample]], hp: OptimizerParams, step: int,
                    reduce=None) -> tuple:
-        """One optimizer step of the language model's LoRA over micro-batches of tokenized records (the tower
-        frozen: nothing goes back through it): the engine's (loss_sum, token_count, grad_norm, applied); reduce
-        as the engine protocol's. The tower's LoRA trains through loss_and_grads only for now."""
-        if self.tower.lora:
-            raise ConfigError("a train step with LoRA on the vision tower is not supported yet (its gradients: "
-                              "loss_and_grads)")
-        return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step, reduce=reduce)
+        """One optimizer step of the LoRA over micro-batches of tokenized records: the engine's (loss_sum,
+        token_count, grad_norm, applied). The tower frozen, the engine's own step (reduce as the engine
+        protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row gradient goes back
+        through the tower, and one global norm clips both before AdamW updates each (in one process)."""
+        if not self.tower.lora:
+            return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step,
+                                                reduce=reduce)
+        if reduce is not None:
+            raise ConfigError("LoRA on the vision tower trains in one process only for now")
+        engine, caches = self.model.engine, []
+        batches = []
+        for mb in micro_batches:
+            caches.append({})
+            batches.append(self.micro_batch(mb, caches[-1]))
+        total = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
+        engine.zero_grads()
+        self.tower_optimizer.zero_grads()
+        loss_sum = 0.0
+        for (ids, targets, seg, pos, *images), cache in zip(batches, caches):
+            engine.set_images(images[0] if images else None)
+            try:
+                loss_sum += engine.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+            finally:
+                engine.set_images(None)
+            if images:
+                dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
+                for name, g in self.tower.backward(dout, cache).items():
+                    self.tower_optimizer.add(name, g)
+        norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
+        args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
+        _, applied = engine.apply_update(norm, *args)
+        self.tower_optimizer.apply_update(norm, *args)
+        return loss_sum, total, norm, applied
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
         """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
