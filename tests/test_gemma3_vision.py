@@ -490,3 +490,31 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
     assert set(ours) == set(want), sorted(set(ours) ^ set(want))
     for name, w in want.items():
         assert_close(ours[name], w, "params_vs_torch_adamw", name)
+
+
+@pytest.mark.parametrize("language", [False, True])
+def test_tower_lora_adapter_files_both_ways(vlm, tmp_path, language):
+    """An adapter with LoRA on the tower (and on the language model): ours loads in PEFT, PEFT's loads in ours,
+    each to the other's logits with images."""
+    hf, folder, _ = vlm
+    tower = r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(k_proj|out_proj)|mlp\.fc1)"
+    text = r"model\.language_model\.layers\.\d+\.self_attn\.(q_proj|o_proj)"
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=3, lora_alpha=4, target_modules=f"(?:{tower}|{text})" if language else tower, lora_dropout=0.0)), 5)
+    pm.save_pretrained(tmp_path / "peft")
+    ids, mask, _ = two_image_batch()
+    real = mask.astype(bool)
+    px = np.random.default_rng(10).standard_normal((3, 3, SIDE, SIDE)).astype(np.float32)
+    with torch.no_grad():
+        want = hf_out(pm, ids, mask, px).logits.numpy()
+        base = hf_out(hf, ids, mask, px).logits.numpy()
+    assert np.abs(want - base)[real].max() > 1e-2
+    vm = load_vision_model(folder)
+    vm.load_adapter(tmp_path / "peft")
+    assert len(vm.tower.lora) == 2 * 3 and (vm.model.lora_config is not None) == language
+    assert_close(vm.logits(ids, px, mask)[real], want[real], "logits_f32", "PEFT's adapter in ours")
+    vm.save_adapter(tmp_path / "ours")
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()
+    with torch.no_grad():
+        theirs = hf_out(again, ids, mask, px).logits.numpy()
+    assert_close(theirs[real], want[real], "logits_f32", "our adapter in PEFT")

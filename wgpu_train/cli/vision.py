@@ -20,7 +20,7 @@ def generate_with_images(args, model_dir, adapter) -> int:
         raise ConfigError("--image generates greedily for now (--temperature 0)")
     vm = load_vision_model(model_dir, backend="numpy")
     if adapter is not None:
-        vm.model.load_adapter(adapter)
+        vm.load_adapter(adapter)
     tok = load_tokenizer(model_dir)
     vc = vm.vision
     span = ImageSpan.from_ids(tok, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)

@@ -4,6 +4,8 @@ streams whose image placeholders take the images' embeddings."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +21,11 @@ from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.errors import ConfigError, DataError
-from wgpu_train.formats.safetensors import read_safetensors
-from wgpu_train.models.vision import VisionConfig, check_vision_tensors, image_blocks, tower_lora_key, tower_lora_path
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.adapters.files import write_adapter
+from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
+from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
+                                      tower_lora_path, tower_target_regex)
 from wgpu_train.models.weights import weight_files
 
 
@@ -60,6 +65,50 @@ class VisionModel:
     def _tower_trainable(self) -> dict:
         """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
         return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
+
+    def save_adapter(self, directory):
+        """The adapter in PEFT's format on the multimodal model: the language model's (Model.save_adapter) and the
+        tower's LoRA beside it, target_modules one regular expression over both. The tower's rank and alpha must
+        be the language model's where it has LoRA too (one config holds them)."""
+        directory = Path(directory)
+        if not self.tower.lora:
+            return self.model.save_adapter(directory)
+        shapes = {(a.shape[0], s) for a, _, s in self.tower.lora.values()}
+        if len(shapes) > 1:
+            raise ConfigError("the tower's LoRA modules differ in rank or scale: one adapter file holds one of each")
+        (a, scale), = shapes
+        cfg = self.model.lora_config
+        if cfg is not None and (cfg.r != a or abs(cfg.alpha / cfg.r - scale) > 1e-12 or cfg.use_rslora):
+            raise ConfigError(f"the tower's LoRA (r {a}, scale {scale:g}) and the language model's (r {cfg.r}, "
+                              f"alpha {cfg.alpha}) differ: one adapter file holds one rank and alpha")
+        if cfg is None:     # the tower's alone: a config of its rank and alpha, no language tensors
+            write_adapter(directory, LoraConfig(r=a, alpha=scale * a, target_modules=("q_proj",)), {},
+                          base_model=self.model.name_or_path, model=self.model.config)
+        else:
+            self.model.save_adapter(directory)
+        raw = json.loads((directory / "adapter_config.json").read_text())
+        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}))
+        raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
+        (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
+        tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
+        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1]): v for k, v in self._tower_trainable().items()})
+        write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
+
+    def load_adapter(self, directory):
+        """A PEFT adapter of the multimodal model: the tower's LoRA (set_tower_lora, at the config's alpha / r)
+        and the language model's (Model.load_adapter), either alone."""
+        directory = Path(directory)
+        tensors = read_safetensors(directory / "adapter_model.safetensors")
+        tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
+        if tower:
+            raw = json.loads((directory / "adapter_config.json").read_text())
+            self.set_tower_lora(tower, float(raw["lora_alpha"]) / int(raw["r"]))
+        if len(tower) < len(tensors):
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.copy(directory / "adapter_config.json", tmp)
+                write_safetensors(Path(tmp) / "adapter_model.safetensors",
+                                  {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
+                self.model.load_adapter(tmp)
 
     def image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
         """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of

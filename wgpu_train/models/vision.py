@@ -4,6 +4,7 @@ image's tokens lie in a token stream (Gemma 3's bidirectional blocks)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -150,3 +151,9 @@ def tower_lora_path(key: str) -> str | None:
 def tower_lora_key(path: str, which: str) -> str:
     """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's Gemma3ForConditionalGeneration."""
     return f"base_model.model.model.{path}.lora_{which}.weight"
+
+
+def tower_target_regex(modules) -> str:
+    """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
+    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's Gemma3ForConditionalGeneration."""
+    return r"model\.vision_tower\.encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules) + ")"
