@@ -518,3 +518,51 @@ def test_tower_lora_adapter_files_both_ways(vlm, tmp_path, language):
     with torch.no_grad():
         theirs = hf_out(again, ids, mask, px).logits.numpy()
     assert_close(theirs[real], want[real], "logits_f32", "our adapter in PEFT")
+
+
+def write_vision_data(folder, records):
+    """records as a JSONL file beside their images (PNG files, named by position)."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for k, rec in enumerate(records):
+        paths = []
+        for j, im in enumerate(rec["images"]):
+            open_image(im).save(folder / f"{k}_{j}.png")
+            paths.append(f"{k}_{j}.png")
+        lines.append(json.dumps({"messages": rec["messages"], "images": paths}))
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "train.jsonl"
+
+
+def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
+    """`finetune --data` of TRL's vision records (image paths beside the file): the adapter it writes loads in
+    PEFT; bad input is one line and exit 2."""
+    import json
+
+    from wgpu_train.cli.main import main
+
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    args = ["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "3",
+            "--batch-size", "2", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["images"] == 3 and summary["examples"] == 3
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run")
+    assert any(np.abs(p.detach().numpy()).max() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    rows = vision_records()
+    rows[1]["images"] = rows[1]["images"] * 2
+    cases = [(write_vision_data(bad / "count", rows), [], "record 1: 1 image placeholders for 2 images"),
+             (data, ["--max-seq-len", "3"], "every row's image tokens run past --max-seq-len 3"),
+             (data, ["--pack"], "--pack is not supported with images yet")]
+    (tmp_path / "data" / "1_0.png").write_bytes(b"broken")
+    cases.append((data, [], "cannot decode the image"))
+    for path, extra, message in cases:
+        code = main(["finetune", "--model", str(folder), "--data", str(path), "--backend", "numpy", "--out",
+                     str(tmp_path / "bad_run"), "--overwrite", "--no-progress"] + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and any(message in line for line in err), (message, err)
