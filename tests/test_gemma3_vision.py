@@ -566,3 +566,28 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
                      str(tmp_path / "bad_run"), "--overwrite", "--no-progress"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
+
+
+def test_hub_layout_checkpoint_reads_the_same(vlm, tmp_path):
+    """The hub's files (gemma-3-4b-it: vision_tower.vision_model.*, language_model.model.*) give the same logits
+    with images as transformers 5's own save; a missing tower tensor is one line."""
+    import json
+
+    from wgpu_train.errors import ModelFileError
+    from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
+
+    hf, folder, vm = vlm
+    tensors = read_safetensors(folder / "model.safetensors")
+    hub = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()}
+    assert any(k.startswith("vision_tower.vision_model.encoder.") for k in hub)
+    for name in ("config.json", "preprocessor_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    write_safetensors(tmp_path / "model.safetensors", hub)
+    ids, mask, _ = two_image_batch()
+    px = np.random.default_rng(11).standard_normal((3, 3, SIDE, SIDE)).astype(np.float32)
+    np.testing.assert_array_equal(load_vision_model(tmp_path).logits(ids, px, mask), vm.logits(ids, px, mask))
+    del hub["vision_tower.vision_model.post_layernorm.weight"]
+    write_safetensors(tmp_path / "model.safetensors", hub)
+    with pytest.raises(ModelFileError, match="missing the vision tensor vision_tower.post_layernorm.weight"):
+        load_vision_model(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]

@@ -122,9 +122,11 @@ class VisionModel:
                             f"{m} tokens each")
         if not len(pixels):
             return None
-        embeds, tower_cache = self.tower.forward(pixels)                                   # (N, M, C)
-        if cache is not None:
+        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
             cache.update(tower_cache)
+        else:
+            embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
     def _text_ids(self, ids):

@@ -81,8 +81,9 @@ class VisionTower:
             dx = dx + dxl
         return dx
 
-    def forward(self, pixels):
-        """pixels (N, C, H, W) -> (the image tokens' embeddings (N, M, text C), the backward's cache)."""
+    def forward(self, pixels, keep: bool = True):
+        """pixels (N, C, H, W) -> (the image tokens' embeddings (N, M, text C), the backward's cache: its
+        activations only with `keep`, which the frozen tower's forward leaves out)."""
         vc, w = self.vc, self.w
         n = pixels.shape[0]
         if pixels.shape[1:] != (vc.num_channels, vc.image_size, vc.image_size):
@@ -110,7 +111,7 @@ class VisionTower:
                                               vc.layer_norm_eps)
             c["f1"] = self._linear(h, p + "mlp.fc1", c)
             x = x + self._linear(gelu_forward(c["f1"]), p + "mlp.fc2", c)
-            cache["layers"].append(c)
+            cache["layers"].append(c if keep else None)
         cache["x_last"] = x
         y, cache["rstd_post"] = layernorm_forward(x, w[TOWER + "post_layernorm.weight"],
                                                   w[TOWER + "post_layernorm.bias"], vc.layer_norm_eps)
@@ -130,7 +131,8 @@ class VisionTower:
         return out.reshape(n, vc.mm_tokens_per_image, -1)
 
     def __call__(self, pixels):
-        return self.forward(pixels)[0]
+        """The frozen forward, one image at a time (a real tower's attention scores take a GiB an image)."""
+        return np.concatenate([self.forward(pixels[i:i + 1], keep=False)[0] for i in range(len(pixels))])
 
     def backward(self, dout, cache) -> dict:
         """The image embeddings' gradient dout (N, M, text C) -> {module path.lora_A / .lora_B: gradient} of
