@@ -79,7 +79,8 @@ def finetune_vision(config: TrainConfig) -> dict:
     if folders.earlier:
         raise ConfigError(f"{folders.out} holds another run ({folders.earlier[0]}); --overwrite replaces it")
     started = time.perf_counter()
-    vm = load_vision_model(config.model, backend="numpy")
+    vm = load_vision_model(config.model, backend="numpy", base_dtype=config.base_dtype,
+                           embed_dtype=config.embed_dtype, precision=config.precision)
     tok = load_tokenizer(config.model)
     vc = vm.vision
     span = ImageSpan.from_ids(tok, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
