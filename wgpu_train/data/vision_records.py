@@ -41,12 +41,14 @@ class ImageSpan:
 @dataclasses.dataclass
 class VisionExample:
     """One tokenized record with its images: input_ids (T,), labels (T,) (IGNORE_INDEX outside the assistant's
-    tokens and on every image token), the images its placeholders take, in order."""
+    tokens and on every image token), the images its placeholders take, in order; embeds: the frozen vision
+    tower's embeddings of them (n_images * mm_tokens_per_image, text hidden), kept once computed."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     images: list
     truncated: bool = False
+    embeds: np.ndarray | None = None
 
 
 def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:

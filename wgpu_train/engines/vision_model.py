@@ -110,18 +110,21 @@ class VisionModel:
                                   {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
                 self.model.load_adapter(tmp)
 
-    def image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
-        """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of
-        placeholders that is not the images' times mm_tokens_per_image refused in one line. cache, when given,
-        keeps the tower's forward for its backward."""
-        pixels = self.pixel_values(images)
+    def image_tokens(self, ids, images, cache: dict | None = None, embeds=None) -> ImageTokens | None:
+        """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs, or of their
+        embeddings computed before (embeds (N*M, text C)); a count of placeholders that is not the images' times
+        mm_tokens_per_image refused in one line. cache, when given, keeps the tower's forward for its backward."""
+        m = self.vision.mm_tokens_per_image
+        pixels = self.pixel_values(images) if embeds is None else None
+        n_images = len(pixels) if embeds is None else len(embeds) // m
         blocks = image_blocks(ids, self.vision.image_token_id)
-        n_tokens, m = int((blocks >= 0).sum()), self.vision.mm_tokens_per_image
-        if n_tokens != len(pixels) * m:
-            raise DataError(f"{n_tokens} image placeholder tokens for {len(pixels)} images of "
-                            f"{m} tokens each")
-        if not len(pixels):
+        n_tokens = int((blocks >= 0).sum())
+        if n_tokens != n_images * m:
+            raise DataError(f"{n_tokens} image placeholder tokens for {n_images} images of {m} tokens each")
+        if not n_images:
             return None
+        if embeds is not None:
+            return ImageTokens(blocks, embeds)
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
             embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
             cache.update(tower_cache)
@@ -171,7 +174,15 @@ class VisionModel:
         for i, e in enumerate(examples):
             n = len(e.input_ids)
             ids[i, :n], labels[i, :n], seg[i, :n] = e.input_ids, e.labels, 1
-        images = self.image_tokens(ids, [im for e in examples for im in e.images], cache)
+        if self.tower.lora:
+            images = self.image_tokens(ids, [im for e in examples for im in e.images], cache)
+        else:               # the frozen tower's embeddings of a record's images, computed once a run
+            c = self.vision.text_hidden_size
+            for e in examples:
+                if e.embeds is None:
+                    e.embeds = self.tower(self.pixel_values(e.images)).reshape(-1, c) if e.images else \
+                        np.zeros((0, c), self.tower.dtype)
+            images = self.image_tokens(ids, None, embeds=np.concatenate([e.embeds for e in examples]))
         pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
         return (self._text_ids(ids).astype(np.int32), shift_labels(labels), seg, pos,
                 *(() if images is None else (images,)))

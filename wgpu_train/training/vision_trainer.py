@@ -90,6 +90,8 @@ def finetune_vision(config: TrainConfig) -> dict:
     if stats.n_cut_in_image:
         log.warning("wgpu-train: %d rows dropped: --max-seq-len %d cuts them inside or before an image",
                     stats.n_cut_in_image, config.max_seq_len)
+    log.info("wgpu-train: %d records with %d images on the NumPy engine (the WebGPU engine does not run images "
+             "yet)", stats.n_examples, sum(len(e.images) for e in examples))
     vm.model.add_lora(config.lora_config(vm.model.config.num_hidden_layers), seed=config.seed)
     rng = np.random.default_rng(config.seed)
     per_step = config.batch_size * config.grad_accum
