@@ -1,6 +1,7 @@
-"""VisionModel: a Gemma 3 vision-language model users hold, the language model's `Model` beside the frozen SigLIP
-tower and projector (on the NumPy engine): logits, loss and LoRA gradients, and greedy generation of token
-streams whose image placeholders take the images' embeddings."""
+"""VisionModel: a Gemma 3 vision-language model users hold, the language model's `Model` beside the SigLIP tower
+and projector (frozen, or with LoRA on the tower's encoder; the NumPy engine only for now): logits, loss and LoRA
+gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
+the images' embeddings."""
 from __future__ import annotations
 
 import json
@@ -59,6 +60,9 @@ class VisionModel:
         unknown = sorted(set(pairs) - set(self.tower.modules()))
         if unknown:
             raise ConfigError(f"LoRA on {unknown[0]}: not a linear module of the vision tower's encoder")
+        half = next((p for p, ab in pairs.items() if len(ab) != 2), None)
+        if half is not None:
+            raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
         self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
