@@ -306,6 +306,8 @@ def test_a_row_cut_inside_an_image_is_dropped_with_a_count(chat_vlm):
         our_examples(folder, max_seq_len=3)
     with pytest.raises(DataError, match="record: 1 image placeholders for 2 images"):
         vision_messages({"messages": vision_records()[1]["messages"], "images": ["a.png", "b.png"]})
+    one = vision_messages({"messages": vision_records()[1]["messages"], "image": "a.png"})
+    assert one[1] == ["a.png"]
 
 
 def test_train_step_with_images_gives_pefts_gradients(chat_vlm, tmp_path):

@@ -52,13 +52,13 @@ class VisionExample:
 
 
 def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
-    """A TRL vision record ({"messages": [...], "images": [...]}) -> (messages for the chat template, images):
-    text-only assistant turns as strings, user turns keeping their parts; a count of image parts that is not
-    the images' refused in one line."""
+    """A TRL vision record ({"messages": [...], "images": [...]}, or one "image") -> (messages for the chat
+    template, images): text-only assistant turns as strings, user turns keeping their parts; a count of image
+    parts that is not the images' refused in one line."""
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
         raise DataError(f'{where}: a vision record needs a non-empty "messages" list')
-    images = obj.get("images") or []
-    if not isinstance(images, list):
+    images = obj.get("images", [obj["image"]] if obj.get("image") is not None else []) or []
+    if not isinstance(images, list):       # TRL also reads a single `image` column
         images = [images]
     out, n_parts = [], 0
     for k, m in enumerate(obj["messages"]):

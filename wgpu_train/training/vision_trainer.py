@@ -32,7 +32,7 @@ _UNSUPPORTED = {"resume": "--resume", "pack": "--pack", "num_workers": "--num-wo
 
 def is_vision_data(path) -> bool:
     """Whether a data file holds TRL's vision records: a JSONL (or .json array) file whose first record has an
-    `images` field."""
+    `images` (or `image`) field."""
     path = Path(path) if path else None
     if path is None or not path.is_file() or path.suffix not in (".jsonl", ".json"):
         return False
@@ -43,7 +43,7 @@ def is_vision_data(path) -> bool:
         record, _ = json.JSONDecoder().raw_decode(first.lstrip())
     except json.JSONDecodeError:
         return False
-    return isinstance(record, dict) and "images" in record
+    return isinstance(record, dict) and ("images" in record or "image" in record)
 
 
 def read_vision_records(path) -> list[dict]:
@@ -56,6 +56,8 @@ def read_vision_records(path) -> list[dict]:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON: {e}") from None
     for row in rows:
+        if isinstance(row, dict) and "images" not in row and "image" in row:
+            row["images"] = [row.pop("image")]
         if isinstance(row, dict) and isinstance(row.get("images"), list):
             row["images"] = [str(path.parent / im) if isinstance(im, str) else im for im in row["images"]]
     return rows
