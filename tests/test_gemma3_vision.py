@@ -491,7 +491,7 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
     want = {n.replace(".default", ""): p.detach().numpy() for n, p in pm.named_parameters() if p.requires_grad}
     assert set(ours) == set(want), sorted(set(ours) ^ set(want))
     for name, w in want.items():
-        assert_close(ours[name], w, "params_vs_torch_adamw", name)
+        assert_close(ours[name], w, "vision_params_vs_torch_adamw", name)
 
 
 @pytest.mark.parametrize("language", [False, True])

@@ -26,11 +26,11 @@ def layernorm_backward(dy, x, weight, rstd):
 
 def gelu_forward(x):
     """gelu's tanh approximation (gelu_pytorch_tanh)."""
-    return 0.5 * x * (1.0 + np.tanh(ops.GELU_C * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(ops.GELU_C * (x + 0.044715 * (x * x * x))))
 
 
 def gelu_backward(dy, x):
-    t = np.tanh(ops.GELU_C * (x + 0.044715 * x ** 3))
+    t = np.tanh(ops.GELU_C * (x + 0.044715 * (x * x * x)))
     return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * ops.GELU_C * (1.0 + 3 * 0.044715 * x * x))
 
 
@@ -41,6 +41,31 @@ def unfold_patches(pixels, patch: int):
     gh, gw = h // patch, w // patch
     x = pixels[:, :, :gh * patch, :gw * patch].reshape(n, c, gh, patch, gw, patch)
     return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * patch * patch)
+
+
+def bidirectional_attention_forward(q, k, v):
+    """Full (non-causal) multi-head attention as batched GEMMs: q, k, v (N, T, H, D) -> out (N, T, H, D),
+    lse (N, H, T, 1) (the backward recomputes the probabilities from it: a real tower's are a GiB an image)."""
+    qh, kh, vh = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))  # (N, H, T, D): BLAS
+    s = (qh * q.dtype.type(1.0 / np.sqrt(q.shape[-1]))) @ kh.transpose(0, 1, 3, 2)   # (N, H, T, T)
+    m = s.max(axis=-1, keepdims=True)
+    np.exp(s - m, out=s)
+    denom = s.sum(axis=-1, keepdims=True)
+    out = (s @ vh) / denom                                                          # (N, H, T, D)
+    return out.transpose(0, 2, 1, 3), m + np.log(denom)
+
+
+def bidirectional_attention_backward(dout, q, k, v, out, lse):
+    """dq, dk, dv (N, T, H, D) of bidirectional_attention_forward."""
+    qh, kh, vh, oh, dh = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, out, dout))
+    scale = q.dtype.type(1.0 / np.sqrt(q.shape[-1]))
+    p = np.exp((qh * scale) @ kh.transpose(0, 1, 3, 2) - lse)                       # (N, H, T, T)
+    dv = p.transpose(0, 1, 3, 2) @ dh
+    ds = dh @ vh.transpose(0, 1, 3, 2)
+    ds -= (dh * oh).sum(axis=-1, keepdims=True)
+    ds *= p * scale
+    dq, dk = ds @ kh, ds.transpose(0, 1, 3, 2) @ qh
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
 
 
 ENCODER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1",
@@ -96,14 +121,13 @@ class VisionTower:
         x = (x.reshape(n, -1, vc.hidden_size) + w[e + "position_embedding.weight"]).reshape(-1, vc.hidden_size)
         t = x.shape[0] // n
         cache = {"n": n, "t": t, "layers": []}
-        whole = np.zeros((n, t), np.int32)          # every patch one block: bidirectional attention
         for i in range(vc.num_layers):
             p, c = f"{TOWER}encoder.layers.{i}.", {"x": x}
             h, c["rstd1"] = layernorm_forward(x, w[p + "layer_norm1.weight"], w[p + "layer_norm1.bias"],
                                               vc.layer_norm_eps)
             q, k, v = (self._linear(h, p + f"self_attn.{m}", c).reshape(n, t, vc.num_heads, vc.head_dim)
                        for m in ("q_proj", "k_proj", "v_proj"))
-            att, lse = ops.attention_forward(q, k, v, whole + 1, blocks=whole)
+            att, lse = bidirectional_attention_forward(q, k, v)
             c.update(q=q, k=k, v=v, att=att, lse=lse)
             x = x + self._linear(att.reshape(n * t, -1), p + "self_attn.out_proj", c)
             c["x2"] = x
@@ -147,15 +171,13 @@ class VisionTower:
         dy = np.broadcast_to((dpooled / (k * k)).reshape(n, s, 1, s, 1, -1), (n, s, k, s, k, vc.hidden_size))
         dx = layernorm_backward(dy.reshape(n * t, -1), cache["x_last"], w[TOWER + "post_layernorm.weight"],
                                 cache["rstd_post"])
-        whole = np.zeros((n, t), np.int32)
         for i in reversed(range(vc.num_layers)):
             p, c = f"{TOWER}encoder.layers.{i}.", cache["layers"][i]
             dg = self._linear_backward(dx, p + "mlp.fc2", c, grads)
             dh = self._linear_backward(gelu_backward(dg, c["f1"]), p + "mlp.fc1", c, grads)
             dx = dx + layernorm_backward(dh, c["x2"], w[p + "layer_norm2.weight"], c["rstd2"])
             datt = self._linear_backward(dx, p + "self_attn.out_proj", c, grads).reshape(c["att"].shape)
-            dq, dk, dv = ops.attention_backward(datt, c["q"], c["k"], c["v"], c["att"], c["lse"], whole + 1,
-                                                blocks=whole)
+            dq, dk, dv = bidirectional_attention_backward(datt, c["q"], c["k"], c["v"], c["att"], c["lse"])
             dh = sum(self._linear_backward(d.reshape(n * t, -1), p + f"self_attn.{m}", c, grads)
                      for d, m in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj")))
             dx = dx + layernorm_backward(dh, c["x"], w[p + "layer_norm1.weight"], c["rstd1"])
