@@ -373,6 +373,9 @@ def test_cli_generate_with_an_image_matches_transformers(chat_vlm, tmp_path, cap
     assert main(["generate", "--model", str(folder), "--prompt", "what colour is it?", "--image",
                  str(tmp_path / "x.png"), "--max-new-tokens", "5", "--backend", "numpy"]) == 0
     assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", "--model", str(folder), "--prompt", "hi", "--image", str(tmp_path / "x.png"),
+                 "--backend", "wgpu"]) == 2
+    assert "--image runs on the NumPy engine only for now" in capsys.readouterr().err
     (tmp_path / "bad.png").write_bytes(b"\x89PNG broken")
     assert main(["generate", "--model", str(folder), "--prompt", "hi", "--image", str(tmp_path / "bad.png")]) == 2
     err = capsys.readouterr().err.strip()
@@ -560,7 +563,8 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
     rows[1]["images"] = rows[1]["images"] * 2
     cases = [(write_vision_data(bad / "count", rows), [], "record 1: 1 image placeholders for 2 images"),
              (data, ["--max-seq-len", "3"], "every row's image tokens run past --max-seq-len 3"),
-             (data, ["--pack"], "--pack is not supported with images yet")]
+             (data, ["--pack"], "--pack is not supported with images yet"),
+             (data, ["--backend", "wgpu"], "images train on the NumPy engine only for now")]
     (tmp_path / "data" / "1_0.png").write_bytes(b"broken")
     cases.append((data, [], "cannot decode the image"))
     for path, extra, message in cases:
