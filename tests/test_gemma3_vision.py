@@ -597,3 +597,48 @@ def test_hub_layout_checkpoint_reads_the_same(vlm, tmp_path):
     with pytest.raises(ModelFileError, match="missing the vision tensor vision_tower.post_layernorm.weight"):
         load_vision_model(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+
+
+def test_three_steps_equal_trl_sft_trainer_with_images(chat_vlm, tmp_path):
+    """TRL 1.16's SFTTrainer on vision records (its vision collator: the processor's ids, pixel_values and
+    token_type_ids, labels on every real token) from the same PEFT adapter: three steps of ours on the same rows
+    give TRL's losses, gradient norms and adapter."""
+    import datasets
+    import trl
+
+    from wgpu_train.data.vision_records import VisionExample
+    from wgpu_train.engines.protocol import OptimizerParams
+
+    hf, folder, proc = chat_vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", lora_dropout=0.0)), 2)
+    pm.save_pretrained(tmp_path / "adapter")
+    records = [{"messages": [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                             if isinstance(m["content"], str) else m for m in r["messages"]],
+                "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in vision_records()[:2]]
+    batch = trl.trainer.sft_trainer.DataCollatorForVisionLanguageModeling(proc)(copy.deepcopy(records))
+    real = batch["attention_mask"].numpy() == 1
+    rows = [VisionExample(batch["input_ids"].numpy()[i][real[i]], batch["labels"].numpy()[i][real[i]],
+                          r["images"]) for i, r in enumerate(records)]
+    pm.train()
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, learning_rate=0.01,
+                         lr_scheduler_type="constant", max_steps=3, max_grad_norm=1.0, report_to=[], use_cpu=True,
+                         save_strategy="no", seed=0, max_length=None, logging_steps=1, weight_decay=0.0, bf16=False,
+                         remove_unused_columns=False)
+    trainer = trl.SFTTrainer(model=pm, args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=proc)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "grad_norm" in h]
+    vm = load_vision_model(folder)
+    vm.model.load_adapter(tmp_path / "adapter")
+    for step, h in enumerate(logged, 1):
+        loss_sum, count, norm, _ = vm.train_step([rows], OptimizerParams(lr=0.01, weight_decay=0.0), step)
+        assert_close(np.float64(loss_sum / count), h["loss"], "loss_f32", f"step {step} loss")
+        assert_close(norm, h["grad_norm"], "loss_f32", f"step {step} grad norm")
+    assert len(logged) == 3
+    theirs = {n.replace(".default.", ".").replace("model.language_model.", "model."): p.detach().numpy()
+              for n, p in pm.named_parameters() if "lora_" in n}
+    ours = vm.model.lora_state_dict()
+    assert set(ours) == set(theirs)
+    for k, v in ours.items():          # seen <= 6.8e-7
+        assert_close(v, theirs[k], "params_vs_torch_adamw", k)
