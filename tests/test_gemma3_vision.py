@@ -77,7 +77,8 @@ def hf_out(model, ids, mask, pixels, labels=None, token_types=True, image_id=IMG
     kw = {"token_type_ids": torch.tensor((ids == image_id).astype(np.int64))} if token_types else {}
     if labels is not None:
         kw["labels"] = torch.tensor(labels)
-    return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels), **kw)
+    return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels),
+                 **kw)
 
 
 @pytest.mark.parametrize("mode,shape", [("RGB", (37, 53, 3)), ("RGBA", (19, 41, 4)), ("L", (33, 17)), ("P", (50, 23))])
@@ -182,7 +183,8 @@ def test_image_blocks_and_refusals():
     np.testing.assert_array_equal(image_blocks(ids, IMG), [[-1, 0, 0, -1, 1, -1], [0, 0, 0, -1, -1, -1]])
     raw = tiny_config().to_dict()
     with pytest.raises(ConfigError, match="does not pool"):
-        VisionConfig.from_config({**raw, "mm_tokens_per_image": 25, "architectures": ["Gemma3ForConditionalGeneration"]})
+        VisionConfig.from_config({**raw, "mm_tokens_per_image": 25,
+                                  "architectures": ["Gemma3ForConditionalGeneration"]})
     with pytest.raises(ConfigError, match="not supported for LlamaForCausalLM"):
         VisionConfig.from_config({"architectures": ["LlamaForCausalLM"]})
 

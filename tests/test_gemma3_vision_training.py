@@ -196,7 +196,8 @@ def test_cli_generate_with_an_image_matches_transformers(chat_vlm, tmp_path, cap
     assert "--image: image 0: cannot decode the image" in err and "\n" not in err
 
 
-@pytest.mark.parametrize("targets", [["fc1", "q_proj"], r".*vision_tower.*\.(q_proj|v_proj)", ["multi_modal_projector"]])
+@pytest.mark.parametrize("targets", [["fc1", "q_proj"], r".*vision_tower.*\.(q_proj|v_proj)",
+                                     ["multi_modal_projector"]])
 def test_vision_targets_are_refused_in_one_line(targets):
     import wgpu_train as wt
 

@@ -111,7 +111,8 @@ def finetune_vision(config: TrainConfig) -> dict:
             log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e", step, steps, losses[-1], norm,
                      schedule.lr_at(step))
     vm.save_adapter(folders.out)
-    summary = {"method": "lora", "steps": steps, "examples": stats.n_examples, "rows_cut_in_image": stats.n_cut_in_image,
+    summary = {"method": "lora", "steps": steps, "examples": stats.n_examples,
+               "rows_cut_in_image": stats.n_cut_in_image,
                "rows_dropped": stats.n_dropped, "rows_truncated": stats.n_truncated, "first_loss": losses[0],
                "last_loss": losses[-1], "images": sum(len(e.images) for e in examples),
                "seconds": round(time.perf_counter() - started, 3), "output": str(folders.out)}

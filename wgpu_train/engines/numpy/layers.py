@@ -80,7 +80,7 @@ class LayerOps:
         window, sinks = self.cfg.window(i), self._sinks(i, op)
         if walk.kv is None:
             att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap,
-                                             sinks, walk.blocks)                             # (B, T, Hq, D), (B, Hq, T)
+                                             sinks, walk.blocks)                # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
             k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
