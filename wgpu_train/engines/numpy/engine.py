@@ -279,7 +279,7 @@ class NumpyEngine(EngineState):
 
     def set_images(self, images):
         """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None)."""
-        self.images = images
+        self.images = images and images.rounded(lambda x: self.rounding.activation(x.astype(self.dtype), "images"))
 
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
@@ -287,7 +287,7 @@ class NumpyEngine(EngineState):
         cache = {"ids": ids.reshape(-1), "walk": self._walk(segment_ids, position_ids)}
         x = self._embed(cache["ids"])
         if self.images is not None:         # the projector's embeddings in place of the placeholders'
-            x[self.images.flat] = self.rounding.activation(self.images.embeds.astype(self.dtype), "the embedding")
+            x[self.images.flat] = self.images.embeds
         x = self._layers_forward(x, range(self.cfg.num_hidden_layers), cache)
         return self._head_forward(x, cache).reshape(b, t, -1), cache
 

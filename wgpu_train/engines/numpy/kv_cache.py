@@ -54,7 +54,7 @@ class KvCacheGeneration:
         x = self.embed(ids)                                                       # (n, C)
         images = self.images()
         if images is not None:          # a prefill with whole images: their embeddings and blocks
-            x[images.flat] = images.embeds.astype(x.dtype)
+            x[images.flat] = images.embeds
         self.mode.training = False
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))

@@ -22,6 +22,10 @@ class ImageTokens:
         if self.embeds.shape[0] != n:
             raise ValueError(f"{self.embeds.shape[0]} image embeddings for {n} image tokens")
 
+    def rounded(self, rounding) -> ImageTokens:
+        """The same tokens with their embeddings through `rounding` (an engine's storage of activations)."""
+        return dataclasses.replace(self, embeds=rounding(self.embeds))
+
     @property
     def flat(self) -> np.ndarray:
         """(B*T,) bool: the image tokens."""
