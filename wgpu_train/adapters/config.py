@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.experts import all_linear_takes_experts, parse_target_parameters, peft_converts_expert_names
 from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, KNOWN_LINEAR_MODULES, ModelConfig
+from wgpu_train.models.vision import vision_targets
 
 
 _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")     # transformers 4's names of an expert's projections
@@ -57,6 +58,10 @@ class LoraConfig:
                 t.strip() for t in targets.split(",") if t.strip())
         targets = tuple(targets) + routers
         unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
+        if vision_targets(unknown):
+            raise ConfigError(f"LoRA target_modules {vision_targets(unknown)!r} are the vision tower's: not supported "
+                              f"here (a text-only model has none; a Gemma 3 vision model's takes its LoRA through "
+                              f"VisionModel.set_tower_lora)")
         if unknown or not (targets or experts):      # LoRA on the experts alone: no module
             raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
                               f"or 'all-linear'")

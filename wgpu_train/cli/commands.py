@@ -116,6 +116,10 @@ def cmd_generate(args) -> int:
         raise ConfigError("--prompt is empty")
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
+    if args.image:
+        from wgpu_train.cli.vision import generate_with_images
+
+        return generate_with_images(args, model_dir, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": given_no_chat_template(args)}, adapter, model_dir)
     stages = stage_options(args)
@@ -153,6 +157,9 @@ def _register_generate(sub):
     model_options(p)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="a system message before the prompt")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image the prompt asks about (repeat for several, in order before the prompt's text): "
+                        "a Gemma 3 vision-language model, greedy, on the NumPy engine (the vision extra: Pillow)")
     chat_template_option(p, "ask")
     p.add_argument("--max-new-tokens", type=whole(1), default=None,
                    help=f"most tokens to generate, capped (with a note) to the positions the prompt leaves in the "

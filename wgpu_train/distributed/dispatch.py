@@ -10,6 +10,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.objectives import TrainerKind, objective_class
 from wgpu_train.training.trainers import make_trainer
+from wgpu_train.training.vision_trainer import finetune_vision, is_vision_data
 
 
 def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) -> dict:
@@ -23,6 +24,8 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
         if unknown:
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
+    if is_vision_data(config.data):     # TRL's vision records: their own loop for now
+        return finetune_vision(config)
     kind = objective_class(config.objective).trainer
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")

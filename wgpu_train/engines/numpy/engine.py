@@ -68,6 +68,7 @@ class NumpyEngine(EngineState):
         self.lora: dict[str, LoraModule] = {}
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.gradient_checkpointing = False
+        self.images = self.image_grad = None     # set_images; the image rows' gradient of the last backward
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "policy_forwards": 0, "reference_forwards": 0}
         self.base_weight_bytes = 0   # no device copy
@@ -77,13 +78,13 @@ class NumpyEngine(EngineState):
         self.mode = Mode()
         self.optimizer = Optimizer(self.trainable, self.dtype, self.counters)
         self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
-                                self.counters, self.forward, self.backward)
+                                self.counters, self.forward, self.backward, self.set_images)
         self.dora = DoraLinear(self.w, self.dtype)
         self.layer_ops = LayerOps(cfg, plans, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
                                   self._linear_backward, self.optimizer.add, lambda name: name in self.grads,
                                   lambda path: self.lora.get(path) if self.adapter_enabled else None)
         self.kv = KvCacheGeneration(cfg, self.dtype, kv_dtype, self.mode, self._embed, self.layer_ops.forward,
-                                    self._generation_head)
+                                    self._generation_head, lambda: self.images)
 
     # ---- what the parts keep, as the protocol names it ----------------------------------------
     plan = part_field("layer_ops", "plan", "The layer plan the layers walk (a test may give the engine a variant).")
@@ -276,18 +277,26 @@ class NumpyEngine(EngineState):
         self.grads[path + ".lora_B"] += db_
         return dx, (dxl * mask if mask is not None else dxl)
 
+    def set_images(self, images):
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None)."""
+        self.images = images and images.rounded(lambda x: self.rounding.activation(x.astype(self.dtype), "images"))
+
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""
         b, t = ids.shape
         cache = {"ids": ids.reshape(-1), "walk": self._walk(segment_ids, position_ids)}
-        x = self._layers_forward(self._embed(cache["ids"]), range(self.cfg.num_hidden_layers), cache)
+        x = self._embed(cache["ids"])
+        if self.images is not None:         # the projector's embeddings in place of the placeholders'
+            x[self.images.flat] = self.images.embeds
+        x = self._layers_forward(x, range(self.cfg.num_hidden_layers), cache)
         return self._head_forward(x, cache).reshape(b, t, -1), cache
 
     def _walk(self, segment_ids, position_ids) -> Walk:
         b, t = segment_ids.shape
         weight = self.mode.router_loss_weight if self.mode.training else 0.0
         return Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))),
-                    router_loss=RouterLoss(self.cfg.moe.num_experts, weight) if weight else None)
+                    router_loss=RouterLoss(self.cfg.moe.num_experts, weight) if weight else None,
+                    blocks=None if self.images is None else self.images.blocks)
 
     def _layers_forward(self, x, layers: range, cache: dict):
         """The layers' forward from the first one's input x (N, C) to the last one's output (N, C); each layer's
@@ -347,6 +356,8 @@ class NumpyEngine(EngineState):
     def _embed_backward(self, dx, ids):
         """The embedding's gradient from its output's dx (N, C), where the embedding trains."""
         cfg = self.cfg
+        if self.images is not None:     # the image rows' gradient goes to the vision tower, none to an embedding row
+            self.image_grad, dx = dx[self.images.flat], np.where(self.images.flat[:, None], 0, dx)
         if EMBED in self.grads:
             dx = dx * self.dtype.type(cfg.embed_scale) if cfg.embed_scale != 1.0 else dx
             demb = ops.embedding_backward(dx, ids, cfg.vocab_size)       # (V, C)

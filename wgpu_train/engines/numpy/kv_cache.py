@@ -16,12 +16,14 @@ from wgpu_train.engines.shared.recurrent_state import advance, new_states, row_r
 class KvCacheGeneration:
     """KV caches of kv_dtype held in arrays of dtype, and forwards over them through the engine's walk: embed
     (ids (n,) -> (n, C)), layer_forward (layer i's activations from its input), head (the final norm and head,
-    (m, C) -> logits (m, V)); mode: the engine's (training off). Keeps the bank of mixed adapters
+    (m, C) -> logits (m, V)); mode: the engine's (training off); images: the engine's images now (a
+    shared/image_tokens.ImageTokens of a call's tokens, as (1, n), or None). Keeps the bank of mixed adapters
     (engines/shared/mixed_lora.py), which the engine's linear adds per row during forward_rows."""
 
-    def __init__(self, cfg: ModelConfig, dtype, kv_dtype: KvDtype, mode: Mode, embed, layer_forward, head):
+    def __init__(self, cfg: ModelConfig, dtype, kv_dtype: KvDtype, mode: Mode, embed, layer_forward, head,
+                 images=lambda: None):
         self.cfg, self.dtype, self.kv_dtype, self.mode = cfg, dtype, kv_dtype, mode
-        self.embed, self.layer_forward, self.head = embed, layer_forward, head
+        self.embed, self.layer_forward, self.head, self.images = embed, layer_forward, head, images
         self.adapter_bank: dict = {}    # module path -> BankModule (set_adapter_bank replaces it, never mutates it)
         self.bank_rows = None           # (n,) each token's adapter during a forward_rows call with adapters
 
@@ -50,11 +52,14 @@ class KvCacheGeneration:
 
     def _forward_rows(self, ids, rows, positions, kv, last, long_rope) -> np.ndarray:
         x = self.embed(ids)                                                       # (n, C)
+        images = self.images()
+        if images is not None:          # a prefill with whole images: their embeddings and blocks
+            x[images.flat] = images.embeds
         self.mode.training = False
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
         walk = Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope),
-                    runs=row_runs(kv, rows, positions))
+                    runs=row_runs(kv, rows, positions), blocks=None if images is None else images.blocks)
         for i in range(self.cfg.num_hidden_layers):
             x = self.layer_forward(i, x, walk)[OUTPUT]
         advance(kv, walk.runs)

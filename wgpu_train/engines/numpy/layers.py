@@ -80,7 +80,7 @@ class LayerOps:
         window, sinks = self.cfg.window(i), self._sinks(i, op)
         if walk.kv is None:
             att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap,
-                                             sinks)                             # (B, T, Hq, D), (B, Hq, T)
+                                             sinks, walk.blocks)                # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position
             kv = walk.kv
             k_new, v_new = k[0], v[0]                                           # (n, Hkv, D)
@@ -88,7 +88,8 @@ class LayerOps:
                 k_new, v_new = (round_to(x, kv["dtype"]).astype(x.dtype) for x in (k_new, v_new))
             ops.kv_cache_write(kv["k"][i], kv["v"][i], k_new, v_new, walk.rows, walk.positions[0])
             att = ops.attention_cached_forward(q[0], kv["k"][i], kv["v"][i], walk.rows, walk.positions[0], window,
-                                               self.cfg.attn_softcap, sinks)
+                                               self.cfg.attn_softcap, sinks,
+                                               None if walk.blocks is None else walk.blocks[0])
             lse = None
         a[op.outputs[0]], a[op.outputs[1]] = att.reshape(a[op.inputs[0]].shape), lse
 
@@ -253,7 +254,7 @@ class LayerOps:
         att, lse = walk.heads(a[op.outputs[0]], self.cfg), a[op.outputs[1]]
         sinks = self._sinks(i, op)
         grads = ops.attention_backward(walk.heads(dys[0], self.cfg), q, k, v, att, lse, walk.segments,
-                                       self.cfg.window(i), self.cfg.attn_softcap, sinks)
+                                       self.cfg.window(i), self.cfg.attn_softcap, sinks, walk.blocks)
         if sinks is not None:
             self.add_grad(f"model.layers.{i}.{op.param}", grads[3])
         return [g.reshape(a[name].shape) for g, name in zip(grads, op.inputs)]

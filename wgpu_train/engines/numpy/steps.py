@@ -13,19 +13,21 @@ from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.optim import Optimizer
 from wgpu_train.engines.numpy.walk import Mode
 from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
+from wgpu_train.engines.shared.image_tokens import ImageTokens
 
 
 class StepRunner:
     """The protocol's steps over the engine's walk: forward (ids, segment_ids, position_ids -> logits (B, T, V) and
     the cache of the backward) and backward (dlogits (N, V), cache: the gradients added into the optimizer's);
     mode: the engine's (training, the adapter, the loss temperature, the dropout position); optimizer: the engine's
-    gradients and moments; loss_scaler: f16's or None; counters: the engine's."""
+    gradients and moments; loss_scaler: f16's or None; counters: the engine's; set_images: the engine's, which
+    a micro-batch's ImageTokens go to for its forward."""
 
     def __init__(self, cfg: ModelConfig, mode: Mode, optimizer: Optimizer, loss_scaler: LossScaler | None,
-                 counters: dict, forward, backward):
+                 counters: dict, forward, backward, set_images=None):
         self.cfg, self.mode, self.optimizer, self.loss_scaler, self.counters = cfg, mode, optimizer, loss_scaler, \
             counters
-        self.forward, self.backward = forward, backward
+        self.forward, self.backward, self.set_images = forward, backward, set_images
         self.last_profile: dict = {}
         self.step_logps: list = []      # the last train_step's log-probabilities of its TokenObjective micro-batches
         self.step_entropies: list = []  # and the entropies of its policy's distributions there
@@ -101,7 +103,8 @@ class StepRunner:
         return rows.astype(np.float32).reshape(ids.shape)
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
-        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...].
+        """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...]; a
+        micro-batch may end with its images (shared/image_tokens.ImageTokens), which its forward takes.
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
         step equals the full-batch step; a micro-batch's per-token weights (B, T), when given, multiply its
@@ -120,6 +123,9 @@ class StepRunner:
         with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
             self.step_logps, self.step_entropies = [], []
             for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
+                images = extra.pop() if extra and isinstance(extra[-1], ImageTokens) else None
+                if images is not None:
+                    self.set_images(images)
                 objective = extra[0] if extra and isinstance(extra[0], (TokenObjective, SequenceObjective)) else None
                 if objective is not None or not extra:
                     scale = grad_scale
@@ -127,6 +133,8 @@ class StepRunner:
                     scale = np.float32(grad_scale) * np.asarray(extra[0], np.float32)
                 loss, _, logps, entropies = self._forward_backward(ids, targets, seg, pos, scale, objective,
                                                                    aux_weight)
+                if images is not None:
+                    self.set_images(None)
                 loss_sum += loss
                 self.step_logps.append(logps)
                 self.step_entropies.append(entropies)

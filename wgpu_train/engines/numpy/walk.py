@@ -11,11 +11,13 @@ class Walk:
     and segment ids (B, T); for generation (B = 1) the KV cache and each token's cache row (T,), and where the cache
     holds recurrent state each row's run of tokens (shared/recurrent_state.row_runs); long_rope:
     whether RoPE takes longrope's long factors; router_loss: a training forward's shared/moe.RouterLoss, or None
-    (a mixture of experts without the router's auxiliary loss, or a dense model)."""
+    (a mixture of experts without the router's auxiliary loss, or a dense model); blocks: (B, T) the images'
+    bidirectional blocks (shared/image_tokens.ImageTokens), or None."""
 
-    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False, router_loss=None, runs=None):
+    def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False, router_loss=None, runs=None,
+                 blocks=None):
         self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
-        self.long_rope, self.router_loss, self.runs = long_rope, router_loss, runs
+        self.long_rope, self.router_loss, self.runs, self.blocks = long_rope, router_loss, runs, blocks
 
     @property
     def real_tokens(self):

@@ -7,17 +7,21 @@ from __future__ import annotations
 import numpy as np
 
 
-def attention_allowed(segment_ids, window: int = 0):
+def attention_allowed(segment_ids, window: int = 0, blocks=None):
     """(B, T) segment ids (0 = padding) -> (B, T, T) bool: query i may see key j.
 
     Causal, within a sliding window when window > 0 (i - j < window), and never across segments (padding
-    or packed samples). A padding query sees only itself so that its row stays finite; its output is never
-    used.
+    or packed samples). blocks (B, T) (Gemma 3's images: a block number per image token, -1 for text), when
+    given: the tokens of one block also see each other both ways, still within the window (transformers'
+    AND(sliding window, OR(causal, block))). A padding query sees only itself so that its row stays finite;
+    its output is never used.
     """
     t = segment_ids.shape[1]
-    causal = np.tril(np.ones((t, t), dtype=bool))
+    causal = np.tril(np.ones((t, t), dtype=bool))[None]
+    if blocks is not None:
+        causal = causal | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks >= 0)[:, :, None])
     if window > 0:
-        causal &= ~np.tril(np.ones((t, t), dtype=bool), -window)
+        causal = causal & ~np.tril(np.ones((t, t), dtype=bool), -window)
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     real_key = (segment_ids != 0)[:, None, :]
     allowed = causal & same & real_key
@@ -45,7 +49,7 @@ def _with_sinks(scores, sinks):
     return m if sinks is None else np.maximum(m, sinks.astype(scores.dtype)[:, None, None])
 
 
-def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.0, sinks=None):
+def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.0, sinks=None, blocks=None):
     """Causal grouped-query attention (within a sliding window of `window` keys when window > 0; the scaled
     scores soft-capped at `softcap` when it is not 0; with sinks (Hq,), gpt-oss's: head h's softmax has
     exp(sinks[h]) in its denominator too, a key whose value is zero).
@@ -57,7 +61,7 @@ def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     scale = 1.0 / np.sqrt(q.shape[-1])
     scores = softcap_forward(np.einsum("bihd,bjhd->bhij", q, ke) * scale, softcap)   # (B, H, T, T)
-    allowed = attention_allowed(segment_ids, window)[:, None]
+    allowed = attention_allowed(segment_ids, window, blocks)[:, None]
     scores = np.where(allowed, scores, -np.inf)
     m = _with_sinks(scores, sinks)
     p = np.exp(scores - m)
@@ -70,7 +74,8 @@ def attention_forward(q, k, v, segment_ids, window: int = 0, softcap: float = 0.
     return out.astype(q.dtype), lse.astype(q.dtype)
 
 
-def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, softcap: float = 0.0, sinks=None):
+def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, softcap: float = 0.0, sinks=None,
+                       blocks=None):
     """Gradients of attention_forward from the saved logsumexp: dq (B, T, Hq, D), dk, dv (B, T, Hkv, D), and with
     sinks also dsinks (Hq,): a sink's probability exp(sink - lse) times minus its row's rowsum(dout * out), its
     value being zero, summed over the rows."""
@@ -80,7 +85,7 @@ def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, so
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     scale = 1.0 / np.sqrt(d)
     raw = np.einsum("bihd,bjhd->bhij", q, ke) * scale
-    allowed = attention_allowed(segment_ids, window)[:, None]
+    allowed = attention_allowed(segment_ids, window, blocks)[:, None]
     p = np.where(allowed, np.exp(softcap_forward(raw, softcap) - lse[..., None]), 0.0)  # (B, H, T, T)
     dve = np.einsum("bhij,bihd->bjhd", p, dout)
     dp = np.einsum("bihd,bjhd->bhij", dout, ve)
@@ -100,10 +105,12 @@ def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, so
 # A KV cache holds B sequences (its rows) of up to L positions; a negative row marks a padding query, whose
 # output stays zero.
 def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int = 0, softcap: float = 0.0,
-                             sinks=None):
+                             sinks=None, blocks=None):
     """New queries against a KV cache: q (N, Hq, D), query i in cache row rows[i] at position positions[i];
     k/v cache (B, L, Hkv, D) -> out (N, Hq, D). Query i sees keys 0..positions[i] of its own row (causal),
-    only the last `window` of them when window > 0; sinks (Hq,) as in attention_forward."""
+    only the last `window` of them when window > 0; sinks (Hq,) as in attention_forward; blocks (N,) or None:
+    each query's image block (-1 for text), whose other tokens in this call it sees both ways (a prefill that
+    holds each image whole, as attention_allowed's blocks)."""
     n, hq, d = q.shape
     n_rep = hq // k_cache.shape[2]
     out = np.zeros_like(q)
@@ -114,7 +121,12 @@ def attention_cached_forward(q, k_cache, v_cache, rows, positions, window: int =
         ke, ve = _expand_kv(k_cache[r:r + 1, :tk], n_rep)[0], _expand_kv(v_cache[r:r + 1, :tk], n_rep)[0]
         scores = softcap_forward(np.einsum("ihd,jhd->hij", q[sel], ke) / np.sqrt(d), softcap)  # (Hq, Ni, Tk)
         keys = np.arange(tk)[None, :]
-        seen = (keys <= pos[:, None]) & ((keys > pos[:, None] - window) if window > 0 else True)
+        seen = keys <= pos[:, None]
+        if blocks is not None:
+            key_blocks = np.full(tk, -1)
+            key_blocks[pos] = blocks[sel]
+            seen = seen | ((key_blocks[None, :] == blocks[sel][:, None]) & (blocks[sel] >= 0)[:, None])
+        seen = seen & ((keys > pos[:, None] - window) if window > 0 else True)
         scores = np.where(seen, scores, -np.inf)
         m = _with_sinks(scores, sinks)
         p = np.exp(scores - m)

@@ -1,0 +1,36 @@
+"""`generate --image`: an answer to a prompt about images, from a Gemma 3 vision-language model on the NumPy
+engine (greedy), with the adapter of a run if given."""
+from __future__ import annotations
+
+import sys
+
+from wgpu_train.errors import ConfigError
+
+
+def generate_with_images(args, model_dir, adapter) -> int:
+    """Print the greedy answer to --prompt about the --image files (in order, before the prompt's text)."""
+    from wgpu_train.data.images import pixel_batch
+    from wgpu_train.data.vision_records import ImageSpan, vision_prompt_ids
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    if args.backend not in ("auto", "numpy"):
+        raise ConfigError(f"--image runs on the NumPy engine only for now (--backend numpy), not {args.backend}")
+    if args.temperature:
+        raise ConfigError("--image generates greedily for now (--temperature 0)")
+    vm = load_vision_model(model_dir, backend="numpy")
+    if adapter is not None:
+        vm.load_adapter(adapter)
+    tok = load_tokenizer(model_dir)
+    vc = vm.vision
+    span = ImageSpan.from_ids(tok, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
+    pixels = pixel_batch(args.image, vm.settings, "--image")
+    ids = vision_prompt_ids(tok, args.prompt, len(args.image), span, args.system)
+    room = vm.model.config.max_position_embeddings - len(ids)
+    if room < 1:
+        raise ConfigError(f"the prompt and its images take {len(ids)} tokens, more than the model's "
+                          f"{vm.model.config.max_position_embeddings} positions")
+    out = vm.generate(ids, pixels, min(args.max_new_tokens or 256, room), tuple(tok.stop_token_ids))
+    answer = [t for t in out if t not in set(tok.stop_token_ids)]
+    sys.stdout.write(tok.decode(answer) + "\n")
+    return 0

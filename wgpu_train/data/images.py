@@ -1,0 +1,113 @@
+"""Images in: Pillow's decoding of paths, bytes and hub-dataset images, and the preprocessing of transformers'
+Gemma3ImageProcessor (its PIL backend: RGB over white, resize, rescale, normalise) to the same pixel_values."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from wgpu_train.errors import ConfigError, DataError
+
+_RESAMPLES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}   # PIL's numbering
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ConfigError("images need Pillow: pip install 'wgpu-train[vision]'") from None
+    return Image
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSettings:
+    """What the processor's preprocessor_config.json says of one image: the size (height, width) it is resized
+    to, PIL's resample filter (its number), the rescale factor, and the per-channel mean and std."""
+
+    height: int
+    width: int
+    resample: int = 2
+    rescale_factor: float = 1 / 255
+    mean: tuple = (0.5, 0.5, 0.5)
+    std: tuple = (0.5, 0.5, 0.5)
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: dict, image_size: int, source: str = "preprocessor_config.json") -> ImageSettings:
+        """From a preprocessor_config.json's fields (transformers' Gemma 3 defaults where left out; the size
+        defaults to the vision tower's image_size). Pan-and-scan is refused (not supported yet)."""
+        if raw.get("do_pan_and_scan"):
+            raise ConfigError(f"{source}: not supported: do_pan_and_scan (Gemma 3's crops of wide images)")
+        size = raw.get("size") or {"height": image_size, "width": image_size}
+        if "height" not in size or "width" not in size:
+            raise ConfigError(f"{source}: not supported: size {size} (a fixed height and width only)")
+        resample = int(raw.get("resample", 2))
+        if resample not in _RESAMPLES:
+            raise ConfigError(f"{source}: unknown resample {resample}")
+        mean, std = (tuple(float(v) for v in raw.get(k, (0.5,) * 3)) for k in ("image_mean", "image_std"))
+        return cls(int(size["height"]), int(size["width"]), resample, float(raw.get("rescale_factor", 1 / 255)),
+                   mean, std, bool(raw.get("do_resize", True)), bool(raw.get("do_rescale", True)),
+                   bool(raw.get("do_normalize", True)))
+
+    @classmethod
+    def from_folder(cls, folder, image_size: int) -> ImageSettings:
+        """A model folder's preprocessor_config.json, or the defaults where it has none."""
+        path = Path(folder) / "preprocessor_config.json"
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        return cls.from_dict(raw, image_size, str(path))
+
+
+def open_image(image, where: str = "image"):
+    """A PIL image from a path, bytes, a hub dataset's {"bytes": ..., "path": ...} or a PIL image; an image that
+    cannot be read or decoded raises DataError naming `where`."""
+    pil = _pil()
+    if isinstance(image, pil.Image):
+        return image
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    try:
+        if isinstance(image, (bytes, bytearray)):
+            out = pil.open(io.BytesIO(image))
+        elif isinstance(image, (str, Path)):
+            out = pil.open(Path(image))
+        else:
+            raise DataError(f"{where}: an image must be a path, bytes or a PIL image, got {type(image).__name__}")
+        out.load()
+    except (OSError, ValueError, pil.DecompressionBombError) as e:
+        raise DataError(f"{where}: cannot decode the image: {e}") from None
+    return out
+
+
+def to_rgb(image):
+    """RGB as transformers converts it: transparency composited over white."""
+    pil = _pil()
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return pil.alpha_composite(pil.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def pixel_values(image, settings: ImageSettings, where: str = "image") -> np.ndarray:
+    """One image (anything open_image takes) -> (3, height, width) float32, as the processor's pixel_values."""
+    img = to_rgb(open_image(image, where))
+    if settings.do_resize:
+        img = img.resize((settings.width, settings.height), resample=settings.resample)
+    x = np.moveaxis(np.asarray(img), -1, 0)                                  # (3, H, W) uint8
+    if settings.do_rescale:
+        x = (x.astype(np.float64) * settings.rescale_factor).astype(np.float32)
+    x = x.astype(np.float32)
+    if settings.do_normalize:
+        mean, std = (np.asarray(v, np.float32)[:, None, None] for v in (settings.mean, settings.std))
+        x = (x - mean) / std
+    return x
+
+
+def pixel_batch(images, settings: ImageSettings, where: str = "record") -> np.ndarray:
+    """Images -> (N, 3, height, width) float32 (N may be 0)."""
+    rows = [pixel_values(im, settings, f"{where}: image {i}") for i, im in enumerate(images)]
+    return np.stack(rows) if rows else np.zeros((0, 3, settings.height, settings.width), np.float32)

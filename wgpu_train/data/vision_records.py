@@ -1,0 +1,167 @@
+"""Records with images -> tokens (Gemma 3): TRL's vision format (messages whose content lists {"type": "image"} and
+{"type": "text"} parts, plus an `images` column), the chat template's image placeholders expanded as Gemma 3's
+processor expands them (boi, image tokens x mm_tokens_per_image, eoi), the loss on the assistant's tokens only."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from wgpu_train.data.records import IGNORE_INDEX, ROLES
+from wgpu_train.data.tokenize import _assistant_spans, _in_span
+from wgpu_train.errors import DataError
+from wgpu_train.formats.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpan:
+    """How an image stands in the text: the chat template's placeholder (Gemma 3's boi token, as the processor
+    reads it), and the run it becomes: boi, `count` image tokens, eoi, set off by blank lines."""
+
+    boi: str
+    image: str
+    eoi: str
+    count: int
+
+    @property
+    def expanded(self) -> str:
+        return f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
+
+    @classmethod
+    def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int) -> ImageSpan:
+        """From the model's token ids, named as the tokenizer names them; a tokenizer without them refused."""
+        names = [tokenizer.backend.id_to_token(i) for i in (boi_id, image_id, eoi_id)]
+        if None in names:
+            raise DataError(f"the tokenizer has no token for the image ids {boi_id}, {image_id}, {eoi_id} of "
+                            f"the model's config")
+        return cls(*names, count)
+
+
+@dataclasses.dataclass
+class VisionExample:
+    """One tokenized record with its images: input_ids (T,), labels (T,) (IGNORE_INDEX outside the assistant's
+    tokens and on every image token), the images its placeholders take, in order; embeds: the frozen vision
+    tower's embeddings of them (n_images * mm_tokens_per_image, text hidden), kept once computed."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    images: list
+    truncated: bool = False
+    embeds: np.ndarray | None = None
+
+
+def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
+    """A TRL vision record ({"messages": [...], "images": [...]}, or one "image") -> (messages for the chat
+    template, images): text-only assistant turns as strings, user turns keeping their parts; a count of image
+    parts that is not the images' refused in one line."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
+        raise DataError(f'{where}: a vision record needs a non-empty "messages" list')
+    images = obj.get("images", [obj["image"]] if obj.get("image") is not None else []) or []
+    if not isinstance(images, list):       # TRL also reads a single `image` column
+        images = [images]
+    out, n_parts = [], 0
+    for k, m in enumerate(obj["messages"]):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if role not in ROLES:
+            raise DataError(f"{where}: message {k} has role {role!r}; roles must be system, user or assistant")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise DataError(f"{where}: message {k}'s content must be a string or a list of parts")
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image", "text") or (kind == "text" and not isinstance(part.get("text"), str)):
+                raise DataError(f"{where}: message {k} has a content part {part!r}; parts are "
+                                f'{{"type": "image"}} or {{"type": "text", "text": ...}}')
+            n_parts += kind == "image"
+        if role == "assistant" and all(p["type"] == "text" for p in content):
+            out.append({"role": role, "content": "".join(p["text"] for p in content)})
+        else:
+            out.append({"role": role, "content": [dict(p) for p in content]})
+    if n_parts != len(images):
+        raise DataError(f"{where}: {n_parts} image placeholders for {len(images)} images")
+    return out, images
+
+
+def _shifted(offset: int, boi_at: Sequence[int], grow: int) -> int:
+    """A character offset of the rendered text in the expanded text (each placeholder grows by `grow`)."""
+    return offset + grow * sum(1 for b in boi_at if b < offset)
+
+
+def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: list, span: ImageSpan,
+                            max_seq_len: int) -> VisionExample | str | None:
+    """Tokenize one record's messages (vision_messages) with its images: the chat template's text, each
+    placeholder expanded (ImageSpan), the assistant turns trained. Longer than max_seq_len: truncated after its
+    last image, or "cut" when the cut falls inside or before one (the row is dropped: an image is never split,
+    nor a record's images parted from it); None when no trained token survives."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    spans = [(s, e) for _, s, e in _assistant_spans(tokenizer, messages, text)]
+    boi_at = [i for i in range(len(text)) if text.startswith(span.boi, i)]
+    if len(boi_at) != len(images):
+        raise DataError(f"the chat template wrote {len(boi_at)} image placeholders for {len(images)} images")
+    grow = len(span.expanded) - len(span.boi)
+    spans = [(_shifted(s, boi_at, grow), _shifted(e, boi_at, grow)) for s, e in spans]
+    ids, offsets = tokenizer.encode_with_offsets(text.replace(span.boi, span.expanded))
+    image_ids = {tokenizer.token_to_id(t) for t in (span.boi, span.image, span.eoi)}
+    labels = [t if t not in image_ids and any(_in_span(a, b, s, e) for s, e in spans) else IGNORE_INDEX
+              for t, (a, b) in zip(ids, offsets)]
+    ids, labels = np.asarray(ids, np.int32), np.asarray(labels, np.int64)
+    truncated = len(ids) > max_seq_len
+    if truncated:
+        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+        opened, closed = (int((ids == tokenizer.token_to_id(t)).sum()) for t in (span.boi, span.eoi))
+        if opened != closed or closed < len(images):     # an image's run begun and not ended, or left out
+            return "cut"
+    if not (labels[1:] != IGNORE_INDEX).any():
+        return None
+    return VisionExample(ids, labels, list(images), truncated)
+
+
+@dataclasses.dataclass
+class VisionStats:
+    """What tokenizing a vision dataset did: records, examples kept, rows dropped because the cut fell inside (or
+    before) an image, rows with nothing left to train, rows truncated after a whole image."""
+
+    n_records: int = 0
+    n_examples: int = 0
+    n_cut_in_image: int = 0
+    n_dropped: int = 0
+    n_truncated: int = 0
+
+
+def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span: ImageSpan,
+                            max_seq_len: int) -> tuple[list[VisionExample], VisionStats]:
+    """Every TRL vision record tokenized (tokenize_vision_example); a bad record raises DataError naming it."""
+    stats, out = VisionStats(n_records=len(records)), []
+    for k, obj in enumerate(records):
+        where = f"record {k}"
+        try:
+            ex = tokenize_vision_example(tokenizer, *vision_messages(obj, where), span, max_seq_len)
+        except DataError as e:
+            raise DataError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+        if ex == "cut":
+            stats.n_cut_in_image += 1
+        elif ex is None:
+            stats.n_dropped += 1
+        else:
+            stats.n_truncated += int(ex.truncated)
+            out.append(ex)
+    stats.n_examples = len(out)
+    if records and not out and stats.n_cut_in_image:
+        raise DataError(f"every row's image tokens run past --max-seq-len {max_seq_len} "
+                        f"({stats.n_cut_in_image} rows cut inside an image)")
+    return out, stats
+
+
+def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span: ImageSpan,
+                      system: str | None = None) -> list[int]:
+    """Token ids asking for the answer to a user turn of `n_images` images then the text `prompt` (as TRL's
+    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if text.count(span.boi) != n_images:
+        raise DataError(f"the chat template wrote {text.count(span.boi)} image placeholders for {n_images} images")
+    return tokenizer.encode(text.replace(span.boi, span.expanded))

@@ -1,0 +1,266 @@
+"""VisionModel: a Gemma 3 vision-language model users hold, the language model's `Model` beside the SigLIP tower
+and projector (frozen, or with LoRA on the tower's encoder; the NumPy engine only for now): logits, loss and LoRA
+gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
+the images' embeddings."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from wgpu_train.data.images import ImageSettings, pixel_batch
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.data.vision_records import VisionExample
+from wgpu_train.engines.loading import load_model
+from wgpu_train.engines.model import Model
+from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
+from wgpu_train.engines.numpy.vision_tower import VisionTower
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.adapters.files import write_adapter
+from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
+from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
+                                      tower_lora_path, tower_target_regex)
+from wgpu_train.models.weights import weight_files
+
+
+class VisionModel:
+    """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
+    (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing."""
+
+    def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings):
+        if not hasattr(model.engine, "set_images"):
+            raise ConfigError(f"images run on the NumPy engine only for now (backend='numpy'), not on the "
+                              f"{model.backend} engine")
+        self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
+
+    def pixel_values(self, images) -> np.ndarray:
+        """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
+        (N, C, H, W) float32."""
+        if isinstance(images, np.ndarray):
+            return images.astype(np.float32)
+        if images and all(isinstance(im, np.ndarray) and im.ndim == 3 for im in images):
+            return np.stack(images).astype(np.float32)
+        return pixel_batch(list(images), self.settings)
+
+    def set_tower_lora(self, tensors: dict, scale: float):
+        """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
+        left to the language model's adapter), each module's output scaled by `scale` (alpha / r)."""
+        pairs: dict = {}
+        for key, value in tensors.items():
+            path = tower_lora_path(key)
+            if path is not None:
+                pairs.setdefault(path, {})["A" if ".lora_A" in key else "B"] = np.asarray(value, self.tower.dtype)
+        unknown = sorted(set(pairs) - set(self.tower.modules()))
+        if unknown:
+            raise ConfigError(f"LoRA on {unknown[0]}: not a linear module of the vision tower's encoder")
+        half = next((p for p, ab in pairs.items() if len(ab) != 2), None)
+        if half is not None:
+            raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
+        self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
+        self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
+
+    def _tower_trainable(self) -> dict:
+        """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
+        return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
+
+    def save_adapter(self, directory):
+        """The adapter in PEFT's format on the multimodal model: the language model's (Model.save_adapter) and the
+        tower's LoRA beside it, target_modules one regular expression over both. The tower's rank and alpha must
+        be the language model's where it has LoRA too (one config holds them)."""
+        directory = Path(directory)
+        if not self.tower.lora:
+            return self.model.save_adapter(directory)
+        shapes = {(a.shape[0], s) for a, _, s in self.tower.lora.values()}
+        if len(shapes) > 1:
+            raise ConfigError("the tower's LoRA modules differ in rank or scale: one adapter file holds one of each")
+        (a, scale), = shapes
+        cfg = self.model.lora_config
+        if cfg is not None and (cfg.r != a or abs(cfg.alpha / cfg.r - scale) > 1e-12 or cfg.use_rslora):
+            raise ConfigError(f"the tower's LoRA (r {a}, scale {scale:g}) and the language model's (r {cfg.r}, "
+                              f"alpha {cfg.alpha}) differ: one adapter file holds one rank and alpha")
+        if cfg is None:     # the tower's alone: a config of its rank and alpha, no language tensors
+            write_adapter(directory, LoraConfig(r=a, alpha=scale * a, target_modules=("q_proj",)), {},
+                          base_model=self.model.name_or_path, model=self.model.config)
+        else:
+            self.model.save_adapter(directory)
+        raw = json.loads((directory / "adapter_config.json").read_text())
+        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}))
+        raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
+        (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
+        tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
+        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1]): v for k, v in self._tower_trainable().items()})
+        write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
+
+    def load_adapter(self, directory):
+        """A PEFT adapter of the multimodal model: the tower's LoRA (set_tower_lora, at the config's alpha / r)
+        and the language model's (Model.load_adapter), either alone."""
+        directory = Path(directory)
+        tensors = read_safetensors(directory / "adapter_model.safetensors")
+        tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
+        if tower:
+            raw = json.loads((directory / "adapter_config.json").read_text())
+            self.set_tower_lora(tower, float(raw["lora_alpha"]) / int(raw["r"]))
+        if len(tower) < len(tensors):
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.copy(directory / "adapter_config.json", tmp)
+                write_safetensors(Path(tmp) / "adapter_model.safetensors",
+                                  {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
+                self.model.load_adapter(tmp)
+
+    def image_tokens(self, ids, images, cache: dict | None = None, embeds=None) -> ImageTokens | None:
+        """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs, or of their
+        embeddings computed before (embeds (N*M, text C)); a count of placeholders that is not the images' times
+        mm_tokens_per_image refused in one line. cache, when given, keeps the tower's forward for its backward."""
+        m = self.vision.mm_tokens_per_image
+        pixels = self.pixel_values(images) if embeds is None else None
+        n_images = len(pixels) if embeds is None else len(embeds) // m
+        blocks = image_blocks(ids, self.vision.image_token_id)
+        n_tokens = int((blocks >= 0).sum())
+        if n_tokens != n_images * m:
+            raise DataError(f"{n_tokens} image placeholder tokens for {n_images} images of {m} tokens each")
+        if not n_images:
+            return None
+        if embeds is not None:
+            return ImageTokens(blocks, embeds)
+        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
+            cache.update(tower_cache)
+        else:
+            embeds = self.tower(pixels)
+        return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
+
+    def _text_ids(self, ids):
+        """ids with an image placeholder outside the vocabulary read as 0 (its embedding row is replaced)."""
+        ids = np.array(ids, dtype=np.int64)
+        if self.vision.image_token_id >= self.model.config.vocab_size:
+            ids[ids == self.vision.image_token_id] = 0
+        return ids
+
+    def _with_images(self, ids, images, call, cache=None):
+        ids = np.atleast_2d(np.asarray(ids))
+        self.model.engine.set_images(self.image_tokens(ids, images, cache))
+        try:
+            return call(self._text_ids(ids))
+        finally:
+            self.model.engine.set_images(None)
+
+    def logits(self, input_ids, images=(), attention_mask=None) -> np.ndarray:
+        """float32 logits (B, T, V) of input_ids (B, T) whose image placeholders take `images` in order."""
+        return self._with_images(input_ids, images, lambda ids: self.model.logits(ids, attention_mask))
+
+    def loss_and_grads(self, input_ids, labels, images=(), attention_mask=None):
+        """Model.loss_and_grads with the images: (mean loss, LoRA gradients by PEFT key), the tower's LoRA
+        (set_tower_lora) too: back through the projector and the tower from the image rows' gradient."""
+        cache: dict = {}
+        loss, grads = self._with_images(input_ids, images,
+                                        lambda ids: self.model.loss_and_grads(ids, labels, attention_mask), cache)
+        if self.tower.lora and cache:
+            dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
+            for name, g in self.tower.backward(dout, cache).items():
+                path, which = name.rsplit(".lora_", 1)
+                grads[tower_lora_key(path, which)] = g.astype(np.float32)
+        return loss, grads
+
+    def micro_batch(self, examples: list[VisionExample], cache: dict | None = None) -> tuple:
+        """Tokenized records (data/vision_records) -> one micro-batch of the engine's train_step, right-padded to
+        the longest: (ids, targets, segment_ids, position_ids, their ImageTokens); cache as image_tokens'."""
+        b, t = len(examples), max(len(e.input_ids) for e in examples)
+        ids = np.zeros((b, t), np.int64)
+        labels = np.full((b, t), IGNORE_INDEX, np.int64)
+        seg = np.zeros((b, t), np.int32)
+        for i, e in enumerate(examples):
+            n = len(e.input_ids)
+            ids[i, :n], labels[i, :n], seg[i, :n] = e.input_ids, e.labels, 1
+        if self.tower.lora:
+            images = self.image_tokens(ids, [im for e in examples for im in e.images], cache)
+        else:               # the frozen tower's embeddings of a record's images, computed once a run
+            c = self.vision.text_hidden_size
+            for e in examples:
+                if e.embeds is None:
+                    e.embeds = self.tower(self.pixel_values(e.images)).reshape(-1, c) if e.images else \
+                        np.zeros((0, c), self.tower.dtype)
+            images = self.image_tokens(ids, None, embeds=np.concatenate([e.embeds for e in examples]))
+        pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+        return (self._text_ids(ids).astype(np.int32), shift_labels(labels), seg, pos,
+                *(() if images is None else (images,)))
+
+    def train_step(self, micro_batches: list[list[VisionExample]], hp: OptimizerParams, step: int,
+                   reduce=None) -> tuple:
+        """One optimizer step of the LoRA over micro-batches of tokenized records: the engine's (loss_sum,
+        token_count, grad_norm, applied). The tower frozen, the engine's own step (reduce as the engine
+        protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row gradient goes back
+        through the tower, and one global norm clips both before AdamW updates each (in one process)."""
+        if not self.tower.lora:
+            return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step,
+                                                reduce=reduce)
+        if reduce is not None:
+            raise ConfigError("LoRA on the vision tower trains in one process only for now")
+        engine, caches = self.model.engine, []
+        batches = []
+        for mb in micro_batches:
+            caches.append({})
+            batches.append(self.micro_batch(mb, caches[-1]))
+        total = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
+        engine.zero_grads()
+        self.tower_optimizer.zero_grads()
+        loss_sum = 0.0
+        for (ids, targets, seg, pos, *images), cache in zip(batches, caches):
+            engine.set_images(images[0] if images else None)
+            try:
+                loss_sum += engine.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+            finally:
+                engine.set_images(None)
+            if images:
+                dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
+                for name, g in self.tower.backward(dout, cache).items():
+                    self.tower_optimizer.add(name, g)
+        norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
+        args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
+        _, applied = engine.apply_update(norm, *args)
+        self.tower_optimizer.apply_update(norm, *args)
+        return loss_sum, total, norm, applied
+
+    def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
+        """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
+        in one call (each image whole, its block bidirectional), then a token a call."""
+        ids = np.asarray(input_ids).reshape(-1)
+        engine, n = self.model.engine, len(ids)
+        kv = engine.new_kv_cache(1, n + max_new_tokens)
+        engine.set_images(self.image_tokens(ids[None], images))
+        try:
+            logits = engine.forward_rows(self._text_ids(ids), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                                         kv, np.array([n - 1]))
+        finally:
+            engine.set_images(None)
+        out = []
+        for step in range(max_new_tokens):
+            nxt = int(np.argmax(logits[0]))
+            out.append(nxt)
+            if nxt in stop_token_ids or step == max_new_tokens - 1:
+                break
+            logits = engine.forward_rows(np.array([nxt]), np.zeros(1, np.int32), np.array([n + step], np.int32), kv,
+                                         np.array([0]))
+        engine.free_kv_cache(kv)
+        return out
+
+
+def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
+    """A Gemma3ForConditionalGeneration folder with its vision tower and projector (float32); `kw` as
+    load_model's. The processor's preprocessor_config.json gives the image preprocessing where the folder has it."""
+    folder = Path(path)
+    raw = json.loads((folder / "config.json").read_text())
+    vision = VisionConfig.from_config(raw, str(folder / "config.json"))
+    model = load_model(folder, backend=backend, **kw)
+    tensors = {}
+    for f in weight_files(folder):
+        tensors.update(read_safetensors(f))
+    names = check_vision_tensors(tensors, vision, folder)
+    tower = VisionTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+    return VisionModel(model, tower, vision, ImageSettings.from_folder(folder, vision.image_size))

@@ -1,0 +1,159 @@
+"""Gemma 3's vision part as data: the SigLIP tower's and the projector's config (vision_config, mm_tokens_per_image,
+the image token ids), their tensors' names in a checkpoint (either layout) with their shapes, and where an
+image's tokens lie in a token stream (Gemma 3's bidirectional blocks)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from wgpu_train.errors import ConfigError, ModelFileError
+
+# the tower's and the projector's tensors: the old layout (hub files, save_pretrained) and transformers' live one;
+# the hub's files put the tower's own under vision_tower.vision_model., transformers 5 under vision_tower.
+_PREFIXES = (("vision_tower.", "multi_modal_projector."), ("model.vision_tower.", "model.multi_modal_projector."))
+TOWER = "vision_tower."
+PROJ = "multi_modal_projector."
+_SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                    "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
+                    "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+_GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
+                    "image_token_index": 262_144}
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A Gemma3ForConditionalGeneration's vision part: the SigLIP tower (hidden, intermediate, layers, heads,
+    channels, image and patch size, the layer norms' eps), the projector's pooled tokens per image, the text
+    model's hidden size it projects to, and the token ids of an image's placeholder, its start and its end."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    mm_tokens_per_image: int
+    text_hidden_size: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @classmethod
+    def from_config(cls, raw: dict, source: str = "config.json") -> VisionConfig:
+        """From a multimodal config.json (raw dict); what the tower's math here does not implement is refused."""
+        arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
+        if arch not in ("Gemma3ForConditionalGeneration", "gemma3"):
+            raise ConfigError(f"{source}: images are not supported for {arch} (Gemma3ForConditionalGeneration only)")
+        v = {**_SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
+        top = {**_GEMMA3_DEFAULTS, **raw}
+        if v["hidden_act"] != "gelu_pytorch_tanh":
+            raise ConfigError(f"{source}: not supported: vision_config.hidden_act {v['hidden_act']!r} "
+                              f"(gelu_pytorch_tanh only)")
+        patches = v["image_size"] // v["patch_size"]
+        side = int(round(top["mm_tokens_per_image"] ** 0.5))
+        if side * side != top["mm_tokens_per_image"] or patches % side:
+            raise ConfigError(f"{source}: mm_tokens_per_image {top['mm_tokens_per_image']} does not pool a "
+                              f"{patches} x {patches} grid of patches evenly")
+        if v["hidden_size"] % v["num_attention_heads"]:
+            raise ConfigError(f"{source}: vision_config.hidden_size is not a multiple of its num_attention_heads")
+        text = raw.get("text_config") or {}
+        return cls(v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"],
+                   v["num_channels"], v["image_size"], v["patch_size"], float(v["layer_norm_eps"]),
+                   int(top["mm_tokens_per_image"]), int(text.get("hidden_size", 2304)),
+                   int(top.get("image_token_id", top["image_token_index"])),
+                   int(top.get("boi_token_id", top["boi_token_index"])),
+                   int(top.get("eoi_token_id", top["eoi_token_index"])))
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def tensor_shapes(vc: VisionConfig) -> dict:
+    """{our name: shape} of every tensor of the tower and the projector (the old layout's names)."""
+    c, f = vc.hidden_size, vc.intermediate_size
+    out = {TOWER + "embeddings.patch_embedding.weight": (c, vc.num_channels, vc.patch_size, vc.patch_size),
+           TOWER + "embeddings.patch_embedding.bias": (c,),
+           TOWER + "embeddings.position_embedding.weight": (vc.patches_per_side ** 2, c),
+           TOWER + "post_layernorm.weight": (c,), TOWER + "post_layernorm.bias": (c,),
+           PROJ + "mm_input_projection_weight": (c, vc.text_hidden_size), PROJ + "mm_soft_emb_norm.weight": (c,)}
+    for i in range(vc.num_layers):
+        p = f"{TOWER}encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            out.update({f"{p}{norm}.weight": (c,), f"{p}{norm}.bias": (c,)})
+        for m in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out.update({f"{p}self_attn.{m}.weight": (c, c), f"{p}self_attn.{m}.bias": (c,)})
+        out.update({f"{p}mlp.fc1.weight": (f, c), f"{p}mlp.fc1.bias": (f,), f"{p}mlp.fc2.weight": (c, f),
+                    f"{p}mlp.fc2.bias": (c,)})
+    return out
+
+
+def vision_names(names) -> dict:
+    """{our name: file name} of a checkpoint's tower and projector tensors, in any of the layouts."""
+    out = {}
+    for name in names:
+        for tower, proj in _PREFIXES:
+            for prefix, ours in ((tower, TOWER), (proj, PROJ)):
+                if name.startswith(prefix):
+                    rest = name[len(prefix):]
+                    out[ours + rest.removeprefix("vision_model.") if ours == TOWER else ours + rest] = name
+    return out
+
+
+def check_vision_tensors(tensors: dict, vc: VisionConfig, folder) -> dict:
+    """{our name: file name} of the tower and projector in `tensors` ({file name: array-like}), every tensor
+    present with its shape; one missing or misshapen refused in one line."""
+    names = vision_names(tensors)
+    for ours, shape in tensor_shapes(vc).items():
+        if ours not in names:
+            raise ModelFileError(f"{folder}: missing the vision tensor {ours}")
+        got = tuple(np.shape(tensors[names[ours]]))
+        if got != shape:
+            raise ModelFileError(f"{folder}: vision tensor {ours} has shape {got}, expected {shape}")
+    return names
+
+
+def image_blocks(ids, image_token_id: int) -> np.ndarray:
+    """ids (B, T) -> (B, T) int32: each run of image tokens its own block number (0, 1, ... per row), -1 for text;
+    the tokens of one block see each other both ways in Gemma 3's text layers (transformers'
+    get_block_sequence_ids_for_mask)."""
+    is_image = np.asarray(ids) == image_token_id
+    starts = is_image & ~np.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)
+
+
+# the vision tower's and projector's module names as LoRA target_modules name them (PEFT's names on Gemma 3)
+VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
+
+
+def vision_targets(targets) -> list:
+    """The LoRA target_modules among `targets` that name the vision tower or the projector."""
+    return [t for t in targets if t in VISION_TARGETS or "vision_tower" in t or "multi_modal_projector" in t]
+
+
+def tower_lora_path(key: str) -> str | None:
+    """A PEFT adapter key on the tower (base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.
+    lora_A.weight, any layout) -> our module path (vision_tower.encoder.layers.0.self_attn.q_proj); None for
+    another key."""
+    module = key.split(".lora_")[0]
+    ours = vision_names([module.removeprefix("base_model.model.")])
+    return next((o for o in ours if o.startswith(TOWER + "encoder.")), None)
+
+
+def tower_lora_key(path: str, which: str) -> str:
+    """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's Gemma3ForConditionalGeneration."""
+    return f"base_model.model.model.{path}.lora_{which}.weight"
+
+
+def tower_target_regex(modules) -> str:
+    """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
+    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's Gemma3ForConditionalGeneration."""
+    return r"model\.vision_tower\.encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules) + ")"
