@@ -53,7 +53,7 @@ def generation_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Message], cha
     return bos + tokenizer.encode(raw_prompt_text(messages))
 
 
-def _in_span(tok_start: int, tok_end: int, start: int, end: int) -> bool:
+def in_span(tok_start: int, tok_end: int, start: int, end: int) -> bool:
     """Whether a token is trained for the char span [start, end): it holds at least one character of it.
     A token straddling the span start (a template whose prompt ends in a space, then " Hi") holds part of
     the answer, so the model must learn to produce it."""
@@ -111,7 +111,7 @@ def _first_marker(text: str, markers: Sequence[str], start: int) -> tuple[int, i
     return best
 
 
-def _assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: str,
+def assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: str,
                      tools: list[dict] | None) -> list[tuple[int, int, int]]:
     """(message index, start, end) of each assistant turn: the char span in `text` (the rendered conversation)
     from where the generation prompt ends through the token that closes the turn (its tool calls included). A turn
@@ -155,7 +155,7 @@ def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message], train_on_la
                   tools: list[dict] | None) -> tuple[list[int], list[int]]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
     last = len(messages) - 1  # the conversation ends with its last answer
-    spans = [(start, end) for i, start, end in _assistant_spans(tokenizer, messages, text, tools)
+    spans = [(start, end) for i, start, end in assistant_spans(tokenizer, messages, text, tools)
              if i == last or not train_on_last_turn]
     ids, offsets = tokenizer.encode_with_offsets(text)
     labels = [IGNORE_INDEX] * len(ids)
@@ -166,7 +166,7 @@ def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message], train_on_la
             k += 1
         if k == len(spans):
             break
-        if _in_span(tok_start, tok_end, spans[k][0], spans[k][1]):
+        if in_span(tok_start, tok_end, spans[k][0], spans[k][1]):
             labels[j] = ids[j]
     return ids, labels
 
@@ -191,7 +191,7 @@ def _raw_example(tokenizer: Tokenizer, messages: Sequence[Message],
         train = not train_on_last_turn or i == last
         ids += chunk_ids
         n = len(prompt + m["content"])
-        labels += [t if train and _in_span(s, e, len(prompt), n) else IGNORE_INDEX
+        labels += [t if train and in_span(s, e, len(prompt), n) else IGNORE_INDEX
                    for t, (s, e) in zip(chunk_ids, offsets)]
         if eos is not None:
             ids.append(eos)

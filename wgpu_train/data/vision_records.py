@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
-from wgpu_train.data.tokenize import _assistant_spans, _in_span
+from wgpu_train.data.tokenize import assistant_spans, in_span
 from wgpu_train.errors import DataError
 from wgpu_train.formats.tokenizer import Tokenizer
 
@@ -97,7 +97,7 @@ def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: 
     last image, or "cut" when the cut falls inside or before one (the row is dropped: an image is never split,
     nor a record's images parted from it); None when no trained token survives."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    spans = [(s, e) for _, s, e in _assistant_spans(tokenizer, messages, text)]
+    spans = [(s, e) for _, s, e in assistant_spans(tokenizer, messages, text, None)]
     boi_at = [i for i in range(len(text)) if text.startswith(span.boi, i)]
     if len(boi_at) != len(images):
         raise DataError(f"the chat template wrote {len(boi_at)} image placeholders for {len(images)} images")
@@ -105,7 +105,7 @@ def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: 
     spans = [(_shifted(s, boi_at, grow), _shifted(e, boi_at, grow)) for s, e in spans]
     ids, offsets = tokenizer.encode_with_offsets(text.replace(span.boi, span.expanded))
     image_ids = {tokenizer.token_to_id(t) for t in (span.boi, span.image, span.eoi)}
-    labels = [t if t not in image_ids and any(_in_span(a, b, s, e) for s, e in spans) else IGNORE_INDEX
+    labels = [t if t not in image_ids and any(in_span(a, b, s, e) for s, e in spans) else IGNORE_INDEX
               for t, (a, b) in zip(ids, offsets)]
     ids, labels = np.asarray(ids, np.int32), np.asarray(labels, np.int64)
     truncated = len(ids) > max_seq_len
