@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-ARCH = {"lfm2": "lfm2", "smollm3": "smollm3", "qwen3_5": "qwen35", "qwen3_next": "qwen3next"}
+ARCH = {"lfm2": "lfm2", "smollm3": "smollm3", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
+        "qwen3_5_moe": "qwen35moe"}
 # Qwen3-Next as llama.cpp runs it: routed experts and a shared expert in every layer
 NEXT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=11, shared_expert_intermediate_size=9,
                 mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
@@ -31,15 +32,19 @@ def _model(root, kind, **changes):
     import transformers as tf
 
     vocab = build_tokenizer(root / "model")
-    cls, kw, targets = CASES[kind]
+    cls, kw, targets = CASES["qwen3_5" if kind == "qwen3_5_moe" else kind]
     kw = {**kw, "vocab_size": vocab, **changes}
     if kind == "qwen3_next":
         kw.update(NEXT_MOE)
+    if kind == "qwen3_5_moe":
+        cls, kw = "Qwen3_5MoeTextConfig", {k: v for k, v in kw.items() if k != "intermediate_size"}
+        kw.update({k: v for k, v in NEXT_MOE.items() if k not in ("mlp_only_layers", "decoder_sparse_step",
+                                                                     "norm_topk_prob")})
     torch.manual_seed(4)
     hf = _randomise(tf.AutoModelForCausalLM.from_config(getattr(tf, cls)(**kw), dtype=torch.float32,
                                                         attn_implementation="eager"))
-    if kind == "qwen3_next":
-        targets = ["in_proj_qkvz", "in_proj_ba", "q_proj"]
+    if kind in ("qwen3_next", "qwen3_5_moe"):
+        targets = ["in_proj_qkvz", "in_proj_ba", "q_proj"] if kind == "qwen3_next" else ["in_proj_qkv", "q_proj"]
     model, adapter, _ = peft_merged(hf, targets, root)
     return model, adapter, hf.config
 
@@ -62,12 +67,20 @@ def _tiled(w, key_heads, per_key, dim, axis=0):
 def _expected(merged, hf_cfg, kind):
     """llama.cpp's tensors of the merged folder by the converter's rules."""
     arch = ARCH[kind]
-    stored = {k: v.astype(np.float32) for k, v in read_safetensors(merged / "model.safetensors").items()}
+    stored = {k.replace("model.language_model.", "model."): v.astype(np.float32)       # a multimodal class's text
+              for k, v in read_safetensors(merged / "model.safetensors").items() if not k.startswith("model.visual.")}
     layers = hf_cfg.num_hidden_layers
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
     want = {}
-    if kind == "qwen3_next":                     # the experts stacked, as for Qwen2-MoE
+    if kind in ("qwen3_next", "qwen3_5_moe"):      # the experts stacked, as for Qwen2-MoE
         for i in range(layers):
+            fused = stored.pop(f"model.layers.{i}.mlp.experts.gate_up_proj", None)
+            if fused is not None:                   # transformers 5's fused layout, gate rows first
+                down = stored.pop(f"model.layers.{i}.mlp.experts.down_proj")
+                half = fused.shape[1] // 2
+                want.update({f"blk.{i}.ffn_gate_exps.weight": fused[:, :half],
+                             f"blk.{i}.ffn_up_exps.weight": fused[:, half:], f"blk.{i}.ffn_down_exps.weight": down})
+                continue
             for proj in ("gate", "up", "down"):
                 keys = [f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight" for e in range(hf_cfg.num_experts)]
                 want[f"blk.{i}.ffn_{proj}_exps.weight"] = np.stack([stored.pop(k) for k in keys])
@@ -78,11 +91,11 @@ def _expected(merged, hf_cfg, kind):
             w = rotary_rows(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         if kind == "lfm2" and name.endswith("conv.conv.weight"):
             w = w[:, 0, :]
-        if kind in ("qwen3_5", "qwen3_next"):
+        if kind in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
             hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                               c.linear_value_head_dim)
             r, keys = hv // hk, 2 * hk * dk
-            if kind == "qwen3_5" and ".linear_attn." in name:
+            if kind != "qwen3_next" and ".linear_attn." in name:
                 if "in_proj_qkv" in name or "conv1d" in name:
                     w = np.concatenate([w[:keys], _tiled(w[keys:], hk, r, dv)])
                 elif "in_proj_z" in name:
@@ -137,7 +150,7 @@ def test_hybrid_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path, kind
             assert list(fields["lfm2.attention.head_count_kv"]) == kv
             assert fields["lfm2.shortconv.l_cache"] == hf_cfg.conv_L_cache
             assert fields["lfm2.feed_forward_length"] == 56
-        if kind in ("qwen3_5", "qwen3_next"):
+        if kind in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
             assert fields[f"{arch}.ssm.conv_kernel"] == hf_cfg.linear_conv_kernel_dim
             assert fields[f"{arch}.ssm.state_size"] == hf_cfg.linear_key_head_dim
             assert fields[f"{arch}.ssm.group_count"] == hf_cfg.linear_num_key_heads
@@ -145,12 +158,35 @@ def test_hybrid_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path, kind
             assert fields[f"{arch}.ssm.inner_size"] == hf_cfg.linear_num_value_heads * hf_cfg.linear_value_head_dim
             assert fields[f"{arch}.full_attention_interval"] == 2
             assert fields[f"{arch}.rope.dimension_count"] == 4        # partial_rotary_factor 0.5 of head_dim 8
-        if kind == "qwen3_5":
-            assert list(fields["qwen35.rope.dimension_sections"]) == [11, 11, 10, 0]
-        if kind == "qwen3_next":
-            assert fields["qwen3next.expert_count"] == 4 and fields["qwen3next.expert_used_count"] == 2
-            assert fields["qwen3next.expert_feed_forward_length"] == 11
-            assert fields["qwen3next.expert_shared_feed_forward_length"] == 9
+        if kind in ("qwen3_5", "qwen3_5_moe"):
+            assert list(fields[f"{arch}.rope.dimension_sections"]) == [11, 11, 10, 0]
+        if kind in ("qwen3_next", "qwen3_5_moe"):
+            assert fields[f"{arch}.expert_count"] == 4 and fields[f"{arch}.expert_used_count"] == 2
+            assert fields[f"{arch}.expert_feed_forward_length"] == 11
+            assert fields[f"{arch}.expert_shared_feed_forward_length"] == 9
+
+
+def test_the_multimodal_qwen3_5_exports_its_language_model(tmp_path):
+    """Qwen3_5ForConditionalGeneration: the GGUF holds its language model as qwen35 (llama.cpp's converter writes the
+    vision tower to a separate mmproj file, which this writer does not), the vision tensors stay in the folder."""
+    import transformers as tf
+
+    vocab = build_tokenizer(tmp_path / "model")
+    torch.manual_seed(6)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=30)
+    text = {**QWEN3_5, "vocab_size": vocab}
+    hf = _randomise(tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision)))
+    regex = r"model\.language_model\.layers\.\d+\.(?:linear_attn\.in_proj_qkv|self_attn\.q_proj)"
+    model, adapter, _ = peft_merged(hf, regex, tmp_path)
+    merged, out = tmp_path / "merged", tmp_path / "mm.gguf"
+    assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(merged),
+                 "--gguf", str(out), "--gguf-type", "f32"]) == 0
+    got, fields, _ = _read(out)
+    want = _expected(merged, hf.config.text_config, "qwen3_5")
+    assert fields["general.architecture"] == "qwen35" and set(got) == set(want)
+    for name, w in want.items():
+        assert np.array_equal(got[name], w), name
+    assert any(k.startswith("model.visual.") for k in read_safetensors(merged / "model.safetensors"))
 
 
 def test_transformers_reads_the_lfm2_gguf_with_the_merged_logits(tmp_path):

@@ -25,8 +25,10 @@ ARCHES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForC
           "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
           "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe", **HYBRID_ARCHES}
 # whether llama.cpp's MoE graph of each architecture divides the top-k weights by their sum (build_moe_ffn's
-# norm_w in its llama, qwen3moe, qwen2moe and olmoe graphs); every layer of these graphs is sparse
-RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "qwen3next": True}
+# norm_w in its llama, qwen3moe, qwen2moe, olmoe, qwen3next and qwen35moe graphs); every layer of these
+# graphs is sparse
+RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "qwen3next": True,
+                "qwen35moe": True}
 ROTARY_ROWS = ("llama", "smollm3")             # the architectures whose q / k rows llama.cpp's converter permutes
 _TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3           # gguf.TokenType values
 Q8_BLOCK = 32                                  # values per q8_0 block (along a row)
@@ -173,7 +175,7 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     if config.moe is not None:
         writer.add_expert_count(config.moe.num_experts)
         writer.add_expert_used_count(config.moe.top_k)
-        if arch in ("qwen2moe", "qwen3moe", "qwen3next"):             # beside the dense MLP's width (feed_forward_length)
+        if arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe"):   # beside the dense MLP's width
             writer.add_expert_feed_forward_length(config.moe.expert_size)
         if config.moe.shared_expert_size:
             writer.add_expert_shared_feed_forward_length(config.moe.shared_expert_size)

@@ -1,6 +1,7 @@
 """GGUF export of the hybrid families as llama.cpp's converter writes them: SmolLM3 (llama.cpp's smollm3: its NoPE
-layers fixed at every fourth), LFM2 (shortconv tensors, per-layer KV head counts, shortconv.l_cache), Qwen3.5 (qwen35)
-and Qwen3-Next (qwen3next) with their Gated DeltaNet ssm_* tensors and full_attention_interval."""
+layers fixed at every fourth), LFM2 (shortconv tensors, per-layer KV head counts, shortconv.l_cache), Qwen3.5 (qwen35,
+and qwen35moe with its experts) and Qwen3-Next (qwen3next) with their Gated DeltaNet ssm_* tensors and
+full_attention_interval."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 
 HYBRID_ARCHES = {"SmolLM3ForCausalLM": "smollm3", "Lfm2ForCausalLM": "lfm2", "Qwen3NextForCausalLM": "qwen3next",
-                 "Qwen3_5ForCausalLM": "qwen35"}
+                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
+DELTANET = ("qwen3next", "qwen35", "qwen35moe")     # llama.cpp's Gated DeltaNet architectures
+TILED_V = ("qwen35", "qwen35moe")                   # those whose converter tiles the value heads
 SMOLLM3_NOPE_STEP = 4            # llama.cpp's smollm3 graph: layer i has no RoPE when (i + 1) % 4 == 0
 QWEN35_MROPE_SECTIONS = [11, 11, 10, 0]   # the converter's default rope.dimension_sections for qwen35
 # llama.cpp tensors its converter keeps in float32 whatever the file type (the convolutions, the routers)
@@ -37,13 +40,11 @@ def check_hybrid(config: ModelConfig, arch: str):
                               f"no_rope_layers are {[int(x) for x in config.rope_layers]}")
     if arch in ("smollm3", "lfm2") and any(config.layer_windows):
         raise ConfigError(f"--gguf: llama.cpp's {arch} has no sliding window; this model uses one")
-    if arch in ("qwen3next", "qwen35"):
+    if arch in DELTANET:
         attention_interval(config)
-    if arch == "qwen3next" and (config.moe is None or not config.moe.shared_expert_size):
-        raise ConfigError("--gguf: llama.cpp's qwen3next has routed experts and a shared expert in every layer; this "
+    if arch in ("qwen3next", "qwen35moe") and (config.moe is None or not config.moe.shared_expert_size):
+        raise ConfigError(f"--gguf: llama.cpp's {arch} has routed experts and a shared expert in every layer; this "
                           "model has " + ("no experts" if config.moe is None else "no shared expert"))
-    if arch == "qwen35" and config.moe is not None:
-        raise ConfigError("--gguf: Qwen3.5 with experts (llama.cpp's qwen35moe) is not exported")
 
 
 def head_count_kv(config: ModelConfig, arch: str):
@@ -63,7 +64,7 @@ def add_hybrid_fields(writer, config: ModelConfig, arch: str):
     """The metadata llama.cpp's converter adds for `arch` beyond a dense model's."""
     if arch == "lfm2":
         writer.add_shortconv_l_cache(config.conv_kernel)
-    if arch in ("qwen3next", "qwen35"):
+    if arch in DELTANET:
         spec = config.linear_attention
         writer.add_ssm_conv_kernel(spec.conv_kernel)
         writer.add_ssm_state_size(spec.key_dim)
@@ -71,7 +72,7 @@ def add_hybrid_fields(writer, config: ModelConfig, arch: str):
         writer.add_ssm_time_step_rank(spec.value_heads)
         writer.add_ssm_inner_size(spec.values)
         writer.add_full_attention_interval(attention_interval(config))
-    if arch == "qwen35":
+    if arch in TILED_V:
         rope = config.raw.get("rope_parameters") or config.raw.get("rope_scaling") or {}
         sections = list(rope.get("mrope_section") or QWEN35_MROPE_SECTIONS)
         writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
@@ -98,11 +99,11 @@ def _split_qkvz(w: np.ndarray, config: ModelConfig) -> tuple:
 
 
 def _linear_attention(w: np.ndarray, leaf: str, config: ModelConfig, arch: str) -> np.ndarray:
-    """One linear-attention tensor as llama.cpp's converter changes it: qwen35 with more value than key heads
+    """One linear-attention tensor as llama.cpp's converter changes it: qwen35(moe) with more value than key heads
     reorders the value heads (tiled_v_heads) in every tensor that has them; A_log becomes ssm_a = -exp(A_log); the
     conv1d weight (C, 1, K) loses its middle axis."""
     spec = config.linear_attention
-    if arch == "qwen35" and spec.value_heads != spec.key_heads:
+    if arch in TILED_V and spec.value_heads != spec.key_heads:
         kh, keys = spec.key_heads, 2 * spec.keys
         if leaf == "in_proj_qkv.weight":
             w = np.concatenate([w[:keys], tiled_v_heads(w[keys:], 0, kh, spec.value_dim)])
@@ -132,7 +133,7 @@ def hybrid_tensors(gguf, names, hf_name: str, w: np.ndarray, config: ModelConfig
         if hf_name.endswith("conv.conv.weight"):
             return [(names.get_name(hf_name, try_suffixes=(".weight",)), w.reshape(w.shape[0], w.shape[-1]))]
         return None
-    if arch not in ("qwen3next", "qwen35"):
+    if arch not in DELTANET:
         return None
     if ".linear_attn." in hf_name:
         leaf = hf_name.split(".linear_attn.", 1)[1]
