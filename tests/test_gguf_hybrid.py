@@ -130,6 +130,8 @@ def _expected(merged, hf_cfg, kind):
 def test_hybrid_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path, kind):
     model, adapter, hf_cfg = _model(tmp_path, kind)
     merged, arch = tmp_path / "merged", ARCH[kind]
+    template = "{% for m in messages[:] %}{{ m['content'] }}{% endfor %}"      # SmolLM3's slice, which the
+    (model / "chat_template.jinja").write_text(template, encoding="utf-8")     # converter drops for llama.cpp
     for dtype in ("f32", "q8_0"):
         out = tmp_path / f"{kind}-{dtype}.gguf"
         assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(merged),
@@ -144,6 +146,7 @@ def test_hybrid_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path, kind
             if name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight", "ffn_gate_inp.weight")):
                 assert types[name] == gguf.GGMLQuantizationType.F32, name     # kept f32, as the converter does
         assert fields["general.architecture"] == arch
+        assert fields["tokenizer.chat_template"] == (template.replace("[:]", "") if kind == "smollm3" else template)
         assert fields[f"{arch}.block_count"] == hf_cfg.num_hidden_layers
         if kind == "lfm2":
             kv = [0 if t == "conv" else hf_cfg.num_key_value_heads for t in hf_cfg.layer_types]
@@ -191,19 +194,21 @@ def test_the_multimodal_qwen3_5_exports_its_language_model(tmp_path):
 
 def test_transformers_reads_the_lfm2_gguf_with_the_merged_logits(tmp_path):
     """transformers' GGUF loader (its lfm2 reader: per-layer KV heads, the conv weight unsqueezed) gives the merged
-    folder's logits from the f32 file."""
+    folder's logits: from the f32 file, and from the f16 one within its rounding."""
     import transformers as tf
 
     model, adapter, _ = _model(tmp_path, "lfm2")
-    merged, out = tmp_path / "merged", tmp_path / "lfm2.gguf"
-    assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(merged),
-                 "--gguf", str(out), "--gguf-type", "f32"]) == 0
+    merged = tmp_path / "merged"
     kw = dict(dtype=torch.float32, attn_implementation="eager")
-    hf = tf.AutoModelForCausalLM.from_pretrained(merged, **kw).eval()
-    from_gguf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, **kw).eval()
     ids = torch.tensor([[1, 5, 9, 2, 7, 11, 3, 4, 30, 8]])
-    with torch.no_grad():
-        assert_close(from_gguf(ids).logits.numpy(), hf(ids).logits.numpy(), "logits_f32", "lfm2 gguf")
+    for gguf_type, tolerance in (("f32", "logits_f32"), ("f16", "gguf_f16_logits")):
+        out = tmp_path / f"lfm2-{gguf_type}.gguf"
+        assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(merged),
+                     "--overwrite", "--gguf", str(out), "--gguf-type", gguf_type]) == 0
+        hf = tf.AutoModelForCausalLM.from_pretrained(merged, **kw).eval()
+        from_gguf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, **kw).eval()
+        with torch.no_grad():
+            assert_close(from_gguf(ids).logits.numpy(), hf(ids).logits.numpy(), tolerance, f"lfm2 {gguf_type}")
 
 
 @pytest.mark.parametrize("kind, changes, match", [

@@ -92,8 +92,8 @@ def _split_qkvz(w: np.ndarray, config: ModelConfig) -> tuple:
     then k, then v) and attn_gate (z)."""
     spec = config.linear_attention
     per_v = spec.value_heads // spec.key_heads * spec.value_dim
-    parts = np.split(w.reshape(spec.key_heads, -1, w.shape[-1]),
-                     np.cumsum([spec.key_dim, spec.key_dim, per_v])[:], axis=1)
+    parts = np.split(w.reshape(spec.key_heads, -1, w.shape[-1]), np.cumsum([spec.key_dim, spec.key_dim, per_v]),
+                     axis=1)
     q, k, v, z = (p.reshape(-1, w.shape[-1]) for p in parts)
     return np.concatenate([q, k, v]), z
 
