@@ -126,7 +126,7 @@ def _gguf_tensors(gguf, names, hf_name: str, value, config: ModelConfig) -> list
     rotary order; any other under gguf's name map."""
     w = np.asarray(value, dtype=np.float32)
     arch = ARCHES[config.architecture]
-    hybrid = hybrid_tensors(gguf, names, hf_name, w, config, arch)
+    hybrid = hybrid_tensors(names, hf_name, w, config, arch)
     if hybrid is not None:
         return hybrid
     if ".mlp.experts." in hf_name:

@@ -122,7 +122,7 @@ def _linear_attention(w: np.ndarray, leaf: str, config: ModelConfig, arch: str) 
     return w
 
 
-def hybrid_tensors(gguf, names, hf_name: str, w: np.ndarray, config: ModelConfig, arch: str) -> list | None:
+def hybrid_tensors(names, hf_name: str, w: np.ndarray, config: ModelConfig, arch: str) -> list | None:
     """[(llama.cpp's name, float32 array)] of one of our tensors where `arch` needs more than a renaming, or None:
     LFM2's conv weight squeezed to (C, K) and its final norm as token_embd_norm; Qwen3.5 / Qwen3-Next's linear
     attention (_linear_attention; dt_bias as ssm_dt.bias; Qwen3-Next's in_proj_qkvz split in two) and every
