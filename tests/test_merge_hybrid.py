@@ -41,27 +41,28 @@ def build_hybrid(kind: str, seed: int = 7):
     return _randomise(tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager"))
 
 
-def peft_merged(hf, targets, root, seed=1):
-    """Save `hf` and a PEFT adapter on `targets` (random B) under root; returns (model, adapter, PEFT's merged
-    model)."""
+def peft_merged(hf, targets, root, seed=1, **lora):
+    """Save `hf` and a PEFT adapter on `targets` (random B; `lora`: more LoraConfig fields) under root; returns
+    (model, adapter, PEFT's merged model)."""
     hf.save_pretrained(root / "model")
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=3, lora_alpha=5,
-                                                                             target_modules=targets)), seed)
+                                                                             target_modules=targets, **lora)), seed)
     pm.save_pretrained(root / "adapter")
     return root / "model", root / "adapter", pm.merge_and_unload().eval()
 
 
-def assert_same_model(merged_folder, want, ids, cls=None):
-    """The merged folder's tensors are `want`'s state dict (within float32 rounding), and its logits equal."""
+def assert_same_model(merged_folder, want, ids, cls=None, **load):
+    """The merged folder holds the tensors `want` (PEFT's merged model) saves, in the same layout, within float32
+    rounding, and gives its logits in transformers."""
     import transformers as tf
     from safetensors.torch import load_file
 
     cls = cls or tf.AutoModelForCausalLM
-    got = cls.from_pretrained(merged_folder, dtype=torch.float32, attn_implementation="eager").eval()
+    got = cls.from_pretrained(merged_folder, dtype=torch.float32, attn_implementation="eager", **load).eval()
+    want.save_pretrained(merged_folder.parent / "peft-merged")
     stored = load_file(str(merged_folder / "model.safetensors"))
-    expected = want.state_dict()
-    tied = getattr(want.config.get_text_config(), "tie_word_embeddings", False)
-    assert set(stored) | ({"lm_head.weight"} if tied else set()) >= {k for k in expected if "rotary" not in k}
+    expected = load_file(str(merged_folder.parent / "peft-merged" / "model.safetensors"))
+    assert set(stored) == set(expected)
     for name, value in stored.items():
         assert_close(value.float().numpy(), expected[name].float().numpy(), "merged_weights", name)
     with torch.no_grad():
@@ -95,3 +96,23 @@ def test_merge_of_the_multimodal_qwen3_5_carries_its_vision_tower(tmp_path):
     assert visual and all(torch.equal(base[k], stored[k]) for k in visual)
     ids = torch.tensor(np.random.default_rng(0).integers(3, 83, (1, 19)))
     assert_same_model(out, want, ids, tf.Qwen3_5ForConditionalGeneration)
+
+
+@pytest.mark.parametrize("cls", ["Qwen3NextConfig", "Qwen3_5MoeTextConfig"])
+def test_merge_with_experts_equals_peft_merge_and_unload(tmp_path, cls):
+    """Qwen3-Next and Qwen3.5-MoE with routed experts and a shared expert: LoRA on both layer kinds and on the
+    experts (PEFT's target_parameters), merged as PEFT merges it."""
+    import transformers as tf
+
+    torch.manual_seed(9)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=11, shared_expert_intermediate_size=9)
+    text = {k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}
+    hf = _randomise(tf.AutoModelForCausalLM.from_config(getattr(tf, cls)(**text, **experts), dtype=torch.float32,
+                                                        attn_implementation="eager", experts_implementation="eager"))
+    targets = ["in_proj_qkvz" if cls == "Qwen3NextConfig" else "in_proj_qkv", "q_proj"]
+    model, adapter, want = peft_merged(hf, targets, tmp_path,
+                                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    out = tmp_path / "merged"
+    assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(out)]) == 0
+    ids = torch.tensor(np.random.default_rng(0).integers(3, 83, (1, 19)))
+    assert_same_model(out, want, ids, experts_implementation="eager")
