@@ -102,8 +102,9 @@ def register(sub):
                         "merge_and_unload keeps the model's dtype (default: auto)")
     p.add_argument("--gguf", default=None, metavar="FILE",
                    help="also write the merged model as one GGUF file for llama.cpp / Ollama (Llama, Mistral, Qwen2, "
-                        "Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; byte-level BPE "
-                        "tokenizers), tokenizer and chat template included; needs pip install 'wgpu-train[gguf]'")
+                        "Qwen3, the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, and the hybrid SmolLM3, "
+                        "LFM2, Qwen3.5, Qwen3.5-MoE, Qwen3-Next; byte-level BPE tokenizers), tokenizer and chat "
+                        "template included; needs pip install 'wgpu-train[gguf]'")
     p.add_argument("--gguf-type", default="f16", choices=("f32", "f16", "q8_0"),
                    help="storage of the GGUF's matrices (default: f16; norms and biases stay f32), whatever --dtype")
     p.set_defaults(func=cmd_merge)

@@ -4,7 +4,8 @@ rotary order), the model's hyper-parameters, its byte-level BPE tokenizer and ch
 f16 or q8_0 (1-D tensors stay f32, and q8_0 keeps rows that are no whole number of blocks in f16, as
 llama.cpp's converter does). Mixtures of experts as llama.cpp's qwen3moe, qwen2moe (its shared expert), olmoe and
 Mixtral as llama: each layer's experts as stacked (E, rows, cols) tensors (ffn_gate_exps / ffn_up_exps /
-ffn_down_exps), the router as ffn_gate_inp, expert_count / expert_used_count and the expert widths."""
+ffn_down_exps), the router as ffn_gate_inp, expert_count / expert_used_count and the expert widths. The hybrid
+families (SmolLM3, LFM2, Qwen3.5, Qwen3-Next) as gguf_hybrid says."""
 
 from __future__ import annotations
 
@@ -15,15 +16,20 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import ConfigError
+from wgpu_train.models.gguf_hybrid import (F32_SUFFIXES, HYBRID_ARCHES, add_hybrid_fields, check_hybrid,
+                                           head_count_kv, hybrid_tensors, rope_dimension_count)
 
 TYPES = ("f32", "f16", "q8_0")
 # Hugging Face architecture -> llama.cpp's (Mistral runs as llama there)
 ARCHES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
           "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
-          "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe"}
+          "Qwen3MoeForCausalLM": "qwen3moe", "OlmoeForCausalLM": "olmoe", **HYBRID_ARCHES}
 # whether llama.cpp's MoE graph of each architecture divides the top-k weights by their sum (build_moe_ffn's
-# norm_w in its llama, qwen3moe, qwen2moe and olmoe graphs); every layer of these graphs is sparse
-RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+# norm_w in its llama, qwen3moe, qwen2moe, olmoe, qwen3next and qwen35moe graphs); every layer of these
+# graphs is sparse
+RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "qwen3next": True,
+                "qwen35moe": True}
+ROTARY_ROWS = ("llama", "smollm3")             # the architectures whose q / k rows llama.cpp's converter permutes
 _TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3           # gguf.TokenType values
 Q8_BLOCK = 32                                  # values per q8_0 block (along a row)
 
@@ -55,6 +61,7 @@ def check(config: ModelConfig, dtype: str):
         raise ConfigError(f"--gguf: rope_scaling {config.rope_scaling.get('rope_type', config.rope_scaling)} is "
                           "not exported")
     moe, arch = config.moe, ARCHES[config.architecture]
+    check_hybrid(config, arch)
     if moe is not None:
         dense = [i for i in range(config.num_hidden_layers) if not moe.is_sparse(i)]
         if dense:
@@ -119,6 +126,9 @@ def _gguf_tensors(gguf, names, hf_name: str, value, config: ModelConfig) -> list
     rotary order; any other under gguf's name map."""
     w = np.asarray(value, dtype=np.float32)
     arch = ARCHES[config.architecture]
+    hybrid = hybrid_tensors(names, hf_name, w, config, arch)
+    if hybrid is not None:
+        return hybrid
     if ".mlp.experts." in hf_name:
         layer = int(hf_name.split(".")[2])
         gate, up, down = (gguf.TENSOR_NAMES[t].format(bid=layer) + ".weight" for t in (
@@ -132,9 +142,9 @@ def _gguf_tensors(gguf, names, hf_name: str, value, config: ModelConfig) -> list
         raise ConfigError(f"--gguf: no llama.cpp name for tensor {hf_name}")
     if hf_name.endswith("shared_expert_gate.weight"):
         w = w.reshape(-1)
-    elif arch == "llama" and hf_name.endswith("q_proj.weight"):
+    elif arch in ROTARY_ROWS and hf_name.endswith("q_proj.weight"):
         w = rotary_rows(w, config.num_attention_heads)
-    elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+    elif arch in ROTARY_ROWS and hf_name.endswith("k_proj.weight"):
         w = rotary_rows(w, config.num_key_value_heads)
     return [(gname, w)]
 
@@ -155,20 +165,21 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(head_count_kv(config, arch))
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(rope_dimension_count(config))
     writer.add_rope_freq_base(float(config.rope_theta))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
     if config.moe is not None:
         writer.add_expert_count(config.moe.num_experts)
         writer.add_expert_used_count(config.moe.top_k)
-        if arch in ("qwen2moe", "qwen3moe"):             # beside the dense MLP's width (feed_forward_length)
+        if arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe"):   # beside the dense MLP's width
             writer.add_expert_feed_forward_length(config.moe.expert_size)
         if config.moe.shared_expert_size:
             writer.add_expert_shared_feed_forward_length(config.moe.shared_expert_size)
+    add_hybrid_fields(writer, config, arch)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     writer.add_tokenizer_model("gpt2")
@@ -180,8 +191,8 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
                        ("pad", writer.add_pad_token_id)):
         if tok[key] is not None:
             adder(tok[key])
-    if tok["template"]:
-        writer.add_chat_template(tok["template"])
+    if tok["template"]:                        # llama.cpp's converter drops SmolLM3's "[:]", which its Jinja lacks
+        writer.add_chat_template(tok["template"].replace("[:]", "") if arch == "smollm3" else tok["template"])
 
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     tensors = dict(weights)
@@ -189,7 +200,7 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     for hf_name, value in tensors.items():
         for gname, w in _gguf_tensors(gguf, names, hf_name, value, config):
-            if w.ndim == 1 or dtype == "f32":
+            if w.ndim == 1 or dtype == "f32" or gname.endswith(F32_SUFFIXES):
                 writer.add_tensor(gname, w)
             elif dtype == "f16" or w.shape[-1] % Q8_BLOCK:   # rows that do not split into q8_0 blocks: f16, as
                 writer.add_tensor(gname, w.astype(np.float16))  # llama.cpp's converter does
