@@ -56,8 +56,8 @@ def test_one_engine_importing_the_other_breaks_their_independence(tmp_path):
 @pytest.mark.parametrize("module", ["training/trainer.py", "cli/main.py", "__init__.py"])
 def test_reaching_past_the_facade_breaks_the_engine_internals_contract(tmp_path, module):
     out = violated(tmp_path, module, "from wgpu_train.engines.webgpu.memory import head_rows  # past the facade")
-    assert "Above engines/, an engine is reached through loading, model, generate, backend_choice, resources, " \
-           "protocol and shared/ (bench/ alone measures its kernels) BROKEN" in out
+    assert "Above engines/, an engine is reached through loading, vision_model, model, generate, backend_choice, " \
+           "resources, protocol and shared/ (bench/ alone measures its kernels) BROKEN" in out
     importer = "wgpu_train" + ("" if module == "__init__.py" else "." + module[:-3].replace("/", "."))
     assert f"{importer} is not allowed to import wgpu_train.engines.webgpu.memory" in out
 

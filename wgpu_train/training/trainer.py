@@ -24,6 +24,7 @@ from wgpu_train.training.checkpoint import list_checkpoints
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.evaluate import engine_batch, evaluate_loss, exact_match
 from wgpu_train.training.metrics import Window, fmt, num
+from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.run_files import RunFiles
 from wgpu_train.training.summary import run_summary
 from wgpu_train.training.run_folder import resolve_run
@@ -224,7 +225,7 @@ class Trainer:
 
         cfg = self.config
         coef = router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)
-        if coef and cfg.objective != "sft":       # the preference and GRPO steps do not add it to their loss
+        if coef and not objective_class(cfg.objective).adds_router_aux_loss:
             raise ConfigError(f"the router's aux loss (router_aux_loss_coef {coef:g}) is trained with sft only for "
                               f"now, not {cfg.objective}; pass --router-aux-loss-coef 0 (as TRL's trainer with "
                               f"router_aux_loss_coef=0, which its {cfg.objective} adds by default on an MoE model)")

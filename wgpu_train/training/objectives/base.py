@@ -32,6 +32,7 @@ class Objective:
     uses_reference: ClassVar[bool] = False   # scores a reference model (DPO, KTO)
     length_normalised: ClassVar[bool] = False   # reads average (per token) log-probabilities (SimPO, ORPO)
     trains_prompt: ClassVar[bool] = False    # adds an NLL term over the chosen rows, prompt included (ORPO)
+    adds_router_aux_loss: ClassVar[bool] = False   # adds an MoE router's load-balancing loss to its own (SFT)
     options: ClassVar[tuple[str, ...]] = ()  # the TrainConfig fields it reads (preference: PreferenceSettings too)
 
     @classmethod

@@ -11,3 +11,4 @@ class SFT(Objective):
     name = "sft"
     data = DataKind.SFT
     trainer = TrainerKind.SUPERVISED
+    adds_router_aux_loss = True
