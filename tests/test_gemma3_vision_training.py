@@ -414,6 +414,20 @@ def test_hub_layout_checkpoint_reads_the_same(vlm, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
 
 
+def test_loading_reads_only_the_tower_and_projector_again(vlm, monkeypatch):
+    """The language model loads through load_model; the vision loader reads only the tower's and projector's
+    tensors from the files (not the whole checkpoint again as float32)."""
+    from wgpu_train.engines import vision_model
+    from wgpu_train.models.vision import vision_names
+
+    _, folder, _ = vlm
+    read, real = [], vision_model.read_safetensors
+    monkeypatch.setattr(vision_model, "read_safetensors", lambda f, names=None: read.extend(real(f, names)) or
+                        real(f, names))
+    load_vision_model(folder)
+    assert read and set(read) == set(vision_names(read).values())
+
+
 def test_three_steps_equal_trl_sft_trainer_with_images(chat_vlm, tmp_path):
     """TRL 1.16's SFTTrainer on vision records (its vision collator: the processor's ids, pixel_values and
     token_type_ids, labels on every real token) from the same PEFT adapter: three steps of ours on the same rows
