@@ -356,7 +356,7 @@ def write_vision_data(folder, records):
     return folder / "train.jsonl"
 
 
-def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
+def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
     """`finetune --data` of TRL's vision records (image paths beside the file): the adapter it writes loads in
     PEFT; bad input is one line and exit 2."""
     import json
@@ -372,13 +372,31 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
     assert summary["steps"] == 3 and summary["images"] == 3 and summary["examples"] == 3
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run")
     assert any(np.abs(p.detach().numpy()).max() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
+    recorded = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert recorded["base_dtype"] == "auto" and recorded["data"] == str(data) and recorded["lr"] == 1e-2
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    # --overwrite: an earlier run's checkpoints and rows go; a warmup past the run is shortened, as in text runs
+    stale = tmp_path / "run" / "checkpoints" / "step-000009"
+    stale.mkdir(parents=True)
+    (stale / "trainer_state.json").write_text("{}")
+    with caplog.at_level("INFO", logger="wgpu_train"):
+        assert main(args[:-1] + ["--max-steps", "2", "--warmup-steps", "5", "--out", str(tmp_path / "run"),
+                                 "--overwrite", "--no-progress"]) == 0
+    assert "warming up over 1" in caplog.text
     capsys.readouterr()
+    assert not stale.exists() and len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["warmup_steps"] == 5
     bad = tmp_path / "bad"
     rows = vision_records()
     rows[1]["images"] = rows[1]["images"] * 2
     cases = [(write_vision_data(bad / "count", rows), [], "record 1: 1 image placeholders for 2 images"),
              (data, ["--max-seq-len", "3"], "every row's image tokens run past --max-seq-len 3"),
              (data, ["--pack"], "--pack is not supported with images yet"),
+             (data, ["--eval-every", "1"], "--eval-every is not supported with images yet"),
+             (data, ["--save-every", "1"], "--save-every is not supported with images yet"),
+             (data, ["--valid-split", "0.5"], "--valid-split is not supported with images yet"),
+             (data, ["--early-stop-patience", "1"], "--early-stop-patience is not supported with images yet"),
+             (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
              (data, ["--backend", "wgpu"], "images train on the NumPy engine only for now")]
     (tmp_path / "data" / "1_0.png").write_bytes(b"broken")
     cases.append((data, [], "cannot decode the image"))
