@@ -124,6 +124,24 @@ def test_a_row_cut_inside_an_image_is_dropped_with_a_count(chat_vlm):
     assert one[1] == ["a.png"]
 
 
+def test_vision_records_refuse_tools_in_one_line():
+    """A vision record's tools column, an assistant's tool_calls and a tool result are refused (not dropped
+    silently); a bad role's message names every role, tool too."""
+    from wgpu_train.data.vision_records import vision_messages
+
+    rec = vision_records()[1]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": {}}}]}
+    cases = [({**rec, "tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools" column'),
+             ({**rec, "messages": rec["messages"] + [call]}, "tool calls and tool results are not supported"),
+             ({**rec, "messages": rec["messages"] + [{"role": "tool", "content": "4"}]}, "tool results"),
+             ({**rec, "messages": [{"role": "robot", "content": "x"}]}, "system, user, assistant or tool")]
+    for record, message in cases:
+        with pytest.raises(DataError, match=message) as err:
+            vision_messages(record)
+        assert "\n" not in str(err.value)
+
+
 def test_train_step_with_images_gives_pefts_gradients(chat_vlm, tmp_path):
     """One step over two micro-batches of records with images (one without): the token-weighted LoRA gradients
     equal PEFT's over the whole batch, and an optimizer step moves the adapter."""
