@@ -416,6 +416,9 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
              (data, ["--early-stop-patience", "1"], "--early-stop-patience is not supported with images yet"),
              (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
              (data, ["--backend", "wgpu"], "images train on the NumPy engine only for now")]
+    (tmp_path / "folder").mkdir()          # a folder of vision records goes to the text reader, which says why
+    (tmp_path / "folder" / "train.jsonl").write_text(data.read_text())
+    cases.append((tmp_path / "folder", [], "images train from one local .json/.jsonl file"))
     (tmp_path / "data" / "1_0.png").write_bytes(b"broken")
     cases.append((data, [], "cannot decode the image"))
     for path, extra, message in cases:
