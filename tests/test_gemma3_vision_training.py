@@ -124,6 +124,24 @@ def test_a_row_cut_inside_an_image_is_dropped_with_a_count(chat_vlm):
     assert one[1] == ["a.png"]
 
 
+def test_vision_records_refuse_tools_in_one_line():
+    """A vision record's tools column, an assistant's tool_calls and a tool result are refused (not dropped
+    silently); a bad role's message names every role, tool too."""
+    from wgpu_train.data.vision_records import vision_messages
+
+    rec = vision_records()[1]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": {}}}]}
+    cases = [({**rec, "tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools" column'),
+             ({**rec, "messages": rec["messages"] + [call]}, "tool calls and tool results are not supported"),
+             ({**rec, "messages": rec["messages"] + [{"role": "tool", "content": "4"}]}, "tool results"),
+             ({**rec, "messages": [{"role": "robot", "content": "x"}]}, "system, user, assistant or tool")]
+    for record, message in cases:
+        with pytest.raises(DataError, match=message) as err:
+            vision_messages(record)
+        assert "\n" not in str(err.value)
+
+
 def test_train_step_with_images_gives_pefts_gradients(chat_vlm, tmp_path):
     """One step over two micro-batches of records with images (one without): the token-weighted LoRA gradients
     equal PEFT's over the whole batch, and an optimizer step moves the adapter."""
@@ -356,7 +374,7 @@ def write_vision_data(folder, records):
     return folder / "train.jsonl"
 
 
-def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
+def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
     """`finetune --data` of TRL's vision records (image paths beside the file): the adapter it writes loads in
     PEFT; bad input is one line and exit 2."""
     import json
@@ -372,14 +390,35 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys):
     assert summary["steps"] == 3 and summary["images"] == 3 and summary["examples"] == 3
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run")
     assert any(np.abs(p.detach().numpy()).max() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
+    recorded = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert recorded["base_dtype"] == "auto" and recorded["data"] == str(data) and recorded["lr"] == 1e-2
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    # --overwrite: an earlier run's checkpoints and rows go; a warmup past the run is shortened, as in text runs
+    stale = tmp_path / "run" / "checkpoints" / "step-000009"
+    stale.mkdir(parents=True)
+    (stale / "trainer_state.json").write_text("{}")
+    with caplog.at_level("INFO", logger="wgpu_train"):
+        assert main(args[:-1] + ["--max-steps", "2", "--warmup-steps", "5", "--out", str(tmp_path / "run"),
+                                 "--overwrite", "--no-progress"]) == 0
+    assert "warming up over 1" in caplog.text
     capsys.readouterr()
+    assert not stale.exists() and len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["warmup_steps"] == 5
     bad = tmp_path / "bad"
     rows = vision_records()
     rows[1]["images"] = rows[1]["images"] * 2
     cases = [(write_vision_data(bad / "count", rows), [], "record 1: 1 image placeholders for 2 images"),
              (data, ["--max-seq-len", "3"], "every row's image tokens run past --max-seq-len 3"),
              (data, ["--pack"], "--pack is not supported with images yet"),
+             (data, ["--eval-every", "1"], "--eval-every is not supported with images yet"),
+             (data, ["--save-every", "1"], "--save-every is not supported with images yet"),
+             (data, ["--valid-split", "0.5"], "--valid-split is not supported with images yet"),
+             (data, ["--early-stop-patience", "1"], "--early-stop-patience is not supported with images yet"),
+             (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
              (data, ["--backend", "wgpu"], "images train on the NumPy engine only for now")]
+    (tmp_path / "folder").mkdir()          # a folder of vision records goes to the text reader, which says why
+    (tmp_path / "folder" / "train.jsonl").write_text(data.read_text())
+    cases.append((tmp_path / "folder", [], "images train from one local .json/.jsonl file"))
     (tmp_path / "data" / "1_0.png").write_bytes(b"broken")
     cases.append((data, [], "cannot decode the image"))
     for path, extra, message in cases:
@@ -412,6 +451,20 @@ def test_hub_layout_checkpoint_reads_the_same(vlm, tmp_path):
     with pytest.raises(ModelFileError, match="missing the vision tensor vision_tower.post_layernorm.weight"):
         load_vision_model(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+
+
+def test_loading_reads_only_the_tower_and_projector_again(vlm, monkeypatch):
+    """The language model loads through load_model; the vision loader reads only the tower's and projector's
+    tensors from the files (not the whole checkpoint again as float32)."""
+    from wgpu_train.engines import vision_model
+    from wgpu_train.models.vision import vision_names
+
+    _, folder, _ = vlm
+    read, real = [], vision_model.read_safetensors
+    monkeypatch.setattr(vision_model, "read_safetensors", lambda f, names=None: read.extend(real(f, names)) or
+                        real(f, names))
+    load_vision_model(folder)
+    assert read and set(read) == set(vision_names(read).values())
 
 
 def test_three_steps_equal_trl_sft_trainer_with_images(chat_vlm, tmp_path):

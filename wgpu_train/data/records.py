@@ -123,6 +123,9 @@ def _message_content(m: dict, key: str, k: int) -> str:
     texts = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":     # vision records are recognised in one local file only (training/vision_trainer)
+            raise BadRecord(f"message {k} has an image part; images train from one local .json/.jsonl file whose "
+                            f"first record has an images column (not a folder, glob or hub dataset yet)")
         if kind != "text":
             what = f"type {kind!r}" if kind is not None else "no type"
             raise BadRecord(f"message {k} has a content part of {what}; only text parts are supported")

@@ -54,17 +54,23 @@ class VisionExample:
 def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
     """A TRL vision record ({"messages": [...], "images": [...]}, or one "image") -> (messages for the chat
     template, images): text-only assistant turns as strings, user turns keeping their parts; a count of image
-    parts that is not the images' refused in one line."""
+    parts that is not the images', a tools column, tool calls and tool results refused in one line."""
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
         raise DataError(f'{where}: a vision record needs a non-empty "messages" list')
     images = obj.get("images", [obj["image"]] if obj.get("image") is not None else []) or []
     if not isinstance(images, list):       # TRL also reads a single `image` column
         images = [images]
+    if obj.get("tools"):
+        raise DataError(f'{where}: a "tools" column is not supported in records with images yet')
     out, n_parts = [], 0
     for k, m in enumerate(obj["messages"]):
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
         if role not in ROLES:
-            raise DataError(f"{where}: message {k} has role {role!r}; roles must be system, user or assistant")
+            raise DataError(f"{where}: message {k} has role {role!r}; roles must be {', '.join(ROLES[:-1])} or "
+                            f"{ROLES[-1]}")
+        if role == "tool" or m.get("tool_calls"):
+            raise DataError(f"{where}: message {k}: tool calls and tool results are not supported in records "
+                            f"with images yet")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue

@@ -24,9 +24,9 @@ from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
-from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
+from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
 from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
-                                      tower_lora_path, tower_target_regex)
+                                      tower_lora_path, tower_target_regex, vision_names)
 from wgpu_train.models.weights import weight_files
 
 
@@ -258,9 +258,9 @@ def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     raw = json.loads((folder / "config.json").read_text())
     vision = VisionConfig.from_config(raw, str(folder / "config.json"))
     model = load_model(folder, backend=backend, **kw)
-    tensors = {}
+    tensors = {}                # the tower's and projector's tensors alone, not the language model's again
     for f in weight_files(folder):
-        tensors.update(read_safetensors(f))
+        tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))
     names = check_vision_tensors(tensors, vision, folder)
     tower = VisionTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
     return VisionModel(model, tower, vision, ImageSettings.from_folder(folder, vision.image_size))

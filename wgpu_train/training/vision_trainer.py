@@ -1,9 +1,11 @@
 """`finetune` on images (Gemma 3, the NumPy engine): TRL's vision records read from a JSONL file (image paths
 relative to it), LoRA on the language model trained with the tower frozen, in rows of whole records (no packing),
-the adapter and a summary written. The text trainer's other features (resume, validation, packing, the other
-objectives) are refused in one line for now."""
+train_config.json, metrics.jsonl, the adapter and a summary written. Only the TrainConfig fields in HONOURED are
+used; any other set away from its default (validation, checkpoints, resume, packing, the other objectives) is
+refused in one line for now."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -17,17 +19,18 @@ from wgpu_train.engines.vision_model import load_vision_model
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.config import TrainConfig
+from wgpu_train.training.run_files import RunFiles
 from wgpu_train.training.run_folder import resolve_run
 from wgpu_train.training.schedule import LRSchedule
 
 log = logging.getLogger("wgpu_train")
 
-# what a run with images leaves as TrainConfig's defaults for now: field -> the flag that sets it
-_UNSUPPORTED = {"resume": "--resume", "pack": "--pack", "num_workers": "--num-workers", "method": "--method",
-                "dora": "--dora", "modules_to_save": "--modules-to-save", "adapter_path": "--adapter-path",
-                "no_chat_template": "--no-chat-template", "max_tokens_per_batch": "--max-tokens-per-batch",
-                "gradient_checkpointing": "--gradient-checkpointing", "objective": "--objective",
-                "pipeline_stages": "--pipeline-stages", "report_to": "--report-to"}
+# the TrainConfig fields a run with images uses; any other must keep its default (docs/guides/vision.md lists them)
+HONOURED = ("model", "data", "out", "overwrite", "backend", "base_dtype", "embed_dtype", "precision", "lora_rank",
+            "lora_alpha", "lora_dropout", "lora_targets", "rslora", "loraplus_lr_ratio", "lora_layers",
+            "lora_rank_pattern", "lora_alpha_pattern", "epochs", "max_steps", "batch_size", "grad_accum", "lr",
+            "lr_schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "max_grad_norm",
+            "max_seq_len", "seed", "no_progress", "log_every")
 
 
 def is_vision_data(path) -> bool:
@@ -65,9 +68,10 @@ def read_vision_records(path) -> list[dict]:
 
 def _check_config(config: TrainConfig):
     defaults = TrainConfig()
-    for field, flag in _UNSUPPORTED.items():
-        if getattr(config, field, None) != getattr(defaults, field, None):
-            raise ConfigError(f"{flag} is not supported with images yet")
+    for field in dataclasses.fields(TrainConfig):
+        if field.name not in HONOURED and getattr(config, field.name) != getattr(defaults, field.name):
+            raise ConfigError(f"--{field.name.replace('_', '-')} is not supported with images yet (they take only "
+                              f"the options docs/guides/vision.md lists)")
     if config.backend not in ("auto", "numpy"):
         raise ConfigError(f"images train on the NumPy engine only for now (--backend numpy), not {config.backend}")
 
@@ -95,26 +99,45 @@ def finetune_vision(config: TrainConfig) -> dict:
     log.info("wgpu-train: %d records with %d images on the NumPy engine (the WebGPU engine does not run images "
              "yet)", stats.n_examples, sum(len(e.images) for e in examples))
     vm.model.add_lora(config.lora_config(vm.model.config.num_hidden_layers), seed=config.seed)
+    files = RunFiles(folders, True, lambda line: log.info("wgpu-train: %s", line))
+    files.prepare(config.to_dict() | dict(out=str(folders.out), data=str(config.data), data_format="vision"), False)
+    files.open("none", config.to_dict(), None)
+    try:
+        summary = _train(config, vm, examples, stats, files)
+    except BaseException:
+        files.discard()
+        raise
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    files.write_outputs(vm, "lora", summary, None)
+    files.close()
+    return summary
+
+
+def _train(config: TrainConfig, vm, examples, stats, files: RunFiles) -> dict:
+    """The steps of the run, each a row of metrics.jsonl; the summary (its time left to the caller)."""
     rng = np.random.default_rng(config.seed)
     per_step = config.batch_size * config.grad_accum
     steps = config.max_steps or config.epochs * math.ceil(len(examples) / per_step)
-    schedule = LRSchedule(config.lr, config.lr_schedule, config.warmup_steps, steps)
+    warmup = config.warmup_steps
+    if warmup and warmup >= steps:         # as the text trainer: the last step trains at --lr
+        warmup = steps - 1
+        log.info("wgpu-train: warmup_steps %d is not below the run's %d steps: warming up over %d, so that the "
+                 "last step trains at --lr", config.warmup_steps, steps, warmup)
+    schedule = LRSchedule(config.lr, config.lr_schedule, warmup, steps)
     order, losses = [], []
     for step in range(1, steps + 1):
         while len(order) < per_step:
             order += list(rng.permutation(len(examples)))
         rows, order = [examples[i] for i in order[:per_step]], order[per_step:]
         micro = [rows[i:i + config.batch_size] for i in range(0, per_step, config.batch_size)]
-        loss_sum, count, norm, _ = vm.train_step(micro, config.optimizer_params(schedule.lr_at(step)), step)
+        lr = schedule.lr_at(step)
+        loss_sum, count, norm, _ = vm.train_step(micro, config.optimizer_params(lr), step)
         losses.append(loss_sum / max(count, 1))
+        files.write_row({"step": step, "epoch": step * per_step / len(examples), "loss": float(losses[-1]),
+                         "lr": lr, "grad_norm": float(norm), "tokens": int(count)})
         if step % config.log_every == 0 or step in (1, steps):
-            log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e", step, steps, losses[-1], norm,
-                     schedule.lr_at(step))
-    vm.save_adapter(folders.out)
-    summary = {"method": "lora", "steps": steps, "examples": stats.n_examples,
-               "rows_cut_in_image": stats.n_cut_in_image,
-               "rows_dropped": stats.n_dropped, "rows_truncated": stats.n_truncated, "first_loss": losses[0],
-               "last_loss": losses[-1], "images": sum(len(e.images) for e in examples),
-               "seconds": round(time.perf_counter() - started, 3), "output": str(folders.out)}
-    (folders.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+            log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e", step, steps, losses[-1], norm, lr)
+    return {"method": "lora", "steps": steps, "examples": stats.n_examples,
+            "rows_cut_in_image": stats.n_cut_in_image,
+            "rows_dropped": stats.n_dropped, "rows_truncated": stats.n_truncated, "first_loss": losses[0],
+            "last_loss": losses[-1], "images": sum(len(e.images) for e in examples), "output": str(files.out)}
