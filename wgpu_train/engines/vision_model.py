@@ -143,6 +143,12 @@ class VisionModel:
             ids[ids == self.vision.image_token_id] = 0
         return ids
 
+    def prompt_images(self, ids, images) -> tuple:
+        """One prompt's ids (T,) and its images (as pixel_values takes them) -> (its ids as the engine takes them
+        (T,), the ImageTokens of the prompt as one row (1, T)): the tower's forward, once, for a prefill."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        return self._text_ids(ids)[0], self.image_tokens(ids, images)
+
     def _with_images(self, ids, images, call, cache=None):
         ids = np.atleast_2d(np.asarray(ids))
         self.model.engine.set_images(self.image_tokens(ids, images, cache))
@@ -254,10 +260,15 @@ class VisionModel:
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     """A Gemma3ForConditionalGeneration folder with its vision tower and projector (float32); `kw` as
     load_model's. The processor's preprocessor_config.json gives the image preprocessing where the folder has it."""
+    return attach_vision(load_model(path, backend=backend, **kw), path)
+
+
+def attach_vision(model: Model, path) -> VisionModel:
+    """The VisionModel of a language model loaded already from the Gemma3ForConditionalGeneration folder `path`:
+    its vision tower and projector read from the folder's weights beside it."""
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())
     vision = VisionConfig.from_config(raw, str(folder / "config.json"))
-    model = load_model(folder, backend=backend, **kw)
     tensors = {}
     for f in weight_files(folder):
         tensors.update(read_safetensors(f))
