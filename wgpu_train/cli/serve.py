@@ -92,26 +92,14 @@ def _load(args, specs, folders, model_dir, base_name, stages):
         if args.max_model_len is not None and args.max_model_len > positions:
             raise ConfigError(f"--max-model-len {args.max_model_len}: the model has {positions} positions "
                               f"(max_position_embeddings)")
-        vision = _vision(model, model_dir)
+        from wgpu_train.cli.vision import vision_of
+
+        vision = vision_of(model, model_dir)
     except BaseException:
         close_stages(model)
         raise
     return Scheduler(model, registry, tok, args.max_queue, args.max_batch,
                      args.max_model_len or min(positions, DEFAULT_CONTEXT), vision)
-
-
-def _vision(model, model_dir):
-    """The model's VisionModel (its vision tower and projector read) where the folder is a vision-language model
-    served on the NumPy engine, else None (its chat requests with images get a 400)."""
-    import json
-    from pathlib import Path
-
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    if not raw.get("vision_config") or not hasattr(model.engine, "set_images"):
-        return None
-    from wgpu_train.engines.vision_model import attach_vision
-
-    return attach_vision(model, model_dir)
 
 
 def register(sub):

@@ -233,9 +233,10 @@ class VisionModel:
         self.tower_optimizer.apply_update(norm, *args)
         return loss_sum, total, norm, applied
 
-    def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
+    def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=(), on_token=None) -> list[int]:
         """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
-        in one call (each image whole, its block bidirectional), then a token a call."""
+        in one call (each image whole, its block bidirectional), then a token a call; on_token(id), when given,
+        called with each as it comes."""
         ids = np.asarray(input_ids).reshape(-1)
         engine, n = self.model.engine, len(ids)
         kv = engine.new_kv_cache(1, n + max_new_tokens)
@@ -249,6 +250,8 @@ class VisionModel:
         for step in range(max_new_tokens):
             nxt = int(np.argmax(logits[0]))
             out.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
             if nxt in stop_token_ids or step == max_new_tokens - 1:
                 break
             logits = engine.forward_rows(np.array([nxt]), np.zeros(1, np.int32), np.array([n + step], np.int32), kv,
