@@ -157,3 +157,27 @@ def tower_target_regex(modules) -> str:
     """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
     (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's Gemma3ForConditionalGeneration."""
     return r"model\.vision_tower\.encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules) + ")"
+
+
+def tower_parameters(vc: VisionConfig) -> int:
+    """The vision tower's and the projector's weights, counted: SigLIP's patch embedding (a convolution with its
+    bias), position embeddings, encoder layers (two layer norms, q/k/v/out and fc1/fc2 with biases) and final
+    norm; the projector's soft-embedding norm and projection."""
+    h, i = vc.hidden_size, vc.intermediate_size
+    patches = (vc.image_size // vc.patch_size) ** 2
+    layer = 4 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)
+    return (vc.num_channels * vc.patch_size ** 2 * h + h + patches * h + vc.num_layers * layer + 2 * h
+            + h + h * vc.text_hidden_size)
+
+
+def tower_activation_values(vc: VisionConfig, images: int, trained: bool) -> int:
+    """Values the tower's forward over `images` images holds at its peak: a layer's (the residual, its norm, q, k,
+    v, the attention's output, fc1's output and its activation, and the attention probabilities twice, as the
+    NumPy tower computes them) when frozen; with LoRA on the tower (trained), every layer's, kept for the
+    backward (the probabilities recomputed from their log-sum-exp, one layer's at a time), and the projector's
+    pooled tokens and output."""
+    p, h, i, heads = (vc.image_size // vc.patch_size) ** 2, vc.hidden_size, vc.intermediate_size, vc.num_heads
+    layer = p * (7 * h + 2 * i)
+    probs = 2 * heads * p * p
+    held = vc.num_layers * (layer + heads * p) + probs if trained else layer + probs
+    return images * (held + vc.mm_tokens_per_image * (h + vc.text_hidden_size))
