@@ -83,6 +83,10 @@ def test_an_image_answer_equals_generate_image(served, client, capsys):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(served.paths[0])}},
                                      {"type": "text", "text": QUESTION}]}])
     assert r.usage.prompt_tokens > 4 + 2        # the image's 4 tokens and its begin / end markers at least
+    chunks = client.chat.completions.create(model="default", max_tokens=5, temperature=0, stream=True, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(served.paths[1])}},
+                                     {"type": "text", "text": QUESTION}]}])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
 def test_image_rows_batch_with_text_rows(served, client, capsys):

@@ -197,7 +197,7 @@ class Scheduler:
             slot = self._batch.add(prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
                                    job.logprobs, job.echo and job.logprobs is not None,
                                    self.registry.row_adapter(job.adapter) if self.mixed else -1, job.adapter,
-                                   images)
+                                   **({} if images is None else {"images": images}))
             self._running[slot] = _Running(job, TextStream(self.tokenizer, job.stops, not job.special_tokens), last=now)
             self.metrics.prompt_tokens.inc(len(job.prompt))
             self.metrics.prefix_reused.inc(self._batch.reused - reused)
