@@ -171,13 +171,14 @@ def tower_parameters(vc: VisionConfig) -> int:
 
 
 def tower_activation_values(vc: VisionConfig, images: int, trained: bool) -> int:
-    """Values the tower's forward over `images` images holds at its peak: a layer's (the residual, its norm, q, k,
-    v, the attention's output, fc1's output and its activation, and the attention probabilities twice, as the
-    NumPy tower computes them) when frozen; with LoRA on the tower (trained), every layer's, kept for the
-    backward (the probabilities recomputed from their log-sum-exp, one layer's at a time), and the projector's
-    pooled tokens and output."""
+    """Values the NumPy tower's forward over `images` images holds at its peak (fitted to tracemalloc's peak
+    within about 20%, tests/test_memory_vision.py): a layer's residual, norm, q / k / v and their head-major
+    copies, the attention's output (12 x hidden a patch), fc1's output and GELU's temporaries (5 x intermediate),
+    and four (heads, P, P) score arrays. Frozen, the tower runs one image at a time; with LoRA on it (trained),
+    the images at once, every layer's activations kept for the backward (7 x hidden + intermediate + heads a
+    patch). Each image's pooled tokens and projection besides."""
     p, h, i, heads = (vc.image_size // vc.patch_size) ** 2, vc.hidden_size, vc.intermediate_size, vc.num_heads
-    layer = p * (7 * h + 2 * i)
-    probs = 2 * heads * p * p
-    held = vc.num_layers * (layer + heads * p) + probs if trained else layer + probs
-    return images * (held + vc.mm_tokens_per_image * (h + vc.text_hidden_size))
+    layer = p * (12 * h + 5 * i) + 4 * heads * p * p
+    kept = vc.num_layers * p * (7 * h + i + heads)
+    out = images * vc.mm_tokens_per_image * (h + vc.text_hidden_size)
+    return out + (images * (kept + layer) if trained else layer if images else 0)
