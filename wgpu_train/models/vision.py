@@ -175,10 +175,10 @@ def tower_activation_values(vc: VisionConfig, images: int, trained: bool) -> int
     within about 20%, tests/test_memory_vision.py): a layer's residual, norm, q / k / v and their head-major
     copies, the attention's output (12 x hidden a patch), fc1's output and GELU's temporaries (5 x intermediate),
     and four (heads, P, P) score arrays. Frozen, the tower runs one image at a time; with LoRA on it (trained),
-    the images at once, every layer's activations kept for the backward (7 x hidden + intermediate + heads a
-    patch). Each image's pooled tokens and projection besides."""
+    the images at once, every earlier layer's activations kept for the backward (7 x hidden + intermediate +
+    heads a patch). Each image's pooled tokens and projection besides."""
     p, h, i, heads = (vc.image_size // vc.patch_size) ** 2, vc.hidden_size, vc.intermediate_size, vc.num_heads
     layer = p * (12 * h + 5 * i) + 4 * heads * p * p
-    kept = vc.num_layers * p * (7 * h + i + heads)
+    kept = (vc.num_layers - 1) * p * (7 * h + i + heads)     # the last layer's are the transients counted
     out = images * vc.mm_tokens_per_image * (h + vc.text_hidden_size)
     return out + (images * (kept + layer) if trained else layer if images else 0)
