@@ -103,6 +103,33 @@ def test_image_rows_batch_with_text_rows(served, client, capsys):
     assert served.scheduler.stats["largest_batch"] >= 2
 
 
+def test_remote_images_with_the_flag(served, capsys, monkeypatch):
+    """--allow-remote-images: an http URL fetched (from a server on 127.0.0.1, no network), the same answer;
+    one that fails to fetch is a 400."""
+    import http.server
+    import threading
+
+    from wgpu_train.serve.app import build_app
+    from wgpu_train.serve.server import ServerThread, bind
+
+    monkeypatch.setenv("no_proxy", "127.0.0.1")     # urllib's fetch goes straight to the local file server
+    path = served.paths[0]
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: http.server.SimpleHTTPRequestHandler(
+        *a, directory=str(path.parent)))
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    app = ServerThread(build_app(served.scheduler, KEY, allow_remote_images=True), bind("127.0.0.1", 0)).start()
+    try:
+        remote = openai.OpenAI(base_url=app.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        base = f"http://127.0.0.1:{files.server_address[1]}/"
+        assert ask(remote, base + path.name) == generated(served.folder, path, capsys)
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(remote, base + "missing.png")
+        assert e.value.code == "invalid_image" and "cannot fetch" in e.value.message
+    finally:
+        app.stop()
+        files.shutdown()
+
+
 @pytest.mark.parametrize("url, code, words", [
     ("data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode(), "invalid_image", "cannot decode"),
     ("data:image/png;base64,@@@", "invalid_image", "base64 does not decode"),
