@@ -35,6 +35,9 @@ def sixteen_bit(fmt: str, f32_rtol: float, atol: float, family_reason: str) -> T
 # An element passes when |actual - expected| <= atol + rtol * |expected| (numpy.isclose's rule).
 # Add entries for new comparisons here rather than writing numbers into tests.
 TOLERANCES: dict[str, Tolerance] = {
+    "vision_tower_memory": Tolerance(0.25, 0.0,
+        "memory's estimate of the NumPy vision tower's peak (a formula in the config's sizes) against tracemalloc's "
+        "peak: the temporaries NumPy makes (head-major copies, GELU's) are counted in whole arrays, not exactly"),
     "exact": Tolerance(0.0, 0.0,
         "the same float32 numbers stored, copied or converted exactly (f16 and bf16 widen to f32 exactly); "
         "any difference is a bug"),

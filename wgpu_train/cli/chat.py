@@ -1,5 +1,6 @@
 """`wgpu-train chat`: an interactive conversation with a model (and adapter) over the same generation as
-`generate`, through the chat template, with its history, streaming each answer as it comes."""
+`generate`, through the chat template, with its history, streaming each answer as it comes; a vision model's
+user turns may hold images (/image PATH)."""
 from __future__ import annotations
 
 import sys
@@ -7,8 +8,17 @@ import sys
 from wgpu_train.errors import ConfigError
 from wgpu_train.cli.options import add_parser, device_options, model_options, sampling_options, stage_options, whole
 
-COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "end the chat (or Ctrl-D)",
+COMMANDS = {"/image PATH": "attach an image to your next message (a vision model's)",
+            "/reset": "forget the conversation (the system message stays)", "/exit": "end the chat (or Ctrl-D)",
             "/help": "these commands"}
+
+
+def _user(text: str, images: list) -> dict:
+    """A user message, its images' pixel_values under "images" and {"type": "image"} parts before its text."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}],
+            "images": list(images)}
 
 
 class Conversation:
@@ -21,16 +31,26 @@ class Conversation:
     def reset(self):
         self.turns = []
 
-    def prompt_ids(self, tokenizer, user: str, positions: int, answer_room: int) -> tuple[list[int], int]:
-        """(token ids asking for the answer to `user` after the history, turns dropped to fit): the oldest
-        user / assistant pairs go first, until the prompt leaves `answer_room` positions; ConfigError, the
-        history left as it was, when the system message and `user` alone leave none."""
+    def images(self) -> list:
+        """The pixel_values of the images in the turns kept, in order."""
+        return [im for t in self.turns for im in t.get("images", ())]
+
+    def prompt_ids(self, tokenizer, user: str, positions: int, answer_room: int, images=(),
+                   span=None) -> tuple[list[int], int]:
+        """(token ids asking for the answer to `user` (with its `images`, pixel_values each) after the history,
+        turns dropped to fit): the oldest user / assistant pairs go first, until the prompt leaves `answer_room`
+        positions; ConfigError, the history left as it was, when the system message and `user` alone leave
+        none. span: the vision model's data/vision_records.ImageSpan, which expands each image's placeholder."""
         from wgpu_train.data.tokenize import generation_prompt_ids
+        from wgpu_train.data.vision_records import vision_chat_ids
 
         dropped, turns = 0, self.turns
         while True:
-            messages = self.system + turns + [{"role": "user", "content": user}]
-            ids = generation_prompt_ids(tokenizer, messages)
+            messages = self.system + turns + [_user(user, images)]
+            n = sum(len(m.get("images", ())) for m in messages)
+            plain = [{k: v for k, v in m.items() if k != "images"} for m in messages]
+            ids = vision_chat_ids(tokenizer, plain, n, span) if span is not None else \
+                generation_prompt_ids(tokenizer, plain)
             if len(ids) + answer_room <= positions or not turns:
                 break
             turns = turns[2:]
@@ -41,8 +61,8 @@ class Conversation:
         self.turns = turns
         return ids, dropped
 
-    def answered(self, user: str, answer: str):
-        self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    def answered(self, user: str, answer: str, images=()):
+        self.turns += [_user(user, images), {"role": "assistant", "content": answer}]
 
 
 def cmd_chat(args) -> int:
@@ -62,17 +82,44 @@ def cmd_chat(args) -> int:
     print(f"chatting with {model_dir}{f' + {adapter}' if adapter else ''}; /help for commands, /exit or Ctrl-D to "
           f"end", file=sys.stderr)
     with closing_stages(model):
-        _talk(args, model, tok)
+        from wgpu_train.cli.vision import vision_of
+
+        _talk(args, model, tok, vision_of(model, model_dir))
     return 0
 
 
-def _talk(args, model, tok):
-    """Answer each line of stdin until /exit or its end."""
+def _attach(args, vision, path: str, pending: list):
+    """/image PATH: the image's pixel_values added to the next user turn's, or why not (a line on stderr)."""
+    from wgpu_train.data.images import pixel_values
+    from wgpu_train.errors import WgpuTrainError
+
+    if vision is None:
+        print("error: this model takes no images (a Gemma 3 vision model on the NumPy engine does)", file=sys.stderr)
+    elif args.temperature:
+        print("error: images are answered greedily for now (--temperature 0)", file=sys.stderr)
+    elif not path:
+        print("error: /image needs the image file's path: /image PATH", file=sys.stderr)
+    else:
+        try:
+            pending.append(pixel_values(path, vision.settings, path))
+        except WgpuTrainError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return
+        print(f"(image {path} attached to your next message)", file=sys.stderr)
+
+
+def _talk(args, model, tok, vision=None):
+    """Answer each line of stdin until /exit or its end; vision: the model's VisionModel, or None (no images)."""
     from wgpu_train.cli.commands import GENERATE_TOKENS, stream_printer
 
     positions = model.config.max_position_embeddings
     max_new = min(args.max_new_tokens or GENERATE_TOKENS, positions - 1)
     chat = Conversation(args.system)
+    span, pending = None, []             # pending: the images attached to the next user turn
+    if vision is not None:
+        from wgpu_train.cli.vision import image_span
+
+        span = image_span(tok, vision)
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -88,8 +135,11 @@ def _talk(args, model, tok):
             word = user.split()[0]
             if word == "/exit":
                 break
-            if word == "/reset":
+            if word == "/image":
+                _attach(args, vision, user[len(word):].strip(), pending)
+            elif word == "/reset":
                 chat.reset()
+                pending = []
                 print("(the conversation is forgotten)", file=sys.stderr)
             else:
                 known = word == "/help"
@@ -97,7 +147,7 @@ def _talk(args, model, tok):
                       "; ".join(f"{c}: {what}" for c, what in COMMANDS.items()), file=sys.stderr)
             continue
         try:
-            ids, dropped = chat.prompt_ids(tok, user, positions, max_new)
+            ids, dropped = chat.prompt_ids(tok, user, positions, max_new, pending, span)
         except ConfigError as e:            # that message alone is too long: say so, and ask again
             print(f"error: {e}", file=sys.stderr)
             continue
@@ -105,14 +155,20 @@ def _talk(args, model, tok):
             print(f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} dropped: the conversation outgrew the "
                   f"model's {positions} positions)", file=sys.stderr)
         on_token, finish = stream_printer(tok)
+        images = chat.images() + pending
         try:
-            model.generate(ids, max_new_tokens=min(max_new, positions - len(ids)), temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids,
-                           on_token=on_token)
+            if images:              # greedy (_attach refuses a temperature), each image's tokens prefilled whole
+                vision.generate(ids, images, min(max_new, positions - len(ids)), tuple(tok.stop_token_ids),
+                                on_token)
+            else:
+                model.generate(ids, max_new_tokens=min(max_new, positions - len(ids)), temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_token_ids,
+                               on_token=on_token)
         except KeyboardInterrupt:             # the answer so far is dropped; the chat goes on
             print("\n(interrupted: that answer is not kept)", file=sys.stderr)
             continue
-        chat.answered(user, finish())
+        chat.answered(user, finish(), pending)
+        pending = []
 
 
 def register(sub):

@@ -1,5 +1,6 @@
 """`wgpu-train memory`: the GPU memory a fine-tuning run needs, from the model's config.json alone, as a whole and
-for each pipeline stage (--pipeline-stages), in the precision the run will use."""
+for each pipeline stage (--pipeline-stages), in the precision the run will use; a vision model's tower and its
+images too."""
 from __future__ import annotations
 
 import json
@@ -28,10 +29,12 @@ def cmd_memory(args) -> int:
     if args.method == "full" and (base, embed) != ("float32", "float32"):
         raise ConfigError("method full trains every weight, so it needs float32 base and embedding dtypes")
     length = min(args.max_seq_len, cfg.max_position_embeddings)
+    vision = _vision_estimate(args, model_dir, length)
+    targets = args.lora_targets if vision is None else vision.pop("language_targets")
     lora = None
     if args.method == "lora":
         layers = parse_layers(args.lora_layers)
-        lora = LoraConfig(r=args.lora_rank, target_modules=model_targets(args.lora_targets, cfg),
+        lora = LoraConfig(r=args.lora_rank, target_modules=model_targets(targets, cfg),
                           layers_to_transform=last_layers(layers, cfg.num_hidden_layers) if isinstance(layers, int)
                           else layers, rank_pattern=parse_pattern(args.lora_rank_pattern, "--lora-rank-pattern"),
                           use_dora=args.dora, modules_to_save=args.modules_to_save,
@@ -50,6 +53,11 @@ def cmd_memory(args) -> int:
               "batch_size": args.batch_size, "seq_len": length, "method": args.method, "base_dtype": base,
               "embed_dtype": embed, "gradient_checkpointing": args.gradient_checkpointing, "precision": precision,
               "precision_reason": why, **est, "largest_activation_buffer": largest}
+    if vision:
+        result["vision"] = vision
+        result["total"] = est["total"] = est["total"] + vision["tower_weights"] + vision["tower_activations"]
+    elif args.images_per_row is not None:
+        raise ConfigError("--images-per-row: the model takes no images (a Gemma 3 vision model does)")
     if args.pipeline_stages or args.stage_layers:
         result["stages"] = _stage_estimates(args, cfg, length, lora, base, embed, precision)
     if args.json:
@@ -66,7 +74,15 @@ def cmd_memory(args) -> int:
     for key in ("weights", "trainable_state", "activations", "logits", "total"):
         ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit
                  else "")
+        if key == "total" and vision:
+            for part, label in (("tower_weights", "vision weights"), ("tower_activations", "vision activs")):
+                print(f"  {label:<16} {format_bytes(vision[part]):>12}")
         print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}{ratio}")
+    if vision:
+        print(f"  ({vision['images']} images of {vision['tokens_per_image']} tokens each per step "
+              f"(--images-per-row {vision['images_per_row']}): the tower "
+              f"{'with LoRA' if vision['tower_lora'] else 'frozen'} in float32 on the NumPy engine; the image "
+              f"tokens' activations in the language model lie within its {length} tokens a row)")
     for i, stage in enumerate(result.get("stages", ())):
         print(f"stage {i} (layers {stage['layers']}, {stage['in_flight']} micro-batch(es) held): "
               + ", ".join(f"{key.replace('_', ' ')} {format_bytes(stage[key])}"
@@ -74,6 +90,35 @@ def cmd_memory(args) -> int:
     print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "
           f"WebGPU does not report a GPU's memory size: compare the total with yours.")
     return 0
+
+
+def _vision_estimate(args, model_dir, length: int) -> dict | None:
+    """A vision model's tower and projector (float32 weights, the values its forward holds over the step's
+    images) and the image tokens per row, which must fit --max-seq-len; None for a model without images."""
+    from pathlib import Path
+
+    from wgpu_train.models.vision import VisionConfig, tower_activation_values, tower_parameters, vision_targets
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if not raw.get("vision_config"):
+        return None
+    vc = VisionConfig.from_config(raw, str(Path(model_dir) / "config.json"))
+    per_row = 1 if args.images_per_row is None else args.images_per_row
+    tokens = per_row * (vc.mm_tokens_per_image + 2)     # each image's tokens and its begin / end markers
+    if tokens >= length:
+        raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
+                          f"no room for text")
+    given = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    tower = vision_targets(given) if args.method == "lora" else []
+    language = ",".join(t for t in given if t not in tower)
+    if tower and not language:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
+                          f"model's too (q_proj, ...), as finetune trains them")
+    images = args.batch_size * per_row
+    params = tower_parameters(vc)
+    return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
+            "tokens_per_image": vc.mm_tokens_per_image + 2, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            "tower_activations": 4 * tower_activation_values(vc, images, bool(tower)), "language_targets": language}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:
@@ -159,5 +204,8 @@ def register(sub):
     p.add_argument("--pipeline-schedule", default=d.pipeline_schedule, choices=("gpipe", "1f1b"),
                    help=f"how many micro-batches a stage holds at once: gpipe all, 1f1b at most the stages from it "
                         f"on (default: {d.pipeline_schedule})")
+    p.add_argument("--images-per-row", type=whole(0), default=None, metavar="N",
+                   help="a vision model's images in each row: the tower's activations over them and their tokens "
+                        "within --max-seq-len (default: 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_memory)

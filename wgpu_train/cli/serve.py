@@ -19,7 +19,7 @@ def cmd_serve(args) -> int:
     from wgpu_train.serve.server import serve, url_of
 
     try:
-        app = build_app(scheduler, args.api_key)
+        app = build_app(scheduler, args.api_key, args.allow_remote_images)
         scheduler.start()                       # the batch's KV cache allocated: one that does not fit is one line
         served_log = logging.getLogger("wgpu_train.serve")      # a line per answer, beside uvicorn's per request
         served_log.setLevel(args.log_level.upper())
@@ -92,11 +92,14 @@ def _load(args, specs, folders, model_dir, base_name, stages):
         if args.max_model_len is not None and args.max_model_len > positions:
             raise ConfigError(f"--max-model-len {args.max_model_len}: the model has {positions} positions "
                               f"(max_position_embeddings)")
+        from wgpu_train.cli.vision import vision_of
+
+        vision = vision_of(model, model_dir)
     except BaseException:
         close_stages(model)
         raise
     return Scheduler(model, registry, tok, args.max_queue, args.max_batch,
-                     args.max_model_len or min(positions, DEFAULT_CONTEXT))
+                     args.max_model_len or min(positions, DEFAULT_CONTEXT), vision)
 
 
 def register(sub):
@@ -130,6 +133,9 @@ def register(sub):
                    help="positions of each row of the batch's KV cache, a prompt and its answer together (default: "
                         f"the model's max_position_embeddings, at most {DEFAULT_CONTEXT})")
     chat_template_option(p, "ask chat requests")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="a vision model's chat images may be http(s) URLs, fetched by the server (default: only "
+                        "data: URLs and file:// paths; a remote URL is a 400)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of uvicorn and the worker (default: info: a line per request and per batch)")
     device_options(p, storage=True, kv_cache=True)

@@ -1,5 +1,5 @@
 """`generate --image`: an answer to a prompt about images, from a Gemma 3 vision-language model on the NumPy
-engine (greedy), with the adapter of a run if given."""
+engine (greedy), with the adapter of a run if given; and the VisionModel over a model `chat` and `serve` loaded."""
 from __future__ import annotations
 
 import sys
@@ -34,3 +34,25 @@ def generate_with_images(args, model_dir, adapter) -> int:
     answer = [t for t in out if t not in set(tok.stop_token_ids)]
     sys.stdout.write(tok.decode(answer) + "\n")
     return 0
+
+
+def vision_of(model, model_dir):
+    """The model's VisionModel (its vision tower and projector read from model_dir) where the folder is a
+    vision-language model loaded on the NumPy engine, else None (it takes no images)."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if not raw.get("vision_config") or not hasattr(model.engine, "set_images"):
+        return None
+    from wgpu_train.engines.vision_model import attach_vision
+
+    return attach_vision(model, model_dir)
+
+
+def image_span(tokenizer, vision):
+    """The data/vision_records.ImageSpan of a VisionModel's image tokens in `tokenizer`'s text."""
+    from wgpu_train.data.vision_records import ImageSpan
+
+    vc = vision.vision
+    return ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)

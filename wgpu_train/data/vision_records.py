@@ -167,6 +167,12 @@ def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span: Im
     records and the processor lay it out): the chat template's generation prompt, each placeholder expanded."""
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
+    return vision_chat_ids(tokenizer, messages, n_images, span)
+
+
+def vision_chat_ids(tokenizer: Tokenizer, messages: list[dict], n_images: int, span: ImageSpan) -> list[int]:
+    """Token ids asking for the assistant's answer after chat `messages` whose contents may list {"type": "image"}
+    parts (`n_images` in all): the chat template's generation prompt, each placeholder expanded."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if text.count(span.boi) != n_images:
         raise DataError(f"the chat template wrote {text.count(span.boi)} image placeholders for {n_images} images")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.recurrent_state import release
 from wgpu_train.errors import ConfigError
 
@@ -191,6 +192,7 @@ class _Row:
     rng: np.random.Generator
     adapter: int = -1               # its adapter in the engine's bank (set_adapter_bank); negative: none
     key: object = None              # what its keys and values depend on beside its tokens (prefix reuse)
+    images: ImageTokens | None = None   # its prompt's images as one row (1, T): prefilled whole, in one call
     out: list = field(default_factory=list)
     fed: int = 0                    # prompt tokens written into the cache
     counts: dict = field(default_factory=dict)      # token id -> times generated (the penalties)
@@ -238,19 +240,28 @@ class DecodeBatch:
 
     def add(self, prompt, max_new_tokens: int, sampling: Sampling = Sampling(), stop_token_ids=(),
             logprobs: int | None = None, prompt_logprobs: bool = False, adapter: int = -1,
-            prefix_key=None) -> int:
+            prefix_key=None, images: ImageTokens | None = None) -> int:
         """A row for the prompt (T,) ids, to run until max_new_tokens (>= 1) tokens, a stop token, or its
         cache row full; its slot. adapter: its own adapter in the engine's bank (set_adapter_bank), the rows
         of several in one engine call; negative: the engine's model as it is. prefix_key: None, or what the
         row's keys and values depend on beside its tokens (the adapter a server's model has on): rows of one
         key reuse each other's prompt prefixes (not with prompt_logprobs, which needs every position's
-        logits). The caller checks sizes against the cache (ValueError past them)."""
+        logits). images: the prompt's images (shared/image_tokens.ImageTokens of the prompt as one row (1, T), the
+        engine's set_images takes them; the NumPy engine's), its whole prompt prefilled in one call (an image's
+        tokens see each other both ways), never reused. The caller checks sizes against the cache (ValueError
+        past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
                              f"for rows of {self.max_len}, max_new_tokens {max_new_tokens}")
         _check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
+        if images is not None and (images.blocks.shape != (1, prompt.size) or not hasattr(self.engine, "set_images")
+                                   or self.engine.cfg.rope_long(self.max_len - 1)):
+            raise ValueError("DecodeBatch.add: images need blocks (1, T) of the prompt, an engine with set_images "
+                             "and no longrope")
         slot, reuse = self._free[-1], 0
+        if images is not None:
+            prefix_key = None
         if prefix_key is not None and self._reuse and not prompt_logprobs:
             for free in self._free:
                 key, held = self._kept.get(free, (None, None))
@@ -262,7 +273,7 @@ class DecodeBatch:
         self._kept.pop(slot, None)
         self._rows[slot] = _Row(prompt, int(max_new_tokens), sampling, frozenset(int(s) for s in stop_token_ids),
                                 logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter),
-                                prefix_key, fed=reuse)
+                                prefix_key, images=images, fed=reuse)
         self.reused += reuse
         return slot
 
@@ -293,11 +304,13 @@ class DecodeBatch:
                 take = min(r.prompt.size - r.fed, room)
                 if take <= 0:
                     continue
+                if r.images is not None:                # whole: an image is never cut between calls
+                    take = r.prompt.size - r.fed
                 room -= take
                 ends = r.fed + take == r.prompt.size
                 wants = range(r.fed, r.fed + take) if r.prompt_logprobs else [r.fed + take - 1] if ends else []
                 calls[cfg.rope_long(r.prompt.size - 1)].add(slot, r.prompt[r.fed:r.fed + take], r.fed, wants,
-                                                             r.adapter)
+                                                             r.adapter, r.images)
                 r.fed += take
                 continue
             pos = r.prompt.size + len(r.out) - 1        # the newest token's position
@@ -312,10 +325,17 @@ class DecodeBatch:
         try:
             for long, call in calls.items():
                 if call.ids:
-                    logits = self.engine.forward_rows(np.concatenate(call.ids), np.concatenate(call.rows),
-                                                      np.concatenate(call.positions), self.cache,
-                                                      np.array(call.last, dtype=np.int64), long,
-                                                      np.concatenate(call.adapters) if mixed else None)  # (m, V)
+                    images = call.images()
+                    if images is not None:
+                        self.engine.set_images(images)
+                    try:
+                        logits = self.engine.forward_rows(np.concatenate(call.ids), np.concatenate(call.rows),
+                                                          np.concatenate(call.positions), self.cache,
+                                                          np.array(call.last, dtype=np.int64), long,
+                                                          np.concatenate(call.adapters) if mixed else None)  # (m, V)
+                    finally:
+                        if images is not None:
+                            self.engine.set_images(None)
                     chosen += self._choose(call, logits)
         except BaseException:
             for r in self._rows.values():       # what their cache rows hold is unknown now: never reused
@@ -358,9 +378,15 @@ class _Call:
     def __init__(self):
         self.ids, self.rows, self.positions, self.adapters = [], [], [], []
         self.wants, self.last = [], []         # (slot, position) and its token's index in the call
+        self.blocks, self.embeds = [], []      # each token's image block (-1: text), the image tokens' embeddings
         self.n = 0
 
-    def add(self, slot: int, ids: np.ndarray, start: int, wants, adapter: int):
+    def add(self, slot: int, ids: np.ndarray, start: int, wants, adapter: int, images: ImageTokens | None = None):
+        if images is None:
+            self.blocks.append(np.full(ids.size, -1, np.int32))
+        else:                                   # a whole prompt (start 0): its blocks and embeddings
+            self.blocks.append(images.blocks[0])
+            self.embeds.append(images.embeds)
         self.ids.append(ids)
         self.rows.append(np.full(ids.size, slot))
         self.adapters.append(np.full(ids.size, adapter))
@@ -369,6 +395,12 @@ class _Call:
             self.wants.append((slot, pos))
             self.last.append(self.n + pos - start)
         self.n += ids.size
+
+    def images(self) -> ImageTokens | None:
+        """The call's images as the engine's set_images takes them (its tokens as one row), or None."""
+        if not self.embeds:
+            return None
+        return ImageTokens(np.concatenate(self.blocks)[None], np.concatenate(self.embeds))
 
 
 def penalised(logits: np.ndarray, counts: dict, sampling: Sampling) -> np.ndarray:

@@ -143,6 +143,12 @@ class VisionModel:
             ids[ids == self.vision.image_token_id] = 0
         return ids
 
+    def prompt_images(self, ids, images) -> tuple:
+        """One prompt's ids (T,) and its images (as pixel_values takes them) -> (its ids as the engine takes them
+        (T,), the ImageTokens of the prompt as one row (1, T)): the tower's forward, once, for a prefill."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        return self._text_ids(ids)[0], self.image_tokens(ids, images)
+
     def _with_images(self, ids, images, call, cache=None):
         ids = np.atleast_2d(np.asarray(ids))
         self.model.engine.set_images(self.image_tokens(ids, images, cache))
@@ -227,9 +233,10 @@ class VisionModel:
         self.tower_optimizer.apply_update(norm, *args)
         return loss_sum, total, norm, applied
 
-    def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=()) -> list[int]:
+    def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=(), on_token=None) -> list[int]:
         """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
-        in one call (each image whole, its block bidirectional), then a token a call."""
+        in one call (each image whole, its block bidirectional), then a token a call; on_token(id), when given,
+        called with each as it comes."""
         ids = np.asarray(input_ids).reshape(-1)
         engine, n = self.model.engine, len(ids)
         kv = engine.new_kv_cache(1, n + max_new_tokens)
@@ -243,6 +250,8 @@ class VisionModel:
         for step in range(max_new_tokens):
             nxt = int(np.argmax(logits[0]))
             out.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
             if nxt in stop_token_ids or step == max_new_tokens - 1:
                 break
             logits = engine.forward_rows(np.array([nxt]), np.zeros(1, np.int32), np.array([n + step], np.int32), kv,
@@ -254,10 +263,15 @@ class VisionModel:
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     """A Gemma3ForConditionalGeneration folder with its vision tower and projector (float32); `kw` as
     load_model's. The processor's preprocessor_config.json gives the image preprocessing where the folder has it."""
+    return attach_vision(load_model(path, backend=backend, **kw), path)
+
+
+def attach_vision(model: Model, path) -> VisionModel:
+    """The VisionModel of a language model loaded already from the Gemma3ForConditionalGeneration folder `path`:
+    its vision tower and projector read from the folder's weights beside it."""
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())
     vision = VisionConfig.from_config(raw, str(folder / "config.json"))
-    model = load_model(folder, backend=backend, **kw)
     tensors = {}                # the tower's and projector's tensors alone, not the language model's again
     for f in weight_files(folder):
         tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))

@@ -157,3 +157,28 @@ def tower_target_regex(modules) -> str:
     """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
     (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's Gemma3ForConditionalGeneration."""
     return r"model\.vision_tower\.encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules) + ")"
+
+
+def tower_parameters(vc: VisionConfig) -> int:
+    """The vision tower's and the projector's weights, counted: SigLIP's patch embedding (a convolution with its
+    bias), position embeddings, encoder layers (two layer norms, q/k/v/out and fc1/fc2 with biases) and final
+    norm; the projector's soft-embedding norm and projection."""
+    h, i = vc.hidden_size, vc.intermediate_size
+    patches = (vc.image_size // vc.patch_size) ** 2
+    layer = 4 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)
+    return (vc.num_channels * vc.patch_size ** 2 * h + h + patches * h + vc.num_layers * layer + 2 * h
+            + h + h * vc.text_hidden_size)
+
+
+def tower_activation_values(vc: VisionConfig, images: int, trained: bool) -> int:
+    """Values the NumPy tower's forward over `images` images holds at its peak (fitted to tracemalloc's peak
+    within about 20%, tests/test_memory_vision.py): a layer's residual, norm, q / k / v and their head-major
+    copies, the attention's output (12 x hidden a patch), fc1's output and GELU's temporaries (5 x intermediate),
+    and four (heads, P, P) score arrays. Frozen, the tower runs one image at a time; with LoRA on it (trained),
+    the images at once, every earlier layer's activations kept for the backward (7 x hidden + intermediate +
+    heads a patch). Each image's pooled tokens and projection besides."""
+    p, h, i, heads = (vc.image_size // vc.patch_size) ** 2, vc.hidden_size, vc.intermediate_size, vc.num_heads
+    layer = p * (12 * h + 5 * i) + 4 * heads * p * p
+    kept = (vc.num_layers - 1) * p * (7 * h + i + heads)     # the last layer's are the transients counted
+    out = images * vc.mm_tokens_per_image * (h + vc.text_hidden_size)
+    return out + (images * (kept + layer) if trained else layer if images else 0)

@@ -17,7 +17,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from wgpu_train.serve.api_error import ApiError
-from wgpu_train.serve.prompts import COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids, tool_prompt
+from wgpu_train.serve.images import request_pixels
+from wgpu_train.serve.prompts import (COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids,
+                                      image_chat_prompt_ids, tool_prompt)
 from wgpu_train.serve.requests import json_body, parse_chat, parse_completion
 from wgpu_train.serve.tool_calls import live_content, openai_message, plan_tools
 from wgpu_train.engines.generate import Sampling
@@ -74,9 +76,10 @@ async def _disconnected(request: Request):
         pass
 
 
-def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
+def build_app(scheduler: Scheduler, api_key: str | None = None, allow_remote_images: bool = False) -> Starlette:
     """The application over a started (or soon started) scheduler. The API key guards /v1; /health and
-    /metrics answer without it, as vLLM's do (for load balancers and Prometheus)."""
+    /metrics answer without it, as vLLM's do (for load balancers and Prometheus). allow_remote_images: chat
+    images may be http(s) URLs, fetched (else only data: and file:// ones)."""
     registry, tokenizer = scheduler.registry, scheduler.tokenizer
     vocab_size = scheduler.model.config.vocab_size
     created = int(time.time())
@@ -106,8 +109,14 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
     async def generation(request: Request, chat: bool):
         req = (parse_chat if chat else parse_completion)(json_body(await request.body()))
         style = style_of(req.model)
-        plan = None
-        if chat and req.tools is not None:
+        plan, pixels = None, None
+        if chat and req.images:
+            if scheduler.vision is None:
+                raise ApiError(400, f"the model '{req.model}' takes no images (a text-only model, or a vision model "
+                                    f"not served on the NumPy engine)", "messages", "images_not_supported")
+            pixels = request_pixels(req.images, scheduler.vision.settings, allow_remote_images)
+            prompts = [image_chat_prompt_ids(tokenizer, scheduler.vision, req.messages, style, len(req.images))]
+        elif chat and req.tools is not None:
             plan = plan_tools(tokenizer, req.tools, tool_prompt(tokenizer, req.messages, style, req.tools.tools))
             prompts = [tokenizer.encode(plan.prompt + plan.prefill)]
         elif chat:
@@ -139,7 +148,7 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                 sampling = Sampling(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty,
                                     req.frequency_penalty)
                 jobs.append(Job(req.model, p, b, sampling, req.stop, emitter(len(jobs)), req.logprobs, req.echo,
-                                special_tokens=plan is not None and plan.parse))
+                                special_tokens=plan is not None and plan.parse, images=pixels))
         try:
             scheduler.submit(jobs)
         except QueueFull:

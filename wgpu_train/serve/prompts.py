@@ -30,6 +30,23 @@ def chat_prompt_ids(tokenizer, messages: list, style: PromptStyle) -> list[int]:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
 
 
+def image_chat_prompt_ids(tokenizer, vision, messages: list, style: PromptStyle, n_images: int) -> list[int]:
+    """The ids asking for the answer after `messages` whose contents list {"type": "image"} parts: the chat
+    template's prompt, each image's placeholder expanded to the vision model's (VisionModel) image tokens."""
+    from wgpu_train.data.vision_records import ImageSpan, vision_chat_ids
+
+    if not style.chat_template:
+        raise ApiError(400, "images need the chat template, and this model is served without it", "messages",
+                       "images_not_supported")
+    vc = vision.vision
+    try:
+        span = ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id,
+                                  vc.mm_tokens_per_image)
+        return vision_chat_ids(tokenizer, messages, n_images, span)
+    except WgpuTrainError as e:
+        raise ApiError(400, str(e), "messages", "invalid_value") from None
+
+
 def tool_prompt(tokenizer, messages: list, style: PromptStyle, tools: tuple) -> str:
     """The prompt's text with the request's tools rendered by the chat template (a 400 for a model served
     without its chat template, or messages the template refuses)."""

@@ -35,6 +35,7 @@ class GenerationRequest:
     logprobs: int | None = None     # alternatives given with each token's log-probability; None: no logprobs
     echo: bool = False              # completions: the prompt before its answer (with its logprobs)
     tools: ToolRequest | None = None    # chat: the tools, tool_choice and parallel_tool_calls; None: no tools
+    images: tuple = ()              # chat: the image_url parts' URLs in the messages' order (serve/images.py)
 
 
 def json_body(raw: bytes) -> dict:
@@ -142,8 +143,10 @@ def _common(body: dict, max_tokens_names: tuple) -> dict:
                 frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
 
 
-def _content(message: dict, index: int) -> str:
-    """A message's content as text: a string, or a list of text parts joined."""
+def _content(message: dict, index: int, images: list):
+    """A message's content as the chat template takes it: text (a string, or a list of text parts joined), or
+    with image_url parts the parts in order ({"type": "image"} and {"type": "text"}), their URLs added to
+    `images`."""
     content = message.get("content")
     param = f"messages[{index}].content"
     if isinstance(content, str):
@@ -151,14 +154,27 @@ def _content(message: dict, index: int) -> str:
     if content is None and message.get("role") == "assistant":
         return ""
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{param}: only text parts are supported ({{\"type\": \"text\", \"text\": ...}})",
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise _bad_type(f"{param}[{j}].image_url", "{\"url\": a data:, file:// or http(s) URL}",
+                                    part.get("image_url"))
+                images.append(url)
+                parts.append({"type": "image"})
+            else:
+                raise ApiError(400, f"{param}: only text and image_url parts are supported ({{\"type\": \"text\", "
+                                    f"\"text\": ...}}, {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}})",
                                param, "unsupported_content")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise _bad_type(param, "a string or a list of text parts", content)
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
+    raise _bad_type(param, "a string or a list of text and image_url parts", content)
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -168,7 +184,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise _bad_type("messages", "a non-empty list of messages", raw)
-    messages, calls_by_id = [], {}
+    messages, calls_by_id, images = [], {}, []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise _bad_type(f"messages[{i}]", "an object with 'role' and 'content'", m)
@@ -176,7 +192,7 @@ def parse_chat(body: dict) -> GenerationRequest:
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                            f"messages[{i}].role", "invalid_value")
-        messages.append(template_message(m, ROLES[role], _content(m, i), i, calls_by_id))
+        messages.append(template_message(m, ROLES[role], _content(m, i, images), i, calls_by_id))
     top = _whole(body, "top_logprobs", None, 0)
     if top is not None and top > MAX_TOP_LOGPROBS[True]:
         raise _bad_value("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS[True]}", top)
@@ -186,7 +202,10 @@ def parse_chat(body: dict) -> GenerationRequest:
     if wanted and tools is not None and tools.choice != "none":
         raise ApiError(400, "'logprobs' with tools is not supported by this server", "logprobs",
                        "unsupported_parameter")
+    if images and tools is not None:
+        raise ApiError(400, "images with tools are not supported by this server", "tools", "unsupported_parameter")
     return GenerationRequest(messages=messages, prompts=None, logprobs=(top or 0) if wanted else None, tools=tools,
+                             images=tuple(images),
                              **_common(body, ("max_tokens", "max_completion_tokens")))
 
 

@@ -49,6 +49,7 @@ class Job:
     logprobs: int | None = None         # alternatives per token with its log-probability; None: none
     echo: bool = False                  # the prompt's log-probabilities too (with logprobs)
     special_tokens: bool = False        # the text keeps special tokens (an answer whose tool calls are parsed)
+    images: object = None               # pixel_values (N, C, H, W) of the prompt's images (a vision model's)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued: float = field(default_factory=time.perf_counter)
     queued_step: int = 0                # the scheduler's step count when it was queued
@@ -67,11 +68,13 @@ class _Running:
 
 class Scheduler:
     """The queue and the worker thread (start, then close). context: the positions of each row of the batch's
-    KV cache, which bounds a prompt and its answer."""
+    KV cache, which bounds a prompt and its answer. vision: the model's engines/vision_model.VisionModel where it
+    takes images (a job's images through its tower once, when the job takes its row), else None."""
 
     def __init__(self, model, registry: AdapterRegistry, tokenizer, max_queue: int = 64, max_batch: int = 8,
-                 context: int | None = None):
+                 context: int | None = None, vision=None):
         self.model = model
+        self.vision = vision
         self.registry = registry
         self.tokenizer = tokenizer
         self.max_queue = max_queue
@@ -188,9 +191,13 @@ class Scheduler:
         now = time.perf_counter()
         for job in admitted:
             reused = self._batch.reused
-            slot = self._batch.add(job.prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
+            prompt, images = job.prompt, None
+            if job.images is not None:          # the tower's forward, once: its embeddings prefilled whole
+                prompt, images = self.vision.prompt_images(job.prompt, job.images)
+            slot = self._batch.add(prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
                                    job.logprobs, job.echo and job.logprobs is not None,
-                                   self.registry.row_adapter(job.adapter) if self.mixed else -1, job.adapter)
+                                   self.registry.row_adapter(job.adapter) if self.mixed else -1, job.adapter,
+                                   **({} if images is None else {"images": images}))
             self._running[slot] = _Running(job, TextStream(self.tokenizer, job.stops, not job.special_tokens), last=now)
             self.metrics.prompt_tokens.inc(len(job.prompt))
             self.metrics.prefix_reused.inc(self._batch.reused - reused)
