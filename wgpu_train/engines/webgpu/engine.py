@@ -59,9 +59,6 @@ class WgpuEngine(EngineState):
         if cfg.head_gate:
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run LFM3's per-head attention gate (g_proj) "
                               f"yet; use --backend numpy")
-        if cfg.moe is not None and cfg.moe.scoring != "softmax":
-            raise ConfigError(f"{cfg.label}: the WebGPU engine routes experts by softmax only, not by "
-                              f"{cfg.moe.scoring} (LFM2-MoE's router); use --backend numpy")
         if LayerRecorder.unrecorded_kinds(cfg):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
                               f"--backend numpy")

@@ -272,8 +272,9 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
     def _forward_route(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
         moe = self.cfg.moe
+        bias = self.w[f"model.layers.{i}.{op.param}"] if op.param else None    # LFM2-MoE's expert_bias
         moe_route_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]], acts.n, moe.num_experts,
-                          moe.top_k, moe.normalize)
+                          moe.top_k, moe.normalize, moe.scoring, bias, moe.scaling)
         if self.router_aux and not self._recomputing:     # a checkpointed layer counted once
             first = next(j for j in self.span if self.cfg.is_sparse(j))
             load_balancing_counts(rec, acts.moe.balance, buf[op.inputs[0]], buf[op.outputs[1]], acts.segments, acts.n,
@@ -476,7 +477,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
             load_balancing_dprobs(rec, dprobs, acts.moe.balance, acts.segments, acts.n, moe.num_experts,
                                   self.router_aux_weight)
         moe_route_backward(rec, dxs[0], dys[0], a[op.inputs[0]], a[op.outputs[1]], acts.n, moe.num_experts, moe.top_k,
-                           moe.normalize, dprobs)
+                           moe.normalize, dprobs, moe.scoring, moe.scaling)
 
     def _backward_experts(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """dx written or added (a Qwen2-MoE layer's shared expert wrote it first), the route weights' gradient
