@@ -56,9 +56,6 @@ class WgpuEngine(EngineState):
         if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
                               f"and clamped SwiGLU yet; use --backend numpy")
-        if cfg.head_gate:
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run LFM3's per-head attention gate (g_proj) "
-                              f"yet; use --backend numpy")
         if LayerRecorder.unrecorded_kinds(cfg):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
                               f"--backend numpy")

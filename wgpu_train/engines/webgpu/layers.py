@@ -307,10 +307,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
                             lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe)
 
     def _gate_rows(self, op, i, acts) -> tuple:
-        """(rows, width, per_element) of a sigmoid gate: a gate per token row (Qwen2-MoE's), or per element
-        (Qwen3.5's attention output gate)."""
+        """(rows, width, per_element, groups) of a sigmoid gate: a gate per token row (Qwen2-MoE's), per element
+        (Qwen3.5's attention output gate), or per group of wx / wg columns (LFM3's per head)."""
         wx, wg = (self.plans[i].widths[x] for x in op.inputs)
-        return acts.n, wx, wg == wx > 1
+        per_element = wg == wx > 1
+        return acts.n, wx, per_element, 1 if per_element else wg
 
     def _forward_sigmoid_gate(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
