@@ -26,11 +26,11 @@ def folder(tmp_path_factory):
     return out
 
 
-def _pair(folder, rt):
+def _pair(folder, rt, **kw):
     """The model on both engines with LoRA on attention, conv, the dense MLP, the router and every expert, B
     random."""
-    ref = wt.load_model(folder, backend="numpy")
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    ref = wt.load_model(folder, backend="numpy", **kw)
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
     config = wt.LoraConfig(r=3, alpha=7, target_modules=["in_proj", "out_proj", "q_proj", "w1", "gate"],
                            target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
     ref.add_lora(config, seed=5)
@@ -73,3 +73,20 @@ def test_greedy_generation_matches_numpy(folder, rt):
 
 def test_auto_backend_no_longer_sets_the_sigmoid_router_aside(folder):
     assert "sigmoid" not in choose_backend("auto", cfg=ModelConfig.from_folder(folder)).reason
+
+
+def test_bfloat16_activations_and_experts_match_numpy(rt, tmp_path):
+    """--precision bf16 with bfloat16 weights (even widths: 6 experts of 24): the sigmoid route reads 16-bit
+    router logits; the same logits, loss and LoRA gradients within bfloat16 noise."""
+    build(moe_intermediate_size=24, intermediate_size=46, num_experts=6).save_pretrained(tmp_path)
+    ref, gpu = _pair(tmp_path, rt, precision="bf16", base_dtype="bfloat16")
+    ids, labels, mask = padded_batch(2, 15, 9, 2)
+    ids = ids % 83
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "bf16_gpu_logits", "lfm2-moe")
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), "bf16_gpu_loss", "lfm2-moe")
+    for k, g in grads_r.items():
+        top = np.abs(g).max()
+        assert_close(grads_g[k] / top, g / top, "bf16_gpu_grads", f"lfm2-moe: {k}")

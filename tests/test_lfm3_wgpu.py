@@ -32,10 +32,10 @@ def folder(tmp_path_factory):
     return out
 
 
-def _pair(folder, rt):
+def _pair(folder, rt, **kw):
     """The model on both engines with all-linear LoRA (g_proj, attention, conv, MLP), B random."""
-    ref = wt.load_model(folder, backend="numpy")
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    ref = wt.load_model(folder, backend="numpy", **kw)
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
     config = wt.LoraConfig(r=3, alpha=7, target_modules="all-linear")
     ref.add_lora(config, seed=5)
     rng = np.random.default_rng(1)
@@ -73,3 +73,33 @@ def test_greedy_generation_matches_numpy(folder, rt):
     ref, gpu = _pair(folder, rt)
     prompt = [5, 17, 3, 40, 22, 8, 9]
     assert gpu.generate(prompt, max_new_tokens=10) == ref.generate(prompt, max_new_tokens=10)
+
+
+@pytest.mark.parametrize("precision, base_dtype", [("bf16", "bfloat16"), ("f16", "float32")])
+def test_sixteen_bit_activations_match_numpy(precision, base_dtype, rt, tmp_path):
+    """--precision bf16 / f16 (even widths: 4 heads, an even MLP): the head gate's output and its gradients stored
+    in 16 bits by pairs, as the NumPy engine rounds them: the same logits, loss and LoRA gradients within 16-bit
+    noise."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(5)
+    hf = tf.AutoModelForCausalLM.from_config(tf.Lfm3Config(**{**LFM3, "hidden_size": 40, "num_attention_heads": 4,
+                                                              "intermediate_size": 46}),
+                                             dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    ref, gpu = _pair(tmp_path, rt, precision=precision, base_dtype=base_dtype)
+    assert gpu.engine.precision == precision
+    ids, labels, mask = padded_batch(2, 15, 9, 2)
+    ids = ids % 83
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], f"{precision}_gpu_logits", "lfm3")
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), f"{precision}_gpu_loss", "lfm3")
+    for k, g in grads_r.items():
+        top = np.abs(g).max()
+        assert_close(grads_g[k] / top, g / top, f"{precision}_gpu_grads", f"lfm3: {k}")

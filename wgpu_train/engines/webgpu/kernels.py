@@ -383,13 +383,13 @@ def sigmoid_gate_forward(rec, y, x, g, n, c, per_element=False, groups=1):
         _pairs(rec, "sigmoid_gate_elems_forward", n * c, [(y, n * c, "h", True), (g, n * c, "gate", False),
                                                           (x, n * c, "up", False)], (n * c,), shader="swiglu")
         return
-    _elems(rec, "swiglu", "sigmoid_gate_forward", n * c, [(y, n * c, "y", True), (x, n * c, "x", False),
-                                                           (g, n, "g", False)], (n, c))
+    _pairs(rec, "sigmoid_gate_forward", n * c, [(y, n * c, "y", True), (x, n * c, "x", False), (g, n, "g", False)],
+           (n, c), shader="swiglu")
 
 
 def sigmoid_gate_backward(rec, dx, dg, dy, x, g, n, c, per_element=False, groups=1):
-    """dx (n, c), dg (n, groups) of sigmoid_gate_forward, both written; an invocation per row and group
-    (per_element: dg (n, c), a pair of elements per invocation)."""
+    """dx (n, c), dg (n, groups) of sigmoid_gate_forward, both written; an invocation per two rows of a group
+    (16-bit dx and dg stored by pairs; per_element: dg (n, c), a pair of elements per invocation)."""
     n, c = n * groups, c // groups
     if per_element:
         _pairs(rec, "sigmoid_gate_elems_backward", n * c,
@@ -397,7 +397,7 @@ def sigmoid_gate_backward(rec, dx, dg, dy, x, g, n, c, per_element=False, groups
                 (g, n * c, "gate", False), (x, n * c, "up", False)], (n * c,), shader="swiglu")
         return
     if n > 0:
-        _run(rec, "swiglu", "sigmoid_gate_backward", flat_grid(-(-n // 64)),
+        _run(rec, "swiglu", "sigmoid_gate_backward", flat_grid(-(-n // 128)),
              [(dx, n * c, "dx", True), (dg, n, "dg", True), (dy, n * c, "dy", False), (x, n * c, "x", False),
               (g, n, "g", False)], (n, c))
 
