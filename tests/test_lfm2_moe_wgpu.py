@@ -90,3 +90,27 @@ def test_bfloat16_activations_and_experts_match_numpy(rt, tmp_path):
     for k, g in grads_r.items():
         top = np.abs(g).max()
         assert_close(grads_g[k] / top, g / top, "bf16_gpu_grads", f"lfm2-moe: {k}")
+
+
+def test_full_finetuning_checkpointing_and_the_memory_estimate(folder, rt):
+    """Full fine-tuning: every weight's gradient as the NumPy engine's, the expert bias (a buffer in transformers)
+    not trained; gradient checkpointing gives the same gradients; the memory estimate is the allocation."""
+    from test_moe_wgpu import _allocated
+
+    ref = wt.load_model(folder, backend="numpy")
+    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
+    for m in (ref, gpu):
+        m.set_full_finetune()
+    ids, labels, mask = padded_batch(2, 15, 9, 2)
+    ids = ids % 83
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", "full")
+    assert grads_g.keys() == grads_r.keys() and not any("expert_bias" in k for k in grads_g)
+    for k, g in grads_r.items():
+        assert_close(grads_g[k], g, "gpu_grads", f"full: {k}")
+    gpu.set_gradient_checkpointing(True)
+    loss_c, grads_c = gpu.loss_and_grads(ids, labels, mask)
+    assert loss_c == loss_g and all(np.array_equal(grads_c[k], grads_g[k]) for k in grads_g)
+    est = wt.estimate_memory(gpu.config, *ids.shape, method="full", gradient_checkpointing=True)
+    assert est["activations"] + est["logits"] == _allocated(gpu.engine._activations(*ids.shape, train=True))
