@@ -29,9 +29,20 @@ fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
 
-// ---- routing: weights! (N, k) f32 = t1, logits (N, E) = t2, experts! (N, k) i32 written through u4 -------------
-// s0 N, s1 E, s2 k, s3 normalize. One invocation per token: the softmax's max and sum, then k passes, each the
-// largest logit after the previous pick in (descending value, ascending index) order: torch.topk's order.
+// ---- routing: weights! (N, k) f32 = t1, logits (N, E) = t2, bias (E,) = t3 (where s5 != 0), experts! (N, k) i32
+// written through u4. s0 N, s1 E, s2 k, s3 normalize, s4 scoring (0 softmax, 1 sigmoid: LFM2-MoE's), s5 bias,
+// f0 scale (routed_scaling_factor; 1 for none). One invocation per token: the softmax's max and sum, then k
+// passes, each the largest choice key (the logit for a softmax; sigmoid + bias, which chooses but does not weigh)
+// after the previous pick in (descending value, ascending index) order: torch.topk's order. A sigmoid's chosen
+// scores are renormalised over their sum plus 1e-6, as transformers'.
+fn route_key(base: u32, e: u32) -> f32 {
+    let v = t2_ld(base + e);
+    if (p.s4 == 0u) {
+        return v;
+    }
+    return sigmoid(v) + select(0.0, t3_ld(p.o3 + e), p.s5 != 0u);
+}
+
 @compute @workgroup_size(64)
 fn moe_route_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -41,6 +52,7 @@ fn moe_route_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     }
     let E = p.s1;
     let base = p.o2 + n * E;
+    let sig = p.s4 != 0u;
     var m = t2_ld(base);
     for (var e = 1u; e < E; e = e + 1u) {
         m = max(m, t2_ld(base + e));
@@ -56,7 +68,7 @@ fn moe_route_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         var best_v = 0.0;
         var best_i = -1;
         for (var e = 0u; e < E; e = e + 1u) {
-            let v = t2_ld(base + e);
+            let v = route_key(base, e);
             let after = prev_i < 0 || v < prev_v || (v == prev_v && i32(e) > prev_i);
             if (after && (best_i < 0 || v > best_v)) {
                 best_v = v;
@@ -65,22 +77,28 @@ fn moe_route_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         }
         prev_v = best_v;
         prev_i = best_i;
-        let w = exp(best_v - m) / total;
+        let logit = t2_ld(base + u32(best_i));
+        let w = select(exp(logit - m) / total, sigmoid(logit), sig);
         chosen = chosen + w;
         t1_st(p.o1 + n * p.s2 + j, w);
         u4[p.o4 + n * p.s2 + j] = u32(best_i);
     }
-    if (p.s3 != 0u) {
-        for (var j = 0u; j < p.s2; j = j + 1u) {
-            let i = p.o1 + n * p.s2 + j;
-            t1_st(i, t1_ld(i) / chosen);
-        }
+    let denom = select(1.0, chosen + select(0.0, 1e-6, sig), p.s3 != 0u);
+    for (var j = 0u; j < p.s2; j = j + 1u) {
+        let i = p.o1 + n * p.s2 + j;
+        t1_st(i, t1_ld(i) / denom * p.f0);
     }
 }
 
 // ---- the router's backward: dlogits! (N, E) = t1, dweights (N, k) = t2, logits (N, E) = t3, experts i5 (N, k),
-// dprobs f6 (N, E) where s4 != 0. s0 N, s1 E, s2 k, s3 normalize. One invocation per token:
-// dlogits_e = p_e (dp_e - sum_e' dp_e' p_e'), dp = dprobs + the chosen weights' gradient on their probabilities.
+// dprobs f6 (N, E) where s4 != 0. s0 N, s1 E, s2 k, s3 normalize, s5 scoring (0 softmax, 1 sigmoid), f0 scale.
+// One invocation per token: dp = dprobs + the chosen weights' gradient (dweights times the scale) on their scores;
+// a softmax's dlogits_e = p_e (dp_e - sum_e' dp_e' p_e'), a sigmoid's dp_e p_e (1 - p_e).
+fn route_prob(base: u32, e: u32, m: f32, total: f32) -> f32 {
+    let v = t3_ld(base + e);
+    return select(exp(v - m) / total, sigmoid(v), p.s5 != 0u);
+}
+
 @compute @workgroup_size(64)
 fn moe_route_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -90,6 +108,7 @@ fn moe_route_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
     let E = p.s1;
     let k = p.s2;
+    let sig = p.s5 != 0u;
     let base = p.o3 + n * E;
     var m = t3_ld(base);
     for (var e = 1u; e < E; e = e + 1u) {
@@ -99,26 +118,26 @@ fn moe_route_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     for (var e = 0u; e < E; e = e + 1u) {
         total = total + exp(t3_ld(base + e) - m);
     }
-    // the renormalisation's backward: dchosen_j = (dw_j - sum_j' dw_j' w_j') / sum_j' p_j'
-    var chosen = 0.0;
+    // the renormalisation's backward: dchosen_j = (dw_j - sum_j' dw_j' w_j') / (sum_j' p_j' + eps)
+    var chosen = select(0.0, 1e-6, sig);
     var dot_w = 0.0;
     for (var j = 0u; j < k; j = j + 1u) {
-        let pj = exp(t3_ld(base + u32(i5[p.o5 + n * k + j])) - m) / total;
+        let pj = route_prob(base, u32(i5[p.o5 + n * k + j]), m, total);
         chosen = chosen + pj;
-        dot_w = dot_w + t2_ld(p.o2 + n * k + j) * pj;
+        dot_w = dot_w + t2_ld(p.o2 + n * k + j) * p.f0 * pj;
     }
     let norm = p.s3 != 0u;
     let inv = select(1.0, 1.0 / chosen, norm);
     let shift = select(0.0, dot_w / chosen, norm);       // sum dw_j w_j with w_j = p_j / chosen
-    // S = sum_e dp_e p_e
+    // S = sum_e dp_e p_e (a softmax's alone)
     var s = 0.0;
     for (var j = 0u; j < k; j = j + 1u) {
-        let pj = exp(t3_ld(base + u32(i5[p.o5 + n * k + j])) - m) / total;
-        s = s + (t2_ld(p.o2 + n * k + j) - shift) * inv * pj;
+        let pj = route_prob(base, u32(i5[p.o5 + n * k + j]), m, total);
+        s = s + (t2_ld(p.o2 + n * k + j) * p.f0 - shift) * inv * pj;
     }
     if (p.s4 != 0u) {
         for (var e = 0u; e < E; e = e + 1u) {
-            s = s + f6[p.o6 + n * E + e] * exp(t3_ld(base + e) - m) / total;
+            s = s + f6[p.o6 + n * E + e] * route_prob(base, e, m, total);
         }
     }
     for (var e = 0u; e < E; e = e + 1u) {
@@ -128,11 +147,11 @@ fn moe_route_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         }
         for (var j = 0u; j < k; j = j + 1u) {
             if (u32(i5[p.o5 + n * k + j]) == e) {
-                dp = dp + (t2_ld(p.o2 + n * k + j) - shift) * inv;
+                dp = dp + (t2_ld(p.o2 + n * k + j) * p.f0 - shift) * inv;
             }
         }
-        let pe = exp(t3_ld(base + e) - m) / total;
-        t1_st(p.o1 + n * E + e, pe * (dp - s));
+        let pe = route_prob(base, e, m, total);
+        t1_st(p.o1 + n * E + e, select(pe * (dp - s), dp * pe * (1.0 - pe), sig));
     }
 }
 

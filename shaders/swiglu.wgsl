@@ -166,10 +166,11 @@ fn swiglu_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     }
 }
 
-// ---- Qwen2-MoE's shared expert behind its gate: y = sigmoid(g) x, g one value per row of x ----
-// Uniform: s0 = rows N, s1 = row width C.
+// ---- a gate per row of x: y = sigmoid(g) x, g one value per row (Qwen2-MoE's shared expert; LFM3's per-head gate
+// as one row per head) ----
+// Uniform: s0 = rows N, s1 = row width C. 16-bit tensors are written by pairs (storage.py), whatever C's parity.
 
-// forward, an invocation per element: 1 y (N, C) (out), 2 x (N, C), 3 g (N, 1)
+// forward, an invocation per pair of elements: 1 y (N, C) (out), 2 x (N, C), 3 g (N, 1)
 // @tensor 1 g_y read_write
 // @tensor 2 g_x read
 // @tensor 3 g_g read
@@ -177,13 +178,19 @@ fn swiglu_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
 @compute @workgroup_size(256)
 fn sigmoid_gate_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                         @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = (wid.y * nwg.x + wid.x) * 256u + lid.x;
-    if (i >= p.s0 * p.s1) { return; }
-    g_y_st(p.o1 + i, sigmoid(g_g_ld(p.o3 + i / p.s1)) * g_x_ld(p.o2 + i));
+    let i = first(wid, nwg, lid);
+    let n = p.s0 * p.s1;
+    if (i >= n) { return; }
+    let y0 = sigmoid(g_g_ld(p.o3 + i / p.s1)) * g_x_ld(p.o2 + i);
+    if (i + 1u < n) {
+        g_y_st2(p.o1 + i, vec2<f32>(y0, sigmoid(g_g_ld(p.o3 + (i + 1u) / p.s1)) * g_x_ld(p.o2 + i + 1u)));
+    } else {
+        g_y_st(p.o1 + i, y0);
+    }
 }
 
-// backward, an invocation per row (its dg a sum over the row, no atomics): 1 dx (N, C) (out), 2 dg (N, 1) (out),
-// 3 dy (N, C), 4 x (N, C), 5 g (N, 1)
+// backward, an invocation per pair of rows (its dg sums over each row, no atomics): 1 dx (N, C) (out), 2 dg (N, 1)
+// (out), 3 dy (N, C), 4 x (N, C), 5 g (N, 1). The pair's 2C elements start on an even index: dx by pairs.
 // @tensor 1 h_dx read_write
 // @tensor 2 h_dg read_write
 // @tensor 3 h_dy read
@@ -193,15 +200,31 @@ fn sigmoid_gate_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
 @compute @workgroup_size(64)
 fn sigmoid_gate_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_id) lid: vec3<u32>) {
-    let row = (wid.y * nwg.x + wid.x) * 64u + lid.x;
+    let row = 2u * ((wid.y * nwg.x + wid.x) * 64u + lid.x);
     if (row >= p.s0) { return; }
-    let s = sigmoid(h_g_ld(p.o5 + row));
-    var acc: f32 = 0.0;
-    for (var c: u32 = 0u; c < p.s1; c = c + 1u) {
-        let i = row * p.s1 + c;
-        let dy = h_dy_ld(p.o3 + i);
-        h_dx_st(p.o1 + i, dy * s);
-        acc = acc + dy * h_x_ld(p.o4 + i);
+    let rows = min(2u, p.s0 - row);
+    let s = vec2<f32>(sigmoid(h_g_ld(p.o5 + row)), sigmoid(h_g_ld(p.o5 + row + rows - 1u)));
+    var acc = vec2<f32>(0.0, 0.0);
+    let start = row * p.s1;
+    let end = start + rows * p.s1;
+    for (var i: u32 = start; i < end; i = i + 2u) {
+        let r0 = (i - start) / p.s1;                     // 0 or 1: each element's row within the pair
+        let dy0 = h_dy_ld(p.o3 + i);
+        let dx0 = dy0 * s[r0];
+        acc[r0] = acc[r0] + dy0 * h_x_ld(p.o4 + i);
+        if (i + 1u < end) {
+            let r1 = (i + 1u - start) / p.s1;
+            let dy1 = h_dy_ld(p.o3 + i + 1u);
+            acc[r1] = acc[r1] + dy1 * h_x_ld(p.o4 + i + 1u);
+            h_dx_st2(p.o1 + i, vec2<f32>(dx0, dy1 * s[r1]));
+        } else {
+            h_dx_st(p.o1 + i, dx0);
+        }
     }
-    h_dg_st(p.o2 + row, acc * s * (1.0 - s));
+    let dg = acc * s * (vec2<f32>(1.0, 1.0) - s);
+    if (rows == 2u) {
+        h_dg_st2(p.o2 + row, dg);
+    } else {
+        h_dg_st(p.o2 + row, dg.x);
+    }
 }

@@ -89,23 +89,23 @@ def test_gated_activation(rt, kind, n):
         assert_close(read(rt, tu, n), want_du, "k_swiglu", "dup in place")
 
 
-@pytest.mark.parametrize("n, c", [(1, 5), (13, 37)])
-def test_sigmoid_gate(rt, n, c):
+@pytest.mark.parametrize("n, c, groups", [(1, 5, 1), (13, 37, 1), (7, 30, 3)])
+def test_sigmoid_gate(rt, n, c, groups):
     """Qwen2-MoE's gated shared expert, y = sigmoid(g) x, and its backward (dg a sum over each row), at offsets,
-    saturated gates both ways."""
+    saturated gates both ways; groups 3: LFM3's gate per head of c / 3 columns."""
     g = rng(300 + n)
     x, dy = (g.standard_normal((n, c)).astype(F32) for _ in range(2))
-    gate = (g.standard_normal((n, 1)) * 3).astype(F32)
+    gate = (g.standard_normal((n, groups)) * 3).astype(F32)
     gate[0, 0] = -100.0
     tx, tg, tdy = padded(rt, x, 3), padded(rt, gate, 1), padded(rt, dy, 2)
-    y, dx, dg = rt.buffer(4 * n * c), rt.buffer(4 * n * c), rt.buffer(4 * n)
-    run(rt, lambda r: (K.sigmoid_gate_forward(r, y, tx, tg, n, c),
-                       K.sigmoid_gate_backward(r, dx, dg, tdy, tx, tg, n, c)))
+    y, dx, dg = rt.buffer(4 * n * c), rt.buffer(4 * n * c), rt.buffer(4 * n * groups)
+    run(rt, lambda r: (K.sigmoid_gate_forward(r, y, tx, tg, n, c, groups=groups),
+                       K.sigmoid_gate_backward(r, dx, dg, tdy, tx, tg, n, c, groups=groups)))
     x64, g64, dy64 = x.astype(np.float64), gate.astype(np.float64), dy.astype(np.float64)
     assert_close(rt.read(y, F32, (n, c)), ops.sigmoid_gate_forward(x64, g64), "k_swiglu", "y")
     want_dx, want_dg = ops.sigmoid_gate_backward(dy64, x64, g64)
     assert_close(rt.read(dx, F32, (n, c)), want_dx, "k_swiglu", "dx")
-    assert_close(rt.read(dg, F32, (n, 1)), want_dg, "k_swiglu", "dg")
+    assert_close(rt.read(dg, F32, (n, groups)), want_dg, "k_swiglu", "dg")
 
 
 def test_softcap(rt):

@@ -69,6 +69,36 @@ def test_route_forward_and_backward(rt):
         rt.release(*bufs)
 
 
+
+def test_sigmoid_route_forward_and_backward(rt):
+    """LFM2-MoE's router: sigmoid scores, an expert bias that chooses (it flips the top-k here) but does not weigh,
+    renormalised over the sum plus 1e-6 or not, times the scale; the backward through the chosen scores alone."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((N, E)).astype(np.float32)
+    logits[2] = logits[2, 0]                           # all equal: the lower index first
+    bias = (rng.standard_normal(E) * 0.5).astype(np.float32)
+    dweights = rng.standard_normal((N, K)).astype(np.float32)
+    for normalize, b, scale in ((True, bias, 2.5), (False, bias, 1.0), (True, None, 1.0)):
+        want_w, want_e = ref.moe_route_forward(logits.astype(np.float64), K, normalize, "sigmoid",
+                                               None if b is None else b.astype(np.float64), scale)
+        if b is not None:
+            assert (want_e != ref.moe_route_forward(logits, K, normalize, "sigmoid")[1]).any(), "the bias chose"
+        want_d = ref.moe_route_backward(dweights.astype(np.float64), logits.astype(np.float64), want_e, normalize,
+                                        None, "sigmoid", scale)
+        bufs = [rt.buffer(N * K * 4), rt.buffer(N * K * 4), rt.buffer(N * E * 4), rt.upload(logits),
+                rt.upload(dweights)] + ([rt.upload(b)] if b is not None else [])
+        w, ex, dl, lg, dw = bufs[:5]
+        rec = rt.recorder()
+        moe.moe_route_forward(rec, w, ex, lg, N, E, K, normalize, "sigmoid", bufs[5] if b is not None else None,
+                              scale)
+        moe.moe_route_backward(rec, dl, dw, lg, ex, N, E, K, normalize, None, "sigmoid", scale)
+        rec.submit()
+        what = f"normalize={normalize}, bias={b is not None}, scale={scale}"
+        assert (rt.read(ex, np.int32, (N, K)) == want_e).all(), f"experts, {what}"
+        assert_close(rt.read(w, np.float32, (N, K)), want_w, "moe_route", f"weights, {what}")
+        assert_close(rt.read(dl, np.float32, (N, E)), want_d, "moe_route", f"dlogits, {what}")
+        rt.release(*bufs)
+
 @pytest.mark.parametrize("n, k", [(13, 2), (300, 3), (7, 1)])
 def test_counting_sort_is_stable_and_leaves_no_gap(rt, n, k):
     rng = np.random.default_rng(n)

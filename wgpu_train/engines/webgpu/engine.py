@@ -11,7 +11,7 @@ from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
 from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.weights import module_path
+from wgpu_train.models.weights import is_buffer, module_path
 from wgpu_train.models.layer_plan import layer_plans
 from wgpu_train.models.weights import module_name
 from wgpu_train.adapters.experts import is_expert_path
@@ -56,12 +56,6 @@ class WgpuEngine(EngineState):
         if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
                               f"and clamped SwiGLU yet; use --backend numpy")
-        if cfg.head_gate:
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run LFM3's per-head attention gate (g_proj) "
-                              f"yet; use --backend numpy")
-        if cfg.moe is not None and cfg.moe.scoring != "softmax":
-            raise ConfigError(f"{cfg.label}: the WebGPU engine routes experts by softmax only, not by "
-                              f"{cfg.moe.scoring} (LFM2-MoE's router); use --backend numpy")
         if LayerRecorder.unrecorded_kinds(cfg):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
                               f"--backend numpy")
@@ -240,7 +234,7 @@ class WgpuEngine(EngineState):
         if enabled and frozen:
             raise ConfigError(f"full fine-tuning needs float32 weights, but {frozen[0]} is stored as "
                               f"{self._stored_as(frozen[0])}; use LoRA or load the model with float32")
-        self.set_trained_base(tuple(self.w) if enabled else ())
+        self.set_trained_base(tuple(n for n in self.w if not is_buffer(n)) if enabled else ())   # expert_bias
 
     def set_trained_base(self, names, untie: bool = False):
         """Train base weights `names` beside any LoRA, each stored as a float32 Matrix (or buffer) from its value

@@ -373,27 +373,31 @@ def mul_backward(rec, da, db, dy, a, b, n):
                                     (a, n, "gate", False), (b, n, "up", False)], (n,), shader="swiglu")
 
 
-def sigmoid_gate_forward(rec, y, x, g, n, c, per_element=False):
-    """y (n, c) = x * sigmoid(g), g (n, 1): Qwen2-MoE's gated shared expert; per_element, g (n, c): Qwen3.5's
-    attention output gate, a pair of elements per invocation in any storage format (shaders/swiglu.wgsl)."""
+def sigmoid_gate_forward(rec, y, x, g, n, c, per_element=False, groups=1):
+    """y (n, c) = x * sigmoid(g), g (n, 1): Qwen2-MoE's gated shared expert; g (n, groups), each gate over c /
+    groups adjacent columns: LFM3's per-head gate (the per-row kernel over n groups rows); per_element, g (n, c):
+    Qwen3.5's attention output gate, a pair of elements per invocation in any storage format
+    (shaders/swiglu.wgsl)."""
+    n, c = n * groups, c // groups
     if per_element:
         _pairs(rec, "sigmoid_gate_elems_forward", n * c, [(y, n * c, "h", True), (g, n * c, "gate", False),
                                                           (x, n * c, "up", False)], (n * c,), shader="swiglu")
         return
-    _elems(rec, "swiglu", "sigmoid_gate_forward", n * c, [(y, n * c, "y", True), (x, n * c, "x", False),
-                                                           (g, n, "g", False)], (n, c))
+    _pairs(rec, "sigmoid_gate_forward", n * c, [(y, n * c, "y", True), (x, n * c, "x", False), (g, n, "g", False)],
+           (n, c), shader="swiglu")
 
 
-def sigmoid_gate_backward(rec, dx, dg, dy, x, g, n, c, per_element=False):
-    """dx (n, c), dg (n, 1) of sigmoid_gate_forward, both written; an invocation per row (per_element: dg (n, c), a
-    pair of elements per invocation)."""
+def sigmoid_gate_backward(rec, dx, dg, dy, x, g, n, c, per_element=False, groups=1):
+    """dx (n, c), dg (n, groups) of sigmoid_gate_forward, both written; an invocation per two rows of a group
+    (16-bit dx and dg stored by pairs; per_element: dg (n, c), a pair of elements per invocation)."""
+    n, c = n * groups, c // groups
     if per_element:
         _pairs(rec, "sigmoid_gate_elems_backward", n * c,
                [(dg, n * c, "dgate", True), (dx, n * c, "dup", True), (dy, n * c, "dh", False),
                 (g, n * c, "gate", False), (x, n * c, "up", False)], (n * c,), shader="swiglu")
         return
     if n > 0:
-        _run(rec, "swiglu", "sigmoid_gate_backward", flat_grid(-(-n // 64)),
+        _run(rec, "swiglu", "sigmoid_gate_backward", flat_grid(-(-n // 128)),
              [(dx, n * c, "dx", True), (dg, n, "dg", True), (dy, n * c, "dy", False), (x, n * c, "x", False),
               (g, n, "g", False)], (n, c))
 

@@ -272,8 +272,9 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
     def _forward_route(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
         moe = self.cfg.moe
+        bias = self.w[f"model.layers.{i}.{op.param}"] if op.param else None    # LFM2-MoE's expert_bias
         moe_route_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], buf[op.inputs[0]], acts.n, moe.num_experts,
-                          moe.top_k, moe.normalize)
+                          moe.top_k, moe.normalize, moe.scoring, bias, moe.scaling)
         if self.router_aux and not self._recomputing:     # a checkpointed layer counted once
             first = next(j for j in self.span if self.cfg.is_sparse(j))
             load_balancing_counts(rec, acts.moe.balance, buf[op.inputs[0]], buf[op.outputs[1]], acts.segments, acts.n,
@@ -306,10 +307,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
                             lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe)
 
     def _gate_rows(self, op, i, acts) -> tuple:
-        """(rows, width, per_element) of a sigmoid gate: a gate per token row (Qwen2-MoE's), or per element
-        (Qwen3.5's attention output gate)."""
+        """(rows, width, per_element, groups) of a sigmoid gate: a gate per token row (Qwen2-MoE's), per element
+        (Qwen3.5's attention output gate), or per group of wx / wg columns (LFM3's per head)."""
         wx, wg = (self.plans[i].widths[x] for x in op.inputs)
-        return acts.n, wx, wg == wx > 1
+        per_element = wg == wx > 1
+        return acts.n, wx, per_element, 1 if per_element else wg
 
     def _forward_sigmoid_gate(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
@@ -476,7 +478,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
             load_balancing_dprobs(rec, dprobs, acts.moe.balance, acts.segments, acts.n, moe.num_experts,
                                   self.router_aux_weight)
         moe_route_backward(rec, dxs[0], dys[0], a[op.inputs[0]], a[op.outputs[1]], acts.n, moe.num_experts, moe.top_k,
-                           moe.normalize, dprobs)
+                           moe.normalize, dprobs, moe.scoring, moe.scaling)
 
     def _backward_experts(self, rec, op, i, acts, a, dys, dxs, accumulate):
         """dx written or added (a Qwen2-MoE layer's shared expert wrote it first), the route weights' gradient

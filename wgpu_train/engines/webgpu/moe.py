@@ -85,22 +85,38 @@ def _launch(rec, kernel, n_invocations: int, tensors, **params):
     launch(rec, kernel, flat_grid(-(-n_invocations // WG)), tensors, **params)
 
 
-def moe_route_forward(rec, weights, experts, logits, N: int, E: int, top_k: int, normalize: bool):
-    """weights (N, k) f32, experts (N, k) i32 <- logits (N, E) (any format): softmax, top-k in descending order
-    (lower index first among equals), renormalised when `normalize`. One invocation per token."""
+SCORINGS = {"softmax": 0, "sigmoid": 1}      # the route kernels' scoring flag (shaders/moe.wgsl)
+
+
+def _scoring(scoring: str) -> int:
+    if scoring not in SCORINGS:
+        raise ValueError(f"moe route: scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    return SCORINGS[scoring]
+
+
+def moe_route_forward(rec, weights, experts, logits, N: int, E: int, top_k: int, normalize: bool,
+                      scoring: str = "softmax", bias=None, scale: float = 1.0):
+    """weights (N, k) f32, experts (N, k) i32 <- logits (N, E) (any format): each expert's score (softmax, or
+    LFM2-MoE's sigmoid), the top-k of score + bias (bias (E,) any format, or None: it chooses, it does not weigh)
+    in descending order (lower index first among equals), renormalised when `normalize` (a sigmoid's over the
+    sum plus 1e-6), times `scale`. One invocation per token."""
     _f32("moe_route_forward", weights)
-    _launch(rec, MK.ROUTE_FORWARD, N, [(weights, N * top_k), (logits, N * E), (experts, N * top_k)],
-            s0=N, s1=E, s2=top_k, s3=int(normalize))
+    flag = _scoring(scoring)
+    extra = (bias, E) if bias is not None else (_zeros(rec.rt), 1)
+    _launch(rec, MK.ROUTE_FORWARD, N, [(weights, N * top_k), (logits, N * E), extra, (experts, N * top_k)],
+            s0=N, s1=E, s2=top_k, s3=int(normalize), s4=flag, s5=int(bias is not None), f0=float(scale))
 
 
 def moe_route_backward(rec, dlogits, dweights, logits, experts, N: int, E: int, top_k: int, normalize: bool,
-                       dprobs=None):
+                       dprobs=None, scoring: str = "softmax", scale: float = 1.0):
     """dlogits (N, E) (one invocation per token row) <- dweights (N, k), logits (N, E), experts (N, k) i32,
-    dprobs (N, E) f32 or None (a gradient on every probability: the load-balancing loss's). Overwrites dlogits."""
+    dprobs (N, E) f32 or None (a gradient on every score: the load-balancing loss's), through the scale, the
+    renormalisation and the scores (a sigmoid's: the chosen experts' own logits alone). Overwrites dlogits."""
+    flag = _scoring(scoring)
     extra = (dprobs, N * E) if dprobs is not None else (_zeros(rec.rt), 1)
     _launch(rec, MK.ROUTE_BACKWARD, N, [(dlogits, N * E), (dweights, N * top_k), (logits, N * E),
                                         (experts, N * top_k), extra],
-            s0=N, s1=E, s2=top_k, s3=int(normalize), s4=int(dprobs is not None))
+            s0=N, s1=E, s2=top_k, s3=int(normalize), s4=int(dprobs is not None), s5=flag, f0=float(scale))
 
 
 def moe_group(rec, experts, N: int, k: int, E: int, scratch: MoeScratch):

@@ -37,7 +37,7 @@ def _plain(entry: str, bindings: str) -> Kernel:
     return Kernel("moe", entry, bindings, invocations=WG)
 
 
-ROUTE_FORWARD = _plain("moe_route_forward", "weights! logits _ experts!")
+ROUTE_FORWARD = _plain("moe_route_forward", "weights! logits bias experts!")
 ROUTE_BACKWARD = _plain("moe_route_backward", "dlogits! dweights logits _ experts dprobs")
 GROUP_COUNT = _plain("moe_group_count", "_ _ _ group! experts")
 GROUP_OFFSETS = _plain("moe_group_offsets", "_ _ _ group!")
