@@ -1,0 +1,165 @@
+"""GRPO's tools: a held DecodeBatch row extended after its turn gives the tokens a fresh generation of the whole
+conversation gives (its cache row continued, nothing prefilled again); the tool loop's masks, budgets, overlong
+roll-back and iteration limit; tools run as TRL runs them; tool and environment specs checked."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from tiny_models import build_model, save_model
+from wgpu_train.engines.generate import DecodeBatch, Sampling, generate_batch
+from wgpu_train.errors import ConfigError
+from wgpu_train.training.tools import Toolbox, calculator, check_tool, load_tool, run_tool_calls
+from wgpu_train.training.tools_loop import TurnSampler, tool_rollouts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return wt.load_model(save_model(build_model("llama", seed=1), tmp_path_factory.mktemp("llama")),
+                         backend="numpy")
+
+
+def test_extended_row_continues_its_cache(model):
+    """Greedy: a row extended with tokens after its first turn gives what generating from the whole sequence
+    gives; the cache is not prefilled again (the row's tokens before the extension stay where they are)."""
+    prompts = [np.array([3, 9, 4, 7]), np.array([5, 6])]
+    batch = DecodeBatch(model.engine, 2, 40)
+    slots = [batch.add(p, 4, Sampling(), hold=True) for p in prompts]
+    first = {s: [] for s in slots}
+    while len(batch):
+        for t in batch.step():
+            first[t.slot].append(t.id)
+    assert len(batch) == 0 and batch.free_slots() == 0        # both held, paused
+    appended = [11, 12, 13]
+    batch.extend(slots[0], appended, 5)
+    assert batch.prefilling() == 1 + len(appended)            # the last generated token and the new ones only
+    after = []
+    while len(batch):
+        after += [t.id for t in batch.step()]
+    batch.close()
+    whole = np.concatenate([prompts[0], first[slots[0]], appended])
+    assert after == generate_batch(model.engine, [whole], 5)[0]
+    with pytest.raises(ValueError):
+        DecodeBatch(model.engine, 1, 8).extend(0, [1], 2)
+
+
+class ScriptedSampler:
+    """Turns given by a script: row -> list of turns; records what resume was given."""
+
+    def __init__(self, script):
+        self.script, self.n, self.seen = script, {i: 0 for i in script}, []
+
+    def first(self, budget):
+        return [self._next(i, budget) for i in sorted(self.script)]
+
+    def resume(self, rows, appended, budgets):
+        self.seen.append((list(rows), [list(a) for a in appended], list(budgets)))
+        return [self._next(i, b) for i, b in zip(rows, budgets)]
+
+    def _next(self, i, budget):
+        turns = self.script[i]
+        out = turns[self.n[i]][:budget] if self.n[i] < len(turns) else []
+        self.n[i] += 1
+        return out
+
+
+CALL = 90          # a turn whose last token is CALL calls the tool (the scripted parse's convention)
+
+
+def _parse(ids, prefix):
+    return {"role": "assistant", "content": str(ids),
+            **({"tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": ids[0]}}}]}
+               if ids[-1] == CALL else {})}
+
+
+def _add(a: int) -> int:
+    """Add one.
+
+    Args:
+        a: the number
+    """
+    if a == 66:
+        raise RuntimeError("no 66")
+    return a + 1
+
+
+def test_tool_loop_masks_and_limits():
+    script = {0: [[1, 2, 3]],                          # no call
+              1: [[5, CALL], [7, 8]],                  # a call, then an answer
+              2: [[66, CALL], [9, CALL], [4]],         # a failing call, a second call: the limit of 2 rounds
+              3: [[1] * 6 + [CALL], [2]]}              # its tool result would pass max_completion: dropped
+    sampler = ScriptedSampler(script)
+    suffix = lambda msgs: [50] * len(msgs) + [51]                                # 2 tokens per result
+    rows = tool_rollouts(sampler, [[100]] * 4, _parse, suffix, [{"add": _add}] * 4, run_tool_calls,
+                         max_completion=8, max_positions=64, max_iterations=2)
+    assert rows[0].ids == [1, 2, 3] and rows[0].tool_mask == [1, 1, 1] and rows[0].calls == 0
+    assert rows[1].ids == [5, CALL, 50, 51, 7, 8] and rows[1].tool_mask == [1, 1, 0, 0, 1, 1]
+    assert [m["role"] for m in rows[1].turns] == ["assistant", "tool", "assistant"]
+    assert rows[1].turns[1] == {"role": "tool", "name": "add", "content": "6"}
+    assert rows[2].ids == [66, CALL, 50, 51, 9, CALL, 50, 51][:8] and rows[2].failures == 1 and rows[2].calls == 2
+    assert rows[2].turns[1]["content"] == "{'error': 'no 66'}"
+    # row 2's second round: 4 tokens so far + 2 of the result = 6, budget 2 left; then the limit ends it
+    assert sampler.seen[1] == ([2], [[50, 51]], [0])
+    assert rows[3].ids == [1] * 6 + [CALL] and rows[3].tool_mask == [1] * 7 and rows[3].calls == 1
+    assert rows[3].turns[-1]["role"] == "assistant"                 # rolled back: no tool message kept
+
+
+def test_run_tool_calls_as_trl():
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}},
+             {"type": "function", "function": {"name": "nope", "arguments": {}}},
+             {"type": "function", "function": {"name": "add", "arguments": {"b": 2}}}]
+    messages, n, failures = run_tool_calls(calls, {"add": _add})
+    assert n == 3 and failures == 2
+    assert messages[0] == {"role": "tool", "name": "add", "content": "3"}
+    assert messages[1]["content"] == "{'error': 'Tool nope not found.'}"
+    assert calculator("12 * (3 + 4)") == "84" and calculator("7 / 2") == "3.5"
+    with pytest.raises(ValueError):
+        calculator("__import__('os')")
+
+
+def test_specs_checked(tmp_path):
+    def bare(x):
+        """Doc."""
+    def undocumented(x: int):
+        pass
+    with pytest.raises(ConfigError, match="no type hint"):
+        check_tool(bare, "--tool t")
+    with pytest.raises(ConfigError, match="no docstring"):
+        check_tool(undocumented, "--tool t")
+    with pytest.raises(ConfigError, match="no module named"):
+        load_tool("no_such_module_xyz:f")
+    assert load_tool("calculator") is calculator
+
+    class NoReset:
+        def act(self, a: int) -> int:
+            """Act.
+
+            Args:
+                a: a
+            """
+            return a
+    with pytest.raises(ConfigError, match="no reset"):
+        Toolbox([], NoReset)
+
+    class Env(NoReset):
+        def reset(self, **kwargs):
+            return None
+
+        def get_reward(self):
+            return 1.0
+    box = Toolbox([calculator], Env)
+    assert [t.__name__ for t in box.all_tools()] == ["calculator", "act"] and box.reward_name == "Env"
+    envs = box.environments([0, 1, 2])
+    assert len({id(e) for e in envs}) == 3 and set(box.rollout_tools(envs[1])) == {"calculator", "act"}
+
+
+def test_turn_sampler_matches_generate_batch(model):
+    """A TurnSampler's first turns are generate_batch's (the same seeds), and a resumed row goes on."""
+    prompts = [np.array([3, 9, 4, 7]), np.array([5, 6])]
+    s = TurnSampler(model.engine, prompts, 30, temperature=1.0, seeds=[1, 2])
+    first = s.first(4)
+    assert first == generate_batch(model.engine, prompts, 4, temperature=1.0, seed=[1, 2])
+    more = s.resume([1], [[8, 8]], [3])
+    s.close()
+    assert len(more[0]) == 3
