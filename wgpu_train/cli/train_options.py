@@ -58,7 +58,7 @@ def add_train_config_options(p):
             f.name, base.__name__.upper())
         p.add_argument(flag, type=_parse_value(base, optional, f.name), default=argparse.SUPPRESS,
                        choices=choices, metavar=metavar, help=text,
-                       **({"action": JoinRepeated} if f.name in ("data", "reward") else {}))
+                       **({"action": JoinRepeated} if f.name in ("data", "reward", "tool") else {}))
 
 
 class JoinRepeated(argparse.Action):

@@ -79,9 +79,8 @@ def tool_rollouts(sampler, prompt_ids: Sequence, parse: Callable, suffix_ids: Ca
     rows = [Rollout(list(ids), [1] * len(ids)) for ids in first]
     pending = []
     for i, (r, ids) in enumerate(zip(rows, first)):
-        if ids:
-            r.turns.append(parse(ids, list(prompt_ids[i])))
-        if r.turns and r.turns[-1].get("tool_calls"):
+        r.turns.append(parse(ids, list(prompt_ids[i])))
+        if r.turns[-1].get("tool_calls"):
             pending.append(i)
     iteration = 0
     while pending and iteration < max_iterations:
