@@ -163,3 +163,29 @@ def test_turn_sampler_matches_generate_batch(model):
     more = s.resume([1], [[8, 8]], [3])
     s.close()
     assert len(more[0]) == 3
+
+
+def test_bad_tool_input_is_one_line(tmp_path, capsys):
+    """A tool that cannot be imported, a function without type hints, an environment without reset,
+    --max-tool-calling-iterations 0 and a chat template without tool support: one line, exit 2, no run folder."""
+    from finetune_helpers import make_model_dir, one_line_error, write_jsonl
+
+    model = make_model_dir(tmp_path / "model")
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
+    (tmp_path / "mytools.py").write_text(
+        "def bare(x):\n    \"\"\"Doc.\"\"\"\n\n"
+        "def ok(x: int) -> int:\n    \"\"\"Ok.\n\n    Args:\n        x: a number\n    \"\"\"\n    return x\n\n"
+        "class NoReset:\n    def act(self, x: int) -> int:\n        \"\"\"Act.\n\n        Args:\n"
+        "            x: a number\n        \"\"\"\n        return x\n")
+    common = ["finetune", "--model", str(model), "--data", str(tmp_path / "prompts.jsonl"), "--backend", "numpy",
+              "--objective", "grpo", "--max-steps", "1", "--no-progress", "--batch-size", "4", "--num-generations",
+              "4", "--max-completion-length", "6", "--reward", "exact_match", "--out"]
+    tools = str(tmp_path / "mytools.py")
+    cases = [(["--tool", "no_such_module_xyz:f"], "no module named 'no_such_module_xyz'"),
+             (["--tool", f"{tools}:bare"], "'x' has no type hint"),
+             (["--environment", f"{tools}:NoReset"], "has no reset method"),
+             (["--tool", "calculator", "--max-tool-calling-iterations", "0"], "must be at least 1"),
+             (["--tool", f"{tools}:ok"], "cannot render tool calls")]
+    for i, (extra, match) in enumerate(cases):
+        one_line_error(capsys, common + [str(tmp_path / f"run{i}")] + extra, match, after_log=True)
+        assert not (tmp_path / f"run{i}").exists()

@@ -29,7 +29,8 @@ from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.preference_scoring import mean_metrics
 from wgpu_train.training.rewards import RewardFunction, check_reward_weights, compute_rewards, load_rewards
 from wgpu_train.training.tools import Toolbox, load_environment, load_tool
-from wgpu_train.training.tools_demo import TOOL_DEMO_REWARD, tool_demo_splits
+from wgpu_train.training.config import default_model_dir
+from wgpu_train.training.tools_demo import TOOL_DEMO_REWARD, demo_tokenizer, tool_demo_splits, warm_up
 from wgpu_train.training.tools_rollouts import ToolRollouts
 from wgpu_train.training.trainer import Trainer
 
@@ -93,8 +94,10 @@ class GRPOTrainer(Trainer):
     def _read_data(self, model_cfg):
         cfg = self.config
         self.tokenizer = load_tokenizer(self.model_dir)
+        if self._tool_demo():
+            self.tokenizer = demo_tokenizer(self.tokenizer)
         if cfg.data is None:
-            s = tool_demo_splits(self.data_path) if self.toolbox else demo_prompt_splits(self.data_path)
+            s = tool_demo_splits() if self.toolbox else demo_prompt_splits(self.data_path)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
                              kind=self.unit.data)
@@ -531,7 +534,21 @@ class GRPOTrainer(Trainer):
                 out[name] = getattr(gen, name)
         return out
 
+    def _tool_demo(self) -> bool:
+        """Whether this is the embedded tool demo: tools, and no --model, --data, adapter or resume."""
+        cfg = self.config
+        return bool(self.toolbox) and cfg.data is None and cfg.model is None and not cfg.resume and (
+            not cfg.adapter_path or getattr(self, "_warmed_up", False))
+
     def setup(self):
+        if self._tool_demo():          # its SFT warm-up first, then GRPO continues the warm-up's adapter
+            if "calculator" not in [t.__name__ for t in self.toolbox.all_tools()]:
+                raise ConfigError("the embedded tool demo (no --data) asks for sums: give --tool calculator, or "
+                                  "--data with prompts for your tools")
+            tokenizer = demo_tokenizer(load_tokenizer(default_model_dir()))
+            self.config = dataclasses.replace(self.config, adapter_path=str(warm_up(self.config, tokenizer,
+                                                                                     self.log)))
+            self._warmed_up = True
         super().setup()
         # --eval-generate: the greedy reward on held-out prompts before and after, in place of exact match
         self.held_out_rewards, self.eval_generate = self.eval_generate, False

@@ -1,32 +1,36 @@
 """The embedded tool demo (`wgpu-train finetune --objective grpo --tool calculator`, no data): sums of two numbers
 the embedded model cannot add itself, asked in a chat template with tool support written for its vocabulary, the
-final answer scored by exact_match; the SFT warm-up's turns (half call the calculator, half guess) from which
+final answer scored by exact_match; the SFT warm-up's turns (a third call the calculator, the others guess) from which
 GRPO learns to call it."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
 from wgpu_train.data.prompt_records import PromptRecord
 from wgpu_train.data.sources import DataSplits
+from wgpu_train.formats.tokenizer import Tokenizer
+from wgpu_train.formats.tool_calls import tool_schemas
+from wgpu_train.training.tools import calculator
 
 TOOL_DEMO_REWARD = "exact_match"         # the final answer equals the sum
+WARMUP_STEPS, WARMUP_LR, WARMUP_BATCH = 60, 5e-3, 8        # the SFT warm-up
 DEMO_SPLITS = {"train": (0, 256), "valid": (1, 32), "test": (2, 32)}     # split -> (seed, prompts)
 
-# ChatML with tools, short enough for the embedded model's 256 positions: the tools' names and parameters in a
-# system turn, calls as Qwen2.5 writes them (<tool_call> JSON, which formats/tool_calls.py parses), results in a
-# user turn as <tool_response>
+# ChatML with tools, short for the embedded model's 256 positions and byte-level vocabulary: the tools' names and
+# parameters in a system turn, calls in Qwen2.5's <tool_call> JSON (which formats/tool_calls.py parses) without
+# spaces, results in a "tool" turn
 TOOL_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ ' ' + t.function.name + '(' + "
     "(t.function.parameters.properties | list | join(', ')) + ')' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + "
-    "'\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') }}"
-    "{%- for c in m.tool_calls or [] %}{{ '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
-    "(c.function.arguments | tojson) + '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') }}"
+    "{%- for c in m.tool_calls or [] %}{{ '<tool_call>{\"name\":\"' + c.function.name + '\",\"arguments\":' + "
+    "(c.function.arguments | tojson(separators=(',', ':'))) + '}</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
@@ -51,15 +55,15 @@ def tool_demo_splits() -> DataSplits:
 
 def warmup_records(tokenizer, schemas: list, n: int = 256, seed: int = 3) -> list:
     """The SFT warm-up's prompt-completion records, each one assistant turn rendered by the chat template with the
-    tools (the conversation before it the prompt, so tool results carry no loss): for half the problems a
-    calculator call and then the result as the answer, for the other half a guess (the first number)."""
+    tools (the conversation before it the prompt, so tool results carry no loss): for a third of the problems a
+    calculator call and then the result as the answer, for the others a guess (the first number)."""
     out = []
     for i, (a, b) in enumerate(_problems(seed, n)):
         question = _question(a, b)
-        if i % 2:
+        if i % 3:
             turns = [{"role": "assistant", "content": str(a)}]
         else:
-            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} + {b}"}}}
+            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}}
             turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "name": "calculator", "content": str(a + b)},
                      {"role": "assistant", "content": str(a + b)}]
@@ -68,11 +72,34 @@ def warmup_records(tokenizer, schemas: list, n: int = 256, seed: int = 3) -> lis
                 continue
             before = tokenizer.apply_chat_template(question + turns[:k], add_generation_prompt=True, tools=schemas)
             whole = tokenizer.apply_chat_template(question + turns[:k + 1], tools=schemas)
-            out.append({"prompt": before, "completion": whole[len(before):].rstrip("\n")})
+            # raw mode appends the EOS (<|im_end|>) after the completion
+            out.append({"prompt": before, "completion": whole[len(before):].removesuffix("<|im_end|>\n")})
     return out
 
 
-def write_warmup(path, records: list):
-    """The warm-up records as JSONL at `path`."""
-    with open(path, "w") as f:
+def demo_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """The embedded tokenizer with TOOL_TEMPLATE in place of its ChatML template (which renders no tools)."""
+    return Tokenizer(tokenizer.backend, chat_template=TOOL_TEMPLATE, eos_token=tokenizer.eos_token,
+                     pad_token=tokenizer.pad_token)
+
+
+def warm_up(config, tokenizer: Tokenizer, log) -> Path:
+    """The SFT warm-up of the embedded model before the tool demo's GRPO (it has never seen a tool call): LoRA
+    (the run's settings) trained WARMUP_STEPS steps on warmup_records, in a folder of its own (a temporary one);
+    returns the adapter's folder, which the GRPO run continues."""
+    folder = Path(tempfile.mkdtemp(prefix="wgpu-train-tool-warmup-"))
+    records = warmup_records(tokenizer, tool_schemas([calculator]))
+    with open(folder / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+    from wgpu_train.training.trainer import Trainer
+    from wgpu_train.training.config import TrainConfig
+
+    keep = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)
+            if f.name.startswith("lora_") or f.name in ("backend", "device", "seed", "precision")}
+    cfg = TrainConfig(**{**keep, "lora_dropout": 0.0}, objective="sft", data=str(folder / "train.jsonl"),
+                      out=str(folder / "run"), valid_split=0.0, no_chat_template=True, max_steps=WARMUP_STEPS,
+                      lr=WARMUP_LR, batch_size=WARMUP_BATCH, max_seq_len=192, eval_generate=False, no_progress=True)
+    log(f"warm-up: the embedded model has never seen a tool call; {WARMUP_STEPS} SFT steps on {len(records)} "
+        f"turns (a third call the calculator, the others guess) in {folder}")
+    Trainer(cfg, log=lambda m: None).setup().train()
+    return folder / "run"
