@@ -15,14 +15,18 @@ from wgpu_train.training.tools_loop import TurnSampler, tool_rollouts
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return wt.load_model(save_model(build_model("llama", seed=1), tmp_path_factory.mktemp("llama")),
-                         backend="numpy")
+def tiny(tmp_path_factory):
+    return save_model(build_model("llama", seed=1), tmp_path_factory.mktemp("llama"))
 
 
-def test_extended_row_continues_its_cache(model):
+@pytest.fixture(scope="module")
+def model(tiny):
+    return wt.load_model(tiny, backend="numpy")
+
+
+def _extended_row_continues_its_cache(model):
     """Greedy: a row extended with tokens after its first turn gives what generating from the whole sequence
-    gives; the cache is not prefilled again (the row's tokens before the extension stay where they are)."""
+    gives; the cache is not prefilled again (only the last generated token and the new ones are)."""
     prompts = [np.array([3, 9, 4, 7]), np.array([5, 6])]
     batch = DecodeBatch(model.engine, 2, 40)
     slots = [batch.add(p, 4, Sampling(), hold=True) for p in prompts]
@@ -40,8 +44,16 @@ def test_extended_row_continues_its_cache(model):
     batch.close()
     whole = np.concatenate([prompts[0], first[slots[0]], appended])
     assert after == generate_batch(model.engine, [whole], 5)[0]
+
+
+def test_extended_row_continues_its_cache(model):
+    _extended_row_continues_its_cache(model)
     with pytest.raises(ValueError):
         DecodeBatch(model.engine, 1, 8).extend(0, [1], 2)
+
+
+def test_extended_row_continues_its_cache_webgpu(tiny, rt):
+    _extended_row_continues_its_cache(wt.load_model(tiny, backend="wgpu", device=str(rt.info.index)))
 
 
 class ScriptedSampler:
