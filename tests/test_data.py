@@ -135,7 +135,7 @@ BAD_LINES = [
     ({"messages": "hi"}, "must be a non-empty list"),
     ({"messages": []}, "must be a non-empty list"),
     ({"messages": [{"role": "user", "content": "U"}]}, "no assistant message"),
-    ({"messages": [{"role": "user", "content": "U"}, {"role": "tool", "content": "A"}]}, "role 'tool'"),
+    ({"messages": [{"role": "user", "content": "U"}, {"role": "robot", "content": "A"}]}, "role 'robot'"),
     ({"messages": [{"role": "user", "content": "U"}, {"role": "assistant"}]}, 'missing field "content"'),
     ({"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": " "}]}, "is empty"),
     ({"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": 5}]}, "must be a string"),

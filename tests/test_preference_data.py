@@ -150,7 +150,7 @@ BAD_PAIRS = [
     ({"prompt": [U("Q?")], "chosen": [U("Q?"), A("yes")], "rejected": [U("Other?"), A("no")]},
      '"chosen" and "rejected" carry different prompts'),
     ({"prompt": [U("Q?")], "chosen": [A("yes")], "rejected": [U("no")]}, '"rejected" has no assistant message'),
-    ({"prompt": [U("Q?")], "chosen": [A("yes")], "rejected": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
+    ({"prompt": [U("Q?")], "chosen": [A("yes")], "rejected": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
 ]
 BAD_IMPLICIT = [
     ({"chosen": "yes", "rejected": "no"}, "share no prompt: they differ from their first character"),

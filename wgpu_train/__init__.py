@@ -2,7 +2,7 @@
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.errors import (AdapterError, ConfigError, DataError, DeviceError, ModelFileError, RewardError,
-                               ShaderError, WgpuTrainError)
+                               ShaderError, ToolError, WgpuTrainError)
 from wgpu_train.engines.resources import devices, estimate_memory
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.loading import load_model
@@ -16,5 +16,5 @@ __version__ = "0.1.0"
 
 __all__ = ["BASE_DTYPES", "EMBED_CHOICES", "EMBED_DTYPES", "AdapterError", "ConfigError", "DataError",
            "DeviceError", "LoraConfig", "Model", "ModelConfig", "ModelFileError", "RewardError", "ShaderError",
-           "TrainConfig", "Trainer", "WgpuTrainError", "default_run_config", "devices", "estimate_memory", "finetune",
-           "load_model", "load_tokenizer", "__version__"]
+           "ToolError", "TrainConfig", "Trainer", "WgpuTrainError", "default_run_config", "devices", "estimate_memory",
+           "finetune", "load_model", "load_tokenizer", "__version__"]

@@ -27,6 +27,11 @@ class RewardError(WgpuTrainError):
     neither a number nor None (names the function and the step)."""
 
 
+class ToolError(WgpuTrainError):
+    """A tool that cannot be used: a function whose JSON schema cannot be made (no type hints or docstring), a tools
+    list that is no list of JSON schemas, or tools given to a chat template that cannot render them."""
+
+
 class DeviceError(WgpuTrainError):
     """No usable WebGPU adapter, a lost device, or a request beyond the device's limits."""
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from wgpu_train.data.kinds import DataKind
-from wgpu_train.data.records import BadRecord, Message, convert_messages, string_field
+from wgpu_train.data.records import BadRecord, Message, convert_messages, record_tools, string_field
 from wgpu_train.errors import ConfigError
 
 # a prompt or an answer: a string (standard format) or a list of Message (conversational format)
@@ -33,6 +33,7 @@ class PreferenceRecord:
     chosen: Part
     rejected: Part
     source: str = ""
+    tools: list | None = None       # the tools column (JSON schemas, or functions in code) the template renders
 
 
 @dataclass
@@ -44,6 +45,7 @@ class UnpairedRecord:
     completion: Part
     label: bool
     source: str = ""
+    tools: list | None = None       # the tools column (JSON schemas, or functions in code) the template renders
 
 
 def is_conversational(part: Part) -> bool:
@@ -158,13 +160,13 @@ def convert_preference(obj: Any, fmt: str, source: str = "") -> PreferenceRecord
         raise BadRecord(f"record looks like {found} format {_SHAPES[found]}, "
                         f"but the file is {fmt} format {_SHAPES[fmt]}")
     if fmt != UNPAIRED_FORMAT:
-        return PreferenceRecord(*_convert_pair(obj, fmt), source=source)
+        return PreferenceRecord(*_convert_pair(obj, fmt), source=source, tools=record_tools(obj))
     prompt, completion = _part(obj, "prompt"), _part(obj, "completion")
     if is_conversational(prompt) != is_conversational(completion):
         raise BadRecord('"prompt" and "completion" must both be strings or both message lists')
     if is_conversational(completion):
         _check_answer(completion, "completion")
-    return UnpairedRecord(prompt, completion, _label(obj), source)
+    return UnpairedRecord(prompt, completion, _label(obj), source, record_tools(obj))
 
 
 def unpair_preferences(records: Sequence[PreferenceRecord]) -> list[UnpairedRecord]:
@@ -173,8 +175,8 @@ def unpair_preferences(records: Sequence[PreferenceRecord]) -> list[UnpairedReco
     out: list[UnpairedRecord] = []
     for b in range(0, len(records), UNPAIR_BATCH):
         batch = records[b:b + UNPAIR_BATCH]
-        out += [UnpairedRecord(r.prompt, r.chosen, True, r.source) for r in batch]
-        out += [UnpairedRecord(r.prompt, r.rejected, False, r.source) for r in batch]
+        out += [UnpairedRecord(r.prompt, r.chosen, True, r.source, r.tools) for r in batch]
+        out += [UnpairedRecord(r.prompt, r.rejected, False, r.source, r.tools) for r in batch]
     return out
 
 

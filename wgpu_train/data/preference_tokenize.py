@@ -13,8 +13,9 @@ from wgpu_train.data.batching import Example
 from wgpu_train.data.preference_records import Part, PreferenceRecord, UnpairedRecord, is_conversational
 from wgpu_train.data.records import IGNORE_INDEX, Message
 from wgpu_train.data.tokenize import raw_prompt_text
-from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.errors import ConfigError, DataError, ToolError
 from wgpu_train.formats.tokenizer import Tokenizer
+from wgpu_train.formats.tool_calls import supports_tools, tool_schemas
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
@@ -133,15 +134,19 @@ def _as_text(prompt: Part, answers: Sequence[Part], eos: str) -> tuple[str, list
     return prompt_text, answer_texts
 
 
-def _tokenize(tokenizer: Tokenizer, prompt: Part, answers: Sequence[Part],
-              use_chat_template: bool) -> tuple[list[int], list[list[int]]]:
+def _tokenize(tokenizer: Tokenizer, prompt: Part, answers: Sequence[Part], use_chat_template: bool,
+              tools: list[dict] | None = None) -> tuple[list[int], list[list[int]]]:
     """(prompt ids, [answer ids]) as TRL 1.16 tokenizes them: conversations through the chat template (the prompt
     with the generation prompt, prompt + answer without), strings through the tokenizer with its special tokens
     and the EOS appended to answers that do not end with it; the answers start where the tokenized prompt and
-    the tokenized prompt + answer first differ (for every answer), which is usually the prompt's end."""
+    the tokenized prompt + answer first differ (for every answer), which is usually the prompt's end. A
+    conversation's `tools` (JSON schemas) are rendered with it, as TRL renders a dataset's tools column."""
     if is_conversational(prompt) and use_chat_template:
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
-        whole = [tokenizer.encode(tokenizer.apply_chat_template(list(prompt) + list(a))) for a in answers]
+        if tools and not supports_tools(tokenizer.chat_template):
+            raise ToolError("the chat template does not render tools (as TRL's supports_tool_calling checks)")
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tools=tools))
+        whole = [tokenizer.encode(tokenizer.apply_chat_template(list(prompt) + list(a), tools=tools))
+                 for a in answers]
     else:
         eos = tokenizer.eos_token or ""
         if is_conversational(prompt):
@@ -171,12 +176,14 @@ def _tokenize_all(tokenizer: Tokenizer, records: Sequence, answers_of, stats: Pr
     """(record, prompt ids, [answer ids]) of each record the chat template accepts."""
     for k, record in enumerate(records):
         try:
-            prompt_ids, answer_ids = _tokenize(tokenizer, record.prompt, answers_of(record), use_chat_template)
-        except DataError as e:
-            if skip_invalid:
+            tools = tool_schemas(record.tools) if record.tools else None
+            prompt_ids, answer_ids = _tokenize(tokenizer, record.prompt, answers_of(record), use_chat_template,
+                                               tools)
+        except (DataError, ToolError) as e:
+            if skip_invalid and isinstance(e, DataError):
                 stats.n_skipped += 1
                 continue
-            raise DataError(f"{record.source or f'record {k}'}: {e}") from None
+            raise type(e)(f"{record.source or f'record {k}'}: {e}") from None
         if max_prompt_length is not None:
             prompt_ids = prompt_ids[-max_prompt_length:]
         yield record, _ids(prompt_ids), [_ids(a) for a in answer_ids]

@@ -1,17 +1,22 @@
 """Training records: the five record shapes (chat, completions, alpaca, instruction, text) checked and turned
-into message lists or plain text, each remembering where it was read."""
+into message lists or plain text, each remembering where it was read; a conversation's tools, tool calls and tool
+results as TRL and transformers define them."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Sequence, Union
+
+from wgpu_train.errors import ToolError
+from wgpu_train.formats.tool_calls import tool_schemas
 
 IGNORE_INDEX = -100  # label of a position that carries no loss (transformers' convention)
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 RAW_SEPARATOR = "\n\n"  # between prompt and response in raw (no chat template) mode, except for completions data
 
-# {"role": "system" | "user" | "assistant", "content": str}; the user message of completions data also holds
-# "raw_separator": "" (raw mode continues its prompt directly, see raw_prompt_text)
+# {"role": "system" | "user" | "assistant" | "tool", "content": str}; an assistant message may also hold
+# "tool_calls" (then its content may be ""), a tool message "name" and "tool_call_id"; the user message of
+# completions data also holds "raw_separator": "" (raw mode continues its prompt directly, see raw_prompt_text)
 Message = dict
 Record = Union[list, str]  # a conversation (list of Message) or, for the "text" format, a plain string
 
@@ -36,11 +41,14 @@ _SHAPES = {
 
 
 class Conversation(list):
-    """A record's messages that remember where they were read: `source` is "file:line" ("" when built in code)."""
+    """A record's messages that remember where they were read: `source` is "file:line" ("" when built in code);
+    `tools`, the tools the chat template renders with them (JSON schemas or, built in code, Python functions), or
+    None."""
 
-    def __init__(self, messages: Iterable[Message] = (), source: str = "") -> None:
+    def __init__(self, messages: Iterable[Message] = (), source: str = "", tools: Sequence[Any] | None = None) -> None:
         super().__init__(messages)
         self.source = source
+        self.tools = tools
 
 
 class Text(str):
@@ -124,9 +132,26 @@ def _message_content(m: dict, key: str, k: int) -> str:
     return "".join(texts)
 
 
+def _tool_calls(m: dict, k: int) -> list[dict]:
+    """Message k's tool_calls as given ({"type": "function", "function": {"name", "arguments"}} or the function
+    itself), each checked to name its function; BadRecord otherwise."""
+    calls = m["tool_calls"]
+    if not isinstance(calls, list) or not calls:
+        raise BadRecord(f'"tool_calls" of message {k} must be a non-empty list')
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", {}), (dict, str)):
+            raise BadRecord(f"tool call {j} of message {k} must be {{\"type\": \"function\", \"function\": "
+                            f"{{\"name\": ..., \"arguments\": {{...}}}}}}")
+    return calls
+
+
 def convert_messages(messages: Any, key: str) -> list[Message]:
     """The field `key`'s messages checked and normalised to {"role", "content"} (ShareGPT's from / value and
-    OpenAI-style text parts accepted; an empty system message left out); BadRecord for anything else."""
+    OpenAI-style text parts accepted; an empty system message left out); an assistant message keeps its
+    "tool_calls" (its content "" when it has none), a tool message its "name" and "tool_call_id"; BadRecord for
+    anything else."""
     if not isinstance(messages, list) or not messages:
         raise BadRecord(f'"{key}" must be a non-empty list')
     out: list[Message] = []
@@ -142,21 +167,38 @@ def convert_messages(messages: Any, key: str) -> list[Message]:
         else:
             role, content_key = m.get("role"), "content"
             if role not in ROLES:
-                raise BadRecord(f"message {k} has role {role!r}; roles must be system, user or assistant")
-        content = _message_content(m, content_key, k)
-        if not content.strip():
+                raise BadRecord(f"message {k} has role {role!r}; roles must be system, user, assistant or tool")
+        calls = _tool_calls(m, k) if role == "assistant" and m.get("tool_calls") is not None else None
+        content = "" if calls is not None and m.get(content_key) is None else _message_content(m, content_key, k)
+        if not content.strip() and calls is None and role != "tool":
             if role == "system":
                 continue  # an empty system message is no system message
             raise BadRecord(f'field "{content_key}" in message {k} is empty')
         if role == "system" and out:
             raise BadRecord(f"message {k}: a system message may only come first")
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if calls is not None:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update({name: m[name] for name in ("name", "tool_call_id") if isinstance(m.get(name), str)})
+        out.append(message)
     return out
 
 
-def _convert_chat(obj: dict) -> list[Message]:
+def record_tools(obj: dict) -> list[dict] | None:
+    """A record's "tools" column as JSON schemas (a list of them, or a JSON string of one; TRL's SFTTrainer reads
+    both), None when absent or empty; BadRecord naming the problem."""
+    if obj.get("tools") is None:
+        return None
+    try:
+        return tool_schemas(obj["tools"]) or None
+    except ToolError as e:
+        raise BadRecord(f'field "tools": {e}') from None
+
+
+def _convert_chat(obj: dict) -> Conversation:
     key = "messages" if "messages" in obj else "conversations"
-    out = convert_messages(obj[key], key)
+    out = Conversation(convert_messages(obj[key], key), tools=record_tools(obj))
     first = 1 if out and out[0]["role"] == "system" else 0
     if len(out) <= first or out[first]["role"] != "user":
         raise BadRecord("the conversation must start with a user message (after an optional system message)")

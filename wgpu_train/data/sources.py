@@ -28,7 +28,7 @@ VALID_NAMES = ("valid", "validation", "val", "dev")        # names of a folder's
 SPLIT_NAMES = {"train": ("train",), "valid": VALID_NAMES, "test": ("test",)}
 FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "response",
           "context", "system", "text", "chosen", "rejected", "label",
-          "answer", "solution")                            # the fields a column can be mapped onto
+          "answer", "solution", "tools")                   # the fields a column can be mapped onto
 PARQUET_BATCH = 1024                                       # rows converted to Python objects at a time
 _SHARD = re.compile(r"-\d+-of-\d+\.\w+")                      # the hub's shard names: train-00000-of-00002.parquet
 
@@ -193,7 +193,8 @@ def _convert(obj: Any, fmt: str, where: str, kind: DataKind) -> Any:
     if kind is not DataKind.SFT:
         return convert_preference(obj, fmt, where)
     record = convert(obj, fmt)
-    return Text(record, where) if isinstance(record, str) else Conversation(record, where)
+    return Text(record, where) if isinstance(record, str) else Conversation(record, where,
+                                                                             getattr(record, "tools", None))
 
 
 def load_records(path: str | Path, skip_invalid: bool = False, columns: dict[str, str] | None = None,

@@ -10,8 +10,9 @@ import numpy as np
 
 from wgpu_train.data.batching import Example
 from wgpu_train.data.records import IGNORE_INDEX, RAW_SEPARATOR, Message, Record
-from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.errors import ConfigError, DataError, ToolError
 from wgpu_train.formats.tokenizer import Tokenizer
+from wgpu_train.formats.tool_calls import supports_tools, tool_schemas
 
 __all__ = ["TokenizeStats", "raw_prompt_text", "generation_prompt_ids", "tokenize_example", "tokenize_dataset"]
 
@@ -110,15 +111,17 @@ def _first_marker(text: str, markers: Sequence[str], start: int) -> tuple[int, i
     return best
 
 
-def _assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: str) -> list[tuple[int, int, int]]:
+def _assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: str,
+                     tools: list[dict] | None) -> list[tuple[int, int, int]]:
     """(message index, start, end) of each assistant turn: the char span in `text` (the rendered conversation)
-    from where the generation prompt ends through the token that closes the turn. A turn whose content the
-    template drops entirely (a past reasoning turn that held only thinking) has no span."""
+    from where the generation prompt ends through the token that closes the turn (its tool calls included). A turn
+    whose content the template drops entirely (a past reasoning turn that held only thinking) has no span."""
     markers = tokenizer.end_of_turn_strings()
     spans: list[tuple[int, int, int]] = []
     cursor = 0
     for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
-        start = _prompt_end(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True), text)
+        start = _prompt_end(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tools=tools),
+                            text)
         if start < cursor:
             raise DataError(f"cannot locate assistant turn {i} in the rendered chat template text")
         found = _find_content(text, messages[i]["content"], start)
@@ -135,11 +138,24 @@ def _assistant_spans(tokenizer: Tokenizer, messages: Sequence[Message], text: st
     return spans
 
 
-def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message],
-                  train_on_last_turn: bool) -> tuple[list[int], list[int]]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+def _record_tools(tokenizer: Tokenizer, messages: Record, use_chat_template: bool) -> list[dict] | None:
+    """A conversation's tools as JSON schemas (functions converted), None without any; ToolError when tools or
+    tool calls meet a template that cannot render them, or raw text mode."""
+    tools = tool_schemas(messages.tools) if getattr(messages, "tools", None) else None
+    uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if uses_tools and not use_chat_template:
+        raise ToolError("tools and tool calls need the chat template (raw text mode has no place for them)")
+    if uses_tools and not supports_tools(tokenizer.chat_template):
+        raise ToolError("the chat template does not render tools and tool calls (as TRL's supports_tool_calling "
+                        "checks); use a model whose template does, e.g. Qwen2.5, Qwen3 or Llama 3.1")
+    return tools
+
+
+def _chat_example(tokenizer: Tokenizer, messages: Sequence[Message], train_on_last_turn: bool,
+                  tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
     last = len(messages) - 1  # the conversation ends with its last answer
-    spans = [(start, end) for i, start, end in _assistant_spans(tokenizer, messages, text)
+    spans = [(start, end) for i, start, end in _assistant_spans(tokenizer, messages, text, tools)
              if i == last or not train_on_last_turn]
     ids, offsets = tokenizer.encode_with_offsets(text)
     labels = [IGNORE_INDEX] * len(ids)
@@ -196,9 +212,11 @@ def tokenize_example(tokenizer: Tokenizer, messages: Record, max_seq_len: int, u
 
     Conversations: only assistant responses are trained (every assistant turn, or only the last with
     `train_on_last_turn`), each with the token that closes it (e.g. <|im_end|>), found from character offsets of
-    the rendered chat template (a ChatML fallback when the tokenizer has none). A turn the template drops
-    entirely (Qwen3 keeps only the answer after </think> of past turns: one that held only thinking) is not
-    trained. With `use_chat_template=False`, raw text: prompt (see raw_prompt_text) + response + EOS. Plain text
+    the rendered chat template (a ChatML fallback when the tokenizer has none). A conversation's `tools` are
+    rendered with it (`tools=`, as transformers passes them); its tool calls are trained with their assistant turn,
+    tool results are not; tools or tool calls with a template that cannot render them raise ToolError. A turn the
+    template drops entirely (Qwen3 keeps only the answer after </think> of past turns: one that held only thinking)
+    is not trained. With `use_chat_template=False`, raw text: prompt (see raw_prompt_text) + response + EOS. Plain text
     records: every token plus an appended EOS. Longer than `max_seq_len` is truncated; returns None when no
     trained token survives. A conversation the chat template refuses raises DataError.
     """
@@ -207,13 +225,14 @@ def tokenize_example(tokenizer: Tokenizer, messages: Record, max_seq_len: int, u
     if isinstance(messages, str):
         ids, labels = _text_example(tokenizer, messages)
     else:
+        tools = _record_tools(tokenizer, messages, use_chat_template)
         # turns after the last answer teach nothing; leave them out
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         if last < 0:
             return None
         messages = list(messages[:last + 1])
         if use_chat_template:
-            ids, labels = _chat_example(tokenizer, messages, train_on_last_turn)
+            ids, labels = _chat_example(tokenizer, messages, train_on_last_turn, tools)
         else:
             ids, labels = _raw_example(tokenizer, messages, train_on_last_turn)
     truncated = len(ids) > max_seq_len
@@ -236,11 +255,11 @@ def tokenize_dataset(tokenizer: Tokenizer, records: Sequence[Record], max_seq_le
     for k, record in enumerate(records):
         try:
             ex = tokenize_example(tokenizer, record, max_seq_len, use_chat_template, train_on_last_turn)
-        except DataError as e:
-            if skip_invalid:
+        except (DataError, ToolError) as e:
+            if skip_invalid and isinstance(e, DataError):
                 stats.n_skipped += 1
                 continue
-            raise DataError(f"{getattr(record, 'source', '') or f'record {k}'}: {e}") from None
+            raise type(e)(f"{getattr(record, 'source', '') or f'record {k}'}: {e}") from None
         if ex is None:
             stats.n_dropped += 1
             continue

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from wgpu_train.errors import DataError, ModelFileError
 
 __all__ = ["CHATML_TEMPLATE", "CHATML_EOS_TEMPLATE", "END_OF_TURN_TOKENS", "TOKENIZER_FILES", "StreamDecoder",
-           "Tokenizer", "load_tokenizer"]
+           "Tokenizer", "compile_chat_template", "load_tokenizer"]
 
 log = logging.getLogger("wgpu_train")
 
@@ -103,7 +103,8 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled in the sandboxed environment transformers renders templates in."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -235,6 +236,11 @@ class Tokenizer:
         """Text of `ids`."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_tokens(self) -> list[str]:
+        """The added tokens marked special: what decoding with skip_special_tokens leaves out."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None when it is not in the vocabulary."""
         return self._tok.token_to_id(token)
@@ -261,7 +267,7 @@ class Tokenizer:
         The first render with a fallback template logs a warning."""
         if self._template is None:
             try:
-                self._template = _compile_template(self.chat_template)
+                self._template = compile_chat_template(self.chat_template)
             except jinja2.TemplateSyntaxError as e:
                 raise ModelFileError(f"chat template does not compile: {e.message} (line {e.lineno})") from None
             if self._template_source is None:

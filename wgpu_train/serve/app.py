@@ -17,8 +17,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from wgpu_train.serve.api_error import ApiError
-from wgpu_train.serve.prompts import COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids
+from wgpu_train.serve.prompts import COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids, tool_prompt
 from wgpu_train.serve.requests import json_body, parse_chat, parse_completion
+from wgpu_train.serve.tool_calls import live_content, openai_message, plan_tools
 from wgpu_train.engines.generate import Sampling
 from wgpu_train.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from wgpu_train.serve.responses import DONE, Logprobs, Reply, model_card, model_list, sse
@@ -105,7 +106,11 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
     async def generation(request: Request, chat: bool):
         req = (parse_chat if chat else parse_completion)(json_body(await request.body()))
         style = style_of(req.model)
-        if chat:
+        plan = None
+        if chat and req.tools is not None:
+            plan = plan_tools(tokenizer, req.tools, tool_prompt(tokenizer, req.messages, style, req.tools.tools))
+            prompts = [tokenizer.encode(plan.prompt + plan.prefill)]
+        elif chat:
             prompts = [chat_prompt_ids(tokenizer, req.messages, style)]
         else:
             prompts = [completion_prompt_ids(tokenizer, p, vocab_size, i) for i, p in enumerate(req.prompts)]
@@ -133,7 +138,8 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                 seed = None if req.seed is None else (req.seed + j) & 0xFFFFFFFFFFFFFFFF
                 sampling = Sampling(req.temperature, req.top_k, req.top_p, seed, req.presence_penalty,
                                     req.frequency_penalty)
-                jobs.append(Job(req.model, p, b, sampling, req.stop, emitter(len(jobs)), req.logprobs, req.echo))
+                jobs.append(Job(req.model, p, b, sampling, req.stop, emitter(len(jobs)), req.logprobs, req.echo,
+                                special_tokens=plan is not None and plan.parse))
         try:
             scheduler.submit(jobs)
         except QueueFull:
@@ -141,7 +147,8 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         echoes = [_echo_text(tokenizer, p, ids) if req.echo else "" for p, ids in
                   zip(req.prompts or [None], prompts) for _ in range(req.n)]
-        answer = _Answer(Reply(chat, req.model), Logprobs(tokenizer, chat), req.n, echoes, req.logprobs is not None)
+        answer = _Answer(Reply(chat, req.model), Logprobs(tokenizer, chat), req.n, echoes, req.logprobs is not None,
+                         plan if plan is not None and plan.parse else None)
         if req.stream:
             return StreamingResponse(stream(jobs, events, answer, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -187,7 +194,14 @@ def build_app(scheduler: Scheduler, api_key: str | None = None) -> Starlette:
                 text, logprobs = answer.take(index, event)
                 if event[0] == "done":
                     pending -= 1
-                    yield sse(reply.chunk(index, finish_reason=event[1], with_usage=include_usage))
+                    if answer.plan is not None:     # the content held back, then the calls
+                        message, _ = answer.message(index)
+                        for chunk in reply.tool_call_chunks(index, message, answer.sent[index], include_usage):
+                            yield sse(chunk)
+                    yield sse(reply.chunk(index, finish_reason=answer.reasons[index], with_usage=include_usage))
+                elif answer.plan is not None:
+                    if piece := answer.live(index):
+                        yield sse(reply.chunk(index, piece, with_usage=include_usage))
                 elif text or logprobs:
                     yield sse(reply.chunk(index, text, with_usage=include_usage, logprobs=logprobs))
             if include_usage:
@@ -220,8 +234,10 @@ def _echo_text(tokenizer, given, ids: list) -> str:
 class _Answer:
     """One request's choices as their events come: text, finish reasons, logprobs objects, usage."""
 
-    def __init__(self, reply: Reply, shape: Logprobs, n: int, echoes: list, logprobs: bool):
+    def __init__(self, reply: Reply, shape: Logprobs, n: int, echoes: list, logprobs: bool, plan=None):
         self.reply, self.shape, self.n, self.echoes, self.logprobs = reply, shape, n, echoes, logprobs
+        self.plan = plan                # a ToolPlan: each choice's text is parsed into a message with tool calls
+        self.sent = [""] * len(echoes)  # with a plan: the content streamed so far
         self.stops = set(shape.tokenizer.stop_token_ids)
         self.texts = [""] * len(echoes)
         self.reasons = [None] * len(echoes)
@@ -250,6 +266,23 @@ class _Answer:
         self.shape.extend(self.objects[index], entries, at)
         return text, self.shape.of(entries, at)
 
+    def live(self, index: int) -> str:
+        """With a plan, the content of choice `index` that may be streamed now and was not yet."""
+        content = live_content(self.plan, self.texts[index])
+        if not content.startswith(self.sent[index]) or content == self.sent[index]:
+            return ""
+        piece, self.sent[index] = content[len(self.sent[index]):], content
+        return piece
+
+    def message(self, index: int) -> tuple[dict, str]:
+        """Choice `index`'s message, its tool calls parsed, and its finish reason ("tool_calls" when it has some)."""
+        message, calls = openai_message(self.shape.tokenizer, self.plan, self.texts[index])
+        if calls:
+            self.reasons[index] = "tool_calls"
+        return message, self.reasons[index]
+
     def whole(self) -> list:
-        """(text, finish_reason, logprobs object) of every choice."""
+        """(text or message, finish_reason, logprobs object) of every choice."""
+        if self.plan is not None:
+            return [(*self.message(i), lp) for i, lp in enumerate(self.objects)]
         return list(zip(self.texts, self.reasons, self.objects))

@@ -30,6 +30,18 @@ def chat_prompt_ids(tokenizer, messages: list, style: PromptStyle) -> list[int]:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
 
 
+def tool_prompt(tokenizer, messages: list, style: PromptStyle, tools: tuple) -> str:
+    """The prompt's text with the request's tools rendered by the chat template (a 400 for a model served
+    without its chat template, or messages the template refuses)."""
+    if not style.chat_template:
+        raise ApiError(400, "tools need the chat template, and this model is served without it", "tools",
+                       "tools_not_supported")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=list(tools))
+    except WgpuTrainError as e:
+        raise ApiError(400, str(e), "messages", "invalid_value") from None
+
+
 def completion_prompt_ids(tokenizer, prompt, vocab_size: int, index: int = 0) -> list[int]:
     """The ids of a completion prompt: text after BOS where the tokenizer adds one, or ids as given."""
     if isinstance(prompt, str):

@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass
 
 from wgpu_train.serve.api_error import ApiError
+from wgpu_train.serve.tool_calls import ToolRequest, parse_tools, template_message
 
 MAX_STOPS = 4                   # OpenAI's limit on stop strings
 MAX_TOP_LOGPROBS = {True: 20, False: 5}       # OpenAI's limits: chat's top_logprobs, completions' logprobs
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logprobs: int | None = None     # alternatives given with each token's log-probability; None: no logprobs
     echo: bool = False              # completions: the prompt before its answer (with its logprobs)
+    tools: ToolRequest | None = None    # chat: the tools, tool_choice and parallel_tool_calls; None: no tools
 
 
 def json_body(raw: bytes) -> dict:
@@ -161,12 +163,12 @@ def _content(message: dict, index: int) -> str:
 
 def parse_chat(body: dict) -> GenerationRequest:
     """A /v1/chat/completions body, checked."""
-    _unsupported(body, {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
-                        "response_format": ({"type": "text"},), "audio": ({},)})
+    _unsupported(body, {"functions": ([],), "response_format": ({"type": "text"},), "audio": ({},)})
+    tools = parse_tools(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise _bad_type("messages", "a non-empty list of messages", raw)
-    messages = []
+    messages, calls_by_id = [], {}
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise _bad_type(f"messages[{i}]", "an object with 'role' and 'content'", m)
@@ -174,14 +176,17 @@ def parse_chat(body: dict) -> GenerationRequest:
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                            f"messages[{i}].role", "invalid_value")
-        messages.append({"role": ROLES[role], "content": _content(m, i)})
+        messages.append(template_message(m, ROLES[role], _content(m, i), i, calls_by_id))
     top = _whole(body, "top_logprobs", None, 0)
     if top is not None and top > MAX_TOP_LOGPROBS[True]:
         raise _bad_value("top_logprobs", f"must be at most {MAX_TOP_LOGPROBS[True]}", top)
     wanted = _flag(body, "logprobs")
     if top is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-    return GenerationRequest(messages=messages, prompts=None, logprobs=(top or 0) if wanted else None,
+    if wanted and tools is not None and tools.choice != "none":
+        raise ApiError(400, "'logprobs' with tools is not supported by this server", "logprobs",
+                       "unsupported_parameter")
+    return GenerationRequest(messages=messages, prompts=None, logprobs=(top or 0) if wanted else None, tools=tools,
                              **_common(body, ("max_tokens", "max_completion_tokens")))
 
 

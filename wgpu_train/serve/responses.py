@@ -1,5 +1,5 @@
-"""OpenAI's response objects: chat.completion and text_completion, their streamed chunks, usage, log-probabilities
-in either's shape, the model list, and server-sent events framing (`data: {...}\\n\\n`, then
+"""OpenAI's response objects: chat.completion and text_completion, their streamed chunks (tool calls' too), usage,
+log-probabilities in either's shape, the model list, and server-sent events framing (`data: {...}\\n\\n`, then
 `data: [DONE]\\n\\n`)."""
 from __future__ import annotations
 
@@ -33,10 +33,12 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def complete(self, answers: list, prompt_tokens: int, completion_tokens: int) -> dict:
-        """The whole response: answers are (text, finish_reason, logprobs object or None), one per choice."""
+        """The whole response: answers are (text, finish_reason, logprobs object or None), one per choice; a chat
+        answer's text may be its whole message (with tool calls)."""
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                        "logprobs": lp} for i, (text, reason, lp) in enumerate(answers)]
+            choices = [{"index": i, "message": text if isinstance(text, dict) else {"role": "assistant",
+                                                                                     "content": text},
+                        "finish_reason": reason, "logprobs": lp} for i, (text, reason, lp) in enumerate(answers)]
             out = self._frame("chat.completion", choices)
         else:
             choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
@@ -59,6 +61,26 @@ class Reply:
                                                    "finish_reason": finish_reason, "logprobs": logprobs}])
         if with_usage:
             out["usage"] = None
+        return out
+
+    def tool_call_chunks(self, index: int, message: dict, sent: str = "", with_usage: bool = False) -> list[dict]:
+        """A chat answer's content and tool calls as OpenAI streams them: the content (what follows `sent`, the
+        content streamed already, when it begins with it), then per call a delta with its index, id, type and name
+        (arguments ""), then one with its arguments."""
+        content = message.get("content") or ""
+        rest = content[len(sent):] if content.startswith(sent) else ""
+        deltas = [{"content": rest}] if rest else []
+        for k, call in enumerate(message.get("tool_calls", [])):
+            deltas.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                           "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+        out = []
+        for delta in deltas:
+            chunk = self._frame("chat.completion.chunk", [{"index": index, "delta": delta, "finish_reason": None,
+                                                           "logprobs": None}])
+            if with_usage:
+                chunk["usage"] = None
+            out.append(chunk)
         return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

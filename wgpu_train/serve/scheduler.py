@@ -48,6 +48,7 @@ class Job:
     emit: Callable
     logprobs: int | None = None         # alternatives per token with its log-probability; None: none
     echo: bool = False                  # the prompt's log-probabilities too (with logprobs)
+    special_tokens: bool = False        # the text keeps special tokens (an answer whose tool calls are parsed)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued: float = field(default_factory=time.perf_counter)
     queued_step: int = 0                # the scheduler's step count when it was queued
@@ -190,7 +191,7 @@ class Scheduler:
             slot = self._batch.add(job.prompt, job.max_tokens, job.sampling, self.tokenizer.stop_token_ids,
                                    job.logprobs, job.echo and job.logprobs is not None,
                                    self.registry.row_adapter(job.adapter) if self.mixed else -1, job.adapter)
-            self._running[slot] = _Running(job, TextStream(self.tokenizer, job.stops), last=now)
+            self._running[slot] = _Running(job, TextStream(self.tokenizer, job.stops, not job.special_tokens), last=now)
             self.metrics.prompt_tokens.inc(len(job.prompt))
             self.metrics.prefix_reused.inc(self._batch.reused - reused)
         for slot, run in list(self._running.items()):

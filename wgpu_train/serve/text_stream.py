@@ -1,5 +1,6 @@
-"""Generated token ids -> the text a client sees, piece by piece: stop tokens left out, the answer cut before
-the first stop string, and text that may be the start of one held back until it is known not to be."""
+"""Generated token ids -> the text a client sees, piece by piece: stop tokens left out (and the other special
+tokens, unless an answer's tool calls are to be parsed from them), the answer cut before the first stop string,
+and text that may be the start of one held back until it is known not to be."""
 from __future__ import annotations
 
 from wgpu_train.formats.tokenizer import StreamDecoder
@@ -8,8 +9,8 @@ from wgpu_train.formats.tokenizer import StreamDecoder
 class TextStream:
     """One answer's text as its tokens come (push), and the rest at its end (finish)."""
 
-    def __init__(self, tokenizer, stop_strings=()):
-        self.decoder = StreamDecoder(tokenizer)
+    def __init__(self, tokenizer, stop_strings=(), skip_special_tokens: bool = True):
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens)
         self.stop_ids = set(tokenizer.stop_token_ids)
         self.stops = [s for s in stop_strings if s]
         self.text = ""          # everything decoded so far

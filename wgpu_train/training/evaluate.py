@@ -11,6 +11,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, Example, make_batches
 from wgpu_train.data.tokenize import tokenize_example
 from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.formats.tool_calls import tool_schemas
 from wgpu_train.engines.shared.labels import shift_labels
 
 
@@ -51,14 +52,17 @@ def evaluate_loss(engine, examples: Sequence[Example], batch_size: int = 8, pad_
 def generation_prompt(tokenizer, messages: Sequence[dict], use_chat_template: bool = True) -> list[int] | None:
     """Token ids that ask for the last assistant turn of `messages` (None when the record cannot be asked).
 
-    With the chat template: the conversation before that turn rendered with the generation prompt. Raw: the
-    same prefix the trainer saw in raw mode (prompt text, BOS when the tokenizer adds one).
+    With the chat template: the conversation before that turn rendered with the generation prompt (and the
+    record's tools). Raw: the same prefix the trainer saw in raw mode (prompt text, BOS when the tokenizer adds
+    one).
     """
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     if last < 0:
         return None
     if use_chat_template:
-        text = tokenizer.apply_chat_template(list(messages[:last]), add_generation_prompt=True)
+        tools = getattr(messages, "tools", None)
+        text = tokenizer.apply_chat_template(list(messages[:last]), add_generation_prompt=True,
+                                             tools=tool_schemas(tools) if tools else None)
         return tokenizer.encode(text)
     ex = tokenize_example(tokenizer, list(messages[:last + 1]), 1 << 30, use_chat_template=False,
                           train_on_last_turn=True)
