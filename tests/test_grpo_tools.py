@@ -9,7 +9,7 @@ import pytest
 import wgpu_train as wt
 from tiny_models import build_model, save_model
 from wgpu_train.engines.generate import DecodeBatch, Sampling, generate_batch
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import ConfigError, ToolError
 from wgpu_train.training.tools import Toolbox, calculator, check_tool, load_tool, run_tool_calls
 from wgpu_train.training.tools_loop import TurnSampler, tool_rollouts
 
@@ -135,9 +135,9 @@ def test_specs_checked(tmp_path):
         """Doc."""
     def undocumented(x: int):
         pass
-    with pytest.raises(ConfigError, match="no type hint"):
+    with pytest.raises(ToolError, match="--tool t: tool bare: argument x has no type hint"):
         check_tool(bare, "--tool t")
-    with pytest.raises(ConfigError, match="no docstring"):
+    with pytest.raises(ToolError, match="no docstring"):
         check_tool(undocumented, "--tool t")
     with pytest.raises(ConfigError, match="no module named"):
         load_tool("no_such_module_xyz:f")
@@ -194,7 +194,7 @@ def test_bad_tool_input_is_one_line(tmp_path, capsys):
               "4", "--max-completion-length", "6", "--reward", "exact_match", "--out"]
     tools = str(tmp_path / "mytools.py")
     cases = [(["--tool", "no_such_module_xyz:f"], "no module named 'no_such_module_xyz'"),
-             (["--tool", f"{tools}:bare"], "'x' has no type hint"),
+             (["--tool", f"{tools}:bare"], "argument x has no type hint"),
              (["--environment", f"{tools}:NoReset"], "has no reset method"),
              (["--tool", "calculator", "--max-tool-calling-iterations", "0"], "must be at least 1"),
              (["--tool", f"{tools}:ok"], "cannot render tool calls")]

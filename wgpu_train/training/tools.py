@@ -9,7 +9,8 @@ import inspect
 import operator
 from typing import Callable, Sequence
 
-from wgpu_train.errors import ConfigError
+from wgpu_train.errors import ConfigError, ToolError
+from wgpu_train.formats.tool_calls import function_schema
 from wgpu_train.training.rewards.loading import RewardFunction, load_object
 
 ENV_SPECIAL = ("reset", "get_reward")      # an environment's methods that are not tools
@@ -46,18 +47,14 @@ BUILTIN_TOOLS = {"calculator": calculator}
 
 
 def check_tool(fn, where: str) -> Callable:
-    """`fn` if transformers can make its JSON schema (a docstring, a type hint on every parameter), else one
-    ConfigError line naming it."""
-    name = getattr(fn, "__name__", repr(fn))
+    """`fn` if its JSON schema can be made (formats/tool_calls.function_schema: type hints on every parameter, a
+    docstring describing each), else one ToolError line naming `where`."""
     if not callable(fn):
-        raise ConfigError(f"{where}: {name} is not a function")
-    if not inspect.getdoc(fn):
-        raise ConfigError(f"{where}: {name} has no docstring (the tool's schema needs its description)")
-    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
-    bare = [p.name for p in params if p.annotation is inspect.Parameter.empty]
-    if bare:
-        raise ConfigError(f"{where}: {name}'s parameter {bare[0]!r} has no type hint (the tool's schema needs one "
-                          f"for each)")
+        raise ConfigError(f"{where}: {getattr(fn, '__name__', repr(fn))} is not a function")
+    try:
+        function_schema(fn)
+    except ToolError as e:
+        raise ToolError(f"{where}: {e}") from None
     return fn
 
 
