@@ -201,3 +201,24 @@ def test_bad_tool_input_is_one_line(tmp_path, capsys):
     for i, (extra, match) in enumerate(cases):
         one_line_error(capsys, common + [str(tmp_path / f"run{i}")] + extra, match, after_log=True)
         assert not (tmp_path / f"run{i}").exists()
+
+
+def test_tool_demo_runs(tmp_path, capsys, monkeypatch):
+    """`finetune --objective grpo --tool calculator` with no data: the warm-up (cut to 2 steps here), then GRPO on
+    the embedded sums with the tool loop; the last line says the reward and the share of rollouts that called the
+    tool, before and after (how much it learns: docs/guides/agents.md)."""
+    import json
+
+    from wgpu_train.cli.main import main
+    from wgpu_train.training import tools_demo
+
+    monkeypatch.setattr(tools_demo, "WARMUP_STEPS", 2)
+    code = main(["finetune", "--objective", "grpo", "--tool", "calculator", "--backend", "numpy", "--max-steps",
+                 "1", "--batch-size", "8", "--num-generations", "4", "--max-completion-length", "16",
+                 "--max-eval-samples", "4", "--no-progress", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0 and "; reward " in out and "called a tool" in out, out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["objective"]["tools"] == ["calculator"] and summary["objective"]["rewards"] == ["exact_match"]
+    assert summary["tool_share_before"] is not None and summary["tool_share_after"] is not None
+    assert "turns" in json.loads((tmp_path / "run" / "completions.jsonl").read_text().splitlines()[0])

@@ -98,7 +98,7 @@ def warm_up(config, tokenizer: Tokenizer, log) -> Path:
             if f.name.startswith("lora_") or f.name in ("backend", "device", "seed", "precision")}
     cfg = TrainConfig(**{**keep, "lora_dropout": 0.0}, objective="sft", data=str(folder / "train.jsonl"),
                       out=str(folder / "run"), valid_split=0.0, no_chat_template=True, max_steps=WARMUP_STEPS,
-                      lr=WARMUP_LR, batch_size=WARMUP_BATCH, max_seq_len=192, eval_generate=False, no_progress=True)
+                      lr=WARMUP_LR, warmup_steps=10, batch_size=WARMUP_BATCH, max_seq_len=192, eval_generate=False, no_progress=True)
     log(f"warm-up: the embedded model has never seen a tool call; {WARMUP_STEPS} SFT steps on {len(records)} "
         f"turns (a third call the calculator, the others guess) in {folder}")
     Trainer(cfg, log=lambda m: None).setup().train()
