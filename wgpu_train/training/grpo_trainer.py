@@ -5,8 +5,9 @@ optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy
 computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
 step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps.
 With tools (TRL's tools / environment_factory: training/tools*.py) a rollout runs the tool loop, the tools' results
-masked out of the loss. The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is the GRPO form of one
-of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are grpo_rows.py's.)"""
+masked out of the loss. The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is
+the GRPO form of one of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are
+grpo_rows.py's, the tool loop tools_rollouts.py's.)"""
 from __future__ import annotations
 
 import dataclasses

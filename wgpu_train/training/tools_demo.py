@@ -18,7 +18,7 @@ from wgpu_train.formats.tool_calls import tool_schemas
 from wgpu_train.training.tools import calculator
 
 TOOL_DEMO_REWARD = "exact_match"         # the final answer equals the sum
-WARMUP_STEPS, WARMUP_LR, WARMUP_BATCH = 60, 5e-3, 8        # the SFT warm-up
+WARMUP_STEPS, WARMUP_LR, WARMUP_BATCH = 400, 3e-3, 8      # the SFT warm-up (lr 5e-3 and more collapse it)
 DEMO_SPLITS = {"train": (0, 256), "valid": (1, 32), "test": (2, 32)}     # split -> (seed, prompts)
 
 # ChatML with tools, short for the embedded model's 256 positions and byte-level vocabulary: the tools' names and
@@ -98,7 +98,8 @@ def warm_up(config, tokenizer: Tokenizer, log) -> Path:
             if f.name.startswith("lora_") or f.name in ("backend", "device", "seed", "precision")}
     cfg = TrainConfig(**{**keep, "lora_dropout": 0.0}, objective="sft", data=str(folder / "train.jsonl"),
                       out=str(folder / "run"), valid_split=0.0, no_chat_template=True, max_steps=WARMUP_STEPS,
-                      lr=WARMUP_LR, warmup_steps=10, batch_size=WARMUP_BATCH, max_seq_len=192, eval_generate=False, no_progress=True)
+                      lr=WARMUP_LR, warmup_steps=10, batch_size=WARMUP_BATCH, max_seq_len=192, eval_generate=False,
+                      no_progress=True)
     log(f"warm-up: the embedded model has never seen a tool call; {WARMUP_STEPS} SFT steps on {len(records)} "
         f"turns (a third call the calculator, the others guess) in {folder}")
     Trainer(cfg, log=lambda m: None).setup().train()
