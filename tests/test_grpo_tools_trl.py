@@ -19,10 +19,12 @@ from bpe import tokenizer_folder, train_bpe
 from test_grpo_trl import SKIP_KEYS, _peft_name, check, first_step_gradients
 from tiny_models import build_model, save_model
 from wgpu_train.formats.tokenizer import load_tokenizer
+from wgpu_train.formats.tool_calls import tool_schemas
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.grpo_trainer import GRPOTrainer
 from wgpu_train.training.tools_rollouts import ToolRollouts
 
+from conftest import require_adapter
 from finetune_helpers import first_step_gradients_callback, write_jsonl
 
 torch = pytest.importorskip("torch")
@@ -118,8 +120,6 @@ def setup(tmp_path_factory):
     template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     first = tokenizer_folder(root / "first", train_bpe(["a"], 300), template, eos_token="<|im_end|>")
     rough = load_tokenizer(first)
-    schemas = ToolRollouts.__new__(ToolRollouts)
-    from wgpu_train.formats.tool_calls import tool_schemas
     texts = [rough.apply_chat_template([{"role": "user", "content": p + OBSERVATION}], add_generation_prompt=True,
                                        tools=tool_schemas([mul, Abacus().add])) for p in PROMPTS]
     texts += [call(n, a, b) + "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n"
@@ -215,9 +215,9 @@ def trl_run(root, folder, table):
     return trainer.state.log_history, grabber.grads, after, masks
 
 
-def our_trainer(root, folder, table, tok, out, monkeypatch):
+def our_trainer(root, folder, table, tok, out, monkeypatch, backend):
     cfg = TrainConfig(model=str(folder), data=str(root / "prompts.jsonl"), adapter_path=str(root / "adapter"),
-                      backend="numpy", out=str(out), objective="grpo", batch_size=ROWS, num_generations=G,
+                      backend=backend, out=str(out), objective="grpo", batch_size=ROWS, num_generations=G,
                       max_completion_length=MAX_COMPLETION, lr=LR, lr_schedule="constant", warmup_steps=0,
                       max_steps=STEPS, max_grad_norm=1.0, valid_split=0.0, log_every=1, eval_generate=False,
                       no_progress=True, seed=0, beta=0.04, max_tool_calling_iterations=ITERATIONS)
@@ -252,10 +252,19 @@ def our_trainer(root, folder, table, tok, out, monkeypatch):
     return trainer, rows
 
 
-def test_grpo_with_tools_equals_trl(setup, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def trl_result(setup):
+    root, folder, table, _ = setup
+    return trl_run(root, folder, table)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_grpo_with_tools_equals_trl(setup, trl_result, tmp_path, monkeypatch, backend):
+    if backend == "wgpu":
+        require_adapter()
     root, folder, table, tok = setup
-    history, trl_grads, trl_after, trl_masks = trl_run(root, folder, table)
-    trainer, rows = our_trainer(root, folder, table, tok, tmp_path / "run", monkeypatch)
+    history, trl_grads, trl_after, trl_masks = trl_result
+    trainer, rows = our_trainer(root, folder, table, tok, tmp_path / "run", monkeypatch, backend)
     grads, result, gen = first_step_gradients(trainer)
     rows.generations = 0
     mine = sorted((tuple(int(t) for t in c[c >= 0]), tuple(int(x) for x in m[:int((c >= 0).sum())]))

@@ -538,17 +538,16 @@ class GRPOTrainer(Trainer):
     def _tool_demo(self) -> bool:
         """Whether this is the embedded tool demo: tools, and no --model, --data, adapter or resume."""
         cfg = self.config
-        return bool(self.toolbox) and cfg.data is None and cfg.model is None and not cfg.resume and (
-            not cfg.adapter_path or getattr(self, "_warmed_up", False))
+        return bool(self.toolbox) and cfg.data is None and not cfg.resume and (
+            getattr(self, "_warmed_up", False) or (cfg.model is None and not cfg.adapter_path))
 
     def setup(self):
-        if self._tool_demo():          # its SFT warm-up first, then GRPO continues the warm-up's adapter
+        if self._tool_demo():          # its SFT warm-up first, then GRPO's LoRA on the model it wrote
             if "calculator" not in [t.__name__ for t in self.toolbox.all_tools()]:
                 raise ConfigError("the embedded tool demo (no --data) asks for sums: give --tool calculator, or "
                                   "--data with prompts for your tools")
             tokenizer = demo_tokenizer(load_tokenizer(default_model_dir()))
-            self.config = dataclasses.replace(self.config, adapter_path=str(warm_up(self.config, tokenizer,
-                                                                                     self.log)))
+            self.config = dataclasses.replace(self.config, model=str(warm_up(self.config, tokenizer, self.log)))
             self._warmed_up = True
         super().setup()
         # --eval-generate: the greedy reward on held-out prompts before and after, in place of exact match
