@@ -208,11 +208,13 @@ def test_tool_demo_runs(tmp_path, capsys, monkeypatch):
     the embedded sums with the tool loop; the last line says the reward and the share of rollouts that called the
     tool, before and after (how much it learns: docs/guides/agents.md)."""
     import json
+    import tempfile
 
     from wgpu_train.cli.main import main
     from wgpu_train.training import tools_demo
 
     monkeypatch.setattr(tools_demo, "WARMUP_STEPS", 2)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))           # the warm-up's folder
     code = main(["finetune", "--objective", "grpo", "--tool", "calculator", "--backend", "numpy", "--max-steps",
                  "1", "--batch-size", "8", "--num-generations", "4", "--max-completion-length", "16",
                  "--max-eval-samples", "4", "--no-progress", "--out", str(tmp_path / "run")])
@@ -222,3 +224,5 @@ def test_tool_demo_runs(tmp_path, capsys, monkeypatch):
     assert summary["objective"]["tools"] == ["calculator"] and summary["objective"]["rewards"] == ["exact_match"]
     assert summary["tool_share_before"] is not None and summary["tool_share_after"] is not None
     assert "turns" in json.loads((tmp_path / "run" / "completions.jsonl").read_text().splitlines()[0])
+    warmed = [p for p in tmp_path.iterdir() if p.name.startswith("wgpu-train-tool-warmup-")]
+    assert len(warmed) == 1 and (warmed[0] / "run" / "model.safetensors").is_file()
