@@ -4,7 +4,7 @@ tool and an environment's, both sides' turns scripted per generation, prompt and
 sampler; TRL's: _generate_single_turn, first turns and the turns after tool results): a tool call answered, a tool
 that raises, a turn cut at the budget, the iteration limit. Compared: the tool masks, the first step's loss and LoRA
 gradients, every logged metric at each of three steps (tools/*, the environment's reward column, the lengths
-without tool tokens) and the adapter after three AdamW steps."""
+without tool tokens) and the adapter after three AdamW steps, on both engines (TRL runs once)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """The embedded tool demo (`wgpu-train finetune --objective grpo --tool calculator`, no data): sums of two numbers
 the embedded model cannot add itself, asked in a chat template with tool support written for its vocabulary, the
-final answer scored by exact_match; the SFT warm-up's turns (half call the calculator, half guess) from which
+final answer scored by exact_match; the SFT warm-up's turns (three in four call the calculator, the others guess) from which
 GRPO learns to call it."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from wgpu_train.formats.tool_calls import tool_schemas
 from wgpu_train.training.tools import calculator
 
 TOOL_DEMO_REWARD = "exact_match"         # the final answer equals the sum
-WARMUP_STEPS, WARMUP_LR, WARMUP_BATCH = 300, 1e-3, 8      # the SFT warm-up (full fine-tuning)
+WARMUP_STEPS, WARMUP_LR, WARMUP_BATCH = 600, 1.5e-3, 8    # the SFT warm-up (full fine-tuning)
 DEMO_SPLITS = {"train": (0, 256), "valid": (1, 32), "test": (2, 32)}     # split -> (seed, prompts)
 
 # ChatML with tools, short for the embedded model's 256 positions and byte-level vocabulary: the tools' names and
@@ -55,12 +55,12 @@ def tool_demo_splits() -> DataSplits:
 
 def warmup_records(tokenizer, schemas: list, n: int = 256, seed: int = 3) -> list:
     """The SFT warm-up's prompt-completion records, each one assistant turn rendered by the chat template with the
-    tools (the conversation before it the prompt, so tool results carry no loss): for half the problems a
+    tools (the conversation before it the prompt, so tool results carry no loss): for three problems in four a
     calculator call and then the result as the answer, for the others a guess (the first number)."""
     out = []
     for i, (a, b) in enumerate(_problems(seed, n)):
         question = _question(a, b)
-        if i % 2:
+        if i % 4 == 3:
             turns = [{"role": "assistant", "content": str(a)}]
         else:
             call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}}
@@ -101,6 +101,6 @@ def warm_up(config, tokenizer: Tokenizer, log) -> Path:
                       lr=WARMUP_LR, warmup_steps=10, batch_size=WARMUP_BATCH, max_seq_len=192, eval_generate=False,
                       no_progress=True)
     log(f"warm-up: the embedded model has never seen a tool call; {WARMUP_STEPS} SFT steps on {len(records)} "
-        f"turns (half call the calculator, half guess) in {folder}")
+        f"turns (three in four call the calculator, the others guess) in {folder}")
     Trainer(cfg, log=lambda m: None).setup().train()
     return folder / "run"
