@@ -46,6 +46,10 @@ def cmd_finetune(args) -> int:
         before = summary.get("reward_before")
         line += (f"; reward {before:.3f} -> " if before is not None else "; reward ") + \
             f"{summary['reward_after']:.3f} (greedy, {summary['reward_split']})"
+        if summary.get("tool_share_after") is not None:       # GRPO with tools: rollouts that called one
+            share = summary.get("tool_share_before")
+            line += "; called a tool " + (f"{share:.0%} -> " if share is not None else "") + \
+                f"{summary['tool_share_after']:.0%}"
     if summary.get("exact_match_after") is not None:
         before = summary.get("exact_match_before")
         line += (f"; exact match {before:.1%} -> " if before is not None else "; exact match ") + \

@@ -58,7 +58,7 @@ def add_train_config_options(p):
             f.name, base.__name__.upper())
         p.add_argument(flag, type=_parse_value(base, optional, f.name), default=argparse.SUPPRESS,
                        choices=choices, metavar=metavar, help=text,
-                       **({"action": JoinRepeated} if f.name in ("data", "reward") else {}))
+                       **({"action": JoinRepeated} if f.name in ("data", "reward", "tool") else {}))
 
 
 class JoinRepeated(argparse.Action):
@@ -133,7 +133,9 @@ def resolve_train_config(args: argparse.Namespace):
     run = resumed_settings(given["resume"]) if given.get("resume") else {}
     default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data", "adapter_path"))
     objective = given.get("objective") or run.get("objective") or "sft"
-    lower = {**(default_run_values(objective) if default_run else {}), **run}
+    # the tool demo (grpo with --tool or --environment) has a recipe of its own
+    recipe = objective + ("_tools" if objective == "grpo" and (given.get("tool") or given.get("environment")) else "")
+    lower = {**(default_run_values(recipe) if default_run else {}), **run}
     if "epochs" in given:
         if "max_steps" not in given:
             lower.pop("max_steps", None)

@@ -13,10 +13,12 @@ from wgpu_train.training.trainers import make_trainer
 from wgpu_train.training.vision_trainer import finetune_vision, is_vision_data
 
 
-def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) -> dict:
+def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, environment_factory=None,
+             **overrides) -> dict:
     """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
     that is also written to summary.json in the output folder. reward_funcs: --objective grpo's reward functions
-    as Python callables (TRL's signature), after config.reward's."""
+    as Python callables (TRL's signature), after config.reward's; tools and environment_factory: GRPO's tools as
+    Python functions and TRL's environment class (in this process; --tool / --environment specs elsewhere)."""
     config = config or TrainConfig()
     if overrides:
         names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -29,6 +31,11 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
     kind = objective_class(config.objective).trainer
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
+    if (tools or environment_factory) and kind is not TrainerKind.ONLINE:
+        raise ConfigError(f"tools are GRPO's: --objective {config.objective} takes none")
+    if (tools or environment_factory) and (config.pipelined() or config.num_workers):
+        raise ConfigError("tools and environment_factory as Python objects train in one process: give them as "
+                          "--tool / --environment specs (module:name) to run on Ray workers or pipeline stages")
     if config.pipelined() and not config.num_workers:
         from wgpu_train.distributed.pipeline_trainer import finetune_pipeline    # its stages on Ray
 
@@ -37,4 +44,4 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, **overrides) 
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
         return finetune_on_ray(config, reward_funcs=reward_funcs)
-    return make_trainer(config, reward_funcs=reward_funcs).run()
+    return make_trainer(config, reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory).run()

@@ -197,6 +197,8 @@ class _Row:
     fed: int = 0                    # prompt tokens written into the cache
     counts: dict = field(default_factory=dict)      # token id -> times generated (the penalties)
     prompt_entries: list = field(default_factory=list)
+    hold: bool = False              # kept in its slot when it finishes, for extend
+    paused: bool = False            # finished and held: not stepped until extend (or remove)
 
 
 class DecodeBatch:
@@ -212,7 +214,11 @@ class DecodeBatch:
     rest (reused counts the tokens saved). Not under longrope (a row's factors follow its length), nor for a model
     with recurrent layers (LFM2's short convolutions: a slot's recurrent state holds its last row's end, not each
     prefix; snapshots per prefix would cost a state per kept position, so such rows prefill whole). A row that
-    leaves frees its recurrent state (shared/recurrent_state.release)."""
+    leaves frees its recurrent state (shared/recurrent_state.release).
+
+    Held rows (add with hold=True) stay in their slot when they finish, paused; extend appends tokens (a tool's
+    result) after what the row generated and runs it on from there, its cache row kept: only the new tokens are
+    prefilled. len() counts the rows still running, not the paused ones."""
 
     def __init__(self, engine, rows: int, max_len: int, token_budget: int = PREFILL_TOKENS):
         self.engine = engine
@@ -228,7 +234,7 @@ class DecodeBatch:
         self.reused = 0
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return sum(not r.paused for r in self._rows.values())
 
     def free_slots(self) -> int:
         """Rows that may join now."""
@@ -236,11 +242,11 @@ class DecodeBatch:
 
     def prefilling(self) -> int:
         """Prompt tokens of the rows still waiting to be written into the cache."""
-        return sum(r.prompt.size - r.fed for r in self._rows.values())
+        return sum(r.prompt.size - r.fed for r in self._rows.values() if not r.paused)
 
     def add(self, prompt, max_new_tokens: int, sampling: Sampling = Sampling(), stop_token_ids=(),
             logprobs: int | None = None, prompt_logprobs: bool = False, adapter: int = -1,
-            prefix_key=None, images: ImageTokens | None = None) -> int:
+            prefix_key=None, images: ImageTokens | None = None, hold: bool = False) -> int:
         """A row for the prompt (T,) ids, to run until max_new_tokens (>= 1) tokens, a stop token, or its
         cache row full; its slot. adapter: its own adapter in the engine's bank (set_adapter_bank), the rows
         of several in one engine call; negative: the engine's model as it is. prefix_key: None, or what the
@@ -248,8 +254,8 @@ class DecodeBatch:
         key reuse each other's prompt prefixes (not with prompt_logprobs, which needs every position's
         logits). images: the prompt's images (shared/image_tokens.ImageTokens of the prompt as one row (1, T), the
         engine's set_images takes them; the NumPy engine's), its whole prompt prefilled in one call (an image's
-        tokens see each other both ways), never reused. The caller checks sizes against the cache (ValueError
-        past them)."""
+        tokens see each other both ways), never reused. hold: the row stays in its slot, paused, when it finishes
+        (extend runs it on; remove ends it). The caller checks sizes against the cache (ValueError past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
@@ -273,9 +279,24 @@ class DecodeBatch:
         self._kept.pop(slot, None)
         self._rows[slot] = _Row(prompt, int(max_new_tokens), sampling, frozenset(int(s) for s in stop_token_ids),
                                 logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter),
-                                prefix_key, images=images, fed=reuse)
+                                prefix_key, images=images, fed=reuse, hold=hold)
         self.reused += reuse
         return slot
+
+    def extend(self, slot: int, ids, max_new_tokens: int):
+        """Run the paused held row in `slot` on: `ids` (N,) follow the tokens it generated (its last one, not yet
+        in its cache row, included) and up to max_new_tokens (>= 1) new tokens follow them. Its cache row keeps
+        what it holds; the next steps prefill only the tokens after it. Its out starts again empty."""
+        r = self._rows.get(slot)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if r is None or not r.paused or max_new_tokens < 1 or r.images is not None:
+            raise ValueError(f"DecodeBatch.extend: slot {slot} holds no paused row (or one with images), or "
+                             f"max_new_tokens {max_new_tokens} < 1")
+        prompt = np.concatenate([r.prompt, np.asarray(r.out, np.int64), ids])
+        if prompt.size > self.max_len:
+            raise ValueError(f"DecodeBatch.extend: {prompt.size} tokens for rows of {self.max_len}")
+        r.fed = r.prompt.size + len(r.out) - 1          # the cache row holds all but the newest token
+        r.prompt, r.out, r.budget, r.paused = prompt, [], int(max_new_tokens), False
 
     def remove(self, slot: int):
         """End a row now (its client gone, a stop string met): its slot is free for the next add, keeping the
@@ -298,8 +319,10 @@ class DecodeBatch:
         """One engine call: the tokens chosen in it, a row's at most, in the rows' order."""
         cfg = self.engine.cfg
         calls = {False: _Call(), True: _Call()}         # by RoPE factors (longrope: long or not)
-        room = self.token_budget - sum(r.fed == r.prompt.size for r in self._rows.values())
+        room = self.token_budget - sum(r.fed == r.prompt.size and not r.paused for r in self._rows.values())
         for slot, r in self._rows.items():
+            if r.paused:
+                continue
             if r.fed < r.prompt.size:                   # prefilling: the next chunk of its prompt
                 take = min(r.prompt.size - r.fed, room)
                 if take <= 0:
@@ -359,7 +382,9 @@ class DecodeBatch:
                         "length" if len(r.out) >= r.budget or r.prompt.size + len(r.out) > self.max_len else None)
             prompt = r.prompt_entries if r.prompt_logprobs and len(r.out) == 1 else None
             tokens.append(Token(slot, tok, finished, lp, top, prompt))
-            if finished:
+            if finished and r.hold:
+                r.paused = True
+            elif finished:
                 self.remove(slot)
         return tokens
 

@@ -214,6 +214,14 @@ class TrainConfig:
                                   "kept for its ratios)")
     importance_sampling_level: str = _opt("token", "grpo: the ratio per token, or per sequence (GSPO)",
                                           choices=("token", "sequence"))
+    tool: str | None = _opt(None, "grpo: a tool the model may call, repeated or comma-separated: a built-in "
+                                  "(calculator) or module:function / path.py:function with type hints and a "
+                                  "docstring (TRL's tools); rollouts run the tool loop")
+    environment: str | None = _opt(None, "grpo: module:Class or path.py:Class, TRL's environment_factory: an "
+                                         "instance per rollout, reset() before it, its public methods tools, its "
+                                         "optional get_reward() a reward named after the class")
+    max_tool_calling_iterations: int | None = _opt(None, "grpo: the most rounds of tool calls in a rollout; default: "
+                                                         "no limit (TRL's)")
     # ---- data parallelism on Ray Train (distributed/) ----
     num_workers: int | None = _opt(None, "train on this many Ray Train workers, each on its own WebGPU adapter "
                                          "(--device may list one per worker; workers may share one): a step's "
@@ -329,6 +337,8 @@ class TrainConfig:
                  f"a GRPO step samples --num-generations {settings.num_generations} completions of each prompt: "
                  f"--batch-size x --grad-accum{' x --num-workers' if self.num_workers else ''} ({rows}) must be a "
                  f"multiple of it")
+            need(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
+                 f"--max-tool-calling-iterations must be at least 1, got {self.max_tool_calling_iterations}")
             need(not self.precompute_ref_log_probs, "GRPO scores its reference on each step's new completions: "
                                                     "leave out --precompute-ref-log-probs")
             need(not (self.ref_adapter and not settings.uses_reference),
@@ -446,6 +456,10 @@ class TrainConfig:
                             num_iterations=int(self.num_iterations),
                             importance_sampling_level=self.importance_sampling_level)
 
+    def tool_specs(self) -> list[str]:
+        """--tool as a list of specs (built-in names, module:function, path.py:function)."""
+        return [s.strip() for s in (self.tool or "").split(",") if s.strip()]
+
     def reward_specs(self) -> list[str]:
         """--reward as a list of specs (built-in names, module:function, path.py:function)."""
         return [s.strip() for s in (self.reward or "").split(",") if s.strip()]
@@ -467,7 +481,8 @@ PREFERENCE_FIELDS = ("dpo_loss", "beta", "label_smoothing", "simpo_gamma", "desi
 # GRPO's options (refused with the other objectives)
 GRPO_FIELDS = ("reward", "reward_weights", "reward_pattern", "num_generations", "max_completion_length",
                "temperature", "top_p", "top_k", "mask_truncated_completions", "scale_rewards", "grpo_loss", "epsilon",
-               "epsilon_high", "num_iterations", "importance_sampling_level")
+               "epsilon_high", "num_iterations", "importance_sampling_level", "tool", "environment",
+               "max_tool_calling_iterations")
 
 # say how a run is started, not what it is (a continued adapter's settings are recorded as the LoRA options)
 INVOCATION_FIELDS = ("out", "resume", "overwrite", "no_progress", "adapter_path", "ray_address", "stage_resources",

@@ -52,18 +52,24 @@ class Generation:
     old_logps: np.ndarray | None    # (R, W) the ratios' old policy (num_iterations > 1), else None (TRL's detach)
     ref_logps: np.ndarray | None    # (R, W) of the reference (beta > 0), else None
     metrics: dict                   # rewards and completions, by TRL's names
+    tool_mask: np.ndarray | None = None     # (R, C) 0 on the tools' results (no loss), with tools
 
 
 def build_generation(everyone, indices, completions, truncated, advantages, metrics: dict, rows: tuple,
-                     batch_size: int, pad_id: int, mask_truncated: bool) -> Generation:
+                     batch_size: int, pad_id: int, mask_truncated: bool, tool_mask=None) -> Generation:
     """The Generation of a step's prompts `indices` (everyone: each row's prompt example, G in a row), every row's
     completions (R, C), truncation (R,) and advantages (R,): the micro-batches of this process's rows (r0, r1),
-    every row's mask. mask_truncated: DAPO's overlong filtering (no loss at all on a cut completion)."""
-    examples = []
-    for ex, ids, cut in zip(everyone, completion_lists(completions), truncated):
+    every row's mask. mask_truncated: DAPO's overlong filtering (no loss at all on a cut completion). tool_mask
+    (R, C): 0 on the tools' results, which carry no loss and are not counted in input_tokens (TRL's tool_mask)."""
+    examples, tool_tokens = [], 0
+    for r, (ex, ids, cut) in enumerate(zip(everyone, completion_lists(completions), truncated)):
         full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
         labels = full.astype(np.int64)
         labels[:ex.input_ids.size] = IGNORE_INDEX
+        if tool_mask is not None:
+            tools = np.flatnonzero(np.asarray(tool_mask[r][:len(ids)]) == 0)
+            labels[ex.input_ids.size + tools] = IGNORE_INDEX
+            tool_tokens += tools.size
         if cut and mask_truncated:
             labels[:] = IGNORE_INDEX
         examples.append(Example(full, labels, bool(cut)))
@@ -74,7 +80,8 @@ def build_generation(everyone, indices, completions, truncated, advantages, metr
     width = max(ids.shape[1] for ids, _, _, _ in every)
     mask = np.concatenate([padded(t != IGNORE_INDEX, width) for _, t, _, _ in every])          # (R, W)
     return Generation(indices, completions, truncated, (r0, r1), micro, [t != IGNORE_INDEX for _, t, _, _ in micro],
-                      mask, int(sum((seg > 0).sum() for _, _, seg, _ in every)), advantages, None, None, None, metrics)
+                      mask, int(sum((seg > 0).sum() for _, _, seg, _ in every)) - tool_tokens, advantages, None, None,
+                      None, metrics, tool_mask)
 
 
 def score_reference(engine, micro, masks, adapter_on: bool) -> np.ndarray:

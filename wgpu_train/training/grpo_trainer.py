@@ -4,8 +4,10 @@ functions on the host, and turns the group-relative advantages into per-token gr
 optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference),
 computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
 step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps.
-The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is the GRPO form of one
-of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are grpo_rows.py's.)"""
+With tools (TRL's tools / environment_factory: training/tools*.py) a rollout runs the tool loop, the tools' results
+masked out of the loss. The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is
+the GRPO form of one of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are
+grpo_rows.py's, the tool loop tools_rollouts.py's.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +29,10 @@ from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.preference_scoring import mean_metrics
 from wgpu_train.training.rewards import RewardFunction, check_reward_weights, compute_rewards, load_rewards
+from wgpu_train.training.tools import Toolbox, load_environment, load_tool
+from wgpu_train.training.config import default_model_dir
+from wgpu_train.training.tools_demo import TOOL_DEMO_REWARD, demo_tokenizer, tool_demo_splits, warm_up
+from wgpu_train.training.tools_rollouts import ToolRollouts
 from wgpu_train.training.trainer import Trainer
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -35,9 +41,13 @@ COMPLETIONS_FILE = "completions.jsonl"
 class GRPOTrainer(Trainer):
     """A Trainer whose objective is GRPO (config.grpo_settings()) over prompt-only data: a step's batch is
     batch_size x grad_accum completions, num_generations of each of its prompts. reward_funcs: Python callables
-    with TRL's signature f(prompts, completions, **columns) -> list[float | None], after config.reward's."""
+    with TRL's signature f(prompts, completions, **columns) -> list[float | None], after config.reward's. tools:
+    Python functions the model may call (type hints and a docstring each), after config.tool's;
+    environment_factory: TRL's, a class whose instance per rollout is reset() before it and whose public methods
+    are tools (config.environment names one too); its get_reward() a reward named after the class."""
 
-    def __init__(self, config, log=None, reward_funcs=None, process=None, placement=None):
+    def __init__(self, config, log=None, reward_funcs=None, process=None, placement=None, tools=None,
+                 environment_factory=None):
         dropout = config.lora_dropout
         if dropout:     # TRL's disable_dropout: a deterministic policy for its ratios
             config = dataclasses.replace(config, lora_dropout=0.0)
@@ -46,33 +56,49 @@ class GRPOTrainer(Trainer):
             self.log(f"lora_dropout {dropout:g} is off for --objective grpo, as TRL's trainers disable dropout")
         self.settings = config.grpo_settings()
         self.unit = objective_class(config.objective)(self.settings)       # its traits, advantages and loss
-        specs = config.reward_specs() or ([] if reward_funcs else [DEMO_REWARD] if config.data is None else [])
-        self.rewards = (load_rewards(specs, config.reward_pattern) if specs or not reward_funcs else []) + [
-            RewardFunction(getattr(f, "__name__", f"reward_{i}"), f) for i, f in enumerate(reward_funcs or ())]
+        if environment_factory is not None and config.environment:
+            raise ConfigError("give the environment once: environment_factory or --environment")
+        self.toolbox = Toolbox([load_tool(t) for t in config.tool_specs()] + list(tools or ()),
+                               environment_factory or (load_environment(config.environment) if config.environment
+                                                       else None))
+        if config.max_tool_calling_iterations is not None and not self.toolbox:
+            raise ConfigError("--max-tool-calling-iterations limits the tool loop: give --tool or --environment")
+        own = self.toolbox.reward_function()
+        demo = TOOL_DEMO_REWARD if self.toolbox else DEMO_REWARD
+        specs = config.reward_specs() or ([] if reward_funcs or own else [demo] if config.data is None else [])
+        self.rewards = (load_rewards(specs, config.reward_pattern) if specs or not (reward_funcs or own) else []) + [
+            RewardFunction(getattr(f, "__name__", f"reward_{i}"), f) for i, f in enumerate(reward_funcs or ())] + (
+            [own] if own else [])
         try:
             weights = [float(w) for w in config.reward_weights.split(",")] if config.reward_weights else None
         except ValueError:
             raise ConfigError(f"--reward-weights takes comma-separated numbers, got {config.reward_weights!r}") \
                 from None
+        if own and weights is not None:        # TRL: the environment's reward column has weight 1
+            weights.append(1.0)
         self.reward_weights = check_reward_weights(weights, self.rewards)          # (F,)
         self.check_resumed_objective(self.settings)
         self.prompts = {}                  # split -> [PromptExample]
         self._generation: Generation | None = None
         self._step_metrics: list = []
         self._reward = {"before": None, "after": None}
+        self._tool_share = {"before": None, "after": None}
         self._completions = None           # completions.jsonl, open while training
         self._waiting: list = []           # its rows drawn before a resumed run's first step completed
         self.held_out_rewards = False      # the greedy reward on held-out prompts before and after (setup)
         self.part_seconds: dict = {}       # part of the steps -> (seconds, tokens) (_time)
         self._ref_engine = None            # the engine of the KL's reference adapter (setup)
         self.reference_adapter = None      # its folder: --ref-adapter, or the adapter the run started from
+        self.tool_rollouts = None          # the tool loop's renderer and parser (_read_data), with tools
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
         cfg = self.config
         self.tokenizer = load_tokenizer(self.model_dir)
+        if self._tool_demo():
+            self.tokenizer = demo_tokenizer(self.tokenizer)
         if cfg.data is None:
-            s = demo_prompt_splits(self.data_path)
+            s = tool_demo_splits() if self.toolbox else demo_prompt_splits(self.data_path)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
                              kind=self.unit.data)
@@ -86,6 +112,8 @@ class GRPOTrainer(Trainer):
             self.truncated += stats.n_truncated
         if not self.prompts["train"]:
             raise DataError(f"no training prompts in {s.files.get('train', self.data_path)}")
+        if self.toolbox:
+            self._render_with_tools()
         self.train_examples, self.valid_examples = self.prompts["train"], self.prompts["valid"]
         self.n_skipped = s.n_skipped
         everything = [e for split in self.prompts.values() for e in split]
@@ -101,6 +129,21 @@ class GRPOTrainer(Trainer):
                               f"--max-completion-length or give --max-prompt-length")
         self.log(f"data: {s.files.get('train', self.data_path)} ({s.format}); {'; '.join(lines)}; rewards: "
                  + ", ".join(f"{r.name} x {w:g}" for r, w in zip(self.rewards, self.reward_weights)))
+
+    def _render_with_tools(self):
+        """Tools: every prompt rendered with their schemas (TRL's apply_chat_template(tools=...)); they must be
+        conversations, as TRL's tool loop reads a turn's parsed message."""
+        if self.config.no_chat_template:
+            raise ConfigError("tools are rendered by the chat template: leave out --no-chat-template")
+        self.tool_rollouts = ToolRollouts(self.toolbox, self.tokenizer, self.config.max_tool_calling_iterations)
+        for split, examples in self.prompts.items():
+            for ex in examples:
+                if not isinstance(ex.record.prompt, list):
+                    raise DataError(f"{ex.record.source or split}: tools need conversational prompts (a list of "
+                                    f"messages), as TRL's tool loop does")
+                ids = self.tool_rollouts.prompt_ids(ex.record.prompt)
+                limit = self.config.max_prompt_length
+                ex.input_ids = np.asarray(ids[-limit:] if limit else ids, np.int32)
 
     def _make_stream(self, accum: int):
         """The prompts' stream; ConfigError (one line) when the training prompts do not fill one step."""
@@ -126,25 +169,33 @@ class GRPOTrainer(Trainer):
         out = self.model.generate_batch([e.input_ids for e in examples], max_new_tokens=s.max_completion_length,
                                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seeds,
                                         stop_token_ids=stops)
-        ended = set(stops) | {self.tokenizer.pad_token_id}
-        cut = np.array([not (ids and ids[-1] in ended) for ids in out], bool)
-        return out, cut
+        return out, self._cut(out)
 
-    def _texts(self, examples, completions) -> list:
+    def _cut(self, completions) -> np.ndarray:
+        """(R,) whether each completion ends in neither an EOS nor the pad token (TRL's is_truncated)."""
+        ended = set(self.tokenizer.eos_token_ids) | {self.tokenizer.pad_token_id}
+        return np.array([not (ids and ids[-1] in ended) for ids in completions], bool)
+
+    def _texts(self, examples, completions, tools=None) -> list:
         """The completions as TRL passes them to reward functions: strings, or for a conversational prompt one
-        assistant message."""
+        assistant message; with tools (a ToolBatch) each row's messages, every turn and tool result."""
+        if tools is not None:
+            return [r.turns for r in tools.rollouts]
         out = []
         for ex, ids in zip(examples, completions):
             text = self.tokenizer.decode([t for t in ids if t not in set(self.tokenizer.eos_token_ids)])
             out.append([{"role": "assistant", "content": text}] if isinstance(ex.record.prompt, list) else text)
         return out
 
-    def _rewards(self, examples, completions, step: int) -> np.ndarray:
-        """(R, F) rewards of the rows (NaN: a function's "not applicable")."""
+    def _rewards(self, examples, completions, step: int, tools=None) -> np.ndarray:
+        """(R, F) rewards of the rows (NaN: a function's "not applicable"); with tools (a ToolBatch) the rows'
+        environments too, as TRL passes them (environments=)."""
         records = [ex.record for ex in examples]
         names = sorted({k for r in records for k in r.columns})
         columns = {k: [r.columns.get(k) for r in records] for k in names}
-        return compute_rewards(self.rewards, [r.prompt for r in records], self._texts(examples, completions),
+        if tools is not None and tools.environments is not None:
+            columns["environments"] = tools.environments
+        return compute_rewards(self.rewards, [r.prompt for r in records], self._texts(examples, completions, tools),
                                columns, step, completion_ids=[list(map(int, c)) for c in completions],
                                max_steps=self.total_steps)
 
@@ -163,23 +214,41 @@ class GRPOTrainer(Trainer):
         # the sampling RNG: one seed per row from (run seed, step), so a resumed run draws the same completions
         seeds = [int(x) for x in np.random.SeedSequence([cfg.seed, self.step]).generate_state(len(everyone))]
         t0 = time.perf_counter()
-        completions, cut = self._sample(everyone[r0:r1], seeds[r0:r1])
+        tools = None
+        if self.tool_rollouts is not None:      # the tool loop; an environment's reset may change the prompts
+            tools = self.tool_rollouts.run(self.engine, everyone[r0:r1], s, seeds[r0:r1])
+            everyone[r0:r1] = tools.examples
+            completions = tools.completions
+            cut = self._cut(completions)
+        else:
+            completions, cut = self._sample(everyone[r0:r1], seeds[r0:r1])
         t1 = time.perf_counter()
-        per_func = self._rewards(everyone[r0:r1], completions, self.step + 1)
+        per_func = self._rewards(everyone[r0:r1], completions, self.step + 1, tools)
         t2 = time.perf_counter()
-        total = len(everyone)
-        padded = np.full((r1 - r0, s.max_completion_length), -1, np.int64)           # (rows, C)
-        for row, ids in zip(padded, completions):
-            row[:len(ids)] = ids
-        gathered = self.process.gather(np.concatenate([padded, cut[:, None], per_func], axis=1), r0, total)
-        width = s.max_completion_length
+        total, width = len(everyone), s.max_completion_length
+        padded = np.full((r1 - r0, width), -1, np.int64)                                # (rows, C)
+        tool_mask = np.ones((r1 - r0, width), np.int64)                                 # (rows, C) 0: a tool's
+        counts = np.zeros((r1 - r0, 2), np.int64)                                       # (rows, 2) calls, failures
+        for i, ids in enumerate(completions):
+            padded[i, :len(ids)] = ids
+            if tools is not None:
+                tool_mask[i, :len(ids)] = tools.rollouts[i].tool_mask
+                counts[i] = tools.rollouts[i].calls, tools.rollouts[i].failures
+        parts = [padded, cut[:, None], per_func] + ([tool_mask, counts] if tools is not None else [])
+        gathered = self.process.gather(np.concatenate(parts, axis=1), r0, total)
         all_ids = gathered[:, :width].astype(np.int64)                                  # (R, C)
         all_cut = gathered[:, width].astype(bool)                                       # (R,)
-        per_func = gathered[:, width + 1:].astype(np.float64)                           # (R, F)
+        per_func = gathered[:, width + 1:width + 1 + per_func.shape[1]].astype(np.float64)   # (R, F)
+        all_mask = gathered[:, -width - 2:-2].astype(np.int64) if tools is not None else None   # (R, C)
         advantages, rewards, metrics = self.unit.advantages(per_func, self.reward_weights,
                                                             [r.name for r in self.rewards])
-        metrics.update(self.unit.completion_metrics((all_ids >= 0).sum(axis=1), all_cut))
-        gen = self._generation_of(np.asarray(indices), all_ids, all_cut, advantages, metrics)
+        model_tokens = ((all_ids >= 0) & (all_mask != 0) if tools is not None else all_ids >= 0).sum(axis=1)
+        metrics.update(self.unit.completion_metrics(model_tokens, all_cut))      # TRL: tool tokens not counted
+        if tools is not None:
+            calls, failures = gathered[:, -2].sum(), gathered[:, -1].sum()
+            metrics["tools/call_frequency"] = float(calls / total)
+            metrics["tools/failure_frequency"] = float(failures / calls) if calls else 0.0
+        gen = self._generation_of(np.asarray(indices), all_ids, all_cut, advantages, metrics, all_mask, everyone)
         if not score_policy:
             # the step's own loss head computes the policy's log-probabilities (the first step's are the old
             # policy's of the next ones): only the reference, a forward with the adapter off, is scored here
@@ -190,20 +259,25 @@ class GRPOTrainer(Trainer):
             # loss, whose value (not its gradient, the clamped ratio times the advantage) is the log-probabilities
             gen.policy_logps, gen.ref_logps = self._score(gen.micro, gen.masks, reference=s.uses_reference)
             gen.old_logps = gen.policy_logps if s.num_iterations > 1 else None
-        self._time("generation", t1 - t0, sum(len(c) for c in completions))
+        self._time("generation", t1 - t0, int(model_tokens[r0:r1].sum()))
         self._time("rewards", t2 - t1)
         self._time("scoring", time.perf_counter() - t2)
-        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages)
+        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages,
+                              None if tools is None else {r0 + i: r.turns for i, r in enumerate(tools.rollouts)})
         return gen
 
-    def _generation_of(self, indices, completions, truncated, advantages, metrics: dict) -> Generation:
+    def _generation_of(self, indices, completions, truncated, advantages, metrics: dict, tool_mask=None,
+                       everyone=None) -> Generation:
         """The Generation of a step's prompts `indices`, every row's completions (R, C), truncation (R,) and
-        advantages (R,) (from its rewards, or a checkpoint): this process's micro-batches and every row's mask."""
+        advantages (R,) (from its rewards, or a checkpoint): this process's micro-batches and every row's mask.
+        tool_mask (R, C): 0 on the tools' results (no loss); everyone: each row's prompt example (an
+        environment's reset changes them), by default the prompts of `indices`."""
         g = self.settings.num_generations
         p0, p1 = self.process.share(len(indices))
-        return build_generation([self.prompts["train"][i] for i in indices for _ in range(g)], indices, completions,
-                                truncated, advantages, metrics, (p0 * g, p1 * g), self.config.batch_size,
-                                self.pad_id, self.settings.mask_truncated_completions)
+        everyone = everyone or [self.prompts["train"][i] for i in indices for _ in range(g)]
+        return build_generation(everyone, indices, completions, truncated, advantages, metrics, (p0 * g, p1 * g),
+                                self.config.batch_size, self.pad_id, self.settings.mask_truncated_completions,
+                                tool_mask)
 
     def _every_row(self, mine: np.ndarray, gen: Generation) -> np.ndarray:
         """(R, W): this process's rows (its micro-batches' (rows, T) values) with every other process's."""
@@ -339,9 +413,10 @@ class GRPOTrainer(Trainer):
         return {} if reward is None else {"reward": f"{reward:.3f}"}
 
     # ---- what a run shows ---------------------------------------------------------------------------
-    def _log_completions(self, examples, completions, per_func, rewards, advantages):
+    def _log_completions(self, examples, completions, per_func, rewards, advantages, turns=None):
         """completions.jsonl: each row of this generation, as TRL's log_completions shows them (a resumed run's,
-        once its first step completes: RunFiles.hold)."""
+        once its first step completes: RunFiles.hold); with tools, this process's rows' turns (row -> messages:
+        each assistant turn with its calls, each tool result)."""
         if not self.writes_files or (self._completions is None and not self.files.resumed):
             return
         texts = self._texts(examples, completions)
@@ -351,7 +426,9 @@ class GRPOTrainer(Trainer):
                    "completion_ids": [int(t) for t in completions[i]],
                    "rewards": {r.name: num(per_func[i, j]) for j, r in enumerate(self.rewards)},
                    "reward": num(rewards[i]), "advantage": num(advantages[i])}
-            self._waiting.append(json.dumps(row) + "\n")
+            if turns is not None and i in turns:
+                row["turns"] = turns[i]
+            self._waiting.append(json.dumps(row, default=str) + "\n")
         if self._completions is not None:
             self._write_completions()
 
@@ -404,11 +481,19 @@ class GRPOTrainer(Trainer):
         examples = examples[:self.config.max_eval_samples or None]
         if not examples:
             return None
-        out = self.model.generate_batch([e.input_ids for e in examples],
-                                        max_new_tokens=self.settings.max_completion_length, temperature=0.0,
-                                        stop_token_ids=list(self.tokenizer.eos_token_ids))
-        rewards = np.nansum(self._rewards(examples, out, self.step) * self.reward_weights, axis=1)
-        return {"reward": float(rewards.mean()), "n": len(examples), "split": split}
+        tools = None
+        if self.tool_rollouts is not None:
+            tools = self.tool_rollouts.run(self.engine, examples, self.settings, greedy=True)
+            examples, out = tools.examples, tools.completions
+        else:
+            out = self.model.generate_batch([e.input_ids for e in examples],
+                                            max_new_tokens=self.settings.max_completion_length, temperature=0.0,
+                                            stop_token_ids=list(self.tokenizer.eos_token_ids))
+        rewards = np.nansum(self._rewards(examples, out, self.step, tools) * self.reward_weights, axis=1)
+        result = {"reward": float(rewards.mean()), "n": len(examples), "split": split}
+        if tools is not None:           # the share of rollouts that called a tool
+            result["tool_share"] = float(np.mean([r.calls > 0 for r in tools.rollouts]))
+        return result
 
     def _evaluate_before(self):
         if self.held_out_rewards:
@@ -418,10 +503,12 @@ class GRPOTrainer(Trainer):
         if result is None:
             return
         self._reward[when] = result["reward"]
+        share = self._tool_share[when] = result.get("tool_share")
         self._write_row({"step": self.step, "epoch": self.epoch_float(), "split": result["split"],
-                         "held_out_reward": result["reward"], "n": result["n"]})
+                         "held_out_reward": result["reward"], "n": result["n"],
+                         **({} if share is None else {"held_out_tool_share": share})})
         self.log(f"reward {when} training: {fmt(result['reward'], '.3f')} (greedy, {result['n']} {result['split']} "
-                 f"prompts)")
+                 f"prompts" + ("" if share is None else f"; {share:.0%} of them called a tool") + ")")
 
     # ---- checkpoints: a generation that later steps reuse (num_iterations > 1) is kept with them ------------
     def _reused(self) -> bool:
@@ -443,12 +530,25 @@ class GRPOTrainer(Trainer):
         gen = self._generation
         out = {"indices": gen.indices, "completions": gen.completions, "truncated": gen.truncated,
                "advantages": gen.advantages}
-        for name in ("policy_logps", "old_logps", "ref_logps"):
+        for name in ("policy_logps", "old_logps", "ref_logps", "tool_mask"):
             if getattr(gen, name) is not None:
                 out[name] = getattr(gen, name)
         return out
 
+    def _tool_demo(self) -> bool:
+        """Whether this is the embedded tool demo: tools, and no --model, --data, adapter or resume."""
+        cfg = self.config
+        return bool(self.toolbox) and cfg.data is None and not cfg.resume and (
+            getattr(self, "_warmed_up", False) or (cfg.model is None and not cfg.adapter_path))
+
     def setup(self):
+        if self._tool_demo():          # its SFT warm-up first, then GRPO's LoRA on the model it wrote
+            if "calculator" not in [t.__name__ for t in self.toolbox.all_tools()]:
+                raise ConfigError("the embedded tool demo (no --data) asks for sums: give --tool calculator, or "
+                                  "--data with prompts for your tools")
+            tokenizer = demo_tokenizer(load_tokenizer(default_model_dir()))
+            self.config = dataclasses.replace(self.config, model=str(warm_up(self.config, tokenizer, self.log)))
+            self._warmed_up = True
         super().setup()
         # --eval-generate: the greedy reward on held-out prompts before and after, in place of exact match
         self.held_out_rewards, self.eval_generate = self.eval_generate, False
@@ -468,7 +568,7 @@ class GRPOTrainer(Trainer):
         if saved:
             arrays = checkpoint.read_arrays(self.resume.folder)
             gen = self._generation_of(arrays["indices"], arrays["completions"], arrays["truncated"],
-                                      arrays["advantages"], saved["metrics"])
+                                      arrays["advantages"], saved["metrics"], arrays.get("tool_mask"))
             gen.policy_logps, gen.old_logps, gen.ref_logps = (arrays.get(n) for n in ("policy_logps", "old_logps",
                                                                                       "ref_logps"))
             self._generation = gen
@@ -483,4 +583,7 @@ class GRPOTrainer(Trainer):
                                 "reward_weights": self.reward_weights.tolist()}
         summary.update(reward_before=self._reward["before"], reward_after=self._reward["after"],
                        reward_split=self.held_out()[0] if self.held_out_rewards else None)
+        if self.toolbox:
+            summary["objective"]["tools"] = [t.__name__ for t in self.toolbox.all_tools()]
+            summary.update(tool_share_before=self._tool_share["before"], tool_share_after=self._tool_share["after"])
         return summary

@@ -11,9 +11,11 @@ TRAINERS = {TrainerKind.SUPERVISED: Trainer, TrainerKind.PREFERENCE: PreferenceT
             TrainerKind.ONLINE: GRPOTrainer}
 
 
-def make_trainer(config, log=None, process=None, reward_funcs=None, placement=None):
-    """The trainer of config.objective's kind, with its parts (process, placement: the Trainer's); reward_funcs
-    (GRPO's Python callables) go to GRPO's alone."""
+def make_trainer(config, log=None, process=None, reward_funcs=None, placement=None, tools=None,
+                 environment_factory=None):
+    """The trainer of config.objective's kind, with its parts (process, placement: the Trainer's); reward_funcs,
+    tools and environment_factory (GRPO's Python objects) go to GRPO's alone."""
     kind = objective_class(config.objective).trainer
-    extra = {"reward_funcs": reward_funcs} if kind is TrainerKind.ONLINE else {}
+    extra = {"reward_funcs": reward_funcs, "tools": tools, "environment_factory": environment_factory} \
+        if kind is TrainerKind.ONLINE else {}
     return TRAINERS[kind](config, log=log, process=process, placement=placement, **extra)

@@ -97,7 +97,8 @@ class GRPO(Objective):
     trainer = TrainerKind.ONLINE
     options = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k",
                "mask_truncated_completions", "scale_rewards", "grpo_loss", "epsilon", "epsilon_high", "beta",
-               "num_iterations", "importance_sampling_level", "reward", "reward_weights", "reward_pattern")
+               "num_iterations", "importance_sampling_level", "reward", "reward_weights", "reward_pattern", "tool",
+               "environment", "max_tool_calling_iterations")
 
     def __init__(self, settings: GRPOSettings):
         self.settings = settings

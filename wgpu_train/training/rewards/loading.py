@@ -39,7 +39,7 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def _import_module(name: str, spec: str) -> ModuleType:
+def _import_module(name: str, spec: str, option: str = "--reward") -> ModuleType:
     """The module `name`, the working folder searched after sys.path: a console script's sys.path lacks it, and
     that is where users keep their reward modules."""
     cwd = str(Path.cwd())
@@ -50,21 +50,21 @@ def _import_module(name: str, spec: str) -> ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise ConfigError(f"--reward {spec}: no module named {e.name!r}") from None
-        raise ConfigError(f"--reward {spec}: importing {name} failed ({error_line(e)})") from None
+            raise ConfigError(f"{option} {spec}: no module named {e.name!r}") from None
+        raise ConfigError(f"{option} {spec}: importing {name} failed ({error_line(e)})") from None
     except Exception as e:  # the module's own code failed: anything a user's module raises
-        raise ConfigError(f"--reward {spec}: importing {name} failed ({error_line(e)})") from None
+        raise ConfigError(f"{option} {spec}: importing {name} failed ({error_line(e)})") from None
     finally:
         if added:
             sys.path.remove(cwd)
 
 
-def _load_file(where: str, spec: str) -> ModuleType:
+def _load_file(where: str, spec: str, option: str = "--reward") -> ModuleType:
     """A Python file loaded from its path, once per process (registered under a name of its resolved path, so
     that two functions of one file share it and the file's own dataclasses and pickling find it)."""
     path = Path(where)
     if not path.is_file():
-        raise ConfigError(f"--reward {spec}: no such file {where}")
+        raise ConfigError(f"{option} {spec}: no such file {where}")
     resolved = str(path.resolve())
     name = f"wgpu_train_reward_{path.stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:10]}"
     if name in sys.modules:
@@ -76,7 +76,7 @@ def _load_file(where: str, spec: str) -> ModuleType:
         module_spec.loader.exec_module(module)
     except Exception as e:  # a syntax error or anything the file's code raises
         del sys.modules[name]
-        raise ConfigError(f"--reward {spec}: loading {where} failed ({error_line(e)})") from None
+        raise ConfigError(f"{option} {spec}: loading {where} failed ({error_line(e)})") from None
     return module
 
 
@@ -91,17 +91,24 @@ def _load_one(spec: str, pattern: re.Pattern | None) -> RewardFunction:
             return RewardFunction(spec, BUILTIN_REWARDS[spec])
         names = ", ".join(sorted([*BUILTIN_REWARDS, FORMAT_REWARD]))
         raise ConfigError(f"--reward {spec!r}: not a built-in reward ({names}), module:function or path.py:function")
+    func = load_object(spec, "--reward", "function")
+    return RewardFunction(getattr(func, "__name__", spec.rpartition(":")[2]), func)
+
+
+def load_object(spec: str, option: str, what: str = "function"):
+    """The callable a "module:name" or "path.py:name" spec names (a function, or a class); ConfigError naming
+    `option` when it cannot be imported or is not callable."""
     where, _, attr = spec.rpartition(":")  # rpartition: a Windows path has a colon of its own
     if not where or not attr.isidentifier():
-        raise ConfigError(f"--reward {spec!r}: expected module:function or path.py:function")
+        raise ConfigError(f"{option} {spec!r}: expected module:{what} or path.py:{what}")
     is_file = where.endswith(".py") or "/" in where or "\\" in where
-    module = _load_file(where, spec) if is_file else _import_module(where, spec)
+    module = _load_file(where, spec, option) if is_file else _import_module(where, spec, option)
     func = getattr(module, attr, None)
     if func is None:
-        raise ConfigError(f"--reward {spec}: {where} has no function {attr!r}")
+        raise ConfigError(f"{option} {spec}: {where} has no {what} {attr!r}")
     if not callable(func):
-        raise ConfigError(f"--reward {spec}: {where}'s {attr!r} is not a function (it is {type(func).__name__})")
-    return RewardFunction(getattr(func, "__name__", attr), func)
+        raise ConfigError(f"{option} {spec}: {where}'s {attr!r} is not a {what} (it is {type(func).__name__})")
+    return func
 
 
 def load_rewards(specs: Sequence[str], pattern: str | None = None) -> list[RewardFunction]:

@@ -1,0 +1,103 @@
+"""A GRPO run's tool rollouts as TRL 1.16's GRPOTrainer makes them: prompts rendered with the tools' schemas, each
+rollout's environment reset and its tools, turns parsed as transformers' parse_response reads the chat template's
+tool-call syntax (formats/tool_calls.py), tool results tokenized as the template renders tool messages
+(TRL's _get_tool_suffix_ids), and the loop of tools_loop.py run on the engine's KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from wgpu_train.errors import ConfigError
+from wgpu_train.formats.tool_calls import parse_response, tool_call_format, tool_schemas
+from wgpu_train.training.tools import Toolbox, reset_prompt, run_tool_calls
+from wgpu_train.training.tools_loop import TurnSampler, tool_rollouts
+
+
+@dataclass
+class ToolBatch:
+    """One generation's rows with tools: each row's prompt example (its environment's reset applied), its
+    Rollout, its environment (None without one)."""
+
+    examples: list
+    rollouts: list
+    environments: list | None
+
+    @property
+    def completions(self) -> list:
+        return [r.ids for r in self.rollouts]
+
+
+class ToolRollouts:
+    """The tools of a run (a Toolbox) with the tokenizer whose chat template renders and parses them."""
+
+    sampler = TurnSampler          # what samples the turns (a test may script them)
+
+    def __init__(self, toolbox: Toolbox, tokenizer, max_iterations: int | None):
+        self.toolbox, self.tokenizer = toolbox, tokenizer
+        self.max_iterations = max_iterations if max_iterations is not None else np.iinfo(np.int64).max
+        self.format = tool_call_format(tokenizer.chat_template)
+        if self.format is None:
+            raise ConfigError("the model's chat template cannot render tool calls (a tool call and a tool message "
+                              "did not show in its text): tools need a template with tool support")
+        self.tools = toolbox.all_tools()
+        self.schemas = tool_schemas(self.tools)
+        self.specials = [t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special]
+
+    def prompt_ids(self, messages) -> list:
+        """A conversation's generation prompt rendered with the tools (TRL's apply_chat_template(tools=...))."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=self.schemas)
+        return self.tokenizer.encode(text)
+
+    def suffix_ids(self, tool_messages: list) -> list:
+        """The tokens after an assistant turn's EOS that the chat template writes for `tool_messages` and the
+        next generation prompt (TRL's _get_tool_suffix_ids: a dummy call of the first result's tool, rendered
+        with and without them, the shorter cut after its last EOS)."""
+        tok = self.tokenizer
+        dummy = [{"role": "user", "content": "dummy"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]}]
+        prefix = tok.encode(tok.apply_chat_template(dummy))
+        full = tok.encode(tok.apply_chat_template(dummy + list(tool_messages), add_generation_prompt=True))
+        ends = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
+        if ends:
+            prefix = prefix[:ends[-1] + 1]
+        if full[:len(prefix)] != prefix:
+            raise ConfigError("the chat template renders an assistant turn differently once a tool message "
+                              "follows it: its tool results cannot be appended to a rollout")
+        return full[len(prefix):]
+
+    def parse(self, ids, prefix) -> dict:
+        """A turn's ids as the assistant message TRL's parse_response makes of them after the prefix ids."""
+        tok = self.tokenizer
+        return parse_response(tok.decode(ids, skip_special_tokens=False), self.format, self.schemas,
+                              prefix=tok.decode(prefix, skip_special_tokens=False), eos_token=tok.eos_token,
+                              special_tokens=self.specials)
+
+    def run(self, engine, examples, settings, seeds=None, greedy: bool = False) -> ToolBatch:
+        """The rollouts of `examples` (one row each) with sampling `settings` (GRPOSettings; greedy: temperature
+        0), row i seeded by seeds[i]: environments reset, first turns sampled on one KV cache, the tool loop run
+        on its held rows."""
+        environments = self.toolbox.environments(examples)
+        if environments is not None:
+            rows = []
+            for ex, env in zip(examples, environments):
+                prompt = reset_prompt(ex.record.prompt, env, {"prompt": ex.record.prompt, **ex.record.columns})
+                if prompt is not ex.record.prompt:
+                    ex = replace(ex, input_ids=np.asarray(self.prompt_ids(prompt), np.int32),
+                                 record=replace(ex.record, prompt=prompt))
+                rows.append(ex)
+            examples = rows
+        prompts = [ex.input_ids for ex in examples]
+        budget = settings.max_completion_length
+        positions = engine.cfg.max_position_embeddings
+        sampler = self.sampler(engine, prompts, min(max(p.size for p in prompts) + budget, positions),
+                               0.0 if greedy else settings.temperature, settings.top_k, settings.top_p, seeds,
+                               self.tokenizer.eos_token_ids)
+        try:
+            toolsets = [self.toolbox.rollout_tools(e) for e in (environments or [None] * len(examples))]
+            rollouts = tool_rollouts(sampler, [p.tolist() for p in prompts], self.parse, self.suffix_ids, toolsets,
+                                     run_tool_calls, budget, positions, self.max_iterations)
+        finally:
+            sampler.close()
+        return ToolBatch(examples, rollouts, environments)
