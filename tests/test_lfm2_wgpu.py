@@ -180,3 +180,22 @@ def test_pipeline_stages_equal_one_process(folder, default_rt):
         model.add_lora(wt.LoraConfig(r=4, target_modules=("in_proj", "out_proj", "q_proj")), seed=3)
     _same_steps(one, staged, steps=2, micro=2)
     assert_same_generation(*_staged(folder, 2, precision="fp32"))
+
+
+def test_a_convolution_wider_than_the_kernels_is_left_to_the_numpy_engine(rt):
+    """A conv_L_cache past the short-convolution kernels' sizes: WgpuEngine refuses it in one line (not a
+    kernel's ValueError), backend auto takes the NumPy engine and says why."""
+    import transformers as tf
+    from wgpu_train.engines.backend_choice import choose_backend
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+    from wgpu_train.engines.webgpu.tuned.short_conv_kernels import MAX_K
+    from wgpu_train.errors import ConfigError
+
+    raw = {**tf.Lfm2Config(**{**LFM2, "conv_L_cache": MAX_K + 1}).to_dict(), "architectures": ["Lfm2ForCausalLM"]}
+    cfg = wt.ModelConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match=f"conv_L_cache {MAX_K + 1} \\(up to {MAX_K}\\); use --backend numpy"):
+        WgpuEngine(cfg, {}, rt)
+    choice = choose_backend("auto", None, cfg)
+    assert choice.engine == "numpy" and "conv_L_cache" in choice.reason
+    narrow = wt.ModelConfig.from_dict({**raw, "conv_L_cache": MAX_K})
+    assert choose_backend("auto", None, narrow).reason != choice.reason

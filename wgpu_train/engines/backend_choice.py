@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from wgpu_train.engines.webgpu.device import runtime
-from wgpu_train.engines.webgpu.layers import LayerRecorder
 from wgpu_train.engines.webgpu.memory import base_weight_bytes, weight_shapes
+from wgpu_train.engines.webgpu.support import unsupported_reason
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 
@@ -73,8 +73,8 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     float32 copies of the weights would exceed NUMPY_MEMORY_SHARE of `memory` (default: what the machine has
     available) and the adapter stores them in fewer bytes; else the NumPy engine for a model whose layers hold
     fewer than SMALL_LAYER_WEIGHTS weights (or without cfg), and the CPU adapter for one whose layers hold more.
-    Models the WebGPU engine does not run yet (gpt-oss, recurrent
-    layers it cannot record) take the NumPy engine. ConfigError for an unknown backend."""
+    Models the WebGPU engine does not run yet (webgpu/support.unsupported_reason) take the NumPy engine.
+    ConfigError for an unknown backend."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "numpy":
@@ -84,11 +84,9 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
         return BackendChoice("wgpu", device, "as given")
     if not named and os.environ.get("WGPU_TRAIN_DEVICE", "").strip():
         device, named = os.environ["WGPU_TRAIN_DEVICE"], True
-    if cfg is not None and (cfg.attention_sinks or (cfg.moe is not None and cfg.moe.biases)):
-        return BackendChoice("numpy", None, "auto: the WebGPU engine does not run gpt-oss's sinks and expert "
-                                            "biases yet")
-    if cfg is not None and cfg.recurrent and LayerRecorder.unrecorded_kinds(cfg):
-        return BackendChoice("numpy", None, f"auto: the WebGPU engine does not run {cfg.recurrent_kind} layers yet")
+    unsupported = cfg is not None and unsupported_reason(cfg)
+    if unsupported:
+        return BackendChoice("numpy", None, f"auto: {unsupported}")
     if named:                   # checked where it opens (a data-parallel run's list is split among its workers)
         return BackendChoice("wgpu", device, f"auto: --device names an adapter ({device})")
     if not runtime.has_adapter():

@@ -22,7 +22,6 @@ from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
-from wgpu_train.engines.webgpu.tuned import attention_kernels
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_read
 from wgpu_train.engines.webgpu.device.recorder import submit
@@ -34,6 +33,7 @@ from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
 from wgpu_train.engines.webgpu.kv_cache import KvCacheGeneration
 from wgpu_train.engines.webgpu.layers import LayerRecorder
 from wgpu_train.engines.webgpu.optimizer import Optimizer
+from wgpu_train.engines.webgpu.support import unsupported_reason
 from wgpu_train.engines.webgpu.steps import StepRunner
 from wgpu_train.adapters.dora import MAGNITUDE, split_entry
 
@@ -53,16 +53,9 @@ class WgpuEngine(EngineState):
         engines/numpy/precision.py does; f16 adds dynamic loss scaling. span, first, last: a pipeline stage's
         layers, and whether it holds the embedding and the final norm and head (webgpu/stage.py); by default
         the whole model, whose weights are every one of `weights`."""
-        if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
-                              f"and clamped SwiGLU yet; use --backend numpy")
-        if LayerRecorder.unrecorded_kinds(cfg):
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
-                              f"--backend numpy")
-        if not attention_kernels.supported_head_dim(cfg.head_dim):
-            raise ConfigError(f"config.json: field 'head_dim' ({cfg.head_dim}) is not one the WebGPU attention "
-                              f"kernels support (up to {attention_kernels.MAX_HEAD_DIM}, a multiple of 4 above "
-                              f"{attention_kernels.ROWS_DMAX}); use backend='numpy'")
+        reason = unsupported_reason(cfg)
+        if reason:
+            raise ConfigError(f"{cfg.label}: {reason}; use --backend numpy")
         kv_dtype = check_kv_dtype(kv_dtype, cfg)
         precision = Precision.parse(precision)
         if not precision.resolved:
