@@ -15,6 +15,7 @@ from wgpu_train.engines.backend_choice import choose_backend
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.models.config import ModelConfig
+from engine_pair import engine_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -29,16 +30,9 @@ def folder(tmp_path_factory):
 def _pair(folder, rt, **kw):
     """The model on both engines with LoRA on attention, conv, the dense MLP, the router and every expert, B
     random."""
-    ref = wt.load_model(folder, backend="numpy", **kw)
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
     config = wt.LoraConfig(r=3, alpha=7, target_modules=["in_proj", "out_proj", "q_proj", "w1", "gate"],
                            target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
-    ref.add_lora(config, seed=5)
-    rng = np.random.default_rng(1)
-    modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32)) for p, (a, b) in ref.engine.lora_tensors().items()}
-    ref._set_lora(config, modules, seed=5)
-    gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
-    return ref, gpu
+    return engine_pair(folder, rt, config, **kw)
 
 
 def test_lora_logits_loss_gradients_and_a_step_match_numpy(folder, rt):

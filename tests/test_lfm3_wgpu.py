@@ -13,6 +13,7 @@ from test_lfm3 import LFM3
 from tolerances import assert_close
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.labels import shift_labels
+from engine_pair import engine_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -34,15 +35,7 @@ def folder(tmp_path_factory):
 
 def _pair(folder, rt, **kw):
     """The model on both engines with all-linear LoRA (g_proj, attention, conv, MLP), B random."""
-    ref = wt.load_model(folder, backend="numpy", **kw)
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
-    config = wt.LoraConfig(r=3, alpha=7, target_modules="all-linear")
-    ref.add_lora(config, seed=5)
-    rng = np.random.default_rng(1)
-    modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32)) for p, (a, b) in ref.engine.lora_tensors().items()}
-    ref._set_lora(config, modules, seed=5)
-    gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
-    return ref, gpu
+    return engine_pair(folder, rt, wt.LoraConfig(r=3, alpha=7, target_modules="all-linear"), **kw)
 
 
 def test_lora_logits_loss_gradients_and_a_step_match_numpy(folder, rt):

@@ -15,6 +15,7 @@ from tolerances import assert_close
 from wgpu_train.errors import ConfigError
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.labels import shift_labels
+from engine_pair import engine_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -41,17 +42,7 @@ def _micro_batches(ids, labels, mask, rows):
 
 def _pair(folder, rt, lora=True, **kw):
     """The model on both engines; with lora, all-linear (attention, router, experts, shared expert) with B random."""
-    ref = wt.load_model(folder, backend="numpy", **kw)
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
-    if lora:
-        config = wt.LoraConfig(r=3, alpha=7, target_modules="all-linear")
-        ref.add_lora(config, seed=5)
-        rng = np.random.default_rng(1)
-        modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
-                   for p, (a, b) in ref.engine.lora_tensors().items()}
-        ref._set_lora(config, modules, seed=5)
-        gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
-    return ref, gpu
+    return engine_pair(folder, rt, wt.LoraConfig(r=3, alpha=7, target_modules="all-linear") if lora else None, **kw)
 
 
 def _same_loss_and_grads(ref, gpu, what: str, expert_keys: str):

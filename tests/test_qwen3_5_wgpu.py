@@ -16,6 +16,7 @@ from tolerances import assert_close
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.errors import ConfigError
+from engine_pair import engine_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -35,17 +36,7 @@ def model(request, tmp_path_factory):
 
 def _pair(folder, rt, kind=None, **kw):
     """The model on both engines; with kind, LoRA on its TARGETS with B random."""
-    ref = wt.load_model(folder, backend="numpy", **kw)
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
-    if kind:
-        config = wt.LoraConfig(r=3, alpha=7, target_modules=TARGETS[kind])
-        ref.add_lora(config, seed=5)
-        rng = np.random.default_rng(1)
-        modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
-                   for p, (a, b) in ref.engine.lora_tensors().items()}
-        ref._set_lora(config, modules, seed=5)
-        gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
-    return ref, gpu
+    return engine_pair(folder, rt, wt.LoraConfig(r=3, alpha=7, target_modules=TARGETS[kind]) if kind else None, **kw)
 
 
 def _same_loss_and_grads(ref, gpu, what, batch, must_have: str):
