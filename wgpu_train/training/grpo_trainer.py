@@ -29,7 +29,7 @@ from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.preference_scoring import mean_metrics
 from wgpu_train.training.rewards import RewardFunction, check_reward_weights, compute_rewards, load_rewards
-from wgpu_train.training.tools import Toolbox, load_environment, load_tool
+from wgpu_train.training.tools import run_toolbox
 from wgpu_train.training.config import default_model_dir
 from wgpu_train.training.tools_demo import TOOL_DEMO_REWARD, demo_tokenizer, tool_demo_splits, warm_up
 from wgpu_train.training.tools_rollouts import ToolRollouts
@@ -56,11 +56,7 @@ class GRPOTrainer(Trainer):
             self.log(f"lora_dropout {dropout:g} is off for --objective grpo, as TRL's trainers disable dropout")
         self.settings = config.grpo_settings()
         self.unit = objective_class(config.objective)(self.settings)       # its traits, advantages and loss
-        if environment_factory is not None and config.environment:
-            raise ConfigError("give the environment once: environment_factory or --environment")
-        self.toolbox = Toolbox([load_tool(t) for t in config.tool_specs()] + list(tools or ()),
-                               environment_factory or (load_environment(config.environment) if config.environment
-                                                       else None))
+        self.toolbox = run_toolbox(config, tools, environment_factory)
         if config.max_tool_calling_iterations is not None and not self.toolbox:
             raise ConfigError("--max-tool-calling-iterations limits the tool loop: give --tool or --environment")
         own = self.toolbox.reward_function()
@@ -248,6 +244,9 @@ class GRPOTrainer(Trainer):
             calls, failures = gathered[:, -2].sum(), gathered[:, -1].sum()
             metrics["tools/call_frequency"] = float(calls / total)
             metrics["tools/failure_frequency"] = float(failures / calls) if calls else 0.0
+        turns = None
+        if tools is not None:       # every row's prompt (its environment's reset) and turns, from every process
+            everyone, turns = tools.every_row(self.process, everyone, r0)
         gen = self._generation_of(np.asarray(indices), all_ids, all_cut, advantages, metrics, all_mask, everyone)
         if not score_policy:
             # the step's own loss head computes the policy's log-probabilities (the first step's are the old
@@ -262,8 +261,7 @@ class GRPOTrainer(Trainer):
         self._time("generation", t1 - t0, int(model_tokens[r0:r1].sum()))
         self._time("rewards", t2 - t1)
         self._time("scoring", time.perf_counter() - t2)
-        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages,
-                              None if tools is None else {r0 + i: r.turns for i, r in enumerate(tools.rollouts)})
+        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages, turns)
         return gen
 
     def _generation_of(self, indices, completions, truncated, advantages, metrics: dict, tool_mask=None,
@@ -415,8 +413,8 @@ class GRPOTrainer(Trainer):
     # ---- what a run shows ---------------------------------------------------------------------------
     def _log_completions(self, examples, completions, per_func, rewards, advantages, turns=None):
         """completions.jsonl: each row of this generation, as TRL's log_completions shows them (a resumed run's,
-        once its first step completes: RunFiles.hold); with tools, this process's rows' turns (row -> messages:
-        each assistant turn with its calls, each tool result)."""
+        once its first step completes: RunFiles.hold); with tools, every row's turns (row -> messages: each
+        assistant turn with its calls, each tool result)."""
         if not self.writes_files or (self._completions is None and not self.files.resumed):
             return
         texts = self._texts(examples, completions)
