@@ -63,12 +63,10 @@ class Counter:
         return float(self.count)
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """The tiny model with the tool demo's chat template (ChatML with tools) and more end-of-turn ids in its
-    generation config (a random model's turns end early, leaving room for tool results), and 8 conversational
-    prompts."""
-    root = tmp_path_factory.mktemp("grpo_tools_distributed")
+def tool_workspace(root):
+    """(root, model): the tiny model with the tool demo's chat template (ChatML with tools) and more end-of-turn ids
+    in its generation config (a random model's turns end early, leaving room for tool results), and 8
+    conversational prompts."""
     model = make_model_dir(root / "model")
     (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     generation = json.loads((model / "generation_config.json").read_text())
@@ -77,6 +75,11 @@ def workspace(tmp_path_factory):
     write_jsonl(root / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"after {w} {i}?"}]}
                                          for i, w in enumerate(words)])
     return root, model
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return tool_workspace(tmp_path_factory.mktemp("grpo_tools_distributed"))
 
 
 @pytest.fixture
@@ -101,7 +104,11 @@ def _steps(out) -> list:
 
 @pytest.fixture(scope="module")
 def one_process(workspace):
-    """One process's run with the tools as specs, and what its rollouts did."""
+    return one_process_run(workspace)
+
+
+def one_process_run(workspace):
+    """(out, summary): one process's run with the tools as specs, checked for what its rollouts did."""
     out = workspace[0] / "one"
     with pytest.MonkeyPatch.context() as m:
         m.setattr(ToolRollouts, "parse", called_parse(ToolRollouts.parse))
