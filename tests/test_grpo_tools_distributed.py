@@ -1,8 +1,9 @@
 """GRPO with tools on data-parallel workers (threads with an in-process collective) and through pipeline stages (in
 this process), equal to one process: the completions.jsonl of every row (the turns and the prompts as the other
 workers' environments reset them), the tools/* metrics and the environment's reward over all rollouts, the losses
-and the adapter; tools as --tool / --environment specs and as Python objects; bad tools on workers or stages are
-one line before anything starts. A random model's turns are made tool calls by ray_faults.called_parse's rule."""
+and the adapter; tools as --tool / --environment specs and as Python objects; a checkpoint of a reused generation
+resumed with its reset prompts; bad tools on workers or stages are one line before anything starts. A random
+model's turns are made tool calls by ray_faults.called_parse's rule."""
 from __future__ import annotations
 
 import json
@@ -112,7 +113,7 @@ def one_process_run(workspace):
     out = workspace[0] / "one"
     with pytest.MonkeyPatch.context() as m:
         m.setattr(ToolRollouts, "parse", called_parse(ToolRollouts.parse))
-        summary = finetune(_config(workspace, out, **SPECS))
+        summary = finetune(_config(workspace, out, save_every=1, **SPECS))
     rows = [json.loads(line) for line in (out / COMPLETIONS_FILE).read_text().splitlines()]
     tools = [[m for m in r["turns"] if m["role"] == "tool"] for r in rows]
     # the rule's calls happened: both tools, a failure, two rounds in a row, the environment's observation
@@ -150,6 +151,10 @@ def test_tools_on_two_workers_equal_one_process(workspace, tmp_path, calls, one_
     objects = run_threads(_config(workspace, tmp_path / "objects", num_workers=2, grad_accum=1), 2, tools=[add],
                           environment_factory=Counter)
     _assert_same_run(tmp_path / "objects", one, objects[0], one_summary, adapter_atol=1e-6)
+    # step 1's checkpoint holds the generation step 2 reuses, its rows' prompts as the environments reset them
+    run_threads(_config(workspace, tmp_path / "resumed", num_workers=2, grad_accum=1,
+                        resume=str(one / "checkpoints" / "step-000001"), **SPECS), 2)
+    assert_same_adapter(tmp_path / "resumed", one, 1e-6)
 
 
 def test_tools_through_stages_equal_one_process(workspace, tmp_path, calls, one_process):

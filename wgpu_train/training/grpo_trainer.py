@@ -24,7 +24,8 @@ from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training import checkpoint
 from wgpu_train.training.grpo_rows import (Generation, GenerationStream, build_generation, completion_lists,
-                                           cut_rows, padded, score_reference, score_rows, weighted)
+                                           cut_rows, padded, prompt_table, score_reference, score_rows, weighted,
+                                           with_prompts)
 from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.preference_scoring import mean_metrics
@@ -248,6 +249,7 @@ class GRPOTrainer(Trainer):
         if tools is not None:       # every row's prompt (its environment's reset) and turns, from every process
             everyone, turns = tools.every_row(self.process, everyone, r0)
         gen = self._generation_of(np.asarray(indices), all_ids, all_cut, advantages, metrics, all_mask, everyone)
+        gen.prompt_ids = prompt_table(everyone) if tools is not None else None
         if not score_policy:
             # the step's own loss head computes the policy's log-probabilities (the first step's are the old
             # policy's of the next ones): only the reference, a forward with the adapter off, is scored here
@@ -522,13 +524,13 @@ class GRPOTrainer(Trainer):
 
     def checkpoint_arrays(self) -> dict:
         """A reused generation's every row (any number of processes may resume it): its prompts, completions,
-        truncation, advantages and log-probabilities."""
+        truncation, advantages and log-probabilities; with tools, the rows' prompt ids and tool masks."""
         if not self._reused():
             return {}
         gen = self._generation
         out = {"indices": gen.indices, "completions": gen.completions, "truncated": gen.truncated,
                "advantages": gen.advantages}
-        for name in ("policy_logps", "old_logps", "ref_logps", "tool_mask"):
+        for name in ("policy_logps", "old_logps", "ref_logps", "tool_mask", "prompt_ids"):
             if getattr(gen, name) is not None:
                 out[name] = getattr(gen, name)
         return out
@@ -565,8 +567,14 @@ class GRPOTrainer(Trainer):
         saved = self.resume.state.get("generation") if self.resume else None
         if saved:
             arrays = checkpoint.read_arrays(self.resume.folder)
+            everyone = None
+            if "prompt_ids" in arrays:      # the prompts the rollouts had (an environment's reset changes them)
+                g = self.settings.num_generations
+                everyone = with_prompts([self.prompts["train"][i] for i in arrays["indices"] for _ in range(g)],
+                                        arrays["prompt_ids"])
             gen = self._generation_of(arrays["indices"], arrays["completions"], arrays["truncated"],
-                                      arrays["advantages"], saved["metrics"], arrays.get("tool_mask"))
+                                      arrays["advantages"], saved["metrics"], arrays.get("tool_mask"), everyone)
+            gen.prompt_ids = arrays.get("prompt_ids")
             gen.policy_logps, gen.old_logps, gen.ref_logps = (arrays.get(n) for n in ("policy_logps", "old_logps",
                                                                                       "ref_logps"))
             self._generation = gen
