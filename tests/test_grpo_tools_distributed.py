@@ -169,6 +169,16 @@ def test_tools_through_stages_equal_one_process(workspace, tmp_path, calls, one_
     _assert_same_run(tmp_path / "grid", one, grid[0], one_summary, adapter_atol=1e-6)
 
 
+def test_tools_through_ray_actor_stages_equal_one_process(workspace, tmp_path, calls, one_process):
+    """The rollouts' held rows through 2 stages that are Ray actors (the tools in this process): one process's
+    run."""
+    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
+    one, one_summary = one_process
+    staged = finetune_pipeline(_config(workspace, tmp_path / "ray", pipeline_stages=2, **SPECS))
+    assert staged["pipeline"]["ray"]
+    _assert_same_run(tmp_path / "ray", one, staged, one_summary)
+
+
 def test_bad_tools_on_workers_and_stages_are_one_line(workspace, tmp_path, capsys):
     """A tool that cannot be imported, one without a docstring and an environment without reset, with
     --num-workers (checked on the driver: Ray is not started) and with --pipeline-stages (checked before the stages
