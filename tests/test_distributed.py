@@ -149,7 +149,7 @@ def test_grpo_with_tools_on_ray_workers_equals_one_process(faults, tmp_path):
                               log=lambda line: None)
     finally:
         (faults / "tool-calls").unlink()
-    _assert_same_run(tmp_path / "two", one, two, one_summary, adapter_atol=1e-6)
+    _assert_same_run(tmp_path / "two", one, two, one_summary, "data_parallel_numpy")
 
 
 # ---- bad input: one line, exit code 2 --------------------------------------------------------------------
