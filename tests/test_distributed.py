@@ -135,6 +135,23 @@ def test_two_workers_equal_one_process_wgpu(faults, workspace, default_rt):
     assert_same_adapter(workspace[2] / "two-wgpu", workspace[2] / "one-wgpu", 1e-4)
 
 
+def test_grpo_with_tools_on_ray_workers_equals_one_process(faults, tmp_path):
+    """GRPO with --tool / --environment specs on 2 Ray workers, each rebuilding them and running the tool loop for
+    its groups (turns made tool calls by ray_faults.called_parse, ordered in the workers): one process's
+    completions, tools/* metrics, environment reward, losses and adapter."""
+    from test_grpo_tools_distributed import SPECS, _assert_same_run, _config, one_process_run, tool_workspace
+
+    tools = tool_workspace(tmp_path)
+    one, one_summary = one_process_run(tools)
+    (faults / "tool-calls").touch()
+    try:
+        two = finetune_on_ray(_config(tools, tmp_path / "two", num_workers=2, grad_accum=1, **SPECS),
+                              log=lambda line: None)
+    finally:
+        (faults / "tool-calls").unlink()
+    _assert_same_run(tmp_path / "two", one, two, one_summary, "data_parallel_numpy")
+
+
 # ---- bad input: one line, exit code 2 --------------------------------------------------------------------
 
 def _finetune_cli(workspace, out, *extra):

@@ -178,14 +178,16 @@ def test_turn_sampler_matches_generate_batch(model):
 
 
 def test_bad_tool_input_is_one_line(tmp_path, capsys):
-    """A tool that cannot be imported, a function without type hints, an environment without reset,
-    --max-tool-calling-iterations 0 and a chat template without tool support: one line, exit 2, no run folder."""
+    """A tool that cannot be imported, a function without type hints or without a docstring, an environment
+    without reset, --max-tool-calling-iterations 0 and a chat template without tool support: one line, exit 2, no
+    run folder."""
     from finetune_helpers import make_model_dir, one_line_error, write_jsonl
 
     model = make_model_dir(tmp_path / "model")
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
     (tmp_path / "mytools.py").write_text(
         "def bare(x):\n    \"\"\"Doc.\"\"\"\n\n"
+        "def nodoc(x: int) -> int:\n    return x\n\n"
         "def ok(x: int) -> int:\n    \"\"\"Ok.\n\n    Args:\n        x: a number\n    \"\"\"\n    return x\n\n"
         "class NoReset:\n    def act(self, x: int) -> int:\n        \"\"\"Act.\n\n        Args:\n"
         "            x: a number\n        \"\"\"\n        return x\n")
@@ -195,6 +197,7 @@ def test_bad_tool_input_is_one_line(tmp_path, capsys):
     tools = str(tmp_path / "mytools.py")
     cases = [(["--tool", "no_such_module_xyz:f"], "no module named 'no_such_module_xyz'"),
              (["--tool", f"{tools}:bare"], "argument x has no type hint"),
+             (["--tool", f"{tools}:nodoc"], "no docstring"),
              (["--environment", f"{tools}:NoReset"], "has no reset method"),
              (["--tool", "calculator", "--max-tool-calling-iterations", "0"], "must be at least 1"),
              (["--tool", f"{tools}:ok"], "cannot render tool calls")]

@@ -55,6 +55,12 @@ TOLERANCES: dict[str, Tolerance] = {
         "(about 1e-16 relative in the clipping factor), which may move an AdamW update by a float32 unit in the last "
         "place now and then over a few steps (measured: 0 on the tiny Llama, Qwen3 and Gemma 3 and the embedded "
         "default; stages in Ray actors against one process whose BLAS runs on one thread, as Ray's workers do)"),
+    "data_parallel_numpy": Tolerance(1e-5, 1e-6,
+        "data-parallel workers on the NumPy engine against one process with the same global batch: each worker's "
+        "gradients are weighted by its share of the step's tokens and summed in the all-reduce, float32 sums in "
+        "another order than one process's, a rounding apart; AdamW's first steps divide by the gradient's own size, "
+        "so the steps after carry it into the adapter and the next generation's losses and metrics (GRPO with "
+        "tools, 3 steps at lr 2e-2: 9e-8 absolute on the adapter, 2.4e-7 relative on the metrics, measured)"),
     "pipeline_wgpu": Tolerance(1e-3, 1e-4,
         "pipeline stages on the WebGPU engine against one WebGPU process: each stage records one process's kernels "
         "on the same shapes, and the boundary carries the values the stage stored, so the step's losses and "

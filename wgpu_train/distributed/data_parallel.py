@@ -3,6 +3,7 @@ step, all-reduces the gradients through a collective, and leaves evaluation resu
 rank 0 (ray_driver.py runs the workers on Ray)."""
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -111,6 +112,19 @@ class DataParallelWorker(OneProcess):
         summed = self.collective.all_reduce(np.stack([full, flags]))
         return np.where(summed[1] > 0, np.nan, summed[0]).astype(rows.dtype)
 
+    def gather_objects(self, objects: list, start: int, total: int) -> list:
+        """Each object as JSON bytes through gather: their lengths first, then the bytes padded to the longest."""
+        mine = [json.dumps(o, default=str).encode() for o in objects]
+        lengths = self.gather(np.array([len(b) for b in mine], np.int64), start, total)            # (total,)
+        width = max(int(lengths.max(initial=0)), 1)
+        rows = np.zeros((len(mine), width), np.int32)                                             # (rows, B)
+        for i, b in enumerate(mine):
+            rows[i, :len(b)] = np.frombuffer(b, np.uint8)
+        every = self.gather(rows, start, total)                                                   # (total, B)
+        out = [json.loads(every[i, :n].astype(np.uint8).tobytes()) for i, n in enumerate(lengths)]
+        out[start:start + len(objects)] = objects
+        return out
+
     def check_step_rows(self, fewest: int, what: str):
         if fewest < self.world:
             raise ConfigError(f"a step of this run holds {fewest} {what}, fewer than the {self.world} workers "
@@ -137,13 +151,15 @@ class DataParallelWorker(OneProcess):
             "allreduce_share": round(float(times[:, 1].sum() / max(times[:, 0].sum(), 1e-12)), 4)}}
 
 
-def data_parallel_trainer(config, collective, sink=None, reward_funcs=None, placement=None):
+def data_parallel_trainer(config, collective, sink=None, reward_funcs=None, placement=None, tools=None,
+                          environment_factory=None):
     """The trainer of config.objective's kind (training/trainers.py) as one worker of a data-parallel run;
-    placement: where its model lives (default one engine; a 2-D grid: the worker's own pipeline stages)."""
+    placement: where its model lives (default one engine; a 2-D grid: the worker's own pipeline stages); GRPO's
+    Python objects (each worker its own tools and environments)."""
     if config.num_workers != collective.world:
         raise ValueError(f"num_workers {config.num_workers} for a collective of {collective.world} workers")
     return make_trainer(config, None if sink is None else sink.log, DataParallelWorker(collective, sink),
-                        reward_funcs, placement)
+                        reward_funcs, placement, tools, environment_factory)
 
 
 class _SinkBar:

@@ -18,7 +18,8 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
     """Fine-tune as `config` says (fields may also be given or overridden as keywords); returns the summary
     that is also written to summary.json in the output folder. reward_funcs: --objective grpo's reward functions
     as Python callables (TRL's signature), after config.reward's; tools and environment_factory: GRPO's tools as
-    Python functions and TRL's environment class (in this process; --tool / --environment specs elsewhere)."""
+    Python functions and TRL's environment class, after config.tool's and config.environment's (they travel to
+    Ray workers by Ray's pickling, as reward_funcs do)."""
     config = config or TrainConfig()
     if overrides:
         names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -33,15 +34,13 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if (tools or environment_factory) and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"tools are GRPO's: --objective {config.objective} takes none")
-    if (tools or environment_factory) and (config.pipelined() or config.num_workers):
-        raise ConfigError("tools and environment_factory as Python objects train in one process: give them as "
-                          "--tool / --environment specs (module:name) to run on Ray workers or pipeline stages")
+    python_tools = {"tools": tools, "environment_factory": environment_factory}
     if config.pipelined() and not config.num_workers:
         from wgpu_train.distributed.pipeline_trainer import finetune_pipeline    # its stages on Ray
 
-        return finetune_pipeline(config, reward_funcs=reward_funcs)
+        return finetune_pipeline(config, reward_funcs=reward_funcs, **python_tools)
     if config.num_workers:
         from wgpu_train.distributed.ray_driver import finetune_on_ray     # imports Ray
 
-        return finetune_on_ray(config, reward_funcs=reward_funcs)
+        return finetune_on_ray(config, reward_funcs=reward_funcs, **python_tools)
     return make_trainer(config, reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory).run()

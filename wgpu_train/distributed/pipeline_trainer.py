@@ -112,15 +112,17 @@ class PipelineStages(OneEngine):
             trainer.engine.close()
 
 
-def finetune_pipeline(config, local: bool = False, reward_funcs=None) -> dict:
-    """finetune(config, reward_funcs) through config's pipeline stages (Ray actors; local: in this process): the
-    trainer of the objective's kind over PipelineStages (GRPO's reward functions run in this process). A stage
+def finetune_pipeline(config, local: bool = False, reward_funcs=None, tools=None, environment_factory=None) -> dict:
+    """finetune(config, reward_funcs, tools, environment_factory) through config's pipeline stages (Ray actors;
+    local: in this process): the trainer of the objective's kind over PipelineStages (GRPO's reward functions and
+    tools run in this process; its rollouts' rows are held and extended in the stages' KV caches). A stage
     whose process dies (StageLost) restarts every stage from the run's last checkpoint, up to
     config.max_failures times, as --num-workers' workers do."""
     config = pipeline_config(config)
     failures = 0
     while True:
-        trainer = make_trainer(config, reward_funcs=reward_funcs, placement=PipelineStages(local))
+        trainer = make_trainer(config, reward_funcs=reward_funcs, placement=PipelineStages(local), tools=tools,
+                               environment_factory=environment_factory)
         try:
             return trainer.run()
         except StageLost as e:

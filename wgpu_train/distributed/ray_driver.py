@@ -115,13 +115,16 @@ def _connect(ray, address: str | None, cpus: int) -> bool:
     return True
 
 
-def finetune_on_ray(config, log=None, reward_funcs=None) -> dict:
+def finetune_on_ray(config, log=None, reward_funcs=None, tools=None, environment_factory=None) -> dict:
     """finetune(config) on config.num_workers Ray Train workers; rank 0's summary (written to summary.json
-    as in one process). Ray is started locally, or joined at config.ray_address. reward_funcs (GRPO's Python
-    callables) travel to the workers by Ray's pickling."""
+    as in one process). Ray is started locally, or joined at config.ray_address. reward_funcs, tools and
+    environment_factory (GRPO's Python objects) travel to the workers by Ray's pickling; GRPO's tools (specs
+    too) are checked here first, so a bad one is one line before Ray starts."""
     from wgpu_train.distributed.ray_worker import adapter_for
+    from wgpu_train.training.tools import run_toolbox
     from wgpu_train.training.trainer import Trainer
 
+    run_toolbox(config, tools, environment_factory)
     ray = _import_ray()
     out = Trainer(config).out.resolve()   # the output folder and --resume checks, before Ray starts
     specs = [s for s in (config.device or "").split(",") if s.strip()]
@@ -133,7 +136,8 @@ def finetune_on_ray(config, log=None, reward_funcs=None) -> dict:
     storage = out / ".ray_train"
     started = _connect(ray, config.ray_address, _cpus(config))
     try:
-        return _run(ray, config, log, storage, reward_funcs)
+        return _run(ray, config, log, storage, {"reward_funcs": reward_funcs, "tools": tools,
+                                                "environment_factory": environment_factory})
     finally:
         if started:
             ray.shutdown()
@@ -150,7 +154,7 @@ def _cpus(config) -> int:
     return config.num_workers * (1 + stage_cpus(stages, config.stage_resources))
 
 
-def _run(ray, config, log, storage: Path, reward_funcs) -> dict:
+def _run(ray, config, log, storage: Path, python_objects: dict) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -159,7 +163,7 @@ def _run(ray, config, log, storage: Path, reward_funcs) -> dict:
     control = ray.remote(num_cpus=0)(RunControl).remote()
     trainer = TorchTrainer(
         worker, train_loop_config={"config": config.to_dict(), "control": control, "cwd": os.getcwd(),
-                                   "reward_funcs": reward_funcs},
+                                   **python_objects},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=False),
         run_config=RunConfig(name=f"wgpu-train-{uuid.uuid4().hex[:8]}", storage_path=str(storage),

@@ -116,7 +116,8 @@ def worker(loop_config: dict):
             from wgpu_train.distributed.pipeline_trainer import PipelineStages, pipeline_config
 
             cfg, placement = pipeline_config(cfg), PipelineStages()
-        trainer = data_parallel_trainer(cfg, TorchCollective(), sink, loop_config.get("reward_funcs"), placement)
+        trainer = data_parallel_trainer(cfg, TorchCollective(), sink, loop_config.get("reward_funcs"), placement,
+                                        loop_config.get("tools"), loop_config.get("environment_factory"))
         if choose_backend(cfg.backend, cfg.device).engine == "wgpu":
             trainer.device, sharing = adapter_for(cfg.device, local_rank, local_workers)
             if trainer.device is not None and sharing > 1:

@@ -53,6 +53,8 @@ class Generation:
     ref_logps: np.ndarray | None    # (R, W) of the reference (beta > 0), else None
     metrics: dict                   # rewards and completions, by TRL's names
     tool_mask: np.ndarray | None = None     # (R, C) 0 on the tools' results (no loss), with tools
+    prompt_ids: np.ndarray | None = None    # (R, P) with tools, every row's prompt ids (an environment's reset
+    #                                         changes them), -1 past their end: prompt_table's
 
 
 def build_generation(everyone, indices, completions, truncated, advantages, metrics: dict, rows: tuple,
@@ -140,6 +142,20 @@ def weighted(micro, masks, dlogps: np.ndarray) -> list | None:
         out.append((ids, targets, seg, pos, w.astype(np.float32)))
         r0 += rows
     return out
+
+
+def prompt_table(everyone) -> np.ndarray:
+    """(R, P): the prompt ids of every row's example, -1 past each one's end."""
+    table = np.full((len(everyone), max(ex.input_ids.size for ex in everyone)), -1, np.int64)
+    for r, ex in enumerate(everyone):
+        table[r, :ex.input_ids.size] = ex.input_ids
+    return table
+
+
+def with_prompts(everyone, table: np.ndarray) -> list:
+    """The examples of `everyone` with the prompt ids of prompt_table's `table` (a checkpoint's rows)."""
+    return [dataclasses.replace(ex, input_ids=ids[ids >= 0].astype(ex.input_ids.dtype))
+            for ex, ids in zip(everyone, table)]
 
 
 def completion_lists(completions: np.ndarray) -> list:

@@ -24,12 +24,13 @@ from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training import checkpoint
 from wgpu_train.training.grpo_rows import (Generation, GenerationStream, build_generation, completion_lists,
-                                           cut_rows, padded, score_reference, score_rows, weighted)
+                                           cut_rows, padded, prompt_table, score_reference, score_rows, weighted,
+                                           with_prompts)
 from wgpu_train.training.metrics import fmt, num
 from wgpu_train.training.objectives import objective_class
 from wgpu_train.training.preference_scoring import mean_metrics
 from wgpu_train.training.rewards import RewardFunction, check_reward_weights, compute_rewards, load_rewards
-from wgpu_train.training.tools import Toolbox, load_environment, load_tool
+from wgpu_train.training.tools import run_toolbox
 from wgpu_train.training.config import default_model_dir
 from wgpu_train.training.tools_demo import TOOL_DEMO_REWARD, demo_tokenizer, tool_demo_splits, warm_up
 from wgpu_train.training.tools_rollouts import ToolRollouts
@@ -56,11 +57,7 @@ class GRPOTrainer(Trainer):
             self.log(f"lora_dropout {dropout:g} is off for --objective grpo, as TRL's trainers disable dropout")
         self.settings = config.grpo_settings()
         self.unit = objective_class(config.objective)(self.settings)       # its traits, advantages and loss
-        if environment_factory is not None and config.environment:
-            raise ConfigError("give the environment once: environment_factory or --environment")
-        self.toolbox = Toolbox([load_tool(t) for t in config.tool_specs()] + list(tools or ()),
-                               environment_factory or (load_environment(config.environment) if config.environment
-                                                       else None))
+        self.toolbox = run_toolbox(config, tools, environment_factory)
         if config.max_tool_calling_iterations is not None and not self.toolbox:
             raise ConfigError("--max-tool-calling-iterations limits the tool loop: give --tool or --environment")
         own = self.toolbox.reward_function()
@@ -248,7 +245,11 @@ class GRPOTrainer(Trainer):
             calls, failures = gathered[:, -2].sum(), gathered[:, -1].sum()
             metrics["tools/call_frequency"] = float(calls / total)
             metrics["tools/failure_frequency"] = float(failures / calls) if calls else 0.0
+        turns = None
+        if tools is not None:       # every row's prompt (its environment's reset) and turns, from every process
+            everyone, turns = tools.every_row(self.process, everyone, r0)
         gen = self._generation_of(np.asarray(indices), all_ids, all_cut, advantages, metrics, all_mask, everyone)
+        gen.prompt_ids = prompt_table(everyone) if tools is not None else None
         if not score_policy:
             # the step's own loss head computes the policy's log-probabilities (the first step's are the old
             # policy's of the next ones): only the reference, a forward with the adapter off, is scored here
@@ -262,8 +263,7 @@ class GRPOTrainer(Trainer):
         self._time("generation", t1 - t0, int(model_tokens[r0:r1].sum()))
         self._time("rewards", t2 - t1)
         self._time("scoring", time.perf_counter() - t2)
-        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages,
-                              None if tools is None else {r0 + i: r.turns for i, r in enumerate(tools.rollouts)})
+        self._log_completions(everyone, completion_lists(all_ids), per_func, rewards, advantages, turns)
         return gen
 
     def _generation_of(self, indices, completions, truncated, advantages, metrics: dict, tool_mask=None,
@@ -415,8 +415,8 @@ class GRPOTrainer(Trainer):
     # ---- what a run shows ---------------------------------------------------------------------------
     def _log_completions(self, examples, completions, per_func, rewards, advantages, turns=None):
         """completions.jsonl: each row of this generation, as TRL's log_completions shows them (a resumed run's,
-        once its first step completes: RunFiles.hold); with tools, this process's rows' turns (row -> messages:
-        each assistant turn with its calls, each tool result)."""
+        once its first step completes: RunFiles.hold); with tools, every row's turns (row -> messages: each
+        assistant turn with its calls, each tool result)."""
         if not self.writes_files or (self._completions is None and not self.files.resumed):
             return
         texts = self._texts(examples, completions)
@@ -524,13 +524,13 @@ class GRPOTrainer(Trainer):
 
     def checkpoint_arrays(self) -> dict:
         """A reused generation's every row (any number of processes may resume it): its prompts, completions,
-        truncation, advantages and log-probabilities."""
+        truncation, advantages and log-probabilities; with tools, the rows' prompt ids and tool masks."""
         if not self._reused():
             return {}
         gen = self._generation
         out = {"indices": gen.indices, "completions": gen.completions, "truncated": gen.truncated,
                "advantages": gen.advantages}
-        for name in ("policy_logps", "old_logps", "ref_logps", "tool_mask"):
+        for name in ("policy_logps", "old_logps", "ref_logps", "tool_mask", "prompt_ids"):
             if getattr(gen, name) is not None:
                 out[name] = getattr(gen, name)
         return out
@@ -567,8 +567,14 @@ class GRPOTrainer(Trainer):
         saved = self.resume.state.get("generation") if self.resume else None
         if saved:
             arrays = checkpoint.read_arrays(self.resume.folder)
+            everyone = None
+            if "prompt_ids" in arrays:      # the prompts the rollouts had (an environment's reset changes them)
+                g = self.settings.num_generations
+                everyone = with_prompts([self.prompts["train"][i] for i in arrays["indices"] for _ in range(g)],
+                                        arrays["prompt_ids"])
             gen = self._generation_of(arrays["indices"], arrays["completions"], arrays["truncated"],
-                                      arrays["advantages"], saved["metrics"], arrays.get("tool_mask"))
+                                      arrays["advantages"], saved["metrics"], arrays.get("tool_mask"), everyone)
+            gen.prompt_ids = arrays.get("prompt_ids")
             gen.policy_logps, gen.old_logps, gen.ref_logps = (arrays.get(n) for n in ("policy_logps", "old_logps",
                                                                                       "ref_logps"))
             self._generation = gen

@@ -36,6 +36,11 @@ class OneProcess:
         """(total, ...): every process's `rows`, this one's placed at `start` (an all-gather in row order)."""
         return rows
 
+    def gather_objects(self, objects: list, start: int, total: int) -> list:
+        """(total,): every process's JSON-serialisable `objects`, this one's placed at `start` (another process's
+        come back as json.loads makes them)."""
+        return list(objects)
+
     def check_step_rows(self, fewest: int, what: str):
         """ConfigError where a step holds fewer than `world` rows (`what`: what a row is) to share."""
 

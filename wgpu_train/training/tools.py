@@ -141,6 +141,15 @@ class Toolbox:
         return RewardFunction(self.reward_name, environment_reward)
 
 
+def run_toolbox(config, tools=(), environment_factory=None) -> Toolbox:
+    """A run's Toolbox: config.tool's specs, then `tools` (Python functions); config.environment's class or
+    environment_factory; a bad one (or an environment given both ways) one line."""
+    if environment_factory is not None and config.environment:
+        raise ConfigError("give the environment once: environment_factory or --environment")
+    return Toolbox([load_tool(t) for t in config.tool_specs()] + list(tools or ()),
+                   environment_factory or (load_environment(config.environment) if config.environment else None))
+
+
 def reset_prompt(prompt: list, environment, record_columns: dict) -> list:
     """A rollout's prompt after its environment's reset(**columns): reset's text (if not None) appended to the last
     message's content, as TRL does."""

@@ -27,6 +27,21 @@ class ToolBatch:
     def completions(self) -> list:
         return [r.ids for r in self.rollouts]
 
+    def every_row(self, process, everyone: list, start: int) -> tuple[list, dict]:
+        """(everyone, each step row's prompt example, with every process's rows as their environments reset them;
+        row -> its turns, for every row): this batch's rows (those of `everyone` from `start`) and the other
+        processes' (process.gather_objects), as one process running every rollout has them."""
+        mine = [{"prompt": ex.record.prompt, "ids": ex.input_ids.tolist(), "turns": r.turns}
+                for ex, r in zip(self.examples, self.rollouts)]
+        every = process.gather_objects(mine, start, len(everyone))
+        out = list(everyone)
+        out[start:start + len(mine)] = self.examples
+        for i, row in enumerate(every):
+            if row["ids"] != out[i].input_ids.tolist():          # another process's reset changed its prompt
+                out[i] = replace(out[i], input_ids=np.asarray(row["ids"], np.int32),
+                                 record=replace(out[i].record, prompt=row["prompt"]))
+        return out, {i: row["turns"] for i, row in enumerate(every)}
+
 
 class ToolRollouts:
     """The tools of a run (a Toolbox) with the tokenizer whose chat template renders and parses them."""
