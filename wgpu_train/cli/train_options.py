@@ -127,14 +127,16 @@ def resolve_train_config(args: argparse.Namespace):
     recipe, since max_steps would override it; when both are given, max_steps wins (TrainConfig's meaning)
     and a note on stderr says so."""
     from wgpu_train.training.config import TrainConfig, default_run_values, resumed_settings
+    from wgpu_train.training.objectives import objective_class
 
     given = load_toml_config(args.config) if getattr(args, "config", None) else {}
     given.update((f.name, getattr(args, f.name)) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name))
     run = resumed_settings(given["resume"]) if given.get("resume") else {}
     default_run = all(given.get(k) is None and run.get(k) is None for k in ("model", "data", "adapter_path"))
     objective = given.get("objective") or run.get("objective") or "sft"
-    # the tool demo (grpo with --tool or --environment) has a recipe of its own
-    recipe = objective + ("_tools" if objective == "grpo" and (given.get("tool") or given.get("environment")) else "")
+    # the tool demo (an objective that takes --tool or --environment, given one) has a recipe of its own
+    tools = "tool" in objective_class(objective).options and (given.get("tool") or given.get("environment"))
+    recipe = objective + ("_tools" if tools else "")
     lower = {**(default_run_values(recipe) if default_run else {}), **run}
     if "epochs" in given:
         if "max_steps" not in given:
