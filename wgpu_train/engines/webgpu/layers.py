@@ -233,15 +233,16 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         (q, k, v), (att, lse) = (buf[x] for x in op.inputs), (buf[x] for x in op.outputs)
         rec.section(self._where + " attention")
+        sinks = self.w[f"model.layers.{i}.{op.param}"] if op.param else None    # gpt-oss's
         if kv is None:
             A.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i),
-                                cfg.attn_softcap)
+                                cfg.attn_softcap, sinks)
         else:   # generation: acts.segments holds each token's cache row
             A.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d, kv["dtype"])
             A.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
                                        acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap,
-                                       kv["scratch"], kv["dtype"])
+                                       kv["scratch"], kv["dtype"], sinks)
 
     def _forward_glu(self, rec, op, i, acts, buf, kv):
         """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""
@@ -437,9 +438,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         assert not any(accumulate), "attention's backward writes its gradients"
         cfg = self.cfg
         rec.section(self._where + " attention")
+        sinks = f"model.layers.{i}.{op.param}" if op.param else None      # gpt-oss's, trained or not
         A.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
                              acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap)
+                             cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap,
+                             sinks and self.w[sinks], sinks and self.grads.get(sinks))
 
     def _backward_glu(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), f"{op.kind}'s backward writes its gradients"
