@@ -89,3 +89,57 @@ def test_cached_attention_with_sinks(default_rt, kernel):
         rec.submit()
     assert_close(rt.read(out, F32, q.shape), want, "k_attention", kernel)
     rt.release(out, scratch, tq, tk, tv, tr, tp, tsink)
+
+
+@pytest.mark.parametrize("pin", ["moe_gemm/r4x4,moe_outer/split64", "moe_gemm/reg_portable_m16,moe_outer/direct"])
+def test_experts_with_biases_and_the_clamped_swiglu(default_rt, pin):
+    """gpt-oss's experts (interleaved gate / up rows, biases on both, a limit that bites) with LoRA on both
+    parameters: y, gate_up_out, dx, the route weights' gradient, the LoRA pairs', the weights' and the biases'
+    gradients (full fine-tuning) against the reference in float64; an expert without pairs."""
+    from wgpu_train.engines.shared import moe as ref
+    from wgpu_train.engines.webgpu import moe
+
+    rt = default_rt
+    N, C, I, E, k, R = 11, 20, 6, 4, 2, 3
+    g = np.random.default_rng(4)
+    experts = np.stack([g.choice(np.arange(1, E), k, replace=False) for _ in range(N)]).astype(np.int32)
+    x, dy = g.standard_normal((N, C)), g.standard_normal((N, C))
+    weights = g.uniform(0.2, 1.0, (N, k))
+    gate_up, down = g.standard_normal((E, 2 * I, C)) / 3, g.standard_normal((E, C, I)) / 3
+    gu_bias, dn_bias = g.standard_normal((E, 2 * I)), g.standard_normal((E, C))
+    lgu = (g.standard_normal((E, R, C)) * 0.3, g.standard_normal((E, 2 * I, R)) * 0.3, 1.5)
+    ldn = (g.standard_normal((E, R, I)) * 0.3, g.standard_normal((E, C, R)) * 0.3, 0.75)
+    act = ref.ClampedSwiGLU(1.702, 0.9)
+    x, dy, weights, gate_up, down, gu_bias, dn_bias = (a.astype(F32).astype(np.float64) for a in
+                                                      (x, dy, weights, gate_up, down, gu_bias, dn_bias))
+    lgu, ldn = ((a.astype(F32).astype(np.float64), b.astype(F32).astype(np.float64), s) for a, b, s in (lgu, ldn))
+    kw = dict(gate_up_bias=gu_bias, down_bias=dn_bias, activation=act)
+    want_y, want_gu = ref.moe_experts_forward(x, weights, experts, gate_up, down, lgu, ldn, **kw)
+    clamped = np.concatenate([want_gu[..., 0::2].ravel() > act.limit, np.abs(want_gu[..., 1::2].ravel()) > act.limit])
+    assert clamped.any() and not clamped.all(), "the limit must bite on some values and not on others"
+    want_dx, want_dw, want_g = ref.moe_experts_backward(dy, x, weights, experts, want_gu, gate_up, down, lgu, ldn,
+                                                        need_weight_grad=True, **kw)
+    up = (lambda a: rt.upload(np.ascontiguousarray(a, F32)))
+    xb, wb, eb, gub, dnb, dyb, gbb, dbb = (up(a) for a in (x, weights, experts.astype(F32), gate_up, down, dy,
+                                                             gu_bias, dn_bias))
+    rt.write(eb, experts)
+    gl, dl = (moe.MoeLora(up(a), up(b), s, R) for a, b, s in (lgu, ldn))
+    outs = {n: rt.buffer(4 * size) for n, size in (("y", N * C), ("gu", N * k * 2 * I), ("dx", N * C), ("dw", N * k))}
+    grads = {n: up(np.full(w.shape, np.nan)) for n, w in want_g.items()}
+    scratch = moe.MoeScratch(rt, N, k, E, C, I, R)
+    with tune.pinned(pin):
+        rec = rt.recorder()
+        moe.moe_experts_forward(rec, outs["y"], outs["gu"], xb, wb, eb, gub, dnb, gl, dl, N, k, E, C, I, scratch,
+                                gate_up_bias=gbb, down_bias=dbb, activation=act)
+        moe.moe_experts_backward(rec, outs["dx"], outs["dw"], grads, dyb, xb, wb, eb, outs["gu"], gub, dnb, gl, dl,
+                                 N, k, E, C, I, scratch, gate_up_bias=gbb, down_bias=dbb, activation=act)
+        rec.submit()
+    assert_close(rt.read(outs["y"], F32, (N, C)), want_y, "moe_experts", f"y {pin}")
+    assert_close(rt.read(outs["gu"], F32, (N, k, 2 * I)), want_gu, "moe_experts", f"gate_up_out {pin}")
+    assert_close(rt.read(outs["dx"], F32, (N, C)), want_dx, "moe_experts", f"dx {pin}")
+    assert_close(rt.read(outs["dw"], F32, (N, k)), want_dw, "moe_experts", f"dweights {pin}")
+    assert {"gate_up_bias", "down_bias", "gate_up.lora_A", "down.lora_B"} <= set(want_g)
+    for name, w in want_g.items():
+        assert_close(rt.read(grads[name], F32, w.shape), w, "moe_experts", f"{name} {pin}")
+    scratch.release(rt)
+    rt.release(xb, wb, eb, gub, dnb, dyb, gbb, dbb, gl.a, gl.b, dl.a, dl.b, *outs.values(), *grads.values())

@@ -143,6 +143,28 @@ def _lora_rows(rec, out, x, m, m_elems, experts, nk, in_f, r, k, by_token, strid
             s0=nk, s1=in_f, s2=r, s3=k, s4=int(by_token), s5=strides[0], s6=strides[1], s7=strides[2], f0=scale)
 
 
+def _glu(activation) -> dict:
+    """The gated activation's fields of moe_swiglu, moe_swiglu_backward and moe_dweights: none for SwiGLU ("silu":
+    gate rows first), f0 alpha and f1 limit for gpt-oss's shared.moe.ClampedSwiGLU (rows interleaved)."""
+    if activation == "silu":
+        return {}
+    if not activation.limit > 0:
+        raise ValueError(f"moe: a clamped SwiGLU needs a positive limit, got {activation.limit}")
+    return {"f0": float(activation.alpha), "f1": float(activation.limit)}
+
+
+def _add_bias(rec, out, bias, experts, nk: int, W: int, E: int):
+    """out (N k, W) += bias[e] (bias (E, W), any format) of each pair's expert e."""
+    _launch(rec, MK.BIAS, -(-nk * W // 2), [(out, nk * W), (bias, E * W), (experts, nk)], s0=nk * W, s1=W, s2=E)
+
+
+def _bias_grad(rec, grad, src, weights, scratch, N, k, E, W, by_token: bool, weighted: bool, accumulate: bool):
+    """grad (E, W) f32 (+)= each expert's sum of (w) src rows (by token or by pair) over its sorted rows."""
+    _launch(rec, MK.BIAS_BACKWARD, E * W, [(grad, E * W), (src, (N if by_token else N * k) * W), (scratch.perm, N * k),
+                                           (weights, N * k), (offsets_view(scratch, N, k, E), E + 1)],
+            s0=W, s1=E, s2=k, s3=int(by_token), s4=int(weighted), s6=int(accumulate))
+
+
 def _gemm(rec, out, x, w, scratch, N, k, E, in_f, cols, layout, by_token, lora=None, hl=None, h=None):
     """One grouped GEMM (tuned/moe_kernels.MoeGemmProblem) over the pairs grouped in scratch."""
     t = dict(out=out, x=x, w=w, offsets=offsets_view(scratch, N, k, E), perm=scratch.perm)
@@ -169,46 +191,61 @@ def _outer(rec, out, u, v, weights, scratch, N, k, E, o, q, u_token, v_token, we
 
 
 def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down, lora_gate_up, lora_down,
-                        N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch, accumulate: bool = False):
+                        N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch, accumulate: bool = False,
+                        gate_up_bias=None, down_bias=None, activation="silu"):
     """The routed experts' SwiGLU MLPs, each token's k outputs weighted and summed in slot order.
 
     y (N, C) (+= where accumulate), gate_up_out (N, k, 2I) (every pair's gate then up projections, which
     the backward reads) <- x (N, C), weights (N, k) f32, experts (N, k) i32, gate_up (E, 2I, C), down (E, C, I)
     (any storage format), lora_gate_up / lora_down: MoeLora or None; scratch: MoeScratch for at least N tokens.
     Dispatches: the grouping (3), the gate/up LoRA A rows, the grouped gate/up GEMM with its LoRA B and the swiglu
-    (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine."""
+    (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine.
+    gpt-oss (shared/moe.py's keywords): gate_up_bias (E, 2I) / down_bias (E, C) (any format) or None, activation a
+    ClampedSwiGLU over interleaved gate / up rows; then the gate/up GEMM writes gate_up_out alone, the bias and the
+    activation follow it (moe_bias, moe_swiglu), and the down bias goes onto scratch.outp before the combine."""
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     if lora_gate_up is not None:
         r = lora_gate_up.rank
         _lora_rows(rec, scratch.lora_in, x, lora_gate_up.a, E * r * C, experts, nk, C, r, k, True, (r * C, C, 1))
-    _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, I, "nt", True, lora_gate_up, scratch.lora_in,
-          h=scratch.h)
+    if activation == "silu" and gate_up_bias is None:
+        _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, I, "nt", True, lora_gate_up, scratch.lora_in,
+              h=scratch.h)
+    else:
+        _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, 2 * I, "nt", True, lora_gate_up, scratch.lora_in)
+        if gate_up_bias is not None:
+            _add_bias(rec, gate_up_out, gate_up_bias, experts, nk, 2 * I, E)
+        _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I,
+                **_glu(activation))
     if lora_down is not None:
         r = lora_down.rank
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
                    (r * I, I, 1))
     _gemm(rec, scratch.outp, scratch.h, down, scratch, N, k, E, I, C, "nt", False, lora_down, scratch.lora_out)
+    if down_bias is not None:
+        _add_bias(rec, scratch.outp, down_bias, experts, nk, C, E)
     _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C,
             s2=k, s3=1, s4=int(accumulate))
 
 
 def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts, gate_up_out, gate_up, down,
                          lora_gate_up, lora_down, N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch,
-                         accumulate: bool = False):
+                         accumulate: bool = False, gate_up_bias=None, down_bias=None, activation="silu"):
     """Gradients of moe_experts_forward.
 
     dx (N, C) (+= where accumulate), dweights (N, k) (overwritten; then moe_route_backward), grads: the
     trained tensors' gradient buffers (f32, each its tensor's shape; += where accumulate) by the reference's
     names: "gate_up", "down" (full fine-tuning), "gate_up.lora_A", "gate_up.lora_B", "down.lora_A", "down.lora_B"
-    (those of a LoRA pair given) <- dy (N, C), x, weights, experts, gate_up_out (the forward's), gate_up, down,
-    lora_gate_up, lora_down, as the forward. The grouping and h are recomputed (the forward's scratch need not
+    (those of a LoRA pair given), "gate_up_bias" / "down_bias" (full fine-tuning of gpt-oss) <- dy (N, C), x,
+    weights, experts, gate_up_out (the forward's), gate_up, down, lora_gate_up, lora_down, the biases and activation,
+    as the forward. The grouping and h are recomputed (the forward's scratch need not
     survive); the LoRA gradients are split-K sums over each expert's rows (no float atomics), the base weights'
     one pass per expert."""
     _f32("moe_experts_backward", *grads.values())
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
-    _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
+    glu = _glu(activation)
+    _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I, **glu)
     if lora_down is not None:
         r, s2 = lora_down.rank, lora_down.scale
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
@@ -217,9 +254,16 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
     # dh before each pair's weight: dy W2[e] (+ (s dy B2[e]) A2[e]); dweights = dh . h
     _gemm(rec, scratch.dh, dy, down, scratch, N, k, E, C, I, "nn", True, lora_down, scratch.lora_g)
     _launch(rec, MK.DWEIGHTS, -(-nk // 2),
-            [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
+            [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I, **glu)
+    if down_bias is not None:       # a pair's output holds its bias too
+        _launch(rec, MK.BIAS_DWEIGHTS, -(-nk // 2), [(dweights, nk), (dy, N * C), (down_bias, E * C), (experts, nk)],
+                s0=nk, s1=C, s2=k, s3=E)
     _launch(rec, MK.SWIGLU_BACKWARD, nk * I, [(scratch.dgu, nk * 2 * I), (scratch.dh, nk * I),
-                                              (gate_up_out, nk * 2 * I), (weights, nk)], s0=nk, s1=I)
+                                              (gate_up_out, nk * 2 * I), (weights, nk)], s0=nk, s1=I, **glu)
+    if "down_bias" in grads:
+        _bias_grad(rec, grads["down_bias"], dy, weights, scratch, N, k, E, C, True, True, accumulate)
+    if "gate_up_bias" in grads:
+        _bias_grad(rec, grads["gate_up_bias"], scratch.dgu, weights, scratch, N, k, E, 2 * I, False, False, accumulate)
     if "down" in grads:
         _outer(rec, grads["down"], dy, scratch.h, weights, scratch, N, k, E, C, I, True, False, True, 1.0,
                accumulate, split_k=False)
