@@ -73,8 +73,7 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
     float32 copies of the weights would exceed NUMPY_MEMORY_SHARE of `memory` (default: what the machine has
     available) and the adapter stores them in fewer bytes; else the NumPy engine for a model whose layers hold
     fewer than SMALL_LAYER_WEIGHTS weights (or without cfg), and the CPU adapter for one whose layers hold more.
-    Models the WebGPU engine does not run yet (gpt-oss, recurrent
-    layers it cannot record) take the NumPy engine. ConfigError for an unknown backend."""
+    Models the WebGPU engine does not run yet (recurrent layers it cannot record) take the NumPy engine. ConfigError for an unknown backend."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "numpy":
@@ -84,9 +83,6 @@ def choose_backend(backend: str, device=None, cfg: ModelConfig | None = None, ba
         return BackendChoice("wgpu", device, "as given")
     if not named and os.environ.get("WGPU_TRAIN_DEVICE", "").strip():
         device, named = os.environ["WGPU_TRAIN_DEVICE"], True
-    if cfg is not None and (cfg.attention_sinks or (cfg.moe is not None and cfg.moe.biases)):
-        return BackendChoice("numpy", None, "auto: the WebGPU engine does not run gpt-oss's sinks and expert "
-                                            "biases yet")
     if cfg is not None and cfg.recurrent and LayerRecorder.unrecorded_kinds(cfg):
         return BackendChoice("numpy", None, f"auto: the WebGPU engine does not run {cfg.recurrent_kind} layers yet")
     if named:                   # checked where it opens (a data-parallel run's list is split among its workers)

@@ -53,9 +53,6 @@ class WgpuEngine(EngineState):
         engines/numpy/precision.py does; f16 adds dynamic loss scaling. span, first, last: a pipeline stage's
         layers, and whether it holds the embedding and the final norm and head (webgpu/stage.py); by default
         the whole model, whose weights are every one of `weights`."""
-        if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
-            raise ConfigError(f"{cfg.label}: the WebGPU engine does not run gpt-oss's attention sinks, expert biases "
-                              f"and clamped SwiGLU yet; use --backend numpy")
         if LayerRecorder.unrecorded_kinds(cfg):
             raise ConfigError(f"{cfg.label}: the WebGPU engine does not run {cfg.recurrent_kind} layers yet; use "
                               f"--backend numpy")
