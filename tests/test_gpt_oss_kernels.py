@@ -126,7 +126,7 @@ def test_experts_with_biases_and_the_clamped_swiglu(default_rt, pin):
     gl, dl = (moe.MoeLora(up(a), up(b), s, R) for a, b, s in (lgu, ldn))
     outs = {n: rt.buffer(4 * size) for n, size in (("y", N * C), ("gu", N * k * 2 * I), ("dx", N * C), ("dw", N * k))}
     grads = {n: up(np.full(w.shape, np.nan)) for n, w in want_g.items()}
-    scratch = moe.MoeScratch(rt, N, k, E, C, I, R)
+    scratch = moe.MoeScratch(rt, N, k, E, C, I, R, staged=True)
     with tune.pinned(pin):
         rec = rt.recorder()
         moe.moe_experts_forward(rec, outs["y"], outs["gu"], xb, wb, eb, gub, dnb, gl, dl, N, k, E, C, I, scratch,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import flat_grid, launch
 from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.kernels import copy
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned import moe_kernels as MK
 
@@ -32,11 +33,13 @@ class MoeLora:
     rank: int
 
 
-def scratch_sizes(N: int, k: int, E: int, C: int, I: int, r: int = 0) -> dict:
+def scratch_sizes(N: int, k: int, E: int, C: int, I: int, r: int = 0, staged: bool = False) -> dict:
     """Elements (4 bytes each) of each scratch buffer the MoE ops need, by MoeScratch field; r: the larger LoRA
-    rank (0: no LoRA). The forward uses group, perm, h, outp and (with LoRA) lora_in, lora_out; the backward all."""
+    rank (0: no LoRA); staged (gpt-oss's experts, moe_experts_forward): gu, the float32 gate / up projections
+    before their bias and activation. The forward uses group, perm, h, outp, (with LoRA) lora_in, lora_out and
+    (staged) gu; the backward all."""
     nk = N * k
-    return {"group": MK.group_size(nk, E), "perm": nk, "h": nk * I, "outp": nk * C, "dh": nk * I, "dgu": nk * 2 * I,
+    return {**({"gu": nk * 2 * I} if staged else {}), "group": MK.group_size(nk, E), "perm": nk, "h": nk * I, "outp": nk * C, "dh": nk * I, "dgu": nk * 2 * I,
             "lora_in": max(1, nk * r), "lora_out": max(1, nk * r), "lora_g": max(1, nk * r),
             "lora_dh": max(1, nk * r), "part": max(1, MK.max_blocks(nk, E, min(MK.SPLITS)) * r * max(C, 2 * I)),
             "probs": N * E, "balance_part": MK.balance_blocks(N) * (2 * E + 1), "balance": 2 * E + 1}
@@ -46,8 +49,8 @@ class MoeScratch:
     """The scratch buffers of the MoE ops for up to N tokens (scratch_sizes), shared by every MoE layer of a step
     (the forward's are dead once it returns; the backward recomputes the grouping and h from gate_up_out)."""
 
-    def __init__(self, rt, N: int, k: int, E: int, C: int, I: int, r: int = 0):
-        self.sizes = scratch_sizes(N, k, E, C, I, r)
+    def __init__(self, rt, N: int, k: int, E: int, C: int, I: int, r: int = 0, staged: bool = False):
+        self.sizes = scratch_sizes(N, k, E, C, I, r, staged)
         self.N, self.k, self.E, self.C, self.I, self.r = N, k, E, C, I, r
         for name, n in self.sizes.items():
             setattr(self, name, rt.buffer(4 * n, f"moe.{name}"))
@@ -58,7 +61,8 @@ class MoeScratch:
         N tokens of MoeConfig moe's layers): name -> buffer, the forward's alone in a forward-only bucket."""
         self = cls.__new__(cls)
         self.N, self.k, self.E, self.C, self.I, self.r = N, moe.top_k, moe.num_experts, C, moe.expert_size, r
-        self.sizes = {name: n for name, n in scratch_sizes(N, self.k, self.E, C, self.I, r).items() if name in buffers}
+        self.sizes = {name: n for name, n in scratch_sizes(N, self.k, self.E, C, self.I, r, True).items()
+                      if name in buffers}
         for name, buf in buffers.items():
             setattr(self, name, buf)
         return self
@@ -201,8 +205,9 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
     Dispatches: the grouping (3), the gate/up LoRA A rows, the grouped gate/up GEMM with its LoRA B and the swiglu
     (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine.
     gpt-oss (shared/moe.py's keywords): gate_up_bias (E, 2I) / down_bias (E, C) (any format) or None, activation a
-    ClampedSwiGLU over interleaved gate / up rows; then the gate/up GEMM writes gate_up_out alone, the bias and the
-    activation follow it (moe_bias, moe_swiglu), and the down bias goes onto scratch.outp before the combine."""
+    ClampedSwiGLU over interleaved gate / up rows; then the gate/up GEMM writes scratch.gu (a staged scratch, float32)
+    alone, the bias and the activation follow it (moe_bias, moe_swiglu), gate_up_out is a copy (rounded once, where
+    16-bit, as the NumPy engine rounds it), and the down bias goes onto scratch.outp before the combine."""
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     if lora_gate_up is not None:
@@ -212,11 +217,14 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
         _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, I, "nt", True, lora_gate_up, scratch.lora_in,
               h=scratch.h)
     else:
-        _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, 2 * I, "nt", True, lora_gate_up, scratch.lora_in)
+        if "gu" not in scratch.sizes:
+            raise ValueError("moe_experts_forward: gpt-oss's experts need a staged MoeScratch (its gu)")
+        _gemm(rec, scratch.gu, x, gate_up, scratch, N, k, E, C, 2 * I, "nt", True, lora_gate_up, scratch.lora_in)
         if gate_up_bias is not None:
-            _add_bias(rec, gate_up_out, gate_up_bias, experts, nk, 2 * I, E)
-        _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I,
+            _add_bias(rec, scratch.gu, gate_up_bias, experts, nk, 2 * I, E)
+        _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (scratch.gu, nk * 2 * I)], s0=nk, s1=I,
                 **_glu(activation))
+        copy(rec, gate_up_out, scratch.gu, nk * 2 * I)
     if lora_down is not None:
         r = lora_down.rank
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
