@@ -278,7 +278,18 @@ fn glu_grad(gate: f32, up: f32) -> vec2<f32> {
                      select(0.0, g * s, up >= -p.f1 && up <= p.f1));
 }
 
-// ---- h! (N k, I) = t1 from gate_up (N k, 2I) = t2: the gated activation (glu). s0 N k, s1 I, f0 / f1 glu's.
+// gpt-oss's expert biases where s5 != 0: bias[e, c] (bias (E, width) = t3) of pair q's expert e (experts i5 (N k),
+// s6 E), else 0. moe_swiglu, moe_bias and moe_combine take it by these fields.
+fn pair_bias(q: u32, c: u32, width: u32) -> f32 {
+    if (p.s5 == 0u) {
+        return 0.0;
+    }
+    let e = u32(i5[p.o5 + q]);
+    return select(0.0, t3_ld(p.o3 + e * width + c), e < p.s6);
+}
+
+// ---- h! (N k, I) = t1 from gate_up (N k, 2I) = t2 (plus pair_bias): the gated activation (glu). s0 N k, s1 I,
+// f0 / f1 glu's.
 @compute @workgroup_size(64)
 fn moe_swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -286,8 +297,11 @@ fn moe_swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (g >= p.s0 * p.s1) {
         return;
     }
-    let at = glu_at(p.o2 + (g / p.s1) * 2u * p.s1, g % p.s1);
-    t1_st(p.o1 + g, glu(t2_ld(at.x), t2_ld(at.y)));
+    let q = g / p.s1;
+    let at = glu_at(0u, g % p.s1);
+    let row = p.o2 + q * 2u * p.s1;
+    t1_st(p.o1 + g, glu(t2_ld(row + at.x) + pair_bias(q, at.x, 2u * p.s1),
+                        t2_ld(row + at.y) + pair_bias(q, at.y, 2u * p.s1)));
 }
 
 // ---- dgate_up! (N k, 2I) = t1 from dh_raw (N k, I) = t2 (the gradient on h before the pair's weight), gate_up
@@ -333,11 +347,10 @@ fn moe_dweights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
 }
 
-// ---- gpt-oss's expert biases. moe_bias: t1! (N k, W) += bias[e] of each pair's expert e, t3 bias (E, W),
-// experts i5 (N k). s0 N k W, s1 W, s2 E. One invocation per two elements (stored together: a 16-bit t1).
+// ---- gpt-oss's expert biases. moe_bias: out! (N k, W) = t1 = src (N k, W) = t2 plus pair_bias (s5 = 1). s0 N k W,
+// s1 W. One invocation per two elements (stored together: a 16-bit out).
 fn biased(g: u32) -> f32 {
-    let e = u32(i5[p.o5 + g / p.s1]);
-    return t1_ld(p.o1 + g) + select(0.0, t3_ld(p.o3 + e * p.s1 + g % p.s1), e < p.s2);
+    return t2_ld(p.o2 + g) + pair_bias(g / p.s1, g % p.s1, p.s1);
 }
 
 @compute @workgroup_size(64)
@@ -408,9 +421,9 @@ fn moe_bias_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     t1_st(p.o1 + g, acc);
 }
 
-// ---- the combine: y! (N, C) = t1 (+)= sum_j w[n, j] out[n k + j] in slot order; out (N k, C) = t2, weights f6
-// (N, k) where s3 != 0 (else 1). s0 N, s1 C, s2 k, s4 accumulate. One invocation per two elements (stored
-// together: a 16-bit y).
+// ---- the combine: y! (N, C) = t1 (+)= sum_j w[n, j] (out[n k + j] + pair_bias) in slot order; out (N k, C) = t2,
+// weights f6 (N, k) where s3 != 0 (else 1). s0 N, s1 C, s2 k, s4 accumulate. One invocation per two elements
+// (stored together: a 16-bit y).
 fn combined(g: u32) -> f32 {
     let n = g / p.s1;
     let c = g % p.s1;
@@ -423,7 +436,7 @@ fn combined(g: u32) -> f32 {
         if (p.s3 != 0u) {
             w = f6[p.o6 + n * p.s2 + j];
         }
-        acc = acc + w * t2_ld(p.o2 + (n * p.s2 + j) * p.s1 + c);
+        acc = acc + w * (t2_ld(p.o2 + (n * p.s2 + j) * p.s1 + c) + pair_bias(n * p.s2 + j, c, p.s1));
     }
     return acc;
 }

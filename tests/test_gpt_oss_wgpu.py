@@ -72,7 +72,10 @@ def test_lora_logits_loss_gradients_and_a_step_match_numpy(folder, rt):
 
 
 def test_full_finetuning_trains_the_sinks_and_biases_as_numpy(folder, rt):
-    """Every weight's gradient as the NumPy engine's: the attention sinks, the router's and the experts' biases."""
+    """Every weight's gradient as the NumPy engine's: the attention sinks, the router's and the experts' biases; the
+    same with gradient checkpointing; the memory estimate is the allocation (the experts' staged scratch counted)."""
+    from test_moe_wgpu import _allocated
+
     ref = wt.load_model(folder, backend="numpy")
     gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index))
     for m in (ref, gpu):
@@ -87,6 +90,11 @@ def test_full_finetuning_trains_the_sinks_and_biases_as_numpy(folder, rt):
     for k, g in grads_r.items():
         assert np.abs(g).max() > 1e-7, k
         assert_close(grads_g[k], g, "gpu_grads", f"full: {k}")
+    gpu.set_gradient_checkpointing(True)       # the sinks' forward recomputed with its layer
+    loss_c, grads_c = gpu.loss_and_grads(ids, labels, mask)
+    assert loss_c == loss_g and all(np.array_equal(grads_c[k], grads_g[k]) for k in grads_g)
+    est = wt.estimate_memory(gpu.config, *ids.shape, method="full", gradient_checkpointing=True)
+    assert est["activations"] + est["logits"] == _allocated(gpu.engine._activations(*ids.shape, train=True))
 
 
 def test_greedy_generation_matches_numpy(folder, rt):

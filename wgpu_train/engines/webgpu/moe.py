@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.launch import flat_grid, launch
 from wgpu_train.engines.webgpu.device.operands import split
-from wgpu_train.engines.webgpu.kernels import copy
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned import moe_kernels as MK
 
@@ -157,9 +156,12 @@ def _glu(activation) -> dict:
     return {"f0": float(activation.alpha), "f1": float(activation.limit)}
 
 
-def _add_bias(rec, out, bias, experts, nk: int, W: int, E: int):
-    """out (N k, W) += bias[e] (bias (E, W), any format) of each pair's expert e."""
-    _launch(rec, MK.BIAS, -(-nk * W // 2), [(out, nk * W), (bias, E * W), (experts, nk)], s0=nk * W, s1=W, s2=E)
+def _pair_bias(rec, bias, experts, nk: int, W: int, E: int) -> tuple:
+    """(tensors, fields) of shaders/moe.wgsl's pair_bias: bias (E, W) (any format) of each pair's expert, or none
+    where bias is None (a zero bound in its place)."""
+    if bias is None:
+        return [(_zeros(rec.rt), 1), (_zeros(rec.rt), 1)], {}
+    return [(bias, E * W), (experts, nk)], {"s5": 1, "s6": E}
 
 
 def _bias_grad(rec, grad, src, weights, scratch, N, k, E, W, by_token: bool, weighted: bool, accumulate: bool):
@@ -206,8 +208,8 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
     (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine.
     gpt-oss (shared/moe.py's keywords): gate_up_bias (E, 2I) / down_bias (E, C) (any format) or None, activation a
     ClampedSwiGLU over interleaved gate / up rows; then the gate/up GEMM writes scratch.gu (a staged scratch, float32)
-    alone, the bias and the activation follow it (moe_bias, moe_swiglu), gate_up_out is a copy (rounded once, where
-    16-bit, as the NumPy engine rounds it), and the down bias goes onto scratch.outp before the combine."""
+    alone, the activation reads it with the bias (moe_swiglu), gate_up_out is it with the bias (moe_bias: rounded
+    once, where 16-bit, as the NumPy engine rounds it), and the combine adds the down bias."""
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     if lora_gate_up is not None:
@@ -220,20 +222,19 @@ def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down,
         if "gu" not in scratch.sizes:
             raise ValueError("moe_experts_forward: gpt-oss's experts need a staged MoeScratch (its gu)")
         _gemm(rec, scratch.gu, x, gate_up, scratch, N, k, E, C, 2 * I, "nt", True, lora_gate_up, scratch.lora_in)
-        if gate_up_bias is not None:
-            _add_bias(rec, scratch.gu, gate_up_bias, experts, nk, 2 * I, E)
-        _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (scratch.gu, nk * 2 * I)], s0=nk, s1=I,
-                **_glu(activation))
-        copy(rec, gate_up_out, scratch.gu, nk * 2 * I)
+        bias, fields = _pair_bias(rec, gate_up_bias, experts, nk, 2 * I, E)
+        _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (scratch.gu, nk * 2 * I), *bias], s0=nk, s1=I,
+                **_glu(activation), **fields)
+        _launch(rec, MK.BIAS, -(-nk * 2 * I // 2), [(gate_up_out, nk * 2 * I), (scratch.gu, nk * 2 * I), *bias],
+                s0=nk * 2 * I, s1=2 * I, **fields)
     if lora_down is not None:
         r = lora_down.rank
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
                    (r * I, I, 1))
     _gemm(rec, scratch.outp, scratch.h, down, scratch, N, k, E, I, C, "nt", False, lora_down, scratch.lora_out)
-    if down_bias is not None:
-        _add_bias(rec, scratch.outp, down_bias, experts, nk, C, E)
-    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C,
-            s2=k, s3=1, s4=int(accumulate))
+    bias, fields = _pair_bias(rec, down_bias, experts, nk, C, E)
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), *bias, (weights, nk)], s0=N, s1=C,
+            s2=k, s3=1, s4=int(accumulate), **fields)
 
 
 def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts, gate_up_out, gate_up, down,
@@ -253,7 +254,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     glu = _glu(activation)
-    _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I, **glu)
+    _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I),
+                                     *_pair_bias(rec, None, experts, nk, 2 * I, E)[0]], s0=nk, s1=I, **glu)
     if lora_down is not None:
         r, s2 = lora_down.rank, lora_down.scale
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
@@ -288,7 +290,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                    False, (2 * I * r, 1, r), s1)
     _gemm(rec, scratch.outp, scratch.dgu, gate_up, scratch, N, k, E, 2 * I, C, "nn", False, lora_gate_up,
           scratch.lora_dh)
-    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C), (_zeros(rec.rt), 1)], s0=N,
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C),
+                                              *_pair_bias(rec, None, experts, nk, C, E)[0], (_zeros(rec.rt), 1)], s0=N,
             s1=C, s2=k, s3=0, s4=int(accumulate))
     if "gate_up" in grads:
         _outer(rec, grads["gate_up"], scratch.dgu, x, weights, scratch, N, k, E, 2 * I, C, False, True, False, 1.0,
