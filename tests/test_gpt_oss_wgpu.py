@@ -2,7 +2,8 @@
 PEFT), on every adapter present, a tiny random model (sliding and full layers, YaRN, clamps that bite): logits, loss
 and the LoRA gradients (attention, the router with its bias, every expert through target_parameters) over a padded
 batch, an optimizer step in one submission, full fine-tuning's gradients (the sinks and the experts' biases
-included), greedy generation over the KV cache, and backend auto no longer setting it aside."""
+included, with gradient checkpointing, and the memory estimate), greedy generation over the KV cache, bf16
+activations and bfloat16 / NF4 weights, and backend auto no longer setting it aside."""
 from __future__ import annotations
 
 import numpy as np
