@@ -9,6 +9,8 @@
 // (a struct holding it) measured 1.7x slower on llvmpipe (`wgpu-train bench --only decode`, 51 -> 87 ms).
 // q and out are tensors in any storage format (device/storage.py), and so are the caches (float32 or bfloat16,
 // the cache's dtype): out is written by pairs of elements (16-bit formats have even head dims and offsets).
+// gpt-oss's attention sinks (where `sinks` is 1): head h's softmax has exp(sinks[h]) in its denominator too, a key
+// whose value is zero; the single pass and the combine add it once every position is summed.
 // @include tanh
 
 // Rows and positions come from buffers written with the tokens, so the uniform stays the same at every
@@ -25,7 +27,8 @@ struct Params {
     softcap: f32,     // the scaled scores' soft-cap (Gemma 2): softcap * tanh(s / softcap); 0 = none
     chunk: u32,       // the split pair: positions per chunk
     splits: u32,      // and chunks per row (ceil(max_len / chunk))
-    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32,    // element offsets of bindings 1..6
+    sinks: u32,       // 1: binding 7 holds the heads' sink logits (Hq,) f32
+    o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32,    // element offsets of bindings 1..7
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -36,6 +39,7 @@ struct Params {
 // out, q (N, Hq, D); the caches (B, max_len, Hkv, D)
 @group(0) @binding(5) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
 @group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row
+@group(0) @binding(7) var<storage, read> sink_logits: array<f32>;  // (Hq,) where params.sinks is 1
 
 // ---- the split pair: 1 part (N, Hq, splits, D + 2) out / 2 part_in in, the rest as above ----
 @group(0) @binding(1) var<storage, read_write> part: array<f32>;
@@ -52,6 +56,16 @@ fn seen(i: u32) -> vec2<u32> {
     let last = min(u32(positions[params.o6 + i]), params.max_len - 1u);
     let first = select(0u, last + 1u - params.window, params.window > 0u && last + 1u > params.window);
     return vec2<u32>(first, last);
+}
+
+// A softmax's running max m and sum l over the positions, and the factor its accumulated values take: with a
+// sink, the sum and values rescaled to the larger of m and the sink, the sink's exponential added to the sum.
+fn with_sink(h: u32, m: f32, l: f32) -> vec2<f32> {
+    if (params.sinks == 0u) { return vec2<f32>(l, 1.0); }
+    let s = sink_logits[params.o7 + h];
+    let top = max(m, s);
+    let corr = exp(m - top);
+    return vec2<f32>(l * corr + exp(s - top), corr);
 }
 
 fn padding(i: u32) -> bool {
@@ -102,9 +116,11 @@ fn attention_cached_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         for (var c = 0u; c < d; c++) { acc[c] = acc[c] * corr + p * v_cache_ld(v_off + c); }
         m = m_new;
     }
+    let sunk = with_sink(h, m, l);
+    let f = sunk.y / sunk.x;
     // by pairs (a 16-bit word at a time), the last element alone for an odd D (float32 only)
-    for (var c = 0u; c + 1u < d; c += 2u) { out_st2(o_off + c, vec2<f32>(acc[c] / l, acc[c + 1u] / l)); }
-    if ((d & 1u) == 1u) { out_st(o_off + d - 1u, acc[d - 1u] / l); }
+    for (var c = 0u; c + 1u < d; c += 2u) { out_st2(o_off + c, vec2<f32>(acc[c] * f, acc[c + 1u] * f)); }
+    if ((d & 1u) == 1u) { out_st(o_off + d - 1u, acc[d - 1u] * f); }
 }
 
 @compute @workgroup_size(64)
@@ -178,5 +194,7 @@ fn attention_cached_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         // element c + 1 is the partial's max where c is the last (an odd D): read, never stored
         acc += w * vec2<f32>(part_in[off + c], part_in[off + c + 1u]);
     }
-    if (both) { out_st2(o, vec2<f32>(acc.x / l, acc.y / l)); } else { out_st(o, acc.x / l); }
+    let sunk = with_sink(ih % params.hq, m, l);
+    let f = sunk.y / sunk.x;
+    if (both) { out_st2(o, vec2<f32>(acc.x * f, acc.y * f)); } else { out_st(o, acc.x * f); }
 }

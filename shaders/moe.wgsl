@@ -250,7 +250,46 @@ fn moe_lora_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     t1_st(p.o1 + g, p.f0 * acc);
 }
 
-// ---- h! (N k, I) = t1 from gate_up (N k, 2I) = t2: silu(gate) * up. s0 N k, s1 I.
+// ---- the gated activation of a pair's gate / up projections (a row of 2I in gate_up): SwiGLU, silu(gate) * up,
+// over rows of the gate's I then the up's I (f1 = 0), or gpt-oss's clamped SwiGLU over interleaved rows (gate 2i,
+// up 2i + 1; f1 its limit > 0, f0 its alpha): the gate clamped above at the limit, the up within +-limit, then
+// (up + 1) gate sigmoid(alpha gate). moe_swiglu, moe_swiglu_backward and moe_dweights take it by these fields.
+fn glu_at(row: u32, i: u32) -> vec2<u32> {        // (gate, up) element indices of h's element i
+    if (p.f1 != 0.0) { return vec2<u32>(row + 2u * i, row + 2u * i + 1u); }
+    return vec2<u32>(row + i, row + p.s1 + i);
+}
+
+fn glu(gate: f32, up: f32) -> f32 {
+    if (p.f1 == 0.0) { return gate * sigmoid(gate) * up; }
+    let g = min(gate, p.f1);
+    return (clamp(up, -p.f1, p.f1) + 1.0) * g * sigmoid(p.f0 * g);
+}
+
+// (d glu / d gate, d glu / d up); a clamp passes the gradient where the value lies within it, bounds included
+fn glu_grad(gate: f32, up: f32) -> vec2<f32> {
+    if (p.f1 == 0.0) {
+        let s = sigmoid(gate);
+        return vec2<f32>(up * (s * (1.0 + gate * (1.0 - s))), gate * s);
+    }
+    let g = min(gate, p.f1);
+    let u = clamp(up, -p.f1, p.f1);
+    let s = sigmoid(p.f0 * g);
+    return vec2<f32>(select(0.0, (u + 1.0) * (s + p.f0 * g * s * (1.0 - s)), gate <= p.f1),
+                     select(0.0, g * s, up >= -p.f1 && up <= p.f1));
+}
+
+// gpt-oss's expert biases where s5 != 0: bias[e, c] (bias (E, width) = t3) of pair q's expert e (experts i5 (N k),
+// s6 E), else 0. moe_swiglu, moe_bias and moe_combine take it by these fields.
+fn pair_bias(q: u32, c: u32, width: u32) -> f32 {
+    if (p.s5 == 0u) {
+        return 0.0;
+    }
+    let e = u32(i5[p.o5 + q]);
+    return select(0.0, t3_ld(p.o3 + e * width + c), e < p.s6);
+}
+
+// ---- h! (N k, I) = t1 from gate_up (N k, 2I) = t2 (plus pair_bias): the gated activation (glu). s0 N k, s1 I,
+// f0 / f1 glu's.
 @compute @workgroup_size(64)
 fn moe_swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -259,14 +298,15 @@ fn moe_swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         return;
     }
     let q = g / p.s1;
-    let i = g % p.s1;
-    let gate = t2_ld(p.o2 + q * 2u * p.s1 + i);
-    let up = t2_ld(p.o2 + q * 2u * p.s1 + p.s1 + i);
-    t1_st(p.o1 + g, gate * sigmoid(gate) * up);
+    let at = glu_at(0u, g % p.s1);
+    let row = p.o2 + q * 2u * p.s1;
+    t1_st(p.o1 + g, glu(t2_ld(row + at.x) + pair_bias(q, at.x, 2u * p.s1),
+                        t2_ld(row + at.y) + pair_bias(q, at.y, 2u * p.s1)));
 }
 
 // ---- dgate_up! (N k, 2I) = t1 from dh_raw (N k, I) = t2 (the gradient on h before the pair's weight), gate_up
-// (N k, 2I) = t3, weights f6 (N k). s0 N k, s1 I. dh = weight * dh_raw through silu(gate) * up.
+// (N k, 2I) = t3, weights f6 (N k). s0 N k, s1 I, f0 / f1 glu's. dh = weight * dh_raw through glu (float32 dgate_up:
+// its elements stored one at a time).
 @compute @workgroup_size(64)
 fn moe_swiglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -275,24 +315,20 @@ fn moe_swiglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         return;
     }
     let q = g / p.s1;
-    let i = g % p.s1;
-    let at = q * 2u * p.s1 + i;
-    let gate = t3_ld(p.o3 + at);
-    let up = t3_ld(p.o3 + at + p.s1);
-    let s = sigmoid(gate);
-    let dh = f6[p.o6 + q] * t2_ld(p.o2 + g);
-    t1_st(p.o1 + at, dh * up * (s * (1.0 + gate * (1.0 - s))));
-    t1_st(p.o1 + at + p.s1, dh * gate * s);
+    let at = glu_at(q * 2u * p.s1, g % p.s1);
+    let grad = f6[p.o6 + q] * t2_ld(p.o2 + g) * glu_grad(t3_ld(p.o3 + at.x), t3_ld(p.o3 + at.y));
+    t1_st(p.o1 + at.x, grad.x);
+    t1_st(p.o1 + at.y, grad.y);
 }
 
 // ---- dweights! (N k) = t1: dy[n] . out[q] = dh_raw[q] . h[q], dh_raw (N k, I) = t2, gate_up (N k, 2I) = t3.
-// s0 N k, s1 I. One invocation per two pairs (stored together: a 16-bit dweights), each sum in index order.
+// s0 N k, s1 I, f0 / f1 glu's. One invocation per two pairs (stored together: a 16-bit dweights), each sum in index
+// order.
 fn dweight(q: u32) -> f32 {
     var acc = 0.0;
     for (var i = 0u; i < p.s1; i = i + 1u) {
-        let gate = t3_ld(p.o3 + q * 2u * p.s1 + i);
-        let up = t3_ld(p.o3 + q * 2u * p.s1 + p.s1 + i);
-        acc = acc + t2_ld(p.o2 + q * p.s1 + i) * gate * sigmoid(gate) * up;
+        let at = glu_at(p.o3 + q * 2u * p.s1, i);
+        acc = acc + t2_ld(p.o2 + q * p.s1 + i) * glu(t3_ld(at.x), t3_ld(at.y));
     }
     return acc;
 }
@@ -311,9 +347,83 @@ fn moe_dweights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
 }
 
-// ---- the combine: y! (N, C) = t1 (+)= sum_j w[n, j] out[n k + j] in slot order; out (N k, C) = t2, weights f6
-// (N, k) where s3 != 0 (else 1). s0 N, s1 C, s2 k, s4 accumulate. One invocation per two elements (stored
-// together: a 16-bit y).
+// ---- gpt-oss's expert biases. moe_bias: out! (N k, W) = t1 = src (N k, W) = t2 plus pair_bias (s5 = 1). s0 N k W,
+// s1 W. One invocation per two elements (stored together: a 16-bit out).
+fn biased(g: u32) -> f32 {
+    return t2_ld(p.o2 + g) + pair_bias(g / p.s1, g % p.s1, p.s1);
+}
+
+@compute @workgroup_size(64)
+fn moe_bias(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = 2u * flat(wid, nwg, lid);
+    if (g >= p.s0) {
+        return;
+    }
+    if (g + 1u < p.s0) {
+        t1_st2(p.o1 + g, vec2<f32>(biased(g), biased(g + 1u)));
+    } else {
+        t1_st(p.o1 + g, biased(g));
+    }
+}
+
+// moe_bias_dweights: the down bias's share of the route weights' gradient, dweights! (N k) = t1 += dy[n] . bias[e]
+// for pair q = n k + j of expert e; dy (N, C) = t2, bias (E, C) = t3, experts i5 (N k). s0 N k, s1 C, s2 k, s3 E.
+// One invocation per two pairs, each sum in index order.
+fn bias_dweight(q: u32) -> f32 {
+    let e = u32(i5[p.o5 + q]);
+    var acc = t1_ld(p.o1 + q);
+    if (e >= p.s3) {
+        return acc;
+    }
+    for (var c = 0u; c < p.s1; c = c + 1u) {
+        acc = acc + t2_ld(p.o2 + (q / p.s2) * p.s1 + c) * t3_ld(p.o3 + e * p.s1 + c);
+    }
+    return acc;
+}
+
+@compute @workgroup_size(64)
+fn moe_bias_dweights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let q = 2u * flat(wid, nwg, lid);
+    if (q >= p.s0) {
+        return;
+    }
+    if (q + 1u < p.s0) {
+        t1_st2(p.o1 + q, vec2<f32>(bias_dweight(q), bias_dweight(q + 1u)));
+    } else {
+        t1_st(p.o1 + q, bias_dweight(q));
+    }
+}
+
+// moe_bias_backward: a bias's gradient, grad! (E, W) f32 = t1 (+)= the sum over expert e's sorted rows of
+// (w[q] where s4 != 0) src[row(q)] (rows by token where s3 != 0, else by pair); src = t2, perm i5, weights f6
+// (N k), offsets i7 (E + 1). s0 W, s1 E, s2 k, s6 accumulate. One invocation per (e, column), in sorted-row order.
+@compute @workgroup_size(64)
+fn moe_bias_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = flat(wid, nwg, lid);
+    if (g >= p.s0 * p.s1) {
+        return;
+    }
+    let e = g / p.s0;
+    let c = g % p.s0;
+    var acc = 0.0;
+    if (p.s6 != 0u) {
+        acc = t1_ld(p.o1 + g);
+    }
+    for (var r = u32(i7[p.o7 + e]); r < u32(i7[p.o7 + e + 1u]); r = r + 1u) {
+        let q = u32(i5[p.o5 + r]);
+        let row = select(q, q / p.s2, p.s3 != 0u);
+        let w = select(1.0, f6[p.o6 + q], p.s4 != 0u);
+        acc = acc + w * t2_ld(p.o2 + row * p.s0 + c);
+    }
+    t1_st(p.o1 + g, acc);
+}
+
+// ---- the combine: y! (N, C) = t1 (+)= sum_j w[n, j] (out[n k + j] + pair_bias) in slot order; out (N k, C) = t2,
+// weights f6 (N, k) where s3 != 0 (else 1). s0 N, s1 C, s2 k, s4 accumulate. One invocation per two elements
+// (stored together: a 16-bit y).
 fn combined(g: u32) -> f32 {
     let n = g / p.s1;
     let c = g % p.s1;
@@ -326,7 +436,7 @@ fn combined(g: u32) -> f32 {
         if (p.s3 != 0u) {
             w = f6[p.o6 + n * p.s2 + j];
         }
-        acc = acc + w * t2_ld(p.o2 + (n * p.s2 + j) * p.s1 + c);
+        acc = acc + w * (t2_ld(p.o2 + (n * p.s2 + j) * p.s1 + c) + pair_bias(n * p.s2 + j, c, p.s1));
     }
     return acc;
 }

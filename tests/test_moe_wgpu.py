@@ -182,18 +182,6 @@ def test_what_the_webgpu_engine_refuses_for_a_mixture_of_experts(rt, tmp_path):
     assert precision_choice("auto", "wgpu", cpu_adapter=False, cfg=cfg)[0] == "fp32"
 
 
-def test_gpt_oss_is_left_to_the_numpy_engine(rt):
-    """gpt-oss's attention sinks, expert biases and clamped SwiGLU are not recorded yet: refused in a line, and
-    backend auto takes the NumPy engine for it."""
-    from test_gpt_oss import gpt_oss_config
-    from wgpu_train.engines.backend_choice import choose_backend
-    from wgpu_train.engines.webgpu.engine import WgpuEngine
-    cfg = wt.ModelConfig.from_dict({**gpt_oss_config().to_dict(), "architectures": ["GptOssForCausalLM"]})
-    with pytest.raises(ConfigError, match="does not run gpt-oss's attention sinks"):
-        WgpuEngine(cfg, {}, rt)
-    assert choose_backend("auto", None, cfg).engine == "numpy"
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_router_aux_loss_matches_numpy(arch, rt, tmp_path):
     """The router's load-balancing loss on the device (the padded batch's real tokens alone): the same loss and

@@ -78,7 +78,11 @@ class LayerOps:
     def _forward_attention(self, op, i, a, walk):
         q, k, v = (walk.heads(a[name], self.cfg) for name in op.inputs)         # (B, T, H, D)
         window, sinks = self.cfg.window(i), self._sinks(i, op)
-        if walk.kv is None:
+        if walk.kv is None and sinks is not None and self.rounding.precision.sixteen_bit:
+            # as the GPU: its attention kernel stores a 16-bit output, which the sinks then rescale
+            att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap, None, walk.blocks)
+            att, lse = ops.attention_sink_forward(self.rounding.activation(att, f"layer {i} attention"), lse, sinks)
+        elif walk.kv is None:
             att, lse = ops.attention_forward(q, k, v, walk.segments, window, self.cfg.attn_softcap,
                                              sinks, walk.blocks)                # (B, T, Hq, D), (B, Hq, T)
         else:   # generation: one row of n tokens, each with its own cache row and position

@@ -13,7 +13,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 # written once in shared/, since the WebGPU kernels are checked against them; here they stand with the other op
 # pairs
 from wgpu_train.engines.shared.attention import (attention_backward, attention_cached_forward,  # noqa: F401
-                                                 attention_forward, softcap_forward)
+                                                 attention_forward, attention_sink_forward, softcap_forward)
 from wgpu_train.engines.shared.delta_rule import (gated_delta_rule_backward, gated_delta_rule_forward,  # noqa: F401
                                                   gated_delta_rule_step, l2norm_backward, l2norm_forward)
 from wgpu_train.engines.shared.dropout import pcg_hash

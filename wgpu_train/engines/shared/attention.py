@@ -98,9 +98,25 @@ def attention_backward(dout, q, k, v, out, lse, segment_ids, window: int = 0, so
     grads = dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
     if sinks is None:
         return grads
-    p_sink = np.exp(sinks.astype(lse.dtype)[None, :, None] - lse)                 # (B, H, T)
-    return (*grads, -np.einsum("bhi,bhi->h", p_sink, delta).astype(sinks.dtype))
+    return (*grads, attention_sink_backward(delta, lse, sinks))
 
+
+
+def attention_sink_forward(out, lse, sinks):
+    """attention_forward's result without sinks (out (B, T, Hq, D), lse (B, Hq, T)) -> its result with sinks (Hq,):
+    the sink adds exp(sinks[h]) to each row's denominator, so lse' = logaddexp(lse, sink) and out is scaled by
+    exp(lse - lse') (the WebGPU engine runs this after any attention kernel)."""
+    s = sinks.astype(lse.dtype)[None, :, None]                                    # (1, Hq, 1)
+    new = np.logaddexp(lse, s)                                                     # (B, Hq, T)
+    factor = np.exp(lse - new).transpose(0, 2, 1)[..., None]                       # (B, T, Hq, 1)
+    return (out * factor).astype(out.dtype), new.astype(lse.dtype)
+
+
+def attention_sink_backward(delta, lse, sinks):
+    """dsinks (Hq,) of attention_forward with sinks from its saved lse (B, Hq, T) (the sink's term included) and
+    delta = rowsum(dout * out) (B, Hq, T): a sink's probability exp(sink - lse) times minus delta, summed over the
+    rows (attention_backward's own dq, dk, dv need nothing more: lse already holds the sink)."""
+    return -np.einsum("bhi,bhi->h", np.exp(sinks.astype(lse.dtype)[None, :, None] - lse), delta).astype(sinks.dtype)
 
 # A KV cache holds B sequences (its rows) of up to L positions; a negative row marks a padding query, whose
 # output stays zero.

@@ -7,6 +7,7 @@ from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 from wgpu_train.models.weights import module_path
 from wgpu_train.models.layer_plan import INPUT, OUTPUT, LayerPlan, layer_plans
+from wgpu_train.engines.shared.moe import ClampedSwiGLU
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import attention as A
 from wgpu_train.engines.webgpu.tuned import quant
@@ -233,15 +234,16 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         (q, k, v), (att, lse) = (buf[x] for x in op.inputs), (buf[x] for x in op.outputs)
         rec.section(self._where + " attention")
+        sinks = self.w[f"model.layers.{i}.{op.param}"] if op.param else None    # gpt-oss's
         if kv is None:
             A.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i),
-                                cfg.attn_softcap)
+                                cfg.attn_softcap, sinks)
         else:   # generation: acts.segments holds each token's cache row
             A.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d, kv["dtype"])
             A.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
                                        acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap,
-                                       kv["scratch"], kv["dtype"])
+                                       kv["scratch"], kv["dtype"], sinks)
 
     def _forward_glu(self, rec, op, i, acts, buf, kv):
         """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""
@@ -295,6 +297,16 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         loras = [self.expert_lora.get(p) if self.adapter_enabled else None for p in paths]
         return [self.w[p] for p in paths], [None if m is None else m.pair for m in loras], paths
 
+    def _expert_variant(self, paths) -> dict:
+        """gpt-oss's expert biases (their single buffers) and clamped SwiGLU, as keywords of the experts' op pair
+        (engines/shared/moe.py's); {} for the plain SwiGLU without biases."""
+        spec, out = self.cfg.moe, {}
+        if spec.biases:
+            out["gate_up_bias"], out["down_bias"] = (_whole(self.w[p + "_bias"]) for p in paths)
+        if spec.swiglu:
+            out["activation"] = ClampedSwiGLU(*spec.swiglu)
+        return out
+
     def _moe_sizes(self, acts) -> tuple:
         """(N, k, E, C, I) of the experts' ops on this batch."""
         moe = self.cfg.moe
@@ -302,9 +314,9 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
 
     def _forward_experts(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " moe")
-        (gate_up, down), (lora_gu, lora_dn), _ = self._experts(i, op)
+        (gate_up, down), (lora_gu, lora_dn), paths = self._experts(i, op)
         moe_experts_forward(rec, buf[op.outputs[0]], buf[op.outputs[1]], *(buf[x] for x in op.inputs), gate_up, down,
-                            lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe)
+                            lora_gu, lora_dn, *self._moe_sizes(acts), acts.moe, **self._expert_variant(paths))
 
     def _gate_rows(self, op, i, acts) -> tuple:
         """(rows, width, per_element, groups) of a sigmoid gate: a gate per token row (Qwen2-MoE's), per element
@@ -437,9 +449,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         assert not any(accumulate), "attention's backward writes its gradients"
         cfg = self.cfg
         rec.section(self._where + " attention")
+        sinks = f"model.layers.{i}.{op.param}" if op.param else None      # gpt-oss's, trained or not
         A.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
                              acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap)
+                             cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap,
+                             sinks and self.w[sinks], sinks and self.grads.get(sinks))
 
     def _backward_glu(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), f"{op.kind}'s backward writes its gradients"
@@ -490,6 +504,8 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         for part, path, lora in zip(("gate_up", "down"), paths, loras):
             if path in self.grads:
                 grads[part] = self.grads[path]
+            if path + "_bias" in self.grads:            # gpt-oss's, trained in full fine-tuning
+                grads[part + "_bias"] = _whole(self.grads[path + "_bias"])
             if lora is not None:
                 m = self.expert_lora[path]
                 grads.update({part + ".lora_A": m.ga, part + ".lora_B": m.gb})
@@ -497,7 +513,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         if not accumulate[0]:
             K.fill(rec, dxs[0], 0.0, acts.n * self.cfg.hidden_size)
         moe_experts_backward(rec, dxs[0], dxs[1], grads, dys[0], *(a[x] for x in op.inputs), a[op.outputs[1]], gate_up,
-                             down, *loras, *sizes, acts.moe, accumulate=True)
+                             down, *loras, *sizes, acts.moe, accumulate=True, **self._expert_variant(paths))
 
     def _backward_sigmoid_gate(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "sigmoid_gate's backward writes its gradients"
@@ -543,3 +559,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
                     if count:
                         K.embedding_backward(rec, at(gbuf, (start - r0) * emb.cols), acts.d_res, acts.ids, n,
                                              emb.cols, count, acts.scratch_emb, start, accumulate=True)
+
+
+def _whole(t):
+    """The one buffer of a small 2-D float32 tensor (a Matrix of one chunk: gpt-oss's expert biases) or a buffer."""
+    if isinstance(t, Matrix):
+        assert len(t.chunks) == 1 and t.chunks[0][1] == 0, "an expert bias spans one storage binding"
+        return t.chunks[0][0]
+    return t

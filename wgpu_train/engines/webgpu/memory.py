@@ -108,7 +108,7 @@ HEAD_BUFFERS = ("xf", "rstd_f", "logits", "loss_rows", "lse_rows", "valid_rows",
 
 
 MOE_SCRATCH = "moe."          # prefix, in a plan's shared part, of the MoE ops' scratch (webgpu/moe.MoeScratch)
-MOE_FORWARD_SCRATCH = ("group", "perm", "h", "outp", "lora_in", "lora_out")   # what the experts' forward uses
+MOE_FORWARD_SCRATCH = ("group", "perm", "h", "outp", "lora_in", "lora_out", "gu")   # what the experts' forward uses
 
 
 def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_inputs: dict, train: bool,
@@ -176,7 +176,8 @@ def activation_plan(cfg: ModelConfig, b: int, t: int, lora_ranks: dict, dropout_
         from wgpu_train.engines.webgpu.moe import scratch_sizes
 
         moe = cfg.moe
-        sizes = scratch_sizes(n, moe.top_k, moe.num_experts, c, moe.expert_size, expert_rank)
+        sizes = scratch_sizes(n, moe.top_k, moe.num_experts, c, moe.expert_size, expert_rank,
+                              staged=moe.biases or bool(moe.swiglu))
         shared.update({MOE_SCRATCH + name: e for name, e in sizes.items() if train or name in MOE_FORWARD_SCRATCH})
     if not head:
         shared = {k: e for k, e in shared.items() if k not in HEAD_BUFFERS}

@@ -32,11 +32,13 @@ class MoeLora:
     rank: int
 
 
-def scratch_sizes(N: int, k: int, E: int, C: int, I: int, r: int = 0) -> dict:
+def scratch_sizes(N: int, k: int, E: int, C: int, I: int, r: int = 0, staged: bool = False) -> dict:
     """Elements (4 bytes each) of each scratch buffer the MoE ops need, by MoeScratch field; r: the larger LoRA
-    rank (0: no LoRA). The forward uses group, perm, h, outp and (with LoRA) lora_in, lora_out; the backward all."""
+    rank (0: no LoRA); staged (gpt-oss's experts, moe_experts_forward): gu, the float32 gate / up projections
+    before their bias and activation. The forward uses group, perm, h, outp, (with LoRA) lora_in, lora_out and
+    (staged) gu; the backward all."""
     nk = N * k
-    return {"group": MK.group_size(nk, E), "perm": nk, "h": nk * I, "outp": nk * C, "dh": nk * I, "dgu": nk * 2 * I,
+    return {**({"gu": nk * 2 * I} if staged else {}), "group": MK.group_size(nk, E), "perm": nk, "h": nk * I, "outp": nk * C, "dh": nk * I, "dgu": nk * 2 * I,
             "lora_in": max(1, nk * r), "lora_out": max(1, nk * r), "lora_g": max(1, nk * r),
             "lora_dh": max(1, nk * r), "part": max(1, MK.max_blocks(nk, E, min(MK.SPLITS)) * r * max(C, 2 * I)),
             "probs": N * E, "balance_part": MK.balance_blocks(N) * (2 * E + 1), "balance": 2 * E + 1}
@@ -46,8 +48,8 @@ class MoeScratch:
     """The scratch buffers of the MoE ops for up to N tokens (scratch_sizes), shared by every MoE layer of a step
     (the forward's are dead once it returns; the backward recomputes the grouping and h from gate_up_out)."""
 
-    def __init__(self, rt, N: int, k: int, E: int, C: int, I: int, r: int = 0):
-        self.sizes = scratch_sizes(N, k, E, C, I, r)
+    def __init__(self, rt, N: int, k: int, E: int, C: int, I: int, r: int = 0, staged: bool = False):
+        self.sizes = scratch_sizes(N, k, E, C, I, r, staged)
         self.N, self.k, self.E, self.C, self.I, self.r = N, k, E, C, I, r
         for name, n in self.sizes.items():
             setattr(self, name, rt.buffer(4 * n, f"moe.{name}"))
@@ -58,7 +60,8 @@ class MoeScratch:
         N tokens of MoeConfig moe's layers): name -> buffer, the forward's alone in a forward-only bucket."""
         self = cls.__new__(cls)
         self.N, self.k, self.E, self.C, self.I, self.r = N, moe.top_k, moe.num_experts, C, moe.expert_size, r
-        self.sizes = {name: n for name, n in scratch_sizes(N, self.k, self.E, C, self.I, r).items() if name in buffers}
+        self.sizes = {name: n for name, n in scratch_sizes(N, self.k, self.E, C, self.I, r, True).items()
+                      if name in buffers}
         for name, buf in buffers.items():
             setattr(self, name, buf)
         return self
@@ -143,6 +146,31 @@ def _lora_rows(rec, out, x, m, m_elems, experts, nk, in_f, r, k, by_token, strid
             s0=nk, s1=in_f, s2=r, s3=k, s4=int(by_token), s5=strides[0], s6=strides[1], s7=strides[2], f0=scale)
 
 
+def _glu(activation) -> dict:
+    """The gated activation's fields of moe_swiglu, moe_swiglu_backward and moe_dweights: none for SwiGLU ("silu":
+    gate rows first), f0 alpha and f1 limit for gpt-oss's shared.moe.ClampedSwiGLU (rows interleaved)."""
+    if activation == "silu":
+        return {}
+    if not activation.limit > 0:
+        raise ValueError(f"moe: a clamped SwiGLU needs a positive limit, got {activation.limit}")
+    return {"f0": float(activation.alpha), "f1": float(activation.limit)}
+
+
+def _pair_bias(rec, bias, experts, nk: int, W: int, E: int) -> tuple:
+    """(tensors, fields) of shaders/moe.wgsl's pair_bias: bias (E, W) (any format) of each pair's expert, or none
+    where bias is None (a zero bound in its place)."""
+    if bias is None:
+        return [(_zeros(rec.rt), 1), (_zeros(rec.rt), 1)], {}
+    return [(bias, E * W), (experts, nk)], {"s5": 1, "s6": E}
+
+
+def _bias_grad(rec, grad, src, weights, scratch, N, k, E, W, by_token: bool, weighted: bool, accumulate: bool):
+    """grad (E, W) f32 (+)= each expert's sum of (w) src rows (by token or by pair) over its sorted rows."""
+    _launch(rec, MK.BIAS_BACKWARD, E * W, [(grad, E * W), (src, (N if by_token else N * k) * W), (scratch.perm, N * k),
+                                           (weights, N * k), (offsets_view(scratch, N, k, E), E + 1)],
+            s0=W, s1=E, s2=k, s3=int(by_token), s4=int(weighted), s6=int(accumulate))
+
+
 def _gemm(rec, out, x, w, scratch, N, k, E, in_f, cols, layout, by_token, lora=None, hl=None, h=None):
     """One grouped GEMM (tuned/moe_kernels.MoeGemmProblem) over the pairs grouped in scratch."""
     t = dict(out=out, x=x, w=w, offsets=offsets_view(scratch, N, k, E), perm=scratch.perm)
@@ -169,46 +197,65 @@ def _outer(rec, out, u, v, weights, scratch, N, k, E, o, q, u_token, v_token, we
 
 
 def moe_experts_forward(rec, y, gate_up_out, x, weights, experts, gate_up, down, lora_gate_up, lora_down,
-                        N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch, accumulate: bool = False):
+                        N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch, accumulate: bool = False,
+                        gate_up_bias=None, down_bias=None, activation="silu"):
     """The routed experts' SwiGLU MLPs, each token's k outputs weighted and summed in slot order.
 
     y (N, C) (+= where accumulate), gate_up_out (N, k, 2I) (every pair's gate then up projections, which
     the backward reads) <- x (N, C), weights (N, k) f32, experts (N, k) i32, gate_up (E, 2I, C), down (E, C, I)
     (any storage format), lora_gate_up / lora_down: MoeLora or None; scratch: MoeScratch for at least N tokens.
     Dispatches: the grouping (3), the gate/up LoRA A rows, the grouped gate/up GEMM with its LoRA B and the swiglu
-    (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine."""
+    (h to scratch.h), the down LoRA A rows, the grouped down GEMM with its LoRA B (to scratch.outp), the combine.
+    gpt-oss (shared/moe.py's keywords): gate_up_bias (E, 2I) / down_bias (E, C) (any format) or None, activation a
+    ClampedSwiGLU over interleaved gate / up rows; then the gate/up GEMM writes scratch.gu (a staged scratch, float32)
+    alone, the activation reads it with the bias (moe_swiglu), gate_up_out is it with the bias (moe_bias: rounded
+    once, where 16-bit, as the NumPy engine rounds it), and the combine adds the down bias."""
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
     if lora_gate_up is not None:
         r = lora_gate_up.rank
         _lora_rows(rec, scratch.lora_in, x, lora_gate_up.a, E * r * C, experts, nk, C, r, k, True, (r * C, C, 1))
-    _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, I, "nt", True, lora_gate_up, scratch.lora_in,
-          h=scratch.h)
+    if activation == "silu" and gate_up_bias is None:
+        _gemm(rec, gate_up_out, x, gate_up, scratch, N, k, E, C, I, "nt", True, lora_gate_up, scratch.lora_in,
+              h=scratch.h)
+    else:
+        if "gu" not in scratch.sizes:
+            raise ValueError("moe_experts_forward: gpt-oss's experts need a staged MoeScratch (its gu)")
+        _gemm(rec, scratch.gu, x, gate_up, scratch, N, k, E, C, 2 * I, "nt", True, lora_gate_up, scratch.lora_in)
+        bias, fields = _pair_bias(rec, gate_up_bias, experts, nk, 2 * I, E)
+        _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (scratch.gu, nk * 2 * I), *bias], s0=nk, s1=I,
+                **_glu(activation), **fields)
+        _launch(rec, MK.BIAS, -(-nk * 2 * I // 2), [(gate_up_out, nk * 2 * I), (scratch.gu, nk * 2 * I), *bias],
+                s0=nk * 2 * I, s1=2 * I, **fields)
     if lora_down is not None:
         r = lora_down.rank
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
                    (r * I, I, 1))
     _gemm(rec, scratch.outp, scratch.h, down, scratch, N, k, E, I, C, "nt", False, lora_down, scratch.lora_out)
-    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), (weights, nk)], s0=N, s1=C,
-            s2=k, s3=1, s4=int(accumulate))
+    bias, fields = _pair_bias(rec, down_bias, experts, nk, C, E)
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(y, N * C), (scratch.outp, nk * C), *bias, (weights, nk)], s0=N, s1=C,
+            s2=k, s3=1, s4=int(accumulate), **fields)
 
 
 def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts, gate_up_out, gate_up, down,
                          lora_gate_up, lora_down, N: int, k: int, E: int, C: int, I: int, scratch: MoeScratch,
-                         accumulate: bool = False):
+                         accumulate: bool = False, gate_up_bias=None, down_bias=None, activation="silu"):
     """Gradients of moe_experts_forward.
 
     dx (N, C) (+= where accumulate), dweights (N, k) (overwritten; then moe_route_backward), grads: the
     trained tensors' gradient buffers (f32, each its tensor's shape; += where accumulate) by the reference's
     names: "gate_up", "down" (full fine-tuning), "gate_up.lora_A", "gate_up.lora_B", "down.lora_A", "down.lora_B"
-    (those of a LoRA pair given) <- dy (N, C), x, weights, experts, gate_up_out (the forward's), gate_up, down,
-    lora_gate_up, lora_down, as the forward. The grouping and h are recomputed (the forward's scratch need not
+    (those of a LoRA pair given), "gate_up_bias" / "down_bias" (full fine-tuning of gpt-oss) <- dy (N, C), x,
+    weights, experts, gate_up_out (the forward's), gate_up, down, lora_gate_up, lora_down, the biases and activation,
+    as the forward. The grouping and h are recomputed (the forward's scratch need not
     survive); the LoRA gradients are split-K sums over each expert's rows (no float atomics), the base weights'
     one pass per expert."""
     _f32("moe_experts_backward", *grads.values())
     nk = N * k
     moe_group(rec, experts, N, k, E, scratch)
-    _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
+    glu = _glu(activation)
+    _launch(rec, MK.SWIGLU, nk * I, [(scratch.h, nk * I), (gate_up_out, nk * 2 * I),
+                                     *_pair_bias(rec, None, experts, nk, 2 * I, E)[0]], s0=nk, s1=I, **glu)
     if lora_down is not None:
         r, s2 = lora_down.rank, lora_down.scale
         _lora_rows(rec, scratch.lora_out, scratch.h, lora_down.a, E * r * I, experts, nk, I, r, k, False,
@@ -217,9 +264,16 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
     # dh before each pair's weight: dy W2[e] (+ (s dy B2[e]) A2[e]); dweights = dh . h
     _gemm(rec, scratch.dh, dy, down, scratch, N, k, E, C, I, "nn", True, lora_down, scratch.lora_g)
     _launch(rec, MK.DWEIGHTS, -(-nk // 2),
-            [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I)
+            [(dweights, nk), (scratch.dh, nk * I), (gate_up_out, nk * 2 * I)], s0=nk, s1=I, **glu)
+    if down_bias is not None:       # a pair's output holds its bias too
+        _launch(rec, MK.BIAS_DWEIGHTS, -(-nk // 2), [(dweights, nk), (dy, N * C), (down_bias, E * C), (experts, nk)],
+                s0=nk, s1=C, s2=k, s3=E)
     _launch(rec, MK.SWIGLU_BACKWARD, nk * I, [(scratch.dgu, nk * 2 * I), (scratch.dh, nk * I),
-                                              (gate_up_out, nk * 2 * I), (weights, nk)], s0=nk, s1=I)
+                                              (gate_up_out, nk * 2 * I), (weights, nk)], s0=nk, s1=I, **glu)
+    if "down_bias" in grads:
+        _bias_grad(rec, grads["down_bias"], dy, weights, scratch, N, k, E, C, True, True, accumulate)
+    if "gate_up_bias" in grads:
+        _bias_grad(rec, grads["gate_up_bias"], scratch.dgu, weights, scratch, N, k, E, 2 * I, False, False, accumulate)
     if "down" in grads:
         _outer(rec, grads["down"], dy, scratch.h, weights, scratch, N, k, E, C, I, True, False, True, 1.0,
                accumulate, split_k=False)
@@ -236,7 +290,8 @@ def moe_experts_backward(rec, dx, dweights, grads: dict, dy, x, weights, experts
                    False, (2 * I * r, 1, r), s1)
     _gemm(rec, scratch.outp, scratch.dgu, gate_up, scratch, N, k, E, 2 * I, C, "nn", False, lora_gate_up,
           scratch.lora_dh)
-    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C), (_zeros(rec.rt), 1)], s0=N,
+    _launch(rec, MK.COMBINE, -(-N * C // 2), [(dx, N * C), (scratch.outp, nk * C),
+                                              *_pair_bias(rec, None, experts, nk, C, E)[0], (_zeros(rec.rt), 1)], s0=N,
             s1=C, s2=k, s3=0, s4=int(accumulate))
     if "gate_up" in grads:
         _outer(rec, grads["gate_up"], scratch.dgu, x, weights, scratch, N, k, E, 2 * I, C, False, True, False, 1.0,

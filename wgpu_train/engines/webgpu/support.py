@@ -10,8 +10,6 @@ from wgpu_train.models.config import ModelConfig
 
 def unsupported_reason(cfg: ModelConfig) -> str | None:
     """Why the WebGPU engine cannot run `cfg` ("the WebGPU engine does not ..."), or None where it can."""
-    if cfg.attention_sinks or (cfg.moe is not None and (cfg.moe.biases or cfg.moe.swiglu)):
-        return "the WebGPU engine does not run gpt-oss's attention sinks, expert biases and clamped SwiGLU yet"
     if LayerRecorder.unrecorded_kinds(cfg):
         return f"the WebGPU engine does not run {cfg.recurrent_kind} layers yet"
     if not attention_kernels.supported_head_dim(cfg.head_dim):

@@ -279,6 +279,12 @@ def candidates(p: AttentionProblem) -> list:
     return out
 
 
+# gpt-oss's sinks around whichever candidate ran (shaders/attention_sinks.wgsl): the forward's rescale of out and
+# lse, and the sinks' gradient from the backward's statistics
+SINK_FORWARD = Kernel("attention_sinks", "attention_sink_forward", "out! stats! sinks", invocations=64)
+SINK_BACKWARD = Kernel("attention_sinks", "attention_sink_backward", "out! stats sinks", invocations=64)
+
+
 def supported_head_dim(D: int) -> bool:
     """Whether some attention kernel takes this head dim (on some device)."""
     return 0 < D <= MAX_HEAD_DIM and (D % 4 == 0 or D <= ROWS_DMAX)
@@ -294,7 +300,8 @@ def mixed_formats(k: Kernel) -> list[tuple]:
 def all_kernels(head_dims=(64, 60, 128, 256), mixed_head_dims=(64,)) -> list[Kernel]:
     """Every kernel descriptor of the attention families at these head dims, each also in two mixes of 16-bit
     formats at mixed_head_dims (mixed_formats) (the binding-limit and Tint checks go through them)."""
-    out = []
+    out = [SINK_FORWARD, SINK_FORWARD.with_formats(((1, "bf16"),)), SINK_FORWARD.with_formats(((1, "f16"),)),
+           SINK_BACKWARD]
     for D in head_dims:
         mixed = D in mixed_head_dims
         for rows in (Rows(False), Rows(True)):
@@ -308,5 +315,5 @@ def all_kernels(head_dims=(64, 60, 128, 256), mixed_head_dims=(64,)) -> list[Ker
     return out
 
 
-FAMILY = Family("attention", shaders=("attention", "attention_regs", "attention_tiles", src.COMMON),
+FAMILY = Family("attention", shaders=("attention", "attention_regs", "attention_tiles", src.COMMON, "attention_sinks"),
                 modules=(__file__, src.__file__), all_kernels=all_kernels, benches=("attention",))

@@ -33,9 +33,10 @@ MAX_SPLITS = 64               # chunks per row at most (the partials' scratch is
 CHUNKS = (32, 64, 128, 256, 512, 1024)
 LOOP_MARGIN = 16              # iterations kept free of llvmpipe's budget (it already fails at 65534)
 
-SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions")
+SINGLE = Kernel("attention_cached", "attention_cached_forward", "out! q k_cache v_cache rows positions sinks")
 PARTIAL = Kernel("attention_cached", "attention_cached_partial", "part! q k_cache v_cache rows positions")
-COMBINE = Kernel("attention_cached", "attention_cached_combine", "out! part_in _ _ rows positions")   # reads no cache
+COMBINE = Kernel("attention_cached", "attention_cached_combine",
+                 "out! part_in _ _ rows positions sinks")   # reads no cache
 CACHE_WRITE = Kernel("kv_cache", "kv_cache_write", "k_cache! v_cache! k_new v_new rows positions")
 
 
@@ -72,11 +73,12 @@ def scratch_bytes(rt, batch: int, max_len: int, hq: int, d: int) -> int:
 
 class DecodeProblem:
     """One attention_cached_forward call: n queries (q, out (n, hq, d)) against caches (batch, max_len, hkv, d)
-    stored as kv_dtype, rows / positions (n,) i32, a scratch for the partials (None: the single pass only)."""
+    stored as kv_dtype, rows / positions (n,) i32, a scratch for the partials (None: the single pass only);
+    sinks: whether tensors["sinks"] holds gpt-oss's sink logits (Hq,) f32 (else it is any buffer, unread)."""
 
     def __init__(self, rt, tensors: dict, n, batch, max_len, hq, hkv, d, window=0, softcap=0.0, scratch_elems=0,
-                 kv_dtype=KvDtype.FLOAT32):
-        self.rt, self.t = rt, tensors
+                 kv_dtype=KvDtype.FLOAT32, sinks: bool = False):
+        self.rt, self.t, self.sinks = rt, tensors, bool(sinks)
         self.n, self.batch, self.max_len, self.hq, self.hkv, self.d = n, batch, max_len, hq, hkv, d
         self.window, self.softcap, self.scratch_elems = int(window), float(softcap), int(scratch_elems)
         self.kv_dtype = KvDtype.parse(kv_dtype)
@@ -89,11 +91,11 @@ class DecodeProblem:
     def describe(self) -> str:
         return (f"cached attention n{self.n} len{self.max_len} H{self.hq}/{self.hkv} D{self.d}"
                 + (f" window {self.window}" if self.window else "") + (" softcap" if self.softcap else "")
-                + (f" {self.kv_dtype} cache" if self.kv_dtype is not KvDtype.FLOAT32 else ""))
+                + (" sinks" if self.sinks else "") + (f" {self.kv_dtype} cache" if self.kv_dtype is not KvDtype.FLOAT32 else ""))
 
     def signature(self) -> tuple:
         return ("decode", self.n, self.batch, self.max_len, self.hq, self.hkv, self.d, self.window, self.softcap,
-                self.scratch_elems, self.kv_dtype)
+                self.scratch_elems, self.kv_dtype, self.sinks)
 
     def key(self) -> str:
         """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap, the
@@ -102,7 +104,8 @@ class DecodeProblem:
             return 1 << max(0, (x - 1).bit_length())
         room = self.scratch_elems // max(1, self.n * self.hq * (self.d + 2))
         return (f"attention decode n{bucket(self.n)} len{bucket(self.max_len)} h{self.hq}/{self.hkv} d{self.d}"
-                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} s{min(room, MAX_SPLITS)}"
+                f"{' window' if self.window else ''}{' softcap' if self.softcap else ''}{' sinks' if self.sinks else ''}"
+                f" s{min(room, MAX_SPLITS)}"
                 f"{' ' + self.kv_dtype if self.kv_dtype is not KvDtype.FLOAT32 else ''}")
 
     def candidates(self) -> list:
@@ -139,18 +142,19 @@ class DecodeProblem:
         kc, vc = (storage.from_words(storage.to_words(rng.standard_normal((b, L, hkv, d)), fmt), b * L * hkv * d, fmt)
                   .reshape(b, L, hkv, d) for _ in range(2))                  # as the cache stores them
         rows, pos = (np.arange(n) % b).astype(np.int32), np.full(n, L - 1, np.int32)
+        sinks = rng.standard_normal(hq).astype(np.float32)
         want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
-                                            self.softcap).ravel()
+                                            self.softcap, sinks if self.sinks else None).ravel()
         bufs = [self.rt.upload(q, "tune operand"), *(storage.upload(self.rt, x, fmt, "tune operand") for x in (kc, vc)),
-                *(self.rt.upload(x, "tune operand") for x in (rows, pos))]
+                *(self.rt.upload(x, "tune operand") for x in (rows, pos, sinks))]
         bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
         c0 = np.zeros(want.size, np.float32)
         res = self.rt.upload(c0, "tune result")
         bufs.append(res)
-        tensors = dict(q=bufs[0], k_cache=bufs[1], v_cache=bufs[2], rows=bufs[3], positions=bufs[4],
-                       part=bufs[5], part_in=bufs[5], out=res)
+        tensors = dict(q=bufs[0], k_cache=bufs[1], v_cache=bufs[2], rows=bufs[3], positions=bufs[4], sinks=bufs[5],
+                       part=bufs[6], part_in=bufs[6], out=res)
         rep = DecodeProblem(self.rt, tensors, n, b, L, hq, hkv, d, self.window, self.softcap, self.scratch_elems,
-                            self.kv_dtype)
+                            self.kv_dtype, self.sinks)
         return rep, res, c0, want, bufs
 
 
@@ -158,10 +162,10 @@ def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
     cache = p.batch * p.max_len * p.hkv * p.d
     big, part = p.n * p.hq * p.d, p.n * p.hq * max(1, splits) * (p.d + 2)
     sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": p.n,
-             "part": part, "part_in": part}
+             "part": part, "part_in": part, "sinks": p.hq if p.sinks else 1}
     pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names], n=p.n, max_len=p.max_len,
                                   batch=p.batch, hq=p.hq, hkv=p.hkv, d=p.d, scale=1.0 / math.sqrt(p.d),
-                                  window=p.window, softcap=p.softcap, chunk=chunk, splits=splits)
+                                  window=p.window, softcap=p.softcap, chunk=chunk, splits=splits, sinks=int(p.sinks))
     return pipeline, resources, groups
 
 

@@ -43,10 +43,13 @@ GROUP_COUNT = _plain("moe_group_count", "_ _ _ group! experts")
 GROUP_OFFSETS = _plain("moe_group_offsets", "_ _ _ group!")
 GROUP_SCATTER = _plain("moe_group_scatter", "_ _ _ perm! experts _ group")
 LORA_ROWS = _plain("moe_lora_rows", "out! x m _ experts")
-SWIGLU = _plain("moe_swiglu", "h! gate_up")
+SWIGLU = _plain("moe_swiglu", "h! gate_up bias _ experts")
 SWIGLU_BACKWARD = _plain("moe_swiglu_backward", "dgate_up! dh gate_up _ _ weights")
 DWEIGHTS = _plain("moe_dweights", "dweights! dh gate_up")
-COMBINE = _plain("moe_combine", "y! out _ _ _ weights")
+COMBINE = _plain("moe_combine", "y! out bias _ experts weights")
+BIAS = _plain("moe_bias", "out! src bias _ experts")               # gpt-oss's expert biases, and their gradients
+BIAS_DWEIGHTS = _plain("moe_bias_dweights", "dweights! dy bias _ experts")
+BIAS_BACKWARD = _plain("moe_bias_backward", "grad! src _ _ perm weights offsets")
 OUTER = _plain("moe_outer", "part! u v _ perm weights offsets")
 OUTER_REDUCE = _plain("moe_outer_reduce", "out! part _ _ _ _ offsets")
 # the router's load-balancing loss (shaders/moe_balance.wgsl)
@@ -57,8 +60,8 @@ BALANCE_LOSS = Kernel("moe_balance", "moe_balance_loss", "loss! stats", invocati
 BALANCE_DPROBS = Kernel("moe_balance", "moe_balance_dprobs", "dprobs! stats _ _ segments", invocations=WG)
 BALANCE_BLOCK = 256               # tokens per block of its partial sums (shaders/moe_balance.wgsl BLOCK)
 PLAIN = (ROUTE_FORWARD, ROUTE_BACKWARD, GROUP_COUNT, GROUP_OFFSETS, GROUP_SCATTER, LORA_ROWS, SWIGLU,
-         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, OUTER, OUTER_REDUCE, BALANCE_PROBS, BALANCE_PARTIAL, BALANCE_REDUCE,
-         BALANCE_LOSS, BALANCE_DPROBS)
+         SWIGLU_BACKWARD, DWEIGHTS, COMBINE, BIAS, BIAS_DWEIGHTS, BIAS_BACKWARD, OUTER, OUTER_REDUCE, BALANCE_PROBS,
+         BALANCE_PARTIAL, BALANCE_REDUCE, BALANCE_LOSS, BALANCE_DPROBS)
 
 
 def group_blocks(pairs: int) -> int:
