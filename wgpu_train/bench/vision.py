@@ -106,7 +106,7 @@ def _vision_model(cfg, vc, weights, tower_weights, backend: str, device=None) ->
 
 
 def _check_tower(vc, tower_weights, pixels):
-    """The frozen tower's float32 embeddings against its float64 forward: a ValueError past TOWER_REL_TOL."""
+    """The frozen tower's float32 embeddings against its float64 forward: an AssertionError past TOWER_REL_TOL."""
     got = VisionTower(vc, tower_weights)(pixels)
     want = VisionTower(vc, tower_weights, np.float64)(pixels.astype(np.float64))
     err = float(np.abs(got - want).max() / np.abs(want).max())
@@ -132,7 +132,7 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     rng = np.random.default_rng(0)
     weights = random_weights(cfg, rng)
     tower_weights = {k: (rng.standard_normal(s) * 0.02).astype(np.float32) for k, s in tensor_shapes(vc).items()}
-    for k in tower_weights:     # the norms at one, as a trained tower's are near (N(0, 0.02) ones would null them)
+    for k in tower_weights:     # the norms' weights at one, as a trained tower's are near (not ~0.02)
         if k.endswith(("norm1.weight", "norm2.weight", "post_layernorm.weight", "mm_soft_emb_norm.weight")):
             tower_weights[k][:] = 1.0
     examples = _examples(shape, vc, rng)
@@ -141,9 +141,10 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     tower_err = _check_tower(vc, tower_weights, pixels)
 
     lora_tower = VisionTower(vc, tower_weights)
-    lora_tower.lora = {p: ((rng.uniform(-0.1, 0.1, (RANK, lora_tower.w[p + ".weight"].shape[1]))).astype(np.float32),
-                           (rng.standard_normal((lora_tower.w[p + ".weight"].shape[0], RANK)) * 0.02).astype(
-                               np.float32), 2.0) for p in lora_tower.modules()}
+    for path in lora_tower.modules():           # A (r, in), B (out, r), scale alpha / r = 2
+        out_f, in_f = lora_tower.w[path + ".weight"].shape
+        lora_tower.lora[path] = (rng.uniform(-0.1, 0.1, (RANK, in_f)).astype(np.float32),
+                                 (rng.standard_normal((out_f, RANK)) * 0.02).astype(np.float32), 2.0)
     dout = rng.standard_normal((n, vc.mm_tokens_per_image, vc.text_hidden_size)).astype(np.float32)
 
     engines = {"numpy": _vision_model(cfg, vc, weights, tower_weights, "numpy")}
@@ -156,7 +157,7 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
         loss, count, _, _ = engines[name].train_step([examples], hp, i + 1)
         losses.setdefault(name, loss / count)
 
-    frozen = engines["numpy"].tower
+    frozen = VisionTower(vc, tower_weights)
     parts = {"tower_forward": lambda i: frozen(pixels),
              "tower_forward_backward": lambda i: lora_tower.backward(dout, lora_tower.forward(pixels)[1]),
              **{("lm_step", name): (lambda i, name=name: lm_step(name, i)) for name in engines}}
