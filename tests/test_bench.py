@@ -76,3 +76,52 @@ def test_bench_model_needs_the_preference_bench(capsys):
 
     one_line_error(capsys, ["bench", "--only", "gemm", "--model", "some/model"],
                    "--model is the model of the preference")
+
+
+# a Gemma-3-vision-shaped model a few hundred weights wide: the vision bench's structure and checks, not its speed
+TINY_VISION = dict(tower_hidden=16, tower_intermediate=24, tower_layers=1, tower_heads=2, image_size=28, patch_size=14,
+                   mm_tokens=4, text_hidden=32, text_intermediate=48, text_layers=2, text_heads=2, text_kv_heads=1,
+                   head_dim=16, vocab=64, rows=2, row_tokens=16)
+VISION_RATIOS = ("tower_forward_vs_lm_step", "tower_forward_backward_vs_lm_step")
+
+
+def test_bench_vision_numpy_rows_and_ratios(monkeypatch):
+    """`bench --only vision` on the NumPy engine alone (no adapter): one row with the tower's times per image and
+    the step's, the ratios their quotients; a tower off its float64 forward stops the bench before any timing."""
+    import pytest
+
+    from wgpu_train.bench import vision
+    from wgpu_train.bench.suite import bench_names
+
+    assert "vision" in bench_names()
+    shape = vision.VisionBenchShape(**TINY_VISION)
+    result = vision.bench_vision(None, shape, rounds=1)
+    assert result["images_per_step"] == 2 and result["webgpu"] == "no adapter"
+    assert result["tower_max_rel_err_vs_float64"] < vision.TOWER_REL_TOL
+    (row,) = result["rows"]
+    assert row["engine"] == "numpy" and row["lm_step_ms_per_image"] == row["lm_step_ms"] / 2
+    assert row["tower_forward_vs_lm_step"] == row["tower_forward_ms_per_image"] / row["lm_step_ms_per_image"] > 0
+    assert row["tower_forward_backward_vs_lm_step"] == (row["tower_forward_backward_ms_per_image"]
+                                                        / row["lm_step_ms_per_image"]) > 0
+    monkeypatch.setattr(vision, "TOWER_REL_TOL", 0.0)
+    with pytest.raises(AssertionError, match="float64 forward"):
+        vision.bench_vision(None, shape, rounds=1)
+
+
+def test_bench_vision_webgpu_row_matches_the_numpy_engine():
+    """Where the WebGPU engine takes images (set_images), the bench adds the adapter's row, its first step's loss
+    equal to the NumPy engine's on the same weights and batch (checked inside the bench before timing)."""
+    import pytest
+
+    require_adapter()
+    from wgpu_train.bench import vision
+    from wgpu_train.engines.webgpu.device.runtime import get_runtime
+    from wgpu_train.engines.webgpu.engine import WgpuEngine
+
+    if not hasattr(WgpuEngine, "set_images"):
+        pytest.skip("the WebGPU engine has no set_images yet: the bench times the NumPy engine alone")
+    result = vision.bench_vision(get_runtime(None), vision.VisionBenchShape(**TINY_VISION), rounds=1)
+    numpy_row, gpu_row = result["rows"]
+    assert result["webgpu"] == "timed" and gpu_row["engine"] != "numpy"
+    assert abs(gpu_row["first_loss"] - numpy_row["first_loss"]) <= vision.LOSS_REL_TOL * numpy_row["first_loss"]
+    assert all(gpu_row[k] > 0 for k in VISION_RATIOS)

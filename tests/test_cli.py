@@ -652,7 +652,7 @@ def test_merge_refuses_an_existing_model_folder(trained, workspace, tmp_path, ca
     (["bench", "--only", "nosuch"], "--only 'nosuch' selects no benchmark; the names are gemm, gemm_candidates, "
                                     "gemm_quant, attention, decode, mixed_lora, moe, linear_attention, training, "
                                     "variable_lengths, base_weights, mfu, data_parallel, engines, grpo, serve, precision, "
-                                    "pipeline, preference"),
+                                    "pipeline, vision, preference"),
 ])
 def test_bad_numbers_and_names(capsys, argv, message):
     one_line_error(capsys, argv, message)

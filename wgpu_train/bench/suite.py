@@ -104,6 +104,14 @@ def _pipeline(rt):
 
 SECTIONS["pipeline"] = _pipeline
 
+
+def _vision(rt):
+    from wgpu_train.bench.vision import bench_vision
+    return bench_vision(rt)
+
+
+SECTIONS["vision"] = _vision
+
 # Benchmarks on a model folder (the embedded model, or bench --model) that add a key of their own:
 # name -> fn(rt, model) -> dict
 MODEL_SECTIONS: dict[str, Callable] = {}
