@@ -38,7 +38,8 @@ def run_summary(trainer, stopped: str, adapter_step, after, em_after, ckpt, run:
         "counters": trainer.counters(), "output": str(trainer.out), "checkpoint": str(ckpt) if ckpt else None,
         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None,
         "continued_from": str(trainer.continued_from) if trainer.continued_from else None,
-    } | trainer.process.summary(trainer.micro_per_step) | trainer.placement.summary(trainer)
+    } | ({"images": trainer.n_images, "rows_cut_in_image": trainer.cut_in_image} if trainer.with_images else {}) \
+        | trainer.process.summary(trainer.micro_per_step) | trainer.placement.summary(trainer)
 
 
 def _seconds(value: float | None) -> float | None:
