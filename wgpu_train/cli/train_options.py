@@ -135,6 +135,7 @@ def resolve_train_config(args: argparse.Namespace):
     objective = given.get("objective") or run.get("objective") or "sft"
     # the tool demo (grpo with --tool or --environment) has a recipe of its own
     recipe = objective + ("_tools" if objective == "grpo" and (given.get("tool") or given.get("environment")) else "")
+    recipe = "images_demo" if given.get("images_demo") or run.get("images_demo") else recipe    # its own, too
     lower = {**(default_run_values(recipe) if default_run else {}), **run}
     if "epochs" in given:
         if "max_steps" not in given:

@@ -27,7 +27,7 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
     kind = objective_class(config.objective).trainer
-    if is_vision_data(config.data):     # TRL's vision records: the Trainer's, in one process
+    if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
         if kind is not TrainerKind.SUPERVISED:
             raise ConfigError(f"--objective {config.objective} is not supported with images yet (sft only)")
         if config.num_workers or config.pipelined():

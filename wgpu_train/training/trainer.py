@@ -193,7 +193,7 @@ class Trainer:
         self.base_dtype, self.embed_dtype = chosen.base_dtype, chosen.embed_dtype
         model_cfg, lora = chosen.model_cfg, chosen.lora
         load_weights(self.model_dir, model_cfg)             # its tensors present and of their shapes
-        self.data_path = cfg.data if cfg.data else default_data_dir()
+        self.data_path = cfg.data if cfg.data else None if cfg.images_demo else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

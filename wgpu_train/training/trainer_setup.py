@@ -13,7 +13,7 @@ from wgpu_train.engines.resources import count_trainable, estimate_memory, forma
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir
+from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir, default_vision_model_dir
 
 
 @dataclass
@@ -40,7 +40,11 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
     continued_from = adapter_folder(cfg.adapter_path)      # None without adapter_path
     name = cfg.model or (adapter_base_name(continued_from) if continued_from else None)
     folder = (hub.resolve(cfg.model, "model") if cfg.model else
-              (continued_from and adapter_base_model(continued_from)) or default_model_dir())
+              (continued_from and adapter_base_model(continued_from))
+              or (default_vision_model_dir() if cfg.images_demo else default_model_dir()))
+    if cfg.images_demo and (cfg.data or continued_from or folder.resolve() != default_vision_model_dir().resolve()):
+        raise ConfigError("--images-demo trains the embedded vision model on its own pictures: leave out --model, "
+                          "--data and --adapter-path")
     model_cfg = ModelConfig.from_folder(folder)
     if base_dtype is None:
         base_dtype, embed_dtype = cfg.storage_dtypes(model_cfg.checkpoint_dtype)
@@ -88,7 +92,7 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
     max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
     if max_seq_len < cfg.max_seq_len:
         log(f"max_seq_len: using the model's {max_seq_len} positions ({cfg.max_seq_len} asked)")
-    if is_vision_data(data_path):
+    if cfg.images_demo or is_vision_data(data_path):
         data = read_image_examples(model_dir, data_path, cfg, tokenizer, max_seq_len)
     else:
         s = resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
@@ -117,11 +121,13 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
 
 
 def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer, max_seq_len: int) -> Examples:
-    """TRL's vision records (data/vision_records.py) of a Gemma 3 model folder, split and tokenized: each image's
+    """TRL's vision records (data/vision_records.py; the embedded image demo's with images_demo) of a Gemma 3 model
+    folder, split and tokenized: each image's
     placeholder expanded as the processor expands it, a row cut inside or before an image dropped and counted.
     The options that do not apply to them refused in one line."""
     import json
 
+    from wgpu_train.data.vision_demo import image_demo_splits
     from wgpu_train.data.vision_records import ImageSpan, tokenize_vision_dataset, vision_splits
     from wgpu_train.models.vision import VisionConfig
 
@@ -132,7 +138,7 @@ def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer,
     where = Path(model_dir) / "config.json"
     vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
     span = ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
-    s = vision_splits(data_path, cfg.valid_split, cfg.seed)
+    s = image_demo_splits() if cfg.images_demo else vision_splits(data_path, cfg.valid_split, cfg.seed)
     (train, ts), (valid, vs) = (tokenize_vision_dataset(tokenizer, r, span, max_seq_len) for r in (s.train, s.valid))
     return Examples(tokenizer, s, max_seq_len, train, valid, 0, ts.n_truncated + vs.n_truncated,
                     ts.n_dropped + vs.n_dropped, ts.n_cut_in_image + vs.n_cut_in_image,
