@@ -89,13 +89,14 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
+    images = cfg.images_demo or is_vision_data(data_path)
+    s = None if images else resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
     max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
     if max_seq_len < cfg.max_seq_len:
         log(f"max_seq_len: using the model's {max_seq_len} positions ({cfg.max_seq_len} asked)")
-    if cfg.images_demo or is_vision_data(data_path):
+    if images:
         data = read_image_examples(model_dir, data_path, cfg, tokenizer, max_seq_len)
     else:
-        s = resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
         args = (max_seq_len, not cfg.no_chat_template, cfg.train_on_last_turn)
         train, train_stats = tokenize_dataset(tokenizer, s.train, *args, skip_invalid=cfg.skip_invalid)
         valid, valid_stats = tokenize_dataset(tokenizer, s.valid, *args, skip_invalid=cfg.skip_invalid)
