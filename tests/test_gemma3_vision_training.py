@@ -413,6 +413,7 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
              (data, ["--pack"], "--pack is not supported with images yet"),
              (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
              (data, ["--objective", "dpo"], "--objective dpo is not supported with images yet"),
+             (data, ["--num-workers", "2"], "images train in one process for now"),
              (data, ["--backend", "wgpu"], "images run on the NumPy engine only for now")]
     (tmp_path / "folder").mkdir()          # a folder of vision records goes to the text reader, which says why
     (tmp_path / "folder" / "train.jsonl").write_text(data.read_text())
