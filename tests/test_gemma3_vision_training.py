@@ -287,7 +287,7 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
     """Two AdamW steps (clipped by one global norm) of LoRA on the tower and the language model, over two
     micro-batches of records with images: every tensor equals torch AdamW's on the PEFT model over the whole
     batch."""
-    from wgpu_train.data.vision_records import VisionExample
+    from wgpu_train.data.batching import Example
     from wgpu_train.engines.protocol import OptimizerParams
 
     hf, folder, _ = vlm
@@ -307,7 +307,7 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
                     for w in "AB")
         for path in vm.model.engine.lora_tensors()})
     n = int(mask[1].sum())
-    rows = [[VisionExample(ids[0], labels[0], list(px[:2]))], [VisionExample(ids[1, :n], labels[1, :n], [px[2]])]]
+    rows = [[Example(ids[0], labels[0], images=list(px[:2]))], [Example(ids[1, :n], labels[1, :n], images=[px[2]])]]
     params = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     hp = OptimizerParams(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)
@@ -375,8 +375,8 @@ def write_vision_data(folder, records):
 
 
 def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
-    """`finetune --data` of TRL's vision records (image paths beside the file): the adapter it writes loads in
-    PEFT; bad input is one line and exit 2."""
+    """`finetune --data` of TRL's vision records (image paths beside the file) runs the main Trainer: the adapter it
+    writes loads in PEFT; bad input and what images do not take yet are one line and exit 2."""
     import json
 
     from wgpu_train.cli.main import main
@@ -384,38 +384,37 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
     hf, folder, _ = chat_vlm
     data = write_vision_data(tmp_path / "data", vision_records())
     args = ["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "3",
-            "--batch-size", "2", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj", "--no-progress"]
+            "--batch-size", "2", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj", "--no-progress",
+            "--valid-split", "0", "--log-every", "1"]
     assert main(args + ["--out", str(tmp_path / "run")]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["images"] == 3 and summary["examples"] == 3
+    assert summary["steps"] == 3 and summary["images"] == 3 and summary["n_train"] == 3
+    assert summary["data_format"] == "vision" and summary["rows_cut_in_image"] == 0
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run")
     assert any(np.abs(p.detach().numpy()).max() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
     recorded = json.loads((tmp_path / "run" / "train_config.json").read_text())
-    assert recorded["base_dtype"] == "auto" and recorded["data"] == str(data) and recorded["lr"] == 1e-2
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
-    # --overwrite: an earlier run's checkpoints and rows go; a warmup past the run is shortened, as in text runs
-    stale = tmp_path / "run" / "checkpoints" / "step-000009"
-    stale.mkdir(parents=True)
-    (stale / "trainer_state.json").write_text("{}")
+    assert recorded["data"] == str(data) and recorded["lr"] == 1e-2 and recorded["data_format"] == "vision"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r and "split" not in r] == [1, 2, 3]
+    # --max-seq-len: a row cut inside an image is dropped with a count (record 0's second image)
+    (full, _), _ = our_examples(folder)
+    cut_at = int(np.flatnonzero(full[0].input_ids == 7)[-1])
     with caplog.at_level("INFO", logger="wgpu_train"):
-        assert main(args[:-1] + ["--max-steps", "2", "--warmup-steps", "5", "--out", str(tmp_path / "run"),
-                                 "--overwrite", "--no-progress"]) == 0
-    assert "warming up over 1" in caplog.text
+        assert main(args[:-4] + ["--max-seq-len", str(cut_at), "--out", str(tmp_path / "cut"), "--no-progress",
+                                 "--valid-split", "0"]) == 0
     capsys.readouterr()
-    assert not stale.exists() and len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
-    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["warmup_steps"] == 5
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["rows_cut_in_image"] == 1 and summary["n_train"] == 2 and summary["images"] == 1
     bad = tmp_path / "bad"
     rows = vision_records()
     rows[1]["images"] = rows[1]["images"] * 2
     cases = [(write_vision_data(bad / "count", rows), [], "record 1: 1 image placeholders for 2 images"),
              (data, ["--max-seq-len", "3"], "every row's image tokens run past --max-seq-len 3"),
              (data, ["--pack"], "--pack is not supported with images yet"),
-             (data, ["--eval-every", "1"], "--eval-every is not supported with images yet"),
-             (data, ["--save-every", "1"], "--save-every is not supported with images yet"),
-             (data, ["--valid-split", "0.5"], "--valid-split is not supported with images yet"),
-             (data, ["--early-stop-patience", "1"], "--early-stop-patience is not supported with images yet"),
              (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
-             (data, ["--backend", "wgpu"], "images train on the NumPy engine only for now")]
+             (data, ["--objective", "dpo"], "--objective dpo is not supported with images yet"),
+             (data, ["--num-workers", "2"], "images train in one process for now"),
+             (data, ["--backend", "wgpu"], "images run on the NumPy engine only for now")]
     (tmp_path / "folder").mkdir()          # a folder of vision records goes to the text reader, which says why
     (tmp_path / "folder" / "train.jsonl").write_text(data.read_text())
     cases.append((tmp_path / "folder", [], "images train from one local .json/.jsonl file"))
@@ -426,6 +425,59 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
                      str(tmp_path / "bad_run"), "--overwrite", "--no-progress"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
+
+
+def test_images_resume_equals_an_uninterrupted_run(chat_vlm, tmp_path):
+    """Four steps of two micro-batches (gradient accumulation, a warmup and cosine schedule) with images, and the
+    same run stopped after two and resumed from its checkpoint: the same adapter and the same losses."""
+    import json
+
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    kw = dict(model=str(folder), data=str(data), backend="numpy", batch_size=1, grad_accum=2, lr=1e-2,
+              lr_schedule="cosine", warmup_steps=1, valid_split=0.0, lora_targets=("q_proj", "v_proj"),
+              no_progress=True, log_every=1)
+    wgpu_train.finetune(out=str(tmp_path / "whole"), max_steps=4, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=2, **kw)
+    summary = wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=4, resume=str(tmp_path / "part"), **kw)
+    assert summary["steps"] == 4 and summary["resumed_from"]
+    whole, part = (read_safetensors(tmp_path / r / "adapter_model.safetensors") for r in ("whole", "part"))
+    assert set(whole) == set(part)
+    for k in whole:
+        np.testing.assert_array_equal(part[k], whole[k], err_msg=k)
+
+    def losses(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r and "split" not in r]
+    assert losses("part") == losses("whole") and len(losses("whole")) == 4
+
+
+def test_images_validation_loss_is_transformers(chat_vlm, tmp_path):
+    """A held-out vision record's validation loss before training (the adapter's B at zero) equals transformers'
+    loss on the processor's batch with its image; after training it is recorded too, and exact match with images
+    is measured on the held-out record (eval_generate)."""
+    from wgpu_train.data.sources import hold_out
+
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    summary = wgpu_train.finetune(model=str(folder), data=str(data), out=str(tmp_path / "run"), backend="numpy",
+                                  max_steps=2, batch_size=2, lr=1e-2, valid_split=0.34, seed=1, no_progress=True,
+                                  eval_generate=True, max_new_tokens=4)
+    (examples, _), _ = our_examples(folder)
+    _, held = hold_out(list(range(3)), 0.34, 1)
+    assert summary["n_valid"] == 1 and summary["n_train"] == 2
+    ex = examples[held[0]]
+    assert len(ex.images) == 2          # record 0: two images
+    n = len(ex.input_ids)
+    px = load_vision_model(folder).pixel_values(ex.images)
+    with torch.no_grad():
+        want = hf_out(hf, ex.input_ids[None].astype(np.int64), np.ones((1, n), np.int64), px, ex.labels[None],
+                      image_id=7).loss.item()
+    assert_close(np.float64(summary["valid_loss_before"]), want, "loss_f32", "validation loss before")
+    assert summary["valid_loss_after"] is not None and summary["valid_loss_after"] != summary["valid_loss_before"]
+    assert summary["exact_match_n"] == 1 and summary["exact_match_after"] in (0.0, 1.0)
 
 
 def test_hub_layout_checkpoint_reads_the_same(vlm, tmp_path):
@@ -474,7 +526,7 @@ def test_three_steps_equal_trl_sft_trainer_with_images(chat_vlm, tmp_path):
     import datasets
     import trl
 
-    from wgpu_train.data.vision_records import VisionExample
+    from wgpu_train.data.batching import Example
     from wgpu_train.engines.protocol import OptimizerParams
 
     hf, folder, proc = chat_vlm
@@ -486,8 +538,8 @@ def test_three_steps_equal_trl_sft_trainer_with_images(chat_vlm, tmp_path):
                 "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in vision_records()[:2]]
     batch = trl.trainer.sft_trainer.DataCollatorForVisionLanguageModeling(proc)(copy.deepcopy(records))
     real = batch["attention_mask"].numpy() == 1
-    rows = [VisionExample(batch["input_ids"].numpy()[i][real[i]], batch["labels"].numpy()[i][real[i]],
-                          r["images"]) for i, r in enumerate(records)]
+    rows = [Example(batch["input_ids"].numpy()[i][real[i]], batch["labels"].numpy()[i][real[i]],
+                    images=r["images"]) for i, r in enumerate(records)]
     pm.train()
     args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, learning_rate=0.01,
                          lr_scheduler_type="constant", max_steps=3, max_grad_norm=1.0, report_to=[], use_cpu=True,

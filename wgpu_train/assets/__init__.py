@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["TASK_DESCRIPTION", "TASK_INSTRUCTION", "WORDS", "default_data_dir", "default_model_dir", "default_recipe"]
+__all__ = ["TASK_DESCRIPTION", "TASK_INSTRUCTION", "WORDS", "default_data_dir", "default_model_dir", "default_recipe",
+           "default_vision_model_dir"]
 
 _HERE = Path(__file__).resolve().parent
 
@@ -30,6 +31,11 @@ desk lamp bell ring key coin hat shoe sock coat bag map milk cake bread salt ric
 def default_model_dir() -> Path:
     """The embedded base model: a Hugging Face folder (config.json, model.safetensors, tokenizer files)."""
     return _HERE / "model"
+
+
+def default_vision_model_dir() -> Path:
+    """The image demo's tiny Gemma 3 vision-language model folder (built by tools/build_vision_demo.py)."""
+    return _HERE / "vision_model"
 
 
 def default_data_dir() -> Path:

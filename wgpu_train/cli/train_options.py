@@ -137,6 +137,7 @@ def resolve_train_config(args: argparse.Namespace):
     # the tool demo (an objective that takes --tool or --environment, given one) has a recipe of its own
     tools = "tool" in objective_class(objective).options and (given.get("tool") or given.get("environment"))
     recipe = objective + ("_tools" if tools else "")
+    recipe = "images_demo" if given.get("images_demo") or run.get("images_demo") else recipe    # its own, too
     lower = {**(default_run_values(recipe) if default_run else {}), **run}
     if "epochs" in given:
         if "max_steps" not in given:

@@ -4,7 +4,7 @@ micro-batch), and the resumable batch stream the trainer reads."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -20,6 +20,7 @@ class Example:
     input_ids: np.ndarray  # (T,) int32
     labels: np.ndarray  # (T,) int64, IGNORE_INDEX where no loss
     truncated: bool = False
+    images: list = field(default_factory=list)  # a record with images: those its placeholders take, in order
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -40,6 +41,7 @@ class Batch:
     segment_ids: np.ndarray  # (B, T) int32, 0 for padding, 1..n for the samples packed in a row
     position_ids: np.ndarray  # (B, T) int32, restarting at 0 for each sample
     n_tokens: int  # positions that carry loss after the shift: (labels[:, 1:] != IGNORE_INDEX).sum()
+    images: list | None = None  # records with images: each row's images, in the order of its placeholders
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,7 +78,9 @@ def collate(rows: Sequence[Sequence[Example]], pad_id: int = 0, length: int | No
             at += n
     attention_mask = (segment_ids > 0).astype(np.int32)
     n_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    return Batch(input_ids, labels, attention_mask, segment_ids, position_ids, n_tokens)
+    images = ([[im for ex in row for im in ex.images] for row in rows]
+              if any(ex.images for row in rows for ex in row) else None)
+    return Batch(input_ids, labels, attention_mask, segment_ids, position_ids, n_tokens, images)
 
 
 def pack_examples(lengths: Sequence[int], max_seq_len: int, chunk: int = 4096) -> list[list[int]]:
@@ -265,5 +269,6 @@ def split_batch(batch: Batch, rows: int, multiple: int = 1, max_tokens: int | No
         t = min(width, -(-(int(used[-1]) + 1 if used.size else 1) // multiple) * multiple)
         labels = batch.labels[sl, :t]
         out.append(Batch(batch.input_ids[sl, :t], labels, batch.attention_mask[sl, :t], batch.segment_ids[sl, :t],
-                         batch.position_ids[sl, :t], int((labels[:, 1:] != IGNORE_INDEX).sum())))
+                         batch.position_ids[sl, :t], int((labels[:, 1:] != IGNORE_INDEX).sum()),
+                         None if batch.images is None else batch.images[sl]))
     return out

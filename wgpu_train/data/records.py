@@ -123,7 +123,7 @@ def _message_content(m: dict, key: str, k: int) -> str:
     texts = []
     for part in value:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image":     # vision records are recognised in one local file only (training/vision_trainer)
+        if kind == "image":     # vision records are recognised in one local file only (vision_records.is_vision_data)
             raise BadRecord(f"message {k} has an image part; images train from one local .json/.jsonl file whose "
                             f"first record has an images column (not a folder, glob or hub dataset yet)")
         if kind != "text":

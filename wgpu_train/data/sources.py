@@ -354,6 +354,17 @@ def _check_prompt_forms(splits: dict[str, list[PromptRecord]], files: dict[str, 
                         "form")
 
 
+def hold_out(records: list, valid_split: float, seed: int) -> tuple[list, list]:
+    """(train, valid): a fraction valid_split of records (at least one, never all), chosen with
+    np.random.default_rng(seed), held out as valid; both keep the records' order."""
+    n = len(records)
+    n_valid = min(max(1, int(round(n * valid_split))), n - 1) if valid_split > 0 else 0
+    if n_valid <= 0:
+        return records, []
+    held = set(np.random.default_rng(seed).permutation(n)[:n_valid].tolist())
+    return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
+
+
 def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bool = False,
                  columns: str | dict | None = None, kind: DataKind | str = DataKind.SFT) -> DataSplits:
     """Find the splits of a dataset. `path`: a data file (JSONL, JSON or Parquet); a folder with a train split
@@ -386,15 +397,9 @@ def resolve_data(path, valid_split: float = 0.1, seed: int = 0, skip_invalid: bo
             splits[split], files[split] = recs, names
             skipped += n
     held_out = False
-    if "valid" not in files and valid_split > 0:
-        n = len(train)
-        n_valid = min(max(1, int(round(n * valid_split))), n - 1)
-        if n_valid > 0:
-            order = np.random.default_rng(seed).permutation(n)
-            held = set(order[:n_valid].tolist())
-            splits["valid"] = [train[i] for i in sorted(held)]
-            splits["train"] = [r for i, r in enumerate(train) if i not in held]
-            held_out = True
+    if "valid" not in files:
+        splits["train"], splits["valid"] = hold_out(train, valid_split, seed)
+        held_out = bool(splits["valid"])
     if kind is DataKind.UNPAIRED:
         for split in splits:
             splits[split] = _unpaired(splits[split], files.get(split, ""))

@@ -1,14 +1,19 @@
 """Records with images -> tokens (Gemma 3): TRL's vision format (messages whose content lists {"type": "image"} and
-{"type": "text"} parts, plus an `images` column), the chat template's image placeholders expanded as Gemma 3's
-processor expands them (boi, image tokens x mm_tokens_per_image, eoi), the loss on the assistant's tokens only."""
+{"type": "text"} parts, plus an `images` column) read from a local file, the chat template's image placeholders
+expanded as Gemma 3's processor expands them (boi, image tokens x mm_tokens_per_image, eoi), the loss on the
+assistant's tokens only; tokenized records are batching.Example rows that carry their images."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from wgpu_train.data.batching import Example
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
+from wgpu_train.data.sources import DataSplits, hold_out
 from wgpu_train.data.tokenize import assistant_spans, in_span
 from wgpu_train.errors import DataError
 from wgpu_train.formats.tokenizer import Tokenizer
@@ -38,17 +43,47 @@ class ImageSpan:
         return cls(*names, count)
 
 
-@dataclasses.dataclass
-class VisionExample:
-    """One tokenized record with its images: input_ids (T,), labels (T,) (IGNORE_INDEX outside the assistant's
-    tokens and on every image token), the images its placeholders take, in order; embeds: the frozen vision
-    tower's embeddings of them (n_images * mm_tokens_per_image, text hidden), kept once computed."""
+def is_vision_data(path) -> bool:
+    """Whether --data is TRL's vision records: one local JSONL (or .json array) file whose first record has an
+    `images` (or `image`) field (a folder, glob or hub dataset of them is refused where its records are read)."""
+    path = Path(path) if isinstance(path, (str, Path)) else None
+    if path is None or not path.is_file() or path.suffix not in (".jsonl", ".json"):
+        return False
+    with path.open(encoding="utf-8") as f:
+        text = f.read(1 << 20).lstrip()
+    first = text[1:] if text.startswith("[") else text
+    try:
+        record, _ = json.JSONDecoder().raw_decode(first.lstrip())
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and ("images" in record or "image" in record)
 
-    input_ids: np.ndarray
-    labels: np.ndarray
-    images: list
-    truncated: bool = False
-    embeds: np.ndarray | None = None
+
+def read_vision_records(path) -> list[dict]:
+    """The records of a vision JSONL (or JSON array) file, each image path made relative to the file's folder."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(text) if text.lstrip().startswith("[") else [
+            json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON: {e}") from None
+    for row in rows:
+        if isinstance(row, dict) and "images" not in row and "image" in row:
+            row["images"] = [row.pop("image")]
+        if isinstance(row, dict) and isinstance(row.get("images"), list):
+            row["images"] = [str(path.parent / im) if isinstance(im, str) else im for im in row["images"]]
+    return rows
+
+
+def vision_splits(path, valid_split: float, seed: int) -> DataSplits:
+    """A vision file's records as the run's splits: a fraction valid_split of them held out as valid, as
+    sources.resolve_data holds out a file without a validation split (format "vision")."""
+    records = read_vision_records(path)
+    if not records:
+        raise DataError(f"{path}: empty file")
+    train, valid = hold_out(records, valid_split, seed)
+    return DataSplits(train, valid, [], "vision", 0, {"train": str(path)}, bool(valid))
 
 
 def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
@@ -97,7 +132,7 @@ def _shifted(offset: int, boi_at: Sequence[int], grow: int) -> int:
 
 
 def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: list, span: ImageSpan,
-                            max_seq_len: int) -> VisionExample | str | None:
+                            max_seq_len: int) -> Example | str | None:
     """Tokenize one record's messages (vision_messages) with its images: the chat template's text, each
     placeholder expanded (ImageSpan), the assistant turns trained. Longer than max_seq_len: truncated after its
     last image, or "cut" when the cut falls inside or before one (the row is dropped: an image is never split,
@@ -122,7 +157,7 @@ def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: 
             return "cut"
     if not (labels[1:] != IGNORE_INDEX).any():
         return None
-    return VisionExample(ids, labels, list(images), truncated)
+    return Example(ids, labels, truncated, list(images))
 
 
 @dataclasses.dataclass
@@ -138,7 +173,7 @@ class VisionStats:
 
 
 def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span: ImageSpan,
-                            max_seq_len: int) -> tuple[list[VisionExample], VisionStats]:
+                            max_seq_len: int) -> tuple[list[Example], VisionStats]:
     """Every TRL vision record tokenized (tokenize_vision_example); a bad record raises DataError naming it."""
     stats, out = VisionStats(n_records=len(records)), []
     for k, obj in enumerate(records):

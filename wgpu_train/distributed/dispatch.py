@@ -10,7 +10,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
 from wgpu_train.training.objectives import TrainerKind, objective_class
 from wgpu_train.training.trainers import make_trainer
-from wgpu_train.training.vision_trainer import finetune_vision, is_vision_data
+from wgpu_train.data.vision_records import is_vision_data
 
 
 def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, environment_factory=None,
@@ -27,9 +27,12 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         if unknown:
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
-    if is_vision_data(config.data):     # TRL's vision records: their own loop for now
-        return finetune_vision(config)
     kind = objective_class(config.objective).trainer
+    if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
+        if kind is not TrainerKind.SUPERVISED:
+            raise ConfigError(f"--objective {config.objective} is not supported with images yet (sft only)")
+        if config.num_workers or config.pipelined():
+            raise ConfigError("images train in one process for now (no --num-workers or pipeline stages)")
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if (tools or environment_factory) and kind is not TrainerKind.ONLINE:

@@ -13,7 +13,7 @@ import numpy as np
 
 from wgpu_train.data.images import ImageSettings, pixel_batch
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.data.vision_records import VisionExample
+from wgpu_train.data.batching import Batch, collate
 from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
@@ -114,21 +114,19 @@ class VisionModel:
                                   {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
                 self.model.load_adapter(tmp)
 
-    def image_tokens(self, ids, images, cache: dict | None = None, embeds=None) -> ImageTokens | None:
-        """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs, or of their
-        embeddings computed before (embeds (N*M, text C)); a count of placeholders that is not the images' times
-        mm_tokens_per_image refused in one line. cache, when given, keeps the tower's forward for its backward."""
+    def image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
+        """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of
+        placeholders that is not the images' times mm_tokens_per_image refused in one line. cache, when given,
+        keeps the tower's forward for its backward."""
         m = self.vision.mm_tokens_per_image
-        pixels = self.pixel_values(images) if embeds is None else None
-        n_images = len(pixels) if embeds is None else len(embeds) // m
+        pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
+        n_images = len(pixels)
         blocks = image_blocks(ids, self.vision.image_token_id)
         n_tokens = int((blocks >= 0).sum())
         if n_tokens != n_images * m:
             raise DataError(f"{n_tokens} image placeholder tokens for {n_images} images of {m} tokens each")
         if not n_images:
             return None
-        if embeds is not None:
-            return ImageTokens(blocks, embeds)
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
             embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
             cache.update(tower_cache)
@@ -174,45 +172,44 @@ class VisionModel:
                 grads[tower_lora_key(path, which)] = g.astype(np.float32)
         return loss, grads
 
-    def micro_batch(self, examples: list[VisionExample], cache: dict | None = None) -> tuple:
-        """Tokenized records (data/vision_records) -> one micro-batch of the engine's train_step, right-padded to
-        the longest: (ids, targets, segment_ids, position_ids, their ImageTokens); cache as image_tokens'."""
-        b, t = len(examples), max(len(e.input_ids) for e in examples)
-        ids = np.zeros((b, t), np.int64)
-        labels = np.full((b, t), IGNORE_INDEX, np.int64)
-        seg = np.zeros((b, t), np.int32)
-        for i, e in enumerate(examples):
-            n = len(e.input_ids)
-            ids[i, :n], labels[i, :n], seg[i, :n] = e.input_ids, e.labels, 1
-        if self.tower.lora:
-            images = self.image_tokens(ids, [im for e in examples for im in e.images], cache)
-        else:               # the frozen tower's embeddings of a record's images, computed once a run
-            c = self.vision.text_hidden_size
-            for e in examples:
-                if e.embeds is None:
-                    e.embeds = self.tower(self.pixel_values(e.images)).reshape(-1, c) if e.images else \
-                        np.zeros((0, c), self.tower.dtype)
-            images = self.image_tokens(ids, None, embeds=np.concatenate([e.embeds for e in examples]))
-        pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
-        return (self._text_ids(ids).astype(np.int32), shift_labels(labels), seg, pos,
+    def engine_batch(self, batch: Batch, cache: dict | None = None) -> tuple:
+        """A batch of records with images (data/batching.Batch, its `images` each row's) -> the engine's
+        micro-batch: (ids with the placeholders as the engine takes them, targets shifted, segment_ids,
+        position_ids[, their ImageTokens]): the tower's forward over the batch's images, once; cache as
+        image_tokens'."""
+        ids = np.asarray(batch.input_ids)
+        images = self.image_tokens(ids, [im for row in batch.images or () for im in row], cache)
+        return (self._text_ids(ids).astype(np.int32), shift_labels(np.asarray(batch.labels, np.int64)),
+                np.ascontiguousarray(batch.segment_ids, np.int32), np.ascontiguousarray(batch.position_ids, np.int32),
                 *(() if images is None else (images,)))
 
-    def train_step(self, micro_batches: list[list[VisionExample]], hp: OptimizerParams, step: int,
-                   reduce=None) -> tuple:
-        """One optimizer step of the LoRA over micro-batches of tokenized records: the engine's (loss_sum,
-        token_count, grad_norm, applied). The tower frozen, the engine's own step (reduce as the engine
-        protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row gradient goes back
-        through the tower, and one global norm clips both before AdamW updates each (in one process)."""
+    def loss(self, batch: Batch) -> tuple:
+        """The engine's (loss_sum, count) of a batch with its images."""
+        ids, targets, seg, pos, *images = self.engine_batch(batch)
+        self.model.engine.set_images(images[0] if images else None)
+        try:
+            return self.model.engine.loss(ids, targets, seg, pos)
+        finally:
+            self.model.engine.set_images(None)
+
+    def train_step(self, micro_batches: list, hp: OptimizerParams, step: int, reduce=None, **extra) -> tuple:
+        """One optimizer step of the LoRA over micro-batches of records with images (data/batching.Batch, or a
+        list of tokenized records each, collated here): the engine's (loss_sum, token_count, grad_norm, applied).
+        The tower frozen: its embeddings of each micro-batch's images, then the engine's own step (reduce and
+        extra as the engine protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row
+        gradient goes back through the tower, and one global norm clips both before AdamW updates each (in
+        one process)."""
+        micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
         if not self.tower.lora:
-            return self.model.engine.train_step([self.micro_batch(mb) for mb in micro_batches], hp, step,
-                                                reduce=reduce)
+            return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
+                                                **extra)
         if reduce is not None:
             raise ConfigError("LoRA on the vision tower trains in one process only for now")
         engine, caches = self.model.engine, []
         batches = []
-        for mb in micro_batches:
+        for mb in micro:
             caches.append({})
-            batches.append(self.micro_batch(mb, caches[-1]))
+            batches.append(self.engine_batch(mb, caches[-1]))
         total = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
         engine.zero_grads()
         self.tower_optimizer.zero_grads()

@@ -40,6 +40,9 @@ class TrainConfig:
                                   "validation and test splits (ours or the hub's data/ layout), hub dataset id, "
                                   "or a glob; repeat the option (or separate with commas) to mix several; "
                                   "default: the embedded dataset")
+    images_demo: bool = _opt(False, "the embedded image demo: a tiny Gemma 3 vision model learns to name the "
+                                    "colour of a square in generated pictures (no --model or --data; "
+                                    "docs/guides/vision.md)")
     columns: str | None = _opt(None, "other column names of the data, FIELD=COLUMN[,...] (fields: messages, "
                                      "prompt, completion, instruction, input, output, response, context, system, "
                                      "text), e.g. prompt=question,completion=answer")
@@ -520,6 +523,11 @@ def default_run_config(**overrides) -> "TrainConfig":
 def default_model_dir() -> Path:
     """The embedded model folder (wgpu_train/assets), or a ConfigError saying it is not installed."""
     return _asset("default_model_dir", "model", "--model DIR")
+
+
+def default_vision_model_dir() -> Path:
+    """The embedded image demo's vision-language model folder (wgpu_train/assets), or a ConfigError."""
+    return _asset("default_vision_model_dir", "vision model", "--model DIR")
 
 
 def default_data_dir() -> Path:

@@ -29,8 +29,9 @@ def perplexity(mean_loss: float) -> float:
 
 
 def evaluate_loss(engine, examples: Sequence[Example], batch_size: int = 8, pad_id: int = 0,
-                  pad_to_multiple: int = 1) -> dict:
-    """Mean token loss and perplexity of `examples` (their trained tokens only) on an engine.
+                  pad_to_multiple: int = 1, loss=None) -> dict:
+    """Mean token loss and perplexity of `examples` (their trained tokens only) on an engine; `loss`, when given,
+    scores a batch in place of the engine's loss (a VisionModel's, with the batch's images).
 
     Returns {"loss", "perplexity", "tokens"}; loss is None when there is nothing to score.
     """
@@ -40,7 +41,7 @@ def evaluate_loss(engine, examples: Sequence[Example], batch_size: int = 8, pad_
                            pad_id=pad_id, pad_to_multiple=pad_to_multiple)
     loss_sum, count = 0.0, 0
     for batch in batches:
-        ls, n = engine.loss(*engine_batch(batch))
+        ls, n = engine.loss(*engine_batch(batch)) if loss is None else loss(batch)
         loss_sum += float(ls)
         count += int(n)
     if count == 0:

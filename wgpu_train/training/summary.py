@@ -31,14 +31,16 @@ def run_summary(trainer, stopped: str, adapter_step, after, em_after, ckpt, run:
         "base_weight_bytes": trainer.base_weight_bytes,
         "precision": trainer.precision, "precision_reason": trainer.precision_reason,
         "memory_estimate": trainer.memory_estimate,
-        "model": str(trainer.model_dir), "data": str(trainer.data_path), "data_format": trainer.splits.format,
+        "model": str(trainer.model_dir), "data": str(trainer.data_path) if trainer.data_path else None,
+        "data_format": trainer.splits.format,
         "n_train": len(trainer.train_examples), "n_valid": len(trainer.valid_examples),
         "n_test": len(trainer.splits.test),
         "skipped_lines": trainer.n_skipped, "truncated": trainer.truncated, "dropped": trainer.dropped,
         "counters": trainer.counters(), "output": str(trainer.out), "checkpoint": str(ckpt) if ckpt else None,
         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None,
         "continued_from": str(trainer.continued_from) if trainer.continued_from else None,
-    } | trainer.process.summary(trainer.micro_per_step) | trainer.placement.summary(trainer)
+    } | ({"images": trainer.n_images, "rows_cut_in_image": trainer.cut_in_image} if trainer.with_images else {}) \
+        | trainer.process.summary(trainer.micro_per_step) | trainer.placement.summary(trainer)
 
 
 def _seconds(value: float | None) -> float | None:

@@ -18,6 +18,7 @@ from wgpu_train.training import checkpoint, tracking
 from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.resources import base_weight_bytes, count_trainable
 from wgpu_train.engines.shared.parts import part_field
+from wgpu_train.engines.vision_model import attach_vision
 from wgpu_train.formats import hub
 from wgpu_train.models.moe import router_aux_loss_coef
 from wgpu_train.training.checkpoint import list_checkpoints
@@ -35,6 +36,7 @@ from wgpu_train.training.processes import OneProcess
 from wgpu_train.training.progress import Progress
 from wgpu_train.training.resume_point import ResumePoint
 from wgpu_train.training.schedule import LRSchedule
+from wgpu_train.training.vision_eval import image_exact_match
 from wgpu_train.training.trainer_setup import (describe_memory, describe_model, describe_training,
                                                estimate_run_memory, largest_micro_batch, read_examples,
                                                resolve_model)
@@ -113,6 +115,7 @@ class Trainer:
         self.progress = Progress()               # where the run is, its history (and its batch stream)
         self.interrupt = Interrupt(self.log, lambda: self.step != self.progress.start_step)    # Ctrl-C
         self.model = self.engine = self.tokenizer = self.splits = self.schedule = None
+        self.vision = None                       # records with images: the model's VisionModel (setup)
         self.model_dir = self.data_path = None   # resolved by setup() (embedded defaults when not given)
         self.continued_from = None               # the adapter folder a run started from (adapter_path)
         self.model_name = None                   # the model as given: a folder or a hub id
@@ -190,7 +193,7 @@ class Trainer:
         self.base_dtype, self.embed_dtype = chosen.base_dtype, chosen.embed_dtype
         model_cfg, lora = chosen.model_cfg, chosen.lora
         load_weights(self.model_dir, model_cfg)             # its tensors present and of their shapes
-        self.data_path = cfg.data if cfg.data else default_data_dir()
+        self.data_path = cfg.data if cfg.data else None if cfg.images_demo else default_data_dir()
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -221,7 +224,7 @@ class Trainer:
     def _choose_backend(self, model_cfg):
         """The engine of the run (engines/backend_choice.py; auto times nothing), said in the run's first line,
         ahead of the lines held while checking; how long the choice took is kept for the summary."""
-        from wgpu_train.engines.backend_choice import choose_backend
+        from wgpu_train.engines.backend_choice import BackendChoice, choose_backend
 
         cfg = self.config
         coef = router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)
@@ -230,7 +233,9 @@ class Trainer:
                               f"now, not {cfg.objective}; pass --router-aux-loss-coef 0 (as TRL's trainer with "
                               f"router_aux_loss_coef=0, which its {cfg.objective} adds by default on an MoE model)")
         started = time.perf_counter()
-        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
+        choice = (BackendChoice("numpy", None, "auto: the WebGPU engine takes no images yet")
+                  if self.with_images and cfg.backend == "auto" else
+                  choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype))
         self.backend_choice_s = time.perf_counter() - started
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
         if cfg.backend == "auto":
@@ -247,6 +252,8 @@ class Trainer:
         resolved; described in the log."""
         cfg = self.config
         self.model = self.placement.load(self, model_cfg)
+        if self.with_images:        # the tower and projector beside it; an engine without set_images refused
+            self.vision = attach_vision(self.model, self.model_dir)
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
         if self.continued_from:
@@ -289,6 +296,12 @@ class Trainer:
         self.tokenizer, self.splits, self.max_seq_len = data.tokenizer, data.splits, data.max_seq_len
         self.train_examples, self.valid_examples = data.train, data.valid
         self.n_skipped, self.truncated, self.dropped = data.n_skipped, data.truncated, data.dropped
+        self.cut_in_image, self.n_images = data.cut_in_image, data.images
+
+    @property
+    def with_images(self) -> bool:
+        """Whether the run's records carry images (TRL's vision records: the model's tower runs around each step)."""
+        return self.splits is not None and self.splits.format == "vision"
 
     def _model_ready(self):
         """Called once the model holds its starting weights, before a resume restores a checkpoint's."""
@@ -333,7 +346,8 @@ class Trainer:
         """Validation loss and perplexity now (None without validation data)."""
         if not self.valid_examples:
             return None
-        return evaluate_loss(self.engine, self.valid_examples, self.config.batch_size, self.pad_id, PAD_MULTIPLE)
+        return evaluate_loss(self.engine, self.valid_examples, self.config.batch_size, self.pad_id, PAD_MULTIPLE,
+                             self.vision.loss if self.vision else None)
 
     def held_out(self) -> tuple[str, list]:
         """The split exact match is measured on: test when present, else valid."""
@@ -341,6 +355,9 @@ class Trainer:
 
     def exact_match(self) -> dict:
         name, records = self.held_out()
+        if self.vision:
+            return image_exact_match(self.vision, self.tokenizer, records, self.config.max_new_tokens,
+                                     self.config.max_eval_samples) | {"split": name}
         result = exact_match(self.model, self.tokenizer, records, not self.config.no_chat_template,
                              self.config.max_new_tokens, self.config.max_eval_samples,
                              batch_size=self.config.batch_size, max_seq_len=self.max_seq_len,
@@ -400,7 +417,8 @@ class Trainer:
         """One optimizer step; returns (batch, ends an epoch, lr, loss_sum, count, grad_norm, seconds)."""
         cfg = self.config
         batch, epoch_done = self.next_batch()
-        micro = [engine_batch(b) for b in split_batch(batch, cfg.batch_size, PAD_MULTIPLE, cfg.max_tokens_per_batch)]
+        micro = split_batch(batch, cfg.batch_size, PAD_MULTIPLE, cfg.max_tokens_per_batch)
+        micro = micro if self.vision else [engine_batch(b) for b in micro]     # the vision model: with its images
         lr = self.schedule.lr_at(self.step + 1)
         profile = bool(cfg.profile_interval) and (self.step + 1) % cfg.profile_interval == 0
         t0 = time.perf_counter()
@@ -437,7 +455,7 @@ class Trainer:
     def _train_step(self, micro, hp, step: int, own: bool = False, **extra):
         """The engine's optimizer step over a step's micro-batches (this process's share of them; own: the
         micro-batches are this process's already): (loss_sum, count, grad_norm, applied) of the whole step."""
-        result = self.process.train_step(self.engine, micro, hp, step, own=own, **extra)
+        result = self.process.train_step(self.vision or self.engine, micro, hp, step, own=own, **extra)
         if self.process.stop_agreed:
             self.interrupt.request("interrupted on the driver: saving a checkpoint after this step")
         return result

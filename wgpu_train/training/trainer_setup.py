@@ -13,7 +13,7 @@ from wgpu_train.engines.resources import count_trainable, estimate_memory, forma
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir
+from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir, default_vision_model_dir
 
 
 @dataclass
@@ -40,7 +40,11 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
     continued_from = adapter_folder(cfg.adapter_path)      # None without adapter_path
     name = cfg.model or (adapter_base_name(continued_from) if continued_from else None)
     folder = (hub.resolve(cfg.model, "model") if cfg.model else
-              (continued_from and adapter_base_model(continued_from)) or default_model_dir())
+              (continued_from and adapter_base_model(continued_from))
+              or (default_vision_model_dir() if cfg.images_demo else default_model_dir()))
+    if cfg.images_demo and (cfg.data or continued_from or folder.resolve() != default_vision_model_dir().resolve()):
+        raise ConfigError("--images-demo trains the embedded vision model on its own pictures: leave out --model, "
+                          "--data and --adapter-path")
     model_cfg = ModelConfig.from_folder(folder)
     if base_dtype is None:
         base_dtype, embed_dtype = cfg.storage_dtypes(model_cfg.checkpoint_dtype)
@@ -71,26 +75,35 @@ class Examples:
     n_skipped: int               # invalid lines, then refused chats
     truncated: int
     dropped: int                 # no response token left
+    cut_in_image: int = 0        # records with images: rows dropped, cut inside or before an image
+    images: int = 0              # records with images: the images of train and valid
 
 
 def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: ModelConfig, log) -> Examples:
-    """The tokenizer of model_dir and the data of data_path tokenized for a supervised run; ConfigError for a
-    tokenizer the model does not belong to, or early stopping without validation data; one line logged."""
+    """The tokenizer of model_dir and the data of data_path tokenized for a supervised run (records with images:
+    read_image_examples); ConfigError for a tokenizer the model does not belong to, or early stopping without
+    validation data; one line logged."""
     from wgpu_train.data.sources import resolve_data
     from wgpu_train.data.tokenize import tokenize_dataset
+    from wgpu_train.data.vision_records import is_vision_data
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    s = resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
+    images = cfg.images_demo or is_vision_data(data_path)
+    s = None if images else resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
     max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
     if max_seq_len < cfg.max_seq_len:
         log(f"max_seq_len: using the model's {max_seq_len} positions ({cfg.max_seq_len} asked)")
-    args = (max_seq_len, not cfg.no_chat_template, cfg.train_on_last_turn)
-    train, train_stats = tokenize_dataset(tokenizer, s.train, *args, skip_invalid=cfg.skip_invalid)
-    valid, valid_stats = tokenize_dataset(tokenizer, s.valid, *args, skip_invalid=cfg.skip_invalid)
-    data = Examples(tokenizer, s, max_seq_len, train, valid, s.n_skipped + train_stats.n_skipped
-                    + valid_stats.n_skipped, train_stats.n_truncated + valid_stats.n_truncated,
-                    train_stats.n_dropped + valid_stats.n_dropped)
+    if images:
+        data = read_image_examples(model_dir, data_path, cfg, tokenizer, max_seq_len)
+    else:
+        args = (max_seq_len, not cfg.no_chat_template, cfg.train_on_last_turn)
+        train, train_stats = tokenize_dataset(tokenizer, s.train, *args, skip_invalid=cfg.skip_invalid)
+        valid, valid_stats = tokenize_dataset(tokenizer, s.valid, *args, skip_invalid=cfg.skip_invalid)
+        data = Examples(tokenizer, s, max_seq_len, train, valid, s.n_skipped + train_stats.n_skipped
+                        + valid_stats.n_skipped, train_stats.n_truncated + valid_stats.n_truncated,
+                        train_stats.n_dropped + valid_stats.n_dropped)
+    train, valid, s = data.train, data.valid, data.splits
     top = max((int(e.input_ids.max()) for e in train + valid), default=0)
     if top >= model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer produces token id {top} but the model has vocab_size "
@@ -101,8 +114,36 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
         f"{len(valid)} valid{' (held out)' if s.valid_held_out else ''}, {len(s.test)} test"
         + (f"; {data.n_skipped} invalid lines skipped" if data.n_skipped else "")
         + (f"; {data.truncated} truncated to {max_seq_len} tokens" if data.truncated else "")
-        + (f"; {data.dropped} dropped (no response token left)" if data.dropped else ""))
+        + (f"; {data.dropped} dropped (no response token left)" if data.dropped else "")
+        + (f"; {data.cut_in_image} dropped (--max-seq-len {max_seq_len} cuts them inside or before an image)"
+           if data.cut_in_image else "")
+        + (f"; {data.images} images" if data.images else ""))
     return data
+
+
+def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer, max_seq_len: int) -> Examples:
+    """TRL's vision records (data/vision_records.py; the embedded image demo's with images_demo) of a Gemma 3 model
+    folder, split and tokenized: each image's
+    placeholder expanded as the processor expands it, a row cut inside or before an image dropped and counted.
+    The options that do not apply to them refused in one line."""
+    import json
+
+    from wgpu_train.data.vision_demo import image_demo_splits
+    from wgpu_train.data.vision_records import ImageSpan, tokenize_vision_dataset, vision_splits
+    from wgpu_train.models.vision import VisionConfig
+
+    for flag, value in (("--pack", cfg.pack), ("--train-on-last-turn", cfg.train_on_last_turn),
+                        ("--no-chat-template", cfg.no_chat_template), ("--columns", cfg.columns)):
+        if value:
+            raise ConfigError(f"{flag} is not supported with images yet")
+    where = Path(model_dir) / "config.json"
+    vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
+    span = ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
+    s = image_demo_splits() if cfg.images_demo else vision_splits(data_path, cfg.valid_split, cfg.seed)
+    (train, ts), (valid, vs) = (tokenize_vision_dataset(tokenizer, r, span, max_seq_len) for r in (s.train, s.valid))
+    return Examples(tokenizer, s, max_seq_len, train, valid, 0, ts.n_truncated + vs.n_truncated,
+                    ts.n_dropped + vs.n_dropped, ts.n_cut_in_image + vs.n_cut_in_image,
+                    sum(len(e.images) for e in train + valid))
 
 
 def largest_micro_batch(cfg: TrainConfig, examples: list, max_seq_len: int, micro_batch_rows: int) -> tuple:
