@@ -11,9 +11,9 @@ import numpy as np
 
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.bench.training import random_weights
+from wgpu_train.data.batching import Example
 from wgpu_train.data.images import ImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.data.vision_records import VisionExample
 from wgpu_train.engines.loading import model_from_weights
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
@@ -84,7 +84,7 @@ DEFAULT_SHAPE = VisionBenchShape(tower_hidden=192, tower_intermediate=768, tower
                                  vocab=2048, rows=4, row_tokens=32)
 
 
-def _examples(shape: VisionBenchShape, vc: VisionConfig, rng) -> list[VisionExample]:
+def _examples(shape: VisionBenchShape, vc: VisionConfig, rng) -> list[Example]:
     """rows records: a few prompt tokens, boi, the image's tokens, eoi, then the answer (trained); random pixels."""
     out = []
     for _ in range(shape.rows):
@@ -95,7 +95,7 @@ def _examples(shape: VisionBenchShape, vc: VisionConfig, rng) -> list[VisionExam
         labels = np.full_like(ids, IGNORE_INDEX)
         labels[-len(tail):] = tail
         pixels = rng.standard_normal((vc.num_channels, vc.image_size, vc.image_size)).astype(np.float32)
-        out.append(VisionExample(ids, labels, [pixels]))
+        out.append(Example(ids, labels, images=[pixels]))
     return out
 
 
