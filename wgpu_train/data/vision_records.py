@@ -1,6 +1,7 @@
-"""Records with images -> tokens (Gemma 3): TRL's vision format (messages whose content lists {"type": "image"} and
-{"type": "text"} parts, plus an `images` column), the chat template's image placeholders expanded as Gemma 3's
-processor expands them (boi, image tokens x mm_tokens_per_image, eoi), the loss on the assistant's tokens only."""
+"""Records with images -> tokens: TRL's vision format (messages whose content lists {"type": "image"} and
+{"type": "text"} parts, plus an `images` column), the chat template's image placeholders expanded as the processor
+expands them (Gemma 3's ImageSpan: boi, image tokens x mm_tokens_per_image, eoi; SmolVLM's tiles:
+data/image_tiles.TiledImageSpan), the loss on the assistant's tokens only."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,21 @@ class ImageSpan:
     @property
     def expanded(self) -> str:
         return f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
+
+    # the span protocol, which data/image_tiles.TiledImageSpan (SmolVLM's) follows too
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for an image."""
+        return self.boi
+
+    @property
+    def token_names(self) -> tuple:
+        """The tokens of an image's run (never trained)."""
+        return self.boi, self.image, self.eoi
+
+    def expansion(self, image=None) -> str:
+        """The text one image takes (the same for every image of Gemma 3)."""
+        return self.expanded
 
     @classmethod
     def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int) -> ImageSpan:
@@ -91,35 +107,45 @@ def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
     return out, images
 
 
-def _shifted(offset: int, boi_at: Sequence[int], grow: int) -> int:
-    """A character offset of the rendered text in the expanded text (each placeholder grows by `grow`)."""
-    return offset + grow * sum(1 for b in boi_at if b < offset)
+def _shifted(offset: int, at: Sequence[int], grow: Sequence[int]) -> int:
+    """A character offset of the rendered text in the expanded text (the placeholder at at[i] grows by grow[i])."""
+    return offset + sum(g for b, g in zip(at, grow) if b < offset)
 
 
-def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: list, span: ImageSpan,
+def expand_placeholders(text: str, span, expansions: Sequence[str]) -> str:
+    """The rendered text with its i-th image placeholder replaced by expansions[i]; a count that differs from the
+    placeholders' refused in one line."""
+    parts = text.split(span.placeholder)
+    if len(parts) - 1 != len(expansions):
+        raise DataError(f"the chat template wrote {len(parts) - 1} image placeholders for {len(expansions)} images")
+    return parts[0] + "".join(e + p for e, p in zip(expansions, parts[1:]))
+
+
+def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: list, span,
                             max_seq_len: int) -> VisionExample | str | None:
     """Tokenize one record's messages (vision_messages) with its images: the chat template's text, each
-    placeholder expanded (ImageSpan), the assistant turns trained. Longer than max_seq_len: truncated after its
-    last image, or "cut" when the cut falls inside or before one (the row is dropped: an image is never split,
-    nor a record's images parted from it); None when no trained token survives."""
+    placeholder expanded (`span`: an ImageSpan, or SmolVLM's image_tiles.TiledImageSpan, whose expansion depends
+    on the image), the assistant turns trained. Longer than max_seq_len: truncated after its last image, or "cut"
+    when the cut falls inside or before one (the row is dropped: an image is never split, nor a record's images
+    parted from it); None when no trained token survives."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     spans = [(s, e) for _, s, e in assistant_spans(tokenizer, messages, text, None)]
-    boi_at = [i for i in range(len(text)) if text.startswith(span.boi, i)]
-    if len(boi_at) != len(images):
-        raise DataError(f"the chat template wrote {len(boi_at)} image placeholders for {len(images)} images")
-    grow = len(span.expanded) - len(span.boi)
-    spans = [(_shifted(s, boi_at, grow), _shifted(e, boi_at, grow)) for s, e in spans]
-    ids, offsets = tokenizer.encode_with_offsets(text.replace(span.boi, span.expanded))
-    image_ids = {tokenizer.token_to_id(t) for t in (span.boi, span.image, span.eoi)}
+    at = [i for i in range(len(text)) if text.startswith(span.placeholder, i)]
+    expansions = [span.expansion(im) for im in images] if len(at) == len(images) else []
+    expanded = expand_placeholders(text, span, expansions)
+    grow = [len(e) - len(span.placeholder) for e in expansions]
+    spans = [(_shifted(s, at, grow), _shifted(e, at, grow)) for s, e in spans]
+    ids, offsets = tokenizer.encode_with_offsets(expanded)
+    image_ids = {tokenizer.token_to_id(t) for t in span.token_names} - {None}
     labels = [t if t not in image_ids and any(in_span(a, b, s, e) for s, e in spans) else IGNORE_INDEX
               for t, (a, b) in zip(ids, offsets)]
     ids, labels = np.asarray(ids, np.int32), np.asarray(labels, np.int64)
     truncated = len(ids) > max_seq_len
     if truncated:
-        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-        opened, closed = (int((ids == tokenizer.token_to_id(t)).sum()) for t in (span.boi, span.eoi))
-        if opened != closed or closed < len(images):     # an image's run begun and not ended, or left out
+        in_image = np.flatnonzero(np.isin(ids, list(image_ids)))
+        if len(in_image) and in_image[-1] >= max_seq_len:       # the last image's run cut, or left out
             return "cut"
+        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
     if not (labels[1:] != IGNORE_INDEX).any():
         return None
     return VisionExample(ids, labels, list(images), truncated)
@@ -137,7 +163,7 @@ class VisionStats:
     n_truncated: int = 0
 
 
-def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span: ImageSpan,
+def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span,
                             max_seq_len: int) -> tuple[list[VisionExample], VisionStats]:
     """Every TRL vision record tokenized (tokenize_vision_example); a bad record raises DataError naming it."""
     stats, out = VisionStats(n_records=len(records)), []
@@ -161,19 +187,20 @@ def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span:
     return out, stats
 
 
-def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span: ImageSpan,
-                      system: str | None = None) -> list[int]:
+def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span, system: str | None = None,
+                      images=None) -> list[int]:
     """Token ids asking for the answer to a user turn of `n_images` images then the text `prompt` (as TRL's
-    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded."""
+    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded
+    (from the `images` themselves where the span needs them: SmolVLM's tiles)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
-    return vision_chat_ids(tokenizer, messages, n_images, span)
+    return vision_chat_ids(tokenizer, messages, n_images, span, images)
 
 
-def vision_chat_ids(tokenizer: Tokenizer, messages: list[dict], n_images: int, span: ImageSpan) -> list[int]:
+def vision_chat_ids(tokenizer: Tokenizer, messages: list[dict], n_images: int, span, images=None) -> list[int]:
     """Token ids asking for the assistant's answer after chat `messages` whose contents may list {"type": "image"}
-    parts (`n_images` in all): the chat template's generation prompt, each placeholder expanded."""
+    parts (`n_images` in all): the chat template's generation prompt, each placeholder expanded (span.expansion
+    of each of `images` where given, else of none: Gemma 3's, the same for every image)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if text.count(span.boi) != n_images:
-        raise DataError(f"the chat template wrote {text.count(span.boi)} image placeholders for {n_images} images")
-    return tokenizer.encode(text.replace(span.boi, span.expanded))
+    expansions = [span.expansion(im) for im in images] if images is not None else [span.expansion()] * n_images
+    return tokenizer.encode(expand_placeholders(text, span, expansions))

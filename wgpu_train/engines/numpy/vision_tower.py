@@ -1,7 +1,8 @@
-"""Gemma 3's SigLIP vision tower and projector on the NumPy engine: the patch embedding as a GEMM over unfolded
-patches, position embeddings, bidirectional encoder layers, the post-layernorm, then the projector (average pool to
-mm_tokens_per_image, the soft-embedding RMSNorm, the projection); frozen, or with LoRA on the encoder's linear
-modules, whose gradients the backward from the image embeddings' gradient gives."""
+"""The SigLIP vision tower and projector on the NumPy engine: the patch embedding as a GEMM over unfolded
+patches, position embeddings, bidirectional encoder layers, the post-layernorm, then Gemma 3's projector (average
+pool to mm_tokens_per_image, the soft-embedding RMSNorm, the projection) or SmolVLM's connector (pixel shuffle, the
+projection); frozen, or with LoRA on the encoder's linear modules (Gemma 3's), whose gradients the backward from
+the image embeddings' gradient gives."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,6 +42,15 @@ def unfold_patches(pixels, patch: int):
     gh, gw = h // patch, w // patch
     x = pixels[:, :, :gh * patch, :gw * patch].reshape(n, c, gh, patch, gw, patch)
     return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * patch * patch)
+
+
+def pixel_shuffle(x, scale: int):
+    """SmolVLM's connector's shuffle: x (N, P, C) over a square grid of P patches -> (N, P / scale^2, C * scale^2),
+    each output token the scale x scale block of patches beside each other (transformers' pixel_shuffle)."""
+    n, p, c = x.shape
+    side = int(round(p ** 0.5))
+    x = x.reshape(n, side // scale, scale, side // scale, scale, c)        # (N, row block, dy, col block, dx, C)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(n, p // scale ** 2, scale * scale * c)
 
 
 def bidirectional_attention_forward(q, k, v):
@@ -144,6 +154,8 @@ class VisionTower:
     def project(self, hidden, cache=None):
         """The projector: hidden (N, P, C) -> (N, mm_tokens_per_image, text hidden)."""
         vc = self.vc
+        if vc.scale_factor:     # SmolVLM's connector (its LoRA, and so its backward, is refused)
+            return pixel_shuffle(hidden, vc.scale_factor) @ self.w[PROJ + "modality_projection.proj.weight"].T
         n, side = hidden.shape[0], vc.patches_per_side
         s = int(round(vc.mm_tokens_per_image ** 0.5))
         pooled = hidden.reshape(n, s, side // s, s, side // s, -1).mean(axis=(2, 4))        # (N, s, s, C)
