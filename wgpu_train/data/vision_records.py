@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
 from wgpu_train.data.tokenize import assistant_spans, in_span
 from wgpu_train.errors import DataError
@@ -47,11 +48,24 @@ class ImageSpan:
     @classmethod
     def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int) -> ImageSpan:
         """From the model's token ids, named as the tokenizer names them; a tokenizer without them refused."""
+        if min(boi_id, image_id, eoi_id) < 0:
+            raise DataError("not supported here: SmolVLM's images, which expand by their tiles (their span: "
+                            "data/vision_records.model_image_span)")
         names = [tokenizer.backend.id_to_token(i) for i in (boi_id, image_id, eoi_id)]
         if None in names:
             raise DataError(f"the tokenizer has no token for the image ids {boi_id}, {image_id}, {eoi_id} of "
                             f"the model's config")
         return cls(*names, count)
+
+
+def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledImageSpan:
+    """The span of a vision model's images in `tokenizer`'s text: vision its models/vision.VisionConfig, folder
+    the model folder (SmolVLM's preprocessor_config.json gives the tiles)."""
+    if vision.scale_factor:
+        return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image,
+                                             TileSettings.from_folder(folder, vision.image_size))
+    return ImageSpan.from_ids(tokenizer, vision.boi_token_id, vision.image_token_id, vision.eoi_token_id,
+                              vision.mm_tokens_per_image)
 
 
 @dataclasses.dataclass

@@ -54,7 +54,7 @@ class VisionModel:
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
         vc = self.vision
-        if isinstance(self.settings, TileSettings):
+        if vc.scale_factor:
             return TiledImageSpan.from_tokenizer(tokenizer, vc.image_token_id, vc.mm_tokens_per_image, self.settings)
         return ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id,
                                   vc.mm_tokens_per_image)
