@@ -195,3 +195,19 @@ def test_refusals_in_one_line(vlm):
     with pytest.raises(DataError, match="8 image placeholder tokens for 10 image tiles of 4 tokens each") as e:
         vm.logits(ids, images(1))
     assert "\n" not in str(e.value)
+
+
+def test_memory_counts_the_tower_and_the_largest_images_tiles(vlm, capsys):
+    """`memory`: the tower's and the connector's weights as transformers builds them; an image's tokens those of
+    the largest grid at the longest edge (3 x 3 tiles and the global one, two markers each and the global one's
+    third, a newline a row and one before the global image)."""
+    from wgpu_train.cli.main import main
+
+    hf, folder, _ = vlm
+    want = sum(p.numel() for n, p in hf.named_parameters() if "vision_model" in n or "connector" in n)
+    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)["vision"]
+    assert v["tower_parameters"] == want
+    assert v["tokens_per_image"] == 10 * (SEQ + 2) + 1 + 3 + 1
+    assert main(["memory", "--model", str(folder), "--max-seq-len", "64"]) == 2
+    assert "no room for text" in capsys.readouterr().err

@@ -52,6 +52,15 @@ class TileSettings:
         raw = json.loads(path.read_text()) if path.is_file() else {}
         return cls.from_dict(raw, image_size, str(path))
 
+    @property
+    def most_tiles(self) -> tuple:
+        """(tiles, rows) of the largest image's grid, the global image among the tiles: a square one at the
+        longest edge (at 4096 where images are not resized)."""
+        if not self.split:
+            return 1, 0
+        side = math.ceil((self.longest_edge or _MAX_SIDE) / self.tile)
+        return (side * side + 1, side) if side > 1 else (1, 0)
+
     def sizes(self, height: int, width: int) -> tuple:
         """An image's (height, width) -> ((height, width) after the longest-edge resize, (height, width) in whole
         tiles, (rows, cols) of tiles: (0, 0) for an image that is one tile, the global image alone)."""
