@@ -224,6 +224,6 @@ def test_gemma_span_maker_refuses_smolvlm_in_one_line(chat_vlm):
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     _, folder, _ = chat_vlm
-    with pytest.raises(DataError, match="SmolVLM's images, which expand by their tiles") as e:
+    with pytest.raises(DataError, match="finetune with SmolVLM's images, which expand by their tiles") as e:
         ImageSpan.from_ids(load_tokenizer(folder), -1, IMAGE, -1, 4)
     assert "\n" not in str(e.value)

@@ -49,8 +49,8 @@ class ImageSpan:
     def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int) -> ImageSpan:
         """From the model's token ids, named as the tokenizer names them; a tokenizer without them refused."""
         if min(boi_id, image_id, eoi_id) < 0:
-            raise DataError("not supported here: SmolVLM's images, which expand by their tiles (their span: "
-                            "data/vision_records.model_image_span)")
+            raise DataError("not supported yet: finetune with SmolVLM's images, which expand by their tiles "
+                            "(VisionModel.train_step trains them; their span: data/vision_records.model_image_span)")
         names = [tokenizer.backend.id_to_token(i) for i in (boi_id, image_id, eoi_id)]
         if None in names:
             raise DataError(f"the tokenizer has no token for the image ids {boi_id}, {image_id}, {eoi_id} of "
