@@ -159,6 +159,39 @@ def test_lora_gradients_with_images_match_peft(vlm):
         assert_close(grads[name], g, "grads_f32", name)
 
 
+def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
+    """LoRA on the tower's encoder and the language model (PEFT's names on SmolVLM: model.vision_model, the
+    connector's backward included): loss and every gradient equal PEFT's; our adapter loads in PEFT to its logits."""
+    hf, folder, _ = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, lora_dropout=0.0,
+        target_modules=r".*(text_model.*\.(q_proj|v_proj)|vision_model.*\.(q_proj|out_proj|fc1|fc2))")), 4)
+    imgs = images(2, seed=8)
+    vm = load_vision_model(folder)
+    n = len(vm.pixel_values(imgs))
+    ids = np.array([[3, *tile_ids(n), 11, 12, 13, 14]])
+    labels = np.where(ids != IMG, ids, -100)
+    out = pm(input_ids=torch.tensor(ids), pixel_values=hf_pixels(vm, imgs), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default", "").replace("model.text_model.", "model."): p.grad.numpy()
+                for n, p in pm.named_parameters() if p.requires_grad}
+    assert any("vision_model" in k for k in expected)
+    pm.save_pretrained(tmp_path / "peft")
+    vm.load_adapter(tmp_path / "peft")
+    loss, grads = vm.loss_and_grads(ids, labels, imgs)
+    assert_close(np.float64(loss), out.loss.item(), "loss_f32", "loss with the tower's LoRA")
+    assert set(grads) == set(expected)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    vm.save_adapter(tmp_path / "ours")
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()
+    with torch.no_grad():
+        want = again(input_ids=torch.tensor(ids), pixel_values=hf_pixels(vm, imgs)).logits.numpy()
+        first = pm(input_ids=torch.tensor(ids), pixel_values=hf_pixels(vm, imgs)).logits.numpy()
+    assert_close(want, first, "logits_f32", "our adapter in PEFT")
+    assert_close(vm.logits(ids, imgs), want, "logits_f32", "the tower's LoRA applied")
+
+
 def test_greedy_generation_with_an_image_matches_transformers(vlm):
     hf, _, vm = vlm
     img = images(1, seed=5)
@@ -189,8 +222,9 @@ def test_refusals_in_one_line(vlm):
         VisionConfig.from_config({**raw, "scale_factor": 3})
     with pytest.raises(ConfigError, match="max_image_size"):
         TileSettings.from_dict({"max_image_size": {"longest_edge": 2 * SIDE}}, SIDE)
-    with pytest.raises(ConfigError, match="LoRA on SmolVLM's vision tower"):
-        vm.set_tower_lora({}, 1.0)
+    with pytest.raises(ConfigError, match="not a linear module of the vision tower's encoder"):
+        vm.set_tower_lora({"base_model.model.model.vision_model.encoder.layers.0.layer_norm1.lora_A.weight":
+                           np.zeros(1)}, 1.0)
     ids = np.array([[5, *tile_ids(2), 6]])
     with pytest.raises(DataError, match="8 image placeholder tokens for 10 image tiles of 4 tokens each") as e:
         vm.logits(ids, images(1))

@@ -62,8 +62,6 @@ class VisionModel:
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
         left to the language model's adapter), each module's output scaled by `scale` (alpha / r)."""
-        if self.vision.scale_factor:
-            raise ConfigError("not supported: LoRA on SmolVLM's vision tower (the language model's only for now)")
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)
@@ -103,11 +101,12 @@ class VisionModel:
         else:
             self.model.save_adapter(directory)
         raw = json.loads((directory / "adapter_config.json").read_text())
-        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}))
+        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}), self.vision)
         raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
-        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1]): v for k, v in self._tower_trainable().items()})
+        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], self.vision): v
+                        for k, v in self._tower_trainable().items()})
         write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
 
     def load_adapter(self, directory):
@@ -184,7 +183,7 @@ class VisionModel:
             dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
             for name, g in self.tower.backward(dout, cache).items():
                 path, which = name.rsplit(".lora_", 1)
-                grads[tower_lora_key(path, which)] = g.astype(np.float32)
+                grads[tower_lora_key(path, which, self.vision)] = g.astype(np.float32)
         return loss, grads
 
     def micro_batch(self, examples: list[VisionExample], cache: dict | None = None) -> tuple:

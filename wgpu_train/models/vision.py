@@ -161,7 +161,8 @@ VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
 
 def vision_targets(targets) -> list:
     """The LoRA target_modules among `targets` that name the vision tower or the projector."""
-    return [t for t in targets if t in VISION_TARGETS or "vision_tower" in t or "multi_modal_projector" in t]
+    return [t for t in targets if t in VISION_TARGETS or any(
+        part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector"))]
 
 
 def tower_lora_path(key: str) -> str | None:
@@ -173,15 +174,21 @@ def tower_lora_path(key: str) -> str | None:
     return next((o for o in ours if o.startswith(TOWER + "encoder.")), None)
 
 
-def tower_lora_key(path: str, which: str) -> str:
-    """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's Gemma3ForConditionalGeneration."""
-    return f"base_model.model.model.{path}.lora_{which}.weight"
+def _tower_module(vc: VisionConfig) -> str:
+    """The tower's module path on the multimodal model (transformers 5's): Gemma 3's or SmolVLM's."""
+    return "model.vision_model." if vc.scale_factor else "model.vision_tower."
 
 
-def tower_target_regex(modules) -> str:
+def tower_lora_key(path: str, which: str, vc: VisionConfig) -> str:
+    """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's multimodal class of `vc`."""
+    return f"base_model.model.{_tower_module(vc)}{path.removeprefix(TOWER)}.lora_{which}.weight"
+
+
+def tower_target_regex(modules, vc: VisionConfig) -> str:
     """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
-    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's Gemma3ForConditionalGeneration."""
-    return r"model\.vision_tower\.encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules) + ")"
+    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's multimodal class of `vc`."""
+    return (re.escape(_tower_module(vc)) + r"encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules)
+            + ")")
 
 
 def tower_parameters(vc: VisionConfig) -> int:
