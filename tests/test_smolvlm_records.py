@@ -54,6 +54,7 @@ def chat_vlm(tmp_path_factory):
     cfg.image_token_id = IMAGE
     cfg.text_config.vocab_size = tok.get_vocab_size()
     cfg.text_config.eos_token_id = 2
+    cfg.text_config.max_position_embeddings = 512      # a chat's two turns with an image's ten tiles
     hf = tf.SmolVLMForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -227,3 +228,32 @@ def test_gemma_span_maker_refuses_smolvlm_in_one_line(chat_vlm):
     with pytest.raises(DataError, match="finetune with SmolVLM's images, which expand by their tiles") as e:
         ImageSpan.from_ids(load_tokenizer(folder), -1, IMAGE, -1, 4)
     assert "\n" not in str(e.value)
+
+
+def test_chat_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypatch, capsys):
+    """`chat` with /image on SmolVLM: the first turn generate --image's answer; the next turn the greedy answer to
+    the whole conversation, the first image's tiles in it. `serve` takes its language model alone (a warning)."""
+    import io
+
+    from wgpu_train.cli.main import main
+    from wgpu_train.cli.vision import vision_of
+    from wgpu_train.data.vision_records import vision_chat_ids
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    _, folder, _ = chat_vlm
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour is it?", "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour is it?\ndescribe the picture\n"))
+    assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "5"]) == 0
+    answers = capsys.readouterr().out.split("\n")[:-1]       # an answer may hold a carriage return
+    assert answers[0] == want and len(answers) == 2
+    vm, tok = load_vision_model(folder), load_tokenizer(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]},
+                {"role": "assistant", "content": answers[0]}, {"role": "user", "content": "describe the picture"}]
+    ids = vision_chat_ids(tok, messages, 1, vm.image_span(tok), [path])
+    new = vm.generate(ids, [path], 5, tuple(tok.stop_token_ids))
+    assert answers[1] == tok.decode([t for t in new if t not in tok.stop_token_ids])
+    assert vision_of(vm.model, folder) is None and vision_of(vm.model, folder, tiled=True) is not None

@@ -1,6 +1,6 @@
 """`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM) on the
 NumPy engine (greedy), with the adapter of a run if given; and the VisionModel over a model `chat` and `serve`
-loaded (Gemma 3's)."""
+loaded (`serve`: Gemma 3's only)."""
 from __future__ import annotations
 
 import sys
@@ -34,10 +34,10 @@ def generate_with_images(args, model_dir, adapter) -> int:
     return 0
 
 
-def vision_of(model, model_dir):
+def vision_of(model, model_dir, tiled: bool = False):
     """The model's VisionModel (its vision tower and projector read from model_dir) where the folder is a
-    vision-language model loaded on the NumPy engine, else None (it takes no images; SmolVLM's language model
-    alone for now, with a warning)."""
+    vision-language model loaded on the NumPy engine, else None (it takes no images). SmolVLM's only where the
+    caller takes its tiled images (`tiled`: chat), else its language model alone, with a warning (serve)."""
     import json
     import logging
     from pathlib import Path
@@ -47,9 +47,9 @@ def vision_of(model, model_dir):
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config") or not hasattr(model.engine, "set_images"):
         return None
-    if (raw.get("architectures") or [""])[0] in SMOLVLM:
-        logging.getLogger("wgpu_train").warning("wgpu-train: images in chat and serve are not supported for "
-                                                "SmolVLM yet: its language model alone answers (text only)")
+    if (raw.get("architectures") or [""])[0] in SMOLVLM and not tiled:
+        logging.getLogger("wgpu_train").warning("wgpu-train: images in serve are not supported for SmolVLM yet: "
+                                                "its language model alone answers (text only)")
         return None
     from wgpu_train.engines.vision_model import attach_vision
 
