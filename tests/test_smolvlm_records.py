@@ -85,8 +85,9 @@ class TransformersProcessor:
             parts = text[0].split("<image>")
             grids = list(zip(px["rows"][0], px["cols"][0]))
             assert len(parts) == len(grids) + 1
-            text = [parts[0] + "".join(get_image_prompt_string(r, c, 4, "<fake_token_around_image>", "<image>",
-                                                               "<global-img>") + p for (r, c), p in zip(grids, parts[1:]))]
+            prompts = [get_image_prompt_string(r, c, 4, "<fake_token_around_image>", "<image>", "<global-img>")
+                       for r, c in grids]
+            text = [parts[0] + "".join(e + p for e, p in zip(prompts, parts[1:]))]
             out["pixel_values"] = px["pixel_values"]
         out["input_ids"] = self.tokenizer(text, return_tensors=return_tensors)["input_ids"]
         return out

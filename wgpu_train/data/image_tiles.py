@@ -30,8 +30,8 @@ class TileSettings:
     @classmethod
     def from_dict(cls, raw: dict, image_size: int, source: str = "preprocessor_config.json") -> TileSettings:
         """From the processor's fields (transformers' SmolVLM defaults where left out: LANCZOS, mean and std 0.5);
-        a tile side other than the tower's image_size, a size without longest_edge, and do_pad false with
-        splitting (tiles of differing sizes) refused in one line."""
+        a tile side other than the tower's image_size and a size without longest_edge refused in one line (every
+        tile is then tile x tile: do_pad changes nothing)."""
         tile = int((raw.get("max_image_size") or {"longest_edge": image_size}).get("longest_edge", 0))
         if tile != image_size:
             raise ConfigError(f"{source}: not supported: max_image_size {raw.get('max_image_size')} (tiles of the "

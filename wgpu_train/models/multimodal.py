@@ -17,7 +17,8 @@ log = logging.getLogger("wgpu_train")
 WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimodal class -> its text model's
             "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
             "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-            "SmolVLMForConditionalGeneration": "LlamaForCausalLM", "Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
+            "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
+            "Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
 # the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
 _TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False,
                     "Qwen3_5MoeForConditionalGeneration": False, "SmolVLMForConditionalGeneration": False,

@@ -108,7 +108,8 @@ def tensor_shapes(vc: VisionConfig) -> dict:
     if vc.scale_factor:     # SmolVLM's connector: a projection (no bias) of the shuffled patches
         out[PROJ + "modality_projection.proj.weight"] = (vc.text_hidden_size, c * vc.scale_factor ** 2)
     else:
-        out.update({PROJ + "mm_input_projection_weight": (c, vc.text_hidden_size), PROJ + "mm_soft_emb_norm.weight": (c,)})
+        out.update({PROJ + "mm_input_projection_weight": (c, vc.text_hidden_size),
+                    PROJ + "mm_soft_emb_norm.weight": (c,)})
     for i in range(vc.num_layers):
         p = f"{TOWER}encoder.layers.{i}."
         for norm in ("layer_norm1", "layer_norm2"):
