@@ -13,7 +13,7 @@ from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
 from wgpu_train.adapters.experts import (convert_per_expert, expert_key, has_per_expert_keys, is_expert_path,
                                          parse_target_parameters, saved_parameters)
 from wgpu_train.models.config import KNOWN_LINEAR_MODULES, ROUTERS, ModelConfig
-from wgpu_train.models.multimodal import adapter_key_out, language_keys, live_patterns, target_regex
+from wgpu_train.models.multimodal import adapter_key_out, language_keys, live_layout, live_patterns, target_regex
 
 
 def peft_key(path: str, which: str, adapted=()) -> str:
@@ -36,8 +36,9 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
     layers, pattern = lora_cfg.layers_to_transform, lora_cfg.layers_pattern
     targets = list(lora_cfg.target_modules)
     if model is not None and model.wrapper:
-        targets, layers, pattern = target_regex(lora_cfg.targets_in(model), layers), None, None
-        tensors = {adapter_key_out(k): v for k, v in tensors.items()}
+        outer = live_layout(model.wrapper)
+        targets, layers, pattern = target_regex(lora_cfg.targets_in(model), layers, outer), None, None
+        tensors = {adapter_key_out(k, outer): v for k, v in tensors.items()}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
         "lora_dropout": float(lora_cfg.dropout), "target_modules": targets,

@@ -11,7 +11,7 @@ import re
 from wgpu_train.models.config import KNOWN_LINEAR_MODULES
 from wgpu_train.errors import AdapterError, ConfigError
 from wgpu_train.models.weights import expert_path, module_path
-from wgpu_train.models.multimodal import outer_path
+from wgpu_train.models.multimodal import live_layout, outer_path
 
 
 DEFAULT_TARGETS = "q_proj,v_proj"      # the command line's --lora-targets default
@@ -120,7 +120,7 @@ def module_settings(cfg, model) -> dict:
         paths = [module_path(i, m) for m in targets if m in here]
         paths += [expert_path(i, p, model.moe.block) for p in experts if model.is_sparse(i)]
         for path in paths:
-            seen = outer_path(path) if model.wrapper else path      # the path PEFT matches patterns on
+            seen = outer_path(path, live_layout(model.wrapper)) if model.wrapper else path   # PEFT matches on it
             if layers is not None and layer_index(seen, cfg.layers_pattern) not in layers:
                 continue
             r_key, a_key = pattern_key(cfg.rank_pattern, seen), pattern_key(cfg.alpha_pattern, seen)

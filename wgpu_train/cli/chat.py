@@ -37,19 +37,19 @@ class Conversation:
 
     def prompt_ids(self, tokenizer, user: str, positions: int, answer_room: int, images=(),
                    span=None) -> tuple[list[int], int]:
-        """(token ids asking for the answer to `user` (with its `images`, pixel_values each) after the history,
-        turns dropped to fit): the oldest user / assistant pairs go first, until the prompt leaves `answer_room`
-        positions; ConfigError, the history left as it was, when the system message and `user` alone leave
-        none. span: the vision model's data/vision_records.ImageSpan, which expands each image's placeholder."""
+        """(token ids asking for the answer to `user` (with its `images`, pixel_values or decoded images each) after
+        the history, turns dropped to fit): the oldest user / assistant pairs go first, until the prompt leaves
+        `answer_room` positions; ConfigError, the history left as it was, when the system message and `user` alone
+        leave none. span: the vision model's data/vision_records span, which expands each image's placeholder."""
         from wgpu_train.data.tokenize import generation_prompt_ids
         from wgpu_train.data.vision_records import vision_chat_ids
 
         dropped, turns = 0, self.turns
         while True:
             messages = self.system + turns + [_user(user, images)]
-            n = sum(len(m.get("images", ())) for m in messages)
+            shown = [im for m in messages for im in m.get("images", ())]
             plain = [{k: v for k, v in m.items() if k != "images"} for m in messages]
-            ids = vision_chat_ids(tokenizer, plain, n, span) if span is not None else \
+            ids = vision_chat_ids(tokenizer, plain, len(shown), span, shown) if span is not None else \
                 generation_prompt_ids(tokenizer, plain)
             if len(ids) + answer_room <= positions or not turns:
                 break
@@ -84,24 +84,27 @@ def cmd_chat(args) -> int:
     with closing_stages(model):
         from wgpu_train.cli.vision import vision_of
 
-        _talk(args, model, tok, vision_of(model, model_dir))
+        _talk(args, model, tok, vision_of(model, model_dir, tiled=True))
     return 0
 
 
 def _attach(args, vision, path: str, pending: list):
-    """/image PATH: the image's pixel_values added to the next user turn's, or why not (a line on stderr)."""
-    from wgpu_train.data.images import pixel_values
+    """/image PATH: the image's pixel_values added to the next user turn's (SmolVLM's: the decoded image, whose
+    size gives its tiles), or why not (a line on stderr)."""
+    from wgpu_train.data.images import open_image, pixel_values
     from wgpu_train.errors import WgpuTrainError
 
     if vision is None:
-        print("error: this model takes no images (a Gemma 3 vision model on the NumPy engine does)", file=sys.stderr)
+        print("error: this model takes no images (a Gemma 3 or SmolVLM vision model on the NumPy engine does)",
+              file=sys.stderr)
     elif args.temperature:
         print("error: images are answered greedily for now (--temperature 0)", file=sys.stderr)
     elif not path:
         print("error: /image needs the image file's path: /image PATH", file=sys.stderr)
     else:
         try:
-            pending.append(pixel_values(path, vision.settings, path))
+            pending.append(open_image(path, path) if vision.vision.scale_factor else
+                           pixel_values(path, vision.settings, path))
         except WgpuTrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return

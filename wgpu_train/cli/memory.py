@@ -104,7 +104,14 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
         return None
     vc = VisionConfig.from_config(raw, str(Path(model_dir) / "config.json"))
     per_row = 1 if args.images_per_row is None else args.images_per_row
-    tokens = per_row * (vc.mm_tokens_per_image + 2)     # each image's tokens and its begin / end markers
+    tiles, rows = 1, 0
+    if vc.scale_factor:     # SmolVLM: the largest image's tiles, two markers each (three the global one), newlines
+        from wgpu_train.data.image_tiles import TileSettings
+
+        tiles, rows = TileSettings.from_folder(model_dir, vc.image_size).most_tiles
+    per_image = tiles * (vc.mm_tokens_per_image + 2) + (1 + rows + 1 if rows else 1) if vc.scale_factor else \
+        vc.mm_tokens_per_image + 2
+    tokens = per_row * per_image        # each image's tokens and its begin / end markers
     if tokens >= length:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
                           f"no room for text")
@@ -117,8 +124,9 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     images = args.batch_size * per_row
     params = tower_parameters(vc)
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
-            "tokens_per_image": vc.mm_tokens_per_image + 2, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
-            "tower_activations": 4 * tower_activation_values(vc, images, bool(tower)), "language_targets": language}
+            "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            "tower_activations": 4 * tower_activation_values(vc, images * tiles, bool(tower)),
+            "language_targets": language}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

@@ -1,5 +1,6 @@
-"""`generate --image`: an answer to a prompt about images, from a Gemma 3 vision-language model on the NumPy
-engine (greedy), with the adapter of a run if given; and the VisionModel over a model `chat` and `serve` loaded."""
+"""`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM) on the
+NumPy engine (greedy), with the adapter of a run if given; and the VisionModel over a model `chat` and `serve`
+loaded (`serve`: Gemma 3's only)."""
 from __future__ import annotations
 
 import sys
@@ -9,8 +10,7 @@ from wgpu_train.errors import ConfigError
 
 def generate_with_images(args, model_dir, adapter) -> int:
     """Print the greedy answer to --prompt about the --image files (in order, before the prompt's text)."""
-    from wgpu_train.data.images import pixel_batch
-    from wgpu_train.data.vision_records import ImageSpan, vision_prompt_ids
+    from wgpu_train.data.vision_records import vision_prompt_ids
     from wgpu_train.engines.vision_model import load_vision_model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
@@ -22,10 +22,8 @@ def generate_with_images(args, model_dir, adapter) -> int:
     if adapter is not None:
         vm.load_adapter(adapter)
     tok = load_tokenizer(model_dir)
-    vc = vm.vision
-    span = ImageSpan.from_ids(tok, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
-    pixels = pixel_batch(args.image, vm.settings, "--image")
-    ids = vision_prompt_ids(tok, args.prompt, len(args.image), span, args.system)
+    pixels = vm.pixel_values(args.image, "--image")
+    ids = vision_prompt_ids(tok, args.prompt, len(args.image), vm.image_span(tok), args.system, args.image)
     room = vm.model.config.max_position_embeddings - len(ids)
     if room < 1:
         raise ConfigError(f"the prompt and its images take {len(ids)} tokens, more than the model's "
@@ -36,14 +34,22 @@ def generate_with_images(args, model_dir, adapter) -> int:
     return 0
 
 
-def vision_of(model, model_dir):
+def vision_of(model, model_dir, tiled: bool = False):
     """The model's VisionModel (its vision tower and projector read from model_dir) where the folder is a
-    vision-language model loaded on the NumPy engine, else None (it takes no images)."""
+    vision-language model loaded on the NumPy engine, else None (it takes no images). SmolVLM's only where the
+    caller takes its tiled images (`tiled`: chat), else its language model alone, with a warning (serve)."""
     import json
+    import logging
     from pathlib import Path
+
+    from wgpu_train.models.vision import SMOLVLM
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config") or not hasattr(model.engine, "set_images"):
+        return None
+    if (raw.get("architectures") or [""])[0] in SMOLVLM and not tiled:
+        logging.getLogger("wgpu_train").warning("wgpu-train: images in serve are not supported for SmolVLM yet: "
+                                                "its language model alone answers (text only)")
         return None
     from wgpu_train.engines.vision_model import attach_vision
 
@@ -51,8 +57,5 @@ def vision_of(model, model_dir):
 
 
 def image_span(tokenizer, vision):
-    """The data/vision_records.ImageSpan of a VisionModel's image tokens in `tokenizer`'s text."""
-    from wgpu_train.data.vision_records import ImageSpan
-
-    vc = vision.vision
-    return ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
+    """The data/vision_records span of a VisionModel's image tokens in `tokenizer`'s text."""
+    return vision.image_span(tokenizer)

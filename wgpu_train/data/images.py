@@ -1,5 +1,6 @@
 """Images in: Pillow's decoding of paths, bytes and hub-dataset images, and the preprocessing of transformers'
-Gemma3ImageProcessor (its PIL backend: RGB over white, resize, rescale, normalise) to the same pixel_values."""
+Gemma3ImageProcessor (its PIL backend: RGB over white, resize, rescale, normalise) to the same pixel_values
+(SmolVLM's tiles: data/image_tiles.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,6 +62,10 @@ class ImageSettings:
         raw = json.loads(path.read_text()) if path.is_file() else {}
         return cls.from_dict(raw, image_size, str(path))
 
+    def batch(self, images, where: str = "record") -> np.ndarray:
+        """Images -> (N, 3, height, width) float32 (pixel_batch)."""
+        return pixel_batch(images, self, where)
+
 
 def open_image(image, where: str = "image"):
     """A PIL image from a path, bytes, a hub dataset's {"bytes": ..., "path": ...} or a PIL image; an image that
@@ -97,7 +102,11 @@ def pixel_values(image, settings: ImageSettings, where: str = "image") -> np.nda
     img = to_rgb(open_image(image, where))
     if settings.do_resize:
         img = img.resize((settings.width, settings.height), resample=settings.resample)
-    x = np.moveaxis(np.asarray(img), -1, 0)                                  # (3, H, W) uint8
+    return normalised(np.moveaxis(np.asarray(img), -1, 0), settings)
+
+
+def normalised(x, settings: ImageSettings) -> np.ndarray:
+    """(3, H, W) uint8 -> float32 rescaled and normalised as the processor's NumPy steps do it."""
     if settings.do_rescale:
         x = (x.astype(np.float64) * settings.rescale_factor).astype(np.float32)
     x = x.astype(np.float32)

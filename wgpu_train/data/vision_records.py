@@ -1,7 +1,8 @@
-"""Records with images -> tokens (Gemma 3): TRL's vision format (messages whose content lists {"type": "image"} and
-{"type": "text"} parts, plus an `images` column) read from a local file, the chat template's image placeholders
-expanded as Gemma 3's processor expands them (boi, image tokens x mm_tokens_per_image, eoi), the loss on the
-assistant's tokens only; tokenized records are batching.Example rows that carry their images."""
+"""Records with images -> tokens: TRL's vision format (messages whose content lists {"type": "image"} and
+{"type": "text"} parts, plus an `images` column), the chat template's image placeholders expanded as the processor
+expands them (Gemma 3's ImageSpan: boi, image tokens x mm_tokens_per_image, eoi; SmolVLM's tiles:
+data/image_tiles.TiledImageSpan), the loss on the assistant's tokens only; tokenized records are
+batching.Example rows that carry their images."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from wgpu_train.data.batching import Example
+from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
 from wgpu_train.data.sources import DataSplits, hold_out
 from wgpu_train.data.tokenize import assistant_spans, in_span
@@ -33,9 +35,27 @@ class ImageSpan:
     def expanded(self) -> str:
         return f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
 
+    # the span protocol, which data/image_tiles.TiledImageSpan (SmolVLM's) follows too
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for an image."""
+        return self.boi
+
+    @property
+    def token_names(self) -> tuple:
+        """The tokens of an image's run (never trained)."""
+        return self.boi, self.image, self.eoi
+
+    def expansion(self, image=None) -> str:
+        """The text one image takes (the same for every image of Gemma 3)."""
+        return self.expanded
+
     @classmethod
     def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int) -> ImageSpan:
         """From the model's token ids, named as the tokenizer names them; a tokenizer without them refused."""
+        if min(boi_id, image_id, eoi_id) < 0:
+            raise DataError(f"the model's config.json gives no image token ids (boi {boi_id}, image {image_id}, "
+                            f"eoi {eoi_id})")
         names = [tokenizer.backend.id_to_token(i) for i in (boi_id, image_id, eoi_id)]
         if None in names:
             raise DataError(f"the tokenizer has no token for the image ids {boi_id}, {image_id}, {eoi_id} of "
@@ -57,6 +77,16 @@ def is_vision_data(path) -> bool:
     except json.JSONDecodeError:
         return False
     return isinstance(record, dict) and ("images" in record or "image" in record)
+
+
+def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledImageSpan:
+    """The span of a vision model's images in `tokenizer`'s text: vision its models/vision.VisionConfig, folder
+    the model folder (SmolVLM's preprocessor_config.json gives the tiles)."""
+    if vision.scale_factor:
+        return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image,
+                                             TileSettings.from_folder(folder, vision.image_size))
+    return ImageSpan.from_ids(tokenizer, vision.boi_token_id, vision.image_token_id, vision.eoi_token_id,
+                              vision.mm_tokens_per_image)
 
 
 def read_vision_records(path) -> list[dict]:
@@ -126,35 +156,45 @@ def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
     return out, images
 
 
-def _shifted(offset: int, boi_at: Sequence[int], grow: int) -> int:
-    """A character offset of the rendered text in the expanded text (each placeholder grows by `grow`)."""
-    return offset + grow * sum(1 for b in boi_at if b < offset)
+def _shifted(offset: int, at: Sequence[int], grow: Sequence[int]) -> int:
+    """A character offset of the rendered text in the expanded text (the placeholder at at[i] grows by grow[i])."""
+    return offset + sum(g for b, g in zip(at, grow) if b < offset)
 
 
-def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: list, span: ImageSpan,
+def expand_placeholders(text: str, span, expansions: Sequence[str]) -> str:
+    """The rendered text with its i-th image placeholder replaced by expansions[i]; a count that differs from the
+    placeholders' refused in one line."""
+    parts = text.split(span.placeholder)
+    if len(parts) - 1 != len(expansions):
+        raise DataError(f"the chat template wrote {len(parts) - 1} image placeholders for {len(expansions)} images")
+    return parts[0] + "".join(e + p for e, p in zip(expansions, parts[1:]))
+
+
+def tokenize_vision_example(tokenizer: Tokenizer, messages: list[dict], images: list, span,
                             max_seq_len: int) -> Example | str | None:
     """Tokenize one record's messages (vision_messages) with its images: the chat template's text, each
-    placeholder expanded (ImageSpan), the assistant turns trained. Longer than max_seq_len: truncated after its
-    last image, or "cut" when the cut falls inside or before one (the row is dropped: an image is never split,
-    nor a record's images parted from it); None when no trained token survives."""
+    placeholder expanded (`span`: an ImageSpan, or SmolVLM's image_tiles.TiledImageSpan, whose expansion depends
+    on the image), the assistant turns trained. Longer than max_seq_len: truncated after its last image, or "cut"
+    when the cut falls inside or before one (the row is dropped: an image is never split, nor a record's images
+    parted from it); None when no trained token survives."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     spans = [(s, e) for _, s, e in assistant_spans(tokenizer, messages, text, None)]
-    boi_at = [i for i in range(len(text)) if text.startswith(span.boi, i)]
-    if len(boi_at) != len(images):
-        raise DataError(f"the chat template wrote {len(boi_at)} image placeholders for {len(images)} images")
-    grow = len(span.expanded) - len(span.boi)
-    spans = [(_shifted(s, boi_at, grow), _shifted(e, boi_at, grow)) for s, e in spans]
-    ids, offsets = tokenizer.encode_with_offsets(text.replace(span.boi, span.expanded))
-    image_ids = {tokenizer.token_to_id(t) for t in (span.boi, span.image, span.eoi)}
+    at = [i for i in range(len(text)) if text.startswith(span.placeholder, i)]
+    expansions = [span.expansion(im) for im in images] if len(at) == len(images) else []
+    expanded = expand_placeholders(text, span, expansions)
+    grow = [len(e) - len(span.placeholder) for e in expansions]
+    spans = [(_shifted(s, at, grow), _shifted(e, at, grow)) for s, e in spans]
+    ids, offsets = tokenizer.encode_with_offsets(expanded)
+    image_ids = {tokenizer.token_to_id(t) for t in span.token_names} - {None}
     labels = [t if t not in image_ids and any(in_span(a, b, s, e) for s, e in spans) else IGNORE_INDEX
               for t, (a, b) in zip(ids, offsets)]
     ids, labels = np.asarray(ids, np.int32), np.asarray(labels, np.int64)
     truncated = len(ids) > max_seq_len
     if truncated:
-        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-        opened, closed = (int((ids == tokenizer.token_to_id(t)).sum()) for t in (span.boi, span.eoi))
-        if opened != closed or closed < len(images):     # an image's run begun and not ended, or left out
+        in_image = np.flatnonzero(np.isin(ids, list(image_ids)))
+        if len(in_image) and in_image[-1] >= max_seq_len:       # the last image's run cut, or left out
             return "cut"
+        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
     if not (labels[1:] != IGNORE_INDEX).any():
         return None
     return Example(ids, labels, truncated, list(images))
@@ -172,7 +212,7 @@ class VisionStats:
     n_truncated: int = 0
 
 
-def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span: ImageSpan,
+def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span,
                             max_seq_len: int) -> tuple[list[Example], VisionStats]:
     """Every TRL vision record tokenized (tokenize_vision_example); a bad record raises DataError naming it."""
     stats, out = VisionStats(n_records=len(records)), []
@@ -196,19 +236,20 @@ def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span:
     return out, stats
 
 
-def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span: ImageSpan,
-                      system: str | None = None) -> list[int]:
+def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span, system: str | None = None,
+                      images=None) -> list[int]:
     """Token ids asking for the answer to a user turn of `n_images` images then the text `prompt` (as TRL's
-    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded."""
+    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded
+    (from the `images` themselves where the span needs them: SmolVLM's tiles)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
-    return vision_chat_ids(tokenizer, messages, n_images, span)
+    return vision_chat_ids(tokenizer, messages, n_images, span, images)
 
 
-def vision_chat_ids(tokenizer: Tokenizer, messages: list[dict], n_images: int, span: ImageSpan) -> list[int]:
+def vision_chat_ids(tokenizer: Tokenizer, messages: list[dict], n_images: int, span, images=None) -> list[int]:
     """Token ids asking for the assistant's answer after chat `messages` whose contents may list {"type": "image"}
-    parts (`n_images` in all): the chat template's generation prompt, each placeholder expanded."""
+    parts (`n_images` in all): the chat template's generation prompt, each placeholder expanded (span.expansion
+    of each of `images` where given, else of none: Gemma 3's, the same for every image)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if text.count(span.boi) != n_images:
-        raise DataError(f"the chat template wrote {text.count(span.boi)} image placeholders for {n_images} images")
-    return tokenizer.encode(text.replace(span.boi, span.expanded))
+    expansions = [span.expansion(im) for im in images] if images is not None else [span.expansion()] * n_images
+    return tokenizer.encode(expand_placeholders(text, span, expansions))

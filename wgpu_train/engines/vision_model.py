@@ -1,7 +1,7 @@
-"""VisionModel: a Gemma 3 vision-language model users hold, the language model's `Model` beside the SigLIP tower
-and projector (frozen, or with LoRA on the tower's encoder; the NumPy engine only for now): logits, loss and LoRA
-gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
-the images' embeddings."""
+"""VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3), the language model's `Model`
+beside the SigLIP tower and projector (frozen, or with LoRA on Gemma 3's tower encoder; the NumPy engine only for
+now): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams
+whose image placeholders take the images' embeddings."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from wgpu_train.data.images import ImageSettings, pixel_batch
+from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
+from wgpu_train.data.images import ImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, collate
+from wgpu_train.data.vision_records import ImageSpan
 from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
@@ -32,22 +34,31 @@ from wgpu_train.models.weights import weight_files
 
 class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
-    (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing."""
+    (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
+    ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens)."""
 
-    def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings):
+    def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings | TileSettings):
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images run on the NumPy engine only for now (backend='numpy'), not on the "
                               f"{model.backend} engine")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
-    def pixel_values(self, images) -> np.ndarray:
+    def pixel_values(self, images, where: str = "record") -> np.ndarray:
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
-        (N, C, H, W) float32."""
+        (N, C, H, W) float32: N the images, or SmolVLM's tiles of them all."""
         if isinstance(images, np.ndarray):
             return images.astype(np.float32)
         if images and all(isinstance(im, np.ndarray) and im.ndim == 3 for im in images):
             return np.stack(images).astype(np.float32)
-        return pixel_batch(list(images), self.settings)
+        return self.settings.batch(list(images), where)
+
+    def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
+        """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
+        vc = self.vision
+        if vc.scale_factor:
+            return TiledImageSpan.from_tokenizer(tokenizer, vc.image_token_id, vc.mm_tokens_per_image, self.settings)
+        return ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id,
+                                  vc.mm_tokens_per_image)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
@@ -91,11 +102,12 @@ class VisionModel:
         else:
             self.model.save_adapter(directory)
         raw = json.loads((directory / "adapter_config.json").read_text())
-        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}))
+        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}), self.vision)
         raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
-        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1]): v for k, v in self._tower_trainable().items()})
+        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], self.vision): v
+                        for k, v in self._tower_trainable().items()})
         write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
 
     def load_adapter(self, directory):
@@ -121,10 +133,11 @@ class VisionModel:
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
-        blocks = image_blocks(ids, self.vision.image_token_id)
+        blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
         n_tokens = int((blocks >= 0).sum())
         if n_tokens != n_images * m:
-            raise DataError(f"{n_tokens} image placeholder tokens for {n_images} images of {m} tokens each")
+            what = "image tiles" if self.vision.scale_factor else "images"
+            raise DataError(f"{n_tokens} image placeholder tokens for {n_images} {what} of {m} tokens each")
         if not n_images:
             return None
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
@@ -169,7 +182,7 @@ class VisionModel:
             dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
             for name, g in self.tower.backward(dout, cache).items():
                 path, which = name.rsplit(".lora_", 1)
-                grads[tower_lora_key(path, which)] = g.astype(np.float32)
+                grads[tower_lora_key(path, which, self.vision)] = g.astype(np.float32)
         return loss, grads
 
     def engine_batch(self, batch: Batch, cache: dict | None = None) -> tuple:
@@ -232,7 +245,7 @@ class VisionModel:
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=(), on_token=None) -> list[int]:
         """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
-        in one call (each image whole, its block bidirectional), then a token a call; on_token(id), when given,
+        in one call (each image whole, Gemma 3's blocks bidirectional), then a token a call; on_token(id), when given,
         called with each as it comes."""
         ids = np.asarray(input_ids).reshape(-1)
         engine, n = self.model.engine, len(ids)
@@ -258,13 +271,14 @@ class VisionModel:
 
 
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
-    """A Gemma3ForConditionalGeneration folder with its vision tower and projector (float32); `kw` as
-    load_model's. The processor's preprocessor_config.json gives the image preprocessing where the folder has it."""
+    """A Gemma3ForConditionalGeneration, SmolVLMForConditionalGeneration or Idefics3ForConditionalGeneration
+    folder with its vision tower and projector (float32); `kw` as load_model's. The processor's
+    preprocessor_config.json gives the image preprocessing where the folder has it."""
     return attach_vision(load_model(path, backend=backend, **kw), path)
 
 
 def attach_vision(model: Model, path) -> VisionModel:
-    """The VisionModel of a language model loaded already from the Gemma3ForConditionalGeneration folder `path`:
+    """The VisionModel of a language model loaded already from the multimodal folder `path` (load_vision_model's):
     its vision tower and projector read from the folder's weights beside it."""
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())
@@ -274,4 +288,5 @@ def attach_vision(model: Model, path) -> VisionModel:
         tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))
     names = check_vision_tensors(tensors, vision, folder)
     tower = VisionTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
-    return VisionModel(model, tower, vision, ImageSettings.from_folder(folder, vision.image_size))
+    settings = (TileSettings if vision.scale_factor else ImageSettings).from_folder(folder, vision.image_size)
+    return VisionModel(model, tower, vision, settings)

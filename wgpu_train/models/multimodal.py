@@ -16,19 +16,29 @@ log = logging.getLogger("wgpu_train")
 
 WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimodal class -> its text model's
             "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-            "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+            "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+            "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
+            "Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
 # the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
 _TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False,
-                    "Qwen3_5MoeForConditionalGeneration": False}
+                    "Qwen3_5MoeForConditionalGeneration": False, "SmolVLMForConditionalGeneration": False,
+                    "Idefics3ForConditionalGeneration": False}
 # Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
 # PEFT's adapters name now), and the older tree (language_model.model.*, with language_model.lm_head), which
 # hub checkpoints and transformers' save_pretrained still use for the files. Each: (body prefix, head path).
 LIVE = ("model.language_model.", "lm_head")
 OLD = ("language_model.model.", "language_model.lm_head")
-LAYOUTS = (OLD, LIVE)
+TEXT_MODEL = ("model.text_model.", "lm_head")      # SmolVLM's and Idefics3's, in files and module paths alike
+LAYOUTS = (OLD, LIVE, TEXT_MODEL)
 PEFT_ROOT = "base_model.model."
 # beside the tokenizer's: the files of the processor that feeds images (hub gemma-3-*-it folders have them)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
+
+
+def live_layout(wrapper: str) -> tuple:
+    """The layout of a multimodal class's module paths (what PEFT names and matches): SmolVLM's and Idefics3's
+    text_model, the others' language_model."""
+    return TEXT_MODEL if wrapper in ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration") else LIVE
 
 
 def from_wrapper(cls, raw: dict, source: str):
@@ -93,7 +103,8 @@ def language_keys(tensors: dict, where) -> tuple[dict, tuple] | None:
     LoRA outside the language model (PEFT's all-linear or a list of names puts it on the vision tower too) is
     dropped, with a note, where every such module's B is zero: a text-only training leaves it so, and it
     changes nothing. Any other tensor outside the language model is refused."""
-    layout = next((lay for lay in (LIVE, OLD) if any(k.startswith(PEFT_ROOT + lay[0]) for k in tensors)), None)
+    layout = next((lay for lay in (LIVE, OLD, TEXT_MODEL) if any(k.startswith(PEFT_ROOT + lay[0]) for k in tensors)),
+                  None)
     if layout is None:
         return None
     out, dropped = {}, set()
@@ -125,12 +136,12 @@ def live_patterns(patterns: dict, layout) -> dict:
     return {k.replace(re.escape(OLD[0]), re.escape(LIVE[0])).replace(OLD[0], LIVE[0]): v for k, v in patterns.items()}
 
 
-def adapter_key_out(key: str) -> str:
-    """Our adapter key as PEFT names it on the multimodal model (language_keys' inverse, LIVE layout)."""
-    return PEFT_ROOT + outer_path(key[len(PEFT_ROOT):]) if key.startswith(PEFT_ROOT + "model.") else key
+def adapter_key_out(key: str, layout=LIVE) -> str:
+    """Our adapter key as PEFT names it on the multimodal model (language_keys' inverse, `layout`'s paths)."""
+    return PEFT_ROOT + outer_path(key[len(PEFT_ROOT):], layout) if key.startswith(PEFT_ROOT + "model.") else key
 
 
-def target_regex(modules: tuple, layers: tuple | None) -> str:
+def target_regex(modules: tuple, layers: tuple | None, layout=LIVE) -> str:
     """PEFT target_modules selecting `modules` in `layers` (None: all) of the language model only: a regular
     expression on module paths (a list of names would put LoRA on the vision tower's q_proj / v_proj too). Qwen3.5's
     linear-attention modules name their own group (linear_attn.in_proj_qkv)."""
@@ -139,7 +150,7 @@ def target_regex(modules: tuple, layers: tuple | None) -> str:
     plain = [m for m in modules if not m.startswith("linear_attn.")]
     paths = ([rf"(?:self_attn|mlp)\.(?:{'|'.join(plain)})"] if plain else []) + grouped
     body = paths[0] if len(paths) == 1 else f"(?:{'|'.join(paths)})"
-    return re.escape(LIVE[0]) + rf"layers\.{which}\.{body}"
+    return re.escape(layout[0]) + rf"layers\.{which}\.{body}"
 
 
 def carried_tensors(source: dict, names: dict, folder) -> dict:

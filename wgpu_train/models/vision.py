@@ -1,6 +1,7 @@
-"""Gemma 3's vision part as data: the SigLIP tower's and the projector's config (vision_config, mm_tokens_per_image,
-the image token ids), their tensors' names in a checkpoint (either layout) with their shapes, and where an
-image's tokens lie in a token stream (Gemma 3's bidirectional blocks)."""
+"""The vision part of Gemma 3 and of SmolVLM / Idefics3 as data: the SigLIP tower's and the projector's config
+(vision_config; Gemma 3's mm_tokens_per_image and image token ids, SmolVLM's pixel-shuffle scale_factor), their
+tensors' names in a checkpoint (any layout) with their shapes, and where an image's tokens lie in a token stream
+(Gemma 3's bidirectional blocks; SmolVLM's are causal)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,8 @@ from wgpu_train.errors import ConfigError, ModelFileError
 
 # the tower's and the projector's tensors: the old layout (hub files, save_pretrained) and transformers' live one;
 # the hub's files put the tower's own under vision_tower.vision_model., transformers 5 under vision_tower.
-_PREFIXES = (("vision_tower.", "multi_modal_projector."), ("model.vision_tower.", "model.multi_modal_projector."))
+_PREFIXES = (("vision_tower.", "multi_modal_projector."), ("model.vision_tower.", "model.multi_modal_projector."),
+             ("model.vision_model.", "model.connector."))       # SmolVLM's / Idefics3's, its connector our projector
 TOWER = "vision_tower."
 PROJ = "multi_modal_projector."
 _SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -20,13 +22,18 @@ _SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_l
                     "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
 _GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
                     "image_token_index": 262_144}
+SMOLVLM = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
+_SMOLVLM_DEFAULTS = {**_SIGLIP_DEFAULTS, "hidden_size": 1152, "num_attention_heads": 16, "patch_size": 32}
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     """A Gemma3ForConditionalGeneration's vision part: the SigLIP tower (hidden, intermediate, layers, heads,
     channels, image and patch size, the layer norms' eps), the projector's pooled tokens per image, the text
-    model's hidden size it projects to, and the token ids of an image's placeholder, its start and its end."""
+    model's hidden size it projects to, and the token ids of an image's placeholder, its start and its end.
+    SmolVLM's / Idefics3's (scale_factor > 0): the connector's pixel shuffle by scale_factor and its projection;
+    mm_tokens_per_image is then a tile's tokens (image_seq_len), and boi / eoi are -1 (the tokenizer names its
+    image tokens)."""
 
     hidden_size: int
     intermediate_size: int
@@ -41,29 +48,38 @@ class VisionConfig:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
+    scale_factor: int = 0
 
     @classmethod
     def from_config(cls, raw: dict, source: str = "config.json") -> VisionConfig:
         """From a multimodal config.json (raw dict); what the tower's math here does not implement is refused."""
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
-        if arch not in ("Gemma3ForConditionalGeneration", "gemma3"):
-            raise ConfigError(f"{source}: images are not supported for {arch} (Gemma3ForConditionalGeneration only)")
-        v = {**_SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
-        top = {**_GEMMA3_DEFAULTS, **raw}
+        if arch not in ("Gemma3ForConditionalGeneration", "gemma3", *SMOLVLM):
+            raise ConfigError(f"{source}: images are not supported for {arch} (Gemma3ForConditionalGeneration, "
+                              f"{', '.join(SMOLVLM)} only)")
+        v = {**(_SMOLVLM_DEFAULTS if arch in SMOLVLM else _SIGLIP_DEFAULTS), **(raw.get("vision_config") or {})}
         if v["hidden_act"] != "gelu_pytorch_tanh":
             raise ConfigError(f"{source}: not supported: vision_config.hidden_act {v['hidden_act']!r} "
                               f"(gelu_pytorch_tanh only)")
+        if v["hidden_size"] % v["num_attention_heads"]:
+            raise ConfigError(f"{source}: vision_config.hidden_size is not a multiple of its num_attention_heads")
         patches = v["image_size"] // v["patch_size"]
+        tower = (v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"],
+                 v["num_channels"], v["image_size"], v["patch_size"], float(v["layer_norm_eps"]))
+        text = raw.get("text_config") or {}
+        if arch in SMOLVLM:
+            scale = int(raw.get("scale_factor", 2))
+            if scale < 1 or patches % scale:
+                raise ConfigError(f"{source}: scale_factor {scale} does not divide the {patches} x {patches} grid "
+                                  f"of patches")
+            return cls(*tower, (patches // scale) ** 2, int(text.get("hidden_size", 4096)),
+                       int(raw.get("image_token_id", 128_257)), -1, -1, scale)
+        top = {**_GEMMA3_DEFAULTS, **raw}
         side = int(round(top["mm_tokens_per_image"] ** 0.5))
         if side * side != top["mm_tokens_per_image"] or patches % side:
             raise ConfigError(f"{source}: mm_tokens_per_image {top['mm_tokens_per_image']} does not pool a "
                               f"{patches} x {patches} grid of patches evenly")
-        if v["hidden_size"] % v["num_attention_heads"]:
-            raise ConfigError(f"{source}: vision_config.hidden_size is not a multiple of its num_attention_heads")
-        text = raw.get("text_config") or {}
-        return cls(v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"],
-                   v["num_channels"], v["image_size"], v["patch_size"], float(v["layer_norm_eps"]),
-                   int(top["mm_tokens_per_image"]), int(text.get("hidden_size", 2304)),
+        return cls(*tower, int(top["mm_tokens_per_image"]), int(text.get("hidden_size", 2304)),
                    int(top.get("image_token_id", top["image_token_index"])),
                    int(top.get("boi_token_id", top["boi_token_index"])),
                    int(top.get("eoi_token_id", top["eoi_token_index"])))
@@ -76,6 +92,11 @@ class VisionConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens see each other both ways in the text layers (Gemma 3's; SmolVLM's do not)."""
+        return not self.scale_factor
+
 
 def tensor_shapes(vc: VisionConfig) -> dict:
     """{our name: shape} of every tensor of the tower and the projector (the old layout's names)."""
@@ -83,8 +104,12 @@ def tensor_shapes(vc: VisionConfig) -> dict:
     out = {TOWER + "embeddings.patch_embedding.weight": (c, vc.num_channels, vc.patch_size, vc.patch_size),
            TOWER + "embeddings.patch_embedding.bias": (c,),
            TOWER + "embeddings.position_embedding.weight": (vc.patches_per_side ** 2, c),
-           TOWER + "post_layernorm.weight": (c,), TOWER + "post_layernorm.bias": (c,),
-           PROJ + "mm_input_projection_weight": (c, vc.text_hidden_size), PROJ + "mm_soft_emb_norm.weight": (c,)}
+           TOWER + "post_layernorm.weight": (c,), TOWER + "post_layernorm.bias": (c,)}
+    if vc.scale_factor:     # SmolVLM's connector: a projection (no bias) of the shuffled patches
+        out[PROJ + "modality_projection.proj.weight"] = (vc.text_hidden_size, c * vc.scale_factor ** 2)
+    else:
+        out.update({PROJ + "mm_input_projection_weight": (c, vc.text_hidden_size),
+                    PROJ + "mm_soft_emb_norm.weight": (c,)})
     for i in range(vc.num_layers):
         p = f"{TOWER}encoder.layers.{i}."
         for norm in ("layer_norm1", "layer_norm2"):
@@ -121,12 +146,13 @@ def check_vision_tensors(tensors: dict, vc: VisionConfig, folder) -> dict:
     return names
 
 
-def image_blocks(ids, image_token_id: int) -> np.ndarray:
+def image_blocks(ids, image_token_id: int, bidirectional: bool = True) -> np.ndarray:
     """ids (B, T) -> (B, T) int32: each run of image tokens its own block number (0, 1, ... per row), -1 for text;
     the tokens of one block see each other both ways in Gemma 3's text layers (transformers'
-    get_block_sequence_ids_for_mask)."""
+    get_block_sequence_ids_for_mask). Not bidirectional (SmolVLM): each image token a block of its own, which
+    leaves the attention plainly causal."""
     is_image = np.asarray(ids) == image_token_id
-    starts = is_image & ~np.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    starts = is_image & ~np.pad(is_image, ((0, 0), (1, 0)))[:, :-1] if bidirectional else is_image
     return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)
 
 
@@ -136,7 +162,8 @@ VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
 
 def vision_targets(targets) -> list:
     """The LoRA target_modules among `targets` that name the vision tower or the projector."""
-    return [t for t in targets if t in VISION_TARGETS or "vision_tower" in t or "multi_modal_projector" in t]
+    return [t for t in targets if t in VISION_TARGETS or any(
+        part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector"))]
 
 
 def tower_lora_path(key: str) -> str | None:
@@ -148,15 +175,21 @@ def tower_lora_path(key: str) -> str | None:
     return next((o for o in ours if o.startswith(TOWER + "encoder.")), None)
 
 
-def tower_lora_key(path: str, which: str) -> str:
-    """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's Gemma3ForConditionalGeneration."""
-    return f"base_model.model.model.{path}.lora_{which}.weight"
+def _tower_module(vc: VisionConfig) -> str:
+    """The tower's module path on the multimodal model (transformers 5's): Gemma 3's or SmolVLM's."""
+    return "model.vision_model." if vc.scale_factor else "model.vision_tower."
 
 
-def tower_target_regex(modules) -> str:
+def tower_lora_key(path: str, which: str, vc: VisionConfig) -> str:
+    """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's multimodal class of `vc`."""
+    return f"base_model.model.{_tower_module(vc)}{path.removeprefix(TOWER)}.lora_{which}.weight"
+
+
+def tower_target_regex(modules, vc: VisionConfig) -> str:
     """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
-    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's Gemma3ForConditionalGeneration."""
-    return r"model\.vision_tower\.encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules) + ")"
+    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's multimodal class of `vc`."""
+    return (re.escape(_tower_module(vc)) + r"encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules)
+            + ")")
 
 
 def tower_parameters(vc: VisionConfig) -> int:
@@ -166,8 +199,8 @@ def tower_parameters(vc: VisionConfig) -> int:
     h, i = vc.hidden_size, vc.intermediate_size
     patches = (vc.image_size // vc.patch_size) ** 2
     layer = 4 * h + 4 * (h * h + h) + (h * i + i) + (i * h + h)
-    return (vc.num_channels * vc.patch_size ** 2 * h + h + patches * h + vc.num_layers * layer + 2 * h
-            + h + h * vc.text_hidden_size)
+    projector = h * vc.scale_factor ** 2 * vc.text_hidden_size if vc.scale_factor else h + h * vc.text_hidden_size
+    return vc.num_channels * vc.patch_size ** 2 * h + h + patches * h + vc.num_layers * layer + 2 * h + projector
 
 
 def tower_activation_values(vc: VisionConfig, images: int, trained: bool) -> int:

@@ -33,16 +33,13 @@ def chat_prompt_ids(tokenizer, messages: list, style: PromptStyle) -> list[int]:
 def image_chat_prompt_ids(tokenizer, vision, messages: list, style: PromptStyle, n_images: int) -> list[int]:
     """The ids asking for the answer after `messages` whose contents list {"type": "image"} parts: the chat
     template's prompt, each image's placeholder expanded to the vision model's (VisionModel) image tokens."""
-    from wgpu_train.data.vision_records import ImageSpan, vision_chat_ids
+    from wgpu_train.data.vision_records import vision_chat_ids
 
     if not style.chat_template:
         raise ApiError(400, "images need the chat template, and this model is served without it", "messages",
                        "images_not_supported")
-    vc = vision.vision
     try:
-        span = ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id,
-                                  vc.mm_tokens_per_image)
-        return vision_chat_ids(tokenizer, messages, n_images, span)
+        return vision_chat_ids(tokenizer, messages, n_images, vision.image_span(tokenizer))
     except WgpuTrainError as e:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
 

@@ -122,14 +122,14 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
 
 
 def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer, max_seq_len: int) -> Examples:
-    """TRL's vision records (data/vision_records.py; the embedded image demo's with images_demo) of a Gemma 3 model
-    folder, split and tokenized: each image's
+    """TRL's vision records (data/vision_records.py; the embedded image demo's with images_demo) of a Gemma 3 or SmolVLM
+    model folder, split and tokenized: each image's
     placeholder expanded as the processor expands it, a row cut inside or before an image dropped and counted.
     The options that do not apply to them refused in one line."""
     import json
 
     from wgpu_train.data.vision_demo import image_demo_splits
-    from wgpu_train.data.vision_records import ImageSpan, tokenize_vision_dataset, vision_splits
+    from wgpu_train.data.vision_records import model_image_span, tokenize_vision_dataset, vision_splits
     from wgpu_train.models.vision import VisionConfig
 
     for flag, value in (("--pack", cfg.pack), ("--train-on-last-turn", cfg.train_on_last_turn),
@@ -138,7 +138,7 @@ def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer,
             raise ConfigError(f"{flag} is not supported with images yet")
     where = Path(model_dir) / "config.json"
     vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
-    span = ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
+    span = model_image_span(tokenizer, vc, model_dir)
     s = image_demo_splits() if cfg.images_demo else vision_splits(data_path, cfg.valid_split, cfg.seed)
     (train, ts), (valid, vs) = (tokenize_vision_dataset(tokenizer, r, span, max_seq_len) for r in (s.train, s.valid))
     return Examples(tokenizer, s, max_seq_len, train, valid, 0, ts.n_truncated + vs.n_truncated,

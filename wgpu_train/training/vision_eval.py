@@ -2,7 +2,7 @@
 VisionModel (its images before that turn in its prompt) and compared as evaluate.exact_match compares."""
 from __future__ import annotations
 
-from wgpu_train.data.vision_records import ImageSpan, vision_chat_ids, vision_messages
+from wgpu_train.data.vision_records import vision_chat_ids, vision_messages
 from wgpu_train.training.evaluate import answer_text
 
 
@@ -11,8 +11,7 @@ def image_exact_match(vision, tokenizer, records: list, max_new_tokens: int = 64
     """evaluate.exact_match's result ({"exact_match", "correct", "n", "skipped_too_long", "skipped_invalid",
     "samples"}) over TRL vision records, one greedy answer at a time (VisionModel.generate); a prompt that leaves
     no room for the reference's tokens and an end token is skipped and counted."""
-    vc = vision.vision
-    span = ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id, vc.mm_tokens_per_image)
+    span = vision.image_span(tokenizer)
     positions = vision.model.config.max_position_embeddings
     stops = tuple(tokenizer.stop_token_ids)
     correct = n = skipped = 0

@@ -1,7 +1,8 @@
-"""Gemma 3's SigLIP vision tower and projector on the NumPy engine: the patch embedding as a GEMM over unfolded
-patches, position embeddings, bidirectional encoder layers, the post-layernorm, then the projector (average pool to
-mm_tokens_per_image, the soft-embedding RMSNorm, the projection); frozen, or with LoRA on the encoder's linear
-modules, whose gradients the backward from the image embeddings' gradient gives."""
+"""The SigLIP vision tower and projector on the NumPy engine: the patch embedding as a GEMM over unfolded
+patches, position embeddings, bidirectional encoder layers, the post-layernorm, then Gemma 3's projector (average
+pool to mm_tokens_per_image, the soft-embedding RMSNorm, the projection) or SmolVLM's connector (pixel shuffle, the
+projection); frozen, or with LoRA on the encoder's linear modules (Gemma 3's), whose gradients the backward from
+the image embeddings' gradient gives."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,6 +42,23 @@ def unfold_patches(pixels, patch: int):
     gh, gw = h // patch, w // patch
     x = pixels[:, :, :gh * patch, :gw * patch].reshape(n, c, gh, patch, gw, patch)
     return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * patch * patch)
+
+
+def pixel_shuffle(x, scale: int):
+    """SmolVLM's connector's shuffle: x (N, P, C) over a square grid of P patches -> (N, P / scale^2, C * scale^2),
+    each output token the scale x scale block of patches beside each other (transformers' pixel_shuffle)."""
+    n, p, c = x.shape
+    side = int(round(p ** 0.5))
+    x = x.reshape(n, side // scale, scale, side // scale, scale, c)        # (N, row block, dy, col block, dx, C)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(n, p // scale ** 2, scale * scale * c)
+
+
+def pixel_unshuffle(x, scale: int):
+    """pixel_shuffle's inverse (its backward): x (N, P / scale^2, C * scale^2) -> (N, P, C)."""
+    n, m, cs = x.shape
+    side, c = int(round(m ** 0.5)), cs // (scale * scale)
+    x = x.reshape(n, side, side, scale, scale, c)                          # (N, row block, col block, dy, dx, C)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(n, m * scale * scale, c)
 
 
 def bidirectional_attention_forward(q, k, v):
@@ -144,6 +162,8 @@ class VisionTower:
     def project(self, hidden, cache=None):
         """The projector: hidden (N, P, C) -> (N, mm_tokens_per_image, text hidden)."""
         vc = self.vc
+        if vc.scale_factor:     # SmolVLM's connector
+            return pixel_shuffle(hidden, vc.scale_factor) @ self.w[PROJ + "modality_projection.proj.weight"].T
         n, side = hidden.shape[0], vc.patches_per_side
         s = int(round(vc.mm_tokens_per_image ** 0.5))
         pooled = hidden.reshape(n, s, side // s, s, side // s, -1).mean(axis=(2, 4))        # (N, s, s, C)
@@ -163,14 +183,8 @@ class VisionTower:
         the tower's LoRA; the ops in reverse order of forward's."""
         vc, w, n, t = self.vc, self.w, cache["n"], cache["t"]
         grads: dict = {}
-        dn = dout.reshape(-1, dout.shape[-1]) @ w[PROJ + "mm_input_projection_weight"].T      # (N*M, C)
-        dpooled, _ = ops.rmsnorm_backward(dn, cache["pooled"], w[PROJ + "mm_soft_emb_norm.weight"],
-                                          cache["rstd_soft"], 1.0)
-        s, side = int(round(vc.mm_tokens_per_image ** 0.5)), vc.patches_per_side
-        k = side // s
-        dy = np.broadcast_to((dpooled / (k * k)).reshape(n, s, 1, s, 1, -1), (n, s, k, s, k, vc.hidden_size))
-        dx = layernorm_backward(dy.reshape(n * t, -1), cache["x_last"], w[TOWER + "post_layernorm.weight"],
-                                cache["rstd_post"])
+        dx = layernorm_backward(self._project_backward(dout, cache), cache["x_last"],
+                                w[TOWER + "post_layernorm.weight"], cache["rstd_post"])
         for i in reversed(range(vc.num_layers)):
             p, c = f"{TOWER}encoder.layers.{i}.", cache["layers"][i]
             dg = self._linear_backward(dx, p + "mlp.fc2", c, grads)
@@ -182,3 +196,18 @@ class VisionTower:
                      for d, m in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj")))
             dx = dx + layernorm_backward(dh, c["x"], w[p + "layer_norm1.weight"], c["rstd1"])
         return grads
+
+    def _project_backward(self, dout, cache):
+        """The projector's backward: the image embeddings' gradient (N, M, text C) -> the post-layernorm
+        output's (N*P, C)."""
+        vc, w, n = self.vc, self.w, cache["n"]
+        if vc.scale_factor:
+            d = dout @ w[PROJ + "modality_projection.proj.weight"]                            # (N, M, C*s*s)
+            return pixel_unshuffle(d, vc.scale_factor).reshape(-1, vc.hidden_size)
+        dn = dout.reshape(-1, dout.shape[-1]) @ w[PROJ + "mm_input_projection_weight"].T      # (N*M, C)
+        dpooled, _ = ops.rmsnorm_backward(dn, cache["pooled"], w[PROJ + "mm_soft_emb_norm.weight"],
+                                          cache["rstd_soft"], 1.0)
+        s, side = int(round(vc.mm_tokens_per_image ** 0.5)), vc.patches_per_side
+        k = side // s
+        dy = np.broadcast_to((dpooled / (k * k)).reshape(n, s, 1, s, 1, -1), (n, s, k, s, k, vc.hidden_size))
+        return dy.reshape(n * cache["t"], -1)

@@ -12,7 +12,7 @@ class ImageTokens:
     """blocks (B, T) int32: each image token's block number (models/vision.image_blocks), -1 for text; embeds
     (n, C): the image tokens' embeddings in the batch's row-major order, n the count of blocks >= 0. They
     replace the embedding rows there (unscaled: the projector's output is the text stream's), and each block's
-    tokens see each other both ways in the attention."""
+    tokens see each other both ways in the attention (SmolVLM's: each token a block of its own, plainly causal)."""
 
     blocks: np.ndarray
     embeds: np.ndarray

@@ -1,0 +1,260 @@
+"""SmolVLM with images, records and the CLI: TRL's vision records tokenized as SmolVLMProcessor does (its tiles'
+prompt, token for token), a train step's LoRA gradients against PEFT, and `generate --image` against transformers'
+greedy answer; what is not supported refused in one line."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from wgpu_train.errors import DataError
+
+from finetune_helpers import peft_random_b
+from test_smolvlm import SIDE, Image, images, load_vision_model, peft, processor, tf, tiny_config, torch
+from tolerances import assert_close
+
+TEMPLATE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>",
+                     "<global-img>", "<image>"] + [f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]
+IMAGE = 5       # <image>'s id
+
+
+def vision_records():
+    red, blue = Image.new("RGB", (30, 20), (255, 0, 0)), Image.new("RGB", (9, 31), (0, 0, 255))
+    return [
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+                      {"role": "user", "content": [{"type": "text", "text": "and this"}, {"type": "image"}]},
+                      {"role": "assistant", "content": "blue"}], "images": [red, blue]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "describe the picture"},
+                                                   {"type": "image"}]},
+                      {"role": "assistant", "content": "green squares"}], "images": [images(1, seed=7)[0]]},
+        {"messages": [{"role": "user", "content": "no picture here"},
+                      {"role": "assistant", "content": "red blue"}], "images": []},
+    ]
+
+
+@pytest.fixture(scope="module")
+def chat_vlm(tmp_path_factory):
+    """A tiny SmolVLM whose vocabulary is a BPE tokenizer's with SmolVLM's image tokens and its chat template, and
+    SmolVLMProcessor's steps over the same files (TransformersProcessor)."""
+    from bpe import train_bpe
+    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("smolvlm_chat")
+    tok = train_bpe(["User what colour is it? Assistant red blue green", "describe the picture and this squares",
+                     "no picture here"], 220, TEMPLATE_SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<end_of_utterance>", "pad_token": "<|endoftext|>",
+        "chat_template": DEFAULT_CHAT_TEMPLATE}))
+    torch.manual_seed(1)
+    cfg = tiny_config()
+    cfg.image_token_id = IMAGE
+    cfg.text_config.vocab_size = tok.get_vocab_size()
+    cfg.text_config.eos_token_id = 2
+    cfg.text_config.max_position_embeddings = 512      # a chat's two turns with an image's ten tiles
+    hf = tf.SmolVLMForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(folder)
+    processor().save_pretrained(folder)
+    return hf, folder, TransformersProcessor(folder)
+
+
+class TransformersProcessor:
+    """SmolVLMProcessor's steps for images and text, from transformers' own parts (the processor class itself
+    also wants a video processor, which needs torchvision): the image processor's tiles with their rows and cols,
+    each <image> of the text replaced by get_image_prompt_string, the tokenizer's ids."""
+
+    def __init__(self, folder):
+        self.tokenizer = tf.AutoTokenizer.from_pretrained(folder)
+        self.images = processor()
+
+    def apply_chat_template(self, messages, **kw):
+        return self.tokenizer.apply_chat_template(messages, **kw)
+
+    def __call__(self, text, images=None, return_tensors="np"):
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        out = {}
+        if images:
+            px = self.images(images=images, return_tensors=return_tensors, return_row_col_info=True)
+            parts = text[0].split("<image>")
+            grids = list(zip(px["rows"][0], px["cols"][0]))
+            assert len(parts) == len(grids) + 1
+            prompts = [get_image_prompt_string(r, c, 4, "<fake_token_around_image>", "<image>", "<global-img>")
+                       for r, c in grids]
+            text = [parts[0] + "".join(e + p for e, p in zip(prompts, parts[1:]))]
+            out["pixel_values"] = px["pixel_values"]
+        out["input_ids"] = self.tokenizer(text, return_tensors=return_tensors)["input_ids"]
+        return out
+
+
+def our_examples(folder, max_seq_len=400):
+    from wgpu_train.data.vision_records import model_image_span, tokenize_vision_dataset
+    from wgpu_train.formats.tokenizer import load_tokenizer
+    from wgpu_train.models.vision import VisionConfig
+
+    tok = load_tokenizer(folder)
+    vc = VisionConfig.from_config(json.loads((folder / "config.json").read_text()))
+    return tokenize_vision_dataset(tok, vision_records(), model_image_span(tok, vc, folder), max_seq_len), tok
+
+
+def test_records_tokenize_as_the_processor_does(chat_vlm):
+    """TRL's vision records: input_ids and pixel_values equal SmolVLMProcessor's over the chat template's text
+    (each image its tiles' prompt); labels only on the assistant's turns, never on an image's tokens."""
+    _, folder, proc = chat_vlm
+    (examples, stats), tok = our_examples(folder)
+    assert stats.n_examples == 3 and stats.n_cut_in_image == 0
+    vm = load_vision_model(folder)
+    for ex, rec in zip(examples, vision_records()):
+        text = proc.apply_chat_template(rec["messages"], tokenize=False)
+        want = proc(text=[text], images=[rec["images"]] if rec["images"] else None, return_tensors="np")
+        np.testing.assert_array_equal(ex.input_ids, want["input_ids"][0])
+        if rec["images"]:
+            np.testing.assert_array_equal(vm.pixel_values(ex.images), want["pixel_values"][0])
+        assert not set(ex.labels[ex.labels >= 0].tolist()) & set(range(3, len(TEMPLATE_SPECIALS)))
+    assert (examples[0].input_ids == IMAGE).sum() == 4 * (2 * 3 + 1 + 3 * 1 + 1)    # 2 x 3 and 3 x 1 tiles, globals
+    assert tok.decode(examples[0].labels[examples[0].labels >= 0].tolist(), skip_special_tokens=False) == \
+        " red<end_of_utterance> blue<end_of_utterance>"
+
+
+def test_a_row_cut_inside_an_image_is_dropped(chat_vlm):
+    _, folder, _ = chat_vlm
+    (full, _), _ = our_examples(folder)
+    cut_at = int(np.flatnonzero(full[0].input_ids == IMAGE)[-1])      # inside record 0's second image
+    (examples, stats), _ = our_examples(folder, max_seq_len=cut_at)
+    assert stats.n_cut_in_image == 1 and [len(e.images) for e in examples] == [1, 0]
+
+
+def test_train_step_with_images_gives_pefts_gradients(chat_vlm, tmp_path):
+    """One step over two micro-batches of tokenized records (one without images): the loss and token-weighted
+    LoRA gradients equal PEFT's over the whole batch; the step moves the adapter."""
+    from wgpu_train.engines.protocol import OptimizerParams
+
+    hf, folder, _ = chat_vlm
+    (examples, _), _ = our_examples(folder)
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*text_model.*\.(q_proj|o_proj|up_proj)", lora_dropout=0.0)), 3)
+    t = max(len(e.input_ids) for e in examples)
+    ids = np.zeros((3, t), np.int64)
+    labels = np.full((3, t), -100)
+    for i, e in enumerate(examples):
+        ids[i, :len(e.input_ids)], labels[i, :len(e.input_ids)] = e.input_ids, e.labels
+    vm = load_vision_model(folder)
+    tiles = [vm.pixel_values(e.images) for e in examples]
+    px = np.zeros((3, max(len(x) for x in tiles), 3, SIDE, SIDE), np.float32)   # the processor's zero padding
+    for i, x in enumerate(tiles):
+        px[i, :len(x)] = x
+    out = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor((ids != 0).astype(np.int64)),
+             pixel_values=torch.tensor(px), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {n.replace(".default", "").replace("model.text_model.", "model."): p.grad.numpy()
+                for n, p in pm.named_parameters() if p.requires_grad}
+    pm.save_pretrained(tmp_path / "a")
+    vm.model.load_adapter(tmp_path / "a")
+    before = {k: v.copy() for k, v in vm.model.lora_state_dict().items()}
+    seen = []
+
+    def reduce(flat, total):
+        seen.append(flat.copy())
+        return flat
+    loss_sum, count, _, applied = vm.train_step([examples[:2], examples[2:]], OptimizerParams(lr=1e-3), 1, reduce)
+    assert applied and count == int((labels[:, 1:] != -100).sum())
+    assert_close(np.float64(loss_sum / count), out.loss.item(), "loss_f32", "step loss")
+    shapes = vm.model.engine.gradients()
+    offsets = np.cumsum([0] + [g.size for g in shapes.values()])
+    grads = vm.model._public_grad_names({k: seen[0][a:b].reshape(g.shape) for (k, g), a, b in
+                                         zip(shapes.items(), offsets[:-1], offsets[1:])})
+    assert set(grads) == set(expected)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+    assert any(np.abs(v - before[k]).max() > 1e-4 for k, v in vm.model.lora_state_dict().items())
+
+
+def test_adapter_files_load_in_peft(chat_vlm, tmp_path):
+    """An adapter of SmolVLM's language model saved by us in PEFT's names (model.text_model): PEFT loads it, and its
+    logits with an image equal ours and the original PEFT model's."""
+    hf, folder, _ = chat_vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=r".*text_model.*\.(q_proj|down_proj)", lora_dropout=0.0)), 5)
+    pm.save_pretrained(tmp_path / "peft")
+    vm = load_vision_model(folder)
+    vm.model.load_adapter(tmp_path / "peft")
+    vm.save_adapter(tmp_path / "ours")
+    raw = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert raw["target_modules"].startswith(r"model\.text_model\.layers")
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()
+    img = images(1, seed=4)
+    n = len(vm.pixel_values(img))
+    ids = np.array([[7, *[IMAGE] * (4 * n), 8, 9]])
+    px = torch.tensor(vm.pixel_values(img)[None])
+    with torch.no_grad():
+        want, first = (m(input_ids=torch.tensor(ids), pixel_values=px).logits.numpy() for m in (again, pm))
+    assert_close(want, first, "logits_f32", "PEFT's adapter and ours in PEFT")
+    assert_close(vm.logits(ids, img), want, "logits_f32", "adapter in PEFT")
+
+
+def test_cli_generate_with_an_image_matches_transformers(chat_vlm, tmp_path, capsys):
+    """`generate --image`: the processor's prompt (chat template, the image's tiles expanded), transformers'
+    greedy answer token for token."""
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    hf, folder, proc = chat_vlm
+    img = images(1, seed=9)[0]
+    img.save(tmp_path / "x.png")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]}]
+    text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = proc(text=[text], images=[[img]], return_tensors="pt")
+    tok = load_tokenizer(folder)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=list(tok.stop_token_ids),
+                          pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    want = tok.decode([t for t in out if t not in tok.stop_token_ids])
+    assert want.strip()
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour is it?", "--image",
+                 str(tmp_path / "x.png"), "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_gemma_span_maker_refuses_smolvlm_in_one_line(chat_vlm):
+    from wgpu_train.data.vision_records import ImageSpan
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    _, folder, _ = chat_vlm
+    with pytest.raises(DataError, match="finetune with SmolVLM's images, which expand by their tiles") as e:
+        ImageSpan.from_ids(load_tokenizer(folder), -1, IMAGE, -1, 4)
+    assert "\n" not in str(e.value)
+
+
+def test_chat_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypatch, capsys):
+    """`chat` with /image on SmolVLM: the first turn generate --image's answer; the next turn the greedy answer to
+    the whole conversation, the first image's tiles in it. `serve` takes its language model alone (a warning)."""
+    import io
+
+    from wgpu_train.cli.main import main
+    from wgpu_train.cli.vision import vision_of
+    from wgpu_train.data.vision_records import vision_chat_ids
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    _, folder, _ = chat_vlm
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour is it?", "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour is it?\ndescribe the picture\n"))
+    assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "5"]) == 0
+    answers = capsys.readouterr().out.split("\n")[:-1]       # an answer may hold a carriage return
+    assert answers[0] == want and len(answers) == 2
+    vm, tok = load_vision_model(folder), load_tokenizer(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]},
+                {"role": "assistant", "content": answers[0]}, {"role": "user", "content": "describe the picture"}]
+    ids = vision_chat_ids(tok, messages, 1, vm.image_span(tok), [path])
+    new = vm.generate(ids, [path], 5, tuple(tok.stop_token_ids))
+    assert answers[1] == tok.decode([t for t in new if t not in tok.stop_token_ids])
+    assert vision_of(vm.model, folder) is None and vision_of(vm.model, folder, tiled=True) is not None
