@@ -221,14 +221,24 @@ def test_cli_generate_with_an_image_matches_transformers(chat_vlm, tmp_path, cap
     assert capsys.readouterr().out == want + "\n"
 
 
-def test_gemma_span_maker_refuses_smolvlm_in_one_line(chat_vlm):
-    from wgpu_train.data.vision_records import ImageSpan
-    from wgpu_train.formats.tokenizer import load_tokenizer
+def test_cli_finetune_on_smolvlm_images(chat_vlm, tmp_path, capsys):
+    """`finetune --data` of TRL's vision records on SmolVLM runs the main Trainer with its tiles' span (the step's
+    gradients are checked against PEFT above): every record and image trained, and the adapter it writes loads in
+    PEFT with trained B matrices."""
+    from test_gemma3_vision_training import write_vision_data
+    from wgpu_train.cli.main import main
 
-    _, folder, _ = chat_vlm
-    with pytest.raises(DataError, match="finetune with SmolVLM's images, which expand by their tiles") as e:
-        ImageSpan.from_ids(load_tokenizer(folder), -1, IMAGE, -1, 4)
-    assert "\n" not in str(e.value)
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "2",
+                 "--batch-size", "3", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj", "--no-progress",
+                 "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["images"] == 3 and summary["n_train"] == 3
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out)
+    assert any(np.abs(p.detach().numpy()).max() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
 
 
 def test_chat_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypatch, capsys):
