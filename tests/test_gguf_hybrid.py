@@ -237,3 +237,53 @@ def test_dense_qwen3_next_is_refused(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and "llama.cpp's qwen3next has routed experts and a shared expert in every layer" in err[-1]
     assert not (tmp_path / "m").exists()
+
+
+def lfm2_moe_model(root, **changes):
+    """A tiny LFM2-MoE (test_lfm2_moe's: layer 0 dense, 1-2 sparse, a random expert bias) with a tokenizer, and a
+    PEFT adapter on both layer kinds, the dense MLP and every expert; routed_scaling_factor 1, as llama.cpp runs it."""
+    from test_lfm2_moe import EXPERTS, TARGETS, build
+
+    vocab = build_tokenizer(root / "model")
+    hf = build(**{"vocab_size": vocab, "routed_scaling_factor": 1.0, **changes})
+    model, adapter, _ = peft_merged(hf, TARGETS, root, target_parameters=EXPERTS)
+    return model, adapter, hf.config
+
+
+def test_lfm2_moe_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path):
+    """lfm2moe: the converter's LFM2 rules, each sparse layer's experts stacked from the hub's w1 / w3 / w2, the
+    router as ffn_gate_inp, expert_bias as exp_probs_b.bias, and leading_dense_block_count / expert_gating_func
+    (sigmoid); a routed_scaling_factor other than 1 (llama.cpp's lfm2moe reads none) is one line."""
+    model, adapter, c = lfm2_moe_model(tmp_path)
+    merged, out = tmp_path / "merged", tmp_path / "lfm2moe.gguf"
+    assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(merged),
+                 "--gguf", str(out), "--gguf-type", "f32"]) == 0
+    got, fields, _ = _read(out)
+    stored = {k: v.astype(np.float32) for k, v in read_safetensors(merged / "model.safetensors").items()}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE, c.num_hidden_layers)
+    want = {"output.weight": stored.pop("lm_head.weight")}
+    for i in (1, 2):
+        for proj, exps in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            keys = [f"model.layers.{i}.feed_forward.experts.{e}.{proj}.weight" for e in range(c.num_experts)]
+            want[f"blk.{i}.ffn_{exps}_exps.weight"] = np.stack([stored.pop(k) for k in keys])
+        want[f"blk.{i}.exp_probs_b.bias"] = stored.pop(f"model.layers.{i}.feed_forward.expert_bias")
+    for name, w in stored.items():
+        want[names.get_name(name, try_suffixes=(".weight",))] = w[:, 0, :] if name.endswith("conv.conv.weight") else w
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert np.array_equal(got[name], w), name
+    assert fields["general.architecture"] == "lfm2moe"
+    assert fields["lfm2moe.leading_dense_block_count"] == 1 and fields["lfm2moe.expert_gating_func"] == 2
+    assert fields["lfm2moe.expert_count"] == 5 and fields["lfm2moe.expert_used_count"] == 2
+    assert fields["lfm2moe.expert_feed_forward_length"] == 23 and fields["lfm2moe.feed_forward_length"] == 45
+    assert list(fields["lfm2moe.attention.head_count_kv"]) == [0, 1, 0]
+
+
+def test_lfm2_moe_with_a_routed_scale_is_refused(tmp_path, capsys):
+    model, adapter, _ = lfm2_moe_model(tmp_path, routed_scaling_factor=1.7)
+    code = main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(tmp_path / "m"),
+                 "--gguf", str(tmp_path / "x.gguf")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and err[-1] == ("error: --gguf: llama.cpp's lfm2moe does not scale the experts' weights; this "
+                                     "model's routed_scaling_factor is 1.7"), err
+    assert not (tmp_path / "m").exists()
