@@ -162,7 +162,7 @@ def test_hybrid_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path, kind
             assert fields[f"{arch}.full_attention_interval"] == 2
             assert fields[f"{arch}.rope.dimension_count"] == 4        # partial_rotary_factor 0.5 of head_dim 8
         if kind in ("qwen3_5", "qwen3_5_moe"):
-            assert list(fields[f"{arch}.rope.dimension_sections"]) == [11, 11, 10, 0]
+            assert list(fields[f"{arch}.rope.dimension_sections"]) == [1, 1, 0, 0]      # all 2 rotated pairs
         if kind in ("qwen3_next", "qwen3_5_moe"):
             assert fields[f"{arch}.expert_count"] == 4 and fields[f"{arch}.expert_used_count"] == 2
             assert fields[f"{arch}.expert_feed_forward_length"] == 11

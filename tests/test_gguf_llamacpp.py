@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from test_gguf import _model_and_adapter as dense_model
-from test_gguf_hybrid import _model as hybrid_model
+from test_gguf_hybrid import _model as hybrid_model, lfm2_moe_model
 from test_gguf_moe import _model_and_adapter as moe_model
 from tolerances import assert_close
 from wgpu_train.cli.main import main
@@ -22,7 +22,8 @@ IDS = [1, 5, 9, 2, 7, 11, 3, 4, 30, 8]
 GGML_F32 = 0               # ggml_type of the KV cache: float32, so that the f32 file's check has no f16 rounding
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
-HYBRID = ("smollm3", "lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+DELTANET = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+HYBRID = ("smollm3", "lfm2", "lfm2_moe", *DELTANET)
 
 
 def llama_cpp_logits(path, ids) -> np.ndarray:
@@ -51,6 +52,10 @@ def _build(root, kind):
         folder, adapter, _ = dense_model(root, kind)
     elif kind in MOE:
         folder, adapter = moe_model(root, kind)
+    elif kind == "lfm2_moe":
+        folder, adapter, _ = lfm2_moe_model(root)
+    elif kind in DELTANET:        # llama.cpp's Gated DeltaNet takes value heads as wide as key heads (6)
+        folder, adapter, _ = hybrid_model(root, kind, linear_value_head_dim=6)
     else:
         folder, adapter, _ = hybrid_model(root, kind)
     return folder, adapter

@@ -164,7 +164,10 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # llama.cpp's llama (Mixtral) and olmoe graphs size their experts by feed_forward_length (no expert width key
+    # is read), as the converter writes Mixtral's and OLMoE's intermediate_size, their experts' width
+    experts_by_ffn = config.moe is not None and arch in ("llama", "olmoe")
+    writer.add_feed_forward_length(config.moe.expert_size if experts_by_ffn else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(head_count_kv(config, arch))
     writer.add_key_length(config.head_dim)

@@ -17,7 +17,6 @@ LIQUID = ("lfm2", "lfm2moe")                        # llama.cpp's short-convolut
 DELTANET = ("qwen3next", "qwen35", "qwen35moe")     # llama.cpp's Gated DeltaNet architectures
 TILED_V = ("qwen35", "qwen35moe")                   # those whose converter tiles the value heads
 SMOLLM3_NOPE_STEP = 4            # llama.cpp's smollm3 graph: layer i has no RoPE when (i + 1) % 4 == 0
-QWEN35_MROPE_SECTIONS = [11, 11, 10, 0]   # the converter's default rope.dimension_sections for qwen35
 # llama.cpp tensors its converter keeps in float32 whatever the file type (the convolutions, the routers)
 F32_SUFFIXES = ("ssm_conv1d.weight", "shortconv.conv.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
@@ -44,6 +43,11 @@ def check_hybrid(config: ModelConfig, arch: str):
         raise ConfigError(f"--gguf: llama.cpp's {arch} has no sliding window; this model uses one")
     if arch in DELTANET:
         attention_interval(config)
+        spec = config.linear_attention       # llama.cpp sizes the value heads by ssm.state_size (the key head dim)
+        if spec.value_dim != spec.key_dim:
+            raise ConfigError(f"--gguf: llama.cpp's {arch} takes the linear attention's value heads as wide as its key "
+                              f"heads; this model's are {spec.value_dim} and {spec.key_dim} (linear_value_head_dim, "
+                              "linear_key_head_dim)")
     if arch in ("qwen3next", "qwen35moe") and (config.moe is None or not config.moe.shared_expert_size):
         raise ConfigError(f"--gguf: llama.cpp's {arch} has routed experts and a shared expert in every layer; this "
                           "model has " + ("no experts" if config.moe is None else "no shared expert"))
@@ -63,6 +67,16 @@ def head_count_kv(config: ModelConfig, arch: str):
 def rope_dimension_count(config: ModelConfig) -> int:
     """rope.dimension_count: the dims of each head that RoPE rotates (Qwen3.5 / Qwen3-Next's partial rotary)."""
     return config.rotary_dim or config.head_dim
+
+
+def default_sections(rotary_dims: int) -> list:
+    """rope.dimension_sections for a config without mrope_section: the rotated pairs split t, h, w as the
+    converter's default [11, 11, 10] splits Qwen3.5's 32 (64 rotary dims). llama.cpp's M-RoPE rotates a pair beyond
+    the sections by the fourth position, 0 for text, and asserts that they fit the head; text gives t, h and w the
+    same position, so any split of all the pairs rotates as transformers does."""
+    pairs = rotary_dims // 2
+    third = -(-pairs // 3)
+    return [third, third, pairs - 2 * third]
 
 
 def add_hybrid_fields(writer, config: ModelConfig, arch: str):
@@ -85,7 +99,7 @@ def add_hybrid_fields(writer, config: ModelConfig, arch: str):
         writer.add_full_attention_interval(attention_interval(config))
     if arch in TILED_V:
         rope = config.raw.get("rope_parameters") or config.raw.get("rope_scaling") or {}
-        sections = list(rope.get("mrope_section") or QWEN35_MROPE_SECTIONS)
+        sections = list(rope.get("mrope_section") or default_sections(rope_dimension_count(config)))
         writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
 
 
