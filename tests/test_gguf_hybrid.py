@@ -1,6 +1,7 @@
 """merge --gguf of the hybrid families: every tensor the gguf package reads back equals what llama.cpp's converter's
 rules (written out here from its convert_hf_to_gguf.py: LFM2's squeezed shortconv, Qwen3.5's tiled value heads,
-Qwen3-Next's split in_proj_qkvz, ssm_a = -exp(A_log), 1 + the zero-centred norms, SmolLM3's permuted q / k) give from
+Qwen3-Next's split in_proj_qkvz, ssm_a = -exp(A_log), 1 + the zero-centred norms, SmolLM3's permuted q / k, LFM2-MoE's
+stacked experts and exp_probs_b) give from
 the merged folder, with their metadata; transformers' GGUF loader (which reads lfm2) gives the merged LFM2's logits;
 what llama.cpp's graphs cannot run is one line before anything is written."""
 from __future__ import annotations
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 ARCH = {"lfm2": "lfm2", "smollm3": "smollm3", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
         "qwen3_5_moe": "qwen35moe"}
+# llama.cpp's Gated DeltaNet takes value heads as wide as key heads (test_qwen3_5's are 5 and 6)
+DELTANET_DIMS = dict(linear_value_head_dim=6)
 # Qwen3-Next as llama.cpp runs it: routed experts and a shared expert in every layer
 NEXT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=11, shared_expert_intermediate_size=9,
                 mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
@@ -33,7 +36,7 @@ def _model(root, kind, **changes):
 
     vocab = build_tokenizer(root / "model")
     cls, kw, targets = CASES["qwen3_5" if kind == "qwen3_5_moe" else kind]
-    kw = {**kw, "vocab_size": vocab, **changes}
+    kw = {**kw, "vocab_size": vocab, **(DELTANET_DIMS if "linear_num_key_heads" in kw else {}), **changes}
     if kind == "qwen3_next":
         kw.update(NEXT_MOE)
     if kind == "qwen3_5_moe":
@@ -177,7 +180,7 @@ def test_the_multimodal_qwen3_5_exports_its_language_model(tmp_path):
     vocab = build_tokenizer(tmp_path / "model")
     torch.manual_seed(6)
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=30)
-    text = {**QWEN3_5, "vocab_size": vocab}
+    text = {**QWEN3_5, "vocab_size": vocab, **DELTANET_DIMS}
     hf = _randomise(tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision)))
     regex = r"model\.language_model\.layers\.\d+\.(?:linear_attn\.in_proj_qkv|self_attn\.q_proj)"
     model, adapter, _ = peft_merged(hf, regex, tmp_path)
@@ -216,6 +219,8 @@ def test_transformers_reads_the_lfm2_gguf_with_the_merged_logits(tmp_path):
                                                       "this model's no_rope_layers are [1, 0, 1, 1, 1]"),
     ("qwen3_5", dict(layer_types=["linear_attention", "full_attention", "full_attention"]),
      "are not such a pattern"),
+    ("qwen3_5", dict(linear_value_head_dim=5), "llama.cpp's qwen35 takes the linear attention's value heads as wide "
+                                               "as its key heads; this model's are 5 and 6"),
 ])
 def test_hybrid_gguf_refusals_write_nothing(tmp_path, capsys, kind, changes, match):
     model, adapter, _ = _model(tmp_path, kind, **changes)

@@ -5,7 +5,8 @@ f16 or q8_0 (1-D tensors stay f32, and q8_0 keeps rows that are no whole number 
 llama.cpp's converter does). Mixtures of experts as llama.cpp's qwen3moe, qwen2moe (its shared expert), olmoe and
 Mixtral as llama: each layer's experts as stacked (E, rows, cols) tensors (ffn_gate_exps / ffn_up_exps /
 ffn_down_exps), the router as ffn_gate_inp, expert_count / expert_used_count and the expert widths. The hybrid
-families (SmolLM3, LFM2, Qwen3.5, Qwen3-Next) as gguf_hybrid says."""
+families (SmolLM3, LFM2, LFM2-MoE, Qwen3.5, Qwen3-Next) as gguf_hybrid says. Every architecture is run by llama.cpp
+itself in tests/test_gguf_llamacpp.py."""
 
 from __future__ import annotations
 

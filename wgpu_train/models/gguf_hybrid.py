@@ -43,14 +43,15 @@ def check_hybrid(config: ModelConfig, arch: str):
         raise ConfigError(f"--gguf: llama.cpp's {arch} has no sliding window; this model uses one")
     if arch in DELTANET:
         attention_interval(config)
+    if arch in ("qwen3next", "qwen35moe") and (config.moe is None or not config.moe.shared_expert_size):
+        raise ConfigError(f"--gguf: llama.cpp's {arch} has routed experts and a shared expert in every layer; this "
+                          "model has " + ("no experts" if config.moe is None else "no shared expert"))
+    if arch in DELTANET:
         spec = config.linear_attention       # llama.cpp sizes the value heads by ssm.state_size (the key head dim)
         if spec.value_dim != spec.key_dim:
             raise ConfigError(f"--gguf: llama.cpp's {arch} takes the linear attention's value heads as wide as its key "
                               f"heads; this model's are {spec.value_dim} and {spec.key_dim} (linear_value_head_dim, "
                               "linear_key_head_dim)")
-    if arch in ("qwen3next", "qwen35moe") and (config.moe is None or not config.moe.shared_expert_size):
-        raise ConfigError(f"--gguf: llama.cpp's {arch} has routed experts and a shared expert in every layer; this "
-                          "model has " + ("no experts" if config.moe is None else "no shared expert"))
     if arch == "lfm2moe" and config.moe.scaling != 1.0:      # its graph reads no expert_weights_scale
         raise ConfigError("--gguf: llama.cpp's lfm2moe does not scale the experts' weights; this model's "
                           f"routed_scaling_factor is {config.moe.scaling:g}")
