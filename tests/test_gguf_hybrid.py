@@ -1,6 +1,7 @@
 """merge --gguf of the hybrid families: every tensor the gguf package reads back equals what llama.cpp's converter's
 rules (written out here from its convert_hf_to_gguf.py: LFM2's squeezed shortconv, Qwen3.5's tiled value heads,
-Qwen3-Next's split in_proj_qkvz, ssm_a = -exp(A_log), 1 + the zero-centred norms, SmolLM3's permuted q / k) give from
+Qwen3-Next's split in_proj_qkvz, ssm_a = -exp(A_log), 1 + the zero-centred norms, SmolLM3's permuted q / k, LFM2-MoE's
+stacked experts and exp_probs_b) give from
 the merged folder, with their metadata; transformers' GGUF loader (which reads lfm2) gives the merged LFM2's logits;
 what llama.cpp's graphs cannot run is one line before anything is written."""
 from __future__ import annotations
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 ARCH = {"lfm2": "lfm2", "smollm3": "smollm3", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
         "qwen3_5_moe": "qwen35moe"}
+# llama.cpp's Gated DeltaNet takes value heads as wide as key heads (test_qwen3_5's are 5 and 6)
+DELTANET_DIMS = dict(linear_value_head_dim=6)
 # Qwen3-Next as llama.cpp runs it: routed experts and a shared expert in every layer
 NEXT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=11, shared_expert_intermediate_size=9,
                 mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
@@ -33,7 +36,7 @@ def _model(root, kind, **changes):
 
     vocab = build_tokenizer(root / "model")
     cls, kw, targets = CASES["qwen3_5" if kind == "qwen3_5_moe" else kind]
-    kw = {**kw, "vocab_size": vocab, **changes}
+    kw = {**kw, "vocab_size": vocab, **(DELTANET_DIMS if "linear_num_key_heads" in kw else {}), **changes}
     if kind == "qwen3_next":
         kw.update(NEXT_MOE)
     if kind == "qwen3_5_moe":
@@ -162,7 +165,7 @@ def test_hybrid_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path, kind
             assert fields[f"{arch}.full_attention_interval"] == 2
             assert fields[f"{arch}.rope.dimension_count"] == 4        # partial_rotary_factor 0.5 of head_dim 8
         if kind in ("qwen3_5", "qwen3_5_moe"):
-            assert list(fields[f"{arch}.rope.dimension_sections"]) == [11, 11, 10, 0]
+            assert list(fields[f"{arch}.rope.dimension_sections"]) == [1, 1, 0, 0]      # all 2 rotated pairs
         if kind in ("qwen3_next", "qwen3_5_moe"):
             assert fields[f"{arch}.expert_count"] == 4 and fields[f"{arch}.expert_used_count"] == 2
             assert fields[f"{arch}.expert_feed_forward_length"] == 11
@@ -177,7 +180,7 @@ def test_the_multimodal_qwen3_5_exports_its_language_model(tmp_path):
     vocab = build_tokenizer(tmp_path / "model")
     torch.manual_seed(6)
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=30)
-    text = {**QWEN3_5, "vocab_size": vocab}
+    text = {**QWEN3_5, "vocab_size": vocab, **DELTANET_DIMS}
     hf = _randomise(tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision)))
     regex = r"model\.language_model\.layers\.\d+\.(?:linear_attn\.in_proj_qkv|self_attn\.q_proj)"
     model, adapter, _ = peft_merged(hf, regex, tmp_path)
@@ -216,6 +219,8 @@ def test_transformers_reads_the_lfm2_gguf_with_the_merged_logits(tmp_path):
                                                       "this model's no_rope_layers are [1, 0, 1, 1, 1]"),
     ("qwen3_5", dict(layer_types=["linear_attention", "full_attention", "full_attention"]),
      "are not such a pattern"),
+    ("qwen3_5", dict(linear_value_head_dim=5), "llama.cpp's qwen35 takes the linear attention's value heads as wide "
+                                               "as its key heads; this model's are 5 and 6"),
 ])
 def test_hybrid_gguf_refusals_write_nothing(tmp_path, capsys, kind, changes, match):
     model, adapter, _ = _model(tmp_path, kind, **changes)
@@ -236,4 +241,54 @@ def test_dense_qwen3_next_is_refused(tmp_path, capsys):
                  "--gguf", str(tmp_path / "x.gguf")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and "llama.cpp's qwen3next has routed experts and a shared expert in every layer" in err[-1]
+    assert not (tmp_path / "m").exists()
+
+
+def lfm2_moe_model(root, **changes):
+    """A tiny LFM2-MoE (test_lfm2_moe's: layer 0 dense, 1-2 sparse, a random expert bias) with a tokenizer, and a
+    PEFT adapter on both layer kinds, the dense MLP and every expert; routed_scaling_factor 1, as llama.cpp runs it."""
+    from test_lfm2_moe import EXPERTS, TARGETS, build
+
+    vocab = build_tokenizer(root / "model")
+    hf = build(**{"vocab_size": vocab, "routed_scaling_factor": 1.0, **changes})
+    model, adapter, _ = peft_merged(hf, TARGETS, root, target_parameters=EXPERTS)
+    return model, adapter, hf.config
+
+
+def test_lfm2_moe_gguf_reads_back_as_llama_cpps_converter_writes_it(tmp_path):
+    """lfm2moe: the converter's LFM2 rules, each sparse layer's experts stacked from the hub's w1 / w3 / w2, the
+    router as ffn_gate_inp, expert_bias as exp_probs_b.bias, and leading_dense_block_count / expert_gating_func
+    (sigmoid); a routed_scaling_factor other than 1 (llama.cpp's lfm2moe reads none) is one line."""
+    model, adapter, c = lfm2_moe_model(tmp_path)
+    merged, out = tmp_path / "merged", tmp_path / "lfm2moe.gguf"
+    assert main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(merged),
+                 "--gguf", str(out), "--gguf-type", "f32"]) == 0
+    got, fields, _ = _read(out)
+    stored = {k: v.astype(np.float32) for k, v in read_safetensors(merged / "model.safetensors").items()}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE, c.num_hidden_layers)
+    want = {"output.weight": stored.pop("lm_head.weight")}
+    for i in (1, 2):
+        for proj, exps in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            keys = [f"model.layers.{i}.feed_forward.experts.{e}.{proj}.weight" for e in range(c.num_experts)]
+            want[f"blk.{i}.ffn_{exps}_exps.weight"] = np.stack([stored.pop(k) for k in keys])
+        want[f"blk.{i}.exp_probs_b.bias"] = stored.pop(f"model.layers.{i}.feed_forward.expert_bias")
+    for name, w in stored.items():
+        want[names.get_name(name, try_suffixes=(".weight",))] = w[:, 0, :] if name.endswith("conv.conv.weight") else w
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert np.array_equal(got[name], w), name
+    assert fields["general.architecture"] == "lfm2moe"
+    assert fields["lfm2moe.leading_dense_block_count"] == 1 and fields["lfm2moe.expert_gating_func"] == 2
+    assert fields["lfm2moe.expert_count"] == 5 and fields["lfm2moe.expert_used_count"] == 2
+    assert fields["lfm2moe.expert_feed_forward_length"] == 23 and fields["lfm2moe.feed_forward_length"] == 45
+    assert list(fields["lfm2moe.attention.head_count_kv"]) == [0, 1, 0]
+
+
+def test_lfm2_moe_with_a_routed_scale_is_refused(tmp_path, capsys):
+    model, adapter, _ = lfm2_moe_model(tmp_path, routed_scaling_factor=1.7)
+    code = main(["merge", "--model", str(model), "--adapter-path", str(adapter), "--out", str(tmp_path / "m"),
+                 "--gguf", str(tmp_path / "x.gguf")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and err[-1] == ("error: --gguf: llama.cpp's lfm2moe does not scale the experts' weights; this "
+                                     "model's routed_scaling_factor is 1.7"), err
     assert not (tmp_path / "m").exists()

@@ -100,6 +100,8 @@ def test_moe_gguf_reads_back_with_the_merged_experts(tmp_path, arch):
         assert fields[f"{prefix}.expert_used_count"] == cfg.moe.top_k
         if arch.startswith("qwen"):
             assert fields[f"{prefix}.expert_feed_forward_length"] == cfg.moe.expert_size
+        else:       # llama.cpp's llama and olmoe size their experts by feed_forward_length (0 fails its load)
+            assert fields[f"{prefix}.feed_forward_length"] == cfg.moe.expert_size
         if arch == "qwen2_moe":
             assert fields[f"{prefix}.expert_shared_feed_forward_length"] == cfg.moe.shared_expert_size
         if dtype == "q8_0":           # the experts' rows (64 wide) are quantised, not kept in f16

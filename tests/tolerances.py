@@ -87,6 +87,20 @@ TOLERANCES: dict[str, Tolerance] = {
         "each weight is rounded to 11 significant bits (relative error up to 2^-11), which moves logits of a few "
         "units by up to about 1e-2 after three layers; a wrong tensor (experts swapped, gate and up crossed, the "
         "router's rows permuted) moves them by whole units"),
+    "llamacpp_f32_logits": Tolerance(0.0, 3e-4,
+        "llama.cpp (llama-cpp-python 0.3.36, CPU, float32 KV cache) on an f32 GGUF against transformers on the merged "
+        "folder, float32 both: the same math in another summation order (ggml's blocked dot products, its chunked "
+        "delta rule); observed <= 1.03e-4 (qwen3next), <= 6e-5 elsewhere, on logits up to ~7; a wrong tensor, row "
+        "order or routing moves them by whole units"),
+    "llamacpp_f32_logits_qwen35moe": Tolerance(0.0, 5e-3,
+        "llamacpp_f32_logits for the tiny Qwen3.5-MoE: ~1e-4 on most tokens, 1.8e-3 observed on one token (its "
+        "delta rule, routed and shared experts compound the summation-order differences); a wrong tensor or "
+        "routing moves logits by whole units"),
+    "llamacpp_f16_logits": Tolerance(0.0, 0.15,
+        "llama.cpp on an f16 GGUF against transformers' float32 merged folder: the weights rounded to 11 "
+        "significant bits, and ggml's CPU matmul also rounds each activation row to float16 before an f16 weight's "
+        "dot product; observed <= 0.057 (mistral) on logits up to ~5.5 and 0.101 on the tiny Qwen3.5-MoE; a wrong "
+        "tensor moves them by whole units"),
     "merged_weights": Tolerance(1e-6, 1e-7,
         "W + scale * B @ A: ours formed in float64 and rounded once, PEFT's in float32 (a product and an add); "
         "about one float32 ulp of weights ~0.15; observed <= 3e-8 (test_modules_to_save); a wrong scale or a "

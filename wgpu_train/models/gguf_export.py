@@ -5,7 +5,8 @@ f16 or q8_0 (1-D tensors stay f32, and q8_0 keeps rows that are no whole number 
 llama.cpp's converter does). Mixtures of experts as llama.cpp's qwen3moe, qwen2moe (its shared expert), olmoe and
 Mixtral as llama: each layer's experts as stacked (E, rows, cols) tensors (ffn_gate_exps / ffn_up_exps /
 ffn_down_exps), the router as ffn_gate_inp, expert_count / expert_used_count and the expert widths. The hybrid
-families (SmolLM3, LFM2, Qwen3.5, Qwen3-Next) as gguf_hybrid says."""
+families (SmolLM3, LFM2, LFM2-MoE, Qwen3.5, Qwen3-Next) as gguf_hybrid says. Every architecture is run by llama.cpp
+itself in tests/test_gguf_llamacpp.py."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ ARCHES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForC
 # norm_w in its llama, qwen3moe, qwen2moe, olmoe, qwen3next and qwen35moe graphs); every layer of these
 # graphs is sparse
 RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "qwen3next": True,
-                "qwen35moe": True}
+                "qwen35moe": True, "lfm2moe": True}
+LEADING_DENSE = ("lfm2moe",)                   # the MoE graphs whose first leading_dense_block_count layers are dense
 ROTARY_ROWS = ("llama", "smollm3")             # the architectures whose q / k rows llama.cpp's converter permutes
 _TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3           # gguf.TokenType values
 Q8_BLOCK = 32                                  # values per q8_0 block (along a row)
@@ -64,7 +66,7 @@ def check(config: ModelConfig, dtype: str):
     check_hybrid(config, arch)
     if moe is not None:
         dense = [i for i in range(config.num_hidden_layers) if not moe.is_sparse(i)]
-        if dense:
+        if dense and not (arch in LEADING_DENSE and dense == list(range(len(dense)))):
             raise ConfigError(f"--gguf: llama.cpp's {arch} has experts in every layer; layers {dense} of this model "
                               "are dense (mlp_only_layers / decoder_sparse_step)")
         if moe.normalize != RENORMALISES[arch]:
@@ -129,7 +131,7 @@ def _gguf_tensors(gguf, names, hf_name: str, value, config: ModelConfig) -> list
     hybrid = hybrid_tensors(names, hf_name, w, config, arch)
     if hybrid is not None:
         return hybrid
-    if ".mlp.experts." in hf_name:
+    if ".experts." in hf_name:                     # under mlp, or LFM2-MoE's feed_forward
         layer = int(hf_name.split(".")[2])
         gate, up, down = (gguf.TENSOR_NAMES[t].format(bid=layer) + ".weight" for t in (
             gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP))
@@ -163,7 +165,10 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # llama.cpp's llama (Mixtral) and olmoe graphs size their experts by feed_forward_length (no expert width key
+    # is read), as the converter writes Mixtral's and OLMoE's intermediate_size, their experts' width
+    experts_by_ffn = config.moe is not None and arch in ("llama", "olmoe")
+    writer.add_feed_forward_length(config.moe.expert_size if experts_by_ffn else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(head_count_kv(config, arch))
     writer.add_key_length(config.head_dim)
@@ -175,7 +180,7 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
     if config.moe is not None:
         writer.add_expert_count(config.moe.num_experts)
         writer.add_expert_used_count(config.moe.top_k)
-        if arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe"):   # beside the dense MLP's width
+        if arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe", "lfm2moe"):   # beside the dense MLP's width
             writer.add_expert_feed_forward_length(config.moe.expert_size)
         if config.moe.shared_expert_size:
             writer.add_expert_shared_feed_forward_length(config.moe.shared_expert_size)
