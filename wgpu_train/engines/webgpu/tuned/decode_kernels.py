@@ -153,7 +153,7 @@ class DecodeProblem:
         want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
                                             self.softcap, blocks=blocks).ravel()
         if self.blocks:
-            pos = np.concatenate([pos, np.array([pos[rows == r].max() for r in rows], np.int32)])
+            pos = with_reaches(pos, blocks)
         bufs = [self.rt.upload(q, "tune operand"), *(storage.upload(self.rt, x, fmt, "tune operand") for x in (kc, vc)),
                 *(self.rt.upload(x, "tune operand") for x in (rows, pos))]
         bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
@@ -165,6 +165,17 @@ class DecodeProblem:
         rep = DecodeProblem(self.rt, tensors, n, b, L, hq, hkv, d, self.window, self.softcap, self.scratch_elems,
                             self.kv_dtype, self.blocks)
         return rep, res, c0, want, bufs
+
+
+def with_reaches(positions, blocks) -> np.ndarray:
+    """The positions' binding of a prefill with image blocks: positions (n,), then each query's reach (the last
+    position of its block, blocks (n,) a block number per image token and -1 for text; else its own), (2n,) i32."""
+    positions = np.asarray(positions, np.int32)
+    reach = positions.copy()
+    for n in np.unique(blocks[blocks >= 0]):
+        at = blocks == n
+        reach[at] = positions[at].max()
+    return np.concatenate([positions, reach]).astype(np.int32)
 
 
 def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
