@@ -606,7 +606,7 @@ def test_attention_cached_image_blocks(default_rt, window, kernel):
     rows = np.array([0] * 60 + [1] * 5 + [-1], np.int32)
     pos = np.array(list(range(60)) + list(range(30, 35)) + [0], np.int32)
     blocks = np.full(rows.size, -1, np.int32)
-    blocks[10:40], blocks[61:64] = 0, 1
+    blocks[10:40], blocks[61:64] = 0, 0       # block 0 of each row: the rows' blocks are apart
     g = rng(5)
     q = g.standard_normal((rows.size, hq, d)).astype(F32)
     kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)
@@ -614,7 +614,7 @@ def test_attention_cached_image_blocks(default_rt, window, kernel):
                                         blocks=blocks)
     out = rt.upload(np.full(q.shape, 7.0, F32))
     scratch = rt.buffer(4 * decode_kernels.scratch_elements(rows.size, hq, d))
-    tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, kc, vc, rows, decode_kernels.with_reaches(pos, blocks)))
+    tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, kc, vc, rows, decode_kernels.with_reaches(pos, blocks, rows)))
     with tune.pinned(kernel):
         run(rt, lambda r: A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, rows.size, batch, max_len, hq, hkv,
                                                      d, window, 0.0, scratch, blocks=True))

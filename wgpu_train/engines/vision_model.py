@@ -1,7 +1,7 @@
 """VisionModel: a Gemma 3 vision-language model users hold, the language model's `Model` beside the SigLIP tower
-and projector (frozen, or with LoRA on the tower's encoder; the NumPy engine only for now): logits, loss and LoRA
-gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
-the images' embeddings."""
+and projector (frozen, or with LoRA on the tower's encoder): logits, loss and LoRA gradients, train steps, PEFT
+adapter files and greedy generation of token streams whose image placeholders take the images' embeddings. The
+tower runs on the CPU (NumPy); the language model on either engine (both have set_images)."""
 from __future__ import annotations
 
 import json
@@ -36,8 +36,7 @@ class VisionModel:
 
     def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings):
         if not hasattr(model.engine, "set_images"):
-            raise ConfigError(f"images run on the NumPy engine only for now (backend='numpy'), not on the "
-                              f"{model.backend} engine")
+            raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
     def pixel_values(self, images) -> np.ndarray:
@@ -208,6 +207,8 @@ class VisionModel:
                                                 reduce=reduce)
         if reduce is not None:
             raise ConfigError("LoRA on the vision tower trains in one process only for now")
+        if not hasattr(self.model.engine, "apply_update"):
+            raise ConfigError("LoRA on the vision tower trains on the NumPy engine only for now (backend='numpy')")
         engine, caches = self.model.engine, []
         batches = []
         for mb in micro_batches:

@@ -153,7 +153,7 @@ class DecodeProblem:
         want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
                                             self.softcap, blocks=blocks).ravel()
         if self.blocks:
-            pos = with_reaches(pos, blocks)
+            pos = with_reaches(pos, blocks, rows)
         bufs = [self.rt.upload(q, "tune operand"), *(storage.upload(self.rt, x, fmt, "tune operand") for x in (kc, vc)),
                 *(self.rt.upload(x, "tune operand") for x in (rows, pos))]
         bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
@@ -167,13 +167,14 @@ class DecodeProblem:
         return rep, res, c0, want, bufs
 
 
-def with_reaches(positions, blocks) -> np.ndarray:
+def with_reaches(positions, blocks, rows) -> np.ndarray:
     """The positions' binding of a prefill with image blocks: positions (n,), then each query's reach (the last
-    position of its block, blocks (n,) a block number per image token and -1 for text; else its own), (2n,) i32."""
+    position of its block in its cache row, blocks (n,) a block number per image token and -1 for text, rows (n,)
+    the queries' cache rows; else its own position), (2n,) i32."""
     positions = np.asarray(positions, np.int32)
     reach = positions.copy()
-    for n in np.unique(blocks[blocks >= 0]):
-        at = blocks == n
+    for r, n in {(r, n) for r, n in zip(rows, blocks) if n >= 0}:
+        at = (rows == r) & (blocks == n)
         reach[at] = positions[at].max()
     return np.concatenate([positions, reach]).astype(np.int32)
 
