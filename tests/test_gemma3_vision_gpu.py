@@ -1,7 +1,7 @@
 """Gemma 3 with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
 transformers in test_gemma3_vision.py): the tower on the CPU feeding the language model on the GPU; logits, loss,
 LoRA gradients and the image rows' gradient, a train step in one submission, greedy generation with an image
-through DecodeBatch beside a text row."""
+through DecodeBatch beside a text row, `chat --backend wgpu` with an image."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +9,11 @@ import copy
 import numpy as np
 import pytest
 
-from wgpu_train.errors import DeviceError
-
 from conftest import require_adapter
 from finetune_helpers import peft_random_b
+from test_chat_vision import QUESTION, run_chat
+from test_gemma3_vision import images
+from test_gemma3_vision_training import chat_vlm  # noqa: F401  (the tiny chat vision model fixture)
 from tiny_models import hf_config
 from tolerances import assert_close
 
@@ -113,8 +114,8 @@ def test_train_step_with_images_equals_numpys(pair):
         loss, count, norm, applied = engine.train_step(mbs, hp, 1)
         assert applied
         out.append((loss, count, norm, engine.lora_tensors()))
-        if vm is gpu:       # a second step, its kernels tuned by the first: one submission
-            engine.train_step(mbs, hp, 2)
+        engine.train_step(mbs, hp, 2)      # (both engines: the tests after this one compare them)
+        if vm is gpu:       # the second step, its kernels tuned by the first: one submission
             assert engine.last_step["submits"] == 1
     (la, ca, na, wa), (lb, cb, nb, wb) = out
     assert ca == cb and set(wa) == set(wb)
@@ -148,16 +149,17 @@ def test_greedy_generation_with_an_image_through_decode_batch(pair):
     assert got[0] == got[2] and got[1] == got[3]
 
 
-def test_image_blocks_need_the_flash_kernels(pair):
-    """A head dim the flash kernels do not take (not a multiple of 4) has no attention kernel for image blocks:
-    one line, naming why."""
-    from wgpu_train.engines.webgpu.tuned import attention_kernels as AK
 
-    rt = pair[1].model.engine.rt
-    t = {n: rt.buffer(16) for n in ("q", "k", "v", "out", "lse", "segment_ids")}
-    try:
-        with pytest.raises(DeviceError, match="image blocks need the flash kernels") as e:
-            AK.AttentionProblem(rt, "forward", t, 1, 20, 2, 1, 14, blocks=True).candidates()
-        assert "\n" not in str(e.value)
-    finally:
-        rt.release(*t.values())
+def test_chat_with_an_image_on_the_webgpu_engine(chat_vlm, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """`chat --backend wgpu` (the tiny chat model's head dim of 14: the scalar per-row attention kernels take its
+    image blocks): an image turn answered as the NumPy engine's `generate --image` answers it."""
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = chat_vlm
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", QUESTION, "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    answers, _ = run_chat(monkeypatch, capsys, folder, f"/image {path}\n{QUESTION}\n", "--backend", "wgpu")
+    assert answers == [want]

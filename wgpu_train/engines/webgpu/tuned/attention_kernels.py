@@ -17,7 +17,8 @@ The formats are part of the tuner's key: each is tuned and checked apart.
 
 Gemma 3's images (blocks): the tokens of an image block see each other both ways. The flash kernels take them as
 (B, T) reaches and (B, T) block starts after the segment ids in the same binding (shaders/attention_common.wgsl,
-`extents`), the uniform's s5 set; the per-row kernels do not, so a problem with blocks has the flash ones only.
+`extents`), the uniform's s5 set; so do the scalar per-row kernels (for a head dim that is not a multiple of 4), not
+their vec4 twins.
 """
 from __future__ import annotations
 
@@ -220,7 +221,7 @@ class Rows:
         self.name = "rows/vec4" if vec4 else "rows/scalar"
 
     def applies(self, p: AttentionProblem) -> bool:
-        return (p.D <= ROWS_DMAX and (p.aligned or not self.vec4) and not p.blocks
+        return (p.D <= ROWS_DMAX and (p.aligned or not self.vec4) and not (p.blocks and self.vec4)
                 and (not is_cpu(p.rt) or self.loop_iterations(p) <= CPU_LOOP_BUDGET))
 
     def loop_iterations(self, p: AttentionProblem) -> int:
@@ -283,9 +284,7 @@ def candidates(p: AttentionProblem) -> list:
     flash = cpu + gpu if is_cpu(p.rt) else gpu + cpu
     out = [c for c in flash + [Rows(True), Rows(False)] if c.applies(p)]
     if not out:
-        if p.blocks:
-            why = "image blocks need the flash kernels: a head dim that is a multiple of 4 and 4-aligned tensors"
-        elif p.D % 4 and p.D > ROWS_DMAX:
+        if p.D % 4 and p.D > ROWS_DMAX:
             why = "the head dim must be a multiple of 4 above 128"
         elif is_cpu(p.rt):
             why = "its sequences are too long for this CPU adapter's loop limit; use a shorter --max-seq-len or a GPU"
