@@ -53,7 +53,7 @@ class ImageInputs:
         with -1 at the image tokens (the embedding looks none up for them and gives them no gradient); x_in: the
         layers' input buffer (its format is the embeddings')."""
         acts.images = None
-        if self.tokens is None:
+        if self.tokens is None or not (self.tokens.blocks >= 0).any():
             return
         b, t = ids.shape
         blocks = self.tokens.blocks
