@@ -9,7 +9,10 @@
 // segment ids (B, T) i32 with 0 = padding. Query i sees key j when j <= i, i - j < s4 (the sliding
 // window; 0 = none) and both share a nonzero segment id; a padding query sees only itself. Query head h
 // reads kv head h / (Hq / Hkv). Key loops start (or end) at the window's edge.
-// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o1..o9 = element offsets of bindings 1..9;
+// Gemma 3's images (s5 = 1, the scalar kernels only): the segment binding holds after the ids each token's reach
+// (the last key it sees: its image block's last position, else itself), then each token's block start
+// (attention_common.wgsl): query i's keys run to its reach, key j's queries from its block start.
+// Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window, s5 = image blocks; o1..o9 = element offsets of bindings 1..9;
 // f0 = softmax scale (1/sqrt(D)); f1 = the scores' soft-cap (0: none). Override D = head dim (<= DMAX).
 // q, k, v, out and their gradients are tensors in any storage format (device/storage.py markers; even D and
 // offsets for a 16-bit one), arithmetic in f32; a row is stored by pairs (its last element alone for an odd D).
@@ -61,6 +64,8 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     let hkv = p.s3;
     let g = h / (hq / hkv);
     let si = f_seg[p.o6 + b * t + i];
+    var ri = i;                 // the last key it sees
+    if (p.s5 != 0u) { ri = u32(f_seg[p.o6 + p.s0 * t + b * t + i]); }
     let qb = p.o3 + ((b * t + i) * hq + h) * D;
     var qv: array<f32, DMAX>;
     var acc: array<f32, DMAX>;
@@ -72,7 +77,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     var l = 0.0;
     var j0 = window_start(i);
     if (si == 0) { j0 = i; }
-    for (var j = j0; j <= i; j++) {
+    for (var j = j0; j <= ri; j++) {
         if (f_seg[p.o6 + b * t + j] != si) { continue; }
         let kb = ((b * t + j) * hkv + g) * D;
         var s = 0.0;
@@ -145,6 +150,8 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     let hkv = p.s3;
     let g = h / (hq / hkv);
     let si = q_seg[p.o7 + b * t + i];
+    var ri = i;
+    if (p.s5 != 0u) { ri = u32(q_seg[p.o7 + p.s0 * t + b * t + i]); }
     let rb = ((b * t + i) * hq + h) * D;
     let lse = q_stats[p.o6 + (b * hq + h) * t + i];
     let delta = q_stats[p.o6 + stats_rows() + (b * hq + h) * t + i];
@@ -158,7 +165,7 @@ fn attention_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     }
     var j0 = window_start(i);
     if (si == 0) { j0 = i; }
-    for (var j = j0; j <= i; j++) {
+    for (var j = j0; j <= ri; j++) {
         if (q_seg[p.o7 + b * t + j] != si) { continue; }
         let kb = ((b * t + j) * hkv + g) * D;
         var s = 0.0;
@@ -216,7 +223,9 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     }
     var i1 = window_end(j, t);
     if (sj == 0) { i1 = j + 1u; }
-    for (var i = j; i < i1; i++) {
+    var i0 = j;                 // the first query that sees it
+    if (p.s5 != 0u) { i0 = u32(k_seg[p.o8 + 2u * p.s0 * t + b * t + j]); }
+    for (var i = i0; i < i1; i++) {
         if (k_seg[p.o8 + b * t + i] != sj) { continue; }
         for (var r = 0u; r < rep; r++) {
             let h = g * rep + r;

@@ -28,6 +28,7 @@ struct Params {
     chunk: u32,       // the split pair: positions per chunk
     splits: u32,      // and chunks per row (ceil(max_len / chunk))
     sinks: u32,       // 1: binding 7 holds the heads' sink logits (Hq,) f32
+    blocks: u32,      // 1: Gemma 3's images, a prefill's image tokens see their whole block (positions, below)
     o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32,    // element offsets of bindings 1..7
 }
 
@@ -38,7 +39,8 @@ struct Params {
 // @tensor 4 v_cache read
 // out, q (N, Hq, D); the caches (B, max_len, Hkv, D)
 @group(0) @binding(5) var<storage, read> rows: array<i32>;         // (N,) cache row; negative: padding
-@group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row
+@group(0) @binding(6) var<storage, read> positions: array<i32>;    // (N,) position within the row, then
+// with blocks (N,) more: each query's reach, the last position it sees (its image block's last, else its own)
 @group(0) @binding(7) var<storage, read> sink_logits: array<f32>;  // (Hq,) where params.sinks is 1
 
 // ---- the split pair: 1 part (N, Hq, splits, D + 2) out / 2 part_in in, the rest as above ----
@@ -51,10 +53,11 @@ fn row_of(i: u32) -> i32 {
     return rows[params.o5 + i];
 }
 
-// The positions query i sees, first..last (inclusive) of its row: causal, within the window.
+// The positions query i sees, first..last (inclusive) of its row: causal (or to its reach), within the window.
 fn seen(i: u32) -> vec2<u32> {
-    let last = min(u32(positions[params.o6 + i]), params.max_len - 1u);
-    let first = select(0u, last + 1u - params.window, params.window > 0u && last + 1u > params.window);
+    let pos = min(u32(positions[params.o6 + i]), params.max_len - 1u);
+    let first = select(0u, pos + 1u - params.window, params.window > 0u && pos + 1u > params.window);
+    let last = select(pos, min(u32(positions[params.o6 + params.n + i]), params.max_len - 1u), params.blocks != 0u);
     return vec2<u32>(first, last);
 }
 

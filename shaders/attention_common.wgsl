@@ -1,8 +1,8 @@
 // Helpers shared by the flash attention kernels (shaders/attention_regs.wgsl, shaders/attention_tiles.wgsl):
 // attention_source.source() appends this text to each of them (WGSL declarations may come in any order, so the
 // kernel file keeps its own line numbers).
-// The uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = the
-// softmax scale; f1 = the scores' soft-cap (0: none). The bindings of each pass are in its section below (source() keeps the pass's own), the
+// The uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window, s5 = 1 with image blocks (below); o<n> = element
+// offset of binding n; f0 = the softmax scale; f1 = the scores' soft-cap (0: none). The bindings of each pass are in its section below (source() keeps the pass's own), the
 // same in both kernels, so one Kernel binding list serves both.
 // @include softcap
 
@@ -20,9 +20,24 @@ fn window_end(j: u32, t: u32) -> u32 {
     return select(t, min(t, j + p.s4), p.s4 > 0u);
 }
 
-// Query i sees key j (si, sj: their segment ids).
-fn sees(i: u32, j: u32, si: i32, sj: i32) -> bool {
-    return j <= i && (p.s4 == 0u || i - j < p.s4) && sj == si && (si != 0 || j == i);
+// Gemma 3's images (s5 = 1): the tokens of an image block see each other both ways, so the segment ids' binding
+// holds (B, T) more i32 after them, each token's reach (the last key it may see: its block's last position, or
+// itself), then (B, T) more, each token's block start (the first query that sees it). Blocks are runs of
+// positions, so the reach and the block start never decrease along a row. Without images (s5 = 0): the token.
+fn reach(b: u32, i: u32) -> u32 {
+    if (p.s5 == 0u) { return i; }
+    return u32(seg_at(p.s0 * p.s1 + b * p.s1 + i));
+}
+
+fn block_start(b: u32, j: u32) -> u32 {
+    if (p.s5 == 0u) { return j; }
+    return u32(seg_at(2u * p.s0 * p.s1 + b * p.s1 + j));
+}
+
+// Query i sees key j (si, sj: their segment ids; ri: i's reach): causal or within i's image block, within the
+// window (a key after the query always is), in the same segment.
+fn sees(i: u32, j: u32, si: i32, sj: i32, ri: u32) -> bool {
+    return j <= ri && (p.s4 == 0u || j + p.s4 > i) && sj == si && (si != 0 || j == i);
 }
 
 fn hsum(a: vec4<f32>) -> f32 { return (a.x + a.y) + (a.z + a.w); }

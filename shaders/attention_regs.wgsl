@@ -17,6 +17,8 @@
 // Layouts: q, att (the output), dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
 // segment ids (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both
 // share a nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
+// With image blocks (s5 = 1, attention_common.wgsl) j <= i becomes j <= i's reach: the tiles run to the block's
+// last reach, and in the dk / dv pass from its first key's block start.
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = softmax
 // scale; f1 = the scores' soft-cap (0: none). q, k, v, att and their gradients in any storage format, through
 // attention_common.wgsl's vec4 accessors (arithmetic in f32).
@@ -44,6 +46,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     // @setup queries BR
     let i$r = min(q0 + lid * R + $ru, t - 1u);
     let si$r = seg_at(b * t + i$r);
+    let ri$r = reach(b, i$r);
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
     let q$r_$d = q_at(qb$r + $du) * p.f0;
     var o$r_$d = vec4<f32>(0.0);
@@ -51,8 +54,9 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     var l$r = 0.0;
     let blk = seg_range(b, q0, qend);
     let kfirst = window_start(q0);
-    for (var kt = kfirst - kfirst % BT; kt < qend; kt += BT) {
-        let kend = min(kt + BT, qend);
+    let kstop = reach(b, qend - 1u) + 1u;
+    for (var kt = kfirst - kfirst % BT; kt < kstop; kt += BT) {
+        let kend = min(kt + BT, kstop);
         if (!tile_needed(b, blk, q0, qend, kt, kend)) { continue; }
         for (var j = kt; j < kend; j += TK) {
             let jk$k = min(j + $ku, t - 1u);
@@ -61,7 +65,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             let kk$k_$d = k_at(kb$k + $du);
             var s$r_$k = vec4<f32>(0.0);
             s$r_$k += q$r_$d * kk$k_$d;
-            let sc$r_$k = select(-3.0e38, cap_score(hsum(s$r_$k)), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            let sc$r_$k = select(-3.0e38, cap_score(hsum(s$r_$k)), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k, ri$r));
             var mx$r = m$r;
             mx$r = max(mx$r, sc$r_$k);
             let cr$r = exp(m$r - mx$r);
@@ -88,6 +92,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     // @setup queries BR
     let i$r = min(q0 + lid * R + $ru, t - 1u);
     let si$r = seg_at(b * t + i$r);
+    let ri$r = reach(b, i$r);
     let qb$r = ((b * t + i$r) * p.s2 + h) * D4;
     let li$r = (b * p.s2 + h) * t + i$r;
     let lse$r = lse_at(li$r);
@@ -100,8 +105,9 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     var dq$r_$d = vec4<f32>(0.0);
     let blk = seg_range(b, q0, qend);
     let kfirst = window_start(q0);
-    for (var kt = kfirst - kfirst % BT; kt < qend; kt += BT) {
-        let kend = min(kt + BT, qend);
+    let kstop = reach(b, qend - 1u) + 1u;
+    for (var kt = kfirst - kfirst % BT; kt < kstop; kt += BT) {
+        let kend = min(kt + BT, kstop);
         if (!tile_needed(b, blk, q0, qend, kt, kend)) { continue; }
         for (var j = kt; j < kend; j += TK) {
             let jk$k = min(j + $ku, t - 1u);
@@ -115,7 +121,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             c$r_$k += do$r_$d * vv$k_$d;
             let sr$r_$k = hsum(s$r_$k);
             let cs$r_$k = cap_score(sr$r_$k);
-            let ds$r_$k = select(0.0, exp(cs$r_$k - lse$r) * (hsum(c$r_$k) - dl$r) * cap_slope(cs$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k));
+            let ds$r_$k = select(0.0, exp(cs$r_$k - lse$r) * (hsum(c$r_$k) - dl$r) * cap_slope(cs$r_$k), j + $ku < kend && sees(i$r, j + $ku, si$r, sk$k, ri$r));
             dq$r_$d += ds$r_$k * kk$k_$d;
         }
     }
@@ -140,7 +146,8 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var dv$r_$d = vec4<f32>(0.0);
     let blk = seg_range(b, k0, kend);
     let iend = window_end(kend - 1u, t);
-    for (var it = k0 - k0 % BT; it < iend; it += BT) {
+    let qfirst = block_start(b, k0);
+    for (var it = qfirst - qfirst % BT; it < iend; it += BT) {
         let ie = min(it + BT, iend);
         if (!tile_needed(b, blk, k0, kend, it, ie)) { continue; }
         for (var r = 0u; r < rep; r++) {
@@ -149,6 +156,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
             for (var i = it; i < ie; i += TK) {
                 let ik$k = min(i + $ku, t - 1u);
                 let si$k = seg_at(b * t + ik$k);
+                let ri$k = reach(b, ik$k);
                 let qb$k = ((b * t + ik$k) * p.s2 + h) * D4;
                 let qq$k_$d = q_at(qb$k + $du);
                 let oo$k_$d = dout_at(qb$k + $du);
@@ -160,7 +168,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 c$r_$k += v$r_$d * oo$k_$d;
                 let sr$r_$k = hsum(s$r_$k);
                 let cs$r_$k = cap_score(sr$r_$k);
-                let p$r_$k = select(0.0, exp(cs$r_$k - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r));
+                let p$r_$k = select(0.0, exp(cs$r_$k - lse$k), i + $ku < ie && sees(i + $ku, j$r, si$k, sj$r, ri$k));
                 let ds$r_$k = p$r_$k * (hsum(c$r_$k) - dl$k) * cap_slope(cs$r_$k);
                 dv$r_$d += p$r_$k * oo$k_$d;
                 dk$r_$d += ds$r_$k * qq$k_$d;

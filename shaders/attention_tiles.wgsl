@@ -24,6 +24,8 @@
 // Layouts: q, att (the output), dq, dout (B, T, Hq, D); k, v, dk, dv (B, T, Hkv, D); lse, delta (B, Hq, T);
 // segment ids (B, T) i32, 0 = padding. Query i sees key j when j <= i, i - j < window (s4; 0 = none) and both
 // share a nonzero segment id; a padding query sees only itself. Query head h reads kv head h / (Hq / Hkv).
+// With image blocks (s5 = 1, attention_common.wgsl) j <= i becomes j <= i's reach: the tiles run to the block's
+// last reach, and in the dk / dv pass from its first key's block start.
 // Uniform: s0 = B, s1 = T, s2 = Hq, s3 = Hkv, s4 = window; o<n> = element offset of binding n; f0 = softmax
 // scale; f1 = the scores' soft-cap (0: none). q, k, v, att and their gradients in any storage format, through
 // attention_common.wgsl's vec4 accessors (arithmetic in f32).
@@ -52,16 +54,16 @@ var<workgroup> row_a: array<f32, TQ * NI>;
 var<workgroup> row_b: array<f32, TQ * 2u>;          // per block row: rescale and 1 / l (forward)
 var<workgroup> range_: vec2<u32>;                   // the first tile and the end of the tiles the block needs
 
-// Query i against keys j (4 of them, segment ids sj) of which those below `end` exist.
-fn sees4(i: u32, j: vec4<u32>, si: i32, sj: vec4<i32>, end: u32) -> vec4<bool> {
-    return vec4<bool>(j.x < end && sees(i, j.x, si, sj.x), j.y < end && sees(i, j.y, si, sj.y),
-                      j.z < end && sees(i, j.z, si, sj.z), j.w < end && sees(i, j.w, si, sj.w));
+// Query i (reach ri) against keys j (4 of them, segment ids sj) of which those below `end` exist.
+fn sees4(i: u32, j: vec4<u32>, si: i32, sj: vec4<i32>, end: u32, ri: u32) -> vec4<bool> {
+    return vec4<bool>(j.x < end && sees(i, j.x, si, sj.x, ri), j.y < end && sees(i, j.y, si, sj.y, ri),
+                      j.z < end && sees(i, j.z, si, sj.z, ri), j.w < end && sees(i, j.w, si, sj.w, ri));
 }
 
-// Queries i (4 of them, segment ids si) of which those below `end` exist, against key j.
-fn seen4(i: vec4<u32>, j: u32, si: vec4<i32>, sj: i32, end: u32) -> vec4<bool> {
-    return vec4<bool>(i.x < end && sees(i.x, j, si.x, sj), i.y < end && sees(i.y, j, si.y, sj),
-                      i.z < end && sees(i.z, j, si.z, sj), i.w < end && sees(i.w, j, si.w, sj));
+// Queries i (4 of them, segment ids si, reaches ri) of which those below `end` exist, against key j.
+fn seen4(i: vec4<u32>, j: u32, si: vec4<i32>, sj: i32, end: u32, ri: vec4<u32>) -> vec4<bool> {
+    return vec4<bool>(i.x < end && sees(i.x, j, si.x, sj, ri.x), i.y < end && sees(i.y, j, si.y, sj, ri.y),
+                      i.z < end && sees(i.z, j, si.z, sj, ri.z), i.w < end && sees(i.w, j, si.w, sj, ri.w));
 }
 
 fn hmax(a: vec4<f32>) -> f32 { return max(max(a.x, a.y), max(a.z, a.w)); }
@@ -112,15 +114,17 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     let last = vec4<u32>(t - 1u);
     let iq$q = min(q0 + $qu, t - 1u);
     let sq$q = seg_at(b * t + iq$q);
+    let rq$q = reach(b, iq$q);
     let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
     var m$q = -3.0e38;
     var l$q = 0.0;
     let og = select(lid / DG, 0u, QG == 1u);   // a constant 0 with one row group: uniform loads of the tiles
     let c0 = (lid % DG) * G4;
     var acc$o_$g = vec4<f32>(0.0);
-    let tiles = tile_range(lid, b, q0, qend, window_start(q0), qend);
+    let kstop = reach(b, qend - 1u) + 1u;
+    let tiles = tile_range(lid, b, q0, qend, window_start(q0), kstop);
     for (var kt = tiles.x; kt < tiles.y; kt += BT) {
-        let kend = min(kt + BT, qend);
+        let kend = min(kt + BT, kstop);
         // 1. scores of the block rows against this invocation's 4 * KV keys
         let j$c = own_rows(kt, lid, $cu);
         let jc$c = min(j$c, last);
@@ -132,7 +136,7 @@ fn attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             let qq$q = q_at(qr$q + d);
             sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
         }
-        let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
+        let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend, rq$q);
         let sc$q_$c = select(vec4<f32>(-3.0e38), cap_score4(sv$q_$c * p.f0), ok$q_$c);
         var pm$q = -3.0e38;
         pm$q = max(pm$q, hmax(sc$q_$c));
@@ -191,6 +195,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     let last = vec4<u32>(t - 1u);
     let iq$q = min(q0 + $qu, t - 1u);
     let sq$q = seg_at(b * t + iq$q);
+    let rq$q = reach(b, iq$q);
     let qr$q = ((b * t + iq$q) * p.s2 + h) * D4;
     let lse$q = lse_at((b * p.s2 + h) * t + iq$q);
     // delta = rowsum(dout * out), also saved for the dk / dv pass
@@ -204,9 +209,10 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
     let c0 = (lid % DG) * G4;
     var acc$o_$g = vec4<f32>(0.0);
     var buf = 0u;
-    let tiles = tile_range(lid, b, q0, qend, window_start(q0), qend);
+    let kstop = reach(b, qend - 1u) + 1u;
+    let tiles = tile_range(lid, b, q0, qend, window_start(q0), kstop);
     for (var kt = tiles.x; kt < tiles.y; kt += BT) {
-        let kend = min(kt + BT, qend);
+        let kend = min(kt + BT, kstop);
         // 1. dS = P * (dP - delta) of the block rows against this invocation's 4 * KV keys
         let j$c = own_rows(kt, lid, $cu);
         let jc$c = min(j$c, last);
@@ -222,7 +228,7 @@ fn attention_backward_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_i
             sv$q_$c = rank4(sv$q_$c, qq$q, kt$c);
             dp$q_$c = rank4(dp$q_$c, dd$q, vt$c);
         }
-        let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend);
+        let ok$q_$c = sees4(iq$q, j$c, sq$q, sk$c, kend, rq$q);
         let cs$q_$c = cap_score4(sv$q_$c * p.f0);
         tile_p[buf + $qu * NK + lid * KV + $cu] = select(vec4<f32>(0.0), exp(cs$q_$c - vec4<f32>(lse$q)) * (dp$q_$c - vec4<f32>(dl$q)) * cap_slope4(cs$q_$c), ok$q_$c);
         workgroupBarrier();
@@ -262,13 +268,14 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
     var dka$o_$g = vec4<f32>(0.0);
     var dva$o_$g = vec4<f32>(0.0);
     let iend = window_end(kend - 1u, t);
-    let tiles = tile_range(lid, b, k0, kend, k0, iend);
+    let tiles = tile_range(lid, b, k0, kend, block_start(b, k0), iend);
     var buf = 0u;
     for (var it = tiles.x; it < tiles.y; it += BT) {
         let ie = min(it + BT, iend);
         let i$c = own_rows(it, lid, $cu);
         let ic$c = min(i$c, last);
         let si$c = vec4<i32>(seg_at(b * t + ic$c.x), seg_at(b * t + ic$c.y), seg_at(b * t + ic$c.z), seg_at(b * t + ic$c.w));
+        let ri$c = vec4<u32>(reach(b, ic$c.x), reach(b, ic$c.y), reach(b, ic$c.z), reach(b, ic$c.w));
         for (var r = 0u; r < rep; r++) {
             let h = g * rep + r;
             // 1. P and dS of the block's keys against this invocation's 4 * KV queries
@@ -288,7 +295,7 @@ fn attention_backward_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_
                 dp$q_$c = rank4(dp$q_$c, vv$q, ot$c);
             }
             let cs$q_$c = cap_score4(sv$q_$c * p.f0);
-            let pv$q_$c = select(vec4<f32>(0.0), exp(cs$q_$c - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie));
+            let pv$q_$c = select(vec4<f32>(0.0), exp(cs$q_$c - lse$c), seen4(i$c, jq$q, si$c, sk$q, ie, ri$c));
             tile_p[buf + $qu * NK + lid * KV + $cu] = pv$q_$c;
             tile_ds[buf + $qu * NK + lid * KV + $cu] = pv$q_$c * (dp$q_$c - dl$c) * cap_slope4(cs$q_$c);
             workgroupBarrier();

@@ -29,31 +29,32 @@ def _packed(B, T, rng):
     return seg
 
 
-def _case(B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0):
+def _case(B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0, blocks=None):
     g = np.random.default_rng(seed)
     q, dout = (g.standard_normal((B, T, Hq, D)).astype(F32) for _ in range(2))
     k, v = (g.standard_normal((B, T, Hkv, D)).astype(F32) for _ in range(2))
     x64 = [x.astype(np.float64) for x in (q, k, v)]
-    out, lse = ops.attention_forward(*x64, seg, window, softcap)
-    grads = ops.attention_backward(dout.astype(np.float64), *x64, out, lse, seg, window, softcap)
+    out, lse = ops.attention_forward(*x64, seg, window, softcap, blocks=blocks)
+    grads = ops.attention_backward(dout.astype(np.float64), *x64, out, lse, seg, window, softcap, blocks=blocks)
     return (q, k, v, dout), (out, lse) + tuple(grads)
 
 
-def _run(rt, name, B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0):
+def _run(rt, name, B, T, Hq, Hkv, D, seg, window, seed=0, softcap=0.0, blocks=None):
     """Forward and backward through kernels.attention_* with the candidate `name` pinned; the largest error
-    relative to each output's magnitude."""
-    (q, k, v, dout), want = _case(B, T, Hq, Hkv, D, seg, window, seed, softcap)
+    relative to each output's magnitude. blocks (B, T): Gemma 3's image blocks, or None."""
+    (q, k, v, dout), want = _case(B, T, Hq, Hkv, D, seg, window, seed, softcap, blocks)
     tq, tk, tv, tdo = (rt.upload(x) for x in (q, k, v, dout))
-    ts = rt.upload(seg.astype(np.int32))
+    ts = rt.upload(seg.astype(np.int32) if blocks is None else AK.extents(seg, blocks))
+    extra = {} if blocks is None else {"blocks": True}
     out, dq = rt.buffer(q.nbytes), rt.buffer(q.nbytes)
     lse, scratch = rt.buffer(4 * B * Hq * T), rt.buffer(4 * A.attention_scratch_size(B, T, Hq))
     dkv = rt.buffer(2 * k.nbytes)                       # dk and dv share a buffer, as in the engine
     dk, dv = (dkv, 0), (dkv, k.size)
     with tune.pinned(name):
         rec = rt.recorder()
-        A.attention_forward(rec, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap)
+        A.attention_forward(rec, out, lse, tq, tk, tv, ts, B, T, Hq, Hkv, D, window, softcap, **extra)
         A.attention_backward(rec, dq, dk, dv, tdo, tq, tk, tv, out, lse, ts, B, T, Hq, Hkv, D, scratch, window,
-                             softcap)
+                             softcap, **extra)
         rec.submit()
     got = [rt.read(out, F32, q.shape), rt.read(lse, F32, (B, Hq, T)), rt.read(dq, F32, q.shape),
            rt.read(dkv, F32, (2,) + k.shape)[0], rt.read(dkv, F32, (2,) + k.shape)[1]]
@@ -87,6 +88,33 @@ def test_every_candidate(default_rt, name):
     assert _run(rt, name, 2, 150, 4, 2, D, seg, 0) < 2e-5
     assert _run(rt, name, 2, 150, 4, 2, D, seg, 37, seed=1) < 2e-5
     assert _run(rt, name, 2, 150, 4, 2, D, seg, 37, seed=2, softcap=1.5) < 2e-5
+
+
+BLOCKS = [c.name for c in AK.REGS_CONFIGS + AK.TILES_CONFIGS] + ["rows/scalar"]
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_image_blocks(default_rt, name):
+    """Gemma 3's images: each candidate that takes them (the flash kernels, the scalar per-row ones at a head dim
+    of 14) with bidirectional image blocks (one across a tile boundary, one longer than the window, one at a
+    row's end) in packed rows with padding, without and with a window; the vec4 per-row kernels never take them."""
+    rt = default_rt
+    D = 32 if name.startswith("regs/") or name.startswith("tiles/q16l16") else 14 if name == "rows/scalar" else 64
+    if name not in _names(rt, D):
+        pytest.skip(f"{name} does not run head dim {D} on {rt.info.name}")
+    seg = np.ones((2, 100), np.int32)
+    seg[0, 60:] = 2
+    seg[1, 90:] = 0
+    blocks = np.full((2, 100), -1, np.int32)
+    blocks[0, 20:70 - 10] = 0           # within the first sample, across a tile boundary of 32
+    blocks[0, 95:] = 1                  # the second sample's end
+    blocks[1, 3:50] = 0                 # longer than the window
+    assert _run(rt, name, 2, 100, 4, 2, D, seg, 0, blocks=blocks) < 2e-5
+    assert _run(rt, name, 2, 100, 4, 2, D, seg, 37, seed=1, blocks=blocks) < 2e-5
+    t = {n: rt.buffer(16) for n in ("q", "k", "v", "out", "lse", "segment_ids")}
+    p = AK.AttentionProblem(rt, "forward", t, 1, 64, 2, 1, D, blocks=True)
+    assert "rows/vec4" not in [c.name for c in p.candidates()] and p.key().endswith(" blocks")
+    rt.release(*t.values())
 
 
 @pytest.mark.parametrize("D", [64, 80, 128, 256])

@@ -594,6 +594,34 @@ def test_attention_cached_passes(rt, case, window, softcap, kernel):
     assert not rt.read(out, F32, q.shape)[rows < 0].any()
 
 
+@pytest.mark.parametrize("kernel", ["decode/single", "decode/split32"])
+@pytest.mark.parametrize("window", [0, 20])
+def test_attention_cached_image_blocks(default_rt, window, kernel):
+    """A prefill with Gemma 3's images (decode_kernels.with_reaches): an image block's queries see the whole
+    block, the others stay causal, within the window, in each pass; two rows, one block longer than the window."""
+    from wgpu_train.engines.webgpu.tuned import decode_kernels, tune
+
+    rt = default_rt
+    batch, max_len, hq, hkv, d = 2, 80, 2, 1, 16
+    rows = np.array([0] * 60 + [1] * 5 + [-1], np.int32)
+    pos = np.array(list(range(60)) + list(range(30, 35)) + [0], np.int32)
+    blocks = np.full(rows.size, -1, np.int32)
+    blocks[10:40], blocks[61:64] = 0, 0       # block 0 of each row: the rows' blocks are apart
+    g = rng(5)
+    q = g.standard_normal((rows.size, hq, d)).astype(F32)
+    kc, vc = g.standard_normal((2, batch, max_len, hkv, d)).astype(F32)
+    want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, window, 0.0,
+                                        blocks=blocks)
+    out = rt.upload(np.full(q.shape, 7.0, F32))
+    scratch = rt.buffer(4 * decode_kernels.scratch_elements(rows.size, hq, d))
+    tq, tk, tv, tr, tp = (rt.upload(a) for a in (q, kc, vc, rows, decode_kernels.with_reaches(pos, blocks, rows)))
+    with tune.pinned(kernel):
+        run(rt, lambda r: A.attention_cached_forward(r, out, tq, tk, tv, tr, tp, rows.size, batch, max_len, hq, hkv,
+                                                     d, window, 0.0, scratch, blocks=True))
+    assert_close(rt.read(out, F32, q.shape), want, "k_attention", kernel)
+    rt.release(out, scratch, tq, tk, tv, tr, tp)
+
+
 def test_cached_attention_passes_fit_the_cpu_loop_budget(rt, monkeypatch):
     """On CPU adapters only passes within llvmpipe's loop budget are candidates (past it llvmpipe silently cuts
     the loops: the single pass stops at about 250 positions of head dim 128), the longest ones accepted still

@@ -1,6 +1,6 @@
-"""`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM) on the
-NumPy engine (greedy), with the adapter of a run if given; and the VisionModel over a model `chat` and `serve`
-loaded (`serve`: Gemma 3's only)."""
+"""`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM; greedy;
+the tower on the CPU, the language model on --backend's engine), with the adapter of a run if given; and the
+VisionModel over a model `chat` and `serve` loaded (`serve`: Gemma 3's only)."""
 from __future__ import annotations
 
 import sys
@@ -14,11 +14,9 @@ def generate_with_images(args, model_dir, adapter) -> int:
     from wgpu_train.engines.vision_model import load_vision_model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
-    if args.backend not in ("auto", "numpy"):
-        raise ConfigError(f"--image runs on the NumPy engine only for now (--backend numpy), not {args.backend}")
     if args.temperature:
         raise ConfigError("--image generates greedily for now (--temperature 0)")
-    vm = load_vision_model(model_dir, backend="numpy")
+    vm = load_vision_model(model_dir, backend=args.backend, device=args.device)
     if adapter is not None:
         vm.load_adapter(adapter)
     tok = load_tokenizer(model_dir)
@@ -36,8 +34,9 @@ def generate_with_images(args, model_dir, adapter) -> int:
 
 def vision_of(model, model_dir, tiled: bool = False):
     """The model's VisionModel (its vision tower and projector read from model_dir) where the folder is a
-    vision-language model loaded on the NumPy engine, else None (it takes no images). SmolVLM's only where the
-    caller takes its tiled images (`tiled`: chat), else its language model alone, with a warning (serve)."""
+    vision-language model loaded on an engine that takes images (set_images: both engines; not pipeline stages),
+    else None (it takes no images). SmolVLM's only where the caller takes its tiled images (`tiled`: chat), else
+    its language model alone, with a warning (serve)."""
     import json
     import logging
     from pathlib import Path

@@ -1,7 +1,7 @@
 """VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3), the language model's `Model`
-beside the SigLIP tower and projector (frozen, or with LoRA on Gemma 3's tower encoder; the NumPy engine only for
-now): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams
-whose image placeholders take the images' embeddings."""
+beside the SigLIP tower and projector (frozen, or with LoRA on the tower's encoder): logits, loss and LoRA
+gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take the
+images' embeddings. The tower runs on the CPU (NumPy); the language model on either engine (both have set_images)."""
 from __future__ import annotations
 
 import json
@@ -39,8 +39,7 @@ class VisionModel:
 
     def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings | TileSettings):
         if not hasattr(model.engine, "set_images"):
-            raise ConfigError(f"images run on the NumPy engine only for now (backend='numpy'), not on the "
-                              f"{model.backend} engine")
+            raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
     def pixel_values(self, images, where: str = "record") -> np.ndarray:
@@ -218,6 +217,8 @@ class VisionModel:
                                                 **extra)
         if reduce is not None:
             raise ConfigError("LoRA on the vision tower trains in one process only for now")
+        if not hasattr(self.model.engine, "apply_update"):
+            raise ConfigError("LoRA on the vision tower trains on the NumPy engine only for now (backend='numpy')")
         engine, caches = self.model.engine, []
         batches = []
         for mb in micro:

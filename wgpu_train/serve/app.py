@@ -113,7 +113,7 @@ def build_app(scheduler: Scheduler, api_key: str | None = None, allow_remote_ima
         if chat and req.images:
             if scheduler.vision is None:
                 raise ApiError(400, f"the model '{req.model}' takes no images (a text-only model, or a vision model "
-                                    f"not served on the NumPy engine)", "messages", "images_not_supported")
+                                    f"served as pipeline stages)", "messages", "images_not_supported")
             pixels = request_pixels(req.images, scheduler.vision.settings, allow_remote_images)
             prompts = [image_chat_prompt_ids(tokenizer, scheduler.vision, req.messages, style, len(req.images))]
         elif chat and req.tools is not None:

@@ -224,7 +224,7 @@ class Trainer:
     def _choose_backend(self, model_cfg):
         """The engine of the run (engines/backend_choice.py; auto times nothing), said in the run's first line,
         ahead of the lines held while checking; how long the choice took is kept for the summary."""
-        from wgpu_train.engines.backend_choice import BackendChoice, choose_backend
+        from wgpu_train.engines.backend_choice import choose_backend
 
         cfg = self.config
         coef = router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef)
@@ -233,9 +233,7 @@ class Trainer:
                               f"now, not {cfg.objective}; pass --router-aux-loss-coef 0 (as TRL's trainer with "
                               f"router_aux_loss_coef=0, which its {cfg.objective} adds by default on an MoE model)")
         started = time.perf_counter()
-        choice = (BackendChoice("numpy", None, "auto: the WebGPU engine takes no images yet")
-                  if self.with_images and cfg.backend == "auto" else
-                  choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype))
+        choice = choose_backend(cfg.backend, self.device, model_cfg, self.base_dtype, self.embed_dtype)
         self.backend_choice_s = time.perf_counter() - started
         self.backend, self.device, self.backend_reason = choice.engine, choice.device, choice.reason
         if cfg.backend == "auto":
@@ -252,7 +250,7 @@ class Trainer:
         resolved; described in the log."""
         cfg = self.config
         self.model = self.placement.load(self, model_cfg)
-        if self.with_images:        # the tower and projector beside it; an engine without set_images refused
+        if self.with_images:        # the tower and projector beside it (on the CPU), whichever engine
             self.vision = attach_vision(self.model, self.model_dir)
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name

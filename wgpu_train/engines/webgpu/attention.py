@@ -17,25 +17,27 @@ def _att_check(T, Hq, Hkv, D):
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
 
 
-def _attention(rec, pass_, tensors, B, T, Hq, Hkv, D, window, softcap):
+def _attention(rec, pass_, tensors, B, T, Hq, Hkv, D, window, softcap, blocks):
     _att_check(T, Hq, Hkv, D)
     if B * T <= 0:
         return
-    p = attention_kernels.AttentionProblem(rec.rt, pass_, tensors, B, T, Hq, Hkv, D, window, softcap)
+    p = attention_kernels.AttentionProblem(rec.rt, pass_, tensors, B, T, Hq, Hkv, D, window, softcap, blocks)
     for d in tune.choose(rec.rt, p).dispatches(p):
         rec.dispatch(*d)
 
 
-def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, window=0, softcap=0.0, sinks=None):
+def attention_forward(rec, out, lse, q, k, v, segment_ids, B, T, Hq, Hkv, D, window=0, softcap=0.0, sinks=None,
+                      blocks=False):
     """Causal GQA attention with segments: q, out (B, T, Hq, D); k, v (B, T, Hkv, D);
     segment_ids (B, T) i32 (0 = padding); lse (B, Hq, T) saved for the backward. window > 0: query i sees
     only keys j with i - j < window (sliding-window attention); softcap > 0: the scaled scores become
     softcap * tanh(s / softcap) (Gemma 2). q, k, v and out may each be float32, bfloat16 or float16 (their
     buffers' storage formats; a 16-bit one needs an even D and an even element offset), lse is float32. The
     kernel is the tuner's choice among attention_kernels' candidates, tuned per storage formats. sinks (Hq,) f32
-    or None: gpt-oss's, applied to the kernel's result (attention_sink_forward)."""
+    or None: gpt-oss's, applied to the kernel's result (attention_sink_forward). blocks=True (Gemma 3's images):
+    segment_ids is attention_kernels.extents' (3, B, T), each image block's tokens seeing each other both ways."""
     _attention(rec, "forward", dict(out=out, lse=lse, q=q, k=k, v=v, segment_ids=segment_ids),
-               B, T, Hq, Hkv, D, window, softcap)
+               B, T, Hq, Hkv, D, window, softcap, blocks)
     if sinks is not None:
         attention_sink_forward(rec, out, lse, sinks, B, T, Hq, D)
 
@@ -64,22 +66,24 @@ def attention_scratch_size(B, T, Hq):
 
 
 def attention_backward(rec, dq, dk, dv, dout, q, k, v, out, lse, segment_ids, B, T, Hq, Hkv, D, scratch, window=0,
-                       softcap=0.0, sinks=None, dsinks=None):
+                       softcap=0.0, sinks=None, dsinks=None, blocks=False):
     """dq (B, T, Hq, D), dk, dv (B, T, Hkv, D) of attention_forward from its out and lse, with lse copied to
     scratch and delta beside it (at least attention_scratch_size(B, T, Hq) elements): dq per query block, then
     dk and dv per key block summing over the query heads of its group (no atomics). dq, dk, dv, dout, q, k, v
-    and out in any storage format, as attention_forward's tensors; lse and scratch float32. With sinks (their
-    term already in lse and out: attention_forward's), dsinks (Hq,) f32 += their gradient where given."""
+    and out in any storage format, as attention_forward's tensors; lse and scratch float32; blocks as there. With
+    sinks (their term already in lse and out: attention_forward's), dsinks (Hq,) f32 += their gradient where
+    given."""
     if B * T > 0:
         copy(rec, scratch, lse, B * Hq * T)
     _attention(rec, "backward", dict(dq=dq, dk=dk, dv=dv, dout=dout, q=q, k=k, v=v, out=out,
-                                     segment_ids=segment_ids, stats=scratch), B, T, Hq, Hkv, D, window, softcap)
+                                     segment_ids=segment_ids, stats=scratch), B, T, Hq, Hkv, D, window, softcap,
+               blocks)
     if sinks is not None and dsinks is not None:
         attention_sink_backward(rec, dsinks, scratch, sinks, B, T, Hq)
 
 
 def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, batch, max_len, hq, hkv, d,
-                             window=0, softcap=0.0, scratch=None, kv_dtype=KvDtype.FLOAT32, sinks=None):
+                             window=0, softcap=0.0, scratch=None, kv_dtype=KvDtype.FLOAT32, sinks=None, blocks=False):
     """New queries against a KV cache of `batch` rows: q, out (n, hq, d), each in any storage format; caches
     (batch, max_len, hkv, d) stored as kv_dtype (float32, or bfloat16 two per 4-byte word: their buffers take
     its storage format, decode_kernels.cache_tensor);
@@ -88,7 +92,8 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
     at softcap when it is not 0. scratch: a buffer of decode_kernels.scratch_elements(queries, hq, d) floats
     for the split passes of calls of up to `queries` queries (None: the single pass); the pass is the tuner's
     choice (decode_kernels.py). Any element offsets (even for 16-bit tensors). sinks (hq,) f32 or None: gpt-oss's
-    sink logits in each head's denominator."""
+    sink logits in each head's denominator. blocks=True (a prefill with Gemma 3's images): positions holds (n,)
+    more after them, each query's reach (the last position it sees: its image block's last, else its own)."""
     if n <= 0:
         return
     if d > 256 or hkv <= 0 or hq % hkv:
@@ -98,7 +103,7 @@ def attention_cached_forward(rec, out, q, k_cache, v_cache, rows, positions, n, 
                    v_cache=decode_kernels.cache_tensor(v_cache, kv_dtype), rows=rows, positions=positions,
                    part=scratch, part_in=scratch, sinks=sinks if sinks is not None else positions)   # unread without
     p = decode_kernels.DecodeProblem(rec.rt, tensors, n, batch, max_len, hq, hkv, d, window, softcap, room,
-                                     kv_dtype, sinks is not None)
+                                     kv_dtype, sinks is not None, blocks)
     for dispatch in tune.choose(rec.rt, p).dispatches(p):
         rec.dispatch(*dispatch)
 

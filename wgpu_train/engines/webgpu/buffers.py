@@ -98,6 +98,7 @@ class Activations:
         self.b = self.t = self.n = self.n_head = 0
         self.rope_long = False
         self.ids = self.segments = self.positions = self.targets = self.head_index = self.row_weights = None
+        self.images = None      # the batch's images (images.BatchImages) or None
         self.row_terms = self.objective = None     # a TokenObjective's terms buffer and the objective itself
         self.head_order = None     # (n_head,) the batch's row of each loss head row (None: every row, in order)
         self.entropies = False     # whether the loss head writes entropy_rows (a training step's objective)
@@ -156,6 +157,7 @@ class BucketCache:
         self.groups: dict = {}        # module name -> the modules that run their LoRA as one
         self.expert_lora: dict = {}   # expert tensor path -> GpuExpertLora (their rank sizes the MoE scratch)
         self.checkpoint = False
+        self.images = None            # the engine's images.ImageInputs (set_images), which upload_batch attaches
 
     def set_adapter(self, lora: dict, groups: dict, expert_lora: dict | None = None):
         """The LoRA modules (path -> GpuLora), groups and LoRA pairs on experts (path -> GpuExpertLora) the buckets
@@ -274,6 +276,10 @@ class BucketCache:
         rt.write(acts.segments, segment_ids.astype(np.int32).reshape(-1))
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
         acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch
+        acts.images = None
+        if self.first and self.images is not None:
+            self.images.attach(acts, slot, ids, segment_ids, position_ids,
+                               acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final, last is not None)
         acts.head_index, acts.head_order, acts.n_head, acts.row_weights = None, None, n, None
         acts.row_terms = acts.objective = None
         acts.entropies = False

@@ -1,8 +1,8 @@
 """The WebGPU engine: persistent weights, activations per (batch, length) bucket, and a whole
 optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder. It owns its parts
 as objects, each told the state it reads: the buckets (buffers.py), the layer recording (layers.py), DoRA's
-norms (dora.py), the dropout seeds (dropout_seeds.py), the optimizer (optimizer.py), the steps (steps.py) and
-KV-cache generation (kv_cache.py)."""
+norms (dora.py), the dropout seeds (dropout_seeds.py), the optimizer (optimizer.py), the steps (steps.py),
+KV-cache generation (kv_cache.py) and Gemma 3's images (images.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,12 +24,13 @@ from wgpu_train.engines.shared.quant import check_dtypes
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
 from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_read
-from wgpu_train.engines.webgpu.device.recorder import submit
+from wgpu_train.engines.webgpu.device.recorder import count_submissions, submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
 from wgpu_train.engines.webgpu.buffers import Activations, BucketCache, GpuExpertLora, GpuLora
 from wgpu_train.engines.webgpu.dora import DoraNorms
 from wgpu_train.engines.webgpu.dropout_seeds import DropoutSeeds
+from wgpu_train.engines.webgpu.images import ImageInputs
 from wgpu_train.engines.webgpu.kv_cache import KvCacheGeneration
 from wgpu_train.engines.webgpu.layers import LayerRecorder
 from wgpu_train.engines.webgpu.optimizer import Optimizer
@@ -105,6 +106,7 @@ class WgpuEngine(EngineState):
         self.steps = StepRunner(rt, cfg, precision, self.buckets, self.layers, self.dropout, self.optimizer,
                                 self.dora, step_buf, self.counters)
         self.kv = KvCacheGeneration(rt, cfg, kv_dtype, self.buckets, self.layers, self.counters)
+        self.buckets.images = self.image_inputs = ImageInputs(rt, cfg.hidden_size)
 
     # ---- what the parts keep, as the protocol names it ----------------------------------------
     dropout_seed = part_field("dropout", "seed", "The run's dropout seed (seed_dropout).")
@@ -386,6 +388,21 @@ class WgpuEngine(EngineState):
         """One optimizer step over micro-batches in one submission (StepRunner.train_step);
         (loss_sum, token_count, grad_norm, applied)."""
         return self.steps.train_step(micro_batches, hp, step, profile, reduce, self.loss_scaler)
+
+    # ---- images (images.ImageInputs) -----------------------------------------------------------
+    def set_images(self, images):
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None): each
+        batch uploads their embeddings and blocks (a train_step's micro-batch may end with its own instead)."""
+        self.image_inputs.tokens = images
+
+    @property
+    def image_grad(self):
+        """The image rows' gradient (n, C) float32 of the last backward with images (for the vision tower's
+        backward), read back from the device now; None before one."""
+        before = dict(self.rt.counters)
+        grad = self.image_inputs.read_grad(self.layers.image_grad_source)
+        count_submissions(self.rt, self.counters, before)
+        return grad
 
     # ---- generation (kv_cache.KvCacheGeneration) ----------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:

@@ -197,11 +197,12 @@ def row_gather_forward(rec, out, x, rows, N, C, x_rows):
     embedding_forward(rec, out, rows, x, N, C, x_rows)
 
 
-def row_gather_backward(rec, dx, dout, rows, N, C, x_rows, accumulate=False):
+def row_gather_backward(rec, dx, dout, rows, N, C, x_rows, accumulate=False, keep=False):
     """dx (x_rows, C) = dout (N, C) rows written to rows (N,) i32, which must be distinct (a plain scatter,
     no links pass); rows no index names are zeroed, unless accumulate=True, which adds into dx instead (in
-    float32, rounded once to dx's format). dx and dout in any storage format each."""
-    if not accumulate:
+    float32, rounded once to dx's format), or keep=True, which leaves them as they are (Gemma 3's image
+    embeddings over their tokens' rows). dx and dout in any storage format each."""
+    if not (accumulate or keep):
         fill(rec, dx, 0.0, x_rows * C)
     _elems(rec, "embedding", "row_gather_backward", N * ((C + 1) // 2),
            [(dx, x_rows * C, "dx", True), (dout, N * C, "dout", False), (rows, N, "rows", False)],

@@ -58,6 +58,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         self.router_aux_weight = 0.0  # the weight of the router's load-balancing loss on a training step's gradient
         self._recomputing = False     # recording a checkpointed layer's forward again, inside the backward
         self.adapter_bank: dict = {}  # module path -> GpuBankModule (KvCacheGeneration.set_adapter_bank)
+        self.image_grad_source = None  # the images.BatchImages whose gradient the last backward gathered
         self.bank_rows = None         # a buffer of each token's adapter (i32) while forward_rows records with them
         self._pending: dict = {}      # member -> dy of a group whose LoRA backward waits for the others
         self._where = ""
@@ -168,7 +169,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         if self.first:
             self._where = "embedding forward"
             rec.section(self._where)
-            self.embed(rec, acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final, acts.ids, n)
+            x_in = acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final
+            self.embed(rec, x_in, acts.ids, n)
+            if acts.images is not None:     # the projector's embeddings in place of the placeholders'
+                K.row_gather_backward(rec, x_in, acts.images.embeds, acts.images.index, acts.images.count, c, n,
+                                      keep=True)
         for i in self.span:
             rec.split_point()
             self.record_layer_forward(rec, acts, i, kv)
@@ -236,14 +241,20 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         rec.section(self._where + " attention")
         sinks = self.w[f"model.layers.{i}.{op.param}"] if op.param else None    # gpt-oss's
         if kv is None:
-            A.attention_forward(rec, att, lse, q, k, v, acts.segments, acts.b, acts.t, hq, hkv, d, cfg.window(i),
-                                cfg.attn_softcap, sinks)
+            A.attention_forward(rec, att, lse, q, k, v, self._segments(acts), acts.b, acts.t, hq, hkv, d,
+                                cfg.window(i), cfg.attn_softcap, sinks, blocks=acts.images is not None)
         else:   # generation: acts.segments holds each token's cache row
             A.kv_cache_write(rec, kv["k"][i], kv["v"][i], k, v, acts.segments, acts.positions, acts.n,
                              kv["batch"], kv["max_len"], hkv, d, kv["dtype"])
-            A.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments, acts.positions,
+            A.attention_cached_forward(rec, att, q, kv["k"][i], kv["v"][i], acts.segments,
+                                       acts.positions if acts.images is None else acts.images.spans,
                                        acts.n, kv["batch"], kv["max_len"], hq, hkv, d, cfg.window(i), cfg.attn_softcap,
-                                       kv["scratch"], kv["dtype"], sinks)
+                                       kv["scratch"], kv["dtype"], sinks, blocks=acts.images is not None)
+
+    @staticmethod
+    def _segments(acts):
+        """The attention's segment operand: the segment ids, or with images their blocks' extents too."""
+        return acts.segments if acts.images is None else acts.images.spans
 
     def _forward_glu(self, rec, op, i, acts, buf, kv):
         """A gated activation, swiglu or geglu (the op's kind names the kernel pair)."""
@@ -451,9 +462,9 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         rec.section(self._where + " attention")
         sinks = f"model.layers.{i}.{op.param}" if op.param else None      # gpt-oss's, trained or not
         A.attention_backward(rec, *dxs, dys[0], *(a[x] for x in op.inputs), *(a[x] for x in op.outputs),
-                             acts.segments, acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             self._segments(acts), acts.b, acts.t, cfg.num_attention_heads, cfg.num_key_value_heads,
                              cfg.head_dim, acts.scratch_att, cfg.window(i), cfg.attn_softcap,
-                             sinks and self.w[sinks], sinks and self.grads.get(sinks))
+                             sinks and self.w[sinks], sinks and self.grads.get(sinks), blocks=acts.images is not None)
 
     def _backward_glu(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), f"{op.kind}'s backward writes its gradients"
@@ -545,6 +556,10 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
                 dys = [getattr(acts, name) for name in op.grads_out]
                 dxs = [getattr(acts, name) for name in op.grads_in]
                 getattr(self, "_backward_" + op.kind)(rec, op, i, acts, acts.layers[i], dys, dxs, accumulate)
+        if self.first and acts.images is not None:     # the image rows' gradient, for the vision tower
+            rec.section("embedding backward")
+            K.row_gather_forward(rec, acts.images.grad, acts.d_res, acts.images.index, acts.images.count, c, n)
+            self.image_grad_source = acts.images
         if self.first and EMBED in self.grads:
             rec.section("embedding backward")
             emb, g = self.w["model.embed_tokens.weight"], self.grads["model.embed_tokens.weight"]

@@ -12,6 +12,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.layer_plan import INPUT
 from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.quant import F16_MAX
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.buffers import BucketCache
@@ -209,7 +210,8 @@ class StepRunner:
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None,
                    scaler: LossScaler | None = None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...] in
-        one submit (weights (B, T): each token's gradient weight, uploaded with the batch).
+        one submit (weights (B, T): each token's gradient weight, uploaded with the batch); a micro-batch may end
+        with its images (shared/image_tokens.ImageTokens), uploaded into its slot.
 
         The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
         finite flag. Returns (loss_sum, token_count, grad_norm, applied). With `reduce` (the engine
@@ -246,6 +248,7 @@ class StepRunner:
         self.layers.router_aux_weight = self.router_aux_loss_coef / n_micro * (scaler.scale if scaler else 1.0)
         used, scored, at_row = [], [], aux_at + n_aux
         early = []          # GPU seconds per op group of the submissions a SequenceObjective ended (profile)
+        images = self.buckets.images
         for j, (ids, targets, seg, pos, *extra) in enumerate(micro_batches):
             # every micro-batch has its own input slot: queue writes all land before the submission runs
             b, t = ids.shape
@@ -253,8 +256,17 @@ class StepRunner:
             used.append(acts.key)
             objective = objectives[j]
             host = isinstance(objective, SequenceObjective)
-            self.buckets.upload_batch(acts, ids, seg, pos, targets, slot=j, objective=None if host else objective,
-                               weights=extra[0] if extra and objective is None else None)
+            own = extra.pop() if extra and isinstance(extra[-1], ImageTokens) else None     # its images
+            tokens = images.tokens if images is not None else None
+            if own is not None:
+                images.tokens = own
+            try:
+                self.buckets.upload_batch(acts, ids, seg, pos, targets, slot=j,
+                                          objective=None if host else objective,
+                                          weights=extra[0] if extra and objective is None else None)
+            finally:
+                if own is not None:
+                    images.tokens = tokens
             acts.entropies = objective is not None
             self.dropout.write(j, self.layers.lora)
             self.layers.record_forward(rec, acts)

@@ -14,6 +14,11 @@ Storage formats (device/storage.py): q, k, v, the output and their gradients may
 float16 (every kernel reads and writes them through tensor markers, the vec4 kernels through vec4 views of them:
 each kernel is built for its tensors' formats; arithmetic in float32); the statistics (lse, delta) are float32.
 The formats are part of the tuner's key: each is tuned and checked apart.
+
+Gemma 3's images (blocks): the tokens of an image block see each other both ways. The flash kernels take them as
+(B, T) reaches and (B, T) block starts after the segment ids in the same binding (shaders/attention_common.wgsl,
+`extents`), the uniform's s5 set; so do the scalar per-row kernels (for a head dim that is not a multiple of 4), not
+their vec4 twins.
 """
 from __future__ import annotations
 
@@ -62,10 +67,11 @@ class AttentionProblem:
     from dout, q, k, v, out and the statistics: lse, then delta written by the first pass, back to back in one
     buffer), with its tensors (kernels.attention_forward's and attention_backward's arguments) and sizes."""
 
-    def __init__(self, rt, pass_: str, tensors: dict, B, T, Hq, Hkv, D, window=0, softcap=0.0):
+    def __init__(self, rt, pass_: str, tensors: dict, B, T, Hq, Hkv, D, window=0, softcap=0.0, blocks=False):
         self.rt, self.pass_, self.t = rt, pass_, tensors
         self.B, self.T, self.Hq, self.Hkv, self.D, self.window = B, T, Hq, Hkv, D, int(window)
         self.softcap = float(softcap)      # the scores' soft-cap (Gemma 2), 0 for none
+        self.blocks = bool(blocks)         # segment_ids holds image blocks' extents too (module docstring)
         big = {n: t for n, t in tensors.items() if n in BIG}
         self.formats = {n: storage.format_of(split(t)[0]) for n, t in big.items()}     # name -> storage format
         self.aligned = _aligned(D, *big.values())
@@ -84,22 +90,24 @@ class AttentionProblem:
 
     def describe(self) -> str:
         return (f"attention {self.pass_} B{self.B} T{self.T} H{self.Hq}/{self.Hkv} D{self.D}"
-                + (f" window {self.window}" if self.window else "") + (f" softcap {self.softcap:g}" if self.softcap else ""))
+                + (f" window {self.window}" if self.window else "") + (f" softcap {self.softcap:g}" if self.softcap else "")
+                + (" image blocks" if self.blocks else ""))
 
     def signature(self) -> tuple:
         return ("attention", self.pass_, self.B, self.T, self.Hq, self.Hkv, self.D, self.window, self.softcap,
-                self.aligned, tuple(sorted(self.formats.items())))
+                self.aligned, tuple(sorted(self.formats.items())), self.blocks)
 
     def key(self) -> str:
         """The tuner's key: pass, rows bucket (next power of two of B * T), heads, D, window or not, soft-cap or
-        not, alignment, then the storage formats unless all are float32 (one word when all are the same)."""
+        not, alignment, then the storage formats unless all are float32 (one word when all are the same), then
+        `blocks` with image blocks."""
         bucket = 1 << max(0, (self.B * self.T - 1).bit_length())
         kinds = set(self.formats.values())
         formats = ("" if kinds <= {"f32"} else f" {kinds.pop()}" if len(kinds) == 1 else
                    " " + ",".join(f"{n}:{fmt}" for n, fmt in sorted(self.formats.items())))
         return (f"attention {self.pass_} bt{bucket} h{self.Hq}/{self.Hkv} d{self.D}"
                 f"{' window' if self.window else ''}{' softcap' if self.softcap else ''} "
-                f"{'v4' if self.aligned else 'any'}{formats}")
+                f"{'v4' if self.aligned else 'any'}{formats}{' blocks' if self.blocks else ''}")
 
     @property
     def rep(self) -> int:
@@ -118,7 +126,8 @@ class AttentionProblem:
 
     def replica(self, rng):
         """(problem, result tensors, their initial values, their expected values, buffers to release): this
-        shape and these storage formats on fresh random inputs (rounded to their formats), one segment per row.
+        shape and these storage formats on fresh random inputs (rounded to their formats), one segment per row
+        (with blocks: an image block over the second quarter of each row).
         The results, in the order of the values: the outputs, then the float32 statistics (lse, and delta in the
         backward), in one buffer per run of outputs of one format, as (buffer, elements) pairs."""
         from wgpu_train.engines.shared import attention as ops
@@ -127,7 +136,12 @@ class AttentionProblem:
         q, k, v, dout = (storage.rounded(rng.standard_normal((B, T, h, D)).astype(np.float32), fmt.get(n, "f32"))
                          .reshape(B, T, h, D) for h, n in ((Hq, "q"), (Hkv, "k"), (Hkv, "v"), (Hq, "dout")))
         seg = np.ones((B, T), np.int32)
-        out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window, self.softcap)
+        blocks = None
+        if self.blocks:
+            blocks = np.full((B, T), -1, np.int32)
+            blocks[:, T // 4:max(T // 2, T // 4 + 1)] = 0
+        out, lse = ops.attention_forward(*(x.astype(np.float64) for x in (q, k, v)), seg, self.window, self.softcap,
+                                         blocks=blocks)
         inputs = dict(q=q, k=k, v=v)
         if self.pass_ == "forward":
             outputs = dict(out=out, lse=lse)
@@ -135,11 +149,11 @@ class AttentionProblem:
             inputs.update(dout=dout, out=storage.rounded(out.astype(np.float32), fmt["out"]).reshape(out.shape))
             grads = ops.attention_backward(dout.astype(np.float64), q.astype(np.float64), k.astype(np.float64),
                                            v.astype(np.float64), inputs["out"].astype(np.float64), lse, seg,
-                                           self.window, self.softcap)
+                                           self.window, self.softcap, blocks=blocks)
             delta = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), inputs["out"])
             outputs = dict(dq=grads[0], dk=grads[1], dv=grads[2], stats=np.concatenate([lse.ravel(), delta.ravel()]))
         tensors = {n: storage.upload(self.rt, x, fmt[n], "tune operand") for n, x in inputs.items()}
-        tensors["segment_ids"] = self.rt.upload(seg, "tune operand")
+        tensors["segment_ids"] = self.rt.upload(seg if blocks is None else extents(seg, blocks), "tune operand")
         bufs, results = list(tensors.values()), []
         for f, run in itertools.groupby(outputs.items(), key=lambda item: fmt.get(item[0], "f32")):
             run = list(run)
@@ -153,7 +167,8 @@ class AttentionProblem:
         c0 = np.zeros(want.size, np.float32)
         if self.pass_ == "backward":
             c0[want.size - 2 * lse.size:want.size - lse.size] = lse.ravel()    # the statistics' first half: lse
-        rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window, self.softcap)
+        rep = AttentionProblem(self.rt, self.pass_, tensors, B, T, Hq, Hkv, D, self.window, self.softcap,
+                               self.blocks)
         return rep, results, c0, want, bufs
 
 
@@ -162,12 +177,12 @@ def _dispatch(p: AttentionProblem, make, groups) -> tuple:
     names, the kernel built for their storage formats (its vec4 views)."""
     big_q, big_kv, rows = p.B * p.T * p.Hq * p.D, p.B * p.T * p.Hkv * p.D, p.B * p.Hq * p.T
     sizes = {"out": big_q, "q": big_q, "dq": big_q, "dout": big_q, "k": big_kv, "v": big_kv, "dk": big_kv,
-             "dv": big_kv, "lse": rows, "stats": 2 * rows, "segment_ids": p.B * p.T}
+             "dv": big_kv, "lse": rows, "stats": 2 * rows, "segment_ids": (3 if p.blocks else 1) * p.B * p.T}
     k = make(())
     tensors = [(p.t[n], sizes[n]) for n in k.names]
     k = make(tensor_formats(k, tensors))
     pipeline, resources = prepare(p.rt, k, tensors, s0=p.B, s1=p.T, s2=p.Hq, s3=p.Hkv, s4=p.window,
-                                  f0=1.0 / math.sqrt(p.D), f1=p.softcap)
+                                  s5=int(p.blocks), f0=1.0 / math.sqrt(p.D), f1=p.softcap)
     return pipeline, resources, groups
 
 
@@ -206,7 +221,7 @@ class Rows:
         self.name = "rows/vec4" if vec4 else "rows/scalar"
 
     def applies(self, p: AttentionProblem) -> bool:
-        return (p.D <= ROWS_DMAX and (p.aligned or not self.vec4)
+        return (p.D <= ROWS_DMAX and (p.aligned or not self.vec4) and not (p.blocks and self.vec4)
                 and (not is_cpu(p.rt) or self.loop_iterations(p) <= CPU_LOOP_BUDGET))
 
     def loop_iterations(self, p: AttentionProblem) -> int:
@@ -283,6 +298,18 @@ def candidates(p: AttentionProblem) -> list:
 # lse, and the sinks' gradient from the backward's statistics
 SINK_FORWARD = Kernel("attention_sinks", "attention_sink_forward", "out! stats! sinks", invocations=64)
 SINK_BACKWARD = Kernel("attention_sinks", "attention_sink_backward", "out! stats sinks", invocations=64)
+def extents(segment_ids, blocks) -> np.ndarray:
+    """The segment ids' binding of a problem with image blocks: segment_ids (B, T), then each token's reach (the
+    last position it sees: its block's last, or its own), then each token's block start (its own outside a block),
+    (3, B, T) i32. blocks (B, T): a block number per image token (runs of positions), -1 for text."""
+    b, t = blocks.shape
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    reach, start = pos.copy(), pos.copy()
+    for r in range(b):
+        for n in np.unique(blocks[r][blocks[r] >= 0]):
+            at = np.flatnonzero(blocks[r] == n)
+            reach[r, at], start[r, at] = at[-1], at[0]
+    return np.stack([np.asarray(segment_ids, np.int32), reach, start]).astype(np.int32)
 
 
 def supported_head_dim(D: int) -> bool:

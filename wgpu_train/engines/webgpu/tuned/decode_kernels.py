@@ -11,7 +11,10 @@ that fits.
 The cache stores float32 or bfloat16 (shared/kv_dtype.KvDtype): its dtype is its buffers' storage format
 (device/storage.py, KvDtype.storage; bfloat16 packs two values per 4-byte word, head dims are even), and the queries
 and outputs are tensors in any format too, so the cache write and every pass are specialised at launch by the
-formats of what they bind, from one source each."""
+formats of what they bind, from one source each.
+
+A prefill with Gemma 3's images (blocks) gives each query a reach after the positions, in the same binding: the
+last position it sees (its image block's last), so an image's tokens see each other both ways."""
 from __future__ import annotations
 
 import math
@@ -73,15 +76,17 @@ def scratch_bytes(rt, batch: int, max_len: int, hq: int, d: int) -> int:
 
 class DecodeProblem:
     """One attention_cached_forward call: n queries (q, out (n, hq, d)) against caches (batch, max_len, hkv, d)
-    stored as kv_dtype, rows / positions (n,) i32, a scratch for the partials (None: the single pass only);
-    sinks: whether tensors["sinks"] holds gpt-oss's sink logits (Hq,) f32 (else it is any buffer, unread)."""
+    stored as kv_dtype, rows / positions (n,) i32 (with blocks, positions (2n,): the reaches after them), a
+    scratch for the partials (None: the single pass only); sinks: whether tensors["sinks"] holds gpt-oss's sink
+    logits (Hq,) f32 (else it is any buffer, unread)."""
 
     def __init__(self, rt, tensors: dict, n, batch, max_len, hq, hkv, d, window=0, softcap=0.0, scratch_elems=0,
-                 kv_dtype=KvDtype.FLOAT32, sinks: bool = False):
+                 kv_dtype=KvDtype.FLOAT32, sinks: bool = False, blocks=False):
         self.rt, self.t, self.sinks = rt, tensors, bool(sinks)
         self.n, self.batch, self.max_len, self.hq, self.hkv, self.d = n, batch, max_len, hq, hkv, d
         self.window, self.softcap, self.scratch_elems = int(window), float(softcap), int(scratch_elems)
         self.kv_dtype = KvDtype.parse(kv_dtype)
+        self.blocks = bool(blocks)
 
     @property
     def flops(self) -> float:
@@ -91,22 +96,24 @@ class DecodeProblem:
     def describe(self) -> str:
         return (f"cached attention n{self.n} len{self.max_len} H{self.hq}/{self.hkv} D{self.d}"
                 + (f" window {self.window}" if self.window else "") + (" softcap" if self.softcap else "")
-                + (" sinks" if self.sinks else "") + (f" {self.kv_dtype} cache" if self.kv_dtype is not KvDtype.FLOAT32 else ""))
+                + (" sinks" if self.sinks else "") + (f" {self.kv_dtype} cache" if self.kv_dtype is not KvDtype.FLOAT32 else "")
+                + (" image blocks" if self.blocks else ""))
 
     def signature(self) -> tuple:
         return ("decode", self.n, self.batch, self.max_len, self.hq, self.hkv, self.d, self.window, self.softcap,
-                self.scratch_elems, self.kv_dtype, self.sinks)
+                self.scratch_elems, self.kv_dtype, self.sinks, self.blocks)
 
     def key(self) -> str:
         """The tuner's key: queries and cache length (next powers of two), heads, D, window, soft-cap, the
-        chunks the scratch holds (which decide the candidates), and the cache's dtype where not float32."""
+        chunks the scratch holds (which decide the candidates), the cache's dtype where not float32, and `blocks`
+        with image blocks."""
         def bucket(x):
             return 1 << max(0, (x - 1).bit_length())
         room = self.scratch_elems // max(1, self.n * self.hq * (self.d + 2))
         return (f"attention decode n{bucket(self.n)} len{bucket(self.max_len)} h{self.hq}/{self.hkv} d{self.d}"
                 f"{' window' if self.window else ''}{' softcap' if self.softcap else ''}{' sinks' if self.sinks else ''}"
                 f" s{min(room, MAX_SPLITS)}"
-                f"{' ' + self.kv_dtype if self.kv_dtype is not KvDtype.FLOAT32 else ''}")
+                f"{' ' + self.kv_dtype if self.kv_dtype is not KvDtype.FLOAT32 else ''}{' blocks' if self.blocks else ''}")
 
     def candidates(self) -> list:
         """The single pass and every chunk that splits the rows in 2..MAX_SPLITS parts with partials that fit the
@@ -133,7 +140,7 @@ class DecodeProblem:
     def replica(self, rng):
         """(problem, output buffer, its initial values, its expected values, buffers to release): this shape on
         fresh random inputs (the caches' values as the cache's dtype stores them), every query's row full up
-        to the cache's end."""
+        to the cache's end (with blocks, the queries' positions spread over the row, each reaching its end)."""
         from wgpu_train.engines.shared import attention as ops
 
         n, b, L, hq, hkv, d = self.n, self.batch, self.max_len, self.hq, self.hkv, self.d
@@ -143,8 +150,14 @@ class DecodeProblem:
                   .reshape(b, L, hkv, d) for _ in range(2))                  # as the cache stores them
         rows, pos = (np.arange(n) % b).astype(np.int32), np.full(n, L - 1, np.int32)
         sinks = rng.standard_normal(hq).astype(np.float32)
+        blocks = None
+        if self.blocks:     # a block per cache row: its queries at positions 0.., each reaching the last of them
+            pos = np.minimum(np.arange(n) // b, L - 1).astype(np.int32)
+            blocks = rows.copy()
         want = ops.attention_cached_forward(*(x.astype(np.float64) for x in (q, kc, vc)), rows, pos, self.window,
-                                            self.softcap, sinks if self.sinks else None).ravel()
+                                            self.softcap, sinks if self.sinks else None, blocks=blocks).ravel()
+        if self.blocks:
+            pos = with_reaches(pos, blocks, rows)
         bufs = [self.rt.upload(q, "tune operand"), *(storage.upload(self.rt, x, fmt, "tune operand") for x in (kc, vc)),
                 *(self.rt.upload(x, "tune operand") for x in (rows, pos, sinks))]
         bufs.append(self.rt.buffer(max(1, self.scratch_elems) * 4, "tune scratch"))
@@ -154,18 +167,31 @@ class DecodeProblem:
         tensors = dict(q=bufs[0], k_cache=bufs[1], v_cache=bufs[2], rows=bufs[3], positions=bufs[4], sinks=bufs[5],
                        part=bufs[6], part_in=bufs[6], out=res)
         rep = DecodeProblem(self.rt, tensors, n, b, L, hq, hkv, d, self.window, self.softcap, self.scratch_elems,
-                            self.kv_dtype, self.sinks)
+                            self.kv_dtype, self.sinks, self.blocks)
         return rep, res, c0, want, bufs
+
+
+def with_reaches(positions, blocks, rows) -> np.ndarray:
+    """The positions' binding of a prefill with image blocks: positions (n,), then each query's reach (the last
+    position of its block in its cache row, blocks (n,) a block number per image token and -1 for text, rows (n,)
+    the queries' cache rows; else its own position), (2n,) i32."""
+    positions = np.asarray(positions, np.int32)
+    reach = positions.copy()
+    for r, n in {(r, n) for r, n in zip(rows, blocks) if n >= 0}:
+        at = (rows == r) & (blocks == n)
+        reach[at] = positions[at].max()
+    return np.concatenate([positions, reach]).astype(np.int32)
 
 
 def _dispatch(p: DecodeProblem, k: Kernel, groups, chunk=0, splits=0) -> tuple:
     cache = p.batch * p.max_len * p.hkv * p.d
     big, part = p.n * p.hq * p.d, p.n * p.hq * max(1, splits) * (p.d + 2)
-    sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": p.n,
+    sizes = {"out": big, "q": big, "k_cache": cache, "v_cache": cache, "rows": p.n, "positions": (1 + p.blocks) * p.n,
              "part": part, "part_in": part, "sinks": p.hq if p.sinks else 1}
     pipeline, resources = prepare(p.rt, k, [(p.t[name], sizes[name]) for name in k.names], n=p.n, max_len=p.max_len,
                                   batch=p.batch, hq=p.hq, hkv=p.hkv, d=p.d, scale=1.0 / math.sqrt(p.d),
-                                  window=p.window, softcap=p.softcap, chunk=chunk, splits=splits, sinks=int(p.sinks))
+                                  window=p.window, softcap=p.softcap, chunk=chunk, splits=splits, sinks=int(p.sinks),
+                                  blocks=int(p.blocks))
     return pipeline, resources, groups
 
 
@@ -180,7 +206,7 @@ class Single:
     def loop_iterations(self, p: DecodeProblem) -> int:
         """Per invocation at most, as llvmpipe counts them (each loop its iterations and one more): zeroing the
         accumulator, the positions a query sees (each a dot product and an update over D), the write."""
-        seen = min(p.max_len, p.window) if p.window else p.max_len
+        seen = min(p.max_len, p.window) if p.window and not p.blocks else p.max_len
         return seen * (2 * p.d + 3) + 2 * p.d + 3
 
     def dispatches(self, p: DecodeProblem) -> list:

@@ -1,0 +1,81 @@
+"""Gemma 3's images on the WebGPU engine (engine.set_images): each micro-batch slot's image inputs uploaded with
+its batch, which the layer recording scatters over the embedding rows, the attention takes as bidirectional
+blocks, and the backward gathers the image rows' gradient from (read back only when asked: image_grad)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.device.runtime import Runtime
+from wgpu_train.engines.webgpu.tuned.attention_kernels import extents
+from wgpu_train.engines.webgpu.tuned.decode_kernels import with_reaches
+
+
+@dataclass
+class BatchImages:
+    """One uploaded batch's images: index (count,) i32, the image tokens' rows in the batch; embeds (count, C) in
+    the layers' input format; spans, the attention's operand: a training forward's segment ids with the blocks'
+    extents (attention_kernels.extents, (3, B, T)), or generation's positions with each query's reach
+    (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers."""
+
+    index: object
+    embeds: object
+    spans: object
+    grad: object
+    count: int
+
+
+class ImageInputs:
+    """The images the following forwards take (tokens: a shared/image_tokens.ImageTokens, or None), and the
+    device buffers of each micro-batch slot, grown as needed and reused."""
+
+    def __init__(self, rt: Runtime, hidden: int):
+        self.rt, self.c = rt, hidden
+        self.tokens = None
+        self._slots: dict = {}      # slot -> {name: (buffer, capacity in elements)}
+
+    def _buffer(self, slot, name: str, elems: int, fmt: str = "f32"):
+        have = self._slots.setdefault(slot, {}).get(name)
+        if have is None or have[1] < elems or storage.format_of(have[0]) != fmt:
+            if have is not None:
+                self.rt.release(have[0])
+            cap = 1 << max(4, (elems - 1).bit_length())
+            buf = storage.set_format(self.rt.buffer(storage.nbytes(cap, fmt), "image " + name), fmt)
+            have = self._slots[slot][name] = (buf, cap)
+        return have[0]
+
+    def attach(self, acts, slot, ids, segment_ids, position_ids, x_in, generation: bool):
+        """After upload_batch wrote a batch into acts: the tokens' images (when set) written to the slot's buffers
+        and acts.images pointed at them (None without images). ids, segment_ids, position_ids (B, T): the batch
+        as uploaded (generation: (1, n) padded tokens, their cache rows and positions); the ids are rewritten
+        with -1 at the image tokens (the embedding looks none up for them and gives them no gradient); x_in: the
+        layers' input buffer (its format is the embeddings')."""
+        acts.images = None
+        if self.tokens is None or not (self.tokens.blocks >= 0).any():
+            return
+        b, t = ids.shape
+        blocks = self.tokens.blocks
+        if blocks.shape[0] != b or blocks.shape[1] > t:
+            raise ValueError(f"images of {blocks.shape} tokens for a batch of {ids.shape}")
+        blocks = np.pad(blocks, [(0, 0), (0, t - blocks.shape[1])], constant_values=-1)   # generation's padding
+        flat = blocks.reshape(-1) >= 0
+        index = np.flatnonzero(flat).astype(np.int32)
+        n, c, fmt = index.size, self.c, storage.format_of(x_in)
+        rt = self.rt
+        rt.write(acts.ids, np.where(flat, -1, np.asarray(ids).reshape(-1)).astype(np.int32))
+        images = BatchImages(self._buffer(slot, "index", n), self._buffer(slot, "embeds", n * c, fmt),
+                             self._buffer(slot, "spans", 3 * b * t), self._buffer(slot, "grad", n * c), n)
+        rt.write(images.index, index)
+        rt.write(images.embeds, storage.to_words(np.asarray(self.tokens.embeds, np.float32), fmt))
+        spans = (with_reaches(np.asarray(position_ids).reshape(-1), blocks.reshape(-1),
+                              np.asarray(segment_ids).reshape(-1)) if generation else extents(segment_ids, blocks))
+        rt.write(images.spans, spans.reshape(-1).astype(np.int32))
+        acts.images = images
+
+    def read_grad(self, images: BatchImages | None):
+        """The image rows' gradient (count, C) float32 a backward gathered into images.grad, or None."""
+        if images is None:
+            return None
+        return self.rt.read(images.grad, np.float32, (images.count, self.c))
