@@ -55,7 +55,7 @@ def test_shipped_vision_model_reads_the_demo():
 
 
 def test_cli_images_demo_runs_and_measures_exact_match(tmp_path, capsys):
-    """Three steps of the demo through the CLI (its recipe, the NumPy engine chosen for images): exact match before
+    """Three steps of the demo through the CLI (its recipe, on the engine auto chooses): exact match before
     (0%) and after measured on test pictures, the validation loss falls; the run resumes as it was run; --model
     with --images-demo is refused."""
     from wgpu_train.cli.main import main
@@ -66,7 +66,7 @@ def test_cli_images_demo_runs_and_measures_exact_match(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "exact match before training: 0.0% of 5 test samples" in err
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["backend"] == "numpy" and summary["images"] == 340 and summary["exact_match_n"] == 5
+    assert summary["images"] == 340 and summary["exact_match_n"] == 5
     assert summary["valid_loss_after"] < summary["valid_loss_before"]
     recorded = json.loads((out / "train_config.json").read_text())
     assert recorded["images_demo"] is True and recorded["lr"] == 1e-2 and recorded["data"] is None
