@@ -3,6 +3,7 @@ skips with a reason, or fails under WGPU_TRAIN_REQUIRE_DEVICE=1."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -67,3 +68,11 @@ def auto_backend_is_the_adapter(monkeypatch, request):
     from wgpu_train.engines import backend_choice
 
     monkeypatch.setattr(backend_choice, "SMALL_LAYER_WEIGHTS", 0)
+
+
+def pytest_configure(config):
+    """Under nohup or as a shell's background job the suite starts with SIGINT ignored, which its children inherit:
+    the Ctrl-C tests (test_cli, test_train, test_serve) need it delivered, as it is in a terminal and in CI."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
