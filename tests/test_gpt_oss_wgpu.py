@@ -14,9 +14,8 @@ from finetune_helpers import padded_batch
 from test_gpt_oss import build_gpt_oss
 from tolerances import assert_close
 from wgpu_train.engines.backend_choice import choose_backend
-from wgpu_train.engines.protocol import OptimizerParams
-from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.models.config import ModelConfig
+from engine_pair import assert_engines_agree, engine_pair
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -38,38 +37,15 @@ def _batch():
 
 def _pair(folder, rt, **kw):
     """The model on both engines with LoRA on q_proj, o_proj, the router and every expert, B random."""
-    ref = wt.load_model(folder, backend="numpy", **kw)
-    gpu = wt.load_model(folder, backend="wgpu", device=str(rt.info.index), **kw)
     config = wt.LoraConfig(r=3, alpha=7, target_modules=["q_proj", "o_proj", "router"],
                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    ref.add_lora(config, seed=5)
-    rng = np.random.default_rng(1)
-    modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32)) for p, (a, b) in ref.engine.lora_tensors().items()}
-    ref._set_lora(config, modules, seed=5)
-    gpu._set_lora(config, ref.engine.lora_tensors(), seed=5)
-    return ref, gpu
+    return engine_pair(folder, rt, config, **kw)
 
 
 def test_lora_logits_loss_gradients_and_a_step_match_numpy(folder, rt):
     ref, gpu = _pair(folder, rt)
     ids, labels, mask = _batch()
-    real = mask.astype(bool)
-    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "gpu_logits", "gpt-oss")
-    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
-    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
-    assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", "gpt-oss")
-    assert grads_g.keys() == grads_r.keys()
-    for part in ("experts.base_layer.lora_A", "experts.lora_B", "q_proj.lora_A", "o_proj.lora_B", "router.lora_A"):
-        assert any(part in k for k in grads_r), part
-    for k, g in grads_r.items():
-        assert_close(grads_g[k], g, "gpu_grads", f"gpt-oss: {k}")
-    micro = [(ids.astype(np.int32), shift_labels(labels), mask.astype(np.int32),
-              np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy())]
-    hp = OptimizerParams(lr=1e-3, eps=1e-5)
-    loss_r, _, _, _ = ref.engine.train_step(micro, hp, 1)
-    loss_g, _, _, applied = gpu.engine.train_step(micro, hp, 1)
-    assert applied and gpu.engine.last_step["submits"] == 1
-    assert_close(np.float64(loss_g), np.float64(loss_r), "gpu_loss", "step")
+    assert_engines_agree(ref, gpu, ids, labels, mask, ("experts.base_layer.lora_A", "experts.lora_B", "q_proj.lora_A", "o_proj.lora_B", "router.lora_A"), "gpt-oss")
 
 
 def test_full_finetuning_trains_the_sinks_and_biases_as_numpy(folder, rt):
