@@ -184,7 +184,8 @@ def test_a_convolution_wider_than_the_kernels_is_left_to_the_numpy_engine(rt):
 
     raw = {**tf.Lfm2Config(**{**LFM2, "conv_L_cache": MAX_K + 1}).to_dict(), "architectures": ["Lfm2ForCausalLM"]}
     cfg = wt.ModelConfig.from_dict(raw)
-    with pytest.raises(ConfigError, match=f"conv_L_cache {MAX_K + 1} \\(up to {MAX_K}\\); use --backend numpy"):
+    wider = f"field 'conv_L_cache' \\({MAX_K + 1}\\): up to {MAX_K}; use --backend numpy"
+    with pytest.raises(ConfigError, match=wider):
         WgpuEngine(cfg, {}, rt)
     choice = choose_backend("auto", None, cfg)
     assert choice.engine == "numpy" and "conv_L_cache" in choice.reason
