@@ -1,6 +1,6 @@
 """SmolVLM with images, records and the CLI: TRL's vision records tokenized as SmolVLMProcessor does (its tiles'
-prompt, token for token), a train step's LoRA gradients against PEFT, and `generate --image` against transformers'
-greedy answer; what is not supported refused in one line."""
+prompt, token for token), a train step's LoRA gradients against PEFT, `generate --image` against transformers'
+greedy answer, `chat` and `serve` with its images as `generate --image`; what is not supported refused in one line."""
 from __future__ import annotations
 
 import copy
