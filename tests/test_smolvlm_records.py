@@ -1,6 +1,6 @@
 """SmolVLM with images, records and the CLI: TRL's vision records tokenized as SmolVLMProcessor does (its tiles'
-prompt, token for token), a train step's LoRA gradients against PEFT, and `generate --image` against transformers'
-greedy answer; what is not supported refused in one line."""
+prompt, token for token), a train step's LoRA gradients against PEFT, `generate --image` against transformers'
+greedy answer, `chat` and `serve` with its images as `generate --image`; what is not supported refused in one line."""
 from __future__ import annotations
 
 import copy
@@ -243,7 +243,7 @@ def test_cli_finetune_on_smolvlm_images(chat_vlm, tmp_path, capsys):
 
 def test_chat_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypatch, capsys):
     """`chat` with /image on SmolVLM: the first turn generate --image's answer; the next turn the greedy answer to
-    the whole conversation, the first image's tiles in it. `serve` takes its language model alone (a warning)."""
+    the whole conversation, the first image's tiles in it; `serve`'s VisionModel is the same (it takes images)."""
     import io
 
     from wgpu_train.cli.main import main
@@ -267,4 +267,58 @@ def test_chat_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypat
     ids = vision_chat_ids(tok, messages, 1, vm.image_span(tok), [path])
     new = vm.generate(ids, [path], 5, tuple(tok.stop_token_ids))
     assert answers[1] == tok.decode([t for t in new if t not in tok.stop_token_ids])
-    assert vision_of(vm.model, folder) is None and vision_of(vm.model, folder, tiled=True) is not None
+    assert vision_of(vm.model, folder) is not None
+
+
+def test_serve_answers_an_image_as_generate_image(chat_vlm, tmp_path, capsys):
+    """`serve` on SmolVLM: the openai client's answer to an image (a data: URL; its tiles expanded by its size)
+    equals `generate --image`'s, also with a text request in the same batch; an undecodable image is a 400."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    import base64
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wgpu_train.cli.main import build_parser, main
+    from wgpu_train.cli.serve import prepare
+    from wgpu_train.serve.app import build_app
+    from wgpu_train.serve.server import ServerThread
+
+    _, folder, _ = chat_vlm
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour is it?", "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    assert want.strip()
+    args = build_parser().parse_args(["serve", "--model", str(folder), "--backend", "numpy", "--port", "0",
+                                      "--max-batch", "2", "--served-model-name", "default"])
+    scheduler, sock = prepare(args)
+    thread = ServerThread(build_app(scheduler, None), sock).start()
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def ask(url=None, text="what colour is it?"):
+        image = [] if url is None else [{"type": "image_url", "image_url": {"url": url}}]
+        r = client.chat.completions.create(model="default", max_tokens=5, temperature=0, messages=[
+            {"role": "user", "content": image + [{"type": "text", "text": text}]}])
+        return r.choices[0].message.content, r.usage.prompt_tokens
+
+    url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    try:
+        with ThreadPoolExecutor(2) as pool:     # both queued before the worker starts: one batch takes them
+            futures = [pool.submit(ask, url), pool.submit(ask, None, "describe the picture")]
+            deadline = time.monotonic() + 60
+            while len(scheduler._waiting) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            scheduler.start()
+            together = [f.result() for f in futures]
+        assert scheduler.stats["largest_batch"] == 2
+        answer, prompt_tokens = ask(url)
+        assert answer == want and prompt_tokens > 10 * 4        # the image's 3 x 3 tiles and global image
+        assert together == [(answer, prompt_tokens), ask(text="describe the picture")]
+        with pytest.raises(openai.BadRequestError) as e:
+            ask("data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode())
+        assert e.value.status_code == 400 and e.value.code == "invalid_image" and "cannot decode" in e.value.message
+    finally:
+        thread.stop()
+        scheduler.close()

@@ -84,7 +84,7 @@ def cmd_chat(args) -> int:
     with closing_stages(model):
         from wgpu_train.cli.vision import vision_of
 
-        _talk(args, model, tok, vision_of(model, model_dir, tiled=True))
+        _talk(args, model, tok, vision_of(model, model_dir))
     return 0
 
 

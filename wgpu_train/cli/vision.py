@@ -1,6 +1,6 @@
 """`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM; greedy;
 the tower on the CPU, the language model on --backend's engine), with the adapter of a run if given; and the
-VisionModel over a model `chat` and `serve` loaded (`serve`: Gemma 3's only)."""
+VisionModel over a model `chat` and `serve` loaded."""
 from __future__ import annotations
 
 import sys
@@ -32,23 +32,15 @@ def generate_with_images(args, model_dir, adapter) -> int:
     return 0
 
 
-def vision_of(model, model_dir, tiled: bool = False):
+def vision_of(model, model_dir):
     """The model's VisionModel (its vision tower and projector read from model_dir) where the folder is a
-    vision-language model loaded on an engine that takes images (set_images: both engines; not pipeline stages),
-    else None (it takes no images). SmolVLM's only where the caller takes its tiled images (`tiled`: chat), else
-    its language model alone, with a warning (serve)."""
+    vision-language model (Gemma 3, SmolVLM) loaded on an engine that takes images (set_images: both engines; not
+    pipeline stages), else None (it takes no images)."""
     import json
-    import logging
     from pathlib import Path
-
-    from wgpu_train.models.vision import SMOLVLM
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config") or not hasattr(model.engine, "set_images"):
-        return None
-    if (raw.get("architectures") or [""])[0] in SMOLVLM and not tiled:
-        logging.getLogger("wgpu_train").warning("wgpu-train: images in serve are not supported for SmolVLM yet: "
-                                                "its language model alone answers (text only)")
         return None
     from wgpu_train.engines.vision_model import attach_vision
 

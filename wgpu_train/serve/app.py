@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from wgpu_train.serve.api_error import ApiError
-from wgpu_train.serve.images import request_pixels
+from wgpu_train.serve.images import request_images, request_pixels
 from wgpu_train.serve.prompts import (COMPLETION_TOKENS, budget, chat_prompt_ids, completion_prompt_ids,
                                       image_chat_prompt_ids, tool_prompt)
 from wgpu_train.serve.requests import json_body, parse_chat, parse_completion
@@ -114,8 +114,9 @@ def build_app(scheduler: Scheduler, api_key: str | None = None, allow_remote_ima
             if scheduler.vision is None:
                 raise ApiError(400, f"the model '{req.model}' takes no images (a text-only model, or a vision model "
                                     f"served as pipeline stages)", "messages", "images_not_supported")
-            pixels = request_pixels(req.images, scheduler.vision.settings, allow_remote_images)
-            prompts = [image_chat_prompt_ids(tokenizer, scheduler.vision, req.messages, style, len(req.images))]
+            images = request_images(req.images, allow_remote_images)
+            pixels = request_pixels(images, scheduler.vision)
+            prompts = [image_chat_prompt_ids(tokenizer, scheduler.vision, req.messages, style, images)]
         elif chat and req.tools is not None:
             plan = plan_tools(tokenizer, req.tools, tool_prompt(tokenizer, req.messages, style, req.tools.tools))
             prompts = [tokenizer.encode(plan.prompt + plan.prefill)]

@@ -1,6 +1,6 @@
 """A chat request's images (OpenAI image_url parts): data: URLs of base64 images and file:// local paths, a remote
 http(s) URL only where the server allows it (--allow-remote-images); decoded and preprocessed as the served
-vision model's processor does, each failure a 400 naming the image."""
+vision model's processor does (Gemma 3's images, SmolVLM's tiles), each failure a 400 naming the image."""
 from __future__ import annotations
 
 import base64
@@ -57,15 +57,24 @@ def image_source(url: str, index: int, allow_remote: bool = False):
                           f"--allow-remote-images)")
 
 
-def request_pixels(urls, settings, allow_remote: bool = False) -> np.ndarray:
-    """The request's image URLs -> pixel_values (N, C, H, W) float32 as the vision model's processor gives them
-    (data/images.pixel_values with its settings); a URL refused or an image that does not decode is a 400."""
-    from wgpu_train.data.images import pixel_values
+def request_images(urls, allow_remote: bool = False) -> list:
+    """The request's image URLs -> their decoded images (PIL), in order; a URL refused or an image that does not
+    decode is a 400 naming it."""
+    from wgpu_train.data.images import open_image
 
     out = []
     for i, url in enumerate(urls):
         try:
-            out.append(pixel_values(image_source(url, i, allow_remote), settings, f"image {i}"))
+            out.append(open_image(image_source(url, i, allow_remote), f"image {i}"))
         except DataError as e:
             raise ApiError(400, str(e), "messages", "invalid_image") from None
-    return np.stack(out).astype(np.float32)
+    return out
+
+
+def request_pixels(images, vision) -> np.ndarray:
+    """Decoded images -> pixel_values as the served VisionModel's processor gives them: (N, C, H, W) float32, N
+    the images (Gemma 3) or all their tiles (SmolVLM: each image's size gives its grid); a failure is a 400."""
+    try:
+        return vision.pixel_values(images, "request")
+    except DataError as e:
+        raise ApiError(400, str(e), "messages", "invalid_image") from None
