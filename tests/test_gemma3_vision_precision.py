@@ -1,0 +1,72 @@
+"""Gemma 3 with images on the WebGPU engine at what a text model trains with (issue 46): bf16 / f16 activations,
+bfloat16 / NF4 bases and gradient checkpointing, each against the NumPy engine with the same settings (logits,
+loss, LoRA gradients, the image rows' gradient) on test_gemma3_vision_gpu's tiny model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import require_adapter
+from test_gemma3_vision_gpu import batch, load_pair, save_tiny_vision
+from tolerances import assert_close
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny Gemma 3 with images, its MLP width even (16-bit activations need even widths)."""
+    require_adapter()
+    path = tmp_path_factory.mktemp("gemma3_vision16") / "model"
+    save_tiny_vision(path, intermediate_size=42)
+    return path
+
+
+def _compare(cpu, gpu, kind: str, what: str):
+    """Logits, loss, every LoRA gradient and image_grad of the batch with images on both engines, within the
+    tolerances <kind>_logits / _loss / _grads (16-bit gradients over the tensor's largest element)."""
+    ids, mask, labels, px = batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, px, mask)[real], cpu.logits(ids, px, mask)[real], kind + "_logits", what)
+    (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, px, mask) for vm in (cpu, gpu))
+    assert_close(np.float64(lb), la, kind + "_loss", what + ": loss")
+    grads = {**ga, "image_grad": cpu.model.engine.image_grad}
+    got = {**gb, "image_grad": gpu.model.engine.image_grad}
+    assert set(grads) == set(got) and len(grads) > 1
+    for name, want in grads.items():
+        top = np.abs(want).max() if kind != "gpu" else 1.0
+        assert top > 0
+        assert_close(got[name] / top, want / top, kind + "_grads", f"{what}: {name}")
+    return got
+
+
+@pytest.mark.parametrize("precision", ["bf16", "f16"])
+def test_sixteen_bit_activations_with_images_equal_numpys(folder, precision):
+    """The image embeddings rounded to the activations' format where the NumPy engine rounds them (set_images),
+    scattered over the rows and trained through at 16 bits: the WebGPU engine within the text models' 16-bit
+    tolerances of the NumPy engine at the same precision."""
+    cpu, gpu = load_pair(folder, precision=precision)
+    assert cpu.model.engine.precision == gpu.model.engine.precision == precision
+    _compare(cpu, gpu, precision + "_gpu", precision)
+
+
+@pytest.mark.parametrize("base_dtype", ["nf4", "bfloat16"])
+def test_quantized_bases_with_images_equal_numpys(folder, base_dtype):
+    """A bfloat16 or NF4 base under the LoRA with images: the same logits, loss and gradients as the NumPy engine
+    on the same rounded weights."""
+    _compare(*load_pair(folder, base_dtype=base_dtype), "gpu", base_dtype)
+
+
+def test_gradient_checkpointing_with_images(folder):
+    """Gradient checkpointing with images (the first layer's kept input holds the image rows; the recomputed
+    forward sees the same blocks), bf16 activations over an NF4 base: the WebGPU engine's gradients and
+    image_grad bit for bit those without it, and both within tolerance of the NumPy engine's, which checkpointing
+    leaves unchanged."""
+    cpu, gpu = load_pair(folder, precision="bf16", base_dtype="nf4")
+    plain = _compare(cpu, gpu, "bf16_gpu", "bf16 nf4")
+    for vm in (cpu, gpu):
+        vm.model.engine.set_gradient_checkpointing(True)
+    checkpointed = _compare(cpu, gpu, "bf16_gpu", "bf16 nf4 checkpointed")
+    for name, want in plain.items():
+        assert_close(checkpointed[name], want, "exact", f"checkpointed {name}")
