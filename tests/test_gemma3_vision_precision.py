@@ -10,8 +10,7 @@ from conftest import require_adapter
 from test_gemma3_vision_gpu import batch, load_pair, save_tiny_vision
 from tolerances import assert_close
 
-pytest.importorskip("torch")
-pytest.importorskip("peft")
+from wgpu_train.engines.protocol import OptimizerParams     # (test_gemma3_vision_gpu skips without torch / peft)
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +70,32 @@ def test_gradient_checkpointing_with_images(folder):
     assert any(checkpoint for _, train, checkpoint in gpu.model.engine.buckets.acts)   # it did recompute
     for name, want in plain.items():
         assert_close(checkpointed[name], want, "exact", f"checkpointed {name}")
+
+
+def test_checkpointed_train_step_with_images(folder):
+    """A train step of two micro-batches, each with its own images (its own slot's buffers, which the backward's
+    recomputed forward reads again), bf16 over NF4 with gradient checkpointing: the same loss and norm as the
+    NumPy engine's, and the WebGPU engine's updated LoRA bit for bit that of the same step without it."""
+    ids, mask, labels, px = batch()
+    targets = np.roll(labels, -1, axis=1)
+    targets[:, -1] = -100
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    out = {}
+    for checkpointing in (False, True):
+        for vm in load_pair(folder, precision="bf16", base_dtype="nf4"):
+            engine = vm.model.engine
+            engine.set_gradient_checkpointing(checkpointing)
+            mbs = [(vm._text_ids(ids[r:r + 1]).astype(np.int32), targets[r:r + 1], mask[r:r + 1].astype(np.int32),
+                    pos[r:r + 1], vm.image_tokens(ids[r:r + 1], px[:2] if r == 0 else px[2:])) for r in (0, 1)]
+            loss, count, norm, applied = engine.train_step(mbs, OptimizerParams(lr=1e-2), 1)
+            assert applied
+            out[checkpointing, vm.model.backend] = (loss / count, norm, engine.lora_tensors())
+    for checkpointing in (False, True):
+        (la, na, _), (lb, nb, _) = out[checkpointing, "numpy"], out[checkpointing, "wgpu"]
+        assert_close(np.float64(lb), la, "bf16_gpu_loss", f"train_step loss (checkpointing {checkpointing})")
+        assert_close(np.float64(nb), na, "bf16_gpu_grads", f"train_step norm (checkpointing {checkpointing})")
+    plain, checkpointed = out[False, "wgpu"][2], out[True, "wgpu"][2]
+    assert set(plain) == set(checkpointed)
+    for path in plain:
+        for a, b in zip(plain[path], checkpointed[path]):
+            assert_close(b, a, "exact", f"checkpointed step {path}")
