@@ -32,14 +32,13 @@ SIDE = 42
 RUN = [BOI] + [IMG] * 4 + [EOI]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(NumPy VisionModel, WebGPU VisionModel) of one tiny Gemma 3 (head dim 16: the flash kernels take image
-    blocks; a window of 7 cuts through the second image's block) with the same LoRA on q, v and down."""
-    require_adapter()
+def save_tiny_vision(folder, **text):
+    """A tiny Gemma 3 with images (head dim 16: the flash kernels take image blocks; a window of 7 cuts through
+    the second image's block; text: more text config) saved in folder, its LoRA on q, v and down in
+    folder.parent / "adapter"."""
     vision = tf.SiglipVisionConfig(hidden_size=18, intermediate_size=23, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=SIDE, patch_size=7)
-    cfg = tf.Gemma3Config(text_config=hf_config("gemma3", sliding_window=7, head_dim=16).to_dict(),
+    cfg = tf.Gemma3Config(text_config=hf_config("gemma3", sliding_window=7, head_dim=16, **text).to_dict(),
                           vision_config=vision.to_dict(), boi_token_index=BOI, eoi_token_index=EOI,
                           image_token_index=IMG, mm_tokens_per_image=4)
     torch.manual_seed(0)
@@ -47,16 +46,29 @@ def pair(tmp_path_factory):
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    folder = tmp_path_factory.mktemp("gemma3_vision_gpu")
     hf.save_pretrained(folder)
     Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE}).save_pretrained(folder)
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
         r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", lora_dropout=0.0)))
     pm.save_pretrained(folder.parent / "adapter")
-    models = load_vision_model(folder), load_vision_model(folder, backend="wgpu")
+
+
+def load_pair(folder, **load_kw):
+    """(NumPy VisionModel, WebGPU VisionModel) of the model save_tiny_vision saved in folder, with its LoRA
+    (load_kw: more load_model settings for both)."""
+    models = load_vision_model(folder, **load_kw), load_vision_model(folder, backend="wgpu", **load_kw)
     for vm in models:
         vm.model.load_adapter(folder.parent / "adapter")
     return models
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(NumPy VisionModel, WebGPU VisionModel) of save_tiny_vision's model with the same LoRA."""
+    require_adapter()
+    folder = tmp_path_factory.mktemp("gemma3_vision_gpu")
+    save_tiny_vision(folder)
+    return load_pair(folder)
 
 
 def batch():

@@ -495,6 +495,14 @@ TOLERANCES: dict[str, Tolerance] = {
         "rounding boundaries on top of the forward's; seen <= 0.011"),
     "f16_gpu_grads": Tolerance(0.0, 0.01,
         "a gradient over its largest element, float16 activations (3 more bits than bf16); seen <= 0.0046"),
+    # Gemma 3 with images (tests/test_gemma3_vision_precision.py) takes the four above: both engines round the
+    # image embeddings to the activations' format at the same point (NumPy's set_images; the GPU uploads them in
+    # the embedding buffer's format), bit for bit equal. Over 30 pixel draws on lavapipe (the test's tiny model,
+    # text rows alike with random ids at the image tokens for comparison): fp32 logits differ by <= 3.2e-6 with
+    # images, 2.2e-6 without; bf16 logits differ at all in 8/30 draws with images, 5/30 without, by <= 0.011
+    # and 0.0063 (a float32 order difference meeting a bf16 boundary: a lottery, which is why one earlier draw
+    # looked 3x wider than text). Worst of 4 draws: bf16 loss 3.5e-4, gradients and image_grad 1.5%; f16 logits
+    # 0.0019, loss 8.4e-5, gradients 0.45%.
     # ---- float16 arithmetic (tests/test_f16_arithmetic.py): the f16 step above with every frozen-weight GEMM in
     # float16 arithmetic (f16 products summed over 4 steps of k, then float32), against the NumPy engine's float32
     # arithmetic. Each such GEMM adds up to 4 u (u = 2^-11) of its sum of |products| (gemm_kernels.
