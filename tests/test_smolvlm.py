@@ -192,6 +192,32 @@ def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
     assert_close(vm.logits(ids, imgs), want, "logits_f32", "the tower's LoRA applied")
 
 
+def test_webgpu_engine_matches_numpy_with_images(vlm, rt, tmp_path):
+    """The language model on the WebGPU engine (the tower on the CPU; SmolVLM's image tokens plain causal, each its
+    own one-token block): logits with two images' tiles, a LoRA loss and gradients, and greedy generation equal the
+    NumPy engine's."""
+    hf, folder, cpu = vlm
+    gpu = load_vision_model(folder, backend="wgpu", device=str(rt.info.index))
+    imgs = images(2)
+    first, second = (len(cpu.pixel_values([im])) for im in imgs)
+    ids = np.array([[5, 6, *tile_ids(first), 7, 8, *tile_ids(second), 9, 10]])
+    assert_close(gpu.logits(ids, imgs), cpu.logits(ids, imgs), "gpu_logits", "SmolVLM with images")
+    assert gpu.generate(ids[0], imgs, max_new_tokens=6) == cpu.generate(ids[0], imgs, max_new_tokens=6)
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*text_model.*\.(q_proj|v_proj)", lora_dropout=0.0)))
+    pm.save_pretrained(tmp_path / "adapter")
+    labels = np.where(ids != IMG, ids, -100)
+    got = {}
+    for name, vm in (("numpy", load_vision_model(folder)), ("wgpu", gpu)):
+        vm.model.load_adapter(tmp_path / "adapter")
+        got[name] = vm.loss_and_grads(ids, labels, imgs)
+    (loss_c, grads_c), (loss_g, grads_g) = got["numpy"], got["wgpu"]
+    assert_close(np.float64(loss_g), np.float64(loss_c), "gpu_loss", "SmolVLM loss with images")
+    assert set(grads_g) == set(grads_c) and grads_c
+    for name, g in grads_c.items():
+        assert_close(grads_g[name], g, "gpu_grads", name)
+
+
 def test_greedy_generation_with_an_image_matches_transformers(vlm):
     hf, _, vm = vlm
     img = images(1, seed=5)
