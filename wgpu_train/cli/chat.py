@@ -120,9 +120,7 @@ def _talk(args, model, tok, vision=None):
     chat = Conversation(args.system)
     span, pending = None, []             # pending: the images attached to the next user turn
     if vision is not None:
-        from wgpu_train.cli.vision import image_span
-
-        span = image_span(tok, vision)
+        span = vision.image_span(tok)
     interactive = sys.stdin.isatty()
     while True:
         try:

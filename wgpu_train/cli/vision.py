@@ -45,8 +45,3 @@ def vision_of(model, model_dir):
     from wgpu_train.engines.vision_model import attach_vision
 
     return attach_vision(model, model_dir)
-
-
-def image_span(tokenizer, vision):
-    """The data/vision_records span of a VisionModel's image tokens in `tokenizer`'s text."""
-    return vision.image_span(tokenizer)

@@ -79,14 +79,19 @@ def is_vision_data(path) -> bool:
     return isinstance(record, dict) and ("images" in record or "image" in record)
 
 
-def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledImageSpan:
-    """The span of a vision model's images in `tokenizer`'s text: vision its models/vision.VisionConfig, folder
-    the model folder (SmolVLM's preprocessor_config.json gives the tiles)."""
+def image_span(tokenizer: Tokenizer, vision, tiles: TileSettings | None = None) -> ImageSpan | TiledImageSpan:
+    """The span of a vision model's images in `tokenizer`'s text: vision its models/vision.VisionConfig; tiles
+    SmolVLM's TileSettings, which its span expands each image by (Gemma 3's takes none)."""
     if vision.scale_factor:
-        return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image,
-                                             TileSettings.from_folder(folder, vision.image_size))
+        return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image, tiles)
     return ImageSpan.from_ids(tokenizer, vision.boi_token_id, vision.image_token_id, vision.eoi_token_id,
                               vision.mm_tokens_per_image)
+
+
+def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledImageSpan:
+    """image_span of the model in `folder` (SmolVLM's preprocessor_config.json gives the tiles)."""
+    return image_span(tokenizer, vision, TileSettings.from_folder(folder, vision.image_size)
+                      if vision.scale_factor else None)
 
 
 def read_vision_records(path) -> list[dict]:

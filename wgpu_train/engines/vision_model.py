@@ -15,7 +15,7 @@ from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.images import ImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, collate
-from wgpu_train.data.vision_records import ImageSpan
+from wgpu_train.data.vision_records import ImageSpan, image_span
 from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
@@ -53,11 +53,7 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        vc = self.vision
-        if vc.scale_factor:
-            return TiledImageSpan.from_tokenizer(tokenizer, vc.image_token_id, vc.mm_tokens_per_image, self.settings)
-        return ImageSpan.from_ids(tokenizer, vc.boi_token_id, vc.image_token_id, vc.eoi_token_id,
-                                  vc.mm_tokens_per_image)
+        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor else None)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
