@@ -109,27 +109,33 @@ def peft_random_b(pm, seed=0):
 
 
 
-def make_trl_model_and_adapter(root: Path, family: str) -> Path:
-    """root/model: a tiny model of the family that transformers tokenizes with this folder's tokenizer.json, and
-    root/adapter: a PEFT adapter on it (r 4 on q, v and down; B random, so that a policy and its reference with
-    the adapter off differ, and A's gradients are not hidden), for the comparisons with TRL's trainers."""
-    import json
-
+def save_trl_adapter(folder: Path, out: Path):
+    """A PEFT adapter on the model in `folder`, written to `out`: r 4 on q, v and down, B random (seeded), so that a
+    policy and its reference with the adapter off differ and A's gradients are not hidden."""
     import numpy as np
 
     import wgpu_train as wt
 
-    folder = make_model_dir(root / "model", family)
-    # transformers would tokenize with its Qwen2Tokenizer pipeline, not this folder's tokenizer.json
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
     model = wt.load_model(folder, backend="numpy")
     lora = wt.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
     model.add_lora(lora, seed=3)
     rng = np.random.default_rng(4)
     model._set_lora(lora, {p: (a, rng.normal(0, 0.05, b.shape).astype(np.float32))
                            for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
-    model.save_adapter(root / "adapter")
+    model.save_adapter(out)
+
+
+def make_trl_model_and_adapter(root: Path, family: str) -> Path:
+    """root/model: a tiny model of the family that transformers tokenizes with this folder's tokenizer.json, and
+    root/adapter: a PEFT adapter on it (r 4 on q, v and down; B random, so that a policy and its reference with
+    the adapter off differ, and A's gradients are not hidden), for the comparisons with TRL's trainers."""
+    import json
+
+    folder = make_model_dir(root / "model", family)
+    # transformers would tokenize with its Qwen2Tokenizer pipeline, not this folder's tokenizer.json
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_trl_adapter(folder, root / "adapter")
     return folder
 
 

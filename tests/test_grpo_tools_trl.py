@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import wgpu_train as wt
 from bpe import tokenizer_folder, train_bpe
 from test_grpo_trl import SKIP_KEYS, _peft_name, check, first_step_gradients
 from tiny_models import build_model, save_model
@@ -25,7 +24,7 @@ from wgpu_train.training.grpo_trainer import GRPOTrainer
 from wgpu_train.training.tools_rollouts import ToolRollouts
 
 from conftest import require_adapter
-from finetune_helpers import first_step_gradients_callback, write_jsonl
+from finetune_helpers import first_step_gradients_callback, save_trl_adapter, write_jsonl
 
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")
@@ -128,13 +127,7 @@ def setup(tmp_path_factory):
                               tokenizer_class="PreTrainedTokenizerFast")
     tok = load_tokenizer(folder)
     save_model(build_model("qwen3", vocab_size=tok.vocab_size, max_position_embeddings=1024), folder)
-    model = wt.load_model(folder, backend="numpy")
-    lora = wt.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
-    model.add_lora(lora, seed=3)
-    rng = np.random.default_rng(4)
-    model._set_lora(lora, {p: (a, rng.normal(0, 0.05, b.shape).astype(np.float32))
-                           for p, (a, b) in model.engine.lora_tensors().items()}, seed=3)
-    model.save_adapter(root / "adapter")
+    save_trl_adapter(folder, root / "adapter")
     write_jsonl(root / "prompts.jsonl", [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
     return root, folder, script(tok), tok
 
