@@ -23,23 +23,30 @@ def run_chat(monkeypatch, capsys, folder, lines: str, *extra) -> tuple[list[str]
     return out.splitlines(), err
 
 
+def image_question(folder, tmp_path, capsys):
+    """(the path of a picture written under tmp_path, `generate --image`'s answer to QUESTION about it on the
+    NumPy engine): what a chat's image turn is held to."""
+    from wgpu_train.cli.main import main
+
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", QUESTION, "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    return path, capsys.readouterr().out.removesuffix("\n")
+
+
 def test_an_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypatch, capsys):  # noqa: F811
     """The first turn with its image: generate --image's answer; the next turn (no new image) the greedy answer
     to the whole conversation, the first image in it."""
     import numpy as np
 
-    from wgpu_train.cli.main import main
     from wgpu_train.data.images import pixel_values
     from wgpu_train.data.vision_records import ImageSpan, vision_chat_ids
     from wgpu_train.engines.vision_model import load_vision_model
     from wgpu_train.formats.tokenizer import load_tokenizer
 
     _, folder, _ = chat_vlm
-    path = tmp_path / "x.png"
-    images(1, seed=9)[0].save(path)
-    assert main(["generate", "--model", str(folder), "--prompt", QUESTION, "--image", str(path),
-                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
-    want = capsys.readouterr().out.removesuffix("\n")
+    path, want = image_question(folder, tmp_path, capsys)
     answers, err = run_chat(monkeypatch, capsys, folder, f"/image {path}\n{QUESTION}\ndescribe the picture\n")
     assert answers[0] == want and f"(image {path} attached to your next message)" in err
     vm, tok = load_vision_model(folder), load_tokenizer(folder)

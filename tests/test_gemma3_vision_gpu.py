@@ -11,8 +11,7 @@ import pytest
 
 from conftest import require_adapter
 from finetune_helpers import peft_random_b
-from test_chat_vision import QUESTION, run_chat
-from test_gemma3_vision import images
+from test_chat_vision import QUESTION, image_question, run_chat
 from test_gemma3_vision_training import chat_vlm  # noqa: F401  (the tiny chat vision model fixture)
 from tiny_models import hf_config
 from tolerances import assert_close
@@ -161,17 +160,10 @@ def test_greedy_generation_with_an_image_through_decode_batch(pair):
     assert got[0] == got[2] and got[1] == got[3]
 
 
-
 def test_chat_with_an_image_on_the_webgpu_engine(chat_vlm, tmp_path, monkeypatch, capsys):  # noqa: F811
     """`chat --backend wgpu` (the tiny chat model's head dim of 14: the scalar per-row attention kernels take its
     image blocks): an image turn answered as the NumPy engine's `generate --image` answers it."""
-    from wgpu_train.cli.main import main
-
     _, folder, _ = chat_vlm
-    path = tmp_path / "x.png"
-    images(1, seed=9)[0].save(path)
-    assert main(["generate", "--model", str(folder), "--prompt", QUESTION, "--image", str(path),
-                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
-    want = capsys.readouterr().out.removesuffix("\n")
+    path, want = image_question(folder, tmp_path, capsys)
     answers, _ = run_chat(monkeypatch, capsys, folder, f"/image {path}\n{QUESTION}\n", "--backend", "wgpu")
     assert answers == [want]
