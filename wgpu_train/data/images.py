@@ -12,7 +12,7 @@ import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
 
-_RESAMPLES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}   # PIL's numbering
+RESAMPLES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}   # PIL's numbering
 
 
 def _pil():
@@ -48,7 +48,7 @@ class ImageSettings:
         if "height" not in size or "width" not in size:
             raise ConfigError(f"{source}: not supported: size {size} (a fixed height and width only)")
         resample = int(raw.get("resample", 2))
-        if resample not in _RESAMPLES:
+        if resample not in RESAMPLES:
             raise ConfigError(f"{source}: unknown resample {resample}")
         mean, std = (tuple(float(v) for v in raw.get(k, (0.5,) * 3)) for k in ("image_mean", "image_std"))
         return cls(int(size["height"]), int(size["width"]), resample, float(raw.get("rescale_factor", 1 / 255)),

@@ -14,6 +14,7 @@ import numpy as np
 
 from wgpu_train.data.batching import Example
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
+from wgpu_train.data.qwen_images import QwenImageSettings, QwenImageSpan
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
 from wgpu_train.data.sources import DataSplits, hold_out
 from wgpu_train.data.tokenize import assistant_spans, in_span
@@ -79,9 +80,12 @@ def is_vision_data(path) -> bool:
     return isinstance(record, dict) and ("images" in record or "image" in record)
 
 
-def image_span(tokenizer: Tokenizer, vision, tiles: TileSettings | None = None) -> ImageSpan | TiledImageSpan:
+def image_span(tokenizer: Tokenizer, vision, tiles=None) -> ImageSpan | TiledImageSpan | QwenImageSpan:
     """The span of a vision model's images in `tokenizer`'s text: vision its models/vision.VisionConfig; tiles
-    SmolVLM's TileSettings, which its span expands each image by (Gemma 3's takes none)."""
+    SmolVLM's TileSettings, which its span expands each image by (Gemma 3's takes none), or Qwen3-VL's
+    QwenImageSettings."""
+    if isinstance(tiles, QwenImageSettings):       # Qwen3-VL's: <|image_pad|> once per merged patch
+        return QwenImageSpan.from_tokenizer(tokenizer, vision, tiles)
     if vision.scale_factor:
         return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image, tiles)
     return ImageSpan.from_ids(tokenizer, vision.boi_token_id, vision.image_token_id, vision.eoi_token_id,
@@ -90,6 +94,8 @@ def image_span(tokenizer: Tokenizer, vision, tiles: TileSettings | None = None) 
 
 def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledImageSpan:
     """image_span of the model in `folder` (SmolVLM's preprocessor_config.json gives the tiles)."""
+    if hasattr(vision, "mrope_section"):           # Qwen3-VL's (models/qwen3_vl.Qwen3VLVision)
+        return image_span(tokenizer, vision, QwenImageSettings.from_folder(folder, vision))
     return image_span(tokenizer, vision, TileSettings.from_folder(folder, vision.image_size)
                       if vision.scale_factor else None)
 

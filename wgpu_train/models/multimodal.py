@@ -18,11 +18,12 @@ WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimod
             "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
             "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
             "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
-            "Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
+            "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+            "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
 # the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
 _TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False,
                     "Qwen3_5MoeForConditionalGeneration": False, "SmolVLMForConditionalGeneration": False,
-                    "Idefics3ForConditionalGeneration": False}
+                    "Idefics3ForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False}
 # Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
 # PEFT's adapters name now), and the older tree (language_model.model.*, with language_model.lm_head), which
 # hub checkpoints and transformers' save_pretrained still use for the files. Each: (body prefix, head path).

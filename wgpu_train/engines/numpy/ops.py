@@ -137,13 +137,16 @@ def dropout_mask(seed, shape, p, dtype=np.float32):
 # ---- rope ------------------------------------------------------------------------------------
 
 def _rope_cos_sin(positions, inv_freq, scale, dtype):
-    angles = positions[..., None].astype(np.float64) * inv_freq  # (B, T, R/2)
+    # positions (B, T), or (B, T, R/2): each rotated pair's own (M-RoPE's 3-D positions, models/qwen3_vl.py)
+    pairs = positions if positions.ndim == 3 else positions[..., None]
+    angles = pairs.astype(np.float64) * inv_freq                                    # (B, T, R/2)
     cos, sin = np.cos(angles) * scale, np.sin(angles) * scale
     return cos.astype(dtype)[:, :, None, :], sin.astype(dtype)[:, :, None, :]
 
 
 def rope_forward(x, positions, inv_freq, scale=1.0):
-    """Hugging Face half-rotation RoPE: x (B, T, H, D), positions (B, T) int, inv_freq (R/2,) -> (B, T, H, D).
+    """Hugging Face half-rotation RoPE: x (B, T, H, D), positions (B, T) int (or (B, T, R/2): each pair's
+    position), inv_freq (R/2,) -> (B, T, H, D).
     The leading R dims of each head rotate (pairs d, d + R/2), times scale (longrope's attention factor);
     the other D - R pass through (partial rotary)."""
     cos, sin = _rope_cos_sin(positions, inv_freq, scale, x.dtype)

@@ -1,0 +1,192 @@
+"""Qwen3-VL's vision part as data (Qwen3VLForConditionalGeneration): the tower's config (vision_config, the image
+token ids, the text model's M-RoPE sections), its tensors' names and shapes, and the 3-D M-RoPE positions of a
+token stream with images (transformers' get_rope_index) as each rotated pair's position."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from wgpu_train.errors import ConfigError, ModelFileError
+
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+VISUAL = "visual."          # our names: the file's model.visual. (transformers 5) or visual. (older files)
+_PREFIXES = ("model.visual.", "visual.")
+_DEFAULTS = {"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
+             "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+             "out_hidden_size": 3584, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
+_TOKENS = {"image_token_id": 151_655, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653}
+LAYER_NORM_EPS = 1e-6       # the blocks' and the mergers' LayerNorms (fixed in transformers' modelling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VLVision:
+    """Qwen3-VL's vision tower: depth blocks of hidden / intermediate / heads, the Conv3d patch embedding
+    (in_channels x temporal_patch_size x patch_size^2), a learned square position grid of num_position_embeddings
+    bilinearly resampled to each image, the 2-D vision rotary (theta), the patch merger of spatial_merge_size^2
+    patches to the text model's hidden size and a DeepStack merger per deepstack index; the image token ids; the
+    text model's M-RoPE: mrope_section (pairs of t, h, w, interleaved) over head_dim / 2 rotated pairs."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    text_hidden_size: int
+    num_position_embeddings: int
+    deepstack_indexes: tuple
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    mrope_section: tuple
+    text_head_dim: int
+    theta: float = 10000.0
+    # what VisionModel reads of every vision config: no pixel shuffle, an image's tokens plainly causal
+    scale_factor = 0
+    bidirectional = False
+
+    @classmethod
+    def from_config(cls, raw: dict, source: str = "config.json") -> Qwen3VLVision:
+        """From a Qwen3VLForConditionalGeneration's config.json (raw dict); what the tower here does not implement
+        (Qwen3-VL-MoE's experts, another activation or rotary) refused in one line naming the field."""
+        if raw.get("model_type") == "qwen3_vl_moe" or (raw.get("text_config") or {}).get("model_type") == \
+                "qwen3_vl_moe_text":
+            raise ConfigError(f"{source}: not supported: model_type qwen3_vl_moe (Qwen3-VL-MoE's experts)")
+        v = {**_DEFAULTS, **(raw.get("vision_config") or {})}
+        if v["hidden_act"] != "gelu_pytorch_tanh":
+            raise ConfigError(f"{source}: not supported: vision_config.hidden_act {v['hidden_act']!r} "
+                              f"(gelu_pytorch_tanh only)")
+        for field in ("patch_size", "temporal_patch_size"):
+            if not isinstance(v[field], int):
+                raise ConfigError(f"{source}: not supported: vision_config.{field} {v[field]!r} (one integer only)")
+        rope = v.get("rope_parameters") or {"rope_type": "axial"}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"{source}: not supported: vision_config.rope_parameters.rope_type "
+                              f"{rope.get('rope_type')!r} (axial only)")
+        if v["hidden_size"] % v["num_heads"] or (v["hidden_size"] // v["num_heads"]) % 4:
+            raise ConfigError(f"{source}: vision_config.hidden_size over num_heads must be a multiple of 4")
+        side = int(round(v["num_position_embeddings"] ** 0.5))
+        if side * side != v["num_position_embeddings"]:
+            raise ConfigError(f"{source}: vision_config.num_position_embeddings {v['num_position_embeddings']} is "
+                              f"not a square grid")
+        text = raw.get("text_config") or {}
+        head_dim = int(text.get("head_dim") or text.get("hidden_size", 4096) // text.get("num_attention_heads", 32))
+        params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        section = tuple(int(s) for s in params.get("mrope_section", (24, 20, 20)))
+        if len(section) != 3 or sum(section) != head_dim // 2:
+            raise ConfigError(f"{source}: text_config's mrope_section {list(section)} must be three numbers adding "
+                              f"up to head_dim / 2 ({head_dim // 2})")
+        if params.get("mrope_interleaved") is False:
+            raise ConfigError(f"{source}: not supported: text_config's mrope_interleaved false (Qwen2-VL's "
+                              f"sectioned M-RoPE)")
+        if int(v["out_hidden_size"]) != int(text.get("hidden_size", 4096)):
+            raise ConfigError(f"{source}: vision_config.out_hidden_size {v['out_hidden_size']} is not the text "
+                              f"model's hidden_size {text.get('hidden_size', 4096)}")
+        indexes = tuple(int(i) for i in v["deepstack_visual_indexes"])
+        if any(not 0 <= i < v["depth"] for i in indexes) or len(indexes) > int(text.get("num_hidden_layers", 32)):
+            raise ConfigError(f"{source}: vision_config.deepstack_visual_indexes {list(indexes)} must name blocks "
+                              f"of the tower, at most one per text layer")
+        tokens = {k: int(raw.get(k, d)) for k, d in _TOKENS.items()}
+        return cls(int(v["depth"]), int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_heads"]),
+                   int(v["in_channels"]), int(v["patch_size"]), int(v["temporal_patch_size"]),
+                   int(v["spatial_merge_size"]), int(v["out_hidden_size"]), int(v["num_position_embeddings"]),
+                   indexes, tokens["image_token_id"], tokens["vision_start_token_id"],
+                   tokens["vision_end_token_id"], section, head_dim, float(rope.get("rope_theta", 10000.0)))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """One flattened patch of pixel_values: channels x temporal_patch_size x patch_size^2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per image token (spatial_merge_size^2)."""
+        return self.spatial_merge_size ** 2
+
+
+def tensor_shapes(vc: Qwen3VLVision) -> dict:
+    """{our name (under visual.): shape} of every tensor of the tower, its merger and its DeepStack mergers."""
+    c, f, merged = vc.hidden_size, vc.intermediate_size, vc.hidden_size * vc.merge_unit
+    out = {VISUAL + "patch_embed.proj.weight": (c, vc.in_channels, vc.temporal_patch_size, vc.patch_size,
+                                                vc.patch_size),
+           VISUAL + "patch_embed.proj.bias": (c,), VISUAL + "pos_embed.weight": (vc.num_position_embeddings, c)}
+    for i in range(vc.depth):
+        p = f"{VISUAL}blocks.{i}."
+        out.update({p + "norm1.weight": (c,), p + "norm1.bias": (c,), p + "norm2.weight": (c,),
+                    p + "norm2.bias": (c,), p + "attn.qkv.weight": (3 * c, c), p + "attn.qkv.bias": (3 * c,),
+                    p + "attn.proj.weight": (c, c), p + "attn.proj.bias": (c,), p + "mlp.linear_fc1.weight": (f, c),
+                    p + "mlp.linear_fc1.bias": (f,), p + "mlp.linear_fc2.weight": (c, f),
+                    p + "mlp.linear_fc2.bias": (c,)})
+    for p, norm in ((VISUAL + "merger.", c),
+                    *((f"{VISUAL}deepstack_merger_list.{j}.", merged) for j in range(len(vc.deepstack_indexes)))):
+        out.update({p + "norm.weight": (norm,), p + "norm.bias": (norm,), p + "linear_fc1.weight": (merged, merged),
+                    p + "linear_fc1.bias": (merged,), p + "linear_fc2.weight": (vc.text_hidden_size, merged),
+                    p + "linear_fc2.bias": (vc.text_hidden_size,)})
+    return out
+
+
+def visual_names(names) -> dict:
+    """{our name: file name} of a checkpoint's tower tensors (model.visual. or visual.)."""
+    return {VISUAL + n[len(p):]: n for n in names for p in _PREFIXES if n.startswith(p)}
+
+
+def check_visual_tensors(tensors: dict, vc: Qwen3VLVision, folder) -> dict:
+    """{our name: file name} of the tower in `tensors` ({file name: array-like}), every tensor present with its
+    shape; one missing or misshapen refused in one line."""
+    names = visual_names(tensors)
+    for ours, shape in tensor_shapes(vc).items():
+        if ours not in names:
+            raise ModelFileError(f"{folder}: missing the vision tensor {ours}")
+        got = tuple(np.shape(tensors[names[ours]]))
+        if got != shape:
+            raise ModelFileError(f"{folder}: vision tensor {ours} has shape {got}, expected {shape}")
+    return names
+
+
+def rope_index(ids, grids, vc: Qwen3VLVision) -> tuple:
+    """One sequence's ids (T,) and its images' grids [(t, h, w) in patches, in order] -> (positions (3, T) int64:
+    each token's t, h and w position, the next position after the sequence): text tokens count on from the
+    largest position before them on all three axes; an image's tokens sit at its start on t, and its merged
+    row / column added on h / w (transformers' get_rope_index), the text after it starting past its longer side."""
+    ids = np.asarray(ids).reshape(-1)
+    is_image = ids == vc.image_token_id
+    out = np.zeros((3, ids.size), np.int64)
+    grids, pos, i, merge = iter(grids), 0, 0, vc.spatial_merge_size
+    while i < ids.size:
+        j = i
+        while j < ids.size and is_image[j] == is_image[i]:
+            j += 1
+        if not is_image[i]:
+            out[:, i:j] = pos + np.arange(j - i)
+            pos += j - i
+        else:
+            t, h, w = next(grids)
+            gh, gw = h // merge, w // merge
+            if (j - i) != t * gh * gw:
+                raise ValueError(f"a run of {j - i} image tokens for an image of {t * gh * gw}")
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            out[:, i:j] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + pos
+            pos += max(gh, gw)
+        i = j
+    return out, pos
+
+
+def mrope_axes(section) -> np.ndarray:
+    """The axis (0 t, 1 h, 2 w) of each rotated pair under interleaved M-RoPE: pair j takes h where j % 3 == 1
+    and j < 3 * section[1], w where j % 3 == 2 and j < 3 * section[2], t otherwise (transformers'
+    recomposition_frequencies)."""
+    j = np.arange(sum(section))
+    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
+
+
+def pair_positions(positions, section) -> np.ndarray:
+    """positions (3, B, T) -> (B, T, pairs) int32: each rotated pair's position (RoPE's angle over its
+    frequency), the pair's axis of mrope_axes."""
+    return np.moveaxis(np.asarray(positions)[mrope_axes(section)], 0, -1).astype(np.int32)
