@@ -1,7 +1,8 @@
-"""VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3), the language model's `Model`
-beside the SigLIP tower and projector (frozen, or with LoRA on the tower's encoder): logits, loss and LoRA
+"""VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3, Qwen3-VL), the language model's
+`Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and LoRA
 gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take the
-images' embeddings. The tower runs on the CPU (NumPy); the language model on either engine (both have set_images)."""
+images' embeddings (Qwen3-VL's with their M-RoPE positions and DeepStack features). The tower runs on the CPU
+(NumPy); the language model on either engine (both have set_images; Qwen3-VL's on the NumPy engine only)."""
 from __future__ import annotations
 
 import json
@@ -13,12 +14,14 @@ import numpy as np
 
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.images import ImageSettings
+from wgpu_train.data.qwen_images import QwenImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, collate
 from wgpu_train.data.vision_records import ImageSpan, image_span
 from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
+from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
@@ -27,6 +30,7 @@ from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
+from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
 from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
                                       tower_lora_path, tower_target_regex, vision_names)
 from wgpu_train.models.weights import weight_files
@@ -35,16 +39,28 @@ from wgpu_train.models.weights import weight_files
 class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
-    ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens)."""
+    ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
+    QwenImageSettings: each image its merged patches). Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
+    engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine takes neither its
+    M-RoPE positions nor its DeepStack additions yet."""
 
-    def __init__(self, model: Model, tower: VisionTower, vision: VisionConfig, settings: ImageSettings | TileSettings):
+    def __init__(self, model: Model, tower, vision, settings):
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
+        self.qwen = isinstance(vision, Qwen3VLVision)
+        if self.qwen and model.engine.name != "numpy":
+            raise ConfigError("Qwen3-VL's images run on the NumPy engine only for now (the WebGPU engine takes "
+                              "neither M-RoPE positions nor DeepStack): use --backend numpy")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
-    def pixel_values(self, images, where: str = "record") -> np.ndarray:
+    def pixel_values(self, images, where: str = "record"):
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
-        (N, C, H, W) float32: N the images, or SmolVLM's tiles of them all."""
+        (N, C, H, W) float32: N the images, or SmolVLM's tiles of them all. Qwen3-VL's: (pixel_values (patches,
+        patch dim), image_grid_thw (N, 3)), as its processor gives them (such a pair passes through)."""
+        if self.qwen:
+            if isinstance(images, tuple) and len(images) == 2 and all(isinstance(a, np.ndarray) for a in images):
+                return images
+            return self.settings.batch(list(images), where)
         if isinstance(images, np.ndarray):
             return images.astype(np.float32)
         if images and all(isinstance(im, np.ndarray) and im.ndim == 3 for im in images):
@@ -69,6 +85,8 @@ class VisionModel:
         half = next((p for p, ab in pairs.items() if len(ab) != 2), None)
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
+        if pairs and self.qwen:
+            raise ConfigError("LoRA on Qwen3-VL's vision tower is not supported yet (the language model's only)")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
         self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
@@ -121,10 +139,13 @@ class VisionModel:
                                   {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
                 self.model.load_adapter(tmp)
 
-    def image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
+    def image_tokens(self, ids, images, cache: dict | None = None, segments=None) -> ImageTokens | None:
         """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of
         placeholders that is not the images' times mm_tokens_per_image refused in one line. cache, when given,
-        keeps the tower's forward for its backward."""
+        keeps the tower's forward for its backward; segments (B, T), Qwen3-VL's M-RoPE positions count each from 0
+        (mrope_positions)."""
+        if self.qwen:
+            return self._qwen_image_tokens(ids, images, segments)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
@@ -142,6 +163,38 @@ class VisionModel:
             embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
+    def _qwen_image_tokens(self, ids, images, segments=None) -> ImageTokens | None:
+        """Qwen3-VL's ImageTokens of ids (B, T) and its images: the merged patches' embeddings, the DeepStack
+        features, and every token's M-RoPE positions (each segment of `segments` (B, T), 0 padding, counted from
+        0; the whole row without them)."""
+        pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
+                         (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
+        ids = np.atleast_2d(np.asarray(ids))
+        blocks = image_blocks(ids, self.vision.image_token_id, bidirectional=False)
+        n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
+        if n_tokens != expected:
+            raise DataError(f"{n_tokens} image placeholder tokens for {len(grids)} images of {expected} tokens in all")
+        if not len(grids):
+            return None
+        embeds, deepstack = self.tower(pixels, grids)
+        return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
+                                                          self.vision.mrope_section), tuple(deepstack))
+
+    def mrope_positions(self, ids, grids, segments=None) -> tuple:
+        """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order, each segment counted from 0
+        (models/qwen3_vl.rope_index), padding 0; the position after each row's last segment (B,))."""
+        ids = np.atleast_2d(np.asarray(ids))
+        seg = np.ones_like(ids) if segments is None else np.asarray(segments).reshape(ids.shape)
+        out, after = np.zeros((3, *ids.shape), np.int64), np.zeros(ids.shape[0], np.int64)
+        grids, image = iter(np.asarray(grids).tolist()), self.vision.image_token_id
+        for b in range(ids.shape[0]):
+            for s in [s for s in dict.fromkeys(seg[b].tolist()) if s != 0]:
+                where = np.flatnonzero(seg[b] == s)
+                runs = int(np.sum(np.diff(np.concatenate([[0], ids[b, where] == image]).astype(int)) == 1))
+                out[:, b, where], after[b] = rope_index(ids[b, where], [next(grids) for _ in range(runs)],
+                                                        self.vision)
+        return out, after
+
     def _text_ids(self, ids):
         """ids with an image placeholder outside the vocabulary read as 0 (its embedding row is replaced)."""
         ids = np.array(ids, dtype=np.int64)
@@ -153,11 +206,14 @@ class VisionModel:
         """One prompt's ids (T,) and its images (as pixel_values takes them) -> (its ids as the engine takes them
         (T,), the ImageTokens of the prompt as one row (1, T)): the tower's forward, once, for a prefill."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        if self.qwen:
+            raise ConfigError("serving Qwen3-VL's images is not supported yet (its decoding needs the M-RoPE "
+                              "positions of each row): use generate --image")
         return self._text_ids(ids)[0], self.image_tokens(ids, images)
 
-    def _with_images(self, ids, images, call, cache=None):
+    def _with_images(self, ids, images, call, cache=None, attention_mask=None):
         ids = np.atleast_2d(np.asarray(ids))
-        self.model.engine.set_images(self.image_tokens(ids, images, cache))
+        self.model.engine.set_images(self.image_tokens(ids, images, cache, attention_mask))
         try:
             return call(self._text_ids(ids))
         finally:
@@ -165,7 +221,8 @@ class VisionModel:
 
     def logits(self, input_ids, images=(), attention_mask=None) -> np.ndarray:
         """float32 logits (B, T, V) of input_ids (B, T) whose image placeholders take `images` in order."""
-        return self._with_images(input_ids, images, lambda ids: self.model.logits(ids, attention_mask))
+        return self._with_images(input_ids, images, lambda ids: self.model.logits(ids, attention_mask),
+                                 attention_mask=attention_mask)
 
     def loss_and_grads(self, input_ids, labels, images=(), attention_mask=None):
         """Model.loss_and_grads with the images: (mean loss, LoRA gradients by PEFT key), the tower's LoRA
@@ -186,7 +243,7 @@ class VisionModel:
         position_ids[, their ImageTokens]): the tower's forward over the batch's images, once; cache as
         image_tokens'."""
         ids = np.asarray(batch.input_ids)
-        images = self.image_tokens(ids, [im for row in batch.images or () for im in row], cache)
+        images = self.image_tokens(ids, [im for row in batch.images or () for im in row], cache, batch.segment_ids)
         return (self._text_ids(ids).astype(np.int32), shift_labels(np.asarray(batch.labels, np.int64)),
                 np.ascontiguousarray(batch.segment_ids, np.int32), np.ascontiguousarray(batch.position_ids, np.int32),
                 *(() if images is None else (images,)))
@@ -247,12 +304,16 @@ class VisionModel:
         ids = np.asarray(input_ids).reshape(-1)
         engine, n = self.model.engine, len(ids)
         kv = engine.new_kv_cache(1, n + max_new_tokens)
-        engine.set_images(self.image_tokens(ids[None], images))
+        prompt = self.image_tokens(ids[None], images)
+        engine.set_images(prompt)
         try:
             logits = engine.forward_rows(self._text_ids(ids), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
                                          kv, np.array([n - 1]))
         finally:
             engine.set_images(None)
+        # Qwen3-VL: a new token's M-RoPE position counts on from the prompt's last, which its images made smaller
+        # than the cache row it takes
+        shift = int(prompt.positions.max()) + 1 - n if prompt is not None and prompt.positions is not None else 0
         out = []
         for step in range(max_new_tokens):
             nxt = int(np.argmax(logits[0]))
@@ -261,8 +322,14 @@ class VisionModel:
                 on_token(nxt)
             if nxt in stop_token_ids or step == max_new_tokens - 1:
                 break
-            logits = engine.forward_rows(np.array([nxt]), np.zeros(1, np.int32), np.array([n + step], np.int32), kv,
-                                         np.array([0]))
+            engine.set_images(None if not shift else ImageTokens(
+                np.full((1, 1), -1, np.int32), np.zeros((0, self.model.config.hidden_size), np.float32),
+                np.full((1, 1, sum(self.vision.mrope_section)), n + step + shift, np.int32)))
+            try:
+                logits = engine.forward_rows(np.array([nxt]), np.zeros(1, np.int32), np.array([n + step], np.int32),
+                                             kv, np.array([0]))
+            finally:
+                engine.set_images(None)
         engine.free_kv_cache(kv)
         return out
 
@@ -280,6 +347,13 @@ def attach_vision(model: Model, path) -> VisionModel:
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())
     vision = VisionConfig.from_config(raw, str(folder / "config.json"))
+    if isinstance(vision, Qwen3VLVision):
+        tensors = {}
+        for f in weight_files(folder):
+            tensors.update(read_safetensors(f, names=set(visual_names(safetensors_names(f)).values())))
+        names = check_visual_tensors(tensors, vision, folder)
+        tower = Qwen3VLTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+        return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision))
     tensors = {}                # the tower's and projector's tensors alone, not the language model's again
     for f in weight_files(folder):
         tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))

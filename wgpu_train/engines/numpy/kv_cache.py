@@ -59,8 +59,11 @@ class KvCacheGeneration:
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))
         walk = Walk(1, ids.shape[0], positions[None], None, kv, rows, bool(long_rope),
-                    runs=row_runs(kv, rows, positions), blocks=None if images is None else images.blocks)
+                    runs=row_runs(kv, rows, positions), blocks=None if images is None else images.blocks,
+                    rope_positions=None if images is None else images.positions)
         for i in range(self.cfg.num_hidden_layers):
             x = self.layer_forward(i, x, walk)[OUTPUT]
+            if images is not None:          # Qwen3-VL's DeepStack features at the image tokens
+                x = images.add_deepstack(x, i)
         advance(kv, walk.runs)
         return self.head(x[last])                                                 # (m, V)

@@ -68,7 +68,7 @@ class LayerOps:
 
     def _forward_rope(self, op, i, a, walk):
         x = a[op.inputs[0]]
-        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.positions, self.inv_freq(i, walk),
+        a[op.outputs[0]] = ops.rope_forward(walk.heads(x, self.cfg), walk.rope_positions, self.inv_freq(i, walk),
                                             self.cfg.rope_scale).reshape(x.shape)
 
     def _sinks(self, i, op):
@@ -250,7 +250,7 @@ class LayerOps:
 
     def _backward_rope(self, op, i, a, dys, walk):
         dy = dys[0]
-        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.positions, self.inv_freq(i, walk),
+        return [ops.rope_backward(walk.heads(dy, self.cfg), walk.rope_positions, self.inv_freq(i, walk),
                                   self.cfg.rope_scale).reshape(dy.shape)]
 
     def _backward_attention(self, op, i, a, dys, walk):

@@ -12,12 +12,14 @@ class Walk:
     holds recurrent state each row's run of tokens (shared/recurrent_state.row_runs); long_rope:
     whether RoPE takes longrope's long factors; router_loss: a training forward's shared/moe.RouterLoss, or None
     (a mixture of experts without the router's auxiliary loss, or a dense model); blocks: (B, T) the images'
-    bidirectional blocks (shared/image_tokens.ImageTokens), or None."""
+    bidirectional blocks (shared/image_tokens.ImageTokens), or None; rope_positions: what RoPE turns by, the
+    positions unless M-RoPE gives each pair its own (B, T, R/2)."""
 
     def __init__(self, b, t, positions, segments, kv=None, rows=None, long_rope=False, router_loss=None, runs=None,
-                 blocks=None):
+                 blocks=None, rope_positions=None):
         self.b, self.t, self.positions, self.segments, self.kv, self.rows = b, t, positions, segments, kv, rows
         self.long_rope, self.router_loss, self.runs, self.blocks = long_rope, router_loss, runs, blocks
+        self.rope_positions = positions if rope_positions is None else rope_positions
 
     @property
     def real_tokens(self):

@@ -1,5 +1,6 @@
-"""Images in a batch's token stream (Gemma 3): the embeddings that replace the image placeholders' and the
-bidirectional blocks they form, as an engine's forward takes them (engine.set_images)."""
+"""Images in a batch's token stream (Gemma 3, SmolVLM, Qwen3-VL): the embeddings that replace the image
+placeholders' and the bidirectional blocks they form, Qwen3-VL's M-RoPE positions and DeepStack features, as an
+engine's forward takes them (engine.set_images)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,15 @@ class ImageTokens:
     """blocks (B, T) int32: each image token's block number (models/vision.image_blocks), -1 for text; embeds
     (n, C): the image tokens' embeddings in the batch's row-major order, n the count of blocks >= 0. They
     replace the embedding rows there (unscaled: the projector's output is the text stream's), and each block's
-    tokens see each other both ways in the attention (SmolVLM's: each token a block of its own, plainly causal)."""
+    tokens see each other both ways in the attention (SmolVLM's: each token a block of its own, plainly causal).
+    Qwen3-VL's: positions (B, T, R/2) int32, each rotated pair's position (M-RoPE; RoPE takes them in place of
+    the forward's position ids, which still place the keys in a KV cache), or None; deepstack: (n, C) arrays,
+    the k-th added to the image tokens' rows of the k-th layer's output."""
 
     blocks: np.ndarray
     embeds: np.ndarray
+    positions: np.ndarray | None = None
+    deepstack: tuple = ()
 
     def __post_init__(self):
         n = int((self.blocks >= 0).sum())
@@ -24,7 +30,17 @@ class ImageTokens:
 
     def rounded(self, rounding) -> ImageTokens:
         """The same tokens with their embeddings through `rounding` (an engine's storage of activations)."""
-        return dataclasses.replace(self, embeds=rounding(self.embeds))
+        return dataclasses.replace(self, embeds=rounding(self.embeds),
+                                   deepstack=tuple(rounding(d) for d in self.deepstack))
+
+    def add_deepstack(self, x, layer: int):
+        """x (B*T, C), layer `layer`'s output, with its DeepStack features added at the image tokens (a copy; x
+        itself where the layer takes none)."""
+        if layer >= len(self.deepstack):
+            return x
+        x = x.copy()
+        x[self.flat] += self.deepstack[layer]
+        return x
 
     @property
     def flat(self) -> np.ndarray:
