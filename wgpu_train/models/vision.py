@@ -55,7 +55,7 @@ class VisionConfig:
     def from_config(cls, raw: dict, source: str = "config.json") -> VisionConfig:
         """From a multimodal config.json (raw dict); what the tower's math here does not implement is refused."""
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
-        if arch in (QWEN3_VL, "Qwen3VLMoeForConditionalGeneration"):     # its own tower (models/qwen3_vl.py)
+        if arch in (QWEN3_VL, "qwen3_vl", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"):   # models/qwen3_vl.py
             return Qwen3VLVision.from_config(raw, source)
         if arch not in ("Gemma3ForConditionalGeneration", "gemma3", *SMOLVLM):
             raise ConfigError(f"{source}: images are not supported for {arch} (Gemma3ForConditionalGeneration, "
