@@ -69,11 +69,13 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor else None)
+        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor or self.qwen else None)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
         left to the language model's adapter), each module's output scaled by `scale` (alpha / r)."""
+        if self.qwen:
+            raise ConfigError("LoRA on Qwen3-VL's vision tower is not supported yet (the language model's only)")
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)
@@ -85,8 +87,6 @@ class VisionModel:
         half = next((p for p, ab in pairs.items() if len(ab) != 2), None)
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
-        if pairs and self.qwen:
-            raise ConfigError("LoRA on Qwen3-VL's vision tower is not supported yet (the language model's only)")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
         self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
