@@ -261,6 +261,6 @@ def test_refusals_in_one_line(vlm):
                            np.zeros((2, 32))}, 1.0)
     img = images(1)
     ids = np.array([[7, START, *[PAD] * 3, END]])
-    with pytest.raises(DataError, match="3 image placeholder tokens for 1 images of 8 tokens in all") as e:
+    with pytest.raises(DataError, match="3 image placeholder tokens for 1 images of 12 tokens in all") as e:
         vm.logits(ids, img)
     assert "\n" not in str(e.value)
