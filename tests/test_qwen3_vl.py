@@ -264,3 +264,17 @@ def test_refusals_in_one_line(vlm):
     with pytest.raises(DataError, match="3 image placeholder tokens for 1 images of 12 tokens in all") as e:
         vm.logits(ids, img)
     assert "\n" not in str(e.value)
+
+
+def test_auto_takes_the_numpy_engine_and_wgpu_refuses(vlm):
+    """The WebGPU engine takes neither M-RoPE positions nor DeepStack yet: auto chooses the NumPy engine for
+    Qwen3-VL and --backend wgpu is refused in one line, before any adapter opens."""
+    from wgpu_train.engines.backend_choice import choose_backend
+    from wgpu_train.engines.loading import load_model
+
+    _, folder, vm = vlm
+    choice = choose_backend("auto", cfg=vm.model.config)
+    assert choice.engine == "numpy" and "Qwen3-VL" in choice.reason
+    with pytest.raises(ConfigError, match="does not run Qwen3-VL yet .* use --backend numpy") as e:
+        load_model(folder, backend="wgpu")
+    assert "\n" not in str(e.value)

@@ -41,16 +41,13 @@ class VisionModel:
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
     QwenImageSettings: each image its merged patches). Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
-    engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine takes neither its
-    M-RoPE positions nor its DeepStack additions yet."""
+    engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine refuses it
+    (webgpu/support.unsupported_reason), taking neither its M-RoPE positions nor its DeepStack additions yet."""
 
     def __init__(self, model: Model, tower, vision, settings):
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
-        if self.qwen and model.engine.name != "numpy":
-            raise ConfigError("Qwen3-VL's images run on the NumPy engine only for now (the WebGPU engine takes "
-                              "neither M-RoPE positions nor DeepStack): use --backend numpy")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
     def pixel_values(self, images, where: str = "record"):
