@@ -293,11 +293,10 @@ class NumpyEngine(EngineState):
 
     def _walk(self, segment_ids, position_ids) -> Walk:
         b, t = segment_ids.shape
-        weight = self.mode.router_loss_weight if self.mode.training else 0.0
+        weight, im = self.mode.router_loss_weight if self.mode.training else 0.0, self.images    # im: ImageTokens
         return Walk(b, t, position_ids, segment_ids, long_rope=self.cfg.rope_long(int(np.max(position_ids))),
                     router_loss=RouterLoss(self.cfg.moe.num_experts, weight) if weight else None,
-                    blocks=None if self.images is None else self.images.blocks,
-                    rope_positions=None if self.images is None else self.images.positions)
+                    blocks=im and im.blocks, rope_positions=im and im.positions)
 
     def _layers_forward(self, x, layers: range, cache: dict):
         """The layers' forward from the first one's input x (N, C) to the last one's output (N, C); each layer's
@@ -305,9 +304,7 @@ class NumpyEngine(EngineState):
         cache["layers"] = []
         for i in layers:
             a = self.layer_ops.forward(i, x, cache["walk"])
-            x = a.pop(OUTPUT)
-            if self.images is not None:     # Qwen3-VL's DeepStack: frozen features, no gradient of their own
-                x = self.images.add_deepstack(x, i)
+            x = a.pop(OUTPUT) if self.images is None else self.images.add_deepstack(a.pop(OUTPUT), i)   # Qwen3-VL's
             cache["layers"].append(a)
         return x
 
