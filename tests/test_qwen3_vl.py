@@ -278,3 +278,25 @@ def test_auto_takes_the_numpy_engine_and_wgpu_refuses(vlm):
     with pytest.raises(ConfigError, match="does not run Qwen3-VL yet .* use --backend numpy") as e:
         load_model(folder, backend="wgpu")
     assert "\n" not in str(e.value)
+
+
+def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, tmp_path, monkeypatch, capsys):
+    """`chat` with /image on Qwen3-VL answers as `generate --image`; `serve` and `memory`, which do not take its
+    images yet, refuse it in one line (exit 2)."""
+    import io
+
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = vlm
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour?", "--image", str(path),
+                 "--max-new-tokens", "4", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour?\n"))
+    assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == want
+    assert main(["serve", "--model", str(folder), "--backend", "numpy"]) == 2
+    assert "serve does not take Qwen3-VL's images yet" in capsys.readouterr().err
+    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128"]) == 2
+    assert "memory does not count Qwen3-VL's" in capsys.readouterr().err

@@ -103,6 +103,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     if not raw.get("vision_config"):
         return None
     vc = VisionConfig.from_config(raw, str(Path(model_dir) / "config.json"))
+    if hasattr(vc, "mrope_section"):
+        raise ConfigError("memory does not count Qwen3-VL's vision tower and its images' tokens yet")
     per_row = 1 if args.images_per_row is None else args.images_per_row
     tiles, rows = 1, 0
     if vc.scale_factor:     # SmolVLM: the largest image's tiles, two markers each (three the global one), newlines
