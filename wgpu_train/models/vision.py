@@ -53,7 +53,8 @@ class VisionConfig:
 
     @classmethod
     def from_config(cls, raw: dict, source: str = "config.json") -> VisionConfig:
-        """From a multimodal config.json (raw dict); what the tower's math here does not implement is refused."""
+        """From a multimodal config.json (raw dict); what the tower's math here does not implement is refused.
+        Qwen3-VL's is its own class, models/qwen3_vl.Qwen3VLVision."""
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
         if arch in (QWEN3_VL, "qwen3_vl", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"):   # models/qwen3_vl.py
             return Qwen3VLVision.from_config(raw, source)
