@@ -264,6 +264,8 @@ def test_refusals_in_one_line(vlm):
     with pytest.raises(DataError, match="3 image placeholder tokens for 1 images of 12 tokens in all") as e:
         vm.logits(ids, img)
     assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="videos are not supported .*video_token_id 6"):
+        vm.logits(np.array([[7, START, 6, END]]), [])
 
 
 def test_auto_takes_the_numpy_engine_and_wgpu_refuses(vlm):

@@ -167,6 +167,8 @@ class VisionModel:
         pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
                          (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
         ids = np.atleast_2d(np.asarray(ids))
+        if (ids == self.vision.video_token_id).any():
+            raise DataError(f"videos are not supported (the input holds video_token_id {self.vision.video_token_id})")
         blocks = image_blocks(ids, self.vision.image_token_id, bidirectional=False)
         n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
         if n_tokens != expected:

@@ -15,7 +15,8 @@ _PREFIXES = ("model.visual.", "visual.")
 _DEFAULTS = {"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
              "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
              "out_hidden_size": 3584, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
-_TOKENS = {"image_token_id": 151_655, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653}
+_TOKENS = {"image_token_id": 151_655, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653,
+           "video_token_id": 151_656}
 LAYER_NORM_EPS = 1e-6       # the blocks' and the mergers' LayerNorms (fixed in transformers' modelling)
 
 
@@ -25,7 +26,8 @@ class Qwen3VLVision:
     (in_channels x temporal_patch_size x patch_size^2), a learned square position grid of num_position_embeddings
     bilinearly resampled to each image, the 2-D vision rotary (theta), the patch merger of spatial_merge_size^2
     patches to the text model's hidden size and a DeepStack merger per deepstack index; the image token ids; the
-    text model's M-RoPE: mrope_section (pairs of t, h, w, interleaved) over head_dim / 2 rotated pairs."""
+    text model's M-RoPE: mrope_section (pairs of t, h, w, interleaved) over head_dim / 2 rotated pairs; the video
+    token id, which no input may hold (videos are not supported)."""
 
     depth: int
     hidden_size: int
@@ -44,6 +46,7 @@ class Qwen3VLVision:
     mrope_section: tuple
     text_head_dim: int
     theta: float = 10000.0
+    video_token_id: int = -1        # refused where it occurs: videos are not supported
     # what VisionModel reads of every vision config: no pixel shuffle, an image's tokens plainly causal
     scale_factor = 0
     bidirectional = False
@@ -94,7 +97,8 @@ class Qwen3VLVision:
                    int(v["in_channels"]), int(v["patch_size"]), int(v["temporal_patch_size"]),
                    int(v["spatial_merge_size"]), int(v["out_hidden_size"]), int(v["num_position_embeddings"]),
                    indexes, tokens["image_token_id"], tokens["vision_start_token_id"],
-                   tokens["vision_end_token_id"], section, head_dim, float(rope.get("rope_theta", 10000.0)))
+                   tokens["vision_end_token_id"], section, head_dim, float(rope.get("rope_theta", 10000.0)),
+                   tokens["video_token_id"])
 
     @property
     def head_dim(self) -> int:
