@@ -302,3 +302,22 @@ def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, 
     assert "serve does not take Qwen3-VL's images yet" in capsys.readouterr().err
     assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128"]) == 2
     assert "memory does not count Qwen3-VL's" in capsys.readouterr().err
+
+
+def test_packed_rows_count_positions_per_segment(vlm):
+    """Two sequences with images packed in one row (segment ids 1 and 2): each segment's M-RoPE positions count
+    from 0 and its logits equal the sequence's alone."""
+    _, _, vm = vlm
+    imgs = images(2, seed=11)
+    first, second = [7, *span(vm, imgs[0]), 8, 9], [10, *span(vm, imgs[1]), 11]
+    ids = np.array([first + second])
+    seg = np.array([[1] * len(first) + [2] * len(second)], np.int32)
+    pos = np.array([list(range(len(first))) + list(range(len(second)))], np.int32)
+    engine = vm.model.engine
+    engine.set_images(vm.image_tokens(ids, imgs, segments=seg))
+    try:
+        packed = engine.logits(vm._text_ids(ids).astype(np.int32), seg, pos)
+    finally:
+        engine.set_images(None)
+    alone = np.concatenate([vm.logits(np.array([first]), imgs[:1]), vm.logits(np.array([second]), imgs[1:])], axis=1)
+    assert_close(packed, alone, "logits_f32", "packed segments")
