@@ -1,4 +1,4 @@
-"""`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM; greedy;
+"""`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM, Qwen3-VL;
 the tower on the CPU, the language model on --backend's engine), with the adapter of a run if given; and the
 VisionModel over a model `chat` and `serve` loaded."""
 from __future__ import annotations
