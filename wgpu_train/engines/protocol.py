@@ -262,16 +262,26 @@ class PipelineStage(Protocol):
         """A stage before the last: its output (N, C), packed, from ids (B, T) (the first stage) or the previous
         stage's packed output."""
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
+    def stage_balance(self, micro, previous=None):
+        """The router's aux loss (set_router_aux_loss on): after a training forward, its layers' load-balancing
+        statistics (2E + 1,) float64 ([assignments per expert, probability sums per expert, real tokens] summed
+        over its sparse layers; zeros without one) plus `previous`, the earlier stages' sum (None on the first)."""
+
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None,
+                   balance=None, aux_weight=0.0):
         """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
         as forward_backward's; a training step's times f16's loss scale), with a TokenObjective times the weights
         its head computes; (summed loss, trained tokens, the packed gradient of its input (None on a first stage or
-        without a trained token), the (B, T) float32 log-probabilities and entropies (objective only, else None))."""
+        without a trained token), the (B, T) float32 log-probabilities and entropies (objective only, else None),
+        the whole forward's load-balancing statistics (None without aux_weight)). aux_weight > 0: the router's
+        aux loss at that weight, its backward from the earlier stages' statistics `balance` (stage_balance's, or
+        None) plus its own."""
 
-    def stage_backward(self, micro, d_outputs):
+    def stage_backward(self, micro, d_outputs, balance=None, aux_weight=0.0):
         """The packed gradient of its input (None on the first stage, which accumulates the embedding's, if
         trained) from that of its output (None: no trained token, nothing to add; the forward's activations are
-        dropped either way)."""
+        dropped either way); with the router's aux loss, its routers' backward from the whole forward's
+        statistics `balance` (stage_loss's) at `aux_weight`."""
 
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows

@@ -1,0 +1,84 @@
+"""The router's aux loss through pipeline stages (issue 43): on a tiny Qwen3-MoE with LoRA on the router, the
+attention and the experts, stages in this process equal one process: the aux loss, the gradients (the router's
+through the whole forward's load-balancing statistics) and the adapter after a few steps; splits where every stage
+holds sparse layers, where one holds only a dense one, and one where the last holds none; on the NumPy engine and
+(one test) WebGPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_pipeline import _micro_batches
+from tiny_models import build_moe, save_model
+from tolerances import assert_close
+from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine
+from wgpu_train.engines.loading import load_model, load_stage
+from wgpu_train.engines.model import Model
+from wgpu_train.engines.protocol import OptimizerParams
+from wgpu_train.models.stage_plan import plan_stages
+
+LORA = LoraConfig(r=3, target_modules=("q_proj", "gate"),
+                  target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+COEF = 0.3          # large enough that the aux term moves the router's gradient well above the tolerances
+
+
+def _pair(folder, stage_layers: str, schedule: str, backend: str = "numpy", **kw):
+    """One process and a PipelineEngine over the stages of `stage_layers`, LoRA (LORA, same seed) on both, the
+    router's aux loss on at COEF."""
+    one = load_model(folder, backend, **kw)
+    plan = plan_stages(one.config.num_hidden_layers, stage_layers.count(",") + 1, stage_layers,
+                       tied=one.config.tie_word_embeddings)
+    runner = LocalStages([load_stage(folder, plan, s, backend, **kw) for s in range(len(plan))])
+    staged = Model(one.config, PipelineEngine(runner, plan, schedule), folder)
+    for model in (one, staged):
+        model.add_lora(LORA, seed=3)
+        model.engine.set_router_aux_loss(COEF)
+    return one, staged
+
+
+def _same_steps(one, staged, tolerance: str, steps: int = 3, micro: int = 2):
+    """`steps` optimizer steps of `micro` micro-batches: the same losses, token counts, aux losses and norms, and
+    the same adapter after them."""
+    hp = OptimizerParams(lr=1e-2, max_grad_norm=0.5)
+    for step in range(1, steps + 1):
+        batches = _micro_batches(step, micro, vocab=61)
+        expected = one.engine.train_step(batches, hp, step)
+        got = staged.engine.train_step(batches, hp, step)
+        assert got[1] == expected[1] and got[3] == expected[3], (got, expected)
+        assert one.engine.last_aux_loss > 0 and staged.engine.last_aux_loss is not None
+        assert_close(np.array([got[0], got[2], staged.engine.last_aux_loss]),
+                     np.array([expected[0], expected[2], one.engine.last_aux_loss]), tolerance,
+                     f"step {step}'s loss, norm and aux loss")
+    mine, theirs = staged.engine.trainable(), one.engine.trainable()
+    assert sorted(mine) == sorted(theirs) and any(".mlp.gate." in k for k in theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], tolerance, k)
+
+
+@pytest.mark.parametrize("stage_layers,dense,schedule", [("0,1-2", [1], "gpipe"),      # both stages route
+                                                          ("0,1,2", [1], "1f1b"),      # the middle one does not
+                                                          ("0-1,2", [2], "1f1b")])     # the last one does not
+def test_aux_loss_through_stages_equals_one_process(tmp_path, stage_layers, dense, schedule):
+    """A micro-batch's gradients with the aux loss on (forward_backward: its full weight), the router's LoRA
+    among them and moved by the aux term, then three steps of two micro-batches (each its share of the aux loss):
+    the stages' equal one process's."""
+    folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61, mlp_only_layers=dense), tmp_path / "moe")
+    one, staged = _pair(folder, stage_layers, schedule, precision="fp32")
+    ids, targets, seg, pos = _micro_batches(7, 1, vocab=61)[0]
+    grads = []
+    for engine in (one.engine, staged.engine):
+        engine.zero_grads()
+        engine.forward_backward(ids, targets, seg, pos, 1.0 / int((targets != -100).sum()))
+        grads.append(engine.gradients())
+    assert sorted(grads[0]) == sorted(grads[1])
+    for k, g in grads[0].items():
+        assert_close(grads[1][k], g, "pipeline_numpy", k)
+    staged.engine.set_router_aux_loss(0.0)
+    staged.engine.zero_grads()
+    staged.engine.forward_backward(ids, targets, seg, pos, 1.0 / int((targets != -100).sum()))
+    plain = staged.engine.gradients()
+    router = [k for k in plain if ".mlp.gate." in k and k.endswith("lora_B")]    # B starts at 0: A has none
+    assert router and max(float(np.abs(plain[k] - grads[0][k]).max()) for k in router) > 1e-4
+    staged.engine.set_router_aux_loss(COEF)
+    _same_steps(one, staged, "pipeline_numpy")
