@@ -82,3 +82,12 @@ def test_aux_loss_through_stages_equals_one_process(tmp_path, stage_layers, dens
     assert router and max(float(np.abs(plain[k] - grads[0][k]).max()) for k in router) > 1e-4
     staged.engine.set_router_aux_loss(COEF)
     _same_steps(one, staged, "pipeline_numpy")
+
+
+def test_aux_loss_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
+    """On the WebGPU engine, 2 stages under 1F1B where both route (the last adds the first's statistics to its own
+    on the device before its backward): two steps of two micro-batches equal one WebGPU process's, aux loss and
+    adapter (the router's LoRA included)."""
+    folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61), tmp_path / "moe")
+    one, staged = _pair(folder, "0,1-2", "1f1b", "wgpu", precision="fp32")
+    _same_steps(one, staged, "pipeline_wgpu", steps=2)
