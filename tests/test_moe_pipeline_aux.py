@@ -5,18 +5,25 @@ holds sparse layers, where one holds only a dense one, and one where the last ho
 (one test) WebGPU."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from finetune_helpers import build_tokenizer, make_data_dir
 from test_pipeline import _micro_batches
 from tiny_models import build_moe, save_model
 from tolerances import assert_close
 from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.adapters.files import read_adapter
+from wgpu_train.distributed.dispatch import finetune
 from wgpu_train.distributed.pipeline_engine import LocalStages, PipelineEngine
+from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
 from wgpu_train.engines.loading import load_model, load_stage
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.models.stage_plan import plan_stages
+from wgpu_train.training.config import TrainConfig
 
 LORA = LoraConfig(r=3, target_modules=("q_proj", "gate"),
                   target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
@@ -91,3 +98,30 @@ def test_aux_loss_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
     folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61), tmp_path / "moe")
     one, staged = _pair(folder, "0,1-2", "1f1b", "wgpu", precision="fp32")
     _same_steps(one, staged, "pipeline_wgpu", steps=2)
+
+
+def _aux_losses(out) -> list:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["aux_loss"]) for r in rows if "grad_norm" in r]
+
+
+def test_a_run_with_grad_accum_through_stages_equals_one_process(tmp_path):
+    """finetune with --router-aux-loss-coef: three steps of two accumulated micro-batches in one process, and the
+    same through 2 stages in this process (a step's micro-batches the pipeline's): the logged loss and aux_loss
+    of each step (each micro-batch's own, averaged) and the adapter after them, the router's LoRA included."""
+    folder = tmp_path / "model"
+    save_model(build_moe("qwen3_moe", seed=4, vocab_size=build_tokenizer(folder)), folder)
+    base = dict(model=str(folder), data=str(make_data_dir(tmp_path / "data")), backend="numpy", no_progress=True,
+                eval_generate=False, log_every=1, max_steps=3, batch_size=2, lr=1e-2, valid_split=0.0,
+                max_eval_samples=0, lora_targets="q_proj,gate", router_aux_loss_coef=COEF,
+                lora_target_parameters="mlp.experts.gate_up_proj,mlp.experts.down_proj")
+    finetune(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **base))
+    finetune_pipeline(TrainConfig(out=str(tmp_path / "staged"), stage_layers="0,1-2", pipeline_micro_batches=2,
+                                  **base), local=True)
+    one, staged = _aux_losses(tmp_path / "one"), _aux_losses(tmp_path / "staged")
+    assert [r[0] for r in staged] == [r[0] for r in one] == [1, 2, 3] and all(r[2] > 0 for r in one)
+    assert_close(np.array(staged)[:, 1:], np.array(one)[:, 1:], "pipeline_numpy", "step losses and aux losses")
+    mine, theirs = read_adapter(tmp_path / "staged")[1], read_adapter(tmp_path / "one")[1]
+    assert sorted(mine) == sorted(theirs) and any(".mlp.gate." in k for k in theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_numpy", k)
