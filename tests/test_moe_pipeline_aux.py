@@ -1,8 +1,8 @@
 """The router's aux loss through pipeline stages (issue 43): on a tiny Qwen3-MoE with LoRA on the router, the
 attention and the experts, stages in this process equal one process: the aux loss, the gradients (the router's
 through the whole forward's load-balancing statistics) and the adapter after a few steps; splits where every stage
-holds sparse layers, where one holds only a dense one, and one where the last holds none; on the NumPy engine and
-(one test) WebGPU."""
+holds sparse layers, where the middle one holds only a dense one, and where the last holds none; on the NumPy engine
+and WebGPU; whole finetune runs with grad accumulation through 2 stages in this process and as Ray actors."""
 from __future__ import annotations
 
 import json
@@ -91,12 +91,13 @@ def test_aux_loss_through_stages_equals_one_process(tmp_path, stage_layers, dens
     _same_steps(one, staged, "pipeline_numpy")
 
 
-def test_aux_loss_through_wgpu_stages_equals_one_process(tmp_path, default_rt):
-    """On the WebGPU engine, 2 stages under 1F1B where both route (the last adds the first's statistics to its own
-    on the device before its backward): two steps of two micro-batches equal one WebGPU process's, aux loss and
-    adapter (the router's LoRA included)."""
-    folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61), tmp_path / "moe")
-    one, staged = _pair(folder, "0,1-2", "1f1b", "wgpu", precision="fp32")
+@pytest.mark.parametrize("stage_layers,dense", [("0,1-2", [1]), ("0-1,2", [2])])
+def test_aux_loss_through_wgpu_stages_equals_one_process(tmp_path, default_rt, stage_layers, dense):
+    """On the WebGPU engine, 2 stages under 1F1B, both routing (the last adds the first's statistics to its own on
+    the device before its backward) or the last routing none (it hands the first's on): two steps of two
+    micro-batches equal one WebGPU process's, aux loss and adapter (the router's LoRA included)."""
+    folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61, mlp_only_layers=dense), tmp_path / "moe")
+    one, staged = _pair(folder, stage_layers, "1f1b", "wgpu", precision="fp32")
     _same_steps(one, staged, "pipeline_wgpu", steps=2)
 
 
@@ -105,23 +106,47 @@ def _aux_losses(out) -> list:
     return [(r["step"], r["loss"], r["aux_loss"]) for r in rows if "grad_norm" in r]
 
 
-def test_a_run_with_grad_accum_through_stages_equals_one_process(tmp_path):
-    """finetune with --router-aux-loss-coef: three steps of two accumulated micro-batches in one process, and the
-    same through 2 stages in this process (a step's micro-batches the pipeline's): the logged loss and aux_loss
-    of each step (each micro-batch's own, averaged) and the adapter after them, the router's LoRA included."""
-    folder = tmp_path / "model"
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    """(the runs' settings, the folder of one process's run): a tiny Qwen3-MoE with a tokenizer, finetune with
+    --router-aux-loss-coef, LoRA on q_proj, the router and the experts, three steps of two accumulated
+    micro-batches."""
+    root = tmp_path_factory.mktemp("moe_aux_runs")
+    folder = root / "model"
     save_model(build_moe("qwen3_moe", seed=4, vocab_size=build_tokenizer(folder)), folder)
-    base = dict(model=str(folder), data=str(make_data_dir(tmp_path / "data")), backend="numpy", no_progress=True,
+    base = dict(model=str(folder), data=str(make_data_dir(root / "data")), backend="numpy", no_progress=True,
                 eval_generate=False, log_every=1, max_steps=3, batch_size=2, lr=1e-2, valid_split=0.0,
                 max_eval_samples=0, lora_targets="q_proj,gate", router_aux_loss_coef=COEF,
                 lora_target_parameters="mlp.experts.gate_up_proj,mlp.experts.down_proj")
-    finetune(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **base))
-    finetune_pipeline(TrainConfig(out=str(tmp_path / "staged"), stage_layers="0,1-2", pipeline_micro_batches=2,
-                                  **base), local=True)
-    one, staged = _aux_losses(tmp_path / "one"), _aux_losses(tmp_path / "staged")
-    assert [r[0] for r in staged] == [r[0] for r in one] == [1, 2, 3] and all(r[2] > 0 for r in one)
-    assert_close(np.array(staged)[:, 1:], np.array(one)[:, 1:], "pipeline_numpy", "step losses and aux losses")
-    mine, theirs = read_adapter(tmp_path / "staged")[1], read_adapter(tmp_path / "one")[1]
+    finetune(TrainConfig(out=str(root / "one"), grad_accum=2, **base))
+    return base, root / "one"
+
+
+def _same_run(out, one):
+    """The logged loss and aux_loss of each step and the adapter after them, the router's LoRA included."""
+    mine, theirs = _aux_losses(out), _aux_losses(one)
+    assert [r[0] for r in mine] == [r[0] for r in theirs] == [1, 2, 3] and all(r[2] > 0 for r in theirs)
+    assert_close(np.array(mine)[:, 1:], np.array(theirs)[:, 1:], "pipeline_numpy", "step losses and aux losses")
+    mine, theirs = read_adapter(out)[1], read_adapter(one)[1]
     assert sorted(mine) == sorted(theirs) and any(".mlp.gate." in k for k in theirs)
     for k in theirs:
         assert_close(mine[k], theirs[k], "pipeline_numpy", k)
+
+
+def test_a_run_with_grad_accum_through_stages_equals_one_process(tmp_path, one_run):
+    """The run through 2 stages in this process (a step's micro-batches the pipeline's) equals one process's
+    with grad accumulation: each micro-batch's own aux loss, averaged in the log, its share in the gradient."""
+    base, one = one_run
+    finetune_pipeline(TrainConfig(out=str(tmp_path / "staged"), stage_layers="0,1-2", pipeline_micro_batches=2,
+                                  **base), local=True)
+    _same_run(tmp_path / "staged", one)
+
+
+def test_a_run_through_ray_stages_equals_one_process(tmp_path, one_run):
+    """The same run with its 2 stages as Ray actors (the statistics travel as object refs between them)."""
+    pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e '.[test]')")
+    base, one = one_run
+    summary = finetune(TrainConfig(out=str(tmp_path / "ray"), stage_layers="0,1-2", pipeline_micro_batches=2,
+                                   **base))
+    assert summary["pipeline"]["ray"] is True
+    _same_run(tmp_path / "ray", one)
