@@ -91,13 +91,16 @@ def test_aux_loss_through_stages_equals_one_process(tmp_path, stage_layers, dens
     _same_steps(one, staged, "pipeline_numpy")
 
 
-@pytest.mark.parametrize("stage_layers,dense", [("0,1-2", [1]), ("0-1,2", [2])])
-def test_aux_loss_through_wgpu_stages_equals_one_process(tmp_path, default_rt, stage_layers, dense):
+@pytest.mark.parametrize("stage_layers,dense,checkpointing", [("0,1-2", [1], False), ("0-1,2", [2], True)])
+def test_aux_loss_through_wgpu_stages_equals_one_process(tmp_path, default_rt, stage_layers, dense, checkpointing):
     """On the WebGPU engine, 2 stages under 1F1B, both routing (the last adds the first's statistics to its own on
-    the device before its backward) or the last routing none (it hands the first's on): two steps of two
-    micro-batches equal one WebGPU process's, aux loss and adapter (the router's LoRA included)."""
+    the device before its backward) or, with gradient checkpointing (a backward that recomputes the routing
+    counts nothing twice), the last routing none (it hands the first's on): two steps of two micro-batches equal
+    one WebGPU process's, aux loss and adapter (the router's LoRA included)."""
     folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61, mlp_only_layers=dense), tmp_path / "moe")
     one, staged = _pair(folder, stage_layers, "1f1b", "wgpu", precision="fp32")
+    for model in (one, staged):
+        model.engine.set_gradient_checkpointing(checkpointing)
     _same_steps(one, staged, "pipeline_wgpu", steps=2)
 
 
