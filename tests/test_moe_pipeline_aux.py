@@ -63,15 +63,17 @@ def _same_steps(one, staged, tolerance: str, steps: int = 3, micro: int = 2):
         assert_close(mine[k], theirs[k], tolerance, k)
 
 
-@pytest.mark.parametrize("stage_layers,dense,schedule", [("0,1-2", [1], "gpipe"),      # both stages route
-                                                          ("0,1,2", [1], "1f1b"),      # the middle one does not
-                                                          ("0-1,2", [2], "1f1b")])     # the last one does not
-def test_aux_loss_through_stages_equals_one_process(tmp_path, stage_layers, dense, schedule):
+@pytest.mark.parametrize("stage_layers,dense,schedule,precision", [
+    ("0,1-2", [1], "gpipe", "fp32"),        # both stages route
+    ("0,1-2", [1], "1f1b", "f16"),          # the aux loss's gradient loss-scaled as the token loss's
+    ("0,1,2", [1], "1f1b", "fp32"),         # the middle stage routes none
+    ("0-1,2", [2], "1f1b", "fp32")])        # the last one routes none
+def test_aux_loss_through_stages_equals_one_process(tmp_path, stage_layers, dense, schedule, precision):
     """A micro-batch's gradients with the aux loss on (forward_backward: its full weight), the router's LoRA
     among them and moved by the aux term, then three steps of two micro-batches (each its share of the aux loss):
     the stages' equal one process's."""
     folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61, mlp_only_layers=dense), tmp_path / "moe")
-    one, staged = _pair(folder, stage_layers, schedule, precision="fp32")
+    one, staged = _pair(folder, stage_layers, schedule, precision=precision)
     ids, targets, seg, pos = _micro_batches(7, 1, vocab=61)[0]
     grads = []
     for engine in (one.engine, staged.engine):

@@ -203,8 +203,8 @@ class StepRunner:
         self.dropout.write(0, self.layers.lora)
         before = dict(self.rt.counters)
         rec = self.rt.recorder()
-        # the router's aux loss at the coefficient's full weight (transformers' loss: the mean token loss plus coef
-        # times the aux loss), as the NumPy engine's forward_backward
+        # the router's aux loss by default at the coefficient's full weight (transformers' loss: the mean token loss
+        # plus coef times the aux loss), as the NumPy engine's forward_backward
         self.layers.training = True
         self.layers.router_aux_weight = self.router_aux_loss_coef if aux_weight is None else aux_weight
         self.layers.record_forward(rec, acts)
