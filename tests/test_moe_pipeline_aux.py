@@ -1,8 +1,9 @@
 """The router's aux loss through pipeline stages (issue 43): on a tiny Qwen3-MoE with LoRA on the router, the
 attention and the experts, stages in this process equal one process: the aux loss, the gradients (the router's
 through the whole forward's load-balancing statistics) and the adapter after a few steps; splits where every stage
-holds sparse layers, where the middle one holds only a dense one, and where the last holds none; on the NumPy engine
-and WebGPU; whole finetune runs with grad accumulation through 2 stages in this process and as Ray actors."""
+holds sparse layers, where the middle one holds only a dense one, and where the last holds none (f16's loss scaling,
+full fine-tuning: the router's own weight trained); on the NumPy engine and WebGPU (gradient checkpointing too); whole
+finetune runs with grad accumulation through 2 stages in this process and as Ray actors."""
 from __future__ import annotations
 
 import json
@@ -30,16 +31,19 @@ LORA = LoraConfig(r=3, target_modules=("q_proj", "gate"),
 COEF = 0.3          # large enough that the aux term moves the router's gradient well above the tolerances
 
 
-def _pair(folder, stage_layers: str, schedule: str, backend: str = "numpy", **kw):
-    """One process and a PipelineEngine over the stages of `stage_layers`, LoRA (LORA, same seed) on both, the
-    router's aux loss on at COEF."""
+def _pair(folder, stage_layers: str, schedule: str, backend: str = "numpy", full: bool = False, **kw):
+    """One process and a PipelineEngine over the stages of `stage_layers`, LoRA (LORA, same seed) on both (full:
+    every weight trained instead), the router's aux loss on at COEF."""
     one = load_model(folder, backend, **kw)
     plan = plan_stages(one.config.num_hidden_layers, stage_layers.count(",") + 1, stage_layers,
                        tied=one.config.tie_word_embeddings)
     runner = LocalStages([load_stage(folder, plan, s, backend, **kw) for s in range(len(plan))])
     staged = Model(one.config, PipelineEngine(runner, plan, schedule), folder)
     for model in (one, staged):
-        model.add_lora(LORA, seed=3)
+        if full:
+            model.set_full_finetune()
+        else:
+            model.add_lora(LORA, seed=3)
         model.engine.set_router_aux_loss(COEF)
     return one, staged
 
@@ -61,6 +65,14 @@ def _same_steps(one, staged, tolerance: str, steps: int = 3, micro: int = 2):
     assert sorted(mine) == sorted(theirs) and any(".mlp.gate." in k for k in theirs)
     for k in theirs:
         assert_close(mine[k], theirs[k], tolerance, k)
+
+
+def test_full_fine_tuning_with_the_aux_loss_through_stages_equals_one_process(tmp_path):
+    """Every weight trained (the routers' own, as a trained base weight), 2 stages that both route: two steps
+    equal one process's."""
+    folder = save_model(build_moe("qwen3_moe", seed=4, vocab_size=61), tmp_path / "moe")
+    one, staged = _pair(folder, "0,1-2", "1f1b", full=True, precision="fp32")
+    _same_steps(one, staged, "pipeline_tied_sum", steps=2)      # its tied embedding trained on both end stages
 
 
 @pytest.mark.parametrize("stage_layers,dense,schedule,precision", [
