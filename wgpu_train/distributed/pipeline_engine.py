@@ -1,6 +1,7 @@
 """PipelineEngine: S pipeline stages (engines' PipelineStage, each holding a range of layers, in this process or
 as Ray actors) driven as one Engine, so that the Trainer, checkpoints and Model run unchanged over them; the
-step's schedule (GPipe or 1F1B over its micro-batches) and the global-norm clipping across stages."""
+step's schedule (GPipe or 1F1B over its micro-batches), the router's load-balancing statistics summed across stages
+and the global-norm clipping across stages."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
-from wgpu_train.engines.shared.moe import check_router_aux_loss
+from wgpu_train.engines.shared.moe import check_router_aux_loss, load_balancing_value
 from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan
@@ -81,6 +82,7 @@ class PipelineEngine:
         self.runner, self.plan, self.schedule = runner, plan, schedule
         self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
         self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
+        self.router_aux_coef = 0.0      # set_router_aux_loss's
         self.step_logps: list = []
         self.step_entropies: list = []
         for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision_reason", "kv_dtype", "backend_reason"):
@@ -182,10 +184,11 @@ class PipelineEngine:
     last_aux_loss = None
 
     def set_router_aux_loss(self, coef: float = 0.0):
-        """0 only: the router's auxiliary loss sums every layer's routing, which pipeline stages split."""
-        if check_router_aux_loss(self.cfg, coef):
-            raise ConfigError("the router's auxiliary loss is not computed across pipeline stages: use "
-                              "--router-aux-loss-coef 0 with --pipeline-stages")
+        """The protocol's: each stage's training forwards count its layers' routing, and the driver hands every
+        stage's counts of a micro-batch, summed, to each stage's backward (the loss is not a sum over layers: it
+        multiplies the whole forward's assignments by its probabilities); last_aux_loss as one process's."""
+        self.router_aux_coef = check_router_aux_loss(self.cfg, coef)
+        self._all("set_router_aux_loss", self.router_aux_coef)
 
     def seed_dropout(self, seed: int):
         self._all("seed_dropout", seed)
@@ -262,14 +265,19 @@ class PipelineEngine:
         self._split("stage_set_reference", modules)
         return ReferenceStages(self)
 
-    def _run(self, micro_batches: list, scales: list, objectives: list) -> tuple:
+    def _run(self, micro_batches: list, scales: list, objectives: list, aux_weight: float = 0.0) -> tuple:
         """The forwards and backwards of a step's micro-batches in the schedule's order, each stage's calls
         submitted as soon as their inputs are (a Ray stage starts each when they exist); the per-token gradient
         scale of micro-batch j is scales[j], times the weights of its TokenObjective objectives[j] where not None.
-        (summed loss, trained tokens, each micro-batch's log-probabilities and entropies: None without objective)."""
+        With the router's aux loss on, each micro-batch's weight of it is aux_weight: after each forward a stage
+        adds its layers' load-balancing statistics to the earlier stages' (stage_balance), the last stage adds
+        its own and returns the whole forward's, which every earlier stage's backward takes.
+        (summed loss, trained tokens, each micro-batch's log-probabilities and entropies: None without objective,
+        each micro-batch's aux loss: None when off)."""
         stages, call = len(self.plan), self.runner.call
         ops = stage_ops(self.schedule, stages, len(micro_batches))
         at, outs, grads, losses, firsts = [0] * stages, {}, {}, {}, []
+        sums, totals = {}, {}       # (stage, micro-batch) -> the statistics so far; micro-batch -> the whole's
         while any(at[s] < len(ops[s]) for s in range(stages)):
             moved = False
             for s in range(stages):
@@ -281,27 +289,35 @@ class PipelineEngine:
                     x = outs[(s - 1, j)] if s else ids
                     if kind == "F":
                         outs[(s, j)] = call(s, "stage_forward", j, x, seg, pos)
+                        if aux_weight:
+                            sums[(s, j)] = call(s, "stage_balance", j, sums.get((s - 1, j)))
                     elif kind == "L":
-                        loss, count, grads[(s, j)], logps, entropies = call(
-                            s, "stage_loss", j, x, targets, seg, pos, scales[j], objectives[j], returns=5)
+                        loss, count, grads[(s, j)], logps, entropies, totals[j] = call(
+                            s, "stage_loss", j, x, targets, seg, pos, scales[j], objectives[j],
+                            sums.get((s - 1, j)), aux_weight, returns=6)
                         losses[j] = (loss, count, logps, entropies)
                     else:
-                        grads[(s, j)] = call(s, "stage_backward", j, grads[(s + 1, j)])
+                        grads[(s, j)] = call(s, "stage_backward", j, grads[(s + 1, j)], totals[j], aux_weight)
                         if s == 0:
                             firsts.append(grads[(s, j)])
                     at[s] += 1
                     moved = True
             if not moved:
                 raise RuntimeError(f"pipeline schedule {self.schedule} is stuck at {at}")
-        done = self.runner.get([v for j in sorted(losses) for v in losses[j]] + firsts)   # errors surface here
-        heads = [done[4 * j:4 * j + 4] for j in range(len(micro_batches))]     # (loss, count, logps, entropies)
+        m = len(micro_batches)
+        done = self.runner.get([v for j in sorted(losses) for v in losses[j]] + [totals[j] for j in range(m)]
+                               + firsts)   # errors surface here
+        heads = [done[4 * j:4 * j + 4] for j in range(m)]     # (loss, count, logps, entropies)
+        aux = [None if t is None else load_balancing_value(t, self.cfg.moe.num_experts) for t in done[4 * m:5 * m]]
         loss_sum = 0.0
         for loss, _, _, _ in heads:
             loss_sum += loss
-        return loss_sum, sum(int(h[1]) for h in heads), [h[2] for h in heads], [h[3] for h in heads]
+        return loss_sum, sum(int(h[1]) for h in heads), [h[2] for h in heads], [h[3] for h in heads], aux
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
-        loss_sum, count, _, _ = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale], [None])
+        # the router's aux loss at the coefficient's full weight, as one process's forward_backward
+        loss_sum, count, _, _, _ = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale], [None],
+                                             self.router_aux_coef)
         self._sum_shared()
         return loss_sum, count
 
@@ -321,7 +337,11 @@ class PipelineEngine:
         objectives = [mb[4] if len(mb) > 4 and isinstance(mb[4], TokenObjective) else None for mb in micro_batches]
         scales = [np.float32(scale) * np.asarray(mb[4], np.float32) if len(mb) > 4 and o is None else scale
                   for mb, o in zip(micro_batches, objectives)]
-        loss_sum, _, self.step_logps, self.step_entropies = self._run(micro_batches, scales, objectives)
+        # the router's aux loss: each micro-batch's share of the step's, as the token loss's (f16: loss-scaled)
+        aux_weight = self.router_aux_coef / len(micro_batches) * (scaler.scale if scaler is not None else 1.0)
+        loss_sum, _, self.step_logps, self.step_entropies, aux = self._run(micro_batches, scales, objectives,
+                                                                          aux_weight)
+        self.last_aux_loss = float(np.mean(aux)) if aux_weight else None
         self._all("stage_unscale")
         self._sum_shared()
         if reduce is not None:

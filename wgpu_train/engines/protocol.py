@@ -1,6 +1,7 @@
 """The one protocol between an engine (the NumPy reference engine, engines/numpy/engine.py; the WebGPU engine,
 webgpu/engine.py) and what drives it (model.py, generate.py, training/): everything
-those may read or call on an engine, and nothing else (tests/test_engine_protocol.py holds them to it)."""
+those may read or call on an engine, and nothing else (tests/test_engine_protocol.py holds them to it).
+(Over 450 lines on purpose: the one protocol, every method's contract in one place.)"""
 
 from __future__ import annotations
 
@@ -262,16 +263,23 @@ class PipelineStage(Protocol):
         """A stage before the last: its output (N, C), packed, from ids (B, T) (the first stage) or the previous
         stage's packed output."""
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
+    def stage_balance(self, micro, previous=None):
+        """After a training forward with the router's aux loss on: its layers' load-balancing statistics (2E + 1,)
+        float64 (assignments, probability sums per expert, real tokens; zeros without a sparse layer) + previous."""
+
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None,
+                   balance=None, aux_weight=0.0):
         """The last stage: its forward, the loss, and its backward with grad_scale per token (one number or (B, T),
         as forward_backward's; a training step's times f16's loss scale), with a TokenObjective times the weights
         its head computes; (summed loss, trained tokens, the packed gradient of its input (None on a first stage or
-        without a trained token), the (B, T) float32 log-probabilities and entropies (objective only, else None))."""
+        without a trained token), the (B, T) float32 log-probabilities and entropies (objective only, else None),
+        the whole forward's stage_balance (None without aux_weight: the router aux loss's weight, its own
+        statistics added to the earlier stages' `balance`))."""
 
-    def stage_backward(self, micro, d_outputs):
+    def stage_backward(self, micro, d_outputs, balance=None, aux_weight=0.0):
         """The packed gradient of its input (None on the first stage, which accumulates the embedding's, if
         trained) from that of its output (None: no trained token, nothing to add; the forward's activations are
-        dropped either way)."""
+        dropped either way); its routers' aux loss from stage_loss's `balance` at aux_weight."""
 
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows

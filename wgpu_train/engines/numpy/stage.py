@@ -1,6 +1,7 @@
 """One pipeline stage on the NumPy engine: the layers of a range (with the embedding on the first stage, the final
 norm, head and loss on the last), its forward from the boundary's activations and its backward from the boundary's
-gradient, its own LoRA gradients and AdamW update with the global norm of every stage's."""
+gradient, its layers' share of the router's load-balancing statistics, its own LoRA gradients and AdamW update with the
+global norm of every stage's."""
 from __future__ import annotations
 
 import numpy as np
@@ -88,18 +89,33 @@ class NumpyStage(NumpyEngine):
         self.training = micro is not None
         if self.training:
             self.dropout_calls += 1
+        # a training forward counts its layers' routing where the router's aux loss is on (its weight comes with
+        # the backward)
+        self.mode.router_loss_weight = self.steps.router_aux_loss_coef
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         if self.training:
             self._kept[micro] = cache
-        self.training = False
+        self.training, self.mode.router_loss_weight = False, 0.0
         return self._send(x)
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
+    def stage_balance(self, micro, previous=None):
+        """See PipelineStage.stage_balance."""
+        own = self._kept[micro]["walk"].router_loss.stats()
+        return own if previous is None else np.asarray(previous, np.float64) + own
+
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None,
+                   balance=None, aux_weight=0.0):
         """See PipelineStage.stage_loss."""
         self.training = True
         self.dropout_calls += 1
+        self.mode.router_loss_weight = aux_weight
         self.steps.count_head()
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
+        total = None
+        if aux_weight:      # the whole forward's statistics: the earlier stages' and this one's
+            router_loss = cache["walk"].router_loss
+            total = router_loss.stats() if balance is None else np.asarray(balance, np.float64) + router_loss.stats()
+            router_loss.use_stats(total, aux_weight)
         flat = self._head_forward(x, cache) / np.float32(self.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
         scale, logps, entropies = objective_scale(flat, targets, lse, grad_scale, objective)
@@ -108,14 +124,16 @@ class NumpyStage(NumpyEngine):
             t = np.float32(self.loss_temperature)
             dlogits = ops.cross_entropy_backward(flat, targets.reshape(-1), lse, scale / t, self.cfg.logit_softcap / t)
             dx = self._stage_backward(self._head_backward(dlogits, cache), cache)
-        self.training = False
-        return loss_sum, count, dx, logps, entropies
+        self.training, self.mode.router_loss_weight = False, 0.0
+        return loss_sum, count, dx, logps, entropies, total
 
-    def stage_backward(self, micro, d_outputs):
+    def stage_backward(self, micro, d_outputs, balance=None, aux_weight=0.0):
         """See PipelineStage.stage_backward."""
         cache = self._kept.pop(micro)
         if d_outputs is None:
             return None
+        if balance is not None:
+            cache["walk"].router_loss.use_stats(balance, aux_weight)
         return self._stage_backward(unpack_boundary(d_outputs).astype(self.dtype, copy=False), cache)
 
     def _stage_backward(self, dx, cache):

@@ -249,11 +249,31 @@ class RouterLoss:
     @property
     def value(self) -> float:
         """transformers' load_balancing_loss_func over the layers added (0 before any real token)."""
-        return load_balancing_loss(self.counts, self.prob_sums, self.rows, self.num_experts) if self.rows else 0.0
+        return load_balancing_value(self.stats(), self.num_experts)
 
     def dprobs(self, mask):
         """The gradient (N, E) of weight * value on one layer's probabilities."""
         return load_balancing_dprobs(self.counts, max(self.rows, 1.0), self.num_experts, mask, self.weight)
+
+    def stats(self) -> np.ndarray:
+        """(2E + 1,) float64: [assignments per expert, probability sums per expert, real tokens] of the layers
+        added (the WebGPU kernels' layout): a pipeline stage's share, which the stages' sums are made of."""
+        return np.concatenate([self.counts, self.prob_sums, [self.rows]])
+
+    def use_stats(self, stats, weight: float):
+        """Take `stats` (2E + 1,) (every pipeline stage's shares summed: the whole forward's) and `weight` for the
+        backward, so that dprobs is one process's."""
+        e = self.num_experts
+        stats = np.asarray(stats, np.float64)
+        self.counts, self.prob_sums, self.rows, self.weight = stats[:e], stats[e:2 * e], float(stats[2 * e]), weight
+
+
+def load_balancing_value(stats, num_experts: int) -> float:
+    """RouterLoss.value from its stats (2E + 1,) (a forward's over every pipeline stage): 0 before any real token."""
+    stats = np.asarray(stats, np.float64)
+    rows = float(stats[2 * num_experts])
+    return load_balancing_loss(stats[:num_experts], stats[num_experts:2 * num_experts], rows,
+                               num_experts) if rows else 0.0
 
 
 def check_router_aux_loss(cfg: ModelConfig, coef: float) -> float:

@@ -1,7 +1,7 @@
 """One pipeline stage on the WebGPU engine: the layers of a range on one device (the embedding on the first stage,
 the final norm, head and loss on the last), its forward from the boundary's activations and its backward from the
-boundary's gradient, each micro-batch in flight in buckets of its own, and its AdamW update clipped by the global
-norm of every stage's gradients."""
+boundary's gradient, each micro-batch in flight in buckets of its own, its layers' share of the router's
+load-balancing statistics, and its AdamW update clipped by the global norm of every stage's gradients."""
 from __future__ import annotations
 
 import itertools
@@ -33,6 +33,8 @@ class WgpuStage(WgpuEngine):
         self._caches: dict = {}      # generation's KV caches by the driver's key
         self._reference = None       # --ref-adapter's modules of its layers: (path -> GpuLora, packed buffers)
         self._reference_on = False   # whether forwards run the reference's modules (stage_use_reference)
+        self._balance: dict = {}     # micro-batch -> its forward's load-balancing statistics (2E + 1,) float64
+        self._prior = None           # the last stage's buffer of the earlier stages' statistics (stage_loss)
 
     # ---- a bucket cache per micro-batch in flight ------------------------------------------------------------
     def _take_slot(self) -> int:
@@ -77,21 +79,42 @@ class WgpuStage(WgpuEngine):
         cache.upload_batch(acts, np.asarray(inputs), segment_ids, position_ids)
         if training:
             self.dropout.write(slot, self.layers.lora)
-        self._submit(self.layers.record_forward, acts, training)
+        # a training forward counts its layers' routing where the router's aux loss is on (its weight comes with
+        # the backward)
+        counted = training and self.steps.router_aux_loss_coef > 0
+        self._submit(self.layers.record_forward, acts, training, self.steps.router_aux_loss_coef if counted else 0.0)
         if training:
             self._kept[micro] = (slot, acts)
+        if counted:
+            self._balance[micro] = self._read_balance(acts)
         return self._read_boundary(cache, acts.x_final, acts.n)
 
-    def _submit(self, record, acts, training: bool):
+    def _submit(self, record, acts, training: bool, aux_weight: float = 0.0):
         """One submission of the layers' `record` (record_forward or record_backward) over acts, LoRA dropout on
-        while training."""
+        while training, the router's aux loss at aux_weight (0: off)."""
         rec = self.rt.recorder()
-        self.layers.training = training
+        self.layers.training, self.layers.router_aux_weight = training, aux_weight
         try:
             record(rec, acts)
         finally:
-            self.layers.training = False
+            self.layers.training, self.layers.router_aux_weight = False, 0.0
         submit(self.rt, self.counters, rec)
+
+    def _read_balance(self, acts) -> np.ndarray:
+        """The load-balancing statistics (2E + 1,) float64 of the forward just run over acts (zeros where the
+        stage has no sparse layer)."""
+        size = 2 * self.cfg.moe.num_experts + 1
+        if acts.moe is None:
+            return np.zeros(size)
+        before = dict(self.rt.counters)
+        stats = self.rt.read(acts.moe.balance, np.float32, (size,))
+        count_submissions(self.rt, self.counters, before)
+        return stats.astype(np.float64)
+
+    def stage_balance(self, micro, previous=None):
+        """See PipelineStage.stage_balance."""
+        own = self._balance.pop(micro)
+        return own if previous is None else np.asarray(previous, np.float64) + own
 
     def _read_boundary(self, cache: BucketCache, buf, n: int) -> np.ndarray:
         """The first n rows of an activation buffer (an output, or an input's gradient) read back and packed."""
@@ -100,28 +123,45 @@ class WgpuStage(WgpuEngine):
         count_submissions(self.rt, self.counters, before)
         return self._send(values)
 
-    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None):
+    def stage_loss(self, micro, inputs, targets, segment_ids, position_ids, grad_scale, objective=None,
+                   balance=None, aux_weight=0.0):
         """See PipelineStage.stage_loss. The last stage's ops each finish their micro-batch, so it keeps none and
-        runs in the engine's own buckets and dropout slot, as one process's forward_backward."""
+        runs in the engine's own buckets and dropout slot, as one process's forward_backward. The earlier stages'
+        load-balancing statistics are written to a buffer of their own and added to its forward's on the device,
+        before its backward."""
+        prior = None
+        if aux_weight and balance is not None:
+            if self._prior is None:
+                self._prior = self.rt.buffer(4 * len(balance), "moe.prior_balance")
+            self.rt.write(self._prior, np.asarray(balance, np.float32))
+            prior = self._prior
         rec, acts, before = self.steps.record_forward_backward(np.asarray(inputs), targets, segment_ids,
-                                                               position_ids, grad_scale, objective)
+                                                               position_ids, grad_scale, objective,
+                                                               aux_weight=aux_weight, prior=prior)
         logps = entropies = None
         if objective is None:
             loss_sum, count = self.steps.submit_loss(rec, acts, before)
         else:
             loss_sum, count, logps, entropies = self.steps.submit_loss_rows(rec, acts, before, targets)
         dx = None if self.first or not count else self._read_boundary(self.buckets, acts.d_res, acts.n)
-        return loss_sum, count, dx, logps, entropies
+        total = None
+        if aux_weight:      # the whole forward's statistics (the earlier stages' where this stage routes none)
+            total = self._read_balance(acts) if acts.moe is not None or balance is None else \
+                np.asarray(balance, np.float64)
+        return loss_sum, count, dx, logps, entropies, total
 
-    def stage_backward(self, micro, d_outputs):
-        """See PipelineStage.stage_backward."""
+    def stage_backward(self, micro, d_outputs, balance=None, aux_weight=0.0):
+        """See PipelineStage.stage_backward: the whole forward's load-balancing statistics written where its
+        routers' backward reads them."""
         slot, acts = self._kept.pop(micro)
         if d_outputs is None:
             return None
         cache = self._bucket_cache(slot)
         cache.write_activations(acts.d_res, unpack_boundary(d_outputs))        # the output's gradient
+        if balance is not None and acts.moe is not None:
+            self.rt.write(acts.moe.balance, np.asarray(balance, np.float32))
         self.dropout.micro = slot
-        self._submit(self.layers.record_backward, acts, True)
+        self._submit(self.layers.record_backward, acts, True, aux_weight if balance is not None else 0.0)
         return None if self.first else self._read_boundary(cache, acts.d_res, acts.n)
 
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):

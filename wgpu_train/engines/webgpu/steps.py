@@ -185,10 +185,14 @@ class StepRunner:
         weight per token (B, T); returns (loss_sum, count), the loss unweighted."""
         return self.submit_loss(*self.record_forward_backward(ids, targets, segment_ids, position_ids, grad_scale))
 
-    def record_forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None) -> tuple:
+    def record_forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale, objective=None,
+                                aux_weight=None, prior=None) -> tuple:
         """forward_backward's micro-batch uploaded and recorded, not submitted: (recorder, bucket, counters
         before); ids (B, T), or a stage's input (BucketCache.upload_batch). With a TokenObjective, grad_scale (one
-        number) times the weights the loss head computes from its own rows, and the entropies written too."""
+        number) times the weights the loss head computes from its own rows, and the entropies written too. The
+        router's aux loss at aux_weight (None: the coefficient's full weight); prior (a pipeline's last stage): a
+        buffer of the earlier stages' load-balancing statistics (2E + 1) f32, added to this forward's before the
+        backward (None: none)."""
         b, t = segment_ids.shape
         acts = self.buckets.activations(b, t, train=True)
         per_token = objective is None and np.ndim(grad_scale) > 0
@@ -199,10 +203,13 @@ class StepRunner:
         self.dropout.write(0, self.layers.lora)
         before = dict(self.rt.counters)
         rec = self.rt.recorder()
-        # the router's aux loss at the coefficient's full weight (transformers' loss: the mean token loss plus coef
-        # times the aux loss), as the NumPy engine's forward_backward
-        self.layers.training, self.layers.router_aux_weight = True, self.router_aux_loss_coef
+        # the router's aux loss by default at the coefficient's full weight (transformers' loss: the mean token loss
+        # plus coef times the aux loss), as the NumPy engine's forward_backward
+        self.layers.training = True
+        self.layers.router_aux_weight = self.router_aux_loss_coef if aux_weight is None else aux_weight
         self.layers.record_forward(rec, acts)
+        if prior is not None and acts.moe is not None:
+            K.add_inplace(rec, acts.moe.balance, prior, 2 * self.cfg.moe.num_experts + 1)
         self.layers.record_backward(rec, acts)
         self.layers.training, self.layers.router_aux_weight = False, 0.0
         return rec, acts, before
