@@ -1,8 +1,9 @@
-"""VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3, Qwen3-VL), the language model's
-`Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and LoRA
-gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take the
-images' embeddings (Qwen3-VL's with their M-RoPE positions and DeepStack features). The tower runs on the CPU
-(NumPy); the language model on either engine (both have set_images; Qwen3-VL's on the NumPy engine only)."""
+"""VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3, Qwen3-VL, Qwen3.5), the language
+model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and
+LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
+the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's DeepStack features). The
+tower runs on the CPU (NumPy); the language model on either engine (both have set_images; the Qwen towers' on the
+NumPy engine only)."""
 from __future__ import annotations
 
 import json
@@ -40,14 +41,18 @@ class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
-    QwenImageSettings: each image its merged patches). Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
-    engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine refuses it
-    (webgpu/support.unsupported_reason), taking neither its M-RoPE positions nor its DeepStack additions yet."""
+    QwenImageSettings: each image its merged patches). Qwen3-VL and Qwen3.5 (a models/qwen3_vl.Qwen3VLVision, its
+    tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower) run on the NumPy engine only: the WebGPU engine refuses
+    Qwen3-VL (webgpu/support.unsupported_reason), and Qwen3.5's images here (its text alone runs there), taking
+    neither M-RoPE positions nor DeepStack additions yet."""
 
     def __init__(self, model: Model, tower, vision, settings):
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
+        if self.qwen and vision.name == "Qwen3.5" and model.backend != "numpy":
+            raise ConfigError(f"Qwen3.5's images do not run on the {model.backend} engine yet (their M-RoPE "
+                              f"positions): use --backend numpy")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
 
     def pixel_values(self, images, where: str = "record"):
@@ -72,7 +77,8 @@ class VisionModel:
         """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
         left to the language model's adapter), each module's output scaled by `scale` (alpha / r)."""
         if self.qwen:
-            raise ConfigError("LoRA on Qwen3-VL's vision tower is not supported yet (the language model's only)")
+            raise ConfigError(f"LoRA on {self.vision.name}'s vision tower is not supported yet (the language model's "
+                              f"only)")
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)
@@ -334,9 +340,10 @@ class VisionModel:
 
 
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
-    """A Gemma3ForConditionalGeneration, SmolVLMForConditionalGeneration or Idefics3ForConditionalGeneration
-    folder with its vision tower and projector (float32); `kw` as load_model's. The processor's
-    preprocessor_config.json gives the image preprocessing where the folder has it."""
+    """A Gemma3ForConditionalGeneration, SmolVLMForConditionalGeneration, Idefics3ForConditionalGeneration,
+    Qwen3VLForConditionalGeneration or Qwen3.5's (dense or MoE) folder with its vision tower and projector
+    (float32); `kw` as load_model's. The processor's preprocessor_config.json gives the image preprocessing where
+    the folder has it."""
     return attach_vision(load_model(path, backend=backend, **kw), path)
 
 

@@ -1,6 +1,8 @@
-"""Qwen3-VL's vision part as data (Qwen3VLForConditionalGeneration): the tower's config (vision_config, the image
-token ids, the text model's M-RoPE sections), its tensors' names and shapes, and the 3-D M-RoPE positions of a
-token stream with images (transformers' get_rope_index) as each rotated pair's position."""
+"""The Qwen-style vision part as data: Qwen3-VL's (Qwen3VLForConditionalGeneration) and Qwen3.5's
+(Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: the same tower without DeepStack): the tower's
+config (vision_config, the image token ids, the text model's M-RoPE sections over its rotated pairs), its tensors'
+names and shapes, and the 3-D M-RoPE positions of a token stream with images (transformers' get_rope_index) as each
+rotated pair's position."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +12,7 @@ import numpy as np
 from wgpu_train.errors import ConfigError, ModelFileError
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN3_5 = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")   # the tower without DeepStack
 VISUAL = "visual."          # our names: the file's model.visual. (transformers 5) or visual. (older files)
 _PREFIXES = ("model.visual.", "visual.")
 _DEFAULTS = {"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
@@ -17,12 +20,16 @@ _DEFAULTS = {"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh"
              "out_hidden_size": 3584, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
 _TOKENS = {"image_token_id": 151_655, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653,
            "video_token_id": 151_656}
+_QWEN3_5_TOKENS = {"image_token_id": 248_056, "vision_start_token_id": 248_053, "vision_end_token_id": 248_054,
+                   "video_token_id": 248_057}
+# the text model's defaults where its config.json leaves them out: (head_dim, partial_rotary_factor, mrope_section)
+_TEXT_DEFAULTS = {"Qwen3-VL": (None, 1.0, (24, 20, 20)), "Qwen3.5": (256, 0.25, (11, 11, 10))}
 LAYER_NORM_EPS = 1e-6       # the blocks' and the mergers' LayerNorms (fixed in transformers' modelling)
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3VLVision:
-    """Qwen3-VL's vision tower: depth blocks of hidden / intermediate / heads, the Conv3d patch embedding
+    """A Qwen-style vision tower (Qwen3-VL's, or Qwen3.5's: `name`, no DeepStack): depth blocks of hidden / intermediate / heads, the Conv3d patch embedding
     (in_channels x temporal_patch_size x patch_size^2), a learned square position grid of num_position_embeddings
     bilinearly resampled to each image, the 2-D vision rotary (theta), the patch merger of spatial_merge_size^2
     patches to the text model's hidden size and a DeepStack merger per deepstack index; the image token ids; the
@@ -47,18 +54,24 @@ class Qwen3VLVision:
     text_head_dim: int
     theta: float = 10000.0
     video_token_id: int = -1        # refused where it occurs: videos are not supported
+    name: str = "Qwen3-VL"          # or "Qwen3.5", in messages
     # what VisionModel reads of every vision config: no pixel shuffle, an image's tokens plainly causal
     scale_factor = 0
     bidirectional = False
 
     @classmethod
     def from_config(cls, raw: dict, source: str = "config.json") -> Qwen3VLVision:
-        """From a Qwen3VLForConditionalGeneration's config.json (raw dict); what the tower here does not implement
-        (Qwen3-VL-MoE's experts, another activation or rotary) refused in one line naming the field."""
+        """From a Qwen3VLForConditionalGeneration's or a Qwen3.5's (dense or MoE) config.json (raw dict); what the
+        tower here does not implement (Qwen3-VL-MoE's experts, another activation or rotary) refused in one line
+        naming the field."""
         if raw.get("model_type") == "qwen3_vl_moe" or (raw.get("text_config") or {}).get("model_type") == \
                 "qwen3_vl_moe_text":
             raise ConfigError(f"{source}: not supported: model_type qwen3_vl_moe (Qwen3-VL-MoE's experts)")
+        arch = (raw.get("architectures") or [raw.get("model_type", "")])[0]
+        name = "Qwen3.5" if arch in (*QWEN3_5, "qwen3_5", "qwen3_5_moe") else "Qwen3-VL"
         v = {**_DEFAULTS, **(raw.get("vision_config") or {})}
+        if name == "Qwen3.5":       # Qwen3_5VisionModel has no DeepStack mergers, whatever the field says
+            v["deepstack_visual_indexes"] = []
         if v["hidden_act"] != "gelu_pytorch_tanh":
             raise ConfigError(f"{source}: not supported: vision_config.hidden_act {v['hidden_act']!r} "
                               f"(gelu_pytorch_tanh only)")
@@ -76,12 +89,16 @@ class Qwen3VLVision:
             raise ConfigError(f"{source}: vision_config.num_position_embeddings {v['num_position_embeddings']} is "
                               f"not a square grid")
         text = raw.get("text_config") or {}
-        head_dim = int(text.get("head_dim") or text.get("hidden_size", 4096) // text.get("num_attention_heads", 32))
+        dim, factor, section = _TEXT_DEFAULTS[name]
+        head_dim = int(text.get("head_dim") or dim or text.get("hidden_size", 4096) //
+                       text.get("num_attention_heads", 32))
         params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        section = tuple(int(s) for s in params.get("mrope_section", (24, 20, 20)))
-        if len(section) != 3 or sum(section) != head_dim // 2:
+        pairs = int(head_dim * float(params.get("partial_rotary_factor", text.get("partial_rotary_factor",
+                                                                                    factor)))) // 2
+        section = tuple(int(s) for s in params.get("mrope_section", section))
+        if len(section) != 3 or sum(section) != pairs:
             raise ConfigError(f"{source}: text_config's mrope_section {list(section)} must be three numbers adding "
-                              f"up to head_dim / 2 ({head_dim // 2})")
+                              f"up to the rotated pairs of a head ({pairs})")
         if params.get("mrope_interleaved") is False:
             raise ConfigError(f"{source}: not supported: text_config's mrope_interleaved false (Qwen2-VL's "
                               f"sectioned M-RoPE)")
@@ -92,13 +109,13 @@ class Qwen3VLVision:
         if any(not 0 <= i < v["depth"] for i in indexes) or len(indexes) > int(text.get("num_hidden_layers", 32)):
             raise ConfigError(f"{source}: vision_config.deepstack_visual_indexes {list(indexes)} must name blocks "
                               f"of the tower, at most one per text layer")
-        tokens = {k: int(raw.get(k, d)) for k, d in _TOKENS.items()}
+        tokens = {k: int(raw.get(k, d)) for k, d in (_QWEN3_5_TOKENS if name == "Qwen3.5" else _TOKENS).items()}
         return cls(int(v["depth"]), int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_heads"]),
                    int(v["in_channels"]), int(v["patch_size"]), int(v["temporal_patch_size"]),
                    int(v["spatial_merge_size"]), int(v["out_hidden_size"]), int(v["num_position_embeddings"]),
                    indexes, tokens["image_token_id"], tokens["vision_start_token_id"],
                    tokens["vision_end_token_id"], section, head_dim, float(rope.get("rope_theta", 10000.0)),
-                   tokens["video_token_id"])
+                   tokens["video_token_id"], name)
 
     @property
     def head_dim(self) -> int:
