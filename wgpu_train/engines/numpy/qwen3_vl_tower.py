@@ -1,6 +1,7 @@
-"""Qwen3-VL's vision tower on the NumPy engine (frozen, forward only): the Conv3d patch embedding as a GEMM, the
-learned position grid bilinearly resampled to each image, blocks with the 2-D vision rotary and full attention
-within each image, the patch merger and the DeepStack mergers (transformers' Qwen3VLVisionModel)."""
+"""Qwen3-VL's and Qwen3.5's vision tower on the NumPy engine (frozen, forward only): the Conv3d patch embedding as a
+GEMM, the learned position grid bilinearly resampled to each image, blocks with the 2-D vision rotary and full
+attention within each image, the patch merger and Qwen3-VL's DeepStack mergers (transformers' Qwen3VLVisionModel;
+Qwen3_5VisionModel is the same without them)."""
 from __future__ import annotations
 
 import math
@@ -53,7 +54,8 @@ def _taps(index, size: int, side: int) -> tuple:
 class Qwen3VLTower:
     """The tower over its weights ({our name (models/qwen3_vl.tensor_shapes): array}) in `dtype`. __call__:
     pixel_values (P, patch dim) and image_grid_thw (N, 3) -> (the image tokens' embeddings (P / 4, text C),
-    the DeepStack features [(P / 4, text C)] in the order of the blocks they come from). Its encoder takes no LoRA."""
+    the DeepStack features [(P / 4, text C)] in the order of the blocks they come from; Qwen3.5's: none). Its encoder
+    takes no LoRA."""
 
     lora: dict = {}
 
