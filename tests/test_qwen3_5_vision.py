@@ -145,6 +145,25 @@ def test_greedy_generation_with_images_matches_transformers(vlm):
     assert vm.generate(ids, imgs, max_new_tokens=8) == want
 
 
+def test_packed_rows_restart_positions_and_state_per_segment(vlm):
+    """Two sequences with images packed in one row (segment ids 1 and 2): each segment's M-RoPE positions count from
+    0 and its linear-attention state starts from zero, so its logits equal the sequence's alone."""
+    _, _, vm = vlm
+    imgs = images(2, seed=11)
+    first, second = [7, *span(vm, imgs[0]), 8, 9], [10, *span(vm, imgs[1]), 11]
+    ids = np.array([first + second])
+    seg = np.array([[1] * len(first) + [2] * len(second)], np.int32)
+    pos = np.array([list(range(len(first))) + list(range(len(second)))], np.int32)
+    engine = vm.model.engine
+    engine.set_images(vm.image_tokens(ids, imgs, segments=seg))
+    try:
+        packed = engine.logits(vm._text_ids(ids).astype(np.int32), seg, pos)
+    finally:
+        engine.set_images(None)
+    alone = np.concatenate([vm.logits(np.array([first]), imgs[:1]), vm.logits(np.array([second]), imgs[1:])], axis=1)
+    assert_close(packed, alone, "logits_f32", "packed segments")
+
+
 def test_moe_logits_and_generation_with_images(tmp_path):
     """Qwen3_5MoeForConditionalGeneration: the same tower and positions, each layer's routed and shared experts:
     logits with an image within 1e-4 of transformers', and its greedy tokens."""
