@@ -1,0 +1,87 @@
+"""gpt-oss's MXFP4 experts kept packed (blocks and scales, formats/mxfp4.py) while frozen: on the NumPy engine bit for
+bit the model of their dequantised twin (logits, LoRA loss and gradients through the frozen experts, a step,
+greedy generation); full fine-tuning and base dtype float32 dequantise them; the memory estimate counts them at
+their size. The WebGPU engine's MXFP4 grouped GEMMs against the NumPy engine are in test_gpt_oss_wgpu.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train as wt
+from test_gpt_oss import batch, build_gpt_oss, write_mxfp4_pair
+from wgpu_train.formats.mxfp4 import Mxfp4
+from wgpu_train.engines.shared.quant import StorageDtype
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+LORA = wt.LoraConfig(r=3, alpha=7, target_modules=["q_proj", "router"], target_parameters=EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(twin, mxfp4) folders of a tiny gpt-oss whose config.json says bfloat16, as the hub's does."""
+    hf = build_gpt_oss(seed=4, hidden_size=32, intermediate_size=32)
+    twin, packed, _, _ = write_mxfp4_pair(tmp_path_factory.mktemp("mxfp4"), hf, dtype="bfloat16")
+    return twin, packed
+
+
+def _with_lora(folder, **kw):
+    """The model with LoRA on q_proj, the router and the experts, B random (seed 1), so every gradient flows."""
+    model = wt.load_model(folder, backend="numpy", **kw)
+    model.add_lora(LORA, seed=5)
+    rng = np.random.default_rng(1)
+    modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
+               for p, (a, b) in model.engine.lora_tensors().items()}
+    model._set_lora(LORA, modules, seed=5)
+    return model
+
+
+def test_auto_keeps_the_experts_packed_and_equals_the_twin_bit_for_bit(pair):
+    """base_dtype auto (the checkpoint's bfloat16) keeps every expert tensor as its blocks and scales; the logits,
+    the LoRA loss and gradients (the experts' own, and the attention's and router's through the frozen experts'
+    input gradients), one optimizer step and greedy generation equal the dequantised twin's stored in bfloat16
+    exactly (an MXFP4 value is exact in bfloat16)."""
+    twin, packed = pair
+    mine, ref = _with_lora(packed, base_dtype="auto"), _with_lora(twin, base_dtype="bfloat16")
+    assert mine.engine.base_dtype is StorageDtype.BFLOAT16
+    kept = [k for k, v in mine.engine.w.items() if isinstance(v, Mxfp4)]
+    assert len(kept) == 2 * mine.config.num_hidden_layers and all(".experts." in k for k in kept)
+    assert not any(isinstance(v, Mxfp4) for v in ref.engine.w.values())
+    ids, labels, mask = batch()
+    assert np.array_equal(mine.logits(ids, mask), ref.logits(ids, mask))
+    loss_m, grads_m = mine.loss_and_grads(ids, labels, mask)
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    assert loss_m == loss_r and grads_m.keys() == grads_r.keys()
+    assert any("experts.base_layer.lora_A" in k for k in grads_m) and any("q_proj.lora_A" in k for k in grads_m)
+    for k in grads_r:
+        assert np.array_equal(grads_m[k], grads_r[k]), k
+    prompt = [5, 17, 3, 40, 22]
+    assert mine.generate(prompt, max_new_tokens=6) == ref.generate(prompt, max_new_tokens=6)
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert np.array_equal(np.asarray(mine.engine.weights()[name]), ref.engine.weights()[name])
+
+
+def test_float32_and_full_finetuning_dequantise_them(pair):
+    """base_dtype float32 (and full fine-tuning, which trains the experts) reads them dequantised, as before."""
+    _, packed = pair
+    model = wt.load_model(packed, backend="numpy", base_dtype="float32")
+    assert not any(isinstance(v, Mxfp4) for v in model.engine.w.values())
+    model.set_full_finetune()
+    ids, labels, mask = batch()
+    _, grads = model.loss_and_grads(ids, labels, mask)
+    assert grads["model.layers.0.mlp.experts.gate_up_proj"].shape == (5, 64, 32)
+
+
+def test_memory_counts_the_experts_at_their_size(pair):
+    """wgpu-train memory's base weights: each packed expert tensor at its bytes (a byte per 2 weights, a scale per
+    32), where the twin's are bfloat16 (2 bytes a weight); float32 (full fine-tuning) dequantises them."""
+    from wgpu_train.engines.resources import base_weight_bytes
+
+    twin, packed = pair
+    cfg, twin_cfg = wt.ModelConfig.from_folder(packed), wt.ModelConfig.from_folder(twin)
+    assert cfg.packed_experts == "mxfp4" and twin_cfg.packed_experts == ""
+    weights = cfg.num_hidden_layers * 5 * (64 * 32 + 32 * 32)       # gate_up (5, 64, 32), down (5, 32, 32)
+    mine, theirs = (base_weight_bytes(c, "bfloat16", "bfloat16")["linear"] for c in (cfg, twin_cfg))
+    assert theirs - mine == 2 * weights - (weights // 2 + weights // 32)
+    assert base_weight_bytes(cfg, "float32")["total"] == base_weight_bytes(twin_cfg, "float32")["total"]
