@@ -85,3 +85,35 @@ def test_memory_counts_the_experts_at_their_size(pair):
     mine, theirs = (base_weight_bytes(c, "bfloat16", "bfloat16")["linear"] for c in (cfg, twin_cfg))
     assert theirs - mine == 2 * weights - (weights // 2 + weights // 32)
     assert base_weight_bytes(cfg, "float32")["total"] == base_weight_bytes(twin_cfg, "float32")["total"]
+
+
+def test_a_lora_run_says_the_experts_stay_mxfp4_and_merge_writes_them_dequantised(tmp_path, capsys):
+    """finetune (LoRA, base dtype auto) on the MXFP4 checkpoint says in its first lines that the experts stay MXFP4
+    and trains; full fine-tuning says they are dequantised; merge writes the experts dequantised in transformers'
+    layout without the quantization_config, and the merged model gives the adapted model's logits."""
+    import json
+
+    from finetune_helpers import build_tokenizer, make_data_dir
+    from tolerances import assert_close
+    from wgpu_train.cli.main import main
+
+    vocab = build_tokenizer(tmp_path / "tok")
+    hf = build_gpt_oss(seed=4, hidden_size=32, intermediate_size=32, vocab_size=vocab, num_hidden_layers=2)
+    _, packed = write_mxfp4_pair(tmp_path, hf, dtype="bfloat16")[:2]
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (packed / f).write_bytes((tmp_path / "tok" / f).read_bytes())
+    data = make_data_dir(tmp_path / "data")
+    common = ["--model", str(packed), "--data", str(data), "--backend", "numpy", "--max-steps", "2", "--no-progress"]
+    assert main(["finetune", *common, "--out", str(tmp_path / "lora"), "--lora-targets", "all-linear"]) == 0
+    assert "the experts MXFP4 as the checkpoint stores them" in capsys.readouterr().err
+    assert main(["finetune", *common, "--out", str(tmp_path / "full"), "--method", "full"]) == 0
+    assert "the experts dequantised from MXFP4" in capsys.readouterr().err
+    assert main(["merge", "--adapter-path", str(tmp_path / "lora"), "--out", str(tmp_path / "merged"), "--dtype", "float32"]) == 0
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in merged
+    ids, _, mask = batch()
+    ids = ids % vocab
+    adapted = wt.load_model(packed, backend="numpy", base_dtype="float32")
+    adapted.load_adapter(tmp_path / "lora")
+    assert_close(wt.load_model(tmp_path / "merged", backend="numpy").logits(ids, mask), adapted.logits(ids, mask),
+                 "merged_logits", "mxfp4")

@@ -262,7 +262,7 @@ def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: S
     if ndim == 2 and is_linear_weight(name):
         return base_dtype
     if ndim == 3 and ".experts." in name:
-        return StorageDtype.MXFP4 if packed == "mxfp4" and StorageDtype(base_dtype).rounds else base_dtype
+        return StorageDtype.MXFP4 if keeps_packed(packed, base_dtype) else base_dtype
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return embed_dtype
     return StorageDtype.FLOAT32
@@ -299,6 +299,12 @@ def check_dtypes(base_dtype: StorageDtype | str, embed_dtype: StorageDtype | str
     return base_dtype, embed_dtype
 
 
+def keeps_packed(packed: str, base_dtype: StorageDtype | str) -> bool:
+    """Whether experts a checkpoint packs (packed: ModelConfig.packed_experts, "mxfp4" or "") stay packed under
+    base_dtype (kept_packed: one that rounds, so frozen)."""
+    return packed == "mxfp4" and StorageDtype(base_dtype).rounds
+
+
 def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | None:
     """Tensor `name` of `weights` as the checkpoint packs it (a formats/mxfp4.Mxfp4: blocks and scales, out of a
     LazyWeights' stored()) where the engines keep it so: under a base_dtype that rounds (frozen, LoRA). An MXFP4
@@ -307,7 +313,7 @@ def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | N
     (full fine-tuning trains the experts) or a tensor stored plainly, read dequantised."""
     stored = getattr(weights, "stored", None)
     raw = stored(name) if stored is not None else None
-    return raw if isinstance(raw, Mxfp4) and StorageDtype(base_dtype).rounds else None
+    return raw if isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype) else None
 
 
 def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto") -> dict:
