@@ -229,9 +229,14 @@ def write_mxfp4_pair(out, hf, seed: int = 7, dtype: str = "float32"):
     """Two folders under out of hf (its hidden and intermediate sizes multiples of 32: the blocks run along them)
     with experts made here from known e2m1 codes and exponents: "mxfp4" (blocks and scales, quantization_config
     mxfp4) and "twin" (the same experts dequantised, transformers' layout), config.json's dtype `dtype` (gpt-oss's
-    hub checkpoints say bfloat16). -> (twin, mxfp4, the twin's state dict)."""
+    hub checkpoints say bfloat16; then the other weights are rounded to bfloat16 values, as such a checkpoint
+    holds them). -> (twin, mxfp4, the twin's state dict, the experts' blocks and scales)."""
+    from wgpu_train.formats.safetensors import bfloat16_bits, bfloat16_values
+
     rng = np.random.default_rng(seed)
     state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    if dtype == "bfloat16":
+        state = {k: bfloat16_values(bfloat16_bits(v)).reshape(v.shape) for k, v in state.items()}
     quantised = {}
     cfg = hf.config
     experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size

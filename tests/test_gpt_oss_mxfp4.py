@@ -62,6 +62,26 @@ def test_auto_keeps_the_experts_packed_and_equals_the_twin_bit_for_bit(pair):
     assert np.array_equal(np.asarray(mine.engine.weights()[name]), ref.engine.weights()[name])
 
 
+def test_logits_equal_transformers_reading_the_mxfp4_checkpoint(pair, monkeypatch):
+    """transformers 5 reads the same MXFP4 folder (on the CPU it dequantises the blocks itself, Mxfp4Config's
+    fallback without Triton); its logits in float32 equal ours with the experts kept packed (the other weights hold
+    bfloat16 values, which base dtype auto's rounding leaves as they are)."""
+    import torch
+    import transformers as tf
+
+    from test_gpt_oss import hf_logits
+    from tolerances import assert_close
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, packed = pair
+    hf = tf.AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32, attn_implementation="eager").eval()
+    mine = wt.load_model(packed, backend="numpy", base_dtype="auto")
+    assert any(isinstance(v, Mxfp4) for v in mine.engine.w.values())
+    ids, _, mask = batch()
+    real = mask.astype(bool)
+    assert_close(mine.logits(ids, mask)[real], hf_logits(hf, ids, mask)[real], "logits_f32", "mxfp4 packed")
+
+
 def test_float32_and_full_finetuning_dequantise_them(pair):
     """base_dtype float32 (and full fine-tuning, which trains the experts) reads them dequantised, as before."""
     _, packed = pair
