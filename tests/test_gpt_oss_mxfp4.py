@@ -93,9 +93,10 @@ def test_float32_and_full_finetuning_dequantise_them(pair):
     assert grads["model.layers.0.mlp.experts.gate_up_proj"].shape == (5, 64, 32)
 
 
-def test_memory_counts_the_experts_at_their_size(pair):
+def test_memory_counts_the_experts_at_their_size(pair, capsys):
     """wgpu-train memory's base weights: each packed expert tensor at its bytes (a byte per 2 weights, a scale per
-    32), where the twin's are bfloat16 (2 bytes a weight); float32 (full fine-tuning) dequantises them."""
+    32), where the twin's are bfloat16 (2 bytes a weight); float32 (full fine-tuning) dequantises them; the
+    command's first line says they stay MXFP4."""
     from wgpu_train.engines.resources import base_weight_bytes
 
     twin, packed = pair
@@ -105,6 +106,11 @@ def test_memory_counts_the_experts_at_their_size(pair):
     mine, theirs = (base_weight_bytes(c, "bfloat16", "bfloat16")["linear"] for c in (cfg, twin_cfg))
     assert theirs - mine == 2 * weights - (weights // 2 + weights // 32)
     assert base_weight_bytes(cfg, "float32")["total"] == base_weight_bytes(twin_cfg, "float32")["total"]
+    from wgpu_train.cli.main import main
+
+    assert main(["memory", "--model", str(packed), "--batch-size", "1", "--max-seq-len", "8"]) == 0
+    assert "base bfloat16 (embedding bfloat16; the experts MXFP4 as the checkpoint stores them)" in \
+        capsys.readouterr().out
 
 
 def test_a_lora_run_says_the_experts_stay_mxfp4_and_merge_writes_them_dequantised(tmp_path, capsys):

@@ -340,12 +340,7 @@ class ModelConfig:
                 return value.removeprefix("torch.")
         return ""
 
-    @property
-    def packed_experts(self) -> str:
-        """How the checkpoint packs its MoE experts: "mxfp4" (gpt-oss's quantization_config: blocks and scales,
-        formats/mxfp4.py), "" for plain tensors."""
-        quant = self.raw.get("quantization_config")
-        return "mxfp4" if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" else ""
+    packed_experts = property(lambda self: self.moe.packed if self.moe else "", doc="MoeConfig.packed, or \"\"")
 
     def inv_freq(self, layer: int = 0, long: bool = False) -> np.ndarray:
         """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64 (rope.inv_freq)."""

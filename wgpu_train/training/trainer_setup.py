@@ -10,7 +10,7 @@ from pathlib import Path
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.layout import describe_layout, describe_targets, lora_options, model_targets
 from wgpu_train.engines.resources import count_trainable, estimate_memory, format_bytes
-from wgpu_train.engines.shared.quant import keeps_packed
+from wgpu_train.engines.shared.quant import describe_packed
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
@@ -177,18 +177,9 @@ def describe_model(model_dir, model_cfg: ModelConfig, engine, lora, n_params: in
                + describe_layout(lora) if lora
                else "full fine-tuning") + f", {n_params:,} trainable parameters"
             + (f" ({in_experts:,} in the experts)" if in_experts is not None else "") + "; base weights "
-            f"{base_dtype} (embedding {embed_dtype}{describe_packed(model_cfg, base_dtype)}), "
+            f"{base_dtype} (embedding {embed_dtype}{describe_packed(model_cfg.packed_experts, base_dtype)}), "
             f"{base_weight_bytes:,} bytes"
             + (" on a GPU (the NumPy engine holds float32 copies)" if engine.name == "numpy" else ""))
-
-
-def describe_packed(model_cfg: ModelConfig, base_dtype) -> str:
-    """What becomes of experts the checkpoint packs (gpt-oss's MXFP4): kept so while frozen, else dequantised."""
-    if not model_cfg.packed_experts:
-        return ""
-    return (f"; the experts {model_cfg.packed_experts.upper()} as the checkpoint stores them"
-            if keeps_packed(model_cfg.packed_experts, base_dtype) else
-            f"; the experts dequantised from {model_cfg.packed_experts.upper()}")
 
 
 def describe_training(cfg: TrainConfig, total_steps: int, steps_per_epoch: int, accum: int, workers: int,

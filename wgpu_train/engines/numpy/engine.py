@@ -27,7 +27,6 @@ from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
 from wgpu_train.engines.shared.moe import RouterLoss, check_router_aux_loss
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes, round_weights
-from wgpu_train.formats.mxfp4 import Mxfp4
 
 
 class LoraModule:
@@ -41,10 +40,9 @@ class LoraModule:
 class NumpyEngine(EngineState):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
-    base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
-    rounded through that storage at load (engines/shared/quant.py) and kept dequantised, so the math equals
-    the GPU engine's, which stores them in that format, up to summation order. A checkpoint's MXFP4 experts
-    under a base_dtype that rounds stay packed (formats/mxfp4.Mxfp4), each expert decoded when used.
+    base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are rounded through that
+    storage at load (engines/shared/quant.py) and kept dequantised (MXFP4 experts packed: quant.kept_packed), so
+    the math equals the GPU engine's, which stores them in that format, up to summation order.
 
     precision (protocol.PRECISIONS): fp32, or bf16 / f16, where activations, saved tensors and activation
     gradients are rounded where the GPU stores them (precision.Rounding); f16 adds dynamic loss scaling
@@ -59,9 +57,7 @@ class NumpyEngine(EngineState):
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
                                                                                    cfg.checkpoint_dtype)
-        # an MXFP4 expert tensor stays packed (shared/quant.kept_packed): its experts decoded as the op uses them
-        self.w = {k: v if isinstance(v, Mxfp4) else v.astype(self.dtype)
-                  for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
+        self.w = round_weights(weights, base_dtype, embed_dtype, self.dtype)
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
         inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         plans = layer_plans(cfg)

@@ -305,6 +305,15 @@ def keeps_packed(packed: str, base_dtype: StorageDtype | str) -> bool:
     return packed == "mxfp4" and StorageDtype(base_dtype).rounds
 
 
+def describe_packed(packed: str, base_dtype: StorageDtype | str) -> str:
+    """What becomes of experts the checkpoint packs (packed: ModelConfig.packed_experts), for a run's first lines
+    after its storage dtypes: kept so while frozen, else dequantised; "" for plain experts."""
+    if not packed:
+        return ""
+    return (f"; the experts {packed.upper()} as the checkpoint stores them" if keeps_packed(packed, base_dtype)
+            else f"; the experts dequantised from {packed.upper()}")
+
+
 def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | None:
     """Tensor `name` of `weights` as the checkpoint packs it (a formats/mxfp4.Mxfp4: blocks and scales, out of a
     LazyWeights' stored()) where the engines keep it so: under a base_dtype that rounds (frozen, LoRA). An MXFP4
@@ -316,9 +325,9 @@ def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | N
     return raw if isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype) else None
 
 
-def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto") -> dict:
-    """The weights a model computes with when stored as base_dtype / embed_dtype (float32 arrays; an MXFP4 tensor
-    kept packed, in memory, where kept_packed says: its experts decoded as they are used)."""
+def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto", dtype=np.float32) -> dict:
+    """The weights a model computes with when stored as base_dtype / embed_dtype (arrays of dtype; an MXFP4 tensor
+    kept packed, in memory, where kept_packed says: its experts decoded, to float32, as they are used)."""
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
     out = {}
     for k in weights:
@@ -327,5 +336,5 @@ def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str =
             out[k] = packed.in_memory()
         else:
             v = weights[k]
-            out[k] = round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k)
+            out[k] = round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k).astype(dtype, copy=False)
     return out
