@@ -322,7 +322,10 @@ def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | N
     (full fine-tuning trains the experts) or a tensor stored plainly, read dequantised."""
     stored = getattr(weights, "stored", None)
     raw = stored(name) if stored is not None else None
-    return raw if isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype) else None
+    if not (isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype)):
+        return None
+    weights.bytes_read += raw.nbytes         # read as stored, not through weights[name]: counted here
+    return raw
 
 
 def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto", dtype=np.float32) -> dict:
