@@ -143,3 +143,19 @@ def test_mxfp4_experts_match_numpy(mxfp4_folder, rt):
     assert np.array_equal(gpu.engine.weights()[name], np.asarray(ref.engine.weights()[name]))
     packed = gpu.engine.w[name].size          # the one buffer the grouped GEMMs bind: blocks, then scales
     assert packed == 4 * 64 * 32 // 2 + 4 * 64 * 32 // 32 == expert_bytes(4 * 64 * 32, StorageDtype.MXFP4)
+
+
+def test_mxfp4_experts_with_bfloat16_activations_match_numpy(mxfp4_folder, rt):
+    """--precision bf16 over packed MXFP4 experts (16-bit x and out views beside the packed W in the grouped GEMMs):
+    logits, loss and LoRA gradients within bfloat16 noise of the NumPy engine's."""
+    ref, gpu = _pair(mxfp4_folder, rt, base_dtype="auto", precision="bf16")
+    assert gpu.engine._stored_as("model.layers.1.mlp.experts.down_proj") == "mxfp4"
+    ids, labels, mask = _batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "bf16_gpu_logits", "gpt-oss mxfp4")
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), "bf16_gpu_loss", "gpt-oss mxfp4")
+    for k, g in grads_r.items():
+        top = np.abs(g).max()
+        assert_close(grads_g[k] / top, g / top, "bf16_gpu_grads", f"gpt-oss mxfp4: {k}")
