@@ -339,5 +339,5 @@ def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str =
             out[k] = packed.in_memory()
         else:
             v = weights[k]
-            out[k] = round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k).astype(dtype, copy=False)
+            out[k] = round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k).astype(dtype)   # a copy
     return out
