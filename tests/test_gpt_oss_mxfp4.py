@@ -1,7 +1,7 @@
 """gpt-oss's MXFP4 experts kept packed (blocks and scales, formats/mxfp4.py) while frozen: on the NumPy engine bit for
 bit the model of their dequantised twin (logits, LoRA loss and gradients through the frozen experts, a step,
 greedy generation); full fine-tuning and base dtype float32 dequantise them; the memory estimate counts them at
-their size. The WebGPU engine's MXFP4 grouped GEMMs against the NumPy engine are in test_gpt_oss_wgpu.py."""
+their size; pipeline stages read theirs packed. The WebGPU engine's MXFP4 grouped GEMMs against the NumPy engine are in test_gpt_oss_wgpu.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -143,3 +143,22 @@ def test_a_lora_run_says_the_experts_stay_mxfp4_and_merge_writes_them_dequantise
     adapted.load_adapter(tmp_path / "lora")
     assert_close(wt.load_model(tmp_path / "merged", backend="numpy").logits(ids, mask), adapted.logits(ids, mask),
                  "merged_logits", "mxfp4")
+
+
+def test_pipeline_stages_read_their_experts_packed(pair):
+    """Each pipeline stage (load_stage) keeps its layers' experts packed and counts their blocks' and scales' file
+    bytes as read, its own tensors' bytes and no more."""
+    from test_pipeline import file_bytes
+    from wgpu_train.engines.loading import load_stage
+    from wgpu_train.models.stage_plan import plan_stages
+
+    _, packed = pair
+    sizes = file_bytes(packed)
+    plan = plan_stages(3, 3, tied=False)
+    read = 0
+    for s in range(3):
+        engine = load_stage(packed, plan, s, base_dtype="auto", precision="fp32")
+        kept = [k for k, v in engine.w.items() if isinstance(v, Mxfp4)]
+        assert kept == [f"model.layers.{s}.{e}" for e in EXPERTS]
+        read += engine.weights_bytes_read
+    assert read == sum(sizes.values())
