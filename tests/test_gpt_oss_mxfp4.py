@@ -1,7 +1,8 @@
 """gpt-oss's MXFP4 experts kept packed (blocks and scales, formats/mxfp4.py) while frozen: on the NumPy engine bit for
 bit the model of their dequantised twin (logits, LoRA loss and gradients through the frozen experts, a step,
-greedy generation); full fine-tuning and base dtype float32 dequantise them; the memory estimate counts them at
-their size; pipeline stages read theirs packed. The WebGPU engine's MXFP4 grouped GEMMs against the NumPy engine are in test_gpt_oss_wgpu.py."""
+greedy generation) and transformers' logits; full fine-tuning and base dtype float32 dequantise them; the memory
+estimate counts them at their size; a run's first lines say so; merge writes them dequantised; pipeline stages
+read theirs packed. The WebGPU engine's MXFP4 grouped GEMMs against the NumPy engine: test_gpt_oss_wgpu.py."""
 from __future__ import annotations
 
 import numpy as np
