@@ -225,42 +225,58 @@ def _mxfp4_codes(rng, shape):
     return codes, scales
 
 
+def write_mxfp4_pair(out, hf, seed: int = 7, dtype: str = "float32"):
+    """Two folders under out of hf (its hidden and intermediate sizes multiples of 32: the blocks run along them)
+    with experts made here from known e2m1 codes and exponents: "mxfp4" (blocks and scales, quantization_config
+    mxfp4) and "twin" (the same experts dequantised, transformers' layout), config.json's dtype `dtype` (gpt-oss's
+    hub checkpoints say bfloat16; then the other weights are rounded to bfloat16 values, as such a checkpoint
+    holds them). -> (twin, mxfp4, the twin's state dict, the experts' blocks and scales)."""
+    from wgpu_train.formats.safetensors import bfloat16_bits, bfloat16_values
+
+    rng = np.random.default_rng(seed)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    if dtype == "bfloat16":
+        state = {k: bfloat16_values(bfloat16_bits(v)).reshape(v.shape) for k, v in state.items()}
+    quantised = {}
+    cfg = hf.config
+    experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        for name, rows, k in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+            codes, scales = _mxfp4_codes(rng, (experts, rows, k))
+            values = FP4_VALUES[codes] * np.exp2(scales.astype(np.float32) - 127).repeat(32, axis=-1)
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            state[key] = np.ascontiguousarray(values.transpose(0, 2, 1))          # transformers' (E, in, out)
+            blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(experts, rows, k // 32, 16)
+            quantised[key + "_blocks"], quantised[key + "_scales"] = blocks, scales
+    config = {**json.loads(cfg.to_json_string()), "architectures": ["GptOssForCausalLM"], "dtype": dtype}
+    for folder, tensors, extra in (("twin", state, {}),
+                                   ("mxfp4", {**{k: v for k, v in state.items() if not k.endswith("_proj")},
+                                              **quantised}, {"quantization_config": {"quant_method": "mxfp4"}})):
+        (out / folder).mkdir()
+        write_safetensors(out / folder / "model.safetensors", tensors, metadata={"format": "pt"})
+        (out / folder / "config.json").write_text(json.dumps({**config, **extra}))
+    return out / "twin", out / "mxfp4", state, quantised
+
+
 def test_mxfp4_checkpoint_equals_its_dequantised_twin(tmp_path):
     """A checkpoint whose experts are MXFP4 blocks and scales, built here from known e2m1 codes and exponents,
     gives the model of its dequantised twin (transformers' layout) exactly, and transformers' logits with those
     weights; one with a scale tensor missing is refused in one line naming it."""
     hf = build_gpt_oss(seed=4, hidden_size=32, intermediate_size=32)     # the blocks run over hidden and I
-    rng = np.random.default_rng(7)
-    state = {k: v.numpy() for k, v in hf.state_dict().items()}
-    quantised = {}
-    for i in range(3):
-        for name, rows, k in (("gate_up_proj", 64, 32), ("down_proj", 32, 32)):
-            codes, scales = _mxfp4_codes(rng, (5, rows, k))
-            values = FP4_VALUES[codes] * np.exp2(scales.astype(np.float32) - 127).repeat(32, axis=-1)
-            key = f"model.layers.{i}.mlp.experts.{name}"
-            state[key] = np.ascontiguousarray(values.transpose(0, 2, 1))          # transformers' (E, in, out)
-            blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(5, rows, k // 32, 16)
-            quantised[key + "_blocks"], quantised[key + "_scales"] = blocks, scales
-    config = {**json.loads(hf.config.to_json_string()), "architectures": ["GptOssForCausalLM"]}
-    for folder, tensors, extra in (("twin", state, {}),
-                                   ("mxfp4", {**{k: v for k, v in state.items() if not k.endswith("_proj")},
-                                              **quantised}, {"quantization_config": {"quant_method": "mxfp4"}})):
-        (tmp_path / folder).mkdir()
-        write_safetensors(tmp_path / folder / "model.safetensors", tensors, metadata={"format": "pt"})
-        (tmp_path / folder / "config.json").write_text(json.dumps({**config, **extra}))
+    twin, packed, state, quantised = write_mxfp4_pair(tmp_path, hf)
     ids, _, mask = batch()
-    mine = load_model(tmp_path / "mxfp4", backend="numpy").logits(ids, mask)
-    assert_close(mine, load_model(tmp_path / "twin", backend="numpy").logits(ids, mask), "exact", "twin")
+    mine = load_model(packed, backend="numpy").logits(ids, mask)
+    assert_close(mine, load_model(twin, backend="numpy").logits(ids, mask), "exact", "twin")
     with torch.no_grad():
         hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
     real = mask.astype(bool)
     assert_close(mine[real], hf_logits(hf, ids, mask)[real], "logits_f32", "mxfp4")
     del quantised["model.layers.1.mlp.experts.down_proj_scales"]
-    write_safetensors(tmp_path / "mxfp4" / "model.safetensors",
+    write_safetensors(packed / "model.safetensors",
                       {**{k: v for k, v in state.items() if not k.endswith("_proj")}, **quantised})
     with pytest.raises(ModelFileError, match="MXFP4 tensor model.layers.1.mlp.experts.down_proj_blocks has no "
                                              "model.layers.1.mlp.experts.down_proj_scales"):
-        load_model(tmp_path / "mxfp4", backend="numpy")
+        load_model(packed, backend="numpy")
 
 
 @pytest.mark.parametrize("params", [

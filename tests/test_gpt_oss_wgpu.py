@@ -3,7 +3,7 @@ PEFT), on every adapter present, a tiny random model (sliding and full layers, Y
 and the LoRA gradients (attention, the router with its bias, every expert through target_parameters) over a padded
 batch, an optimizer step in one submission, full fine-tuning's gradients (the sinks and the experts' biases
 included, with gradient checkpointing, and the memory estimate), greedy generation over the KV cache, bf16
-activations and bfloat16 / NF4 weights, and backend auto no longer setting it aside."""
+activations and bfloat16 / NF4 weights, MXFP4 experts kept packed, and backend auto no longer setting it aside."""
 from __future__ import annotations
 
 import numpy as np
@@ -111,3 +111,51 @@ def test_nf4_experts_match_numpy(folder, rt):
     _, grads_g = gpu.loss_and_grads(ids, labels, mask)
     for k, g in grads_r.items():
         assert_close(grads_g[k], g, "gpu_grads", f"gpt-oss nf4: {k}")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory):
+    """A tiny gpt-oss whose experts are MXFP4 blocks and scales (intermediate 32: the blocks run along it in
+    down_proj), config.json saying bfloat16 as the hub's does."""
+    from test_gpt_oss import write_mxfp4_pair
+
+    hf = build_gpt_oss(seed=5, **{**SIZES, "intermediate_size": 32})
+    return write_mxfp4_pair(tmp_path_factory.mktemp("gpt_oss_mxfp4"), hf, dtype="bfloat16")[1]
+
+
+def test_mxfp4_experts_match_numpy(mxfp4_folder, rt):
+    """base_dtype auto keeps the experts packed on both engines (the grouped GEMMs decode the checkpoint's blocks
+    and scales: the gate / up and down products, forward and the backward's input gradients): logits, loss, LoRA
+    gradients and a step in one submission as the NumPy engine's, greedy generation token for token, the experts
+    read back exactly, in one buffer of their packed size (memory.base_weight_bytes counts them by expert_bytes:
+    test_gpt_oss_mxfp4.py)."""
+    from wgpu_train.engines.shared.quant import StorageDtype
+    from wgpu_train.engines.webgpu.tensors import expert_bytes
+
+    ref, gpu = _pair(mxfp4_folder, rt, base_dtype="auto")
+    assert gpu.engine._stored_as("model.layers.0.mlp.experts.gate_up_proj") == "mxfp4"
+    ids, labels, mask = _batch()
+    assert_engines_agree(ref, gpu, ids, labels, mask, ("experts.base_layer.lora_A", "experts.lora_B", "q_proj.lora_A"),
+                         "gpt-oss mxfp4")
+    prompt = [5, 17, 3, 40, 22, 8, 9]
+    assert gpu.generate(prompt, max_new_tokens=6) == ref.generate(prompt, max_new_tokens=6)
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert np.array_equal(gpu.engine.weights()[name], np.asarray(ref.engine.weights()[name]))
+    packed = gpu.engine.w[name].size          # the one buffer the grouped GEMMs bind: blocks, then scales
+    assert packed == 4 * 64 * 32 // 2 + 4 * 64 * 32 // 32 == expert_bytes(4 * 64 * 32, StorageDtype.MXFP4)
+
+
+def test_mxfp4_experts_with_bfloat16_activations_match_numpy(mxfp4_folder, rt):
+    """--precision bf16 over packed MXFP4 experts (16-bit x and out views beside the packed W in the grouped GEMMs):
+    logits, loss and LoRA gradients within bfloat16 noise of the NumPy engine's."""
+    ref, gpu = _pair(mxfp4_folder, rt, base_dtype="auto", precision="bf16")
+    assert gpu.engine._stored_as("model.layers.1.mlp.experts.down_proj") == "mxfp4"
+    ids, labels, mask = _batch()
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, mask)[real], ref.logits(ids, mask)[real], "bf16_gpu_logits", "gpt-oss mxfp4")
+    loss_r, grads_r = ref.loss_and_grads(ids, labels, mask)
+    loss_g, grads_g = gpu.loss_and_grads(ids, labels, mask)
+    assert_close(np.float64(loss_g), np.float64(loss_r), "bf16_gpu_loss", "gpt-oss mxfp4")
+    for k, g in grads_r.items():
+        top = np.abs(g).max()
+        assert_close(grads_g[k] / top, g / top, "bf16_gpu_grads", f"gpt-oss mxfp4: {k}")

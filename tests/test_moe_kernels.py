@@ -17,7 +17,7 @@ from wgpu_train.engines.webgpu import moe
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned import moe_kernels as MK
-from wgpu_train.engines.webgpu.tuned import moe_nf4
+from wgpu_train.engines.webgpu.tuned import moe_packed
 from wgpu_train.engines.webgpu.tuned.adapter_traits import use_subgroups
 
 N, C, I, E, K, R = 13, 44, 20, 5, 2, 3     # tokens, hidden, expert width, experts, top-k, LoRA rank
@@ -227,21 +227,27 @@ def test_accumulate_adds_to_the_outputs(rt):
 
 
 @pytest.mark.parametrize("problem", ["gemm", "gemm nn", "outer", "gemm bf16", "gemm nn f16", "gemm nf4",
-                                     "gemm nn nf4"])
+                                     "gemm nn nf4", "gemm mxfp4", "gemm nn mxfp4"])
 def test_the_tuners_replica_checks_every_candidate(rt, problem):
     """The tuner's own check of each candidate on a replica (what it runs before timing one on a new adapter): odd
     sizes (the portable kernels alone), and sizes a multiple of 4 (the register-blocked ones too, 70 rows: blocks
     of 32, 16 and 8 left partial); a 16-bit out (16-bit activations: the portable kernels storing pairs of
-    columns, the register-blocked ones vec4s) at even sizes; NF4 experts (decoded inside every candidate)."""
+    columns, the register-blocked ones vec4s) at even sizes; NF4 and MXFP4 experts (decoded inside every candidate;
+    MXFP4's blocks of 32 along the stored tensor's last axis: in_f in "nt", the columns in "nn")."""
     fmt = problem.split()[-1] if problem.endswith("16") else "f32"
     out = {"out": storage.set_format(rt.buffer(16), fmt)} if fmt != "f32" else {}
-    if problem.endswith("nf4"):       # a stand-in for the format alone: the replica quantises its own experts
+    if problem.endswith(moe_packed.FORMATS):   # a stand-in for the format alone: the replica packs its own experts
         out = {"w": rt.buffer(16)}
-        setattr(out["w"], moe_nf4.NF4_ATTRIBUTE, 0)
+        setattr(out["w"], moe_packed.PACKED_ATTRIBUTE, (problem.split()[-1], 0))
     if problem == "gemm":
         p = MK.MoeGemmProblem(rt, {}, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
     elif problem == "gemm nf4":
         p = MK.MoeGemmProblem(rt, out, 2 * 19, 2, E, 23, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
+    elif problem == "gemm mxfp4":
+        p = MK.MoeGemmProblem(rt, out, 2 * 19, 2, E, 64, 9, "nt", True, rank=R, scale=0.5, swiglu=True)
+    elif problem == "gemm nn mxfp4":
+        p = MK.MoeGemmProblem(rt, out, 2 * 35, 2, E, 36, 32, "nn", False, rank=R, scale=0.5)
+        assert any(c.family == "register" for c in p.candidates())
     elif problem == "gemm bf16":
         p = MK.MoeGemmProblem(rt, out, 2 * 19, 2, E, 22, 10, "nt", True, rank=R, scale=0.5, swiglu=True)
         assert all(c.family == "grouped" for c in p.candidates())

@@ -2,7 +2,7 @@
 dense GEMM with the tuned GEMM kernels, on the same routed tokens, side by side in one run, each path checked
 against NumPy before it is timed; and a whole LoRA training step of a Qwen3-MoE-shaped model against a dense
 Qwen3 with the same active parameters (its MLP k expert widths wide), as tokens/s and their ratio, measured
-alternately in one run."""
+alternately in one run; the grouped GEMMs with MXFP4 experts (decoded inside them) against float32 ones."""
 from __future__ import annotations
 
 import time
@@ -18,6 +18,8 @@ from wgpu_train.engines.shared import moe as ref
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu import moe
 from wgpu_train.engines.webgpu.tuned import gemm as _gemm
+from wgpu_train.engines.webgpu.tuned.moe_packed import mxfp4_upload
+from wgpu_train.formats.mxfp4 import Mxfp4
 
 # (tokens, hidden, expert width, experts, top-k): 8 experts of ~64 pairs each, and 32 of ~16
 SHAPES = ((256, 256, 128, 8, 2), (256, 256, 128, 32, 2))
@@ -63,6 +65,32 @@ def _per_expert(rt, bufs, sorted_x, counts, n_tok, C, I, E):
                 rec.dispatch(*d)
             row += n
     return _capture(rt, record)
+
+
+def _mxfp4_grouped(rt, timer, bufs, x, weights, experts, sizes, scratch, t_f32) -> dict:
+    """The grouped GEMMs with MXFP4 experts (random codes, scales near 2^-4; decoded inside the products), checked
+    against NumPy on their decoded values, then timed: "vs_f32" is their time over float32 experts' (t_f32)."""
+    n_tok, C, I, E, k = sizes
+    rng = np.random.default_rng(E + 1)
+    packed = [Mxfp4(rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8),
+                    rng.integers(121, 125, (E, rows, cols // 32), dtype=np.uint8), "w", "bench")
+              for rows, cols in ((2 * I, C), (C, I))]
+    w1, w2 = (mxfp4_upload(rt, p, "bench operand") for p in packed)
+    try:
+        dispatches = _capture(rt, lambda rec: moe.moe_experts_forward(
+            rec, bufs["y"], bufs["gu"], bufs["x"], bufs["weights"], bufs["experts"], w1, w2, None, None, n_tok, k, E,
+            C, I, scratch))
+        _run(rt, dispatches)
+        want, _ = ref.moe_experts_forward(x.astype(np.float64), weights, experts,
+                                          *(p.values().astype(np.float64) for p in packed))
+        err = max_rel_err(rt.read(bufs["y"], np.float32, (n_tok, C)), want)
+        if not err < 1e-4:
+            raise AssertionError(f"moe bench MXFP4 N{n_tok} E{E}: a wrong result (max rel err {err:.2e})")
+        t = timer.time(dispatches[3:5], repeats=3, budget_s=1.0)
+    finally:
+        rt.release(w1, w2)
+    return {"name": "moe", "shape": f"N{n_tok} C{C} I{I} E{E} k{k}", "kernel": "grouped GEMMs, MXFP4 experts",
+            "ms": t * 1e3, "gflops": 2.0 * n_tok * k * 3 * I * C / t / 1e9, "vs_f32": t / t_f32}
 
 
 def bench_moe(rt, ctx) -> list[dict]:
@@ -121,6 +149,7 @@ def bench_moe(rt, ctx) -> list[dict]:
                         "gflops": flops / t_grouped / 1e9, "vs_per_expert": t_dense / t_grouped})
             out.append({"name": "moe", "shape": shape, "kernel": "per-expert GEMMs", "ms": t_dense * 1e3,
                         "gflops": flops / t_dense / 1e9})
+            out.append(_mxfp4_grouped(rt, timer, bufs, x, weights, experts, (n_tok, C, I, E, k), scratch, t_grouped))
             fwd = _capture(rt, lambda rec: moe.moe_experts_forward(
                 rec, bufs["y"], bufs["gu"], bufs["x"], bufs["weights"], bufs["experts"], bufs["w1"], bufs["w2"],
                 loras[0], loras[1], n_tok, k, E, C, I, scratch))

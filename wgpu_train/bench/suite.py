@@ -623,7 +623,7 @@ def format_table(result: dict) -> str:
                 f"  vs_attention {e['vs_attention']:.2f}x" if "vs_attention" in e else "")
         elif e["name"] == "moe":
             line += f"  {e['kernel']}  {e['ms']:.1f} ms" + "".join(
-                f"  {k} {e[k]:.2f}x" for k in ("vs_per_expert", "moe_vs_dense") if k in e) + (
+                f"  {k} {e[k]:.2f}x" for k in ("vs_per_expert", "vs_f32", "moe_vs_dense") if k in e) + (
                 f"  {e['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in e else "")
         elif e["name"].startswith("attention_"):
             line += f"  {e['kernel']}" + "".join(f"  {k} {e[k]:.2f}x" for k in ("vs_rows", "packed_vs_causal")

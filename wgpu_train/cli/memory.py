@@ -18,7 +18,7 @@ def cmd_memory(args) -> int:
     from wgpu_train.adapters.layout import (describe_layout, describe_targets, last_layers, model_targets,
                                             parse_layers, parse_pattern)
     from wgpu_train.engines.resources import format_bytes, memory_report
-    from wgpu_train.engines.shared.quant import check_dtypes
+    from wgpu_train.engines.shared.quant import check_dtypes, describe_packed
     from wgpu_train.training.config import default_model_dir
 
     model_dir = hub.resolve(args.model, "model") if args.model else default_model_dir()
@@ -69,7 +69,8 @@ def cmd_memory(args) -> int:
     said = "" if why == "as given" else f" ({why})"
     print(f"{model_dir} ({cfg.label}, {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters): "
           f"training batch "
-          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}), precision {precision}{said}"
+          f"{args.batch_size} x {length}, {what}, base {base} (embedding {embed}"
+          f"{describe_packed(cfg.packed_experts, base)}), precision {precision}{said}"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     for key in ("weights", "trainable_state", "activations", "logits", "total"):
         ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit

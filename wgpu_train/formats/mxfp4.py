@@ -1,7 +1,8 @@
 """MXFP4 tensors (OCP microscaling FP4, as gpt-oss checkpoints store their experts): `<name>_blocks` uint8 (..., G,
 16), two e2m1 values a byte (the low nibble first), and `<name>_scales` uint8 (..., G), one e8m0 exponent (bias
 127) per block of 32 values; dequantised on reading, exactly, to float32 (..., G * 32), as transformers 5's
-integrations/mxfp4.py dequantises them."""
+integrations/mxfp4.py dequantises them, or kept packed (a frozen expert tensor: engines/shared/quant.kept_packed),
+its experts decoded one at a time where they are used."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,5 +36,24 @@ class Mxfp4(Derived):
         self.shape = (*blocks.shape[:-2], blocks.shape[-2] * 32)
         self.nbytes = blocks.nbytes + scales.nbytes
 
-    def values(self, dtype: str) -> np.ndarray:
+    ndim = property(lambda self: len(self.shape))
+    dtype = np.dtype(np.float32)     # what it decodes to
+
+    def values(self, dtype: str = "U8") -> np.ndarray:
         return dequantize(np.asarray(self.blocks), np.asarray(self.scales))
+
+    def __getitem__(self, index) -> np.ndarray:
+        """The decoded values of x[index] along the first axis (one expert of an (E, out, in) tensor)."""
+        return dequantize(np.asarray(self.blocks[index]), np.asarray(self.scales[index]))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        values = self.values()
+        return values if dtype is None else values.astype(dtype)
+
+    def astype(self, dtype) -> np.ndarray:
+        """The decoded values in dtype, as an array's astype gives them."""
+        return self.values().astype(dtype)
+
+    def in_memory(self) -> "Mxfp4":
+        """This tensor with its blocks and scales copied out of the file's mapping."""
+        return Mxfp4(np.array(self.blocks, np.uint8), np.array(self.scales, np.uint8), "", "")

@@ -97,6 +97,12 @@ class LazyWeights(Mapping):
         self.bytes_read += raw.nbytes
         return raw.values(dtype) if isinstance(raw, Derived) else _as_array(raw, dtype)
 
+    def stored(self, name: str):
+        """Tensor `name` as stored, unread: its Derived (e.g. formats/mxfp4.Mxfp4's blocks and scales), or None
+        for a tensor stored as it is read."""
+        raw = self._raw[name][0]
+        return raw if isinstance(raw, Derived) else None
+
     def subset(self, names) -> "LazyWeights":
         """These tensors alone (nothing read), with a byte count of their own."""
         return LazyWeights({k: self._raw[k] for k in names})

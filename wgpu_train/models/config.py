@@ -127,14 +127,14 @@ def _pad_row(pad, vocab: int) -> int | None:
 
 def _check_gpt_oss(raw: dict, source: str):
     """Refuse what gpt-oss's config.json may ask for beyond what is implemented: dropout inside attention, a
-    quantisation other than MXFP4 (its experts, dequantised on load)."""
+    quantisation other than MXFP4 (its experts: packed_experts)."""
     if raw.get("attention_dropout"):
         raise ConfigError(f"{source}: field 'attention_dropout' is {raw['attention_dropout']!r}; only 0 is supported")
     quant = raw.get("quantization_config")
     if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise ConfigError(f"{source}: field 'quantization_config' has quant_method {method!r}; only 'mxfp4' (the "
-                          f"experts, dequantised on load) is supported")
+                          f"experts' blocks and scales) is supported")
 
 
 @dataclass(frozen=True)
@@ -339,6 +339,8 @@ class ModelConfig:
             if isinstance(value, str) and value:
                 return value.removeprefix("torch.")
         return ""
+
+    packed_experts = property(lambda self: self.moe.packed if self.moe else "", doc="MoeConfig.packed, or \"\"")
 
     def inv_freq(self, layer: int = 0, long: bool = False) -> np.ndarray:
         """Layer `layer`'s RoPE inverse frequencies (rotary_dim/2,), float64 (rope.inv_freq)."""

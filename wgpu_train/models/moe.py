@@ -34,8 +34,9 @@ class MoeConfig:
     a sigmoid gate (0: none); aux_loss_coef and aux_loss (output_router_logits: the load-balancing loss added to
     the training loss). gpt-oss: router, the router's module name ("router"; "gate" elsewhere); biases, on the
     router and on each expert's projections; swiglu (alpha, limit): its experts' clamped SwiGLU over gate_up rows
-    that alternate gate and up, () for the plain SwiGLU over gate rows then up rows. LFM2-MoE: block, the module
-    the router and experts sit under ("feed_forward"; "mlp" elsewhere); scoring, the router's score of each
+    that alternate gate and up, () for the plain SwiGLU over gate rows then up rows; packed, how the checkpoint
+    packs the experts ("mxfp4": its quantization_config, formats/mxfp4.py; "": plain tensors). LFM2-MoE: block,
+    the module the router and experts sit under ("feed_forward"; "mlp" elsewhere); scoring, the router's score of each
     expert ("softmax", or "sigmoid": normalised over the chosen ones plus 1e-6); expert_bias, a per-expert bias
     (block.expert_bias) added to the scores to choose the k, not to weigh them; scaling, the weights' factor
     (routed_scaling_factor)."""
@@ -55,6 +56,7 @@ class MoeConfig:
     scoring: str = "softmax"
     expert_bias: bool = False
     scaling: float = 1.0
+    packed: str = ""
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse[layer])
@@ -120,7 +122,8 @@ def moe_settings(raw: dict, family: str, layers: int, source: str) -> MoeConfig 
                      sparse=sparse, shared_expert_size=shared, aux_loss_coef=float(coef),
                      aux_loss=bool(raw.get("output_router_logits", False)),
                      router="router" if gpt_oss else "gate", biases=gpt_oss,
-                     swiglu=_clamped_swiglu(raw, source) if gpt_oss else ())
+                     swiglu=_clamped_swiglu(raw, source) if gpt_oss else (),
+                     packed="mxfp4" if gpt_oss and raw.get("quantization_config") else "")
 
 
 def router_aux_loss_coef(moe: MoeConfig | None, given: float | None) -> float:

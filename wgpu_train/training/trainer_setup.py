@@ -10,6 +10,7 @@ from pathlib import Path
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.layout import describe_layout, describe_targets, lora_options, model_targets
 from wgpu_train.engines.resources import count_trainable, estimate_memory, format_bytes
+from wgpu_train.engines.shared.quant import describe_packed
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
@@ -176,7 +177,8 @@ def describe_model(model_dir, model_cfg: ModelConfig, engine, lora, n_params: in
                + describe_layout(lora) if lora
                else "full fine-tuning") + f", {n_params:,} trainable parameters"
             + (f" ({in_experts:,} in the experts)" if in_experts is not None else "") + "; base weights "
-            f"{base_dtype} (embedding {embed_dtype}), {base_weight_bytes:,} bytes"
+            f"{base_dtype} (embedding {embed_dtype}{describe_packed(model_cfg.packed_experts, base_dtype)}), "
+            f"{base_weight_bytes:,} bytes"
             + (" on a GPU (the NumPy engine holds float32 copies)" if engine.name == "numpy" else ""))
 
 

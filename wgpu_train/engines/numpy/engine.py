@@ -40,9 +40,9 @@ class LoraModule:
 class NumpyEngine(EngineState):
     """Forward and backward of a Llama-family model on the CPU in float32 (or float64).
 
-    base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are
-    rounded through that storage at load (engines/shared/quant.py) and kept dequantised, so the math equals
-    the GPU engine's, which stores them in that format, up to summation order.
+    base_dtype / embed_dtype (quant.BASE_DTYPES / quant.EMBED_DTYPES): the base weights are rounded through that
+    storage at load (engines/shared/quant.py) and kept dequantised (MXFP4 experts packed: quant.kept_packed), so
+    the math equals the GPU engine's, which stores them in that format, up to summation order.
 
     precision (protocol.PRECISIONS): fp32, or bf16 / f16, where activations, saved tensors and activation
     gradients are rounded where the GPU stores them (precision.Rounding); f16 adds dynamic loss scaling
@@ -57,7 +57,7 @@ class NumpyEngine(EngineState):
         self.dtype = np.dtype(dtype)
         self.base_dtype, self.embed_dtype = base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype,
                                                                                    cfg.checkpoint_dtype)
-        self.w = {k: v.astype(self.dtype) for k, v in round_weights(weights, base_dtype, embed_dtype).items()}
+        self.w = round_weights(weights, base_dtype, embed_dtype, self.dtype)
         # [long][layer] (R/2,): RoPE's frequencies, longrope's short and long sets (the same without longrope)
         inv_freqs = [[cfg.inv_freq(i, long) for i in range(cfg.num_hidden_layers)] for long in (False, True)]
         plans = layer_plans(cfg)

@@ -1,6 +1,6 @@
 """Frozen base weights in bfloat16, float16 or 4-bit NF4 (QLoRA), as torch and bitsandbytes store them: round,
 quantise, dequantise, and the rounding the NumPy engine applies at load so that its math equals the GPU's up to
-summation order.
+summation order; and a checkpoint's MXFP4 experts (gpt-oss), kept packed as stored while they are frozen.
 
 bfloat16 is the top half of a float32: stored by rounding the low half to nearest, ties to even (torch's
 conversion), read back by a shift. It keeps float32's range, so any float32 weight can be stored in it.
@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from wgpu_train.engines.protocol import NamedValue
+from wgpu_train.formats.mxfp4 import Mxfp4
 from wgpu_train.formats.safetensors import bfloat16_bits, bfloat16_values  # noqa: F401 - the engines take it from here
 
 
@@ -40,6 +41,9 @@ class StorageDtype(NamedValue):
     FLOAT16 = "float16"
     NF4 = "nf4"
     NF4_DQ = "nf4-dq"          # NF4 with double-quantised absmax values
+    # an MoE layer's experts as a checkpoint packs them (formats/mxfp4.py: e2m1 blocks, an e8m0 scale per 32), kept
+    # so while frozen (kept_packed): a tensor's storage, never a base dtype (no quantiser: the checkpoint's own bytes)
+    MXFP4 = "mxfp4"
 
     @property
     def resolved(self) -> bool:
@@ -64,8 +68,12 @@ class StorageDtype(NamedValue):
     def double_quant(self) -> bool:
         return self is StorageDtype.NF4_DQ
 
+    @property
+    def mxfp4(self) -> bool:
+        return self is StorageDtype.MXFP4
 
-BASE_DTYPES = tuple(d.value for d in StorageDtype if d is not StorageDtype.AUTO)
+
+BASE_DTYPES = tuple(d.value for d in StorageDtype if d not in (StorageDtype.AUTO, StorageDtype.MXFP4))
 # auto: as the checkpoint stores its weights (config.json's torch_dtype: bfloat16 or float16, else float32), and
 # float32 for full fine-tuning, which trains them
 BASE_CHOICES = ("auto",) + BASE_DTYPES
@@ -245,14 +253,16 @@ def is_linear_weight(name: str) -> bool:
             and name.rsplit(".", 2)[-2] in KNOWN_LINEAR_MODULES)
 
 
-def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: StorageDtype) -> StorageDtype:
+def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: StorageDtype,
+                  packed: str = "") -> StorageDtype:
     """How one tensor is stored: the linear layers' weights and an MoE layer's 3-D expert tensors (NF4 over the
     whole flattened tensor) in base_dtype, the embedding and lm_head in embed_dtype, everything else (norms,
-    biases) in float32."""
+    biases) in float32; expert tensors the checkpoint packs (packed: "mxfp4", ModelConfig.packed_experts) stay
+    MXFP4 under a base_dtype that rounds (kept_packed)."""
     if ndim == 2 and is_linear_weight(name):
         return base_dtype
     if ndim == 3 and ".experts." in name:
-        return base_dtype
+        return StorageDtype.MXFP4 if keeps_packed(packed, base_dtype) else base_dtype
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return embed_dtype
     return StorageDtype.FLOAT32
@@ -289,7 +299,45 @@ def check_dtypes(base_dtype: StorageDtype | str, embed_dtype: StorageDtype | str
     return base_dtype, embed_dtype
 
 
-def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto") -> dict:
-    """The weights a model computes with when stored as base_dtype / embed_dtype (float32 arrays)."""
+def keeps_packed(packed: str, base_dtype: StorageDtype | str) -> bool:
+    """Whether experts a checkpoint packs (packed: ModelConfig.packed_experts, "mxfp4" or "") stay packed under
+    base_dtype (kept_packed: one that rounds, so frozen)."""
+    return packed == "mxfp4" and StorageDtype(base_dtype).rounds
+
+
+def describe_packed(packed: str, base_dtype: StorageDtype | str) -> str:
+    """What becomes of experts the checkpoint packs (packed: ModelConfig.packed_experts), for a run's first lines
+    after its storage dtypes: kept so while frozen, else dequantised; "" for plain experts."""
+    if not packed:
+        return ""
+    return (f"; the experts {packed.upper()} as the checkpoint stores them" if keeps_packed(packed, base_dtype)
+            else f"; the experts dequantised from {packed.upper()}")
+
+
+def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | None:
+    """Tensor `name` of `weights` as the checkpoint packs it (a formats/mxfp4.Mxfp4: blocks and scales, out of a
+    LazyWeights' stored()) where the engines keep it so: under a base_dtype that rounds (frozen, LoRA). An MXFP4
+    value is exact in bfloat16 (auto's storage of gpt-oss), so the math is that of the dequantised tensor in a
+    quarter of its bytes, and float16 or NF4 would only round the 4-bit values again. None otherwise: float32
+    (full fine-tuning trains the experts) or a tensor stored plainly, read dequantised."""
+    stored = getattr(weights, "stored", None)
+    raw = stored(name) if stored is not None else None
+    if not (isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype)):
+        return None
+    weights.bytes_read += raw.nbytes         # read as stored, not through weights[name]: counted here
+    return raw
+
+
+def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto", dtype=np.float32) -> dict:
+    """The weights a model computes with when stored as base_dtype / embed_dtype (arrays of dtype; an MXFP4 tensor
+    kept packed, in memory, where kept_packed says: its experts decoded, to float32, as they are used)."""
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype)
-    return {k: round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k) for k, v in weights.items()}
+    out = {}
+    for k in weights:
+        packed = kept_packed(weights, k, base_dtype)
+        if packed is not None:
+            out[k] = packed.in_memory()
+        else:
+            v = weights[k]
+            out[k] = round_to(v, storage_dtype(k, np.ndim(v), base_dtype, embed_dtype), k).astype(dtype)   # a copy
+    return out

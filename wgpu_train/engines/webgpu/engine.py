@@ -20,10 +20,10 @@ from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.parts import part_field
-from wgpu_train.engines.shared.quant import check_dtypes
+from wgpu_train.engines.shared.quant import check_dtypes, kept_packed
 from wgpu_train.adapters.saved_modules import EMBED, HEAD
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
-from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_read
+from wgpu_train.engines.webgpu.tuned.moe_packed import packed_format, packed_read
 from wgpu_train.engines.webgpu.device.recorder import count_submissions, submit
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import Packed, read_tensor, store_weight, weight_buffers, write_tensor
@@ -72,7 +72,8 @@ class WgpuEngine(EngineState):
         self.w: dict = {}          # HF name -> Matrix or QuantMatrix (2-D) or buffer (1-D)
         self.shapes: dict = {}
         for name in weights:       # one tensor at a time: `weights` may convert each as it is read
-            arr = weights[name]
+            packed = kept_packed(weights, name, base_dtype)     # a checkpoint's MXFP4 experts, uploaded as stored
+            arr = weights[name] if packed is None else packed
             self.shapes[name] = tuple(arr.shape)
             self.w[name] = store_weight(rt, name, arr, base_dtype, embed_dtype)
         # GPU bytes of the base weights as allocated (memory.base_weight_bytes predicts the same)
@@ -325,9 +326,9 @@ class WgpuEngine(EngineState):
         t = self.w[name]
         if isinstance(t, QuantMatrix):
             return t.read(self.rt)
-        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format or NF4
-            if nf4_absmax_word(t) is not None:
-                return nf4_read(self.rt, t, self.shapes[name])
+        if len(self.shapes[name]) == 3:      # an MoE layer's experts, in their storage format or packed
+            if packed_format(t) is not None:
+                return packed_read(self.rt, t, self.shapes[name])
             return storage.read(self.rt, t, int(np.prod(self.shapes[name]))).reshape(self.shapes[name])
         return self._read(t, self.shapes[name])
 
@@ -337,6 +338,9 @@ class WgpuEngine(EngineState):
         if isinstance(t, QuantMatrix):
             return str(t.dtype)
         if len(self.shapes[name]) == 3:
+            packed = packed_format(t)     # NF4 (the base dtype's, nf4 or nf4-dq) or MXFP4 (as the checkpoint's)
+            if packed is not None:
+                return "mxfp4" if packed[0] == "mxfp4" else str(self.base_dtype)
             return {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[storage.format_of(t)]
         return "float32"
 

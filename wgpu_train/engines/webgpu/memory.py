@@ -233,7 +233,8 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
                       max_binding: int | None = None, keep=None) -> dict:
     """GPU bytes of the base weights stored as base_dtype (the linear layers and an MoE model's experts, every
     expert counted) and embed_dtype (embedding, lm_head; "auto": see check_dtypes), from the chunk plan the WebGPU
-    engine allocates by: {"linear", "embedding", "other", "total"}.
+    engine allocates by: {"linear", "embedding", "other", "total"}; a checkpoint's MXFP4 experts at their packed
+    size where the engines keep them so (shared/quant.storage_dtype).
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB. keep: a
     predicate of the names counted (a pipeline stage's tensors); default all."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
@@ -245,7 +246,7 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     for name, shape in weight_shapes(cfg).items():
         if keep is not None and not keep(name):
             continue
-        dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype)
+        dtype = storage_dtype(name, len(shape), base_dtype, embed_dtype, cfg.packed_experts)
         if len(shape) == 3:      # an MoE layer's experts: one buffer in its format (tensors.store_experts)
             n = expert_bytes(math.prod(shape), dtype)
         elif len(shape) == 2:

@@ -1,5 +1,6 @@
 """GPU tensors of the engine: row-chunked weight matrices, packed tensor sets, and the linear op pair
-over chunked (or float16 / NF4) weights, its activations in any storage format (device/storage.py)."""
+over chunked (or float16 / NF4) weights, its activations in any storage format (device/storage.py); packed experts
+(NF4, a checkpoint's MXFP4) for the grouped-expert GEMMs."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,8 @@ from wgpu_train.engines.webgpu.tuned.gemm import gemm, ones
 from wgpu_train.engines.shared.quant import StorageDtype, storage_dtype
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.tuned.quant import QuantMatrix
-from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_bytes, nf4_upload
+from wgpu_train.engines.webgpu.tuned.moe_packed import mxfp4_bytes, mxfp4_upload, nf4_bytes, nf4_upload
+from wgpu_train.formats.mxfp4 import Mxfp4
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 
 F32 = 4
@@ -42,11 +44,13 @@ class Matrix:
             rt.write(b, np.ascontiguousarray(data[r0:r0 + n], dtype=np.float32))
 
 
-def store_weight(rt: Runtime, name: str, arr: np.ndarray, base_dtype: StorageDtype | str,
+def store_weight(rt: Runtime, name: str, arr: np.ndarray | Mxfp4, base_dtype: StorageDtype | str,
                  embed_dtype: StorageDtype | str):
     """A base tensor on the GPU as the engine holds it (shared/quant.storage_dtype decides): a QuantMatrix
-    (16-bit / NF4 storage), a Matrix (2-D float32), a buffer (1-D), or an MoE layer's experts (3-D: store_experts)."""
-    stored = StorageDtype(storage_dtype(name, arr.ndim, base_dtype, embed_dtype))
+    (16-bit / NF4 storage), a Matrix (2-D float32), a buffer (1-D), or an MoE layer's experts (3-D: store_experts;
+    arr an Mxfp4: a checkpoint's packed experts kept so, shared/quant.kept_packed)."""
+    packed = "mxfp4" if isinstance(arr, Mxfp4) else ""
+    stored = StorageDtype(storage_dtype(name, arr.ndim, base_dtype, embed_dtype, packed))
     if arr.ndim == 3:
         return store_experts(rt, name, arr, stored)
     if stored.rounds:
@@ -62,18 +66,22 @@ EXPERT_FORMATS = {StorageDtype.FLOAT32: "f32", StorageDtype.BFLOAT16: "bf16", St
 def expert_bytes(elements: int, stored: StorageDtype) -> int:
     """Bytes of an MoE layer's expert tensor of that many weights as store_experts holds it."""
     stored = StorageDtype(stored)
+    if stored.mxfp4:
+        return mxfp4_bytes(elements)
     return nf4_bytes(elements) if stored.nf4 else storage.nbytes(elements, EXPERT_FORMATS[stored])
 
 
-def store_experts(rt: Runtime, name: str, arr: np.ndarray, stored: StorageDtype):
-    """An MoE layer's expert tensor (E, out, in) as one buffer in its storage format (device/storage.py), or as
-    NF4 / nf4-dq (tuned/moe_nf4.py: decoded inside the grouped GEMMs), which the grouped-expert kernels bind whole;
-    DeviceError (one line) when it exceeds one storage binding."""
-    size = expert_bytes(arr.size, stored)
+def store_experts(rt: Runtime, name: str, arr: np.ndarray | Mxfp4, stored: StorageDtype):
+    """An MoE layer's expert tensor (E, out, in) as one buffer in its storage format (device/storage.py), or packed
+    as NF4 / nf4-dq or MXFP4 (arr an Mxfp4; tuned/moe_packed.py: decoded inside the grouped GEMMs), which the
+    grouped-expert kernels bind whole; DeviceError (one line) when it exceeds one storage binding."""
+    size = expert_bytes(int(np.prod(arr.shape)), stored)
     if size > rt.max_binding:
         raise DeviceError(f"{name} {tuple(arr.shape)} needs {size / 2**20:.0f} MiB as "
                           f"{stored}, over the device's max storage binding of {rt.max_binding / 2**20:.0f} MiB "
                           f"(the grouped-expert kernels bind each layer's experts whole)")
+    if stored.mxfp4:
+        return mxfp4_upload(rt, arr, name)
     if stored.nf4:
         return nf4_upload(rt, np.ascontiguousarray(arr, np.float32), stored.double_quant, name)
     return storage.upload(rt, np.ascontiguousarray(arr, np.float32), EXPERT_FORMATS[stored], name)

@@ -20,10 +20,11 @@ from wgpu_train.engines.webgpu.tuned.attention_kernels import CPU_LOOP_BUDGET
 from wgpu_train.engines.webgpu.tuned.family import Family
 from wgpu_train.engines.webgpu.tuned.gemm_tolerance import ROUNDOFF
 from wgpu_train.engines.webgpu.tuned import moe_source
-from wgpu_train.engines.webgpu.tuned import moe_nf4
-from wgpu_train.engines.webgpu.tuned.moe_nf4 import nf4_absmax_word, nf4_upload
+from wgpu_train.engines.webgpu.tuned import moe_packed
+from wgpu_train.engines.webgpu.tuned.moe_packed import FORMATS, mxfp4_upload, nf4_upload, packed_format
 from wgpu_train.engines.webgpu.tuned.moe_source import WG, GemmConfig, gemm_source
 from wgpu_train.engines.shared.quant import nf4_dequantize, nf4_quantize
+from wgpu_train.formats.mxfp4 import Mxfp4
 
 BLOCK = 256                       # pairs per block of the counting sort (shaders/moe.wgsl BLOCK)
 GEMM_CONFIGS = (GemmConfig(4, 4), GemmConfig(8, 2), GemmConfig(2, 4), GemmConfig(1, 4), GemmConfig(4, 1))
@@ -85,21 +86,21 @@ def max_blocks(rows: int, experts: int, per_block: int) -> int:
     return (rows + min(experts, rows) * (per_block - 1)) // per_block
 
 
-def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool, pairs: bool = False, nf4: bool = False) -> Kernel:
-    """The scalar grouped GEMM; pairs: its output stored by pairs of columns (a 16-bit out; cfg.rn even); nf4: W
-    stored as NF4 (moe_nf4.nf4_upload)."""
+def gemm_kernel(cfg: GemmConfig, swiglu: bool, lora: bool, pairs: bool = False, packed: str = "") -> Kernel:
+    """The scalar grouped GEMM; pairs: its output stored by pairs of columns (a 16-bit out; cfg.rn even); packed:
+    W packed as "nf4" or "mxfp4" (moe_packed.py)."""
     bindings = "out! x w offsets perm" + (" hl lb" if lora else (" _ _" if swiglu else "")) + (" h!" if swiglu else "")
-    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora, pairs, nf4),
+    return Kernel("moe_gemm", "moe_gemm", bindings, source=(gemm_source, cfg.rm, cfg.rn, swiglu, lora, pairs, packed),
                   invocations=WG)
 
 
 def register_kernel(wg: int, tm: int, subgroups: bool, swiglu: bool, nt: bool, formats: tuple = (),
-                    nf4: bool = False) -> Kernel:
+                    packed: str = "") -> Kernel:
     """The register-blocked grouped GEMM (shaders/moe_gemm_register.wgsl); formats: its 16-bit tensors' (binding,
-    format) pairs (out at 1, x at 2, W at 3); nf4: W stored as NF4 (moe_nf4.nf4_upload)."""
+    format) pairs (out at 1, x at 2, W at 3); packed: W packed as "nf4" or "mxfp4" (moe_packed.py)."""
     constants = {"WG": wg, "TM": tm, "SWIGLU": bool(swiglu), "B_KVEC": bool(nt)}
     return Kernel("moe_gemm_register", "moe_gemm_reg", "out! x w offsets perm hl lb h!",
-                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats, nf4),
+                  tuple(sorted(constants.items())), source=(moe_source.register_source, subgroups, formats, packed),
                   invocations=wg, features=("subgroup",) if subgroups else (), formats=formats)
 
 
@@ -111,16 +112,22 @@ def _unused(rt, writable: bool):
 
 
 def _fmt(tensors: dict, name: str) -> str:
-    """A tensor's storage format (device/storage.py), or "nf4" for NF4 experts (moe_nf4.nf4_upload)."""
+    """A tensor's storage format (device/storage.py), or its packed format, "nf4" or "mxfp4" (moe_packed.py)."""
     if name not in tensors:
         return "f32"
     buf = split(tensors[name])[0]
-    return "nf4" if nf4_absmax_word(buf) is not None else storage.format_of(buf)
+    packed = packed_format(buf)
+    return packed[0] if packed else storage.format_of(buf)
+
+
+def _packed(fmt: str) -> str:
+    """W's packed format for the source builders ("" for a storage format)."""
+    return fmt if fmt in FORMATS else ""
 
 
 def _w_elements(p) -> int:
-    """Elements of W a grouped GEMM binds: its weights, or an NF4 buffer's words."""
-    return p.t["w"].size // 4 if p.w_fmt == "nf4" else p.experts * p.w_out * p.in_f
+    """Elements of W a grouped GEMM binds: its weights, or a packed buffer's words."""
+    return p.t["w"].size // 4 if _packed(p.w_fmt) else p.experts * p.w_out * p.in_f
 
 
 def _sorted_pairs(experts: np.ndarray, n_experts: int):
@@ -156,7 +163,8 @@ class MoeGemmProblem:
         self.rank, self.scale, self.swiglu = int(rank), float(scale), bool(swiglu)
         self.w_out = 2 * self.cols if swiglu else self.cols
         self.x_fmt, self.w_fmt, self.out_fmt = _fmt(tensors, "x"), _fmt(tensors, "w"), _fmt(tensors, "out")
-        self.w_abs = (nf4_absmax_word(split(tensors["w"])[0]) or 0) if "w" in tensors else 0
+        packed = packed_format(split(tensors["w"])[0]) if "w" in tensors else None
+        self.w_abs = packed[1] if packed else 0        # the word where a packed W's scales start
 
     @property
     def flops(self) -> float:
@@ -226,6 +234,10 @@ class MoeGemmProblem:
         if self.w_fmt == "nf4":
             w_buf = nf4_upload(self.rt, w.reshape(w_shape), label="tune operand")
             w = nf4_dequantize(*nf4_quantize(w), w_shape)
+        elif self.w_fmt == "mxfp4":       # random codes, scales near 2^-4 (w_shape[-1] a multiple of 32)
+            blocks = rng.integers(0, 256, (*w_shape[:-1], w_shape[-1] // 32, 16), dtype=np.uint8)
+            packed = Mxfp4(blocks, rng.integers(121, 125, blocks.shape[:-1], dtype=np.uint8), "w", "tune")
+            w_buf, w = mxfp4_upload(self.rt, packed, "tune operand"), packed.values()
         else:
             w = storage.rounded(w, self.w_fmt)
             w_buf = storage.upload(self.rt, w, self.w_fmt, "tune operand")
@@ -271,7 +283,7 @@ class GroupedGemm:
         return p.experts + 1 + p.in_f + 1 + (p.rank + 1 if p.rank else 0)
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0, pairs=p.out_fmt != "f32", nf4=p.w_fmt == "nf4")
+        k = gemm_kernel(self.cfg, p.swiglu, p.rank > 0, pairs=p.out_fmt != "f32", packed=_packed(p.w_fmt))
         tokens = p.rows // p.slots if p.by_token else p.rows
         sizes = {"out": p.rows * p.w_out, "x": tokens * p.in_f, "w": _w_elements(p), "offsets": p.experts + 1,
                  "perm": p.rows, "hl": p.rows * p.rank, "lb": p.experts * p.w_out * p.rank, "h": p.rows * p.cols}
@@ -319,9 +331,10 @@ class RegisterGemm:
         return p.experts + 1 + 2 * (self.tm + 1) + 5 + p.in_f // 4 + 1 + lora
 
     def dispatches(self, p: MoeGemmProblem) -> list:
-        formats = tuple((b, f) for b, f in ((1, p.out_fmt), (2, p.x_fmt), (3, p.w_fmt)) if f not in ("f32", "nf4"))
+        formats = tuple((b, f) for b, f in ((1, p.out_fmt), (2, p.x_fmt), (3, p.w_fmt))
+                        if f != "f32" and not _packed(f))
         k = register_kernel(self.wg, self.tm, self.subgroups, p.swiglu, p.layout == "nt", formats,
-                            nf4=p.w_fmt == "nf4")
+                            packed=_packed(p.w_fmt))
         tokens = p.rows // p.slots if p.by_token else p.rows
         lora = p.rank > 0
         tensors = [(p.t["out"], p.rows * p.w_out), (p.t["x"], tokens * p.in_f),
@@ -457,14 +470,15 @@ class DirectOuter:
 
 def all_kernels() -> list[Kernel]:
     """Every kernel descriptor of the family (the binding-limit and Tint checks go through them)."""
-    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora, pairs, nf4) for cfg in GEMM_CONFIGS
+    return (list(PLAIN) + [gemm_kernel(cfg, swiglu, lora, pairs, packed) for cfg in GEMM_CONFIGS
                            for swiglu in (False, True) for lora in (False, True) for pairs in (False, True)
-                           for nf4 in (False, True) if not pairs or cfg.rn % 2 == 0]
-            + [register_kernel(wg, tm, sg, swiglu, nt, nf4=nf4) for sg in (False, True) for tm in REGISTER_TMS
+                           for packed in ("",) + FORMATS if not pairs or cfg.rn % 2 == 0]
+            + [register_kernel(wg, tm, sg, swiglu, nt, packed=packed) for sg in (False, True) for tm in REGISTER_TMS
                for wg in REGISTER_WGS for swiglu, nt in ((False, True), (True, True), (False, False))
-               for nf4 in (False, True)])
+               for packed in ("",) + FORMATS])
 
 
-FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER, moe_source.NF4_SHADER),
-                modules=(__file__, moe_source.__file__, moe_nf4.__file__), all_kernels=all_kernels,
+FAMILY = Family("moe", shaders=("moe", "moe_balance", "moe_gemm", moe_source.REGISTER_SHADER,
+                                *moe_source.PACKED_SHADERS.values()),
+                modules=(__file__, moe_source.__file__, moe_packed.__file__), all_kernels=all_kernels,
                 benches=("moe",))

@@ -2,8 +2,8 @@
 of RM sorted rows x RN columns per invocation, the swiglu form and the LoRA term, each a parameter; the loops over
 the block's rows and columns unrolled here, so the accumulators stay in registers) and the grouped forms of the
 dense GEMM family's kernels (gemm_source.py's pieces): the register-blocked one (shaders/moe_gemm_register.wgsl, with
-or without subgroups). Both take NF4 experts (shaders/moe_nf4.wgsl's decoder in place of W's tensor markers) as a
-parameter."""
+or without subgroups). Both take packed experts (NF4 or MXFP4: shaders/moe_nf4.wgsl's or moe_mxfp4.wgsl's decoder in
+place of W's tensor markers) as a parameter."""
 from __future__ import annotations
 
 import re
@@ -97,23 +97,25 @@ def _body(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False) -> st
     return "\n".join(lines)
 
 
-NF4_SHADER = "moe_nf4"
+PACKED_SHADERS = {"nf4": "moe_nf4", "mxfp4": "moe_mxfp4"}     # a packed W's format -> its decoder
 
 
-def _nf4_weights(text: str) -> str:
-    """text with W's tensor markers (binding 3) replaced by shaders/moe_nf4.wgsl's NF4 declaration and accessors."""
+def _packed_weights(text: str, packed: str) -> str:
+    """text with W's tensor markers (binding 3) replaced by the declaration and accessors of the packed format's
+    decoder (PACKED_SHADERS); text itself where `packed` is ""."""
+    if not packed:
+        return text
     text = re.sub(r"^[ \t]*// @tensor4 3 w read[ \t]*\n", "", text, flags=re.M)
-    return re.sub(r"^[ \t]*// @tensor 3 w read[ \t]*$", lambda m: shader_text(NF4_SHADER), text, count=1,
-                  flags=re.M)
+    return re.sub(r"^[ \t]*// @tensor 3 w read[ \t]*$", lambda m: shader_text(PACKED_SHADERS[packed]), text,
+                  count=1, flags=re.M)
 
 
-def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False, nf4: bool = False) -> str:
+def gemm_source(rm: int, rn: int, swiglu: bool, lora: bool, pairs: bool = False, packed: str = "") -> str:
     """shaders/moe_gemm.wgsl for a register block of rm x rn, in its swiglu or plain form, with or without the
-    LoRA term, its output stored by pairs of columns where `pairs` (a 16-bit dst: rn even), W in NF4 where `nf4`
-    (a Kernel's source: launch expands its other tensor markers for dst's, x's and W's storage formats)."""
-    text = shader_text("moe_gemm")
-    if nf4:
-        text = _nf4_weights(text)
+    LoRA term, its output stored by pairs of columns where `pairs` (a 16-bit dst: rn even), W packed as `packed`
+    ("nf4", "mxfp4"; "": a storage format) (a Kernel's source: launch expands its other tensor markers for dst's,
+    x's and W's storage formats)."""
+    text = _packed_weights(shader_text("moe_gemm"), packed)
     text = text.replace("// @body", _body(rm, rn, swiglu, lora, pairs))
     text = text.replace(LORA_MARK, LORA_DECL if lora else "")
     text = text.replace(SWIGLU_MARK, SWIGLU_DECL if swiglu else "")
@@ -125,10 +127,10 @@ _PORTABLE, _SUBGROUPS = ("// @portable begin", "// @portable end"), ("// @subgro
 
 
 @lru_cache(maxsize=None)
-def register_source(subgroups: bool, formats: tuple = (), nf4: bool = False) -> str:
+def register_source(subgroups: bool, formats: tuple = (), packed: str = "") -> str:
     """shaders/moe_gemm_register.wgsl (gemm_register.wgsl appended) with its subgroup or its portable entry point
     kept (naga rejects a module using a subgroup builtin on an adapter without the feature), its vec4 views of dst,
-    x and W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views), W in NF4 where
-    `nf4`."""
+    x and W declared for the 16-bit tensors' (binding, format) pairs `formats` (storage.views), W packed as
+    `packed` ("nf4", "mxfp4"; "": a storage format)."""
     text = blank(shader_text(REGISTER_SHADER), *(_PORTABLE if subgroups else _SUBGROUPS))
-    return storage.views(_nf4_weights(text) if nf4 else text, formats)
+    return storage.views(_packed_weights(text, packed), formats)
