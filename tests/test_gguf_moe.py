@@ -11,6 +11,7 @@ import peft
 import pytest
 
 from finetune_helpers import build_tokenizer, folder_state
+from test_gguf import assert_converter_types
 from tiny_models import build_moe, save_model
 from tolerances import assert_close
 from wgpu_train.cli.main import main
@@ -88,6 +89,7 @@ def test_moe_gguf_reads_back_with_the_merged_experts(tmp_path, arch):
         assert main(["merge", "--model", str(folder), "--adapter-path", str(adapter), "--out", str(merged),
                      "--overwrite", "--gguf", str(out), "--gguf-type", dtype]) == 0
         got, fields = _read(out)
+        types = assert_converter_types(out, dtype)
         want = _expected(merged, cfg, arch)
         assert set(got) == set(want)
         for name, w in want.items():
@@ -105,8 +107,7 @@ def test_moe_gguf_reads_back_with_the_merged_experts(tmp_path, arch):
         if arch == "qwen2_moe":
             assert fields[f"{prefix}.expert_shared_feed_forward_length"] == cfg.moe.shared_expert_size
         if dtype == "q8_0":           # the experts' rows (64 wide) are quantised, not kept in f16
-            gate = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "blk.0.ffn_gate_exps.weight")
-            assert gate.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
