@@ -106,7 +106,8 @@ TOLERANCES: dict[str, Tolerance] = {
         "quantiser, each input row of a q8_0 product by ggml's quantize_row_q8_0): the same numbers in another "
         "summation order, observed <= 1.5e-6 on logits up to ~5 (dense, qwen3moe, olmoe, Mixtral); the room is "
         "for an activation on a rounding boundary going the other way (one q8_0 step, max|x|/127 of its block, "
-        "times its weights). Leaving out the activations' rounding is 0.11-0.81 off (measured), a wrong tensor whole units"),
+        "times its weights). Leaving out the activations' rounding is 0.11-0.81 off (measured), a wrong tensor "
+        "whole units"),
     "merged_weights": Tolerance(1e-6, 1e-7,
         "W + scale * B @ A: ours formed in float64 and rounded once, PEFT's in float32 (a product and an add); "
         "about one float32 ulp of weights ~0.15; observed <= 3e-8 (test_modules_to_save); a wrong scale or a "
