@@ -1,6 +1,7 @@
 """merge --gguf: the gguf package reads the file back with the merged weights (q8_0 within its quantisation
-error), and transformers' GGUF loader gives the merged folder's logits (f32 / f16), for Llama, Mistral, Qwen2
-and Qwen3; what is not exported is one line before anything is written."""
+error), each tensor of the type llama.cpp's converter gives it (its rule written out here, converter_type), and
+transformers' GGUF loader gives the merged folder's logits (f32 / f16), for Llama, Mistral, Qwen2 and Qwen3; what
+is not exported is one line before anything is written."""
 from __future__ import annotations
 
 import sys
