@@ -28,7 +28,8 @@ MOE = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 HYBRID = ("smollm3", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # the models whose matrices are 64 wide (q8_0 blocks); not qwen2_moe: llama.cpp's qwen2moe graph changes its
 # hidden state before the output (by up to 0.10, measured) when only output.weight is q8_0 and every other tensor
-# float32, which no rounding of ours reproduces (the same with the converter's own file; cause not found)
+# float32 (not when it is f16), which no rounding of ours reproduces (the same with the converter's own file;
+# cause not found)
 Q8 = DENSE + ("qwen3_moe", "olmoe", "mixtral")
 Q8_BLOCK = 32
 
