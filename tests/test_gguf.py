@@ -1,6 +1,7 @@
 """merge --gguf: the gguf package reads the file back with the merged weights (q8_0 within its quantisation
-error), and transformers' GGUF loader gives the merged folder's logits (f32 / f16), for Llama, Mistral, Qwen2
-and Qwen3; what is not exported is one line before anything is written."""
+error), each tensor of the type llama.cpp's converter gives it (its rule written out here, converter_type), and
+transformers' GGUF loader gives the merged folder's logits (f32 / f16), for Llama, Mistral, Qwen2 and Qwen3; what
+is not exported is one line before anything is written."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ from tiny_models import build_model, save_model
 from wgpu_train.cli.main import main
 from wgpu_train.models.config import LINEAR_MODULES, ModelConfig
 from wgpu_train.adapters.config import LoraConfig
-from wgpu_train.models.gguf_export import rotary_rows
+from wgpu_train.models.gguf_export import rotary_rows, tensor_type
 from wgpu_train.models.weights import module_path
 from wgpu_train.adapters.files import peft_key, write_adapter
 from wgpu_train.formats.safetensors import read_safetensors
@@ -27,6 +28,32 @@ torch = pytest.importorskip("torch")
 # Qwen3Config's default of 128 (llama.cpp reads attention.key_length).
 OVERRIDES = {"llama": dict(rope_scaling=None), "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=128)}
 SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+# llama.cpp's converter's choice of tensor types (convert_hf_to_gguf.py, ModelBase.prepare_tensors, as vendored in
+# llama-cpp-python 0.3.36), written down from its source rather than from our exporter: float32 for tensors of one
+# dimension, "_norm.weight"s, names not ending ".weight" and the routers / convolutions it lists; token_embd and
+# output are quantised like any matrix; q8_0 falls back to f16 where a row is no whole number of 32-value blocks
+CONVERTER_F32 = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight", ".shortconv.conv.weight")
+
+
+def converter_type(name: str, row: int, dims: int, file_type: str):
+    """The gguf.GGMLQuantizationType llama.cpp's converter gives tensor `name` (`dims` axes, rows of `row` values)
+    in a `file_type` ("f32", "f16" or "q8_0") file."""
+    q = gguf.GGMLQuantizationType
+    if dims <= 1 or name.endswith("_norm.weight") or name.endswith(CONVERTER_F32) or not name.endswith(".weight"):
+        return q.F32
+    return {"f32": q.F32, "f16": q.F16, "q8_0": q.F16 if row % 32 else q.Q8_0}[file_type]
+
+
+def assert_converter_types(path, file_type: str):
+    """Every tensor of the GGUF at `path` has the type llama.cpp's converter gives it; returns the types seen."""
+    types = {}
+    for t in gguf.GGUFReader(str(path)).tensors:          # t.shape is ggml's order: the row length first
+        want = converter_type(t.name, int(t.shape[0]), len(t.shape), file_type)
+        assert t.tensor_type == want, (t.name, [int(d) for d in t.shape], t.tensor_type.name, want.name)
+        types[t.name] = t.tensor_type
+    return types
 
 
 def _model_and_adapter(root, arch, extra_vocab=0):
@@ -59,6 +86,9 @@ def test_gguf_round_trip(tmp_path, arch):
         assert main(["merge", "--adapter-path", str(adapter), "--out", str(merged), "--overwrite", "--gguf", str(out),
                      "--gguf-type", dtype]) == 0
         want = read_safetensors(merged / "model.safetensors")
+        types = assert_converter_types(out, dtype)
+        if dtype == "q8_0":     # the matrices 64 wide, the embedding and output among them, quantised
+            assert types["token_embd.weight"] == types["output.weight"] == gguf.GGMLQuantizationType.Q8_0
         reader = gguf.GGUFReader(str(out))
         got = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
                for t in reader.tensors}
@@ -83,6 +113,23 @@ def test_gguf_round_trip(tmp_path, arch):
             with torch.no_grad():
                 a, b = hf(ids).logits, from_gguf(ids).logits
             assert torch.allclose(a, b, atol=1e-4 if dtype == "f32" else 3e-2), (dtype, (a - b).abs().max())
+
+
+def test_tensor_types_are_the_converters():
+    """tensor_type against llama.cpp's converter's rule (converter_type) on the kinds of tensor it tells apart."""
+    cases = [("token_embd.weight", (300, 64)), ("output.weight", (300, 64)), ("blk.0.attn_q.weight", (64, 64)),
+             ("blk.0.ffn_down.weight", (64, 96)), ("blk.0.attn_k.weight", (20, 30)),       # rows of 30: f16
+             ("blk.0.ffn_gate_exps.weight", (4, 32, 64)), ("blk.0.ffn_down_exps.weight", (4, 64, 48)),
+             ("blk.0.ffn_gate_inp.weight", (8, 64)), ("blk.0.ffn_gate_inp_shexp.weight", (64,)),
+             ("blk.0.ssm_conv1d.weight", (96, 64)), ("blk.0.shortconv.conv.weight", (64, 96)),
+             ("blk.0.attn_norm.weight", (64,)), ("blk.0.ssm_norm.weight", (4, 64)), ("blk.0.attn_q.bias", (64,)),
+             ("blk.0.ssm_a", (8,)), ("blk.0.exp_probs_b.bias", (8,))]
+    names = {gguf.GGMLQuantizationType.F32: "f32", gguf.GGMLQuantizationType.F16: "f16",
+             gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+    for file_type in ("f32", "f16", "q8_0"):
+        for name, shape in cases:
+            want = names[converter_type(name, shape[-1], len(shape), file_type)]
+            assert tensor_type(name, shape, file_type) == want, (name, shape, file_type)
 
 
 def test_token_list_has_a_token_per_embedding_row(tmp_path):

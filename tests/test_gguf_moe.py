@@ -1,16 +1,22 @@
 """merge --gguf of mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE, Mixtral as llama): the
 gguf package reads back llama.cpp's stacked expert tensors, router and expert metadata holding the merged weights;
 transformers' GGUF loader (Qwen2-MoE and Qwen3-MoE, the MoE architectures it reads) gives the merged folder's
-logits; what llama.cpp's graphs cannot run is one line before anything is written."""
+logits; what llama.cpp's graphs cannot run is one line before anything is written. With LLAMA_CPP_DIR set, a q8_0
+file equals llama.cpp's own converter's, tensor by tensor (dense models too)."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import peft
 import pytest
 
 from finetune_helpers import build_tokenizer, folder_state
+from test_gguf import _model_and_adapter as dense_model, assert_converter_types
 from tiny_models import build_moe, save_model
 from tolerances import assert_close
 from wgpu_train.cli.main import main
@@ -88,6 +94,7 @@ def test_moe_gguf_reads_back_with_the_merged_experts(tmp_path, arch):
         assert main(["merge", "--model", str(folder), "--adapter-path", str(adapter), "--out", str(merged),
                      "--overwrite", "--gguf", str(out), "--gguf-type", dtype]) == 0
         got, fields = _read(out)
+        types = assert_converter_types(out, dtype)
         want = _expected(merged, cfg, arch)
         assert set(got) == set(want)
         for name, w in want.items():
@@ -105,8 +112,7 @@ def test_moe_gguf_reads_back_with_the_merged_experts(tmp_path, arch):
         if arch == "qwen2_moe":
             assert fields[f"{prefix}.expert_shared_feed_forward_length"] == cfg.moe.shared_expert_size
         if dtype == "q8_0":           # the experts' rows (64 wide) are quantised, not kept in f16
-            gate = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "blk.0.ffn_gate_exps.weight")
-            assert gate.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
@@ -152,3 +158,52 @@ def test_moe_gguf_refusals_write_nothing(tmp_path, capsys):
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert code == 2 and len(err) == 1 and match in err[0], err
     assert folder_state(tmp_path) == before
+
+
+# llama.cpp's converter run on the merged folder, its tokenizer check passed over: it knows a BPE pre-tokenizer by a
+# hash of its output (ours, trained for the tests, is unknown: written as "default", as our exporter writes it), and
+# Llama's vocabulary tries sentencepiece first
+CONVERTER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf as convert
+try:
+    from conversion.base import TextModel
+except ImportError:                                   # before the converter was split into a package
+    TextModel = convert.TextModel
+def no_sentencepiece(self, *args, **kwargs):
+    raise FileNotFoundError("no tokenizer.model")
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+TextModel._set_vocab_sentencepiece = no_sentencepiece
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert.main()
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR (a llama.cpp source tree) not set")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen2_moe"])
+def test_q8_0_gguf_is_llama_cpps_converters(tmp_path, arch):
+    """merge --gguf-type q8_0 writes the tensors llama.cpp's own converter (LLAMA_CPP_DIR/convert_hf_to_gguf.py
+    --outtype q8_0) writes from the merged folder, byte for byte and of the same types; besides, a tied model's
+    output.weight (the embedding again, which transformers' GGUF reader needs) and Qwen2-MoE's shared expert gate
+    as the vector [H] where the converter keeps [H, 1]."""
+    folder, adapter = (dense_model(tmp_path, arch)[:2] if arch in ("llama", "qwen3") else
+                       _model_and_adapter(tmp_path, arch))
+    merged, ours, theirs = tmp_path / "merged", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    assert main(["merge", "--model", str(folder), "--adapter-path", str(adapter), "--out", str(merged),
+                 "--gguf", str(ours), "--gguf-type", "q8_0"]) == 0
+    subprocess.run([sys.executable, "-c", CONVERTER, str(Path(os.environ["LLAMA_CPP_DIR"]).resolve()), str(merged),
+                    "--outtype", "q8_0", "--outfile", str(theirs)], check=True, capture_output=True)
+    got = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
+    want = {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
+    tied = "output.weight" not in want
+    assert set(got) == set(want) | ({"output.weight"} if tied else set())
+    if tied:
+        want["output.weight"] = want["token_embd.weight"]
+    assert gguf.GGMLQuantizationType.Q8_0 in {t.tensor_type for t in got.values()}
+    for name, t in want.items():
+        shape = [int(d) for d in t.shape]
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            shape = shape[:1]
+        assert got[name].tensor_type == t.tensor_type and [int(d) for d in got[name].shape] == shape, name
+        assert np.asarray(got[name].data).tobytes() == np.asarray(t.data).tobytes(), name

@@ -1,8 +1,8 @@
 """A (merged) model as one GGUF file for llama.cpp and Ollama, written with the `gguf` package (the llama.cpp
 project's own Python writer): llama.cpp's tensor names and layout (q / k rows of Llama and Mistral in its
 rotary order), the model's hyper-parameters, its byte-level BPE tokenizer and chat template; weights in f32,
-f16 or q8_0 (1-D tensors stay f32, and q8_0 keeps rows that are no whole number of blocks in f16, as
-llama.cpp's converter does). Mixtures of experts as llama.cpp's qwen3moe, qwen2moe (its shared expert), olmoe and
+f16 or q8_0, each tensor of the type llama.cpp's converter gives it (tensor_type: its q8_0 tensors are the
+converter's, byte for byte). Mixtures of experts as llama.cpp's qwen3moe, qwen2moe (its shared expert), olmoe and
 Mixtral as llama: each layer's experts as stacked (E, rows, cols) tensors (ffn_gate_exps / ffn_up_exps /
 ffn_down_exps), the router as ffn_gate_inp, expert_count / expert_used_count and the expert widths. The hybrid
 families (SmolLM3, LFM2, LFM2-MoE, Qwen3.5, Qwen3-Next) as gguf_hybrid says. Every architecture is run by llama.cpp
@@ -151,6 +151,19 @@ def _gguf_tensors(gguf, names, hf_name: str, value, config: ModelConfig) -> list
     return [(gname, w)]
 
 
+def tensor_type(gname: str, shape: tuple, dtype: str) -> str:
+    """The type ("f32", "f16" or "q8_0") of llama.cpp's tensor `gname` of `shape` in a `dtype` file, as llama.cpp's
+    converter (convert_hf_to_gguf.py's prepare_tensors) chooses it: float32 for 1-D tensors, norms, anything not a
+    .weight and the tensors it keeps in float32 (F32_SUFFIXES: routers, convolutions); the file's type otherwise,
+    with q8_0's rows that are no whole number of 32-value blocks in f16 (the quantiser refuses them)."""
+    if len(shape) <= 1 or dtype == "f32" or gname.endswith(("_norm.weight", *F32_SUFFIXES)) \
+            or not gname.endswith(".weight"):
+        return "f32"
+    if dtype == "f16" or shape[-1] % Q8_BLOCK:
+        return "f16"
+    return "q8_0"
+
+
 def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype: str = "f16",
                name: str = "") -> Path:
     """Write `weights` (Hugging Face names -> float32 arrays, e.g. Model.merged_weights()) of `config` with the
@@ -205,10 +218,11 @@ def write_gguf(path, config: ModelConfig, weights: dict, tokenizer_folder, dtype
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     for hf_name, value in tensors.items():
         for gname, w in _gguf_tensors(gguf, names, hf_name, value, config):
-            if w.ndim == 1 or dtype == "f32" or gname.endswith(F32_SUFFIXES):
+            kind = tensor_type(gname, w.shape, dtype)
+            if kind == "f32":
                 writer.add_tensor(gname, w)
-            elif dtype == "f16" or w.shape[-1] % Q8_BLOCK:   # rows that do not split into q8_0 blocks: f16, as
-                writer.add_tensor(gname, w.astype(np.float16))  # llama.cpp's converter does
+            elif kind == "f16":
+                writer.add_tensor(gname, w.astype(np.float16))
             else:
                 q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
                 writer.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
