@@ -1,0 +1,161 @@
+"""Preference objectives with images (TRL's vision preference records) on a tiny Gemma 3: tokenized as TRL's
+DataCollatorForVisionPreference makes the rows, the first step's loss, metrics and LoRA gradients and the adapter
+after three steps equal to TRL's DPOTrainer with images; WebGPU equals NumPy; bad input in one line."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from wgpu_train.training.config import TrainConfig
+from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+from finetune_helpers import first_step_gradients_callback, peft_random_b
+from test_gemma3_vision import Image, open_image, peft, torch
+from test_gemma3_vision_training import chat_vlm  # noqa: F401  (the tiny Gemma 3 with its processor, shared)
+from tolerances import assert_close
+
+STEPS, LR = 3, 5e-3
+
+
+def pref_records():
+    """Three pairs: an image part before the text, a string prompt (TRL puts the image before it), two images."""
+    red, blue = Image.new("RGB", (30, 20), (255, 0, 0)), Image.new("RGB", (9, 31), (0, 0, 255))
+    green = Image.new("RGB", (17, 17), (0, 200, 0))
+    return [
+        {"images": [red], "prompt": [{"role": "user", "content": [{"type": "image"},
+                                                                   {"type": "text", "text": "what colour is it?"}]}],
+         "chosen": [{"role": "assistant", "content": "red"}], "rejected": [{"role": "assistant", "content": "blue"}]},
+        {"images": [green], "prompt": [{"role": "user", "content": "describe the picture"}],
+         "chosen": [{"role": "assistant", "content": "green squares"}],
+         "rejected": [{"role": "assistant", "content": "red blue"}]},
+        {"images": [blue, red], "prompt": [{"role": "user", "content": [
+            {"type": "text", "text": "and this"}, {"type": "image"}, {"type": "image"}]}],
+         "chosen": [{"role": "assistant", "content": "blue red"}],
+         "rejected": [{"role": "assistant", "content": "green"}]},
+    ]
+
+
+def write_pref_data(folder, records):
+    """records as a JSONL file beside their images (PNG files, named by position)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for k, rec in enumerate(records):
+        paths = []
+        for j, im in enumerate(rec["images"]):
+            open_image(im).save(folder / f"{k}_{j}.png")
+            paths.append(f"{k}_{j}.png")
+        lines.append(json.dumps({**rec, "images": paths}))
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def pref_setup(chat_vlm, tmp_path_factory):  # noqa: F811
+    """(root, the model folder, the processor, the base model): a PEFT adapter on the language model (B random,
+    so policy and reference differ) and the pairs' file."""
+    hf, folder, proc = chat_vlm
+    root = tmp_path_factory.mktemp("vision_pref")
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", lora_dropout=0.0)), 2)
+    pm.save_pretrained(root / "adapter")
+    write_pref_data(root / "data", pref_records())
+    return root, folder, proc, hf
+
+
+def our_name(name: str) -> str:
+    """PEFT's parameter name on the multimodal model as ours (model.layers.0.self_attn.q_proj.lora_A)."""
+    return name.replace("base_model.model.", "", 1).replace("model.language_model.", "model.") \
+        .replace(".default.weight", "")
+
+
+def config(root, folder, tmp_path, **kw) -> TrainConfig:
+    return TrainConfig(**{**dict(
+        model=str(folder), data=str(root / "data" / "train.jsonl"), adapter_path=str(root / "adapter"),
+        backend="numpy", out=str(tmp_path / "run"), batch_size=3, lr=LR, lr_schedule="constant", warmup_steps=0,
+        max_steps=STEPS, max_grad_norm=1.0, valid_split=0.0, log_every=1, eval_generate=False, no_progress=True,
+        max_seq_len=200, objective="dpo", beta=0.1), **kw})
+
+
+def test_rows_are_trls_vision_collators(pref_setup, tmp_path):
+    """Each pair's chosen and rejected rows are the ids TRL's DataCollatorForVisionPreference makes (the prompt
+    with its images expanded by Gemma3Processor, the answer tokenized apart), the completion mask its, and both
+    rows carry the prompt's images."""
+    import trl
+
+    root, folder, proc, _ = pref_setup
+    records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in pref_records()]
+    batch = trl.trainer.dpo_trainer.DataCollatorForVisionPreference(proc)(copy.deepcopy(records))
+    trainer = PreferenceTrainer(config(root, folder, tmp_path), log=lambda m: None)
+    trainer._check_run()
+    pairs = trainer.pref["train"]
+    n = len(records)
+    assert [len(p.images) for p in pairs] == [1, 1, 2]
+    for k, pair in enumerate(pairs):
+        for row, i in zip(pair.rows(), (k, n + k)):
+            real = batch["attention_mask"][i].numpy() == 1
+            np.testing.assert_array_equal(row.input_ids, batch["input_ids"][i].numpy()[real])
+            np.testing.assert_array_equal(row.labels != -100, batch["completion_mask"][i].numpy()[real] == 1)
+            assert row.images == pair.images
+
+
+def test_first_step_and_three_steps_equal_trls_dpo_with_images(pref_setup, tmp_path):
+    """TRL 1.16's DPOTrainer on the same PEFT model, pairs and images (the reference: the adapter off): our first
+    step's loss, TRL's metrics and the LoRA gradients, then the adapter after three AdamW steps."""
+    import datasets
+    import trl
+
+    from peft import PeftModel
+
+    root, folder, proc, hf = pref_setup
+    torch.manual_seed(0)
+    pm = PeftModel.from_pretrained(copy.deepcopy(hf), str(root / "adapter"), is_trainable=True)
+    grabber = first_step_gradients_callback(pm)
+    records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in pref_records()]
+    records[1]["prompt"] = [{"role": "user", "content": [{"type": "image"},     # Arrow takes one type of content
+                                                         {"type": "text", "text": "describe the picture"}]}]
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(records),
+                         learning_rate=LR, lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
+                         max_grad_norm=1.0, report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0,
+                         max_length=None, beta=0.1, loss_type=["sigmoid"], remove_unused_columns=False)
+    trl_trainer = trl.DPOTrainer(model=pm, args=args, train_dataset=datasets.Dataset.from_list(records),
+                                 processing_class=proc, callbacks=[grabber])
+    trl_trainer.train()
+    history = [h for h in trl_trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    trl_grads = {our_name(k): v for k, v in grabber.grads.items()}
+    trl_after = {our_name(n): p.detach().numpy() for n, p in pm.named_parameters() if ".default." in n}
+
+    trainer = PreferenceTrainer(config(root, folder, tmp_path), log=lambda m: None).setup()
+    indices = trainer.stream.epoch_batches(0)[0]
+    result, scored = trainer._objective("train", indices)
+    assert_close(np.float64(result.loss), np.float64(history[0]["loss"]), "preference_vs_trl_loss", "loss")
+    for key, value in result.metrics.items():
+        assert_close(np.float64(value), np.float64(history[0][key]), "preference_vs_trl_loss", key)
+    engine = trainer.engine
+    engine.zero_grads()
+    total = float(scored.targets.sum())
+    for ids, targets, seg, pos, w, images in trainer.weighted_micro_batches(result, scored):
+        engine.set_images(images)
+        engine.forward_backward(ids, targets, seg, pos, w / np.float32(total))
+        engine.set_images(None)
+    grads = engine.gradients()
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    clip = min(1.0, 1.0 / (norm + 1e-6))                   # torch's clip_grad_norm_ (TRL's grads are clipped)
+    assert set(grads) == set(trl_grads)
+    for k, g in grads.items():
+        assert np.abs(trl_grads[k]).max() > 0, k
+        assert_close(g * clip, trl_grads[k], "preference_vs_trl_grads", k)
+
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == len(history) == STEPS
+    for mine, theirs in zip(steps, history):
+        for key in ("loss", "rewards/margins"):
+            assert_close(np.float64(mine[key]), np.float64(theirs[key]), "preference_vs_trl_loss", key)
+    after = engine.trainable()
+    assert set(after) == set(trl_after)
+    for k, v in after.items():
+        assert_close(v, trl_after[k], "preference_vs_trl_params", k)
