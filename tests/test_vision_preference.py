@@ -32,7 +32,8 @@ def pref_records():
          "chosen": [{"role": "assistant", "content": "green squares"}],
          "rejected": [{"role": "assistant", "content": "red blue"}]},
         {"images": [blue, red], "prompt": [{"role": "user", "content": [
-            {"type": "text", "text": "and this"}, {"type": "image"}, {"type": "image"}]}],
+            {"type": "text", "text": "and this, no picture here: describe the picture"}, {"type": "image"},
+            {"type": "image"}]}],
          "chosen": [{"role": "assistant", "content": "blue red"}],
          "rejected": [{"role": "assistant", "content": "green"}]},
     ]
@@ -159,3 +160,100 @@ def test_first_step_and_three_steps_equal_trls_dpo_with_images(pref_setup, tmp_p
     assert set(after) == set(trl_after)
     for k, v in after.items():
         assert_close(v, trl_after[k], "preference_vs_trl_params", k)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "kto"])
+def test_other_objectives_train_with_images(pref_setup, tmp_path, objective):
+    """ORPO (its NLL on the prompt leaves the image's tokens out) and KTO (the pairs unpaired, the KL rows with
+    their own prompt's images) train with images: finite losses, the adapter moved."""
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    root, folder, _, _ = pref_setup
+    summary = PreferenceTrainer(config(root, folder, tmp_path, objective=objective, beta=0.2, max_steps=2),
+                                log=lambda m: None).run()
+    assert summary["steps"] == 2 and summary["images"] == (8 if objective == "kto" else 4)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in rows if "grad_norm" in r)
+    start, after = (read_safetensors(p / "adapter_model.safetensors") for p in (root / "adapter", tmp_path / "run"))
+    assert any(np.abs(after[k] - start[k]).max() > 0 for k in start)
+
+
+def test_orpo_never_trains_an_images_tokens(pref_setup, tmp_path):
+    """ORPO's chosen rows target every token but an image's run (boi, the image tokens, eoi)."""
+    root, folder, _, _ = pref_setup
+    trainer = PreferenceTrainer(config(root, folder, tmp_path, objective="orpo"), log=lambda m: None)
+    trainer._check_run()
+    scored_micro = trainer.scorer.pair_micro_batches(trainer.pref["train"], np.arange(3))[0]
+    ids, targets = scored_micro[0][0], scored_micro[0][1]
+    chosen = targets[:3]                                               # (3, T) the chosen rows, shifted
+    assert not np.isin(chosen, [5, 6, 7]).any()
+    assert np.isin(ids[:3], [5, 6, 7]).any() and (chosen != -100).sum() > (targets[3:] != -100).sum()
+
+
+def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt):
+    """DPO with images on the WebGPU engine (the tower on the CPU, each micro-batch's ImageTokens uploaded with
+    it, the reference the adapter off in the same submission): the losses and the adapter after two steps are
+    the NumPy engine's."""
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    root, folder, _, _ = pref_setup
+    runs = {}
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
+        PreferenceTrainer(config(root, folder, out, backend=backend, max_steps=2, lr=1e-2, **kw),
+                          log=lambda m: None).run()
+        rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = ([r["loss"] for r in rows if "grad_norm" in r],
+                         read_safetensors(out / "run" / "adapter_model.safetensors"))
+    (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
+    assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "DPO losses with images")
+    for name in ad_n:
+        assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
+
+
+def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
+    """`finetune --objective dpo --data` of vision pairs writes an adapter and counts the images; a pair cut
+    inside an image is dropped with a count; bad input is one line and exit 2."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, _ = pref_setup
+    data = root / "data" / "train.jsonl"
+    args = ["finetune", "--model", str(folder), "--backend", "numpy", "--objective", "dpo", "--max-steps", "1",
+            "--batch-size", "2", "--no-progress", "--valid-split", "0", "--lora-targets", "q_proj,v_proj"]
+    assert main(args + ["--data", str(data), "--out", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["images"] == 4 and summary["data_format"] == "vision" and summary["n_train"] == 3
+    assert summary["rows_cut_in_image"] == 0
+    # --max-seq-len inside record 2's second image: that pair dropped, counted
+    trainer = PreferenceTrainer(config(root, folder, tmp_path / "probe"), log=lambda m: None)
+    trainer._check_run()
+    pairs = trainer.pref["train"]
+    cut_at = max(len(p.prompt_ids) for p in pairs[:2]) + 2
+    assert np.flatnonzero(pairs[2].prompt_ids == 7)[-1] >= cut_at
+    assert main(args + ["--data", str(data), "--max-seq-len", str(cut_at), "--out", str(tmp_path / "cut")]) == 0
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["rows_cut_in_image"] == 1 and summary["n_train"] == 2 and summary["images"] == 2
+    capsys.readouterr()
+
+    def bad(name, change):
+        rows = pref_records()
+        change(rows)
+        return write_pref_data(tmp_path / name, rows)
+
+    cases = [
+        (bad("more", lambda r: r[0].update(images=r[0]["images"] * 2)), [],
+         "1 image placeholders for 2 images"),
+        (bad("fewer", lambda r: r[2].update(images=r[2]["images"][:1])), [], "2 image placeholders for 1 images"),
+        (bad("implicit", lambda r: r[1].pop("prompt")), [], 'records with images need an explicit "prompt"'),
+        (bad("answer", lambda r: r[0].update(chosen=[{"role": "assistant", "content": [{"type": "image"}]}])), [],
+         "chosen: 1 image placeholders for 0 images"),
+        (data, ["--truncation-mode", "keep_end"], "--truncation-mode keep_end is not supported with images"),
+        (data, ["--objective", "grpo", "--num-generations", "2"], "--objective grpo is not supported with images yet"),
+        (data, ["--max-seq-len", "3"], "no training pairs left after tokenization"),
+    ]
+    for path, extra, message in cases:
+        code = main(args + ["--data", str(path), "--out", str(tmp_path / "bad_run"), "--overwrite"] + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and any(message in line for line in err), (message, err)
