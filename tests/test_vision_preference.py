@@ -250,10 +250,128 @@ def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
         (bad("answer", lambda r: r[0].update(chosen=[{"role": "assistant", "content": [{"type": "image"}]}])), [],
          "chosen: 1 image placeholders for 0 images"),
         (data, ["--truncation-mode", "keep_end"], "--truncation-mode keep_end is not supported with images"),
-        (data, ["--objective", "grpo", "--num-generations", "2"], "--objective grpo is not supported with images yet"),
+        (bad("grpo", lambda r: r[0].update(prompt="what colour is it?")), ["--objective", "grpo", "--num-generations",
+                                                                          "2"], 'need "prompt" as a non-empty list'),
+        (data, ["--objective", "grpo", "--num-generations", "2", "--max-prompt-length", "9"],
+         "--max-prompt-length is not supported with images yet"),
         (data, ["--max-seq-len", "3"], "no training pairs left after tokenization"),
     ]
     for path, extra, message in cases:
         code = main(args + ["--data", str(path), "--out", str(tmp_path / "bad_run"), "--overwrite"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
+
+
+# ---- GRPO with images -------------------------------------------------------------------------------------------
+
+G, MAX_COMPLETION = 2, 6
+QUESTIONS = ["what colour is it?", "describe the picture"]
+
+
+def grpo_records():
+    red, green = Image.new("RGB", (30, 20), (255, 0, 0)), Image.new("RGB", (17, 17), (0, 200, 0))
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+             "images": [im]} for q, im in zip(QUESTIONS, (red, green))]
+
+
+def length_reward(prompts, completions, **kwargs):
+    """The answer's length: compares both sides' decoding of conversational completions."""
+    return [len(c[0]["content"]) / 8 for c in completions]
+
+
+def id_reward(prompts, completions, completion_ids, **kwargs):
+    return [float(sum(t % 3 == 0 for t in ids)) for ids in completion_ids]
+
+
+def scripted(eos: int, steps: int) -> list:
+    """[generation][prompt][slot] -> completion ids: words of the vocabulary, some ending in EOS, some cut."""
+    rng = np.random.default_rng(3)
+    return [[[[int(t) for t in rng.integers(10, 150, n)] + ([eos] if n < MAX_COMPLETION else [])
+              for n in (rng.integers(1, MAX_COMPLETION), MAX_COMPLETION)] for _ in QUESTIONS] for _ in range(steps)]
+
+
+def test_grpo_with_images_equals_trl(pref_setup, tmp_path, monkeypatch):
+    """TRL 1.16's GRPOTrainer with images (its generation scripted) and ours on the same PEFT adapter, prompts,
+    images and completions (beta 0.04: the reference, the adapter off, scores with the images too): the prompts'
+    ids, the first step's loss and LoRA gradients, and the adapter after three steps."""
+    import datasets
+    import trl
+
+    from peft import PeftModel
+
+    from test_grpo_trl import first_step_gradients
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    root, folder, proc, hf = pref_setup
+    proc = copy.deepcopy(proc)
+    proc.tokenizer.padding_side = "left"    # as TRL loads a processor itself: its image token types left-padded
+    tok = proc.tokenizer                    # like its prompts (a right-padding one misplaces the shorter prompt's)
+    table = scripted(tok.eos_token_id, STEPS)
+    torch.manual_seed(0)
+    pm = PeftModel.from_pretrained(copy.deepcopy(hf), str(root / "adapter"), is_trainable=True)
+    grabber = first_step_gradients_callback(pm)
+    records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in grpo_records()]
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=G * len(QUESTIONS),
+                          num_generations=G, max_completion_length=MAX_COMPLETION, learning_rate=LR,
+                          lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1, max_grad_norm=1.0,
+                          report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0, beta=0.04)
+    trl_trainer = trl.GRPOTrainer(model=pm, reward_funcs=[length_reward, id_reward], args=args,
+                                  train_dataset=datasets.Dataset.from_list(records), processing_class=proc,
+                                  callbacks=[grabber])
+    trl_prompts, generations = {}, []
+
+    def generate(prompt_ids_list, images, fields, num_generations, **kw):
+        out, slots = [], [0] * len(QUESTIONS)
+        for ids in prompt_ids_list:
+            p = next(i for i, q in enumerate(QUESTIONS) if q in tok.decode(ids))
+            trl_prompts[p] = list(map(int, ids))
+            out.append(list(table[len(generations)][p][slots[p]]))
+            slots[p] += 1
+        generations.append(out)
+        return out, None
+
+    trl_trainer._generate_single_turn = generate
+    trl_trainer.train()
+    history = [h for h in trl_trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    trl_grads = {our_name(k): v for k, v in grabber.grads.items()}
+    trl_after = {our_name(n): p.detach().numpy() for n, p in pm.named_parameters() if ".default." in n}
+
+    write_pref_data(tmp_path / "data", grpo_records())
+    ours = []
+
+    def sample(self, examples, seeds):
+        slots, ids = [0] * len(QUESTIONS), []
+        for ex in examples:
+            p = QUESTIONS.index(ex.record.prompt[-1]["content"][-1]["text"])
+            ids.append(list(table[len(ours)][p][slots[p]]))
+            slots[p] += 1
+        ours.append(ids)
+        return ids, np.array([c[-1] != tok.eos_token_id for c in ids], bool)
+
+    monkeypatch.setattr(GRPOTrainer, "_sample", sample)
+    cfg = config(root, folder, tmp_path, data=str(tmp_path / "data" / "train.jsonl"), objective="grpo",
+                 batch_size=G * len(QUESTIONS), num_generations=G, max_completion_length=MAX_COMPLETION, beta=0.04,
+                 seed=0)
+    trainer = GRPOTrainer(cfg, log=lambda m: None, reward_funcs=[length_reward, id_reward]).setup()
+    for p, ex in enumerate(sorted(trainer.prompts["train"], key=lambda e: str(e.record.prompt))):
+        q = QUESTIONS.index(ex.record.prompt[-1]["content"][-1]["text"])
+        assert list(map(int, ex.input_ids)) == trl_prompts[q]
+        assert len(ex.record.images) == 1
+    grads, result, gen = first_step_gradients(trainer)
+    ours.clear()
+    assert_close(np.float64(result.loss), np.float64(history[0]["loss"]), "grpo_vs_trl_loss", "first loss")
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    clip = min(1.0, 1.0 / (norm + 1e-6))
+    assert set(grads) == set(trl_grads)
+    for k, g in grads.items():
+        assert np.abs(trl_grads[k]).max() > 0, k
+        assert_close(g * clip, trl_grads[k], "grpo_vs_trl_grads", k)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == len(history) == STEPS
+    for mine, theirs in zip(steps, history):
+        for key in ("loss", "kl", "reward", "rewards/length_reward/mean"):
+            assert_close(np.float64(mine[key]), np.float64(theirs[key]), "grpo_vs_trl_loss", key)
+    for k, v in trainer.engine.trainable().items():
+        assert_close(v, trl_after[k], "grpo_vs_trl_params", k)

@@ -10,21 +10,9 @@ import numpy as np
 
 from wgpu_train.data.preference_records import PreferenceRecord, UnpairedRecord, unpair_preferences
 from wgpu_train.data.preference_tokenize import PreferenceExample, PreferenceStats, UnpairedExample
-from wgpu_train.data.vision_records import expand_placeholders, vision_messages
+from wgpu_train.data.vision_records import expand_placeholders, place_images, vision_messages
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.formats.tokenizer import Tokenizer
-
-
-def _with_images(prompt: list, n_images: int) -> list:
-    """The prompt's messages as TRL's prepare_multimodal_messages lays them out: a first user turn whose content
-    is a string takes the images' placeholders before its text (records that place them in parts keep theirs)."""
-    out, placed = [], False
-    for m in prompt:
-        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str) and not placed:
-            m = {**m, "content": [{"type": "image"}] * n_images + [{"type": "text", "text": m["content"]}]}
-            placed = True
-        out.append(m)
-    return out
 
 
 def _messages(value, key: str, where: str) -> list:
@@ -45,7 +33,7 @@ def vision_preference_record(obj, where: str) -> PreferenceRecord | UnpairedReco
     if "prompt" not in obj:
         raise DataError(f'{where}: records with images need an explicit "prompt" (as TRL\'s vision collator '
                         f"does)")
-    prompt = _with_images(_messages(obj["prompt"], "prompt", where), len(images))
+    prompt = place_images(_messages(obj["prompt"], "prompt", where), len(images))
     if prompt[-1].get("role") != "user":
         raise DataError(f"{where}: the prompt must end with a user turn with images")
     prompt, images = vision_messages({"messages": prompt, "images": images}, where)

@@ -29,8 +29,6 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         config = dataclasses.replace(config, **overrides)
     kind = objective_class(config.objective).trainer
     if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
-        if kind is TrainerKind.ONLINE:
-            raise ConfigError(f"--objective {config.objective} is not supported with images yet")
         if kind is not TrainerKind.SUPERVISED and config.images_demo:
             raise ConfigError(f"--images-demo trains sft only: give --objective {config.objective} records with "
                               f"images as --data")
