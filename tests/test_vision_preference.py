@@ -213,6 +213,9 @@ def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt):
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
 
 
+GRPO = ["--objective", "grpo", "--num-generations", "2", "--reward", "exact_match"]
+
+
 def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
     """`finetune --objective dpo --data` of vision pairs writes an adapter and counts the images; a pair cut
     inside an image is dropped with a count; bad input is one line and exit 2."""
@@ -250,10 +253,8 @@ def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
         (bad("answer", lambda r: r[0].update(chosen=[{"role": "assistant", "content": [{"type": "image"}]}])), [],
          "chosen: 1 image placeholders for 0 images"),
         (data, ["--truncation-mode", "keep_end"], "--truncation-mode keep_end is not supported with images"),
-        (bad("grpo", lambda r: r[0].update(prompt="what colour is it?")), ["--objective", "grpo", "--num-generations",
-                                                                          "2"], 'need "prompt" as a non-empty list'),
-        (data, ["--objective", "grpo", "--num-generations", "2", "--max-prompt-length", "9"],
-         "--max-prompt-length is not supported with images yet"),
+        (bad("grpo", lambda r: r[0].update(prompt="what colour is it?")), GRPO, 'need "prompt" as a non-empty list'),
+        (data, GRPO + ["--max-prompt-length", "9"], "--max-prompt-length is not supported with images yet"),
         (data, ["--max-seq-len", "3"], "no training pairs left after tokenization"),
     ]
     for path, extra, message in cases:
@@ -375,3 +376,42 @@ def test_grpo_with_images_equals_trl(pref_setup, tmp_path, monkeypatch):
             assert_close(np.float64(mine[key]), np.float64(theirs[key]), "grpo_vs_trl_loss", key)
     for k, v in trainer.engine.trainable().items():
         assert_close(v, trl_after[k], "grpo_vs_trl_params", k)
+
+
+def test_cli_grpo_samples_with_images(pref_setup, tmp_path, capsys):
+    """`finetune --objective grpo` on prompts with images: the rollouts sampled with each prompt's images (the
+    KV cache's prefill takes them whole), rewarded, a step taken; completions.jsonl keeps the prompts' image parts."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, _ = pref_setup
+    records = [{**r, "answer": a} for r, a in zip(grpo_records(), ("red", "green squares"))]
+    data = write_pref_data(tmp_path / "data", records)
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(folder), "--backend", "numpy", "--data", str(data), *GRPO,
+                 "--batch-size", "4", "--max-steps", "1", "--max-completion-length", "4", "--no-progress",
+                 "--valid-split", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["images"] == 2 and summary["data_format"] == "vision"
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["prompt"][-1]["content"][0] == {"type": "image"} for r in rows)
+
+
+def test_grpo_rollouts_see_the_images(pref_setup, tmp_path):
+    """A rollout at temperature 0 is VisionModel.generate's greedy answer with the prompt's images, and another
+    image changes the logits the rollout starts from (the images reach the generation)."""
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    root, folder, _, _ = pref_setup
+    data = write_pref_data(tmp_path / "data", [{**r, "answer": "red"} for r in grpo_records()])
+    trainer = GRPOTrainer(config(root, folder, tmp_path, data=str(data), objective="grpo", batch_size=4,
+                                 num_generations=2, max_completion_length=5, reward="exact_match"),
+                          log=lambda m: None).setup()
+    ex = trainer.prompts["train"][0]
+    stops = list(trainer.tokenizer.eos_token_ids)
+    (rollout,) = trainer._generate_rows([ex], temperature=0.0)
+    assert rollout == trainer.vision.generate(ex.input_ids, ex.record.images, 5, stops)
+    other = Image.new("RGB", (8, 40), (0, 0, 255))
+    ids = np.asarray(ex.input_ids)[None]
+    a, b = (trainer.vision.logits(ids, images)[0, -1] for images in (ex.record.images, [other]))
+    assert np.abs(a - b).max() > 1e-3
