@@ -261,6 +261,8 @@ def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
         code = main(args + ["--data", str(path), "--out", str(tmp_path / "bad_run"), "--overwrite"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
+    assert main(["eval", "--objective", "dpo", "--model", str(folder), "--data", str(data), "--backend", "numpy"]) == 2
+    assert "eval --objective does not take records with images yet" in capsys.readouterr().err
 
 
 # ---- GRPO with images -------------------------------------------------------------------------------------------
