@@ -417,3 +417,25 @@ def test_grpo_rollouts_see_the_images(pref_setup, tmp_path):
     ids = np.asarray(ex.input_ids)[None]
     a, b = (trainer.vision.logits(ids, images)[0, -1] for images in (ex.record.images, [other]))
     assert np.abs(a - b).max() > 1e-3
+
+
+def test_precomputed_reference_with_images_is_the_adapter_off(pref_setup, tmp_path):
+    """--precompute-ref-log-probs with images (TRL refuses it for vision data; here the base model's scores, the
+    adapter off, with each pair's images, kept before training): the first step's loss and metrics equal those of
+    the adapter switched off and scored with the step."""
+    from wgpu_train.training.preference_scoring import ADAPTER_OFF
+
+    root, folder, _, _ = pref_setup
+    results = []
+    for k, precompute in enumerate((False, True)):
+        trainer = PreferenceTrainer(config(root, folder, tmp_path / str(k), precompute_ref_log_probs=precompute),
+                                    log=lambda m: None).setup()
+        indices = trainer.stream.epoch_batches(0)[0]
+        assert (trainer.reference is not None) == precompute
+        results.append(trainer._objective("train", indices)[0] if precompute else
+                       trainer.scorer.objective(trainer.engine, trainer.pref["train"], indices, ADAPTER_OFF)[0])
+    (a, b) = results
+    assert abs(a.metrics["rewards/margins"]) > 1e-4
+    assert_close(np.float64(b.loss), np.float64(a.loss), "loss_f32", "loss")
+    for key, value in a.metrics.items():
+        assert_close(np.float64(b.metrics[key]), np.float64(value), "loss_f32", key)

@@ -3,7 +3,8 @@ objective's derivatives by the rows' sequence log-probabilities (the policy's, a
 switched off, or computed once before training) into per-token gradient weights of the engine's optimizer step:
 for pairs inside the step's own forward (an engine SequenceObjective per micro-batch of whole pairs, one policy
 forward), for KTO from the rows scored first; evaluation reports the objective and TRL's reward metrics on the
-validation pairs."""
+validation pairs. Records with images (TRL's vision preference records) ride the same path, each micro-batch with
+the ImageTokens of its rows' images."""
 from __future__ import annotations
 
 import dataclasses
