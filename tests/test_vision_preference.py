@@ -439,3 +439,40 @@ def test_precomputed_reference_with_images_is_the_adapter_off(pref_setup, tmp_pa
     assert_close(np.float64(b.loss), np.float64(a.loss), "loss_f32", "loss")
     for key, value in a.metrics.items():
         assert_close(np.float64(b.metrics[key]), np.float64(value), "loss_f32", key)
+
+
+def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypatch, rt):
+    """GRPO with images on the WebGPU engine (its step's TokenObjective over micro-batches carrying their
+    ImageTokens, the reference the adapter off): with the same scripted completions, the losses, KL and the adapter
+    after two steps are the NumPy engine's."""
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    root, folder, _, _ = pref_setup
+    data = write_pref_data(tmp_path / "data", grpo_records())
+    table = scripted(1, 2)
+
+    def sample(self, examples, seeds):
+        step, slots, ids = self.step, [0] * len(QUESTIONS), []
+        for ex in examples:
+            p = QUESTIONS.index(ex.record.prompt[-1]["content"][-1]["text"])
+            ids.append(list(table[step][p][slots[p]]))
+            slots[p] += 1
+        return ids, np.array([c[-1] != 1 for c in ids], bool)
+
+    monkeypatch.setattr(GRPOTrainer, "_sample", sample)
+    runs = {}
+    for backend in ("numpy", "wgpu"):
+        kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
+        cfg = config(root, folder, tmp_path / backend, data=str(data), objective="grpo", backend=backend, lr=1e-2,
+                     batch_size=G * len(QUESTIONS), num_generations=G, max_completion_length=MAX_COMPLETION,
+                     beta=0.04, max_steps=2, **kw)
+        GRPOTrainer(cfg, log=lambda m: None, reward_funcs=[length_reward, id_reward]).run()
+        rows = [json.loads(line) for line in (tmp_path / backend / "run" / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = ([[r["loss"], r["kl"]] for r in rows if "grad_norm" in r],
+                         read_safetensors(tmp_path / backend / "run" / "adapter_model.safetensors"))
+    (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
+    assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "GRPO losses and KL with images")
+    for name in ad_n:
+        assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
