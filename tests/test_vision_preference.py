@@ -1,6 +1,7 @@
-"""Preference objectives with images (TRL's vision preference records) on a tiny Gemma 3: tokenized as TRL's
-DataCollatorForVisionPreference makes the rows, the first step's loss, metrics and LoRA gradients and the adapter
-after three steps equal to TRL's DPOTrainer with images; WebGPU equals NumPy; bad input in one line."""
+"""Preference objectives and GRPO with images (TRL's vision records) on a tiny Gemma 3: rows as TRL's
+DataCollatorForVisionPreference makes them; the first step's loss, metrics and LoRA gradients and the adapter after
+three steps equal to TRL's DPOTrainer and GRPOTrainer (scripted completions) with images; rollouts that see the
+images; the WebGPU engine equal to the NumPy engine; bad input in one line."""
 from __future__ import annotations
 
 import copy
