@@ -477,3 +477,40 @@ def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypat
     assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "GRPO losses and KL with images")
     for name in ad_n:
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
+
+
+@pytest.fixture(scope="module")
+def smol_vlm(tmp_path_factory):
+    """test_smolvlm_records' tiny SmolVLM with its processor (its fixture's builder, under another name)."""
+    from test_smolvlm_records import chat_vlm as smol
+
+    return smol.__wrapped__(tmp_path_factory)
+
+
+def test_smolvlm_dpo_and_grpo_with_images(smol_vlm, tmp_path):
+    """SmolVLM's tiles through the same paths: a pair's prompt is SmolVLMProcessor's over the chat template's text
+    (each image its tiles' prompt) and both rows carry its image; a DPO step and a GRPO step (sampled with the
+    images) train."""
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    _, folder, proc = smol_vlm
+    red = Image.new("RGB", (60, 25), (255, 0, 0))
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]}]
+    pairs = [{"images": [red], "prompt": prompt, "chosen": [{"role": "assistant", "content": "red"}],
+              "rejected": [{"role": "assistant", "content": "blue"}]}] * 2
+    data = write_pref_data(tmp_path / "pairs", pairs)
+    trainer = PreferenceTrainer(config(tmp_path, folder, tmp_path / "dpo", data=str(data), adapter_path=None,
+                                       batch_size=2, max_steps=1, lr=1e-2), log=lambda m: None).setup()
+    text = proc.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    expected = proc(text=[text], images=[[red]])["input_ids"][0]
+    np.testing.assert_array_equal(trainer.pref["train"][0].prompt_ids, expected)
+    assert (expected == 5).sum() > 4        # the tiles' image tokens, more than one tile's
+    assert all(row.images == trainer.pref["train"][0].images for row in trainer.pref["train"][0].rows())
+    assert trainer.train()["steps"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "dpo" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [np.isfinite(r["loss"]) for r in rows if "grad_norm" in r] == [True]
+    prompts = write_pref_data(tmp_path / "prompts", [{"prompt": prompt, "images": [red], "answer": "red"}] * 2)
+    summary = GRPOTrainer(config(tmp_path, folder, tmp_path / "grpo", data=str(prompts), adapter_path=None,
+                                 objective="grpo", batch_size=4, num_generations=2, max_completion_length=3,
+                                 max_steps=1, reward="exact_match"), log=lambda m: None).run()
+    assert summary["steps"] == 1 and summary["images"] == 2
