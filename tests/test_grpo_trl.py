@@ -155,9 +155,9 @@ def our_trainer(root, folder, completions, case, backend, out, monkeypatch):
 
 def first_step_gradients(trainer):
     """The engine's LoRA gradients of the first step's weighted micro-batch, as _step forms them (not applied),
-    and the step's GRPOResult."""
+    and the step's GRPOResult (a micro-batch's images set on the engine for its forward)."""
     gen = trainer._generate(trainer.stream.epoch_batches(0)[0])
-    width = max(ids.shape[1] for ids, _, _, _ in gen.micro)
+    width = max(mb[0].shape[1] for mb in gen.micro)
     mask = np.concatenate([padded(m, width) for m in gen.masks])
     logps = gen.policy_logps if gen.policy_logps is not None else np.zeros(mask.shape)
     result = trainer.unit.step_loss(logps, gen.old_logps, gen.ref_logps, gen.advantages, mask,
@@ -165,8 +165,10 @@ def first_step_gradients(trainer):
     engine = trainer.engine
     engine.zero_grads()
     total = float(mask.sum())
-    for ids, targets, seg, pos, w in weighted(gen.micro, gen.masks, result.dlogps):
+    for ids, targets, seg, pos, w, *images in weighted(gen.micro, gen.masks, result.dlogps):
+        engine.set_images(images[0]) if images else None
         engine.forward_backward(ids, targets, seg, pos, w / np.float32(total))
+        engine.set_images(None) if images else None
     return engine.gradients(), result, gen
 
 

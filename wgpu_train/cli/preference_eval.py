@@ -123,6 +123,7 @@ def cmd_preference_eval(args) -> int:
     from wgpu_train.cli.options import given_no_chat_template
     from wgpu_train.data.preference_batching import kl_partners
     from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
+    from wgpu_train.data.vision_records import is_vision_data
     from wgpu_train.training.config import default_data_dir
     from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer, engine_reference
 
@@ -132,6 +133,8 @@ def cmd_preference_eval(args) -> int:
     objective, batch_size, truncation = _objective_settings(args, adapter)
     unpaired = objective.unit.data is DataKind.UNPAIRED
     data_path = args.data if args.data else default_data_dir()
+    if is_vision_data(data_path):
+        raise ConfigError("eval --objective does not take records with images yet (finetune --objective does)")
     splits, split, records = _read_split(args, data_path, objective.unit.data, held_out_split(adapter))
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,

@@ -4,7 +4,7 @@ for KTO; checked, normalised, and remembering where they were read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
 from wgpu_train.data.kinds import DataKind
@@ -34,6 +34,7 @@ class PreferenceRecord:
     rejected: Part
     source: str = ""
     tools: list | None = None       # the tools column (JSON schemas, or functions in code) the template renders
+    images: list = field(default_factory=list)     # the images column: those the prompt's placeholders take
 
 
 @dataclass
@@ -46,6 +47,7 @@ class UnpairedRecord:
     label: bool
     source: str = ""
     tools: list | None = None       # the tools column (JSON schemas, or functions in code) the template renders
+    images: list = field(default_factory=list)     # the images column: those the prompt's placeholders take
 
 
 def is_conversational(part: Part) -> bool:
@@ -175,8 +177,8 @@ def unpair_preferences(records: Sequence[PreferenceRecord]) -> list[UnpairedReco
     out: list[UnpairedRecord] = []
     for b in range(0, len(records), UNPAIR_BATCH):
         batch = records[b:b + UNPAIR_BATCH]
-        out += [UnpairedRecord(r.prompt, r.chosen, True, r.source, r.tools) for r in batch]
-        out += [UnpairedRecord(r.prompt, r.rejected, False, r.source, r.tools) for r in batch]
+        out += [UnpairedRecord(r.prompt, r.chosen, True, r.source, r.tools, r.images) for r in batch]
+        out += [UnpairedRecord(r.prompt, r.rejected, False, r.source, r.tools, r.images) for r in batch]
     return out
 
 

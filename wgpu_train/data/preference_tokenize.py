@@ -4,7 +4,7 @@ max_length dropped), and the rows a model scores, truncated as TRL's collators t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -21,9 +21,9 @@ TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 def _row(prompt_ids: np.ndarray, completion_ids: np.ndarray, max_length: int | None,
-         truncation_mode: str) -> Example:
-    """prompt + completion as one Example, completion tokens labelled; longer than max_length cut as TRL's
-    collators cut it (keep_start: its first max_length tokens; keep_end: its last)."""
+         truncation_mode: str, images: list) -> Example:
+    """prompt + completion as one Example, completion tokens labelled, carrying the prompt's images; longer than
+    max_length cut as TRL's collators cut it (keep_start: its first max_length tokens; keep_end: its last)."""
     ids = np.concatenate([prompt_ids, completion_ids]).astype(np.int32)  # (P + C,)
     labels = np.concatenate([np.full(len(prompt_ids), IGNORE_INDEX, dtype=np.int64),
                              completion_ids.astype(np.int64)])  # (P + C,)
@@ -31,7 +31,7 @@ def _row(prompt_ids: np.ndarray, completion_ids: np.ndarray, max_length: int | N
     if truncated:
         cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
         ids, labels = ids[cut], labels[cut]
-    return Example(ids, labels, truncated)
+    return Example(ids, labels, truncated, list(images))
 
 
 @dataclass(eq=False)
@@ -45,12 +45,13 @@ class PreferenceExample:
     truncated: bool = False  # a row is longer than max_length
     max_length: int | None = None
     truncation_mode: str = "keep_start"
+    images: list = field(default_factory=list)  # records with images: the prompt's, which both rows carry
 
     def rows(self) -> tuple[Example, Example]:
         """(prompt + chosen, prompt + rejected) as Examples: labels are the token ids of the completion tokens
         and IGNORE_INDEX on the prompt, truncated as TRL's DataCollatorForPreference truncates."""
-        return (_row(self.prompt_ids, self.chosen_ids, self.max_length, self.truncation_mode),
-                _row(self.prompt_ids, self.rejected_ids, self.max_length, self.truncation_mode))
+        return (_row(self.prompt_ids, self.chosen_ids, self.max_length, self.truncation_mode, self.images),
+                _row(self.prompt_ids, self.rejected_ids, self.max_length, self.truncation_mode, self.images))
 
 
 @dataclass(eq=False)
@@ -63,15 +64,16 @@ class UnpairedExample:
     label: bool
     truncated: bool = False
     max_length: int | None = None
+    images: list = field(default_factory=list)  # records with images: the prompt's
 
     def row(self) -> Example:
         """prompt + completion, the completion labelled, truncated as TRL's DataCollatorForUnpairedPreference."""
-        return _row(self.prompt_ids, self.completion_ids, self.max_length, "keep_start")
+        return _row(self.prompt_ids, self.completion_ids, self.max_length, "keep_start", self.images)
 
     def mismatched_row(self, other: "UnpairedExample") -> Example:
         """This prompt with `other`'s completion, for KTO's KL estimate (TRL's KL_completion_ids), truncated
         the same way."""
-        return _row(self.prompt_ids, other.completion_ids, self.max_length, "keep_start")
+        return _row(self.prompt_ids, other.completion_ids, self.max_length, "keep_start", self.images)
 
 
 @dataclass

@@ -39,6 +39,7 @@ class PromptRecord:
     prompt: Part
     columns: dict = field(default_factory=dict)
     source: str = ""
+    images: list = field(default_factory=list)     # records with images: those the prompt's placeholders take
 
 
 def detect_prompt_format(obj: Any) -> str:

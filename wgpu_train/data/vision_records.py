@@ -167,6 +167,18 @@ def vision_messages(obj: Any, where: str = "record") -> tuple[list[dict], list]:
     return out, images
 
 
+def place_images(prompt: list, n_images: int) -> list:
+    """A prompt's messages as TRL's prepare_multimodal_messages lays them out: a first user turn whose content
+    is a string takes the images' placeholders before its text (records that place them in parts keep theirs)."""
+    out, placed = [], False
+    for m in prompt:
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str) and not placed:
+            m = {**m, "content": [{"type": "image"}] * n_images + [{"type": "text", "text": m["content"]}]}
+            placed = True
+        out.append(m)
+    return out
+
+
 def _shifted(offset: int, at: Sequence[int], grow: Sequence[int]) -> int:
     """A character offset of the rendered text in the expanded text (the placeholder at at[i] grows by grow[i])."""
     return offset + sum(g for b, g in zip(at, grow) if b < offset)

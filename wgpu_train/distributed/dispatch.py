@@ -29,8 +29,9 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         config = dataclasses.replace(config, **overrides)
     kind = objective_class(config.objective).trainer
     if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
-        if kind is not TrainerKind.SUPERVISED:
-            raise ConfigError(f"--objective {config.objective} is not supported with images yet (sft only)")
+        if kind is not TrainerKind.SUPERVISED and config.images_demo:
+            raise ConfigError(f"--images-demo trains sft only: give --objective {config.objective} records with "
+                              f"images as --data")
         if config.num_workers or config.pipelined():
             raise ConfigError("images train in one process for now (no --num-workers or pipeline stages)")
     if reward_funcs and kind is not TrainerKind.ONLINE:

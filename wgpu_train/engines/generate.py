@@ -83,8 +83,8 @@ def _per_row(value, n: int, what: str) -> list:
     return [value] * n
 
 
-def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
-                   top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None, on_token=None) -> list[list[int]]:
+def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed=None, stop_token_ids=(), max_len=None, on_token=None, images=None) -> list[list[int]]:
     """New token ids after each of `prompts` (1-D id arrays of any lengths), generated together on one KV
     cache with a row per prompt (a DecodeBatch): each engine call takes up to PREFILL_TOKENS prompt tokens
     packed together beside every decoding row's newest token.
@@ -98,6 +98,7 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
     a batch in another order than one row, which matters only at a near-tie (pass distinct seeds to draw
     independent samples of one prompt). `on_token(i, id)` is called as each token of prompt i is chosen; when
     it returns True, row i ends there (a server's client gone, a stop string seen), the others run on.
+    images: one per prompt, None or its ImageTokens (1, T) (VisionModel.prompt_images): DecodeBatch.add's.
     """
     prompts = [np.asarray(p) for p in prompts]
     if not prompts:
@@ -114,7 +115,7 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
     budgets = _per_row(max_new_tokens, b, "max_new_tokens")
     if any(int(n) != n or n < 0 for n in budgets):
         raise ConfigError("max_new_tokens must be whole numbers >= 0")
-    seeds = _per_row(seed, b, "seed")
+    seeds, images = _per_row(seed, b, "seed"), _per_row(images, b, "images")
     lengths = [p.size for p in prompts]
     running = [i for i in range(b) if budgets[i] > 0]
     out: list[list[int]] = [[] for _ in range(b)]
@@ -137,7 +138,7 @@ def generate_batch(engine, prompts, max_new_tokens=64, temperature: float = 0.0,
     batch = DecodeBatch(engine, b, limit)
     try:
         prompt_of = {batch.add(prompts[i], budgets[i], Sampling(temperature, top_k, top_p, seeds[i]),
-                               stop_token_ids): i for i in running}
+                               stop_token_ids, images=images[i]): i for i in running}
         while len(batch):
             for token in batch.step():
                 i = prompt_of[token.slot]

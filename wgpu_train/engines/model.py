@@ -143,11 +143,11 @@ class Model:
 
     def generate_batch(self, prompts, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed=None, stop_token_ids=(), max_len=None,
-                       on_token=None) -> list[list[int]]:
+                       on_token=None, images=None) -> list[list[int]]:
         """New token ids after each prompt (a list of 1-D id arrays of any lengths), generated together:
         one KV cache row per prompt, one engine call per decoding step. max_new_tokens and seed may be
         lists with one value per prompt; see generate.generate_batch for what row i shares with generate(),
-        and for `on_token(i, id)` (streaming; True ends row i).
+        and for `on_token(i, id)` (streaming; True ends row i), and `images` (each prompt's ImageTokens or None).
         A prompt whose length plus its max_new_tokens exceeds the model's max_position_embeddings is refused."""
         from wgpu_train.engines.generate import generate_batch
 
@@ -155,7 +155,7 @@ class Model:
         for p in ids:
             self._check_ids(p)
         return generate_batch(self.engine, ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                              max_len, on_token)
+                              max_len, on_token, images)
 
     # ---- LoRA ---------------------------------------------------------------------------------
     def add_lora(self, config: LoraConfig, seed: int = 0):

@@ -13,6 +13,7 @@ from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.protocol import TokenObjective
 from wgpu_train.training.config import PAD_MULTIPLE
 from wgpu_train.training.evaluate import engine_batch
+from wgpu_train.training.preference_scoring import token_losses
 
 
 class GenerationStream(PreferenceStream):
@@ -43,7 +44,8 @@ class Generation:
     completions: np.ndarray         # (R, C) every row's completion ids, -1 past its end
     truncated: np.ndarray           # (R,) bool: cut at max_completion_length
     rows: tuple                     # (r0, r1): this process's rows
-    micro: list                     # [(ids, targets, segment_ids, position_ids)] (B, T) each, this process's
+    micro: list                     # [(ids, targets, segment_ids, position_ids[, ImageTokens])] (B, T) each, this
+    #                                 process's
     masks: list                     # [(B, T) bool]: their completion tokens that carry loss
     mask: np.ndarray                # (R, W) bool: every row's, W the longest micro-batch of all the rows'
     input_tokens: int               # every row's non-padding tokens
@@ -58,11 +60,14 @@ class Generation:
 
 
 def build_generation(everyone, indices, completions, truncated, advantages, metrics: dict, rows: tuple,
-                     batch_size: int, pad_id: int, mask_truncated: bool, tool_mask=None) -> Generation:
+                     batch_size: int, pad_id: int, mask_truncated: bool, tool_mask=None,
+                     to_engine=engine_batch) -> Generation:
     """The Generation of a step's prompts `indices` (everyone: each row's prompt example, G in a row), every row's
     completions (R, C), truncation (R,) and advantages (R,): the micro-batches of this process's rows (r0, r1),
     every row's mask. mask_truncated: DAPO's overlong filtering (no loss at all on a cut completion). tool_mask
-    (R, C): 0 on the tools' results, which carry no loss and are not counted in input_tokens (TRL's tool_mask)."""
+    (R, C): 0 on the tools' results, which carry no loss and are not counted in input_tokens (TRL's tool_mask).
+    to_engine: a Batch -> its engine micro-batch (records with images: the VisionModel's engine_batch, the rows
+    carrying their prompt's images)."""
     examples, tool_tokens = [], 0
     for r, (ex, ids, cut) in enumerate(zip(everyone, completion_lists(completions), truncated)):
         full = np.concatenate([ex.input_ids, np.asarray(ids, ex.input_ids.dtype)])
@@ -74,25 +79,25 @@ def build_generation(everyone, indices, completions, truncated, advantages, metr
             tool_tokens += tools.size
         if cut and mask_truncated:
             labels[:] = IGNORE_INDEX
-        examples.append(Example(full, labels, bool(cut)))
-    every = [engine_batch(b) for b in row_batches(examples, batch_size, pad_id, PAD_MULTIPLE)]
+        examples.append(Example(full, labels, bool(cut), list(ex.record.images)))
     r0, r1 = rows
-    micro = every if (r0, r1) == (0, len(examples)) else \
-        [engine_batch(b) for b in row_batches(examples[r0:r1], batch_size, pad_id, PAD_MULTIPLE)]
-    width = max(ids.shape[1] for ids, _, _, _ in every)
-    mask = np.concatenate([padded(t != IGNORE_INDEX, width) for _, t, _, _ in every])          # (R, W)
-    return Generation(indices, completions, truncated, (r0, r1), micro, [t != IGNORE_INDEX for _, t, _, _ in micro],
-                      mask, int(sum((seg > 0).sum() for _, _, seg, _ in every)) - tool_tokens, advantages, None, None,
+    micro = [to_engine(b) for b in row_batches(examples[r0:r1], batch_size, pad_id, PAD_MULTIPLE)]
+    every = micro if (r0, r1) == (0, len(examples)) else \
+        [engine_batch(b) for b in row_batches(examples, batch_size, pad_id, PAD_MULTIPLE)]   # masks: no images
+    width = max(mb[0].shape[1] for mb in every)
+    mask = np.concatenate([padded(mb[1] != IGNORE_INDEX, width) for mb in every])            # (R, W)
+    return Generation(indices, completions, truncated, (r0, r1), micro, [mb[1] != IGNORE_INDEX for mb in micro],
+                      mask, int(sum((mb[2] > 0).sum() for mb in every)) - tool_tokens, advantages, None, None,
                       None, metrics, tool_mask)
 
 
 def score_reference(engine, micro, masks, adapter_on: bool) -> np.ndarray:
     """The reference's per-token log-probabilities (R, T) of the micro-batches: `engine` with its adapter on
     (a --ref-adapter model) or switched off (the policy's engine)."""
-    width = max(ids.shape[1] for ids, _, _, _ in micro)
+    width = max(m[0].shape[1] for m in micro)
     engine.set_adapter_enabled(adapter_on)
     try:
-        return np.concatenate([padded(-engine.token_losses(*m).astype(np.float64) * mask, width)
+        return np.concatenate([padded(-token_losses(engine, m).astype(np.float64) * mask, width)
                                for m, mask in zip(micro, masks)])
     finally:
         engine.set_adapter_enabled(True)
@@ -101,14 +106,14 @@ def score_reference(engine, micro, masks, adapter_on: bool) -> np.ndarray:
 def score_rows(engine, micro, masks, reference: bool):
     """(the policy's, the reference's or None) per-token log-probabilities (R, T) of the micro-batches, T the
     longest one's length; with reference, the adapter switched off scores in the same engine calls."""
-    width = max(ids.shape[1] for ids, _, _, _ in micro)
+    width = max(m[0].shape[1] for m in micro)
     policy, ref = [], []
-    for (ids, targets, seg, pos), mask in zip(micro, masks):
+    for m, mask in zip(micro, masks):
         if reference:
-            losses, ref_losses = engine.token_losses(ids, targets, seg, pos, reference=True)
+            losses, ref_losses = token_losses(engine, m, reference=True)
             ref.append(padded(-ref_losses.astype(np.float64) * mask, width))
         else:
-            losses = engine.token_losses(ids, targets, seg, pos)
+            losses = token_losses(engine, m)
         policy.append(padded(-losses.astype(np.float64) * mask, width))
     return np.concatenate(policy), (np.concatenate(ref) if reference else None)
 
@@ -136,10 +141,10 @@ def weighted(micro, masks, dlogps: np.ndarray) -> list | None:
     if not total:
         return None
     out, r0 = [], 0
-    for (ids, targets, seg, pos), mask in zip(micro, masks):
+    for (ids, targets, seg, pos, *images), mask in zip(micro, masks):
         rows, width = ids.shape
         w = np.where(mask, -total * dlogps[r0:r0 + rows, :width], 0.0)                   # (B, T)
-        out.append((ids, targets, seg, pos, w.astype(np.float32)))
+        out.append((ids, targets, seg, pos, w.astype(np.float32), *images))              # images: ImageTokens
         r0 += rows
     return out
 

@@ -18,6 +18,8 @@ import numpy as np
 
 from wgpu_train.data.prompt_demo import DEMO_REWARD, demo_prompt_splits
 from wgpu_train.data.prompt_tokenize import tokenize_prompts
+from wgpu_train.data.prompt_vision import tokenize_vision_prompts, vision_prompt_record
+from wgpu_train.data.vision_records import is_vision_data
 from wgpu_train.data.sources import resolve_data
 from wgpu_train.engines.protocol import SequenceObjective
 from wgpu_train.errors import ConfigError, DataError
@@ -32,6 +34,7 @@ from wgpu_train.training.preference_scoring import mean_metrics
 from wgpu_train.training.rewards import RewardFunction, check_reward_weights, compute_rewards, load_rewards
 from wgpu_train.training.tools import run_toolbox
 from wgpu_train.training.config import default_model_dir
+from wgpu_train.training.evaluate import engine_batch
 from wgpu_train.training.tools_demo import TOOL_DEMO_REWARD, demo_tokenizer, tool_demo_splits, warm_up
 from wgpu_train.training.tools_rollouts import ToolRollouts
 from wgpu_train.training.trainer import Trainer
@@ -87,6 +90,7 @@ class GRPOTrainer(Trainer):
         self._ref_engine = None            # the engine of the KL's reference adapter (setup)
         self.reference_adapter = None      # its folder: --ref-adapter, or the adapter the run started from
         self.tool_rollouts = None          # the tool loop's renderer and parser (_read_data), with tools
+        self._span = None                  # records with images: how the model's images stand in the prompts
 
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
@@ -94,7 +98,9 @@ class GRPOTrainer(Trainer):
         self.tokenizer = load_tokenizer(self.model_dir)
         if self._tool_demo():
             self.tokenizer = demo_tokenizer(self.tokenizer)
-        if cfg.data is None:
+        if is_vision_data(self.data_path):
+            s = self._image_prompts()
+        elif cfg.data is None:
             s = tool_demo_splits() if self.toolbox else demo_prompt_splits(self.data_path)
         else:
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
@@ -103,8 +109,10 @@ class GRPOTrainer(Trainer):
         self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         lines, self.truncated, self.dropped = [], 0, 0
         for split in ("train", "valid", "test"):
-            self.prompts[split], stats = tokenize_prompts(self.tokenizer, getattr(s, split), cfg.max_prompt_length,
-                                                          use_chat_template=not cfg.no_chat_template)
+            self.prompts[split], stats = (
+                tokenize_vision_prompts(self.tokenizer, getattr(s, split), self._span) if self._span is not None else
+                tokenize_prompts(self.tokenizer, getattr(s, split), cfg.max_prompt_length,
+                                 use_chat_template=not cfg.no_chat_template))
             lines.append(f"{split} {stats.describe()}")
             self.truncated += stats.n_truncated
         if not self.prompts["train"]:
@@ -126,6 +134,28 @@ class GRPOTrainer(Trainer):
                               f"--max-completion-length or give --max-prompt-length")
         self.log(f"data: {s.files.get('train', self.data_path)} ({s.format}); {'; '.join(lines)}; rewards: "
                  + ", ".join(f"{r.name} x {w:g}" for r, w in zip(self.rewards, self.reward_weights)))
+
+    def _image_prompts(self):
+        """TRL's prompts with images (data/prompt_vision.py) of the run's vision file, split; the span of the
+        model's images kept for their tokenization. The options that do not apply to them refused."""
+        import json
+
+        from wgpu_train.data.vision_records import model_image_span, vision_splits
+        from wgpu_train.models.vision import VisionConfig
+
+        cfg = self.config
+        for flag, value in (("--tool / --environment", self.toolbox), ("--no-chat-template", cfg.no_chat_template),
+                            ("--max-prompt-length", cfg.max_prompt_length), ("--columns", cfg.columns)):
+            if value:
+                raise ConfigError(f"{flag} is not supported with images yet")
+        where = self.model_dir / "config.json"
+        vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
+        self._span = model_image_span(self.tokenizer, vc, self.model_dir)
+        s = vision_splits(self.data_path, cfg.valid_split, cfg.seed)
+        rows = {split: [vision_prompt_record(r, f"{self.data_path}:{k + 1}") for k, r in enumerate(getattr(s, split))]
+                for split in ("train", "valid")}
+        self.n_images, self.cut_in_image = sum(len(r.images) for v in rows.values() for r in v), 0
+        return dataclasses.replace(s, **rows)
 
     def _render_with_tools(self):
         """Tools: every prompt rendered with their schemas (TRL's apply_chat_template(tools=...)); they must be
@@ -162,11 +192,23 @@ class GRPOTrainer(Trainer):
         the vocabulary's other end-of-turn tokens that `generate` also stops at; one that ends in neither (nor in
         the pad token, as TRL counts it) was cut."""
         s = self.settings
-        stops = list(self.tokenizer.eos_token_ids)
-        out = self.model.generate_batch([e.input_ids for e in examples], max_new_tokens=s.max_completion_length,
-                                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seeds,
-                                        stop_token_ids=stops)
+        out = self._generate_rows(examples, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seeds)
         return out, self._cut(out)
+
+    def _generate_rows(self, examples, **sampling) -> list:
+        """Completions of the prompts of `examples` (generate_batch's sampling), up to max_completion_length
+        tokens, ending at an EOS; records with images: each prompt's images prefilled with it (the tower's
+        forward once per prompt, its rows sharing it)."""
+        ids, images = [e.input_ids for e in examples], None
+        if self.vision is not None:
+            made: dict = {}
+            for e in examples:
+                if id(e) not in made:
+                    made[id(e)] = self.vision.prompt_images(e.input_ids, e.record.images)
+            ids, images = zip(*(made[id(e)] for e in examples))
+        return self.model.generate_batch(list(ids), max_new_tokens=self.settings.max_completion_length,
+                                         stop_token_ids=list(self.tokenizer.eos_token_ids),
+                                         images=None if images is None else list(images), **sampling)
 
     def _cut(self, completions) -> np.ndarray:
         """(R,) whether each completion ends in neither an EOS nor the pad token (TRL's is_truncated)."""
@@ -277,7 +319,7 @@ class GRPOTrainer(Trainer):
         everyone = everyone or [self.prompts["train"][i] for i in indices for _ in range(g)]
         return build_generation(everyone, indices, completions, truncated, advantages, metrics, (p0 * g, p1 * g),
                                 self.config.batch_size, self.pad_id, self.settings.mask_truncated_completions,
-                                tool_mask)
+                                tool_mask, self.vision.engine_batch if self.vision is not None else engine_batch)
 
     def _every_row(self, mine: np.ndarray, gen: Generation) -> np.ndarray:
         """(R, W): this process's rows (its micro-batches' (rows, T) values) with every other process's."""
@@ -367,8 +409,8 @@ class GRPOTrainer(Trainer):
             micro, r0 = [], gen.rows[0]
             for batch, m in zip(gen.micro, gen.masks):
                 rows, width = m.shape
-                micro.append(batch + (cut_rows(objective, r0, rows, width) if objective is not None else
-                                      SequenceObjective(self._row_weights(gen, mask, old, r0, m)),))
+                micro.append(batch[:4] + (cut_rows(objective, r0, rows, width) if objective is not None else
+                                          SequenceObjective(self._row_weights(gen, mask, old, r0, m)),) + batch[4:])
                 r0 += rows
             _, count, grad_norm, applied = self._train_step(micro, cfg.optimizer_params(lr), self.step + 1,
                                                             own=True)
@@ -400,6 +442,9 @@ class GRPOTrainer(Trainer):
                                          total).dlogps[r0:r0 + rows, :width]
             return np.where(micro_mask, -total * dlogps, 0.0).astype(np.float32)
         return weights
+
+    def _step_model(self):      # the micro-batches carry their ImageTokens already (build_generation's)
+        return self.engine
 
     def _input_tokens(self, gen: Generation) -> int:
         return gen.input_tokens
@@ -486,9 +531,7 @@ class GRPOTrainer(Trainer):
             tools = self.tool_rollouts.run(self.engine, examples, self.settings, greedy=True)
             examples, out = tools.examples, tools.completions
         else:
-            out = self.model.generate_batch([e.input_ids for e in examples],
-                                            max_new_tokens=self.settings.max_completion_length, temperature=0.0,
-                                            stop_token_ids=list(self.tokenizer.eos_token_ids))
+            out = self._generate_rows(examples, temperature=0.0)
         rewards = np.nansum(self._rewards(examples, out, self.step, tools) * self.reward_weights, axis=1)
         result = {"reward": float(rewards.mean()), "n": len(examples), "split": split}
         if tools is not None:           # the share of rollouts that called a tool

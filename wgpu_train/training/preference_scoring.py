@@ -39,16 +39,29 @@ class Scored:
 
 class PreferenceScorer:
     """Scores tokenized preference examples (PreferenceExample pairs, or KTO's UnpairedExample) on any engine,
-    batch_size examples per micro-batch (a pair is two rows), and evaluates `settings`' objective over them."""
+    batch_size examples per micro-batch (a pair is two rows), and evaluates `settings`' objective over them.
+    Examples with images: `vision` (the run's VisionModel) makes each micro-batch's ImageTokens (the tower's
+    forward over its rows' images), which end its engine tuple and go to the engine scoring it; `image_ids`, the
+    tokens of an image's run, are never trained (ORPO's NLL on the prompt leaves them out)."""
 
-    def __init__(self, settings: PreferenceSettings, batch_size: int, pad_id: int):
+    def __init__(self, settings: PreferenceSettings, batch_size: int, pad_id: int, vision=None,
+                 image_ids: frozenset = frozenset()):
         self.settings, self.batch_size, self.pad_id = settings, batch_size, pad_id
         self.unit = settings.unit                   # the objective: its traits and its loss
         self.paired = self.unit.data is DataKind.PAIRS
+        self.vision, self.image_ids = vision, image_ids
 
     def micro_batches(self, rows: Sequence[Example]) -> list:
+        """Engine micro-batches (ids, targets, segment_ids, position_ids[, ImageTokens]) of consecutive rows."""
         per_micro = self.batch_size * (2 if self.paired else 1)
-        return [engine_batch(b) for b in row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)]
+        batches = row_batches(rows, per_micro, self.pad_id, PAD_MULTIPLE)
+        return [self.vision.engine_batch(b) if self.vision is not None else engine_batch(b) for b in batches]
+
+    def _whole(self, row: Example) -> Example:
+        """A chosen row trained on every token (ORPO's NLL), an image's run left out."""
+        labels = row.input_ids.astype(np.int64)                                          # (T,)
+        labels[np.isin(labels, list(self.image_ids))] = -100
+        return Example(row.input_ids, labels, row.truncated, row.images)
 
     def score(self, engine, examples: Sequence, indices, partners: np.ndarray | None = None,
               reference: bool = False) -> Scored:
@@ -64,20 +77,19 @@ class PreferenceScorer:
         else:
             rows = example_rows(chosen, self.paired)
         micro = self.micro_batches(rows)
-        masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
+        masks = [mb[1] != -100 for mb in micro]           # (B, T) completion tokens
         if self.unit.trains_prompt and partners is None:
             p = len(indices)
-            whole = [Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated) if k < p else r
-                     for k, r in enumerate(rows)]
-            micro = self.micro_batches(whole)
+            micro = self.micro_batches([self._whole(r) if k < p else r for k, r in enumerate(rows)])
         logps, tokens, sums, counts = [np.zeros(0)], [np.zeros(0, np.int64)], [np.zeros(0)], [np.zeros(0, np.int64)]
         ref_logps = [np.zeros(0)]
-        for (ids, targets, seg, pos), mask in zip(micro, masks):
+        for mb, mask in zip(micro, masks):
+            targets = mb[1]
             if reference:
-                losses, ref_losses = engine.token_losses(ids, targets, seg, pos, reference=True)   # (B, T) each
+                losses, ref_losses = token_losses(engine, mb, reference=True)                      # (B, T) each
                 ref_logps.append(-(ref_losses.astype(np.float64) * mask).sum(axis=1))
             else:
-                losses = engine.token_losses(ids, targets, seg, pos)                                  # (B, T)
+                losses = token_losses(engine, mb)                                                  # (B, T)
             losses = losses.astype(np.float64)
             logps.append(-(losses * mask).sum(axis=1))
             tokens.append(mask.sum(axis=1))
@@ -99,10 +111,9 @@ class PreferenceScorer:
                                 for k in range(0, p, self.batch_size)])          # (2P,)
         rows = [rows[i] for i in order]
         micro = self.micro_batches(rows)
-        masks = [targets != -100 for _, targets, _, _ in micro]           # (B, T) completion tokens
+        masks = [mb[1] != -100 for mb in micro]           # (B, T) completion tokens
         if self.unit.trains_prompt:
-            micro = self.micro_batches([Example(r.input_ids, r.input_ids.astype(np.int64), r.truncated)
-                                        if i < p else r for r, i in zip(rows, order)])
+            micro = self.micro_batches([self._whole(r) if i < p else r for r, i in zip(rows, order)])
         return micro, masks, order
 
     def train_pairs(self, engine, examples: Sequence, indices, ref: np.ndarray | None, train_step) -> tuple:
@@ -115,7 +126,7 @@ class PreferenceScorer:
         trainer's). (ObjectiveResult, Scored rows in score's order, count, grad_norm, applied)."""
         p = len(indices)
         micro, masks, order = self.pair_micro_batches(examples, indices)
-        targets = np.concatenate([(t != -100).sum(axis=1) for _, t, _, _ in micro])      # (2P,) placed rows
+        targets = np.concatenate([(mb[1] != -100).sum(axis=1) for mb in micro])           # (2P,) placed rows
         tokens = np.concatenate([m.sum(axis=1) for m in masks])
         total = float(targets.sum())
         nll_grad = 1.0 / max(int(targets[order < p].sum()), 1) if self.unit.trains_prompt else 0.0
@@ -134,15 +145,15 @@ class PreferenceScorer:
             return weights
 
         batches, r0 = [], 0
-        for (ids, tg, seg, pos), mask in zip(micro, masks):
+        for (ids, tg, seg, pos, *images), mask in zip(micro, masks):
             rows = ids.shape[0]
             chosen_targets = (np.arange(rows) < rows // 2)[:, None] & (tg != -100)
-            batches.append((ids, tg, seg, pos, SequenceObjective(weights_of(r0, mask, chosen_targets))))
+            batches.append((ids, tg, seg, pos, SequenceObjective(weights_of(r0, mask, chosen_targets)), *images))
             r0 += rows
         _, count, grad_norm, applied = train_step(batches)
         logps = np.concatenate([(lp.astype(np.float64) * m).sum(axis=1) for lp, m in zip(engine.step_logps, masks)])
-        losses = np.concatenate([-(lp.astype(np.float64) * (t != -100)).sum(axis=1)
-                                 for lp, (_, t, _, _) in zip(engine.step_logps, micro)])
+        losses = np.concatenate([-(lp.astype(np.float64) * (mb[1] != -100)).sum(axis=1)
+                                 for lp, mb in zip(engine.step_logps, micro)])
         back = np.argsort(order)                                                  # placed rows -> score's order
         logps, n, losses, targets = logps[back], tokens[back], losses[back], targets[back]
         result = self.unit.loss(logps[:p], logps[p:], n[:p], n[p:], None if ref is None else ref[:p],
@@ -189,6 +200,20 @@ class PreferenceScorer:
             metrics.append(result.metrics)
         return {"loss": float(np.average(losses, weights=weights)), "perplexity": None, "tokens": n,
                 "metrics": mean_metrics(metrics, weights)}
+
+
+def token_losses(engine, micro_batch: tuple, reference: bool = False):
+    """engine.token_losses of an engine micro-batch (ids, targets, segment_ids, position_ids[, ImageTokens]),
+    its images set on the engine while it scores."""
+    ids, targets, seg, pos, *images = micro_batch
+    if images:
+        engine.set_images(images[0])
+    try:
+        return engine.token_losses(ids, targets, seg, pos, reference=True) if reference else \
+            engine.token_losses(ids, targets, seg, pos)
+    finally:
+        if images:
+            engine.set_images(None)
 
 
 def example_rows(examples: Sequence, paired: bool) -> list[Example]:

@@ -3,7 +3,8 @@ objective's derivatives by the rows' sequence log-probabilities (the policy's, a
 switched off, or computed once before training) into per-token gradient weights of the engine's optimizer step:
 for pairs inside the step's own forward (an engine SequenceObjective per micro-batch of whole pairs, one policy
 forward), for KTO from the rows scored first; evaluation reports the objective and TRL's reward metrics on the
-validation pairs."""
+validation pairs. Records with images (TRL's vision preference records) ride the same path, each micro-batch with
+the ImageTokens of its rows' images."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +53,7 @@ class PreferenceTrainer(Trainer):
         self.paired = self.unit.data is DataKind.PAIRS
         self.pref = {"train": [], "valid": []}       # tokenized PreferenceExample / UnpairedExample per split
         self.partners = {}                           # KTO: split -> (N,) the mismatched pair of each example
+        self.image_ids = frozenset()                 # records with images: the tokens of an image's run
         self.reference = None                        # precomputed: split -> {"logps": (N, 2) or (N,), "kl": (N,)}
         self._reference_tensors = None               # --adapter-path: the starting adapter, the reference
         self._step_metrics: list = []                # the metrics of the steps since the last logged row
@@ -60,13 +62,16 @@ class PreferenceTrainer(Trainer):
     # ---- data ---------------------------------------------------------------------------------------
     def _read_data(self, model_cfg):
         from wgpu_train.data.preference_demo import demo_preference_splits
-        from wgpu_train.data.preference_records import check_labels
         from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
         from wgpu_train.data.sources import resolve_data
+        from wgpu_train.data.vision_records import is_vision_data
         from wgpu_train.formats.tokenizer import load_tokenizer
 
         cfg = self.config
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
+        if is_vision_data(self.data_path):
+            return self._read_image_data(model_cfg)
         if cfg.data is None:      # the embedded demo: pairs built from the embedded SFT dataset
             s = demo_preference_splits(resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid,
                                                     cfg.columns), cfg.seed, unpaired=not self.paired)
@@ -74,7 +79,6 @@ class PreferenceTrainer(Trainer):
             s = resolve_data(self.data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns,
                              kind=self.unit.data)
         self.splits = s
-        self.max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
         tokenize = tokenize_preferences if self.paired else tokenize_unpaired
         lines, self.truncated, self.dropped = [], 0, 0
         for split in ("train", "valid"):
@@ -87,6 +91,16 @@ class PreferenceTrainer(Trainer):
             self.dropped += stats.n_dropped
             if not self.paired:
                 self.partners[split] = kl_partners(len(self.pref[split]), cfg.batch_size)
+        self._check_examples(model_cfg, lines)
+        self.log(f"data: {s.files.get('train', self.data_path)} ({s.format}); {'; '.join(lines)}; "
+                 f"{len(s.test)} test")
+
+    def _check_examples(self, model_cfg, lines: list):
+        """The tokenized examples checked (some left to train, KTO's both labels, ids inside the vocabulary) and
+        their rows made."""
+        from wgpu_train.data.preference_records import check_labels
+
+        s = self.splits
         if not self.pref["train"]:
             raise DataError(f"no training {'pairs' if self.paired else 'examples'} left after tokenization "
                             f"({lines[0]}): raise --max-seq-len")
@@ -99,8 +113,46 @@ class PreferenceTrainer(Trainer):
         if top >= model_cfg.vocab_size:
             raise ConfigError(f"the tokenizer produces token id {top} but the model has vocab_size "
                               f"{model_cfg.vocab_size}: tokenizer and model do not belong together")
-        self.log(f"data: {s.files.get('train', self.data_path)} ({s.format}); {'; '.join(lines)}; "
-                 f"{len(s.test)} test")
+
+    def _read_image_data(self, model_cfg):
+        """TRL's vision preference records (one local JSON / JSONL file whose first record has `images`): split,
+        read and tokenized (data/preference_vision.py), each image's placeholder expanded as the model's
+        processor expands it; pairs cut inside or before an image dropped and counted."""
+        import json
+
+        from wgpu_train.data.preference_vision import tokenize_vision_preferences, vision_preference_records
+        from wgpu_train.data.vision_records import model_image_span, vision_splits
+        from wgpu_train.models.vision import VisionConfig
+
+        cfg = self.config
+        if cfg.no_chat_template or cfg.columns:
+            raise ConfigError(f"{'--no-chat-template' if cfg.no_chat_template else '--columns'} is not supported "
+                              f"with images yet")
+        where = self.model_dir / "config.json"
+        span = model_image_span(self.tokenizer, VisionConfig.from_config(json.loads(where.read_text()), str(where)),
+                                self.model_dir)
+        self.image_ids = frozenset(self.tokenizer.token_to_id(t) for t in span.token_names) - {None}
+        s = vision_splits(self.data_path, cfg.valid_split, cfg.seed)
+        file = str(self.data_path)
+        s = dataclasses.replace(s, train=vision_preference_records(s.train, not self.paired, file),
+                                valid=vision_preference_records(s.valid, not self.paired, file))
+        self.splits = s
+        lines, self.truncated, self.dropped, self.cut_in_image = [], 0, 0, 0
+        for split in ("train", "valid"):
+            self.pref[split], stats, cut = tokenize_vision_preferences(
+                self.tokenizer, getattr(s, split), span, self.max_seq_len, self.image_ids, cfg.truncation_mode,
+                cfg.max_prompt_length)
+            lines.append(f"{split} {stats.describe()}" + (f", {cut} dropped (--max-seq-len {self.max_seq_len} "
+                                                          f"cuts them inside or before an image)" if cut else ""))
+            self.truncated += stats.n_truncated
+            self.dropped += stats.n_dropped
+            self.cut_in_image += cut
+            if not self.paired:
+                self.partners[split] = kl_partners(len(self.pref[split]), cfg.batch_size)
+        self.n_images = sum(len(e.images) for split in self.pref.values() for e in split)
+        self._check_examples(model_cfg, lines)
+        self.log(f"data: {file} (vision {'pairs' if self.paired else 'unpaired'}); {'; '.join(lines)}; "
+                 f"{self.n_images} images")
 
     def _rows(self, examples) -> list:
         return example_rows(examples, self.paired)
@@ -108,7 +160,7 @@ class PreferenceTrainer(Trainer):
     @functools.cached_property
     def scorer(self) -> PreferenceScorer:
         """Scores this run's examples on an engine, batch_size examples per micro-batch (after the tokenizer)."""
-        return PreferenceScorer(self.settings, self.config.batch_size, self.pad_id)
+        return PreferenceScorer(self.settings, self.config.batch_size, self.pad_id, self.vision, self.image_ids)
 
     def _make_stream(self, accum: int):
         return PreferenceStream(self.pref["train"], self.config.batch_size * accum, self.config.seed,
@@ -120,6 +172,10 @@ class PreferenceTrainer(Trainer):
     def held_out(self) -> tuple[str, list]:
         """Exact match's split as conversations: the prompt and the chosen (desirable) answer."""
         name, records = super().held_out()
+        if self.vision is not None:     # image_exact_match's vision records
+            from wgpu_train.data.preference_vision import with_images
+
+            return name, [c for c in map(with_images, records) if c is not None]
         return name, [c for c in (_as_conversation(r) for r in records) if c is not None]
 
     # ---- the reference ------------------------------------------------------------------------------
@@ -129,6 +185,9 @@ class PreferenceTrainer(Trainer):
                                                       or cfg.method == "full" or cfg.modules_to_save))
 
     def _model_ready(self):
+        if self.vision is not None and self.vision.tower.lora:
+            raise ConfigError(f"LoRA on the vision tower is not supported with --objective {self.config.objective} "
+                              f"yet (sft only)")
         if self.unit.uses_reference and self.continued_from and not self._precomputes():
             # TRL's reference for a pretrained adapter: a frozen copy of it ("ref"), swapped in to score
             self._reference_tensors = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}
@@ -304,18 +363,22 @@ class PreferenceTrainer(Trainer):
         per_row = -total * result.dlogps
         n_chosen = len(per_row) // 2
         weighted, r0 = [], 0
-        for (ids, targets, seg, pos), mask in zip(scored.micro, scored.masks):
+        for (ids, targets, seg, pos, *images), mask in zip(scored.micro, scored.masks):
             rows = ids.shape[0]
             w = np.where(mask, per_row[r0:r0 + rows, None], 0.0)                             # (B, T)
             if result.nll_grad:
                 chosen = (np.arange(r0, r0 + rows) < n_chosen)[:, None] & (targets != -100)
                 w = w + np.where(chosen, total * result.nll_grad, 0.0)
-            weighted.append((ids, targets, seg, pos, w.astype(np.float32)))
+            weighted.append((ids, targets, seg, pos, w.astype(np.float32), *images))   # images: ImageTokens
             r0 += rows
         return weighted
 
+    def _step_model(self):
+        """The engine: a step's micro-batches carry their ImageTokens already (PreferenceScorer.micro_batches)."""
+        return self.engine
+
     def _input_tokens(self, batch) -> int:
-        return int(sum((seg > 0).sum() for _, _, seg, _ in batch))
+        return int(sum((mb[2] > 0).sum() for mb in batch))
 
     def _progress_extra(self) -> dict:
         acc = self._step_metrics[-1].get("rewards/accuracies") if self._step_metrics else None

@@ -453,10 +453,13 @@ class Trainer:
     def _train_step(self, micro, hp, step: int, own: bool = False, **extra):
         """The engine's optimizer step over a step's micro-batches (this process's share of them; own: the
         micro-batches are this process's already): (loss_sum, count, grad_norm, applied) of the whole step."""
-        result = self.process.train_step(self.vision or self.engine, micro, hp, step, own=own, **extra)
+        result = self.process.train_step(self._step_model(), micro, hp, step, own=own, **extra)
         if self.process.stop_agreed:
             self.interrupt.request("interrupted on the driver: saving a checkpoint after this step")
         return result
+
+    def _step_model(self):      # what takes a step's micro-batches: the VisionModel (it runs the tower), or the engine
+        return self.vision or self.engine
 
     def _progress_bar(self):
         from tqdm import tqdm
