@@ -57,15 +57,16 @@ def pass_shape(rt, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, chunk: in
     limit, rep = (rt.max_binding if rt is not None else max_binding) - 256, Hv // Hk
 
     def need(rows, heads):
-        return 4 * max(scratch_size(rows, T, heads, Dk, Dv, chunk, backward), states_size(rows, T, heads, Dk, Dv, chunk))
+        return 4 * max(scratch_size(rows, T, heads, Dk, Dv, chunk, backward),
+                       states_size(rows, T, heads, Dk, Dv, chunk))
 
     if need(1, Hv) <= limit:
         return min(B, limit // need(1, Hv)), Hv
     groups = max((n for n in range(1, Hk) if need(1, n * rep) <= limit), default=0)
     if groups < 1:
         raise DeviceError(f"the gated delta rule's {'backward' if backward else 'forward'} over one sequence of {T} "
-                          f"tokens needs {need(1, rep) / 2**20:.0f} MiB of scratch for one key head in one binding, "
-                          f"over the device's max storage binding of {(limit + 256) / 2**20:.0f} MiB: train on "
+                          f"tokens needs {need(1, rep) / 2**20:.3g} MiB of scratch for one key head in one binding, "
+                          f"over the device's max storage binding of {(limit + 256) / 2**20:.3g} MiB: train on "
                           f"shorter sequences")
     return 1, -(-Hk // -(-Hk // groups)) * rep
 
@@ -74,19 +75,32 @@ def training_bytes(B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, layers: i
                    max_binding: int, sixteen_bit: bool = False) -> int:
     """The bytes a training step's linear-attention layers hold beside the layer plan's activations
     (webgpu/gated_deltanet_layers.py), the most over the chunks the tuner may choose: the states of each of
-    `layers` (one set under gradient checkpointing), the scratch of the forward's or the backward's passes of rows,
+    `layers` (one set under gradient checkpointing), the scratch of the forward's or the backward's passes,
     the final state, the l2norm's normalised vectors and inverse norms; with 16-bit activations the float32
     buffers the l2norm and the rule write before their results are rounded into the layer's."""
-    def at(chunk):
-        scratch = 0
-        for back in (False, True):
-            rows, heads = pass_shape(None, B, T, Hk, Hv, Dk, Dv, chunk, back, max_binding)
-            scratch = max(scratch, scratch_size(rows, T, heads, Dk, Dv, chunk, back))
+    def at(chunk, shapes):
+        scratch = max(scratch_size(rows, T, heads, Dk, Dv, chunk, back) for back, (rows, heads) in enumerate(shapes))
         states = states_size(B, T, Hv, Dk, Dv, chunk) * (1 if checkpoint else layers)
         return states + scratch
 
     temps = B * T * (4 * Hk * Dk + 2 * Hv * Dv + 2 * Hv) if sixteen_bit else 0
-    return 4 * (max(at(c) for c in DK.CHUNKS) + B * Hv * Dk * Dv + B * T * Hk * (Dk + 1) + temps)
+    most = max(at(c, shapes) for c, shapes in _shapes(None, B, T, Hk, Hv, Dk, Dv, True, max_binding).items())
+    return 4 * (most + B * Hv * Dk * Dv + B * T * Hk * (Dk + 1) + temps)
+
+
+def _shapes(rt, B, T, Hk, Hv, Dk, Dv, backward: bool, max_binding: int | None = None) -> dict:
+    """{chunk: [the forward's pass_shape, and the backward's where backward]} at the chunks where they fit a
+    binding (those the tuner may choose); pass_shape's DeviceError where none does."""
+    shapes, refused = {}, None
+    for c in DK.CHUNKS:
+        try:
+            shapes[c] = [pass_shape(rt, B, T, Hk, Hv, Dk, Dv, c, back, max_binding)
+                         for back in (False, True)[:1 + backward]]
+        except DeviceError as e:
+            refused = e
+    if not shapes:
+        raise refused
+    return shapes
 
 
 def _passes(rt, t: dict, B, T, Hk, Hv, Dk, Dv, chunk, backward):
@@ -107,10 +121,14 @@ def _passes(rt, t: dict, B, T, Hk, Hv, Dk, Dv, chunk, backward):
             yield DK.DeltaRuleProblem(rt, views, min(rows, B - b0), T, nh // rep, nh, Dk, Dv, chunk, (Hk, Hv))
 
 
-def delta_rule_chunk(rt, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int) -> int:
-    """The chunk the tuner chooses for this shape (its fastest candidate at any chunk), to size the states with:
-    tuned on the smallest of the forward's passes at the chunks (a pass's buffers fit the adapter's bindings)."""
-    rows, heads = min((pass_shape(rt, B, T, Hk, Hv, Dk, Dv, c, False) for c in DK.CHUNKS), key=lambda s: s[0] * s[1])
+def delta_rule_chunk(rt, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, backward: bool = False) -> int:
+    """The chunk the tuner chooses for this shape (its fastest candidate at any chunk), to size the states with,
+    tuned on the smallest of the passes at the chunks (pass_shape's; the backward's too where backward). Where one
+    key head's scratch fits a binding at some chunks only, the one of those with the largest passes, untuned."""
+    shapes = {c: min(s, key=lambda s: s[0] * s[1]) for c, s in _shapes(rt, B, T, Hk, Hv, Dk, Dv, backward).items()}
+    if len(shapes) < len(DK.CHUNKS):
+        return max(shapes, key=lambda c: shapes[c][0] * shapes[c][1])
+    rows, heads = min(shapes.values(), key=lambda s: s[0] * s[1])
     return tune.choose(rt, DK.DeltaRuleProblem(rt, {}, rows, T, heads // (Hv // Hk), heads, Dk, Dv)).chunk
 
 

@@ -115,7 +115,7 @@ class GatedDeltaNetOps:
         """(chunk, states, scratch, final_state) of layer i's delta rule on this batch."""
         hk, hv, dk, dv = self._dn_sizes()
         b, t = acts.b, acts.t
-        chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv)
+        chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv, backward=acts.train)
         own = acts.train and not acts.checkpoint
         states = self._dn_buffer(rec.rt, f"states.{i}" if own else "states", DR.states_size(b, t, hv, dk, dv, chunk),
                                  owner=acts)

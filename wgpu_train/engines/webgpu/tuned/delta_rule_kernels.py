@@ -239,7 +239,8 @@ class Chunked:
         layout = scratch_layout(B, T, Hv, Dk, Dv, C, backward)
         zero = (zeros(p.rt), 1)
         bh, tp = B * Hv, n * C
-        keys, values, heads = ((B * T - 1) * p.hks + Hk) * Dk, ((B * T - 1) * p.hvs + Hv) * Dv, (B * T - 1) * p.hvs + Hv
+        last = B * T - 1             # the views' spans: to the last (row, position)'s last head covered
+        keys, values, heads = (last * p.hks + Hk) * Dk, (last * p.hvs + Hv) * Dv, last * p.hvs + Hv
         sizes = {"q": keys, "k": keys, "v": values, "g": heads, "beta": heads, "out": values, "dout": values,
                  "states": bh * n * Dk * Dv, "final_state": bh * Dk * Dv, "initial_state": bh * Dk * Dv,
                  "d_initial_state": bh * Dk * Dv, "segments": B * T, "dq": keys, "dk": keys, "dv": values,
@@ -251,8 +252,8 @@ class Chunked:
         tensors.setdefault("d_initial_state", zero)
         has_init = p.t.get("initial_state") is not None or p.t.get("d_initial_state") is not None
         flags = HAS_SEG * int(p.t.get("segments") is not None) + HAS_INIT * int(has_init)
-        params = dict(b=B, t=T, hk=Hk, hv=Hv, hks=p.hks, hvs=p.hvs, n=n, rep=Hv // Hk, flags=flags, scale=1.0 / math.sqrt(Dk),
-                      **{name: v for name, v in layout.items() if name != "size"})
+        params = dict(b=B, t=T, hk=Hk, hv=Hv, hks=p.hks, hvs=p.hvs, n=n, rep=Hv // Hk, flags=flags,
+                      scale=1.0 / math.sqrt(Dk), **{name: v for name, v in layout.items() if name != "size"})
         d = functools.partial(_dispatch, p, chunk=C, scan=self.scan, tensors=tensors)
         out = [d(RUNS, groups=flat_grid(-(-B // WG)), t0=t0, t1=min(tp, t0 + RUNS_PASS), **params)
                for t0 in range(0, tp, RUNS_PASS)]
