@@ -2,8 +2,9 @@
 reference (engines/shared/delta_rule.py, float64 on the same inputs), on every adapter present and every candidate
 (chunks 16, 32, 64 x each scan spread): the forward and backward at T = 150 with packed and padded rows, grouped
 key heads and an initial state; T shorter than the chunk; the scans and the runs pass split across dispatches as
-llvmpipe's loop budget splits long sequences; 16-bit inputs; the single-token step; the l2norm pair. Tiny head
-dims (12 x 20) keep it fast."""
+llvmpipe's loop budget splits long sequences; a batch past the max storage binding recorded by rows, or by key
+heads, bit-equal to one pass; 16-bit inputs; the single-token step; the l2norm pair. Tiny head dims (12 x 20)
+keep it fast."""
 from __future__ import annotations
 
 import numpy as np
