@@ -8,7 +8,7 @@ N = ceil(T / chunk), are what the backward reads, so both must run with the same
 tuner's choice for a shape, and states_size / scratch_size the elements to allocate for it.
 
 Passes: the wrappers record a batch in passes whose scratch and states each fit one storage binding (pass_shape):
-rows_per_pass whole rows at a time, or, where one row does not fit, one row at a time over ranges of whole key-head
+whole rows at a time, or, where one row does not fit, one row at a time over ranges of whole key-head
 groups (the rule is independent per (row, value head); a key head's dq and dk sum over its group). The results equal
 the one-pass run's bit for bit: every sum runs in the same order, only the bindings' offsets differ."""
 from __future__ import annotations
