@@ -5,7 +5,9 @@
 // columns per scan workgroup) and DKS = ceil(DK / KS).
 //
 // Layouts: q, k (B, T, Hk, DK); v, out, dout (B, T, Hv, DV); g, beta (B, T, Hv); a state (DK, DV) per (row, value
-// head); states (B, Hv, N, DK, DV): the state entering each chunk. Value head h reads key head h / rep. bh is
+// head); states (B, Hv, N, DK, DV): the state entering each chunk. Value head h reads key head h / rep. A dispatch
+// may cover a range of whole key-head groups (the wrappers' passes over heads bind every tensor at its first head):
+// p.hk and p.hv count the heads it covers, p.hks and p.hvs are the (B, T, H, D) tensors' head strides. bh is
 // b * Hv + h; "position" t is chunk c's row i: t = c C + i, positions T..N C - 1 are the last chunk's padding.
 // Every chunk-local quantity lives in one float32 scratch binding (sc), in regions whose element offsets are the
 // r_* fields; the wrappers size them (delta_rule_kernels.scratch_layout). No float atomics: every sum runs in a
@@ -16,7 +18,7 @@ struct Params {
     b: u32, t: u32, hk: u32, hv: u32, n: u32, rep: u32, flags: u32, c0: u32,
     c1: u32, t0: u32, t1: u32, r_fl: u32, r_gt: u32, r_r0: u32, r_r1: u32, r_r2: u32,
     r_r3: u32, r_wv: u32, r_wk: u32, r_u: u32, r_du: u32, r_ds: u32, r_p3: u32, r_dq: u32,
-    r_dk: u32, r_dg: u32, r_al: u32, scale: f32, eps: f32,
+    r_dk: u32, r_dg: u32, r_al: u32, scale: f32, eps: f32, hks: u32, hvs: u32,
     o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, o6: u32, o7: u32, o8: u32, o9: u32,
 }
 
@@ -47,13 +49,13 @@ fn tk(c: u32, i: u32) -> u32 {                             // chunk c's row i as
     return min(c * C + i, p.t - 1u);
 }
 fn qk_at(b: u32, t: u32, kh: u32) -> u32 {                 // row base of q / k (B, T, Hk, DK), key head kh
-    return ((b * p.t + t) * p.hk + kh) * DK;
+    return ((b * p.t + t) * p.hks + kh) * DK;
 }
 fn v_at(b: u32, t: u32, h: u32, j: u32) -> u32 {           // v / out / dout (B, T, Hv, DV)
-    return ((b * p.t + t) * p.hv + h) * DV + j;
+    return ((b * p.t + t) * p.hvs + h) * DV + j;
 }
 fn gb_at(b: u32, t: u32, h: u32) -> u32 {                  // g / beta (B, T, Hv)
-    return (b * p.t + t) * p.hv + h;
+    return (b * p.t + t) * p.hvs + h;
 }
 fn st_at(bh: u32, c: u32, d: u32, j: u32) -> u32 {         // states (B, Hv, N, DK, DV)
     return ((bh * p.n + c) * DK + d) * DV + j;
@@ -360,7 +362,7 @@ fn dr_du0(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     var du = 0.0;
     let qcol = p.r_r1 + cc_at(bh, c, 0u, i);
     let drow = do_row(b, c, h, 0u) + j;
-    let stride = p.hv * DV;
+    let stride = p.hvs * DV;
     let last = min(C, p.t - c * C);
     for (var l = i; l < last; l = l + 1u) {
         du = fma(sc[qcol + l * C], t7_ld(drow + l * stride), du);
@@ -531,7 +533,7 @@ fn dr_dqk(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let kh = h / p.rep;
     let k0 = k_row(b, c, kh, 0u) + d;
     let q0 = q_row(b, c, kh, 0u) + d;
-    let stride = p.hk * DK;
+    let stride = p.hks * DK;
     let last = min(C, p.t - c * C);           // rows past T: zero (Q K^T) o E and L columns
     let row_i = cc_at(bh, c, i, 0u);
     let col_i = cc_at(bh, c, 0u, i);
@@ -644,8 +646,9 @@ fn dr_group(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         dq = dq + sc[p.r_dq + row * DK + d];
         dk = dk + sc[p.r_dk + row * DK + d];
     }
-    w2[p.o2 + idx] = dq * p.scale;
-    w3[p.o3 + idx] = dk;
+    let at = qk_at(b, t, hk) + d;
+    w2[p.o2 + at] = dq * p.scale;
+    w3[p.o3 + at] = dk;
 }
 
 // ---- step: out! (w2) (B, Hv, DV), state! (w3) (B, Hv, DK, DV) in place, q (t4), k (t5) (B, Hk, DK), v (t6), g

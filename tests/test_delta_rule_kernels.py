@@ -2,8 +2,9 @@
 reference (engines/shared/delta_rule.py, float64 on the same inputs), on every adapter present and every candidate
 (chunks 16, 32, 64 x each scan spread): the forward and backward at T = 150 with packed and padded rows, grouped
 key heads and an initial state; T shorter than the chunk; the scans and the runs pass split across dispatches as
-llvmpipe's loop budget splits long sequences; 16-bit inputs; the single-token step; the l2norm pair. Tiny head
-dims (12 x 20) keep it fast."""
+llvmpipe's loop budget splits long sequences; a batch past the max storage binding recorded by rows, or by key
+heads, bit-equal to one pass; 16-bit inputs; the single-token step; the l2norm pair. Tiny head dims (12 x 20)
+keep it fast."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,7 +51,8 @@ def _segments(B, T):
 
 
 def _case(rt, pin, B, T, Hk, Hv, chunk, init=True, segments=True, fmt="f32", seed=0):
-    """Forward then backward of one case, recorded with one candidate pinned, against the reference."""
+    """Forward then backward of one case, recorded with one candidate pinned, against the reference; the outputs and
+    gradients read back, by name."""
     names = [c.name for c in DK.DeltaRuleProblem(rt, {}, B, T, Hk, Hv, DIM_K, DIM_V, chunk).candidates()]
     assert any(name.startswith(pin) for name in names), f"{pin} is not among {names}"
     rng = np.random.default_rng(seed)
@@ -80,11 +82,15 @@ def _case(rt, pin, B, T, Hk, Hv, chunk, init=True, segments=True, fmt="f32", see
     assert rt.counters["submits"] == before["submits"] and rt.counters["readbacks"] == before["readbacks"]
     rec.submit()
     what = f"{pin} T={T} chunk {chunk}"
+    got = {}
     for name, want in (("out", want_out), ("final_state", want_final), ("states", want_states)):
-        assert_close(rt.read(out[name], np.float32, want.shape), want, "k_delta_rule", f"{name}, {what}")
+        got[name] = rt.read(out[name], np.float32, want.shape)
+        assert_close(got[name], want, "k_delta_rule", f"{name}, {what}")
     for name, want in zip(GRADS, want_grads):
-        assert_close(rt.read(grads[name], np.float32, want.shape), want, "k_delta_rule", f"{name}, {what}")
+        got[name] = rt.read(grads[name], np.float32, want.shape)
+        assert_close(got[name], want, "k_delta_rule", f"{name}, {what}")
     rt.release(*bufs.values(), *out.values(), *grads.values(), *([seg_buf] if segments else []))
+    return got
 
 
 @pytest.mark.parametrize("pin", CANDIDATES)
@@ -114,18 +120,45 @@ def test_long_sequences_split_across_dispatches(rt, monkeypatch):
     _case(rt, pin, 2, 150, 2, 4, 16, seed=2)
 
 
+def _binding_for(B, T, Hv, chunk):
+    """A max storage binding that holds B rows' (of Hv value heads) backward scratch and states, and no more."""
+    return 4 * max(W.scratch_size(B, T, Hv, DIM_K, DIM_V, chunk), W.states_size(B, T, Hv, DIM_K, DIM_V, chunk)) + 256
+
+
 def test_rows_recorded_in_passes_past_the_max_binding(rt, monkeypatch):
     """A max storage binding that holds one row's backward scratch (Qwen3-Next's at a few hundred tokens a row is past
-    128 MiB): three packed and padded rows recorded a row or two at a time, the same results; one row too long for
-    it refused in one line."""
-    one = max(W.scratch_size(1, 150, 4, DIM_K, DIM_V, 16), W.states_size(1, 150, 4, DIM_K, DIM_V, 16))
-    monkeypatch.setattr(rt, "max_binding", 4 * one + 256)
-    assert W.rows_per_pass(rt, 3, 150, 4, DIM_K, DIM_V, 16) == 1
-    assert W.rows_per_pass(rt, 3, 150, 4, DIM_K, DIM_V, 16, backward=False) in (1, 2)
+    128 MiB): three packed and padded rows recorded a row or two at a time, the same results."""
+    monkeypatch.setattr(rt, "max_binding", _binding_for(1, 150, 4, 16))
+    assert W.pass_shape(rt, 3, 150, 2, 4, DIM_K, DIM_V, 16) == (1, 4)
+    assert W.pass_shape(rt, 3, 150, 2, 4, DIM_K, DIM_V, 16, backward=False) in ((1, 4), (2, 4))
     _case(rt, "delta_rule/c16/ks1x8", 3, 150, 2, 4, 16, seed=4)
-    with pytest.raises(DeviceError, match="one sequence of 300 tokens needs") as err:
-        W.rows_per_pass(rt, 1, 300, 4, DIM_K, DIM_V, 16)
+
+
+@pytest.mark.parametrize("fmt,init", [("f32", True), ("bf16", False)])
+def test_heads_recorded_in_passes_past_the_max_binding(rt, monkeypatch, fmt, init):
+    """A max storage binding under one row's scratch but over one key head's (two value heads): each of two packed
+    and padded rows (T = 150, not a multiple of the chunk) recorded a key head at a time, the outputs, states and
+    every gradient bit-equal to the one-pass run's (every sum in the same order), the one-pass run against the
+    reference too; a binding under one key head's refused in one line."""
+    pin, chunk = "delta_rule/c16/ks1x8", 16
+    whole = _case(rt, pin, 2, 150, 3, 6, chunk, init=init, fmt=fmt, seed=5)
+    monkeypatch.setattr(rt, "max_binding", _binding_for(1, 150, 2, chunk))
+    assert W.pass_shape(rt, 2, 150, 3, 6, DIM_K, DIM_V, chunk) == (1, 2)
+    split = _case(rt, pin, 2, 150, 3, 6, chunk, init=init, fmt=fmt, seed=5)
+    for name, want in whole.items():
+        assert np.array_equal(split[name], want), f"{name} differs from the one-pass run's"
+    with pytest.raises(DeviceError, match="one sequence of 300 tokens needs .* for one key head") as err:
+        W.pass_shape(rt, 1, 300, 3, 6, DIM_K, DIM_V, chunk)
     assert "\n" not in str(err.value)
+
+
+def test_head_passes_are_whole_and_even_key_head_groups(default_rt, monkeypatch):
+    """Eight key heads of two value heads each where three key heads fit a binding: passes of three, three and
+    two key heads (six value heads each at most), never a group split."""
+    monkeypatch.setattr(default_rt, "max_binding", _binding_for(1, 100, 6, 32))
+    assert W.pass_shape(default_rt, 4, 100, 8, 16, DIM_K, DIM_V, 32) == (1, 6)
+    monkeypatch.setattr(default_rt, "max_binding", _binding_for(1, 100, 8, 32))
+    assert W.pass_shape(default_rt, 4, 100, 8, 16, DIM_K, DIM_V, 32) == (1, 8)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])

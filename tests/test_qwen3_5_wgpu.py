@@ -238,3 +238,62 @@ def test_pipeline_stages_equal_one_process(rt, tmp_path):
         for k in theirs:
             assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
     assert_same_generation(*_staged(tmp_path, 2, device=str(rt.info.index)))
+
+
+def _rule_binding(rt, T: int, backward: bool) -> int:
+    """A max storage binding that holds the delta rule's scratch and states of one key head (two value heads) of a
+    T-token row of build()'s models, and not a whole row's (four)."""
+    from wgpu_train.engines.webgpu import delta_rule as DR
+
+    chunk = DR.delta_rule_chunk(rt, 1, T, 2, 4, 6, 5, backward)
+
+    def need(heads):
+        return 4 * max(DR.scratch_size(1, T, heads, 6, 5, chunk, backward), DR.states_size(1, T, heads, 6, 5, chunk))
+
+    binding = need(2) + 256
+    assert DR.pass_shape(None, 2, T, 2, 4, 6, 5, chunk, backward, binding) == (1, 2)
+    return binding
+
+
+def test_rows_past_the_max_binding_equal_one_pass(rt, tmp_path, monkeypatch):
+    """A max storage binding under one row's delta-rule scratch but over one key head's: the forward (logits of a
+    right-padded row of 150 tokens, a 150-token prefill then decoding) and, under the backward's binding, the LoRA
+    gradients of the fused in-projections and out_proj, then full fine-tuning's (A_log, dt_bias among them),
+    recorded a key head at a time: the same as the one-pass run's; the memory estimate still covers the
+    allocation."""
+    from test_engine import _allocated
+
+    build("qwen3_next").save_pretrained(tmp_path)
+    batch = padded_batch(3, 150, 101, 3)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 83, 150)]
+
+    def lora():
+        return _pair(tmp_path, rt, "qwen3_next")[1]
+
+    def full():
+        model = _pair(tmp_path, rt)[1]
+        model.set_full_finetune()
+        return model
+
+    whole = lora()
+    padded = (batch[0][1:], batch[2][1:])         # one row under the forward's binding (the in-projection's width)
+    logits, tokens = whole.logits(*padded), whole.generate(prompt, max_new_tokens=3)
+    wanted = [lora().loss_and_grads(*batch), full().loss_and_grads(*batch)]
+    forward, backward = (_rule_binding(rt, 150, back) for back in (False, True))
+    monkeypatch.setattr(rt, "max_binding", forward)
+    split = lora()
+    np.testing.assert_array_equal(split.logits(*padded), logits)
+    assert split.generate(prompt, max_new_tokens=3) == tokens
+    monkeypatch.setattr(rt, "max_binding", backward)
+    for make, (want_loss, want) in zip((lora, full), wanted):
+        split = make()
+        got_loss, got = split.loss_and_grads(*batch)
+        assert got_loss == want_loss and got.keys() == want.keys()
+        assert any(".linear_attn.in_proj_qkvz" in k for k in got) and any(".linear_attn.out_proj" in k for k in got)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert "model.layers.0.linear_attn.A_log" in got and "model.layers.2.linear_attn.dt_bias" in got
+    acts = split.engine._activations(*batch[0].shape, train=True)
+    own = sum(b.size for holder in (split.engine.layers, acts) for b in holder._dn_buffers.values())
+    est = wt.estimate_memory(split.config, *batch[0].shape, method="full", max_binding=rt.max_binding)
+    assert _allocated(acts) + own <= est["activations"] + est["logits"]

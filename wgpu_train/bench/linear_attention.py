@@ -69,7 +69,7 @@ def bench_linear_attention(rt, ctx) -> list[dict]:
         x = _inputs(rng, T)
         bufs = {name: rt.upload(a) for name, a in x.items()}
         seg = rt.upload(np.ones((B, T), np.int32))
-        chunk = W.delta_rule_chunk(rt, B, T, H, H, D, D)
+        chunk = W.delta_rule_chunk(rt, B, T, H, H, D, D, backward=True)
         delta, d_out = _delta(rt, bufs, T, chunk)
         att, a_out = _attention(rt, bufs, seg, T)
         try:

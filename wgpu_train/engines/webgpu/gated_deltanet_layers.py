@@ -115,14 +115,16 @@ class GatedDeltaNetOps:
         """(chunk, states, scratch, final_state) of layer i's delta rule on this batch."""
         hk, hv, dk, dv = self._dn_sizes()
         b, t = acts.b, acts.t
-        chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv)
+        chunk = DR.delta_rule_chunk(rec.rt, b, t, hk, hv, dk, dv, backward=acts.train)
         own = acts.train and not acts.checkpoint
         states = self._dn_buffer(rec.rt, f"states.{i}" if own else "states", DR.states_size(b, t, hv, dk, dv, chunk),
                                  owner=acts)
         passes = [False, True] if acts.train else [False]     # the forward's and the backward's scratch, by pass
-        scratch = self._dn_buffer(rec.rt, "scratch", max(
-            DR.scratch_size(DR.rows_per_pass(rec.rt, b, t, hv, dk, dv, chunk, back), t, hv, dk, dv, chunk, back)
-            for back in passes))
+        sizes = []
+        for back in passes:
+            rows, heads = DR.pass_shape(rec.rt, b, t, hk, hv, dk, dv, chunk, back)
+            sizes.append(DR.scratch_size(rows, t, heads, dk, dv, chunk, back))
+        scratch = self._dn_buffer(rec.rt, "scratch", max(sizes))
         return chunk, states, scratch, self._dn_buffer(rec.rt, "final_state", b * hv * dk * dv)
 
     def _forward_delta_rule(self, rec, op, i, acts, buf, kv):
@@ -155,7 +157,8 @@ class GatedDeltaNetOps:
             chunk = DR.delta_rule_chunk(rec.rt, 1, n, hk, hv, dk, dv)
             final = self._dn_buffer(rec.rt, "final_state", one)
             states = self._dn_buffer(rec.rt, "prefill_states", DR.states_size(1, n, hv, dk, dv, chunk))
-            scratch = self._dn_buffer(rec.rt, "prefill_scratch", DR.scratch_size(1, n, hv, dk, dv, chunk, False))
+            _, heads = DR.pass_shape(rec.rt, 1, n, hk, hv, dk, dv, chunk, False)
+            scratch = self._dn_buffer(rec.rt, "prefill_scratch", DR.scratch_size(1, n, heads, dk, dv, chunk, False))
             DR.gated_delta_rule_forward(rec, views[0], final, states, *views[1:], chunk, 1, n, hk, hv, dk, dv, scratch,
                                         initial_state=slot)
             K.copy(rec, slot, final, one)

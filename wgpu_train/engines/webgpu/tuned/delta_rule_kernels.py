@@ -113,12 +113,14 @@ class DeltaRuleProblem:
     """One chunked gated delta rule over a batch as the kernels see it (the op wrappers' tensors by name: out,
     final_state, states, q, k, v, g, beta, scratch, initial_state, segments, and for the backward dq, dk, dv, dg,
     dbeta, d_initial_state, dout), sizes, and the chunk the caller sized its states for (None: any; the tuner then
-    picks the chunk too)."""
+    picks the chunk too). Hk and Hv count the heads it covers; head_strides (key, value): the (B, T, H, D) tensors'
+    heads where those are views of a range of whole key-head groups (the wrappers' passes over heads), else Hk, Hv."""
 
-    def __init__(self, rt, tensors: dict, B, T, Hk, Hv, Dk, Dv, chunk=None):
+    def __init__(self, rt, tensors: dict, B, T, Hk, Hv, Dk, Dv, chunk=None, head_strides=None):
         self.rt, self.t = rt, tensors
         self.B, self.T, self.Hk, self.Hv, self.Dk, self.Dv = B, T, Hk, Hv, Dk, Dv
         self.chunk = chunk
+        self.hks, self.hvs = head_strides or (Hk, Hv)
         self.formats = {n: storage.format_of(split(t)[0]) for n, t in tensors.items() if n in ("q", "k", "v", "g", "beta")}
 
     @property
@@ -237,11 +239,12 @@ class Chunked:
         layout = scratch_layout(B, T, Hv, Dk, Dv, C, backward)
         zero = (zeros(p.rt), 1)
         bh, tp = B * Hv, n * C
-        sizes = {"q": B * T * Hk * Dk, "k": B * T * Hk * Dk, "v": B * T * Hv * Dv, "g": B * T * Hv,
-                 "beta": B * T * Hv, "out": B * T * Hv * Dv, "dout": B * T * Hv * Dv, "states": bh * n * Dk * Dv,
-                 "final_state": bh * Dk * Dv, "initial_state": bh * Dk * Dv, "d_initial_state": bh * Dk * Dv,
-                 "segments": B * T, "dq": B * T * Hk * Dk, "dk": B * T * Hk * Dk, "dv": B * T * Hv * Dv,
-                 "dg": B * T * Hv, "dbeta": B * T * Hv, "scratch": layout["size"]}
+        last = B * T - 1             # the views' spans: to the last (row, position)'s last head covered
+        keys, values, heads = (last * p.hks + Hk) * Dk, (last * p.hvs + Hv) * Dv, last * p.hvs + Hv
+        sizes = {"q": keys, "k": keys, "v": values, "g": heads, "beta": heads, "out": values, "dout": values,
+                 "states": bh * n * Dk * Dv, "final_state": bh * Dk * Dv, "initial_state": bh * Dk * Dv,
+                 "d_initial_state": bh * Dk * Dv, "segments": B * T, "dq": keys, "dk": keys, "dv": values,
+                 "dg": heads, "dbeta": heads, "scratch": layout["size"]}
         tensors = {name: (t, sizes[name]) if t is not None else zero for name, t in p.t.items() if name in sizes}
         tensors["sc"] = tensors.pop("scratch")
         tensors["seg"] = tensors.pop("segments", zero)
@@ -249,8 +252,8 @@ class Chunked:
         tensors.setdefault("d_initial_state", zero)
         has_init = p.t.get("initial_state") is not None or p.t.get("d_initial_state") is not None
         flags = HAS_SEG * int(p.t.get("segments") is not None) + HAS_INIT * int(has_init)
-        params = dict(b=B, t=T, hk=Hk, hv=Hv, n=n, rep=Hv // Hk, flags=flags, scale=1.0 / math.sqrt(Dk),
-                      **{name: v for name, v in layout.items() if name != "size"})
+        params = dict(b=B, t=T, hk=Hk, hv=Hv, hks=p.hks, hvs=p.hvs, n=n, rep=Hv // Hk, flags=flags,
+                      scale=1.0 / math.sqrt(Dk), **{name: v for name, v in layout.items() if name != "size"})
         d = functools.partial(_dispatch, p, chunk=C, scan=self.scan, tensors=tensors)
         out = [d(RUNS, groups=flat_grid(-(-B // WG)), t0=t0, t1=min(tp, t0 + RUNS_PASS), **params)
                for t0 in range(0, tp, RUNS_PASS)]
