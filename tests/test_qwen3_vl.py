@@ -268,18 +268,16 @@ def test_refusals_in_one_line(vlm):
         vm.logits(np.array([[7, START, 6, END]]), [])
 
 
-def test_auto_takes_the_numpy_engine_and_wgpu_refuses(vlm):
-    """The WebGPU engine takes neither M-RoPE positions nor DeepStack yet: auto chooses the NumPy engine for
-    Qwen3-VL and --backend wgpu is refused in one line, before any adapter opens."""
+def test_auto_takes_the_webgpu_engine(vlm):
+    """The WebGPU engine takes M-RoPE positions and DeepStack (test_qwen3_vl_wgpu.py): auto no longer sends
+    Qwen3-VL to the NumPy engine for want of support, and a named adapter takes it."""
     from wgpu_train.engines.backend_choice import choose_backend
-    from wgpu_train.engines.loading import load_model
+    from wgpu_train.engines.webgpu.support import unsupported_reason
 
-    _, folder, vm = vlm
-    choice = choose_backend("auto", cfg=vm.model.config)
-    assert choice.engine == "numpy" and "Qwen3-VL" in choice.reason
-    with pytest.raises(ConfigError, match="does not run Qwen3-VL yet .* use --backend numpy") as e:
-        load_model(folder, backend="wgpu")
-    assert "\n" not in str(e.value)
+    _, _, vm = vlm
+    assert unsupported_reason(vm.model.config) is None
+    choice = choose_backend("auto", cfg=vm.model.config, device="0")
+    assert choice.engine == "wgpu" and "Qwen3-VL" not in choice.reason
 
 
 def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, tmp_path, monkeypatch, capsys):

@@ -2,7 +2,7 @@
 `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and LoRA
 gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take the
 images' embeddings (Qwen3-VL's with their M-RoPE positions and DeepStack features). The tower runs on the CPU
-(NumPy); the language model on either engine (both have set_images; Qwen3-VL's on the NumPy engine only)."""
+(NumPy); the language model on either engine (both have set_images)."""
 from __future__ import annotations
 
 import json
@@ -40,9 +40,9 @@ class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
-    QwenImageSettings: each image its merged patches). Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
-    engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine refuses it
-    (webgpu/support.unsupported_reason), taking neither its M-RoPE positions nor its DeepStack additions yet."""
+    QwenImageSettings: each image its merged patches). Qwen3-VL's (a models/qwen3_vl.Qwen3VLVision, its tower an
+    engines/numpy/qwen3_vl_tower.Qwen3VLTower) ImageTokens carry the M-RoPE positions and DeepStack features,
+    which both engines take."""
 
     def __init__(self, model: Model, tower, vision, settings):
         if not hasattr(model.engine, "set_images"):

@@ -1,0 +1,132 @@
+"""Qwen3-VL with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
+transformers in test_qwen3_vl.py): RoPE by each pair's M-RoPE position and the DeepStack features added on the
+device; logits, loss, LoRA gradients, a train step in one submission, greedy generation (each new token at its
+M-RoPE position) and `generate --image --backend wgpu`."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import require_adapter
+from finetune_helpers import peft_random_b
+from test_qwen3_vl import PAD, hf_inputs, images, span, vlm  # noqa: F401  (the tiny Qwen3-VL fixture)
+from tolerances import assert_close
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from wgpu_train.engines.protocol import OptimizerParams  # noqa: E402
+from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(vlm):  # noqa: F811
+    """(NumPy VisionModel, WebGPU VisionModel) of the tiny Qwen3-VL with the same PEFT LoRA (random B) on q, v
+    and down, and the folder."""
+    require_adapter()
+    hf, folder, _ = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", lora_dropout=0.0)))
+    pm.save_pretrained(folder.parent / "wgpu_adapter")
+    models = load_vision_model(folder), load_vision_model(folder, backend="wgpu")
+    for vm in models:
+        vm.model.load_adapter(folder.parent / "wgpu_adapter")
+    return (*models, folder)
+
+
+def batch(vm):
+    """(ids, mask, labels, images): row 0 with two images, row 1 with one and right padding."""
+    imgs = images(3, seed=3)
+    rows = [[7, *span(vm, imgs[0]), 11, 12, *span(vm, imgs[1]), 13, 14], [8, 9, *span(vm, imgs[2]), 15]]
+    width = max(map(len, rows))
+    ids = np.array([r + [0] * (width - len(r)) for r in rows])
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask, np.where((ids != PAD) & (mask == 1), ids, -100), imgs
+
+
+def test_logits_loss_and_gradients_equal_numpys(pair):
+    """M-RoPE positions per rotated pair and DeepStack on the first two layers, forward and backward on the
+    device: logits, loss and every LoRA gradient equal the NumPy engine's; without the positions or the features
+    the logits would differ."""
+    cpu, gpu, _ = pair
+    ids, mask, labels, imgs = batch(cpu)
+    real = mask.astype(bool)
+    want = cpu.logits(ids, imgs, mask)
+    assert_close(gpu.logits(ids, imgs, mask)[real], want[real], "gpu_logits", "with images")
+    (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, imgs, mask) for vm in (cpu, gpu))
+    assert_close(np.float64(lb), la, "gpu_loss", "loss with images")
+    assert set(ga) == set(gb) and ga
+    for name in ga:
+        assert_close(gb[name], ga[name], "gpu_grads", name)
+    tokens, engine = gpu.image_tokens(ids, imgs), gpu.model.engine
+    for broken in ({"positions": None}, {"deepstack": ()}):
+        engine.set_images(dataclasses.replace(tokens, **broken))
+        try:
+            other = gpu.model.logits(gpu._text_ids(ids), mask)
+        finally:
+            engine.set_images(None)
+        assert np.abs(other - want)[real].max() > 1e-3
+
+
+def test_train_step_with_images_equals_numpys(pair):
+    """Two micro-batches, each with its own images, in one train_step (gradient checkpointing on the device: the
+    recomputed layers keep the DeepStack sums): the same loss, norm and updated LoRA as the NumPy engine's step,
+    in one submission."""
+    cpu, gpu, _ = pair
+    ids, mask, labels, imgs = batch(cpu)
+    targets = np.roll(labels, -1, axis=1)
+    targets[:, -1] = -100
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    hp = OptimizerParams(lr=1e-2)
+    out = []
+    for vm in (cpu, gpu):
+        mbs = [(vm._text_ids(ids[r:r + 1]).astype(np.int32), targets[r:r + 1], mask[r:r + 1].astype(np.int32),
+                pos[r:r + 1], vm.image_tokens(ids[r:r + 1], imgs[:2] if r == 0 else imgs[2:])) for r in (0, 1)]
+        engine = vm.model.engine
+        if vm is gpu:
+            engine.set_gradient_checkpointing(True)
+        try:
+            loss, count, norm, applied = engine.train_step(mbs, hp, 1)
+            assert applied
+            out.append((loss, count, norm, engine.lora_tensors()))
+            engine.train_step(mbs, hp, 2)      # (both engines: the tests after this one compare them)
+            if vm is gpu:       # the second step, its kernels tuned by the first: one submission
+                assert engine.last_step["submits"] == 1
+        finally:
+            if vm is gpu:
+                engine.set_gradient_checkpointing(False)
+    (la, ca, na, wa), (lb, cb, nb, wb) = out
+    assert ca == cb and set(wa) == set(wb)
+    assert_close(np.float64(lb), la, "gpu_loss", "train_step loss")
+    assert_close(np.float64(nb), na, "gpu_grads", "train_step norm")
+    for path in wa:
+        for a, b in zip(wa[path], wb[path]):
+            assert_close(b, a, "gpu_grads", path)
+
+
+def test_greedy_generation_equals_numpys(pair):
+    """The prompt prefilled with its images, then each new token at its M-RoPE position past the images' longer
+    sides (not its cache row): the NumPy engine's greedy tokens (which are transformers')."""
+    cpu, gpu, _ = pair
+    imgs = images(2, seed=5)
+    ids = np.array([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9])
+    want = cpu.generate(ids, imgs, max_new_tokens=8)
+    assert gpu.generate(ids, imgs, max_new_tokens=8) == want
+
+
+def test_cli_generate_image_on_wgpu(pair, tmp_path, capsys):
+    """`generate --image --backend wgpu` answers as `--backend numpy`, and so does backend auto."""
+    from wgpu_train.cli.main import main
+
+    _, _, folder = pair
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    answers = []
+    for backend in ("numpy", "wgpu", "auto"):
+        assert main(["generate", "--model", str(folder), "--prompt", "what colour?", "--image", str(path),
+                     "--max-new-tokens", "4", "--backend", backend]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] == answers[2] and answers[0].strip()
