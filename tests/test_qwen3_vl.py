@@ -280,9 +280,8 @@ def test_auto_takes_the_webgpu_engine(vlm):
     assert choice.engine == "wgpu" and "Qwen3-VL" not in choice.reason
 
 
-def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, tmp_path, monkeypatch, capsys):
-    """`chat` with /image on Qwen3-VL answers as `generate --image`; `serve`, which does not take its images
-    yet, refuses it in one line (exit 2)."""
+def test_chat_image_turn_answers_as_generate_image(vlm, tmp_path, monkeypatch, capsys):
+    """`chat` with /image on Qwen3-VL answers as `generate --image`."""
     import io
 
     from wgpu_train.cli.main import main
@@ -296,8 +295,6 @@ def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, 
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour?\n"))
     assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.split("\n")[0] == want
-    assert main(["serve", "--model", str(folder), "--backend", "numpy"]) == 2
-    assert "serve does not take Qwen3-VL's images yet" in capsys.readouterr().err
 
 
 def test_packed_rows_count_positions_per_segment(vlm):

@@ -1,7 +1,7 @@
 """Qwen3-VL with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
 transformers in test_qwen3_vl.py): RoPE by each pair's M-RoPE position and the DeepStack features added on the
 device; logits, loss, LoRA gradients, a train step in one submission, greedy generation (each new token at its
-M-RoPE position) and `generate --image --backend wgpu`."""
+M-RoPE position, through DecodeBatch too) and `generate --image --backend wgpu`."""
 from __future__ import annotations
 
 import copy
@@ -130,3 +130,15 @@ def test_cli_generate_image_on_wgpu(pair, tmp_path, capsys):
                      "--max-new-tokens", "4", "--backend", backend]) == 0
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1] == answers[2] and answers[0].strip()
+
+
+def test_decode_batch_rows_follow_m_rope_on_the_device(pair):
+    """Two image rows and a text row in one DecodeBatch on the device (the M-RoPE positions of a call's tokens
+    side by side, the DeepStack features of both prompts): each row's tokens equal the NumPy engine's."""
+    from test_serve_qwen3_vl import decode_rows
+
+    cpu, gpu, _ = pair
+    imgs = images(3, seed=5)
+    rows = [([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9], imgs[:2]), ([7, 8, 9, 13], None),
+            ([10, *span(cpu, imgs[2]), 11, 12], imgs[2:])]
+    assert decode_rows(gpu, rows, budget=64) == decode_rows(cpu, rows, budget=64)

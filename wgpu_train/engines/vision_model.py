@@ -205,9 +205,6 @@ class VisionModel:
         """One prompt's ids (T,) and its images (as pixel_values takes them) -> (its ids as the engine takes them
         (T,), the ImageTokens of the prompt as one row (1, T)): the tower's forward, once, for a prefill."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        if self.qwen:
-            raise ConfigError("serving Qwen3-VL's images is not supported yet (its decoding needs the M-RoPE "
-                              "positions of each row): use generate --image")
         return self._text_ids(ids)[0], self.image_tokens(ids, images)
 
     def _with_images(self, ids, images, call, cache=None, attention_mask=None):
