@@ -142,3 +142,22 @@ def test_decode_batch_rows_follow_m_rope_on_the_device(pair):
     rows = [([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9], imgs[:2]), ([7, 8, 9, 13], None),
             ([10, *span(cpu, imgs[2]), 11, 12], imgs[2:])]
     assert decode_rows(gpu, rows, budget=64) == decode_rows(cpu, rows, budget=64)
+
+
+def test_bf16_activations_with_images_equal_numpys(pair):
+    """bf16 activations: the DeepStack features rounded to bf16 where the NumPy engine rounds them, added in
+    float32 and stored once; logits, loss and LoRA gradients within the text models' bf16 tolerances of the NumPy
+    engine at bf16."""
+    _, _, folder = pair
+    cpu, gpu = (load_vision_model(folder, backend=b, precision="bf16") for b in ("numpy", "wgpu"))
+    for vm in (cpu, gpu):
+        vm.model.load_adapter(folder.parent / "wgpu_adapter")
+    ids, mask, labels, imgs = batch(cpu)
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, imgs, mask)[real], cpu.logits(ids, imgs, mask)[real], "bf16_gpu_logits", "bf16")
+    (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, imgs, mask) for vm in (cpu, gpu))
+    assert_close(np.float64(lb), la, "bf16_gpu_loss", "bf16 loss")
+    assert set(ga) == set(gb) and ga
+    for name, want in ga.items():
+        top = np.abs(want).max()
+        assert_close(gb[name] / top, want / top, "bf16_gpu_grads", name)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.shared.decode_call import DecodeCall
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.recurrent_state import release
 from wgpu_train.errors import ConfigError
@@ -256,8 +257,8 @@ class DecodeBatch:
         logits). images: the prompt's images (shared/image_tokens.ImageTokens of the prompt as one row (1, T), the
         engine's set_images takes them; the NumPy engine's), its whole prompt prefilled in one call (an image's
         tokens see each other both ways), never reused; with M-RoPE positions (Qwen3-VL's), each new token's
-        position counts on from the prompt's last, not from its cache row. hold: the row stays in its slot, paused, when it finishes
-        (extend runs it on; remove ends it). The caller checks sizes against the cache (ValueError past them)."""
+        position counts on from the prompt's last, not from its cache row. hold: the row stays in its slot,
+        paused, when it finishes (extend runs it on; remove ends it). The caller checks sizes against the cache (ValueError past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
@@ -322,7 +323,7 @@ class DecodeBatch:
     def step(self) -> list[Token]:
         """One engine call: the tokens chosen in it, a row's at most, in the rows' order."""
         cfg = self.engine.cfg
-        calls = {False: _Call(), True: _Call()}         # by RoPE factors (longrope: long or not)
+        calls = {False: DecodeCall(), True: DecodeCall()}         # by RoPE factors (longrope: long or not)
         room = self.token_budget - sum(r.fed == r.prompt.size and not r.paused for r in self._rows.values())
         for slot, r in self._rows.items():
             if r.paused:
@@ -398,56 +399,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.size, b.size)
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
-
-
-class _Call:
-    """The tokens of one forward_rows call: ids, cache rows, positions and adapters, and which logits each row
-    wants."""
-
-    def __init__(self):
-        self.ids, self.rows, self.positions, self.adapters = [], [], [], []
-        self.wants, self.last = [], []         # (slot, position) and its token's index in the call
-        self.blocks, self.embeds = [], []      # each token's image block (-1: text), the image tokens' embeddings
-        self.deepstack = []                    # each image prompt's DeepStack features (Qwen3-VL's)
-        self.pairs = []                        # each token's M-RoPE positions (n, R/2), or its position (n,)
-        self.mrope = False                     # whether any token's are M-RoPE's
-        self.n = 0
-
-    def add(self, slot: int, ids: np.ndarray, start: int, wants, adapter: int, images: ImageTokens | None = None,
-            shift: int | None = None):
-        """shift: a Qwen3-VL row's decoded token's M-RoPE position less its cache position (None: none)."""
-        pos = np.arange(start, start + ids.size)
-        self.pairs.append(pos if shift is None else pos[:, None] + shift)       # (n,), or (n, 1) broadcast
-        self.mrope |= shift is not None
-        if images is None:
-            self.blocks.append(np.full(ids.size, -1, np.int32))
-        else:                                   # a whole prompt (start 0): its blocks and embeddings
-            self.blocks.append(images.blocks[0])
-            self.embeds.append(images.embeds)
-            if images.positions is not None:
-                self.pairs[-1], self.mrope = images.positions[0], True
-                self.deepstack.append(images.deepstack)
-        self.ids.append(ids)
-        self.rows.append(np.full(ids.size, slot))
-        self.adapters.append(np.full(ids.size, adapter))
-        self.positions.append(pos)
-        for pos in wants:
-            self.wants.append((slot, pos))
-            self.last.append(self.n + pos - start)
-        self.n += ids.size
-
-    def images(self, hidden: int, half: int) -> ImageTokens | None:
-        """The call's images as the engine's set_images takes them (its tokens as one row), or None; with M-RoPE
-        rows (Qwen3-VL's), every token's positions per rotated pair (half of them; a text token's its position on
-        each) and the image prompts' DeepStack features joined layer by layer."""
-        if not self.embeds and not self.mrope:
-            return None
-        embeds = np.concatenate(self.embeds) if self.embeds else np.zeros((0, hidden), np.float32)
-        if not self.mrope:
-            return ImageTokens(np.concatenate(self.blocks)[None], embeds)
-        pairs = np.concatenate([np.broadcast_to(p.reshape(p.shape[0], -1), (p.shape[0], half)) for p in self.pairs])
-        deepstack = tuple(np.concatenate(layer) for layer in zip(*self.deepstack)) if self.deepstack else ()
-        return ImageTokens(np.concatenate(self.blocks)[None], embeds, pairs[None].astype(np.int32), deepstack)
 
 
 def penalised(logits: np.ndarray, counts: dict, sampling: Sampling) -> np.ndarray:
