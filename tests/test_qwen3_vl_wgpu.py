@@ -161,3 +161,27 @@ def test_bf16_activations_with_images_equal_numpys(pair):
     for name, want in ga.items():
         top = np.abs(want).max()
         assert_close(gb[name] / top, want / top, "bf16_gpu_grads", name)
+
+
+def test_cli_finetune_with_images_on_wgpu_equals_numpy(pair, tmp_path, capsys):
+    """`finetune --data` of TRL's vision records on Qwen3-VL with --backend wgpu: each step's loss equals the
+    NumPy engine's run of the same records."""
+    import json
+
+    from test_gemma3_vision_training import write_vision_data
+    from test_qwen3_vl import records
+    from wgpu_train.cli.main import main
+
+    _, _, folder = pair
+    data = write_vision_data(tmp_path / "data", records())
+    losses = []
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, "--max-steps",
+                     "3", "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "q_proj,v_proj", "--no-progress",
+                     "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
+        capsys.readouterr()
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                       if '"loss"' in line])
+    assert len(losses[0]) == 3
+    assert_close(np.array(losses[1]), np.array(losses[0]), "gpu_loss", "finetune losses")
