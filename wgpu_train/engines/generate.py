@@ -258,7 +258,8 @@ class DecodeBatch:
         engine's set_images takes them; the NumPy engine's), its whole prompt prefilled in one call (an image's
         tokens see each other both ways), never reused; with M-RoPE positions (Qwen3-VL's), each new token's
         position counts on from the prompt's last, not from its cache row. hold: the row stays in its slot,
-        paused, when it finishes (extend runs it on; remove ends it). The caller checks sizes against the cache (ValueError past them)."""
+        paused, when it finishes (extend runs it on; remove ends it). The caller checks sizes against the cache
+        (ValueError past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
@@ -323,7 +324,7 @@ class DecodeBatch:
     def step(self) -> list[Token]:
         """One engine call: the tokens chosen in it, a row's at most, in the rows' order."""
         cfg = self.engine.cfg
-        calls = {False: DecodeCall(), True: DecodeCall()}         # by RoPE factors (longrope: long or not)
+        calls = {False: DecodeCall(), True: DecodeCall()}     # by RoPE factors (longrope: long or not)
         room = self.token_budget - sum(r.fed == r.prompt.size and not r.paused for r in self._rows.values())
         for slot, r in self._rows.items():
             if r.paused:
