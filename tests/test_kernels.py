@@ -188,20 +188,22 @@ def _inv_freq(D, theta=10000.0):
     return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(F32)
 
 
-@pytest.mark.parametrize("B,T,H,D,max_pos,rotary,scale", [
-    (1, 1, 1, 2, 1, 0, 1.0), (2, 17, 3, 8, 64, 0, 1.0), (1, 33, 2, 10, 4096, 0, 1.0),
-    (2, 9, 3, 10, 64, 6, 1.53), (1, 5, 2, 16, 4096, 12, 0.8)])     # partial rotary under a scale (longrope)
-def test_rope(rt, B, T, H, D, max_pos, rotary, scale):
+@pytest.mark.parametrize("B,T,H,D,max_pos,rotary,scale,per_pair", [
+    (1, 1, 1, 2, 1, 0, 1.0, False), (2, 17, 3, 8, 64, 0, 1.0, False), (1, 33, 2, 10, 4096, 0, 1.0, False),
+    (2, 9, 3, 10, 64, 6, 1.53, False), (1, 5, 2, 16, 4096, 12, 0.8, False),   # partial rotary under a scale
+    (2, 7, 2, 16, 300, 0, 1.0, True), (1, 6, 3, 10, 64, 6, 1.0, True)])       # each pair's position (M-RoPE)
+def test_rope(rt, B, T, H, D, max_pos, rotary, scale, per_pair):
     g = rng(T * D)
     N = B * T
     x = (g.standard_normal((B, T, H, D)) * 2).astype(F32)
-    pos = g.integers(0, max_pos, (B, T)).astype(np.int32)
+    pos = g.integers(0, max_pos, (B, T, (rotary or D) // 2) if per_pair else (B, T)).astype(np.int32)
     pos.flat[-1] = max_pos - 1
     inv = _inv_freq(rotary or D)
     tx, tp, tf = padded(rt, x, 1), padded(rt, pos, 3), padded(rt, inv, 2)
     y, dx = rt.buffer(4 * x.size), rt.buffer(4 * x.size)
-    run(rt, lambda r: (K.rope_forward(r, y, tx, tp, tf, N, H, D, scale, rotary),
-                       K.rope_backward(r, dx, tx, tp, tf, N, H, D, scale, rotary)))
+    rope = dict(scale=scale, rotary=rotary, per_pair=per_pair)
+    run(rt, lambda r: (K.rope_forward(r, y, tx, tp, tf, N, H, D, **rope),
+                       K.rope_backward(r, dx, tx, tp, tf, N, H, D, **rope)))
     x64, inv64 = x.astype(np.float64), inv.astype(np.float64)
     tol = "k_rope" if max_pos > 64 else "k_rope_small"
     want_y, want_dx = ops.rope_forward(x64, pos, inv64, scale), ops.rope_backward(x64, pos, inv64, scale)
@@ -209,9 +211,9 @@ def test_rope(rt, B, T, H, D, max_pos, rotary, scale):
         assert np.array_equal(want_y[..., rotary:], x64[..., rotary:])     # the dims past `rotary` pass through
     assert_close(rt.read(y, F32, x.shape), want_y, tol, "forward")
     assert_close(rt.read(dx, F32, x.shape), want_dx, tol, "backward")
-    run(rt, lambda r: K.rope_forward(r, tx, tx, tp, tf, N, H, D, scale, rotary))                # in place
+    run(rt, lambda r: K.rope_forward(r, tx, tx, tp, tf, N, H, D, **rope))                # in place
     assert_close(read(rt, tx, x.size).reshape(x.shape), want_y, tol, "forward in place")
-    run(rt, lambda r: K.rope_backward(r, tx, tx, tp, tf, N, H, D, scale, rotary))               # and back
+    run(rt, lambda r: K.rope_backward(r, tx, tx, tp, tf, N, H, D, **rope))               # and back
     assert_close(read(rt, tx, x.size).reshape(x.shape), ops.rope_backward(want_y, pos, inv64, scale), tol,
                  "backward of forward (x, the rotated dims times scale^2)")
 

@@ -268,23 +268,20 @@ def test_refusals_in_one_line(vlm):
         vm.logits(np.array([[7, START, 6, END]]), [])
 
 
-def test_auto_takes_the_numpy_engine_and_wgpu_refuses(vlm):
-    """The WebGPU engine takes neither M-RoPE positions nor DeepStack yet: auto chooses the NumPy engine for
-    Qwen3-VL and --backend wgpu is refused in one line, before any adapter opens."""
+def test_auto_takes_the_webgpu_engine(vlm):
+    """The WebGPU engine takes M-RoPE positions and DeepStack (test_qwen3_vl_wgpu.py): auto no longer sends
+    Qwen3-VL to the NumPy engine for want of support, and a named adapter takes it."""
     from wgpu_train.engines.backend_choice import choose_backend
-    from wgpu_train.engines.loading import load_model
+    from wgpu_train.engines.webgpu.support import unsupported_reason
 
-    _, folder, vm = vlm
-    choice = choose_backend("auto", cfg=vm.model.config)
-    assert choice.engine == "numpy" and "Qwen3-VL" in choice.reason
-    with pytest.raises(ConfigError, match="does not run Qwen3-VL yet .* use --backend numpy") as e:
-        load_model(folder, backend="wgpu")
-    assert "\n" not in str(e.value)
+    _, _, vm = vlm
+    assert unsupported_reason(vm.model.config) is None
+    choice = choose_backend("auto", cfg=vm.model.config, device="0")
+    assert choice.engine == "wgpu" and "Qwen3-VL" not in choice.reason
 
 
-def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, tmp_path, monkeypatch, capsys):
-    """`chat` with /image on Qwen3-VL answers as `generate --image`; `serve` and `memory`, which do not take its
-    images yet, refuse it in one line (exit 2)."""
+def test_chat_image_turn_answers_as_generate_image(vlm, tmp_path, monkeypatch, capsys):
+    """`chat` with /image on Qwen3-VL answers as `generate --image`."""
     import io
 
     from wgpu_train.cli.main import main
@@ -298,10 +295,6 @@ def test_chat_image_turn_answers_as_generate_image_and_serve_memory_refuse(vlm, 
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour?\n"))
     assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.split("\n")[0] == want
-    assert main(["serve", "--model", str(folder), "--backend", "numpy"]) == 2
-    assert "serve does not take Qwen3-VL's images yet" in capsys.readouterr().err
-    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128"]) == 2
-    assert "memory does not count Qwen3-VL's" in capsys.readouterr().err
 
 
 def test_packed_rows_count_positions_per_segment(vlm):
@@ -321,3 +314,48 @@ def test_packed_rows_count_positions_per_segment(vlm):
         engine.set_images(None)
     alone = np.concatenate([vm.logits(np.array([first]), imgs[:1]), vm.logits(np.array([second]), imgs[1:])], axis=1)
     assert_close(packed, alone, "logits_f32", "packed segments")
+
+
+def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
+    """`memory` on Qwen3-VL: the tower's weights as transformers builds them, the largest image the processor
+    makes (longest_edge 3072 pixels: 12 merged patches and two markers) or what the row leaves it, the tower's
+    peak over the step's images within the tracemalloc tolerance of the NumPy tower's, the DeepStack features and
+    M-RoPE positions on the device, all in the total; LoRA on the tower refused in one line."""
+    import tracemalloc
+
+    from wgpu_train.cli.main import main
+    from tolerances import TOLERANCES
+
+    hf, folder, vm = vlm
+
+    def memory(*extra):
+        assert main(["memory", "--model", str(folder), "--backend", "numpy", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    out = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "2")
+    v = out["vision"]
+    assert v["tower_parameters"] == sum(p.numel() for n, p in hf.named_parameters() if ".visual." in n)
+    assert v["tokens_per_image"] == 14 and v["image_tokens_per_row"] == 28 and v["images"] == 4
+    assert not v["images_capped"]
+    assert v["image_inputs"] == 4 * (4 * 12 * 64 * 2 + 2 * 128 * 8)
+    text = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "0")
+    assert out["total"] - text["total"] == v["tower_activations"] + v["image_inputs"] - text["vision"]["image_inputs"]
+    capped = memory("--max-seq-len", "24", "--images-per-row", "2")["vision"]
+    assert capped["images_capped"] and capped["tokens_per_image"] == (23 // 2)
+    assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "q_proj,fc1"]) == 2
+    assert "LoRA on Qwen3-VL's vision tower" in capsys.readouterr().err
+    big = Image.new("RGB", (64, 48))            # 3072 pixels: the largest image, 48 patches
+    pixels, grids = vm.pixel_values([big, big])
+    assert int(np.prod(grids, axis=1).sum()) == 2 * 48
+    vm.tower(pixels, grids)
+    tracemalloc.start()
+    try:
+        vm.tower(pixels, grids)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    from wgpu_train.models.qwen3_vl import tower_activation_values
+
+    estimate = 4 * tower_activation_values(vm.vision, 2, 48)
+    print(f"estimate {estimate} bytes, tracemalloc peak {peak}")
+    assert abs(estimate - peak) <= TOLERANCES["vision_tower_memory"].rtol * peak, (estimate, peak)

@@ -55,7 +55,8 @@ def cmd_memory(args) -> int:
               "precision_reason": why, **est, "largest_activation_buffer": largest}
     if vision:
         result["vision"] = vision
-        result["total"] = est["total"] = est["total"] + vision["tower_weights"] + vision["tower_activations"]
+        result["total"] = est["total"] = est["total"] + vision["tower_weights"] + vision["tower_activations"] + \
+            vision.get("image_inputs", 0)
     elif args.images_per_row is not None:
         raise ConfigError("--images-per-row: the model takes no images (a Gemma 3 vision model does)")
     if args.pipeline_stages or args.stage_layers:
@@ -76,14 +77,19 @@ def cmd_memory(args) -> int:
         ratio = (f"  ({result['activations_vs_fp32']:.2f}x of fp32's)" if key == "activations" and precision.sixteen_bit
                  else "")
         if key == "total" and vision:
-            for part, label in (("tower_weights", "vision weights"), ("tower_activations", "vision activs")):
-                print(f"  {label:<16} {format_bytes(vision[part]):>12}")
+            for part, label in (("tower_weights", "vision weights"), ("tower_activations", "vision activs"),
+                                ("image_inputs", "image inputs")):
+                if part in vision:
+                    print(f"  {label:<16} {format_bytes(vision[part]):>12}")
         print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}{ratio}")
     if vision:
         print(f"  ({vision['images']} images of {vision['tokens_per_image']} tokens each per step "
               f"(--images-per-row {vision['images_per_row']}): the tower "
               f"{'with LoRA' if vision['tower_lora'] else 'frozen'} in float32 on the NumPy engine; the image "
               f"tokens' activations in the language model lie within its {length} tokens a row)")
+        if vision.get("images_capped"):
+            print(f"  (Qwen3-VL: an image of up to max_pixels would take more; {vision['tokens_per_image']} tokens "
+                  f"is what a row of {length} leaves each)")
     for i, stage in enumerate(result.get("stages", ())):
         print(f"stage {i} (layers {stage['layers']}, {stage['in_flight']} micro-batch(es) held): "
               + ", ".join(f"{key.replace('_', ' ')} {format_bytes(stage[key])}"
@@ -104,9 +110,9 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     if not raw.get("vision_config"):
         return None
     vc = VisionConfig.from_config(raw, str(Path(model_dir) / "config.json"))
-    if hasattr(vc, "mrope_section"):
-        raise ConfigError("memory does not count Qwen3-VL's vision tower and its images' tokens yet")
     per_row = 1 if args.images_per_row is None else args.images_per_row
+    if hasattr(vc, "mrope_section"):
+        return _qwen_estimate(args, model_dir, vc, length, per_row)
     tiles, rows = 1, 0
     if vc.scale_factor:     # SmolVLM: the largest image's tiles, two markers each (three the global one), newlines
         from wgpu_train.data.image_tiles import TileSettings
@@ -130,6 +136,35 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, images * tiles, bool(tower)),
             "language_targets": language}
+
+
+def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
+    """_vision_estimate's for Qwen3-VL: each image as large as its processor makes one (max_pixels), capped to
+    what a row leaves it; the frozen tower over the step's images at once; on the device, the DeepStack features
+    of the image tokens and every token's M-RoPE positions (image_inputs)."""
+    from wgpu_train.data.qwen_images import QwenImageSettings
+    from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
+    from wgpu_train.models.vision import vision_targets
+
+    settings = QwenImageSettings.from_folder(model_dir, vc)
+    block = settings.factor ** 2
+    largest, smallest = settings.max_pixels // block, -(-settings.min_pixels // block)   # merged patches
+    room = (length - 1) // max(per_row, 1) - 2      # an image's tokens and its begin / end markers, and a text token
+    if per_row and room < smallest:
+        raise ConfigError(f"{per_row} image(s) a row take at least {per_row * (smallest + 2)} tokens, and a row has "
+                          f"{length} (--max-seq-len): no room for text")
+    merged = min(largest, room)
+    given = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if args.method == "lora" and vision_targets(given):
+        raise ConfigError("LoRA on Qwen3-VL's vision tower is not supported yet (the language model's only)")
+    images = args.batch_size * per_row
+    params = tower_parameters(vc)
+    inputs = images * merged * vc.text_hidden_size * len(vc.deepstack_indexes) + \
+        args.batch_size * length * vc.text_head_dim // 2
+    return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
+            "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": False,
+            "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit),
+            "image_inputs": 4 * inputs, "images_capped": merged < largest, "language_targets": ",".join(given)}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

@@ -95,9 +95,6 @@ def _load(args, specs, folders, model_dir, base_name, stages):
         from wgpu_train.cli.vision import vision_of
 
         vision = vision_of(model, model_dir)
-        if vision is not None and vision.qwen:
-            raise ConfigError("serve does not take Qwen3-VL's images yet (each row's M-RoPE positions); "
-                              "generate --image and chat do")
     except BaseException:
         close_stages(model)
         raise

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from wgpu_train.engines.protocol import PREFILL_TOKENS
+from wgpu_train.engines.shared.decode_call import DecodeCall
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.recurrent_state import release
 from wgpu_train.errors import ConfigError
@@ -194,6 +195,7 @@ class _Row:
     adapter: int = -1               # its adapter in the engine's bank (set_adapter_bank); negative: none
     key: object = None              # what its keys and values depend on beside its tokens (prefix reuse)
     images: ImageTokens | None = None   # its prompt's images as one row (1, T): prefilled whole, in one call
+    shift: int | None = None        # Qwen3-VL's: a new token's M-RoPE position less its cache position (None: none)
     out: list = field(default_factory=list)
     fed: int = 0                    # prompt tokens written into the cache
     counts: dict = field(default_factory=dict)      # token id -> times generated (the penalties)
@@ -255,8 +257,10 @@ class DecodeBatch:
         key reuse each other's prompt prefixes (not with prompt_logprobs, which needs every position's
         logits). images: the prompt's images (shared/image_tokens.ImageTokens of the prompt as one row (1, T), the
         engine's set_images takes them; the NumPy engine's), its whole prompt prefilled in one call (an image's
-        tokens see each other both ways), never reused. hold: the row stays in its slot, paused, when it finishes
-        (extend runs it on; remove ends it). The caller checks sizes against the cache (ValueError past them)."""
+        tokens see each other both ways), never reused; with M-RoPE positions (Qwen3-VL's), each new token's
+        position counts on from the prompt's last, not from its cache row. hold: the row stays in its slot,
+        paused, when it finishes (extend runs it on; remove ends it). The caller checks sizes against the cache
+        (ValueError past them)."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if not self._free or not 0 < prompt.size <= self.max_len or max_new_tokens < 1:
             raise ValueError(f"DecodeBatch.add: {len(self._free)} free slots, a prompt of {prompt.size} tokens "
@@ -280,7 +284,9 @@ class DecodeBatch:
         self._kept.pop(slot, None)
         self._rows[slot] = _Row(prompt, int(max_new_tokens), sampling, frozenset(int(s) for s in stop_token_ids),
                                 logprobs, prompt_logprobs, np.random.default_rng(sampling.seed), int(adapter),
-                                prefix_key, images=images, fed=reuse, hold=hold)
+                                prefix_key, images=images, fed=reuse, hold=hold,
+                                shift=None if images is None or images.positions is None else
+                                int(images.positions.max()) + 1 - prompt.size)
         self.reused += reuse
         return slot
 
@@ -319,7 +325,7 @@ class DecodeBatch:
     def step(self) -> list[Token]:
         """One engine call: the tokens chosen in it, a row's at most, in the rows' order."""
         cfg = self.engine.cfg
-        calls = {False: _Call(), True: _Call()}         # by RoPE factors (longrope: long or not)
+        calls = {False: DecodeCall(), True: DecodeCall()}     # by RoPE factors (longrope: long or not)
         room = self.token_budget - sum(r.fed == r.prompt.size and not r.paused for r in self._rows.values())
         for slot, r in self._rows.items():
             if r.paused:
@@ -343,13 +349,13 @@ class DecodeBatch:
                 # factors (its cached keys had the short ones), as transformers' Phi-3 generation has it
                 calls[True].add(slot, np.concatenate([r.prompt, r.out]), 0, [pos], r.adapter)
             else:
-                calls[cfg.rope_long(pos)].add(slot, np.array(r.out[-1:]), pos, [pos], r.adapter)
+                calls[cfg.rope_long(pos)].add(slot, np.array(r.out[-1:]), pos, [pos], r.adapter, shift=r.shift)
         mixed = any(r.adapter >= 0 for r in self._rows.values())
         chosen = []
         try:
             for long, call in calls.items():
                 if call.ids:
-                    images = call.images()
+                    images = call.images(cfg.hidden_size, (cfg.rotary_dim or cfg.head_dim) // 2)
                     if images is not None:
                         self.engine.set_images(images)
                     try:
@@ -395,38 +401,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.size, b.size)
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
-
-
-class _Call:
-    """The tokens of one forward_rows call: ids, cache rows, positions and adapters, and which logits each row
-    wants."""
-
-    def __init__(self):
-        self.ids, self.rows, self.positions, self.adapters = [], [], [], []
-        self.wants, self.last = [], []         # (slot, position) and its token's index in the call
-        self.blocks, self.embeds = [], []      # each token's image block (-1: text), the image tokens' embeddings
-        self.n = 0
-
-    def add(self, slot: int, ids: np.ndarray, start: int, wants, adapter: int, images: ImageTokens | None = None):
-        if images is None:
-            self.blocks.append(np.full(ids.size, -1, np.int32))
-        else:                                   # a whole prompt (start 0): its blocks and embeddings
-            self.blocks.append(images.blocks[0])
-            self.embeds.append(images.embeds)
-        self.ids.append(ids)
-        self.rows.append(np.full(ids.size, slot))
-        self.adapters.append(np.full(ids.size, adapter))
-        self.positions.append(np.arange(start, start + ids.size))
-        for pos in wants:
-            self.wants.append((slot, pos))
-            self.last.append(self.n + pos - start)
-        self.n += ids.size
-
-    def images(self) -> ImageTokens | None:
-        """The call's images as the engine's set_images takes them (its tokens as one row), or None."""
-        if not self.embeds:
-            return None
-        return ImageTokens(np.concatenate(self.blocks)[None], np.concatenate(self.embeds))
 
 
 def penalised(logits: np.ndarray, counts: dict, sampling: Sampling) -> np.ndarray:

@@ -2,8 +2,7 @@
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and
 LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
 the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's DeepStack features). The
-tower runs on the CPU (NumPy); the language model on either engine (both have set_images; the Qwen towers' on the
-NumPy engine only)."""
+tower runs on the CPU (NumPy); the language model on either engine (both have set_images)."""
 from __future__ import annotations
 
 import json
@@ -41,10 +40,9 @@ class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
-    QwenImageSettings: each image its merged patches). Qwen3-VL and Qwen3.5 (a models/qwen3_vl.Qwen3VLVision, its
-    tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower) run on the NumPy engine only: the WebGPU engine refuses
-    Qwen3-VL (webgpu/support.unsupported_reason), and Qwen3.5's images here (its text alone runs there), taking
-    neither M-RoPE positions nor DeepStack additions yet."""
+    QwenImageSettings: each image its merged patches). Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision,
+    its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower) ImageTokens carry the M-RoPE positions and Qwen3-VL's
+    DeepStack features, which both engines take."""
 
     def __init__(self, model: Model, tower, vision, settings):
         if not hasattr(model.engine, "set_images"):
@@ -211,9 +209,6 @@ class VisionModel:
         """One prompt's ids (T,) and its images (as pixel_values takes them) -> (its ids as the engine takes them
         (T,), the ImageTokens of the prompt as one row (1, T)): the tower's forward, once, for a prefill."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        if self.qwen:
-            raise ConfigError("serving Qwen3-VL's images is not supported yet (its decoding needs the M-RoPE "
-                              "positions of each row): use generate --image")
         return self._text_ids(ids)[0], self.image_tokens(ids, images)
 
     def _with_images(self, ids, images, call, cache=None, attention_mask=None):

@@ -211,3 +211,22 @@ def pair_positions(positions, section) -> np.ndarray:
     """positions (3, B, T) -> (B, T, pairs) int32: each rotated pair's position (RoPE's angle over its
     frequency), the pair's axis of mrope_axes."""
     return np.moveaxis(np.asarray(positions)[mrope_axes(section)], 0, -1).astype(np.int32)
+
+
+def tower_parameters(vc: Qwen3VLVision) -> int:
+    """The tower's weights, its merger's and its DeepStack mergers', counted (tensor_shapes)."""
+    return sum(int(np.prod(shape)) for shape in tensor_shapes(vc).values())
+
+
+def tower_activation_values(vc: Qwen3VLVision, images: int, patches: int) -> int:
+    """Values the NumPy tower's forward over `images` images of `patches` patches each holds at its peak (all
+    the images' patches at once, frozen; fitted to tracemalloc's peak, tests/test_qwen3_vl.py): a block's
+    residual, norm, q / k / v, the attention's
+    output and the rotations' copies (12 x hidden a patch), the MLP's fc1 output and GELU's temporaries
+    (5 x intermediate), four (heads, patches, patches) score arrays of one image, and the merged and DeepStack
+    features (text hidden a merged patch each) with a merger's transients (3 x its joined width)."""
+    p, h, i = images * patches, vc.hidden_size, vc.intermediate_size
+    merged = p // vc.merge_unit
+    features = (1 + len(vc.deepstack_indexes)) * merged * vc.text_hidden_size
+    block = p * (12 * h + 5 * i) + 4 * vc.num_heads * patches * patches
+    return block + features + 3 * p * h if images else 0

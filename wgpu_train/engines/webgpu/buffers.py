@@ -99,6 +99,7 @@ class Activations:
         self.rope_long = False
         self.ids = self.segments = self.positions = self.targets = self.head_index = self.row_weights = None
         self.images = None      # the batch's images (images.BatchImages) or None
+        self.rope_pairs = None  # (B*T, R/2) i32: each rotated pair's position (Qwen3-VL's M-RoPE), or None
         self.row_terms = self.objective = None     # a TokenObjective's terms buffer and the objective itself
         self.head_order = None     # (n_head,) the batch's row of each loss head row (None: every row, in order)
         self.entropies = False     # whether the loss head writes entropy_rows (a training step's objective)
@@ -217,7 +218,8 @@ class BucketCache:
     def _free(self, acts: Activations):
         # buffers shared by all layers (forward-only and checkpointed buckets) are released once
         bufs = list({id(b): b for layer in acts.layers.values() for b in layer.values()}.values())
-        bufs += [v for k, v in vars(acts).items() if hasattr(v, "destroy") and k not in INPUT_NAMES]
+        bufs += [v for k, v in vars(acts).items()    # (not the inputs, nor rope_pairs, which images.py owns)
+                 if hasattr(v, "destroy") and k not in (*INPUT_NAMES, "rope_pairs")]
         bufs += acts.moe.buffers() if acts.moe is not None else []
         self.rt.release(*bufs)
 

@@ -1,6 +1,7 @@
-"""Gemma 3's images on the WebGPU engine (engine.set_images): each micro-batch slot's image inputs uploaded with
-its batch, which the layer recording scatters over the embedding rows, the attention takes as bidirectional
-blocks, and the backward gathers the image rows' gradient from (read back only when asked: image_grad)."""
+"""Images on the WebGPU engine (engine.set_images): each micro-batch slot's image inputs uploaded with its batch,
+which the layer recording scatters over the embedding rows, the attention takes as bidirectional blocks (Gemma
+3's), RoPE takes each pair's positions from and the layers add DeepStack features from (Qwen3-VL's), and the
+backward gathers the image rows' gradient from (read back only when asked: image_grad)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,13 +19,16 @@ class BatchImages:
     """One uploaded batch's images: index (count,) i32, the image tokens' rows in the batch; embeds (count, C) in
     the layers' input format; spans, the attention's operand: a training forward's segment ids with the blocks'
     extents (attention_kernels.extents, (3, B, T)), or generation's positions with each query's reach
-    (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers."""
+    (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers;
+    deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
+    output at the image tokens (frozen: their gradient is the residual stream's, which passes through)."""
 
     index: object
     embeds: object
     spans: object
     grad: object
     count: int
+    deepstack: tuple = ()
 
 
 class ImageInputs:
@@ -51,11 +55,21 @@ class ImageInputs:
         and acts.images pointed at them (None without images). ids, segment_ids, position_ids (B, T): the batch
         as uploaded (generation: (1, n) padded tokens, their cache rows and positions); the ids are rewritten
         with -1 at the image tokens (the embedding looks none up for them and gives them no gradient); x_in: the
-        layers' input buffer (its format is the embeddings')."""
-        acts.images = None
-        if self.tokens is None or not (self.tokens.blocks >= 0).any():
+        layers' input buffer (its format is the embeddings'). The tokens' M-RoPE positions (Qwen3-VL's, a decoded
+        token's too, which has no image) go to acts.rope_pairs, padded with 0."""
+        acts.images = acts.rope_pairs = None
+        if self.tokens is None:
             return
         b, t = ids.shape
+        if self.tokens.positions is not None:
+            pairs = np.asarray(self.tokens.positions, np.int32)                    # (B, T', R/2)
+            if pairs.shape[:2] != self.tokens.blocks.shape:
+                raise ValueError(f"M-RoPE positions of {pairs.shape} for images of {self.tokens.blocks.shape}")
+            pairs = np.pad(pairs, [(0, 0), (0, t - pairs.shape[1]), (0, 0)])
+            acts.rope_pairs = self._buffer(slot, "rope_pairs", pairs.size)
+            self.rt.write(acts.rope_pairs, pairs.reshape(-1))
+        if not (self.tokens.blocks >= 0).any():
+            return
         blocks = self.tokens.blocks
         if blocks.shape[0] != b or blocks.shape[1] > t:
             raise ValueError(f"images of {blocks.shape} tokens for a batch of {ids.shape}")
@@ -66,9 +80,12 @@ class ImageInputs:
         rt = self.rt
         rt.write(acts.ids, np.where(flat, -1, np.asarray(ids).reshape(-1)).astype(np.int32))
         images = BatchImages(self._buffer(slot, "index", n), self._buffer(slot, "embeds", n * c, fmt),
-                             self._buffer(slot, "spans", 3 * b * t), self._buffer(slot, "grad", n * c), n)
+                             self._buffer(slot, "spans", 3 * b * t), self._buffer(slot, "grad", n * c), n,
+                             tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt)
+                                   for k in range(len(self.tokens.deepstack))))
         rt.write(images.index, index)
-        rt.write(images.embeds, storage.to_words(np.asarray(self.tokens.embeds, np.float32), fmt))
+        for buf, features in ((images.embeds, self.tokens.embeds), *zip(images.deepstack, self.tokens.deepstack)):
+            rt.write(buf, storage.to_words(np.asarray(features, np.float32), fmt))
         spans = (with_reaches(np.asarray(position_ids).reshape(-1), blocks.reshape(-1),
                               np.asarray(segment_ids).reshape(-1)) if generation else extents(segment_ids, blocks))
         rt.write(images.spans, spans.reshape(-1).astype(np.int32))

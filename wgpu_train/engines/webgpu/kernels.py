@@ -291,7 +291,7 @@ def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accum
 
 # ---- rope -----------------------------------------------------------------------------------
 
-def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
+def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction, per_pair):
     rotary = rotary or D
     if rotary % 2 or not 0 < rotary <= D:
         raise ValueError(f"rope rotates an even number of dims up to the head dim {D}, got {rotary}")
@@ -302,27 +302,28 @@ def _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, direction):
     n = N * H * per_head
     if n <= 0:
         return
-    sizes = (N, H, D, half, per_head, int(whole))
+    sizes = (N, H, D, half, per_head, int(whole), int(per_pair))
+    n_pos = N * half if per_pair else N
     if _same(y, x):
         _elems(rec, "rope", f"rope_{direction}_inplace", n,
-               [(y, N * H * D, "x", True), (positions, N, "positions", False),
+               [(y, N * H * D, "x", True), (positions, n_pos, "positions", False),
                 (inv_freq, half, "inv_freq", False)], sizes, (scale,))
     else:
         _elems(rec, "rope", f"rope_{direction}", n,
-               [(y, N * H * D, "y", True), (x, N * H * D, "x", False), (positions, N, "positions", False),
+               [(y, N * H * D, "y", True), (x, N * H * D, "x", False), (positions, n_pos, "positions", False),
                 (inv_freq, half, "inv_freq", False)], sizes, (scale,))
 
 
-def rope_forward(rec, y, x, positions, inv_freq, N, H, D, scale=1.0, rotary=0):
-    """Half-rotation RoPE: x, y (N = B*T, H, D) in any storage format, positions (N,) i32, inv_freq (rotary/2,);
-    the leading `rotary` dims of each head (0: all) rotate, times scale, the rest pass through. In place when y
-    is x."""
-    _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, "forward")
+def rope_forward(rec, y, x, positions, inv_freq, N, H, D, scale=1.0, rotary=0, per_pair=False):
+    """Half-rotation RoPE: x, y (N = B*T, H, D) in any storage format, positions (N,) i32 (per_pair: (N,
+    rotary/2), each rotated pair's own, Qwen3-VL's M-RoPE), inv_freq (rotary/2,); the leading `rotary` dims of
+    each head (0: all) rotate, times scale, the rest pass through. In place when y is x."""
+    _rope(rec, y, x, positions, inv_freq, N, H, D, scale, rotary, "forward", per_pair)
 
 
-def rope_backward(rec, dx, dy, positions, inv_freq, N, H, D, scale=1.0, rotary=0):
+def rope_backward(rec, dx, dy, positions, inv_freq, N, H, D, scale=1.0, rotary=0, per_pair=False):
     """The rotation by the opposite angle: dx, dy (N, H, D). In place when dx is dy."""
-    _rope(rec, dx, dy, positions, inv_freq, N, H, D, scale, rotary, "backward")
+    _rope(rec, dx, dy, positions, inv_freq, N, H, D, scale, rotary, "backward", per_pair)
 
 
 # ---- split (a fused projection's output) ---------------------------------------------------

@@ -177,6 +177,10 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         for i in self.span:
             rec.split_point()
             self.record_layer_forward(rec, acts, i, kv)
+            im = acts.images
+            if im is not None and i < len(im.deepstack):    # Qwen3-VL's DeepStack features at the image tokens
+                K.row_gather_backward(rec, self._output(acts, i), im.deepstack[i], im.index, im.count, c, n,
+                                      accumulate=True)
         if not self.last:
             return
         rec.section("final norm forward")
@@ -193,8 +197,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
         buffers for its backward and leaves the next layer's input alone: of the op that writes it only the
         LoRA input and h are recomputed, since its backward needs its input (and those) but not its output."""
         a = acts.layers[i]
-        x_next = acts.layers[i + 1][INPUT] if i + 1 in acts.layers else acts.x_final
-        buf = {**a, OUTPUT: x_next}
+        buf = {**a, OUTPUT: self._output(acts, i)}
         self._where = f"layer {i} {'recompute' if recompute else 'forward'}"
         self._recomputing = recompute
         for op in self.plans[i].ops:
@@ -208,6 +211,11 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
                         self._lora_h(rec, buf[op.inputs[0]], i, op.param, acts, a)
                 continue
             getattr(self, "_forward_" + op.kind)(rec, op, i, acts, buf, kv)
+
+    @staticmethod
+    def _output(acts, i: int):
+        """Layer i's output buffer: the next layer's input, or x_final after the last."""
+        return acts.layers[i + 1][INPUT] if i + 1 in acts.layers else acts.x_final
 
     def _rows(self, op, acts) -> tuple:
         """(rows, width) of an op over token rows or, per head, over head rows of head_dim."""
@@ -230,9 +238,15 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
 
     def _forward_rope(self, rec, op, i, acts, buf, kv):
         rec.section(self._where + " attention")
-        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], acts.positions, self.inv_freqs[acts.rope_long][i],
-                       acts.n, self.plan.head_count(self.cfg, op), self.cfg.head_dim, self.cfg.rope_scale,
-                       self.cfg.rotary_dim)
+        K.rope_forward(rec, buf[op.outputs[0]], buf[op.inputs[0]], *self._rope_args(op, i, acts))
+
+    def _rope_args(self, op, i, acts) -> tuple:
+        """RoPE's operands after its tensors: the positions (each pair's where the images give them, Qwen3-VL's),
+        frequencies, sizes, scale, rotary dims and whether the positions are per pair."""
+        pairs = acts.rope_pairs
+        return (acts.positions if pairs is None else pairs, self.inv_freqs[acts.rope_long][i], acts.n,
+                self.plan.head_count(self.cfg, op), self.cfg.head_dim, self.cfg.rope_scale, self.cfg.rotary_dim,
+                pairs is not None)
 
     def _forward_attention(self, rec, op, i, acts, buf, kv):
         cfg = self.cfg
@@ -453,8 +467,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
     def _backward_rope(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not accumulate[0], "rope's backward writes its gradient"
         rec.section(self._where + " attention")
-        K.rope_backward(rec, dxs[0], dys[0], acts.positions, self.inv_freqs[acts.rope_long][i], acts.n,
-                        self.plan.head_count(self.cfg, op), self.cfg.head_dim, self.cfg.rope_scale, self.cfg.rotary_dim)
+        K.rope_backward(rec, dxs[0], dys[0], *self._rope_args(op, i, acts))
 
     def _backward_attention(self, rec, op, i, acts, a, dys, dxs, accumulate):
         assert not any(accumulate), "attention's backward writes its gradients"

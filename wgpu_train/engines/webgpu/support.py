@@ -10,8 +10,6 @@ from wgpu_train.models.config import ModelConfig
 
 def unsupported_reason(cfg: ModelConfig) -> str | None:
     """Why the WebGPU engine cannot run `cfg` ("the WebGPU engine does not ..."), or None where it can."""
-    if cfg.wrapper == "Qwen3VLForConditionalGeneration":
-        return "the WebGPU engine does not run Qwen3-VL yet (its M-RoPE positions and DeepStack additions)"
     if LayerRecorder.unrecorded_kinds(cfg):
         return f"the WebGPU engine does not run {cfg.recurrent_kind} layers yet"
     if not attention_kernels.supported_head_dim(cfg.head_dim):

@@ -1,0 +1,187 @@
+"""Qwen3-VL with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
+transformers in test_qwen3_vl.py): RoPE by each pair's M-RoPE position and the DeepStack features added on the
+device; logits, loss, LoRA gradients, a train step in one submission, greedy generation (each new token at its
+M-RoPE position, through DecodeBatch too) and `generate --image --backend wgpu`."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import require_adapter
+from finetune_helpers import peft_random_b
+from test_qwen3_vl import PAD, hf_inputs, images, span, vlm  # noqa: F401  (the tiny Qwen3-VL fixture)
+from tolerances import assert_close
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from wgpu_train.engines.protocol import OptimizerParams  # noqa: E402
+from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(vlm):  # noqa: F811
+    """(NumPy VisionModel, WebGPU VisionModel) of the tiny Qwen3-VL with the same PEFT LoRA (random B) on q, v
+    and down, and the folder."""
+    require_adapter()
+    hf, folder, _ = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", lora_dropout=0.0)))
+    pm.save_pretrained(folder.parent / "wgpu_adapter")
+    models = load_vision_model(folder), load_vision_model(folder, backend="wgpu")
+    for vm in models:
+        vm.model.load_adapter(folder.parent / "wgpu_adapter")
+    return (*models, folder)
+
+
+def batch(vm):
+    """(ids, mask, labels, images): row 0 with two images, row 1 with one and right padding."""
+    imgs = images(3, seed=3)
+    rows = [[7, *span(vm, imgs[0]), 11, 12, *span(vm, imgs[1]), 13, 14], [8, 9, *span(vm, imgs[2]), 15]]
+    width = max(map(len, rows))
+    ids = np.array([r + [0] * (width - len(r)) for r in rows])
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask, np.where((ids != PAD) & (mask == 1), ids, -100), imgs
+
+
+def test_logits_loss_and_gradients_equal_numpys(pair):
+    """M-RoPE positions per rotated pair and DeepStack on the first two layers, forward and backward on the
+    device: logits, loss and every LoRA gradient equal the NumPy engine's; without the positions or the features
+    the logits would differ."""
+    cpu, gpu, _ = pair
+    ids, mask, labels, imgs = batch(cpu)
+    real = mask.astype(bool)
+    want = cpu.logits(ids, imgs, mask)
+    assert_close(gpu.logits(ids, imgs, mask)[real], want[real], "gpu_logits", "with images")
+    (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, imgs, mask) for vm in (cpu, gpu))
+    assert_close(np.float64(lb), la, "gpu_loss", "loss with images")
+    assert set(ga) == set(gb) and ga
+    for name in ga:
+        assert_close(gb[name], ga[name], "gpu_grads", name)
+    tokens, engine = gpu.image_tokens(ids, imgs), gpu.model.engine
+    for broken in ({"positions": None}, {"deepstack": ()}):
+        engine.set_images(dataclasses.replace(tokens, **broken))
+        try:
+            other = gpu.model.logits(gpu._text_ids(ids), mask)
+        finally:
+            engine.set_images(None)
+        assert np.abs(other - want)[real].max() > 1e-3
+
+
+def test_train_step_with_images_equals_numpys(pair):
+    """Two micro-batches, each with its own images, in one train_step (gradient checkpointing on the device: the
+    recomputed layers keep the DeepStack sums): the same loss, norm and updated LoRA as the NumPy engine's step,
+    in one submission."""
+    cpu, gpu, _ = pair
+    ids, mask, labels, imgs = batch(cpu)
+    targets = np.roll(labels, -1, axis=1)
+    targets[:, -1] = -100
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    hp = OptimizerParams(lr=1e-2)
+    out = []
+    for vm in (cpu, gpu):
+        mbs = [(vm._text_ids(ids[r:r + 1]).astype(np.int32), targets[r:r + 1], mask[r:r + 1].astype(np.int32),
+                pos[r:r + 1], vm.image_tokens(ids[r:r + 1], imgs[:2] if r == 0 else imgs[2:])) for r in (0, 1)]
+        engine = vm.model.engine
+        if vm is gpu:
+            engine.set_gradient_checkpointing(True)
+        try:
+            loss, count, norm, applied = engine.train_step(mbs, hp, 1)
+            assert applied
+            out.append((loss, count, norm, engine.lora_tensors()))
+            engine.train_step(mbs, hp, 2)      # (both engines: the tests after this one compare them)
+            if vm is gpu:       # the second step, its kernels tuned by the first: one submission
+                assert engine.last_step["submits"] == 1
+        finally:
+            if vm is gpu:
+                engine.set_gradient_checkpointing(False)
+    (la, ca, na, wa), (lb, cb, nb, wb) = out
+    assert ca == cb and set(wa) == set(wb)
+    assert_close(np.float64(lb), la, "gpu_loss", "train_step loss")
+    assert_close(np.float64(nb), na, "gpu_grads", "train_step norm")
+    for path in wa:
+        for a, b in zip(wa[path], wb[path]):
+            assert_close(b, a, "gpu_grads", path)
+
+
+def test_greedy_generation_equals_numpys(pair):
+    """The prompt prefilled with its images, then each new token at its M-RoPE position past the images' longer
+    sides (not its cache row): the NumPy engine's greedy tokens (which are transformers')."""
+    cpu, gpu, _ = pair
+    imgs = images(2, seed=5)
+    ids = np.array([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9])
+    want = cpu.generate(ids, imgs, max_new_tokens=8)
+    assert gpu.generate(ids, imgs, max_new_tokens=8) == want
+
+
+def test_cli_generate_image_on_wgpu(pair, tmp_path, capsys):
+    """`generate --image --backend wgpu` answers as `--backend numpy`, and so does backend auto."""
+    from wgpu_train.cli.main import main
+
+    _, _, folder = pair
+    path = tmp_path / "x.png"
+    images(1, seed=9)[0].save(path)
+    answers = []
+    for backend in ("numpy", "wgpu", "auto"):
+        assert main(["generate", "--model", str(folder), "--prompt", "what colour?", "--image", str(path),
+                     "--max-new-tokens", "4", "--backend", backend]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] == answers[2] and answers[0].strip()
+
+
+def test_decode_batch_rows_follow_m_rope_on_the_device(pair):
+    """Two image rows and a text row in one DecodeBatch on the device (the M-RoPE positions of a call's tokens
+    side by side, the DeepStack features of both prompts): each row's tokens equal the NumPy engine's."""
+    from test_serve_qwen3_vl import decode_rows
+
+    cpu, gpu, _ = pair
+    imgs = images(3, seed=5)
+    rows = [([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9], imgs[:2]), ([7, 8, 9, 13], None),
+            ([10, *span(cpu, imgs[2]), 11, 12], imgs[2:])]
+    assert decode_rows(gpu, rows, budget=64) == decode_rows(cpu, rows, budget=64)
+
+
+def test_bf16_activations_with_images_equal_numpys(pair):
+    """bf16 activations: the DeepStack features rounded to bf16 where the NumPy engine rounds them, added in
+    float32 and stored once; logits, loss and LoRA gradients within the text models' bf16 tolerances of the NumPy
+    engine at bf16."""
+    _, _, folder = pair
+    cpu, gpu = (load_vision_model(folder, backend=b, precision="bf16") for b in ("numpy", "wgpu"))
+    for vm in (cpu, gpu):
+        vm.model.load_adapter(folder.parent / "wgpu_adapter")
+    ids, mask, labels, imgs = batch(cpu)
+    real = mask.astype(bool)
+    assert_close(gpu.logits(ids, imgs, mask)[real], cpu.logits(ids, imgs, mask)[real], "bf16_gpu_logits", "bf16")
+    (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, imgs, mask) for vm in (cpu, gpu))
+    assert_close(np.float64(lb), la, "bf16_gpu_loss", "bf16 loss")
+    assert set(ga) == set(gb) and ga
+    for name, want in ga.items():
+        top = np.abs(want).max()
+        assert_close(gb[name] / top, want / top, "bf16_gpu_grads", name)
+
+
+def test_cli_finetune_with_images_on_wgpu_equals_numpy(pair, tmp_path, capsys):
+    """`finetune --data` of TRL's vision records on Qwen3-VL with --backend wgpu: each step's loss equals the
+    NumPy engine's run of the same records."""
+    import json
+
+    from test_gemma3_vision_training import write_vision_data
+    from test_qwen3_vl import records
+    from wgpu_train.cli.main import main
+
+    _, _, folder = pair
+    data = write_vision_data(tmp_path / "data", records())
+    losses = []
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, "--max-steps",
+                     "3", "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "q_proj,v_proj", "--no-progress",
+                     "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
+        capsys.readouterr()
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                       if '"loss"' in line])
+    assert len(losses[0]) == 3
+    assert_close(np.array(losses[1]), np.array(losses[0]), "gpu_loss", "finetune losses")
