@@ -31,8 +31,8 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
     if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
         if kind is not TrainerKind.SUPERVISED:
             raise ConfigError(f"--objective {config.objective} is not supported with images yet (sft only)")
-        if config.num_workers or config.pipelined():
-            raise ConfigError("images train in one process for now (no --num-workers or pipeline stages)")
+        if config.pipelined():
+            raise ConfigError("images do not train through pipeline stages yet (--num-workers does)")
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if (tools or environment_factory) and kind is not TrainerKind.ONLINE:

@@ -205,14 +205,12 @@ class VisionModel:
         list of tokenized records each, collated here): the engine's (loss_sum, token_count, grad_norm, applied).
         The tower frozen: its embeddings of each micro-batch's images, then the engine's own step (reduce and
         extra as the engine protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row
-        gradient goes back through the tower, and one global norm clips both before AdamW updates each (in
-        one process)."""
+        gradient goes back through the tower, `reduce` (a data-parallel worker's) sums both over the workers, and
+        one global norm clips both before AdamW updates each."""
         micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
         if not self.tower.lora:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
-        if reduce is not None:
-            raise ConfigError("LoRA on the vision tower trains in one process only for now")
         if not hasattr(self.model.engine, "apply_update"):
             raise ConfigError("LoRA on the vision tower trains on the NumPy engine only for now (backend='numpy')")
         engine, caches = self.model.engine, []
@@ -234,11 +232,21 @@ class VisionModel:
                 dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
                 for name, g in self.tower.backward(dout, cache).items():
                     self.tower_optimizer.add(name, g)
+        if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
+            engine.optimizer.reduce(reduce, total)
+            self.tower_optimizer.reduce(reduce, total)
         norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
         args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
         _, applied = engine.apply_update(norm, *args)
         self.tower_optimizer.apply_update(norm, *args)
         return loss_sum, total, norm, applied
+
+    def state_dict(self) -> dict:
+        """The language engine's (its LoRA dropout counter, which a data-parallel worker sets for its share)."""
+        return self.model.engine.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.model.engine.load_state_dict(state)
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=(), on_token=None) -> list[int]:
         """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled
