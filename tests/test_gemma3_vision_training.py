@@ -321,7 +321,7 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
         assert applied
         assert_close(np.float64(loss_sum / count), out.loss.item(), "loss_f32", f"step {step} loss")
         assert_close(norm, torch_norm, "gpu_loss", f"step {step} norm")
-    ours = {**{f"base_model.model.model.{k}.weight": v for k, v in vm._tower_trainable().items()},
+    ours = {**{f"base_model.model.model.{k}.weight": v for k, v in vm.tower_trainable().items()},
             **{k.replace("model.model.layers.", "model.model.language_model.layers."): v
                for k, v in vm.model.lora_state_dict().items()}}
     want = {n.replace(".default", ""): p.detach().numpy() for n, p in pm.named_parameters() if p.requires_grad}

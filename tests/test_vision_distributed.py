@@ -85,3 +85,96 @@ def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
     run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_numpy")
+
+
+# ---- LoRA on the vision tower from --lora-targets ---------------------------------------------------------------
+
+TOWER_TARGETS = "q_proj,v_proj,fc1,vision_tower.q_proj,vision_tower.self_attn.out_proj"
+
+
+def test_cli_tower_targets_train_and_load_in_peft(chat_vlm, tmp_path, capsys):
+    """finetune --lora-targets with the tower's modules (PEFT's names): the tower's LoRA trains beside the language
+    model's, and the adapter loads in PeftModel, whose logits with an image equal ours with it loaded."""
+    import copy
+
+    import peft
+    import torch
+
+    from test_gemma3_vision import hf_out
+    from test_gemma3_vision_training import our_examples
+    from wgpu_train.cli.main import main
+    from wgpu_train.engines.vision_model import load_vision_model
+
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "3",
+                 "--batch-size", "2", "--lr", "1e-2", "--lora-targets", TOWER_TARGETS, "--no-progress",
+                 "--valid-split", "0", "--out", str(tmp_path / "run")]) == 0
+    assert "LoRA on the vision tower: self_attn.q_proj, self_attn.out_proj, mlp.fc1 in" in capsys.readouterr().err
+    tensors = _adapter(tmp_path / "run")
+    tower = [k for k in tensors if ".vision_tower." in k]
+    assert len(tower) == 2 * 3 * 2          # A and B of 3 modules in each of the tower's 2 layers
+    assert all(np.abs(tensors[k]).max() > 0 for k in tower if "lora_B" in k)     # each trained
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run").eval()
+    loaded = {n.replace(".default", "") for n, _ in pm.named_parameters() if "lora_" in n}
+    assert loaded == set(tensors)
+    (examples, _), _ = our_examples(folder)
+    ex = examples[1]
+    ids = ex.input_ids[None].astype(np.int64)
+    vm = load_vision_model(folder)
+    vm.load_adapter(tmp_path / "run")
+    px = vm.pixel_values(ex.images)
+    with torch.no_grad():
+        theirs = hf_out(pm, ids, np.ones_like(ids), px, image_id=7).logits.numpy()
+    assert_close(vm.logits(ids, ex.images), theirs, "logits_f32", "the trained adapter in PEFT")
+
+
+def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path):
+    """With LoRA on the tower: a run stopped after 1 step and resumed from its checkpoint (the tower's tensors and
+    moments kept in it) gives the uninterrupted run's adapter; two data-parallel workers (the tower's gradients
+    all-reduced with the language model's) give one process's."""
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
+    kw = _run_kw(folder, data, batch_size=1, lora_targets=TOWER_TARGETS)
+    wgpu_train.finetune(out=str(tmp_path / "one"), max_steps=3, grad_accum=2, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=1, grad_accum=2, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=3, grad_accum=2, resume=str(tmp_path / "part"), **kw)
+    whole, part = _adapter(tmp_path / "one"), _adapter(tmp_path / "part")
+    assert sum(".vision_tower." in k for k in whole) == 12 and set(whole) == set(part)
+    for k in whole:
+        np.testing.assert_array_equal(part[k], whole[k], err_msg=k)
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, max_steps=3, **kw), 2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+
+
+@pytest.mark.parametrize("targets, message", [
+    ("q_proj,multi_modal_projector", "LoRA target 'multi_modal_projector': not supported on the vision side"),
+    ("vision_tower", "the vision tower's alone; name the language model's too"),
+    ("q_proj,fc2", "LoRA on the vision tower does not take --lora-dropout yet")])
+def test_tower_targets_refused_in_one_line(chat_vlm, tmp_path, capsys, targets, message):
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--lora-targets",
+                 targets, "--lora-dropout", "0.1", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(message in line for line in err), err
+
+
+def test_tower_targets_on_a_text_only_model_or_data_refused(chat_vlm, tmp_path, capsys):
+    from finetune_helpers import make_data_dir, make_model_dir
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = chat_vlm
+    text_model, text_data = make_model_dir(tmp_path / "model"), make_data_dir(tmp_path / "data", n_train=4)
+    capsys.readouterr()
+    for model, data, message in ((text_model, text_data, "is a text-only model (no vision tower)"),
+                                 (folder, text_data, "trains on records with images")):
+        assert main(["finetune", "--model", str(model), "--data", str(data), "--backend", "numpy", "--lora-targets",
+                     "q_proj,fc1", "--no-progress", "--out", str(tmp_path / "run"), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err

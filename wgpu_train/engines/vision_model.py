@@ -70,9 +70,9 @@ class VisionModel:
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
-        self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
+        self.tower_optimizer = Optimizer(self.tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
-    def _tower_trainable(self) -> dict:
+    def tower_trainable(self) -> dict:
         """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
         return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
 
@@ -102,7 +102,7 @@ class VisionModel:
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
         tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], self.vision): v
-                        for k, v in self._tower_trainable().items()})
+                        for k, v in self.tower_trainable().items()})
         write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
 
     def load_adapter(self, directory):

@@ -13,6 +13,7 @@ from wgpu_train.engines.resources import count_trainable, estimate_memory, forma
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.training.tower_lora import check_tower_targets
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir, default_vision_model_dir
 
 
@@ -46,6 +47,7 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
         raise ConfigError("--images-demo trains the embedded vision model on its own pictures: leave out --model, "
                           "--data and --adapter-path")
     model_cfg = ModelConfig.from_folder(folder)
+    check_tower_targets(cfg, folder)
     if base_dtype is None:
         base_dtype, embed_dtype = cfg.storage_dtypes(model_cfg.checkpoint_dtype)
     if cfg.base_dtype != base_dtype:
@@ -90,6 +92,7 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
 
     tokenizer = load_tokenizer(model_dir)
     images = cfg.images_demo or is_vision_data(data_path)
+    check_tower_targets(cfg, model_dir, bool(images))
     s = None if images else resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
     max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
     if max_seq_len < cfg.max_seq_len:
