@@ -178,3 +178,28 @@ def test_tower_targets_on_a_text_only_model_or_data_refused(chat_vlm, tmp_path, 
                      "q_proj,fc1", "--no-progress", "--out", str(tmp_path / "run"), "--overwrite"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+# ---- pipeline stages with images --------------------------------------------------------------------------------
+
+def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Two NumPy pipeline stages (in this process) under 1F1B: the tower runs in the driver, its embeddings enter
+    the first stage, every stage's attention takes the images' blocks; the losses, validation loss and adapter
+    after 3 steps are one process's. What stages do not take with images yet is refused in one line."""
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() * 2)
+    kw = _run_kw(folder, data, batch_size=1, grad_accum=2, max_steps=3, valid_split=0.2, lora_dropout=0.1)
+    one = wgpu_train.finetune(out=str(tmp_path / "one"), **kw)
+    two = finetune_pipeline(TrainConfig(out=str(tmp_path / "two"), pipeline_stages=2, **kw), local=True)
+    assert two["pipeline"]["stages"] == 2
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "pipeline_numpy")
+    for key in ("valid_loss_before", "valid_loss_after"):
+        assert_close(np.float64(two[key]), one[key], "pipeline_numpy", key)
+    for extra, message in (({"lora_targets": TOWER_TARGETS}, "LoRA on the vision tower does not take pipeline"),
+                           ({"eval_generate": True}, "pipeline stages do not generate with images yet")):
+        with pytest.raises(ConfigError, match=message):
+            finetune_pipeline(TrainConfig(out=str(tmp_path / "bad"), pipeline_stages=2, overwrite=True,
+                                          **(kw | extra)), local=True)

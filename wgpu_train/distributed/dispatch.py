@@ -28,11 +28,9 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
     kind = objective_class(config.objective).trainer
-    if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
+    if config.images_demo or is_vision_data(config.data):     # records with images: the supervised Trainer's
         if kind is not TrainerKind.SUPERVISED:
             raise ConfigError(f"--objective {config.objective} is not supported with images yet (sft only)")
-        if config.pipelined():
-            raise ConfigError("images do not train through pipeline stages yet (--num-workers does)")
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if (tools or environment_factory) and kind is not TrainerKind.ONLINE:

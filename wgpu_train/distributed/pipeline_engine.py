@@ -11,6 +11,7 @@ import numpy as np
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
 from wgpu_train.engines.shared.moe import check_router_aux_loss
+from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan
@@ -81,9 +82,11 @@ class PipelineEngine:
         self.runner, self.plan, self.schedule = runner, plan, schedule
         self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
         self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
+        self._images = None             # set_images' (every stage holds them)
         self.step_logps: list = []
         self.step_entropies: list = []
-        for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision_reason", "kv_dtype", "backend_reason"):
+        for name in ("name", "cfg", "dtype", "base_dtype", "embed_dtype", "precision_reason", "kv_dtype",
+                     "backend_reason"):
             setattr(self, name, runner.attr(0, name))
         resolved = [runner.attr(s, "precision") for s in range(len(plan))]
         self.precision = resolved[0]
@@ -232,6 +235,13 @@ class PipelineEngine:
     def load_state_dict(self, state: dict):
         self._all("load_state_dict", state)
 
+    def set_images(self, images):
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None): every
+        stage holds them (their blocks in its attention, their embeddings in the first stage's rows); the NumPy
+        stages only (stage_set_images)."""
+        self._images = images
+        self._all("stage_set_images", None, images)
+
     # ---- computing ------------------------------------------------------------------------------------
     def _scores(self, ids, targets, segment_ids, position_ids, rows: bool = False):
         x = ids
@@ -308,9 +318,13 @@ class PipelineEngine:
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
         weights (B, T) or a TokenObjective, whose weights the last stage computes from its loss head's
-        log-probabilities]) in the schedule; `reduce` (data parallelism, the protocol's) takes every stage's
-        gradients as one flat array; then every stage's squared gradient norm summed into the global norm that
-        each stage clips by before its AdamW update."""
+        log-probabilities][, their ImageTokens, which every stage holds]) in the schedule; `reduce` (data
+        parallelism, the protocol's) takes every stage's gradients as one flat array; then every stage's squared
+        gradient norm summed into the global norm that each stage clips by before its AdamW update."""
+        for j, mb in enumerate(micro_batches):     # a micro-batch's images (its last item): each stage holds them
+            if len(mb) > 4 and isinstance(mb[-1], ImageTokens):
+                self._all("stage_set_images", j, mb[-1])
+        micro_batches = [mb[:-1] if len(mb) > 4 and isinstance(mb[-1], ImageTokens) else mb for mb in micro_batches]
         if any(isinstance(mb[4], SequenceObjective) for mb in micro_batches if len(mb) > 4):
             raise ConfigError("pipeline stages take per-token weights or a TokenObjective, not a SequenceObjective "
                               "(a host function between the last stage's head and its backward)")
@@ -346,6 +360,8 @@ class PipelineEngine:
         part of the cache: logits (m, V) float32 of the tokens at `last`. No bank of adapters (adapters None)."""
         if adapters is not None:
             raise ConfigError("pipeline stages generate with the run's own adapter, not a bank of adapters")
+        if self._images is not None:
+            raise ConfigError("pipeline stages do not generate with images yet")
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))

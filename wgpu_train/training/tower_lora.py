@@ -1,6 +1,6 @@
-"""LoRA on a vision model's tower from --lora-targets (models/vision.split_targets): the Trainer's VisionModel with
-pairs on the encoder modules named (fresh, or a resumed checkpoint's with their AdamW moments), what a checkpoint
-keeps of them, and the options they do not take yet refused in one line."""
+"""The Trainer's VisionModel, and LoRA on its tower from --lora-targets (models/vision.split_targets): pairs on the
+encoder modules named (fresh, or a resumed checkpoint's with their AdamW moments), what a checkpoint keeps of them,
+and the options they do not take yet refused in one line."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,16 +16,18 @@ _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoi
 def attach_tower(trainer) -> VisionModel:
     """The VisionModel of trainer.model (engines/vision_model.attach_vision) with LoRA on the tower's modules that
     --lora-targets names, at the run's rank and alpha: A as --lora-init draws it (from the seed), B zero, as
-    PEFT's; on a resume, the checkpoint's tensors and moments (tower_arrays)."""
+    PEFT's; on a resume, the checkpoint's tensors and moments (tower_arrays). Not through pipeline stages yet."""
     cfg = trainer.config
     vision = attach_vision(trainer.model, trainer.model_dir)
     modules = split_targets(cfg.lora_targets)[1] if cfg.method == "lora" else ()
     if not modules:
         return vision
     for flag, given in ((f"--backend {trainer.backend}", trainer.backend != "numpy"),
+                        ("pipeline stages", cfg.pipelined()),
                         ("--lora-dropout", cfg.lora_dropout), ("--rslora", cfg.rslora), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian")),
-                        ("--lora-rank-pattern", cfg.lora_rank_pattern), ("--lora-alpha-pattern", cfg.lora_alpha_pattern),
+                        ("--lora-rank-pattern", cfg.lora_rank_pattern),
+                        ("--lora-alpha-pattern", cfg.lora_alpha_pattern),
                         ("--early-stop-patience", cfg.early_stop_patience), ("--adapter-path", trainer.continued_from)):
         if given:
             raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains on the NumPy engine, "

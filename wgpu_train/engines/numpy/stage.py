@@ -28,6 +28,14 @@ class NumpyStage(NumpyEngine):
         self._caches: dict = {}      # generation's KV caches by the driver's key
         self._reference: dict = {}   # the reference adapter's LoraModules of its layers (stage_set_reference)
         self._policy: dict | None = None     # the policy's, while the reference is switched in
+        self._images: dict = {}      # micro-batch (None: an untrained forward's) -> its ImageTokens (stage_set_images)
+
+    def stage_set_images(self, micro, images):
+        """The images of micro-batch `micro` (a shared/image_tokens.ImageTokens, or None): every stage's attention
+        takes their blocks, the first stage puts their embeddings in place of the placeholders' rows (and its
+        backward leaves their rows' gradient in image_grad); a training micro-batch's are dropped after its
+        backward."""
+        self._images[micro] = images
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """KvCacheGeneration's cache for this stage's layers alone (keyed by layer)."""
@@ -79,6 +87,8 @@ class NumpyStage(NumpyEngine):
         if self.first:
             cache["ids"] = np.asarray(inputs).reshape(-1)
             x = self._embed(cache["ids"])
+            if self.images is not None:     # the projector's embeddings in place of the placeholders'
+                x[self.images.flat] = self.images.embeds
         else:
             x = unpack_boundary(inputs).astype(self.dtype, copy=False)
         return self._layers_forward(x, self.span, cache), cache
@@ -88,6 +98,7 @@ class NumpyStage(NumpyEngine):
         self.training = micro is not None
         if self.training:
             self.dropout_calls += 1
+        self.set_images(self._images.get(micro))
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         if self.training:
             self._kept[micro] = cache
@@ -99,6 +110,7 @@ class NumpyStage(NumpyEngine):
         self.training = True
         self.dropout_calls += 1
         self.steps.count_head()
+        self.set_images(self._images.pop(micro, None))
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         flat = self._head_forward(x, cache) / np.float32(self.loss_temperature)          # (N, V)
         loss_sum, count, lse = ops.cross_entropy_forward(flat, targets.reshape(-1))
@@ -114,6 +126,7 @@ class NumpyStage(NumpyEngine):
     def stage_backward(self, micro, d_outputs):
         """See PipelineStage.stage_backward."""
         cache = self._kept.pop(micro)
+        self.set_images(self._images.pop(micro, None))
         if d_outputs is None:
             return None
         return self._stage_backward(unpack_boundary(d_outputs).astype(self.dtype, copy=False), cache)
@@ -128,6 +141,7 @@ class NumpyStage(NumpyEngine):
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """See PipelineStage.stage_scores."""
         self.steps.count_head()
+        self.set_images(self._images.get(None))
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         logits = self._head_forward(x, cache)                                   # (N, V)
         if targets is None:
