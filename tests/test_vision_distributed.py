@@ -203,3 +203,31 @@ def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
         with pytest.raises(ConfigError, match=message):
             finetune_pipeline(TrainConfig(out=str(tmp_path / "bad"), pipeline_stages=2, overwrite=True,
                                           **(kw | extra)), local=True)
+
+
+def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):
+    """The Python API over pipeline stages: a VisionModel whose language model is 2 NumPy stages gives one
+    process's loss and LoRA gradients with images (set_images reaches every stage, forward_backward's too)."""
+    from test_gemma3_vision_training import our_examples
+    from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
+    from wgpu_train.engines.vision_model import attach_vision, load_vision_model
+    from wgpu_train.models.config import ModelConfig
+
+    _, folder, _ = chat_vlm
+    (examples, _), _ = our_examples(folder)
+    ex = examples[0]
+    ids, labels = ex.input_ids[None].astype(np.int64), ex.labels[None]
+    cfg = ModelConfig.from_folder(folder)
+    staged = attach_vision(pipeline_model(folder, cfg, inference_plan(cfg, 2, None), backend="numpy", local=True),
+                           folder)
+    one = load_vision_model(folder)
+    lora = wgpu_train.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj"))
+    for vm in (staged, one):
+        vm.model.add_lora(lora, seed=3)
+    (loss_s, grads_s), (loss_1, grads_1) = (vm.loss_and_grads(ids, labels, ex.images) for vm in (staged, one))
+    assert_close(np.float64(loss_s), loss_1, "pipeline_numpy", "loss")
+    assert set(grads_s) == set(grads_1)
+    for k in grads_1:
+        assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
+    assert max(float(np.abs(g).max()) for g in grads_1.values()) > 0
+    staged.model.engine.close()

@@ -311,6 +311,8 @@ class PipelineEngine:
         return loss_sum, sum(int(h[1]) for h in heads), [h[2] for h in heads], [h[3] for h in heads]
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        if self._images is not None:        # set_images': the stages hold them for micro-batch 0 too
+            self._all("stage_set_images", 0, self._images)
         loss_sum, count, _, _ = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale], [None])
         self._sum_shared()
         return loss_sum, count
