@@ -231,3 +231,27 @@ def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(cha
         assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
     assert max(float(np.abs(g).max()) for g in grads_1.values()) > 0
     staged.model.engine.close()
+
+
+def test_two_ray_workers_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Records with images (LoRA on the tower too) on two Ray Train workers of a local Ray (2 CPUs), each running
+    its rows' images through its own tower: the adapter of one process with the whole batch."""
+    import os
+    from pathlib import Path
+
+    ray = pytest.importorskip("ray", reason="Ray Train is the test extra's (pip install -e '.[test]')")
+    from wgpu_train.distributed.dispatch import finetune
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
+    kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_targets=TOWER_TARGETS)
+    finetune(out=str(tmp_path / "one"), grad_accum=2, **kw)
+    path = os.pathsep.join([str(Path(wgpu_train.__file__).resolve().parent.parent), str(Path(__file__).parent)])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+        "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}})
+    try:
+        two = finetune(out=str(tmp_path / "two"), num_workers=2, **kw)
+    finally:
+        ray.shutdown()
+    assert two["data_parallel"]["workers"] == 2 and two["images"] == 5
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
