@@ -185,7 +185,8 @@ def test_tower_targets_on_a_text_only_model_or_data_refused(chat_vlm, tmp_path, 
 def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
     """Two NumPy pipeline stages (in this process) under 1F1B: the tower runs in the driver, its embeddings enter
     the first stage, every stage's attention takes the images' blocks; the losses, validation loss and adapter
-    after 3 steps are one process's. What stages do not take with images yet is refused in one line."""
+    after 3 steps are one process's, with LoRA on the tower too. What stages do not take with images yet is
+    refused in one line."""
     from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
     from wgpu_train.training.config import TrainConfig
 
@@ -198,8 +199,14 @@ def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
     _assert_same_run(tmp_path / "one", tmp_path / "two", "pipeline_numpy")
     for key in ("valid_loss_before", "valid_loss_after"):
         assert_close(np.float64(two[key]), one[key], "pipeline_numpy", key)
-    for extra, message in (({"lora_targets": TOWER_TARGETS}, "LoRA on the vision tower does not take pipeline"),
-                           ({"eval_generate": True}, "pipeline stages do not generate with images yet")):
+    # LoRA on the tower: the image rows' gradient comes back from the first stage to the tower in the driver
+    tower = kw | dict(lora_targets=TOWER_TARGETS, lora_dropout=0.0)
+    wgpu_train.finetune(out=str(tmp_path / "tower-one"), **tower)
+    finetune_pipeline(TrainConfig(out=str(tmp_path / "tower-two"), pipeline_stages=2, **tower), local=True)
+    _assert_same_run(tmp_path / "tower-one", tmp_path / "tower-two", "pipeline_numpy")
+    assert sum(".vision_tower." in k for k in _adapter(tmp_path / "tower-two")) == 12
+    for extra, message in (({"eval_generate": True}, "pipeline stages do not generate with images yet"),
+                           ({"backend": "auto"}, "images through pipeline stages run on NumPy stages only")):
         with pytest.raises(ConfigError, match=message):
             finetune_pipeline(TrainConfig(out=str(tmp_path / "bad"), pipeline_stages=2, overwrite=True,
                                           **(kw | extra)), local=True)

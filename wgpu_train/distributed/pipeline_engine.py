@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
+from wgpu_train.engines.protocol import LossScaler, OptimizerParams, SequenceObjective, TokenObjective
 from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.kv_rows import check_rows
@@ -158,7 +158,7 @@ class PipelineEngine:
         total = {name: first_g[name] + last_g[name] for name in self._shared}
         self.runner.get([self.runner.call(s, "set_gradients", total) for s in (0, last)])
 
-    def _reduce(self, reduce, total: int):
+    def reduce_gradients(self, reduce, total: int):
         """The data-parallel reduction of every stage's gradients as one flat float32 array (the stages' order,
         each stage's own; a tied embedding once), its result put back into every stage that holds them."""
         grads = self.gradients()
@@ -241,6 +241,18 @@ class PipelineEngine:
         stages only (stage_set_images)."""
         self._images = images
         self._all("stage_set_images", None, images)
+
+    @property
+    def image_grad(self):
+        """The image rows' gradient of the last backward (the first stage's): the vision tower's LoRA starts there."""
+        return self.runner.attr(0, "image_grad")
+
+    def apply_update(self, norm, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
+                     lora_b_lr_ratio=1.0):
+        """Every stage's clipping and AdamW update with the global norm given (the vision tower's LoRA's in it:
+        engines/vision_model.py); (norm, applied)."""
+        hp = OptimizerParams(lr, beta1, beta2, eps, weight_decay, max_grad_norm, lora_b_lr_ratio)
+        return norm, bool(self._all("stage_update", norm, hp, step)[0])
 
     # ---- computing ------------------------------------------------------------------------------------
     def _scores(self, ids, targets, segment_ids, position_ids, rows: bool = False):
@@ -341,7 +353,7 @@ class PipelineEngine:
         self._all("stage_unscale")
         self._sum_shared()
         if reduce is not None:
-            self._reduce(reduce, total)
+            self.reduce_gradients(reduce, total)
         last = len(self.plan) - 1
         norm = math.sqrt(sum(self.runner.get([self.runner.call(s, "stage_grad_square", self._shared if s == last
                                                                and s else ()) for s in range(len(self.plan))])))

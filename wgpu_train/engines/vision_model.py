@@ -212,7 +212,8 @@ class VisionModel:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
         if not hasattr(self.model.engine, "apply_update"):
-            raise ConfigError("LoRA on the vision tower trains on the NumPy engine only for now (backend='numpy')")
+            raise ConfigError("LoRA on the vision tower trains on the NumPy engine (or NumPy stages) only for now "
+                              "(backend='numpy')")
         engine, caches = self.model.engine, []
         batches = []
         for mb in micro:
@@ -233,7 +234,7 @@ class VisionModel:
                 for name, g in self.tower.backward(dout, cache).items():
                     self.tower_optimizer.add(name, g)
         if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
-            engine.optimizer.reduce(reduce, total)
+            engine.reduce_gradients(reduce, total)
             self.tower_optimizer.reduce(reduce, total)
         norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
         args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)

@@ -16,14 +16,13 @@ _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoi
 def attach_tower(trainer) -> VisionModel:
     """The VisionModel of trainer.model (engines/vision_model.attach_vision) with LoRA on the tower's modules that
     --lora-targets names, at the run's rank and alpha: A as --lora-init draws it (from the seed), B zero, as
-    PEFT's; on a resume, the checkpoint's tensors and moments (tower_arrays). Not through pipeline stages yet."""
+    PEFT's; on a resume, the checkpoint's tensors and moments (tower_arrays)."""
     cfg = trainer.config
     vision = attach_vision(trainer.model, trainer.model_dir)
     modules = split_targets(cfg.lora_targets)[1] if cfg.method == "lora" else ()
     if not modules:
         return vision
     for flag, given in ((f"--backend {trainer.backend}", trainer.backend != "numpy"),
-                        ("pipeline stages", cfg.pipelined()),
                         ("--lora-dropout", cfg.lora_dropout), ("--rslora", cfg.rslora), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian")),
                         ("--lora-rank-pattern", cfg.lora_rank_pattern),

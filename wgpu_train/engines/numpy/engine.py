@@ -413,6 +413,11 @@ class NumpyEngine(EngineState):
         return self.optimizer.apply_update(norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, step,
                                            lora_b_lr_ratio)
 
+    def reduce_gradients(self, reduce, total: int):
+        """The gradients through a data-parallel `reduce` (train_step's), its result kept: the vision tower's LoRA
+        step (engines/vision_model.py) reduces the language model's with it."""
+        self.optimizer.reduce(reduce, total)
+
     def optimizer_state(self) -> dict:
         return self.optimizer.state()
 
