@@ -413,7 +413,7 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
              (data, ["--pack"], "--pack is not supported with images yet"),
              (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
              (data, ["--objective", "dpo"], "--objective dpo is not supported with images yet"),
-             (data, ["--pipeline-stages", "2", "--eval-generate"], "pipeline stages do not generate with images yet")]
+             (data, ["--pipeline-stages", "2", "--backend", "auto"], "images through pipeline stages run on NumPy")]
     (tmp_path / "folder").mkdir()          # a folder of vision records goes to the text reader, which says why
     (tmp_path / "folder" / "train.jsonl").write_text(data.read_text())
     cases.append((tmp_path / "folder", [], "images train from one local .json/.jsonl file"))

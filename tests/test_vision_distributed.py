@@ -185,17 +185,20 @@ def test_tower_targets_on_a_text_only_model_or_data_refused(chat_vlm, tmp_path, 
 def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
     """Two NumPy pipeline stages (in this process) under 1F1B: the tower runs in the driver, its embeddings enter
     the first stage, every stage's attention takes the images' blocks; the losses, validation loss and adapter
-    after 3 steps are one process's, with LoRA on the tower too. What stages do not take with images yet is
-    refused in one line."""
+    after 3 steps are one process's, with LoRA on the tower too, and so is exact match of greedy answers with images
+    (generated through the stages). WebGPU stages with images are refused in one line."""
     from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
     from wgpu_train.training.config import TrainConfig
 
     _, folder, _ = chat_vlm
     data = write_vision_data(tmp_path / "data", vision_records() * 2)
     kw = _run_kw(folder, data, batch_size=1, grad_accum=2, max_steps=3, valid_split=0.2, lora_dropout=0.1)
-    one = wgpu_train.finetune(out=str(tmp_path / "one"), **kw)
-    two = finetune_pipeline(TrainConfig(out=str(tmp_path / "two"), pipeline_stages=2, **kw), local=True)
-    assert two["pipeline"]["stages"] == 2
+    one = wgpu_train.finetune(out=str(tmp_path / "one"), eval_generate=True, max_new_tokens=4, **kw)
+    two = finetune_pipeline(TrainConfig(out=str(tmp_path / "two"), pipeline_stages=2, eval_generate=True,
+                                        max_new_tokens=4, **kw), local=True)
+    assert two["pipeline"]["stages"] == 2 and two["exact_match_n"] == one["exact_match_n"] > 0
+    assert (two["exact_match_before"], two["exact_match_after"]) == (one["exact_match_before"],
+                                                                     one["exact_match_after"])
     _assert_same_run(tmp_path / "one", tmp_path / "two", "pipeline_numpy")
     for key in ("valid_loss_before", "valid_loss_after"):
         assert_close(np.float64(two[key]), one[key], "pipeline_numpy", key)
@@ -205,16 +208,15 @@ def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
     finetune_pipeline(TrainConfig(out=str(tmp_path / "tower-two"), pipeline_stages=2, **tower), local=True)
     _assert_same_run(tmp_path / "tower-one", tmp_path / "tower-two", "pipeline_numpy")
     assert sum(".vision_tower." in k for k in _adapter(tmp_path / "tower-two")) == 12
-    for extra, message in (({"eval_generate": True}, "pipeline stages do not generate with images yet"),
-                           ({"backend": "auto"}, "images through pipeline stages run on NumPy stages only")):
-        with pytest.raises(ConfigError, match=message):
-            finetune_pipeline(TrainConfig(out=str(tmp_path / "bad"), pipeline_stages=2, overwrite=True,
-                                          **(kw | extra)), local=True)
+    with pytest.raises(ConfigError, match="images through pipeline stages run on NumPy stages only"):
+        finetune_pipeline(TrainConfig(out=str(tmp_path / "bad"), pipeline_stages=2, overwrite=True,
+                                      **(kw | {"backend": "auto"})), local=True)
 
 
 def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):
     """The Python API over pipeline stages: a VisionModel whose language model is 2 NumPy stages gives one
-    process's loss and LoRA gradients with images (set_images reaches every stage, forward_backward's too)."""
+    process's loss and LoRA gradients with images (set_images reaches every stage, forward_backward's too), and
+    its greedy answer (a prefill with the images through the stages' KV caches)."""
     from test_gemma3_vision_training import our_examples
     from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
     from wgpu_train.engines.vision_model import attach_vision, load_vision_model
@@ -237,6 +239,21 @@ def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(cha
     for k in grads_1:
         assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
     assert max(float(np.abs(g).max()) for g in grads_1.values()) > 0
+    ask = examples[1]                                                           # one image, then its answer
+    prompt = ask.input_ids[:int(np.flatnonzero(ask.labels != -100)[0])]
+    answers = [vm.generate(prompt, ask.images, max_new_tokens=6) for vm in (staged, one)]
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+    n, last = len(prompt), []
+    for vm in (staged, one):                    # the prefill's logits themselves
+        ids, images = vm.prompt_images(prompt, ask.images)
+        engine = vm.model.engine
+        kv = engine.new_kv_cache(1, n)
+        engine.set_images(images)
+        last.append(engine.forward_rows(ids, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), kv,
+                                        np.array([n - 1])))
+        engine.set_images(None)
+        engine.free_kv_cache(kv)
+    assert_close(last[0], last[1], "pipeline_numpy", "prefill logits with an image")
     staged.model.engine.close()
 
 

@@ -374,8 +374,6 @@ class PipelineEngine:
         part of the cache: logits (m, V) float32 of the tokens at `last`. No bank of adapters (adapters None)."""
         if adapters is not None:
             raise ConfigError("pipeline stages generate with the run's own adapter, not a bank of adapters")
-        if self._images is not None:
-            raise ConfigError("pipeline stages do not generate with images yet")
         ids, rows, positions, last = check_rows(ids, rows, positions, last, kv, self.cfg.vocab_size)
         if long_rope is None:
             long_rope = self.cfg.rope_long(int(positions.max(initial=0)))

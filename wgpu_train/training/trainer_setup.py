@@ -141,8 +141,6 @@ def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer,
             raise ConfigError(f"{flag} is not supported with images yet")
     if cfg.pipelined() and cfg.backend != "numpy":      # the tower in this process, the stages take its embeddings
         raise ConfigError("images through pipeline stages run on NumPy stages only for now (--backend numpy)")
-    if cfg.pipelined() and cfg.eval_generate:
-        raise ConfigError("pipeline stages do not generate with images yet: leave out --eval-generate")
     where = Path(model_dir) / "config.json"
     vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
     span = model_image_span(tokenizer, vc, model_dir)

@@ -57,9 +57,13 @@ class NumpyStage(NumpyEngine):
         """See PipelineStage.stage_rows."""
         self.training = False
         kv = self._caches[key]
+        self.set_images(self._images.get(None))     # a prefill with whole images: their blocks (and embeddings)
         walk = Walk(1, len(rows), np.asarray(positions)[None], None, kv, rows, long_rope,
-                    runs=row_runs(kv, np.asarray(rows), np.asarray(positions)))
+                    runs=row_runs(kv, np.asarray(rows), np.asarray(positions)),
+                    blocks=None if self.images is None else self.images.blocks)
         x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
+        if self.first and self.images is not None:
+            x[self.images.flat] = self.images.embeds
         for i in self.span:
             x = self.layer_ops.forward(i, x, walk)[OUTPUT]
         advance(kv, walk.runs)
