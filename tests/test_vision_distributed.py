@@ -127,6 +127,10 @@ def test_cli_tower_targets_train_and_load_in_peft(chat_vlm, tmp_path, capsys):
     with torch.no_grad():
         theirs = hf_out(pm, ids, np.ones_like(ids), px, image_id=7).logits.numpy()
     assert_close(vm.logits(ids, ex.images), theirs, "logits_f32", "the trained adapter in PEFT")
+    assert main(["finetune", "--adapter-path", str(tmp_path / "run"), "--data", str(data), "--backend", "numpy",
+                 "--no-progress", "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("its LoRA on the vision tower is not continued by a new run yet" in line for line in err), err
 
 
 def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 from wgpu_train.adapters.inits import fresh_pair
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.vision import split_targets, tower_lora_key
+from wgpu_train.models.vision import split_targets, tower_lora_key, tower_lora_path
 
 _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoint array name prefixes
 
@@ -64,6 +64,16 @@ def check_tower_targets(cfg, folder, images: bool | None = None):
         raise ConfigError(f"{where}: LoRA on the vision tower trains with --objective sft only for now")
     if images is False:
         raise ConfigError(f"{where}: LoRA on the vision tower trains on records with images (TRL's vision format)")
+
+
+def check_continued(adapter):
+    """An --adapter-path folder with LoRA on the vision tower refused in one line (a run continues a language
+    model's adapter only, for now)."""
+    from wgpu_train.formats.safetensors import safetensors_names
+
+    if any(tower_lora_path(k) is not None for k in safetensors_names(adapter / "adapter_model.safetensors")):
+        raise ConfigError(f"--adapter-path {adapter}: its LoRA on the vision tower is not continued by a new run yet; "
+                          f"--resume its run's checkpoint instead")
 
 
 def tower_arrays(vision: VisionModel | None) -> dict:

@@ -13,7 +13,7 @@ from wgpu_train.engines.resources import count_trainable, estimate_memory, forma
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.training.tower_lora import check_tower_targets
+from wgpu_train.training.tower_lora import check_continued, check_tower_targets
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir, default_vision_model_dir
 
 
@@ -56,6 +56,7 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
         cfg = dataclasses.replace(cfg, lora_targets=model_targets(cfg.lora_targets, model_cfg))
     lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
     if continued_from:
+        check_continued(continued_from)
         lora = cfg.continued_lora(read_adapter(continued_from, model_cfg)[0], model_cfg)
         cfg = dataclasses.replace(cfg, **lora_options(lora))
     elif lora and cfg.lora_layers_last():          # as the layers it chose
