@@ -321,7 +321,7 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
         assert applied
         assert_close(np.float64(loss_sum / count), out.loss.item(), "loss_f32", f"step {step} loss")
         assert_close(norm, torch_norm, "gpu_loss", f"step {step} norm")
-    ours = {**{f"base_model.model.model.{k}.weight": v for k, v in vm._tower_trainable().items()},
+    ours = {**{f"base_model.model.model.{k}.weight": v for k, v in vm.tower_trainable().items()},
             **{k.replace("model.model.layers.", "model.model.language_model.layers."): v
                for k, v in vm.model.lora_state_dict().items()}}
     want = {n.replace(".default", ""): p.detach().numpy() for n, p in pm.named_parameters() if p.requires_grad}
@@ -413,7 +413,7 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
              (data, ["--pack"], "--pack is not supported with images yet"),
              (data, ["--train-on-last-turn"], "--train-on-last-turn is not supported with images yet"),
              (data, ["--objective", "dpo"], 'records with images need an explicit "prompt"'),
-             (data, ["--num-workers", "2"], "images train in one process for now")]
+             (data, ["--pipeline-stages", "2", "--backend", "auto"], "images through pipeline stages run on NumPy")]
     (tmp_path / "folder").mkdir()          # a folder of vision records goes to the text reader, which says why
     (tmp_path / "folder" / "train.jsonl").write_text(data.read_text())
     cases.append((tmp_path / "folder", [], "images train from one local .json/.jsonl file"))

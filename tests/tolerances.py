@@ -61,6 +61,11 @@ TOLERANCES: dict[str, Tolerance] = {
         "another order than one process's, a rounding apart; AdamW's first steps divide by the gradient's own size, "
         "so the steps after carry it into the adapter and the next generation's losses and metrics (GRPO with "
         "tools, 3 steps at lr 2e-2: 9e-8 absolute on the adapter, 2.4e-7 relative on the metrics, measured)"),
+    "data_parallel_tower_numpy": Tolerance(1e-4, 1e-5,
+        "data_parallel_numpy's comparison with LoRA on the vision tower too (issue 46): the tower's LoRA A "
+        "gradients of a few elements are tiny, so AdamW's first steps (m / sqrt(v)) turn their float32 rounding in "
+        "the all-reduce's order into a visible share of an lr-sized update (3 steps at lr 1e-2: 6.4e-6 absolute "
+        "on 1 of 144 elements, measured); a gradient left out of the all-reduce moves the adapter by about lr"),
     "pipeline_wgpu": Tolerance(1e-3, 1e-4,
         "pipeline stages on the WebGPU engine against one WebGPU process: each stage records one process's kernels "
         "on the same shapes, and the boundary carries the values the stage stored, so the step's losses and "

@@ -60,8 +60,8 @@ class LoraConfig:
         unknown = [t for t in targets if t not in KNOWN_LINEAR_MODULES]
         if vision_targets(unknown):
             raise ConfigError(f"LoRA target_modules {vision_targets(unknown)!r} are the vision tower's: not supported "
-                              f"here (a text-only model has none; a Gemma 3 vision model's takes its LoRA through "
-                              f"VisionModel.set_tower_lora)")
+                              f"here (a text-only model has none; a vision model's train through finetune's "
+                              f"--lora-targets on records with images, or VisionModel.set_tower_lora)")
         if unknown or not (targets or experts):      # LoRA on the experts alone: no module
             raise ConfigError(f"LoRA target_modules {unknown or targets!r} not in {', '.join(KNOWN_LINEAR_MODULES)} "
                               f"or 'all-linear'")

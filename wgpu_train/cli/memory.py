@@ -104,7 +104,7 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     images) and the image tokens per row, which must fit --max-seq-len; None for a model without images."""
     from pathlib import Path
 
-    from wgpu_train.models.vision import VisionConfig, tower_activation_values, tower_parameters, vision_targets
+    from wgpu_train.models.vision import VisionConfig, split_targets, tower_activation_values, tower_parameters
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config"):
@@ -124,9 +124,7 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     if tokens >= length:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
                           f"no room for text")
-    given = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    tower = vision_targets(given) if args.method == "lora" else []
-    language = ",".join(t for t in given if t not in tower)
+    language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
     if tower and not language:
         raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
                           f"model's too (q_proj, ...), as finetune trains them")

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.data.images import image_bytes
 from wgpu_train.data.records import IGNORE_INDEX
 
 
@@ -217,13 +218,16 @@ class BatchStream:
             self.position = 0
 
     def fingerprint(self) -> str:
-        """A hash of every example's token ids and labels, in order: equal only for the same training data."""
+        """A hash of every example's token ids and labels, and of its images' bytes (data/images.image_bytes), in
+        order: equal only for the same training data."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=16)
-            for ex in self.examples:
+            for i, ex in enumerate(self.examples):
                 h.update(np.int64(len(ex)).tobytes())
                 h.update(np.ascontiguousarray(ex.input_ids, dtype=np.int32).tobytes())
                 h.update(np.ascontiguousarray(ex.labels, dtype=np.int64).tobytes())
+                for j, image in enumerate(ex.images):
+                    h.update(hashlib.blake2b(image_bytes(image, f"example {i}: image {j}"), digest_size=16).digest())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -238,8 +242,8 @@ class BatchStream:
         data differ (states saved before fingerprints existed are checked by their number of examples)."""
         n, now = state.get("n_examples", len(self.examples)), len(self.examples)
         if n != now or state.get("fingerprint", self.fingerprint()) != self.fingerprint():
-            detail = (f"{n} examples then, {now} now" if n != now else
-                      "other token ids or labels: the records, tokenizer, chat template or max_seq_len differ")
+            detail = (f"{n} examples then, {now} now" if n != now else "other token ids, labels or image files: the "
+                      "records, their images, tokenizer, chat template or max_seq_len differ")
             raise ConfigError(f"the training data changed since the checkpoint ({detail}); "
                               "resume with the data it was trained on")
         for key, now in (("batch_size", self.batch_size), ("pack", self.pack)):

@@ -88,6 +88,26 @@ def open_image(image, where: str = "image"):
     return out
 
 
+def image_bytes(image, where: str = "image") -> bytes:
+    """The bytes that identify an image's content (a resume's data fingerprint): a file's or the given bytes, a
+    PIL image's mode, size and pixels, an array's; a file that cannot be read raises DataError naming `where`."""
+    pil = _pil()
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, (str, Path)):
+        try:
+            return Path(image).read_bytes()
+        except OSError as e:
+            raise DataError(f"{where}: cannot read the image: {e}") from None
+    if isinstance(image, pil.Image):
+        return f"{image.mode} {image.size}".encode() + image.tobytes()
+    if isinstance(image, np.ndarray):
+        return f"{image.dtype} {image.shape}".encode() + np.ascontiguousarray(image).tobytes()
+    raise DataError(f"{where}: an image must be a path, bytes or a PIL image, got {type(image).__name__}")
+
+
 def to_rgb(image):
     """RGB as transformers converts it: transparency composited over white."""
     pil = _pil()

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from wgpu_train.data.batching import Batch
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import partition
@@ -16,19 +17,39 @@ from wgpu_train.training.trainers import make_trainer
 
 
 def split_rows(micro: list, workers: int, step: int) -> list:
-    """Engine micro-batches (ids, targets, segment_ids, position_ids) with the largest ones halved by rows
-    until there are at least `workers` of them (a short step); ConfigError when it has fewer rows than workers."""
+    """Engine micro-batches (ids, targets, segment_ids, position_ids), or batches of records with images
+    (data/batching.Batch: each row's images with it), with the largest ones halved by rows until there are at
+    least `workers` of them (a short step); ConfigError when it has fewer rows than workers."""
     micro = list(micro)
     while len(micro) < workers:
-        i = max(range(len(micro)), key=lambda j: micro[j][0].shape[0])
-        rows = micro[i][0].shape[0]
+        i = max(range(len(micro)), key=lambda j: _ids(micro[j]).shape[0])
+        rows = _ids(micro[i]).shape[0]
         if rows < 2:
-            total = sum(m[0].shape[0] for m in micro)
+            total = sum(_ids(m).shape[0] for m in micro)
             raise ConfigError(f"step {step} holds {total} sample row(s), fewer than the {workers} workers that "
                               f"share it: lower --num-workers or give more data")
         half = (rows + 1) // 2
-        micro[i:i + 1] = [tuple(a[:half] for a in micro[i]), tuple(a[half:] for a in micro[i])]
+        micro[i:i + 1] = [_rows(micro[i], 0, half), _rows(micro[i], half, rows)]
     return micro
+
+
+def _ids(m) -> np.ndarray:
+    """A micro-batch's token ids (B, T), of an engine tuple or a Batch with images."""
+    return m.input_ids if isinstance(m, Batch) else m[0]
+
+
+def _rows(m, r0: int, r1: int):
+    """Rows r0:r1 of a micro-batch (a Batch: with their images)."""
+    if not isinstance(m, Batch):
+        return tuple(a[r0:r1] for a in m)
+    labels = m.labels[r0:r1]
+    return Batch(m.input_ids[r0:r1], labels, m.attention_mask[r0:r1], m.segment_ids[r0:r1], m.position_ids[r0:r1],
+                 int((labels[:, 1:] != IGNORE_INDEX).sum()), None if m.images is None else m.images[r0:r1])
+
+
+def _trained(m) -> int:
+    """The tokens a micro-batch trains (its shifted targets' counted positions)."""
+    return m.n_tokens if isinstance(m, Batch) else int((m[1] != IGNORE_INDEX).sum())
 
 
 class DataParallelWorker(OneProcess):
@@ -61,14 +82,14 @@ class DataParallelWorker(OneProcess):
         started = time.perf_counter()
         self._reduce_s = self._wait_s = 0.0
         if own:         # this worker's own rows (GRPO's groups): the step's tokens are every worker's together
-            tokens = sum(int((m[1] != IGNORE_INDEX).sum()) for m in micro)
+            tokens = sum(_trained(m) for m in micro)
             self._step_tokens = int(self.collective.all_reduce(np.array([tokens], np.float64))[0])
             loss_sum, count, norm, applied = engine.train_step(micro, hp, step, reduce=self._reduce, **extra)
         else:
             n_micro = len(micro)
             micro = split_rows(micro, self.world, step)
-            j0, j1 = partition([m[0].size for m in micro], self.world)[self.rank]
-            self._step_tokens = sum(int((m[1] != IGNORE_INDEX).sum()) for m in micro)
+            j0, j1 = partition([_ids(m).size for m in micro], self.world)[self.rank]
+            self._step_tokens = sum(_trained(m) for m in micro)
             state = engine.state_dict()
             calls = int(state["dropout_calls"])
             engine.load_state_dict({**state, "dropout_calls": calls + j0})

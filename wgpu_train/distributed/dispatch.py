@@ -28,12 +28,13 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
     kind = objective_class(config.objective).trainer
-    if config.images_demo or is_vision_data(config.data):     # records with images: the Trainer's, in one process
+    if config.images_demo or is_vision_data(config.data):     # records with images
         if kind is not TrainerKind.SUPERVISED and config.images_demo:
             raise ConfigError(f"--images-demo trains sft only: give --objective {config.objective} records with "
                               f"images as --data")
-        if config.num_workers or config.pipelined():
-            raise ConfigError("images train in one process for now (no --num-workers or pipeline stages)")
+        if kind is not TrainerKind.SUPERVISED and (config.num_workers or config.pipelined()):
+            raise ConfigError(f"--objective {config.objective} with images trains in one process for now (no "
+                              f"--num-workers or pipeline stages)")
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if (tools or environment_factory) and kind is not TrainerKind.ONLINE:

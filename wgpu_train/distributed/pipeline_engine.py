@@ -10,8 +10,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
+from wgpu_train.engines.protocol import LossScaler, OptimizerParams, SequenceObjective, TokenObjective
 from wgpu_train.engines.shared.moe import check_router_aux_loss, load_balancing_value
+from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.kv_rows import check_rows
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import EMBED, StagePlan
@@ -83,9 +84,11 @@ class PipelineEngine:
         self._shared: tuple = ()        # trained weights that two stages hold (a tied embedding trained as one)
         self._caches = 0                # generation's KV caches made so far (each stage keeps its part by key)
         self.router_aux_coef = 0.0      # set_router_aux_loss's
+        self._images = None             # set_images' (every stage holds them)
         self.step_logps: list = []
         self.step_entropies: list = []
-        for name in ("name", "cfg", "base_dtype", "embed_dtype", "precision_reason", "kv_dtype", "backend_reason"):
+        for name in ("name", "cfg", "dtype", "base_dtype", "embed_dtype", "precision_reason", "kv_dtype",
+                     "backend_reason"):
             setattr(self, name, runner.attr(0, name))
         resolved = [runner.attr(s, "precision") for s in range(len(plan))]
         self.precision = resolved[0]
@@ -157,7 +160,7 @@ class PipelineEngine:
         total = {name: first_g[name] + last_g[name] for name in self._shared}
         self.runner.get([self.runner.call(s, "set_gradients", total) for s in (0, last)])
 
-    def _reduce(self, reduce, total: int):
+    def reduce_gradients(self, reduce, total: int):
         """The data-parallel reduction of every stage's gradients as one flat float32 array (the stages' order,
         each stage's own; a tied embedding once), its result put back into every stage that holds them."""
         grads = self.gradients()
@@ -234,6 +237,25 @@ class PipelineEngine:
 
     def load_state_dict(self, state: dict):
         self._all("load_state_dict", state)
+
+    def set_images(self, images):
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None): every
+        stage holds them (their blocks in its attention, their embeddings in the first stage's rows); the NumPy
+        stages only (stage_set_images)."""
+        self._images = images
+        self._all("stage_set_images", None, images)
+
+    @property
+    def image_grad(self):
+        """The image rows' gradient of the last backward (the first stage's): the vision tower's LoRA starts there."""
+        return self.runner.attr(0, "image_grad")
+
+    def apply_update(self, norm, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
+                     lora_b_lr_ratio=1.0):
+        """Every stage's clipping and AdamW update with the global norm given (the vision tower's LoRA's in it:
+        engines/vision_model.py); (norm, applied)."""
+        hp = OptimizerParams(lr, beta1, beta2, eps, weight_decay, max_grad_norm, lora_b_lr_ratio)
+        return norm, bool(self._all("stage_update", norm, hp, step)[0])
 
     # ---- computing ------------------------------------------------------------------------------------
     def _scores(self, ids, targets, segment_ids, position_ids, rows: bool = False):
@@ -315,6 +337,8 @@ class PipelineEngine:
         return loss_sum, sum(int(h[1]) for h in heads), [h[2] for h in heads], [h[3] for h in heads], aux
 
     def forward_backward(self, ids, targets, segment_ids, position_ids, grad_scale):
+        if self._images is not None:        # set_images': the stages hold them for micro-batch 0 too
+            self._all("stage_set_images", 0, self._images)
         # the router's aux loss at the coefficient's full weight, as one process's forward_backward
         loss_sum, count, _, _, _ = self._run([(ids, targets, segment_ids, position_ids)], [grad_scale], [None],
                                              self.router_aux_coef)
@@ -324,9 +348,13 @@ class PipelineEngine:
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """The protocol's train_step through the stages: micro-batches (ids, targets, segment ids, positions[,
         weights (B, T) or a TokenObjective, whose weights the last stage computes from its loss head's
-        log-probabilities]) in the schedule; `reduce` (data parallelism, the protocol's) takes every stage's
-        gradients as one flat array; then every stage's squared gradient norm summed into the global norm that
-        each stage clips by before its AdamW update."""
+        log-probabilities][, their ImageTokens, which every stage holds]) in the schedule; `reduce` (data
+        parallelism, the protocol's) takes every stage's gradients as one flat array; then every stage's squared
+        gradient norm summed into the global norm that each stage clips by before its AdamW update."""
+        for j, mb in enumerate(micro_batches):     # a micro-batch's images (its last item): each stage holds them
+            if len(mb) > 4 and isinstance(mb[-1], ImageTokens):
+                self._all("stage_set_images", j, mb[-1])
+        micro_batches = [mb[:-1] if len(mb) > 4 and isinstance(mb[-1], ImageTokens) else mb for mb in micro_batches]
         if any(isinstance(mb[4], SequenceObjective) for mb in micro_batches if len(mb) > 4):
             raise ConfigError("pipeline stages take per-token weights or a TokenObjective, not a SequenceObjective "
                               "(a host function between the last stage's head and its backward)")
@@ -345,7 +373,7 @@ class PipelineEngine:
         self._all("stage_unscale")
         self._sum_shared()
         if reduce is not None:
-            self._reduce(reduce, total)
+            self.reduce_gradients(reduce, total)
         last = len(self.plan) - 1
         norm = math.sqrt(sum(self.runner.get([self.runner.call(s, "stage_grad_square", self._shared if s == last
                                                                and s else ()) for s in range(len(self.plan))])))

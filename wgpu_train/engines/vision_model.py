@@ -89,9 +89,9 @@ class VisionModel:
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
-        self.tower_optimizer = Optimizer(self._tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
+        self.tower_optimizer = Optimizer(self.tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
-    def _tower_trainable(self) -> dict:
+    def tower_trainable(self) -> dict:
         """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
         return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
 
@@ -121,7 +121,7 @@ class VisionModel:
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
         tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], self.vision): v
-                        for k, v in self._tower_trainable().items()})
+                        for k, v in self.tower_trainable().items()})
         write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
 
     def load_adapter(self, directory):
@@ -262,16 +262,15 @@ class VisionModel:
         list of tokenized records each, collated here): the engine's (loss_sum, token_count, grad_norm, applied).
         The tower frozen: its embeddings of each micro-batch's images, then the engine's own step (reduce and
         extra as the engine protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row
-        gradient goes back through the tower, and one global norm clips both before AdamW updates each (in
-        one process)."""
+        gradient goes back through the tower, `reduce` (a data-parallel worker's) sums both over the workers, and
+        one global norm clips both before AdamW updates each."""
         micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
         if not self.tower.lora:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
-        if reduce is not None:
-            raise ConfigError("LoRA on the vision tower trains in one process only for now")
         if not hasattr(self.model.engine, "apply_update"):
-            raise ConfigError("LoRA on the vision tower trains on the NumPy engine only for now (backend='numpy')")
+            raise ConfigError("LoRA on the vision tower trains on the NumPy engine (or NumPy stages) only for now "
+                              "(backend='numpy')")
         engine, caches = self.model.engine, []
         batches = []
         for mb in micro:
@@ -291,11 +290,21 @@ class VisionModel:
                 dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
                 for name, g in self.tower.backward(dout, cache).items():
                     self.tower_optimizer.add(name, g)
+        if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
+            engine.reduce_gradients(reduce, total)
+            self.tower_optimizer.reduce(reduce, total)
         norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
         args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
         _, applied = engine.apply_update(norm, *args)
         self.tower_optimizer.apply_update(norm, *args)
         return loss_sum, total, norm, applied
+
+    def state_dict(self) -> dict:
+        """The language engine's (its LoRA dropout counter, which a data-parallel worker sets for its share)."""
+        return self.model.engine.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.model.engine.load_state_dict(state)
 
     def generate(self, input_ids, images=(), max_new_tokens: int = 32, stop_token_ids=(), on_token=None) -> list[int]:
         """Greedy new token ids after one prompt with its images, over the engine's KV cache: the prompt prefilled

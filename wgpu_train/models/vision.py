@@ -171,6 +171,39 @@ def vision_targets(targets) -> list:
         part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector"))]
 
 
+# the linear modules of a tower encoder layer, the LoRA targets it offers (as PEFT names them under the layer)
+ENCODER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1",
+                   "mlp.fc2")
+_TOWER_ENTRY = re.compile(r"(?:model\.)?(?:vision_tower|vision_model)(?:\.(?:encoder\.)?(?P<name>.+))?")
+
+
+def split_targets(targets) -> tuple:
+    """--lora-targets (a comma-separated string or a list) -> (the language model's part, as given less the
+    vision entries; the tower encoder's modules (ENCODER_MODULES' names) the vision entries select, in its order).
+    A vision entry is fc1 / fc2 (only the tower has them, so PEFT's list puts them there), or vision_tower (Gemma
+    3) / vision_model (SmolVLM) alone (every encoder module) or with a module (q_proj, ..., fc2, or
+    self_attn.q_proj, mlp.fc1, ...); the projector's, the connector's and the patch embedding's are refused in one
+    line (not supported)."""
+    given = [t.strip() for t in targets.split(",") if t.strip()] if isinstance(targets, str) else list(targets)
+    vision = vision_targets(given)
+    chosen = set()
+    for entry in vision:
+        match = _TOWER_ENTRY.fullmatch(entry)
+        name = entry if entry in ("fc1", "fc2") else match and match["name"]
+        found = ENCODER_MODULES if match and name is None else [m for m in ENCODER_MODULES if name in
+                                                                (m, m.split(".")[1])]
+        if not found:
+            raise ConfigError(f"LoRA target {entry!r}: not supported on the vision side: the tower encoder's linear "
+                              f"modules only (fc1, fc2, vision_tower.q_proj ... vision_tower.out_proj, or "
+                              f"vision_tower for all; vision_model for SmolVLM's), not the projector or the patch "
+                              f"embedding")
+        chosen.update(found)
+    language = [t for t in given if t not in vision]
+    if isinstance(targets, str):
+        language = ",".join(language)
+    return language, tuple(m for m in ENCODER_MODULES if m in chosen)
+
+
 def tower_lora_path(key: str) -> str | None:
     """A PEFT adapter key on the tower (base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.
     lora_A.weight, any layout) -> our module path (vision_tower.encoder.layers.0.self_attn.q_proj); None for

@@ -16,6 +16,7 @@ from wgpu_train.engines.protocol import PRECISION_CHOICES, OptimizerParams, Prec
 from wgpu_train.errors import ConfigError
 from wgpu_train.adapters.layout import DEFAULT_TARGETS, last_layers, parse_layers, parse_pattern
 from wgpu_train.engines.shared.quant import BASE_CHOICES, EMBED_CHOICES, StorageDtype, check_dtypes, parse_dtype
+from wgpu_train.models.vision import split_targets
 from wgpu_train.training.run_folder import DEFAULT_OUT, output_folder, recorded_settings
 from wgpu_train.training.objectives import DPO_LOSSES, OBJECTIVES, PreferenceSettings, TrainerKind, objective_class
 from wgpu_train.training.objectives.grpo import GRPOSettings
@@ -79,7 +80,9 @@ class TrainConfig:
     lora_dropout: float = _opt(0.0, "dropout on the LoRA input while training, in [0, 1)")
     lora_targets: str = _opt(DEFAULT_TARGETS, "modules to adapt, comma-separated (q_proj, k_proj, v_proj, o_proj, "
                                               "gate_proj, up_proj, down_proj; Phi-3's qkv_proj, o_proj, gate_up_proj, "
-                                              "down_proj, where the default means qkv_proj), or all-linear")
+                                              "down_proj, where the default means qkv_proj), or all-linear; "
+                                              "with images also the vision tower's: fc1, fc2, vision_tower.q_proj "
+                                              "(k_proj, v_proj, out_proj), vision_tower for all of them")
     lora_target_parameters: str = _opt("", "a mixture of experts' expert tensors to adapt with a LoRA pair per "
                                            "expert (PEFT's target_parameters), comma-separated: "
                                            "mlp.experts.gate_up_proj, mlp.experts.down_proj (all-linear takes both, "
@@ -427,8 +430,12 @@ class TrainConfig:
         layers = parse_layers(self.lora_layers)
         if isinstance(layers, int):
             layers = last_layers(layers, num_hidden_layers) if num_hidden_layers else None
+        language, tower = split_targets(self.lora_targets)      # the tower's: the vision model's (tower_lora.py)
+        if tower and not language:
+            raise ConfigError(f"--lora-targets {self.lora_targets}: the vision tower's alone; name the language "
+                              f"model's too (q_proj, ...)")
         return LoraConfig(r=int(self.lora_rank), alpha=float(self.lora_alpha), dropout=float(self.lora_dropout),
-                          target_modules=self.lora_targets, use_rslora=bool(self.rslora), layers_to_transform=layers,
+                          target_modules=language, use_rslora=bool(self.rslora), layers_to_transform=layers,
                           rank_pattern=parse_pattern(self.lora_rank_pattern, "lora_rank_pattern"),
                           alpha_pattern=parse_pattern(self.lora_alpha_pattern, "lora_alpha_pattern"),
                           init=self.lora_init, use_dora=bool(self.dora), modules_to_save=self.modules_to_save,

@@ -18,7 +18,7 @@ from wgpu_train.training import checkpoint, tracking
 from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.resources import base_weight_bytes, count_trainable
 from wgpu_train.engines.shared.parts import part_field
-from wgpu_train.engines.vision_model import attach_vision
+from wgpu_train.training.tower_lora import attach_tower, tower_arrays
 from wgpu_train.formats import hub
 from wgpu_train.models.moe import router_aux_loss_coef
 from wgpu_train.training.checkpoint import list_checkpoints
@@ -251,7 +251,7 @@ class Trainer:
         cfg = self.config
         self.model = self.placement.load(self, model_cfg)
         if self.with_images:        # the tower and projector beside it (on the CPU), whichever engine
-            self.vision = attach_vision(self.model, self.model_dir)
+            self.vision = attach_tower(self)     # with LoRA on its tower where --lora-targets names it
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
         if self.continued_from:
@@ -544,8 +544,8 @@ class Trainer:
         }
 
     def checkpoint_arrays(self) -> dict:
-        """Arrays a checkpoint keeps beside the state (name -> np.ndarray); none for this trainer."""
-        return {}
+        """Arrays a checkpoint keeps beside the state (name -> np.ndarray): the vision tower's LoRA, if any."""
+        return tower_arrays(self.vision)
 
     def save_checkpoint(self) -> Path:
         """checkpoints/step-NNNNNN (RunFiles.save_checkpoint), written atomically; only the newest
@@ -637,7 +637,8 @@ class Trainer:
             em_after = self.process.from_first(self.exact_match)
             self._exact_match_row(em_after, "after", adapter_step)
         summary = self._summary(stopped, adapter_step, after, em_after, ckpt, run, wall)
-        self.files.write_outputs(self.model, cfg.method, summary, ckpt)
+        self.files.write_outputs(self.vision if self.vision and cfg.method == "lora" else self.model, cfg.method,
+                                 summary, ckpt)
         if interrupted:
             self.log(f"stopped at step {self.step}; resume with --resume {shlex.quote(str(ckpt))}")
         return summary

@@ -14,6 +14,7 @@ from wgpu_train.engines.shared.quant import describe_packed
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.training.tower_lora import check_continued, check_tower_targets
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir, default_vision_model_dir
 
 
@@ -47,6 +48,7 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
         raise ConfigError("--images-demo trains the embedded vision model on its own pictures: leave out --model, "
                           "--data and --adapter-path")
     model_cfg = ModelConfig.from_folder(folder)
+    check_tower_targets(cfg, folder)
     if base_dtype is None:
         base_dtype, embed_dtype = cfg.storage_dtypes(model_cfg.checkpoint_dtype)
     if cfg.base_dtype != base_dtype:
@@ -55,6 +57,7 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
         cfg = dataclasses.replace(cfg, lora_targets=model_targets(cfg.lora_targets, model_cfg))
     lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
     if continued_from:
+        check_continued(continued_from)
         lora = cfg.continued_lora(read_adapter(continued_from, model_cfg)[0], model_cfg)
         cfg = dataclasses.replace(cfg, **lora_options(lora))
     elif lora and cfg.lora_layers_last():          # as the layers it chose
@@ -91,6 +94,7 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
 
     tokenizer = load_tokenizer(model_dir)
     images = cfg.images_demo or is_vision_data(data_path)
+    check_tower_targets(cfg, model_dir, bool(images))
     s = None if images else resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
     max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
     if max_seq_len < cfg.max_seq_len:
@@ -137,6 +141,8 @@ def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer,
                         ("--no-chat-template", cfg.no_chat_template), ("--columns", cfg.columns)):
         if value:
             raise ConfigError(f"{flag} is not supported with images yet")
+    if cfg.pipelined() and cfg.backend != "numpy":      # the tower in this process, the stages take its embeddings
+        raise ConfigError("images through pipeline stages run on NumPy stages only for now (--backend numpy)")
     where = Path(model_dir) / "config.json"
     vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
     span = model_image_span(tokenizer, vc, model_dir)

@@ -2,7 +2,8 @@
 trained base weights (full fine-tuning, modules_to_save), AdamW. The oracle that the GPU engine is tested against.
 It owns its parts as objects, each given the state it reads: its mode (walk.Mode), the optimizer (optim.py), the
 layer walk's ops (layers.py), DoRA's linear (dora_linear.py), the steps (steps.py) and KV-cache generation
-(kv_cache.py)."""
+(kv_cache.py). (Over 450 lines: the Engine protocol's whole surface in one class, most methods one-line
+delegations to the part that owns them.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -412,6 +413,11 @@ class NumpyEngine(EngineState):
         a non-finite norm skips the update. (norm, applied)."""
         return self.optimizer.apply_update(norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, step,
                                            lora_b_lr_ratio)
+
+    def reduce_gradients(self, reduce, total: int):
+        """The gradients through a data-parallel `reduce` (train_step's), its result kept: the vision tower's LoRA
+        step (engines/vision_model.py) reduces the language model's with it."""
+        self.optimizer.reduce(reduce, total)
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state()

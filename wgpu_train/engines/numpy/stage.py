@@ -29,6 +29,14 @@ class NumpyStage(NumpyEngine):
         self._caches: dict = {}      # generation's KV caches by the driver's key
         self._reference: dict = {}   # the reference adapter's LoraModules of its layers (stage_set_reference)
         self._policy: dict | None = None     # the policy's, while the reference is switched in
+        self._images: dict = {}      # micro-batch (None: an untrained forward's) -> its ImageTokens (stage_set_images)
+
+    def stage_set_images(self, micro, images):
+        """The images of micro-batch `micro` (a shared/image_tokens.ImageTokens, or None): every stage's attention
+        takes their blocks, the first stage puts their embeddings in place of the placeholders' rows (and its
+        backward leaves their rows' gradient in image_grad); a training micro-batch's are dropped after its
+        backward."""
+        self._images[micro] = images
 
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """KvCacheGeneration's cache for this stage's layers alone (keyed by layer)."""
@@ -50,9 +58,13 @@ class NumpyStage(NumpyEngine):
         """See PipelineStage.stage_rows."""
         self.training = False
         kv = self._caches[key]
+        self.set_images(self._images.get(None))     # a prefill with whole images: their blocks (and embeddings)
         walk = Walk(1, len(rows), np.asarray(positions)[None], None, kv, rows, long_rope,
-                    runs=row_runs(kv, np.asarray(rows), np.asarray(positions)))
+                    runs=row_runs(kv, np.asarray(rows), np.asarray(positions)),
+                    blocks=None if self.images is None else self.images.blocks)
         x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
+        if self.first and self.images is not None:
+            x[self.images.flat] = self.images.embeds
         for i in self.span:
             x = self.layer_ops.forward(i, x, walk)[OUTPUT]
         advance(kv, walk.runs)
@@ -80,6 +92,8 @@ class NumpyStage(NumpyEngine):
         if self.first:
             cache["ids"] = np.asarray(inputs).reshape(-1)
             x = self._embed(cache["ids"])
+            if self.images is not None:     # the projector's embeddings in place of the placeholders'
+                x[self.images.flat] = self.images.embeds
         else:
             x = unpack_boundary(inputs).astype(self.dtype, copy=False)
         return self._layers_forward(x, self.span, cache), cache
@@ -92,6 +106,7 @@ class NumpyStage(NumpyEngine):
         # a training forward counts its layers' routing where the router's aux loss is on (its weight comes with
         # the backward)
         self.mode.router_loss_weight = self.steps.router_aux_loss_coef
+        self.set_images(self._images.get(micro))
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         if self.training:
             self._kept[micro] = cache
@@ -110,6 +125,7 @@ class NumpyStage(NumpyEngine):
         self.dropout_calls += 1
         self.mode.router_loss_weight = aux_weight
         self.steps.count_head()
+        self.set_images(self._images.pop(micro, None))
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         total = None
         if aux_weight:      # the whole forward's statistics: the earlier stages' and this one's
@@ -130,6 +146,7 @@ class NumpyStage(NumpyEngine):
     def stage_backward(self, micro, d_outputs, balance=None, aux_weight=0.0):
         """See PipelineStage.stage_backward."""
         cache = self._kept.pop(micro)
+        self.set_images(self._images.pop(micro, None))
         if d_outputs is None:
             return None
         if balance is not None:
@@ -146,6 +163,7 @@ class NumpyStage(NumpyEngine):
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """See PipelineStage.stage_scores."""
         self.steps.count_head()
+        self.set_images(self._images.get(None))
         x, cache = self._stage_forward(inputs, segment_ids, position_ids)
         logits = self._head_forward(x, cache)                                   # (N, V)
         if targets is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.engines.numpy import ops
-from wgpu_train.models.vision import PROJ, TOWER, VisionConfig
+from wgpu_train.models.vision import ENCODER_MODULES, PROJ, TOWER, VisionConfig
 
 
 def layernorm_forward(x, weight, bias, eps):
@@ -84,10 +84,6 @@ def bidirectional_attention_backward(dout, q, k, v, out, lse):
     ds *= p * scale
     dq, dk = ds @ kh, ds.transpose(0, 1, 3, 2) @ qh
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
-
-
-ENCODER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1",
-                   "mlp.fc2")
 
 
 class VisionTower:

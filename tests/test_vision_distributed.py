@@ -1,0 +1,285 @@
+"""Images beyond one process and one adapter file: the image files in a resume's data fingerprint, data-parallel
+workers (threads) with images equal to one process, LoRA on the vision tower from the CLI's --lora-targets."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import wgpu_train
+from wgpu_train.errors import ConfigError
+
+from test_gemma3_vision import Image, open_image
+from tolerances import assert_close
+from test_gemma3_vision_training import chat_vlm, vision_records, write_vision_data  # noqa: F401  (chat_vlm: fixture)
+
+
+def _run_kw(folder, data, **kw):
+    base = dict(model=str(folder), data=str(data), backend="numpy", batch_size=2, lr=1e-2, valid_split=0.0,
+                lora_targets=("q_proj", "v_proj"), no_progress=True, log_every=1)
+    return base | kw
+
+
+# ---- the resume fingerprint covers the image files ------------------------------------------------------------
+
+def test_fingerprint_hashes_the_image_files(tmp_path):
+    from wgpu_train.data.batching import BatchStream, Example
+
+    for k, colour in enumerate(((255, 0, 0), (0, 0, 255))):
+        Image.new("RGB", (6, 5), colour).save(tmp_path / f"{k}.png")
+    ids, labels = np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int64)
+
+    def fingerprint(*images):
+        return BatchStream([Example(ids, labels, images=list(images))], 1, 0).fingerprint()
+    first = fingerprint(str(tmp_path / "0.png"))
+    assert first == fingerprint(str(tmp_path / "0.png")) == fingerprint({"bytes": (tmp_path / "0.png").read_bytes()})
+    assert first != fingerprint(str(tmp_path / "1.png")) and first != fingerprint()
+    assert fingerprint(open_image(str(tmp_path / "0.png"))) != fingerprint(open_image(str(tmp_path / "1.png")))
+
+
+def test_a_changed_image_file_refuses_the_resume(chat_vlm, tmp_path):
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    kw = _run_kw(folder, data, out=str(tmp_path / "run"))
+    wgpu_train.finetune(max_steps=1, **kw)
+    open_image(str(tmp_path / "data" / "1_0.png")).transpose(0).save(tmp_path / "data" / "1_0.png")   # mirrored
+    with pytest.raises(ConfigError, match="the training data changed since the checkpoint .*image files") as e:
+        wgpu_train.finetune(max_steps=2, resume=str(tmp_path / "run"), **kw)
+    assert "\n" not in str(e.value)
+
+
+# ---- data-parallel workers with images ------------------------------------------------------------------------
+
+def _adapter(folder):
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    return read_safetensors(folder / "adapter_model.safetensors")
+
+
+def _losses(folder):
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r and "split" not in r]
+
+
+def _assert_same_run(a, b, tolerance):
+    ta, tb = _adapter(a), _adapter(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert_close(tb[k], ta[k], tolerance, k)
+    assert max(float(np.abs(ta[k]).max()) for k in ta if "lora_B" in k) > 1e-3     # it trained
+    assert_close(np.array(_losses(b)), np.array(_losses(a)), tolerance, "losses")
+    assert len(_losses(a)) == 3
+
+
+def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Two data-parallel workers (threads, an in-process collective), each running its rows' images through its
+    own tower: the losses and the adapter after 3 steps (LoRA dropout on) are one process's with the whole batch."""
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])     # 4 records
+    kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_dropout=0.1)
+    Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_numpy")
+
+
+# ---- LoRA on the vision tower from --lora-targets ---------------------------------------------------------------
+
+TOWER_TARGETS = "q_proj,v_proj,fc1,vision_tower.q_proj,vision_tower.self_attn.out_proj"
+
+
+def test_cli_tower_targets_train_and_load_in_peft(chat_vlm, tmp_path, capsys):
+    """finetune --lora-targets with the tower's modules (PEFT's names): the tower's LoRA trains beside the language
+    model's, and the adapter loads in PeftModel, whose logits with an image equal ours with it loaded."""
+    import copy
+
+    import peft
+    import torch
+
+    from test_gemma3_vision import hf_out
+    from test_gemma3_vision_training import our_examples
+    from wgpu_train.cli.main import main
+    from wgpu_train.engines.vision_model import load_vision_model
+
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "3",
+                 "--batch-size", "2", "--lr", "1e-2", "--lora-targets", TOWER_TARGETS, "--no-progress",
+                 "--valid-split", "0", "--out", str(tmp_path / "run")]) == 0
+    assert "LoRA on the vision tower: self_attn.q_proj, self_attn.out_proj, mlp.fc1 in" in capsys.readouterr().err
+    tensors = _adapter(tmp_path / "run")
+    tower = [k for k in tensors if ".vision_tower." in k]
+    assert len(tower) == 2 * 3 * 2          # A and B of 3 modules in each of the tower's 2 layers
+    assert all(np.abs(tensors[k]).max() > 0 for k in tower if "lora_B" in k)     # each trained
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run").eval()
+    loaded = {n.replace(".default", "") for n, _ in pm.named_parameters() if "lora_" in n}
+    assert loaded == set(tensors)
+    (examples, _), _ = our_examples(folder)
+    ex = examples[1]
+    ids = ex.input_ids[None].astype(np.int64)
+    vm = load_vision_model(folder)
+    vm.load_adapter(tmp_path / "run")
+    px = vm.pixel_values(ex.images)
+    with torch.no_grad():
+        theirs = hf_out(pm, ids, np.ones_like(ids), px, image_id=7).logits.numpy()
+    assert_close(vm.logits(ids, ex.images), theirs, "logits_f32", "the trained adapter in PEFT")
+    assert main(["finetune", "--adapter-path", str(tmp_path / "run"), "--data", str(data), "--backend", "numpy",
+                 "--no-progress", "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("its LoRA on the vision tower is not continued by a new run yet" in line for line in err), err
+
+
+def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path):
+    """With LoRA on the tower: a run stopped after 1 step and resumed from its checkpoint (the tower's tensors and
+    moments kept in it) gives the uninterrupted run's adapter; two data-parallel workers (the tower's gradients
+    all-reduced with the language model's) give one process's."""
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
+    kw = _run_kw(folder, data, batch_size=1, lora_targets=TOWER_TARGETS)
+    wgpu_train.finetune(out=str(tmp_path / "one"), max_steps=3, grad_accum=2, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=1, grad_accum=2, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=3, grad_accum=2, resume=str(tmp_path / "part"), **kw)
+    whole, part = _adapter(tmp_path / "one"), _adapter(tmp_path / "part")
+    assert sum(".vision_tower." in k for k in whole) == 12 and set(whole) == set(part)
+    for k in whole:
+        np.testing.assert_array_equal(part[k], whole[k], err_msg=k)
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, max_steps=3, **kw), 2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+
+
+@pytest.mark.parametrize("targets, message", [
+    ("q_proj,multi_modal_projector", "LoRA target 'multi_modal_projector': not supported on the vision side"),
+    ("vision_tower", "the vision tower's alone; name the language model's too"),
+    ("q_proj,fc2", "LoRA on the vision tower does not take --lora-dropout yet")])
+def test_tower_targets_refused_in_one_line(chat_vlm, tmp_path, capsys, targets, message):
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--lora-targets",
+                 targets, "--lora-dropout", "0.1", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(message in line for line in err), err
+
+
+def test_tower_targets_on_a_text_only_model_or_data_refused(chat_vlm, tmp_path, capsys):
+    from finetune_helpers import make_data_dir, make_model_dir
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = chat_vlm
+    text_model, text_data = make_model_dir(tmp_path / "model"), make_data_dir(tmp_path / "data", n_train=4)
+    capsys.readouterr()
+    for model, data, message in ((text_model, text_data, "is a text-only model (no vision tower)"),
+                                 (folder, text_data, "trains on records with images")):
+        assert main(["finetune", "--model", str(model), "--data", str(data), "--backend", "numpy", "--lora-targets",
+                     "q_proj,fc1", "--no-progress", "--out", str(tmp_path / "run"), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+
+
+# ---- pipeline stages with images --------------------------------------------------------------------------------
+
+def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Two NumPy pipeline stages (in this process) under 1F1B: the tower runs in the driver, its embeddings enter
+    the first stage, every stage's attention takes the images' blocks; the losses, validation loss and adapter
+    after 3 steps are one process's, with LoRA on the tower too, and so is exact match of greedy answers with images
+    (generated through the stages). WebGPU stages with images are refused in one line."""
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() * 2)
+    kw = _run_kw(folder, data, batch_size=1, grad_accum=2, max_steps=3, valid_split=0.2, lora_dropout=0.1)
+    one = wgpu_train.finetune(out=str(tmp_path / "one"), eval_generate=True, max_new_tokens=4, **kw)
+    two = finetune_pipeline(TrainConfig(out=str(tmp_path / "two"), pipeline_stages=2, eval_generate=True,
+                                        max_new_tokens=4, **kw), local=True)
+    assert two["pipeline"]["stages"] == 2 and two["exact_match_n"] == one["exact_match_n"] > 0
+    assert (two["exact_match_before"], two["exact_match_after"]) == (one["exact_match_before"],
+                                                                     one["exact_match_after"])
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "pipeline_numpy")
+    for key in ("valid_loss_before", "valid_loss_after"):
+        assert_close(np.float64(two[key]), one[key], "pipeline_numpy", key)
+    # LoRA on the tower: the image rows' gradient comes back from the first stage to the tower in the driver
+    tower = kw | dict(lora_targets=TOWER_TARGETS, lora_dropout=0.0)
+    wgpu_train.finetune(out=str(tmp_path / "tower-one"), **tower)
+    finetune_pipeline(TrainConfig(out=str(tmp_path / "tower-two"), pipeline_stages=2, **tower), local=True)
+    _assert_same_run(tmp_path / "tower-one", tmp_path / "tower-two", "pipeline_numpy")
+    assert sum(".vision_tower." in k for k in _adapter(tmp_path / "tower-two")) == 12
+    with pytest.raises(ConfigError, match="images through pipeline stages run on NumPy stages only"):
+        finetune_pipeline(TrainConfig(out=str(tmp_path / "bad"), pipeline_stages=2, overwrite=True,
+                                      **(kw | {"backend": "auto"})), local=True)
+
+
+def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):
+    """The Python API over pipeline stages: a VisionModel whose language model is 2 NumPy stages gives one
+    process's loss and LoRA gradients with images (set_images reaches every stage, forward_backward's too), and
+    its greedy answer (a prefill with the images through the stages' KV caches)."""
+    from test_gemma3_vision_training import our_examples
+    from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
+    from wgpu_train.engines.vision_model import attach_vision, load_vision_model
+    from wgpu_train.models.config import ModelConfig
+
+    _, folder, _ = chat_vlm
+    (examples, _), _ = our_examples(folder)
+    ex = examples[0]
+    ids, labels = ex.input_ids[None].astype(np.int64), ex.labels[None]
+    cfg = ModelConfig.from_folder(folder)
+    staged = attach_vision(pipeline_model(folder, cfg, inference_plan(cfg, 2, None), backend="numpy", local=True),
+                           folder)
+    one = load_vision_model(folder)
+    lora = wgpu_train.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj"))
+    for vm in (staged, one):
+        vm.model.add_lora(lora, seed=3)
+    (loss_s, grads_s), (loss_1, grads_1) = (vm.loss_and_grads(ids, labels, ex.images) for vm in (staged, one))
+    assert_close(np.float64(loss_s), loss_1, "pipeline_numpy", "loss")
+    assert set(grads_s) == set(grads_1)
+    for k in grads_1:
+        assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
+    assert max(float(np.abs(g).max()) for g in grads_1.values()) > 0
+    ask = examples[1]                                                           # one image, then its answer
+    prompt = ask.input_ids[:int(np.flatnonzero(ask.labels != -100)[0])]
+    answers = [vm.generate(prompt, ask.images, max_new_tokens=6) for vm in (staged, one)]
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+    n, last = len(prompt), []
+    for vm in (staged, one):                    # the prefill's logits themselves
+        ids, images = vm.prompt_images(prompt, ask.images)
+        engine = vm.model.engine
+        kv = engine.new_kv_cache(1, n)
+        engine.set_images(images)
+        last.append(engine.forward_rows(ids, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), kv,
+                                        np.array([n - 1])))
+        engine.set_images(None)
+        engine.free_kv_cache(kv)
+    assert_close(last[0], last[1], "pipeline_numpy", "prefill logits with an image")
+    staged.model.engine.close()
+
+
+def test_two_ray_workers_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Records with images (LoRA on the tower too) on two Ray Train workers of a local Ray (2 CPUs), each running
+    its rows' images through its own tower: the adapter of one process with the whole batch."""
+    import os
+    from pathlib import Path
+
+    ray = pytest.importorskip("ray", reason="Ray Train is the test extra's (pip install -e '.[test]')")
+    from wgpu_train.distributed.dispatch import finetune
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
+    kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_targets=TOWER_TARGETS)
+    finetune(out=str(tmp_path / "one"), grad_accum=2, **kw)
+    path = os.pathsep.join([str(Path(wgpu_train.__file__).resolve().parent.parent), str(Path(__file__).parent)])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+        "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}})
+    try:
+        two = finetune(out=str(tmp_path / "two"), num_workers=2, **kw)
+    finally:
+        ray.shutdown()
+    assert two["data_parallel"]["workers"] == 2 and two["images"] == 5
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
