@@ -1,7 +1,8 @@
 """PipelineEngine: S pipeline stages (engines' PipelineStage, each holding a range of layers, in this process or
 as Ray actors) driven as one Engine, so that the Trainer, checkpoints and Model run unchanged over them; the
 step's schedule (GPipe or 1F1B over its micro-batches), the router's load-balancing statistics summed across stages
-and the global-norm clipping across stages."""
+and the global-norm clipping across stages. (Over 450 lines: one Engine, so every call of the protocol (training,
+scoring, generation, images, the router's statistics) is routed through the stages here.)"""
 from __future__ import annotations
 
 import math

@@ -37,9 +37,9 @@ from wgpu_train.training.progress import Progress
 from wgpu_train.training.resume_point import ResumePoint
 from wgpu_train.training.schedule import LRSchedule
 from wgpu_train.training.vision_eval import image_exact_match
-from wgpu_train.training.trainer_setup import (describe_memory, describe_model, describe_training,
-                                               estimate_run_memory, largest_micro_batch, read_examples,
-                                               resolve_model)
+from wgpu_train.training.trainer_setup import (check_tokens_per_batch, describe_memory, describe_model,
+                                               describe_training, estimate_run_memory, largest_micro_batch,
+                                               read_examples, resolve_model)
 
 
 class Trainer:
@@ -197,10 +197,7 @@ class Trainer:
         self.eval_generate = cfg.data is None if cfg.eval_generate is None else bool(cfg.eval_generate)
         self._read_data(model_cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        longest = self.max_seq_len if cfg.pack else max(e.input_ids.size for e in self.train_examples)
-        if cfg.max_tokens_per_batch and cfg.max_tokens_per_batch < longest:
-            raise ConfigError(f"max_tokens_per_batch ({cfg.max_tokens_per_batch}) is below the longest training "
-                              f"{'row' if cfg.pack else 'sample'} ({longest} tokens): raise it or lower --max-seq-len")
+        check_tokens_per_batch(cfg, self.train_examples, self.max_seq_len)
         # micro-batches per step: grad_accum on each of num_workers; a resumed run keeps its checkpoint's (the
         # same global batch, whatever number of workers made it or continues it)
         accum = cfg.grad_accum * self.workers

@@ -153,6 +153,14 @@ def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer,
                     sum(len(e.images) for e in train + valid))
 
 
+def check_tokens_per_batch(cfg: TrainConfig, examples: list, max_seq_len: int):
+    """--max-tokens-per-batch at least the longest training row (a packed row: max_seq_len), else one line."""
+    longest = max_seq_len if cfg.pack else max(e.input_ids.size for e in examples)
+    if cfg.max_tokens_per_batch and cfg.max_tokens_per_batch < longest:
+        raise ConfigError(f"max_tokens_per_batch ({cfg.max_tokens_per_batch}) is below the longest training "
+                          f"{'row' if cfg.pack else 'sample'} ({longest} tokens): raise it or lower --max-seq-len")
+
+
 def largest_micro_batch(cfg: TrainConfig, examples: list, max_seq_len: int, micro_batch_rows: int) -> tuple:
     """(rows, tokens per row) of the largest micro-batch a run forms: micro_batch_rows rows of the longest of
     `examples` (max_seq_len when packing), padded to PAD_MULTIPLE."""
