@@ -1,0 +1,62 @@
+"""The SigLIP vision tower and projector on the WebGPU engine (engines/webgpu/vision_tower.py) against the NumPy
+tower (the oracle, itself checked against transformers in test_gemma3_vision.py / test_smolvlm.py): Gemma 3's
+projector and SmolVLM's pixel shuffle, tiny configs (hidden 32, 2 layers, 28x28 images, patch 14 or 7); its ops
+(LayerNorm with bias, gelu_tanh) against NumPy's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tolerances import assert_close
+
+from wgpu_train.engines.numpy.vision_tower import VisionTower, gelu_forward, layernorm_forward
+from wgpu_train.engines.webgpu import vision_tower_ops
+from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower
+from wgpu_train.models.vision import VisionConfig, tensor_shapes
+
+
+def tiny(scale_factor=0, patch=14):
+    """A tiny tower: hidden 32 (2 heads of 16), 2 layers, 28x28 images; Gemma 3's projector (4 tokens of a 4x4
+    grid at patch 7) or SmolVLM's shuffle by scale_factor (2: a 2x2 grid to one token)."""
+    m = 1 if scale_factor else 4
+    return VisionConfig(hidden_size=32, intermediate_size=40, num_layers=2, num_heads=2, num_channels=3,
+                        image_size=28, patch_size=patch, layer_norm_eps=1e-6, mm_tokens_per_image=m,
+                        text_hidden_size=24, image_token_id=5, boi_token_id=6, eoi_token_id=7,
+                        scale_factor=scale_factor)
+
+
+def weights(vc, seed=0):
+    rng = np.random.default_rng(seed)
+    return {name: (rng.standard_normal(shape) * (0.3 if len(shape) > 1 else 0.5) + (name.endswith("norm.weight")
+                   or "layer_norm" in name and name.endswith(".weight"))).astype(np.float32)
+            for name, shape in tensor_shapes(vc).items()}
+
+
+@pytest.mark.parametrize("scale_factor, patch", [(0, 7), (2, 14)], ids=["gemma3", "smolvlm"])
+def test_tower_equals_the_numpy_tower(rt, scale_factor, patch):
+    vc = tiny(scale_factor, patch)
+    w = weights(vc)
+    pixels = np.random.default_rng(1).standard_normal((3, 3, 28, 28)).astype(np.float32)
+    expected = VisionTower(vc, w)(pixels)
+    got = GpuVisionTower(rt, vc, w)(pixels)
+    assert got.shape == expected.shape == (3, vc.mm_tokens_per_image, vc.text_hidden_size)
+    assert_close(got, expected, "vision_tower_gpu")
+    assert_close(GpuVisionTower(rt, vc, w)(pixels[1:2]), expected[1:2], "vision_tower_gpu", "one image alone")
+
+
+@pytest.mark.parametrize("c", [24, 300])
+def test_layernorm_and_gelu_equal_numpy(rt, c):
+    """LayerNorm with bias (both the row-per-invocation and workgroup-per-row entries: c around 256 picks either on
+    a GPU; lavapipe takes the row one) and gelu_tanh against NumPy's."""
+    rng = np.random.default_rng(2)
+    n = 5
+    x = (rng.standard_normal((n, c)) * 3 + 1).astype(np.float32)
+    w, b = rng.standard_normal(c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    bufs = [rt.upload(a.reshape(-1)) for a in (x, w, b)]
+    y, g = rt.buffer(x.nbytes), rt.buffer(x.nbytes)
+    rec = rt.recorder()
+    vision_tower_ops.layernorm_forward(rec, y, bufs[0], bufs[1], bufs[2], n, c, 1e-6)
+    vision_tower_ops.gelu_forward(rec, g, bufs[0], n * c - 1)      # an odd count: the last element alone
+    rec.submit()
+    assert_close(rt.read(y, np.float32, (n, c)), layernorm_forward(x, w, b, 1e-6)[0], "vision_tower_gpu")
+    assert_close(rt.read(g, np.float32, (n * c,))[:-1], gelu_forward(x.reshape(-1)[:-1]), "vision_tower_gpu")

@@ -1,0 +1,35 @@
+"""The op wrappers only the SigLIP vision tower needs on the WebGPU engine (kernels.py's conventions: the Recorder
+first, then outputs, inputs, sizes; names of engines/numpy/vision_tower.py's ops): LayerNorm's forward with its
+bias (shaders/rmsnorm.wgsl, the norm family) and gelu_tanh alone (shaders/swiglu.wgsl, the MLP activations)."""
+from __future__ import annotations
+
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.device.launch import Kernel, flat_grid, launch
+from wgpu_train.engines.webgpu.device.operands import split
+from wgpu_train.engines.webgpu.kernels import RMS_WG, WG, rms_row_max_c
+
+LAYERNORM_ROW = Kernel("rmsnorm", "layernorm_forward_row", "y! x weight bias")
+LAYERNORM_WG = Kernel("rmsnorm", "layernorm_forward", "y! x weight bias")
+GELU = Kernel("swiglu", "gelu_forward", "h! gate")
+
+
+def layernorm_forward(rec, y, x, weight, bias, N, C, eps):
+    """y (N, C) = (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(var + eps) over each row; every tensor
+    float32 (the frozen tower keeps no statistics). One invocation per row up to rmsnorm's row threshold, else a
+    workgroup per row."""
+    bad = [name for name, t in (("y", y), ("x", x)) if storage.format_of(split(t)[0]) != "f32"]
+    if bad:
+        raise ValueError(f"layernorm_forward: {', '.join(bad)} must be float32 tensors")
+    if N <= 0:
+        return
+    tensors = [(y, N * C), (x, N * C), (weight, C), (bias, C)]
+    if C <= rms_row_max_c(rec.rt):
+        launch(rec, LAYERNORM_ROW, flat_grid(-(-N // RMS_WG)), tensors, s0=N, s1=C, f0=eps)
+    else:
+        launch(rec, LAYERNORM_WG, flat_grid(N), tensors, s0=N, s1=C, f0=eps)
+
+
+def gelu_forward(rec, y, x, n):
+    """y = gelu_tanh(x) over n elements (transformers' gelu_pytorch_tanh), any storage format each; not in place."""
+    if n > 0:
+        launch(rec, GELU, flat_grid(-(-n // (2 * WG))), [(y, n), (x, n)], s0=n)
