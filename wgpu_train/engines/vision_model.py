@@ -1,8 +1,9 @@
 """VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3, Qwen3-VL), the language model's
 `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and LoRA
 gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take the
-images' embeddings (Qwen3-VL's with their M-RoPE positions and DeepStack features). The tower runs on the CPU
-(NumPy); the language model on either engine (both have set_images; Qwen3-VL's on the NumPy engine only)."""
+images' embeddings (Qwen3-VL's with their M-RoPE positions and DeepStack features). The language model runs on
+either engine (both have set_images; Qwen3-VL's on the NumPy engine only); the tower on the CPU (NumPy), or, frozen
+beside a language model on WebGPU, on the device too (webgpu/vision_tower.py)."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_device
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
@@ -40,15 +42,17 @@ class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
-    QwenImageSettings: each image its merged patches). Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
+    QwenImageSettings: each image its merged patches); device_tower: the same tower frozen on the WebGPU engine
+    (webgpu/vision_tower.GpuVisionTower), which runs it while the tower has no LoRA, or None. Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
     engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine refuses it
     (webgpu/support.unsupported_reason), taking neither its M-RoPE positions nor its DeepStack additions yet."""
 
-    def __init__(self, model: Model, tower, vision, settings):
+    def __init__(self, model: Model, tower, vision, settings, device_tower=None):
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
+        self.device_tower = device_tower
 
     def pixel_values(self, images, where: str = "record"):
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
@@ -156,6 +160,8 @@ class VisionModel:
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
             embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
             cache.update(tower_cache)
+        elif self.device_tower is not None and not self.tower.lora:
+            embeds = self.device_tower(pixels)                                             # (N, M, C)
         else:
             embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
@@ -357,6 +363,9 @@ def attach_vision(model: Model, path) -> VisionModel:
     for f in weight_files(folder):
         tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))
     names = check_vision_tensors(tensors, vision, folder)
-    tower = VisionTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+    weights = {ours: tensors[name] for ours, name in names.items()}
+    tower = VisionTower(vision, weights, model.engine.dtype)
     settings = (TileSettings if vision.scale_factor else ImageSettings).from_folder(folder, vision.image_size)
-    return VisionModel(model, tower, vision, settings)
+    device = (GpuVisionTower(model.engine.rt, vision, weights)
+              if model.backend == "wgpu" and runs_on_device(model.engine.rt, vision) else None)
+    return VisionModel(model, tower, vision, settings, device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from wgpu_train.engines.shared.patches import unfold_patches
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.attention import attention_forward
 from wgpu_train.engines.webgpu.device.operands import at
@@ -20,24 +21,23 @@ from wgpu_train.models.vision import PROJ, TOWER, VisionConfig
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
-def runs_on_device(vc: VisionConfig) -> bool:
-    """Whether the attention kernels take this tower's head dim (else the tower stays on the NumPy engine)."""
-    return supported_head_dim(vc.head_dim)
+def image_elements(vc: VisionConfig) -> int:
+    """Elements of one image's widest activation (its patches by the MLP's or the hidden width)."""
+    return vc.patches_per_side ** 2 * max(vc.intermediate_size, vc.hidden_size,
+                                          vc.num_channels * vc.patch_size ** 2)
 
 
-def unfold_patches(pixels, patch: int):
-    """pixels (N, C, H, W) -> (N, P, C*patch*patch): the non-overlapping patches, row-major over the grid, each
-    flattened as the convolution's weight (out, C, kh, kw) is."""
-    n, c, h, w = pixels.shape
-    gh, gw = h // patch, w // patch
-    x = pixels[:, :, :gh * patch, :gw * patch].reshape(n, c, gh, patch, gw, patch)
-    return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * patch * patch)
+def runs_on_device(rt, vc: VisionConfig) -> bool:
+    """Whether this tower runs on rt's device: the attention kernels take its head dim and one image's widest
+    activation fits one storage binding (else the tower stays on the NumPy engine)."""
+    return supported_head_dim(vc.head_dim) and image_elements(vc) * 4 <= rt.max_binding
 
 
 class GpuVisionTower:
     """The frozen tower and projector on runtime rt over their weights ({our name (models/vision.tensor_shapes):
     array}), uploaded once as float32. __call__: pixel_values (N, C, H, W) -> the image tokens' embeddings
-    (N, mm_tokens_per_image, text hidden) float32, read back once."""
+    (N, mm_tokens_per_image, text hidden) float32: the images in chunks whose activations each fit one storage
+    binding, a submission and a readback each."""
 
     def __init__(self, rt, vc: VisionConfig, weights: dict):
         self.rt, self.vc = rt, vc
@@ -74,11 +74,17 @@ class GpuVisionTower:
                           self.vc.hidden_size, self.vc.layer_norm_eps)
 
     def __call__(self, pixels) -> np.ndarray:
-        vc, rt = self.vc, self.rt
+        vc = self.vc
         pixels = np.asarray(pixels, np.float32)
         if pixels.shape[1:] != (vc.num_channels, vc.image_size, vc.image_size):
             raise ValueError(f"pixel_values of shape {pixels.shape[1:]}, the tower takes "
                              f"{(vc.num_channels, vc.image_size, vc.image_size)}")
+        chunk = max(1, self.rt.max_binding // (4 * image_elements(vc)))
+        return np.concatenate([self._forward(pixels[i:i + chunk]) for i in range(0, len(pixels), chunk)])
+
+    def _forward(self, pixels) -> np.ndarray:
+        """pixels (N, C, H, W), N images whose activations fit a binding -> their embeddings, one submission."""
+        vc, rt = self.vc, self.rt
         n, c, f, h, d = len(pixels), vc.hidden_size, vc.intermediate_size, vc.num_heads, vc.head_dim
         patches = unfold_patches(pixels, vc.patch_size)                                      # (N, T, C_in*p*p)
         t = patches.shape[1]
