@@ -4,9 +4,12 @@ projector and SmolVLM's pixel shuffle, tiny configs (hidden 32, 2 layers, 28x28 
 (LayerNorm with bias, gelu_tanh) against NumPy's."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from test_gemma3_vision_training import chat_vlm  # noqa: F401  (the tiny chat vision model fixture)
 from tolerances import assert_close
 
 from wgpu_train.engines.numpy.vision_tower import VisionTower, gelu_forward, layernorm_forward
@@ -60,3 +63,41 @@ def test_layernorm_and_gelu_equal_numpy(rt, c):
     rec.submit()
     assert_close(rt.read(y, np.float32, (n, c)), layernorm_forward(x, w, b, 1e-6)[0], "vision_tower_gpu")
     assert_close(rt.read(g, np.float32, (n * c,))[:-1], gelu_forward(x.reshape(-1)[:-1]), "vision_tower_gpu")
+
+
+def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, rt, monkeypatch):
+    """finetune on the WebGPU engine with images: the frozen tower on the device (it runs, for every batch) gives the
+    losses and the adapter of the same run with the tower on the CPU."""
+    from test_gemma3_vision_training import vision_records, write_vision_data
+
+    import wgpu_train
+    from wgpu_train.engines import vision_model
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    calls = []
+    monkeypatch.setattr(GpuVisionTower, "__call__", lambda self, px, f=GpuVisionTower.__call__: calls.append(1)
+                        or f(self, px))
+    runs = {}
+    for where in ("device", "cpu"):
+        if where == "cpu":
+            monkeypatch.setattr(vision_model, "runs_on_device", lambda rt, vc: False)
+        out = tmp_path / where
+        summary = wgpu_train.finetune(model=str(folder), data=str(data), out=str(out), backend="wgpu",
+                                      device=str(rt.info.index), max_steps=3, batch_size=2, lr=1e-2,
+                                      lora_targets=("q_proj", "v_proj"), no_progress=True, valid_split=0.0,
+                                      log_every=1)
+        assert summary["steps"] == 3
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[where] = ([r["loss"] for r in rows if "loss" in r and "split" not in r],
+                       read_safetensors(out / "adapter_model.safetensors"))
+        if where == "device":
+            assert calls, "the device tower ran"
+            calls.clear()
+    assert not calls, "the CPU run kept off the device tower"
+    (loss_d, ad_d), (loss_c, ad_c) = runs["device"], runs["cpu"]
+    assert len(loss_d) == 3 and set(ad_d) == set(ad_c)
+    assert_close(np.array(loss_d), np.array(loss_c), "loss_f32", "losses with the tower on the device")
+    for name in ad_c:
+        assert_close(ad_d[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
