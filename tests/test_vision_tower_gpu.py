@@ -47,6 +47,22 @@ def test_tower_equals_the_numpy_tower(rt, scale_factor, patch):
     assert_close(GpuVisionTower(rt, vc, w)(pixels[1:2]), expected[1:2], "vision_tower_gpu", "one image alone")
 
 
+def test_images_in_chunks_equal_one_batch(rt, monkeypatch):
+    """A scratch budget of two images' activations: three images go in two chunks (two submissions), the same
+    embeddings as the NumPy tower's."""
+    from wgpu_train.engines.webgpu import vision_tower
+
+    vc = tiny(0, 7)
+    w = weights(vc, seed=3)
+    pixels = np.random.default_rng(5).standard_normal((3, 3, 28, 28)).astype(np.float32)
+    monkeypatch.setattr(vision_tower, "SCRATCH_BYTES", 2 * 4 * vision_tower.scratch_elements(vc))
+    tower, sizes = GpuVisionTower(rt, vc, w), []
+    forward = tower._forward
+    monkeypatch.setattr(tower, "_forward", lambda px: sizes.append(len(px)) or forward(px))
+    assert_close(tower(pixels), VisionTower(vc, w)(pixels), "vision_tower_gpu", "in chunks")
+    assert sizes == [2, 1]
+
+
 @pytest.mark.parametrize("c", [24, 300])
 def test_layernorm_and_gelu_equal_numpy(rt, c):
     """LayerNorm with bias (both the row-per-invocation and workgroup-per-row entries: c around 256 picks either on

@@ -18,6 +18,7 @@ from wgpu_train.engines.webgpu.tuned.gemm import gemm
 from wgpu_train.engines.webgpu.vision_tower_ops import gelu_forward, layernorm_forward
 from wgpu_train.models.vision import PROJ, TOWER, VisionConfig
 
+SCRATCH_BYTES = 1 << 30      # the activations a chunk of images may hold at once (at least one image's)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
@@ -25,6 +26,13 @@ def image_elements(vc: VisionConfig) -> int:
     """Elements of one image's widest activation (its patches by the MLP's or the hidden width)."""
     return vc.patches_per_side ** 2 * max(vc.intermediate_size, vc.hidden_size,
                                           vc.num_channels * vc.patch_size ** 2)
+
+
+def scratch_elements(vc: VisionConfig) -> int:
+    """Elements of one image's activations the forward holds at once: the patches, x, the norm's output, q, k, v and
+    the attention's output, the MLP's two."""
+    t = vc.patches_per_side ** 2
+    return t * (vc.num_channels * vc.patch_size ** 2 + 6 * vc.hidden_size + 2 * vc.intermediate_size)
 
 
 def runs_on_device(rt, vc: VisionConfig) -> bool:
@@ -36,8 +44,9 @@ def runs_on_device(rt, vc: VisionConfig) -> bool:
 class GpuVisionTower:
     """The frozen tower and projector on runtime rt over their weights ({our name (models/vision.tensor_shapes):
     array}), uploaded once as float32. __call__: pixel_values (N, C, H, W) -> the image tokens' embeddings
-    (N, mm_tokens_per_image, text hidden) float32: the images in chunks whose activations each fit one storage
-    binding, a submission and a readback each."""
+    (N, mm_tokens_per_image, text hidden) float32: the images in chunks whose widest activation fits one storage
+    binding and whose activations SCRATCH_BYTES hold, a submission and a readback each (the buffers kept for the
+    next call)."""
 
     def __init__(self, rt, vc: VisionConfig, weights: dict):
         self.rt, self.vc = rt, vc
@@ -79,7 +88,7 @@ class GpuVisionTower:
         if pixels.shape[1:] != (vc.num_channels, vc.image_size, vc.image_size):
             raise ValueError(f"pixel_values of shape {pixels.shape[1:]}, the tower takes "
                              f"{(vc.num_channels, vc.image_size, vc.image_size)}")
-        chunk = max(1, self.rt.max_binding // (4 * image_elements(vc)))
+        chunk = max(1, min(self.rt.max_binding // image_elements(vc), SCRATCH_BYTES // scratch_elements(vc)) // 4)
         return np.concatenate([self._forward(pixels[i:i + chunk]) for i in range(0, len(pixels), chunk)])
 
     def _forward(self, pixels) -> np.ndarray:
