@@ -377,3 +377,47 @@ fn layernorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         l_y[yb + j] = (l_x[xb + j] - mu) * r * l_w[p.o3 + j] + l_b[p.o4 + j];
     }
 }
+
+// ---- layernorm backward dx (frozen weight and bias: LoRA on the tower's linears trains): 1 dx (N, C) out, 2 dy
+// (N, C), 3 x (N, C), 4 weight (C,), all float32; the row's mean and rstd recomputed from x as the forward has them;
+// dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy weight; s2 = 1 adds it into dx. One invocation per row.
+@group(0) @binding(1) var<storage, read_write> lb_dx: array<f32>;
+@group(0) @binding(2) var<storage, read> lb_dy: array<f32>;
+@group(0) @binding(3) var<storage, read> lb_x: array<f32>;
+@group(0) @binding(4) var<storage, read> lb_w: array<f32>;
+
+@compute @workgroup_size(WG)
+fn layernorm_backward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c = p.s1;
+    let xb = p.o3 + row * c;
+    let db = p.o2 + row * c;
+    var s = 0.0;
+    for (var j = 0u; j < c; j++) {
+        s += lb_x[xb + j];
+    }
+    let mu = s / f32(c);
+    var ss = 0.0;
+    for (var j = 0u; j < c; j++) {
+        let d = lb_x[xb + j] - mu;
+        ss += d * d;
+    }
+    let r = 1.0 / sqrt(ss / f32(c) + p.f0);
+    var mg = 0.0;
+    var mgx = 0.0;
+    for (var j = 0u; j < c; j++) {
+        let g = lb_dy[db + j] * lb_w[p.o4 + j];
+        mg += g;
+        mgx += g * ((lb_x[xb + j] - mu) * r);
+    }
+    mg = mg / f32(c);
+    mgx = mgx / f32(c);
+    let ob = p.o1 + row * c;
+    for (var j = 0u; j < c; j++) {
+        let g = lb_dy[db + j] * lb_w[p.o4 + j];
+        var v = r * (g - mg - ((lb_x[xb + j] - mu) * r) * mgx);
+        if (p.s2 != 0u) { v += lb_dx[ob + j]; }
+        lb_dx[ob + j] = v;
+    }
+}

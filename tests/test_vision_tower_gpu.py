@@ -9,9 +9,11 @@ import json
 import numpy as np
 import pytest
 
+from test_gemma3_vision import vlm  # noqa: F401  (the tiny Gemma 3 vision model fixture)
 from test_gemma3_vision_training import chat_vlm  # noqa: F401  (the tiny chat vision model fixture)
 from tolerances import assert_close
 
+from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.numpy.vision_tower import VisionTower, gelu_forward, layernorm_forward
 from wgpu_train.engines.webgpu import vision_tower_ops
 from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower
@@ -45,6 +47,35 @@ def test_tower_equals_the_numpy_tower(rt, scale_factor, patch):
     assert got.shape == expected.shape == (3, vc.mm_tokens_per_image, vc.text_hidden_size)
     assert_close(got, expected, "vision_tower_gpu")
     assert_close(GpuVisionTower(rt, vc, w)(pixels[1:2]), expected[1:2], "vision_tower_gpu", "one image alone")
+
+
+@pytest.mark.parametrize("scale_factor, patch", [(0, 7), (2, 14)], ids=["gemma3", "smolvlm"])
+def test_lora_forward_and_backward_equal_the_numpy_towers(rt, scale_factor, patch):
+    """LoRA on some of the encoder's linears (B random: every path carries gradient): the embeddings and the
+    LoRA gradients from a random embeddings' gradient equal the NumPy tower's forward and backward."""
+    vc = tiny(scale_factor, patch)
+    w = weights(vc, seed=4)
+    rng = np.random.default_rng(6)
+    cpu = VisionTower(vc, w)
+    for path in cpu.modules()[::2] + [cpu.modules()[-1]]:     # q, v, fc1 of each layer, and the last fc2
+        out_f, in_f = w[path + ".weight"].shape
+        cpu.lora[path] = (rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32),
+                          rng.standard_normal((out_f, 2)).astype(np.float32) * 0.3, 2.5)
+    pixels = rng.standard_normal((2, 3, 28, 28)).astype(np.float32)
+    want, _ = cpu.forward(pixels)
+    dout = rng.standard_normal(want.shape).astype(np.float32)
+    exact = VisionTower(vc, w, np.float64)          # the gradients' oracle: float64, so the error is the GPU's
+    exact.lora = {p: (a.astype(np.float64), b.astype(np.float64), s) for p, (a, b, s) in cpu.lora.items()}
+    want_grads = exact.backward(dout.astype(np.float64), exact.forward(pixels.astype(np.float64))[1])
+    gpu = GpuVisionTower(rt, vc, w)
+    got, gcache = gpu.forward(pixels, cpu.lora)
+    assert_close(got, want, "vision_tower_gpu", "with LoRA")
+    got_grads = gpu.backward(dout, gcache)
+    assert set(got_grads) == set(want_grads) and len(want_grads) == 2 * 7
+    for name, g in want_grads.items():      # in units of the tensor's largest element
+        top = np.abs(g).max()
+        assert_close(got_grads[name] / top, g / top, "vision_tower_gpu_grads", name)
+    assert_close(gpu(pixels), VisionTower(vc, w)(pixels), "vision_tower_gpu", "frozen again: no LoRA")
 
 
 def test_images_in_chunks_equal_one_batch(rt, monkeypatch):
@@ -117,3 +148,39 @@ def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, rt, monkeypatc
     assert_close(np.array(loss_d), np.array(loss_c), "loss_f32", "losses with the tower on the device")
     for name in ad_c:
         assert_close(ad_d[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
+
+
+def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, rt, monkeypatch):
+    """LoRA on the tower's encoder with the language model on WebGPU: the tower's backward runs on the device, and the loss and every LoRA gradient (the tower's and the language model's) equal
+    the NumPy engine's."""
+    from test_gemma3_vision import IMG, two_image_batch
+
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.models.vision import tower_lora_key
+
+    _, folder, _ = vlm
+    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu", device=str(rt.info.index))
+    assert gpu.device_tower is not None and cpu.device_tower is None
+    rng = np.random.default_rng(7)
+    tensors = {}
+    for path in cpu.tower.modules()[1::3]:      # k_proj, fc1 of each layer
+        out_f, in_f = cpu.tower.w[path + ".weight"].shape
+        tensors[tower_lora_key(path, "A", cpu.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+        tensors[tower_lora_key(path, "B", cpu.vision)] = rng.standard_normal((out_f, 2)).astype(np.float32)
+    ids, mask, _ = two_image_batch()
+    labels = np.where((mask == 1) & (ids != IMG), ids, -100)
+    pixels = np.random.default_rng(8).standard_normal((3, 3, cpu.vision.image_size, cpu.vision.image_size))
+    calls = []
+    monkeypatch.setattr(GpuVisionTower, "backward", lambda self, d, c, f=GpuVisionTower.backward: calls.append(1)
+                        or f(self, d, c))
+    got = {}
+    for name, vm in (("numpy", cpu), ("wgpu", gpu)):
+        vm.set_tower_lora(tensors, 2.5)
+        vm.model.add_lora(LoraConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"]), seed=0)
+        got[name] = vm.loss_and_grads(ids, labels, pixels.astype(np.float32), attention_mask=mask)
+    (loss_c, grads_c), (loss_g, grads_g) = got["numpy"], got["wgpu"]
+    assert calls == [1], "the WebGPU run's tower backward ran on the device, once"
+    assert_close(np.float64(loss_g), np.float64(loss_c), "gpu_loss", "with LoRA on the tower")
+    assert set(grads_g) == set(grads_c) and sum("vision_tower" in k for k in grads_c) == 2 * 4
+    for name, g in grads_c.items():
+        assert_close(grads_g[name], g, "gpu_grads", name)

@@ -2,8 +2,8 @@
 `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and LoRA
 gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take the
 images' embeddings (Qwen3-VL's with their M-RoPE positions and DeepStack features). The language model runs on
-either engine (both have set_images; Qwen3-VL's on the NumPy engine only); the tower on the CPU (NumPy), or, frozen
-beside a language model on WebGPU, on the device too (webgpu/vision_tower.py)."""
+either engine (both have set_images; Qwen3-VL's on the NumPy engine only); the tower on the CPU (NumPy), or, beside
+a language model on WebGPU, on the device too (webgpu/vision_tower.py; its LoRA's backward there as well)."""
 from __future__ import annotations
 
 import json
@@ -42,10 +42,11 @@ class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
-    QwenImageSettings: each image its merged patches); device_tower: the same tower frozen on the WebGPU engine
-    (webgpu/vision_tower.GpuVisionTower), which runs it while the tower has no LoRA, or None. Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an
-    engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the NumPy engine only: the WebGPU engine refuses it
-    (webgpu/support.unsupported_reason), taking neither its M-RoPE positions nor its DeepStack additions yet."""
+    QwenImageSettings: each image its merged patches); device_tower: the same tower on the WebGPU engine
+    (webgpu/vision_tower.GpuVisionTower), which runs it (with the tower's LoRA and its backward too), or None.
+    Qwen3-VL (a models/qwen3_vl.Qwen3VLVision, its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower) runs on the
+    NumPy engine only: the WebGPU engine refuses it (webgpu/support.unsupported_reason), taking neither its M-RoPE
+    positions nor its DeepStack additions yet."""
 
     def __init__(self, model: Model, tower, vision, settings, device_tower=None):
         if not hasattr(model.engine, "set_images"):
@@ -157,11 +158,15 @@ class VisionModel:
             raise DataError(f"{n_tokens} image placeholder tokens for {n_images} {what} of {m} tokens each")
         if not n_images:
             return None
-        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
-            embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
+        if self.device_tower is not None and self.tower.lora:   # the LoRA forward, its backward's cache kept
+            embeds, tower_cache = self.device_tower.forward(pixels, self.tower.lora)      # (N, M, C)
+            if cache is not None:
+                cache.update(tower_cache)
+        elif self.device_tower is not None:
+            embeds = self.device_tower(pixels)
+        elif self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = self.tower.forward(pixels)
             cache.update(tower_cache)
-        elif self.device_tower is not None and not self.tower.lora:
-            embeds = self.device_tower(pixels)                                             # (N, M, C)
         else:
             embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
@@ -237,10 +242,15 @@ class VisionModel:
                                         lambda ids: self.model.loss_and_grads(ids, labels, attention_mask), cache)
         if self.tower.lora and cache:
             dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
-            for name, g in self.tower.backward(dout, cache).items():
+            for name, g in self._tower_backward(dout, cache).items():
                 path, which = name.rsplit(".lora_", 1)
                 grads[tower_lora_key(path, which, self.vision)] = g.astype(np.float32)
         return loss, grads
+
+    def _tower_backward(self, dout, cache) -> dict:
+        """The tower's LoRA gradients from the image embeddings' gradient dout (N, M, text C), on the tower whose
+        forward made `cache` (the device's or the NumPy one's)."""
+        return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 
     def engine_batch(self, batch: Batch, cache: dict | None = None) -> tuple:
         """A batch of records with images (data/batching.Batch, its `images` each row's) -> the engine's
@@ -294,7 +304,7 @@ class VisionModel:
                 engine.set_images(None)
             if images:
                 dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
-                for name, g in self.tower.backward(dout, cache).items():
+                for name, g in self._tower_backward(dout, cache).items():
                     self.tower_optimizer.add(name, g)
         norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
         args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
