@@ -1,6 +1,6 @@
 // RMSNorm over the last axis of x (N, C): forward y, rstd; backward dx; dweight by a two-pass
 // reduction (per-row-block partial sums, then a sum over blocks; no atomics, deterministic); at the end, the vision
-// tower's LayerNorm forward (with a bias).
+// tower's LayerNorm forward (with a bias) and its backward's dx.
 // Two layouts for the row kernels, chosen by the wrapper from C (engines/webgpu/kernels.py):
 // - *_row / *_row4: one invocation per row, no workgroup memory and no barriers (barriers are
 //   expensive on llvmpipe); _row4 reads vec4s and needs C % 4 == 0 and 4-aligned offsets.

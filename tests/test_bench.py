@@ -128,4 +128,4 @@ def test_bench_vision_webgpu_row_matches_the_numpy_engine():
     assert all(gpu_row[k] > 0 for k in VISION_RATIOS)
     assert (numpy_row["frozen_tower"], gpu_row["frozen_tower"]) == ("numpy", "webgpu")
     assert result["webgpu_tower_max_rel_err_vs_float64"] < vision.TOWER_REL_TOL
-    assert result["webgpu_tower_vs_numpy_tower"] > 0
+    assert result["webgpu_tower_vs_numpy_tower"] > 0 and result["webgpu_tower_forward_backward_vs_numpy"] > 0

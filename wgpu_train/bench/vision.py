@@ -1,8 +1,7 @@
-"""`bench --only vision`: Gemma 3's vision tower per image, frozen (the NumPy tower on the CPU; on the bench's
-adapter, the WebGPU tower) and with LoRA on it (forward + backward, the NumPy tower's on either engine), against the
-language model's LoRA step on the same batch (its images' tokens in it), on the NumPy engine and, where the WebGPU
-engine takes images (set_images), on the bench's adapter; as ratios measured in one run, each path checked before
-it is timed."""
+"""`bench --only vision`: Gemma 3's vision tower per image, frozen and with LoRA on it (forward + backward): the
+NumPy tower on the CPU, and on the bench's adapter the WebGPU tower; against the language model's LoRA step on the
+same batch (its images' tokens in it), on the NumPy engine and, where the WebGPU engine takes images (set_images),
+on the bench's adapter; as ratios measured in one run, each path checked before it is timed."""
 from __future__ import annotations
 
 import dataclasses
@@ -119,11 +118,19 @@ def _check_tower(vc, tower_weights, pixels, tower=None, what="float32 tower"):
     return err
 
 
+def _check_grads(want: dict, got: dict):
+    """The WebGPU tower's LoRA gradients against the NumPy tower's (float32 both), each tensor in units of its
+    largest element: an AssertionError past TOWER_REL_TOL."""
+    err = max(float(np.abs(got[k] - g).max() / np.abs(g).max()) for k, g in want.items())
+    if set(got) != set(want) or not err < TOWER_REL_TOL:
+        raise AssertionError(f"vision bench: the WebGPU tower's LoRA gradients are {err:.2e} from the NumPy tower's")
+
+
 def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -> dict:
     """Milliseconds per image of the tower's frozen forward (the NumPy tower one image at a time, as training runs
     it; on rt's adapter the WebGPU tower over the batch's images, its row's) and of its forward + backward with
-    LoRA r=16 on every encoder linear (the NumPy tower's, in both rows: the batch's images at once; the embeddings'
-    gradient random), and of the language model's LoRA step on the same rows (the frozen tower's embeddings in
+    LoRA r=16 on every encoder linear (the batch's images at once; the embeddings' gradient random; the WebGPU
+    tower's in its row, its gradients checked against NumPy's), and of the language model's LoRA step on the same rows (the frozen tower's embeddings in
     place of the image tokens; the images per step divide the step), on each engine: the NumPy engine, and rt's
     adapter where the WebGPU engine has set_images (rt None: the NumPy engine alone). Every part runs once
     (warm-up, and the checks: the tower against float64, the WebGPU step's loss against the NumPy engine's),
@@ -162,6 +169,7 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
                                                     device_tower)
     hp = OptimizerParams(lr=1e-4, max_grad_norm=1.0)
     losses = {}
+    device_grads: list = []
 
     def lm_step(name, i):
         loss, count, _, _ = engines[name].train_step([examples], hp, i + 1)
@@ -170,7 +178,9 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     frozen = VisionTower(vc, tower_weights)
     parts = {"tower_forward": lambda i: frozen(pixels),
              "tower_forward_backward": lambda i: lora_tower.backward(dout, lora_tower.forward(pixels)[1]),
-             **({"device_tower_forward": lambda i: device_tower(pixels)} if device_tower is not None else {}),
+             **({"device_tower_forward": lambda i: device_tower(pixels),
+                 "device_tower_forward_backward": lambda i: device_grads.append(device_tower.backward(
+                     dout, device_tower.forward(pixels, lora_tower.lora)[1]))} if device_tower is not None else {}),
              **{("lm_step", name): (lambda i, name=name: lm_step(name, i)) for name in engines}}
     walls: dict = {k: [] for k in parts}
     for i in range(rounds + 1):                 # round 0: the warm-up (pipelines, the frozen embeddings, checks)
@@ -180,18 +190,20 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
             if i:
                 walls[key].append(time.perf_counter() - t0)
         if i == 0:
+            if device_grads:
+                _check_grads(lora_tower.backward(dout, lora_tower.forward(pixels)[1]), device_grads[0])
             for name, loss in losses.items():
                 err = abs(loss - losses["numpy"]) / abs(losses["numpy"])
                 if not err < LOSS_REL_TOL:
                     raise AssertionError(f"vision bench: the {name} step's loss {loss:.6f} is {err:.2e} from "
                                          f"the NumPy engine's {losses['numpy']:.6f}")
     ms = {k: 1e3 * float(np.median(w)) for k, w in walls.items()}
-    fwd_bwd = ms["tower_forward_backward"] / n
     rows = []
     for name in engines:
         step = ms[("lm_step", name)]
         tower = "numpy" if name == "numpy" else "webgpu"
         fwd = ms["tower_forward" if name == "numpy" else "device_tower_forward"] / n
+        fwd_bwd = ms["tower_forward_backward" if name == "numpy" else "device_tower_forward_backward"] / n
         rows.append({"engine": name, "frozen_tower": tower, "tower_forward_ms_per_image": fwd,
                      "tower_forward_backward_ms_per_image": fwd_bwd,
                      "lm_step_ms": step, "lm_step_ms_per_image": step / n,
@@ -201,7 +213,9 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     return {"model": shape.describe(), "images_per_step": n, "tokens_per_step": shape.rows * shape.row_tokens,
             "rounds": rounds, "tower_max_rel_err_vs_float64": tower_err,
             **({"webgpu_tower_max_rel_err_vs_float64": device_err,
-                "webgpu_tower_vs_numpy_tower": ms["device_tower_forward"] / ms["tower_forward"]}
+                "webgpu_tower_vs_numpy_tower": ms["device_tower_forward"] / ms["tower_forward"],
+                "webgpu_tower_forward_backward_vs_numpy": (ms["device_tower_forward_backward"]
+                                                           / ms["tower_forward_backward"])}
                if device_tower is not None else {}),
             "webgpu": "timed" if len(engines) > 1 else ("no adapter" if rt is None else
                                                           "the WebGPU engine has no set_images yet"),
