@@ -95,9 +95,12 @@ def test_images_in_chunks_equal_one_batch(rt, monkeypatch):
 
 
 @pytest.mark.parametrize("c", [24, 300])
-def test_layernorm_and_gelu_equal_numpy(rt, c):
-    """LayerNorm with bias (both the row-per-invocation and workgroup-per-row entries: c around 256 picks either on
-    a GPU; lavapipe takes the row one) and gelu_tanh against NumPy's."""
+@pytest.mark.parametrize("layout", ["row", "workgroup"])
+def test_layernorm_and_gelu_equal_numpy(rt, c, layout, monkeypatch):
+    """LayerNorm with bias (the row-per-invocation entry, and the workgroup-per-row one: rmsnorm's row threshold
+    set to 0) and gelu_tanh against NumPy's."""
+    if layout == "workgroup":
+        monkeypatch.setattr(vision_tower_ops, "rms_row_max_c", lambda rt: 0)
     rng = np.random.default_rng(2)
     n = 5
     x = (rng.standard_normal((n, c)) * 3 + 1).astype(np.float32)
@@ -112,7 +115,7 @@ def test_layernorm_and_gelu_equal_numpy(rt, c):
     assert_close(rt.read(g, np.float32, (n * c,))[:-1], gelu_forward(x.reshape(-1)[:-1]), "vision_tower_gpu")
 
 
-def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, rt, monkeypatch):
+def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, default_rt, monkeypatch):
     """finetune on the WebGPU engine with images: the frozen tower on the device (it runs, for every batch) gives the
     losses and the adapter of the same run with the tower on the CPU."""
     from test_gemma3_vision_training import vision_records, write_vision_data
@@ -132,7 +135,7 @@ def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, rt, monkeypatc
             monkeypatch.setattr(vision_model, "runs_on_device", lambda rt, vc: False)
         out = tmp_path / where
         summary = wgpu_train.finetune(model=str(folder), data=str(data), out=str(out), backend="wgpu",
-                                      device=str(rt.info.index), max_steps=3, batch_size=2, lr=1e-2,
+                                      device=str(default_rt.info.index), max_steps=3, batch_size=2, lr=1e-2,
                                       lora_targets=("q_proj", "v_proj"), no_progress=True, valid_split=0.0,
                                       log_every=1)
         assert summary["steps"] == 3
@@ -150,7 +153,7 @@ def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, rt, monkeypatc
         assert_close(ad_d[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
 
 
-def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, rt, monkeypatch):
+def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, default_rt, monkeypatch):
     """LoRA on the tower's encoder with the language model on WebGPU: the tower's backward runs on the device, and the loss and every LoRA gradient (the tower's and the language model's) equal
     the NumPy engine's."""
     from test_gemma3_vision import IMG, two_image_batch
@@ -159,7 +162,8 @@ def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, rt, monkeypatch):
     from wgpu_train.models.vision import tower_lora_key
 
     _, folder, _ = vlm
-    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu", device=str(rt.info.index))
+    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu",
+                                                            device=str(default_rt.info.index))
     assert gpu.device_tower is not None and cpu.device_tower is None
     rng = np.random.default_rng(7)
     tensors = {}
