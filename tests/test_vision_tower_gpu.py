@@ -76,6 +76,8 @@ def test_lora_forward_and_backward_equal_the_numpy_towers(rt, scale_factor, patc
         top = np.abs(g).max()
         assert_close(got_grads[name] / top, g / top, "vision_tower_gpu_grads", name)
     assert_close(gpu(pixels), VisionTower(vc, w)(pixels), "vision_tower_gpu", "frozen again: no LoRA")
+    with pytest.raises(ValueError, match="last forward with LoRA"):     # its buffers now hold the frozen call's
+        gpu.backward(dout, gcache)
 
 
 def test_images_in_chunks_equal_one_batch(rt, monkeypatch):

@@ -204,7 +204,7 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
         tower = "numpy" if name == "numpy" else "webgpu"
         fwd = ms["tower_forward" if name == "numpy" else "device_tower_forward"] / n
         fwd_bwd = ms["tower_forward_backward" if name == "numpy" else "device_tower_forward_backward"] / n
-        rows.append({"engine": name, "frozen_tower": tower, "tower_forward_ms_per_image": fwd,
+        rows.append({"engine": name, "tower": tower, "tower_forward_ms_per_image": fwd,
                      "tower_forward_backward_ms_per_image": fwd_bwd,
                      "lm_step_ms": step, "lm_step_ms_per_image": step / n,
                      "tower_forward_vs_lm_step": fwd / (step / n),
