@@ -14,8 +14,9 @@ from test_gemma3_vision_training import chat_vlm  # noqa: F401  (the tiny chat v
 from tolerances import assert_close
 
 from wgpu_train.adapters.config import LoraConfig
+from wgpu_train.errors import DeviceError
 from wgpu_train.engines.numpy.vision_tower import VisionTower, gelu_forward, layernorm_forward
-from wgpu_train.engines.webgpu import vision_tower_ops
+from wgpu_train.engines.webgpu import vision_tower, vision_tower_ops
 from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower
 from wgpu_train.models.vision import VisionConfig, tensor_shapes
 
@@ -78,13 +79,17 @@ def test_lora_forward_and_backward_equal_the_numpy_towers(rt, scale_factor, patc
     assert_close(gpu(pixels), VisionTower(vc, w)(pixels), "vision_tower_gpu", "frozen again: no LoRA")
     with pytest.raises(ValueError, match="last forward with LoRA"):     # its buffers now hold the frozen call's
         gpu.backward(dout, gcache)
+    rt.max_binding, binding = 4 * vision_tower.image_elements(vc), rt.max_binding     # one image's, no more
+    try:
+        with pytest.raises(DeviceError, match="2 images at once.*fewer images per micro-batch"):
+            gpu.forward(pixels, cpu.lora)
+    finally:
+        rt.max_binding = binding
 
 
 def test_images_in_chunks_equal_one_batch(rt, monkeypatch):
     """A scratch budget of two images' activations: three images go in two chunks (two submissions), the same
     embeddings as the NumPy tower's."""
-    from wgpu_train.engines.webgpu import vision_tower
-
     vc = tiny(0, 7)
     w = weights(vc, seed=3)
     pixels = np.random.default_rng(5).standard_normal((3, 3, 28, 28)).astype(np.float32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from wgpu_train.errors import DeviceError
 from wgpu_train.engines.shared.patches import unfold_patches
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.attention import attention_backward, attention_forward, attention_scratch_size
@@ -149,6 +150,11 @@ class GpuVisionTower:
         (N, M, text C), the backward's cache): all N images at once, each layer's input kept on the device until
         backward (no other call of this tower in between)."""
         pixels = self._check(pixels)
+        need = 4 * len(pixels) * image_elements(self.vc)
+        if need > self.rt.max_binding:
+            raise DeviceError(f"LoRA on the vision tower runs a micro-batch's {len(pixels)} images at once: their "
+                              f"activations need {need / 2**20:.0f} MiB, over the device's max storage binding of "
+                              f"{self.rt.max_binding / 2**20:.0f} MiB (fewer images per micro-batch)")
         packed = self._set_lora(lora)
         return self._forward(pixels, packed)
 
