@@ -161,8 +161,8 @@ def test_finetune_losses_equal_the_cpu_towers(chat_vlm, tmp_path, default_rt, mo
 
 
 def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, default_rt, monkeypatch):
-    """LoRA on the tower's encoder with the language model on WebGPU: the tower's backward runs on the device, and the loss and every LoRA gradient (the tower's and the language model's) equal
-    the NumPy engine's."""
+    """LoRA on the tower's encoder with the language model on WebGPU: the tower's backward runs on the device, and
+    the loss and every LoRA gradient (the tower's and the language model's) equal the NumPy engine's."""
     from test_gemma3_vision import IMG, two_image_batch
 
     from wgpu_train.engines.vision_model import load_vision_model

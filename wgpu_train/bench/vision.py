@@ -130,8 +130,8 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     """Milliseconds per image of the tower's frozen forward (the NumPy tower one image at a time, as training runs
     it; on rt's adapter the WebGPU tower over the batch's images, its row's) and of its forward + backward with
     LoRA r=16 on every encoder linear (the batch's images at once; the embeddings' gradient random; the WebGPU
-    tower's in its row, its gradients checked against NumPy's), and of the language model's LoRA step on the same rows (the frozen tower's embeddings in
-    place of the image tokens; the images per step divide the step), on each engine: the NumPy engine, and rt's
+    tower's in its row, its gradients checked against NumPy's), and of the language model's LoRA step on the same
+    rows (the frozen tower's embeddings in place of the image tokens; the images per step divide the step), on each engine: the NumPy engine, and rt's
     adapter where the WebGPU engine has set_images (rt None: the NumPy engine alone). Every part runs once
     (warm-up, and the checks: the tower against float64, the WebGPU step's loss against the NumPy engine's),
     then `rounds` times in turn; medians. "tower_forward_vs_lm_step" and "tower_forward_backward_vs_lm_step":
