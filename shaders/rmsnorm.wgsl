@@ -1,5 +1,6 @@
 // RMSNorm over the last axis of x (N, C): forward y, rstd; backward dx; dweight by a two-pass
-// reduction (per-row-block partial sums, then a sum over blocks; no atomics, deterministic).
+// reduction (per-row-block partial sums, then a sum over blocks; no atomics, deterministic); at the end, the vision
+// tower's LayerNorm forward (with a bias) and its backward's dx.
 // Two layouts for the row kernels, chosen by the wrapper from C (engines/webgpu/kernels.py):
 // - *_row / *_row4: one invocation per row, no workgroup memory and no barriers (barriers are
 //   expensive on llvmpipe); _row4 reads vec4s and needs C % 4 == 0 and 4-aligned offsets.
@@ -317,4 +318,106 @@ fn rmsnorm_backward_partial4v(@builtin(global_invocation_id) gid: vec3<u32>,
     w_part[ob + 1u] = s.y;
     w_part[ob + 2u] = s.z;
     w_part[ob + 3u] = s.w;
+}
+
+// ---- layernorm forward (the vision tower's, frozen: no statistics kept): 1 y (N, C) out, 2 x (N, C), 3 weight
+// (C,), 4 bias (C,), all float32; y = (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(mean((x - mean)^2) + eps),
+// the variance over the centred row (two passes, as the NumPy tower). Uniform: s0 = N, s1 = C, f0 = eps.
+// layernorm_forward_row: one invocation per row (the rmsnorm row threshold decides, as for rmsnorm);
+// layernorm_forward: one workgroup per row.
+@group(0) @binding(1) var<storage, read_write> l_y: array<f32>;
+@group(0) @binding(2) var<storage, read> l_x: array<f32>;
+@group(0) @binding(3) var<storage, read> l_w: array<f32>;
+@group(0) @binding(4) var<storage, read> l_b: array<f32>;
+
+@compute @workgroup_size(WG)
+fn layernorm_forward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c = p.s1;
+    let xb = p.o2 + row * c;
+    var s = 0.0;
+    for (var j = 0u; j < c; j++) {
+        s += l_x[xb + j];
+    }
+    let mu = s / f32(c);
+    var ss = 0.0;
+    for (var j = 0u; j < c; j++) {
+        let d = l_x[xb + j] - mu;
+        ss += d * d;
+    }
+    let r = 1.0 / sqrt(ss / f32(c) + p.f0);
+    let yb = p.o1 + row * c;
+    for (var j = 0u; j < c; j++) {
+        l_y[yb + j] = (l_x[xb + j] - mu) * r * l_w[p.o3 + j] + l_b[p.o4 + j];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn layernorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let row = wid.y * nwg.x + wid.x;
+    if (row >= p.s0) { return; }
+    let lid = lid3.x;
+    let c = p.s1;
+    let xb = p.o2 + row * c;
+    var s = 0.0;
+    for (var j = lid; j < c; j += WG) {
+        s += l_x[xb + j];
+    }
+    let mu = wg_sum(s, lid) / f32(c);
+    var ss = 0.0;
+    for (var j = lid; j < c; j += WG) {
+        let d = l_x[xb + j] - mu;
+        ss += d * d;
+    }
+    let r = 1.0 / sqrt(wg_sum(ss, lid) / f32(c) + p.f0);
+    let yb = p.o1 + row * c;
+    for (var j = lid; j < c; j += WG) {
+        l_y[yb + j] = (l_x[xb + j] - mu) * r * l_w[p.o3 + j] + l_b[p.o4 + j];
+    }
+}
+
+// ---- layernorm backward dx (frozen weight and bias: LoRA on the tower's linears trains): 1 dx (N, C) out, 2 dy
+// (N, C), 3 x (N, C), 4 weight (C,), all float32; the row's mean and rstd recomputed from x as the forward has them;
+// dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy weight; s2 = 1 adds it into dx. One invocation per row.
+@group(0) @binding(1) var<storage, read_write> lb_dx: array<f32>;
+@group(0) @binding(2) var<storage, read> lb_dy: array<f32>;
+@group(0) @binding(3) var<storage, read> lb_x: array<f32>;
+@group(0) @binding(4) var<storage, read> lb_w: array<f32>;
+
+@compute @workgroup_size(WG)
+fn layernorm_backward_row(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = row_index(gid, nwg);
+    if (row >= p.s0) { return; }
+    let c = p.s1;
+    let xb = p.o3 + row * c;
+    let db = p.o2 + row * c;
+    var s = 0.0;
+    for (var j = 0u; j < c; j++) {
+        s += lb_x[xb + j];
+    }
+    let mu = s / f32(c);
+    var ss = 0.0;
+    for (var j = 0u; j < c; j++) {
+        let d = lb_x[xb + j] - mu;
+        ss += d * d;
+    }
+    let r = 1.0 / sqrt(ss / f32(c) + p.f0);
+    var mg = 0.0;
+    var mgx = 0.0;
+    for (var j = 0u; j < c; j++) {
+        let g = lb_dy[db + j] * lb_w[p.o4 + j];
+        mg += g;
+        mgx += g * ((lb_x[xb + j] - mu) * r);
+    }
+    mg = mg / f32(c);
+    mgx = mgx / f32(c);
+    let ob = p.o1 + row * c;
+    for (var j = 0u; j < c; j++) {
+        let g = lb_dy[db + j] * lb_w[p.o4 + j];
+        var v = r * (g - mg - ((lb_x[xb + j] - mu) * r) * mgx);
+        if (p.s2 != 0u) { v += lb_dx[ob + j]; }
+        lb_dx[ob + j] = v;
+    }
 }

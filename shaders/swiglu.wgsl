@@ -1,6 +1,6 @@
 // The gated MLP activations, elementwise over N*F values: SwiGLU h = silu(gate) * up, GeGLU
 // h = gelu_tanh(gate) * up (transformers' gelu_pytorch_tanh) and the plain product h = gate * up (LFM2's gates),
-// and their gradients. Every tensor in any storage
+// gelu_tanh alone (gelu_forward / gelu_backward: SigLIP's MLP), and their gradients. Every tensor in any storage
 // format (device/storage.py): one invocation per pair of elements (its last alone when n is odd).
 // Uniform: s0 = number of elements; o1..o5 = element offsets of bindings 1..5 (even for 16-bit tensors).
 
@@ -79,6 +79,39 @@ fn swiglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 fn geglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_id) lid: vec3<u32>) {
     forward(first(wid, nwg, lid), GELU);
+}
+
+// ---- gelu alone (the vision tower's MLP): 1 h (out), 2 gate; h = gelu_tanh(gate) ----
+@compute @workgroup_size(256)
+fn gelu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = first(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    if (i + 1u < p.s0) {
+        let g = f_gate_ld2(p.o2 + i);
+        f_h_st2(p.o1 + i, vec2<f32>(gated(g.x, 1.0, GELU), gated(g.y, 1.0, GELU)));
+    } else {
+        f_h_st(p.o1 + i, gated(f_gate_ld(p.o2 + i), 1.0, GELU));
+    }
+}
+
+// ---- gelu alone's backward: 1 dx (out), 2 dy, 3 x; dx = dy gelu_tanh'(x) ----
+// @tensor 1 gb_dx read_write
+// @tensor 2 gb_dy read
+// @tensor 3 gb_x read
+
+@compute @workgroup_size(256)
+fn gelu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = first(wid, nwg, lid);
+    if (i >= p.s0) { return; }
+    if (i + 1u < p.s0) {
+        let dy = gb_dy_ld2(p.o2 + i);
+        let x = gb_x_ld2(p.o3 + i);
+        gb_dx_st2(p.o1 + i, vec2<f32>(grads(dy.x, x.x, 1.0, GELU).x, grads(dy.y, x.y, 1.0, GELU).x));
+    } else {
+        gb_dx_st(p.o1 + i, grads(gb_dy_ld(p.o2 + i), gb_x_ld(p.o3 + i), 1.0, GELU).x);
+    }
 }
 
 // ---- backward: 1 dgate (out), 2 dup (out), 3 dh, 4 gate, 5 up ----

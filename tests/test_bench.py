@@ -109,8 +109,9 @@ def test_bench_vision_numpy_rows_and_ratios(monkeypatch):
 
 
 def test_bench_vision_webgpu_row_matches_the_numpy_engine():
-    """Where the WebGPU engine takes images (set_images), the bench adds the adapter's row, its first step's loss
-    equal to the NumPy engine's on the same weights and batch (checked inside the bench before timing)."""
+    """Where the WebGPU engine takes images (set_images), the bench adds the adapter's row (its frozen tower the
+    WebGPU one, checked against the float64 forward), its first step's loss equal to the NumPy engine's on the same
+    weights and batch (checked inside the bench before timing)."""
     import pytest
 
     require_adapter()
@@ -125,3 +126,6 @@ def test_bench_vision_webgpu_row_matches_the_numpy_engine():
     assert result["webgpu"] == "timed" and gpu_row["engine"] != "numpy"
     assert abs(gpu_row["first_loss"] - numpy_row["first_loss"]) <= vision.LOSS_REL_TOL * numpy_row["first_loss"]
     assert all(gpu_row[k] > 0 for k in VISION_RATIOS)
+    assert (numpy_row["tower"], gpu_row["tower"]) == ("numpy", "webgpu")
+    assert result["webgpu_tower_max_rel_err_vs_float64"] < vision.TOWER_REL_TOL
+    assert result["webgpu_tower_vs_numpy_tower"] > 0 and result["webgpu_tower_forward_backward_vs_numpy"] > 0

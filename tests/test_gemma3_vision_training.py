@@ -427,7 +427,7 @@ def test_cli_finetune_on_images(chat_vlm, tmp_path, capsys, caplog):
 
 
 def test_finetune_on_images_on_webgpu_equals_numpy(chat_vlm, tmp_path, capsys, rt):
-    """`finetune --backend wgpu` with images: the tower on the CPU, the language model on the adapter
+    """`finetune --backend wgpu` with images: the frozen tower and the language model on the adapter
     (engines/webgpu/images.py); its losses and the adapter after 3 steps at lr 1e-2 are the NumPy engine's."""
     import json
 

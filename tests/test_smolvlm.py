@@ -193,11 +193,12 @@ def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
 
 
 def test_webgpu_engine_matches_numpy_with_images(vlm, rt, tmp_path):
-    """The language model on the WebGPU engine (the tower on the CPU; SmolVLM's image tokens plain causal, each its
-    own one-token block): logits with two images' tiles, a LoRA loss and gradients, and greedy generation equal the
-    NumPy engine's."""
+    """The language model on the WebGPU engine (the frozen tower on the device; SmolVLM's image tokens plain causal,
+    each its own one-token block): logits with two images' tiles, a LoRA loss and gradients, and greedy generation
+    equal the NumPy engine's."""
     hf, folder, cpu = vlm
     gpu = load_vision_model(folder, backend="wgpu", device=str(rt.info.index))
+    assert gpu.device_tower is not None
     imgs = images(2)
     first, second = (len(cpu.pixel_values([im])) for im in imgs)
     ids = np.array([[5, 6, *tile_ids(first), 7, 8, *tile_ids(second), 9, 10]])

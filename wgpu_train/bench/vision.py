@@ -1,7 +1,7 @@
-"""`bench --only vision`: Gemma 3's vision tower (the NumPy engine, on the CPU) per image, frozen and with LoRA on
-it (forward + backward), against the language model's LoRA step on the same batch (its images' tokens in it), on
-the NumPy engine and, where the WebGPU engine takes images (set_images), on the bench's adapter; as ratios
-measured in one run, each path checked before it is timed."""
+"""`bench --only vision`: Gemma 3's vision tower per image, frozen and with LoRA on it (forward + backward): the
+NumPy tower on the CPU, and on the bench's adapter the WebGPU tower; against the language model's LoRA step on the
+same batch (its images' tokens in it), on the NumPy engine and, where the WebGPU engine takes images (set_images),
+on the bench's adapter; as ratios measured in one run, each path checked before it is timed."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,7 @@ from wgpu_train.engines.loading import model_from_weights
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.vision_model import VisionModel
+from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.vision import VisionConfig, tensor_shapes
 
@@ -99,32 +100,44 @@ def _examples(shape: VisionBenchShape, vc: VisionConfig, rng) -> list[Example]:
     return out
 
 
-def _vision_model(cfg, vc, weights, tower_weights, backend: str, device=None) -> VisionModel:
+def _vision_model(cfg, vc, weights, tower_weights, backend: str, device=None, device_tower=None) -> VisionModel:
     model = model_from_weights(cfg, weights, backend, device, precision="fp32")
     model.add_lora(LoraConfig(r=RANK, alpha=2 * RANK, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), seed=0)
-    return VisionModel(model, VisionTower(vc, tower_weights), vc, ImageSettings(vc.image_size, vc.image_size))
+    return VisionModel(model, VisionTower(vc, tower_weights), vc, ImageSettings(vc.image_size, vc.image_size),
+                       device_tower)
 
 
-def _check_tower(vc, tower_weights, pixels):
-    """The frozen tower's float32 embeddings against its float64 forward: an AssertionError past TOWER_REL_TOL."""
-    got = VisionTower(vc, tower_weights)(pixels)
+def _check_tower(vc, tower_weights, pixels, tower=None, what="float32 tower"):
+    """A frozen tower's float32 embeddings (the NumPy one's, or `tower`'s) against the float64 forward: an
+    AssertionError past TOWER_REL_TOL."""
+    got = (tower or VisionTower(vc, tower_weights))(pixels)
     want = VisionTower(vc, tower_weights, np.float64)(pixels.astype(np.float64))
     err = float(np.abs(got - want).max() / np.abs(want).max())
     if not err < TOWER_REL_TOL:
-        raise AssertionError(f"vision bench: the float32 tower is {err:.2e} from its float64 forward")
+        raise AssertionError(f"vision bench: the {what} is {err:.2e} from its float64 forward")
     return err
 
 
+def _check_grads(want: dict, got: dict):
+    """The WebGPU tower's LoRA gradients against the NumPy tower's (float32 both), each tensor in units of its
+    largest element: an AssertionError past TOWER_REL_TOL."""
+    err = max(float(np.abs(got[k] - g).max() / np.abs(g).max()) for k, g in want.items())
+    if set(got) != set(want) or not err < TOWER_REL_TOL:
+        raise AssertionError(f"vision bench: the WebGPU tower's LoRA gradients are {err:.2e} from the NumPy tower's")
+
+
 def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -> dict:
-    """Milliseconds per image of the tower's frozen forward (one image at a time, as training runs it) and of its
-    forward + backward with LoRA r=16 on every encoder linear (the batch's images at once; the embeddings'
-    gradient random), and of the language model's LoRA step on the same rows (the frozen tower's embeddings in
-    place of the image tokens; the images per step divide the step), on each engine: the NumPy engine, and rt's
+    """Milliseconds per image of the tower's frozen forward (the NumPy tower one image at a time, as training runs
+    it; on rt's adapter the WebGPU tower over the batch's images, its row's) and of its forward + backward with
+    LoRA r=16 on every encoder linear (the batch's images at once; the embeddings' gradient random; the WebGPU
+    tower's in its row, its gradients checked against NumPy's), and of the language model's LoRA step on the same
+    rows (the frozen tower's embeddings in place of the image tokens; the images per step divide the step), on each engine: the NumPy engine, and rt's
     adapter where the WebGPU engine has set_images (rt None: the NumPy engine alone). Every part runs once
     (warm-up, and the checks: the tower against float64, the WebGPU step's loss against the NumPy engine's),
     then `rounds` times in turn; medians. "tower_forward_vs_lm_step" and "tower_forward_backward_vs_lm_step":
     the tower's time per image over the step's time per image on that engine (over 1: the tower costs more than
-    the language model's step on its image's row)."""
+    the language model's step on its image's row); "webgpu_tower_vs_numpy_tower": the WebGPU tower's time over
+    the NumPy tower's (each checked against the float64 forward first)."""
     from wgpu_train.engines.webgpu.engine import WgpuEngine
 
     raw = shape.raw_config()
@@ -148,10 +161,15 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     dout = rng.standard_normal((n, vc.mm_tokens_per_image, vc.text_hidden_size)).astype(np.float32)
 
     engines = {"numpy": _vision_model(cfg, vc, weights, tower_weights, "numpy")}
+    device_tower = device_err = None
     if rt is not None and hasattr(WgpuEngine, "set_images"):
-        engines[rt.info.describe()] = _vision_model(cfg, vc, weights, tower_weights, "wgpu", str(rt.info.index))
+        device_tower = GpuVisionTower(rt, vc, tower_weights)
+        device_err = _check_tower(vc, tower_weights, pixels, device_tower, "WebGPU tower")
+        engines[rt.info.describe()] = _vision_model(cfg, vc, weights, tower_weights, "wgpu", str(rt.info.index),
+                                                    device_tower)
     hp = OptimizerParams(lr=1e-4, max_grad_norm=1.0)
     losses = {}
+    device_grads: list = []
 
     def lm_step(name, i):
         loss, count, _, _ = engines[name].train_step([examples], hp, i + 1)
@@ -160,6 +178,9 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     frozen = VisionTower(vc, tower_weights)
     parts = {"tower_forward": lambda i: frozen(pixels),
              "tower_forward_backward": lambda i: lora_tower.backward(dout, lora_tower.forward(pixels)[1]),
+             **({"device_tower_forward": lambda i: device_tower(pixels),
+                 "device_tower_forward_backward": lambda i: device_grads.append(device_tower.backward(
+                     dout, device_tower.forward(pixels, lora_tower.lora)[1]))} if device_tower is not None else {}),
              **{("lm_step", name): (lambda i, name=name: lm_step(name, i)) for name in engines}}
     walls: dict = {k: [] for k in parts}
     for i in range(rounds + 1):                 # round 0: the warm-up (pipelines, the frozen embeddings, checks)
@@ -169,23 +190,33 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
             if i:
                 walls[key].append(time.perf_counter() - t0)
         if i == 0:
+            if device_grads:
+                _check_grads(lora_tower.backward(dout, lora_tower.forward(pixels)[1]), device_grads[0])
             for name, loss in losses.items():
                 err = abs(loss - losses["numpy"]) / abs(losses["numpy"])
                 if not err < LOSS_REL_TOL:
                     raise AssertionError(f"vision bench: the {name} step's loss {loss:.6f} is {err:.2e} from "
                                          f"the NumPy engine's {losses['numpy']:.6f}")
     ms = {k: 1e3 * float(np.median(w)) for k, w in walls.items()}
-    fwd, fwd_bwd = ms["tower_forward"] / n, ms["tower_forward_backward"] / n
     rows = []
     for name in engines:
         step = ms[("lm_step", name)]
-        rows.append({"engine": name, "tower_forward_ms_per_image": fwd, "tower_forward_backward_ms_per_image": fwd_bwd,
+        tower = "numpy" if name == "numpy" else "webgpu"
+        fwd = ms["tower_forward" if name == "numpy" else "device_tower_forward"] / n
+        fwd_bwd = ms["tower_forward_backward" if name == "numpy" else "device_tower_forward_backward"] / n
+        rows.append({"engine": name, "tower": tower, "tower_forward_ms_per_image": fwd,
+                     "tower_forward_backward_ms_per_image": fwd_bwd,
                      "lm_step_ms": step, "lm_step_ms_per_image": step / n,
                      "tower_forward_vs_lm_step": fwd / (step / n),
                      "tower_forward_backward_vs_lm_step": fwd_bwd / (step / n),
                      "first_loss": losses[name]})
     return {"model": shape.describe(), "images_per_step": n, "tokens_per_step": shape.rows * shape.row_tokens,
             "rounds": rounds, "tower_max_rel_err_vs_float64": tower_err,
+            **({"webgpu_tower_max_rel_err_vs_float64": device_err,
+                "webgpu_tower_vs_numpy_tower": ms["device_tower_forward"] / ms["tower_forward"],
+                "webgpu_tower_forward_backward_vs_numpy": (ms["device_tower_forward_backward"]
+                                                           / ms["tower_forward_backward"])}
+               if device_tower is not None else {}),
             "webgpu": "timed" if len(engines) > 1 else ("no adapter" if rt is None else
                                                           "the WebGPU engine has no set_images yet"),
             "rows": rows}

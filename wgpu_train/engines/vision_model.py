@@ -2,7 +2,8 @@
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder): logits, loss and
 LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
 the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's DeepStack features). The
-tower runs on the CPU (NumPy); the language model on either engine (both have set_images)."""
+language model runs on either engine (both have set_images); the tower on the CPU (NumPy), or, for SigLIP beside a
+language model on WebGPU, on the device too (webgpu/vision_tower.py; its LoRA's backward there as well)."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_device
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
@@ -40,11 +42,12 @@ class VisionModel:
     """model: the language model (a `Model`, LoRA and adapters as for text); tower: the vision tower and projector
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
-    QwenImageSettings: each image its merged patches). Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision,
-    its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower) ImageTokens carry the M-RoPE positions and Qwen3-VL's
-    DeepStack features, which both engines take."""
+    QwenImageSettings: each image its merged patches); device_tower: the same tower on the WebGPU engine
+    (webgpu/vision_tower.GpuVisionTower), which runs it (with the tower's LoRA and its backward too), or None.
+    Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision, its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower)
+    ImageTokens carry the M-RoPE positions and Qwen3-VL's DeepStack features, which both engines take."""
 
-    def __init__(self, model: Model, tower, vision, settings):
+    def __init__(self, model: Model, tower, vision, settings, device_tower=None):
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
@@ -52,6 +55,7 @@ class VisionModel:
             raise ConfigError(f"Qwen3.5's images do not run on the {model.backend} engine yet (their M-RoPE "
                               f"positions): use --backend numpy")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
+        self.device_tower = device_tower
 
     def pixel_values(self, images, where: str = "record"):
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
@@ -157,8 +161,14 @@ class VisionModel:
             raise DataError(f"{n_tokens} image placeholder tokens for {n_images} {what} of {m} tokens each")
         if not n_images:
             return None
-        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
-            embeds, tower_cache = self.tower.forward(pixels)                               # (N, M, C)
+        if self.device_tower is not None and self.tower.lora:   # the LoRA forward, its backward's cache kept
+            embeds, tower_cache = self.device_tower.forward(pixels, self.tower.lora)      # (N, M, C)
+            if cache is not None:
+                cache.update(tower_cache)
+        elif self.device_tower is not None:
+            embeds = self.device_tower(pixels)
+        elif self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = self.tower.forward(pixels)
             cache.update(tower_cache)
         else:
             embeds = self.tower(pixels)
@@ -232,10 +242,15 @@ class VisionModel:
                                         lambda ids: self.model.loss_and_grads(ids, labels, attention_mask), cache)
         if self.tower.lora and cache:
             dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
-            for name, g in self.tower.backward(dout, cache).items():
+            for name, g in self._tower_backward(dout, cache).items():
                 path, which = name.rsplit(".lora_", 1)
                 grads[tower_lora_key(path, which, self.vision)] = g.astype(np.float32)
         return loss, grads
+
+    def _tower_backward(self, dout, cache) -> dict:
+        """The tower's LoRA gradients from the image embeddings' gradient dout (N, M, text C), on the tower whose
+        forward made `cache` (the device's or the NumPy one's)."""
+        return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 
     def engine_batch(self, batch: Batch, cache: dict | None = None) -> tuple:
         """A batch of records with images (data/batching.Batch, its `images` each row's) -> the engine's
@@ -288,7 +303,7 @@ class VisionModel:
                 engine.set_images(None)
             if images:
                 dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
-                for name, g in self.tower.backward(dout, cache).items():
+                for name, g in self._tower_backward(dout, cache).items():
                     self.tower_optimizer.add(name, g)
         if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
             engine.reduce_gradients(reduce, total)
@@ -368,6 +383,9 @@ def attach_vision(model: Model, path) -> VisionModel:
     for f in weight_files(folder):
         tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))
     names = check_vision_tensors(tensors, vision, folder)
-    tower = VisionTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+    weights = {ours: tensors[name] for ours, name in names.items()}
+    tower = VisionTower(vision, weights, model.engine.dtype)
     settings = (TileSettings if vision.scale_factor else ImageSettings).from_folder(folder, vision.image_size)
-    return VisionModel(model, tower, vision, settings)
+    device = (GpuVisionTower(model.engine.rt, vision, weights)
+              if model.backend == "wgpu" and runs_on_device(model.engine.rt, vision) else None)
+    return VisionModel(model, tower, vision, settings, device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from wgpu_train.engines.numpy import ops
+from wgpu_train.engines.shared.patches import unfold_patches
 from wgpu_train.models.vision import ENCODER_MODULES, PROJ, TOWER, VisionConfig
 
 
@@ -33,15 +34,6 @@ def gelu_forward(x):
 def gelu_backward(dy, x):
     t = np.tanh(ops.GELU_C * (x + 0.044715 * (x * x * x)))
     return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * ops.GELU_C * (1.0 + 3 * 0.044715 * x * x))
-
-
-def unfold_patches(pixels, patch: int):
-    """pixels (N, C, H, W) -> (N, P, C*patch*patch): the non-overlapping patches, row-major over the grid, each
-    flattened as the convolution's weight (out, C, kh, kw) is (a 'valid' convolution)."""
-    n, c, h, w = pixels.shape
-    gh, gw = h // patch, w // patch
-    x = pixels[:, :, :gh * patch, :gw * patch].reshape(n, c, gh, patch, gw, patch)
-    return x.transpose(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * patch * patch)
 
 
 def pixel_shuffle(x, scale: int):

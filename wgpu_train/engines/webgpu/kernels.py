@@ -211,7 +211,7 @@ def row_gather_backward(rec, dx, dout, rows, N, C, x_rows, accumulate=False, kee
 
 # ---- rmsnorm --------------------------------------------------------------------------------
 
-def _rms_row_max_c(rt):
+def rms_row_max_c(rt):
     """Largest C given one invocation per row (no barriers). On CPU adapters (llvmpipe) a row per
     invocation beats a workgroup per row at every C measured (8 to 8192: 4x to 200x); on GPUs it
     keeps small rows (Qwen3's per-head q/k norms, small hidden sizes) off the barrier path, while
@@ -236,7 +236,7 @@ def rmsnorm_forward(rec, y, rstd, x, weight, N, C, eps, offset=0.0):
         return
     tensors = [(y, N * C, "y", True), (rstd, N, "rstd", True), (x, N * C, "x", False),
                (weight, C, "weight", False)]
-    if C <= _rms_row_max_c(rec.rt):
+    if C <= rms_row_max_c(rec.rt):
         vec = _rms_vec4(rec.rt, C, [(y, N * C, "y"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_forward_row4" if vec else "rmsnorm_forward_row",
              flat_grid(-(-N // RMS_WG)), tensors, (N, C), (eps, offset))
@@ -267,7 +267,7 @@ def rmsnorm_backward(rec, dx, dweight, dy, x, weight, rstd, N, C, scratch, accum
     tensors = [(dx, N * C, "dx", True), (dy, N * C, "dy", False), (x, N * C, "x", False),
                (weight, C, "weight", False), (rstd, N, "rstd", False)]
     sizes = (N, C, 0, 0, 0, int(bool(accumulate_dx)))
-    if C <= _rms_row_max_c(rt):
+    if C <= rms_row_max_c(rt):
         vec = _rms_vec4(rt, C, [(dx, N * C, "dx"), (dy, N * C, "dy"), (x, N * C, "x"), (weight, C, "weight")])
         _run(rec, "rmsnorm", "rmsnorm_backward_row4" if vec else "rmsnorm_backward_row",
              flat_grid(-(-N // RMS_WG)), tensors, sizes, (0.0, offset))
