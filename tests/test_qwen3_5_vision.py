@@ -2,7 +2,8 @@
 against transformers and PEFT: Qwen3-VL's tower without DeepStack, the hybrid language model (Gated DeltaNet and gated
 full attention) taking the images' embeddings and, in its full-attention layers' partial rotary, their M-RoPE
 positions: logits, LoRA gradients (linear-attention projections too), greedy generation through the recurrent state,
-`finetune` on TRL's vision records and `generate --image`, and the refusals."""
+`finetune` on TRL's vision records and `generate --image`, and the refusals (the WebGPU engine's, in
+test_qwen3_5_vision_wgpu.py)."""
 from __future__ import annotations
 
 import copy
@@ -24,7 +25,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("PIL.Image")
 
 from test_qwen3_vl import CORPUS, END, PAD, SPECIALS, START, TEMPLATE, images, processor, records  # noqa: E402
-from wgpu_train.engines.vision_model import VisionModel, load_vision_model  # noqa: E402
+from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
 from wgpu_train.models.vision import VisionConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -219,25 +220,14 @@ def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
 
 
 def test_refusals_in_one_line(vlm):
-    """mrope_section must add up to the rotated pairs (partial rotary: 4 of 8 here); images on an engine other
-    than the NumPy one (its text alone runs there), and LoRA on the tower, refused in one line."""
+    """mrope_section must add up to the rotated pairs (partial rotary: 4 of 8 here), and LoRA on the tower, refused
+    in one line."""
     _, folder, vm = vlm
     raw = json.loads((folder / "config.json").read_text())
     rope = {**raw["text_config"]["rope_parameters"], "mrope_section": [4, 2, 2]}
     with pytest.raises(ConfigError, match=r"mrope_section \[4, 2, 2\] .* rotated pairs of a head \(4\)"):
         VisionConfig.from_config({**raw, "text_config": {**raw["text_config"], "rope_parameters": rope}})
 
-    class Engine:
-        def set_images(self, images):
-            pass
-
-    class OnWgpu:
-        engine, backend = Engine(), "wgpu"
-
-    with pytest.raises(ConfigError, match="Qwen3.5's images do not run on the wgpu engine yet .* --backend numpy") \
-            as e:
-        VisionModel(OnWgpu(), vm.tower, vm.vision, vm.settings)
-    assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="LoRA on Qwen3.5's vision tower"):
         vm.set_tower_lora({"base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight":
                            np.zeros((2, 32))}, 1.0)

@@ -51,9 +51,6 @@ class VisionModel:
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
-        if self.qwen and vision.name == "Qwen3.5" and model.backend != "numpy":
-            raise ConfigError(f"Qwen3.5's images do not run on the {model.backend} engine yet (their M-RoPE "
-                              f"positions): use --backend numpy")
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
 
