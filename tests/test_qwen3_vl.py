@@ -177,6 +177,33 @@ def test_greedy_generation_with_images_matches_transformers(vlm):
     assert vm.generate(ids, imgs, max_new_tokens=8) == want
 
 
+
+def test_two_pipeline_stages_give_one_process_loss_gradients_and_answers(vlm):
+    """The language model as 2 NumPy pipeline stages: every stage takes the images' M-RoPE positions and the stage
+    holding a DeepStack layer its features, in training and in generation's prefill (stage_rows) and decode: one
+    process's loss, LoRA gradients and greedy tokens."""
+    import wgpu_train
+    from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
+    from wgpu_train.engines.vision_model import attach_vision
+    from wgpu_train.models.config import ModelConfig
+
+    _, folder, _ = vlm
+    cfg = ModelConfig.from_folder(folder)
+    staged = attach_vision(pipeline_model(folder, cfg, inference_plan(cfg, 2, None), backend="numpy", local=True),
+                           folder)
+    one = load_vision_model(folder)
+    for vm in (staged, one):
+        vm.model.add_lora(wgpu_train.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj")), seed=3)
+    imgs = images(2, seed=3)
+    ids = np.array([[7, *span(one, imgs[0]), 11, 12, *span(one, imgs[1]), 13, 14]])
+    (loss_s, grads_s), (loss_1, grads_1) = (vm.loss_and_grads(ids, ids, imgs) for vm in (staged, one))
+    assert_close(np.float64(loss_s), loss_1, "pipeline_numpy", "loss")
+    for k in grads_1:
+        assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
+    answers = [vm.generate(ids[0, :-2], imgs, max_new_tokens=6) for vm in (staged, one)]
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+    staged.model.engine.close()
+
 def records():
     red, blue = Image.new("RGB", (57, 41), (255, 0, 0)), Image.new("RGB", (40, 56), (0, 0, 255))
     return [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]},

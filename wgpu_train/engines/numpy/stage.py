@@ -59,14 +59,18 @@ class NumpyStage(NumpyEngine):
         self.training = False
         kv = self._caches[key]
         self.set_images(self._images.get(None))     # a prefill with whole images: their blocks (and embeddings)
+        images = self.images
         walk = Walk(1, len(rows), np.asarray(positions)[None], None, kv, rows, long_rope,
                     runs=row_runs(kv, np.asarray(rows), np.asarray(positions)),
-                    blocks=None if self.images is None else self.images.blocks)
+                    blocks=None if images is None else images.blocks,
+                    rope_positions=None if images is None else images.positions)
         x = self._embed(np.asarray(inputs)) if self.first else unpack_boundary(inputs).astype(self.dtype, copy=False)
-        if self.first and self.images is not None:
-            x[self.images.flat] = self.images.embeds
+        if self.first and images is not None:
+            x[images.flat] = images.embeds
         for i in self.span:
             x = self.layer_ops.forward(i, x, walk)[OUTPUT]
+            if images is not None:          # Qwen3-VL's DeepStack features at the image tokens
+                x = images.add_deepstack(x, i)
         advance(kv, walk.runs)
         if not self.last:
             return self._send(x)
