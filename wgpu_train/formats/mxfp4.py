@@ -2,17 +2,21 @@
 16), two e2m1 values a byte (the low nibble first), and `<name>_scales` uint8 (..., G), one e8m0 exponent (bias
 127) per block of 32 values; dequantised on reading, exactly, to float32 (..., G * 32), as transformers 5's
 integrations/mxfp4.py dequantises them, or kept packed (a frozen expert tensor: engines/shared/quant.kept_packed),
-its experts decoded one at a time where they are used."""
+its experts decoded one at a time where they are used; and quantize, the OCP MX v1.0 quantiser (--base-dtype mxfp4)."""
 from __future__ import annotations
 
 import numpy as np
 
-from wgpu_train.errors import ModelFileError
+from wgpu_train.errors import ConfigError, ModelFileError
 from wgpu_train.formats.safetensors import Derived
 
 # e2m1: sign, two exponent bits, one mantissa bit
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                       np.float32)
+BLOCK = 32                  # values per shared scale
+E2M1_EMAX = 2               # the exponent of e2m1's largest normal value (6 = 1.5 * 2^2)
+# the midpoints between consecutive e2m1 magnitudes (codes 0..7); a value on one rounds to the even code
+_MIDPOINTS = (FP4_VALUES[:7] + FP4_VALUES[1:8]) / 2
 
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -23,6 +27,33 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values[..., 1::2] = FP4_VALUES[blocks >> 4]
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*blocks.shape[:-2], -1)
+
+
+def quantize(values: np.ndarray, name: str = "a tensor") -> tuple[np.ndarray, np.ndarray]:
+    """values (..., K) float, K a multiple of 32 -> (blocks (..., K / 32, 16) uint8, scales (..., K / 32) uint8), as
+    the OCP MX v1.0 spec (section 6.3) converts: per block of 32, the shared scale 2^X with X = floor(log2(amax)) - 2
+    (e2m1's largest exponent), clamped to e8m0's [-127, 127] (a zero block: X = 0, scale byte 127), each value / 2^X
+    rounded to the nearest e2m1 (ties to the even code), saturating at +-6; the sign kept (-0 for a negative value
+    that rounds to 0). (triton_kernels, which transformers quantises with, rounds X up to ceil(log2(amax / 6))
+    instead, so that nothing saturates.) ConfigError naming `name` when K is no multiple of 32 or a value is not
+    finite."""
+    values = np.asarray(values)
+    if values.ndim < 1 or values.shape[-1] % BLOCK:
+        raise ConfigError(f"{name} {tuple(values.shape)}: MXFP4 quantises rows in blocks of {BLOCK} values; its last "
+                          f"dimension is no multiple of {BLOCK}")
+    x = values.astype(np.float64).reshape(*values.shape[:-1], -1, BLOCK)                  # (..., G, 32)
+    if not np.all(np.isfinite(x)):
+        raise ConfigError(f"{name} has non-finite values, which MXFP4 cannot store")
+    amax = np.max(np.abs(x), axis=-1)                                                     # (..., G)
+    exponent = np.frexp(amax)[1] - 1 - E2M1_EMAX             # floor(log2(amax)) - 2, exact (frexp: m in [0.5, 1))
+    exponent = np.where(amax > 0, np.clip(exponent, -127, 127), 0)
+    scaled = np.abs(np.ldexp(x, -exponent[..., None]))                                   # exact in float64
+    code = np.searchsorted(_MIDPOINTS.astype(np.float64), scaled, side="left")            # ties to the lower code
+    tie = scaled == _MIDPOINTS.astype(np.float64)[np.minimum(code, 6)]
+    code = code + (tie & (code % 2 == 1))                                                 # ... moved to the even one
+    code = (code | (np.signbit(x) << 3)).astype(np.uint8)                                 # (..., G, 32)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)                                     # the low nibble first
+    return blocks.astype(np.uint8), (exponent + 127).astype(np.uint8)
 
 
 class Mxfp4(Derived):
