@@ -58,7 +58,10 @@ class TrainConfig:
     base_dtype: StorageDtype = _opt(StorageDtype.AUTO, "storage of the frozen weights of the linear layers: "
                                                        "float32, bfloat16, float16, nf4 (4-bit NormalFloat blocks "
                                                        "of 64, QLoRA), nf4-dq (nf4 with double-quantised absmax "
-                                                       "values) or auto (as the checkpoint stores them: "
+                                                       "values), mxfp4 (an MoE model's experts as OCP MXFP4, "
+                                                       "blocks of 32 with an e8m0 scale, every other weight "
+                                                       "bfloat16, as gpt-oss's checkpoints store them) or auto "
+                                                       "(as the checkpoint stores them: "
                                                        "config.json's torch_dtype bfloat16 or float16, else "
                                                        "float32; float32 for method full); anything but float32 "
                                                        "is LoRA only",
