@@ -102,3 +102,26 @@ def test_the_memory_estimate_counts_the_experts_packed(folder):
     with pytest.raises(ConfigError, match="this model has none"):
         base_weight_bytes(ModelConfig.from_dict({**hf_config("qwen3").to_dict(), "architectures": ["Qwen3ForCausalLM"]}),
                           "mxfp4")
+
+
+def test_finetune_with_base_dtype_mxfp4_runs_and_says_so(tmp_path, capsys):
+    """The CLI trains a tiny MoE two steps over MXFP4 experts, its first lines saying how the base is stored; a dense
+    model is refused in one line."""
+    import json
+
+    from finetune_helpers import build_tokenizer, make_data_dir, make_model_dir, one_line_error
+    from wgpu_train.cli.main import main
+
+    model_dir = tmp_path / "model"
+    vocab = build_tokenizer(model_dir)
+    save_model(build_moe("qwen3_moe", seed=3, vocab_size=vocab, hidden_size=32, moe_intermediate_size=32), model_dir)
+    data = make_data_dir(tmp_path / "data")
+    out = tmp_path / "out"
+    assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-steps", "2",
+                 "--backend", "numpy", "--base-dtype", "mxfp4", "--no-progress"]) == 0
+    said = "base weights mxfp4 (embedding bfloat16; the MoE experts quantised to MXFP4, the other linear weights bfloat16)"
+    assert said in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    one_line_error(capsys, ["finetune", "--model", str(make_model_dir(tmp_path / "dense")), "--data", str(data), "--out",
+                            str(tmp_path / "o2"), "--max-steps", "1", "--backend", "numpy", "--base-dtype", "mxfp4",
+                            "--no-progress"], "mxfp4 stores MoE experts; this model has none: use nf4", after_log=True)

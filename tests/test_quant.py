@@ -170,8 +170,9 @@ def test_storage_dtype_is_parsed_once_with_its_traits():
     assert f"{config.base_dtype}" == "nf4-dq" and {"nf4-dq": 1}[config.base_dtype] == 1
     assert check_traits() == {"float32": (False, False, False, False), "bfloat16": (True, True, False, False),
                               "float16": (True, True, False, False), "nf4": (True, False, True, False),
-                              "nf4-dq": (True, False, True, True)}
+                              "nf4-dq": (True, False, True, True), "mxfp4": (True, False, False, False)}
     assert R.check_dtypes("auto", "auto", "bfloat16") == (R.StorageDtype.BFLOAT16,) * 2
+    assert R.check_dtypes("mxfp4") == (R.StorageDtype.MXFP4, R.StorageDtype.BFLOAT16)   # as gpt-oss stores it
     assert R.check_dtypes("nf4")[1] is R.StorageDtype.FLOAT16 and not R.StorageDtype.AUTO.resolved
     with pytest.raises(wt.ConfigError, match="embed_dtype must be one of auto, float32, bfloat16, float16, got"):
         TrainConfig(embed_dtype="nf4")
