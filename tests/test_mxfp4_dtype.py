@@ -40,7 +40,8 @@ def _batch():
 def _with_lora(model):
     model.add_lora(LORA, seed=5)
     rng = np.random.default_rng(1)
-    modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32)) for p, (a, b) in model.engine.lora_tensors().items()}
+    modules = {p: (a, rng.normal(0, 0.1, b.shape).astype(np.float32))
+               for p, (a, b) in model.engine.lora_tensors().items()}
     model._set_lora(LORA, modules, seed=5)
     return model
 
@@ -100,8 +101,8 @@ def test_the_memory_estimate_counts_the_experts_packed(folder):
     assert bf["linear"] - mx["linear"] == experts * 2 - experts // 32 * 17
     assert mx["embedding"] == bf["embedding"]
     with pytest.raises(ConfigError, match="this model has none"):
-        base_weight_bytes(ModelConfig.from_dict({**hf_config("qwen3").to_dict(), "architectures": ["Qwen3ForCausalLM"]}),
-                          "mxfp4")
+        dense = {**hf_config("qwen3").to_dict(), "architectures": ["Qwen3ForCausalLM"]}
+        base_weight_bytes(ModelConfig.from_dict(dense), "mxfp4")
 
 
 def test_finetune_with_base_dtype_mxfp4_runs_and_says_so(tmp_path, capsys):
@@ -114,12 +115,14 @@ def test_finetune_with_base_dtype_mxfp4_runs_and_says_so(tmp_path, capsys):
 
     model_dir = tmp_path / "model"
     vocab = build_tokenizer(model_dir)
-    save_model(build_moe("qwen3_moe", seed=3, vocab_size=vocab, hidden_size=32, moe_intermediate_size=32), model_dir)
+    save_model(build_moe("qwen3_moe", seed=3, vocab_size=vocab, hidden_size=32, moe_intermediate_size=32),
+               model_dir)
     data = make_data_dir(tmp_path / "data")
     out = tmp_path / "out"
     assert main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-steps", "2",
                  "--backend", "numpy", "--base-dtype", "mxfp4", "--no-progress"]) == 0
-    said = "base weights mxfp4 (embedding bfloat16; the MoE experts quantised to MXFP4, the other linear weights bfloat16)"
+    said = ("base weights mxfp4 (embedding bfloat16; the MoE experts quantised to MXFP4, the other linear weights "
+            "bfloat16)")
     assert said in capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     one_line_error(capsys, ["finetune", "--model", str(make_model_dir(tmp_path / "dense")), "--data", str(data), "--out",

@@ -420,11 +420,12 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
 
 
 def test_embedding_dtype_auto_follows_the_base(folder):
-    """embed_dtype "auto" (the default everywhere): the base's own over a float32 or bfloat16 base, float16 over
-    the others."""
+    """embed_dtype "auto" (the default everywhere): the base's own over a float32 or bfloat16 base, bfloat16 over
+    mxfp4, float16 over the others."""
     from wgpu_train.engines.shared.quant import check_dtypes
 
-    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "bfloat16", "float16", "float16", "float16"]
+    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "bfloat16", "float16", "float16", "float16",
+                                                           "bfloat16"]
     assert check_dtypes("nf4", "float32") == ("nf4", "float32")
     model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
     assert (model.engine.base_dtype, model.engine.embed_dtype) == ("nf4", "float16")

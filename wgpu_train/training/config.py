@@ -68,8 +68,8 @@ class TrainConfig:
                                     choices=BASE_CHOICES)
     embed_dtype: StorageDtype = _opt(StorageDtype.AUTO, "storage of the embedding and lm_head: float32, bfloat16, "
                                                         "float16, or auto (the base's own over a float32 or "
-                                                        "bfloat16 base, float16 over a float16 or NF4 one, as in "
-                                                        "QLoRA); LoRA only unless float32",
+                                                        "bfloat16 base, bfloat16 over an MXFP4 one, float16 over a "
+                                                        "float16 or NF4 one, as in QLoRA); LoRA only unless float32",
                                      choices=EMBED_CHOICES)
     precision: Precision = _opt(Precision.AUTO, "where activations, saved tensors and activation gradients are "
                                                 "stored: fp32, bf16 or f16 (arithmetic stays float32; LoRA, "
