@@ -48,6 +48,17 @@ def test_random_blocks_equal_the_brute_force_nearest_value():
     _check_against_reference(values)
 
 
+def test_chunks_of_blocks_give_the_whole_tensors_result(monkeypatch):
+    """quantize converts a few blocks at a time: chunk boundaries that cut rows change nothing."""
+    import wgpu_train.formats.mxfp4 as mx
+
+    values = np.random.default_rng(2).normal(0, 1, (3, 7, 96)).astype(np.float32)
+    whole = quantize(values)
+    monkeypatch.setattr(mx, "QUANT_CHUNK", 5)
+    chunked = quantize(values)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, chunked))
+
+
 def test_ties_round_to_the_even_code_and_large_values_saturate():
     """Each midpoint between e2m1 values (times a block scale of 2^-3, its amax 4 * 2^-3), values beyond 6 * 2^X, and
     the clamp of e8m0's range at both ends."""
