@@ -106,8 +106,8 @@ def test_the_memory_estimate_counts_the_experts_packed(folder):
 
 
 def test_finetune_with_base_dtype_mxfp4_runs_and_says_so(tmp_path, capsys):
-    """The CLI trains a tiny MoE two steps over MXFP4 experts, its first lines saying how the base is stored; a dense
-    model is refused in one line."""
+    """The CLI trains a tiny MoE two steps over MXFP4 experts, its first lines saying how the base is stored, and eval
+    stores the base as that run did; a dense model is refused in one line."""
     import json
 
     from finetune_helpers import build_tokenizer, make_data_dir, make_model_dir, one_line_error
@@ -125,6 +125,10 @@ def test_finetune_with_base_dtype_mxfp4_runs_and_says_so(tmp_path, capsys):
             "bfloat16)")
     assert said in capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert main(["eval", "--model", str(model_dir), "--adapter-path", str(out), "--data", str(data), "--backend",
+                 "numpy", "--no-generate", "--json"]) == 0                 # the adapter's run's storage, inherited
+    report = json.loads(capsys.readouterr().out)
+    assert (report["base_dtype"], report["embed_dtype"]) == ("mxfp4", "bfloat16")
     one_line_error(capsys, ["finetune", "--model", str(make_model_dir(tmp_path / "dense")), "--data", str(data), "--out",
                             str(tmp_path / "o2"), "--max-steps", "1", "--backend", "numpy", "--base-dtype", "mxfp4",
                             "--no-progress"], "mxfp4 stores MoE experts; this model has none: use nf4", after_log=True)
