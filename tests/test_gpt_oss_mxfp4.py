@@ -170,7 +170,8 @@ def test_base_dtype_mxfp4_keeps_the_checkpoints_blocks(pair):
     """--base-dtype mxfp4 on gpt-oss: its experts stay the checkpoint's own blocks and scales (not quantised again),
     everything else bfloat16, so the model equals auto's (the checkpoint's bfloat16) bit for bit."""
     _, packed = pair
-    mine, ref = wt.load_model(packed, backend="numpy", base_dtype="mxfp4"), wt.load_model(packed, backend="numpy", base_dtype="auto")
+    mine = wt.load_model(packed, backend="numpy", base_dtype="mxfp4")
+    ref = wt.load_model(packed, backend="numpy", base_dtype="auto")
     assert (mine.engine.base_dtype, mine.engine.embed_dtype) == (StorageDtype.MXFP4, StorageDtype.BFLOAT16)
     kept = {k: v for k, v in mine.engine.w.items() if isinstance(v, Mxfp4)}
     assert len(kept) == 2 * mine.config.num_hidden_layers

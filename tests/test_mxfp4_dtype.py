@@ -129,6 +129,6 @@ def test_finetune_with_base_dtype_mxfp4_runs_and_says_so(tmp_path, capsys):
                  "numpy", "--no-generate", "--json"]) == 0                 # the adapter's run's storage, inherited
     report = json.loads(capsys.readouterr().out)
     assert (report["base_dtype"], report["embed_dtype"]) == ("mxfp4", "bfloat16")
-    one_line_error(capsys, ["finetune", "--model", str(make_model_dir(tmp_path / "dense")), "--data", str(data), "--out",
-                            str(tmp_path / "o2"), "--max-steps", "1", "--backend", "numpy", "--base-dtype", "mxfp4",
-                            "--no-progress"], "mxfp4 stores MoE experts; this model has none: use nf4", after_log=True)
+    dense = make_model_dir(tmp_path / "dense")
+    one_line_error(capsys, ["finetune", "--model", str(dense), "--data", str(data), "--out", str(tmp_path / "o2"),
+                            "--max-steps", "1", "--backend", "numpy", "--base-dtype", "mxfp4", "--no-progress"], "mxfp4 stores MoE experts; this model has none: use nf4", after_log=True)
