@@ -2,7 +2,8 @@
 bit the model of their dequantised twin (logits, LoRA loss and gradients through the frozen experts, a step,
 greedy generation) and transformers' logits; full fine-tuning and base dtype float32 dequantise them; the memory
 estimate counts them at their size; a run's first lines say so; merge writes them dequantised; pipeline stages
-read theirs packed. The WebGPU engine's MXFP4 grouped GEMMs against the NumPy engine: test_gpt_oss_wgpu.py."""
+read theirs packed; --base-dtype mxfp4 keeps the checkpoint's blocks. The WebGPU engine's MXFP4 grouped GEMMs
+against the NumPy engine: test_gpt_oss_wgpu.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -163,3 +164,18 @@ def test_pipeline_stages_read_their_experts_packed(pair):
         assert kept == [f"model.layers.{s}.{e}" for e in EXPERTS]
         read += engine.weights_bytes_read
     assert read == sum(sizes.values())
+
+
+def test_base_dtype_mxfp4_keeps_the_checkpoints_blocks(pair):
+    """--base-dtype mxfp4 on gpt-oss: its experts stay the checkpoint's own blocks and scales (not quantised again),
+    everything else bfloat16, so the model equals auto's (the checkpoint's bfloat16) bit for bit."""
+    _, packed = pair
+    mine = wt.load_model(packed, backend="numpy", base_dtype="mxfp4")
+    ref = wt.load_model(packed, backend="numpy", base_dtype="auto")
+    assert (mine.engine.base_dtype, mine.engine.embed_dtype) == (StorageDtype.MXFP4, StorageDtype.BFLOAT16)
+    kept = {k: v for k, v in mine.engine.w.items() if isinstance(v, Mxfp4)}
+    assert len(kept) == 2 * mine.config.num_hidden_layers
+    for k, v in kept.items():
+        assert np.array_equal(v.blocks, ref.engine.w[k].blocks) and np.array_equal(v.scales, ref.engine.w[k].scales)
+    ids, _, mask = batch()
+    assert np.array_equal(mine.logits(ids, mask), ref.logits(ids, mask))

@@ -170,8 +170,9 @@ def test_storage_dtype_is_parsed_once_with_its_traits():
     assert f"{config.base_dtype}" == "nf4-dq" and {"nf4-dq": 1}[config.base_dtype] == 1
     assert check_traits() == {"float32": (False, False, False, False), "bfloat16": (True, True, False, False),
                               "float16": (True, True, False, False), "nf4": (True, False, True, False),
-                              "nf4-dq": (True, False, True, True)}
+                              "nf4-dq": (True, False, True, True), "mxfp4": (True, False, False, False)}
     assert R.check_dtypes("auto", "auto", "bfloat16") == (R.StorageDtype.BFLOAT16,) * 2
+    assert R.check_dtypes("mxfp4") == (R.StorageDtype.MXFP4, R.StorageDtype.BFLOAT16)   # as gpt-oss stores it
     assert R.check_dtypes("nf4")[1] is R.StorageDtype.FLOAT16 and not R.StorageDtype.AUTO.resolved
     with pytest.raises(wt.ConfigError, match="embed_dtype must be one of auto, float32, bfloat16, float16, got"):
         TrainConfig(embed_dtype="nf4")
@@ -419,11 +420,12 @@ def test_engines_agree_with_quantised_base(folder, rt, base, embed):
 
 
 def test_embedding_dtype_auto_follows_the_base(folder):
-    """embed_dtype "auto" (the default everywhere): the base's own over a float32 or bfloat16 base, float16 over
-    the others."""
+    """embed_dtype "auto" (the default everywhere): the base's own over a float32 or bfloat16 base, bfloat16 over
+    mxfp4, float16 over the others."""
     from wgpu_train.engines.shared.quant import check_dtypes
 
-    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "bfloat16", "float16", "float16", "float16"]
+    assert [check_dtypes(b)[1] for b in R.BASE_DTYPES] == ["float32", "bfloat16", "float16", "float16", "float16",
+                                                           "bfloat16"]
     assert check_dtypes("nf4", "float32") == ("nf4", "float32")
     model = wt.load_model(folder, backend="numpy", base_dtype="nf4")
     assert (model.engine.base_dtype, model.engine.embed_dtype) == ("nf4", "float16")

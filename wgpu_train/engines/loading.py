@@ -10,7 +10,7 @@ from wgpu_train.engines.backend_choice import choose_backend
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.protocol import Precision, check_precision_widths
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
-from wgpu_train.engines.shared.quant import check_dtypes
+from wgpu_train.engines.shared.quant import check_dtypes, check_experts_dtype
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.stage_plan import StagePlan
@@ -47,6 +47,7 @@ def _make_engine(config, weights, backend: str, device=None, dtype=np.float32, b
     """The engine `backend` and `device` choose over weights; stage: (span, first, last), a pipeline stage's
     engine over the weights of those layers (a PipelineStage)."""
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, config.checkpoint_dtype)
+    check_experts_dtype(base_dtype, config)
     precision = Precision.parse(precision)
     choice = choose_backend(backend, device, config, base_dtype, embed_dtype)
     if backend == "auto":

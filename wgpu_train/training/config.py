@@ -59,15 +59,18 @@ class TrainConfig:
     base_dtype: StorageDtype = _opt(StorageDtype.AUTO, "storage of the frozen weights of the linear layers: "
                                                        "float32, bfloat16, float16, nf4 (4-bit NormalFloat blocks "
                                                        "of 64, QLoRA), nf4-dq (nf4 with double-quantised absmax "
-                                                       "values) or auto (as the checkpoint stores them: "
+                                                       "values), mxfp4 (an MoE model's experts as OCP MXFP4, "
+                                                       "blocks of 32 with an e8m0 scale, every other weight "
+                                                       "bfloat16, as gpt-oss's checkpoints store them) or auto "
+                                                       "(as the checkpoint stores them: "
                                                        "config.json's torch_dtype bfloat16 or float16, else "
                                                        "float32; float32 for method full); anything but float32 "
                                                        "is LoRA only",
                                     choices=BASE_CHOICES)
     embed_dtype: StorageDtype = _opt(StorageDtype.AUTO, "storage of the embedding and lm_head: float32, bfloat16, "
                                                         "float16, or auto (the base's own over a float32 or "
-                                                        "bfloat16 base, float16 over a float16 or NF4 one, as in "
-                                                        "QLoRA); LoRA only unless float32",
+                                                        "bfloat16 base, bfloat16 over an MXFP4 one, float16 over a "
+                                                        "float16 or NF4 one, as in QLoRA); LoRA only unless float32",
                                      choices=EMBED_CHOICES)
     precision: Precision = _opt(Precision.AUTO, "where activations, saved tensors and activation gradients are "
                                                 "stored: fp32, bf16 or f16 (arithmetic stays float32; LoRA, "

@@ -1,6 +1,7 @@
 """Frozen base weights in bfloat16, float16 or 4-bit NF4 (QLoRA), as torch and bitsandbytes store them: round,
 quantise, dequantise, and the rounding the NumPy engine applies at load so that its math equals the GPU's up to
-summation order; and a checkpoint's MXFP4 experts (gpt-oss), kept packed as stored while they are frozen.
+summation order; and MXFP4 experts, a checkpoint's (gpt-oss) kept packed as stored while they are frozen, or any MoE
+model's quantised to it at load (--base-dtype mxfp4: formats/mxfp4.quantize; the other weights bfloat16).
 
 bfloat16 is the top half of a float32: stored by rounding the low half to nearest, ties to even (torch's
 conversion), read back by a shift. It keeps float32's range, so any float32 weight can be stored in it.
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from wgpu_train.engines.protocol import NamedValue
-from wgpu_train.formats.mxfp4 import Mxfp4
+from wgpu_train.formats.mxfp4 import Mxfp4, quantize
 from wgpu_train.formats.safetensors import bfloat16_bits, bfloat16_values  # noqa: F401 - the engines take it from here
 
 
@@ -41,8 +42,8 @@ class StorageDtype(NamedValue):
     FLOAT16 = "float16"
     NF4 = "nf4"
     NF4_DQ = "nf4-dq"          # NF4 with double-quantised absmax values
-    # an MoE layer's experts as a checkpoint packs them (formats/mxfp4.py: e2m1 blocks, an e8m0 scale per 32), kept
-    # so while frozen (kept_packed): a tensor's storage, never a base dtype (no quantiser: the checkpoint's own bytes)
+    # an MoE layer's experts as e2m1 blocks with an e8m0 scale per 32 (formats/mxfp4.py), kept so while frozen
+    # (kept_packed): a checkpoint's own bytes, or, as a base dtype, quantised at load with every other weight bfloat16
     MXFP4 = "mxfp4"
 
     @property
@@ -73,15 +74,17 @@ class StorageDtype(NamedValue):
         return self is StorageDtype.MXFP4
 
 
-BASE_DTYPES = tuple(d.value for d in StorageDtype if d not in (StorageDtype.AUTO, StorageDtype.MXFP4))
+BASE_DTYPES = tuple(d.value for d in StorageDtype if d is not StorageDtype.AUTO)
 # auto: as the checkpoint stores its weights (config.json's torch_dtype: bfloat16 or float16, else float32), and
 # float32 for full fine-tuning, which trains them
 BASE_CHOICES = ("auto",) + BASE_DTYPES
 CHECKPOINT_STORAGE = {"bfloat16": StorageDtype.BFLOAT16, "float16": StorageDtype.FLOAT16}
 EMBED_DTYPES = ("float32", "bfloat16", "float16")
-# auto: the base's own storage over a float32 or bfloat16 base, float16 over a float16 / NF4 one (QLoRA's 16-bit
-# embedding)
+# auto: the base's own storage over a float32 or bfloat16 base, bfloat16 over an MXFP4 one (as gpt-oss's
+# checkpoints store it), float16 over a float16 / NF4 one (QLoRA's 16-bit embedding)
 EMBED_CHOICES = ("auto",) + EMBED_DTYPES
+# an MoE layer's 3-D expert tensors (E, out, in) by the ends of their names (models/weights.expert_path)
+EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
 NF4_BLOCK = 64          # weights per absmax
 F16_MAX = 65504.0       # the largest finite float16
 DQ_BLOCK = 256          # absmax values per second-level absmax (double quantisation)
@@ -258,9 +261,10 @@ def storage_dtype(name: str, ndim: int, base_dtype: StorageDtype, embed_dtype: S
     """How one tensor is stored: the linear layers' weights and an MoE layer's 3-D expert tensors (NF4 over the
     whole flattened tensor) in base_dtype, the embedding and lm_head in embed_dtype, everything else (norms,
     biases) in float32; expert tensors the checkpoint packs (packed: "mxfp4", ModelConfig.packed_experts) stay
-    MXFP4 under a base_dtype that rounds (kept_packed)."""
+    MXFP4 under a base_dtype that rounds (kept_packed); base_dtype mxfp4: the experts MXFP4, the linear layers'
+    weights bfloat16."""
     if ndim == 2 and is_linear_weight(name):
-        return base_dtype
+        return StorageDtype.BFLOAT16 if StorageDtype(base_dtype).mxfp4 else base_dtype
     if ndim == 3 and ".experts." in name:
         return StorageDtype.MXFP4 if keeps_packed(packed, base_dtype) else base_dtype
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -294,9 +298,17 @@ def check_dtypes(base_dtype: StorageDtype | str, embed_dtype: StorageDtype | str
             base_dtype = CHECKPOINT_STORAGE.get(checkpoint_dtype, StorageDtype.FLOAT32)
     embed_dtype = parse_dtype(embed_dtype, "embed_dtype", EMBED_CHOICES)
     if embed_dtype is StorageDtype.AUTO:
-        embed_dtype = base_dtype if base_dtype in (StorageDtype.FLOAT32, StorageDtype.BFLOAT16) else \
-            StorageDtype.FLOAT16
+        embed_dtype = StorageDtype.BFLOAT16 if base_dtype.mxfp4 else base_dtype if base_dtype in (
+            StorageDtype.FLOAT32, StorageDtype.BFLOAT16) else StorageDtype.FLOAT16
     return base_dtype, embed_dtype
+
+
+def check_experts_dtype(base_dtype: StorageDtype | str, cfg) -> None:
+    """ConfigError (one line) for base_dtype mxfp4 over a model (cfg, a ModelConfig) without MoE experts."""
+    from wgpu_train.errors import ConfigError
+
+    if StorageDtype(base_dtype).mxfp4 and cfg.moe is None:
+        raise ConfigError(f"{cfg.label}: mxfp4 stores MoE experts; this model has none: use nf4")
 
 
 def keeps_packed(packed: str, base_dtype: StorageDtype | str) -> bool:
@@ -307,9 +319,11 @@ def keeps_packed(packed: str, base_dtype: StorageDtype | str) -> bool:
 
 def describe_packed(packed: str, base_dtype: StorageDtype | str) -> str:
     """What becomes of experts the checkpoint packs (packed: ModelConfig.packed_experts), for a run's first lines
-    after its storage dtypes: kept so while frozen, else dequantised; "" for plain experts."""
+    after its storage dtypes: kept so while frozen, else dequantised; plain experts under base_dtype mxfp4:
+    quantised to it; "" for other plain experts."""
     if not packed:
-        return ""
+        return ("; the MoE experts quantised to MXFP4, the other linear weights bfloat16"
+                if StorageDtype(base_dtype).mxfp4 else "")
     return (f"; the experts {packed.upper()} as the checkpoint stores them" if keeps_packed(packed, base_dtype)
             else f"; the experts dequantised from {packed.upper()}")
 
@@ -318,14 +332,18 @@ def kept_packed(weights, name: str, base_dtype: StorageDtype | str) -> Mxfp4 | N
     """Tensor `name` of `weights` as the checkpoint packs it (a formats/mxfp4.Mxfp4: blocks and scales, out of a
     LazyWeights' stored()) where the engines keep it so: under a base_dtype that rounds (frozen, LoRA). An MXFP4
     value is exact in bfloat16 (auto's storage of gpt-oss), so the math is that of the dequantised tensor in a
-    quarter of its bytes, and float16 or NF4 would only round the 4-bit values again. None otherwise: float32
-    (full fine-tuning trains the experts) or a tensor stored plainly, read dequantised."""
+    quarter of its bytes, and float16 or NF4 would only round the 4-bit values again. Under base_dtype mxfp4 a
+    plain expert tensor is read and quantised (formats/mxfp4.quantize along its rows: ConfigError unless their
+    length is a multiple of 32). None otherwise: float32 (full fine-tuning trains the experts) or a tensor stored
+    plainly, read dequantised."""
     stored = getattr(weights, "stored", None)
     raw = stored(name) if stored is not None else None
-    if not (isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype)):
-        return None
-    weights.bytes_read += raw.nbytes         # read as stored, not through weights[name]: counted here
-    return raw
+    if isinstance(raw, Mxfp4) and keeps_packed("mxfp4", base_dtype):
+        weights.bytes_read += raw.nbytes         # read as stored, not through weights[name]: counted here
+        return raw
+    if StorageDtype(base_dtype).mxfp4 and name.endswith(EXPERT_TENSORS):     # read once, as the engines would
+        return Mxfp4(*quantize(weights[name], name), name, "--base-dtype mxfp4")
+    return None
 
 
 def round_weights(weights: dict, base_dtype: str = "float32", embed_dtype: str = "auto", dtype=np.float32) -> dict:

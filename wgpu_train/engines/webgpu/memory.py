@@ -238,10 +238,11 @@ def base_weight_bytes(cfg: ModelConfig, base_dtype: str = "float32", embed_dtype
     max_binding: the device's max storage binding (chunking rounds per buffer); default 128 MiB. keep: a
     predicate of the names counted (a pipeline stage's tensors); default all."""
     from wgpu_train.engines.webgpu.tuned.quant import DEFAULT_MAX_BINDING, stored_bytes
-    from wgpu_train.engines.shared.quant import check_dtypes, is_linear_weight, storage_dtype
+    from wgpu_train.engines.shared.quant import check_dtypes, check_experts_dtype, is_linear_weight, storage_dtype
     from wgpu_train.engines.webgpu.tensors import expert_bytes
 
     base_dtype, embed_dtype = check_dtypes(base_dtype, embed_dtype, cfg.checkpoint_dtype)
+    check_experts_dtype(base_dtype, cfg)
     out = {"linear": 0, "embedding": 0, "other": 0}
     for name, shape in weight_shapes(cfg).items():
         if keep is not None and not keep(name):
