@@ -73,11 +73,9 @@ class VisionModel:
         return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor or self.qwen else None)
 
     def set_tower_lora(self, tensors: dict, scale: float):
-        """LoRA on the tower's encoder from a PEFT adapter's tensors ({key: array}; keys outside the tower are
-        left to the language model's adapter), each module's output scaled by `scale` (alpha / r)."""
-        if self.qwen:
-            raise ConfigError(f"LoRA on {self.vision.name}'s vision tower is not supported yet (the language model's "
-                              f"only)")
+        """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
+        keys outside the tower are left to the language model's adapter), each module's output scaled by `scale`
+        (alpha / r)."""
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)
@@ -85,7 +83,8 @@ class VisionModel:
                 pairs.setdefault(path, {})["A" if ".lora_A" in key else "B"] = np.asarray(value, self.tower.dtype)
         unknown = sorted(set(pairs) - set(self.tower.modules()))
         if unknown:
-            raise ConfigError(f"LoRA on {unknown[0]}: not a linear module of the vision tower's encoder")
+            raise ConfigError(f"LoRA on {unknown[0]}: not a linear module of the vision tower's "
+                              f"{'blocks or mergers' if self.qwen else 'encoder'}")
         half = next((p for p, ab in pairs.items() if len(ab) != 2), None)
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
@@ -117,7 +116,7 @@ class VisionModel:
         else:
             self.model.save_adapter(directory)
         raw = json.loads((directory / "adapter_config.json").read_text())
-        tower = tower_target_regex(sorted({p.split(".", 4)[-1] for p in self.tower.lora}), self.vision)
+        tower = tower_target_regex(self.tower.lora, self.vision)
         raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
@@ -147,7 +146,7 @@ class VisionModel:
         keeps the tower's forward for its backward; segments (B, T), Qwen3-VL's M-RoPE positions count each from 0
         (mrope_positions)."""
         if self.qwen:
-            return self._qwen_image_tokens(ids, images, segments)
+            return self._qwen_image_tokens(ids, images, segments, cache)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
@@ -171,10 +170,10 @@ class VisionModel:
             embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
-    def _qwen_image_tokens(self, ids, images, segments=None) -> ImageTokens | None:
+    def _qwen_image_tokens(self, ids, images, segments=None, cache: dict | None = None) -> ImageTokens | None:
         """Qwen3-VL's ImageTokens of ids (B, T) and its images: the merged patches' embeddings, the DeepStack
         features, and every token's M-RoPE positions (each segment of `segments` (B, T), 0 padding, counted from
-        0; the whole row without them)."""
+        0; the whole row without them); cache as image_tokens'."""
         pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
                          (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
         ids = np.atleast_2d(np.asarray(ids))
@@ -186,7 +185,11 @@ class VisionModel:
             raise DataError(f"{n_tokens} image placeholder tokens for {len(grids)} images of {expected} tokens in all")
         if not len(grids):
             return None
-        embeds, deepstack = self.tower(pixels, grids)
+        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, deepstack, tower_cache = self.tower.forward(pixels, grids)
+            cache.update(tower_cache)
+        else:
+            embeds, deepstack = self.tower(pixels, grids)
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
                                                           self.vision.mrope_section), tuple(deepstack))
 
@@ -238,15 +241,23 @@ class VisionModel:
         loss, grads = self._with_images(input_ids, images,
                                         lambda ids: self.model.loss_and_grads(ids, labels, attention_mask), cache)
         if self.tower.lora and cache:
-            dout = self.model.engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
-            for name, g in self._tower_backward(dout, cache).items():
+            for name, g in self._tower_backward(cache).items():
                 path, which = name.rsplit(".lora_", 1)
                 grads[tower_lora_key(path, which, self.vision)] = g.astype(np.float32)
         return loss, grads
 
-    def _tower_backward(self, dout, cache) -> dict:
-        """The tower's LoRA gradients from the image embeddings' gradient dout (N, M, text C), on the tower whose
-        forward made `cache` (the device's or the NumPy one's)."""
+    def _tower_backward(self, cache) -> dict:
+        """The tower's LoRA gradients from the language engine's last backward (the image rows' gradient; Qwen3-VL's
+        DeepStack features' too), on the tower whose forward made `cache` (the device's or the NumPy one's)."""
+        engine = self.model.engine
+        if self.qwen:
+            layers = range(len(self.vision.deepstack_indexes))
+            deep = getattr(engine, "deepstack_grad", {})
+            if any(i not in deep for i in layers):
+                raise ConfigError(f"LoRA on {self.vision.name}'s vision tower with DeepStack trains on the NumPy "
+                                  f"engine in one process only for now (its DeepStack features' gradients)")
+            return self.tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
+        dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
         return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 
     def engine_batch(self, batch: Batch, cache: dict | None = None) -> tuple:
@@ -299,8 +310,7 @@ class VisionModel:
             finally:
                 engine.set_images(None)
             if images:
-                dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
-                for name, g in self._tower_backward(dout, cache).items():
+                for name, g in self._tower_backward(cache).items():
                     self.tower_optimizer.add(name, g)
         if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
             engine.reduce_gradients(reduce, total)

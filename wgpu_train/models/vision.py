@@ -10,7 +10,7 @@ import re
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError
-from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, Qwen3VLVision
+from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, VISUAL, Qwen3VLVision
 
 # the tower's and the projector's tensors: the old layout (hub files, save_pretrained) and transformers' live one;
 # the hub's files put the tower's own under vision_tower.vision_model., transformers 5 under vision_tower.
@@ -165,10 +165,16 @@ def image_blocks(ids, image_token_id: int, bidirectional: bool = True) -> np.nda
 VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
 
 
+# Qwen3-VL's / Qwen3.5's tower modules as PEFT's target_modules name them (suffixes of their paths under visual.):
+# only the tower has these, so a plain list's entry selects them there
+QWEN_TARGETS = ("qkv", "attn.qkv", "attn.proj", "linear_fc1", "linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2",
+                "merger.linear_fc1", "merger.linear_fc2")
+
+
 def vision_targets(targets) -> list:
     """The LoRA target_modules among `targets` that name the vision tower or the projector."""
-    return [t for t in targets if t in VISION_TARGETS or any(
-        part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector"))]
+    return [t for t in targets if t in VISION_TARGETS or t in QWEN_TARGETS or any(
+        part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector", "visual"))]
 
 
 # the linear modules of a tower encoder layer, the LoRA targets it offers (as PEFT names them under the layer)
@@ -186,8 +192,11 @@ def split_targets(targets) -> tuple:
     line (not supported)."""
     given = [t.strip() for t in targets.split(",") if t.strip()] if isinstance(targets, str) else list(targets)
     vision = vision_targets(given)
-    chosen = set()
+    chosen, qwen = set(), []
     for entry in vision:
+        if entry in QWEN_TARGETS or entry.removeprefix("model.").startswith("visual"):
+            qwen.append(_qwen_target(entry))
+            continue
         match = _TOWER_ENTRY.fullmatch(entry)
         name = entry if entry in ("fc1", "fc2") else match and match["name"]
         found = ENCODER_MODULES if match and name is None else [m for m in ENCODER_MODULES if name in
@@ -201,33 +210,60 @@ def split_targets(targets) -> tuple:
     language = [t for t in given if t not in vision]
     if isinstance(targets, str):
         language = ",".join(language)
-    return language, tuple(m for m in ENCODER_MODULES if m in chosen)
+    return language, tuple(m for m in ENCODER_MODULES if m in chosen) + tuple(dict.fromkeys(qwen))
+
+
+def _qwen_target(entry: str) -> str:
+    """A --lora-targets entry naming Qwen3-VL's / Qwen3.5's tower -> the suffix of the module paths it selects
+    (qkv, attn.proj, linear_fc1: every block's and merger's, mlp.linear_fc1: the blocks', merger.linear_fc1, ...);
+    visual alone: every block's linear modules. The patch embedding refused in one line."""
+    name = entry.removeprefix("model.").removeprefix("visual").removeprefix(".")
+    if not name:
+        return "blocks"
+    if name.removeprefix("blocks.") not in QWEN_TARGETS and name not in ("merger", "deepstack_merger_list"):
+        raise ConfigError(f"LoRA target {entry!r}: not supported on the vision side: the tower's blocks' and "
+                          f"mergers' linear modules only (qkv, attn.proj, linear_fc1, linear_fc2, mlp.linear_fc1, "
+                          f"merger.linear_fc1, ..., or visual for every block's), not the patch embedding")
+    return name.removeprefix("blocks.")
+
+
+def selects(path: str, target: str) -> bool:
+    """Whether a split_targets tower name (self_attn.q_proj, qkv, merger.linear_fc1, blocks, ...) selects the
+    tower's module path (vision_tower.encoder.layers.0.self_attn.q_proj, visual.blocks.0.attn.qkv, ...), as a
+    suffix of its dotted path (PEFT's); Qwen's `blocks`, every block's module."""
+    return path.endswith("." + target) or (target == "blocks" and path.startswith(VISUAL + "blocks."))
 
 
 def tower_lora_path(key: str) -> str | None:
     """A PEFT adapter key on the tower (base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.
     lora_A.weight, any layout) -> our module path (vision_tower.encoder.layers.0.self_attn.q_proj); None for
     another key."""
-    module = key.split(".lora_")[0]
-    ours = vision_names([module.removeprefix("base_model.model.")])
+    module = key.split(".lora_")[0].removeprefix("base_model.model.")
+    for prefix in ("model.visual.", "visual."):     # Qwen3-VL's / Qwen3.5's
+        if module.startswith(prefix):
+            return VISUAL + module[len(prefix):]
+    ours = vision_names([module])
     return next((o for o in ours if o.startswith(TOWER + "encoder.")), None)
 
 
-def _tower_module(vc: VisionConfig) -> str:
-    """The tower's module path on the multimodal model (transformers 5's): Gemma 3's or SmolVLM's."""
+def _tower_module(vc) -> str:
+    """The tower's module path on the multimodal model (transformers 5's): Gemma 3's, SmolVLM's or Qwen's."""
+    if isinstance(vc, Qwen3VLVision):
+        return "model.visual."
     return "model.vision_model." if vc.scale_factor else "model.vision_tower."
 
 
-def tower_lora_key(path: str, which: str, vc: VisionConfig) -> str:
+def tower_lora_key(path: str, which: str, vc) -> str:
     """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's multimodal class of `vc`."""
-    return f"base_model.model.{_tower_module(vc)}{path.removeprefix(TOWER)}.lora_{which}.weight"
+    return f"base_model.model.{_tower_module(vc)}{path.removeprefix(TOWER).removeprefix(VISUAL)}.lora_{which}.weight"
 
 
-def tower_target_regex(modules, vc: VisionConfig) -> str:
-    """PEFT target_modules (a regular expression on module paths) selecting the tower encoder's `modules`
-    (self_attn.q_proj, mlp.fc1, ...) in every layer, on transformers 5's multimodal class of `vc`."""
-    return (re.escape(_tower_module(vc)) + r"encoder\.layers\.\d+\.(?:" + "|".join(re.escape(m) for m in modules)
-            + ")")
+def tower_target_regex(paths, vc) -> str:
+    """PEFT target_modules (a regular expression on module paths) selecting the tower's LoRA module `paths`
+    (ours) in every layer, on transformers 5's multimodal class of `vc`."""
+    rel = sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(p.removeprefix(TOWER).removeprefix(VISUAL)))
+                  for p in paths})
+    return re.escape(_tower_module(vc)) + "(?:" + "|".join(rel) + ")"
 
 
 def tower_parameters(vc: VisionConfig) -> int:

@@ -70,6 +70,7 @@ class NumpyEngine(EngineState):
         self.trained: tuple = ()     # base weights trained (full fine-tuning: all; modules_to_save: some)
         self.gradient_checkpointing = False
         self.images = self.image_grad = None     # set_images; the image rows' gradient of the last backward
+        self.deepstack_grad: dict = {}            # {layer: its DeepStack features' gradient} of the last backward
         self.counters = {"submits": 0, "readbacks": 0, "bytes_uploaded": 0, "bytes_read": 0, "nonfinite_skipped": 0,
                          "policy_forwards": 0, "reference_forwards": 0}
         self.base_weight_bytes = 0   # no device copy
@@ -350,7 +351,10 @@ class NumpyEngine(EngineState):
     def _layers_backward(self, dx, layers: range, cache: dict):
         """The layers' backward, last first, from the last one's output gradient dx (N, C): the first one's input
         gradient (N, C)."""
+        self.deepstack_grad = {}
         for i in reversed(layers):
+            if self.images is not None and i < len(self.images.deepstack):    # Qwen3-VL's DeepStack features' rows
+                self.deepstack_grad[i] = dx[self.images.flat]
             dx = self.layer_ops.backward(i, cache["layers"][i - layers.start], dx, cache["walk"])
         return dx
 

@@ -1,4 +1,5 @@
-"""Qwen3-VL's and Qwen3.5's vision tower on the NumPy engine (frozen, forward only): the Conv3d patch embedding as a
+"""Qwen3-VL's and Qwen3.5's vision tower on the NumPy engine (frozen, or with LoRA on its blocks' and mergers' linears
+and their backward): the Conv3d patch embedding as a
 GEMM, the learned position grid bilinearly resampled to each image, blocks with the 2-D vision rotary and full
 attention within each image, the patch merger and Qwen3-VL's DeepStack mergers (transformers' Qwen3VLVisionModel;
 Qwen3_5VisionModel is the same without them)."""
@@ -9,7 +10,9 @@ import math
 import numpy as np
 
 from wgpu_train.engines.numpy import ops
-from wgpu_train.engines.numpy.vision_tower import bidirectional_attention_forward, gelu_forward, layernorm_forward
+from wgpu_train.engines.numpy.vision_tower import (LoraLinears, bidirectional_attention_backward,
+                                                   bidirectional_attention_forward, gelu_backward, gelu_forward,
+                                                   layernorm_backward, layernorm_forward)
 from wgpu_train.models.qwen3_vl import LAYER_NORM_EPS, VISUAL, Qwen3VLVision
 
 # Abramowitz & Stegun 7.1.26: erf to 1.5e-7 absolute, below float32's rounding of the GELU's output
@@ -28,6 +31,13 @@ def erf(x: np.ndarray) -> np.ndarray:
 def gelu_erf_forward(x):
     """The erf GELU (torch's nn.GELU(): x * Phi(x)), the mergers' activation."""
     return (0.5 * x * (1.0 + erf(x.astype(np.float64) / math.sqrt(2.0)))).astype(x.dtype)
+
+
+def gelu_erf_backward(dy, x):
+    """dx of gelu_erf_forward: dy * (Phi(x) + x phi(x))."""
+    x64 = x.astype(np.float64)
+    d = 0.5 * (1.0 + erf(x64 / math.sqrt(2.0))) + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
+    return (dy * d).astype(dy.dtype)
 
 
 def block_order(grid, merge: int) -> tuple:
@@ -51,22 +61,32 @@ def _taps(index, size: int, side: int) -> tuple:
     return np.clip(taps, 0, side - 1), weights
 
 
-class Qwen3VLTower:
-    """The tower over its weights ({our name (models/qwen3_vl.tensor_shapes): array}) in `dtype`. __call__:
-    pixel_values (P, patch dim) and image_grid_thw (N, 3) -> (the image tokens' embeddings (P / 4, text C),
-    the DeepStack features [(P / 4, text C)] in the order of the blocks they come from; Qwen3.5's: none). Its encoder
-    takes no LoRA."""
+# the linear modules of a block and of a merger, the LoRA targets the tower offers (their paths under visual.)
+BLOCK_MODULES = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MERGER_MODULES = ("linear_fc1", "linear_fc2")
 
-    lora: dict = {}
+
+class Qwen3VLTower(LoraLinears):
+    """The tower over its weights ({our name (models/qwen3_vl.tensor_shapes): array}) in `dtype`; lora: {module
+    path (visual.blocks.N.attn.qkv, visual.merger.linear_fc1, ...): (A (r, in), B (out, r), scale)}. __call__:
+    pixel_values (P, patch dim) and image_grid_thw (N, 3) -> (the image tokens' embeddings (P / 4, text C),
+    the DeepStack features [(P / 4, text C)] in the order of the blocks they come from; Qwen3.5's: none); forward
+    keeps what backward needs, which takes both's gradients to the LoRA gradients."""
 
     def __init__(self, vc: Qwen3VLVision, weights: dict, dtype=np.float32):
         self.vc, self.dtype = vc, np.dtype(dtype)
         self.w = {k: np.asarray(v, dtype=self.dtype) for k, v in weights.items()}
+        self.lora: dict = {}
+
+    def _mergers(self) -> list:
+        """(prefix, post_norm) of the merger and of each DeepStack merger."""
+        return [(VISUAL + "merger.", False), *((f"{VISUAL}deepstack_merger_list.{j}.", True)
+                                                for j in range(len(self.vc.deepstack_indexes)))]
 
     def modules(self) -> list[str]:
-        """The LoRA targets the tower offers: none yet."""
-        return []
-
+        """Every block's and merger's linear module path, the LoRA targets the tower offers."""
+        return [*(f"{VISUAL}blocks.{i}.{m}" for i in range(self.vc.depth) for m in BLOCK_MODULES),
+                *(p + m for p, _ in self._mergers() for m in MERGER_MODULES)]
     def position_embeddings(self, grid) -> np.ndarray:
         """The learned position grid resampled to one image's patches (P, C), in pixel_values' order."""
         side = int(round(self.vc.num_position_embeddings ** 0.5))
@@ -85,35 +105,69 @@ class Qwen3VLTower:
         pos = np.concatenate([np.repeat(row[:, None], d // 4, 1), np.repeat(col[:, None], d // 4, 1)], axis=1)
         return pos[None], np.concatenate([inv, inv]).astype(np.float64)
 
-    def _merge(self, x, prefix: str, post_norm: bool):
+    def _merge(self, x, prefix: str, post_norm: bool, c: dict):
         """A patch merger: x (P, C) -> (P / 4, text C): LayerNorm (before the 4 patches of a block are joined, or
-        after: DeepStack's), fc1, the exact GELU, fc2."""
+        after: DeepStack's), fc1, the exact GELU, fc2; c keeps what _merge_backward needs."""
         w, width = self.w, self.vc.hidden_size * self.vc.merge_unit
         if post_norm:
             x = x.reshape(-1, width)
-        x, _ = layernorm_forward(x, w[prefix + "norm.weight"], w[prefix + "norm.bias"], LAYER_NORM_EPS)
-        x = ops.linear_forward(x.reshape(-1, width), w[prefix + "linear_fc1.weight"], w[prefix + "linear_fc1.bias"])
-        return ops.linear_forward(gelu_erf_forward(x), w[prefix + "linear_fc2.weight"], w[prefix + "linear_fc2.bias"])
+        c["x"] = x
+        x, c["rstd"] = layernorm_forward(x, w[prefix + "norm.weight"], w[prefix + "norm.bias"], LAYER_NORM_EPS)
+        c["f1"] = self._linear(x.reshape(-1, width), prefix + "linear_fc1", c)
+        return self._linear(gelu_erf_forward(c["f1"]), prefix + "linear_fc2", c)
 
-    def _block(self, x, i: int, grids, rotary):
-        """Block i over all images' patches x (P, C): attention within each image, then the MLP."""
+    def _merge_backward(self, dout, prefix: str, post_norm: bool, c: dict, grads: dict):
+        """The merger's input gradient (P, C) from its output's dout (P / 4, text C)."""
+        dg = self._linear_backward(dout, prefix + "linear_fc2", c, grads)
+        dh = self._linear_backward(gelu_erf_backward(dg, c["f1"]), prefix + "linear_fc1", c, grads)
+        if not post_norm:
+            dh = dh.reshape(-1, self.vc.hidden_size)
+        dx = layernorm_backward(dh, c["x"], self.w[prefix + "norm.weight"], c["rstd"])
+        return dx.reshape(-1, self.vc.hidden_size)
+
+    def _block(self, x, i: int, grids, rotary, c: dict):
+        """Block i over all images' patches x (P, C): attention within each image, then the MLP; c keeps what
+        _block_backward needs."""
         vc, w, p = self.vc, self.w, f"{VISUAL}blocks.{i}."
-        h, _ = layernorm_forward(x, w[p + "norm1.weight"], w[p + "norm1.bias"], LAYER_NORM_EPS)
-        qkv = ops.linear_forward(h, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape(-1, 3, vc.num_heads,
-                                                                                              vc.head_dim)
-        out, start = [], 0
+        c["x"] = x
+        h, c["rstd1"] = layernorm_forward(x, w[p + "norm1.weight"], w[p + "norm1.bias"], LAYER_NORM_EPS)
+        qkv = self._linear(h, p + "attn.qkv", c).reshape(-1, 3, vc.num_heads, vc.head_dim)
+        out, start, c["att"] = [], 0, []
         for grid, (pos, inv) in zip(grids, rotary):
             n = int(np.prod(grid))
             q, k, v = (qkv[None, start:start + n, j] for j in range(3))                    # (1, n, H, D)
             q, k = (ops.rope_forward(a, pos, inv) for a in (q, k))
-            out.append(bidirectional_attention_forward(q, k, v)[0][0].reshape(n, -1))
+            att, lse = bidirectional_attention_forward(q, k, v)
+            c["att"].append((q, k, v, att, lse))
+            out.append(att[0].reshape(n, -1))
             start += n
-        x = x + ops.linear_forward(np.concatenate(out), w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
-        h, _ = layernorm_forward(x, w[p + "norm2.weight"], w[p + "norm2.bias"], LAYER_NORM_EPS)
-        h = ops.linear_forward(h, w[p + "mlp.linear_fc1.weight"], w[p + "mlp.linear_fc1.bias"])
-        return x + ops.linear_forward(gelu_forward(h), w[p + "mlp.linear_fc2.weight"], w[p + "mlp.linear_fc2.bias"])
+        x = x + self._linear(np.concatenate(out), p + "attn.proj", c)
+        c["x2"] = x
+        h, c["rstd2"] = layernorm_forward(x, w[p + "norm2.weight"], w[p + "norm2.bias"], LAYER_NORM_EPS)
+        c["f1"] = self._linear(h, p + "mlp.linear_fc1", c)
+        return x + self._linear(gelu_forward(c["f1"]), p + "mlp.linear_fc2", c)
 
-    def __call__(self, pixels, grids) -> tuple:
+    def _block_backward(self, dx, i: int, rotary, c: dict, grads: dict):
+        """Block i's input gradient (P, C) from its output's dx (P, C)."""
+        vc, w, p = self.vc, self.w, f"{VISUAL}blocks.{i}."
+        dg = self._linear_backward(dx, p + "mlp.linear_fc2", c, grads)
+        dh = self._linear_backward(gelu_backward(dg, c["f1"]), p + "mlp.linear_fc1", c, grads)
+        dx = dx + layernorm_backward(dh, c["x2"], w[p + "norm2.weight"], c["rstd2"])
+        datt = self._linear_backward(dx, p + "attn.proj", c, grads)                      # (P, H*D)
+        dqkv, start = [], 0
+        for (q, k, v, att, lse), (pos, inv) in zip(c["att"], rotary):
+            n = q.shape[1]
+            dq, dk, dv = bidirectional_attention_backward(datt[None, start:start + n].reshape(att.shape), q, k, v,
+                                                          att, lse)
+            dq, dk = (ops.rope_backward(d, pos, inv) for d in (dq, dk))
+            dqkv.append(np.stack([dq[0], dk[0], dv[0]], axis=1))                          # (n, 3, H, D)
+            start += n
+        dh = self._linear_backward(np.concatenate(dqkv).reshape(dx.shape[0], -1), p + "attn.qkv", c, grads)
+        return dx + layernorm_backward(dh, c["x"], w[p + "norm1.weight"], c["rstd1"])
+
+    def forward(self, pixels, grids, keep: bool = True) -> tuple:
+        """pixel_values (P, patch dim), image_grid_thw (N, 3) -> (the image tokens' embeddings (P / 4, text C), the
+        DeepStack features [(P / 4, text C)], the backward's cache: its activations only with `keep`)."""
         vc, w = self.vc, self.w
         grids = [tuple(int(v) for v in g) for g in np.asarray(grids).reshape(-1, 3)]
         if pixels.shape != (sum(int(np.prod(g)) for g in grids), vc.patch_dim):
@@ -122,10 +176,36 @@ class Qwen3VLTower:
         x = ops.linear_forward(np.asarray(pixels, self.dtype), kernel, w[VISUAL + "patch_embed.proj.bias"])
         x = x + np.concatenate([self.position_embeddings(g) for g in grids]).astype(self.dtype)   # (P, C)
         rotary = [self.rotary_positions(g) for g in grids]
+        mergers = self._mergers()
+        cache = {"rotary": rotary, "blocks": [], "mergers": [None] * len(mergers)}    # mergers in _mergers' order
         deepstack = []          # in the blocks' order, as transformers collects them
         for i in range(vc.depth):
-            x = self._block(x, i, grids, rotary)
+            c: dict = {}
+            x = self._block(x, i, grids, rotary, c)
+            cache["blocks"].append(c if keep else None)
             if i in vc.deepstack_indexes:
-                j = vc.deepstack_indexes.index(i)
-                deepstack.append(self._merge(x, f"{VISUAL}deepstack_merger_list.{j}.", True))
-        return self._merge(x, VISUAL + "merger.", False), deepstack
+                j, c = 1 + vc.deepstack_indexes.index(i), {}
+                deepstack.append(self._merge(x, *mergers[j], c))
+                cache["mergers"][j] = c if keep else None
+        c = {}
+        out = self._merge(x, *mergers[0], c)
+        cache["mergers"][0] = c if keep else None
+        return out, deepstack, cache
+
+    def __call__(self, pixels, grids) -> tuple:
+        """The frozen forward: (the image tokens' embeddings, the DeepStack features)."""
+        return self.forward(pixels, grids, keep=False)[:2]
+
+    def backward(self, dout, ddeepstack, cache) -> dict:
+        """The image embeddings' gradient dout (P / 4, text C) and the DeepStack features' [(P / 4, text C)] (in
+        forward's order, the blocks') ->
+        {module path.lora_A / .lora_B: gradient} of the tower's LoRA; the ops in reverse order of forward's."""
+        grads: dict = {}
+        mergers = self._mergers()
+        dx = self._merge_backward(dout, *mergers[0], cache["mergers"][0], grads)
+        for i in reversed(range(self.vc.depth)):
+            if i in self.vc.deepstack_indexes:
+                j, k = self.vc.deepstack_indexes.index(i), sorted(self.vc.deepstack_indexes).index(i)
+                dx = dx + self._merge_backward(ddeepstack[k], *mergers[1 + j], cache["mergers"][1 + j], grads)
+            dx = self._block_backward(dx, i, cache["rotary"], cache["blocks"][i], grads)
+        return grads

@@ -78,20 +78,13 @@ def bidirectional_attention_backward(dout, q, k, v, out, lse):
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
 
 
-class VisionTower:
-    """The tower and the projector over their weights ({our name (models/vision.tensor_shapes): array}) in
-    `dtype`; lora: {module path (vision_tower.encoder.layers.N.self_attn.q_proj, ...): (A (r, in), B (out, r),
-    scale)}. __call__: pixel_values (N, C, H, W) -> the image tokens' embeddings (N, mm_tokens_per_image, text
-    hidden); forward keeps what backward needs, which takes the embeddings' gradient to the LoRA gradients."""
+class LoraLinears:
+    """A tower's linear modules over its weights w ({name: array}) with LoRA on those in lora ({module path: (A
+    (r, in), B (out, r), scale)}): the forward keeping each LoRA module's input and rank activations, the backward
+    adding their gradients (shared by the SigLIP and Qwen towers)."""
 
-    def __init__(self, vc: VisionConfig, weights: dict, dtype=np.float32):
-        self.vc, self.dtype = vc, np.dtype(dtype)
-        self.w = {k: np.asarray(v, dtype=self.dtype) for k, v in weights.items()}
-        self.lora: dict = {}
-
-    def modules(self) -> list[str]:
-        """Every encoder linear module's path, the LoRA targets the tower offers."""
-        return [f"{TOWER}encoder.layers.{i}.{m}" for i in range(self.vc.num_layers) for m in ENCODER_MODULES]
+    w: dict
+    lora: dict
 
     def _linear(self, x, path, cache):
         y = ops.linear_forward(x, self.w[path + ".weight"], self.w[path + ".bias"])
@@ -111,6 +104,22 @@ class VisionTower:
             grads[path + ".lora_A"], grads[path + ".lora_B"] = da, db
             dx = dx + dxl
         return dx
+
+
+class VisionTower(LoraLinears):
+    """The tower and the projector over their weights ({our name (models/vision.tensor_shapes): array}) in
+    `dtype`; lora: {module path (vision_tower.encoder.layers.N.self_attn.q_proj, ...): (A (r, in), B (out, r),
+    scale)}. __call__: pixel_values (N, C, H, W) -> the image tokens' embeddings (N, mm_tokens_per_image, text
+    hidden); forward keeps what backward needs, which takes the embeddings' gradient to the LoRA gradients."""
+
+    def __init__(self, vc: VisionConfig, weights: dict, dtype=np.float32):
+        self.vc, self.dtype = vc, np.dtype(dtype)
+        self.w = {k: np.asarray(v, dtype=self.dtype) for k, v in weights.items()}
+        self.lora: dict = {}
+
+    def modules(self) -> list[str]:
+        """Every encoder linear module's path, the LoRA targets the tower offers."""
+        return [f"{TOWER}encoder.layers.{i}.{m}" for i in range(self.vc.num_layers) for m in ENCODER_MODULES]
 
     def forward(self, pixels, keep: bool = True):
         """pixels (N, C, H, W) -> (the image tokens' embeddings (N, M, text C), the backward's cache: its
