@@ -220,14 +220,14 @@ def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
 
 
 def test_refusals_in_one_line(vlm):
-    """mrope_section must add up to the rotated pairs (partial rotary: 4 of 8 here), and LoRA on the tower, refused
-    in one line."""
+    """mrope_section must add up to the rotated pairs (partial rotary: 4 of 8 here), and LoRA on a module the tower
+    lacks, refused in one line."""
     _, folder, vm = vlm
     raw = json.loads((folder / "config.json").read_text())
     rope = {**raw["text_config"]["rope_parameters"], "mrope_section": [4, 2, 2]}
     with pytest.raises(ConfigError, match=r"mrope_section \[4, 2, 2\] .* rotated pairs of a head \(4\)"):
         VisionConfig.from_config({**raw, "text_config": {**raw["text_config"], "rope_parameters": rope}})
 
-    with pytest.raises(ConfigError, match="LoRA on Qwen3.5's vision tower"):
+    with pytest.raises(ConfigError, match="not a linear module of the vision tower's blocks or mergers"):
         vm.set_tower_lora({"base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight":
                            np.zeros((2, 32))}, 1.0)

@@ -283,7 +283,7 @@ def test_refusals_in_one_line(vlm):
             "rope_type": "default", "mrope_section": [4, 2, 1]}}})
     with pytest.raises(ConfigError, match="patch_size 14 is not the vision tower's 8"):
         QwenImageSettings.from_dict({"patch_size": 14}, vm.vision)
-    with pytest.raises(ConfigError, match="LoRA on Qwen3-VL's vision tower"):
+    with pytest.raises(ConfigError, match="not a linear module of the vision tower's blocks or mergers"):
         vm.set_tower_lora({"base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight":
                            np.zeros((2, 32))}, 1.0)
     img = images(1)
@@ -347,7 +347,8 @@ def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     """`memory` on Qwen3-VL: the tower's weights as transformers builds them, the largest image the processor
     makes (longest_edge 3072 pixels: 12 merged patches and two markers) or what the row leaves it, the tower's
     peak over the step's images within the tracemalloc tolerance of the NumPy tower's, the DeepStack features and
-    M-RoPE positions on the device, all in the total; LoRA on the tower refused in one line."""
+    M-RoPE positions on the device, all in the total; SigLIP's tower module names refused in one line (LoRA on
+    Qwen's tower: test_qwen3_vl_tower_lora.py)."""
     import tracemalloc
 
     from wgpu_train.cli.main import main
@@ -370,7 +371,7 @@ def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     capped = memory("--max-seq-len", "24", "--images-per-row", "2")["vision"]
     assert capped["images_capped"] and capped["tokens_per_image"] == (23 // 2)
     assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "q_proj,fc1"]) == 2
-    assert "LoRA on Qwen3-VL's vision tower" in capsys.readouterr().err
+    assert "mlp.fc1 is not a module of Qwen3-VL's vision tower" in capsys.readouterr().err
     big = Image.new("RGB", (64, 48))            # 3072 pixels: the largest image, 48 patches
     pixels, grids = vm.pixel_values([big, big])
     assert int(np.prod(grids, axis=1).sum()) == 2 * 48

@@ -18,7 +18,7 @@ from tolerances import assert_close
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-pytest.importorskip("PIL.Image")
+Image = pytest.importorskip("PIL.Image")
 
 from test_qwen3_vl import PAD, hf_inputs, images, records, span, vlm  # noqa: E402,F401
 from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
@@ -91,3 +91,62 @@ def test_split_targets_names_qwen_tower_modules():
                                                                               ("blocks", "merger.linear_fc1"))
     with pytest.raises(ConfigError, match="not the patch embedding"):
         split_targets("q_proj,visual.patch_embed.proj")
+
+
+def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
+    """`finetune --lora-targets q_proj,v_proj,qkv,linear_fc2` on Qwen3-VL: the loss falls, the tower's LoRA moves
+    and the adapter loads in PeftModel with our logits; `memory` counts the tower's kept activations (within the
+    tracemalloc tolerance of the LoRA forward's peak)."""
+    import tracemalloc
+
+    from test_gemma3_vision_training import write_vision_data
+    from tolerances import TOLERANCES
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.models.qwen3_vl import tower_activation_values
+
+    hf, folder, vm = vlm
+    data = write_vision_data(tmp_path / "data", records())
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "5",
+                 "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "q_proj,v_proj,qkv,linear_fc2",
+                 "--no-progress", "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
+    assert "LoRA on the vision tower: qkv, linear_fc2 in 7 modules" in capsys.readouterr().err
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    tensors = read_safetensors(out / "adapter_model.safetensors")
+    tower = [k for k in tensors if ".visual." in k]
+    assert len(tower) == 14 and any("deepstack_merger_list.1.linear_fc2.lora_B" in k for k in tower)
+    # every B moved but the DeepStack merger's whose features join the last layer's output at the image rows, whose
+    # logits no label reads (the loss is the answer's)
+    last = "deepstack_merger_list.0.linear_fc2.lora_B"      # deepstack_visual_indexes [1, 0]: block 1 -> layer 1
+    assert all(np.abs(tensors[k]).max() > 0 for k in tower if last not in k)
+    assert not np.abs(tensors[next(k for k in tower if last in k)]).max()
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out).eval()
+    trained = load_vision_model(folder)
+    trained.load_adapter(out)
+    imgs = images(1)
+    ids = np.array([[7, *span(trained, imgs[0]), 11]])
+    with torch.no_grad():
+        want = pm(**hf_inputs(trained, ids, imgs)).logits.numpy()
+    assert_close(trained.logits(ids, imgs), want, "logits_f32", "trained adapter in PeftModel")
+
+    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--json", "--max-seq-len", "128",
+                 "--batch-size", "1", "--images-per-row", "2", "--lora-targets", "q_proj,qkv,linear_fc2"]) == 0
+    v = json.loads(capsys.readouterr().out)["vision"]
+    assert v["tower_lora"] and v["tower_activations"] == 4 * tower_activation_values(vm.vision, 2, 48, True)
+    big = Image.new("RGB", (64, 48))            # the largest image, 48 patches
+    pixels, grids = trained.pixel_values([big, big])
+    trained.tower.forward(pixels, grids)
+    tracemalloc.start()
+    try:
+        trained.tower.forward(pixels, grids)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    estimate = 4 * tower_activation_values(vm.vision, 2, 48, True)
+    print(f"estimate {estimate} bytes, tracemalloc peak {peak}")
+    assert abs(estimate - peak) <= TOLERANCES["vision_tower_memory"].rtol * peak, (estimate, peak)
+    assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "qkv"]) == 2
+    assert "the vision tower's alone" in capsys.readouterr().err

@@ -138,11 +138,12 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
 
 def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     """_vision_estimate's for Qwen3-VL: each image as large as its processor makes one (max_pixels), capped to
-    what a row leaves it; the frozen tower over the step's images at once; on the device, the DeepStack features
+    what a row leaves it; the tower over the step's images at once (frozen, or with LoRA: its activations kept for
+    the backward); on the device, the DeepStack features
     of the image tokens and every token's M-RoPE positions (image_inputs)."""
     from wgpu_train.data.qwen_images import QwenImageSettings
     from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
-    from wgpu_train.models.vision import vision_targets
+    from wgpu_train.models.vision import ENCODER_MODULES, split_targets
 
     settings = QwenImageSettings.from_folder(model_dir, vc)
     block = settings.factor ** 2
@@ -152,17 +153,22 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
         raise ConfigError(f"{per_row} image(s) a row take at least {per_row * (smallest + 2)} tokens, and a row has "
                           f"{length} (--max-seq-len): no room for text")
     merged = min(largest, room)
-    given = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    if args.method == "lora" and vision_targets(given):
-        raise ConfigError("LoRA on Qwen3-VL's vision tower is not supported yet (the language model's only)")
+    language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
+    siglip = [m for m in tower if m in ENCODER_MODULES]
+    if siglip:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: {siglip[0]} is not a module of {vc.name}'s vision "
+                          f"tower (qkv, attn.proj, linear_fc1, linear_fc2, merger.linear_fc1, ...)")
+    if tower and not language:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
+                          f"model's too (q_proj, ...), as finetune trains them")
     images = args.batch_size * per_row
     params = tower_parameters(vc)
     inputs = images * merged * vc.text_hidden_size * len(vc.deepstack_indexes) + \
         args.batch_size * length * vc.text_head_dim // 2
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
-            "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": False,
-            "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit),
-            "image_inputs": 4 * inputs, "images_capped": merged < largest, "language_targets": ",".join(given)}
+            "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": bool(tower),
+            "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
+            "image_inputs": 4 * inputs, "images_capped": merged < largest, "language_targets": language}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

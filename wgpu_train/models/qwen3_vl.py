@@ -218,15 +218,19 @@ def tower_parameters(vc: Qwen3VLVision) -> int:
     return sum(int(np.prod(shape)) for shape in tensor_shapes(vc).values())
 
 
-def tower_activation_values(vc: Qwen3VLVision, images: int, patches: int) -> int:
+def tower_activation_values(vc: Qwen3VLVision, images: int, patches: int, trained: bool = False) -> int:
     """Values the NumPy tower's forward over `images` images of `patches` patches each holds at its peak (all
     the images' patches at once, frozen; fitted to tracemalloc's peak, tests/test_qwen3_vl.py): a block's
     residual, norm, q / k / v, the attention's
     output and the rotations' copies (12 x hidden a patch), the MLP's fc1 output and GELU's temporaries
     (5 x intermediate), four (heads, patches, patches) score arrays of one image, and the merged and DeepStack
-    features (text hidden a merged patch each) with a merger's transients (3 x its joined width)."""
+    features (text hidden a merged patch each) with a merger's transients (3 x its joined width). With LoRA on
+    the tower (trained), every block's activations kept for the backward besides (16 x hidden + 2 x intermediate +
+    heads a patch, fitted the same way: the residuals, the norms' outputs, qkv (v a view of it), the rotated q / k,
+    the attention's output and its joined copy, the LoRA branches' inputs; fc1's output and GELU's; the log-sum-exp)."""
     p, h, i = images * patches, vc.hidden_size, vc.intermediate_size
     merged = p // vc.merge_unit
     features = (1 + len(vc.deepstack_indexes)) * merged * vc.text_hidden_size
     block = p * (12 * h + 5 * i) + 4 * vc.num_heads * patches * patches
-    return block + features + 3 * p * h if images else 0
+    kept = vc.depth * p * (16 * h + 2 * i + vc.num_heads) if trained else 0
+    return block + features + 3 * p * h + kept if images else 0

@@ -8,7 +8,7 @@ import numpy as np
 from wgpu_train.adapters.inits import fresh_pair
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.vision import split_targets, tower_lora_key, tower_lora_path
+from wgpu_train.models.vision import selects, split_targets, tower_lora_key, tower_lora_path
 
 _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoint array name prefixes
 
@@ -33,7 +33,10 @@ def attach_tower(trainer) -> VisionModel:
                               f"at one rank and alpha, without dropout)")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
-    paths = [p for p in vision.tower.modules() if p.split(".", 4)[-1] in modules]
+    paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]
+    missing = next((m for m in modules if not any(selects(p, m) for p in paths)), None)
+    if missing is not None:
+        raise ConfigError(f"--lora-targets: {missing} is not a linear module of this model's vision tower")
     for path in paths:
         a, b = fresh_pair(rng, cfg.lora_init, r, *vision.tower.w[path + ".weight"].shape)
         tensors[tower_lora_key(path, "A", vision.vision)], tensors[tower_lora_key(path, "B", vision.vision)] = a, b
@@ -41,7 +44,7 @@ def attach_tower(trainer) -> VisionModel:
     if trainer.resume:
         _restore(vision, trainer.resume.folder)
     n = sum(a.size + b.size for a, b, _ in vision.tower.lora.values())
-    trainer.log(f"LoRA on the vision tower: {', '.join(modules)} in {len(paths) // len(modules)} encoder layers, "
+    trainer.log(f"LoRA on the vision tower: {', '.join(modules)} in {len(paths)} modules, "
                 f"{n:,} trainable parameters (NumPy, on the CPU)")
     return vision
 
