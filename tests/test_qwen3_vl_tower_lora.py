@@ -150,3 +150,26 @@ def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
     assert abs(estimate - peak) <= TOLERANCES["vision_tower_memory"].rtol * peak, (estimate, peak)
     assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "qkv"]) == 2
     assert "the vision tower's alone" in capsys.readouterr().err
+
+
+def test_tower_lora_resume_and_pipeline_stages(vlm, tmp_path):
+    """Qwen3-VL's tower LoRA: a run resumed from its 1-step checkpoint gives the uninterrupted run's adapter;
+    --pipeline-stages 2 (whose stages do not give the DeepStack features' gradients back) refused in one line."""
+    import wgpu_train
+    from test_gemma3_vision_training import write_vision_data
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    _, folder, _ = vlm
+    data = write_vision_data(tmp_path / "data", records())
+    kw = dict(model=str(folder), data=str(data), backend="numpy", batch_size=1, grad_accum=2, lr=1e-2,
+              valid_split=0.0, lora_targets=("q_proj", "v_proj", "qkv", "merger.linear_fc2"), no_progress=True)
+    wgpu_train.finetune(out=str(tmp_path / "one"), max_steps=2, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=1, **kw)
+    wgpu_train.finetune(out=str(tmp_path / "part"), max_steps=2, resume=str(tmp_path / "part"), **kw)
+    whole, part = (read_safetensors(tmp_path / f / "adapter_model.safetensors") for f in ("one", "part"))
+    assert sum(".visual." in k for k in whole) == 6 and set(whole) == set(part)
+    for k in whole:
+        np.testing.assert_array_equal(part[k], whole[k], err_msg=k)
+    with pytest.raises(ConfigError, match="DeepStack") as e:
+        wgpu_train.finetune(out=str(tmp_path / "stages"), max_steps=1, pipeline_stages=2, **kw)
+    assert "\n" not in str(e.value)
