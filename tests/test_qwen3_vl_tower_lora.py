@@ -152,9 +152,9 @@ def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
     assert "the vision tower's alone" in capsys.readouterr().err
 
 
-def test_tower_lora_resume_and_pipeline_stages(vlm, tmp_path):
-    """Qwen3-VL's tower LoRA: a run resumed from its 1-step checkpoint gives the uninterrupted run's adapter;
-    --pipeline-stages 2 (whose stages do not give the DeepStack features' gradients back) refused in one line."""
+def test_tower_lora_resume_workers_and_pipeline_stages(vlm, tmp_path):
+    """Qwen3-VL's tower LoRA: a run resumed from its 1-step checkpoint gives the uninterrupted run's adapter, two
+    data-parallel workers (each its DeepStack gradients, all-reduced) one process's; --pipeline-stages 2 (whose stages do not give the DeepStack features' gradients back) refused in one line."""
     import wgpu_train
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.formats.safetensors import read_safetensors
@@ -170,6 +170,14 @@ def test_tower_lora_resume_and_pipeline_stages(vlm, tmp_path):
     assert sum(".visual." in k for k in whole) == 6 and set(whole) == set(part)
     for k in whole:
         np.testing.assert_array_equal(part[k], whole[k], err_msg=k)
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, max_steps=2, **kw), 2)
+    two = read_safetensors(tmp_path / "two" / "adapter_model.safetensors")
+    assert set(two) == set(whole)
+    for k in whole:
+        assert_close(two[k], whole[k], "data_parallel_qwen_tower", k)
     with pytest.raises(ConfigError, match="DeepStack") as e:
         wgpu_train.finetune(out=str(tmp_path / "stages"), max_steps=1, pipeline_stages=2, **kw)
     assert "\n" not in str(e.value)
