@@ -181,3 +181,12 @@ def test_tower_lora_resume_workers_and_pipeline_stages(vlm, tmp_path):
     with pytest.raises(ConfigError, match="DeepStack") as e:
         wgpu_train.finetune(out=str(tmp_path / "stages"), max_steps=1, pipeline_stages=2, **kw)
     assert "\n" not in str(e.value)
+
+
+def test_adapter_on_the_patch_embedding_refused_in_one_line(vlm):
+    """PEFT's `.*visual.*\\.(qkv|proj)` also wraps the Conv3d patch_embed.proj: its adapter is refused by name."""
+    _, _, vm = vlm
+    with pytest.raises(ConfigError, match="LoRA on visual.patch_embed.proj: not a linear module of the vision "
+                                          "tower's blocks or mergers"):
+        vm.set_tower_lora({"base_model.model.model.visual.patch_embed.proj.lora_A.weight": np.zeros((2, 384)),
+                           "base_model.model.model.visual.patch_embed.proj.lora_B.weight": np.zeros((32, 2))}, 1.0)
