@@ -154,7 +154,8 @@ def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
 
 def test_tower_lora_resume_workers_and_pipeline_stages(vlm, tmp_path):
     """Qwen3-VL's tower LoRA: a run resumed from its 1-step checkpoint gives the uninterrupted run's adapter, two
-    data-parallel workers (each its DeepStack gradients, all-reduced) one process's; --pipeline-stages 2 (whose stages do not give the DeepStack features' gradients back) refused in one line."""
+    data-parallel workers (each its DeepStack gradients, all-reduced) one process's; --pipeline-stages 2 (whose
+    stages do not give the DeepStack features' gradients back) refused in one line."""
     import wgpu_train
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.formats.safetensors import read_safetensors

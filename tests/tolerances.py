@@ -73,8 +73,8 @@ TOLERANCES: dict[str, Tolerance] = {
         "so the steps after carry it into the adapter and the next generation's losses and metrics (GRPO with "
         "tools, 3 steps at lr 2e-2: 9e-8 absolute on the adapter, 2.4e-7 relative on the metrics, measured)"),
     "data_parallel_qwen_tower": Tolerance(2e-3, 3e-4,
-        "two data-parallel workers against one process with LoRA on Qwen3-VL's tower (qkv, the merger) and its language "
-        "model: as data_parallel_tower_numpy, AdamW's first steps turn the all-reduce's float32 rounding of tiny "
+        "two data-parallel workers against one process with LoRA on Qwen3-VL's tower (qkv, the merger) and its "
+        "language model: as data_parallel_tower_numpy, AdamW's first steps turn the all-reduce's float32 rounding of tiny "
         "gradients into part of an lr-sized update (2 steps at lr 1e-2: 1.05e-4 absolute on 1 of 512 elements, "
         "measured); a worker's gradient left out moves the adapter by about lr"),
     "data_parallel_tower_numpy": Tolerance(1e-4, 1e-5,

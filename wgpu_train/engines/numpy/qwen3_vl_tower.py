@@ -149,7 +149,7 @@ class Qwen3VLTower(LoraLinears):
 
     def _block_backward(self, dx, i: int, rotary, c: dict, grads: dict):
         """Block i's input gradient (P, C) from its output's dx (P, C)."""
-        vc, w, p = self.vc, self.w, f"{VISUAL}blocks.{i}."
+        w, p = self.w, f"{VISUAL}blocks.{i}."
         dg = self._linear_backward(dx, p + "mlp.linear_fc2", c, grads)
         dh = self._linear_backward(gelu_backward(dg, c["f1"]), p + "mlp.linear_fc1", c, grads)
         dx = dx + layernorm_backward(dh, c["x2"], w[p + "norm2.weight"], c["rstd2"])
