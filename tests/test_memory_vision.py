@@ -45,6 +45,10 @@ def test_the_tower_is_counted(folder, capsys):
     assert tower4["vision"]["tower_activations"] == 2 * tower["tower_activations"]  # the images at once
     text = memory(capsys, folder, "--batch-size", "2", "--images-per-row", "0")
     assert one["total"] - text["total"] == v["tower_activations"]
+    from wgpu_train.cli.main import main
+
+    assert main(["memory", "--model", str(folder), "--max-seq-len", "64", "--lora-targets", "q_proj,qkv"]) == 2
+    assert "qkv is not a module of this model's vision tower" in capsys.readouterr().err   # Qwen's name
 
 
 def test_image_tokens_over_the_row_and_a_text_model_are_refused(folder, tmp_path, capsys):

@@ -104,7 +104,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     images) and the image tokens per row, which must fit --max-seq-len; None for a model without images."""
     from pathlib import Path
 
-    from wgpu_train.models.vision import VisionConfig, split_targets, tower_activation_values, tower_parameters
+    from wgpu_train.models.vision import (ENCODER_MODULES, VisionConfig, split_targets, tower_activation_values,
+                                          tower_parameters)
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config"):
@@ -125,6 +126,10 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
                           f"no room for text")
     language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
+    qwen = [m for m in tower if m not in ENCODER_MODULES]
+    if qwen:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: {qwen[0]} is not a module of this model's vision "
+                          f"tower (its encoder's: fc1, fc2, vision_tower.q_proj, ...)")
     if tower and not language:
         raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
                           f"model's too (q_proj, ...), as finetune trains them")
