@@ -2,6 +2,8 @@
 AdamW moments, cut into pieces that each fit one binding, their zeroing, the clipped gradient norm and AdamW."""
 from __future__ import annotations
 
+import numpy as np
+
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import F32, Matrix, Packed, read_tensor, write_tensor
@@ -110,6 +112,16 @@ class Optimizer:
             lr = hp.lr * hp.lora_b_lr_ratio if is_b else hp.lr
             K.adamw_update(rec, param, grad, m, v, n, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
                            scale_buf=norm_at)
+
+    def record_given_norm(self, rec, norm: float, hp, step: int, norm_at):
+        """AdamW on every piece clipped by a global norm gathered elsewhere (every pipeline stage's gradients, or
+        the language model's with the vision tower's): [norm, clip scale, finite] written at norm_at (a buffer, an
+        element offset), the values grad_norm_finalize computes from one process's gradients, then record_adamw."""
+        clip = np.float32(1.0)          # as grad_norm_finalize computes it, in float32
+        if hp.max_grad_norm and hp.max_grad_norm > 0:
+            clip = min(clip, np.float32(hp.max_grad_norm) / (np.float32(norm) + np.float32(1e-6)))
+        self.rt.write(norm_at[0], np.array([norm, clip, 1.0], np.float32), norm_at[1] * F32)
+        self.record_adamw(rec, hp, step, norm_at)
 
     def grad_spans(self) -> list:
         """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
