@@ -249,7 +249,8 @@ def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt):
 
 def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
     """finetune --lora-targets q_proj,v_proj,vision_tower --backend wgpu on the tiny Gemma 3 vision model: the
-    losses and the adapter (the tower's LoRA and the language model's) after 3 steps equal --backend numpy's."""
+    losses and the adapter (the tower's LoRA and the language model's) after 3 steps equal --backend numpy's; a
+    WebGPU run stopped after 1 step and resumed from its checkpoint gives the uninterrupted one's adapter."""
     from test_gemma3_vision_training import vision_records, write_vision_data
 
     from wgpu_train.cli.main import main
@@ -258,13 +259,16 @@ def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_
     _, folder, _ = chat_vlm
     data = write_vision_data(tmp_path / "data", vision_records())
     runs = {}
-    for backend in ("numpy", "wgpu"):
-        out = tmp_path / backend
+
+    def finetune(backend, out, steps, *more):
         device = ["--device", str(default_rt.info.index)] if backend == "wgpu" else []
         assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, *device,
-                     "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
+                     "--max-steps", str(steps), "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
                      "q_proj,v_proj,vision_tower", "--no-progress", "--valid-split", "0", "--log-every", "1",
-                     "--out", str(out)]) == 0
+                     "--out", str(out), *more]) == 0
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        finetune(backend, out, 3)
         where = "on the device" if backend == "wgpu" else "NumPy, on the CPU"
         assert f"trainable parameters ({where})" in capsys.readouterr().err
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -276,3 +280,8 @@ def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_
     for name in ad_c:
         assert_close(ad_g[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
     assert all(np.abs(ad_c[k]).max() > 0 for k in ad_c if ".vision_tower." in k and "lora_B" in k)
+    finetune("wgpu", tmp_path / "part", 1)
+    finetune("wgpu", tmp_path / "part", 3, "--resume", str(tmp_path / "part"))
+    part = read_safetensors(tmp_path / "part" / "adapter_model.safetensors")
+    for name in ad_g:
+        np.testing.assert_array_equal(part[name], ad_g[name], err_msg=name)
