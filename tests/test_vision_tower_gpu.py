@@ -197,11 +197,12 @@ def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, default_rt, monkeypatc
         assert_close(grads_g[name], g, "gpu_grads", name)
 
 
-def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt, checkpointing):
     """VisionModel.train_step with LoRA on the tower and the language model on WebGPU (the engine's zero_grads,
     forward_backward per micro-batch, image_grad, gradients, reduce_gradients and apply_update): each step's loss,
     count and norm, and both adapters after 2 steps (the second through a data-parallel `reduce`), equal the NumPy
-    engine's."""
+    engine's, with the WebGPU engine's gradient checkpointing too."""
     from test_gemma3_vision import IMG, two_image_batch
 
     from wgpu_train.data.batching import Example
@@ -212,6 +213,7 @@ def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt):
     _, folder, _ = vlm
     cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu",
                                                             device=str(default_rt.info.index))
+    gpu.model.engine.set_gradient_checkpointing(checkpointing)
     rng = np.random.default_rng(11)
     tensors = {}
     for path in cpu.tower.modules()[::2]:
