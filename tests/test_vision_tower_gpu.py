@@ -235,6 +235,9 @@ def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt, checkpoi
         steps = [vm.train_step(micro, hp, 1),
                  vm.train_step(micro, hp, 2, reduce=lambda flat, total: reduced.append(total) or flat)]
         assert reduced == [steps[1][1]] * 2, "the language model's gradients, then the tower's, went through reduce"
+        if name == "wgpu":      # the packed LoRA gradients come back for the norm in one readback
+            counters, before = vm.model.engine.rt.counters, vm.model.engine.rt.counters["readbacks"]
+            assert len(vm.model.engine.gradients()) == 8 and counters["readbacks"] == before + 1
         got[name] = steps, {k: v.copy() for k, v in vm.tower_trainable().items()}, vm.model.lora_state_dict()
     (steps_c, tower_c, lm_c), (steps_g, tower_g, lm_g) = got["numpy"], got["wgpu"]
     for (loss_c, count_c, norm_c, applied_c), (loss_g, count_g, norm_g, applied_g) in zip(steps_c, steps_g):

@@ -137,8 +137,18 @@ class Optimizer:
         return spans
 
     def gradients(self, shape_of) -> dict:
-        """Every gradient read back, name -> array of shape_of(name)."""
-        return {k: read_tensor(self.rt, g, shape_of(k)) for k, g in self.grads.items()}
+        """Every gradient read back, name -> array of shape_of(name): the packed LoRA gradients in one readback."""
+        packed, out = {}, {}
+        for k, g in self.grads.items():
+            if not isinstance(g, tuple):
+                out[k] = read_tensor(self.rt, g, shape_of(k))
+                continue
+            buf, off = g
+            if id(buf) not in packed:
+                packed[id(buf)] = self.rt.read(buf, np.float32)
+            shape = shape_of(k)
+            out[k] = packed[id(buf)][off:off + int(np.prod(shape))].reshape(shape).copy()
+        return out
 
     def state(self, shape_of) -> dict:
         """name -> (m, v) read back."""
