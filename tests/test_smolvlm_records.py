@@ -241,6 +241,34 @@ def test_cli_finetune_on_smolvlm_images(chat_vlm, tmp_path, capsys):
     assert any(np.abs(p.detach().numpy()).max() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
 
 
+def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
+    """finetune --lora-targets q_proj,v_proj,vision_model --backend wgpu: SmolVLM's tower (its tiles) with its LoRA on
+    the device gives --backend numpy's losses and adapter after 3 steps."""
+    from test_gemma3_vision_training import write_vision_data
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    runs = {}
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        device = ["--device", str(default_rt.info.index)] if backend == "wgpu" else []
+        assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, *device,
+                     "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
+                     "q_proj,v_proj,vision_model", "--no-progress", "--valid-split", "0", "--log-every", "1",
+                     "--out", str(out)]) == 0
+        assert ("(on the device)" in capsys.readouterr().err) == (backend == "wgpu")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = ([r["loss"] for r in rows if "loss" in r and "split" not in r],
+                         read_safetensors(out / "adapter_model.safetensors"))
+    (loss_c, ad_c), (loss_g, ad_g) = runs["numpy"], runs["wgpu"]
+    assert len(loss_g) == 3 and set(ad_g) == set(ad_c) and sum(".vision_model." in k for k in ad_c) == 2 * 2 * 6
+    assert_close(np.array(loss_g), np.array(loss_c), "loss_f32", "losses")
+    for name in ad_c:
+        assert_close(ad_g[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
+
+
 def test_chat_image_turn_answers_as_generate_image(chat_vlm, tmp_path, monkeypatch, capsys):
     """`chat` with /image on SmolVLM: the first turn generate --image's answer; the next turn the greedy answer to
     the whole conversation, the first image's tiles in it; `serve`'s VisionModel is the same (it takes images)."""

@@ -195,3 +195,98 @@ def test_tower_lora_gradients_on_webgpu_equal_numpys(vlm, default_rt, monkeypatc
     assert set(grads_g) == set(grads_c) and sum("vision_tower" in k for k in grads_c) == 2 * 4
     for name, g in grads_c.items():
         assert_close(grads_g[name], g, "gpu_grads", name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt, checkpointing):
+    """VisionModel.train_step with LoRA on the tower and the language model on WebGPU (the engine's zero_grads,
+    forward_backward per micro-batch, image_grad, gradients, reduce_gradients and apply_update): each step's loss,
+    count and norm, and both adapters after 2 steps (the second through a data-parallel `reduce`), equal the NumPy
+    engine's, with the WebGPU engine's gradient checkpointing too."""
+    from test_gemma3_vision import IMG, two_image_batch
+
+    from wgpu_train.data.batching import Example
+    from wgpu_train.engines.protocol import OptimizerParams
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.models.vision import tower_lora_key
+
+    _, folder, _ = vlm
+    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu",
+                                                            device=str(default_rt.info.index))
+    gpu.model.engine.set_gradient_checkpointing(checkpointing)
+    rng = np.random.default_rng(11)
+    tensors = {}
+    for path in cpu.tower.modules()[::2]:
+        out_f, in_f = cpu.tower.w[path + ".weight"].shape
+        tensors[tower_lora_key(path, "A", cpu.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+        tensors[tower_lora_key(path, "B", cpu.vision)] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+    ids, mask, _ = two_image_batch()
+    labels = np.where((mask == 1) & (ids != IMG), ids, -100)
+    px = np.random.default_rng(12).standard_normal((3, 3, cpu.vision.image_size, cpu.vision.image_size))
+    px = px.astype(np.float32)
+    n = int(mask[1].sum())
+    micro = [[Example(ids[0], labels[0], images=list(px[:2]))], [Example(ids[1, :n], labels[1, :n], images=[px[2]])]]
+    hp = OptimizerParams(lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
+    got = {}
+    for name, vm in (("numpy", cpu), ("wgpu", gpu)):
+        vm.set_tower_lora({k: v.copy() for k, v in tensors.items()}, 2.5)     # AdamW updates the arrays it takes
+        vm.model.add_lora(LoraConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"]), seed=0)
+        reduced = []
+        steps = [vm.train_step(micro, hp, 1),
+                 vm.train_step(micro, hp, 2, reduce=lambda flat, total: reduced.append(total) or flat)]
+        assert reduced == [steps[1][1]] * 2, "the language model's gradients, then the tower's, went through reduce"
+        if name == "wgpu":      # the packed LoRA gradients come back for the norm in one readback
+            counters, before = vm.model.engine.rt.counters, vm.model.engine.rt.counters["readbacks"]
+            assert len(vm.model.engine.gradients()) == 8 and counters["readbacks"] == before + 1
+        got[name] = steps, {k: v.copy() for k, v in vm.tower_trainable().items()}, vm.model.lora_state_dict()
+    (steps_c, tower_c, lm_c), (steps_g, tower_g, lm_g) = got["numpy"], got["wgpu"]
+    for (loss_c, count_c, norm_c, applied_c), (loss_g, count_g, norm_g, applied_g) in zip(steps_c, steps_g):
+        assert applied_c and applied_g and count_g == count_c
+        assert_close(np.float64(loss_g), np.float64(loss_c), "gpu_loss", "loss sum")
+        assert_close(np.float64(norm_g), np.float64(norm_c), "gpu_loss", "grad norm")
+        assert norm_c > hp.max_grad_norm, "the norm clips: the clip scale is exercised"
+    assert set(tower_g) == set(tower_c) and set(lm_g) == set(lm_c)
+    for name, t in {**tower_c, **lm_c}.items():
+        ours = tower_g[name] if name in tower_g else lm_g[name]
+        assert_close(ours, t, "gpu_params_after_steps_lr1e-2", name)
+    assert any(np.abs(lm_c[k]).max() > 1e-3 for k in lm_c if "lora_B" in k), "the language model's LoRA trained"
+
+
+def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
+    """finetune --lora-targets q_proj,v_proj,vision_tower --backend wgpu on the tiny Gemma 3 vision model: the
+    losses and the adapter (the tower's LoRA and the language model's) after 3 steps equal --backend numpy's; a
+    WebGPU run stopped after 1 step and resumed from its checkpoint gives the uninterrupted one's adapter."""
+    from test_gemma3_vision_training import vision_records, write_vision_data
+
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    runs = {}
+
+    def finetune(backend, out, steps, *more):
+        device = ["--device", str(default_rt.info.index)] if backend == "wgpu" else []
+        assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, *device,
+                     "--max-steps", str(steps), "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
+                     "q_proj,v_proj,vision_tower", "--no-progress", "--valid-split", "0", "--log-every", "1",
+                     "--out", str(out), *more]) == 0
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        finetune(backend, out, 3)
+        where = "on the device" if backend == "wgpu" else "NumPy, on the CPU"
+        assert f"trainable parameters ({where})" in capsys.readouterr().err
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = ([r["loss"] for r in rows if "loss" in r and "split" not in r],
+                         read_safetensors(out / "adapter_model.safetensors"))
+    (loss_c, ad_c), (loss_g, ad_g) = runs["numpy"], runs["wgpu"]
+    assert len(loss_g) == 3 and set(ad_g) == set(ad_c) and sum(".vision_tower." in k for k in ad_c) == 2 * 2 * 6
+    assert_close(np.array(loss_g), np.array(loss_c), "loss_f32", "losses")
+    for name in ad_c:
+        assert_close(ad_g[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
+    assert all(np.abs(ad_c[k]).max() > 0 for k in ad_c if ".vision_tower." in k and "lora_B" in k)
+    finetune("wgpu", tmp_path / "part", 1)
+    finetune("wgpu", tmp_path / "part", 3, "--resume", str(tmp_path / "part"))
+    part = read_safetensors(tmp_path / "part" / "adapter_model.safetensors")
+    for name in ad_g:
+        np.testing.assert_array_equal(part[name], ad_g[name], err_msg=name)

@@ -286,24 +286,21 @@ class VisionModel:
         The tower frozen: its embeddings of each micro-batch's images, then the engine's own step (reduce and
         extra as the engine protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row
         gradient goes back through the tower, `reduce` (a data-parallel worker's) sums both over the workers, and
-        one global norm clips both before AdamW updates each."""
+        one global norm clips both before AdamW updates each: on the WebGPU engine, a submission per micro-batch's
+        forward and backward, the gradients read back for the norm, then AdamW's (the text-only and frozen-tower
+        steps stay one submission)."""
         micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
         if not self.tower.lora:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
-        if not hasattr(self.model.engine, "apply_update"):
-            raise ConfigError("LoRA on the vision tower trains on the NumPy engine (or NumPy stages) only for now "
-                              "(backend='numpy')")
-        engine, caches = self.model.engine, []
-        batches = []
-        for mb in micro:
-            caches.append({})
-            batches.append(self.engine_batch(mb, caches[-1]))
-        total = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
+        engine = self.model.engine
+        total = sum(int((shift_labels(np.asarray(b.labels, np.int64)) != IGNORE_INDEX).sum()) for b in micro)
         engine.zero_grads()
         self.tower_optimizer.zero_grads()
         loss_sum = 0.0
-        for (ids, targets, seg, pos, *images), cache in zip(batches, caches):
+        for mb in micro:    # the tower's forward just before its backward (the device tower keeps its last one's)
+            cache: dict = {}
+            ids, targets, seg, pos, *images = self.engine_batch(mb, cache)
             engine.set_images(images[0] if images else None)
             try:
                 loss_sum += engine.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]

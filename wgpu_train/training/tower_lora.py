@@ -22,15 +22,14 @@ def attach_tower(trainer) -> VisionModel:
     modules = split_targets(cfg.lora_targets)[1] if cfg.method == "lora" else ()
     if not modules:
         return vision
-    for flag, given in ((f"--backend {trainer.backend}", trainer.backend != "numpy"),
-                        ("--lora-dropout", cfg.lora_dropout), ("--rslora", cfg.rslora), ("--dora", cfg.dora),
+    for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--rslora", cfg.rslora), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian")),
                         ("--lora-rank-pattern", cfg.lora_rank_pattern),
                         ("--lora-alpha-pattern", cfg.lora_alpha_pattern),
                         ("--early-stop-patience", cfg.early_stop_patience), ("--adapter-path", trainer.continued_from)):
         if given:
-            raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains on the NumPy engine, "
-                              f"at one rank and alpha, without dropout)")
+            raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains at one rank and "
+                              f"alpha, without dropout)")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]
@@ -44,8 +43,9 @@ def attach_tower(trainer) -> VisionModel:
     if trainer.resume:
         _restore(vision, trainer.resume.folder)
     n = sum(a.size + b.size for a, b, _ in vision.tower.lora.values())
+    where = "on the device" if vision.device_tower is not None else "NumPy, on the CPU"
     trainer.log(f"LoRA on the vision tower: {', '.join(modules)} in {len(paths)} modules, "
-                f"{n:,} trainable parameters (NumPy, on the CPU)")
+                f"{n:,} trainable parameters ({where})")
     return vision
 
 

@@ -2,13 +2,14 @@
 optimizer step (forward, loss, backward, clipping, AdamW) recorded into one command encoder. It owns its parts
 as objects, each told the state it reads: the buckets (buffers.py), the layer recording (layers.py), DoRA's
 norms (dora.py), the dropout seeds (dropout_seeds.py), the optimizer (optimizer.py), the steps (steps.py),
-KV-cache generation (kv_cache.py) and Gemma 3's images (images.py)."""
+KV-cache generation (kv_cache.py) and Gemma 3's images (images.py). (Over 450 lines: the engine protocol's methods,
+each a few lines handing its work to a part.)"""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
-from wgpu_train.engines.protocol import EngineState, LossScaler, Precision, check_precision_widths
+from wgpu_train.engines.protocol import EngineState, LossScaler, OptimizerParams, Precision, check_precision_widths
 from wgpu_train.engines.shared.moe import check_router_aux_loss
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.weights import is_buffer, module_path
@@ -364,6 +365,29 @@ class WgpuEngine(EngineState):
 
     def gradients(self) -> dict:
         return self.optimizer.gradients(self._shape_of)
+
+    def apply_update(self, norm, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
+                     lora_b_lr_ratio=1.0):
+        """train_step's clipping and AdamW kernels on the gradients accumulated so far, their global norm given (a
+        pipeline stage's: every stage's; the vision tower's LoRA step: the language model's and the tower's), in a
+        submission of their own; a non-finite norm skips the update. (norm, applied)."""
+        applied = bool(np.isfinite(norm))
+        if applied:
+            rec, hp = self.rt.recorder(), OptimizerParams(lr, beta1, beta2, eps, weight_decay, max_grad_norm,
+                                                          lora_b_lr_ratio)
+            self.optimizer.record_given_norm(rec, norm, hp, step, (self.steps.results, 0))
+            submit(self.rt, self.counters, rec)
+            self.dora.stale = True          # A and B moved: the next forward recomputes DoRA's norms
+        else:
+            self.counters["nonfinite_skipped"] += 1
+        return norm, applied
+
+    def reduce_gradients(self, reduce, total: int):
+        """The gradients so far through a data-parallel `reduce` (train_step's), its result kept
+        (StepRunner.reduce_gradients): the vision tower's LoRA step reduces the language model's with it."""
+        before = dict(self.rt.counters)
+        self.steps.reduce_gradients(self.rt.recorder(), reduce, total, False)
+        count_submissions(self.rt, self.counters, before)
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state(self._shape_of)

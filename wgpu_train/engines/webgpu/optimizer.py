@@ -2,6 +2,8 @@
 AdamW moments, cut into pieces that each fit one binding, their zeroing, the clipped gradient norm and AdamW."""
 from __future__ import annotations
 
+import numpy as np
+
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tensors import F32, Matrix, Packed, read_tensor, write_tensor
@@ -111,6 +113,16 @@ class Optimizer:
             K.adamw_update(rec, param, grad, m, v, n, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step,
                            scale_buf=norm_at)
 
+    def record_given_norm(self, rec, norm: float, hp, step: int, norm_at):
+        """AdamW on every piece clipped by a global norm gathered elsewhere (every pipeline stage's gradients, or
+        the language model's with the vision tower's): [norm, clip scale, finite] written at norm_at (a buffer, an
+        element offset), the values grad_norm_finalize computes from one process's gradients, then record_adamw."""
+        clip = np.float32(1.0)          # as grad_norm_finalize computes it, in float32
+        if hp.max_grad_norm and hp.max_grad_norm > 0:
+            clip = min(clip, np.float32(hp.max_grad_norm) / (np.float32(norm) + np.float32(1e-6)))
+        self.rt.write(norm_at[0], np.array([norm, clip, 1.0], np.float32), norm_at[1] * F32)
+        self.record_adamw(rec, hp, step, norm_at)
+
     def grad_spans(self) -> list:
         """(buffer, element offset, elements) of the gradients, neighbouring pieces of one buffer merged: one
         span (the packed buffer) with LoRA, one per gradient buffer of a trained base weight (full fine-tuning,
@@ -125,8 +137,18 @@ class Optimizer:
         return spans
 
     def gradients(self, shape_of) -> dict:
-        """Every gradient read back, name -> array of shape_of(name)."""
-        return {k: read_tensor(self.rt, g, shape_of(k)) for k, g in self.grads.items()}
+        """Every gradient read back, name -> array of shape_of(name): the packed LoRA gradients in one readback."""
+        packed, out = {}, {}
+        for k, g in self.grads.items():
+            if not isinstance(g, tuple):
+                out[k] = read_tensor(self.rt, g, shape_of(k))
+                continue
+            buf, off = g
+            if id(buf) not in packed:
+                packed[id(buf)] = self.rt.read(buf, np.float32)
+            shape = shape_of(k)
+            out[k] = packed[id(buf)][off:off + int(np.prod(shape))].reshape(shape).copy()
+        return out
 
     def state(self, shape_of) -> dict:
         """name -> (m, v) read back."""

@@ -217,21 +217,9 @@ class WgpuStage(WgpuEngine):
             self._write(self.optimizer.grads[k], np.asarray(g, np.float32))
 
     def stage_update(self, norm: float, hp, step: int) -> bool:
-        """See PipelineStage.stage_update: [norm, clip scale, finite] written where AdamW reads them (the values
-        grad_norm_finalize computes from one process's gradients), then AdamW on every piece."""
-        applied = bool(np.isfinite(norm))
-        if applied:
-            clip = np.float32(1.0)          # as grad_norm_finalize computes it, in float32
-            if hp.max_grad_norm and hp.max_grad_norm > 0:
-                clip = min(clip, np.float32(hp.max_grad_norm) / (np.float32(norm) + np.float32(1e-6)))
-            norm_at = self.steps.results
-            self.rt.write(norm_at, np.array([norm, clip, 1.0], np.float32))
-            rec = self.rt.recorder()
-            self.optimizer.record_adamw(rec, hp, step, (norm_at, 0))
-            submit(self.rt, self.counters, rec)
-            self.dora.stale = True          # A and B moved: the next forward recomputes DoRA's norms
-        else:
-            self.counters["nonfinite_skipped"] += 1
+        """See PipelineStage.stage_update (WgpuEngine.apply_update)."""
+        _, applied = self.apply_update(norm, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm,
+                                       step, hp.lora_b_lr_ratio)
         if self.loss_scaler is not None:
             self.loss_scaler.update(applied)
         return applied

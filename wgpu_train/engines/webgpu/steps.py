@@ -299,7 +299,7 @@ class StepRunner:
             self.optimizer.record_unscale(rec, scaler.scale)
         first = {}
         if reduce is not None:
-            first = self._reduce_gradients(rec, reduce, total, profile)
+            first = self.reduce_gradients(rec, reduce, total, profile)
             rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
         norm_at = (self.results, 2 * n_micro)
         self.optimizer.record_update(rec, hp, step, norm_at)
@@ -359,7 +359,7 @@ class StepRunner:
                 raise ConfigError(f"activations overflow float16 in {where} (its output holds inf or NaN; float16 "
                                   f"holds {F16_MAX:g}): train with --precision bf16, which has float32's range")
 
-    def _reduce_gradients(self, rec, reduce, total: int, profile) -> dict:
+    def reduce_gradients(self, rec, reduce, total: int, profile) -> dict:
         """Submit what `rec` holds, reading the gradients back (the first span with it), pass them through
         `reduce` and upload its result; {"reduce_s": seconds in reduce, "profile": GPU seconds per op group}."""
         spans = self.optimizer.grad_spans()
