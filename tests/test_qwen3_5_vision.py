@@ -24,7 +24,8 @@ tf = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("PIL.Image")
 
-from test_qwen3_vl import CORPUS, END, PAD, SPECIALS, START, TEMPLATE, images, processor, records  # noqa: E402
+from test_qwen3_vl import (CORPUS, END, PAD, SPECIALS, START, TEMPLATE, check_cli_finetune_and_generate,  # noqa: E402
+                           images, processor)
 from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
 from wgpu_train.models.vision import VisionConfig  # noqa: E402
 
@@ -185,38 +186,8 @@ def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
     """`finetune --data` of TRL's vision records on Qwen3.5 (the NumPy engine; LoRA on the linear attention's
     in_proj_qkv and the attention's q_proj): the loss falls and the adapter loads in PEFT; `generate --image` with
     it gives transformers' greedy answer with the same adapter."""
-    from test_gemma3_vision_training import write_vision_data
-    from wgpu_train.cli.main import main
-    from wgpu_train.formats.tokenizer import load_tokenizer
-
     hf, folder, _ = vlm
-    data = write_vision_data(tmp_path / "data", records())
-    out = tmp_path / "run"
-    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "6",
-                 "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "in_proj_qkv,q_proj", "--no-progress",
-                 "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
-    capsys.readouterr()
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["images"] == 2
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
-    assert losses[-1] < losses[0]
-    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out).eval()
-    img = records()[0]["images"][0]
-    img.save(tmp_path / "red.png")
-    tok, hf_tok = load_tokenizer(folder), tf.AutoTokenizer.from_pretrained(folder)
-    vm = load_vision_model(folder)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]
-    text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    text = text.replace("<|image_pad|>", "<|image_pad|>" * (len(span(vm, img)) - 2))
-    ids = np.array([hf_tok(text)["input_ids"]])
-    with torch.no_grad():
-        gen = pm.generate(**hf_inputs(vm, ids, [img]), max_new_tokens=4, do_sample=False,
-                          eos_token_id=list(tok.stop_token_ids), pad_token_id=0)[0, ids.shape[1]:].tolist()
-    want = tok.decode([t for t in gen if t not in tok.stop_token_ids])
-    assert main(["generate", "--model", str(folder), "--adapter", str(out), "--prompt", "what colour?", "--image",
-                 str(tmp_path / "red.png"), "--max-new-tokens", "4", "--backend", "numpy"]) == 0
-    assert capsys.readouterr().out == want + "\n"
+    check_cli_finetune_and_generate(hf, folder, tmp_path, capsys, "in_proj_qkv,q_proj", span, hf_inputs)
 
 
 def test_refusals_in_one_line(vlm):

@@ -236,15 +236,22 @@ def test_records_expand_as_the_processor_does(vlm):
 def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
     """`finetune --data` of TRL's vision records on Qwen3-VL (the NumPy engine): the loss falls and the adapter
     loads in PEFT; `generate --image` with it gives transformers' greedy answer with the same adapter."""
+    hf, folder, _ = vlm
+    check_cli_finetune_and_generate(hf, folder, tmp_path, capsys, "q_proj,v_proj", span, hf_inputs)
+
+
+def check_cli_finetune_and_generate(hf, folder, tmp_path, capsys, targets: str, span, hf_inputs):
+    """`finetune --data` of records() on the Qwen-style model in `folder` (hf: transformers' twin) with LoRA on
+    `targets`, 6 steps on the NumPy engine: the loss falls and the adapter loads in PEFT; `generate --image` with it
+    gives transformers' greedy answer (span / hf_inputs: the model's test helpers)."""
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
     from wgpu_train.formats.tokenizer import load_tokenizer
 
-    hf, folder, _ = vlm
     data = write_vision_data(tmp_path / "data", records())
     out = tmp_path / "run"
     assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "6",
-                 "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "q_proj,v_proj", "--no-progress",
+                 "--batch-size", "2", "--lr", "3e-2", "--lora-targets", targets, "--no-progress",
                  "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())
