@@ -9,6 +9,7 @@ from wgpu_train.adapters.inits import fresh_pair
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.vision import selects, split_targets, tower_lora_key, tower_lora_path
+from wgpu_train.training.objectives import TrainerKind, objective_class
 
 _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoint array name prefixes
 
@@ -63,8 +64,9 @@ def check_tower_targets(cfg, folder, images: bool | None = None):
     if not json.loads((Path(folder) / "config.json").read_text()).get("vision_config"):
         raise ConfigError(f"{where}: names the vision tower's modules, and {folder} is a text-only model (no "
                           f"vision tower)")
-    if cfg.objective != "sft":
-        raise ConfigError(f"{where}: LoRA on the vision tower trains with --objective sft only for now")
+    if objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
+        raise ConfigError(f"{where}: LoRA on the vision tower trains with the supervised objectives only for now "
+                          f"(not --objective {cfg.objective})")
     if images is False:
         raise ConfigError(f"{where}: LoRA on the vision tower trains on records with images (TRL's vision format)")
 
