@@ -31,6 +31,10 @@ def attach_tower(trainer) -> VisionModel:
         if given:
             raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains at one rank and "
                               f"alpha, without dropout)")
+    if vision.qwen and vision.vision.deepstack_indexes and not hasattr(trainer.model.engine, "deepstack_grad"):
+        raise ConfigError(f"LoRA on {vision.vision.name}'s vision tower with DeepStack trains on the NumPy engine, "
+                          f"without pipeline stages, only for now (its DeepStack features' gradients): use "
+                          f"--backend numpy")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]
