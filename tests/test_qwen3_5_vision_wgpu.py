@@ -70,3 +70,32 @@ def test_greedy_generation_equals_numpys(pair):
     ids = np.array([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9])
     want = cpu.generate(ids, imgs, max_new_tokens=8)
     assert gpu.generate(ids, imgs, max_new_tokens=8) == want
+
+
+def test_tower_lora_gradients_beside_webgpu_equal_numpys(vlm):  # noqa: F811
+    """LoRA on Qwen3.5's tower (no DeepStack: its gradient is the image rows' alone, which the WebGPU engine gives
+    back) beside the language model's: the loss and every gradient, the tower's too, equal the NumPy engine's."""
+    require_adapter()
+    import wgpu_train
+    from wgpu_train.models.vision import tower_lora_key
+
+    _, folder, _ = vlm
+    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu")
+    rng = np.random.default_rng(11)
+    tensors = {}
+    for path in cpu.tower.modules()[::2]:
+        out_f, in_f = cpu.tower.w[path + ".weight"].shape
+        tensors[tower_lora_key(path, "A", cpu.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+        tensors[tower_lora_key(path, "B", cpu.vision)] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+    imgs = images(2, seed=3)
+    ids = np.array([[7, *span(cpu, imgs[0]), 11, 12, *span(cpu, imgs[1]), 13, 14]])
+    out = []
+    for vm in (cpu, gpu):
+        vm.set_tower_lora({k: v.copy() for k, v in tensors.items()}, 2.5)
+        vm.model.add_lora(wgpu_train.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj")), seed=0)
+        out.append(vm.loss_and_grads(ids, ids, imgs))
+    (la, ga), (lb, gb) = out
+    assert_close(np.float64(lb), la, "gpu_loss", "loss")
+    assert set(ga) == set(gb) and sum(".visual." in k for k in ga) == len(tensors)
+    for name in ga:
+        assert_close(gb[name], ga[name], "gpu_grads", name)
