@@ -1,6 +1,7 @@
 // The gated MLP activations, elementwise over N*F values: SwiGLU h = silu(gate) * up, GeGLU
 // h = gelu_tanh(gate) * up (transformers' gelu_pytorch_tanh) and the plain product h = gate * up (LFM2's gates),
-// gelu_tanh alone (gelu_forward / gelu_backward: SigLIP's MLP), and their gradients. Every tensor in any storage
+// gelu_tanh alone (gelu_forward / gelu_backward: SigLIP's MLP; with s1 = 1 the exact erf GELU, Qwen's mergers),
+// and their gradients. Every tensor in any storage
 // format (device/storage.py): one invocation per pair of elements (its last alone when n is odd).
 // Uniform: s0 = number of elements; o1..o5 = element offsets of bindings 1..5 (even for 16-bit tensors).
 
@@ -24,11 +25,25 @@ const SILU: u32 = 0u;                     // the gate's activation (a forward's 
 const GELU: u32 = 1u;
 const NONE: u32 = 2u;
 const SIGMOID: u32 = 3u;                  // h = up * sigmoid(gate): Qwen3.5's attention output gate
+const GELU_ERF: u32 = 4u;                 // h = x Phi(x), Phi by erf: gelu_forward / gelu_backward with s1 = 1
+
+// erf by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7), as engines/numpy/qwen3_vl_tower.erf on the host
+fn erf_as(x: f32) -> f32 {
+    let t = 1.0 / (1.0 + 0.3275911 * abs(x));
+    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    return sign(x) * (1.0 - poly * exp(-x * x));
+}
+
+// Phi(x), the standard normal's distribution function
+fn normal_cdf(x: f32) -> f32 {
+    return 0.5 * (1.0 + erf_as(x * 0.7071067811865476));
+}
 
 // h of one element: silu(g) * u, gelu_tanh(g) * u or g * u
 fn gated(g: f32, u: f32, mode: u32) -> f32 {
     if (mode == NONE) { return g * u; }
     if (mode == SIGMOID) { return u * sigmoid(g); }
+    if (mode == GELU_ERF) { return g * normal_cdf(g) * u; }
     if (mode == GELU) {
         let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
         return g * sigmoid(u2) * u;
@@ -42,6 +57,10 @@ fn grads(dh: f32, g: f32, u: f32, mode: u32) -> vec2<f32> {
     if (mode == SIGMOID) {
         let s = sigmoid(g);
         return vec2<f32>(dh * u * s * (1.0 - s), dh * s);
+    }
+    if (mode == GELU_ERF) {
+        let phi = normal_cdf(g);
+        return vec2<f32>(dh * u * (phi + g * 0.3989422804014327 * exp(-0.5 * g * g)), dh * (g * phi));
     }
     if (mode == GELU) {
         let u2 = 2.0 * GELU_C * (g + 0.044715 * g * g * g);
@@ -81,21 +100,22 @@ fn geglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     forward(first(wid, nwg, lid), GELU);
 }
 
-// ---- gelu alone (the vision tower's MLP): 1 h (out), 2 gate; h = gelu_tanh(gate) ----
+// ---- gelu alone (the vision towers' MLPs): 1 h (out), 2 gate; h = gelu_tanh(gate), or the erf GELU (s1 = 1) ----
 @compute @workgroup_size(256)
 fn gelu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = first(wid, nwg, lid);
+    let mode = select(GELU, GELU_ERF, p.s1 == 1u);
     if (i >= p.s0) { return; }
     if (i + 1u < p.s0) {
         let g = f_gate_ld2(p.o2 + i);
-        f_h_st2(p.o1 + i, vec2<f32>(gated(g.x, 1.0, GELU), gated(g.y, 1.0, GELU)));
+        f_h_st2(p.o1 + i, vec2<f32>(gated(g.x, 1.0, mode), gated(g.y, 1.0, mode)));
     } else {
-        f_h_st(p.o1 + i, gated(f_gate_ld(p.o2 + i), 1.0, GELU));
+        f_h_st(p.o1 + i, gated(f_gate_ld(p.o2 + i), 1.0, mode));
     }
 }
 
-// ---- gelu alone's backward: 1 dx (out), 2 dy, 3 x; dx = dy gelu_tanh'(x) ----
+// ---- gelu alone's backward: 1 dx (out), 2 dy, 3 x; dx = dy gelu_tanh'(x) (the erf GELU's with s1 = 1) ----
 // @tensor 1 gb_dx read_write
 // @tensor 2 gb_dy read
 // @tensor 3 gb_x read
@@ -104,13 +124,14 @@ fn gelu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 fn gelu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = first(wid, nwg, lid);
+    let mode = select(GELU, GELU_ERF, p.s1 == 1u);
     if (i >= p.s0) { return; }
     if (i + 1u < p.s0) {
         let dy = gb_dy_ld2(p.o2 + i);
         let x = gb_x_ld2(p.o3 + i);
-        gb_dx_st2(p.o1 + i, vec2<f32>(grads(dy.x, x.x, 1.0, GELU).x, grads(dy.y, x.y, 1.0, GELU).x));
+        gb_dx_st2(p.o1 + i, vec2<f32>(grads(dy.x, x.x, 1.0, mode).x, grads(dy.y, x.y, 1.0, mode).x));
     } else {
-        gb_dx_st(p.o1 + i, grads(gb_dy_ld(p.o2 + i), gb_x_ld(p.o3 + i), 1.0, GELU).x);
+        gb_dx_st(p.o1 + i, grads(gb_dy_ld(p.o2 + i), gb_x_ld(p.o3 + i), 1.0, mode).x);
     }
 }
 

@@ -40,6 +40,11 @@ TOLERANCES: dict[str, Tolerance] = {
         "tower, both float32: only the order of the sums differs (GEMM tiles, the flash attention's online softmax, "
         "the norms' row sums, the pooling as a GEMM), a few float32 roundings through 2 layers; a wrong mask, bias, "
         "norm or pooling window moves the embeddings by their own size"),
+    "qwen_tower_gpu": Tolerance(1e-4, 1e-5,
+        "Qwen3-VL's / Qwen3.5's tower on the WebGPU engine (engines/webgpu/qwen_vision_tower.py) against the NumPy "
+        "tower, both float32: the order of sums differs (GEMM tiles, the online softmax, the norms' row sums) and "
+        "the erf GELU's polynomial and exp round in float32 on the device, a few roundings through 2 blocks and the "
+        "mergers; a wrong rotary pair, image mask, merger norm or DeepStack order moves features by their own size"),
     "vision_tower_gpu_grads": Tolerance(1e-4, 2e-5,
         "the LoRA gradients of the SigLIP tower on the WebGPU engine (each layer recomputed from its input, then its "
         "backward, float32) against the NumPy tower's float64 backward, each tensor divided by its largest element: "

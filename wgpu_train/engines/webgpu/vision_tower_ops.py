@@ -1,7 +1,7 @@
 """The op wrappers only the SigLIP vision tower needs on the WebGPU engine (kernels.py's conventions: the Recorder
 first, then outputs, inputs, sizes; names of engines/numpy/vision_tower.py's ops): LayerNorm's forward with its
-bias and its backward's dx (shaders/rmsnorm.wgsl, the norm family), gelu_tanh alone and its backward
-(shaders/swiglu.wgsl, the MLP activations)."""
+bias and its backward's dx (shaders/rmsnorm.wgsl, the norm family), gelu_tanh (or the exact erf GELU, Qwen's mergers)
+alone and its backward (shaders/swiglu.wgsl, the MLP activations)."""
 from __future__ import annotations
 
 from wgpu_train.engines.webgpu.device import storage
@@ -47,13 +47,14 @@ def layernorm_backward(rec, dx, dy, x, weight, N, C, eps, accumulate=False):
                s0=N, s1=C, s2=int(accumulate), f0=eps)
 
 
-def gelu_forward(rec, y, x, n):
-    """y = gelu_tanh(x) over n elements (transformers' gelu_pytorch_tanh), any storage format each; not in place."""
+def gelu_forward(rec, y, x, n, erf=False):
+    """y = gelu_tanh(x) over n elements (transformers' gelu_pytorch_tanh), or with erf the exact GELU x Phi(x)
+    (erf by Abramowitz & Stegun 7.1.26), any storage format each; not in place."""
     if n > 0:
-        launch(rec, GELU, flat_grid(-(-n // (2 * WG))), [(y, n), (x, n)], s0=n)
+        launch(rec, GELU, flat_grid(-(-n // (2 * WG))), [(y, n), (x, n)], s0=n, s1=int(erf))
 
 
-def gelu_backward(rec, dx, dy, x, n):
-    """dx = dy * gelu_tanh'(x) over n elements, any storage format each; not in place."""
+def gelu_backward(rec, dx, dy, x, n, erf=False):
+    """dx = dy * gelu'(x) over n elements (gelu_forward's, erf likewise), any storage format each; not in place."""
     if n > 0:
-        launch(rec, GELU_BACKWARD, flat_grid(-(-n // (2 * WG))), [(dx, n), (dy, n), (x, n)], s0=n)
+        launch(rec, GELU_BACKWARD, flat_grid(-(-n // (2 * WG))), [(dx, n), (dy, n), (x, n)], s0=n, s1=int(erf))

@@ -1,0 +1,91 @@
+"""Qwen3-VL's and Qwen3.5's vision tower on the WebGPU engine (engines/webgpu/qwen_vision_tower.py) against the NumPy
+tower (the oracle, itself checked against transformers in test_qwen3_vl.py / test_qwen3_5_vision.py) on their tiny
+models: merged and DeepStack features, images in chunks and one refused to the NumPy tower; the erf GELU entry."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import test_qwen3_5_vision as q35
+from test_qwen3_vl import images, vlm  # noqa: F401  (the tiny Qwen3-VL fixture)
+from tolerances import assert_close
+
+from wgpu_train.engines.numpy.qwen3_vl_tower import gelu_erf_backward, gelu_erf_forward
+from wgpu_train.engines.vision_model import load_vision_model
+from wgpu_train.engines.webgpu import qwen_vision_tower, vision_tower_ops
+from wgpu_train.engines.webgpu.qwen_vision_tower import GpuQwenTower
+
+
+@pytest.fixture(scope="module")
+def vlm35(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5_tower_gpu")
+    q35.build(folder)
+    return load_vision_model(folder)
+
+
+def test_erf_gelu_equals_numpy(rt):
+    """gelu_forward / gelu_backward with erf against the NumPy tower's exact GELU (an odd count: the last alone),
+    and not the tanh GELU's values."""
+    rng = np.random.default_rng(3)
+    n = 301
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    dy = rng.standard_normal(n).astype(np.float32)
+    xb, dyb = rt.upload(x), rt.upload(dy)
+    y, dx = rt.buffer(x.nbytes), rt.buffer(x.nbytes)
+    rec = rt.recorder()
+    vision_tower_ops.gelu_forward(rec, y, xb, n, erf=True)
+    vision_tower_ops.gelu_backward(rec, dx, dyb, xb, n, erf=True)
+    rec.submit()
+    got = rt.read(y, np.float32, (n,))
+    assert_close(got, gelu_erf_forward(x), "qwen_tower_gpu")
+    assert_close(rt.read(dx, np.float32, (n,)), gelu_erf_backward(dy, x), "qwen_tower_gpu")
+    rec = rt.recorder()
+    vision_tower_ops.gelu_forward(rec, y, xb, n)
+    rec.submit()
+    assert np.abs(rt.read(y, np.float32, (n,)) - got).max() > 1e-4
+
+
+def check(vm, n_images, rt):
+    pixels, grids = vm.pixel_values(images(n_images))
+    tower = GpuQwenTower(rt, vm.tower)
+    got, deepstack = tower(pixels, grids)
+    want, want_deepstack = vm.tower(pixels, grids)
+    assert_close(got, want, "qwen_tower_gpu", "merged features")
+    assert len(deepstack) == len(want_deepstack)
+    for a, b in zip(deepstack, want_deepstack):
+        assert_close(a, b, "qwen_tower_gpu", "DeepStack features")
+    return tower, pixels, grids, want
+
+
+def test_qwen3_vl_features_equal_numpys(vlm, rt):  # noqa: F811
+    """Three images of three sizes (attention within each, the 2-D rotary, the resampled positions): the merged
+    and both DeepStack features (mergers out of block order) equal the NumPy tower's."""
+    check(vlm[2], 3, rt)
+
+
+def test_qwen3_5_features_equal_numpys(vlm35, rt):
+    """Qwen3.5's tower (no DeepStack): the merged features equal the NumPy tower's."""
+    check(vlm35, 2, rt)
+
+
+def test_chunks_and_an_image_too_big_for_a_binding(vlm, rt, monkeypatch):  # noqa: F811
+    """A binding that holds the first image's patches (48): it alone, then the other two (24 each) together, two
+    submissions; then one too small for any:
+    the NumPy tower runs them (no device forward), the features the same."""
+    vm = vlm[2]
+    pixels, grids = vm.pixel_values(images(3))
+    first = int(np.prod(grids[0]))
+    width = rt.max_binding // (4 * first)
+    monkeypatch.setattr(qwen_vision_tower, "row_width", lambda tower: width)
+    tower = GpuQwenTower(rt, vm.tower)
+    want = vm.tower(pixels, grids)
+    got = tower(pixels, grids)
+    assert [int(np.prod(g)) for g in grids] == [48, 24, 24] and tower.calls == 2
+    assert_close(got[0], want[0], "qwen_tower_gpu", "in chunks")
+    for a, b in zip(got[1], want[1]):
+        assert_close(a, b, "qwen_tower_gpu", "DeepStack in chunks")
+    monkeypatch.setattr(qwen_vision_tower, "row_width", lambda tower: rt.max_binding)
+    tower.calls = 0
+    got = tower(pixels, grids)
+    assert tower.calls == 0
+    assert_close(got[0], want[0], "qwen_tower_gpu", "on the NumPy tower")
