@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import test_qwen3_5_vision as q35
-from test_qwen3_vl import images, vlm  # noqa: F401  (the tiny Qwen3-VL fixture)
+from test_qwen3_vl import images, span, vlm  # noqa: F401  (the tiny Qwen3-VL fixture)
 from tolerances import assert_close
 
 from wgpu_train.engines.numpy.qwen3_vl_tower import gelu_erf_backward, gelu_erf_forward
@@ -89,3 +89,23 @@ def test_chunks_and_an_image_too_big_for_a_binding(vlm, rt, monkeypatch):  # noq
     got = tower(pixels, grids)
     assert tower.calls == 0
     assert_close(got[0], want[0], "qwen_tower_gpu", "on the NumPy tower")
+
+
+def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
+    """A WebGPU Qwen3-VL loads with the device tower, which runs (its counter) for logits with two images; they
+    equal the NumPy tower's run on the same language model; LoRA on the tower sends it back to the NumPy tower."""
+    _, folder, _ = vlm
+    vm = load_vision_model(folder, backend="wgpu")
+    assert isinstance(vm.device_tower, GpuQwenTower)
+    imgs = images(2)
+    ids = np.array([[7, 8, *span(vm, imgs[0]), 9, *span(vm, imgs[1]), 11, 12]])
+    got = vm.logits(ids, imgs)
+    assert vm.device_tower.calls == 1
+    device, vm.device_tower = vm.device_tower, None
+    assert_close(got, vm.logits(ids, imgs), "qwen_tower_gpu", "logits, device tower against the NumPy tower")
+    vm.device_tower = device
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 32)).astype(np.float32), np.zeros((96, 2), np.float32)
+    vm.set_tower_lora({"base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": a,
+                       "base_model.model.model.visual.blocks.0.attn.qkv.lora_B.weight": b}, 1.0)
+    assert vm.device_tower is None

@@ -27,6 +27,8 @@ from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
 from wgpu_train.engines.shared.labels import shift_labels
+from wgpu_train.engines.webgpu import qwen_vision_tower
+from wgpu_train.engines.webgpu.qwen_vision_tower import GpuQwenTower
 from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_device
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
@@ -43,7 +45,8 @@ class VisionModel:
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
     QwenImageSettings: each image its merged patches); device_tower: the same tower on the WebGPU engine
-    (webgpu/vision_tower.GpuVisionTower), which runs it (with the tower's LoRA and its backward too), or None.
+    (webgpu/vision_tower.GpuVisionTower), which runs it (with the tower's LoRA and its backward too), or None;
+    Qwen's (webgpu/qwen_vision_tower.GpuQwenTower) runs the frozen forward only, and set_tower_lora drops it.
     Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision, its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower)
     ImageTokens carry the M-RoPE positions and Qwen3-VL's DeepStack features, which both engines take."""
 
@@ -89,6 +92,8 @@ class VisionModel:
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
+        if self.qwen:           # Qwen's tower LoRA (forward and backward) runs on the NumPy tower
+            self.device_tower = None
         self.tower_optimizer = Optimizer(self.tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
     def tower_trainable(self) -> dict:
@@ -188,6 +193,8 @@ class VisionModel:
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
             embeds, deepstack, tower_cache = self.tower.forward(pixels, grids)
             cache.update(tower_cache)
+        elif self.device_tower is not None and not self.tower.lora:
+            embeds, deepstack = self.device_tower(pixels, grids)
         else:
             embeds, deepstack = self.tower(pixels, grids)
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
@@ -382,7 +389,9 @@ def attach_vision(model: Model, path) -> VisionModel:
             tensors.update(read_safetensors(f, names=set(visual_names(safetensors_names(f)).values())))
         names = check_visual_tensors(tensors, vision, folder)
         tower = Qwen3VLTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
-        return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision))
+        device = (GpuQwenTower(model.engine.rt, tower) if model.backend == "wgpu" and
+                  qwen_vision_tower.runs_on_device(model.engine.rt, tower) else None)
+        return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
     tensors = {}                # the tower's and projector's tensors alone, not the language model's again
     for f in weight_files(folder):
         tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))
