@@ -52,11 +52,9 @@ class GpuQwenTower:
         limit = self.rt.max_binding // (4 * row_width(self.tower))      # patches a chunk may hold
         parts, start, i = [], 0, 0
         while i < len(sizes):
-            j, rows = i, 0
-            while j < len(sizes) and rows + sizes[j] <= limit:
-                rows += sizes[j]
+            j = i + 1           # images i..j-1: at least one, more while they fit
+            while j < len(sizes) and sum(sizes[i:j + 1]) <= limit:
                 j += 1
-            j = max(j, i + 1)
             rows = sum(sizes[i:j])
             chunk = (np.asarray(pixels[start:start + rows], np.float32), grids[i:j])
             parts.append(self._forward(*chunk) if rows <= limit else self.tower(*chunk))
