@@ -78,7 +78,7 @@ class Qwen3VLTower(LoraLinears):
         self.w = {k: np.asarray(v, dtype=self.dtype) for k, v in weights.items()}
         self.lora: dict = {}
 
-    def _mergers(self) -> list:
+    def mergers(self) -> list:
         """(prefix, post_norm) of the merger and of each DeepStack merger."""
         return [(VISUAL + "merger.", False), *((f"{VISUAL}deepstack_merger_list.{j}.", True)
                                                 for j in range(len(self.vc.deepstack_indexes)))]
@@ -86,7 +86,7 @@ class Qwen3VLTower(LoraLinears):
     def modules(self) -> list[str]:
         """Every block's and merger's linear module path, the LoRA targets the tower offers."""
         return [*(f"{VISUAL}blocks.{i}.{m}" for i in range(self.vc.depth) for m in BLOCK_MODULES),
-                *(p + m for p, _ in self._mergers() for m in MERGER_MODULES)]
+                *(p + m for p, _ in self.mergers() for m in MERGER_MODULES)]
     def position_embeddings(self, grid) -> np.ndarray:
         """The learned position grid resampled to one image's patches (P, C), in pixel_values' order."""
         side = int(round(self.vc.num_position_embeddings ** 0.5))
@@ -176,8 +176,8 @@ class Qwen3VLTower(LoraLinears):
         x = ops.linear_forward(np.asarray(pixels, self.dtype), kernel, w[VISUAL + "patch_embed.proj.bias"])
         x = x + np.concatenate([self.position_embeddings(g) for g in grids]).astype(self.dtype)   # (P, C)
         rotary = [self.rotary_positions(g) for g in grids]
-        mergers = self._mergers()
-        cache = {"rotary": rotary, "blocks": [], "mergers": [None] * len(mergers)}    # mergers in _mergers' order
+        mergers = self.mergers()
+        cache = {"rotary": rotary, "blocks": [], "mergers": [None] * len(mergers)}    # in mergers()' order
         deepstack = []          # in the blocks' order, as transformers collects them
         for i in range(vc.depth):
             c: dict = {}
@@ -201,7 +201,7 @@ class Qwen3VLTower(LoraLinears):
         forward's order, the blocks') ->
         {module path.lora_A / .lora_B: gradient} of the tower's LoRA; the ops in reverse order of forward's."""
         grads: dict = {}
-        mergers = self._mergers()
+        mergers = self.mergers()
         dx = self._merge_backward(dout, *mergers[0], cache["mergers"][0], grads)
         for i in reversed(range(self.vc.depth)):
             if i in self.vc.deepstack_indexes:

@@ -88,7 +88,7 @@ class GpuQwenTower:
         K.copy(rec, x, positions, rows * c)
         linear_forward(rec, x, patches, self.mat[VISUAL + "patch_embed.proj.weight"],
                        self.vec[VISUAL + "patch_embed.proj.bias"], rows, accumulate=True)
-        mergers = tower._mergers()
+        mergers = tower.mergers()
         for i in range(vc.depth):
             p = f"{VISUAL}blocks.{i}."
             self._layernorm(rec, buf["h"], x, p + "norm1", rows, c)
