@@ -160,12 +160,14 @@ def test_lora_gradients_with_images_match_peft(vlm):
 
 
 def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
-    """LoRA on the tower's encoder and the language model (PEFT's names on SmolVLM: model.vision_model, the
-    connector's backward included): loss and every gradient equal PEFT's; our adapter loads in PEFT to its logits."""
+    """LoRA on the tower's encoder, the connector's projection and the language model (PEFT's names on SmolVLM:
+    model.vision_model, model.connector.modality_projection.proj): loss and every gradient equal PEFT's; our adapter
+    loads in PEFT to its logits."""
     hf, folder, _ = vlm
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
         r=2, lora_alpha=5, lora_dropout=0.0,
-        target_modules=r".*(text_model.*\.(q_proj|v_proj)|vision_model.*\.(q_proj|out_proj|fc1|fc2))")), 4)
+        target_modules=r".*(text_model.*\.(q_proj|v_proj)|vision_model.*\.(q_proj|out_proj|fc1|fc2)|"
+                       r"connector\.modality_projection\.proj)")), 4)
     imgs = images(2, seed=8)
     vm = load_vision_model(folder)
     n = len(vm.pixel_values(imgs))
@@ -176,6 +178,7 @@ def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
     expected = {n.replace(".default", "").replace("model.text_model.", "model."): p.grad.numpy()
                 for n, p in pm.named_parameters() if p.requires_grad}
     assert any("vision_model" in k for k in expected)
+    assert "base_model.model.model.connector.modality_projection.proj.lora_A.weight" in expected
     pm.save_pretrained(tmp_path / "peft")
     vm.load_adapter(tmp_path / "peft")
     loss, grads = vm.loss_and_grads(ids, labels, imgs)
