@@ -275,3 +275,15 @@ def test_memory_counts_the_tower_and_the_largest_images_tiles(vlm, capsys):
     assert v["tokens_per_image"] == 10 * (SEQ + 2) + 1 + 3 + 1
     assert main(["memory", "--model", str(folder), "--max-seq-len", "64"]) == 2
     assert "no room for text" in capsys.readouterr().err
+
+
+def test_split_targets_names_the_connector_as_peft_does():
+    """connector, model.connector.modality_projection.proj, modality_projection.proj: the connector's projection
+    (after the encoder's modules); Gemma 3's projector (a parameter) refused with that reason."""
+    from wgpu_train.models.vision import split_targets
+
+    for entry in ("connector", "model.connector.modality_projection.proj", "modality_projection.proj"):
+        assert split_targets(f"q_proj,{entry},fc1") == ("q_proj", ("mlp.fc1", "modality_projection.proj"))
+    for entry in ("mm_input_projection", "multi_modal_projector", "connector.norm"):
+        with pytest.raises(ConfigError, match="not Gemma 3's projector \\(a parameter PEFT's target_modules cannot"):
+            split_targets(f"q_proj,{entry}")

@@ -353,8 +353,9 @@ def test_serve_answers_an_image_as_generate_image(chat_vlm, tmp_path, capsys):
 
 
 def test_cli_finetune_trains_smolvlms_tower_as_peft_names_it(chat_vlm, tmp_path, capsys):
-    """`--lora-targets` naming SmolVLM's tower (vision_model.q_proj, fc1: PEFT's names under model.vision_model):
-    the tower's LoRA trains, and the adapter loads in PEFT, whose logits with an image equal ours with it."""
+    """`--lora-targets` naming SmolVLM's tower (vision_model.q_proj, fc1: PEFT's names under model.vision_model) and
+    its connector (connector: model.connector.modality_projection.proj): their LoRA trains, and the adapter loads
+    in PEFT, whose logits with an image equal ours with it."""
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
 
@@ -362,13 +363,15 @@ def test_cli_finetune_trains_smolvlms_tower_as_peft_names_it(chat_vlm, tmp_path,
     data = write_vision_data(tmp_path / "data", vision_records())
     out = tmp_path / "run"
     assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "2",
-                 "--batch-size", "3", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj,vision_model.q_proj,fc1",
-                 "--no-progress", "--valid-split", "0", "--out", str(out)]) == 0
-    capsys.readouterr()
+                 "--batch-size", "3", "--lr", "1e-2", "--lora-targets",
+                 "q_proj,v_proj,vision_model.q_proj,fc1,connector", "--no-progress", "--valid-split", "0", "--out",
+                 str(out)]) == 0
+    assert "LoRA on the vision tower: self_attn.q_proj, mlp.fc1, modality_projection.proj" in capsys.readouterr().err
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out).eval()
-    tower = {n: p.detach().numpy() for n, p in pm.named_parameters() if "lora_B" in n and ".vision_model." in n}
-    assert len(tower) == 2 * hf.config.vision_config.num_hidden_layers and all(np.abs(b).max() > 0
-                                                                                for b in tower.values())
+    tower = {n: p.detach().numpy() for n, p in pm.named_parameters() if "lora_B" in n and (
+        ".vision_model." in n or ".connector." in n)}
+    assert len(tower) == 2 * hf.config.vision_config.num_hidden_layers + 1 and all(np.abs(b).max() > 0
+                                                                                    for b in tower.values())
     vm = load_vision_model(folder)
     vm.load_adapter(out)
     img = images(1, seed=4)
