@@ -222,6 +222,32 @@ def test_webgpu_engine_matches_numpy_with_images(vlm, rt, tmp_path):
         assert_close(grads_g[name], g, "gpu_grads", name)
 
 
+def test_connector_lora_beside_webgpu_runs_the_numpy_tower(vlm, rt, tmp_path):
+    """LoRA on the connector's projection (and an encoder module) beside the WebGPU language model: the tower runs
+    NumPy's (the device tower takes the encoder's LoRA only), its loss, gradients and logits the NumPy engine's."""
+    hf, folder, _ = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, lora_dropout=0.0,
+        target_modules=r".*(text_model.*\.q_proj|vision_model.*\.fc1|connector\.modality_projection\.proj)")), 4)
+    pm.save_pretrained(tmp_path / "adapter")
+    imgs = images(1, seed=5)
+    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu", device=str(rt.info.index))
+    n = len(cpu.pixel_values(imgs))
+    ids = np.array([[5, *tile_ids(n), 9, 10]])
+    labels = np.where(ids != IMG, ids, -100)
+    got = {}
+    for name, vm in (("numpy", cpu), ("wgpu", gpu)):
+        vm.load_adapter(tmp_path / "adapter")
+        got[name] = vm.loss_and_grads(ids, labels, imgs)
+    assert gpu.device_tower is not None and gpu.tower_device() is None
+    (loss_c, grads_c), (loss_g, grads_g) = got["numpy"], got["wgpu"]
+    assert_close(np.float64(loss_g), np.float64(loss_c), "gpu_loss", "loss with the connector's LoRA")
+    assert "base_model.model.model.connector.modality_projection.proj.lora_B.weight" in grads_c
+    assert set(grads_g) == set(grads_c)
+    for name, g in grads_c.items():
+        assert_close(grads_g[name], g, "gpu_grads", name)
+    assert_close(gpu.logits(ids, imgs), cpu.logits(ids, imgs), "gpu_logits", "logits with the connector's LoRA")
+
 def test_greedy_generation_with_an_image_matches_transformers(vlm):
     hf, _, vm = vlm
     img = images(1, seed=5)
