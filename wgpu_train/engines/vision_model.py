@@ -33,7 +33,7 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
 from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
-from wgpu_train.models.vision import (CONNECTOR, VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
+from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
                                       tower_lora_path, tower_target_regex, vision_names)
 from wgpu_train.models.weights import weight_files
 
@@ -90,11 +90,6 @@ class VisionModel:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
         self.tower_optimizer = Optimizer(self.tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
-
-    def tower_device(self):
-        """The WebGPU tower where it runs this model's tower (its LoRA on the encoder's linears only), else None:
-        LoRA on SmolVLM's connector projection runs the NumPy tower, on the CPU."""
-        return None if CONNECTOR in self.tower.lora else self.device_tower
 
     def tower_trainable(self) -> dict:
         """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
@@ -162,13 +157,12 @@ class VisionModel:
             raise DataError(f"{n_tokens} image placeholder tokens for {n_images} {what} of {m} tokens each")
         if not n_images:
             return None
-        device = self.tower_device()
-        if device is not None and self.tower.lora:   # the LoRA forward, its backward's cache kept
-            embeds, tower_cache = device.forward(pixels, self.tower.lora)                  # (N, M, C)
+        if self.device_tower is not None and self.tower.lora:   # the LoRA forward, its backward's cache kept
+            embeds, tower_cache = self.device_tower.forward(pixels, self.tower.lora)      # (N, M, C)
             if cache is not None:
                 cache.update(tower_cache)
-        elif device is not None:
-            embeds = device(pixels)
+        elif self.device_tower is not None:
+            embeds = self.device_tower(pixels)
         elif self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
             embeds, tower_cache = self.tower.forward(pixels)
             cache.update(tower_cache)

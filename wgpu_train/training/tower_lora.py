@@ -48,7 +48,7 @@ def attach_tower(trainer) -> VisionModel:
     if trainer.resume:
         _restore(vision, trainer.resume.folder)
     n = sum(a.size + b.size for a, b, _ in vision.tower.lora.values())
-    where = "on the device" if vision.tower_device() is not None else "NumPy, on the CPU"
+    where = "on the device" if vision.device_tower is not None else "NumPy, on the CPU"
     trainer.log(f"LoRA on the vision tower: {', '.join(modules)} in {len(paths)} modules, "
                 f"{n:,} trainable parameters ({where})")
     return vision
