@@ -242,8 +242,8 @@ def test_cli_finetune_on_smolvlm_images(chat_vlm, tmp_path, capsys):
 
 
 def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
-    """finetune --lora-targets q_proj,v_proj,vision_model --backend wgpu: SmolVLM's tower (its tiles) with its LoRA on
-    the device gives --backend numpy's losses and adapter after 3 steps."""
+    """finetune --lora-targets q_proj,v_proj,vision_model,connector --backend wgpu: SmolVLM's tower (its tiles) with
+    LoRA on its encoder and connector on the device gives --backend numpy's losses and adapter after 3 steps."""
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
     from wgpu_train.formats.safetensors import read_safetensors
@@ -256,7 +256,7 @@ def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, c
         device = ["--device", str(default_rt.info.index)] if backend == "wgpu" else []
         assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, *device,
                      "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
-                     "q_proj,v_proj,vision_model", "--no-progress", "--valid-split", "0", "--log-every", "1",
+                     "q_proj,v_proj,vision_model,connector", "--no-progress", "--valid-split", "0", "--log-every", "1",
                      "--out", str(out)]) == 0
         assert ("(on the device)" in capsys.readouterr().err) == (backend == "wgpu")
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -264,6 +264,7 @@ def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, c
                          read_safetensors(out / "adapter_model.safetensors"))
     (loss_c, ad_c), (loss_g, ad_g) = runs["numpy"], runs["wgpu"]
     assert len(loss_g) == 3 and set(ad_g) == set(ad_c) and sum(".vision_model." in k for k in ad_c) == 2 * 2 * 6
+    assert sum(".connector.modality_projection.proj." in k for k in ad_c) == 2
     assert_close(np.array(loss_g), np.array(loss_c), "loss_f32", "losses")
     for name in ad_c:
         assert_close(ad_g[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
