@@ -298,7 +298,10 @@ def test_memory_counts_the_tower_and_the_largest_images_tiles(vlm, capsys):
     assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128", "--json"]) == 0
     v = json.loads(capsys.readouterr().out)["vision"]
     assert v["tower_parameters"] == want
-    assert v["tokens_per_image"] == 10 * (SEQ + 2) + 1 + 3 + 1
+    assert v["tokens_per_image"] == 10 * (SEQ + 2) + 1 + 3 + 1 and not v["tower_lora"]
+    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128", "--lora-targets",
+                 "q_proj,connector", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vision"]["tower_lora"]
     assert main(["memory", "--model", str(folder), "--max-seq-len", "64"]) == 2
     assert "no room for text" in capsys.readouterr().err
 
