@@ -160,12 +160,14 @@ def test_lora_gradients_with_images_match_peft(vlm):
 
 
 def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
-    """LoRA on the tower's encoder and the language model (PEFT's names on SmolVLM: model.vision_model, the
-    connector's backward included): loss and every gradient equal PEFT's; our adapter loads in PEFT to its logits."""
+    """LoRA on the tower's encoder, the connector's projection and the language model (PEFT's names on SmolVLM:
+    model.vision_model, model.connector.modality_projection.proj): loss and every gradient equal PEFT's; our adapter
+    loads in PEFT to its logits."""
     hf, folder, _ = vlm
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
         r=2, lora_alpha=5, lora_dropout=0.0,
-        target_modules=r".*(text_model.*\.(q_proj|v_proj)|vision_model.*\.(q_proj|out_proj|fc1|fc2))")), 4)
+        target_modules=r".*(text_model.*\.(q_proj|v_proj)|vision_model.*\.(q_proj|out_proj|fc1|fc2)|"
+                       r"connector\.modality_projection\.proj)")), 4)
     imgs = images(2, seed=8)
     vm = load_vision_model(folder)
     n = len(vm.pixel_values(imgs))
@@ -176,6 +178,7 @@ def test_tower_lora_gradients_and_adapter_match_peft(vlm, tmp_path):
     expected = {n.replace(".default", "").replace("model.text_model.", "model."): p.grad.numpy()
                 for n, p in pm.named_parameters() if p.requires_grad}
     assert any("vision_model" in k for k in expected)
+    assert "base_model.model.model.connector.modality_projection.proj.lora_A.weight" in expected
     pm.save_pretrained(tmp_path / "peft")
     vm.load_adapter(tmp_path / "peft")
     loss, grads = vm.loss_and_grads(ids, labels, imgs)
@@ -218,6 +221,32 @@ def test_webgpu_engine_matches_numpy_with_images(vlm, rt, tmp_path):
     for name, g in grads_c.items():
         assert_close(grads_g[name], g, "gpu_grads", name)
 
+
+def test_connector_lora_on_the_device_tower_equals_numpy(vlm, rt, tmp_path):
+    """LoRA on the connector's projection (and an encoder module) beside the WebGPU language model, the tower on the
+    device: loss, gradients (the connector's and the encoder's) and logits the NumPy engine's."""
+    hf, folder, _ = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, lora_dropout=0.0,
+        target_modules=r".*(text_model.*\.q_proj|vision_model.*\.fc1|connector\.modality_projection\.proj)")), 4)
+    pm.save_pretrained(tmp_path / "adapter")
+    imgs = images(1, seed=5)
+    cpu, gpu = load_vision_model(folder), load_vision_model(folder, backend="wgpu", device=str(rt.info.index))
+    n = len(cpu.pixel_values(imgs))
+    ids = np.array([[5, *tile_ids(n), 9, 10]])
+    labels = np.where(ids != IMG, ids, -100)
+    got = {}
+    for name, vm in (("numpy", cpu), ("wgpu", gpu)):
+        vm.load_adapter(tmp_path / "adapter")
+        got[name] = vm.loss_and_grads(ids, labels, imgs)
+    assert gpu.device_tower is not None
+    (loss_c, grads_c), (loss_g, grads_g) = got["numpy"], got["wgpu"]
+    assert_close(np.float64(loss_g), np.float64(loss_c), "gpu_loss", "loss with the connector's LoRA")
+    assert "base_model.model.model.connector.modality_projection.proj.lora_B.weight" in grads_c
+    assert set(grads_g) == set(grads_c)
+    for name, g in grads_c.items():
+        assert_close(grads_g[name], g, "gpu_grads", name)
+    assert_close(gpu.logits(ids, imgs), cpu.logits(ids, imgs), "gpu_logits", "logits with the connector's LoRA")
 
 def test_greedy_generation_with_an_image_matches_transformers(vlm):
     hf, _, vm = vlm
@@ -269,6 +298,21 @@ def test_memory_counts_the_tower_and_the_largest_images_tiles(vlm, capsys):
     assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128", "--json"]) == 0
     v = json.loads(capsys.readouterr().out)["vision"]
     assert v["tower_parameters"] == want
-    assert v["tokens_per_image"] == 10 * (SEQ + 2) + 1 + 3 + 1
+    assert v["tokens_per_image"] == 10 * (SEQ + 2) + 1 + 3 + 1 and not v["tower_lora"]
+    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--max-seq-len", "128", "--lora-targets",
+                 "q_proj,connector", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vision"]["tower_lora"]
     assert main(["memory", "--model", str(folder), "--max-seq-len", "64"]) == 2
     assert "no room for text" in capsys.readouterr().err
+
+
+def test_split_targets_names_the_connector_as_peft_does():
+    """connector, model.connector.modality_projection.proj, modality_projection.proj: the connector's projection
+    (after the encoder's modules); Gemma 3's projector (a parameter) refused with that reason."""
+    from wgpu_train.models.vision import split_targets
+
+    for entry in ("connector", "model.connector.modality_projection.proj", "modality_projection.proj"):
+        assert split_targets(f"q_proj,{entry},fc1") == ("q_proj", ("mlp.fc1", "modality_projection.proj"))
+    for entry in ("mm_input_projection", "multi_modal_projector", "connector.norm"):
+        with pytest.raises(ConfigError, match="not Gemma 3's projector \\(a parameter PEFT's target_modules cannot"):
+            split_targets(f"q_proj,{entry}")

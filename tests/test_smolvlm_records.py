@@ -242,8 +242,8 @@ def test_cli_finetune_on_smolvlm_images(chat_vlm, tmp_path, capsys):
 
 
 def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
-    """finetune --lora-targets q_proj,v_proj,vision_model --backend wgpu: SmolVLM's tower (its tiles) with its LoRA on
-    the device gives --backend numpy's losses and adapter after 3 steps."""
+    """finetune --lora-targets q_proj,v_proj,vision_model,connector --backend wgpu: SmolVLM's tower (its tiles) with
+    LoRA on its encoder and connector on the device gives --backend numpy's losses and adapter after 3 steps."""
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
     from wgpu_train.formats.safetensors import read_safetensors
@@ -256,7 +256,7 @@ def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, c
         device = ["--device", str(default_rt.info.index)] if backend == "wgpu" else []
         assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, *device,
                      "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
-                     "q_proj,v_proj,vision_model", "--no-progress", "--valid-split", "0", "--log-every", "1",
+                     "q_proj,v_proj,vision_model,connector", "--no-progress", "--valid-split", "0", "--log-every", "1",
                      "--out", str(out)]) == 0
         assert ("(on the device)" in capsys.readouterr().err) == (backend == "wgpu")
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -264,6 +264,7 @@ def test_cli_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, c
                          read_safetensors(out / "adapter_model.safetensors"))
     (loss_c, ad_c), (loss_g, ad_g) = runs["numpy"], runs["wgpu"]
     assert len(loss_g) == 3 and set(ad_g) == set(ad_c) and sum(".vision_model." in k for k in ad_c) == 2 * 2 * 6
+    assert sum(".connector.modality_projection.proj." in k for k in ad_c) == 2
     assert_close(np.array(loss_g), np.array(loss_c), "loss_f32", "losses")
     for name in ad_c:
         assert_close(ad_g[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)
@@ -353,8 +354,9 @@ def test_serve_answers_an_image_as_generate_image(chat_vlm, tmp_path, capsys):
 
 
 def test_cli_finetune_trains_smolvlms_tower_as_peft_names_it(chat_vlm, tmp_path, capsys):
-    """`--lora-targets` naming SmolVLM's tower (vision_model.q_proj, fc1: PEFT's names under model.vision_model):
-    the tower's LoRA trains, and the adapter loads in PEFT, whose logits with an image equal ours with it."""
+    """`--lora-targets` naming SmolVLM's tower (vision_model.q_proj, fc1: PEFT's names under model.vision_model) and
+    its connector (connector: model.connector.modality_projection.proj): their LoRA trains, and the adapter loads
+    in PEFT, whose logits with an image equal ours with it."""
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
 
@@ -362,13 +364,15 @@ def test_cli_finetune_trains_smolvlms_tower_as_peft_names_it(chat_vlm, tmp_path,
     data = write_vision_data(tmp_path / "data", vision_records())
     out = tmp_path / "run"
     assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "2",
-                 "--batch-size", "3", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj,vision_model.q_proj,fc1",
-                 "--no-progress", "--valid-split", "0", "--out", str(out)]) == 0
-    capsys.readouterr()
+                 "--batch-size", "3", "--lr", "1e-2", "--lora-targets",
+                 "q_proj,v_proj,vision_model.q_proj,fc1,connector", "--no-progress", "--valid-split", "0", "--out",
+                 str(out)]) == 0
+    assert "LoRA on the vision tower: self_attn.q_proj, mlp.fc1, modality_projection.proj" in capsys.readouterr().err
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out).eval()
-    tower = {n: p.detach().numpy() for n, p in pm.named_parameters() if "lora_B" in n and ".vision_model." in n}
-    assert len(tower) == 2 * hf.config.vision_config.num_hidden_layers and all(np.abs(b).max() > 0
-                                                                                for b in tower.values())
+    tower = {n: p.detach().numpy() for n, p in pm.named_parameters() if "lora_B" in n and (
+        ".vision_model." in n or ".connector." in n)}
+    assert len(tower) == 2 * hf.config.vision_config.num_hidden_layers + 1 and all(np.abs(b).max() > 0
+                                                                                    for b in tower.values())
     vm = load_vision_model(folder)
     vm.load_adapter(out)
     img = images(1, seed=4)

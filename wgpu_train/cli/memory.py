@@ -104,8 +104,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     images) and the image tokens per row, which must fit --max-seq-len; None for a model without images."""
     from pathlib import Path
 
-    from wgpu_train.models.vision import (ENCODER_MODULES, VisionConfig, split_targets, tower_activation_values,
-                                          tower_parameters)
+    from wgpu_train.models.vision import (CONNECTOR, ENCODER_MODULES, PROJ, VisionConfig, split_targets,
+                                          tower_activation_values, tower_parameters)
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config"):
@@ -126,10 +126,11 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
                           f"no room for text")
     language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
-    qwen = [m for m in tower if m not in ENCODER_MODULES]
+    connector = (CONNECTOR.removeprefix(PROJ),) if vc.scale_factor else ()       # SmolVLM's connector projection
+    qwen = [m for m in tower if m not in ENCODER_MODULES + connector]
     if qwen:
         raise ConfigError(f"--lora-targets {args.lora_targets}: {qwen[0]} is not a module of this model's vision "
-                          f"tower (its encoder's: fc1, fc2, vision_tower.q_proj, ...)")
+                          f"tower (its encoder's: fc1, fc2, vision_tower.q_proj, ...; SmolVLM's connector)")
     if tower and not language:
         raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
                           f"model's too (q_proj, ...), as finetune trains them")
@@ -148,7 +149,7 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     of the image tokens and every token's M-RoPE positions (image_inputs)."""
     from wgpu_train.data.qwen_images import QwenImageSettings
     from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
-    from wgpu_train.models.vision import ENCODER_MODULES, split_targets
+    from wgpu_train.models.vision import CONNECTOR, ENCODER_MODULES, PROJ, split_targets
 
     settings = QwenImageSettings.from_folder(model_dir, vc)
     block = settings.factor ** 2
@@ -159,7 +160,7 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
                           f"{length} (--max-seq-len): no room for text")
     merged = min(largest, room)
     language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
-    siglip = [m for m in tower if m in ENCODER_MODULES]
+    siglip = [m for m in tower if m in ENCODER_MODULES or m == CONNECTOR.removeprefix(PROJ)]
     if siglip:
         raise ConfigError(f"--lora-targets {args.lora_targets}: {siglip[0]} is not a module of {vc.name}'s vision "
                           f"tower (qkv, attn.proj, linear_fc1, linear_fc2, merger.linear_fc1, ...)")

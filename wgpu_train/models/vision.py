@@ -18,6 +18,7 @@ _PREFIXES = (("vision_tower.", "multi_modal_projector."), ("model.vision_tower."
              ("model.vision_model.", "model.connector."))       # SmolVLM's / Idefics3's, its connector our projector
 TOWER = "vision_tower."
 PROJ = "multi_modal_projector."
+CONNECTOR = PROJ + "modality_projection.proj"     # SmolVLM's / Idefics3's connector projection, a LoRA target
 _SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                     "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
                     "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
@@ -163,6 +164,9 @@ def image_blocks(ids, image_token_id: int, bidirectional: bool = True) -> np.nda
 
 # the vision tower's and projector's module names as LoRA target_modules name them (PEFT's names on Gemma 3)
 VISION_TARGETS = ("fc1", "fc2", "patch_embedding", "mm_input_projection")
+# a --lora-targets entry naming SmolVLM's / Idefics3's connector projection (PEFT's module names)
+_CONNECTOR_ENTRY = re.compile(r"(?:model\.)?connector(?:\.modality_projection(?:\.proj)?)?|"
+                              r"modality_projection(?:\.proj)?")
 
 
 # Qwen3-VL's / Qwen3.5's tower modules as PEFT's target_modules name them (suffixes of their paths under visual.):
@@ -174,7 +178,8 @@ QWEN_TARGETS = ("qkv", "attn.qkv", "attn.proj", "linear_fc1", "linear_fc2", "mlp
 def vision_targets(targets) -> list:
     """The LoRA target_modules among `targets` that name the vision tower or the projector."""
     return [t for t in targets if t in VISION_TARGETS or t in QWEN_TARGETS or any(
-        part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector", "visual"))]
+        part in t for part in ("vision_tower", "multi_modal_projector", "vision_model", "connector", "visual",
+                                "modality_projection"))]
 
 
 # the linear modules of a tower encoder layer, the LoRA targets it offers (as PEFT names them under the layer)
@@ -188,14 +193,18 @@ def split_targets(targets) -> tuple:
     vision entries; the tower encoder's modules (ENCODER_MODULES' names) the vision entries select, in its order).
     A vision entry is fc1 / fc2 (only the tower has them, so PEFT's list puts them there), or vision_tower (Gemma
     3) / vision_model (SmolVLM) alone (every encoder module) or with a module (q_proj, ..., fc2, or
-    self_attn.q_proj, mlp.fc1, ...); the projector's, the connector's and the patch embedding's are refused in one
-    line (not supported)."""
+    self_attn.q_proj, mlp.fc1, ...), or SmolVLM's connector projection (connector, modality_projection.proj, ...:
+    CONNECTOR's suffix modality_projection.proj, after the encoder's); Gemma 3's projector (an nn.Parameter, which
+    PEFT's target_modules cannot wrap) and the patch embedding are refused in one line (not supported)."""
     given = [t.strip() for t in targets.split(",") if t.strip()] if isinstance(targets, str) else list(targets)
     vision = vision_targets(given)
     chosen, qwen = set(), []
     for entry in vision:
         if entry in QWEN_TARGETS or entry.removeprefix("model.").startswith("visual"):
             qwen.append(_qwen_target(entry))
+            continue
+        if _CONNECTOR_ENTRY.fullmatch(entry):
+            chosen.add(CONNECTOR.removeprefix(PROJ))
             continue
         match = _TOWER_ENTRY.fullmatch(entry)
         name = entry if entry in ("fc1", "fc2") else match and match["name"]
@@ -204,13 +213,15 @@ def split_targets(targets) -> tuple:
         if not found:
             raise ConfigError(f"LoRA target {entry!r}: not supported on the vision side: the tower encoder's linear "
                               f"modules only (fc1, fc2, vision_tower.q_proj ... vision_tower.out_proj, or "
-                              f"vision_tower for all; vision_model for SmolVLM's), not the projector or the patch "
-                              f"embedding")
+                              f"vision_tower for all; vision_model for SmolVLM's) and SmolVLM's connector "
+                              f"(connector.modality_projection.proj), not Gemma 3's projector (a parameter PEFT's "
+                              f"target_modules cannot wrap) or the patch embedding")
         chosen.update(found)
     language = [t for t in given if t not in vision]
     if isinstance(targets, str):
         language = ",".join(language)
-    return language, tuple(m for m in ENCODER_MODULES if m in chosen) + tuple(dict.fromkeys(qwen))
+    connector = (CONNECTOR.removeprefix(PROJ),) if CONNECTOR.removeprefix(PROJ) in chosen else ()
+    return language, tuple(m for m in ENCODER_MODULES if m in chosen) + connector + tuple(dict.fromkeys(qwen))
 
 
 def _qwen_target(entry: str) -> str:
@@ -243,7 +254,7 @@ def tower_lora_path(key: str) -> str | None:
         if module.startswith(prefix):
             return VISUAL + module[len(prefix):]
     ours = vision_names([module])
-    return next((o for o in ours if o.startswith(TOWER + "encoder.")), None)
+    return next((o for o in ours if o.startswith(TOWER + "encoder.") or o == CONNECTOR), None)
 
 
 def _tower_module(vc) -> str:
@@ -253,17 +264,23 @@ def _tower_module(vc) -> str:
     return "model.vision_model." if vc.scale_factor else "model.vision_tower."
 
 
+def _peft_module(path: str, vc) -> str:
+    """Our tower (or connector) module path -> its path on transformers 5's multimodal class of `vc`."""
+    if path.startswith(PROJ):       # SmolVLM's / Idefics3's connector
+        return "model.connector." + path.removeprefix(PROJ)
+    return _tower_module(vc) + path.removeprefix(TOWER).removeprefix(VISUAL)
+
+
 def tower_lora_key(path: str, which: str, vc) -> str:
     """Our tower module path and "A" / "B" -> PEFT's key on transformers 5's multimodal class of `vc`."""
-    return f"base_model.model.{_tower_module(vc)}{path.removeprefix(TOWER).removeprefix(VISUAL)}.lora_{which}.weight"
+    return f"base_model.model.{_peft_module(path, vc)}.lora_{which}.weight"
 
 
 def tower_target_regex(paths, vc) -> str:
     """PEFT target_modules (a regular expression on module paths) selecting the tower's LoRA module `paths`
     (ours) in every layer, on transformers 5's multimodal class of `vc`."""
-    rel = sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(p.removeprefix(TOWER).removeprefix(VISUAL)))
-                  for p in paths})
-    return re.escape(_tower_module(vc)) + "(?:" + "|".join(rel) + ")"
+    full = sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(_peft_module(p, vc))) for p in paths})
+    return "(?:" + "|".join(full) + ")"
 
 
 def tower_parameters(vc: VisionConfig) -> int:

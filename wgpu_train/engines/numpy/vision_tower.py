@@ -1,15 +1,15 @@
 """The SigLIP vision tower and projector on the NumPy engine: the patch embedding as a GEMM over unfolded
 patches, position embeddings, bidirectional encoder layers, the post-layernorm, then Gemma 3's projector (average
 pool to mm_tokens_per_image, the soft-embedding RMSNorm, the projection) or SmolVLM's connector (pixel shuffle, the
-projection); frozen, or with LoRA on the encoder's linear modules (Gemma 3's), whose gradients the backward from
-the image embeddings' gradient gives."""
+projection); frozen, or with LoRA on the encoder's linear modules and SmolVLM's connector projection, whose
+gradients the backward from the image embeddings' gradient gives."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.shared.patches import unfold_patches
-from wgpu_train.models.vision import ENCODER_MODULES, PROJ, TOWER, VisionConfig
+from wgpu_train.models.vision import CONNECTOR, ENCODER_MODULES, PROJ, TOWER, VisionConfig
 
 
 def layernorm_forward(x, weight, bias, eps):
@@ -87,7 +87,7 @@ class LoraLinears:
     lora: dict
 
     def _linear(self, x, path, cache):
-        y = ops.linear_forward(x, self.w[path + ".weight"], self.w[path + ".bias"])
+        y = ops.linear_forward(x, self.w[path + ".weight"], self.w.get(path + ".bias"))
         if path in self.lora:
             a, b, scale = self.lora[path]
             dy, h = ops.lora_forward(x, a, b, scale)
@@ -118,8 +118,10 @@ class VisionTower(LoraLinears):
         self.lora: dict = {}
 
     def modules(self) -> list[str]:
-        """Every encoder linear module's path, the LoRA targets the tower offers."""
-        return [f"{TOWER}encoder.layers.{i}.{m}" for i in range(self.vc.num_layers) for m in ENCODER_MODULES]
+        """Every encoder linear module's path and SmolVLM's connector projection's, the LoRA targets the tower
+        offers."""
+        encoder = [f"{TOWER}encoder.layers.{i}.{m}" for i in range(self.vc.num_layers) for m in ENCODER_MODULES]
+        return encoder + ([CONNECTOR] if self.vc.scale_factor else [])
 
     def forward(self, pixels, keep: bool = True):
         """pixels (N, C, H, W) -> (the image tokens' embeddings (N, M, text C), the backward's cache: its
@@ -159,8 +161,10 @@ class VisionTower(LoraLinears):
     def project(self, hidden, cache=None):
         """The projector: hidden (N, P, C) -> (N, mm_tokens_per_image, text hidden)."""
         vc = self.vc
-        if vc.scale_factor:     # SmolVLM's connector
-            return pixel_shuffle(hidden, vc.scale_factor) @ self.w[PROJ + "modality_projection.proj.weight"].T
+        if vc.scale_factor:     # SmolVLM's connector, LoRA on its projection when set
+            shuffled = pixel_shuffle(hidden, vc.scale_factor)                               # (N, M, C*s*s)
+            out = self._linear(shuffled.reshape(-1, shuffled.shape[-1]), CONNECTOR, {} if cache is None else cache)
+            return out.reshape(hidden.shape[0], shuffled.shape[1], -1)
         n, side = hidden.shape[0], vc.patches_per_side
         s = int(round(vc.mm_tokens_per_image ** 0.5))
         pooled = hidden.reshape(n, s, side // s, s, side // s, -1).mean(axis=(2, 4))        # (N, s, s, C)
@@ -180,7 +184,7 @@ class VisionTower(LoraLinears):
         the tower's LoRA; the ops in reverse order of forward's."""
         vc, w, n, t = self.vc, self.w, cache["n"], cache["t"]
         grads: dict = {}
-        dx = layernorm_backward(self._project_backward(dout, cache), cache["x_last"],
+        dx = layernorm_backward(self._project_backward(dout, cache, grads), cache["x_last"],
                                 w[TOWER + "post_layernorm.weight"], cache["rstd_post"])
         for i in reversed(range(vc.num_layers)):
             p, c = f"{TOWER}encoder.layers.{i}.", cache["layers"][i]
@@ -194,13 +198,13 @@ class VisionTower(LoraLinears):
             dx = dx + layernorm_backward(dh, c["x"], w[p + "layer_norm1.weight"], c["rstd1"])
         return grads
 
-    def _project_backward(self, dout, cache):
+    def _project_backward(self, dout, cache, grads):
         """The projector's backward: the image embeddings' gradient (N, M, text C) -> the post-layernorm
-        output's (N*P, C)."""
+        output's (N*P, C); the connector projection's LoRA gradients into grads."""
         vc, w, n = self.vc, self.w, cache["n"]
         if vc.scale_factor:
-            d = dout @ w[PROJ + "modality_projection.proj.weight"]                            # (N, M, C*s*s)
-            return pixel_unshuffle(d, vc.scale_factor).reshape(-1, vc.hidden_size)
+            d = self._linear_backward(dout.reshape(-1, dout.shape[-1]), CONNECTOR, cache, grads)  # (N*M, C*s*s)
+            return pixel_unshuffle(d.reshape(n, dout.shape[1], -1), vc.scale_factor).reshape(-1, vc.hidden_size)
         dn = dout.reshape(-1, dout.shape[-1]) @ w[PROJ + "mm_input_projection_weight"].T      # (N*M, C)
         dpooled, _ = ops.rmsnorm_backward(dn, cache["pooled"], w[PROJ + "mm_soft_emb_norm.weight"],
                                           cache["rstd_soft"], 1.0)

@@ -2,8 +2,8 @@
 the patch embedding as a GEMM over patches unfolded on the host, position embeddings, the bidirectional encoder
 layers (LayerNorm with bias, the attention family's image blocks, gelu_tanh MLP), the post-layernorm, then Gemma 3's
 projector (average pool as a batched GEMM, the soft-embedding RMSNorm, the projection) or SmolVLM's connector (pixel
-shuffle as a row gather, the projection): frozen, or with LoRA on the encoder's linears, whose backward recomputes
-each layer from its input (kept) and reads the LoRA gradients back once."""
+shuffle as a row gather, the projection): frozen, or with LoRA on the encoder's linears and SmolVLM's connector
+projection, whose backward recomputes each layer from its input (kept) and reads the LoRA gradients back once."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +19,7 @@ from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported
 from wgpu_train.engines.webgpu.tuned.gemm import gemm
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
                                                          layernorm_forward)
-from wgpu_train.models.vision import PROJ, TOWER, VisionConfig
+from wgpu_train.models.vision import CONNECTOR, PROJ, TOWER, VisionConfig
 
 SCRATCH_BYTES = 1 << 30      # the activations a chunk of images may hold at once (at least one image's)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -91,7 +91,7 @@ class GpuVisionTower:
             total = sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values())
             sizes.update({"saved": (vc.num_layers + 1) * rows * c, "x2": rows * c, "lora_params": total,
                           "lora_grads": total, "ldh": rows * r, **{"lh_" + m.rsplit(".", 1)[1]: rows * r
-                                                                   for m in LINEARS}})
+                                                                   for m in (*LINEARS, CONNECTOR)}})
         return {name: self._buffer(name, size) for name, size in sizes.items()}
 
     def _set_lora(self, lora: dict):
@@ -186,7 +186,7 @@ class GpuVisionTower:
         if keep:
             K.copy(rec, at(buf["saved"], vc.num_layers * rows * c), x, rows * c)
         self._layernorm(rec, buf["h"], x, TOWER + "post_layernorm", rows)
-        out = self._project(rec, buf["h"], n, t)
+        out = self._project(rec, buf, buf["h"], n, t)
         rec.read_back(out, np.float32, (n, vc.mm_tokens_per_image, vc.text_hidden_size))
         rec.submit()
         self._calls += 1
@@ -227,7 +227,7 @@ class GpuVisionTower:
         grads = buf["lora_grads"]
         rec = rt.recorder()
         K.fill(rec, grads, 0.0, sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values()))
-        self._project_backward(rec, buf["dhid"], buf["dout"], n, t)
+        self._project_backward(rec, buf, buf["dhid"], buf["dout"], n, t)
         saved, dx = buf["saved"], buf["dx"]
         self._layernorm_backward(rec, dx, buf["dhid"], at(saved, vc.num_layers * rows * c), TOWER + "post_layernorm",
                                  rows)
@@ -257,8 +257,9 @@ class GpuVisionTower:
             out[path + ".lora_B"] = flat[b:b + out_f * r].reshape(out_f, r)
         return out
 
-    def _project(self, rec, hidden, n, t):
-        """The projector over hidden (N*T, C) -> its output buffer (N*M, text C)."""
+    def _project(self, rec, buf, hidden, n, t):
+        """The projector over hidden (N*T, C) -> its output buffer (N*M, text C); LoRA on SmolVLM's connector
+        projection when set (its h in buf)."""
         vc, c, m = self.vc, self.vc.hidden_size, self.vc.mm_tokens_per_image
         out = self._buffer("out", n * m * vc.text_hidden_size)
         if vc.scale_factor:     # SmolVLM: each output token the scale x scale block of patches beside each other
@@ -271,6 +272,11 @@ class GpuVisionTower:
             shuffled = self._buffer("shuffled", n * t * c)
             K.row_gather_forward(rec, shuffled, hidden, rows, n * t, c, n * t)
             linear_forward(rec, out, shuffled, self.mat["proj"], None, n * m)
+            if CONNECTOR in self._lora:
+                a, b, r, scale, out_f, in_f = self._lora[CONNECTOR]
+                params = buf["lora_params"]
+                lora_forward(rec, out, buf["lh_proj"], shuffled, at(params, a), at(params, b), scale, n * m, in_f,
+                             out_f, r)
             return out
         # Gemma 3: the average over each pool window, a GEMM per image with a 0/1 pooling matrix (M, T)
         side, s = vc.patches_per_side, int(round(m ** 0.5))
@@ -286,12 +292,18 @@ class GpuVisionTower:
         linear_forward(rec, out, normed, self.mat["proj"], None, n * m)
         return out
 
-    def _project_backward(self, rec, dhidden, dout, n, t):
-        """The projector's backward: dout (N*M, text C) -> dhidden (N*T, C), from _project's buffers."""
+    def _project_backward(self, rec, buf, dhidden, dout, n, t):
+        """The projector's backward: dout (N*M, text C) -> dhidden (N*T, C), from _project's buffers; the
+        connector projection's LoRA gradients into buf's."""
         vc, c, m = self.vc, self.vc.hidden_size, self.vc.mm_tokens_per_image
         if vc.scale_factor:
             dshuffled = self._buffer("dshuffled", n * t * c)
             linear_backward(rec, dshuffled, None, None, dout, None, self.mat["proj"], n * m)
+            if CONNECTOR in self._lora:
+                a, b, r, scale, out_f, in_f = self._lora[CONNECTOR]
+                params, grads = buf["lora_params"], buf["lora_grads"]
+                lora_backward(rec, dshuffled, at(grads, a), at(grads, b), dout, self._buffer("shuffled", n * t * c),
+                              buf["lh_proj"], at(params, a), at(params, b), scale, n * m, in_f, out_f, r, buf["ldh"])
             K.row_gather_backward(rec, dhidden, dshuffled, self._buffer("shuffle_rows", n * t), n * t, c, n * t)
             return
         k = vc.patches_per_side // int(round(m ** 0.5))
