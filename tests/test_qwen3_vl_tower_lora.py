@@ -182,6 +182,8 @@ def test_tower_lora_resume_workers_and_pipeline_stages(vlm, tmp_path):
     with pytest.raises(ConfigError, match="DeepStack trains on the NumPy engine, without pipeline stages") as e:
         wgpu_train.finetune(out=str(tmp_path / "stages"), max_steps=1, pipeline_stages=2, **kw)
     assert "\n" not in str(e.value) and not (tmp_path / "stages" / "metrics.jsonl").exists()    # before any step
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized(), "the refused run's stages (and the Ray it started) were released"
 
 
 def test_adapter_on_the_patch_embedding_refused_in_one_line(vlm):

@@ -247,6 +247,7 @@ class Trainer:
         resolved; described in the log."""
         cfg = self.config
         self.model = self.placement.load(self, model_cfg)
+        self.engine = self.model.engine         # from here on the placement releases it, whatever fails after
         if self.with_images:        # the tower and projector beside it (on the CPU), whichever engine
             self.vision = attach_tower(self)     # with LoRA on its tower where --lora-targets names it
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
@@ -259,7 +260,6 @@ class Trainer:
         else:
             self.model.set_full_finetune()
         self.model.set_gradient_checkpointing(cfg.gradient_checkpointing)
-        self.engine = self.model.engine
         self.engine.set_router_aux_loss(router_aux_loss_coef(model_cfg.moe, cfg.router_aux_loss_coef))
         self.precision_reason = (self.engine.precision_reason if cfg.precision.resolved or self.precision is None
                                  else "auto: as the resumed checkpoint trained")
