@@ -377,6 +377,15 @@ def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     return attach_vision(load_model(path, backend=backend, **kw), path)
 
 
+def _tower_tensors(folder: Path, names_of) -> dict:
+    """The vision tower's and projector's tensors alone (not the language model's again) from folder's weight files:
+    names_of(a file's tensor names) -> {our name: the file's name}."""
+    tensors = {}
+    for f in weight_files(folder):
+        tensors.update(read_safetensors(f, names=set(names_of(safetensors_names(f)).values())))
+    return tensors
+
+
 def attach_vision(model: Model, path) -> VisionModel:
     """The VisionModel of a language model loaded already from the multimodal folder `path` (load_vision_model's):
     its vision tower and projector read from the folder's weights beside it."""
@@ -384,17 +393,13 @@ def attach_vision(model: Model, path) -> VisionModel:
     raw = json.loads((folder / "config.json").read_text())
     vision = VisionConfig.from_config(raw, str(folder / "config.json"))
     if isinstance(vision, Qwen3VLVision):
-        tensors = {}
-        for f in weight_files(folder):
-            tensors.update(read_safetensors(f, names=set(visual_names(safetensors_names(f)).values())))
+        tensors = _tower_tensors(folder, visual_names)
         names = check_visual_tensors(tensors, vision, folder)
         tower = Qwen3VLTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
         device = (GpuQwenTower(model.engine.rt, tower) if model.backend == "wgpu" and
                   qwen_vision_tower.runs_on_device(model.engine.rt, tower) else None)
         return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
-    tensors = {}                # the tower's and projector's tensors alone, not the language model's again
-    for f in weight_files(folder):
-        tensors.update(read_safetensors(f, names=set(vision_names(safetensors_names(f)).values())))
+    tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}
     tower = VisionTower(vision, weights, model.engine.dtype)
