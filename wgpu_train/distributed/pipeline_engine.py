@@ -241,8 +241,8 @@ class PipelineEngine:
 
     def set_images(self, images):
         """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None): every
-        stage holds them (their blocks in its attention, their embeddings in the first stage's rows); the NumPy
-        stages only (stage_set_images)."""
+        stage holds them (their blocks in its attention, their M-RoPE positions in its RoPE, their DeepStack
+        features where it holds those layers, their embeddings in the first stage's rows: stage_set_images)."""
         self._images = images
         self._all("stage_set_images", None, images)
 

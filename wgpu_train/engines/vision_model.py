@@ -392,18 +392,19 @@ def attach_vision(model: Model, path) -> VisionModel:
     folder = Path(path)
     raw = json.loads((folder / "config.json").read_text())
     vision = VisionConfig.from_config(raw, str(folder / "config.json"))
+    rt = getattr(model.engine, "rt", None)      # None: NumPy, or pipeline stages (the tower in this process's CPU)
     if isinstance(vision, Qwen3VLVision):
         tensors = _tower_tensors(folder, visual_names)
         names = check_visual_tensors(tensors, vision, folder)
         tower = Qwen3VLTower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
-        device = (GpuQwenTower(model.engine.rt, tower) if model.backend == "wgpu" and
-                  qwen_vision_tower.runs_on_device(model.engine.rt, tower) else None)
+        device = (GpuQwenTower(rt, tower) if model.backend == "wgpu" and rt is not None and
+                  qwen_vision_tower.runs_on_device(rt, tower) else None)
         return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
     tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}
     tower = VisionTower(vision, weights, model.engine.dtype)
     settings = (TileSettings if vision.scale_factor else ImageSettings).from_folder(folder, vision.image_size)
-    device = (GpuVisionTower(model.engine.rt, vision, weights)
-              if model.backend == "wgpu" and runs_on_device(model.engine.rt, vision) else None)
+    device = (GpuVisionTower(rt, vision, weights)
+              if model.backend == "wgpu" and rt is not None and runs_on_device(rt, vision) else None)
     return VisionModel(model, tower, vision, settings, device)

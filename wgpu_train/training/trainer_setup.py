@@ -141,8 +141,6 @@ def read_image_examples(model_dir: Path, data_path, cfg: TrainConfig, tokenizer,
                         ("--no-chat-template", cfg.no_chat_template), ("--columns", cfg.columns)):
         if value:
             raise ConfigError(f"{flag} is not supported with images yet")
-    if cfg.pipelined() and cfg.backend != "numpy":      # the tower in this process, the stages take its embeddings
-        raise ConfigError("images through pipeline stages run on NumPy stages only for now (--backend numpy)")
     where = Path(model_dir) / "config.json"
     vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
     span = model_image_span(tokenizer, vc, model_dir)

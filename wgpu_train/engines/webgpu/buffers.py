@@ -279,8 +279,8 @@ class BucketCache:
         rt.write(acts.positions, position_ids.astype(np.int32).reshape(-1))
         acts.rope_long = self.cfg.rope_long(int(position_ids.max(initial=0)))    # longrope's set for this batch
         acts.images = None
-        if self.first and self.images is not None:
-            self.images.attach(acts, slot, ids, segment_ids, position_ids,
+        if self.images is not None:     # (a stage after the first: the blocks, M-RoPE positions and DeepStack's)
+            self.images.attach(acts, slot, ids if self.first else None, segment_ids, position_ids,
                                acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final, last is not None)
         acts.head_index, acts.head_order, acts.n_head, acts.row_weights = None, None, n, None
         acts.row_terms = acts.objective = None

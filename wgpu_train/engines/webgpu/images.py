@@ -19,7 +19,8 @@ class BatchImages:
     """One uploaded batch's images: index (count,) i32, the image tokens' rows in the batch; embeds (count, C) in
     the layers' input format; spans, the attention's operand: a training forward's segment ids with the blocks'
     extents (attention_kernels.extents, (3, B, T)), or generation's positions with each query's reach
-    (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers;
+    (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers
+    (embeds and grad None on a pipeline stage after the first);
     deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
     output at the image tokens (frozen: their gradient is the residual stream's, which passes through)."""
 
@@ -54,13 +55,15 @@ class ImageInputs:
         """After upload_batch wrote a batch into acts: the tokens' images (when set) written to the slot's buffers
         and acts.images pointed at them (None without images). ids, segment_ids, position_ids (B, T): the batch
         as uploaded (generation: (1, n) padded tokens, their cache rows and positions); the ids are rewritten
-        with -1 at the image tokens (the embedding looks none up for them and gives them no gradient); x_in: the
+        with -1 at the image tokens (the embedding looks none up for them and gives them no gradient); ids None
+        (a pipeline stage after the first, which has no embedding): neither the ids nor the embeddings written
+        (images.embeds and grad None), the blocks, M-RoPE positions and DeepStack features only; x_in: the
         layers' input buffer (its format is the embeddings'). The tokens' M-RoPE positions (Qwen3-VL's, a decoded
         token's too, which has no image) go to acts.rope_pairs, padded with 0."""
         acts.images = acts.rope_pairs = None
         if self.tokens is None:
             return
-        b, t = ids.shape
+        b, t = np.shape(segment_ids)
         if self.tokens.positions is not None:
             pairs = np.asarray(self.tokens.positions, np.int32)                    # (B, T', R/2)
             if pairs.shape[:2] != self.tokens.blocks.shape:
@@ -78,14 +81,18 @@ class ImageInputs:
         index = np.flatnonzero(flat).astype(np.int32)
         n, c, fmt = index.size, self.c, storage.format_of(x_in)
         rt = self.rt
-        rt.write(acts.ids, np.where(flat, -1, np.asarray(ids).reshape(-1)).astype(np.int32))
-        images = BatchImages(self._buffer(slot, "index", n), self._buffer(slot, "embeds", n * c, fmt),
-                             self._buffer(slot, "spans", 3 * b * t), self._buffer(slot, "grad", n * c), n,
-                             tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt)
-                                   for k in range(len(self.tokens.deepstack))))
+        first = ids is not None
+        if first:
+            rt.write(acts.ids, np.where(flat, -1, np.asarray(ids).reshape(-1)).astype(np.int32))
+        embeds, grad = (self._buffer(slot, "embeds", n * c, fmt), self._buffer(slot, "grad", n * c)) if first else \
+            (None, None)
+        images = BatchImages(self._buffer(slot, "index", n), embeds, self._buffer(slot, "spans", 3 * b * t), grad,
+                             n, tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt)
+                                      for k in range(len(self.tokens.deepstack))))
         rt.write(images.index, index)
-        for buf, features in ((images.embeds, self.tokens.embeds), *zip(images.deepstack, self.tokens.deepstack)):
-            rt.write(buf, storage.to_words(np.asarray(features, np.float32), fmt))
+        features = ((images.embeds, self.tokens.embeds),) if first else ()
+        for buf, values in (*features, *zip(images.deepstack, self.tokens.deepstack)):
+            rt.write(buf, storage.to_words(np.asarray(values, np.float32), fmt))
         spans = (with_reaches(np.asarray(position_ids).reshape(-1), blocks.reshape(-1),
                               np.asarray(segment_ids).reshape(-1)) if generation else extents(segment_ids, blocks))
         rt.write(images.spans, spans.reshape(-1).astype(np.int32))

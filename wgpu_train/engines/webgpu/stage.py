@@ -35,6 +35,7 @@ class WgpuStage(WgpuEngine):
         self._reference_on = False   # whether forwards run the reference's modules (stage_use_reference)
         self._balance: dict = {}     # micro-batch -> its forward's load-balancing statistics (2E + 1,) float64
         self._prior = None           # the last stage's buffer of the earlier stages' statistics (stage_loss)
+        self._images: dict = {}      # micro-batch (None: an untrained forward's) -> its ImageTokens (stage_set_images)
 
     # ---- a bucket cache per micro-batch in flight ------------------------------------------------------------
     def _take_slot(self) -> int:
@@ -46,6 +47,7 @@ class WgpuStage(WgpuEngine):
             spare = BucketCache(self.rt, self.cfg, self.precision, self.counters, self.span, self.first, self.last)
             spare.set_adapter(self.lora, self._group_of, self.expert_lora)
             spare.set_checkpointing(self.gradient_checkpointing)
+            spare.images = self.image_inputs      # each slot's image buffers are its own (images.ImageInputs)
             self._spare.append(spare)
         self.dropout.reserve(slot + 1, keep=True)
         return slot
@@ -64,6 +66,19 @@ class WgpuStage(WgpuEngine):
         super().set_gradient_checkpointing(on)
         self._release_acts()
 
+    # ---- images ---------------------------------------------------------------------------------------------
+    def stage_set_images(self, micro, images):
+        """The images of micro-batch `micro` (a shared/image_tokens.ImageTokens, or None; micro None: the untrained
+        forwards'): every stage's attention takes their blocks and RoPE their M-RoPE positions, the stage holding
+        a DeepStack layer adds its features, the first stage puts their embeddings in place of the placeholders'
+        rows (and its backward gathers their rows' gradient: image_grad); a training micro-batch's are dropped
+        after its backward."""
+        self._images[micro] = images
+
+    def _use_images(self, micro, drop: bool = False):
+        """The uploads that follow take micro-batch `micro`'s images (dropped from the stage's where `drop`)."""
+        self.set_images(self._images.pop(micro, None) if drop else self._images.get(micro))
+
     # ---- the boundary ---------------------------------------------------------------------------------------
     def _send(self, x) -> np.ndarray:
         packed = pack_boundary(x, self.precision)
@@ -76,7 +91,8 @@ class WgpuStage(WgpuEngine):
         slot = self._take_slot() if training else 0
         cache = self._bucket_cache(slot)
         acts = cache.activations(*np.shape(segment_ids), train=training)
-        cache.upload_batch(acts, np.asarray(inputs), segment_ids, position_ids)
+        self._use_images(micro)
+        cache.upload_batch(acts, np.asarray(inputs), segment_ids, position_ids, slot=slot)
         if training:
             self.dropout.write(slot, self.layers.lora)
         # a training forward counts its layers' routing where the router's aux loss is on (its weight comes with
@@ -135,6 +151,7 @@ class WgpuStage(WgpuEngine):
                 self._prior = self.rt.buffer(4 * len(balance), "moe.prior_balance")
             self.rt.write(self._prior, np.asarray(balance, np.float32))
             prior = self._prior
+        self._use_images(micro, drop=True)
         rec, acts, before = self.steps.record_forward_backward(np.asarray(inputs), targets, segment_ids,
                                                                position_ids, grad_scale, objective,
                                                                aux_weight=aux_weight, prior=prior)
@@ -154,6 +171,7 @@ class WgpuStage(WgpuEngine):
         """See PipelineStage.stage_backward: the whole forward's load-balancing statistics written where its
         routers' backward reads them."""
         slot, acts = self._kept.pop(micro)
+        self._images.pop(micro, None)
         if d_outputs is None:
             return None
         cache = self._bucket_cache(slot)
@@ -166,6 +184,7 @@ class WgpuStage(WgpuEngine):
 
     def stage_scores(self, inputs, targets, segment_ids, position_ids, rows: bool):
         """See PipelineStage.stage_scores."""
+        self._use_images(None)
         inputs = np.asarray(inputs)
         if targets is None:
             return self.steps.logits(inputs, segment_ids, position_ids)
@@ -236,7 +255,9 @@ class WgpuStage(WgpuEngine):
             self.free_kv_cache(kv)
 
     def stage_rows(self, key: int, inputs, rows, positions, last, long_rope: bool):
-        """See PipelineStage.stage_rows."""
+        """See PipelineStage.stage_rows: a prefill with whole images takes their blocks (and embeddings, M-RoPE
+        positions and DeepStack features)."""
+        self._use_images(None)
         out = self.kv.rows_forward(np.asarray(inputs), np.asarray(rows), np.asarray(positions), self._caches[key],
                                    np.asarray(last), long_rope)
         return out if self.last else self._send(out)

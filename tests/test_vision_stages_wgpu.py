@@ -1,0 +1,124 @@
+"""Images through WebGPU pipeline stages (engines/webgpu/stage.py) against one WebGPU process: the tower in the
+driver, its embeddings into the first stage, every stage's attention taking Gemma 3's bidirectional image blocks and
+its RoPE Qwen3-VL's M-RoPE positions, the stage holding a DeepStack layer its features; training (LoRA on the SigLIP
+tower too: the image rows' gradient back from the first stage), and greedy generation through the stages' caches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wgpu_train
+from wgpu_train.errors import ConfigError
+
+from conftest import require_adapter
+from test_gemma3_vision_training import chat_vlm, our_examples, vision_records, write_vision_data  # noqa: F401
+from test_qwen3_vl import PAD, images, records, span, vlm  # noqa: F401  (chat_vlm, vlm: the tiny models' fixtures)
+from test_vision_distributed import TOWER_TARGETS, _adapter, _losses
+from tolerances import assert_close
+
+
+def _staged_and_one(folder):
+    """(a VisionModel over 2 WebGPU stages in this process, one on one WebGPU process), both with the same LoRA on
+    q and v."""
+    from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
+    from wgpu_train.engines.vision_model import attach_vision, load_vision_model
+    from wgpu_train.models.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(folder)
+    staged = attach_vision(pipeline_model(folder, cfg, inference_plan(cfg, 2, None), backend="wgpu", local=True,
+                                          precision="fp32"), folder)
+    one = load_vision_model(folder, backend="wgpu", precision="fp32")
+    for vm in (staged, one):
+        vm.model.add_lora(wgpu_train.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj")), seed=3)
+    return staged, one
+
+
+def _same_logits_gradients_and_answer(staged, one, ids, labels, imgs, prompt, prompt_images):
+    """The logits (the last stage's at the image tokens too, which its blocks and positions change), loss and LoRA
+    gradients of ids (1, T) with imgs, and the greedy answer to prompt (T',) with prompt_images: one process's."""
+    assert_close(staged.logits(ids, imgs), one.logits(ids, imgs), "pipeline_wgpu", "logits with images")
+    (loss_s, grads_s), (loss_1, grads_1) = (vm.loss_and_grads(ids, labels, imgs) for vm in (staged, one))
+    assert_close(np.float64(loss_s), loss_1, "pipeline_wgpu", "loss with images")
+    assert set(grads_s) == set(grads_1) and max(float(np.abs(g).max()) for g in grads_1.values()) > 0
+    for k in grads_1:
+        assert_close(grads_s[k], grads_1[k], "pipeline_wgpu", k)
+    answers = [vm.generate(prompt, prompt_images, max_new_tokens=6) for vm in (staged, one)]
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+
+
+def test_gemma3_through_wgpu_stages_equals_one_process(chat_vlm, tmp_path):  # noqa: F811
+    """Gemma 3 on 2 WebGPU stages: one WebGPU process's logits, loss and LoRA gradients with images (the second
+    stage's attention bidirectional within each image) and its greedy answer; `finetune --pipeline-stages 2` under 1F1B with
+    LoRA on the SigLIP tower too gives one process's losses and adapter after 2 steps."""
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.training.config import TrainConfig
+
+    require_adapter()
+    _, folder, _ = chat_vlm
+    (examples, _), _ = our_examples(folder)
+    ex, ask = examples[0], examples[1]
+    prompt = ask.input_ids[:int(np.flatnonzero(ask.labels != -100)[0])]     # one image, then its answer
+    staged, one = _staged_and_one(folder)
+    try:
+        _same_logits_gradients_and_answer(staged, one, ex.input_ids[None].astype(np.int64), ex.labels[None],
+                                        ex.images, prompt, ask.images)
+    finally:
+        staged.model.engine.close()
+    data = write_vision_data(tmp_path / "data", vision_records() * 2)
+    kw = dict(model=str(folder), data=str(data), backend="wgpu", precision="fp32", batch_size=1, grad_accum=2,
+              max_steps=2, lr=1e-2, valid_split=0.0, lora_targets=TOWER_TARGETS, no_progress=True, log_every=1)
+    wgpu_train.finetune(out=str(tmp_path / "one"), **kw)
+    two = finetune_pipeline(TrainConfig(out=str(tmp_path / "two"), pipeline_stages=2, **kw), local=True)
+    assert two["pipeline"]["stages"] == 2
+    mine, theirs = _adapter(tmp_path / "two"), _adapter(tmp_path / "one")
+    assert sorted(mine) == sorted(theirs) and sum(".vision_tower." in k for k in mine) == 12
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
+    assert max(float(np.abs(theirs[k]).max()) for k in theirs if ".vision_tower." in k and "lora_B" in k) > 1e-4
+    assert_close(np.array(_losses(tmp_path / "two")), np.array(_losses(tmp_path / "one")), "pipeline_wgpu", "losses")
+
+
+def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa: F811
+    """Qwen3-VL on 2 WebGPU stages (the second holds a DeepStack layer): every stage rotates by the images' M-RoPE
+    positions, in training and in generation's prefill and decode; one WebGPU process's logits, loss, LoRA gradients, two
+    train steps of two micro-batches each with its own images, and greedy tokens. Its tower's LoRA through the stages
+    (no DeepStack gradients come back) is refused in one line."""
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.engines.protocol import OptimizerParams
+    from wgpu_train.training.config import TrainConfig
+
+    require_adapter()
+    _, folder, _ = vlm
+    staged, one = _staged_and_one(folder)
+    try:
+        imgs = images(3, seed=3)
+        ids = np.array([[7, *span(one, imgs[0]), 11, 12, *span(one, imgs[1]), 13, 14]])
+        _same_logits_gradients_and_answer(staged, one, ids, ids, imgs[:2], ids[0, :-2], imgs[:2])
+        rows = [ids[0], np.array([8, 9, *span(one, imgs[2]), 15])]
+        hp, out = OptimizerParams(lr=1e-2), []
+        for vm in (staged, one):
+            mbs = []
+            for row, own in zip(rows, (imgs[:2], imgs[2:])):
+                targets = np.where(row == PAD, -100, np.roll(row, -1))[None]
+                targets[0, -1] = -100
+                n = len(row)
+                mbs.append((vm._text_ids(row[None]).astype(np.int32), targets, np.ones((1, n), np.int32),
+                            np.arange(n, dtype=np.int32)[None], vm.image_tokens(row[None], own)))
+            out.append([vm.model.engine.train_step(mbs, hp, step) for step in (1, 2)] +
+                       [vm.model.engine.lora_tensors()])
+        (*steps_s, lora_s), (*steps_1, lora_1) = out
+        for got, want in zip(steps_s, steps_1):
+            assert got[1] == want[1] and got[3] == want[3]
+            assert_close(np.array(got[::2]), np.array(want[::2]), "pipeline_wgpu", "loss and norm")
+        assert set(lora_s) == set(lora_1)
+        for path in lora_1:
+            for a, b in zip(lora_s[path], lora_1[path]):
+                assert_close(a, b, "pipeline_wgpu", path)
+    finally:
+        staged.model.engine.close()
+    data = write_vision_data(tmp_path / "data", records())
+    with pytest.raises(ConfigError, match="DeepStack trains on the NumPy engine, without pipeline stages") as e:
+        finetune_pipeline(TrainConfig(model=str(folder), data=str(data), backend="wgpu", out=str(tmp_path / "stages"),
+                                      max_steps=1, pipeline_stages=2, valid_split=0.0, lora_targets=("q_proj", "qkv"),
+                                      no_progress=True), local=True)
+    assert "\n" not in str(e.value)
