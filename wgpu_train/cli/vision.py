@@ -34,8 +34,8 @@ def generate_with_images(args, model_dir, adapter) -> int:
 
 def vision_of(model, model_dir):
     """The model's VisionModel (its vision tower and projector read from model_dir) where the folder is a
-    vision-language model (Gemma 3, SmolVLM) loaded on an engine that takes images (set_images: both engines; not
-    pipeline stages), else None (it takes no images)."""
+    vision-language model (Gemma 3, SmolVLM) loaded on an engine that takes images (set_images: both engines and
+    their pipeline stages), else None (it takes no images)."""
     import json
     from pathlib import Path
 

@@ -285,6 +285,12 @@ class PipelineStage(Protocol):
         """The last stage, no gradients: logits (B, T, V) without targets; with them, token_losses' (B, T) rows
         (rows) or loss()'s (summed loss, trained tokens)."""
 
+    def stage_set_images(self, micro, images) -> None:
+        """The images (a shared/image_tokens.ImageTokens, or None) of micro-batch `micro` (None: the forwards that
+        keep nothing, a prefill's too): their blocks and M-RoPE positions in every stage's layers, the DeepStack
+        features of the layers it holds, their embeddings in the first stage's rows (whose backward keeps the
+        image rows' gradient, image_grad); a training micro-batch's dropped after its backward."""
+
     def stage_set_reference(self, modules: dict) -> None:
         """Hold a reference adapter's modules of its layers (set_lora's entries) beside its own (--ref-adapter)."""
 
