@@ -281,7 +281,8 @@ class BucketCache:
         acts.images = None
         if self.images is not None:     # (a stage after the first: the blocks, M-RoPE positions and DeepStack's)
             self.images.attach(acts, slot, ids if self.first else None, segment_ids, position_ids,
-                               acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final, last is not None)
+                               acts.layers[self.span.start][INPUT] if acts.layers else acts.x_final, last is not None,
+                               self.span)
         acts.head_index, acts.head_order, acts.n_head, acts.row_weights = None, None, n, None
         acts.row_terms = acts.objective = None
         acts.entropies = False

@@ -22,7 +22,8 @@ class BatchImages:
     (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers
     (embeds and grad None on a pipeline stage after the first);
     deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
-    output at the image tokens (frozen: their gradient is the residual stream's, which passes through)."""
+    output at the image tokens (frozen: their gradient is the residual stream's, which passes through; None for a
+    layer a pipeline stage does not hold)."""
 
     index: object
     embeds: object
@@ -51,15 +52,17 @@ class ImageInputs:
             have = self._slots[slot][name] = (buf, cap)
         return have[0]
 
-    def attach(self, acts, slot, ids, segment_ids, position_ids, x_in, generation: bool):
+    def attach(self, acts, slot, ids, segment_ids, position_ids, x_in, generation: bool, layers: range):
         """After upload_batch wrote a batch into acts: the tokens' images (when set) written to the slot's buffers
         and acts.images pointed at them (None without images). ids, segment_ids, position_ids (B, T): the batch
         as uploaded (generation: (1, n) padded tokens, their cache rows and positions); the ids are rewritten
         with -1 at the image tokens (the embedding looks none up for them and gives them no gradient); ids None
         (a pipeline stage after the first, which has no embedding): neither the ids nor the embeddings written
         (images.embeds and grad None), the blocks, M-RoPE positions and DeepStack features only; x_in: the
-        layers' input buffer (its format is the embeddings'). The tokens' M-RoPE positions (Qwen3-VL's, a decoded
-        token's too, which has no image) go to acts.rope_pairs, padded with 0."""
+        layers' input buffer (its format is the embeddings'); layers: the layers recorded over acts (a pipeline
+        stage's), whose DeepStack features alone are uploaded (None in images.deepstack for the others). The
+        tokens' M-RoPE positions (Qwen3-VL's, a decoded token's too, which has no image) go to acts.rope_pairs,
+        padded with 0."""
         acts.images = acts.rope_pairs = None
         if self.tokens is None:
             return
@@ -87,12 +90,13 @@ class ImageInputs:
         embeds, grad = (self._buffer(slot, "embeds", n * c, fmt), self._buffer(slot, "grad", n * c)) if first else \
             (None, None)
         images = BatchImages(self._buffer(slot, "index", n), embeds, self._buffer(slot, "spans", 3 * b * t), grad,
-                             n, tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt)
+                             n, tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt) if k in layers else None
                                       for k in range(len(self.tokens.deepstack))))
         rt.write(images.index, index)
         features = ((images.embeds, self.tokens.embeds),) if first else ()
         for buf, values in (*features, *zip(images.deepstack, self.tokens.deepstack)):
-            rt.write(buf, storage.to_words(np.asarray(values, np.float32), fmt))
+            if buf is not None:
+                rt.write(buf, storage.to_words(np.asarray(values, np.float32), fmt))
         spans = (with_reaches(np.asarray(position_ids).reshape(-1), blocks.reshape(-1),
                               np.asarray(segment_ids).reshape(-1)) if generation else extents(segment_ids, blocks))
         rt.write(images.spans, spans.reshape(-1).astype(np.int32))
