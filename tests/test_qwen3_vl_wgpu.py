@@ -49,7 +49,8 @@ def batch(vm):
 
 def test_logits_loss_and_gradients_equal_numpys(pair):
     """M-RoPE positions per rotated pair and DeepStack on the first two layers, forward and backward on the
-    device: logits, loss and every LoRA gradient equal the NumPy engine's; without the positions or the features
+    device: logits, loss, every LoRA gradient, the image rows' and the DeepStack features' gradients (read back when
+    asked) equal the NumPy engine's; without the positions or the features
     the logits would differ."""
     cpu, gpu, _ = pair
     ids, mask, labels, imgs = batch(cpu)
@@ -61,6 +62,11 @@ def test_logits_loss_and_gradients_equal_numpys(pair):
     assert set(ga) == set(gb) and ga
     for name in ga:
         assert_close(gb[name], ga[name], "gpu_grads", name)
+    deep, got = cpu.model.engine.deepstack_grad, gpu.model.engine.deepstack_grad     # read back when asked
+    assert sorted(got) == sorted(deep) == [0, 1] and np.abs(deep[0]).max() > 0
+    for k in deep:
+        assert_close(got[k], deep[k], "gpu_grads", f"DeepStack features' gradient {k}")
+    assert_close(gpu.model.engine.image_grad, cpu.model.engine.image_grad, "gpu_grads", "image_grad")
     tokens, engine = gpu.image_tokens(ids, imgs), gpu.model.engine
     for broken in ({"positions": None}, {"deepstack": ()}):
         engine.set_images(dataclasses.replace(tokens, **broken))

@@ -1,7 +1,8 @@
 """Images on the WebGPU engine (engine.set_images): each micro-batch slot's image inputs uploaded with its batch,
 which the layer recording scatters over the embedding rows, the attention takes as bidirectional blocks (Gemma
 3's), RoPE takes each pair's positions from and the layers add DeepStack features from (Qwen3-VL's), and the
-backward gathers the image rows' gradient from (read back only when asked: image_grad)."""
+backward gathers the image rows' gradient and the DeepStack features' from (read back only when asked: image_grad,
+deepstack_grad)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ class BatchImages:
     extents (attention_kernels.extents, (3, B, T)), or generation's positions with each query's reach
     (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers;
     deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
-    output at the image tokens (frozen: their gradient is the residual stream's, which passes through)."""
+    output at the image tokens (frozen: their gradient is the residual stream's, which passes through);
+    deepstack_grad (count, C) float32 each: the k-th's gradient, layer k's output gradient at the image rows, which
+    a backward gathers (for the tower's LoRA)."""
 
     index: object
     embeds: object
@@ -29,6 +32,7 @@ class BatchImages:
     grad: object
     count: int
     deepstack: tuple = ()
+    deepstack_grad: tuple = ()
 
 
 class ImageInputs:
@@ -82,6 +86,8 @@ class ImageInputs:
         images = BatchImages(self._buffer(slot, "index", n), self._buffer(slot, "embeds", n * c, fmt),
                              self._buffer(slot, "spans", 3 * b * t), self._buffer(slot, "grad", n * c), n,
                              tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt)
+                                   for k in range(len(self.tokens.deepstack))),
+                             tuple(self._buffer(slot, f"deepstack grad {k}", n * c)
                                    for k in range(len(self.tokens.deepstack))))
         rt.write(images.index, index)
         for buf, features in ((images.embeds, self.tokens.embeds), *zip(images.deepstack, self.tokens.deepstack)):
@@ -96,3 +102,9 @@ class ImageInputs:
         if images is None:
             return None
         return self.rt.read(images.grad, np.float32, (images.count, self.c))
+
+    def read_deepstack_grad(self, images: BatchImages | None) -> dict:
+        """{layer k: the k-th DeepStack features' gradient (count, C) float32} a backward gathered ({} without)."""
+        if images is None:
+            return {}
+        return {k: self.rt.read(buf, np.float32, (images.count, self.c)) for k, buf in enumerate(images.deepstack_grad)}
