@@ -109,3 +109,38 @@ def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
     vm.set_tower_lora({"base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": a,
                        "base_model.model.model.visual.blocks.0.attn.qkv.lora_B.weight": b}, 1.0)
     assert vm.device_tower is None
+
+
+def test_lora_forward_and_gradients_equal_numpys(vlm, rt):  # noqa: F811
+    """LoRA (random A and B) on every block's and merger's linear: the device forward's features and its
+    backward's LoRA gradients (from the merged and both DeepStack features' gradients) equal the NumPy tower's; a
+    second forward and backward reuse the buffers (none allocated), and __call__ takes the LoRA too."""
+    from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
+
+    vm = vlm[2]
+    tower = Qwen3VLTower(vm.tower.vc, vm.tower.w)
+    rng = np.random.default_rng(5)
+    for path in tower.modules():
+        out_f, in_f = tower.w[path + ".weight"].shape
+        tower.lora[path] = (rng.standard_normal((2, in_f)).astype(np.float32) * 0.2,
+                            rng.standard_normal((out_f, 2)).astype(np.float32) * 0.2, 2.5)
+    pixels, grids = vm.pixel_values(images(3))
+    gpu = GpuQwenTower(rt, tower)
+    for run in range(2):
+        got = gpu.forward(pixels, grids)
+        want = tower.forward(pixels, grids)
+        assert_close(got[0], want[0], "qwen_tower_gpu", "merged features with LoRA")
+        for a, b in zip(got[1], want[1]):
+            assert_close(a, b, "qwen_tower_gpu", "DeepStack features with LoRA")
+        # the features' gradients of a loss's scale: the LoRA gradients' largest entries 0.03..0.2, as grads_f32's
+        dout = rng.standard_normal(want[0].shape).astype(np.float32) * 1e-3
+        ddeep = [rng.standard_normal(d.shape).astype(np.float32) * 1e-3 for d in want[1]]
+        grads, expected = gpu.backward(dout, ddeep, got[2]), tower.backward(dout, ddeep, want[2])
+        assert set(grads) == set(expected) and len(expected) == 2 * len(tower.modules())
+        for name, g in expected.items():
+            assert_close(grads[name], g, "grads_f32", name)
+        if run == 0:
+            kept = {name: b for name, (b, _) in gpu._scratch.items()}
+    assert {name: b for name, (b, _) in gpu._scratch.items()} == kept
+    called = gpu(pixels, grids)
+    assert_close(called[0], want[0], "qwen_tower_gpu", "__call__ with LoRA")
