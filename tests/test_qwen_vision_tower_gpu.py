@@ -1,6 +1,7 @@
 """Qwen3-VL's and Qwen3.5's vision tower on the WebGPU engine (engines/webgpu/qwen_vision_tower.py) against the NumPy
 tower (the oracle, itself checked against transformers in test_qwen3_vl.py / test_qwen3_5_vision.py) on their tiny
-models: merged and DeepStack features, images in chunks and one refused to the NumPy tower; the erf GELU entry."""
+models: merged and DeepStack features, images in chunks and one refused to the NumPy tower; the erf GELU entry; the
+tower's LoRA forward and its gradients."""
 from __future__ import annotations
 
 import numpy as np
@@ -93,7 +94,7 @@ def test_chunks_and_an_image_too_big_for_a_binding(vlm, rt, monkeypatch):  # noq
 
 def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
     """A WebGPU Qwen3-VL loads with the device tower, which runs (its counter) for logits with two images; they
-    equal the NumPy tower's run on the same language model; LoRA on the tower sends it back to the NumPy tower."""
+    equal the NumPy tower's run on the same language model; with LoRA on the tower too."""
     _, folder, _ = vlm
     vm = load_vision_model(folder, backend="wgpu")
     assert isinstance(vm.device_tower, GpuQwenTower)
@@ -105,10 +106,13 @@ def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
     assert_close(got, vm.logits(ids, imgs), "qwen_tower_gpu", "logits, device tower against the NumPy tower")
     vm.device_tower = device
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((2, 32)).astype(np.float32), np.zeros((96, 2), np.float32)
+    a, b = rng.standard_normal((2, 32)).astype(np.float32), rng.standard_normal((96, 2)).astype(np.float32)
     vm.set_tower_lora({"base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": a,
                        "base_model.model.model.visual.blocks.0.attn.qkv.lora_B.weight": b}, 1.0)
-    assert vm.device_tower is None
+    lora = vm.logits(ids, imgs)
+    assert vm.device_tower is device and device.calls == 2 and np.abs(lora - got).max() > 1e-3
+    vm.device_tower = None
+    assert_close(lora, vm.logits(ids, imgs), "qwen_tower_gpu", "logits with tower LoRA, device against NumPy tower")
 
 
 def test_lora_forward_and_gradients_equal_numpys(vlm, rt):  # noqa: F811
