@@ -204,8 +204,12 @@ class GpuQwenTower:
         order), after forward's cache -> {module path.lora_A / .lora_B: gradient}: one submission, one readback."""
         if cache.get("call") != self.calls or not self._lora:
             raise ValueError("GpuQwenTower.backward takes the cache of its last forward with LoRA only")
+        n = np.asarray(dout).size
+        given = self._buffer("dout", (1 + len(ddeepstack)) * n)
+        self.rt.write(given, np.concatenate([np.asarray(g, np.float32).reshape(-1) for g in (dout, *ddeepstack)]))
         rec = self.rt.recorder()
-        grads, total = self.record_backward(rec, dout, ddeepstack, cache["rows"])
+        grads, total = self.record_backward(rec, given, [at(given, (1 + k) * n) for k in range(len(ddeepstack))],
+                                            cache["rows"])
         rec.read_back(grads, np.float32, (total,))
         rec.submit()
         flat = rec.result()
@@ -214,28 +218,26 @@ class GpuQwenTower:
                 for w, o, n, shape in (("A", a, r * in_f, (r, in_f)), ("B", b, out_f * r, (out_f, r)))}
 
     def record_backward(self, rec, dout, ddeepstack, rows: int) -> tuple:
-        """Record the LoRA gradients' backward into rec after record_forward(keep=True) of `rows` patches (dout and
-        ddeepstack written now) -> (the gradients' buffer, its elements): each merger's and block's forward again
-        from its kept input, then its backward, last first."""
-        vc, rt = self.vc, self.rt
+        """Record the LoRA gradients' backward into rec after record_forward(keep=True) of `rows` patches, from the
+        device buffers dout (P / 4, text C) and ddeepstack [(P / 4, text C)] (block order), float32 (the engine's
+        image rows' and DeepStack features' gradients, or backward's upload of them) -> (the gradients' buffer, its
+        elements): each merger's and block's forward again from its kept input, then its backward, last first."""
+        vc = self.vc
         c, f, h, merged = vc.hidden_size, vc.intermediate_size, vc.num_heads, rows // vc.merge_unit
         buf = self._buffers(rows, True)
         total = sum(r * (o + i) for _, _, r, _, o, i in self._lora.values())
         r = max(v[2] for v in self._lora.values())
-        sizes = {"dout": (1 + len(ddeepstack)) * merged * vc.text_hidden_size, "dx": rows * c, "dh": rows * c,
-                 "datt": rows * c, "dq": rows * c, "dk": rows * c, "dv": rows * c, "dqkv": 3 * rows * c,
-                 "dg": rows * f, "df1": rows * f, "dm2": rows * c, "dmg": rows * c, "dm1": rows * c,
+        sizes = {"dx": rows * c, "dh": rows * c, "datt": rows * c, "dq": rows * c, "dk": rows * c, "dv": rows * c,
+                 "dqkv": 3 * rows * c, "dg": rows * f, "df1": rows * f, "dm2": rows * c, "dmg": rows * c, "dm1": rows * c,
                  "att_scratch": attention_scratch_size(1, rows, h), "ldh": rows * r,
                  "mout": merged * vc.text_hidden_size, "lora_grads": total}
         buf.update({name: self._buffer(name, size) for name, size in sizes.items()})
-        rt.write(buf["dout"], np.concatenate([np.asarray(g, np.float32).reshape(-1) for g in (dout, *ddeepstack)]))
         mergers, dx = self.tower.mergers(), buf["dx"]
-        self._merge_backward(rec, buf, buf["saved " + str(vc.depth)], buf["dout"], *mergers[0], rows, False)
+        self._merge_backward(rec, buf, buf[f"saved {vc.depth}"], dout, *mergers[0], rows, False)
         for i in reversed(range(vc.depth)):
             if i in vc.deepstack_indexes:
-                j, slot = 1 + vc.deepstack_indexes.index(i), 1 + sorted(vc.deepstack_indexes).index(i)
-                self._merge_backward(rec, buf, buf[f"saved {i + 1}"],
-                                     at(buf["dout"], slot * merged * vc.text_hidden_size), *mergers[j], rows, True)
+                j, k = 1 + vc.deepstack_indexes.index(i), sorted(vc.deepstack_indexes).index(i)
+                self._merge_backward(rec, buf, buf[f"saved {i + 1}"], ddeepstack[k], *mergers[j], rows, True)
             p, x_in = f"{VISUAL}blocks.{i}.", buf[f"saved {i}"]
             K.copy(rec, buf["x"], x_in, rows * c)
             self._block(rec, buf, i, rows)              # its activations again
