@@ -115,10 +115,11 @@ def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
     assert_close(lora, vm.logits(ids, imgs), "qwen_tower_gpu", "logits with tower LoRA, device against NumPy tower")
 
 
-def test_lora_forward_and_gradients_equal_numpys(vlm, rt):  # noqa: F811
+def test_lora_forward_and_gradients_equal_numpys(vlm, rt, monkeypatch):  # noqa: F811
     """LoRA (random A and B) on every block's and merger's linear: the device forward's features and its
     backward's LoRA gradients (from the merged and both DeepStack features' gradients) equal the NumPy tower's; a
-    second forward and backward reuse the buffers (none allocated), and __call__ takes the LoRA too."""
+    second forward and backward reuse the buffers (none allocated), and __call__ takes the LoRA too; images over a
+    binding run on the NumPy tower (its cache)."""
     from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
 
     vm = vlm[2]
@@ -148,3 +149,8 @@ def test_lora_forward_and_gradients_equal_numpys(vlm, rt):  # noqa: F811
     assert {name: b for name, (b, _) in gpu._scratch.items()} == kept
     called = gpu(pixels, grids)
     assert_close(called[0], want[0], "qwen_tower_gpu", "__call__ with LoRA")
+    monkeypatch.setattr(qwen_vision_tower, "row_width", lambda tower: rt.max_binding)
+    calls = gpu.calls
+    merged, _, cache = gpu.forward(pixels, grids)
+    assert gpu.calls == calls and "device" not in cache and "blocks" in cache
+    np.testing.assert_array_equal(merged, want[0])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.attention import attention_backward, attention_forward, attention_scratch_size
 from wgpu_train.engines.webgpu.device.operands import at
@@ -97,13 +96,11 @@ class GpuQwenTower:
     def forward(self, pixels, grids) -> tuple:
         """pixel_values (P, patch dim), image_grid_thw (N, 3) with the tower's LoRA -> (the merged features, the
         DeepStack features, the backward's cache): all images at once, each block's input kept on the device until
-        backward (no other call of this tower in between)."""
+        backward (no other call of this tower in between); images whose widest activation is over one storage
+        binding run on the NumPy tower instead (its cache, without "device": its backward takes it)."""
         rows = int(np.prod(np.asarray(grids).reshape(-1, 3), axis=1).sum())
-        need = 4 * rows * row_width(self.tower)
-        if need > self.rt.max_binding:
-            raise DeviceError(f"LoRA on the vision tower runs a micro-batch's {rows} patches at once: their widest "
-                              f"activation needs {need / 2**20:.0f} MiB, over the device's max storage binding of "
-                              f"{self.rt.max_binding / 2**20:.0f} MiB (fewer or smaller images per micro-batch)")
+        if rows * row_width(self.tower) * 4 > self.rt.max_binding:
+            return self.tower.forward(pixels, grids)
         self._set_lora()
         merged, deepstack = self._run(np.asarray(pixels, np.float32), grids, keep=True)
         return merged, deepstack, {"device": True, "call": self.calls, "rows": rows}
