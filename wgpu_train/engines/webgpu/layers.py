@@ -557,7 +557,7 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
             K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                                self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,
                                offset=cfg.norm_offset)
-        im = acts.images if self.first else None
+        im = acts.images
         for i in reversed(self.span):
             rec.split_point()
             if im is not None and i < len(im.deepstack):     # Qwen3-VL's DeepStack features' gradient: layer i's
