@@ -74,7 +74,8 @@ def test_greedy_generation_equals_numpys(pair):
 
 def test_tower_lora_gradients_beside_webgpu_equal_numpys(vlm):  # noqa: F811
     """LoRA on Qwen3.5's tower (no DeepStack: its gradient is the image rows' alone, which the WebGPU engine gives
-    back) beside the language model's: the loss and every gradient, the tower's too, equal the NumPy engine's."""
+    back) beside the language model's, the tower's forward and backward on the device: the loss and every gradient,
+    the tower's too, equal the NumPy engine's."""
     require_adapter()
     import wgpu_train
     from wgpu_train.models.vision import tower_lora_key
@@ -95,6 +96,7 @@ def test_tower_lora_gradients_beside_webgpu_equal_numpys(vlm):  # noqa: F811
         vm.model.add_lora(wgpu_train.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj")), seed=0)
         out.append(vm.loss_and_grads(ids, ids, imgs))
     (la, ga), (lb, gb) = out
+    assert gpu.device_tower.calls == 1
     assert_close(np.float64(lb), la, "gpu_loss", "loss")
     assert set(ga) == set(gb) and sum(".visual." in k for k in ga) == len(tensors)
     for name in ga:

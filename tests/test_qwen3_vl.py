@@ -353,8 +353,8 @@ def test_packed_rows_count_positions_per_segment(vlm):
 def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     """`memory` on Qwen3-VL: the tower's weights as transformers builds them, the largest image the processor
     makes (longest_edge 3072 pixels: 12 merged patches and two markers) or what the row leaves it, the tower's
-    peak over the step's images within the tracemalloc tolerance of the NumPy tower's, the DeepStack features and
-    M-RoPE positions on the device, all in the total; SigLIP's tower module names refused in one line (LoRA on
+    peak over the step's images within the tracemalloc tolerance of the NumPy tower's, the DeepStack features (and
+    their gradients) and M-RoPE positions on the device, all in the total; SigLIP's tower module names refused in one line (LoRA on
     Qwen's tower: test_qwen3_vl_tower_lora.py)."""
     import tracemalloc
 
@@ -372,7 +372,7 @@ def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     assert v["tower_parameters"] == sum(p.numel() for n, p in hf.named_parameters() if ".visual." in n)
     assert v["tokens_per_image"] == 14 and v["image_tokens_per_row"] == 28 and v["images"] == 4
     assert not v["images_capped"]
-    assert v["image_inputs"] == 4 * (4 * 12 * 64 * 2 + 2 * 128 * 8)
+    assert v["image_inputs"] == 4 * (2 * 4 * 12 * 64 * 2 + 2 * 128 * 8)     # DeepStack's and their gradients
     text = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "0")
     assert out["total"] - text["total"] == v["tower_activations"] + v["image_inputs"] - text["vision"]["image_inputs"]
     capped = memory("--max-seq-len", "24", "--images-per-row", "2")["vision"]

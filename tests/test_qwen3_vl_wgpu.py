@@ -20,6 +20,7 @@ peft = pytest.importorskip("peft")
 
 from wgpu_train.engines.protocol import OptimizerParams  # noqa: E402
 from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
+from wgpu_train.models.vision import tower_lora_key  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def batch(vm):
 
 def test_logits_loss_and_gradients_equal_numpys(pair):
     """M-RoPE positions per rotated pair and DeepStack on the first two layers, forward and backward on the
-    device: logits, loss and every LoRA gradient equal the NumPy engine's; without the positions or the features
+    device: logits, loss, every LoRA gradient, the image rows' and the DeepStack features' gradients (read back when
+    asked) equal the NumPy engine's; without the positions or the features
     the logits would differ."""
     cpu, gpu, _ = pair
     ids, mask, labels, imgs = batch(cpu)
@@ -61,6 +63,11 @@ def test_logits_loss_and_gradients_equal_numpys(pair):
     assert set(ga) == set(gb) and ga
     for name in ga:
         assert_close(gb[name], ga[name], "gpu_grads", name)
+    deep, got = cpu.model.engine.deepstack_grad, gpu.model.engine.deepstack_grad     # read back when asked
+    assert sorted(got) == sorted(deep) == [0, 1] and np.abs(deep[0]).max() > 0
+    for k in deep:
+        assert_close(got[k], deep[k], "gpu_grads", f"DeepStack features' gradient {k}")
+    assert_close(gpu.model.engine.image_grad, cpu.model.engine.image_grad, "gpu_grads", "image_grad")
     tokens, engine = gpu.image_tokens(ids, imgs), gpu.model.engine
     for broken in ({"positions": None}, {"deepstack": ()}):
         engine.set_images(dataclasses.replace(tokens, **broken))
@@ -69,6 +76,32 @@ def test_logits_loss_and_gradients_equal_numpys(pair):
         finally:
             engine.set_images(None)
         assert np.abs(other - want)[real].max() > 1e-3
+
+
+def test_tower_lora_gradients_equal_numpys(pair):
+    """LoRA (random B) on every block's and merger's linear of the tower beside the language model's: the device
+    tower's forward, the engine's image rows' and DeepStack features' gradients, the device tower's backward: the
+    loss and every gradient, the tower's included, equal the NumPy engine's and tower's."""
+    cpu, gpu, _ = pair
+    ids, mask, labels, imgs = batch(cpu)
+    rng = np.random.default_rng(11)
+    tensors = {}
+    for path in cpu.tower.modules():
+        out_f, in_f = cpu.tower.w[path + ".weight"].shape
+        for w, shape in (("A", (2, in_f)), ("B", (out_f, 2))):
+            tensors[tower_lora_key(path, w, cpu.vision)] = rng.standard_normal(shape).astype(np.float32) * 0.1
+    try:
+        for vm in (cpu, gpu):
+            vm.set_tower_lora(tensors, 2.5)
+        (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, imgs, mask) for vm in (cpu, gpu))
+        assert gpu.device_tower.calls and sum(".visual." in k for k in ga) == 2 * len(cpu.tower.modules())
+    finally:
+        for vm in (cpu, gpu):
+            vm.tower.lora = {}
+    assert_close(np.float64(lb), la, "gpu_loss", "loss with tower LoRA")
+    assert set(ga) == set(gb)
+    for name in ga:
+        assert_close(gb[name], ga[name], "gpu_grads", name)
 
 
 def test_train_step_with_images_equals_numpys(pair):
@@ -164,24 +197,31 @@ def test_bf16_activations_with_images_equal_numpys(pair):
 
 
 def test_cli_finetune_with_images_on_wgpu_equals_numpy(pair, tmp_path, capsys):
-    """`finetune --data` of TRL's vision records on Qwen3-VL with --backend wgpu: each step's loss equals the
-    NumPy engine's run of the same records."""
+    """`finetune --data` of TRL's vision records on Qwen3-VL with --backend wgpu, LoRA on the tower's blocks and
+    mergers too (the device tower's forward and backward, the DeepStack features' gradients from the device): each
+    step's loss and the adapter after 3 steps equal the NumPy engine's run of the same records."""
     import json
 
     from test_gemma3_vision_training import write_vision_data
     from test_qwen3_vl import records
     from wgpu_train.cli.main import main
+    from wgpu_train.formats.safetensors import read_safetensors
 
     _, _, folder = pair
     data = write_vision_data(tmp_path / "data", records())
-    losses = []
+    losses, adapters = [], []
     for backend in ("numpy", "wgpu"):
         out = tmp_path / backend
         assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, "--max-steps",
-                     "3", "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "q_proj,v_proj", "--no-progress",
-                     "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
-        capsys.readouterr()
+                     "3", "--batch-size", "2", "--lr", "1e-2", "--lora-targets", "q_proj,v_proj,qkv,linear_fc2",
+                     "--no-progress", "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert ("on the device" if backend == "wgpu" else "NumPy, on the CPU") in err
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
                        if '"loss"' in line])
+        adapters.append(read_safetensors(out / "adapter_model.safetensors"))
     assert len(losses[0]) == 3
     assert_close(np.array(losses[1]), np.array(losses[0]), "gpu_loss", "finetune losses")
+    assert set(adapters[0]) == set(adapters[1]) and sum(".visual." in k for k in adapters[0]) == 14
+    for k, want in adapters[0].items():
+        assert_close(adapters[1][k], want, "qwen_tower_params_after_steps", k)

@@ -1,6 +1,7 @@
 """Qwen3-VL's and Qwen3.5's vision tower on the WebGPU engine (engines/webgpu/qwen_vision_tower.py) against the NumPy
 tower (the oracle, itself checked against transformers in test_qwen3_vl.py / test_qwen3_5_vision.py) on their tiny
-models: merged and DeepStack features, images in chunks and one refused to the NumPy tower; the erf GELU entry."""
+models: merged and DeepStack features, images in chunks and one refused to the NumPy tower; the erf GELU entry; the
+tower's LoRA forward and its gradients."""
 from __future__ import annotations
 
 import numpy as np
@@ -93,7 +94,7 @@ def test_chunks_and_an_image_too_big_for_a_binding(vlm, rt, monkeypatch):  # noq
 
 def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
     """A WebGPU Qwen3-VL loads with the device tower, which runs (its counter) for logits with two images; they
-    equal the NumPy tower's run on the same language model; LoRA on the tower sends it back to the NumPy tower."""
+    equal the NumPy tower's run on the same language model; with LoRA on the tower too."""
     _, folder, _ = vlm
     vm = load_vision_model(folder, backend="wgpu")
     assert isinstance(vm.device_tower, GpuQwenTower)
@@ -105,7 +106,51 @@ def test_attach_vision_runs_the_tower_on_the_device(vlm):  # noqa: F811
     assert_close(got, vm.logits(ids, imgs), "qwen_tower_gpu", "logits, device tower against the NumPy tower")
     vm.device_tower = device
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((2, 32)).astype(np.float32), np.zeros((96, 2), np.float32)
+    a, b = rng.standard_normal((2, 32)).astype(np.float32), rng.standard_normal((96, 2)).astype(np.float32)
     vm.set_tower_lora({"base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": a,
                        "base_model.model.model.visual.blocks.0.attn.qkv.lora_B.weight": b}, 1.0)
-    assert vm.device_tower is None
+    lora = vm.logits(ids, imgs)
+    assert vm.device_tower is device and device.calls == 2 and np.abs(lora - got).max() > 1e-3
+    vm.device_tower = None
+    assert_close(lora, vm.logits(ids, imgs), "qwen_tower_gpu", "logits with tower LoRA, device against NumPy tower")
+
+
+def test_lora_forward_and_gradients_equal_numpys(vlm, rt, monkeypatch):  # noqa: F811
+    """LoRA (random A and B) on every block's and merger's linear: the device forward's features and its
+    backward's LoRA gradients (from the merged and both DeepStack features' gradients) equal the NumPy tower's; a
+    second forward and backward reuse the buffers (none allocated), and __call__ takes the LoRA too; images over a
+    binding run on the NumPy tower (its cache)."""
+    from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
+
+    vm = vlm[2]
+    tower = Qwen3VLTower(vm.tower.vc, vm.tower.w)
+    rng = np.random.default_rng(5)
+    for path in tower.modules():
+        out_f, in_f = tower.w[path + ".weight"].shape
+        tower.lora[path] = (rng.standard_normal((2, in_f)).astype(np.float32) * 0.2,
+                            rng.standard_normal((out_f, 2)).astype(np.float32) * 0.2, 2.5)
+    pixels, grids = vm.pixel_values(images(3))
+    gpu = GpuQwenTower(rt, tower)
+    for run in range(2):
+        got = gpu.forward(pixels, grids)
+        want = tower.forward(pixels, grids)
+        assert_close(got[0], want[0], "qwen_tower_gpu", "merged features with LoRA")
+        for a, b in zip(got[1], want[1]):
+            assert_close(a, b, "qwen_tower_gpu", "DeepStack features with LoRA")
+        # the features' gradients of a loss's scale: the LoRA gradients' largest entries 0.03..0.2, as grads_f32's
+        dout = rng.standard_normal(want[0].shape).astype(np.float32) * 1e-3
+        ddeep = [rng.standard_normal(d.shape).astype(np.float32) * 1e-3 for d in want[1]]
+        grads, expected = gpu.backward(dout, ddeep, got[2]), tower.backward(dout, ddeep, want[2])
+        assert set(grads) == set(expected) and len(expected) == 2 * len(tower.modules())
+        for name, g in expected.items():
+            assert_close(grads[name], g, "grads_f32", name)
+        if run == 0:
+            kept = {name: b for name, (b, _) in gpu._scratch.items()}
+    assert {name: b for name, (b, _) in gpu._scratch.items()} == kept
+    called = gpu(pixels, grids)
+    assert_close(called[0], want[0], "qwen_tower_gpu", "__call__ with LoRA")
+    monkeypatch.setattr(qwen_vision_tower, "row_width", lambda tower: rt.max_binding)
+    calls = gpu.calls
+    merged, _, cache = gpu.forward(pixels, grids)
+    assert gpu.calls == calls and "device" not in cache and "blocks" in cache
+    np.testing.assert_array_equal(merged, want[0])

@@ -145,8 +145,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
 def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     """_vision_estimate's for Qwen3-VL: each image as large as its processor makes one (max_pixels), capped to
     what a row leaves it; the tower over the step's images at once (frozen, or with LoRA: its activations kept for
-    the backward); on the device, the DeepStack features
-    of the image tokens and every token's M-RoPE positions (image_inputs)."""
+    the backward); on the device, the DeepStack features of the image tokens and their gradients (the backward
+    gathers them) and every token's M-RoPE positions (image_inputs)."""
     from wgpu_train.data.qwen_images import QwenImageSettings
     from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
     from wgpu_train.models.vision import CONNECTOR, ENCODER_MODULES, PROJ, split_targets
@@ -169,7 +169,7 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
                           f"model's too (q_proj, ...), as finetune trains them")
     images = args.batch_size * per_row
     params = tower_parameters(vc)
-    inputs = images * merged * vc.text_hidden_size * len(vc.deepstack_indexes) + \
+    inputs = 2 * images * merged * vc.text_hidden_size * len(vc.deepstack_indexes) + \
         args.batch_size * length * vc.text_head_dim // 2
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": bool(tower),

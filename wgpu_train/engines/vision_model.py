@@ -2,8 +2,9 @@
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder or on Qwen's blocks and
 mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
 the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's DeepStack features). The
-language model runs on either engine (both have set_images); the tower on the CPU (NumPy), or, for SigLIP beside a
-language model on WebGPU, on the device too (webgpu/vision_tower.py; its LoRA's backward there as well)."""
+language model runs on either engine (both have set_images); the tower on the CPU (NumPy), or beside a language
+model on WebGPU on the device too (webgpu/vision_tower.py, webgpu/qwen_vision_tower.py; its LoRA's backward there as
+well)."""
 from __future__ import annotations
 
 import json
@@ -45,8 +46,8 @@ class VisionModel:
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
     QwenImageSettings: each image its merged patches); device_tower: the same tower on the WebGPU engine
-    (webgpu/vision_tower.GpuVisionTower), which runs it (with the tower's LoRA and its backward too), or None;
-    Qwen's (webgpu/qwen_vision_tower.GpuQwenTower) runs the frozen forward only, and set_tower_lora drops it.
+    (webgpu/vision_tower.GpuVisionTower; Qwen's webgpu/qwen_vision_tower.GpuQwenTower), which runs it (with the
+    tower's LoRA and its backward too), or None.
     Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision, its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower)
     ImageTokens carry the M-RoPE positions and Qwen3-VL's DeepStack features, which both engines take."""
 
@@ -92,8 +93,6 @@ class VisionModel:
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
-        if self.qwen:           # Qwen's tower LoRA (forward and backward) runs on the NumPy tower
-            self.device_tower = None
         self.tower_optimizer = Optimizer(self.tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
 
     def tower_trainable(self) -> dict:
@@ -191,9 +190,9 @@ class VisionModel:
         if not len(grids):
             return None
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
-            embeds, deepstack, tower_cache = self.tower.forward(pixels, grids)
+            embeds, deepstack, tower_cache = (self.device_tower or self.tower).forward(pixels, grids)
             cache.update(tower_cache)
-        elif self.device_tower is not None and not self.tower.lora:
+        elif self.device_tower is not None:             # with the tower's LoRA, where set
             embeds, deepstack = self.device_tower(pixels, grids)
         else:
             embeds, deepstack = self.tower(pixels, grids)
@@ -261,9 +260,10 @@ class VisionModel:
             layers = range(len(self.vision.deepstack_indexes))
             deep = getattr(engine, "deepstack_grad", {})
             if any(i not in deep for i in layers):
-                raise ConfigError(f"LoRA on {self.vision.name}'s vision tower with DeepStack trains on the NumPy "
-                                  f"engine in one process only for now (its DeepStack features' gradients)")
-            return self.tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
+                raise ConfigError(f"LoRA on {self.vision.name}'s vision tower with DeepStack trains without "
+                                  f"pipeline stages only for now (its DeepStack features' gradients)")
+            tower = self.device_tower if cache.get("device") else self.tower
+            return tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
         dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
         return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 

@@ -32,9 +32,8 @@ def attach_tower(trainer) -> VisionModel:
             raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains at one rank and "
                               f"alpha, without dropout)")
     if vision.qwen and vision.vision.deepstack_indexes and not hasattr(trainer.model.engine, "deepstack_grad"):
-        raise ConfigError(f"LoRA on {vision.vision.name}'s vision tower with DeepStack trains on the NumPy engine, "
-                          f"without pipeline stages, only for now (its DeepStack features' gradients): use "
-                          f"--backend numpy")
+        raise ConfigError(f"LoRA on {vision.vision.name}'s vision tower with DeepStack trains without pipeline "
+                          f"stages only for now (their stages do not give its DeepStack features' gradients back)")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]

@@ -432,6 +432,15 @@ class WgpuEngine(EngineState):
         count_submissions(self.rt, self.counters, before)
         return grad
 
+    @property
+    def deepstack_grad(self) -> dict:
+        """{layer k: the gradient (n, C) float32 of the DeepStack features added to layer k's output} of the last
+        backward with images (Qwen3-VL's, for the tower's LoRA), read back now; {} before one."""
+        before = dict(self.rt.counters)
+        grads = self.image_inputs.read_deepstack_grad(self.layers.image_grad_source)
+        count_submissions(self.rt, self.counters, before)
+        return grads
+
     # ---- generation (kv_cache.KvCacheGeneration) ----------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int) -> dict:
         """A KV cache of `batch` rows of up to max_len positions (KvCacheGeneration.new_kv_cache)."""

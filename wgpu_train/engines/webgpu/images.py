@@ -1,7 +1,8 @@
 """Images on the WebGPU engine (engine.set_images): each micro-batch slot's image inputs uploaded with its batch,
 which the layer recording scatters over the embedding rows, the attention takes as bidirectional blocks (Gemma
 3's), RoPE takes each pair's positions from and the layers add DeepStack features from (Qwen3-VL's), and the
-backward gathers the image rows' gradient from (read back only when asked: image_grad)."""
+backward gathers the image rows' gradient and the DeepStack features' from (read back only when asked: image_grad,
+deepstack_grad)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ class BatchImages:
     (embeds and grad None on a pipeline stage after the first);
     deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
     output at the image tokens (frozen: their gradient is the residual stream's, which passes through; None for a
-    layer a pipeline stage does not hold)."""
+    layer a pipeline stage does not hold); deepstack_grad (count, C) float32 each: the k-th's gradient, layer k's
+    output gradient at the image rows, which a backward gathers (for the tower's LoRA; None as deepstack's)."""
 
     index: object
     embeds: object
@@ -31,6 +33,7 @@ class BatchImages:
     grad: object
     count: int
     deepstack: tuple = ()
+    deepstack_grad: tuple = ()
 
 
 class ImageInputs:
@@ -89,9 +92,12 @@ class ImageInputs:
             rt.write(acts.ids, np.where(flat, -1, np.asarray(ids).reshape(-1)).astype(np.int32))
         embeds, grad = (self._buffer(slot, "embeds", n * c, fmt), self._buffer(slot, "grad", n * c)) if first else \
             (None, None)
+        held = [k in layers for k in range(len(self.tokens.deepstack))]
         images = BatchImages(self._buffer(slot, "index", n), embeds, self._buffer(slot, "spans", 3 * b * t), grad,
-                             n, tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt) if k in layers else None
-                                      for k in range(len(self.tokens.deepstack))))
+                             n, tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt) if h else None
+                                      for k, h in enumerate(held)),
+                             tuple(self._buffer(slot, f"deepstack grad {k}", n * c) if h else None
+                                   for k, h in enumerate(held)))
         rt.write(images.index, index)
         features = ((images.embeds, self.tokens.embeds),) if first else ()
         for buf, values in (*features, *zip(images.deepstack, self.tokens.deepstack)):
@@ -107,3 +113,10 @@ class ImageInputs:
         if images is None:
             return None
         return self.rt.read(images.grad, np.float32, (images.count, self.c))
+
+    def read_deepstack_grad(self, images: BatchImages | None) -> dict:
+        """{layer k: the k-th DeepStack features' gradient (count, C) float32} a backward gathered ({} without)."""
+        if images is None:
+            return {}
+        return {k: self.rt.read(buf, np.float32, (images.count, self.c)) for k, buf in enumerate(images.deepstack_grad)
+                if buf is not None}

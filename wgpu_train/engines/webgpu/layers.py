@@ -557,8 +557,12 @@ class LayerRecorder(ConvLayerOps, GatedDeltaNetOps):
             K.rmsnorm_backward(rec, acts.d_res, self._norm_grad("model.norm.weight"), acts.dxf, acts.x_final,
                                self.w["model.norm.weight"], acts.rstd_f, n, c, acts.scratch_norm, accumulate=True,
                                offset=cfg.norm_offset)
+        im = acts.images
         for i in reversed(self.span):
             rec.split_point()
+            if im is not None and i < len(im.deepstack):     # Qwen3-VL's DeepStack features' gradient: layer i's
+                rec.section(f"layer {i} backward")             # output's at the image rows
+                K.row_gather_forward(rec, im.deepstack_grad[i], acts.d_res, im.index, im.count, c, n)
             # checkpointed: the forward left the last layer's activations in the shared buffers; the
             # others are recomputed (self.training and the micro-batch's seed slot still hold)
             if acts.checkpoint and i < self.span.stop - 1:

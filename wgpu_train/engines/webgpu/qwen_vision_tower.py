@@ -1,17 +1,21 @@
-"""Qwen3-VL's and Qwen3.5's vision tower, frozen, on the WebGPU engine over the NumPy one (engines/numpy/qwen3_vl_tower,
-the oracle, passed in by engines/vision_model.py: this engine imports nothing of NumPy's; its weights, host-side
+"""Qwen3-VL's and Qwen3.5's vision tower on the WebGPU engine over the NumPy one (engines/numpy/qwen3_vl_tower, the
+oracle, passed in by engines/vision_model.py: this engine imports nothing of NumPy's; its weights, LoRA, host-side
 position grid and rotary positions): the patch GEMM, blocks with LayerNorm, the 2-D rotary (per-pair positions),
-attention within each image, gelu_tanh MLP, the patch and DeepStack mergers (erf GELU). Its LoRA runs on the CPU."""
+attention within each image, gelu_tanh MLP, the patch and DeepStack mergers (erf GELU); frozen, or with the NumPy
+tower's LoRA on the blocks' and mergers' linears, whose backward recomputes each block and merger from its kept
+input."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.engines.webgpu import kernels as K
-from wgpu_train.engines.webgpu.attention import attention_forward
+from wgpu_train.engines.webgpu.attention import attention_backward, attention_forward, attention_scratch_size
 from wgpu_train.engines.webgpu.device.operands import at
-from wgpu_train.engines.webgpu.tensors import Matrix, linear_forward
+from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
+from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
-from wgpu_train.engines.webgpu.vision_tower_ops import gelu_forward, layernorm_forward
+from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
+                                                         layernorm_forward)
 from wgpu_train.models.qwen3_vl import LAYER_NORM_EPS, VISUAL
 
 
@@ -27,13 +31,18 @@ def runs_on_device(rt, tower) -> bool:
 
 
 class GpuQwenTower:
-    """The NumPy tower `tower`'s (a Qwen3VLTower) weights uploaded once as float32 to runtime rt; __call__(pixels (P, patch dim),
-    grids (N, 3)) -> (the merged features (P / 4, text C), the DeepStack features [(P / 4, text C)] in block order)
-    as the NumPy tower's. `calls` counts the forwards run on the device."""
+    """The NumPy tower `tower`'s (a Qwen3VLTower) weights uploaded once as float32 to runtime rt, with the LoRA its
+    `lora` dict holds at each call; __call__(pixels (P, patch dim), grids (N, 3)) -> (the merged features (P / 4,
+    text C), the DeepStack features [(P / 4, text C)] in block order) as the NumPy tower's; forward / backward: the
+    same keeping what the backward needs, then the LoRA gradients from both features' gradients. The buffers are
+    kept between calls (grown as needed); record_forward / record_backward record into a given recorder, the
+    others submit. `calls` counts the forwards run on the device."""
 
     def __init__(self, rt, tower):
         self.rt, self.tower, self.vc = rt, tower, tower.vc
         self.calls = 0
+        self._scratch: dict = {}        # name -> (buffer, capacity in elements)
+        self._lora: dict = {}           # path -> (A's offset, B's offset, r, scale, out, in) in the packed buffers
         self.mat, self.vec = {}, {}
         for name, arr in tower.w.items():
             arr = np.asarray(arr, np.float32)
@@ -44,12 +53,34 @@ class GpuQwenTower:
             elif arr.ndim == 1:
                 self.vec[name] = rt.upload(arr, name)
 
+    def _buffer(self, name: str, elems: int):
+        have = self._scratch.get(name)
+        if have is None or have[1] < elems:
+            if have is not None:
+                self.rt.release(have[0])
+            have = self._scratch[name] = (self.rt.buffer(max(elems, 1) * 4, "qwen tower " + name), elems)
+        return have[0]
+
+    def _set_lora(self):
+        """The NumPy tower's LoRA ({module path: (A (r, in), B (out, r), scale)}) packed, A then B of each module,
+        and uploaded."""
+        self._lora, parts, off = {}, [], 0
+        for path, (a, b, scale) in sorted(self.tower.lora.items()):
+            r, in_f = a.shape
+            self._lora[path] = (off, off + a.size, r, float(scale), b.shape[0], in_f)
+            parts += [np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)]
+            off += a.size + b.size
+        if parts:
+            self.rt.write(self._buffer("lora_params", off), np.concatenate(parts))
+
     def __call__(self, pixels, grids) -> tuple:
-        """The frozen forward in chunks of whole images whose widest activation fits one storage binding (an image
-        alone over it runs on the NumPy tower), a submission and a readback each."""
+        """The forward (with the tower's LoRA where set), no backward after it: in chunks of whole images whose
+        widest activation fits one storage binding (an image alone over it runs on the NumPy tower), a submission
+        and a readback each."""
         grids = np.asarray(grids).reshape(-1, 3)
         sizes = [int(np.prod(g)) for g in grids]
         limit = self.rt.max_binding // (4 * row_width(self.tower))      # patches a chunk may hold
+        self._set_lora()
         parts, start, i = [], 0, 0
         while i < len(sizes):
             j = i + 1           # images i..j-1: at least one, more while they fit
@@ -57,78 +88,203 @@ class GpuQwenTower:
                 j += 1
             rows = sum(sizes[i:j])
             chunk = (np.asarray(pixels[start:start + rows], np.float32), grids[i:j])
-            parts.append(self._forward(*chunk) if rows <= limit else self.tower(*chunk))
+            parts.append(self._run(*chunk, keep=False) if rows <= limit else self.tower(*chunk))
             start, i = start + rows, j
         return (np.concatenate([p[0] for p in parts]),
                 [np.concatenate([p[1][k] for p in parts]) for k in range(len(self.vc.deepstack_indexes))])
 
-    def _forward(self, pixels, grids) -> tuple:
+    def forward(self, pixels, grids) -> tuple:
+        """pixel_values (P, patch dim), image_grid_thw (N, 3) with the tower's LoRA -> (the merged features, the
+        DeepStack features, the backward's cache): all images at once, each block's input kept on the device until
+        backward (no other call of this tower in between); images whose widest activation is over one storage
+        binding run on the NumPy tower instead (its cache, without "device": its backward takes it)."""
+        rows = int(np.prod(np.asarray(grids).reshape(-1, 3), axis=1).sum())
+        if rows * row_width(self.tower) * 4 > self.rt.max_binding:
+            return self.tower.forward(pixels, grids)
+        self._set_lora()
+        merged, deepstack = self._run(np.asarray(pixels, np.float32), grids, keep=True)
+        return merged, deepstack, {"device": True, "call": self.calls, "rows": rows}
+
+    def _run(self, pixels, grids, keep: bool) -> tuple:
         """One chunk's images, one submission: (merged features, [DeepStack features])."""
-        vc, rt, tower = self.vc, self.rt, self.tower
-        rows, c, f, d, h = len(pixels), vc.hidden_size, vc.intermediate_size, vc.head_dim, vc.num_heads
-        grids = [tuple(int(v) for v in g) for g in grids]
-        if pixels.shape != (rows, vc.patch_dim) or rows != sum(int(np.prod(g)) for g in grids):
-            raise ValueError(f"pixel_values of shape {pixels.shape} for grids {grids} of {vc.patch_dim}-value patches")
-        merged, n_out = rows // vc.merge_unit, 1 + len(vc.deepstack_indexes)
-        pos = np.concatenate([tower.position_embeddings(g) for g in grids]).astype(np.float32)     # (P, C)
-        rotary = [tower.rotary_positions(g) for g in grids]
-        pairs = np.concatenate([p[0][0] for p in rotary]).astype(np.int32)                        # (P, D/2)
-        image = np.repeat(np.arange(len(grids), dtype=np.int32), [int(np.prod(g)) for g in grids])[None]
-        sizes = {"patches": rows * vc.patch_dim, "x": rows * c, "h": rows * c, "qkv": rows * 3 * c, "q": rows * c,
-                 "k": rows * c, "v": rows * c, "att": rows * c, "lse": h * rows, "f1": rows * f, "g": rows * f,
-                 "m1": rows * c, "mg": rows * c, "out": n_out * merged * vc.text_hidden_size}
-        buf = {name: rt.buffer(max(n, 1) * 4, "qwen tower " + name) for name, n in sizes.items()}
-        consts = [rt.upload(pixels.reshape(-1), "qwen tower patches"), rt.upload(pos.reshape(-1), "qwen tower pos"),
-                  rt.upload(pairs.reshape(-1), "qwen tower rotary positions"),
-                  rt.upload(rotary[0][1].astype(np.float32), "qwen tower inv_freq"),
-                  rt.upload(extents(image + 1, image).reshape(-1), "qwen tower spans")]
-        patches, positions, pair_pos, inv_freq, spans = consts
-        rec = rt.recorder()
-        x = buf["x"]
-        K.copy(rec, x, positions, rows * c)
-        linear_forward(rec, x, patches, self.mat[VISUAL + "patch_embed.proj.weight"],
-                       self.vec[VISUAL + "patch_embed.proj.bias"], rows, accumulate=True)
-        mergers = tower.mergers()
-        for i in range(vc.depth):
-            p = f"{VISUAL}blocks.{i}."
-            self._layernorm(rec, buf["h"], x, p + "norm1", rows, c)
-            self._linear(rec, buf["qkv"], buf["h"], p + "attn.qkv", rows)
-            K.split_forward(rec, [buf["q"], buf["k"], buf["v"]], buf["qkv"], rows, (c, c, c))
-            for m in ("q", "k"):
-                K.rope_forward(rec, buf[m], buf[m], pair_pos, inv_freq, rows, h, d, per_pair=True)
-            attention_forward(rec, buf["att"], buf["lse"], buf["q"], buf["k"], buf["v"], spans, 1, rows, h, h, d,
-                              blocks=True)
-            self._linear(rec, x, buf["att"], p + "attn.proj", rows, accumulate=True)
-            self._layernorm(rec, buf["h"], x, p + "norm2", rows, c)
-            self._linear(rec, buf["f1"], buf["h"], p + "mlp.linear_fc1", rows)
-            gelu_forward(rec, buf["g"], buf["f1"], rows * f)
-            self._linear(rec, x, buf["g"], p + "mlp.linear_fc2", rows, accumulate=True)
-            if i in vc.deepstack_indexes:
-                j = 1 + vc.deepstack_indexes.index(i)
-                slot = 1 + sorted(vc.deepstack_indexes).index(i)      # the features go out in block order
-                self._merge(rec, buf, at(buf["out"], slot * merged * vc.text_hidden_size), *mergers[j], rows)
-        self._merge(rec, buf, buf["out"], *mergers[0], rows)
-        rec.read_back(buf["out"], np.float32, (n_out, merged, vc.text_hidden_size))
+        rec = self.rt.recorder()
+        out, shape = self.record_forward(rec, pixels, grids, keep)
+        rec.read_back(out, np.float32, shape)
         rec.submit()
         out = rec.result()
-        for b in [*buf.values(), *consts]:
-            rt.release(b)
         self.calls += 1
         return out[0], list(out[1:])
 
-    def _merge(self, rec, buf, y, prefix, post_norm, rows):
-        """A merger over buf["x"] (P, C) into y (P / 4, text C): LayerNorm per patch (or per merged row: post_norm),
-        fc1, the erf GELU, fc2."""
+    def _buffers(self, rows: int, keep: bool) -> dict:
+        """The forward's buffers for `rows` patches; keep: each block's input and the final x too (saved k)."""
+        vc = self.vc
+        c, f, r = vc.hidden_size, vc.intermediate_size, max((v[2] for v in self._lora.values()), default=0)
+        n_out = 1 + len(vc.deepstack_indexes)
+        sizes = {"patches": rows * vc.patch_dim, "pos": rows * c, "pairs": rows * vc.head_dim // 2,
+                 "inv_freq": vc.head_dim // 2, "spans": 3 * rows, "x": rows * c, "x2": rows * c, "h": rows * c,
+                 "h2": rows * c, "qkv": rows * 3 * c, "q": rows * c, "k": rows * c, "v": rows * c, "att": rows * c,
+                 "lse": vc.num_heads * rows, "f1": rows * f, "g": rows * f, "m1": rows * c, "mg": rows * c,
+                 "m2": rows * c, "out": n_out * rows // vc.merge_unit * vc.text_hidden_size,
+                 **{"lh_" + m: rows * r for m in ("qkv", "proj", "linear_fc1", "linear_fc2")}}
+        if keep:
+            sizes.update({f"saved {k}": rows * c for k in range(vc.depth + 1)})
+        if self._lora:
+            sizes["lora_params"] = sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values())
+        return {name: self._buffer(name, size) for name, size in sizes.items()}
+
+    def record_forward(self, rec, pixels, grids, keep: bool) -> tuple:
+        """Record the forward of pixels (P, patch dim) of images grids (N, 3) into rec (its inputs written now) ->
+        (the output buffer, its shape (1 + DeepStack mergers, P / 4, text C)): the merged features, then the
+        DeepStack features in block order. keep: each block's input kept for record_backward."""
+        vc, rt, tower = self.vc, self.rt, self.tower
+        rows, c = len(pixels), vc.hidden_size
+        grids = [tuple(int(v) for v in g) for g in np.asarray(grids).reshape(-1, 3)]
+        if pixels.shape != (rows, vc.patch_dim) or rows != sum(int(np.prod(g)) for g in grids):
+            raise ValueError(f"pixel_values of shape {pixels.shape} for grids {grids} of {vc.patch_dim}-value patches")
+        buf = self._buffers(rows, keep)
+        rotary = [tower.rotary_positions(g) for g in grids]
+        image = np.repeat(np.arange(len(grids), dtype=np.int32), [int(np.prod(g)) for g in grids])[None]
+        for name, arr in (("patches", pixels), ("pos", np.concatenate([tower.position_embeddings(g) for g in grids])),
+                          ("pairs", np.concatenate([p[0][0] for p in rotary]).astype(np.int32)),     # (P, D/2)
+                          ("inv_freq", rotary[0][1].astype(np.float32)), ("spans", extents(image + 1, image))):
+            rt.write(buf[name], np.ascontiguousarray(arr, np.int32 if arr.dtype.kind == "i" else np.float32)
+                     .reshape(-1))
+        x, merged = buf["x"], rows // vc.merge_unit
+        K.copy(rec, x, buf["pos"], rows * c)
+        linear_forward(rec, x, buf["patches"], self.mat[VISUAL + "patch_embed.proj.weight"],
+                       self.vec[VISUAL + "patch_embed.proj.bias"], rows, accumulate=True)
+        mergers = tower.mergers()
+        for i in range(vc.depth):
+            if keep:
+                K.copy(rec, buf[f"saved {i}"], x, rows * c)
+            self._block(rec, buf, i, rows)
+            if i in vc.deepstack_indexes:
+                j = 1 + vc.deepstack_indexes.index(i)
+                slot = 1 + sorted(vc.deepstack_indexes).index(i)      # the features go out in block order
+                self._merge(rec, buf, x, at(buf["out"], slot * merged * vc.text_hidden_size), *mergers[j], rows)
+        if keep:
+            K.copy(rec, buf[f"saved {vc.depth}"], x, rows * c)
+        self._merge(rec, buf, x, buf["out"], *mergers[0], rows)
+        return buf["out"], (1 + len(vc.deepstack_indexes), merged, vc.text_hidden_size)
+
+    def _block(self, rec, buf, i, rows):
+        """Block i over buf["x"] in place; its residual after attention also in buf["x2"]."""
+        vc = self.vc
+        c, f, d, h, x = vc.hidden_size, vc.intermediate_size, vc.head_dim, vc.num_heads, buf["x"]
+        p = f"{VISUAL}blocks.{i}."
+        self._layernorm(rec, buf["h"], x, p + "norm1", rows, c)
+        self._linear(rec, buf, buf["qkv"], buf["h"], p + "attn.qkv", rows)
+        K.split_forward(rec, [buf["q"], buf["k"], buf["v"]], buf["qkv"], rows, (c, c, c))
+        for m in ("q", "k"):
+            K.rope_forward(rec, buf[m], buf[m], buf["pairs"], buf["inv_freq"], rows, h, d, per_pair=True)
+        attention_forward(rec, buf["att"], buf["lse"], buf["q"], buf["k"], buf["v"], buf["spans"], 1, rows, h, h, d,
+                          blocks=True)
+        self._linear(rec, buf, x, buf["att"], p + "attn.proj", rows, accumulate=True)
+        K.copy(rec, buf["x2"], x, rows * c)
+        self._layernorm(rec, buf["h2"], x, p + "norm2", rows, c)
+        self._linear(rec, buf, buf["f1"], buf["h2"], p + "mlp.linear_fc1", rows)
+        gelu_forward(rec, buf["g"], buf["f1"], rows * f)
+        self._linear(rec, buf, x, buf["g"], p + "mlp.linear_fc2", rows, accumulate=True)
+
+    def _merge(self, rec, buf, x, y, prefix, post_norm, rows):
+        """A merger over x (P, C) into y (P / 4, text C): LayerNorm per patch (or per merged row: post_norm) into
+        m1, fc1 into mg, the erf GELU into m2, fc2."""
         c, unit = self.vc.hidden_size, self.vc.merge_unit
         n, width = (rows // unit, c * unit) if post_norm else (rows, c)
-        self._layernorm(rec, buf["m1"], buf["x"], prefix + "norm", n, width)
-        self._linear(rec, buf["mg"], buf["m1"], prefix + "linear_fc1", rows // unit)
-        gelu_forward(rec, buf["m1"], buf["mg"], rows * c, erf=True)
-        self._linear(rec, y, buf["m1"], prefix + "linear_fc2", rows // unit)
+        self._layernorm(rec, buf["m1"], x, prefix + "norm", n, width)
+        self._linear(rec, buf, buf["mg"], buf["m1"], prefix + "linear_fc1", rows // unit)
+        gelu_forward(rec, buf["m2"], buf["mg"], rows * c, erf=True)
+        self._linear(rec, buf, y, buf["m2"], prefix + "linear_fc2", rows // unit)
 
-    def _linear(self, rec, y, x, path, rows, accumulate=False):
+    def backward(self, dout, ddeepstack, cache) -> dict:
+        """The merged features' gradient dout (P / 4, text C) and the DeepStack features' [(P / 4, text C)] (block
+        order), after forward's cache -> {module path.lora_A / .lora_B: gradient}: one submission, one readback."""
+        if cache.get("call") != self.calls or not self._lora:
+            raise ValueError("GpuQwenTower.backward takes the cache of its last forward with LoRA only")
+        n = np.asarray(dout).size
+        given = self._buffer("dout", (1 + len(ddeepstack)) * n)
+        self.rt.write(given, np.concatenate([np.asarray(g, np.float32).reshape(-1) for g in (dout, *ddeepstack)]))
+        rec = self.rt.recorder()
+        grads, total = self.record_backward(rec, given, [at(given, (1 + k) * n) for k in range(len(ddeepstack))],
+                                            cache["rows"])
+        rec.read_back(grads, np.float32, (total,))
+        rec.submit()
+        flat = rec.result()
+        return {f"{path}.lora_{w}": flat[o:o + n].reshape(shape)
+                for path, (a, b, r, _, out_f, in_f) in self._lora.items()
+                for w, o, n, shape in (("A", a, r * in_f, (r, in_f)), ("B", b, out_f * r, (out_f, r)))}
+
+    def record_backward(self, rec, dout, ddeepstack, rows: int) -> tuple:
+        """Record the LoRA gradients' backward into rec after record_forward(keep=True) of `rows` patches, from the
+        device buffers dout (P / 4, text C) and ddeepstack [(P / 4, text C)] (block order), float32 (the engine's
+        image rows' and DeepStack features' gradients, or backward's upload of them) -> (the gradients' buffer, its
+        elements): each merger's and block's forward again from its kept input, then its backward, last first."""
+        vc = self.vc
+        c, f, h, merged = vc.hidden_size, vc.intermediate_size, vc.num_heads, rows // vc.merge_unit
+        buf = self._buffers(rows, True)
+        total = sum(r * (o + i) for _, _, r, _, o, i in self._lora.values())
+        r = max(v[2] for v in self._lora.values())
+        sizes = {"dx": rows * c, "dh": rows * c, "datt": rows * c, "dq": rows * c, "dk": rows * c, "dv": rows * c,
+                 "dqkv": 3 * rows * c, "dg": rows * f, "df1": rows * f, "dm2": rows * c, "dmg": rows * c, "dm1": rows * c,
+                 "att_scratch": attention_scratch_size(1, rows, h), "ldh": rows * r,
+                 "mout": merged * vc.text_hidden_size, "lora_grads": total}
+        buf.update({name: self._buffer(name, size) for name, size in sizes.items()})
+        mergers, dx = self.tower.mergers(), buf["dx"]
+        self._merge_backward(rec, buf, buf[f"saved {vc.depth}"], dout, *mergers[0], rows, False)
+        for i in reversed(range(vc.depth)):
+            if i in vc.deepstack_indexes:
+                j, k = 1 + vc.deepstack_indexes.index(i), sorted(vc.deepstack_indexes).index(i)
+                self._merge_backward(rec, buf, buf[f"saved {i + 1}"], ddeepstack[k], *mergers[j], rows, True)
+            p, x_in = f"{VISUAL}blocks.{i}.", buf[f"saved {i}"]
+            K.copy(rec, buf["x"], x_in, rows * c)
+            self._block(rec, buf, i, rows)              # its activations again
+            self._linear_backward(rec, buf, buf["dg"], dx, buf["g"], p + "mlp.linear_fc2", rows)
+            gelu_backward(rec, buf["df1"], buf["dg"], buf["f1"], rows * f)
+            self._linear_backward(rec, buf, buf["dh"], buf["df1"], buf["h2"], p + "mlp.linear_fc1", rows)
+            self._layernorm_backward(rec, dx, buf["dh"], buf["x2"], p + "norm2", rows, c)
+            self._linear_backward(rec, buf, buf["datt"], dx, buf["att"], p + "attn.proj", rows)
+            attention_backward(rec, buf["dq"], buf["dk"], buf["dv"], buf["datt"], buf["q"], buf["k"], buf["v"],
+                               buf["att"], buf["lse"], buf["spans"], 1, rows, h, h, vc.head_dim, buf["att_scratch"],
+                               blocks=True)
+            for m in ("dq", "dk"):
+                K.rope_backward(rec, buf[m], buf[m], buf["pairs"], buf["inv_freq"], rows, h, vc.head_dim,
+                                per_pair=True)
+            K.split_backward(rec, buf["dqkv"], [buf["dq"], buf["dk"], buf["dv"]], rows, (c, c, c))
+            self._linear_backward(rec, buf, buf["dh"], buf["dqkv"], buf["h"], p + "attn.qkv", rows)
+            self._layernorm_backward(rec, dx, buf["dh"], x_in, p + "norm1", rows, c)
+        return buf["lora_grads"], total
+
+    def _merge_backward(self, rec, buf, x, dy, prefix, post_norm, rows, accumulate):
+        """A merger's forward again from its input x, then its input's gradient from dy (P / 4, text C) into
+        buf["dx"] (added where accumulate)."""
+        c, unit = self.vc.hidden_size, self.vc.merge_unit
+        self._merge(rec, buf, x, buf["mout"], prefix, post_norm, rows)
+        self._linear_backward(rec, buf, buf["dm2"], dy, buf["m2"], prefix + "linear_fc2", rows // unit)
+        gelu_backward(rec, buf["dmg"], buf["dm2"], buf["mg"], rows * c, erf=True)
+        self._linear_backward(rec, buf, buf["dm1"], buf["dmg"], buf["m1"], prefix + "linear_fc1", rows // unit)
+        n, width = (rows // unit, c * unit) if post_norm else (rows, c)
+        self._layernorm_backward(rec, buf["dx"], buf["dm1"], x, prefix + "norm", n, width, accumulate)
+
+    def _linear(self, rec, buf, y, x, path, rows, accumulate=False):
         linear_forward(rec, y, x, self.mat[path + ".weight"], self.vec[path + ".bias"], rows, accumulate)
+        if path in self._lora:
+            a, b, r, scale, out_f, in_f = self._lora[path]
+            params = buf["lora_params"]
+            lora_forward(rec, y, buf["lh_" + path.rsplit(".", 1)[1]], x, at(params, a), at(params, b), scale, rows,
+                         in_f, out_f, r)
+
+    def _linear_backward(self, rec, buf, dx, dy, x, path, rows):
+        """dx = dy @ W (the base frozen) and the module's LoRA gradients from its input x and its h."""
+        linear_backward(rec, dx, None, None, dy, None, self.mat[path + ".weight"], rows)
+        if path in self._lora:
+            a, b, r, scale, out_f, in_f = self._lora[path]
+            params, grads = buf["lora_params"], buf["lora_grads"]
+            lora_backward(rec, dx, at(grads, a), at(grads, b), dy, x, buf["lh_" + path.rsplit(".", 1)[1]],
+                          at(params, a), at(params, b), scale, rows, in_f, out_f, r, buf["ldh"])
 
     def _layernorm(self, rec, y, x, path, rows, width):
         layernorm_forward(rec, y, x, self.vec[path + ".weight"], self.vec[path + ".bias"], rows, width,
                           LAYER_NORM_EPS)
+
+    def _layernorm_backward(self, rec, dx, dy, x, path, rows, width, accumulate=True):
+        layernorm_backward(rec, dx, dy, x, self.vec[path + ".weight"], rows, width, LAYER_NORM_EPS, accumulate)
