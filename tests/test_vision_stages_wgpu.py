@@ -117,7 +117,7 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
     finally:
         staged.model.engine.close()
     data = write_vision_data(tmp_path / "data", records())
-    with pytest.raises(ConfigError, match="DeepStack trains on the NumPy engine, without pipeline stages") as e:
+    with pytest.raises(ConfigError, match="DeepStack trains without pipeline stages") as e:
         finetune_pipeline(TrainConfig(model=str(folder), data=str(data), backend="wgpu", out=str(tmp_path / "stages"),
                                       max_steps=1, pipeline_stages=2, valid_split=0.0, lora_targets=("q_proj", "qkv"),
                                       no_progress=True), local=True)
