@@ -25,6 +25,8 @@ pytest.importorskip("PIL.Image")
 from test_qwen3_vl import (CORPUS, END, PAD, SPECIALS, START, TEMPLATE, check_cli_finetune_and_generate,  # noqa: E402
                            hf_inputs, images, processor, span)
 from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
+from wgpu_train.models.config import ModelConfig  # noqa: E402
+from wgpu_train.models.moe import router_aux_loss_coef  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -63,11 +65,15 @@ def vlm(tmp_path_factory):
 def test_config_and_logits_with_two_images_match_transformers(vlm):
     """Read as Qwen3-MoE's layers (4 experts, top 2, renormalised though the config has no norm_topk_prob) under
     Qwen3-VL's tower with DeepStack; logits of two images of odd sizes within 1e-4 of transformers'."""
-    hf, _, vm = vlm
+    hf, folder, vm = vlm
     cfg = vm.model.config
     assert cfg.family == "qwen3_moe" and cfg.wrapper == "Qwen3VLMoeForConditionalGeneration"
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_size, cfg.moe.normalize) == (4, 2, 20, True)
     assert vm.vision.name == "Qwen3-VL" and vm.vision.deepstack_indexes == (1, 0)
+    raw = json.loads((folder / "config.json").read_text())     # the aux loss as transformers reads text_config's
+    on = ModelConfig.from_dict({**raw, "text_config": {**raw["text_config"], "output_router_logits": True,
+                                                       "router_aux_loss_coef": 0.02}})
+    assert router_aux_loss_coef(cfg.moe, None) == 0.0 and router_aux_loss_coef(on.moe, None) == 0.02
     imgs = images(2)
     ids = np.array([[7, 8, *span(vm, imgs[0]), 9, 10, *span(vm, imgs[1]), 11, 12, 13]])
     with torch.no_grad():
