@@ -110,6 +110,17 @@ def test_lora_gradients_with_aux_loss_match_peft(vlm):
         assert_close(grads[name], g, "grads_f32", name)
 
 
+def test_tower_lora_gradients_and_adapter_equal_peft(vlm, tmp_path):
+    """LoRA on the tower's blocks and mergers (DeepStack's too) beside q / v of the MoE language model: Qwen3-VL's
+    tower LoRA check (test_qwen3_vl_tower_lora.py) on the MoE class."""
+    from test_qwen3_vl_tower_lora import check_against_peft
+
+    hf, folder, vm = vlm
+    imgs = images(3, seed=3)
+    rows = [[7, *span(vm, imgs[0]), 11, 12, *span(vm, imgs[1]), 13, 14], [8, 9, *span(vm, imgs[2]), 15]]
+    check_against_peft(hf, folder, tmp_path, imgs, rows)
+
+
 def test_greedy_generation_with_images_matches_transformers(vlm):
     hf, _, vm = vlm
     imgs = images(2, seed=5)
