@@ -1,6 +1,6 @@
 """Qwen3-VL-MoE with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
 transformers in test_qwen3_vl_moe.py): the grouped expert GEMMs beside M-RoPE positions and DeepStack on the device;
-logits, and one train step with LoRA on the attention and the experts and the router's aux loss."""
+logits, one train step with LoRA on the attention and the experts and the router's aux loss, greedy generation after it."""
 from __future__ import annotations
 
 import copy
@@ -24,7 +24,7 @@ from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
 def test_logits_and_train_step_with_images_equal_numpys(vlm):  # noqa: F811
     """The same PEFT adapter (q / k / v / o and the experts, B random) on both engines: logits of a padded batch of
     two rows with three images, then one train_step of two micro-batches with the aux loss at 0.01: the same loss,
-    gradient norm and updated LoRA tensors."""
+    gradient norm and updated LoRA tensors; then the same greedy tokens for a prompt with two images."""
     require_adapter()
     hf, folder, _ = vlm
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
@@ -59,3 +59,5 @@ def test_logits_and_train_step_with_images_equal_numpys(vlm):  # noqa: F811
     for path in wa:
         for a, b in zip(wa[path], wb[path]):
             assert_close(b, a, "gpu_grads", path)
+    prompt = np.array([7, *span(cpu, imgs[0]), 8, *span(cpu, imgs[1]), 9])     # the updated adapters: same answers
+    assert gpu.generate(prompt, imgs[:2], max_new_tokens=6) == cpu.generate(prompt, imgs[:2], max_new_tokens=6)
