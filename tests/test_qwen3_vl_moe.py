@@ -133,12 +133,15 @@ def test_greedy_generation_with_images_matches_transformers(vlm):
 
 def test_published_in_out_expert_layout_reads_the_same(vlm, tmp_path):
     """The hub's Qwen3-VL-MoE checkpoints store gate_up_proj (E, hidden, 2I) and down_proj (E, I, hidden): a folder
-    written so gives the same logits as transformers 5's layout (transposed on reading, as transformers does)."""
+    written so gives the same logits as transformers 5's layout (transposed on reading, as transformers does), and
+    `merge` writes its experts back so (transformers 4.57 and the hub's readers take only that); transformers reads
+    the merged folder with PEFT's merge_and_unload logits."""
     import shutil
 
+    from wgpu_train.cli.main import main
     from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
 
-    _, folder, vm = vlm
+    hf, folder, vm = vlm
     for f in folder.iterdir():
         if f.name != "model.safetensors":
             shutil.copyfile(f, tmp_path / f.name)
@@ -149,6 +152,21 @@ def test_published_in_out_expert_layout_reads_the_same(vlm, tmp_path):
     imgs = images(1, seed=2)
     ids = np.array([[7, *span(vm, imgs[0]), 8, 9]])
     assert_close(load_vision_model(tmp_path).logits(ids, imgs), vm.logits(ids, imgs), "logits_f32", "(E, in, out)")
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.q_proj", target_parameters=EXPERTS[1:])), 6)
+    pm.save_pretrained(tmp_path / "adapter")
+    assert main(["merge", "--model", str(tmp_path), "--adapter-path", str(tmp_path / "adapter"), "--out",
+                 str(tmp_path / "merged")]) == 0
+    merged = read_safetensors(tmp_path / "merged" / "model.safetensors")
+    for name in ("gate_up_proj", "down_proj"):
+        name = f"model.language_model.layers.1.mlp.experts.{name}"
+        assert merged[name].shape == swapped[name].shape
+    np.testing.assert_array_equal(merged[name.replace("down", "gate_up")], swapped[name.replace("down", "gate_up")])
+    with torch.no_grad():
+        want = pm.merge_and_unload()(**hf_inputs(vm, ids, imgs)).logits.numpy()
+        got = tf.Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()(
+            **hf_inputs(vm, ids, imgs)).logits.numpy()
+    assert_close(got, want, "logits_f32", "merged from (E, in, out)")
 
 
 def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):

@@ -5,7 +5,7 @@ mlp.experts.N.gate_proj / up_proj / down_proj, LFM2-MoE's feed_forward.experts.N
 feed_forward too). Read either as the fused one; write back the one a checkpoint came in. gpt-oss keeps its own
 (gpt_oss_layout.py). Qwen3-VL-MoE's published checkpoints store the fused tensors with their last two axes swapped
 (gate_up_proj (E, hidden, 2I), down_proj (E, I, hidden)): read transposed where the shape says so, as transformers'
-conversion mapping does (a merged folder gets transformers 5's layout, which transformers reads either way)."""
+conversion mapping does, and written back so (in_out_names)."""
 from __future__ import annotations
 
 from wgpu_train.formats.safetensors import Stacked, TensorMap, Transposed
@@ -78,6 +78,21 @@ def _read_in_out(tensors: dict, cfg: ModelConfig, prefix: str):
         e, rows, cols = cfg.expert_shape(param)
         if raw is not None and tuple(raw.shape) == (e, cols, rows) != (e, rows, cols):
             tensors[prefix + param] = (Transposed(raw), dtype)
+
+
+def in_out_names(cfg: ModelConfig, source: dict) -> set:
+    """The names of a checkpoint's fused expert tensors stored (E, in, out) (source: {file name: (raw, dtype)}), which
+    a merged folder writes back so; none for a model whose checkpoints do not (_IN_OUT_FUSED)."""
+    if cfg.wrapper not in _IN_OUT_FUSED:
+        return set()
+    out = set()
+    for name, (raw, _) in source.items():
+        param = name.rsplit(".", 1)[-1]
+        if ".experts." in name and param in EXPERT_PARAMETERS:
+            e, rows, cols = cfg.expert_shape(param)
+            if tuple(raw.shape) == (e, cols, rows) != (e, rows, cols):
+                out.add(name)
+    return out
 
 
 def hub_names(cfg: ModelConfig, name: str) -> list[tuple[str, tuple | None]]:
