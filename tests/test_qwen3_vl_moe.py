@@ -181,7 +181,8 @@ def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
 
 def test_memory_of_qwen3_vl_30b_a3b(tmp_path, capsys):
     """`memory` on Qwen3-VL-30B-A3B-Instruct's published config.json: the language model's weights about 30.5 B
-    parameters (128 experts of 768 in each of 48 layers) beside the tower's 0.54 B (31.1 B in all, as the model card says)."""
+    parameters (128 experts of 768 in each of 48 layers) beside the tower's 0.54 B (31.1 B in all, as the model
+    card says)."""
     from wgpu_train.cli.main import main
 
     text = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=151643, decoder_sparse_step=1,

@@ -1,6 +1,7 @@
 """Qwen3-VL-MoE with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
 transformers in test_qwen3_vl_moe.py): the grouped expert GEMMs beside M-RoPE positions and DeepStack on the device;
-logits, one train step with LoRA on the attention and the experts and the router's aux loss, greedy generation after it."""
+logits, one train step with LoRA on the attention and the experts and the router's aux loss, greedy generation
+after it."""
 from __future__ import annotations
 
 import copy
