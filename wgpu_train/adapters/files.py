@@ -36,8 +36,9 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
     layers, pattern = lora_cfg.layers_to_transform, lora_cfg.layers_pattern
     targets = list(lora_cfg.target_modules)
     if model is not None and model.wrapper:
-        outer = live_layout(model.wrapper)
-        targets, layers, pattern = target_regex(lora_cfg.targets_in(model), layers, outer), None, None
+        outer = live_layout(model.wrapper)      # an MoE's routers are PEFT's target_parameters (below)
+        modules = [t for t in lora_cfg.targets_in(model) if model.moe is None or t not in ROUTERS]
+        targets, layers, pattern = target_regex(modules, layers, outer) if modules else [], None, None
         tensors = {adapter_key_out(k, outer): v for k, v in tensors.items()}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora_cfg.r), "lora_alpha": lora_cfg.alpha,
@@ -52,7 +53,7 @@ def write_adapter(out, lora_cfg, tensors: dict, base_model: str = "", model: Mod
         "rank_pattern": dict(lora_cfg.rank_pattern), "alpha_pattern": dict(lora_cfg.alpha_pattern),
     }
     if model is not None and model.moe is not None:      # PEFT adapts the router and the experts as parameters
-        config["target_modules"] = [t for t in targets if t not in ROUTERS]
+        config["target_modules"] = targets if isinstance(targets, str) else [t for t in targets if t not in ROUTERS]
         config["target_parameters"] = saved_parameters(lora_cfg.target_parameters if lora_cfg.experts_in(model)
                                                        else (), tuple(lora_cfg.targets_in(model)), model.moe.block)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))

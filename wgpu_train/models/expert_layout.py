@@ -3,16 +3,21 @@
 projection (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2, the Qwen MoE family's and OLMoE's
 mlp.experts.N.gate_proj / up_proj / down_proj, LFM2-MoE's feed_forward.experts.N.w1 / w3 / w2, its fused ones under
 feed_forward too). Read either as the fused one; write back the one a checkpoint came in. gpt-oss keeps its own
-(gpt_oss_layout.py)."""
+(gpt_oss_layout.py). Qwen3-VL-MoE's published checkpoints store the fused tensors with their last two axes swapped
+(gate_up_proj (E, hidden, 2I), down_proj (E, I, hidden)): read transposed where the shape says so, as transformers'
+conversion mapping does, and written back so (in_out_names)."""
 from __future__ import annotations
 
-from wgpu_train.formats.safetensors import Stacked, TensorMap
+from wgpu_train.formats.safetensors import Stacked, TensorMap, Transposed
 from wgpu_train.models import gpt_oss_layout
-from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.config import EXPERT_PARAMETERS, ModelConfig
 
 # per family: the block's name in hub checkpoints, and its experts' (gate, up, down) projection names
 _HUB = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "lfm2_moe": ("feed_forward", ("w1", "w3", "w2"))}
 _DEFAULT_HUB = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+# the multimodal classes whose checkpoints may store the fused experts as (E, in, out) (transformers' conversion
+# mapping transposes them when the stored shape is not the module's: qwen3_vl_moe)
+_IN_OUT_FUSED = ("Qwen3VLMoeForConditionalGeneration",)
 
 
 def _hub(cfg: ModelConfig):
@@ -49,6 +54,8 @@ def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:
             out[f"model.layers.{i}.{ours}.gate.weight"] = out.pop(router)
         fused = f"model.layers.{i}.{ours}.experts.gate_up_proj"
         names = [expert_names(cfg, i, e) for e in range(cfg.moe.num_experts)]
+        if fused in out and cfg.wrapper in _IN_OUT_FUSED:
+            _read_in_out(out, cfg, f"model.layers.{i}.{ours}.experts.")
         if fused in out or not all(n in out for trio in names for n in trio):
             continue
         dtypes = {out[n][1] for trio in names for n in trio}
@@ -60,6 +67,31 @@ def read_fused(tensors: dict, cfg: ModelConfig, source: str = "") -> dict:
         for trio in names:
             for n in trio:
                 del out[n]
+    return out
+
+
+def _read_in_out(tensors: dict, cfg: ModelConfig, prefix: str):
+    """A layer's fused expert tensors (under `prefix`) stored (E, in, out), read as (E, out, in) (Transposed) in
+    `tensors`; a tensor already of that shape (or of neither: the caller's shape check names it) left as it is."""
+    for param in EXPERT_PARAMETERS:
+        raw, dtype = tensors.get(prefix + param, (None, None))
+        e, rows, cols = cfg.expert_shape(param)
+        if raw is not None and tuple(raw.shape) == (e, cols, rows) != (e, rows, cols):
+            tensors[prefix + param] = (Transposed(raw), dtype)
+
+
+def in_out_names(cfg: ModelConfig, source: dict) -> set:
+    """The names of a checkpoint's fused expert tensors stored (E, in, out) (source: {file name: (raw, dtype)}), which
+    a merged folder writes back so; none for a model whose checkpoints do not (_IN_OUT_FUSED)."""
+    if cfg.wrapper not in _IN_OUT_FUSED:
+        return set()
+    out = set()
+    for name, (raw, _) in source.items():
+        param = name.rsplit(".", 1)[-1]
+        if ".experts." in name and param in EXPERT_PARAMETERS:
+            e, rows, cols = cfg.expert_shape(param)
+            if tuple(raw.shape) == (e, cols, rows) != (e, rows, cols):
+                out.add(name)
     return out
 
 

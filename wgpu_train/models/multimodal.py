@@ -19,11 +19,16 @@ WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimod
             "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
             "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
             "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
-            "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+            "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+            "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
 # the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
 _TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False,
                     "Qwen3_5MoeForConditionalGeneration": False, "SmolVLMForConditionalGeneration": False,
-                    "Idefics3ForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False}
+                    "Idefics3ForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False,
+                    "Qwen3VLMoeForConditionalGeneration": False}
+# what the multimodal class's text model fixes whatever its text_config says (Qwen3-VL-MoE's router always
+# renormalises its top k: Qwen3VLMoeTextTopKRouter; its config has no norm_topk_prob)
+_TEXT_FIXED = {"Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True}}
 # Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
 # PEFT's adapters name now), and the older tree (language_model.model.*, with language_model.lm_head), which
 # hub checkpoints and transformers' save_pretrained still use for the files. Each: (body prefix, head path).
@@ -53,7 +58,8 @@ def from_wrapper(cls, raw: dict, source: str):
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: a {arch} config needs a 'text_config' object")
     ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw and k not in text}
-    cfg = cls.from_dict({**text, **ids, "architectures": [WRAPPERS[arch]]}, f"{source} (text_config)")
+    cfg = cls.from_dict({**text, **ids, **_TEXT_FIXED.get(arch, {}), "architectures": [WRAPPERS[arch]]},
+                        f"{source} (text_config)")
     return dataclasses.replace(cfg, wrapper=arch, tie_word_embeddings=bool(raw.get("tie_word_embeddings", _TIED_BY_DEFAULT[arch])),
                                logit_softcap=0.0, raw=raw)
 

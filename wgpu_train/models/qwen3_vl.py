@@ -1,4 +1,5 @@
-"""The Qwen-style vision part as data: Qwen3-VL's (Qwen3VLForConditionalGeneration) and Qwen3.5's
+"""The Qwen-style vision part as data: Qwen3-VL's (Qwen3VLForConditionalGeneration, and
+Qwen3VLMoeForConditionalGeneration: the same tower beside Qwen3-MoE's language layers) and Qwen3.5's
 (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: the same tower without DeepStack): the tower's
 config (vision_config, the image token ids, the text model's M-RoPE sections over its rotated pairs), its tensors'
 names and shapes, and the 3-D M-RoPE positions of a token stream with images (transformers' get_rope_index) as each
@@ -12,6 +13,7 @@ import numpy as np
 from wgpu_train.errors import ConfigError, ModelFileError
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 QWEN3_5 = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")   # the tower without DeepStack
 VISUAL = "visual."          # our names: the file's model.visual. (transformers 5) or visual. (older files)
 _PREFIXES = ("model.visual.", "visual.")
@@ -61,12 +63,8 @@ class Qwen3VLVision:
 
     @classmethod
     def from_config(cls, raw: dict, source: str = "config.json") -> Qwen3VLVision:
-        """From a Qwen3VLForConditionalGeneration's or a Qwen3.5's (dense or MoE) config.json (raw dict); what the
-        tower here does not implement (Qwen3-VL-MoE's experts, another activation or rotary) refused in one line
-        naming the field."""
-        if raw.get("model_type") == "qwen3_vl_moe" or (raw.get("text_config") or {}).get("model_type") == \
-                "qwen3_vl_moe_text":
-            raise ConfigError(f"{source}: not supported: model_type qwen3_vl_moe (Qwen3-VL-MoE's experts)")
+        """From a Qwen3-VL's (dense or MoE) or a Qwen3.5's (dense or MoE) config.json (raw dict); what the tower
+        here does not implement (another activation or rotary) refused in one line naming the field."""
         arch = (raw.get("architectures") or [raw.get("model_type", "")])[0]
         name = "Qwen3.5" if arch in (*QWEN3_5, "qwen3_5", "qwen3_5_moe") else "Qwen3-VL"
         v = {**_DEFAULTS, **(raw.get("vision_config") or {})}

@@ -10,7 +10,7 @@ import re
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError
-from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, VISUAL, Qwen3VLVision
+from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, QWEN3_VL_MOE, VISUAL, Qwen3VLVision
 
 # the tower's and the projector's tensors: the old layout (hub files, save_pretrained) and transformers' live one;
 # the hub's files put the tower's own under vision_tower.vision_model., transformers 5 under vision_tower.
@@ -57,12 +57,12 @@ class VisionConfig:
         """From a multimodal config.json (raw dict); what the tower's math here does not implement is refused.
         Qwen3-VL's and Qwen3.5's are their own class, models/qwen3_vl.Qwen3VLVision."""
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
-        if arch in (QWEN3_VL, "qwen3_vl", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", *QWEN3_5,
+        if arch in (QWEN3_VL, "qwen3_vl", QWEN3_VL_MOE, "qwen3_vl_moe", *QWEN3_5,
                     "qwen3_5", "qwen3_5_moe"):   # models/qwen3_vl.py
             return Qwen3VLVision.from_config(raw, source)
         if arch not in ("Gemma3ForConditionalGeneration", "gemma3", *SMOLVLM):
             raise ConfigError(f"{source}: images are not supported for {arch} (Gemma3ForConditionalGeneration, "
-                              f"{', '.join(SMOLVLM)}, {QWEN3_VL}, {', '.join(QWEN3_5)} only)")
+                              f"{', '.join(SMOLVLM)}, {QWEN3_VL}, {QWEN3_VL_MOE}, {', '.join(QWEN3_5)} only)")
         v = {**(_SMOLVLM_DEFAULTS if arch in SMOLVLM else _SIGLIP_DEFAULTS), **(raw.get("vision_config") or {})}
         if v["hidden_act"] != "gelu_pytorch_tanh":
             raise ConfigError(f"{source}: not supported: vision_config.hidden_act {v['hidden_act']!r} "

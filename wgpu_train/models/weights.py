@@ -13,7 +13,7 @@ from wgpu_train.formats.safetensors import (FLOAT_DTYPES, LazyWeights, TensorMap
                                            write_safetensors)
 from wgpu_train.formats.tokenizer import TOKENIZER_FILES
 from wgpu_train.models.config import ATTENTION_MODULES, EXPERT_PARAMETERS, LAYER_GROUPS, ModelConfig
-from wgpu_train.models.expert_layout import hub_layout, is_fused, read_fused
+from wgpu_train.models.expert_layout import hub_layout, in_out_names, is_fused, read_fused
 from wgpu_train.models.layer_plan import layer_plan
 from wgpu_train.models.multimodal import PROCESSOR_FILES, carried_tensors, file_name, language_names
 
@@ -170,7 +170,8 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
     A multimodal checkpoint's folder gets its language model's weights under the source's names beside the
     source's other tensors (vision tower, projector: multimodal.carried_tensors), all in that dtype, and its
     processor's files. An MoE model's experts are written in the layout of the source's checkpoint: transformers
-    5's fused tensors, else (and without a source) the hub's one tensor per expert. The weights are written
+    5's fused tensors (Qwen3-VL-MoE's as its checkpoint orients them), else (and without a source) the hub's one
+    tensor per expert. The weights are written
     before config.json, so that a failure leaves no model behind."""
     out = Path(out)
     companions = TOKENIZER_FILES
@@ -180,9 +181,15 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
         source = _folder_tensors(Path(source_folder))
         names = language_names(source, source_folder)
         carried = carried_tensors(source, names, source_folder)
-        language, ours = {file_name(k, names): k for k in weights}, weights
-        weights = TensorMap([k for k in carried if k not in language] + list(language),
-                            lambda k: ours[language[k]] if k in language else _as_array(*carried[k]))
+        language, ours, swapped = {file_name(k, names): k for k in weights}, weights, in_out_names(cfg, source)
+
+        def fetch(k: str):
+            if k not in language:
+                return _as_array(*carried[k])
+            w = ours[language[k]]       # Qwen3-VL-MoE's (E, in, out) experts written back so
+            return np.ascontiguousarray(np.swapaxes(w, 1, 2)) if k in swapped else w
+
+        weights = TensorMap([k for k in carried if k not in language] + list(language), fetch)
         companions += PROCESSOR_FILES
     if cfg.moe is not None and not _fused_source(cfg, source_folder):   # the experts one tensor per expert and
         weights = hub_layout(cfg, weights)                                # projection, as the hub's checkpoints
