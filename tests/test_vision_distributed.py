@@ -13,6 +13,7 @@ from wgpu_train.errors import ConfigError
 from test_gemma3_vision import Image, open_image
 from tolerances import assert_close
 from test_gemma3_vision_training import chat_vlm, vision_records, write_vision_data  # noqa: F401  (chat_vlm: fixture)
+from test_vision_preference import pref_setup  # noqa: F401  (fixture: a PEFT adapter and TRL's vision pairs)
 
 
 def _run_kw(folder, data, **kw):
@@ -62,14 +63,17 @@ def _losses(folder):
     return [r["loss"] for r in rows if "loss" in r and "split" not in r]
 
 
-def _assert_same_run(a, b, tolerance):
+def _assert_same_run(a, b, tolerance, steps=3, start=None):
+    """The runs in folders a and b: the same adapter and losses (within tolerance), trained `steps` steps (their
+    LoRA B moved from zero, or from `start`, the starting adapter's tensors)."""
     ta, tb = _adapter(a), _adapter(b)
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert_close(tb[k], ta[k], tolerance, k)
-    assert max(float(np.abs(ta[k]).max()) for k in ta if "lora_B" in k) > 1e-3     # it trained
+    start = start or {}
+    assert max(float(np.abs(ta[k] - start.get(k, 0.0)).max()) for k in ta if "lora_B" in k) > 1e-3   # it trained
     assert_close(np.array(_losses(b)), np.array(_losses(a)), tolerance, "losses")
-    assert len(_losses(a)) == 3
+    assert len(_losses(a)) == steps
 
 
 def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
@@ -85,6 +89,48 @@ def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
     run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_numpy")
+
+
+# ---- the preference objectives and GRPO with images on data-parallel workers -----------------------------------
+
+@pytest.mark.parametrize("objective, batch_size", [("dpo", 1), ("orpo", 1), ("kto", 2)])
+def test_preference_with_images_on_two_workers_equals_one_process(pref_setup, tmp_path, objective, batch_size):
+    """DPO, ORPO (its NLL on the chosen rows) and KTO (its KL rows) with images on two data-parallel workers
+    (threads): each worker scores the whole step (the tower over every row's images, the reference the adapter
+    off) and trains its share of the weighted micro-batches; the second, short step's one micro-batch is cut
+    between the workers with its rows' image tokens. The losses and the adapter after 2 steps are one process's
+    with the whole batch."""
+    from test_data_parallel import run_threads
+    from test_vision_preference import config
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    root, folder, _, _ = pref_setup
+    kw = dict(objective=objective, batch_size=batch_size, max_steps=2, lr=1e-2)
+    PreferenceTrainer(config(root, folder, tmp_path / "one", grad_accum=2, **kw), log=lambda m: None).run()
+    run_threads(config(root, folder, tmp_path / "two", num_workers=2, **kw), 2)
+    _assert_same_run(tmp_path / "one" / "run", tmp_path / "two" / "run", "data_parallel_numpy", steps=2,
+                     start=_adapter(root / "adapter"))
+
+
+def test_grpo_with_images_on_two_workers_equals_one_process(pref_setup, tmp_path):
+    """GRPO with images on two data-parallel workers (threads): each samples its own whole groups with their
+    prompts' images and rewards them; the gathered rewards give both the step's group advantages (beta > 0: each
+    worker's reference scores its rows with their images). The completions, losses and adapter after 2 steps are
+    one process's with the same seed."""
+    from test_data_parallel import run_threads
+    from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
+
+    root, folder, _, _ = pref_setup
+    data = write_pref_data(tmp_path / "data", grpo_records() * 2)
+    kw = dict(data=str(data), objective="grpo", batch_size=2, num_generations=2, max_completion_length=5,
+              max_steps=2, beta=0.04, temperature=0.8, seed=3, lr=1e-2)
+    rewards = [length_reward, id_reward]
+    wgpu_train.finetune(config(root, folder, tmp_path / "one", grad_accum=2, **kw), reward_funcs=rewards)
+    two = run_threads(config(root, folder, tmp_path / "two", num_workers=2, **kw), 2, reward_funcs=rewards)
+    assert two[0]["images"] == 4 and two[0]["data_parallel"]["workers"] == 2
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
+    assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
+    _assert_same_run(one, two, "data_parallel_numpy", steps=2, start=_adapter(root / "adapter"))
 
 
 # ---- LoRA on the vision tower from --lora-targets ---------------------------------------------------------------

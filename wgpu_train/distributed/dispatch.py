@@ -32,7 +32,7 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         if kind is not TrainerKind.SUPERVISED and config.images_demo:
             raise ConfigError(f"--images-demo trains sft only: give --objective {config.objective} records with "
                               f"images as --data")
-        if kind is not TrainerKind.SUPERVISED and (config.num_workers or config.pipelined()):
+        if kind is not TrainerKind.SUPERVISED and config.pipelined():
             raise ConfigError(f"--objective {config.objective} with images trains in one process for now (no "
                               f"--num-workers or pipeline stages)")
     if reward_funcs and kind is not TrainerKind.ONLINE:
