@@ -312,9 +312,10 @@ def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(cha
     staged.model.engine.close()
 
 
-def test_two_ray_workers_with_images_equal_one_process(chat_vlm, tmp_path):
+def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp_path):
     """Records with images (LoRA on the tower too) on two Ray Train workers of a local Ray (2 CPUs), each running
-    its rows' images through its own tower: the adapter of one process with the whole batch."""
+    its rows' images through its own tower: the adapter of one process with the whole batch; and DPO on TRL's
+    vision pairs (each worker reads the pairs' image files itself), as one process trains it."""
     import os
     from pathlib import Path
 
@@ -325,12 +326,21 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
     kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_targets=TOWER_TARGETS)
     finetune(out=str(tmp_path / "one"), grad_accum=2, **kw)
+    from test_vision_preference import config
+
+    root, _, _, _ = pref_setup
+    dpo = dict(objective="dpo", batch_size=1, max_steps=2, lr=1e-2)
+    finetune(config(root, folder, tmp_path / "dpo-one", grad_accum=2, **dpo))
     path = os.pathsep.join([str(Path(wgpu_train.__file__).resolve().parent.parent), str(Path(__file__).parent)])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}})
     try:
         two = finetune(out=str(tmp_path / "two"), num_workers=2, **kw)
+        dpo_two = finetune(config(root, folder, tmp_path / "dpo-two", num_workers=2, **dpo))
     finally:
         ray.shutdown()
     assert two["data_parallel"]["workers"] == 2 and two["images"] == 5
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+    assert dpo_two["data_parallel"]["workers"] == 2 and dpo_two["images"] == 4
+    _assert_same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", "data_parallel_numpy", steps=2,
+                     start=_adapter(root / "adapter"))
