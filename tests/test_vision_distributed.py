@@ -268,6 +268,39 @@ def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
                                       **(kw | {"backend": "auto"})), local=True)
 
 
+def test_dpo_and_grpo_with_images_through_two_pipeline_stages_equal_one_process(pref_setup, tmp_path):
+    """DPO and GRPO with images through two NumPy pipeline stages (in this process): the tower runs in the driver,
+    each scored or trained micro-batch's image tokens go to every stage (GRPO's reference, the starting adapter
+    the stages hold, scores with them too, and its rollouts prefill the images through the stages). The losses
+    and adapter after 2 steps (and GRPO's completions) are one process's (DPO's: one process that also scores the
+    step's rows first, then takes the weighted step); WebGPU stages refused in one line."""
+    from test_pipeline_runs import TwoPasses
+    from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
+    from wgpu_train.distributed.dispatch import finetune
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+
+    root, folder, _, _ = pref_setup
+    start = _adapter(root / "adapter")
+    dpo = dict(objective="dpo", batch_size=1, grad_accum=2, max_steps=2, lr=1e-2)
+    TwoPasses(config(root, folder, tmp_path / "dpo-one", **dpo), log=lambda m: None).run()   # the stages' path
+    finetune_pipeline(config(root, folder, tmp_path / "dpo-two", pipeline_stages=2, **dpo), local=True)
+    _assert_same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", "pipeline_numpy", 2, start)
+    data = write_pref_data(tmp_path / "data", grpo_records() * 2)
+    grpo = dict(data=str(data), objective="grpo", batch_size=2, num_generations=2, max_completion_length=5,
+                max_steps=2, beta=0.04, temperature=0.8, seed=3, lr=1e-2, grad_accum=2)
+    rewards = [length_reward, id_reward]
+    finetune(config(root, folder, tmp_path / "grpo-one", **grpo), reward_funcs=rewards)
+    two = finetune_pipeline(config(root, folder, tmp_path / "grpo-two", pipeline_stages=2, **grpo), local=True,
+                            reward_funcs=rewards)
+    assert two["pipeline"]["stages"] == 2 and two["images"] == 4
+    one, two = tmp_path / "grpo-one" / "run", tmp_path / "grpo-two" / "run"
+    assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
+    _assert_same_run(one, two, "pipeline_numpy", 2, start)
+    with pytest.raises(ConfigError, match="--objective dpo with images through pipeline stages runs on NumPy stages "
+                                          "only"):
+        finetune(config(root, folder, tmp_path / "bad", pipeline_stages=2, **(dpo | {"backend": "auto"})))
+
+
 def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):
     """The Python API over pipeline stages: a VisionModel whose language model is 2 NumPy stages gives one
     process's loss and LoRA gradients with images (set_images reaches every stage, forward_backward's too), and
