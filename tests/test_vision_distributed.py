@@ -93,6 +93,31 @@ def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
 
 # ---- the preference objectives and GRPO with images on data-parallel workers -----------------------------------
 
+def test_a_micro_batch_cut_keeps_each_rows_image_tokens():
+    """split_rows of an engine micro-batch with ImageTokens (a scored preference step's): each part holds its rows'
+    blocks, embeddings, M-RoPE positions and DeepStack features, which are those rows' of the whole."""
+    from wgpu_train.distributed.data_parallel import split_rows
+    from wgpu_train.engines.shared.image_tokens import ImageTokens
+
+    blocks = np.full((3, 6), -1, np.int32)                      # row 0: 2 image tokens, row 1: none, row 2: 3
+    blocks[0, 1:3], blocks[2, 2:5] = 0, (0, 0, 1)
+    n = int((blocks >= 0).sum())
+    embeds, deep = (np.arange(n * 4, dtype=np.float32).reshape(n, 4) + k for k in (0, 100))
+    positions = np.arange(3 * 6 * 2, dtype=np.int32).reshape(3, 6, 2)
+    ids = np.arange(18, dtype=np.int32).reshape(3, 6)
+    micro = [(ids, ids, np.ones_like(ids), ids, np.ones((3, 6), np.float32),
+              ImageTokens(blocks, embeds, positions, (deep,)))]
+    first, second = split_rows(micro, 2, 1)
+    assert [m[0].shape[0] for m in (first, second)] == [2, 1]
+    for part, rows, run in ((first, slice(0, 2), slice(0, 2)), (second, slice(2, 3), slice(2, 5))):
+        images = part[-1]
+        np.testing.assert_array_equal(images.blocks, blocks[rows])
+        np.testing.assert_array_equal(images.embeds, embeds[run])
+        np.testing.assert_array_equal(images.positions, positions[rows])
+        np.testing.assert_array_equal(images.deepstack[0], deep[run])
+        np.testing.assert_array_equal(part[4], micro[0][4][rows])
+
+
 @pytest.mark.parametrize("objective, batch_size", [("dpo", 1), ("orpo", 1), ("kto", 2)])
 def test_preference_with_images_on_two_workers_equals_one_process(pref_setup, tmp_path, objective, batch_size):
     """DPO, ORPO (its NLL on the chosen rows) and KTO (its KL rows) with images on two data-parallel workers
