@@ -1,5 +1,6 @@
 """Images beyond one process and one adapter file: the image files in a resume's data fingerprint, data-parallel
-workers (threads) with images equal to one process, LoRA on the vision tower from the CLI's --lora-targets."""
+workers (threads) with images equal to one process (sft, the preference objectives, GRPO), LoRA on the vision tower
+from the CLI's --lora-targets, pipeline stages and Ray workers with images."""
 from __future__ import annotations
 
 import json
