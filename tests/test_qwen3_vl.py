@@ -391,3 +391,25 @@ def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     estimate = 4 * tower_activation_values(vm.vision, 2, 48)
     print(f"estimate {estimate} bytes, tracemalloc peak {peak}")
     assert abs(estimate - peak) <= TOLERANCES["vision_tower_memory"].rtol * peak, (estimate, peak)
+
+
+def test_dpo_with_images_on_two_workers_equals_one_process(vlm, tmp_path):
+    """DPO on a TRL vision pair on two data-parallel workers (threads): the step's one micro-batch is cut between
+    the workers (the chosen row, the rejected row) with its rows' M-RoPE positions and DeepStack features; the
+    adapter after the step is one process's."""
+    import wgpu_train
+    from test_data_parallel import run_threads
+    from test_vision_preference import pref_records, write_pref_data
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = vlm
+    data = write_pref_data(tmp_path / "data", pref_records()[:1])
+    kw = dict(model=str(folder), data=str(data), backend="numpy", objective="dpo", batch_size=1, max_steps=1,
+              lr=1e-2, valid_split=0.0, lora_targets="q_proj,v_proj", no_progress=True, max_seq_len=400)
+    assert wgpu_train.finetune(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw))["images"] == 1
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
+    one, two = (read_safetensors(tmp_path / run / "adapter_model.safetensors") for run in ("one", "two"))
+    assert set(one) == set(two) and max(float(np.abs(one[k]).max()) for k in one if "lora_B" in k) > 1e-3
+    for k in one:
+        assert_close(two[k], one[k], "data_parallel_numpy", k)

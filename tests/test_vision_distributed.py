@@ -1,5 +1,6 @@
 """Images beyond one process and one adapter file: the image files in a resume's data fingerprint, data-parallel
-workers (threads) with images equal to one process, LoRA on the vision tower from the CLI's --lora-targets."""
+workers (threads) with images equal to one process (sft, the preference objectives, GRPO), LoRA on the vision tower
+from the CLI's --lora-targets, pipeline stages and Ray workers with images."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from wgpu_train.errors import ConfigError
 from test_gemma3_vision import Image, open_image
 from tolerances import assert_close
 from test_gemma3_vision_training import chat_vlm, vision_records, write_vision_data  # noqa: F401  (chat_vlm: fixture)
+from test_vision_preference import pref_setup  # noqa: F401  (fixture: a PEFT adapter and TRL's vision pairs)
 
 
 def _run_kw(folder, data, **kw):
@@ -62,14 +64,17 @@ def _losses(folder):
     return [r["loss"] for r in rows if "loss" in r and "split" not in r]
 
 
-def _assert_same_run(a, b, tolerance):
+def _assert_same_run(a, b, tolerance, steps=3, start=None):
+    """The runs in folders a and b: the same adapter and losses (within tolerance), trained `steps` steps (their
+    LoRA B moved from zero, or from `start`, the starting adapter's tensors)."""
     ta, tb = _adapter(a), _adapter(b)
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert_close(tb[k], ta[k], tolerance, k)
-    assert max(float(np.abs(ta[k]).max()) for k in ta if "lora_B" in k) > 1e-3     # it trained
+    start = start or {}
+    assert max(float(np.abs(ta[k] - start.get(k, 0.0)).max()) for k in ta if "lora_B" in k) > 1e-3   # it trained
     assert_close(np.array(_losses(b)), np.array(_losses(a)), tolerance, "losses")
-    assert len(_losses(a)) == 3
+    assert len(_losses(a)) == steps
 
 
 def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
@@ -85,6 +90,73 @@ def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
     run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_numpy")
+
+
+# ---- the preference objectives and GRPO with images on data-parallel workers -----------------------------------
+
+def test_a_micro_batch_cut_keeps_each_rows_image_tokens():
+    """split_rows of an engine micro-batch with ImageTokens (a scored preference step's): each part holds its rows'
+    blocks, embeddings, M-RoPE positions and DeepStack features, which are those rows' of the whole."""
+    from wgpu_train.distributed.data_parallel import split_rows
+    from wgpu_train.engines.shared.image_tokens import ImageTokens
+
+    blocks = np.full((3, 6), -1, np.int32)                      # row 0: 2 image tokens, row 1: none, row 2: 3
+    blocks[0, 1:3], blocks[2, 2:5] = 0, (0, 0, 1)
+    n = int((blocks >= 0).sum())
+    embeds, deep = (np.arange(n * 4, dtype=np.float32).reshape(n, 4) + k for k in (0, 100))
+    positions = np.arange(3 * 6 * 2, dtype=np.int32).reshape(3, 6, 2)
+    ids = np.arange(18, dtype=np.int32).reshape(3, 6)
+    micro = [(ids, ids, np.ones_like(ids), ids, np.ones((3, 6), np.float32),
+              ImageTokens(blocks, embeds, positions, (deep,)))]
+    first, second = split_rows(micro, 2, 1)
+    assert [m[0].shape[0] for m in (first, second)] == [2, 1]
+    for part, rows, run in ((first, slice(0, 2), slice(0, 2)), (second, slice(2, 3), slice(2, 5))):
+        images = part[-1]
+        np.testing.assert_array_equal(images.blocks, blocks[rows])
+        np.testing.assert_array_equal(images.embeds, embeds[run])
+        np.testing.assert_array_equal(images.positions, positions[rows])
+        np.testing.assert_array_equal(images.deepstack[0], deep[run])
+        np.testing.assert_array_equal(part[4], micro[0][4][rows])
+
+
+@pytest.mark.parametrize("objective, batch_size", [("dpo", 1), ("orpo", 1), ("kto", 2)])
+def test_preference_with_images_on_two_workers_equals_one_process(pref_setup, tmp_path, objective, batch_size):
+    """DPO, ORPO (its NLL on the chosen rows) and KTO (its KL rows) with images on two data-parallel workers
+    (threads): each worker scores the whole step (the tower over every row's images, the reference the adapter
+    off) and trains its share of the weighted micro-batches; the second, short step's one micro-batch is cut
+    between the workers with its rows' image tokens. The losses and the adapter after 2 steps are one process's
+    with the whole batch."""
+    from test_data_parallel import run_threads
+    from test_vision_preference import config
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    root, folder, _, _ = pref_setup
+    kw = dict(objective=objective, batch_size=batch_size, max_steps=2, lr=1e-2)
+    PreferenceTrainer(config(root, folder, tmp_path / "one", grad_accum=2, **kw), log=lambda m: None).run()
+    run_threads(config(root, folder, tmp_path / "two", num_workers=2, **kw), 2)
+    _assert_same_run(tmp_path / "one" / "run", tmp_path / "two" / "run", "data_parallel_numpy", steps=2,
+                     start=_adapter(root / "adapter"))
+
+
+def test_grpo_with_images_on_two_workers_equals_one_process(pref_setup, tmp_path):
+    """GRPO with images on two data-parallel workers (threads): each samples its own whole groups with their
+    prompts' images and rewards them; the gathered rewards give both the step's group advantages (beta > 0: each
+    worker's reference scores its rows with their images). The completions, losses and adapter after 2 steps are
+    one process's with the same seed."""
+    from test_data_parallel import run_threads
+    from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
+
+    root, folder, _, _ = pref_setup
+    data = write_pref_data(tmp_path / "data", grpo_records() * 2)
+    kw = dict(data=str(data), objective="grpo", batch_size=2, num_generations=2, max_completion_length=5,
+              max_steps=2, beta=0.04, temperature=0.8, seed=3, lr=1e-2)
+    rewards = [length_reward, id_reward]
+    wgpu_train.finetune(config(root, folder, tmp_path / "one", grad_accum=2, **kw), reward_funcs=rewards)
+    two = run_threads(config(root, folder, tmp_path / "two", num_workers=2, **kw), 2, reward_funcs=rewards)
+    assert two[0]["images"] == 4 and two[0]["data_parallel"]["workers"] == 2
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
+    assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
+    _assert_same_run(one, two, "data_parallel_numpy", steps=2, start=_adapter(root / "adapter"))
 
 
 # ---- LoRA on the vision tower from --lora-targets ---------------------------------------------------------------
@@ -219,6 +291,39 @@ def test_two_pipeline_stages_with_images_equal_one_process(chat_vlm, tmp_path):
     assert sum(".vision_tower." in k for k in _adapter(tmp_path / "tower-two")) == 12
 
 
+def test_dpo_and_grpo_with_images_through_two_pipeline_stages_equal_one_process(pref_setup, tmp_path):
+    """DPO and GRPO with images through two NumPy pipeline stages (in this process): the tower runs in the driver,
+    each scored or trained micro-batch's image tokens go to every stage (GRPO's reference, the starting adapter
+    the stages hold, scores with them too, and its rollouts prefill the images through the stages). The losses
+    and adapter after 2 steps (and GRPO's completions) are one process's (DPO's: one process that also scores the
+    step's rows first, then takes the weighted step); WebGPU stages refused in one line."""
+    from test_pipeline_runs import TwoPasses
+    from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
+    from wgpu_train.distributed.dispatch import finetune
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+
+    root, folder, _, _ = pref_setup
+    start = _adapter(root / "adapter")
+    dpo = dict(objective="dpo", batch_size=1, grad_accum=2, max_steps=2, lr=1e-2)
+    TwoPasses(config(root, folder, tmp_path / "dpo-one", **dpo), log=lambda m: None).run()   # the stages' path
+    finetune_pipeline(config(root, folder, tmp_path / "dpo-two", pipeline_stages=2, **dpo), local=True)
+    _assert_same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", "pipeline_numpy", 2, start)
+    data = write_pref_data(tmp_path / "data", grpo_records() * 2)
+    grpo = dict(data=str(data), objective="grpo", batch_size=2, num_generations=2, max_completion_length=5,
+                max_steps=2, beta=0.04, temperature=0.8, seed=3, lr=1e-2, grad_accum=2)
+    rewards = [length_reward, id_reward]
+    finetune(config(root, folder, tmp_path / "grpo-one", **grpo), reward_funcs=rewards)
+    two = finetune_pipeline(config(root, folder, tmp_path / "grpo-two", pipeline_stages=2, **grpo), local=True,
+                            reward_funcs=rewards)
+    assert two["pipeline"]["stages"] == 2 and two["images"] == 4
+    one, two = tmp_path / "grpo-one" / "run", tmp_path / "grpo-two" / "run"
+    assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
+    _assert_same_run(one, two, "pipeline_numpy", 2, start)
+    with pytest.raises(ConfigError, match="--objective dpo with images through pipeline stages runs on NumPy stages "
+                                          "only"):
+        finetune(config(root, folder, tmp_path / "bad", pipeline_stages=2, **(dpo | {"backend": "auto"})))
+
+
 def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):
     """The Python API over pipeline stages: a VisionModel whose language model is 2 NumPy stages gives one
     process's loss and LoRA gradients with images (set_images reaches every stage, forward_backward's too), and
@@ -263,9 +368,10 @@ def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(cha
     staged.model.engine.close()
 
 
-def test_two_ray_workers_with_images_equal_one_process(chat_vlm, tmp_path):
+def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp_path):
     """Records with images (LoRA on the tower too) on two Ray Train workers of a local Ray (2 CPUs), each running
-    its rows' images through its own tower: the adapter of one process with the whole batch."""
+    its rows' images through its own tower: the adapter of one process with the whole batch; and DPO on TRL's
+    vision pairs (each worker reads the pairs' image files itself), as one process trains it."""
     import os
     from pathlib import Path
 
@@ -276,12 +382,21 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
     kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_targets=TOWER_TARGETS)
     finetune(out=str(tmp_path / "one"), grad_accum=2, **kw)
+    from test_vision_preference import config
+
+    root, _, _, _ = pref_setup
+    dpo = dict(objective="dpo", batch_size=1, max_steps=2, lr=1e-2)
+    finetune(config(root, folder, tmp_path / "dpo-one", grad_accum=2, **dpo))
     path = os.pathsep.join([str(Path(wgpu_train.__file__).resolve().parent.parent), str(Path(__file__).parent)])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}})
     try:
         two = finetune(out=str(tmp_path / "two"), num_workers=2, **kw)
+        dpo_two = finetune(config(root, folder, tmp_path / "dpo-two", num_workers=2, **dpo))
     finally:
         ray.shutdown()
     assert two["data_parallel"]["workers"] == 2 and two["images"] == 5
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+    assert dpo_two["data_parallel"]["workers"] == 2 and dpo_two["images"] == 4
+    _assert_same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", "data_parallel_numpy", steps=2,
+                     start=_adapter(root / "adapter"))

@@ -32,9 +32,9 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         if kind is not TrainerKind.SUPERVISED and config.images_demo:
             raise ConfigError(f"--images-demo trains sft only: give --objective {config.objective} records with "
                               f"images as --data")
-        if kind is not TrainerKind.SUPERVISED and (config.num_workers or config.pipelined()):
-            raise ConfigError(f"--objective {config.objective} with images trains in one process for now (no "
-                              f"--num-workers or pipeline stages)")
+        if kind is not TrainerKind.SUPERVISED and config.pipelined() and config.backend != "numpy":
+            raise ConfigError(f"--objective {config.objective} with images through pipeline stages runs on NumPy "
+                              f"stages only for now (--backend numpy)")
     if reward_funcs and kind is not TrainerKind.ONLINE:
         raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
     if (tools or environment_factory) and kind is not TrainerKind.ONLINE:

@@ -430,6 +430,10 @@ class ReferenceStages:
     def set_adapter_enabled(self, enabled: bool = True):
         self.engine.set_adapter_enabled(enabled)
 
+    def set_images(self, images):
+        """The images of the rows it scores next (the stages' own: PipelineEngine.set_images)."""
+        self.engine.set_images(images)
+
     def set_loss_temperature(self, temperature: float = 1.0):
         self.engine.set_loss_temperature(temperature)
 
