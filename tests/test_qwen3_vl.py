@@ -181,9 +181,10 @@ def test_greedy_generation_with_images_matches_transformers(vlm):
 def test_two_pipeline_stages_give_one_process_loss_gradients_and_answers(vlm):
     """The language model as 2 NumPy pipeline stages: every stage takes the images' M-RoPE positions and the stage
     holding a DeepStack layer its features, in training and in generation's prefill (stage_rows) and decode: one
-    process's loss, LoRA gradients and greedy tokens."""
+    process's loss, LoRA gradients and greedy tokens, also in a DecodeBatch (serve's) beside a text row."""
     import wgpu_train
     from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
+    from wgpu_train.engines.generate import DecodeBatch
     from wgpu_train.engines.vision_model import attach_vision
     from wgpu_train.models.config import ModelConfig
 
@@ -202,6 +203,18 @@ def test_two_pipeline_stages_give_one_process_loss_gradients_and_answers(vlm):
         assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
     answers = [vm.generate(ids[0, :-2], imgs, max_new_tokens=6) for vm in (staged, one)]
     assert answers[0] == answers[1] and len(answers[0]) == 6
+    # serve's continuous batching over the stages: the image row (its M-RoPE shift in every decode step) beside a
+    # text row, each one process's answer alone
+    batch = DecodeBatch(staged.model.engine, 2, 48)
+    text = batch.add([7, 11, 12], 6)
+    prompt, tokens = staged.prompt_images(ids[0, :-2], imgs)
+    row = batch.add(prompt, 6, images=tokens)
+    out = {text: [], row: []}
+    while len(batch):
+        for t in batch.step():
+            out[t.slot].append(t.id)
+    batch.close()
+    assert out[row] == answers[1] and out[text] == one.model.generate([7, 11, 12], max_new_tokens=6)
     staged.model.engine.close()
 
 def records():
