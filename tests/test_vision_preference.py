@@ -262,8 +262,34 @@ def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
         code = main(args + ["--data", str(path), "--out", str(tmp_path / "bad_run"), "--overwrite"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
-    assert main(["eval", "--objective", "dpo", "--model", str(folder), "--data", str(data), "--backend", "numpy"]) == 2
-    assert "eval --objective does not take records with images yet" in capsys.readouterr().err
+
+
+def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, tmp_path, capsys):
+    """`eval --objective dpo` of the vision pairs with the adapter (the reference: the adapter off) gives the loss
+    and TRL's metrics of the PreferenceTrainer's first step over the same pairs with the same reference
+    (--precompute-ref-log-probs: the adapter off, test_precomputed_reference_with_images_is_the_adapter_off);
+    KTO's unpaired records score too; bad input is one line and exit 2."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, _ = pref_setup
+    data = root / "data" / "train.jsonl"
+    args = ["eval", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data", str(data),
+            "--backend", "numpy", "--batch-size", "3", "--max-seq-len", "200", "--json"]
+    assert main(args + ["--objective", "dpo"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] == "train" and got["examples"] == 3 and got["images"] == 4 and got["rows_cut_in_image"] == 0
+    trainer = PreferenceTrainer(config(root, folder, tmp_path, precompute_ref_log_probs=True),
+                                log=lambda m: None).setup()
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    assert abs(result.metrics["rewards/margins"]) > 1e-4
+    assert_close(np.float64(got["loss"]), np.float64(result.loss), "loss_f32", "loss")
+    for key, value in result.metrics.items():
+        assert_close(np.float64(got[key]), np.float64(value), "loss_f32", key)
+    assert main(args + ["--objective", "kto"]) == 0
+    kto = json.loads(capsys.readouterr().out)
+    assert kto["examples"] == 6 and kto["images"] == 8 and np.isfinite(kto["loss"])
+    assert main(args + ["--objective", "dpo", "--no-chat-template"]) == 2
+    assert "--no-chat-template is not supported with images yet" in capsys.readouterr().err
 
 
 # ---- GRPO with images -------------------------------------------------------------------------------------------
