@@ -85,6 +85,8 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
     (no DeepStack gradients come back) is refused in one line."""
     from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
     from wgpu_train.engines.protocol import OptimizerParams
+    from wgpu_train.engines.resources import StageImages
+    from wgpu_train.engines.webgpu.stage_memory import image_input_bytes, in_flight
     from wgpu_train.training.config import TrainConfig
 
     require_adapter()
@@ -114,6 +116,20 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
         for path in lora_1:
             for a, b in zip(lora_s[path], lora_1[path]):
                 assert_close(a, b, "pipeline_wgpu", path)
+        # `memory --pipeline-stages`' image inputs are what each stage holds: a slot of buffers per micro-batch in
+        # flight (the first stage: both micro-batches'; the last: one slot, grown to the wider's), each buffer
+        # the estimate's elements up to its power-of-two capacity (16 at least)
+        plan = staged.model.engine.plan
+        for s, stage in enumerate(staged.model.engine.runner.stages):
+            slots = stage.image_inputs._slots
+            assert len(slots) == in_flight("1f1b", 2, s, 2)
+            wants = [image_input_bytes(one.model.config, StageImages(int((row == PAD).sum()), 2, mrope=True), 1,
+                                       len(row), plan.stages[s], s == 0) for row in rows]
+            want = sum(wants) if len(slots) == 2 else max(wants)
+            got = sum(buf.size for held in slots.values() for buf, _ in held.values())
+            assert want <= got < 2 * want + 64 * sum(map(len, slots.values())), (s, got, want)
+            for held in slots.values():
+                assert ("grad" in held) == (s == 0) and sum(f"deepstack {k}" in held for k in (0, 1)) == 1
     finally:
         staged.model.engine.close()
     data = write_vision_data(tmp_path / "data", records())
