@@ -271,7 +271,7 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     KTO's unpaired records score too; bad input is one line and exit 2."""
     from wgpu_train.cli.main import main
 
-    root, folder, _, _ = pref_setup
+    root, folder, _, hf = pref_setup
     data = root / "data" / "train.jsonl"
     args = ["eval", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data", str(data),
             "--backend", "numpy", "--batch-size", "3", "--max-seq-len", "200", "--json"]
@@ -290,6 +290,12 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     assert kto["examples"] == 6 and kto["images"] == 8 and np.isfinite(kto["loss"])
     assert main(args + ["--objective", "dpo", "--no-chat-template"]) == 2
     assert "--no-chat-template is not supported with images yet" in capsys.readouterr().err
+    tower = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=r".*(language_model|vision_tower).*\.q_proj", lora_dropout=0.0))
+    tower.save_pretrained(tmp_path / "tower")
+    at = args.index("--adapter-path") + 1
+    assert main(args[:at] + [str(tmp_path / "tower")] + args[at + 1:] + ["--objective", "dpo"]) == 2
+    assert "LoRA on the vision tower is not supported with --objective dpo" in capsys.readouterr().err
 
 
 # ---- GRPO with images -------------------------------------------------------------------------------------------
