@@ -28,6 +28,8 @@ def memory(capsys, folder, *extra) -> dict:
 
 
 def test_the_tower_is_counted(folder, capsys):
+    from wgpu_train.models.config import ModelConfig
+
     hf = tf.Gemma3ForConditionalGeneration(tiny_config())
     # SigLIP's pooling head (vision_use_head, on in this tiny config) is no part of Gemma 3's path: never loaded
     want = sum(p.numel() for n, p in hf.named_parameters()
@@ -44,7 +46,9 @@ def test_the_tower_is_counted(folder, capsys):
     tower4 = memory(capsys, folder, "--batch-size", "2", "--lora-targets", "q_proj,fc1", "--images-per-row", "2")
     assert tower4["vision"]["tower_activations"] == 2 * tower["tower_activations"]  # the images at once
     text = memory(capsys, folder, "--batch-size", "2", "--images-per-row", "0")
-    assert one["total"] - text["total"] == v["tower_activations"]
+    assert one["total"] - text["total"] == v["tower_activations"] + v["image_inputs"]
+    c = ModelConfig.from_folder(folder).hidden_size       # the image tokens' rows and blocks, embeddings, gradient
+    assert v["image_inputs"] == 4 * (2 * 4 + 3 * 2 * 64 + 2 * 2 * 4 * c) and text["vision"]["image_inputs"] == 0
     from wgpu_train.cli.main import main
 
     assert main(["memory", "--model", str(folder), "--max-seq-len", "64", "--lora-targets", "q_proj,qkv"]) == 2

@@ -385,17 +385,20 @@ def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     assert v["tower_parameters"] == sum(p.numel() for n, p in hf.named_parameters() if ".visual." in n)
     assert v["tokens_per_image"] == 14 and v["image_tokens_per_row"] == 28 and v["images"] == 4
     assert not v["images_capped"]
-    assert v["image_inputs"] == 4 * (4 * 12 * 64 * 2 + 2 * 128 * 8)
+    # the image tokens' rows, every token's blocks and M-RoPE positions, the embeddings, their gradient and the
+    # DeepStack features of 2 rows of 2 images of 12 tokens (hidden 64, 8 rotated pairs), float32
+    n, tokens = 2 * 2 * 12, 2 * 128
+    assert v["image_inputs"] == 4 * (n + 3 * tokens + tokens * 8 + n * 64 * (2 + 2))
     text = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "0")
     assert out["total"] - text["total"] == v["tower_activations"] + v["image_inputs"] - text["vision"]["image_inputs"]
     # two stages (layer 0 and its DeepStack features on the first, layer 1 and its on the second): every token's
     # M-RoPE positions on both, the embeddings and their gradient on the first
     first, later = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "2",
                           "--pipeline-stages", "2")["stages"]
-    n, tokens = 2 * 2 * 12, 2 * 128
     shared = (n + 3 * tokens + tokens * 8) * 4 + n * 64 * 4
     assert (first["layers"], later["layers"]) == ("0-0", "1-1")
     assert first["image_inputs"] == shared + 2 * n * 64 * 4 and later["image_inputs"] == shared
+    assert first["image_inputs"] + later["image_inputs"] - v["image_inputs"] == (n + 3 * tokens + tokens * 8) * 4
     capped = memory("--max-seq-len", "24", "--images-per-row", "2")["vision"]
     assert capped["images_capped"] and capped["tokens_per_image"] == (23 // 2)
     assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "q_proj,fc1"]) == 2

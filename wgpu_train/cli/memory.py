@@ -55,9 +55,14 @@ def cmd_memory(args) -> int:
               "embed_dtype": embed, "gradient_checkpointing": args.gradient_checkpointing, "precision": precision,
               "precision_reason": why, **est, "largest_activation_buffer": largest}
     if vision:
+        from wgpu_train.engines.resources import image_input_bytes
+
+        # the device's image inputs of a micro-batch, as one process holds them: a single stage of every layer
+        vision["image_inputs"] = image_input_bytes(cfg, stage_images, args.batch_size, length,
+                                                   range(cfg.num_hidden_layers), True, precision)
         result["vision"] = vision
         result["total"] = est["total"] = est["total"] + vision["tower_weights"] + vision["tower_activations"] + \
-            vision.get("image_inputs", 0)
+            vision["image_inputs"]
     elif args.images_per_row is not None:
         raise ConfigError("--images-per-row: the model takes no images (a Gemma 3 vision model does)")
     if args.pipeline_stages or args.stage_layers:
@@ -107,7 +112,8 @@ def cmd_memory(args) -> int:
 
 def _vision_estimate(args, model_dir, length: int) -> dict | None:
     """A vision model's tower and projector (float32 weights, the values its forward holds over the step's
-    images) and the image tokens per row, which must fit --max-seq-len; None for a model without images."""
+    images) and the image tokens per row, which must fit --max-seq-len (stage_images: the images of a row as the
+    device takes them); None for a model without images."""
     from pathlib import Path
 
     from wgpu_train.engines.resources import StageImages
@@ -152,8 +158,7 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
 def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     """_vision_estimate's for Qwen3-VL: each image as large as its processor makes one (max_pixels), capped to
     what a row leaves it; the tower over the step's images at once (frozen, or with LoRA: its activations kept for
-    the backward); on the device, the DeepStack features
-    of the image tokens and every token's M-RoPE positions (image_inputs)."""
+    the backward); its stage_images with the DeepStack features and every token's M-RoPE positions."""
     from wgpu_train.data.qwen_images import QwenImageSettings
     from wgpu_train.engines.resources import StageImages
     from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
@@ -177,12 +182,10 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
                           f"model's too (q_proj, ...), as finetune trains them")
     images = args.batch_size * per_row
     params = tower_parameters(vc)
-    inputs = images * merged * vc.text_hidden_size * len(vc.deepstack_indexes) + \
-        args.batch_size * length * vc.text_head_dim // 2
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
-            "image_inputs": 4 * inputs, "images_capped": merged < largest, "language_targets": language,
+            "images_capped": merged < largest, "language_targets": language,
             "stage_images": StageImages(per_row * merged, len(vc.deepstack_indexes), mrope=True)}
 
 
