@@ -217,7 +217,7 @@ def run_precision(precision: str, backend: str, device, cfg) -> tuple:
 def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precision: str, images=None) -> list:
     """Each pipeline stage's memory_report categories (with its layers and the micro-batches it holds at once),
     the stages balanced as finetune balances them; images (a vision model's StageImages): the image inputs each
-    stage holds (image_inputs)."""
+    stage holds (image_inputs), counted, not balanced (finetune's split leaves them out)."""
     from wgpu_train.engines.resources import balanced_stages, stage_memory
 
     micro = args.pipeline_micro_batches
@@ -225,7 +225,7 @@ def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precis
         raise ConfigError(f"--pipeline-micro-batches must be at least 1, got {micro}")
     plan = balanced_stages(cfg, args.pipeline_stages or 0, args.stage_layers, args.batch_size, length, lora,
                            args.method, base, embed, args.gradient_checkpointing, precision, micro,
-                           args.pipeline_schedule, images)
+                           args.pipeline_schedule)
     return stage_memory(cfg, plan, args.batch_size, length, lora, args.method, base, embed,
                         args.gradient_checkpointing, None, precision, micro, args.pipeline_schedule, images)
 

@@ -123,11 +123,11 @@ def stage_memory(cfg: ModelConfig, plan: StagePlan, batch: int, seq: int, lora: 
 def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, batch: int, seq: int,
                     lora: LoraConfig | None = None, method: str = "lora", base_dtype: str = "float32",
                     embed_dtype: str = "auto", gc: bool = False, precision: Precision | str = "fp32",
-                    micro_batches: int = 1, schedule: str = "1f1b", images: StageImages | None = None) -> StagePlan:
+                    micro_batches: int = 1, schedule: str = "1f1b") -> StagePlan:
     """plan_stages with the smallest largest stage_memory total: a stage's layers' weights and trainable state,
     their activations for the micro-batches that stage holds at once (in_flight: more on the first stages under
-    1F1B), the shared buffers, the embedding on the first stage, the norm, head and logits on the last; with
-    images, the image inputs each holds (the embeddings on the first, DeepStack features where their layers are)."""
+    1F1B), the shared buffers, the embedding on the first stage, the norm, head and logits on the last (a vision
+    model's image inputs, small beside them, left out: finetune's split and `memory`'s are one)."""
     n = cfg.num_hidden_layers
     if stage_layers or not 1 <= stages <= n:      # by hand, or refused in one line
         return plan_stages(n, stages, stage_layers, tied=cfg.tie_word_embeddings)
@@ -146,8 +146,7 @@ def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, bat
     def cost(k: int, a: int, b: int) -> float:
         held = in_flight(schedule, stages, k, micro_batches)
         layer, shared, logits = parts[k == stages - 1]
-        pictures = 0 if images is None else image_input_bytes(cfg, images, batch, seq, range(a, b), k == 0, precision)
-        return (prefix[b] - prefix[a] + held * (sum(layer[i] for i in range(a, b)) + shared + logits + pictures)
+        return (prefix[b] - prefix[a] + held * (sum(layer[i] for i in range(a, b)) + shared + logits)
                 + (first if k == 0 else 0)
                 + (last if k == stages - 1 else 0))
 
