@@ -268,7 +268,8 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     """`eval --objective dpo` of the vision pairs with the adapter (the reference: the adapter off) gives the loss
     and TRL's metrics of the PreferenceTrainer's first step over the same pairs with the same reference
     (--precompute-ref-log-probs: the adapter off, test_precomputed_reference_with_images_is_the_adapter_off);
-    KTO's unpaired records score too; bad input is one line and exit 2."""
+    the adapter as its own --ref-adapter gives log 2; KTO's unpaired records score too; bad input is one line and
+    exit 2."""
     from wgpu_train.cli.main import main
 
     root, folder, _, hf = pref_setup
@@ -285,6 +286,11 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     assert_close(np.float64(got["loss"]), np.float64(result.loss), "loss_f32", "loss")
     for key, value in result.metrics.items():
         assert_close(np.float64(got[key]), np.float64(value), "loss_f32", key)
+    # --ref-adapter: another model scores the reference with the images too; the adapter itself gives log 2
+    assert main(args + ["--objective", "dpo", "--ref-adapter", str(root / "adapter")]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert_close(np.float64(same["loss"]), np.log(2.0), "loss_f32", "the policy as its own reference")
+    assert same["rewards/margins"] == pytest.approx(0, abs=1e-6)
     assert main(args + ["--objective", "kto"]) == 0
     kto = json.loads(capsys.readouterr().out)
     assert kto["examples"] == 6 and kto["images"] == 8 and np.isfinite(kto["loss"])
