@@ -304,6 +304,25 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     assert "LoRA on the vision tower is not supported with --objective dpo" in capsys.readouterr().err
 
 
+def test_eval_objective_with_images_on_webgpu_equals_numpy(pref_setup, rt, capsys):
+    """`eval --objective dpo` with images on the WebGPU engine (the reference the adapter off in the same
+    submission, each micro-batch's ImageTokens uploaded): the NumPy engine's loss and metrics."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, _ = pref_setup
+    args = ["eval", "--objective", "dpo", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data",
+            str(root / "data" / "train.jsonl"), "--batch-size", "2", "--max-seq-len", "200", "--json"]
+    got = {}
+    for backend in ("numpy", "wgpu"):
+        device = ["--device", str(rt.info.index)] if backend == "wgpu" else []
+        assert main(args + ["--backend", backend] + device) == 0
+        got[backend] = json.loads(capsys.readouterr().out)
+    assert got["wgpu"]["backend"] == "wgpu" and got["wgpu"]["images"] == 4
+    assert abs(got["numpy"]["rewards/margins"]) > 1e-4
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert_close(np.float64(got["wgpu"][key]), np.float64(got["numpy"][key]), "loss_f32", key)
+
+
 # ---- GRPO with images -------------------------------------------------------------------------------------------
 
 G, MAX_COMPLETION = 2, 6
