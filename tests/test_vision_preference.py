@@ -1,7 +1,8 @@
 """Preference objectives and GRPO with images (TRL's vision records) on a tiny Gemma 3: rows as TRL's
 DataCollatorForVisionPreference makes them; the first step's loss, metrics and LoRA gradients and the adapter after
 three steps equal to TRL's DPOTrainer and GRPOTrainer (scripted completions) with images; rollouts that see the
-images; the WebGPU engine equal to the NumPy engine; bad input in one line."""
+images; `eval --objective` of the same records; the WebGPU engine equal to the NumPy engine; bad input in one
+line."""
 from __future__ import annotations
 
 import copy
