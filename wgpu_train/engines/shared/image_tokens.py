@@ -46,3 +46,16 @@ class ImageTokens:
     def flat(self) -> np.ndarray:
         """(B*T,) bool: the image tokens."""
         return self.blocks.reshape(-1) >= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerImages:
+    """A micro-batch's images as the pixels its engine's vision tower (engine.set_vision_tower) runs inside the
+    train_step: blocks (B, T) int32 as ImageTokens'; pixels (N, C, H, W) float32, the tower's input, whose N *
+    mm_tokens_per_image embeddings take the image tokens' rows in order (their gradient goes back through the
+    tower's LoRA, where it has one). positions and deepstack: none (the SigLIP towers')."""
+
+    blocks: np.ndarray
+    pixels: np.ndarray
+    positions = None
+    deepstack = ()

@@ -1,13 +1,15 @@
 """Images on the WebGPU engine (engine.set_images): each micro-batch slot's image inputs uploaded with its batch,
 which the layer recording scatters over the embedding rows, the attention takes as bidirectional blocks (Gemma
 3's), RoPE takes each pair's positions from and the layers add DeepStack features from (Qwen3-VL's), and the
-backward gathers the image rows' gradient from (read back only when asked: image_grad)."""
+backward gathers the image rows' gradient from (read back only when asked: image_grad); a train_step's micro-batch
+with TowerImages gets its buffers only, the vision tower's forward recorded into its embeds (steps.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents
@@ -21,7 +23,8 @@ class BatchImages:
     extents (attention_kernels.extents, (3, B, T)), or generation's positions with each query's reach
     (decode_kernels.with_reaches, (2, n)); grad (count, C) float32, the image rows' gradient a backward gathers;
     deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
-    output at the image tokens (frozen: their gradient is the residual stream's, which passes through)."""
+    output at the image tokens (frozen: their gradient is the residual stream's, which passes through); pixels:
+    TowerImages' (N, C, H, W), which the vision tower writes embeds from inside the step, or None."""
 
     index: object
     embeds: object
@@ -29,6 +32,7 @@ class BatchImages:
     grad: object
     count: int
     deepstack: tuple = ()
+    pixels: object = None
 
 
 class ImageInputs:
@@ -84,8 +88,11 @@ class ImageInputs:
                              tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt)
                                    for k in range(len(self.tokens.deepstack))))
         rt.write(images.index, index)
-        for buf, features in ((images.embeds, self.tokens.embeds), *zip(images.deepstack, self.tokens.deepstack)):
-            rt.write(buf, storage.to_words(np.asarray(features, np.float32), fmt))
+        if isinstance(self.tokens, TowerImages):
+            images.pixels = self.tokens.pixels
+        else:
+            for buf, features in ((images.embeds, self.tokens.embeds), *zip(images.deepstack, self.tokens.deepstack)):
+                rt.write(buf, storage.to_words(np.asarray(features, np.float32), fmt))
         spans = (with_reaches(np.asarray(position_ids).reshape(-1), blocks.reshape(-1),
                               np.asarray(segment_ids).reshape(-1)) if generation else extents(segment_ids, blocks))
         rt.write(images.spans, spans.reshape(-1).astype(np.int32))
