@@ -7,6 +7,7 @@ language model on WebGPU, on the device too (webgpu/vision_tower.py; its LoRA's 
 engine's train_step (TowerImages). (Over 450 lines: the multimodal model's whole surface, both tower families.)"""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -225,7 +226,7 @@ class VisionModel:
         if n_tokens != len(pixels) * m:
             what = "image tiles" if self.vision.scale_factor else "images"
             raise DataError(f"{n_tokens} image placeholder tokens for {len(pixels)} {what} of {m} tokens each")
-        return TowerImages(blocks, pixels) if len(pixels) else None
+        return TowerImages(blocks, pixels, functools.partial(self.image_tokens, ids, pixels)) if len(pixels) else None
 
     def _qwen_image_tokens(self, ids, images, segments=None, cache: dict | None = None) -> ImageTokens | None:
         """Qwen3-VL's ImageTokens of ids (B, T) and its images: the merged patches' embeddings, the DeepStack

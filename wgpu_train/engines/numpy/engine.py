@@ -23,7 +23,7 @@ from wgpu_train.engines.numpy.walk import Mode, Walk
 from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.steps import StepRunner
 from wgpu_train.engines.numpy.tower_step import TowerStep
-from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
@@ -284,10 +284,9 @@ class NumpyEngine(EngineState):
 
     def set_images(self, images):
         """The forwards that follow take these images (a shared/image_tokens.ImageTokens; TowerImages: the vision
-        tower's embeddings of them, computed now), or none (None)."""
+        tower's embeddings of them, computed now: their host()), or none (None)."""
         if isinstance(images, TowerImages):
-            images = self.steps.tower.forward(images)[0] if self.steps.tower.trains else \
-                ImageTokens(images.blocks, self.steps.tower.tower(images.pixels).reshape(-1, self.cfg.hidden_size))
+            images = images.host()
         self.images = images and images.rounded(lambda x: self.rounding.activation(x.astype(self.dtype), "images"))
 
     def set_vision_tower(self, tower):

@@ -131,7 +131,9 @@ class StepRunner:
             for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
                 images = extra.pop() if extra and isinstance(extra[-1], (ImageTokens, TowerImages)) else None
                 cache = None
-                if isinstance(images, TowerImages):
+                if isinstance(images, TowerImages) and self.tower is None:     # no tower here: the host's
+                    images = images.host()
+                elif isinstance(images, TowerImages):
                     images, cache = self.tower.forward(images)
                 if images is not None:
                     self.set_images(images)

@@ -53,9 +53,11 @@ class TowerImages:
     """A micro-batch's images as the pixels its engine's vision tower (engine.set_vision_tower) runs inside the
     train_step: blocks (B, T) int32 as ImageTokens'; pixels (N, C, H, W) float32, the tower's input, whose N *
     mm_tokens_per_image embeddings take the image tokens' rows in order (their gradient goes back through the
-    tower's LoRA, where it has one). positions and deepstack: none (the SigLIP towers')."""
+    tower's LoRA, where it has one); host: () -> their ImageTokens, the tower's forward outside a step (what an
+    engine's set_images takes them as: scoring, a reference engine's). positions and deepstack: none (SigLIP's)."""
 
     blocks: np.ndarray
     pixels: np.ndarray
+    host: object = dataclasses.field(default=None, compare=False, repr=False)
     positions = None
     deepstack = ()

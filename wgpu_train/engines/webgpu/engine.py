@@ -19,7 +19,7 @@ from wgpu_train.adapters.experts import is_expert_path
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
-from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes, kept_packed
@@ -420,11 +420,11 @@ class WgpuEngine(EngineState):
 
     # ---- images (images.ImageInputs) -----------------------------------------------------------
     def set_images(self, images):
-        """The forwards that follow take these images (a shared/image_tokens.ImageTokens; TowerImages: the vision
-        tower's embeddings of them, computed now), or none (None): each batch uploads their embeddings and blocks
-        (a train_step's micro-batch may end with its own instead)."""
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens; TowerImages: their
+        host(), the vision tower's embeddings computed now), or none (None): each batch uploads their embeddings
+        and blocks (a train_step's micro-batch may end with its own instead)."""
         if isinstance(images, TowerImages):
-            images = ImageTokens(images.blocks, self.steps.tower(images.pixels).reshape(-1, self.cfg.hidden_size))
+            images = images.host()
         self.image_inputs.tokens = images
 
     def set_vision_tower(self, tower):

@@ -251,6 +251,9 @@ class StepRunner:
         rt.write(self.step_buf, np.array([1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)],
                                          np.float32))
         self.dropout.reserve(n_micro)
+        if self.tower is None:      # no tower here (a reference engine's): the images' embeddings from the host
+            micro_batches = [(*mb[:-1], mb[-1].host()) if isinstance(mb[-1], TowerImages) else mb
+                             for mb in micro_batches]
         towered = [len(mb[-1].pixels) for mb in micro_batches if isinstance(mb[-1], TowerImages)]
         trains_tower = bool(towered) and self.tower.params is not None
         if towered:     # every buffer of the tower's forwards (and backwards) allocated before they are recorded
