@@ -226,7 +226,22 @@ class VisionModel:
         if n_tokens != len(pixels) * m:
             what = "image tiles" if self.vision.scale_factor else "images"
             raise DataError(f"{n_tokens} image placeholder tokens for {len(pixels)} {what} of {m} tokens each")
-        return TowerImages(blocks, pixels, functools.partial(self.image_tokens, ids, pixels)) if len(pixels) else None
+        if not len(pixels):
+            return None
+        return TowerImages(blocks, pixels, functools.partial(self._host_tokens, ids, pixels), bool(self.tower.lora))
+
+    def _host_tokens(self, ids, pixels) -> ImageTokens:
+        """TowerImages' host(): their ImageTokens, the tower's LoRA off while the language model's adapter is
+        (PEFT's disable_adapter switches both off: a reference's forward)."""
+        if getattr(self.model.engine, "adapter_enabled", True) or not self.tower.lora:
+            return self.image_tokens(ids, pixels)
+        blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
+        lora, self.tower.lora = self.tower.lora, {}
+        try:
+            embeds = self.device_tower(pixels, lora=False) if self.device_tower is not None else self.tower(pixels)
+        finally:
+            self.tower.lora = lora
+        return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
     def _qwen_image_tokens(self, ids, images, segments=None, cache: dict | None = None) -> ImageTokens | None:
         """Qwen3-VL's ImageTokens of ids (B, T) and its images: the merged patches' embeddings, the DeepStack

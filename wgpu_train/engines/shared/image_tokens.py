@@ -54,10 +54,13 @@ class TowerImages:
     train_step: blocks (B, T) int32 as ImageTokens'; pixels (N, C, H, W) float32, the tower's input, whose N *
     mm_tokens_per_image embeddings take the image tokens' rows in order (their gradient goes back through the
     tower's LoRA, where it has one); host: () -> their ImageTokens, the tower's forward outside a step (what an
-    engine's set_images takes them as: scoring, a reference engine's). positions and deepstack: none (SigLIP's)."""
+    engine's set_images takes them as: scoring, a reference engine's), which switch the tower's LoRA off with the
+    engine's adapter; lora: whether the tower has LoRA (a reference's images differ from the policy's then).
+    positions and deepstack: none (SigLIP's)."""
 
     blocks: np.ndarray
     pixels: np.ndarray
     host: object = dataclasses.field(default=None, compare=False, repr=False)
+    lora: bool = False
     positions = None
     deepstack = ()

@@ -181,13 +181,18 @@ class GpuVisionTower:
                               f"activations need {need / 2**20:.0f} MiB, over the device's max storage binding of "
                               f"{self.rt.max_binding / 2**20:.0f} MiB (fewer images per micro-batch)")
 
-    def __call__(self, pixels) -> np.ndarray:
-        """The forward (with the LoRA set): the images in chunks whose widest activation fits one storage binding
-        and whose activations SCRATCH_BYTES hold, a submission and a readback each (the buffers kept)."""
+    def __call__(self, pixels, lora: bool = True) -> np.ndarray:
+        """The forward (with the LoRA set; lora False: without it): the images in chunks whose widest activation
+        fits one storage binding and whose activations SCRATCH_BYTES hold, a submission and a readback each (the
+        buffers kept)."""
         vc, pixels = self.vc, self._check(pixels)
         chunk = max(1, min(self.rt.max_binding // image_elements(vc), SCRATCH_BYTES // scratch_elements(vc)) // 4)
-        return np.concatenate([self._submit_forward(pixels[i:i + chunk], False)[0]
-                               for i in range(0, len(pixels), chunk)])
+        modules, self._lora = self._lora, (self._lora if lora else {})
+        try:
+            return np.concatenate([self._submit_forward(pixels[i:i + chunk], False)[0]
+                                   for i in range(0, len(pixels), chunk)])
+        finally:
+            self._lora = modules
 
     def forward(self, pixels, lora: dict | None = None) -> tuple:
         """pixels (N, C, H, W), with LoRA (set_lora's dict; None: the one set) -> (the embeddings (N, M, text C),
