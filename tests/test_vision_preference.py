@@ -191,6 +191,54 @@ def test_orpo_never_trains_an_images_tokens(pref_setup, tmp_path):
     assert np.isin(ids[:3], [5, 6, 7]).any() and (chosen != -100).sum() > (targets[3:] != -100).sum()
 
 
+def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
+    """LoRA on the vision tower (q_proj, fc1) beside the language model's, DPO through the engine's step (the tower
+    inside it: TowerImages): TRL 1.16's DPOTrainer on the same PEFT adapter (B random everywhere, so policy and
+    reference differ in the tower too; TRL's reference is the adapter off, the tower's LoRA with it): the first
+    step's loss and metrics, then both LoRAs after three AdamW steps."""
+    import datasets
+    import trl
+
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    root, folder, proc, hf = pref_setup
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=0.0,
+                           target_modules=r".*(language_model.*\.(q_proj|v_proj)|vision_tower.*encoder.*\.(q_proj|fc1))")
+    records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in pref_records()]
+    records[1]["prompt"] = [{"role": "user", "content": [{"type": "image"},     # Arrow takes one type of content
+                                                         {"type": "text", "text": "describe the picture"}]}]
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(records),
+                         learning_rate=LR, lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
+                         max_grad_norm=1.0, report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0,
+                         max_length=None, beta=0.1, loss_type=["sigmoid"], remove_unused_columns=False)
+    trl_trainer = trl.DPOTrainer(model=copy.deepcopy(hf), args=args, train_dataset=datasets.Dataset.from_list(records),
+                                 processing_class=proc, peft_config=lora)     # its reference: the adapter off
+    pm = peft_random_b(trl_trainer.model, 3)
+    pm.save_pretrained(tmp_path / "adapter")
+    pm.train()
+    trl_trainer.train()
+    history = [h for h in trl_trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    pm.save_pretrained(tmp_path / "trl_after")
+
+    trainer = PreferenceTrainer(config(root, folder, tmp_path, adapter_path=None, lora_rank=2, lora_alpha=5,
+                                       lora_targets="q_proj,v_proj,vision_tower.q_proj,fc1"), log=lambda m: None)
+    trainer.setup()
+    assert trainer.vision.in_step and trainer.vision.tower.lora
+    trainer.vision.load_adapter(tmp_path / "adapter")       # PEFT's tensors, the tower's and the language model's
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    assert_close(np.float64(result.loss), np.float64(history[0]["loss"]), "preference_vs_trl_loss", "loss")
+    for key, value in result.metrics.items():
+        assert_close(np.float64(value), np.float64(history[0][key]), "preference_vs_trl_loss", key)
+    trainer.train()
+    ours, theirs = (read_safetensors(d / "adapter_model.safetensors") for d in (tmp_path / "run", tmp_path / "trl_after"))
+    assert set(ours) == set(theirs) and sum(".vision_tower." in k for k in ours) == 2 * 2 * 2
+    before = read_safetensors(tmp_path / "adapter" / "adapter_model.safetensors")
+    for k, v in theirs.items():
+        assert np.abs(v - before[k]).max() > 1e-4, f"{k} trained"
+        assert_close(ours[k], v, "preference_vs_trl_params", k)
+
+
 def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt):
     """DPO with images on the WebGPU engine (the tower on the CPU, each micro-batch's ImageTokens uploaded with
     it, the reference the adapter off in the same submission): the losses and the adapter after two steps are
