@@ -239,24 +239,28 @@ def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
         assert_close(ours[k], v, "preference_vs_trl_params", k)
 
 
-def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt):
-    """DPO with images on the WebGPU engine (the tower on the CPU, each micro-batch's ImageTokens uploaded with
-    it, the reference the adapter off in the same submission): the losses and the adapter after two steps are
-    the NumPy engine's."""
+@pytest.mark.parametrize("tower", [False, True], ids=["", "tower-lora"])
+def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt, tower):
+    """DPO with images on the WebGPU engine (the tower on the device inside the engine's step, the reference the
+    adapter off in the same submission; with LoRA on the tower too, its reference's images the tower's LoRA off):
+    the losses and the adapter after two steps are the NumPy engine's."""
     from wgpu_train.formats.safetensors import read_safetensors
 
     root, folder, _, _ = pref_setup
     runs = {}
+    more = dict(adapter_path=None, lora_rank=2, lora_alpha=5, lora_targets="q_proj,v_proj,vision_tower") if tower \
+        else {}
     for backend in ("numpy", "wgpu"):
         out = tmp_path / backend
         kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
-        PreferenceTrainer(config(root, folder, out, backend=backend, max_steps=2, lr=1e-2, **kw),
+        PreferenceTrainer(config(root, folder, out, backend=backend, max_steps=2, lr=1e-2, **kw, **more),
                           log=lambda m: None).run()
         rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
         runs[backend] = ([r["loss"] for r in rows if "grad_norm" in r],
                          read_safetensors(out / "run" / "adapter_model.safetensors"))
     (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
     assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    assert sum(".vision_tower." in k for k in ad_n) == (2 * 2 * 6 if tower else 0)
     assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "DPO losses with images")
     for name in ad_n:
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
