@@ -203,8 +203,8 @@ def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
 
     root, folder, proc, hf = pref_setup
     torch.manual_seed(0)
-    lora = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=0.0,
-                           target_modules=r".*(language_model.*\.(q_proj|v_proj)|vision_tower.*encoder.*\.(q_proj|fc1))")
+    lora = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=0.0, target_modules=r".*(language_model.*\.(q_proj|v_proj)"
+                                                                              r"|vision_tower.*encoder.*\.(q_proj|fc1))")
     records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in pref_records()]
     records[1]["prompt"] = [{"role": "user", "content": [{"type": "image"},     # Arrow takes one type of content
                                                          {"type": "text", "text": "describe the picture"}]}]
@@ -231,7 +231,8 @@ def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
     for key, value in result.metrics.items():
         assert_close(np.float64(value), np.float64(history[0][key]), "preference_vs_trl_loss", key)
     trainer.train()
-    ours, theirs = (read_safetensors(d / "adapter_model.safetensors") for d in (tmp_path / "run", tmp_path / "trl_after"))
+    ours, theirs = (read_safetensors(d / "adapter_model.safetensors") for d in (tmp_path / "run",
+                                                                                tmp_path / "trl_after"))
     assert set(ours) == set(theirs) and sum(".vision_tower." in k for k in ours) == 2 * 2 * 2
     before = read_safetensors(tmp_path / "adapter" / "adapter_model.safetensors")
     for k, v in theirs.items():

@@ -1,10 +1,10 @@
 """VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3, Qwen3-VL, Qwen3.5), the language
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder or on Qwen's blocks and
-mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
-the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's DeepStack features). The
-language model runs on either engine (both have set_images); the tower on the CPU (NumPy), or, for SigLIP beside a
-language model on WebGPU, on the device too (webgpu/vision_tower.py; its LoRA's backward there as well), the SigLIP towers inside the
-engine's train_step (TowerImages). (Over 450 lines: the multimodal model's whole surface, both tower families.)"""
+mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams
+whose image placeholders take the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's
+DeepStack features). The language model runs on either engine (both have set_images); the SigLIP tower inside the
+engine's train_step (TowerImages: on the device beside WebGPU, webgpu/vision_tower.py, its LoRA's backward too), else
+on the CPU (NumPy). (Over 450 lines: the multimodal model's whole surface, both tower families.)"""
 from __future__ import annotations
 
 import functools

@@ -117,7 +117,8 @@ class GpuVisionTower:
         order = sorted(lora)
         shapes = {p + ".lora_A": np.shape(lora[p][0]) for p in order}
         shapes.update({p + ".lora_B": np.shape(lora[p][1]) for p in order})
-        self.params, self.grads = Packed(self.rt, shapes, "tower lora_params"), Packed(self.rt, shapes, "tower lora_grads")
+        self.params = Packed(self.rt, shapes, "tower lora_params")
+        self.grads = Packed(self.rt, shapes, "tower lora_grads")
         for path in order:
             a, b, scale = lora[path]
             self.write_lora({path + ".lora_A": a, path + ".lora_B": b})
