@@ -203,8 +203,8 @@ def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
 
     root, folder, proc, hf = pref_setup
     torch.manual_seed(0)
-    lora = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=0.0, target_modules=r".*(language_model.*\.(q_proj|v_proj)"
-                                                                              r"|vision_tower.*encoder.*\.(q_proj|fc1))")
+    targets = r".*(language_model.*\.(q_proj|v_proj)|vision_tower.*encoder.*\.(q_proj|fc1))"
+    lora = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=0.0, target_modules=targets)
     records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in pref_records()]
     records[1]["prompt"] = [{"role": "user", "content": [{"type": "image"},     # Arrow takes one type of content
                                                          {"type": "text", "text": "describe the picture"}]}]
