@@ -122,6 +122,8 @@ def test_tower_in_the_step_at_sixteen_bits_equals_numpys(folder, precision):
         if vm.model.backend == "wgpu":      # the adapter's one-time GEMM probe (its own submissions) first
             min_workgroup(engine.rt)
         steps = [vm.train_step(micro, hp, 1)]
+        if vm.model.backend == "wgpu":
+            assert engine.last_step["submits"] == 1, "the frozen tower's step: one submission"
         rng = np.random.default_rng(3)
         tensors = {}
         for path in vm.tower.modules()[::2]:
