@@ -262,6 +262,7 @@ def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt, tower)
     (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
     assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
     assert sum(".vision_tower." in k for k in ad_n) == (2 * 2 * 6 if tower else 0)
+    assert all(np.abs(ad_n[k]).max() > 0 for k in ad_n if ".vision_tower." in k), "the tower's LoRA trained"
     assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "DPO losses with images")
     for name in ad_n:
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
@@ -495,10 +496,11 @@ def test_precomputed_reference_with_images_is_the_adapter_off(pref_setup, tmp_pa
         assert_close(np.float64(b.metrics[key]), np.float64(value), "loss_f32", key)
 
 
-def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypatch, rt):
-    """GRPO with images on the WebGPU engine (its step's TokenObjective over micro-batches carrying their
-    ImageTokens, the reference the adapter off): with the same scripted completions, the losses, KL and the adapter
-    after two steps are the NumPy engine's."""
+@pytest.mark.parametrize("tower", [False, True], ids=["", "tower-lora"])
+def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypatch, rt, tower):
+    """GRPO with images on the WebGPU engine (its step's TokenObjective over micro-batches carrying their images,
+    the tower inside the step; the reference the adapter off, with LoRA on the tower too its LoRA off): with the
+    same scripted completions, the losses, KL and the adapter after two steps are the NumPy engine's."""
     from wgpu_train.formats.safetensors import read_safetensors
     from wgpu_train.training.grpo_trainer import GRPOTrainer
 
@@ -520,13 +522,16 @@ def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypat
         kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
         cfg = config(root, folder, tmp_path / backend, data=str(data), objective="grpo", backend=backend, lr=1e-2,
                      batch_size=G * len(QUESTIONS), num_generations=G, max_completion_length=MAX_COMPLETION,
-                     beta=0.04, max_steps=2, **kw)
+                     beta=0.04, max_steps=2, **kw, **(dict(adapter_path=None, lora_rank=2, lora_alpha=5,
+                                                           lora_targets="q_proj,v_proj,fc1") if tower else {}))
         GRPOTrainer(cfg, log=lambda m: None, reward_funcs=[length_reward, id_reward]).run()
         rows = [json.loads(line) for line in (tmp_path / backend / "run" / "metrics.jsonl").read_text().splitlines()]
         runs[backend] = ([[r["loss"], r["kl"]] for r in rows if "grad_norm" in r],
                          read_safetensors(tmp_path / backend / "run" / "adapter_model.safetensors"))
     (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
     assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    assert sum(".vision_tower." in k for k in ad_n) == (2 * 2 if tower else 0)
+    assert all(np.abs(ad_n[k]).max() > 0 for k in ad_n if ".vision_tower." in k), "the tower's LoRA trained"
     assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "GRPO losses and KL with images")
     for name in ad_n:
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
