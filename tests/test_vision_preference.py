@@ -191,15 +191,18 @@ def test_orpo_never_trains_an_images_tokens(pref_setup, tmp_path):
     assert np.isin(ids[:3], [5, 6, 7]).any() and (chosen != -100).sum() > (targets[3:] != -100).sum()
 
 
-def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
+def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path, monkeypatch):
     """LoRA on the vision tower (q_proj, fc1) beside the language model's, DPO through the engine's step (the tower
     inside it: TowerImages): TRL 1.16's DPOTrainer on the same PEFT adapter (B random everywhere, so policy and
     reference differ in the tower too; TRL's reference is the adapter off, the tower's LoRA with it): the first
-    step's loss and metrics, then both LoRAs after three AdamW steps."""
+    step's loss, metrics and LoRA gradients (the tower's and the language model's), then both LoRAs after three
+    AdamW steps."""
     import datasets
     import trl
 
+    from wgpu_train.engines.numpy.optim import Optimizer
     from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.models.vision import tower_lora_key
 
     root, folder, proc, hf = pref_setup
     torch.manual_seed(0)
@@ -217,7 +220,10 @@ def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
     pm = peft_random_b(trl_trainer.model, 3)
     pm.save_pretrained(tmp_path / "adapter")
     pm.train()
+    grabber = first_step_gradients_callback(pm)
+    trl_trainer.add_callback(grabber)
     trl_trainer.train()
+    trl_grads = {k.replace(".default.weight", ".weight"): v for k, v in grabber.grads.items()}
     history = [h for h in trl_trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     pm.save_pretrained(tmp_path / "trl_after")
 
@@ -230,7 +236,21 @@ def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path):
     assert_close(np.float64(result.loss), np.float64(history[0]["loss"]), "preference_vs_trl_loss", "loss")
     for key, value in result.metrics.items():
         assert_close(np.float64(value), np.float64(history[0][key]), "preference_vs_trl_loss", key)
+    first: list = []        # the first step's gradients of both optimizers (the engine's, the tower's), and the norm
+    apply = Optimizer.apply_update
+    monkeypatch.setattr(Optimizer, "apply_update", lambda self, norm, *a, **k: (
+        len(first) < 2 and first.append(({n: g.copy() for n, g in self.grads.items()}, norm))) or apply(
+        self, norm, *a, **k))
     trainer.train()
+    (lm, norm), (tower, _) = first
+    clip = min(1.0, 1.0 / (norm + 1e-6))                   # torch's clip_grad_norm_ (TRL's grads are clipped)
+    grads = {**{"base_model.model." + k.replace("model.", "model.language_model.", 1) + ".weight": g
+                for k, g in lm.items()},
+             **{tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], trainer.vision.vision): g for k, g in tower.items()}}
+    assert set(grads) == set(trl_grads) and len(tower) == 2 * 2 * 2
+    for k, g in grads.items():
+        assert np.abs(trl_grads[k]).max() > 0, k
+        assert_close(g * clip, trl_grads[k], "preference_vs_trl_grads", k)
     ours, theirs = (read_safetensors(d / "adapter_model.safetensors") for d in (tmp_path / "run",
                                                                                 tmp_path / "trl_after"))
     assert set(ours) == set(theirs) and sum(".vision_tower." in k for k in ours) == 2 * 2 * 2
