@@ -15,6 +15,7 @@ import numpy as np
 
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.images import ImageSettings
+from wgpu_train.data.lfm2_images import Lfm2ImageSettings
 from wgpu_train.data.qwen_images import QwenImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, collate
@@ -23,6 +24,7 @@ from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
 from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
+from wgpu_train.engines.numpy.siglip2_tower import Siglip2Tower
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens
@@ -34,6 +36,7 @@ from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
+from wgpu_train.models.lfm2_vl import Lfm2VlVision, check_lfm2_vl_tensors, lfm2_vl_names
 from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
 from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
                                       tower_lora_path, tower_target_regex, vision_names)
@@ -54,6 +57,7 @@ class VisionModel:
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
+        self.lfm2 = isinstance(vision, Lfm2VlVision)     # LFM2-VL's SigLIP2 tower: tiles of their own sizes
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
 
@@ -61,8 +65,9 @@ class VisionModel:
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
         (N, C, H, W) float32: N the images, or SmolVLM's tiles of them all. Qwen3-VL's: (pixel_values (patches,
         patch dim), image_grid_thw (N, 3)), as its processor gives them (such a pair passes through)."""
-        if self.qwen:
-            if isinstance(images, tuple) and len(images) == 2 and all(isinstance(a, np.ndarray) for a in images):
+        if self.qwen or self.lfm2:      # LFM2-VL's: (pixel_values, pixel_attention_mask, spatial_shapes)
+            if isinstance(images, tuple) and len(images) == 2 + self.lfm2 and all(isinstance(a, np.ndarray)
+                                                                                  for a in images):
                 return images
             return self.settings.batch(list(images), where)
         if isinstance(images, np.ndarray):
@@ -73,12 +78,15 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor or self.qwen else None)
+        tiled = self.qwen or self.lfm2 or self.vision.scale_factor
+        return image_span(tokenizer, self.vision, self.settings if tiled else None)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
         keys outside the tower are left to the language model's adapter), each module's output scaled by `scale`
         (alpha / r)."""
+        if self.lfm2:
+            raise ConfigError("LoRA on LFM2-VL's vision tower is not supported yet (its language model's is)")
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)
@@ -152,6 +160,8 @@ class VisionModel:
         (mrope_positions)."""
         if self.qwen:
             return self._qwen_image_tokens(ids, images, segments, cache)
+        if self.lfm2:
+            return self._lfm2_image_tokens(ids, images)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
@@ -199,6 +209,16 @@ class VisionModel:
             embeds, deepstack = self.tower(pixels, grids)
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
                                                           self.vision.mrope_section), tuple(deepstack))
+
+    def _lfm2_image_tokens(self, ids, images) -> ImageTokens | None:
+        """LFM2-VL's ImageTokens of ids (B, T) and its images: every tile's tokens (its patches pooled by the
+        projector), causal in the text like any token."""
+        pixels = self.pixel_values(images) if images is not None and len(images) else None
+        blocks = image_blocks(np.atleast_2d(np.asarray(ids)), self.vision.image_token_id, bidirectional=False)
+        n_tokens, expected = int((blocks >= 0).sum()), 0 if pixels is None else self.tower.tokens(pixels[2])
+        if n_tokens != expected:
+            raise DataError(f"{n_tokens} image placeholder tokens for images of {expected} tokens in all")
+        return None if pixels is None else ImageTokens(blocks, self.tower(pixels))
 
     def mrope_positions(self, ids, grids, segments=None) -> tuple:
         """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order, each segment counted from 0
@@ -399,6 +419,11 @@ def attach_vision(model: Model, path) -> VisionModel:
         device = (GpuQwenTower(model.engine.rt, tower) if model.backend == "wgpu" and
                   qwen_vision_tower.runs_on_device(model.engine.rt, tower) else None)
         return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
+    if isinstance(vision, Lfm2VlVision):          # the tower runs on the CPU whichever engine the text model's
+        tensors = _tower_tensors(folder, lfm2_vl_names)
+        names = check_lfm2_vl_tensors(tensors, vision, folder)
+        tower = Siglip2Tower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+        return VisionModel(model, tower, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size))
     tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}

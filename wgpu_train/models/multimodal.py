@@ -19,11 +19,13 @@ WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimod
             "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
             "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
             "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
-            "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+            "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+            "Lfm2VlForConditionalGeneration": "Lfm2ForCausalLM"}
 # the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
 _TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False,
                     "Qwen3_5MoeForConditionalGeneration": False, "SmolVLMForConditionalGeneration": False,
-                    "Idefics3ForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False}
+                    "Idefics3ForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False,
+                    "Lfm2VlForConditionalGeneration": True}
 # Where the language model's modules live: transformers >= 4.52's module tree (model.language_model.*, what
 # PEFT's adapters name now), and the older tree (language_model.model.*, with language_model.lm_head), which
 # hub checkpoints and transformers' save_pretrained still use for the files. Each: (body prefix, head path).
@@ -145,10 +147,11 @@ def adapter_key_out(key: str, layout=LIVE) -> str:
 def target_regex(modules: tuple, layers: tuple | None, layout=LIVE) -> str:
     """PEFT target_modules selecting `modules` in `layers` (None: all) of the language model only: a regular
     expression on module paths (a list of names would put LoRA on the vision tower's q_proj / v_proj too). Qwen3.5's
-    linear-attention modules name their own group (linear_attn.in_proj_qkv)."""
+    linear-attention modules name their own group (linear_attn.in_proj_qkv), and so do LFM2's (conv.in_proj,
+    feed_forward.w1)."""
     which = r"\d+" if layers is None else "(?:" + "|".join(map(str, layers)) + ")"
-    grouped = [re.escape(m) for m in modules if m.startswith("linear_attn.")]
-    plain = [m for m in modules if not m.startswith("linear_attn.")]
+    grouped = [re.escape(m) for m in modules if "." in m]
+    plain = [m for m in modules if "." not in m]
     paths = ([rf"(?:self_attn|mlp)\.(?:{'|'.join(plain)})"] if plain else []) + grouped
     body = paths[0] if len(paths) == 1 else f"(?:{'|'.join(paths)})"
     return re.escape(layout[0]) + rf"layers\.{which}\.{body}"

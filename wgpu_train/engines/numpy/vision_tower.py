@@ -136,6 +136,13 @@ class VisionTower(LoraLinears):
         kernel = w[e + "patch_embedding.weight"].reshape(vc.hidden_size, -1)                # (C, C*p*p)
         x = ops.linear_forward(patches.reshape(-1, kernel.shape[1]), kernel, w[e + "patch_embedding.bias"])
         x = (x.reshape(n, -1, vc.hidden_size) + w[e + "position_embedding.weight"]).reshape(-1, vc.hidden_size)
+        y, cache = self.encode(x, n, keep)
+        return self.project(y.reshape(n, cache["t"], vc.hidden_size), cache), cache
+
+    def encode(self, x, n: int, keep: bool = True) -> tuple:
+        """The encoder layers and the post-layernorm over n images' embedded patches x (n * t, C), each image's
+        t patches attending to each other -> (y (n * t, C), the backward's cache: its activations with `keep`)."""
+        vc, w = self.vc, self.w
         t = x.shape[0] // n
         cache = {"n": n, "t": t, "layers": []}
         for i in range(vc.num_layers):
@@ -156,7 +163,7 @@ class VisionTower(LoraLinears):
         cache["x_last"] = x
         y, cache["rstd_post"] = layernorm_forward(x, w[TOWER + "post_layernorm.weight"],
                                                   w[TOWER + "post_layernorm.bias"], vc.layer_norm_eps)
-        return self.project(y.reshape(n, t, vc.hidden_size), cache), cache
+        return y, cache
 
     def project(self, hidden, cache=None):
         """The projector: hidden (N, P, C) -> (N, mm_tokens_per_image, text hidden)."""
