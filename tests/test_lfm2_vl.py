@@ -64,7 +64,7 @@ def make_folder(folder):
     hf = tf.Lfm2VlForConditionalGeneration(tiny_config(tok.get_vocab_size())).eval()
     with torch.no_grad():       # the norms start at one, biases at zero: move every tensor
         for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.add_(torch.randn_like(p) * 0.2)
     hf.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Lfm2VlImageProcessor",
                                                                  **PROCESSOR}))
@@ -250,3 +250,39 @@ def test_refusals_in_one_line(vlm, spans):
     with pytest.raises(DataError, match="3 image placeholder tokens for images of 6 tokens in all") as e:
         vm.logits(np.array([[7, IMAGE, IMAGE, IMAGE]]), img)
     assert "\n" not in str(e.value)
+
+
+def test_memory_chat_and_the_towers_lora_from_the_cli(vlm, tmp_path, monkeypatch, capsys):
+    """`memory` counts the tower's and projector's weights as transformers builds them and the largest image's
+    tokens (4 tiles of 4 tokens and a thumbnail of up to 8, each marked, between start and end: 31), which a
+    4-tile image's expansion stays within; `chat` with /image answers as `generate --image`; --lora-targets naming
+    the tower refused in one line, by `memory` and by `finetune`."""
+    import io
+
+    from test_gemma3_vision_training import write_vision_data
+    from wgpu_train.cli.main import main
+
+    hf, folder, vm = vlm
+    assert main(["memory", "--model", str(folder), "--backend", "numpy", "--json", "--max-seq-len", "128"]) == 0
+    v = json.loads(capsys.readouterr().out)["vision"]
+    assert v["tower_parameters"] == sum(p.numel() for n, p in hf.named_parameters()
+                                        if ".vision_tower." in n or ".multi_modal_projector." in n)
+    assert v["tokens_per_image"] == 31 and v["tower_activations"] > 0
+    wide = Image.new("RGB", (256, 64))
+    assert vm.pixel_values([wide])[2].shape[0] == 5
+    assert len(load_tokenizer(folder).encode(vm.image_span(load_tokenizer(folder)).expansion(wide))) == 28
+    path = tmp_path / "x.png"
+    sample_images(9, [(64, 128)])[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour?", "--image", str(path),
+                 "--max-new-tokens", "4", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour?\n"))
+    assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == want
+    assert main(["memory", "--model", str(folder), "--lora-targets", "q_proj,fc1"]) == 2
+    assert "LoRA on LFM2-VL's vision tower is not supported yet" in capsys.readouterr().err
+    data = write_vision_data(tmp_path / "data", records())
+    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "1",
+                 "--lora-targets", "q_proj,vision_tower", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("LoRA on LFM2-VL's vision tower is not supported yet (its language model's is)")

@@ -114,6 +114,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     per_row = 1 if args.images_per_row is None else args.images_per_row
     if hasattr(vc, "mrope_section"):
         return _qwen_estimate(args, model_dir, vc, length, per_row)
+    if hasattr(vc, "downsample_factor"):
+        return _lfm2_estimate(args, model_dir, vc, length, per_row)
     tiles, rows = 1, 0
     if vc.scale_factor:     # SmolVLM: the largest image's tiles, two markers each (three the global one), newlines
         from wgpu_train.data.image_tiles import TileSettings
@@ -175,6 +177,32 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
             "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
             "image_inputs": 4 * inputs, "images_capped": merged < largest, "language_targets": language}
+
+
+def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
+    """_vision_estimate's for LFM2-VL: each image as large as its processor makes one (max_tiles tiles and the
+    thumbnail, marked); the frozen tower a tile at a time (its LoRA refused)."""
+    from wgpu_train.data.lfm2_images import Lfm2ImageSettings
+    from wgpu_train.models.lfm2_vl import tower_activation_values, tower_parameters
+    from wgpu_train.models.vision import split_targets
+
+    settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size)
+    tiles, per_image = settings.largest
+    tokens = per_row * per_image
+    if tokens >= length:
+        raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
+                          f"no room for text")
+    language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
+    if tower:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: LoRA on LFM2-VL's vision tower is not supported yet "
+                          f"(its language model's is)")
+    images, params = args.batch_size * per_row, tower_parameters(vc)
+    patches = max((settings.tile_size // vc.patch_size) ** 2 if settings.do_image_splitting else 0,
+                  settings.max_image_tokens * vc.downsample_factor ** 2)
+    return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
+            "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": False,
+            "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image),
+            "language_targets": language}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

@@ -115,6 +115,16 @@ class Lfm2ImageSettings:
         tile = (self.tile_size // self.encoder_patch_size) ** 2 if self.do_image_splitting else 0
         return max(self.max_image_tokens * self.downsample_factor ** 2, tile)
 
+    @property
+    def largest(self) -> tuple:
+        """(tiles, tokens) of the largest image the processor makes: max_tiles tiles and the thumbnail, each marked,
+        between <|image_start|> and <|image_end|> (unsplit: max_image_tokens tokens)."""
+        if not self.do_image_splitting:
+            return 1, self.max_image_tokens + 2
+        tile = self.tokens((self.tile_size, self.tile_size))
+        thumb = self.max_image_tokens + 1 if self.use_thumbnail else 0
+        return self.max_tiles + self.use_thumbnail, self.max_tiles * (tile + 1) + thumb + 2
+
     def smart_resize(self, height: int, width: int) -> tuple:
         """(height, width) whole blocks of downsample_factor patches, their tokens within [min_image_tokens,
         max_image_tokens], the aspect ratio kept as nearly as may be."""

@@ -85,8 +85,6 @@ class VisionModel:
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
         keys outside the tower are left to the language model's adapter), each module's output scaled by `scale`
         (alpha / r)."""
-        if self.lfm2:
-            raise ConfigError("LoRA on LFM2-VL's vision tower is not supported yet (its language model's is)")
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)

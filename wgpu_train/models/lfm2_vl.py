@@ -126,3 +126,20 @@ def check_lfm2_vl_tensors(tensors: dict, vc: Lfm2VlVision, folder) -> dict:
         if got != shape:
             raise ModelFileError(f"{folder}: vision tensor {ours} has shape {got}, expected {shape}")
     return names
+
+
+def tower_parameters(vc: Lfm2VlVision) -> int:
+    """The tower's and the projector's weights, counted (the unused pooling head left out)."""
+    return sum(int(np.prod(shape)) for shape in tensor_shapes(vc).values())
+
+
+def tower_activation_values(vc: Lfm2VlVision, patches: int, tokens: int) -> int:
+    """Values the NumPy tower's frozen forward holds at its peak, a tile at a time, the largest of `patches`
+    patches (SigLIP's encoder layer, as models/vision.tower_activation_values counts it: 12 x hidden and 5 x
+    intermediate a patch, four (heads, P, P) score arrays; the position grid and its resizing in float64, two
+    values each; the tile's unshuffled and projected tokens), beside the `tokens` projected image tokens of the
+    step's images so far."""
+    p, h, i, f = patches, vc.hidden_size, vc.intermediate_size, vc.downsample_factor ** 2
+    grid = 2 * (vc.num_patches + p) * h
+    projector = p // f * (2 * f * h + vc.projector_hidden_size)
+    return p * (12 * h + 5 * i) + 4 * vc.num_heads * p * p + grid + projector + tokens * vc.text_hidden_size

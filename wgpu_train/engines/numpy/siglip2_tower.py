@@ -9,6 +9,7 @@ import numpy as np
 from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.qwen3_vl_tower import gelu_erf_forward
 from wgpu_train.engines.numpy.vision_tower import VisionTower, layernorm_forward
+from wgpu_train.errors import ConfigError
 from wgpu_train.models.lfm2_vl import PROJ, TOWER, Lfm2VlVision
 
 
@@ -38,7 +39,8 @@ class Siglip2Tower(VisionTower):
         super().__init__(vc, weights, dtype)
 
     def modules(self) -> list[str]:
-        return []
+        """No LoRA target: the tower's LoRA (set_tower_lora, --lora-targets' tower entries) refused in one line."""
+        raise ConfigError("LoRA on LFM2-VL's vision tower is not supported yet (its language model's is)")
 
     def positions(self, rows: int, cols: int) -> np.ndarray:
         """The position grid resized to rows x cols patches: (rows * cols, C)."""
