@@ -286,3 +286,25 @@ def test_memory_chat_and_the_towers_lora_from_the_cli(vlm, tmp_path, monkeypatch
                  "--lora-targets", "q_proj,vision_tower", "--no-progress", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("LoRA on LFM2-VL's vision tower is not supported yet (its language model's is)")
+
+
+def test_decode_batch_rows_with_images_answer_as_alone(vlm, spans):
+    """serve's batching: a row with a tiled image prefilled whole beside a text row in one DecodeBatch (the
+    convolutions' state per row): each row's greedy tokens equal its generation alone."""
+    from wgpu_train.engines.generate import DecodeBatch
+
+    _, _, vm = vlm
+    img = sample_images(7, [(64, 128)])
+    with_image, text = np.array([7, 8, *spans(img[0]), 9]), np.array([10, 11, 12])
+    batch = DecodeBatch(vm.model.engine, 2, 96, token_budget=6)
+    ids, tokens = vm.prompt_images(with_image, img)
+    slots = [batch.add(ids, 6, images=tokens), batch.add(text, 6)]
+    out = {s: [] for s in slots}
+    try:
+        while len(batch):
+            for t in batch.step():
+                out[t.slot].append(t.id)
+    finally:
+        batch.close()
+    assert out[slots[0]] == vm.generate(with_image, img, max_new_tokens=6)
+    assert out[slots[1]] == vm.model.generate_batch([text], max_new_tokens=6)[0]
