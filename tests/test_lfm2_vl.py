@@ -308,3 +308,22 @@ def test_decode_batch_rows_with_images_answer_as_alone(vlm, spans):
         batch.close()
     assert out[slots[0]] == vm.generate(with_image, img, max_new_tokens=6)
     assert out[slots[1]] == vm.model.generate_batch([text], max_new_tokens=6)[0]
+
+
+def test_processor_config_json_and_images_without_markers(tmp_path):
+    """A folder whose processor_config.json nests the image processor's fields (the hub's newer layout) and sets
+    use_image_special_tokens false: the same settings, and the tiled image's text has its tokens alone, as the
+    processor's with use_image_special_tokens=False (the digest of its text, recorded as DIGESTS')."""
+    import dataclasses
+
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor",
+                                                                "use_image_special_tokens": False,
+                                                                "image_processor": PROCESSOR}))
+    settings = Lfm2ImageSettings.from_folder(tmp_path, 8)
+    assert settings == dataclasses.replace(Lfm2ImageSettings.from_dict(PROCESSOR, 8), use_image_special_tokens=False)
+    from wgpu_train.data.lfm2_images import Lfm2ImageSpan
+
+    span = Lfm2ImageSpan("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>", settings)
+    text = span.expansion(sample_images()[3])
+    assert text == "<image>" * (4 * 4 + 6) and settings.largest == (5, 4 * 4 + 8)
+    assert hashlib.sha256(text.encode()).hexdigest()[:16] == "668085df3ccd273e"

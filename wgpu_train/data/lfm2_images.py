@@ -13,9 +13,10 @@ import numpy as np
 from wgpu_train.data.images import open_image, to_rgb
 from wgpu_train.errors import ConfigError, DataError
 
-_FIELDS = {"downsample_factor": 2, "do_image_splitting": True, "min_tiles": 2, "max_tiles": 10, "use_thumbnail": True,
-           "min_image_tokens": 64, "max_image_tokens": 256, "encoder_patch_size": 16, "tile_size": 512,
-           "max_pixels_tolerance": 2.0, "rescale_factor": 1 / 255, "do_rescale": True, "do_normalize": True}
+_FIELDS = {"use_image_special_tokens": True, "downsample_factor": 2, "do_image_splitting": True, "min_tiles": 2,
+           "max_tiles": 10, "use_thumbnail": True, "min_image_tokens": 64, "max_image_tokens": 256,
+           "encoder_patch_size": 16, "tile_size": 512, "max_pixels_tolerance": 2.0, "rescale_factor": 1 / 255,
+           "do_rescale": True, "do_normalize": True}
 _BILINEAR = 2       # PIL's number, what the processor's resample means
 
 
@@ -62,8 +63,10 @@ def resize_bilinear(x: np.ndarray, height: int, width: int) -> np.ndarray:
 class Lfm2ImageSettings:
     """What an Lfm2VlImageProcessor's preprocessor_config.json says (its defaults where left out): the encoder's
     patch, the projector's downsampling, tiling (min / max tiles, tile_size, the thumbnail, max_pixels_tolerance),
-    the image token range of smart resize, rescale and normalisation."""
+    the image token range of smart resize, rescale and normalisation; and the processor's use_image_special_tokens
+    (the markers around an image's tokens)."""
 
+    use_image_special_tokens: bool = True
     encoder_patch_size: int = 16
     downsample_factor: int = 2
     do_image_splitting: bool = True
@@ -100,10 +103,15 @@ class Lfm2ImageSettings:
 
     @classmethod
     def from_folder(cls, folder, patch_size: int) -> Lfm2ImageSettings:
-        """A model folder's preprocessor_config.json, or the defaults where it has none."""
-        path = Path(folder) / "preprocessor_config.json"
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-        return cls.from_dict(raw, patch_size, str(path))
+        """A model folder's preprocessor_config.json (flat), or its processor_config.json (the image processor's
+        fields under image_processor, use_image_special_tokens at the top or there), or the defaults."""
+        flat, nested = Path(folder) / "preprocessor_config.json", Path(folder) / "processor_config.json"
+        if flat.is_file():
+            return cls.from_dict(json.loads(flat.read_text()), patch_size, str(flat))
+        raw = json.loads(nested.read_text()) if nested.is_file() else {}
+        fields = {**{k: v for k, v in raw.items() if k == "use_image_special_tokens"}, **(raw.get("image_processor")
+                                                                                         or {})}
+        return cls.from_dict(fields, patch_size, str(nested))
 
     @property
     def tiles_range(self) -> tuple:
@@ -118,12 +126,14 @@ class Lfm2ImageSettings:
     @property
     def largest(self) -> tuple:
         """(tiles, tokens) of the largest image the processor makes: max_tiles tiles and the thumbnail, each marked,
-        between <|image_start|> and <|image_end|> (unsplit: max_image_tokens tokens)."""
+        between <|image_start|> and <|image_end|> (unsplit: max_image_tokens tokens; the markers where
+        use_image_special_tokens)."""
+        marks = int(self.use_image_special_tokens)
         if not self.do_image_splitting:
-            return 1, self.max_image_tokens + 2
+            return 1, self.max_image_tokens + 2 * marks
         tile = self.tokens((self.tile_size, self.tile_size))
-        thumb = self.max_image_tokens + 1 if self.use_thumbnail else 0
-        return self.max_tiles + self.use_thumbnail, self.max_tiles * (tile + 1) + thumb + 2
+        thumb = self.max_image_tokens + marks if self.use_thumbnail else 0
+        return self.max_tiles + self.use_thumbnail, self.max_tiles * (tile + marks) + thumb + 2 * marks
 
     def smart_resize(self, height: int, width: int) -> tuple:
         """(height, width) whole blocks of downsample_factor patches, their tokens within [min_image_tokens,
@@ -235,14 +245,16 @@ class Lfm2ImageSpan:
             raise DataError("LFM2-VL takes images as files, bytes or PIL images (their size gives the tokens), "
                             "not pixel arrays")
         s = self.settings
+        marks = s.use_image_special_tokens
         width, height = open_image(image).size
         (rows, cols), size = s.layout(height, width)
+        start, end = (self.start, self.end) if marks else ("", "")
         if rows == cols == 1:
-            return self.start + self.image * s.tokens(size) + self.end
+            return start + self.image * s.tokens(size) + end
         tile = self.image * s.tokens((s.tile_size, s.tile_size))
-        parts = [f"<|img_row_{r + 1}_col_{c + 1}|>{tile}" for r in range(rows) for c in range(cols)]
-        thumb = self.thumbnail + self.image * s.tokens(size) if s.use_thumbnail else ""
-        return self.start + "".join(parts) + thumb + self.end
+        parts = [(f"<|img_row_{r + 1}_col_{c + 1}|>" if marks else "") + tile for r in range(rows) for c in range(cols)]
+        thumb = (self.thumbnail if marks else "") + self.image * s.tokens(size) if s.use_thumbnail else ""
+        return start + "".join(parts) + thumb + end
 
     @classmethod
     def from_tokenizer(cls, tokenizer, image_id: int, settings: Lfm2ImageSettings) -> Lfm2ImageSpan:

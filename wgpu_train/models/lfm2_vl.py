@@ -88,7 +88,8 @@ def tensor_shapes(vc: Lfm2VlVision) -> dict:
            PROJ + "linear_1.weight": (vc.projector_hidden_size, u),
            PROJ + "linear_2.weight": (vc.text_hidden_size, vc.projector_hidden_size)}
     if vc.projector_bias:
-        out.update({PROJ + "linear_1.bias": (vc.projector_hidden_size,), PROJ + "linear_2.bias": (vc.text_hidden_size,)})
+        out.update({PROJ + "linear_1.bias": (vc.projector_hidden_size,),
+                    PROJ + "linear_2.bias": (vc.text_hidden_size,)})
     if vc.projector_use_layernorm:
         out.update({PROJ + "layer_norm.weight": (u,), PROJ + "layer_norm.bias": (u,)})
     for i in range(vc.num_layers):
