@@ -327,3 +327,25 @@ def test_processor_config_json_and_images_without_markers(tmp_path):
     text = span.expansion(sample_images()[3])
     assert text == "<image>" * (4 * 4 + 6) and settings.largest == (5, 4 * 4 + 8)
     assert hashlib.sha256(text.encode()).hexdigest()[:16] == "668085df3ccd273e"
+
+
+def test_merge_writes_a_folder_transformers_loads(vlm, spans, tmp_path):
+    """`merge` of a PEFT adapter on the language model: transformers loads the merged folder whole (the final norm
+    under LFM2's embedding_norm, the tower and projector carried) and its logits with an image equal PEFT's
+    merge_and_unload's."""
+    from wgpu_train.cli.main import main
+
+    hf, folder, vm = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(in_proj|q_proj|w2)", lora_dropout=0.0)))
+    pm.save_pretrained(tmp_path / "adapter")
+    assert main(["merge", "--model", str(folder), "--adapter", str(tmp_path / "adapter"),
+                 "--out", str(tmp_path / "merged")]) == 0
+    merged, info = tf.Lfm2VlForConditionalGeneration.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    img = sample_images(1, [(64, 128)])
+    ids = np.array([[7, *spans(img[0]), 9]])
+    with torch.no_grad():
+        want = pm.merge_and_unload()(**hf_inputs(vm, ids, img)).logits.numpy()
+        got = merged.eval()(**hf_inputs(vm, ids, img)).logits.numpy()
+    assert_close(got, want, "logits_f32", "merged folder")

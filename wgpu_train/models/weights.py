@@ -180,7 +180,8 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
         source = _folder_tensors(Path(source_folder))
         names = language_names(source, source_folder)
         carried = carried_tensors(source, names, source_folder)
-        language, ours = {file_name(k, names): k for k in weights}, weights
+        # the final norm under the family's own name first (LFM2's embedding_norm), as the source names it
+        language, ours = {file_name(final_norm_name(cfg) if k == FINAL_NORM else k, names): k for k in weights}, weights
         weights = TensorMap([k for k in carried if k not in language] + list(language),
                             lambda k: ours[language[k]] if k in language else _as_array(*carried[k]))
         companions += PROCESSOR_FILES
