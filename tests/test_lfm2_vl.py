@@ -255,7 +255,8 @@ def test_refusals_in_one_line(vlm, spans):
 def test_memory_chat_and_the_towers_lora_from_the_cli(vlm, tmp_path, monkeypatch, capsys):
     """`memory` counts the tower's and projector's weights as transformers builds them and the largest image's
     tokens (4 tiles of 4 tokens and a thumbnail of up to 8, each marked, between start and end: 31), which a
-    4-tile image's expansion stays within; `chat` with /image answers as `generate --image`; --lora-targets naming
+    4-tile image's expansion stays within, and the tower's peak over the largest tile within tracemalloc's
+    tolerance; `chat` with /image answers as `generate --image`; --lora-targets naming
     the tower refused in one line, by `memory` and by `finetune`."""
     import io
 
@@ -268,6 +269,22 @@ def test_memory_chat_and_the_towers_lora_from_the_cli(vlm, tmp_path, monkeypatch
     assert v["tower_parameters"] == sum(p.numel() for n, p in hf.named_parameters()
                                         if ".vision_tower." in n or ".multi_modal_projector." in n)
     assert v["tokens_per_image"] == 31 and v["tower_activations"] > 0
+    import tracemalloc
+
+    from tolerances import TOLERANCES
+    from wgpu_train.models.lfm2_vl import tower_activation_values
+
+    largest = vm.pixel_values([Image.new("RGB", (32, 64))])     # 8 x 4 patches: the largest tile, 32 patches
+    assert largest[2].tolist() == [[8, 4]]
+    vm.tower(largest)
+    tracemalloc.start()
+    try:
+        vm.tower(largest)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    estimate = 4 * tower_activation_values(vm.vision, 32, 8)
+    assert abs(estimate - peak) <= TOLERANCES["vision_tower_memory"].rtol * peak, (estimate, peak)
     wide = Image.new("RGB", (256, 64))
     assert vm.pixel_values([wide])[2].shape[0] == 5
     assert len(load_tokenizer(folder).encode(vm.image_span(load_tokenizer(folder)).expansion(wide))) == 28
