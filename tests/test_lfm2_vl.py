@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from wgpu_train.errors import ConfigError, DataError
+from wgpu_train.errors import ConfigError, DataError, WgpuTrainError
 
 from bpe import tokenizer_folder, train_bpe
 from finetune_helpers import peft_random_b
@@ -151,12 +151,16 @@ def test_tower_and_logits_with_images_match_transformers(vlm, spans):
     assert_close(vm.logits(ids, imgs), want, "logits_f32", "with images")
 
 
-def test_lora_gradients_with_images_match_peft(vlm, spans):
-    """LoRA on the language model's convolutions, attention and feed-forward (the tower frozen), two rows, one
-    right-padded: loss and every LoRA gradient equal PEFT's autograd, the adapter read from PEFT's files."""
+@pytest.mark.parametrize("tower", [False, True])
+def test_lora_gradients_with_images_match_peft(vlm, spans, tower, tmp_path):
+    """LoRA on the language model's convolutions, attention and feed-forward (the tower frozen, or with LoRA on
+    its encoder's q_proj, v_proj and fc2 too), two rows, one right-padded: loss and every LoRA gradient equal
+    PEFT's autograd (the tower's back through the projector, the unshuffle and the encoder of each tile), the
+    adapter read from PEFT's files; with the tower's, the adapter saved gives PEFT's logits."""
     hf, folder, _ = vlm
+    vision = r"|.*vision_tower.*\.(q_proj|v_proj|fc2)" if tower else ""
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
-        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(in_proj|q_proj|w2)", lora_dropout=0.0)))
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(in_proj|q_proj|w2)" + vision, lora_dropout=0.0)))
     vm = load_vision_model(folder)
     imgs = sample_images(3, [(41, 57), (64, 128), (13, 11)])
     rows = [[7, *spans(imgs[0]), 11, 12, *spans(imgs[1]), 13, 14], [8, 9, *spans(imgs[2]), 15]]
@@ -168,13 +172,19 @@ def test_lora_gradients_with_images_match_peft(vlm, spans):
     out.loss.backward()
     expected = {n.replace(".default", "").replace("model.language_model.", "model."): p.grad.numpy()
                 for n, p in pm.named_parameters() if p.requires_grad}
-    pm.save_pretrained(folder.parent / "lfm2_vl_adapter")
-    vm.model.load_adapter(folder.parent / "lfm2_vl_adapter")
+    pm.save_pretrained(tmp_path / "adapter")
+    vm.load_adapter(tmp_path / "adapter")
     loss, grads = vm.loss_and_grads(ids, labels, imgs, attention_mask=mask)
     assert_close(np.float64(loss), out.loss.item(), "loss_f32", "loss with images")
-    assert set(grads) == set(expected) and len(grads) == 2 * (2 + 1 + 3)
+    assert set(grads) == set(expected) and len(grads) == 2 * (2 + 1 + 3) + 2 * 2 * 3 * tower
     for name, g in expected.items():
         assert_close(grads[name], g, "grads_f32", name)
+    if tower:
+        vm.save_adapter(tmp_path / "ours")
+        ours = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()
+        with torch.no_grad():
+            assert_close(ours(**hf_inputs(vm, ids, imgs)).logits.numpy(), pm.eval()(**hf_inputs(vm, ids, imgs)).logits
+                         .numpy(), "logits_f32", "the saved adapter with the tower's LoRA")
 
 
 def test_greedy_generation_with_images_matches_transformers(vlm, spans):
@@ -198,9 +208,9 @@ def records():
 
 
 def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
-    """`finetune --data` of TRL's vision records on LFM2-VL (the NumPy engine; one image tiles): the loss falls and
-    the adapter loads in PEFT; `generate --image` with it gives transformers' greedy answer with the same
-    adapter."""
+    """`finetune --data` of TRL's vision records on LFM2-VL (the NumPy engine; one image tiles), LoRA on the tower's
+    encoder too (`vision_tower`): the loss falls and the adapter loads in PEFT; `generate --image` with it gives
+    transformers' greedy answer with the same adapter."""
     from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
 
@@ -208,7 +218,8 @@ def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
     data = write_vision_data(tmp_path / "data", records())
     out = tmp_path / "run"
     assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "6",
-                 "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "in_proj,q_proj,w1", "--no-progress",
+                 "--batch-size", "2", "--lr", "3e-2", "--lora-targets", "in_proj,q_proj,w1,vision_tower",
+                 "--no-progress",
                  "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
     capsys.readouterr()
     summary = json.loads((out / "summary.json").read_text())
@@ -233,7 +244,7 @@ def test_cli_finetune_and_generate_with_images(vlm, tmp_path, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
-def test_refusals_in_one_line(vlm, spans):
+def test_refusals_in_one_line(vlm, spans, tmp_path):
     _, folder, vm = vlm
     raw = json.loads((folder / "config.json").read_text())
     with pytest.raises(ConfigError, match="vision_config.hidden_act 'gelu'"):
@@ -244,8 +255,13 @@ def test_refusals_in_one_line(vlm, spans):
         Lfm2ImageSettings.from_dict({}, 8)
     with pytest.raises(ConfigError, match="resample 3 is not supported"):
         Lfm2ImageSettings.from_dict({**PROCESSOR, "resample": 3}, 8)
-    with pytest.raises(ConfigError, match="LoRA on LFM2-VL's vision tower is not supported yet"):
-        vm.set_tower_lora({}, 1.0)
+    hf = vlm[0]
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.q_proj|.*multi_modal_projector\.linear_1")))
+    pm.save_pretrained(tmp_path / "projector")
+    with pytest.raises(WgpuTrainError, match="multi_modal_projector.linear_1.*outside the language model") as e:
+        load_vision_model(folder).load_adapter(tmp_path / "projector")
+    assert "\n" not in str(e.value)
     img = sample_images(0, [(41, 57)])
     with pytest.raises(DataError, match="3 image placeholder tokens for images of 6 tokens in all") as e:
         vm.logits(np.array([[7, IMAGE, IMAGE, IMAGE]]), img)
@@ -256,11 +272,10 @@ def test_memory_chat_and_the_towers_lora_from_the_cli(vlm, tmp_path, monkeypatch
     """`memory` counts the tower's and projector's weights as transformers builds them and the largest image's
     tokens (4 tiles of 4 tokens and a thumbnail of up to 8, each marked, between start and end: 31), which a
     4-tile image's expansion stays within, and the tower's peak over the largest tile within tracemalloc's
-    tolerance; `chat` with /image answers as `generate --image`; --lora-targets naming
-    the tower refused in one line, by `memory` and by `finetune`."""
+    tolerance (frozen; with LoRA on the tower its kept activations counted); `chat` with /image answers as
+    `generate --image`; --lora-targets naming another tower's module refused in one line."""
     import io
 
-    from test_gemma3_vision_training import write_vision_data
     from wgpu_train.cli.main import main
 
     hf, folder, vm = vlm
@@ -296,13 +311,12 @@ def test_memory_chat_and_the_towers_lora_from_the_cli(vlm, tmp_path, monkeypatch
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {path}\nwhat colour?\n"))
     assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.split("\n")[0] == want
-    assert main(["memory", "--model", str(folder), "--lora-targets", "q_proj,fc1"]) == 2
-    assert "LoRA on LFM2-VL's vision tower is not supported yet" in capsys.readouterr().err
-    data = write_vision_data(tmp_path / "data", records())
-    assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", "numpy", "--max-steps", "1",
-                 "--lora-targets", "q_proj,vision_tower", "--no-progress", "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("LoRA on LFM2-VL's vision tower is not supported yet (its language model's is)")
+    assert main(["memory", "--model", str(folder), "--json", "--max-seq-len", "128", "--lora-targets",
+                 "q_proj,fc1"]) == 0
+    trained = json.loads(capsys.readouterr().out)["vision"]
+    assert trained["tower_lora"] and trained["tower_activations"] > v["tower_activations"]
+    assert main(["memory", "--model", str(folder), "--lora-targets", "q_proj,qkv"]) == 2
+    assert "qkv is not a module of LFM2-VL's vision tower" in capsys.readouterr().err
 
 
 def test_decode_batch_rows_with_images_answer_as_alone(vlm, spans):

@@ -181,10 +181,10 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
 
 def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     """_vision_estimate's for LFM2-VL: each image as large as its processor makes one (max_tiles tiles and the
-    thumbnail, marked); the frozen tower a tile at a time (its LoRA refused)."""
+    thumbnail, marked); the tower a tile at a time, with LoRA on it every tile's activations kept."""
     from wgpu_train.data.lfm2_images import Lfm2ImageSettings
     from wgpu_train.models.lfm2_vl import tower_activation_values, tower_parameters
-    from wgpu_train.models.vision import split_targets
+    from wgpu_train.models.vision import ENCODER_MODULES, split_targets
 
     settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size)
     tiles, per_image = settings.largest
@@ -193,15 +193,20 @@ def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
                           f"no room for text")
     language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
-    if tower:
-        raise ConfigError(f"--lora-targets {args.lora_targets}: LoRA on LFM2-VL's vision tower is not supported yet "
-                          f"(its language model's is)")
+    other = [m for m in tower if m not in ENCODER_MODULES]
+    if other:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: {other[0]} is not a module of LFM2-VL's vision tower "
+                          f"(its encoder's: fc1, fc2, vision_tower.q_proj, ...)")
+    if tower and not language:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
+                          f"model's too (q_proj, ...), as finetune trains them")
     images, params = args.batch_size * per_row, tower_parameters(vc)
     patches = max((settings.tile_size // vc.patch_size) ** 2 if settings.do_image_splitting else 0,
                   settings.max_image_tokens * vc.downsample_factor ** 2)
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
-            "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": False,
-            "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image),
+            "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image,
+                                                             images * tiles if tower else 0),
             "language_targets": language}
 
 

@@ -159,7 +159,7 @@ class VisionModel:
         if self.qwen:
             return self._qwen_image_tokens(ids, images, segments, cache)
         if self.lfm2:
-            return self._lfm2_image_tokens(ids, images)
+            return self._lfm2_image_tokens(ids, images, cache)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
@@ -208,15 +208,21 @@ class VisionModel:
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
                                                           self.vision.mrope_section), tuple(deepstack))
 
-    def _lfm2_image_tokens(self, ids, images) -> ImageTokens | None:
+    def _lfm2_image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
         """LFM2-VL's ImageTokens of ids (B, T) and its images: every tile's tokens (its patches pooled by the
-        projector), causal in the text like any token."""
+        projector), causal in the text like any token; cache as image_tokens'."""
         pixels = self.pixel_values(images) if images is not None and len(images) else None
         blocks = image_blocks(np.atleast_2d(np.asarray(ids)), self.vision.image_token_id, bidirectional=False)
         n_tokens, expected = int((blocks >= 0).sum()), 0 if pixels is None else self.tower.tokens(pixels[2])
         if n_tokens != expected:
             raise DataError(f"{n_tokens} image placeholder tokens for images of {expected} tokens in all")
-        return None if pixels is None else ImageTokens(blocks, self.tower(pixels))
+        if pixels is None:
+            return None
+        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = self.tower.forward(pixels)
+            cache.update(tower_cache)
+            return ImageTokens(blocks, embeds)
+        return ImageTokens(blocks, self.tower(pixels))
 
     def mrope_positions(self, ids, grids, segments=None) -> tuple:
         """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order, each segment counted from 0
@@ -282,6 +288,8 @@ class VisionModel:
                 raise ConfigError(f"LoRA on {self.vision.name}'s vision tower with DeepStack trains on the NumPy "
                                   f"engine in one process only for now (its DeepStack features' gradients)")
             return self.tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
+        if self.lfm2:
+            return self.tower.backward(engine.image_grad.reshape(-1, self.vision.text_hidden_size), cache)
         dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
         return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 

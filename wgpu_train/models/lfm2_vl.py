@@ -134,13 +134,16 @@ def tower_parameters(vc: Lfm2VlVision) -> int:
     return sum(int(np.prod(shape)) for shape in tensor_shapes(vc).values())
 
 
-def tower_activation_values(vc: Lfm2VlVision, patches: int, tokens: int) -> int:
+def tower_activation_values(vc: Lfm2VlVision, patches: int, tokens: int, kept_tiles: int = 0) -> int:
     """Values the NumPy tower's frozen forward holds at its peak, a tile at a time, the largest of `patches`
     patches (SigLIP's encoder layer, as models/vision.tower_activation_values counts it: 12 x hidden and 5 x
     intermediate a patch, four (heads, P, P) score arrays; the position grid and its resizing in float64, two
     values each; the tile's unshuffled and projected tokens), beside the `tokens` projected image tokens of the
-    step's images so far."""
+    step's images so far. With LoRA on the tower, the forward keeps `kept_tiles` tiles' activations for the
+    backward (9 x hidden + 2 x intermediate + heads a patch in each layer, every LoRA module's input among them,
+    and the projector's; tracemalloc's peak was up to a quarter above it on the tiny config)."""
     p, h, i, f = patches, vc.hidden_size, vc.intermediate_size, vc.downsample_factor ** 2
     grid = 2 * (vc.num_patches + p) * h
     projector = p // f * (2 * f * h + vc.projector_hidden_size)
-    return p * (12 * h + 5 * i) + 4 * vc.num_heads * p * p + grid + projector + tokens * vc.text_hidden_size
+    kept = kept_tiles * (vc.num_layers * p * (9 * h + 2 * i + vc.num_heads) + p * h + projector)
+    return p * (12 * h + 5 * i) + 4 * vc.num_heads * p * p + grid + projector + tokens * vc.text_hidden_size + kept

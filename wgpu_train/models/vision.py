@@ -264,7 +264,7 @@ def _tower_module(vc) -> str:
     """The tower's module path on the multimodal model (transformers 5's): Gemma 3's, SmolVLM's or Qwen's."""
     if isinstance(vc, Qwen3VLVision):
         return "model.visual."
-    return "model.vision_model." if vc.scale_factor else "model.vision_tower."
+    return "model.vision_model." if getattr(vc, "scale_factor", 0) else "model.vision_tower."   # LFM2-VL's has none
 
 
 def _peft_module(path: str, vc) -> str:

@@ -189,10 +189,15 @@ class VisionTower(LoraLinears):
     def backward(self, dout, cache) -> dict:
         """The image embeddings' gradient dout (N, M, text C) -> {module path.lora_A / .lora_B: gradient} of
         the tower's LoRA; the ops in reverse order of forward's."""
-        vc, w, n, t = self.vc, self.w, cache["n"], cache["t"]
         grads: dict = {}
-        dx = layernorm_backward(self._project_backward(dout, cache, grads), cache["x_last"],
-                                w[TOWER + "post_layernorm.weight"], cache["rstd_post"])
+        self.encode_backward(self._project_backward(dout, cache, grads), cache, grads)
+        return grads
+
+    def encode_backward(self, dy, cache, grads: dict):
+        """encode's backward: the post-layernorm output's gradient dy (n * t, C) -> the encoder's LoRA gradients
+        into grads."""
+        vc, w, n, t = self.vc, self.w, cache["n"], cache["t"]
+        dx = layernorm_backward(dy, cache["x_last"], w[TOWER + "post_layernorm.weight"], cache["rstd_post"])
         for i in reversed(range(vc.num_layers)):
             p, c = f"{TOWER}encoder.layers.{i}.", cache["layers"][i]
             dg = self._linear_backward(dx, p + "mlp.fc2", c, grads)
@@ -203,7 +208,6 @@ class VisionTower(LoraLinears):
             dh = sum(self._linear_backward(d.reshape(n * t, -1), p + f"self_attn.{m}", c, grads)
                      for d, m in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj")))
             dx = dx + layernorm_backward(dh, c["x"], w[p + "layer_norm1.weight"], c["rstd1"])
-        return grads
 
     def _project_backward(self, dout, cache, grads):
         """The projector's backward: the image embeddings' gradient (N, M, text C) -> the post-layernorm
