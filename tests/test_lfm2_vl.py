@@ -380,3 +380,36 @@ def test_merge_writes_a_folder_transformers_loads(vlm, spans, tmp_path):
         want = pm.merge_and_unload()(**hf_inputs(vm, ids, img)).logits.numpy()
         got = merged.eval()(**hf_inputs(vm, ids, img)).logits.numpy()
     assert_close(got, want, "logits_f32", "merged folder")
+
+
+def test_serve_answers_as_generate_image(vlm, tmp_path, capsys):
+    """`serve` with an image_url part (a file:// path) of an image that tiles: the answer is `generate --image`'s."""
+    openai = pytest.importorskip("openai")
+    for module in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(module)
+    from wgpu_train.cli.main import build_parser, main
+    from wgpu_train.cli.serve import prepare
+    from wgpu_train.serve.app import build_app
+    from wgpu_train.serve.server import ServerThread
+
+    _, folder, _ = vlm
+    path = tmp_path / "x.png"
+    sample_images(4, [(64, 128)])[0].save(path)
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour?", "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    args = build_parser().parse_args(["serve", "--model", str(folder), "--backend", "numpy", "--port", "0",
+                                      "--api-key", "sk-lfm2-vl", "--served-model-name", "default"])
+    scheduler, sock = prepare(args)
+    scheduler.start()
+    thread = ServerThread(build_app(scheduler, "sk-lfm2-vl"), sock).start()
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="sk-lfm2-vl", max_retries=0, timeout=120)
+        content = [{"type": "image_url", "image_url": {"url": path.resolve().as_uri()}},
+                   {"type": "text", "text": "what colour?"}]
+        r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}],
+                                           max_tokens=5, temperature=0)
+    finally:
+        thread.stop()
+        scheduler.close()
+    assert r.choices[0].message.content == want and want.strip()
