@@ -34,6 +34,9 @@ OLD = ("language_model.model.", "language_model.lm_head")
 TEXT_MODEL = ("model.text_model.", "lm_head")      # SmolVLM's and Idefics3's, in files and module paths alike
 LAYOUTS = (OLD, LIVE, TEXT_MODEL)
 PEFT_ROOT = "base_model.model."
+# the module groups under a layer that are not self_attn / mlp (models/config.LAYER_GROUPS): Qwen3.5's linear
+# attention, LFM2's convolution and feed-forward
+_OWN_GROUPS = ("linear_attn", "conv", "feed_forward")
 # beside the tokenizer's: the files of the processor that feeds images (hub gemma-3-*-it folders have them)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
 
@@ -150,8 +153,8 @@ def target_regex(modules: tuple, layers: tuple | None, layout=LIVE) -> str:
     linear-attention modules name their own group (linear_attn.in_proj_qkv), and so do LFM2's (conv.in_proj,
     feed_forward.w1)."""
     which = r"\d+" if layers is None else "(?:" + "|".join(map(str, layers)) + ")"
-    grouped = [re.escape(m) for m in modules if "." in m]
-    plain = [m for m in modules if "." not in m]
+    grouped = [re.escape(m) for m in modules if m.split(".")[0] in _OWN_GROUPS]
+    plain = [m for m in modules if m.split(".")[0] not in _OWN_GROUPS]
     paths = ([rf"(?:self_attn|mlp)\.(?:{'|'.join(plain)})"] if plain else []) + grouped
     body = paths[0] if len(paths) == 1 else f"(?:{'|'.join(paths)})"
     return re.escape(layout[0]) + rf"layers\.{which}\.{body}"
