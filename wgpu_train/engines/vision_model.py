@@ -397,7 +397,7 @@ class VisionModel:
 
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     """A Gemma3ForConditionalGeneration, SmolVLMForConditionalGeneration, Idefics3ForConditionalGeneration,
-    Qwen3VLForConditionalGeneration or Qwen3.5's (dense or MoE) folder with its vision tower and projector
+    Qwen3VLForConditionalGeneration, Qwen3.5's (dense or MoE) or Lfm2VlForConditionalGeneration folder with its vision tower and projector
     (float32); `kw` as load_model's. The processor's preprocessor_config.json gives the image preprocessing where
     the folder has it."""
     return attach_vision(load_model(path, backend=backend, **kw), path)
