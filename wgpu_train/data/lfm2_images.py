@@ -46,10 +46,12 @@ def _resize_axis(x: np.ndarray, size_out: int, axis: int) -> np.ndarray:
     if x.shape[axis] == size_out:
         return x
     starts, w, precision = _axis_weights(x.shape[axis], size_out)
-    src = np.moveaxis(x, axis, 0).astype(np.int64)                                    # (in, other, C)
-    padded = np.concatenate([src, np.zeros((w.shape[1], *src.shape[1:]), np.int64)])
-    taps = padded[starts[:, None] + np.arange(w.shape[1])]                           # (out, K, other, C)
-    acc = (1 << (precision - 1)) + np.einsum("ok,okjc->ojc", w, taps)
+    # int32 holds the sums: 255 x weights adding up to 2^precision (at most 2^22)
+    src = np.moveaxis(x, axis, 0).astype(np.int32)                                    # (in, other, C)
+    acc = np.full((size_out, *src.shape[1:]), 1 << (precision - 1), np.int32)
+    w = w.astype(np.int32)
+    for k in range(w.shape[1]):     # a tap at a time (past a row's last tap its weight is 0)
+        acc += w[:, k, None, None] * src[np.minimum(starts + k, len(src) - 1)]
     return np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), 0, axis)
 
 
