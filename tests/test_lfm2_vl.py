@@ -253,6 +253,8 @@ def test_refusals_in_one_line(vlm, spans, tmp_path):
         VisionConfig.from_config({**raw, "projector_hidden_act": "relu"})
     with pytest.raises(ConfigError, match="encoder_patch_size 16 is not the vision tower's patch_size 8"):
         Lfm2ImageSettings.from_dict({}, 8)
+    with pytest.raises(ConfigError, match="downsample_factor 3 is not the projector's 2"):
+        Lfm2ImageSettings.from_dict({**PROCESSOR, "downsample_factor": 3}, 8, factor=2)
     with pytest.raises(ConfigError, match="resample 3 is not supported"):
         Lfm2ImageSettings.from_dict({**PROCESSOR, "resample": 3}, 8)
     hf = vlm[0]

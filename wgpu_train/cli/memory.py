@@ -186,7 +186,7 @@ def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     from wgpu_train.models.lfm2_vl import tower_activation_values, tower_parameters
     from wgpu_train.models.vision import ENCODER_MODULES, split_targets
 
-    settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size)
+    settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size, vc.downsample_factor)
     tiles, per_image = settings.largest
     tokens = per_row * per_image
     if tokens >= length:

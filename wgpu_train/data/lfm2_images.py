@@ -86,13 +86,18 @@ class Lfm2ImageSettings:
     std: tuple = (0.5, 0.5, 0.5)
 
     @classmethod
-    def from_dict(cls, raw: dict, patch_size: int, source: str = "preprocessor_config.json") -> Lfm2ImageSettings:
-        """From preprocessor_config.json's fields; an encoder_patch_size that is not the tower's, another resample
-        than bilinear, or tiles whose patches the projector cannot pair up refused in one line."""
+    def from_dict(cls, raw: dict, patch_size: int, source: str = "preprocessor_config.json",
+                  factor: int | None = None) -> Lfm2ImageSettings:
+        """From preprocessor_config.json's fields; an encoder_patch_size that is not the tower's patch_size, a
+        downsample_factor that is not the projector's `factor` (where given), another resample than bilinear, or
+        tiles whose patches the projector cannot pair up refused in one line."""
         got = {k: type(d)(raw.get(k, d)) for k, d in _FIELDS.items()}
         if got["encoder_patch_size"] != patch_size:
             raise ConfigError(f"{source}: encoder_patch_size {got['encoder_patch_size']} is not the vision tower's "
                               f"patch_size {patch_size}")
+        if factor is not None and got["downsample_factor"] != factor:
+            raise ConfigError(f"{source}: downsample_factor {got['downsample_factor']} is not the projector's "
+                              f"{factor}")
         if int(raw.get("resample", _BILINEAR)) != _BILINEAR:
             raise ConfigError(f"{source}: resample {raw['resample']} is not supported (bilinear, 2, only)")
         if (got["tile_size"] // patch_size) % got["downsample_factor"]:
@@ -104,16 +109,16 @@ class Lfm2ImageSettings:
         return cls(**got, mean=mean, std=std)
 
     @classmethod
-    def from_folder(cls, folder, patch_size: int) -> Lfm2ImageSettings:
+    def from_folder(cls, folder, patch_size: int, factor: int | None = None) -> Lfm2ImageSettings:
         """A model folder's preprocessor_config.json (flat), or its processor_config.json (the image processor's
         fields under image_processor, use_image_special_tokens at the top or there), or the defaults."""
         flat, nested = Path(folder) / "preprocessor_config.json", Path(folder) / "processor_config.json"
         if flat.is_file():
-            return cls.from_dict(json.loads(flat.read_text()), patch_size, str(flat))
+            return cls.from_dict(json.loads(flat.read_text()), patch_size, str(flat), factor)
         raw = json.loads(nested.read_text()) if nested.is_file() else {}
         fields = {**{k: v for k, v in raw.items() if k == "use_image_special_tokens"}, **(raw.get("image_processor")
                                                                                          or {})}
-        return cls.from_dict(fields, patch_size, str(nested))
+        return cls.from_dict(fields, patch_size, str(nested), factor)
 
     @property
     def tiles_range(self) -> tuple:

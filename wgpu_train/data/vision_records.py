@@ -100,7 +100,8 @@ def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledI
     if hasattr(vision, "mrope_section"):           # Qwen3-VL's (models/qwen3_vl.Qwen3VLVision)
         return image_span(tokenizer, vision, QwenImageSettings.from_folder(folder, vision))
     if hasattr(vision, "downsample_factor"):       # LFM2-VL's (models/lfm2_vl.Lfm2VlVision)
-        return image_span(tokenizer, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size))
+        return image_span(tokenizer, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
+                                                                           vision.downsample_factor))
     return image_span(tokenizer, vision, TileSettings.from_folder(folder, vision.image_size)
                       if vision.scale_factor else None)
 

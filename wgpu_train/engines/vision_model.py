@@ -429,7 +429,8 @@ def attach_vision(model: Model, path) -> VisionModel:
         tensors = _tower_tensors(folder, lfm2_vl_names)
         names = check_lfm2_vl_tensors(tensors, vision, folder)
         tower = Siglip2Tower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
-        return VisionModel(model, tower, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size))
+        return VisionModel(model, tower, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
+                                                                                vision.downsample_factor))
     tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}
