@@ -103,7 +103,7 @@ def _attach(args, vision, path: str, pending: list):
         print("error: /image needs the image file's path: /image PATH", file=sys.stderr)
     else:
         try:
-            pending.append(open_image(path, path) if vision.vision.scale_factor or vision.qwen else
+            pending.append(open_image(path, path) if vision.qwen or vision.lfm2 or vision.vision.scale_factor else
                            pixel_values(path, vision.settings, path))
         except WgpuTrainError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -127,6 +127,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     per_row = 1 if args.images_per_row is None else args.images_per_row
     if hasattr(vc, "mrope_section"):
         return _qwen_estimate(args, model_dir, vc, length, per_row)
+    if hasattr(vc, "downsample_factor"):
+        return _lfm2_estimate(args, model_dir, vc, length, per_row)
     tiles, rows = 1, 0
     if vc.scale_factor:     # SmolVLM: the largest image's tiles, two markers each (three the global one), newlines
         from wgpu_train.data.image_tiles import TileSettings
@@ -188,6 +190,37 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
             "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
             "images_capped": merged < largest, "language_targets": language,
             "stage_images": StageImages(per_row * merged, len(vc.deepstack_indexes), mrope=True)}
+
+
+def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
+    """_vision_estimate's for LFM2-VL: each image as large as its processor makes one (max_tiles tiles and the
+    thumbnail, marked); the tower a tile at a time, with LoRA on it every tile's activations kept."""
+    from wgpu_train.data.lfm2_images import Lfm2ImageSettings
+    from wgpu_train.models.lfm2_vl import tower_activation_values, tower_parameters
+    from wgpu_train.models.vision import ENCODER_MODULES, split_targets
+
+    settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size, vc.downsample_factor)
+    tiles, per_image = settings.largest
+    tokens = per_row * per_image
+    if tokens >= length:
+        raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
+                          f"no room for text")
+    language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
+    other = [m for m in tower if m not in ENCODER_MODULES]
+    if other:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: {other[0]} is not a module of LFM2-VL's vision tower "
+                          f"(its encoder's: fc1, fc2, vision_tower.q_proj, ...)")
+    if tower and not language:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
+                          f"model's too (q_proj, ...), as finetune trains them")
+    images, params = args.batch_size * per_row, tower_parameters(vc)
+    patches = max((settings.tile_size // vc.patch_size) ** 2 if settings.do_image_splitting else 0,
+                  settings.max_image_tokens * vc.downsample_factor ** 2)
+    return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
+            "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image,
+                                                             images * tiles if tower else 0),
+            "language_targets": language}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

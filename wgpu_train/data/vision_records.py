@@ -14,6 +14,7 @@ import numpy as np
 
 from wgpu_train.data.batching import Example
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
+from wgpu_train.data.lfm2_images import Lfm2ImageSettings, Lfm2ImageSpan
 from wgpu_train.data.qwen_images import QwenImageSettings, QwenImageSpan
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
 from wgpu_train.data.sources import DataSplits, hold_out
@@ -86,6 +87,8 @@ def image_span(tokenizer: Tokenizer, vision, tiles=None) -> ImageSpan | TiledIma
     QwenImageSettings."""
     if isinstance(tiles, QwenImageSettings):       # Qwen3-VL's: <|image_pad|> once per merged patch
         return QwenImageSpan.from_tokenizer(tokenizer, vision, tiles)
+    if isinstance(tiles, Lfm2ImageSettings):       # LFM2-VL's: each tile's tokens, then the thumbnail's
+        return Lfm2ImageSpan.from_tokenizer(tokenizer, vision.image_token_id, tiles)
     if vision.scale_factor:
         return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image, tiles)
     return ImageSpan.from_ids(tokenizer, vision.boi_token_id, vision.image_token_id, vision.eoi_token_id,
@@ -96,6 +99,9 @@ def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledI
     """image_span of the model in `folder` (SmolVLM's preprocessor_config.json gives the tiles)."""
     if hasattr(vision, "mrope_section"):           # Qwen3-VL's (models/qwen3_vl.Qwen3VLVision)
         return image_span(tokenizer, vision, QwenImageSettings.from_folder(folder, vision))
+    if hasattr(vision, "downsample_factor"):       # LFM2-VL's (models/lfm2_vl.Lfm2VlVision)
+        return image_span(tokenizer, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
+                                                                           vision.downsample_factor))
     return image_span(tokenizer, vision, TileSettings.from_folder(folder, vision.image_size)
                       if vision.scale_factor else None)
 
