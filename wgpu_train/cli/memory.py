@@ -194,13 +194,17 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
 
 def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     """_vision_estimate's for LFM2-VL: each image as large as its processor makes one (max_tiles tiles and the
-    thumbnail, marked); the tower a tile at a time, with LoRA on it every tile's activations kept."""
+    thumbnail, marked); the tower a tile at a time, with LoRA on it every tile's activations kept; its
+    stage_images."""
     from wgpu_train.data.lfm2_images import Lfm2ImageSettings
+    from wgpu_train.engines.resources import StageImages
     from wgpu_train.models.lfm2_vl import tower_activation_values, tower_parameters
     from wgpu_train.models.vision import ENCODER_MODULES, split_targets
 
     settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size, vc.downsample_factor)
     tiles, per_image = settings.largest
+    # the tokens the embeddings replace: the image's but its markers (start and end, and each tile's)
+    embedded = per_image - int(settings.use_image_special_tokens) * (2 + (tiles if settings.do_image_splitting else 0))
     tokens = per_row * per_image
     if tokens >= length:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
@@ -220,7 +224,7 @@ def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image,
                                                              images * tiles if tower else 0),
-            "language_targets": language}
+            "language_targets": language, "stage_images": StageImages(per_row * embedded)}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

@@ -66,10 +66,10 @@ class VisionModel:
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
         # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
-        # NumPy one beside the NumPy engine; else (Qwen's towers, a host tower beside WebGPU, pipeline stages)
-        # the tower runs here, and train_step steps its LoRA around the engine's passes
+        # NumPy one beside the NumPy engine; else (Qwen's and LFM2-VL's towers, a host tower beside WebGPU,
+        # pipeline stages) the tower runs here, and train_step steps its LoRA around the engine's passes
         engine = model.engine
-        self.in_step = (not self.qwen and hasattr(engine, "set_vision_tower")
+        self.in_step = (not self.qwen and not self.lfm2 and hasattr(engine, "set_vision_tower")
                         and (device_tower is not None or getattr(engine, "name", "") == "numpy"))
         if self.in_step:
             engine.set_vision_tower(device_tower if device_tower is not None else tower)
