@@ -296,7 +296,7 @@ def test_dpo_and_grpo_with_images_through_two_pipeline_stages_equal_one_process(
     each scored or trained micro-batch's image tokens go to every stage (GRPO's reference, the starting adapter
     the stages hold, scores with them too, and its rollouts prefill the images through the stages). The losses
     and adapter after 2 steps (and GRPO's completions) are one process's (DPO's: one process that also scores the
-    step's rows first, then takes the weighted step); WebGPU stages refused in one line."""
+    step's rows first, then takes the weighted step); on WebGPU stages: test_vision_stages_wgpu.py."""
     from test_pipeline_runs import TwoPasses
     from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
     from wgpu_train.distributed.dispatch import finetune
@@ -319,9 +319,13 @@ def test_dpo_and_grpo_with_images_through_two_pipeline_stages_equal_one_process(
     one, two = tmp_path / "grpo-one" / "run", tmp_path / "grpo-two" / "run"
     assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
     _assert_same_run(one, two, "pipeline_numpy", 2, start)
-    with pytest.raises(ConfigError, match="--objective dpo with images through pipeline stages runs on NumPy stages "
-                                          "only"):
-        finetune(config(root, folder, tmp_path / "bad", pipeline_stages=2, **(dpo | {"backend": "auto"})))
+    # the objective's input checks hold on both paths, finetune's and finetune_pipeline's own
+    for bad, kw, message in ((dict(images_demo=True), {}, "--images-demo trains sft only"),
+                             ({}, dict(reward_funcs=rewards), "reward_funcs are GRPO's rewards: --objective dpo")):
+        for run in (finetune, lambda c, **k: finetune_pipeline(c, local=True, **k)):
+            with pytest.raises(ConfigError, match=message) as e:
+                run(config(root, folder, tmp_path / "bad", pipeline_stages=2, **dpo, **bad), **kw)
+            assert "\n" not in str(e.value)
 
 
 def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):
