@@ -269,7 +269,7 @@ def test_two_webgpu_workers_in_threads_equal_one_process(workspace, tmp_path, de
     two = run_threads(config(workspace, tmp_path / "two", num_workers=2, **kw), 2)
     assert two[0]["steps"] == one["steps"] == 2 and two[0]["data_parallel"]["workers"] == 2
     assert two[0]["train_loss_last"] == pytest.approx(one["train_loss_last"], rel=1e-6)
-    assert_same_adapter(tmp_path / "one", tmp_path / "two", TOLERANCES["data_parallel_wgpu"].atol)
+    assert_same_adapter(tmp_path / "one", tmp_path / "two", TOLERANCES["data_parallel_wgpu"].atol)   # its absolute part
 
 
 def test_a_stop_from_the_driver_is_agreed_on_by_every_worker(workspace, tmp_path):

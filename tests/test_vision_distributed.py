@@ -1,6 +1,6 @@
 """Images beyond one process and one adapter file: the image files in a resume's data fingerprint, data-parallel
-workers (threads) with images equal to one process (sft, the preference objectives, GRPO), LoRA on the vision tower
-from the CLI's --lora-targets, pipeline stages and Ray workers with images."""
+workers (threads; on WebGPU too) with images equal to one process (sft, the preference objectives, GRPO), LoRA on
+the vision tower from the CLI's --lora-targets, pipeline stages and Ray workers with images."""
 from __future__ import annotations
 
 import json
@@ -90,6 +90,24 @@ def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
     run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_numpy")
+
+
+def test_two_webgpu_workers_in_threads_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Two data-parallel workers in threads, each with its WebGPU engine on the process's one device (each
+    thread reads back through its own staging buffer): with images, the losses and adapter after 2 steps are one
+    WebGPU process's with the whole batch."""
+    from conftest import require_adapter
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    require_adapter()
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])     # 4 records
+    kw = _run_kw(folder, data, batch_size=1, max_steps=2, lora_dropout=0.1, backend="wgpu", precision="fp32")
+    Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_wgpu", steps=2)
 
 
 # ---- the preference objectives and GRPO with images on data-parallel workers -----------------------------------
