@@ -1,7 +1,8 @@
 """Preference objectives and GRPO with images (TRL's vision records) on a tiny Gemma 3: rows as TRL's
 DataCollatorForVisionPreference makes them; the first step's loss, metrics and LoRA gradients and the adapter after
 three steps equal to TRL's DPOTrainer and GRPOTrainer (scripted completions) with images; rollouts that see the
-images; the WebGPU engine equal to the NumPy engine; bad input in one line."""
+images; `eval --objective` of the same records; the WebGPU engine equal to the NumPy engine; bad input in one
+line."""
 from __future__ import annotations
 
 import copy
@@ -262,8 +263,65 @@ def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
         code = main(args + ["--data", str(path), "--out", str(tmp_path / "bad_run"), "--overwrite"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
-    assert main(["eval", "--objective", "dpo", "--model", str(folder), "--data", str(data), "--backend", "numpy"]) == 2
-    assert "eval --objective does not take records with images yet" in capsys.readouterr().err
+
+
+def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, tmp_path, capsys):
+    """`eval --objective dpo` of the vision pairs with the adapter (the reference: the adapter off) gives the loss
+    and TRL's metrics of the PreferenceTrainer's first step over the same pairs with the same reference
+    (--precompute-ref-log-probs: the adapter off, test_precomputed_reference_with_images_is_the_adapter_off);
+    the adapter as its own --ref-adapter gives log 2; KTO's unpaired records score too; bad input is one line and
+    exit 2."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, hf = pref_setup
+    data = root / "data" / "train.jsonl"
+    args = ["eval", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data", str(data),
+            "--backend", "numpy", "--batch-size", "3", "--max-seq-len", "200", "--json"]
+    assert main(args + ["--objective", "dpo"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] == "train" and got["examples"] == 3 and got["images"] == 4 and got["rows_cut_in_image"] == 0
+    trainer = PreferenceTrainer(config(root, folder, tmp_path, precompute_ref_log_probs=True),
+                                log=lambda m: None).setup()
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    assert abs(result.metrics["rewards/margins"]) > 1e-4
+    assert_close(np.float64(got["loss"]), np.float64(result.loss), "loss_f32", "loss")
+    for key, value in result.metrics.items():
+        assert_close(np.float64(got[key]), np.float64(value), "loss_f32", key)
+    # --ref-adapter: another model scores the reference with the images too; the adapter itself gives log 2
+    assert main(args + ["--objective", "dpo", "--ref-adapter", str(root / "adapter")]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert_close(np.float64(same["loss"]), np.log(2.0), "loss_f32", "the policy as its own reference")
+    assert same["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert main(args + ["--objective", "kto"]) == 0
+    kto = json.loads(capsys.readouterr().out)
+    assert kto["examples"] == 6 and kto["images"] == 8 and np.isfinite(kto["loss"])
+    assert main(args + ["--objective", "dpo", "--no-chat-template"]) == 2
+    assert "--no-chat-template is not supported with images yet" in capsys.readouterr().err
+    tower = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=r".*(language_model|vision_tower).*\.q_proj", lora_dropout=0.0))
+    tower.save_pretrained(tmp_path / "tower")
+    at = args.index("--adapter-path") + 1
+    assert main(args[:at] + [str(tmp_path / "tower")] + args[at + 1:] + ["--objective", "dpo"]) == 2
+    assert "LoRA on the vision tower is not supported with --objective dpo" in capsys.readouterr().err
+
+
+def test_eval_objective_with_images_on_webgpu_equals_numpy(pref_setup, rt, capsys):
+    """`eval --objective dpo` with images on the WebGPU engine (the reference the adapter off in the same
+    submission, each micro-batch's ImageTokens uploaded): the NumPy engine's loss and metrics."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, _ = pref_setup
+    args = ["eval", "--objective", "dpo", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data",
+            str(root / "data" / "train.jsonl"), "--batch-size", "2", "--max-seq-len", "200", "--json"]
+    got = {}
+    for backend in ("numpy", "wgpu"):
+        device = ["--device", str(rt.info.index)] if backend == "wgpu" else []
+        assert main(args + ["--backend", backend] + device) == 0
+        got[backend] = json.loads(capsys.readouterr().out)
+    assert got["wgpu"]["backend"] == "wgpu" and got["wgpu"]["images"] == 4
+    assert abs(got["numpy"]["rewards/margins"]) > 1e-4
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert_close(np.float64(got["wgpu"][key]), np.float64(got["numpy"][key]), "loss_f32", key)
 
 
 # ---- GRPO with images -------------------------------------------------------------------------------------------
