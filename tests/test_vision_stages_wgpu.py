@@ -155,12 +155,12 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
     assert "\n" not in str(e.value)
 
 
-def test_dpo_and_grpo_with_images_through_wgpu_stages_equal_one_process(pref_setup, tmp_path):  # noqa: F811
-    """DPO and GRPO with images through 2 WebGPU stages (in this process): the tower in the driver, each scored or
-    trained micro-batch's image tokens sent to every stage (GRPO's reference, the starting adapter the stages hold,
-    scores with them, and its rollouts prefill the images through the stages' caches). The losses, metrics and
-    adapter after 2 steps, and GRPO's completions, are one WebGPU process's (DPO's: one that also scores the step's
-    rows first, then takes the weighted step)."""
+def test_dpo_kto_and_grpo_with_images_through_wgpu_stages_equal_one_process(pref_setup, tmp_path):  # noqa: F811
+    """DPO, KTO and GRPO with images through 2 WebGPU stages (in this process): the tower in the driver, each scored
+    or trained micro-batch's image tokens sent to every stage (GRPO's reference, the starting adapter the stages
+    hold, scores with them, and its rollouts prefill the images through the stages' caches). The losses, metrics
+    and adapter after 2 steps, and GRPO's completions, are one WebGPU process's (DPO's and KTO's: one that also
+    scores the step's rows first, then takes the weighted step)."""
     from test_pipeline_runs import TwoPasses
     from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
     from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
@@ -169,10 +169,11 @@ def test_dpo_and_grpo_with_images_through_wgpu_stages_equal_one_process(pref_set
     root, folder, _, _ = pref_setup
     start = _adapter(root / "adapter")
     gpu = dict(backend="wgpu", precision="fp32", max_steps=2, lr=1e-2, grad_accum=2)
-    dpo = gpu | dict(objective="dpo", batch_size=1)
-    TwoPasses(config(root, folder, tmp_path / "dpo-one", **dpo), log=lambda m: None).run()
-    finetune_pipeline(config(root, folder, tmp_path / "dpo-two", pipeline_stages=2, **dpo), local=True)
-    _same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", start)
+    for objective, batch_size in (("dpo", 1), ("kto", 2)):          # KTO: unpaired, with its KL rows
+        pref = gpu | dict(objective=objective, batch_size=batch_size)
+        TwoPasses(config(root, folder, tmp_path / f"{objective}-one", **pref), log=lambda m: None).run()
+        finetune_pipeline(config(root, folder, tmp_path / f"{objective}-two", pipeline_stages=2, **pref), local=True)
+        _same_run(tmp_path / f"{objective}-one" / "run", tmp_path / f"{objective}-two" / "run", start)
     data = write_pref_data(tmp_path / "data", grpo_records() * 2)
     grpo = gpu | dict(data=str(data), objective="grpo", batch_size=2, num_generations=2, max_completion_length=5,
                       beta=0.04, temperature=0.8, seed=3)
