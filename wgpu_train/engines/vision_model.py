@@ -74,7 +74,7 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor or self.qwen else None)
+        return image_span(tokenizer, self.vision, self.settings)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
