@@ -54,6 +54,8 @@ def test_crops_and_pixel_values_equal_the_processors():
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="without do_resize"):
         ImageSettings.from_dict({**PAN, "do_resize": False}, SIDE)
+    with pytest.raises(DataError, match="leaves its last crop empty"):       # the processor's crop would be empty
+        ImageSettings.from_dict({**PAN, "pan_and_scan_min_crop_size": 1}, SIDE).crop_boxes(1, 5)
     with pytest.raises(DataError, match="not pixel arrays"):
         settings.n_crops(np.zeros((3, SIDE, SIDE), np.float32))
 

@@ -95,6 +95,9 @@ class ImageSettings:
         w, h = math.ceil(width / cols), math.ceil(height / rows)
         if min(w, h) < self.min_crop_size:
             return []
+        if (cols - 1) * w >= width or (rows - 1) * h >= height:     # the processor's last crop would be empty
+            raise DataError(f"pan-and-scan: an image of {width} x {height} leaves its last crop empty "
+                            f"(pan_and_scan_min_crop_size {self.min_crop_size} is too small for it)")
         return [(x, y, min(x + w, width), min(y + h, height))
                 for y, x in itertools.product(range(0, rows * h, h), range(0, cols * w, w))]
 
