@@ -62,12 +62,16 @@ def test_crops_and_pixel_values_equal_the_processors():
 
 @pytest.fixture(scope="module")
 def pan_folder(chat_vlm, tmp_path_factory):  # noqa: F811
-    """The tiny chat model's folder with pan-and-scan turned on in its preprocessor_config.json."""
+    """The tiny chat model's folder with pan-and-scan turned on in its preprocessor_config.json (and room for its
+    crops' runs and sentences, which the tiny tokenizer spells in short pieces: RoPE has no table to outgrow)."""
     _, folder, _ = chat_vlm
     out = tmp_path_factory.mktemp("gemma3_pan_scan") / "model"
     shutil.copytree(folder, out)
     raw = json.loads((out / "preprocessor_config.json").read_text())
     (out / "preprocessor_config.json").write_text(json.dumps({**raw, **PAN}))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = 512
+    (out / "config.json").write_text(json.dumps(cfg))
     return out
 
 
@@ -135,3 +139,31 @@ def test_logits_and_lora_gradients_with_a_wide_image_match_peft(chat_vlm, pan_fo
     assert set(grads) == set(expected)
     for name, g in expected.items():
         assert_close(grads[name], g, "grads_f32", name)
+
+
+def test_generate_and_chat_with_a_wide_image_answer_as_transformers(chat_vlm, pan_folder, tmp_path,  # noqa: F811
+                                                                     monkeypatch, capsys):
+    """`generate --image` and `chat`'s /image with a wide image: transformers' greedy answer over the processor's
+    pan-and-scan inputs, token for token."""
+    from test_chat_vision import QUESTION, run_chat
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.tokenizer import load_tokenizer
+
+    hf, _, proc = chat_vlm
+    path = tmp_path / "wide.png"
+    picture("wide", 9).save(path)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    inputs = proc(text=[proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)],
+                  images=[[Image.open(path)]], return_tensors="pt", **PAN)
+    assert inputs["pixel_values"].shape[0] == 5
+    stops = list(load_tokenizer(pan_folder).stop_token_ids)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=stops,
+                          pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    want = load_tokenizer(pan_folder).decode([t for t in out if t not in stops])
+    assert len(out) == 5 and want.strip()       # an answer to compare, not an immediate stop
+    assert main(["generate", "--model", str(pan_folder), "--prompt", QUESTION, "--image", str(path),
+                 "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    answers, _ = run_chat(monkeypatch, capsys, pan_folder, f"/image {path}\n{QUESTION}\n")
+    assert answers[0] == want
