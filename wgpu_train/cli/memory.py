@@ -93,6 +93,9 @@ def cmd_memory(args) -> int:
               f"(--images-per-row {vision['images_per_row']}): the tower "
               f"{'with LoRA' if vision['tower_lora'] else 'frozen'} in float32 on the NumPy engine; the image "
               f"tokens' activations in the language model lie within its {length} tokens a row)")
+        if vision.get("crops"):
+            print(f"  (pan-and-scan: each image counted with the most crops, {vision['crops']}; the processor's "
+                  f"sentences around them are not counted)")
         if vision.get("images_capped"):
             print(f"  (Qwen3-VL: an image of up to max_pixels would take more; {vision['tokens_per_image']} tokens "
                   f"is what a row of {length} leaves each)")
@@ -134,8 +137,13 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
         from wgpu_train.data.image_tiles import TileSettings
 
         tiles, rows = TileSettings.from_folder(model_dir, vc.image_size).most_tiles
+    else:                   # Gemma 3 with pan-and-scan: the most crops an image takes, beside it
+        from wgpu_train.data.images import ImageSettings
+
+        settings = ImageSettings.from_folder(model_dir, vc.image_size)
+        tiles += settings.max_num_crops if settings.pan_and_scan else 0
     per_image = tiles * (vc.mm_tokens_per_image + 2) + (1 + rows + 1 if rows else 1) if vc.scale_factor else \
-        vc.mm_tokens_per_image + 2
+        tiles * (vc.mm_tokens_per_image + 2)
     tokens = per_row * per_image        # each image's tokens and its begin / end markers
     if tokens >= length:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
@@ -154,7 +162,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, images * tiles, bool(tower)),
-            "language_targets": language, "stage_images": StageImages(per_row * tiles * vc.mm_tokens_per_image)}
+            "language_targets": language, "stage_images": StageImages(per_row * tiles * vc.mm_tokens_per_image),
+            "crops": 0 if vc.scale_factor else tiles - 1}
 
 
 def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:

@@ -91,8 +91,7 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        tiled = self.qwen or self.lfm2 or self.vision.scale_factor
-        return image_span(tokenizer, self.vision, self.settings if tiled else None)
+        return image_span(tokenizer, self.vision, self.settings)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
