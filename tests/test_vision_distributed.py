@@ -137,6 +137,26 @@ def test_a_micro_batch_cut_keeps_each_rows_image_tokens():
         np.testing.assert_array_equal(part[4], micro[0][4][rows])
 
 
+def test_a_micro_batch_cut_keeps_each_rows_tower_images():
+    """split_rows of an engine micro-batch with TowerImages (the tower inside the engine's step): each part holds
+    its rows' blocks and pixels (2 tokens an image), and its host() those rows' ImageTokens of the whole batch's."""
+    from wgpu_train.distributed.data_parallel import split_rows
+    from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
+
+    blocks = np.full((3, 6), -1, np.int32)                      # row 0: 1 image, row 1: none, row 2: 2 images
+    blocks[0, 1:3], blocks[2, 1:5] = 0, (0, 0, 1, 1)
+    pixels = np.arange(3 * 2 * 2 * 2, dtype=np.float32).reshape(3, 2, 2, 2)
+    embeds = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    ids = np.arange(18, dtype=np.int32).reshape(3, 6)
+    micro = [(ids, ids, np.ones_like(ids), ids, TowerImages(blocks, pixels, lambda: ImageTokens(blocks, embeds)))]
+    first, second = split_rows(micro, 2, 1)
+    for part, rows, images, tokens in ((first, slice(0, 2), slice(0, 1), slice(0, 2)),
+                                       (second, slice(2, 3), slice(1, 3), slice(2, 6))):
+        np.testing.assert_array_equal(part[-1].blocks, blocks[rows])
+        np.testing.assert_array_equal(part[-1].pixels, pixels[images])
+        np.testing.assert_array_equal(part[-1].host().embeds, embeds[tokens])
+
+
 @pytest.mark.parametrize("objective, batch_size", [("dpo", 1), ("orpo", 1), ("kto", 2)])
 def test_preference_with_images_on_two_workers_equals_one_process(pref_setup, tmp_path, objective, batch_size):
     """DPO, ORPO (its NLL on the chosen rows) and KTO (its KL rows) with images on two data-parallel workers
