@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wgpu_train.data.images import normalised, open_image, to_rgb
+from wgpu_train.data.images import open_image, to_rgb
 from wgpu_train.errors import ConfigError, DataError
 
 _HALF = (0.5, 0.5, 0.5)     # IMAGENET_STANDARD_MEAN / _STD, the video processor's defaults
@@ -112,6 +112,16 @@ class QwenVideoSettings:
                             f"{next(f.size for f in frames if f.size != frames[0].size)})")
         return frames
 
+    def normalised(self, x: np.ndarray) -> np.ndarray:
+        """(F, C, H, W) uint8 -> float32 as the processor's fused step: rescale and normalise at once, (x - mean /
+        factor) / (std / factor) in float32 (rescaled alone without do_normalize)."""
+        x = x.astype(np.float32)
+        if not self.do_normalize:
+            return x * np.float32(self.rescale_factor) if self.do_rescale else x
+        scale = np.float32(1.0 / self.rescale_factor) if self.do_rescale else np.float32(1.0)
+        mean, std = (np.asarray(v, np.float32)[:, None, None] * scale for v in (self.mean, self.std))
+        return (x - mean) / std
+
     def grid(self, video: Video, where: str = "video") -> tuple:
         """(t, rows, cols) of a video's patches (t its temporal patch groups), from its frames' count and size."""
         n, tp = len(video.frames), self.temporal_patch_size
@@ -135,7 +145,7 @@ class QwenVideoSettings:
         x = np.stack([np.asarray(f) for f in frames])                                       # (F, H, W, C)
         if self.do_resize:
             x = bicubic_resize(x, h, w)
-        x = np.stack([normalised(np.moveaxis(f, -1, 0), self) for f in x])                  # (F, C, H, W)
+        x = self.normalised(np.moveaxis(x, -1, 1))                                          # (F, C, H, W)
         x = np.concatenate([x, np.repeat(x[-1:], -len(x) % tp, axis=0)])
         t, c, rows, cols = len(x) // tp, x.shape[1], h // p, w // p
         if rows % m or cols % m:
