@@ -174,8 +174,11 @@ class QwenImageSpan:
         return self.start, self.image, self.end, *((self.video,) if self.video else ())
 
     def as_video(self, value, where: str = "video") -> Video:
-        """A record's video (frames, a folder of them, or a video file) as a data/qwen_videos.Video."""
-        return as_video(value, self.settings.video_settings(where), where)
+        """A record's video (frames, a folder of them, or a video file) as a data/qwen_videos.Video, its frames
+        read once here (a frame that cannot be decoded, or of another size, refused naming `where`)."""
+        video = as_video(value, self.settings.video_settings(where), where)
+        self.settings.video_settings(where).grid(video, where)
+        return video
 
     def expansion(self, image) -> str:
         """The text an image (a path, bytes or a PIL image) takes in place of its placeholder, or a Video in

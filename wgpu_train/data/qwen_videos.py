@@ -123,10 +123,11 @@ class QwenVideoSettings:
         return (x - mean) / std
 
     def grid(self, video: Video, where: str = "video") -> tuple:
-        """(t, rows, cols) of a video's patches (t its temporal patch groups), from its frames' count and size."""
+        """(t, rows, cols) of a video's patches (t its temporal patch groups), from its frames' count and size (every
+        frame read: one that cannot be decoded, or of another size, refused in one line)."""
         n, tp = len(video.frames), self.temporal_patch_size
-        width, height = open_image(video.frames[0], f"{where}: frame 0").size if n else (0, 0)
-        h, w = self.resized(n, height, width)
+        first = self._frames(video, where)[0]
+        h, w = self.resized(n, first.height, first.width)
         return -(-n // tp), h // self.patch_size, w // self.patch_size
 
     def tokens_per_group(self, video: Video, where: str = "video") -> int:

@@ -295,13 +295,16 @@ def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span,
 
 
 def vision_prompt_ids(tokenizer: Tokenizer, prompt: str, n_images: int, span, system: str | None = None,
-                      images=None) -> list[int]:
-    """Token ids asking for the answer to a user turn of `n_images` images then the text `prompt` (as TRL's
-    records and the processor lay it out): the chat template's generation prompt, each placeholder expanded
-    (from the `images` themselves where the span needs them: SmolVLM's tiles)."""
+                      images=None, videos=()) -> list[int]:
+    """Token ids asking for the answer to a user turn of `n_images` images, then `videos` (Qwen3-VL's
+    data/qwen_videos.Video), then the text `prompt` (as TRL's records and the processor lay it out): the chat
+    template's generation prompt, each placeholder expanded (from the `images` themselves where the span needs
+    them: SmolVLM's tiles)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
-    return vision_chat_ids(tokenizer, messages, n_images, span, images)
+        {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "video"}] * len(videos) +
+         [{"type": "text", "text": prompt}]}]
+    media = [*(images if images is not None else [None] * n_images), *videos] if videos else images
+    return vision_chat_ids(tokenizer, messages, n_images + len(videos), span, media)
 
 
 def vision_chat_ids(tokenizer: Tokenizer, messages: list[dict], n_images: int, span, images=None) -> list[int]:
