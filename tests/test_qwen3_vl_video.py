@@ -302,3 +302,14 @@ def test_video_file_frames_sampled_as_the_processor(vlm, tmp_path):
     video = read_video_file(path, vm.settings.video)
     assert video.indices == tuple(np.linspace(0, 24, 5).round().astype(int).tolist()) and video.fps == 10
     assert video.timestamps(2) == [(0 + 0.6) / 2, (1.2 + 1.8) / 2, 2.4]
+
+
+def test_serve_refuses_video_url_parts():
+    """serve takes no videos yet: a video_url part is a 400 in one line."""
+    from wgpu_train.serve.api_error import ApiError
+    from wgpu_train.serve.requests import parse_chat
+
+    with pytest.raises(ApiError, match="only text and image_url parts are supported") as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]}]})
+    assert e.value.status == 400 and "\n" not in str(e.value)
