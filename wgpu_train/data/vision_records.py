@@ -289,7 +289,7 @@ def tokenize_vision_dataset(tokenizer: Tokenizer, records: Sequence[dict], span,
             out.append(ex)
     stats.n_examples = len(out)
     if records and not out and stats.n_cut_in_image:
-        raise DataError(f"every row's image (or video) tokens run past --max-seq-len {max_seq_len} "
+        raise DataError(f"every row's image tokens run past --max-seq-len {max_seq_len} "
                         f"({stats.n_cut_in_image} rows cut inside an image)")
     return out, stats
 
