@@ -168,6 +168,32 @@ def test_lora_gradients_and_generation_with_a_video_match(vlm):
     assert fresh.generate(prompt, [video], max_new_tokens=6) == want
 
 
+def test_tower_lora_gradients_with_a_video_equal_peft(vlm, tmp_path):
+    """LoRA on the tower (every block's and merger's linears, DeepStack's too) and the language model, a video
+    then an image in a row: the tower's backward through each frame group's attention: loss and every gradient
+    equal PEFT's."""
+    from test_qwen3_vl_tower_lora import TARGETS, peft_key
+    from wgpu_train.engines.vision_model import load_vision_model
+
+    hf, folder, _ = vlm
+    pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=TARGETS, lora_dropout=0.0)))
+    vm = load_vision_model(folder)
+    video, img = Video(tuple(frames(5, (30, 22), seed=7))), images(1, seed=7)[0]
+    ids = np.array([[7, *video_span(vm, video), 12, *span(vm, img), 13, 14]])
+    labels = np.where(np.isin(ids, (PAD, VIDEO, START, END)), -100, ids)
+    out = pm(**media_inputs(vm, ids, [video, img]), labels=torch.tensor(labels))
+    out.loss.backward()
+    expected = {peft_key(n): p.grad.numpy() for n, p in pm.named_parameters() if p.requires_grad}
+    pm.save_pretrained(tmp_path / "peft")
+    vm.load_adapter(tmp_path / "peft")
+    loss, grads = vm.loss_and_grads(ids, labels, [video, img])
+    assert_close(np.float64(loss), out.loss.item(), "loss_f32", "loss with a video and tower LoRA")
+    assert set(grads) == set(expected) and any(".visual.blocks." in k for k in grads)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
+
+
 def video_records(clip_paths):
     return [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
                                                        {"type": "text", "text": "what colour?"}]},
