@@ -15,7 +15,7 @@ from wgpu_train.errors import DataError
 
 from finetune_helpers import peft_random_b
 from tolerances import assert_close
-from test_qwen3_vl import END, PAD, START, VIDEO_CONFIG, hf_inputs, images, span, vlm  # noqa: F401
+from test_qwen3_vl import END, PAD, START, VIDEO_CONFIG, hf_inputs, images, span, vlm  # noqa: F401  (its fixture)
 
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")

@@ -42,8 +42,8 @@ class Video:
 class QwenVideoSettings:
     """What a video_preprocessor_config.json says (Qwen3VLVideoProcessor's defaults where left out): the patch
     sizes (the tower's), the pixel range of a whole clip (size's shortest_edge / longest_edge), the resample
-    filter (bicubic, torchvision's on uint8 frames: bicubic_resize), the rescale factor, mean and std, and the frame sampling of a video file (fps, or num_frames; within
-    min_frames and max_frames)."""
+    filter (bicubic, torchvision's on uint8 frames: bicubic_resize), the rescale factor, mean and std, and the
+    frame sampling of a video file (fps, or num_frames; within min_frames and max_frames)."""
 
     patch_size: int
     temporal_patch_size: int

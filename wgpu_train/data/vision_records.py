@@ -1,7 +1,7 @@
 """Records with images -> tokens: TRL's vision format (messages whose content lists {"type": "image"} and
 {"type": "text"} parts, plus an `images` column; Qwen3-VL's {"type": "video"} parts and a `videos` column too),
-the chat template's image placeholders expanded as the processor expands them (Gemma 3's ImageSpan: boi, image tokens x mm_tokens_per_image, eoi; SmolVLM's tiles:
-data/image_tiles.TiledImageSpan), the loss on the assistant's tokens only; tokenized records are
+the chat template's image placeholders expanded as the processor expands them (Gemma 3's ImageSpan: boi, image
+tokens x mm_tokens_per_image, eoi; SmolVLM's tiles: data/image_tiles.TiledImageSpan), the loss on the assistant's tokens only; tokenized records are
 batching.Example rows that carry their images."""
 from __future__ import annotations
 
