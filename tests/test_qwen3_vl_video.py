@@ -339,3 +339,20 @@ def test_serve_refuses_video_url_parts():
         parse_chat({"model": "m", "messages": [{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]}]})
     assert e.value.status == 400 and "\n" not in str(e.value)
+
+
+def test_an_unsupported_video_config_refuses_videos_only(vlm, tmp_path):
+    """A video_preprocessor_config.json this code does not follow (cap_pixels_per_frame) leaves images running
+    and refuses a video in one line naming it."""
+    import shutil
+
+    from wgpu_train.data.qwen_images import QwenImageSettings
+
+    _, folder, vm = vlm
+    shutil.copy(folder / "preprocessor_config.json", tmp_path)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({**VIDEO_CONFIG,
+                                                                          "cap_pixels_per_frame": True}))
+    settings = QwenImageSettings.from_folder(tmp_path, vm.vision)
+    assert settings.batch(images(1))[1].shape == (1, 3)
+    with pytest.raises(DataError, match="videos are not supported here .*cap_pixels_per_frame true"):
+        settings.batch([Video(tuple(frames(2)))])

@@ -39,6 +39,7 @@ class QwenImageSettings:
     do_rescale: bool = True
     do_normalize: bool = True
     video: QwenVideoSettings | None = None
+    video_refused: str = ""         # why the model's video preprocessing is not supported (only videos refused)
 
     @classmethod
     def from_dict(cls, raw: dict, vision, source: str = "preprocessor_config.json") -> QwenImageSettings:
@@ -71,8 +72,11 @@ class QwenImageSettings:
         video_preprocessor_config.json (or the video processor's defaults)."""
         path = Path(folder) / "preprocessor_config.json"
         raw = json.loads(path.read_text()) if path.is_file() else {}
-        return dataclasses.replace(cls.from_dict(raw, vision, str(path)),
-                                   video=QwenVideoSettings.from_folder(folder, vision))
+        settings = cls.from_dict(raw, vision, str(path))
+        try:
+            return dataclasses.replace(settings, video=QwenVideoSettings.from_folder(folder, vision))
+        except ConfigError as e:        # images still run; a video is refused with this line
+            return dataclasses.replace(settings, video_refused=str(e))
 
     @property
     def factor(self) -> int:
@@ -123,9 +127,11 @@ class QwenImageSettings:
 
 
     def video_settings(self, where: str = "record") -> QwenVideoSettings:
-        """The video preprocessing; a model built without it refused in one line."""
+        """The video preprocessing; a model built without it (or whose video_preprocessor_config.json is not
+        supported) refused in one line."""
         if self.video is None:
-            raise DataError(f"{where}: videos are not supported here (no video preprocessing)")
+            why = self.video_refused or "no video preprocessing"
+            raise DataError(f"{where}: videos are not supported here ({why})")
         return self.video
 
 
