@@ -280,7 +280,7 @@ def test_cli_finetune_on_video_records_and_generate_video(vlm, tmp_path, capsys)
 
 def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
     """An undecodable frame, frames of two sizes, more video parts than videos, a video longer than --max-seq-len
-    for every row, a video file without PyAV: one line each."""
+    for every row, videos where they are not taken, a video file without PyAV: one line each."""
     import builtins
 
     from wgpu_train.data.vision_records import model_image_span, tokenize_vision_dataset
@@ -302,6 +302,10 @@ def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
         assert "\n" not in str(e.value)
     with pytest.raises(DataError, match="every row's image tokens run past --max-seq-len 12"):
         tokenize_vision_dataset(tok, [rec], span_, 12)
+    from wgpu_train.data.vision_records import vision_messages
+
+    with pytest.raises(DataError, match="record 3: videos are taken only by supervised records of Qwen3-VL"):
+        vision_messages(rec, "record 3")        # a span without videos (Gemma 3's, SmolVLM's), or DPO's records
     (tmp_path / "clip.mp4").write_bytes(b"\0" * 64)
     real_import = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
