@@ -278,6 +278,28 @@ def test_cli_finetune_on_video_records_and_generate_video(vlm, tmp_path, capsys)
     assert got == tok.decode([t for t in answer if t not in tok.stop_token_ids]) + "\n"
 
 
+def test_chat_video_turn_answers_as_generate_video(vlm, tmp_path, monkeypatch, capsys):
+    """`chat` with /video (a folder of frames) answers as `generate --video`; /video on a missing path is a line on
+    stderr and the chat goes on."""
+    import io
+
+    from wgpu_train.cli.main import main
+
+    _, folder, _ = vlm
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    for i, f in enumerate(frames(3, seed=9)):
+        f.save(clip / f"{i:03d}.png")
+    assert main(["generate", "--model", str(folder), "--prompt", "what colour?", "--video", str(clip),
+                 "--max-new-tokens", "4", "--backend", "numpy"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/video {tmp_path / 'none'}\n/video {clip}\nwhat colour?\n"))
+    assert main(["chat", "--model", str(folder), "--backend", "numpy", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.split("\n")[0] == want and f"(video {clip} attached to your next message)" in err
+    assert "error: " in err and "no such video file or folder of frames" in err
+
+
 def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
     """An undecodable frame, frames of two sizes, more video parts than videos, a video longer than --max-seq-len
     for every row, videos where they are not taken, a video file without PyAV: one line each."""
