@@ -41,7 +41,8 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
 from wgpu_train.models.lfm2_vl import Lfm2VlVision, check_lfm2_vl_tensors, lfm2_vl_names
-from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
+from wgpu_train.models.qwen3_vl import (Qwen3VLVision, check_visual_tensors, frame_grids, pair_positions, rope_index,
+                                       visual_names)
 from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
                                       tower_lora_path, tower_target_regex, vision_names)
 from wgpu_train.models.weights import weight_files
@@ -251,18 +252,19 @@ class VisionModel:
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
     def _qwen_image_tokens(self, ids, images, segments=None, cache: dict | None = None) -> ImageTokens | None:
-        """Qwen3-VL's ImageTokens of ids (B, T) and its images: the merged patches' embeddings, the DeepStack
-        features, and every token's M-RoPE positions (each segment of `segments` (B, T), 0 padding, counted from
+        """Qwen3-VL's ImageTokens of ids (B, T) and its images and videos (data/qwen_videos.Video, in the order of
+        their placeholders): the merged patches' embeddings, the DeepStack features, and every token's M-RoPE
+        positions (each segment of `segments` (B, T), 0 padding, counted from
         0; the whole row without them); cache as image_tokens'."""
         pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
                          (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
         ids = np.atleast_2d(np.asarray(ids))
-        if (ids == self.vision.video_token_id).any():
-            raise DataError(f"videos are not supported (the input holds video_token_id {self.vision.video_token_id})")
-        blocks = image_blocks(ids, self.vision.image_token_id, bidirectional=False)
+        visual = np.isin(ids, (self.vision.image_token_id, self.vision.video_token_id))    # a video's read as images'
+        blocks = image_blocks(visual.astype(np.int64), 1, bidirectional=False)
         n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
         if n_tokens != expected:
-            raise DataError(f"{n_tokens} image placeholder tokens for {len(grids)} images of {expected} tokens in all")
+            raise DataError(f"{n_tokens} image (and video) placeholder tokens for {len(grids)} images and videos of "
+                            f"{expected} tokens in all")
         if not len(grids):
             return None
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
@@ -292,25 +294,29 @@ class VisionModel:
         return ImageTokens(blocks, self.tower(pixels))
 
     def mrope_positions(self, ids, grids, segments=None) -> tuple:
-        """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order, each segment counted from 0
-        (models/qwen3_vl.rope_index), padding 0; the position after each row's last segment (B,))."""
+        """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order (a video's: a run per frame
+        group), each segment counted from 0 (models/qwen3_vl.rope_index), padding 0; the position after each row's
+        last segment (B,))."""
         ids = np.atleast_2d(np.asarray(ids))
         seg = np.ones_like(ids) if segments is None else np.asarray(segments).reshape(ids.shape)
         out, after = np.zeros((3, *ids.shape), np.int64), np.zeros(ids.shape[0], np.int64)
-        grids, image = iter(np.asarray(grids).tolist()), self.vision.image_token_id
+        grids = iter(frame_grids(grids))
         for b in range(ids.shape[0]):
             for s in [s for s in dict.fromkeys(seg[b].tolist()) if s != 0]:
                 where = np.flatnonzero(seg[b] == s)
-                runs = int(np.sum(np.diff(np.concatenate([[0], ids[b, where] == image]).astype(int)) == 1))
+                visual = np.isin(ids[b, where], (self.vision.image_token_id, self.vision.video_token_id))
+                runs = int(np.sum(np.diff(np.concatenate([[0], visual]).astype(int)) == 1))
                 out[:, b, where], after[b] = rope_index(ids[b, where], [next(grids) for _ in range(runs)],
                                                         self.vision)
         return out, after
 
     def _text_ids(self, ids):
-        """ids with an image placeholder outside the vocabulary read as 0 (its embedding row is replaced)."""
+        """ids with an image (or video) placeholder outside the vocabulary read as 0 (its embedding row is
+        replaced)."""
         ids = np.array(ids, dtype=np.int64)
-        if self.vision.image_token_id >= self.model.config.vocab_size:
-            ids[ids == self.vision.image_token_id] = 0
+        for token in (self.vision.image_token_id, getattr(self.vision, "video_token_id", -1)):
+            if token >= self.model.config.vocab_size:
+                ids[ids == token] = 0
         return ids
 
     def prompt_images(self, ids, images) -> tuple:
