@@ -1,0 +1,211 @@
+"""GRPO with tools and images on the tiny Gemma 3 (its chat template given tool calls): a tool round trip whose
+second turn decodes on after the tool result with the prompt's images kept in the KV cache (equal to a fresh
+prefill of the whole text with the images), its token layout and masks, the first step's loss and LoRA gradients
+equal to a recomputation through VisionModel.loss_and_grads of the same rollouts, a CLI run with an environment
+whose tool returns a fixed result, and WebGPU equal to NumPy for one step."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from wgpu_train.data.records import IGNORE_INDEX
+from wgpu_train.engines.generate import DecodeBatch
+from wgpu_train.training.tools_loop import TurnSampler
+from wgpu_train.training.tools_rollouts import ToolRollouts
+
+from test_grpo_trl import first_step_gradients
+from test_vision_preference import config, grpo_records, pref_setup, write_pref_data  # noqa: F401
+from test_gemma3_vision_training import chat_vlm  # noqa: F401
+from tolerances import assert_close
+
+FIRST = 3                  # the first turn's tokens (then parsed as a call of add)
+BUDGET = 64                # --max-completion-length: room for the tool result and a second turn
+RESULT = "5"
+# Gemma 3's turns with tool calls written as Qwen2.5's <tool_call>{json}</tool_call> and results as <tool_response>
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<start_of_turn>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    "<end_of_turn>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<start_of_turn>tool\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><end_of_turn>\n{% else %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else m.role }}\n{% if m.content is string %}{{ m.content | trim }}"
+    "{% else %}{% for c in m.content %}{% if c.type == 'image' %}<start_of_image>{% elif c.type == 'text' %}"
+    "{{ c.text | trim }}{% endif %}{% endfor %}{% endif %}{% for tc in m.tool_calls or [] %}<tool_call>\n"
+    "{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<end_of_turn>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+
+
+def log_softmax(logits) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def length_reward(prompts, completions, **kwargs):
+    return [len(str(c[-1].get("content", ""))) / 8 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tools_vlm(pref_setup, tmp_path_factory):  # noqa: F811
+    """(root with the PEFT adapter, the tiny Gemma 3's folder with the tool template, end of turn its EOS)."""
+    root, folder, _, _ = pref_setup
+    model = tmp_path_factory.mktemp("gemma3_tools") / "model"
+    shutil.copytree(folder, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE,
+                                                             "eos_token": "<end_of_turn>"}))
+    cfg = json.loads((model / "config.json").read_text())    # room for the tools' schemas in the tiny vocabulary
+    cfg["text_config"]["max_position_embeddings"] = 1024
+    (model / "config.json").write_text(json.dumps(cfg))
+    return root, model
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Every rollout's first turn: FIRST sampled tokens, parsed as a call of add(2, 3); later turns as they are."""
+    parse = ToolRollouts.parse
+
+    class Short(TurnSampler):
+        seen: list = []         # each batch's images, as the sampler was given them
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            Short.seen.append(self.images)
+
+        def first(self, budget):
+            return super().first(min(budget, FIRST))
+
+    def first_is_a_call(self, ids, prefix):
+        if "<tool_response>" not in self.tokenizer.decode(prefix, skip_special_tokens=False):
+            return dict(CALL)
+        return parse(self, ids, prefix)
+
+    monkeypatch.setattr(ToolRollouts, "sampler", Short)
+    monkeypatch.setattr(ToolRollouts, "parse", first_is_a_call)
+    return Short
+
+
+def trainer_of(tools_vlm, tmp_path, **kw):
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    root, model = tools_vlm
+    data = write_pref_data(tmp_path / "data", grpo_records())
+    cfg = config(root, model, tmp_path, **{**dict(data=str(data), objective="grpo", batch_size=4, num_generations=2,
+                                                  max_completion_length=BUDGET, beta=0.0, max_steps=1, seed=0,
+                                                  temperature=1.0), **kw})
+    return GRPOTrainer(cfg, log=lambda m: None, reward_funcs=[length_reward], tools=[add]).setup()
+
+
+def test_tool_round_trip_keeps_the_images_in_context(tools_vlm, tmp_path, forced):
+    """A greedy rollout: the first turn, the tool result's tokens (the template's tool message and next generation
+    prompt, tool mask 0) and a second turn that is VisionModel.generate's greedy answer to the whole text with the
+    prompt's images (the images stayed in the cache row across the extension); the prompt holds the tools' schemas
+    and the image's expanded tokens."""
+    trainer = trainer_of(tools_vlm, tmp_path)
+    tok, vm = trainer.tokenizer, trainer.vision
+    examples = trainer.prompts["train"]
+    batch = trainer.tool_rollouts.run(trainer.engine, examples, trainer.settings, greedy=True, vision=vm)
+    suffix = trainer.tool_rollouts.suffix_ids([{"role": "tool", "name": "add", "content": RESULT}])
+    for ex, given in zip(examples, forced.seen[-1]):        # each prompt's images prefilled with it
+        want = vm.prompt_images(ex.input_ids, ex.record.images)[1]
+        assert given.blocks.shape == (1, ex.input_ids.size) and (given.blocks == want.blocks).all()
+        assert_close(given.embeds, want.embeds, "logits_f32", "the prompt's image embeddings")
+    for ex, r in zip(batch.examples, batch.rollouts):
+        text = tok.decode(ex.input_ids.tolist(), skip_special_tokens=False)
+        assert '"name": "add"' in text and int((ex.input_ids == vm.vision.image_token_id).sum()) == 4
+        first, rest = r.ids[:FIRST], r.ids[FIRST + len(suffix):]
+        assert r.ids[FIRST:FIRST + len(suffix)] == suffix and rest
+        assert r.tool_mask == [1] * FIRST + [0] * len(suffix) + [1] * len(rest)
+        assert [m["role"] for m in r.turns[:2]] == ["assistant", "tool"] and r.turns[1]["content"] == RESULT
+        whole = np.concatenate([ex.input_ids, np.asarray(first + suffix, ex.input_ids.dtype)])
+        assert rest == vm.generate(whole, ex.record.images, len(rest), list(tok.eos_token_ids))
+    # a held row with images, extended by the tool result: its next token's log-probabilities are those of the
+    # whole text's prefill with the images, not those without them
+    ex = batch.examples[0]
+    whole = np.concatenate([ex.input_ids, np.asarray(batch.rollouts[0].ids[:FIRST] + suffix, np.int64)])
+    decode = DecodeBatch(trainer.engine, 1, whole.size + 2)
+    ids, images = vm.prompt_images(ex.input_ids, ex.record.images)
+    slot = decode.add(ids, FIRST, logprobs=trainer.model.config.vocab_size, images=images, hold=True)
+    while len(decode):
+        decode.step()
+    decode.extend(slot, suffix, 1)
+    (token,) = decode.step()
+    decode.close()
+    got = np.array([lp for _, lp in sorted(token.top)])
+    with_images = log_softmax(vm.logits(whole[None], ex.record.images)[0, -1])
+    without = log_softmax(trainer.model.logits(whole[None])[0, -1])
+    assert_close(got, with_images, "logits_f32", "the extended row's log-probabilities")
+    assert np.abs(without - with_images).max() > 1e-3
+
+
+def test_loss_and_gradients_equal_loss_and_grads_of_the_rollouts(tools_vlm, tmp_path, forced):
+    """The first step (sampled rollouts with a tool round trip each, dapo's normalisation, the ratio 1): the
+    mask leaves out the prompt and the tool result's tokens, and the LoRA gradients are the advantage-weighted sum
+    of each row's VisionModel.loss_and_grads (its completion's model tokens labelled, its images) times its
+    share of the step's tokens."""
+    trainer = trainer_of(tools_vlm, tmp_path)
+    grads, result, gen = first_step_gradients(trainer)
+    rows = [trainer.prompts["train"][i] for i in gen.indices for _ in range(2)]
+    total = int(gen.mask.sum())
+    expected = {}
+    assert (gen.tool_mask == 0).any(axis=1).all() and np.abs(gen.advantages).max() > 0
+    for r, ex in enumerate(rows):
+        ids = gen.completions[r][gen.completions[r] >= 0]
+        tools = np.asarray(gen.tool_mask[r][:ids.size])
+        full = np.concatenate([ex.input_ids, ids]).astype(np.int64)
+        labels = full.copy()
+        labels[:ex.input_ids.size] = IGNORE_INDEX
+        labels[ex.input_ids.size + np.flatnonzero(tools == 0)] = IGNORE_INDEX
+        n = int((labels != IGNORE_INDEX).sum())
+        assert int(gen.mask[r].sum()) == n == int(tools.sum())
+        _, g = trainer.vision.loss_and_grads(full[None], labels[None], ex.record.images)
+        for k, v in g.items():
+            expected[k] = expected.get(k, 0.0) + gen.advantages[r] * n / total * v.astype(np.float64)
+    mine = trainer.model._public_grad_names(grads)
+    assert set(mine) == set(expected)
+    for k, v in expected.items():
+        assert np.abs(v).max() > 0, k
+        assert_close(mine[k], v, "grpo_vs_trl_grads", k)
+    assert_close(np.float64(result.loss), np.float64(0.0), "loss_f32", "the loss at ratio 1 of centred advantages")
+
+
+def test_cli_grpo_with_an_environment_and_images(tools_vlm, tmp_path, forced, capsys):
+    """`finetune --objective grpo --environment` on prompts with images: each rollout calls the environment's tool
+    (its fixed result appended), a step is taken, completions.jsonl keeps each row's turns."""
+    from wgpu_train.cli.main import main
+
+    root, model = tools_vlm
+    (tmp_path / "envs.py").write_text(
+        "class Fixed:\n    def reset(self, **kwargs):\n        return None\n\n"
+        "    def add(self, a: int, b: int) -> str:\n        \"\"\"Add two numbers.\n\n        Args:\n"
+        "            a: The first number.\n            b: The second number.\n        \"\"\"\n        return '5'\n\n"
+        "    def get_reward(self) -> float:\n        return 1.0\n")
+    data = write_pref_data(tmp_path / "data", grpo_records())
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(model), "--backend", "numpy", "--data", str(data), "--objective", "grpo",
+                 "--num-generations", "2", "--environment", f"{tmp_path / 'envs.py'}:Fixed", "--batch-size", "4",
+                 "--max-steps", "1", "--max-completion-length", str(BUDGET), "--no-progress", "--valid-split", "0",
+                 "--adapter-path", str(root / "adapter"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["images"] == 2 and summary["objective"]["tools"] == ["add"]
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["prompt"][-1]["content"][0] == {"type": "image"} and row["rewards"]["Fixed"] == 1.0
+        assert [m["role"] for m in row["turns"][:2]] == ["assistant", "tool"] and row["turns"][1]["content"] == "5"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tools/call_frequency"] for r in steps if "grad_norm" in r] == [1.0]
