@@ -209,3 +209,37 @@ def test_cli_grpo_with_an_environment_and_images(tools_vlm, tmp_path, forced, ca
         assert [m["role"] for m in row["turns"][:2]] == ["assistant", "tool"] and row["turns"][1]["content"] == "5"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["tools/call_frequency"] for r in steps if "grad_norm" in r] == [1.0]
+
+
+def test_grpo_with_tools_and_images_on_webgpu_equals_numpy(tools_vlm, tmp_path, forced, monkeypatch, rt):
+    """One step of the same scripted rollouts (a tool round trip each, the reference the adapter off, scored with
+    the images): the WebGPU engine's loss, KL and adapter are the NumPy engine's."""
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    class Scripted:
+        def __init__(self, engine, prompts, *args):
+            self.n = len(prompts)
+
+        def first(self, budget):
+            return [[10 + i, 11, 12] for i in range(self.n)]
+
+        def resume(self, rows, appended, budgets):
+            return [([20 + i] * (1 + i) + [4])[:n] for i, n in zip(rows, budgets)]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ToolRollouts, "sampler", Scripted)
+    runs = {}
+    for backend in ("numpy", "wgpu"):
+        kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
+        trainer = trainer_of(tools_vlm, tmp_path / backend, backend=backend, lr=1e-2, beta=0.04, **kw)
+        trainer.train()
+        rows = [json.loads(line) for line in (tmp_path / backend / "run" / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = ([[r["loss"], r["kl"], r["tools/call_frequency"]] for r in rows if "grad_norm" in r],
+                         read_safetensors(tmp_path / backend / "run" / "adapter_model.safetensors"))
+    (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
+    assert len(loss_n) == 1 and loss_n[0][2] == 1.0 and set(ad_n) == set(ad_w)
+    assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "GRPO loss and KL with tools and images")
+    for name in ad_n:
+        assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
