@@ -22,19 +22,20 @@ from test_gemma3_vision_training import chat_vlm  # noqa: F401
 from tolerances import assert_close
 
 FIRST = 3                  # the first turn's tokens (then parsed as a call of add)
-BUDGET = 24                # --max-completion-length: room for the tool result and a second turn
+BUDGET = 48                # --max-completion-length: room for the tool result and a second turn
 RESULT = "5"
-# Gemma 3's turns with tool calls written as Qwen2.5's <tool_call>{json}</tool_call>, results in a tool turn (the
-# tools named, not their schemas: short prompts in the tiny vocabulary)
+# Gemma 3's turns and image placeholder, the assistant's opened by Qwen2.5's header (plain text here: where the
+# tool-call parser finds the answer) and its tool calls written as Qwen2.5's <tool_call>{json}</tool_call>; results
+# in a tool turn; the tools named, not their schemas (short prompts in the tiny vocabulary)
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}<start_of_turn>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
     "<end_of_turn>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<start_of_turn>tool\n{{ m.content }}"
-    "<end_of_turn>\n{% else %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
-    "{% if m.content is string %}{{ m.content | trim }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
+    "<end_of_turn>\n{% else %}{{ '<|im_start|>assistant' if m.role == 'assistant' else '<start_of_turn>' + m.role }}"
+    "\n{% if m.content is string %}{{ m.content | trim }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
     "<start_of_image>{% elif c.type == 'text' %}{{ c.text | trim }}{% endif %}{% endfor %}{% endif %}"
     "{% for tc in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
     "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<end_of_turn>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CALL = {"role": "assistant", "content": "", "tool_calls": [
     {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
 
@@ -67,6 +68,9 @@ def tools_vlm(pref_setup, tmp_path_factory):  # noqa: F811
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE,
                                                              "eos_token": "<end_of_turn>"}))
+    cfg = json.loads((model / "config.json").read_text())    # room for a tool round trip in the tiny vocabulary
+    cfg["text_config"]["max_position_embeddings"] = 256
+    (model / "config.json").write_text(json.dumps(cfg))
     return root, model
 
 
@@ -268,3 +272,45 @@ def test_two_workers_and_two_stages_with_tools_and_images_equal_one_process(tool
         losses = [[json.loads(line)[k] for k in ("loss", "kl")] for f in (one, two)
                   for line in (f / "metrics.jsonl").read_text().splitlines() if "grad_norm" in line]
         assert_close(np.array(losses[1]), np.array(losses[0]), tolerance, f"{other}: a step's loss and KL")
+
+
+def test_serve_answers_a_request_with_tools_and_an_image(tools_vlm, tmp_path):
+    """`serve` with `tools` and an image_url part in one request: the prompt is the chat template's with the tools
+    rendered and the image's placeholder expanded, the answer (its tool-call parsing on) VisionModel.generate's
+    greedy one with the image."""
+    openai = pytest.importorskip("openai")
+    from test_gemma3_vision import Image
+    from wgpu_train.cli.main import build_parser
+    from wgpu_train.cli.serve import prepare
+    from wgpu_train.serve.app import build_app
+    from wgpu_train.serve.server import ServerThread
+
+    _, model = tools_vlm
+    path = tmp_path / "red.png"
+    Image.new("RGB", (30, 20), (255, 0, 0)).save(path)
+    args = build_parser().parse_args(["serve", "--model", str(model), "--backend", "numpy", "--port", "0",
+                                      "--api-key", "k", "--served-model-name", "default"])
+    scheduler, sock = prepare(args)
+    scheduler.start()
+    thread = ServerThread(build_app(scheduler, "k"), sock).start()
+    tool = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="k", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="default", max_tokens=6, temperature=0, tools=[tool], messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": path.as_uri()}},
+                                         {"type": "text", "text": "what colour is it?"}]}])
+        vm, tok = scheduler.vision, scheduler.tokenizer
+    finally:
+        thread.stop()
+        scheduler.close()
+    span = vm.image_span(tok)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                     "text": "what colour is it?"}]}],
+                                   add_generation_prompt=True, tools=[tool])
+    from wgpu_train.data.vision_records import expand_placeholders
+    ids = tok.encode(expand_placeholders(text, span, [span.expansion(str(path))]))
+    assert "Tools: add" in text and r.usage.prompt_tokens == len(ids)
+    out = vm.generate(np.asarray(ids), [str(path)], 6, list(tok.eos_token_ids))
+    assert r.usage.completion_tokens == len(out)
+    assert r.choices[0].message.content == tok.decode([t for t in out if t not in tok.eos_token_ids]).strip()
