@@ -2,7 +2,8 @@
 second turn decodes on after the tool result with the prompt's images kept in the KV cache (equal to a fresh
 prefill of the whole text with the images), its token layout and masks, the first step's loss and LoRA gradients
 equal to a recomputation through VisionModel.loss_and_grads of the same rollouts, a CLI run with an environment
-whose tool returns a fixed result, and WebGPU equal to NumPy for one step."""
+whose tool returns a fixed result, WebGPU equal to NumPy for one step, workers and stages equal to one process,
+`serve` with tools and an image; and a Qwen3-VL row extended after its images (M-RoPE positions)."""
 from __future__ import annotations
 
 import json
@@ -13,12 +14,14 @@ import pytest
 
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.engines.generate import DecodeBatch
+from wgpu_train.formats.tokenizer import load_tokenizer
 from wgpu_train.training.tools_loop import TurnSampler
 from wgpu_train.training.tools_rollouts import ToolRollouts
 
 from test_grpo_trl import first_step_gradients
 from test_vision_preference import config, grpo_records, pref_setup, write_pref_data  # noqa: F401
 from test_gemma3_vision_training import chat_vlm  # noqa: F401
+from test_qwen3_vl import vlm  # noqa: F401  (the tiny Qwen3-VL)
 from tolerances import assert_close
 
 FIRST = 3                  # the first turn's tokens (then parsed as a call of add)
@@ -314,3 +317,30 @@ def test_serve_answers_a_request_with_tools_and_an_image(tools_vlm, tmp_path):
     out = vm.generate(np.asarray(ids), [str(path)], 6, list(tok.eos_token_ids))
     assert r.usage.completion_tokens == len(out)
     assert r.choices[0].message.content == tok.decode([t for t in out if t not in tok.eos_token_ids]).strip()
+
+
+def test_qwen3_vl_row_extended_after_its_images_keeps_mrope_positions(vlm):  # noqa: F811
+    """A held Qwen3-VL row with images, extended by text tokens (a tool result) prefilled in two chunks: the next
+    token's log-probabilities are those of the whole text's prefill with the images (each new token's M-RoPE
+    position counted on from the prompt's, not from its cache row)."""
+    from test_qwen3_vl import images as qwen_images, span as qwen_span
+
+    _, folder, vm = vlm
+    tok = load_tokenizer(folder)
+    pictures = qwen_images(1, seed=4)
+    prompt = np.asarray(tok.encode("user ") + qwen_span(vm, pictures[0]) + tok.encode(" what colour is it?"))
+    appended = tok.encode(" red blue green squares")
+    decode = DecodeBatch(vm.model.engine, 1, 96, token_budget=4)
+    ids, tokens = vm.prompt_images(prompt, pictures)
+    slot = decode.add(ids, 2, logprobs=vm.model.config.vocab_size, images=tokens, hold=True)
+    first = []
+    while len(decode):
+        first += [t.id for t in decode.step()]
+    decode.extend(slot, appended, 1)
+    got = []
+    while len(decode):
+        got += decode.step()
+    decode.close()
+    whole = np.concatenate([prompt, first, appended])
+    want = log_softmax(vm.logits(whole[None], pictures)[0, -1])
+    assert_close(np.array([lp for _, lp in sorted(got[0].top)]), want, "logits_f32", "the extended row")
