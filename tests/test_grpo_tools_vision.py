@@ -187,13 +187,14 @@ def test_loss_and_gradients_equal_loss_and_grads_of_the_rollouts(tools_vlm, tmp_
 
 
 def test_cli_grpo_with_an_environment_and_images(tools_vlm, tmp_path, forced, capsys):
-    """`finetune --objective grpo --environment` on prompts with images: each rollout calls the environment's tool
-    (its fixed result appended), a step is taken, completions.jsonl keeps each row's turns."""
+    """`finetune --objective grpo --environment` on prompts with images: each rollout's prompt takes reset's text
+    as a text part after its own, calls the environment's tool (its fixed result appended), a step is taken,
+    completions.jsonl keeps each row's turns; a tool result with an image is refused in one line."""
     from wgpu_train.cli.main import main
 
     root, model = tools_vlm
     (tmp_path / "envs.py").write_text(
-        "class Fixed:\n    def reset(self, **kwargs):\n        return None\n\n"
+        "class Fixed:\n    def reset(self, **kwargs):\n        return ' Use add.'\n\n"
         "    def add(self, a: int, b: int) -> str:\n        \"\"\"Add two numbers.\n\n        Args:\n"
         "            a: The first number.\n            b: The second number.\n        \"\"\"\n        return '5'\n\n"
         "    def get_reward(self) -> float:\n        return 1.0\n")
@@ -209,10 +210,21 @@ def test_cli_grpo_with_an_environment_and_images(tools_vlm, tmp_path, forced, ca
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     for row in rows:
-        assert row["prompt"][-1]["content"][0] == {"type": "image"} and row["rewards"]["Fixed"] == 1.0
+        content = row["prompt"][-1]["content"]         # reset's text after the parts, as TRL appends it
+        assert content[0] == {"type": "image"} and content[-1] == {"type": "text", "text": " Use add."}
+        assert row["rewards"]["Fixed"] == 1.0
         assert [m["role"] for m in row["turns"][:2]] == ["assistant", "tool"] and row["turns"][1]["content"] == "5"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["tools/call_frequency"] for r in steps if "grad_norm" in r] == [1.0]
+    (tmp_path / "pictures.py").write_text((tmp_path / "envs.py").read_text().replace(
+        "return '5'", "return [{'type': 'image', 'image': 'x.png'}]").replace("-> str", "-> list"))
+    assert main(["finetune", "--model", str(model), "--backend", "numpy", "--data", str(data), "--objective", "grpo",
+                 "--num-generations", "2", "--environment", f"{tmp_path / 'pictures.py'}:Fixed", "--batch-size", "4",
+                 "--max-steps", "1", "--max-completion-length", str(BUDGET), "--no-progress", "--valid-split", "0",
+                 "--out", str(tmp_path / "bad")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]        # after the run's log lines
+    assert last == ("error: tool 'add' returned an image: tool results with images are not supported yet (return "
+                    "text)")
 
 
 def test_grpo_with_tools_and_images_on_webgpu_equals_numpy(tools_vlm, tmp_path, forced, monkeypatch, rt):
