@@ -99,3 +99,53 @@ def test_checkpointed_train_step_with_images(folder):
     for path in plain:
         for a, b in zip(plain[path], checkpointed[path]):
             assert_close(b, a, "exact", f"checkpointed step {path}")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "f16"])
+def test_tower_in_the_step_at_sixteen_bits_equals_numpys(folder, precision):
+    """VisionModel.train_step of two micro-batches with their images at 16-bit activations, the SigLIP tower inside
+    the engine's step (TowerImages): a step with the tower frozen, then 2 with LoRA on it too (f16: the loss
+    scaler's scale on the image rows' gradient, unscaled with the engine's before the one global norm). On WebGPU
+    each step is one submission; its loss and norm, and both adapters after the steps, within the 16-bit
+    tolerances of the NumPy engine's at the same precision."""
+    from wgpu_train.data.batching import Example
+    from wgpu_train.engines.webgpu.tuned.adapter_traits import min_workgroup
+    from wgpu_train.models.vision import tower_lora_key
+
+    ids, mask, labels, px = batch()
+    n = int(mask[1].sum())
+    micro = [[Example(ids[0], labels[0], images=list(px[:2]))], [Example(ids[1, :n], labels[1, :n], images=[px[2]])]]
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=1.0)
+    out = {}
+    for vm in load_pair(folder, precision=precision):
+        engine = vm.model.engine
+        if vm.model.backend == "wgpu":      # the adapter's one-time GEMM probe (its own submissions) first
+            min_workgroup(engine.rt)
+        steps = [vm.train_step(micro, hp, 1)]
+        if vm.model.backend == "wgpu":
+            assert engine.last_step["submits"] == 1, "the frozen tower's step: one submission"
+        rng = np.random.default_rng(3)
+        tensors = {}
+        for path in vm.tower.modules()[::2]:
+            out_f, in_f = vm.tower.w[path + ".weight"].shape
+            tensors[tower_lora_key(path, "A", vm.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+            tensors[tower_lora_key(path, "B", vm.vision)] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+        vm.set_tower_lora(tensors, 2.5)
+        for step in (2, 3):
+            steps.append(vm.train_step(micro, hp, step))
+            if vm.model.backend == "wgpu":
+                assert engine.last_step["submits"] == 1, f"step {step}: one submission"
+        assert all(applied for *_, applied in steps)
+        out[vm.model.backend] = (steps, {k: v.copy() for k, v in vm.tower_trainable().items()},
+                                 vm.model.lora_state_dict())
+    (steps_c, tower_c, lm_c), (steps_g, tower_g, lm_g) = out["numpy"], out["wgpu"]
+    for j, ((loss_c, count_c, norm_c, _), (loss_g, count_g, norm_g, _)) in enumerate(zip(steps_c, steps_g)):
+        assert count_g == count_c
+        assert_close(np.float64(loss_g / count_g), loss_c / count_c,
+                     precision + "_gpu_loss" if j == 0 else "sixteen_bit_loss_after_steps", f"step {j + 1} loss")
+        assert_close(np.float64(norm_g), norm_c, precision + "_gpu_grads", f"step {j + 1} norm")
+    assert set(tower_g) == set(tower_c) and set(lm_g) == set(lm_c)
+    for name, want in {**tower_c, **lm_c}.items():
+        got = tower_g[name] if name in tower_g else lm_g[name]
+        assert_close(got, want, "sixteen_bit_params_after_steps", name)
+

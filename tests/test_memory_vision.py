@@ -28,6 +28,8 @@ def memory(capsys, folder, *extra) -> dict:
 
 
 def test_the_tower_is_counted(folder, capsys):
+    from wgpu_train.models.config import ModelConfig
+
     hf = tf.Gemma3ForConditionalGeneration(tiny_config())
     # SigLIP's pooling head (vision_use_head, on in this tiny config) is no part of Gemma 3's path: never loaded
     want = sum(p.numel() for n, p in hf.named_parameters()
@@ -44,11 +46,37 @@ def test_the_tower_is_counted(folder, capsys):
     tower4 = memory(capsys, folder, "--batch-size", "2", "--lora-targets", "q_proj,fc1", "--images-per-row", "2")
     assert tower4["vision"]["tower_activations"] == 2 * tower["tower_activations"]  # the images at once
     text = memory(capsys, folder, "--batch-size", "2", "--images-per-row", "0")
-    assert one["total"] - text["total"] == v["tower_activations"]
+    assert one["total"] - text["total"] == v["tower_activations"] + v["image_inputs"]
+    c = ModelConfig.from_folder(folder).hidden_size       # the image tokens' rows and blocks, embeddings, gradient
+    assert v["image_inputs"] == 4 * (2 * 4 + 3 * 2 * 64 + 2 * 2 * 4 * c) and text["vision"]["image_inputs"] == 0
     from wgpu_train.cli.main import main
 
     assert main(["memory", "--model", str(folder), "--max-seq-len", "64", "--lora-targets", "q_proj,qkv"]) == 2
     assert "qkv is not a module of this model's vision tower" in capsys.readouterr().err   # Qwen's name
+
+
+def test_pipeline_stages_count_their_image_inputs(folder, capsys):
+    """`memory --pipeline-stages 2` with images: the first stage holds each micro-batch's image embeddings and
+    their gradient (float32 here), every stage the image tokens' rows and the blocks of every token, for each
+    micro-batch in flight (GPipe: all of a step's); in each stage's total; none without images."""
+    from wgpu_train.models.config import ModelConfig
+
+    c = ModelConfig.from_folder(folder).hidden_size
+    args = ("--batch-size", "2", "--pipeline-stages", "2", "--pipeline-micro-batches", "3", "--pipeline-schedule",
+            "gpipe")
+    out = memory(capsys, folder, *args, "--images-per-row", "2")
+    n, tokens = 2 * 2 * 4, 2 * 64               # 2 rows of 2 images of 4 tokens; 2 rows of 64 tokens
+    first, later = out["stages"]
+    assert later["image_inputs"] == 1 * (n + 3 * tokens) * 4         # the last stage: one micro-batch in flight
+    assert first["image_inputs"] == 3 * ((n + 3 * tokens) * 4 + 2 * n * c * 4)
+    text = memory(capsys, folder, *args, "--images-per-row", "0")
+    for stage, bare in zip(out["stages"], text["stages"]):
+        assert stage["total"] - bare["total"] == stage["image_inputs"] and bare["image_inputs"] == 0
+    from wgpu_train.cli.main import main
+
+    assert main(["memory", "--model", str(folder), "--max-seq-len", "64", "--backend", "numpy",
+                 "--pipeline-stages", "2"]) == 0
+    assert "image inputs" in capsys.readouterr().out
 
 
 def test_image_tokens_over_the_row_and_a_text_model_are_refused(folder, tmp_path, capsys):

@@ -181,9 +181,10 @@ def test_greedy_generation_with_images_matches_transformers(vlm):
 def test_two_pipeline_stages_give_one_process_loss_gradients_and_answers(vlm):
     """The language model as 2 NumPy pipeline stages: every stage takes the images' M-RoPE positions and the stage
     holding a DeepStack layer its features, in training and in generation's prefill (stage_rows) and decode: one
-    process's loss, LoRA gradients and greedy tokens."""
+    process's loss, LoRA gradients and greedy tokens, also in a DecodeBatch (serve's) beside a text row."""
     import wgpu_train
     from wgpu_train.distributed.pipeline_model import inference_plan, pipeline_model
+    from wgpu_train.engines.generate import DecodeBatch
     from wgpu_train.engines.vision_model import attach_vision
     from wgpu_train.models.config import ModelConfig
 
@@ -202,6 +203,18 @@ def test_two_pipeline_stages_give_one_process_loss_gradients_and_answers(vlm):
         assert_close(grads_s[k], grads_1[k], "pipeline_numpy", k)
     answers = [vm.generate(ids[0, :-2], imgs, max_new_tokens=6) for vm in (staged, one)]
     assert answers[0] == answers[1] and len(answers[0]) == 6
+    # serve's continuous batching over the stages: the image row (its M-RoPE shift in every decode step) beside a
+    # text row, each one process's answer alone
+    batch = DecodeBatch(staged.model.engine, 2, 48)
+    text = batch.add([7, 11, 12], 6)
+    prompt, tokens = staged.prompt_images(ids[0, :-2], imgs)
+    row = batch.add(prompt, 6, images=tokens)
+    out = {text: [], row: []}
+    while len(batch):
+        for t in batch.step():
+            out[t.slot].append(t.id)
+    batch.close()
+    assert out[row] == answers[1] and out[text] == one.model.generate([7, 11, 12], max_new_tokens=6)
     staged.model.engine.close()
 
 def records():
@@ -369,9 +382,20 @@ def test_memory_counts_the_tower_and_image_tokens(vlm, capsys):
     assert v["tower_parameters"] == sum(p.numel() for n, p in hf.named_parameters() if ".visual." in n)
     assert v["tokens_per_image"] == 14 and v["image_tokens_per_row"] == 28 and v["images"] == 4
     assert not v["images_capped"]
-    assert v["image_inputs"] == 4 * (2 * 4 * 12 * 64 * 2 + 2 * 128 * 8)     # DeepStack's and their gradients
+    # the image tokens' rows, every token's blocks and M-RoPE positions, the embeddings, their gradient and the
+    # DeepStack features and their gradients of 2 rows of 2 images of 12 tokens (hidden 64, 8 rotated pairs), float32
+    n, tokens = 2 * 2 * 12, 2 * 128
+    assert v["image_inputs"] == 4 * (n + 3 * tokens + tokens * 8 + n * 64 * (2 + 2 + 2))
     text = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "0")
     assert out["total"] - text["total"] == v["tower_activations"] + v["image_inputs"] - text["vision"]["image_inputs"]
+    # two stages (layer 0 and its DeepStack features on the first, layer 1 and its on the second): every token's
+    # M-RoPE positions on both, the embeddings and their gradient on the first
+    first, later = memory("--max-seq-len", "128", "--batch-size", "2", "--images-per-row", "2",
+                          "--pipeline-stages", "2")["stages"]
+    shared = (n + 3 * tokens + tokens * 8) * 4 + 2 * n * 64 * 4      # a DeepStack feature and its gradient each
+    assert (first["layers"], later["layers"]) == ("0-0", "1-1")
+    assert first["image_inputs"] == shared + 2 * n * 64 * 4 and later["image_inputs"] == shared
+    assert first["image_inputs"] + later["image_inputs"] - v["image_inputs"] == (n + 3 * tokens + tokens * 8) * 4
     capped = memory("--max-seq-len", "24", "--images-per-row", "2")["vision"]
     assert capped["images_capped"] and capped["tokens_per_image"] == (23 // 2)
     assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "q_proj,fc1"]) == 2

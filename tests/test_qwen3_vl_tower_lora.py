@@ -93,6 +93,23 @@ def test_split_targets_names_qwen_tower_modules():
         split_targets("q_proj,visual.patch_embed.proj")
 
 
+def test_preference_objectives_with_qwen_tower_lora_refused(vlm):
+    """Qwen's tower runs outside the engine's step (VisionModel.in_step False): its LoRA with --objective dpo is
+    refused in one line, before any pair is trained (the SigLIP towers' trains inside the engine's step)."""
+    from types import SimpleNamespace
+
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.tower_lora import attach_tower
+
+    _, folder, vm = vlm
+    trainer = SimpleNamespace(config=TrainConfig(lora_targets="q_proj,qkv", objective="dpo"), model=vm.model,
+                              model_dir=folder, continued_from=None, resume=None, log=print)
+    with pytest.raises(ConfigError, match="trains with --objective dpo where the engine runs the tower inside its "
+                                          "step only") as e:
+        attach_tower(trainer)
+    assert "\n" not in str(e.value) and not vm.in_step
+
+
 def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
     """`finetune --lora-targets q_proj,v_proj,qkv,linear_fc2` on Qwen3-VL: the loss falls, the tower's LoRA moves
     and the adapter loads in PeftModel with our logits; `memory` counts the tower's kept activations (within the

@@ -1,6 +1,7 @@
 """Images through `serve` (OpenAI image_url parts: data: URLs and file:// paths) on a tiny Gemma 3 vision model,
-the NumPy engine: the openai client's answer equals `generate --image`'s, text rows batched beside image rows,
-and the 400s (an undecodable image, a remote URL without --allow-remote-images, a model without images)."""
+the NumPy engine: the openai client's answer equals `generate --image`'s, text rows batched beside image rows (in
+one process and over 2 pipeline stages), and the 400s (an undecodable image, a remote URL without
+--allow-remote-images, a model without images)."""
 from __future__ import annotations
 
 import base64
@@ -16,30 +17,35 @@ pytest.importorskip("prometheus_client")
 
 from test_gemma3_vision import images  # noqa: E402
 from test_gemma3_vision_training import chat_vlm  # noqa: E402,F401  (the tiny chat vision model fixture)
+from test_pipeline_commands import in_process  # noqa: E402,F401  (the stages in this process)
 
 KEY = "sk-vision"
 QUESTION = "what colour is it?"
 
 
-@pytest.fixture(scope="module")
-def served(chat_vlm, tmp_path_factory):  # noqa: F811
+def start_server(folder, *extra):
+    """(Scheduler, ServerThread) serving the model in folder on the NumPy engine as `default`, started."""
     from wgpu_train.cli.main import build_parser
     from wgpu_train.cli.serve import prepare
     from wgpu_train.serve.app import build_app
     from wgpu_train.serve.server import ServerThread
 
+    args = build_parser().parse_args(["serve", "--model", str(folder), "--backend", "numpy", "--port", "0",
+                                      "--api-key", KEY, "--max-batch", "4", "--served-model-name", "default", *extra])
+    scheduler, sock = prepare(args)
+    scheduler.start()
+    return scheduler, ServerThread(build_app(scheduler, KEY), sock).start()
+
+
+@pytest.fixture(scope="module")
+def served(chat_vlm, tmp_path_factory):  # noqa: F811
     _, folder, _ = chat_vlm
     root = tmp_path_factory.mktemp("served_images")
     paths = []
     for i, img in enumerate(images(2, seed=9)):
         paths.append(root / f"x{i}.png")
         img.save(paths[-1])
-    args = build_parser().parse_args(["serve", "--model", str(folder), "--backend", "numpy", "--port", "0",
-                                      "--api-key", KEY, "--max-batch", "4",
-                                      "--served-model-name", "default"])
-    scheduler, sock = prepare(args)
-    scheduler.start()
-    thread = ServerThread(build_app(scheduler, KEY), sock).start()
+    scheduler, thread = start_server(folder)
     yield SimpleNamespace(url=thread.url, scheduler=scheduler, folder=folder, paths=paths)
     thread.stop()
     scheduler.close()
@@ -103,6 +109,27 @@ def test_image_rows_batch_with_text_rows(served, client, capsys):
     assert served.scheduler.stats["largest_batch"] >= 2
 
 
+def test_served_as_pipeline_stages_images_answer_as_one_process(served, client, in_process):  # noqa: F811
+    """`serve --pipeline-stages 2` (the stages in this process): image requests (a data: URL, a file:// path)
+    batched beside text requests answer as the one-process server does, token for token."""
+    from wgpu_train.cli.adapter_settings import close_stages
+
+    asks = [(data_url(served.paths[0]), QUESTION), (served.paths[1].resolve().as_uri(), QUESTION),
+            (None, "describe the picture")]
+    wants = [ask(client, url, 5, text) for url, text in asks]
+    scheduler, thread = start_server(served.folder, "--pipeline-stages", "2")
+    try:
+        assert scheduler.vision is not None and len(in_process) == 1
+        staged = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = [f.result() for f in [pool.submit(ask, staged, url, 5, text) for url, text in asks]]
+        assert got == wants and scheduler.stats["largest_batch"] >= 2
+    finally:
+        thread.stop()
+        scheduler.close()
+        close_stages(scheduler.model)
+
+
 def test_remote_images_with_the_flag(served, capsys, monkeypatch):
     """--allow-remote-images: an http URL fetched (from a server on 127.0.0.1, no network), the same answer;
     one that fails to fetch is a 400."""
@@ -144,7 +171,7 @@ def test_bad_images_are_400s(client, url, code, words):
 
 
 def test_a_model_without_images_refuses_them(served, client, monkeypatch):
-    """A model served without a vision tower (text-only, or not on the NumPy engine): a 400 naming it."""
+    """A model served without a vision tower (text-only): a 400 naming it."""
     monkeypatch.setattr(served.scheduler, "vision", None)
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, data_url(served.paths[0]))

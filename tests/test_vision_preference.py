@@ -1,7 +1,8 @@
 """Preference objectives and GRPO with images (TRL's vision records) on a tiny Gemma 3: rows as TRL's
 DataCollatorForVisionPreference makes them; the first step's loss, metrics and LoRA gradients and the adapter after
 three steps equal to TRL's DPOTrainer and GRPOTrainer (scripted completions) with images; rollouts that see the
-images; the WebGPU engine equal to the NumPy engine; bad input in one line."""
+images; `eval --objective` of the same records; the WebGPU engine equal to the NumPy engine; bad input in one
+line."""
 from __future__ import annotations
 
 import copy
@@ -191,24 +192,98 @@ def test_orpo_never_trains_an_images_tokens(pref_setup, tmp_path):
     assert np.isin(ids[:3], [5, 6, 7]).any() and (chosen != -100).sum() > (targets[3:] != -100).sum()
 
 
-def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt):
-    """DPO with images on the WebGPU engine (the tower on the CPU, each micro-batch's ImageTokens uploaded with
-    it, the reference the adapter off in the same submission): the losses and the adapter after two steps are
-    the NumPy engine's."""
+def test_dpo_with_tower_lora_equals_trls(pref_setup, tmp_path, monkeypatch):
+    """LoRA on the vision tower (q_proj, fc1) beside the language model's, DPO through the engine's step (the tower
+    inside it: TowerImages): TRL 1.16's DPOTrainer on the same PEFT adapter (B random everywhere, so policy and
+    reference differ in the tower too; TRL's reference is the adapter off, the tower's LoRA with it): the first
+    step's loss, metrics and LoRA gradients (the tower's and the language model's), then both LoRAs after three
+    AdamW steps."""
+    import datasets
+    import trl
+
+    from wgpu_train.engines.numpy.optim import Optimizer
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.models.vision import tower_lora_key
+
+    root, folder, proc, hf = pref_setup
+    torch.manual_seed(0)
+    targets = r".*(language_model.*\.(q_proj|v_proj)|vision_tower.*encoder.*\.(q_proj|fc1))"
+    lora = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=0.0, target_modules=targets)
+    records = [{**r, "images": [open_image(i).convert("RGB") for i in r["images"]]} for r in pref_records()]
+    records[1]["prompt"] = [{"role": "user", "content": [{"type": "image"},     # Arrow takes one type of content
+                                                         {"type": "text", "text": "describe the picture"}]}]
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(records),
+                         learning_rate=LR, lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
+                         max_grad_norm=1.0, report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0,
+                         max_length=None, beta=0.1, loss_type=["sigmoid"], remove_unused_columns=False)
+    trl_trainer = trl.DPOTrainer(model=copy.deepcopy(hf), args=args, train_dataset=datasets.Dataset.from_list(records),
+                                 processing_class=proc, peft_config=lora)     # its reference: the adapter off
+    pm = peft_random_b(trl_trainer.model, 3)
+    pm.save_pretrained(tmp_path / "adapter")
+    pm.train()
+    grabber = first_step_gradients_callback(pm)
+    trl_trainer.add_callback(grabber)
+    trl_trainer.train()
+    trl_grads = {k.replace(".default.weight", ".weight"): v for k, v in grabber.grads.items()}
+    history = [h for h in trl_trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    pm.save_pretrained(tmp_path / "trl_after")
+
+    trainer = PreferenceTrainer(config(root, folder, tmp_path, adapter_path=None, lora_rank=2, lora_alpha=5,
+                                       lora_targets="q_proj,v_proj,vision_tower.q_proj,fc1"), log=lambda m: None)
+    trainer.setup()
+    assert trainer.vision.in_step and trainer.vision.tower.lora
+    trainer.vision.load_adapter(tmp_path / "adapter")       # PEFT's tensors, the tower's and the language model's
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    assert_close(np.float64(result.loss), np.float64(history[0]["loss"]), "preference_vs_trl_loss", "loss")
+    for key, value in result.metrics.items():
+        assert_close(np.float64(value), np.float64(history[0][key]), "preference_vs_trl_loss", key)
+    first: list = []        # the first step's gradients of both optimizers (the engine's, the tower's), and the norm
+    apply = Optimizer.apply_update
+    monkeypatch.setattr(Optimizer, "apply_update", lambda self, norm, *a, **k: (
+        len(first) < 2 and first.append(({n: g.copy() for n, g in self.grads.items()}, norm))) or apply(
+        self, norm, *a, **k))
+    trainer.train()
+    (lm, norm), (tower, _) = first
+    clip = min(1.0, 1.0 / (norm + 1e-6))                   # torch's clip_grad_norm_ (TRL's grads are clipped)
+    grads = {**{"base_model.model." + k.replace("model.", "model.language_model.", 1) + ".weight": g
+                for k, g in lm.items()},
+             **{tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], trainer.vision.vision): g for k, g in tower.items()}}
+    assert set(grads) == set(trl_grads) and len(tower) == 2 * 2 * 2
+    for k, g in grads.items():
+        assert np.abs(trl_grads[k]).max() > 0, k
+        assert_close(g * clip, trl_grads[k], "preference_vs_trl_grads", k)
+    ours, theirs = (read_safetensors(d / "adapter_model.safetensors") for d in (tmp_path / "run",
+                                                                                tmp_path / "trl_after"))
+    assert set(ours) == set(theirs) and sum(".vision_tower." in k for k in ours) == 2 * 2 * 2
+    before = read_safetensors(tmp_path / "adapter" / "adapter_model.safetensors")
+    for k, v in theirs.items():
+        assert np.abs(v - before[k]).max() > 1e-4, f"{k} trained"
+        assert_close(ours[k], v, "preference_vs_trl_params", k)
+
+
+@pytest.mark.parametrize("tower", [False, True], ids=["", "tower-lora"])
+def test_dpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, rt, tower):
+    """DPO with images on the WebGPU engine (the tower on the device inside the engine's step, the reference the
+    adapter off in the same submission; with LoRA on the tower too, its reference's images the tower's LoRA off):
+    the losses and the adapter after two steps are the NumPy engine's."""
     from wgpu_train.formats.safetensors import read_safetensors
 
     root, folder, _, _ = pref_setup
     runs = {}
+    more = dict(adapter_path=None, lora_rank=2, lora_alpha=5, lora_targets="q_proj,v_proj,vision_tower") if tower \
+        else {}
     for backend in ("numpy", "wgpu"):
         out = tmp_path / backend
         kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
-        PreferenceTrainer(config(root, folder, out, backend=backend, max_steps=2, lr=1e-2, **kw),
+        PreferenceTrainer(config(root, folder, out, backend=backend, max_steps=2, lr=1e-2, **kw, **more),
                           log=lambda m: None).run()
         rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
         runs[backend] = ([r["loss"] for r in rows if "grad_norm" in r],
                          read_safetensors(out / "run" / "adapter_model.safetensors"))
     (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
     assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    assert sum(".vision_tower." in k for k in ad_n) == (2 * 2 * 6 if tower else 0)
+    assert all(np.abs(ad_n[k]).max() > 0 for k in ad_n if ".vision_tower." in k), "the tower's LoRA trained"
     assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "DPO losses with images")
     for name in ad_n:
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
@@ -262,8 +337,65 @@ def test_cli_dpo_on_images_and_bad_input(pref_setup, tmp_path, capsys):
         code = main(args + ["--data", str(path), "--out", str(tmp_path / "bad_run"), "--overwrite"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and any(message in line for line in err), (message, err)
-    assert main(["eval", "--objective", "dpo", "--model", str(folder), "--data", str(data), "--backend", "numpy"]) == 2
-    assert "eval --objective does not take records with images yet" in capsys.readouterr().err
+
+
+def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, tmp_path, capsys):
+    """`eval --objective dpo` of the vision pairs with the adapter (the reference: the adapter off) gives the loss
+    and TRL's metrics of the PreferenceTrainer's first step over the same pairs with the same reference
+    (--precompute-ref-log-probs: the adapter off, test_precomputed_reference_with_images_is_the_adapter_off);
+    the adapter as its own --ref-adapter gives log 2; KTO's unpaired records score too; bad input is one line and
+    exit 2."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, hf = pref_setup
+    data = root / "data" / "train.jsonl"
+    args = ["eval", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data", str(data),
+            "--backend", "numpy", "--batch-size", "3", "--max-seq-len", "200", "--json"]
+    assert main(args + ["--objective", "dpo"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] == "train" and got["examples"] == 3 and got["images"] == 4 and got["rows_cut_in_image"] == 0
+    trainer = PreferenceTrainer(config(root, folder, tmp_path, precompute_ref_log_probs=True),
+                                log=lambda m: None).setup()
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    assert abs(result.metrics["rewards/margins"]) > 1e-4
+    assert_close(np.float64(got["loss"]), np.float64(result.loss), "loss_f32", "loss")
+    for key, value in result.metrics.items():
+        assert_close(np.float64(got[key]), np.float64(value), "loss_f32", key)
+    # --ref-adapter: another model scores the reference with the images too; the adapter itself gives log 2
+    assert main(args + ["--objective", "dpo", "--ref-adapter", str(root / "adapter")]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert_close(np.float64(same["loss"]), np.log(2.0), "loss_f32", "the policy as its own reference")
+    assert same["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert main(args + ["--objective", "kto"]) == 0
+    kto = json.loads(capsys.readouterr().out)
+    assert kto["examples"] == 6 and kto["images"] == 8 and np.isfinite(kto["loss"])
+    assert main(args + ["--objective", "dpo", "--no-chat-template"]) == 2
+    assert "--no-chat-template is not supported with images yet" in capsys.readouterr().err
+    tower = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=r".*(language_model|vision_tower).*\.q_proj", lora_dropout=0.0))
+    tower.save_pretrained(tmp_path / "tower")
+    at = args.index("--adapter-path") + 1
+    assert main(args[:at] + [str(tmp_path / "tower")] + args[at + 1:] + ["--objective", "dpo"]) == 2
+    assert "LoRA on the vision tower is not supported with --objective dpo" in capsys.readouterr().err
+
+
+def test_eval_objective_with_images_on_webgpu_equals_numpy(pref_setup, rt, capsys):
+    """`eval --objective dpo` with images on the WebGPU engine (the reference the adapter off in the same
+    submission, each micro-batch's ImageTokens uploaded): the NumPy engine's loss and metrics."""
+    from wgpu_train.cli.main import main
+
+    root, folder, _, _ = pref_setup
+    args = ["eval", "--objective", "dpo", "--model", str(folder), "--adapter-path", str(root / "adapter"), "--data",
+            str(root / "data" / "train.jsonl"), "--batch-size", "2", "--max-seq-len", "200", "--json"]
+    got = {}
+    for backend in ("numpy", "wgpu"):
+        device = ["--device", str(rt.info.index)] if backend == "wgpu" else []
+        assert main(args + ["--backend", backend] + device) == 0
+        got[backend] = json.loads(capsys.readouterr().out)
+    assert got["wgpu"]["backend"] == "wgpu" and got["wgpu"]["images"] == 4
+    assert abs(got["numpy"]["rewards/margins"]) > 1e-4
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert_close(np.float64(got["wgpu"][key]), np.float64(got["numpy"][key]), "loss_f32", key)
 
 
 # ---- GRPO with images -------------------------------------------------------------------------------------------
@@ -442,10 +574,11 @@ def test_precomputed_reference_with_images_is_the_adapter_off(pref_setup, tmp_pa
         assert_close(np.float64(b.metrics[key]), np.float64(value), "loss_f32", key)
 
 
-def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypatch, rt):
-    """GRPO with images on the WebGPU engine (its step's TokenObjective over micro-batches carrying their
-    ImageTokens, the reference the adapter off): with the same scripted completions, the losses, KL and the adapter
-    after two steps are the NumPy engine's."""
+@pytest.mark.parametrize("tower", [False, True], ids=["", "tower-lora"])
+def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypatch, rt, tower):
+    """GRPO with images on the WebGPU engine (its step's TokenObjective over micro-batches carrying their images,
+    the tower inside the step; the reference the adapter off, with LoRA on the tower too its LoRA off): with the
+    same scripted completions, the losses, KL and the adapter after two steps are the NumPy engine's."""
     from wgpu_train.formats.safetensors import read_safetensors
     from wgpu_train.training.grpo_trainer import GRPOTrainer
 
@@ -467,13 +600,16 @@ def test_grpo_with_images_on_webgpu_equals_numpy(pref_setup, tmp_path, monkeypat
         kw = dict(device=str(rt.info.index)) if backend == "wgpu" else {}
         cfg = config(root, folder, tmp_path / backend, data=str(data), objective="grpo", backend=backend, lr=1e-2,
                      batch_size=G * len(QUESTIONS), num_generations=G, max_completion_length=MAX_COMPLETION,
-                     beta=0.04, max_steps=2, **kw)
+                     beta=0.04, max_steps=2, **kw, **(dict(adapter_path=None, lora_rank=2, lora_alpha=5,
+                                                           lora_targets="q_proj,v_proj,fc1") if tower else {}))
         GRPOTrainer(cfg, log=lambda m: None, reward_funcs=[length_reward, id_reward]).run()
         rows = [json.loads(line) for line in (tmp_path / backend / "run" / "metrics.jsonl").read_text().splitlines()]
         runs[backend] = ([[r["loss"], r["kl"]] for r in rows if "grad_norm" in r],
                          read_safetensors(tmp_path / backend / "run" / "adapter_model.safetensors"))
     (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
     assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    assert sum(".vision_tower." in k for k in ad_n) == (2 * 2 if tower else 0)
+    assert all(np.abs(ad_n[k]).max() > 0 for k in ad_n if ".vision_tower." in k), "the tower's LoRA trained"
     assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "GRPO losses and KL with images")
     for name in ad_n:
         assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)

@@ -81,10 +81,14 @@ def test_gemma3_through_wgpu_stages_equals_one_process(chat_vlm, tmp_path):  # n
 def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa: F811
     """Qwen3-VL on 2 WebGPU stages (the second holds a DeepStack layer): every stage rotates by the images' M-RoPE
     positions, in training and in generation's prefill and decode; one WebGPU process's logits, loss, LoRA gradients, two
-    train steps of two micro-batches each with its own images, and greedy tokens. Its tower's LoRA through the stages
-    (no DeepStack gradients come back) is refused in one line."""
+    train steps of two micro-batches each with its own images, and greedy tokens (also serve's DecodeBatch, an image
+    row beside a text row); the image buffers each stage holds, as `memory` estimates them. Its tower's LoRA through
+    the stages (no DeepStack gradients come back) is refused in one line."""
     from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.engines.generate import DecodeBatch
     from wgpu_train.engines.protocol import OptimizerParams
+    from wgpu_train.engines.resources import StageImages
+    from wgpu_train.engines.webgpu.stage_memory import image_input_bytes, in_flight
     from wgpu_train.training.config import TrainConfig
 
     require_adapter()
@@ -94,6 +98,18 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
         imgs = images(3, seed=3)
         ids = np.array([[7, *span(one, imgs[0]), 11, 12, *span(one, imgs[1]), 13, 14]])
         _same_logits_gradients_and_answer(staged, one, ids, ids, imgs[:2], ids[0, :-2], imgs[:2])
+        # serve's continuous batch over the stages: the image row (M-RoPE shifted decode) beside a text row
+        batch = DecodeBatch(staged.model.engine, 2, 48)
+        text = batch.add([7, 11, 12], 5)
+        prompt, tokens = staged.prompt_images(ids[0, :-2], imgs[:2])
+        row = batch.add(prompt, 5, images=tokens)
+        got = {text: [], row: []}
+        while len(batch):
+            for t in batch.step():
+                got[t.slot].append(t.id)
+        batch.close()
+        assert got[row] == one.generate(ids[0, :-2], imgs[:2], max_new_tokens=5)
+        assert got[text] == one.model.generate([7, 11, 12], max_new_tokens=5)
         rows = [ids[0], np.array([8, 9, *span(one, imgs[2]), 15])]
         hp, out = OptimizerParams(lr=1e-2), []
         for vm in (staged, one):
@@ -114,6 +130,20 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
         for path in lora_1:
             for a, b in zip(lora_s[path], lora_1[path]):
                 assert_close(a, b, "pipeline_wgpu", path)
+        # `memory --pipeline-stages`' image inputs are what each stage holds: a slot of buffers per micro-batch in
+        # flight (the first stage: both micro-batches'; the last: one slot, grown to the wider's), each buffer
+        # the estimate's elements up to its power-of-two capacity (16 at least)
+        plan = staged.model.engine.plan
+        for s, stage in enumerate(staged.model.engine.runner.stages):
+            slots = stage.image_inputs._slots
+            assert len(slots) == in_flight("1f1b", 2, s, 2)
+            wants = [image_input_bytes(one.model.config, StageImages(int((row == PAD).sum()), 2, mrope=True), 1,
+                                       len(row), plan.stages[s], s == 0) for row in rows]
+            want = sum(wants) if len(slots) == 2 else max(wants)
+            got = sum(buf.size for held in slots.values() for buf, _ in held.values())
+            assert want <= got < 2 * want + 64 * sum(map(len, slots.values())), (s, got, want)
+            for held in slots.values():
+                assert ("grad" in held) == (s == 0) and sum(f"deepstack {k}" in held for k in (0, 1)) == 1
     finally:
         staged.model.engine.close()
     data = write_vision_data(tmp_path / "data", records())

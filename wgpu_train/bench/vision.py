@@ -161,9 +161,10 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     dout = rng.standard_normal((n, vc.mm_tokens_per_image, vc.text_hidden_size)).astype(np.float32)
 
     engines = {"numpy": _vision_model(cfg, vc, weights, tower_weights, "numpy")}
-    device_tower = device_err = None
+    device_tower = device_err = lora_device = None
     if rt is not None and hasattr(WgpuEngine, "set_images"):
         device_tower = GpuVisionTower(rt, vc, tower_weights)
+        lora_device = GpuVisionTower(rt, vc, tower_weights)     # its LoRA's: the step's tower stays frozen
         device_err = _check_tower(vc, tower_weights, pixels, device_tower, "WebGPU tower")
         engines[rt.info.describe()] = _vision_model(cfg, vc, weights, tower_weights, "wgpu", str(rt.info.index),
                                                     device_tower)
@@ -179,8 +180,8 @@ def bench_vision(rt, shape: VisionBenchShape = DEFAULT_SHAPE, rounds: int = 3) -
     parts = {"tower_forward": lambda i: frozen(pixels),
              "tower_forward_backward": lambda i: lora_tower.backward(dout, lora_tower.forward(pixels)[1]),
              **({"device_tower_forward": lambda i: device_tower(pixels),
-                 "device_tower_forward_backward": lambda i: device_grads.append(device_tower.backward(
-                     dout, device_tower.forward(pixels, lora_tower.lora)[1]))} if device_tower is not None else {}),
+                 "device_tower_forward_backward": lambda i: device_grads.append(lora_device.backward(
+                     dout, lora_device.forward(pixels, lora_tower.lora)[1]))} if device_tower is not None else {}),
              **{("lm_step", name): (lambda i, name=name: lm_step(name, i)) for name in engines}}
     walls: dict = {k: [] for k in parts}
     for i in range(rounds + 1):                 # round 0: the warm-up (pipelines, the frozen embeddings, checks)

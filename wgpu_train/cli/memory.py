@@ -1,6 +1,6 @@
 """`wgpu-train memory`: the GPU memory a fine-tuning run needs, from the model's config.json alone, as a whole and
 for each pipeline stage (--pipeline-stages), in the precision the run will use; a vision model's tower and its
-images too."""
+images too (on the stages: the image inputs each holds)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,7 @@ def cmd_memory(args) -> int:
     length = min(args.max_seq_len, cfg.max_position_embeddings)
     vision = _vision_estimate(args, model_dir, length)
     targets = args.lora_targets if vision is None else vision.pop("language_targets")
+    stage_images = None if vision is None else vision.pop("stage_images")
     lora = None
     if args.method == "lora":
         layers = parse_layers(args.lora_layers)
@@ -54,13 +55,18 @@ def cmd_memory(args) -> int:
               "embed_dtype": embed, "gradient_checkpointing": args.gradient_checkpointing, "precision": precision,
               "precision_reason": why, **est, "largest_activation_buffer": largest}
     if vision:
+        from wgpu_train.engines.resources import image_input_bytes
+
+        # the device's image inputs of a micro-batch, as one process holds them: a single stage of every layer
+        vision["image_inputs"] = image_input_bytes(cfg, stage_images, args.batch_size, length,
+                                                   range(cfg.num_hidden_layers), True, precision)
         result["vision"] = vision
         result["total"] = est["total"] = est["total"] + vision["tower_weights"] + vision["tower_activations"] + \
-            vision.get("image_inputs", 0)
+            vision["image_inputs"]
     elif args.images_per_row is not None:
         raise ConfigError("--images-per-row: the model takes no images (a Gemma 3 vision model does)")
     if args.pipeline_stages or args.stage_layers:
-        result["stages"] = _stage_estimates(args, cfg, length, lora, base, embed, precision)
+        result["stages"] = _stage_estimates(args, cfg, length, lora, base, embed, precision, stage_images)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -93,7 +99,12 @@ def cmd_memory(args) -> int:
     for i, stage in enumerate(result.get("stages", ())):
         print(f"stage {i} (layers {stage['layers']}, {stage['in_flight']} micro-batch(es) held): "
               + ", ".join(f"{key.replace('_', ' ')} {format_bytes(stage[key])}"
-                          for key in ("weights", "trainable_state", "activations", "logits", "total")))
+                          for key in ("weights", "trainable_state", "activations", "logits", "image_inputs", "total")
+                          if key in stage))
+    if vision and result.get("stages"):
+        print("  (the stages' image inputs: each micro-batch's image embeddings and their gradient on the first, "
+              "its blocks on every stage, M-RoPE positions and DeepStack features where taken; the tower runs in "
+              "the driver's process, on the CPU)")
     print(f"largest activation buffer {format_bytes(largest)}: it must fit the device's max storage binding. "
           f"WebGPU does not report a GPU's memory size: compare the total with yours.")
     return 0
@@ -101,9 +112,11 @@ def cmd_memory(args) -> int:
 
 def _vision_estimate(args, model_dir, length: int) -> dict | None:
     """A vision model's tower and projector (float32 weights, the values its forward holds over the step's
-    images) and the image tokens per row, which must fit --max-seq-len; None for a model without images."""
+    images) and the image tokens per row, which must fit --max-seq-len (stage_images: the images of a row as the
+    device takes them); None for a model without images."""
     from pathlib import Path
 
+    from wgpu_train.engines.resources import StageImages
     from wgpu_train.models.vision import (CONNECTOR, ENCODER_MODULES, PROJ, VisionConfig, split_targets,
                                           tower_activation_values, tower_parameters)
 
@@ -139,15 +152,16 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, images * tiles, bool(tower)),
-            "language_targets": language}
+            "language_targets": language, "stage_images": StageImages(per_row * tiles * vc.mm_tokens_per_image)}
 
 
 def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     """_vision_estimate's for Qwen3-VL: each image as large as its processor makes one (max_pixels), capped to
     what a row leaves it; the tower over the step's images at once (frozen, or with LoRA: its activations kept for
-    the backward); on the device, the DeepStack features of the image tokens and their gradients (the backward
-    gathers them) and every token's M-RoPE positions (image_inputs)."""
+    the backward); its stage_images with the DeepStack features (and their gradients, which the backward gathers)
+    and every token's M-RoPE positions."""
     from wgpu_train.data.qwen_images import QwenImageSettings
+    from wgpu_train.engines.resources import StageImages
     from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
     from wgpu_train.models.vision import CONNECTOR, ENCODER_MODULES, PROJ, split_targets
 
@@ -169,12 +183,11 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
                           f"model's too (q_proj, ...), as finetune trains them")
     images = args.batch_size * per_row
     params = tower_parameters(vc)
-    inputs = 2 * images * merged * vc.text_hidden_size * len(vc.deepstack_indexes) + \
-        args.batch_size * length * vc.text_head_dim // 2
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": bool(tower),
             "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
-            "image_inputs": 4 * inputs, "images_capped": merged < largest, "language_targets": language}
+            "images_capped": merged < largest, "language_targets": language,
+            "stage_images": StageImages(per_row * merged, len(vc.deepstack_indexes), mrope=True)}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:
@@ -202,9 +215,10 @@ def run_precision(precision: str, backend: str, device, cfg) -> tuple:
     return chosen, why
 
 
-def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precision: str) -> list:
+def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precision: str, images=None) -> list:
     """Each pipeline stage's memory_report categories (with its layers and the micro-batches it holds at once),
-    the stages balanced as finetune balances them."""
+    the stages balanced as finetune balances them; images (a vision model's StageImages): the image inputs each
+    stage holds (image_inputs), counted, not balanced (finetune's split leaves them out)."""
     from wgpu_train.engines.resources import balanced_stages, stage_memory
 
     micro = args.pipeline_micro_batches
@@ -214,7 +228,7 @@ def _stage_estimates(args, cfg, length: int, lora, base: str, embed: str, precis
                            args.method, base, embed, args.gradient_checkpointing, precision, micro,
                            args.pipeline_schedule)
     return stage_memory(cfg, plan, args.batch_size, length, lora, args.method, base, embed,
-                        args.gradient_checkpointing, None, precision, micro, args.pipeline_schedule)
+                        args.gradient_checkpointing, None, precision, micro, args.pipeline_schedule, images)
 
 
 def register(sub):

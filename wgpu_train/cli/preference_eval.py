@@ -1,5 +1,6 @@
 """`wgpu-train eval --objective dpo|simpo|orpo|kto`: a preference objective's loss and TRL's metrics on a split of
-preference data, scored as the PreferenceTrainer scores its validation pairs (training/preference_scoring.py)."""
+preference data, scored as the PreferenceTrainer scores its validation pairs (training/preference_scoring.py);
+TRL's vision preference records too, each row with its prompt's images."""
 from __future__ import annotations
 
 import json
@@ -116,6 +117,40 @@ def _read_split(args, data_path, data: DataKind, held_out: tuple[float, int]):
     return splits, split, records
 
 
+def _read_vision_split(args, data_path, data: DataKind, held_out: tuple[float, int]):
+    """_read_split's for TRL's vision preference records (one local file whose first record has `images`): the
+    records of --split as the run held them out (no test split), pairs or KTO's unpaired records."""
+    from wgpu_train.data.preference_vision import vision_preference_records
+    from wgpu_train.data.vision_records import vision_splits
+    from wgpu_train.errors import DataError
+
+    if args.columns:
+        raise ConfigError("--columns is not supported with images yet")
+    unpaired = data is DataKind.UNPAIRED
+    valid_split, seed = held_out
+    splits = vision_splits(data_path, valid_split if args.split else 0.0, seed)
+    split = args.split or ("valid" if splits.valid else "train")
+    records = vision_preference_records(getattr(splits, split), unpaired, str(data_path))
+    if not records:
+        raise DataError(f"{data_path}: no {split} split")
+    return splits, split, records
+
+
+def _attach_vision(args, model, model_dir, adapter):
+    """The VisionModel over the loaded language model (the tower and projector read from model_dir), the adapter
+    loaded through it; LoRA on the tower refused, as finetune --objective refuses it (the reference, the adapter
+    switched off, would keep it)."""
+    from wgpu_train.engines.vision_model import attach_vision
+
+    vision = attach_vision(model, model_dir)
+    if adapter is not None:
+        vision.load_adapter(adapter)
+    if vision.tower.lora:
+        raise ConfigError(f"{adapter}: LoRA on the vision tower is not supported with --objective {args.objective} "
+                          f"yet (sft only)")
+    return vision
+
+
 def cmd_preference_eval(args) -> int:
     """eval with --objective: see the module's docstring."""
     from wgpu_train.adapters.files import adapter_folder
@@ -123,6 +158,7 @@ def cmd_preference_eval(args) -> int:
     from wgpu_train.cli.options import given_no_chat_template
     from wgpu_train.data.preference_batching import kl_partners
     from wgpu_train.data.preference_tokenize import tokenize_preferences, tokenize_unpaired
+    from wgpu_train.data.preference_vision import tokenize_vision_preferences
     from wgpu_train.data.vision_records import is_vision_data
     from wgpu_train.training.config import default_data_dir
     from wgpu_train.training.preference_scoring import ADAPTER_OFF, PreferenceScorer, engine_reference
@@ -133,21 +169,31 @@ def cmd_preference_eval(args) -> int:
     objective, batch_size, truncation = _objective_settings(args, adapter)
     unpaired = objective.unit.data is DataKind.UNPAIRED
     data_path = args.data if args.data else default_data_dir()
-    if is_vision_data(data_path):
-        raise ConfigError("eval --objective does not take records with images yet (finetune --objective does)")
-    splits, split, records = _read_split(args, data_path, objective.unit.data, held_out_split(adapter))
+    with_images = is_vision_data(data_path)
+    read = _read_vision_split if with_images else _read_split
+    splits, split, records = read(args, data_path, objective.unit.data, held_out_split(adapter))
     model_dir = model_folder(args.model, adapter)
     settings = choose_settings({"base_dtype": args.base_dtype, "embed_dtype": args.embed_dtype,
                                 "no_chat_template": given_no_chat_template(args), "max_seq_len": args.max_seq_len},
                                adapter, model_dir)
-    model, tok = load_model_and_tokenizer(model_dir, adapter, args.backend, args.device,
+    if with_images and settings["no_chat_template"]:
+        raise ConfigError("--no-chat-template is not supported with images yet")
+    model, tok = load_model_and_tokenizer(model_dir, None if with_images else adapter, args.backend, args.device,
                                           base_dtype=settings["base_dtype"], embed_dtype=settings["embed_dtype"])
     use_template = not settings["no_chat_template"]
     max_len = min(settings["max_seq_len"], model.config.max_position_embeddings)
-    tokenize = tokenize_unpaired if unpaired else tokenize_preferences
-    examples, stats = tokenize(tok, records, max_len, use_chat_template=use_template, skip_invalid=args.skip_invalid,
-                               **truncation)
-    scorer = PreferenceScorer(objective, batch_size, tok.pad_token_id if tok.pad_token_id is not None else 0)
+    vision, image_ids, cut = None, frozenset(), 0
+    if with_images:         # each row with its prompt's images, tokenized as the PreferenceTrainer tokenizes them
+        vision = _attach_vision(args, model, model_dir, adapter)
+        span = vision.image_span(tok)
+        image_ids = frozenset(tok.token_to_id(t) for t in span.token_names) - {None}
+        examples, stats, cut = tokenize_vision_preferences(tok, records, span, max_len, image_ids, **truncation)
+    else:
+        tokenize = tokenize_unpaired if unpaired else tokenize_preferences
+        examples, stats = tokenize(tok, records, max_len, use_chat_template=use_template,
+                                   skip_invalid=args.skip_invalid, **truncation)
+    scorer = PreferenceScorer(objective, batch_size, tok.pad_token_id if tok.pad_token_id is not None else 0, vision,
+                              image_ids)
     partners = kl_partners(len(examples), batch_size) if unpaired else None
     reference, described = None, None
     if objective.unit.uses_reference:
@@ -165,6 +211,7 @@ def cmd_preference_eval(args) -> int:
     result = {"data": splits.files.get(split, str(data_path)), "split": split, "format": splits.format,
               "objective": vars(objective), "reference": described, "examples": len(examples),
               "dropped": stats.n_dropped, "truncated": stats.n_truncated,
+              **({"images": sum(len(e.images) for e in examples), "rows_cut_in_image": cut} if with_images else {}),
               "skipped": splits.n_skipped + stats.n_skipped, "max_seq_len": max_len, **truncation,
               "chat_template": use_template,
               "batch_size": batch_size, "loss": None if scores is None else scores["loss"],
@@ -180,6 +227,7 @@ def cmd_preference_eval(args) -> int:
         return 0
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in scores["metrics"].items())
     print(line + f"{scores['loss']:.4f}, {metrics}")
-    if stats.n_dropped or stats.n_truncated:
-        print(f"note: {stats.describe()} at {max_len} tokens", file=sys.stderr)
+    if stats.n_dropped or stats.n_truncated or cut:
+        print(f"note: {stats.describe()}{f', {cut} dropped (cut inside or before an image)' if cut else ''} at "
+              f"{max_len} tokens", file=sys.stderr)
     return 0

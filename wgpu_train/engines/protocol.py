@@ -209,7 +209,10 @@ class Engine(Protocol):
         same forward, and keeps the log-probabilities in step_logps (read back with the step's losses), or a
         SequenceObjective: the host's function of the micro-batch's log-probabilities gives its weights between
         the loss head's forward and its backward (step_logps keeps those too); either way the gradients are
-        divided by the micro-batches' trained tokens.
+        divided by the micro-batches' trained tokens. A micro-batch may end with its images: ImageTokens (their
+        embeddings), or TowerImages (their pixels), which the engine's vision tower (set_vision_tower, where the
+        engine has one) runs inside the step, its LoRA (where set) trained with the engine's (reduced, clipped and
+        updated together).
 
         reduce (data parallelism): None, or a callable (gradients, tokens) -> gradients. After the backward of
         every micro-batch, the gradients (normalised by these micro-batches' trained tokens) cross it once, as

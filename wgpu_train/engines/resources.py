@@ -10,16 +10,16 @@ from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.protocol import Precision
 from wgpu_train.engines.webgpu.device.runtime import AdapterInfo, Runtime, choose_adapter, devices, get_runtime
-from wgpu_train.engines.webgpu.stage_memory import balanced_stages, stage_memory
+from wgpu_train.engines.webgpu.stage_memory import StageImages, balanced_stages, image_input_bytes, stage_memory
 from wgpu_train.engines.webgpu.memory import (activation_plan, activation_ranks, base_weight_bytes, count_trainable,
                                               estimate_memory, expert_rank, format_bytes, layer_ranks, lora_groups,
                                               weight_shapes)
 from wgpu_train.engines.webgpu.tuned import tune
 from wgpu_train.engines.webgpu.tuned.catalogue import left_out, tuned_kernels
 
-__all__ = ["AdapterInfo", "Runtime", "balanced_stages", "base_weight_bytes", "check_tune_mode", "choose_adapter",
-           "count_trainable", "devices", "estimate_memory", "format_bytes", "get_runtime", "kernels_left_out",
-           "memory_report", "stage_memory"]
+__all__ = ["AdapterInfo", "Runtime", "StageImages", "balanced_stages", "base_weight_bytes", "check_tune_mode",
+           "choose_adapter", "count_trainable", "devices", "estimate_memory", "format_bytes", "get_runtime",
+           "image_input_bytes", "kernels_left_out", "memory_report", "stage_memory"]
 
 
 def check_tune_mode() -> str:

@@ -1,12 +1,15 @@
 """VisionModel: a vision-language model users hold (Gemma 3, SmolVLM / Idefics3, Qwen3-VL, Qwen3.5), the language
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder or on Qwen's blocks and
-mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams whose image placeholders take
-the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's DeepStack features). The
-language model runs on either engine (both have set_images); the tower on the CPU (NumPy), or beside a language
-model on WebGPU on the device too (webgpu/vision_tower.py, webgpu/qwen_vision_tower.py; its LoRA's backward there as
-well)."""
+mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams
+whose image placeholders take the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's
+DeepStack features). The language model runs on either engine (both have set_images); the SigLIP tower inside the
+engine's train_step (TowerImages: on the device beside WebGPU, webgpu/vision_tower.py, its LoRA's backward too), else
+on the CPU (NumPy); Qwen's towers around the engine's passes, on the device beside WebGPU
+(webgpu/qwen_vision_tower.py, its LoRA's backward too) or on the CPU. (Over 450 lines: the multimodal model's
+whole surface, both tower families.)"""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -26,7 +29,7 @@ from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
 from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
-from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu import qwen_vision_tower
 from wgpu_train.engines.webgpu.qwen_vision_tower import GpuQwenTower
@@ -57,6 +60,15 @@ class VisionModel:
         self.qwen = isinstance(vision, Qwen3VLVision)
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
+        self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
+        # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
+        # NumPy one beside the NumPy engine; else (Qwen's towers, a host tower beside WebGPU, pipeline stages)
+        # the tower runs here, and train_step steps its LoRA around the engine's passes
+        engine = model.engine
+        self.in_step = (not self.qwen and hasattr(engine, "set_vision_tower")
+                        and (device_tower is not None or getattr(engine, "name", "") == "numpy"))
+        if self.in_step:
+            engine.set_vision_tower(device_tower if device_tower is not None else tower)
 
     def pixel_values(self, images, where: str = "record"):
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
@@ -93,11 +105,42 @@ class VisionModel:
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
         self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
-        self.tower_optimizer = Optimizer(self.tower_trainable, self.tower.dtype, {"nonfinite_skipped": 0})
+        if self.in_step:        # the engine's optimizer takes the tower's LoRA (zeroed moments)
+            if self.device_tower is not None:
+                self.device_tower.set_lora(self.tower.lora)
+            self.model.engine.set_vision_tower(self.device_tower if self.device_tower is not None else self.tower)
+        else:
+            self.tower_optimizer = Optimizer(self._host_lora, self.tower.dtype, {"nonfinite_skipped": 0})
+
+    def _host_lora(self) -> dict:
+        return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
 
     def tower_trainable(self) -> dict:
-        """The tower's LoRA tensors by name (path.lora_A / .lora_B), the arrays themselves (AdamW updates them)."""
-        return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
+        """The tower's LoRA tensors by name (path.lora_A / .lora_B): the NumPy tower's arrays, which the device
+        tower's (where it trains them) are read back into first."""
+        if self.device_tower is not None and self.in_step and self.tower.lora:
+            live = self._host_lora()
+            for name, arr in self.device_tower.lora_arrays().items():
+                live[name][...] = arr
+        return self._host_lora()
+
+    def set_tower_trainable(self, arrays: dict):
+        """The tower's LoRA tensors by name (tower_trainable's) written over the live ones."""
+        live = self._host_lora()
+        for name, arr in arrays.items():
+            live[name][...] = arr
+        if self.device_tower is not None and self.in_step:
+            self.device_tower.write_lora(arrays)
+
+    def tower_optimizer_state(self) -> dict:
+        """The tower's LoRA AdamW moments by name: (m, v), the engine's where it trains the tower."""
+        return self.model.engine.tower_optimizer_state() if self.in_step else self.tower_optimizer.state()
+
+    def load_tower_optimizer_state(self, state: dict):
+        if self.in_step:
+            self.model.engine.load_tower_optimizer_state(state)
+        else:
+            self.tower_optimizer.load_state(state)
 
     def save_adapter(self, directory):
         """The adapter in PEFT's format on the multimodal model: the language model's (Model.save_adapter) and the
@@ -162,7 +205,7 @@ class VisionModel:
         if not n_images:
             return None
         if self.device_tower is not None and self.tower.lora:   # the LoRA forward, its backward's cache kept
-            embeds, tower_cache = self.device_tower.forward(pixels, self.tower.lora)      # (N, M, C)
+            embeds, tower_cache = self.device_tower.forward(pixels)                       # (N, M, C)
             if cache is not None:
                 cache.update(tower_cache)
         elif self.device_tower is not None:
@@ -172,6 +215,32 @@ class VisionModel:
             cache.update(tower_cache)
         else:
             embeds = self.tower(pixels)
+        return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
+
+    def tower_images(self, ids, images) -> TowerImages | None:
+        """The TowerImages of a batch ids (B, T) and its images (image_tokens' count check), or None."""
+        m = self.vision.mm_tokens_per_image
+        pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
+        blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
+        n_tokens = int((blocks >= 0).sum())
+        if n_tokens != len(pixels) * m:
+            what = "image tiles" if self.vision.scale_factor else "images"
+            raise DataError(f"{n_tokens} image placeholder tokens for {len(pixels)} {what} of {m} tokens each")
+        if not len(pixels):
+            return None
+        return TowerImages(blocks, pixels, functools.partial(self._host_tokens, ids, pixels), bool(self.tower.lora))
+
+    def _host_tokens(self, ids, pixels) -> ImageTokens:
+        """TowerImages' host(): their ImageTokens, the tower's LoRA off while the language model's adapter is
+        (PEFT's disable_adapter switches both off: a reference's forward)."""
+        if getattr(self.model.engine, "adapter_enabled", True) or not self.tower.lora:
+            return self.image_tokens(ids, pixels)
+        blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
+        lora, self.tower.lora = self.tower.lora, {}
+        try:
+            embeds = self.device_tower(pixels, lora=False) if self.device_tower is not None else self.tower(pixels)
+        finally:
+            self.tower.lora = lora
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
     def _qwen_image_tokens(self, ids, images, segments=None, cache: dict | None = None) -> ImageTokens | None:
@@ -270,10 +339,15 @@ class VisionModel:
     def engine_batch(self, batch: Batch, cache: dict | None = None) -> tuple:
         """A batch of records with images (data/batching.Batch, its `images` each row's) -> the engine's
         micro-batch: (ids with the placeholders as the engine takes them, targets shifted, segment_ids,
-        position_ids[, their ImageTokens]): the tower's forward over the batch's images, once; cache as
-        image_tokens'."""
+        position_ids[, their images]): where the engine runs the tower (in_step), TowerImages, the pixels its
+        train_step takes the tower's forward of (set_images: computed at once); else ImageTokens, the tower's
+        forward over the batch's images here, once; cache as image_tokens' (and ImageTokens with it)."""
         ids = np.asarray(batch.input_ids)
-        images = self.image_tokens(ids, [im for row in batch.images or () for im in row], cache, batch.segment_ids)
+        pictures = [im for row in batch.images or () for im in row]
+        if self.in_step and cache is None:
+            images = self.tower_images(ids, pictures)
+        else:
+            images = self.image_tokens(ids, pictures, cache, batch.segment_ids)
         return (self._text_ids(ids).astype(np.int32), shift_labels(np.asarray(batch.labels, np.int64)),
                 np.ascontiguousarray(batch.segment_ids, np.int32), np.ascontiguousarray(batch.position_ids, np.int32),
                 *(() if images is None else (images,)))
@@ -293,11 +367,12 @@ class VisionModel:
         The tower frozen: its embeddings of each micro-batch's images, then the engine's own step (reduce and
         extra as the engine protocol's); with LoRA on the tower (set_tower_lora), each micro-batch's image-row
         gradient goes back through the tower, `reduce` (a data-parallel worker's) sums both over the workers, and
-        one global norm clips both before AdamW updates each: on the WebGPU engine, a submission per micro-batch's
-        forward and backward, the gradients read back for the norm, then AdamW's (the text-only and frozen-tower
-        steps stay one submission)."""
+        one global norm clips both before AdamW updates each. Where the engine runs the tower (in_step), this is the
+        engine's own train_step over TowerImages micro-batches (on WebGPU, one submission: the tower's forward and
+        its LoRA's backward recorded into it); else (Qwen's towers, a host tower beside WebGPU, pipeline stages) the
+        tower runs here around the engine's passes."""
         micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
-        if not self.tower.lora:
+        if self.in_step or not self.tower.lora:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
         engine = self.model.engine

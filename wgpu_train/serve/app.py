@@ -112,8 +112,8 @@ def build_app(scheduler: Scheduler, api_key: str | None = None, allow_remote_ima
         plan, pixels = None, None
         if chat and req.images:
             if scheduler.vision is None:
-                raise ApiError(400, f"the model '{req.model}' takes no images (a text-only model, or a vision model "
-                                    f"served as pipeline stages)", "messages", "images_not_supported")
+                raise ApiError(400, f"the model '{req.model}' takes no images (a text-only model)", "messages",
+                               "images_not_supported")
             images = request_images(req.images, allow_remote_images)
             pixels = request_pixels(images, scheduler.vision)
             if req.tools is not None:       # the tools rendered, then the images' placeholders expanded

@@ -11,6 +11,7 @@ import numpy as np
 from wgpu_train.data.batching import Example
 from wgpu_train.data.preference_batching import pair_rows, row_batches
 from wgpu_train.engines.protocol import SequenceObjective
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.training.config import PAD_MULTIPLE
 from wgpu_train.training.evaluate import engine_batch
 from wgpu_train.training.objectives import DataKind, ObjectiveResult, PreferenceSettings
@@ -203,9 +204,17 @@ class PreferenceScorer:
 
 
 def token_losses(engine, micro_batch: tuple, reference: bool = False):
-    """engine.token_losses of an engine micro-batch (ids, targets, segment_ids, position_ids[, ImageTokens]),
-    its images set on the engine while it scores."""
+    """engine.token_losses of an engine micro-batch (ids, targets, segment_ids, position_ids[, ImageTokens or
+    TowerImages]), its images set on the engine while it scores; TowerImages of a tower with LoRA, with reference:
+    two calls, the reference's with the adapter off before its images are made (the tower's LoRA off too)."""
     ids, targets, seg, pos, *images = micro_batch
+    if reference and images and isinstance(images[0], TowerImages) and images[0].lora:     # the reference's: LoRA off
+        policy = token_losses(engine, micro_batch)
+        engine.set_adapter_enabled(False)
+        try:
+            return policy, token_losses(engine, micro_batch)
+        finally:
+            engine.set_adapter_enabled(True)
     if images:
         engine.set_images(images[0])
     try:

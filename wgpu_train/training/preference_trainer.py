@@ -185,9 +185,6 @@ class PreferenceTrainer(Trainer):
                                                       or cfg.method == "full" or cfg.modules_to_save))
 
     def _model_ready(self):
-        if self.vision is not None and self.vision.tower.lora:
-            raise ConfigError(f"LoRA on the vision tower is not supported with --objective {self.config.objective} "
-                              f"yet (sft only)")
         if self.unit.uses_reference and self.continued_from and not self._precomputes():
             # TRL's reference for a pretrained adapter: a frozen copy of it ("ref"), swapped in to score
             self._reference_tensors = {k: np.array(v, copy=True) for k, v in self.engine.trainable().items()}

@@ -8,8 +8,8 @@ import numpy as np
 from wgpu_train.adapters.inits import fresh_pair
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.vision import selects, split_targets, tower_lora_key, tower_lora_path
 from wgpu_train.training.objectives import TrainerKind, objective_class
+from wgpu_train.models.vision import selects, split_targets, tower_lora_key, tower_lora_path
 
 _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoint array name prefixes
 
@@ -34,6 +34,11 @@ def attach_tower(trainer) -> VisionModel:
     if vision.qwen and vision.vision.deepstack_indexes and not hasattr(trainer.model.engine, "deepstack_grad"):
         raise ConfigError(f"LoRA on {vision.vision.name}'s vision tower with DeepStack trains without pipeline "
                           f"stages only for now (their stages do not give its DeepStack features' gradients back)")
+    if not vision.in_step and objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
+        raise ConfigError(f"LoRA on this model's vision tower trains with --objective {cfg.objective} where the "
+                          f"engine runs the tower inside its step only for now (a SigLIP tower on the NumPy engine, "
+                          f"or on the device beside WebGPU; not Qwen's towers or pipeline stages): use --objective "
+                          f"sft")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]
@@ -55,7 +60,7 @@ def attach_tower(trainer) -> VisionModel:
 
 def check_tower_targets(cfg, folder, images: bool | None = None):
     """--lora-targets naming the vision tower refused in one line where it cannot train: on a text-only model
-    (no vision_config in folder's config.json), with another objective than sft, on records without images
+    (no vision_config in folder's config.json), on records without images
     (images False; None: the data not read yet)."""
     import json
     from pathlib import Path
@@ -67,9 +72,6 @@ def check_tower_targets(cfg, folder, images: bool | None = None):
     if not json.loads((Path(folder) / "config.json").read_text()).get("vision_config"):
         raise ConfigError(f"{where}: names the vision tower's modules, and {folder} is a text-only model (no "
                           f"vision tower)")
-    if objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
-        raise ConfigError(f"{where}: LoRA on the vision tower trains with the supervised objectives only for now "
-                          f"(not --objective {cfg.objective})")
     if images is False:
         raise ConfigError(f"{where}: LoRA on the vision tower trains on records with images (TRL's vision format)")
 
@@ -89,7 +91,7 @@ def tower_arrays(vision: VisionModel | None) -> dict:
     if vision is None or not vision.tower.lora:
         return {}
     out = {_TENSOR + k: v.copy() for k, v in vision.tower_trainable().items()}
-    for k, (m, v) in vision.tower_optimizer.state().items():
+    for k, (m, v) in vision.tower_optimizer_state().items():
         out[_M + k], out[_V + k] = m, v
     return out
 
@@ -105,7 +107,6 @@ def _restore(vision: VisionModel, folder):
     if saved != set(live):
         raise ConfigError(f"resume: the checkpoint {folder} trained LoRA on {len(saved) // 2} tower modules, "
                           f"--lora-targets names {len(live) // 2}: resume with the targets it trained")
-    for k, t in live.items():
-        t[...] = arrays[_TENSOR + k]
-    vision.tower_optimizer.load_state({k[len(_M):]: (v, arrays[_V + k[len(_M):]])
+    vision.set_tower_trainable({k: arrays[_TENSOR + k] for k in live})
+    vision.load_tower_optimizer_state({k[len(_M):]: (v, arrays[_V + k[len(_M):]])
                                        for k, v in arrays.items() if k.startswith(_M)})

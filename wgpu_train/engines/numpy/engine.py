@@ -22,6 +22,8 @@ from wgpu_train.engines.numpy.optim import Optimizer
 from wgpu_train.engines.numpy.walk import Mode, Walk
 from wgpu_train.engines.numpy.precision import Rounding
 from wgpu_train.engines.numpy.steps import StepRunner
+from wgpu_train.engines.numpy.tower_step import TowerStep
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.mixed_lora import mixed_lora_forward
@@ -81,6 +83,7 @@ class NumpyEngine(EngineState):
         self.optimizer = Optimizer(self.trainable, self.dtype, self.counters)
         self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
                                 self.counters, self.forward, self.backward, self.set_images)
+        self.steps.image_grad = lambda: self.image_grad
         self.dora = DoraLinear(self.w, self.dtype)
         self.layer_ops = LayerOps(cfg, plans, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
                                   self._linear_backward, self.optimizer.add, lambda name: name in self.grads,
@@ -280,8 +283,24 @@ class NumpyEngine(EngineState):
         return dx, (dxl * mask if mask is not None else dxl)
 
     def set_images(self, images):
-        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None)."""
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens; TowerImages: the vision
+        tower's embeddings of them, computed now: their host()), or none (None)."""
+        if isinstance(images, TowerImages):
+            images = images.host()
         self.images = images and images.rounded(lambda x: self.rounding.activation(x.astype(self.dtype), "images"))
+
+    def set_vision_tower(self, tower):
+        """The vision tower (engines/numpy/vision_tower.VisionTower, or None) that runs micro-batches ending with
+        TowerImages inside train_step, its LoRA (its `lora` arrays) trained with the engine's LoRA
+        (tower_step.TowerStep): a new optimizer state, zeroed moments."""
+        self.steps.tower = TowerStep(tower, self.dtype) if tower is not None else None
+
+    def tower_optimizer_state(self) -> dict:
+        """The vision tower's LoRA AdamW moments by name: (m, v)."""
+        return self.steps.tower.optimizer.state()
+
+    def load_tower_optimizer_state(self, state: dict):
+        self.steps.tower.optimizer.load_state(state)
 
     def forward(self, ids, segment_ids, position_ids):
         """ids (B, T) -> logits (B, T, V) and the cache the backward needs."""

@@ -32,6 +32,20 @@ def adamw_update(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, g
     param -= lr * m_hat / (np.sqrt(v_hat) + eps)
 
 
+def reduce_together(optimizers, reduce, total: int):
+    """Pass the gradients of `optimizers` (Optimizer's, each in its grads' order, one after another) through
+    `reduce` as one flat float32 array and take its result."""
+    grads = [g for opt in optimizers for g in opt.grads.values()]
+    flat = np.concatenate([g.astype(np.float32).reshape(-1) for g in grads]) if grads else np.zeros(0, np.float32)
+    out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
+    if out.shape != flat.shape:
+        raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
+    at = 0
+    for g in grads:
+        g[...] = out[at:at + g.size].reshape(g.shape)
+        at += g.size
+
+
 class Optimizer:
     """The gradients and AdamW moments of a NumPy engine's trainable tensors, which `trainable` (a function: name ->
     array, the engine's trainable()) lists; dtype: the engine's; counters: the engine's (skipped steps counted)."""
@@ -64,17 +78,7 @@ class Optimizer:
 
     def reduce(self, reduce, total: int):
         """Pass the gradients through `reduce` as one flat float32 array (self.grads' order) and take its result."""
-        names = list(self.grads)
-        flat = np.concatenate([self.grads[k].astype(np.float32).reshape(-1) for k in names]) if names else \
-            np.zeros(0, np.float32)
-        out = np.asarray(reduce(flat, int(total)), dtype=np.float32)
-        if out.shape != flat.shape:
-            raise ValueError(f"train_step: reduce returned {out.shape[0]} gradients for {flat.shape[0]}")
-        at = 0
-        for k in names:
-            g = self.grads[k]
-            g[...] = out[at:at + g.size].reshape(g.shape)
-            at += g.size
+        reduce_together([self], reduce, total)
 
     def step(self, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=None, step=1,
              lora_b_lr_ratio=1.0):

@@ -1,6 +1,6 @@
 """The NumPy engine's steps through the engine protocol (StepRunner, a part of engine.NumpyEngine): logits, losses, a
 micro-batch's forward and backward with its loss head (weights, a TokenObjective or a SequenceObjective), the
-optimizer step with global-norm clipping and AdamW (optim.Optimizer)."""
+optimizer step with global-norm clipping and AdamW (optim.Optimizer), a vision tower's LoRA too (tower_step.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,10 +10,10 @@ import numpy as np
 
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.engines.numpy import ops
-from wgpu_train.engines.numpy.optim import Optimizer
+from wgpu_train.engines.numpy.optim import Optimizer, grad_norm, reduce_together
 from wgpu_train.engines.numpy.walk import Mode
 from wgpu_train.engines.protocol import LossScaler, SequenceObjective, TokenObjective
-from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 
 
 class StepRunner:
@@ -34,6 +34,8 @@ class StepRunner:
         self.router_aux_loss_coef = 0.0   # the engine's set_router_aux_loss
         self.micro_aux_losses: list = []  # the router aux loss of each training forward since the step began
         self.last_aux_loss = None         # the last train_step's router aux loss (mean over micro-batches), or None
+        self.tower = None                 # the vision tower TowerImages run through (tower_step.TowerStep), or None
+        self.image_grad = lambda: None    # the engine's image rows' gradient of the last backward
 
     def logits(self, ids, segment_ids, position_ids):
         self.mode.training = False
@@ -104,7 +106,9 @@ class StepRunner:
 
     def train_step(self, micro_batches, hp, step: int, profile: bool = False, reduce=None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...]; a
-        micro-batch may end with its images (shared/image_tokens.ImageTokens), which its forward takes.
+        micro-batch may end with its images (shared/image_tokens.ImageTokens), which its forward takes, or with
+        TowerImages: the tower's forward gives them, and with LoRA on it, its backward follows the micro-batch's and
+        its gradients join the engine's (reduced with them, one global norm, clipped and updated together).
 
         Gradients are normalised by the total number of counted tokens of all micro-batches, so the
         step equals the full-batch step; a micro-batch's per-token weights (B, T), when given, multiply its
@@ -114,7 +118,9 @@ class StepRunner:
         """
         started = time.perf_counter()
         total = sum(int((mb[1] != ops.IGNORE_INDEX).sum()) for mb in micro_batches)
-        self.optimizer.zero_grads()
+        optimizers = [self.optimizer] + ([self.tower.optimizer] if self.tower is not None and self.tower.trains else [])
+        for opt in optimizers:
+            opt.zero_grads()
         loss_sum = 0.0
         scaler = self.loss_scaler
         grad_scale = 1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)
@@ -123,7 +129,12 @@ class StepRunner:
         with np.errstate(over="ignore", invalid="ignore") if scaler is not None else contextlib.nullcontext():
             self.step_logps, self.step_entropies = [], []
             for ids, targets, seg, pos, *extra in micro_batches:   # f16's overflows are the scaler's to handle
-                images = extra.pop() if extra and isinstance(extra[-1], ImageTokens) else None
+                images = extra.pop() if extra and isinstance(extra[-1], (ImageTokens, TowerImages)) else None
+                cache = None
+                if isinstance(images, TowerImages) and self.tower is None:     # no tower here: the host's
+                    images = images.host()
+                elif isinstance(images, TowerImages):
+                    images, cache = self.tower.forward(images)
                 if images is not None:
                     self.set_images(images)
                 objective = extra[0] if extra and isinstance(extra[0], (TokenObjective, SequenceObjective)) else None
@@ -135,17 +146,21 @@ class StepRunner:
                                                                    aux_weight)
                 if images is not None:
                     self.set_images(None)
+                if cache is not None:
+                    self.tower.backward(self.image_grad(), cache)
                 loss_sum += loss
                 self.step_logps.append(logps)
                 self.step_entropies.append(entropies)
         aux = [v for v in self.micro_aux_losses if v is not None]
         self.last_aux_loss = float(np.mean(aux)) if aux else None
-        if scaler is not None:
-            self.optimizer.unscale(scaler.scale)
+        for opt in optimizers if scaler is not None else ():
+            opt.unscale(scaler.scale)
         if reduce is not None:
-            self.optimizer.reduce(reduce, total)
-        norm, applied = self.optimizer.step(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay,
-                                            hp.max_grad_norm, step, hp.lora_b_lr_ratio)
+            reduce_together(optimizers, reduce, total)
+        norm = grad_norm([g for opt in optimizers for g in opt.grads.values()])
+        for opt in optimizers:
+            _, applied = opt.apply_update(norm, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm,
+                                          step, hp.lora_b_lr_ratio)
         if scaler is not None:
             scaler.update(applied)
         if profile:

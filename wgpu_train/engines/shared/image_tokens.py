@@ -46,3 +46,21 @@ class ImageTokens:
     def flat(self) -> np.ndarray:
         """(B*T,) bool: the image tokens."""
         return self.blocks.reshape(-1) >= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerImages:
+    """A micro-batch's images as the pixels its engine's vision tower (engine.set_vision_tower) runs inside the
+    train_step: blocks (B, T) int32 as ImageTokens'; pixels (N, C, H, W) float32, the tower's input, whose N *
+    mm_tokens_per_image embeddings take the image tokens' rows in order (their gradient goes back through the
+    tower's LoRA, where it has one); host: () -> their ImageTokens, the tower's forward outside a step (what an
+    engine's set_images takes them as: scoring, a reference engine's), which switch the tower's LoRA off with the
+    engine's adapter; lora: whether the tower has LoRA (a reference's images differ from the policy's then).
+    positions and deepstack: none (SigLIP's)."""
+
+    blocks: np.ndarray
+    pixels: np.ndarray
+    host: object = dataclasses.field(default=None, compare=False, repr=False)
+    lora: bool = False
+    positions = None
+    deepstack = ()

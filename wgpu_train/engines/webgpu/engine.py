@@ -19,6 +19,7 @@ from wgpu_train.adapters.experts import is_expert_path
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.memory import layer_ranks, lora_groups
 from wgpu_train.engines.shared.kv_dtype import KvDtype, check_kv_dtype
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.engines.shared.kv_rows import forward_cached
 from wgpu_train.engines.shared.parts import part_field
 from wgpu_train.engines.shared.quant import check_dtypes, kept_packed
@@ -419,9 +420,26 @@ class WgpuEngine(EngineState):
 
     # ---- images (images.ImageInputs) -----------------------------------------------------------
     def set_images(self, images):
-        """The forwards that follow take these images (a shared/image_tokens.ImageTokens), or none (None): each
-        batch uploads their embeddings and blocks (a train_step's micro-batch may end with its own instead)."""
+        """The forwards that follow take these images (a shared/image_tokens.ImageTokens; TowerImages: their
+        host(), the vision tower's embeddings computed now), or none (None): each batch uploads their embeddings
+        and blocks (a train_step's micro-batch may end with its own instead)."""
+        if isinstance(images, TowerImages):
+            images = images.host()
         self.image_inputs.tokens = images
+
+    def set_vision_tower(self, tower):
+        """The vision tower (webgpu/vision_tower.GpuVisionTower, or None) that runs micro-batches ending with
+        TowerImages inside train_step's recording, its LoRA (when set) trained by the engine's optimizer with the
+        engine's own: call again after the tower's set_lora."""
+        self.steps.tower = tower
+        self.optimizer.set_tower(*((tower.params, tower.grads) if tower is not None else (None, None)))
+
+    def tower_optimizer_state(self) -> dict:
+        """The vision tower's LoRA AdamW moments by name: (m, v)."""
+        return self.optimizer.tower_state()
+
+    def load_tower_optimizer_state(self, state: dict):
+        self.optimizer.load_tower_state(state)
 
     @property
     def image_grad(self):

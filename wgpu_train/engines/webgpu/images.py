@@ -2,13 +2,15 @@
 which the layer recording scatters over the embedding rows, the attention takes as bidirectional blocks (Gemma
 3's), RoPE takes each pair's positions from and the layers add DeepStack features from (Qwen3-VL's), and the
 backward gathers the image rows' gradient and the DeepStack features' from (read back only when asked: image_grad,
-deepstack_grad)."""
+deepstack_grad); a train_step's micro-batch with TowerImages gets its buffers only, the vision tower's forward
+recorded into its embeds (steps.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from wgpu_train.engines.shared.image_tokens import TowerImages
 from wgpu_train.engines.webgpu.device import storage
 from wgpu_train.engines.webgpu.device.runtime import Runtime
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents
@@ -25,7 +27,8 @@ class BatchImages:
     deepstack: Qwen3-VL's features (count, C) each, in the layers' input format, the k-th added to layer k's
     output at the image tokens (frozen: their gradient is the residual stream's, which passes through; None for a
     layer a pipeline stage does not hold); deepstack_grad (count, C) float32 each: the k-th's gradient, layer k's
-    output gradient at the image rows, which a backward gathers (for the tower's LoRA; None as deepstack's)."""
+    output gradient at the image rows, which a backward gathers (for the tower's LoRA; None as deepstack's);
+    pixels: TowerImages' (N, C, H, W), which the vision tower writes embeds from inside the step, or None."""
 
     index: object
     embeds: object
@@ -34,6 +37,7 @@ class BatchImages:
     count: int
     deepstack: tuple = ()
     deepstack_grad: tuple = ()
+    pixels: object = None
 
 
 class ImageInputs:
@@ -99,10 +103,13 @@ class ImageInputs:
                              tuple(self._buffer(slot, f"deepstack grad {k}", n * c) if h else None
                                    for k, h in enumerate(held)))
         rt.write(images.index, index)
-        features = ((images.embeds, self.tokens.embeds),) if first else ()
-        for buf, values in (*features, *zip(images.deepstack, self.tokens.deepstack)):
-            if buf is not None:
-                rt.write(buf, storage.to_words(np.asarray(values, np.float32), fmt))
+        if isinstance(self.tokens, TowerImages):
+            images.pixels = self.tokens.pixels
+        else:
+            features = ((images.embeds, self.tokens.embeds),) if first else ()
+            for buf, values in (*features, *zip(images.deepstack, self.tokens.deepstack)):
+                if buf is not None:
+                    rt.write(buf, storage.to_words(np.asarray(values, np.float32), fmt))
         spans = (with_reaches(np.asarray(position_ids).reshape(-1), blocks.reshape(-1),
                               np.asarray(segment_ids).reshape(-1)) if generation else extents(segment_ids, blocks))
         rt.write(images.spans, spans.reshape(-1).astype(np.int32))

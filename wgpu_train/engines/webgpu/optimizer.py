@@ -1,5 +1,6 @@
 """The WebGPU engine's optimizer (Optimizer, a part that WgpuEngine owns): the trainable tensors' gradients and
-AdamW moments, cut into pieces that each fit one binding, their zeroing, the clipped gradient norm and AdamW."""
+AdamW moments (the vision tower's LoRA's too, set_tower), cut into pieces that each fit one binding, their zeroing,
+the clipped gradient norm and AdamW."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,14 +41,16 @@ class Optimizer:
         self.state_buffers: list = []
         self.norm_slots: list = []
         self.partials = None
+        self._base: tuple = ([], [], [], [])   # the engine's pieces: groups, b_groups, group_names, state_buffers
+        self._tower = None      # the vision tower's LoRA (set_tower): (params, grads, m, v) Packed, or None
 
     def reset(self, lora_packed, trained: tuple, w: dict):
         """Gradients and zeroed AdamW moments of the trainable tensors (lora_packed: the packed LoRA parameters
         and gradients, or None; trained: the names of trained base weights in w), and the pieces: each fits one
         binding and has one norm slot."""
         rt = self.rt
-        if self.state_buffers:
-            rt.release(*self.state_buffers)
+        if self._base[3]:
+            rt.release(*self._base[3])
         self.params, self.grads, self.moments = {}, {}, {}
         self.groups, self.b_groups, self.group_names, self.state_buffers = [], [], [], []
         if lora_packed:                  # the LoRA tensors: packed, a few pieces (set_lora owns params, grads)
@@ -74,9 +77,54 @@ class Optimizer:
             self.b_groups += [False] * len(pieces[0])
             self.group_names += [k] * len(pieces[0])
             self.state_buffers += [t for g in (self.grads[k], *self.moments[k]) for t, _ in parts(g)]
+        self._base = (self.groups, self.b_groups, self.group_names, self.state_buffers)
+        self._assemble()
+
+    def set_tower(self, params: Packed | None, grads: Packed | None):
+        """The vision tower's LoRA (its packed tensors and gradients, every A then every B: webgpu/vision_tower.py)
+        trained with the engine's: its pieces after the engine's, in the same zeroing, unscaling, norm and AdamW,
+        with zeroed moments; None: none."""
+        if self._tower is not None:
+            self.rt.release(self._tower[2].buf, self._tower[3].buf)
+        self._tower = None
+        if params is not None:
+            self._tower = (params, grads, Packed(self.rt, params.shapes, "tower lora_m"),
+                           Packed(self.rt, params.shapes, "tower lora_v"))
+        self._assemble()
+
+    def _assemble(self):
+        """groups (and their lists) from the engine's pieces and the tower's, and the norm's partial sums."""
+        groups, b_groups, names, _ = self._base
+        self.groups, self.b_groups, self.group_names = list(groups), list(b_groups), list(names)
+        if self._tower is not None:
+            params, grads, m, v = self._tower
+            step = max(1, (self.rt.max_binding - 256) // F32)
+            b0 = min((o for k, o in params.offsets.items() if k.endswith(".lora_B")), default=params.n)
+            for start, end in ((0, b0), (b0, params.n)):
+                for o in range(start, end, step):
+                    n = min(step, end - o)
+                    self.groups.append(((params.buf, o), (grads.buf, o), (m.buf, o), (v.buf, o), n))
+                    self.b_groups.append(start == b0)
+                    self.group_names.append(None)
+        if self.partials is not None:
+            self.rt.release(self.partials)
         self.norm_slots = [K.grad_norm_slots(g[4]) for g in self.groups]
-        self.partials = rt.buffer(F32 * max(1, sum(self.norm_slots)), "partials")
-        self.state_buffers.append(self.partials)
+        self.partials = self.rt.buffer(F32 * max(1, sum(self.norm_slots)), "partials")
+
+    def tower_state(self) -> dict:
+        """The tower's LoRA AdamW moments by name (path.lora_A / .lora_B): (m, v) read back."""
+        if self._tower is None:
+            return {}
+        params, _, m, v = self._tower
+        ms, vs = (self.rt.read(t.buf, np.float32, (params.n,)) for t in (m, v))
+        return {k: tuple(a[o:o + int(np.prod(params.shapes[k]))].reshape(params.shapes[k]).copy() for a in (ms, vs))
+                for k, o in params.offsets.items()}
+
+    def load_tower_state(self, state: dict):
+        _, _, m, v = self._tower
+        for k, (mk, vk) in state.items():
+            write_tensor(self.rt, m.view(k), mk)
+            write_tensor(self.rt, v.view(k), vk)
 
     def record_zero_grads(self, rec):
         for _, grad, _, _, n in self.groups:

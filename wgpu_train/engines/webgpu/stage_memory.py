@@ -1,7 +1,9 @@
 """The memory of each pipeline stage (a model's layers cut by models/stage_plan.py): its weights, trainable state,
-the activations of its layers for the micro-batches it holds at once, and on the last stage the loss head's; what
-balances the stages and what `wgpu-train memory --pipeline-stages` prints."""
+the activations of its layers for the micro-batches it holds at once, on the last stage the loss head's, and a
+vision model's image inputs; what balances the stages and what `wgpu-train memory --pipeline-stages` prints."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.experts import is_expert_path
@@ -10,10 +12,36 @@ from wgpu_train.engines.webgpu.memory import (F32, activation_bytes, activation_
                                               lora_groups)
 from wgpu_train.engines.protocol import Precision
 from wgpu_train.models.config import ModelConfig
+from wgpu_train.models.layer_plan import INPUT
 from wgpu_train.models.stage_plan import StagePlan, plan_stages
 from wgpu_train.models.weights import module_name
 
 SCHEDULES = ("gpipe", "1f1b")
+I32 = 4
+
+
+@dataclass(frozen=True)
+class StageImages:
+    """A vision model's images in each training row, as the stages take them (webgpu/images.ImageInputs)."""
+
+    tokens_per_row: int         # the image tokens (the placeholders the embeddings replace) of a row
+    deepstack: int = 0          # Qwen3-VL's DeepStack features, added to layers 0 .. deepstack - 1
+    mrope: bool = False         # every token's M-RoPE positions (Qwen3-VL's)
+
+
+def image_input_bytes(cfg: ModelConfig, images: StageImages, batch: int, seq: int, layers: range, first: bool,
+                      precision: Precision | str = "fp32") -> int:
+    """The image buffers a stage holds for one micro-batch (batch x seq) it has in flight, as ImageInputs.attach
+    fills them (their elements: it allocates up to the next power of two): the image tokens' rows (int32) and the
+    attention's blocks (3 int32 a token); M-RoPE's positions (int32, each token's rotated pairs); the DeepStack
+    features of the layers it holds and their gradients (float32, which the backward gathers for the tower's LoRA)
+    and, on the first stage, the embeddings (the layers' input format) and their gradient (float32)."""
+    n, tokens, c = batch * images.tokens_per_row, batch * seq, cfg.hidden_size
+    features = activation_bytes(cfg, INPUT, n * c, precision) if n else 0
+    total = (n + 3 * tokens) * I32 if n else 0
+    total += tokens * ((cfg.rotary_dim or cfg.head_dim) // 2) * I32 if images.mrope else 0
+    total += (features + n * c * F32) * sum(k in layers for k in range(images.deepstack))
+    return total + (features + n * c * F32 if first and n else 0)
 
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
@@ -69,9 +97,11 @@ def _trainable_bytes(cfg: ModelConfig, lora: LoraConfig | None, method: str, kee
 
 def stage_memory(cfg: ModelConfig, plan: StagePlan, batch: int, seq: int, lora: LoraConfig | None = None,
                  method: str = "lora", base_dtype: str = "float32", embed_dtype: str = "auto", gc: bool = False,
-                 max_binding=None, precision: Precision | str = "fp32", micro_batches: int = 1, schedule: str = "1f1b") -> list:
+                 max_binding=None, precision: Precision | str = "fp32", micro_batches: int = 1, schedule: str = "1f1b",
+                 images: StageImages | None = None) -> list:
     """Each stage's bytes by estimate_memory's categories (weights, trainable_state, activations, logits, total),
-    with its layers and the micro-batches it holds at once (in_flight)."""
+    with its layers and the micro-batches it holds at once (in_flight); with images, image_inputs too (the
+    image_input_bytes of each micro-batch in flight)."""
     parts = {head: _activation_parts(cfg, batch, seq, lora, gc, max_binding, precision, head) for head in (False, True)}
     out = []
     for s, layers in enumerate(plan.stages):
@@ -82,7 +112,10 @@ def stage_memory(cfg: ModelConfig, plan: StagePlan, batch: int, seq: int, lora: 
         est = {"layers": f"{layers.start}-{layers.stop - 1}", "in_flight": held, "weights": weights,
                "trainable_state": _trainable_bytes(cfg, lora, method, keep, weights),
                "activations": held * (sum(layer[i] for i in layers) + shared), "logits": held * logits}
-        est["total"] = sum(est[k] for k in ("weights", "trainable_state", "activations", "logits"))
+        if images is not None:
+            est["image_inputs"] = held * image_input_bytes(cfg, images, batch, seq, layers, s == 0, precision)
+        est["total"] = sum(est.get(k, 0) for k in ("weights", "trainable_state", "activations", "logits",
+                                                   "image_inputs"))
         out.append(est)
     return out
 
@@ -93,7 +126,8 @@ def balanced_stages(cfg: ModelConfig, stages: int, stage_layers: str | None, bat
                     micro_batches: int = 1, schedule: str = "1f1b") -> StagePlan:
     """plan_stages with the smallest largest stage_memory total: a stage's layers' weights and trainable state,
     their activations for the micro-batches that stage holds at once (in_flight: more on the first stages under
-    1F1B), the shared buffers, the embedding on the first stage, the norm, head and logits on the last."""
+    1F1B), the shared buffers, the embedding on the first stage, the norm, head and logits on the last (a vision
+    model's image inputs, small beside them, left out: finetune's split and `memory`'s are one)."""
     n = cfg.num_hidden_layers
     if stage_layers or not 1 <= stages <= n:      # by hand, or refused in one line
         return plan_stages(n, stages, stage_layers, tied=cfg.tie_word_embeddings)

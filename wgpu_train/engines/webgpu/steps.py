@@ -12,7 +12,7 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.models.config import ModelConfig
 from wgpu_train.models.layer_plan import INPUT
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 from wgpu_train.engines.shared.quant import F16_MAX
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.buffers import BucketCache
@@ -82,6 +82,7 @@ class StepRunner:
         self.dispatch_budget = 0
         self.router_aux_loss_coef = 0.0   # the engine's set_router_aux_loss
         self.last_aux_loss = None         # the last train_step's router aux loss (mean over micro-batches), or None
+        self.tower = None       # the vision tower TowerImages run through (engine.set_vision_tower), or None
 
     def logits(self, ids, segment_ids, position_ids):
         """(B, T, V) float32 logits; ids (B, T), or a stage's input (BucketCache.upload_batch)."""
@@ -218,7 +219,9 @@ class StepRunner:
                    scaler: LossScaler | None = None):
         """One optimizer step over micro-batches [(ids, targets, segment_ids, position_ids[, weights]), ...] in
         one submit (weights (B, T): each token's gradient weight, uploaded with the batch); a micro-batch may end
-        with its images (shared/image_tokens.ImageTokens), uploaded into its slot.
+        with its images (shared/image_tokens.ImageTokens), uploaded into its slot, or with TowerImages: the vision
+        tower's forward recorded into the slot's embeddings, and with LoRA on it, its backward after the
+        micro-batch's, from the image rows' gradient (the tower's LoRA trains with the engine's: optimizer.set_tower).
 
         The only readback is [loss_sum, count] per micro-batch and the gradient norm with its
         finite flag. Returns (loss_sum, token_count, grad_norm, applied). With `reduce` (the engine
@@ -248,6 +251,14 @@ class StepRunner:
         rt.write(self.step_buf, np.array([1.0 / max(total, 1) * (scaler.scale if scaler is not None else 1.0)],
                                          np.float32))
         self.dropout.reserve(n_micro)
+        if self.tower is None:      # no tower here (a reference engine's): the images' embeddings from the host
+            micro_batches = [(*mb[:-1], mb[-1].host()) if isinstance(mb[-1], TowerImages) else mb
+                             for mb in micro_batches]
+        towered = [len(mb[-1].pixels) for mb in micro_batches if isinstance(mb[-1], TowerImages)]
+        trains_tower = bool(towered) and self.tower.params is not None
+        if towered:     # every buffer of the tower's forwards (and backwards) allocated before they are recorded
+            self.tower.check_batch(max(towered))
+            self.tower.reserve(max(towered), trains_tower)
         rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
         self.optimizer.record_zero_grads(rec)
         self.layers.training = True
@@ -263,7 +274,7 @@ class StepRunner:
             used.append(acts.key)
             objective = objectives[j]
             host = isinstance(objective, SequenceObjective)
-            own = extra.pop() if extra and isinstance(extra[-1], ImageTokens) else None     # its images
+            own = extra.pop() if extra and isinstance(extra[-1], (ImageTokens, TowerImages)) else None   # its images
             tokens = images.tokens if images is not None else None
             if own is not None:
                 images.tokens = own
@@ -276,6 +287,9 @@ class StepRunner:
                     images.tokens = tokens
             acts.entropies = objective is not None
             self.dropout.write(j, self.layers.lora)
+            im = acts.images if acts.images is not None and acts.images.pixels is not None else None
+            if im is not None:      # the tower's embeddings of the micro-batch's images, in its slot
+                tower_cache = self.tower.record_forward(rec, im.pixels, im.embeds, slot=j, keep=trains_tower)
             self.layers.record_forward(rec, acts)
             if host:     # the step so far submitted, the head's log-probabilities to the host and its weights back
                 self.layers.record_head(rec, acts, backward=False, part="forward")
@@ -286,6 +300,8 @@ class StepRunner:
                 self.buckets.upload_row_weights(acts, objective.weights(logps), slot=j)
                 rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
             self.layers.record_backward(rec, acts, head_part="backward" if host else None)
+            if im is not None and trains_tower:     # the tower's LoRA gradients from the image rows'
+                self.tower.record_backward(rec, im.grad, tower_cache)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
             if n_aux:
                 self.layers.record_router_aux_loss(rec, acts, (self.results, aux_at + j))

@@ -3,7 +3,9 @@ the patch embedding as a GEMM over patches unfolded on the host, position embedd
 layers (LayerNorm with bias, the attention family's image blocks, gelu_tanh MLP), the post-layernorm, then Gemma 3's
 projector (average pool as a batched GEMM, the soft-embedding RMSNorm, the projection) or SmolVLM's connector (pixel
 shuffle as a row gather, the projection): frozen, or with LoRA on the encoder's linears and SmolVLM's connector
-projection, whose backward recomputes each layer from its input (kept) and reads the LoRA gradients back once."""
+projection (its tensors on the device, packed, which the engine's optimizer updates), whose backward recomputes each
+layer from its input (kept). Recorded into the engine's step (record_forward / record_backward), or a call of its own
+with a readback (generation, scoring)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,9 +14,10 @@ from wgpu_train.errors import DeviceError
 from wgpu_train.engines.shared.patches import unfold_patches
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.attention import attention_backward, attention_forward, attention_scratch_size
-from wgpu_train.engines.webgpu.device.operands import at
+from wgpu_train.engines.webgpu.device.operands import at, split
 from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
-from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
+from wgpu_train.engines.webgpu.device import storage
+from wgpu_train.engines.webgpu.tensors import Matrix, Packed, linear_backward, linear_forward
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
 from wgpu_train.engines.webgpu.tuned.gemm import gemm
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
@@ -46,14 +49,17 @@ def runs_on_device(rt, vc: VisionConfig) -> bool:
 
 class GpuVisionTower:
     """The tower and projector on runtime rt over their weights ({our name (models/vision.tensor_shapes): array}),
-    uploaded once as float32. __call__: the frozen forward, pixel_values (N, C, H, W) -> the image tokens'
-    embeddings (N, mm_tokens_per_image, text hidden) float32; forward / backward: the same with LoRA on the
-    encoder's linears (the NumPy tower's `lora` dict), its gradients from the embeddings' gradient."""
+    uploaded once as float32; LoRA on the encoder's linears (set_lora: the NumPy tower's `lora` dict) in `params`,
+    its gradients in `grads` (Packed, every A then every B). __call__: the forward, pixel_values (N, C, H, W) -> the
+    image tokens' embeddings (N, mm_tokens_per_image, text hidden) float32; forward / backward: the same keeping the
+    backward's cache, the LoRA gradients read back; record_forward / record_backward: both inside a recording (the
+    engine's step), from and to device buffers."""
 
     def __init__(self, rt, vc: VisionConfig, weights: dict):
         self.rt, self.vc = rt, vc
         self._scratch: dict = {}        # name -> (buffer, capacity in elements), grown as batches need
         self._lora: dict = {}           # path -> (A's offset, B's offset, r, scale, out, in) in the packed buffers
+        self.params = self.grads = None     # the LoRA tensors and their gradients (Packed), or None
         self._calls = 0                 # forwards so far: a backward takes the last one's cache only
         w = {k: np.asarray(v, np.float32) for k, v in weights.items()}
         e = TOWER + "embeddings."
@@ -80,46 +86,76 @@ class GpuVisionTower:
         return have[0]
 
     def _buffers(self, n: int, t: int, keep: bool) -> dict:
-        """The forward's buffers for n images of t patches; keep: the backward's too (each layer's input, the LoRA
-        parameters, their h and gradients)."""
+        """The forward's buffers for n images of t patches (LoRA's h of each module where it has LoRA); keep: the
+        backward's too (each layer's input, the gradients)."""
         vc, rows = self.vc, n * t
         c, f, r = vc.hidden_size, vc.intermediate_size, max((v[2] for v in self._lora.values()), default=0)
-        sizes = {"patches": rows * vc.num_channels * vc.patch_size ** 2, "x": rows * c, "h": rows * c,
-                 "h2": rows * c, "q": rows * c, "k": rows * c, "v": rows * c, "att": rows * c,
-                 "lse": n * vc.num_heads * t, "f1": rows * f, "g": rows * f, "spans": 3 * rows}
+        sizes = {"x": rows * c, "h": rows * c, "h2": rows * c, "q": rows * c, "k": rows * c, "v": rows * c,
+                 "att": rows * c, "lse": n * vc.num_heads * t, "f1": rows * f, "g": rows * f,
+                 **{"lh_" + m.rsplit(".", 1)[1]: rows * r for m in (*LINEARS, CONNECTOR)}}
         if keep:
-            total = sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values())
-            sizes.update({"saved": (vc.num_layers + 1) * rows * c, "x2": rows * c, "lora_params": total,
-                          "lora_grads": total, "ldh": rows * r, **{"lh_" + m.rsplit(".", 1)[1]: rows * r
-                                                                   for m in (*LINEARS, CONNECTOR)}})
+            sizes.update({"saved": (vc.num_layers + 1) * rows * c, "x2": rows * c, "ldh": rows * r,
+                          "dx": rows * c, "dh": rows * c, "dhid": rows * c, "datt": rows * c, "dq": rows * c,
+                          "dk": rows * c, "dv": rows * c, "dg": rows * f, "df1": rows * f,
+                          "att_scratch": attention_scratch_size(n, t, vc.num_heads)})
         return {name: self._buffer(name, size) for name, size in sizes.items()}
 
-    def _set_lora(self, lora: dict):
-        """Pack and upload lora ({module path: (A (r, in), B (out, r), scale)}), A then B of each module."""
-        self._lora, parts, off = {}, [], 0
-        for path, (a, b, scale) in sorted(lora.items()):
-            r, in_f = a.shape
-            self._lora[path] = (off, off + a.size, r, float(scale), b.shape[0], in_f)
-            parts += [np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)]
-            off += a.size + b.size
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    def reserve(self, n: int, keep: bool):
+        """Every buffer a recording of forwards (and backwards: keep) of up to n images each needs, allocated
+        before it records: a buffer grown in between would be one the recording already uses."""
+        self._buffers(n, self.vc.patches_per_side ** 2, keep)
+        self._project_buffers(n)
+
+    def set_lora(self, lora: dict):
+        """LoRA ({module path: (A (r, in), B (out, r), scale)}, the NumPy tower's dict; empty: none) uploaded,
+        every A then every B in `params`, their gradients zeroed in `grads`."""
+        if self.params is not None:
+            self.rt.release(self.params.buf, self.grads.buf)
+        self._lora, self.params, self.grads = {}, None, None
+        if not lora:
+            return
+        order = sorted(lora)
+        shapes = {p + ".lora_A": np.shape(lora[p][0]) for p in order}
+        shapes.update({p + ".lora_B": np.shape(lora[p][1]) for p in order})
+        self.params = Packed(self.rt, shapes, "tower lora_params")
+        self.grads = Packed(self.rt, shapes, "tower lora_grads")
+        for path in order:
+            a, b, scale = lora[path]
+            self.write_lora({path + ".lora_A": a, path + ".lora_B": b})
+            self._lora[path] = (self.params.offsets[path + ".lora_A"], self.params.offsets[path + ".lora_B"],
+                                a.shape[0], float(scale), b.shape[0], a.shape[1])
+
+    def write_lora(self, arrays: dict):
+        """LoRA tensors by name (path.lora_A / .lora_B) written over the device's."""
+        for name, arr in arrays.items():
+            self.rt.write(self.params.buf, np.ascontiguousarray(arr, np.float32).reshape(-1),
+                          self.params.offsets[name] * 4)
+
+    def lora_arrays(self) -> dict:
+        """The LoRA tensors by name (path.lora_A / .lora_B), read back in one readback."""
+        return self._unpack(self.rt.read(self.params.buf, np.float32, (self.params.n,))) if self.params else {}
+
+    def _unpack(self, flat) -> dict:
+        return {name: flat[off:off + int(np.prod(self.params.shapes[name]))].reshape(self.params.shapes[name]).copy()
+                for name, off in self.params.offsets.items()}
 
     def _linear(self, rec, buf, y, x, path, rows, accumulate=False):
         linear_forward(rec, y, x, self.mat[path], self.vec[path + ".bias"], rows, accumulate)
         if path in self._lora:
             a, b, r, scale, out_f, in_f = self._lora[path]
-            params = buf["lora_params"]
+            params = self.params.buf
             lora_forward(rec, y, buf["lh_" + path.rsplit(".", 1)[1]], x, at(params, a), at(params, b), scale, rows,
                          in_f, out_f, r)
 
     def _linear_backward(self, rec, buf, dx, dy, x, path, rows, accumulate=False):
-        """dx (+)= dy @ W (the base frozen) and the module's LoRA gradients from its input x and its h."""
+        """dx (+)= dy @ W (the base frozen) and the module's LoRA gradients (added to `grads`) from its input x
+        and its h."""
         linear_backward(rec, dx, None, None, dy, None, self.mat[path], rows, accumulate_dx=accumulate)
         if path in self._lora:
             a, b, r, scale, out_f, in_f = self._lora[path]
-            params, grads = buf["lora_params"], buf["lora_grads"]
+            params, grads = self.params.buf, self.grads.buf
             lora_backward(rec, dx, at(grads, a), at(grads, b), dy, x, buf["lh_" + path.rsplit(".", 1)[1]],
-                          at(params, a), at(params, b), scale, rows, in_f, out_f, r, buf["ldh"])
+                          at(params, a), at(params, b), scale, rows, in_f, out_f, r, buf["ldh"], accumulate_grads=True)
 
     def _layernorm(self, rec, y, x, path, rows):
         layernorm_forward(rec, y, x, self.vec[path + ".weight"], self.vec[path + ".bias"], rows,
@@ -137,47 +173,71 @@ class GpuVisionTower:
                              f"{(vc.num_channels, vc.image_size, vc.image_size)}")
         return pixels
 
-    def __call__(self, pixels) -> np.ndarray:
-        """The frozen forward: the images in chunks whose widest activation fits one storage binding and whose
-        activations SCRATCH_BYTES hold, a submission and a readback each (the buffers kept for the next call)."""
-        vc, pixels = self.vc, self._check(pixels)
-        self._lora = {}
-        chunk = max(1, min(self.rt.max_binding // image_elements(vc), SCRATCH_BYTES // scratch_elements(vc)) // 4)
-        return np.concatenate([self._forward(pixels[i:i + chunk])[0] for i in range(0, len(pixels), chunk)])
-
-    def forward(self, pixels, lora: dict) -> tuple:
-        """pixels (N, C, H, W) with LoRA (the NumPy tower's dict: {module path: (A, B, scale)}) -> (the embeddings
-        (N, M, text C), the backward's cache): all N images at once, each layer's input kept on the device until
-        backward (no other call of this tower in between)."""
-        pixels = self._check(pixels)
-        need = 4 * len(pixels) * image_elements(self.vc)
-        if need > self.rt.max_binding:
-            raise DeviceError(f"LoRA on the vision tower runs a micro-batch's {len(pixels)} images at once: their "
+    def check_batch(self, n: int):
+        """A micro-batch's n images, whose forward with LoRA keeps all their activations at once, refused in one
+        line where their widest activation does not fit one storage binding."""
+        need = 4 * n * image_elements(self.vc)
+        if self._lora and need > self.rt.max_binding:
+            raise DeviceError(f"LoRA on the vision tower runs a micro-batch's {n} images at once: their "
                               f"activations need {need / 2**20:.0f} MiB, over the device's max storage binding of "
                               f"{self.rt.max_binding / 2**20:.0f} MiB (fewer images per micro-batch)")
-        packed = self._set_lora(lora)
-        return self._forward(pixels, packed)
 
-    def _forward(self, pixels, packed=None) -> tuple:
-        """pixels (N, C, H, W) -> (their embeddings, cache), one submission; packed: the LoRA parameters (forward's),
-        kept for the backward, or None (frozen)."""
-        vc, rt, keep = self.vc, self.rt, packed is not None
+    def __call__(self, pixels, lora: bool = True) -> np.ndarray:
+        """The forward (with the LoRA set; lora False: without it): the images in chunks whose widest activation
+        fits one storage binding and whose activations SCRATCH_BYTES hold, a submission and a readback each (the
+        buffers kept)."""
+        vc, pixels = self.vc, self._check(pixels)
+        chunk = max(1, min(self.rt.max_binding // image_elements(vc), SCRATCH_BYTES // scratch_elements(vc)) // 4)
+        modules, self._lora = self._lora, (self._lora if lora else {})
+        try:
+            return np.concatenate([self._submit_forward(pixels[i:i + chunk], False)[0]
+                                   for i in range(0, len(pixels), chunk)])
+        finally:
+            self._lora = modules
+
+    def forward(self, pixels, lora: dict | None = None) -> tuple:
+        """pixels (N, C, H, W), with LoRA (set_lora's dict; None: the one set) -> (the embeddings (N, M, text C),
+        the backward's cache): all N images at once, each layer's input kept on the device until backward (no
+        other call of this tower in between)."""
+        pixels = self._check(pixels)
+        if lora is not None:
+            self.set_lora(lora)
+        self.check_batch(len(pixels))
+        return self._submit_forward(pixels, True)
+
+    def _submit_forward(self, pixels, keep: bool) -> tuple:
+        """pixels (N, C, H, W) -> (their embeddings, cache), one submission, one readback."""
+        n, vc = len(pixels), self.vc
+        self.reserve(n, keep)
+        out = self._buffer("embeds", n * vc.mm_tokens_per_image * vc.text_hidden_size)
+        rec = self.rt.recorder()
+        cache = self.record_forward(rec, pixels, out, keep=keep)
+        rec.read_back(out, np.float32, (n, vc.mm_tokens_per_image, vc.text_hidden_size))
+        rec.submit()
+        return rec.result(), cache
+
+    def record_forward(self, rec, pixels, out, slot=0, keep: bool = False) -> dict:
+        """Record the forward of pixels (N, C, H, W) into `out` (N*M, text C) in out's storage format (the
+        layers' input's: float32, bf16 or f16); the host's inputs written to slot `slot`'s buffers (a step's
+        micro-batches each their own); keep: each layer's input kept for record_backward (after reserve(N, True)).
+        Returns the cache backward takes."""
+        vc, rt = self.vc, self.rt
+        pixels = self._check(pixels)
         n, c = len(pixels), vc.hidden_size
         patches = unfold_patches(pixels, vc.patch_size)                                      # (N, T, C_in*p*p)
         t = patches.shape[1]
         rows = n * t
         buf = self._buffers(n, t, keep)
-        rt.write(buf["patches"], patches.reshape(-1))
-        if keep and packed.size:
-            rt.write(buf["lora_params"], packed)
+        inputs = self._buffer(f"patches {slot}", patches.size)
+        rt.write(inputs, patches.reshape(-1))
         # every patch of an image sees every other: one segment, one image block a row (attention's blocks)
+        buf["spans"] = self._buffer(f"spans {slot}", 3 * rows)
         rt.write(buf["spans"], extents(np.ones((n, t), np.int32), np.zeros((n, t), np.int32)).reshape(-1))
-        rec = rt.recorder()
         e = TOWER + "embeddings."
         x = buf["x"]
         for i in range(n):      # x = patches @ kernel.T + bias + position embeddings
             K.copy(rec, at(x, i * t * c), self.vec[e + "position_embedding.weight"], t * c)
-        linear_forward(rec, x, buf["patches"], self.mat[e + "patch_embedding"], self.vec[e + "patch_embedding.bias"],
+        linear_forward(rec, x, inputs, self.mat[e + "patch_embedding"], self.vec[e + "patch_embedding.bias"],
                        rows, accumulate=True)
         for layer in range(vc.num_layers):
             if keep:
@@ -186,11 +246,14 @@ class GpuVisionTower:
         if keep:
             K.copy(rec, at(buf["saved"], vc.num_layers * rows * c), x, rows * c)
         self._layernorm(rec, buf["h"], x, TOWER + "post_layernorm", rows)
-        out = self._project(rec, buf, buf["h"], n, t)
-        rec.read_back(out, np.float32, (n, vc.mm_tokens_per_image, vc.text_hidden_size))
-        rec.submit()
+        total = n * vc.mm_tokens_per_image * vc.text_hidden_size
+        f32 = storage.format_of(split(out)[0]) == "f32"
+        projected = out if f32 else self._buffer("embeds", total)
+        self._project(rec, buf, buf["h"], n, t, projected, slot)
+        if not f32:         # rounded to the layers' 16-bit input, as the NumPy engine's set_images rounds them
+            K.copy(rec, out, projected, total)
         self._calls += 1
-        return rec.result(), {"n": n, "t": t, "device": True, "call": self._calls}
+        return {"n": n, "t": t, "device": True, "call": self._calls, "slot": slot, "spans": buf["spans"]}
 
     def _layer(self, rec, buf, layer, n, t):
         """One encoder layer over buf["x"] in place (its residual after attention also in buf["x2"] when kept)."""
@@ -211,23 +274,28 @@ class GpuVisionTower:
 
     def backward(self, dout, cache) -> dict:
         """The image embeddings' gradient dout (N, M, text C) -> {module path.lora_A / .lora_B: gradient} of the
-        LoRA forward set, after forward's cache: the projector's backward, then each layer's, recomputed from its
-        kept input first; one submission, one readback."""
-        vc, rt = self.vc, self.rt
+        LoRA set, after forward's cache: record_backward from zeroed gradients, one submission, one readback."""
         if cache.get("call") != self._calls or not self._lora:
             raise ValueError("GpuVisionTower.backward takes the cache of its last forward with LoRA only")
+        d = self._buffer("dout", dout.size)
+        self.rt.write(d, np.ascontiguousarray(dout, np.float32).reshape(-1))
+        rec = self.rt.recorder()
+        K.fill(rec, self.grads.buf, 0.0, self.grads.n)
+        self.record_backward(rec, d, cache)
+        rec.read_back(self.grads.buf, np.float32, (self.grads.n,))
+        rec.submit()
+        return self._unpack(rec.result())
+
+    def record_backward(self, rec, dout, cache):
+        """Record the backward from the image embeddings' gradient dout (N*M, text C) float32 (a device buffer),
+        after the record_forward (keep) whose cache this is and before the next: the projector's backward, then
+        each layer's, recomputed from its kept input first; the LoRA gradients added to `grads`."""
+        vc = self.vc
         n, t = cache["n"], cache["t"]
         rows, c, f, h = n * t, vc.hidden_size, vc.intermediate_size, vc.num_heads
         buf = self._buffers(n, t, True)
-        sizes = {"dout": dout.size, "dx": rows * c, "dh": rows * c, "dhid": rows * c, "datt": rows * c,
-                 "dq": rows * c, "dk": rows * c, "dv": rows * c, "dg": rows * f, "df1": rows * f,
-                 "att_scratch": attention_scratch_size(n, t, h)}
-        buf.update({name: self._buffer(name, size) for name, size in sizes.items()})
-        rt.write(buf["dout"], np.ascontiguousarray(dout, np.float32).reshape(-1))
-        grads = buf["lora_grads"]
-        rec = rt.recorder()
-        K.fill(rec, grads, 0.0, sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values()))
-        self._project_backward(rec, buf, buf["dhid"], buf["dout"], n, t)
+        buf["spans"] = cache["spans"]
+        self._project_backward(rec, buf, buf["dhid"], dout, n, t, cache["slot"])
         saved, dx = buf["saved"], buf["dx"]
         self._layernorm_backward(rec, dx, buf["dhid"], at(saved, vc.num_layers * rows * c), TOWER + "post_layernorm",
                                  rows)
@@ -247,70 +315,66 @@ class GpuVisionTower:
                 self._linear_backward(rec, buf, buf["dh"], buf["d" + m], buf["h"], p + f"self_attn.{m}_proj", rows,
                                       accumulate=i > 0)
             self._layernorm_backward(rec, dx, buf["dh"], x_in, p + "layer_norm1", rows, accumulate=True)
-        total = sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values())
-        rec.read_back(grads, np.float32, (total,))
-        rec.submit()
-        flat = rec.result()
-        out = {}
-        for path, (a, b, r, _, out_f, in_f) in self._lora.items():
-            out[path + ".lora_A"] = flat[a:a + r * in_f].reshape(r, in_f)
-            out[path + ".lora_B"] = flat[b:b + out_f * r].reshape(out_f, r)
-        return out
 
-    def _project(self, rec, buf, hidden, n, t):
-        """The projector over hidden (N*T, C) -> its output buffer (N*M, text C); LoRA on SmolVLM's connector
-        projection when set (its h in buf)."""
+    def _project_buffers(self, n: int) -> dict:
+        """The projector's buffers for n images (its forward's and backward's)."""
+        vc, t, m = self.vc, self.vc.patches_per_side ** 2, self.vc.mm_tokens_per_image
+        c = vc.hidden_size
+        sizes = {"embeds": n * m * vc.text_hidden_size}
+        sizes.update({"shuffled": n * t * c, "dshuffled": n * t * c} if vc.scale_factor else
+                 {"pool": m * t, "pooled": n * m * c, "normed": n * m * c, "rstd": n * m, "dnormed": n * m * c,
+                  "dpooled": n * m * c})
+        return {name: self._buffer(name, size) for name, size in sizes.items()}
+
+    def _project(self, rec, buf, hidden, n, t, out, slot):
+        """The projector over hidden (N*T, C) -> out (N*M, text C) float32; LoRA on SmolVLM's connector
+        projection when set (its h in buf); the pixel shuffle's rows written to slot `slot`'s buffer."""
         vc, c, m = self.vc, self.vc.hidden_size, self.vc.mm_tokens_per_image
-        out = self._buffer("out", n * m * vc.text_hidden_size)
+        pb = self._project_buffers(n)
         if vc.scale_factor:     # SmolVLM: each output token the scale x scale block of patches beside each other
             s = vc.scale_factor
             side = int(round(t ** 0.5))
             order = np.arange(n * t, dtype=np.int32).reshape(n, side // s, s, side // s, s)   # (N, rb, dy, cb, dx)
             order = order.transpose(0, 1, 3, 2, 4).reshape(-1)
-            rows = self._buffer("shuffle_rows", n * t)
+            rows = self._buffer(f"shuffle_rows {slot}", n * t)
             self.rt.write(rows, np.ascontiguousarray(order, np.int32))
-            shuffled = self._buffer("shuffled", n * t * c)
-            K.row_gather_forward(rec, shuffled, hidden, rows, n * t, c, n * t)
-            linear_forward(rec, out, shuffled, self.mat["proj"], None, n * m)
+            K.row_gather_forward(rec, pb["shuffled"], hidden, rows, n * t, c, n * t)
+            linear_forward(rec, out, pb["shuffled"], self.mat["proj"], None, n * m)
             if CONNECTOR in self._lora:
                 a, b, r, scale, out_f, in_f = self._lora[CONNECTOR]
-                params = buf["lora_params"]
-                lora_forward(rec, out, buf["lh_proj"], shuffled, at(params, a), at(params, b), scale, n * m, in_f,
-                             out_f, r)
-            return out
+                params = self.params.buf
+                lora_forward(rec, out, buf["lh_proj"], pb["shuffled"], at(params, a), at(params, b), scale, n * m,
+                             in_f, out_f, r)
+            return
         # Gemma 3: the average over each pool window, a GEMM per image with a 0/1 pooling matrix (M, T)
         side, s = vc.patches_per_side, int(round(m ** 0.5))
         k = side // s
         cell = (np.arange(side)[:, None] // k * s + np.arange(side)[None, :] // k).reshape(-1)    # (T,) pooled token
-        pool = self._buffer("pool", m * t)
-        self.rt.write(pool, (cell[None, :] == np.arange(m)[:, None]).astype(np.float32).reshape(-1))
-        pooled, normed, rstd = (self._buffer(name, size) for name, size in
-                                (("pooled", n * m * c), ("normed", n * m * c), ("rstd", n * m)))
-        gemm(rec, pooled, pool, hidden, m, c, t, "nn", alpha=1.0 / (k * k), batch=n, stride_a=0)
-        K.rmsnorm_forward(rec, normed, rstd, pooled, self.vec[PROJ + "mm_soft_emb_norm.weight"], n * m, c,
-                          vc.layer_norm_eps, 1.0)
-        linear_forward(rec, out, normed, self.mat["proj"], None, n * m)
-        return out
+        self.rt.write(pb["pool"], (cell[None, :] == np.arange(m)[:, None]).astype(np.float32).reshape(-1))
+        gemm(rec, pb["pooled"], pb["pool"], hidden, m, c, t, "nn", alpha=1.0 / (k * k), batch=n, stride_a=0)
+        K.rmsnorm_forward(rec, pb["normed"], pb["rstd"], pb["pooled"], self.vec[PROJ + "mm_soft_emb_norm.weight"],
+                          n * m, c, vc.layer_norm_eps, 1.0)
+        linear_forward(rec, out, pb["normed"], self.mat["proj"], None, n * m)
 
-    def _project_backward(self, rec, buf, dhidden, dout, n, t):
+    def _project_backward(self, rec, buf, dhidden, dout, n, t, slot):
         """The projector's backward: dout (N*M, text C) -> dhidden (N*T, C), from _project's buffers; the
-        connector projection's LoRA gradients into buf's."""
+        connector projection's LoRA gradients added to `grads`."""
         vc, c, m = self.vc, self.vc.hidden_size, self.vc.mm_tokens_per_image
+        pb = self._project_buffers(n)
         if vc.scale_factor:
-            dshuffled = self._buffer("dshuffled", n * t * c)
-            linear_backward(rec, dshuffled, None, None, dout, None, self.mat["proj"], n * m)
+            linear_backward(rec, pb["dshuffled"], None, None, dout, None, self.mat["proj"], n * m)
             if CONNECTOR in self._lora:
                 a, b, r, scale, out_f, in_f = self._lora[CONNECTOR]
-                params, grads = buf["lora_params"], buf["lora_grads"]
-                lora_backward(rec, dshuffled, at(grads, a), at(grads, b), dout, self._buffer("shuffled", n * t * c),
-                              buf["lh_proj"], at(params, a), at(params, b), scale, n * m, in_f, out_f, r, buf["ldh"])
-            K.row_gather_backward(rec, dhidden, dshuffled, self._buffer("shuffle_rows", n * t), n * t, c, n * t)
+                params, grads = self.params.buf, self.grads.buf
+                lora_backward(rec, pb["dshuffled"], at(grads, a), at(grads, b), dout, pb["shuffled"], buf["lh_proj"],
+                              at(params, a), at(params, b), scale, n * m, in_f, out_f, r, buf["ldh"],
+                              accumulate_grads=True)
+            K.row_gather_backward(rec, dhidden, pb["dshuffled"], self._buffer(f"shuffle_rows {slot}", n * t), n * t,
+                                  c, n * t)
             return
         k = vc.patches_per_side // int(round(m ** 0.5))
-        dnormed, dpooled = self._buffer("dnormed", n * m * c), self._buffer("dpooled", n * m * c)
-        linear_backward(rec, dnormed, None, None, dout, None, self.mat["proj"], n * m)
-        K.rmsnorm_backward(rec, dpooled, None, dnormed, self._buffer("pooled", n * m * c),
-                           self.vec[PROJ + "mm_soft_emb_norm.weight"], self._buffer("rstd", n * m), n * m, c, None,
-                           offset=1.0)
-        gemm(rec, dhidden, self._buffer("pool", m * t), dpooled, t, c, m, "tn", alpha=1.0 / (k * k), batch=n,
+        linear_backward(rec, pb["dnormed"], None, None, dout, None, self.mat["proj"], n * m)
+        K.rmsnorm_backward(rec, pb["dpooled"], None, pb["dnormed"], pb["pooled"],
+                           self.vec[PROJ + "mm_soft_emb_norm.weight"], pb["rstd"], n * m, c, None, offset=1.0)
+        gemm(rec, dhidden, pb["pool"], pb["dpooled"], t, c, m, "tn", alpha=1.0 / (k * k), batch=n,
              stride_a=0, stride_b=m * c, stride_c=t * c)
