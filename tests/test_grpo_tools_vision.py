@@ -3,7 +3,9 @@ second turn decodes on after the tool result with the prompt's images kept in th
 prefill of the whole text with the images), its token layout and masks, the first step's loss and LoRA gradients
 equal to a recomputation through VisionModel.loss_and_grads of the same rollouts, a CLI run with an environment
 whose tool returns a fixed result, WebGPU equal to NumPy for one step, workers and stages equal to one process,
-`serve` with tools and an image; and a Qwen3-VL row extended after its images (M-RoPE positions)."""
+`serve` with tools and an image; a Qwen3-VL row extended after its images (M-RoPE positions); and on a tiny
+Qwen3-VL with TRL's qwen3_vl template, the first step equal to TRL 1.16's GRPOTrainer with tools and images. (Over
+450 lines: the two models' fixtures, templates and scripted turns beside the checks that share them.)"""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,7 @@ from wgpu_train.training.tools_loop import TurnSampler
 from wgpu_train.training.tools_rollouts import ToolRollouts
 
 from test_grpo_trl import first_step_gradients
-from test_vision_preference import config, grpo_records, pref_setup, write_pref_data  # noqa: F401
+from test_vision_preference import QUESTIONS, config, grpo_records, pref_setup, write_pref_data  # noqa: F401
 from test_gemma3_vision_training import chat_vlm  # noqa: F401
 from test_qwen3_vl import vlm  # noqa: F401  (the tiny Qwen3-VL)
 from tolerances import assert_close
@@ -356,3 +358,165 @@ def test_qwen3_vl_row_extended_after_its_images_keeps_mrope_positions(vlm):  # n
     whole = np.concatenate([prompt, first, appended])
     want = log_softmax(vm.logits(whole[None], pictures)[0, -1])
     assert_close(np.array([lp for _, lp in sorted(got[0].top)]), want, "logits_f32", "the extended row")
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                 "</tool_response>", "<think>", "</think>"]
+QWEN_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def turns_reward(prompts, completions, **kwargs):
+    """The last message's length and the tool messages: reads the turns as TRL passes them."""
+    return [len(str(c[-1].get("content", ""))) / 8 + sum(m["role"] == "tool" for m in c) for c in completions]
+
+
+class ScriptedRows:
+    """One side's scripted turns: a row found by its prompt (its question) and first turn; slot 0 calls add then
+    answers, slot 1 answers at once."""
+
+    def __init__(self, tok, decode):
+        self.decode, self.rows, self.slots = decode, {}, [0, 0]
+        eos, words = tok.convert_tokens_to_ids("<|im_end|>"), tok.encode(" red blue green")
+        self.turns = [[[tok.encode(QWEN_CALL) + [eos], words[:2 + p] + [eos]], [words[:1 + p] + words + [eos]]]
+                      for p in range(2)]
+
+    def first(self, prompts) -> list:
+        self.rows, self.slots, out = {}, [0, 0], []
+        for ids in prompts:
+            p = next(i for i, q in enumerate(("what colour", "describe")) if q in self.decode(ids))
+            slot = self.slots[p]
+            self.slots[p] += 1
+            turns = self.turns[p][slot]
+            self.rows[(p, slot)] = [list(map(int, ids)) + turns[0], 1, turns]
+            out.append(list(turns[0]))
+        return out
+
+    def next(self, prefix) -> list:
+        prefix = list(map(int, prefix))
+        row = next(r for r in self.rows.values() if prefix[:len(r[0])] == r[0])
+        turn = row[2][row[1]] if row[1] < len(row[2]) else []
+        row[1] += 1
+        return list(turn)
+
+
+def test_grpo_with_tools_and_images_equals_trl_on_qwen3_vl(tmp_path, monkeypatch):
+    """TRL 1.16's GRPOTrainer with tools on a tiny Qwen3-VL with TRL's qwen3_vl.jinja (its tool parsing), and ours,
+    on the same PEFT adapter, prompts with images and scripted turns (a call of add answered, then a second turn; a
+    plain answer): the first step's loss, logged metrics and LoRA gradients. TRL gets its processor without a video
+    processor (no torchvision here) and torch tensors from the PIL image processor (its tool loop splits them with
+    torch)."""
+    import copy
+
+    import datasets
+    import peft
+    import torch
+    import transformers as tf
+    import trl
+    from pathlib import Path
+    from transformers.processing_utils import ProcessorMixin
+
+    from bpe import tokenizer_folder, train_bpe
+    from finetune_helpers import first_step_gradients_callback, peft_random_b
+    from test_qwen3_vl import processor, tiny_config
+    from test_vision_preference import our_name
+    from wgpu_train.formats.tool_calls import tool_schemas
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+    from test_gemma3_vision import Image
+
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen3_vl.jinja").read_text()
+    rough = load_tokenizer(tokenizer_folder(tmp_path / "first", train_bpe(["a"], 300, QWEN_SPECIALS), template,
+                                            eos_token="<|im_end|>"))
+    texts = [rough.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                                       add_generation_prompt=True, tools=tool_schemas([add])) for q in QUESTIONS]
+    texts.append(QWEN_CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                 "<|im_start|>assistant\n red blue green")
+    model = tmp_path / "model"
+    bpe = train_bpe(texts * 3, 500, QWEN_SPECIALS)
+    tokenizer_folder(model, bpe, template, eos_token="<|im_end|>")
+    torch.manual_seed(0)
+    cfg = tiny_config(bpe.get_vocab_size())
+    hf = tf.Qwen3VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(model)
+    processor().save_pretrained(model)
+    peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, lora_alpha=5, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", lora_dropout=0.0)),
+        2).save_pretrained(tmp_path / "adapter")
+    records = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                "images": [im]} for q, im in zip(QUESTIONS, (Image.new("RGB", (30, 20), (255, 0, 0)),
+                                                              Image.new("RGB", (17, 17), (0, 200, 0))))]
+
+    tok = tf.AutoTokenizer.from_pretrained(model)
+    images = processor()
+    call = type(images).__call__
+    monkeypatch.setattr(type(images), "__call__",
+                        lambda self, *a, **kw: call(self, *a, **{**kw, "return_tensors": "pt"}))
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
+    proc = tf.Qwen3VLProcessor(image_processor=images, tokenizer=tok, chat_template=template)
+    proc.tokenizer.padding_side = "left"
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "adapter"), is_trainable=True)
+    grabber = first_step_gradients_callback(pm)
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=60, learning_rate=5e-3, lr_scheduler_type="constant", max_steps=1,
+                          logging_steps=1, max_grad_norm=1.0, report_to="none", use_cpu=True, bf16=False,
+                          save_strategy="no", seed=0, beta=0.04)
+    trainer = trl.GRPOTrainer(model=pm, reward_funcs=[turns_reward], args=args, processing_class=proc,
+                              train_dataset=datasets.Dataset.from_list(records), callbacks=[grabber], tools=[add])
+    theirs = ScriptedRows(tok, lambda ids: tok.decode(ids))
+
+    def generate(prompt_ids_list, images, fields, num_generations, **kw):
+        if num_generations > 1 or not theirs.rows:
+            return theirs.first(prompt_ids_list), None
+        return [theirs.next(ids) for ids in prompt_ids_list], None
+
+    trainer._generate_single_turn = generate
+    trainer.train()
+    (history,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    trl_grads = {our_name(k): v for k, v in grabber.grads.items()}
+
+    mine = ScriptedRows(tok, lambda ids: tok.decode(list(map(int, ids)), skip_special_tokens=False))
+
+    class Scripted:
+        def __init__(self, engine, prompts, *args):
+            self.sofar = [list(map(int, p)) for p in prompts]
+
+        def first(self, budget):
+            turns = [t[:budget] for t in mine.first(self.sofar)]
+            for s, t in zip(self.sofar, turns):
+                s += t
+            return turns
+
+        def resume(self, rows, appended, budgets):
+            out = []
+            for i, ids, n in zip(rows, appended, budgets):
+                self.sofar[i] += list(ids)
+                out.append(mine.next(self.sofar[i])[:n] if n > 0 else [])
+                self.sofar[i] += out[-1]
+            return out
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ToolRollouts, "sampler", Scripted)
+    data = write_pref_data(tmp_path / "data", records)
+    ours = GRPOTrainer(TrainConfig(
+        model=str(model), data=str(data), adapter_path=str(tmp_path / "adapter"), backend="numpy",
+        out=str(tmp_path / "ours"), batch_size=4, lr=5e-3, lr_schedule="constant", warmup_steps=0, max_steps=1,
+        max_grad_norm=1.0, valid_split=0.0, log_every=1, eval_generate=False, no_progress=True, objective="grpo",
+        beta=0.04, num_generations=2, max_completion_length=60, seed=0, max_seq_len=400),
+        log=lambda m: None, reward_funcs=[turns_reward], tools=[add]).setup()
+    grads, result, gen = first_step_gradients(ours)
+    assert (gen.tool_mask == 0).any(axis=1).tolist() == [True, False, True, False]
+    assert_close(np.float64(result.loss), np.float64(history["loss"]), "grpo_vs_trl_loss", "first loss")
+    for key in ("tools/call_frequency", "reward", "completions/mean_length"):
+        assert_close(np.float64(gen.metrics[key]), np.float64(history[key]), "grpo_vs_trl_loss", key)
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    clip = min(1.0, 1.0 / (norm + 1e-6))
+    assert set(grads) == set(trl_grads)
+    for k, g in grads.items():
+        assert np.abs(trl_grads[k]).max() > 0, k
+        assert_close(g * clip, trl_grads[k], "grpo_vs_trl_grads", k)

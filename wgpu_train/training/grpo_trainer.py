@@ -4,10 +4,10 @@ functions on the host, and turns the group-relative advantages into per-token gr
 optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference),
 computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
 step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps.
-With tools (TRL's tools / environment_factory: training/tools*.py) a rollout runs the tool loop, the tools' results
-masked out of the loss; with images too, the first turn's prefill takes them and the later turns see them. The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is
-the GRPO form of one of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are
-grpo_rows.py's, the tool loop tools_rollouts.py's.)"""
+With tools (TRL's tools / environment_factory: training/tools*.py; prompts with images too) a rollout runs the tool
+loop, the tools' results masked out of the loss. (Over 450 lines: each method is the GRPO form of one of the
+Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are grpo_rows.py's, the tool loop
+tools_rollouts.py's.) The completions and their rewards go to completions.jsonl."""
 from __future__ import annotations
 
 import dataclasses
