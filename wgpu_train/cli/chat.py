@@ -89,8 +89,8 @@ def cmd_chat(args) -> int:
 
 
 def _attach(args, vision, path: str, pending: list):
-    """/image PATH: the image's pixel_values added to the next user turn's (SmolVLM's: the decoded image, whose
-    size gives its tiles), or why not (a line on stderr)."""
+    """/image PATH: the image's pixel_values added to the next user turn's (SmolVLM's and Gemma 3's with
+    pan-and-scan: the decoded image, whose size gives its tiles or crops), or why not (a line on stderr)."""
     from wgpu_train.data.images import open_image, pixel_values
     from wgpu_train.errors import WgpuTrainError
 
@@ -103,8 +103,9 @@ def _attach(args, vision, path: str, pending: list):
         print("error: /image needs the image file's path: /image PATH", file=sys.stderr)
     else:
         try:
-            pending.append(open_image(path, path) if vision.vision.scale_factor or vision.qwen else
-                           pixel_values(path, vision.settings, path))
+            # where an image's size gives its tokens, the image itself is kept
+            keep = vision.qwen or vision.lfm2 or vision.vision.scale_factor or vision.settings.pan_and_scan
+            pending.append(open_image(path, path) if keep else pixel_values(path, vision.settings, path))
         except WgpuTrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return

@@ -14,6 +14,8 @@ import numpy as np
 
 from wgpu_train.data.batching import Example
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
+from wgpu_train.data.images import ImageSettings
+from wgpu_train.data.lfm2_images import Lfm2ImageSettings, Lfm2ImageSpan
 from wgpu_train.data.qwen_images import QwenImageSettings, QwenImageSpan
 from wgpu_train.data.records import IGNORE_INDEX, ROLES
 from wgpu_train.data.sources import DataSplits, hold_out
@@ -25,12 +27,15 @@ from wgpu_train.formats.tokenizer import Tokenizer
 @dataclasses.dataclass(frozen=True)
 class ImageSpan:
     """How an image stands in the text: the chat template's placeholder (Gemma 3's boi token, as the processor
-    reads it), and the run it becomes: boi, `count` image tokens, eoi, set off by blank lines."""
+    reads it), and the run it becomes: boi, `count` image tokens, eoi, set off by blank lines; with pan-and-scan
+    (`settings`, data/images.ImageSettings, turns it on) an image with crops becomes Gemma3Processor's sentences
+    around the original's run and one run per crop."""
 
     boi: str
     image: str
     eoi: str
     count: int
+    settings: ImageSettings | None = None
 
     @property
     def expanded(self) -> str:
@@ -48,12 +53,23 @@ class ImageSpan:
         return self.boi, self.image, self.eoi
 
     def expansion(self, image=None) -> str:
-        """The text one image takes (the same for every image of Gemma 3)."""
-        return self.expanded
+        """The text one image takes (without pan-and-scan the same for every image; with it, the image's size
+        gives its crops: None is refused then)."""
+        if self.settings is None or not self.settings.pan_and_scan:
+            return self.expanded
+        if image is None:
+            raise DataError("with pan-and-scan (do_pan_and_scan) each image's size gives its crops: pass the images")
+        crops = self.settings.n_crops(image)
+        if not crops:
+            return self.expanded
+        return (f"Here is the original image {self.expanded} and here are some crops to help you see better "
+                + " ".join([self.expanded] * crops))
 
     @classmethod
-    def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int) -> ImageSpan:
-        """From the model's token ids, named as the tokenizer names them; a tokenizer without them refused."""
+    def from_ids(cls, tokenizer: Tokenizer, boi_id: int, image_id: int, eoi_id: int, count: int,
+                 settings: ImageSettings | None = None) -> ImageSpan:
+        """From the model's token ids, named as the tokenizer names them (settings: the image processor's, which
+        may turn pan-and-scan on); a tokenizer without them refused."""
         if min(boi_id, image_id, eoi_id) < 0:
             raise DataError(f"the model's config.json gives no image token ids (boi {boi_id}, image {image_id}, "
                             f"eoi {eoi_id})")
@@ -61,7 +77,7 @@ class ImageSpan:
         if None in names:
             raise DataError(f"the tokenizer has no token for the image ids {boi_id}, {image_id}, {eoi_id} of "
                             f"the model's config")
-        return cls(*names, count)
+        return cls(*names, count, settings)
 
 
 def is_vision_data(path) -> bool:
@@ -82,22 +98,28 @@ def is_vision_data(path) -> bool:
 
 def image_span(tokenizer: Tokenizer, vision, tiles=None) -> ImageSpan | TiledImageSpan | QwenImageSpan:
     """The span of a vision model's images in `tokenizer`'s text: vision its models/vision.VisionConfig; tiles
-    SmolVLM's TileSettings, which its span expands each image by (Gemma 3's takes none), or Qwen3-VL's
-    QwenImageSettings."""
+    SmolVLM's TileSettings, which its span expands each image by, Qwen3-VL's QwenImageSettings, or Gemma 3's
+    ImageSettings (or None: no pan-and-scan)."""
     if isinstance(tiles, QwenImageSettings):       # Qwen3-VL's: <|image_pad|> once per merged patch
         return QwenImageSpan.from_tokenizer(tokenizer, vision, tiles)
+    if isinstance(tiles, Lfm2ImageSettings):       # LFM2-VL's: each tile's tokens, then the thumbnail's
+        return Lfm2ImageSpan.from_tokenizer(tokenizer, vision.image_token_id, tiles)
     if vision.scale_factor:
         return TiledImageSpan.from_tokenizer(tokenizer, vision.image_token_id, vision.mm_tokens_per_image, tiles)
     return ImageSpan.from_ids(tokenizer, vision.boi_token_id, vision.image_token_id, vision.eoi_token_id,
-                              vision.mm_tokens_per_image)
+                              vision.mm_tokens_per_image, tiles if isinstance(tiles, ImageSettings) else None)
 
 
 def model_image_span(tokenizer: Tokenizer, vision, folder) -> ImageSpan | TiledImageSpan:
-    """image_span of the model in `folder` (SmolVLM's preprocessor_config.json gives the tiles)."""
+    """image_span of the model in `folder` (its preprocessor_config.json gives SmolVLM's tiles, Gemma 3's
+    pan-and-scan)."""
     if hasattr(vision, "mrope_section"):           # Qwen3-VL's (models/qwen3_vl.Qwen3VLVision)
         return image_span(tokenizer, vision, QwenImageSettings.from_folder(folder, vision))
-    return image_span(tokenizer, vision, TileSettings.from_folder(folder, vision.image_size)
-                      if vision.scale_factor else None)
+    if hasattr(vision, "downsample_factor"):       # LFM2-VL's (models/lfm2_vl.Lfm2VlVision)
+        return image_span(tokenizer, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
+                                                                           vision.downsample_factor))
+    return image_span(tokenizer, vision, (TileSettings if vision.scale_factor else ImageSettings).from_folder(
+        folder, vision.image_size))
 
 
 def read_vision_records(path) -> list[dict]:

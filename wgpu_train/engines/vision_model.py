@@ -19,6 +19,7 @@ import numpy as np
 
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.images import ImageSettings
+from wgpu_train.data.lfm2_images import Lfm2ImageSettings
 from wgpu_train.data.qwen_images import QwenImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, collate
@@ -27,6 +28,7 @@ from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
 from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
+from wgpu_train.engines.numpy.siglip2_tower import Siglip2Tower
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
@@ -38,6 +40,7 @@ from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
+from wgpu_train.models.lfm2_vl import Lfm2VlVision, check_lfm2_vl_tensors, lfm2_vl_names
 from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
 from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
                                       tower_lora_path, tower_target_regex, vision_names)
@@ -58,14 +61,15 @@ class VisionModel:
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
+        self.lfm2 = isinstance(vision, Lfm2VlVision)     # LFM2-VL's SigLIP2 tower: tiles of their own sizes
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
         # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
-        # NumPy one beside the NumPy engine; else (Qwen's towers, a host tower beside WebGPU, pipeline stages)
-        # the tower runs here, and train_step steps its LoRA around the engine's passes
+        # NumPy one beside the NumPy engine; else (Qwen's and LFM2-VL's towers, a host tower beside WebGPU,
+        # pipeline stages) the tower runs here, and train_step steps its LoRA around the engine's passes
         engine = model.engine
-        self.in_step = (not self.qwen and hasattr(engine, "set_vision_tower")
+        self.in_step = (not self.qwen and not self.lfm2 and hasattr(engine, "set_vision_tower")
                         and (device_tower is not None or getattr(engine, "name", "") == "numpy"))
         if self.in_step:
             engine.set_vision_tower(device_tower if device_tower is not None else tower)
@@ -74,8 +78,9 @@ class VisionModel:
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
         (N, C, H, W) float32: N the images, or SmolVLM's tiles of them all. Qwen3-VL's: (pixel_values (patches,
         patch dim), image_grid_thw (N, 3)), as its processor gives them (such a pair passes through)."""
-        if self.qwen:
-            if isinstance(images, tuple) and len(images) == 2 and all(isinstance(a, np.ndarray) for a in images):
+        if self.qwen or self.lfm2:      # LFM2-VL's: (pixel_values, pixel_attention_mask, spatial_shapes)
+            if isinstance(images, tuple) and len(images) == 2 + self.lfm2 and all(isinstance(a, np.ndarray)
+                                                                                  for a in images):
                 return images
             return self.settings.batch(list(images), where)
         if isinstance(images, np.ndarray):
@@ -86,7 +91,7 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor or self.qwen else None)
+        return image_span(tokenizer, self.vision, self.settings)
 
     def set_tower_lora(self, tensors: dict, scale: float):
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
@@ -194,6 +199,8 @@ class VisionModel:
         (mrope_positions)."""
         if self.qwen:
             return self._qwen_image_tokens(ids, images, segments, cache)
+        if self.lfm2:
+            return self._lfm2_image_tokens(ids, images, cache)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
@@ -268,6 +275,22 @@ class VisionModel:
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
                                                           self.vision.mrope_section), tuple(deepstack))
 
+    def _lfm2_image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
+        """LFM2-VL's ImageTokens of ids (B, T) and its images: every tile's tokens (its patches pooled by the
+        projector), causal in the text like any token; cache as image_tokens'."""
+        pixels = self.pixel_values(images) if images is not None and len(images) else None
+        blocks = image_blocks(np.atleast_2d(np.asarray(ids)), self.vision.image_token_id, bidirectional=False)
+        n_tokens, expected = int((blocks >= 0).sum()), 0 if pixels is None else self.tower.tokens(pixels[2])
+        if n_tokens != expected:
+            raise DataError(f"{n_tokens} image placeholder tokens for images of {expected} tokens in all")
+        if pixels is None:
+            return None
+        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = self.tower.forward(pixels)
+            cache.update(tower_cache)
+            return ImageTokens(blocks, embeds)
+        return ImageTokens(blocks, self.tower(pixels))
+
     def mrope_positions(self, ids, grids, segments=None) -> tuple:
         """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order, each segment counted from 0
         (models/qwen3_vl.rope_index), padding 0; the position after each row's last segment (B,))."""
@@ -333,6 +356,8 @@ class VisionModel:
                                   f"pipeline stages only for now (its DeepStack features' gradients)")
             tower = self.device_tower if cache.get("device") else self.tower
             return tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
+        if self.lfm2:
+            return self.tower.backward(engine.image_grad.reshape(-1, self.vision.text_hidden_size), cache)
         dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
         return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 
@@ -446,7 +471,7 @@ class VisionModel:
 
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     """A Gemma3ForConditionalGeneration, SmolVLMForConditionalGeneration, Idefics3ForConditionalGeneration,
-    Qwen3VLForConditionalGeneration or Qwen3.5's (dense or MoE) folder with its vision tower and projector
+    Qwen3VLForConditionalGeneration, Qwen3.5's (dense or MoE) or Lfm2VlForConditionalGeneration folder with its vision tower and projector
     (float32); `kw` as load_model's. The processor's preprocessor_config.json gives the image preprocessing where
     the folder has it."""
     return attach_vision(load_model(path, backend=backend, **kw), path)
@@ -475,6 +500,12 @@ def attach_vision(model: Model, path) -> VisionModel:
         device = (GpuQwenTower(rt, tower) if model.backend == "wgpu" and rt is not None and
                   qwen_vision_tower.runs_on_device(rt, tower) else None)
         return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
+    if isinstance(vision, Lfm2VlVision):          # the tower runs on the CPU whichever engine the text model's
+        tensors = _tower_tensors(folder, lfm2_vl_names)
+        names = check_lfm2_vl_tensors(tensors, vision, folder)
+        tower = Siglip2Tower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+        return VisionModel(model, tower, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
+                                                                                vision.downsample_factor))
     tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}

@@ -37,7 +37,7 @@ def attach_tower(trainer) -> VisionModel:
     if not vision.in_step and objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
         raise ConfigError(f"LoRA on this model's vision tower trains with --objective {cfg.objective} where the "
                           f"engine runs the tower inside its step only for now (a SigLIP tower on the NumPy engine, "
-                          f"or on the device beside WebGPU; not Qwen's towers or pipeline stages): use --objective "
+                          f"or on the device beside WebGPU; not Qwen's or LFM2-VL's towers, or pipeline stages): use --objective "
                           f"sft")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
