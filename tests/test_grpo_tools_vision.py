@@ -141,20 +141,44 @@ def test_tool_round_trip_keeps_the_images_in_context(tools_vlm, tmp_path, forced
     # a held row with images, extended by the tool result: its next token's log-probabilities are those of the
     # whole text's prefill with the images, not those without them
     ex = batch.examples[0]
-    whole = np.concatenate([ex.input_ids, np.asarray(batch.rollouts[0].ids[:FIRST] + suffix, np.int64)])
-    decode = DecodeBatch(trainer.engine, 1, whole.size + 2)
-    ids, images = vm.prompt_images(ex.input_ids, ex.record.images)
-    slot = decode.add(ids, FIRST, logprobs=trainer.model.config.vocab_size, images=images, hold=True)
-    while len(decode):
-        decode.step()
-    decode.extend(slot, suffix, 1)
-    (token,) = decode.step()
-    decode.close()
-    got = np.array([lp for _, lp in sorted(token.top)])
+    first, got = extended_logprobs(vm, ex.input_ids, ex.record.images, suffix)
+    whole = np.concatenate([ex.input_ids, np.asarray(first + suffix, np.int64)])
     with_images = log_softmax(vm.logits(whole[None], ex.record.images)[0, -1])
     without = log_softmax(trainer.model.logits(whole[None])[0, -1])
     assert_close(got, with_images, "logits_f32", "the extended row's log-probabilities")
     assert np.abs(without - with_images).max() > 1e-3
+
+
+def extended_logprobs(vm, prompt, images, appended) -> tuple:
+    """(the FIRST greedy tokens, the next token's log-probabilities (V,)) of a held DecodeBatch row of `prompt`
+    with its images on vm's engine, extended by `appended` after its FIRST tokens."""
+    decode = DecodeBatch(vm.model.engine, 1, len(prompt) + FIRST + len(appended) + 2)
+    ids, tokens = vm.prompt_images(prompt, images)
+    slot = decode.add(ids, FIRST, logprobs=vm.model.config.vocab_size, images=tokens, hold=True)
+    first = []
+    while len(decode):
+        first += [t.id for t in decode.step()]
+    decode.extend(slot, appended, 1)
+    (token,) = decode.step()
+    decode.close()
+    return first, np.array([lp for _, lp in sorted(token.top)])
+
+
+def test_a_held_row_with_images_extends_on_webgpu(tools_vlm, default_rt):
+    """The WebGPU engine's DecodeBatch: a held row with an image, extended by a tool result's tokens, gives the
+    NumPy engine's log-probabilities of the whole text prefilled with the image."""
+    from test_gemma3_vision import Image
+    from wgpu_train.data.vision_records import vision_prompt_ids
+    from wgpu_train.engines.vision_model import load_vision_model
+
+    _, model = tools_vlm
+    tok, red = load_tokenizer(model), Image.new("RGB", (30, 20), (255, 0, 0))
+    numpy_vm, gpu_vm = load_vision_model(model), load_vision_model(model, backend="wgpu")
+    prompt = np.asarray(vision_prompt_ids(tok, "what colour is it?", 1, numpy_vm.image_span(tok), images=[red]))
+    appended = tok.encode("<start_of_turn>tool\n5<end_of_turn>\n<|im_start|>assistant\n")
+    first, got = extended_logprobs(gpu_vm, prompt, [red], appended)
+    whole = np.concatenate([prompt, first, appended])
+    assert_close(got, log_softmax(numpy_vm.logits(whole[None], [red])[0, -1]), "gpu_logits", "the extended row")
 
 
 def test_loss_and_gradients_equal_loss_and_grads_of_the_rollouts(tools_vlm, tmp_path, forced):
