@@ -1,7 +1,8 @@
 """LFM2-VL with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
-transformers in test_lfm2_vl.py): the language model (short convolutions and attention) on the device takes the
-image embeddings of the NumPy SigLIP2 tower (with LoRA on it, its backward from the device's image-row gradient);
-logits, loss, LoRA gradients and greedy generation."""
+transformers in test_lfm2_vl.py): the SigLIP2 tower on the device (engines/webgpu/siglip2_tower.py: features and
+LoRA gradients against the NumPy tower's, tiles of two shapes in one batch), the language model (short convolutions
+and attention) on the device taking its image embeddings (with LoRA on it, its backward from the device's image-row
+gradient); logits, loss, LoRA gradients and greedy generation; `finetune --backend wgpu` as --backend numpy."""
 from __future__ import annotations
 
 import copy
@@ -48,7 +49,7 @@ def test_logits_loss_gradients_and_generation_equal_numpys(pair, spans):  # noqa
     mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     labels = np.where((ids != IMAGE) & (mask == 1), ids, -100)
     real = mask.astype(bool)
-    assert gpu.model.backend == "wgpu" and gpu.device_tower is None     # the tower stays on the CPU
+    assert gpu.model.backend == "wgpu" and gpu.device_tower is not None     # the tower on the device too
     assert_close(gpu.logits(ids, imgs, mask)[real], cpu.logits(ids, imgs, mask)[real], "gpu_logits", "with images")
     (la, ga), (lb, gb) = (vm.loss_and_grads(ids, labels, imgs, mask) for vm in (cpu, gpu))
     assert_close(np.float64(lb), la, "gpu_loss", "loss with images")
@@ -57,3 +58,27 @@ def test_logits_loss_gradients_and_generation_equal_numpys(pair, spans):  # noqa
         assert_close(gb[name], ga[name], "gpu_grads", name)
     prompt = np.array(rows[0][:-2])
     assert gpu.generate(prompt, imgs[:1], max_new_tokens=6) == cpu.generate(prompt, imgs[:1], max_new_tokens=6)
+
+
+def test_device_tower_features_and_lora_gradients_equal_numpys(pair):
+    """The device tower against the NumPy tower (float32 both) over a tiled image's 2 x 2 tiles, its thumbnail and a
+    small image (tiles of three shapes in one batch): the frozen features, the features with LoRA, and the LoRA
+    gradients of a random tokens' gradient of a loss's scale."""
+    _, gpu = pair
+    device, tower = gpu.device_tower, gpu.tower
+    pixels = gpu.pixel_values(sample_images(4, [(200, 170), (13, 11)]))
+    assert len({tuple(s) for s in np.asarray(pixels[2]).tolist()}) >= 2
+    lora, tower.lora = tower.lora, {}
+    try:
+        assert_close(device(pixels), tower(pixels), "vision_tower_gpu", "frozen features")
+    finally:
+        tower.lora = lora
+    got, cache = device.forward(pixels)
+    want, want_cache = tower.forward(pixels)
+    assert cache.get("device") and got.shape == want.shape == (tower.tokens(pixels[2]), tower.vc.text_hidden_size)
+    assert_close(got, want, "vision_tower_gpu", "features with LoRA")
+    dout = np.random.default_rng(0).standard_normal(want.shape).astype(np.float32) * 0.05
+    grads, expected = device.backward(dout, cache), tower.backward(dout, want_cache)
+    assert set(grads) == set(expected) and len(expected) == 2 * len(tower.lora)
+    for name, g in expected.items():
+        assert_close(grads[name], g, "grads_f32", name)
