@@ -82,3 +82,35 @@ def test_device_tower_features_and_lora_gradients_equal_numpys(pair):
     assert set(grads) == set(expected) and len(expected) == 2 * len(tower.lora)
     for name, g in expected.items():
         assert_close(grads[name], g, "grads_f32", name)
+
+
+def test_cli_finetune_with_tower_lora_on_wgpu_equals_numpy(vlm, tmp_path, capsys):  # noqa: F811
+    """`finetune --data` of TRL's vision records on LFM2-VL with --backend wgpu, LoRA on the tower's encoder too
+    (the device tower's forward and backward): each step's loss and the adapter after 2 steps equal the NumPy
+    engine's run of the same records."""
+    import json
+
+    from test_gemma3_vision_training import write_vision_data
+    from test_lfm2_vl import records
+    from wgpu_train.cli.main import main
+    from wgpu_train.formats.safetensors import read_safetensors
+
+    require_adapter()
+    _, folder, _ = vlm
+    data = write_vision_data(tmp_path / "data", records())
+    losses, adapters = [], []
+    for backend in ("numpy", "wgpu"):
+        out = tmp_path / backend
+        assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, "--max-steps",
+                     "2", "--batch-size", "2", "--lr", "3e-3", "--lora-targets", "in_proj,q_proj,vision_tower",
+                     "--no-progress", "--valid-split", "0", "--log-every", "1", "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert ("on the device" if backend == "wgpu" else "NumPy, on the CPU") in err
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                       if '"loss"' in line])
+        adapters.append(read_safetensors(out / "adapter_model.safetensors"))
+    assert len(losses[0]) == 2
+    assert_close(np.array(losses[1]), np.array(losses[0]), "gpu_loss", "finetune losses")
+    assert set(adapters[0]) == set(adapters[1]) and any("vision_tower" in k for k in adapters[0])
+    for k, want in adapters[0].items():
+        assert_close(adapters[1][k], want, "lfm2_tower_params_after_steps", k)
