@@ -128,9 +128,9 @@ class GpuSiglip2Tower:
         c, f, r = vc.hidden_size, vc.intermediate_size, max((v[2] for v in self._lora.values()), default=0)
         tokens = rows // vc.downsample_factor ** 2
         sizes = {"patches": rows * vc.num_channels * vc.patch_size ** 2, "spans": 3 * rows, "unshuffle": rows,
-                 "pos": rows * c, "x": rows * c, "x2": rows * c, "h": rows * c, "h2": rows * c, "q": rows * c, "k": rows * c,
-                 "v": rows * c, "att": rows * c, "lse": vc.num_heads * rows, "f1": rows * f, "g": rows * f,
-                 "u": rows * c, "un": rows * c, "p1": tokens * vc.projector_hidden_size,
+                 "pos": rows * c, "x": rows * c, "x2": rows * c, "h": rows * c, "h2": rows * c, "q": rows * c,
+                 "k": rows * c, "v": rows * c, "att": rows * c, "lse": vc.num_heads * rows, "f1": rows * f,
+                 "g": rows * f, "u": rows * c, "un": rows * c, "p1": tokens * vc.projector_hidden_size,
                  "p2": tokens * vc.projector_hidden_size, "out": tokens * vc.text_hidden_size,
                  **{"lh_" + m: rows * r for m in ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")}}
         if keep:
