@@ -60,17 +60,32 @@ def test_logits_loss_gradients_and_generation_equal_numpys(pair, spans):  # noqa
     assert gpu.generate(prompt, imgs[:1], max_new_tokens=6) == cpu.generate(prompt, imgs[:1], max_new_tokens=6)
 
 
-def test_device_tower_features_and_lora_gradients_equal_numpys(pair):
+def test_device_tower_features_and_lora_gradients_equal_numpys(pair, monkeypatch):
     """The device tower against the NumPy tower (float32 both) over a tiled image's 2 x 2 tiles, its thumbnail and a
-    small image (tiles of three shapes in one batch): the frozen features, the features with LoRA, and the LoRA
+    small image (tiles of several shapes in one batch): the frozen features (one submission; in chunks of tiles that
+    fit a smaller binding; a binding too small for any tile: the NumPy tower), the features with LoRA, and the LoRA
     gradients of a random tokens' gradient of a loss's scale."""
+    from wgpu_train.engines.webgpu import siglip2_tower
+
     _, gpu = pair
     device, tower = gpu.device_tower, gpu.tower
     pixels = gpu.pixel_values(sample_images(4, [(200, 170), (13, 11)]))
-    assert len({tuple(s) for s in np.asarray(pixels[2]).tolist()}) >= 2
+    sizes = [r * c for r, c in np.asarray(pixels[2]).tolist()]
+    assert len(set(sizes)) >= 2
     lora, tower.lora = tower.lora, {}
     try:
-        assert_close(device(pixels), tower(pixels), "vision_tower_gpu", "frozen features")
+        want, calls = tower(pixels), device.calls
+        assert_close(device(pixels), want, "vision_tower_gpu", "frozen features")
+        assert device.calls == calls + 1
+        width = device.rt.max_binding // (4 * max(sizes))          # a chunk holds the largest tile's patches
+        monkeypatch.setattr(siglip2_tower, "row_width", lambda vc: width)
+        assert_close(device(pixels), want, "vision_tower_gpu", "frozen features in chunks")
+        assert device.calls - calls - 1 > 1
+        monkeypatch.setattr(siglip2_tower, "row_width", lambda vc: device.rt.max_binding)
+        calls = device.calls
+        assert_close(device(pixels), want, "vision_tower_gpu", "frozen features on the NumPy tower")
+        assert device.calls == calls
+        monkeypatch.undo()
     finally:
         tower.lora = lora
     got, cache = device.forward(pixels)
