@@ -35,6 +35,8 @@ from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu import qwen_vision_tower
 from wgpu_train.engines.webgpu.qwen_vision_tower import GpuQwenTower
+from wgpu_train.engines.webgpu import siglip2_tower
+from wgpu_train.engines.webgpu.siglip2_tower import GpuSiglip2Tower
 from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_device
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
@@ -53,8 +55,8 @@ class VisionModel:
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
     QwenImageSettings: each image its merged patches); device_tower: the same tower on the WebGPU engine
-    (webgpu/vision_tower.GpuVisionTower; Qwen's webgpu/qwen_vision_tower.GpuQwenTower), which runs it (with the
-    tower's LoRA and its backward too), or None.
+    (webgpu/vision_tower.GpuVisionTower; Qwen's webgpu/qwen_vision_tower.GpuQwenTower; LFM2-VL's
+    webgpu/siglip2_tower.GpuSiglip2Tower), which runs it (with the tower's LoRA and its backward too), or None.
     Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision, its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower)
     ImageTokens carry the M-RoPE positions and Qwen3-VL's DeepStack features, which both engines take."""
 
@@ -288,10 +290,10 @@ class VisionModel:
         if pixels is None:
             return None
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
-            embeds, tower_cache = self.tower.forward(pixels)
+            embeds, tower_cache = (self.device_tower or self.tower).forward(pixels)
             cache.update(tower_cache)
             return ImageTokens(blocks, embeds)
-        return ImageTokens(blocks, self.tower(pixels))
+        return ImageTokens(blocks, (self.device_tower or self.tower)(pixels))
 
     def mrope_positions(self, ids, grids, segments=None) -> tuple:
         """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order (a video's: a run per frame
@@ -363,7 +365,8 @@ class VisionModel:
             tower = self.device_tower if cache.get("device") else self.tower
             return tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
         if self.lfm2:
-            return self.tower.backward(engine.image_grad.reshape(-1, self.vision.text_hidden_size), cache)
+            tower = self.device_tower if cache.get("device") else self.tower
+            return tower.backward(engine.image_grad.reshape(-1, self.vision.text_hidden_size), cache)
         dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
         return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 
@@ -506,12 +509,14 @@ def attach_vision(model: Model, path) -> VisionModel:
         device = (GpuQwenTower(rt, tower) if model.backend == "wgpu" and rt is not None and
                   qwen_vision_tower.runs_on_device(rt, tower) else None)
         return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
-    if isinstance(vision, Lfm2VlVision):          # the tower runs on the CPU whichever engine the text model's
+    if isinstance(vision, Lfm2VlVision):
         tensors = _tower_tensors(folder, lfm2_vl_names)
         names = check_lfm2_vl_tensors(tensors, vision, folder)
         tower = Siglip2Tower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+        device = (GpuSiglip2Tower(rt, tower) if model.backend == "wgpu" and rt is not None and
+                  siglip2_tower.runs_on_device(rt, tower) else None)
         return VisionModel(model, tower, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
-                                                                                vision.downsample_factor))
+                                                                                vision.downsample_factor), device)
     tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}
