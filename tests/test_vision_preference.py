@@ -343,8 +343,8 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     """`eval --objective dpo` of the vision pairs with the adapter (the reference: the adapter off) gives the loss
     and TRL's metrics of the PreferenceTrainer's first step over the same pairs with the same reference
     (--precompute-ref-log-probs: the adapter off, test_precomputed_reference_with_images_is_the_adapter_off);
-    the adapter as its own --ref-adapter gives log 2; KTO's unpaired records score too; bad input is one line and
-    exit 2."""
+    the adapter as its own --ref-adapter gives log 2; KTO's unpaired records score too; an adapter with LoRA on the
+    tower scores with its reference's tower LoRA off; bad input is one line and exit 2."""
     from wgpu_train.cli.main import main
 
     root, folder, _, hf = pref_setup
@@ -371,12 +371,28 @@ def test_eval_objective_with_images_equals_the_first_steps_metrics(pref_setup, t
     assert kto["examples"] == 6 and kto["images"] == 8 and np.isfinite(kto["loss"])
     assert main(args + ["--objective", "dpo", "--no-chat-template"]) == 2
     assert "--no-chat-template is not supported with images yet" in capsys.readouterr().err
+    # an adapter whose only change is LoRA on the tower (its B random, the language model's zero): the policy
+    # differs from the reference, which switches the tower's LoRA off with the adapter: the same reference as
+    # the language model's adapter's (the model without either)
     tower = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
         r=2, lora_alpha=4, target_modules=r".*(language_model|vision_tower).*\.q_proj", lora_dropout=0.0))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            if "lora_B" in name and "vision_tower" in name:
+                p.normal_(0, 5.0)
     tower.save_pretrained(tmp_path / "tower")
     at = args.index("--adapter-path") + 1
-    assert main(args[:at] + [str(tmp_path / "tower")] + args[at + 1:] + ["--objective", "dpo"]) == 2
-    assert "LoRA on the vision tower is not supported with --objective dpo" in capsys.readouterr().err
+    assert main(args[:at] + [str(tmp_path / "tower")] + args[at + 1:] + ["--objective", "dpo"]) == 0
+    with_tower = json.loads(capsys.readouterr().out)
+
+    def reference(m):               # TRL's rewards: beta (0.1) times the policy's log-probability over the reference's
+        return [m[f"logps/{k}"] - m[f"rewards/{k}"] / 0.1 for k in ("chosen", "rejected")]
+
+    assert abs(with_tower["rewards/chosen"]) > 1e-4 and abs(with_tower["rewards/rejected"]) > 1e-4
+    # the tower's LoRA moves these log-probabilities by 3.5e-3 and more (its rewards over beta): a reference that
+    # kept it would be that far off; the same base model scores both to float32 summing's 1e-5
+    np.testing.assert_allclose(reference(with_tower), reference(got), rtol=0, atol=2e-4)
 
 
 def test_eval_objective_with_images_on_webgpu_equals_numpy(pref_setup, rt, capsys):

@@ -101,8 +101,8 @@ def _attach(args, vision, path: str, pending: list, video_span=None):
 
     video = video_span is not None
     if vision is None:
-        print("error: this model takes no images (a Gemma 3 or SmolVLM vision model on the NumPy engine does)",
-              file=sys.stderr)
+        print("error: this model takes no images (a vision model does: Gemma 3, SmolVLM, Qwen3-VL, Qwen3.5, "
+              "LFM2-VL)", file=sys.stderr)
     elif args.temperature:
         print("error: images are answered greedily for now (--temperature 0)", file=sys.stderr)
     elif not path:

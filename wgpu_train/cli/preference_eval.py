@@ -138,16 +138,18 @@ def _read_vision_split(args, data_path, data: DataKind, held_out: tuple[float, i
 
 def _attach_vision(args, model, model_dir, adapter):
     """The VisionModel over the loaded language model (the tower and projector read from model_dir), the adapter
-    loaded through it; LoRA on the tower refused, as finetune --objective refuses it (the reference, the adapter
-    switched off, would keep it)."""
+    loaded through it. LoRA on the tower is scored where the engine runs the tower (SigLIP's: the reference,
+    the adapter switched off, switches the tower's LoRA off too); refused elsewhere, as finetune --objective
+    refuses it."""
     from wgpu_train.engines.vision_model import attach_vision
 
     vision = attach_vision(model, model_dir)
     if adapter is not None:
         vision.load_adapter(adapter)
-    if vision.tower.lora:
-        raise ConfigError(f"{adapter}: LoRA on the vision tower is not supported with --objective {args.objective} "
-                          f"yet (sft only)")
+    if vision.tower.lora and not vision.in_step:
+        raise ConfigError(f"{adapter}: LoRA on this model's vision tower is scored with --objective "
+                          f"{args.objective} where the engine runs the tower inside its step only for now (Gemma 3's "
+                          f"and SmolVLM's SigLIP tower), as finetune --objective trains it")
     return vision
 
 

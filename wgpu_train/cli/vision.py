@@ -25,7 +25,8 @@ def generate_with_images(args, model_dir, adapter) -> int:
     if args.video and not hasattr(span, "as_video"):
         raise ConfigError("--video takes a Qwen3-VL or Qwen3.5 model")
     videos = [span.as_video(v, f"--video {v}") for v in args.video or ()]
-    pixels = vm.pixel_values([*images, *videos], "--image")
+    pixels = vm.pixel_values([*images, *videos], " / ".join(f for f, given in (("--image", images),
+                                                                              ("--video", videos)) if given))
     ids = vision_prompt_ids(tok, args.prompt, len(images), span, args.system, images, videos)
     room = vm.model.config.max_position_embeddings - len(ids)
     if room < 1:

@@ -57,9 +57,14 @@ class ImageSettings:
         if resample not in RESAMPLES:
             raise ConfigError(f"{source}: unknown resample {resample}")
         mean, std = (tuple(float(v) for v in raw.get(k, (0.5,) * 3)) for k in ("image_mean", "image_std"))
-        pan = bool(raw.get("do_pan_and_scan"))
+        pan = raw.get("do_pan_and_scan") or False
+        if not isinstance(pan, bool):
+            raise ConfigError(f"{source}: do_pan_and_scan {pan!r} is not true or false")
         crop, most, ratio = (d if raw.get(f"pan_and_scan_{k}") is None else raw[f"pan_and_scan_{k}"] for k, d in (
             ("min_crop_size", 256), ("max_num_crops", 4), ("min_ratio_to_activate", 1.2)))
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (crop, most, ratio)):
+            raise ConfigError(f"{source}: pan_and_scan_min_crop_size, pan_and_scan_max_num_crops and "
+                              f"pan_and_scan_min_ratio_to_activate must be numbers, got {crop!r}, {most!r}, {ratio!r}")
         if pan and min(int(crop), int(most)) < 1:
             raise ConfigError(f"{source}: pan_and_scan_min_crop_size and pan_and_scan_max_num_crops must be at "
                               f"least 1, got {crop} and {most}")

@@ -118,8 +118,10 @@ class QwenImageSettings:
     def batch(self, images, where: str = "record") -> tuple:
         """Images, and videos (data/qwen_videos.Video) among them, in order -> (pixel_values (total patches,
         patch dim) float32, their grids (N, 3) int64: image_grid_thw's and video_grid_thw's rows in that order)."""
-        out = [self.video_settings(where).patches(im, f"{where}: video {i}") if isinstance(im, Video) else
-               self.patches(im, f"{where}: image {i}") for i, im in enumerate(images)]
+        videos = [isinstance(im, Video) for im in images]
+        nth = [sum(v == kind for v in videos[:i]) for i, kind in enumerate(videos)]     # each one's index of its kind
+        out = [self.video_settings(where).patches(im, f"{where}: video {k}") if video else
+               self.patches(im, f"{where}: image {k}") for im, video, k in zip(images, videos, nth)]
         dim = 3 * self.temporal_patch_size * self.patch_size ** 2
         if not out:
             return np.zeros((0, dim), np.float32), np.zeros((0, 3), np.int64)
