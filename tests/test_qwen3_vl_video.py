@@ -339,16 +339,8 @@ def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
 def test_video_file_frames_sampled_as_the_processor(vlm, tmp_path):
     """A video file (written and read by PyAV; skipped where PyAV is not installed): the frames sampled at the
     processor's fps (2 a second of a 10 fps clip, np.linspace's rounding) and their timestamps."""
-    av = pytest.importorskip("av")
     _, _, vm = vlm
-    path = tmp_path / "clip.mp4"
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for i in range(25):
-            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 10, np.uint8), format="rgb24")
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
+    path = write_clip(tmp_path / "clip.mp4")
     from wgpu_train.data.qwen_videos import read_video_file
 
     video = read_video_file(path, vm.settings.video)
@@ -356,14 +348,76 @@ def test_video_file_frames_sampled_as_the_processor(vlm, tmp_path):
     assert video.timestamps(2) == [(0 + 0.6) / 2, (1.2 + 1.8) / 2, 2.4]
 
 
-def test_serve_refuses_video_url_parts():
-    """serve takes no videos yet: a video_url part is a 400 in one line."""
-    from wgpu_train.serve.api_error import ApiError
-    from wgpu_train.serve.requests import parse_chat
+def write_clip(path, n=25, rate=10):
+    """A video file of n 32 x 32 frames at `rate` a second, written by PyAV (skipped where it is not installed)."""
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(n):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 10, np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return path
 
-    with pytest.raises(ApiError, match="only text and image_url parts are supported") as e:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]}]})
+
+def test_serve_video_url_answers_as_generate_video(vlm, tmp_path):
+    """`serve` through the openai client: a video_url part (a file:// folder of frames; a data: URL of a video file
+    where PyAV is installed) answers as generate --video does (the VisionModel's greedy answer to the same prompt);
+    a missing folder is a 400 naming the video; parse_chat keeps video parts in order; a model without videos
+    refuses them."""
+    import base64
+    import importlib.util
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    from test_serve_vision import KEY, start_server
+
+    from wgpu_train.data.vision_records import vision_prompt_ids
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.formats.tokenizer import load_tokenizer
+    from wgpu_train.serve.api_error import ApiError
+    from wgpu_train.serve.images import request_images
+    from wgpu_train.serve.requests import VideoUrl, parse_chat
+
+    _, folder, _ = vlm
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    for i, f in enumerate(frames(3, seed=9)):
+        f.save(clip / f"{i:03d}.png")
+    vm, tok = load_vision_model(folder), load_tokenizer(folder)
+    span_ = vm.image_span(tok)
+
+    def want(video):
+        ids = vision_prompt_ids(tok, "what colour?", 0, span_, videos=[video])
+        out = vm.generate(ids, [video], max_new_tokens=4, stop_token_ids=tok.stop_token_ids)
+        return tok.decode([t for t in out if t not in tok.stop_token_ids])
+
+    scheduler, thread = start_server(folder)
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def ask(url):
+            return client.chat.completions.create(model="default", max_tokens=4, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "what colour?"}]}]).choices[0].message.content
+
+        assert ask(clip.as_uri()) == want(span_.as_video(str(clip)))
+        with pytest.raises(openai.BadRequestError, match="video 0: no such file or folder"):
+            ask((tmp_path / "none").as_uri())
+        if importlib.util.find_spec("av") is not None:     # a data: URL's video file decodes through PyAV
+            mp4 = write_clip(tmp_path / "clip.mp4")
+            assert ask("data:video/mp4;base64," + base64.b64encode(mp4.read_bytes()).decode()) == \
+                want(span_.as_video(str(mp4)))
+    finally:
+        thread.stop()
+        scheduler.close()
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}, {"type": "video_url", "video_url": {"url": "y"}}]}]})
+    assert req.images == ("x", VideoUrl("y")) and req.messages[0]["content"] == [{"type": "image"},
+                                                                                 {"type": "video"}]
+    with pytest.raises(ApiError, match="video 0: this model takes no videos") as e:
+        request_images([VideoUrl(clip.as_uri())])
     assert e.value.status == 400 and "\n" not in str(e.value)
 
 
