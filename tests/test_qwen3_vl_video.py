@@ -326,7 +326,7 @@ def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
         tokenize_vision_dataset(tok, [rec], span_, 12)
     from wgpu_train.data.vision_records import vision_messages
 
-    with pytest.raises(DataError, match="record 3: videos are taken only by supervised records of Qwen3-VL"):
+    with pytest.raises(DataError, match="record 3: videos are taken only by Qwen3-VL's and Qwen3.5's records"):
         vision_messages(rec, "record 3")        # a span without videos (Gemma 3's, SmolVLM's), or DPO's records
     (tmp_path / "clip.mp4").write_bytes(b"\0" * 64)
     real_import = builtins.__import__
@@ -436,3 +436,93 @@ def test_an_unsupported_video_config_refuses_videos_only(vlm, tmp_path):
     assert settings.batch(images(1))[1].shape == (1, 3)
     with pytest.raises(DataError, match="videos are not supported here .*cap_pixels_per_frame true"):
         settings.batch([Video(tuple(frames(2)))])
+
+
+def video_pref_data(folder, kto: bool = False):
+    """Two preference records (KTO's: two labelled) whose prompt holds a video (frame files) in sft's record shape:
+    {"type": "video"} parts beside a `videos` column (TRL 1.16's collators take no videos)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, f in enumerate(frames(3, seed=8)):
+        f.save(folder / f"f{i}.png")
+        names.append(f"f{i}.png")
+    prompt = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour?"}]}]
+    answers = [("red", "blue"), ("green", "red")]
+    recs = [{"prompt": prompt, "videos": [v],
+             **({"completion": [{"role": "assistant", "content": a}], "label": k == 0} if kto else
+                {"chosen": [{"role": "assistant", "content": a}], "rejected": [{"role": "assistant", "content": b}]})}
+            for k, ((a, b), v) in enumerate(zip(answers, (names, names[::-1])))]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return folder / "train.jsonl"
+
+
+def answer_logps(vm, prompt_ids, answer_ids, media) -> float:
+    """The sum of the answer tokens' log-probabilities after the prompt with its media (the VisionModel's logits)."""
+    ids = np.concatenate([prompt_ids, answer_ids])[None]
+    logits = vm.logits(ids, media)[0].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    n = len(prompt_ids)
+    return float(sum(logp[n - 1 + i, t] for i, t in enumerate(answer_ids)))
+
+
+def test_dpo_and_kto_with_videos_equal_the_recomputation(vlm, tmp_path):
+    """DPO on pairs whose prompt holds a video: the prompt's video expanded as sft's records expand it, and the
+    first step's logps/chosen and logps/rejected the VisionModel's own log-probabilities of each answer after the
+    prompt and its video (the adapter starts at zero: the base model's); KTO on labelled records with videos
+    trains (a finite loss, the adapter moved)."""
+    from wgpu_train.data.vision_records import vision_chat_ids
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.formats.tokenizer import load_tokenizer
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    _, folder, _ = vlm
+    kw = dict(model=str(folder), backend="numpy", batch_size=2, lr=1e-2, valid_split=0.0,
+              lora_targets="q_proj,v_proj", no_progress=True, max_seq_len=400)
+    trainer = PreferenceTrainer(TrainConfig(data=str(video_pref_data(tmp_path / "dpo")), objective="dpo",
+                                            max_steps=1, out=str(tmp_path / "dpo_run"), **kw),
+                                log=lambda m: None).setup()
+    examples = trainer.pref["train"]
+    vm, tok = load_vision_model(folder), load_tokenizer(folder)
+    span_ = vm.image_span(tok)
+    assert all(len(e.images) == 1 and isinstance(e.images[0], Video) for e in examples)
+    prompt = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour?"}]}]
+    np.testing.assert_array_equal(examples[0].prompt_ids,
+                                  vision_chat_ids(tok, prompt, 1, span_, examples[0].images))
+    assert VIDEO in examples[0].prompt_ids.tolist()
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    for key, attr in (("logps/chosen", "chosen_ids"), ("logps/rejected", "rejected_ids")):
+        want = np.mean([answer_logps(vm, e.prompt_ids, getattr(e, attr), e.images) for e in examples])
+        assert_close(np.float64(result.metrics[key]), np.float64(want), "loss_f32", key)
+    out = tmp_path / "kto_run"
+    kto = TrainConfig(data=str(video_pref_data(tmp_path / "kto", kto=True)), objective="kto", max_steps=2,
+                      out=str(out), **kw)
+    summary = PreferenceTrainer(kto, log=lambda m: None).run()
+    assert summary["steps"] == 2 and summary["images"] == 2          # each record's video
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "grad_norm" in line]
+    assert rows and all(np.isfinite(r["loss"]) for r in rows)
+    assert any(np.abs(v).max() > 0 for k, v in read_safetensors(out / "adapter_model.safetensors").items()
+               if "lora_B" in k)
+
+
+def test_sft_with_videos_on_two_workers_equals_one_process(vlm, tmp_path):
+    """sft on video records on two data-parallel workers (threads), a row each, equals one process's step of both
+    rows (grad_accum 2): both steps' loss and gradient norm (the second step's loss after the first's update)."""
+    import wgpu_train
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = vlm
+    data = write_video_data(tmp_path / "data")
+    kw = dict(model=str(folder), data=str(data), backend="numpy", batch_size=1, max_steps=2, lr=1e-2,
+              valid_split=0.0, lora_targets="q_proj,v_proj", no_progress=True, max_seq_len=400)
+    wgpu_train.finetune(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw))
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
+    one, two = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                 if "grad_norm" in line] for run in ("one", "two"))
+    assert len(one) == len(two) == 2 and one[1]["loss"] != one[0]["loss"]
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm"):
+            assert_close(np.float64(b[key]), np.float64(a[key]), "data_parallel_numpy", key)
