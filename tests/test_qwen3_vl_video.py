@@ -526,3 +526,34 @@ def test_sft_with_videos_on_two_workers_equals_one_process(vlm, tmp_path):
     for a, b in zip(one, two):
         for key in ("loss", "grad_norm"):
             assert_close(np.float64(b[key]), np.float64(a[key]), "data_parallel_numpy", key)
+
+
+def test_grpo_with_videos_rollouts_and_a_step(vlm, tmp_path):
+    """GRPO on prompts with a video (sft's record shape; TRL 1.16's GRPO takes no videos): the prompt's video
+    expanded as sft's records expand it, a rollout at temperature 0 is the VisionModel's greedy answer with the
+    video, another video changes the logits it starts from, and a step trains (finite loss)."""
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    _, folder, _ = vlm
+    data = video_pref_data(tmp_path / "data")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "videos": r["videos"], "answer": "red"}) + "\n"
+                            for r in rows))
+    out = tmp_path / "run"
+    trainer = GRPOTrainer(TrainConfig(model=str(folder), data=str(data), backend="numpy", out=str(out),
+                                      objective="grpo", batch_size=2, num_generations=2, max_completion_length=4,
+                                      reward="exact_match", max_steps=1, lr=1e-2, valid_split=0.0, no_progress=True,
+                                      lora_targets="q_proj,v_proj", max_seq_len=400, eval_generate=False),
+                          log=lambda m: None).setup()
+    ex = trainer.prompts["train"][0]
+    (video,) = ex.record.images
+    assert isinstance(video, Video) and VIDEO in np.asarray(ex.input_ids).tolist()
+    (rollout,) = trainer._generate_rows([ex], temperature=0.0)
+    assert rollout == trainer.vision.generate(ex.input_ids, [video], 4, list(trainer.tokenizer.eos_token_ids))
+    ids = np.asarray(ex.input_ids)[None]
+    a, b = (trainer.vision.logits(ids, [v])[0, -1] for v in (video, Video(video.frames[::-1])))
+    assert np.abs(a - b).max() > 1e-3
+    trainer.train()
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "grad_norm" in line]
+    assert len(steps) == 1 and np.isfinite(steps[0]["loss"])
