@@ -507,11 +507,14 @@ def test_dpo_and_kto_with_videos_equal_the_recomputation(vlm, tmp_path):
                if "lora_B" in k)
 
 
-def test_sft_with_videos_on_two_workers_equals_one_process(vlm, tmp_path):
-    """sft on video records on two data-parallel workers (threads), a row each, equals one process's step of both
-    rows (grad_accum 2): both steps' loss and gradient norm (the second step's loss after the first's update)."""
+def test_sft_with_videos_on_two_workers_and_two_stages_equals_one_process(vlm, tmp_path):
+    """sft on video records on two data-parallel workers (threads), a row each, and on two NumPy pipeline stages
+    (in this process; the video's frame groups' M-RoPE positions on every stage, its DeepStack features on theirs)
+    equal one process's step of both rows (grad_accum 2): both steps' loss and gradient norm (the second step's
+    loss after the first's update)."""
     import wgpu_train
     from test_data_parallel import run_threads
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
     from wgpu_train.training.config import TrainConfig
 
     _, folder, _ = vlm
@@ -520,12 +523,14 @@ def test_sft_with_videos_on_two_workers_equals_one_process(vlm, tmp_path):
               valid_split=0.0, lora_targets="q_proj,v_proj", no_progress=True, max_seq_len=400)
     wgpu_train.finetune(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw))
     run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
-    one, two = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-                 if "grad_norm" in line] for run in ("one", "two"))
-    assert len(one) == len(two) == 2 and one[1]["loss"] != one[0]["loss"]
-    for a, b in zip(one, two):
+    finetune_pipeline(TrainConfig(out=str(tmp_path / "stages"), pipeline_stages=2, grad_accum=2, **kw), local=True)
+    one, two, stages = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                         if "grad_norm" in line] for run in ("one", "two", "stages"))
+    assert len(one) == len(two) == len(stages) == 2 and one[1]["loss"] != one[0]["loss"]
+    for a, b, c in zip(one, two, stages):
         for key in ("loss", "grad_norm"):
             assert_close(np.float64(b[key]), np.float64(a[key]), "data_parallel_numpy", key)
+            assert_close(np.float64(c[key]), np.float64(a[key]), "pipeline_numpy", key)
 
 
 def test_grpo_with_videos_rollouts_and_a_step(vlm, tmp_path):
