@@ -361,11 +361,11 @@ def write_clip(path, n=25, rate=10):
     return path
 
 
-def test_serve_video_url_answers_as_generate_video(vlm, tmp_path):
+def test_serve_video_url_answers_as_generate_video(vlm, tmp_path, monkeypatch):
     """`serve` through the openai client: a video_url part (a file:// folder of frames; a data: URL of a video file
     where PyAV is installed) answers as generate --video does (the VisionModel's greedy answer to the same prompt);
     a missing folder is a 400 naming the video; parse_chat keeps video parts in order; a model without videos
-    refuses them."""
+    refuses them, and a data: URL's video without PyAV is a 400 saying so."""
     import base64
     import importlib.util
 
@@ -419,6 +419,10 @@ def test_serve_video_url_answers_as_generate_video(vlm, tmp_path):
     with pytest.raises(ApiError, match="video 0: this model takes no videos") as e:
         request_images([VideoUrl(clip.as_uri())])
     assert e.value.status == 400 and "\n" not in str(e.value)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    with pytest.raises(ApiError, match="video 0: a video sent as data decodes only where PyAV is installed"):
+        request_images([VideoUrl("data:video/mp4;base64,AA==")], as_video=span_.as_video)
 
 
 def test_an_unsupported_video_config_refuses_videos_only(vlm, tmp_path):
