@@ -326,7 +326,7 @@ def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
         tokenize_vision_dataset(tok, [rec], span_, 12)
     from wgpu_train.data.vision_records import vision_messages
 
-    with pytest.raises(DataError, match="record 3: videos are taken only by supervised records of Qwen3-VL"):
+    with pytest.raises(DataError, match="record 3: videos are taken only by Qwen3-VL's and Qwen3.5's records"):
         vision_messages(rec, "record 3")        # a span without videos (Gemma 3's, SmolVLM's), or DPO's records
     (tmp_path / "clip.mp4").write_bytes(b"\0" * 64)
     real_import = builtins.__import__
@@ -339,16 +339,8 @@ def test_video_refusals_in_one_line(vlm, tmp_path, monkeypatch):
 def test_video_file_frames_sampled_as_the_processor(vlm, tmp_path):
     """A video file (written and read by PyAV; skipped where PyAV is not installed): the frames sampled at the
     processor's fps (2 a second of a 10 fps clip, np.linspace's rounding) and their timestamps."""
-    av = pytest.importorskip("av")
     _, _, vm = vlm
-    path = tmp_path / "clip.mp4"
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for i in range(25):
-            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 10, np.uint8), format="rgb24")
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
+    path = write_clip(tmp_path / "clip.mp4")
     from wgpu_train.data.qwen_videos import read_video_file
 
     video = read_video_file(path, vm.settings.video)
@@ -356,15 +348,81 @@ def test_video_file_frames_sampled_as_the_processor(vlm, tmp_path):
     assert video.timestamps(2) == [(0 + 0.6) / 2, (1.2 + 1.8) / 2, 2.4]
 
 
-def test_serve_refuses_video_url_parts():
-    """serve takes no videos yet: a video_url part is a 400 in one line."""
-    from wgpu_train.serve.api_error import ApiError
-    from wgpu_train.serve.requests import parse_chat
+def write_clip(path, n=25, rate=10):
+    """A video file of n 32 x 32 frames at `rate` a second, written by PyAV (skipped where it is not installed)."""
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(n):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 10, np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return path
 
-    with pytest.raises(ApiError, match="only text and image_url parts are supported") as e:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]}]})
+
+def test_serve_video_url_answers_as_generate_video(vlm, tmp_path, monkeypatch):
+    """`serve` through the openai client: a video_url part (a file:// folder of frames; a data: URL of a video file
+    where PyAV is installed) answers as generate --video does (the VisionModel's greedy answer to the same prompt);
+    a missing folder is a 400 naming the video; parse_chat keeps video parts in order; a model without videos
+    refuses them, and a data: URL's video without PyAV is a 400 saying so."""
+    import base64
+    import importlib.util
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    from test_serve_vision import KEY, start_server
+
+    from wgpu_train.data.vision_records import vision_prompt_ids
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.formats.tokenizer import load_tokenizer
+    from wgpu_train.serve.api_error import ApiError
+    from wgpu_train.serve.images import request_images
+    from wgpu_train.serve.requests import VideoUrl, parse_chat
+
+    _, folder, _ = vlm
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    for i, f in enumerate(frames(3, seed=9)):
+        f.save(clip / f"{i:03d}.png")
+    vm, tok = load_vision_model(folder), load_tokenizer(folder)
+    span_ = vm.image_span(tok)
+
+    def want(video):
+        ids = vision_prompt_ids(tok, "what colour?", 0, span_, videos=[video])
+        out = vm.generate(ids, [video], max_new_tokens=4, stop_token_ids=tok.stop_token_ids)
+        return tok.decode([t for t in out if t not in tok.stop_token_ids])
+
+    scheduler, thread = start_server(folder)
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def ask(url):
+            return client.chat.completions.create(model="default", max_tokens=4, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "what colour?"}]}]).choices[0].message.content
+
+        assert ask(clip.as_uri()) == want(span_.as_video(str(clip)))
+        with pytest.raises(openai.BadRequestError, match="video 0: no such file or folder"):
+            ask((tmp_path / "none").as_uri())
+        if importlib.util.find_spec("av") is not None:     # a data: URL's video file decodes through PyAV
+            mp4 = write_clip(tmp_path / "clip.mp4")
+            assert ask("data:video/mp4;base64," + base64.b64encode(mp4.read_bytes()).decode()) == \
+                want(span_.as_video(str(mp4)))
+    finally:
+        thread.stop()
+        scheduler.close()
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}, {"type": "video_url", "video_url": {"url": "y"}}]}]})
+    assert req.images == ("x", VideoUrl("y")) and req.messages[0]["content"] == [{"type": "image"},
+                                                                                 {"type": "video"}]
+    with pytest.raises(ApiError, match="video 0: this model takes no videos") as e:
+        request_images([VideoUrl(clip.as_uri())])
     assert e.value.status == 400 and "\n" not in str(e.value)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    with pytest.raises(ApiError, match="video 0: a video sent as data decodes only where PyAV is installed"):
+        request_images([VideoUrl("data:video/mp4;base64,AA==")], as_video=span_.as_video)
 
 
 def test_an_unsupported_video_config_refuses_videos_only(vlm, tmp_path):
@@ -382,3 +440,129 @@ def test_an_unsupported_video_config_refuses_videos_only(vlm, tmp_path):
     assert settings.batch(images(1))[1].shape == (1, 3)
     with pytest.raises(DataError, match="videos are not supported here .*cap_pixels_per_frame true"):
         settings.batch([Video(tuple(frames(2)))])
+
+
+def video_pref_data(folder, kto: bool = False):
+    """Two preference records (KTO's: two labelled) whose prompt holds a video (frame files) in sft's record shape:
+    {"type": "video"} parts beside a `videos` column (TRL 1.16's collators take no videos)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, f in enumerate(frames(3, seed=8)):
+        f.save(folder / f"f{i}.png")
+        names.append(f"f{i}.png")
+    prompt = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour?"}]}]
+    answers = [("red", "blue"), ("green", "red")]
+    recs = [{"prompt": prompt, "videos": [v],
+             **({"completion": [{"role": "assistant", "content": a}], "label": k == 0} if kto else
+                {"chosen": [{"role": "assistant", "content": a}], "rejected": [{"role": "assistant", "content": b}]})}
+            for k, ((a, b), v) in enumerate(zip(answers, (names, names[::-1])))]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return folder / "train.jsonl"
+
+
+def answer_logps(vm, prompt_ids, answer_ids, media) -> float:
+    """The sum of the answer tokens' log-probabilities after the prompt with its media (the VisionModel's logits)."""
+    ids = np.concatenate([prompt_ids, answer_ids])[None]
+    logits = vm.logits(ids, media)[0].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    n = len(prompt_ids)
+    return float(sum(logp[n - 1 + i, t] for i, t in enumerate(answer_ids)))
+
+
+def test_dpo_and_kto_with_videos_equal_the_recomputation(vlm, tmp_path):
+    """DPO on pairs whose prompt holds a video: the prompt's video expanded as sft's records expand it, and the
+    first step's logps/chosen and logps/rejected the VisionModel's own log-probabilities of each answer after the
+    prompt and its video (the adapter starts at zero: the base model's); KTO on labelled records with videos
+    trains (a finite loss, the adapter moved)."""
+    from wgpu_train.data.vision_records import vision_chat_ids
+    from wgpu_train.engines.vision_model import load_vision_model
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.formats.tokenizer import load_tokenizer
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    _, folder, _ = vlm
+    kw = dict(model=str(folder), backend="numpy", batch_size=2, lr=1e-2, valid_split=0.0,
+              lora_targets="q_proj,v_proj", no_progress=True, max_seq_len=400)
+    trainer = PreferenceTrainer(TrainConfig(data=str(video_pref_data(tmp_path / "dpo")), objective="dpo",
+                                            max_steps=1, out=str(tmp_path / "dpo_run"), **kw),
+                                log=lambda m: None).setup()
+    examples = trainer.pref["train"]
+    vm, tok = load_vision_model(folder), load_tokenizer(folder)
+    span_ = vm.image_span(tok)
+    assert all(len(e.images) == 1 and isinstance(e.images[0], Video) for e in examples)
+    prompt = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour?"}]}]
+    np.testing.assert_array_equal(examples[0].prompt_ids,
+                                  vision_chat_ids(tok, prompt, 1, span_, examples[0].images))
+    assert VIDEO in examples[0].prompt_ids.tolist()
+    result, _ = trainer._objective("train", trainer.stream.epoch_batches(0)[0])
+    for key, attr in (("logps/chosen", "chosen_ids"), ("logps/rejected", "rejected_ids")):
+        want = np.mean([answer_logps(vm, e.prompt_ids, getattr(e, attr), e.images) for e in examples])
+        assert_close(np.float64(result.metrics[key]), np.float64(want), "loss_f32", key)
+    out = tmp_path / "kto_run"
+    kto = TrainConfig(data=str(video_pref_data(tmp_path / "kto", kto=True)), objective="kto", max_steps=2,
+                      out=str(out), **kw)
+    summary = PreferenceTrainer(kto, log=lambda m: None).run()
+    assert summary["steps"] == 2 and summary["images"] == 2          # each record's video
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "grad_norm" in line]
+    assert rows and all(np.isfinite(r["loss"]) for r in rows)
+    assert any(np.abs(v).max() > 0 for k, v in read_safetensors(out / "adapter_model.safetensors").items()
+               if "lora_B" in k)
+
+
+def test_sft_with_videos_on_two_workers_and_two_stages_equals_one_process(vlm, tmp_path):
+    """sft on video records on two data-parallel workers (threads), a row each, and on two NumPy pipeline stages
+    (in this process; the video's frame groups' M-RoPE positions on every stage, its DeepStack features on theirs)
+    equal one process's step of both rows (grad_accum 2): both steps' loss and gradient norm (the second step's
+    loss after the first's update)."""
+    import wgpu_train
+    from test_data_parallel import run_threads
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+    from wgpu_train.training.config import TrainConfig
+
+    _, folder, _ = vlm
+    data = write_video_data(tmp_path / "data")
+    kw = dict(model=str(folder), data=str(data), backend="numpy", batch_size=1, max_steps=2, lr=1e-2,
+              valid_split=0.0, lora_targets="q_proj,v_proj", no_progress=True, max_seq_len=400)
+    wgpu_train.finetune(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw))
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
+    finetune_pipeline(TrainConfig(out=str(tmp_path / "stages"), pipeline_stages=2, grad_accum=2, **kw), local=True)
+    one, two, stages = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                         if "grad_norm" in line] for run in ("one", "two", "stages"))
+    assert len(one) == len(two) == len(stages) == 2 and one[1]["loss"] != one[0]["loss"]
+    for a, b, c in zip(one, two, stages):
+        for key in ("loss", "grad_norm"):
+            assert_close(np.float64(b[key]), np.float64(a[key]), "data_parallel_numpy", key)
+            assert_close(np.float64(c[key]), np.float64(a[key]), "pipeline_numpy", key)
+
+
+def test_grpo_with_videos_rollouts_and_a_step(vlm, tmp_path):
+    """GRPO on prompts with a video (sft's record shape; TRL 1.16's GRPO takes no videos): the prompt's video
+    expanded as sft's records expand it, a rollout at temperature 0 is the VisionModel's greedy answer with the
+    video, another video changes the logits it starts from, and a step trains (finite loss)."""
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.grpo_trainer import GRPOTrainer
+
+    _, folder, _ = vlm
+    data = video_pref_data(tmp_path / "data")
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "videos": r["videos"], "answer": "red"}) + "\n"
+                            for r in rows))
+    out = tmp_path / "run"
+    trainer = GRPOTrainer(TrainConfig(model=str(folder), data=str(data), backend="numpy", out=str(out),
+                                      objective="grpo", batch_size=2, num_generations=2, max_completion_length=4,
+                                      reward="exact_match", max_steps=1, lr=1e-2, valid_split=0.0, no_progress=True,
+                                      lora_targets="q_proj,v_proj", max_seq_len=400, eval_generate=False),
+                          log=lambda m: None).setup()
+    ex = trainer.prompts["train"][0]
+    (video,) = ex.record.images
+    assert isinstance(video, Video) and VIDEO in np.asarray(ex.input_ids).tolist()
+    (rollout,) = trainer._generate_rows([ex], temperature=0.0)
+    assert rollout == trainer.vision.generate(ex.input_ids, [video], 4, list(trainer.tokenizer.eos_token_ids))
+    ids = np.asarray(ex.input_ids)[None]
+    a, b = (trainer.vision.logits(ids, [v])[0, -1] for v in (video, Video(video.frames[::-1])))
+    assert np.abs(a - b).max() > 1e-3
+    trainer.train()
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "grad_norm" in line]
+    assert len(steps) == 1 and np.isfinite(steps[0]["loss"])

@@ -221,5 +221,5 @@ def test_image_parts_and_refusals_in_requests():
     assert parse_chat({"model": "m", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
                        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
                        }).images == ("x",)
-    with pytest.raises(ApiError, match="only text and image_url parts"):
+    with pytest.raises(ApiError, match="only text, image_url and video_url parts"):
         parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})

@@ -1,7 +1,8 @@
 """Preference records with images -> tokens, as TRL 1.16's DPOTrainer takes them (DataCollatorForVisionPreference):
 conversational `prompt` / `chosen` / `rejected` (or KTO's `completion` and `label`) beside an `images` column, the
 prompt's image placeholders expanded as the processor expands them, each row (chosen, rejected) carrying the prompt's
-images; the image tokens sit in the prompt, never in the loss."""
+images; the image tokens sit in the prompt, never in the loss. Qwen3-VL's videos too, in sft's record shape (TRL
+1.16's collators take none): {"type": "video"} parts in the prompt beside a `videos` column, carried as images are."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,11 +22,12 @@ def _messages(value, key: str, where: str) -> list:
     return value
 
 
-def vision_preference_record(obj, where: str) -> PreferenceRecord | UnpairedRecord:
+def vision_preference_record(obj, where: str, as_video=None) -> PreferenceRecord | UnpairedRecord:
     """One TRL vision preference record ({"images", "prompt", "chosen", "rejected"}, or KTO's {"images", "prompt",
-    "completion", "label"}; a single `image` too) -> a PreferenceRecord / UnpairedRecord with its images: the
-    prompt's placeholders counted against the images, the answers text only; an implicit prompt, string parts
-    and a placeholder / image count mismatch refused in one line."""
+    "completion", "label"}; a single `image` too; `videos`, each through as_video(value, where), the model's
+    span's, None refusing them) -> a PreferenceRecord / UnpairedRecord with its images (and videos, in the order
+    of their parts): the prompt's placeholders counted against them, the answers text only; an implicit prompt,
+    string parts and a placeholder / image count mismatch refused in one line."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a record must be a JSON object")
     images = obj.get("images", [obj["image"]] if obj.get("image") is not None else []) or []
@@ -36,7 +38,8 @@ def vision_preference_record(obj, where: str) -> PreferenceRecord | UnpairedReco
     prompt = place_images(_messages(obj["prompt"], "prompt", where), len(images))
     if prompt[-1].get("role") != "user":
         raise DataError(f"{where}: the prompt must end with a user turn with images")
-    prompt, images = vision_messages({"messages": prompt, "images": images}, where)
+    prompt, images = vision_messages({"messages": prompt, "images": images, "videos": obj.get("videos") or []},
+                                     where, as_video)
     answers = ("completion",) if "label" in obj else ("chosen", "rejected")
     parts = []
     for key in answers:
@@ -52,9 +55,10 @@ def vision_preference_record(obj, where: str) -> PreferenceRecord | UnpairedReco
     return PreferenceRecord(prompt, *parts, source=where, images=list(images))
 
 
-def vision_preference_records(rows: Sequence, unpaired: bool, file: str) -> list:
-    """A vision file's rows as preference records (unpaired: KTO's, pairs unpaired as TRL's KTO unpairs them)."""
-    records = [vision_preference_record(r, f"{file}:{k + 1}") for k, r in enumerate(rows)]
+def vision_preference_records(rows: Sequence, unpaired: bool, file: str, as_video=None) -> list:
+    """A vision file's rows as preference records (unpaired: KTO's, pairs unpaired as TRL's KTO unpairs them);
+    as_video: vision_preference_record's."""
+    records = [vision_preference_record(r, f"{file}:{k + 1}", as_video) for k, r in enumerate(rows)]
     kinds = {isinstance(r, UnpairedRecord) for r in records}
     if len(kinds) > 1:
         raise DataError(f"{file}: records with and without a label mixed")

@@ -171,8 +171,8 @@ def vision_messages(obj: Any, where: str = "record", as_video=None) -> tuple[lis
     if not isinstance(videos, list):
         raise DataError(f'{where}: "videos" must be a list of videos')
     if videos and as_video is None:
-        raise DataError(f"{where}: videos are taken only by supervised records of Qwen3-VL and Qwen3.5 (not by "
-                        f"this model or objective)")
+        raise DataError(f"{where}: videos are taken only by Qwen3-VL's and Qwen3.5's records for finetune (sft, "
+                        f"the preference objectives, GRPO), not by this model or command")
     if obj.get("tools"):
         raise DataError(f'{where}: a "tools" column is not supported in records with images yet')
     out, n_parts, n_videos, media = [], 0, 0, []

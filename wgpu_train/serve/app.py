@@ -114,7 +114,8 @@ def build_app(scheduler: Scheduler, api_key: str | None = None, allow_remote_ima
             if scheduler.vision is None:
                 raise ApiError(400, f"the model '{req.model}' takes no images (a text-only model)", "messages",
                                "images_not_supported")
-            images = request_images(req.images, allow_remote_images)
+            span = scheduler.vision.image_span(tokenizer)
+            images = request_images(req.images, allow_remote_images, getattr(span, "as_video", None))
             pixels = request_pixels(images, scheduler.vision)
             if req.tools is not None:       # the tools rendered, then the images' placeholders expanded
                 plan = plan_tools(tokenizer, req.tools, tool_prompt(tokenizer, req.messages, style, req.tools.tools))

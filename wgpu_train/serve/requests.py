@@ -15,6 +15,13 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 
 @dataclass(frozen=True)
+class VideoUrl:
+    """A video_url part's URL (serve/images.request_images reads it as a video)."""
+
+    url: str
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What one request asks: a chat (messages) or text prompts (each a string or token ids), and how to sample."""
 
@@ -35,7 +42,7 @@ class GenerationRequest:
     logprobs: int | None = None     # alternatives given with each token's log-probability; None: no logprobs
     echo: bool = False              # completions: the prompt before its answer (with its logprobs)
     tools: ToolRequest | None = None    # chat: the tools, tool_choice and parallel_tool_calls; None: no tools
-    images: tuple = ()              # chat: the image_url parts' URLs in the messages' order (serve/images.py)
+    images: tuple = ()              # chat: the image_url parts' URLs (video_url parts' as VideoUrl) in order
 
 
 def json_body(raw: bytes) -> dict:
@@ -145,8 +152,8 @@ def _common(body: dict, max_tokens_names: tuple) -> dict:
 
 def _content(message: dict, index: int, images: list):
     """A message's content as the chat template takes it: text (a string, or a list of text parts joined), or
-    with image_url parts the parts in order ({"type": "image"} and {"type": "text"}), their URLs added to
-    `images`."""
+    with image_url (video_url) parts the parts in order ({"type": "image"}, {"type": "video"} and {"type":
+    "text"}), their URLs added to `images` (a video's as a VideoUrl)."""
     content = message.get("content")
     param = f"messages[{index}].content"
     if isinstance(content, str):
@@ -159,22 +166,22 @@ def _content(message: dict, index: int, images: list):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
-            elif kind == "image_url":
-                url = part.get("image_url")
+            elif kind in ("image_url", "video_url"):
+                url = part.get(kind)
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
-                    raise _bad_type(f"{param}[{j}].image_url", "{\"url\": a data:, file:// or http(s) URL}",
-                                    part.get("image_url"))
-                images.append(url)
-                parts.append({"type": "image"})
+                    raise _bad_type(f"{param}[{j}].{kind}", "{\"url\": a data:, file:// or http(s) URL}",
+                                    part.get(kind))
+                images.append(url if kind == "image_url" else VideoUrl(url))
+                parts.append({"type": "image" if kind == "image_url" else "video"})
             else:
-                raise ApiError(400, f"{param}: only text and image_url parts are supported ({{\"type\": \"text\", "
-                                    f"\"text\": ...}}, {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}})",
-                               param, "unsupported_content")
-        if any(p["type"] == "image" for p in parts):
+                raise ApiError(400, f"{param}: only text, image_url and video_url parts are supported ({{\"type\": "
+                                    f"\"text\", \"text\": ...}}, {{\"type\": \"image_url\", \"image_url\": "
+                                    f"{{\"url\": ...}}}}, the same for video_url)", param, "unsupported_content")
+        if any(p["type"] != "text" for p in parts):
             return parts
         return "".join(p["text"] for p in parts)
-    raise _bad_type(param, "a string or a list of text and image_url parts", content)
+    raise _bad_type(param, "a string or a list of text, image_url and video_url parts", content)
 
 
 def parse_chat(body: dict) -> GenerationRequest:

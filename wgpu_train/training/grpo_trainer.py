@@ -152,8 +152,9 @@ class GRPOTrainer(Trainer):
         vc = VisionConfig.from_config(json.loads(where.read_text()), str(where))
         self._span = model_image_span(self.tokenizer, vc, self.model_dir)
         s = vision_splits(self.data_path, cfg.valid_split, cfg.seed)
-        rows = {split: [vision_prompt_record(r, f"{self.data_path}:{k + 1}") for k, r in enumerate(getattr(s, split))]
-                for split in ("train", "valid")}
+        as_video = getattr(self._span, "as_video", None)        # Qwen3-VL's videos
+        rows = {split: [vision_prompt_record(r, f"{self.data_path}:{k + 1}", as_video)
+                        for k, r in enumerate(getattr(s, split))] for split in ("train", "valid")}
         self.n_images, self.cut_in_image = sum(len(r.images) for v in rows.values() for r in v), 0
         return dataclasses.replace(s, **rows)
 

@@ -134,8 +134,9 @@ class PreferenceTrainer(Trainer):
         self.image_ids = frozenset(self.tokenizer.token_to_id(t) for t in span.token_names) - {None}
         s = vision_splits(self.data_path, cfg.valid_split, cfg.seed)
         file = str(self.data_path)
-        s = dataclasses.replace(s, train=vision_preference_records(s.train, not self.paired, file),
-                                valid=vision_preference_records(s.valid, not self.paired, file))
+        as_video = getattr(span, "as_video", None)          # Qwen3-VL's videos
+        s = dataclasses.replace(s, train=vision_preference_records(s.train, not self.paired, file, as_video),
+                                valid=vision_preference_records(s.valid, not self.paired, file, as_video))
         self.splits = s
         lines, self.truncated, self.dropped, self.cut_in_image = [], 0, 0, 0
         for split in ("train", "valid"):
