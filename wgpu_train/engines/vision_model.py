@@ -176,16 +176,26 @@ class VisionModel:
         and the language model's (Model.load_adapter), either alone."""
         directory = Path(directory)
         tensors = read_safetensors(directory / "adapter_model.safetensors")
-        tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
-        if tower:
-            raw = json.loads((directory / "adapter_config.json").read_text())
-            self.set_tower_lora(tower, float(raw["lora_alpha"]) / int(raw["r"]))
+        tower = self.load_tower_adapter(directory)
         if len(tower) < len(tensors):
             with tempfile.TemporaryDirectory() as tmp:
                 shutil.copy(directory / "adapter_config.json", tmp)
                 write_safetensors(Path(tmp) / "adapter_model.safetensors",
                                   {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
                 self.model.load_adapter(tmp)
+
+    def load_tower_adapter(self, directory) -> dict:
+        """The tower's LoRA of the PEFT adapter in `directory` set (set_tower_lora, at the config's alpha / r, or
+        alpha / sqrt(r) with use_rslora); its tensors by key returned (none: the adapter has no LoRA on the tower,
+        and nothing is set)."""
+        directory = Path(directory)
+        tensors = read_safetensors(directory / "adapter_model.safetensors")
+        tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
+        if tower:
+            raw = json.loads((directory / "adapter_config.json").read_text())
+            r = int(raw["r"])
+            self.set_tower_lora(tower, float(raw["lora_alpha"]) / (r ** 0.5 if raw.get("use_rslora") else r))
+        return tower
 
     def image_tokens(self, ids, images, cache: dict | None = None, segments=None) -> ImageTokens | None:
         """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of

@@ -21,13 +21,13 @@ def attach_tower(trainer) -> VisionModel:
     cfg = trainer.config
     vision = attach_vision(trainer.model, trainer.model_dir)
     modules = split_targets(cfg.lora_targets)[1] if cfg.method == "lora" else ()
-    if not modules:
+    continued = trainer.continued_from is not None and has_tower_lora(trainer.continued_from)
+    if not (modules or continued):
         return vision
     for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--rslora", cfg.rslora), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian")),
                         ("--lora-rank-pattern", cfg.lora_rank_pattern),
-                        ("--lora-alpha-pattern", cfg.lora_alpha_pattern),
-                        ("--early-stop-patience", cfg.early_stop_patience), ("--adapter-path", trainer.continued_from)):
+                        ("--lora-alpha-pattern", cfg.lora_alpha_pattern)):
         if given:
             raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains at one rank and "
                               f"alpha, without dropout)")
@@ -39,6 +39,25 @@ def attach_tower(trainer) -> VisionModel:
                           f"engine runs the tower inside its step only for now (a SigLIP tower on the NumPy engine, "
                           f"or on the device beside WebGPU; not Qwen's towers or pipeline stages): use --objective "
                           f"sft")
+    if continued:       # the adapter's pairs, at its alpha / r, trained on (fresh moments)
+        vision.load_tower_adapter(trainer.continued_from)
+        paths = list(vision.tower.lora)
+        _check_continued_targets(vision, modules, paths, trainer.continued_from)
+    else:
+        paths = _fresh(vision, modules, cfg)
+    if trainer.resume:
+        _restore(vision, trainer.resume.folder)
+    n = sum(a.size + b.size for a, b, _ in vision.tower.lora.values())
+    where = "on the device" if vision.device_tower is not None else "NumPy, on the CPU"
+    named = f"the adapter's, continued," if continued else ", ".join(modules)
+    trainer.log(f"LoRA on the vision tower: {named} in {len(paths)} modules, "
+                f"{n:,} trainable parameters ({where})")
+    return vision
+
+
+def _fresh(vision: VisionModel, modules, cfg) -> list:
+    """Fresh pairs on the tower's modules that `modules` select, at the run's rank and alpha: A as --lora-init
+    draws it (from the seed), B zero; their paths."""
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]
@@ -49,13 +68,15 @@ def attach_tower(trainer) -> VisionModel:
         a, b = fresh_pair(rng, cfg.lora_init, r, *vision.tower.w[path + ".weight"].shape)
         tensors[tower_lora_key(path, "A", vision.vision)], tensors[tower_lora_key(path, "B", vision.vision)] = a, b
     vision.set_tower_lora(tensors, float(cfg.lora_alpha) / r)
-    if trainer.resume:
-        _restore(vision, trainer.resume.folder)
-    n = sum(a.size + b.size for a, b, _ in vision.tower.lora.values())
-    where = "on the device" if vision.device_tower is not None else "NumPy, on the CPU"
-    trainer.log(f"LoRA on the vision tower: {', '.join(modules)} in {len(paths)} modules, "
-                f"{n:,} trainable parameters ({where})")
-    return vision
+    return paths
+
+
+def _check_continued_targets(vision: VisionModel, modules, paths, adapter):
+    """--lora-targets naming tower modules other than those the continued adapter's tower LoRA covers refused in
+    one line (none named: the adapter's)."""
+    if modules and {p for p in vision.tower.modules() if any(selects(p, m) for m in modules)} != set(paths):
+        raise ConfigError(f"--lora-targets contradicts the tower modules of {adapter}'s LoRA ({len(paths)} "
+                          f"modules); leave the tower's out to continue with the adapter's")
 
 
 def check_tower_targets(cfg, folder, images: bool | None = None):
@@ -76,14 +97,48 @@ def check_tower_targets(cfg, folder, images: bool | None = None):
         raise ConfigError(f"{where}: LoRA on the vision tower trains on records with images (TRL's vision format)")
 
 
-def check_continued(adapter):
-    """An --adapter-path folder with LoRA on the vision tower refused in one line (a run continues a language
-    model's adapter only, for now)."""
+def check_continued(cfg, images: bool):
+    """An --adapter-path adapter with LoRA on the vision tower continued on records without images refused in
+    one line (its tower's LoRA would be dropped)."""
+    from wgpu_train.adapters.files import adapter_folder
+
+    if cfg.adapter_path and not images and has_tower_lora(adapter_folder(cfg.adapter_path)):
+        raise ConfigError(f"--adapter-path {cfg.adapter_path}: its LoRA on the vision tower trains on records with "
+                          f"images (TRL's vision format)")
+
+
+def language_adapter(adapter):
+    """The folder of `adapter`'s language-model LoRA: `adapter` itself, or where it holds LoRA on the vision tower
+    too (continued by attach_tower), a copy without the tower's tensors (in a temporary folder kept for the
+    process), which the language model's adapter reading takes."""
+    from pathlib import Path
+
+    if adapter is None or not has_tower_lora(adapter):
+        return adapter
+    key = Path(adapter).resolve()
+    if key not in _LANGUAGE_COPIES:
+        import shutil
+        import tempfile
+
+        from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
+
+        copy = tempfile.TemporaryDirectory(prefix="wgpu-train-adapter-")
+        shutil.copy(key / "adapter_config.json", copy.name)
+        tensors = read_safetensors(key / "adapter_model.safetensors")
+        write_safetensors(Path(copy.name) / "adapter_model.safetensors",
+                          {k: v for k, v in tensors.items() if tower_lora_path(k) is None}, metadata={"format": "pt"})
+        _LANGUAGE_COPIES[key] = copy
+    return Path(_LANGUAGE_COPIES[key].name)
+
+
+_LANGUAGE_COPIES: dict = {}         # adapter folder -> TemporaryDirectory of its language part (language_adapter)
+
+
+def has_tower_lora(adapter) -> bool:
+    """Whether the PEFT adapter folder `adapter` holds LoRA on a vision tower."""
     from wgpu_train.formats.safetensors import safetensors_names
 
-    if any(tower_lora_path(k) is not None for k in safetensors_names(adapter / "adapter_model.safetensors")):
-        raise ConfigError(f"--adapter-path {adapter}: its LoRA on the vision tower is not continued by a new run yet; "
-                          f"--resume its run's checkpoint instead")
+    return any(tower_lora_path(k) is not None for k in safetensors_names(adapter / "adapter_model.safetensors"))
 
 
 def tower_arrays(vision: VisionModel | None) -> dict:

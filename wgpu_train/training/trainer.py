@@ -18,7 +18,7 @@ from wgpu_train.training import checkpoint, tracking
 from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.resources import base_weight_bytes, count_trainable
 from wgpu_train.engines.shared.parts import part_field
-from wgpu_train.training.tower_lora import attach_tower, tower_arrays
+from wgpu_train.training.tower_lora import attach_tower, language_adapter, tower_arrays
 from wgpu_train.formats import hub
 from wgpu_train.models.moe import router_aux_loss_coef
 from wgpu_train.training.checkpoint import list_checkpoints
@@ -253,7 +253,7 @@ class Trainer:
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
         if self.continued_from:
-            self.model.load_adapter(self.continued_from, dropout=lora.dropout, seed=cfg.seed)
+            self.model.load_adapter(language_adapter(self.continued_from), dropout=lora.dropout, seed=cfg.seed)
             self.log(f"adapter: continuing {self.continued_from} (fresh optimizer state)")
         elif lora:
             self.model.add_lora(lora, seed=cfg.seed)
