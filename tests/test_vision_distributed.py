@@ -235,6 +235,36 @@ def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path)
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
 
 
+def test_tower_lora_early_stopping_writes_the_best_evaluations_tower(chat_vlm, tmp_path):
+    """Early stopping with LoRA on the tower: the adapter written holds the best evaluation's tower LoRA (its
+    checkpoint's), not the last step's."""
+    import math
+
+    from wgpu_train.models.vision import tower_lora_key
+    from wgpu_train.training.checkpoint import read_arrays
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() * 2)
+    out = tmp_path / "run"
+    trainer = Trainer(TrainConfig(out=str(out), **_run_kw(
+        folder, data, lora_targets=TOWER_TARGETS, valid_split=0.34, max_steps=8, eval_every=1, early_stop_patience=2,
+        save_every=1, keep_checkpoints=1))).setup()
+    losses = iter([5.0, 4.0, 3.0, 3.5, 3.2])    # before, then one per step: best at step 2, stop after step 4
+    trainer.evaluate = lambda: (v := next(losses)) and {"loss": v, "perplexity": math.exp(v), "tokens": 10}
+    summary = trainer.train()
+    assert summary["stopped"] == "early_stop" and summary["adapter_step"] == 2
+    best, last = (read_arrays(out / "checkpoints" / f"step-00000{i}") for i in (2, 4))
+    written = _adapter(out)
+    names = [k for k in best if k.startswith("tower.")]
+    assert len(names) == 12
+    for name in names:
+        path, which = name[len("tower."):].rsplit(".lora_", 1)
+        np.testing.assert_array_equal(written[tower_lora_key(path, which, trainer.vision.vision)], best[name])
+    assert any(not np.array_equal(best[k], last[k]) for k in names)
+
+
 @pytest.mark.parametrize("targets, message", [
     ("q_proj,multi_modal_projector", "LoRA target 'multi_modal_projector': not supported on the vision side"),
     ("vision_tower", "the vision tower's alone; name the language model's too"),

@@ -151,6 +151,26 @@ def tower_arrays(vision: VisionModel | None) -> dict:
     return out
 
 
+def kept_tensors(engine, vision: VisionModel | None) -> dict:
+    """What early stopping keeps of an evaluation's weights: the engine's trainable tensors, and the tower's LoRA
+    tensors under a checkpoint's array names (tower_arrays')."""
+    tower = vision.tower_trainable() if vision is not None and vision.tower.lora else {}
+    return {**engine.trainable(), **{_TENSOR + k: v for k, v in tower.items()}}
+
+
+def checkpoint_kept(arrays: dict) -> dict:
+    """kept_tensors' tower part from a checkpoint's arrays (read_arrays)."""
+    return {k: v for k, v in arrays.items() if k.startswith(_TENSOR)}
+
+
+def restore_kept(engine, vision: VisionModel | None, kept: dict):
+    """kept_tensors' tensors written back: the engine's, and the tower's LoRA."""
+    engine.set_trainable({k: v for k, v in kept.items() if not k.startswith(_TENSOR)})
+    tower = {k[len(_TENSOR):]: v for k, v in kept.items() if k.startswith(_TENSOR)}
+    if tower and vision is not None:
+        vision.set_tower_trainable(tower)
+
+
 def _restore(vision: VisionModel, folder):
     """The tower's LoRA tensors and moments from the checkpoint in `folder`; one that trained other modules (or
     none) refused in one line."""
