@@ -332,13 +332,14 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
 
 @pytest.mark.parametrize("language", [False, True])
 def test_tower_lora_adapter_files_both_ways(vlm, tmp_path, language):
-    """An adapter with LoRA on the tower (and on the language model): ours loads in PEFT, PEFT's loads in ours,
-    each to the other's logits with images."""
+    """An adapter with LoRA on the tower (and on the language model, with rsLoRA's alpha / sqrt(r)): ours loads in
+    PEFT, PEFT's loads in ours, each to the other's logits with images."""
     hf, folder, _ = vlm
     tower = r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(k_proj|out_proj)|mlp\.fc1)"
     text = r"model\.language_model\.layers\.\d+\.self_attn\.(q_proj|o_proj)"
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
-        r=3, lora_alpha=4, target_modules=f"(?:{tower}|{text})" if language else tower, lora_dropout=0.0)), 5)
+        r=3, lora_alpha=4, target_modules=f"(?:{tower}|{text})" if language else tower, lora_dropout=0.0,
+        use_rslora=language)), 5)
     pm.save_pretrained(tmp_path / "peft")
     ids, mask, _ = two_image_batch()
     real = mask.astype(bool)

@@ -154,9 +154,9 @@ class VisionModel:
             raise ConfigError("the tower's LoRA modules differ in rank or scale: one adapter file holds one of each")
         (a, scale), = shapes
         cfg = self.model.lora_config
-        if cfg is not None and (cfg.r != a or abs(cfg.alpha / cfg.r - scale) > 1e-12 or cfg.use_rslora):
+        if cfg is not None and (cfg.r != a or abs(cfg.scale - scale) > 1e-12):
             raise ConfigError(f"the tower's LoRA (r {a}, scale {scale:g}) and the language model's (r {cfg.r}, "
-                              f"alpha {cfg.alpha}) differ: one adapter file holds one rank and alpha")
+                              f"scale {cfg.scale:g}) differ: one adapter file holds one rank and alpha")
         if cfg is None:     # the tower's alone: a config of its rank and alpha, no language tensors
             write_adapter(directory, LoraConfig(r=a, alpha=scale * a, target_modules=("q_proj",)), {},
                           base_model=self.model.name_or_path, model=self.model.config)

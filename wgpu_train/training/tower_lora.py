@@ -3,6 +3,8 @@ encoder modules named (fresh, or a resumed checkpoint's with their AdamW moments
 and the options they do not take yet refused in one line."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from wgpu_train.adapters.inits import fresh_pair
@@ -24,7 +26,7 @@ def attach_tower(trainer) -> VisionModel:
     continued = trainer.continued_from is not None and has_tower_lora(trainer.continued_from)
     if not (modules or continued):
         return vision
-    for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--rslora", cfg.rslora), ("--dora", cfg.dora),
+    for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian")),
                         ("--lora-rank-pattern", cfg.lora_rank_pattern),
                         ("--lora-alpha-pattern", cfg.lora_alpha_pattern)):
@@ -67,7 +69,7 @@ def _fresh(vision: VisionModel, modules, cfg) -> list:
     for path in paths:
         a, b = fresh_pair(rng, cfg.lora_init, r, *vision.tower.w[path + ".weight"].shape)
         tensors[tower_lora_key(path, "A", vision.vision)], tensors[tower_lora_key(path, "B", vision.vision)] = a, b
-    vision.set_tower_lora(tensors, float(cfg.lora_alpha) / r)
+    vision.set_tower_lora(tensors, float(cfg.lora_alpha) / (math.sqrt(r) if cfg.rslora else r))
     return paths
 
 
