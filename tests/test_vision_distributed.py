@@ -236,8 +236,8 @@ def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path)
 
 
 def test_tower_lora_early_stopping_writes_the_best_evaluations_tower(chat_vlm, tmp_path):
-    """Early stopping with LoRA on the tower (rsLoRA's scale on both, one adapter config): the adapter written holds
-    the best evaluation's tower LoRA (its checkpoint's), not the last step's."""
+    """Early stopping with LoRA on the tower (rsLoRA's scale and --lora-rank-pattern on both, one adapter config):
+    the adapter written holds the best evaluation's tower LoRA (its checkpoint's), not the last step's."""
     import math
 
     from wgpu_train.models.vision import tower_lora_key
@@ -250,12 +250,13 @@ def test_tower_lora_early_stopping_writes_the_best_evaluations_tower(chat_vlm, t
     out = tmp_path / "run"
     trainer = Trainer(TrainConfig(out=str(out), **_run_kw(
         folder, data, lora_targets=TOWER_TARGETS, valid_split=0.34, max_steps=8, eval_every=1, early_stop_patience=2,
-        save_every=1, keep_checkpoints=1, rslora=True))).setup()
+        save_every=1, keep_checkpoints=1, rslora=True, lora_rank_pattern="fc1=4"))).setup()
     losses = iter([5.0, 4.0, 3.0, 3.5, 3.2])    # before, then one per step: best at step 2, stop after step 4
     trainer.evaluate = lambda: (v := next(losses)) and {"loss": v, "perplexity": math.exp(v), "tokens": 10}
     summary = trainer.train()
     assert summary["stopped"] == "early_stop" and summary["adapter_step"] == 2
-    assert {lora[2] for lora in trainer.vision.tower.lora.values()} == {16 / math.sqrt(8)}    # alpha 16, r 8
+    assert {(a.shape[0], scale) for a, _, scale in trainer.vision.tower.lora.values()} == {
+        (8, 16 / math.sqrt(8)), (4, 16 / math.sqrt(4))}       # alpha 16, r 8 (fc1: 4 from the pattern)
     assert json.loads((out / "adapter_config.json").read_text())["use_rslora"] is True
     best, last = (read_arrays(out / "checkpoints" / f"step-00000{i}") for i in (2, 4))
     written = _adapter(out)

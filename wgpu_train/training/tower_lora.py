@@ -3,11 +3,11 @@ encoder modules named (fresh, or a resumed checkpoint's with their AdamW moments
 and the options they do not take yet refused in one line."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from wgpu_train.adapters.inits import fresh_pair
+from wgpu_train.adapters.layout import parse_pattern
+from wgpu_train.adapters.tower_scales import tower_scales
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.objectives import TrainerKind, objective_class
@@ -27,12 +27,10 @@ def attach_tower(trainer) -> VisionModel:
     if not (modules or continued):
         return vision
     for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--dora", cfg.dora),
-                        (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian")),
-                        ("--lora-rank-pattern", cfg.lora_rank_pattern),
-                        ("--lora-alpha-pattern", cfg.lora_alpha_pattern)):
+                        (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian"))):
         if given:
-            raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains at one rank and "
-                              f"alpha, without dropout)")
+            raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains without dropout, "
+                              f"from a default or gaussian init)")
     if vision.qwen and vision.vision.deepstack_indexes and not hasattr(trainer.model.engine, "deepstack_grad"):
         raise ConfigError(f"LoRA on {vision.vision.name}'s vision tower with DeepStack trains without pipeline "
                           f"stages only for now (their stages do not give its DeepStack features' gradients back)")
@@ -60,16 +58,19 @@ def attach_tower(trainer) -> VisionModel:
 def _fresh(vision: VisionModel, modules, cfg) -> list:
     """Fresh pairs on the tower's modules that `modules` select, at the run's rank and alpha: A as --lora-init
     draws it (from the seed), B zero; their paths."""
-    r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
+    rng = np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]
     missing = next((m for m in modules if not any(selects(p, m) for p in paths)), None)
     if missing is not None:
         raise ConfigError(f"--lora-targets: {missing} is not a linear module of this model's vision tower")
+    settings = tower_scales(paths, vision.vision, cfg.lora_rank, cfg.lora_alpha, cfg.rslora,
+                            parse_pattern(cfg.lora_rank_pattern, "lora_rank_pattern"),
+                            parse_pattern(cfg.lora_alpha_pattern, "lora_alpha_pattern"))
     for path in paths:
-        a, b = fresh_pair(rng, cfg.lora_init, r, *vision.tower.w[path + ".weight"].shape)
+        a, b = fresh_pair(rng, cfg.lora_init, settings[path][0], *vision.tower.w[path + ".weight"].shape)
         tensors[tower_lora_key(path, "A", vision.vision)], tensors[tower_lora_key(path, "B", vision.vision)] = a, b
-    vision.set_tower_lora(tensors, float(cfg.lora_alpha) / (math.sqrt(r) if cfg.rslora else r))
+    vision.set_tower_lora(tensors, {p: scale for p, (_, scale) in settings.items()})
     return paths
 
 
