@@ -1,6 +1,6 @@
 """The Trainer's VisionModel, and LoRA on its tower from --lora-targets (models/vision.split_targets): pairs on the
-encoder modules named (fresh, or a resumed checkpoint's with their AdamW moments), what a checkpoint keeps of them,
-and the options they do not take yet refused in one line."""
+encoder modules named (fresh, a continued adapter's, or a resumed checkpoint's with their AdamW moments), what a
+checkpoint and early stopping keep of them, and the options they do not take yet refused in one line."""
 from __future__ import annotations
 
 import numpy as np
