@@ -212,6 +212,11 @@ def test_cli_tower_targets_train_and_load_in_peft(chat_vlm, tmp_path, capsys):
     assert all(0 < step <= 2.01e-3 for step in steps.values()), steps
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "again")
     assert {n.replace(".default", "") for n, _ in pm.named_parameters() if "lora_" in n} == set(again)
+    # its --resume (no --adapter-path, no tower targets recorded) trains on the checkpoint's tower LoRA
+    assert main(["finetune", "--resume", str(tmp_path / "again"), "--max-steps", "3", "--no-progress"]) == 0
+    assert "LoRA on the vision tower: the adapter's, continued, in 6 modules" in capsys.readouterr().err
+    resumed = _adapter(tmp_path / "again")
+    assert all(0 < np.abs(resumed[k] - again[k]).max() <= 1.01e-3 for k in tower)
 
 
 def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path):

@@ -14,6 +14,7 @@ from wgpu_train.training.objectives import TrainerKind, objective_class
 from wgpu_train.models.vision import selects, split_targets, tower_lora_key, tower_lora_path
 
 _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoint array name prefixes
+_SCALE = "tower_scale."         # each module's scale (a continued adapter's LoRA resumes without --lora-targets)
 
 
 def attach_tower(trainer) -> VisionModel:
@@ -24,7 +25,8 @@ def attach_tower(trainer) -> VisionModel:
     vision = attach_vision(trainer.model, trainer.model_dir)
     modules = split_targets(cfg.lora_targets)[1] if cfg.method == "lora" else ()
     continued = trainer.continued_from is not None and has_tower_lora(trainer.continued_from)
-    if not (modules or continued):
+    saved = _saved_scales(trainer.resume.folder) if trainer.resume and not modules else {}
+    if not (modules or continued or saved):
         return vision
     for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian"))):
@@ -43,13 +45,17 @@ def attach_tower(trainer) -> VisionModel:
         vision.load_tower_adapter(trainer.continued_from)
         paths = list(vision.tower.lora)
         _check_continued_targets(vision, modules, paths, trainer.continued_from)
+    elif saved:         # a resumed run that continued an adapter: its checkpoint's pairs (_restore's), at their scales
+        paths = list(saved)
+        vision.set_tower_lora({tower_lora_key(p, w, vision.vision): np.zeros(s) for p, (shapes, _) in saved.items()
+                               for w, s in zip("AB", shapes)}, {p: scale for p, (_, scale) in saved.items()})
     else:
         paths = _fresh(vision, modules, cfg)
     if trainer.resume:
         _restore(vision, trainer.resume.folder)
     n = sum(a.size + b.size for a, b, _ in vision.tower.lora.values())
     where = "on the device" if vision.device_tower is not None else "NumPy, on the CPU"
-    named = f"the adapter's, continued," if continued else ", ".join(modules)
+    named = "the adapter's, continued," if continued or saved else ", ".join(modules)
     trainer.log(f"LoRA on the vision tower: {named} in {len(paths)} modules, "
                 f"{n:,} trainable parameters ({where})")
     return vision
@@ -151,7 +157,19 @@ def tower_arrays(vision: VisionModel | None) -> dict:
     out = {_TENSOR + k: v.copy() for k, v in vision.tower_trainable().items()}
     for k, (m, v) in vision.tower_optimizer_state().items():
         out[_M + k], out[_V + k] = m, v
+    out.update({_SCALE + p: np.float64(scale) for p, (_, _, scale) in vision.tower.lora.items()})
     return out
+
+
+def _saved_scales(folder) -> dict:
+    """{module path: ((A's shape, B's shape), scale)} of the tower's LoRA in the checkpoint in `folder` (none:
+    it has none, or it predates the scales)."""
+    from wgpu_train.training.checkpoint import read_arrays
+
+    arrays = read_arrays(folder)
+    return {k[len(_SCALE):]: ((arrays[f"{_TENSOR}{k[len(_SCALE):]}.lora_A"].shape,
+                               arrays[f"{_TENSOR}{k[len(_SCALE):]}.lora_B"].shape), float(v))
+            for k, v in arrays.items() if k.startswith(_SCALE)}
 
 
 def kept_tensors(engine, vision: VisionModel | None) -> dict:
