@@ -53,16 +53,18 @@ def test_tower_equals_the_numpy_tower(rt, scale_factor, patch):
 
 @pytest.mark.parametrize("scale_factor, patch", [(0, 7), (2, 14)], ids=["gemma3", "smolvlm"])
 def test_lora_forward_and_backward_equal_the_numpy_towers(rt, scale_factor, patch):
-    """LoRA on some of the encoder's linears (B random: every path carries gradient): the embeddings and the
-    LoRA gradients from a random embeddings' gradient equal the NumPy tower's forward and backward."""
+    """LoRA on some of the encoder's linears (B random: every path carries gradient; ranks and scales differing by
+    module, as rank / alpha patterns make them): the embeddings and the LoRA gradients from a random embeddings'
+    gradient equal the NumPy tower's forward and backward."""
     vc = tiny(scale_factor, patch)
     w = weights(vc, seed=4)
     rng = np.random.default_rng(6)
     cpu = VisionTower(vc, w)
-    for path in cpu.modules()[::2] + [cpu.modules()[-1]]:     # q, v, fc1 of each layer, and the last fc2
+    for k, path in enumerate(cpu.modules()[::2] + [cpu.modules()[-1]]):   # q, v, fc1 of each layer, the last fc2
         out_f, in_f = w[path + ".weight"].shape
-        cpu.lora[path] = (rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32),
-                          rng.standard_normal((out_f, 2)).astype(np.float32) * 0.3, 2.5)
+        r = 2 + k % 3
+        cpu.lora[path] = (rng.uniform(-0.3, 0.3, (r, in_f)).astype(np.float32),
+                          rng.standard_normal((out_f, r)).astype(np.float32) * 0.3, 2.5 - 0.2 * k)
     pixels = rng.standard_normal((2, 3, 28, 28)).astype(np.float32)
     want, _ = cpu.forward(pixels)
     dout = rng.standard_normal(want.shape).astype(np.float32)
