@@ -273,6 +273,46 @@ def test_tower_lora_early_stopping_writes_the_best_evaluations_tower(chat_vlm, t
     assert any(not np.array_equal(best[k], last[k]) for k in names)
 
 
+def test_tower_lora_pissa_residual_and_converted_adapter_equal_peft(chat_vlm, tmp_path):
+    """--lora-init pissa with LoRA on the tower: each tower module's residual base equals PEFT's (its base weight
+    after init_lora_weights="pissa"), and after 2 steps the adapter written (converted to rank 2r on the original
+    base, as PEFT's path_initial_model_for_weight_conversion writes it) loads in PeftModel on the untouched model
+    with the trained model's logits."""
+    import copy
+
+    import peft
+    import torch
+
+    from test_gemma3_vision import hf_out
+    from test_gemma3_vision_training import our_examples
+    from wgpu_train.models.vision import tower_lora_key
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "run"), **_run_kw(
+        folder, data, lora_targets=TOWER_TARGETS, lora_init="pissa", max_steps=2, lr=1e-3))).setup()
+    vision = trainer.vision
+    tower = r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q_proj|out_proj)|mlp\.fc1)"
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=8, lora_alpha=16, target_modules=tower,
+                                                                 init_lora_weights="pissa"))
+    theirs = dict(pm.named_parameters())
+    assert len(vision.tower_init) == 6
+    for path in vision.tower_init:
+        key = tower_lora_key(path, "A", vision.vision).replace(".lora_A.weight", ".base_layer.weight")
+        assert_close(vision.tower.w[path + ".weight"], theirs[key].detach().numpy(), "init_residual", path)
+    trainer.train()
+    (examples, _), _ = our_examples(folder)
+    ex = examples[1]
+    ids = ex.input_ids[None].astype(np.int64)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run").eval()
+    assert loaded.peft_config["default"].r == 16
+    with torch.no_grad():
+        want = hf_out(loaded, ids, np.ones_like(ids), vision.pixel_values(ex.images), image_id=7).logits.numpy()
+    assert_close(vision.logits(ids, ex.images), want, "init_logits", "the converted adapter in PEFT")
+
+
 @pytest.mark.parametrize("targets, message", [
     ("q_proj,multi_modal_projector", "LoRA target 'multi_modal_projector': not supported on the vision side"),
     ("vision_tower", "the vision tower's alone; name the language model's too"),

@@ -37,6 +37,7 @@ from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_devic
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
+from wgpu_train.adapters.inits import converted
 from wgpu_train.adapters.tower_scales import tower_scales
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
 from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
@@ -62,6 +63,7 @@ class VisionModel:
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
+        self.tower_init: dict = {}      # PiSSA / OLoRA on the tower: path -> (A0, B0) (set_tower_residual)
         # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
         # NumPy one beside the NumPy engine; else (Qwen's towers, a host tower beside WebGPU, pipeline stages)
         # the tower runs here, and train_step steps its LoRA around the engine's passes
@@ -113,6 +115,16 @@ class VisionModel:
             self.model.engine.set_vision_tower(self.device_tower if self.device_tower is not None else self.tower)
         else:
             self.tower_optimizer = Optimizer(self._host_lora, self.tower.dtype, {"nonfinite_skipped": 0})
+
+    def set_tower_residual(self, residual: dict, init_pairs: dict):
+        """PiSSA / OLoRA on the tower: each module's base weight replaced by its residual ({path: (out, in)}), and
+        the pairs it was drawn with ({path: (A0, B0)}), which save_adapter converts the trained ones against (as
+        PEFT's path_initial_model_for_weight_conversion: rank 2r on the original base)."""
+        for path, w in residual.items():
+            self.tower.w[path + ".weight"] = np.asarray(w, self.tower.dtype)
+            if self.device_tower is not None:
+                self.device_tower.set_base(path, w)
+        self.tower_init = {p: (a.copy(), b.copy()) for p, (a, b) in init_pairs.items()}
 
     def _host_lora(self) -> dict:
         return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
@@ -169,8 +181,12 @@ class VisionModel:
         raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
-        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], self.vision): v
-                        for k, v in self.tower_trainable().items()})
+        live = self.tower_trainable()
+        for path in self.tower.lora:
+            a, b = live[path + ".lora_A"], live[path + ".lora_B"]
+            if path in self.tower_init:
+                a, b = converted(a, b, *self.tower_init[path])
+            tensors[tower_lora_key(path, "A", self.vision)], tensors[tower_lora_key(path, "B", self.vision)] = a, b
         write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
 
     def _check_tower_config(self, raw: dict):
@@ -179,8 +195,9 @@ class VisionModel:
         want = tower_scales(self.tower.lora, self.vision, raw["r"], raw["lora_alpha"], raw.get("use_rslora", False),
                             raw.get("rank_pattern"), raw.get("alpha_pattern"))
         for path, (a, _, scale) in self.tower.lora.items():
-            if want[path][0] != a.shape[0] or abs(want[path][1] - scale) > 1e-12:
-                raise ConfigError(f"the tower's LoRA on {path} (r {a.shape[0]}, scale {scale:g}) differs from the "
+            r = a.shape[0] * (2 if path in self.tower_init else 1)      # converted on save: rank 2r
+            if want[path][0] != r or abs(want[path][1] - scale) > 1e-12:
+                raise ConfigError(f"the tower's LoRA on {path} (r {r}, scale {scale:g}) differs from the "
                                   f"adapter config's (r {want[path][0]}, scale {want[path][1]:g}): one config holds "
                                   f"both models' ranks and alphas")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wgpu_train.adapters.inits import fresh_pair
+from wgpu_train.adapters.inits import changes_base, decompose, fresh_pair
 from wgpu_train.adapters.layout import parse_pattern
 from wgpu_train.adapters.tower_scales import tower_scales
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
@@ -29,10 +29,10 @@ def attach_tower(trainer) -> VisionModel:
     if not (modules or continued or saved):
         return vision
     for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--dora", cfg.dora),
-                        (f"--lora-init {cfg.lora_init}", cfg.lora_init not in ("default", "gaussian"))):
+                        (f"--lora-init {cfg.lora_init} on Qwen's towers", vision.qwen and changes_base(cfg.lora_init))):
         if given:
-            raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains without dropout, "
-                              f"from a default or gaussian init)")
+            raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains without dropout or "
+                              f"DoRA)")
     if vision.qwen and vision.vision.deepstack_indexes and not hasattr(trainer.model.engine, "deepstack_grad"):
         raise ConfigError(f"LoRA on {vision.vision.name}'s vision tower with DeepStack trains without pipeline "
                           f"stages only for now (their stages do not give its DeepStack features' gradients back)")
@@ -73,9 +73,17 @@ def _fresh(vision: VisionModel, modules, cfg) -> list:
     settings = tower_scales(paths, vision.vision, cfg.lora_rank, cfg.lora_alpha, cfg.rslora,
                             parse_pattern(cfg.lora_rank_pattern, "lora_rank_pattern"),
                             parse_pattern(cfg.lora_alpha_pattern, "lora_alpha_pattern"))
+    residual = {}
     for path in paths:
-        a, b = fresh_pair(rng, cfg.lora_init, settings[path][0], *vision.tower.w[path + ".weight"].shape)
+        w = vision.tower.w[path + ".weight"]
+        if changes_base(cfg.lora_init):     # PiSSA / OLoRA: the pair from the weight, the residual its base
+            a, b, residual[path] = decompose(w, settings[path][0], settings[path][1], cfg.lora_init, rng)
+        else:
+            a, b = fresh_pair(rng, cfg.lora_init, settings[path][0], *w.shape)
         tensors[tower_lora_key(path, "A", vision.vision)], tensors[tower_lora_key(path, "B", vision.vision)] = a, b
+    if residual:
+        vision.set_tower_residual(residual, {p: (tensors[tower_lora_key(p, "A", vision.vision)],
+                                                 tensors[tower_lora_key(p, "B", vision.vision)]) for p in paths})
     vision.set_tower_lora(tensors, {p: scale for p, (_, scale) in settings.items()})
     return paths
 
