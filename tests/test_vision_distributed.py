@@ -212,6 +212,10 @@ def test_cli_tower_targets_train_and_load_in_peft(chat_vlm, tmp_path, capsys):
     assert all(0 < step <= 2.01e-3 for step in steps.values()), steps
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "again")
     assert {n.replace(".default", "") for n, _ in pm.named_parameters() if "lora_" in n} == set(again)
+    ckpt = sorted((tmp_path / "again" / "checkpoints").iterdir())[-1]
+    assert main(["finetune", "--adapter-path", str(ckpt), "--data", str(data), "--backend", "numpy",
+                 "--no-progress", "--out", str(tmp_path / "from_ckpt")]) == 2
+    assert "a checkpoint whose LoRA on the vision tower lies beside its adapter" in capsys.readouterr().err
     # its --resume (no --adapter-path, no tower targets recorded) trains on the checkpoint's tower LoRA
     assert main(["finetune", "--resume", str(tmp_path / "again"), "--max-steps", "3", "--no-progress"]) == 0
     assert "LoRA on the vision tower: the adapter's, continued, in 6 modules" in capsys.readouterr().err

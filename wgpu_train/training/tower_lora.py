@@ -115,11 +115,19 @@ def check_tower_targets(cfg, folder, images: bool | None = None):
 
 
 def check_continued(cfg, images: bool):
-    """An --adapter-path adapter with LoRA on the vision tower continued on records without images refused in
-    one line (its tower's LoRA would be dropped)."""
+    """An --adapter-path adapter with LoRA on the vision tower continued on records without images, or a
+    checkpoint's adapter (its tower's LoRA is in the checkpoint's arrays), refused in one line (the tower's LoRA
+    would be dropped)."""
     from wgpu_train.adapters.files import adapter_folder
+    from wgpu_train.training.checkpoint import read_arrays
 
-    if cfg.adapter_path and not images and has_tower_lora(adapter_folder(cfg.adapter_path)):
+    adapter = adapter_folder(cfg.adapter_path)
+    if adapter is None:
+        return
+    if adapter.name == "adapter" and any(k.startswith(_TENSOR) for k in read_arrays(adapter.parent)):
+        raise ConfigError(f"--adapter-path {cfg.adapter_path}: a checkpoint whose LoRA on the vision tower lies "
+                          f"beside its adapter; --resume it, or continue its run's adapter folder")
+    if not images and has_tower_lora(adapter):
         raise ConfigError(f"--adapter-path {cfg.adapter_path}: its LoRA on the vision tower trains on records with "
                           f"images (TRL's vision format)")
 
