@@ -11,6 +11,7 @@ import pytest
 
 from finetune_helpers import make_data_dir, make_model_dir, write_jsonl
 from test_engine_protocol import StrictEngine
+from tolerances import TOLERANCES
 from wgpu_train.engines import loading
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.engines.protocol import OptimizerParams
@@ -237,6 +238,38 @@ class StopAt:
 
     def checkpointed(self, path):
         self.saved.append(path)
+
+
+def test_threads_sharing_a_webgpu_device_read_back_their_own_buffers(default_rt):
+    """Two threads reading buffers of the one device at once (data-parallel workers in threads): each maps its
+    own staging buffer. With one staging buffer for the device, a thread's map found it mapped by the other's
+    ("Buffer is already mapped") or a submit copied into it while mapped (a fatal abort in wgpu-native)."""
+    errors = []
+
+    def work(k):
+        try:
+            buf = default_rt.upload(np.full(64 * (k + 1), k, np.float32))     # sizes differ: no shared resize
+            for _ in range(100):
+                assert (default_rt.read(buf) == k).all()
+        except BaseException as e:  # noqa: BLE001 - reported in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_two_webgpu_workers_in_threads_equal_one_process(workspace, tmp_path, default_rt):
+    """Two data-parallel workers in threads, each with its WebGPU engine on the process's one device: the
+    losses and adapter after 2 steps are one WebGPU process's with the whole batch."""
+    kw = dict(backend="wgpu", max_steps=2, lora_dropout=0.0, eval_every=0)
+    one = Trainer(config(workspace, tmp_path / "one", grad_accum=2, **kw)).run()
+    two = run_threads(config(workspace, tmp_path / "two", num_workers=2, **kw), 2)
+    assert two[0]["steps"] == one["steps"] == 2 and two[0]["data_parallel"]["workers"] == 2
+    assert two[0]["train_loss_last"] == pytest.approx(one["train_loss_last"], rel=1e-6)
+    assert_same_adapter(tmp_path / "one", tmp_path / "two", TOLERANCES["data_parallel_wgpu"].atol)   # its absolute part
 
 
 def test_a_stop_from_the_driver_is_agreed_on_by_every_worker(workspace, tmp_path):

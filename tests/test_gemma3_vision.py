@@ -98,15 +98,13 @@ def test_pixel_values_equal_the_processors(mode, shape, tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-def test_undecodable_image_and_pan_and_scan_are_refused(tmp_path):
+def test_undecodable_image_is_refused(tmp_path):
     (tmp_path / "bad.png").write_bytes(b"not an image")
     with pytest.raises(DataError, match="cannot decode") as e:
         open_image(tmp_path / "bad.png", "row 3: image 0")
     assert "\n" not in str(e.value) and "row 3" in str(e.value)
     with pytest.raises(DataError, match="cannot decode"):
         open_image(tmp_path / "missing.png")
-    with pytest.raises(ConfigError, match="do_pan_and_scan"):
-        ImageSettings.from_dict({"do_pan_and_scan": True}, SIDE)
 
 
 def test_image_features_equal_transformers(vlm):

@@ -67,7 +67,8 @@ def test_config_reads_layer_kinds_and_the_feed_forward_width(lfm2):
     ({"layer_types": ["conv", "full_attention"]}, "'layer_types' must list a kind for each of the 4 layers"),
     ({"layer_types": ["conv", "sliding_attention", "conv", "conv"]}, "layer kind 'sliding_attention'"),
     ({"conv_bias": True}, "field 'conv_bias' is true"),
-    ({"architectures": ["Lfm2VlForConditionalGeneration"]}, "field 'architectures'"),
+    ({"architectures": ["Lfm2VlForConditionalGeneration"]}, "a Lfm2VlForConditionalGeneration config needs a "
+                                                            "'text_config' object"),   # LFM2-VL: test_lfm2_vl.py
 ])
 def test_unsupported_configs_are_one_line(change, message):
     raw = {**LFM2, "architectures": ["Lfm2ForCausalLM"], **change}

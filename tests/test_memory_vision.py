@@ -102,6 +102,24 @@ def test_image_tokens_over_the_row_and_a_text_model_are_refused(folder, tmp_path
     assert "the model takes no images" in capsys.readouterr().err
 
 
+def test_pan_and_scan_counts_the_most_crops(folder, tmp_path, capsys):
+    """With do_pan_and_scan each image is counted with pan_and_scan_max_num_crops crops beside it (each its own
+    boi, tokens and eoi), and the output says the processor's sentences around them are not counted."""
+    import shutil
+
+    from wgpu_train.cli.main import main
+
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_pan_and_scan": True,
+                                                                   "pan_and_scan_max_num_crops": 3}))
+    plain = memory(capsys, folder, "--batch-size", "2")["vision"]
+    v = memory(capsys, tmp_path, "--batch-size", "2")["vision"]
+    assert plain["crops"] == 0 and v["crops"] == 3 and v["tokens_per_image"] == 4 * (4 + 2)
+    assert v["tower_activations"] > plain["tower_activations"]
+    assert main(["memory", "--model", str(tmp_path), "--max-seq-len", "64", "--backend", "numpy"]) == 0
+    assert "pan-and-scan: each image counted with the most crops, 3" in capsys.readouterr().out
+
+
 def test_the_tower_activations_match_a_measured_peak(tmp_path):
     """The estimate of the tower's peak against tracemalloc's over the NumPy tower's forward: frozen (one image
     at a time) and keeping every layer for LoRA's backward (the images at once), on a tower of 256 patches where

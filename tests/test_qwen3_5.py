@@ -81,7 +81,7 @@ def test_config_reads_layer_kinds_gate_and_partial_rope(qwen):
     ({"linear_num_value_heads": 3}, "'linear_num_value_heads' \\(3\\) must be a multiple"),
     ({"attention_bias": True}, "field 'attention_bias'"),
     ({"hidden_act": "gelu"}, "field 'hidden_act'"),
-    ({"architectures": ["Lfm2VlForConditionalGeneration"]}, "field 'architectures'"),
+    ({"architectures": ["Qwen2AudioForConditionalGeneration"]}, "field 'architectures'"),
 ])
 def test_unsupported_configs_are_one_line(change, message):
     raw = {**QWEN3_5, "architectures": ["Qwen3_5ForCausalLM"], **change}

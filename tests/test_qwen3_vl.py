@@ -30,10 +30,11 @@ from wgpu_train.models.vision import VisionConfig  # noqa: E402
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]
 START, END, PAD = 3, 4, 5          # <|vision_start|>, <|vision_end|>, <|image_pad|>
-# Qwen3-VL's chat template, its image and text parts (tools and thinking left out)
+# Qwen3-VL's chat template, its image, video and text parts (tools and thinking left out)
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["user what colour is it? assistant red blue green", "describe the picture and this squares"]
@@ -49,6 +50,11 @@ def tiny_config(vocab: int):
                                  "mrope_interleaved": True})
     return tf.Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=PAD, video_token_id=6,
                             vision_start_token_id=START, vision_end_token_id=END)
+
+
+# Qwen3VLVideoProcessor's settings for tiny clips (a clip of 256 to 4096 pixels)
+VIDEO_CONFIG = {"patch_size": 8, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+                "image_std": [0.5] * 3, "size": {"shortest_edge": 256, "longest_edge": 4096}, "fps": 2.0}
 
 
 def processor(**kw):
@@ -69,6 +75,7 @@ def vlm(tmp_path_factory):
             p.add_(torch.randn_like(p) * 0.05)
     hf.save_pretrained(folder)
     processor().save_pretrained(folder)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))   # test_qwen3_vl_video.py's
     return hf, folder, load_vision_model(folder)
 
 
@@ -305,11 +312,10 @@ def test_refusals_in_one_line(vlm):
                            np.zeros((2, 32))}, 1.0)
     img = images(1)
     ids = np.array([[7, START, *[PAD] * 3, END]])
-    with pytest.raises(DataError, match="3 image placeholder tokens for 1 images of 12 tokens in all") as e:
+    with pytest.raises(DataError, match="3 image .and video. placeholder tokens for 1 images and videos of 12 "
+                                        "tokens in all") as e:
         vm.logits(ids, img)
     assert "\n" not in str(e.value)
-    with pytest.raises(DataError, match="videos are not supported .*video_token_id 6"):
-        vm.logits(np.array([[7, START, 6, END]]), [])
 
 
 def test_auto_takes_the_webgpu_engine(vlm):

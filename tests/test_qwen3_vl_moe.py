@@ -22,8 +22,8 @@ tf = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("PIL.Image")
 
-from test_qwen3_vl import (CORPUS, END, PAD, SPECIALS, START, TEMPLATE, check_cli_finetune_and_generate,  # noqa: E402
-                           hf_inputs, images, processor, span)
+from test_qwen3_vl import (CORPUS, END, PAD, SPECIALS, START, TEMPLATE, VIDEO_CONFIG,  # noqa: E402
+                           check_cli_finetune_and_generate, hf_inputs, images, processor, span)
 from wgpu_train.engines.vision_model import load_vision_model  # noqa: E402
 from wgpu_train.models.config import ModelConfig  # noqa: E402
 from wgpu_train.models.moe import router_aux_loss_coef  # noqa: E402
@@ -59,12 +59,14 @@ def vlm(tmp_path_factory):
             layer.mlp.gate.weight.mul_(20.0)
     hf.eval().save_pretrained(folder)
     processor().save_pretrained(folder)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
     return hf, folder, load_vision_model(folder)
 
 
 def test_config_and_logits_with_two_images_match_transformers(vlm):
     """Read as Qwen3-MoE's layers (4 experts, top 2, renormalised though the config has no norm_topk_prob) under
-    Qwen3-VL's tower with DeepStack; logits of two images of odd sizes within 1e-4 of transformers'."""
+    Qwen3-VL's tower with DeepStack; logits of two images of odd sizes, and of an image and a video, within 1e-4 of
+    transformers'."""
     hf, folder, vm = vlm
     cfg = vm.model.config
     assert cfg.family == "qwen3_moe" and cfg.wrapper == "Qwen3VLMoeForConditionalGeneration"
@@ -79,6 +81,13 @@ def test_config_and_logits_with_two_images_match_transformers(vlm):
     with torch.no_grad():
         want = hf(**hf_inputs(vm, ids, imgs)).logits.numpy()
     assert_close(vm.logits(ids, imgs), want, "logits_f32", "Qwen3-VL-MoE with images")
+    from test_qwen3_vl_video import Video, frames, media_inputs, video_span
+
+    video = Video(tuple(frames(5, (30, 22), seed=6)))       # and an image then a video (3 frame groups)
+    ids = np.array([[7, *span(vm, imgs[0]), 12, *video_span(vm, video), 13]])
+    with torch.no_grad():
+        want = hf(**media_inputs(vm, ids, [imgs[0], video])).logits.numpy()
+    assert_close(vm.logits(ids, [imgs[0], video]), want, "logits_f32", "Qwen3-VL-MoE with a video")
 
 
 def test_lora_gradients_with_aux_loss_match_peft(vlm):

@@ -1,7 +1,7 @@
 """Qwen3-VL with images on the WebGPU engine against the NumPy engine (the oracle, itself checked against
 transformers in test_qwen3_vl.py): RoPE by each pair's M-RoPE position and the DeepStack features added on the
 device; logits, loss, LoRA gradients, a train step in one submission, greedy generation (each new token at its
-M-RoPE position, through DecodeBatch too) and `generate --image --backend wgpu`."""
+M-RoPE position, through DecodeBatch too), `generate --image --backend wgpu` and logits with a video."""
 from __future__ import annotations
 
 import copy
@@ -225,3 +225,15 @@ def test_cli_finetune_with_images_on_wgpu_equals_numpy(pair, tmp_path, capsys):
     assert set(adapters[0]) == set(adapters[1]) and sum(".visual." in k for k in adapters[0]) == 14
     for k, want in adapters[0].items():
         assert_close(adapters[1][k], want, "qwen_tower_params_after_steps", k)
+
+
+def test_logits_with_a_video_equal_numpys(pair):
+    """A video (5 frames: 3 frame groups, the device tower's attention within each) then an image in a row: the
+    WebGPU engine's logits, its tower on the device where it runs there, equal the NumPy engine's."""
+    from test_qwen3_vl_video import Video, frames, video_span
+
+    cpu, gpu, _ = pair
+    video, img = Video(tuple(frames(5, (30, 22), seed=6))), images(1, seed=6)[0]
+    ids = np.array([[7, *video_span(cpu, video), 12, *span(cpu, img), 13]])
+    assert gpu.device_tower is not None
+    assert_close(gpu.logits(ids, [video, img]), cpu.logits(ids, [video, img]), "gpu_logits", "with a video")

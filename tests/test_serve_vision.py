@@ -206,8 +206,8 @@ def test_decode_batch_prefills_images_whole(chat_vlm):  # noqa: F811
 
 
 def test_image_parts_and_refusals_in_requests():
-    """parse_chat keeps the parts in order ({"type": "image"} where an image_url was) and the URLs; images with
-    tools are refused."""
+    """parse_chat keeps the parts in order ({"type": "image"} where an image_url was) and the URLs (with tools too:
+    tests/test_grpo_tools_vision.py serves them)."""
     from wgpu_train.serve.api_error import ApiError
     from wgpu_train.serve.requests import parse_chat
 
@@ -218,8 +218,8 @@ def test_image_parts_and_refusals_in_requests():
     assert req.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"},
                                           {"type": "text", "text": "b"}]
     assert req.messages[1]["content"] == "c"
-    with pytest.raises(ApiError, match="images with tools"):
-        parse_chat({"model": "m", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert parse_chat({"model": "m", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+                       }).images == ("x",)
     with pytest.raises(ApiError, match="only text and image_url parts"):
         parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})

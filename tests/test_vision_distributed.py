@@ -1,6 +1,6 @@
 """Images beyond one process and one adapter file: the image files in a resume's data fingerprint, data-parallel
-workers (threads) with images equal to one process (sft, the preference objectives, GRPO), LoRA on the vision tower
-from the CLI's --lora-targets, pipeline stages and Ray workers with images."""
+workers (threads; on WebGPU too) with images equal to one process (sft, the preference objectives, GRPO), LoRA on
+the vision tower from the CLI's --lora-targets, pipeline stages and Ray workers with images."""
 from __future__ import annotations
 
 import json
@@ -92,6 +92,24 @@ def test_two_workers_with_images_equal_one_process(chat_vlm, tmp_path):
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_numpy")
 
 
+def test_two_webgpu_workers_in_threads_with_images_equal_one_process(chat_vlm, tmp_path):
+    """Two data-parallel workers in threads, each with its WebGPU engine on the process's one device (each
+    thread reads back through its own staging buffer): with images, the losses and adapter after 2 steps are one
+    WebGPU process's with the whole batch."""
+    from conftest import require_adapter
+    from test_data_parallel import run_threads
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    require_adapter()
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])     # 4 records
+    kw = _run_kw(folder, data, batch_size=1, max_steps=2, lora_dropout=0.1, backend="wgpu", precision="fp32")
+    Trainer(TrainConfig(out=str(tmp_path / "one"), grad_accum=2, **kw)).run()
+    run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, **kw), 2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_wgpu", steps=2)
+
+
 # ---- the preference objectives and GRPO with images on data-parallel workers -----------------------------------
 
 def test_a_micro_batch_cut_keeps_each_rows_image_tokens():
@@ -117,6 +135,26 @@ def test_a_micro_batch_cut_keeps_each_rows_image_tokens():
         np.testing.assert_array_equal(images.positions, positions[rows])
         np.testing.assert_array_equal(images.deepstack[0], deep[run])
         np.testing.assert_array_equal(part[4], micro[0][4][rows])
+
+
+def test_a_micro_batch_cut_keeps_each_rows_tower_images():
+    """split_rows of an engine micro-batch with TowerImages (the tower inside the engine's step): each part holds
+    its rows' blocks and pixels (2 tokens an image), and its host() those rows' ImageTokens of the whole batch's."""
+    from wgpu_train.distributed.data_parallel import split_rows
+    from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
+
+    blocks = np.full((3, 6), -1, np.int32)                      # row 0: 1 image, row 1: none, row 2: 2 images
+    blocks[0, 1:3], blocks[2, 1:5] = 0, (0, 0, 1, 1)
+    pixels = np.arange(3 * 2 * 2 * 2, dtype=np.float32).reshape(3, 2, 2, 2)
+    embeds = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    ids = np.arange(18, dtype=np.int32).reshape(3, 6)
+    micro = [(ids, ids, np.ones_like(ids), ids, TowerImages(blocks, pixels, lambda: ImageTokens(blocks, embeds)))]
+    first, second = split_rows(micro, 2, 1)
+    for part, rows, images, tokens in ((first, slice(0, 2), slice(0, 1), slice(0, 2)),
+                                       (second, slice(2, 3), slice(1, 3), slice(2, 6))):
+        np.testing.assert_array_equal(part[-1].blocks, blocks[rows])
+        np.testing.assert_array_equal(part[-1].pixels, pixels[images])
+        np.testing.assert_array_equal(part[-1].host().embeds, embeds[tokens])
 
 
 @pytest.mark.parametrize("objective, batch_size", [("dpo", 1), ("orpo", 1), ("kto", 2)])
@@ -386,7 +424,7 @@ def test_dpo_and_grpo_with_images_through_two_pipeline_stages_equal_one_process(
     each scored or trained micro-batch's image tokens go to every stage (GRPO's reference, the starting adapter
     the stages hold, scores with them too, and its rollouts prefill the images through the stages). The losses
     and adapter after 2 steps (and GRPO's completions) are one process's (DPO's: one process that also scores the
-    step's rows first, then takes the weighted step); WebGPU stages refused in one line."""
+    step's rows first, then takes the weighted step); on WebGPU stages: test_vision_stages_wgpu.py."""
     from test_pipeline_runs import TwoPasses
     from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
     from wgpu_train.distributed.dispatch import finetune
@@ -409,9 +447,13 @@ def test_dpo_and_grpo_with_images_through_two_pipeline_stages_equal_one_process(
     one, two = tmp_path / "grpo-one" / "run", tmp_path / "grpo-two" / "run"
     assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
     _assert_same_run(one, two, "pipeline_numpy", 2, start)
-    with pytest.raises(ConfigError, match="--objective dpo with images through pipeline stages runs on NumPy stages "
-                                          "only"):
-        finetune(config(root, folder, tmp_path / "bad", pipeline_stages=2, **(dpo | {"backend": "auto"})))
+    # the objective's input checks hold on both paths, finetune's and finetune_pipeline's own
+    for bad, kw, message in ((dict(images_demo=True), {}, "--images-demo trains sft only"),
+                             ({}, dict(reward_funcs=rewards), "reward_funcs are GRPO's rewards: --objective dpo")):
+        for run in (finetune, lambda c, **k: finetune_pipeline(c, local=True, **k)):
+            with pytest.raises(ConfigError, match=message) as e:
+                run(config(root, folder, tmp_path / "bad", pipeline_stages=2, **dpo, **bad), **kw)
+            assert "\n" not in str(e.value)
 
 
 def test_vision_model_over_local_stages_gives_one_process_loss_and_gradients(chat_vlm):

@@ -14,6 +14,7 @@ from conftest import require_adapter
 from test_gemma3_vision_training import chat_vlm, our_examples, vision_records, write_vision_data  # noqa: F401
 from test_qwen3_vl import PAD, images, records, span, vlm  # noqa: F401  (chat_vlm, vlm: the tiny models' fixtures)
 from test_vision_distributed import TOWER_TARGETS, _adapter, _losses
+from test_vision_preference import pref_setup  # noqa: F401  (fixture: a PEFT adapter and TRL's vision pairs)
 from tolerances import assert_close
 
 
@@ -152,3 +153,54 @@ def test_qwen3_vl_through_wgpu_stages_equals_one_process(vlm, tmp_path):  # noqa
                                       max_steps=1, pipeline_stages=2, valid_split=0.0, lora_targets=("q_proj", "qkv"),
                                       no_progress=True), local=True)
     assert "\n" not in str(e.value)
+
+
+def test_dpo_kto_and_grpo_with_images_through_wgpu_stages_equal_one_process(pref_setup, tmp_path):  # noqa: F811
+    """DPO, KTO and GRPO with images through 2 WebGPU stages (in this process): the tower in the driver, each scored
+    or trained micro-batch's image tokens sent to every stage (GRPO's reference, the starting adapter the stages
+    hold, scores with them, and its rollouts prefill the images through the stages' caches). The losses, metrics
+    and adapter after 2 steps, and GRPO's completions, are one WebGPU process's (DPO's and KTO's: one that also
+    scores the step's rows first, then takes the weighted step)."""
+    from test_pipeline_runs import TwoPasses
+    from test_vision_preference import config, grpo_records, id_reward, length_reward, write_pref_data
+    from wgpu_train.distributed.pipeline_trainer import finetune_pipeline
+
+    require_adapter()
+    root, folder, _, _ = pref_setup
+    start = _adapter(root / "adapter")
+    gpu = dict(backend="wgpu", precision="fp32", max_steps=2, lr=1e-2, grad_accum=2)
+    for objective, batch_size in (("dpo", 1), ("kto", 2)):          # KTO: unpaired, with its KL rows
+        pref = gpu | dict(objective=objective, batch_size=batch_size)
+        TwoPasses(config(root, folder, tmp_path / f"{objective}-one", **pref), log=lambda m: None).run()
+        finetune_pipeline(config(root, folder, tmp_path / f"{objective}-two", pipeline_stages=2, **pref), local=True)
+        _same_run(tmp_path / f"{objective}-one" / "run", tmp_path / f"{objective}-two" / "run", start)
+    data = write_pref_data(tmp_path / "data", grpo_records() * 2)
+    grpo = gpu | dict(data=str(data), objective="grpo", batch_size=2, num_generations=2, max_completion_length=5,
+                      beta=0.04, temperature=0.8, seed=3)
+    rewards = [length_reward, id_reward]
+    wgpu_train.finetune(config(root, folder, tmp_path / "grpo-one", **grpo), reward_funcs=rewards)
+    two = finetune_pipeline(config(root, folder, tmp_path / "grpo-two", pipeline_stages=2, **grpo), local=True,
+                            reward_funcs=rewards)
+    assert two["pipeline"]["stages"] == 2 and two["images"] == 4
+    one, two = tmp_path / "grpo-one" / "run", tmp_path / "grpo-two" / "run"
+    assert (two / "completions.jsonl").read_text() == (one / "completions.jsonl").read_text()
+    _same_run(one, two, start)
+
+
+def _same_run(one, two, start):
+    """Runs in folders one and two: the adapter, losses and metrics within pipeline_wgpu, and trained 2 steps."""
+    import json
+
+    mine, theirs = _adapter(two), _adapter(one)
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert_close(mine[k], theirs[k], "pipeline_wgpu", k)
+    assert max(float(np.abs(theirs[k] - start[k]).max()) for k in theirs if "lora_B" in k) > 1e-3
+    rows = [[json.loads(line) for line in (f / "metrics.jsonl").read_text().splitlines()] for f in (one, two)]
+    rows = [[r for r in rs if "loss" in r and "split" not in r] for rs in rows]
+    assert len(rows[0]) == len(rows[1]) == 2
+    for a, b in zip(*rows):
+        assert set(a) == set(b)
+        for key in a:
+            if key.startswith(("loss", "reward", "kl", "rewards/", "logps/", "logits/", "grad_norm")):
+                assert_close(np.float64(b[key]), np.float64(a[key]), "pipeline_wgpu", key)

@@ -77,6 +77,14 @@ TOLERANCES: dict[str, Tolerance] = {
         "another order than one process's, a rounding apart; AdamW's first steps divide by the gradient's own size, "
         "so the steps after carry it into the adapter and the next generation's losses and metrics (GRPO with "
         "tools, 3 steps at lr 2e-2: 9e-8 absolute on the adapter, 2.4e-7 relative on the metrics, measured)"),
+    "data_parallel_wgpu": Tolerance(1e-4, 1e-5,
+        "two data-parallel WebGPU workers (threads on one device) against one WebGPU process with the whole batch: "
+        "each micro-batch runs the same kernels on the same shapes, only the float32 sum of the two workers' "
+        "gradients (the all-reduce's order against the engine's accumulation) differs (measured after 2 steps at "
+        "lr 1e-2: 4.8e-8 on the tiny text model; with images and LoRA dropout 1.2e-6 absolute, 8.7e-5 relative, "
+        "on 1 of 336 elements, where AdamW's first steps (m / sqrt(v)) turn a tiny gradient's rounding into a "
+        "visible share of an lr-sized update, as in data_parallel_tower_numpy); a worker's gradient left out "
+        "moves the adapter by about lr"),
     "data_parallel_qwen_tower": Tolerance(2e-3, 3e-4,
         "two data-parallel workers against one process with LoRA on Qwen3-VL's tower (qkv, the merger) and its "
         "language model: as data_parallel_tower_numpy, AdamW's first steps turn the all-reduce's float32 rounding of tiny "
@@ -416,6 +424,11 @@ TOLERANCES: dict[str, Tolerance] = {
         "gradient agrees within gpu_grads (test_qwen3_vl_wgpu's tower LoRA test), and Adam's normalised first steps "
         "turn the float32 rounding of a near-zero gradient element into part of an lr-sized update: measured 7.3e-5 "
         "on 1 of 768 elements (blocks.0 qkv's lora_B; 1.8e-4 at lr 3e-2), every other element within 3e-5"),
+    "lfm2_tower_params_after_steps": Tolerance(1e-4, 1e-4,
+        "the adapter after 2 AdamW steps at lr 3e-3 with LoRA on LFM2-VL's tower encoder (on the device), WebGPU "
+        "against NumPy: every gradient agrees within grads_f32 (test_lfm2_vl_wgpu's tower test), and Adam's "
+        "normalised first steps turn the float32 rounding of a near-zero q/k lora_B gradient element into part of "
+        "an lr-sized update: measured 6.8e-5 (layers.0 k_proj's lora_B), the language model's within 3e-6"),
     "vision_params_vs_torch_adamw": Tolerance(1e-4, 5e-5,
         "2 AdamW steps (lr 1e-3) of LoRA on Gemma 3's vision tower and language model vs torch AdamW on the PEFT "
         "model: the tower's q_proj A gradients come back through two attentions and the projector, so some "

@@ -1,6 +1,6 @@
 """`wgpu-train chat`: an interactive conversation with a model (and adapter) over the same generation as
 `generate`, through the chat template, with its history, streaming each answer as it comes; a vision model's
-user turns may hold images (/image PATH)."""
+user turns may hold images (/image PATH) and, Qwen3-VL's and Qwen3.5's, videos (/video PATH)."""
 from __future__ import annotations
 
 import sys
@@ -9,16 +9,20 @@ from wgpu_train.errors import ConfigError
 from wgpu_train.cli.options import add_parser, device_options, model_options, sampling_options, stage_options, whole
 
 COMMANDS = {"/image PATH": "attach an image to your next message (a vision model's)",
+            "/video PATH": "attach a video (a folder of frames or a video file) to your next message (Qwen3-VL's)",
             "/reset": "forget the conversation (the system message stays)", "/exit": "end the chat (or Ctrl-D)",
             "/help": "these commands"}
 
 
 def _user(text: str, images: list) -> dict:
-    """A user message, its images' pixel_values under "images" and {"type": "image"} parts before its text."""
+    """A user message, its images' pixel_values (and videos, data/qwen_videos.Video) under "images" and
+    {"type": "image"} ({"type": "video"}) parts before its text, in the order attached."""
+    from wgpu_train.data.qwen_videos import Video
+
     if not images:
         return {"role": "user", "content": text}
-    return {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}],
-            "images": list(images)}
+    parts = [{"type": "video" if isinstance(im, Video) else "image"} for im in images]
+    return {"role": "user", "content": parts + [{"type": "text", "text": text}], "images": list(images)}
 
 
 class Conversation:
@@ -88,27 +92,34 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def _attach(args, vision, path: str, pending: list):
-    """/image PATH: the image's pixel_values added to the next user turn's (SmolVLM's: the decoded image, whose
-    size gives its tiles), or why not (a line on stderr)."""
+def _attach(args, vision, path: str, pending: list, video_span=None):
+    """/image PATH: the image's pixel_values added to the next user turn's (SmolVLM's and Gemma 3's with
+    pan-and-scan: the decoded image, whose size gives its tiles or crops); /video PATH (video_span: the model's
+    span): Qwen3-VL's video, its frames read; or why not (a line on stderr)."""
     from wgpu_train.data.images import open_image, pixel_values
     from wgpu_train.errors import WgpuTrainError
 
+    video = video_span is not None
     if vision is None:
         print("error: this model takes no images (a Gemma 3 or SmolVLM vision model on the NumPy engine does)",
               file=sys.stderr)
     elif args.temperature:
         print("error: images are answered greedily for now (--temperature 0)", file=sys.stderr)
     elif not path:
-        print("error: /image needs the image file's path: /image PATH", file=sys.stderr)
+        print("error: /video needs a frames folder's or a video file's path: /video PATH" if video else
+              "error: /image needs the image file's path: /image PATH", file=sys.stderr)
+    elif video and not vision.qwen:
+        print("error: this model takes no videos (Qwen3-VL and Qwen3.5 do)", file=sys.stderr)
     else:
         try:
-            pending.append(open_image(path, path) if vision.vision.scale_factor or vision.qwen else
+            # where an image's size gives its tokens, the image itself is kept
+            keep = vision.qwen or vision.lfm2 or vision.vision.scale_factor or vision.settings.pan_and_scan
+            pending.append(video_span.as_video(path, path) if video else open_image(path, path) if keep else
                            pixel_values(path, vision.settings, path))
         except WgpuTrainError as e:
             print(f"error: {e}", file=sys.stderr)
             return
-        print(f"(image {path} attached to your next message)", file=sys.stderr)
+        print(f"({'video' if video else 'image'} {path} attached to your next message)", file=sys.stderr)
 
 
 def _talk(args, model, tok, vision=None):
@@ -136,8 +147,8 @@ def _talk(args, model, tok, vision=None):
             word = user.split()[0]
             if word == "/exit":
                 break
-            if word == "/image":
-                _attach(args, vision, user[len(word):].strip(), pending)
+            if word in ("/image", "/video"):
+                _attach(args, vision, user[len(word):].strip(), pending, span if word == "/video" else None)
             elif word == "/reset":
                 chat.reset()
                 pending = []

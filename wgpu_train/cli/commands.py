@@ -120,7 +120,7 @@ def cmd_generate(args) -> int:
         raise ConfigError("--prompt is empty")
     adapter = adapter_folder(args.adapter_path)
     model_dir = model_folder(args.model, adapter)
-    if args.image:
+    if args.image or args.video:
         from wgpu_train.cli.vision import generate_with_images
 
         return generate_with_images(args, model_dir, adapter)
@@ -164,6 +164,10 @@ def _register_generate(sub):
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="an image the prompt asks about (repeat for several, in order before the prompt's text): "
                         "a Gemma 3 vision-language model, greedy, on the NumPy engine (the vision extra: Pillow)")
+    p.add_argument("--video", action="append", default=None, metavar="PATH",
+                   help="a video the prompt asks about (Qwen3-VL, Qwen3.5; repeat for several, after the images): "
+                        "a folder of frame images (in name order) or a video file (sampled as the model's video "
+                        "processor samples it; needs PyAV: pip install av)")
     chat_template_option(p, "ask")
     p.add_argument("--max-new-tokens", type=whole(1), default=None,
                    help=f"most tokens to generate, capped (with a note) to the positions the prompt leaves in the "

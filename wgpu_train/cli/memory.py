@@ -93,6 +93,9 @@ def cmd_memory(args) -> int:
               f"(--images-per-row {vision['images_per_row']}): the tower "
               f"{'with LoRA' if vision['tower_lora'] else 'frozen'} in float32 on the NumPy engine; the image "
               f"tokens' activations in the language model lie within its {length} tokens a row)")
+        if vision.get("crops"):
+            print(f"  (pan-and-scan: each image counted with the most crops, {vision['crops']}; the processor's "
+                  f"sentences around them are not counted)")
         if vision.get("images_capped"):
             print(f"  (Qwen3-VL: an image of up to max_pixels would take more; {vision['tokens_per_image']} tokens "
                   f"is what a row of {length} leaves each)")
@@ -127,13 +130,20 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     per_row = 1 if args.images_per_row is None else args.images_per_row
     if hasattr(vc, "mrope_section"):
         return _qwen_estimate(args, model_dir, vc, length, per_row)
+    if hasattr(vc, "downsample_factor"):
+        return _lfm2_estimate(args, model_dir, vc, length, per_row)
     tiles, rows = 1, 0
     if vc.scale_factor:     # SmolVLM: the largest image's tiles, two markers each (three the global one), newlines
         from wgpu_train.data.image_tiles import TileSettings
 
         tiles, rows = TileSettings.from_folder(model_dir, vc.image_size).most_tiles
+    else:                   # Gemma 3 with pan-and-scan: the most crops an image takes, beside it
+        from wgpu_train.data.images import ImageSettings
+
+        settings = ImageSettings.from_folder(model_dir, vc.image_size)
+        tiles += settings.max_num_crops if settings.pan_and_scan else 0
     per_image = tiles * (vc.mm_tokens_per_image + 2) + (1 + rows + 1 if rows else 1) if vc.scale_factor else \
-        vc.mm_tokens_per_image + 2
+        tiles * (vc.mm_tokens_per_image + 2)
     tokens = per_row * per_image        # each image's tokens and its begin / end markers
     if tokens >= length:
         raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
@@ -153,7 +163,8 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
             **_tower_lora_state(args, vc, tensor_shapes(vc), tower),
             "tower_activations": 4 * tower_activation_values(vc, images * tiles, bool(tower)),
-            "language_targets": language, "stage_images": StageImages(per_row * tiles * vc.mm_tokens_per_image)}
+            "language_targets": language, "stage_images": StageImages(per_row * tiles * vc.mm_tokens_per_image),
+            "crops": 0 if vc.scale_factor else tiles - 1}
 
 
 def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
@@ -190,6 +201,42 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
             "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
             "images_capped": merged < largest, "language_targets": language,
             "stage_images": StageImages(per_row * merged, len(vc.deepstack_indexes), mrope=True)}
+
+
+def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
+    """_vision_estimate's for LFM2-VL: each image as large as its processor makes one (max_tiles tiles and the
+    thumbnail, marked); the tower a tile at a time, with LoRA on it every tile's activations kept; its
+    stage_images."""
+    from wgpu_train.data.lfm2_images import Lfm2ImageSettings
+    from wgpu_train.engines.resources import StageImages
+    from wgpu_train.models.lfm2_vl import tensor_shapes, tower_activation_values, tower_parameters
+    from wgpu_train.models.vision import ENCODER_MODULES, split_targets
+
+    settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size, vc.downsample_factor)
+    tiles, per_image = settings.largest
+    # the tokens the embeddings replace: the image's but its markers (start and end, and each tile's)
+    embedded = per_image - int(settings.use_image_special_tokens) * (2 + (tiles if settings.do_image_splitting else 0))
+    tokens = per_row * per_image
+    if tokens >= length:
+        raise ConfigError(f"{per_row} image(s) a row take {tokens} tokens, and a row has {length} (--max-seq-len): "
+                          f"no room for text")
+    language, tower = split_targets(args.lora_targets) if args.method == "lora" else (args.lora_targets, ())
+    other = [m for m in tower if m not in ENCODER_MODULES]
+    if other:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: {other[0]} is not a module of LFM2-VL's vision tower "
+                          f"(its encoder's: fc1, fc2, vision_tower.q_proj, ...)")
+    if tower and not language:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: the vision tower's alone; name the language "
+                          f"model's too (q_proj, ...), as finetune trains them")
+    images, params = args.batch_size * per_row, tower_parameters(vc)
+    patches = max((settings.tile_size // vc.patch_size) ** 2 if settings.do_image_splitting else 0,
+                  settings.max_image_tokens * vc.downsample_factor ** 2)
+    return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
+            "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            **_tower_lora_state(args, vc, tensor_shapes(vc), tower),
+            "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image,
+                                                             images * tiles if tower else 0),
+            "language_targets": language, "stage_images": StageImages(per_row * embedded)}
 
 
 def _tower_lora_state(args, vc, shapes: dict, modules) -> dict:

@@ -1,4 +1,4 @@
-"""`generate --image`: an answer to a prompt about images, from a vision-language model (Gemma 3, SmolVLM, Qwen3-VL;
+"""`generate --image` / `--video`: an answer to a prompt about images (and Qwen3-VL's videos), from a vision-language model (Gemma 3, SmolVLM, Qwen3-VL;
 the tower on the CPU, the language model on --backend's engine), with the adapter of a run if given; and the
 VisionModel over a model `chat` and `serve` loaded."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ from wgpu_train.errors import ConfigError
 
 
 def generate_with_images(args, model_dir, adapter) -> int:
-    """Print the greedy answer to --prompt about the --image files (in order, before the prompt's text)."""
+    """Print the greedy answer to --prompt about the --image files and --video clips (in order, before the
+    prompt's text)."""
     from wgpu_train.data.vision_records import vision_prompt_ids
     from wgpu_train.engines.vision_model import load_vision_model
     from wgpu_train.formats.tokenizer import load_tokenizer
@@ -20,8 +21,12 @@ def generate_with_images(args, model_dir, adapter) -> int:
     if adapter is not None:
         vm.load_adapter(adapter)
     tok = load_tokenizer(model_dir)
-    pixels = vm.pixel_values(args.image, "--image")
-    ids = vision_prompt_ids(tok, args.prompt, len(args.image), vm.image_span(tok), args.system, args.image)
+    images, span = args.image or [], vm.image_span(tok)
+    if args.video and not hasattr(span, "as_video"):
+        raise ConfigError("--video takes a Qwen3-VL or Qwen3.5 model")
+    videos = [span.as_video(v, f"--video {v}") for v in args.video or ()]
+    pixels = vm.pixel_values([*images, *videos], "--image")
+    ids = vision_prompt_ids(tok, args.prompt, len(images), span, args.system, images, videos)
     room = vm.model.config.max_position_embeddings - len(ids)
     if room < 1:
         raise ConfigError(f"the prompt and its images take {len(ids)} tokens, more than the model's "

@@ -11,6 +11,7 @@ import numpy as np
 
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.data.images import image_bytes
+from wgpu_train.data.qwen_videos import Video
 from wgpu_train.data.records import IGNORE_INDEX
 
 
@@ -218,16 +219,20 @@ class BatchStream:
             self.position = 0
 
     def fingerprint(self) -> str:
-        """A hash of every example's token ids and labels, and of its images' bytes (data/images.image_bytes), in
-        order: equal only for the same training data."""
+        """A hash of every example's token ids and labels, and of its images' bytes (data/images.image_bytes; a
+        video's frames'), in order: equal only for the same training data."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=16)
             for i, ex in enumerate(self.examples):
                 h.update(np.int64(len(ex)).tobytes())
                 h.update(np.ascontiguousarray(ex.input_ids, dtype=np.int32).tobytes())
                 h.update(np.ascontiguousarray(ex.labels, dtype=np.int64).tobytes())
-                for j, image in enumerate(ex.images):
-                    h.update(hashlib.blake2b(image_bytes(image, f"example {i}: image {j}"), digest_size=16).digest())
+                for j, image in enumerate(ex.images):   # a video's (data/qwen_videos.Video): its frames' and timing
+                    if isinstance(image, Video):
+                        h.update(repr((image.fps, image.indices)).encode())
+                    for frame in image.frames if isinstance(image, Video) else (image,):
+                        h.update(hashlib.blake2b(image_bytes(frame, f"example {i}: image {j}"),
+                                                 digest_size=16).digest())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

@@ -1,7 +1,8 @@
 """Qwen3-VL's images in: transformers' Qwen2VLImageProcessor (its PIL backend, which Qwen3-VL's processor uses):
 smart_resize to whole merged patches within min / max pixels, rescale, normalise, then the patches flattened in
 merge-block order with the still image repeated over temporal_patch_size, to its exact pixel_values and
-image_grid_thw; and the prompt each image's placeholder becomes (<|image_pad|> once per merged patch)."""
+image_grid_thw; and the prompt each image's placeholder becomes (<|image_pad|> once per merged patch), and each
+video's (data/qwen_videos: a timestamp and a run of <|video_pad|> per temporal patch group)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from wgpu_train.data.images import RESAMPLES, normalised, open_image, to_rgb
+from wgpu_train.data.qwen_videos import QwenVideoSettings, Video, as_video
 from wgpu_train.errors import ConfigError, DataError
 
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -21,7 +23,8 @@ _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.2613
 class QwenImageSettings:
     """What a Qwen2-VL / Qwen3-VL preprocessor_config.json says: the patch, temporal patch and merge sizes, the
     pixel range smart_resize keeps an image in (min_pixels, max_pixels: size's shortest_edge / longest_edge),
-    PIL's resample filter, the rescale factor and the per-channel mean and std."""
+    PIL's resample filter, the rescale factor and the per-channel mean and std; video: the model's video
+    preprocessing (data/qwen_videos.QwenVideoSettings; None: the model takes no videos)."""
 
     patch_size: int
     temporal_patch_size: int
@@ -35,6 +38,8 @@ class QwenImageSettings:
     do_resize: bool = True
     do_rescale: bool = True
     do_normalize: bool = True
+    video: QwenVideoSettings | None = None
+    video_refused: str = ""         # why the model's video preprocessing is not supported (only videos refused)
 
     @classmethod
     def from_dict(cls, raw: dict, vision, source: str = "preprocessor_config.json") -> QwenImageSettings:
@@ -63,10 +68,15 @@ class QwenImageSettings:
 
     @classmethod
     def from_folder(cls, folder, vision) -> QwenImageSettings:
-        """A model folder's preprocessor_config.json, or the defaults where it has none."""
+        """A model folder's preprocessor_config.json, or the defaults where it has none; its videos' from its
+        video_preprocessor_config.json (or the video processor's defaults)."""
         path = Path(folder) / "preprocessor_config.json"
         raw = json.loads(path.read_text()) if path.is_file() else {}
-        return cls.from_dict(raw, vision, str(path))
+        settings = cls.from_dict(raw, vision, str(path))
+        try:
+            return dataclasses.replace(settings, video=QwenVideoSettings.from_folder(folder, vision))
+        except ConfigError as e:        # images still run; a video is refused with this line
+            return dataclasses.replace(settings, video_refused=str(e))
 
     @property
     def factor(self) -> int:
@@ -106,12 +116,23 @@ class QwenImageSettings:
         return np.ascontiguousarray(x.reshape(rows * cols, -1), np.float32), (1, rows, cols)
 
     def batch(self, images, where: str = "record") -> tuple:
-        """Images -> (pixel_values (total patches, patch dim) float32, image_grid_thw (N, 3) int64)."""
-        out = [self.patches(im, f"{where}: image {i}") for i, im in enumerate(images)]
+        """Images, and videos (data/qwen_videos.Video) among them, in order -> (pixel_values (total patches,
+        patch dim) float32, their grids (N, 3) int64: image_grid_thw's and video_grid_thw's rows in that order)."""
+        out = [self.video_settings(where).patches(im, f"{where}: video {i}") if isinstance(im, Video) else
+               self.patches(im, f"{where}: image {i}") for i, im in enumerate(images)]
         dim = 3 * self.temporal_patch_size * self.patch_size ** 2
         if not out:
             return np.zeros((0, dim), np.float32), np.zeros((0, 3), np.int64)
         return np.concatenate([p for p, _ in out]), np.array([g for _, g in out], np.int64)
+
+
+    def video_settings(self, where: str = "record") -> QwenVideoSettings:
+        """The video preprocessing; a model built without it (or whose video_preprocessor_config.json is not
+        supported) refused in one line."""
+        if self.video is None:
+            why = self.video_refused or "no video preprocessing"
+            raise DataError(f"{where}: videos are not supported here ({why})")
+        return self.video
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple:
@@ -134,24 +155,45 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 class QwenImageSpan:
     """How an image stands in Qwen3-VL's text (data/vision_records' span protocol): the chat template writes
     <|vision_start|><|image_pad|><|vision_end|>, and the processor repeats <|image_pad|> once per merged patch
-    of the image (its size gives the count)."""
+    of the image (its size gives the count). A video's: the template writes
+    <|vision_start|><|video_pad|><|vision_end|>, which the processor replaces by `<t seconds>`, <|vision_start|>,
+    <|video_pad|> once per merged patch of a frame group and <|vision_end|>, for each temporal patch group."""
 
     start: str
     image: str
     end: str
     settings: QwenImageSettings
+    video: str = ""
 
     @property
     def placeholder(self) -> str:
         return self.image
 
     @property
+    def video_placeholder(self) -> str:
+        """What the chat template writes for a video."""
+        return self.start + self.video + self.end
+
+    @property
     def token_names(self) -> tuple:
-        """The tokens of an image's run (never trained)."""
-        return self.start, self.image, self.end
+        """The tokens of an image's or a video's run (never trained)."""
+        return self.start, self.image, self.end, *((self.video,) if self.video else ())
+
+    def as_video(self, value, where: str = "video") -> Video:
+        """A record's video (frames, a folder of them, or a video file) as a data/qwen_videos.Video, its frames
+        read once here (a frame that cannot be decoded, or of another size, refused naming `where`)."""
+        video = as_video(value, self.settings.video_settings(where), where)
+        self.settings.video_settings(where).grid(video, where)
+        return video
 
     def expansion(self, image) -> str:
-        """The text an image (a path, bytes or a PIL image) takes in place of its placeholder."""
+        """The text an image (a path, bytes or a PIL image) takes in place of its placeholder, or a Video in
+        place of video_placeholder."""
+        if isinstance(image, Video):
+            video = self.settings.video_settings()
+            run = self.start + self.video * video.tokens_per_group(image) + self.end
+            t = video.grid(image)[0]
+            return "".join(f"<{s:.1f} seconds>{run}" for s in image.timestamps(video.temporal_patch_size)[:t])
         if isinstance(image, np.ndarray):
             raise DataError("Qwen3-VL takes images as files, bytes or PIL images (their size gives the tokens), "
                             "not pixel arrays")
@@ -165,4 +207,5 @@ class QwenImageSpan:
         names = [tokenizer.backend.id_to_token(i) for i in ids]
         if None in names:
             raise DataError(f"the tokenizer has no token for the image ids {ids} of the model's config")
-        return cls(*names, settings)
+        video = tokenizer.backend.id_to_token(vision.video_token_id) if vision.video_token_id >= 0 else None
+        return cls(*names, settings, video or "")

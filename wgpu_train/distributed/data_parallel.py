@@ -10,7 +10,7 @@ import numpy as np
 
 from wgpu_train.data.batching import Batch
 from wgpu_train.data.records import IGNORE_INDEX
-from wgpu_train.engines.shared.image_tokens import ImageTokens
+from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 from wgpu_train.errors import ConfigError
 from wgpu_train.models.stage_plan import partition
 from wgpu_train.training.processes import OneProcess
@@ -41,22 +41,12 @@ def _ids(m) -> np.ndarray:
 
 def _rows(m, r0: int, r1: int):
     """Rows r0:r1 of a micro-batch (a Batch: with their images; an engine tuple: its arrays', and its
-    ImageTokens' for those rows)."""
+    ImageTokens' or TowerImages' for those rows)."""
     if not isinstance(m, Batch):
-        return tuple(_image_rows(a, r0, r1) if isinstance(a, ImageTokens) else a[r0:r1] for a in m)
+        return tuple(a.rows(r0, r1) if isinstance(a, (ImageTokens, TowerImages)) else a[r0:r1] for a in m)
     labels = m.labels[r0:r1]
     return Batch(m.input_ids[r0:r1], labels, m.attention_mask[r0:r1], m.segment_ids[r0:r1], m.position_ids[r0:r1],
                  int((labels[:, 1:] != IGNORE_INDEX).sum()), None if m.images is None else m.images[r0:r1])
-
-
-def _image_rows(images: ImageTokens, r0: int, r1: int) -> ImageTokens:
-    """The ImageTokens of rows r0:r1 of a micro-batch (a scored preference step's, whose images the tower has
-    run already): the embeddings and DeepStack features are in the rows' order, so those rows' are one run."""
-    counts = (images.blocks >= 0).sum(axis=1)                                     # (B,) image tokens per row
-    e0, e1 = int(counts[:r0].sum()), int(counts[:r1].sum())
-    return ImageTokens(images.blocks[r0:r1], images.embeds[e0:e1],
-                       None if images.positions is None else images.positions[r0:r1],
-                       tuple(d[e0:e1] for d in images.deepstack))
 
 
 def _trained(m) -> int:

@@ -8,9 +8,7 @@ import dataclasses
 
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.config import TrainConfig
-from wgpu_train.training.objectives import TrainerKind, objective_class
-from wgpu_train.training.trainers import make_trainer
-from wgpu_train.data.vision_records import is_vision_data
+from wgpu_train.training.trainers import check_objective_inputs, make_trainer
 
 
 def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, environment_factory=None,
@@ -27,18 +25,7 @@ def finetune(config: TrainConfig | None = None, reward_funcs=None, tools=None, e
         if unknown:
             raise ConfigError(f"unknown TrainConfig field {unknown[0]!r}")
         config = dataclasses.replace(config, **overrides)
-    kind = objective_class(config.objective).trainer
-    if config.images_demo or is_vision_data(config.data):     # records with images
-        if kind is not TrainerKind.SUPERVISED and config.images_demo:
-            raise ConfigError(f"--images-demo trains sft only: give --objective {config.objective} records with "
-                              f"images as --data")
-        if kind is not TrainerKind.SUPERVISED and config.pipelined() and config.backend != "numpy":
-            raise ConfigError(f"--objective {config.objective} with images through pipeline stages runs on NumPy "
-                              f"stages only for now (--backend numpy)")
-    if reward_funcs and kind is not TrainerKind.ONLINE:
-        raise ConfigError(f"reward_funcs are GRPO's rewards: --objective {config.objective} takes none")
-    if (tools or environment_factory) and kind is not TrainerKind.ONLINE:
-        raise ConfigError(f"tools are GRPO's: --objective {config.objective} takes none")
+    check_objective_inputs(config, reward_funcs, tools, environment_factory)     # before Ray starts anything
     python_tools = {"tools": tools, "environment_factory": environment_factory}
     if config.pipelined() and not config.num_workers:
         from wgpu_train.distributed.pipeline_trainer import finetune_pipeline    # its stages on Ray

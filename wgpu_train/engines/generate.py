@@ -293,17 +293,19 @@ class DecodeBatch:
     def extend(self, slot: int, ids, max_new_tokens: int):
         """Run the paused held row in `slot` on: `ids` (N,) follow the tokens it generated (its last one, not yet
         in its cache row, included) and up to max_new_tokens (>= 1) new tokens follow them. Its cache row keeps
-        what it holds; the next steps prefill only the tokens after it. Its out starts again empty."""
+        what it holds; the next steps prefill only the tokens after it (a row with images: they stay in its cache
+        row, `ids` are text). Its out starts again empty."""
         r = self._rows.get(slot)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if r is None or not r.paused or max_new_tokens < 1 or r.images is not None:
-            raise ValueError(f"DecodeBatch.extend: slot {slot} holds no paused row (or one with images), or "
-                             f"max_new_tokens {max_new_tokens} < 1")
+        if r is None or not r.paused or max_new_tokens < 1:
+            raise ValueError(f"DecodeBatch.extend: slot {slot} holds no paused row, or max_new_tokens "
+                             f"{max_new_tokens} < 1")
         prompt = np.concatenate([r.prompt, np.asarray(r.out, np.int64), ids])
         if prompt.size > self.max_len:
             raise ValueError(f"DecodeBatch.extend: {prompt.size} tokens for rows of {self.max_len}")
         r.fed = r.prompt.size + len(r.out) - 1          # the cache row holds all but the newest token
         r.prompt, r.out, r.budget, r.paused = prompt, [], int(max_new_tokens), False
+        r.images = None         # its images are in its cache row: the new tokens are text (M-RoPE's shift kept)
 
     def remove(self, slot: int):
         """End a row now (its client gone, a stop string met): its slot is free for the next add, keeping the
@@ -340,7 +342,7 @@ class DecodeBatch:
                 ends = r.fed + take == r.prompt.size
                 wants = range(r.fed, r.fed + take) if r.prompt_logprobs else [r.fed + take - 1] if ends else []
                 calls[cfg.rope_long(r.prompt.size - 1)].add(slot, r.prompt[r.fed:r.fed + take], r.fed, wants,
-                                                             r.adapter, r.images)
+                                                             r.adapter, r.images, r.shift)
                 r.fed += take
                 continue
             pos = r.prompt.size + len(r.out) - 1        # the newest token's position

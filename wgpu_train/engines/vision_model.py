@@ -19,6 +19,7 @@ import numpy as np
 
 from wgpu_train.data.image_tiles import TiledImageSpan, TileSettings
 from wgpu_train.data.images import ImageSettings
+from wgpu_train.data.lfm2_images import Lfm2ImageSettings
 from wgpu_train.data.qwen_images import QwenImageSettings
 from wgpu_train.data.records import IGNORE_INDEX
 from wgpu_train.data.batching import Batch, collate
@@ -27,12 +28,15 @@ from wgpu_train.engines.loading import load_model
 from wgpu_train.engines.model import Model
 from wgpu_train.engines.numpy.optim import Optimizer, grad_norm
 from wgpu_train.engines.numpy.qwen3_vl_tower import Qwen3VLTower
+from wgpu_train.engines.numpy.siglip2_tower import Siglip2Tower
 from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.protocol import OptimizerParams
 from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 from wgpu_train.engines.shared.labels import shift_labels
 from wgpu_train.engines.webgpu import qwen_vision_tower
 from wgpu_train.engines.webgpu.qwen_vision_tower import GpuQwenTower
+from wgpu_train.engines.webgpu import siglip2_tower
+from wgpu_train.engines.webgpu.siglip2_tower import GpuSiglip2Tower
 from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_device
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
@@ -40,7 +44,9 @@ from wgpu_train.adapters.files import write_adapter
 from wgpu_train.adapters.inits import converted
 from wgpu_train.adapters.tower_scales import tower_scales
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
-from wgpu_train.models.qwen3_vl import Qwen3VLVision, check_visual_tensors, pair_positions, rope_index, visual_names
+from wgpu_train.models.lfm2_vl import Lfm2VlVision, check_lfm2_vl_tensors, lfm2_vl_names
+from wgpu_train.models.qwen3_vl import (Qwen3VLVision, check_visual_tensors, frame_grids, pair_positions, rope_index,
+                                       visual_names)
 from wgpu_train.models.vision import (VisionConfig, check_vision_tensors, image_blocks, tower_lora_key,
                                       tower_lora_path, tower_target_regex, vision_names)
 from wgpu_train.models.weights import weight_files
@@ -51,8 +57,8 @@ class VisionModel:
     (engines/numpy/vision_tower.VisionTower); vision: their config; settings: the image preprocessing (Gemma 3's
     ImageSettings, SmolVLM's TileSettings: each image its tiles, each tile mm_tokens_per_image tokens; Qwen3-VL's
     QwenImageSettings: each image its merged patches); device_tower: the same tower on the WebGPU engine
-    (webgpu/vision_tower.GpuVisionTower; Qwen's webgpu/qwen_vision_tower.GpuQwenTower), which runs it (with the
-    tower's LoRA and its backward too), or None.
+    (webgpu/vision_tower.GpuVisionTower; Qwen's webgpu/qwen_vision_tower.GpuQwenTower; LFM2-VL's
+    webgpu/siglip2_tower.GpuSiglip2Tower), which runs it (with the tower's LoRA and its backward too), or None.
     Qwen3-VL's and Qwen3.5's (a models/qwen3_vl.Qwen3VLVision, its tower an engines/numpy/qwen3_vl_tower.Qwen3VLTower)
     ImageTokens carry the M-RoPE positions and Qwen3-VL's DeepStack features, which both engines take."""
 
@@ -60,15 +66,16 @@ class VisionModel:
         if not hasattr(model.engine, "set_images"):
             raise ConfigError(f"images do not run on the {model.backend} engine (no set_images); use backend='numpy'")
         self.qwen = isinstance(vision, Qwen3VLVision)
+        self.lfm2 = isinstance(vision, Lfm2VlVision)     # LFM2-VL's SigLIP2 tower: tiles of their own sizes
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
         self.tower_init: dict = {}      # PiSSA / OLoRA on the tower: path -> (A0, B0) (set_tower_residual)
         # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
-        # NumPy one beside the NumPy engine; else (Qwen's towers, a host tower beside WebGPU, pipeline stages)
-        # the tower runs here, and train_step steps its LoRA around the engine's passes
+        # NumPy one beside the NumPy engine; else (Qwen's and LFM2-VL's towers, a host tower beside WebGPU,
+        # pipeline stages) the tower runs here, and train_step steps its LoRA around the engine's passes
         engine = model.engine
-        self.in_step = (not self.qwen and hasattr(engine, "set_vision_tower")
+        self.in_step = (not self.qwen and not self.lfm2 and hasattr(engine, "set_vision_tower")
                         and (device_tower is not None or getattr(engine, "name", "") == "numpy"))
         if self.in_step:
             engine.set_vision_tower(device_tower if device_tower is not None else tower)
@@ -77,8 +84,9 @@ class VisionModel:
         """Images (paths, bytes, PIL images, or pixel_values (N, C, H, W) or a list of (C, H, W) already) ->
         (N, C, H, W) float32: N the images, or SmolVLM's tiles of them all. Qwen3-VL's: (pixel_values (patches,
         patch dim), image_grid_thw (N, 3)), as its processor gives them (such a pair passes through)."""
-        if self.qwen:
-            if isinstance(images, tuple) and len(images) == 2 and all(isinstance(a, np.ndarray) for a in images):
+        if self.qwen or self.lfm2:      # LFM2-VL's: (pixel_values, pixel_attention_mask, spatial_shapes)
+            if isinstance(images, tuple) and len(images) == 2 + self.lfm2 and all(isinstance(a, np.ndarray)
+                                                                                  for a in images):
                 return images
             return self.settings.batch(list(images), where)
         if isinstance(images, np.ndarray):
@@ -89,7 +97,7 @@ class VisionModel:
 
     def image_span(self, tokenizer) -> ImageSpan | TiledImageSpan:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
-        return image_span(tokenizer, self.vision, self.settings if self.vision.scale_factor or self.qwen else None)
+        return image_span(tokenizer, self.vision, self.settings)
 
     def set_tower_lora(self, tensors: dict, scale):
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
@@ -237,6 +245,8 @@ class VisionModel:
         (mrope_positions)."""
         if self.qwen:
             return self._qwen_image_tokens(ids, images, segments, cache)
+        if self.lfm2:
+            return self._lfm2_image_tokens(ids, images, cache)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         n_images = len(pixels)
@@ -287,18 +297,19 @@ class VisionModel:
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
     def _qwen_image_tokens(self, ids, images, segments=None, cache: dict | None = None) -> ImageTokens | None:
-        """Qwen3-VL's ImageTokens of ids (B, T) and its images: the merged patches' embeddings, the DeepStack
-        features, and every token's M-RoPE positions (each segment of `segments` (B, T), 0 padding, counted from
+        """Qwen3-VL's ImageTokens of ids (B, T) and its images and videos (data/qwen_videos.Video, in the order of
+        their placeholders): the merged patches' embeddings, the DeepStack features, and every token's M-RoPE
+        positions (each segment of `segments` (B, T), 0 padding, counted from
         0; the whole row without them); cache as image_tokens'."""
         pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
                          (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
         ids = np.atleast_2d(np.asarray(ids))
-        if (ids == self.vision.video_token_id).any():
-            raise DataError(f"videos are not supported (the input holds video_token_id {self.vision.video_token_id})")
-        blocks = image_blocks(ids, self.vision.image_token_id, bidirectional=False)
+        visual = np.isin(ids, (self.vision.image_token_id, self.vision.video_token_id))    # a video's read as images'
+        blocks = image_blocks(visual.astype(np.int64), 1, bidirectional=False)
         n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
         if n_tokens != expected:
-            raise DataError(f"{n_tokens} image placeholder tokens for {len(grids)} images of {expected} tokens in all")
+            raise DataError(f"{n_tokens} image (and video) placeholder tokens for {len(grids)} images and videos of "
+                            f"{expected} tokens in all")
         if not len(grids):
             return None
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
@@ -311,26 +322,46 @@ class VisionModel:
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
                                                           self.vision.mrope_section), tuple(deepstack))
 
+    def _lfm2_image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
+        """LFM2-VL's ImageTokens of ids (B, T) and its images: every tile's tokens (its patches pooled by the
+        projector), causal in the text like any token; cache as image_tokens'."""
+        pixels = self.pixel_values(images) if images is not None and len(images) else None
+        blocks = image_blocks(np.atleast_2d(np.asarray(ids)), self.vision.image_token_id, bidirectional=False)
+        n_tokens, expected = int((blocks >= 0).sum()), 0 if pixels is None else self.tower.tokens(pixels[2])
+        if n_tokens != expected:
+            raise DataError(f"{n_tokens} image placeholder tokens for images of {expected} tokens in all")
+        if pixels is None:
+            return None
+        if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
+            embeds, tower_cache = (self.device_tower or self.tower).forward(pixels)
+            cache.update(tower_cache)
+            return ImageTokens(blocks, embeds)
+        return ImageTokens(blocks, (self.device_tower or self.tower)(pixels))
+
     def mrope_positions(self, ids, grids, segments=None) -> tuple:
-        """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order, each segment counted from 0
-        (models/qwen3_vl.rope_index), padding 0; the position after each row's last segment (B,))."""
+        """(positions (3, B, T) of ids (B, T) whose image runs take `grids` in order (a video's: a run per frame
+        group), each segment counted from 0 (models/qwen3_vl.rope_index), padding 0; the position after each row's
+        last segment (B,))."""
         ids = np.atleast_2d(np.asarray(ids))
         seg = np.ones_like(ids) if segments is None else np.asarray(segments).reshape(ids.shape)
         out, after = np.zeros((3, *ids.shape), np.int64), np.zeros(ids.shape[0], np.int64)
-        grids, image = iter(np.asarray(grids).tolist()), self.vision.image_token_id
+        grids = iter(frame_grids(grids))
         for b in range(ids.shape[0]):
             for s in [s for s in dict.fromkeys(seg[b].tolist()) if s != 0]:
                 where = np.flatnonzero(seg[b] == s)
-                runs = int(np.sum(np.diff(np.concatenate([[0], ids[b, where] == image]).astype(int)) == 1))
+                visual = np.isin(ids[b, where], (self.vision.image_token_id, self.vision.video_token_id))
+                runs = int(np.sum(np.diff(np.concatenate([[0], visual]).astype(int)) == 1))
                 out[:, b, where], after[b] = rope_index(ids[b, where], [next(grids) for _ in range(runs)],
                                                         self.vision)
         return out, after
 
     def _text_ids(self, ids):
-        """ids with an image placeholder outside the vocabulary read as 0 (its embedding row is replaced)."""
+        """ids with an image (or video) placeholder outside the vocabulary read as 0 (its embedding row is
+        replaced)."""
         ids = np.array(ids, dtype=np.int64)
-        if self.vision.image_token_id >= self.model.config.vocab_size:
-            ids[ids == self.vision.image_token_id] = 0
+        for token in (self.vision.image_token_id, getattr(self.vision, "video_token_id", -1)):
+            if token >= self.model.config.vocab_size:
+                ids[ids == token] = 0
         return ids
 
     def prompt_images(self, ids, images) -> tuple:
@@ -376,6 +407,9 @@ class VisionModel:
                                   f"pipeline stages only for now (its DeepStack features' gradients)")
             tower = self.device_tower if cache.get("device") else self.tower
             return tower.backward(engine.image_grad, [deep[i] for i in layers], cache)
+        if self.lfm2:
+            tower = self.device_tower if cache.get("device") else self.tower
+            return tower.backward(engine.image_grad.reshape(-1, self.vision.text_hidden_size), cache)
         dout = engine.image_grad.reshape(cache["n"], self.vision.mm_tokens_per_image, -1)
         return (self.device_tower if cache.get("device") else self.tower).backward(dout, cache)
 
@@ -489,7 +523,7 @@ class VisionModel:
 
 def load_vision_model(path, backend: str = "numpy", **kw) -> VisionModel:
     """A Gemma3ForConditionalGeneration, SmolVLMForConditionalGeneration, Idefics3ForConditionalGeneration,
-    Qwen3VLForConditionalGeneration or Qwen3.5's (dense or MoE) folder with its vision tower and projector
+    Qwen3VLForConditionalGeneration, Qwen3.5's (dense or MoE) or Lfm2VlForConditionalGeneration folder with its vision tower and projector
     (float32); `kw` as load_model's. The processor's preprocessor_config.json gives the image preprocessing where
     the folder has it."""
     return attach_vision(load_model(path, backend=backend, **kw), path)
@@ -518,6 +552,14 @@ def attach_vision(model: Model, path) -> VisionModel:
         device = (GpuQwenTower(rt, tower) if model.backend == "wgpu" and rt is not None and
                   qwen_vision_tower.runs_on_device(rt, tower) else None)
         return VisionModel(model, tower, vision, QwenImageSettings.from_folder(folder, vision), device)
+    if isinstance(vision, Lfm2VlVision):
+        tensors = _tower_tensors(folder, lfm2_vl_names)
+        names = check_lfm2_vl_tensors(tensors, vision, folder)
+        tower = Siglip2Tower(vision, {ours: tensors[name] for ours, name in names.items()}, model.engine.dtype)
+        device = (GpuSiglip2Tower(rt, tower) if model.backend == "wgpu" and rt is not None and
+                  siglip2_tower.runs_on_device(rt, tower) else None)
+        return VisionModel(model, tower, vision, Lfm2ImageSettings.from_folder(folder, vision.patch_size,
+                                                                                vision.downsample_factor), device)
     tensors = _tower_tensors(folder, vision_names)
     names = check_vision_tensors(tensors, vision, folder)
     weights = {ours: tensors[name] for ours, name in names.items()}

@@ -20,12 +20,14 @@ WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",    # multimod
             "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
             "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
             "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
-            "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
+            "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
+            "Lfm2VlForConditionalGeneration": "Lfm2ForCausalLM"}
 # the multimodal class's own default of tie_word_embeddings (transformers 5 ties the head by the top-level config)
 _TIED_BY_DEFAULT = {"Gemma3ForConditionalGeneration": True, "Qwen3_5ForConditionalGeneration": False,
                     "Qwen3_5MoeForConditionalGeneration": False, "SmolVLMForConditionalGeneration": False,
                     "Idefics3ForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False,
-                    "Qwen3VLMoeForConditionalGeneration": False}
+                    "Qwen3VLMoeForConditionalGeneration": False,
+                    "Lfm2VlForConditionalGeneration": True}
 # what the multimodal class's text model fixes whatever its text_config says (Qwen3-VL-MoE's router always
 # renormalises its top k: Qwen3VLMoeTextTopKRouter; its config has no norm_topk_prob)
 _TEXT_FIXED = {"Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True}}
@@ -37,6 +39,9 @@ OLD = ("language_model.model.", "language_model.lm_head")
 TEXT_MODEL = ("model.text_model.", "lm_head")      # SmolVLM's and Idefics3's, in files and module paths alike
 LAYOUTS = (OLD, LIVE, TEXT_MODEL)
 PEFT_ROOT = "base_model.model."
+# the module groups under a layer that are not self_attn / mlp (models/config.LAYER_GROUPS): Qwen3.5's linear
+# attention, LFM2's convolution and feed-forward
+_OWN_GROUPS = ("linear_attn", "conv", "feed_forward")
 # beside the tokenizer's: the files of the processor that feeds images (hub gemma-3-*-it folders have them)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
 
@@ -151,10 +156,11 @@ def adapter_key_out(key: str, layout=LIVE) -> str:
 def target_regex(modules: tuple, layers: tuple | None, layout=LIVE) -> str:
     """PEFT target_modules selecting `modules` in `layers` (None: all) of the language model only: a regular
     expression on module paths (a list of names would put LoRA on the vision tower's q_proj / v_proj too). Qwen3.5's
-    linear-attention modules name their own group (linear_attn.in_proj_qkv)."""
+    linear-attention modules name their own group (linear_attn.in_proj_qkv), and so do LFM2's (conv.in_proj,
+    feed_forward.w1)."""
     which = r"\d+" if layers is None else "(?:" + "|".join(map(str, layers)) + ")"
-    grouped = [re.escape(m) for m in modules if m.startswith("linear_attn.")]
-    plain = [m for m in modules if not m.startswith("linear_attn.")]
+    grouped = [re.escape(m) for m in modules if m.split(".")[0] in _OWN_GROUPS]
+    plain = [m for m in modules if m.split(".")[0] not in _OWN_GROUPS]
     paths = ([rf"(?:self_attn|mlp)\.(?:{'|'.join(plain)})"] if plain else []) + grouped
     body = paths[0] if len(paths) == 1 else f"(?:{'|'.join(paths)})"
     return re.escape(layout[0]) + rf"layers\.{which}\.{body}"

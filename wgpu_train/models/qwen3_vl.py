@@ -36,7 +36,7 @@ class Qwen3VLVision:
     bilinearly resampled to each image, the 2-D vision rotary (theta), the patch merger of spatial_merge_size^2
     patches to the text model's hidden size and a DeepStack merger per deepstack index; the image token ids; the
     text model's M-RoPE: mrope_section (pairs of t, h, w, interleaved) over head_dim / 2 rotated pairs; the video
-    token id, which no input may hold (videos are not supported)."""
+    token id (a video's frame groups take its runs as an image takes image_token_id's)."""
 
     depth: int
     hidden_size: int
@@ -55,7 +55,7 @@ class Qwen3VLVision:
     mrope_section: tuple
     text_head_dim: int
     theta: float = 10000.0
-    video_token_id: int = -1        # refused where it occurs: videos are not supported
+    video_token_id: int = -1
     name: str = "Qwen3-VL"          # or "Qwen3.5", in messages
     # what VisionModel reads of every vision config: no pixel shuffle, an image's tokens plainly causal
     scale_factor = 0
@@ -169,13 +169,21 @@ def check_visual_tensors(tensors: dict, vc: Qwen3VLVision, folder) -> dict:
     return names
 
 
+def frame_grids(grids) -> list:
+    """Images' and videos' grids (N, 3) -> [(1, h, w)], each video's (t, h, w) as t frame groups: the tower
+    attends within each (transformers' cu_seqlens per t) and the text takes each as a run of its own, set off
+    by its timestamp (get_rope_index splits video_grid_thw so too)."""
+    return [(1, int(h), int(w)) for t, h, w in np.asarray(grids, np.int64).reshape(-1, 3) for _ in range(int(t))]
+
+
 def rope_index(ids, grids, vc: Qwen3VLVision) -> tuple:
-    """One sequence's ids (T,) and its images' grids [(t, h, w) in patches, in order] -> (positions (3, T) int64:
+    """One sequence's ids (T,) and the grids of its runs of image (or video) tokens [(t, h, w) in patches, in
+    order; a video's frame groups each (1, h, w): frame_grids] -> (positions (3, T) int64:
     each token's t, h and w position, the next position after the sequence): text tokens count on from the
     largest position before them on all three axes; an image's tokens sit at its start on t, and its merged
     row / column added on h / w (transformers' get_rope_index), the text after it starting past its longer side."""
     ids = np.asarray(ids).reshape(-1)
-    is_image = ids == vc.image_token_id
+    is_image = np.isin(ids, (vc.image_token_id, vc.video_token_id))
     out = np.zeros((3, ids.size), np.int64)
     grids, pos, i, merge = iter(grids), 0, 0, vc.spatial_merge_size
     while i < ids.size:

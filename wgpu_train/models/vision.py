@@ -10,6 +10,7 @@ import re
 import numpy as np
 
 from wgpu_train.errors import ConfigError, ModelFileError
+from wgpu_train.models.lfm2_vl import LFM2_VL, Lfm2VlVision
 from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, QWEN3_VL_MOE, VISUAL, Qwen3VLVision
 
 # the tower's and the projector's tensors: the old layout (hub files, save_pretrained) and transformers' live one;
@@ -60,9 +61,11 @@ class VisionConfig:
         if arch in (QWEN3_VL, "qwen3_vl", QWEN3_VL_MOE, "qwen3_vl_moe", *QWEN3_5,
                     "qwen3_5", "qwen3_5_moe"):   # models/qwen3_vl.py
             return Qwen3VLVision.from_config(raw, source)
+        if arch in (LFM2_VL, "lfm2_vl"):       # models/lfm2_vl.py
+            return Lfm2VlVision.from_config(raw, source)
         if arch not in ("Gemma3ForConditionalGeneration", "gemma3", *SMOLVLM):
             raise ConfigError(f"{source}: images are not supported for {arch} (Gemma3ForConditionalGeneration, "
-                              f"{', '.join(SMOLVLM)}, {QWEN3_VL}, {QWEN3_VL_MOE}, {', '.join(QWEN3_5)} only)")
+                              f"{', '.join(SMOLVLM)}, {QWEN3_VL}, {QWEN3_VL_MOE}, {', '.join(QWEN3_5)}, {LFM2_VL} only)")
         v = {**(_SMOLVLM_DEFAULTS if arch in SMOLVLM else _SIGLIP_DEFAULTS), **(raw.get("vision_config") or {})}
         if v["hidden_act"] != "gelu_pytorch_tanh":
             raise ConfigError(f"{source}: not supported: vision_config.hidden_act {v['hidden_act']!r} "
@@ -261,7 +264,7 @@ def _tower_module(vc) -> str:
     """The tower's module path on the multimodal model (transformers 5's): Gemma 3's, SmolVLM's or Qwen's."""
     if isinstance(vc, Qwen3VLVision):
         return "model.visual."
-    return "model.vision_model." if vc.scale_factor else "model.vision_tower."
+    return "model.vision_model." if getattr(vc, "scale_factor", 0) else "model.vision_tower."   # LFM2-VL's has none
 
 
 def _peft_module(path: str, vc) -> str:

@@ -181,7 +181,9 @@ def save_model_folder(out, cfg: ModelConfig, weights, source_folder=None, dtype:
         source = _folder_tensors(Path(source_folder))
         names = language_names(source, source_folder)
         carried = carried_tensors(source, names, source_folder)
-        language, ours, swapped = {file_name(k, names): k for k in weights}, weights, in_out_names(cfg, source)
+        # the final norm under the family's own name first (LFM2's embedding_norm), as the source names it
+        language = {file_name(final_norm_name(cfg) if k == FINAL_NORM else k, names): k for k in weights}
+        ours, swapped = weights, in_out_names(cfg, source)
 
         def fetch(k: str):
             if k not in language:

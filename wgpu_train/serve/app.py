@@ -116,7 +116,9 @@ def build_app(scheduler: Scheduler, api_key: str | None = None, allow_remote_ima
                                "images_not_supported")
             images = request_images(req.images, allow_remote_images)
             pixels = request_pixels(images, scheduler.vision)
-            prompts = [image_chat_prompt_ids(tokenizer, scheduler.vision, req.messages, style, images)]
+            if req.tools is not None:       # the tools rendered, then the images' placeholders expanded
+                plan = plan_tools(tokenizer, req.tools, tool_prompt(tokenizer, req.messages, style, req.tools.tools))
+            prompts = [image_chat_prompt_ids(tokenizer, scheduler.vision, req.messages, style, images, plan)]
         elif chat and req.tools is not None:
             plan = plan_tools(tokenizer, req.tools, tool_prompt(tokenizer, req.messages, style, req.tools.tools))
             prompts = [tokenizer.encode(plan.prompt + plan.prefill)]

@@ -30,17 +30,23 @@ def chat_prompt_ids(tokenizer, messages: list, style: PromptStyle) -> list[int]:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
 
 
-def image_chat_prompt_ids(tokenizer, vision, messages: list, style: PromptStyle, images: list) -> list[int]:
+def image_chat_prompt_ids(tokenizer, vision, messages: list, style: PromptStyle, images: list,
+                          plan=None) -> list[int]:
     """The ids asking for the answer after `messages` whose contents list {"type": "image"} parts: the chat
     template's prompt, each image's placeholder expanded to the vision model's (VisionModel) image tokens for
-    that image of `images` (decoded: SmolVLM's expansion depends on its size)."""
-    from wgpu_train.data.vision_records import vision_chat_ids
+    that image of `images` (decoded: SmolVLM's expansion depends on its size). plan: a request's tools
+    (serve/tool_calls.plan_tools'), its prompt (rendered with the tools) expanded so, then its prefill."""
+    from wgpu_train.data.vision_records import expand_placeholders, vision_chat_ids
 
     if not style.chat_template:
         raise ApiError(400, "images need the chat template, and this model is served without it", "messages",
                        "images_not_supported")
     try:
-        return vision_chat_ids(tokenizer, messages, len(images), vision.image_span(tokenizer), images)
+        span = vision.image_span(tokenizer)
+        if plan is not None:
+            return tokenizer.encode(expand_placeholders(plan.prompt, span, [span.expansion(im) for im in images])
+                                    + plan.prefill)
+        return vision_chat_ids(tokenizer, messages, len(images), span, images)
     except WgpuTrainError as e:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
 

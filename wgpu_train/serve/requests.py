@@ -202,8 +202,6 @@ def parse_chat(body: dict) -> GenerationRequest:
     if wanted and tools is not None and tools.choice != "none":
         raise ApiError(400, "'logprobs' with tools is not supported by this server", "logprobs",
                        "unsupported_parameter")
-    if images and tools is not None:
-        raise ApiError(400, "images with tools are not supported by this server", "tools", "unsupported_parameter")
     return GenerationRequest(messages=messages, prompts=None, logprobs=(top or 0) if wanted else None, tools=tools,
                              images=tuple(images),
                              **_common(body, ("max_tokens", "max_completion_tokens")))

@@ -4,10 +4,10 @@ functions on the host, and turns the group-relative advantages into per-token gr
 optimizer step (training/objectives/grpo.py: the clipped ratio to the old policy, the KL to the reference),
 computed from the step's own forward (engine protocol TokenObjective / SequenceObjective: one policy forward a
 step; the reference, the adapter off, scored once per generation); a generation serves --num-iterations steps.
-With tools (TRL's tools / environment_factory: training/tools*.py) a rollout runs the tool loop, the tools' results
-masked out of the loss. The completions and their rewards go to completions.jsonl. (Over 450 lines: each method is
-the GRPO form of one of the Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are
-grpo_rows.py's, the tool loop tools_rollouts.py's.)"""
+With tools (TRL's tools / environment_factory: training/tools*.py; prompts with images too) a rollout runs the tool
+loop, the tools' results masked out of the loss. (Over 450 lines: each method is the GRPO form of one of the
+Trainer's hooks, data, step, records, evaluation and checkpoints; the rows are grpo_rows.py's, the tool loop
+tools_rollouts.py's.) The completions and their rewards go to completions.jsonl."""
 from __future__ import annotations
 
 import dataclasses
@@ -144,7 +144,7 @@ class GRPOTrainer(Trainer):
         from wgpu_train.models.vision import VisionConfig
 
         cfg = self.config
-        for flag, value in (("--tool / --environment", self.toolbox), ("--no-chat-template", cfg.no_chat_template),
+        for flag, value in (("--no-chat-template", cfg.no_chat_template),
                             ("--max-prompt-length", cfg.max_prompt_length), ("--columns", cfg.columns)):
             if value:
                 raise ConfigError(f"{flag} is not supported with images yet")
@@ -159,16 +159,20 @@ class GRPOTrainer(Trainer):
 
     def _render_with_tools(self):
         """Tools: every prompt rendered with their schemas (TRL's apply_chat_template(tools=...)); they must be
-        conversations, as TRL's tool loop reads a turn's parsed message."""
+        conversations, as TRL's tool loop reads a turn's parsed message; with images, their placeholders expanded."""
         if self.config.no_chat_template:
             raise ConfigError("tools are rendered by the chat template: leave out --no-chat-template")
-        self.tool_rollouts = ToolRollouts(self.toolbox, self.tokenizer, self.config.max_tool_calling_iterations)
+        self.tool_rollouts = ToolRollouts(self.toolbox, self.tokenizer, self.config.max_tool_calling_iterations,
+                                          self._span)
         for split, examples in self.prompts.items():
             for ex in examples:
                 if not isinstance(ex.record.prompt, list):
                     raise DataError(f"{ex.record.source or split}: tools need conversational prompts (a list of "
                                     f"messages), as TRL's tool loop does")
-                ids = self.tool_rollouts.prompt_ids(ex.record.prompt)
+                try:
+                    ids = self.tool_rollouts.prompt_ids(ex.record.prompt, ex.record.images)
+                except DataError as e:
+                    raise DataError(f"{ex.record.source or split}: {e}") from None
                 limit = self.config.max_prompt_length
                 ex.input_ids = np.asarray(ids[-limit:] if limit else ids, np.int32)
 
@@ -255,7 +259,7 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         tools = None
         if self.tool_rollouts is not None:      # the tool loop; an environment's reset may change the prompts
-            tools = self.tool_rollouts.run(self.engine, everyone[r0:r1], s, seeds[r0:r1])
+            tools = self.tool_rollouts.run(self.engine, everyone[r0:r1], s, seeds[r0:r1], vision=self.vision)
             everyone[r0:r1] = tools.examples
             completions = tools.completions
             cut = self._cut(completions)
@@ -528,7 +532,7 @@ class GRPOTrainer(Trainer):
             return None
         tools = None
         if self.tool_rollouts is not None:
-            tools = self.tool_rollouts.run(self.engine, examples, self.settings, greedy=True)
+            tools = self.tool_rollouts.run(self.engine, examples, self.settings, greedy=True, vision=self.vision)
             examples, out = tools.examples, tools.completions
         else:
             out = self._generate_rows(examples, temperature=0.0)

@@ -152,11 +152,16 @@ def run_toolbox(config, tools=(), environment_factory=None) -> Toolbox:
 
 def reset_prompt(prompt: list, environment, record_columns: dict) -> list:
     """A rollout's prompt after its environment's reset(**columns): reset's text (if not None) appended to the last
-    message's content, as TRL does."""
+    message's content, as TRL does (a text part after a content of parts: a prompt with images)."""
     observation = environment.reset(**record_columns)
     if observation is None:
         return prompt
-    return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
 
 
 def run_tool_calls(tool_calls: list, tools: dict) -> tuple[list, int, int]:

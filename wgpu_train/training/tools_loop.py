@@ -25,11 +25,14 @@ class Rollout:
 
 class TurnSampler:
     """The rows of one DecodeBatch, held between turns: first samples every row's first turn, resume runs some of
-    them on after tokens appended to what they generated. Row i draws from default_rng(seeds[i]) throughout."""
+    them on after tokens appended to what they generated. Row i draws from default_rng(seeds[i]) throughout.
+    images: each prompt's ImageTokens (1, T) or None (VisionModel.prompt_images, with its engine ids as the prompt):
+    prefilled with its first turn, kept in its cache row for the turns after."""
 
     def __init__(self, engine, prompts: Sequence[np.ndarray], max_len: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seeds=None, stop_token_ids=()):
+                 top_k: int = 0, top_p: float = 1.0, seeds=None, stop_token_ids=(), images=None):
         self.prompts = [np.asarray(p, np.int64) for p in prompts]
+        self.images = list(images) if images is not None else [None] * len(self.prompts)
         self.batch = DecodeBatch(engine, len(self.prompts), max_len)
         seeds = list(seeds) if seeds is not None else [None] * len(self.prompts)
         self.sampling = [Sampling(temperature, top_k, top_p, s) for s in seeds]
@@ -49,7 +52,8 @@ class TurnSampler:
         if budget < 1:
             return [[] for _ in self.prompts]
         for i, p in enumerate(self.prompts):
-            self.slot_of[i] = self.batch.add(p, budget, self.sampling[i], self.stops, hold=True)
+            self.slot_of[i] = self.batch.add(p, budget, self.sampling[i], self.stops, images=self.images[i],
+                                             hold=True)
         out = self._run(range(len(self.prompts)))
         return [out[i] for i in range(len(self.prompts))]
 

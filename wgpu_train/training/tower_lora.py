@@ -8,6 +8,7 @@ import numpy as np
 from wgpu_train.adapters.inits import changes_base, decompose, fresh_pair
 from wgpu_train.adapters.layout import parse_pattern
 from wgpu_train.adapters.tower_scales import tower_scales
+from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.objectives import TrainerKind, objective_class
@@ -29,7 +30,8 @@ def attach_tower(trainer) -> VisionModel:
     if not (modules or continued or saved):
         return vision
     for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--dora", cfg.dora),
-                        (f"--lora-init {cfg.lora_init} on Qwen's towers", vision.qwen and changes_base(cfg.lora_init))):
+                        (f"--lora-init {cfg.lora_init} on this model's tower (Gemma 3's and SmolVLM's only)",
+                         changes_base(cfg.lora_init) and type(vision.tower) is not VisionTower)):
         if given:
             raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains without dropout or "
                               f"DoRA)")
@@ -39,7 +41,7 @@ def attach_tower(trainer) -> VisionModel:
     if not vision.in_step and objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
         raise ConfigError(f"LoRA on this model's vision tower trains with --objective {cfg.objective} where the "
                           f"engine runs the tower inside its step only for now (a SigLIP tower on the NumPy engine, "
-                          f"or on the device beside WebGPU; not Qwen's towers or pipeline stages): use --objective "
+                          f"or on the device beside WebGPU; not Qwen's or LFM2-VL's towers, or pipeline stages): use --objective "
                           f"sft")
     if continued:       # the adapter's pairs, at its alpha / r, trained on (fresh moments)
         vision.load_tower_adapter(trainer.continued_from)

@@ -23,7 +23,7 @@ def image_exact_match(vision, tokenizer, records: list, max_new_tokens: int = 64
             continue
         before = messages[:last]
         n_images = sum(p["type"] == "image" for m in before if isinstance(m["content"], list) for p in m["content"])
-        ids = vision_chat_ids(tokenizer, before, n_images, span)
+        ids = vision_chat_ids(tokenizer, before, n_images, span, images[:n_images])
         reference = messages[last]["content"]
         budget = min(max_new_tokens, len(tokenizer.encode(reference)) + 16, positions - len(ids))
         if budget < min(max_new_tokens, len(tokenizer.encode(reference)) + 1):

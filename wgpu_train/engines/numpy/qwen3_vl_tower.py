@@ -1,7 +1,7 @@
 """Qwen3-VL's and Qwen3.5's vision tower on the NumPy engine (frozen, or with LoRA on its blocks' and mergers' linears
 and their backward): the Conv3d patch embedding as a
 GEMM, the learned position grid bilinearly resampled to each image, blocks with the 2-D vision rotary and full
-attention within each image, the patch merger and Qwen3-VL's DeepStack mergers (transformers' Qwen3VLVisionModel;
+attention within each image (each frame group of a video), the patch merger and Qwen3-VL's DeepStack mergers (transformers' Qwen3VLVisionModel;
 Qwen3_5VisionModel is the same without them)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from wgpu_train.engines.numpy import ops
 from wgpu_train.engines.numpy.vision_tower import (LoraLinears, bidirectional_attention_backward,
                                                    bidirectional_attention_forward, gelu_backward, gelu_forward,
                                                    layernorm_backward, layernorm_forward)
-from wgpu_train.models.qwen3_vl import LAYER_NORM_EPS, VISUAL, Qwen3VLVision
+from wgpu_train.models.qwen3_vl import LAYER_NORM_EPS, VISUAL, Qwen3VLVision, frame_grids
 
 # Abramowitz & Stegun 7.1.26: erf to 1.5e-7 absolute, below float32's rounding of the GELU's output
 _ERF_P = 0.3275911
@@ -169,7 +169,7 @@ class Qwen3VLTower(LoraLinears):
         """pixel_values (P, patch dim), image_grid_thw (N, 3) -> (the image tokens' embeddings (P / 4, text C), the
         DeepStack features [(P / 4, text C)], the backward's cache: its activations only with `keep`)."""
         vc, w = self.vc, self.w
-        grids = [tuple(int(v) for v in g) for g in np.asarray(grids).reshape(-1, 3)]
+        grids = frame_grids(grids)          # a video's frames each attend within themselves
         if pixels.shape != (sum(int(np.prod(g)) for g in grids), vc.patch_dim):
             raise ValueError(f"pixel_values of shape {pixels.shape} for grids {grids} of {vc.patch_dim}-value patches")
         kernel = w[VISUAL + "patch_embed.proj.weight"].reshape(vc.hidden_size, -1)              # (C, patch dim)

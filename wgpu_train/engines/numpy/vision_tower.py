@@ -136,6 +136,13 @@ class VisionTower(LoraLinears):
         kernel = w[e + "patch_embedding.weight"].reshape(vc.hidden_size, -1)                # (C, C*p*p)
         x = ops.linear_forward(patches.reshape(-1, kernel.shape[1]), kernel, w[e + "patch_embedding.bias"])
         x = (x.reshape(n, -1, vc.hidden_size) + w[e + "position_embedding.weight"]).reshape(-1, vc.hidden_size)
+        y, cache = self.encode(x, n, keep)
+        return self.project(y.reshape(n, cache["t"], vc.hidden_size), cache), cache
+
+    def encode(self, x, n: int, keep: bool = True) -> tuple:
+        """The encoder layers and the post-layernorm over n images' embedded patches x (n * t, C), each image's
+        t patches attending to each other -> (y (n * t, C), the backward's cache: its activations with `keep`)."""
+        vc, w = self.vc, self.w
         t = x.shape[0] // n
         cache = {"n": n, "t": t, "layers": []}
         for i in range(vc.num_layers):
@@ -156,7 +163,7 @@ class VisionTower(LoraLinears):
         cache["x_last"] = x
         y, cache["rstd_post"] = layernorm_forward(x, w[TOWER + "post_layernorm.weight"],
                                                   w[TOWER + "post_layernorm.bias"], vc.layer_norm_eps)
-        return self.project(y.reshape(n, t, vc.hidden_size), cache), cache
+        return y, cache
 
     def project(self, hidden, cache=None):
         """The projector: hidden (N, P, C) -> (N, mm_tokens_per_image, text hidden)."""
@@ -182,10 +189,15 @@ class VisionTower(LoraLinears):
     def backward(self, dout, cache) -> dict:
         """The image embeddings' gradient dout (N, M, text C) -> {module path.lora_A / .lora_B: gradient} of
         the tower's LoRA; the ops in reverse order of forward's."""
-        vc, w, n, t = self.vc, self.w, cache["n"], cache["t"]
         grads: dict = {}
-        dx = layernorm_backward(self._project_backward(dout, cache, grads), cache["x_last"],
-                                w[TOWER + "post_layernorm.weight"], cache["rstd_post"])
+        self.encode_backward(self._project_backward(dout, cache, grads), cache, grads)
+        return grads
+
+    def encode_backward(self, dy, cache, grads: dict):
+        """encode's backward: the post-layernorm output's gradient dy (n * t, C) -> the encoder's LoRA gradients
+        into grads."""
+        vc, w, n, t = self.vc, self.w, cache["n"], cache["t"]
+        dx = layernorm_backward(dy, cache["x_last"], w[TOWER + "post_layernorm.weight"], cache["rstd_post"])
         for i in reversed(range(vc.num_layers)):
             p, c = f"{TOWER}encoder.layers.{i}.", cache["layers"][i]
             dg = self._linear_backward(dx, p + "mlp.fc2", c, grads)
@@ -196,7 +208,6 @@ class VisionTower(LoraLinears):
             dh = sum(self._linear_backward(d.reshape(n * t, -1), p + f"self_attn.{m}", c, grads)
                      for d, m in ((dq, "q_proj"), (dk, "k_proj"), (dv, "v_proj")))
             dx = dx + layernorm_backward(dh, c["x"], w[p + "layer_norm1.weight"], c["rstd1"])
-        return grads
 
     def _project_backward(self, dout, cache, grads):
         """The projector's backward: the image embeddings' gradient (N, M, text C) -> the post-layernorm

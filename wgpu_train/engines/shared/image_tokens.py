@@ -47,6 +47,20 @@ class ImageTokens:
         """(B*T,) bool: the image tokens."""
         return self.blocks.reshape(-1) >= 0
 
+    def rows(self, r0: int, r1: int) -> ImageTokens:
+        """The ImageTokens of rows r0:r1 of the batch: the embeddings and DeepStack features are in the rows'
+        order, so those rows' are one run."""
+        e0, e1 = _token_run(self.blocks, r0, r1)
+        return ImageTokens(self.blocks[r0:r1], self.embeds[e0:e1],
+                           None if self.positions is None else self.positions[r0:r1],
+                           tuple(d[e0:e1] for d in self.deepstack))
+
+
+def _token_run(blocks, r0: int, r1: int) -> tuple:
+    """(first, end) of rows r0:r1's image tokens among the batch's, in row-major order."""
+    counts = (blocks >= 0).sum(axis=1)                                           # (B,) image tokens per row
+    return int(counts[:r0].sum()), int(counts[:r1].sum())
+
 
 @dataclasses.dataclass(frozen=True)
 class TowerImages:
@@ -64,3 +78,11 @@ class TowerImages:
     lora: bool = False
     positions = None
     deepstack = ()
+
+    def rows(self, r0: int, r1: int) -> TowerImages:
+        """The TowerImages of rows r0:r1 of the batch: their images are one run of the pixels (each image the
+        same count of tokens), and host() the whole batch's, cut to those rows."""
+        e0, e1 = _token_run(self.blocks, r0, r1)
+        per_image = int((self.blocks >= 0).sum()) // len(self.pixels)
+        host = None if self.host is None else (lambda whole=self.host: whole().rows(r0, r1))
+        return TowerImages(self.blocks[r0:r1], self.pixels[e0 // per_image:e1 // per_image], host, self.lora)

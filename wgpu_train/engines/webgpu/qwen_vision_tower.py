@@ -16,7 +16,7 @@ from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_fo
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
                                                          layernorm_forward)
-from wgpu_train.models.qwen3_vl import LAYER_NORM_EPS, VISUAL
+from wgpu_train.models.qwen3_vl import LAYER_NORM_EPS, VISUAL, frame_grids
 
 
 def row_width(tower) -> int:
@@ -138,7 +138,7 @@ class GpuQwenTower:
         DeepStack features in block order. keep: each block's input kept for record_backward."""
         vc, rt, tower = self.vc, self.rt, self.tower
         rows, c = len(pixels), vc.hidden_size
-        grids = [tuple(int(v) for v in g) for g in np.asarray(grids).reshape(-1, 3)]
+        grids = frame_grids(grids)          # a video's frame groups each attend within themselves
         if pixels.shape != (rows, vc.patch_dim) or rows != sum(int(np.prod(g)) for g in grids):
             raise ValueError(f"pixel_values of shape {pixels.shape} for grids {grids} of {vc.patch_dim}-value patches")
         buf = self._buffers(rows, keep)

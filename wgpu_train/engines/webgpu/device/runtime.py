@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 import numpy as np
 
@@ -169,7 +170,7 @@ class Runtime:
         if poller is not None:
             poller.stop()
             self.device._poller = _CallerThreadPoller()
-        self._staging = None
+        self._local = threading.local()     # each thread's staging buffer (see staging())
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_buffer = int(self.limits["max-buffer-size"])
         self.offset_alignment = int(lim.get("min-storage-buffer-offset-alignment", 256))
@@ -290,24 +291,28 @@ class Runtime:
             self.counters["bytes_uploaded"] += nbytes
 
     def staging(self, size: int):
-        """The reused MAP_READ buffer readbacks copy into, at least `size` bytes."""
+        """The calling thread's reused MAP_READ buffer that readbacks copy into, at least `size` bytes. One per
+        thread: threads sharing this device (data-parallel workers in threads) each map their own, since a submit
+        that copies into a buffer another thread holds mapped fails validation (a fatal abort in wgpu-native)."""
         u = self.wgpu.BufferUsage
-        if self._staging is None or self._staging.size < size:
-            if self._staging is not None:
-                self._staging.destroy()
-            self._staging = self.device.create_buffer(size=max(size, 256), usage=u.MAP_READ | u.COPY_DST,
-                                                      label="staging")
-        return self._staging
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.size < size:
+            if buf is not None:
+                buf.destroy()
+            buf = self._local.staging = self.device.create_buffer(size=max(size, 256),
+                                                                  usage=u.MAP_READ | u.COPY_DST, label="staging")
+        return buf
 
     def map_staging(self, size: int) -> memoryview:
-        """Wait on this thread for the submitted work, then copy the first `size` staged bytes out."""
+        """Wait on this thread for the submitted work, then copy the first `size` bytes of its staging out."""
+        staging = self._local.staging
         try:
-            promise = self._staging.map_async("READ_NOSYNC", 0, size)
+            promise = staging.map_async("READ_NOSYNC", 0, size)
             while promise._state == "pending":   # wgpu 0.32: the map callback fires inside a device poll
                 self.device._poll(True)
             promise.sync_wait()                  # resolves now (raises if the map failed)
-            data = self._staging.read_mapped(0, size, copy=True)
-            self._staging.unmap()
+            data = staging.read_mapped(0, size, copy=True)
+            staging.unmap()
         except self.wgpu.GPUError as e:
             raise DeviceError(f"device error while reading back results: {e}") from None
         self.counters["readbacks"] += 1
@@ -378,8 +383,8 @@ class Runtime:
     def release(self, *buffers):
         """Forget cached bind groups that use these buffers (call before dropping them)."""
         ids = {id(b) for b in buffers}
-        for k in [k for k in self._bind_groups if any(isinstance(e, tuple) and e[0] in ids for e in k[1:])]:
-            del self._bind_groups[k]
+        for k in [k for k in list(self._bind_groups) if any(isinstance(e, tuple) and e[0] in ids for e in k[1:])]:
+            self._bind_groups.pop(k, None)       # list(): a snapshot, as another thread may be adding to it
         for b in buffers:
             b.destroy()
 
