@@ -263,8 +263,8 @@ def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt, checkpoi
 def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
     """finetune --lora-targets q_proj,v_proj,vision_tower --backend wgpu on the tiny Gemma 3 vision model: the
     losses and the adapter (the tower's LoRA and the language model's, with per-module ranks from
-    --lora-rank-pattern and OLoRA's residual base, converted on save) after 3 steps equal --backend numpy's; a WebGPU run stopped after 1 step and resumed from
-    its checkpoint gives the uninterrupted one's adapter."""
+    --lora-rank-pattern and OLoRA's residual base, converted on save) after 3 steps equal --backend numpy's; a
+    WebGPU run stopped after 1 step and resumed from its checkpoint gives the uninterrupted one's adapter."""
     from test_gemma3_vision_training import vision_records, write_vision_data
 
     from wgpu_train.cli.main import main

@@ -224,8 +224,8 @@ class VisionModel:
 
     def load_tower_adapter(self, directory) -> dict:
         """The tower's LoRA of the PEFT adapter in `directory` set (set_tower_lora, at the config's alpha / r, or
-        alpha / sqrt(r) with use_rslora, per module under its rank_pattern / alpha_pattern); its tensors by key returned (none: the adapter has no LoRA on the tower,
-        and nothing is set)."""
+        alpha / sqrt(r) with use_rslora, per module under its rank_pattern / alpha_pattern); its tensors by key
+        returned (none: the adapter has no LoRA on the tower, and nothing is set)."""
         directory = Path(directory)
         tensors = read_safetensors(directory / "adapter_model.safetensors")
         tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
