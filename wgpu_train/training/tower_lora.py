@@ -142,7 +142,9 @@ def language_adapter(adapter):
 
     if adapter is None or not has_tower_lora(adapter):
         return adapter
-    key = Path(adapter).resolve()
+    folder = Path(adapter).resolve()
+    stat = (folder / "adapter_model.safetensors").stat()
+    key = (folder, stat.st_mtime_ns, stat.st_size)         # a folder written again: copied again
     if key not in _LANGUAGE_COPIES:
         import shutil
         import tempfile
@@ -150,15 +152,15 @@ def language_adapter(adapter):
         from wgpu_train.formats.safetensors import read_safetensors, write_safetensors
 
         copy = tempfile.TemporaryDirectory(prefix="wgpu-train-adapter-")
-        shutil.copy(key / "adapter_config.json", copy.name)
-        tensors = read_safetensors(key / "adapter_model.safetensors")
+        shutil.copy(folder / "adapter_config.json", copy.name)
+        tensors = read_safetensors(folder / "adapter_model.safetensors")
         write_safetensors(Path(copy.name) / "adapter_model.safetensors",
                           {k: v for k, v in tensors.items() if tower_lora_path(k) is None}, metadata={"format": "pt"})
         _LANGUAGE_COPIES[key] = copy
     return Path(_LANGUAGE_COPIES[key].name)
 
 
-_LANGUAGE_COPIES: dict = {}         # adapter folder -> TemporaryDirectory of its language part (language_adapter)
+_LANGUAGE_COPIES: dict = {}     # (adapter folder, its file's mtime and size) -> TemporaryDirectory (language_adapter)
 
 
 def has_tower_lora(adapter) -> bool:
