@@ -8,11 +8,10 @@ import numpy as np
 from wgpu_train.adapters.inits import changes_base, decompose, fresh_pair
 from wgpu_train.adapters.layout import parse_pattern
 from wgpu_train.adapters.tower_scales import tower_scales
-from wgpu_train.engines.numpy.vision_tower import VisionTower
 from wgpu_train.engines.vision_model import VisionModel, attach_vision
 from wgpu_train.errors import ConfigError
 from wgpu_train.training.objectives import TrainerKind, objective_class
-from wgpu_train.models.vision import selects, split_targets, tower_lora_key, tower_lora_path
+from wgpu_train.models.vision import VisionConfig, selects, split_targets, tower_lora_key, tower_lora_path
 
 _TENSOR, _M, _V = "tower.", "tower_exp_avg.", "tower_exp_avg_sq."     # checkpoint array name prefixes
 _SCALE = "tower_scale."         # each module's scale (a continued adapter's LoRA resumes without --lora-targets)
@@ -31,7 +30,7 @@ def attach_tower(trainer) -> VisionModel:
         return vision
     for flag, given in (("--lora-dropout", cfg.lora_dropout), ("--dora", cfg.dora),
                         (f"--lora-init {cfg.lora_init} on this model's tower (Gemma 3's and SmolVLM's only)",
-                         changes_base(cfg.lora_init) and type(vision.tower) is not VisionTower)):
+                         changes_base(cfg.lora_init) and not isinstance(vision.vision, VisionConfig))):
         if given:
             raise ConfigError(f"LoRA on the vision tower does not take {flag} yet (it trains without dropout or "
                               f"DoRA)")
