@@ -332,13 +332,16 @@ def test_vision_tower_lora_steps_match_torch_adamw(vlm):
 
 @pytest.mark.parametrize("language", [False, True])
 def test_tower_lora_adapter_files_both_ways(vlm, tmp_path, language):
-    """An adapter with LoRA on the tower (and on the language model): ours loads in PEFT, PEFT's loads in ours,
-    each to the other's logits with images."""
+    """An adapter with LoRA on the tower (and on the language model, with rsLoRA's alpha / sqrt(r) and PEFT's
+    rank_pattern / alpha_pattern over both models' modules): ours loads in PEFT, PEFT's loads in ours, each to the
+    other's logits with images."""
     hf, folder, _ = vlm
     tower = r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(k_proj|out_proj)|mlp\.fc1)"
     text = r"model\.language_model\.layers\.\d+\.self_attn\.(q_proj|o_proj)"
     pm = peft_random_b(peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
-        r=3, lora_alpha=4, target_modules=f"(?:{tower}|{text})" if language else tower, lora_dropout=0.0)), 5)
+        r=3, lora_alpha=4, target_modules=f"(?:{tower}|{text})" if language else tower, lora_dropout=0.0,
+        use_rslora=language, rank_pattern={"fc1": 2} if language else {},
+        alpha_pattern={"out_proj": 6, "q_proj": 5} if language else {})), 5)
     pm.save_pretrained(tmp_path / "peft")
     ids, mask, _ = two_image_batch()
     real = mask.astype(bool)
@@ -350,6 +353,9 @@ def test_tower_lora_adapter_files_both_ways(vlm, tmp_path, language):
     vm = load_vision_model(folder)
     vm.load_adapter(tmp_path / "peft")
     assert len(vm.tower.lora) == 2 * 3 and (vm.model.lora_config is not None) == language
+    assert {p.rsplit(".", 1)[1]: (a.shape[0], s) for p, (a, _, s) in vm.tower.lora.items()} == (
+        {"k_proj": (3, 4 / 3 ** 0.5), "out_proj": (3, 6 / 3 ** 0.5), "fc1": (2, 4 / 2 ** 0.5)} if language else
+        {"k_proj": (3, 4 / 3), "out_proj": (3, 4 / 3), "fc1": (3, 4 / 3)})
     assert_close(vm.logits(ids, px, mask)[real], want[real], "logits_f32", "PEFT's adapter in ours")
     vm.save_adapter(tmp_path / "ours")
     again = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()

@@ -43,6 +43,15 @@ def test_the_tower_is_counted(folder, capsys):
     assert four["images"] == 4 and v["tower_activations"] < four["tower_activations"] < 2 * v["tower_activations"]
     tower = memory(capsys, folder, "--batch-size", "2", "--lora-targets", "q_proj,fc1")["vision"]
     assert tower["tower_lora"] and tower["tower_activations"] > 2 * v["tower_activations"]
+    assert tower["tower_lora_state"] == 16 * tower["tower_lora_parameters"]    # float32 tensor, gradient, moments
+    import peft
+
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=8, target_modules=r".*vision_tower.*\.fc1", rank_pattern={"fc1": 2}))
+    patterned = memory(capsys, folder, "--batch-size", "2", "--lora-targets", "q_proj,fc1", "--lora-rank-pattern",
+                       "fc1=2")
+    assert patterned["vision"]["tower_lora_parameters"] == sum(p.numel() for n, p in pm.named_parameters()
+                                                               if "lora_" in n and ".head." not in n) > 0
+    assert tower["tower_lora_parameters"] == 4 * patterned["vision"]["tower_lora_parameters"]
     tower4 = memory(capsys, folder, "--batch-size", "2", "--lora-targets", "q_proj,fc1", "--images-per-row", "2")
     assert tower4["vision"]["tower_activations"] == 2 * tower["tower_activations"]  # the images at once
     text = memory(capsys, folder, "--batch-size", "2", "--images-per-row", "0")

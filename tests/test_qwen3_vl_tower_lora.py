@@ -108,6 +108,9 @@ def test_preference_objectives_with_qwen_tower_lora_refused(vlm):
                                           "step only") as e:
         attach_tower(trainer)
     assert "\n" not in str(e.value) and not vm.in_step
+    trainer.config = TrainConfig(lora_targets="q_proj,qkv", lora_init="olora")     # no residual on Qwen's towers
+    with pytest.raises(ConfigError, match="does not take --lora-init olora on this model's tower"):
+        attach_tower(trainer)
 
 
 def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):

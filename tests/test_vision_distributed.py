@@ -237,10 +237,28 @@ def test_cli_tower_targets_train_and_load_in_peft(chat_vlm, tmp_path, capsys):
     with torch.no_grad():
         theirs = hf_out(pm, ids, np.ones_like(ids), px, image_id=7).logits.numpy()
     assert_close(vm.logits(ids, ex.images), theirs, "logits_f32", "the trained adapter in PEFT")
+    # --adapter-path continues it, the tower's LoRA too: 2 Adam steps (the first one's rows without an image) move
+    # each entry by at most 2 lr (fresh B would be that near zero, not the trained B), and it loads in PeftModel
+    capsys.readouterr()
     assert main(["finetune", "--adapter-path", str(tmp_path / "run"), "--data", str(data), "--backend", "numpy",
-                 "--no-progress", "--out", str(tmp_path / "again")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert any("its LoRA on the vision tower is not continued by a new run yet" in line for line in err), err
+                 "--max-steps", "2", "--batch-size", "2", "--lr", "1e-3", "--no-progress", "--valid-split", "0",
+                 "--out", str(tmp_path / "again")]) == 0
+    assert "LoRA on the vision tower: the adapter's, continued, in 6 modules" in capsys.readouterr().err
+    again = _adapter(tmp_path / "again")
+    assert set(again) == set(tensors)
+    steps = {k: np.abs(again[k] - tensors[k]).max() for k in tower}
+    assert all(0 < step <= 2.01e-3 for step in steps.values()), steps
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "again")
+    assert {n.replace(".default", "") for n, _ in pm.named_parameters() if "lora_" in n} == set(again)
+    ckpt = sorted((tmp_path / "again" / "checkpoints").iterdir())[-1]
+    assert main(["finetune", "--adapter-path", str(ckpt), "--data", str(data), "--backend", "numpy",
+                 "--no-progress", "--out", str(tmp_path / "from_ckpt")]) == 2
+    assert "a checkpoint whose LoRA on the vision tower lies beside its adapter" in capsys.readouterr().err
+    # its --resume (no --adapter-path, no tower targets recorded) trains on the checkpoint's tower LoRA
+    assert main(["finetune", "--resume", str(tmp_path / "again"), "--max-steps", "3", "--no-progress"]) == 0
+    assert "LoRA on the vision tower: the adapter's, continued, in 6 modules" in capsys.readouterr().err
+    resumed = _adapter(tmp_path / "again")
+    assert all(0 < np.abs(resumed[k] - again[k]).max() <= 1.01e-3 for k in tower)
 
 
 def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path):
@@ -262,6 +280,79 @@ def test_tower_lora_resume_and_two_workers_equal_one_process(chat_vlm, tmp_path)
         np.testing.assert_array_equal(part[k], whole[k], err_msg=k)
     run_threads(TrainConfig(out=str(tmp_path / "two"), num_workers=2, max_steps=3, **kw), 2)
     _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+
+
+def test_tower_lora_early_stopping_writes_the_best_evaluations_tower(chat_vlm, tmp_path):
+    """Early stopping with LoRA on the tower (rsLoRA's scale and --lora-rank-pattern on both, one adapter config):
+    the adapter written holds the best evaluation's tower LoRA (its checkpoint's), not the last step's."""
+    import math
+
+    from wgpu_train.models.vision import tower_lora_key
+    from wgpu_train.training.checkpoint import read_arrays
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    _, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records() * 2)
+    out = tmp_path / "run"
+    trainer = Trainer(TrainConfig(out=str(out), **_run_kw(
+        folder, data, lora_targets=TOWER_TARGETS, valid_split=0.34, max_steps=8, eval_every=1, early_stop_patience=2,
+        save_every=1, keep_checkpoints=1, rslora=True, lora_rank_pattern="fc1=4"))).setup()
+    losses = iter([5.0, 4.0, 3.0, 3.5, 3.2])    # before, then one per step: best at step 2, stop after step 4
+    trainer.evaluate = lambda: (v := next(losses)) and {"loss": v, "perplexity": math.exp(v), "tokens": 10}
+    summary = trainer.train()
+    assert summary["stopped"] == "early_stop" and summary["adapter_step"] == 2
+    assert {(a.shape[0], scale) for a, _, scale in trainer.vision.tower.lora.values()} == {
+        (8, 16 / math.sqrt(8)), (4, 16 / math.sqrt(4))}       # alpha 16, r 8 (fc1: 4 from the pattern)
+    assert json.loads((out / "adapter_config.json").read_text())["use_rslora"] is True
+    best, last = (read_arrays(out / "checkpoints" / f"step-00000{i}") for i in (2, 4))
+    written = _adapter(out)
+    names = [k for k in best if k.startswith("tower.")]
+    assert len(names) == 12
+    for name in names:
+        path, which = name[len("tower."):].rsplit(".lora_", 1)
+        np.testing.assert_array_equal(written[tower_lora_key(path, which, trainer.vision.vision)], best[name])
+    assert any(not np.array_equal(best[k], last[k]) for k in names)
+
+
+def test_tower_lora_pissa_residual_and_converted_adapter_equal_peft(chat_vlm, tmp_path):
+    """--lora-init pissa with LoRA on the tower: each tower module's residual base equals PEFT's (its base weight
+    after init_lora_weights="pissa"), and after 2 steps the adapter written (converted to rank 2r on the original
+    base, as PEFT's path_initial_model_for_weight_conversion writes it) loads in PeftModel on the untouched model
+    with the trained model's logits."""
+    import copy
+
+    import peft
+    import torch
+
+    from test_gemma3_vision import hf_out
+    from test_gemma3_vision_training import our_examples
+    from wgpu_train.models.vision import tower_lora_key
+    from wgpu_train.training.config import TrainConfig
+    from wgpu_train.training.trainer import Trainer
+
+    hf, folder, _ = chat_vlm
+    data = write_vision_data(tmp_path / "data", vision_records())
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "run"), **_run_kw(
+        folder, data, lora_targets=TOWER_TARGETS, lora_init="pissa", max_steps=2, lr=1e-3))).setup()
+    vision = trainer.vision
+    tower = r"model\.vision_tower\.encoder\.layers\.\d+\.(self_attn\.(q_proj|out_proj)|mlp\.fc1)"
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=8, lora_alpha=16, target_modules=tower,
+                                                                 init_lora_weights="pissa"))
+    theirs = dict(pm.named_parameters())
+    assert len(vision.tower_init) == 6
+    for path in vision.tower_init:
+        key = tower_lora_key(path, "A", vision.vision).replace(".lora_A.weight", ".base_layer.weight")
+        assert_close(vision.tower.w[path + ".weight"], theirs[key].detach().numpy(), "init_residual", path)
+    trainer.train()
+    (examples, _), _ = our_examples(folder)
+    ex = examples[1]
+    ids = ex.input_ids[None].astype(np.int64)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "run").eval()
+    assert loaded.peft_config["default"].r == 16
+    with torch.no_grad():
+        want = hf_out(loaded, ids, np.ones_like(ids), vision.pixel_values(ex.images), image_id=7).logits.numpy()
+    assert_close(vision.logits(ids, ex.images), want, "init_logits", "the converted adapter in PEFT")
 
 
 @pytest.mark.parametrize("targets, message", [

@@ -53,16 +53,18 @@ def test_tower_equals_the_numpy_tower(rt, scale_factor, patch):
 
 @pytest.mark.parametrize("scale_factor, patch", [(0, 7), (2, 14)], ids=["gemma3", "smolvlm"])
 def test_lora_forward_and_backward_equal_the_numpy_towers(rt, scale_factor, patch):
-    """LoRA on some of the encoder's linears (B random: every path carries gradient): the embeddings and the
-    LoRA gradients from a random embeddings' gradient equal the NumPy tower's forward and backward."""
+    """LoRA on some of the encoder's linears (B random: every path carries gradient; ranks and scales differing by
+    module, as rank / alpha patterns make them): the embeddings and the LoRA gradients from a random embeddings'
+    gradient equal the NumPy tower's forward and backward."""
     vc = tiny(scale_factor, patch)
     w = weights(vc, seed=4)
     rng = np.random.default_rng(6)
     cpu = VisionTower(vc, w)
-    for path in cpu.modules()[::2] + [cpu.modules()[-1]]:     # q, v, fc1 of each layer, and the last fc2
+    for k, path in enumerate(cpu.modules()[::2] + [cpu.modules()[-1]]):   # q, v, fc1 of each layer, the last fc2
         out_f, in_f = w[path + ".weight"].shape
-        cpu.lora[path] = (rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32),
-                          rng.standard_normal((out_f, 2)).astype(np.float32) * 0.3, 2.5)
+        r = 2 + k % 3
+        cpu.lora[path] = (rng.uniform(-0.3, 0.3, (r, in_f)).astype(np.float32),
+                          rng.standard_normal((out_f, r)).astype(np.float32) * 0.3, 2.5 - 0.2 * k)
     pixels = rng.standard_normal((2, 3, 28, 28)).astype(np.float32)
     want, _ = cpu.forward(pixels)
     dout = rng.standard_normal(want.shape).astype(np.float32)
@@ -260,7 +262,8 @@ def test_tower_lora_train_step_on_webgpu_equals_numpys(vlm, default_rt, checkpoi
 
 def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_rt, capsys):
     """finetune --lora-targets q_proj,v_proj,vision_tower --backend wgpu on the tiny Gemma 3 vision model: the
-    losses and the adapter (the tower's LoRA and the language model's) after 3 steps equal --backend numpy's; a
+    losses and the adapter (the tower's LoRA and the language model's, with per-module ranks from
+    --lora-rank-pattern and OLoRA's residual base, converted on save) after 3 steps equal --backend numpy's; a
     WebGPU run stopped after 1 step and resumed from its checkpoint gives the uninterrupted one's adapter."""
     from test_gemma3_vision_training import vision_records, write_vision_data
 
@@ -275,8 +278,9 @@ def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_
         device = ["--device", str(default_rt.info.index)] if backend == "wgpu" else []
         assert main(["finetune", "--model", str(folder), "--data", str(data), "--backend", backend, *device,
                      "--max-steps", str(steps), "--batch-size", "2", "--lr", "1e-2", "--lora-targets",
-                     "q_proj,v_proj,vision_tower", "--no-progress", "--valid-split", "0", "--log-every", "1",
-                     "--out", str(out), *more]) == 0
+                     "q_proj,v_proj,vision_tower", "--lora-rank-pattern", "fc1=4,out_proj=2",
+                     "--lora-init", "olora",
+                     "--no-progress", "--valid-split", "0", "--log-every", "1", "--out", str(out), *more]) == 0
     for backend in ("numpy", "wgpu"):
         out = tmp_path / backend
         finetune(backend, out, 3)
@@ -287,6 +291,8 @@ def test_finetune_tower_lora_on_webgpu_equals_numpy(chat_vlm, tmp_path, default_
                          read_safetensors(out / "adapter_model.safetensors"))
     (loss_c, ad_c), (loss_g, ad_g) = runs["numpy"], runs["wgpu"]
     assert len(loss_g) == 3 and set(ad_g) == set(ad_c) and sum(".vision_tower." in k for k in ad_c) == 2 * 2 * 6
+    assert {ad_c[k].shape[0] for k in ad_c if "fc1.lora_A" in k} == {8} and {
+        ad_c[k].shape[0] for k in ad_c if "q_proj.lora_A" in k} == {16}      # fc1's from the pattern; 2r converted
     assert_close(np.array(loss_g), np.array(loss_c), "loss_f32", "losses")
     for name in ad_c:
         assert_close(ad_g[name], ad_c[name], "gpu_params_after_steps_lr1e-2", name)

@@ -62,7 +62,7 @@ def cmd_memory(args) -> int:
                                                    range(cfg.num_hidden_layers), True, precision)
         result["vision"] = vision
         result["total"] = est["total"] = est["total"] + vision["tower_weights"] + vision["tower_activations"] + \
-            vision["image_inputs"]
+            vision["image_inputs"] + vision["tower_lora_state"]
     elif args.images_per_row is not None:
         raise ConfigError("--images-per-row: the model takes no images (a Gemma 3 vision model does)")
     if args.pipeline_stages or args.stage_layers:
@@ -84,8 +84,8 @@ def cmd_memory(args) -> int:
                  else "")
         if key == "total" and vision:
             for part, label in (("tower_weights", "vision weights"), ("tower_activations", "vision activs"),
-                                ("image_inputs", "image inputs")):
-                if part in vision:
+                                ("image_inputs", "image inputs"), ("tower_lora_state", "vision LoRA")):
+                if part in vision and (vision[part] or part != "tower_lora_state"):
                     print(f"  {label:<16} {format_bytes(vision[part]):>12}")
         print(f"  {key.replace('_', ' '):<16} {format_bytes(est[key]):>12}{ratio}")
     if vision:
@@ -121,7 +121,7 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
 
     from wgpu_train.engines.resources import StageImages
     from wgpu_train.models.vision import (CONNECTOR, ENCODER_MODULES, PROJ, VisionConfig, split_targets,
-                                          tower_activation_values, tower_parameters)
+                                          tensor_shapes, tower_activation_values, tower_parameters)
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if not raw.get("vision_config"):
@@ -161,6 +161,7 @@ def _vision_estimate(args, model_dir, length: int) -> dict | None:
     params = tower_parameters(vc)
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            **_tower_lora_state(args, vc, tensor_shapes(vc), tower),
             "tower_activations": 4 * tower_activation_values(vc, images * tiles, bool(tower)),
             "language_targets": language, "stage_images": StageImages(per_row * tiles * vc.mm_tokens_per_image),
             "crops": 0 if vc.scale_factor else tiles - 1}
@@ -173,7 +174,7 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     and every token's M-RoPE positions."""
     from wgpu_train.data.qwen_images import QwenImageSettings
     from wgpu_train.engines.resources import StageImages
-    from wgpu_train.models.qwen3_vl import tower_activation_values, tower_parameters
+    from wgpu_train.models.qwen3_vl import tensor_shapes, tower_activation_values, tower_parameters
     from wgpu_train.models.vision import CONNECTOR, ENCODER_MODULES, PROJ, split_targets
 
     settings = QwenImageSettings.from_folder(model_dir, vc)
@@ -196,6 +197,7 @@ def _qwen_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     params = tower_parameters(vc)
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": merged + 2, "image_tokens_per_row": per_row * (merged + 2), "tower_lora": bool(tower),
+            **_tower_lora_state(args, vc, tensor_shapes(vc), tower),
             "tower_activations": 4 * tower_activation_values(vc, images, merged * vc.merge_unit, bool(tower)),
             "images_capped": merged < largest, "language_targets": language,
             "stage_images": StageImages(per_row * merged, len(vc.deepstack_indexes), mrope=True)}
@@ -207,7 +209,7 @@ def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
     stage_images."""
     from wgpu_train.data.lfm2_images import Lfm2ImageSettings
     from wgpu_train.engines.resources import StageImages
-    from wgpu_train.models.lfm2_vl import tower_activation_values, tower_parameters
+    from wgpu_train.models.lfm2_vl import tensor_shapes, tower_activation_values, tower_parameters
     from wgpu_train.models.vision import ENCODER_MODULES, split_targets
 
     settings = Lfm2ImageSettings.from_folder(model_dir, vc.patch_size, vc.downsample_factor)
@@ -231,9 +233,26 @@ def _lfm2_estimate(args, model_dir, vc, length: int, per_row: int) -> dict:
                   settings.max_image_tokens * vc.downsample_factor ** 2)
     return {"tower_parameters": params, "tower_weights": 4 * params, "images": images, "images_per_row": per_row,
             "tokens_per_image": per_image, "image_tokens_per_row": tokens, "tower_lora": bool(tower),
+            **_tower_lora_state(args, vc, tensor_shapes(vc), tower),
             "tower_activations": 4 * tower_activation_values(vc, patches, images * per_image,
                                                              images * tiles if tower else 0),
             "language_targets": language, "stage_images": StageImages(per_row * embedded)}
+
+
+def _tower_lora_state(args, vc, shapes: dict, modules) -> dict:
+    """The tower's LoRA on the linear modules (of `shapes`, the tower's {our name: shape}) that split_targets'
+    `modules` select: its parameters (at --lora-rank, or --lora-rank-pattern's on their full names) and their
+    state in float32 on either engine: the tensors, their gradients and AdamW's two moments."""
+    from wgpu_train.adapters.layout import parse_pattern
+    from wgpu_train.adapters.tower_scales import tower_scales
+    from wgpu_train.models.vision import selects
+
+    paths = [n.removesuffix(".weight") for n, shape in shapes.items() if n.endswith(".weight") and len(shape) == 2
+             and any(selects(n.removesuffix(".weight"), m) for m in modules)]
+    ranks = tower_scales(paths, vc, args.lora_rank, 1.0, rank_pattern=parse_pattern(args.lora_rank_pattern,
+                                                                                     "--lora-rank-pattern"))
+    n = sum(ranks[p][0] * sum(shapes[p + ".weight"]) for p in paths)
+    return {"tower_lora_parameters": n, "tower_lora_state": 4 * 4 * n}
 
 
 def run_precision(precision: str, backend: str, device, cfg) -> tuple:

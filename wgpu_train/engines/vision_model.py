@@ -41,6 +41,8 @@ from wgpu_train.engines.webgpu.vision_tower import GpuVisionTower, runs_on_devic
 from wgpu_train.errors import ConfigError, DataError
 from wgpu_train.adapters.config import LoraConfig
 from wgpu_train.adapters.files import write_adapter
+from wgpu_train.adapters.inits import converted
+from wgpu_train.adapters.tower_scales import tower_scales
 from wgpu_train.formats.safetensors import read_safetensors, safetensors_names, write_safetensors
 from wgpu_train.models.lfm2_vl import Lfm2VlVision, check_lfm2_vl_tensors, lfm2_vl_names
 from wgpu_train.models.qwen3_vl import (Qwen3VLVision, check_visual_tensors, frame_grids, pair_positions, rope_index,
@@ -68,6 +70,7 @@ class VisionModel:
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
+        self.tower_init: dict = {}      # PiSSA / OLoRA on the tower: path -> (A0, B0) (set_tower_residual)
         # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
         # NumPy one beside the NumPy engine; else (Qwen's and LFM2-VL's towers, a host tower beside WebGPU,
         # pipeline stages) the tower runs here, and train_step steps its LoRA around the engine's passes
@@ -96,10 +99,10 @@ class VisionModel:
         """How an image's placeholder is expanded in `tokenizer`'s text (data/vision_records' span protocol)."""
         return image_span(tokenizer, self.vision, self.settings)
 
-    def set_tower_lora(self, tensors: dict, scale: float):
+    def set_tower_lora(self, tensors: dict, scale):
         """LoRA on the tower's encoder (Qwen's: its blocks and mergers) from a PEFT adapter's tensors ({key: array};
         keys outside the tower are left to the language model's adapter), each module's output scaled by `scale`
-        (alpha / r)."""
+        (alpha / r; or {module path: scale}, adapters/tower_scales)."""
         pairs: dict = {}
         for key, value in tensors.items():
             path = tower_lora_path(key)
@@ -112,13 +115,24 @@ class VisionModel:
         half = next((p for p, ab in pairs.items() if len(ab) != 2), None)
         if half is not None:
             raise ConfigError(f"LoRA on {half}: the adapter has only its lora_{next(iter(pairs[half]))}")
-        self.tower.lora = {p: (ab["A"], ab["B"], float(scale)) for p, ab in pairs.items()}
+        self.tower.lora = {p: (ab["A"], ab["B"], float(scale[p] if isinstance(scale, dict) else scale))
+                           for p, ab in pairs.items()}
         if self.in_step:        # the engine's optimizer takes the tower's LoRA (zeroed moments)
             if self.device_tower is not None:
                 self.device_tower.set_lora(self.tower.lora)
             self.model.engine.set_vision_tower(self.device_tower if self.device_tower is not None else self.tower)
         else:
             self.tower_optimizer = Optimizer(self._host_lora, self.tower.dtype, {"nonfinite_skipped": 0})
+
+    def set_tower_residual(self, residual: dict, init_pairs: dict):
+        """PiSSA / OLoRA on the tower: each module's base weight replaced by its residual ({path: (out, in)}), and
+        the pairs it was drawn with ({path: (A0, B0)}), which save_adapter converts the trained ones against (as
+        PEFT's path_initial_model_for_weight_conversion: rank 2r on the original base)."""
+        for path, w in residual.items():
+            self.tower.w[path + ".weight"] = np.asarray(w, self.tower.dtype)
+            if self.device_tower is not None:
+                self.device_tower.set_base(path, w)
+        self.tower_init = {p: (a.copy(), b.copy()) for p, (a, b) in init_pairs.items()}
 
     def _host_lora(self) -> dict:
         return {f"{p}.lora_{w}": t for p, (a, b, _) in self.tower.lora.items() for w, t in (("A", a), ("B", b))}
@@ -152,48 +166,77 @@ class VisionModel:
 
     def save_adapter(self, directory):
         """The adapter in PEFT's format on the multimodal model: the language model's (Model.save_adapter) and the
-        tower's LoRA beside it, target_modules one regular expression over both. The tower's rank and alpha must
-        be the language model's where it has LoRA too (one config holds them)."""
+        tower's LoRA beside it, target_modules one regular expression over both. Where the language model has LoRA
+        too, each tower module's rank and scale must be those its config (r, alpha, rsLoRA, rank_pattern /
+        alpha_pattern) gives the module (one config holds both); alone, one rank and scale.""" 
         directory = Path(directory)
         if not self.tower.lora:
             return self.model.save_adapter(directory)
-        shapes = {(a.shape[0], s) for a, _, s in self.tower.lora.values()}
-        if len(shapes) > 1:
-            raise ConfigError("the tower's LoRA modules differ in rank or scale: one adapter file holds one of each")
-        (a, scale), = shapes
         cfg = self.model.lora_config
-        if cfg is not None and (cfg.r != a or abs(cfg.alpha / cfg.r - scale) > 1e-12 or cfg.use_rslora):
-            raise ConfigError(f"the tower's LoRA (r {a}, scale {scale:g}) and the language model's (r {cfg.r}, "
-                              f"alpha {cfg.alpha}) differ: one adapter file holds one rank and alpha")
         if cfg is None:     # the tower's alone: a config of its rank and alpha, no language tensors
+            shapes = {(a.shape[0], s) for a, _, s in self.tower.lora.values()}
+            if len(shapes) > 1:
+                raise ConfigError("the tower's LoRA modules differ in rank or scale: without the language model's "
+                                  "LoRA (and its patterns), one adapter file holds one of each")
+            (a, scale), = shapes
             write_adapter(directory, LoraConfig(r=a, alpha=scale * a, target_modules=("q_proj",)), {},
                           base_model=self.model.name_or_path, model=self.model.config)
         else:
             self.model.save_adapter(directory)
+            self._check_tower_config(json.loads((directory / "adapter_config.json").read_text()))
         raw = json.loads((directory / "adapter_config.json").read_text())
         tower = tower_target_regex(self.tower.lora, self.vision)
         raw["target_modules"] = tower if cfg is None else f"(?:{raw['target_modules']}|{tower})"
         (directory / "adapter_config.json").write_text(json.dumps(raw, indent=2))
         tensors = read_safetensors(directory / "adapter_model.safetensors") if cfg is not None else {}
-        tensors.update({tower_lora_key(k.rsplit(".lora_", 1)[0], k[-1], self.vision): v
-                        for k, v in self.tower_trainable().items()})
+        live = self.tower_trainable()
+        for path in self.tower.lora:
+            a, b = live[path + ".lora_A"], live[path + ".lora_B"]
+            if path in self.tower_init:
+                a, b = converted(a, b, *self.tower_init[path])
+            tensors[tower_lora_key(path, "A", self.vision)], tensors[tower_lora_key(path, "B", self.vision)] = a, b
         write_safetensors(directory / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
+
+    def _check_tower_config(self, raw: dict):
+        """Each tower module's rank and scale, as the adapter config `raw` gives them (its r, alpha, rsLoRA and
+        patterns), refused in one line where they differ from the tower's (one config holds both models')."""
+        want = tower_scales(self.tower.lora, self.vision, raw["r"], raw["lora_alpha"], raw.get("use_rslora", False),
+                            raw.get("rank_pattern"), raw.get("alpha_pattern"))
+        for path, (a, _, scale) in self.tower.lora.items():
+            r = a.shape[0] * (2 if path in self.tower_init else 1)      # converted on save: rank 2r
+            if want[path][0] != r or abs(want[path][1] - scale) > 1e-12:
+                raise ConfigError(f"the tower's LoRA on {path} (r {r}, scale {scale:g}) differs from the "
+                                  f"adapter config's (r {want[path][0]}, scale {want[path][1]:g}): one config holds "
+                                  f"both models' ranks and alphas")
 
     def load_adapter(self, directory):
         """A PEFT adapter of the multimodal model: the tower's LoRA (set_tower_lora, at the config's alpha / r)
         and the language model's (Model.load_adapter), either alone."""
         directory = Path(directory)
         tensors = read_safetensors(directory / "adapter_model.safetensors")
-        tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
-        if tower:
-            raw = json.loads((directory / "adapter_config.json").read_text())
-            self.set_tower_lora(tower, float(raw["lora_alpha"]) / int(raw["r"]))
+        tower = self.load_tower_adapter(directory)
         if len(tower) < len(tensors):
             with tempfile.TemporaryDirectory() as tmp:
                 shutil.copy(directory / "adapter_config.json", tmp)
                 write_safetensors(Path(tmp) / "adapter_model.safetensors",
                                   {k: v for k, v in tensors.items() if k not in tower}, metadata={"format": "pt"})
                 self.model.load_adapter(tmp)
+
+    def load_tower_adapter(self, directory) -> dict:
+        """The tower's LoRA of the PEFT adapter in `directory` set (set_tower_lora, at the config's alpha / r, or
+        alpha / sqrt(r) with use_rslora, per module under its rank_pattern / alpha_pattern); its tensors by key
+        returned (none: the adapter has no LoRA on the tower, and nothing is set)."""
+        directory = Path(directory)
+        tensors = read_safetensors(directory / "adapter_model.safetensors")
+        tower = {k: v for k, v in tensors.items() if tower_lora_path(k) is not None}
+        if tower:
+            raw = json.loads((directory / "adapter_config.json").read_text())
+            paths = {tower_lora_path(k) for k in tower}
+            scales = tower_scales(paths, self.vision, raw["r"], raw["lora_alpha"], raw.get("use_rslora", False),
+                                  raw.get("rank_pattern"), raw.get("alpha_pattern"))
+            self.set_tower_lora(tower, {p: s for p, (_, s) in scales.items()})
+            self._check_tower_config(raw)
+        return tower
 
     def image_tokens(self, ids, images, cache: dict | None = None, segments=None) -> ImageTokens | None:
         """The ImageTokens of a batch ids (B, T) and its images, in order of their placeholders' runs; a count of

@@ -57,4 +57,6 @@ class ResumePoint:
         found = self.folder if best == step else self.folder.parent / checkpoint.checkpoint_name(best)
         if not (found / checkpoint.STATE_FILE).is_file():
             return None
-        return best, checkpoint.read_trainable(found, method)
+        from wgpu_train.training.tower_lora import checkpoint_kept
+
+        return best, {**checkpoint.read_trainable(found, method), **checkpoint_kept(checkpoint.read_arrays(found))}

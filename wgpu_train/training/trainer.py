@@ -18,7 +18,7 @@ from wgpu_train.training import checkpoint, tracking
 from wgpu_train.data.batching import split_batch
 from wgpu_train.engines.resources import base_weight_bytes, count_trainable
 from wgpu_train.engines.shared.parts import part_field
-from wgpu_train.training.tower_lora import attach_tower, tower_arrays
+from wgpu_train.training.tower_lora import attach_tower, kept_tensors, language_adapter, restore_kept, tower_arrays
 from wgpu_train.formats import hub
 from wgpu_train.models.moe import router_aux_loss_coef
 from wgpu_train.training.checkpoint import list_checkpoints
@@ -253,7 +253,7 @@ class Trainer:
         if hub.is_hub_id(self.model_name):   # adapters name the hub id as their base, as PEFT writes them
             self.model.name_or_path = self.model_name
         if self.continued_from:
-            self.model.load_adapter(self.continued_from, dropout=lora.dropout, seed=cfg.seed)
+            self.model.load_adapter(language_adapter(self.continued_from), dropout=lora.dropout, seed=cfg.seed)
             self.log(f"adapter: continuing {self.continued_from} (fresh optimizer state)")
         elif lora:
             self.model.add_lora(lora, seed=cfg.seed)
@@ -519,7 +519,8 @@ class Trainer:
     def _early_stop(self, result: dict) -> bool:
         """Track the best validation loss (Progress.track); True when early_stop_patience evaluations in a row
         did not improve on it."""
-        return self.progress.track(result, self.config.early_stop_patience, self.engine.trainable)
+        return self.progress.track(result, self.config.early_stop_patience,
+                                   lambda: kept_tensors(self.engine, self.vision))
 
     # ---- records ----------------------------------------------------------------------------------
     def counters(self) -> dict:
@@ -622,7 +623,7 @@ class Trainer:
             kept = self.progress.best
             if kept is not None and kept[0] == best:
                 adapter_step = best
-                self.engine.set_trainable(kept[1])
+                restore_kept(self.engine, self.vision, kept[1])
                 after = {"loss": h["best_valid_loss"], "perplexity": h["best_valid_perplexity"]}
                 self.log(f"writing the weights of step {best}, the best validation loss "
                          f"({fmt(h['best_valid_loss'])}); the checkpoint of step {self.step} holds the last ones")

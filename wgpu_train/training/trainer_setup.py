@@ -14,7 +14,7 @@ from wgpu_train.engines.shared.quant import describe_packed
 from wgpu_train.errors import ConfigError
 from wgpu_train.formats import hub
 from wgpu_train.models.config import ModelConfig
-from wgpu_train.training.tower_lora import check_continued, check_tower_targets
+from wgpu_train.training.tower_lora import check_continued, check_tower_targets, language_adapter
 from wgpu_train.training.config import PAD_MULTIPLE, TrainConfig, default_model_dir, default_vision_model_dir
 
 
@@ -57,8 +57,7 @@ def resolve_model(cfg: TrainConfig, base_dtype, embed_dtype) -> ModelChoice:
         cfg = dataclasses.replace(cfg, lora_targets=model_targets(cfg.lora_targets, model_cfg))
     lora = cfg.lora_config(model_cfg.num_hidden_layers) if cfg.method == "lora" else None
     if continued_from:
-        check_continued(continued_from)
-        lora = cfg.continued_lora(read_adapter(continued_from, model_cfg)[0], model_cfg)
+        lora = cfg.continued_lora(read_adapter(language_adapter(continued_from), model_cfg)[0], model_cfg)
         cfg = dataclasses.replace(cfg, **lora_options(lora))
     elif lora and cfg.lora_layers_last():          # as the layers it chose
         cfg = dataclasses.replace(cfg, lora_layers=lora_options(lora)["lora_layers"])
@@ -95,6 +94,7 @@ def read_examples(model_dir: Path, data_path, cfg: TrainConfig, model_cfg: Model
     tokenizer = load_tokenizer(model_dir)
     images = cfg.images_demo or is_vision_data(data_path)
     check_tower_targets(cfg, model_dir, bool(images))
+    check_continued(cfg, bool(images))
     s = None if images else resolve_data(data_path, cfg.valid_split, cfg.seed, cfg.skip_invalid, cfg.columns)
     max_seq_len = min(cfg.max_seq_len, model_cfg.max_position_embeddings)
     if max_seq_len < cfg.max_seq_len:

@@ -125,6 +125,10 @@ class GpuVisionTower:
             self._lora[path] = (self.params.offsets[path + ".lora_A"], self.params.offsets[path + ".lora_B"],
                                 a.shape[0], float(scale), b.shape[0], a.shape[1])
 
+    def set_base(self, path: str, weight: np.ndarray):
+        """A LoRA module's base weight (out, in) written over the device's (PiSSA's / OLoRA's residual)."""
+        self.mat["proj" if path == CONNECTOR else path].write(self.rt, weight)
+
     def write_lora(self, arrays: dict):
         """LoRA tensors by name (path.lora_A / .lora_B) written over the device's."""
         for name, arr in arrays.items():
