@@ -2,11 +2,11 @@
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder or on Qwen's blocks and
 mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams
 whose image placeholders take the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's
-DeepStack features). The language model runs on either engine (both have set_images); the SigLIP tower inside the
-engine's train_step (TowerImages: on the device beside WebGPU, webgpu/vision_tower.py, its LoRA's backward too), else
-on the CPU (NumPy); Qwen's towers around the engine's passes, on the device beside WebGPU
-(webgpu/qwen_vision_tower.py, its LoRA's backward too) or on the CPU. (Over 450 lines: the multimodal model's
-whole surface, both tower families.)"""
+DeepStack features). The language model runs on either engine (both have set_images); the tower (SigLIP's or Qwen's)
+inside the engine's train_step (TowerImages: on the device beside WebGPU, webgpu/vision_tower.py or
+qwen_vision_tower.py, its LoRA's backward too), else on the CPU (NumPy): around the engine's passes where the engine
+does not run it (a host tower beside WebGPU, pipeline stages). (Over 450 lines: the multimodal model's whole surface,
+both tower families.)"""
 from __future__ import annotations
 
 import functools
@@ -61,11 +61,11 @@ class VisionModel:
         self.model, self.tower, self.vision, self.settings = model, tower, vision, settings
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
-        # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
-        # NumPy one beside the NumPy engine; else (Qwen's towers, a host tower beside WebGPU, pipeline stages)
-        # the tower runs here, and train_step steps its LoRA around the engine's passes
+        # the tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the NumPy
+        # one beside the NumPy engine; else (a host tower beside WebGPU, pipeline stages) the tower runs here, and
+        # train_step steps its LoRA around the engine's passes
         engine = model.engine
-        self.in_step = (not self.qwen and hasattr(engine, "set_vision_tower")
+        self.in_step = (hasattr(engine, "set_vision_tower")
                         and (device_tower is not None or getattr(engine, "name", "") == "numpy"))
         if self.in_step:
             engine.set_vision_tower(device_tower if device_tower is not None else tower)
@@ -217,8 +217,11 @@ class VisionModel:
             embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
-    def tower_images(self, ids, images) -> TowerImages | None:
-        """The TowerImages of a batch ids (B, T) and its images (image_tokens' count check), or None."""
+    def tower_images(self, ids, images, segments=None) -> TowerImages | None:
+        """The TowerImages of a batch ids (B, T) and its images (image_tokens' count check), or None; segments as
+        image_tokens' (Qwen's M-RoPE positions)."""
+        if self.qwen:
+            return self._qwen_tower_images(ids, images, segments)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
@@ -230,11 +233,34 @@ class VisionModel:
             return None
         return TowerImages(blocks, pixels, functools.partial(self._host_tokens, ids, pixels), bool(self.tower.lora))
 
-    def _host_tokens(self, ids, pixels) -> ImageTokens:
+    def _qwen_tower_images(self, ids, images, segments) -> TowerImages | None:
+        """Qwen's TowerImages: the patches and grids, the M-RoPE positions, the DeepStack features' count."""
+        pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
+                         (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
+        if (ids == self.vision.video_token_id).any():
+            raise DataError(f"videos are not supported (the input holds video_token_id {self.vision.video_token_id})")
+        blocks = image_blocks(ids, self.vision.image_token_id, bidirectional=False)
+        n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
+        if n_tokens != expected:
+            raise DataError(f"{n_tokens} image placeholder tokens for {len(grids)} images of {expected} tokens in all")
+        if not len(grids):
+            return None
+        positions = pair_positions(self.mrope_positions(ids, grids, segments)[0], self.vision.mrope_section)
+        return TowerImages(blocks, np.asarray(pixels, np.float32),
+                           functools.partial(self._host_tokens, ids, (pixels, grids), segments), bool(self.tower.lora),
+                           np.asarray(grids), positions, len(self.vision.deepstack_indexes))
+
+    def _host_tokens(self, ids, pixels, segments=None) -> ImageTokens:
         """TowerImages' host(): their ImageTokens, the tower's LoRA off while the language model's adapter is
         (PEFT's disable_adapter switches both off: a reference's forward)."""
         if getattr(self.model.engine, "adapter_enabled", True) or not self.tower.lora:
-            return self.image_tokens(ids, pixels)
+            return self.image_tokens(ids, pixels, segments=segments)
+        if self.qwen:       # the device tower runs without LoRA while the NumPy tower's is empty
+            lora, self.tower.lora = self.tower.lora, {}
+            try:
+                return self.image_tokens(ids, pixels, segments=segments)
+            finally:
+                self.tower.lora = lora
         blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
         lora, self.tower.lora = self.tower.lora, {}
         try:
@@ -345,7 +371,7 @@ class VisionModel:
         ids = np.asarray(batch.input_ids)
         pictures = [im for row in batch.images or () for im in row]
         if self.in_step and cache is None:
-            images = self.tower_images(ids, pictures)
+            images = self.tower_images(ids, pictures, batch.segment_ids)
         else:
             images = self.image_tokens(ids, pictures, cache, batch.segment_ids)
         return (self._text_ids(ids).astype(np.int32), shift_labels(np.asarray(batch.labels, np.int64)),

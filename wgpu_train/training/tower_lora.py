@@ -36,9 +36,8 @@ def attach_tower(trainer) -> VisionModel:
                           f"stages only for now (their stages do not give its DeepStack features' gradients back)")
     if not vision.in_step and objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
         raise ConfigError(f"LoRA on this model's vision tower trains with --objective {cfg.objective} where the "
-                          f"engine runs the tower inside its step only for now (a SigLIP tower on the NumPy engine, "
-                          f"or on the device beside WebGPU; not Qwen's towers or pipeline stages): use --objective "
-                          f"sft")
+                          f"engine runs the tower inside its step only for now (the NumPy engine, or the device "
+                          f"beside WebGPU; not a host tower beside WebGPU or pipeline stages): use --objective sft")
     r, rng = int(cfg.lora_rank), np.random.default_rng([cfg.seed, 46])
     tensors = {}
     paths = [p for p in vision.tower.modules() if any(selects(p, m) for m in modules)]

@@ -51,16 +51,24 @@ class ImageTokens:
 @dataclasses.dataclass(frozen=True)
 class TowerImages:
     """A micro-batch's images as the pixels its engine's vision tower (engine.set_vision_tower) runs inside the
-    train_step: blocks (B, T) int32 as ImageTokens'; pixels (N, C, H, W) float32, the tower's input, whose N *
-    mm_tokens_per_image embeddings take the image tokens' rows in order (their gradient goes back through the
-    tower's LoRA, where it has one); host: () -> their ImageTokens, the tower's forward outside a step (what an
-    engine's set_images takes them as: scoring, a reference engine's), which switch the tower's LoRA off with the
-    engine's adapter; lora: whether the tower has LoRA (a reference's images differ from the policy's then).
-    positions and deepstack: none (SigLIP's)."""
+    train_step: blocks (B, T) int32 as ImageTokens'; pixels, the tower's input: SigLIP's (N, C, H, W) float32, whose
+    N * mm_tokens_per_image embeddings take the image tokens' rows in order, or Qwen's patches (P, patch dim) of
+    images grids (N, 3) (their P / merge_unit embeddings; the gradient goes back through the tower's LoRA, where it
+    has one); host: () -> their ImageTokens, the tower's forward outside a step (what an engine's set_images takes
+    them as: scoring, a reference engine's), which switch the tower's LoRA off with the engine's adapter; lora:
+    whether the tower has LoRA (a reference's images differ from the policy's then). positions: Qwen's M-RoPE
+    positions (B, T, R/2) as ImageTokens' (computed on the host: no tower needed), else None; deepstack_layers:
+    how many DeepStack features (Qwen3-VL's) the tower gives beside the embeddings, the k-th added to layer k."""
 
     blocks: np.ndarray
     pixels: np.ndarray
     host: object = dataclasses.field(default=None, compare=False, repr=False)
     lora: bool = False
-    positions = None
-    deepstack = ()
+    grids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    deepstack_layers: int = 0
+
+    @property
+    def tower_input(self):
+        """What the tower's forward takes: the pixels, or Qwen's (patches, grids)."""
+        return self.pixels if self.grids is None else (self.pixels, self.grids)
