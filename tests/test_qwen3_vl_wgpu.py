@@ -288,3 +288,50 @@ def test_tower_in_the_step_equals_numpys(vlm, precision):  # noqa: F811
         got = tower_g[name] if name in tower_g else lm_g[name]
         assert_close(got, want, "gpu_params_after_steps" if precision == "fp32" else "sixteen_bit_params_after_steps",
                      name)
+
+
+def test_host_tower_beside_webgpu_honours_the_f16_loss_scaler(vlm, monkeypatch):  # noqa: F811
+    """A tower the device cannot hold runs on the host around the engine's passes (VisionModel.in_step False): with
+    f16 its step scales the loss gradient, unscales both gradients and skips a non-finite step as the engine's own
+    step does: with LoRA on the tower, the step's loss, norm and both adapters equal the NumPy engine's in-step f16
+    step; at a loss scale that overflows the backward, the step is skipped, nothing moves and the scale backs off."""
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.data.batching import Example
+    from wgpu_train.engines.webgpu import qwen_vision_tower
+
+    require_adapter()
+    _, folder, base = vlm
+    ids, mask, labels, imgs = batch(base)
+    n = int(mask[1].sum())
+    micro = [[Example(ids[0], labels[0], images=imgs[:2])], [Example(ids[1, :n], labels[1, :n], images=imgs[2:])]]
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=1.0, eps=1e-2)      # eps: as test_tower_in_the_step_equals_numpys
+    out = {}
+    for backend in ("numpy", "wgpu"):
+        if backend == "wgpu":
+            monkeypatch.setattr(qwen_vision_tower, "runs_on_device", lambda rt, tower: False)
+        vm = load_vision_model(folder, backend=backend, precision="f16")
+        assert vm.in_step == (backend == "numpy")
+        vm.model.add_lora(LoraConfig(r=2, alpha=4, target_modules=("q_proj", "down_proj")), seed=3)
+        rng = np.random.default_rng(5)
+        tensors = {}
+        for path in vm.tower.modules()[::2]:
+            out_f, in_f = vm.tower.w[path + ".weight"].shape
+            tensors[tower_lora_key(path, "A", vm.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+            tensors[tower_lora_key(path, "B", vm.vision)] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+        vm.set_tower_lora(tensors, 2.5)
+        step = vm.train_step(micro, hp, 1)
+        out[backend] = (step, {k: v.copy() for k, v in vm.tower_trainable().items()}, vm.model.lora_state_dict())
+    scaler = vm.model.engine.loss_scaler
+    assert scaler is not None and scaler.scale == 2.0 ** 16
+    (step_c, tower_c, lm_c), (step_g, tower_g, lm_g) = out["numpy"], out["wgpu"]
+    assert step_c[1] == step_g[1] and step_c[3] and step_g[3]
+    assert_close(np.float64(step_g[0] / step_g[1]), step_c[0] / step_c[1], "f16_gpu_loss", "loss")
+    assert_close(np.float64(step_g[2]), step_c[2], "f16_gpu_grads", "norm")
+    for name, want in {**tower_c, **lm_c}.items():
+        got = tower_g[name] if name in tower_g else lm_g[name]
+        assert_close(got, want, "sixteen_bit_params_after_steps", name)
+    scaler.scale = 2.0 ** 60            # the backward's f16 activations overflow
+    skipped = vm.train_step(micro, hp, 2)
+    assert not skipped[3] and not np.isfinite(skipped[2]) and scaler.scale == 2.0 ** 59
+    for name, arr in vm.tower_trainable().items():
+        np.testing.assert_array_equal(arr, tower_g[name])

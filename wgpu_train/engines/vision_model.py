@@ -395,13 +395,19 @@ class VisionModel:
         gradient goes back through the tower, `reduce` (a data-parallel worker's) sums both over the workers, and
         one global norm clips both before AdamW updates each. Where the engine runs the tower (in_step), this is the
         engine's own train_step over TowerImages micro-batches (on WebGPU, one submission: the tower's forward and
-        its LoRA's backward recorded into it); else (Qwen's towers, a host tower beside WebGPU, pipeline stages) the
-        tower runs here around the engine's passes."""
+        its LoRA's backward recorded into it); else (a host tower beside WebGPU, pipeline stages) the tower runs here
+        around the engine's passes, with f16's loss scaler as the engine's step applies it (the loss gradient scaled,
+        both gradients unscaled, a non-finite step skipped and the scaler updated; pipeline stages refuse f16)."""
         micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
         if self.in_step or not self.tower.lora:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
         engine = self.model.engine
+        scaler = getattr(engine, "loss_scaler", None)
+        if scaler is not None and not hasattr(engine, "set_vision_tower"):    # the stages', a copy here
+            raise ConfigError("LoRA on the vision tower over pipeline stages does not train with --precision f16 "
+                              "(the stages keep the loss scaler): use --precision bf16")
+        scale = scaler.scale if scaler is not None else 1.0
         total = sum(int((shift_labels(np.asarray(b.labels, np.int64)) != IGNORE_INDEX).sum()) for b in micro)
         engine.zero_grads()
         self.tower_optimizer.zero_grads()
@@ -411,19 +417,24 @@ class VisionModel:
             ids, targets, seg, pos, *images = self.engine_batch(mb, cache)
             engine.set_images(images[0] if images else None)
             try:
-                loss_sum += engine.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+                loss_sum += engine.forward_backward(ids, targets, seg, pos, scale / max(total, 1))[0]
             finally:
                 engine.set_images(None)
             if images:
                 for name, g in self._tower_backward(cache).items():
                     self.tower_optimizer.add(name, g)
+        if scaler is not None:      # f16: both gradients unscaled (exact: a power of two) before the reduce
+            engine.reduce_gradients(lambda flat, _: flat * np.float32(1.0 / scale), total)
+            self.tower_optimizer.unscale(scale)
         if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
             engine.reduce_gradients(reduce, total)
             self.tower_optimizer.reduce(reduce, total)
         norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
         args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
-        _, applied = engine.apply_update(norm, *args)
+        _, applied = engine.apply_update(norm, *args)      # a non-finite norm skips both updates
         self.tower_optimizer.apply_update(norm, *args)
+        if scaler is not None:
+            scaler.update(applied)
         return loss_sum, total, norm, applied
 
     def state_dict(self) -> dict:
