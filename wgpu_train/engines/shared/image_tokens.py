@@ -47,6 +47,15 @@ class ImageTokens:
         """(B*T,) bool: the image tokens."""
         return self.blocks.reshape(-1) >= 0
 
+    def rows(self, r0: int, r1: int) -> ImageTokens:
+        """The ImageTokens of rows r0:r1: the embeddings and DeepStack features are in the rows' order, so those
+        rows' are one run."""
+        counts = (self.blocks >= 0).sum(axis=1)                                     # (B,) image tokens per row
+        e0, e1 = int(counts[:r0].sum()), int(counts[:r1].sum())
+        return ImageTokens(self.blocks[r0:r1], self.embeds[e0:e1],
+                           None if self.positions is None else self.positions[r0:r1],
+                           tuple(d[e0:e1] for d in self.deepstack))
+
 
 @dataclasses.dataclass(frozen=True)
 class TowerImages:
@@ -67,6 +76,27 @@ class TowerImages:
     grids: np.ndarray | None = None
     positions: np.ndarray | None = None
     deepstack_layers: int = 0
+
+    def __getitem__(self, rows: slice) -> TowerImages:
+        """The TowerImages of rows `rows` (a slice: a data-parallel worker's share of a micro-batch): the images
+        their placeholders take (images go in the rows' order), their positions; host() slices the whole's."""
+        r0, r1, _ = rows.indices(len(self.blocks))
+        counts = (self.blocks >= 0).sum(axis=1)                                     # (B,) image tokens per row
+        t0, t1, n = int(counts[:r0].sum()), int(counts[:r1].sum()), int(counts.sum())
+        if self.grids is None:          # each image (tile) the same count of tokens, a pixel row each
+            sizes = np.ones(len(self.pixels), np.int64)
+            tokens = np.full(len(self.pixels), n // max(len(self.pixels), 1))
+        else:                           # Qwen's: each image its grid's patches, a token per merge unit of them
+            sizes = np.prod(np.asarray(self.grids).reshape(-1, 3), axis=1)
+            tokens = sizes * n // max(int(sizes.sum()), 1)
+        i0, i1 = np.searchsorted(np.cumsum(np.concatenate([[0], tokens])), [t0, t1])
+        p0, p1 = np.cumsum(np.concatenate([[0], sizes]))[[i0, i1]]
+        host = self.host
+        return dataclasses.replace(
+            self, blocks=self.blocks[r0:r1], pixels=self.pixels[p0:p1],
+            host=None if host is None else lambda: host().rows(r0, r1),
+            grids=None if self.grids is None else self.grids[i0:i1],
+            positions=None if self.positions is None else self.positions[r0:r1])
 
     @property
     def tower_input(self):
