@@ -186,6 +186,24 @@ def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
     assert "the vision tower's alone" in capsys.readouterr().err
 
 
+def test_f16_tower_lora_over_pipeline_stages_refused(vlm):
+    """The host-tower loop over an engine whose loss scaler is the stages' (no set_vision_tower: pipeline stages, a
+    copy of their scaler here) refuses f16 with tower LoRA in one line, before any pass."""
+    import copy as copy_module
+    from types import SimpleNamespace
+
+    from wgpu_train.engines.protocol import LossScaler, OptimizerParams
+
+    _, _, vm = vlm
+    staged = copy_module.copy(vm)
+    staged.tower = copy_module.copy(vm.tower)
+    staged.tower.lora = {"visual.blocks.0.attn.qkv": (np.zeros((2, 4)), np.zeros((4, 2)), 1.0)}
+    staged.model, staged.in_step = SimpleNamespace(engine=SimpleNamespace(loss_scaler=LossScaler())), False
+    with pytest.raises(ConfigError, match="over pipeline stages does not train with --precision f16") as e:
+        staged.train_step([], OptimizerParams(lr=1e-3), 1)
+    assert "\n" not in str(e.value)
+
+
 def test_tower_lora_resume_workers_and_pipeline_stages(vlm, tmp_path):
     """Qwen3-VL's tower LoRA: a run resumed from its 1-step checkpoint gives the uninterrupted run's adapter, two
     data-parallel workers (each its DeepStack gradients, all-reduced) one process's; --pipeline-stages 2 (whose
