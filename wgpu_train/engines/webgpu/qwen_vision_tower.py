@@ -4,7 +4,8 @@ position grid and rotary positions): the patch GEMM, blocks with LayerNorm, the 
 attention within each image, gelu_tanh MLP, the patch and DeepStack mergers (erf GELU); frozen, or with LoRA on the
 blocks' and mergers' linears (its tensors on the device, packed, which the engine's optimizer updates), whose backward
 recomputes each block and merger from its kept input. Recorded into the engine's step (record_forward /
-record_backward, the embeddings and DeepStack features into the step's buffers), or a call of its own with a readback."""
+record_backward, the embeddings and DeepStack features into the step's buffers), or a call of its own with a
+readback."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,11 +36,12 @@ def runs_on_device(rt, tower) -> bool:
 class GpuQwenTower:
     """The NumPy tower `tower`'s (a Qwen3VLTower) weights uploaded once as float32 to runtime rt; LoRA (set_lora:
     the NumPy tower's `lora` dict) in `params`, its gradients in `grads` (Packed, every A then every B), used while
-    the NumPy tower's `lora` is not empty (set_lora after each change of it); __call__(pixels (P, patch dim), grids (N, 3)) -> (the merged features
-    (P / 4, text C), the DeepStack features [(P / 4, text C)] in block order) as the NumPy tower's; forward /
-    backward: the same keeping what the backward needs, then the LoRA gradients from both features' gradients. The
-    buffers are kept between calls (grown as needed); record_forward / record_backward record into a given recorder
-    (the engine's step: its buffers in, its buffers out), the others submit. `calls` counts the forwards recorded."""
+    the NumPy tower's `lora` is not empty (set_lora after each change of it); __call__(pixels (P, patch dim), grids
+    (N, 3)) -> (the merged features (P / 4, text C), the DeepStack features [(P / 4, text C)] in block order) as the
+    NumPy tower's; forward / backward: the same keeping what the backward needs, then the LoRA gradients from both
+    features' gradients. The buffers are kept between calls (grown as needed); record_forward / record_backward
+    record into a given recorder (the engine's step: its buffers in, its buffers out), the others submit. `calls`
+    counts the forwards recorded."""
 
     def __init__(self, rt, tower):
         self.rt, self.tower, self.vc = rt, tower, tower.vc
