@@ -100,6 +100,14 @@ class GpuQwenTower:
         return {name: flat[off:off + int(np.prod(self.params.shapes[name]))].reshape(self.params.shapes[name]).copy()
                 for name, off in self.params.offsets.items()}
 
+    def _host(self, run, *args):
+        """run(*args) on the NumPy tower, its LoRA arrays first given the device's (which the engine's step trains)."""
+        for name, arr in self.lora_arrays().items():
+            path, which = name.rsplit(".lora_", 1)
+            if path in self.tower.lora:
+                self.tower.lora[path][0 if which == "A" else 1][...] = arr
+        return run(*args)
+
     def _lora_of(self, path: str):
         """The module's LoRA (offsets, r, scale, out, in) a call runs with, or None: set_lora's while the NumPy
         tower's `lora` is set (a reference's forward empties it)."""
@@ -119,7 +127,7 @@ class GpuQwenTower:
                 j += 1
             rows = sum(sizes[i:j])
             chunk = (np.asarray(pixels[start:start + rows], np.float32), grids[i:j])
-            parts.append(self._run(*chunk, keep=False) if rows <= limit else self.tower(*chunk))
+            parts.append(self._run(*chunk, keep=False) if rows <= limit else self._host(self.tower, *chunk))
             start, i = start + rows, j
         return (np.concatenate([p[0] for p in parts]),
                 [np.concatenate([p[1][k] for p in parts]) for k in range(len(self.vc.deepstack_indexes))])
@@ -131,7 +139,7 @@ class GpuQwenTower:
         binding run on the NumPy tower instead (its cache, without "device": its backward takes it)."""
         rows = int(np.prod(np.asarray(grids).reshape(-1, 3), axis=1).sum())
         if rows * row_width(self.tower) * 4 > self.rt.max_binding:
-            return self.tower.forward(pixels, grids)
+            return self._host(self.tower.forward, pixels, grids)
         merged, deepstack = self._run(np.asarray(pixels, np.float32), grids, keep=True)
         return merged, deepstack, {"device": True, "call": self.calls, "rows": rows, "slot": 0}
 
