@@ -75,9 +75,12 @@ def test_greedy_generation_equals_numpys(pair):
 def test_tower_lora_gradients_beside_webgpu_equal_numpys(vlm):  # noqa: F811
     """LoRA on Qwen3.5's tower (no DeepStack: its gradient is the image rows' alone, which the WebGPU engine gives
     back) beside the language model's, the tower's forward and backward on the device: the loss and every gradient,
-    the tower's too, equal the NumPy engine's."""
+    the tower's too, equal the NumPy engine's; then a train_step with the tower inside the engine's step (one
+    submission on WebGPU): its loss, norm and the tower's LoRA after it equal the NumPy engine's."""
     require_adapter()
     import wgpu_train
+    from wgpu_train.data.batching import Example
+    from wgpu_train.engines.protocol import OptimizerParams
     from wgpu_train.models.vision import tower_lora_key
 
     _, folder, _ = vlm
@@ -101,3 +104,11 @@ def test_tower_lora_gradients_beside_webgpu_equal_numpys(vlm):  # noqa: F811
     assert set(ga) == set(gb) and sum(".visual." in k for k in ga) == len(tensors)
     for name in ga:
         assert_close(gb[name], ga[name], "gpu_grads", name)
+    steps = [vm.train_step([[Example(ids[0], ids[0], images=imgs)]], OptimizerParams(lr=1e-2), 1) for vm in (cpu, gpu)]
+    assert gpu.in_step and gpu.model.engine.last_step["submits"] == 1 and all(s[3] for s in steps)
+    assert_close(np.float64(steps[1][0]), steps[0][0], "gpu_loss", "train_step loss")
+    assert_close(np.float64(steps[1][2]), steps[0][2], "gpu_grads", "train_step norm")
+    tc, tg = (vm.tower_trainable() for vm in (cpu, gpu))
+    for name in tc:
+        assert np.abs(tc[name] - tensors[tower_lora_key(*name.rsplit(".lora_", 1), cpu.vision)]).max() > 0, name
+        assert_close(tg[name], tc[name], "gpu_params_after_steps_lr1e-2", name)

@@ -93,24 +93,54 @@ def test_split_targets_names_qwen_tower_modules():
         split_targets("q_proj,visual.patch_embed.proj")
 
 
-def test_preference_objectives_with_qwen_tower_lora_refused(vlm):
-    """Qwen's tower runs outside the engine's step (VisionModel.in_step False): its LoRA with --objective dpo is
-    refused in one line, before any pair is trained (the SigLIP towers' trains inside the engine's step)."""
+def test_dpo_with_tower_lora_on_webgpu_equals_numpy(vlm, tmp_path):
+    """DPO with LoRA on Qwen3-VL's tower (qkv, the mergers' linear_fc1, DeepStack's too) beside the language
+    model's, the tower inside the engine's step on both engines (its reference's images the tower's LoRA off): the
+    losses and both adapters after two steps on WebGPU are the NumPy engine's (whose tower LoRA gradients
+    test_qwen3_vl_tower_lora_gradients_and_adapter_equal_peft checks against PEFT)."""
+    from conftest import require_adapter
+    from test_vision_preference import config, pref_records, write_pref_data
+    from wgpu_train.formats.safetensors import read_safetensors
+    from wgpu_train.training.preference_trainer import PreferenceTrainer
+
+    require_adapter()
+    _, folder, _ = vlm
+    write_pref_data(tmp_path / "data", pref_records())
+    runs = {}
+    for backend in ("numpy", "wgpu"):
+        trainer = PreferenceTrainer(config(tmp_path, folder, tmp_path / backend, backend=backend, max_steps=2,
+                                           lr=1e-2, adapter_path=None, lora_rank=2, lora_alpha=5,
+                                           lora_targets="q_proj,v_proj,qkv,linear_fc1"), log=lambda m: None)
+        trainer.run()
+        assert trainer.vision.in_step and trainer.vision.tower.lora
+        rows = [json.loads(line) for line in (tmp_path / backend / "run" / "metrics.jsonl").read_text().splitlines()]
+        runs[backend] = ([r["loss"] for r in rows if "grad_norm" in r],
+                         read_safetensors(tmp_path / backend / "run" / "adapter_model.safetensors"))
+    (loss_n, ad_n), (loss_w, ad_w) = runs["numpy"], runs["wgpu"]
+    assert len(loss_n) == 2 and set(ad_n) == set(ad_w)
+    tower = [k for k in ad_n if ".visual." in k]    # qkv and linear_fc1 of 2 blocks, linear_fc1 of 3 mergers
+    # every B moved from 0 but DeepStack merger 0's, whose features join the last layer's output (no label reads it)
+    moved = {k for k in tower if "lora_B" in k and np.abs(ad_n[k]).max() > 0}
+    assert len(tower) == 2 * 7 and moved == {k for k in tower if "lora_B" in k and "deepstack_merger_list.0" not in k}
+    assert_close(np.array(loss_w), np.array(loss_n), "loss_f32", "DPO losses with Qwen's tower LoRA")
+    for name in ad_n:
+        assert_close(ad_w[name], ad_n[name], "gpu_params_after_steps_lr1e-2", name)
+
+
+def test_lora_init_that_changes_the_base_refused_on_qwens_tower(vlm):
+    """PiSSA / OLoRA rewrite a module's base weight (its residual): on Qwen's tower, which keeps no residual, they
+    are refused in one line."""
     from types import SimpleNamespace
 
     from wgpu_train.training.config import TrainConfig
     from wgpu_train.training.tower_lora import attach_tower
 
     _, folder, vm = vlm
-    trainer = SimpleNamespace(config=TrainConfig(lora_targets="q_proj,qkv", objective="dpo"), model=vm.model,
+    trainer = SimpleNamespace(config=TrainConfig(lora_targets="q_proj,qkv", lora_init="olora"), model=vm.model,
                               model_dir=folder, continued_from=None, resume=None, log=print)
-    with pytest.raises(ConfigError, match="trains with --objective dpo where the engine runs the tower inside its "
-                                          "step only") as e:
+    with pytest.raises(ConfigError, match="does not take --lora-init olora on this model's tower") as e:
         attach_tower(trainer)
-    assert "\n" not in str(e.value) and not vm.in_step
-    trainer.config = TrainConfig(lora_targets="q_proj,qkv", lora_init="olora")     # no residual on Qwen's towers
-    with pytest.raises(ConfigError, match="does not take --lora-init olora on this model's tower"):
-        attach_tower(trainer)
+    assert "\n" not in str(e.value)
 
 
 def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
@@ -170,6 +200,24 @@ def test_cli_finetune_with_tower_lora_and_memory(vlm, tmp_path, capsys):
     assert abs(estimate - peak) <= TOLERANCES["vision_tower_memory"].rtol * peak, (estimate, peak)
     assert main(["memory", "--model", str(folder), "--max-seq-len", "128", "--lora-targets", "qkv"]) == 2
     assert "the vision tower's alone" in capsys.readouterr().err
+
+
+def test_f16_tower_lora_over_pipeline_stages_refused(vlm):
+    """The host-tower loop over an engine whose loss scaler is the stages' (no set_vision_tower: pipeline stages, a
+    copy of their scaler here) refuses f16 with tower LoRA in one line, before any pass."""
+    import copy as copy_module
+    from types import SimpleNamespace
+
+    from wgpu_train.engines.protocol import LossScaler, OptimizerParams
+
+    _, _, vm = vlm
+    staged = copy_module.copy(vm)
+    staged.tower = copy_module.copy(vm.tower)
+    staged.tower.lora = {"visual.blocks.0.attn.qkv": (np.zeros((2, 4)), np.zeros((4, 2)), 1.0)}
+    staged.model, staged.in_step = SimpleNamespace(engine=SimpleNamespace(loss_scaler=LossScaler())), False
+    with pytest.raises(ConfigError, match="over pipeline stages does not train with --precision f16") as e:
+        staged.train_step([], OptimizerParams(lr=1e-3), 1)
+    assert "\n" not in str(e.value)
 
 
 def test_tower_lora_resume_workers_and_pipeline_stages(vlm, tmp_path):

@@ -237,3 +237,113 @@ def test_logits_with_a_video_equal_numpys(pair):
     ids = np.array([[7, *video_span(cpu, video), 12, *span(cpu, img), 13]])
     assert gpu.device_tower is not None
     assert_close(gpu.logits(ids, [video, img]), cpu.logits(ids, [video, img]), "gpu_logits", "with a video")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "f16"])
+def test_tower_in_the_step_equals_numpys(vlm, precision):  # noqa: F811
+    """VisionModel.train_step of two micro-batches with their images, Qwen3-VL's tower inside the engine's step
+    (TowerImages: the forward into the step's embeddings and DeepStack features, the LoRA's backward from both
+    gradients, the tower's LoRA in the engine's optimizer): a step with the tower frozen, then 2 with LoRA on it
+    (f16: the loss scaler's scale on both gradients, unscaled with the engine's). On WebGPU each step is one
+    submission; the loss and norm of each step and both adapters after them equal the NumPy engine's. (AdamW's eps
+    1e-2: a first step moves each element by lr times its gradient's sign, which f16's roundings flip for the
+    tiny tower's near-zero gradient elements on either engine, NumPy's f16 against its fp32 too.)"""
+    from wgpu_train.data.batching import Example
+    from wgpu_train.engines.webgpu.tuned.adapter_traits import min_workgroup
+
+    from wgpu_train.adapters.config import LoraConfig
+
+    require_adapter()
+    _, folder, base = vlm
+    ids, mask, labels, imgs = batch(base)
+    n = int(mask[1].sum())
+    micro = [[Example(ids[0], labels[0], images=imgs[:2])], [Example(ids[1, :n], labels[1, :n], images=imgs[2:])]]
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=1.0, eps=1e-2)
+    rng = np.random.default_rng(5)
+    out = {}
+    for backend in ("numpy", "wgpu"):
+        vm = load_vision_model(folder, backend=backend, precision=precision)
+        engine = vm.model.engine
+        assert vm.in_step and (backend == "numpy" or vm.device_tower is not None)
+        if backend == "wgpu":       # the adapter's one-time GEMM probe (its own submissions) first
+            min_workgroup(engine.rt)
+        vm.model.add_lora(LoraConfig(r=2, alpha=4, target_modules=("q_proj", "down_proj")), seed=3)
+        steps = [vm.train_step(micro, hp, 1)]
+        if backend == "wgpu":
+            assert engine.last_step["submits"] == 1, "the frozen tower's step: one submission"
+        tensors = {}
+        for path in vm.tower.modules()[::2]:
+            out_f, in_f = vm.tower.w[path + ".weight"].shape
+            tensors[tower_lora_key(path, "A", vm.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+            tensors[tower_lora_key(path, "B", vm.vision)] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+        rng = np.random.default_rng(5)      # the same tensors on both engines
+        vm.set_tower_lora(tensors, 2.5)
+        for step in (2, 3):
+            steps.append(vm.train_step(micro, hp, step))
+            if backend == "wgpu":
+                assert engine.last_step["submits"] == 1, f"step {step}: one submission"
+        assert all(applied for *_, applied in steps)
+        out[backend] = (steps, {k: v.copy() for k, v in vm.tower_trainable().items()}, vm.model.lora_state_dict())
+    (steps_c, tower_c, lm_c), (steps_g, tower_g, lm_g) = out["numpy"], out["wgpu"]
+    kind = "gpu" if precision == "fp32" else "f16_gpu"
+    for j, ((loss_c, count_c, norm_c, _), (loss_g, count_g, norm_g, _)) in enumerate(zip(steps_c, steps_g)):
+        assert count_g == count_c
+        assert_close(np.float64(loss_g / count_g), loss_c / count_c,
+                     kind + "_loss" if j == 0 or precision == "fp32" else "sixteen_bit_loss_after_steps",
+                     f"step {j + 1} loss")
+        assert_close(np.float64(norm_g), norm_c, kind + "_grads", f"step {j + 1} norm")
+    assert set(tower_g) == set(tower_c) and tower_c and set(lm_g) == set(lm_c)
+    moved = {k for k in tower_c if not np.array_equal(tower_c[k], tensors[tower_lora_key(*k.rsplit(".lora_", 1),
+                                                                                           vm.vision)])}
+    assert moved == set(tower_c), "every tower LoRA tensor trained"
+    for name, want in {**tower_c, **lm_c}.items():
+        got = tower_g[name] if name in tower_g else lm_g[name]
+        assert_close(got, want, "gpu_params_after_steps" if precision == "fp32" else "sixteen_bit_params_after_steps",
+                     name)
+
+
+def test_host_tower_beside_webgpu_honours_the_f16_loss_scaler(vlm, monkeypatch):  # noqa: F811
+    """A tower the device cannot hold runs on the host around the engine's passes (VisionModel.in_step False): with
+    f16 its step scales the loss gradient, unscales both gradients and skips a non-finite step as the engine's own
+    step does: with LoRA on the tower, the step's loss, norm and both adapters equal the NumPy engine's in-step f16
+    step; at a loss scale that overflows the backward, the step is skipped, nothing moves and the scale backs off."""
+    from wgpu_train.adapters.config import LoraConfig
+    from wgpu_train.data.batching import Example
+    from wgpu_train.engines.webgpu import qwen_vision_tower
+
+    require_adapter()
+    _, folder, base = vlm
+    ids, mask, labels, imgs = batch(base)
+    n = int(mask[1].sum())
+    micro = [[Example(ids[0], labels[0], images=imgs[:2])], [Example(ids[1, :n], labels[1, :n], images=imgs[2:])]]
+    hp = OptimizerParams(lr=1e-3, max_grad_norm=1.0, eps=1e-2)      # eps: as test_tower_in_the_step_equals_numpys
+    out = {}
+    for backend in ("numpy", "wgpu"):
+        if backend == "wgpu":
+            monkeypatch.setattr(qwen_vision_tower, "runs_on_device", lambda rt, tower: False)
+        vm = load_vision_model(folder, backend=backend, precision="f16")
+        assert vm.in_step == (backend == "numpy")
+        vm.model.add_lora(LoraConfig(r=2, alpha=4, target_modules=("q_proj", "down_proj")), seed=3)
+        rng = np.random.default_rng(5)
+        tensors = {}
+        for path in vm.tower.modules()[::2]:
+            out_f, in_f = vm.tower.w[path + ".weight"].shape
+            tensors[tower_lora_key(path, "A", vm.vision)] = rng.uniform(-0.3, 0.3, (2, in_f)).astype(np.float32)
+            tensors[tower_lora_key(path, "B", vm.vision)] = (0.3 * rng.standard_normal((out_f, 2))).astype(np.float32)
+        vm.set_tower_lora(tensors, 2.5)
+        step = vm.train_step(micro, hp, 1)
+        out[backend] = (step, {k: v.copy() for k, v in vm.tower_trainable().items()}, vm.model.lora_state_dict())
+    scaler = vm.model.engine.loss_scaler
+    assert scaler is not None and scaler.scale == 2.0 ** 16
+    (step_c, tower_c, lm_c), (step_g, tower_g, lm_g) = out["numpy"], out["wgpu"]
+    assert step_c[1] == step_g[1] and step_c[3] and step_g[3]
+    assert_close(np.float64(step_g[0] / step_g[1]), step_c[0] / step_c[1], "f16_gpu_loss", "loss")
+    assert_close(np.float64(step_g[2]), step_c[2], "f16_gpu_grads", "norm")
+    for name, want in {**tower_c, **lm_c}.items():
+        got = tower_g[name] if name in tower_g else lm_g[name]
+        assert_close(got, want, "sixteen_bit_params_after_steps", name)
+    scaler.scale = 2.0 ** 60            # the backward's f16 activations overflow
+    skipped = vm.train_step(micro, hp, 2)
+    assert not skipped[3] and not np.isfinite(skipped[2]) and scaler.scale == 2.0 ** 59
+    for name, arr in vm.tower_trainable().items():
+        np.testing.assert_array_equal(arr, tower_g[name])

@@ -137,24 +137,36 @@ def test_a_micro_batch_cut_keeps_each_rows_image_tokens():
         np.testing.assert_array_equal(part[4], micro[0][4][rows])
 
 
-def test_a_micro_batch_cut_keeps_each_rows_tower_images():
-    """split_rows of an engine micro-batch with TowerImages (the tower inside the engine's step): each part holds
-    its rows' blocks and pixels (2 tokens an image), and its host() those rows' ImageTokens of the whole batch's."""
+@pytest.mark.parametrize("qwen", [False, True])
+def test_a_micro_batch_cut_keeps_each_rows_tower_images(qwen):
+    """split_rows of a micro-batch with TowerImages (the tower inside the engine's step): each part holds its rows'
+    blocks, M-RoPE positions and the pixels of their images (SigLIP's an image a row of pixels, 2 tokens each;
+    Qwen's each image its grid's patches, a token per 4), and its host() the whole's ImageTokens' rows."""
     from wgpu_train.distributed.data_parallel import split_rows
     from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 
-    blocks = np.full((3, 6), -1, np.int32)                      # row 0: 1 image, row 1: none, row 2: 2 images
-    blocks[0, 1:3], blocks[2, 1:5] = 0, (0, 0, 1, 1)
-    pixels = np.arange(3 * 2 * 2 * 2, dtype=np.float32).reshape(3, 2, 2, 2)
+    blocks = np.full((3, 6), -1, np.int32)                  # row 0: 2 image tokens, row 1: none, row 2: 4
+    blocks[0, 1:3], blocks[2, 1:5] = 0, (1, 1, 2, 2)
+    grids = np.array([[1, 2, 4], [1, 2, 2], [1, 2, 6]]) if qwen else None     # 8, 4, 12 patches: 2, 1, 3 tokens
+    if qwen:
+        blocks[2, 1:5] = (1, 2, 2, 2)
+    pixels = np.arange((24 if qwen else 3) * 5, dtype=np.float32).reshape(-1, 5)
     embeds = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    positions = np.arange(3 * 6 * 2, dtype=np.int32).reshape(3, 6, 2)
+    whole = ImageTokens(blocks, embeds, positions)
     ids = np.arange(18, dtype=np.int32).reshape(3, 6)
-    micro = [(ids, ids, np.ones_like(ids), ids, TowerImages(blocks, pixels, lambda: ImageTokens(blocks, embeds)))]
+    micro = [(ids, ids, np.ones_like(ids), ids, TowerImages(blocks, pixels, lambda: whole, False, grids, positions))]
     first, second = split_rows(micro, 2, 1)
-    for part, rows, images, tokens in ((first, slice(0, 2), slice(0, 1), slice(0, 2)),
-                                       (second, slice(2, 3), slice(1, 3), slice(2, 6))):
-        np.testing.assert_array_equal(part[-1].blocks, blocks[rows])
-        np.testing.assert_array_equal(part[-1].pixels, pixels[images])
-        np.testing.assert_array_equal(part[-1].host().embeds, embeds[tokens])
+    want = ((slice(0, 8), slice(0, 1)), (slice(8, 24), slice(1, 3))) if qwen else \
+        ((slice(0, 1), None), (slice(1, 3), None))
+    for part, rows, (pix, grid) in zip((first, second), (slice(0, 2), slice(2, 3)), want):
+        images = part[-1]
+        np.testing.assert_array_equal(images.blocks, blocks[rows])
+        np.testing.assert_array_equal(images.positions, positions[rows])
+        np.testing.assert_array_equal(images.pixels, pixels[pix])
+        assert (images.grids is None) if grid is None else np.array_equal(images.grids, grids[grid])
+        np.testing.assert_array_equal(images.host().blocks, blocks[rows])
+        assert len(images.host().embeds) == int((blocks[rows] >= 0).sum())
 
 
 @pytest.mark.parametrize("objective, batch_size", [("dpo", 1), ("orpo", 1), ("kto", 2)])

@@ -2,11 +2,11 @@
 model's `Model` beside the vision tower and projector (frozen, or with LoRA on SigLIP's encoder or on Qwen's blocks and
 mergers): logits, loss and LoRA gradients, train steps, PEFT adapter files and greedy generation of token streams
 whose image placeholders take the images' embeddings (Qwen3-VL's and Qwen3.5's with their M-RoPE positions, Qwen3-VL's
-DeepStack features). The language model runs on either engine (both have set_images); the SigLIP tower inside the
-engine's train_step (TowerImages: on the device beside WebGPU, webgpu/vision_tower.py, its LoRA's backward too), else
-on the CPU (NumPy); Qwen's towers around the engine's passes, on the device beside WebGPU
-(webgpu/qwen_vision_tower.py, its LoRA's backward too) or on the CPU. (Over 450 lines: the multimodal model's
-whole surface, both tower families.)"""
+DeepStack features). The language model runs on either engine (both have set_images); the tower (SigLIP's or Qwen's)
+inside the engine's train_step (TowerImages: on the device beside WebGPU, webgpu/vision_tower.py or
+qwen_vision_tower.py, its LoRA's backward too), else on the CPU (NumPy): around the engine's passes where the engine
+does not run it (a host tower beside WebGPU, pipeline stages). (Over 450 lines: the multimodal model's whole surface,
+both tower families.)"""
 from __future__ import annotations
 
 import functools
@@ -71,11 +71,11 @@ class VisionModel:
         self.device_tower = device_tower
         self.tower_optimizer = None     # the tower's LoRA's AdamW where the engine does not run the tower
         self.tower_init: dict = {}      # PiSSA / OLoRA on the tower: path -> (A0, B0) (set_tower_residual)
-        # the SigLIP tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the
-        # NumPy one beside the NumPy engine; else (Qwen's and LFM2-VL's towers, a host tower beside WebGPU,
-        # pipeline stages) the tower runs here, and train_step steps its LoRA around the engine's passes
+        # the tower inside the engine's train_step (TowerImages): the device's beside a WebGPU engine, the NumPy
+        # one beside the NumPy engine; else (LFM2-VL's tower, a host tower beside WebGPU, pipeline stages) the
+        # tower runs here, and train_step steps its LoRA around the engine's passes
         engine = model.engine
-        self.in_step = (not self.qwen and not self.lfm2 and hasattr(engine, "set_vision_tower")
+        self.in_step = (not self.lfm2 and hasattr(engine, "set_vision_tower")
                         and (device_tower is not None or getattr(engine, "name", "") == "numpy"))
         if self.in_step:
             engine.set_vision_tower(device_tower if device_tower is not None else tower)
@@ -270,8 +270,11 @@ class VisionModel:
             embeds = self.tower(pixels)
         return ImageTokens(blocks, embeds.reshape(-1, self.vision.text_hidden_size))
 
-    def tower_images(self, ids, images) -> TowerImages | None:
-        """The TowerImages of a batch ids (B, T) and its images (image_tokens' count check), or None."""
+    def tower_images(self, ids, images, segments=None) -> TowerImages | None:
+        """The TowerImages of a batch ids (B, T) and its images (image_tokens' count check), or None; segments as
+        image_tokens' (Qwen's M-RoPE positions)."""
+        if self.qwen:
+            return self._qwen_tower_images(ids, images, segments)
         m = self.vision.mm_tokens_per_image
         pixels = self.pixel_values(images) if images is not None and len(images) else np.zeros((0,), np.float32)
         blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
@@ -283,11 +286,28 @@ class VisionModel:
             return None
         return TowerImages(blocks, pixels, functools.partial(self._host_tokens, ids, pixels), bool(self.tower.lora))
 
-    def _host_tokens(self, ids, pixels) -> ImageTokens:
+    def _qwen_tower_images(self, ids, images, segments) -> TowerImages | None:
+        """Qwen's TowerImages of ids (B, T) and its images and videos (as _qwen_image_tokens takes them): the
+        patches and grids, the M-RoPE positions, the DeepStack features' count."""
+        pixels, grids, blocks = self._qwen_visual(ids, images)
+        if not len(grids):
+            return None
+        positions = pair_positions(self.mrope_positions(ids, grids, segments)[0], self.vision.mrope_section)
+        return TowerImages(blocks, np.asarray(pixels, np.float32),
+                           functools.partial(self._host_tokens, ids, (pixels, grids), segments), bool(self.tower.lora),
+                           np.asarray(grids), positions, len(self.vision.deepstack_indexes))
+
+    def _host_tokens(self, ids, pixels, segments=None) -> ImageTokens:
         """TowerImages' host(): their ImageTokens, the tower's LoRA off while the language model's adapter is
         (PEFT's disable_adapter switches both off: a reference's forward)."""
         if getattr(self.model.engine, "adapter_enabled", True) or not self.tower.lora:
-            return self.image_tokens(ids, pixels)
+            return self.image_tokens(ids, pixels, segments=segments)
+        if self.qwen:       # the device tower runs without LoRA while the NumPy tower's is empty
+            lora, self.tower.lora = self.tower.lora, {}
+            try:
+                return self.image_tokens(ids, pixels, segments=segments)
+            finally:
+                self.tower.lora = lora
         blocks = image_blocks(ids, self.vision.image_token_id, self.vision.bidirectional)
         lora, self.tower.lora = self.tower.lora, {}
         try:
@@ -301,15 +321,8 @@ class VisionModel:
         their placeholders): the merged patches' embeddings, the DeepStack features, and every token's M-RoPE
         positions (each segment of `segments` (B, T), 0 padding, counted from
         0; the whole row without them); cache as image_tokens'."""
-        pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
-                         (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
         ids = np.atleast_2d(np.asarray(ids))
-        visual = np.isin(ids, (self.vision.image_token_id, self.vision.video_token_id))    # a video's read as images'
-        blocks = image_blocks(visual.astype(np.int64), 1, bidirectional=False)
-        n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
-        if n_tokens != expected:
-            raise DataError(f"{n_tokens} image (and video) placeholder tokens for {len(grids)} images and videos of "
-                            f"{expected} tokens in all")
+        pixels, grids, blocks = self._qwen_visual(ids, images)
         if not len(grids):
             return None
         if self.tower.lora and cache is not None:       # the tower's backward follows: keep its activations
@@ -321,6 +334,19 @@ class VisionModel:
             embeds, deepstack = self.tower(pixels, grids)
         return ImageTokens(blocks, embeds, pair_positions(self.mrope_positions(ids, grids, segments)[0],
                                                           self.vision.mrope_section), tuple(deepstack))
+
+    def _qwen_visual(self, ids, images) -> tuple:
+        """(patches, grids, blocks (B, T)) of ids (B, T) and its images and videos, in the order of their
+        placeholders: a video's tokens read as an image's; a placeholder count that is not the grids' refused."""
+        pixels, grids = (self.pixel_values(images) if images is not None and len(images) else
+                         (np.zeros((0, self.vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)))
+        visual = np.isin(ids, (self.vision.image_token_id, self.vision.video_token_id))
+        blocks = image_blocks(visual.astype(np.int64), 1, bidirectional=False)
+        n_tokens, expected = int((blocks >= 0).sum()), int(np.prod(grids, axis=1).sum()) // self.vision.merge_unit
+        if n_tokens != expected:
+            raise DataError(f"{n_tokens} image (and video) placeholder tokens for {len(grids)} images and videos of "
+                            f"{expected} tokens in all")
+        return pixels, grids, blocks
 
     def _lfm2_image_tokens(self, ids, images, cache: dict | None = None) -> ImageTokens | None:
         """LFM2-VL's ImageTokens of ids (B, T) and its images: every tile's tokens (its patches pooled by the
@@ -422,7 +448,7 @@ class VisionModel:
         ids = np.asarray(batch.input_ids)
         pictures = [im for row in batch.images or () for im in row]
         if self.in_step and cache is None:
-            images = self.tower_images(ids, pictures)
+            images = self.tower_images(ids, pictures, batch.segment_ids)
         else:
             images = self.image_tokens(ids, pictures, cache, batch.segment_ids)
         return (self._text_ids(ids).astype(np.int32), shift_labels(np.asarray(batch.labels, np.int64)),
@@ -446,13 +472,19 @@ class VisionModel:
         gradient goes back through the tower, `reduce` (a data-parallel worker's) sums both over the workers, and
         one global norm clips both before AdamW updates each. Where the engine runs the tower (in_step), this is the
         engine's own train_step over TowerImages micro-batches (on WebGPU, one submission: the tower's forward and
-        its LoRA's backward recorded into it); else (Qwen's towers, a host tower beside WebGPU, pipeline stages) the
-        tower runs here around the engine's passes."""
+        its LoRA's backward recorded into it); else (a host tower beside WebGPU, pipeline stages) the tower runs here
+        around the engine's passes, with f16's loss scaler as the engine's step applies it (the loss gradient scaled,
+        both gradients unscaled, a non-finite step skipped and the scaler updated; pipeline stages refuse f16)."""
         micro = [collate([[e] for e in mb]) if isinstance(mb, list) else mb for mb in micro_batches]
         if self.in_step or not self.tower.lora:
             return self.model.engine.train_step([self.engine_batch(b) for b in micro], hp, step, reduce=reduce,
                                                 **extra)
         engine = self.model.engine
+        scaler = getattr(engine, "loss_scaler", None)
+        if scaler is not None and not hasattr(engine, "set_vision_tower"):    # the stages', a copy here
+            raise ConfigError("LoRA on the vision tower over pipeline stages does not train with --precision f16 "
+                              "(the stages keep the loss scaler): use --precision bf16")
+        scale = scaler.scale if scaler is not None else 1.0
         total = sum(int((shift_labels(np.asarray(b.labels, np.int64)) != IGNORE_INDEX).sum()) for b in micro)
         engine.zero_grads()
         self.tower_optimizer.zero_grads()
@@ -462,19 +494,24 @@ class VisionModel:
             ids, targets, seg, pos, *images = self.engine_batch(mb, cache)
             engine.set_images(images[0] if images else None)
             try:
-                loss_sum += engine.forward_backward(ids, targets, seg, pos, 1.0 / max(total, 1))[0]
+                loss_sum += engine.forward_backward(ids, targets, seg, pos, scale / max(total, 1))[0]
             finally:
                 engine.set_images(None)
             if images:
                 for name, g in self._tower_backward(cache).items():
                     self.tower_optimizer.add(name, g)
+        if scaler is not None:      # f16: both gradients unscaled (exact: a power of two) before the reduce
+            engine.reduce_gradients(lambda flat, _: flat * np.float32(1.0 / scale), total)
+            self.tower_optimizer.unscale(scale)
         if reduce is not None:      # data parallel: the language model's gradients, then the tower's, summed
             engine.reduce_gradients(reduce, total)
             self.tower_optimizer.reduce(reduce, total)
         norm = grad_norm([*engine.gradients().values(), *self.tower_optimizer.grads.values()])
         args = (hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.max_grad_norm, step, hp.lora_b_lr_ratio)
-        _, applied = engine.apply_update(norm, *args)
+        _, applied = engine.apply_update(norm, *args)      # a non-finite norm skips both updates
         self.tower_optimizer.apply_update(norm, *args)
+        if scaler is not None:
+            scaler.update(applied)
         return loss_sum, total, norm, applied
 
     def state_dict(self) -> dict:

@@ -39,9 +39,9 @@ def attach_tower(trainer) -> VisionModel:
                           f"stages only for now (their stages do not give its DeepStack features' gradients back)")
     if not vision.in_step and objective_class(cfg.objective).trainer is not TrainerKind.SUPERVISED:
         raise ConfigError(f"LoRA on this model's vision tower trains with --objective {cfg.objective} where the "
-                          f"engine runs the tower inside its step only for now (a SigLIP tower on the NumPy engine, "
-                          f"or on the device beside WebGPU; not Qwen's or LFM2-VL's towers, or pipeline stages): use --objective "
-                          f"sft")
+                          f"engine runs the tower inside its step only for now (the NumPy engine, or the device "
+                          f"beside WebGPU; not LFM2-VL's tower, a host tower beside WebGPU or pipeline stages): "
+                          f"use --objective sft")
     if continued:       # the adapter's pairs, at its alpha / r, trained on (fresh moments)
         vision.load_tower_adapter(trainer.continued_from)
         paths = list(vision.tower.lora)

@@ -83,7 +83,7 @@ class NumpyEngine(EngineState):
         self.optimizer = Optimizer(self.trainable, self.dtype, self.counters)
         self.steps = StepRunner(cfg, self.mode, self.optimizer, LossScaler() if self.precision.loss_scaling else None,
                                 self.counters, self.forward, self.backward, self.set_images)
-        self.steps.image_grad = lambda: self.image_grad
+        self.steps.image_grad = lambda: (self.image_grad, self.deepstack_grad)
         self.dora = DoraLinear(self.w, self.dtype)
         self.layer_ops = LayerOps(cfg, plans, self.w, self.dtype, inv_freqs, self.rounding, self._linear,
                                   self._linear_backward, self.optimizer.add, lambda name: name in self.grads,
@@ -290,9 +290,9 @@ class NumpyEngine(EngineState):
         self.images = images and images.rounded(lambda x: self.rounding.activation(x.astype(self.dtype), "images"))
 
     def set_vision_tower(self, tower):
-        """The vision tower (engines/numpy/vision_tower.VisionTower, or None) that runs micro-batches ending with
-        TowerImages inside train_step, its LoRA (its `lora` arrays) trained with the engine's LoRA
-        (tower_step.TowerStep): a new optimizer state, zeroed moments."""
+        """The vision tower (engines/numpy/vision_tower.VisionTower or qwen3_vl_tower.Qwen3VLTower, or None) that
+        runs micro-batches ending with TowerImages inside train_step, its LoRA (its `lora` arrays) trained with the
+        engine's LoRA (tower_step.TowerStep): a new optimizer state, zeroed moments."""
         self.steps.tower = TowerStep(tower, self.dtype) if tower is not None else None
 
     def tower_optimizer_state(self) -> dict:

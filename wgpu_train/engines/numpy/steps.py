@@ -35,7 +35,8 @@ class StepRunner:
         self.micro_aux_losses: list = []  # the router aux loss of each training forward since the step began
         self.last_aux_loss = None         # the last train_step's router aux loss (mean over micro-batches), or None
         self.tower = None                 # the vision tower TowerImages run through (tower_step.TowerStep), or None
-        self.image_grad = lambda: None    # the engine's image rows' gradient of the last backward
+        self.image_grad = lambda: (None, {})    # the engine's image rows' and DeepStack features' gradients of the
+        # last backward
 
     def logits(self, ids, segment_ids, position_ids):
         self.mode.training = False
@@ -147,7 +148,7 @@ class StepRunner:
                 if images is not None:
                     self.set_images(None)
                 if cache is not None:
-                    self.tower.backward(self.image_grad(), cache)
+                    self.tower.backward(*self.image_grad(), cache)
                 loss_sum += loss
                 self.step_logps.append(logps)
                 self.step_entropies.append(entropies)

@@ -1,6 +1,6 @@
 """The vision tower a NumPy engine runs inside its train_step (TowerStep): a micro-batch's TowerImages through the
-tower's forward before the language model's, its LoRA's backward after it, and its LoRA's gradients and AdamW
-moments beside the engine's (one global norm, one update)."""
+tower's forward before the language model's (SigLIP's, or Qwen's with its DeepStack features), its LoRA's backward
+after it, and its LoRA's gradients and AdamW moments beside the engine's (one global norm, one update)."""
 from __future__ import annotations
 
 from wgpu_train.engines.numpy.optim import Optimizer
@@ -8,8 +8,8 @@ from wgpu_train.engines.shared.image_tokens import ImageTokens, TowerImages
 
 
 class TowerStep:
-    """tower: engines/numpy/vision_tower.VisionTower (its `lora` dict, whose arrays `optimizer` updates in
-    place); dtype: the engine's."""
+    """tower: engines/numpy/vision_tower.VisionTower or qwen3_vl_tower.Qwen3VLTower (its `lora` dict, whose arrays
+    `optimizer` updates in place); dtype: the engine's."""
 
     def __init__(self, tower, dtype):
         self.tower = tower
@@ -24,15 +24,23 @@ class TowerStep:
         return bool(self.tower.lora)
 
     def forward(self, images: TowerImages) -> tuple:
-        """(the ImageTokens of the images' embeddings, the backward's cache, or None: the tower frozen)."""
-        if self.trains:
-            embeds, cache = self.tower.forward(images.pixels)
+        """(the ImageTokens of the images' embeddings (Qwen's: with their M-RoPE positions and DeepStack
+        features), the backward's cache, or None: the tower frozen)."""
+        qwen = images.grids is not None
+        given = (images.pixels, images.grids) if qwen else (images.pixels,)
+        if self.trains:     # SigLIP's (embeds, cache), Qwen's (embeds, DeepStack features, cache)
+            embeds, *deepstack, cache = self.tower.forward(*given)
         else:
-            embeds, cache = self.tower(images.pixels), None
-        return ImageTokens(images.blocks, embeds.reshape(-1, embeds.shape[-1])), cache
+            embeds, *deepstack, cache = (*(self.tower(*given) if qwen else (self.tower(*given),)), None)
+        return ImageTokens(images.blocks, embeds.reshape(-1, embeds.shape[-1]), images.positions,
+                           tuple(deepstack[0]) if deepstack else ()), cache
 
-    def backward(self, image_grad, cache):
-        """The LoRA gradients from the image rows' gradient (N*M, text C), added to the optimizer's."""
-        dout = image_grad.reshape(cache["n"], self.tower.vc.mm_tokens_per_image, -1)
-        for name, g in self.tower.backward(dout, cache).items():
+    def backward(self, image_grad, deepstack_grad: dict, cache):
+        """The LoRA gradients from the image rows' gradient (N*M, text C) (and Qwen3-VL's DeepStack features'
+        {layer k: (N*M, text C)}), added to the optimizer's."""
+        if "n" in cache:        # SigLIP's: per image
+            grads = self.tower.backward(image_grad.reshape(cache["n"], self.tower.vc.mm_tokens_per_image, -1), cache)
+        else:
+            grads = self.tower.backward(image_grad, [deepstack_grad[k] for k in range(len(deepstack_grad))], cache)
+        for name, g in grads.items():
             self.optimizer.add(name, g)

@@ -65,24 +65,44 @@ def _token_run(blocks, r0: int, r1: int) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class TowerImages:
     """A micro-batch's images as the pixels its engine's vision tower (engine.set_vision_tower) runs inside the
-    train_step: blocks (B, T) int32 as ImageTokens'; pixels (N, C, H, W) float32, the tower's input, whose N *
-    mm_tokens_per_image embeddings take the image tokens' rows in order (their gradient goes back through the
-    tower's LoRA, where it has one); host: () -> their ImageTokens, the tower's forward outside a step (what an
-    engine's set_images takes them as: scoring, a reference engine's), which switch the tower's LoRA off with the
-    engine's adapter; lora: whether the tower has LoRA (a reference's images differ from the policy's then).
-    positions and deepstack: none (SigLIP's)."""
+    train_step: blocks (B, T) int32 as ImageTokens'; pixels, the tower's input: SigLIP's (N, C, H, W) float32, whose
+    N * mm_tokens_per_image embeddings take the image tokens' rows in order, or Qwen's patches (P, patch dim) of
+    images grids (N, 3) (their P / merge_unit embeddings; the gradient goes back through the tower's LoRA, where it
+    has one); host: () -> their ImageTokens, the tower's forward outside a step (what an engine's set_images takes
+    them as: scoring, a reference engine's), which switch the tower's LoRA off with the engine's adapter; lora:
+    whether the tower has LoRA (a reference's images differ from the policy's then). positions: Qwen's M-RoPE
+    positions (B, T, R/2) as ImageTokens' (computed on the host: no tower needed), else None; deepstack_layers:
+    how many DeepStack features (Qwen3-VL's) the tower gives beside the embeddings, the k-th added to layer k."""
 
     blocks: np.ndarray
     pixels: np.ndarray
     host: object = dataclasses.field(default=None, compare=False, repr=False)
     lora: bool = False
-    positions = None
-    deepstack = ()
+    grids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    deepstack_layers: int = 0
 
     def rows(self, r0: int, r1: int) -> TowerImages:
-        """The TowerImages of rows r0:r1 of the batch: their images are one run of the pixels (each image the
-        same count of tokens), and host() the whole batch's, cut to those rows."""
-        e0, e1 = _token_run(self.blocks, r0, r1)
-        per_image = int((self.blocks >= 0).sum()) // len(self.pixels)
-        host = None if self.host is None else (lambda whole=self.host: whole().rows(r0, r1))
-        return TowerImages(self.blocks[r0:r1], self.pixels[e0 // per_image:e1 // per_image], host, self.lora)
+        """The TowerImages of rows r0:r1 (a data-parallel worker's share of a micro-batch): the images their
+        placeholders take (images go in the rows' order), their positions; host() the whole's, cut to those rows."""
+        t0, t1 = _token_run(self.blocks, r0, r1)
+        n = int((self.blocks >= 0).sum())
+        if self.grids is None:          # each image (tile) the same count of tokens, a pixel row each
+            sizes = np.ones(len(self.pixels), np.int64)
+            tokens = np.full(len(self.pixels), n // max(len(self.pixels), 1))
+        else:                           # Qwen's: each image its grid's patches, a token per merge unit of them
+            sizes = np.prod(np.asarray(self.grids).reshape(-1, 3), axis=1)
+            tokens = sizes * n // max(int(sizes.sum()), 1)
+        i0, i1 = np.searchsorted(np.cumsum(np.concatenate([[0], tokens])), [t0, t1])
+        p0, p1 = np.cumsum(np.concatenate([[0], sizes]))[[i0, i1]]
+        host = self.host
+        return dataclasses.replace(
+            self, blocks=self.blocks[r0:r1], pixels=self.pixels[p0:p1],
+            host=None if host is None else lambda: host().rows(r0, r1),
+            grids=None if self.grids is None else self.grids[i0:i1],
+            positions=None if self.positions is None else self.positions[r0:r1])
+
+    @property
+    def tower_input(self):
+        """What the tower's forward takes: the pixels, or Qwen's (patches, grids)."""
+        return self.pixels if self.grids is None else (self.pixels, self.grids)

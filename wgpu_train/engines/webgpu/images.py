@@ -28,7 +28,9 @@ class BatchImages:
     output at the image tokens (frozen: their gradient is the residual stream's, which passes through; None for a
     layer a pipeline stage does not hold); deepstack_grad (count, C) float32 each: the k-th's gradient, layer k's
     output gradient at the image rows, which a backward gathers (for the tower's LoRA; None as deepstack's);
-    pixels: TowerImages' (N, C, H, W), which the vision tower writes embeds from inside the step, or None."""
+    pixels: TowerImages' tower_input (SigLIP's pixels (N, C, H, W), Qwen's (patches, grids)), which the vision
+    tower writes embeds (and the DeepStack features) from inside the step, or None; outputs / output_grads: what
+    the tower writes and the gradients its backward reads, the embeddings' then the DeepStack features'."""
 
     index: object
     embeds: object
@@ -38,6 +40,14 @@ class BatchImages:
     deepstack: tuple = ()
     deepstack_grad: tuple = ()
     pixels: object = None
+
+    @property
+    def outputs(self) -> tuple:
+        return (self.embeds, *self.deepstack)
+
+    @property
+    def output_grads(self) -> tuple:
+        return (self.grad, *self.deepstack_grad)
 
 
 class ImageInputs:
@@ -96,15 +106,17 @@ class ImageInputs:
             rt.write(acts.ids, np.where(flat, -1, np.asarray(ids).reshape(-1)).astype(np.int32))
         embeds, grad = (self._buffer(slot, "embeds", n * c, fmt), self._buffer(slot, "grad", n * c)) if first else \
             (None, None)
-        held = [k in layers for k in range(len(self.tokens.deepstack))]
+        towered = isinstance(self.tokens, TowerImages)
+        n_deep = self.tokens.deepstack_layers if towered else len(self.tokens.deepstack)
+        held = [k in layers for k in range(n_deep)]
         images = BatchImages(self._buffer(slot, "index", n), embeds, self._buffer(slot, "spans", 3 * b * t), grad,
                              n, tuple(self._buffer(slot, f"deepstack {k}", n * c, fmt) if h else None
                                       for k, h in enumerate(held)),
                              tuple(self._buffer(slot, f"deepstack grad {k}", n * c) if h else None
                                    for k, h in enumerate(held)))
         rt.write(images.index, index)
-        if isinstance(self.tokens, TowerImages):
-            images.pixels = self.tokens.pixels
+        if towered:
+            images.pixels = self.tokens.tower_input
         else:
             features = ((images.embeds, self.tokens.embeds),) if first else ()
             for buf, values in (*features, *zip(images.deepstack, self.tokens.deepstack)):

@@ -1,18 +1,21 @@
 """Qwen3-VL's and Qwen3.5's vision tower on the WebGPU engine over the NumPy one (engines/numpy/qwen3_vl_tower, the
 oracle, passed in by engines/vision_model.py: this engine imports nothing of NumPy's; its weights, LoRA, host-side
 position grid and rotary positions): the patch GEMM, blocks with LayerNorm, the 2-D rotary (per-pair positions),
-attention within each image, gelu_tanh MLP, the patch and DeepStack mergers (erf GELU); frozen, or with the NumPy
-tower's LoRA on the blocks' and mergers' linears, whose backward recomputes each block and merger from its kept
-input."""
+attention within each image, gelu_tanh MLP, the patch and DeepStack mergers (erf GELU); frozen, or with LoRA on the
+blocks' and mergers' linears (its tensors on the device, packed, which the engine's optimizer updates), whose backward
+recomputes each block and merger from its kept input. Recorded into the engine's step (record_forward /
+record_backward, the embeddings and DeepStack features into the step's buffers), or a call of its own with a
+readback."""
 from __future__ import annotations
 
 import numpy as np
 
 from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.attention import attention_backward, attention_forward, attention_scratch_size
+from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
-from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
+from wgpu_train.engines.webgpu.tensors import Matrix, Packed, linear_backward, linear_forward
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
                                                          layernorm_forward)
@@ -31,18 +34,21 @@ def runs_on_device(rt, tower) -> bool:
 
 
 class GpuQwenTower:
-    """The NumPy tower `tower`'s (a Qwen3VLTower) weights uploaded once as float32 to runtime rt, with the LoRA its
-    `lora` dict holds at each call; __call__(pixels (P, patch dim), grids (N, 3)) -> (the merged features (P / 4,
-    text C), the DeepStack features [(P / 4, text C)] in block order) as the NumPy tower's; forward / backward: the
-    same keeping what the backward needs, then the LoRA gradients from both features' gradients. The buffers are
-    kept between calls (grown as needed); record_forward / record_backward record into a given recorder, the
-    others submit. `calls` counts the forwards run on the device."""
+    """The NumPy tower `tower`'s (a Qwen3VLTower) weights uploaded once as float32 to runtime rt; LoRA (set_lora:
+    the NumPy tower's `lora` dict) in `params`, its gradients in `grads` (Packed, every A then every B), used while
+    the NumPy tower's `lora` is not empty (set_lora after each change of it); __call__(pixels (P, patch dim), grids
+    (N, 3)) -> (the merged features (P / 4, text C), the DeepStack features [(P / 4, text C)] in block order) as the
+    NumPy tower's; forward / backward: the same keeping what the backward needs, then the LoRA gradients from both
+    features' gradients. The buffers are kept between calls (grown as needed); record_forward / record_backward
+    record into a given recorder (the engine's step: its buffers in, its buffers out), the others submit. `calls`
+    counts the forwards recorded."""
 
     def __init__(self, rt, tower):
         self.rt, self.tower, self.vc = rt, tower, tower.vc
         self.calls = 0
         self._scratch: dict = {}        # name -> (buffer, capacity in elements)
         self._lora: dict = {}           # path -> (A's offset, B's offset, r, scale, out, in) in the packed buffers
+        self.params = self.grads = None     # the LoRA tensors and their gradients (Packed), or None
         self.mat, self.vec = {}, {}
         for name, arr in tower.w.items():
             arr = np.asarray(arr, np.float32)
@@ -61,17 +67,51 @@ class GpuQwenTower:
             have = self._scratch[name] = (self.rt.buffer(max(elems, 1) * 4, "qwen tower " + name), elems)
         return have[0]
 
-    def _set_lora(self):
-        """The NumPy tower's LoRA ({module path: (A (r, in), B (out, r), scale)}) packed, A then B of each module,
-        and uploaded."""
-        self._lora, parts, off = {}, [], 0
-        for path, (a, b, scale) in sorted(self.tower.lora.items()):
-            r, in_f = a.shape
-            self._lora[path] = (off, off + a.size, r, float(scale), b.shape[0], in_f)
-            parts += [np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)]
-            off += a.size + b.size
-        if parts:
-            self.rt.write(self._buffer("lora_params", off), np.concatenate(parts))
+    def set_lora(self, lora: dict):
+        """LoRA ({module path: (A (r, in), B (out, r), scale)}, the NumPy tower's dict; empty: none) uploaded,
+        every A then every B in `params` (the engine's optimizer's order), their gradients in `grads`."""
+        if self.params is not None:
+            self.rt.release(self.params.buf, self.grads.buf)
+        self._lora, self.params, self.grads = {}, None, None
+        if not lora:
+            return
+        order = sorted(lora)
+        shapes = {p + ".lora_A": np.shape(lora[p][0]) for p in order}
+        shapes.update({p + ".lora_B": np.shape(lora[p][1]) for p in order})
+        self.params = Packed(self.rt, shapes, "qwen tower lora_params")
+        self.grads = Packed(self.rt, shapes, "qwen tower lora_grads")
+        for path in order:
+            a, b, scale = lora[path]
+            self.write_lora({path + ".lora_A": a, path + ".lora_B": b})
+            self._lora[path] = (self.params.offsets[path + ".lora_A"], self.params.offsets[path + ".lora_B"],
+                                a.shape[0], float(scale), b.shape[0], a.shape[1])
+
+    def write_lora(self, arrays: dict):
+        """LoRA tensors by name (path.lora_A / .lora_B) written over the device's."""
+        for name, arr in arrays.items():
+            self.rt.write(self.params.buf, np.ascontiguousarray(arr, np.float32).reshape(-1),
+                          self.params.offsets[name] * 4)
+
+    def lora_arrays(self) -> dict:
+        """The LoRA tensors by name (path.lora_A / .lora_B), read back in one readback."""
+        return self._unpack(self.rt.read(self.params.buf, np.float32, (self.params.n,))) if self.params else {}
+
+    def _unpack(self, flat) -> dict:
+        return {name: flat[off:off + int(np.prod(self.params.shapes[name]))].reshape(self.params.shapes[name]).copy()
+                for name, off in self.params.offsets.items()}
+
+    def _host(self, run, *args):
+        """run(*args) on the NumPy tower, its LoRA arrays first given the device's (which the engine's step trains)."""
+        for name, arr in self.lora_arrays().items():
+            path, which = name.rsplit(".lora_", 1)
+            if path in self.tower.lora:
+                self.tower.lora[path][0 if which == "A" else 1][...] = arr
+        return run(*args)
+
+    def _lora_of(self, path: str):
+        """The module's LoRA (offsets, r, scale, out, in) a call runs with, or None: set_lora's while the NumPy
+        tower's `lora` is set (a reference's forward empties it)."""
+        return self._lora.get(path) if self.tower.lora else None
 
     def __call__(self, pixels, grids) -> tuple:
         """The forward (with the tower's LoRA where set), no backward after it: in chunks of whole images whose
@@ -80,7 +120,6 @@ class GpuQwenTower:
         grids = np.asarray(grids).reshape(-1, 3)
         sizes = [int(np.prod(g)) for g in grids]
         limit = self.rt.max_binding // (4 * row_width(self.tower))      # patches a chunk may hold
-        self._set_lora()
         parts, start, i = [], 0, 0
         while i < len(sizes):
             j = i + 1           # images i..j-1: at least one, more while they fit
@@ -88,7 +127,7 @@ class GpuQwenTower:
                 j += 1
             rows = sum(sizes[i:j])
             chunk = (np.asarray(pixels[start:start + rows], np.float32), grids[i:j])
-            parts.append(self._run(*chunk, keep=False) if rows <= limit else self.tower(*chunk))
+            parts.append(self._run(*chunk, keep=False) if rows <= limit else self._host(self.tower, *chunk))
             start, i = start + rows, j
         return (np.concatenate([p[0] for p in parts]),
                 [np.concatenate([p[1][k] for p in parts]) for k in range(len(self.vc.deepstack_indexes))])
@@ -100,42 +139,72 @@ class GpuQwenTower:
         binding run on the NumPy tower instead (its cache, without "device": its backward takes it)."""
         rows = int(np.prod(np.asarray(grids).reshape(-1, 3), axis=1).sum())
         if rows * row_width(self.tower) * 4 > self.rt.max_binding:
-            return self.tower.forward(pixels, grids)
-        self._set_lora()
+            return self._host(self.tower.forward, pixels, grids)
         merged, deepstack = self._run(np.asarray(pixels, np.float32), grids, keep=True)
-        return merged, deepstack, {"device": True, "call": self.calls, "rows": rows}
+        return merged, deepstack, {"device": True, "call": self.calls, "rows": rows, "slot": 0}
 
     def _run(self, pixels, grids, keep: bool) -> tuple:
         """One chunk's images, one submission: (merged features, [DeepStack features])."""
         rec = self.rt.recorder()
-        out, shape = self.record_forward(rec, pixels, grids, keep)
+        self.reserve(len(pixels), keep)
+        out, shape = self._record(rec, pixels, grids, keep, 0)
         rec.read_back(out, np.float32, shape)
         rec.submit()
         out = rec.result()
-        self.calls += 1
         return out[0], list(out[1:])
 
     def _buffers(self, rows: int, keep: bool) -> dict:
-        """The forward's buffers for `rows` patches; keep: each block's input and the final x too (saved k)."""
+        """The forward's buffers for `rows` patches; keep: each block's input and the final x too (saved k), and
+        the backward's."""
         vc = self.vc
-        c, f, r = vc.hidden_size, vc.intermediate_size, max((v[2] for v in self._lora.values()), default=0)
-        n_out = 1 + len(vc.deepstack_indexes)
-        sizes = {"patches": rows * vc.patch_dim, "pos": rows * c, "pairs": rows * vc.head_dim // 2,
-                 "inv_freq": vc.head_dim // 2, "spans": 3 * rows, "x": rows * c, "x2": rows * c, "h": rows * c,
+        c, f, h, r = (vc.hidden_size, vc.intermediate_size, vc.num_heads,
+                      max((v[2] for v in self._lora.values()), default=0))
+        n_out, merged = 1 + len(vc.deepstack_indexes), rows // vc.merge_unit
+        sizes = {"x": rows * c, "x2": rows * c, "h": rows * c,
                  "h2": rows * c, "qkv": rows * 3 * c, "q": rows * c, "k": rows * c, "v": rows * c, "att": rows * c,
                  "lse": vc.num_heads * rows, "f1": rows * f, "g": rows * f, "m1": rows * c, "mg": rows * c,
-                 "m2": rows * c, "out": n_out * rows // vc.merge_unit * vc.text_hidden_size,
+                 "m2": rows * c, "out": n_out * merged * vc.text_hidden_size,
                  **{"lh_" + m: rows * r for m in ("qkv", "proj", "linear_fc1", "linear_fc2")}}
         if keep:
             sizes.update({f"saved {k}": rows * c for k in range(vc.depth + 1)})
-        if self._lora:
-            sizes["lora_params"] = sum(rr * (o + i) for _, _, rr, _, o, i in self._lora.values())
+            sizes.update({"dx": rows * c, "dh": rows * c, "datt": rows * c, "dq": rows * c, "dk": rows * c,
+                          "dv": rows * c, "dqkv": 3 * rows * c, "dg": rows * f, "df1": rows * f, "dm2": rows * c,
+                          "dmg": rows * c, "dm1": rows * c, "att_scratch": attention_scratch_size(1, rows, h),
+                          "ldh": rows * r, "mout": merged * vc.text_hidden_size})
         return {name: self._buffer(name, size) for name, size in sizes.items()}
 
-    def record_forward(self, rec, pixels, grids, keep: bool) -> tuple:
-        """Record the forward of pixels (P, patch dim) of images grids (N, 3) into rec (its inputs written now) ->
-        (the output buffer, its shape (1 + DeepStack mergers, P / 4, text C)): the merged features, then the
-        DeepStack features in block order. keep: each block's input kept for record_backward."""
+    def check_batch(self, rows: int):
+        """A micro-batch's `rows` patches, whose forward inside the engine's step holds them all at once, refused in
+        one line where their widest activation does not fit one storage binding."""
+        need = 4 * rows * row_width(self.tower)
+        if need > self.rt.max_binding:
+            raise DeviceError(f"Qwen's vision tower runs a micro-batch's {rows} patches at once inside the step: "
+                              f"their activations need {need / 2**20:.0f} MiB, over the device's max storage binding "
+                              f"of {self.rt.max_binding / 2**20:.0f} MiB (fewer or smaller images per micro-batch)")
+
+    def reserve(self, rows: int, keep: bool):
+        """Every buffer a recording of forwards (and backwards: keep) of up to `rows` patches each needs, allocated
+        before it records: a buffer grown in between would be one the recording already uses."""
+        self._buffers(rows, keep)
+
+    def record_forward(self, rec, images, outputs, slot=0, keep: bool = False) -> dict:
+        """Record the forward of images (pixels (P, patch dim), grids (N, 3)) into outputs (the engine step's
+        buffers: the merged features (P / 4, text C), then each DeepStack feature's in block order, None for one
+        not held), each in its storage format (the layers' input's); the host's inputs written to slot `slot`'s
+        buffers (a step's micro-batches each their own); keep: each block's input kept for record_backward (after
+        reserve(P, True)). Returns the cache record_backward takes."""
+        pixels, grids = images
+        pixels = np.asarray(pixels, np.float32)
+        out, (n_out, merged, c) = self._record(rec, pixels, grids, keep, slot)
+        for k, y in enumerate(outputs[:n_out]):
+            if y is not None:
+                K.copy(rec, y, at(out, k * merged * c), merged * c)
+        return {"device": True, "call": self.calls, "rows": len(pixels), "slot": slot}
+
+    def _record(self, rec, pixels, grids, keep: bool, slot) -> tuple:
+        """Record the forward of pixels (P, patch dim) of images grids (N, 3) into rec (its inputs written now to
+        slot `slot`'s buffers) -> (the output buffer, its shape (1 + DeepStack mergers, P / 4, text C)): the merged
+        features, then the DeepStack features in block order. keep: each block's input kept for record_backward."""
         vc, rt, tower = self.vc, self.rt, self.tower
         rows, c = len(pixels), vc.hidden_size
         grids = frame_grids(grids)          # a video's frame groups each attend within themselves
@@ -147,6 +216,7 @@ class GpuQwenTower:
         for name, arr in (("patches", pixels), ("pos", np.concatenate([tower.position_embeddings(g) for g in grids])),
                           ("pairs", np.concatenate([p[0][0] for p in rotary]).astype(np.int32)),     # (P, D/2)
                           ("inv_freq", rotary[0][1].astype(np.float32)), ("spans", extents(image + 1, image))):
+            buf[name] = self._buffer(f"{name} {slot}", arr.size)
             rt.write(buf[name], np.ascontiguousarray(arr, np.int32 if arr.dtype.kind == "i" else np.float32)
                      .reshape(-1))
         x, merged = buf["x"], rows // vc.merge_unit
@@ -165,6 +235,7 @@ class GpuQwenTower:
         if keep:
             K.copy(rec, buf[f"saved {vc.depth}"], x, rows * c)
         self._merge(rec, buf, x, buf["out"], *mergers[0], rows)
+        self.calls += 1
         return buf["out"], (1 + len(vc.deepstack_indexes), merged, vc.text_hidden_size)
 
     def _block(self, rec, buf, i, rows):
@@ -199,36 +270,29 @@ class GpuQwenTower:
     def backward(self, dout, ddeepstack, cache) -> dict:
         """The merged features' gradient dout (P / 4, text C) and the DeepStack features' [(P / 4, text C)] (block
         order), after forward's cache -> {module path.lora_A / .lora_B: gradient}: one submission, one readback."""
-        if cache.get("call") != self.calls or not self._lora:
+        if cache.get("call") != self.calls or not (self._lora and self.tower.lora):
             raise ValueError("GpuQwenTower.backward takes the cache of its last forward with LoRA only")
         n = np.asarray(dout).size
         given = self._buffer("dout", (1 + len(ddeepstack)) * n)
         self.rt.write(given, np.concatenate([np.asarray(g, np.float32).reshape(-1) for g in (dout, *ddeepstack)]))
         rec = self.rt.recorder()
-        grads, total = self.record_backward(rec, given, [at(given, (1 + k) * n) for k in range(len(ddeepstack))],
-                                            cache["rows"])
-        rec.read_back(grads, np.float32, (total,))
+        K.fill(rec, self.grads.buf, 0.0, self.grads.n)
+        self.record_backward(rec, [at(given, k * n) for k in range(1 + len(ddeepstack))], cache)
+        rec.read_back(self.grads.buf, np.float32, (self.grads.n,))
         rec.submit()
-        flat = rec.result()
-        return {f"{path}.lora_{w}": flat[o:o + n].reshape(shape)
-                for path, (a, b, r, _, out_f, in_f) in self._lora.items()
-                for w, o, n, shape in (("A", a, r * in_f, (r, in_f)), ("B", b, out_f * r, (out_f, r)))}
+        return self._unpack(rec.result())
 
-    def record_backward(self, rec, dout, ddeepstack, rows: int) -> tuple:
-        """Record the LoRA gradients' backward into rec after record_forward(keep=True) of `rows` patches, from the
-        device buffers dout (P / 4, text C) and ddeepstack [(P / 4, text C)] (block order), float32 (the engine's
-        image rows' and DeepStack features' gradients, or backward's upload of them) -> (the gradients' buffer, its
-        elements): each merger's and block's forward again from its kept input, then its backward, last first."""
-        vc = self.vc
-        c, f, h, merged = vc.hidden_size, vc.intermediate_size, vc.num_heads, rows // vc.merge_unit
+    def record_backward(self, rec, output_grads, cache):
+        """Record the LoRA gradients' backward into rec after the record_forward(keep=True) whose cache this is
+        (and before the next), from the device buffers output_grads: the merged features' gradient (P / 4, text
+        C), then the DeepStack features' (block order), float32 (the engine's image rows' and DeepStack features'
+        gradients, or backward's upload of them); the gradients added to `grads`: each merger's and block's forward
+        again from its kept input, then its backward, last first."""
+        vc, (dout, *ddeepstack) = self.vc, output_grads
+        rows, slot = cache["rows"], cache["slot"]
+        c, f, h = vc.hidden_size, vc.intermediate_size, vc.num_heads
         buf = self._buffers(rows, True)
-        total = sum(r * (o + i) for _, _, r, _, o, i in self._lora.values())
-        r = max(v[2] for v in self._lora.values())
-        sizes = {"dx": rows * c, "dh": rows * c, "datt": rows * c, "dq": rows * c, "dk": rows * c, "dv": rows * c,
-                 "dqkv": 3 * rows * c, "dg": rows * f, "df1": rows * f, "dm2": rows * c, "dmg": rows * c, "dm1": rows * c,
-                 "att_scratch": attention_scratch_size(1, rows, h), "ldh": rows * r,
-                 "mout": merged * vc.text_hidden_size, "lora_grads": total}
-        buf.update({name: self._buffer(name, size) for name, size in sizes.items()})
+        buf.update({name: self._buffer(f"{name} {slot}", 1) for name in ("pairs", "inv_freq", "spans")})
         mergers, dx = self.tower.mergers(), buf["dx"]
         self._merge_backward(rec, buf, buf[f"saved {vc.depth}"], dout, *mergers[0], rows, False)
         for i in reversed(range(vc.depth)):
@@ -252,7 +316,6 @@ class GpuQwenTower:
             K.split_backward(rec, buf["dqkv"], [buf["dq"], buf["dk"], buf["dv"]], rows, (c, c, c))
             self._linear_backward(rec, buf, buf["dh"], buf["dqkv"], buf["h"], p + "attn.qkv", rows)
             self._layernorm_backward(rec, dx, buf["dh"], x_in, p + "norm1", rows, c)
-        return buf["lora_grads"], total
 
     def _merge_backward(self, rec, buf, x, dy, prefix, post_norm, rows, accumulate):
         """A merger's forward again from its input x, then its input's gradient from dy (P / 4, text C) into
@@ -267,20 +330,20 @@ class GpuQwenTower:
 
     def _linear(self, rec, buf, y, x, path, rows, accumulate=False):
         linear_forward(rec, y, x, self.mat[path + ".weight"], self.vec[path + ".bias"], rows, accumulate)
-        if path in self._lora:
-            a, b, r, scale, out_f, in_f = self._lora[path]
-            params = buf["lora_params"]
+        if self._lora_of(path) is not None:
+            a, b, r, scale, out_f, in_f = self._lora_of(path)
+            params = self.params.buf
             lora_forward(rec, y, buf["lh_" + path.rsplit(".", 1)[1]], x, at(params, a), at(params, b), scale, rows,
                          in_f, out_f, r)
 
     def _linear_backward(self, rec, buf, dx, dy, x, path, rows):
         """dx = dy @ W (the base frozen) and the module's LoRA gradients from its input x and its h."""
         linear_backward(rec, dx, None, None, dy, None, self.mat[path + ".weight"], rows)
-        if path in self._lora:
-            a, b, r, scale, out_f, in_f = self._lora[path]
-            params, grads = buf["lora_params"], buf["lora_grads"]
+        if self._lora_of(path) is not None:
+            a, b, r, scale, out_f, in_f = self._lora_of(path)
+            params, grads = self.params.buf, self.grads.buf
             lora_backward(rec, dx, at(grads, a), at(grads, b), dy, x, buf["lh_" + path.rsplit(".", 1)[1]],
-                          at(params, a), at(params, b), scale, rows, in_f, out_f, r, buf["ldh"])
+                          at(params, a), at(params, b), scale, rows, in_f, out_f, r, buf["ldh"], accumulate_grads=True)
 
     def _layernorm(self, rec, y, x, path, rows, width):
         layernorm_forward(rec, y, x, self.vec[path + ".weight"], self.vec[path + ".bias"], rows, width,

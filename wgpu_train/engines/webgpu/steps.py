@@ -254,7 +254,8 @@ class StepRunner:
         if self.tower is None:      # no tower here (a reference engine's): the images' embeddings from the host
             micro_batches = [(*mb[:-1], mb[-1].host()) if isinstance(mb[-1], TowerImages) else mb
                              for mb in micro_batches]
-        towered = [len(mb[-1].pixels) for mb in micro_batches if isinstance(mb[-1], TowerImages)]
+        towered = [len(mb[-1].pixels) for mb in micro_batches if isinstance(mb[-1], TowerImages)]   # images, or
+        # Qwen's patches
         trains_tower = bool(towered) and self.tower.params is not None
         if towered:     # every buffer of the tower's forwards (and backwards) allocated before they are recorded
             self.tower.check_batch(max(towered))
@@ -289,7 +290,7 @@ class StepRunner:
             self.dropout.write(j, self.layers.lora)
             im = acts.images if acts.images is not None and acts.images.pixels is not None else None
             if im is not None:      # the tower's embeddings of the micro-batch's images, in its slot
-                tower_cache = self.tower.record_forward(rec, im.pixels, im.embeds, slot=j, keep=trains_tower)
+                tower_cache = self.tower.record_forward(rec, im.pixels, im.outputs, slot=j, keep=trains_tower)
             self.layers.record_forward(rec, acts)
             if host:     # the step so far submitted, the head's log-probabilities to the host and its weights back
                 self.layers.record_head(rec, acts, backward=False, part="forward")
@@ -300,8 +301,8 @@ class StepRunner:
                 self.buckets.upload_row_weights(acts, objective.weights(logps), slot=j)
                 rec = rt.recorder(profile=profile, max_dispatches=self.dispatch_budget)
             self.layers.record_backward(rec, acts, head_part="backward" if host else None)
-            if im is not None and trains_tower:     # the tower's LoRA gradients from the image rows'
-                self.tower.record_backward(rec, im.grad, tower_cache)
+            if im is not None and trains_tower:     # the tower's LoRA gradients from the image rows' (and DeepStack's)
+                self.tower.record_backward(rec, im.output_grads, tower_cache)
             K.cross_entropy_reduce(rec, (self.results, 2 * j), acts.loss_rows, acts.valid_rows, acts.n_head)
             if n_aux:
                 self.layers.record_router_aux_loss(rec, acts, (self.results, aux_at + j))

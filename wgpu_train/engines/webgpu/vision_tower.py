@@ -215,18 +215,18 @@ class GpuVisionTower:
         self.reserve(n, keep)
         out = self._buffer("embeds", n * vc.mm_tokens_per_image * vc.text_hidden_size)
         rec = self.rt.recorder()
-        cache = self.record_forward(rec, pixels, out, keep=keep)
+        cache = self.record_forward(rec, pixels, (out,), keep=keep)
         rec.read_back(out, np.float32, (n, vc.mm_tokens_per_image, vc.text_hidden_size))
         rec.submit()
         return rec.result(), cache
 
-    def record_forward(self, rec, pixels, out, slot=0, keep: bool = False) -> dict:
-        """Record the forward of pixels (N, C, H, W) into `out` (N*M, text C) in out's storage format (the
+    def record_forward(self, rec, pixels, outputs, slot=0, keep: bool = False) -> dict:
+        """Record the forward of pixels (N, C, H, W) into outputs (out,): out (N*M, text C) in its storage format (the
         layers' input's: float32, bf16 or f16); the host's inputs written to slot `slot`'s buffers (a step's
         micro-batches each their own); keep: each layer's input kept for record_backward (after reserve(N, True)).
         Returns the cache backward takes."""
         vc, rt = self.vc, self.rt
-        pixels = self._check(pixels)
+        pixels, (out,) = self._check(pixels), outputs
         n, c = len(pixels), vc.hidden_size
         patches = unfold_patches(pixels, vc.patch_size)                                      # (N, T, C_in*p*p)
         t = patches.shape[1]
@@ -285,16 +285,16 @@ class GpuVisionTower:
         self.rt.write(d, np.ascontiguousarray(dout, np.float32).reshape(-1))
         rec = self.rt.recorder()
         K.fill(rec, self.grads.buf, 0.0, self.grads.n)
-        self.record_backward(rec, d, cache)
+        self.record_backward(rec, (d,), cache)
         rec.read_back(self.grads.buf, np.float32, (self.grads.n,))
         rec.submit()
         return self._unpack(rec.result())
 
-    def record_backward(self, rec, dout, cache):
-        """Record the backward from the image embeddings' gradient dout (N*M, text C) float32 (a device buffer),
-        after the record_forward (keep) whose cache this is and before the next: the projector's backward, then
-        each layer's, recomputed from its kept input first; the LoRA gradients added to `grads`."""
-        vc = self.vc
+    def record_backward(self, rec, output_grads, cache):
+        """Record the backward from output_grads (dout,): the image embeddings' gradient (N*M, text C) float32 (a
+        device buffer), after the record_forward (keep) whose cache this is and before the next: the projector's
+        backward, then each layer's, recomputed from its kept input first; the LoRA gradients added to `grads`."""
+        vc, (dout,) = self.vc, output_grads
         n, t = cache["n"], cache["t"]
         rows, c, f, h = n * t, vc.hidden_size, vc.intermediate_size, vc.num_heads
         buf = self._buffers(n, t, True)
