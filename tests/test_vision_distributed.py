@@ -414,6 +414,7 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp
     its rows' images through its own tower: the adapter of one process with the whole batch; and DPO on TRL's
     vision pairs (each worker reads the pairs' image files itself), as one process trains it."""
     import os
+    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
     ray = pytest.importorskip("ray", reason="Ray Train is the test extra's (pip install -e '.[test]')")
@@ -421,7 +422,7 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp
 
     _, folder, _ = chat_vlm
     data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
-    kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_targets=TOWER_TARGETS)
+    kw = _run_kw(folder, data, batch_size=1, max_steps=2, lora_targets=TOWER_TARGETS)
     finetune(out=str(tmp_path / "one"), grad_accum=2, **kw)
     from test_vision_preference import config
 
@@ -429,15 +430,17 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp
     dpo = dict(objective="dpo", batch_size=1, max_steps=2, lr=1e-2)
     finetune(config(root, folder, tmp_path / "dpo-one", grad_accum=2, **dpo))
     path = os.pathsep.join([str(Path(wgpu_train.__file__).resolve().parent.parent), str(Path(__file__).parent)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}})
-    try:
-        two = finetune(out=str(tmp_path / "two"), num_workers=2, **kw)
-        dpo_two = finetune(config(root, folder, tmp_path / "dpo-two", num_workers=2, **dpo))
+    try:      # the two runs side by side (2 of Ray's 4 CPUs each): their workers' start-ups overlap
+        with ThreadPoolExecutor(2) as pool:
+            runs = (pool.submit(finetune, out=str(tmp_path / "two"), num_workers=2, **kw),
+                    pool.submit(finetune, config(root, folder, tmp_path / "dpo-two", num_workers=2, **dpo)))
+            two, dpo_two = (run.result() for run in runs)
     finally:
         ray.shutdown()
     assert two["data_parallel"]["workers"] == 2 and two["images"] == 5
-    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy", steps=2)
     assert dpo_two["data_parallel"]["workers"] == 2 and dpo_two["images"] == 4
     _assert_same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", "data_parallel_numpy", steps=2,
                      start=_adapter(root / "adapter"))
