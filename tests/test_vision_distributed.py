@@ -524,7 +524,7 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp
 
     _, folder, _ = chat_vlm
     data = write_vision_data(tmp_path / "data", vision_records() + vision_records()[:1])
-    kw = _run_kw(folder, data, batch_size=1, max_steps=3, lora_targets=TOWER_TARGETS)
+    kw = _run_kw(folder, data, batch_size=1, max_steps=2, lora_targets=TOWER_TARGETS)
     finetune(out=str(tmp_path / "one"), grad_accum=2, **kw)
     from test_vision_preference import config
 
@@ -540,7 +540,7 @@ def test_two_ray_workers_with_images_equal_one_process(chat_vlm, pref_setup, tmp
     finally:
         ray.shutdown()
     assert two["data_parallel"]["workers"] == 2 and two["images"] == 5
-    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy")
+    _assert_same_run(tmp_path / "one", tmp_path / "two", "data_parallel_tower_numpy", steps=2)
     assert dpo_two["data_parallel"]["workers"] == 2 and dpo_two["images"] == 4
     _assert_same_run(tmp_path / "dpo-one" / "run", tmp_path / "dpo-two" / "run", "data_parallel_numpy", steps=2,
                      start=_adapter(root / "adapter"))
