@@ -15,7 +15,8 @@ from wgpu_train.engines.webgpu.attention import attention_backward, attention_fo
 from wgpu_train.errors import DeviceError
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
-from wgpu_train.engines.webgpu.tensors import Matrix, Packed, linear_backward, linear_forward
+from wgpu_train.engines.webgpu.device_tower import DeviceTower
+from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
                                                          layernorm_forward)
@@ -33,7 +34,7 @@ def runs_on_device(rt, tower) -> bool:
     return supported_head_dim(tower.vc.head_dim)
 
 
-class GpuQwenTower:
+class GpuQwenTower(DeviceTower):
     """The NumPy tower `tower`'s (a Qwen3VLTower) weights uploaded once as float32 to runtime rt; LoRA (set_lora:
     the NumPy tower's `lora` dict) in `params`, its gradients in `grads` (Packed, every A then every B), used while
     the NumPy tower's `lora` is not empty (set_lora after each change of it); __call__(pixels (P, patch dim), grids
@@ -43,12 +44,12 @@ class GpuQwenTower:
     record into a given recorder (the engine's step: its buffers in, its buffers out), the others submit. `calls`
     counts the forwards recorded."""
 
+    label = "qwen tower"
+
     def __init__(self, rt, tower):
-        self.rt, self.tower, self.vc = rt, tower, tower.vc
+        super().__init__(rt)
+        self.tower, self.vc = tower, tower.vc
         self.calls = 0
-        self._scratch: dict = {}        # name -> (buffer, capacity in elements)
-        self._lora: dict = {}           # path -> (A's offset, B's offset, r, scale, out, in) in the packed buffers
-        self.params = self.grads = None     # the LoRA tensors and their gradients (Packed), or None
         self.mat, self.vec = {}, {}
         for name, arr in tower.w.items():
             arr = np.asarray(arr, np.float32)
@@ -58,47 +59,6 @@ class GpuQwenTower:
                 self.mat[name] = Matrix(rt, *arr.shape, name, arr)
             elif arr.ndim == 1:
                 self.vec[name] = rt.upload(arr, name)
-
-    def _buffer(self, name: str, elems: int):
-        have = self._scratch.get(name)
-        if have is None or have[1] < elems:
-            if have is not None:
-                self.rt.release(have[0])
-            have = self._scratch[name] = (self.rt.buffer(max(elems, 1) * 4, "qwen tower " + name), elems)
-        return have[0]
-
-    def set_lora(self, lora: dict):
-        """LoRA ({module path: (A (r, in), B (out, r), scale)}, the NumPy tower's dict; empty: none) uploaded,
-        every A then every B in `params` (the engine's optimizer's order), their gradients in `grads`."""
-        if self.params is not None:
-            self.rt.release(self.params.buf, self.grads.buf)
-        self._lora, self.params, self.grads = {}, None, None
-        if not lora:
-            return
-        order = sorted(lora)
-        shapes = {p + ".lora_A": np.shape(lora[p][0]) for p in order}
-        shapes.update({p + ".lora_B": np.shape(lora[p][1]) for p in order})
-        self.params = Packed(self.rt, shapes, "qwen tower lora_params")
-        self.grads = Packed(self.rt, shapes, "qwen tower lora_grads")
-        for path in order:
-            a, b, scale = lora[path]
-            self.write_lora({path + ".lora_A": a, path + ".lora_B": b})
-            self._lora[path] = (self.params.offsets[path + ".lora_A"], self.params.offsets[path + ".lora_B"],
-                                a.shape[0], float(scale), b.shape[0], a.shape[1])
-
-    def write_lora(self, arrays: dict):
-        """LoRA tensors by name (path.lora_A / .lora_B) written over the device's."""
-        for name, arr in arrays.items():
-            self.rt.write(self.params.buf, np.ascontiguousarray(arr, np.float32).reshape(-1),
-                          self.params.offsets[name] * 4)
-
-    def lora_arrays(self) -> dict:
-        """The LoRA tensors by name (path.lora_A / .lora_B), read back in one readback."""
-        return self._unpack(self.rt.read(self.params.buf, np.float32, (self.params.n,))) if self.params else {}
-
-    def _unpack(self, flat) -> dict:
-        return {name: flat[off:off + int(np.prod(self.params.shapes[name]))].reshape(self.params.shapes[name]).copy()
-                for name, off in self.params.offsets.items()}
 
     def _host(self, run, *args):
         """run(*args) on the NumPy tower, its LoRA arrays first given the device's (which the engine's step trains)."""

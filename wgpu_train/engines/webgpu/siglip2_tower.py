@@ -12,6 +12,7 @@ from wgpu_train.engines.webgpu import kernels as K
 from wgpu_train.engines.webgpu.attention import attention_backward, attention_forward, attention_scratch_size
 from wgpu_train.engines.webgpu.device.operands import at
 from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
+from wgpu_train.engines.webgpu.device_tower import DeviceTower
 from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
@@ -32,18 +33,19 @@ def runs_on_device(rt, tower) -> bool:
     return supported_head_dim(tower.vc.head_dim)
 
 
-class GpuSiglip2Tower:
+class GpuSiglip2Tower(DeviceTower):
     """The NumPy tower `tower`'s (a Siglip2Tower) weights uploaded once as float32 to runtime rt, with the LoRA its
     `lora` dict holds at each call; __call__(pixels: (pixel_values (N, P, patch dim), pixel_attention_mask,
     spatial_shapes (N, 2))) -> the image tokens' embeddings (tokens of all N tiles, text C) as the NumPy tower's;
     forward / backward: the same keeping what the backward needs, then the LoRA gradients from the tokens'
     gradient. Buffers kept between calls (grown as needed); `calls` counts the forwards run on the device."""
 
+    label = "siglip2 tower"
+
     def __init__(self, rt, tower):
-        self.rt, self.tower, self.vc = rt, tower, tower.vc
+        super().__init__(rt)
+        self.tower, self.vc = tower, tower.vc
         self.calls = 0
-        self._scratch: dict = {}        # name -> (buffer, capacity in elements)
-        self._lora: dict = {}           # path -> (A's offset, B's offset, r, scale, out, in) in the packed buffers
         self._positions: dict = {}      # (rows, cols) -> the resized position grid (rows * cols, C) float32
         self.mat, self.vec = {}, {}
         for name, arr in tower.w.items():
@@ -52,14 +54,6 @@ class GpuSiglip2Tower:
                 self.mat[name] = Matrix(rt, *arr.shape, name, arr)
             elif arr.ndim == 1:
                 self.vec[name] = rt.upload(arr, name)
-
-    def _buffer(self, name: str, elems: int):
-        have = self._scratch.get(name)
-        if have is None or have[1] < elems:
-            if have is not None:
-                self.rt.release(have[0])
-            have = self._scratch[name] = (self.rt.buffer(max(elems, 1) * 4, "siglip2 tower " + name), elems)
-        return have[0]
 
     def _set_lora(self):
         """The NumPy tower's LoRA ({module path: (A (r, in), B (out, r), scale)}) packed, A then B of each module,

@@ -17,7 +17,8 @@ from wgpu_train.engines.webgpu.attention import attention_backward, attention_fo
 from wgpu_train.engines.webgpu.device.operands import at, split
 from wgpu_train.engines.webgpu.lora import lora_backward, lora_forward
 from wgpu_train.engines.webgpu.device import storage
-from wgpu_train.engines.webgpu.tensors import Matrix, Packed, linear_backward, linear_forward
+from wgpu_train.engines.webgpu.device_tower import DeviceTower
+from wgpu_train.engines.webgpu.tensors import Matrix, linear_backward, linear_forward
 from wgpu_train.engines.webgpu.tuned.attention_kernels import extents, supported_head_dim
 from wgpu_train.engines.webgpu.tuned.gemm import gemm
 from wgpu_train.engines.webgpu.vision_tower_ops import (gelu_backward, gelu_forward, layernorm_backward,
@@ -47,7 +48,7 @@ def runs_on_device(rt, vc: VisionConfig) -> bool:
     return supported_head_dim(vc.head_dim) and image_elements(vc) * 4 <= rt.max_binding
 
 
-class GpuVisionTower:
+class GpuVisionTower(DeviceTower):
     """The tower and projector on runtime rt over their weights ({our name (models/vision.tensor_shapes): array}),
     uploaded once as float32; LoRA on the encoder's linears (set_lora: the NumPy tower's `lora` dict) in `params`,
     its gradients in `grads` (Packed, every A then every B). __call__: the forward, pixel_values (N, C, H, W) -> the
@@ -56,10 +57,8 @@ class GpuVisionTower:
     engine's step), from and to device buffers."""
 
     def __init__(self, rt, vc: VisionConfig, weights: dict):
-        self.rt, self.vc = rt, vc
-        self._scratch: dict = {}        # name -> (buffer, capacity in elements), grown as batches need
-        self._lora: dict = {}           # path -> (A's offset, B's offset, r, scale, out, in) in the packed buffers
-        self.params = self.grads = None     # the LoRA tensors and their gradients (Packed), or None
+        super().__init__(rt)
+        self.vc = vc
         self._calls = 0                 # forwards so far: a backward takes the last one's cache only
         w = {k: np.asarray(v, np.float32) for k, v in weights.items()}
         e = TOWER + "embeddings."
@@ -76,14 +75,6 @@ class GpuVisionTower:
         else:                   # Gemma 3: stored (C, text C), used as x @ it
             proj = np.ascontiguousarray(w[PROJ + "mm_input_projection_weight"].T)
         self.mat["proj"] = Matrix(rt, *proj.shape, "tower projection", proj)
-
-    def _buffer(self, name: str, elems: int):
-        have = self._scratch.get(name)
-        if have is None or have[1] < elems:
-            if have is not None:
-                self.rt.release(have[0])
-            have = self._scratch[name] = (self.rt.buffer(max(elems, 1) * 4, "tower " + name), elems)
-        return have[0]
 
     def _buffers(self, n: int, t: int, keep: bool) -> dict:
         """The forward's buffers for n images of t patches (LoRA's h of each module where it has LoRA); keep: the
@@ -106,42 +97,9 @@ class GpuVisionTower:
         self._buffers(n, self.vc.patches_per_side ** 2, keep)
         self._project_buffers(n)
 
-    def set_lora(self, lora: dict):
-        """LoRA ({module path: (A (r, in), B (out, r), scale)}, the NumPy tower's dict; empty: none) uploaded,
-        every A then every B in `params`, their gradients zeroed in `grads`."""
-        if self.params is not None:
-            self.rt.release(self.params.buf, self.grads.buf)
-        self._lora, self.params, self.grads = {}, None, None
-        if not lora:
-            return
-        order = sorted(lora)
-        shapes = {p + ".lora_A": np.shape(lora[p][0]) for p in order}
-        shapes.update({p + ".lora_B": np.shape(lora[p][1]) for p in order})
-        self.params = Packed(self.rt, shapes, "tower lora_params")
-        self.grads = Packed(self.rt, shapes, "tower lora_grads")
-        for path in order:
-            a, b, scale = lora[path]
-            self.write_lora({path + ".lora_A": a, path + ".lora_B": b})
-            self._lora[path] = (self.params.offsets[path + ".lora_A"], self.params.offsets[path + ".lora_B"],
-                                a.shape[0], float(scale), b.shape[0], a.shape[1])
-
     def set_base(self, path: str, weight: np.ndarray):
         """A LoRA module's base weight (out, in) written over the device's (PiSSA's / OLoRA's residual)."""
         self.mat["proj" if path == CONNECTOR else path].write(self.rt, weight)
-
-    def write_lora(self, arrays: dict):
-        """LoRA tensors by name (path.lora_A / .lora_B) written over the device's."""
-        for name, arr in arrays.items():
-            self.rt.write(self.params.buf, np.ascontiguousarray(arr, np.float32).reshape(-1),
-                          self.params.offsets[name] * 4)
-
-    def lora_arrays(self) -> dict:
-        """The LoRA tensors by name (path.lora_A / .lora_B), read back in one readback."""
-        return self._unpack(self.rt.read(self.params.buf, np.float32, (self.params.n,))) if self.params else {}
-
-    def _unpack(self, flat) -> dict:
-        return {name: flat[off:off + int(np.prod(self.params.shapes[name]))].reshape(self.params.shapes[name]).copy()
-                for name, off in self.params.offsets.items()}
 
     def _linear(self, rec, buf, y, x, path, rows, accumulate=False):
         linear_forward(rec, y, x, self.mat[path], self.vec[path + ".bias"], rows, accumulate)
