@@ -8,7 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from wgpu_train.errors import ConfigError, ModelFileError
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.tower_tensors import checked_names
 
 LFM2_VL = "Lfm2VlForConditionalGeneration"
 TOWER, PROJ = "vision_tower.", "multi_modal_projector."      # our names' prefixes (models/vision.py's too)
@@ -119,14 +120,7 @@ def lfm2_vl_names(names) -> dict:
 def check_lfm2_vl_tensors(tensors: dict, vc: Lfm2VlVision, folder) -> dict:
     """{our name: file name} of the tower and projector in `tensors` ({file name: array-like}), every tensor
     present with its shape; one missing or misshapen refused in one line."""
-    names = lfm2_vl_names(tensors)
-    for ours, shape in tensor_shapes(vc).items():
-        if ours not in names:
-            raise ModelFileError(f"{folder}: missing the vision tensor {ours}")
-        got = tuple(np.shape(tensors[names[ours]]))
-        if got != shape:
-            raise ModelFileError(f"{folder}: vision tensor {ours} has shape {got}, expected {shape}")
-    return names
+    return checked_names(lfm2_vl_names(tensors), tensor_shapes(vc), tensors, folder)
 
 
 def tower_parameters(vc: Lfm2VlVision) -> int:

@@ -10,7 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from wgpu_train.errors import ConfigError, ModelFileError
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.tower_tensors import checked_names
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
@@ -159,14 +160,7 @@ def visual_names(names) -> dict:
 def check_visual_tensors(tensors: dict, vc: Qwen3VLVision, folder) -> dict:
     """{our name: file name} of the tower in `tensors` ({file name: array-like}), every tensor present with its
     shape; one missing or misshapen refused in one line."""
-    names = visual_names(tensors)
-    for ours, shape in tensor_shapes(vc).items():
-        if ours not in names:
-            raise ModelFileError(f"{folder}: missing the vision tensor {ours}")
-        got = tuple(np.shape(tensors[names[ours]]))
-        if got != shape:
-            raise ModelFileError(f"{folder}: vision tensor {ours} has shape {got}, expected {shape}")
-    return names
+    return checked_names(visual_names(tensors), tensor_shapes(vc), tensors, folder)
 
 
 def frame_grids(grids) -> list:

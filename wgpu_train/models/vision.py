@@ -9,7 +9,8 @@ import re
 
 import numpy as np
 
-from wgpu_train.errors import ConfigError, ModelFileError
+from wgpu_train.errors import ConfigError
+from wgpu_train.models.tower_tensors import checked_names
 from wgpu_train.models.lfm2_vl import LFM2_VL, Lfm2VlVision
 from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, QWEN3_VL_MOE, VISUAL, Qwen3VLVision
 
@@ -145,14 +146,7 @@ def vision_names(names) -> dict:
 def check_vision_tensors(tensors: dict, vc: VisionConfig, folder) -> dict:
     """{our name: file name} of the tower and projector in `tensors` ({file name: array-like}), every tensor
     present with its shape; one missing or misshapen refused in one line."""
-    names = vision_names(tensors)
-    for ours, shape in tensor_shapes(vc).items():
-        if ours not in names:
-            raise ModelFileError(f"{folder}: missing the vision tensor {ours}")
-        got = tuple(np.shape(tensors[names[ours]]))
-        if got != shape:
-            raise ModelFileError(f"{folder}: vision tensor {ours} has shape {got}, expected {shape}")
-    return names
+    return checked_names(vision_names(tensors), tensor_shapes(vc), tensors, folder)
 
 
 def image_blocks(ids, image_token_id: int, bidirectional: bool = True) -> np.ndarray:
