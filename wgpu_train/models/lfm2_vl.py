@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.tower_tensors import checked_names
+from wgpu_train.models.tower_tensors import checked_names, encoder_shapes
 
 LFM2_VL = "Lfm2VlForConditionalGeneration"
 TOWER, PROJ = "vision_tower.", "multi_modal_projector."      # our names' prefixes (models/vision.py's too)
@@ -93,14 +93,7 @@ def tensor_shapes(vc: Lfm2VlVision) -> dict:
                     PROJ + "linear_2.bias": (vc.text_hidden_size,)})
     if vc.projector_use_layernorm:
         out.update({PROJ + "layer_norm.weight": (u,), PROJ + "layer_norm.bias": (u,)})
-    for i in range(vc.num_layers):
-        p = f"{TOWER}encoder.layers.{i}."
-        for norm in ("layer_norm1", "layer_norm2"):
-            out.update({f"{p}{norm}.weight": (c,), f"{p}{norm}.bias": (c,)})
-        for m in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            out.update({f"{p}self_attn.{m}.weight": (c, c), f"{p}self_attn.{m}.bias": (c,)})
-        out.update({f"{p}mlp.fc1.weight": (f, c), f"{p}mlp.fc1.bias": (f,), f"{p}mlp.fc2.weight": (c, f),
-                    f"{p}mlp.fc2.bias": (c,)})
+    out.update(encoder_shapes(TOWER, vc.num_layers, c, f))
     return out
 
 

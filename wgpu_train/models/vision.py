@@ -10,7 +10,7 @@ import re
 import numpy as np
 
 from wgpu_train.errors import ConfigError
-from wgpu_train.models.tower_tensors import checked_names
+from wgpu_train.models.tower_tensors import checked_names, encoder_shapes
 from wgpu_train.models.lfm2_vl import LFM2_VL, Lfm2VlVision
 from wgpu_train.models.qwen3_vl import QWEN3_5, QWEN3_VL, QWEN3_VL_MOE, VISUAL, Qwen3VLVision
 
@@ -120,14 +120,7 @@ def tensor_shapes(vc: VisionConfig) -> dict:
     else:
         out.update({PROJ + "mm_input_projection_weight": (c, vc.text_hidden_size),
                     PROJ + "mm_soft_emb_norm.weight": (c,)})
-    for i in range(vc.num_layers):
-        p = f"{TOWER}encoder.layers.{i}."
-        for norm in ("layer_norm1", "layer_norm2"):
-            out.update({f"{p}{norm}.weight": (c,), f"{p}{norm}.bias": (c,)})
-        for m in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            out.update({f"{p}self_attn.{m}.weight": (c, c), f"{p}self_attn.{m}.bias": (c,)})
-        out.update({f"{p}mlp.fc1.weight": (f, c), f"{p}mlp.fc1.bias": (f,), f"{p}mlp.fc2.weight": (c, f),
-                    f"{p}mlp.fc2.bias": (c,)})
+    out.update(encoder_shapes(TOWER, vc.num_layers, c, f))
     return out
 
 
